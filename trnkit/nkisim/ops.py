@@ -101,7 +101,14 @@ class NkiOp:
         with np.errstate(all="ignore"):
             if self.name.startswith("logical_"):
                 x = x != 0
-            out = self.reduce_ufunc.reduce(x, axis=axis, keepdims=keepdims)
+            # Flatten the reduced axes into one trailing axis: non-reorderable ufuncs (subtract)
+            # reduce over a single axis only, and it fixes the left-to-right element order.
+            axis = tuple(sorted(a % x.ndim for a in axis))
+            kept = [a for a in range(x.ndim) if a not in axis]
+            flat = np.transpose(x, kept + list(axis)).reshape([x.shape[a] for a in kept] + [-1])
+            out = self.reduce_ufunc.reduce(flat, axis=-1)
+            if keepdims:
+                out = np.reshape(out, [1 if a in axis else n for a, n in enumerate(x.shape)])
         return out if self.kind == BITVEC else np.asarray(out, dtype=_F32)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
