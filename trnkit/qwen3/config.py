@@ -1,0 +1,240 @@
+"""`Qwen3Config`: one dataclass for dense Qwen3 and Qwen3-MoE, with HF config.json conversion.
+
+Field names follow torchtitan (`dim`, `n_layers`, ...); `from_hf` / `to_hf` translate to and from the
+transformers `Qwen3Config` / `Qwen3MoeConfig` layouts (v4: top-level `rope_theta`; v5:
+`rope_parameters = {"rope_theta": ..., "rope_type": "default"}`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Qwen3Config:
+    # --- transformer body ---
+    dim: int = 1024                 # hidden_size
+    n_layers: int = 28              # num_hidden_layers
+    n_heads: int = 16               # num_attention_heads
+    n_kv_heads: int = 8             # num_key_value_heads
+    head_dim: int = 128             # NOT dim // n_heads for Qwen3 (0.6B: 16 * 128 != 1024)
+    vocab_size: int = 151936
+    hidden_dim: int = 3072          # intermediate_size of the dense SwiGLU FFN
+    norm_eps: float = 1e-6          # rms_norm_eps
+    rope_theta: float = 1e6
+    max_seq_len: int = 4096         # length of the rope cache (HF: max_position_embeddings)
+    tie_word_embeddings: bool = False
+    # --- MoE (num_experts == 0: dense model) ---
+    num_experts: int = 0
+    top_k: int = 8                  # num_experts_per_tok
+    moe_inter_dim: int = 768        # moe_intermediate_size
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    router_aux_loss_coef: float = 0.0
+    # --- init (torchtitan style, see Qwen3Model.init_weights) ---
+    init_std: float = 0.02
+    # --- token ids (carried through to/from config.json) ---
+    bos_token_id: int | None = 151643
+    eos_token_id: int | None = 151645
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        def req(cond: bool, what: str) -> None:
+            if not cond:
+                raise ValueError(f"Qwen3Config: {what}")
+
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len"):
+            v = getattr(self, name)
+            req(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}")
+        req(self.n_heads % self.n_kv_heads == 0,
+            f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        req(self.head_dim % 2 == 0, f"head_dim must be even for rotate-half RoPE, got {self.head_dim}")
+        req(self.num_experts >= 0, f"num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts > 0:
+            req(1 <= self.top_k <= self.num_experts,
+                f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+            req(self.moe_inter_dim > 0, f"moe_inter_dim must be > 0, got {self.moe_inter_dim}")
+            req(self.decoder_sparse_step >= 1, f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if any(not self.is_moe_layer(i) for i in range(self.n_layers)):
+            req(self.hidden_dim > 0, f"hidden_dim must be > 0 for dense layers, got {self.hidden_dim}")
+        req(self.router_aux_loss_coef >= 0, f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """HF Qwen3MoeDecoderLayer's rule: MoE unless in mlp_only_layers or off the sparse step."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    def replace(self, **changes: Any) -> "Qwen3Config":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ param count
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count computed from the config (matches ``sum(p.numel())`` of the model)."""
+        d, hd = self.dim, self.head_dim
+        attn = d * hd * (2 * self.n_heads + 2 * self.n_kv_heads) + 2 * hd + 2 * d  # q,k,v,o + q/k norm + 2 norms
+        total = 0
+        for i in range(self.n_layers):
+            if self.is_moe_layer(i):
+                ffn = self.num_experts * 3 * d * self.moe_inter_dim + self.num_experts * d
+            else:
+                ffn = 3 * d * self.hidden_dim
+            total += attn + ffn
+        emb = self.vocab_size * d
+        total += d + (0 if exclude_embedding else emb)
+        if not self.tie_word_embeddings:
+            total += emb
+        return total
+
+    def num_active_params(self) -> int:
+        """Parameters touched per token (experts scaled by top_k / num_experts), embeddings included."""
+        if not self.is_moe:
+            return self.num_params()
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        inactive = n_moe * (self.num_experts - self.top_k) * 3 * self.dim * self.moe_inter_dim
+        return self.num_params() - inactive
+
+    # ------------------------------------------------------------- HF configs
+    @classmethod
+    def from_hf(cls, hf: Any, **overrides: Any) -> "Qwen3Config":
+        """From a transformers config object, a config.json dict, or a path to config.json / its folder.
+
+        Accepts v4 (`rope_theta` at top level) and v5 (`rope_parameters`) layouts. Only default RoPE
+        (no rope_scaling), no attention bias and no sliding window are supported; anything else raises.
+        """
+        d = _as_dict(hf)
+        model_type = d.get("model_type", "qwen3")
+        if model_type not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"Qwen3Config.from_hf: model_type must be 'qwen3' or 'qwen3_moe', got {model_type!r}")
+        rope_params = d.get("rope_parameters") or {}
+        rope_scaling = d.get("rope_scaling")
+        rope_type = rope_params.get("rope_type") or (rope_scaling or {}).get("rope_type") or (
+            rope_scaling or {}).get("type") or "default"
+        if rope_type != "default":
+            raise ValueError(f"Qwen3Config.from_hf: only rope_type 'default' is supported, got {rope_type!r}")
+        theta = rope_params.get("rope_theta", d.get("rope_theta"))
+        if theta is None:
+            raise ValueError("Qwen3Config.from_hf: config has neither rope_parameters.rope_theta nor rope_theta")
+        if d.get("attention_bias", False):
+            raise ValueError("Qwen3Config.from_hf: attention_bias=True is not supported (Qwen3 has no biases)")
+        if d.get("use_sliding_window", False):
+            raise ValueError("Qwen3Config.from_hf: use_sliding_window=True is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"Qwen3Config.from_hf: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
+        n_heads = d["num_attention_heads"]
+        is_moe = model_type == "qwen3_moe" and (d.get("num_experts") or 0) > 0
+        eos = d.get("eos_token_id", 151645)
+        kw: dict[str, Any] = dict(
+            dim=d["hidden_size"],
+            n_layers=d["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=d.get("num_key_value_heads") or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            vocab_size=d["vocab_size"],
+            hidden_dim=d.get("intermediate_size", 0),
+            norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_seq_len=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            init_std=d.get("initializer_range", 0.02),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+        if is_moe:
+            kw.update(
+                num_experts=d["num_experts"],
+                top_k=d.get("num_experts_per_tok", 8),
+                moe_inter_dim=d.get("moe_intermediate_size", 768),
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+                mlp_only_layers=list(d.get("mlp_only_layers") or []),
+                router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
+            )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_hf(self, version: int = 5) -> dict[str, Any]:
+        """config.json dict for transformers (`version=5`: rope_parameters; `4`: top-level rope_theta)."""
+        if version not in (4, 5):
+            raise ValueError(f"Qwen3Config.to_hf: version must be 4 or 5, got {version!r}")
+        d: dict[str, Any] = {
+            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "intermediate_size": self.hidden_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.norm_eps,
+            "max_position_embeddings": self.max_seq_len,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.init_std,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if version == 5:
+            d["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        else:
+            d["rope_theta"] = self.rope_theta
+            d["rope_scaling"] = None
+        if self.is_moe:
+            d.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.top_k,
+                moe_intermediate_size=self.moe_inter_dim,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                output_router_logits=False,
+            )
+        return d
+
+
+def _as_dict(hf: Any) -> dict[str, Any]:
+    if isinstance(hf, dict):
+        return dict(hf)
+    if isinstance(hf, (str, os.PathLike)):
+        path = os.fspath(hf)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"Qwen3Config.from_hf: {path} is not valid JSON ({e})") from e
+    if hasattr(hf, "to_dict"):
+        return hf.to_dict()
+    raise TypeError(f"Qwen3Config.from_hf: expected a dict, a path or a transformers config, got {type(hf).__name__}")
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device: Any = None) -> "torch.Tensor":
+    """Packed fp32 RoPE cache `[max_seq_len, 2*head_dim]` = cat(cos, sin), computed like HF in fp32."""
+    import torch
+
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    pos = torch.arange(max_seq_len, device=device, dtype=torch.int64).float()
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return torch.cat([emb.cos(), emb.sin()], dim=-1)
+
+
+__all__ = ["Qwen3Config", "rope_cache"]

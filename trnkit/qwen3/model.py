@@ -1,0 +1,339 @@
+"""Native Qwen3 / Qwen3-MoE in plain torch, numerically matching transformers' implementation.
+
+Module tree (the override registry swaps the marked modules; keep the paths stable, DESIGN.md §4):
+
+    Qwen3Model
+      tok_embeddings: Embedding[V, dim]
+      layers[i]: TransformerBlock
+        attention_norm: RMSNorm
+        attention: Attention (wq, wk, wv, wo, q_norm, k_norm, rope: RoPEApply  <- swap point)
+        ffn_norm: RMSNorm
+        feed_forward: FeedForward (w1 gate, w3 up, w2 down)     (dense layers; None on MoE layers)
+        moe: MoE (router: TopKRouter <- swap point, experts: GroupedExperts <- swap point)  (None on dense)
+      norm: RMSNorm
+      lm_head: Linear[dim -> V]   (weight is tok_embeddings.weight when tied)
+      rope_cache: buffer [max_seq_len, 2*head_dim] fp32 = cat(cos, sin)   (not in the state dict)
+
+Numerics follow HF Qwen3: RMSNorm in fp32, cast to the input dtype, then times the weight; cos/sin
+computed in fp32 and cast to the activation dtype before the rotation (HF rotates in the activation
+dtype); router softmax in fp32, top-k, optional renorm, routing weights cast to the activation
+dtype before they scale the expert outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import Qwen3Config, rope_cache as _rope_cache
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with HF's cast order: normalise in fp32, cast to the input dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Pairs element i with i + D/2: cat(-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RoPEApply(nn.Module):
+    """Rotate-half RoPE (swap point `layers[i].attention.rope`).
+
+    forward(q [B,S,Hq,D], k [B,S,Hk,D], rope_cache [S,2D] fp32 cos|sin) -> (q, k), dtype of the inputs.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        S, D = q.shape[1], q.shape[-1]
+        if rope_cache.shape != (S, 2 * D):
+            raise ValueError(f"RoPEApply: rope_cache must have shape [S, 2D] = [{S}, {2 * D}] for q of shape "
+                             f"{tuple(q.shape)}, got {tuple(rope_cache.shape)}")
+        cos = rope_cache[:, :D].to(q.dtype)[None, :, None, :]
+        sin = rope_cache[:, D:].to(q.dtype)[None, :, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    """GQA causal self-attention with per-head q/k RMSNorm applied before RoPE."""
+
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.rope = RoPEApply()
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_norm(self.wq(x).view(B, S, self.n_heads, self.head_dim))
+        k = self.k_norm(self.wk(x).view(B, S, self.n_kv_heads, self.head_dim))
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        q, k = self.rope(q, k, rope_cache)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            scale=self.head_dim ** -0.5, enable_gqa=self.n_heads != self.n_kv_heads)
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x) (w1 = gate_proj, w3 = up_proj, w2 = down_proj)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TopKRouter(nn.Module):
+    """Qwen3-MoE router (swap point `layers[i].moe.router`): softmax(fp32) -> top-k -> optional renorm.
+
+    forward(x [T,H]) -> (topk_weights [T,K] fp32, topk_idx [T,K] int64, router_logits [T,E] fp32).
+    Ties go to the lower expert index (torch.topk's order on CPU).
+    """
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.gate(x).float()          # HF: linear in the activation dtype, softmax in fp32
+        probs = torch.softmax(logits, dim=-1)
+        weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, idx, logits
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming grad contiguous (CPU `_grouped_mm` backward rejects
+    expanded/zero-stride grads, e.g. from `y.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g.contiguous()
+
+
+def _aligned_for_grouped_mm(*tensors: torch.Tensor) -> bool:
+    # CPU _grouped_mm needs every non-unit stride (in bytes) to be a multiple of 16.
+    return all(all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows `offs[g-1]:offs[g]` of x [M,K] times w[g] [K,N] -> [M,N] (offs: int32 exclusive ends).
+
+    Uses `torch._grouped_mm` when the strides allow it (it has CPU fwd+bwd kernels in torch 2.13);
+    otherwise a padded batched matmul (each group's rows scattered into a [G, max_rows, K] buffer),
+    which is also a single batched op, never a loop over groups.
+    """
+    if _aligned_for_grouped_mm(x, w) and x.dtype == w.dtype:
+        return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+    G, M = w.shape[0], x.shape[0]
+    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    starts = offs.long() - counts
+    group_of_row = torch.repeat_interleave(torch.arange(G, device=x.device), counts, output_size=M)
+    slot = torch.arange(M, device=x.device) - starts[group_of_row]
+    cap = int(counts.max()) if M > 0 else 0
+    padded = x.new_zeros(G, cap, x.shape[1]).index_put((group_of_row, slot), x)
+    return torch.bmm(padded, w)[group_of_row, slot]
+
+
+class GroupedExperts(nn.Module):
+    """Routed SwiGLU experts (swap point `layers[i].moe.experts`), kernel weight layout.
+
+    w_gate_up [E, H, 2I] (gate columns first), w_down [E, I, H].
+    forward(x [T,H], topk_idx [T,K], topk_weights [T,K]) -> [T,H]: the T*K (token, expert) pairs are
+    sorted by expert (stable), run through two grouped matmuls, scaled by the routing weight (cast to
+    the activation dtype, as HF does) and summed back per token.
+    """
+
+    def __init__(self, dim: int, inter_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts, self.dim, self.inter_dim = num_experts, dim, inter_dim
+        self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * inter_dim))
+        self.w_down = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        T, K = topk_idx.shape
+        flat_idx = topk_idx.reshape(-1)
+        order = torch.argsort(flat_idx, stable=True)
+        counts = torch.bincount(flat_idx, minlength=self.num_experts)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        xs = x[order // K]
+        gate, up = grouped_mm(xs, self.w_gate_up, offs).chunk(2, dim=-1)
+        ys = grouped_mm(F.silu(gate) * up, self.w_down, offs)
+        ys = ys * topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
+        # Un-sort: slot order[j] gets ys[j]; then each token sums its K contributions.
+        out = torch.empty_like(ys).index_copy_(0, order, ys)
+        return out.view(T, K, -1).sum(dim=1)
+
+
+class MoE(nn.Module):
+    """Router + grouped experts. In training with aux loss on, keeps the load-balancing statistics."""
+
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.router = TopKRouter(cfg.dim, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
+        self.experts = GroupedExperts(cfg.dim, cfg.moe_inter_dim, cfg.num_experts)
+        self.collect_aux = cfg.router_aux_loss_coef > 0
+        self.aux_stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, H = x.shape
+        flat = x.reshape(-1, H)
+        weights, idx, logits = self.router(flat)
+        if self.training and self.collect_aux:
+            E = logits.shape[-1]
+            counts = torch.bincount(idx.reshape(-1), minlength=E).float()
+            self.aux_stats = (counts, torch.softmax(logits.float(), dim=-1).sum(0), flat.shape[0])
+        else:
+            self.aux_stats = None
+        return self.experts(flat, idx, weights).view(B, S, H)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: Qwen3Config, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.moe_enabled = cfg.is_moe_layer(layer_id)
+        self.moe = MoE(cfg) if self.moe_enabled else None
+        self.feed_forward = None if self.moe_enabled else FeedForward(cfg.dim, cfg.hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class Qwen3Model(nn.Module):
+    """Qwen3 causal LM: forward(tokens [B,S] int64) -> logits [B,S,V].
+
+    Build on the meta device and materialise with `to_empty` + `init_weights()`:
+
+        with torch.device("meta"):
+            model = Qwen3Model(cfg)
+        model.to_empty(device="cpu"); model.init_weights()
+    """
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cache", self._make_rope_cache(), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def _make_rope_cache(self, device: torch.device | str | None = None) -> torch.Tensor:
+        c = self.config
+        return _rope_cache(c.head_dim, c.max_seq_len, c.rope_theta, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"Qwen3Model.forward: tokens must be [B, S], got shape {tuple(tokens.shape)}")
+        S = tokens.shape[1]
+        if S > self.rope_cache.shape[0]:
+            raise ValueError(f"Qwen3Model.forward: sequence length {S} exceeds max_seq_len "
+                             f"{self.rope_cache.shape[0]} (the rope cache length)")
+        h = self.tok_embeddings(tokens)
+        rope = self.rope_cache[:S]
+        for layer in self.layers:
+            h = layer(h, rope)
+        logits = self.lm_head(self.norm(h))
+        self.aux_loss = self._aux_loss() if self.training else None
+        return logits
+
+    def _aux_loss(self) -> torch.Tensor | None:
+        """HF's Switch-style load-balancing loss over all MoE layers, times router_aux_loss_coef.
+
+        HF `load_balancing_loss_func`: concat the layers' router logits, p = softmax, top-k one-hot;
+        loss = E * sum_e(mean_tokens_e * mean_prob_e), means over all (layer, token) rows.
+        """
+        stats = [l.moe.aux_stats for l in self.layers if l.moe_enabled and l.moe.aux_stats is not None]
+        if not stats:
+            return None
+        rows = sum(s[2] for s in stats)
+        tokens_per_expert = torch.stack([s[0] for s in stats]).sum(0) / rows
+        prob_per_expert = torch.stack([s[1] for s in stats]).sum(0) / rows
+        aux = torch.sum(tokens_per_expert * prob_per_expert) * self.config.num_experts
+        return self.config.router_aux_loss_coef * aux
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """torchtitan-style init: truncated normal(init_std, +-3 std) for all projections, embeddings and
+        router; residual-output projections (wo, w2, expert w_down) use init_std / sqrt(2 * n_layers)
+        (the depth-scaled "Megatron" rule of torchtitan's current decoder); norms = 1. Re-ties the
+        tied lm_head (meta -> to_empty breaks the tie) and rebuilds the rope cache."""
+        c = self.config
+        std, out_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layers)
+
+        def tn(t: torch.Tensor, s: float) -> None:
+            nn.init.trunc_normal_(t, mean=0.0, std=s, a=-3 * s, b=3 * s)
+
+        device = buffer_device if buffer_device is not None else self.tok_embeddings.weight.device
+        self.rope_cache = self._make_rope_cache(device)
+        tn(self.tok_embeddings.weight, std)
+        for layer in self.layers:
+            a = layer.attention
+            for lin in (a.wq, a.wk, a.wv):
+                tn(lin.weight, std)
+            tn(a.wo.weight, out_std)
+            for norm in (a.q_norm, a.k_norm, layer.attention_norm, layer.ffn_norm):
+                norm.reset_parameters()
+            if layer.moe_enabled:
+                tn(layer.moe.router.gate.weight, std)
+                tn(layer.moe.experts.w_gate_up, std)
+                tn(layer.moe.experts.w_down, out_std)
+            else:
+                ff = layer.feed_forward
+                tn(ff.w1.weight, std)
+                tn(ff.w3.weight, std)
+                tn(ff.w2.weight, out_std)
+        self.norm.reset_parameters()
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        else:
+            tn(self.lm_head.weight, std)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Unique parameters (a tied lm_head counts once)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_embeddings.weight.numel() if exclude_embedding else n
