@@ -1,0 +1,240 @@
+"""Cost model: analytical cases against the figures the hardware constants imply."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from trnkit.nkisim import cost, hardware
+from trnkit.nkisim.trace import DMA, SCALAR, TENSOR, VECTOR, Instr, Operand
+
+TRN2 = hardware.TRN2
+ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1, "int32": 4}
+
+
+def opnd(role: str, buffer: str, shape: tuple[int, ...], dtype: str = "bfloat16") -> Operand:
+    n = math.prod(shape)
+    onchip = buffer in ("sbuf", "psum")
+    return Operand(role, buffer, shape, dtype, shape[0] if onchip else 1,
+                   n // shape[0] if onchip else n, n * ITEM[dtype])
+
+
+def matmul(k: int, m: int, n: int, dtype: str = "bfloat16", deps=None, **attrs) -> Instr:
+    ops = (opnd("dst", "psum", (m, n), "float32"), opnd("stationary", "sbuf", (k, m), dtype),
+           opnd("moving", "sbuf", (k, n), dtype))
+    if deps:
+        attrs.update(deps)
+    return Instr("nc_matmul", TENSOR, ops, flops=2 * m * n * k, elems_per_partition=n, partitions=k, attrs=attrs)
+
+
+def dma_load(shape: tuple[int, ...], dtype: str = "bfloat16", deps=None, **attrs) -> Instr:
+    dst, src = opnd("dst", "sbuf", shape, dtype), opnd("src", "hbm", shape, dtype)
+    if deps:
+        attrs.update(deps)
+    return Instr("dma_copy", DMA, (dst, src), hbm_bytes=dst.nbytes, dma_bytes=dst.nbytes,
+                 elems_per_partition=dst.free_elems, partitions=shape[0], attrs=attrs)
+
+
+def vec(name: str, shape: tuple[int, ...], dtype: str = "float32", engine: str = VECTOR, src_buf: str = "sbuf",
+        **attrs) -> Instr:
+    ops = (opnd("dst", "sbuf", shape, dtype), opnd("data1", src_buf, shape, dtype),
+           opnd("data2", "sbuf", shape, dtype))
+    return Instr(name, engine, ops, elems_per_partition=math.prod(shape[1:]), partitions=shape[0], attrs=attrs)
+
+
+def test_hardware_constants_are_consistent():
+    # 128x128 PEs x 2 FLOP x 2.4 GHz is the documented 79 TFLOPS (within rounding)
+    assert TRN2.tensor_flops_per_ns_bf16 * 1e-3 == pytest.approx(TRN2.tensor_tflops_bf16, rel=0.01)
+    assert hardware.TRN1.tensor_flops_per_ns_bf16 * 1e-3 == pytest.approx(hardware.TRN1.tensor_tflops_bf16, rel=0.01)
+    assert TRN2.dma.peak_bytes_per_ns == pytest.approx(368.0)
+    assert TRN2.hbm_bytes_per_ns == pytest.approx(2900 / 8)
+    assert TRN2.tensor_flops_per_ns("float8_e4m3") == 2 * TRN2.tensor_flops_per_ns("bfloat16")
+    assert TRN2.tensor_flops_per_ns("float32") == TRN2.tensor_flops_per_ns("bfloat16") / 4
+    assert TRN2.sbuf_bytes_per_partition == 224 * 1024 and TRN2.psum_banks == 8
+    with pytest.raises(ValueError, match="unknown chip 'trn9'"):
+        hardware.get_chip("trn9")
+
+
+def test_single_bf16_matmul_is_512_cycles_at_2_4_ghz():
+    c = cost.instr_cost(matmul(128, 128, 512))
+    assert c.cycles == 512
+    assert c.busy_ns == pytest.approx(512 / 2.4)  # 213.33 ns
+    assert c.busy_ns == pytest.approx(213.333, abs=1e-3)
+    rep = cost.estimate([matmul(128, 128, 512)])
+    assert rep.busy_ns == {TENSOR: pytest.approx(213.333, abs=1e-3)}
+    # a lone instruction: busy plus its fixed latency (static overhead + access init + pipeline fill)
+    fixed = (TRN2.static_overhead_cycles + TRN2.access_init_cycles + TRN2.mm_init_latency_cycles) / 2.4
+    assert rep.total_ns == pytest.approx(512 / 2.4 + fixed)
+    # 16.8 MFLOP at 78.6 TFLOPS is exactly the busy time: a full-size matmul runs at peak
+    assert rep.compute_bound_ns == pytest.approx(rep.busy_ns[TENSOR])
+
+
+def test_matmul_cycle_formula_small_and_fp32_and_fp8():
+    assert cost.instr_cost(matmul(128, 128, 32)).cycles == 64  # max(min(64, 128), 32)
+    assert cost.instr_cost(matmul(128, 16, 8)).cycles == 16  # max(min(64, 16), 8)
+    assert cost.instr_cost(matmul(128, 128, 512, "float32")).cycles == 4 * 512
+    assert cost.instr_cost(matmul(128, 128, 512, "float32")).busy_ns == pytest.approx(4 * 512 / 2.4)
+    assert cost.instr_cost(matmul(128, 128, 512, "float8_e4m3", perf_mode="double_row")).cycles == 256
+    # trn1: same cycles at 2.8 GHz
+    assert cost.instr_cost(matmul(128, 128, 512), "trn1").busy_ns == pytest.approx(512 / 2.8)
+
+
+@pytest.mark.parametrize("nbytes_row", [64, 256, 2048, 4096, 16384])
+def test_pure_dma_copy_is_fixed_plus_bytes_over_bandwidth(nbytes_row):
+    shape = (128, nbytes_row // 2)  # bf16
+    n = 128 * nbytes_row
+    rep = cost.estimate([dma_load(shape)])
+    eff = nbytes_row / (nbytes_row + TRN2.dma.knee_bytes)
+    # HBM traffic: bounded by the core's HBM share (362.5 GB/s < 16 x 23 = 368 GB/s DMA)
+    bw = min(TRN2.dma.peak_bytes_per_ns, TRN2.hbm_bytes_per_ns) * eff
+    assert rep.busy_ns[DMA] == pytest.approx(n / bw)
+    assert rep.total_ns == pytest.approx(TRN2.dma.fixed_ns + n / bw)
+    assert rep.memory_bound_ns == pytest.approx(n / TRN2.hbm_bytes_per_ns)
+    assert rep.fraction_of_roofline < 1.0
+
+
+def test_dma_efficiency_knee_matches_the_bandwidth_guide():
+    assert cost.dma_efficiency(256, TRN2) == pytest.approx(0.5)
+    assert cost.dma_efficiency(2048, TRN2) > 0.88
+    assert cost.dma_efficiency(4096, TRN2) > 0.94
+
+
+def test_sbuf_to_sbuf_dma_uses_dma_rate_and_few_rows_use_few_engines():
+    dst, src = opnd("dst", "sbuf", (128, 2048), "bfloat16"), opnd("src", "sbuf", (128, 2048), "bfloat16")
+    i = Instr("dma_copy", DMA, (dst, src), dma_bytes=dst.nbytes, partitions=128)
+    c = cost.instr_cost(i)
+    eff = 4096 / (4096 + 256)
+    assert c.busy_ns == pytest.approx(dst.nbytes / (368 * eff))
+    # 1 row x 64 KiB: one engine carries it (23 B/ns), while the bandwidth pool is charged its share
+    one = dma_load((1, 32768))
+    c1 = cost.instr_cost(one)
+    eff1 = 65536 / (65536 + 256)
+    assert c1.latency_ns == pytest.approx(1300 + 65536 / (23 * eff1))
+    assert c1.busy_ns < c1.latency_ns - 1300
+    # hardware DGE has the smaller fixed cost
+    assert cost.instr_cost(dma_load((128, 2048), dge_mode="hwdge")).fixed_ns == 600
+
+
+def test_vector_scalar_gpsimd_formulas():
+    # fp32 tensor_tensor: max(MIN_II, 2N) at 0.96 GHz
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512))).cycles == 1024
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512))).busy_ns == pytest.approx(1024 / 0.96)
+    assert cost.instr_cost(vec("tensor_tensor", (128, 16))).cycles == 64  # MIN_II floor
+    # one input in PSUM: single pass
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512), src_buf="psum")).cycles == 512
+    # bf16 add in SBUF: single pass, then the trn2 2x perf mode
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512), "bfloat16", op="add")).cycles == 256
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512), "bfloat16", op="add"), "trn1").cycles == 512
+    assert cost.instr_cost(vec("tensor_copy", (128, 512), "bfloat16")).cycles == 128  # 4x perf mode
+    assert cost.instr_cost(vec("reciprocal", (128, 512))).cycles == 8 * 512
+    assert cost.instr_cost(vec("iota", (128, 512), "int32", engine="gpsimd")).busy_ns == pytest.approx(662 / 1.2)
+    act = cost.instr_cost(vec("activation", (128, 512), engine=SCALAR))
+    assert act.busy_ns == pytest.approx(512 / 1.2)
+    assert cost.instr_cost(vec("activation", (128, 512), engine=SCALAR, reduce_res=True)).cycles == 512 + 64
+
+
+def test_unknown_engine_is_a_clear_error():
+    bad = Instr("nc_matmul", "warp", ())
+    with pytest.raises(ValueError, match="nc_matmul.*unknown engine 'warp'"):
+        cost.instr_cost(bad)
+
+
+def _tiled_matmul_trace(M: int, N: int, K: int, deps: bool) -> list[Instr]:
+    """The tiled-matmul tutorial's instruction stream, built by hand (what the interpreter records)."""
+    out: list[Instr] = []
+    key = iter(range(10**9))
+    for m in range(M // 128):
+        for n in range(N // 512):
+            psum = next(key)
+            for k in range(K // 128):
+                a, b = next(key), next(key)
+
+                def d(reads, writes):
+                    return {"reads": reads, "writes": writes} if deps else None
+
+                out.append(dma_load((128, 128), deps=d([("lhsT", 0, 1)], [(a, 0, 128 * 128)])))
+                out.append(dma_load((128, 512), deps=d([("rhs", 0, 1)], [(b, 0, 128 * 512)])))
+                out.append(matmul(128, 128, 512, deps=d([(a, 0, 1 << 14), (b, 0, 1 << 16)], [(psum, 0, 1 << 16)])))
+            sb = next(key)
+            cp = vec("tensor_copy", (128, 512), "bfloat16", src_buf="psum")
+            if deps:
+                cp.attrs.update(reads=[(psum, 0, 1 << 16)], writes=[(sb, 0, 1 << 16)])
+            out.append(cp)
+            st = Instr("dma_copy", DMA, (opnd("dst", "hbm", (128, 512)), opnd("src", "sbuf", (128, 512))),
+                       hbm_bytes=128 * 512 * 2, dma_bytes=128 * 512 * 2, partitions=128,
+                       attrs={"reads": [(sb, 0, 1 << 16)], "writes": [("out", m * 4 + n, m * 4 + n + 1)]}
+                       if deps else {})
+            out.append(st)
+    return out
+
+
+@pytest.mark.parametrize("deps", [False, True])
+def test_tiled_matmul_lies_between_roofline_and_serialized_sum(deps):
+    trace = _tiled_matmul_trace(512, 1024, 1024, deps)
+    rep = cost.estimate(trace)
+    assert rep.model == ("list-schedule" if deps else "overlap-bound")
+    assert rep.roofline_ns < rep.total_ns < rep.serial_ns
+    assert 0 < rep.fraction_of_roofline < 1
+    assert rep.flops == 2 * 512 * 1024 * 1024
+    n_mm = 4 * 2 * 8
+    assert rep.count == {DMA: 2 * n_mm + 8, TENSOR: n_mm, VECTOR: 8}
+    assert rep.busy_ns[TENSOR] == pytest.approx(n_mm * 512 / 2.4)
+    # engines overlap: the total is far below the sum of all engines' busy time plus fixed costs
+    assert rep.total_ns < 0.5 * rep.serial_ns
+    assert rep.total_ns >= max(rep.busy_ns.values())
+    d = rep.as_dict()
+    assert d["total_ns"] == rep.total_ns and d["busy_ns"][TENSOR] == rep.busy_ns[TENSOR]
+    text = str(rep)
+    assert "tensor" in text and "roofline" in text and "serialized" in text
+
+
+def test_list_schedule_follows_dependencies_and_engine_queues():
+    # load -> matmul -> copy chain: fully serial when each depends on the previous
+    ld = dma_load((128, 512), deps={"reads": [("x", 0, 1)], "writes": [("a", 0, 1)]})
+    mm = matmul(128, 128, 512, deps={"reads": [("a", 0, 1)], "writes": [("p", 0, 1)]})
+    cp = vec("tensor_copy", (128, 512), src_buf="psum")
+    cp.attrs.update(reads=[("p", 0, 1)], writes=[("s", 0, 1)])
+    chain = cost.estimate([ld, mm, cp])
+    lat = [cost.instr_cost(i).latency_ns for i in (ld, mm, cp)]
+    assert chain.total_ns == pytest.approx(sum(lat))
+    # the same three instructions on independent data overlap: the total is the longest one
+    mm2 = matmul(128, 128, 512, deps={"reads": [("b", 0, 1)], "writes": [("q", 0, 1)]})
+    cp2 = vec("tensor_copy", (128, 512), src_buf="psum")
+    cp2.attrs.update(reads=[("r", 0, 1)], writes=[("t", 0, 1)])
+    par = cost.estimate([ld, mm2, cp2])
+    assert par.total_ns == pytest.approx(max(lat))
+    # two matmuls on one engine queue serialise their busy time even when independent
+    two = cost.estimate([mm2, matmul(128, 128, 512, deps={"reads": [("c", 0, 1)], "writes": [("u", 0, 1)]})])
+    assert two.total_ns == pytest.approx(2 * 512 / 2.4 + (lat[1] - 512 / 2.4))
+    # write-after-read: overwriting a tile waits for its reader
+    war = cost.estimate([mm, dma_load((128, 512), deps={"reads": [("x", 0, 1)], "writes": [("a", 0, 1)]})])
+    mm_alone = cost.estimate([mm])
+    assert war.total_ns > mm_alone.total_ns + 1300
+
+
+def test_program_instances_run_on_separate_cores():
+    from dataclasses import replace
+
+    one = [matmul(128, 128, 512) for _ in range(8)]
+    two = [replace(i, program_id=k % 2) for k, i in enumerate(one)]
+    r1, r2 = cost.estimate(one), cost.estimate(two)
+    assert r2.n_programs == 2
+    assert r2.busy_ns[TENSOR] == pytest.approx(r1.busy_ns[TENSOR] / 2)
+    assert r2.total_ns < r1.total_ns
+
+
+def test_empty_trace():
+    rep = cost.estimate([])
+    assert rep.total_ns == 0 and rep.model == "empty" and rep.fraction_of_roofline == 0.0
+    assert np.isfinite(rep.roofline_ns)
+
+
+def test_dma_bandwidth_timeline_fills_gaps_first_fit():
+    tl = cost._Timeline()
+    assert tl.place(100.0, 50.0) == 100.0  # [100, 150)
+    assert tl.place(0.0, 60.0) == 0.0  # fits before it
+    assert tl.place(0.0, 60.0) == 150.0  # gap [60, 100) too small -> after the last
+    assert tl.place(60.0, 40.0) == 60.0  # exactly fills the gap; everything merges
+    assert tl.starts == [0.0] and tl.ends == [210.0]

@@ -1,0 +1,482 @@
+"""trn2 / trn1 cost model: instruction trace -> estimated time per engine, total, roofline.
+
+``estimate(trace, chip="trn2") -> CostReport``.
+
+Per instruction the model computes two numbers (constants in :mod:`trnkit.nkisim.hardware`):
+
+* **busy** — how long the instruction occupies its engine (its initiation interval). Compute engines use
+  the "Estimated instruction cost" formulas of the NKI ISA reference (cycles of the engine named, N =
+  elements per partition, ``MIN_II`` = 64 cycles): ``nc_matmul`` ``max(min(64, N_stationary), N_moving)``
+  cycles (x4 for fp32 inputs, /2 for fp8 ``double_row``), Vector/Scalar/GpSimd ``max(MIN_II, N)`` or
+  ``max(MIN_II, 2N)`` (see :func:`_compute_cycles`). A DMA occupies the core's DMA bandwidth for
+  ``bytes / (rate * eff)``, ``rate`` = 16 engines x 23 B/ns, capped by the core's HBM share when it
+  touches HBM, ``eff = b / (b + 256 B)`` for ``b`` contiguous bytes per partition row (the
+  small-transfer penalty of the DMA bandwidth guide).
+* **latency** — from issue to result: busy plus the fixed costs that do not occupy the engine
+  (compute: static overhead + SBUF/PSUM access init, + matmul pipeline fill; DMA: the ~1.3 us
+  semaphore-to-start fixed cost, ~600 ns with hardware DGE, and the single transfer's own speed, which
+  uses only ``min(16, rows)`` DMA engines).
+
+Engines run concurrently; the total uses one of two schedules, named in ``CostReport.model``:
+
+* ``"list-schedule"`` when every instruction carries its data dependencies (``attrs["reads"]`` and
+  ``attrs["writes"]``: sequences of ``(storage_key, lo, hi)`` flat element ranges). Each engine executes
+  its own instructions in program order (in-order queues, like the hardware's per-engine instruction
+  streams); an instruction starts when its engine is free and every earlier instruction it depends on
+  (read-after-write, write-after-read, write-after-write on overlapping ranges) has finished; DMA
+  transfers start moving bytes ``fixed`` after they become ready, in the earliest gap of the core's DMA
+  bandwidth (first fit: the 16 DMA queues let a ready transfer pass one still waiting). The total is the last finish time: a critical path through data dependencies and engine queues.
+  Each ``nl.ndarray`` is its own buffer, as written in the kernel (no extra dependencies from address
+  reuse), so this is the schedule a perfectly double-buffered compilation would reach.
+* ``"overlap-bound"`` otherwise: every engine runs back-to-back once its first input has arrived, so
+  ``total = max over engines of (head + busy + tail)``, where for a compute engine ``head`` is the latency
+  of the first DMA issued before its first instruction (the load it waits for) and ``tail`` the latency
+  of the last DMA issued after its last instruction (the store of the result) or else its own last
+  fixed latency; for the DMA queue ``head`` is one fixed cost. This is the prologue/epilogue that no
+  overlap can hide.
+
+Both lie between the roofline bound and the serialized sum (every latency added one after the other), by
+construction. The roofline bound is ``max(sum FLOPs / TensorE peak for their dtype, HBM bytes / HBM
+bandwidth)``; ``fraction_of_roofline = roofline / total``. Program instances (``program_id``, LNC=2
+launches) run on separate physical cores: each is scheduled on its own engines and HBM share, and the
+launch takes as long as the slowest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from trnkit.nkisim import hardware
+from trnkit.nkisim.hardware import Chip
+from trnkit.nkisim.trace import DMA, ENGINES, GPSIMD, SCALAR, TENSOR, VECTOR, Instr, Operand, Trace
+
+_HBM_BUFFERS = ("hbm", "shared_hbm", "private_hbm")
+_ONCHIP = ("sbuf", "psum")
+_FAST_ALU = ("add", "subtract", "multiply")  # VectorE single-pass ops on bf16 (ISA cost table)
+_TWO_BYTE_FLOATS = ("bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class InstrCost:
+    """Cost of one instruction: engine occupancy and issue-to-result latency, in ns."""
+
+    engine: str
+    busy_ns: float
+    latency_ns: float  # = fixed_ns + the time the work itself takes (>= busy_ns)
+    fixed_ns: float = 0.0  # latency that does not occupy the engine (DMA fixed cost, static overheads)
+    cycles: float = 0.0  # compute engines: busy in engine cycles
+
+
+@dataclass
+class CostReport:
+    """What :func:`estimate` returns. Times in ns."""
+
+    chip: str
+    model: str  # "list-schedule" | "overlap-bound" | "empty"
+    n_instrs: int
+    n_programs: int
+    busy_ns: dict[str, float]  # per engine, the busiest program instance's
+    count: dict[str, int]  # instructions per engine (all programs)
+    total_ns: float
+    serial_ns: float
+    compute_bound_ns: float
+    memory_bound_ns: float
+    flops: int
+    hbm_bytes: int
+    dma_bytes: int
+    by_op: dict[str, tuple[int, float]] = field(default_factory=dict)  # op -> (count, busy ns summed)
+
+    @property
+    def roofline_ns(self) -> float:
+        return max(self.compute_bound_ns, self.memory_bound_ns)
+
+    @property
+    def fraction_of_roofline(self) -> float:
+        """roofline bound / estimate (1.0 = at the roofline)."""
+        return self.roofline_ns / self.total_ns if self.total_ns > 0 else 0.0
+
+    @property
+    def utilization(self) -> dict[str, float]:
+        """Per engine: busy time / total (how much of the kernel each engine is working)."""
+        return {e: (b / self.total_ns if self.total_ns > 0 else 0.0) for e, b in self.busy_ns.items()}
+
+    @property
+    def bottleneck(self) -> str:
+        return max(self.busy_ns, key=self.busy_ns.get) if self.busy_ns else ""
+
+    def as_dict(self) -> dict:
+        return {
+            "chip": self.chip,
+            "model": self.model,
+            "n_instrs": self.n_instrs,
+            "n_programs": self.n_programs,
+            "total_ns": self.total_ns,
+            "serial_ns": self.serial_ns,
+            "roofline_ns": self.roofline_ns,
+            "compute_bound_ns": self.compute_bound_ns,
+            "memory_bound_ns": self.memory_bound_ns,
+            "fraction_of_roofline": self.fraction_of_roofline,
+            "flops": self.flops,
+            "hbm_bytes": self.hbm_bytes,
+            "dma_bytes": self.dma_bytes,
+            "bottleneck": self.bottleneck,
+            "busy_ns": dict(self.busy_ns),
+            "utilization": self.utilization,
+            "count": dict(self.count),
+            "by_op": {k: {"count": c, "busy_ns": b} for k, (c, b) in self.by_op.items()},
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"estimated {self.chip} time: {_fmt_ns(self.total_ns)} ({self.model}, {self.n_instrs} instructions, "
+            f"{self.n_programs} program instance{'s' if self.n_programs != 1 else ''})",
+            f"{'engine':<8} {'instrs':>7} {'busy':>11} {'util':>6}",
+        ]
+        for e in ENGINES:
+            if self.count.get(e):
+                lines.append(f"{e:<8} {self.count[e]:>7} {_fmt_ns(self.busy_ns.get(e, 0.0)):>11} "
+                             f"{self.utilization.get(e, 0.0):>6.1%}")
+        lines += [
+            f"serialized sum      {_fmt_ns(self.serial_ns)}",
+            f"roofline bound      {_fmt_ns(self.roofline_ns)} (compute {_fmt_ns(self.compute_bound_ns)}, "
+            f"HBM {_fmt_ns(self.memory_bound_ns)}; {self.flops / 1e9:.3g} GFLOP, {self.hbm_bytes / 1e6:.3g} MB)",
+            f"fraction of roofline {self.fraction_of_roofline:.1%}  (bottleneck: {self.bottleneck or '-'})",
+        ]
+        return "\n".join(lines)
+
+
+def _fmt_ns(ns: float) -> str:
+    if ns >= 1e6:
+        return f"{ns / 1e6:.3f} ms"
+    if ns >= 1e3:
+        return f"{ns / 1e3:.3f} us"
+    return f"{ns:.1f} ns"
+
+
+# ---------------------------------------------------------------------------------------------------
+# per-instruction costs
+
+
+def _role(instr: Instr, *roles: str) -> Operand | None:
+    for op in instr.operands:
+        if op.role in roles:
+            return op
+    return None
+
+
+def _attr_name(value: object) -> str:
+    """Name of an ALU / activation attribute: a string, or a function object with ``.name``/``__name__``."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return str(getattr(value, "name", None) or getattr(value, "__name__", value))
+
+
+def _free_size(instr: Instr) -> int:
+    if instr.elems_per_partition:
+        return int(instr.elems_per_partition)
+    return max((o.free_elems for o in instr.operands if o.buffer in _ONCHIP), default=1)
+
+
+def dma_efficiency(bytes_per_row: float, chip: Chip) -> float:
+    """Fraction of peak DMA bandwidth reached with ``bytes_per_row`` contiguous bytes per partition row."""
+    return bytes_per_row / (bytes_per_row + chip.dma.knee_bytes) if bytes_per_row > 0 else 1.0
+
+
+def _dma_geometry(instr: Instr) -> tuple[int, int, float, bool]:
+    """(bytes moved, HBM bytes, contiguous bytes per row, touches HBM) of a DMA instruction."""
+    nbytes = instr.dma_bytes or max((o.nbytes for o in instr.operands), default=0)
+    touches_hbm = bool(instr.hbm_bytes) or any(o.buffer in _HBM_BUFFERS for o in instr.operands)
+    hbm = instr.hbm_bytes or (nbytes if touches_hbm else 0)
+    row = instr.attrs.get("contiguous_bytes")
+    if row is None:
+        onchip = [o for o in instr.operands if o.buffer in _ONCHIP and o.partitions > 0]
+        if onchip:  # one packet per partition row
+            o = onchip[0]
+            row = o.nbytes / o.partitions
+        else:  # HBM -> HBM: rows of the destination's last dim
+            o = _role(instr, "dst") or instr.operands[0]
+            n = math.prod(o.shape) or 1
+            row = o.nbytes / n * (o.shape[-1] if o.shape else 1)
+    return nbytes, hbm, float(row), touches_hbm
+
+
+def _dma_rows(instr: Instr) -> int:
+    rows = instr.partitions or max((o.partitions for o in instr.operands if o.buffer in _ONCHIP), default=0)
+    if not rows:
+        o = _role(instr, "dst") or instr.operands[0]
+        rows = math.prod(o.shape[:-1]) if len(o.shape) > 1 else 1
+    return max(1, int(rows))
+
+
+def _dma_cost(instr: Instr, chip: Chip) -> InstrCost:
+    d = chip.dma
+    nbytes, hbm, row, touches_hbm = _dma_geometry(instr)
+    eff = dma_efficiency(row, chip)
+    # Occupancy of the core's DMA bandwidth: DMA-engine time or HBM time, whichever is longer.
+    busy = nbytes / (d.peak_bytes_per_ns * eff)
+    if touches_hbm:
+        busy = max(busy, hbm / (chip.hbm_bytes_per_ns * eff))
+    # One transfer is split over at most min(16, rows) engines, one packet per partition row.
+    engines = min(d.engines, _dma_rows(instr))
+    own_rate = engines * d.bytes_per_ns_per_engine * eff
+    transfer = max(busy, nbytes / own_rate)
+    dge = _attr_name(instr.attrs.get("dge_mode")).lower()
+    fixed = d.dge_fixed_ns if dge in ("hwdge", "hardware") else d.fixed_ns
+    return InstrCost(DMA, busy, fixed + transfer, fixed)
+
+
+def _compute_cycles(instr: Instr, chip: Chip) -> float:
+    """Engine cycles of a compute instruction (the ISA reference's estimated instruction cost)."""
+    op, eng, min_ii = instr.op, instr.engine, chip.min_ii_cycles
+    n = _free_size(instr)
+    ins = [o for o in instr.operands if o.role != "dst"]
+    dst = _role(instr, "dst")
+    if op == "nc_matmul":
+        st, mv = _role(instr, "stationary"), _role(instr, "moving")
+        n_st = st.free_elems if st else min(128, n)
+        n_mv = mv.free_elems if mv else n
+        cycles = float(max(min(64, n_st), n_mv))
+        dtype = (st or mv or (ins[0] if ins else None))
+        if dtype is not None and dtype.dtype == "float32":
+            cycles *= chip.fp32_slowdown
+        if _attr_name(instr.attrs.get("perf_mode")).lower() == "double_row":
+            cycles /= chip.fp8_speedup
+        return cycles
+    if op == "nc_transpose" and eng == TENSOR:
+        src = ins[0] if ins else dst
+        p = src.partitions if src else 128
+        f = src.free_elems if src else n
+        return float(max(p, min(64, f)))
+    all_onchip_sbuf = all(o.buffer == "sbuf" for o in instr.operands)
+    two_byte = bool(instr.operands) and all(o.dtype in _TWO_BYTE_FLOATS for o in instr.operands)
+    fast = eng == VECTOR and all_onchip_sbuf and two_byte and instr.attrs.get("contiguous", True)
+    alu = _attr_name(instr.attrs.get("op") or instr.attrs.get("alu_op")).lower()
+    if op == "tensor_tensor":
+        single = any(o.buffer == "psum" for o in ins) or (two_byte and alu in _FAST_ALU)
+        cycles = n if single else 2 * n
+        if fast:
+            cycles /= chip.vector_fast_tensor_tensor
+        return max(min_ii, cycles)
+    if op == "scalar_tensor_tensor":
+        return max(min_ii, n if (two_byte and alu in ("subtract", "multiply")) else 2 * n)
+    if op in ("tensor_copy", "tensor_scalar"):
+        return max(min_ii, n / chip.vector_fast_copy if fast else n)
+    if op == "tensor_reduce":
+        red = _attr_name(instr.attrs.get("op")).lower()
+        src = ins[0] if ins else None
+        half = src is not None and src.dtype == "bfloat16" and red in ("add", "max", "maximum")
+        return max(min_ii, n / 2 if half else n)
+    if op == "memset":
+        zero = instr.attrs.get("value", None) == 0 and dst is not None and dst.dtype in _TWO_BYTE_FLOATS
+        return max(min_ii, n / 2 if zero else n)
+    if op in ("iota", "affine_select"):
+        return 150.0 + n
+    if op == "reciprocal":
+        return max(min_ii, 8 * n)
+    if op in ("activation", "activation_reduce"):
+        readout = op == "activation_reduce" or instr.attrs.get("reduce_res") or instr.attrs.get("reduce")
+        return max(min_ii, n) + (min_ii if readout else 0)
+    # max8, nc_find_index8, nc_match_replace8 (documented "min(MIN_II, N)" read as the usual floor),
+    # select, tensor_copy_predicated, Vector nc_transpose, ...: one pass over N elements.
+    return float(max(min_ii, n))
+
+
+def instr_cost(instr: Instr, chip: str | Chip = "trn2") -> InstrCost:
+    """Busy time and latency of one instruction on ``chip``."""
+    chip = hardware.get_chip(chip)
+    if instr.engine == DMA:
+        return _dma_cost(instr, chip)
+    if instr.engine not in (TENSOR, VECTOR, SCALAR, GPSIMD):
+        raise ValueError(f"cost: instruction {instr.op!r} has unknown engine {instr.engine!r} "
+                         f"(expected one of {ENGINES})")
+    ghz = chip.clocks.ghz(instr.engine)
+    cycles = _compute_cycles(instr, chip)
+    fixed = chip.static_overhead_cycles + chip.access_init_cycles
+    if instr.op == "nc_matmul":
+        fixed += chip.mm_init_latency_cycles
+    return InstrCost(instr.engine, cycles / ghz, (cycles + fixed) / ghz, fixed / ghz, cycles)
+
+
+# ---------------------------------------------------------------------------------------------------
+# schedules
+
+
+def _has_deps(instrs: Sequence[Instr]) -> bool:
+    return bool(instrs) and all("reads" in i.attrs and "writes" in i.attrs for i in instrs)
+
+
+class _DepTracker:
+    """Finish times of earlier accesses per storage, for RAW / WAR / WAW dependencies."""
+
+    def __init__(self) -> None:
+        self.writes: dict[object, list[tuple[int, int, float]]] = defaultdict(list)
+        self.reads: dict[object, list[tuple[int, int, float]]] = defaultdict(list)
+
+    @staticmethod
+    def _latest(entries: Iterable[tuple[int, int, float]], lo: int, hi: int) -> float:
+        return max((f for a, b, f in entries if a < hi and lo < b), default=0.0)
+
+    def ready(self, reads: Iterable, writes: Iterable) -> float:
+        t = 0.0
+        for key, lo, hi in reads:
+            t = max(t, self._latest(self.writes.get(key, ()), lo, hi))
+        for key, lo, hi in writes:
+            t = max(t, self._latest(self.writes.get(key, ()), lo, hi),
+                    self._latest(self.reads.get(key, ()), lo, hi))
+        return t
+
+    def commit(self, reads: Iterable, writes: Iterable, finish: float) -> None:
+        for key, lo, hi in writes:
+            # accesses fully covered by this write can never be waited on again (this write waited for them)
+            for table in (self.writes, self.reads):
+                if key in table:
+                    table[key] = [(a, b, f) for a, b, f in table[key] if not (lo <= a and b <= hi)]
+            self.writes[key].append((lo, hi, finish))
+        for key, lo, hi in reads:
+            self.reads[key].append((lo, hi, finish))
+
+
+class _Timeline:
+    """Busy intervals of a shared resource (the core's DMA bandwidth); first-fit into the earliest gap."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def place(self, earliest: float, dur: float) -> float:
+        """Reserve ``dur`` ns at the earliest gap starting at or after ``earliest``; return the start."""
+        k = bisect.bisect_right(self.ends, earliest)
+        t = earliest
+        while k < len(self.starts) and self.starts[k] < t + dur:
+            t = max(t, self.ends[k])
+            k += 1
+        # merge with touching neighbours to keep the list short
+        if k > 0 and self.ends[k - 1] >= t:
+            self.ends[k - 1] = t + dur
+            if k < len(self.starts) and self.starts[k] <= t + dur:
+                self.ends[k - 1] = self.ends[k]
+                del self.starts[k], self.ends[k]
+        elif k < len(self.starts) and self.starts[k] <= t + dur:
+            self.starts[k] = t
+        else:
+            self.starts.insert(k, t)
+            self.ends.insert(k, t + dur)
+        return t
+
+
+def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost]) -> float:
+    deps = _DepTracker()
+    dma = _Timeline()
+    engine_free: dict[str, float] = defaultdict(float)
+    end = 0.0
+    for ins, c in zip(instrs, costs):
+        reads, writes = ins.attrs["reads"], ins.attrs["writes"]
+        ready = deps.ready(reads, writes)
+        if ins.engine == DMA:
+            # bytes move once the fixed cost has elapsed, in the first gap of the core's DMA bandwidth
+            # (16 queues: a transfer that is ready need not wait behind one that is not)
+            move = dma.place(ready + c.fixed_ns, c.busy_ns)
+            finish = move + (c.latency_ns - c.fixed_ns)
+        else:
+            start = max(ready, engine_free[ins.engine])
+            engine_free[ins.engine] = start + c.busy_ns
+            finish = start + c.latency_ns
+        deps.commit(reads, writes, finish)
+        end = max(end, finish)
+    return end
+
+
+def _overlap_bound(instrs: Sequence[Instr], costs: Sequence[InstrCost]) -> float:
+    busy: dict[str, float] = defaultdict(float)
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    dma_idx = [k for k, i in enumerate(instrs) if i.engine == DMA]
+    for k, (i, c) in enumerate(zip(instrs, costs)):
+        busy[i.engine] += c.busy_ns
+        first.setdefault(i.engine, k)
+        last[i.engine] = k
+    total = 0.0
+    for e in busy:
+        if e == DMA:
+            head = costs[first[e]].fixed_ns
+            # a last transfer on few rows runs slower than its share of the bandwidth
+            c = costs[last[e]]
+            tail = c.latency_ns - c.fixed_ns - c.busy_ns
+        else:
+            before = [k for k in dma_idx if k < first[e]]
+            after = [k for k in dma_idx if k > last[e]]
+            head = costs[before[0]].latency_ns if before else 0.0
+            # the engine's last instruction's fixed latency, or the store that follows it
+            tail = costs[after[-1]].latency_ns if after else costs[last[e]].fixed_ns
+        total = max(total, head + busy[e] + tail)
+    return total
+
+
+def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2") -> CostReport:
+    """Estimate the run time of a recorded instruction trace on ``chip`` ("trn2" or "trn1")."""
+    chip = hardware.get_chip(chip)
+    instrs = list(trace)
+    costs = [instr_cost(i, chip) for i in instrs]
+    programs: dict[int, list[int]] = defaultdict(list)
+    for k, i in enumerate(instrs):
+        programs[i.program_id].append(k)
+    model = "empty" if not instrs else ("list-schedule" if _has_deps(instrs) else "overlap-bound")
+
+    busy: dict[str, float] = {}
+    total = serial = compute_bound = memory_bound = 0.0
+    for ks in programs.values():
+        p_instrs = [instrs[k] for k in ks]
+        p_costs = [costs[k] for k in ks]
+        if model == "list-schedule":
+            p_total = _list_schedule(p_instrs, p_costs)
+        else:
+            p_total = _overlap_bound(p_instrs, p_costs)
+        p_busy: dict[str, float] = defaultdict(float)
+        for i, c in zip(p_instrs, p_costs):
+            p_busy[i.engine] += c.busy_ns
+        for e, b in p_busy.items():
+            busy[e] = max(busy.get(e, 0.0), b)
+        total = max(total, p_total)
+        serial = max(serial, sum(c.latency_ns for c in p_costs))
+        p_compute = sum(i.flops / chip.tensor_flops_per_ns(_matmul_dtype(i)) for i in p_instrs if i.flops)
+        p_memory = sum(i.hbm_bytes for i in p_instrs) / chip.hbm_bytes_per_ns
+        compute_bound = max(compute_bound, p_compute)
+        memory_bound = max(memory_bound, p_memory)
+
+    count: dict[str, int] = defaultdict(int)
+    by_op: dict[str, list] = {}
+    for i, c in zip(instrs, costs):
+        count[i.engine] += 1
+        entry = by_op.setdefault(i.op, [0, 0.0])
+        entry[0] += 1
+        entry[1] += c.busy_ns
+    return CostReport(
+        chip=chip.name,
+        model=model,
+        n_instrs=len(instrs),
+        n_programs=len(programs),
+        busy_ns={e: busy[e] for e in ENGINES if e in busy},
+        count=dict(count),
+        total_ns=total,
+        serial_ns=serial,
+        compute_bound_ns=compute_bound,
+        memory_bound_ns=memory_bound,
+        flops=sum(i.flops for i in instrs),
+        hbm_bytes=sum(i.hbm_bytes for i in instrs),
+        dma_bytes=sum(i.dma_bytes for i in instrs),
+        by_op={k: (v[0], v[1]) for k, v in by_op.items()},
+    )
+
+
+def _matmul_dtype(instr: Instr) -> str:
+    st = _role(instr, "stationary", "moving")
+    if st is not None:
+        return st.dtype
+    ins = [o for o in instr.operands if o.role != "dst"]
+    return ins[0].dtype if ins else "bfloat16"

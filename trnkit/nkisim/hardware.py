@@ -1,0 +1,223 @@
+"""Trainium hardware constants for the cost model (:mod:`trnkit.nkisim.cost`).
+
+All figures are **per physical NeuronCore** unless a name says ``chip``. A logical NeuronCore with LNC=2
+(the trn2 default) is two physical cores: a ``kernel[2]`` launch runs one program instance on each, so
+the cost model charges each ``program_id`` to its own core (HBM share included) and LNC=2 doubles the
+bandwidth and FLOPs a kernel can use.
+
+Source shorthand, as in ``../shared/notes/nki-facts.md``: ``[SDK] <path>`` is the page
+``https://awsdocs-neuron.readthedocs-hosted.com/en/latest/<path>.html`` of the public Neuron docs
+(repository ``aws-neuron/aws-neuron-sdk``). ``[SDK-old]`` is the same repository's legacy beta-1 NKI API
+reference (``general/nki/api/nki/isa``), whose docstrings carry the "Estimated instruction cost"
+formulas. Where public sources disagree the comment says so and names the value chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KiB = 1024
+
+
+@dataclass(frozen=True)
+class EngineClocks:
+    """Engine clock frequencies in GHz (cycles per ns)."""
+
+    tensor: float
+    vector: float
+    scalar: float
+    gpsimd: float
+
+    def ghz(self, engine: str) -> float:
+        try:
+            return getattr(self, engine)
+        except AttributeError:
+            raise ValueError(f"hardware: no clock for engine {engine!r} "
+                             "(expected tensor, vector, scalar or gpsimd)") from None
+
+
+@dataclass(frozen=True)
+class DmaSpec:
+    """DMA engines of one NeuronCore."""
+
+    engines: int  # DMA engines (queues) per NeuronCore
+    bytes_per_ns_per_engine: float  # B/ns = GB/s per engine
+    fixed_ns: float  # per-transfer fixed cost (descriptor generation + semaphore round trip)
+    dge_fixed_ns: float  # fixed cost of a hardware-DGE transfer (trn2+); == fixed_ns where absent
+    # Small-transfer efficiency: each partition row is one packet with a setup cost; the model uses
+    # efficiency(b) = b / (b + knee_bytes) for b bytes per partition row (see cost.dma_efficiency).
+    knee_bytes: int
+
+    @property
+    def peak_bytes_per_ns(self) -> float:
+        return self.engines * self.bytes_per_ns_per_engine
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One NeuronCore generation (all figures per physical NeuronCore)."""
+
+    name: str  # "trn2"
+    core: str  # "NeuronCore-v3"
+    cores_per_chip: int
+    clocks: EngineClocks
+    pe_rows: int  # systolic array rows (= contraction / partition dim)
+    pe_cols: int  # systolic array columns (= stationary free size)
+    tensor_tflops_bf16: float  # documented peak, dense BF16/FP16/TF32, per core
+    fp8_speedup: float  # FP8 "double row" throughput factor over BF16
+    fp32_slowdown: float  # fp32 matmul inputs run this many times slower
+    hbm_bytes_per_ns_chip: float  # HBM bandwidth of the whole chip, GB/s
+    hbm_bytes_chip: int
+    dma: DmaSpec
+    sbuf_partitions: int
+    sbuf_bytes_per_partition: int
+    sbuf_usable_bytes_per_partition: int
+    psum_bytes_per_partition: int
+    psum_banks: int
+    min_ii_cycles: int  # minimum initiation interval of a Vector/Scalar/GpSimd instruction
+    static_overhead_cycles: int  # fixed latency of an instruction whose result another one waits on
+    access_init_cycles: int  # SBUF/PSUM access initialisation per instruction
+    mm_init_latency_cycles: int  # TensorE matmul pipeline fill
+    vector_fast_copy: float  # VectorE speed-up for bf16/fp16 SBUF tensor_copy / tensor_scalar
+    vector_fast_tensor_tensor: float  # same, for tensor_tensor
+    notes: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def hbm_bytes_per_ns(self) -> float:
+        """HBM bandwidth available to one physical core (the chip's, split evenly)."""
+        return self.hbm_bytes_per_ns_chip / self.cores_per_chip
+
+    @property
+    def tensor_flops_per_ns_bf16(self) -> float:
+        """Peak TensorE FLOP/ns from the array: rows x cols MACs x 2 FLOPs per cycle."""
+        return self.pe_rows * self.pe_cols * 2 * self.clocks.tensor
+
+    def tensor_flops_per_ns(self, dtype: str = "bfloat16") -> float:
+        """Peak TensorE FLOP/ns for the input dtype."""
+        base = self.tensor_flops_per_ns_bf16
+        if dtype in ("float32",):
+            return base / self.fp32_slowdown
+        if dtype.startswith("float8"):
+            return base * self.fp8_speedup
+        return base
+
+
+TRN2 = Chip(
+    name="trn2",
+    core="NeuronCore-v3",
+    # [SDK] about-neuron/arch/neuron-hardware/trainium2: "Every Trainium2 chip contains eight NeuronCore-V3".
+    cores_per_chip=8,
+    # [SDK] nki/guides/architecture/trainium2_arch (engine table): Tensor 2.4 GHz, Vector 0.96 GHz,
+    # Scalar 1.2 GHz, GpSimd 1.2 GHz.
+    clocks=EngineClocks(tensor=2.4, vector=0.96, scalar=1.2, gpsimd=1.2),
+    # [SDK] nki/guides/architecture/trainium_inferentia2_arch: TensorE is a 128x128 PE systolic array
+    # (unchanged in v3). 128*128*2*2.4 GHz = 78.6 TFLOPS, matching the documented 79.
+    pe_rows=128,
+    pe_cols=128,
+    # [SDK] about-neuron/arch/neuron-hardware/neuron-core-v3: "158 cFP8 TFLOPS, and 79 BF16/FP16/TF32
+    # TFLOPS". DISAGREE: the chip page [SDK] about-neuron/arch/neuron-hardware/trainium2 says 667 BF16 /
+    # 1299 FP8 for 8 cores (83 / 162 per core); the per-core figures are used.
+    tensor_tflops_bf16=79.0,
+    fp8_speedup=2.0,  # 158 / 79, via nc_matmul perf_mode=double_row ([SDK] nki/api/nki/isa nc_matmul)
+    # [SDK-old] general/nki/api/nki/isa nc_matmul "Estimated instruction cost": fp32 inputs 4x cycles
+    # (neuron-core-v3 trainium2_arch table: 20 FP32 TFLOPS = 79/4).
+    fp32_slowdown=4.0,
+    # [SDK] about-neuron/arch/neuron-hardware/trainium2: 96 GiB, 2.9 TB/s per chip. DISAGREE:
+    # [SDK] nki/guides/architecture/trainium2_arch says 3 TB/s. 2.9 TB/s is used: 362.5 GB/s per core.
+    hbm_bytes_per_ns_chip=2900.0,
+    hbm_bytes_chip=96 * 1024**3,
+    dma=DmaSpec(
+        # [SDK] nki/about/nki-dma-overview: "Each NeuronCore (v2-v4) is paired with 16 DMA engines".
+        engines=16,
+        # [SDK] nki/deep-dives/nki-dma-bandwidth-guide: 23 B/ns per engine on trn2 (368 GB/s per core).
+        # DISAGREE: [SDK] nki/about/nki-dma-overview gives 27.2 GB/s per engine for v2 and v3.
+        bytes_per_ns_per_engine=23.0,
+        # [SDK] nki/deep-dives/nki-dma-bandwidth-guide: ~1300 ns semaphore-to-start fixed cost per transfer.
+        fixed_ns=1300.0,
+        # [SDK] nki/guides/architecture/trainium2_arch: ~600 ns per hardware-DGE DMA instruction.
+        dge_fixed_ns=600.0,
+        # [SDK] nki/deep-dives/nki-dma-bandwidth-guide: <256 B per partition is "severely overhead-bound",
+        # >=2 KiB approaches peak, >=4 KiB saturates. knee = 256 B gives 50% / 89% / 94% at
+        # 256 B / 2 KiB / 4 KiB (a fit to those statements, not a documented curve).
+        knee_bytes=256,
+    ),
+    # [SDK] nki/guides/architecture/trainium2_arch: SBUF 24 MiB -> 28 MiB = 128 partitions x 224 KiB.
+    sbuf_partitions=128,
+    sbuf_bytes_per_partition=224 * KiB,
+    # nki-library budgets 224 KiB - 16 KiB - 264 B per partition ([LIB] core/mlp/mlp_cte/mlp_cte_constants.py:47,
+    # https://github.com/aws-neuron/nki-library).
+    sbuf_usable_bytes_per_partition=224 * KiB - 16384 - 8 - 256,
+    # [SDK] nki/api/nki.language.tile_size + trainium_inferentia2_arch: PSUM 2 MiB = 128 x 16 KiB, 8 banks of 2 KiB.
+    psum_bytes_per_partition=16 * KiB,
+    psum_banks=8,
+    # [SDK-old] general/nki/api/nki/isa (cost formulas): MIN_II ~ 64 cycles.
+    min_ii_cycles=64,
+    # [SDK] nki/deep-dives/nki_perf_guide (~L416-430): ~100-cycle static overhead per dependent/tiny
+    # instruction, ~60-cycle SBUF/PSUM access init; MM_INIT_LATENCY 64 TensorE cycles (~L679).
+    static_overhead_cycles=100,
+    access_init_cycles=60,
+    mm_init_latency_cycles=64,
+    # [SDK] nki/guides/architecture/trainium2_arch: VectorE perf mode (SBUF, bf16/fp16, contiguous):
+    # 4x tensor_copy / tensor_scalar and 2x tensor_tensor throughput versus NeuronCore-v2.
+    vector_fast_copy=4.0,
+    vector_fast_tensor_tensor=2.0,
+    notes={
+        "lnc": "LNC=2 (default on trn2) pairs two physical cores: a kernel[2] launch gets 2x HBM/DMA/FLOPs "
+               "([SDK] about-neuron/arch/neuron-features/logical-neuroncore-config)",
+    },
+)
+
+TRN1 = Chip(
+    name="trn1",
+    core="NeuronCore-v2",
+    # [SDK] nki/guides/architecture/trainium_inferentia2_arch: 2 NeuronCores (v2) per device.
+    cores_per_chip=2,
+    # [SDK] nki/guides/architecture/trainium_inferentia2_arch: Tensor 2.8 GHz, Vector 1.12 GHz,
+    # Scalar 1.4 GHz, GpSimd 1.4 GHz.
+    clocks=EngineClocks(tensor=2.8, vector=1.12, scalar=1.4, gpsimd=1.4),
+    pe_rows=128,
+    pe_cols=128,
+    # [SDK] about-neuron/arch/neuron-hardware/neuron-core-v2 / trainium_inferentia2_arch: "92 TFLOPS"
+    # BF16/FP16 per core (= 128*128*2*2.8 GHz = 91.8). DISAGREE: chip page [SDK] .../trainium says
+    # 190 per chip (95 per core).
+    tensor_tflops_bf16=92.0,
+    fp8_speedup=1.0,  # cFP8 runs at the BF16 rate on v2 (same 92 TFLOPS figure); no double_row
+    fp32_slowdown=4.0,  # 23 FP32 TFLOPS = 92 / 4 (trainium_inferentia2_arch)
+    # [SDK] nki/guides/architecture/trainium_inferentia2_arch: 32 GiB, 820 GB/s per device.
+    # DISAGREE: [SDK] about-neuron/arch/neuron-hardware/trainium writes "820 GiB/sec"; 820 GB/s is used.
+    hbm_bytes_per_ns_chip=820.0,
+    hbm_bytes_chip=32 * 1024**3,
+    dma=DmaSpec(
+        engines=16,  # [SDK] nki/about/nki-dma-overview
+        # [SDK] nki/deep-dives/nki-dma-bandwidth-guide: 17 B/ns per engine on trn1. DISAGREE: arch guide
+        # says 27 GiB/s per engine, the DMA overview 27.2 GB/s.
+        bytes_per_ns_per_engine=17.0,
+        fixed_ns=1300.0,  # [SDK] nki/deep-dives/nki-dma-bandwidth-guide
+        dge_fixed_ns=1300.0,  # no hardware DGE on v2
+        knee_bytes=256,  # same fit as trn2 (the guide's thresholds are stated for both)
+    ),
+    # [SDK] nki/guides/architecture/trainium_inferentia2_arch: SBUF 24 MiB = 128 x 192 KiB; PSUM 2 MiB.
+    sbuf_partitions=128,
+    sbuf_bytes_per_partition=192 * KiB,
+    sbuf_usable_bytes_per_partition=192 * KiB - 16384 - 8 - 256,  # same reserve as trn2 (assumed)
+    psum_bytes_per_partition=16 * KiB,
+    psum_banks=8,
+    min_ii_cycles=64,  # [SDK-old] general/nki/api/nki/isa
+    static_overhead_cycles=100,  # [SDK] nki/deep-dives/nki_perf_guide
+    access_init_cycles=60,
+    mm_init_latency_cycles=64,
+    vector_fast_copy=1.0,  # the trn2 perf mode is relative to v2
+    vector_fast_tensor_tensor=1.0,
+)
+
+CHIPS: dict[str, Chip] = {"trn2": TRN2, "trn1": TRN1}
+
+
+def get_chip(chip: str | Chip) -> Chip:
+    """Look up a chip by name ("trn2", "trn1"); a :class:`Chip` passes through."""
+    if isinstance(chip, Chip):
+        return chip
+    try:
+        return CHIPS[chip.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"hardware: unknown chip {chip!r} (known: {', '.join(CHIPS)})") from None
