@@ -1,0 +1,94 @@
+"""Scalar Engine instructions: ``activation`` and ``activation_reduce`` (NKI 0.6 signatures).
+
+``dst = op(data * scale + bias)`` in fp32, rounded to ``dst.dtype`` on write. ``scale`` is an fp32
+scalar or a ``[P, 1]`` fp32 tile; ``bias`` a scalar (NeuronCore-v3+) or a ``[P, 1]`` tile. The optional
+free-axis reduction goes into 128 per-lane ``reduce_regs`` controlled by ``reduce_cmd``
+(idle / reset / reduce / reset_reduce) and is read out into ``reduce_res`` when one is passed; the
+registers persist across instructions of the same kernel instance (one set per SPMD thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .. import ops as _ops
+from ..errors import require
+from .vector import (
+    _accumulate,
+    check_column,
+    check_same_layout,
+    check_tile,
+    cmd_name,
+    emit,
+    get_op,
+    is_tile,
+    read,
+    scalar_or_column,
+    write,
+)
+
+__all__ = ["activation", "activation_reduce"]
+
+_scalar_regs = threading.local()
+_F32 = np.float32
+
+
+def _activate(OP: str, dst: Any, op: Any, data: Any, bias: Any, scale: Any) -> tuple[_ops.NkiOp, np.ndarray]:
+    f = get_op(OP, "op", op, activation=True, arity=1)
+    check_tile(OP, "dst", dst, "scalar")
+    check_tile(OP, "data", data, "scalar")
+    check_same_layout(OP, "data", data, "dst", dst)
+    P = data.shape[0]
+    s = scalar_or_column(OP, "scale", scale, P, "scalar", fp32=True)
+    x = read(data)
+    if bias is None:
+        y = x * s if (is_tile(scale) or s != 1.0) else x
+    else:
+        y = x * s + scalar_or_column(OP, "bias", bias, P, "scalar", fp32=False)
+    out = f.apply(y)
+    write(dst, out)
+    return f, out  # the reduction sees the fp32 results (before the output cast)
+
+
+def activation(dst: Any, op: Any, data: Any, bias: Any = None, scale: Any = 1.0, reduce_op: Any = None,
+               reduce_res: Any = None, reduce_cmd: Any = "idle", name: str | None = None) -> None:
+    """``dst = op(data * scale + bias)`` on Scalar Engine, with optional per-partition add-reduce."""
+    OP = "activation"
+    cmd = cmd_name(reduce_cmd)
+    require(cmd in ("idle", "reset", "reduce", "reset_reduce"), OP,
+            "reduce_cmd must be idle, reset, reduce or reset_reduce, got {cmd}", cmd=cmd)
+    fr = None
+    if reduce_op is not None:
+        fr = get_op(OP, "reduce_op", reduce_op)
+        require(fr.name == "add", OP, "reduce_op must be nl.add, got {fr}", fr=fr)
+    require(fr is not None or cmd in ("idle", "reset"), OP,
+            "reduce_cmd={cmd} needs reduce_op=nl.add", cmd=cmd)
+    if reduce_res is not None:
+        check_column(OP, "reduce_res", reduce_res, data.shape[0] if is_tile(data) else -1, "scalar")
+    _, out = _activate(OP, dst, op, data, bias, scale)
+    P = data.shape[0]
+    part = _ops.add.reduce(out, (1,), keepdims=True) if fr is not None else np.zeros((P, 1), _F32)
+    regs = _accumulate(_scalar_regs, OP, _ops.add, cmd, part)
+    if reduce_res is not None:
+        write(reduce_res, regs)
+    emit(OP, "scalar", {"dst": dst, "data": data, "bias": bias, "scale": scale, "reduce_res": reduce_res},
+         act=_ops.resolve(op).name, reduce_cmd=cmd, reduce_readout=reduce_res is not None)
+
+
+def activation_reduce(dst: Any, op: Any, data: Any, reduce_op: Any, reduce_res: Any, bias: Any = None,
+                      scale: Any = 1.0, name: str | None = None) -> None:
+    """``activation`` + a reduction over all free dims into ``reduce_res`` (registers reset first)."""
+    OP = "activation_reduce"
+    fr = get_op(OP, "reduce_op", reduce_op)
+    # NeuronCore-v2 allows only add; later cores also max/min (the accumulator ops of activate2).
+    require(fr.name in ("add", "maximum", "minimum"), OP,
+            "reduce_op must be nl.add, nl.maximum or nl.minimum, got {fr}", fr=fr)
+    require(reduce_res is not None, OP, "reduce_res is required")
+    check_column(OP, "reduce_res", reduce_res, data.shape[0] if is_tile(data) else -1, "scalar")
+    _, out = _activate(OP, dst, op, data, bias, scale)
+    write(reduce_res, _accumulate(_scalar_regs, OP, fr, "reset_reduce", fr.reduce(out, (1,), keepdims=True)))
+    emit(OP, "scalar", {"dst": dst, "data": data, "bias": bias, "scale": scale, "reduce_res": reduce_res},
+         act=_ops.resolve(op).name, reduce_op=fr.name, reduce_readout=True)

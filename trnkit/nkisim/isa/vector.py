@@ -1,0 +1,604 @@
+"""Vector Engine instructions (and the engine checks shared with ``scalar.py`` / ``gpsimd.py``).
+
+Every instruction is dst-first as in NKI 0.6 (``nki/api/nki/isa/__init__.py`` of the
+aws-neuron-sdk docs): validate -> compute in vectorised numpy (fp32 for arithmetic, raw bits for
+bitvec operators) -> round on write to ``dst.dtype`` (RNE, saturating float->int via
+:func:`trnkit.nkisim.dtypes.cast`) -> emit one trace record.
+
+Engine rules enforced for all compute engines (see ``nki-facts.md`` §2 and the docstrings cited there):
+operands on chip (SBUF/PSUM), partition dim <= 128, matching partition counts and elements per
+partition, free size <= 64K elements per SBUF operand and <= 4K per PSUM operand (Vector/Scalar,
+``trainium_inferentia2_arch.rst``), GpSimd never touches PSUM, ``tensor_tensor`` inputs not both in
+PSUM, bitvec operators only on integer dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes, trace
+from .. import ops as _ops
+from ..errors import fail, require
+
+__all__ = [
+    "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy",
+    "tensor_copy_predicated", "memset", "reciprocal", "max8", "nc_find_index8", "nc_match_replace8",
+    "tensor_scalar_reduce",
+]
+
+PMAX = 128  # nl.tile_size.pmax
+SBUF_FREE_MAX = 64 * 1024  # elements per partition per Vector/Scalar instruction from SBUF
+PSUM_FREE_MAX = 4 * 1024  # ... from PSUM
+TOPK_MIN, TOPK_MAX = 8, 16384  # max8 / nc_find_index8 / nc_match_replace8 elements per partition
+_F32 = np.float32
+ON_CHIP = ("sbuf", "psum")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared by the compute-engine modules
+# ---------------------------------------------------------------------------------------------
+
+def is_tile(x: Any) -> bool:
+    return _ops._is_tile(x)
+
+
+def buf(t: Any) -> str:
+    return t.buffer.name
+
+
+def free_size(t: Any) -> int:
+    return math.prod(t.shape[1:])
+
+
+def engine_name(engine: Any) -> str:
+    """'vector' / 'scalar' / 'gpsimd' / 'tensor' / 'unknown' from an ``nisa.engine`` member (or name)."""
+    if engine is None:
+        return "unknown"
+    name = getattr(engine, "name", engine)
+    return str(name).lower().removesuffix("_engine")
+
+
+def cmd_name(cmd: Any) -> str:
+    """'idle' / 'reset' / 'reduce' / 'reset_reduce' / 'load_reduce' from an ``nisa.reduce_cmd`` member."""
+    return str(getattr(cmd, "name", cmd)).lower()
+
+
+def check_tile(op: str, role: str, t: Any, engine: str) -> None:
+    """``t`` is an on-chip tile the engine may access, within the partition / free-size limits."""
+    require(is_tile(t), op, "{role} must be an NKI tile, got {got}", role=role, got=type(t).__name__)
+    b = buf(t)
+    require(b in ON_CHIP, op, "{role} must be in SBUF or PSUM, got {buffer}", role=role, buffer=b)
+    if engine == "gpsimd":
+        require(b != "psum", op, "GpSimd engine cannot access PSUM ({role} is in PSUM)", role=role)
+    require(len(t.shape) >= 1 and t.shape[0] <= PMAX, op,
+            "{role} partition dim {p} exceeds pmax ({pmax})", role=role,
+            p=t.shape[0] if t.shape else None, pmax=PMAX)
+    n = free_size(t)
+    if engine in ("vector", "scalar"):
+        limit = PSUM_FREE_MAX if b == "psum" else SBUF_FREE_MAX
+        require(n <= limit, op, "{role} has {n} elements per partition, over the {engine} engine "
+                "limit of {limit} for {buffer}", role=role, n=n, engine=engine, limit=limit, buffer=b)
+
+
+def check_same_layout(op: str, ref_role: str, ref: Any, role: str, t: Any) -> None:
+    """Same partition count and same number of elements per partition (shapes may differ)."""
+    require(t.shape[0] == ref.shape[0], op, "{role} has {p} partitions but {ref_role} has {q}",
+            role=role, p=t.shape[0], ref_role=ref_role, q=ref.shape[0])
+    require(free_size(t) == free_size(ref), op,
+            "{role} has {n} elements per partition but {ref_role} has {m}",
+            role=role, n=free_size(t), ref_role=ref_role, m=free_size(ref))
+
+
+def check_column(op: str, role: str, t: Any, partitions: int, engine: str) -> None:
+    """A ``[P, 1]`` vector operand (scale, bias, operand0, reduce_res, ...)."""
+    check_tile(op, role, t, engine)
+    require(t.shape[0] == partitions and free_size(t) == 1, op,
+            "{role} must have shape ({p}, 1), got {shape}", role=role, p=partitions,
+            shape=tuple(t.shape))
+
+
+def get_op(op: str, role: str, value: Any, *, alu: bool = False, activation: bool = False,
+           arity: int | None = None) -> _ops.NkiOp:
+    f = _ops.resolve(value, f"{op}.{role}")
+    require(f is not None, op, "{role} is required", role=role)
+    if alu:
+        require(f.alu, op, "{role}={f} is not an ALU operator (see nki-aluop)", role=role, f=f)
+    if activation:
+        require(f.activation, op, "{role}={f} is not an activation function (see nki-act-func)",
+                role=role, f=f)
+    if arity is not None:
+        require(f.arity == arity, op, "{role}={f} must be a {kind} operator", role=role, f=f,
+                kind="binary" if arity == 2 else "unary")
+    return f
+
+
+def check_bitvec_dtypes(op: str, f: _ops.NkiOp, tiles: dict[str, Any]) -> None:
+    if not f.is_bitvec:
+        return
+    for role, t in tiles.items():
+        if is_tile(t):
+            require(dtypes.is_int(t.dtype), op, "bitvec operator {f} needs integer dtypes, but {role} "
+                    "is {dtype}", f=f, role=role, dtype=t.dtype.name)
+
+
+def read(t: Any, flat: bool = True) -> np.ndarray:
+    """The tile's values as fp32, ``[P, F]`` when ``flat``."""
+    x = t.np().astype(_F32)
+    return x.reshape(t.shape[0], -1) if flat else x
+
+
+def read_raw(t: Any) -> np.ndarray:
+    """The tile's values in its own dtype, ``[P, F]`` (a copy: safe when dst aliases the source)."""
+    return np.array(t.np()).reshape(t.shape[0], -1)
+
+
+def write(dst: Any, values: np.ndarray, *, bits: bool = False) -> None:
+    """Store ``values`` (``[P, F]`` or any shape with dst's element count) into ``dst``.
+
+    ``bits=True`` writes integer results by truncating to dst's width (bitvec semantics); otherwise
+    the value is rounded/saturated to ``dst.dtype`` like an engine's output stage.
+    """
+    values = np.asarray(values).reshape(dst.shape)
+    if bits:
+        dst.np()[...] = values.astype(dst.dtype)
+    else:
+        dst.np()[...] = dtypes.cast(values, dst.dtype)
+
+
+def scalar_or_column(op: str, role: str, value: Any, partitions: int, engine: str,
+                     *, fp32: bool, integer: bool = False) -> Any:
+    """A compile-time scalar, or the values of a ``[P, 1]`` tile as a ``[P, 1]`` array."""
+    if is_tile(value):
+        check_column(op, role, value, partitions, engine)
+        if fp32:
+            require(value.dtype == dtypes.float32, op, "{role} tile must be float32, got {dtype}",
+                    role=role, dtype=value.dtype.name)
+        return read_raw(value) if integer else read(value)
+    require(isinstance(value, (int, float, np.integer, np.floating, bool)), op,
+            "{role} must be a scalar or a ({p}, 1) tile, got {got}", role=role, p=partitions,
+            got=type(value).__name__)
+    return np.int64(value) if integer else _F32(value)
+
+
+def emit(op: str, engine: str, operands: dict[str, Any], **attrs: Any) -> None:
+    """Append one :class:`trace.Instr` (N = largest operand free size, P = largest partition count)."""
+    if trace.active() is None:
+        return
+    recs = []
+    for role, t in operands.items():
+        if not is_tile(t):
+            continue
+        p, n = t.shape[0], free_size(t)
+        recs.append(trace.Operand(role=role, buffer=buf(t), shape=tuple(t.shape), dtype=t.dtype.name,
+                                  partitions=p, free_elems=n, nbytes=p * n * t.dtype.itemsize))
+    trace.emit(trace.Instr(
+        op=op, engine=engine, operands=tuple(recs),
+        elems_per_partition=max((r.free_elems for r in recs), default=0),
+        partitions=max((r.partitions for r in recs), default=0),
+        program_id=_program_id(), attrs=attrs))
+
+
+def _program_id() -> int:
+    from .. import memory  # noqa: PLC0415  (lazy: memory is the core's module)
+
+    return memory.current().flat_program_id
+
+
+def _binary(f: _ops.NkiOp, a: Any, b: Any, reverse: bool) -> np.ndarray:
+    return f.apply(b, a) if reverse else f.apply(a, b)
+
+
+def _apply_stage(opname: str, f: _ops.NkiOp, x: np.ndarray, operand: Any, reverse: bool) -> np.ndarray:
+    if f.arity == 1:
+        require(operand is None or (not is_tile(operand) and operand == 0), opname,
+                "operand of unary operator {f} must be None or 0, got {v!r}", f=f, v=operand)
+        return f.apply(x)
+    require(operand is not None, opname, "binary operator {f} needs an operand", f=f)
+    return _binary(f, x, operand, reverse)
+
+
+def _int32_native(*tiles: Any) -> bool:
+    return all(t.dtype in (dtypes.int32, dtypes.uint32) for t in tiles)
+
+
+# ---------------------------------------------------------------------------------------------
+# instructions
+# ---------------------------------------------------------------------------------------------
+
+def tensor_tensor(dst: Any, data1: Any, data2: Any, op: Any, engine: Any = None, name: str | None = None) -> None:
+    """``dst = op(data1, data2)`` elementwise on Vector (or GpSimd) Engine; no broadcasting."""
+    OP = "tensor_tensor"
+    f = get_op(OP, "op", op, alu=True, arity=2)
+    eng = engine_name(engine)
+    require(eng in ("unknown", "vector", "gpsimd"), OP, "engine must be vector or gpsimd, got {engine}",
+            engine=eng)
+    tiles = {"dst": dst, "data1": data1, "data2": data2}
+    for role, t in tiles.items():
+        require(is_tile(t), OP, "{role} must be an NKI tile, got {got}", role=role, got=type(t).__name__)
+    any_psum = any(buf(t) == "psum" for t in tiles.values())
+    native_int = _int32_native(dst, data1, data2) and not f.is_bitvec
+    if f.name == "power":
+        require(eng in ("unknown", "gpsimd"), OP, "nl.power runs on GpSimd engine, not {engine}",
+                engine=eng)
+        eng = "gpsimd"
+    elif eng == "unknown":
+        # int32/uint32 everywhere defaults to GpSimd's native integer ALU unless PSUM is involved.
+        eng = "gpsimd" if native_int and not any_psum else "vector"
+    for role, t in tiles.items():
+        check_tile(OP, role, t, eng)
+    check_same_layout(OP, "data1", data1, "data2", data2)
+    check_same_layout(OP, "data1", data1, "dst", dst)
+    require(not (buf(data1) == "psum" and buf(data2) == "psum"), OP,
+            "data1 and data2 cannot both be in PSUM")
+    check_bitvec_dtypes(OP, f, tiles)
+
+    if f.is_bitvec:
+        write(dst, f.apply(read_raw(data1), read_raw(data2)), bits=True)
+    elif native_int and eng == "gpsimd":
+        a, b = read_raw(data1).astype(np.int64), read_raw(data2).astype(np.int64)
+        with np.errstate(all="ignore"):
+            r = f._fn(a, b)
+        write(dst, r, bits=r.dtype.kind in "iu")
+    else:
+        write(dst, f.apply(read(data1), read(data2)))
+    emit(OP, eng, tiles, alu_op=f.name)
+
+
+def tensor_scalar(dst: Any, data: Any, op0: Any, operand0: Any, reverse0: bool = False, op1: Any = None,
+                  operand1: Any = None, reverse1: bool = False, engine: Any = None,
+                  name: str | None = None) -> None:
+    """``dst = (data op0 operand0) op1 operand1``; operands are scalars or ``[P, 1]`` tiles."""
+    OP = "tensor_scalar"
+    f0 = get_op(OP, "op0", op0, alu=True)
+    f1 = _ops.resolve(op1, f"{OP}.op1")
+    if f1 is None:
+        require(operand1 is None, OP, "operand1 must be None when op1 is None, got {v!r}", v=operand1)
+    else:
+        f1 = get_op(OP, "op1", f1, alu=True)
+        require(f0.is_bitvec == f1.is_bitvec, OP, "op0 ({f0}) and op1 ({f1}) must both be bitvec or "
+                "both arithmetic", f0=f0, f1=f1)
+    eng = engine_name(engine)
+    require(eng in ("unknown", "vector", "scalar", "gpsimd"), OP,
+            "engine must be vector, scalar or gpsimd, got {engine}", engine=eng)
+    eng = "vector" if eng == "unknown" else eng
+    if f0.is_bitvec:
+        require(eng == "vector", OP, "bitvec operators run on the vector engine only, not {engine}",
+                engine=eng)
+    if eng == "scalar":
+        combo = (f0.name, f1.name if f1 else None)
+        require(combo in (("multiply", "add"), ("multiply", None), ("add", None)), OP,
+                "Scalar engine supports only (multiply, add), (multiply, None), (add, None); got "
+                "{combo}", combo=combo)
+    if eng == "gpsimd":
+        require(f0.name == "rsqrt" and f1 is None, OP, "engine=gpsimd is only allowed for rsqrt, got "
+                "op0={f0}, op1={f1}", f0=f0, f1=f1)
+    check_tile(OP, "dst", dst, eng)
+    check_tile(OP, "data", data, eng)
+    check_same_layout(OP, "data", data, "dst", dst)
+    check_bitvec_dtypes(OP, f0, {"dst": dst, "data": data})
+    P = data.shape[0]
+    bits = f0.is_bitvec
+
+    def operand(role: str, v: Any, f: _ops.NkiOp) -> Any:
+        if f.arity == 1:
+            return v
+        return scalar_or_column(OP, role, v, P, eng, fp32=not bits, integer=bits)
+
+    o0 = operand("operand0", operand0, f0)
+    x = read_raw(data) if bits else read(data)
+    x = _apply_stage(OP, f0, x, o0, reverse0)
+    if f1 is not None:
+        x = _apply_stage(OP, f1, x, operand("operand1", operand1, f1), reverse1)
+    write(dst, x, bits=bits)
+    emit(OP, eng, {"dst": dst, "data": data, "operand0": operand0, "operand1": operand1},
+         alu_op0=f0.name, alu_op1=f1.name if f1 else None)
+
+
+def scalar_tensor_tensor(dst: Any, data: Any, op0: Any, operand0: Any, op1: Any, operand1: Any,
+                         reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+    """``dst = (data op0 operand0) op1 operand1``: operand0 scalar / ``[P, 1]``, operand1 a full tile."""
+    OP = "scalar_tensor_tensor"
+    f0 = get_op(OP, "op0", op0, alu=True, arity=2)
+    f1 = get_op(OP, "op1", op1, alu=True, arity=2)
+    require(not f0.is_bitvec and not f1.is_bitvec, OP,
+            "op0 and op1 must be arithmetic operators (got {f0}, {f1})", f0=f0, f1=f1)
+    for role, t in (("dst", dst), ("data", data), ("operand1", operand1)):
+        check_tile(OP, role, t, "vector")
+    check_same_layout(OP, "data", data, "dst", dst)
+    check_same_layout(OP, "data", data, "operand1", operand1)
+    require(not (buf(data) == "psum" and buf(operand1) == "psum"), OP,
+            "data and operand1 cannot both be in PSUM")
+    o0 = scalar_or_column(OP, "operand0", operand0, data.shape[0], "vector", fp32=False)
+    x = _binary(f0, read(data), o0, reverse0)
+    write(dst, _binary(f1, x, read(operand1), reverse1))
+    emit(OP, "vector", {"dst": dst, "data": data, "operand0": operand0, "operand1": operand1},
+         alu_op0=f0.name, alu_op1=f1.name)
+
+
+def _reduce_axes(op: str, data: Any, axis: Any) -> tuple[int, ...]:
+    nd = len(data.shape)
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    require(len(axes) > 0, op, "axis must name at least one free dimension")
+    norm = []
+    for a in axes:
+        require(-nd <= int(a) < nd, op, "axis {a} is out of range for a {nd}-D tile", a=a, nd=nd)
+        norm.append(int(a) % nd)
+    norm = tuple(sorted(set(norm)))
+    require(0 not in norm, op, "axis 0 (the partition dim) cannot be reduced (axis={axis})", axis=axis)
+    require(norm == tuple(range(nd - len(norm), nd)), op,
+            "axis {axis} must be the last contiguous free dims ending at dim {last}", axis=axis,
+            last=nd - 1)
+    return norm
+
+
+def tensor_reduce(dst: Any, op: Any, data: Any, axis: Any, negate: bool = False, keepdims: bool = False,
+                  name: str | None = None) -> None:
+    """Reduce the last contiguous free dims of ``data`` with ``op`` (fp32, or raw bits for bitvec)."""
+    OP = "tensor_reduce"
+    f = get_op(OP, "op", op, alu=True)
+    require(f.reducible, OP, "op={f} is not a legal reduction operator", f=f)
+    check_tile(OP, "dst", dst, "vector")
+    check_tile(OP, "data", data, "vector")
+    axes = _reduce_axes(OP, data, axis)
+    kept = math.prod(data.shape[1:axes[0]])
+    require(dst.shape[0] == data.shape[0], OP, "dst has {p} partitions but data has {q}",
+            p=dst.shape[0], q=data.shape[0])
+    require(free_size(dst) == kept, OP, "dst has {n} elements per partition, but reducing axis {axis} "
+            "of {shape} leaves {kept}", n=free_size(dst), axis=axis, shape=tuple(data.shape), kept=kept)
+    check_bitvec_dtypes(OP, f, {"dst": dst, "data": data})
+    require(not (negate and f.is_bitvec), OP, "negate is only applicable to arithmetic operators "
+            "(op={f})", f=f)
+    x = np.array(data.np()) if f.is_bitvec else read(data, flat=False)
+    r = f.reduce(x, axes, keepdims=keepdims)
+    if negate:
+        r = -r
+    write(dst, r, bits=f.is_bitvec)
+    emit(OP, "vector", {"dst": dst, "data": data}, alu_op=f.name, axis=axes)
+
+
+def tensor_copy(dst: Any, src: Any, engine: Any = None, name: str | None = None) -> None:
+    """Copy ``src`` to ``dst``: bit-exact for equal dtypes, else through fp32 with RNE on write."""
+    OP = "tensor_copy"
+    eng = engine_name(engine)
+    require(eng in ("unknown", "vector", "scalar", "gpsimd"), OP,
+            "engine must be vector, scalar or gpsimd, got {engine}", engine=eng)
+    eng = "vector" if eng == "unknown" else eng
+    check_tile(OP, "dst", dst, eng)
+    check_tile(OP, "src", src, eng)
+    check_same_layout(OP, "src", src, "dst", dst)
+    if src.dtype == dst.dtype:
+        write(dst, read_raw(src))
+    else:
+        write(dst, read(src))
+    emit(OP, eng, {"dst": dst, "src": src})
+
+
+def tensor_copy_predicated(dst: Any, src: Any, predicate: Any, reverse_pred: bool = False,
+                           name: str | None = None) -> None:
+    """Copy ``src`` (tile or scalar) into ``dst`` where ``predicate`` is non-zero (zero if reversed)."""
+    OP = "tensor_copy_predicated"
+    check_tile(OP, "dst", dst, "vector")
+    check_tile(OP, "predicate", predicate, "vector")
+    check_same_layout(OP, "dst", dst, "predicate", predicate)
+    require(predicate.dtype in (dtypes.uint8, dtypes.uint16, dtypes.uint32), OP,
+            "predicate must be uint8, uint16 or uint32, got {dtype}", dtype=predicate.dtype.name)
+    if is_tile(src):
+        check_tile(OP, "src", src, "vector")
+        check_same_layout(OP, "dst", dst, "src", src)
+        require(src.dtype == dst.dtype, OP, "src and dst must share a dtype, got {a} and {b}",
+                a=src.dtype.name, b=dst.dtype.name)
+        require(not (buf(src) == "psum" and buf(predicate) == "psum"), OP,
+                "src and predicate cannot both be in PSUM")
+        vals = read_raw(src)
+    else:
+        vals = dtypes.cast(np.full((dst.shape[0], free_size(dst)), src), dst.dtype)
+    mask = read_raw(predicate) != 0
+    if reverse_pred:
+        mask = ~mask
+    cur = read_raw(dst)
+    write(dst, np.where(mask, vals, cur))
+    emit(OP, "vector", {"dst": dst, "src": src, "predicate": predicate})
+
+
+def memset(dst: Any, value: Any, engine: Any = None, name: str | None = None) -> None:
+    """Fill ``dst`` with a compile-time constant (its type must suit ``dst.dtype``)."""
+    OP = "memset"
+    eng = engine_name(engine)
+    require(eng in ("unknown", "vector", "gpsimd"), OP, "engine must be vector or gpsimd, got {engine}",
+            engine=eng)
+    eng = "vector" if eng == "unknown" else eng
+    check_tile(OP, "dst", dst, eng)
+    require(isinstance(value, (int, float, bool, np.integer, np.floating)), OP,
+            "value must be a compile-time scalar, got {got}", got=type(value).__name__)
+    if dtypes.is_int(dst.dtype):
+        require(float(value).is_integer(), OP, "value {value!r} does not match integer dst dtype {dtype}",
+                value=value, dtype=dst.dtype.name)
+        info = np.iinfo(dst.dtype)
+        require(info.min <= int(value) <= info.max, OP, "value {value} is out of range for {dtype}",
+                value=value, dtype=dst.dtype.name)
+        dst.np()[...] = int(value)
+    else:
+        dst.np()[...] = dtypes.cast(np.asarray(value, dtype=np.float64), dst.dtype)
+    emit(OP, eng, {"dst": dst}, value=float(value))
+
+
+def reciprocal(dst: Any, data: Any, name: str | None = None) -> None:
+    """``dst = 1 / data`` on Vector Engine (fp32; more precise than ``activation(nl.reciprocal)``)."""
+    OP = "reciprocal"
+    check_tile(OP, "dst", dst, "vector")
+    check_tile(OP, "data", data, "vector")
+    check_same_layout(OP, "data", data, "dst", dst)
+    write(dst, _ops.reciprocal.apply(read(data)))
+    emit(OP, "vector", {"dst": dst, "data": data})
+
+
+# ---------------------------------------------------------------------------------------------
+# top-8 primitives
+# ---------------------------------------------------------------------------------------------
+
+def _check_topk_src(op: str, role: str, t: Any) -> None:
+    check_tile(op, role, t, "vector")
+    require(len(t.shape) <= 3, op, "{role} must be at most 3-D, got shape {shape}", role=role,
+            shape=tuple(t.shape))
+    n = free_size(t)
+    require(TOPK_MIN <= n <= TOPK_MAX, op, "{role} has {n} elements per partition, must be between "
+            "{lo} and {hi}", role=role, n=n, lo=TOPK_MIN, hi=TOPK_MAX)
+
+
+def _check_eight(op: str, role: str, t: Any, partitions: int, *, index: bool = False) -> None:
+    check_tile(op, role, t, "vector")
+    require(t.shape[0] == partitions and free_size(t) == 8, op,
+            "{role} must hold 8 elements on each of {p} partitions, got shape {shape}", role=role,
+            p=partitions, shape=tuple(t.shape))
+    if index:
+        require(t.dtype in (dtypes.uint32, dtypes.uint16), op, "{role} must be uint32 or uint16, got "
+                "{dtype}", role=role, dtype=t.dtype.name)
+
+
+def _not_found(dt: np.dtype) -> int:
+    return int(np.iinfo(dt).max)  # all-ones sentinel (0xFFFF / 0xFFFFFFFF)
+
+
+def max8(dst: Any, src: Any, name: str | None = None) -> None:
+    """The 8 largest values of each partition of ``src``, in descending order (fp32 compare)."""
+    OP = "max8"
+    _check_topk_src(OP, "src", src)
+    check_tile(OP, "dst", dst, "vector")
+    require(len(dst.shape) == 2 and tuple(dst.shape) == (src.shape[0], 8), OP,
+            "dst must have shape ({p}, 8), got {shape}", p=src.shape[0], shape=tuple(dst.shape))
+    x = read(src)
+    top = -np.sort(-np.partition(x, x.shape[1] - 8, axis=1)[:, -8:], axis=1)
+    write(dst, top)
+    emit(OP, "vector", {"dst": dst, "src": src})
+
+
+def _first_unused_match(cur: np.ndarray, v: np.ndarray, used: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per partition: index of the first element equal to ``v`` (and not ``used``), and found-mask."""
+    eq = cur == v[:, None]
+    if used is not None:
+        eq &= ~used
+    idx = np.argmax(eq, axis=1)
+    found = eq[np.arange(cur.shape[0]), idx]
+    return idx, found
+
+
+def nc_find_index8(dst: Any, data: Any, vals: Any, name: str | None = None) -> None:
+    """Index of the first occurrence of each of the 8 ``vals`` in each partition of ``data``.
+
+    A value repeated in ``vals`` gets successive occurrences (ascending). A value with no (remaining)
+    occurrence gets the all-ones sentinel of ``dst.dtype`` (NKI 0.6.0 simulator fix).
+    """
+    OP = "nc_find_index8"
+    _check_topk_src(OP, "data", data)
+    P = data.shape[0]
+    require(len(vals.shape) <= 3 if is_tile(vals) else True, OP, "vals must be at most 3-D")
+    _check_eight(OP, "vals", vals, P)
+    _check_eight(OP, "dst", dst, P, index=True)
+    x, v = read(data), read(vals)
+    used = np.zeros(x.shape, dtype=bool)
+    out = np.empty((P, 8), dtype=np.int64)
+    rows = np.arange(P)
+    for k in range(8):  # 8 vectorised passes over [P, N]
+        idx, found = _first_unused_match(x, v[:, k], used)
+        used[rows[found], idx[found]] = True
+        out[:, k] = np.where(found, idx, _not_found(dst.dtype))
+    write(dst, out)
+    emit(OP, "vector", {"dst": dst, "data": data, "vals": vals})
+
+
+def nc_match_replace8(dst: Any, data: Any, vals: Any, imm: float, dst_idx: Any = None,
+                      name: str | None = None) -> None:
+    """Replace the first occurrence of each of the 8 ``vals`` in ``data`` with ``imm``.
+
+    The hardware processes vals[7] first, down to vals[0]; each takes the first not-yet-replaced
+    match, so among duplicate vals the highest slot gets the earliest occurrence. ``dst_idx`` (optional)
+    receives the matched indices (all-ones when a value is not found).
+    """
+    OP = "nc_match_replace8"
+    _check_topk_src(OP, "data", data)
+    P = data.shape[0]
+    check_tile(OP, "dst", dst, "vector")
+    check_same_layout(OP, "data", data, "dst", dst)
+    _check_eight(OP, "vals", vals, P)
+    if dst_idx is not None:
+        _check_eight(OP, "dst_idx", dst_idx, P, index=True)
+    require(isinstance(imm, (int, float, np.integer, np.floating)), OP,
+            "imm must be a float scalar, got {got}", got=type(imm).__name__)
+    x, v = read(data), read(vals)
+    replaced = np.zeros(x.shape, dtype=bool)
+    idxs = np.empty((P, 8), dtype=np.int64)
+    rows = np.arange(P)
+    sentinel = _not_found(dst_idx.dtype) if dst_idx is not None else -1
+    for k in range(7, -1, -1):
+        idx, found = _first_unused_match(x, v[:, k], replaced)
+        replaced[rows[found], idx[found]] = True
+        idxs[:, k] = np.where(found, idx, sentinel)
+    out = np.where(replaced, _F32(imm), x)
+    write(dst, out)
+    if dst_idx is not None:
+        write(dst_idx, idxs)
+    emit(OP, "vector", {"dst": dst, "data": data, "vals": vals, "dst_idx": dst_idx}, imm=float(imm))
+
+
+# ---------------------------------------------------------------------------------------------
+# Vector Engine accumulator registers (tensor_scalar_reduce); one set per kernel-instance thread
+# ---------------------------------------------------------------------------------------------
+
+_vector_regs = threading.local()
+
+
+def _accumulate(regs: threading.local, op: str, f: _ops.NkiOp, cmd: str, part: np.ndarray,
+                init: Any = None) -> np.ndarray:
+    """Apply ``reduce_cmd`` semantics to the per-partition registers and return their new value."""
+    P = part.shape[0]
+    state = getattr(regs, "value", None)
+    if state is None or state.shape[0] < PMAX:
+        state = np.zeros((PMAX, 1), dtype=_F32)
+    ident = _F32(f.reduce_identity)
+    if cmd in ("reset", "reset_reduce"):
+        state[:P] = ident
+    elif cmd == "load_reduce":
+        state[:P] = init
+    if cmd in ("reduce", "reset_reduce", "load_reduce"):
+        state[:P] = f.apply(state[:P], part)
+    elif cmd not in ("idle", "reset"):
+        fail(op, "unknown reduce_cmd {cmd}", cmd=cmd)
+    regs.value = state
+    return state[:P]
+
+
+def tensor_scalar_reduce(dst: Any, data: Any, op0: Any, operand0: Any, reduce_op: Any, reduce_res: Any,
+                         reverse0: bool = False, reduce_cmd: Any = "reset_reduce", reduce_init: Any = None,
+                         name: str | None = None) -> None:
+    """``dst = data op0 operand0`` and ``reduce_res = reduce_op`` over its free dims (Vector Engine)."""
+    OP = "tensor_scalar_reduce"
+    f0 = get_op(OP, "op0", op0, alu=True)
+    require(not f0.is_bitvec, OP, "op0 must be an arithmetic operator, got {f0}", f0=f0)
+    fr = get_op(OP, "reduce_op", reduce_op, alu=True, arity=2)
+    require(fr.name in ("add", "multiply", "maximum", "minimum"), OP,
+            "reduce_op must be add, multiply, maximum or minimum, got {fr}", fr=fr)
+    require(not reverse0, OP, "reverse0 is not supported yet (per the NKI docs)")
+    cmd = cmd_name(reduce_cmd)
+    require(cmd in ("reset_reduce", "reduce", "load_reduce"), OP,
+            "reduce_cmd must be reset_reduce, reduce or load_reduce, got {cmd}", cmd=cmd)
+    require((reduce_init is not None) == (cmd == "load_reduce"), OP,
+            "reduce_init must be given exactly when reduce_cmd is load_reduce (cmd={cmd})", cmd=cmd)
+    check_tile(OP, "dst", dst, "vector")
+    check_tile(OP, "data", data, "vector")
+    check_same_layout(OP, "data", data, "dst", dst)
+    P = data.shape[0]
+    check_column(OP, "reduce_res", reduce_res, P, "vector")
+    o0 = None if f0.arity == 1 else scalar_or_column(OP, "operand0", operand0, P, "vector", fp32=True)
+    x = _apply_stage(OP, f0, read(data), o0 if f0.arity == 2 else operand0, False)
+    init = None
+    if reduce_init is not None:
+        init = scalar_or_column(OP, "reduce_init", reduce_init, P, "vector", fp32=True)
+    part = fr.reduce(x, (1,), keepdims=True)
+    write(dst, x)
+    write(reduce_res, _accumulate(_vector_regs, OP, fr, cmd, part, init))
+    emit(OP, "vector", {"dst": dst, "data": data, "operand0": operand0, "reduce_res": reduce_res},
+         alu_op0=f0.name, reduce_op=fr.name)
