@@ -134,7 +134,9 @@ class Qwen3Config:
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Qwen3Config.from_hf: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
         n_heads = d["num_attention_heads"]
-        is_moe = model_type == "qwen3_moe" and (d.get("num_experts") or 0) > 0
+        # v5 writes num_local_experts (Qwen3MoeConfig.attribute_map: num_experts -> num_local_experts)
+        num_experts = d.get("num_experts", d.get("num_local_experts")) or 0
+        is_moe = model_type == "qwen3_moe" and num_experts > 0
         eos = d.get("eos_token_id", 151645)
         kw: dict[str, Any] = dict(
             dim=d["hidden_size"],
@@ -154,7 +156,7 @@ class Qwen3Config:
         )
         if is_moe:
             kw.update(
-                num_experts=d["num_experts"],
+                num_experts=num_experts,
                 top_k=d.get("num_experts_per_tok", 8),
                 moe_inter_dim=d.get("moe_intermediate_size", 768),
                 norm_topk_prob=bool(d.get("norm_topk_prob", False)),

@@ -265,6 +265,14 @@ class Qwen3Model(nn.Module):
         c = self.config
         return _rope_cache(c.head_dim, c.max_seq_len, c.rope_theta, device=device)
 
+    def _apply(self, fn, recurse=True):  # type: ignore[override]
+        # Keep the rope cache fp32 and valid across .to(dtype) / to_empty (DESIGN §4: fp32 buffer).
+        was_meta = self.rope_cache.is_meta
+        super()._apply(fn, recurse)
+        if not self.rope_cache.is_meta and (was_meta or self.rope_cache.dtype != torch.float32):
+            self.rope_cache = self._make_rope_cache(self.rope_cache.device)
+        return self
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2:
             raise ValueError(f"Qwen3Model.forward: tokens must be [B, S], got shape {tuple(tokens.shape)}")

@@ -1,0 +1,274 @@
+"""Hugging Face safetensors checkpoints in and out of the native Qwen3Model.
+
+`load_hf_checkpoint(path)` reads a folder with config.json and either `model.safetensors` or a sharded
+set with `model.safetensors.index.json`. Tensors are read one at a time from the memory-mapped files
+straight into the (already allocated) model parameters, so peak memory is the model plus one tensor.
+`save_hf_checkpoint(model, path, max_shard_size=...)` writes the hub layout that
+`transformers.AutoModelForCausalLM.from_pretrained(path)` loads with no missing or unexpected keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import Qwen3Config
+from .model import Qwen3Model
+from .state_dict import HFKey, copy_hf_tensor, expected_hf_shape, map_hf_key, native_to_hf_items
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: bad file, or keys/shapes that do not fit the config."""
+
+
+# ------------------------------------------------------------------------------------ validation
+def _describe(config: Qwen3Config) -> str:
+    c = config
+    s = (f"dim={c.dim}, n_layers={c.n_layers}, n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads}, "
+         f"head_dim={c.head_dim}, vocab_size={c.vocab_size}, hidden_dim={c.hidden_dim}")
+    if c.is_moe:
+        s += f", num_experts={c.num_experts}, moe_inter_dim={c.moe_inter_dim}, mlp_only_layers={c.mlp_only_layers}"
+    return s
+
+
+def _listing(title: str, items: list[str], limit: int = 20) -> str:
+    more = f"\n    ... and {len(items) - limit} more" if len(items) > limit else ""
+    return f"  {title} ({len(items)}):\n" + "\n".join(f"    {x}" for x in items[:limit]) + more
+
+
+def check_keys(hf_shapes: Mapping[str, tuple[int, ...]], native_shapes: Mapping[str, torch.Size],
+               config: Qwen3Config, source: str) -> dict[str, HFKey]:
+    """Validate HF keys/shapes against the native model; return {hf_key: HFKey} for the keys to copy.
+
+    Raises CheckpointError listing every unexpected, missing and mis-shaped key by name.
+    """
+    plan: dict[str, HFKey] = {}
+    unexpected, bad_shape = [], []
+    covered: dict[str, set[Any]] = {}
+    for hf_key, shape in hf_shapes.items():
+        key = map_hf_key(hf_key)
+        if key is not None and key.kind == "ignore":
+            continue
+        if key is None or key.native not in native_shapes:
+            unexpected.append(hf_key)
+            continue
+        if key.native == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: lm_head is the embedding; a stored copy is redundant
+        native_shape = native_shapes[key.native]
+        if key.expert is not None and key.expert >= native_shape[0]:
+            unexpected.append(f"{hf_key} (expert {key.expert} >= num_experts {native_shape[0]})")
+            continue
+        want = expected_hf_shape(key, native_shape)
+        if tuple(shape) != want:
+            bad_shape.append(f"{hf_key}: expected {list(want)}, got {list(shape)}")
+            continue
+        plan[hf_key] = key
+        covered.setdefault(key.native, set()).add("all" if key.expert is None else (key.kind, key.expert))
+
+    missing = []
+    for name, shape in native_shapes.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        got = covered.get(name, set())
+        if "all" in got:
+            continue
+        m = re.match(r"^layers\.(\d+)\.moe\.experts\.(w_gate_up|w_down)$", name)
+        if m:
+            parts = ("gate", "up") if m[2] == "w_gate_up" else ("down",)
+            missing += [f"model.layers.{m[1]}.mlp.experts.{e}.{p}_proj.weight"
+                        for e in range(shape[0]) for p in parts if (p, e) not in got]
+        else:
+            missing.append(next(h for h, _ in native_to_hf_items({name: torch.empty(0)}, config)))
+    if unexpected or missing or bad_shape:
+        parts = [f"Qwen3 checkpoint {source} does not match the config ({_describe(config)}):"]
+        if missing:
+            parts.append(_listing("missing keys", missing))
+        if unexpected:
+            parts.append(_listing("unexpected keys", unexpected))
+        if bad_shape:
+            parts.append(_listing("mis-shaped keys", bad_shape))
+        raise CheckpointError("\n".join(parts))
+    return plan
+
+
+# ------------------------------------------------------------------------------------ loading
+def _open(path: str):  # -> safetensors handle
+    if not os.path.isfile(path):
+        raise CheckpointError(f"Qwen3 checkpoint: file {path} does not exist")
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise CheckpointError(f"Qwen3 checkpoint: {path} is corrupt or truncated ({e})") from e
+
+
+def _shard_files(folder: str) -> dict[str, list[str]]:
+    """{file path: [keys it should hold]} from the index, or {model.safetensors: []} (all keys)."""
+    index = os.path.join(folder, INDEX_NAME)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"Qwen3 checkpoint: {index} is not a valid safetensors index ({e!r})") from e
+        files: dict[str, list[str]] = {}
+        for key, fname in weight_map.items():
+            files.setdefault(os.path.join(folder, fname), []).append(key)
+        return files
+    single = os.path.join(folder, SINGLE_NAME)
+    if os.path.isfile(single):
+        return {single: []}
+    found = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if len(found) == 1:
+        return {os.path.join(folder, found[0]): []}
+    raise CheckpointError(f"Qwen3 checkpoint: {folder} has no {SINGLE_NAME} or {INDEX_NAME}"
+                          + (f" (found {found})" if found else ""))
+
+
+def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = None,
+                       dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Qwen3Model:
+    """Build a Qwen3Model from an HF checkpoint folder (config.json + safetensors [+ index]).
+
+    `config`: use this instead of config.json. `dtype`: parameter dtype (None: the checkpoint's dtype);
+    the rope cache stays fp32. Accepts the hub per-expert and the v5 fused expert layouts.
+    """
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"Qwen3 checkpoint: {folder} is not a directory")
+    if config is None:
+        cfg_path = os.path.join(folder, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise CheckpointError(f"Qwen3 checkpoint: {folder} has no config.json (pass config=...)")
+        config = Qwen3Config.from_hf(cfg_path)
+
+    handles, hf_shapes, stored_dtypes = {}, {}, set()
+    owner: dict[str, str] = {}
+    try:
+        for fpath, listed in _shard_files(folder).items():
+            h = handles[fpath] = _open(fpath)
+            keys = list(h.keys())
+            absent = sorted(set(listed) - set(keys))
+            if absent:
+                raise CheckpointError(f"Qwen3 checkpoint: index lists keys that {fpath} does not hold: "
+                                      f"{absent[:10]}" + (" ..." if len(absent) > 10 else ""))
+            for k in keys:
+                if k in owner:
+                    raise CheckpointError(f"Qwen3 checkpoint: key {k} is stored twice ({owner[k]}, {fpath})")
+                owner[k] = fpath
+                sl = h.get_slice(k)
+                hf_shapes[k] = tuple(sl.get_shape())
+                stored_dtypes.add(sl.get_dtype())
+
+        with torch.device("meta"):
+            model = Qwen3Model(config)
+        native_shapes = {k: v.shape for k, v in model.state_dict().items()}
+        plan = check_keys(hf_shapes, native_shapes, config, source=folder)
+
+        if dtype is None:
+            dtype = _ST_DTYPES.get(sorted(stored_dtypes)[0], torch.float32) if stored_dtypes else torch.float32
+        model.to(dtype=dtype)
+        model.to_empty(device=device)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.tok_embeddings.weight
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for hf_key, key in plan.items():
+                try:
+                    src = handles[owner[hf_key]].get_tensor(hf_key)
+                except SafetensorError as e:
+                    raise CheckpointError(f"Qwen3 checkpoint: cannot read {hf_key} from {owner[hf_key]} "
+                                          f"(corrupt or truncated: {e})") from e
+                copy_hf_tensor(params[key.native], key, src)
+        return model
+    finally:
+        handles.clear()
+
+
+# ------------------------------------------------------------------------------------ saving
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string like "5GB" (10^9) / "500MiB" (2^20), as HF's max_shard_size."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"save_hf_checkpoint: max_shard_size must be > 0, got {size}")
+        return size
+    m = _SIZE_RE.match(str(size))
+    if not m:
+        raise ValueError(f"save_hf_checkpoint: cannot parse max_shard_size {size!r} (e.g. '5GB', '200MiB', 10**9)")
+    return int(float(m[1]) * _UNITS[(m[2] or "B").upper()])
+
+
+def _shards(items: Iterable[tuple[str, torch.Tensor]], limit: int, dtype: torch.dtype | None
+            ) -> list[list[tuple[str, torch.Tensor]]]:
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for k, t in items:
+        nbytes = t.numel() * (t.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((k, t))
+        size += nbytes
+    return shards
+
+
+def save_hf_checkpoint(model: Qwen3Model, path: str | os.PathLike, max_shard_size: int | str = "5GB",
+                       dtype: torch.dtype | None = None, fused_experts: bool = False,
+                       config_version: int = 5) -> list[str]:
+    """Write config.json + safetensors (+ index when sharded) in the HF hub layout; return the files.
+
+    One shard is `model.safetensors`; more are `model-0000i-of-0000N.safetensors` with
+    `model.safetensors.index.json`. Tied models do not store lm_head.weight. `fused_experts=True`
+    writes the v5 in-memory expert layout instead of per-expert keys. Shards are materialised one at a
+    time (expert slices are transposed copies).
+    """
+    folder = os.fspath(path)
+    os.makedirs(folder, exist_ok=True)
+    cfg = model.config
+    limit = parse_size(max_shard_size)
+    items = list(native_to_hf_items(model.state_dict(), cfg, fused_experts))
+    shards = _shards(items, limit, dtype)
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map, total = {}, 0
+    for name, shard in zip(names, shards):
+        tensors = {}
+        for k, t in shard:
+            t = (t.detach().to(dtype) if dtype is not None else t.detach()).contiguous()
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # save_file refuses views into a larger storage (e.g. an expert slice)
+            tensors[k] = t
+            total += tensors[k].numel() * tensors[k].element_size()
+            weight_map[k] = name
+        save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
+        del tensors
+    # Remove stale files of an earlier save with a different sharding.
+    for f in os.listdir(folder):
+        if (f == INDEX_NAME or re.match(r"^model(-\d{5}-of-\d{5})?\.safetensors$", f)) and f not in names:
+            os.remove(os.path.join(folder, f))
+    if n > 1:
+        with open(os.path.join(folder, INDEX_NAME), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f,
+                      indent=2)
+    out_dtype = dtype or next(model.parameters()).dtype
+    hf_cfg = cfg.to_hf(version=config_version)
+    hf_cfg["dtype" if config_version == 5 else "torch_dtype"] = str(out_dtype).removeprefix("torch.")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    return [os.path.join(folder, x) for x in names] + ([os.path.join(folder, INDEX_NAME)] if n > 1 else [])
