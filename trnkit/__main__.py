@@ -1,0 +1,49 @@
+"""``python -m trnkit env|demo``.
+
+* ``env``  — versions and install paths of trnkit's dependencies and the active NKI backend.
+* ``demo`` — runs a tiled matmul NKI kernel on the active backend, checks it against torch and prints
+  its estimated trn2 time per engine (cost model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from trnkit import envinfo  # noqa: PLC0415
+
+    info = envinfo.collect()
+    print(json.dumps(info, indent=2) if args.json else envinfo.format_env(info))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from trnkit import demo  # noqa: PLC0415
+
+    result = demo.run(m=args.m, n=args.n, k=args.k, chip=args.chip)
+    print(demo.format_result(result))
+    return 0 if result["ok"] else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trnkit", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_env = sub.add_parser("env", help="versions, install paths and the active NKI backend")
+    p_env.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_env.set_defaults(fn=_cmd_env)
+    p_demo = sub.add_parser("demo", help="run a tiled matmul kernel, check it, print its trn2 estimate")
+    p_demo.add_argument("--m", type=int, default=256, help="rows of the result (multiple of 128)")
+    p_demo.add_argument("--n", type=int, default=1024, help="columns of the result (multiple of 512)")
+    p_demo.add_argument("--k", type=int, default=512, help="contraction size (multiple of 128)")
+    p_demo.add_argument("--chip", default="trn2", choices=("trn2", "trn1"))
+    p_demo.set_defaults(fn=_cmd_demo)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

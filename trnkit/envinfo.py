@@ -1,0 +1,111 @@
+"""What is installed: versions and paths of trnkit's dependencies, and the active NKI backend.
+
+Used by ``python -m trnkit env``. Cheap: packages are located with ``importlib`` metadata and specs,
+not imported — except the Neuron packages, which must be imported to tell the real ones from the PyPI
+placeholder wheels (those raise ``ImportError("WRONG PACKAGE ...")`` from their ``__init__``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+
+# (distribution name, import name, is a Neuron package that may be a placeholder)
+PACKAGES: tuple[tuple[str, str, bool], ...] = (
+    ("trnkit", "trnkit", False),
+    ("torch", "torch", False),
+    ("nki", "nki", True),
+    ("neuronx-cc", "neuronxcc", True),
+    ("torch-neuronx", "torch_neuronx", True),
+    ("transformers", "transformers", False),
+    ("numpy", "numpy", False),
+    ("ml_dtypes", "ml_dtypes", False),
+    ("safetensors", "safetensors", False),
+)
+
+
+@dataclass(frozen=True)
+class PackageInfo:
+    name: str  # distribution name
+    module: str  # import name
+    version: str | None  # None when not installed
+    path: str | None  # directory of the package
+    status: str  # "installed" | "not installed" | "placeholder, not the Neuron package" | "import error: ..."
+
+
+def _version(dist: str, module: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _path(module: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return os.fspath(list(spec.submodule_search_locations)[0])
+    return os.path.dirname(spec.origin) if spec.origin else None
+
+
+def package_info(dist: str, module: str, neuron: bool = False) -> PackageInfo:
+    """Version, location and status of one package."""
+    version, path = _version(dist, module), _path(module)
+    if path is None:
+        return PackageInfo(dist, module, version, None, "not installed")
+    status = "installed"
+    if neuron:  # the PyPI placeholders install fine and only fail at import
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            if "WRONG PACKAGE" in str(exc).upper() or "neuron repository" in str(exc).lower():
+                status = "placeholder, not the Neuron package"
+            else:
+                status = f"import error: {exc}"
+        except Exception as exc:  # noqa: BLE001 - report anything a broken install raises
+            status = f"import error: {type(exc).__name__}: {exc}"
+    return PackageInfo(dist, module, version, path, status)
+
+
+def nki_backend() -> str:
+    """Which NKI the kernels get: 'nki' (real Neuron) or 'nkisim' (trnkit's interpreter)."""
+    try:
+        from trnkit import nki_api  # noqa: PLC0415 - lazy: resolving imports the interpreter
+    except Exception as exc:  # noqa: BLE001
+        return f"unavailable ({type(exc).__name__}: {exc})"
+    return nki_api.backend_name()
+
+
+def collect() -> dict:
+    """Everything ``python -m trnkit env`` prints, as plain data."""
+    return {
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "platform": platform.platform(),
+        "packages": [asdict(package_info(*p)) for p in PACKAGES],
+        "nki_backend": nki_backend(),
+        "TRNKIT_NKI": os.environ.get("TRNKIT_NKI", ""),
+    }
+
+
+def format_env(info: dict) -> str:
+    """A readable table of :func:`collect`'s result."""
+    rows = [(p["name"], p["version"] or "-", p["status"], p["path"] or "-") for p in info["packages"]]
+    w = [max(len(r[i]) for r in rows + [("package", "version", "status", "path")]) for i in range(3)]
+    lines = [
+        f"python {info['python']} ({info['executable']}) on {info['platform']}",
+        f"{'package':<{w[0]}}  {'version':<{w[1]}}  {'status':<{w[2]}}  path",
+    ]
+    lines += [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]
+    forced = f" (TRNKIT_NKI={info['TRNKIT_NKI']})" if info["TRNKIT_NKI"] else ""
+    lines.append(f"NKI backend: {info['nki_backend']}{forced}")
+    return "\n".join(lines)
