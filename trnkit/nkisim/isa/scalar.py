@@ -75,7 +75,7 @@ def activation(dst: Any, op: Any, data: Any, bias: Any = None, scale: Any = 1.0,
     if reduce_res is not None:
         write(reduce_res, regs)
     emit(OP, "scalar", {"dst": dst, "data": data, "bias": bias, "scale": scale, "reduce_res": reduce_res},
-         act=_ops.resolve(op).name, reduce_cmd=cmd, reduce_readout=reduce_res is not None)
+         op=_ops.resolve(op).name, reduce_cmd=cmd, reduce_res=reduce_res is not None)
 
 
 def activation_reduce(dst: Any, op: Any, data: Any, reduce_op: Any, reduce_res: Any, bias: Any = None,
@@ -91,4 +91,4 @@ def activation_reduce(dst: Any, op: Any, data: Any, reduce_op: Any, reduce_res: 
     _, out = _activate(OP, dst, op, data, bias, scale)
     write(reduce_res, _accumulate(_scalar_regs, OP, fr, "reset_reduce", fr.reduce(out, (1,), keepdims=True)))
     emit(OP, "scalar", {"dst": dst, "data": data, "bias": bias, "scale": scale, "reduce_res": reduce_res},
-         act=_ops.resolve(op).name, reduce_op=fr.name, reduce_readout=True)
+         op=_ops.resolve(op).name, reduce_op=fr.name, reduce_res=True)

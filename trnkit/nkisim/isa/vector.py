@@ -164,19 +164,42 @@ def scalar_or_column(op: str, role: str, value: Any, partitions: int, engine: st
     return np.int64(value) if integer else _F32(value)
 
 
-def emit(op: str, engine: str, operands: dict[str, Any], **attrs: Any) -> None:
-    """Append one :class:`trace.Instr` (N = largest operand free size, P = largest partition count)."""
+_WRITE_ROLES = frozenset({"dst", "dst_idx", "reduce_res"})
+
+
+def _span(t: Any) -> tuple[int, int, int]:
+    """``(storage_key, lo, hi)``: the half-open flat element range (storage dtype) a view touches."""
+    st = t.storage
+    off = t.resolve_offset("trace")
+    lo = hi = 0
+    for n, s in zip(t.shape, t.strides):
+        if s > 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    isz, ssz = t.dtype.itemsize, st.dtype.itemsize
+    return id(st), (off + lo) * isz // ssz, ((off + hi + 1) * isz + ssz - 1) // ssz
+
+
+def emit(opname: str, engine: str, operands: dict[str, Any], /, **attrs: Any) -> None:
+    """Append one :class:`trace.Instr` (N = largest operand free size, P = largest partition count).
+
+    ``attrs`` gets ``reads`` / ``writes`` (storage key, element range) for the cost model's
+    dependency schedule (docs/notes-perf.md).
+    """
     if trace.active() is None:
         return
-    recs = []
+    recs, reads, writes = [], [], []
     for role, t in operands.items():
         if not is_tile(t):
             continue
         p, n = t.shape[0], free_size(t)
         recs.append(trace.Operand(role=role, buffer=buf(t), shape=tuple(t.shape), dtype=t.dtype.name,
                                   partitions=p, free_elems=n, nbytes=p * n * t.dtype.itemsize))
+        (writes if role in _WRITE_ROLES else reads).append(_span(t))
+    attrs["reads"], attrs["writes"] = tuple(reads), tuple(writes)
     trace.emit(trace.Instr(
-        op=op, engine=engine, operands=tuple(recs),
+        op=opname, engine=engine, operands=tuple(recs),
         elems_per_partition=max((r.free_elems for r in recs), default=0),
         partitions=max((r.partitions for r in recs), default=0),
         program_id=_program_id(), attrs=attrs))
@@ -245,7 +268,7 @@ def tensor_tensor(dst: Any, data1: Any, data2: Any, op: Any, engine: Any = None,
         write(dst, r, bits=r.dtype.kind in "iu")
     else:
         write(dst, f.apply(read(data1), read(data2)))
-    emit(OP, eng, tiles, alu_op=f.name)
+    emit(OP, eng, tiles, op=f.name)
 
 
 def tensor_scalar(dst: Any, data: Any, op0: Any, operand0: Any, reverse0: bool = False, op1: Any = None,
@@ -295,7 +318,7 @@ def tensor_scalar(dst: Any, data: Any, op0: Any, operand0: Any, reverse0: bool =
         x = _apply_stage(OP, f1, x, operand("operand1", operand1, f1), reverse1)
     write(dst, x, bits=bits)
     emit(OP, eng, {"dst": dst, "data": data, "operand0": operand0, "operand1": operand1},
-         alu_op0=f0.name, alu_op1=f1.name if f1 else None)
+         op=f0.name, op0=f0.name, op1=f1.name if f1 else None)
 
 
 def scalar_tensor_tensor(dst: Any, data: Any, op0: Any, operand0: Any, op1: Any, operand1: Any,
@@ -316,7 +339,7 @@ def scalar_tensor_tensor(dst: Any, data: Any, op0: Any, operand0: Any, op1: Any,
     x = _binary(f0, read(data), o0, reverse0)
     write(dst, _binary(f1, x, read(operand1), reverse1))
     emit(OP, "vector", {"dst": dst, "data": data, "operand0": operand0, "operand1": operand1},
-         alu_op0=f0.name, alu_op1=f1.name)
+         op=f1.name, op0=f0.name, op1=f1.name)
 
 
 def _reduce_axes(op: str, data: Any, axis: Any) -> tuple[int, ...]:
@@ -357,7 +380,7 @@ def tensor_reduce(dst: Any, op: Any, data: Any, axis: Any, negate: bool = False,
     if negate:
         r = -r
     write(dst, r, bits=f.is_bitvec)
-    emit(OP, "vector", {"dst": dst, "data": data}, alu_op=f.name, axis=axes)
+    emit(OP, "vector", {"dst": dst, "data": data}, op=f.name, axis=axes)
 
 
 def tensor_copy(dst: Any, src: Any, engine: Any = None, name: str | None = None) -> None:
@@ -601,4 +624,4 @@ def tensor_scalar_reduce(dst: Any, data: Any, op0: Any, operand0: Any, reduce_op
     write(dst, x)
     write(reduce_res, _accumulate(_vector_regs, OP, fr, cmd, part, init))
     emit(OP, "vector", {"dst": dst, "data": data, "operand0": operand0, "reduce_res": reduce_res},
-         alu_op0=f0.name, reduce_op=fr.name)
+         op=f0.name, reduce_op=fr.name)

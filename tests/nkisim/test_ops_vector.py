@@ -1,0 +1,278 @@
+"""Vector Engine instructions against numpy references, for each dtype they support."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trnkit.nkisim import ops as nl
+from trnkit.nkisim import trace
+from trnkit.nkisim.isa import vector as nisa
+
+from ._tiles import BF16, F16, F32, FLOATS, as_f32, empty, psum, ref_round, sbuf, tile
+
+RNG = np.random.default_rng(42)
+
+ARITH_BINARY = {
+    "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum,
+    "minimum": np.minimum, "divide": np.divide, "equal": np.equal, "not_equal": np.not_equal,
+    "greater": np.greater, "greater_equal": np.greater_equal, "less": np.less,
+    "less_equal": np.less_equal, "logical_and": np.logical_and, "logical_or": np.logical_or,
+    "logical_xor": np.logical_xor,
+}
+
+
+def _rand(shape, dtype, lo=-4.0, hi=4.0) -> np.ndarray:
+    """Random values exactly representable in ``dtype`` (so the reference sees the same inputs)."""
+    return RNG.uniform(lo, hi, size=shape).astype(np.float32).astype(dtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("name", sorted(ARITH_BINARY))
+def test_tensor_tensor_arithmetic(name: str, dtype: np.dtype) -> None:
+    a = _rand((128, 3, 40), dtype)
+    b = _rand((128, 120), dtype)  # same elements per partition, different shape
+    b[:, :20] = a.reshape(128, -1)[:, :20]  # equal pairs for the comparisons
+    b[b == 0] = 0.5
+    dst = empty((128, 120), dtype)
+    nisa.tensor_tensor(dst, tile(a, dtype), tile(b, dtype), op=getattr(nl, name))
+    want = ref_round(ARITH_BINARY[name](a.reshape(128, -1), b).astype(np.float32), dtype)
+    np.testing.assert_array_equal(as_f32(dst), want)
+
+
+def test_tensor_tensor_bf16_rounds_to_nearest_even() -> None:
+    # 1 + 2^-8 lies halfway between bf16 1.0 and 1 + 2^-7: RNE picks 1.0 (even mantissa);
+    # 1 + 3*2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: RNE picks 1 + 2^-6.
+    a = np.array([[1.0, 1.0, -1.0]], np.float32)
+    b = np.array([[2.0**-8, 3 * 2.0**-8, -(2.0**-8)]], np.float32)
+    dst = empty((1, 3), BF16)
+    nisa.tensor_tensor(dst, tile(a), tile(b), op=nl.add)
+    np.testing.assert_array_equal(as_f32(dst), [[1.0, 1.0 + 2.0**-6, -1.0]])
+
+
+def test_tensor_tensor_mixed_dtypes_and_psum_operand() -> None:
+    a = _rand((64, 32), BF16)
+    b = _rand((64, 32), F32)
+    dst = empty((64, 32), F32, psum)
+    nisa.tensor_tensor(dst, tile(a, BF16), tile(b, F32, psum), op=nl.multiply)
+    np.testing.assert_array_equal(as_f32(dst), a * b)
+
+
+def test_tensor_tensor_in_place_on_strided_views() -> None:
+    # The rope pattern: dst aliases data1, halves of the free dim.
+    x = _rand((16, 2, 8), F32)
+    t = tile(x)
+    nisa.tensor_tensor(t[:, :, :4], t[:, :, :4], t[:, :, 4:], op=nl.subtract)
+    want = x.copy()
+    want[:, :, :4] = x[:, :, :4] - x[:, :, 4:]
+    np.testing.assert_array_equal(as_f32(t), want)
+
+
+def test_tensor_tensor_int32_is_exact_on_gpsimd() -> None:
+    a = np.array([[2**30, -(2**31), 123456789, 7]], np.int32)
+    b = np.array([[2**30 - 1, 1, 987654321, -9]], np.int32)
+    dst = empty((1, 4), np.int32)
+    with trace.record() as tr:
+        nisa.tensor_tensor(dst, tile(a), tile(b), op=nl.add)
+    want = (a.astype(np.int64) + b).astype(np.int32)  # native 32-bit wrap, no fp32 rounding
+    np.testing.assert_array_equal(dst.np(), want)
+    assert tr.instrs[0].engine == "gpsimd"
+    # forced onto the Vector engine, int32 goes through fp32 (123456789 + 987654321 is not exact)
+    nisa.tensor_tensor(dst, tile(a), tile(b), op=nl.add, engine="vector")
+    assert dst.np()[0, 2] == np.int32(np.float32(123456789.0) + np.float32(987654321.0))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("name,ref", [("bitwise_and", np.bitwise_and), ("bitwise_or", np.bitwise_or),
+                                      ("bitwise_xor", np.bitwise_xor)])
+def test_tensor_tensor_bitvec(name: str, ref, dtype) -> None:
+    info = np.iinfo(dtype)
+    a = RNG.integers(info.min, info.max, size=(32, 64), endpoint=True).astype(dtype)
+    b = RNG.integers(info.min, info.max, size=(32, 64), endpoint=True).astype(dtype)
+    dst = empty((32, 64), dtype)
+    nisa.tensor_tensor(dst, tile(a), tile(b), op=getattr(nl, name))
+    np.testing.assert_array_equal(dst.np(), ref(a, b))
+
+
+def test_tensor_tensor_shifts() -> None:
+    a = np.array([[0x80000001, 0x00000003]], np.uint32)
+    s = np.array([[1, 4]], np.uint32)
+    dst = empty((1, 2), np.uint32)
+    nisa.tensor_tensor(dst, tile(a), tile(s), op=nl.left_shift)
+    np.testing.assert_array_equal(dst.np(), [[0x00000002, 0x00000030]])
+    nisa.tensor_tensor(dst, tile(a), tile(s), op=nl.right_shift)
+    np.testing.assert_array_equal(dst.np(), [[0x40000000, 0x0]])
+
+
+def test_tensor_tensor_power_runs_on_gpsimd() -> None:
+    a = _rand((8, 16), F32, 0.5, 3.0)
+    b = _rand((8, 16), F32, -2.0, 2.0)
+    dst = empty((8, 16), F32)
+    with trace.record() as tr:
+        nisa.tensor_tensor(dst, tile(a), tile(b), op=nl.power)
+    np.testing.assert_allclose(as_f32(dst), np.power(a, b), rtol=1e-6)
+    assert tr.instrs[0].engine == "gpsimd"
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_tensor_scalar_two_ops_scalars_and_columns(dtype: np.dtype) -> None:
+    x = _rand((100, 7, 9), dtype)
+    col = _rand((100, 1), F32)
+    dst = empty((100, 63), dtype)
+    nisa.tensor_scalar(dst, tile(x, dtype), op0=nl.subtract, operand0=tile(col), op1=nl.multiply,
+                       operand1=0.5)
+    want = (x.reshape(100, -1) - col) * np.float32(0.5)
+    np.testing.assert_array_equal(as_f32(dst), ref_round(want, dtype))
+
+
+def test_tensor_scalar_reverse_operands() -> None:
+    x = _rand((4, 8), F32, 0.5, 4)
+    dst = empty((4, 8), F32)
+    nisa.tensor_scalar(dst, tile(x), op0=nl.subtract, operand0=1.0, reverse0=True,
+                       op1=nl.divide, operand1=2.0, reverse1=True)
+    np.testing.assert_allclose(as_f32(dst), np.float32(2.0) / (np.float32(1.0) - x), rtol=1e-7)
+
+
+def test_tensor_scalar_unary_and_single_op() -> None:
+    x = _rand((4, 8), F32, 0.1, 9)
+    dst = empty((4, 8), F32)
+    nisa.tensor_scalar(dst, tile(x), op0=nl.rsqrt, operand0=None)
+    np.testing.assert_allclose(as_f32(dst), 1 / np.sqrt(x), rtol=1e-6)
+    nisa.tensor_scalar(dst, tile(x), op0=nl.maximum, operand0=2.0)
+    np.testing.assert_array_equal(as_f32(dst), np.maximum(x, 2.0))
+    nisa.tensor_scalar(dst, tile(x), np.multiply, 3.0)  # numpy functions (old style) and positional
+    np.testing.assert_array_equal(as_f32(dst), x * np.float32(3.0))
+
+
+def test_tensor_scalar_bitvec_with_int_operands() -> None:
+    x = RNG.integers(0, 2**16, size=(8, 32)).astype(np.int32)
+    dst = empty((8, 32), np.int32)
+    nisa.tensor_scalar(dst, tile(x), op0=nl.bitwise_and, operand0=0xFF, op1=nl.left_shift, operand1=4)
+    np.testing.assert_array_equal(dst.np(), (x & 0xFF) << 4)
+
+
+def test_scalar_tensor_tensor() -> None:
+    x, y = _rand((64, 48), BF16), _rand((64, 48), F32)
+    col = _rand((64, 1), F32)
+    dst = empty((64, 48), BF16)
+    nisa.scalar_tensor_tensor(dst, tile(x, BF16), nl.multiply, tile(col), nl.add, tile(y, F32, psum))
+    np.testing.assert_array_equal(as_f32(dst), ref_round(x * col + y, BF16))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+@pytest.mark.parametrize("name", ["add", "maximum", "minimum", "multiply"])
+def test_tensor_reduce_last_axes(name: str, dtype: np.dtype) -> None:
+    x = _rand((128, 4, 6, 10), dtype, 0.5, 1.5)
+    op = getattr(nl, name)
+    for axis, kept in (((3,), (128, 4, 6)), ((2, 3), (128, 4)), ((1, 2, 3), (128, 1)), (-1, (128, 4, 6))):
+        dst = empty(kept, dtype)
+        nisa.tensor_reduce(dst, op, tile(x, dtype), axis=axis)
+        ax = axis if isinstance(axis, tuple) else (axis,)
+        want = {"add": np.sum, "maximum": np.max, "minimum": np.min, "multiply": np.prod}[name](
+            x.astype(np.float64), axis=ax).reshape(kept)
+        np.testing.assert_allclose(as_f32(dst), ref_round(want, dtype), rtol=2e-3 if dtype != F32 else 1e-5)
+
+
+def test_tensor_reduce_negate_keepdims_and_dst_layout() -> None:
+    x = _rand((32, 5, 16), F32)
+    dst = empty((32, 5, 1), F32)
+    nisa.tensor_reduce(dst, nl.maximum, tile(x), axis=2, negate=True, keepdims=True)
+    np.testing.assert_array_equal(as_f32(dst), -x.max(axis=2, keepdims=True))
+    dst2 = empty((32, 5), F32)  # keepdims only changes the logical shape, not the element count
+    nisa.tensor_reduce(dst2, nl.add, tile(x), axis=(2,))
+    np.testing.assert_allclose(as_f32(dst2), x.sum(axis=2), rtol=1e-6)
+
+
+def test_tensor_reduce_bitvec_and_logical() -> None:
+    x = RNG.integers(0, 2**20, size=(16, 12)).astype(np.int32)
+    dst = empty((16, 1), np.int32)
+    nisa.tensor_reduce(dst, nl.bitwise_or, tile(x), axis=1)
+    np.testing.assert_array_equal(dst.np()[:, 0], np.bitwise_or.reduce(x, axis=1))
+    f = np.array([[1, 2, 0], [1, 1, 1]], np.float32)
+    dstf = empty((2, 1), F32)
+    nisa.tensor_reduce(dstf, nl.logical_and, tile(f), axis=1)
+    np.testing.assert_array_equal(dstf.np()[:, 0], [0.0, 1.0])
+
+
+def test_tensor_copy_bit_exact_same_dtype() -> None:
+    bits = np.array([[0x7FC00001, 0xFF800000, 0x00000001, 0x3F800000]], np.uint32)  # NaN payload, -inf, denormal
+    src = tile(bits.view(np.float32))
+    dst = empty((1, 4), F32)
+    nisa.tensor_copy(dst, src)
+    np.testing.assert_array_equal(dst.np().view(np.uint32), bits)
+    i = np.array([[2**31 - 1, -(2**31), 16777217]], np.int32)  # not representable in fp32
+    dsti = empty((1, 3), np.int32)
+    nisa.tensor_copy(dsti, tile(i))
+    np.testing.assert_array_equal(dsti.np(), i)
+
+
+def test_tensor_copy_casts_psum_to_bf16_and_saturates_ints() -> None:
+    x = _rand((128, 512), F32, -300, 300)
+    dst = empty((128, 512), BF16)
+    nisa.tensor_copy(dst, tile(x, F32, psum))
+    np.testing.assert_array_equal(dst.np(), x.astype(BF16))
+    d8 = empty((1, 5), np.int8)
+    nisa.tensor_copy(d8, tile(np.array([[1.5, 2.5, -200.0, 300.0, np.nan]], np.float32)))
+    np.testing.assert_array_equal(d8.np(), [[2, 2, -128, 127, 0]])  # RNE, saturate, NaN -> 0
+    d16 = empty((2, 4), F16)
+    nisa.tensor_copy(d16, tile(np.arange(8, dtype=np.int32).reshape(2, 4)), engine="gpsimd")
+    np.testing.assert_array_equal(d16.np(), np.arange(8).reshape(2, 4))
+
+
+def test_tensor_copy_predicated() -> None:
+    src = _rand((8, 16), F32)
+    old = _rand((8, 16), F32)
+    pred = RNG.integers(0, 2, size=(8, 16)).astype(np.uint8)
+    dst = tile(old)
+    nisa.tensor_copy_predicated(dst, tile(src), tile(pred))
+    np.testing.assert_array_equal(as_f32(dst), np.where(pred != 0, src, old))
+    dst = tile(old)
+    nisa.tensor_copy_predicated(dst, -1.0, tile(pred), reverse_pred=True)
+    np.testing.assert_array_equal(as_f32(dst), np.where(pred == 0, -1.0, old))
+
+
+@pytest.mark.parametrize("dtype,value", [(F32, 0.1), (BF16, 0.1), (F16, -2.5), (np.int32, -7),
+                                         (np.uint8, 255), (np.float32, 0)])
+def test_memset(dtype, value) -> None:
+    dst = empty((16, 3, 5), dtype)
+    nisa.memset(dst, value)
+    np.testing.assert_array_equal(dst.np(), np.full((16, 3, 5), value).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+def test_reciprocal(dtype) -> None:
+    x = _rand((64, 40), dtype, 0.25, 8)
+    dst = empty((64, 40), dtype)
+    nisa.reciprocal(dst, tile(x, dtype))
+    np.testing.assert_array_equal(as_f32(dst), ref_round(np.float32(1) / x, dtype))
+
+
+def test_tensor_scalar_reduce_accumulates_across_calls() -> None:
+    x1, x2 = _rand((8, 32), F32), _rand((8, 32), F32)
+    dst, res = empty((8, 32), F32), empty((8, 1), F32)
+    nisa.tensor_scalar_reduce(dst, tile(x1), nl.multiply, 2.0, nl.add, res)
+    np.testing.assert_allclose(res.np()[:, 0], (2 * x1).sum(1), rtol=1e-5)
+    nisa.tensor_scalar_reduce(dst, tile(x2), nl.multiply, 2.0, nl.add, res, reduce_cmd="reduce")
+    np.testing.assert_allclose(res.np()[:, 0], (2 * x1).sum(1) + (2 * x2).sum(1), rtol=1e-5, atol=1e-5)
+    nisa.tensor_scalar_reduce(dst, tile(x2), nl.add, 1.0, nl.maximum, res, reduce_cmd="load_reduce",
+                              reduce_init=100.0)
+    np.testing.assert_array_equal(res.np()[:, 0], np.full(8, 100.0))
+    np.testing.assert_array_equal(as_f32(dst), x2 + 1)
+
+
+def test_trace_records_engine_sizes_and_dependencies() -> None:
+    a, b = tile(_rand((96, 2, 256), BF16), BF16), tile(_rand((96, 512), BF16), BF16)
+    dst = empty((96, 512), BF16)
+    with trace.record() as tr:
+        nisa.tensor_tensor(dst, a, b, op=nl.add)
+        nisa.tensor_scalar(dst, dst, op0=nl.multiply, operand0=2.0)
+    i0, i1 = tr.instrs
+    assert (i0.op, i0.engine, i0.partitions, i0.elems_per_partition) == ("tensor_tensor", "vector", 96, 512)
+    assert i0.attrs["op"] == "add"
+    assert [o.role for o in i0.operands] == ["dst", "data1", "data2"]
+    assert i0.operands[0].nbytes == 96 * 512 * 2
+    # the second instruction reads what the first wrote (same storage key and range)
+    assert i1.attrs["reads"][0] == i0.attrs["writes"][0]
+    key, lo, hi = i0.attrs["writes"][0]
+    assert (lo, hi) == (0, 96 * 512)
