@@ -1,0 +1,115 @@
+"""NKI data types (numpy dtypes, low precision via ``ml_dtypes``) and hardware-style casts.
+
+``nl.bfloat16`` is ``np.dtype(ml_dtypes.bfloat16)`` etc., so ``np.random.randn(4).astype(nl.bfloat16)``
+works as in the official tests. Casting follows the hardware: narrowing float casts round to nearest
+even (ml_dtypes does RNE); float -> int rounds to nearest even and saturates (NKI 0.6.0 release notes:
+"fp32->int casts are RNE with saturation like hardware"); NaN -> 0 for ints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .errors import fail
+
+__all__ = [
+    "bool_", "int8", "int16", "int32", "uint8", "uint16", "uint32",
+    "float16", "bfloat16", "tfloat32", "float32",
+    "float8_e4m3", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu",
+    "NKI_DTYPES", "resolve", "cast", "is_float", "is_int", "dtype_name", "sentinel",
+]
+
+bool_ = np.dtype(np.bool_)
+int8 = np.dtype(np.int8)
+int16 = np.dtype(np.int16)
+int32 = np.dtype(np.int32)
+uint8 = np.dtype(np.uint8)
+uint16 = np.dtype(np.uint16)
+uint32 = np.dtype(np.uint32)
+float16 = np.dtype(np.float16)
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float32 = np.dtype(np.float32)
+# tf32 has fp32 storage on the chip (the Tensor engine truncates the mantissa internally); the
+# interpreter stores and computes it as fp32.
+tfloat32 = float32
+float8_e4m3 = np.dtype(ml_dtypes.float8_e4m3)  # legacy NKI fp8 (IEEE-like, max 240)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)  # OCP (max 448, no inf)
+float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)  # MX scale (trn3)
+
+NKI_DTYPES: frozenset[np.dtype] = frozenset(
+    {bool_, int8, int16, int32, uint8, uint16, uint32, float16, bfloat16, float32,
+     float8_e4m3, float8_e4m3fn, float8_e5m2, float8_e8m0fnu}
+)
+_LOW_FLOATS = frozenset({bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2, float8_e8m0fnu})
+_INT_INFO = {d: np.iinfo(d) for d in (int8, int16, int32, uint8, uint16, uint32)}
+
+
+def resolve(dtype: Any, op: str = "dtype") -> np.dtype:
+    """``dtype`` as an NKI numpy dtype (accepts dtype objects, numpy types and names like 'bfloat16')."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        fail(op, "{dtype!r} is not an NKI dtype", dtype=dtype)
+    if dt not in NKI_DTYPES:
+        fail(op, "dtype {dtype} is not an NKI dtype (supported: {names})", dtype=dt.name,
+             names=", ".join(sorted(d.name for d in NKI_DTYPES)))
+    return dt
+
+
+def is_float(dt: np.dtype) -> bool:
+    return dt.kind == "f" or dt in _LOW_FLOATS
+
+
+def is_int(dt: np.dtype) -> bool:
+    return dt.kind in "iu"
+
+
+def dtype_name(dt: np.dtype) -> str:
+    return dt.name
+
+
+def sentinel(dt: np.dtype) -> Any:
+    """Fill value of fresh allocations, as the official simulator: NaN for floats, 4 for ints."""
+    if dt == float8_e8m0fnu:
+        return np.nan  # e8m0 has NaN (0xFF)
+    if is_float(dt):
+        return np.nan
+    if dt == bool_:
+        return True
+    return 4
+
+
+def cast(values: Any, dtype: np.dtype) -> np.ndarray:
+    """``values`` converted to ``dtype`` the way the engines write their output.
+
+    float -> narrower float: round to nearest even (ml_dtypes / numpy). float -> int: RNE, saturate to
+    the int range, NaN -> 0. int -> int: saturate. Anything -> bool: non-zero. Same dtype: returned
+    as is (no copy).
+    """
+    arr = np.asarray(values)
+    src = arr.dtype
+    if src == dtype:
+        return arr
+    if dtype.kind in "iu":
+        info = _INT_INFO[dtype]
+        if src.kind in "iu" or src == bool_:
+            if src == bool_ or (np.iinfo(src).min >= info.min and np.iinfo(src).max <= info.max):
+                return arr.astype(dtype)
+            return np.clip(arr, info.min, info.max).astype(dtype)
+        f = arr.astype(np.float64) if src != np.float64 else arr
+        f = np.rint(f)
+        f = np.clip(f, info.min, info.max)
+        f = np.nan_to_num(f, nan=0.0, copy=False)
+        return f.astype(dtype)
+    if dtype == bool_:
+        return arr != 0
+    if src.kind in "iu" or src == bool_:
+        return arr.astype(np.float32).astype(dtype) if dtype in _LOW_FLOATS else arr.astype(dtype)
+    if dtype in _LOW_FLOATS and src != float32:
+        # Engines compute in fp32; going through fp32 first matches the hardware's two-step cast.
+        arr = arr.astype(np.float32)
+    return arr.astype(dtype)

@@ -1,0 +1,23 @@
+"""``nki.isa`` of the interpreter: one module per engine, re-exported here.
+
+``dma`` (dma_copy), ``tensor_engine`` (nc_matmul, nc_transpose), ``vector`` / ``scalar`` /
+``gpsimd`` (the compute instructions), plus the enums of ``common`` (engine, oob_mode, dge_mode,
+reduce_cmd, nc_version).
+"""
+
+from ..errors import NkiValidationError
+from ..tensor import VirtualRegister
+from .common import dge_mode, engine, get_nc_version, nc_version, oob_mode, reduce_cmd
+from .dma import *  # noqa: F403
+from .gpsimd import *  # noqa: F403
+from .scalar import *  # noqa: F403
+from .tensor_engine import *  # noqa: F403
+from .vector import *  # noqa: F403
+
+# Engine-type aliases of the NKI docs (nki.isa.tensor_engine, ...).
+tensor_engine = engine.tensor
+vector_engine = engine.vector
+scalar_engine = engine.scalar
+gpsimd_engine = engine.gpsimd
+dma_engine = engine.dma
+unknown_engine = engine.unknown

@@ -1,0 +1,225 @@
+"""Shared pieces of every ``nki.isa`` module: enums, operand checks, writes, trace emission.
+
+Every instruction follows the same three steps: validate (the helpers below, which raise
+:class:`NkiValidationError` naming the op, the operand role, the rule and the values) -> compute in
+vectorised numpy (read with :func:`read_f32`, write with :func:`store`) -> :func:`emit` one
+``trace.Instr``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+from .. import dtypes as _dt
+from .. import memory as _mem
+from .. import trace
+from ..errors import fail, require
+from ..tensor import NkiTensor, psum, sbuf
+
+__all__ = [
+    "engine", "oob_mode", "dge_mode", "reduce_cmd", "nc_version", "get_nc_version",
+    "TENSOR", "VECTOR", "SCALAR", "GPSIMD", "DMA",
+    "check_tensor", "check_buffer", "check_on_chip", "check_partitions", "check_same_partitions",
+    "check_same_free_size", "check_dtype", "read_f32", "store", "operand", "emit", "engine_name",
+]
+
+TENSOR, VECTOR, SCALAR, GPSIMD, DMA = trace.TENSOR, trace.VECTOR, trace.SCALAR, trace.GPSIMD, trace.DMA
+
+
+class engine(enum.Enum):  # noqa: N801  (NKI spelling)
+    """``nki.isa.engine`` (values as in the NKI 0.6 stubs)."""
+
+    unknown = 0
+    tensor = 1
+    scalar = 2
+    gpsimd = 3
+    dma = 4
+    vector = 5
+    sync = 6
+
+
+class oob_mode(enum.Enum):  # noqa: N801
+    error = 0
+    skip = 1
+
+
+class dge_mode(enum.Enum):  # noqa: N801
+    unknown = 0
+    swdge = 1
+    hwdge = 2
+    none = 3
+
+
+class reduce_cmd(enum.Enum):  # noqa: N801
+    idle = 0
+    reset = 1
+    reduce = 2
+    reset_reduce = 3
+    load_reduce = 4
+
+
+class nc_version(enum.Enum):  # noqa: N801
+    gen2 = 2  # trn1 / inf2
+    gen3 = 3  # trn2
+    gen4 = 4  # trn3
+
+
+def get_nc_version() -> nc_version:
+    """The interpreter models trn2 (NeuronCore-v3)."""
+    return nc_version.gen3
+
+
+_ENGINE_NAMES = {engine.tensor: TENSOR, engine.vector: VECTOR, engine.scalar: SCALAR,
+                 engine.gpsimd: GPSIMD, engine.dma: DMA}
+
+
+def engine_name(e: engine, default: str) -> str:
+    """Trace engine name for an ``nisa.engine`` argument (``unknown`` -> ``default``)."""
+    if e is engine.unknown or e is None:
+        return default
+    name = _ENGINE_NAMES.get(e)
+    if name is None:
+        fail("engine", "engine {engine} cannot run this instruction", engine=e)
+    return name
+
+
+# -- validation ---------------------------------------------------------------------------------
+def check_tensor(op: str, role: str, t: Any) -> NkiTensor:
+    if not isinstance(t, NkiTensor):
+        fail(op, "{role} must be an NkiTensor, got {type}", role=role, type=type(t).__name__)
+    return t
+
+
+def check_buffer(op: str, role: str, t: NkiTensor, allowed: tuple[str, ...]) -> None:
+    """``t`` lives in one of the ``allowed`` buffers (names; 'hbm' covers all HBM kinds)."""
+    name = t._st.buffer.name
+    kind = "hbm" if not t._st.buffer.on_chip else name
+    if kind not in allowed and name not in allowed:
+        fail(op, "{role} must be in {allowed}, got {buffer} (tensor {name!r})", role=role,
+             allowed="/".join(allowed), buffer=name, name=t.name)
+
+
+def check_partitions(op: str, role: str, t: NkiTensor) -> None:
+    """On-chip operand of a compute engine: <= 128 partitions with an aligned partition start.
+
+    Start rules (``nki/guides/architecture/trainium_inferentia2_arch.rst``, "Accessing SBUF/PSUM
+    tensors"): more than 64 partitions must start at 0; 33..64 at 0 or 64; up to 32 at 0/32/64/96.
+    """
+    p = t.shape[0]
+    if p > 128:
+        fail(op, "{role} partition dimension {p} exceeds maximum 128 (tensor {name!r})", role=role,
+             p=p, name=t.name)
+    start = t.partition_start
+    if start == 0:
+        return
+    if p > 64:
+        allowed = (0,)
+    elif p > 32:
+        allowed = (0, 64)
+    else:
+        allowed = (0, 32, 64, 96)
+    if start not in allowed:
+        fail(op, "{role} starts at partition {start} with {p} partitions; allowed starts for that "
+             "size are {allowed} (tensor {name!r})", role=role, start=start, p=p, allowed=allowed,
+             name=t.name)
+
+
+def check_on_chip(op: str, role: str, t: Any, allowed: tuple[str, ...] = ("sbuf", "psum")) -> NkiTensor:
+    """Tensor check + buffer in ``allowed`` + partition rules, in one call."""
+    check_tensor(op, role, t)
+    check_buffer(op, role, t, allowed)
+    check_partitions(op, role, t)
+    return t
+
+
+def check_same_partitions(op: str, roles: dict[str, NkiTensor]) -> None:
+    items = list(roles.items())
+    r0, t0 = items[0]
+    for r, t in items[1:]:
+        if t.shape[0] != t0.shape[0]:
+            fail(op, "{role} has {p} partitions but {role0} has {p0}", role=r, p=t.shape[0],
+                 role0=r0, p0=t0.shape[0])
+
+
+def check_same_free_size(op: str, roles: dict[str, NkiTensor]) -> None:
+    items = list(roles.items())
+    r0, t0 = items[0]
+    for r, t in items[1:]:
+        if t.free_size != t0.free_size:
+            fail(op, "{role} has {n} elements per partition but {role0} has {n0}", role=r,
+                 n=t.free_size, role0=r0, n0=t0.free_size)
+
+
+def check_dtype(op: str, role: str, t: NkiTensor, allowed: Any) -> None:
+    if t.dtype not in allowed:
+        fail(op, "{role} dtype {dtype} not supported (allowed: {allowed})", role=role,
+             dtype=t.dtype.name, allowed=", ".join(sorted(np.dtype(d).name for d in allowed)))
+
+
+# -- data ---------------------------------------------------------------------------------------
+def read_f32(t: NkiTensor) -> np.ndarray:
+    """The operand's values as float32 (the engines' arithmetic precision); no copy if already fp32."""
+    a = t.np()
+    return a if a.dtype == np.float32 else a.astype(np.float32)
+
+
+def store(dst: NkiTensor, values: Any) -> None:
+    """Write ``values`` (broadcastable / same element count) into ``dst`` with the hardware cast.
+
+    Use this for every write an instruction makes: it casts (RNE, saturating ints) and, for PSUM,
+    marks the elements as no longer matmul-accumulated (so ``nc_matmul(accumulate=None)`` overwrites
+    them and ``accumulate=True`` warns).
+    """
+    out = dst.np()
+    v = _dt.cast(values, dst.dtype)
+    if v.shape != out.shape and v.size == out.size:
+        v = v.reshape(out.shape)
+    out[...] = v
+    st = dst._st
+    if st.mm is not None:
+        dst.matmul_flags()[...] = False
+
+
+# -- trace --------------------------------------------------------------------------------------
+def operand(role: str, t: NkiTensor) -> trace.Operand:
+    on_chip = t._st.buffer.on_chip
+    size = t.size
+    parts = t.shape[0] if on_chip else 1
+    return trace.Operand(role=role, buffer=t._st.buffer.name, shape=t.shape, dtype=t.dtype.name,
+                         partitions=parts, free_elems=size // parts,
+                         nbytes=size * t.dtype.itemsize)
+
+
+def emit(op: str, engine: str, dst: NkiTensor | None = None,
+         srcs: dict[str, NkiTensor | None] | None = None, flops: int = 0, hbm_bytes: int = 0,
+         dma_bytes: int = 0, attrs: dict | None = None) -> None:
+    """Append one ``trace.Instr`` to the active trace (cheap no-op when nothing records).
+
+    ``elems_per_partition`` is the largest on-chip operand's free size and ``partitions`` the largest
+    on-chip partition count; ``program_id`` is this instance's flat id.
+    """
+    tr = trace.active()
+    if tr is None:
+        return
+    ops = []
+    if dst is not None:
+        ops.append(operand("dst", dst))
+    if srcs:
+        ops.extend(operand(r, t) for r, t in srcs.items() if isinstance(t, NkiTensor))
+    on_chip = [o for o in ops if o.buffer in ("sbuf", "psum")]
+    elems = max((o.free_elems for o in on_chip), default=max((o.free_elems for o in ops), default=0))
+    parts = max((o.partitions for o in on_chip), default=1 if ops else 0)
+    tr.append(trace.Instr(op=op, engine=engine, operands=tuple(ops), flops=int(flops),
+                          hbm_bytes=int(hbm_bytes), dma_bytes=int(dma_bytes),
+                          elems_per_partition=int(elems), partitions=int(parts),
+                          program_id=_mem.current().flat_program_id, attrs=attrs or {}))
+
+
+# Buffers as tuples of names, for check_buffer
+SBUF = (sbuf.name,)
+PSUM = (psum.name,)
+ON_CHIP = ("sbuf", "psum")
+HBM = ("hbm",)

@@ -1,0 +1,105 @@
+"""DMA instructions: ``dma_copy`` (incl. indirect gather / scatter through ``.ap(vector_offset=...)``).
+
+Semantics (``nki/api/nki/isa/__init__.py`` ``dma_copy``, NKI 0.6): HBM<->SBUF, SBUF->SBUF, HBM->HBM;
+no PSUM source (since 0.3.0); total element counts of src and dst must match (shapes need not: the
+elements are copied in row-major order of each view); different dtypes convert through fp32;
+``dge_mode=hwdge`` needs equal dtypes. A ``vector_offset`` view on the HBM side makes partition ``p``
+read / write row ``idx[p]``; out-of-bounds rows raise (``oob_mode.error``) or are skipped
+(``oob_mode.skip``). A dynamic ``scalar_offset`` out of bounds likewise raises or skips the transfer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes as _dt
+from ..errors import NkiValidationError, require
+from ..tensor import NkiTensor
+from . import common
+from .common import dge_mode, engine, oob_mode
+
+__all__ = ["dma_copy"]
+
+
+def _convert(values: np.ndarray, dst_dtype: np.dtype) -> np.ndarray:
+    """DMA dtype conversion: src -> float32 -> dst (identity when the dtypes match)."""
+    if values.dtype == dst_dtype:
+        return values
+    if not (_dt.is_float(values.dtype) and values.dtype == _dt.float32):
+        values = values.astype(np.float32)
+    return _dt.cast(values, dst_dtype)
+
+
+def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
+             oob_mode: oob_mode = oob_mode.error, dge_mode: dge_mode = dge_mode.unknown,
+             engine: engine = engine.unknown, name: str | None = None) -> None:
+    """Copy ``src`` into ``dst`` with DMA engines (see module doc for the rules)."""
+    op = "dma_copy"
+    common.check_tensor(op, "dst", dst)
+    common.check_tensor(op, "src", src)
+    require(src.buffer.name != "psum", op, "src cannot be in PSUM (copy it to SBUF with "
+            "nisa.tensor_copy first); src {name!r}", name=src.name)
+    require(dst.buffer.name != "psum", op, "dst cannot be in PSUM (DMA moves HBM<->SBUF, SBUF->SBUF, "
+            "HBM->HBM); dst {name!r}", name=dst.name)
+    for role, t in (("dst", dst), ("src", src)):
+        if t.on_chip:
+            require(t.shape[0] <= 128, op, "{role} partition dimension {p} exceeds maximum 128 "
+                    "(tensor {name!r})", role=role, p=t.shape[0], name=t.name)
+    n_dst, n_src = dst.size, src.size
+    require(n_dst == n_src, op, "element counts differ: dst {dst_shape} has {n_dst}, src {src_shape} "
+            "has {n_src}", dst_shape=dst.shape, n_dst=n_dst, src_shape=src.shape, n_src=n_src)
+    if dge_mode is common.dge_mode.hwdge:
+        require(dst.dtype == src.dtype, op, "dge_mode=hwdge needs equal dtypes, got dst {dst_dtype} "
+                "and src {src_dtype} (use .view() to reinterpret)", dst_dtype=dst.dtype.name,
+                src_dtype=src.dtype.name)
+    else:
+        require(engine is common.engine.unknown, op, "engine= is only valid with dge_mode=hwdge, got "
+                "{engine}", engine=engine)
+    skip = oob_mode is common.oob_mode.skip
+    src_vec, dst_vec = src.indirect_info, dst.indirect_info
+    require(src_vec is None or dst_vec is None, op, "only one side of a dma_copy can use vector_offset")
+
+    moved = n_dst
+    if src_vec is not None:
+        flat, addr, valid = src.indirect_plan(op, skip)
+        if valid.all():
+            _write(dst, _convert(flat[addr], dst.dtype))
+        else:  # oob_mode.skip: leave the destination rows of out-of-bounds partitions untouched
+            out = dst.np()
+            require(out.shape[0] == addr.shape[0], op, "oob_mode=skip gathers need dst with the "
+                    "same partition count as the index ({p}), got {shape}", p=addr.shape[0],
+                    shape=out.shape)
+            vals = _convert(flat[addr[valid]], dst.dtype)
+            out[valid] = vals.reshape(out[valid].shape)
+            moved = int(vals.size)
+    elif dst_vec is not None:
+        flat, addr, valid = dst.indirect_plan(op, skip)
+        vals = _convert(src.np(), dst.dtype).reshape(addr.shape)
+        # rows are written in partition order, so duplicate indices keep the last partition's row
+        flat[addr[valid]] = vals[valid]
+        moved = int(vals[valid].size)
+    else:
+        try:
+            src_np = src.np()
+            out = dst.np()
+        except NkiValidationError:
+            if skip and (src._dyn is not None or dst._dyn is not None):
+                moved = 0  # dynamic start out of bounds: the transfer is skipped
+                src_np = None
+            else:
+                raise
+        if src_np is not None:
+            vals = _convert(src_np, dst.dtype)
+            out[...] = vals if vals.shape == out.shape else vals.reshape(out.shape)
+    nbytes = moved * dst.dtype.itemsize
+    src_bytes = moved * src.dtype.itemsize
+    hbm = (0 if src.on_chip else src_bytes) + (0 if dst.on_chip else nbytes)
+    common.emit(op, common.DMA, dst=dst, srcs={"src": src}, hbm_bytes=hbm,
+                dma_bytes=max(nbytes, src_bytes),
+                attrs={"dge_mode": dge_mode.name, "indirect": src_vec is not None or dst_vec is not None,
+                       "name": name})
+
+
+def _write(dst: NkiTensor, vals: np.ndarray) -> None:
+    out = dst.np()
+    out[...] = vals if vals.shape == out.shape else vals.reshape(out.shape)

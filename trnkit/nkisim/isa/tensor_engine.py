@@ -1,0 +1,145 @@
+"""Tensor Engine instructions: ``nc_matmul`` and ``nc_transpose`` (NKI 0.6 semantics, trn2 limits).
+
+``nc_matmul(dst, stationary, moving)``: ``dst[M, N] (+)= stationary[K, M].T @ moving[K, N]``,
+contracting over the partition dim of both inputs (``nki/api/nki/isa/__init__.py`` ``nc_matmul``;
+``nki-facts.md`` section 2). Inputs in SBUF, dst fp32 in PSUM on trn2, K <= 128, M <= 128
+(``gemm_stationary_fmax``), N <= 512 (``gemm_moving_fmax``, one PSUM bank of fp32). Arithmetic is
+fp32 (products of bf16/fp8 inputs are exact in fp32; accumulation in fp32).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from .. import dtypes as _dt
+from .. import trace
+from ..errors import fail, require
+from ..tensor import NkiTensor
+from . import common
+from .common import engine
+
+__all__ = ["nc_matmul", "nc_transpose", "matmul_perf_mode"]
+
+# Matmul input dtypes (nc_matmul docstring): fp8_e4m3 / fp8_e5m2 / bf16 / fp16 / tf32 / fp32.
+_MM_IN = frozenset({_dt.float8_e4m3, _dt.float8_e4m3fn, _dt.float8_e5m2, _dt.bfloat16, _dt.float16,
+                    _dt.float32})
+_TRACE_ONLY_MIN_MACS = 128 * 128 * 128  # trace-only mode skips the arithmetic from this size up
+
+
+class matmul_perf_mode:  # noqa: N801  (NKI spelling)
+    none = "none"
+    double_row = "double_row"  # trn3 (fp8) only
+
+
+def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
+              is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
+              is_transpose: bool = False, accumulate: bool | None = None,
+              tile_position: tuple = (), tile_size: tuple = (), perf_mode: str = "none",
+              name: str | None = None) -> None:
+    """``dst[M,N] = stationary[K,M].T @ moving[K,N]`` on the Tensor Engine, fp32 in PSUM.
+
+    ``accumulate=None``: each PSUM element's first matmul write overwrites, later ones add (tracked
+    per element since the allocation or since a non-matmul write); ``False``: overwrite; ``True``:
+    add (warns when an element was not written by a matmul before: undefined on trn2).
+    """
+    op = "nc_matmul"
+    common.check_on_chip(op, "dst", dst, common.PSUM)
+    common.check_on_chip(op, "stationary", stationary, common.SBUF)
+    common.check_on_chip(op, "moving", moving, common.SBUF)
+    k, m = stationary.shape[0], stationary.free_size
+    k2, n = moving.shape[0], moving.free_size
+    require(k == k2, op, "contraction (partition) sizes differ: stationary has {k_stationary} "
+            "partitions, moving has {k_moving}", k_stationary=k, k_moving=k2)
+    require(m <= 128, op, "stationary free size {m} exceeds gemm_stationary_fmax (128)", m=m)
+    require(n <= 512, op, "moving free size {n} exceeds gemm_moving_fmax (512)", n=n)
+    require(dst.shape[0] == m, op, "dst partition dim {p} must equal the stationary free size {m}",
+            p=dst.shape[0], m=m)
+    require(dst.free_size == n, op, "dst free size {f} must equal the moving free size {n}",
+            f=dst.free_size, n=n)
+    common.check_dtype(op, "stationary", stationary, _MM_IN)
+    common.check_dtype(op, "moving", moving, _MM_IN)
+    f32 = _dt.float32
+    if (stationary.dtype == f32) != (moving.dtype == f32):
+        fail(op, "if one input is fp32/tf32 both must be: stationary {stationary_dtype}, moving "
+             "{moving_dtype}", stationary_dtype=stationary.dtype.name, moving_dtype=moving.dtype.name)
+    require(dst.dtype == f32, op, "dst must be float32 in PSUM on trn2, got {dtype}",
+            dtype=dst.dtype.name)
+    require(accumulate in (None, True, False), op, "accumulate must be None, True or False, got "
+            "{accumulate!r}", accumulate=accumulate)
+    require(not is_transpose, op, "is_transpose=True: use nisa.nc_transpose for Tensor Engine "
+            "transposes")
+    require(perf_mode in ("none", None), op, "perf_mode {perf_mode!r} is not available on trn2 "
+            "(double_row needs NeuronCore-v4)", perf_mode=perf_mode)
+    for v in tuple(tile_position) + tuple(tile_size):
+        require(int(v) % 32 == 0, op, "tile_position/tile_size entries must be multiples of 32, got "
+                "{tile_position}/{tile_size}", tile_position=tile_position, tile_size=tile_size)
+
+    out = dst.np()
+    flags = dst.matmul_flags()
+    if trace.trace_only() and k * m * n >= _TRACE_ONLY_MIN_MACS:
+        flags[...] = True  # shapes/bookkeeping only; the values are not computed
+    else:
+        a = common.read_f32(stationary).reshape(k, m)
+        b = common.read_f32(moving).reshape(k, n)
+        res = (a.T @ b).reshape(out.shape)
+        if accumulate is False:
+            out[...] = res
+        elif accumulate is True:
+            if not flags.all():
+                warnings.warn(f"{op}: accumulate=True onto PSUM tile {dst.name!r} elements not "
+                              "written by a previous nc_matmul (uninitialised or written by another "
+                              "engine): undefined on trn2", RuntimeWarning, stacklevel=2)
+            out += res
+        else:
+            written = flags.all()
+            if written:
+                out += res
+            elif not flags.any():
+                out[...] = res
+            else:
+                np.copyto(out, np.where(flags, out + res, res))
+        flags[...] = True
+    common.emit(op, common.TENSOR, dst=dst, srcs={"stationary": stationary, "moving": moving},
+                flops=2 * k * m * n,
+                attrs={"M": m, "N": n, "K": k, "dtype": stationary.dtype.name,
+                       "accumulate": accumulate, "perf_mode": perf_mode or "none", "name": name})
+
+
+def nc_transpose(dst: NkiTensor, data: NkiTensor, engine: engine = engine.unknown,
+                 name: str | None = None) -> None:
+    """Swap partition and free axes: ``dst[F, P] = data[P, F]`` (free dims flattened).
+
+    Tensor Engine: SBUF -> PSUM, up to 128 x 128. Vector Engine: SBUF/PSUM -> SBUF/PSUM, up to
+    32 x 32. ``engine=unknown`` picks the Tensor Engine when dst is in PSUM and data in SBUF, else the
+    Vector Engine. dst dtype must equal data dtype.
+    """
+    op = "nc_transpose"
+    common.check_tensor(op, "dst", dst)
+    common.check_tensor(op, "data", data)
+    if engine is common.engine.unknown:
+        use_tensor = dst.buffer.name == "psum" and data.buffer.name == "sbuf"
+    else:
+        require(engine in (common.engine.tensor, common.engine.vector), op, "engine must be tensor "
+                "or vector, got {engine}", engine=engine)
+        use_tensor = engine is common.engine.tensor
+    p, f = data.shape[0], data.free_size
+    if use_tensor:
+        common.check_on_chip(op, "data", data, common.SBUF)
+        common.check_on_chip(op, "dst", dst, common.PSUM)
+        require(p <= 128 and f <= 128, op, "Tensor Engine transpose supports up to 128x128, data is "
+                "{p}x{f}", p=p, f=f)
+    else:
+        common.check_on_chip(op, "data", data)
+        common.check_on_chip(op, "dst", dst)
+        require(p <= 32 and f <= 32, op, "Vector Engine transpose supports up to 32x32, data is "
+                "{p}x{f}", p=p, f=f)
+    require(dst.shape[0] == f and dst.free_size == p, op, "dst must be [{f}, {p}] for data [{p}, "
+            "{f}], got shape {shape}", f=f, p=p, shape=dst.shape)
+    require(dst.dtype == data.dtype, op, "dst dtype {dst_dtype} must equal data dtype {data_dtype}",
+            dst_dtype=dst.dtype.name, data_dtype=data.dtype.name)
+    res = data.np().reshape(p, f).T
+    common.store(dst, res.reshape(dst.shape))
+    common.emit(op, common.TENSOR if use_tensor else common.VECTOR, dst=dst, srcs={"data": data},
+                flops=2 * p * p * f if use_tensor else 0, attrs={"P": p, "F": f, "name": name})

@@ -1,0 +1,225 @@
+"""``nki.language`` of the interpreter: dtypes, buffers, allocation, tile sizes, loops, SPMD ids.
+
+Names and semantics follow the NKI 0.6 API reference (``nki/api/nki/language/__init__.py`` in
+aws-neuron-sdk). The ALU/activation function objects (``nl.add``, ``nl.exp``, ...) come from
+:mod:`trnkit.nkisim.ops` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import dtypes as _dt
+from . import memory as _mem
+from .dtypes import (  # noqa: F401  (re-exported dtypes)
+    bfloat16,
+    bool_,
+    float8_e4m3,
+    float8_e4m3fn,
+    float8_e5m2,
+    float8_e8m0fnu,
+    float16,
+    float32,
+    int8,
+    int16,
+    int32,
+    tfloat32,
+    uint8,
+    uint16,
+    uint32,
+)
+from .errors import fail, require
+from .tensor import (  # noqa: F401  (re-exported)
+    BUFFERS,
+    MemoryRegion,
+    NkiTensor,
+    VirtualRegister,
+    allocate,
+    hbm,
+    private_hbm,
+    psum,
+    sbuf,
+    shared_hbm,
+)
+
+try:  # the ALU / activation function objects (nl.add, nl.exp, ...)
+    from . import ops as _ops
+except ImportError:  # pragma: no cover - only while ops.py is being written
+    _ops = None
+else:
+    globals().update(_ops.ALL_OPS)
+
+
+class NKIObject:
+    """Base class for user classes passed into kernels (the real compiler requires it)."""
+
+
+class _TileSize:
+    """``nl.tile_size``: hardware tile limits (``nki/get-started/about/tiling-overview.rst``)."""
+
+    pmax = 128  # partitions of any SBUF/PSUM tile
+    psum_bank_fmax = 512  # fp32 elements per partition of one PSUM bank
+    psum_fmax = 512  # deprecated name of psum_bank_fmax (NKI 0.4.0)
+    psum_bank_fmax_bytes = _mem.PSUM_BANK_BYTES
+    gemm_stationary_fmax = 128  # free size of nc_matmul's stationary operand
+    gemm_moving_fmax = 512  # free size of nc_matmul's moving operand
+    bn_stats_fmax = 512
+    psum_min_align = 4  # bytes (fp32 PSUM words)
+    sbuf_min_align = 2  # bytes
+    psum_num_banks = _mem.PSUM_BANKS
+    total_available_sbuf_size = _mem.SBUF_USABLE_BYTES  # bytes per partition (deprecated name)
+    sbuf_fmax_bytes = _mem.SBUF_USABLE_BYTES
+
+    def __repr__(self) -> str:
+        return "nl.tile_size"
+
+
+tile_size = _TileSize()
+
+
+def _buffer(buffer: Any, op: str) -> MemoryRegion:
+    if isinstance(buffer, MemoryRegion):
+        return buffer
+    fail(op, "buffer must be a memory region (nl.sbuf, nl.psum, nl.hbm, nl.shared_hbm, "
+         "nl.private_hbm); got {buffer!r} (string buffer names are rejected since NKI 0.3.0)",
+         buffer=buffer)
+
+
+def ndarray(shape: Sequence[int], dtype: Any, buffer: MemoryRegion = sbuf, name: str = "",
+            address: Any = None) -> NkiTensor:
+    """Allocate a tensor. Memory is NOT initialised: it holds NaN (floats) / 4 (ints) sentinels."""
+    buf = _buffer(buffer, "nl.ndarray")
+    return allocate(tuple(shape), _dt.resolve(dtype, "nl.ndarray"), buf, name)
+
+
+def _filled(shape: Sequence[int], dtype: Any, buffer: Any, name: str, value: Any, op: str) -> NkiTensor:
+    buf = _buffer(buffer, op)
+    dt = _dt.resolve(dtype, op)
+    t = allocate(tuple(shape), dt, buf, name, fill=_dt.cast(np.asarray(value), dt))
+    if buf.on_chip:  # on the chip this is a memset instruction
+        from .isa import common  # noqa: PLC0415  (isa imports language)
+
+        common.emit("memset", common.VECTOR, dst=t, attrs={"value": value, "via": op})
+    return t
+
+
+def zeros(shape: Sequence[int], dtype: Any, buffer: MemoryRegion = sbuf, name: str = "") -> NkiTensor:
+    """A tensor filled with 0 (a memset on the chip)."""
+    return _filled(shape, dtype, buffer, name, 0, "nl.zeros")
+
+
+def ones(shape: Sequence[int], dtype: Any, buffer: MemoryRegion = sbuf, name: str = "") -> NkiTensor:
+    return _filled(shape, dtype, buffer, name, 1, "nl.ones")
+
+
+def full(shape: Sequence[int], fill_value: Any, dtype: Any, buffer: MemoryRegion = sbuf,
+         name: str = "") -> NkiTensor:
+    return _filled(shape, dtype, buffer, name, fill_value, "nl.full")
+
+
+def zeros_like(a: NkiTensor, dtype: Any = None, buffer: MemoryRegion | None = None,
+               name: str = "") -> NkiTensor:
+    return zeros(a.shape, dtype or a.dtype, buffer or a.buffer, name)
+
+
+def empty_like(a: NkiTensor, dtype: Any = None, buffer: MemoryRegion | None = None,
+               name: str = "") -> NkiTensor:
+    return ndarray(a.shape, dtype or a.dtype, buffer or a.buffer, name)
+
+
+def ds(start: int, size: int) -> slice:
+    """``nl.ds(start, size)``: the slice ``start:start+size``."""
+    return slice(start, start + size)
+
+
+# NKI 0.3+: affine_range / sequential_range / static_range are deprecated aliases of Python's range
+# (fully unrolled at trace time), so executing them sequentially is exact.
+def affine_range(*args: int) -> range:
+    return range(*args)
+
+
+def sequential_range(*args: int) -> range:
+    return range(*args)
+
+
+def static_range(*args: int) -> range:
+    return range(*args)
+
+
+def _reg_value(v: Any) -> int:
+    return v.value if isinstance(v, VirtualRegister) else int(v)
+
+
+def fori_loop(lower: int | VirtualRegister, upper: int | VirtualRegister,
+              body_fun: Callable[[VirtualRegister], Any], step: int = 1) -> None:
+    """``for i in range(lower, upper, step): body_fun(i)`` with ``i`` a :class:`VirtualRegister`.
+
+    On the device the loop runs at run time and ``i`` is a register usable only as
+    ``.ap(scalar_offset=i)`` (or in ``nisa.register_*``); the interpreter runs the body once per
+    value and passes a fresh VirtualRegister holding it, which refuses Python arithmetic just as the
+    compiler would.
+    """
+    require(isinstance(step, int) and step > 0, "nl.fori_loop", "step must be a compile-time "
+            "positive int, got {step!r}", step=step)
+    for i in range(_reg_value(lower), _reg_value(upper), step):
+        body_fun(VirtualRegister(i))
+
+
+def while_loop(init_reg: VirtualRegister, body_fun: Callable[[], VirtualRegister]) -> None:
+    """Run ``body_fun`` while the condition register is non-zero; it returns the next condition."""
+    reg = init_reg
+    while _reg_value(reg):
+        reg = body_fun()
+
+
+def program_id(axis: int) -> int:
+    """This instance's index along grid ``axis`` (0 without a grid)."""
+    pid = _mem.current().program_id
+    require(axis >= 0, "nl.program_id", "axis must be >= 0, got {axis}", axis=axis)
+    if axis >= len(pid):
+        require(not pid, "nl.program_id", "axis {axis} out of range for a {ndim}-D grid",
+                axis=axis, ndim=len(pid))
+        return 0
+    return pid[axis]
+
+
+def num_programs(axes: int | Sequence[int] | None = None) -> int:
+    """Grid size along ``axes`` (all axes when None; 1 without a grid)."""
+    grid = _mem.current().launch.grid
+    if axes is None:
+        axes = tuple(range(len(grid)))
+    elif isinstance(axes, int):
+        axes = (axes,)
+    n = 1
+    for a in axes:
+        if a < len(grid):
+            n *= grid[a]
+        else:
+            require(not grid, "nl.num_programs", "axis {axis} out of range for a {ndim}-D grid",
+                    axis=a, ndim=len(grid))
+    return n
+
+
+def program_ndim() -> int:
+    """Number of grid dimensions of the launch (0 without a grid)."""
+    return len(_mem.current().launch.grid)
+
+
+class _NoReorder:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def no_reorder() -> _NoReorder:
+    """``with nl.no_reorder():`` keeps program order; the interpreter is always in order."""
+    return _NoReorder()
+
+
+def device_print(prefix: str, x: NkiTensor) -> None:
+    print(prefix, x.np())
