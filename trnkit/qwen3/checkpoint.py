@@ -49,6 +49,21 @@ def _listing(title: str, items: list[str], limit: int = 20) -> str:
     return f"  {title} ({len(items)}):\n" + "\n".join(f"    {x}" for x in items[:limit]) + more
 
 
+def _inferred(hf_shapes: Mapping[str, tuple[int, ...]]) -> str:
+    """What the weights themselves say about the architecture (for config/weights mismatch errors)."""
+    facts = []
+    emb = hf_shapes.get("model.embed_tokens.weight")
+    if emb is not None and len(emb) == 2:
+        facts += [f"vocab_size={emb[0]}", f"dim={emb[1]}"]
+    layers = {int(m[1]) for k in hf_shapes if (m := re.match(r"^model\.layers\.(\d+)\.", k))}
+    if layers:
+        facts.append(f"n_layers={max(layers) + 1}")
+    experts = {int(m[1]) for k in hf_shapes if (m := re.match(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.", k))}
+    if experts:
+        facts.append(f"num_experts={max(experts) + 1}")
+    return ", ".join(facts)
+
+
 def check_keys(hf_shapes: Mapping[str, tuple[int, ...]], native_shapes: Mapping[str, torch.Size],
                config: Qwen3Config, source: str) -> dict[str, HFKey]:
     """Validate HF keys/shapes against the native model; return {hf_key: HFKey} for the keys to copy.
@@ -71,12 +86,12 @@ def check_keys(hf_shapes: Mapping[str, tuple[int, ...]], native_shapes: Mapping[
         if key.expert is not None and key.expert >= native_shape[0]:
             unexpected.append(f"{hf_key} (expert {key.expert} >= num_experts {native_shape[0]})")
             continue
+        covered.setdefault(key.native, set()).add("all" if key.expert is None else (key.kind, key.expert))
         want = expected_hf_shape(key, native_shape)
         if tuple(shape) != want:
-            bad_shape.append(f"{hf_key}: expected {list(want)}, got {list(shape)}")
+            bad_shape.append(f"{hf_key}: expected {list(want)}, got {list(shape)}")  # present: not "missing"
             continue
         plan[hf_key] = key
-        covered.setdefault(key.native, set()).add("all" if key.expert is None else (key.kind, key.expert))
 
     missing = []
     for name, shape in native_shapes.items():
@@ -93,7 +108,8 @@ def check_keys(hf_shapes: Mapping[str, tuple[int, ...]], native_shapes: Mapping[
         else:
             missing.append(next(h for h, _ in native_to_hf_items({name: torch.empty(0)}, config)))
     if unexpected or missing or bad_shape:
-        parts = [f"Qwen3 checkpoint {source} does not match the config ({_describe(config)}):"]
+        parts = [f"Qwen3 checkpoint {source} does not match the config ({_describe(config)}); "
+                 f"the weights look like: {_inferred(hf_shapes) or 'nothing recognisable'}"]
         if missing:
             parts.append(_listing("missing keys", missing))
         if unexpected:

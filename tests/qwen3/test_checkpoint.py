@@ -1,0 +1,193 @@
+"""safetensors save/load: bit-exact round trips, sharding, dtype control, HF interop, bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from trnkit.qwen3 import Qwen3Model
+from trnkit.qwen3.checkpoint import CheckpointError, load_hf_checkpoint, parse_size, save_hf_checkpoint
+
+from .hf_utils import hf_model, native_config
+
+
+def _random_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Qwen3Model:
+    torch.manual_seed(seed)
+    model = Qwen3Model(native_config(name))
+    model.init_weights()
+    return model.to(dtype)
+
+
+def _assert_bit_exact(a: Qwen3Model, b: Qwen3Model) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype, k
+        assert torch.equal(sa[k], sb[k]), k
+    assert torch.equal(a.rope_cache, b.rope_cache) and b.rope_cache.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", ["dense-tied-gqa2", "moe-mlp-only"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_bit_exact(name: str, dtype: torch.dtype, tmp_path) -> None:
+    model = _random_model(name, dtype=dtype)
+    files = save_hf_checkpoint(model, tmp_path)
+    assert [os.path.basename(f) for f in files] == ["model.safetensors"]
+    loaded = load_hf_checkpoint(tmp_path)
+    _assert_bit_exact(model, loaded)
+    if model.config.tie_word_embeddings:
+        assert "lm_head.weight" not in load_file(files[0])
+        assert loaded.lm_head.weight is loaded.tok_embeddings.weight
+
+
+def test_sharded_save_reloads_in_trnkit_and_hf(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = _random_model("moe-norm", seed=1)
+    files = save_hf_checkpoint(model, tmp_path, max_shard_size="100KB")
+    shards = [f for f in files if f.endswith(".safetensors")]
+    n = len(shards)
+    assert n > 3 and [os.path.basename(f) for f in shards] == [f"model-{i:05d}-of-{n:05d}.safetensors"
+                                                                for i in range(1, n + 1)]
+    index = json.load(open(tmp_path / "model.safetensors.index.json"))
+    on_disk = {k: os.path.basename(f) for f in shards for k in load_file(f)}
+    assert index["weight_map"] == on_disk
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size()
+                                                  for f in shards for t in load_file(f).values())
+    # every shard but those holding a single oversized tensor respects the limit
+    for f in shards:
+        tensors = load_file(f)
+        assert len(tensors) == 1 or sum(t.numel() * 4 for t in tensors.values()) <= 100_000
+    _assert_bit_exact(model, load_hf_checkpoint(tmp_path))
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    # re-saving unsharded removes the stale shards and index
+    save_hf_checkpoint(model, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
+def test_hf_sharded_checkpoint_loads(tmp_path) -> None:
+    hf = hf_model("moe-mlp-only")
+    hf.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    model = load_hf_checkpoint(tmp_path)
+    one = tmp_path / "one"
+    hf.save_pretrained(one)
+    _assert_bit_exact(model, load_hf_checkpoint(one))
+
+
+def test_dtype_control_and_fused_layout(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = _random_model("moe-nonorm-tied", seed=2)
+    save_hf_checkpoint(model, tmp_path, fused_experts=True, dtype=torch.bfloat16)
+    keys = load_file(tmp_path / "model.safetensors").keys()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in keys
+    assert json.load(open(tmp_path / "config.json"))["dtype"] == "bfloat16"
+    as_bf16 = load_hf_checkpoint(tmp_path)  # default: the stored dtype
+    assert all(p.dtype == torch.bfloat16 for p in as_bf16.parameters())
+    as_f32 = load_hf_checkpoint(tmp_path, dtype=torch.float32)
+    for (n, p), q in zip(model.named_parameters(), as_f32.parameters()):
+        assert q.dtype == torch.float32
+        assert torch.equal(q, p.to(torch.bfloat16).float()), n
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    sd = hf.state_dict()
+    e = model.layers[0].moe.experts
+    assert torch.equal(sd["model.layers.0.mlp.experts.gate_up_proj"], e.w_gate_up.transpose(1, 2).bfloat16().float())
+    assert torch.equal(sd["model.layers.0.mlp.experts.down_proj"], e.w_down.transpose(1, 2).bfloat16().float())
+
+
+def test_config_versions_round_trip(tmp_path) -> None:
+    model = _random_model("dense-untied-mha")
+    save_hf_checkpoint(model, tmp_path, config_version=4)
+    d = json.load(open(tmp_path / "config.json"))
+    assert d["rope_theta"] == 10000.0 and "rope_parameters" not in d and d["torch_dtype"] == "float32"
+    assert load_hf_checkpoint(tmp_path).config == model.config
+
+
+def test_parse_size() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("200MiB") == 200 * 2**20 and parse_size(123) == 123
+    with pytest.raises(ValueError, match="max_shard_size"):
+        parse_size("lots")
+
+
+# ----------------------------------------------------------------------------- bad checkpoints
+@pytest.fixture
+def saved(tmp_path):
+    model = _random_model("moe-mlp-only", seed=4)
+    save_hf_checkpoint(model, tmp_path)
+    return tmp_path
+
+
+def _edit(folder, fn) -> None:
+    path = folder / "model.safetensors"
+    sd = load_file(path)
+    fn(sd)
+    save_file(sd, path, metadata={"format": "pt"})
+
+
+def test_missing_keys_listed(saved) -> None:
+    _edit(saved, lambda sd: (sd.pop("model.norm.weight"), sd.pop("model.layers.0.mlp.experts.2.up_proj.weight")))
+    with pytest.raises(CheckpointError, match=r"missing keys \(2\)") as e:
+        load_hf_checkpoint(saved)
+    assert "model.norm.weight" in str(e.value) and "model.layers.0.mlp.experts.2.up_proj.weight" in str(e.value)
+
+
+def test_unexpected_keys_listed(saved) -> None:
+    def add(sd):
+        sd["model.layers.0.mlp.experts.4.up_proj.weight"] = sd["model.layers.0.mlp.experts.0.up_proj.weight"].clone()
+        sd["vision_tower.weight"] = torch.zeros(3)
+    _edit(saved, add)
+    with pytest.raises(CheckpointError, match=r"unexpected keys \(2\)") as e:
+        load_hf_checkpoint(saved)
+    assert "vision_tower.weight" in str(e.value) and "expert 4 >= num_experts 4" in str(e.value)
+
+
+def test_misshaped_keys_listed(saved) -> None:
+    _edit(saved, lambda sd: sd.update({"model.layers.2.self_attn.k_proj.weight": torch.zeros(8, 64)}))
+    with pytest.raises(CheckpointError, match=r"model.layers.2.self_attn.k_proj.weight: expected \[16, 64\], "
+                                              r"got \[8, 64\]"):
+        load_hf_checkpoint(saved)
+
+
+def test_config_weights_mismatch(saved) -> None:
+    cfg = json.load(open(saved / "config.json"))
+    cfg["num_hidden_layers"] = 4
+    cfg["hidden_size"] = 32
+    json.dump(cfg, open(saved / "config.json", "w"))
+    with pytest.raises(CheckpointError, match="does not match the config") as e:
+        load_hf_checkpoint(saved)
+    msg = str(e.value)
+    assert "dim=32, n_layers=4" in msg and "the weights look like: vocab_size=160, dim=64, n_layers=3" in msg
+    assert "missing keys" in msg and "model.layers.3.input_layernorm.weight" in msg
+    assert "mis-shaped keys" in msg and "model.embed_tokens.weight: expected [160, 32], got [160, 64]" in msg
+
+
+def test_corrupt_and_truncated_files(saved) -> None:
+    path = saved / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_hf_checkpoint(saved)
+    path.write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_hf_checkpoint(saved)
+
+
+def test_bad_index_and_folder(saved, tmp_path_factory) -> None:
+    json.dump({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}},
+              open(saved / "model.safetensors.index.json", "w"))
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors does not exist"):
+        load_hf_checkpoint(saved)
+    (saved / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not a valid safetensors index"):
+        load_hf_checkpoint(saved)
+    empty = tmp_path_factory.mktemp("empty")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_hf_checkpoint(empty)
+    with pytest.raises(CheckpointError, match="has no model.safetensors"):
+        load_hf_checkpoint(empty, config=native_config("dense-gqa4"))
