@@ -8,6 +8,7 @@ import pytest
 from trnkit.nkisim import ops as nl
 from trnkit.nkisim import trace
 from trnkit.nkisim.isa import vector as nisa
+from trnkit.nkisim.isa.common import engine, reduce_cmd
 
 from ._tiles import BF16, F16, F32, FLOATS, as_f32, empty, psum, ref_round, sbuf, tile
 
@@ -78,7 +79,7 @@ def test_tensor_tensor_int32_is_exact_on_gpsimd() -> None:
     np.testing.assert_array_equal(dst.np(), want)
     assert tr.instrs[0].engine == "gpsimd"
     # forced onto the Vector engine, int32 goes through fp32 (123456789 + 987654321 is not exact)
-    nisa.tensor_tensor(dst, tile(a), tile(b), op=nl.add, engine="vector")
+    nisa.tensor_tensor(dst, tile(a), tile(b), op=nl.add, engine=engine.vector)
     assert dst.np()[0, 2] == np.int32(np.float32(123456789.0) + np.float32(987654321.0))
 
 
@@ -216,7 +217,7 @@ def test_tensor_copy_casts_psum_to_bf16_and_saturates_ints() -> None:
     nisa.tensor_copy(d8, tile(np.array([[1.5, 2.5, -200.0, 300.0, np.nan]], np.float32)))
     np.testing.assert_array_equal(d8.np(), [[2, 2, -128, 127, 0]])  # RNE, saturate, NaN -> 0
     d16 = empty((2, 4), F16)
-    nisa.tensor_copy(d16, tile(np.arange(8, dtype=np.int32).reshape(2, 4)), engine="gpsimd")
+    nisa.tensor_copy(d16, tile(np.arange(8, dtype=np.int32).reshape(2, 4)), engine=engine.gpsimd)
     np.testing.assert_array_equal(d16.np(), np.arange(8).reshape(2, 4))
 
 
@@ -253,9 +254,9 @@ def test_tensor_scalar_reduce_accumulates_across_calls() -> None:
     dst, res = empty((8, 32), F32), empty((8, 1), F32)
     nisa.tensor_scalar_reduce(dst, tile(x1), nl.multiply, 2.0, nl.add, res)
     np.testing.assert_allclose(res.np()[:, 0], (2 * x1).sum(1), rtol=1e-5)
-    nisa.tensor_scalar_reduce(dst, tile(x2), nl.multiply, 2.0, nl.add, res, reduce_cmd="reduce")
+    nisa.tensor_scalar_reduce(dst, tile(x2), nl.multiply, 2.0, nl.add, res, reduce_cmd=reduce_cmd.reduce)
     np.testing.assert_allclose(res.np()[:, 0], (2 * x1).sum(1) + (2 * x2).sum(1), rtol=1e-5, atol=1e-5)
-    nisa.tensor_scalar_reduce(dst, tile(x2), nl.add, 1.0, nl.maximum, res, reduce_cmd="load_reduce",
+    nisa.tensor_scalar_reduce(dst, tile(x2), nl.add, 1.0, nl.maximum, res, reduce_cmd=reduce_cmd.load_reduce,
                               reduce_init=100.0)
     np.testing.assert_array_equal(res.np()[:, 0], np.full(8, 100.0))
     np.testing.assert_array_equal(as_f32(dst), x2 + 1)

@@ -16,7 +16,8 @@ import numpy as np
 from .. import dtypes
 from .. import ops as _ops
 from ..errors import require
-from .vector import check_same_layout, check_tile, emit, free_size, get_op, read, read_raw, write
+from . import common
+from .vector import check_same_layout, emit, free_size, get_op, read, read_raw, write
 
 __all__ = ["iota", "affine_select"]
 
@@ -50,8 +51,7 @@ def _affine(op: str, dst: Any, pattern: Any, offset: Any, channel_multiplier: An
 def iota(dst: Any, pattern: Any, offset: int = 0, channel_multiplier: int = 0, name: str | None = None) -> None:
     """``dst[c, ...] = offset + c * channel_multiplier + sum(step_i * idx_i)``, cast to ``dst.dtype``."""
     OP = "iota"
-    check_tile(OP, "dst", dst, "gpsimd")
-    require(dst.buffer.name == "sbuf", OP, "dst must be in SBUF, got {buffer}", buffer=dst.buffer.name)
+    common.check_on_chip(OP, "dst", dst, common.SBUF)
     write(dst, _affine(OP, dst, pattern, offset, channel_multiplier))
     emit(OP, "gpsimd", {"dst": dst})
 
@@ -61,9 +61,7 @@ def affine_select(dst: Any, pattern: Any, channel_multiplier: int, on_true_tile:
     """``dst = on_true_tile`` where ``cmp_op(affine_value, 0)`` holds, else ``on_false_value``."""
     OP = "affine_select"
     for role, t in (("dst", dst), ("on_true_tile", on_true_tile)):
-        check_tile(OP, role, t, "gpsimd")
-        require(t.buffer.name == "sbuf", OP, "{role} must be in SBUF, got {buffer}", role=role,
-                buffer=t.buffer.name)
+        common.check_on_chip(OP, role, t, common.SBUF)
     check_same_layout(OP, "on_true_tile", on_true_tile, "dst", dst)
     f = get_op(OP, "cmp_op", cmp_op, alu=True, arity=2)
     require(f.name in ("equal", "not_equal", "greater", "greater_equal", "less", "less_equal"), OP,

@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import ops as _ops
 from ..errors import require
+from . import common
 from .vector import (
     _accumulate,
     check_column,
@@ -54,7 +55,7 @@ def _activate(OP: str, dst: Any, op: Any, data: Any, bias: Any, scale: Any) -> t
 
 
 def activation(dst: Any, op: Any, data: Any, bias: Any = None, scale: Any = 1.0, reduce_op: Any = None,
-               reduce_res: Any = None, reduce_cmd: Any = "idle", name: str | None = None) -> None:
+               reduce_res: Any = None, reduce_cmd: Any = common.reduce_cmd.idle, name: str | None = None) -> None:
     """``dst = op(data * scale + bias)`` on Scalar Engine, with optional per-partition add-reduce."""
     OP = "activation"
     cmd = cmd_name(reduce_cmd)

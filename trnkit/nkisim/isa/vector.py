@@ -23,6 +23,8 @@ import numpy as np
 from .. import dtypes, trace
 from .. import ops as _ops
 from ..errors import fail, require
+from ..tensor import NkiTensor
+from . import common
 
 __all__ = [
     "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy",
@@ -35,7 +37,6 @@ SBUF_FREE_MAX = 64 * 1024  # elements per partition per Vector/Scalar instructio
 PSUM_FREE_MAX = 4 * 1024  # ... from PSUM
 TOPK_MIN, TOPK_MAX = 8, 16384  # max8 / nc_find_index8 / nc_match_replace8 elements per partition
 _F32 = np.float32
-ON_CHIP = ("sbuf", "psum")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,23 +44,23 @@ ON_CHIP = ("sbuf", "psum")
 # ---------------------------------------------------------------------------------------------
 
 def is_tile(x: Any) -> bool:
-    return _ops._is_tile(x)
+    return isinstance(x, NkiTensor)
 
 
-def buf(t: Any) -> str:
+def buf(t: NkiTensor) -> str:
     return t.buffer.name
 
 
-def free_size(t: Any) -> int:
-    return math.prod(t.shape[1:])
+def free_size(t: NkiTensor) -> int:
+    return t.free_size
 
 
-def engine_name(engine: Any) -> str:
-    """'vector' / 'scalar' / 'gpsimd' / 'tensor' / 'unknown' from an ``nisa.engine`` member (or name)."""
-    if engine is None:
-        return "unknown"
-    name = getattr(engine, "name", engine)
-    return str(name).lower().removesuffix("_engine")
+def engine_of(op: str, engine: Any, allowed: tuple[str, ...], default: str) -> str:
+    """Trace engine name for an ``nisa.engine`` argument, checked against the engines ``op`` runs on."""
+    name = common.engine_name(engine, default) if engine is not None else default
+    require(name in allowed, op, "engine must be one of {allowed}, got {engine}", allowed="/".join(allowed),
+            engine=name)
+    return name
 
 
 def cmd_name(cmd: Any) -> str:
@@ -69,14 +70,10 @@ def cmd_name(cmd: Any) -> str:
 
 def check_tile(op: str, role: str, t: Any, engine: str) -> None:
     """``t`` is an on-chip tile the engine may access, within the partition / free-size limits."""
-    require(is_tile(t), op, "{role} must be an NKI tile, got {got}", role=role, got=type(t).__name__)
+    common.check_on_chip(op, role, t)
     b = buf(t)
-    require(b in ON_CHIP, op, "{role} must be in SBUF or PSUM, got {buffer}", role=role, buffer=b)
     if engine == "gpsimd":
         require(b != "psum", op, "GpSimd engine cannot access PSUM ({role} is in PSUM)", role=role)
-    require(len(t.shape) >= 1 and t.shape[0] <= PMAX, op,
-            "{role} partition dim {p} exceeds pmax ({pmax})", role=role,
-            p=t.shape[0] if t.shape else None, pmax=PMAX)
     n = free_size(t)
     if engine in ("vector", "scalar"):
         limit = PSUM_FREE_MAX if b == "psum" else SBUF_FREE_MAX
@@ -84,13 +81,10 @@ def check_tile(op: str, role: str, t: Any, engine: str) -> None:
                 "limit of {limit} for {buffer}", role=role, n=n, engine=engine, limit=limit, buffer=b)
 
 
-def check_same_layout(op: str, ref_role: str, ref: Any, role: str, t: Any) -> None:
+def check_same_layout(op: str, ref_role: str, ref: NkiTensor, role: str, t: NkiTensor) -> None:
     """Same partition count and same number of elements per partition (shapes may differ)."""
-    require(t.shape[0] == ref.shape[0], op, "{role} has {p} partitions but {ref_role} has {q}",
-            role=role, p=t.shape[0], ref_role=ref_role, q=ref.shape[0])
-    require(free_size(t) == free_size(ref), op,
-            "{role} has {n} elements per partition but {ref_role} has {m}",
-            role=role, n=free_size(t), ref_role=ref_role, m=free_size(ref))
+    common.check_same_partitions(op, {ref_role: ref, role: t})
+    common.check_same_free_size(op, {ref_role: ref, role: t})
 
 
 def check_column(op: str, role: str, t: Any, partitions: int, engine: str) -> None:
@@ -125,28 +119,25 @@ def check_bitvec_dtypes(op: str, f: _ops.NkiOp, tiles: dict[str, Any]) -> None:
                     "is {dtype}", f=f, role=role, dtype=t.dtype.name)
 
 
-def read(t: Any, flat: bool = True) -> np.ndarray:
+def read(t: NkiTensor, flat: bool = True) -> np.ndarray:
     """The tile's values as fp32, ``[P, F]`` when ``flat``."""
-    x = t.np().astype(_F32)
+    x = common.read_f32(t)
     return x.reshape(t.shape[0], -1) if flat else x
 
 
-def read_raw(t: Any) -> np.ndarray:
+def read_raw(t: NkiTensor) -> np.ndarray:
     """The tile's values in its own dtype, ``[P, F]`` (a copy: safe when dst aliases the source)."""
     return np.array(t.np()).reshape(t.shape[0], -1)
 
 
-def write(dst: Any, values: np.ndarray, *, bits: bool = False) -> None:
-    """Store ``values`` (``[P, F]`` or any shape with dst's element count) into ``dst``.
+def write(dst: NkiTensor, values: np.ndarray, *, bits: bool = False) -> None:
+    """Store ``values`` (any shape with dst's element count) into ``dst`` via ``common.store``.
 
     ``bits=True`` writes integer results by truncating to dst's width (bitvec semantics); otherwise
     the value is rounded/saturated to ``dst.dtype`` like an engine's output stage.
     """
     values = np.asarray(values).reshape(dst.shape)
-    if bits:
-        dst.np()[...] = values.astype(dst.dtype)
-    else:
-        dst.np()[...] = dtypes.cast(values, dst.dtype)
+    common.store(dst, values.astype(dst.dtype) if bits else values)
 
 
 def scalar_or_column(op: str, role: str, value: Any, partitions: int, engine: str,
@@ -167,48 +158,15 @@ def scalar_or_column(op: str, role: str, value: Any, partitions: int, engine: st
 _WRITE_ROLES = frozenset({"dst", "dst_idx", "reduce_res"})
 
 
-def _span(t: Any) -> tuple[int, int, int]:
-    """``(storage_key, lo, hi)``: the half-open flat element range (storage dtype) a view touches."""
-    st = t.storage
-    off = t.resolve_offset("trace")
-    lo = hi = 0
-    for n, s in zip(t.shape, t.strides):
-        if s > 0:
-            hi += (n - 1) * s
-        else:
-            lo += (n - 1) * s
-    isz, ssz = t.dtype.itemsize, st.dtype.itemsize
-    return id(st), (off + lo) * isz // ssz, ((off + hi + 1) * isz + ssz - 1) // ssz
-
-
 def emit(opname: str, engine: str, operands: dict[str, Any], /, **attrs: Any) -> None:
-    """Append one :class:`trace.Instr` (N = largest operand free size, P = largest partition count).
-
-    ``attrs`` gets ``reads`` / ``writes`` (storage key, element range) for the cost model's
-    dependency schedule (docs/notes-perf.md).
-    """
+    """One trace record via ``common.emit``; every output role (dst, dst_idx, reduce_res) is a write."""
     if trace.active() is None:
         return
-    recs, reads, writes = [], [], []
-    for role, t in operands.items():
-        if not is_tile(t):
-            continue
-        p, n = t.shape[0], free_size(t)
-        recs.append(trace.Operand(role=role, buffer=buf(t), shape=tuple(t.shape), dtype=t.dtype.name,
-                                  partitions=p, free_elems=n, nbytes=p * n * t.dtype.itemsize))
-        (writes if role in _WRITE_ROLES else reads).append(_span(t))
-    attrs["reads"], attrs["writes"] = tuple(reads), tuple(writes)
-    trace.emit(trace.Instr(
-        op=opname, engine=engine, operands=tuple(recs),
-        elems_per_partition=max((r.free_elems for r in recs), default=0),
-        partitions=max((r.partitions for r in recs), default=0),
-        program_id=_program_id(), attrs=attrs))
-
-
-def _program_id() -> int:
-    from .. import memory  # noqa: PLC0415  (lazy: memory is the core's module)
-
-    return memory.current().flat_program_id
+    tiles = {r: t for r, t in operands.items() if is_tile(t)}
+    attrs["reads"] = tuple(common.span(t) for r, t in tiles.items() if r not in _WRITE_ROLES)
+    attrs["writes"] = tuple(common.span(t) for r, t in tiles.items() if r in _WRITE_ROLES)
+    dst = tiles.pop("dst", None)
+    common.emit(opname, engine, dst=dst, srcs=tiles, attrs=attrs)
 
 
 def _binary(f: _ops.NkiOp, a: Any, b: Any, reverse: bool) -> np.ndarray:
@@ -232,13 +190,11 @@ def _int32_native(*tiles: Any) -> bool:
 # instructions
 # ---------------------------------------------------------------------------------------------
 
-def tensor_tensor(dst: Any, data1: Any, data2: Any, op: Any, engine: Any = None, name: str | None = None) -> None:
+def tensor_tensor(dst: Any, data1: Any, data2: Any, op: Any, engine: Any = common.engine.unknown, name: str | None = None) -> None:
     """``dst = op(data1, data2)`` elementwise on Vector (or GpSimd) Engine; no broadcasting."""
     OP = "tensor_tensor"
     f = get_op(OP, "op", op, alu=True, arity=2)
-    eng = engine_name(engine)
-    require(eng in ("unknown", "vector", "gpsimd"), OP, "engine must be vector or gpsimd, got {engine}",
-            engine=eng)
+    eng = engine_of(OP, engine, ("unknown", "vector", "gpsimd"), "unknown")
     tiles = {"dst": dst, "data1": data1, "data2": data2}
     for role, t in tiles.items():
         require(is_tile(t), OP, "{role} must be an NKI tile, got {got}", role=role, got=type(t).__name__)
@@ -272,7 +228,7 @@ def tensor_tensor(dst: Any, data1: Any, data2: Any, op: Any, engine: Any = None,
 
 
 def tensor_scalar(dst: Any, data: Any, op0: Any, operand0: Any, reverse0: bool = False, op1: Any = None,
-                  operand1: Any = None, reverse1: bool = False, engine: Any = None,
+                  operand1: Any = None, reverse1: bool = False, engine: Any = common.engine.unknown,
                   name: str | None = None) -> None:
     """``dst = (data op0 operand0) op1 operand1``; operands are scalars or ``[P, 1]`` tiles."""
     OP = "tensor_scalar"
@@ -284,10 +240,7 @@ def tensor_scalar(dst: Any, data: Any, op0: Any, operand0: Any, reverse0: bool =
         f1 = get_op(OP, "op1", f1, alu=True)
         require(f0.is_bitvec == f1.is_bitvec, OP, "op0 ({f0}) and op1 ({f1}) must both be bitvec or "
                 "both arithmetic", f0=f0, f1=f1)
-    eng = engine_name(engine)
-    require(eng in ("unknown", "vector", "scalar", "gpsimd"), OP,
-            "engine must be vector, scalar or gpsimd, got {engine}", engine=eng)
-    eng = "vector" if eng == "unknown" else eng
+    eng = engine_of(OP, engine, ("vector", "scalar", "gpsimd"), "vector")
     if f0.is_bitvec:
         require(eng == "vector", OP, "bitvec operators run on the vector engine only, not {engine}",
                 engine=eng)
@@ -383,13 +336,10 @@ def tensor_reduce(dst: Any, op: Any, data: Any, axis: Any, negate: bool = False,
     emit(OP, "vector", {"dst": dst, "data": data}, op=f.name, axis=axes)
 
 
-def tensor_copy(dst: Any, src: Any, engine: Any = None, name: str | None = None) -> None:
+def tensor_copy(dst: Any, src: Any, engine: Any = common.engine.unknown, name: str | None = None) -> None:
     """Copy ``src`` to ``dst``: bit-exact for equal dtypes, else through fp32 with RNE on write."""
     OP = "tensor_copy"
-    eng = engine_name(engine)
-    require(eng in ("unknown", "vector", "scalar", "gpsimd"), OP,
-            "engine must be vector, scalar or gpsimd, got {engine}", engine=eng)
-    eng = "vector" if eng == "unknown" else eng
+    eng = engine_of(OP, engine, ("vector", "scalar", "gpsimd"), "vector")
     check_tile(OP, "dst", dst, eng)
     check_tile(OP, "src", src, eng)
     check_same_layout(OP, "src", src, "dst", dst)
@@ -427,13 +377,10 @@ def tensor_copy_predicated(dst: Any, src: Any, predicate: Any, reverse_pred: boo
     emit(OP, "vector", {"dst": dst, "src": src, "predicate": predicate})
 
 
-def memset(dst: Any, value: Any, engine: Any = None, name: str | None = None) -> None:
+def memset(dst: Any, value: Any, engine: Any = common.engine.unknown, name: str | None = None) -> None:
     """Fill ``dst`` with a compile-time constant (its type must suit ``dst.dtype``)."""
     OP = "memset"
-    eng = engine_name(engine)
-    require(eng in ("unknown", "vector", "gpsimd"), OP, "engine must be vector or gpsimd, got {engine}",
-            engine=eng)
-    eng = "vector" if eng == "unknown" else eng
+    eng = engine_of(OP, engine, ("vector", "gpsimd"), "vector")
     check_tile(OP, "dst", dst, eng)
     require(isinstance(value, (int, float, bool, np.integer, np.floating)), OP,
             "value must be a compile-time scalar, got {got}", got=type(value).__name__)
@@ -595,7 +542,7 @@ def _accumulate(regs: threading.local, op: str, f: _ops.NkiOp, cmd: str, part: n
 
 
 def tensor_scalar_reduce(dst: Any, data: Any, op0: Any, operand0: Any, reduce_op: Any, reduce_res: Any,
-                         reverse0: bool = False, reduce_cmd: Any = "reset_reduce", reduce_init: Any = None,
+                         reverse0: bool = False, reduce_cmd: Any = common.reduce_cmd.reset_reduce, reduce_init: Any = None,
                          name: str | None = None) -> None:
     """``dst = data op0 operand0`` and ``reduce_res = reduce_op`` over its free dims (Vector Engine)."""
     OP = "tensor_scalar_reduce"
