@@ -32,7 +32,7 @@ def _message(op: str, rule: str, values: dict[str, Any]) -> str:
     return f"{op}: {text}"
 
 
-def fail(op: str, rule: str, **values: Any) -> None:
+def fail(op: str, rule: str, /, **values: Any) -> None:
     """Raise :class:`NkiValidationError` for ``op`` breaking ``rule``.
 
     ``rule`` may use ``{name}`` placeholders filled from ``values``; values it does not mention are
@@ -41,7 +41,7 @@ def fail(op: str, rule: str, **values: Any) -> None:
     raise NkiValidationError(_message(op, rule, values))
 
 
-def require(cond: Any, op: str, rule: str, **values: Any) -> None:
+def require(cond: Any, op: str, rule: str, /, **values: Any) -> None:
     """Raise :class:`NkiValidationError` unless ``cond`` holds (see :func:`fail` for the message)."""
     if not cond:
         raise NkiValidationError(_message(op, rule, values))

@@ -10,6 +10,7 @@ from ..tensor import VirtualRegister
 from .common import dge_mode, engine, get_nc_version, nc_version, oob_mode, reduce_cmd
 from .dma import *  # noqa: F403
 from .gpsimd import *  # noqa: F403
+from .registers import *  # noqa: F403
 from .scalar import *  # noqa: F403
 from .tensor_engine import *  # noqa: F403
 from .vector import *  # noqa: F403

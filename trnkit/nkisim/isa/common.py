@@ -16,7 +16,7 @@ import numpy as np
 from .. import dtypes as _dt
 from .. import memory as _mem
 from .. import trace
-from ..errors import fail, require
+from ..errors import NkiValidationError, fail, require
 from ..tensor import NkiTensor, psum, sbuf
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "TENSOR", "VECTOR", "SCALAR", "GPSIMD", "DMA",
     "check_tensor", "check_buffer", "check_on_chip", "check_partitions", "check_same_partitions",
     "check_same_free_size", "check_dtype", "read_f32", "store", "operand", "emit", "engine_name",
+    "span", "contiguous_bytes",
 ]
 
 TENSOR, VECTOR, SCALAR, GPSIMD, DMA = trace.TENSOR, trace.VECTOR, trace.SCALAR, trace.GPSIMD, trace.DMA
@@ -193,29 +194,65 @@ def operand(role: str, t: NkiTensor) -> trace.Operand:
                          nbytes=size * t.dtype.itemsize)
 
 
+def span(t: NkiTensor) -> tuple[int, int, int]:
+    """``(storage key, lo, hi)``: half-open range of storage elements (storage dtype) ``t`` touches."""
+    st = t._st
+    if t._vec is not None:  # indirect rows: anywhere in the storage
+        return id(st), 0, st.data.size
+    try:
+        off = t.resolve_offset("trace")
+    except NkiValidationError:  # a skipped out-of-bounds dynamic DMA
+        off = t.offset
+    lo, hi = t._extent()
+    isz, ssz = t.dtype.itemsize, st.dtype.itemsize
+    return id(st), (off + lo) * isz // ssz, ((off + hi + 1) * isz + ssz - 1) // ssz
+
+
+def contiguous_bytes(t: NkiTensor) -> int:
+    """Bytes of the longest contiguous innermost run of ``t`` (a DMA descriptor row)."""
+    run = 1
+    for n, s in zip(reversed(t.shape), reversed(t.strides)):
+        if n == 1:
+            continue
+        if s != run:
+            break
+        run *= n
+    return run * t.dtype.itemsize
+
+
 def emit(op: str, engine: str, dst: NkiTensor | None = None,
          srcs: dict[str, NkiTensor | None] | None = None, flops: int = 0, hbm_bytes: int = 0,
          dma_bytes: int = 0, attrs: dict | None = None) -> None:
     """Append one ``trace.Instr`` to the active trace (cheap no-op when nothing records).
 
     ``elems_per_partition`` is the largest on-chip operand's free size and ``partitions`` the largest
-    on-chip partition count; ``program_id`` is this instance's flat id.
+    on-chip partition count; ``program_id`` is this instance's flat id. ``attrs`` gets ``reads`` /
+    ``writes`` (:func:`span` of each source / of dst) for the cost model's dependency schedule.
     """
     tr = trace.active()
     if tr is None:
         return
     ops = []
+    attrs = dict(attrs) if attrs else {}
+    writes = []
+    reads = []
     if dst is not None:
         ops.append(operand("dst", dst))
+        writes.append(span(dst))
     if srcs:
-        ops.extend(operand(r, t) for r, t in srcs.items() if isinstance(t, NkiTensor))
+        for r, t in srcs.items():
+            if isinstance(t, NkiTensor):
+                ops.append(operand(r, t))
+                reads.append(span(t))
+    attrs.setdefault("reads", tuple(reads))
+    attrs.setdefault("writes", tuple(writes))
     on_chip = [o for o in ops if o.buffer in ("sbuf", "psum")]
     elems = max((o.free_elems for o in on_chip), default=max((o.free_elems for o in ops), default=0))
     parts = max((o.partitions for o in on_chip), default=1 if ops else 0)
     tr.append(trace.Instr(op=op, engine=engine, operands=tuple(ops), flops=int(flops),
                           hbm_bytes=int(hbm_bytes), dma_bytes=int(dma_bytes),
                           elems_per_partition=int(elems), partitions=int(parts),
-                          program_id=_mem.current().flat_program_id, attrs=attrs or {}))
+                          program_id=_mem.current().flat_program_id, attrs=attrs))
 
 
 # Buffers as tuples of names, for check_buffer

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes as _dt
+from .. import trace
 from ..errors import NkiValidationError, require
 from ..tensor import NkiTensor
 from . import common
@@ -91,12 +92,16 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
         if src_np is not None:
             vals = _convert(src_np, dst.dtype)
             out[...] = vals if vals.shape == out.shape else vals.reshape(out.shape)
+    if trace.active() is None:
+        return
     nbytes = moved * dst.dtype.itemsize
     src_bytes = moved * src.dtype.itemsize
     hbm = (0 if src.on_chip else src_bytes) + (0 if dst.on_chip else nbytes)
     common.emit(op, common.DMA, dst=dst, srcs={"src": src}, hbm_bytes=hbm,
                 dma_bytes=max(nbytes, src_bytes),
-                attrs={"dge_mode": dge_mode.name, "indirect": src_vec is not None or dst_vec is not None,
+                attrs={"dge_mode": dge_mode.name,
+                       "contiguous_bytes": min(common.contiguous_bytes(dst), common.contiguous_bytes(src)),
+                       "indirect": src_vec is not None or dst_vec is not None,
                        "name": name})
 
 
