@@ -1,0 +1,52 @@
+"""Constraint-checked kernel swaps as ``torch.library`` ops, with user-attachable kernels.
+
+- :mod:`.registry`: ``register`` / ``select`` / ``list_impls`` (impls per op, policies).
+- :mod:`.ops`: the ``trnkit::`` custom ops (``torch.ops.trnkit.*``).
+- :mod:`.apply`: ``apply_overrides(model, OverrideConfig(...)) -> OverrideReport`` and ``revert``.
+"""
+
+from trnkit.overrides.registry import (  # noqa: I001  (registry first: the others build on it)
+    OPS,
+    POLICIES,
+    REFERENCE,
+    ImplEntry,
+    OverrideConstraintError,
+    RegistrationError,
+    Selection,
+    get_impl,
+    list_impls,
+    register,
+    reset_warnings,
+    select,
+    unregister,
+)
+from trnkit.overrides import ops
+from trnkit.overrides.builtins import NKI, register_builtins
+from trnkit.overrides.apply import SWAPPABLE_OPS, OverrideConfig, apply_overrides, revert
+from trnkit.overrides.report import OverrideReport, OverrideRow
+
+register_builtins()
+
+__all__ = [
+    "NKI",
+    "OPS",
+    "POLICIES",
+    "REFERENCE",
+    "SWAPPABLE_OPS",
+    "ImplEntry",
+    "OverrideConfig",
+    "OverrideConstraintError",
+    "OverrideReport",
+    "OverrideRow",
+    "RegistrationError",
+    "Selection",
+    "apply_overrides",
+    "get_impl",
+    "list_impls",
+    "ops",
+    "register",
+    "reset_warnings",
+    "revert",
+    "select",
+    "unregister",
+]

@@ -1,0 +1,487 @@
+"""Swap trnkit ops into a model: :func:`apply_overrides` and :func:`revert`.
+
+Swap points (each becomes one report row):
+
+=============  ===============================================  ==========================================
+op             trnkit native Qwen3 (DESIGN.md §4)               transformers v5 Qwen3 / Qwen3-MoE
+=============  ===============================================  ==========================================
+rope_hf        ``layers[i].attention.rope`` (``RoPEApply``)     ``layers[i].self_attn``: its forward is
+                                                                rebound, for that module only, to a copy
+                                                                whose ``apply_rotary_pos_emb`` global is
+                                                                trnkit's
+router_topk    ``layers[i].moe.router`` (``TopKRouter``)        ``layers[i].mlp.gate`` (``*TopKRouter``)
+moe_experts    ``layers[i].moe.experts`` (``GroupedExperts``)   ``layers[i].mlp.experts`` (``*Experts``,
+                                                                fused ``gate_up_proj``/``down_proj``)
+=============  ===============================================  ==========================================
+
+Modules are replaced by an instance of a subclass of their own class that shares the original's
+parameters, buffers, children and attributes, so ``state_dict`` keys, checkpoints and ``isinstance``
+checks are unchanged. Before returning, every swapped module is validated against the model's real
+shapes and dtypes by a dry run of the whole model on fake tensors (no memory, no kernel runs) plus
+static checks of the module configuration (activation, weight layout, ...). At every call the same
+constraint functions run again (shape/dtype/device only), so a shape that changes mid-run gets the
+policy's behaviour: ``strict`` raises, ``fallback`` warns once per reason and runs the module's
+original code.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trnkit.kernels.constraints import Violation
+from trnkit.overrides import ops
+from trnkit.overrides.registry import (
+    POLICIES,
+    REFERENCE,
+    OverrideConstraintError,
+    get_impl,
+    select,
+    warn_once,
+)
+from trnkit.overrides.report import OverrideReport, OverrideRow
+
+__all__ = ["SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "revert"]
+
+SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts")
+ORIGINAL = "original"  # report name for "the module's own forward"
+_STATE_ATTR = "_trnkit_overrides"
+
+
+@dataclass
+class OverrideConfig:
+    """Which ops to swap, with which impl, under which policy.
+
+    ``impl`` is one name for every op or ``{op: name}``; ``seq_len``/``batch_size`` size the dry-run
+    validation (default: the model config's maximum sequence length, batch 1).
+    """
+
+    ops: Sequence[str] = SWAPPABLE_OPS
+    impl: str | Mapping[str, str] = "nki"
+    policy: str = "strict"
+    seq_len: int | None = None
+    batch_size: int = 1
+    dry_run: bool = True
+    block_size: int = 128  # moe_experts token block size
+
+    def __post_init__(self) -> None:
+        self.ops = tuple(self.ops)
+        bad = [op for op in self.ops if op not in SWAPPABLE_OPS]
+        if bad:
+            raise ValueError(f"OverrideConfig.ops: unknown op(s) {bad}; swappable ops are {list(SWAPPABLE_OPS)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"OverrideConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if isinstance(self.impl, Mapping):
+            extra = sorted(set(self.impl) - set(self.ops))
+            if extra:
+                raise ValueError(f"OverrideConfig.impl names ops that are not in ops: {extra}")
+        for op in self.ops:
+            get_impl(op, self.impl_for(op))  # unknown impl names fail here, with the registered ones
+
+    def impl_for(self, op: str) -> str:
+        return self.impl if isinstance(self.impl, str) else self.impl.get(op, "nki")
+
+
+# ------------------------------------------------------------------------------------------ guard
+
+
+@dataclass
+class _Probe:
+    """Collects what the guards see during the fake-tensor dry run."""
+
+    device: str | None
+    needs_backward: bool
+    seen: dict[str, list[Violation]] = field(default_factory=dict)
+
+
+_PROBE: _Probe | None = None
+
+
+class _Guard:
+    """Per-module call-time decision: the impl to run, or None for the module's original code."""
+
+    def __init__(self, op: str, impl: str, policy: str, path: str, static: list[Violation]) -> None:
+        self.op, self.impl, self.policy, self.path, self.static = op, impl, policy, path, static
+
+    def choose(self, extra: Sequence[Violation] = (), **inputs: Any) -> str | None:
+        if _PROBE is not None:
+            sel = select(self.op, self.impl, policy="fallback", device=_PROBE.device,
+                         needs_backward=_PROBE.needs_backward, **inputs)
+            _PROBE.seen.setdefault(self.path, []).extend([*extra, *sel.reasons])
+            return REFERENCE  # under FakeTensorMode the op's fake impl runs: shapes only
+        reasons = [*self.static, *extra]
+        if not reasons:
+            needs_backward = torch.is_grad_enabled() and any(
+                isinstance(t, Tensor) and t.requires_grad for t in inputs.values())
+            sel = select(self.op, self.impl, policy=self.policy, needs_backward=needs_backward,
+                         compiling=torch.compiler.is_compiling(), where=self.path, **inputs)
+            if not sel.fell_back:
+                return sel.impl
+            reasons = list(sel.reasons)
+        if self.policy == "strict":
+            raise OverrideConstraintError(self.op, self.impl, reasons, self.path)
+        reason = "; ".join(str(v) for v in reasons)
+        warn_once("fallback", self.op, self.impl, reason,
+                  message=f"trnkit override {self.op}[{self.impl}] falls back to the original module code "
+                          f"(first seen at {self.path}): {reason}")
+        return None
+
+
+# --------------------------------------------------------------------------------- module adapters
+
+
+class _Swapped:
+    """Mixin for swapped modules; the concrete class is ``type(name, (_Swapped, OriginalClass), {...})``."""
+
+    _trnkit_guard: _Guard
+    _trnkit_original: nn.Module
+    _trnkit_block_size: int
+
+    def _trnkit_fallback(self, *args: Any, **kwargs: Any) -> Any:
+        original = self._trnkit_original
+        original.training = self.training  # type: ignore[attr-defined]
+        return original.forward(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        g = self._trnkit_guard
+        return f"trnkit {g.op}[{g.impl}] policy={g.policy}"
+
+
+def _native_rope_forward(self: Any, q: Tensor, k: Tensor, rope_cache: Tensor) -> tuple[Tensor, Tensor]:
+    impl = self._trnkit_guard.choose(q=q, k=k, rope_cache=rope_cache, layout="bshd")
+    if impl is None:
+        return self._trnkit_fallback(q, k, rope_cache)
+    return ops.rope_hf_apply(q, k, None, None, rope_cache, "bshd", False, impl)
+
+
+def _native_router_forward(self: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    w = self.gate.weight
+    impl = self._trnkit_guard.choose(x=x, w_router=w, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+    if impl is None:
+        return self._trnkit_fallback(x)
+    weights, idx, logits = ops.router_topk(x, w, self.top_k, self.norm_topk_prob, impl)
+    return weights, idx.long(), logits
+
+
+def _native_experts_forward(self: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Tensor:
+    bs = self._trnkit_block_size
+    impl = self._trnkit_guard.choose(x=x, topk_idx=topk_idx, topk_weights=topk_weights,
+                                     w_gate_up=self.w_gate_up, w_down=self.w_down, block_size=bs)
+    if impl is None:
+        return self._trnkit_fallback(x, topk_idx, topk_weights)
+    return ops.moe_experts(x, topk_idx, topk_weights, self.w_gate_up, self.w_down, bs, impl)
+
+
+def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    impl = self._trnkit_guard.choose(x=x, w_router=self.weight, top_k=self.top_k,
+                                     norm_topk_prob=self.norm_topk_prob)
+    if impl is None:
+        return self._trnkit_fallback(hidden_states)
+    weights, idx, logits = ops.router_topk(x, self.weight, self.top_k, self.norm_topk_prob, impl)
+    # transformers returns (logits, scores, indices) in the activation dtype.
+    return logits.to(x.dtype), weights.to(x.dtype), idx.long()
+
+
+def _hf_experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    bs = self._trnkit_block_size
+    # [E, 2I, H] / [E, H, I] -> kernel layout [E, H, 2I] / [E, I, H]; views for the check, copies to run.
+    impl = self._trnkit_guard.choose(x=hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights,
+                                     w_gate_up=self.gate_up_proj.transpose(1, 2),
+                                     w_down=self.down_proj.transpose(1, 2), block_size=bs)
+    if impl is None:
+        return self._trnkit_fallback(hidden_states, top_k_index, top_k_weights)
+    from trnkit.kernels.moe import from_hf_v5  # noqa: PLC0415  (the one weight-layout converter)
+
+    w_gate_up, w_down = from_hf_v5(self.gate_up_proj, self.down_proj)
+    return ops.moe_experts(hidden_states, top_k_index, top_k_weights, w_gate_up, w_down, bs, impl)
+
+
+def _hf_experts_static(module: nn.Module) -> list[Violation]:
+    """Module-configuration checks the kernel's SwiGLU-with-fused-[gate;up] contract needs."""
+    label = "moe_experts[hf adapter]"
+    cfg = getattr(module, "config", None)
+    act = getattr(cfg, "hidden_act", "silu")
+    checks = [
+        (act in ("silu", "swish"), "hidden_act == 'silu'", act, "the kernel computes SwiGLU (silu(gate) * up)"),
+        (not getattr(module, "has_bias", False), "no expert bias", True, "the kernel has no bias terms"),
+        (getattr(module, "has_gate", True), "gated experts", False, "the kernel needs gate_up_proj"),
+        (getattr(module, "is_concatenated", True), "gate_up_proj = [gate; up]", "interleaved",
+         "the kernel splits gate and up as two halves"),
+        (not getattr(module, "is_transposed", False), "gate_up_proj [E, 2I, H]", "transposed",
+         "from_hf_v5 expects the untransposed v5 layout"),
+        (not getattr(module, "_is_expert_parallel", False), "no expert parallelism", True,
+         "expert-parallel dispatch is not supported by this adapter"),
+    ]
+    return [Violation(label, rule, value, why) for ok, rule, value, why in checks if not ok]
+
+
+@dataclass(frozen=True)
+class _ModuleAdapter:
+    op: str
+    forward: Callable[..., Any]
+    static: Callable[[nn.Module], list[Violation]] = lambda m: []
+
+
+def _is_native(module: nn.Module, name: str) -> bool:
+    cls = type(module)
+    return cls.__name__ == name and cls.__module__.startswith("trnkit.qwen3")
+
+
+def _is_hf(module: nn.Module, suffix: str) -> bool:
+    cls = type(module)
+    return (cls.__module__.startswith("transformers.models.") and cls.__name__.startswith("Qwen3")
+            and cls.__name__.endswith(suffix))
+
+
+def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
+    if isinstance(module, _Swapped):
+        return None
+    if _is_native(module, "RoPEApply"):
+        return _ModuleAdapter("rope_hf", _native_rope_forward)
+    if _is_native(module, "TopKRouter"):
+        return _ModuleAdapter("router_topk", _native_router_forward)
+    if _is_native(module, "GroupedExperts"):
+        return _ModuleAdapter("moe_experts", _native_experts_forward)
+    if _is_hf(module, "TopKRouter"):
+        return _ModuleAdapter("router_topk", _hf_router_forward)
+    if _is_hf(module, "Experts"):
+        return _ModuleAdapter("moe_experts", _hf_experts_forward, _hf_experts_static)
+    return None
+
+
+@functools.cache
+def _swapped_class(cls: type, forward: Callable[..., Any]) -> type:
+    return type(f"Trnkit{cls.__name__}", (_Swapped, cls), {"forward": forward, "__module__": __name__})
+
+
+def _swap_module(model: nn.Module, path: str, module: nn.Module, adapter: _ModuleAdapter, guard: _Guard,
+                 block_size: int) -> Callable[[], None]:
+    new = object.__new__(_swapped_class(type(module), adapter.forward))
+    new.__dict__.update(module.__dict__)  # the same _parameters/_buffers/_modules dicts: same state_dict
+    new.__dict__.update(_trnkit_guard=guard, _trnkit_original=module, _trnkit_block_size=block_size)
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    setattr(parent, name, new)
+
+    def undo() -> None:
+        module.training = new.training
+        setattr(parent, name, module)
+
+    return undo
+
+
+# ------------------------------------------------------------------------- transformers' rotary swap
+
+_ROPE_GLOBAL = "apply_rotary_pos_emb"
+
+
+def _with_global(fn: Callable[..., Any], name: str, value: Any) -> Callable[..., Any]:
+    """A copy of ``fn`` (and of every function it wraps via ``__wrapped__``) whose global ``name`` is
+    ``value``. The module's globals stay untouched, so other models keep the original function."""
+    inner = getattr(fn, "__wrapped__", None)
+    new_inner = _with_global(inner, name, value) if inner is not None else None
+    closure = fn.__closure__
+    if closure is not None and new_inner is not None:
+        closure = tuple(types.CellType(new_inner) if _cell_is(c, inner) else c for c in closure)
+    new_globals = dict(fn.__globals__)
+    if name in new_globals:
+        new_globals[name] = value
+    new = types.FunctionType(fn.__code__, new_globals, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__, new.__doc__ = fn.__qualname__, fn.__doc__
+    if new_inner is not None:
+        new.__wrapped__ = new_inner
+    return new
+
+
+def _cell_is(cell: types.CellType, obj: Any) -> bool:
+    try:
+        return cell.cell_contents is obj
+    except ValueError:  # empty cell
+        return False
+
+
+def _calls_global(fn: Callable[..., Any], name: str) -> bool:
+    while fn is not None:
+        if name in fn.__code__.co_names and name in fn.__globals__:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _is_hf_rope_attention(module: nn.Module) -> bool:
+    cls = type(module)
+    return (cls.__module__.startswith("transformers.models.") and cls.__name__.startswith("Qwen3")
+            and cls.__name__.endswith("Attention") and "forward" not in module.__dict__
+            and _calls_global(cls.forward, _ROPE_GLOBAL))
+
+
+def _hf_rope_fn(original: Callable[..., Any], guard: _Guard) -> Callable[..., Any]:
+    """trnkit's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` for one attention module.
+
+    transformers hands q/k as ``[B, H, S, D]`` views of contiguous ``[B, S, H, D]`` projections and
+    cos/sin as ``[B, S, D]``; the kernel's bshd form reads that storage directly (no copies)."""
+
+    def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1):
+        extra = () if unsqueeze_dim == 1 else (
+            Violation("rope_hf[hf adapter]", "unsqueeze_dim == 1", unsqueeze_dim, "q/k must be [B, H, S, D]"),)
+        q_bshd, k_bshd = q.transpose(1, 2), k.transpose(1, 2)
+        impl = guard.choose(extra, q=q_bshd, k=k_bshd, cos=cos, sin=sin, layout="bshd")
+        if impl is None:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        q_out, k_out = ops.rope_hf_apply(q_bshd, k_bshd, cos, sin, None, "bshd", False, impl)
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+    return apply_rotary_pos_emb
+
+
+def _swap_hf_rope(module: nn.Module, guard: _Guard) -> Callable[[], None]:
+    cls_forward = type(module).forward
+    original = _global_of(cls_forward, _ROPE_GLOBAL)
+    new_forward = _with_global(cls_forward, _ROPE_GLOBAL, _hf_rope_fn(original, guard))
+    module.forward = types.MethodType(new_forward, module)  # instance attribute: this module only
+
+    def undo() -> None:
+        module.__dict__.pop("forward", None)
+
+    return undo
+
+
+def _global_of(fn: Callable[..., Any], name: str) -> Any:
+    while fn is not None:
+        if name in fn.__globals__:
+            return fn.__globals__[name]
+        fn = getattr(fn, "__wrapped__", None)
+    raise LookupError(name)
+
+
+# ------------------------------------------------------------------------------------ entry points
+
+
+@dataclass
+class _SwapPoint:
+    path: str
+    op: str
+    guard: _Guard
+    undo: Callable[[], None]
+
+
+def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple[str, nn.Module, str, Any]]:
+    for path, module in list(model.named_modules()):
+        if not path:
+            continue
+        adapter = _module_adapter(module)
+        if adapter is not None and adapter.op in wanted:
+            yield path, module, adapter.op, adapter
+        elif "rope_hf" in wanted and _is_hf_rope_attention(module):
+            yield path, module, "rope_hf", None
+
+
+def _default_seq_len(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    for name in ("max_seq_len", "max_position_embeddings", "seq_len"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 128
+
+
+def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs_backward: bool) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+
+    global _PROBE
+    probe = _Probe(device, needs_backward)
+    seq = config.seq_len or _default_seq_len(model)
+    param = next(model.parameters(), None)
+    _PROBE = probe
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            tokens = torch.zeros(config.batch_size, seq, dtype=torch.long,
+                                 device=param.device if param is not None else "cpu")
+            model(tokens)
+    except OverrideConstraintError:
+        raise
+    except Exception as exc:
+        raise RuntimeError(
+            f"trnkit apply_overrides: the validation dry run of {type(model).__name__} on fake tensors "
+            f"(tokens [{config.batch_size}, {seq}]) failed: {type(exc).__name__}: {exc}. Pass "
+            f"OverrideConfig(dry_run=False) to rely on the static and call-time checks only.") from exc
+    finally:
+        _PROBE = None
+    return probe.seen
+
+
+def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kwargs: Any) -> OverrideReport:
+    """Swap the configured trnkit ops into ``model`` and validate them; returns the report.
+
+    ``kwargs`` build an :class:`OverrideConfig` when ``config`` is omitted. Under ``strict`` a violated
+    constraint raises :class:`OverrideConstraintError` (naming module, op, impl, rule and value) and
+    leaves the model unchanged; under ``fallback`` the module keeps its original code for inputs the
+    impl cannot serve (warned once per reason); ``off`` swaps nothing.
+    """
+    config = config if config is not None else OverrideConfig(**kwargs)
+    if getattr(model, _STATE_ATTR, None):
+        raise RuntimeError("trnkit apply_overrides: overrides are already applied to this model; "
+                           "call trnkit.overrides.revert(model) first")
+    report = OverrideReport(config.policy)
+    found = list(_find_swap_points(model, config.ops))
+    if config.policy == "off":
+        report.rows.extend(OverrideRow(p, op, ORIGINAL, config.impl_for(op), "off", "policy 'off'")
+                           for p, _, op, _ in found)
+        return report
+
+    points: list[_SwapPoint] = []
+    for path, module, op, adapter in found:
+        static = adapter.static(module) if adapter is not None else []
+        guard = _Guard(op, config.impl_for(op), config.policy, path, static)
+        undo = (_swap_module(model, path, module, adapter, guard, config.block_size) if adapter is not None
+                else _swap_hf_rope(module, guard))
+        points.append(_SwapPoint(path, op, guard, undo))
+    model.__dict__[_STATE_ATTR] = points
+
+    try:
+        params = list(model.parameters())
+        device = params[0].device.type if params else None
+        needs_backward = any(p.requires_grad for p in params)
+        seen = _dry_run(model, config, device, needs_backward) if config.dry_run and points else {}
+        problems = [(pt, [*pt.guard.static, *_unique(seen.get(pt.path, []))]) for pt in points]
+        if config.policy == "strict":
+            bad = [(pt, rs) for pt, rs in problems if rs]
+            if bad:
+                pt, _ = bad[0]
+                raise OverrideConstraintError(pt.op, pt.guard.impl, [v for _, rs in bad for v in rs],
+                                              ", ".join(p.path for p, _ in bad))
+    except BaseException:
+        revert(model)
+        raise
+
+    for pt, reasons in problems:
+        if reasons:
+            reason = "; ".join(str(v) for v in reasons)
+            warn_once("fallback", pt.op, pt.guard.impl, reason,
+                      message=f"trnkit override {pt.op}[{pt.guard.impl}] falls back to the original module "
+                              f"code (first seen at {pt.path}): {reason}")
+            report.rows.append(OverrideRow(pt.path, pt.op, ORIGINAL, pt.guard.impl, "fallback", reason))
+        else:
+            report.rows.append(OverrideRow(pt.path, pt.op, pt.guard.impl, pt.guard.impl, "swapped"))
+    return report
+
+
+def _unique(vs: list[Violation]) -> list[Violation]:
+    return list({str(v): v for v in vs}.values())  # values may be unhashable (shapes as lists)
+
+
+def revert(model: nn.Module) -> int:
+    """Restore every module :func:`apply_overrides` swapped; returns how many were restored."""
+    points: list[_SwapPoint] = model.__dict__.pop(_STATE_ATTR, None) or []
+    for pt in reversed(points):
+        pt.undo()
+    return len(points)

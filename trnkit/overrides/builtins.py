@@ -1,0 +1,162 @@
+"""Built-in implementations: ``reference`` (the kernels' torch ``*_ref``) and ``nki`` (the kernels).
+
+Registered when :mod:`trnkit.overrides` is imported. The kernel modules are imported lazily on first
+use, so importing the registry stays cheap. ``nki`` on a CPU tensor runs trnkit's NKI interpreter, on
+a ``neuron`` tensor the real NKI kernel (the resolver in :mod:`trnkit.nki_api` decides which).
+
+The reference backward is the vector-Jacobian product of the reference forward (``torch.func.vjp``,
+which works inside a custom op body where plain autograd is switched off), except for ``rope_hf``,
+whose reference takes ``backward=True`` itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trnkit.kernels.constraints import Violation
+from trnkit.overrides.registry import REFERENCE, register
+
+__all__ = ["NKI", "register_builtins"]
+
+NKI = "nki"
+NKI_DEVICES = ("cpu", "neuron")
+
+
+def _kernel(name: str) -> ModuleType:
+    return importlib.import_module(f"trnkit.kernels.{name}")
+
+
+def _attr(module: str, name: str) -> Callable[..., Any]:
+    return getattr(_kernel(module), name)
+
+
+# ---------------------------------------------------------------------------------------------- rope
+
+
+def _rope(ref: bool) -> Callable[..., Any]:
+    def fn(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None = None,
+           sin: Tensor | None = None, rope_cache: Tensor | None = None, backward: bool = False,
+           layout: str = "bhsd") -> Any:
+        name = "rope_hf" if layout == "bhsd" else "rope_hf_bshd"
+        kernel = _attr("rope_hf", name + ("_ref" if ref else ""))
+        return kernel(q, k, q_out, k_out, cos=cos, sin=sin, rope_cache=rope_cache, backward=backward)
+
+    fn.__name__ = fn.__qualname__ = f"rope_hf_{'reference' if ref else 'nki'}"
+    return fn
+
+
+def _rope_constraints(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor | None = None,
+                      rope_cache: Tensor | None = None, layout: str = "bhsd", **_: Any) -> list[Violation]:
+    return _attr("rope_hf", "constraints")(q, k, cos=cos, sin=sin, rope_cache=rope_cache, layout=layout)
+
+
+# -------------------------------------------------------------------------------------------- router
+
+
+def _router_ref(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True):
+    return _attr("router_topk", "router_topk_ref")(x, w_router, top_k, norm_topk_prob)
+
+
+def _router_nki(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True):
+    return _attr("router_topk", "router_topk")(x, w_router, top_k, norm_topk_prob)
+
+
+def _router_ref_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
+                    norm_topk_prob=True):
+    def f(x_: Tensor, w_: Tensor):
+        weights, _, logits = _router_ref(x_, w_, topk_idx.shape[1], norm_topk_prob)
+        return weights.float(), logits.float()
+
+    _, vjp = torch.func.vjp(f, x, w_router)
+    return vjp((grad_topk_weights, grad_router_logits))
+
+
+def _router_nki_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
+                    norm_topk_prob=True):
+    return _attr("router_topk", "router_topk_bwd")(x, w_router, router_logits, topk_idx, grad_topk_weights,
+                                                   grad_router_logits, norm_topk_prob=norm_topk_prob)
+
+
+def _router_constraints(x: Tensor, w_router: Tensor, top_k: int, **_: Any) -> list[Violation]:
+    return _attr("router_topk", "constraints")(x, w_router, top_k)
+
+
+# ----------------------------------------------------------------------------------------------- moe
+
+
+def _moe_constraints_fn(op: str) -> Callable[..., list[Violation]]:
+    """The moe kernel module's constraint function for ``op`` (``<op>_constraints`` or ``constraints``)."""
+    mod = _kernel("moe")
+    return getattr(mod, f"{op}_constraints", None) or getattr(mod, "constraints")
+
+
+def _gmm_ref(x: Tensor, w: Tensor, group_offsets: Tensor) -> Tensor:
+    return _attr("moe", "grouped_mm_ref")(x, w, group_offsets)
+
+
+def _gmm_nki(x: Tensor, w: Tensor, group_offsets: Tensor) -> Tensor:
+    return _attr("moe", "grouped_mm")(x, w, group_offsets)
+
+
+def _gmm_ref_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor):
+    _, vjp = torch.func.vjp(lambda x_, w_: _gmm_ref(x_, w_, group_offsets), x, w)
+    return vjp(grad_out)
+
+
+def _gmm_nki_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor):
+    return _attr("moe", "grouped_mm_bwd")(x, w, group_offsets, grad_out)
+
+
+def _gmm_constraints(x: Tensor, w: Tensor, group_offsets: Tensor, **_: Any) -> list[Violation]:
+    return _moe_constraints_fn("grouped_mm")(x, w, group_offsets)
+
+
+def _moe_ref(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128) -> Tensor:
+    return _attr("moe", "moe_experts_ref")(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=block_size)
+
+
+def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128) -> Tensor:
+    return _attr("moe", "moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=block_size)
+
+
+def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128):
+    def f(x_, tw_, wgu_, wd_):
+        return _moe_ref(x_, topk_idx, tw_, wgu_, wd_, block_size)
+
+    _, vjp = torch.func.vjp(f, x, topk_weights, w_gate_up, w_down)
+    return vjp(grad_out)
+
+
+def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128):
+    return _attr("moe", "moe_experts_bwd")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out,
+                                           block_size=block_size)
+
+
+def _moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **_: Any) -> list[Violation]:
+    return _moe_constraints_fn("moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down,
+                                              block_size=block_size)
+
+
+def register_builtins() -> None:
+    """Register ``reference`` and ``nki`` for every op (idempotent)."""
+    ref = {"has_backward": True, "compile_ok": True, "description": "torch reference (trnkit.kernels *_ref)"}
+    nki = {"has_backward": True, "compile_ok": True, "devices": NKI_DEVICES,
+           "description": "NKI kernel (interpreter on CPU, real NKI on neuron)"}
+    register("rope_hf", REFERENCE, _ROPE_REF, **ref)
+    register("rope_hf", NKI, _ROPE_NKI, constraints=_rope_constraints, **nki)
+    register("router_topk", REFERENCE, _router_ref, backward=_router_ref_bwd, **ref)
+    register("router_topk", NKI, _router_nki, backward=_router_nki_bwd, constraints=_router_constraints, **nki)
+    register("grouped_mm", REFERENCE, _gmm_ref, backward=_gmm_ref_bwd, **ref)
+    register("grouped_mm", NKI, _gmm_nki, backward=_gmm_nki_bwd, constraints=_gmm_constraints, **nki)
+    register("moe_experts", REFERENCE, _moe_ref, backward=_moe_ref_bwd, **ref)
+    register("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_constraints, **nki)
+
+
+_ROPE_REF = _rope(ref=True)
+_ROPE_NKI = _rope(ref=False)

@@ -1,0 +1,270 @@
+"""trnkit's kernels as ``torch.library`` custom ops (namespace ``trnkit::``).
+
+Each op takes a trailing ``impl: str`` naming the registered implementation (``"reference"``,
+``"nki"`` or a user's, see :mod:`trnkit.overrides.registry`) and dispatches to it at run time; the
+op itself is opaque to torch.compile (one graph node, shapes from ``register_fake``), and autograd is
+registered on the functional ops with the impl's backward.
+
+- ``trnkit::rope_hf(q, k, q_out!, k_out!, cos?, sin?, rope_cache?, backward, layout, impl) -> ()``:
+  the kernel's own preallocated-output form (mutates exactly ``q_out`` and ``k_out``; no autograd —
+  torch cannot differentiate through a mutating op).
+- ``trnkit::rope_hf_apply(q, k, cos?, sin?, rope_cache?, layout, backward, impl) -> (q', k')``:
+  functional, differentiable in ``q`` and ``k`` (``cos``/``sin``/``rope_cache`` are constants);
+  ``layout="bshd"`` is the models' ``[B, S, H, D]``.
+- ``trnkit::router_topk(x, w_router, top_k, norm_topk_prob, impl) -> (weights f32, idx i32, logits f32)``.
+- ``trnkit::grouped_mm(x, w, group_offsets, impl) -> out``.
+- ``trnkit::moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, impl) -> out``.
+- ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``: the backward
+  kernels as ops of their own, so the backward graph is opaque to torch.compile too.
+
+Impls receive contiguous tensors. Outputs are normalised to the declared dtypes, so a user impl that
+returns e.g. int64 indices still matches the fake (meta) implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trnkit.overrides.registry import get_impl
+
+__all__ = ["grouped_mm", "grouped_mm_bwd", "moe_experts", "moe_experts_bwd", "rope_hf", "rope_hf_apply",
+           "router_topk", "router_topk_bwd"]
+
+_LAYOUTS = ("bhsd", "bshd")
+
+
+def _c(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in _LAYOUTS:
+        raise ValueError(f"trnkit::rope_hf: layout must be one of {_LAYOUTS}, got {layout!r}")
+
+
+def _backward_fn(op: str, impl: str):
+    entry = get_impl(op, impl)
+    if entry.backward is None:
+        raise RuntimeError(f"trnkit::{op}: impl {impl!r} has no backward (has_backward=False)")
+    return entry.backward
+
+
+def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None,
+              sin: Tensor | None, rope_cache: Tensor | None, backward: bool, layout: str) -> None:
+    """Call the impl on contiguous buffers and make sure the results land in ``q_out``/``k_out``."""
+    _check_layout(layout)
+    entry = get_impl("rope_hf", impl)
+    if backward and not entry.has_backward:
+        raise RuntimeError(f"trnkit::rope_hf: impl {impl!r} has no backward (has_backward=False)")
+    qo = q_out if q_out.is_contiguous() else torch.empty_like(q_out, memory_format=torch.contiguous_format)
+    ko = k_out if k_out.is_contiguous() else torch.empty_like(k_out, memory_format=torch.contiguous_format)
+    res = entry.fn(q.contiguous(), k.contiguous(), qo, ko, cos=_c(cos), sin=_c(sin),
+                   rope_cache=_c(rope_cache), backward=backward, layout=layout)
+    # An impl may allocate and return its own outputs instead of writing the given ones.
+    results = (qo, ko) if res is None else tuple(res)
+    for dst, got in zip((q_out, k_out), results, strict=True):
+        if got is not dst:
+            if got.shape != dst.shape:
+                raise RuntimeError(f"trnkit::rope_hf: impl {impl!r} returned shape {tuple(got.shape)}, "
+                                   f"expected {tuple(dst.shape)}")
+            dst.copy_(got)
+
+
+# ---------------------------------------------------------------------------------------------- rope
+
+
+@torch.library.custom_op("trnkit::rope_hf", mutates_args=("q_out", "k_out"))
+def rope_hf(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None = None,
+            sin: Tensor | None = None, rope_cache: Tensor | None = None, backward: bool = False,
+            layout: str = "bhsd", impl: str = "reference") -> None:
+    """RoPE (rotate-half) of ``q``/``k`` written into ``q_out``/``k_out`` by the chosen impl."""
+    _run_rope(impl, q, k, q_out, k_out, cos, sin, rope_cache, backward, layout)
+
+
+@rope_hf.register_fake
+def _rope_hf_fake(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False,
+                  layout="bhsd", impl="reference") -> None:
+    return None
+
+
+@torch.library.custom_op("trnkit::rope_hf_apply", mutates_args=())
+def rope_hf_apply(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor | None = None,
+                  rope_cache: Tensor | None = None, layout: str = "bshd", backward: bool = False,
+                  impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Functional RoPE: returns new ``(q', k')`` (contiguous, same shape/dtype/layout as q/k)."""
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    _run_rope(impl, q, k, q_out, k_out, cos, sin, rope_cache, backward, layout)
+    return q_out, k_out
+
+
+@rope_hf_apply.register_fake
+def _rope_hf_apply_fake(q, k, cos=None, sin=None, rope_cache=None, layout="bshd", backward=False,
+                        impl="reference"):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format))
+
+
+def _rope_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    _, _, cos, sin, rope_cache, layout, backward, impl = inputs
+    ctx.save_for_backward(cos, sin, rope_cache)
+    ctx.layout, ctx.backward, ctx.impl = layout, backward, impl
+
+
+def _rope_backward(ctx: Any, grad_q: Tensor, grad_k: Tensor):
+    cos, sin, rope_cache = ctx.saved_tensors
+    # The rotation is orthogonal: its vjp is the inverse rotation (the kernels' backward=True).
+    gq, gk = rope_hf_apply(grad_q, grad_k, cos, sin, rope_cache, ctx.layout, not ctx.backward, ctx.impl)
+    return gq, gk, None, None, None, None, None, None
+
+
+rope_hf_apply.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+# -------------------------------------------------------------------------------------------- router
+
+
+@torch.library.custom_op("trnkit::router_topk", mutates_args=())
+def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True,
+                impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+    """Router logits, softmax and top-k: ``(topk_weights [T,K] f32, topk_idx [T,K] i32, logits [T,E] f32)``."""
+    w, idx, logits = get_impl("router_topk", impl).fn(x.contiguous(), w_router.contiguous(), top_k,
+                                                      norm_topk_prob)
+    return w.to(torch.float32), idx.to(torch.int32), logits.to(torch.float32)
+
+
+@router_topk.register_fake
+def _router_topk_fake(x, w_router, top_k, norm_topk_prob=True, impl="reference"):
+    t, e = x.shape[0], w_router.shape[0]
+    return (x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32),
+            x.new_empty((t, e), dtype=torch.float32))
+
+
+def _router_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, w_router, _, norm_topk_prob, impl = inputs
+    _, idx, logits = output
+    ctx.save_for_backward(x, w_router, logits, idx)
+    ctx.norm, ctx.impl = norm_topk_prob, impl
+
+
+@torch.library.custom_op("trnkit::router_topk_bwd", mutates_args=())
+def router_topk_bwd(x: Tensor, w_router: Tensor, router_logits: Tensor, topk_idx: Tensor,
+                    grad_topk_weights: Tensor, grad_router_logits: Tensor, norm_topk_prob: bool = True,
+                    impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Backward of ``trnkit::router_topk``: ``(grad_x, grad_w_router)``."""
+    gx, gw = _backward_fn("router_topk", impl)(
+        x.contiguous(), w_router.contiguous(), router_logits.contiguous(), topk_idx.contiguous(),
+        grad_topk_weights.contiguous(), grad_router_logits.contiguous(), norm_topk_prob)
+    return gx.to(x.dtype), gw.to(w_router.dtype)
+
+
+@router_topk_bwd.register_fake
+def _router_topk_bwd_fake(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
+                          norm_topk_prob=True, impl="reference"):
+    return torch.empty_like(x), torch.empty_like(w_router)
+
+
+def _router_backward(ctx: Any, grad_w: Tensor, grad_idx: Tensor | None, grad_logits: Tensor):
+    x, w_router, logits, idx = ctx.saved_tensors
+    gx, gw = router_topk_bwd(x, w_router, logits, idx, grad_w, grad_logits, ctx.norm, ctx.impl)
+    return gx, gw, None, None, None
+
+
+router_topk.register_autograd(_router_backward, setup_context=_router_setup)
+
+
+# ---------------------------------------------------------------------------------------- grouped mm
+
+
+@torch.library.custom_op("trnkit::grouped_mm", mutates_args=())
+def grouped_mm(x: Tensor, w: Tensor, group_offsets: Tensor, impl: str = "reference") -> Tensor:
+    """``out[rows of group g] = x[rows of group g] @ w[g]``; ``group_offsets`` are exclusive ends."""
+    out = get_impl("grouped_mm", impl).fn(x.contiguous(), w.contiguous(), group_offsets.contiguous())
+    return out.to(x.dtype)
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(x, w, group_offsets, impl="reference"):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+def _gmm_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, w, offs, impl = inputs
+    ctx.save_for_backward(x, w, offs)
+    ctx.impl = impl
+
+
+@torch.library.custom_op("trnkit::grouped_mm_bwd", mutates_args=())
+def grouped_mm_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor,
+                   impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Backward of ``trnkit::grouped_mm``: ``(grad_x, grad_w)``."""
+    gx, gw = _backward_fn("grouped_mm", impl)(x.contiguous(), w.contiguous(), group_offsets.contiguous(),
+                                               grad_out.contiguous())
+    return gx.to(x.dtype), gw.to(w.dtype)
+
+
+@grouped_mm_bwd.register_fake
+def _grouped_mm_bwd_fake(x, w, group_offsets, grad_out, impl="reference"):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _gmm_backward(ctx: Any, grad_out: Tensor):
+    x, w, offs = ctx.saved_tensors
+    gx, gw = grouped_mm_bwd(x, w, offs, grad_out, ctx.impl)
+    return gx, gw, None, None
+
+
+grouped_mm.register_autograd(_gmm_backward, setup_context=_gmm_setup)
+
+
+# --------------------------------------------------------------------------------------- moe experts
+
+
+@torch.library.custom_op("trnkit::moe_experts", mutates_args=())
+def moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+                block_size: int = 128, impl: str = "reference") -> Tensor:
+    """SwiGLU experts, routed: ``out[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``."""
+    out = get_impl("moe_experts", impl).fn(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
+                                           w_gate_up.contiguous(), w_down.contiguous(), block_size=block_size)
+    return out.to(x.dtype)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, impl="reference"):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _moe_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, idx, tw, wgu, wd, block_size, impl = inputs
+    ctx.save_for_backward(x, idx, tw, wgu, wd)
+    ctx.block_size, ctx.impl = block_size, impl
+
+
+@torch.library.custom_op("trnkit::moe_experts_bwd", mutates_args=())
+def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+                    grad_out: Tensor, block_size: int = 128,
+                    impl: str = "reference") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward of ``trnkit::moe_experts``: ``(grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)``."""
+    gx, gtw, gwgu, gwd = _backward_fn("moe_experts", impl)(
+        x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
+        w_down.contiguous(), grad_out.contiguous(), block_size=block_size)
+    return gx.to(x.dtype), gtw.to(topk_weights.dtype), gwgu.to(w_gate_up.dtype), gwd.to(w_down.dtype)
+
+
+@moe_experts_bwd.register_fake
+def _moe_experts_bwd_fake(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128,
+                          impl="reference"):
+    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
+            torch.empty_like(w_down))
+
+
+def _moe_backward(ctx: Any, grad_out: Tensor):
+    x, idx, tw, wgu, wd = ctx.saved_tensors
+    gx, gtw, gwgu, gwd = moe_experts_bwd(x, idx, tw, wgu, wd, grad_out, ctx.block_size, ctx.impl)
+    return gx, None, gtw, gwgu, gwd, None, None
+
+
+moe_experts.register_autograd(_moe_backward, setup_context=_moe_setup)

@@ -1,0 +1,256 @@
+"""Implementation registry for trnkit's overridable ops.
+
+Every op (``rope_hf``, ``router_topk``, ``grouped_mm``, ``moe_experts``) has named implementations
+("impls"): the built-in ``reference`` (torch) and ``nki`` (the NKI kernel: real NKI on a ``neuron``
+device, trnkit's interpreter on CPU), plus any a user registers::
+
+    from trnkit.overrides import register
+
+    @register("rope_hf", "my_rope", constraints=my_checks, has_backward=True)
+    def my_rope(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False, layout="bhsd"):
+        ...
+
+:func:`select` decides, for concrete (or fake/meta) inputs, whether an impl can serve them — device,
+backward and torch.compile support, and the impl's own ``constraints(...)`` — and applies the policy:
+``strict`` raises with the reasons, ``fallback`` returns the reference (the caller warns once),
+``off`` always returns the reference.
+
+Impl call conventions (the op's canonical signature; the kernels' signatures from DESIGN.md §3):
+
+- ``rope_hf``: ``fn(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False,
+  layout="bhsd")`` writes ``q_out``/``k_out`` (``layout`` is ``"bhsd"`` or ``"bshd"``); the backward is
+  the same call with ``backward=True`` (dy in, dx out).
+- ``router_topk``: ``fn(x, w_router, top_k, norm_topk_prob=True) -> (weights f32, idx int32, logits f32)``;
+  ``backward(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
+  norm_topk_prob) -> (grad_x, grad_w_router)``.
+- ``grouped_mm``: ``fn(x, w, group_offsets) -> out``; ``backward(x, w, group_offsets, grad_out) ->
+  (grad_x, grad_w)``.
+- ``moe_experts``: ``fn(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128) -> out``;
+  ``backward(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128) ->
+  (grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)``.
+
+``constraints(**inputs) -> list[Violation]`` receives the op's inputs by name (tensors may be fake or
+meta: read shapes, dtypes and devices only, never values).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trnkit.kernels.constraints import KernelConstraintError, Violation
+
+__all__ = [
+    "OPS",
+    "POLICIES",
+    "REFERENCE",
+    "ImplEntry",
+    "OverrideConstraintError",
+    "RegistrationError",
+    "Selection",
+    "get_impl",
+    "list_impls",
+    "register",
+    "reset_warnings",
+    "select",
+    "unregister",
+    "warn_once",
+]
+
+# op name -> whether an impl's backward is a separate function (True) or the forward fn called with
+# backward=True (False, rope_hf: the rotation's transpose is the same kernel).
+OPS: dict[str, bool] = {"rope_hf": False, "router_topk": True, "grouped_mm": True, "moe_experts": True}
+POLICIES = ("strict", "fallback", "off")
+REFERENCE = "reference"
+
+
+class RegistrationError(ValueError):
+    """A registration that conflicts with an existing one, or names an unknown op."""
+
+
+class OverrideConstraintError(KernelConstraintError):
+    """Raised under the ``strict`` policy when the selected impl cannot serve the inputs."""
+
+    def __init__(self, op: str, impl: str, violations: Iterable[Violation], where: str = "") -> None:
+        self.op, self.impl, self.where = op, impl, where
+        KernelConstraintError.__init__(self, violations)
+        loc = f" at {where}" if where else ""
+        self.args = (f"trnkit override {op}[{impl}]{loc} cannot serve these inputs (policy 'strict'): "
+                     + "; ".join(str(v) for v in self.violations),)
+
+
+@dataclass(frozen=True)
+class ImplEntry:
+    """One registered implementation of an op."""
+
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    constraints: Callable[..., list[Violation]] | None = None
+    devices: tuple[str, ...] | None = None  # device types it runs on; None = any
+    has_backward: bool = False
+    compile_ok: bool = True  # traceable by torch.compile as an opaque custom op
+    backward: Callable[..., Any] | None = None
+    description: str = ""
+
+    def check(self, *, device: str | None = None, needs_backward: bool = False, compiling: bool = False,
+              **inputs: Any) -> list[Violation]:
+        """All reasons this impl cannot serve ``inputs`` (empty list = it can)."""
+        label = f"{self.op}[{self.name}]"
+        out: list[Violation] = []
+        if device is not None and self.devices is not None and device not in self.devices:
+            out.append(Violation(label, f"device in {list(self.devices)}", device,
+                                 "this implementation does not run on that device"))
+        if needs_backward and not self.has_backward:
+            out.append(Violation(label, "has_backward", False,
+                                 "inputs require grad but this implementation has no backward"))
+        if compiling and not self.compile_ok:
+            out.append(Violation(label, "compile_ok", False,
+                                 "this implementation is not declared torch.compile-safe"))
+        if self.constraints is not None and inputs:
+            out.extend(self.constraints(**inputs))
+        return out
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What :func:`select` decided: ``impl`` runs; ``reasons`` say why ``requested`` was not used."""
+
+    op: str
+    requested: str
+    impl: str
+    reasons: tuple[Violation, ...] = field(default_factory=tuple)
+
+    @property
+    def fell_back(self) -> bool:
+        return self.impl != self.requested
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(str(v) for v in self.reasons)
+
+
+_REGISTRY: dict[str, dict[str, ImplEntry]] = {op: {} for op in OPS}
+_LOCK = threading.Lock()
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def _check_op(op_name: str) -> None:
+    if op_name not in OPS:
+        raise RegistrationError(f"trnkit overrides: unknown op {op_name!r}; known ops: {sorted(OPS)}")
+
+
+def register(op_name: str, impl_name: str, fn: Callable[..., Any] | None = None, *,
+             constraints: Callable[..., list[Violation]] | None = None,
+             devices: Iterable[str] | None = None, has_backward: bool = False, compile_ok: bool = True,
+             backward: Callable[..., Any] | None = None, description: str = "",
+             replace: bool = False) -> Any:
+    """Register ``fn`` as implementation ``impl_name`` of ``op_name``; without ``fn``, a decorator.
+
+    Registering the same (op, impl) again with an identical entry is a no-op; with a different one it
+    raises :class:`RegistrationError` unless ``replace=True``. For ops whose backward is a separate
+    function (all but ``rope_hf``), ``has_backward=True`` needs ``backward=``.
+    """
+    if fn is None:
+        def decorator(f: Callable[..., Any]) -> Callable[..., Any]:
+            register(op_name, impl_name, f, constraints=constraints, devices=devices,
+                     has_backward=has_backward, compile_ok=compile_ok, backward=backward,
+                     description=description, replace=replace)
+            return f
+        return decorator
+
+    _check_op(op_name)
+    if not isinstance(impl_name, str) or not impl_name.isidentifier():
+        raise RegistrationError(f"trnkit overrides: impl name for {op_name!r} must be an identifier, "
+                                f"got {impl_name!r}")
+    if not callable(fn):
+        raise RegistrationError(f"trnkit overrides: {op_name}[{impl_name}]: fn must be callable, got {fn!r}")
+    if OPS[op_name] and has_backward and backward is None:
+        raise RegistrationError(f"trnkit overrides: {op_name}[{impl_name}]: has_backward=True needs "
+                                f"backward= (this op's backward is a separate function)")
+    if backward is not None and not OPS[op_name]:
+        raise RegistrationError(f"trnkit overrides: {op_name}[{impl_name}]: backward= is not used for "
+                                f"{op_name}; its backward is fn(..., backward=True)")
+    entry = ImplEntry(op_name, impl_name, fn, constraints, None if devices is None else tuple(devices),
+                      bool(has_backward or backward is not None), compile_ok, backward, description)
+    with _LOCK:
+        old = _REGISTRY[op_name].get(impl_name)
+        if old is not None and old != entry and not replace:
+            raise RegistrationError(
+                f"trnkit overrides: {op_name}[{impl_name}] is already registered to "
+                f"{_qualname(old.fn)}; refusing to replace it with {_qualname(fn)} "
+                f"(pick another impl name, or pass replace=True)")
+        _REGISTRY[op_name][impl_name] = entry
+    return entry
+
+
+def unregister(op_name: str, impl_name: str) -> None:
+    """Remove a registration (built-ins included; mainly for tests)."""
+    _check_op(op_name)
+    with _LOCK:
+        if _REGISTRY[op_name].pop(impl_name, None) is None:
+            raise KeyError(f"trnkit overrides: {op_name}[{impl_name}] is not registered")
+
+
+def get_impl(op_name: str, impl_name: str) -> ImplEntry:
+    """The registered entry, or a KeyError naming the registered impls."""
+    _check_op(op_name)
+    try:
+        return _REGISTRY[op_name][impl_name]
+    except KeyError:
+        raise KeyError(f"trnkit overrides: no implementation {impl_name!r} registered for op "
+                       f"{op_name!r}; registered: {sorted(_REGISTRY[op_name])}") from None
+
+
+def list_impls(op_name: str | None = None) -> dict[str, list[str]]:
+    """``{op: [impl names]}`` (one op if ``op_name`` is given)."""
+    ops = [op_name] if op_name is not None else sorted(OPS)
+    for op in ops:
+        _check_op(op)
+    return {op: sorted(_REGISTRY[op]) for op in ops}
+
+
+def select(op_name: str, impl: str = "nki", *, policy: str = "strict", device: str | None = None,
+           needs_backward: bool = False, compiling: bool = False, where: str = "",
+           **inputs: Any) -> Selection:
+    """Choose the impl that runs ``op_name`` on ``inputs`` under ``policy``.
+
+    ``inputs`` are the op's inputs by name (real, fake or meta tensors); ``device`` defaults to the
+    device type of the first tensor input. ``strict`` raises :class:`OverrideConstraintError` with every
+    unmet constraint; ``fallback`` returns the reference impl with the reasons; ``off`` returns the
+    reference without checking.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"trnkit overrides: policy must be one of {POLICIES}, got {policy!r}")
+    entry = get_impl(op_name, impl)
+    if policy == "off":
+        return Selection(op_name, impl, REFERENCE)
+    if device is None:
+        device = next((v.device.type for v in inputs.values() if hasattr(v, "device")), None)
+    reasons = entry.check(device=device, needs_backward=needs_backward, compiling=compiling, **inputs)
+    if not reasons:
+        return Selection(op_name, impl, impl)
+    if policy == "strict":
+        raise OverrideConstraintError(op_name, impl, reasons, where)
+    return Selection(op_name, impl, REFERENCE, tuple(reasons))
+
+
+def warn_once(*key: str, message: str) -> bool:
+    """Emit ``message`` as a UserWarning the first time ``key`` is seen; True if it warned."""
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    warnings.warn(message, UserWarning, stacklevel=3)
+    return True
+
+
+def reset_warnings() -> None:
+    """Forget which fallbacks were already warned about (tests)."""
+    _WARNED.clear()
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

@@ -1,0 +1,49 @@
+"""What :func:`~trnkit.overrides.apply.apply_overrides` did, per module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class OverrideRow:
+    """One swap point: module path, op, the impl that will run, and why."""
+
+    module: str
+    op: str
+    impl: str  # the impl that runs ("nki", "reference", a user's; "original" = the module's own forward)
+    requested: str
+    status: str  # "swapped" | "fallback" | "off"
+    reason: str = ""
+
+
+@dataclass
+class OverrideReport:
+    """Rows of :class:`OverrideRow`; ``table()`` renders them for logs (the trainer prints it)."""
+
+    policy: str
+    rows: list[OverrideRow] = field(default_factory=list)
+
+    def table(self) -> str:
+        header = ("module", "op", "impl", "status", "reason")
+        body = [(r.module, r.op, r.impl if r.impl == r.requested else f"{r.impl} (requested {r.requested})",
+                 r.status, r.reason or "-") for r in self.rows]
+        widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h)
+                  for i, h in enumerate(header[:-1])]
+        lines = [f"trnkit overrides (policy {self.policy}): {self.summary()}"]
+        for row in (header, *body):
+            cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
+            lines.append("  ".join((*cells, row[-1])).rstrip())
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for r in self.rows:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        return ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no swap points found"
+
+    def by_status(self, status: str) -> list[OverrideRow]:
+        return [r for r in self.rows if r.status == status]
+
+    def __str__(self) -> str:
+        return self.table()
