@@ -1,0 +1,142 @@
+"""Qwen3Config <-> HF config.json (v4 / v5 layouts), the flavor registry and parameter counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trnkit.qwen3 import Qwen3Config, Qwen3Model, flavors, model_registry
+
+# Published Qwen/Qwen3-0.6B config.json (transformers 4.51 layout: top-level rope_theta).
+QWEN3_06B_V4 = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+    "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960,
+    "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+# Published Qwen/Qwen3-30B-A3B config.json.
+QWEN3_30B_A3B_V4 = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
+    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def _arch(c: Qwen3Config) -> Qwen3Config:
+    """Config without the run-time rope-cache length, for comparing architectures."""
+    return c.replace(max_seq_len=1)
+
+
+def test_from_hf_v4_published_configs_match_registry() -> None:
+    c = Qwen3Config.from_hf(QWEN3_06B_V4)
+    assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.hidden_dim) == (1024, 28, 16, 8, 128, 3072)
+    assert c.tie_word_embeddings and c.rope_theta == 1e6 and c.max_seq_len == 40960 and not c.is_moe
+    assert _arch(c) == _arch(model_registry("0.6B").config)
+    m = Qwen3Config.from_hf(QWEN3_30B_A3B_V4)
+    assert (m.num_experts, m.top_k, m.moe_inter_dim, m.norm_topk_prob, m.router_aux_loss_coef) == (
+        128, 8, 768, True, 0.001)
+    assert _arch(m) == _arch(model_registry("30B-A3B").config)
+
+
+def test_from_hf_v5_layout_and_transformers_objects(tmp_path) -> None:
+    from transformers import Qwen3MoeConfig
+
+    hf = Qwen3MoeConfig(**{k: v for k, v in QWEN3_30B_A3B_V4.items() if k not in ("rope_theta", "rope_scaling")},
+                        rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
+    d = hf.to_dict()
+    assert "rope_theta" not in d and d["rope_parameters"]["rope_theta"] == 1e6  # v5 layout
+    from_obj, from_dict = Qwen3Config.from_hf(hf), Qwen3Config.from_hf(d)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert from_obj == from_dict == Qwen3Config.from_hf(tmp_path) == Qwen3Config.from_hf(tmp_path / "config.json")
+    assert _arch(from_obj) == _arch(model_registry("30B-A3B").config)
+
+
+@pytest.mark.parametrize("flavor", flavors())
+@pytest.mark.parametrize("version", [4, 5])
+def test_to_hf_round_trip(flavor: str, version: int) -> None:
+    cfg = model_registry(flavor).config
+    d = cfg.to_hf(version=version)
+    assert ("rope_parameters" in d) == (version == 5) and ("rope_theta" in d) == (version == 4)
+    assert Qwen3Config.from_hf(json.loads(json.dumps(d))) == cfg
+
+
+def test_to_hf_builds_transformers_config() -> None:
+    from transformers import AutoConfig
+
+    d = model_registry("debug-moe").config.to_hf()
+    hf = AutoConfig.for_model(**d)
+    assert type(hf).__name__ == "Qwen3MoeConfig"
+    assert (hf.num_experts, hf.num_experts_per_tok, hf.mlp_only_layers, hf.rope_parameters["rope_theta"]) == (
+        8, 2, [0], 1e6)
+
+
+def test_from_hf_rejects_unsupported() -> None:
+    with pytest.raises(ValueError, match="rope_type 'default'.*'yarn'"):
+        Qwen3Config.from_hf({**QWEN3_06B_V4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="model_type.*'llama'"):
+        Qwen3Config.from_hf({**QWEN3_06B_V4, "model_type": "llama"})
+    with pytest.raises(ValueError, match="attention_bias"):
+        Qwen3Config.from_hf({**QWEN3_06B_V4, "attention_bias": True})
+    with pytest.raises(ValueError, match="neither rope_parameters.rope_theta nor rope_theta"):
+        Qwen3Config.from_hf({k: v for k, v in QWEN3_06B_V4.items() if k != "rope_theta"})
+
+
+def test_config_validation_messages() -> None:
+    with pytest.raises(ValueError, match=r"n_heads \(6\) must be a multiple of n_kv_heads \(4\)"):
+        Qwen3Config(n_heads=6, n_kv_heads=4)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=4\], got 5"):
+        Qwen3Config(num_experts=4, top_k=5)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        Qwen3Config(head_dim=7)
+    with pytest.raises(KeyError, match="unknown Qwen3 flavor '7B'"):
+        model_registry("7B")
+
+
+def test_registry_published_values() -> None:
+    # (dim, layers, heads, kv, ffn, tie) from the published config.json files (shared/notes/qwen3.md)
+    dense = {"0.6B": (1024, 28, 16, 8, 3072, True), "1.7B": (2048, 28, 16, 8, 6144, True),
+             "4B": (2560, 36, 32, 8, 9728, True), "8B": (4096, 36, 32, 8, 12288, False),
+             "14B": (5120, 40, 40, 8, 17408, False), "32B": (5120, 64, 64, 8, 25600, False)}
+    for f, v in dense.items():
+        c = model_registry(f).config
+        assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden_dim, c.tie_word_embeddings) == v, f
+        assert (c.head_dim, c.vocab_size, c.rope_theta, c.norm_eps, c.num_experts) == (128, 151936, 1e6, 1e-6, 0)
+    moe = {"30B-A3B": (2048, 48, 32, 4, 768, 1e6), "235B-A22B": (4096, 94, 64, 4, 1536, 5e6)}
+    for f, v in moe.items():
+        c = model_registry(f).config
+        assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.moe_inter_dim, c.rope_theta) == v, f
+        assert (c.num_experts, c.top_k, c.norm_topk_prob, c.tie_word_embeddings) == (128, 8, True, False)
+        assert all(c.is_moe_layer(i) for i in range(c.n_layers))
+    dm = model_registry("debug-moe").config
+    assert [dm.is_moe_layer(i) for i in range(dm.n_layers)] == [False, True, True, True]
+    assert model_registry("debug", max_seq_len=512).config.max_seq_len == 512
+
+
+# Published totals (HF model cards): Qwen3-0.6B "0.6B" (non-embedding 0.44B), Qwen3-4B "4.0B"
+# (non-embedding 3.6B), Qwen3-30B-A3B "30.5B in total and 3.3B activated" (non-embedding 29.9B).
+# "Non-embedding" on the cards excludes the input embedding and, when untied, the lm_head.
+@pytest.mark.parametrize("flavor,total,non_emb", [("0.6B", 0.6e9, 0.44e9), ("4B", 4.0e9, 3.6e9),
+                                                  ("30B-A3B", 30.5e9, 29.9e9)])
+def test_param_counts_on_meta_match_published(flavor: str, total: float, non_emb: float) -> None:
+    cfg = model_registry(flavor).config
+    with torch.device("meta"):
+        model = Qwen3Model(cfg)
+    n = sum(p.numel() for p in model.parameters())  # unique parameters: a tied lm_head counts once
+    assert all(p.is_meta for p in model.parameters())
+    assert n == model.num_params() == cfg.num_params()
+    assert abs(n - total) / total < 0.01, n
+    tables = cfg.vocab_size * cfg.dim * (1 if cfg.tie_word_embeddings else 2)
+    assert abs(n - tables - non_emb) / non_emb < 0.01, n - tables
+    if cfg.is_moe:  # 3.3B activated; the card rounds to 0.1B, so allow 2%
+        assert abs(cfg.num_active_params() - 3.3e9) / 3.3e9 < 0.02, cfg.num_active_params()
