@@ -324,6 +324,30 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
     return load_config(path, rest)
 
 
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise ConfigError(f"config: cannot write {type(v).__name__} {v!r} as TOML")
+
+
+def to_toml(cfg: TrainerConfig) -> str:
+    """The resolved configuration as TOML (None-valued fields are left out: they mean "default")."""
+    lines: list[str] = []
+    for sec, table in cfg.to_dict().items():
+        lines.append(f"[{sec}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- validation
 def _validate(cfg: TrainerConfig) -> None:
     def req(cond: bool, key: str, rule: str, value: Any) -> None:
@@ -380,5 +404,5 @@ __all__ = [
     "CheckpointConfig", "CompileConfig", "ConfigError", "DataConfig", "JobConfig", "LRSchedulerConfig",
     "MetricsConfig", "ModelConfig", "OptimizerConfig", "OverridesConfig", "ParallelismConfig",
     "TrainerConfig", "TrainingConfig", "from_dict", "load_config", "load_toml", "parse_args",
-    "parse_cli_overrides", "resolve_parallel_degrees",
+    "parse_cli_overrides", "resolve_parallel_degrees", "to_toml",
 ]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from trnkit.harness import parallel
 from trnkit.harness.checkpoint import (Checkpointer, full_model_state_dict, latest_checkpoint,
                                        load_full_model_state_dict)
-from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig, parse_args
+from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig, parse_args, to_toml
 from trnkit.harness.data import IGNORE_INDEX, build_loader
 from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
 from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
@@ -41,6 +41,7 @@ class RunResult:
     override_table: str = ""
     hf_export: str = ""
     records: list[dict[str, Any]] = field(default_factory=list)
+    model: Any = None                                          # the trained module (this rank's part)
 
 
 def lr_lambda(cfg: LRSchedulerConfig, steps: int):
@@ -151,6 +152,9 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     t = cfg.training
     dump = cfg.job.dump_folder
     os.makedirs(dump, exist_ok=True)
+    if env.rank == 0:
+        with open(os.path.join(dump, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
     log(f"job {cfg.job.name}: world {env.world_size} (dp_shard {env.dp} x tp {env.tp}) on {env.device.type}"
         f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
 
@@ -261,6 +265,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     if env.rank == 0 and cfg.metrics.plot and result.records:
         png = plot_loss(result.records, os.path.join(dump, "loss.png"), title=f"{cfg.job.name}: {handle.name}")
         log(f"loss curve: {png}")
+    result.model = model
     return result
 
 

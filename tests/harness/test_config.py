@@ -1,0 +1,88 @@
+"""Config: TOML + CLI overrides, type checks and clear errors, parallel degrees, shipped configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trnkit.harness.config import (ConfigError, ParallelismConfig, TrainerConfig, load_config, parse_args,
+                                   resolve_parallel_degrees, to_toml)
+
+from .helpers import REPO
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_toml_and_cli_overrides(tmp_path: Path) -> None:
+    p = _write(tmp_path, '[training]\nsteps = 7\nseq_len = 64\n[model]\nspec = "qwen3:debug"\n'
+                         '[overrides]\nops = ["rope_hf"]\npolicy = "fallback"\n')
+    cfg = parse_args(["--config", str(p), "--training.steps", "20", "--optimizer.lr=1e-3",
+                      "--checkpoint.enable", "true", "--overrides.ops", "rope_hf,moe_experts",
+                      "--model.config", '{"n_layers": 2}', "--training.moe_aux_loss_coef", "none"])
+    assert cfg.training.steps == 20 and cfg.training.seq_len == 64
+    assert cfg.optimizer.lr == 1e-3 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.checkpoint.enable is True
+    assert cfg.overrides.ops == ["rope_hf", "moe_experts"] and cfg.overrides.policy == "fallback"
+    assert cfg.model.config == {"n_layers": 2} and cfg.model.spec == "qwen3:debug"
+    assert cfg.training.moe_aux_loss_coef is None
+    # untouched fields keep their defaults
+    assert cfg.training.local_batch_size == TrainerConfig().training.local_batch_size
+
+
+def test_to_toml_round_trip(tmp_path: Path) -> None:
+    cfg = load_config(None, ["--training.steps", "3", "--model.config", '{"dim": 64, "mlp_only_layers": [0]}',
+                             "--overrides.ops", "rope_hf", "--job.name", 'a "quoted" name'])
+    again = load_config(_write(tmp_path, to_toml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("text, cli, match", [
+    ("[training]\nstpes = 3\n", [], r"unknown key training\.stpes \(did you mean 'steps'\?\)"),
+    ("[trainng]\nsteps = 3\n", [], r"unknown section \[trainng\] \(did you mean 'training'\?\)"),
+    ('[training]\nsteps = "ten"\n', [], r"training\.steps: expected an int, got str 'ten'"),
+    ("[training]\nsteps = 2.5\n", [], r"training\.steps: expected an int, got float 2\.5"),
+    ("", ["--training.steps", "abc"], r"training\.steps: expected an int, got str 'abc'"),
+    ("", ["--checkpoint.enable", "maybe"], r"checkpoint\.enable: expected a bool"),
+    ('[training]\ndtype = "float16"\n', [], r"training\.dtype: must be one of \['float32', 'bfloat16'\]"),
+    ("", ["--training.steps", "0"], r"training\.steps: must be >= 1, got 0"),
+    ("", ["--model.spec", "llama:7b"], r"model\.spec: must be 'qwen3:<flavor>' or 'hf:<path>'"),
+    ("", ["--overrides.policy", "strict"], r"overrides\.ops: must name at least one op"),
+    ("", ["--lr_scheduler.warmup_steps", "100", "--training.steps", "10"], r"warmup_steps: must be in \[0"),
+    ("", ["--training.steps"], r"--training.steps needs a value"),
+    ("", ["training.steps", "3"], r"expected --<section>\.<field> <value>"),
+    ("[training]\nsteps = \n", [], r"not valid TOML"),
+])
+def test_config_errors_are_clear(tmp_path: Path, text: str, cli: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(_write(tmp_path, text), cli)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="file not found: /nonexistent.toml"):
+        load_config("/nonexistent.toml")
+
+
+@pytest.mark.parametrize("dp, tp, world, expect", [(-1, 1, 2, (2, 1)), (-1, 2, 2, (1, 2)), (2, 2, 4, (2, 2)),
+                                                  (1, 1, 1, (1, 1))])
+def test_parallel_degrees(dp: int, tp: int, world: int, expect: tuple[int, int]) -> None:
+    p = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp)
+    assert resolve_parallel_degrees(p, world) == expect
+
+
+def test_parallel_degrees_must_multiply_to_world() -> None:
+    with pytest.raises(ConfigError, match=r"data_parallel_shard_degree \(2\) x tensor_parallel_degree \(2\) = 4 "
+                                          r"must equal the world size \(2\)"):
+        resolve_parallel_degrees(ParallelismConfig(2, 2), 2)
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree 3 does not divide the world size 4"):
+        resolve_parallel_degrees(ParallelismConfig(-1, 3), 4)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_parse(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.model.spec.split(":")[0] in ("qwen3", "hf")

@@ -1,0 +1,103 @@
+"""Data: documents, tokenization, packing, data-parallel sharding and resumable position."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trnkit.harness.config import ConfigError, DataConfig
+from trnkit.harness.data import (PackedLoader, build_loader, load_tokenizer, read_documents, shakespeare_files,
+                                 tokenize_stream)
+
+
+def test_bundled_qwen3_tokenizer_matches_published_ids() -> None:
+    tok = load_tokenizer("qwen3")
+    # reference ids for the published Qwen3 tokenizer.json (shared/notes/packages.md)
+    assert tok.encode("Hello world! Qwen3 MoE on Trainium 你好") == [
+        9707, 1879, 0, 1207, 16948, 18, 6050, 36, 389, 26125, 2356, 220, 108386]
+    assert tok.eos_id == 151643 and tok.vocab_size == 151669
+
+
+def test_bundled_corpus() -> None:
+    files = shakespeare_files()
+    assert len(files) == 38 and all(f.endswith(".md") for f in files)
+
+
+def test_packing_windows_overlap_by_one() -> None:
+    stream = np.arange(100, dtype=np.int64)
+    loader = PackedLoader(stream, seq_len=8, local_batch_size=3)
+    assert loader.num_samples == (100 - 1) // 8
+    b = loader.next_batch()
+    assert b.tokens.tolist() == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    assert b.labels.tolist() == [list(range(1, 9)), list(range(9, 17)), list(range(17, 25))]
+    assert loader.position == 3
+
+
+def test_dp_shards_partition_the_global_batch() -> None:
+    stream = np.random.default_rng(0).integers(0, 50, 1000)
+    single = PackedLoader(stream, 16, local_batch_size=4)
+    ranks = [PackedLoader(stream, 16, local_batch_size=2, dp_rank=r, dp_degree=2) for r in range(2)]
+    for _ in range(20):  # crosses the epoch boundary (62 samples)
+        full = single.next_batch()
+        parts = [r.next_batch() for r in ranks]
+        assert torch.equal(full.tokens, torch.cat([p.tokens for p in parts]))
+        assert torch.equal(full.labels, torch.cat([p.labels for p in parts]))
+    assert single.position == ranks[0].position == ranks[1].position == 80
+    assert single.epoch == 1
+
+
+def test_resume_position_is_exact() -> None:
+    stream = np.arange(500, dtype=np.int64)
+    a = PackedLoader(stream, 10, 2)
+    for _ in range(3):
+        a.next_batch()
+    b = PackedLoader(stream, 10, 2)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.next_batch().tokens, b.next_batch().tokens)
+    with pytest.raises(ConfigError, match="checkpoint was written for seq_len 10"):
+        PackedLoader(stream, 12, 2).load_state_dict(a.state_dict())
+
+
+def test_documents_txt_jsonl_and_eos(tmp_path: Path, tiny_tokenizer: str) -> None:
+    (tmp_path / "a.txt").write_text("To be, or not to be")
+    rows = [{"text": "that is the question"}, {"text": "whether 'tis nobler"}]
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    docs = read_documents(str(tmp_path))
+    assert docs == ["To be, or not to be", "that is the question", "whether 'tis nobler"]
+    assert read_documents(str(tmp_path), max_documents=2) == docs[:2]
+    tok = load_tokenizer(tiny_tokenizer)
+    stream = tokenize_stream(docs, tok, add_eos=True)
+    expect = [t for d in docs for t in tok.encode(d) + [tok.eos_id]]
+    assert stream.tolist() == expect
+    assert tok.decode(tok.encode(docs[0])) == docs[0]
+
+
+def test_data_errors(tmp_path: Path, tiny_tokenizer: str) -> None:
+    with pytest.raises(ConfigError, match="no .txt/.md/.jsonl/.parquet files found"):
+        read_documents(str(tmp_path / "nothing"))
+    (tmp_path / "x.jsonl").write_text('{"body": "hi"}\n')
+    with pytest.raises(ConfigError, match=r"x.jsonl:1 has no field 'text' \(fields: \['body'\]\)"):
+        read_documents(str(tmp_path / "x.jsonl"))
+    with pytest.raises(ConfigError, match="no tokenizer.json at"):
+        load_tokenizer(str(tmp_path))
+    (tmp_path / "y.txt").write_text("short")
+    cfg = DataConfig(tokenizer=tiny_tokenizer, dataset=str(tmp_path / "y.txt"))
+    with pytest.raises(ConfigError, match="fewer than one global batch"):
+        build_loader(cfg, seq_len=64, local_batch_size=4, dp_rank=0, dp_degree=1)
+
+
+def test_parquet_needs_pyarrow_or_reads(tmp_path: Path) -> None:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        (tmp_path / "d.parquet").write_bytes(b"PAR1")
+        with pytest.raises(ConfigError, match="needs pyarrow"):
+            read_documents(str(tmp_path / "d.parquet"))
+        return
+    pq.write_table(pa.table({"text": ["a b", "c"]}), tmp_path / "d.parquet")
+    assert read_documents(str(tmp_path / "d.parquet")) == ["a b", "c"]

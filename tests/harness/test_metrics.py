@@ -1,0 +1,75 @@
+"""Metrics: FLOPs per token (hand-computed), peak FLOPs table, the console line, step-1 note, plot."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trnkit.harness.metrics import (ModelShape, count_params, flops_per_token, format_line, peak_flops,
+                                    plot_loss, step1_sanity)
+from trnkit.qwen3 import Qwen3Model, model_registry
+
+from .helpers import TINY_MOE
+
+
+def test_flops_per_token_moe_by_hand() -> None:
+    c = model_registry("debug-moe", **{**TINY_MOE, "tie_word_embeddings": False}).config
+    with torch.device("meta"):
+        m = Qwen3Model(c)
+    d, hd, V, E, K, I = c.dim, c.head_dim, c.vocab_size, c.num_experts, c.top_k, c.moe_inter_dim
+    attn = d * hd * (2 * c.n_heads + 2 * c.n_kv_heads) + 2 * hd + 2 * d
+    dense_ffn = 3 * d * c.hidden_dim
+    experts = E * 3 * d * I
+    router = E * d
+    total = 2 * attn + dense_ffn + experts + router + d + 2 * V * d
+    shape = ModelShape(c.n_layers, c.n_heads, hd, E, K)
+    counts = count_params(m, shape)
+    assert counts["total"] == total == c.num_params()
+    assert counts["embedding"] == V * d and counts["experts"] == experts
+    assert counts["active"] == total - experts + experts * K // E == c.num_active_params()
+    fpt, _ = flops_per_token(m, shape, seq_len=32)
+    assert fpt == 6 * (total - experts + experts * K // E - V * d) + 6 * c.n_layers * c.n_heads * 2 * hd * 32
+
+
+def test_tied_lm_head_counts_as_matmul() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(100, 8)
+            self.head = nn.Linear(8, 100, bias=False)
+            self.head.weight = self.emb.weight
+
+    counts = count_params(Tied(), ModelShape(1, 1, 2))
+    assert counts == {"total": 800, "embedding": 0, "experts": 0, "active": 800}
+
+
+def test_peak_flops_table() -> None:
+    assert peak_flops("cpu") is None
+    assert peak_flops("neuron", "Trainium2 trn2") == 158e12
+    assert peak_flops("neuron", "trn1") == 90e12
+    assert peak_flops("neuron", "something-new") == 158e12  # torchtitan's neuron fallback
+
+
+def test_console_line_matches_torchtitan() -> None:
+    line = format_line(3, 10.123456, 1.5, 1.25, 6.5, 12345.4, 0.0123, None)
+    assert line == ("step:  3  loss: 10.12346  grad_norm:  1.5000  memory:  1.25GiB(6.50%)  "
+                    "tps: 12,345  tflops: 0.01  mfu: n/a")
+    assert format_line(12, 1, 1, 1, 1, 1, 1, 42.0).endswith("mfu: 42.00%")
+    colored = format_line(1, 1, 1, 1, 1, 1, 1, None, color=True)
+    assert re.sub(r"\033\[\d+m", "", colored) == format_line(1, 1, 1, 1, 1, 1, 1, None)
+
+
+def test_step1_sanity_notes() -> None:
+    v = 151936
+    assert "as expected for random init" in step1_sanity(math.log(v) + 0.1, v, loaded_weights=False)
+    assert "WARNING" in step1_sanity(12.4, v, loaded_weights=True)
+    assert "consistent with the loaded weights" in step1_sanity(6.5, v, loaded_weights=True)
+
+
+def test_plot_writes_png(tmp_path: Path) -> None:
+    out = plot_loss([{"step": i, "loss": 10 / i} for i in range(1, 6)], str(tmp_path / "l.png"))
+    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
