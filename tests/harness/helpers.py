@@ -25,7 +25,7 @@ def tiny_config(dump: Path, tokenizer: str, corpus: Path, **sections: dict[str, 
         "model": {"spec": "qwen3:debug-moe", "config": dict(TINY_MOE)},
         "data": {"tokenizer": tokenizer, "dataset": str(corpus)},
         "training": {"steps": 8, "local_batch_size": 2, "seq_len": 32},
-        "optimizer": {"lr": 3e-3},
+        "optimizer": {"lr": 1e-2},
         "lr_scheduler": {"warmup_steps": 2},
         "metrics": {"plot": False, "progress_bar": False},
     }
