@@ -106,11 +106,15 @@ _PROBE: _Probe | None = None
 class _Guard:
     """Per-module call-time decision: the impl to run, or None for the module's original code."""
 
-    def __init__(self, op: str, impl: str, policy: str, path: str, static: list[Violation]) -> None:
+    def __init__(self, op: str, impl: str, policy: str, path: str, static: list[Violation],
+                 probe_only: bool = False) -> None:
         self.op, self.impl, self.policy, self.path, self.static = op, impl, policy, path, static
+        self.probe_only = probe_only  # a shape-only stand-in used during the dry run
 
     def choose(self, extra: Sequence[Violation] = (), **inputs: Any) -> str | None:
         if _PROBE is not None:
+            if self.probe_only:
+                return REFERENCE
             sel = select(self.op, self.impl, policy="fallback", device=_PROBE.device,
                          needs_backward=_PROBE.needs_backward, **inputs)
             _PROBE.seen.setdefault(self.path, []).extend([*extra, *sel.reasons])
@@ -385,6 +389,15 @@ def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple
             yield path, module, "rope_hf", None
 
 
+def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _ModuleAdapter | None,
+             config: OverrideConfig, impl: str, probe_only: bool = False) -> _SwapPoint:
+    static = adapter.static(module) if adapter is not None else []
+    guard = _Guard(op, impl, config.policy, path, static, probe_only)
+    undo = (_swap_module(model, path, module, adapter, guard, config.block_size) if adapter is not None
+            else _swap_hf_rope(module, guard))
+    return _SwapPoint(path, op, guard, undo)
+
+
 def _default_seq_len(model: nn.Module) -> int:
     cfg = getattr(model, "config", None)
     for name in ("max_seq_len", "max_position_embeddings", "seq_len"):
@@ -401,6 +414,13 @@ def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs
     probe = _Probe(device, needs_backward)
     seq = config.seq_len or _default_seq_len(model)
     param = next(model.parameters(), None)
+    # Swap points of ops that are not being overridden often hold data-dependent code (expert
+    # dispatch); give them shape-only stand-ins for the dry run. Eval mode skips aux statistics.
+    others = [_install(model, path, module, op, adapter, config, REFERENCE, probe_only=True)
+              for path, module, op, adapter in _find_swap_points(model, SWAPPABLE_OPS)
+              if op not in config.ops]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
     _PROBE = probe
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
@@ -416,6 +436,10 @@ def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs
             f"OverrideConfig(dry_run=False) to rely on the static and call-time checks only.") from exc
     finally:
         _PROBE = None
+        for m, training in modes:
+            m.training = training
+        for pt in reversed(others):
+            pt.undo()
     return probe.seen
 
 
@@ -438,13 +462,8 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kw
                            for p, _, op, _ in found)
         return report
 
-    points: list[_SwapPoint] = []
-    for path, module, op, adapter in found:
-        static = adapter.static(module) if adapter is not None else []
-        guard = _Guard(op, config.impl_for(op), config.policy, path, static)
-        undo = (_swap_module(model, path, module, adapter, guard, config.block_size) if adapter is not None
-                else _swap_hf_rope(module, guard))
-        points.append(_SwapPoint(path, op, guard, undo))
+    points = [_install(model, path, module, op, adapter, config, config.impl_for(op))
+              for path, module, op, adapter in found]
     model.__dict__[_STATE_ATTR] = points
 
     try:
