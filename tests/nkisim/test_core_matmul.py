@@ -1,0 +1,216 @@
+"""nisa.nc_matmul / nc_transpose against numpy, accumulate semantics, and every Tensor Engine rule."""
+
+from __future__ import annotations
+
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from trnkit.nkisim import isa as nisa
+from trnkit.nkisim import language as nl
+from trnkit.nkisim import trace
+from trnkit.nkisim.errors import NkiValidationError
+
+RNG = np.random.default_rng(2)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def tile(values: np.ndarray, dtype=None, buffer=nl.sbuf):
+    dt = np.dtype(dtype) if dtype is not None else values.dtype
+    t = nl.ndarray(values.shape, dt, buffer=buffer)
+    t.np()[...] = values.astype(dt)
+    return t
+
+
+def psum_tile(m: int, n: int, dtype=nl.float32):
+    return nl.ndarray((m, n), dtype, buffer=nl.psum)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float16, ml_dtypes.float8_e4m3])
+@pytest.mark.parametrize("k, m, n", [(128, 128, 512), (64, 32, 100), (1, 1, 1)])
+def test_matmul_matches_numpy(dtype, k, m, n):
+    a = RNG.standard_normal((k, m)).astype(dtype)
+    b = RNG.standard_normal((k, n)).astype(dtype)
+    dst = psum_tile(m, n)
+    nisa.nc_matmul(dst, tile(a), tile(b))
+    ref = a.astype(np.float64).T @ b.astype(np.float64)  # products of low-precision inputs are exact
+    np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-4 * np.sqrt(k))
+
+
+def test_matmul_multi_dim_free_operands_copy_all_elements():
+    # 0.4 release-note fix: 3-D+ operands must use all their elements (free dims flattened)
+    a = RNG.standard_normal((32, 4, 8)).astype(np.float32)
+    b = RNG.standard_normal((32, 2, 16)).astype(np.float32)
+    dst = nl.ndarray((32, 2, 16), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=dst, stationary=tile(a), moving=tile(b))
+    np.testing.assert_allclose(dst.np().reshape(32, 32), a.reshape(32, 32).T @ b.reshape(32, 32),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_none_first_write_overwrites_then_adds():
+    a = [RNG.standard_normal((128, 64)).astype(np.float32) for _ in range(3)]
+    b = [RNG.standard_normal((128, 256)).astype(np.float32) for _ in range(3)]
+    dst = psum_tile(64, 256)  # NaN sentinel: an add onto it would leave NaN
+    for x, y in zip(a, b):
+        nisa.nc_matmul(dst=dst, stationary=tile(x), moving=tile(y))
+    ref = sum(x.T @ y for x, y in zip(a, b))
+    np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-3)
+
+
+def test_accumulate_none_is_per_location():
+    # first matmul writes only the left half; the second covers everything: left adds, right overwrites
+    a = RNG.standard_normal((16, 8)).astype(np.float32)
+    b = RNG.standard_normal((16, 32)).astype(np.float32)
+    dst = psum_tile(8, 32)
+    nisa.nc_matmul(dst=dst[:, 0:16], stationary=tile(a), moving=tile(b[:, 0:16]))
+    nisa.nc_matmul(dst=dst, stationary=tile(a), moving=tile(b))
+    ref = a.T @ b
+    ref[:, 0:16] *= 2
+    np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_false_overwrites_true_adds_and_warns_on_unwritten():
+    a = RNG.standard_normal((32, 16)).astype(np.float32)
+    b = RNG.standard_normal((32, 64)).astype(np.float32)
+    ref = a.T @ b
+    dst = psum_tile(16, 64)
+    nisa.nc_matmul(dst, tile(a), tile(b))
+    nisa.nc_matmul(dst, tile(a), tile(b), accumulate=False)
+    np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nisa.nc_matmul(dst, tile(a), tile(b), accumulate=True)  # matmul-written: no warning
+    np.testing.assert_allclose(dst.np(), 2 * ref, rtol=1e-5, atol=1e-5)
+    fresh = psum_tile(16, 64)
+    nisa.memset(fresh, 0.0)  # written by another engine: accumulating is undefined on trn2
+    with pytest.warns(RuntimeWarning, match="accumulate=True onto PSUM tile .* not written by a "
+                                            "previous nc_matmul"):
+        nisa.nc_matmul(fresh, tile(a), tile(b), accumulate=True)
+    np.testing.assert_allclose(fresh.np(), ref, rtol=1e-5, atol=1e-5)
+    # after a non-matmul write, accumulate=None starts a new group (overwrites)
+    nisa.tensor_copy(dst=dst, src=tile(np.full((16, 64), 5.0, np.float32)))
+    np.testing.assert_array_equal(dst.np(), 5.0)
+    nisa.nc_matmul(dst, tile(a), tile(b))
+    np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_trace_and_trace_only():
+    a = tile(RNG.standard_normal((128, 128)).astype(BF16))
+    b = tile(RNG.standard_normal((128, 512)).astype(BF16))
+    dst = psum_tile(128, 512)
+    with trace.record() as tr:
+        nisa.nc_matmul(dst, a, b)
+    (ins,) = tr.instrs
+    assert ins.engine == "tensor" and ins.flops == 2 * 128 * 128 * 512
+    roles = {o.role: o for o in ins.operands}
+    assert roles["stationary"].free_elems == 128 and roles["moving"].free_elems == 512
+    assert roles["dst"].buffer == "psum" and roles["moving"].dtype == "bfloat16"
+    fresh = psum_tile(128, 512)
+    with trace.record(trace_only=True) as tr:
+        nisa.nc_matmul(fresh, a, b)
+    assert len(tr) == 1 and np.isnan(fresh.np()).all()  # arithmetic skipped, instruction recorded
+
+
+@pytest.mark.parametrize("case, msg", [
+    ("stationary_free", "stationary free size 256 exceeds gemm_stationary_fmax (128)"),
+    ("moving_free", "moving free size 1024 exceeds gemm_moving_fmax (512)"),
+    ("k_mismatch", "stationary has 128 partitions, moving has 64"),
+    ("dst_sbuf", "dst must be in psum, got sbuf"),
+    ("stationary_psum", "stationary must be in sbuf, got psum"),
+    ("dst_bf16", "dst must be float32 in PSUM on trn2, got bfloat16"),
+    ("fp32_pairing", "if one input is fp32/tf32 both must be: stationary float32, moving bfloat16"),
+    ("int_input", "stationary dtype int32 not supported"),
+    ("dst_shape", "dst partition dim 64 must equal the stationary free size 128"),
+    ("partitions", "stationary partition dimension 129 exceeds maximum 128"),
+])
+def test_matmul_rules(case, msg):
+    f32, bf = nl.float32, nl.bfloat16
+    st = nl.ndarray((128, 128), f32, buffer=nl.sbuf)
+    mv = nl.ndarray((128, 512), f32, buffer=nl.sbuf)
+    dst = psum_tile(128, 512)
+    if case == "stationary_free":
+        st = nl.ndarray((128, 256), f32, buffer=nl.sbuf)
+    elif case == "moving_free":
+        mv = nl.ndarray((128, 1024), f32, buffer=nl.sbuf)
+    elif case == "k_mismatch":
+        mv = nl.ndarray((64, 512), f32, buffer=nl.sbuf)
+    elif case == "dst_sbuf":
+        dst = nl.ndarray((128, 512), f32, buffer=nl.sbuf)
+    elif case == "stationary_psum":
+        st = nl.ndarray((128, 128), f32, buffer=nl.psum)
+    elif case == "dst_bf16":
+        dst = psum_tile(128, 512, bf)
+    elif case == "fp32_pairing":
+        mv = nl.ndarray((128, 512), bf, buffer=nl.sbuf)
+    elif case == "int_input":
+        st = nl.ndarray((128, 128), nl.int32, buffer=nl.sbuf)
+    elif case == "dst_shape":
+        dst = psum_tile(64, 512)
+    elif case == "partitions":
+        from trnkit.nkisim.tensor import Storage, NkiTensor  # a 129-partition view is not allocatable
+
+        st = NkiTensor._make(Storage(np.zeros(129 * 128, np.float32), (129, 128), nl.sbuf, "big"),
+                             (129, 128), (128, 1), 0, np.dtype(np.float32), "big")
+    with pytest.raises(NkiValidationError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        nisa.nc_matmul(dst=dst, stationary=st, moving=mv)
+
+
+def test_partition_start_alignment_rule():
+    big = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
+    mv = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
+    nisa.memset(big, 1.0)
+    nisa.memset(mv, 1.0)
+    ok = psum_tile(32, 64)
+    nisa.nc_matmul(ok, big[32:64, 0:32], mv[32:64])  # 32 partitions starting at 32: allowed
+    with pytest.raises(NkiValidationError, match=r"stationary starts at partition 16 with 32 "
+                                                 r"partitions; allowed starts .* \(0, 32, 64, 96\)"):
+        nisa.nc_matmul(ok, big[16:48, 0:32], mv[16:48])
+    with pytest.raises(NkiValidationError, match=r"starts at partition 32 with 64 partitions; "
+                                                 r"allowed starts for that size are \(0, 64\)"):
+        nisa.nc_matmul(psum_tile(32, 64), big[32:96, 0:32], mv[32:96])
+    with pytest.raises(NkiValidationError, match=r"starts at partition 63 with 65 partitions; allowed starts for that size are \(0,\)"):
+        nisa.nc_matmul(psum_tile(32, 64), big[63:128, 0:32], mv[63:128])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_transpose_tensor_engine(dtype):
+    a = RNG.standard_normal((128, 96)).astype(dtype)
+    dst = nl.ndarray((96, 128), dtype, buffer=nl.psum)
+    with trace.record() as tr:
+        nisa.nc_transpose(dst=dst, data=tile(a))
+    np.testing.assert_array_equal(dst.np(), a.T)  # bit-exact
+    assert tr.instrs[0].engine == "tensor"
+
+
+def test_transpose_vector_engine_and_multi_free_dims():
+    a = RNG.standard_normal((16, 2, 8)).astype(np.float32)
+    dst = nl.ndarray((16, 16), np.float32, buffer=nl.sbuf)
+    with trace.record() as tr:
+        nisa.nc_transpose(dst=dst, data=tile(a))
+    np.testing.assert_array_equal(dst.np(), a.reshape(16, 16).T)
+    assert tr.instrs[0].engine == "vector"
+
+
+@pytest.mark.parametrize("case, msg", [
+    ("tensor_big", "Tensor Engine transpose supports up to 128x128, data is 128x256"),
+    ("vector_big", "Vector Engine transpose supports up to 32x32, data is 64x64"),
+    ("dtype", "dst dtype float32 must equal data dtype bfloat16"),
+    ("shape", r"dst must be \[64, 128\] for data \[128, 64\]"),
+    ("tensor_psum_src", "data must be in sbuf, got psum"),
+])
+def test_transpose_rules(case, msg):
+    if case == "tensor_big":
+        data, dst, eng = nl.ndarray((128, 256), nl.float32), psum_tile(256, 128), nisa.engine.unknown
+        dst = nl.ndarray((128, 256), nl.float32, buffer=nl.psum)  # right shape is impossible (bank)
+    elif case == "vector_big":
+        data, dst, eng = nl.ndarray((64, 64), nl.float32), nl.ndarray((64, 64), nl.float32), nisa.engine.vector
+    elif case == "dtype":
+        data, dst, eng = nl.ndarray((128, 64), nl.bfloat16), psum_tile(64, 128), nisa.engine.tensor
+    elif case == "shape":
+        data, dst, eng = nl.ndarray((128, 64), nl.float32), psum_tile(128, 64), nisa.engine.tensor
+    else:
+        data, dst, eng = nl.ndarray((64, 64), nl.float32, buffer=nl.psum), psum_tile(64, 64), nisa.engine.tensor
+    with pytest.raises(NkiValidationError, match=msg):
+        nisa.nc_transpose(dst=dst, data=data, engine=eng)
