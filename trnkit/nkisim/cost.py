@@ -193,16 +193,17 @@ def _dma_geometry(instr: Instr) -> tuple[int, int, float, bool]:
     nbytes = instr.dma_bytes or max((o.nbytes for o in instr.operands), default=0)
     touches_hbm = bool(instr.hbm_bytes) or any(o.buffer in _HBM_BUFFERS for o in instr.operands)
     hbm = instr.hbm_bytes or (nbytes if touches_hbm else 0)
-    row = instr.attrs.get("contiguous_bytes")
-    if row is None:
-        onchip = [o for o in instr.operands if o.buffer in _ONCHIP and o.partitions > 0]
-        if onchip:  # one packet per partition row
-            o = onchip[0]
-            row = o.nbytes / o.partitions
-        else:  # HBM -> HBM: rows of the destination's last dim
-            o = _role(instr, "dst") or instr.operands[0]
-            n = math.prod(o.shape) or 1
-            row = o.nbytes / n * (o.shape[-1] if o.shape else 1)
+    onchip = [o for o in instr.operands if o.buffer in _ONCHIP and o.partitions > 0]
+    if onchip:  # at most one partition's bytes per descriptor row
+        o = onchip[0]
+        row = o.nbytes / o.partitions
+    else:  # HBM -> HBM: rows of the destination's last dim
+        o = _role(instr, "dst") or instr.operands[0]
+        n = math.prod(o.shape) or 1
+        row = o.nbytes / n * (o.shape[-1] if o.shape else 1)
+    contiguous = instr.attrs.get("contiguous_bytes")  # the interpreter's longest contiguous run
+    if contiguous:
+        row = min(row, contiguous) if onchip else contiguous
     return nbytes, hbm, float(row), touches_hbm
 
 
@@ -280,7 +281,8 @@ def _compute_cycles(instr: Instr, chip: Chip) -> float:
     if op == "reciprocal":
         return max(min_ii, 8 * n)
     if op in ("activation", "activation_reduce"):
-        readout = op == "activation_reduce" or instr.attrs.get("reduce_res") or instr.attrs.get("reduce")
+        readout = (op == "activation_reduce" or _role(instr, "reduce_res") is not None
+                   or instr.attrs.get("reduce_res"))
         return max(min_ii, n) + (min_ii if readout else 0)
     # max8, nc_find_index8, nc_match_replace8 (documented "min(MIN_II, N)" read as the usual floor),
     # select, tensor_copy_predicated, Vector nc_transpose, ...: one pass over N elements.
