@@ -277,3 +277,15 @@ def test_trace_records_engine_sizes_and_dependencies() -> None:
     assert i1.attrs["reads"][0] == i0.attrs["writes"][0]
     key, lo, hi = i0.attrs["writes"][0]
     assert (lo, hi) == (0, 96 * 512)
+
+
+def test_memset_into_psum_restarts_matmul_accumulation() -> None:
+    # A memset PSUM tile is no longer "written by nc_matmul": accumulate=None overwrites it.
+    from trnkit.nkisim.isa.tensor_engine import nc_matmul
+
+    a, b = tile(np.ones((4, 2), np.float32)), tile(np.ones((4, 3), np.float32))
+    acc = empty((2, 3), F32, psum)
+    nc_matmul(acc, a, b)
+    nisa.memset(acc, 100.0)
+    nc_matmul(acc, a, b)
+    np.testing.assert_array_equal(acc.np(), np.full((2, 3), 4.0))

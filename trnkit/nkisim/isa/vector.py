@@ -390,9 +390,9 @@ def memset(dst: Any, value: Any, engine: Any = common.engine.unknown, name: str 
         info = np.iinfo(dst.dtype)
         require(info.min <= int(value) <= info.max, OP, "value {value} is out of range for {dtype}",
                 value=value, dtype=dst.dtype.name)
-        dst.np()[...] = int(value)
+        common.store(dst, np.asarray(int(value), dtype=dst.dtype))
     else:
-        dst.np()[...] = dtypes.cast(np.asarray(value, dtype=np.float64), dst.dtype)
+        common.store(dst, np.asarray(value, dtype=_F32))  # the immediate is an fp32 value
     emit(OP, eng, {"dst": dst}, value=float(value))
 
 
