@@ -1,0 +1,241 @@
+"""@nki.jit with numpy / torch (fp32, bf16) arguments, in-place outputs, grid launches, simulate, loops."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from trnkit import nkisim as nki
+from trnkit.nkisim import isa as nisa
+from trnkit.nkisim import language as nl
+from trnkit.nkisim import memory, trace
+from trnkit.nkisim.errors import NkiValidationError
+
+RNG = np.random.default_rng(3)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _add_tiles(a, b, out, rows):
+    """out[rows] = a[rows] + b[rows], 128-row tiles."""
+    for r0 in range(rows.start, rows.stop, 128):
+        ta = nl.ndarray((128, a.shape[1]), a.dtype, buffer=nl.sbuf)
+        tb = nl.ndarray((128, a.shape[1]), b.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ta, src=a[r0:r0 + 128, :])
+        nisa.dma_copy(dst=tb, src=b[r0:r0 + 128, :])
+        tc = nl.ndarray((128, a.shape[1]), out.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=tc, data1=ta, data2=tb, op=nl.add)
+        nisa.dma_copy(dst=out[r0:r0 + 128, :], src=tc)
+
+
+@nki.jit
+def add_kernel(a, b):
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    _add_tiles(a, b, out, range(0, a.shape[0]))
+    return out
+
+
+@nki.jit
+def add_into(a, b, out):
+    _add_tiles(a, b, out, range(0, a.shape[0]))
+    return out
+
+
+@nki.jit
+def add_spmd(a, b):
+    """Each program adds its half of the rows into one shared output."""
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    n = nl.num_programs(0)
+    half = a.shape[0] // n
+    pid = nl.program_id(0)
+    _add_tiles(a, b, out, range(pid * half, (pid + 1) * half))
+    return out
+
+
+def test_numpy_args_return_numpy():
+    a = RNG.standard_normal((256, 64)).astype(np.float32)
+    b = RNG.standard_normal((256, 64)).astype(np.float32)
+    out = add_kernel(a, b)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32
+    np.testing.assert_array_equal(out, a + b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_args_return_torch_same_dtype(dtype):
+    a = torch.randn(128, 32, dtype=dtype)
+    b = torch.randn(128, 32, dtype=dtype)
+    out = add_kernel(a, b)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype
+    ref = (a.float() + b.float()).to(dtype)  # fp32 arithmetic, one RNE rounding
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch_f32", "torch_bf16"])
+def test_preallocated_output_written_in_place(kind):
+    a = RNG.standard_normal((128, 16)).astype(np.float32)
+    b = RNG.standard_normal((128, 16)).astype(np.float32)
+    if kind == "numpy":
+        out = np.zeros_like(a)
+        ret = add_into(a, b, out)
+        np.testing.assert_array_equal(out, a + b)
+    else:
+        dt = torch.float32 if kind == "torch_f32" else torch.bfloat16
+        ta, tb = torch.from_numpy(a).to(dt), torch.from_numpy(b).to(dt)
+        out = torch.zeros(128, 16, dtype=dt, requires_grad=False)
+        ret = add_into(ta, tb, out)
+        torch.testing.assert_close(out, (ta.float() + tb.float()).to(dt), rtol=0, atol=0)
+    assert ret is out  # a returned argument comes back as the caller's object
+
+
+def test_non_contiguous_torch_output_is_copied_back():
+    a = torch.randn(128, 16)
+    b = torch.randn(128, 16)
+    base = torch.zeros(16, 128)
+    out = base.t()  # non-contiguous view
+    add_into(a, b, out)
+    torch.testing.assert_close(base.t(), a + b, rtol=0, atol=0)
+
+
+def test_grid_launch_two_programs_share_hbm():
+    a = RNG.standard_normal((256, 32)).astype(np.float32)
+    b = RNG.standard_normal((256, 32)).astype(np.float32)
+    seen = []
+
+    @nki.jit
+    def probe(x):
+        seen.append((nl.program_id(0), nl.num_programs(0), nl.program_ndim(),
+                     memory.current().launch.num_instances))
+        return x
+
+    probe[2](a)
+    assert sorted(seen) == [(0, 2, 1, 2), (1, 2, 1, 2)]
+    with trace.record() as tr:
+        out = add_spmd[2](a, b)
+    np.testing.assert_array_equal(out, a + b)  # both halves land in the one shared output
+    assert {i.program_id for i in tr} == {0, 1}
+    np.testing.assert_array_equal(nki.simulate(add_spmd[2])(a, b), a + b)
+    np.testing.assert_array_equal(add_spmd(a, b), a + b)  # 1 program does all rows
+
+
+def test_2d_grid_program_ids():
+    ids = []
+
+    @nki.jit
+    def probe(x):
+        ids.append((nl.program_id(0), nl.program_id(1), nl.num_programs(), nl.num_programs(1)))
+
+    probe[2, 3](np.zeros(4, np.float32))
+    assert sorted(ids) == [(i, j, 6, 3) for i in range(2) for j in range(3)]
+
+
+def test_no_grid_program_id_defaults():
+    got = []
+
+    @nki.jit
+    def probe(x):
+        got.append((nl.program_id(0), nl.num_programs(0), nl.program_ndim()))
+
+    probe(np.zeros(4, np.float32))
+    assert got == [(0, 1, 0)]
+
+
+def test_simulate_plain_function_and_jit_kernel():
+    a = RNG.standard_normal((128, 8)).astype(np.float32)
+
+    def plain(x, y):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        _add_tiles(x, y, out, range(0, x.shape[0]))
+        return out
+
+    np.testing.assert_array_equal(nki.simulate(plain)(a, a), 2 * a)
+    np.testing.assert_array_equal(nki.simulate(add_kernel)(a, a), 2 * a)
+
+
+def test_error_in_a_program_is_raised_with_its_id():
+    @nki.jit
+    def bad(x):
+        if nl.program_id(0) == 1:
+            nl.ndarray((129, 4), nl.float32, buffer=nl.sbuf)
+        return x
+
+    with pytest.raises(NkiValidationError, match="partition dim 129 exceeds pmax") as e:
+        bad[2](np.zeros(4, np.float32))
+    assert any("program (1,)" in n for n in getattr(e.value, "__notes__", []))
+
+
+def test_return_rules_and_argument_dtypes():
+    @nki.jit
+    def ret_sbuf(x):
+        return nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+
+    @nki.jit
+    def ret_private(x):
+        return nl.ndarray((4, 4), nl.float32, buffer=nl.hbm)
+
+    x = np.zeros((4, 4), np.float32)
+    with pytest.raises(NkiValidationError, match="returned on-chip tensor"):
+        ret_sbuf(x)
+    with pytest.raises(NkiValidationError, match="outputs must be allocated in nl.shared_hbm"):
+        ret_private(x)
+    with pytest.raises(NkiValidationError, match="float64 is not an NKI dtype"):
+        add_kernel(np.zeros((128, 4)), np.zeros((128, 4)))
+    with pytest.raises(NkiValidationError, match="torch dtype torch.int64, not an NKI dtype"):
+        add_kernel(torch.zeros(128, 4, dtype=torch.int64), torch.zeros(128, 4, dtype=torch.int64))
+
+
+def test_each_call_starts_with_empty_on_chip_memory():
+    outer = nl.ndarray((128, 100 * 1024 // 4), nl.float32, buffer=nl.sbuf)  # 100 KiB outside
+    used = []
+
+    @nki.jit
+    def k(x):
+        used.append(memory.current().memory.sbuf_used)
+        t = nl.ndarray((128, 200 * 1024 // 4), nl.float32, buffer=nl.sbuf)  # 200 KiB fits anew
+        used.append(memory.current().memory.sbuf_used)
+        del t
+        return x
+
+    k(np.zeros(4, np.float32))
+    k(np.zeros(4, np.float32))
+    assert used == [0, 200 * 1024, 0, 200 * 1024]
+    assert memory.current().memory.sbuf_used >= 100 * 1024
+    del outer
+
+
+def test_fori_loop_register_scalar_offset():
+    # nl.fori_loop: body gets a VirtualRegister, used as .ap(scalar_offset=i)
+    table = RNG.standard_normal((6, 128, 16)).astype(np.float32)
+
+    @nki.jit
+    def sum_blocks(x, n_blocks):
+        acc = nl.ndarray((128, 16), nl.float32, buffer=nl.sbuf)
+        nisa.memset(acc, 0.0)
+        ub = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ub, src=n_blocks)
+        reg = nisa.register_alloc()
+        nisa.register_load(reg, ub)
+
+        def body(i):
+            t = nl.ndarray((128, 16), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=x.ap([[16, 128], [1, 16]], offset=0, scalar_offset=i,
+                                          indirect_dim=0))
+            nisa.tensor_tensor(dst=acc, data1=acc, data2=t, op=nl.add)
+
+        nl.fori_loop(1, reg, body)
+        out = nl.ndarray((128, 16), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=acc)
+        return out
+
+    out = sum_blocks(table, np.array([[5]], np.int32))
+    np.testing.assert_allclose(out, table[1:5].sum(0), rtol=1e-6, atol=1e-6)
+    calls = []
+    nl.fori_loop(0, 7, lambda i: calls.append(i.value), step=3)
+    assert calls == [0, 3, 6]
+
+
+def test_loop_aliases_and_tile_size():
+    assert list(nl.affine_range(3)) == list(nl.sequential_range(3)) == list(nl.static_range(3)) == [0, 1, 2]
+    ts = nl.tile_size
+    assert (ts.pmax, ts.psum_fmax, ts.gemm_stationary_fmax, ts.gemm_moving_fmax) == (128, 512, 128, 512)
+    assert nl.ds(4, 8) == slice(4, 12)
