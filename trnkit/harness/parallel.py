@@ -85,8 +85,10 @@ def destroy() -> None:
 def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dp_mesh: Any, param_dtype: torch.dtype | None) -> None:
     """FSDP2: one ``fully_shard`` unit per transformer block, then the root (embeddings, norm, head).
 
-    The loss is already normalised by the *global* token count, so gradients are summed, not averaged,
-    across data-parallel ranks (``set_gradient_divide_factor(1)``, as torchtitan does).
+    FSDP averages gradients over the data-parallel ranks; the training loop therefore multiplies its
+    loss (token sum / *global* token count) by the dp degree, so the averaged gradient is the gradient
+    of the global loss. (torchtitan instead sets the divide factor to 1, which needs PREMUL_SUM, a
+    reduce op gloo does not have.)
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -94,9 +96,6 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dp_mesh: Any, param_dt
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
-    for m in model.modules():
-        if hasattr(m, "set_gradient_divide_factor"):
-            m.set_gradient_divide_factor(1.0)
 
 
 def _full_value(t: torch.Tensor) -> torch.Tensor:

@@ -167,6 +167,11 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         f"{t.seq_len}) with tokenizer {tok.path} (vocab {tok.vocab_size:,})")
 
     model, table, loaded = _build_model(handle, cfg, env, log)
+    if env.world_size > 1:
+        n_dt = sum(hasattr(p, "placements") for p in model.parameters())
+        log(f"parallelized: {n_dt} of {len(list(model.parameters()))} parameters are DTensors "
+            f"(tp {env.tp}: {'attention + dense FFN' if env.tp > 1 else 'off'}; "
+            f"fsdp {env.dp}: {'per block + root' if env.dp > 1 else 'off'})")
     if cfg.compile.enable:
         for block in handle.blocks(model):
             block.compile(backend=cfg.compile.backend)
@@ -221,11 +226,11 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
                     logits = handle.logits(model, b.tokens.to(env.device))
                 ce = F.cross_entropy(logits.float().flatten(0, 1), b.labels.to(env.device).flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum")
-                loss = ce / global_tokens
+                # FSDP averages grads over the dp ranks: scale by dp so they are those of the global loss
+                loss = ce * env.dp / global_tokens
                 aux = handle.aux_loss(model)
                 if aux is not None:
-                    # mean over microbatches and data-parallel ranks (grads are summed across ranks)
-                    loss = loss + aux / (accum * env.dp)
+                    loss = loss + aux / accum  # mean over microbatches (and, through FSDP, over ranks)
                     aux_sum += float(aux.detach()) / accum
                 del logits
                 loss.backward()
