@@ -200,3 +200,13 @@ def test_predicated_copy_rules() -> None:
         vector.tensor_copy_predicated(f32(4, 4), f32(4, 4), f32(4, 4))
     with _raises(r"tensor_copy_predicated: src and dst must share a dtype, got bfloat16 and float32"):
         vector.tensor_copy_predicated(f32(4, 4), empty((4, 4), BF16), empty((4, 4), np.uint8))
+
+
+def test_accumulating_instruction_rules() -> None:
+    with _raises(r"tensor_scalar_cumulative: src dtype int32 is not supported \(int32/uint32"):
+        vector.tensor_scalar_cumulative(f32(4, 8), empty((4, 8), np.int32), nl.add, nl.add, 0.0)
+    with _raises(r"tensor_scalar_cumulative: imm1 must be given exactly when reduce_cmd is load_reduce"):
+        vector.tensor_scalar_cumulative(f32(4, 8), f32(4, 8), nl.add, nl.add, 0.0,
+                                        reduce_cmd=reduce_cmd.load_reduce)
+    with _raises(r"tensor_scalar_reduce: reduce_op must be add, multiply, maximum or minimum, got nl.subtract"):
+        vector.tensor_scalar_reduce(f32(4, 8), f32(4, 8), nl.add, 1.0, nl.subtract, f32(4, 1))

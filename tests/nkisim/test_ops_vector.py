@@ -289,3 +289,17 @@ def test_memset_into_psum_restarts_matmul_accumulation() -> None:
     nisa.memset(acc, 100.0)
     nc_matmul(acc, a, b)
     np.testing.assert_array_equal(acc.np(), np.full((2, 3), 4.0))
+
+
+def test_tensor_scalar_cumulative_scan_continues_across_tiles() -> None:
+    x = _rand((16, 64), F32)
+    d1, d2 = empty((16, 32), F32), empty((16, 32), F32)
+    nisa.tensor_scalar_cumulative(d1, tile(x[:, :32]), nl.multiply, nl.add, 2.0)
+    nisa.tensor_scalar_cumulative(d2, tile(x[:, 32:]), nl.multiply, nl.add, 2.0,
+                                  reduce_cmd=reduce_cmd.reduce)
+    want = np.cumsum((2 * x).astype(np.float64), axis=1)
+    np.testing.assert_allclose(np.concatenate([d1.np(), d2.np()], axis=1), want, rtol=1e-5, atol=1e-5)
+    dm = empty((16, 64), BF16)
+    nisa.tensor_scalar_cumulative(dm, tile(x), nl.add, nl.maximum, 0.0, imm1=1.0,
+                                  reduce_cmd=reduce_cmd.load_reduce)
+    np.testing.assert_array_equal(as_f32(dm), ref_round(np.maximum.accumulate(np.maximum(x, 1.0), axis=1), BF16))

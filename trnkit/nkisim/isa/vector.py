@@ -29,7 +29,7 @@ from . import common
 __all__ = [
     "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy",
     "tensor_copy_predicated", "memset", "reciprocal", "max8", "nc_find_index8", "nc_match_replace8",
-    "tensor_scalar_reduce",
+    "tensor_scalar_reduce", "tensor_scalar_cumulative",
 ]
 
 PMAX = 128  # nl.tile_size.pmax
@@ -572,3 +572,48 @@ def tensor_scalar_reduce(dst: Any, data: Any, op0: Any, operand0: Any, reduce_op
     write(reduce_res, _accumulate(_vector_regs, OP, fr, cmd, part, init))
     emit(OP, "vector", {"dst": dst, "data": data, "operand0": operand0, "reduce_res": reduce_res},
          op=f0.name, reduce_op=fr.name)
+
+
+def tensor_scalar_cumulative(dst: Any, src: Any, op0: Any, op1: Any, imm0: Any, imm1: Any = None,
+                             reduce_cmd: Any = common.reduce_cmd.reset_reduce, name: str | None = None) -> None:
+    """Running scan along the free dims: ``reg = op1(op0(src[i], imm0), reg); dst[i] = reg``.
+
+    The accumulator starts at op1's identity (``reset_reduce``), at the register value left by the
+    previous accumulation instruction (``reduce``) or at ``imm1`` (``load_reduce``); it keeps the last
+    value afterwards. Scans run in order in fp32 (numpy ``accumulate`` is sequential).
+    """
+    OP = "tensor_scalar_cumulative"
+    f0 = get_op(OP, "op0", op0, alu=True, arity=2)
+    require(not f0.is_bitvec, OP, "op0 must be an arithmetic operator, got {f0}", f0=f0)
+    f1 = get_op(OP, "op1", op1, alu=True, arity=2)
+    # subtract would need reg = x - reg (not a numpy accumulate); the docs list it, trnkit does not.
+    require(f1.name in ("add", "multiply", "maximum", "minimum"), OP,
+            "op1 must be add, multiply, maximum or minimum, got {f1}", f1=f1)
+    cmd = cmd_name(reduce_cmd)
+    require(cmd in ("reset_reduce", "reduce", "load_reduce"), OP,
+            "reduce_cmd must be reset_reduce, reduce or load_reduce, got {cmd}", cmd=cmd)
+    require((imm1 is not None) == (cmd == "load_reduce"), OP,
+            "imm1 must be given exactly when reduce_cmd is load_reduce (cmd={cmd})", cmd=cmd)
+    check_tile(OP, "dst", dst, "vector")
+    check_tile(OP, "src", src, "vector")
+    check_same_layout(OP, "src", src, "dst", dst)
+    for role, t in (("src", src), ("dst", dst)):
+        require(t.dtype not in (dtypes.int32, dtypes.uint32), OP,
+                "{role} dtype {dtype} is not supported (int32/uint32 are an ISA limitation)", role=role,
+                dtype=t.dtype.name)
+    P = src.shape[0]
+    y = f0.apply(read(src), scalar_or_column(OP, "imm0", imm0, P, "vector", fp32=True))
+    state = getattr(_vector_regs, "value", None)
+    if cmd == "reset_reduce" or state is None:
+        init = np.full((P, 1), f1.reduce_identity, dtype=_F32)
+    elif cmd == "load_reduce":
+        init = np.broadcast_to(scalar_or_column(OP, "imm1", imm1, P, "vector", fp32=True), (P, 1))
+    else:
+        init = state[:P]
+    with np.errstate(all="ignore"):
+        scan = f1.reduce_ufunc.accumulate(np.concatenate([init.astype(_F32), y], axis=1), axis=1)[:, 1:]
+    regs = state if state is not None else np.zeros((PMAX, 1), dtype=_F32)
+    regs[:P] = scan[:, -1:]
+    _vector_regs.value = regs
+    write(dst, scan)
+    emit(OP, "vector", {"dst": dst, "src": src, "imm0": imm0, "imm1": imm1}, op=f1.name, op0=f0.name)
