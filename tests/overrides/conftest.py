@@ -1,0 +1,72 @@
+"""Fixtures for the override tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.overrides import _refs
+from trnkit.overrides import register, reset_warnings, unregister
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    reset_warnings()  # every test sees its own first fallback warning
+    yield
+
+
+@pytest.fixture(scope="session")
+def testref():
+    """Registers the independent references of _refs.py as impl 'testref' of the three ops."""
+
+    def router_bwd(x, w, logits, idx, g_w, g_logits, norm):
+        _, vjp = torch.func.vjp(lambda a, b: tuple(_refs.router(a, b, idx.shape[1], norm)[i] for i in (0, 2)), x, w)
+        return vjp((g_w, g_logits))
+
+    def gmm_bwd(x, w, offs, g):
+        return torch.func.vjp(lambda a, b: _refs.grouped_mm(a, b, offs), x, w)[1](g)
+
+    def moe(x, idx, tw, wgu, wd, block_size=128):
+        return _refs.moe_experts(x, idx, tw, wgu, wd)
+
+    def moe_bwd(x, idx, tw, wgu, wd, g, block_size=128):
+        return torch.func.vjp(lambda a, b, c, d: _refs.moe_experts(a, idx, b, c, d), x, tw, wgu, wd)[1](g)
+
+    register("router_topk", "testref", _refs.router, backward=router_bwd)
+    register("grouped_mm", "testref", _refs.grouped_mm, backward=gmm_bwd)
+    register("moe_experts", "testref", moe, backward=moe_bwd)
+    yield "testref"
+    for op in ("router_topk", "grouped_mm", "moe_experts"):
+        unregister(op, "testref")
+
+
+
+
+def native_model(seed: int = 0, **overrides):
+    """A tiny native Qwen3-MoE (2 layers: one MoE, one dense) in fp32."""
+    from trnkit.qwen3.config import Qwen3Config
+    from trnkit.qwen3.model import Qwen3Model
+
+    kw = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=64, hidden_dim=48,
+              max_seq_len=16, num_experts=4, top_k=2, moe_inter_dim=16, mlp_only_layers=[1])
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3Model(Qwen3Config(**kw))
+    model.init_weights()
+    return model
+
+
+def hf_moe_model(seed: int = 0, **overrides):
+    """A tiny transformers v5 Qwen3MoeForCausalLM (2 MoE layers) in fp32."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+              num_experts_per_tok=2, max_position_embeddings=16, norm_topk_prob=True)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw))
+    with torch.no_grad():  # transformers initialises the router to zeros: make routing non-trivial
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else None
+    return model

@@ -1,0 +1,197 @@
+"""The trnkit:: custom ops: opcheck (schema, fake, autograd registration, aot dispatch), numerics and
+gradients of every impl against the independent references in ``_refs.py``."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.overrides import _refs
+from tests.tolerances import assert_close
+from trnkit.nkisim import trace
+from trnkit.overrides import get_impl, ops, register, unregister
+
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def _need_kernel(module: str) -> None:
+    try:
+        importlib.import_module(f"trnkit.kernels.{module}")
+    except ImportError:  # pragma: no cover - only while the kernel is being written
+        pytest.skip(f"trnkit.kernels.{module} not available yet")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rope_inputs(layout: str, dtype: torch.dtype, packed: bool, B=2, S=5, Hq=3, Hk=2, D=8):
+    g = _gen()
+    shape = (lambda h: (B, h, S, D)) if layout == "bhsd" else (lambda h: (B, S, h, D))
+    q, k = (torch.randn(shape(h), generator=g).to(dtype) for h in (Hq, Hk))
+    ang = torch.rand(S, D // 2, generator=g) * 3
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    tables = {"rope_cache": torch.cat([cos, sin], -1)} if packed else {"cos": cos.to(dtype), "sin": sin.to(dtype)}
+    return q, k, cos, sin, tables
+
+
+def _to_bshd(x: torch.Tensor, layout: str) -> torch.Tensor:
+    return x if layout == "bshd" else x.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------- rope
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("layout,packed", [("bhsd", False), ("bshd", True)])
+def test_rope_hf_mutating_op(impl, layout, packed):
+    q, k, cos, sin, tables = _rope_inputs(layout, torch.float32, packed)
+    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+    args = (q, k, q_out, k_out)
+    kwargs = dict(tables, layout=layout, impl=impl)
+    torch.library.opcheck(ops.rope_hf, args, kwargs, test_utils=OPCHECK_TESTS[:3])
+    ops.rope_hf(*args, **kwargs)
+    for x, out in ((q, q_out), (k, k_out)):
+        expected = _refs.rope_bshd(_to_bshd(x, layout), cos, sin)
+        assert_close(_to_bshd(out, layout), expected)
+
+
+def test_rope_hf_writes_strided_outputs():
+    q, k, cos, sin, tables = _rope_inputs("bshd", torch.float32, packed=True)
+    q_big = torch.zeros(q.shape[0], q.shape[1], q.shape[2], 2 * q.shape[3])
+    q_out = q_big[..., ::2]  # non-contiguous destination
+    k_out = torch.empty_like(k)
+    ops.rope_hf(q, k, q_out, k_out, layout="bshd", impl="reference", **tables)
+    assert_close(q_big[..., ::2], _refs.rope_bshd(q, cos, sin))
+    assert (q_big[..., 1::2] == 0).all()
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_hf_apply_forward_backward(impl, dtype):
+    q, k, cos, sin, tables = _rope_inputs("bshd", dtype, packed=dtype == torch.float32)
+    args = (q, k, tables.get("cos"), tables.get("sin"), tables.get("rope_cache"), "bshd", False, impl)
+    if dtype == torch.float32:
+        torch.library.opcheck(ops.rope_hf_apply, args, test_utils=OPCHECK_TESTS)
+    qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
+    q_out, k_out = ops.rope_hf_apply(qr, kr, *args[2:])
+    gq, gk = torch.randn_like(q_out), torch.randn_like(k_out)
+    (q_out * gq).float().sum().add_((k_out * gk).float().sum()).backward()
+
+    if "cos" in tables:  # the reference sees the same (possibly bf16-rounded) tables as the op
+        cos, sin = tables["cos"], tables["sin"]
+    q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    eq, ek = _refs.rope_bshd(q2, cos, sin), _refs.rope_bshd(k2, cos, sin)
+    (eq * gq).float().sum().add_((ek * gk).float().sum()).backward()
+    assert_close(q_out, eq.detach())
+    assert_close(k_out, ek.detach())
+    assert_close(qr.grad, q2.grad)
+    assert_close(kr.grad, k2.grad)
+
+
+def test_rope_bad_layout_is_named():
+    q, k, *_ , tables = _rope_inputs("bshd", torch.float32, packed=True)
+    with pytest.raises(ValueError, match="trnkit::rope_hf: layout must be one of .* got 'sbhd'"):
+        ops.rope_hf_apply(q, k, None, None, tables["rope_cache"], "sbhd", False, "reference")
+
+
+# ----------------------------------------------------------------------- router / grouped_mm / moe
+
+
+def _router_inputs(T=6, H=8, E=5):
+    g = _gen(1)
+    return torch.randn(T, H, generator=g), torch.randn(E, H, generator=g)
+
+
+def _moe_inputs(T=5, H=8, I=4, E=3, K=2):
+    g = _gen(2)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    tw = torch.rand(T, K, generator=g)
+    return x, idx, tw, torch.randn(E, H, 2 * I, generator=g) * 0.3, torch.randn(E, I, H, generator=g) * 0.3
+
+
+def _impls(kernel_module: str):
+    return ["testref", "reference", "nki"]
+
+
+@pytest.mark.parametrize("impl", _impls("router_topk"))
+def test_router_topk_op(impl, testref):
+    if impl != "testref":
+        _need_kernel("router_topk")
+    x, w = _router_inputs()
+    torch.library.opcheck(ops.router_topk, (x, w, 2, True, impl), test_utils=OPCHECK_TESTS)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    tw, idx, logits = ops.router_topk(xr, wr, 2, True, impl)
+    assert (tw.dtype, idx.dtype, logits.dtype) == (torch.float32, torch.int32, torch.float32)
+    gw, gl = torch.randn_like(tw), torch.randn_like(logits)
+    ((tw * gw).sum() + (logits * gl).sum()).backward()
+
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    etw, eidx, elog = _refs.router(x2, w2, 2)
+    ((etw * gw).sum() + (elog * gl).sum()).backward()
+    assert torch.equal(idx.long(), eidx)
+    assert_close(tw, etw.detach())
+    assert_close(logits, elog.detach())
+    assert_close(xr.grad, x2.grad)
+    assert_close(wr.grad, w2.grad)
+
+
+@pytest.mark.parametrize("impl", _impls("moe"))
+def test_grouped_mm_op(impl, testref):
+    if impl != "testref":
+        _need_kernel("moe")
+    g = _gen(3)
+    x, w = torch.randn(7, 8, generator=g), torch.randn(3, 8, 4, generator=g)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)  # includes an empty group
+    torch.library.opcheck(ops.grouped_mm, (x, w, offs, impl), test_utils=OPCHECK_TESTS)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = ops.grouped_mm(xr, wr, offs, impl)
+    go = torch.randn_like(out)
+    (out * go).sum().backward()
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    expected = _refs.grouped_mm(x2, w2, offs)
+    (expected * go).sum().backward()
+    assert_close(out, expected.detach())
+    assert_close(xr.grad, x2.grad)
+    assert_close(wr.grad, w2.grad)
+
+
+@pytest.mark.parametrize("impl", _impls("moe"))
+def test_moe_experts_op(impl, testref):
+    if impl != "testref":
+        _need_kernel("moe")
+    x, idx, tw, wgu, wd = _moe_inputs()
+    torch.library.opcheck(ops.moe_experts, (x, idx, tw, wgu, wd, 128, impl), test_utils=OPCHECK_TESTS)
+    leaves = [t.clone().requires_grad_() for t in (x, tw, wgu, wd)]
+    out = ops.moe_experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], 128, impl)
+    go = torch.randn_like(out)
+    (out * go).sum().backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (x, tw, wgu, wd)]
+    expected = _refs.moe_experts(ref_leaves[0], idx, *ref_leaves[1:])
+    (expected * go).sum().backward()
+    assert_close(out, expected.detach())
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        assert_close(got.grad, want.grad)
+
+
+def test_missing_backward_is_a_clear_error(testref):
+    register("grouped_mm", "fwd_only", _refs.grouped_mm)
+    try:
+        assert not get_impl("grouped_mm", "fwd_only").has_backward
+        x = torch.randn(3, 2, requires_grad=True)
+        out = ops.grouped_mm(x, torch.randn(1, 2, 2), torch.tensor([3], dtype=torch.int32), "fwd_only")
+        with pytest.raises(RuntimeError, match=r"trnkit::grouped_mm: impl 'fwd_only' has no backward"):
+            out.sum().backward()
+    finally:
+        unregister("grouped_mm", "fwd_only")
+
+
+@pytest.mark.parametrize("impl,runs_kernel", [("nki", True), ("reference", False)])
+def test_nki_impl_runs_the_kernel_on_cpu(impl, runs_kernel):
+    q, k, _, _, tables = _rope_inputs("bshd", torch.float32, packed=True)
+    with trace.record() as tr:
+        ops.rope_hf_apply(q, k, None, None, tables["rope_cache"], "bshd", False, impl)
+    assert (len(tr.instrs) > 0) == runs_kernel
