@@ -190,14 +190,15 @@ def _int32_native(*tiles: Any) -> bool:
 # instructions
 # ---------------------------------------------------------------------------------------------
 
-def tensor_tensor(dst: Any, data1: Any, data2: Any, op: Any, engine: Any = common.engine.unknown, name: str | None = None) -> None:
+def tensor_tensor(dst: Any, data1: Any, data2: Any, op: Any, engine: Any = common.engine.unknown,
+                  name: str | None = None) -> None:
     """``dst = op(data1, data2)`` elementwise on Vector (or GpSimd) Engine; no broadcasting."""
     OP = "tensor_tensor"
     f = get_op(OP, "op", op, alu=True, arity=2)
     eng = engine_of(OP, engine, ("unknown", "vector", "gpsimd"), "unknown")
     tiles = {"dst": dst, "data1": data1, "data2": data2}
     for role, t in tiles.items():
-        require(is_tile(t), OP, "{role} must be an NKI tile, got {got}", role=role, got=type(t).__name__)
+        common.check_tensor(OP, role, t)
     any_psum = any(buf(t) == "psum" for t in tiles.values())
     native_int = _int32_native(dst, data1, data2) and not f.is_bitvec
     if f.name == "power":
@@ -465,8 +466,8 @@ def nc_find_index8(dst: Any, data: Any, vals: Any, name: str | None = None) -> N
     OP = "nc_find_index8"
     _check_topk_src(OP, "data", data)
     P = data.shape[0]
-    require(len(vals.shape) <= 3 if is_tile(vals) else True, OP, "vals must be at most 3-D")
     _check_eight(OP, "vals", vals, P)
+    require(len(vals.shape) <= 3, OP, "vals must be at most 3-D, got shape {shape}", shape=tuple(vals.shape))
     _check_eight(OP, "dst", dst, P, index=True)
     x, v = read(data), read(vals)
     used = np.zeros(x.shape, dtype=bool)
