@@ -1,0 +1,503 @@
+"""MoE grouped expert matmul: ``grouped_mm`` and the fused SwiGLU expert MLP ``moe_experts``.
+
+Public API (DESIGN.md §3):
+
+* Weight layout of the kernels: ``w_gate_up [E, H, 2I]`` (gate columns ``[:I]``, up columns ``[I:]``;
+  the contraction dim H leads, so an expert's weight rows land on SBUF partitions with one contiguous
+  DMA) and ``w_down [E, I, H]``. Converters: :func:`from_hf_v5` / :func:`to_hf_v5` (transformers v5
+  fused ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) and :func:`from_torchtitan` /
+  :func:`to_torchtitan` (``w1``/``w3 [E, I, H]``, ``w2 [E, H, I]``).
+* ``grouped_mm(x [M, K], w [G, K, N], group_offsets [G] int32) -> [M, N]``: rows
+  ``[offs[g-1], offs[g])`` of x are multiplied by ``w[g]`` (torch ``_grouped_mm`` ``offs`` contract:
+  exclusive ends, non-decreasing, ``offs[-1] <= M``). Rows past ``offs[-1]`` are **zero** (torch leaves
+  them uninitialised). ``grouped_mm_bwd(x, w, group_offsets, grad_out) -> (grad_x, grad_w)``.
+* ``moe_experts(x [T, H], topk_idx [T, K], topk_weights [T, K], w_gate_up, w_down, block_size=128)
+  -> [T, H]``: ``out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
+  ``e = topk_idx[t, k]``. ``moe_experts_bwd(..., grad_out, block_size=128) -> (grad_x,
+  grad_topk_weights, grad_w_gate_up, grad_w_down)``.
+
+How it runs (dropless, megablocks / nki-library style): the (token, k) *slots* are grouped by expert
+with torch ops on the host (:func:`block_layout`: counting sort, no Python loop over experts, no host
+sync) into blocks of ``block_size`` rows per expert, padding the last block of each expert. The NKI
+kernels loop statically over experts (loading each expert's weights once) and, inside, run a
+*run-time* loop (``nl.fori_loop`` with register bounds) over that expert's blocks; each block gathers
+its token rows by indirect DMA, so no compute is spent on the padding blocks of the static worst-case
+table. See :mod:`trnkit.kernels.moe_experts` and :mod:`trnkit.kernels.moe_grouped_mm`.
+
+Numerics (bf16): matmuls accumulate in fp32 PSUM; ``h = silu(gate) * up`` is rounded to the input
+dtype (it is the down matmul's operand), each slot's scaled output ``w * y`` is rounded to the input
+dtype (as nki-library's blockwise MoE does), and the K contributions of a token are summed in fp32 and
+rounded once. The ``*_ref`` functions use the same rounding points, so kernel-vs-reference tolerances
+stay at one bf16 ulp; HF's eager path rounds more often (bf16 weights, bf16 ``index_add_``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trnkit.kernels.constraints import Violation, check
+
+__all__ = [
+    "BlockLayout",
+    "block_layout",
+    "from_hf_v5",
+    "to_hf_v5",
+    "from_torchtitan",
+    "to_torchtitan",
+    "grouped_mm",
+    "grouped_mm_bwd",
+    "grouped_mm_ref",
+    "grouped_mm_bwd_ref",
+    "grouped_mm_constraints",
+    "moe_experts",
+    "moe_experts_bwd",
+    "moe_experts_ref",
+    "moe_experts_bwd_ref",
+    "moe_experts_constraints",
+    "constraints",
+    "BLOCK_SIZES",
+    "MAX_EXPERTS",
+    "MAX_TOP_K",
+    "WEIGHT_SBUF_BUDGET",
+]
+
+GROUPED_MM = "grouped_mm"
+MOE_EXPERTS = "moe_experts"
+BLOCK_SIZES = (32, 64, 128, 256, 512)  # rows per expert block; > 128 runs as 128-row sub-tiles
+MAX_EXPERTS = 512  # experts / groups per call (block table and block_start row fit one SBUF row)
+MAX_TOP_K = 8  # router top-k (hardware max8)
+# SBUF bytes per partition one expert's weights may take, so that the next expert's weights can be
+# loaded while this one computes (2 x 96 KiB + working tiles < ~208 KiB usable on trn2).
+WEIGHT_SBUF_BUDGET = 96 * 1024
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight layout converters
+# --------------------------------------------------------------------------------------------------
+def from_hf_v5(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers v5 ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]`` ->
+    kernel ``(w_gate_up [E, H, 2I], w_down [E, I, H])`` (contiguous copies)."""
+    return gate_up_proj.transpose(1, 2).contiguous(), down_proj.transpose(1, 2).contiguous()
+
+
+def to_hf_v5(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel layout -> transformers v5 ``(gate_up_proj [E, 2I, H], down_proj [E, H, I])``."""
+    return w_gate_up.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous()
+
+
+def from_torchtitan(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchtitan ``w1 [E, I, H]`` (gate), ``w2 [E, H, I]`` (down), ``w3 [E, I, H]`` (up) -> kernel layout."""
+    return torch.cat([w1, w3], dim=1).transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+
+
+def to_torchtitan(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel layout -> torchtitan ``(w1 [E, I, H], w2 [E, H, I], w3 [E, I, H])``."""
+    inter = w_gate_up.shape[-1] // 2
+    gate_up = w_gate_up.transpose(1, 2)
+    return (gate_up[:, :inter].contiguous(), w_down.transpose(1, 2).contiguous(),
+            gate_up[:, inter:].contiguous())
+
+
+# --------------------------------------------------------------------------------------------------
+# Dispatch metadata (torch ops before the kernel, as nki-library's callers do)
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockLayout:
+    """Items (slots or rows) grouped into fixed-size blocks, one group per block.
+
+    ``table [num_blocks, block_size]`` int32: the item at each block position, ``pad`` where a block is
+    not full (or the block is unused). ``block_start [1, G + 1]`` int32: group g owns blocks
+    ``block_start[g] .. block_start[g + 1] - 1``. ``num_blocks`` is the static worst case for this many
+    items, so shapes never depend on the routing (the kernels visit only the used blocks).
+    """
+
+    table: torch.Tensor
+    block_start: torch.Tensor
+    block_size: int
+    pad: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.table.shape[0]
+
+
+def max_blocks(num_items: int, num_groups: int, block_size: int) -> int:
+    """Worst case of ``sum_g ceil(count_g / B)`` over all ways to split ``num_items`` into groups."""
+    nonempty = min(num_groups, num_items)
+    return max(1, (num_items - nonempty) // block_size + nonempty)
+
+
+def block_layout(group_of_item: torch.Tensor, num_groups: int, block_size: int, pad: int) -> BlockLayout:
+    """Group items by ``group_of_item`` (stable: items keep their order inside a group).
+
+    Items whose group is ``>= num_groups`` are dropped (grouped_mm rows past the last offset).
+    """
+    g = group_of_item.reshape(-1).long()
+    n = g.numel()
+    keep = g < num_groups
+    counts = torch.bincount(g[keep], minlength=num_groups)
+    blocks = (counts + block_size - 1) // block_size
+    block_start = torch.zeros(num_groups + 1, dtype=torch.int64)
+    block_start[1:] = torch.cumsum(blocks, 0)
+    nb = max_blocks(int(keep.sum()) if n else 0, num_groups, block_size)
+    table = torch.full((nb * block_size,), pad, dtype=torch.int64)
+    if n:
+        order = torch.argsort(g, stable=True)[: int(keep.sum())]
+        sorted_g = g[order]
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(order.numel()) - first[sorted_g]
+        table[block_start[sorted_g] * block_size + rank] = order
+    return BlockLayout(table.view(nb, block_size).to(torch.int32),
+                       block_start.view(1, -1).to(torch.int32), block_size, pad)
+
+
+def _group_of_row(group_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Group id of each row for exclusive-end offsets (rows past the last offset get G)."""
+    return torch.searchsorted(group_offsets.long(), torch.arange(num_rows), right=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Constraints
+# --------------------------------------------------------------------------------------------------
+def _dtype_violations(kernel: str, **tensors: torch.Tensor) -> list[Violation]:
+    out = []
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            out.append(Violation(kernel, f"{name}.dtype in (float32, bfloat16)", str(t.dtype)))
+    dts = {t.dtype for t in tensors.values()}
+    if len(dts) > 1:
+        out.append(Violation(kernel, "all float inputs share one dtype",
+                             {k: str(t.dtype) for k, t in tensors.items()},
+                             "nc_matmul needs both operands in the same precision class"))
+    return out
+
+
+def _weight_sbuf_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """SBUF bytes per partition of a [rows, cols] weight laid out with rows on partitions."""
+    return math.ceil(rows / 128) * cols * itemsize
+
+
+def grouped_mm_constraints(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
+                           grad_out: torch.Tensor | None = None) -> list[Violation]:
+    """Violated constraints of :func:`grouped_mm` / :func:`grouped_mm_bwd` (empty = supported)."""
+    k = GROUPED_MM
+    v: list[Violation] = []
+    if x.dim() != 2:
+        v.append(Violation(k, "x is 2-D [M, K]", tuple(x.shape)))
+    if w.dim() != 3:
+        v.append(Violation(k, "w is 3-D [G, K, N]", tuple(w.shape)))
+    if group_offsets.dim() != 1:
+        v.append(Violation(k, "group_offsets is 1-D [G]", tuple(group_offsets.shape)))
+    if v:
+        return v
+    M, K = x.shape
+    G, Kw, N = w.shape
+    if Kw != K:
+        v.append(Violation(k, "w.shape[1] == x.shape[1] (K)", (Kw, K)))
+    if group_offsets.shape[0] != G:
+        v.append(Violation(k, "len(group_offsets) == w.shape[0] (G)", (group_offsets.shape[0], G)))
+    if not 1 <= G <= MAX_EXPERTS:
+        v.append(Violation(k, f"1 <= G <= {MAX_EXPERTS}", G))
+    if group_offsets.dtype != torch.int32:
+        v.append(Violation(k, "group_offsets.dtype == int32", str(group_offsets.dtype),
+                           "torch._grouped_mm offs contract"))
+    elif G and group_offsets.numel():
+        offs = group_offsets.long()
+        if bool((offs[1:] < offs[:-1]).any()) or int(offs[0]) < 0:
+            v.append(Violation(k, "group_offsets non-decreasing and >= 0", group_offsets.tolist()))
+        if int(offs[-1]) > M:
+            v.append(Violation(k, "group_offsets[-1] <= M", (int(offs[-1]), M)))
+    v += _dtype_violations(k, x=x, w=w, **({} if grad_out is None else {"grad_out": grad_out}))
+    if grad_out is not None and tuple(grad_out.shape) != (M, N):
+        v.append(Violation(k, "grad_out.shape == (M, N)", tuple(grad_out.shape)))
+    isz = x.element_size()
+    need = _weight_sbuf_bytes(K, N, isz)
+    if grad_out is not None:  # backward also holds w[g] transposed
+        need += _weight_sbuf_bytes(N, K, isz)
+    if need > WEIGHT_SBUF_BUDGET:
+        v.append(Violation(k, f"one group's weights fit {WEIGHT_SBUF_BUDGET // 1024} KiB of SBUF per partition",
+                           f"{need} bytes (K={K}, N={N}, {x.dtype})", "use smaller K*N or bfloat16"))
+    wg = _weight_sbuf_bytes(K, N, 4)  # fp32 accumulator of grad_w[g]
+    if grad_out is not None and wg > WEIGHT_SBUF_BUDGET:
+        v.append(Violation(k, f"grad_w[g] fp32 accumulator fits {WEIGHT_SBUF_BUDGET // 1024} KiB per partition",
+                           f"{wg} bytes (K={K}, N={N})"))
+    return v
+
+
+def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128,
+                            grad_out: torch.Tensor | None = None) -> list[Violation]:
+    """Violated constraints of :func:`moe_experts` / :func:`moe_experts_bwd` (empty = supported)."""
+    k = MOE_EXPERTS
+    v: list[Violation] = []
+    for name, t, nd in (("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2),
+                        ("w_gate_up", w_gate_up, 3), ("w_down", w_down, 3)):
+        if t.dim() != nd:
+            v.append(Violation(k, f"{name} is {nd}-D", tuple(t.shape)))
+    if v:
+        return v
+    T, H = x.shape
+    E, Hw, I2 = w_gate_up.shape
+    inter = I2 // 2
+    K = topk_idx.shape[1]
+    if block_size not in BLOCK_SIZES:
+        v.append(Violation(k, f"block_size in {BLOCK_SIZES}", block_size))
+    if Hw != H:
+        v.append(Violation(k, "w_gate_up.shape[1] == H", (Hw, H), "kernel layout is [E, H, 2I]"))
+    if I2 % 2:
+        v.append(Violation(k, "w_gate_up.shape[2] == 2 * I is even", I2))
+    if tuple(w_down.shape) != (E, inter, H):
+        v.append(Violation(k, "w_down.shape == (E, I, H)", tuple(w_down.shape)))
+    if not 1 <= E <= MAX_EXPERTS:
+        v.append(Violation(k, f"1 <= E <= {MAX_EXPERTS}", E))
+    if not 1 <= K <= min(MAX_TOP_K, E):
+        v.append(Violation(k, f"1 <= K <= min({MAX_TOP_K}, E)", K))
+    if T < 1:
+        v.append(Violation(k, "T >= 1", T))
+    if topk_idx.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_idx.shape):
+        v.append(Violation(k, "topk_idx and topk_weights are [T, K]",
+                           (tuple(topk_idx.shape), tuple(topk_weights.shape))))
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        v.append(Violation(k, "topk_idx.dtype in (int32, int64)", str(topk_idx.dtype)))
+    elif topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= E):
+        v.append(Violation(k, "0 <= topk_idx < E", (int(topk_idx.min()), int(topk_idx.max()), E)))
+    if topk_weights.dtype not in _DTYPES:
+        v.append(Violation(k, "topk_weights.dtype in (float32, bfloat16)", str(topk_weights.dtype)))
+    v += _dtype_violations(k, x=x, w_gate_up=w_gate_up, w_down=w_down,
+                           **({} if grad_out is None else {"grad_out": grad_out}))
+    if grad_out is not None and tuple(grad_out.shape) != (T, H):
+        v.append(Violation(k, "grad_out.shape == (T, H)", tuple(grad_out.shape)))
+    isz = x.element_size()
+    need = _weight_sbuf_bytes(H, I2, isz) + _weight_sbuf_bytes(inter, H, isz)
+    if need > WEIGHT_SBUF_BUDGET:
+        v.append(Violation(k, f"one expert's weights fit {WEIGHT_SBUF_BUDGET // 1024} KiB of SBUF per partition",
+                           f"{need} bytes (H={H}, I={inter}, {x.dtype})",
+                           "ceil(H/128)*2I + ceil(I/128)*H elements; use bfloat16 or shard I"))
+    if grad_out is not None:  # backward: w_gate_up and its transpose; fp32 grad accumulators
+        bwd = max(2 * _weight_sbuf_bytes(H, I2, isz), _weight_sbuf_bytes(H, I2, 4),
+                  _weight_sbuf_bytes(inter, H, isz) + _weight_sbuf_bytes(H, inter, isz))
+        if bwd > WEIGHT_SBUF_BUDGET:
+            v.append(Violation(k, f"backward working set fits {WEIGHT_SBUF_BUDGET // 1024} KiB per partition",
+                               f"{bwd} bytes (H={H}, I={inter}, {x.dtype})"))
+    return v
+
+
+def constraints(x: torch.Tensor, *args, **kwargs) -> list[Violation]:
+    """Dispatch on the arguments: ``(x, w, group_offsets[, grad_out])`` -> grouped_mm,
+    ``(x, topk_idx, topk_weights, w_gate_up, w_down[, block_size][, grad_out])`` -> moe_experts."""
+    if len(args) + len(kwargs) <= 3 and (len(args) < 2 or args[1].dim() == 1):
+        return grouped_mm_constraints(x, *args, **kwargs)
+    return moe_experts_constraints(x, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# References (plain torch; the oracles of the kernels)
+# --------------------------------------------------------------------------------------------------
+def _per_group_f32(x: torch.Tensor, w: torch.Tensor, counts: list[int], transpose_w: bool = False) -> torch.Tensor:
+    """fp32 ``x_g @ w[g]`` (or ``@ w[g].T``) over consecutive row groups of sizes ``counts``."""
+    n_out = w.shape[1] if transpose_w else w.shape[2]
+    out = x.new_zeros(x.shape[0], n_out, dtype=torch.float32)
+    start = 0
+    for g, c in enumerate(counts):
+        if c:
+            wg = w[g].float()
+            out[start:start + c] = x[start:start + c].float() @ (wg.T if transpose_w else wg)
+        start += c
+    return out
+
+
+def _group_counts(group_offsets: torch.Tensor) -> list[int]:
+    offs = [0] + group_offsets.long().tolist()
+    return [b - a for a, b in zip(offs[:-1], offs[1:])]
+
+
+def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`grouped_mm`: fp32 accumulation, output in x.dtype, zero rows past the end."""
+    check(grouped_mm_constraints(x, w, group_offsets))
+    counts = _group_counts(group_offsets)
+    return _per_group_f32(x, w, counts).to(x.dtype)
+
+
+def grouped_mm_bwd_ref(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
+                       grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`grouped_mm_bwd`: ``grad_x = grad_out_g @ w[g].T``, ``grad_w[g] = x_g.T @ grad_out_g``."""
+    check(grouped_mm_constraints(x, w, group_offsets, grad_out))
+    counts = _group_counts(group_offsets)
+    grad_x = _per_group_f32(grad_out, w, counts, transpose_w=True).to(x.dtype)
+    grad_w = torch.zeros(w.shape, dtype=torch.float32)
+    start = 0
+    for g, c in enumerate(counts):
+        grad_w[g] = x[start:start + c].float().T @ grad_out[start:start + c].float()
+        start += c
+    return grad_x, grad_w.to(w.dtype)
+
+
+def _sorted_slots(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Slots ``t*K + k`` sorted (stably) by expert, and the slot count of each expert."""
+    flat = topk_idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    return order, torch.bincount(flat, minlength=num_experts).tolist()
+
+
+def moe_experts_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128) -> torch.Tensor:
+    """Reference of :func:`moe_experts` (same rounding points as the kernel; block_size is ignored:
+    padding does not change the result)."""
+    check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size))
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    inter = w_down.shape[1]
+    order, counts = _sorted_slots(topk_idx, w_gate_up.shape[0])
+    xs = x[order // K]
+    gu = _per_group_f32(xs, w_gate_up, counts)
+    h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
+    y = _per_group_f32(h, w_down, counts)
+    ys = (topk_weights.reshape(-1)[order].float()[:, None] * y).to(x.dtype)
+    out = torch.zeros(T, H, dtype=torch.float32)
+    out.index_add_(0, order // K, ys.float())
+    return out.to(x.dtype)
+
+
+def moe_experts_bwd_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                        w_gate_up: torch.Tensor, w_down: torch.Tensor, grad_out: torch.Tensor,
+                        block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of :func:`moe_experts_bwd` -> (grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down).
+
+    Mirrors the kernel's rounding points: the recomputed gate/up, ``grad_out @ w_down.T``, ``h``,
+    ``w * h`` and the gate/up gradients are stored in the input dtype between the NKI kernels.
+    """
+    check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out))
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    inter = w_down.shape[1]
+    dt = x.dtype
+    order, counts = _sorted_slots(topk_idx, w_gate_up.shape[0])
+    tok = order // K
+    xs, gs = x[tok], grad_out[tok]
+    ws = topk_weights.reshape(-1)[order].float()[:, None]
+    gu = _per_group_f32(xs, w_gate_up, counts).to(dt).float()
+    ghp = _per_group_f32(gs, w_down, counts, transpose_w=True).to(dt).float()  # grad_out @ w_down[e].T
+    a, u = gu[:, :inter], gu[:, inter:]
+    s = torch.sigmoid(a)
+    sa = a * s
+    h = (sa * u).to(dt).float()
+    gw = (ghp * h).sum(-1)  # d out / d w = <grad_out, y> = <grad_out @ w_down.T, h>
+    hw = (ws * h).to(dt).float()
+    gh = ws * ghp
+    dgu = torch.cat([(gh * u * (s + sa * (1 - s))).to(dt), (gh * sa).to(dt)], dim=1).float()
+    grad_wd = torch.zeros(w_down.shape, dtype=torch.float32)
+    grad_wgu = torch.zeros(w_gate_up.shape, dtype=torch.float32)
+    start = 0
+    for e, c in enumerate(counts):
+        sl = slice(start, start + c)
+        grad_wd[e] = hw[sl].T @ gs[sl].float()
+        grad_wgu[e] = xs[sl].float().T @ dgu[sl]
+        start += c
+    gxs = _per_group_f32(dgu, w_gate_up, counts, transpose_w=True).to(dt)
+    grad_x = torch.zeros(T, H, dtype=torch.float32).index_add_(0, tok, gxs.float()).to(dt)
+    grad_tw = torch.empty(T * K, dtype=torch.float32)
+    grad_tw[order] = gw
+    return (grad_x, grad_tw.view(T, K).to(topk_weights.dtype), grad_wgu.to(w_gate_up.dtype),
+            grad_wd.to(w_down.dtype))
+
+
+# --------------------------------------------------------------------------------------------------
+# NKI entry points
+# --------------------------------------------------------------------------------------------------
+def _moe_layout(topk_idx: torch.Tensor, num_experts: int, block_size: int) -> tuple[BlockLayout, torch.Tensor]:
+    """Slot layout (pad = T*K) and the token id of each block position (pad = T)."""
+    T, K = topk_idx.shape
+    lay = block_layout(topk_idx.reshape(-1), num_experts, block_size, pad=T * K)
+    slot = lay.table.long()
+    token = torch.where(slot < T * K, slot // K, torch.full_like(slot, T)).to(torch.int32)
+    return lay, token
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
+               block_size: int = 128) -> torch.Tensor:
+    """``out[rows of g] = x[rows of g] @ w[g]`` on the NKI kernel; rows past ``offs[-1]`` are zero."""
+    from trnkit.kernels import moe_grouped_mm as K_  # noqa: PLC0415  (imports the NKI backend lazily)
+
+    check(grouped_mm_constraints(x, w, group_offsets))
+    M = x.shape[0]
+    lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
+    out = torch.zeros(M, w.shape[2], dtype=x.dtype)
+    K_.grouped_mm_kernel(x.contiguous(), w.contiguous(), lay.table, lay.table, lay.block_start, out, False)
+    return out
+
+
+def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, grad_out: torch.Tensor,
+                   block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_w)`` of :func:`grouped_mm` on NKI kernels (grad_x: grouped matmul with
+    ``w[g].T``; grad_w: per-group ``x_g.T @ grad_out_g`` accumulated over blocks in fp32)."""
+    from trnkit.kernels import moe_grouped_mm as K_  # noqa: PLC0415
+
+    check(grouped_mm_constraints(x, w, group_offsets, grad_out))
+    M = x.shape[0]
+    lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
+    x, w, grad_out = x.contiguous(), w.contiguous(), grad_out.contiguous()
+    grad_x = torch.zeros(M, w.shape[1], dtype=x.dtype)
+    K_.grouped_mm_kernel(grad_out, w, lay.table, lay.table, lay.block_start, grad_x, True)
+    grad_w = torch.empty(w.shape, dtype=w.dtype)
+    K_.grouped_wgrad_kernel(x, grad_out, lay.table, lay.table, lay.block_start, grad_w)
+    return grad_x, grad_w
+
+
+def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128) -> torch.Tensor:
+    """Fused SwiGLU experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype."""
+    from trnkit.kernels import moe_experts as K_  # noqa: PLC0415
+
+    check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size))
+    lay, token = _moe_layout(topk_idx, w_gate_up.shape[0], block_size)
+    weights = topk_weights.reshape(-1, 1).float()  # fp32 affinities, [T*K, 1]
+    return K_.moe_experts_kernel(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), token,
+                                 lay.table, lay.block_start, weights)
+
+
+def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                    w_gate_up: torch.Tensor, w_down: torch.Tensor, grad_out: torch.Tensor,
+                    block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`moe_experts` as a pipeline of NKI kernels (activations are recomputed).
+
+    1. ``gu = x[tok] @ w_gate_up[e]`` and ``ghp = grad_out[tok] @ w_down[e].T`` (grouped_mm kernel,
+       written in dispatch order); 2. the elementwise SwiGLU backward kernel: ``h``, ``w*h``,
+       ``grad_topk_weights = <ghp, h>``, ``dgu``; 3. weight gradients ``grad_w_down[e] = sum (w h).T
+       grad_out``, ``grad_w_gate_up[e] = sum x.T dgu`` (grouped wgrad kernel); 4. ``dgu @
+       w_gate_up[e].T`` per slot and the sum over each token's K slots (combine kernel).
+    """
+    from trnkit.kernels import moe_experts as KE  # noqa: PLC0415
+    from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
+
+    check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out))
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    E, _, I2 = w_gate_up.shape
+    dt = x.dtype
+    x, grad_out = x.contiguous(), grad_out.contiguous()
+    w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
+    lay, token = _moe_layout(topk_idx, E, block_size)
+    NB, B = lay.table.shape
+    disp = torch.arange(NB * B, dtype=torch.int32).view(NB, B)  # dispatch-order positions
+    weights = topk_weights.reshape(-1, 1).float()
+    gu = torch.empty(NB, B, I2, dtype=dt)
+    KG.grouped_mm_kernel(x, w_gate_up, token, disp, lay.block_start, gu, False)
+    ghp = torch.empty(NB, B, I2 // 2, dtype=dt)
+    KG.grouped_mm_kernel(grad_out, w_down, token, disp, lay.block_start, ghp, True)
+    hw = torch.empty(NB, B, I2 // 2, dtype=dt)
+    dgu = torch.empty(NB, B, I2, dtype=dt)
+    gw = torch.empty(T * K, 1, dtype=torch.float32)
+    KE.swiglu_bwd_kernel(gu, ghp, lay.table, lay.block_start, weights, hw, dgu, gw)
+    grad_wd = torch.empty(w_down.shape, dtype=w_down.dtype)
+    KG.grouped_wgrad_kernel(hw, grad_out, disp, token, lay.block_start, grad_wd)
+    grad_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype)
+    KG.grouped_wgrad_kernel(x, dgu, token, disp, lay.block_start, grad_wgu)
+    gx_slots = torch.empty(T * K, H, dtype=dt)
+    KG.grouped_mm_kernel(dgu, w_gate_up, disp, lay.table, lay.block_start, gx_slots, True)
+    grad_x = KG.combine_kernel(gx_slots, K)
+    return grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd

@@ -1,0 +1,184 @@
+"""NKI kernels of the fused SwiGLU expert MLP (forward) and its elementwise backward.
+
+Forward, :func:`moe_experts_kernel` (per expert e, weights loaded once; per block of B slots of e at
+run time):
+
+1. gather the block's token rows ``x[tok] [B, H]`` by indirect DMA and transpose them on the Tensor
+   Engine into ``x.T [H (partitions, 128-chunks), B]``;
+2. ``gate.T, up.T [I-chunk, B] = w_gate_up[e][:, chunk].T @ x.T``: the 128x128 weight tile is the
+   stationary operand and the block's B tokens stream as moving columns, accumulating over the H
+   chunks in up to 4 live PSUM banks; ``h.T = silu(gate.T) * up.T`` comes out directly in the
+   contraction layout of the down matmul (no transpose of h);
+3. ``y [B, H] = h @ w_down[e]``: ``h.T`` chunk stationary (M = tokens), 512-column pieces of w_down
+   moving; the PSUM evacuation multiplies each row by its slot's affinity (Scalar Engine
+   ``activation(copy, scale=[B, 1])``) and rounds to the input dtype;
+4. scatter the rows to the slot buffer ``y [T*K, H]`` (slot t*K + k) by indirect DMA.
+
+After all experts, :func:`trnkit.kernels.moe_grouped_mm.combine` sums each token's K slots with a
+0/1 selection-matrix matmul (fp32 PSUM) into ``out [T, H]``.
+
+Backward, :func:`swiglu_bwd_kernel`: the elementwise part between the grouped matmuls of
+``trnkit.kernels.moe.moe_experts_bwd``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trnkit.kernels.moe_grouped_mm import (
+    NMAX,
+    P,
+    block_range,
+    chunks,
+    combine,
+    load_block_start,
+    load_rows,
+    load_weight,
+    row_matmul,
+    store_rows,
+    transpose_rows,
+)
+from trnkit.nki_api import nisa, nl, nki
+
+
+def _apply_chunks(ichunks: list[tuple[int, int]], j0: int, nj: int, fn: Any) -> None:
+    """Call ``fn(rows, a, b)`` over chunk range ``j0 .. j0+nj`` of a ``[P, chunks, B]`` tile: the full
+    128-row chunks together, a partial last chunk (I % 128) separately with only its valid rows."""
+    full = sum(1 for j in range(j0, j0 + nj) if ichunks[j][1] == P)
+    if full:
+        fn(P, 0, full)
+    if full < nj:
+        fn(ichunks[j0 + full][1], full, nj)
+
+
+def swiglu_T(h_T: Any, x_T: Any, wgu: Any, H: int, inter: int, B: int) -> None:
+    """``h_T [P, IC, B] = silu(gate.T) * up.T`` with ``gate.T = w_gate_up[:, :I].T @ x.T`` etc."""
+    ichunks = chunks(inter, P)
+    per_tile = max(1, NMAX // B)  # I-chunks of B fp32 columns per 2 KiB PSUM bank
+    tiles = chunks(len(ichunks), per_tile)
+    for p0 in range(0, len(tiles), 2):  # 2 gate + 2 up banks live per pass over H
+        group = tiles[p0:p0 + 2]
+        g_ps = [nl.ndarray((P, nj, B), dtype=nl.float32, buffer=nl.psum) for _, nj in group]
+        u_ps = [nl.ndarray((P, nj, B), dtype=nl.float32, buffer=nl.psum) for _, nj in group]
+        for c, (_, hk) in enumerate(chunks(H, P)):
+            for t, (j0, nj) in enumerate(group):
+                for jj in range(nj):
+                    i0, iw = ichunks[j0 + jj]
+                    nisa.nc_matmul(dst=g_ps[t][:iw, jj, :], stationary=wgu[:hk, c, i0:i0 + iw],
+                                   moving=x_T[:hk, c, :])
+                    nisa.nc_matmul(dst=u_ps[t][:iw, jj, :], stationary=wgu[:hk, c, inter + i0:inter + i0 + iw],
+                                   moving=x_T[:hk, c, :])
+        for t, (j0, nj) in enumerate(group):
+            act = nl.ndarray((P, nj, B), dtype=nl.float32, buffer=nl.sbuf)
+
+            def silu_mul(rows: int, a: int, b: int, t: int = t, j0: int = j0, act: Any = act) -> None:
+                nisa.activation(dst=act[:rows, a:b, :], op=nl.silu, data=g_ps[t][:rows, a:b, :])
+                nisa.tensor_tensor(dst=h_T[:rows, j0 + a:j0 + b, :], data1=act[:rows, a:b, :],
+                                   data2=u_ps[t][:rows, a:b, :], op=nl.multiply)
+
+            _apply_chunks(ichunks, j0, nj, silu_mul)
+
+
+@nki.jit
+def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_start, slot_weights):
+    """Fused SwiGLU experts: ``out [T, H] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``.
+
+    x ``[T, H]``; w_gate_up ``[E, H, 2I]``; w_down ``[E, I, H]``; token_table / slot_table
+    ``[NB, B]`` int32 (token id / slot id t*K+k of each block position, T / T*K for padding);
+    block_start ``[1, E + 1]`` int32; slot_weights ``[T*K, 1]`` fp32 (topk_weights flattened).
+    """
+    T, H = x.shape
+    E, _, I2 = w_gate_up.shape
+    inter = I2 // 2
+    S = slot_weights.shape[0]
+    K = S // T
+    B = token_table.shape[1]
+    rows = min(B, P)
+    n_sub = B // rows
+    HC = (H + P - 1) // P
+    IC = (inter + P - 1) // P
+    dt = x.dtype
+    y = nl.ndarray((S, H), dtype=dt, buffer=nl.hbm)  # per-slot scaled expert outputs
+    bs = load_block_start(block_start)
+    for e in range(E):
+        wgu = load_weight(w_gate_up, e)  # [P, HC, 2I]
+        wd = load_weight(w_down, e)  # [P, IC, H]
+        lo, hi = block_range(block_start, e, bs)
+
+        def block(i, wgu=wgu, wd=wd):
+            x_T = nl.ndarray((P, HC, B), dtype=dt, buffer=nl.sbuf)
+            for sub in range(n_sub):
+                x_sb = nl.ndarray((rows, H), dtype=dt, buffer=nl.sbuf)
+                load_rows(x_sb, x, token_table, i, sub, zero_pad=True)
+                transpose_rows(x_sb, x_T, col0=sub * rows)
+            h_T = nl.ndarray((P, IC, B), dtype=dt, buffer=nl.sbuf)
+            swiglu_T(h_T, x_T, wgu, H, inter, B)
+            for sub in range(n_sub):
+                w_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+                load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
+                y_sb = nl.ndarray((rows, H), dtype=dt, buffer=nl.sbuf)
+                row_matmul(y_sb, h_T, rows, wd, inter, col0=sub * rows, scale=w_col)
+                store_rows(y, y_sb, slot_table, i, sub)
+
+        nl.fori_loop(lo, hi, block)
+    out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
+    combine(y, out, K)
+    return out
+
+
+@nki.jit
+def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw, dgu, gw):
+    """Elementwise SwiGLU backward over the used blocks (dispatch order ``[NB, B, .]``).
+
+    In: ``gu = [gate | up]`` (``[NB, B, 2I]``), ``ghp = grad_out[tok] @ w_down[e].T`` (``[NB, B, I]``),
+    slot_weights ``[T*K, 1]`` fp32. Out (written in place): ``hw = w * h`` with ``h = silu(gate) * up``
+    rounded to the input dtype; ``dgu = [gh * up * silu'(gate) | gh * silu(gate)]`` with
+    ``gh = w * ghp``; ``gw [T*K, 1]`` fp32 ``= <ghp, h>`` (the gradient of the slot's affinity).
+    """
+    NB, B, I2 = gu.shape
+    inter = I2 // 2
+    rows = min(B, P)
+    E = block_start.shape[1] - 1
+    dt = gu.dtype
+    f32 = nl.float32
+    bs = load_block_start(block_start)
+    _, used = block_range(block_start, E - 1, bs)  # block_start[0, E]: blocks in use
+
+    def block(i):
+        for sub in range(B // rows):
+            gu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
+            load_rows(gu_t, gu, slot_table, i, sub, zero_pad=False)
+            ghp_t = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
+            load_rows(ghp_t, ghp, slot_table, i, sub, zero_pad=False)
+            w_col = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
+            load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
+            a, u = gu_t[:, :inter], gu_t[:, inter:]
+            s = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+            nisa.activation(dst=s, op=nl.sigmoid, data=a)
+            sa = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=sa, data1=a, data2=s, op=nl.multiply)  # silu(a)
+            h = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=h, data1=sa, data2=u, op=nl.multiply)
+            prod = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=prod, data1=ghp_t, data2=h, op=nl.multiply)
+            gw_col = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=gw_col, op=nl.add, data=prod, axis=1)
+            store_rows(gw, gw_col, slot_table, i, sub)
+            hw_t = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=hw_t, data=h, op0=nl.multiply, operand0=w_col)
+            store_rows(hw, hw_t, slot_table, i, sub)
+            gh = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=gh, data=ghp_t, op0=nl.multiply, operand0=w_col)
+            dgu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=dgu_t[:, inter:], data1=gh, data2=sa, op=nl.multiply)  # d up
+            dsilu = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # s * (1 + a * (1 - s))
+            nisa.tensor_scalar(dst=dsilu, data=s, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+            nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=sa, op=nl.multiply)
+            nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=s, op=nl.add)
+            ghu = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=ghu, data1=gh, data2=u, op=nl.multiply)
+            nisa.tensor_tensor(dst=dgu_t[:, :inter], data1=ghu, data2=dsilu, op=nl.multiply)  # d gate
+            store_rows(dgu, dgu_t, slot_table, i, sub)
+
+    nl.fori_loop(0, used, block)
+    return hw, dgu, gw

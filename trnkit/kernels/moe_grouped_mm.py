@@ -1,0 +1,295 @@
+"""NKI kernels of the grouped (per-expert) matmuls and the shared tile helpers of the MoE kernels.
+
+Row layouts. A *row-indexed* HBM tensor is 2-D ``[R, W]``: a block reads / writes its rows through a
+``[num_blocks, B]`` int32 table of row ids by indirect DMA (``.ap(vector_offset=ids)`` on the HBM
+side); ids ``>= R`` mark padding and are skipped (``oob_mode.skip``). A *dispatch-order* tensor is 3-D
+``[num_blocks, B, W]``: block ``i`` is its slab ``i`` (plain DMA with a run-time ``scalar_offset``).
+
+Blocks of group ``g`` are ``block_start[0, g] .. block_start[0, g + 1] - 1``; kernels loop statically
+over groups (each group's weights are loaded once, with big coalesced DMAs) and at run time
+(``nl.fori_loop`` with register bounds) over the group's blocks.
+
+Kernels:
+* :func:`grouped_mm_kernel` ``out[rows] = x[rows] @ w[g]`` (or ``@ w[g].T``).
+* :func:`grouped_wgrad_kernel` ``grad_w[g] = sum over blocks of a[rows].T @ b[rows]`` (fp32 in SBUF).
+* :func:`combine_kernel` ``out[t] = sum_k y[t*K + k]`` (selection-matrix matmul on the Tensor Engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trnkit.nki_api import nisa, nl, nki
+
+P = 128  # partitions (nl.tile_size.pmax); contraction chunk of nc_matmul
+NMAX = 512  # nc_matmul moving free size (nl.tile_size.gemm_moving_fmax), one fp32 PSUM bank
+PSUM_GROUPS = 4  # accumulation groups (PSUM banks) kept live per matmul pass
+
+
+def chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """``[(start, width), ...]`` covering ``range(n)`` in pieces of at most ``size``."""
+    return [(s, min(size, n - s)) for s in range(0, n, size)]
+
+
+def itemsize(dtype: Any) -> int:
+    return 4 if dtype == nl.float32 else 2
+
+
+# ----------------------------------------------------------------------------------------- movement
+def load_ids(table: Any, i: Any, sub: int, rows: int) -> Any:
+    """Ids ``table[i, sub*P : sub*P + rows]`` (block ``i`` a run-time register) -> SBUF ``[rows, 1]``."""
+    ids = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=table.ap(pattern=[[1, rows], [1, 1]], offset=sub * P,
+                                        scalar_offset=i, indirect_dim=0))
+    return ids
+
+
+def load_rows(dst: Any, src: Any, table: Any, i: Any, sub: int, zero_pad: bool) -> None:
+    """Rows of block ``i`` / sub-tile ``sub`` of ``src`` into SBUF ``dst [rows, W]``.
+
+    2-D ``src``: gather by the ids in ``table`` (padding ids skipped; ``zero_pad`` clears the tile
+    first so padding rows are exact zeros, needed wherever rows are summed over). 3-D ``src``:
+    dispatch-order slab ``i``.
+    """
+    rows, width = dst.shape
+    if len(src.shape) == 3:
+        nisa.dma_copy(dst=dst, src=src.ap(pattern=[[width, rows], [1, width]], offset=sub * P * width,
+                                          scalar_offset=i, indirect_dim=0))
+        return
+    ids = load_ids(table, i, sub, rows)
+    if zero_pad:
+        nisa.memset(dst=dst, value=0.0, engine=nisa.engine.gpsimd)
+    nisa.dma_copy(dst=dst, src=src.ap(pattern=[[src.shape[1], rows], [1, width]], offset=0,
+                                      vector_offset=ids, indirect_dim=0), oob_mode=nisa.oob_mode.skip)
+
+
+def store_rows(dst: Any, src: Any, table: Any, i: Any, sub: int) -> None:
+    """SBUF ``src [rows, W]`` -> rows of block ``i`` / sub-tile ``sub`` of ``dst`` (scatter for 2-D
+    ``dst``, padding ids skipped; slab ``i`` for 3-D ``dst``)."""
+    rows, width = src.shape
+    if len(dst.shape) == 3:
+        nisa.dma_copy(dst=dst.ap(pattern=[[width, rows], [1, width]], offset=sub * P * width,
+                                 scalar_offset=i, indirect_dim=0), src=src)
+        return
+    ids = load_ids(table, i, sub, rows)
+    nisa.dma_copy(dst=dst.ap(pattern=[[dst.shape[1], rows], [1, width]], offset=0, vector_offset=ids,
+                             indirect_dim=0), src=src, oob_mode=nisa.oob_mode.skip)
+
+
+def load_weight(w: Any, g: int) -> Any:
+    """``w[g] [R, C]`` (HBM, row-major) -> SBUF ``[P, ceil(R/P), C]``: row ``c*P + p`` on partition p.
+
+    One DMA per 4 row chunks (512 rows: >= 2 KiB per partition for C >= 256 bf16), so the first
+    matmuls can start before the whole expert has arrived.
+    """
+    _, R, C = w.shape
+    t = nl.ndarray((P, (R + P - 1) // P, C), dtype=w.dtype, buffer=nl.sbuf)
+    full = R // P
+    for c0, n in chunks(full, 4):
+        nisa.dma_copy(dst=t[:, c0:c0 + n, :],
+                      src=w.ap(pattern=[[C, P], [P * C, n], [1, C]], offset=(g * R + c0 * P) * C))
+    if R % P:
+        r = R % P
+        nisa.dma_copy(dst=t[:r, full, :], src=w.ap(pattern=[[C, r], [1, C]], offset=(g * R + full * P) * C))
+    return t
+
+
+def evacuate(dst: Any, src: Any, k: int, scale: Any = None) -> None:
+    """PSUM -> SBUF copy (with cast, optional per-partition ``scale [rows, 1]``), alternating the
+    Vector and Scalar engines by ``k`` so neither becomes the bottleneck."""
+    if scale is not None or k % 2:
+        nisa.activation(dst=dst, op=nl.copy, data=src, scale=1.0 if scale is None else scale)
+    else:
+        nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.vector)
+
+
+def transpose_into(dst: Any, src: Any, k: int) -> None:
+    """``dst [c, r] = src [r, c]`` (SBUF -> SBUF, r, c <= 128) through a Tensor Engine transpose."""
+    rows, cols = src.shape
+    ps = nl.ndarray((cols, rows), dtype=src.dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=ps, data=src)
+    evacuate(dst, ps, k)
+
+
+def transpose_rows(src: Any, dst: Any, col0: int = 0) -> None:
+    """SBUF ``src [rows, W]`` -> ``dst [P, ceil(W/P), >= col0 + rows]``: column chunk c of src on the
+    partitions of ``dst[:, c, col0 : col0 + rows]`` (the contraction layout of nc_matmul)."""
+    rows, width = src.shape
+    for c, (w0, cw) in enumerate(chunks(width, P)):
+        transpose_into(dst[:cw, c, col0:col0 + rows], src[:rows, w0:w0 + cw], c)
+
+
+def transpose_weight(w_sb: Any, R: int, C: int) -> Any:
+    """SBUF ``[P, ceil(R/P), C]`` (rows of w on partitions) -> ``[P, ceil(C/P), R]`` (w.T)."""
+    t = nl.ndarray((P, (C + P - 1) // P, R), dtype=w_sb.dtype, buffer=nl.sbuf)
+    k = 0
+    for c, (r0, rw) in enumerate(chunks(R, P)):
+        for d, (c0, cw) in enumerate(chunks(C, P)):
+            transpose_into(t[:cw, d, r0:r0 + rw], w_sb[:rw, c, c0:c0 + cw], k)
+            k += 1
+    return t
+
+
+def block_range(block_start: Any, g: int, bs_sb: Any) -> tuple[Any, Any]:
+    """Registers holding ``block_start[0, g]`` and ``block_start[0, g + 1]`` (bs_sb: SBUF copy)."""
+    lo = nisa.register_alloc()
+    hi = nisa.register_alloc()
+    nisa.register_load(lo, bs_sb[0:1, g:g + 1])
+    nisa.register_load(hi, bs_sb[0:1, g + 1:g + 2])
+    return lo, hi
+
+
+def load_block_start(block_start: Any) -> Any:
+    bs = nl.ndarray(block_start.shape, dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bs, src=block_start)
+    return bs
+
+
+def row_matmul(out_sb: Any, lhs_T: Any, rows: int, rhs: Any, contract: int, col0: int = 0,
+               scale: Any = None) -> None:
+    """``out_sb [rows, N] = lhs [rows, contract] @ rhs [contract, N]`` with ``lhs_T [P, CC, >= col0+rows]``
+    (lhs transposed, contraction on partitions, columns col0..) and ``rhs [P, CC, N]`` in SBUF.
+
+    The lhs chunk is the stationary operand (M = rows <= 128); up to PSUM_GROUPS moving pieces of 512
+    columns accumulate at once, so each stationary load feeds several matmuls. ``scale [rows, 1]``
+    multiplies each output row while PSUM is evacuated.
+    """
+    N = out_sb.shape[1]
+    pieces = chunks(N, NMAX)
+    cks = chunks(contract, P)
+    for q0 in range(0, len(pieces), PSUM_GROUPS):
+        group = pieces[q0:q0 + PSUM_GROUPS]
+        ps = [nl.ndarray((rows, nw), dtype=nl.float32, buffer=nl.psum) for _, nw in group]
+        for c, (_, ck) in enumerate(cks):
+            for j, (n0, nw) in enumerate(group):
+                nisa.nc_matmul(dst=ps[j], stationary=lhs_T[:ck, c, col0:col0 + rows],
+                               moving=rhs[:ck, c, n0:n0 + nw])
+        for j, (n0, nw) in enumerate(group):
+            evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+@nki.jit
+def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out, transpose_w):
+    """``out[dst rows] = x[src rows] @ w[g]`` (``@ w[g].T`` when ``transpose_w``) for every block.
+
+    x: ``[R, C]`` row-indexed or ``[NB, B, C]`` dispatch order; w: ``[G, Kw, Nw]`` with C = Kw
+    (C = Nw when transposed); out: ``[R', N]`` or ``[NB, B, N]`` (preallocated, written in place);
+    tables ``[NB, B]`` int32; block_start ``[1, G + 1]`` int32. Gathered padding rows are zeros.
+    """
+    G, Kw, Nw = w.shape
+    C, N = (Nw, Kw) if transpose_w else (Kw, Nw)
+    B = src_table.shape[1]
+    rows = min(B, P)
+    dt = x.dtype
+    bs = load_block_start(block_start)
+    for g in range(G):
+        w_sb = load_weight(w, g)
+        if transpose_w:
+            w_sb = transpose_weight(w_sb, Kw, Nw)
+        lo, hi = block_range(block_start, g, bs)
+
+        def block(i, w_sb=w_sb):
+            for sub in range(B // rows):
+                x_sb = nl.ndarray((rows, C), dtype=dt, buffer=nl.sbuf)
+                load_rows(x_sb, x, src_table, i, sub, zero_pad=True)
+                x_T = nl.ndarray((P, (C + P - 1) // P, rows), dtype=dt, buffer=nl.sbuf)
+                transpose_rows(x_sb, x_T)
+                o_sb = nl.ndarray((rows, N), dtype=out.dtype, buffer=nl.sbuf)
+                row_matmul(o_sb, x_T, rows, w_sb, C)
+                store_rows(out, o_sb, dst_table, i, sub)
+
+        nl.fori_loop(lo, hi, block)
+    return out
+
+
+@nki.jit
+def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
+    """``grad_w[g] = sum over the blocks of g of a[rows].T @ b[rows]`` (fp32 accumulation in SBUF).
+
+    a: ``[Ra, Ka]`` / ``[NB, B, Ka]``, b: ``[Rb, Nb]`` / ``[NB, B, Nb]`` (see module doc), grad_w
+    ``[G, Ka, Nb]`` preallocated. The block's rows are the contraction (partition) dim, so no
+    transposes are needed; padding rows are zeros. Empty groups get zero gradients.
+    """
+    G, Ka, Nb = grad_w.shape
+    B = a_table.shape[1]
+    rows = min(B, P)
+    n_sub = B // rows
+    AC = (Ka + P - 1) // P
+    bs = load_block_start(block_start)
+    for g in range(G):
+        acc = nl.ndarray((P, AC, Nb), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=acc, value=0.0)
+        lo, hi = block_range(block_start, g, bs)
+
+        def block(i, acc=acc):
+            a_sb, b_sb = [], []
+            for sub in range(n_sub):
+                a_t = nl.ndarray((rows, Ka), dtype=a.dtype, buffer=nl.sbuf)
+                load_rows(a_t, a, a_table, i, sub, zero_pad=True)
+                b_t = nl.ndarray((rows, Nb), dtype=b.dtype, buffer=nl.sbuf)
+                load_rows(b_t, b, b_table, i, sub, zero_pad=True)
+                a_sb.append(a_t)
+                b_sb.append(b_t)
+            for c, (k0, kw) in enumerate(chunks(Ka, P)):
+                for n0, nw in chunks(Nb, NMAX):
+                    ps = nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum)
+                    for sub in range(n_sub):  # the sub-tiles of a block accumulate in PSUM
+                        nisa.nc_matmul(dst=ps, stationary=a_sb[sub][:rows, k0:k0 + kw],
+                                       moving=b_sb[sub][:rows, n0:n0 + nw])
+                    nisa.tensor_tensor(dst=acc[:kw, c, n0:n0 + nw], data1=acc[:kw, c, n0:n0 + nw],
+                                       data2=ps, op=nl.add)
+
+        nl.fori_loop(lo, hi, block)
+        res = nl.ndarray((P, AC, Nb), dtype=grad_w.dtype, buffer=nl.sbuf)
+        for c, (k0, kw) in enumerate(chunks(Ka, P)):
+            evacuate(res[:kw, c, :], acc[:kw, c, :], c)
+            nisa.dma_copy(dst=grad_w.ap(pattern=[[Nb, kw], [1, Nb]], offset=(g * Ka + k0) * Nb),
+                          src=res[:kw, c, :])
+    return grad_w
+
+
+def selection_matrix(K: int, dtype: Any) -> Any:
+    """SBUF ``sel [S, S // K]`` (S = (128 // K) * K slots), ``sel[s, j] = 1`` iff slot s belongs to
+    token j (``s // K == j``): built once with iota and two compares."""
+    n_tok = P // K
+    n_slot = n_tok * K
+    v = nl.ndarray((n_slot, n_tok), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(dst=v, pattern=[[-K, n_tok]], offset=0, channel_multiplier=1)  # v[s, j] = s - K*j
+    ge = nl.ndarray((n_slot, n_tok), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ge, data=v, op0=nl.greater_equal, operand0=0.0)
+    lt = nl.ndarray((n_slot, n_tok), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=lt, data=v, op0=nl.less, operand0=float(K))
+    sel = nl.ndarray((n_slot, n_tok), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=sel, data1=ge, data2=lt, op=nl.multiply)
+    return sel
+
+
+def combine(y: Any, out: Any, K: int) -> None:
+    """``out[t] = sum_k y[t*K + k]`` for ``y [T*K, H]``, ``out [T, H]`` (HBM).
+
+    Each tile of 128 // K tokens loads its (128 // K) * K contiguous slot rows and multiplies them by
+    the 0/1 selection matrix on the Tensor Engine: the K-way sum happens in fp32 PSUM, rounded once.
+    """
+    T, H = out.shape
+    sel = selection_matrix(K, y.dtype)
+    n_tok = P // K
+    for t0, nt in chunks(T, n_tok):
+        ns = nt * K
+        y_sb = nl.ndarray((ns, H), dtype=y.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=y_sb, src=y[t0 * K:t0 * K + ns, :])
+        o_sb = nl.ndarray((nt, H), dtype=out.dtype, buffer=nl.sbuf)
+        for j, (n0, nw) in enumerate(chunks(H, NMAX)):
+            ps = nl.ndarray((nt, nw), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_matmul(dst=ps, stationary=sel[:ns, :nt], moving=y_sb[:ns, n0:n0 + nw])
+            evacuate(o_sb[:, n0:n0 + nw], ps, j)
+        nisa.dma_copy(dst=out[t0:t0 + nt, :], src=o_sb)
+
+
+@nki.jit
+def combine_kernel(y, K):
+    """``out [T, H] = sum_k y[t*K + k]`` for ``y [T*K, H]`` (see :func:`combine`)."""
+    S, H = y.shape
+    out = nl.ndarray((S // K, H), dtype=y.dtype, buffer=nl.shared_hbm)
+    combine(y, out, K)
+    return out
