@@ -39,6 +39,7 @@ P_MAX = 128  # partitions
 # Elements per partition per head moved by one DMA: 4 KiB of bf16 / 8 KiB of fp32, past the DMA
 # efficiency knee (>= 2-4 KiB per partition), small enough to keep several heads in flight in SBUF.
 FREE_TARGET = 2048
+PSUM_FMAX = 512  # fp32 elements per partition in one PSUM bank
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -212,10 +213,9 @@ def _row_chunks(S: int, nt_max: int) -> tuple:
 
 
 def _load_tables(cos, sin, packed, b, s0, P, NT, D, backward):
-    """fp32 SBUF tiles ``[P, NT, D]`` of cos and sin rows ``s0 + p*NT + t`` (batch ``b`` if 3-D).
-
-    For the forward pass sin is stored with its halves swapped (``sin' = cat(sin[h:], sin[:h])``), so
-    ``x * sin'`` holds both rotate-half products in the place the final subtract/add reads them.
+    """fp32 SBUF tiles ``[P, NT, D]`` of ``cos`` and of the signed table ``t`` for rows
+    ``s0 + p*NT + t`` (batch ``b`` if 3-D), such that ``y = x*cos + swap_halves(x)*t``:
+    forward ``t = cat(-sin[:h], sin[h:])``, backward ``t = cat(sin[h:], -sin[:h])``.
     """
     h = D // 2
     rows = cos.shape[-2]
@@ -223,52 +223,89 @@ def _load_tables(cos, sin, packed, b, s0, P, NT, D, backward):
     base = (b * rows + s0) * width if len(cos.shape) == 3 else s0 * width
     sin_base = base + D if packed else base
     c_t = nl.ndarray((P, NT, D), dtype=nl.float32, buffer=nl.sbuf)
-    s_t = nl.ndarray((P, NT, D), dtype=nl.float32, buffer=nl.sbuf)
-    full = [[NT * width, P], [width, NT], [1, D]]
-    nisa.dma_copy(dst=c_t, src=cos.ap(pattern=full, offset=base))
+    t_t = nl.ndarray((P, NT, D), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=c_t, src=cos.ap(pattern=[[NT * width, P], [width, NT], [1, D]], offset=base))
+    half = [[NT * width, P], [width, NT], [1, h]]
     if backward:
-        nisa.dma_copy(dst=s_t, src=sin.ap(pattern=full, offset=sin_base))
+        nisa.dma_copy(dst=t_t[:, :, 0:h], src=sin.ap(pattern=half, offset=sin_base + h))
+        nisa.dma_copy(dst=t_t[:, :, h:D], src=sin.ap(pattern=half, offset=sin_base))
+        neg = t_t[:, :, h:D]
     else:
-        half = [[NT * width, P], [width, NT], [1, h]]
-        nisa.dma_copy(dst=s_t[:, :, 0:h], src=sin.ap(pattern=half, offset=sin_base + h))
-        nisa.dma_copy(dst=s_t[:, :, h:D], src=sin.ap(pattern=half, offset=sin_base))
-    return c_t, s_t
+        nisa.dma_copy(dst=t_t, src=sin.ap(pattern=[[NT * width, P], [width, NT], [1, D]], offset=sin_base))
+        neg = t_t[:, :, 0:h]
+    nisa.activation(dst=neg, op=nl.copy, data=neg, scale=-1.0)  # exact negation, on the idle Scalar engine
+    return c_t, t_t
 
 
-def _rotate_tile(y_t, x_t, cos_v, sin_v, backward, engine):
-    """``y = x*cos + rotate_half(x)*sin`` (or the backward) on SBUF tiles/views with last dim D.
+def _rotate_slabs(slabs, on_vector):
+    """``y = x*cos + swap_halves(x)*t`` for each ``(y, x, cos, t)`` slab (<= 512 elements per partition,
+    last dim D; cos/t views of x's shape); fp32 math, one rounding into y's dtype.
 
-    ``cos_v``/``sin_v`` hold views for the whole row and its two halves:
-    ``(full, first_half, second_half)`` (the bshd path passes stride-0 head broadcasts).
+    Vector path: the Scalar engine (otherwise idle) copies x and its half-swapped image exactly to
+    fp32 PSUM tiles, so each of the three Vector passes has a PSUM operand and runs single-pass.
+    GpSimd path (no PSUM access): the swapped product is two half passes into SBUF.
+    Instructions are software-pipelined (slab j+1's products are issued before slab j's sum) so an
+    in-order engine never waits on the result of the instruction just before it.
     """
-    D = x_t.shape[-1]
-    h = D // 2
-    shape = x_t.shape
-    a_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    b_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=a_t, data1=x_t, data2=cos_v, op=nl.multiply, engine=engine)
-    nisa.tensor_tensor(dst=b_t, data1=x_t, data2=sin_v, op=nl.multiply, engine=engine)
-    lo, hi = (nl.add, nl.subtract) if backward else (nl.subtract, nl.add)
-    # forward:  b = x*sin' -> y[:h] = x[:h]cos[:h] - x[h:]sin[:h],  y[h:] = x[h:]cos[h:] + x[:h]sin[h:]
-    # backward: b = x*sin  -> y[:h] = x[:h]cos[:h] + x[h:]sin[h:],  y[h:] = x[h:]cos[h:] - x[:h]sin[:h]
-    nisa.tensor_tensor(dst=y_t[..., 0:h], data1=a_t[..., 0:h], data2=b_t[..., h:D], op=lo, engine=engine)
-    nisa.tensor_tensor(dst=y_t[..., h:D], data1=a_t[..., h:D], data2=b_t[..., 0:h], op=hi, engine=engine)
+    pending = None  # (y, a, bx) of the previous slab
+    for y_v, x_v, c_v, t_v in slabs:
+        D = x_v.shape[-1]
+        h = D // 2
+        shape = x_v.shape
+        if on_vector:
+            eng = nisa.engine.vector
+            x_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
+            xs_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
+            nisa.tensor_copy(dst=x_ps, src=x_v, engine=nisa.engine.scalar)
+            nisa.tensor_copy(dst=xs_ps[..., 0:h], src=x_v[..., h:D], engine=nisa.engine.scalar)
+            nisa.tensor_copy(dst=xs_ps[..., h:D], src=x_v[..., 0:h], engine=nisa.engine.scalar)
+            a_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=a_t, data1=x_ps, data2=c_v, op=nl.multiply, engine=eng)
+            nisa.tensor_tensor(dst=xs_ps, data1=xs_ps, data2=t_v, op=nl.multiply, engine=eng)
+            if pending is not None:
+                nisa.tensor_tensor(dst=pending[0], data1=pending[2], data2=pending[1], op=nl.add, engine=eng)
+            pending = (y_v, a_t, xs_ps)
+        else:
+            eng = nisa.engine.gpsimd
+            a_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+            bx_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=a_t, data1=x_v, data2=c_v, op=nl.multiply, engine=eng)
+            nisa.tensor_tensor(dst=bx_t[..., 0:h], data1=x_v[..., h:D], data2=t_v[..., 0:h], op=nl.multiply,
+                               engine=eng)
+            if pending is not None:
+                nisa.tensor_tensor(dst=pending[0], data1=pending[1], data2=pending[2], op=nl.add, engine=eng)
+            nisa.tensor_tensor(dst=bx_t[..., h:D], data1=x_v[..., 0:h], data2=t_v[..., h:D], op=nl.multiply,
+                               engine=eng)
+            pending = (y_v, a_t, bx_t)
+    if pending is not None:
+        eng = nisa.engine.vector if on_vector else nisa.engine.gpsimd
+        nisa.tensor_tensor(dst=pending[0], data1=pending[2], data2=pending[1], op=nl.add, engine=eng)
 
 
-def _engine_for(i):
-    """Alternate heads between the Vector and GpSimd engines (both run elementwise ALU ops)."""
-    return nisa.engine.vector if i % 3 != 2 else nisa.engine.gpsimd
+# Elementwise cost per element of a slab (trn2 ISA cost table): Vector 3 single passes at 0.96 GHz,
+# GpSimd 3 double passes (fp32, SBUF) at 1.2 GHz. Each slab goes to the engine that finishes first.
+_VECTOR_NS_PER_ELEM = 3 / 0.96
+_GPSIMD_NS_PER_ELEM = 6 / 1.2
 
 
-def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT):
+def _pick_vector(load, n):
+    """Greedy balance of slabs over Vector/GpSimd; ``load`` = [vector_ns, gpsimd_ns], updated."""
+    v, g = load[0] + n * _VECTOR_NS_PER_ELEM, load[1] + n * _GPSIMD_NS_PER_ELEM
+    if v <= g:
+        load[0] = v
+        return True
+    load[1] = g
+    return False
+
+
+def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load):
     B, _, S, D = q.shape
     per_batch = len(cos.shape) == 3
     pat = [[NT * D, P], [D, NT], [1, D]]
+    ns = max(1, PSUM_FMAX // D)  # rows per slab
     for bt in range(B if per_batch else 1):
         c_t, s_t = _load_tables(cos, sin, packed, bt, s0, P, NT, D, backward)
-        batches = range(bt, bt + 1) if per_batch else range(B)
-        i = 0
-        for b in batches:
+        for b in (range(bt, bt + 1) if per_batch else range(B)):
             for x, x_out in ((q, q_out), (k, k_out)):
                 H = x.shape[1]
                 for hd in range(H):
@@ -276,15 +313,18 @@ def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT):
                     x_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
                     nisa.dma_copy(dst=x_t, src=x.ap(pattern=pat, offset=off))
                     y_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
-                    _rotate_tile(y_t, x_t, c_t, s_t, backward, _engine_for(i))
+                    # one engine per tile: slabs of one tile on two engines would order each other
+                    slabs = []
+                    for t0 in range(0, NT, ns):
+                        t1 = min(NT, t0 + ns)
+                        slabs.append((y_t[:, t0:t1, :], x_t[:, t0:t1, :], c_t[:, t0:t1, :], s_t[:, t0:t1, :]))
+                    _rotate_slabs(slabs, _pick_vector(load, NT * D))
                     nisa.dma_copy(dst=x_out.ap(pattern=pat, offset=off), src=y_t)
-                    i += 1
 
 
-def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT):
+def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load):
     B, S, _, D = q.shape
     per_batch = len(cos.shape) == 3
-    i = 0
     for b in range(B):
         if per_batch or b == 0:
             c_t, s_t = _load_tables(cos, sin, packed, b, s0, P, NT, D, backward)
@@ -294,14 +334,20 @@ def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT):
             pat = [[NT * H * D, P], [H * D, NT], [D, H], [1, D]]
             x_t = nl.ndarray((P, NT, H, D), dtype=x.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=x_t, src=x.ap(pattern=pat, offset=off))
-            # cos/sin [P, NT, D] seen as [P, NT, H, D] with a stride-0 head axis (no copy)
-            bcast = [[NT * D, P], [D, NT], [0, H], [1, D]]
-            c_v = c_t.ap(pattern=bcast, offset=0)
-            s_v = s_t.ap(pattern=bcast, offset=0)
             y_t = nl.ndarray((P, NT, H, D), dtype=x.dtype, buffer=nl.sbuf)
-            _rotate_tile(y_t, x_t, c_v, s_v, backward, _engine_for(i))
+            G = max(1, min(H, PSUM_FMAX // D))  # heads per slab
+            ns = max(1, PSUM_FMAX // (G * D))  # rows per slab
+            slabs = []
+            for t0 in range(0, NT, ns):
+                t1 = min(NT, t0 + ns)
+                for g0 in range(0, H, G):
+                    g1 = min(H, g0 + G)
+                    # cos/sin rows t0:t1 seen as [P, rows, heads, D] with a stride-0 head axis
+                    bcast = [[NT * D, P], [D, t1 - t0], [0, g1 - g0], [1, D]]
+                    slabs.append((y_t[:, t0:t1, g0:g1, :], x_t[:, t0:t1, g0:g1, :],
+                                  c_t.ap(pattern=bcast, offset=t0 * D), s_t.ap(pattern=bcast, offset=t0 * D)))
+            _rotate_slabs(slabs, _pick_vector(load, NT * H * D))
             nisa.dma_copy(dst=x_out.ap(pattern=pat, offset=off), src=y_t)
-            i += 1
 
 
 @nki.jit
@@ -309,25 +355,27 @@ def rope_hf_kernel(q, k, q_out, k_out, cos, sin, packed=False, backward=False, b
     """The NKI kernel behind :func:`rope_hf` / :func:`rope_hf_bshd` (inputs already validated).
 
     ``packed=True``: ``cos`` and ``sin`` are both the packed ``rope_cache`` (cos | sin per row).
-    Rows are split across SPMD programs (``rope_hf_kernel[2](...)`` on LNC=2) by whole chunks.
+    Row chunks are split across SPMD programs (``rope_hf_kernel[2](...)`` on LNC=2).
     """
     D = q.shape[3]
     if bshd:
-        S, H_all = q.shape[1], q.shape[2] + k.shape[2]
-        nt_max = max(1, min(FREE_TARGET // D, FREE_TARGET * 2 // (H_all * D)))
+        S = q.shape[1]
+        # >= FREE_TARGET contiguous elements per partition for the smaller of q / k
+        nt_max = max(1, min(FREE_TARGET // D, FREE_TARGET // (min(q.shape[2], k.shape[2]) * D)))
     else:
         S = q.shape[2]
         nt_max = max(1, FREE_TARGET // D)
     chunks = _row_chunks(S, nt_max)
     n_prog = nl.num_programs(0)
     pid = nl.program_id(0)
+    load = [0.0, 0.0]
     for ci in range(len(chunks)):
         if ci % n_prog == pid:
             s0, P, NT = chunks[ci]
             if bshd:
-                _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT)
+                _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load)
             else:
-                _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT)
+                _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load)
     return q_out, k_out
 
 
