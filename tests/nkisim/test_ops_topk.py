@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trnkit.nkisim.isa import vector as nisa
 
@@ -117,3 +119,42 @@ def test_match_replace8_iterated_top_k_beyond_8() -> None:
         got.append(as_f32(m))
         work = nxt
     np.testing.assert_array_equal(np.concatenate(got, axis=1), -np.sort(-x, axis=1)[:, :16])
+
+
+def _find8_reference(row: list[float], vals: list[float]) -> list[int]:
+    """The documented semantics, one value at a time in plain Python (independent of the numpy code)."""
+    taken: set[int] = set()
+    out = []
+    for v in vals:
+        hit = next((i for i, x in enumerate(row) if x == v and i not in taken), None)
+        if hit is None:
+            out.append(U32_NONE)
+        else:
+            taken.add(hit)
+            out.append(hit)
+    return out
+
+
+def _replace8_reference(row: list[float], vals: list[float], imm: float) -> tuple[list[float], list[int]]:
+    row = list(row)
+    idx = [0] * 8
+    done: set[int] = set()
+    for k in range(7, -1, -1):
+        hit = next((i for i, x in enumerate(row) if x == vals[k] and i not in done), None)
+        idx[k] = U32_NONE if hit is None else hit
+        if hit is not None:
+            done.add(hit)
+            row[hit] = imm
+    return row, idx
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=8, max_size=40), st.lists(st.integers(0, 6), min_size=8, max_size=8))
+def test_find_and_replace8_match_sequential_reference(row, vals) -> None:
+    data = np.array([row], np.float32)
+    v = np.array([vals], np.float32)
+    assert _find8(data, v)[0].tolist() == _find8_reference(row, vals)
+    dst, idx = empty(data.shape, F32), empty((1, 8), np.uint32)
+    nisa.nc_match_replace8(dst, tile(data), tile(v), imm=-1.0, dst_idx=idx)
+    want_row, want_idx = _replace8_reference(row, vals, -1.0)
+    assert dst.np()[0].tolist() == want_row and idx.np()[0].tolist() == want_idx

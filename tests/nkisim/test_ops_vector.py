@@ -303,3 +303,17 @@ def test_tensor_scalar_cumulative_scan_continues_across_tiles() -> None:
     nisa.tensor_scalar_cumulative(dm, tile(x), nl.add, nl.maximum, 0.0, imm1=1.0,
                                   reduce_cmd=reduce_cmd.load_reduce)
     np.testing.assert_array_equal(as_f32(dm), ref_round(np.maximum.accumulate(np.maximum(x, 1.0), axis=1), BF16))
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3", "float8_e5m2"])
+def test_fp8_tiles_compute_in_fp32_and_round_on_write(name: str) -> None:
+    from trnkit.nkisim import dtypes
+
+    dt = getattr(dtypes, name)
+    a, b = _rand((32, 16), dt, -8, 8), _rand((32, 16), dt, -8, 8)
+    dst = empty((32, 16), dt)
+    nisa.tensor_tensor(dst, tile(a, dt), tile(b, dt), op=nl.multiply)
+    np.testing.assert_array_equal(as_f32(dst), ref_round(a * b, dt))
+    up = empty((32, 16), BF16)
+    nisa.tensor_copy(up, dst)  # fp8 -> bf16 is exact
+    np.testing.assert_array_equal(as_f32(up), as_f32(dst))
