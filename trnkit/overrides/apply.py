@@ -338,9 +338,12 @@ def _hf_rope_fn(original: Callable[..., Any], guard: _Guard) -> Callable[..., An
         extra = () if unsqueeze_dim == 1 else (
             Violation("rope_hf[hf adapter]", "unsqueeze_dim == 1", unsqueeze_dim, "q/k must be [B, H, S, D]"),)
         q_bshd, k_bshd = q.transpose(1, 2), k.transpose(1, 2)
+        tables = (cos, sin)
+        if cos.dim() == 3 and cos.shape[0] == 1:  # positions shared by the batch: [1, S, D] -> [S, D]
+            cos, sin = cos[0], sin[0]
         impl = guard.choose(extra, q=q_bshd, k=k_bshd, cos=cos, sin=sin, layout="bshd")
         if impl is None:
-            return original(q, k, cos, sin, unsqueeze_dim)
+            return original(q, k, *tables, unsqueeze_dim)
         q_out, k_out = ops.rope_hf_apply(q_bshd, k_bshd, cos, sin, None, "bshd", False, impl)
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
 

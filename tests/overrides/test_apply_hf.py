@@ -1,0 +1,99 @@
+"""apply_overrides on transformers v5 Qwen3-MoE / Qwen3: parity, scoping of the rotary swap, revert."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.overrides.conftest import hf_moe_model
+from tests.overrides.test_apply_native import _impls
+from tests.tolerances import assert_close
+from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides, revert
+from trnkit.overrides.apply import _Swapped
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
+
+IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _logits_and_grads(model, ids=IDS):
+    model.zero_grad()
+    logits = model(input_ids=ids).logits
+    (logits.float() ** 2).mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_qwen3_moe_swap_matches_transformers(testref):
+    model = hf_moe_model()
+    original = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    report = apply_overrides(model, OverrideConfig(impl=_impls("nki", testref), seq_len=8))
+    assert [(r.module, r.op, r.status) for r in report.rows] == [
+        (f"model.layers.{i}.{p}", op, "swapped") for i in (0, 1)
+        for p, op in (("self_attn", "rope_hf"), ("mlp.experts", "moe_experts"), ("mlp.gate", "router_topk"))]
+    assert list(model.state_dict()) == keys
+    assert isinstance(model.model.layers[0].mlp.experts, modeling_qwen3_moe.Qwen3MoeExperts)  # subclass
+    assert isinstance(model.model.layers[0].mlp.gate, _Swapped)
+
+    got_logits, got_grads = _logits_and_grads(model)
+    want_logits, want_grads = _logits_and_grads(original)
+    assert_close(got_logits, want_logits)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        assert_close(got_grads[name], want_grads[name], msg=name)
+
+    revert(model)
+    attn = model.model.layers[0].self_attn
+    assert "forward" not in attn.__dict__ and not isinstance(model.model.layers[0].mlp.gate, _Swapped)
+    assert_close(model(input_ids=IDS).logits.detach(), want_logits)
+
+
+def test_rotary_swap_is_scoped_to_the_model(testref):
+    """transformers' module-level apply_rotary_pos_emb is untouched; only this model's attention
+    modules call trnkit's version."""
+    model, bystander = hf_moe_model(), hf_moe_model()
+    global_fn = modeling_qwen3_moe.apply_rotary_pos_emb
+    calls = []
+    from trnkit.overrides import ops
+
+    real = ops.rope_hf_apply
+    try:
+        ops.rope_hf_apply = lambda *a: calls.append(a[-1]) or real(*a)  # count trnkit rope calls
+        apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl="reference", seq_len=8))
+        calls.clear()
+        assert modeling_qwen3_moe.apply_rotary_pos_emb is global_fn
+        bystander(input_ids=IDS)
+        assert calls == []
+        model(input_ids=IDS)
+        assert calls == ["reference", "reference"]  # one per layer
+    finally:
+        ops.rope_hf_apply = real
+
+
+def test_dense_qwen3_rope_swap():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=16))
+    original = copy.deepcopy(model)
+    report = apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))  # only rope exists here
+    assert [(r.op, r.status) for r in report.rows] == [("rope_hf", "swapped")] * 2
+    got, want = _logits_and_grads(model), _logits_and_grads(original)
+    assert_close(got[0], want[0])
+    for name in want[1]:
+        assert_close(got[1][name], want[1][name], msg=name)
+
+
+def test_hf_experts_with_another_activation_are_rejected_from_the_config():
+    model = hf_moe_model(hidden_act="gelu")
+    with pytest.raises(OverrideConstraintError, match=r"hidden_act == 'silu'.*got 'gelu'"):
+        apply_overrides(model, OverrideConfig(ops=["moe_experts"], impl="reference", seq_len=8))
+    with pytest.warns(UserWarning, match="falls back"):
+        report = apply_overrides(model, OverrideConfig(ops=["moe_experts"], impl="reference",
+                                                       policy="fallback", seq_len=8))
+    assert {r.status for r in report.rows} == {"fallback"}
