@@ -89,10 +89,13 @@ class VirtualRegister:
 _names = itertools.count()
 
 
+_STORAGE_KEYS = itertools.count()
+
+
 class Storage:
     """The flat backing array of one allocation (or of one kernel argument)."""
 
-    __slots__ = ("data", "buffer", "shape", "dtype", "name", "free_bytes", "mm", "_flats",
+    __slots__ = ("data", "buffer", "shape", "dtype", "name", "free_bytes", "mm", "_flats", "key",
                  "__weakref__")
 
     def __init__(self, data: np.ndarray, shape: tuple[int, ...], buffer: MemoryRegion, name: str) -> None:
@@ -105,6 +108,8 @@ class Storage:
         self.free_bytes = (math.prod(shape[1:]) if len(shape) > 1 else 1) * data.dtype.itemsize
         self.mm: np.ndarray | None = None  # PSUM: which elements a matmul wrote (accumulate=None)
         self._flats: dict[np.dtype, np.ndarray] = {data.dtype: data}
+        # unique for the process (id() is reused after a free): the trace's dependency key
+        self.key = next(_STORAGE_KEYS)
 
     def flat(self, dtype: np.dtype) -> np.ndarray:
         """The storage reinterpreted as a flat array of ``dtype``."""

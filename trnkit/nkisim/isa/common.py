@@ -198,14 +198,14 @@ def span(t: NkiTensor) -> tuple[int, int, int]:
     """``(storage key, lo, hi)``: half-open range of storage elements (storage dtype) ``t`` touches."""
     st = t._st
     if t._vec is not None:  # indirect rows: anywhere in the storage
-        return id(st), 0, st.data.size
+        return st.key, 0, st.data.size
     try:
         off = t.resolve_offset("trace")
     except NkiValidationError:  # a skipped out-of-bounds dynamic DMA
         off = t.offset
     lo, hi = t._extent()
     isz, ssz = t.dtype.itemsize, st.dtype.itemsize
-    return id(st), (off + lo) * isz // ssz, ((off + hi + 1) * isz + ssz - 1) // ssz
+    return st.key, (off + lo) * isz // ssz, ((off + hi + 1) * isz + ssz - 1) // ssz
 
 
 def contiguous_bytes(t: NkiTensor) -> int:
