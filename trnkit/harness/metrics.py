@@ -152,7 +152,13 @@ class MetricsLogger:
         self._jsonl = None
         if rank == 0 and cfg.jsonl:
             os.makedirs(dump_folder, exist_ok=True)
-            self._jsonl = open(self.jsonl_path, "a")
+            # keep the records of the steps a resumed run does not redo; a fresh run starts a new file
+            kept = [r for r in read_jsonl(self.jsonl_path) if r["step"] <= start_step] \
+                if os.path.exists(self.jsonl_path) else []
+            self._jsonl = open(self.jsonl_path, "w")
+            for r in kept:
+                self._jsonl.write(json.dumps(r) + "\n")
+            self.history = kept
         self._bar = None
         if rank == 0 and cfg.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm

@@ -267,8 +267,8 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             handle.save_hf(sd, out, getattr(torch, cfg.checkpoint.export_dtype))
             log(f"exported HF safetensors to {out}")
         result.hf_export = out
-    if env.rank == 0 and cfg.metrics.plot and result.records:
-        png = plot_loss(result.records, os.path.join(dump, "loss.png"), title=f"{cfg.job.name}: {handle.name}")
+    if env.rank == 0 and cfg.metrics.plot and metrics.history:
+        png = plot_loss(metrics.history, os.path.join(dump, "loss.png"), title=f"{cfg.job.name}: {handle.name}")
         log(f"loss curve: {png}")
     result.model = model
     return result
