@@ -22,7 +22,7 @@ sync) into blocks of ``block_size`` rows per expert, padding the last block of e
 kernels loop statically over experts (loading each expert's weights once) and, inside, run a
 *run-time* loop (``nl.fori_loop`` with register bounds) over that expert's blocks; each block gathers
 its token rows by indirect DMA, so no compute is spent on the padding blocks of the static worst-case
-table. See :mod:`trnkit.kernels.moe_experts` and :mod:`trnkit.kernels.moe_grouped_mm`.
+table. See :mod:`trnkit.kernels.moe_fused` and :mod:`trnkit.kernels.moe_grouped_mm`.
 
 Numerics (bf16): matmuls accumulate in fp32 PSUM; ``h = silu(gate) * up`` is rounded to the input
 dtype (it is the down matmul's operand), each slot's scaled output ``w * y`` is rounded to the input
@@ -451,7 +451,7 @@ def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128) -> torch.Tensor:
     """Fused SwiGLU experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype."""
-    from trnkit.kernels import moe_experts as K_  # noqa: PLC0415
+    from trnkit.kernels import moe_fused as K_  # noqa: PLC0415
 
     check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size))
     lay, token = _moe_layout(topk_idx, w_gate_up.shape[0], block_size)
@@ -471,7 +471,7 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
        grad_out``, ``grad_w_gate_up[e] = sum x.T dgu`` (grouped wgrad kernel); 4. ``dgu @
        w_gate_up[e].T`` per slot and the sum over each token's K slots (combine kernel).
     """
-    from trnkit.kernels import moe_experts as KE  # noqa: PLC0415
+    from trnkit.kernels import moe_fused as KE  # noqa: PLC0415
     from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
 
     check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out))
