@@ -1,0 +1,129 @@
+"""Benchmark harness: schema round trip, timing quantiles, estimate rows, table, CLI --quick output."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trnkit.bench import COLUMNS, Case, Prepared, Row, markdown_table, read_rows, run_case, time_quantiles, write_rows
+from trnkit.bench import cases as bench_cases
+from trnkit.demo import matmul_tiled
+from trnkit.nkisim import cost, trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(**kw) -> Row:
+    base = dict(kernel="k", impl="nki", mode="forward", metric="est_time", unit="us", x_name="S", x_value=128,
+                p50=2.0, p20=1.0, p80=3.0, extra="{}", device="trn2 (cost model)", timestamp="t",
+                trnkit_version="0")
+    return Row(**{**base, **kw})
+
+
+def test_schema_round_trip_and_validation(tmp_path):
+    rows = [_row(), _row(x_value="0.6B", x_name="flavor", p50=1.5, extra=json.dumps({"B": 1}))]
+    path = write_rows(tmp_path / "b.csv", rows[:1], append=True)
+    write_rows(path, rows[1:], append=True)  # header written once
+    with path.open() as f:
+        lines = list(csv.reader(f))
+    assert tuple(lines[0]) == COLUMNS and len(lines) == 3
+    back = read_rows(path)
+    assert back == rows and back[1].config == {"B": 1} and back[0].x_value == 128
+    with pytest.raises(ValueError, match="p50 must be a number.*k/nki/est_time at S=128"):
+        _row(p50=float("nan"))
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="does not have the trnkit benchmark columns"):
+        read_rows(tmp_path / "bad.csv")
+
+
+def test_time_quantiles_measure_wall_time():
+    p50, p20, p80 = time_quantiles(lambda: time.sleep(0.002), min_reps=5, budget_s=0.05)
+    assert 2000 <= p20 <= p50 <= p80 < 200_000  # microseconds; the machine may be busy
+
+
+def _matmul_case(n: int = 512) -> Case:
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(n, n, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, n, generator=g).to(torch.bfloat16)
+    return Case("matmul_tiled", "forward", "M=N=K", n, lambda: Prepared(lambda: matmul_tiled(a, b), lambda: a.T @ b),
+                {"dtype": "bfloat16"}), a, b
+
+
+def test_run_case_rows_match_an_independent_estimate():
+    case, a, b = _matmul_case()
+    rows = run_case(case, budget_s=0.05)
+    by = {(r.impl, r.metric): r for r in rows}
+    with trace.record() as tr:  # full arithmetic this time: the estimate must not depend on trace_only
+        matmul_tiled(a, b)
+    rep = cost.estimate(tr)
+    assert by[("nki", "est_time")].p50 == pytest.approx(rep.total_ns / 1e3)
+    assert by[("roofline", "est_time")].p50 == pytest.approx(rep.roofline_ns / 1e3)
+    assert by[("nki", "busy_tensor")].p50 == pytest.approx(4 * 4 * 512 / 2.4 / 1e3)  # 16 full matmuls
+    assert by[("nki", "fraction_of_roofline")].p50 == pytest.approx(rep.roofline_ns / rep.total_ns)
+    assert by[("roofline", "est_time")].p50 < by[("nki", "est_time")].p50 < by[("nki", "serial_time")].p50
+    torch_row = by[("torch", "wall_time")]
+    assert torch_row.device.startswith("cpu") and 0 < torch_row.p20 <= torch_row.p50 <= torch_row.p80
+    assert by[("nki", "est_time")].config["n_instrs"] == len(tr) == 56
+    table = markdown_table(rows)
+    assert table.count("\n") == 2 and "| matmul_tiled | forward | M=N=K=512 |" in table
+    assert f"{by[('nki', 'est_time')].p50:.1f}" in table
+
+
+def test_unknown_or_missing_kernels_are_reported():
+    assert "unknown kernel 'nope'" in bench_cases.unavailable("nope")
+    assert bench_cases.unavailable("matmul_tiled") is None
+    with pytest.raises(ValueError, match="cannot benchmark nope"):
+        bench_cases.cases_for("nope", quick=True)
+
+
+def _run_cli(out: Path, *kernels: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trnkit.bench", *kernels, "--quick", "--budget", "0.02",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MPLBACKEND": "Agg"})
+
+
+def _check_outputs(out: Path, kernels: set[str]) -> None:
+    rows = read_rows(out / "bench.csv")
+    assert {r.kernel for r in rows} == kernels
+    for r in rows:
+        assert all(math.isfinite(v) and v > 0 for v in (r.p50, r.p20, r.p80)), r
+        assert r.p20 <= r.p50 <= r.p80
+    for k in kernels:
+        est = [r for r in rows if r.kernel == k and r.impl == "nki" and r.metric == "est_time"]
+        roof = {(r.mode, r.x_value): r.p50 for r in rows if r.kernel == k and r.impl == "roofline"}
+        assert est and all(r.p50 >= roof[(r.mode, r.x_value)] for r in est)
+        assert any(r.impl == "torch" for r in rows if r.kernel == k)
+        pngs = list((out / "plots").glob(f"{k}_*.png"))
+        assert len(pngs) >= 2
+        for p in pngs:
+            assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    md = (out / "bench.md").read_text()
+    assert "Estimated = trnkit's trn2 cost model" in md and all(f"| {k} |" in md for k in kernels)
+
+
+def test_cli_quick_writes_csv_table_and_plots(tmp_path):
+    r = _run_cli(tmp_path, "matmul_tiled")
+    assert r.returncode == 0, r.stdout + r.stderr
+    _check_outputs(tmp_path, {"matmul_tiled"})
+
+
+def test_cli_rejects_unknown_kernel(tmp_path):
+    r = _run_cli(tmp_path, "nope")
+    assert r.returncode == 2 and "cannot benchmark nope" in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_quick_all_available_kernels(tmp_path):
+    r = _run_cli(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    available = {k for k in bench_cases.KERNELS if bench_cases.unavailable(k) is None}
+    _check_outputs(tmp_path, available)

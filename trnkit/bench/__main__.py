@@ -1,0 +1,74 @@
+"""``python -m trnkit.bench [KERNEL ...] [--quick] [--mode forward backward] [--out DIR]``.
+
+Runs the sweeps of :mod:`trnkit.bench.cases`, appends rows to ``DIR/bench.csv`` (the one schema of
+:mod:`trnkit.bench.schema`), writes ``DIR/bench.md`` (markdown table) and PNG plots under
+``DIR/plots/``. Without kernel names it runs every kernel that is importable and skips (with the
+reason) those that are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from trnkit.bench import cases as cases_mod
+from trnkit.bench.harness import run_cases
+from trnkit.bench.plots import plot_rows
+from trnkit.bench.schema import read_rows, write_rows
+from trnkit.bench.table import markdown_table
+
+DEFAULT_OUT = Path("benchmarks/data")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trnkit.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("kernels", nargs="*", help=f"kernels to run (default: all available of {', '.join(cases_mod.KERNELS)})")
+    p.add_argument("--quick", action="store_true", help="CI-size shapes")
+    p.add_argument("--mode", nargs="+", choices=cases_mod.MODES, default=list(cases_mod.MODES))
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (CSV, markdown, plots)")
+    p.add_argument("--chip", default="trn2", choices=("trn2", "trn1"))
+    p.add_argument("--no-torch", action="store_true", help="skip timing the torch reference ops")
+    p.add_argument("--budget", type=float, default=0.5, help="seconds of timing per measured quantity")
+    p.add_argument("--overwrite", action="store_true", help="start a fresh CSV instead of appending")
+    args = p.parse_args(argv)
+
+    names = args.kernels or list(cases_mod.KERNELS)
+    modes = tuple(args.mode)
+    selected = []
+    for k in names:
+        why = cases_mod.unavailable(k)
+        if why and args.kernels:  # asked for explicitly: an error
+            p.error(f"cannot benchmark {k}: {why}")
+        if why:
+            print(f"skipping {k}: {why}")
+            continue
+        selected.append(k)
+    t0 = time.perf_counter()
+    rows = []
+    for k in selected:
+        print(f"{k} ({'quick' if args.quick else 'full'}, {', '.join(modes)}):")
+        rows += run_cases(cases_mod.cases_for(k, args.quick, modes), chip=args.chip,
+                          measure_torch=not args.no_torch, budget_s=args.budget)
+    out = args.out
+    csv_path = write_rows(out / "bench.csv", rows, append=not args.overwrite)
+    # table and plots show the newest row per (kernel, impl, mode, metric, x) over the whole CSV
+    latest = {}
+    for r in read_rows(csv_path):
+        latest[(r.kernel, r.impl, r.mode, r.metric, r.x_name, r.x_value, r.extra if r.impl != "nki" else "")] = r
+    shown = [r for r in latest.values() if r.kernel in selected] or rows
+    table = markdown_table(shown)
+    (out / "bench.md").write_text(
+        "Estimated = trnkit's trn2 cost model on the interpreter's instruction trace (not a measurement); "
+        "measured = wall time on the named device.\n\n" + table + "\n")
+    pngs = plot_rows(shown, out / "plots")
+    print(table)
+    print(f"{len(rows)} rows -> {csv_path}; table -> {out / 'bench.md'}; {len(pngs)} plots -> {out / 'plots'} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

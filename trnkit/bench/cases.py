@@ -1,0 +1,241 @@
+"""Benchmark sweeps for each kernel, as :class:`~trnkit.bench.harness.Case` lists.
+
+Sweeps: sequence length (rope_hf), tokens (router_topk, moe_experts, grouped_mm), and Qwen3 model
+configs from the flavor registry (0.6B, 4B, 30B-A3B, 235B-A22B) at a fixed length; forward and backward;
+bf16. ``quick=True`` gives CI-size shapes. Kernels are imported lazily (DESIGN.md §3 APIs): a kernel
+that is not there yet is reported by :func:`unavailable` instead of failing the whole run.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from trnkit.bench.harness import Case, Prepared
+
+DTYPE = torch.bfloat16
+MODES = ("forward", "backward")
+
+
+def _rand(*shape: int, g: torch.Generator, scale: float = 1.0, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _flavor(name: str):
+    from trnkit.qwen3 import model_registry  # noqa: PLC0415
+
+    return model_registry(name).config
+
+
+def _grad_closure(out: torch.Tensor, inputs: list[torch.Tensor], grad: torch.Tensor) -> Callable[[], object]:
+    """Time only the backward pass of a torch reference (graph kept between calls)."""
+    return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
+
+
+# --- matmul_tiled: the demo / tutorial kernel, always available -------------------------------------
+
+
+def matmul_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+    from trnkit.demo import matmul_tiled  # noqa: PLC0415
+
+    def build(n: int) -> Callable[[], Prepared]:
+        def f() -> Prepared:
+            g = torch.Generator().manual_seed(0)
+            a, b = _rand(n, n, g=g), _rand(n, n, g=g)
+            return Prepared(nki=lambda: matmul_tiled(a, b), ref=lambda: a.T @ b)
+        return f
+
+    sizes = [512, 1024] if quick else [512, 1024, 2048, 4096]
+    return [Case("matmul_tiled", "forward", "M=N=K", n, build(n), {"dtype": "bfloat16"})
+            for n in sizes if "forward" in modes]
+
+
+# --- rope_hf ----------------------------------------------------------------------------------------
+
+
+def _rope_build(B: int, Hq: int, Hk: int, S: int, D: int, backward: bool) -> Callable[[], Prepared]:
+    def f() -> Prepared:
+        from trnkit.kernels import rope_hf as mod  # noqa: PLC0415
+
+        g = torch.Generator().manual_seed(0)
+        q, k = _rand(B, Hq, S, D, g=g), _rand(B, Hk, S, D, g=g)
+        pos = torch.arange(S, dtype=torch.float32)[:, None]
+        inv = 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+        ang = torch.cat([pos * inv, pos * inv], dim=-1)
+        cos, sin = ang.cos().to(DTYPE), ang.sin().to(DTYPE)
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        r_q, r_k = torch.empty_like(q), torch.empty_like(k)
+        return Prepared(
+            nki=lambda: mod.rope_hf(q, k, q_out, k_out, cos=cos, sin=sin, backward=backward),
+            ref=lambda: mod.rope_hf_ref(q, k, r_q, r_k, cos=cos, sin=sin, backward=backward))
+    return f
+
+
+def rope_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+    cases = []
+    for mode in modes:
+        bwd = mode == "backward"
+        c = _flavor("0.6B")
+        seqs = [128, 256] if quick else [128, 512, 1024, 2048, 4096, 8192]
+        for S in seqs:
+            cfg = {"flavor": "0.6B", "B": 1, "Hq": c.n_heads, "Hk": c.n_kv_heads, "D": c.head_dim, "dtype": "bfloat16"}
+            cases.append(Case("rope_hf", mode, "S", S, _rope_build(1, c.n_heads, c.n_kv_heads, S, c.head_dim, bwd), cfg))
+        if not quick:
+            for fl in ("0.6B", "4B", "30B-A3B", "235B-A22B"):
+                c = _flavor(fl)
+                cfg = {"B": 1, "S": 2048, "Hq": c.n_heads, "Hk": c.n_kv_heads, "D": c.head_dim, "dtype": "bfloat16"}
+                cases.append(Case("rope_hf", mode, "flavor", fl,
+                                  _rope_build(1, c.n_heads, c.n_kv_heads, 2048, c.head_dim, bwd), cfg))
+    return cases
+
+
+# --- router_topk ------------------------------------------------------------------------------------
+
+
+def _router_build(T: int, H: int, E: int, K: int, backward: bool) -> Callable[[], Prepared]:
+    def f() -> Prepared:
+        from trnkit.kernels import router_topk as mod  # noqa: PLC0415
+
+        g = torch.Generator().manual_seed(0)
+        x, w = _rand(T, H, g=g), _rand(E, H, g=g, scale=H ** -0.5)
+        if not backward:
+            return Prepared(nki=lambda: mod.router_topk(x, w, K, True), ref=lambda: mod.router_topk_ref(x, w, K, True))
+        weights, idx, logits = mod.router_topk(x, w, K, True)
+        gw = _rand(T, K, g=g, dtype=torch.float32)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ref_w, _, _ = mod.router_topk_ref(xr, wr, K, True)
+        return Prepared(nki=lambda: mod.router_topk_bwd(x, w, logits, idx, gw, None, True),
+                        ref=_grad_closure(ref_w, [xr, wr], gw))
+    return f
+
+
+def router_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+    cases = []
+    for mode in modes:
+        bwd = mode == "backward"
+        c = _flavor("30B-A3B")
+        for T in ([128, 256] if quick else [128, 512, 1024, 2048, 4096, 8192]):
+            cfg = {"flavor": "30B-A3B", "H": c.dim, "E": c.num_experts, "K": c.top_k, "dtype": "bfloat16"}
+            cases.append(Case("router_topk", mode, "T", T, _router_build(T, c.dim, c.num_experts, c.top_k, bwd), cfg))
+        if not quick:
+            for fl in ("30B-A3B", "235B-A22B"):
+                c = _flavor(fl)
+                cfg = {"T": 2048, "H": c.dim, "E": c.num_experts, "K": c.top_k, "dtype": "bfloat16"}
+                cases.append(Case("router_topk", mode, "flavor", fl,
+                                  _router_build(2048, c.dim, c.num_experts, c.top_k, bwd), cfg))
+    return cases
+
+
+# --- MoE: moe_experts and grouped_mm ----------------------------------------------------------------
+
+
+def _routing(T: int, E: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(T, E, generator=g)
+    w, idx = torch.softmax(logits, -1).topk(K, -1)
+    return idx.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
+
+
+def _moe_build(T: int, H: int, I: int, E: int, K: int, backward: bool) -> Callable[[], Prepared]:  # noqa: E741
+    def f() -> Prepared:
+        from trnkit.kernels import moe as mod  # noqa: PLC0415
+
+        g = torch.Generator().manual_seed(0)
+        x = _rand(T, H, g=g)
+        idx, tw = _routing(T, E, K, g)
+        wgu, wd = _rand(E, H, 2 * I, g=g, scale=H ** -0.5), _rand(E, I, H, g=g, scale=I ** -0.5)
+        if not backward:
+            return Prepared(nki=lambda: mod.moe_experts(x, idx, tw, wgu, wd),
+                            ref=lambda: mod.moe_experts_ref(x, idx, tw, wgu, wd))
+        go = _rand(T, H, g=g)
+        leaves = [t.clone().requires_grad_() for t in (x, tw, wgu, wd)]
+        out = mod.moe_experts_ref(leaves[0], idx, leaves[1], leaves[2], leaves[3])
+        return Prepared(nki=lambda: mod.moe_experts_bwd(x, idx, tw, wgu, wd, go),
+                        ref=_grad_closure(out, leaves, go))
+    return f
+
+
+def _moe_dims(quick: bool) -> tuple[str, int, int, int, int]:
+    if quick:  # CI-size: a small MoE with the kernel's tile-friendly sizes
+        return "tiny", 512, 256, 8, 2
+    c = _flavor("30B-A3B")
+    return "30B-A3B", c.dim, c.moe_inter_dim, c.num_experts, c.top_k
+
+
+def moe_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+    cases = []
+    name, H, I, E, K = _moe_dims(quick)  # noqa: E741
+    for mode in modes:
+        bwd = mode == "backward"
+        for T in ([128, 256] if quick else [128, 512, 1024, 2048]):
+            cfg = {"config": name, "H": H, "I": I, "E": E, "K": K, "dtype": "bfloat16"}
+            cases.append(Case("moe_experts", mode, "T", T, _moe_build(T, H, I, E, K, bwd), cfg))
+        if not quick:
+            for fl in ("30B-A3B", "235B-A22B"):
+                c = _flavor(fl)
+                cfg = {"T": 256, "H": c.dim, "I": c.moe_inter_dim, "E": c.num_experts, "K": c.top_k, "dtype": "bfloat16"}
+                cases.append(Case("moe_experts", mode, "flavor", fl,
+                                  _moe_build(256, c.dim, c.moe_inter_dim, c.num_experts, c.top_k, bwd), cfg))
+    return cases
+
+
+def _gmm_build(M: int, Kd: int, N: int, G: int, backward: bool) -> Callable[[], Prepared]:
+    def f() -> Prepared:
+        from trnkit.kernels import moe as mod  # noqa: PLC0415
+
+        g = torch.Generator().manual_seed(0)
+        x, w = _rand(M, Kd, g=g), _rand(G, Kd, N, g=g, scale=Kd ** -0.5)
+        # uneven groups: random split of the M rows over G experts
+        counts = torch.multinomial(torch.ones(G), M, replacement=True, generator=g).bincount(minlength=G)
+        offs = counts.cumsum(0).to(torch.int32)
+        if not backward:
+            return Prepared(nki=lambda: mod.grouped_mm(x, w, offs), ref=lambda: mod.grouped_mm_ref(x, w, offs))
+        go = _rand(M, N, g=g)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = mod.grouped_mm_ref(xr, wr, offs)
+        return Prepared(nki=lambda: mod.grouped_mm_bwd(x, w, offs, go), ref=_grad_closure(out, [xr, wr], go))
+    return f
+
+
+def gmm_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+    name, H, I, E, K = _moe_dims(quick)  # noqa: E741
+    cases = []
+    for mode in modes:
+        for T in ([128, 256] if quick else [128, 512, 1024, 2048]):
+            M = T * K  # token-expert slots after dispatch
+            cfg = {"config": name, "K": H, "N": 2 * I, "G": E, "dtype": "bfloat16", "T": T, "top_k": K}
+            cases.append(Case("grouped_mm", mode, "M", M, _gmm_build(M, H, 2 * I, E, mode == "backward"), cfg))
+    return cases
+
+
+# kernel name -> (module under trnkit.kernels that must import, names it must have, case builder)
+KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]] = {
+    "matmul_tiled": (None, (), matmul_cases),
+    "rope_hf": ("rope_hf", ("rope_hf", "rope_hf_ref"), rope_cases),
+    "router_topk": ("router_topk", ("router_topk", "router_topk_ref", "router_topk_bwd"), router_cases),
+    "moe_experts": ("moe", ("moe_experts", "moe_experts_ref", "moe_experts_bwd"), moe_cases),
+    "grouped_mm": ("moe", ("grouped_mm", "grouped_mm_ref", "grouped_mm_bwd"), gmm_cases),
+}
+
+
+def unavailable(kernel: str) -> str | None:
+    """Why ``kernel`` cannot be benchmarked now (its module or functions are missing), else None."""
+    if kernel not in KERNELS:
+        return f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})"
+    module, names, _ = KERNELS[kernel]
+    if module is None:
+        return None
+    try:
+        mod = importlib.import_module(f"trnkit.kernels.{module}")
+    except ImportError as exc:
+        return f"trnkit.kernels.{module} does not import ({exc})"
+    missing = [n for n in names if not hasattr(mod, n)]
+    return f"trnkit.kernels.{module} lacks {', '.join(missing)}" if missing else None
+
+
+def cases_for(kernel: str, quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+    why = unavailable(kernel)
+    if why:
+        raise ValueError(f"bench: cannot benchmark {kernel}: {why}")
+    return KERNELS[kernel][2](quick, modes)

@@ -1,0 +1,150 @@
+"""The shared benchmark harness: kernel cases in, schema rows out.
+
+A :class:`Case` names one point of a sweep (kernel, mode, swept quantity and value, configuration) and
+knows how to :meth:`~Case.build` its inputs into a :class:`Prepared` pair of callables: the NKI kernel
+call and the torch reference op on the same inputs. :func:`run_case` turns it into rows:
+
+* on the interpreter (no real ``nki``): the kernel runs once under ``trace.record(trace_only=True)``
+  (large matmuls skip their arithmetic) and the cost model gives the **estimated** trn2 time, the
+  roofline bound, per-engine busy time and the fraction of roofline;
+* with the real ``nki`` on a Trainium host: the kernel's **measured** wall time (host timer around a
+  synchronised call; p20/p50/p80) instead — untested here, no device;
+* always: the torch reference op's **measured** wall time on the current device (p20/p50/p80).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import trnkit
+from trnkit.bench.schema import Row
+
+QUANTILES = (0.5, 0.2, 0.8)
+
+
+@dataclass
+class Prepared:
+    """Ready-to-call closures over one case's inputs."""
+
+    nki: Callable[[], object]  # the NKI kernel (interpreter or device)
+    ref: Callable[[], object]  # the torch reference op, same inputs, on the current device
+
+
+@dataclass
+class Case:
+    kernel: str
+    mode: str  # "forward" | "backward"
+    x_name: str
+    x_value: int | float | str
+    build: Callable[[], Prepared]
+    config: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel}/{self.mode} {self.x_name}={self.x_value}"
+
+
+def time_quantiles(fn: Callable[[], object], warmup: int = 1, min_reps: int = 5, max_reps: int = 100,
+                   budget_s: float = 1.0, sync: Callable[[], None] | None = None) -> tuple[float, float, float]:
+    """Wall time of ``fn`` in microseconds: (p50, p20, p80) over at least ``min_reps`` calls."""
+    for _ in range(warmup):
+        fn()
+        if sync:
+            sync()
+    times: list[float] = []
+    t_end = time.perf_counter() + budget_s
+    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() < t_end):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append((time.perf_counter() - t0) * 1e6)
+    p = np.quantile(np.asarray(times), QUANTILES)
+    return float(p[0]), float(p[1]), float(p[2])
+
+
+def host_device() -> str:
+    """Where torch reference ops run here: ``cpu: <processor>`` (or the accelerator's name)."""
+    import torch  # noqa: PLC0415
+
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    proc = platform.processor() or platform.machine()
+    return f"cpu: {proc} x{torch.get_num_threads()} threads"
+
+
+def _device_sync() -> Callable[[], None] | None:
+    """A synchronisation callable for real-device timing (torch-xla), or None."""
+    try:
+        import torch_xla.core.xla_model as xm  # noqa: PLC0415 - only on Neuron hosts
+    except ImportError:
+        return None
+    return lambda: xm.wait_device_ops()
+
+
+def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_s: float = 0.5) -> list[Row]:
+    """Benchmark one case; returns its rows (see the module docstring)."""
+    from trnkit.nki_api import REAL_NKI  # noqa: PLC0415 - resolving imports the interpreter
+
+    prepared = case.build()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    base = dict(kernel=case.kernel, mode=case.mode, x_name=case.x_name, x_value=case.x_value,
+                timestamp=stamp, trnkit_version=trnkit.__version__)
+    cfg = json.dumps(case.config, sort_keys=True)
+    rows: list[Row] = []
+
+    def row(impl: str, metric: str, unit: str, p: tuple[float, float, float], device: str,
+            extra: dict | None = None) -> None:
+        ex = json.dumps({**case.config, **extra}, sort_keys=True) if extra else cfg
+        rows.append(Row(impl=impl, metric=metric, unit=unit, p50=p[0], p20=p[1], p80=p[2], extra=ex,
+                        device=device, **base))
+
+    if REAL_NKI:
+        sync = _device_sync()
+        p = time_quantiles(prepared.nki, warmup=3, budget_s=budget_s, sync=sync)
+        row("nki", "wall_time", "us", p, "trainium", {"timer": "host perf_counter around a synced call"})
+    else:
+        from trnkit.nkisim import cost, trace  # noqa: PLC0415 - interpreter only
+
+        t0 = time.perf_counter()
+        with trace.record(trace_only=True) as tr:
+            prepared.nki()
+        interp_s = time.perf_counter() - t0
+        rep = cost.estimate(tr, chip)
+        dev = f"{chip} (cost model)"
+        details = {"model": rep.model, "n_instrs": rep.n_instrs, "bottleneck": rep.bottleneck,
+                   "flops": rep.flops, "hbm_bytes": rep.hbm_bytes, "interp_trace_only_s": round(interp_s, 4)}
+        us = 1e-3
+        row("nki", "est_time", "us", (rep.total_ns * us,) * 3, dev, details)
+        row("roofline", "est_time", "us", (rep.roofline_ns * us,) * 3, dev,
+            {"compute_bound_us": rep.compute_bound_ns * us, "memory_bound_us": rep.memory_bound_ns * us})
+        row("nki", "serial_time", "us", (rep.serial_ns * us,) * 3, dev)
+        row("nki", "fraction_of_roofline", "ratio", (rep.fraction_of_roofline,) * 3, dev)
+        for eng, busy in rep.busy_ns.items():
+            row("nki", f"busy_{eng}", "us", (busy * us,) * 3, dev,
+                {"utilization": rep.utilization[eng], "count": rep.count.get(eng, 0)})
+    if measure_torch:
+        p = time_quantiles(prepared.ref, budget_s=budget_s)
+        row("torch", "wall_time", "us", p, host_device())
+    return rows
+
+
+def run_cases(cases: Iterable[Case], chip: str = "trn2", measure_torch: bool = True, budget_s: float = 0.5,
+              log: Callable[[str], None] | None = print) -> list[Row]:
+    """Run every case in order (errors propagate: a broken kernel must not produce a partial table)."""
+    rows: list[Row] = []
+    for case in cases:
+        t0 = time.perf_counter()
+        case_rows = run_case(case, chip=chip, measure_torch=measure_torch, budget_s=budget_s)
+        rows += case_rows
+        if log:
+            est = next((r.p50 for r in case_rows if r.metric in ("est_time", "wall_time") and r.impl == "nki"), None)
+            log(f"  {case.label}: nki {est:.2f} us ({time.perf_counter() - t0:.1f} s)" if est is not None
+                else f"  {case.label}: done")
+    return rows

@@ -1,0 +1,50 @@
+"""Markdown tables of benchmark rows: one line per (kernel, mode, x), the numbers side by side."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from trnkit.bench.schema import Row
+
+
+def _key(r: Row) -> tuple:
+    x = r.x_value
+    mode = (0 if r.mode == "forward" else 1, r.mode)
+    return (r.kernel, mode, r.x_name, (0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)))
+
+
+def _fmt(v: float | None, unit: str = "us") -> str:
+    if v is None:
+        return "-"
+    if unit == "ratio":
+        return f"{v:.1%}"
+    return f"{v:,.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def markdown_table(rows: Iterable[Row]) -> str:
+    """Estimated kernel time, roofline, fraction, bottleneck and the measured torch reference per shape.
+
+    Columns say which numbers are cost-model estimates (trn2) and which are measured (torch on this host,
+    or the kernel on Trainium when the real ``nki`` ran)."""
+    groups: dict[tuple, dict[tuple[str, str], Row]] = {}
+    for r in rows:
+        groups.setdefault(_key(r), {})[(r.impl, r.metric)] = r
+    header = ("| kernel | mode | shape | config | est. trn2 (us) | roofline (us) | fraction of roofline | "
+              "bottleneck | measured nki (us) | measured torch ref (us, p50 [p20-p80]) | torch device |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for key in sorted(groups):
+        g = groups[key]
+        kernel, (_, mode), x_name = key[:3]
+        any_row = next(iter(g.values()))
+        est, roof = g.get(("nki", "est_time")), g.get(("roofline", "est_time"))
+        frac, real, ref = g.get(("nki", "fraction_of_roofline")), g.get(("nki", "wall_time")), g.get(("torch", "wall_time"))
+        cfg = {k: v for k, v in (est or any_row).config.items()
+               if k not in ("model", "n_instrs", "bottleneck", "flops", "hbm_bytes", "interp_trace_only_s")}
+        cfg_s = ", ".join(f"{k}={v}" for k, v in sorted(cfg.items()))
+        ref_s = f"{_fmt(ref.p50)} [{_fmt(ref.p20)}-{_fmt(ref.p80)}]" if ref else "-"
+        lines.append(
+            f"| {kernel} | {mode} | {x_name}={any_row.x_value} | {cfg_s} | {_fmt(est.p50 if est else None)} | "
+            f"{_fmt(roof.p50 if roof else None)} | {_fmt(frac.p50 if frac else None, 'ratio')} | "
+            f"{est.config.get('bottleneck', '-') if est else '-'} | {_fmt(real.p50 if real else None)} | "
+            f"{ref_s} | {ref.device if ref else '-'} |")
+    return "\n".join(lines)
