@@ -181,3 +181,9 @@ def test_dma_trace_record():
     assert [o.role for o in ins.operands] == ["dst", "src"]
     assert ins.attrs["contiguous_bytes"] == 128 * 64 * 2
     assert ins.attrs["writes"][0][1:] == (0, 128 * 64)
+
+
+def test_dma_engine_only_with_hwdge():
+    s = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
+    with pytest.raises(NkiValidationError, match="engine= is only valid with dge_mode=hwdge"):
+        nisa.dma_copy(dst=s, src=hb(np.zeros((4, 4), np.float32)), engine=nisa.engine.scalar)

@@ -214,3 +214,16 @@ def test_transpose_rules(case, msg):
         data, dst, eng = nl.ndarray((64, 64), nl.float32, buffer=nl.psum), psum_tile(64, 64), nisa.engine.tensor
     with pytest.raises(NkiValidationError, match=msg):
         nisa.nc_transpose(dst=dst, data=data, engine=eng)
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    ({"accumulate": 1}, "accumulate must be None, True or False, got 1"),
+    ({"perf_mode": "double_row"}, "perf_mode 'double_row' is not available on trn2"),
+    ({"tile_position": (0, 48)}, r"tile_position/tile_size entries must be multiples of 32, got \(0, 48\)"),
+    ({"is_transpose": True}, "is_transpose=True: use nisa.nc_transpose"),
+])
+def test_matmul_argument_rules(kwargs, msg):
+    st = nl.ndarray((128, 128), nl.bfloat16, buffer=nl.sbuf)
+    mv = nl.ndarray((128, 512), nl.bfloat16, buffer=nl.sbuf)
+    with pytest.raises(NkiValidationError, match=msg):
+        nisa.nc_matmul(psum_tile(128, 512), st, mv, **kwargs)

@@ -240,3 +240,13 @@ def test_virtual_register_refuses_python_arithmetic():
         r + 1
     with pytest.raises(NkiValidationError, match="no compile-time value"):
         range(r)
+
+
+def test_on_chip_partition_access_must_be_contiguous():
+    t = nl.ndarray((128, 8), nl.float32, buffer=nl.sbuf, name="pc")
+    with pytest.raises(NkiValidationError, match=r"tensor 'pc': partition access must be contiguous "
+                                                 r"\(partition step 16 elements, storage partition "
+                                                 r"stride 8\)"):
+        t[0:128:2, :]
+    h = hb(np.arange(64, dtype=np.float32).reshape(8, 8))  # HBM: any step
+    np.testing.assert_array_equal(h[::2, ::3].np(), np.arange(64).reshape(8, 8)[::2, ::3])

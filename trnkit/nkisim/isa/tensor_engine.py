@@ -66,7 +66,7 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
              "{moving_dtype}", stationary_dtype=stationary.dtype.name, moving_dtype=moving.dtype.name)
     require(dst.dtype == f32, op, "dst must be float32 in PSUM on trn2, got {dtype}",
             dtype=dst.dtype.name)
-    require(accumulate in (None, True, False), op, "accumulate must be None, True or False, got "
+    require(accumulate is None or accumulate is True or accumulate is False, op, "accumulate must be None, True or False, got "
             "{accumulate!r}", accumulate=accumulate)
     require(not is_transpose, op, "is_transpose=True: use nisa.nc_transpose for Tensor Engine "
             "transposes")
