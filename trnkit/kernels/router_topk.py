@@ -1,0 +1,424 @@
+"""Qwen3-MoE router: logits, softmax over experts, top-K and renormalisation as an NKI kernel (+ backward).
+
+Forward (per token ``t``)::
+
+    logits[t]  = x[t] @ w_router.T                       (fp32 accumulation)
+    p[t]       = softmax(logits[t])                      (fp32)
+    idx[t]     = top-K experts of p[t]                   (descending; ties -> lower expert index)
+    weights[t] = p[t, idx] / sum_k p[t, idx_k]   if norm_topk_prob else  p[t, idx]
+
+Shapes/dtypes: ``x [T, H]``, ``w_router [E, H]`` (same dtype, fp32 or bf16) -> ``topk_weights [T, K]``
+fp32, ``topk_idx [T, K]`` int32, ``router_logits [T, E]`` fp32. ``K <= 8`` (one hardware max8), ``E <= 512``
+(one PSUM bank of fp32 per token tile), any H (a short last H block uses fewer partitions), any T.
+
+Kernel layout: tokens on partitions (128 per tile) for everything after the matmul, so softmax and
+top-K are per-partition free-axis operations. The contraction over H needs H on partitions: each x tile
+is loaded once, contiguously, and transposed 128x128 on the Tensor engine (PSUM -> SBUF copies split
+between the Vector and Scalar engines); ``w_router.T`` is built the same way once and stays in SBUF.
+Top-K uses ``max8`` + ``nc_find_index8`` on the logits (softmax is monotonic, so the selection is that of
+the probabilities); ``nc_find_index8`` returns the first occurrence of each value and advances on
+duplicates, which gives the documented tie rule. With ``norm_topk_prob`` the softmax denominator
+cancels, so only the K selected exponentials are computed; without it one ``exp`` pass with a fused sum
+over E gives the denominator.
+
+Backward (``router_topk_bwd``): ``g_p = scatter(idx, g_s)`` with ``g_s`` the gradient of the selected
+probabilities (through the renormalisation when ``norm_topk_prob``), ``g_logits = p * (g_p - <g_p, p>)
+(+ grad_router_logits)``, ``grad_x = g_logits @ w_router`` and ``grad_w = g_logits.T @ x`` on the Tensor
+engine (fp32 operands; the per-token one-hot scatter is iota + compare on the Vector engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from trnkit.kernels.constraints import Violation, check
+from trnkit.nki_api import nisa, nki, nl
+
+__all__ = ["router_topk", "router_topk_bwd", "router_topk_ref", "router_topk_bwd_ref", "constraints",
+           "router_topk_kernel", "router_topk_bwd_kernel"]
+
+P_MAX = 128
+PSUM_FMAX = 512  # fp32 elements per partition in one PSUM bank (= max moving free size)
+K_MAX = 8  # one max8 instruction
+E_MAX = 512
+_DTYPES = ("float32", "bfloat16")
+_NEG_BIG = -3.0e38  # pad value for E < 8 (never selected: K <= E)
+# SBUF bytes per partition the resident w_router^T (forward) / w_router (backward) may take
+_W_SBUF_BUDGET = 96 * 1024
+
+
+# ---------------------------------------------------------------------------------------------------
+# constraints
+
+
+def _dtype_name(t: Any) -> str:
+    dt = t.dtype
+    if isinstance(dt, torch.dtype):
+        return str(dt).removeprefix("torch.")
+    return np.dtype(dt).name
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def constraints(x: Any, w_router: Any, top_k: int) -> list[Violation]:
+    """Violated input constraints of :func:`router_topk` / :func:`router_topk_bwd` (empty = supported)."""
+    name = "router_topk"
+    v: list[Violation] = []
+    xs, ws = tuple(x.shape), tuple(w_router.shape)
+    if len(xs) != 2:
+        v.append(Violation(name, "x is 2-D [T, H]", xs))
+    if len(ws) != 2:
+        v.append(Violation(name, "w_router is 2-D [E, H]", ws))
+    if v:
+        return v
+    T, H = xs
+    E, Hw = ws
+    if Hw != H:
+        v.append(Violation(name, "w_router.shape[1] == H", Hw, f"x has H = {H}"))
+    if T < 1 or H < 1 or E < 1:
+        v.append(Violation(name, "T, H, E >= 1", {"T": T, "H": H, "E": E}))
+    if E > E_MAX:
+        v.append(Violation(name, "E <= 512", E, "the logits of a token tile must fit one PSUM bank"))
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= K_MAX:
+        v.append(Violation(name, "1 <= top_k <= 8", top_k, "top-K is one hardware max8"))
+    elif top_k > E:
+        v.append(Violation(name, "top_k <= E", top_k, f"E = {E}"))
+    for tname, t in (("x", x), ("w_router", w_router)):
+        if _dtype_name(t) not in _DTYPES:
+            v.append(Violation(name, f"{tname}.dtype in {_DTYPES}", _dtype_name(t)))
+    if _dtype_name(w_router) != _dtype_name(x):
+        v.append(Violation(name, "w_router.dtype == x.dtype", (_dtype_name(x), _dtype_name(w_router)),
+                           "the Tensor engine needs both operands fp32 or both bf16"))
+    # forward keeps w^T [128, ceil(H/128), E]; backward keeps w [E-chunk, H] fp32
+    need = max(_cdiv(H, P_MAX) * E * 4, _cdiv(E, P_MAX) * H * 4)
+    if need > _W_SBUF_BUDGET:
+        v.append(Violation(name, "w_router fits SBUF: 4*max(ceil(H/128)*E, ceil(E/128)*H) <= 96 KiB",
+                           need, "the router weight stays resident in SBUF"))
+    return v
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch references
+
+
+def router_topk_ref(x: torch.Tensor, w_router: torch.Tensor, top_k: int, norm_topk_prob: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference: ``(topk_weights [T,K] f32, topk_idx [T,K] int32, router_logits [T,E] f32)``."""
+    logits = x.float() @ w_router.float().T
+    probs = torch.softmax(logits, dim=-1)
+    vals, idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        vals = vals / vals.sum(dim=-1, keepdim=True)
+    return vals, idx.to(torch.int32), logits
+
+
+def router_topk_bwd_ref(x: torch.Tensor, w_router: torch.Tensor, router_logits: torch.Tensor,
+                        topk_idx: torch.Tensor, grad_topk_weights: torch.Tensor,
+                        grad_router_logits: torch.Tensor | None = None, norm_topk_prob: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference backward (autograd through softmax -> gather -> renorm -> matmul)."""
+    xf = x.detach().float().requires_grad_(True)
+    wf = w_router.detach().float().requires_grad_(True)
+    with torch.enable_grad():
+        logits = xf @ wf.T
+        vals = torch.softmax(logits, dim=-1).gather(1, topk_idx.long())
+        if norm_topk_prob:
+            vals = vals / vals.sum(dim=-1, keepdim=True)
+        outs, grads = [vals], [grad_topk_weights.float()]
+        if grad_router_logits is not None:
+            outs.append(logits)
+            grads.append(grad_router_logits.float())
+        gx, gw = torch.autograd.grad(outs, (xf, wf), grads)
+    return gx.to(x.dtype), gw.to(w_router.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# NKI kernels
+
+
+def _copy_engine(i):
+    """PSUM -> SBUF evacuations alternate Vector / Scalar (both can read PSUM; GpSimd cannot)."""
+    return nisa.engine.vector if i % 2 == 0 else nisa.engine.scalar
+
+
+def _transpose_blocks(dst, src, rows, cols, dtype, counter):
+    """``dst[c, j, r] = src[r, j*128 + c]``: transpose ``src [rows, cols]`` (SBUF) in 128-column blocks
+    into ``dst [128, ceil(cols/128), >= rows]`` (SBUF) through PSUM, one bank-full of blocks per copy."""
+    n_blk = _cdiv(cols, P_MAX)
+    per_bank = max(1, 2048 // (P_MAX * np.dtype(dtype).itemsize))  # blocks of [128, 128] per 2 KiB bank
+    for j0 in range(0, n_blk, per_bank):
+        j1 = min(n_blk, j0 + per_bank)
+        if cols - j0 * P_MAX < P_MAX:  # the short last block alone: [cb, rows]
+            cb = cols - j0 * P_MAX
+            ps = nl.ndarray((cb, rows), dtype=dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=ps, data=src[0:rows, j0 * P_MAX:cols])
+            nisa.tensor_copy(dst=dst[0:cb, j0, 0:rows], src=ps, engine=_copy_engine(counter[0]))
+            counter[0] += 1
+            continue
+        full1 = min(j1, cols // P_MAX)  # full blocks in this group
+        ps = nl.ndarray((P_MAX, full1 - j0, rows), dtype=dtype, buffer=nl.psum)
+        for j in range(j0, full1):
+            nisa.nc_transpose(dst=ps[:, j - j0, :], data=src[0:rows, j * P_MAX:(j + 1) * P_MAX])
+        nisa.tensor_copy(dst=dst[:, j0:full1, 0:rows], src=ps, engine=_copy_engine(counter[0]))
+        counter[0] += 1
+        if full1 < j1:  # the group ends with the short last block
+            cb = cols - full1 * P_MAX
+            ps2 = nl.ndarray((cb, rows), dtype=dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=ps2, data=src[0:rows, full1 * P_MAX:cols])
+            nisa.tensor_copy(dst=dst[0:cb, full1, 0:rows], src=ps2, engine=_copy_engine(counter[0]))
+            counter[0] += 1
+
+
+def _load_w_transposed(w, counter):
+    """``w_router [E, H]`` -> SBUF ``wT [128, ceil(H/128), E]`` (``wT[c, j, e] = w[e, j*128 + c]``)."""
+    E, H = w.shape
+    wT = nl.ndarray((P_MAX, _cdiv(H, P_MAX), E), dtype=w.dtype, buffer=nl.sbuf)
+    for e0 in range(0, E, P_MAX):
+        ec = min(P_MAX, E - e0)
+        w_sb = nl.ndarray((ec, H), dtype=w.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w_sb, src=w[e0:e0 + ec, :])
+        _transpose_blocks(wT[:, :, e0:e0 + ec], w_sb, ec, H, w.dtype, counter)
+    return wT
+
+
+def _logits_tile(x, wT, t0, tp, counter):
+    """fp32 PSUM ``[tp, E]`` logits of tokens ``t0 .. t0+tp``."""
+    T, H = x.shape
+    E = wT.shape[2]
+    n_h = _cdiv(H, P_MAX)
+    x_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, :])
+    xT = nl.ndarray((P_MAX, n_h, tp), dtype=x.dtype, buffer=nl.sbuf)
+    _transpose_blocks(xT, x_sb, tp, H, x.dtype, counter)
+    lg_ps = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.psum)
+    for j in range(n_h):
+        hb = min(P_MAX, H - j * P_MAX)
+        nisa.nc_matmul(dst=lg_ps, stationary=xT[0:hb, j, :], moving=wT[0:hb, j, :],
+                       accumulate=(j > 0))
+    return lg_ps
+
+
+@nki.jit
+def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
+    """NKI kernel behind :func:`router_topk` (inputs already validated)."""
+    T, H = x.shape
+    E = w_router.shape[0]
+    K = top_k
+    topk_w = nl.ndarray((T, K), dtype=nl.float32, buffer=nl.shared_hbm)
+    topk_i = nl.ndarray((T, K), dtype=nl.int32, buffer=nl.shared_hbm)
+    logits = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)
+    counter = [0]
+    wT = _load_w_transposed(w_router, counter)
+    for t0 in range(0, T, P_MAX):
+        tp = min(P_MAX, T - t0)
+        lg_ps = _logits_tile(x, wT, t0, tp, counter)
+        lg = nl.ndarray((tp, max(E, 8)), dtype=nl.float32, buffer=nl.sbuf)
+        if E < 8:  # max8 needs >= 8 elements: pad with a value no logit can lose to
+            nisa.memset(dst=lg[:, E:8], value=_NEG_BIG)
+        nisa.tensor_copy(dst=lg[:, 0:E], src=lg_ps, engine=nisa.engine.scalar)
+        nisa.dma_copy(dst=logits[t0:t0 + tp, :], src=lg[:, 0:E])
+        top8 = nl.ndarray((tp, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.max8(dst=top8, src=lg)
+        idx8 = nl.ndarray((tp, 8), dtype=nl.uint32, buffer=nl.sbuf)
+        nisa.nc_find_index8(dst=idx8, data=lg, vals=top8)
+        neg_max = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=neg_max, data=top8[:, 0:1], op0=nl.multiply, operand0=-1.0)
+        e_k = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
+        denom = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if norm_topk_prob:  # sum over the selected K only: the softmax denominator cancels
+            nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max, reduce_op=nl.add,
+                            reduce_res=denom, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        else:
+            p_all = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=p_all, op=nl.exp, data=lg[:, 0:E], bias=neg_max, reduce_op=nl.add,
+                            reduce_res=denom, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max)
+        rden = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=rden, data=denom)
+        w_k = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=w_k, data=e_k, op0=nl.multiply, operand0=rden)
+        i_k = nl.ndarray((tp, K), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=i_k, src=idx8[:, 0:K])
+        nisa.dma_copy(dst=topk_w[t0:t0 + tp, :], src=w_k)
+        nisa.dma_copy(dst=topk_i[t0:t0 + tp, :], src=i_k)
+    return topk_w, topk_i, logits
+
+
+@nki.jit
+def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
+                           has_grad_logits=False, norm_topk_prob=True):
+    """NKI kernel behind :func:`router_topk_bwd`. Phase 1 (per token tile): ``g_logits`` and
+    ``grad_x = g_logits @ w``; phase 2: ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM."""
+    T, H = x.shape
+    E = w_router.shape[0]
+    K = topk_idx.shape[1]
+    n_e = _cdiv(E, P_MAX)
+    grad_x = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    grad_w = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.shared_hbm)
+    g_hbm = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)  # g_logits scratch for phase 2
+    counter = [0]
+    # w resident in SBUF as fp32 [128, n_e, H]: E on partitions = the contraction of grad_x
+    w_sb = nl.ndarray((P_MAX, n_e, H), dtype=nl.float32, buffer=nl.sbuf)
+    for c in range(n_e):
+        ec = min(P_MAX, E - c * P_MAX)
+        nisa.dma_copy(dst=w_sb[0:ec, c, :], src=w_router[c * P_MAX:c * P_MAX + ec, :])
+    iota_e = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)  # 0..E-1 on every partition
+    nisa.iota(dst=iota_e, pattern=[[1, E]], offset=0, channel_multiplier=0)
+    for t0 in range(0, T, P_MAX):
+        tp = min(P_MAX, T - t0)
+        lg = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=lg, src=router_logits[t0:t0 + tp, :])
+        ik = nl.ndarray((tp, K), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ik, src=topk_idx[t0:t0 + tp, :])
+        gk = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=gk, src=grad_topk_weights[t0:t0 + tp, :])
+        ikf = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=ikf, src=ik)
+        # softmax p [tp, E]
+        neg_max = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=lg, axis=1, negate=True)
+        p = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+        ssum = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=p, op=nl.exp, data=lg, bias=neg_max, reduce_op=nl.add, reduce_res=ssum,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        rs = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=rs, data=ssum)
+        nisa.tensor_scalar(dst=p, data=p, op0=nl.multiply, operand0=rs)
+        # dense scatters: gw_d = sum_k onehot_k * g_k, mask = sum_k onehot_k
+        gw_d = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+        mask = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=gw_d, data=iota_e[0:tp, :], op0=nl.equal, operand0=ikf[:, 0:1],
+                           op1=nl.multiply, operand1=gk[:, 0:1])
+        nisa.tensor_scalar(dst=mask, data=iota_e[0:tp, :], op0=nl.equal, operand0=ikf[:, 0:1])
+        for kk in range(1, K):
+            oh = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=oh, data=iota_e[0:tp, :], op0=nl.equal, operand0=ikf[:, kk:kk + 1])
+            nisa.tensor_tensor(dst=mask, data1=mask, data2=oh, op=nl.add)
+            nisa.scalar_tensor_tensor(dst=gw_d, data=oh, op0=nl.multiply, operand0=gk[:, kk:kk + 1],
+                                      op1=nl.add, operand1=gw_d)
+        g_p = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+        tmp = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+        if norm_topk_prob:
+            # w_k = s_k / S, S = <mask, p>; g_s = (g_k - <g, w>) / S; <g, w> = <gw_d, p> / S
+            s_sel = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=tmp, data1=mask, data2=p, op=nl.multiply)
+            nisa.tensor_reduce(dst=s_sel, op=nl.add, data=tmp, axis=1)
+            gdot = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=tmp, data1=gw_d, data2=p, op=nl.multiply)
+            nisa.tensor_reduce(dst=gdot, op=nl.add, data=tmp, axis=1)
+            r_sel = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.reciprocal(dst=r_sel, data=s_sel)
+            neg_c = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)  # -<g, w>
+            nisa.tensor_scalar(dst=neg_c, data=gdot, op0=nl.multiply, operand0=r_sel, op1=nl.multiply,
+                               operand1=-1.0)
+            # g_p = (gw_d + mask * (-c)) * (1/S)
+            nisa.scalar_tensor_tensor(dst=g_p, data=mask, op0=nl.multiply, operand0=neg_c, op1=nl.add,
+                                      operand1=gw_d)
+            nisa.tensor_scalar(dst=g_p, data=g_p, op0=nl.multiply, operand0=r_sel)
+        else:
+            nisa.tensor_copy(dst=g_p, src=gw_d)
+        # g_logits = p * (g_p - <g_p, p>)
+        dot = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=tmp, data1=g_p, data2=p, op=nl.multiply)
+        nisa.tensor_reduce(dst=dot, op=nl.add, data=tmp, axis=1)
+        g_l = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=g_l, data=g_p, op0=nl.subtract, operand0=dot)
+        nisa.tensor_tensor(dst=g_l, data1=g_l, data2=p, op=nl.multiply)
+        if has_grad_logits:
+            gl_in = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=gl_in, src=grad_router_logits[t0:t0 + tp, :])
+            nisa.tensor_tensor(dst=g_l, data1=g_l, data2=gl_in, op=nl.add)
+        nisa.dma_copy(dst=g_hbm[t0:t0 + tp, :], src=g_l)
+        # grad_x [tp, H] = g_l [tp, E] @ w [E, H]: contraction over E -> g_l^T on partitions
+        glT = nl.ndarray((P_MAX, n_e, tp), dtype=nl.float32, buffer=nl.sbuf)
+        _transpose_blocks(glT, g_l, tp, E, nl.float32, counter)
+        gx_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
+        for h0 in range(0, H, PSUM_FMAX):
+            hc = min(PSUM_FMAX, H - h0)
+            gx_ps = nl.ndarray((tp, hc), dtype=nl.float32, buffer=nl.psum)
+            for c in range(n_e):
+                ec = min(P_MAX, E - c * P_MAX)
+                nisa.nc_matmul(dst=gx_ps, stationary=glT[0:ec, c, :], moving=w_sb[0:ec, c, h0:h0 + hc],
+                               accumulate=(c > 0))
+            nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps, engine=_copy_engine(counter[0]))
+            counter[0] += 1
+        nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb)
+    # phase 2: grad_w [E, H] = sum over token tiles of g_l^T x; groups of 4 PSUM banks per E chunk
+    for c in range(n_e):
+        e0 = c * P_MAX
+        ec = min(P_MAX, E - e0)
+        for hg in range(0, H, 4 * PSUM_FMAX):
+            hw = min(4 * PSUM_FMAX, H - hg)
+            accs = []
+            for h0 in range(hg, hg + hw, PSUM_FMAX):
+                accs.append(nl.ndarray((ec, min(PSUM_FMAX, hg + hw - h0)), dtype=nl.float32, buffer=nl.psum))
+            for t0 in range(0, T, P_MAX):
+                tp = min(P_MAX, T - t0)
+                g_sb = nl.ndarray((tp, ec), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=g_sb, src=g_hbm[t0:t0 + tp, e0:e0 + ec])
+                x_sb = nl.ndarray((tp, hw), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, hg:hg + hw])
+                for a in range(len(accs)):
+                    h0 = a * PSUM_FMAX
+                    hc = accs[a].shape[1]
+                    nisa.nc_matmul(dst=accs[a], stationary=g_sb, moving=x_sb[:, h0:h0 + hc],
+                                   accumulate=(t0 > 0))
+            gw_sb = nl.ndarray((ec, hw), dtype=w_router.dtype, buffer=nl.sbuf)
+            for a in range(len(accs)):
+                h0 = a * PSUM_FMAX
+                nisa.tensor_copy(dst=gw_sb[:, h0:h0 + accs[a].shape[1]], src=accs[a],
+                                 engine=_copy_engine(counter[0]))
+                counter[0] += 1
+            nisa.dma_copy(dst=grad_w[e0:e0 + ec, hg:hg + hw], src=gw_sb)
+    return grad_x, grad_w
+
+
+# ---------------------------------------------------------------------------------------------------
+# public entry points
+
+
+def _dense(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        return t.contiguous()
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t)
+    return t
+
+
+def router_topk(x: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True) -> tuple[Any, Any, Any]:
+    """Qwen3 router on ``x [T, H]`` with ``w_router [E, H]`` (NKI kernel).
+
+    Returns ``(topk_weights [T, K] fp32, topk_idx [T, K] int32, router_logits [T, E] fp32)``; experts
+    sorted by descending probability, ties broken toward the lower expert index. Raises
+    :class:`KernelConstraintError` on unsupported inputs.
+    """
+    check(constraints(x, w_router, top_k))
+    return router_topk_kernel(_dense(x), _dense(w_router), int(top_k), norm_topk_prob=bool(norm_topk_prob))
+
+
+def router_topk_bwd(x: Any, w_router: Any, router_logits: Any, topk_idx: Any, grad_topk_weights: Any,
+                    grad_router_logits: Any = None, norm_topk_prob: bool = True) -> tuple[Any, Any]:
+    """Input gradients of :func:`router_topk`: ``(grad_x [T, H] x.dtype, grad_w_router [E, H] w.dtype)``
+    from ``grad_topk_weights [T, K]`` (and ``grad_router_logits [T, E]`` if the logits are used too)."""
+    K = int(topk_idx.shape[1]) if len(topk_idx.shape) == 2 else -1
+    v = constraints(x, w_router, K)
+    T = int(x.shape[0]) if len(x.shape) == 2 else -1
+    E = int(w_router.shape[0]) if len(w_router.shape) == 2 else -1
+    for tname, t, shp in (("router_logits", router_logits, (T, E)), ("topk_idx", topk_idx, (T, K)),
+                          ("grad_topk_weights", grad_topk_weights, (T, K)),
+                          ("grad_router_logits", grad_router_logits, (T, E))):
+        if t is not None and tuple(t.shape) != shp:
+            v.append(Violation("router_topk_bwd", f"{tname}.shape == {shp}", tuple(t.shape)))
+    check(v)
+    to_f32 = (lambda t: t.float()) if isinstance(x, torch.Tensor) else (lambda t: np.asarray(t, np.float32))
+    to_i32 = (lambda t: t.to(torch.int32)) if isinstance(x, torch.Tensor) else (lambda t: np.asarray(t, np.int32))
+    gl = grad_router_logits
+    return router_topk_bwd_kernel(
+        _dense(x), _dense(w_router), _dense(to_f32(router_logits)), _dense(to_i32(topk_idx)),
+        _dense(to_f32(grad_topk_weights)), None if gl is None else _dense(to_f32(gl)),
+        has_grad_logits=gl is not None, norm_topk_prob=bool(norm_topk_prob))
