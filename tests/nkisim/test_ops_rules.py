@@ -210,3 +210,12 @@ def test_accumulating_instruction_rules() -> None:
                                         reduce_cmd=reduce_cmd.load_reduce)
     with _raises(r"tensor_scalar_reduce: reduce_op must be add, multiply, maximum or minimum, got nl.subtract"):
         vector.tensor_scalar_reduce(f32(4, 8), f32(4, 8), nl.add, 1.0, nl.subtract, f32(4, 1))
+
+
+def test_bn_stats_rules() -> None:
+    with _raises(r"bn_stats: data has 513 elements per partition, must be at most bn_stats_fmax \(512\)"):
+        vector.bn_stats(f32(4, 6), f32(4, 513))
+    with _raises(r"bn_aggr: data has 10 elements per partition, not a multiple of 3"):
+        vector.bn_aggr(f32(4, 2), f32(4, 10))
+    with _raises(r"bn_aggr: dst must hold 2 elements on each of 4 partitions, got shape \(4, 3\)"):
+        vector.bn_aggr(f32(4, 3), f32(4, 6))

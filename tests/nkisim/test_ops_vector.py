@@ -317,3 +317,28 @@ def test_fp8_tiles_compute_in_fp32_and_round_on_write(name: str) -> None:
     up = empty((32, 16), BF16)
     nisa.tensor_copy(up, dst)  # fp8 -> bf16 is exact
     np.testing.assert_array_equal(as_f32(up), as_f32(dst))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=lambda d: d.name)
+def test_bn_stats_and_aggr_mean_variance_over_tiles(dtype) -> None:
+    x = _rand((128, 1100), dtype, -2, 5)  # 3 bn_stats tiles: 512 + 512 + 76 (tail, odd split)
+    xt = tile(x, dtype)
+    stats = empty((128, 18), F32)
+    for i, c0 in enumerate(range(0, 1100, 512)):
+        nisa.bn_stats(stats[:, 6 * i:6 * i + 6], xt[:, c0:min(c0 + 512, 1100)])
+    mv = empty((128, 2), F32)
+    nisa.bn_aggr(mv, stats)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(mv.np()[:, 0], x64.mean(1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(mv.np()[:, 1], x64.var(1), rtol=1e-4)
+    # the per-tile layout: (count, mean, var*count) of even then odd elements
+    first = x64[:, :512]
+    np.testing.assert_allclose(stats.np()[:, :3], np.stack(
+        [np.full(128, 256.0), first[:, 0::2].mean(1), first[:, 0::2].var(1) * 256], 1), rtol=1e-4)
+
+
+def test_bn_stats_single_element_tile() -> None:
+    st = empty((4, 6), F32)
+    nisa.bn_stats(st, tile(np.arange(4, dtype=np.float32).reshape(4, 1)))
+    np.testing.assert_array_equal(st.np()[:, [0, 1, 2, 3, 4, 5]],
+                                  np.stack([np.ones(4), np.arange(4), np.zeros(4)] + [np.zeros(4)] * 3, 1))

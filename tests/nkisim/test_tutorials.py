@@ -111,3 +111,15 @@ def test_softmax_bf16_rows_sum_to_one_and_instruction_mix() -> None:
     ops = tr.by_op()
     assert ops["tensor_reduce"] == ops["activation"] == ops["reciprocal"] == ops["tensor_scalar"] == 1
     assert tr.by_engine()["scalar"] == 1
+
+
+@pytest.mark.parametrize("t,d,dtype", [(256, 1100, np.float32), (130, 96, BF16)])
+def test_layernorm_matches_torch(t, d, dtype) -> None:
+    x, g, b = _rand((t, d), dtype, 2.0) + 1, _rand((d,), dtype), _rand((d,), dtype)
+    x = x.astype(dtype)
+    out = tk.layernorm(x, g, b, 1e-5)
+    ref = torch.nn.functional.layer_norm(torch.from_numpy(_f32(x)).double(), (d,),
+                                         torch.from_numpy(_f32(g)).double(),
+                                         torch.from_numpy(_f32(b)).double(), eps=1e-5).numpy()
+    rtol, atol = (2e-5, 2e-5) if dtype == np.float32 else (2**-7, 2e-2)
+    np.testing.assert_allclose(_f32(out), ref, rtol=rtol, atol=atol)

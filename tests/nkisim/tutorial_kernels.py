@@ -1,7 +1,7 @@
 """The NKI tutorial kernels, written here in the current (dst-first) API.
 
 Tensor add, 2-D transpose (free dims, and a full matrix transpose on the Tensor engine), basic and
-tiled matmul, RMSNorm and softmax — the programs of the official NKI tutorials, in our own words,
+tiled matmul, RMSNorm, LayerNorm and softmax — the programs of the official NKI tutorials, in our own words,
 with tail tiles wherever a shape need not divide the tile size. They import NKI only through the
 resolver, so the same code runs on trnkit's interpreter and on the real ``nki``.
 """
@@ -159,5 +159,39 @@ def softmax(x):
         nisa.reciprocal(dst=rs, data=s)
         ot = nl.ndarray((pr, c), dtype=x.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=ot, data=e, op0=nl.multiply, operand0=rs)
+        nisa.dma_copy(dst=out[r0:r0 + pr, :], src=ot)
+    return out
+
+
+@nki.jit
+def layernorm(x, gamma, beta, eps=1e-5):
+    """``(x - mean) / sqrt(var + eps) * gamma + beta`` over the last dim of ``x [T, D]``, with the
+    Vector engine's ``bn_stats`` / ``bn_aggr`` (512-element statistics tiles, tail included)."""
+    t, d = x.shape
+    fmax = nl.tile_size.bn_stats_fmax
+    n_stats = (d + fmax - 1) // fmax
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    g = nl.ndarray((P_MAX, d), dtype=gamma.dtype, buffer=nl.sbuf)
+    b = nl.ndarray((P_MAX, d), dtype=beta.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=g, src=gamma.ap(pattern=[[0, P_MAX], [1, d]], offset=0))
+    nisa.dma_copy(dst=b, src=beta.ap(pattern=[[0, P_MAX], [1, d]], offset=0))
+    for r0 in range(0, t, P_MAX):
+        pr = min(P_MAX, t - r0)
+        xt = nl.ndarray((pr, d), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=xt, src=x[r0:r0 + pr, :])
+        stats = nl.ndarray((pr, 6 * n_stats), dtype=nl.float32, buffer=nl.sbuf)
+        for i in range(n_stats):
+            c0 = i * fmax
+            nisa.bn_stats(dst=stats[:, 6 * i:6 * i + 6], data=xt[:, c0:min(c0 + fmax, d)])
+        mv = nl.ndarray((pr, 2), dtype=nl.float32, buffer=nl.sbuf)  # mean | variance
+        nisa.bn_aggr(dst=mv, data=stats)
+        rstd = nl.ndarray((pr, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=rstd, op=nl.rsqrt, data=mv[:, 1:2], bias=eps)
+        xn = nl.ndarray((pr, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=xn, data=xt, op0=nl.subtract, operand0=mv[:, 0:1], op1=nl.multiply,
+                           operand1=rstd)
+        nisa.tensor_tensor(dst=xn, data1=xn, data2=g[0:pr, :], op=nl.multiply)
+        ot = nl.ndarray((pr, d), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=ot, data1=xn, data2=b[0:pr, :], op=nl.add)
         nisa.dma_copy(dst=out[r0:r0 + pr, :], src=ot)
     return out

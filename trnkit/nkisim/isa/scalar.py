@@ -67,8 +67,9 @@ def activation(dst: Any, op: Any, data: Any, bias: Any = None, scale: Any = 1.0,
         require(fr.name == "add", OP, "reduce_op must be nl.add, got {fr}", fr=fr)
     require(fr is not None or cmd in ("idle", "reset"), OP,
             "reduce_cmd={cmd} needs reduce_op=nl.add", cmd=cmd)
+    common.check_tensor(OP, "data", data)
     if reduce_res is not None:
-        check_column(OP, "reduce_res", reduce_res, data.shape[0] if is_tile(data) else -1, "scalar")
+        check_column(OP, "reduce_res", reduce_res, data.shape[0], "scalar")
     _, out = _activate(OP, dst, op, data, bias, scale)
     P = data.shape[0]
     part = _ops.add.reduce(out, (1,), keepdims=True) if fr is not None else np.zeros((P, 1), _F32)
@@ -88,7 +89,8 @@ def activation_reduce(dst: Any, op: Any, data: Any, reduce_op: Any, reduce_res: 
     require(fr.name in ("add", "maximum", "minimum"), OP,
             "reduce_op must be nl.add, nl.maximum or nl.minimum, got {fr}", fr=fr)
     require(reduce_res is not None, OP, "reduce_res is required")
-    check_column(OP, "reduce_res", reduce_res, data.shape[0] if is_tile(data) else -1, "scalar")
+    common.check_tensor(OP, "data", data)
+    check_column(OP, "reduce_res", reduce_res, data.shape[0], "scalar")
     _, out = _activate(OP, dst, op, data, bias, scale)
     write(reduce_res, _accumulate(_scalar_regs, OP, fr, "reset_reduce", fr.reduce(out, (1,), keepdims=True)))
     emit(OP, "scalar", {"dst": dst, "data": data, "bias": bias, "scale": scale, "reduce_res": reduce_res},

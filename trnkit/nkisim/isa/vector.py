@@ -29,7 +29,7 @@ from . import common
 __all__ = [
     "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy",
     "tensor_copy_predicated", "memset", "reciprocal", "max8", "nc_find_index8", "nc_match_replace8",
-    "tensor_scalar_reduce", "tensor_scalar_cumulative",
+    "tensor_scalar_reduce", "tensor_scalar_cumulative", "bn_stats", "bn_aggr",
 ]
 
 PMAX = 128  # nl.tile_size.pmax
@@ -618,3 +618,58 @@ def tensor_scalar_cumulative(dst: Any, src: Any, op0: Any, op1: Any, imm0: Any, 
     _vector_regs.value = regs
     write(dst, scan)
     emit(OP, "vector", {"dst": dst, "src": src, "imm0": imm0, "imm1": imm1}, op=f1.name, op0=f0.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# mean / variance statistics (layer norm)
+# ---------------------------------------------------------------------------------------------
+
+BN_STATS_FMAX = 512  # nl.tile_size.bn_stats_fmax
+
+
+def _count_mean_m2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = np.full((x.shape[0], 1), x.shape[1], dtype=_F32)
+    if x.shape[1] == 0:
+        z = np.zeros((x.shape[0], 1), dtype=_F32)
+        return n, z, z
+    mean = x.mean(axis=1, keepdims=True, dtype=_F32)
+    m2 = np.square(x - mean).sum(axis=1, keepdims=True, dtype=_F32)
+    return n, mean, m2
+
+
+def bn_stats(dst: Any, data: Any, name: str | None = None) -> None:
+    """Per partition: ``(count, mean, variance * count)`` of the even- and of the odd-indexed elements
+    (6 values), for :func:`bn_aggr`; fp32 math, at most ``bn_stats_fmax`` (512) elements."""
+    OP = "bn_stats"
+    check_tile(OP, "dst", dst, "vector")
+    check_tile(OP, "data", data, "vector")
+    n = free_size(data)
+    require(1 <= n <= BN_STATS_FMAX, OP, "data has {n} elements per partition, must be at most "
+            "bn_stats_fmax ({fmax})", n=n, fmax=BN_STATS_FMAX)
+    require(dst.shape[0] == data.shape[0] and free_size(dst) == 6, OP,
+            "dst must hold 6 elements on each of {p} partitions, got shape {shape}", p=data.shape[0],
+            shape=tuple(dst.shape))
+    x = read(data)
+    write(dst, np.concatenate(_count_mean_m2(x[:, 0::2]) + _count_mean_m2(x[:, 1::2]), axis=1))
+    emit(OP, "vector", {"dst": dst, "data": data})
+
+
+def bn_aggr(dst: Any, data: Any, name: str | None = None) -> None:
+    """Combine ``(count, mean, variance * count)`` triples (one or more :func:`bn_stats` outputs) into
+    the per-partition ``(mean, variance)`` (population variance), fp32 math."""
+    OP = "bn_aggr"
+    check_tile(OP, "dst", dst, "vector")
+    check_tile(OP, "data", data, "vector")
+    n = free_size(data)
+    require(n % 3 == 0, OP, "data has {n} elements per partition, not a multiple of 3", n=n)
+    require(dst.shape[0] == data.shape[0] and free_size(dst) == 2, OP,
+            "dst must hold 2 elements on each of {p} partitions, got shape {shape}", p=data.shape[0],
+            shape=tuple(dst.shape))
+    t = read(data).reshape(data.shape[0], -1, 3)
+    cnt, mean, m2 = t[..., 0], t[..., 1], t[..., 2]
+    total = cnt.sum(axis=1, keepdims=True)
+    with np.errstate(all="ignore"):
+        mu = (cnt * mean).sum(axis=1, keepdims=True) / total
+        var = (m2 + cnt * np.square(mean - mu)).sum(axis=1, keepdims=True) / total
+    write(dst, np.concatenate([mu, var], axis=1))
+    emit(OP, "vector", {"dst": dst, "data": data})
