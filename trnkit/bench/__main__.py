@@ -32,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chip", default="trn2", choices=("trn2", "trn1"))
     p.add_argument("--no-torch", action="store_true", help="skip timing the torch reference ops")
     p.add_argument("--budget", type=float, default=0.5, help="seconds of timing per measured quantity")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads while timing reference ops (0: torch's default)")
     p.add_argument("--overwrite", action="store_true", help="start a fresh CSV instead of appending")
     args = p.parse_args(argv)
 
@@ -51,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k in selected:
         print(f"{k} ({'quick' if args.quick else 'full'}, {', '.join(modes)}):")
         rows += run_cases(cases_mod.cases_for(k, args.quick, modes), chip=args.chip,
-                          measure_torch=not args.no_torch, budget_s=args.budget)
+                          measure_torch=not args.no_torch, budget_s=args.budget,
+                          torch_threads=args.torch_threads or None)
     out = args.out
     csv_path = write_rows(out / "bench.csv", rows, append=not args.overwrite)
     # table and plots show the newest row per (kernel, impl, mode, metric, x) over the whole CSV

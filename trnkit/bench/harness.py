@@ -88,8 +88,10 @@ def _device_sync() -> Callable[[], None] | None:
     return lambda: xm.wait_device_ops()
 
 
-def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_s: float = 0.5) -> list[Row]:
-    """Benchmark one case; returns its rows (see the module docstring)."""
+def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_s: float = 0.5,
+             torch_threads: int | None = None) -> list[Row]:
+    """Benchmark one case; returns its rows (see the module docstring). ``torch_threads`` fixes torch's
+    intra-op thread count while the reference op is timed (None: leave it)."""
     from trnkit.nki_api import REAL_NKI  # noqa: PLC0415 - resolving imports the interpreter
 
     prepared = case.build()
@@ -130,18 +132,27 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
             row("nki", f"busy_{eng}", "us", (busy * us,) * 3, dev,
                 {"utilization": rep.utilization[eng], "count": rep.count.get(eng, 0)})
     if measure_torch:
-        p = time_quantiles(prepared.ref, budget_s=budget_s)
-        row("torch", "wall_time", "us", p, host_device())
+        import torch  # noqa: PLC0415
+
+        saved = torch.get_num_threads()
+        if torch_threads:  # a fixed thread count keeps shared-CPU timings reproducible
+            torch.set_num_threads(torch_threads)
+        try:
+            p = time_quantiles(prepared.ref, budget_s=budget_s)
+            row("torch", "wall_time", "us", p, host_device())
+        finally:
+            torch.set_num_threads(saved)
     return rows
 
 
 def run_cases(cases: Iterable[Case], chip: str = "trn2", measure_torch: bool = True, budget_s: float = 0.5,
-              log: Callable[[str], None] | None = print) -> list[Row]:
+              torch_threads: int | None = None, log: Callable[[str], None] | None = print) -> list[Row]:
     """Run every case in order (errors propagate: a broken kernel must not produce a partial table)."""
     rows: list[Row] = []
     for case in cases:
         t0 = time.perf_counter()
-        case_rows = run_case(case, chip=chip, measure_torch=measure_torch, budget_s=budget_s)
+        case_rows = run_case(case, chip=chip, measure_torch=measure_torch, budget_s=budget_s,
+                             torch_threads=torch_threads)
         rows += case_rows
         if log:
             est = next((r.p50 for r in case_rows if r.metric in ("est_time", "wall_time") and r.impl == "nki"), None)
