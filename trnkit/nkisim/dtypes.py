@@ -68,8 +68,15 @@ def is_int(dt: np.dtype) -> bool:
     return dt.kind in "iu"
 
 
+_NAMES: dict[np.dtype, str] = {d: d.name for d in NKI_DTYPES}
+
+
 def dtype_name(dt: np.dtype) -> str:
-    return dt.name
+    """``dt.name``, cached (numpy computes the name of builtin dtypes on every access, ~4 us)."""
+    name = _NAMES.get(dt)
+    if name is None:
+        name = _NAMES[dt] = dt.name
+    return name
 
 
 def sentinel(dt: np.dtype) -> Any:

@@ -333,7 +333,7 @@ class NkiTensor:
         ratio = self._st.dtype.itemsize
         require(isz == ratio, "nc_matmul", "PSUM tile {name!r} viewed as {dtype} (itemsize {isz}) "
                 "cannot track accumulation; use the allocation's dtype", name=self.name,
-                dtype=self.dtype.name, isz=isz)
+                dtype=self.dtype, isz=isz)
         off = self.resolve_offset("nc_matmul")
         return np.ndarray(self.shape, np.bool_, buffer=flags, offset=off, strides=self.strides)
 
@@ -713,7 +713,7 @@ class NkiTensor:
             require(vector_offset.buffer is sbuf, op, "vector_offset must be in SBUF, got {buffer}",
                     buffer=vector_offset.buffer.name)
             require(_dt.is_int(vector_offset.dtype), op, "vector_offset must be an integer tensor, "
-                    "got {dtype}", dtype=vector_offset.dtype.name)
+                    "got {dtype}", dtype=vector_offset.dtype)
             require(vector_offset.size == vector_offset.shape[0], op, "vector_offset must be [P, 1], "
                     "got shape {shape}", shape=vector_offset.shape)
             require(vector_offset.shape[0] == shape[0], op, "vector_offset has {n} partitions, the "
@@ -780,7 +780,7 @@ def _check_scalar_index(op: str, idx: NkiTensor | VirtualRegister) -> None:
     require(idx.size == 1, op, "a dynamic scalar index must be a 1x1 SBUF tensor, got shape {shape}",
             shape=idx.shape)
     require(_dt.is_int(idx.dtype), op, "a dynamic scalar index must have an integer dtype, got "
-            "{dtype}", dtype=idx.dtype.name)
+            "{dtype}", dtype=idx.dtype)
 
 
 def _infer_shape(op: str, shape: tuple[int, ...], total: int) -> tuple[int, ...]:
@@ -850,7 +850,7 @@ def _shared_allocation(ctx: Any, shape: tuple[int, ...], dtype: np.dtype, name: 
         st = launch.shared[k]
     require(st.shape == shape and st.dtype == dtype, "nl.ndarray", "shared_hbm allocation #{k} differs "
             "between programs: {shape}/{dtype} vs {other_shape}/{other_dtype}", k=k, shape=shape,
-            dtype=dtype.name, other_shape=st.shape, other_dtype=st.dtype.name)
+            dtype=dtype, other_shape=st.shape, other_dtype=st.dtype)
     return NkiTensor._make(st, shape, _c_strides(shape), 0, dtype, st.name)
 
 

@@ -9,6 +9,7 @@ vectorised numpy (read with :func:`read_f32`, write with :func:`store`) -> :func
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import numpy as np
@@ -187,11 +188,10 @@ def store(dst: NkiTensor, values: Any) -> None:
 # -- trace --------------------------------------------------------------------------------------
 def operand(role: str, t: NkiTensor) -> trace.Operand:
     on_chip = t._st.buffer.on_chip
-    size = t.size
+    size = math.prod(t.shape)
     parts = t.shape[0] if on_chip else 1
-    return trace.Operand(role=role, buffer=t._st.buffer.name, shape=t.shape, dtype=t.dtype.name,
-                         partitions=parts, free_elems=size // parts,
-                         nbytes=size * t.dtype.itemsize)
+    return trace.Operand(role, t._st.buffer.name, t.shape, _dt.dtype_name(t.dtype), parts,
+                         size // parts, size * t.dtype.itemsize)
 
 
 def span(t: NkiTensor) -> tuple[int, int, int]:
@@ -246,9 +246,13 @@ def emit(op: str, engine: str, dst: NkiTensor | None = None,
                 reads.append(span(t))
     attrs.setdefault("reads", tuple(reads))
     attrs.setdefault("writes", tuple(writes))
-    on_chip = [o for o in ops if o.buffer in ("sbuf", "psum")]
-    elems = max((o.free_elems for o in on_chip), default=max((o.free_elems for o in ops), default=0))
-    parts = max((o.partitions for o in on_chip), default=1 if ops else 0)
+    elems = parts = 0
+    for o in ops:
+        if o.buffer == "sbuf" or o.buffer == "psum":
+            elems = max(elems, o.free_elems)
+            parts = max(parts, o.partitions)
+    if not parts and ops:  # HBM -> HBM copies
+        elems, parts = max(o.free_elems for o in ops), 1
     tr.append(trace.Instr(op=op, engine=engine, operands=tuple(ops), flops=int(flops),
                           hbm_bytes=int(hbm_bytes), dma_bytes=int(dma_bytes),
                           elems_per_partition=int(elems), partitions=int(parts),

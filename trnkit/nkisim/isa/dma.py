@@ -51,8 +51,8 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
             "has {n_src}", dst_shape=dst.shape, n_dst=n_dst, src_shape=src.shape, n_src=n_src)
     if dge_mode is common.dge_mode.hwdge:
         require(dst.dtype == src.dtype, op, "dge_mode=hwdge needs equal dtypes, got dst {dst_dtype} "
-                "and src {src_dtype} (use .view() to reinterpret)", dst_dtype=dst.dtype.name,
-                src_dtype=src.dtype.name)
+                "and src {src_dtype} (use .view() to reinterpret)", dst_dtype=dst.dtype,
+                src_dtype=src.dtype)
     else:
         require(engine is common.engine.unknown, op, "engine= is only valid with dge_mode=hwdge, got "
                 "{engine}", engine=engine)

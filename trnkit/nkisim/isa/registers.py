@@ -26,7 +26,7 @@ def _check_scalar_tile(op: str, role: str, t: object) -> NkiTensor:
     require(t.size == 1, op, "{role} must be a 1x1 SBUF tensor, got shape {shape}", role=role,
             shape=t.shape)
     require(t.dtype.itemsize == 4 or _dt.is_int(t.dtype), op, "{role} must hold a 32-bit value, "
-            "got {dtype}", role=role, dtype=t.dtype.name)
+            "got {dtype}", role=role, dtype=t.dtype)
     return t
 
 

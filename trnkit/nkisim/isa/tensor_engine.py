@@ -65,7 +65,7 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
         fail(op, "if one input is fp32/tf32 both must be: stationary {stationary_dtype}, moving "
              "{moving_dtype}", stationary_dtype=stationary.dtype.name, moving_dtype=moving.dtype.name)
     require(dst.dtype == f32, op, "dst must be float32 in PSUM on trn2, got {dtype}",
-            dtype=dst.dtype.name)
+            dtype=dst.dtype)
     require(accumulate is None or accumulate is True or accumulate is False, op, "accumulate must be None, True or False, got "
             "{accumulate!r}", accumulate=accumulate)
     require(not is_transpose, op, "is_transpose=True: use nisa.nc_transpose for Tensor Engine "
@@ -104,7 +104,7 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
         flags[...] = True
     common.emit(op, common.TENSOR, dst=dst, srcs={"stationary": stationary, "moving": moving},
                 flops=2 * k * m * n,
-                attrs={"M": m, "N": n, "K": k, "dtype": stationary.dtype.name,
+                attrs={"M": m, "N": n, "K": k, "dtype": _dt.dtype_name(stationary.dtype),
                        "accumulate": accumulate, "perf_mode": perf_mode or "none", "name": name})
 
 
@@ -139,7 +139,7 @@ def nc_transpose(dst: NkiTensor, data: NkiTensor, engine: engine = engine.unknow
     require(dst.shape[0] == f and dst.free_size == p, op, "dst must be [{f}, {p}] for data [{p}, "
             "{f}], got shape {shape}", f=f, p=p, shape=dst.shape)
     require(dst.dtype == data.dtype, op, "dst dtype {dst_dtype} must equal data dtype {data_dtype}",
-            dst_dtype=dst.dtype.name, data_dtype=data.dtype.name)
+            dst_dtype=dst.dtype, data_dtype=data.dtype)
     res = data.np().reshape(p, f).T
     common.store(dst, res.reshape(dst.shape))
     common.emit(op, common.TENSOR if use_tensor else common.VECTOR, dst=dst, srcs={"data": data},
