@@ -1,0 +1,386 @@
+"""MoE grouped expert matmul: refs vs independent oracles, NKI kernels (on the interpreter) vs refs.
+
+Oracles: ``torch._grouped_mm`` (CPU), autograd of an obvious per-group / per-(token, k) loop, and
+transformers' ``Qwen3MoeExperts`` / ``Qwen3MoeSparseMoeBlock`` on the same weights.
+Kernel-vs-ref tolerances come from ``tests/tolerances.py``: the refs round at the same points as the
+kernels, so only the fp32 summation order differs (fp32) or one bf16 rounding flips (bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.tolerances import assert_close
+from trnkit.kernels import moe
+from trnkit.kernels.constraints import KernelConstraintError
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _weights(E: int, H: int, inter: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    return (_rand(E, H, 2 * inter, dtype=dtype, scale=H ** -0.5, seed=seed),
+            _rand(E, inter, H, dtype=dtype, scale=inter ** -0.5, seed=seed + 1))
+
+
+def _routing(T: int, E: int, K: int, seed: int = 2, experts: list[int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token (drawn from ``experts``), renormalised softmax-like weights."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(experts if experts is not None else list(range(E)))
+    idx = torch.stack([pool[torch.randperm(len(pool), generator=g)[:K]] for _ in range(T)])
+    w = torch.rand(T, K, generator=g) + 0.1
+    return idx, w / w.sum(-1, keepdim=True)
+
+
+# --------------------------------------------------------------------------------------- converters
+def test_layout_converters_round_trip_and_agree() -> None:
+    E, H, inter = 3, 8, 5
+    gate_up_proj, down_proj = _rand(E, 2 * inter, H), _rand(E, H, inter, seed=3)
+    wgu, wd = moe.from_hf_v5(gate_up_proj, down_proj)
+    assert wgu.shape == (E, H, 2 * inter) and wd.shape == (E, inter, H)
+    # gate columns first: column i of w_gate_up[e] is row i of gate_up_proj[e]
+    torch.testing.assert_close(wgu[1, :, 2], gate_up_proj[1, 2], rtol=0, atol=0)
+    torch.testing.assert_close(wgu[1, :, inter + 2], gate_up_proj[1, inter + 2], rtol=0, atol=0)
+    back = moe.to_hf_v5(wgu, wd)
+    torch.testing.assert_close(back[0], gate_up_proj, rtol=0, atol=0)
+    torch.testing.assert_close(back[1], down_proj, rtol=0, atol=0)
+    w1, w2, w3 = moe.to_torchtitan(wgu, wd)
+    torch.testing.assert_close(w1, gate_up_proj[:, :inter], rtol=0, atol=0)
+    torch.testing.assert_close(w3, gate_up_proj[:, inter:], rtol=0, atol=0)
+    torch.testing.assert_close(w2, down_proj, rtol=0, atol=0)
+    wgu2, wd2 = moe.from_torchtitan(w1, w2, w3)
+    torch.testing.assert_close(wgu2, wgu, rtol=0, atol=0)
+    torch.testing.assert_close(wd2, wd, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------ block layout
+@pytest.mark.parametrize("B", [1, 4, 32])
+def test_block_layout_groups_every_item_once(B: int) -> None:
+    g = torch.tensor([2, 0, 2, 2, 4, 0, 2, 2, 5])  # group 1 and 3 empty, 5 >= num_groups: dropped
+    lay = moe.block_layout(g, num_groups=5, block_size=B, pad=99)
+    table, starts = lay.table.long(), lay.block_start[0].long()
+    counts = torch.bincount(g[g < 5], minlength=5)
+    assert torch.equal(starts[1:] - starts[:-1], (counts + B - 1) // B)
+    assert lay.num_blocks == moe.max_blocks(8, 5, B) >= int(starts[-1])
+    seen = []
+    for grp in range(5):
+        items = table[starts[grp]:starts[grp + 1]].reshape(-1)
+        items = items[items != 99]
+        assert torch.equal(g[items], torch.full_like(items, grp))
+        assert torch.equal(items, items.sort().values)  # stable: original order kept
+        seen += items.tolist()
+    assert sorted(seen) == [i for i in range(9) if g[i] < 5]
+    assert bool((table[int(starts[-1]):] == 99).all())
+
+
+def test_max_blocks_is_the_worst_case() -> None:
+    # one item in each of E-1 groups and the rest in one group
+    n, G, B = 50, 7, 8
+    g = torch.tensor([0, 1, 2, 3, 4, 5] + [6] * (n - 6))
+    lay = moe.block_layout(g, G, B, pad=n)
+    assert int(lay.block_start[0, -1]) == lay.num_blocks == moe.max_blocks(n, G, B)
+
+
+# ---------------------------------------------------------------------------- grouped_mm reference
+def _per_group_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out, start = [], 0
+    for g, end in enumerate(offs.tolist()):
+        out.append(x[start:end] @ w[g])
+        start = end
+    out.append(torch.zeros(x.shape[0] - start, w.shape[2], dtype=x.dtype))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_mm_ref_matches_torch_grouped_mm(dtype: torch.dtype) -> None:
+    x, w = _rand(29, 16, dtype=dtype), _rand(4, 16, 24, dtype=dtype, seed=5)
+    offs = torch.tensor([5, 5, 17, 26], dtype=torch.int32)  # an empty group, 3 rows past the end
+    ref = moe.grouped_mm_ref(x, w, offs)
+    torch_ = torch._grouped_mm(x, w, offs=offs)
+    assert_close(ref[:26], torch_[:26], dtype)
+    assert bool((ref[26:] == 0).all())
+
+
+def test_grouped_mm_bwd_ref_matches_autograd() -> None:
+    x = _rand(29, 16).double().requires_grad_()
+    w = _rand(4, 16, 24, seed=5).double().requires_grad_()
+    offs = torch.tensor([5, 5, 17, 26], dtype=torch.int32)
+    g = _rand(29, 24, seed=6)
+    _per_group_loop(x, w, offs).backward(g.double())
+    gx, gw = moe.grouped_mm_bwd_ref(x.detach().float(), w.detach().float(), offs, g)
+    assert_close(gx, x.grad.float(), torch.float32)
+    assert_close(gw, w.grad.float(), torch.float32)
+    assert bool((gx[26:] == 0).all()) and bool((gw[1] == 0).all())
+
+
+# ---------------------------------------------------------------------------- moe reference oracles
+def _naive_moe(x, idx, tw, wgu, wd):
+    """Obvious per-(token, k) loop in the caller's precision."""
+    inter = wd.shape[1]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            gu = x[t] @ wgu[e]
+            out[t] = out[t] + tw[t, k] * ((torch.nn.functional.silu(gu[:inter]) * gu[inter:]) @ wd[e])
+    return out
+
+
+def _hf_experts(E: int, H: int, inter: int, wgu: torch.Tensor, wd: torch.Tensor):
+    from transformers import Qwen3MoeConfig  # noqa: PLC0415
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: PLC0415
+
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=inter, num_experts=E, num_experts_per_tok=2)
+    experts = Qwen3MoeExperts(cfg).to(wgu.dtype)
+    gate_up_proj, down_proj = moe.to_hf_v5(wgu, wd)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up_proj)
+        experts.down_proj.copy_(down_proj)
+    return experts
+
+
+def test_moe_ref_matches_naive_loop_fp64() -> None:
+    T, H, inter, E, K = 9, 12, 7, 5, 3
+    x = _rand(T, H).double()
+    wgu, wd = (w.double() for w in _weights(E, H, inter, torch.float32))
+    idx, tw = _routing(T, E, K)
+    expected = _naive_moe(x, idx, tw.double(), wgu, wd)
+    got = moe.moe_experts_ref(x.float(), idx, tw, wgu.float(), wd.float())
+    assert_close(got, expected.float(), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_ref_matches_hf_qwen3_moe_experts(dtype: torch.dtype) -> None:
+    T, H, inter, E, K = 16, 32, 24, 6, 2
+    x = _rand(T, H, dtype=dtype)
+    wgu, wd = _weights(E, H, inter, dtype)
+    idx, tw = _routing(T, E, K)
+    with torch.no_grad():
+        hf = _hf_experts(E, H, inter, wgu, wd)(x, idx, tw.to(dtype))
+    got = moe.moe_experts_ref(x, idx, tw.to(dtype), wgu, wd)
+    if dtype == torch.float32:
+        assert_close(got, hf, dtype)
+    else:  # HF rounds gate/up, the product and every index_add_ step to bf16: a few ulps apart
+        torch.testing.assert_close(got.float(), hf.float(), rtol=0.03, atol=0.03)
+
+
+def test_moe_ref_matches_hf_sparse_moe_block_end_to_end() -> None:
+    """Router from HF's Qwen3MoeSparseMoeBlock, experts from the reference on converted weights."""
+    from transformers import Qwen3MoeConfig  # noqa: PLC0415
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3,
+                         norm_topk_prob=True)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = _rand(2, 5, 32)
+    with torch.no_grad():
+        expected = block(x).reshape(10, 32)
+        _, tw, idx = block.gate(x.reshape(10, 32))
+    wgu, wd = moe.from_hf_v5(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())
+    assert_close(moe.moe_experts_ref(x.reshape(10, 32), idx, tw, wgu, wd), expected, torch.float32)
+
+
+def test_moe_bwd_ref_matches_hf_autograd_fp32() -> None:
+    T, H, inter, E, K = 12, 16, 10, 5, 2
+    x = _rand(T, H).requires_grad_()
+    wgu, wd = _weights(E, H, inter, torch.float32)
+    idx, tw = _routing(T, E, K)
+    tw = tw.requires_grad_()
+    hf = _hf_experts(E, H, inter, wgu, wd)
+    g = _rand(T, H, seed=9)
+    hf(x, idx, tw).backward(g)
+    gx, gtw, gwgu, gwd = moe.moe_experts_bwd_ref(x.detach(), idx, tw.detach(), wgu, wd, g)
+    assert_close(gx, x.grad, torch.float32)
+    assert_close(gtw, tw.grad, torch.float32)
+    ref_wgu, ref_wd = moe.from_hf_v5(hf.gate_up_proj.grad, hf.down_proj.grad)
+    assert_close(gwgu, ref_wgu, torch.float32)
+    assert_close(gwd, ref_wd, torch.float32)
+
+
+# ------------------------------------------------------------------------------ kernels vs refs
+GMM_CASES = {
+    # name: (M, K, N, offsets, block_size)
+    "tails_empty_group": (70, 200, 600, [10, 10, 63], 64),  # K, N not multiples of 128/512
+    "one_group_all_rows": (33, 64, 48, [33], 32),
+    "rows_past_end": (40, 96, 80, [0, 17, 30], 128),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GMM_CASES)
+def test_grouped_mm_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
+    M, K, N, offs, B = GMM_CASES[case]
+    # O(1) results with O(1/sqrt(n)) terms, so fp32 reordering stays within the stated atol
+    x, w = _rand(M, K, dtype=dtype, scale=K ** -0.5), _rand(len(offs), K, N, dtype=dtype, seed=4)
+    offs_t = torch.tensor(offs, dtype=torch.int32)
+    g = _rand(M, N, dtype=dtype, seed=7, scale=N ** -0.5)
+    assert_close(moe.grouped_mm(x, w, offs_t, block_size=B), moe.grouped_mm_ref(x, w, offs_t), dtype)
+    gx, gw = moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B)
+    rx, rw = moe.grouped_mm_bwd_ref(x, w, offs_t, g)
+    assert_close(gx, rx, dtype)
+    assert_close(gw, rw, dtype)
+
+
+MOE_CASES = {
+    # name: (T, H, I, E, K, block_size, experts used or None)
+    "tails": (24, 160, 96, 5, 2, 32, None),  # H % 128 = 32, I % 128 = 96
+    "T1": (1, 64, 32, 4, 2, 32, None),
+    "all_to_one_expert": (40, 64, 32, 4, 1, 32, [2]),  # 2 blocks of expert 2, others empty
+    "empty_experts": (20, 64, 48, 6, 2, 32, [0, 2, 3, 5]),
+    "K_equals_E": (10, 64, 32, 3, 3, 32, None),
+    "prime_E": (20, 64, 32, 7, 2, 64, None),
+    "odd_H_I": (12, 72, 20, 3, 2, 32, None),
+    "block_256": (130, 64, 32, 2, 2, 256, None),  # 2 sub-tiles of 128 rows per block
+}
+
+
+def _moe_inputs(case: str, dtype: torch.dtype):
+    T, H, inter, E, K, B, used = MOE_CASES[case]
+    x = _rand(T, H, dtype=dtype)
+    wgu, wd = _weights(E, H, inter, dtype)
+    idx, tw = _routing(T, E, K, experts=used)
+    return x, idx, tw, wgu, wd, B
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_moe_experts_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
+    x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
+    out = moe.moe_experts(x, idx, tw, wgu, wd, block_size=B)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, moe.moe_experts_ref(x, idx, tw, wgu, wd), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["tails", "T1", "all_to_one_expert", "empty_experts", "K_equals_E",
+                                  "block_256"])
+def test_moe_experts_bwd_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
+    x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
+    g = _rand(*x.shape, dtype=dtype, seed=11)
+    got = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B)
+    ref = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g)
+    for name, a, b in zip(("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down"), got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert_close(a, b, dtype, msg=name)
+    if case == "empty_experts":  # experts 1 and 4 got no tokens
+        assert bool((got[2][[1, 4]] == 0).all()) and bool((got[3][[1, 4]] == 0).all())
+
+
+def test_moe_experts_bwd_kernel_matches_autograd_of_hf_fp32() -> None:
+    """End to end: the NKI backward against autograd through transformers' experts."""
+    x, idx, tw, wgu, wd, B = _moe_inputs("tails", torch.float32)
+    T, H = x.shape
+    E, _, I2 = wgu.shape
+    xr, twr = x.clone().requires_grad_(), tw.clone().requires_grad_()
+    hf = _hf_experts(E, H, I2 // 2, wgu, wd)
+    g = _rand(T, H, seed=12)
+    hf(xr, idx, twr).backward(g)
+    gx, gtw, gwgu, gwd = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B)
+    ref_wgu, ref_wd = moe.from_hf_v5(hf.gate_up_proj.grad, hf.down_proj.grad)
+    for a, b in ((gx, xr.grad), (gtw, twr.grad), (gwgu, ref_wgu), (gwd, ref_wd)):
+        assert_close(a, b, torch.float32)
+
+
+@settings(max_examples=6, deadline=None)
+@given(T=st.integers(1, 40), H=st.integers(8, 140), inter=st.integers(4, 70), E=st.integers(1, 6),
+       K=st.integers(1, 4), B=st.sampled_from([32, 64, 128]), seed=st.integers(0, 1000))
+def test_moe_experts_kernel_hypothesis(T: int, H: int, inter: int, E: int, K: int, B: int, seed: int) -> None:
+    K = min(K, E)
+    x = _rand(T, H, seed=seed)
+    wgu, wd = _weights(E, H, inter, torch.float32, seed=seed + 1)
+    idx, tw = _routing(T, E, K, seed=seed + 2)
+    assert_close(moe.moe_experts(x, idx, tw, wgu, wd, block_size=B), moe.moe_experts_ref(x, idx, tw, wgu, wd),
+                 torch.float32)
+
+
+@settings(max_examples=5, deadline=None)
+@given(M=st.integers(1, 60), K=st.integers(1, 140), N=st.integers(1, 600), G=st.integers(1, 4),
+       seed=st.integers(0, 1000), data=st.data())
+def test_grouped_mm_kernel_hypothesis(M: int, K: int, N: int, G: int, seed: int, data) -> None:
+    ends = sorted(data.draw(st.lists(st.integers(0, M), min_size=G, max_size=G)))
+    offs = torch.tensor(ends, dtype=torch.int32)
+    x, w = _rand(M, K, seed=seed, scale=K ** -0.5), _rand(G, K, N, seed=seed + 1)
+    g = _rand(M, N, seed=seed + 2, scale=N ** -0.5)
+    assert_close(moe.grouped_mm(x, w, offs, block_size=32), moe.grouped_mm_ref(x, w, offs), torch.float32)
+    for a, b in zip(moe.grouped_mm_bwd(x, w, offs, g, block_size=32), moe.grouped_mm_bwd_ref(x, w, offs, g)):
+        assert_close(a, b, torch.float32)
+
+
+# ---------------------------------------------------------------------------------- constraints
+def _good_moe() -> dict:
+    x, idx, tw, wgu, wd, _ = _moe_inputs("T1", torch.float32)
+    return dict(x=x, topk_idx=idx, topk_weights=tw, w_gate_up=wgu, w_down=wd, block_size=32)
+
+
+MOE_BAD = {
+    "block_size": (lambda a: a.update(block_size=48), "block_size in"),
+    "E_too_big": (lambda a: a.update(w_gate_up=torch.zeros(513, 64, 4), w_down=torch.zeros(513, 2, 64),
+                                     topk_idx=torch.zeros(1, 2, dtype=torch.int64)), "1 <= E <= 512"),
+    "K_too_big": (lambda a: a.update(w_gate_up=torch.zeros(16, 64, 64), w_down=torch.zeros(16, 32, 64),
+                                     topk_idx=torch.arange(9).view(1, 9), topk_weights=torch.ones(1, 9)),
+                  "1 <= K <= min(8, E)"),
+    "idx_out_of_range": (lambda a: a.update(topk_idx=torch.tensor([[0, 4]])), "0 <= topk_idx < E"),
+    "idx_dtype": (lambda a: a.update(topk_idx=a["topk_idx"].float()), "topk_idx.dtype"),
+    "dtype_fp16": (lambda a: a.update(x=a["x"].half()), "x.dtype in (float32, bfloat16)"),
+    "mixed_dtypes": (lambda a: a.update(w_down=a["w_down"].bfloat16()), "share one dtype"),
+    "H_mismatch": (lambda a: a.update(x=torch.zeros(1, 65)), "w_gate_up.shape[1] == H"),
+    "w_down_shape": (lambda a: a.update(w_down=torch.zeros(4, 31, 64)), "w_down.shape == (E, I, H)"),
+    "x_3d": (lambda a: a.update(x=torch.zeros(1, 1, 64)), "x is 2-D"),
+    "weights_shape": (lambda a: a.update(topk_weights=torch.ones(1, 3)), "topk_idx and topk_weights are [T, K]"),
+    "sbuf_budget": (lambda a: a.update(x=torch.zeros(1, 2048), w_gate_up=torch.zeros(4, 2048, 1536),
+                                       w_down=torch.zeros(4, 768, 2048)), "fit 96 KiB of SBUF"),
+}
+
+
+@pytest.mark.parametrize("bad", MOE_BAD)
+def test_moe_constraint_violations_raise_clear_errors(bad: str) -> None:
+    args = _good_moe()
+    assert moe.moe_experts_constraints(**args) == []
+    mutate, text = MOE_BAD[bad]
+    mutate(args)
+    with pytest.raises(KernelConstraintError, match="moe_experts") as err:
+        moe.moe_experts(**args)
+    assert text in str(err.value)
+    with pytest.raises(KernelConstraintError, match="moe_experts"):
+        moe.moe_experts_ref(**args)
+
+
+def test_moe_bwd_checks_grad_out_shape() -> None:
+    args = _good_moe()
+    with pytest.raises(KernelConstraintError, match=r"grad_out.shape == \(T, H\)"):
+        moe.moe_experts_bwd(grad_out=torch.zeros(2, 64), **args)
+
+
+GMM_BAD = {
+    "offs_dtype": (dict(offs=torch.tensor([2, 5])), "group_offsets.dtype == int32"),
+    "offs_decreasing": (dict(offs=torch.tensor([4, 2], dtype=torch.int32)), "non-decreasing"),
+    "offs_past_M": (dict(offs=torch.tensor([2, 9], dtype=torch.int32)), "group_offsets[-1] <= M"),
+    "offs_len": (dict(offs=torch.tensor([2], dtype=torch.int32)), "len(group_offsets) == w.shape[0]"),
+    "K_mismatch": (dict(w=torch.zeros(2, 7, 4)), "w.shape[1] == x.shape[1]"),
+    "x_1d": (dict(x=torch.zeros(8)), "x is 2-D"),
+    "dtype": (dict(x=torch.zeros(6, 8, dtype=torch.float16)), "x.dtype in (float32, bfloat16)"),
+    "sbuf_budget": (dict(x=torch.zeros(6, 4096), w=torch.zeros(2, 4096, 1024)), "fit 96 KiB of SBUF"),
+}
+
+
+@pytest.mark.parametrize("bad", GMM_BAD)
+def test_grouped_mm_constraint_violations_raise_clear_errors(bad: str) -> None:
+    args = dict(x=torch.zeros(6, 8), w=torch.zeros(2, 8, 4), offs=torch.tensor([2, 5], dtype=torch.int32))
+    assert moe.grouped_mm_constraints(args["x"], args["w"], args["offs"]) == []
+    change, text = GMM_BAD[bad]
+    args.update(change)
+    with pytest.raises(KernelConstraintError, match="grouped_mm") as err:
+        moe.grouped_mm(args["x"], args["w"], args["offs"])
+    assert text in str(err.value)
+    assert moe.constraints(args["x"], args["w"], args["offs"])  # the dispatching entry agrees
