@@ -169,3 +169,16 @@ def test_resolve_numpy_aliases_and_errors() -> None:
     with pytest.raises(TypeError, match="nl.add: takes 2 operand"):
         ops.add(np.float32(1))
     assert repr(ops.add) == "nl.add" and ops.add.name == "add"
+
+
+def test_wired_into_nki_language_and_isa() -> None:
+    from trnkit.nki_api import REAL_NKI, nisa, nl
+    from trnkit.nkisim.isa import gpsimd, scalar, vector
+
+    if REAL_NKI:
+        pytest.skip("the real nki is installed")
+    for name, op in ops.ALL_OPS.items():
+        assert getattr(nl, name) is op
+    for mod in (vector, scalar, gpsimd):
+        for name in mod.__all__:
+            assert getattr(nisa, name) is getattr(mod, name)

@@ -16,6 +16,7 @@ import numpy as np
 from .. import dtypes
 from .. import ops as _ops
 from ..errors import require
+from ..tensor import NkiTensor
 from . import common
 from .vector import check_same_layout, emit, free_size, get_op, read, read_raw, write
 
@@ -44,11 +45,13 @@ def _affine(op: str, dst: Any, pattern: Any, offset: Any, channel_multiplier: An
         shape[axis] = int(num)
         vals = vals + int(step) * np.arange(int(num), dtype=np.int64).reshape(shape)
     P = dst.shape[0]
-    full = int(offset) + int(channel_multiplier) * np.arange(P, dtype=np.int64)[:, None] + vals.reshape(1, -1)
+    chan = int(channel_multiplier) * np.arange(P, dtype=np.int64)[:, None]
+    full = int(offset) + chan + vals.reshape(1, -1)
     return full.astype(np.int32)  # 32-bit integer arithmetic (wraps like the engine's ALU)
 
 
-def iota(dst: Any, pattern: Any, offset: int = 0, channel_multiplier: int = 0, name: str | None = None) -> None:
+def iota(dst: NkiTensor, pattern: Any, offset: int = 0, channel_multiplier: int = 0,
+         name: str | None = None) -> None:
     """``dst[c, ...] = offset + c * channel_multiplier + sum(step_i * idx_i)``, cast to ``dst.dtype``."""
     OP = "iota"
     common.check_on_chip(OP, "dst", dst, common.SBUF)
@@ -56,8 +59,9 @@ def iota(dst: Any, pattern: Any, offset: int = 0, channel_multiplier: int = 0, n
     emit(OP, "gpsimd", {"dst": dst})
 
 
-def affine_select(dst: Any, pattern: Any, channel_multiplier: int, on_true_tile: Any, on_false_value: float,
-                  cmp_op: Any = _ops.equal, offset: int = 0, name: str | None = None) -> None:
+def affine_select(dst: NkiTensor, pattern: Any, channel_multiplier: int, on_true_tile: NkiTensor,
+                  on_false_value: float, cmp_op: Any = _ops.equal, offset: int = 0,
+                  name: str | None = None) -> None:
     """``dst = on_true_tile`` where ``cmp_op(affine_value, 0)`` holds, else ``on_false_value``."""
     OP = "affine_select"
     for role, t in (("dst", dst), ("on_true_tile", on_true_tile)):

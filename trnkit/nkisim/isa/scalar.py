@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import ops as _ops
 from ..errors import require
+from ..tensor import NkiTensor
 from . import common
 from .vector import (
     _accumulate,
@@ -37,7 +38,8 @@ _scalar_regs = threading.local()
 _F32 = np.float32
 
 
-def _activate(OP: str, dst: Any, op: Any, data: Any, bias: Any, scale: Any) -> tuple[_ops.NkiOp, np.ndarray]:
+def _activate(OP: str, dst: Any, op: Any, data: Any, bias: Any,
+              scale: Any) -> tuple[_ops.NkiOp, np.ndarray]:
     f = get_op(OP, "op", op, activation=True, arity=1)
     check_tile(OP, "dst", dst, "scalar")
     check_tile(OP, "data", data, "scalar")
@@ -54,8 +56,9 @@ def _activate(OP: str, dst: Any, op: Any, data: Any, bias: Any, scale: Any) -> t
     return f, out  # the reduction sees the fp32 results (before the output cast)
 
 
-def activation(dst: Any, op: Any, data: Any, bias: Any = None, scale: Any = 1.0, reduce_op: Any = None,
-               reduce_res: Any = None, reduce_cmd: Any = common.reduce_cmd.idle, name: str | None = None) -> None:
+def activation(dst: NkiTensor, op: Any, data: NkiTensor, bias: Any = None, scale: Any = 1.0,
+               reduce_op: Any = None, reduce_res: NkiTensor | None = None,
+               reduce_cmd: Any = common.reduce_cmd.idle, name: str | None = None) -> None:
     """``dst = op(data * scale + bias)`` on Scalar Engine, with optional per-partition add-reduce."""
     OP = "activation"
     cmd = cmd_name(reduce_cmd)
@@ -80,8 +83,9 @@ def activation(dst: Any, op: Any, data: Any, bias: Any = None, scale: Any = 1.0,
          op=_ops.resolve(op).name, reduce_cmd=cmd, reduce_res=reduce_res is not None)
 
 
-def activation_reduce(dst: Any, op: Any, data: Any, reduce_op: Any, reduce_res: Any, bias: Any = None,
-                      scale: Any = 1.0, name: str | None = None) -> None:
+def activation_reduce(dst: NkiTensor, op: Any, data: NkiTensor, reduce_op: Any,
+                      reduce_res: NkiTensor, bias: Any = None, scale: Any = 1.0,
+                      name: str | None = None) -> None:
     """``activation`` + a reduction over all free dims into ``reduce_res`` (registers reset first)."""
     OP = "activation_reduce"
     fr = get_op(OP, "reduce_op", reduce_op)
@@ -92,6 +96,7 @@ def activation_reduce(dst: Any, op: Any, data: Any, reduce_op: Any, reduce_res: 
     common.check_tensor(OP, "data", data)
     check_column(OP, "reduce_res", reduce_res, data.shape[0], "scalar")
     _, out = _activate(OP, dst, op, data, bias, scale)
-    write(reduce_res, _accumulate(_scalar_regs, OP, fr, "reset_reduce", fr.reduce(out, (1,), keepdims=True)))
+    part = fr.reduce(out, (1,), keepdims=True)
+    write(reduce_res, _accumulate(_scalar_regs, OP, fr, "reset_reduce", part))
     emit(OP, "scalar", {"dst": dst, "data": data, "bias": bias, "scale": scale, "reduce_res": reduce_res},
          op=_ops.resolve(op).name, reduce_op=fr.name, reduce_res=True)

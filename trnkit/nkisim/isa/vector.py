@@ -190,8 +190,8 @@ def _int32_native(*tiles: Any) -> bool:
 # instructions
 # ---------------------------------------------------------------------------------------------
 
-def tensor_tensor(dst: Any, data1: Any, data2: Any, op: Any, engine: Any = common.engine.unknown,
-                  name: str | None = None) -> None:
+def tensor_tensor(dst: NkiTensor, data1: NkiTensor, data2: NkiTensor, op: Any,
+                  engine: Any = common.engine.unknown, name: str | None = None) -> None:
     """``dst = op(data1, data2)`` elementwise on Vector (or GpSimd) Engine; no broadcasting."""
     OP = "tensor_tensor"
     f = get_op(OP, "op", op, alu=True, arity=2)
@@ -228,9 +228,9 @@ def tensor_tensor(dst: Any, data1: Any, data2: Any, op: Any, engine: Any = commo
     emit(OP, eng, tiles, op=f.name)
 
 
-def tensor_scalar(dst: Any, data: Any, op0: Any, operand0: Any, reverse0: bool = False, op1: Any = None,
-                  operand1: Any = None, reverse1: bool = False, engine: Any = common.engine.unknown,
-                  name: str | None = None) -> None:
+def tensor_scalar(dst: NkiTensor, data: NkiTensor, op0: Any, operand0: Any, reverse0: bool = False,
+                  op1: Any = None, operand1: Any = None, reverse1: bool = False,
+                  engine: Any = common.engine.unknown, name: str | None = None) -> None:
     """``dst = (data op0 operand0) op1 operand1``; operands are scalars or ``[P, 1]`` tiles."""
     OP = "tensor_scalar"
     f0 = get_op(OP, "op0", op0, alu=True)
@@ -275,8 +275,9 @@ def tensor_scalar(dst: Any, data: Any, op0: Any, operand0: Any, reverse0: bool =
          op=f0.name, op0=f0.name, op1=f1.name if f1 else None)
 
 
-def scalar_tensor_tensor(dst: Any, data: Any, op0: Any, operand0: Any, op1: Any, operand1: Any,
-                         reverse0: bool = False, reverse1: bool = False, name: str | None = None) -> None:
+def scalar_tensor_tensor(dst: NkiTensor, data: NkiTensor, op0: Any, operand0: Any, op1: Any,
+                         operand1: Any, reverse0: bool = False, reverse1: bool = False,
+                         name: str | None = None) -> None:
     """``dst = (data op0 operand0) op1 operand1``: operand0 scalar / ``[P, 1]``, operand1 a full tile."""
     OP = "scalar_tensor_tensor"
     f0 = get_op(OP, "op0", op0, alu=True, arity=2)
@@ -312,8 +313,8 @@ def _reduce_axes(op: str, data: Any, axis: Any) -> tuple[int, ...]:
     return norm
 
 
-def tensor_reduce(dst: Any, op: Any, data: Any, axis: Any, negate: bool = False, keepdims: bool = False,
-                  name: str | None = None) -> None:
+def tensor_reduce(dst: NkiTensor, op: Any, data: NkiTensor, axis: Any, negate: bool = False,
+                  keepdims: bool = False, name: str | None = None) -> None:
     """Reduce the last contiguous free dims of ``data`` with ``op`` (fp32, or raw bits for bitvec)."""
     OP = "tensor_reduce"
     f = get_op(OP, "op", op, alu=True)
@@ -337,7 +338,8 @@ def tensor_reduce(dst: Any, op: Any, data: Any, axis: Any, negate: bool = False,
     emit(OP, "vector", {"dst": dst, "data": data}, op=f.name, axis=axes)
 
 
-def tensor_copy(dst: Any, src: Any, engine: Any = common.engine.unknown, name: str | None = None) -> None:
+def tensor_copy(dst: NkiTensor, src: NkiTensor, engine: Any = common.engine.unknown,
+                name: str | None = None) -> None:
     """Copy ``src`` to ``dst``: bit-exact for equal dtypes, else through fp32 with RNE on write."""
     OP = "tensor_copy"
     eng = engine_of(OP, engine, ("vector", "scalar", "gpsimd"), "vector")
@@ -351,8 +353,8 @@ def tensor_copy(dst: Any, src: Any, engine: Any = common.engine.unknown, name: s
     emit(OP, eng, {"dst": dst, "src": src})
 
 
-def tensor_copy_predicated(dst: Any, src: Any, predicate: Any, reverse_pred: bool = False,
-                           name: str | None = None) -> None:
+def tensor_copy_predicated(dst: NkiTensor, src: NkiTensor, predicate: NkiTensor,
+                           reverse_pred: bool = False, name: str | None = None) -> None:
     """Copy ``src`` (tile or scalar) into ``dst`` where ``predicate`` is non-zero (zero if reversed)."""
     OP = "tensor_copy_predicated"
     check_tile(OP, "dst", dst, "vector")
@@ -378,7 +380,8 @@ def tensor_copy_predicated(dst: Any, src: Any, predicate: Any, reverse_pred: boo
     emit(OP, "vector", {"dst": dst, "src": src, "predicate": predicate})
 
 
-def memset(dst: Any, value: Any, engine: Any = common.engine.unknown, name: str | None = None) -> None:
+def memset(dst: NkiTensor, value: Any, engine: Any = common.engine.unknown,
+           name: str | None = None) -> None:
     """Fill ``dst`` with a compile-time constant (its type must suit ``dst.dtype``)."""
     OP = "memset"
     eng = engine_of(OP, engine, ("vector", "gpsimd"), "vector")
@@ -397,7 +400,7 @@ def memset(dst: Any, value: Any, engine: Any = common.engine.unknown, name: str 
     emit(OP, eng, {"dst": dst}, value=float(value))
 
 
-def reciprocal(dst: Any, data: Any, name: str | None = None) -> None:
+def reciprocal(dst: NkiTensor, data: NkiTensor, name: str | None = None) -> None:
     """``dst = 1 / data`` on Vector Engine (fp32; more precise than ``activation(nl.reciprocal)``)."""
     OP = "reciprocal"
     check_tile(OP, "dst", dst, "vector")
@@ -434,7 +437,7 @@ def _not_found(dt: np.dtype) -> int:
     return int(np.iinfo(dt).max)  # all-ones sentinel (0xFFFF / 0xFFFFFFFF)
 
 
-def max8(dst: Any, src: Any, name: str | None = None) -> None:
+def max8(dst: NkiTensor, src: NkiTensor, name: str | None = None) -> None:
     """The 8 largest values of each partition of ``src``, in descending order (fp32 compare)."""
     OP = "max8"
     _check_topk_src(OP, "src", src)
@@ -447,7 +450,8 @@ def max8(dst: Any, src: Any, name: str | None = None) -> None:
     emit(OP, "vector", {"dst": dst, "src": src})
 
 
-def _first_unused_match(cur: np.ndarray, v: np.ndarray, used: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+def _first_unused_match(cur: np.ndarray, v: np.ndarray,
+                        used: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """Per partition: index of the first element equal to ``v`` (and not ``used``), and found-mask."""
     eq = cur == v[:, None]
     if used is not None:
@@ -457,7 +461,7 @@ def _first_unused_match(cur: np.ndarray, v: np.ndarray, used: np.ndarray | None)
     return idx, found
 
 
-def nc_find_index8(dst: Any, data: Any, vals: Any, name: str | None = None) -> None:
+def nc_find_index8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, name: str | None = None) -> None:
     """Index of the first occurrence of each of the 8 ``vals`` in each partition of ``data``.
 
     A value repeated in ``vals`` gets successive occurrences (ascending). A value with no (remaining)
@@ -467,7 +471,8 @@ def nc_find_index8(dst: Any, data: Any, vals: Any, name: str | None = None) -> N
     _check_topk_src(OP, "data", data)
     P = data.shape[0]
     _check_eight(OP, "vals", vals, P)
-    require(len(vals.shape) <= 3, OP, "vals must be at most 3-D, got shape {shape}", shape=tuple(vals.shape))
+    require(len(vals.shape) <= 3, OP, "vals must be at most 3-D, got shape {shape}",
+            shape=tuple(vals.shape))
     _check_eight(OP, "dst", dst, P, index=True)
     x, v = read(data), read(vals)
     used = np.zeros(x.shape, dtype=bool)
@@ -481,8 +486,8 @@ def nc_find_index8(dst: Any, data: Any, vals: Any, name: str | None = None) -> N
     emit(OP, "vector", {"dst": dst, "data": data, "vals": vals})
 
 
-def nc_match_replace8(dst: Any, data: Any, vals: Any, imm: float, dst_idx: Any = None,
-                      name: str | None = None) -> None:
+def nc_match_replace8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, imm: float,
+                      dst_idx: NkiTensor | None = None, name: str | None = None) -> None:
     """Replace the first occurrence of each of the 8 ``vals`` in ``data`` with ``imm``.
 
     The hardware processes vals[7] first, down to vals[0]; each takes the first not-yet-replaced
@@ -542,8 +547,9 @@ def _accumulate(regs: threading.local, op: str, f: _ops.NkiOp, cmd: str, part: n
     return state[:P]
 
 
-def tensor_scalar_reduce(dst: Any, data: Any, op0: Any, operand0: Any, reduce_op: Any, reduce_res: Any,
-                         reverse0: bool = False, reduce_cmd: Any = common.reduce_cmd.reset_reduce, reduce_init: Any = None,
+def tensor_scalar_reduce(dst: NkiTensor, data: NkiTensor, op0: Any, operand0: Any, reduce_op: Any,
+                         reduce_res: NkiTensor, reverse0: bool = False,
+                         reduce_cmd: Any = common.reduce_cmd.reset_reduce, reduce_init: Any = None,
                          name: str | None = None) -> None:
     """``dst = data op0 operand0`` and ``reduce_res = reduce_op`` over its free dims (Vector Engine)."""
     OP = "tensor_scalar_reduce"
@@ -575,8 +581,9 @@ def tensor_scalar_reduce(dst: Any, data: Any, op0: Any, operand0: Any, reduce_op
          op=f0.name, reduce_op=fr.name)
 
 
-def tensor_scalar_cumulative(dst: Any, src: Any, op0: Any, op1: Any, imm0: Any, imm1: Any = None,
-                             reduce_cmd: Any = common.reduce_cmd.reset_reduce, name: str | None = None) -> None:
+def tensor_scalar_cumulative(dst: NkiTensor, src: NkiTensor, op0: Any, op1: Any, imm0: Any,
+                             imm1: Any = None, reduce_cmd: Any = common.reduce_cmd.reset_reduce,
+                             name: str | None = None) -> None:
     """Running scan along the free dims: ``reg = op1(op0(src[i], imm0), reg); dst[i] = reg``.
 
     The accumulator starts at op1's identity (``reset_reduce``), at the register value left by the
@@ -637,7 +644,7 @@ def _count_mean_m2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return n, mean, m2
 
 
-def bn_stats(dst: Any, data: Any, name: str | None = None) -> None:
+def bn_stats(dst: NkiTensor, data: NkiTensor, name: str | None = None) -> None:
     """Per partition: ``(count, mean, variance * count)`` of the even- and of the odd-indexed elements
     (6 values), for :func:`bn_aggr`; fp32 math, at most ``bn_stats_fmax`` (512) elements."""
     OP = "bn_stats"
@@ -654,7 +661,7 @@ def bn_stats(dst: Any, data: Any, name: str | None = None) -> None:
     emit(OP, "vector", {"dst": dst, "data": data})
 
 
-def bn_aggr(dst: Any, data: Any, name: str | None = None) -> None:
+def bn_aggr(dst: NkiTensor, data: NkiTensor, name: str | None = None) -> None:
     """Combine ``(count, mean, variance * count)`` triples (one or more :func:`bn_stats` outputs) into
     the per-partition ``(mean, variance)`` (population variance), fp32 math."""
     OP = "bn_aggr"
