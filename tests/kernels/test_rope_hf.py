@@ -1,0 +1,224 @@
+"""rope_hf / rope_hf_bshd: NKI kernel (on trnkit's interpreter) vs the torch reference, and the
+reference vs transformers' Qwen3 rotary embedding (forward) and autograd (backward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.tolerances import assert_close
+from trnkit.kernels.constraints import KernelConstraintError
+from trnkit.kernels.rope_hf import (_rotate, constraints, rope_hf, rope_hf_bshd, rope_hf_bshd_ref, rope_hf_kernel,
+                                    rope_hf_ref)
+
+
+def _tables(kind: str, B: int, S: int, D: int, extra: int, gen: torch.Generator) -> dict:
+    """cos/sin (random, like nki-library's tests: exercises every element) as 2-D, 3-D or packed."""
+    rows = S + extra
+    shape = (B, rows, D) if kind.endswith("3d") else (rows, D)
+    cos, sin = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    if kind.startswith("packed"):
+        return {"rope_cache": torch.cat([cos, sin], dim=-1)}
+    return {"cos": cos, "sin": sin}
+
+
+def _run(layout: str, B: int, Hq: int, Hk: int, S: int, D: int, dtype: torch.dtype, kind: str,
+         backward: bool, extra: int = 0, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    shp = (lambda H: (B, H, S, D)) if layout == "bhsd" else (lambda H: (B, S, H, D))
+    q = torch.randn(shp(Hq), generator=gen).to(dtype)
+    k = torch.randn(shp(Hk), generator=gen).to(dtype)
+    tabs = _tables(kind, B, S, D, extra, gen)
+    kern, ref = (rope_hf, rope_hf_ref) if layout == "bhsd" else (rope_hf_bshd, rope_hf_bshd_ref)
+    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+    ret = kern(q, k, q_out, k_out, backward=backward, **tabs)
+    assert ret[0] is q_out and ret[1] is k_out  # written in place and returned
+    q_ref, k_ref = ref(q, k, torch.empty_like(q), torch.empty_like(k), backward=backward, **tabs)
+    assert_close(q_out, q_ref, dtype)
+    assert_close(k_out, k_ref, dtype)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_gqa_head_dim_128(layout: str, backward: bool, dtype: torch.dtype) -> None:
+    _run(layout, 1, 32, 8, 8, 128, dtype, "packed", backward, extra=5)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("kind", ["2d", "3d", "packed", "packed3d"])
+def test_table_layouts_d64_odd_s(layout: str, kind: str) -> None:
+    _run(layout, 2, 3, 1, 129, 64, torch.float32, kind, backward=False, extra=7)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_s423_multi_chunk_tail(layout: str, dtype: torch.dtype) -> None:
+    # D=16: 32 rows per partition per chunk -> one 4096-row... S=423 gives full-partition and tail chunks
+    _run(layout, 1, 2, 1, 423, 16, dtype, "2d", backward=True)
+
+
+def test_long_sequence_several_chunks() -> None:
+    # D=128: 2048-row chunks -> chunks (0,128,16), (2048,128,2), (2304,5,1)
+    _run("bhsd", 1, 1, 1, 2309, 128, torch.bfloat16, "packed", backward=False)
+
+
+def test_bf16_tables_and_in_place() -> None:
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 40, 32, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 1, 40, 32, generator=gen).to(torch.bfloat16)
+    cos = torch.randn(40, 32, generator=gen).to(torch.bfloat16)
+    sin = torch.randn(40, 32, generator=gen).to(torch.bfloat16)
+    q_ref, k_ref = rope_hf_ref(q, k, torch.empty_like(q), torch.empty_like(k), cos=cos, sin=sin)
+    rope_hf(q, k, q, k, cos=cos, sin=sin)  # q_out is q: every tile is read before it is written
+    assert_close(q, q_ref, torch.bfloat16)
+    assert_close(k, k_ref, torch.bfloat16)
+
+
+def test_lnc2_grid_matches_single_program() -> None:
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, 2, 300, 32, generator=gen), torch.randn(1, 1, 300, 32, generator=gen)
+    cache = torch.randn(300, 64, generator=gen)
+    q_ref, k_ref = rope_hf_ref(q, k, torch.empty_like(q), torch.empty_like(k), rope_cache=cache)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    rope_hf_kernel[2](q, k, q_out, k_out, cache, cache, packed=True, backward=False, bshd=False)
+    assert_close(q_out, q_ref)
+    assert_close(k_out, k_ref)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 2), Hq=st.integers(1, 3), Hk=st.integers(1, 2), S=st.integers(1, 140),
+       half=st.integers(1, 64), kind=st.sampled_from(["2d", "3d", "packed", "packed3d"]),
+       layout=st.sampled_from(["bhsd", "bshd"]), backward=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), extra=st.integers(0, 3))
+def test_hypothesis_shapes(B, Hq, Hk, S, half, kind, layout, backward, dtype, extra) -> None:
+    _run(layout, B, Hq, Hk, S, 2 * half, dtype, kind, backward, extra=extra)
+
+
+# --- the reference against independent oracles -------------------------------------------------------
+
+
+def _hf_cos_sin(B: int, S: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=D,
+                      max_position_embeddings=1024)
+    pos = torch.arange(S)[None].expand(B, S)
+    return Qwen3RotaryEmbedding(cfg)(torch.zeros(1), pos)  # [B, S, D] fp32
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_ref_and_kernel_match_transformers_apply_rotary_pos_emb(D: int) -> None:
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    B, S = 2, 37
+    cos, sin = _hf_cos_sin(B, S, D)
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(B, 4, S, D, generator=gen), torch.randn(B, 2, S, D, generator=gen)
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    q_ref, k_ref = rope_hf_ref(q, k, torch.empty_like(q), torch.empty_like(k), cos=cos, sin=sin)
+    assert_close(q_ref, q_hf)
+    assert_close(k_ref, k_hf)
+    # torchtitan-style packed cache [S, 2D] = cat(cos, sin) in the model's [B, S, H, D] layout
+    cache = torch.cat([cos[0], sin[0]], dim=-1)
+    qb, kb = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    q_out, k_out = rope_hf_bshd(qb, kb, torch.empty_like(qb), torch.empty_like(kb), rope_cache=cache)
+    assert_close(q_out.transpose(1, 2), q_hf)
+    assert_close(k_out.transpose(1, 2), k_hf)
+
+
+def test_ref_backward_matches_autograd_of_transformers() -> None:
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    B, S, D = 1, 19, 64
+    gen = torch.Generator().manual_seed(6)
+    cos, sin = torch.randn(B, S, D, generator=gen), torch.randn(B, S, D, generator=gen)  # general tables
+    q = torch.randn(B, 3, S, D, generator=gen, requires_grad=True)
+    k = torch.randn(B, 1, S, D, generator=gen, requires_grad=True)
+    dq, dk = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
+    torch.autograd.backward(apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1), (dq, dk))
+    gq, gk = rope_hf_ref(dq, dk, torch.empty_like(dq), torch.empty_like(dk), cos=cos, sin=sin, backward=True)
+    assert_close(gq, q.grad)
+    assert_close(gk, k.grad)
+    kq, kk = rope_hf(dq, dk, torch.empty_like(dq), torch.empty_like(dk), cos=cos, sin=sin, backward=True)
+    assert_close(kq, q.grad)
+    assert_close(kk, k.grad)
+
+
+def test_bf16_single_rounding_beats_bf16_math() -> None:
+    """fp32 math then one rounding: the kernel's bf16 output is within half a bf16 ulp of the exact
+    (fp64) result, which a rotation computed in bf16 (HF's bf16 path) is not."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, 64, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 1, 64, 64, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.randn(64, 64, generator=gen), torch.randn(64, 64, generator=gen)
+    q_out, _ = rope_hf(q, k, torch.empty_like(q), torch.empty_like(k), cos=cos, sin=sin)
+    exact = _rotate(q.double(), cos.double(), sin.double(), False)
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(2.0 ** -126)
+    err = (q_out.double() - exact).abs()
+    assert (err <= 0.5 * ulp * 1.0001 + 1e-30).all()
+    bf16_math = _rotate(q, cos.to(torch.bfloat16), sin.to(torch.bfloat16), False)
+    assert ((bf16_math.double() - exact).abs() > 0.5 * ulp * 1.0001).any()
+
+
+# --- constraints: every rule raises with kernel, rule and value --------------------------------------
+
+
+def _ok() -> dict:
+    return {"q": torch.zeros(1, 2, 8, 16), "k": torch.zeros(1, 1, 8, 16), "cos": torch.zeros(8, 16),
+            "sin": torch.zeros(8, 16)}
+
+
+def _bad_cases() -> list[tuple[str, dict, str]]:
+    z = torch.zeros
+    return [
+        ("q 3-D", {"q": z(2, 8, 16)}, "q is 4-D"),
+        ("k 3-D", {"k": z(1, 8, 16)}, "k is 4-D"),
+        ("S mismatch", {"k": z(1, 1, 9, 16)}, "q and k share B, S and D"),
+        ("odd D", {"q": z(1, 2, 8, 15), "k": z(1, 1, 8, 15), "cos": z(8, 15), "sin": z(8, 15)}, "D even"),
+        ("D 130", {"q": z(1, 2, 8, 130), "k": z(1, 1, 8, 130), "cos": z(8, 130), "sin": z(8, 130)}, "D <= 128"),
+        ("fp16", {"q": z(1, 2, 8, 16, dtype=torch.float16), "k": z(1, 1, 8, 16, dtype=torch.float16)},
+         "q.dtype in"),
+        ("k dtype", {"k": z(1, 1, 8, 16, dtype=torch.bfloat16)}, "k.dtype == q.dtype"),
+        ("both tables", {"rope_cache": z(8, 32)}, "exactly one of (cos, sin) or rope_cache"),
+        ("no tables", {"cos": None, "sin": None}, "exactly one of (cos, sin) or rope_cache"),
+        ("cos only", {"sin": None}, "cos and sin given together"),
+        ("cos/sin shapes", {"sin": z(9, 16)}, "cos.shape == sin.shape"),
+        ("cos width", {"cos": z(8, 8), "sin": z(8, 8)}, "cos.shape[-1] == D"),
+        ("cos rows", {"cos": z(7, 16), "sin": z(7, 16)}, "cos rows >= S"),
+        ("cos batch", {"cos": z(3, 8, 16), "sin": z(3, 8, 16)}, "cos.shape[0] == B"),
+        ("cos 4-D", {"cos": z(1, 1, 8, 16), "sin": z(1, 1, 8, 16)}, "cos is 2-D"),
+        ("cos int", {"cos": z(8, 16, dtype=torch.int32), "sin": z(8, 16, dtype=torch.int32)}, "cos.dtype in"),
+        ("cache width", {"cos": None, "sin": None, "rope_cache": z(8, 16)}, "rope_cache.shape[-1] == 2*D"),
+        ("cache rows", {"cos": None, "sin": None, "rope_cache": z(4, 32)}, "rope_cache rows >= S"),
+    ]
+
+
+@pytest.mark.parametrize("name,change,rule", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_constraint_violations_raise(name: str, change: dict, rule: str) -> None:
+    args = {**_ok(), **change}
+    q, k = args.pop("q"), args.pop("k")
+    with pytest.raises(KernelConstraintError) as ei:
+        rope_hf(q, k, torch.empty_like(q), torch.empty_like(k), **args)
+    msg = str(ei.value)
+    assert msg.startswith("rope_hf: constraint") and rule in msg and "(got " in msg, msg
+    assert constraints(q, k, layout="bhsd", **args)  # the registry sees the same violations
+
+
+def test_output_constraints_and_bshd_name() -> None:
+    a = _ok()
+    q, k = a["q"], a["k"]
+    with pytest.raises(KernelConstraintError, match=r"rope_hf: constraint 'q_out has the shape"):
+        rope_hf(q, k, torch.empty(1, 2, 8, 8), torch.empty_like(k), cos=a["cos"], sin=a["sin"])
+    strided = torch.empty(1, 8, 2, 16).transpose(1, 2)
+    with pytest.raises(KernelConstraintError, match="q_out is contiguous"):
+        rope_hf(q, k, strided, torch.empty_like(k), cos=a["cos"], sin=a["sin"])
+    with pytest.raises(KernelConstraintError, match=r"rope_hf_bshd: constraint 'D even' violated \(got 15\)"):
+        qb = torch.zeros(1, 8, 2, 15)
+        rope_hf_bshd(qb, torch.zeros(1, 8, 1, 15), torch.empty_like(qb), torch.zeros(1, 8, 1, 15),
+                     cos=torch.zeros(8, 15), sin=torch.zeros(8, 15))
+    assert constraints(q, k, layout="nope")[0].constraint.startswith("layout in")
+    assert constraints(q, k, cos=a["cos"], sin=a["sin"]) == []
