@@ -49,14 +49,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         selected.append(k)
     t0 = time.perf_counter()
+    out = args.out
+    csv_path = out / "bench.csv"
+    if args.overwrite and csv_path.exists():
+        csv_path.unlink()
     rows = []
     for k in selected:
         print(f"{k} ({'quick' if args.quick else 'full'}, {', '.join(modes)}):")
-        rows += run_cases(cases_mod.cases_for(k, args.quick, modes), chip=args.chip,
-                          measure_torch=not args.no_torch, budget_s=args.budget,
-                          torch_threads=args.torch_threads or None)
-    out = args.out
-    csv_path = write_rows(out / "bench.csv", rows, append=not args.overwrite)
+        k_rows = run_cases(cases_mod.cases_for(k, args.quick, modes), chip=args.chip,
+                           measure_torch=not args.no_torch, budget_s=args.budget,
+                           torch_threads=args.torch_threads or None)
+        write_rows(csv_path, k_rows)  # saved kernel by kernel
+        rows += k_rows
     # table and plots show the newest row per (kernel, impl, mode, metric, x) over the whole CSV
     latest = {}
     for r in read_rows(csv_path):
