@@ -19,6 +19,11 @@ from trnkit.harness.config import ConfigError, TrainerConfig
 from trnkit.harness.metrics import ModelShape
 
 
+# Qwen3Config fields that change a model's function without changing any weight shape.
+_MATH_FIELDS = ("rope_theta", "norm_eps", "norm_topk_prob", "tie_word_embeddings", "mlp_only_layers",
+                "decoder_sparse_step", "top_k")
+
+
 @dataclass
 class ModelHandle:
     kind: str                 # "native" | "hf"
@@ -46,6 +51,20 @@ class ModelHandle:
             for m in model.modules():
                 model._init_weights(m)
             model.tie_weights()
+
+    def reset_buffers(self, model: nn.Module, device: torch.device) -> None:
+        """Recompute non-persistent buffers (RoPE tables) that meta init + ``to_empty`` left as garbage."""
+        if self.kind == "native":
+            model.rope_cache = model._make_rope_cache(device)
+            return
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        for m in model.modules():
+            if hasattr(m, "inv_freq") and hasattr(m, "rope_type"):
+                fn = m.compute_default_rope_parameters if m.rope_type == "default" else ROPE_INIT_FUNCTIONS[m.rope_type]
+                inv_freq, m.attention_scaling = fn(m.config)  # computed on CPU, as in __init__
+                m.inv_freq = inv_freq.to(device)
+                m.original_inv_freq = m.inv_freq.clone()
 
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         if self.kind == "native":
@@ -118,24 +137,35 @@ class ModelHandle:
     def load_hf_state_dict(self, path: str) -> dict[str, torch.Tensor]:
         """A full state dict in this model's own key layout, read from an HF safetensors folder."""
         if self.kind == "native":
-            from trnkit.qwen3 import load_hf_checkpoint
-            return load_hf_checkpoint(path, self.config)
+            from trnkit.qwen3 import Qwen3Config
+            from trnkit.qwen3.checkpoint import load_hf_checkpoint
+
+            if os.path.isfile(os.path.join(path, "config.json")):
+                # shapes are checked key by key by the loader; these change the math without a shape
+                theirs = Qwen3Config.from_hf(path)
+                diffs = [f"{f}: model {getattr(self.config, f)!r} vs checkpoint {getattr(theirs, f)!r}"
+                         for f in _MATH_FIELDS if getattr(self.config, f) != getattr(theirs, f)]
+                if diffs:
+                    raise ConfigError(f"checkpoint.initial_load_path: {path}/config.json disagrees with "
+                                      f"{self.name} (set them in model.config): " + "; ".join(diffs))
+            return load_hf_checkpoint(path, self.config, dtype=torch.float32).state_dict()
         from transformers import AutoModelForCausalLM
         src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         return {k: v.detach() for k, v in src.state_dict().items()}
 
     def save_hf(self, state_dict: dict[str, torch.Tensor], path: str, dtype: torch.dtype) -> None:
         """Write a full state dict as an HF folder (config.json + model.safetensors) loadable by transformers."""
-        sd = {k: v.to(dtype) for k, v in state_dict.items()}
-        if self.kind == "native":
-            from trnkit.qwen3 import save_hf_checkpoint
-            save_hf_checkpoint(sd, path, self.config)
-            return
-        from transformers import AutoModelForCausalLM
         with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(self.config)
+            shell = self.build()
         shell.to_empty(device="cpu")
-        shell.load_state_dict(sd, strict=False)
+        shell.load_state_dict(state_dict, strict=False)  # the native rope cache is not in the state dict
+        if self.kind == "native":
+            from trnkit.qwen3.checkpoint import save_hf_checkpoint
+            if self.config.tie_word_embeddings:
+                shell.lm_head.weight = shell.tok_embeddings.weight
+            save_hf_checkpoint(shell, path, dtype=dtype)
+            return
+        shell.tie_weights()
         shell.to(dtype).save_pretrained(path)
 
 
@@ -153,6 +183,11 @@ def _hf_config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, Mod
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     E = getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0) or 0
     K = getattr(cfg, "num_experts_per_tok", 0) or 0
+    # HF's layer rule (Qwen3MoeDecoderLayer); a "MoE" config whose layers are all dense is dense
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+    if E and not any(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)):
+        E = K = 0
     return cfg, ModelShape(cfg.num_hidden_layers, n_heads, head_dim, E, K)
 
 

@@ -1,9 +1,10 @@
 """The training loop: ``python -m trnkit.harness.train --config configs/X.toml [--section.field value ...]``.
 
 Also under ``torchrun --nproc_per_node N -m trnkit.harness.train ...``. Order of operations (as in
-torchtitan): build the model on the meta device -> swap in kernels through the override registry ->
-parallelize (TP, then FSDP2) -> materialise (``to_empty``) -> initialise or load weights -> resume
-from the latest checkpoint if there is one -> train -> final checkpoint / HF export / loss plot.
+torchtitan): build the model on the meta device -> parallelize (TP, then FSDP2) -> materialise
+(``to_empty``) -> initialise or load weights -> swap in kernels through the override registry (report
+printed, validated on this run's shapes) -> resume from the latest checkpoint if there is one ->
+train -> final checkpoint / HF export / loss plot.
 """
 
 from __future__ import annotations
@@ -79,24 +80,31 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log) -> s
         from trnkit.overrides import OverrideConfig, apply_overrides
     except ImportError as e:
         raise ConfigError(f"overrides: trnkit.overrides.apply_overrides is not available ({e})") from e
-    report = apply_overrides(model, OverrideConfig(ops=list(o.ops), policy=o.policy, impl=o.impl))
+    # the dry-run validation sees this run's real shapes: [local_batch_size, seq_len] tokens
+    report = apply_overrides(model, OverrideConfig(ops=list(o.ops), policy=o.policy, impl=o.impl,
+                                                   seq_len=cfg.training.seq_len,
+                                                   batch_size=cfg.training.local_batch_size))
     table = report.table()
     log("kernel overrides:\n" + table)
     return table
 
 
 def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv, log: _Log) -> tuple[Any, str, bool]:
-    """meta build -> overrides -> TP -> FSDP -> materialise -> init or load. Returns (model, table, loaded)."""
+    """meta build -> TP -> FSDP -> materialise -> init or load -> overrides. Returns (model, table, loaded).
+
+    The overrides come last so their validation dry run sees real devices and dtypes; swapped modules
+    share the originals' parameter dicts, so FSDP's and TP's parameter handling is unaffected.
+    """
     torch.manual_seed(cfg.job.seed)
     with torch.device("meta"):
         model = handle.build()
-    table = _apply_overrides(model, cfg, log)
     bf16 = cfg.training.dtype == "bfloat16"
     if env.tp > 1:
         handle.apply_tp(model, env.mesh["tp"], cfg.parallelism.tp_experts)
     if env.dp > 1:
         parallel.apply_fsdp(model, handle.blocks(model), env.mesh["dp"], torch.bfloat16 if bf16 else None)
     model.to_empty(device=env.device)
+    handle.reset_buffers(model, env.device)
 
     load_path = cfg.checkpoint.initial_load_path or (handle.hf_path if cfg.model.hf_pretrained else "")
     if load_path:
@@ -105,7 +113,7 @@ def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv,
         log(f"loading HF weights from {load_path}")
         sd = handle.load_hf_state_dict(load_path)
         _load_full(model, handle, sd)
-        return model, table, True
+        return model, _apply_overrides(model, cfg, log), True
     if env.world_size == 1:
         with torch.no_grad():
             torch.manual_seed(cfg.job.seed)
@@ -120,14 +128,12 @@ def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv,
             handle.init_weights(full)
         _load_full(model, handle, full.state_dict())
         del full
-    return model, table, False
+    return model, _apply_overrides(model, cfg, log), False
 
 
 def _load_full(model: torch.nn.Module, handle: ModelHandle, sd: dict[str, torch.Tensor]) -> None:
     load_full_model_state_dict(model, sd, strict=False)
     if handle.kind == "native":
-        # non-persistent buffer; to_empty left it uninitialised
-        model.rope_cache = model._make_rope_cache(model.tok_embeddings.weight.device)
         if handle.config.tie_word_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
             model.lm_head.weight = model.tok_embeddings.weight
     else:
@@ -197,8 +203,6 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         if latest is not None:
             start_step = ckpt.load(latest[1])
             log(f"resumed from {latest[1]} (step {start_step})")
-            if handle.kind == "native":
-                model.rope_cache = model._make_rope_cache(env.device)
 
     peak = peak_flops(env.device.type, parallel.device_name(env.device))
     metrics = MetricsLogger(dump, cfg.metrics, t.steps, start_step, env.rank, fpt, peak, env.device,
