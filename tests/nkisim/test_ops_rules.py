@@ -219,3 +219,17 @@ def test_bn_stats_rules() -> None:
         vector.bn_aggr(f32(4, 2), f32(4, 10))
     with _raises(r"bn_aggr: dst must hold 2 elements on each of 4 partitions, got shape \(4, 3\)"):
         vector.bn_aggr(f32(4, 3), f32(4, 6))
+
+
+def test_select_and_scan_rules() -> None:
+    with _raises(r"range_select: on_false_value must be FP32_MIN"):
+        vector.range_select(f32(4, 8), f32(4, 8), nl.less, nl.less, f32(4, 1), f32(4, 1), on_false_value=0.0)
+    with _raises(r"range_select: comp_op0 must be one of equal/less/less_equal/greater/greater_equal, got nl.add"):
+        vector.range_select(f32(4, 8), f32(4, 8), nl.add, nl.less, f32(4, 1), f32(4, 1))
+    with _raises(r"select_reduce: predicate must be int8, uint8, int16 or uint16, got float32"):
+        vector.select_reduce(f32(4, 8), f32(4, 8), f32(4, 8), 0.0)
+    with _raises(r"select_reduce: reduce_op must be nl.maximum, got nl.add"):
+        vector.select_reduce(f32(4, 8), empty((4, 8), np.uint8), f32(4, 8), 0.0, reduce_op=nl.add)
+    with _raises(r"tensor_tensor_scan: data0 and data1 cannot both be in PSUM"):
+        vector.tensor_tensor_scan(f32(4, 8), f32(4, 8, buffer=psum), f32(4, 8, buffer=psum), 0.0,
+                                  nl.multiply, nl.add)

@@ -342,3 +342,42 @@ def test_bn_stats_single_element_tile() -> None:
     nisa.bn_stats(st, tile(np.arange(4, dtype=np.float32).reshape(4, 1)))
     np.testing.assert_array_equal(st.np()[:, [0, 1, 2, 3, 4, 5]],
                                   np.stack([np.ones(4), np.arange(4), np.zeros(4)] + [np.zeros(4)] * 3, 1))
+
+
+def test_tensor_tensor_scan_linear_recurrence_and_reverse() -> None:
+    a, b = _rand((8, 50), F32, 0.5, 1.0), _rand((8, 50), F32)
+    init = _rand((8, 1), F32)
+    dst = empty((8, 50), F32)
+    nisa.tensor_tensor_scan(dst, tile(a), tile(b), tile(init), nl.multiply, nl.add)
+    r, want = init[:, 0].copy(), np.empty_like(a)
+    for i in range(50):  # the documented pseudo code, in fp32
+        r = (a[:, i] * r + b[:, i]).astype(np.float32)
+        want[:, i] = r
+    np.testing.assert_array_equal(dst.np(), want)
+    nisa.tensor_tensor_scan(dst, tile(a), tile(b), 1.0, nl.subtract, nl.subtract, reverse0=True, reverse1=True)
+    r = np.float32(1.0)
+    for i in range(50):
+        r = b[:, i] - (r - a[:, i])
+        want[:, i] = r
+    np.testing.assert_allclose(dst.np(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_select_reduce_and_range_select() -> None:
+    x = _rand((16, 40), BF16)
+    pred = RNG.integers(0, 2, size=(16, 40)).astype(np.uint8)
+    dst, res = empty((16, 40), BF16), empty((16, 1), F32)
+    nisa.select_reduce(dst, tile(pred), tile(x, BF16), -5.0, reduce_res=res,
+                       reduce_cmd=reduce_cmd.reset_reduce)
+    want = np.where(pred != 0, x, -5.0)
+    np.testing.assert_array_equal(as_f32(dst), want)
+    np.testing.assert_array_equal(res.np()[:, 0], want.max(1))
+    # range_select: keep columns lo <= range_start + i < hi (a sliding attention window)
+    lo = RNG.integers(0, 30, size=(16, 1)).astype(np.float32)
+    hi = lo + 8
+    dst2, res2 = empty((16, 40), F32), empty((16, 1), F32)
+    nisa.range_select(dst2, tile(x, BF16), nl.greater_equal, nl.less, tile(lo), tile(hi),
+                      reduce_res=res2, range_start=10)
+    cols = 10 + np.arange(40)[None, :]
+    want2 = np.where((cols >= lo) & (cols < hi), x, nisa.FP32_MIN)
+    np.testing.assert_array_equal(dst2.np(), want2)
+    np.testing.assert_array_equal(res2.np()[:, 0], want2.max(1))

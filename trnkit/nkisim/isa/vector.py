@@ -29,7 +29,8 @@ from . import common
 __all__ = [
     "tensor_tensor", "tensor_scalar", "scalar_tensor_tensor", "tensor_reduce", "tensor_copy",
     "tensor_copy_predicated", "memset", "reciprocal", "max8", "nc_find_index8", "nc_match_replace8",
-    "tensor_scalar_reduce", "tensor_scalar_cumulative", "bn_stats", "bn_aggr",
+    "tensor_scalar_reduce", "tensor_scalar_cumulative", "bn_stats", "bn_aggr", "tensor_tensor_scan",
+    "select_reduce", "range_select",
 ]
 
 PMAX = 128  # nl.tile_size.pmax
@@ -680,3 +681,136 @@ def bn_aggr(dst: NkiTensor, data: NkiTensor, name: str | None = None) -> None:
         var = (m2 + cnt * np.square(mean - mu)).sum(axis=1, keepdims=True) / total
     write(dst, np.concatenate([mu, var], axis=1))
     emit(OP, "vector", {"dst": dst, "data": data})
+
+
+# ---------------------------------------------------------------------------------------------
+# scans and predicated selects
+# ---------------------------------------------------------------------------------------------
+
+FP32_MIN = float(np.finfo(np.float32).min)  # -3.4028235e38, range_select's only legal fill
+
+
+def tensor_tensor_scan(dst: NkiTensor, data0: NkiTensor, data1: NkiTensor, initial: Any, op0: Any,
+                       op1: Any, reverse0: bool = False, reverse1: bool = False,
+                       name: str | None = None) -> None:
+    """``r[i] = op1(op0(data0[i], r[i-1]), data1[i])`` along the (flattened) free dims, ``r[-1] = initial``.
+
+    ``reverse0`` makes ``data0`` the rhs of op0, ``reverse1`` makes ``data1`` the lhs of op1. The
+    recurrence is sequential by definition, so the interpreter steps along the free axis with each
+    step vectorised over the partitions (fp32, like the engine).
+    """
+    OP = "tensor_tensor_scan"
+    f0 = get_op(OP, "op0", op0, alu=True, arity=2)
+    f1 = get_op(OP, "op1", op1, alu=True, arity=2)
+    require(not f0.is_bitvec and not f1.is_bitvec, OP,
+            "op0 and op1 must be arithmetic operators (got {f0}, {f1})", f0=f0, f1=f1)
+    for role, t in (("dst", dst), ("data0", data0), ("data1", data1)):
+        check_tile(OP, role, t, "vector")
+    check_same_layout(OP, "data0", data0, "data1", data1)
+    check_same_layout(OP, "data0", data0, "dst", dst)
+    require(not (buf(data0) == "psum" and buf(data1) == "psum"), OP,
+            "data0 and data1 cannot both be in PSUM")
+    r = np.broadcast_to(scalar_or_column(OP, "initial", initial, data0.shape[0], "vector", fp32=False),
+                        (data0.shape[0], 1))[:, 0].astype(_F32)
+    a, b = read(data0), read(data1)
+    out = np.empty_like(a)
+    with np.errstate(all="ignore"):
+        for i in range(a.shape[1]):
+            t = f0.apply(r, a[:, i]) if reverse0 else f0.apply(a[:, i], r)
+            r = f1.apply(b[:, i], t) if reverse1 else f1.apply(t, b[:, i])
+            out[:, i] = r
+    write(dst, out)
+    emit(OP, "vector", {"dst": dst, "data0": data0, "data1": data1, "initial": initial},
+         op=f1.name, op0=f0.name, op1=f1.name)
+
+
+def _max_into_registers(op: str, fr: _ops.NkiOp, cmd: str, values: np.ndarray,
+                        reduce_res: NkiTensor | None) -> None:
+    """Shared tail of the select instructions: max-reduce into the Vector accumulator, read out."""
+    if cmd != "idle":
+        _accumulate(_vector_regs, op, fr, cmd, fr.reduce(values, (1,), keepdims=True))
+    if reduce_res is not None:
+        state = getattr(_vector_regs, "value", None)
+        P = values.shape[0]
+        write(reduce_res, state[:P] if state is not None else np.full((P, 1), -np.inf, _F32))
+
+
+def _check_select_reduce_args(op: str, reduce_op: Any, reduce_cmd: Any, reduce_res: Any, partitions: int,
+                              cmds: tuple[str, ...]) -> tuple[_ops.NkiOp, str]:
+    fr = get_op(op, "reduce_op", reduce_op, alu=True, arity=2)
+    require(fr.name == "maximum", op, "reduce_op must be nl.maximum, got {fr}", fr=fr)
+    cmd = cmd_name(reduce_cmd)
+    require(cmd in cmds, op, "reduce_cmd must be one of {cmds}, got {cmd}", cmds="/".join(cmds), cmd=cmd)
+    if reduce_res is not None:
+        check_column(op, "reduce_res", reduce_res, partitions, "vector")
+        require(dtypes.is_float(reduce_res.dtype), op, "reduce_res must have a float dtype, got {dtype}",
+                dtype=reduce_res.dtype.name)
+    return fr, cmd
+
+
+def select_reduce(dst: NkiTensor, predicate: NkiTensor, on_true: NkiTensor, on_false: Any,
+                  reduce_res: NkiTensor | None = None, reduce_cmd: Any = common.reduce_cmd.idle,
+                  reduce_op: Any = _ops.maximum, reverse_pred: bool = False,
+                  name: str | None = None) -> None:
+    """``dst = where(predicate, on_true, on_false)`` with an optional per-partition max into
+    ``reduce_res`` (Vector accumulator: ``reset_reduce`` starts at -inf, ``reduce`` continues)."""
+    OP = "select_reduce"
+    for role, t in (("dst", dst), ("predicate", predicate), ("on_true", on_true)):
+        check_tile(OP, role, t, "vector")
+    check_same_layout(OP, "on_true", on_true, "dst", dst)
+    check_same_layout(OP, "on_true", on_true, "predicate", predicate)
+    require(not (buf(on_true) == "psum" and buf(predicate) == "psum"), OP,
+            "on_true and predicate cannot both be in PSUM")
+    require(predicate.dtype in (dtypes.int8, dtypes.uint8, dtypes.int16, dtypes.uint16), OP,
+            "predicate must be int8, uint8, int16 or uint16, got {dtype}", dtype=predicate.dtype.name)
+    require(on_true.dtype not in (dtypes.int32, dtypes.uint32), OP,
+            "on_true dtype {dtype} is not supported (no int32/uint32)", dtype=on_true.dtype.name)
+    P = on_true.shape[0]
+    fr, cmd = _check_select_reduce_args(OP, reduce_op, reduce_cmd, reduce_res, P,
+                                        ("idle", "reset_reduce", "reduce"))
+    fill = scalar_or_column(OP, "on_false", on_false, P, "vector", fp32=False)
+    mask = read_raw(predicate) != 0
+    if reverse_pred:
+        mask = ~mask
+    res = np.where(mask, read(on_true), fill).astype(_F32)
+    write(dst, res)
+    _max_into_registers(OP, fr, cmd, res, reduce_res)
+    emit(OP, "vector", {"dst": dst, "predicate": predicate, "on_true": on_true, "on_false": on_false,
+                        "reduce_res": reduce_res}, op="maximum")
+
+
+def range_select(dst: NkiTensor, on_true_tile: NkiTensor, comp_op0: Any, comp_op1: Any, bound0: NkiTensor,
+                 bound1: NkiTensor, reduce_cmd: Any = common.reduce_cmd.reset_reduce,
+                 reduce_res: NkiTensor | None = None, reduce_op: Any = _ops.maximum, range_start: int = 0,
+                 on_false_value: float = FP32_MIN, name: str | None = None) -> None:
+    """Keep ``on_true_tile[p, i]`` where ``comp_op0(range_start + i, bound0[p])`` and
+    ``comp_op1(range_start + i, bound1[p])`` hold (fp32 compares), else ``on_false_value``
+    (must be FP32_MIN); plus the per-partition max (Vector accumulator) into ``reduce_res``."""
+    OP = "range_select"
+    comparisons = ("equal", "less", "less_equal", "greater", "greater_equal")
+    c0 = get_op(OP, "comp_op0", comp_op0, alu=True, arity=2)
+    c1 = get_op(OP, "comp_op1", comp_op1, alu=True, arity=2)
+    for role, c in (("comp_op0", c0), ("comp_op1", c1)):
+        require(c.name in comparisons, OP, "{role} must be one of {ok}, got {c}", role=role,
+                ok="/".join(comparisons), c=c)
+    check_tile(OP, "dst", dst, "vector")
+    check_tile(OP, "on_true_tile", on_true_tile, "vector")
+    check_same_layout(OP, "on_true_tile", on_true_tile, "dst", dst)
+    require(dtypes.is_float(on_true_tile.dtype), OP, "on_true_tile must have a float dtype, got {dtype}",
+            dtype=on_true_tile.dtype.name)
+    require(float(on_false_value) == FP32_MIN, OP, "on_false_value must be FP32_MIN ({fmin}), got "
+            "{v!r}", fmin=FP32_MIN, v=on_false_value)
+    require(isinstance(range_start, (int, np.integer)), OP, "range_start must be a compile-time int, "
+            "got {v!r}", v=range_start)
+    P = on_true_tile.shape[0]
+    fr, cmd = _check_select_reduce_args(OP, reduce_op, reduce_cmd, reduce_res, P,
+                                        ("idle", "reset_reduce", "reduce"))
+    lo = scalar_or_column(OP, "bound0", bound0, P, "vector", fp32=True)
+    hi = scalar_or_column(OP, "bound1", bound1, P, "vector", fp32=True)
+    idx = (int(range_start) + np.arange(free_size(on_true_tile), dtype=np.float64)).astype(_F32)[None, :]
+    mask = (c0.apply(idx, lo) != 0) & (c1.apply(idx, hi) != 0)
+    res = np.where(mask, read(on_true_tile), _F32(FP32_MIN)).astype(_F32)
+    write(dst, res)
+    _max_into_registers(OP, fr, cmd, res, reduce_res)
+    emit(OP, "vector", {"dst": dst, "on_true_tile": on_true_tile, "bound0": bound0, "bound1": bound1,
+                        "reduce_res": reduce_res}, op="maximum")
