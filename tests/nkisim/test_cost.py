@@ -238,3 +238,29 @@ def test_dma_bandwidth_timeline_fills_gaps_first_fit():
     assert tl.place(0.0, 60.0) == 150.0  # gap [60, 100) too small -> after the last
     assert tl.place(60.0, 40.0) == 60.0  # exactly fills the gap; everything merges
     assert tl.starts == [0.0] and tl.ends == [210.0]
+
+
+def test_interpreted_tiled_matmul_between_roofline_and_serial_and_trace_only_invariant():
+    import torch
+
+    from trnkit.demo import matmul_tiled
+    from trnkit.nkisim import trace
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1024, 512, generator=g).to(torch.bfloat16)  # lhsT [K, M]
+    b = torch.randn(1024, 1024, generator=g).to(torch.bfloat16)  # rhs [K, N]
+    reports = []
+    for trace_only in (False, True):
+        with trace.record(trace_only=trace_only) as tr:
+            matmul_tiled(a, b)
+        reports.append(cost.estimate(tr))
+    rep, rep_to = reports
+    assert rep.model == "list-schedule"
+    n_mm = (512 // 128) * (1024 // 512) * (1024 // 128)
+    assert rep.count[TENSOR] == n_mm and rep.count[DMA] == 2 * n_mm + 8
+    assert rep.busy_ns[TENSOR] == pytest.approx(n_mm * 512 / 2.4)
+    assert rep.flops == 2 * 512 * 1024 * 1024
+    # inputs read once per (m, n) tile pair: lhsT N/512 times, rhs M/128 times; output written once
+    assert rep.hbm_bytes == 2 * (1024 * 512 * 2 + 1024 * 1024 * 4) + 512 * 1024 * 2
+    assert rep.roofline_ns < rep.total_ns < rep.serial_ns
+    assert rep_to.as_dict() == rep.as_dict()  # skipping matmul arithmetic must not change the estimate
