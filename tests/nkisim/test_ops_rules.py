@@ -233,3 +233,10 @@ def test_select_and_scan_rules() -> None:
     with _raises(r"tensor_tensor_scan: data0 and data1 cannot both be in PSUM"):
         vector.tensor_tensor_scan(f32(4, 8), f32(4, 8, buffer=psum), f32(4, 8, buffer=psum), 0.0,
                                   nl.multiply, nl.add)
+
+
+def test_topk_data_rank_limits() -> None:
+    with _raises(r"nc_find_index8: data must be at most 5-D, got shape \(2, 2, 2, 2, 2, 2\)"):
+        vector.nc_find_index8(empty((2, 8), np.uint32), f32(2, 2, 2, 2, 2, 2), f32(2, 8))
+    with _raises(r"nc_match_replace8: vals must be at most 3-D, got shape \(2, 2, 2, 2\)"):
+        vector.nc_match_replace8(f32(2, 16), f32(2, 16), f32(2, 2, 2, 2), imm=0.0)

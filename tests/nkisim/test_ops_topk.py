@@ -158,3 +158,17 @@ def test_find_and_replace8_match_sequential_reference(row, vals) -> None:
     nisa.nc_match_replace8(dst, tile(data), tile(v), imm=-1.0, dst_idx=idx)
     want_row, want_idx = _replace8_reference(row, vals, -1.0)
     assert dst.np()[0].tolist() == want_row and idx.np()[0].tolist() == want_idx
+
+
+def test_find_index8_and_match_replace8_accept_up_to_5d_data() -> None:
+    x = RNG.standard_normal((2, 2, 2, 2, 4)).astype(np.float32)
+    flat = x.reshape(2, -1)
+    vals = flat[:, [3, 0, 31, 7, 8, 9, 10, 11]]
+    idx = empty((2, 8), np.uint32)
+    nisa.nc_find_index8(idx, tile(x), tile(vals))
+    np.testing.assert_array_equal(idx.np(), np.tile([3, 0, 31, 7, 8, 9, 10, 11], (2, 1)))
+    out = empty(x.shape, F32)
+    nisa.nc_match_replace8(out, tile(x), tile(vals), imm=0.0)
+    want = flat.copy()
+    want[:, [3, 0, 31, 7, 8, 9, 10, 11]] = 0.0
+    np.testing.assert_array_equal(out.np().reshape(2, -1), want)

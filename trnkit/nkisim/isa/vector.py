@@ -415,13 +415,13 @@ def reciprocal(dst: NkiTensor, data: NkiTensor, name: str | None = None) -> None
 # top-8 primitives
 # ---------------------------------------------------------------------------------------------
 
-def _check_topk_src(op: str, role: str, t: Any) -> None:
+def _check_topk_src(op: str, role: str, t: Any, max_ndim: int, lo: int = TOPK_MIN) -> None:
     check_tile(op, role, t, "vector")
-    require(len(t.shape) <= 3, op, "{role} must be at most 3-D, got shape {shape}", role=role,
-            shape=tuple(t.shape))
+    require(len(t.shape) <= max_ndim, op, "{role} must be at most {nd}-D, got shape {shape}", role=role,
+            nd=max_ndim, shape=tuple(t.shape))
     n = free_size(t)
-    require(TOPK_MIN <= n <= TOPK_MAX, op, "{role} has {n} elements per partition, must be between "
-            "{lo} and {hi}", role=role, n=n, lo=TOPK_MIN, hi=TOPK_MAX)
+    require(lo <= n <= TOPK_MAX, op, "{role} has {n} elements per partition, must be between "
+            "{lo} and {hi}", role=role, n=n, lo=lo, hi=TOPK_MAX)
 
 
 def _check_eight(op: str, role: str, t: Any, partitions: int, *, index: bool = False) -> None:
@@ -441,7 +441,7 @@ def _not_found(dt: np.dtype) -> int:
 def max8(dst: NkiTensor, src: NkiTensor, name: str | None = None) -> None:
     """The 8 largest values of each partition of ``src``, in descending order (fp32 compare)."""
     OP = "max8"
-    _check_topk_src(OP, "src", src)
+    _check_topk_src(OP, "src", src, max_ndim=3)
     check_tile(OP, "dst", dst, "vector")
     require(len(dst.shape) == 2 and tuple(dst.shape) == (src.shape[0], 8), OP,
             "dst must have shape ({p}, 8), got {shape}", p=src.shape[0], shape=tuple(dst.shape))
@@ -469,7 +469,7 @@ def nc_find_index8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, name: str |
     occurrence gets the all-ones sentinel of ``dst.dtype`` (NKI 0.6.0 simulator fix).
     """
     OP = "nc_find_index8"
-    _check_topk_src(OP, "data", data)
+    _check_topk_src(OP, "data", data, max_ndim=5)
     P = data.shape[0]
     _check_eight(OP, "vals", vals, P)
     require(len(vals.shape) <= 3, OP, "vals must be at most 3-D, got shape {shape}",
@@ -496,11 +496,13 @@ def nc_match_replace8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, imm: flo
     receives the matched indices (all-ones when a value is not found).
     """
     OP = "nc_match_replace8"
-    _check_topk_src(OP, "data", data)
+    _check_topk_src(OP, "data", data, max_ndim=5, lo=1)  # "no more than 16,384" is the only bound
     P = data.shape[0]
     check_tile(OP, "dst", dst, "vector")
     check_same_layout(OP, "data", data, "dst", dst)
     _check_eight(OP, "vals", vals, P)
+    require(len(vals.shape) <= 3, OP, "vals must be at most 3-D, got shape {shape}",
+            shape=tuple(vals.shape))
     if dst_idx is not None:
         _check_eight(OP, "dst_idx", dst_idx, P, index=True)
     require(isinstance(imm, (int, float, np.integer, np.floating)), OP,
