@@ -1,0 +1,168 @@
+"""router_topk / router_topk_bwd: NKI kernels (on trnkit's interpreter) vs the torch references, and the
+references vs transformers' Qwen3-MoE router (forward and autograd)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.tolerances import assert_close
+from trnkit.kernels.constraints import KernelConstraintError
+from trnkit.kernels.router_topk import (constraints, router_topk, router_topk_bwd, router_topk_bwd_ref,
+                                        router_topk_ref)
+
+
+def _inputs(T: int, H: int, E: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    w = (torch.randn(E, H, generator=gen) / H ** 0.5).to(dtype)
+    return x, w
+
+
+def _check_forward(x: torch.Tensor, w: torch.Tensor, K: int, norm: bool) -> tuple:
+    wk, ik, lg = router_topk(x, w, K, norm)
+    wr, ir, lr = router_topk_ref(x, w, K, norm)
+    assert wk.dtype == torch.float32 and ik.dtype == torch.int32 and lg.dtype == torch.float32
+    assert wk.shape == ik.shape == (x.shape[0], K) and lg.shape == (x.shape[0], w.shape[0])
+    # logits: fp32 accumulation of exact products (bf16 x bf16 is exact in fp32) in another order
+    assert_close(lg, lr, torch.float32)
+    assert torch.equal(ik, ir), (ik, ir)  # random inputs are tie-free: selection matches torch.topk
+    assert_close(wk, wr, torch.float32)
+    return wk, ik, lg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("T,H,E,K", [
+    (130, 256, 16, 8),   # two token tiles (tail of 2), two H blocks
+    (1, 128, 8, 1),      # T=1, K=1
+    (5, 64, 8, 8),       # K=E, H < 128
+    (9, 200, 7, 3),      # prime E < 8 (max8 padding), odd H with a short last block
+    (40, 384, 130, 4),   # E > 128: two E chunks of w^T, logits in one PSUM bank
+])
+def test_forward_matches_ref(T: int, H: int, E: int, K: int, dtype: torch.dtype, norm: bool) -> None:
+    x, w = _inputs(T, H, E, dtype)
+    _check_forward(x, w, K, norm)
+
+
+def test_ties_go_to_lower_expert_index() -> None:
+    # experts 1, 3 and 6 share a weight row, so their logits tie exactly for every token
+    x, w = _inputs(6, 64, 8, torch.float32, seed=1)
+    w[3] = w[1]
+    w[6] = w[1]
+    x += 10 * w[1] / w[1].square().sum()  # the tied experts lead by ~10: they are the top three
+    wk, ik, lg = router_topk(x, w, 4)
+    for t in range(6):
+        order = sorted(range(8), key=lambda e: (-lg[t, e].item(), e))[:4]
+        assert ik[t].tolist() == order, (ik[t], order)
+    assert (ik[:, :3] == torch.tensor([1, 3, 6], dtype=torch.int32)).all()
+    assert torch.equal(wk[:, 0], wk[:, 1]) and torch.equal(wk[:, 1], wk[:, 2])
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(T=st.integers(1, 140), H=st.integers(1, 300), E=st.integers(1, 40), data=st.data(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), norm=st.booleans())
+def test_hypothesis_shapes(T, H, E, data, dtype, norm) -> None:
+    K = data.draw(st.integers(1, min(8, E)))
+    x, w = _inputs(T, H, E, dtype, seed=T * 1000 + H)
+    _check_forward(x, w, K, norm)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_ref_matches_transformers_qwen3_moe_router(norm: bool) -> None:
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=16, num_experts=12, num_experts_per_tok=4,
+                         norm_topk_prob=norm)
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(12, 64, generator=gen) / 8)
+    x = torch.randn(21, 64, generator=gen, requires_grad=True)
+    hf_logits, hf_w, hf_i = block.gate(x)
+    w_ref, i_ref, l_ref = router_topk_ref(x.detach(), block.gate.weight.detach(), 4, norm)
+    assert_close(l_ref, hf_logits.detach())
+    assert torch.equal(i_ref.long(), hf_i)
+    assert_close(w_ref, hf_w.detach())
+    w_k, i_k, l_k = router_topk(x.detach(), block.gate.weight.detach(), 4, norm)  # and the kernel
+    assert torch.equal(i_k.long(), hf_i)
+    assert_close(w_k, hf_w.detach())
+    assert_close(l_k, hf_logits.detach())
+    # backward: autograd through HF's router vs the reference and the kernel
+    gen = torch.Generator().manual_seed(3)
+    g_w, g_l = torch.randn(21, 4, generator=gen), torch.randn(21, 12, generator=gen)
+    torch.autograd.backward((hf_w, hf_logits), (g_w, g_l))
+    for fn in (router_topk_bwd_ref, router_topk_bwd):
+        gx, gW = fn(x.detach(), block.gate.weight.detach(), l_ref, i_ref, g_w, g_l, norm)
+        assert_close(gx, x.grad)
+        assert_close(gW, block.gate.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("with_logit_grad", [True, False])
+@pytest.mark.parametrize("T,H,E,K", [(130, 200, 16, 8), (1, 64, 7, 1), (33, 640, 130, 3), (8, 128, 8, 8)])
+def test_backward_matches_ref(T, H, E, K, dtype, norm, with_logit_grad) -> None:
+    x, w = _inputs(T, H, E, dtype, seed=5)
+    _, idx, logits = router_topk_ref(x, w, K, norm)
+    gen = torch.Generator().manual_seed(6)
+    g_w = torch.randn(T, K, generator=gen)
+    g_l = torch.randn(T, E, generator=gen) if with_logit_grad else None
+    gx, gw = router_topk_bwd(x, w, logits, idx, g_w, g_l, norm)
+    rx, rw = router_topk_bwd_ref(x, w, logits, idx, g_w, g_l, norm)
+    assert gx.dtype == x.dtype and gw.dtype == w.dtype
+    assert gx.shape == x.shape and gw.shape == w.shape
+    # the kernel's sums run in a different order; compare relative to each tensor's scale (fp32 math,
+    # one rounding to the output dtype). K=1 with norm_topk_prob has an exactly zero gradient, where the
+    # kernel leaves fp32 rounding residue (~1e-7): the floor 1 (= the O(1) scale of x and the upstream
+    # gradients here) keeps that a pass.
+    for got, ref in ((gx, rx), (gw, rw)):
+        scale = ref.float().abs().max().clamp_min(1.0)
+        assert_close(got.float() / scale, ref.float() / scale, dtype)
+
+
+def test_backward_with_int64_indices_from_the_model() -> None:
+    x, w = _inputs(10, 64, 9, torch.float32, seed=8)
+    _, idx, logits = router_topk_ref(x, w, 2)
+    g = torch.randn(10, 2)
+    a = router_topk_bwd(x, w, logits, idx.long(), g)
+    b = router_topk_bwd_ref(x, w, logits, idx, g)
+    assert_close(a[0], b[0])
+    assert_close(a[1], b[1])
+
+
+# --- constraints ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("x,w,k,rule", [
+    (torch.zeros(4, 8, 2), torch.zeros(4, 8), 2, "x is 2-D [T, H]"),
+    (torch.zeros(4, 8), torch.zeros(4), 2, "w_router is 2-D [E, H]"),
+    (torch.zeros(4, 8), torch.zeros(4, 9), 2, "w_router.shape[1] == H"),
+    (torch.zeros(0, 8), torch.zeros(4, 8), 2, "T, H, E >= 1"),
+    (torch.zeros(4, 8), torch.zeros(513, 8), 2, "E <= 512"),
+    (torch.zeros(4, 8), torch.zeros(16, 8), 9, "1 <= top_k <= 8"),
+    (torch.zeros(4, 8), torch.zeros(16, 8), 0, "1 <= top_k <= 8"),
+    (torch.zeros(4, 8), torch.zeros(3, 8), 4, "top_k <= E"),
+    (torch.zeros(4, 8, dtype=torch.float16), torch.zeros(4, 8, dtype=torch.float16), 2, "x.dtype in"),
+    (torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16), 2, "w_router.dtype == x.dtype"),
+    (torch.zeros(4, 65536), torch.zeros(512, 65536), 2, "w_router fits SBUF"),
+])
+def test_constraint_violations_raise(x, w, k, rule) -> None:
+    with pytest.raises(KernelConstraintError) as ei:
+        router_topk(x, w, k)
+    msg = str(ei.value)
+    assert msg.startswith("router_topk: constraint") and rule in msg and "(got " in msg, msg
+    assert any(v.constraint.startswith(rule) for v in constraints(x, w, k))
+
+
+def test_backward_shape_constraints() -> None:
+    x, w = _inputs(4, 16, 6, torch.float32)
+    _, idx, logits = router_topk_ref(x, w, 2)
+    with pytest.raises(KernelConstraintError, match=r"router_topk_bwd: constraint 'grad_topk_weights.shape"):
+        router_topk_bwd(x, w, logits, idx, torch.zeros(4, 3))
+    with pytest.raises(KernelConstraintError, match=r"router_topk_bwd: constraint 'router_logits.shape"):
+        router_topk_bwd(x, w, logits[:, :5], idx, torch.zeros(4, 2))
+    assert constraints(x, w, 2) == []
