@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 from trnkit.kernels.moe_grouped_mm import (
-    NMAX,
     P,
     block_range,
     chunks,
@@ -36,47 +35,34 @@ from trnkit.kernels.moe_grouped_mm import (
     load_weight,
     row_matmul,
     store_rows,
+    tiles,
     transpose_rows,
+    weight_operand,
 )
 from trnkit.nki_api import nisa, nl, nki
 
 
-def _apply_chunks(ichunks: list[tuple[int, int]], j0: int, nj: int, fn: Any) -> None:
-    """Call ``fn(rows, a, b)`` over chunk range ``j0 .. j0+nj`` of a ``[P, chunks, B]`` tile: the full
-    128-row chunks together, a partial last chunk (I % 128) separately with only its valid rows."""
-    full = sum(1 for j in range(j0, j0 + nj) if ichunks[j][1] == P)
-    if full:
-        fn(P, 0, full)
-    if full < nj:
-        fn(ichunks[j0 + full][1], full, nj)
+def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int) -> None:
+    """``h_T[j] [P, B] = silu(gate.T) * up.T`` for I-chunk j, ``gate.T = w_gate_up[:, chunk j].T @ x.T``.
 
-
-def swiglu_T(h_T: Any, x_T: Any, wgu: Any, H: int, inter: int, B: int) -> None:
-    """``h_T [P, IC, B] = silu(gate.T) * up.T`` with ``gate.T = w_gate_up[:, :I].T @ x.T`` etc."""
+    One PSUM accumulation group per (chunk, gate|up); as many chunks per pass over H as fit in 4
+    banks, so each moving x.T chunk feeds 2 * (chunks per pass) matmuls.
+    """
     ichunks = chunks(inter, P)
-    per_tile = max(1, NMAX // B)  # I-chunks of B fp32 columns per 2 KiB PSUM bank
-    tiles = chunks(len(ichunks), per_tile)
-    for p0 in range(0, len(tiles), 2):  # 2 gate + 2 up banks live per pass over H
-        group = tiles[p0:p0 + 2]
-        g_ps = [nl.ndarray((P, nj, B), dtype=nl.float32, buffer=nl.psum) for _, nj in group]
-        u_ps = [nl.ndarray((P, nj, B), dtype=nl.float32, buffer=nl.psum) for _, nj in group]
+    per_pass = max(1, 1024 // B)  # 2 * per_pass * B fp32 columns = 4 PSUM banks
+    for j0, nj in chunks(len(ichunks), per_pass):
+        group = ichunks[j0:j0 + nj]
+        g_ps = [nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum) for _, iw in group]
+        u_ps = [nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum) for _, iw in group]
         for c, (_, hk) in enumerate(chunks(H, P)):
-            for t, (j0, nj) in enumerate(group):
-                for jj in range(nj):
-                    i0, iw = ichunks[j0 + jj]
-                    nisa.nc_matmul(dst=g_ps[t][:iw, jj, :], stationary=wgu[:hk, c, i0:i0 + iw],
-                                   moving=x_T[:hk, c, :])
-                    nisa.nc_matmul(dst=u_ps[t][:iw, jj, :], stationary=wgu[:hk, c, inter + i0:inter + i0 + iw],
-                                   moving=x_T[:hk, c, :])
-        for t, (j0, nj) in enumerate(group):
-            act = nl.ndarray((P, nj, B), dtype=nl.float32, buffer=nl.sbuf)
-
-            def silu_mul(rows: int, a: int, b: int, t: int = t, j0: int = j0, act: Any = act) -> None:
-                nisa.activation(dst=act[:rows, a:b, :], op=nl.silu, data=g_ps[t][:rows, a:b, :])
-                nisa.tensor_tensor(dst=h_T[:rows, j0 + a:j0 + b, :], data1=act[:rows, a:b, :],
-                                   data2=u_ps[t][:rows, a:b, :], op=nl.multiply)
-
-            _apply_chunks(ichunks, j0, nj, silu_mul)
+            for jj, (i0, iw) in enumerate(group):
+                nisa.nc_matmul(dst=g_ps[jj], stationary=wgu[:hk, c, i0:i0 + iw], moving=x_T[c][:hk, :])
+                nisa.nc_matmul(dst=u_ps[jj], stationary=wgu[:hk, c, inter + i0:inter + i0 + iw],
+                               moving=x_T[c][:hk, :])
+        for jj, (_, iw) in enumerate(group):
+            act = nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=act, op=nl.silu, data=g_ps[jj])
+            nisa.tensor_tensor(dst=h_T[j0 + jj][:iw, :], data1=act, data2=u_ps[jj], op=nl.multiply)
 
 
 @nki.jit
@@ -106,18 +92,18 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
         lo, hi = block_range(block_start, e, bs)
 
         def block(i, wgu=wgu, wd=wd):
-            x_T = nl.ndarray((P, HC, B), dtype=dt, buffer=nl.sbuf)
+            x_T = tiles(HC, (P, B), dt)
             for sub in range(n_sub):
                 x_sb = nl.ndarray((rows, H), dtype=dt, buffer=nl.sbuf)
                 load_rows(x_sb, x, token_table, i, sub, zero_pad=True)
                 transpose_rows(x_sb, x_T, col0=sub * rows)
-            h_T = nl.ndarray((P, IC, B), dtype=dt, buffer=nl.sbuf)
+            h_T = tiles(IC, (P, B), dt)
             swiglu_T(h_T, x_T, wgu, H, inter, B)
             for sub in range(n_sub):
                 w_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
                 load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
                 y_sb = nl.ndarray((rows, H), dtype=dt, buffer=nl.sbuf)
-                row_matmul(y_sb, h_T, rows, wd, inter, col0=sub * rows, scale=w_col)
+                row_matmul(y_sb, h_T, rows, weight_operand(wd), inter, col0=sub * rows, scale=w_col)
                 store_rows(y, y_sb, slot_table, i, sub)
 
         nl.fori_loop(lo, hi, block)

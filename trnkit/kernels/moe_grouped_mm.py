@@ -79,8 +79,7 @@ def store_rows(dst: Any, src: Any, table: Any, i: Any, sub: int) -> None:
 def load_weight(w: Any, g: int) -> Any:
     """``w[g] [R, C]`` (HBM, row-major) -> SBUF ``[P, ceil(R/P), C]``: row ``c*P + p`` on partition p.
 
-    One DMA per 4 row chunks (512 rows: >= 2 KiB per partition for C >= 256 bf16), so the first
-    matmuls can start before the whole expert has arrived.
+    One DMA per 4 row chunks (512 rows, one contiguous run of C elements per partition row).
     """
     _, R, C = w.shape
     t = nl.ndarray((P, (R + P - 1) // P, C), dtype=w.dtype, buffer=nl.sbuf)
@@ -94,6 +93,11 @@ def load_weight(w: Any, g: int) -> Any:
     return t
 
 
+def weight_operand(w_sb: Any) -> Any:
+    """Moving-operand accessor ``rhs(c, ck, n0, nw)`` of a :func:`load_weight` tile."""
+    return lambda c, ck, n0, nw: w_sb[:ck, c, n0:n0 + nw]
+
+
 def evacuate(dst: Any, src: Any, k: int, scale: Any = None) -> None:
     """PSUM -> SBUF copy (with cast, optional per-partition ``scale [rows, 1]``), alternating the
     Vector and Scalar engines by ``k`` so neither becomes the bottleneck."""
@@ -103,31 +107,42 @@ def evacuate(dst: Any, src: Any, k: int, scale: Any = None) -> None:
         nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.vector)
 
 
-def transpose_into(dst: Any, src: Any, k: int) -> None:
-    """``dst [c, r] = src [r, c]`` (SBUF -> SBUF, r, c <= 128) through a Tensor Engine transpose."""
-    rows, cols = src.shape
-    ps = nl.ndarray((cols, rows), dtype=src.dtype, buffer=nl.psum)
-    nisa.nc_transpose(dst=ps, data=src)
-    evacuate(dst, ps, k)
-
-
-def transpose_rows(src: Any, dst: Any, col0: int = 0) -> None:
-    """SBUF ``src [rows, W]`` -> ``dst [P, ceil(W/P), >= col0 + rows]``: column chunk c of src on the
-    partitions of ``dst[:, c, col0 : col0 + rows]`` (the contraction layout of nc_matmul)."""
+def transpose_rows(src: Any, dst: list, col0: int = 0) -> None:
+    """SBUF ``src [rows, W]`` -> column chunk c of src on the partitions of ``dst[c][:, col0:col0+rows]``
+    (the contraction layout of nc_matmul). One Tensor Engine transpose (own PSUM tile) and one
+    evacuation per chunk; separate tiles per chunk keep the chunks independent."""
     rows, width = src.shape
     for c, (w0, cw) in enumerate(chunks(width, P)):
-        transpose_into(dst[:cw, c, col0:col0 + rows], src[:rows, w0:w0 + cw], c)
+        ps = nl.ndarray((cw, rows), dtype=src.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=ps, data=src[:rows, w0:w0 + cw])
+        evacuate(dst[c][:cw, col0:col0 + rows], ps, c)
 
 
-def transpose_weight(w_sb: Any, R: int, C: int) -> Any:
-    """SBUF ``[P, ceil(R/P), C]`` (rows of w on partitions) -> ``[P, ceil(C/P), R]`` (w.T)."""
-    t = nl.ndarray((P, (C + P - 1) // P, R), dtype=w_sb.dtype, buffer=nl.sbuf)
+def tiles(n: int, shape: tuple, dtype: Any, buffer: Any = None) -> list:
+    """``n`` separate tiles (the current-NKI replacement of a block dimension)."""
+    return [nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf if buffer is None else buffer) for _ in range(n)]
+
+
+def transposed_weight(w_sb: Any, R: int, C: int) -> Any:
+    """Moving-operand accessor of ``w.T [C, R]`` built from a :func:`load_weight` tile ``[P, ., C]``.
+
+    Tiles ``[P, 512]`` per (C-chunk d, 512-column piece q of R); the up to 4 transposes of a piece
+    share one PSUM tile and one evacuation.
+    """
+    grid = []
     k = 0
-    for c, (r0, rw) in enumerate(chunks(R, P)):
-        for d, (c0, cw) in enumerate(chunks(C, P)):
-            transpose_into(t[:cw, d, r0:r0 + rw], w_sb[:rw, c, c0:c0 + cw], k)
+    for d, (c0, cw) in enumerate(chunks(C, P)):
+        row = []
+        for q0, qn in chunks(R, NMAX):
+            ps = nl.ndarray((cw, qn), dtype=w_sb.dtype, buffer=nl.psum)
+            for r0, rw in chunks(qn, P):
+                nisa.nc_transpose(dst=ps[:, r0:r0 + rw], data=w_sb[:rw, (q0 + r0) // P, c0:c0 + cw])
+            t = nl.ndarray((P, qn), dtype=w_sb.dtype, buffer=nl.sbuf)
+            evacuate(t[:cw, :], ps, k)
             k += 1
-    return t
+            row.append(t)
+        grid.append(row)
+    return lambda c, ck, n0, nw: grid[c][n0 // NMAX][:ck, :nw]
 
 
 def block_range(block_start: Any, g: int, bs_sb: Any) -> tuple[Any, Any]:
@@ -145,14 +160,15 @@ def load_block_start(block_start: Any) -> Any:
     return bs
 
 
-def row_matmul(out_sb: Any, lhs_T: Any, rows: int, rhs: Any, contract: int, col0: int = 0,
+def row_matmul(out_sb: Any, lhs_T: list, rows: int, rhs: Any, contract: int, col0: int = 0,
                scale: Any = None) -> None:
-    """``out_sb [rows, N] = lhs [rows, contract] @ rhs [contract, N]`` with ``lhs_T [P, CC, >= col0+rows]``
-    (lhs transposed, contraction on partitions, columns col0..) and ``rhs [P, CC, N]`` in SBUF.
+    """``out_sb [rows, N] = lhs [rows, contract] @ rhs [contract, N]``.
 
-    The lhs chunk is the stationary operand (M = rows <= 128); up to PSUM_GROUPS moving pieces of 512
-    columns accumulate at once, so each stationary load feeds several matmuls. ``scale [rows, 1]``
-    multiplies each output row while PSUM is evacuated.
+    ``lhs_T[c]`` holds chunk c of lhs transposed (contraction on partitions, lhs rows at columns
+    col0..col0+rows); ``rhs(c, ck, n0, nw)`` returns the moving view of chunk c, columns n0..n0+nw.
+    The lhs chunk is the stationary operand (M = rows <= 128) and feeds up to PSUM_GROUPS moving
+    pieces of 512 columns (separate PSUM accumulation groups). ``scale [rows, 1]`` multiplies each
+    output row while PSUM is evacuated.
     """
     N = out_sb.shape[1]
     pieces = chunks(N, NMAX)
@@ -162,8 +178,7 @@ def row_matmul(out_sb: Any, lhs_T: Any, rows: int, rhs: Any, contract: int, col0
         ps = [nl.ndarray((rows, nw), dtype=nl.float32, buffer=nl.psum) for _, nw in group]
         for c, (_, ck) in enumerate(cks):
             for j, (n0, nw) in enumerate(group):
-                nisa.nc_matmul(dst=ps[j], stationary=lhs_T[:ck, c, col0:col0 + rows],
-                               moving=rhs[:ck, c, n0:n0 + nw])
+                nisa.nc_matmul(dst=ps[j], stationary=lhs_T[c][:ck, col0:col0 + rows], moving=rhs(c, ck, n0, nw))
         for j, (n0, nw) in enumerate(group):
             evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale)
 
@@ -185,18 +200,17 @@ def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out, transpose_w)
     bs = load_block_start(block_start)
     for g in range(G):
         w_sb = load_weight(w, g)
-        if transpose_w:
-            w_sb = transpose_weight(w_sb, Kw, Nw)
+        rhs = transposed_weight(w_sb, Kw, Nw) if transpose_w else weight_operand(w_sb)
         lo, hi = block_range(block_start, g, bs)
 
-        def block(i, w_sb=w_sb):
+        def block(i, rhs=rhs):
             for sub in range(B // rows):
                 x_sb = nl.ndarray((rows, C), dtype=dt, buffer=nl.sbuf)
                 load_rows(x_sb, x, src_table, i, sub, zero_pad=True)
-                x_T = nl.ndarray((P, (C + P - 1) // P, rows), dtype=dt, buffer=nl.sbuf)
+                x_T = tiles((C + P - 1) // P, (P, rows), dt)
                 transpose_rows(x_sb, x_T)
                 o_sb = nl.ndarray((rows, N), dtype=out.dtype, buffer=nl.sbuf)
-                row_matmul(o_sb, x_T, rows, w_sb, C)
+                row_matmul(o_sb, x_T, rows, rhs, C)
                 store_rows(out, o_sb, dst_table, i, sub)
 
         nl.fori_loop(lo, hi, block)
@@ -218,8 +232,11 @@ def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
     AC = (Ka + P - 1) // P
     bs = load_block_start(block_start)
     for g in range(G):
-        acc = nl.ndarray((P, AC, Nb), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(dst=acc, value=0.0)
+        # one fp32 accumulator tile per (row chunk, 512-column piece): independent updates
+        acc = [tiles(len(chunks(Nb, NMAX)), (P, NMAX), nl.float32) for _ in range(AC)]
+        for row in acc:
+            for t in row:
+                nisa.memset(dst=t, value=0.0)
         lo, hi = block_range(block_start, g, bs)
 
         def block(i, acc=acc):
@@ -232,20 +249,21 @@ def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
                 a_sb.append(a_t)
                 b_sb.append(b_t)
             for c, (k0, kw) in enumerate(chunks(Ka, P)):
-                for n0, nw in chunks(Nb, NMAX):
+                for q, (n0, nw) in enumerate(chunks(Nb, NMAX)):
                     ps = nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum)
                     for sub in range(n_sub):  # the sub-tiles of a block accumulate in PSUM
                         nisa.nc_matmul(dst=ps, stationary=a_sb[sub][:rows, k0:k0 + kw],
                                        moving=b_sb[sub][:rows, n0:n0 + nw])
-                    nisa.tensor_tensor(dst=acc[:kw, c, n0:n0 + nw], data1=acc[:kw, c, n0:n0 + nw],
-                                       data2=ps, op=nl.add)
+                    t = acc[c][q][:kw, :nw]
+                    nisa.tensor_tensor(dst=t, data1=t, data2=ps, op=nl.add)
 
         nl.fori_loop(lo, hi, block)
-        res = nl.ndarray((P, AC, Nb), dtype=grad_w.dtype, buffer=nl.sbuf)
         for c, (k0, kw) in enumerate(chunks(Ka, P)):
-            evacuate(res[:kw, c, :], acc[:kw, c, :], c)
+            res = nl.ndarray((P, Nb), dtype=grad_w.dtype, buffer=nl.sbuf)
+            for q, (n0, nw) in enumerate(chunks(Nb, NMAX)):
+                evacuate(res[:kw, n0:n0 + nw], acc[c][q][:kw, :nw], q)
             nisa.dma_copy(dst=grad_w.ap(pattern=[[Nb, kw], [1, Nb]], offset=(g * Ka + k0) * Nb),
-                          src=res[:kw, c, :])
+                          src=res[:kw, :])
     return grad_w
 
 
