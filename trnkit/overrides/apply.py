@@ -27,6 +27,8 @@ original code.
 from __future__ import annotations
 
 import functools
+import itertools
+import sys
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -286,17 +288,16 @@ def _swap_module(model: nn.Module, path: str, module: nn.Module, adapter: _Modul
 _ROPE_GLOBAL = "apply_rotary_pos_emb"
 
 
-def _with_global(fn: Callable[..., Any], name: str, value: Any) -> Callable[..., Any]:
-    """A copy of ``fn`` (and of every function it wraps via ``__wrapped__``) whose global ``name`` is
-    ``value``. The module's globals stay untouched, so other models keep the original function."""
+def _with_global(fn: Callable[..., Any], source: dict, namespace: dict) -> Callable[..., Any]:
+    """A copy of ``fn`` (and of every function it wraps via ``__wrapped__``) in which functions whose
+    globals are ``source`` use ``namespace`` instead. The module's globals stay untouched, so other
+    models keep the original functions."""
     inner = getattr(fn, "__wrapped__", None)
-    new_inner = _with_global(inner, name, value) if inner is not None else None
+    new_inner = _with_global(inner, source, namespace) if inner is not None else None
     closure = fn.__closure__
     if closure is not None and new_inner is not None:
         closure = tuple(types.CellType(new_inner) if _cell_is(c, inner) else c for c in closure)
-    new_globals = dict(fn.__globals__)
-    if name in new_globals:
-        new_globals[name] = value
+    new_globals = namespace if fn.__globals__ is source else fn.__globals__
     new = types.FunctionType(fn.__code__, new_globals, fn.__name__, fn.__defaults__, closure)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__dict__.update(fn.__dict__)
@@ -304,6 +305,23 @@ def _with_global(fn: Callable[..., Any], name: str, value: Any) -> Callable[...,
     if new_inner is not None:
         new.__wrapped__ = new_inner
     return new
+
+
+def _namespace_module(source: dict, name: str, value: Any) -> types.ModuleType:
+    """A module registered in ``sys.modules`` holding a copy of ``source`` with ``name = value``.
+
+    torch.compile resolves an inlined function's globals through ``sys.modules[globals['__name__']]``,
+    so the copied globals must be a real, importable module of their own."""
+    mod_name = f"{__name__}._scoped_{next(_NAMESPACE_IDS)}"
+    mod = types.ModuleType(mod_name)
+    mod.__dict__.update(source)
+    mod.__dict__.update(__name__=mod_name, __spec__=None, __loader__=None)
+    mod.__dict__[name] = value
+    sys.modules[mod_name] = mod
+    return mod
+
+
+_NAMESPACE_IDS = itertools.count()
 
 
 def _cell_is(cell: types.CellType, obj: Any) -> bool:
@@ -314,11 +332,11 @@ def _cell_is(cell: types.CellType, obj: Any) -> bool:
 
 
 def _calls_global(fn: Callable[..., Any], name: str) -> bool:
-    while fn is not None:
-        if name in fn.__code__.co_names and name in fn.__globals__:
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
+    try:
+        _globals_with(fn, name)
+    except LookupError:
+        return False
+    return True
 
 
 def _is_hf_rope_attention(module: nn.Module) -> bool:
@@ -352,20 +370,22 @@ def _hf_rope_fn(original: Callable[..., Any], guard: _Guard) -> Callable[..., An
 
 def _swap_hf_rope(module: nn.Module, guard: _Guard) -> Callable[[], None]:
     cls_forward = type(module).forward
-    original = _global_of(cls_forward, _ROPE_GLOBAL)
-    new_forward = _with_global(cls_forward, _ROPE_GLOBAL, _hf_rope_fn(original, guard))
-    module.forward = types.MethodType(new_forward, module)  # instance attribute: this module only
+    source = _globals_with(cls_forward, _ROPE_GLOBAL)
+    ns = _namespace_module(source, _ROPE_GLOBAL, _hf_rope_fn(source[_ROPE_GLOBAL], guard))
+    module.forward = types.MethodType(_with_global(cls_forward, source, ns.__dict__), module)  # this module only
 
     def undo() -> None:
         module.__dict__.pop("forward", None)
+        sys.modules.pop(ns.__name__, None)
 
     return undo
 
 
-def _global_of(fn: Callable[..., Any], name: str) -> Any:
+def _globals_with(fn: Callable[..., Any], name: str) -> dict:
+    """The globals dict, along ``fn``'s ``__wrapped__`` chain, of the function that calls ``name``."""
     while fn is not None:
-        if name in fn.__globals__:
-            return fn.__globals__[name]
+        if name in fn.__code__.co_names and name in fn.__globals__:
+            return fn.__globals__
         fn = getattr(fn, "__wrapped__", None)
     raise LookupError(name)
 

@@ -1,7 +1,7 @@
 """Built-in implementations: ``reference`` (the kernels' torch ``*_ref``) and ``nki`` (the kernels).
 
-Registered when :mod:`trnkit.overrides` is imported. The kernel modules are imported lazily on first
-use, so importing the registry stays cheap. ``nki`` on a CPU tensor runs trnkit's NKI interpreter, on
+Registered when :mod:`trnkit.overrides` is imported. The kernel modules are imported at registration (a
+missing one only fails when its impl is used). ``nki`` on a CPU tensor runs trnkit's NKI interpreter, on
 a ``neuron`` tensor the real NKI kernel (the resolver in :mod:`trnkit.nki_api` decides which).
 
 The reference backward is the vector-Jacobian product of the reference forward (``torch.func.vjp``,
@@ -28,8 +28,15 @@ NKI = "nki"
 NKI_DEVICES = ("cpu", "neuron")
 
 
+_KERNEL_MODULES: dict[str, ModuleType] = {}
+
+
 def _kernel(name: str) -> ModuleType:
-    return importlib.import_module(f"trnkit.kernels.{name}")
+    # A dict lookup (traceable by torch.compile); the import happens once, eagerly, see register_builtins.
+    mod = _KERNEL_MODULES.get(name)
+    if mod is None:
+        mod = _KERNEL_MODULES[name] = importlib.import_module(f"trnkit.kernels.{name}")
+    return mod
 
 
 def _attr(module: str, name: str) -> Callable[..., Any]:
@@ -138,13 +145,41 @@ def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_s
                                            block_size=block_size)
 
 
+class _IndexSpec:
+    """Shape/dtype stand-in for ``topk_idx`` handed to the kernel's constraint function.
+
+    Selection must not read tensor values (they are fake during the dry run and symbolic under
+    torch.compile); the index *range* is data, checked by the kernel's own entry check at run time.
+    """
+
+    def __init__(self, t: Tensor) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def min(self) -> int:
+        return 0
+
+    def max(self) -> int:
+        return 0
+
+
 def _moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **_: Any) -> list[Violation]:
-    return _moe_constraints_fn("moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down,
+    return _moe_constraints_fn("moe_experts")(x, _IndexSpec(topk_idx), topk_weights, w_gate_up, w_down,
                                               block_size=block_size)
 
 
 def register_builtins() -> None:
     """Register ``reference`` and ``nki`` for every op (idempotent)."""
+    for name in ("rope_hf", "router_topk", "moe"):
+        try:
+            _kernel(name)
+        except ImportError:  # reported when the impl is first used
+            pass
     ref = {"has_backward": True, "compile_ok": True, "description": "torch reference (trnkit.kernels *_ref)"}
     nki = {"has_backward": True, "compile_ok": True, "devices": NKI_DEVICES,
            "description": "NKI kernel (interpreter on CPU, real NKI on neuron)"}

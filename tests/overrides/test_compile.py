@@ -1,0 +1,95 @@
+"""torch.compile with trnkit ops swapped in: no graph breaks, same results as eager, guard still works."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from tests.overrides.conftest import hf_moe_model, native_model
+from tests.overrides.test_apply_native import _impls, short_rope  # noqa: F401  (fixture)
+from tests.tolerances import assert_close
+from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides
+
+TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _loss_and_grads(fn, params, *args):
+    for p in params.values():
+        p.grad = None
+    out = fn(*args)
+    (out.float() ** 2).mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
+
+
+def _assert_same(got, want):
+    assert_close(got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        assert_close(got[1][name], want[1][name], msg=name)
+
+
+def test_native_model_compiles_without_graph_breaks(testref):
+    model = native_model(init_std=0.2)
+    apply_overrides(model, OverrideConfig(impl=_impls("nki", testref), seq_len=8))
+    explanation = torch._dynamo.explain(model)(TOKENS)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    torch._dynamo.reset()
+    params = dict(model.named_parameters())
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    _assert_same(_loss_and_grads(compiled, params, TOKENS), _loss_and_grads(model, params, TOKENS))
+
+
+def test_hf_moe_blocks_compile_fullgraph(testref):
+    model = hf_moe_model()
+    apply_overrides(model, OverrideConfig(impl=_impls("nki", testref), seq_len=8))
+    layer = model.model.layers[0]
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
+    params = dict(layer.named_parameters())
+    pos = model.model.rotary_emb(x, torch.arange(8)[None])
+    attn = lambda h: layer.self_attn(h, pos, None)[0]  # noqa: E731
+    compiled_attn = torch.compile(attn, fullgraph=True, backend="aot_eager")
+    _assert_same(_loss_and_grads(compiled_attn, params, x), _loss_and_grads(attn, params, x))
+    compiled_moe = torch.compile(layer.mlp, fullgraph=True, backend="aot_eager")
+    _assert_same(_loss_and_grads(compiled_moe, params, x), _loss_and_grads(layer.mlp, params, x))
+
+
+def test_guard_runs_under_compile(short_rope):  # noqa: F811
+    dense = {"num_experts": 0, "mlp_only_layers": []}
+    model = native_model(**dense)
+    original = copy.deepcopy(model)
+    apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl=short_rope, policy="fallback", seq_len=8))
+    compiled = torch.compile(model, backend="aot_eager")
+    assert_close(compiled(TOKENS), original(TOKENS))
+    long_batch = torch.randint(0, 64, (1, 12))
+    with pytest.warns(UserWarning, match="'S <= 8'"):
+        out = compiled(long_batch)  # new shape: retraced, the guard picks the original code
+    assert_close(out, original(long_batch))
+
+    strict = native_model(**dense)
+    apply_overrides(strict, OverrideConfig(ops=["rope_hf"], impl=short_rope, policy="strict", seq_len=8))
+    compiled = torch.compile(strict, backend="aot_eager")
+    compiled(TOKENS)
+    with pytest.raises(OverrideConstraintError, match="'S <= 8'"):
+        compiled(long_batch)
+
+
+@pytest.mark.slow
+def test_native_model_inductor_matches_eager(testref):
+    model = native_model(init_std=0.2)
+    apply_overrides(model, OverrideConfig(impl=_impls("nki", testref), seq_len=8))
+    params = dict(model.named_parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = torch.compile(model, fullgraph=True)
+        _assert_same(_loss_and_grads(compiled, params, TOKENS), _loss_and_grads(model, params, TOKENS))
