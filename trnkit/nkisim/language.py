@@ -45,12 +45,24 @@ from .tensor import (  # noqa: F401  (re-exported)
     shared_hbm,
 )
 
-try:  # the ALU / activation function objects (nl.add, nl.exp, ...)
-    from . import ops as _ops
-except ImportError:  # pragma: no cover - only while ops.py is being written
-    _ops = None
-else:
-    globals().update(_ops.ALL_OPS)
+from . import ops as _ops
+
+globals().update(_ops.ALL_OPS)  # the ALU / activation function objects (nl.add, nl.exp, ...)
+
+# Experimental convenience wrappers (NKI 0.3+), lowered to nisa instructions; importing the module
+# also routes nl.<op>(tile, ...) calls to it. These names shadow Python's sum/max/min here.
+from .convenience import (  # noqa: E402
+    load,
+    matmul,
+    max,
+    mean,
+    min,
+    prod,
+    softmax,
+    store,
+    sum,
+    transpose,
+)
 
 
 class NKIObject:
@@ -219,6 +231,20 @@ class _NoReorder:
 def no_reorder() -> _NoReorder:
     """``with nl.no_reorder():`` keeps program order; the interpreter is always in order."""
     return _NoReorder()
+
+
+def _removed(name: str) -> Callable[..., Any]:
+    def f(*_: Any, **__: Any) -> Any:
+        fail(f"nl.{name}", "removed in NKI 0.2.0 (with masks and affine index expressions); index with "
+             "ints, slices and nl.ds(start, size), or use .ap() access patterns")
+
+    f.__name__ = name
+    return f
+
+
+arange = _removed("arange")
+mgrid = _removed("mgrid")
+par_dim = _removed("par_dim")
 
 
 def device_print(prefix: str, x: NkiTensor) -> None:

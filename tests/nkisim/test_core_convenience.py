@@ -1,0 +1,79 @@
+"""nki.language convenience wrappers (nl.load/store/matmul/transpose/sum/max/mean/softmax, nl.<op>(tile))."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from trnkit import nkisim as nki
+from trnkit.nkisim import isa as nisa
+from trnkit.nkisim import language as nl
+from trnkit.nkisim import trace
+from trnkit.nkisim.errors import NkiValidationError
+
+RNG = np.random.default_rng(5)
+
+
+@nki.jit
+def rmsnorm(a, g):
+    """RMSNorm with the wrappers; rows on partitions, g broadcast to every row by a stride-0 DMA."""
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    rows, hidden = a.shape
+    g_rows = nl.load(g.reshape((1, hidden)).broadcast(0, 128), dtype=nl.float32)  # [128, H]
+    for r0 in range(0, rows, 128):
+        x = nl.load(a[r0:r0 + 128, :], dtype=nl.float32)
+        inv = nl.rsqrt(nl.add(nl.mean(nl.square(x), axis=1), 1e-6))  # [128, 1]
+        y = nl.ndarray((128, hidden), nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=y, data=x, op0=nl.multiply, operand0=inv)
+        nl.store(out[r0:r0 + 128, :], nl.multiply(y, g_rows, dtype=a.dtype))
+    return out
+
+
+def test_rmsnorm_with_wrappers_matches_numpy():
+    a = RNG.standard_normal((256, 64)).astype(np.float32)
+    g = RNG.standard_normal(64).astype(np.float32)
+    out = rmsnorm(a, g)
+    ref = a / np.sqrt((a**2).mean(1, keepdims=True) + 1e-6) * g
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_sum_max_and_trace():
+    x = RNG.standard_normal((64, 100)).astype(np.float32) * 4
+    t = nl.ndarray(x.shape, nl.float32)
+    t.np()[...] = x
+    with trace.record() as tr:
+        s = nl.softmax(t)
+    e = np.exp(x - x.max(1, keepdims=True))
+    np.testing.assert_allclose(s.np(), e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+    assert [i.op for i in tr] == ["tensor_reduce", "activation", "reciprocal", "tensor_scalar"]
+    np.testing.assert_allclose(nl.sum(t, axis=1).np()[:, 0], x.sum(1), rtol=1e-5, atol=1e-4)
+    assert nl.max(t, axis=[1], keepdims=True).shape == (64, 1)
+    np.testing.assert_array_equal(nl.max(t, axis=1).np()[:, 0], x.max(1))
+    with pytest.raises(NkiValidationError, match="must be the last contiguous free dims"):
+        nl.sum(t, axis=0)
+
+
+def test_matmul_transpose_and_binary_wrappers():
+    a = RNG.standard_normal((64, 96)).astype(np.float32)   # [M, K]
+    b = RNG.standard_normal((96, 128)).astype(np.float32)  # [K, N]
+    ta, tb = nl.ndarray(a.shape, nl.float32), nl.ndarray(b.shape, nl.float32)
+    ta.np()[...] = a
+    tb.np()[...] = b
+    p = nl.matmul(ta, tb)  # inserts the transpose of x
+    assert p.buffer is nl.psum and p.dtype == nl.float32
+    np.testing.assert_allclose(p.np(), a @ b, rtol=1e-5, atol=1e-4)
+    at = nl.transpose(ta)
+    assert at.buffer is nl.psum and at.shape == (96, 64)
+    np.testing.assert_array_equal(at.np(), a.T)
+    bt = nl.transpose(ta, dtype=nl.bfloat16)
+    np.testing.assert_array_equal(bt.np(), a.T.astype(ml_dtypes.bfloat16))
+    np.testing.assert_allclose(nl.subtract(1.0, ta).np(), 1.0 - a, rtol=1e-6)  # scalar first
+    np.testing.assert_allclose(nl.exp(ta).np(), np.exp(a), rtol=1e-5)
+    with pytest.raises(NkiValidationError):
+        nl.add(ta, tb)  # no broadcasting / different element counts
+
+
+def test_removed_old_api_names_explain():
+    with pytest.raises(NkiValidationError, match="removed in NKI 0.2.0"):
+        nl.arange(128)

@@ -1,0 +1,163 @@
+"""The experimental ``nki.language`` convenience wrappers (NKI 0.3+), lowered to ``nki.isa`` calls.
+
+``nl.load``, ``nl.store``, ``nl.matmul``, ``nl.transpose``, ``nl.sum/max/min/mean/prod``,
+``nl.softmax``, and the operator objects called on tiles (``nl.exp(t)``, ``nl.add(a, b, dtype=...)``)
+allocate their result and issue the instruction(s) the wrapper stands for, so they are validated
+and traced like hand-written ``nisa`` code. Semantics from the NKI 0.6 API reference
+(``nki/api/nki/language/__init__.py``): no broadcasting in the binary wrappers, reductions over the
+last contiguous free dims, ``nl.matmul`` / ``nl.transpose`` return PSUM tiles.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from . import dtypes as _dt
+from . import ops as _ops
+from .errors import require
+from .tensor import NkiTensor, allocate, psum, sbuf
+
+__all__ = ["load", "store", "matmul", "transpose", "sum", "max", "min", "mean", "prod", "softmax",
+           "tile_call"]
+
+
+def _isa():  # nki.isa imports nki.language; resolve lazily
+    from . import isa  # noqa: PLC0415
+
+    return isa
+
+
+def _new(shape: Sequence[int], dtype: Any, buffer: Any = sbuf) -> NkiTensor:
+    return allocate(tuple(shape), _dt.resolve(dtype, "nki.language"), buffer)
+
+
+def tile_call(op: _ops.NkiOp, *args: Any, dtype: Any = None, **kwargs: Any) -> NkiTensor:
+    """``nl.<op>(tile, ...)``: unary -> ``activation`` (or ``tensor_scalar`` for ALU-only unary ops),
+    tile/tile -> ``tensor_tensor``, tile/scalar -> ``tensor_scalar``; result in SBUF."""
+    nisa = _isa()
+    require(not kwargs, f"nl.{op.name}", "unexpected keyword arguments {names}", names=sorted(kwargs))
+    if op.arity == 1:
+        require(len(args) == 1, f"nl.{op.name}", "takes one tile, got {n} arguments", n=len(args))
+        (x,) = args
+        out = _new(x.shape, dtype or x.dtype)
+        if op.activation:
+            nisa.activation(dst=out, op=op, data=x)
+        else:
+            nisa.tensor_scalar(dst=out, data=x, op0=op, operand0=None)
+        return out
+    require(len(args) == 2, f"nl.{op.name}", "takes two operands, got {n}", n=len(args))
+    a, b = args
+    if isinstance(a, NkiTensor) and isinstance(b, NkiTensor):
+        out = _new(a.shape, dtype or a.dtype)
+        nisa.tensor_tensor(dst=out, data1=a, data2=b, op=op)  # no broadcasting, as documented
+        return out
+    t, s, reverse = (a, b, False) if isinstance(a, NkiTensor) else (b, a, True)
+    out = _new(t.shape, dtype or t.dtype)
+    nisa.tensor_scalar(dst=out, data=t, op0=op, operand0=s, reverse0=reverse)
+    return out
+
+
+_ops.set_tile_wrapper(tile_call)
+
+
+def load(src: NkiTensor, dtype: Any = None) -> NkiTensor:
+    """A new SBUF tile holding ``src`` (``dma_copy``; casts through fp32 when ``dtype`` differs)."""
+    out = _new(src.shape, dtype or src.dtype)
+    _isa().dma_copy(dst=out, src=src)
+    return out
+
+
+def store(dst: NkiTensor, value: NkiTensor) -> None:
+    """Write tile ``value`` into ``dst`` (``dma_copy``; a PSUM value must be copied to SBUF first)."""
+    _isa().dma_copy(dst=dst, src=value)
+
+
+def transpose(x: NkiTensor, dtype: Any = None) -> NkiTensor:
+    """Swap the partition and free dims of a 2-D tile (Tensor Engine, result in PSUM)."""
+    nisa = _isa()
+    require(x.ndim == 2, "nl.transpose", "needs a 2-D tile, got shape {shape}", shape=x.shape)
+    out = _new((x.shape[1], x.shape[0]), x.dtype, psum)
+    nisa.nc_transpose(dst=out, data=x)
+    if dtype is None or _dt.resolve(dtype) == x.dtype:
+        return out
+    cast = _new(out.shape, dtype)
+    nisa.tensor_copy(dst=cast, src=out)
+    return cast
+
+
+def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False) -> NkiTensor:
+    """``x @ y`` as an fp32 PSUM tile; ``transpose_x=True`` means ``x`` is already ``[K, M]``."""
+    nisa = _isa()
+    stationary = x
+    if not transpose_x:  # x is [M, K]: put K on the partitions first
+        t = transpose(x)
+        stationary = _new(t.shape, x.dtype)
+        nisa.tensor_copy(dst=stationary, src=t)
+    out = _new((stationary.free_size, y.free_size), _dt.float32, psum)
+    nisa.nc_matmul(dst=out, stationary=stationary, moving=y)
+    return out
+
+
+def _axes(x: NkiTensor, axis: int | Sequence[int], op: str) -> tuple[int, ...]:
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    axes = tuple(sorted(a % x.ndim for a in axes))
+    require(axes and axes[0] > 0 and axes == tuple(range(axes[0], x.ndim)), op,
+            "axis {axis} must be the last contiguous free dims of a {ndim}-D tile", axis=axis,
+            ndim=x.ndim)
+    return axes
+
+
+def _reduce(op: _ops.NkiOp, name: str, x: NkiTensor, axis: Any, dtype: Any, keepdims: bool) -> NkiTensor:
+    axes = _axes(x, axis, name)
+    kept = x.shape[:axes[0]]
+    shape = kept + (1,) * len(axes) if keepdims else (kept if len(kept) >= 2 else kept + (1,))
+    out = _new(shape, dtype or x.dtype)
+    _isa().tensor_reduce(dst=out, op=op, data=x, axis=axes, keepdims=keepdims)
+    return out
+
+
+def sum(x: NkiTensor, axis: Any, dtype: Any = None, keepdims: bool = False) -> NkiTensor:  # noqa: A001
+    return _reduce(_ops.ALL_OPS["add"], "nl.sum", x, axis, dtype, keepdims)
+
+
+def max(x: NkiTensor, axis: Any, dtype: Any = None, keepdims: bool = False) -> NkiTensor:  # noqa: A001
+    return _reduce(_ops.ALL_OPS["maximum"], "nl.max", x, axis, dtype, keepdims)
+
+
+def min(x: NkiTensor, axis: Any, dtype: Any = None, keepdims: bool = False) -> NkiTensor:  # noqa: A001
+    return _reduce(_ops.ALL_OPS["minimum"], "nl.min", x, axis, dtype, keepdims)
+
+
+def prod(x: NkiTensor, axis: Any, dtype: Any = None, keepdims: bool = False) -> NkiTensor:
+    return _reduce(_ops.ALL_OPS["multiply"], "nl.prod", x, axis, dtype, keepdims)
+
+
+def mean(x: NkiTensor, axis: Any, dtype: Any = None, keepdims: bool = False) -> NkiTensor:
+    """Sum in fp32, then scale by 1/n (``tensor_scalar``) into ``dtype``."""
+    s = _reduce(_ops.ALL_OPS["add"], "nl.mean", x, axis, _dt.float32, keepdims)
+    n = math.prod(x.shape[a] for a in _axes(x, axis, "nl.mean"))
+    out = _new(s.shape, dtype or x.dtype)
+    _isa().tensor_scalar(dst=out, data=s, op0=_ops.ALL_OPS["multiply"], operand0=1.0 / n)
+    return out
+
+
+def softmax(x: NkiTensor, axis: Any = -1, dtype: Any = None) -> NkiTensor:
+    """``exp(x - max) / sum(exp(x - max))`` over the last free dim of a 2-D tile, fp32 inside."""
+    nisa = _isa()
+    require(x.ndim == 2, "nl.softmax", "needs a 2-D tile, got shape {shape}", shape=x.shape)
+    _axes(x, axis, "nl.softmax")
+    p = x.shape[0]
+    neg_max = _new((p, 1), _dt.float32)
+    nisa.tensor_reduce(dst=neg_max, op=_ops.ALL_OPS["maximum"], data=x, axis=(1,), negate=True)
+    e = _new(x.shape, _dt.float32)
+    total = _new((p, 1), _dt.float32)
+    nisa.activation(dst=e, op=_ops.ALL_OPS["exp"], data=x, bias=neg_max,
+                    reduce_op=_ops.ALL_OPS["add"], reduce_res=total,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nisa.reciprocal(dst=total, data=total)
+    out = _new(x.shape, dtype or x.dtype)
+    nisa.tensor_scalar(dst=out, data=e, op0=_ops.ALL_OPS["multiply"], operand0=total)
+    return out
+
