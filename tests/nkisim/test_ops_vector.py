@@ -381,3 +381,27 @@ def test_select_reduce_and_range_select() -> None:
     want2 = np.where((cols >= lo) & (cols < hi), x, nisa.FP32_MIN)
     np.testing.assert_array_equal(dst2.np(), want2)
     np.testing.assert_array_equal(res2.np()[:, 0], want2.max(1))
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(1, 16), f=st.integers(1, 12), step=st.integers(1, 3), start=st.integers(0, 1),
+       name=st.sampled_from(["add", "subtract", "maximum", "multiply"]))
+def test_tensor_tensor_on_strided_views_matches_numpy(p, f, step, start, name) -> None:
+    # Operands are strided / offset views of bigger tiles; dst is a strided view of another shape.
+    big_a = _rand((p, 2, f * step), F32)
+    big_b = _rand((p, f * step * 2), F32)
+    a_t, b_t = tile(big_a), tile(big_b)
+    a_view = a_t[:, 1, ::step]
+    b_view = b_t[:, start::2 * step]
+    a_np = big_a[:, 1, ::step]
+    b_np = big_b[:, start::2 * step]
+    dst_t = empty((p, f, 3), F32)
+    dst_view = dst_t[:, :, 1]
+    nisa.tensor_tensor(dst_view, a_view, b_view, op=getattr(nl, name))
+    want = getattr(np, name)(a_np, b_np)
+    np.testing.assert_array_equal(dst_t.np()[:, :, 1], want)
+    assert np.isnan(dst_t.np()[:, :, 0]).all()  # neighbours untouched (fresh tiles are NaN-filled)
