@@ -93,6 +93,13 @@ class NkiOp:
         with np.errstate(all="ignore"):  # hardware produces inf/nan silently
             return self._fn(*(_f(a) for a in args))
 
+    def apply_native(self, *args: np.ndarray) -> np.ndarray:
+        """Evaluate on the arrays as given (e.g. int64 for GpSimd's exact 32-bit integer ALU)."""
+        if len(args) != self.arity:
+            raise TypeError(f"nl.{self.name}: takes {self.arity} operand(s), got {len(args)}")
+        with np.errstate(all="ignore"):
+            return np.asarray(self._fn(*args))
+
     def reduce(self, x: np.ndarray, axis: tuple[int, ...], keepdims: bool = False) -> np.ndarray:
         """Reduce ``x`` over ``axis`` with this operator (fp32 for arithmetic, raw bits for bitvec)."""
         if self.reduce_ufunc is None:

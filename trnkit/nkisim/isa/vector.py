@@ -220,10 +220,8 @@ def tensor_tensor(dst: NkiTensor, data1: NkiTensor, data2: NkiTensor, op: Any,
     if f.is_bitvec:
         write(dst, f.apply(read_raw(data1), read_raw(data2)), bits=True)
     elif native_int and eng == "gpsimd":
-        a, b = read_raw(data1).astype(np.int64), read_raw(data2).astype(np.int64)
-        with np.errstate(all="ignore"):
-            r = f._fn(a, b)
-        write(dst, r, bits=r.dtype.kind in "iu")
+        r = f.apply_native(read_raw(data1).astype(np.int64), read_raw(data2).astype(np.int64))
+        write(dst, r, bits=r.dtype.kind in "iu")  # integer results wrap to 32 bits like the ALU
     else:
         write(dst, f.apply(read(data1), read(data2)))
     emit(OP, eng, tiles, op=f.name)
