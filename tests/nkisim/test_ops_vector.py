@@ -405,3 +405,11 @@ def test_tensor_tensor_on_strided_views_matches_numpy(p, f, step, start, name) -
     want = getattr(np, name)(a_np, b_np)
     np.testing.assert_array_equal(dst_t.np()[:, :, 1], want)
     assert np.isnan(dst_t.np()[:, :, 0]).all()  # neighbours untouched (fresh tiles are NaN-filled)
+
+
+def test_trace_marks_contiguous_operands() -> None:
+    t = tile(_rand((8, 4, 6), BF16), BF16)
+    with trace.record() as tr:
+        nisa.tensor_copy(empty((8, 24), BF16), t)
+        nisa.tensor_copy(empty((8, 4), BF16), t[:, :, 0])
+    assert [i.attrs["contiguous"] for i in tr.instrs] == [True, False]

@@ -166,6 +166,8 @@ def emit(opname: str, engine: str, operands: dict[str, Any], /, **attrs: Any) ->
     tiles = {r: t for r, t in operands.items() if is_tile(t)}
     attrs["reads"] = tuple(common.span(t) for r, t in tiles.items() if r not in _WRITE_ROLES)
     attrs["writes"] = tuple(common.span(t) for r, t in tiles.items() if r in _WRITE_ROLES)
+    # free dims of every operand contiguous: the condition of the Vector engine's fast modes
+    attrs["contiguous"] = all(t.is_contiguous() for t in tiles.values())
     dst = tiles.pop("dst", None)
     common.emit(opname, engine, dst=dst, srcs=tiles, attrs=attrs)
 
@@ -352,7 +354,7 @@ def tensor_copy(dst: NkiTensor, src: NkiTensor, engine: Any = common.engine.unkn
     emit(OP, eng, {"dst": dst, "src": src})
 
 
-def tensor_copy_predicated(dst: NkiTensor, src: NkiTensor, predicate: NkiTensor,
+def tensor_copy_predicated(dst: NkiTensor, src: NkiTensor | float, predicate: NkiTensor,
                            reverse_pred: bool = False, name: str | None = None) -> None:
     """Copy ``src`` (tile or scalar) into ``dst`` where ``predicate`` is non-zero (zero if reversed)."""
     OP = "tensor_copy_predicated"
