@@ -219,11 +219,38 @@ def test_transpose_rules(case, msg):
 @pytest.mark.parametrize("kwargs, msg", [
     ({"accumulate": 1}, "accumulate must be None, True or False, got 1"),
     ({"perf_mode": "double_row"}, "perf_mode 'double_row' is not available on trn2"),
-    ({"tile_position": (0, 48)}, r"tile_position/tile_size entries must be multiples of 32, got \(0, 48\)"),
-    ({"is_transpose": True}, "is_transpose=True: use nisa.nc_transpose"),
+    ({"tile_position": (0, 64)}, "tiling mode needs both tile_position"),
+    ({"tile_position": (0, 48), "tile_size": (128, 64)}, "start column 48 must be a multiple of the "
+                                                         "column size 64"),
+    ({"tile_position": (0, 0), "tile_size": (128, 96)}, "tile_size column size 96 must be 32, 64 or 128"),
+    ({"tile_position": (0, 64), "tile_size": (128, 64)}, "stationary free size 128 exceeds the PE "
+                                                         "tile's 64 columns"),
+    ({"is_transpose": True}, r"is_transpose=True needs a square identity moving tile \[128, 128\]"),
 ])
 def test_matmul_argument_rules(kwargs, msg):
     st = nl.ndarray((128, 128), nl.bfloat16, buffer=nl.sbuf)
     mv = nl.ndarray((128, 512), nl.bfloat16, buffer=nl.sbuf)
     with pytest.raises(NkiValidationError, match=msg):
         nisa.nc_matmul(psum_tile(128, 512), st, mv, **kwargs)
+
+
+def test_matmul_row_column_tiling_and_transpose_mode():
+    a = RNG.standard_normal((64, 32)).astype(BF16)
+    b = RNG.standard_normal((64, 256)).astype(BF16)
+    dst = psum_tile(32, 256)
+    nisa.nc_matmul(dst, tile(a), tile(b), tile_position=(64, 32), tile_size=(64, 32))
+    np.testing.assert_allclose(dst.np(), a.astype(np.float32).T @ b.astype(np.float32), rtol=1e-5,
+                               atol=1e-4)
+    with pytest.raises(NkiValidationError, match="contraction size 64 exceeds the PE tile's 32 rows"):
+        nisa.nc_matmul(dst, tile(a), tile(b), tile_position=(0, 0), tile_size=(32, 32))
+    # transpose mode: identity moving tile, bit-exact incl. NaN / Inf, dst in the input dtype
+    x = RNG.standard_normal((96, 64)).astype(BF16)
+    x[3, 5], x[7, 1] = np.nan, np.inf
+    out = nl.ndarray((64, 96), nl.bfloat16, buffer=nl.psum)
+    nisa.nc_matmul(out, tile(x), tile(np.eye(96, dtype=BF16)), is_transpose=True)
+    np.testing.assert_array_equal(out.np().view(np.uint16), x.T.view(np.uint16))
+    with pytest.raises(NkiValidationError, match="needs the identity matrix"):
+        nisa.nc_matmul(out, tile(x), tile(np.ones((96, 96), BF16)), is_transpose=True)
+    with pytest.raises(NkiValidationError, match="float8_e4m3fn not supported"):
+        nisa.nc_matmul(psum_tile(16, 16), tile(np.zeros((16, 16), ml_dtypes.float8_e4m3fn)),
+                       tile(np.zeros((16, 16), ml_dtypes.float8_e4m3fn)))

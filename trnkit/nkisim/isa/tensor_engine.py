@@ -23,8 +23,9 @@ from .common import engine
 __all__ = ["nc_matmul", "nc_transpose", "matmul_perf_mode"]
 
 # Matmul input dtypes (nc_matmul docstring): fp8_e4m3 / fp8_e5m2 / bf16 / fp16 / tf32 / fp32.
-_MM_IN = frozenset({_dt.float8_e4m3, _dt.float8_e4m3fn, _dt.float8_e5m2, _dt.bfloat16, _dt.float16,
-                    _dt.float32})
+# (float8_e4m3fn, OCP fp8, only from NeuronCore-v4 on.)
+_MM_IN = frozenset({_dt.float8_e4m3, _dt.float8_e5m2, _dt.bfloat16, _dt.float16, _dt.float32})
+_PE_TILE_SIZES = (32, 64, 128)  # row / column tiles of the 128x128 PE array (32 needs v3+)
 _TRACE_ONLY_MIN_MACS = 128 * 128 * 128  # trace-only mode skips the arithmetic from this size up
 
 
@@ -50,9 +51,13 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
     common.check_on_chip(op, "moving", moving, common.SBUF)
     k, m = stationary.shape[0], stationary.free_size
     k2, n = moving.shape[0], moving.free_size
+    rows, cols = _pe_tile(op, tile_position, tile_size)
     require(k == k2, op, "contraction (partition) sizes differ: stationary has {k_stationary} "
             "partitions, moving has {k_moving}", k_stationary=k, k_moving=k2)
+    require(k <= rows, op, "contraction size {k} exceeds the PE tile's {rows} rows", k=k, rows=rows)
     require(m <= 128, op, "stationary free size {m} exceeds gemm_stationary_fmax (128)", m=m)
+    require(m <= cols, op, "stationary free size {m} exceeds the PE tile's {cols} columns", m=m,
+            cols=cols)
     require(n <= 512, op, "moving free size {n} exceeds gemm_moving_fmax (512)", n=n)
     require(dst.shape[0] == m, op, "dst partition dim {p} must equal the stationary free size {m}",
             p=dst.shape[0], m=m)
@@ -64,17 +69,19 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
     if (stationary.dtype == f32) != (moving.dtype == f32):
         fail(op, "if one input is fp32/tf32 both must be: stationary {stationary_dtype}, moving "
              "{moving_dtype}", stationary_dtype=stationary.dtype.name, moving_dtype=moving.dtype.name)
-    require(dst.dtype == f32, op, "dst must be float32 in PSUM on trn2, got {dtype}",
-            dtype=dst.dtype)
-    require(accumulate is None or accumulate is True or accumulate is False, op, "accumulate must be None, True or False, got "
-            "{accumulate!r}", accumulate=accumulate)
-    require(not is_transpose, op, "is_transpose=True: use nisa.nc_transpose for Tensor Engine "
-            "transposes")
+    require(accumulate is None or accumulate is True or accumulate is False, op,
+            "accumulate must be None, True or False, got {accumulate!r}", accumulate=accumulate)
     require(perf_mode in ("none", None), op, "perf_mode {perf_mode!r} is not available on trn2 "
             "(double_row needs NeuronCore-v4)", perf_mode=perf_mode)
-    for v in tuple(tile_position) + tuple(tile_size):
-        require(int(v) % 32 == 0, op, "tile_position/tile_size entries must be multiples of 32, got "
-                "{tile_position}/{tile_size}", tile_position=tile_position, tile_size=tile_size)
+    if is_transpose:
+        _transpose_mode(op, dst, stationary, moving, k, m)
+        common.emit(op, common.TENSOR, dst=dst, srcs={"stationary": stationary, "moving": moving},
+                    flops=2 * k * m * n, attrs={"M": m, "N": n, "K": k, "is_transpose": True,
+                                                "dtype": _dt.dtype_name(stationary.dtype),
+                                                "perf_mode": "none", "name": name})
+        return
+    require(dst.dtype == f32, op, "dst must be float32 in PSUM on trn2, got {dtype}",
+            dtype=dst.dtype)
 
     out = dst.np()
     flags = dst.matmul_flags()
@@ -106,6 +113,36 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
                 flops=2 * k * m * n,
                 attrs={"M": m, "N": n, "K": k, "dtype": _dt.dtype_name(stationary.dtype),
                        "accumulate": accumulate, "perf_mode": perf_mode or "none", "name": name})
+
+
+def _pe_tile(op: str, tile_position: tuple, tile_size: tuple) -> tuple[int, int]:
+    """(rows, columns) of the PE-array tile a matmul uses (row / column tiling mode)."""
+    if not tile_position and not tile_size:
+        return 128, 128
+    require(len(tile_position) == 2 and len(tile_size) == 2, op, "tiling mode needs both "
+            "tile_position=(start_row, start_column) and tile_size=(row_size, column_size), got "
+            "{tile_position} and {tile_size}", tile_position=tile_position, tile_size=tile_size)
+    for what, start, size in (("row", *map(int, (tile_position[0], tile_size[0]))),
+                              ("column", *map(int, (tile_position[1], tile_size[1])))):
+        require(size in _PE_TILE_SIZES, op, "tile_size {what} size {size} must be 32, 64 or 128",
+                what=what, size=size)
+        require(start % size == 0 and start + size <= 128, op, "tile_position start {what} {start} "
+                "must be a multiple of the {what} size {size} inside the 128x128 array",
+                what=what, start=start, size=size)
+    return int(tile_size[0]), int(tile_size[1])
+
+
+def _transpose_mode(op: str, dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor, k: int,
+                    m: int) -> None:
+    """``is_transpose=True``: stationary times an identity moving tile, bit-exact (v3+)."""
+    require(moving.free_size == k, op, "is_transpose=True needs a square identity moving tile "
+            "[{k}, {k}], got shape {shape}", k=k, shape=moving.shape)
+    require(np.array_equal(moving.np().reshape(k, k), np.eye(k, dtype=moving.dtype)), op,
+            "is_transpose=True needs the identity matrix as the moving tile")
+    require(dst.dtype == stationary.dtype, op, "is_transpose=True: dst dtype {dst_dtype} must equal "
+            "the stationary dtype {dtype}", dst_dtype=dst.dtype, dtype=stationary.dtype)
+    common.store(dst, stationary.np().reshape(k, m).T.reshape(dst.shape))
+    dst.matmul_flags()[...] = True
 
 
 def nc_transpose(dst: NkiTensor, data: NkiTensor, engine: engine = engine.unknown,
