@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tests.overrides.conftest import hf_moe_model
-from tests.overrides.test_apply_native import _impls
 from tests.tolerances import assert_close
 from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides, revert
 from trnkit.overrides.apply import _Swapped
@@ -26,11 +25,11 @@ def _logits_and_grads(model, ids=IDS):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_qwen3_moe_swap_matches_transformers(testref):
+def test_qwen3_moe_swap_matches_transformers():
     model = hf_moe_model()
     original = copy.deepcopy(model)
     keys = list(model.state_dict())
-    report = apply_overrides(model, OverrideConfig(impl=_impls("nki", testref), seq_len=8))
+    report = apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))
     assert [(r.module, r.op, r.status) for r in report.rows] == [
         (f"model.layers.{i}.{p}", op, "swapped") for i in (0, 1)
         for p, op in (("self_attn", "rope_hf"), ("mlp.experts", "moe_experts"), ("mlp.gate", "router_topk"))]
@@ -51,7 +50,7 @@ def test_qwen3_moe_swap_matches_transformers(testref):
     assert_close(model(input_ids=IDS).logits.detach(), want_logits)
 
 
-def test_rotary_swap_is_scoped_to_the_model(testref):
+def test_rotary_swap_is_scoped_to_the_model():
     """transformers' module-level apply_rotary_pos_emb is untouched; only this model's attention
     modules call trnkit's version."""
     model, bystander = hf_moe_model(), hf_moe_model()

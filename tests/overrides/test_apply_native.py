@@ -33,23 +33,11 @@ def _logits_and_grads(model, tokens=TOKENS):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _impls(wanted: str, testref: str) -> dict[str, str]:
-    """``wanted`` for every op; the independent test refs for router/experts while their kernels are
-    still being written."""
-    try:
-        import trnkit.kernels.moe  # noqa: F401
-        import trnkit.kernels.router_topk  # noqa: F401
-        other = wanted
-    except ImportError:  # pragma: no cover
-        other = testref
-    return {"rope_hf": wanted, "router_topk": other, "moe_experts": other}
-
-
-def test_swap_matches_original_logits_and_grads(testref):
+def test_swap_matches_original_logits_and_grads():
     model = native_model(init_std=0.2)
     original = copy.deepcopy(model)
     keys = list(model.state_dict())
-    report = apply_overrides(model, OverrideConfig(impl=_impls("nki", testref), seq_len=8))
+    report = apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))
 
     assert [(r.module, r.op, r.status) for r in report.rows] == [
         ("layers.0.attention.rope", "rope_hf", "swapped"), ("layers.0.moe.router", "router_topk", "swapped"),
@@ -71,9 +59,9 @@ def test_swap_matches_original_logits_and_grads(testref):
     assert_close(model(TOKENS).detach(), want_logits)
 
 
-def test_checkpoints_load_and_save_unchanged_while_swapped(testref):
+def test_checkpoints_load_and_save_unchanged_while_swapped():
     model, other = native_model(seed=0), native_model(seed=1)
-    apply_overrides(model, OverrideConfig(impl=_impls("reference", testref), seq_len=8))
+    apply_overrides(model, OverrideConfig(impl="reference", seq_len=8))
     model.load_state_dict(other.state_dict())  # load into the swapped model
     for (n, p), (n2, p2) in zip(model.state_dict().items(), other.state_dict().items(), strict=True):
         assert n == n2 and torch.equal(p, p2)
@@ -158,9 +146,9 @@ def test_call_time_guard_fallback_on_a_shape_change(short_rope):
     assert torch.equal(out, original(long_batch))
 
 
-def test_apply_twice_is_an_error_and_unknown_names_are_named(testref):
+def test_apply_twice_is_an_error_and_unknown_names_are_named():
     model = native_model()
-    apply_overrides(model, OverrideConfig(impl=_impls("reference", testref), seq_len=8))
+    apply_overrides(model, OverrideConfig(impl="reference", seq_len=8))
     with pytest.raises(RuntimeError, match="already applied"):
         apply_overrides(model, OverrideConfig(impl="reference"))
     with pytest.raises(KeyError, match="no implementation 'fast' registered for op 'rope_hf'"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.overrides.conftest import hf_moe_model, native_model
-from tests.overrides.test_apply_native import _impls, short_rope  # noqa: F401  (fixture)
+from tests.overrides.test_apply_native import short_rope  # noqa: F401  (fixture)
 from tests.tolerances import assert_close
 from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides
 
@@ -38,9 +38,9 @@ def _assert_same(got, want):
         assert_close(got[1][name], want[1][name], msg=name)
 
 
-def test_native_model_compiles_without_graph_breaks(testref):
+def test_native_model_compiles_without_graph_breaks():
     model = native_model(init_std=0.2)
-    apply_overrides(model, OverrideConfig(impl=_impls("nki", testref), seq_len=8))
+    apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))
     explanation = torch._dynamo.explain(model)(TOKENS)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
@@ -50,9 +50,9 @@ def test_native_model_compiles_without_graph_breaks(testref):
     _assert_same(_loss_and_grads(compiled, params, TOKENS), _loss_and_grads(model, params, TOKENS))
 
 
-def test_hf_moe_blocks_compile_fullgraph(testref):
+def test_hf_moe_blocks_compile_fullgraph():
     model = hf_moe_model()
-    apply_overrides(model, OverrideConfig(impl=_impls("nki", testref), seq_len=8))
+    apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))
     layer = model.model.layers[0]
     x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(2))
     params = dict(layer.named_parameters())
@@ -85,9 +85,9 @@ def test_guard_runs_under_compile(short_rope):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_native_model_inductor_matches_eager(testref):
+def test_native_model_inductor_matches_eager():
     model = native_model(init_std=0.2)
-    apply_overrides(model, OverrideConfig(impl=_impls("nki", testref), seq_len=8))
+    apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))
     params = dict(model.named_parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,0 +1,89 @@
+"""A user attaches their own rope_hf kernel in a few lines (the README example) and it is picked."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.overrides.conftest import hf_moe_model, native_model
+from tests.tolerances import assert_close
+from trnkit.kernels.constraints import Violation
+from trnkit.overrides import OverrideConfig, apply_overrides, register, unregister
+
+CALLS: list[tuple[str, bool]] = []
+
+
+# --- README example (docs/readme/overrides.md) -----------------------------------------------------
+def my_rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The user's kernel: its own layout x [N, S, D] (N = batch * heads), allocates its output."""
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+def my_rope_constraints(q, k, layout="bhsd", **_):
+    d = q.shape[-1]
+    return [] if d % 2 == 0 and d <= 256 else [Violation("my_rope", "D even and <= 256", d)]
+
+
+def my_rope(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False, layout="bhsd"):
+    d = q.shape[-1]
+    if rope_cache is not None:  # packed [S, 2D] = cos | sin
+        cos, sin = rope_cache[..., :d], rope_cache[..., d:]
+    seq = q.shape[1] if layout == "bshd" else q.shape[2]
+    cos, sin = cos[..., :seq, :].float(), sin[..., :seq, :].float()
+    if backward:  # the rotation is orthogonal: its transpose rotates by -angle
+        sin = -sin
+    CALLS.append((layout, backward))
+
+    def run(x):
+        xs = x.transpose(1, 2) if layout == "bshd" else x  # -> [B, H, S, D]
+        b, heads = xs.shape[:2]
+        c, s = (t.repeat_interleave(heads, 0) if t.dim() == 3 else t for t in (cos, sin))
+        y = my_rope_kernel(xs.reshape(b * heads, seq, d).float(), c, s).to(x.dtype)
+        y = y.view(b, heads, seq, d)
+        return y.transpose(1, 2) if layout == "bshd" else y
+
+    return run(q), run(k)  # new tensors: trnkit copies them into q_out / k_out
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def user_rope():
+    register("rope_hf", "my_rope", my_rope, constraints=my_rope_constraints, has_backward=True)
+    CALLS.clear()
+    yield "my_rope"
+    unregister("rope_hf", "my_rope")
+
+
+def _run(model, ids):
+    model.zero_grad()
+    out = model(ids)
+    logits = out.logits if hasattr(out, "logits") else out
+    (logits ** 2).mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("build", [native_model, hf_moe_model], ids=["native", "transformers"])
+def test_user_rope_is_picked_and_matches(user_rope, build):
+    model = build()
+    original = copy.deepcopy(model)
+    report = apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl=user_rope, seq_len=8))
+    assert {(r.op, r.impl, r.status) for r in report.rows} == {("rope_hf", "my_rope", "swapped")}
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    CALLS.clear()
+    got, want = _run(model, ids), _run(original, ids)
+    layers = 2
+    assert CALLS == [("bshd", False)] * layers + [("bshd", True)] * layers  # forward, then backward
+    assert_close(got[0], want[0])
+    for name in want[1]:
+        assert_close(got[1][name], want[1][name], msg=name)
+
+
+def test_user_constraints_drive_the_policy(user_rope):
+    model = native_model(head_dim=320, n_heads=2, n_kv_heads=1)
+    with pytest.warns(UserWarning, match="my_rope: constraint 'D even and <= 256' violated"):
+        report = apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl=user_rope, policy="fallback",
+                                                       seq_len=8))
+    assert {r.status for r in report.rows} == {"fallback"}
