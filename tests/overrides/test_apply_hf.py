@@ -96,3 +96,29 @@ def test_hf_experts_with_another_activation_are_rejected_from_the_config():
         report = apply_overrides(model, OverrideConfig(ops=["moe_experts"], impl="reference",
                                                        policy="fallback", seq_len=8))
     assert {r.status for r in report.rows} == {"fallback"}
+
+
+def test_top_k_9_under_each_policy():
+    """K = 9 exceeds the router's hardware max8 and the experts kernel's K limit."""
+    model = hf_moe_model(num_experts=10, num_experts_per_tok=9)
+    with pytest.raises(OverrideConstraintError) as err:
+        apply_overrides(model, OverrideConfig(impl="nki", policy="strict", seq_len=8))
+    assert "'1 <= top_k <= 8' violated (got 9)" in str(err.value)
+    assert "model.layers.0.mlp.gate" in str(err.value)
+    assert not any(isinstance(m, _Swapped) for m in model.modules())
+
+    original = copy.deepcopy(model)
+    with pytest.warns(UserWarning) as caught:
+        report = apply_overrides(model, OverrideConfig(impl="nki", policy="fallback", seq_len=8))
+        logits = model(input_ids=IDS).logits
+        model(input_ids=IDS)
+    ours = [str(w.message) for w in caught if "trnkit override" in str(w.message)]
+    assert len(ours) == 2  # one per distinct reason (router, experts), not per layer or call
+    assert any("router_topk[nki]" in m and "top_k <= 8" in m for m in ours)
+    assert any("moe_experts[nki]" in m and "K <= min(8, E)" in m for m in ours)
+    status = {(r.module.split(".", 3)[-1], r.status) for r in report.rows}
+    assert status == {("self_attn", "swapped"), ("mlp.gate", "fallback"), ("mlp.experts", "fallback")}
+    assert torch.equal(logits, original(input_ids=IDS).logits)
+
+    report = apply_overrides(copy.deepcopy(original), OverrideConfig(impl="nki", policy="off"))
+    assert {r.status for r in report.rows} == {"off"}
