@@ -115,7 +115,7 @@ class TopKRouter(nn.Module):
     """Qwen3-MoE router (swap point `layers[i].moe.router`): softmax(fp32) -> top-k -> optional renorm.
 
     forward(x [T,H]) -> (topk_weights [T,K] fp32, topk_idx [T,K] int64, router_logits [T,E] fp32).
-    Ties go to the lower expert index (torch.topk's order on CPU).
+    Ties go to the lower expert index.
     """
 
     def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
@@ -126,7 +126,10 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.gate(x).float()          # HF: linear in the activation dtype, softmax in fp32
         probs = torch.softmax(logits, dim=-1)
-        weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        # Stable descending sort == torch.topk's result, except that ties go to the lower expert index
+        # (torch.topk on CPU does not promise an order among ties; the NKI router kernel uses this rule).
+        weights, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+        weights, idx = weights[:, : self.top_k], idx[:, : self.top_k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, idx, logits
@@ -239,6 +242,20 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
+@torch.no_grad()
+def trunc_normal_(t: torch.Tensor, std: float) -> torch.Tensor:
+    """Normal(0, std) truncated to +-3 std, drawn by resampling the tails: the same distribution as
+    `nn.init.trunc_normal_(t, 0, std, -3std, 3std)`, ~6x faster on CPU (no erfinv over every element;
+    a 151936 x 1024 embedding takes ~2 s instead of ~12 s)."""
+    t.normal_(0.0, std)
+    flat = t.view(-1)
+    bad = (flat.abs() > 3 * std).nonzero().squeeze(1)
+    while bad.numel():
+        flat[bad] = torch.randn(bad.numel(), dtype=t.dtype, device=t.device) * std
+        bad = bad[flat[bad].abs() > 3 * std]
+    return t
+
+
 class Qwen3Model(nn.Module):
     """Qwen3 causal LM: forward(tokens [B,S] int64) -> logits [B,S,V].
 
@@ -313,9 +330,7 @@ class Qwen3Model(nn.Module):
         c = self.config
         std, out_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layers)
 
-        def tn(t: torch.Tensor, s: float) -> None:
-            nn.init.trunc_normal_(t, mean=0.0, std=s, a=-3 * s, b=3 * s)
-
+        tn = trunc_normal_
         device = buffer_device if buffer_device is not None else self.tok_embeddings.weight.device
         self.rope_cache = self._make_rope_cache(device)
         tn(self.tok_embeddings.weight, std)
