@@ -141,40 +141,44 @@ def router_topk_bwd_ref(x: torch.Tensor, w_router: torch.Tensor, router_logits: 
 # NKI kernels
 
 
-def _copy_engine(i):
-    """PSUM -> SBUF evacuations alternate Vector / Scalar (both can read PSUM; GpSimd cannot)."""
-    return nisa.engine.vector if i % 2 == 0 else nisa.engine.scalar
+def _copy_engine(load, n):
+    """Engine for a PSUM -> SBUF copy of ``n`` elements per partition: Vector (0.96 GHz) or Scalar
+    (1.2 GHz), whichever has less work queued (both read PSUM; GpSimd cannot). ``load`` = [vec, act] ns."""
+    v, a = load[0] + n / 0.96, load[1] + n / 1.2
+    if v <= a:
+        load[0] = v
+        return nisa.engine.vector
+    load[1] = a
+    return nisa.engine.scalar
 
 
-def _transpose_blocks(dst, src, rows, cols, dtype, counter):
-    """``dst[c, j, r] = src[r, j*128 + c]``: transpose ``src [rows, cols]`` (SBUF) in 128-column blocks
-    into ``dst [128, ceil(cols/128), >= rows]`` (SBUF) through PSUM, one bank-full of blocks per copy."""
-    n_blk = _cdiv(cols, P_MAX)
-    per_bank = max(1, 2048 // (P_MAX * np.dtype(dtype).itemsize))  # blocks of [128, 128] per 2 KiB bank
-    for j0 in range(0, n_blk, per_bank):
-        j1 = min(n_blk, j0 + per_bank)
-        if cols - j0 * P_MAX < P_MAX:  # the short last block alone: [cb, rows]
-            cb = cols - j0 * P_MAX
-            ps = nl.ndarray((cb, rows), dtype=dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=ps, data=src[0:rows, j0 * P_MAX:cols])
-            nisa.tensor_copy(dst=dst[0:cb, j0, 0:rows], src=ps, engine=_copy_engine(counter[0]))
-            counter[0] += 1
-            continue
-        full1 = min(j1, cols // P_MAX)  # full blocks in this group
-        ps = nl.ndarray((P_MAX, full1 - j0, rows), dtype=dtype, buffer=nl.psum)
-        for j in range(j0, full1):
-            nisa.nc_transpose(dst=ps[:, j - j0, :], data=src[0:rows, j * P_MAX:(j + 1) * P_MAX])
-        nisa.tensor_copy(dst=dst[:, j0:full1, 0:rows], src=ps, engine=_copy_engine(counter[0]))
-        counter[0] += 1
-        if full1 < j1:  # the group ends with the short last block
-            cb = cols - full1 * P_MAX
-            ps2 = nl.ndarray((cb, rows), dtype=dtype, buffer=nl.psum)
-            nisa.nc_transpose(dst=ps2, data=src[0:rows, full1 * P_MAX:cols])
-            nisa.tensor_copy(dst=dst[0:cb, full1, 0:rows], src=ps2, engine=_copy_engine(counter[0]))
-            counter[0] += 1
+def _transpose_blocks(pairs, rows, cols, dtype, load):
+    """For each ``(dst, src)``: ``dst[c, j, r] = src[r, j*128 + c]``, i.e. ``src [rows, cols]`` (SBUF)
+    transposed in 128-column blocks into ``dst [128, ceil(cols/128), >= rows]`` (SBUF) on the Tensor
+    engine, one PSUM bank-full of blocks per PSUM -> SBUF copy (a short last block, ``cols % 128``,
+    alone). Blocks of the different pairs are interleaved so consecutive transposes never target the
+    same PSUM tile."""
+    n_full = cols // P_MAX
+    per_bank = max(1, 2048 // (P_MAX * np.dtype(dtype).itemsize))  # [128, 128] blocks per 2 KiB bank
+    for j0 in range(0, n_full, per_bank):
+        j1 = min(n_full, j0 + per_bank)
+        ps = [nl.ndarray((P_MAX, j1 - j0, rows), dtype=dtype, buffer=nl.psum) for _ in pairs]
+        for j in range(j0, j1):
+            for i in range(len(pairs)):
+                nisa.nc_transpose(dst=ps[i][:, j - j0, :], data=pairs[i][1][0:rows, j * P_MAX:(j + 1) * P_MAX])
+        for i in range(len(pairs)):
+            nisa.tensor_copy(dst=pairs[i][0][:, j0:j1, 0:rows], src=ps[i],
+                             engine=_copy_engine(load, (j1 - j0) * rows))
+        ps = None
+    if cols > n_full * P_MAX:
+        cb = cols - n_full * P_MAX
+        for i in range(len(pairs)):
+            pt = nl.ndarray((cb, rows), dtype=dtype, buffer=nl.psum)
+            nisa.nc_transpose(dst=pt, data=pairs[i][1][0:rows, n_full * P_MAX:cols])
+            nisa.tensor_copy(dst=pairs[i][0][0:cb, n_full, 0:rows], src=pt, engine=_copy_engine(load, rows))
 
 
-def _load_w_transposed(w, counter):
+def _load_w_transposed(w, load):
     """``w_router [E, H]`` -> SBUF ``wT [128, ceil(H/128), E]`` (``wT[c, j, e] = w[e, j*128 + c]``)."""
     E, H = w.shape
     wT = nl.ndarray((P_MAX, _cdiv(H, P_MAX), E), dtype=w.dtype, buffer=nl.sbuf)
@@ -182,70 +186,116 @@ def _load_w_transposed(w, counter):
         ec = min(P_MAX, E - e0)
         w_sb = nl.ndarray((ec, H), dtype=w.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=w_sb, src=w[e0:e0 + ec, :])
-        _transpose_blocks(wT[:, :, e0:e0 + ec], w_sb, ec, H, w.dtype, counter)
+        _transpose_blocks([(wT[:, :, e0:e0 + ec], w_sb)], ec, H, w.dtype, load)
     return wT
 
 
-def _logits_tile(x, wT, t0, tp, counter):
-    """fp32 PSUM ``[tp, E]`` logits of tokens ``t0 .. t0+tp``."""
-    T, H = x.shape
-    E = wT.shape[2]
-    n_h = _cdiv(H, P_MAX)
-    x_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, :])
-    xT = nl.ndarray((P_MAX, n_h, tp), dtype=x.dtype, buffer=nl.sbuf)
-    _transpose_blocks(xT, x_sb, tp, H, x.dtype, counter)
-    lg_ps = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.psum)
-    for j in range(n_h):
-        hb = min(P_MAX, H - j * P_MAX)
-        nisa.nc_matmul(dst=lg_ps, stationary=xT[0:hb, j, :], moving=wT[0:hb, j, :],
-                       accumulate=(j > 0))
-    return lg_ps
+def _token_chunks(T, nt_max):
+    """``(t0, P, NT)``: P partitions x NT consecutive tokens each (token ``t0 + p*NT + j``)."""
+    chunk = P_MAX * nt_max
+    out = tuple((i * chunk, P_MAX, nt_max) for i in range(T // chunk))
+    t0 = (T // chunk) * chunk
+    if (T - t0) // P_MAX:
+        out = out + ((t0, P_MAX, (T - t0) // P_MAX),)
+        t0 = t0 + P_MAX * ((T - t0) // P_MAX)
+    if t0 < T:
+        out = out + ((t0, T - t0, 1),)
+    return out
+
+
+# Token sub-tiles per chunk: each partition holds NT consecutive tokens, so the logits store is one
+# contiguous 2 KiB run per partition (E=128) and the x load NT*H elements.
+_NT = 4
+
+
+def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob):
+    """Softmax top-K of one token sub-tile: ``lg [P, >=8]`` fp32 logits (padded when E < 8) ->
+    ``top_w [P, K]`` fp32, ``top_i [P, K]`` int32."""
+    P = lg.shape[0]
+    top8 = nl.ndarray((P, 8), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.max8(dst=top8, src=lg)
+    idx8 = nl.ndarray((P, 8), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.nc_find_index8(dst=idx8, data=lg, vals=top8)
+    nisa.tensor_copy(dst=top_i, src=idx8[:, 0:K], engine=nisa.engine.gpsimd)
+    neg_max = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=neg_max, data=top8[:, 0:1], op0=nl.multiply, operand0=-1.0,
+                       engine=nisa.engine.scalar)
+    e_k = nl.ndarray((P, K), dtype=nl.float32, buffer=nl.sbuf)
+    denom = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if norm_topk_prob:  # sum over the selected K only: the softmax denominator cancels
+        nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max, reduce_op=nl.add,
+                        reduce_res=denom, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    else:
+        p_all = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=p_all, op=nl.exp, data=lg[:, 0:E], bias=neg_max, reduce_op=nl.add,
+                        reduce_res=denom, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max)
+    rden = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=rden, data=denom)
+    nisa.tensor_scalar(dst=top_w, data=e_k, op0=nl.multiply, operand0=rden, engine=nisa.engine.scalar)
 
 
 @nki.jit
 def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
-    """NKI kernel behind :func:`router_topk` (inputs already validated)."""
+    """NKI kernel behind :func:`router_topk` (inputs already validated).
+
+    Per token sub-tile three stages, software-pipelined so every engine has independent work queued:
+    A) Tensor-engine transposes of x (H onto partitions) + PSUM -> SBUF copies, B) the H-contraction
+    matmuls into a PSUM ``[P, E]`` tile + copy out, C) max8 / find_index8 / exp / normalise.
+    """
     T, H = x.shape
     E = w_router.shape[0]
     K = top_k
+    n_h = _cdiv(H, P_MAX)
+    Ep = max(E, 8)  # max8 needs >= 8 elements per partition
     topk_w = nl.ndarray((T, K), dtype=nl.float32, buffer=nl.shared_hbm)
     topk_i = nl.ndarray((T, K), dtype=nl.int32, buffer=nl.shared_hbm)
     logits = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)
-    counter = [0]
-    wT = _load_w_transposed(w_router, counter)
-    for t0 in range(0, T, P_MAX):
-        tp = min(P_MAX, T - t0)
-        lg_ps = _logits_tile(x, wT, t0, tp, counter)
-        lg = nl.ndarray((tp, max(E, 8)), dtype=nl.float32, buffer=nl.sbuf)
-        if E < 8:  # max8 needs >= 8 elements: pad with a value no logit can lose to
-            nisa.memset(dst=lg[:, E:8], value=_NEG_BIG)
-        nisa.tensor_copy(dst=lg[:, 0:E], src=lg_ps, engine=nisa.engine.scalar)
-        nisa.dma_copy(dst=logits[t0:t0 + tp, :], src=lg[:, 0:E])
-        top8 = nl.ndarray((tp, 8), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.max8(dst=top8, src=lg)
-        idx8 = nl.ndarray((tp, 8), dtype=nl.uint32, buffer=nl.sbuf)
-        nisa.nc_find_index8(dst=idx8, data=lg, vals=top8)
-        neg_max = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=neg_max, data=top8[:, 0:1], op0=nl.multiply, operand0=-1.0)
-        e_k = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
-        denom = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if norm_topk_prob:  # sum over the selected K only: the softmax denominator cancels
-            nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max, reduce_op=nl.add,
-                            reduce_res=denom, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        else:
-            p_all = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=p_all, op=nl.exp, data=lg[:, 0:E], bias=neg_max, reduce_op=nl.add,
-                            reduce_res=denom, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max)
-        rden = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.reciprocal(dst=rden, data=denom)
-        w_k = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=w_k, data=e_k, op0=nl.multiply, operand0=rden)
-        i_k = nl.ndarray((tp, K), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=i_k, src=idx8[:, 0:K])
-        nisa.dma_copy(dst=topk_w[t0:t0 + tp, :], src=w_k)
-        nisa.dma_copy(dst=topk_i[t0:t0 + tp, :], src=i_k)
+    load = [0.0, 0.0]
+    wT = _load_w_transposed(w_router, load)
+    chunks = _token_chunks(T, _NT)
+    n = len(chunks)
+    x_sb = [None] * n
+    xT = [None] * n
+    lg_all = [None] * n
+    for step in range(n + 3):
+        if step < n:  # stage L: load x one stage ahead (the DMA queue stays ahead of the transposes)
+            t0, P, NT = chunks[step]
+            x_sb[step] = nl.ndarray((P, NT, H), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_sb[step], src=x.ap(pattern=[[NT * H, P], [H, NT], [1, H]], offset=t0 * H))
+        c = step - 1
+        if 0 <= c < n:  # stage A: transpose every sub-tile (interleaved)
+            t0, P, NT = chunks[c]
+            xT[c] = [nl.ndarray((P_MAX, n_h, P), dtype=x.dtype, buffer=nl.sbuf) for _ in range(NT)]
+            _transpose_blocks([(xT[c][j], x_sb[c][:, j, :]) for j in range(NT)], P, H, x.dtype, load)
+            x_sb[c] = None
+        c = step - 2
+        if 0 <= c < n:  # stage B: logits, the NT accumulation chains interleaved
+            t0, P, NT = chunks[c]
+            lg_all[c] = nl.ndarray((P, NT, Ep), dtype=nl.float32, buffer=nl.sbuf)
+            if E < 8:  # pad with a value no logit can lose to (K <= E)
+                nisa.memset(dst=lg_all[c][:, :, E:8], value=_NEG_BIG)
+            lg_ps = [nl.ndarray((P, E), dtype=nl.float32, buffer=nl.psum) for _ in range(NT)]
+            for h in range(n_h):
+                hb = min(P_MAX, H - h * P_MAX)
+                for j in range(NT):
+                    nisa.nc_matmul(dst=lg_ps[j], stationary=xT[c][j][0:hb, h, :], moving=wT[0:hb, h, :],
+                                   accumulate=(h > 0))
+            for j in range(NT):
+                nisa.tensor_copy(dst=lg_all[c][:, j, 0:E], src=lg_ps[j], engine=_copy_engine(load, E))
+            xT[c] = None
+        c = step - 3
+        if 0 <= c < n:  # stage C: top-K, then one contiguous store per partition per output
+            t0, P, NT = chunks[c]
+            w_all = nl.ndarray((P, NT, K), dtype=nl.float32, buffer=nl.sbuf)
+            i_all = nl.ndarray((P, NT, K), dtype=nl.int32, buffer=nl.sbuf)
+            for j in range(NT):
+                _topk_subtile(lg_all[c][:, j, :], w_all[:, j, :], i_all[:, j, :], E, K, norm_topk_prob)
+            nisa.dma_copy(dst=logits.ap(pattern=[[NT * E, P], [E, NT], [1, E]], offset=t0 * E),
+                          src=lg_all[c][:, :, 0:E])
+            nisa.dma_copy(dst=topk_w.ap(pattern=[[NT * K, P], [K, NT], [1, K]], offset=t0 * K), src=w_all)
+            nisa.dma_copy(dst=topk_i.ap(pattern=[[NT * K, P], [K, NT], [1, K]], offset=t0 * K), src=i_all)
+            lg_all[c] = None
     return topk_w, topk_i, logits
 
 
@@ -261,7 +311,7 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
     grad_x = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     grad_w = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.shared_hbm)
     g_hbm = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)  # g_logits scratch for phase 2
-    counter = [0]
+    load = [0.0, 0.0]
     # w resident in SBUF as fp32 [128, n_e, H]: E on partitions = the contraction of grad_x
     w_sb = nl.ndarray((P_MAX, n_e, H), dtype=nl.float32, buffer=nl.sbuf)
     for c in range(n_e):
@@ -336,7 +386,7 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
         nisa.dma_copy(dst=g_hbm[t0:t0 + tp, :], src=g_l)
         # grad_x [tp, H] = g_l [tp, E] @ w [E, H]: contraction over E -> g_l^T on partitions
         glT = nl.ndarray((P_MAX, n_e, tp), dtype=nl.float32, buffer=nl.sbuf)
-        _transpose_blocks(glT, g_l, tp, E, nl.float32, counter)
+        _transpose_blocks([(glT, g_l)], tp, E, nl.float32, load)
         gx_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
         for h0 in range(0, H, PSUM_FMAX):
             hc = min(PSUM_FMAX, H - h0)
@@ -345,8 +395,7 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 ec = min(P_MAX, E - c * P_MAX)
                 nisa.nc_matmul(dst=gx_ps, stationary=glT[0:ec, c, :], moving=w_sb[0:ec, c, h0:h0 + hc],
                                accumulate=(c > 0))
-            nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps, engine=_copy_engine(counter[0]))
-            counter[0] += 1
+            nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps, engine=_copy_engine(load, hc))
         nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb)
     # phase 2: grad_w [E, H] = sum over token tiles of g_l^T x; groups of 4 PSUM banks per E chunk
     for c in range(n_e):
@@ -372,8 +421,7 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
             for a in range(len(accs)):
                 h0 = a * PSUM_FMAX
                 nisa.tensor_copy(dst=gw_sb[:, h0:h0 + accs[a].shape[1]], src=accs[a],
-                                 engine=_copy_engine(counter[0]))
-                counter[0] += 1
+                                 engine=_copy_engine(load, accs[a].shape[1]))
             nisa.dma_copy(dst=grad_w[e0:e0 + ec, hg:hg + hw], src=gw_sb)
     return grad_x, grad_w
 
