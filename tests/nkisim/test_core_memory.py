@@ -109,3 +109,19 @@ def test_kernel_memory_overflow_inside_jit():
 
     with pytest.raises(NkiValidationError, match="PSUM overflow"):
         hog(np.zeros(4, np.float32))
+
+
+def test_unreachable_cycles_do_not_count(ctx):
+    class Holder:
+        pass
+
+    gc.disable()  # make sure only the allocator's own collection can free them
+    try:
+        for _ in range(3):  # tiles kept alive only by reference cycles: garbage, not live memory
+            h = Holder()
+            h.self = h
+            h.tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(8)]
+            del h
+        assert nl.ndarray((128, 512), nl.float32, buffer=nl.psum).shape == (128, 512)
+    finally:
+        gc.enable()

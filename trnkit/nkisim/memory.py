@@ -20,6 +20,7 @@ Capacities (trn2 = NeuronCore-v3), per partition:
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -56,31 +57,44 @@ class Memory:
         return sum(self.psum_bank_used)
 
     def allocate(self, owner: object, buffer: str, nbytes: int, name: str) -> None:
-        """Account ``nbytes`` per partition for ``owner``; freed automatically when ``owner`` dies."""
+        """Account ``nbytes`` per partition for ``owner``; freed automatically when ``owner`` dies.
+
+        On overflow, unreachable tensors still waiting for the cycle collector are collected and
+        the allocation is retried once before the error (only live tensors count).
+        """
+        if buffer == "psum" and nbytes > PSUM_BANK_BYTES:
+            fail("nl.ndarray", "PSUM tile {name!r} needs {requested} bytes per partition, more "
+                 "than one PSUM bank ({bank} bytes = 512 fp32)",
+                 name=name, requested=nbytes, bank=PSUM_BANK_BYTES)
+        if buffer not in ("sbuf", "psum") or self._try(owner, buffer, nbytes):
+            return
+        gc.collect()
+        if self._try(owner, buffer, nbytes):
+            return
+        if buffer == "sbuf":
+            fail("nl.ndarray", "SBUF overflow allocating {name!r}: requested {requested} bytes "
+                 "per partition, {used} in use, capacity {capacity}",
+                 name=name, requested=nbytes, used=self.sbuf_used, capacity=self.sbuf_capacity)
+        fail("nl.ndarray", "PSUM overflow allocating {name!r}: requested {requested} bytes per "
+             "partition, {used} in use over {banks} banks, capacity {capacity} "
+             "(bank use {bank_use})", name=name, requested=nbytes, used=self.psum_used,
+             banks=PSUM_BANKS, capacity=PSUM_PARTITION_BYTES, bank_use=list(self.psum_bank_used))
+
+    def _try(self, owner: object, buffer: str, nbytes: int) -> bool:
         with self._lock:
             if buffer == "sbuf":
                 if self.sbuf_used + nbytes > self.sbuf_capacity:
-                    fail("nl.ndarray", "SBUF overflow allocating {name!r}: requested {requested} bytes "
-                         "per partition, {used} in use, capacity {capacity}",
-                         name=name, requested=nbytes, used=self.sbuf_used, capacity=self.sbuf_capacity)
+                    return False
                 self.sbuf_used += nbytes
                 self.sbuf_peak = max(self.sbuf_peak, self.sbuf_used)
                 weakref.finalize(owner, self._free_sbuf, nbytes)
-            elif buffer == "psum":
-                if nbytes > PSUM_BANK_BYTES:
-                    fail("nl.ndarray", "PSUM tile {name!r} needs {requested} bytes per partition, more "
-                         "than one PSUM bank ({bank} bytes = 512 fp32)",
-                         name=name, requested=nbytes, bank=PSUM_BANK_BYTES)
-                for bank, used in enumerate(self.psum_bank_used):
-                    if used + nbytes <= PSUM_BANK_BYTES:
-                        self.psum_bank_used[bank] = used + nbytes
-                        weakref.finalize(owner, self._free_psum, bank, nbytes)
-                        return
-                fail("nl.ndarray", "PSUM overflow allocating {name!r}: requested {requested} bytes per "
-                     "partition, {used} in use over {banks} banks, capacity {capacity} "
-                     "(bank use {bank_use})", name=name, requested=nbytes, used=self.psum_used,
-                     banks=PSUM_BANKS, capacity=PSUM_PARTITION_BYTES,
-                     bank_use=list(self.psum_bank_used))
+                return True
+            for bank, used in enumerate(self.psum_bank_used):  # first fit, a tile stays in one bank
+                if used + nbytes <= PSUM_BANK_BYTES:
+                    self.psum_bank_used[bank] = used + nbytes
+                    weakref.finalize(owner, self._free_psum, bank, nbytes)
+                    return True
+            return False
 
     def _free_sbuf(self, nbytes: int) -> None:
         with self._lock:
