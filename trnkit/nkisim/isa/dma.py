@@ -26,9 +26,7 @@ def _convert(values: np.ndarray, dst_dtype: np.dtype) -> np.ndarray:
     """DMA dtype conversion: src -> float32 -> dst (identity when the dtypes match)."""
     if values.dtype == dst_dtype:
         return values
-    if not (_dt.is_float(values.dtype) and values.dtype == _dt.float32):
-        values = values.astype(np.float32)
-    return _dt.cast(values, dst_dtype)
+    return _dt.cast(values.astype(np.float32, copy=False), dst_dtype)
 
 
 def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
