@@ -198,7 +198,7 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
             t.join()
     for i, exc in enumerate(errors):
         if exc is not None and not isinstance(exc, threading.BrokenBarrierError):
-            if n > 1:
+            if n > 1 and hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(f"(in program {ids[i]} of grid {grid})")
             raise exc
     for exc in errors:
