@@ -242,7 +242,19 @@ MOE_CASES = {
     "prime_E": (20, 64, 32, 7, 2, 64, None),
     "odd_H_I": (12, 72, 20, 3, 2, 32, None),
     "block_256": (130, 64, 32, 2, 2, 256, None),  # 2 sub-tiles of 128 rows per block
+    "half_tail_128": (40, 64, 32, 2, 2, 128, None),  # every expert's only block runs 64 wide
+    "full_plus_half_128": (150, 64, 32, 1, 1, 128, None),  # one 128-wide block + one 64-wide tail
+    "half_tail_256": (100, 64, 32, 1, 1, 256, None),  # the tail runs as one 128-row sub-tile
 }
+
+
+def test_half_width_tail_split() -> None:
+    idx = torch.tensor([0] * 150 + [1] * 64 + [2] * 65 + [3] * 128).view(-1, 1)
+    lay, _ = moe._moe_layout(idx, 5, 128)
+    split = moe._half_tail_split(lay, idx, 5)[0]
+    start, mid = split[:6].tolist(), split[6:].tolist()
+    assert start == [0, 2, 3, 4, 5, 5]
+    assert mid == [1, 2, 4, 5, 5, 5]  # experts 0 and 1 end with a half-used block; 2, 3 do not; 4 empty
 
 
 def _moe_inputs(case: str, dtype: torch.dtype):
@@ -264,7 +276,7 @@ def test_moe_experts_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["tails", "T1", "all_to_one_expert", "empty_experts", "K_equals_E",
-                                  "block_256"])
+                                  "block_256", "full_plus_half_128"])
 def test_moe_experts_bwd_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
     x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
     g = _rand(*x.shape, dtype=dtype, seed=11)

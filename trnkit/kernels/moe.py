@@ -418,6 +418,21 @@ def _moe_layout(topk_idx: torch.Tensor, num_experts: int, block_size: int) -> tu
     return lay, token
 
 
+def _half_tail_split(lay: BlockLayout, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[1, 2E + 2]`` int32 ``[block_start | mid]``; mid[e] = end of expert e's full-width blocks.
+
+    An expert's last block runs at half width when at most B/2 of its rows are used (only for
+    B >= 128: narrower tiles would leave the Tensor Engine half idle).
+    """
+    B = lay.block_size
+    counts = torch.bincount(topk_idx.reshape(-1).long(), minlength=num_experts)
+    rem = counts % B
+    half = ((rem > 0) & (rem <= B // 2)).long() if B >= 128 else torch.zeros_like(counts)
+    start = lay.block_start[0].long()
+    mid = torch.cat([start[1:] - half, start[-1:]])
+    return torch.cat([start, mid]).view(1, -1).to(torch.int32)  # one SBUF partition row
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
                block_size: int = 128) -> torch.Tensor:
     """``out[rows of g] = x[rows of g] @ w[g]`` on the NKI kernel; rows past ``offs[-1]`` are zero."""
@@ -454,10 +469,11 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     from trnkit.kernels import moe_fused as K_  # noqa: PLC0415
 
     check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size))
-    lay, token = _moe_layout(topk_idx, w_gate_up.shape[0], block_size)
+    E = w_gate_up.shape[0]
+    lay, token = _moe_layout(topk_idx, E, block_size)
     weights = topk_weights.reshape(-1, 1).float()  # fp32 affinities, [T*K, 1]
     return K_.moe_experts_kernel(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), token,
-                                 lay.table, lay.block_start, weights)
+                                 lay.table, _half_tail_split(lay, topk_idx, E), weights)
 
 
 def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -71,7 +71,10 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
 
     x ``[T, H]``; w_gate_up ``[E, H, 2I]``; w_down ``[E, I, H]``; token_table / slot_table
     ``[NB, B]`` int32 (token id / slot id t*K+k of each block position, T / T*K for padding);
-    block_start ``[1, E + 1]`` int32; slot_weights ``[T*K, 1]`` fp32 (topk_weights flattened).
+    block_start ``[1, 2E + 2]`` int32: ``[start | mid]``, start[e] the first block of expert e (and
+    start[E] the total), mid[e] the end of its *full-width* blocks: blocks ``mid[e] .. start[e+1]-1`` (0 or 1: the last
+    block when at most B/2 of its rows are used) run at half width, so a nearly empty tail block
+    costs about half; slot_weights ``[T*K, 1]`` fp32 (topk_weights flattened).
     """
     T, H = x.shape
     E, _, I2 = w_gate_up.shape
@@ -79,8 +82,6 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     S = slot_weights.shape[0]
     K = S // T
     B = token_table.shape[1]
-    rows = min(B, P)
-    n_sub = B // rows
     HC = (H + P - 1) // P
     IC = (inter + P - 1) // P
     dt = x.dtype
@@ -90,15 +91,19 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
         wgu = load_weight(w_gate_up, e)  # [P, HC, 2I]
         wd = load_weight(w_down, e)  # [P, IC, H]
         lo, hi = block_range(block_start, e, bs)
+        mid = nisa.register_alloc()
+        nisa.register_load(mid, bs[0:1, E + 1 + e:E + 2 + e])
 
-        def block(i, wgu=wgu, wd=wd):
-            x_T = tiles(HC, (P, B), dt)
+        def block(i, width, wgu=wgu, wd=wd):
+            rows = min(width, P)
+            n_sub = width // rows
+            x_T = tiles(HC, (P, width), dt)
             for sub in range(n_sub):
                 x_sb = nl.ndarray((rows, H), dtype=dt, buffer=nl.sbuf)
                 load_rows(x_sb, x, token_table, i, sub, zero_pad=True)
                 transpose_rows(x_sb, x_T, col0=sub * rows)
-            h_T = tiles(IC, (P, B), dt)
-            swiglu_T(h_T, x_T, wgu, H, inter, B)
+            h_T = tiles(IC, (P, width), dt)
+            swiglu_T(h_T, x_T, wgu, H, inter, width)
             for sub in range(n_sub):
                 w_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
                 load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
@@ -106,7 +111,8 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
                 row_matmul(y_sb, h_T, rows, weight_operand(wd), inter, col0=sub * rows, scale=w_col)
                 store_rows(y, y_sb, slot_table, i, sub)
 
-        nl.fori_loop(lo, hi, block)
+        nl.fori_loop(lo, mid, lambda i, block=block: block(i, B))
+        nl.fori_loop(mid, hi, lambda i, block=block: block(i, B // 2))
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     combine(y, out, K)
     return out
