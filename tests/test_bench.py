@@ -127,3 +127,23 @@ def test_cli_quick_all_available_kernels(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     available = {k for k in bench_cases.KERNELS if bench_cases.unavailable(k) is None}
     _check_outputs(tmp_path, available)
+
+
+def test_cases_outside_kernel_constraints_are_skipped_not_fatal():
+    from trnkit.bench import run_cases
+    from trnkit.kernels.constraints import KernelConstraintError, Violation
+
+    def unsupported() -> Prepared:
+        raise KernelConstraintError([Violation("k", "S % 128 == 0", 100)])
+
+    ok, _, _ = _matmul_case(512)
+    logs: list[str] = []
+    rows = run_cases([Case("k", "forward", "S", 100, unsupported), ok], measure_torch=False, log=logs.append)
+    assert {r.kernel for r in rows} == {"matmul_tiled"}
+    assert "skipped, outside the kernel's constraints: k: constraint 'S % 128 == 0' violated (got 100)" in logs[0]
+
+    def broken() -> Prepared:
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        run_cases([Case("k", "forward", "S", 1, broken)], measure_torch=False, log=None)

@@ -147,12 +147,20 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
 
 def run_cases(cases: Iterable[Case], chip: str = "trn2", measure_torch: bool = True, budget_s: float = 0.5,
               torch_threads: int | None = None, log: Callable[[str], None] | None = print) -> list[Row]:
-    """Run every case in order (errors propagate: a broken kernel must not produce a partial table)."""
+    """Run every case in order. A case the kernel declares unsupported (its entry check raises
+    ``KernelConstraintError``) is logged and skipped; any other error propagates."""
+    from trnkit.kernels.constraints import KernelConstraintError  # noqa: PLC0415
+
     rows: list[Row] = []
     for case in cases:
         t0 = time.perf_counter()
-        case_rows = run_case(case, chip=chip, measure_torch=measure_torch, budget_s=budget_s,
-                             torch_threads=torch_threads)
+        try:
+            case_rows = run_case(case, chip=chip, measure_torch=measure_torch, budget_s=budget_s,
+                                 torch_threads=torch_threads)
+        except KernelConstraintError as exc:
+            if log:
+                log(f"  {case.label}: skipped, outside the kernel's constraints: {exc}")
+            continue
         rows += case_rows
         if log:
             est = next((r.p50 for r in case_rows if r.metric in ("est_time", "wall_time") and r.impl == "nki"), None)
