@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import copy
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +29,28 @@ TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)
 SWAP_PATHS = ["layers.0.attention.rope", "layers.1.attention.rope", "layers.0.moe.router", "layers.0.moe.experts"]
 
 
+@contextlib.contextmanager
+def _spy_kernels():
+    """Count calls of the NKI kernel entry points (the nki impls look them up at call time)."""
+    # (import_module: the package re-exports functions under the submodules' names)
+    moe, rope, router = (importlib.import_module(f"trnkit.kernels.{m}") for m in ("moe", "rope_hf", "router_topk"))
+
+    calls: dict[str, int] = {}
+    targets = [(rope, "rope_hf_bshd"), (router, "router_topk"), (router, "router_topk_bwd"),
+               (moe, "moe_experts"), (moe, "moe_experts_bwd")]
+    with contextlib.ExitStack() as stack:
+        for mod, name in targets:
+            real = getattr(mod, name)
+            key = f"{mod.__name__.rsplit('.', 1)[-1]}.{name}"
+
+            def spy(*a, _real=real, _key=key, **k):
+                calls[_key] = calls.get(_key, 0) + 1
+                return _real(*a, **k)
+
+            stack.enter_context(mock.patch.object(mod, name, spy))
+        yield calls
+
+
 def _logits_and_grads(model, tokens=TOKENS):
     model.zero_grad()
     logits = model(tokens)
@@ -46,7 +71,11 @@ def test_swap_matches_original_logits_and_grads():
         assert isinstance(model.get_submodule(path), _Swapped)
     assert list(model.state_dict()) == keys  # parameter names unchanged
 
-    got_logits, got_grads = _logits_and_grads(model)
+    with _spy_kernels() as calls:
+        got_logits, got_grads = _logits_and_grads(model)
+    # 2 rope layers x (fwd + bwd); 1 MoE layer: router and experts, fwd and bwd each
+    assert calls == {"rope_hf.rope_hf_bshd": 4, "router_topk.router_topk": 1, "router_topk.router_topk_bwd": 1,
+                     "moe.moe_experts": 1, "moe.moe_experts_bwd": 1}
     want_logits, want_grads = _logits_and_grads(original)
     assert_close(got_logits, want_logits)
     assert got_grads.keys() == want_grads.keys()
