@@ -72,7 +72,8 @@ def test_run_case_rows_match_an_independent_estimate():
     assert by[("roofline", "est_time")].p50 < by[("nki", "est_time")].p50 < by[("nki", "serial_time")].p50
     torch_row = by[("torch", "wall_time")]
     assert torch_row.device.startswith("cpu") and 0 < torch_row.p20 <= torch_row.p50 <= torch_row.p80
-    assert by[("nki", "est_time")].config["n_instrs"] == len(tr) == 56
+    assert by[("nki", "est_time")].details["n_instrs"] == len(tr) == 56
+    assert by[("nki", "est_time")].config == {"dtype": "bfloat16"} == torch_row.config
     table = markdown_table(rows)
     assert table.count("\n") == 2 and "| matmul_tiled | forward | M=N=K=512 |" in table
     assert f"{by[('nki', 'est_time')].p50:.1f}" in table

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # table and plots show the newest row per (kernel, impl, mode, metric, x) over the whole CSV
     latest = {}
     for r in read_rows(csv_path):
-        latest[(r.kernel, r.impl, r.mode, r.metric, r.x_name, r.x_value, r.extra if r.impl != "nki" else "")] = r
+        latest[(r.kernel, r.impl, r.mode, r.metric, r.x_name, r.x_value, r.config_key)] = r
     shown = [r for r in latest.values() if r.kernel in selected] or rows
     table = markdown_table(shown)
     (out / "bench.md").write_text(

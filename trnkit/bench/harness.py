@@ -103,7 +103,8 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
 
     def row(impl: str, metric: str, unit: str, p: tuple[float, float, float], device: str,
             extra: dict | None = None) -> None:
-        ex = json.dumps({**case.config, **extra}, sort_keys=True) if extra else cfg
+        # the case's configuration at the top level, what this number adds under "details"
+        ex = json.dumps({**case.config, "details": extra}, sort_keys=True) if extra else cfg
         rows.append(Row(impl=impl, metric=metric, unit=unit, p50=p[0], p20=p[1], p80=p[2], extra=ex,
                         device=device, **base))
 

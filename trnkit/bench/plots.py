@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -39,11 +40,14 @@ def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    groups: dict[tuple[str, str, str], list[Row]] = {}
+    groups: dict[tuple[str, str, str, str], list[Row]] = {}
     for r in rows:
-        groups.setdefault((r.kernel, r.mode, r.x_name), []).append(r)
+        groups.setdefault((r.kernel, r.mode, r.x_name, r.config_key), []).append(r)
+    n_cfg: dict[tuple[str, str, str], int] = {}
+    for key in groups:
+        n_cfg[key[:3]] = n_cfg.get(key[:3], 0) + 1
     written: list[Path] = []
-    for (kernel, mode, x_name), g in sorted(groups.items()):
+    for (kernel, mode, x_name, cfg_key), g in sorted(groups.items()):
         est = _series(g, "nki", "est_time")
         if not est:
             continue
@@ -77,6 +81,8 @@ def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         stem = "_".join(_safe(t) for t in (kernel, mode, x_name))
+        if n_cfg[(kernel, mode, x_name)] > 1:  # several configurations of one sweep: one file each
+            stem += "_" + hashlib.sha1(cfg_key.encode()).hexdigest()[:6]
         p = out_dir / f"{stem}_time.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)

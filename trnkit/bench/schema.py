@@ -45,7 +45,19 @@ class Row:
 
     @property
     def config(self) -> dict:
-        return json.loads(self.extra) if self.extra else {}
+        """The case configuration (``extra`` without the per-number ``details``)."""
+        cfg = json.loads(self.extra) if self.extra else {}
+        cfg.pop("details", None)
+        return cfg
+
+    @property
+    def details(self) -> dict:
+        """What the harness recorded with this number (estimate model, bottleneck, ...)."""
+        return json.loads(self.extra).get("details", {}) if self.extra else {}
+
+    @property
+    def config_key(self) -> str:
+        return json.dumps(self.config, sort_keys=True)
 
 
 assert tuple(f.name for f in fields(Row)) == COLUMNS

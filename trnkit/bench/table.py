@@ -10,7 +10,8 @@ from trnkit.bench.schema import Row
 def _key(r: Row) -> tuple:
     x = r.x_value
     mode = (0 if r.mode == "forward" else 1, r.mode)
-    return (r.kernel, mode, r.x_name, (0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)))
+    return (r.kernel, mode, r.x_name, (0, x, "") if isinstance(x, (int, float)) else (1, 0, str(x)),
+            r.config_key)
 
 
 def _fmt(v: float | None, unit: str = "us") -> str:
@@ -38,13 +39,11 @@ def markdown_table(rows: Iterable[Row]) -> str:
         any_row = next(iter(g.values()))
         est, roof = g.get(("nki", "est_time")), g.get(("roofline", "est_time"))
         frac, real, ref = g.get(("nki", "fraction_of_roofline")), g.get(("nki", "wall_time")), g.get(("torch", "wall_time"))
-        cfg = {k: v for k, v in (est or any_row).config.items()
-               if k not in ("model", "n_instrs", "bottleneck", "flops", "hbm_bytes", "interp_trace_only_s")}
-        cfg_s = ", ".join(f"{k}={v}" for k, v in sorted(cfg.items()))
+        cfg_s = ", ".join(f"{k}={v}" for k, v in sorted(any_row.config.items()))
         ref_s = f"{_fmt(ref.p50)} [{_fmt(ref.p20)}-{_fmt(ref.p80)}]" if ref else "-"
         lines.append(
             f"| {kernel} | {mode} | {x_name}={any_row.x_value} | {cfg_s} | {_fmt(est.p50 if est else None)} | "
             f"{_fmt(roof.p50 if roof else None)} | {_fmt(frac.p50 if frac else None, 'ratio')} | "
-            f"{est.config.get('bottleneck', '-') if est else '-'} | {_fmt(real.p50 if real else None)} | "
+            f"{est.details.get('bottleneck', '-') if est else '-'} | {_fmt(real.p50 if real else None)} | "
             f"{ref_s} | {ref.device if ref else '-'} |")
     return "\n".join(lines)
