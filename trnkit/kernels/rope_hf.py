@@ -233,7 +233,7 @@ def _load_tables(cos, sin, packed, b, s0, P, NT, D, backward):
     else:
         nisa.dma_copy(dst=t_t, src=sin.ap(pattern=[[NT * width, P], [width, NT], [1, D]], offset=sin_base))
         neg = t_t[:, :, 0:h]
-    nisa.activation(dst=neg, op=nl.copy, data=neg, scale=-1.0)  # exact negation, on the idle Scalar engine
+    nisa.tensor_scalar(dst=neg, data=neg, op0=nl.multiply, operand0=-1.0)  # exact, once per chunk
     return c_t, t_t
 
 

@@ -159,7 +159,8 @@ def _transpose_blocks(pairs, rows, cols, dtype, load):
     alone). Blocks of the different pairs are interleaved so consecutive transposes never target the
     same PSUM tile."""
     n_full = cols // P_MAX
-    per_bank = max(1, 2048 // (P_MAX * np.dtype(dtype).itemsize))  # [128, 128] blocks per 2 KiB bank
+    itemsize = 4 if dtype == nl.float32 else 2  # fp32 or bf16 (see constraints)
+    per_bank = max(1, 2048 // (P_MAX * itemsize))  # [128, 128] blocks per 2 KiB bank
     for j0 in range(0, n_full, per_bank):
         j1 = min(n_full, j0 + per_bank)
         ps = [nl.ndarray((P_MAX, j1 - j0, rows), dtype=dtype, buffer=nl.psum) for _ in pairs]
