@@ -254,3 +254,33 @@ def test_matmul_row_column_tiling_and_transpose_mode():
     with pytest.raises(NkiValidationError, match="float8_e4m3fn not supported"):
         nisa.nc_matmul(psum_tile(16, 16), tile(np.zeros((16, 16), ml_dtypes.float8_e4m3fn)),
                        tile(np.zeros((16, 16), ml_dtypes.float8_e4m3fn)))
+
+
+def test_accumulate_random_sequences_match_reference_model():
+    """Random mixes of accumulate=None/True/False and region writes vs an explicit per-element model."""
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        dst = psum_tile(8, 16)
+        ref = np.zeros((8, 16), np.float32)
+        written = np.zeros((8, 16), bool)
+        for _ in range(4):
+            c0 = int(rng.integers(0, 15))
+            c1 = int(rng.integers(c0 + 1, 17))
+            acc = [None, True, False][int(rng.integers(0, 3))]
+            if acc is True and not written[:, c0:c1].all():
+                acc = None  # (True onto unwritten elements is undefined; covered elsewhere)
+            a = rng.standard_normal((4, 8)).astype(np.float32)
+            b = rng.standard_normal((4, c1 - c0)).astype(np.float32)
+            nisa.nc_matmul(dst[:, c0:c1], tile(a), tile(b), accumulate=acc)
+            r = a.T @ b
+            w = written[:, c0:c1]
+            region = ref[:, c0:c1]
+            if acc is False:
+                region[...] = r
+            elif acc is True:
+                region += r
+            else:
+                region[...] = np.where(w, region + r, r)
+            w[...] = True
+        np.testing.assert_allclose(dst.np()[written], ref[written], rtol=1e-5, atol=1e-5)
+        assert np.isnan(dst.np()[~written]).all()

@@ -295,3 +295,23 @@ def test_index_chains_match_numpy(data):
         np.testing.assert_array_equal(t.np(), ref)
         if ref.ndim < 2:
             break
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_ap_matches_as_strided(data):
+    """HBM .ap(pattern, offset) == numpy as_strided over the flat storage; out of range raises."""
+    n = 240
+    flat = np.arange(n, dtype=np.float32)
+    t = hb(flat.reshape(6, 40))
+    ndim = data.draw(st.integers(1, 3))
+    pattern = [[data.draw(st.integers(0, 30)), data.draw(st.integers(1, 6))] for _ in range(ndim)]
+    offset = data.draw(st.integers(0, n - 1))
+    hi = offset + sum(s * (c - 1) for s, c in pattern)
+    if hi >= n:
+        with pytest.raises(NkiValidationError, match="out of bounds for storage of 240 elements"):
+            t.ap(pattern, offset=offset)
+        return
+    ref = np.lib.stride_tricks.as_strided(flat[offset:], [c for _, c in pattern],
+                                          [4 * s for s, _ in pattern])
+    np.testing.assert_array_equal(t.ap(pattern, offset=offset).np(), ref)
