@@ -94,6 +94,9 @@ def test_accumulate_false_overwrites_true_adds_and_warns_on_unwritten():
     np.testing.assert_array_equal(dst.np(), 5.0)
     nisa.nc_matmul(dst, tile(a), tile(b))
     np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-5)
+    nisa.memset(dst, 3.0)
+    nisa.nc_matmul(dst, tile(a), tile(b))
+    np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_matmul_trace_and_trace_only():
