@@ -86,8 +86,8 @@ def test_unknown_or_missing_kernels_are_reported():
         bench_cases.cases_for("nope", quick=True)
 
 
-def _run_cli(out: Path, *kernels: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trnkit.bench", *kernels, "--quick", "--budget", "0.02",
+def _run_cli(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trnkit.bench", *args, "--quick", "--budget", "0.02",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "MPLBACKEND": "Agg"})
 
@@ -100,8 +100,8 @@ def _check_outputs(out: Path, kernels: set[str]) -> None:
         assert r.p20 <= r.p50 <= r.p80
     for k in kernels:
         est = [r for r in rows if r.kernel == k and r.impl == "nki" and r.metric == "est_time"]
-        roof = {(r.mode, r.x_value): r.p50 for r in rows if r.kernel == k and r.impl == "roofline"}
-        assert est and all(r.p50 >= roof[(r.mode, r.x_value)] for r in est)
+        roof = {(r.mode, r.x_value, r.config_key): r.p50 for r in rows if r.kernel == k and r.impl == "roofline"}
+        assert est and all(r.p50 >= roof[(r.mode, r.x_value, r.config_key)] for r in est)
         assert any(r.impl == "torch" for r in rows if r.kernel == k)
         pngs = list((out / "plots").glob(f"{k}_*.png"))
         assert len(pngs) >= 2
@@ -112,9 +112,16 @@ def _check_outputs(out: Path, kernels: set[str]) -> None:
 
 
 def test_cli_quick_writes_csv_table_and_plots(tmp_path):
-    r = _run_cli(tmp_path, "matmul_tiled")
+    r = _run_cli(tmp_path, "matmul_tiled", "--dtype", "bfloat16", "float32")
     assert r.returncode == 0, r.stdout + r.stderr
     _check_outputs(tmp_path, {"matmul_tiled"})
+    rows = read_rows(tmp_path / "bench.csv")
+    est = {(r.config["dtype"], r.x_value): r.p50 for r in rows if r.impl == "nki" and r.metric == "est_time"}
+    assert est[("float32", 512)] > est[("bfloat16", 512)]  # fp32: 4x TensorE cycles, 2x the bytes
+    names = {p.name for p in (tmp_path / "plots").glob("*.png")}
+    assert "matmul_tiled_forward_M-N-K_dtype-float32_time.png" in names
+    md = (tmp_path / "bench.md").read_text()
+    assert md.count("| matmul_tiled | forward |") == 4  # 2 sizes x 2 dtypes
 
 
 def test_cli_rejects_unknown_kernel(tmp_path):

@@ -29,6 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="CI-size shapes")
     p.add_argument("--mode", nargs="+", choices=cases_mod.MODES, default=list(cases_mod.MODES))
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (CSV, markdown, plots)")
+    p.add_argument("--dtype", nargs="+", choices=cases_mod.DTYPES, default=["bfloat16"],
+                   help="input dtypes to sweep")
     p.add_argument("--chip", default="trn2", choices=("trn2", "trn1"))
     p.add_argument("--no-torch", action="store_true", help="skip timing the torch reference ops")
     p.add_argument("--budget", type=float, default=0.5, help="seconds of timing per measured quantity")
@@ -51,12 +53,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     out = args.out
     csv_path = out / "bench.csv"
-    if args.overwrite and csv_path.exists():
-        csv_path.unlink()
+    if args.overwrite:  # a fresh CSV and no stale plots
+        csv_path.unlink(missing_ok=True)
+        for old in (out / "plots").glob("*.png"):
+            old.unlink()
     rows = []
     for k in selected:
         print(f"{k} ({'quick' if args.quick else 'full'}, {', '.join(modes)}):")
-        k_rows = run_cases(cases_mod.cases_for(k, args.quick, modes), chip=args.chip,
+        k_cases = [c for dt in args.dtype for c in cases_mod.cases_for(k, args.quick, modes, dt)]
+        k_rows = run_cases(k_cases, chip=args.chip,
                            measure_torch=not args.no_torch, budget_s=args.budget,
                            torch_threads=args.torch_threads or None)
         write_rows(csv_path, k_rows)  # saved kernel by kernel

@@ -17,6 +17,7 @@ from trnkit.bench.harness import Case, Prepared
 
 DTYPE = torch.bfloat16
 MODES = ("forward", "backward")
+DTYPES = ("bfloat16", "float32")
 
 
 def _rand(*shape: int, g: torch.Generator, scale: float = 1.0, dtype: torch.dtype = DTYPE) -> torch.Tensor:
@@ -42,34 +43,35 @@ def _grad_closure(out: torch.Tensor, inputs: list[torch.Tensor], grad: torch.Ten
 # --- matmul_tiled: the demo / tutorial kernel, always available -------------------------------------
 
 
-def matmul_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+def matmul_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
+    dt = getattr(torch, dtype)
     from trnkit.demo import matmul_tiled  # noqa: PLC0415
 
     def build(n: int) -> Callable[[], Prepared]:
         def f() -> Prepared:
             g = torch.Generator().manual_seed(0)
-            a, b = _rand(n, n, g=g), _rand(n, n, g=g)
+            a, b = _rand(n, n, g=g, dtype=dt), _rand(n, n, g=g, dtype=dt)
             return Prepared(nki=lambda: matmul_tiled(a, b), ref=lambda: a.T @ b)
         return f
 
     sizes = [512, 1024] if quick else [512, 1024, 2048, 4096]
-    return [Case("matmul_tiled", "forward", "M=N=K", n, build(n), {"dtype": "bfloat16"})
+    return [Case("matmul_tiled", "forward", "M=N=K", n, build(n), {"dtype": dtype})
             for n in sizes if "forward" in modes]
 
 
 # --- rope_hf ----------------------------------------------------------------------------------------
 
 
-def _rope_build(B: int, Hq: int, Hk: int, S: int, D: int, backward: bool) -> Callable[[], Prepared]:
+def _rope_build(B: int, Hq: int, Hk: int, S: int, D: int, backward: bool, dtype: torch.dtype) -> Callable[[], Prepared]:
     def f() -> Prepared:
         mod = _kernel_module("rope_hf")
 
         g = torch.Generator().manual_seed(0)
-        q, k = _rand(B, Hq, S, D, g=g), _rand(B, Hk, S, D, g=g)
+        q, k = _rand(B, Hq, S, D, g=g, dtype=dtype), _rand(B, Hk, S, D, g=g, dtype=dtype)
         pos = torch.arange(S, dtype=torch.float32)[:, None]
         inv = 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
         ang = torch.cat([pos * inv, pos * inv], dim=-1)
-        cos, sin = ang.cos().to(DTYPE), ang.sin().to(DTYPE)
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
         r_q, r_k = torch.empty_like(q), torch.empty_like(k)
         return Prepared(
@@ -78,33 +80,34 @@ def _rope_build(B: int, Hq: int, Hk: int, S: int, D: int, backward: bool) -> Cal
     return f
 
 
-def rope_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+def rope_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
+    dt = getattr(torch, dtype)
     cases = []
     for mode in modes:
         bwd = mode == "backward"
         c = _flavor("0.6B")
         seqs = [128, 256] if quick else [128, 512, 1024, 2048, 4096, 8192]
         for S in seqs:
-            cfg = {"flavor": "0.6B", "B": 1, "Hq": c.n_heads, "Hk": c.n_kv_heads, "D": c.head_dim, "dtype": "bfloat16"}
-            cases.append(Case("rope_hf", mode, "S", S, _rope_build(1, c.n_heads, c.n_kv_heads, S, c.head_dim, bwd), cfg))
+            cfg = {"flavor": "0.6B", "B": 1, "Hq": c.n_heads, "Hk": c.n_kv_heads, "D": c.head_dim, "dtype": dtype}
+            cases.append(Case("rope_hf", mode, "S", S, _rope_build(1, c.n_heads, c.n_kv_heads, S, c.head_dim, bwd, dt), cfg))
         if not quick:
             for fl in ("0.6B", "4B", "30B-A3B", "235B-A22B"):
                 c = _flavor(fl)
-                cfg = {"B": 1, "S": 2048, "Hq": c.n_heads, "Hk": c.n_kv_heads, "D": c.head_dim, "dtype": "bfloat16"}
+                cfg = {"B": 1, "S": 2048, "Hq": c.n_heads, "Hk": c.n_kv_heads, "D": c.head_dim, "dtype": dtype}
                 cases.append(Case("rope_hf", mode, "flavor", fl,
-                                  _rope_build(1, c.n_heads, c.n_kv_heads, 2048, c.head_dim, bwd), cfg))
+                                  _rope_build(1, c.n_heads, c.n_kv_heads, 2048, c.head_dim, bwd, dt), cfg))
     return cases
 
 
 # --- router_topk ------------------------------------------------------------------------------------
 
 
-def _router_build(T: int, H: int, E: int, K: int, backward: bool) -> Callable[[], Prepared]:
+def _router_build(T: int, H: int, E: int, K: int, backward: bool, dtype: torch.dtype) -> Callable[[], Prepared]:
     def f() -> Prepared:
         mod = _kernel_module("router_topk")
 
         g = torch.Generator().manual_seed(0)
-        x, w = _rand(T, H, g=g), _rand(E, H, g=g, scale=H ** -0.5)
+        x, w = _rand(T, H, g=g, dtype=dtype), _rand(E, H, g=g, scale=H ** -0.5, dtype=dtype)
         if not backward:
             return Prepared(nki=lambda: mod.router_topk(x, w, K, True), ref=lambda: mod.router_topk_ref(x, w, K, True))
         weights, idx, logits = mod.router_topk(x, w, K, True)
@@ -116,20 +119,21 @@ def _router_build(T: int, H: int, E: int, K: int, backward: bool) -> Callable[[]
     return f
 
 
-def router_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+def router_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
+    dt = getattr(torch, dtype)
     cases = []
     for mode in modes:
         bwd = mode == "backward"
         c = _flavor("30B-A3B")
         for T in ([128, 256] if quick else [128, 512, 1024, 2048, 4096, 8192]):
-            cfg = {"flavor": "30B-A3B", "H": c.dim, "E": c.num_experts, "K": c.top_k, "dtype": "bfloat16"}
-            cases.append(Case("router_topk", mode, "T", T, _router_build(T, c.dim, c.num_experts, c.top_k, bwd), cfg))
+            cfg = {"flavor": "30B-A3B", "H": c.dim, "E": c.num_experts, "K": c.top_k, "dtype": dtype}
+            cases.append(Case("router_topk", mode, "T", T, _router_build(T, c.dim, c.num_experts, c.top_k, bwd, dt), cfg))
         if not quick:
             for fl in ("30B-A3B", "235B-A22B"):
                 c = _flavor(fl)
-                cfg = {"T": 2048, "H": c.dim, "E": c.num_experts, "K": c.top_k, "dtype": "bfloat16"}
+                cfg = {"T": 2048, "H": c.dim, "E": c.num_experts, "K": c.top_k, "dtype": dtype}
                 cases.append(Case("router_topk", mode, "flavor", fl,
-                                  _router_build(2048, c.dim, c.num_experts, c.top_k, bwd), cfg))
+                                  _router_build(2048, c.dim, c.num_experts, c.top_k, bwd, dt), cfg))
     return cases
 
 
@@ -142,18 +146,18 @@ def _routing(T: int, E: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, 
     return idx.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
 
 
-def _moe_build(T: int, H: int, I: int, E: int, K: int, backward: bool) -> Callable[[], Prepared]:  # noqa: E741
+def _moe_build(T: int, H: int, I: int, E: int, K: int, backward: bool, dtype: torch.dtype) -> Callable[[], Prepared]:  # noqa: E741
     def f() -> Prepared:
         mod = _kernel_module("moe")
 
         g = torch.Generator().manual_seed(0)
-        x = _rand(T, H, g=g)
+        x = _rand(T, H, g=g, dtype=dtype)
         idx, tw = _routing(T, E, K, g)
-        wgu, wd = _rand(E, H, 2 * I, g=g, scale=H ** -0.5), _rand(E, I, H, g=g, scale=I ** -0.5)
+        wgu, wd = _rand(E, H, 2 * I, g=g, scale=H ** -0.5, dtype=dtype), _rand(E, I, H, g=g, scale=I ** -0.5, dtype=dtype)
         if not backward:
             return Prepared(nki=lambda: mod.moe_experts(x, idx, tw, wgu, wd),
                             ref=lambda: mod.moe_experts_ref(x, idx, tw, wgu, wd))
-        go = _rand(T, H, g=g)
+        go = _rand(T, H, g=g, dtype=dtype)
         leaves = [t.clone().requires_grad_() for t in (x, tw, wgu, wd)]
         out = mod.moe_experts_ref(leaves[0], idx, leaves[1], leaves[2], leaves[3])
         return Prepared(nki=lambda: mod.moe_experts_bwd(x, idx, tw, wgu, wd, go),
@@ -168,49 +172,51 @@ def _moe_dims(quick: bool) -> tuple[str, int, int, int, int]:
     return "30B-A3B", c.dim, c.moe_inter_dim, c.num_experts, c.top_k
 
 
-def moe_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+def moe_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
+    dt = getattr(torch, dtype)
     cases = []
     name, H, I, E, K = _moe_dims(quick)  # noqa: E741
     for mode in modes:
         bwd = mode == "backward"
         for T in ([128, 256] if quick else [128, 512, 1024]):
-            cfg = {"config": name, "H": H, "I": I, "E": E, "K": K, "dtype": "bfloat16"}
-            cases.append(Case("moe_experts", mode, "T", T, _moe_build(T, H, I, E, K, bwd), cfg))
+            cfg = {"config": name, "H": H, "I": I, "E": E, "K": K, "dtype": dtype}
+            cases.append(Case("moe_experts", mode, "T", T, _moe_build(T, H, I, E, K, bwd, dt), cfg))
         if not quick:
             for fl in ("30B-A3B", "235B-A22B"):
                 c = _flavor(fl)
-                cfg = {"T": 256, "H": c.dim, "I": c.moe_inter_dim, "E": c.num_experts, "K": c.top_k, "dtype": "bfloat16"}
+                cfg = {"T": 256, "H": c.dim, "I": c.moe_inter_dim, "E": c.num_experts, "K": c.top_k, "dtype": dtype}
                 cases.append(Case("moe_experts", mode, "flavor", fl,
-                                  _moe_build(256, c.dim, c.moe_inter_dim, c.num_experts, c.top_k, bwd), cfg))
+                                  _moe_build(256, c.dim, c.moe_inter_dim, c.num_experts, c.top_k, bwd, dt), cfg))
     return cases
 
 
-def _gmm_build(M: int, Kd: int, N: int, G: int, backward: bool) -> Callable[[], Prepared]:
+def _gmm_build(M: int, Kd: int, N: int, G: int, backward: bool, dtype: torch.dtype) -> Callable[[], Prepared]:
     def f() -> Prepared:
         mod = _kernel_module("moe")
 
         g = torch.Generator().manual_seed(0)
-        x, w = _rand(M, Kd, g=g), _rand(G, Kd, N, g=g, scale=Kd ** -0.5)
+        x, w = _rand(M, Kd, g=g, dtype=dtype), _rand(G, Kd, N, g=g, scale=Kd ** -0.5, dtype=dtype)
         # uneven groups: random split of the M rows over G experts
         counts = torch.multinomial(torch.ones(G), M, replacement=True, generator=g).bincount(minlength=G)
         offs = counts.cumsum(0).to(torch.int32)
         if not backward:
             return Prepared(nki=lambda: mod.grouped_mm(x, w, offs), ref=lambda: mod.grouped_mm_ref(x, w, offs))
-        go = _rand(M, N, g=g)
+        go = _rand(M, N, g=g, dtype=dtype)
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = mod.grouped_mm_ref(xr, wr, offs)
         return Prepared(nki=lambda: mod.grouped_mm_bwd(x, w, offs, go), ref=_grad_closure(out, [xr, wr], go))
     return f
 
 
-def gmm_cases(quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+def gmm_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
+    dt = getattr(torch, dtype)
     name, H, I, E, K = _moe_dims(quick)  # noqa: E741
     cases = []
     for mode in modes:
         for T in ([128, 256] if quick else [128, 512, 1024, 2048]):
             M = T * K  # token-expert slots after dispatch
-            cfg = {"config": name, "K": H, "N": 2 * I, "G": E, "dtype": "bfloat16", "T": T, "top_k": K}
-            cases.append(Case("grouped_mm", mode, "M", M, _gmm_build(M, H, 2 * I, E, mode == "backward"), cfg))
+            cfg = {"config": name, "K": H, "N": 2 * I, "G": E, "dtype": dtype, "T": T, "top_k": K}
+            cases.append(Case("grouped_mm", mode, "M", M, _gmm_build(M, H, 2 * I, E, mode == "backward", dt), cfg))
     return cases
 
 
@@ -239,8 +245,10 @@ def unavailable(kernel: str) -> str | None:
     return f"trnkit.kernels.{module} lacks {', '.join(missing)}" if missing else None
 
 
-def cases_for(kernel: str, quick: bool, modes: tuple[str, ...] = MODES) -> list[Case]:
+def cases_for(kernel: str, quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
     why = unavailable(kernel)
     if why:
         raise ValueError(f"bench: cannot benchmark {kernel}: {why}")
-    return KERNELS[kernel][2](quick, modes)
+    if dtype not in DTYPES:
+        raise ValueError(f"bench: dtype must be one of {DTYPES}, got {dtype!r}")
+    return KERNELS[kernel][2](quick, modes, dtype)

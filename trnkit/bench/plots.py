@@ -18,6 +18,15 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-._" else "-" for c in name)
 
 
+def _config_suffix(cfg: dict, all_cfgs: list[dict], cfg_key: str) -> str:
+    """File-name suffix naming what sets this configuration apart within its sweep ("" if alone)."""
+    if len(all_cfgs) < 2:
+        return ""
+    keys = sorted({k for c in all_cfgs for k in c if any(c2.get(k) != c.get(k) for c2 in all_cfgs)})
+    label = "_".join(f"{_safe(str(k))}-{_safe(str(cfg.get(k)))}" for k in keys)
+    return "_" + (label if 0 < len(label) <= 48 else hashlib.sha1(cfg_key.encode()).hexdigest()[:8])
+
+
 def _series(rows: list[Row], impl: str, metric: str) -> dict:
     return {r.x_value: r for r in rows if r.impl == impl and r.metric == metric}
 
@@ -43,9 +52,9 @@ def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
     groups: dict[tuple[str, str, str, str], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.kernel, r.mode, r.x_name, r.config_key), []).append(r)
-    n_cfg: dict[tuple[str, str, str], int] = {}
-    for key in groups:
-        n_cfg[key[:3]] = n_cfg.get(key[:3], 0) + 1
+    sweep_cfgs: dict[tuple[str, str, str], list[dict]] = {}
+    for key, g in groups.items():
+        sweep_cfgs.setdefault(key[:3], []).append(g[0].config)
     written: list[Path] = []
     for (kernel, mode, x_name, cfg_key), g in sorted(groups.items()):
         est = _series(g, "nki", "est_time")
@@ -81,8 +90,7 @@ def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         stem = "_".join(_safe(t) for t in (kernel, mode, x_name))
-        if n_cfg[(kernel, mode, x_name)] > 1:  # several configurations of one sweep: one file each
-            stem += "_" + hashlib.sha1(cfg_key.encode()).hexdigest()[:6]
+        stem += _config_suffix(g[0].config, sweep_cfgs[(kernel, mode, x_name)], cfg_key)
         p = out_dir / f"{stem}_time.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
