@@ -77,3 +77,18 @@ def test_matmul_transpose_and_binary_wrappers():
 def test_removed_old_api_names_explain():
     with pytest.raises(NkiValidationError, match="removed in NKI 0.2.0"):
         nl.arange(128)
+
+
+def test_constants_and_identity():
+    c = nl.shared_constant(np.arange(6, dtype=np.int32).reshape(2, 3))
+    assert c.buffer is nl.shared_hbm
+    np.testing.assert_array_equal(c.np(), np.arange(6).reshape(2, 3))
+    eye = nl.shared_identity_matrix(64, dtype=nl.bfloat16)
+    assert eye.buffer is nl.sbuf and eye.dtype == nl.bfloat16
+    np.testing.assert_array_equal(eye.np().astype(np.float32), np.eye(64))
+    x = nl.ndarray((64, 32), nl.bfloat16)
+    x.np()[...] = RNG.standard_normal((64, 32)).astype(ml_dtypes.bfloat16)
+    out = nl.ndarray((32, 64), nl.bfloat16, buffer=nl.psum)
+    nisa.nc_matmul(out, x, eye, is_transpose=True)  # the usual PE transpose idiom
+    np.testing.assert_array_equal(out.np(), x.np().T)
+    assert nl.expand_dims(x, 1).shape == (64, 1, 32)

@@ -17,10 +17,12 @@ from typing import Any
 from . import dtypes as _dt
 from . import ops as _ops
 from .errors import require
-from .tensor import NkiTensor, allocate, psum, sbuf
+import numpy as np
+
+from .tensor import NkiTensor, allocate, psum, sbuf, shared_hbm
 
 __all__ = ["load", "store", "matmul", "transpose", "sum", "max", "min", "mean", "prod", "softmax",
-           "tile_call"]
+           "expand_dims", "shared_constant", "shared_identity_matrix", "tile_call"]
 
 
 def _isa():  # nki.isa imports nki.language; resolve lazily
@@ -161,3 +163,25 @@ def softmax(x: NkiTensor, axis: Any = -1, dtype: Any = None) -> NkiTensor:
     nisa.tensor_scalar(dst=out, data=e, op0=_ops.ALL_OPS["multiply"], operand0=total)
     return out
 
+
+
+def expand_dims(x: NkiTensor, axis: int) -> NkiTensor:
+    """A view of ``x`` with a size-1 dim inserted at ``axis`` (not before the partition dim)."""
+    return x.expand_dim(axis)
+
+
+def shared_constant(constant: Any) -> NkiTensor:
+    """A ``shared_hbm`` tensor holding ``constant`` (numpy array or ``.npy`` path), loaded with the
+    program (no instruction)."""
+    arr = np.load(constant) if isinstance(constant, str) else np.asarray(constant)
+    out = _new(arr.shape if arr.ndim else (1,), arr.dtype, shared_hbm)
+    out.np()[...] = arr.reshape(out.shape)
+    return out
+
+
+def shared_identity_matrix(n: int, dtype: Any = _dt.uint8, dst: NkiTensor | None = None) -> NkiTensor:
+    """An ``[n, n]`` identity matrix in SBUF (or written into ``dst``), copied from a constant."""
+    ident = shared_constant(np.eye(n, dtype=_dt.resolve(dtype, "nl.shared_identity_matrix")))
+    out = dst if dst is not None else _new((n, n), ident.dtype)
+    _isa().dma_copy(dst=out, src=ident)
+    return out

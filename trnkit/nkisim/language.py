@@ -52,12 +52,15 @@ globals().update(_ops.ALL_OPS)  # the ALU / activation function objects (nl.add,
 # Experimental convenience wrappers (NKI 0.3+), lowered to nisa instructions; importing the module
 # also routes nl.<op>(tile, ...) calls to it. These names shadow Python's sum/max/min here.
 from .convenience import (  # noqa: E402
+    expand_dims,
     load,
     matmul,
     max,
     mean,
     min,
     prod,
+    shared_constant,
+    shared_identity_matrix,
     softmax,
     store,
     sum,
