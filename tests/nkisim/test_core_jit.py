@@ -123,10 +123,11 @@ def test_2d_grid_program_ids():
 
     @nki.jit
     def probe(x):
-        ids.append((nl.program_id(0), nl.program_id(1), nl.num_programs(), nl.num_programs(1)))
+        ids.append((nl.program_id(0), nl.program_id(1), nl.num_programs(None), nl.num_programs(1),
+                    nl.num_programs(), nl.num_programs((0, 1))))
 
     probe[2, 3](np.zeros(4, np.float32))
-    assert sorted(ids) == [(i, j, 6, 3) for i in range(2) for j in range(3)]
+    assert sorted(ids) == [(i, j, 6, 3, 2, 6) for i in range(2) for j in range(3)]
 
 
 def test_no_grid_program_id_defaults():
@@ -134,7 +135,7 @@ def test_no_grid_program_id_defaults():
 
     @nki.jit
     def probe(x):
-        got.append((nl.program_id(0), nl.num_programs(0), nl.program_ndim()))
+        got.append((nl.program_id(), nl.num_programs(), nl.program_ndim()))
 
     probe(np.zeros(4, np.float32))
     assert got == [(0, 1, 0)]

@@ -190,7 +190,7 @@ def while_loop(init_reg: VirtualRegister, body_fun: Callable[[], VirtualRegister
         reg = body_fun()
 
 
-def program_id(axis: int) -> int:
+def program_id(axis: int = 0) -> int:
     """This instance's index along grid ``axis`` (0 without a grid)."""
     pid = _mem.current().program_id
     require(axis >= 0, "nl.program_id", "axis must be >= 0, got {axis}", axis=axis)
@@ -201,8 +201,9 @@ def program_id(axis: int) -> int:
     return pid[axis]
 
 
-def num_programs(axes: int | Sequence[int] | None = None) -> int:
-    """Grid size along ``axes`` (all axes when None; 1 without a grid)."""
+def num_programs(axes: int | Sequence[int] | None = 0) -> int:
+    """Grid size along ``axes`` (default axis 0 as in the NKI signature; all axes when None; 1
+    without a grid)."""
     grid = _mem.current().launch.grid
     if axes is None:
         axes = tuple(range(len(grid)))
