@@ -4,12 +4,13 @@ For the `debug` and `debug-moe` flavors, both models get the same config, the sa
 init, copied into the transformers model) and the same token batch. transformers runs with
 `attn_implementation="sdpa"` and, for MoE, every experts implementation it offers in 5.24
 (`eager`, `grouped_mm`, `batched_mm`); the ratio uses the fastest one. Timings are interleaved
-(trnkit, hf, trnkit, hf, ...) and the median of `--repeat` steps is reported.
+(trnkit, hf, trnkit, hf, ...); best-of and median of `--repeat` steps are reported. By default one
+thread and process CPU time, so that other jobs on a shared machine do not skew the comparison.
 
-ratio = transformers' best step time / trnkit's step time (> 1: trnkit faster).
+ratio = transformers' fastest best-of step time / trnkit's best-of step time (> 1: trnkit faster).
 Targets (issue 2): dense >= 1.0x, MoE >= 1.5x.
 
-Saves `benchmarks/data/qwen3_step.json` and `.csv`. Run: `python benchmarks/qwen3_step.py [--batch 4 --seq 256]`.
+Saves `benchmarks/data/qwen3_step.json` and `.csv` (`qwen3_step_vocab<N>.*` with `--vocab N`). Run: `python benchmarks/qwen3_step.py [--batch 4 --seq 256]`.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def step_fn(model, toks: torch.Tensor, is_hf: bool):
     return step
 
 
-def run(flavor: str, batch: int, seq: int, repeat: int, warmup: int, vocab: int | None = None) -> dict:
+def run(flavor: str, batch: int, seq: int, repeat: int, warmup: int, vocab: int | None = None,
+        clock=time.process_time) -> dict:
     native, hf_models = build(flavor, vocab=vocab)
     toks = torch.randint(0, native.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     steps = {"trnkit": step_fn(native, toks, False)} | {k: step_fn(m, toks, True) for k, m in hf_models.items()}
@@ -83,9 +85,9 @@ def run(flavor: str, batch: int, seq: int, repeat: int, warmup: int, vocab: int 
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(repeat):
         for k, fn in steps.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(clock() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     # On a shared machine the best-of-N is the least load-sensitive estimate; the ratio uses it.
@@ -106,16 +108,21 @@ def main() -> None:
     ap.add_argument("--flavors", nargs="+", default=["debug", "debug-moe"])
     ap.add_argument("--vocab", type=int, default=None,
                     help="override vocab_size (e.g. 2048 like torchtitan's debugmodel) to time the model body")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                    help="cpu: process CPU time (with --threads 1, insensitive to other load on a shared "
+                         "machine); wall: perf_counter")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
 
-    results = [run(f, args.batch, args.seq, args.repeat, args.warmup, args.vocab) for f in args.flavors]
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    results = [run(f, args.batch, args.seq, args.repeat, args.warmup, args.vocab, clock) for f in args.flavors]
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
-          f"batch {args.batch} x seq {args.seq}, vocab {results[0]['vocab_size']}, best / median of {args.repeat}")
+          f"{args.clock} clock, batch {args.batch} x seq {args.seq}, vocab {results[0]['vocab_size']}, "
+          f"best / median of {args.repeat}")
     rows = []
     for r in results:
         for impl, t in r["best_s"].items():
@@ -129,13 +136,14 @@ def main() -> None:
     if not args.no_save:
         DATA.mkdir(exist_ok=True)
         meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "threads": torch.get_num_threads(), "machine": platform.machine(), "processor": platform.processor()}
-        (DATA / "qwen3_step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-        with open(DATA / "qwen3_step.csv", "w", newline="") as f:
+                "threads": torch.get_num_threads(), "clock": args.clock, "argv": vars(args), "machine": platform.machine(), "processor": platform.processor()}
+        stem = "qwen3_step" + (f"_vocab{args.vocab}" if args.vocab else "")
+        (DATA / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        with open(DATA / f"{stem}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-        print(f"saved {DATA / 'qwen3_step.json'} and .csv")
+        print(f"saved {DATA / stem}.json and .csv")
 
 
 if __name__ == "__main__":
