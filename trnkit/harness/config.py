@@ -367,8 +367,8 @@ def _validate(cfg: TrainerConfig) -> None:
     req(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2", "must be in [0, 1)", (o.beta1, o.beta2))
     req(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", o.weight_decay)
     s = cfg.lr_scheduler
-    req(0 <= s.warmup_steps <= t.steps, "lr_scheduler.warmup_steps", f"must be in [0, training.steps={t.steps}]",
-        s.warmup_steps)
+    # warmup longer than the run is allowed (a short CLI override of training.steps stays valid)
+    req(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", "must be >= 0", s.warmup_steps)
     req(0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", "must be in [0, 1]", s.min_lr_factor)
     p = cfg.parallelism
     req(p.tensor_parallel_degree >= 1, "parallelism.tensor_parallel_degree", "must be >= 1",
