@@ -177,3 +177,21 @@ def test_nki_impl_runs_the_kernel_on_cpu(impl, runs_kernel):
     with trace.record() as tr:
         ops.rope_hf_apply(q, k, None, None, tables["rope_cache"], "bshd", False, impl)
     assert (len(tr.instrs) > 0) == runs_kernel
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_backward_ops_opcheck(impl):
+    """The backward kernels are ops of their own (opaque in compiled backward graphs)."""
+    schema_fake = OPCHECK_TESTS[:3]  # they are not differentiated themselves
+    x, w = _router_inputs()
+    tw, idx, logits = ops.router_topk(x, w, 2, True, impl)
+    torch.library.opcheck(ops.router_topk_bwd, (x, w, logits, idx, torch.randn_like(tw), torch.randn_like(logits),
+                                                True, impl), test_utils=schema_fake)
+    g = _gen(4)
+    xg, wg = torch.randn(7, 8, generator=g), torch.randn(3, 8, 4, generator=g)
+    offs = torch.tensor([3, 3, 7], dtype=torch.int32)
+    torch.library.opcheck(ops.grouped_mm_bwd, (xg, wg, offs, torch.randn(7, 4, generator=g), impl),
+                          test_utils=schema_fake)
+    xm, idxm, twm, wgu, wd = _moe_inputs()
+    torch.library.opcheck(ops.moe_experts_bwd, (xm, idxm, twm, wgu, wd, torch.randn_like(xm), 128, impl),
+                          test_utils=schema_fake)

@@ -132,11 +132,16 @@ class _Guard:
             reasons = list(sel.reasons)
         if self.policy == "strict":
             raise OverrideConstraintError(self.op, self.impl, reasons, self.path)
+        self.warn_fallback(reasons)
+        return None
+
+    def warn_fallback(self, reasons: Sequence[Violation]) -> str:
+        """Warn once per distinct (op, impl, reason) — not per layer or call; returns the reason."""
         reason = "; ".join(str(v) for v in reasons)
         warn_once("fallback", self.op, self.impl, reason,
                   message=f"trnkit override {self.op}[{self.impl}] falls back to the original module code "
                           f"(first seen at {self.path}): {reason}")
-        return None
+        return reason
 
 
 # --------------------------------------------------------------------------------- module adapters
@@ -507,10 +512,7 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kw
 
     for pt, reasons in problems:
         if reasons:
-            reason = "; ".join(str(v) for v in reasons)
-            warn_once("fallback", pt.op, pt.guard.impl, reason,
-                      message=f"trnkit override {pt.op}[{pt.guard.impl}] falls back to the original module "
-                              f"code (first seen at {pt.path}): {reason}")
+            reason = pt.guard.warn_fallback(reasons)
             report.rows.append(OverrideRow(pt.path, pt.op, ORIGINAL, pt.guard.impl, "fallback", reason))
         else:
             report.rows.append(OverrideRow(pt.path, pt.op, pt.guard.impl, pt.guard.impl, "swapped"))

@@ -4,20 +4,22 @@ Registered when :mod:`trnkit.overrides` is imported. The kernel modules are impo
 missing one only fails when its impl is used). ``nki`` on a CPU tensor runs trnkit's NKI interpreter, on
 a ``neuron`` tensor the real NKI kernel (the resolver in :mod:`trnkit.nki_api` decides which).
 
-The reference backward is the vector-Jacobian product of the reference forward (``torch.func.vjp``,
-which works inside a custom op body where plain autograd is switched off), except for ``rope_hf``,
-whose reference takes ``backward=True`` itself.
+The reference backward is the kernels' ``*_bwd_ref`` (``rope_hf_ref(..., backward=True)`` for RoPE).
+The MoE references enforce the kernels' input domain themselves (they ``check`` the same
+constraints), so ``reference`` declares those constraints too and selection sees them up front.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import DispatchKey
 
 from trnkit.kernels.constraints import Violation
 from trnkit.overrides.registry import REFERENCE, register
@@ -74,14 +76,28 @@ def _router_nki(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
     return _attr("router_topk", "router_topk")(x, w_router, top_k, norm_topk_prob)
 
 
+@contextlib.contextmanager
+def _autograd_dispatch() -> Iterator[None]:
+    """Re-enable the autograd dispatch keys inside a custom op body (torch runs op impls below
+    autograd), for reference backwards written with ``torch.autograd.grad``."""
+    keys = (DispatchKey.AutogradFunctionality, DispatchKey.ADInplaceOrView)
+    before = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in keys]
+    try:
+        for k in keys:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for k, was in zip(keys, before, strict=True):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, was)
+
+
 def _router_ref_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                     norm_topk_prob=True):
-    def f(x_: Tensor, w_: Tensor):
-        weights, _, logits = _router_ref(x_, w_, topk_idx.shape[1], norm_topk_prob)
-        return weights.float(), logits.float()
-
-    _, vjp = torch.func.vjp(f, x, w_router)
-    return vjp((grad_topk_weights, grad_router_logits))
+    with _autograd_dispatch():  # router_topk_bwd_ref differentiates the reference with autograd
+            return _attr("router_topk", "router_topk_bwd_ref")(x, w_router, router_logits, topk_idx,
+                                                           grad_topk_weights, grad_router_logits,
+                                                           norm_topk_prob=norm_topk_prob)
 
 
 def _router_nki_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
@@ -112,8 +128,7 @@ def _gmm_nki(x: Tensor, w: Tensor, group_offsets: Tensor) -> Tensor:
 
 
 def _gmm_ref_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor):
-    _, vjp = torch.func.vjp(lambda x_, w_: _gmm_ref(x_, w_, group_offsets), x, w)
-    return vjp(grad_out)
+    return _attr("moe", "grouped_mm_bwd_ref")(x, w, group_offsets, grad_out)
 
 
 def _gmm_nki_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor):
@@ -133,11 +148,8 @@ def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128) -> Te
 
 
 def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128):
-    def f(x_, tw_, wgu_, wd_):
-        return _moe_ref(x_, topk_idx, tw_, wgu_, wd_, block_size)
-
-    _, vjp = torch.func.vjp(f, x, topk_weights, w_gate_up, w_down)
-    return vjp(grad_out)
+    return _attr("moe", "moe_experts_bwd_ref")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out,
+                                               block_size=block_size)
 
 
 def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128):
@@ -187,9 +199,9 @@ def register_builtins() -> None:
     register("rope_hf", NKI, _ROPE_NKI, constraints=_rope_constraints, **nki)
     register("router_topk", REFERENCE, _router_ref, backward=_router_ref_bwd, **ref)
     register("router_topk", NKI, _router_nki, backward=_router_nki_bwd, constraints=_router_constraints, **nki)
-    register("grouped_mm", REFERENCE, _gmm_ref, backward=_gmm_ref_bwd, **ref)
+    register("grouped_mm", REFERENCE, _gmm_ref, backward=_gmm_ref_bwd, constraints=_gmm_constraints, **ref)
     register("grouped_mm", NKI, _gmm_nki, backward=_gmm_nki_bwd, constraints=_gmm_constraints, **nki)
-    register("moe_experts", REFERENCE, _moe_ref, backward=_moe_ref_bwd, **ref)
+    register("moe_experts", REFERENCE, _moe_ref, backward=_moe_ref_bwd, constraints=_moe_constraints, **ref)
     register("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_constraints, **nki)
 
 
