@@ -23,8 +23,12 @@ over E gives the denominator.
 
 Backward (``router_topk_bwd``): ``g_p = scatter(idx, g_s)`` with ``g_s`` the gradient of the selected
 probabilities (through the renormalisation when ``norm_topk_prob``), ``g_logits = p * (g_p - <g_p, p>)
-(+ grad_router_logits)``, ``grad_x = g_logits @ w_router`` and ``grad_w = g_logits.T @ x`` on the Tensor
-engine (fp32 operands; the per-token one-hot scatter is iota + compare on the Vector engine).
+(+ grad_router_logits)`` in fp32 (the per-token one-hot scatter is iota + compare on the Vector engine,
+in any order of ``topk_idx``), then ``grad_x = g_logits @ w_router`` and ``grad_w = g_logits.T @ x`` on the
+Tensor engine with fp32 accumulation. fp32 inputs: fp32 matmuls. bf16 inputs: ``g_logits`` is split into
+two bf16 parts (``hi + lo``, ~16 significant bits) multiplied against the exact bf16 x / w, so the
+gradients are as accurate as fp32 math rounded once to bf16, at 2x the bf16 matmul cost (still 2x
+cheaper than fp32 matmuls).
 """
 
 from __future__ import annotations
@@ -300,25 +304,90 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
     return topk_w, topk_i, logits
 
 
+def _logit_grad_tile(lg, ik, gk, iota_e, gl_in, norm_topk_prob):
+    """fp32 ``g_logits [P, E]`` of one token tile from logits ``lg [P, E]``, ``ik [P, K]`` int32 expert
+    ids, ``gk [P, K]`` upstream gradients of the top-K weights (``gl_in``: optional ``[P, E]`` gradient
+    of the logits themselves).
+
+    With ``e = exp(lg - max)`` and ``G = sum_k onehot(ik_k) * gk_k`` (dense scatter):
+    norm_topk_prob: ``g = m*e/S_sel * (G - c)``, ``m`` the selection mask, ``S_sel = <m, e>``,
+    ``c = <G, m*e> / S_sel`` (the softmax Jacobian term cancels exactly);
+    else: ``g = e/S * (G - <G, e>/S)``, ``S = sum(e)``.
+    One-hot rows are fp16 (exact small integers, fast Vector mode).
+    """
+    P, E = lg.shape
+    K = ik.shape[1]
+    neg_max = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=lg, axis=1, negate=True)
+    e = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
+    s_all = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=e, op=nl.exp, data=lg, bias=neg_max, reduce_op=nl.add, reduce_res=s_all,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    ikf = nl.ndarray((P, K), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=ikf, src=ik, engine=nisa.engine.gpsimd)
+    G = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
+    mask = nl.ndarray((P, E), dtype=nl.float16, buffer=nl.sbuf)
+    for k in range(K):
+        oh = nl.ndarray((P, E), dtype=nl.float16, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=oh, data=iota_e[0:P, :], op0=nl.equal, operand0=ikf[:, k:k + 1])
+        if k == 0:
+            nisa.tensor_scalar(dst=G, data=oh, op0=nl.multiply, operand0=gk[:, 0:1])
+            if norm_topk_prob:
+                nisa.tensor_copy(dst=mask, src=oh)
+        else:
+            nisa.scalar_tensor_tensor(dst=G, data=oh, op0=nl.multiply, operand0=gk[:, k:k + 1], op1=nl.add,
+                                      operand1=G)
+            if norm_topk_prob:
+                nisa.tensor_tensor(dst=mask, data1=mask, data2=oh, op=nl.add)
+    tmp = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
+    g = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
+    den = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    dot = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    rden = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if norm_topk_prob:
+        pm = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)  # m * e
+        nisa.tensor_tensor(dst=pm, data1=e, data2=mask, op=nl.multiply)
+        nisa.tensor_reduce(dst=den, op=nl.add, data=pm, axis=1)
+        weight = pm
+    else:
+        nisa.tensor_copy(dst=den, src=s_all)
+        weight = e
+    nisa.reciprocal(dst=rden, data=den)
+    nisa.tensor_tensor(dst=tmp, data1=G, data2=weight, op=nl.multiply)
+    nisa.tensor_reduce(dst=dot, op=nl.add, data=tmp, axis=1)
+    neg_c = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)  # -<G, weight> / den
+    nisa.tensor_scalar(dst=neg_c, data=dot, op0=nl.multiply, operand0=rden, op1=nl.multiply, operand1=-1.0)
+    # g = ((G - c) * (1/den)) * weight
+    nisa.tensor_scalar(dst=g, data=G, op0=nl.add, operand0=neg_c, op1=nl.multiply, operand1=rden)
+    nisa.tensor_tensor(dst=g, data1=g, data2=weight, op=nl.multiply)
+    if gl_in is not None:
+        nisa.tensor_tensor(dst=g, data1=g, data2=gl_in, op=nl.add)
+    return g
+
+
 @nki.jit
 def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                            has_grad_logits=False, norm_topk_prob=True):
     """NKI kernel behind :func:`router_topk_bwd`. Phase 1 (per token tile): ``g_logits`` and
-    ``grad_x = g_logits @ w``; phase 2: ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM."""
+    ``grad_x = g_logits @ w``; phase 2: ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM.
+    The matmuls take ``x.dtype`` operands (bf16 like autograd of a bf16 linear; fp32 accumulation)."""
     T, H = x.shape
     E = w_router.shape[0]
     K = topk_idx.shape[1]
     n_e = _cdiv(E, P_MAX)
+    mm = x.dtype
     grad_x = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     grad_w = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.shared_hbm)
-    g_hbm = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)  # g_logits scratch for phase 2
+    split = mm != nl.float32
+    # g_logits scratch for phase 2 (bf16 inputs: its hi and lo bf16 parts)
+    g_hbm = nl.ndarray((2 if split else 1, T, E), dtype=mm, buffer=nl.shared_hbm)
     load = [0.0, 0.0]
-    # w resident in SBUF as fp32 [128, n_e, H]: E on partitions = the contraction of grad_x
-    w_sb = nl.ndarray((P_MAX, n_e, H), dtype=nl.float32, buffer=nl.sbuf)
+    # w resident in SBUF [128, n_e, H]: E on partitions = the contraction of grad_x
+    w_sb = nl.ndarray((P_MAX, n_e, H), dtype=mm, buffer=nl.sbuf)
     for c in range(n_e):
         ec = min(P_MAX, E - c * P_MAX)
         nisa.dma_copy(dst=w_sb[0:ec, c, :], src=w_router[c * P_MAX:c * P_MAX + ec, :])
-    iota_e = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)  # 0..E-1 on every partition
+    iota_e = nl.ndarray((P_MAX, E), dtype=nl.float16, buffer=nl.sbuf)  # 0..E-1 on every partition (exact)
     nisa.iota(dst=iota_e, pattern=[[1, E]], offset=0, channel_multiplier=0)
     for t0 in range(0, T, P_MAX):
         tp = min(P_MAX, T - t0)
@@ -328,74 +397,31 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
         nisa.dma_copy(dst=ik, src=topk_idx[t0:t0 + tp, :])
         gk = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=gk, src=grad_topk_weights[t0:t0 + tp, :])
-        ikf = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=ikf, src=ik)
-        # softmax p [tp, E]
-        neg_max = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=lg, axis=1, negate=True)
-        p = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-        ssum = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=p, op=nl.exp, data=lg, bias=neg_max, reduce_op=nl.add, reduce_res=ssum,
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        rs = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.reciprocal(dst=rs, data=ssum)
-        nisa.tensor_scalar(dst=p, data=p, op0=nl.multiply, operand0=rs)
-        # dense scatters: gw_d = sum_k onehot_k * g_k, mask = sum_k onehot_k
-        gw_d = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-        mask = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=gw_d, data=iota_e[0:tp, :], op0=nl.equal, operand0=ikf[:, 0:1],
-                           op1=nl.multiply, operand1=gk[:, 0:1])
-        nisa.tensor_scalar(dst=mask, data=iota_e[0:tp, :], op0=nl.equal, operand0=ikf[:, 0:1])
-        for kk in range(1, K):
-            oh = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=oh, data=iota_e[0:tp, :], op0=nl.equal, operand0=ikf[:, kk:kk + 1])
-            nisa.tensor_tensor(dst=mask, data1=mask, data2=oh, op=nl.add)
-            nisa.scalar_tensor_tensor(dst=gw_d, data=oh, op0=nl.multiply, operand0=gk[:, kk:kk + 1],
-                                      op1=nl.add, operand1=gw_d)
-        g_p = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-        tmp = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-        if norm_topk_prob:
-            # w_k = s_k / S, S = <mask, p>; g_s = (g_k - <g, w>) / S; <g, w> = <gw_d, p> / S
-            s_sel = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=tmp, data1=mask, data2=p, op=nl.multiply)
-            nisa.tensor_reduce(dst=s_sel, op=nl.add, data=tmp, axis=1)
-            gdot = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=tmp, data1=gw_d, data2=p, op=nl.multiply)
-            nisa.tensor_reduce(dst=gdot, op=nl.add, data=tmp, axis=1)
-            r_sel = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.reciprocal(dst=r_sel, data=s_sel)
-            neg_c = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)  # -<g, w>
-            nisa.tensor_scalar(dst=neg_c, data=gdot, op0=nl.multiply, operand0=r_sel, op1=nl.multiply,
-                               operand1=-1.0)
-            # g_p = (gw_d + mask * (-c)) * (1/S)
-            nisa.scalar_tensor_tensor(dst=g_p, data=mask, op0=nl.multiply, operand0=neg_c, op1=nl.add,
-                                      operand1=gw_d)
-            nisa.tensor_scalar(dst=g_p, data=g_p, op0=nl.multiply, operand0=r_sel)
-        else:
-            nisa.tensor_copy(dst=g_p, src=gw_d)
-        # g_logits = p * (g_p - <g_p, p>)
-        dot = nl.ndarray((tp, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=tmp, data1=g_p, data2=p, op=nl.multiply)
-        nisa.tensor_reduce(dst=dot, op=nl.add, data=tmp, axis=1)
-        g_l = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=g_l, data=g_p, op0=nl.subtract, operand0=dot)
-        nisa.tensor_tensor(dst=g_l, data1=g_l, data2=p, op=nl.multiply)
+        gl_in = None
         if has_grad_logits:
             gl_in = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
             nisa.dma_copy(dst=gl_in, src=grad_router_logits[t0:t0 + tp, :])
-            nisa.tensor_tensor(dst=g_l, data1=g_l, data2=gl_in, op=nl.add)
-        nisa.dma_copy(dst=g_hbm[t0:t0 + tp, :], src=g_l)
+        g_l = _logit_grad_tile(lg, ik, gk, iota_e, gl_in, norm_topk_prob)
+        if split:  # g = hi + lo, both bf16: ~16 significant bits through bf16 matmuls
+            parts = [nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
+            nisa.tensor_copy(dst=parts[0], src=g_l, engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=parts[1], data1=g_l, data2=parts[0], op=nl.subtract)
+        else:
+            parts = [g_l]
+        for i in range(len(parts)):
+            nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
         # grad_x [tp, H] = g_l [tp, E] @ w [E, H]: contraction over E -> g_l^T on partitions
-        glT = nl.ndarray((P_MAX, n_e, tp), dtype=nl.float32, buffer=nl.sbuf)
-        _transpose_blocks([(glT, g_l)], tp, E, nl.float32, load)
+        glT = [nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf) for _ in parts]
+        _transpose_blocks([(glT[i], parts[i]) for i in range(len(parts))], tp, E, mm, load)
         gx_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
         for h0 in range(0, H, PSUM_FMAX):
             hc = min(PSUM_FMAX, H - h0)
             gx_ps = nl.ndarray((tp, hc), dtype=nl.float32, buffer=nl.psum)
             for c in range(n_e):
                 ec = min(P_MAX, E - c * P_MAX)
-                nisa.nc_matmul(dst=gx_ps, stationary=glT[0:ec, c, :], moving=w_sb[0:ec, c, h0:h0 + hc],
-                               accumulate=(c > 0))
+                for i in range(len(parts)):
+                    nisa.nc_matmul(dst=gx_ps, stationary=glT[i][0:ec, c, :], moving=w_sb[0:ec, c, h0:h0 + hc],
+                                   accumulate=(c > 0 or i > 0))
             nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps, engine=_copy_engine(load, hc))
         nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb)
     # phase 2: grad_w [E, H] = sum over token tiles of g_l^T x; groups of 4 PSUM banks per E chunk
@@ -409,15 +435,17 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 accs.append(nl.ndarray((ec, min(PSUM_FMAX, hg + hw - h0)), dtype=nl.float32, buffer=nl.psum))
             for t0 in range(0, T, P_MAX):
                 tp = min(P_MAX, T - t0)
-                g_sb = nl.ndarray((tp, ec), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=g_sb, src=g_hbm[t0:t0 + tp, e0:e0 + ec])
-                x_sb = nl.ndarray((tp, hw), dtype=nl.float32, buffer=nl.sbuf)
+                g_sb = [nl.ndarray((tp, ec), dtype=mm, buffer=nl.sbuf) for _ in range(g_hbm.shape[0])]
+                for i in range(len(g_sb)):
+                    nisa.dma_copy(dst=g_sb[i], src=g_hbm[i, t0:t0 + tp, e0:e0 + ec])
+                x_sb = nl.ndarray((tp, hw), dtype=mm, buffer=nl.sbuf)
                 nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, hg:hg + hw])
                 for a in range(len(accs)):
                     h0 = a * PSUM_FMAX
                     hc = accs[a].shape[1]
-                    nisa.nc_matmul(dst=accs[a], stationary=g_sb, moving=x_sb[:, h0:h0 + hc],
-                                   accumulate=(t0 > 0))
+                    for i in range(len(g_sb)):
+                        nisa.nc_matmul(dst=accs[a], stationary=g_sb[i], moving=x_sb[:, h0:h0 + hc],
+                                       accumulate=(t0 > 0 or i > 0))
             gw_sb = nl.ndarray((ec, hw), dtype=w_router.dtype, buffer=nl.sbuf)
             for a in range(len(accs)):
                 h0 = a * PSUM_FMAX
