@@ -166,3 +166,14 @@ def test_backward_shape_constraints() -> None:
     with pytest.raises(KernelConstraintError, match=r"router_topk_bwd: constraint 'router_logits.shape"):
         router_topk_bwd(x, w, logits[:, :5], idx, torch.zeros(4, 2))
     assert constraints(x, w, 2) == []
+
+
+def test_lnc2_grid_splits_tokens() -> None:
+    from trnkit.kernels.router_topk import router_topk_kernel
+
+    x, w = _inputs(700, 256, 16, torch.bfloat16, seed=9)  # 2 chunks of 512 + tail: both programs work
+    got = router_topk_kernel[2](x, w, 4, norm_topk_prob=True)
+    ref = router_topk_ref(x, w, 4, True)
+    assert_close(got[2], ref[2], torch.float32)
+    assert torch.equal(got[1], ref[1])
+    assert_close(got[0], ref[0], torch.float32)

@@ -259,6 +259,10 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
     load = [0.0, 0.0]
     wT = _load_w_transposed(w_router, load)
     chunks = _token_chunks(T, _NT)
+    # SPMD (``router_topk_kernel[2]`` on LNC=2): program i takes every n_prog-th chunk
+    n_prog = nl.num_programs(0)
+    pid = nl.program_id(0)
+    chunks = tuple(chunks[i] for i in range(len(chunks)) if i % n_prog == pid)
     n = len(chunks)
     x_sb = [None] * n
     xT = [None] * n
