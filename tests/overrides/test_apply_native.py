@@ -186,3 +186,13 @@ def test_apply_twice_is_an_error_and_unknown_names_are_named():
         OverrideConfig(ops=["rope"])
     with pytest.raises(ValueError, match="policy must be one of"):
         OverrideConfig(policy="warn")
+
+
+def test_a_deep_copy_of_a_swapped_model_reverts_on_its_own():
+    model = native_model()
+    apply_overrides(model, OverrideConfig(impl="reference", seq_len=8))
+    twin = copy.deepcopy(model)
+    assert revert(twin) == 4
+    assert not any(isinstance(m, _Swapped) for m in twin.modules())
+    assert all(isinstance(model.get_submodule(p), _Swapped) for p in SWAP_PATHS)  # the original keeps its swaps
+    assert_close(twin(TOKENS), model(TOKENS))

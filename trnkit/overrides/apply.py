@@ -273,19 +273,14 @@ def _swapped_class(cls: type, forward: Callable[..., Any]) -> type:
 
 
 def _swap_module(model: nn.Module, path: str, module: nn.Module, adapter: _ModuleAdapter, guard: _Guard,
-                 block_size: int) -> Callable[[], None]:
+                 block_size: int) -> _SwapPoint:
     new = object.__new__(_swapped_class(type(module), adapter.forward))
     new.__dict__.update(module.__dict__)  # the same _parameters/_buffers/_modules dicts: same state_dict
     new.__dict__.update(_trnkit_guard=guard, _trnkit_original=module, _trnkit_block_size=block_size)
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path)
     setattr(parent, name, new)
-
-    def undo() -> None:
-        module.training = new.training
-        setattr(parent, name, module)
-
-    return undo
+    return _SwapPoint(path, guard.op, guard, module, parent, name)
 
 
 # ------------------------------------------------------------------------- transformers' rotary swap
@@ -373,17 +368,12 @@ def _hf_rope_fn(original: Callable[..., Any], guard: _Guard) -> Callable[..., An
     return apply_rotary_pos_emb
 
 
-def _swap_hf_rope(module: nn.Module, guard: _Guard) -> Callable[[], None]:
+def _swap_hf_rope(path: str, module: nn.Module, guard: _Guard) -> _SwapPoint:
     cls_forward = type(module).forward
     source = _globals_with(cls_forward, _ROPE_GLOBAL)
     ns = _namespace_module(source, _ROPE_GLOBAL, _hf_rope_fn(source[_ROPE_GLOBAL], guard))
     module.forward = types.MethodType(_with_global(cls_forward, source, ns.__dict__), module)  # this module only
-
-    def undo() -> None:
-        module.__dict__.pop("forward", None)
-        sys.modules.pop(ns.__name__, None)
-
-    return undo
+    return _SwapPoint(path, guard.op, guard, module, namespace=ns.__name__)
 
 
 def _globals_with(fn: Callable[..., Any], name: str) -> dict:
@@ -400,10 +390,23 @@ def _globals_with(fn: Callable[..., Any], name: str) -> dict:
 
 @dataclass
 class _SwapPoint:
+    """One applied swap, as data (so ``copy.deepcopy`` of a swapped model stays revertible)."""
+
     path: str
     op: str
     guard: _Guard
-    undo: Callable[[], None]
+    module: nn.Module  # the original module (module swap) or the attention module (rotary swap)
+    parent: nn.Module | None = None  # module swap: where the replacement sits
+    name: str = ""
+    namespace: str | None = None  # rotary swap: the scoped globals module in sys.modules
+
+    def undo(self) -> None:
+        if self.parent is not None:
+            self.module.training = getattr(self.parent, self.name).training
+            setattr(self.parent, self.name, self.module)
+        else:
+            self.module.__dict__.pop("forward", None)
+            sys.modules.pop(self.namespace or "", None)
 
 
 def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple[str, nn.Module, str, Any]]:
@@ -421,9 +424,9 @@ def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _
              config: OverrideConfig, impl: str, probe_only: bool = False) -> _SwapPoint:
     static = adapter.static(module) if adapter is not None else []
     guard = _Guard(op, impl, config.policy, path, static, probe_only)
-    undo = (_swap_module(model, path, module, adapter, guard, config.block_size) if adapter is not None
-            else _swap_hf_rope(module, guard))
-    return _SwapPoint(path, op, guard, undo)
+    if adapter is not None:
+        return _swap_module(model, path, module, adapter, guard, config.block_size)
+    return _swap_hf_rope(path, module, guard)
 
 
 def _default_seq_len(model: nn.Module) -> int:
