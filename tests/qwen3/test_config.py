@@ -121,6 +121,8 @@ def test_registry_published_values() -> None:
     dm = model_registry("debug-moe").config
     assert [dm.is_moe_layer(i) for i in range(dm.n_layers)] == [False, True, True, True]
     assert model_registry("debug", max_seq_len=512).config.max_seq_len == 512
+    alias = model_registry("debugmodel_moe")
+    assert alias.flavor == "debug-moe" and alias.config == dm
 
 
 # Published totals (HF model cards): Qwen3-0.6B "0.6B" (non-embedding 0.44B), Qwen3-4B "4.0B"

@@ -55,12 +55,17 @@ _FLAVORS: dict[str, Any] = {
 }
 
 
+# torchtitan spells its small flavors "debugmodel" / "debugmodel_moe"; accept those names too.
+_ALIASES = {"debugmodel": "debug", "debugmodel_moe": "debug-moe"}
+
+
 def flavors() -> list[str]:
     return list(_FLAVORS)
 
 
 def model_registry(flavor: str, **overrides: Any) -> ModelSpec:
     """Spec for a named flavor; keyword overrides replace config fields (e.g. `max_seq_len=8192`)."""
+    flavor = _ALIASES.get(flavor, flavor)
     if flavor not in _FLAVORS:
         raise KeyError(f"model_registry: unknown Qwen3 flavor {flavor!r}; known: {', '.join(_FLAVORS)}")
     cfg = _FLAVORS[flavor]()
