@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ def test_fsdp2_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corp
                 training={"local_batch_size": 1},
                 parallelism={"data_parallel_shard_degree": 2})
     assert sorted(fsdp) == list(range(1, STEPS + 1))
+    recs = [json.loads(x) for x in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["memory_max_rank_gib"] >= r["memory_gib"] > 0 for r in recs)  # per-rank peak RSS, max
     for s in fsdp:
         assert fsdp[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, fsdp, single)
 
@@ -53,3 +56,23 @@ def test_tp_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_
     assert sorted(tp) == list(range(1, STEPS + 1))
     for s in tp:
         assert tp[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, tp, single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par", [{"data_parallel_shard_degree": 2}, {"tensor_parallel_degree": 2}],
+                         ids=["fsdp", "tp"])
+def test_hf_backend_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                            par: dict) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=384, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, intermediate_size=64,
+                                   max_position_embeddings=64)
+    hf_dir = tmp_path / "hf"
+    cfg.save_pretrained(hf_dir)  # config only: random init from the config, seeded by the trainer
+    model = {"spec": f"hf:{hf_dir}", "config": {}}
+    one = _run(tmp_path, "one", tiny_tokenizer, corpus_dir, 1, model=model, training={"local_batch_size": 2})
+    local = 1 if "data_parallel_shard_degree" in par else 2
+    two = _run(tmp_path, "two", tiny_tokenizer, corpus_dir, 2, model=model, parallelism=par,
+               training={"local_batch_size": local})
+    for s in one:
+        assert two[s] == pytest.approx(one[s], rel=1e-5, abs=1e-5), (s, one, two)

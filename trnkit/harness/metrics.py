@@ -177,6 +177,11 @@ class MetricsLogger:
         tflops = self.flops_per_tok * tps / 1e12
         mfu = None if self.peak is None else 100 * self.flops_per_tok * tps / self.peak
         mem_gib, mem_pct = device_memory(self.device)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # the console line shows this rank's peak; the record also keeps the largest over ranks
+            peak = torch.tensor([mem_gib])
+            torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+            extra = {**extra, "memory_max_rank_gib": float(peak)}
         rec = {"step": step, "loss": loss, "grad_norm": grad_norm, "memory_gib": mem_gib, "memory_pct": mem_pct,
                "tps": tps, "tflops": tflops, "mfu": mfu, "time_s": dt, **extra}
         self.history.append(rec)

@@ -94,7 +94,7 @@ class ModelHandle:
         q/k/v (and gate/up) column-parallel, o (and down) row-parallel; the per-head q/k RMSNorms see
         head-sharded activations, so they run as SequenceParallel over the heads dim (their weight
         grads are then summed over TP ranks). Embeddings, final norm, lm_head and the router stay
-        replicated. Routed experts: replicated, or sharded on I (see :func:`shard_experts_on_i`).
+        replicated, and so are the routed experts (``experts="replicate"``, the only mode so far).
         """
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                        parallelize_module)
@@ -130,8 +130,6 @@ class ModelHandle:
                 # The native attention reshapes with its head counts: make them the local ones.
                 block.attention.n_heads = n_heads // tp
                 block.attention.n_kv_heads = n_kv // tp
-            if not dense and experts == "shard_i":
-                raise ConfigError("parallelism.tp_experts: 'shard_i' is not implemented; use 'replicate'")
 
     # ------------------------------------------------------------------ HF checkpoints
     def load_hf_state_dict(self, path: str) -> dict[str, torch.Tensor]:
