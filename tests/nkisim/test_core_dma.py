@@ -187,3 +187,24 @@ def test_dma_engine_only_with_hwdge():
     s = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf)
     with pytest.raises(NkiValidationError, match="engine= is only valid with dge_mode=hwdge"):
         nisa.dma_copy(dst=s, src=hb(np.zeros((4, 4), np.float32)), engine=nisa.engine.scalar)
+
+
+def test_dependency_boxes_separate_disjoint_slices():
+    from trnkit.nkisim.isa import common
+
+    t = nl.ndarray((128, 4, 64), nl.float32, buffer=nl.sbuf)
+    key = common.box(t)[0]
+    assert common.box(t) == (key, 0, 128, 0, 256)
+    assert common.box(t[:, 1, 32:]) == (key, 0, 128, 96, 128)
+    assert common.box(t[64:96, :, 0:8]) == (key, 64, 96, 0, 200)
+    assert common.box(t.view(nl.bfloat16)[:, :, 10:20]) == (key, 0, 128, 5, 202)  # storage units
+    y = nl.ndarray((128, 64), nl.float32, buffer=nl.sbuf)
+    lo_half, hi_half = y[:, :32], y[:, 32:]
+    # flat spans of the two column halves overlap (they cross every partition), the boxes do not
+    assert common.span(lo_half)[2] > common.span(hi_half)[1]
+    assert common.box(lo_half)[4] <= common.box(hi_half)[3]
+    h = hb(np.zeros((8, 8), np.float32))
+    assert common.box(h[2:4, 1:3])[1:] == (0, 1, 17, 27)
+    with trace.record() as tr:
+        nisa.dma_copy(dst=t[64:96, 0, :], src=h.reshape((1, 64)).broadcast(0, 32))
+    assert tr.instrs[0].attrs["write_boxes"][0][1:] == (64, 96, 0, 64)

@@ -25,7 +25,7 @@ __all__ = [
     "TENSOR", "VECTOR", "SCALAR", "GPSIMD", "DMA",
     "check_tensor", "check_buffer", "check_on_chip", "check_partitions", "check_same_partitions",
     "check_same_free_size", "check_dtype", "read_f32", "store", "operand", "emit", "engine_name",
-    "span", "contiguous_bytes",
+    "span", "box", "dependency_attrs", "contiguous_bytes",
 ]
 
 TENSOR, VECTOR, SCALAR, GPSIMD, DMA = trace.TENSOR, trace.VECTOR, trace.SCALAR, trace.GPSIMD, trace.DMA
@@ -208,6 +208,42 @@ def span(t: NkiTensor) -> tuple[int, int, int]:
     return st.key, (off + lo) * isz // ssz, ((off + hi + 1) * isz + ssz - 1) // ssz
 
 
+def box(t: NkiTensor) -> tuple[int, int, int, int, int]:
+    """``(storage key, p0, p1, lo, hi)``: partitions ``[p0, p1)`` x per-partition free elements
+    ``[lo, hi)`` (storage dtype) that ``t`` touches; HBM tensors are one "partition" ``[0, 1)`` with the
+    flat range. Two accesses overlap only if both intervals overlap, so writes to disjoint slices of one
+    tile (``y[..., :h]`` / ``y[..., h:]``, different row slabs) do not look dependent."""
+    st = t._st
+    key, lo, hi = span(t)
+    if not st.buffer.on_chip or t._vec is not None:
+        return key, 0, 1, lo, hi
+    ps = st.free_bytes // st.dtype.itemsize  # partition stride in storage elements
+    p0 = lo // ps
+    p1 = p0 + t.shape[0]
+    base = p0 * ps
+    if t.shape[0] == 1:
+        return key, p0, p1, lo - base, hi - base
+    # free extent of one partition (the same on every partition)
+    isz, ssz = t.dtype.itemsize, st.dtype.itemsize
+    f_lo, f_hi = t._extent()
+    f_lo -= (t.shape[0] - 1) * t.strides[0] if t.strides[0] < 0 else 0
+    f_hi -= (t.shape[0] - 1) * t.strides[0] if t.strides[0] > 0 else 0
+    try:
+        off = t.resolve_offset("trace")
+    except NkiValidationError:
+        off = t.offset
+    first = (off + f_lo) * isz // ssz - base
+    last = ((off + f_hi + 1) * isz + ssz - 1) // ssz - base
+    return key, p0, p1, first, last
+
+
+def dependency_attrs(reads: list[NkiTensor], writes: list[NkiTensor]) -> dict:
+    """Trace attrs for the cost model's schedule: flat ``reads``/``writes`` spans and the finer
+    ``read_boxes``/``write_boxes`` (:func:`box`)."""
+    return {"reads": tuple(span(t) for t in reads), "writes": tuple(span(t) for t in writes),
+            "read_boxes": tuple(box(t) for t in reads), "write_boxes": tuple(box(t) for t in writes)}
+
+
 def contiguous_bytes(t: NkiTensor) -> int:
     """Bytes of the longest contiguous innermost run of ``t`` (a DMA descriptor row)."""
     run = 1
@@ -238,14 +274,14 @@ def emit(op: str, engine: str, dst: NkiTensor | None = None,
     reads = []
     if dst is not None:
         ops.append(operand("dst", dst))
-        writes.append(span(dst))
+        writes.append(dst)
     if srcs:
         for r, t in srcs.items():
             if isinstance(t, NkiTensor):
                 ops.append(operand(r, t))
-                reads.append(span(t))
-    attrs.setdefault("reads", tuple(reads))
-    attrs.setdefault("writes", tuple(writes))
+                reads.append(t)
+    for k, v in dependency_attrs(reads, writes).items():
+        attrs.setdefault(k, v)
     elems = parts = 0
     for o in ops:
         if o.buffer == "sbuf" or o.buffer == "psum":
