@@ -91,3 +91,15 @@ def test_shipped_configs_parse(path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     handle = build_handle(cfg)  # the flavor / HF config.json exists and accepts the config's fields
     assert handle.vocab_size == 151936  # every shipped config uses the real Qwen3 tokenizer
     assert cfg.data.tokenizer == "qwen3"
+
+
+def test_cli_main_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from trnkit.harness.train import main
+
+    assert main(["--training.steps", "0"]) == 2
+    assert "error: config training.steps: must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m trnkit.harness.train") and "[parallelism]" in out

@@ -303,9 +303,18 @@ def load_config(path: str | os.PathLike | None = None, cli: list[str] | None = N
     return cfg
 
 
+USAGE = """usage: python -m trnkit.harness.train [--config FILE.toml] [--<section>.<field> VALUE ...]
+       torchrun --nproc_per_node N -m trnkit.harness.train --config FILE.toml [...]
+
+Every field below can be set in the TOML file or on the command line (lists: a,b or JSON; tables: JSON)."""
+
+
 def parse_args(argv: list[str] | None = None) -> TrainerConfig:
     """``--config FILE`` plus ``--section.field value`` pairs (the ``python -m trnkit.harness.train`` CLI)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + "\n# defaults:\n" + to_toml(TrainerConfig()))
+        raise SystemExit(0)
     path = None
     rest: list[str] = []
     i = 0
