@@ -194,54 +194,56 @@ def operand(role: str, t: NkiTensor) -> trace.Operand:
                          size // parts, size * t.dtype.itemsize)
 
 
-def span(t: NkiTensor) -> tuple[int, int, int]:
-    """``(storage key, lo, hi)``: half-open range of storage elements (storage dtype) ``t`` touches."""
+def _span_box(t: NkiTensor) -> tuple[tuple[int, int, int], tuple[int, int, int, int, int]]:
     st = t._st
+    key = st.key
     if t._vec is not None:  # indirect rows: anywhere in the storage
-        return st.key, 0, st.data.size
+        return (key, 0, st.data.size), (key, 0, 1, 0, st.data.size)
     try:
         off = t.resolve_offset("trace")
     except NkiValidationError:  # a skipped out-of-bounds dynamic DMA
         off = t.offset
-    lo, hi = t._extent()
     isz, ssz = t.dtype.itemsize, st.dtype.itemsize
-    return st.key, (off + lo) * isz // ssz, ((off + hi + 1) * isz + ssz - 1) // ssz
+    lo = hi = 0  # extent over the free dims (dims 1.. on chip)
+    shape, strides = t.shape, t.strides
+    for n, s in zip(shape[1:], strides[1:]):
+        if s > 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    d0 = (shape[0] - 1) * strides[0]
+    flat_lo, flat_hi = lo + min(d0, 0), hi + max(d0, 0)
+    span_ = (key, (off + flat_lo) * isz // ssz, ((off + flat_hi + 1) * isz + ssz - 1) // ssz)
+    if not st.buffer.on_chip:
+        return span_, (key, 0, 1, span_[1], span_[2])
+    ps = st.free_bytes // ssz  # partition stride in storage elements
+    first = (off + lo) * isz // ssz
+    p0 = first // ps
+    base = p0 * ps
+    return span_, (key, p0, p0 + shape[0], first - base,
+                   ((off + hi + 1) * isz + ssz - 1) // ssz - base)
+
+
+def span(t: NkiTensor) -> tuple[int, int, int]:
+    """``(storage key, lo, hi)``: half-open range of storage elements (storage dtype) ``t`` touches."""
+    return _span_box(t)[0]
 
 
 def box(t: NkiTensor) -> tuple[int, int, int, int, int]:
     """``(storage key, p0, p1, lo, hi)``: partitions ``[p0, p1)`` x per-partition free elements
     ``[lo, hi)`` (storage dtype) that ``t`` touches; HBM tensors are one "partition" ``[0, 1)`` with the
     flat range. Two accesses overlap only if both intervals overlap, so writes to disjoint slices of one
-    tile (``y[..., :h]`` / ``y[..., h:]``, different row slabs) do not look dependent."""
-    st = t._st
-    key, lo, hi = span(t)
-    if not st.buffer.on_chip or t._vec is not None:
-        return key, 0, 1, lo, hi
-    ps = st.free_bytes // st.dtype.itemsize  # partition stride in storage elements
-    p0 = lo // ps
-    p1 = p0 + t.shape[0]
-    base = p0 * ps
-    if t.shape[0] == 1:
-        return key, p0, p1, lo - base, hi - base
-    # free extent of one partition (the same on every partition)
-    isz, ssz = t.dtype.itemsize, st.dtype.itemsize
-    f_lo, f_hi = t._extent()
-    f_lo -= (t.shape[0] - 1) * t.strides[0] if t.strides[0] < 0 else 0
-    f_hi -= (t.shape[0] - 1) * t.strides[0] if t.strides[0] > 0 else 0
-    try:
-        off = t.resolve_offset("trace")
-    except NkiValidationError:
-        off = t.offset
-    first = (off + f_lo) * isz // ssz - base
-    last = ((off + f_hi + 1) * isz + ssz - 1) // ssz - base
-    return key, p0, p1, first, last
+    tile (``y[:, :h]`` / ``y[:, h:]``, different partition slabs) do not look dependent."""
+    return _span_box(t)[1]
 
 
 def dependency_attrs(reads: list[NkiTensor], writes: list[NkiTensor]) -> dict:
     """Trace attrs for the cost model's schedule: flat ``reads``/``writes`` spans and the finer
     ``read_boxes``/``write_boxes`` (:func:`box`)."""
-    return {"reads": tuple(span(t) for t in reads), "writes": tuple(span(t) for t in writes),
-            "read_boxes": tuple(box(t) for t in reads), "write_boxes": tuple(box(t) for t in writes)}
+    r = [_span_box(t) for t in reads]
+    w = [_span_box(t) for t in writes]
+    return {"reads": tuple(x[0] for x in r), "writes": tuple(x[0] for x in w),
+            "read_boxes": tuple(x[1] for x in r), "write_boxes": tuple(x[1] for x in w)}
 
 
 def contiguous_bytes(t: NkiTensor) -> int:
