@@ -211,6 +211,10 @@ def _token_chunks(T, nt_max):
 # Token sub-tiles per chunk: each partition holds NT consecutive tokens, so the logits store is one
 # contiguous 2 KiB run per partition (E=128) and the x load NT*H elements.
 _NT = 4
+# Token tiles whose backward g_logits steps are issued in lockstep (latency hiding), at most 8 and
+# within ~96 KiB of SBUF per partition (~72 bytes per expert per tile: K fp32 products, K fp16 masks, ...)
+def _bwd_group(E, K):
+    return max(1, min(8, 96 * 1024 // ((6 * K + 24) * E)))
 
 
 def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob):
@@ -308,64 +312,88 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
     return topk_w, topk_i, logits
 
 
-def _logit_grad_tile(lg, ik, gk, iota_e, gl_in, norm_topk_prob):
-    """fp32 ``g_logits [P, E]`` of one token tile from logits ``lg [P, E]``, ``ik [P, K]`` int32 expert
-    ids, ``gk [P, K]`` upstream gradients of the top-K weights (``gl_in``: optional ``[P, E]`` gradient
-    of the logits themselves).
+def _logit_grad_tiles(group, iota_e, norm_topk_prob):
+    """fp32 ``g_logits [P, E]`` for each token tile of ``group``: a list of ``(lg [P, E] fp32 logits,
+    ik [P, K] int32 expert ids, gk [P, K] fp32 upstream top-K weight gradients, gl_in [P, E] or None
+    (gradient of the logits themselves))``.
 
-    With ``e = exp(lg - max)`` and ``G = sum_k onehot(ik_k) * gk_k`` (dense scatter):
+    With ``e = exp(lg - max)`` and ``G = sum_k onehot(ik_k) * gk_k`` (dense scatter, any order of ik):
     norm_topk_prob: ``g = m*e/S_sel * (G - c)``, ``m`` the selection mask, ``S_sel = <m, e>``,
     ``c = <G, m*e> / S_sel`` (the softmax Jacobian term cancels exactly);
     else: ``g = e/S * (G - <G, e>/S)``, ``S = sum(e)``.
-    One-hot rows are fp16 (exact small integers, fast Vector mode).
+    Every step is issued for all tiles of the group before the next step (independent instructions
+    between dependent ones hide the engines' latency); the K one-hot products are summed as a tree on
+    the otherwise idle GpSimd engine. One-hot masks are fp16 (exact small integers).
     """
-    P, E = lg.shape
-    K = ik.shape[1]
-    neg_max = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=lg, axis=1, negate=True)
-    e = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
-    s_all = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=e, op=nl.exp, data=lg, bias=neg_max, reduce_op=nl.add, reduce_res=s_all,
-                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    ikf = nl.ndarray((P, K), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=ikf, src=ik, engine=nisa.engine.gpsimd)
-    G = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
-    mask = nl.ndarray((P, E), dtype=nl.float16, buffer=nl.sbuf)
+    n = len(group)
+    P, E = group[0][0].shape
+    K = group[0][1].shape[1]
+    f32 = nl.float32
+
+    def col(dtype):
+        return [nl.ndarray((group[i][0].shape[0], 1), dtype=dtype, buffer=nl.sbuf) for i in range(n)]
+
+    def full(dtype):
+        return [nl.ndarray(group[i][0].shape, dtype=dtype, buffer=nl.sbuf) for i in range(n)]
+
+    neg_max, s_all, e = col(f32), col(f32), full(f32)
+    ikf = [nl.ndarray(group[i][1].shape, dtype=f32, buffer=nl.sbuf) for i in range(n)]
+    for i in range(n):
+        nisa.tensor_reduce(dst=neg_max[i], op=nl.maximum, data=group[i][0], axis=1, negate=True)
+        nisa.tensor_copy(dst=ikf[i], src=group[i][1], engine=nisa.engine.gpsimd)
+    for i in range(n):
+        nisa.activation(dst=e[i], op=nl.exp, data=group[i][0], bias=neg_max[i], reduce_op=nl.add,
+                        reduce_res=s_all[i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    # products[i][k] = onehot(ik_k) * gk_k, masks[i][k] = onehot(ik_k)
+    prods = [[None] * K for _ in range(n)]
+    masks = [[None] * K for _ in range(n)]
     for k in range(K):
-        oh = nl.ndarray((P, E), dtype=nl.float16, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=oh, data=iota_e[0:P, :], op0=nl.equal, operand0=ikf[:, k:k + 1])
-        if k == 0:
-            nisa.tensor_scalar(dst=G, data=oh, op0=nl.multiply, operand0=gk[:, 0:1])
+        for i in range(n):
+            rows = group[i][0].shape[0]
+            prods[i][k] = nl.ndarray((rows, E), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=prods[i][k], data=iota_e[0:rows, :], op0=nl.equal, operand0=ikf[i][:, k:k + 1],
+                               op1=nl.multiply, operand1=group[i][2][:, k:k + 1])
             if norm_topk_prob:
-                nisa.tensor_copy(dst=mask, src=oh)
-        else:
-            nisa.scalar_tensor_tensor(dst=G, data=oh, op0=nl.multiply, operand0=gk[:, k:k + 1], op1=nl.add,
-                                      operand1=G)
-            if norm_topk_prob:
-                nisa.tensor_tensor(dst=mask, data1=mask, data2=oh, op=nl.add)
-    tmp = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
-    g = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
-    den = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    dot = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    rden = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+                masks[i][k] = nl.ndarray((rows, E), dtype=nl.float16, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=masks[i][k], data=iota_e[0:rows, :], op0=nl.equal,
+                                   operand0=ikf[i][:, k:k + 1])
+    width = 1
+    while width < K:  # pairwise tree sums on GpSimd
+        for k in range(0, K - width, 2 * width):
+            for i in range(n):
+                nisa.tensor_tensor(dst=prods[i][k], data1=prods[i][k], data2=prods[i][k + width], op=nl.add,
+                                   engine=nisa.engine.gpsimd)
+                if norm_topk_prob:
+                    nisa.tensor_tensor(dst=masks[i][k], data1=masks[i][k], data2=masks[i][k + width], op=nl.add,
+                                       engine=nisa.engine.gpsimd)
+        width = width * 2
+    G = [prods[i][0] for i in range(n)]
+    den, dot, rden, neg_c = col(f32), col(f32), col(f32), col(f32)
+    tmp, g = full(f32), full(f32)
     if norm_topk_prob:
-        pm = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)  # m * e
-        nisa.tensor_tensor(dst=pm, data1=e, data2=mask, op=nl.multiply)
-        nisa.tensor_reduce(dst=den, op=nl.add, data=pm, axis=1)
-        weight = pm
+        weight = full(f32)  # m * e
+        for i in range(n):
+            nisa.tensor_tensor(dst=weight[i], data1=e[i], data2=masks[i][0], op=nl.multiply)
+        for i in range(n):
+            nisa.tensor_reduce(dst=den[i], op=nl.add, data=weight[i], axis=1)
     else:
-        nisa.tensor_copy(dst=den, src=s_all)
         weight = e
-    nisa.reciprocal(dst=rden, data=den)
-    nisa.tensor_tensor(dst=tmp, data1=G, data2=weight, op=nl.multiply)
-    nisa.tensor_reduce(dst=dot, op=nl.add, data=tmp, axis=1)
-    neg_c = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)  # -<G, weight> / den
-    nisa.tensor_scalar(dst=neg_c, data=dot, op0=nl.multiply, operand0=rden, op1=nl.multiply, operand1=-1.0)
-    # g = ((G - c) * (1/den)) * weight
-    nisa.tensor_scalar(dst=g, data=G, op0=nl.add, operand0=neg_c, op1=nl.multiply, operand1=rden)
-    nisa.tensor_tensor(dst=g, data1=g, data2=weight, op=nl.multiply)
-    if gl_in is not None:
-        nisa.tensor_tensor(dst=g, data1=g, data2=gl_in, op=nl.add)
+        den = s_all
+    for i in range(n):
+        nisa.reciprocal(dst=rden[i], data=den[i])
+        nisa.tensor_tensor(dst=tmp[i], data1=G[i], data2=weight[i], op=nl.multiply)
+    for i in range(n):
+        nisa.tensor_reduce(dst=dot[i], op=nl.add, data=tmp[i], axis=1)
+    for i in range(n):  # -<G, weight> / den
+        nisa.tensor_scalar(dst=neg_c[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
+                           operand1=-1.0)
+    for i in range(n):  # g = ((G - c) * (1/den)) * weight
+        nisa.tensor_scalar(dst=g[i], data=G[i], op0=nl.add, operand0=neg_c[i], op1=nl.multiply, operand1=rden[i])
+    for i in range(n):
+        nisa.tensor_tensor(dst=g[i], data1=g[i], data2=weight[i], op=nl.multiply)
+    for i in range(n):
+        if group[i][3] is not None:
+            nisa.tensor_tensor(dst=g[i], data1=g[i], data2=group[i][3], op=nl.add)
     return g
 
 
@@ -393,41 +421,73 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
         nisa.dma_copy(dst=w_sb[0:ec, c, :], src=w_router[c * P_MAX:c * P_MAX + ec, :])
     iota_e = nl.ndarray((P_MAX, E), dtype=nl.float16, buffer=nl.sbuf)  # 0..E-1 on every partition (exact)
     nisa.iota(dst=iota_e, pattern=[[1, E]], offset=0, channel_multiplier=0)
-    for t0 in range(0, T, P_MAX):
-        tp = min(P_MAX, T - t0)
-        lg = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=lg, src=router_logits[t0:t0 + tp, :])
-        ik = nl.ndarray((tp, K), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=ik, src=topk_idx[t0:t0 + tp, :])
-        gk = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=gk, src=grad_topk_weights[t0:t0 + tp, :])
-        gl_in = None
-        if has_grad_logits:
-            gl_in = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=gl_in, src=grad_router_logits[t0:t0 + tp, :])
-        g_l = _logit_grad_tile(lg, ik, gk, iota_e, gl_in, norm_topk_prob)
-        if split:  # g = hi + lo, both bf16: ~16 significant bits through bf16 matmuls
-            parts = [nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
-            nisa.tensor_copy(dst=parts[0], src=g_l, engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=parts[1], data1=g_l, data2=parts[0], op=nl.subtract)
-        else:
-            parts = [g_l]
-        for i in range(len(parts)):
-            nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
-        # grad_x [tp, H] = g_l [tp, E] @ w [E, H]: contraction over E -> g_l^T on partitions
-        glT = [nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf) for _ in parts]
-        _transpose_blocks([(glT[i], parts[i]) for i in range(len(parts))], tp, E, mm, load)
-        gx_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
-        for h0 in range(0, H, PSUM_FMAX):
-            hc = min(PSUM_FMAX, H - h0)
-            gx_ps = nl.ndarray((tp, hc), dtype=nl.float32, buffer=nl.psum)
-            for c in range(n_e):
-                ec = min(P_MAX, E - c * P_MAX)
+    tiles = [(t0, min(P_MAX, T - t0)) for t0 in range(0, T, P_MAX)]
+    gs = _bwd_group(E, K)
+    groups = [list(range(g0, min(len(tiles), g0 + gs))) for g0 in range(0, len(tiles), gs)]
+    n = len(groups)
+    ins = [None] * n  # stage L -> G
+    glT = [None] * n  # stage G -> M
+    # phase 1, software-pipelined over groups of token tiles: L(i) loads, G(i-1) g_logits + transposes,
+    # M(i-2) grad_x matmuls (so the Vector work of one group overlaps the matmuls of the previous)
+    for step in range(n + 2):
+        if step < n:
+            ins[step] = []
+            for ti in groups[step]:
+                t0, tp = tiles[ti]
+                lg = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=lg, src=router_logits[t0:t0 + tp, :])
+                ik = nl.ndarray((tp, K), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=ik, src=topk_idx[t0:t0 + tp, :])
+                gk = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=gk, src=grad_topk_weights[t0:t0 + tp, :])
+                gl_in = None
+                if has_grad_logits:
+                    gl_in = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=gl_in, src=grad_router_logits[t0:t0 + tp, :])
+                ins[step].append((lg, ik, gk, gl_in))
+        i_g = step - 1
+        if 0 <= i_g < n:
+            g_ls = _logit_grad_tiles(ins[i_g], iota_e, norm_topk_prob)
+            ins[i_g] = None
+            glT[i_g] = []
+            for gi in range(len(g_ls)):
+                t0, tp = tiles[groups[i_g][gi]]
+                g_l = g_ls[gi]
+                if split:  # g = hi + lo, both bf16: ~16 significant bits through bf16 matmuls
+                    parts = [nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
+                    nisa.tensor_copy(dst=parts[0], src=g_l, engine=nisa.engine.gpsimd)
+                    nisa.tensor_tensor(dst=parts[1], data1=g_l, data2=parts[0], op=nl.subtract,
+                                       engine=nisa.engine.gpsimd)
+                else:
+                    parts = [g_l]
                 for i in range(len(parts)):
-                    nisa.nc_matmul(dst=gx_ps, stationary=glT[i][0:ec, c, :], moving=w_sb[0:ec, c, h0:h0 + hc],
-                                   accumulate=(c > 0 or i > 0))
-            nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps, engine=_copy_engine(load, hc))
-        nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb)
+                    nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
+                # grad_x needs g_l^T (E on partitions: the contraction)
+                gT = [nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf) for _ in parts]
+                _transpose_blocks([(gT[i], parts[i]) for i in range(len(parts))], tp, E, mm, load)
+                glT[i_g].append(gT)
+        i_m = step - 2
+        if 0 <= i_m < n:  # grad_x [tp, H] = g_l [tp, E] @ w [E, H]; the H blocks' chains interleaved
+            for gi in range(len(groups[i_m])):
+                t0, tp = tiles[groups[i_m][gi]]
+                gT = glT[i_m][gi]
+                gx_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
+                for hq in range(0, H, 4 * PSUM_FMAX):
+                    blocks = [(h0, min(PSUM_FMAX, H - h0))
+                              for h0 in range(hq, min(H, hq + 4 * PSUM_FMAX), PSUM_FMAX)]
+                    gx_ps = [nl.ndarray((tp, hc), dtype=nl.float32, buffer=nl.psum) for _, hc in blocks]
+                    for c in range(n_e):
+                        ec = min(P_MAX, E - c * P_MAX)
+                        for i in range(len(gT)):
+                            for b in range(len(blocks)):
+                                h0, hc = blocks[b]
+                                nisa.nc_matmul(dst=gx_ps[b], stationary=gT[i][0:ec, c, :],
+                                               moving=w_sb[0:ec, c, h0:h0 + hc], accumulate=(c > 0 or i > 0))
+                    for b in range(len(blocks)):
+                        h0, hc = blocks[b]
+                        nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps[b], engine=_copy_engine(load, hc))
+                nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb)
+            glT[i_m] = None
     # phase 2: grad_w [E, H] = sum over token tiles of g_l^T x; groups of 4 PSUM banks per E chunk
     for c in range(n_e):
         e0 = c * P_MAX
@@ -444,10 +504,10 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                     nisa.dma_copy(dst=g_sb[i], src=g_hbm[i, t0:t0 + tp, e0:e0 + ec])
                 x_sb = nl.ndarray((tp, hw), dtype=mm, buffer=nl.sbuf)
                 nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, hg:hg + hw])
-                for a in range(len(accs)):
-                    h0 = a * PSUM_FMAX
-                    hc = accs[a].shape[1]
-                    for i in range(len(g_sb)):
+                for i in range(len(g_sb)):  # consecutive matmuls go to different accumulators
+                    for a in range(len(accs)):
+                        h0 = a * PSUM_FMAX
+                        hc = accs[a].shape[1]
                         nisa.nc_matmul(dst=accs[a], stationary=g_sb[i], moving=x_sb[:, h0:h0 + hc],
                                        accumulate=(t0 > 0 or i > 0))
             gw_sb = nl.ndarray((ec, hw), dtype=w_router.dtype, buffer=nl.sbuf)
