@@ -110,6 +110,11 @@ def test_matmul_trace_and_trace_only():
     roles = {o.role: o for o in ins.operands}
     assert roles["stationary"].free_elems == 128 and roles["moving"].free_elems == 512
     assert roles["dst"].buffer == "psum" and roles["moving"].dtype == "bfloat16"
+    assert ins.attrs["acc_group"] == "start"
+    with trace.record() as tr:
+        nisa.nc_matmul(dst, a, b)
+        nisa.nc_matmul(dst, a, b, accumulate=False)
+    assert [i.attrs["acc_group"] for i in tr] == ["continue", "start"]
     fresh = psum_tile(128, 512)
     with trace.record(trace_only=True) as tr:
         nisa.nc_matmul(fresh, a, b)

@@ -85,34 +85,32 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
 
     out = dst.np()
     flags = dst.matmul_flags()
+    all_written = bool(flags.all())
+    any_written = all_written or bool(flags.any())
     tr = trace.active()  # (not trace.trace_only(): an empty Trace is falsy there)
-    if tr is not None and tr.trace_only and k * m * n >= _TRACE_ONLY_MIN_MACS:
-        flags[...] = True  # shapes/bookkeeping only; the values are not computed
-    else:
+    if accumulate is True and not all_written:
+        warnings.warn(f"{op}: accumulate=True onto PSUM tile {dst.name!r} elements not written by a "
+                      "previous nc_matmul (uninitialised or written by another engine): undefined "
+                      "on trn2", RuntimeWarning, stacklevel=2)
+    if not (tr is not None and tr.trace_only and k * m * n >= _TRACE_ONLY_MIN_MACS):
+        # (trace-only mode skips the arithmetic; shapes, checks and bookkeeping still run)
         a = common.read_f32(stationary).reshape(k, m)
         b = common.read_f32(moving).reshape(k, n)
         res = (a.T @ b).reshape(out.shape)
-        if accumulate is False:
+        if accumulate is False or (accumulate is None and not any_written):
             out[...] = res
-        elif accumulate is True:
-            if not flags.all():
-                warnings.warn(f"{op}: accumulate=True onto PSUM tile {dst.name!r} elements not "
-                              "written by a previous nc_matmul (uninitialised or written by another "
-                              "engine): undefined on trn2", RuntimeWarning, stacklevel=2)
+        elif accumulate is True or all_written:
             out += res
-        else:
-            written = flags.all()
-            if written:
-                out += res
-            elif not flags.any():
-                out[...] = res
-            else:
-                np.copyto(out, np.where(flags, out + res, res))
-        flags[...] = True
+        else:  # accumulate=None over a partly written region: per element
+            np.copyto(out, np.where(flags, out + res, res))
+    flags[...] = True
+    # "continue": this matmul adds onto an open accumulation group (the cost model streams those)
+    group = "continue" if accumulate is True or (accumulate is None and any_written) else "start"
     common.emit(op, common.TENSOR, dst=dst, srcs={"stationary": stationary, "moving": moving},
                 flops=2 * k * m * n,
                 attrs={"M": m, "N": n, "K": k, "dtype": _dt.dtype_name(stationary.dtype),
-                       "accumulate": accumulate, "perf_mode": perf_mode or "none", "name": name})
+                       "accumulate": accumulate, "acc_group": group,
+                       "perf_mode": perf_mode or "none", "name": name})
 
 
 def _pe_tile(op: str, tile_position: tuple, tile_size: tuple) -> tuple[int, int]:
