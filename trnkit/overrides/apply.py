@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from trnkit.kernels.constraints import Violation
+from trnkit.kernels.moe import from_hf_v5
 from trnkit.overrides import ops
 from trnkit.overrides.registry import (
     POLICIES,
@@ -200,21 +201,26 @@ def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor
     return logits.to(x.dtype), weights.to(x.dtype), idx.long()
 
 
-def _hf_experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    bs = self._trnkit_block_size
+def hf_experts_call(module: nn.Module, guard: _Guard, block_size: int, hidden_states: Tensor,
+                    top_k_index: Tensor, top_k_weights: Tensor) -> Tensor | None:
+    """trnkit::moe_experts for a transformers v5 experts module; None = the guard chose its own code."""
     # [E, 2I, H] / [E, H, I] -> kernel layout [E, H, 2I] / [E, I, H]; views for the check, copies to run.
-    impl = self._trnkit_guard.choose(x=hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights,
-                                     w_gate_up=self.gate_up_proj.transpose(1, 2),
-                                     w_down=self.down_proj.transpose(1, 2), block_size=bs)
+    impl = guard.choose(x=hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights,
+                        w_gate_up=module.gate_up_proj.transpose(1, 2), w_down=module.down_proj.transpose(1, 2),
+                        block_size=block_size)
     if impl is None:
-        return self._trnkit_fallback(hidden_states, top_k_index, top_k_weights)
-    from trnkit.kernels.moe import from_hf_v5  # noqa: PLC0415  (the one weight-layout converter)
-
-    w_gate_up, w_down = from_hf_v5(self.gate_up_proj, self.down_proj)
-    return ops.moe_experts(hidden_states, top_k_index, top_k_weights, w_gate_up, w_down, bs, impl)
+        return None
+    w_gate_up, w_down = from_hf_v5(module.gate_up_proj, module.down_proj)  # the one layout converter
+    return ops.moe_experts(hidden_states, top_k_index, top_k_weights, w_gate_up, w_down, block_size, impl)
 
 
-def _hf_experts_static(module: nn.Module) -> list[Violation]:
+def _hf_experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    out = hf_experts_call(self, self._trnkit_guard, self._trnkit_block_size, hidden_states, top_k_index,
+                          top_k_weights)
+    return self._trnkit_fallback(hidden_states, top_k_index, top_k_weights) if out is None else out
+
+
+def hf_experts_static(module: nn.Module) -> list[Violation]:
     """Module-configuration checks the kernel's SwiGLU-with-fused-[gate;up] contract needs."""
     label = "moe_experts[hf adapter]"
     cfg = getattr(module, "config", None)
@@ -263,7 +269,7 @@ def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
     if _is_hf(module, "TopKRouter"):
         return _ModuleAdapter("router_topk", _hf_router_forward)
     if _is_hf(module, "Experts"):
-        return _ModuleAdapter("moe_experts", _hf_experts_forward, _hf_experts_static)
+        return _ModuleAdapter("moe_experts", _hf_experts_forward, hf_experts_static)
     return None
 
 
