@@ -208,3 +208,37 @@ def test_dependency_boxes_separate_disjoint_slices():
     with trace.record() as tr:
         nisa.dma_copy(dst=t[64:96, 0, :], src=h.reshape((1, 64)).broadcast(0, 32))
     assert tr.instrs[0].attrs["write_boxes"][0][1:] == (64, 96, 0, 64)
+
+
+def test_dma_compute_sum_and_read_modify_write():
+    a = RNG.standard_normal((16, 8)).astype(np.float32)
+    b = RNG.standard_normal((16, 8)).astype(BF16)
+    ta = nl.ndarray((16, 8), nl.float32, buffer=nl.sbuf)
+    ta.np()[...] = a
+    dst = nl.ndarray((16, 8), nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_compute(dst, [ta, hb(b)], reduce_op=nl.add)  # fp32 sum, one RNE cast
+    np.testing.assert_array_equal(dst.np(), (a + b.astype(np.float32)).astype(BF16))
+    # scatter RMW: out[idx] += rows
+    out = RNG.standard_normal((10, 8)).astype(np.float32)
+    ref = out.copy()
+    o = hb(out)
+    idx = nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf)
+    idx.np()[:, 0] = [7, 2, 9, 0]
+    view = o.ap([[8, 4], [1, 8]], vector_offset=idx)
+    rows = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+    rows.np()[...] = a[:4]
+    nisa.dma_compute(view, [view, rows], reduce_op=nl.add)
+    ref[[7, 2, 9, 0]] += a[:4]
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+    # gather RMW: acc += table[idx]
+    acc = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+    acc.np()[...] = 1.0
+    nisa.dma_compute(acc, [acc, o.ap([[8, 4], [1, 8]], vector_offset=idx)], reduce_op=nl.add)
+    np.testing.assert_allclose(acc.np(), 1.0 + ref[[7, 2, 9, 0]], rtol=1e-6)
+    idx.np()[:, 0] = [1, 1, 2, 3]
+    with pytest.raises(NkiValidationError, match="indices must be unique"):
+        nisa.dma_compute(view, [view, rows], reduce_op=nl.add)
+    with pytest.raises(NkiValidationError, match="only reduce_op=nl.add"):
+        nisa.dma_compute(dst, [ta, ta], reduce_op=nl.multiply)
+    with pytest.raises(NkiValidationError, match="all scales must be 1.0"):
+        nisa.dma_compute(dst, [ta, ta], reduce_op=nl.add, scales=[1.0, 2.0])

@@ -19,7 +19,7 @@ from ..tensor import NkiTensor
 from . import common
 from .common import dge_mode, engine, oob_mode
 
-__all__ = ["dma_copy"]
+__all__ = ["dma_copy", "dma_compute"]
 
 
 def _convert(values: np.ndarray, dst_dtype: np.dtype) -> np.ndarray:
@@ -106,3 +106,86 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
 def _write(dst: NkiTensor, vals: np.ndarray) -> None:
     out = dst.np()
     out[...] = vals if vals.shape == out.shape else vals.reshape(out.shape)
+
+
+def _same_view(a: NkiTensor, b: NkiTensor) -> bool:
+    return (a.storage is b.storage and a.shape == b.shape and a.strides == b.strides
+            and a.offset == b.offset and a.dtype == b.dtype and a.indirect_info == b.indirect_info)
+
+
+def dma_compute(dst: NkiTensor, srcs: list[NkiTensor] | tuple[NkiTensor, ...], reduce_op: object,
+                scales: list[float] | None = None, unique_indices: bool = True,
+                oob_mode: oob_mode = oob_mode.error, name: str | None = None) -> None:
+    """``dst = srcs[0] + srcs[1] + ...`` computed in fp32 inside the DMA engines.
+
+    With a ``vector_offset`` view it is a read-modify-write (NKI 0.6 ``dma_compute`` docs): scatter
+    ``dst(HBM)[idx] += src(SBUF)`` (dst and one src are the same indirect HBM view) or gather
+    ``dst(SBUF) += src(HBM)[idx]`` (one src is the indirect HBM view, the other is dst). Only
+    ``reduce_op=nl.add``, scales of 1.0 and unique indices are supported, as on the hardware.
+    """
+    op = "dma_compute"
+    from .. import ops as _ops  # noqa: PLC0415
+
+    common.check_tensor(op, "dst", dst)
+    srcs = list(srcs)
+    require(1 <= len(srcs) <= 16, op, "srcs must hold 1 to 16 tensors, got {n}", n=len(srcs))
+    for i, s in enumerate(srcs):
+        common.check_tensor(op, f"srcs[{i}]", s)
+    f = _ops.resolve(reduce_op, f"{op}.reduce_op")
+    require(f is not None and f.name == "add", op, "only reduce_op=nl.add is supported, got {op_}",
+            op_=reduce_op)
+    require(scales is None or all(float(x) == 1.0 for x in scales), op, "all scales must be 1.0, got "
+            "{scales}", scales=scales)
+    require(unique_indices is True, op, "unique_indices=False (non-unique indices) is not supported")
+    for role, t in [("dst", dst)] + [(f"srcs[{i}]", s) for i, s in enumerate(srcs)]:
+        require(t.buffer.name != "psum", op, "{role} cannot be in PSUM (tensor {name!r})", role=role,
+                name=t.name)
+        require(t.size == dst.size, op, "element counts differ: {role} has {n}, dst has {n_dst}",
+                role=role, n=t.size, n_dst=dst.size)
+    skip = oob_mode is common.oob_mode.skip
+    indirect = [i for i, s in enumerate(srcs) if s.indirect_info is not None]
+    if dst.indirect_info is not None or indirect:
+        require(len(srcs) == 2, op, "read-modify-write (vector_offset) needs exactly 2 srcs, got {n}",
+                n=len(srcs))
+        if dst.indirect_info is not None:  # scatter RMW: dst(HBM)[idx] += src(SBUF)
+            require(any(_same_view(s, dst) for s in srcs), op, "scatter read-modify-write needs one "
+                    "src to be the same indirect HBM view as dst")
+            data = next(s for s in srcs if not _same_view(s, dst))
+            require(data.buffer.name == "sbuf", op, "scatter read-modify-write data must be in SBUF, "
+                    "got {buffer}", buffer=data.buffer.name)
+            flat, addr, valid = dst.indirect_plan(op, skip)
+            rows = dst.indirect_info[0].np().reshape(-1)[valid]
+            require(np.unique(rows).size == rows.size, op, "indices must be unique "
+                    "(unique_indices=True), got duplicates in {rows}", rows=rows.tolist())
+            vals = data.np().astype(np.float32).reshape(addr.shape)[valid]
+            a = addr[valid]
+            flat[a] = _dt.cast(flat[a].astype(np.float32) + vals, dst.dtype)
+        else:  # gather RMW: dst(SBUF) += src(HBM)[idx]
+            src = srcs[indirect[0]]
+            other = srcs[1 - indirect[0]]
+            require(_same_view(other, dst), op, "gather read-modify-write needs the other src to be dst")
+            require(dst.buffer.name == "sbuf", op, "gather read-modify-write dst must be in SBUF, got "
+                    "{buffer}", buffer=dst.buffer.name)
+            flat, addr, valid = src.indirect_plan(op, skip)
+            out = dst.np()
+            require(out.shape[0] == addr.shape[0], op, "gather dst needs {p} partitions (one per "
+                    "index), got shape {shape}", p=addr.shape[0], shape=out.shape)
+            g = flat[addr[valid]].astype(np.float32)
+            cur = out[valid].astype(np.float32)
+            out[valid] = _dt.cast(cur + g.reshape(cur.shape), dst.dtype)
+    else:
+        total = None
+        for s in srcs:
+            x = s.np().astype(np.float32).reshape(dst.shape)
+            total = x if total is None else total + x
+        common.store(dst, total)
+    if trace.active() is None:
+        return
+    n_bytes = dst.size * dst.dtype.itemsize
+    hbm = sum(s.size * s.dtype.itemsize for s in srcs if not s.on_chip)
+    hbm += 0 if dst.on_chip else n_bytes
+    common.emit(op, common.DMA, dst=dst, srcs={f"srcs[{i}]": s for i, s in enumerate(srcs)},
+                hbm_bytes=hbm, dma_bytes=sum(s.size * s.dtype.itemsize for s in srcs) + n_bytes,
+                attrs={"reduce_op": "add", "indirect": dst.indirect_info is not None or bool(indirect),
+                       "dge_mode": "swdge" if (dst.indirect_info is not None or indirect) else "none",
+                       "name": name})
