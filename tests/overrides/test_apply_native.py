@@ -186,6 +186,8 @@ def test_apply_twice_is_an_error_and_unknown_names_are_named():
         OverrideConfig(ops=["rope"])
     with pytest.raises(ValueError, match="policy must be one of"):
         OverrideConfig(policy="warn")
+    with pytest.raises(ValueError, match="seq_len must be a positive int or None, got 0"):
+        OverrideConfig(seq_len=0)
 
 
 def test_a_deep_copy_of_a_swapped_model_reverts_on_its_own():

@@ -80,6 +80,10 @@ class OverrideConfig:
             raise ValueError(f"OverrideConfig.ops: unknown op(s) {bad}; swappable ops are {list(SWAPPABLE_OPS)}")
         if self.policy not in POLICIES:
             raise ValueError(f"OverrideConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.seq_len is not None and not (isinstance(self.seq_len, int) and self.seq_len >= 1):
+            raise ValueError(f"OverrideConfig.seq_len must be a positive int or None, got {self.seq_len!r}")
+        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise ValueError(f"OverrideConfig.batch_size must be a positive int, got {self.batch_size!r}")
         if isinstance(self.impl, Mapping):
             extra = sorted(set(self.impl) - set(self.ops))
             if extra:
