@@ -198,3 +198,11 @@ def test_a_deep_copy_of_a_swapped_model_reverts_on_its_own():
     assert not any(isinstance(m, _Swapped) for m in twin.modules())
     assert all(isinstance(model.get_submodule(p), _Swapped) for p in SWAP_PATHS)  # the original keeps its swaps
     assert_close(twin(TOKENS), model(TOKENS))
+
+
+def test_without_the_dry_run_the_call_time_guard_still_catches_it():
+    model = native_model(head_dim=160)
+    report = apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl="nki", dry_run=False))
+    assert {r.status for r in report.rows} == {"swapped"}  # nothing seen yet: only static checks ran
+    with pytest.raises(OverrideConstraintError, match="'D <= 128' violated"):
+        model(TOKENS)
