@@ -226,7 +226,8 @@ def test_transpose_rules(case, msg):
 
 @pytest.mark.parametrize("kwargs, msg", [
     ({"accumulate": 1}, "accumulate must be None, True or False, got 1"),
-    ({"perf_mode": "double_row"}, "perf_mode 'double_row' is not available on trn2"),
+    ({"perf_mode": nisa.matmul_perf_mode.double_row}, r"double_row needs stationary shaped \[K, 2, ...\]"),
+    ({"perf_mode": "fast"}, "perf_mode must be matmul_perf_mode.none or .double_row, got 'fast'"),
     ({"tile_position": (0, 64)}, "tiling mode needs both tile_position"),
     ({"tile_position": (0, 48), "tile_size": (128, 64)}, "start column 48 must be a multiple of the "
                                                          "column size 64"),
@@ -292,3 +293,21 @@ def test_accumulate_random_sequences_match_reference_model():
             w[...] = True
         np.testing.assert_allclose(dst.np()[written], ref[written], rtol=1e-5, atol=1e-5)
         assert np.isnan(dst.np()[~written]).all()
+
+
+def test_matmul_double_row_fp8():
+    # perf_mode=double_row (fp8, NeuronCore-v3+): contraction over partitions x a free dim of 2
+    a = RNG.standard_normal((128, 2, 64)).astype(ml_dtypes.float8_e4m3)
+    b = RNG.standard_normal((128, 2, 256)).astype(ml_dtypes.float8_e5m2)
+    dst = psum_tile(64, 256)
+    with trace.record() as tr:
+        nisa.nc_matmul(dst, tile(a), tile(b), perf_mode=nisa.matmul_perf_mode.double_row)
+    ref = a.astype(np.float64).reshape(256, 64).T @ b.astype(np.float64).reshape(256, 256)
+    np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-3)
+    assert tr.instrs[0].attrs["perf_mode"] == "double_row"
+    assert tr.instrs[0].flops == 2 * 256 * 64 * 256
+    with pytest.raises(NkiValidationError, match="double_row needs fp8"):
+        nisa.nc_matmul(dst, tile(a.astype(BF16)), tile(b.astype(BF16)), perf_mode="double_row")
+    with pytest.raises(NkiValidationError, match="cannot be combined with column tiling"):
+        nisa.nc_matmul(psum_tile(32, 256), tile(a[:, :, :32]), tile(b), perf_mode="double_row",
+                       tile_position=(0, 0), tile_size=(128, 32))

@@ -7,7 +7,16 @@ reduce_cmd, nc_version).
 
 from ..errors import NkiValidationError
 from ..tensor import VirtualRegister
-from .common import dge_mode, engine, get_nc_version, nc_version, oob_mode, reduce_cmd
+from .common import (
+    dge_mode,
+    dma_engine,
+    engine,
+    get_nc_version,
+    matmul_perf_mode,
+    nc_version,
+    oob_mode,
+    reduce_cmd,
+)
 from .dma import *  # noqa: F403
 from .gpsimd import *  # noqa: F403
 from .registers import *  # noqa: F403
@@ -15,10 +24,9 @@ from .scalar import *  # noqa: F403
 from .tensor_engine import *  # noqa: F403
 from .vector import *  # noqa: F403
 
-# Engine-type aliases of the NKI docs (nki.isa.tensor_engine, ...).
+# Engine-type aliases of the NKI stubs (nki.isa.tensor_engine, ...); nisa.dma_engine is the enum.
 tensor_engine = engine.tensor
 vector_engine = engine.vector
 scalar_engine = engine.scalar
 gpsimd_engine = engine.gpsimd
-dma_engine = engine.dma
 unknown_engine = engine.unknown

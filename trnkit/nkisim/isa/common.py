@@ -21,7 +21,8 @@ from ..errors import NkiValidationError, fail, require
 from ..tensor import NkiTensor, psum, sbuf
 
 __all__ = [
-    "engine", "oob_mode", "dge_mode", "reduce_cmd", "nc_version", "get_nc_version",
+    "engine", "oob_mode", "dge_mode", "reduce_cmd", "nc_version", "get_nc_version", "dma_engine",
+    "matmul_perf_mode",
     "TENSOR", "VECTOR", "SCALAR", "GPSIMD", "DMA",
     "check_tensor", "check_buffer", "check_on_chip", "check_partitions", "check_same_partitions",
     "check_same_free_size", "check_dtype", "read_f32", "store", "operand", "emit", "engine_name",
@@ -61,6 +62,18 @@ class reduce_cmd(enum.Enum):  # noqa: N801
     reduce = 2
     reset_reduce = 3
     load_reduce = 4
+
+
+class dma_engine(enum.Enum):  # noqa: N801
+    """``nki.isa.dma_engine``: the transfer mechanism of ``sendrecv``."""
+
+    dma = 1  # shared DMA with CoreBarrier synchronisation
+    gpsimd_dma = 2  # GpSimd's internal DMA (small SBUF->SBUF swaps in LNC=2)
+
+
+class matmul_perf_mode(enum.Enum):  # noqa: N801
+    none = "none"
+    double_row = "double_row"  # fp8 2x mode (trn3 in the interpreter's model)
 
 
 class nc_version(enum.Enum):  # noqa: N801

@@ -18,26 +18,23 @@ from .. import trace
 from ..errors import fail, require
 from ..tensor import NkiTensor
 from . import common
-from .common import engine
+from .common import engine, matmul_perf_mode
 
 __all__ = ["nc_matmul", "nc_transpose", "matmul_perf_mode"]
 
 # Matmul input dtypes (nc_matmul docstring): fp8_e4m3 / fp8_e5m2 / bf16 / fp16 / tf32 / fp32.
 # (float8_e4m3fn, OCP fp8, only from NeuronCore-v4 on.)
 _MM_IN = frozenset({_dt.float8_e4m3, _dt.float8_e5m2, _dt.bfloat16, _dt.float16, _dt.float32})
+_FP8 = frozenset({_dt.float8_e4m3, _dt.float8_e5m2})
 _PE_TILE_SIZES = (32, 64, 128)  # row / column tiles of the 128x128 PE array (32 needs v3+)
 _TRACE_ONLY_MIN_MACS = 128 * 128 * 128  # trace-only mode skips the arithmetic from this size up
-
-
-class matmul_perf_mode:  # noqa: N801  (NKI spelling)
-    none = "none"
-    double_row = "double_row"  # trn3 (fp8) only
 
 
 def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
               is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
               is_transpose: bool = False, accumulate: bool | None = None,
-              tile_position: tuple = (), tile_size: tuple = (), perf_mode: str = "none",
+              tile_position: tuple = (), tile_size: tuple = (),
+              perf_mode: matmul_perf_mode | str = matmul_perf_mode.none,
               name: str | None = None) -> None:
     """``dst[M,N] = stationary[K,M].T @ moving[K,N]`` on the Tensor Engine, fp32 in PSUM.
 
@@ -49,9 +46,25 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
     common.check_on_chip(op, "dst", dst, common.PSUM)
     common.check_on_chip(op, "stationary", stationary, common.SBUF)
     common.check_on_chip(op, "moving", moving, common.SBUF)
-    k, m = stationary.shape[0], stationary.free_size
-    k2, n = moving.shape[0], moving.free_size
+    perf_mode = getattr(perf_mode, "value", perf_mode) or "none"
+    require(perf_mode in ("none", "double_row"), op, "perf_mode must be matmul_perf_mode.none or "
+            ".double_row, got {perf_mode!r}", perf_mode=perf_mode)
+    double = perf_mode == "double_row"
+    # double_row: the contraction is split over the partitions and a first free dim of size 2
+    # ([K, 2, M] x [K, 2, N] -> [M, N], 2K contracted elements)
+    split = 2 if double else 1
+    k, m = stationary.shape[0] * split, stationary.free_size // split
+    k2, n = moving.shape[0] * split, moving.free_size // split
+    if double:
+        for role, t in (("stationary", stationary), ("moving", moving)):
+            require(t.ndim >= 3 and t.shape[1] == 2, op, "perf_mode=double_row needs {role} shaped "
+                    "[K, 2, ...], got {shape}", role=role, shape=t.shape)
+            require(t.dtype in _FP8, op, "perf_mode=double_row needs fp8 (float8_e4m3 / float8_e5m2) "
+                    "inputs, {role} is {dtype}", role=role, dtype=t.dtype)
+        require(not tile_size or int(tile_size[1]) == 128, op, "perf_mode=double_row cannot be "
+                "combined with column tiling (tile_size {tile_size})", tile_size=tile_size)
     rows, cols = _pe_tile(op, tile_position, tile_size)
+    rows *= split
     require(k == k2, op, "contraction (partition) sizes differ: stationary has {k_stationary} "
             "partitions, moving has {k_moving}", k_stationary=k, k_moving=k2)
     require(k <= rows, op, "contraction size {k} exceeds the PE tile's {rows} rows", k=k, rows=rows)
@@ -71,9 +84,8 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
              "{moving_dtype}", stationary_dtype=stationary.dtype.name, moving_dtype=moving.dtype.name)
     require(accumulate is None or accumulate is True or accumulate is False, op,
             "accumulate must be None, True or False, got {accumulate!r}", accumulate=accumulate)
-    require(perf_mode in ("none", None), op, "perf_mode {perf_mode!r} is not available on trn2 "
-            "(double_row needs NeuronCore-v4)", perf_mode=perf_mode)
     if is_transpose:
+        require(not double, op, "is_transpose=True cannot use perf_mode=double_row")
         _transpose_mode(op, dst, stationary, moving, k, m)
         common.emit(op, common.TENSOR, dst=dst, srcs={"stationary": stationary, "moving": moving},
                     flops=2 * k * m * n, attrs={"M": m, "N": n, "K": k, "is_transpose": True,
@@ -110,7 +122,7 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
                 flops=2 * k * m * n,
                 attrs={"M": m, "N": n, "K": k, "dtype": _dt.dtype_name(stationary.dtype),
                        "accumulate": accumulate, "acc_group": group,
-                       "perf_mode": perf_mode or "none", "name": name})
+                       "perf_mode": perf_mode, "name": name})
 
 
 def _pe_tile(op: str, tile_position: tuple, tile_size: tuple) -> tuple[int, int]:
