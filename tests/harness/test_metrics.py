@@ -71,5 +71,5 @@ def test_step1_sanity_notes() -> None:
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:
-    out = plot_loss([{"step": i, "loss": 10 / i} for i in range(1, 6)], str(tmp_path / "l.png"))
+    out = plot_loss([{"step": i, "loss": 10 / i} for i in range(1, 6)], str(tmp_path / "l.png"), vocab_size=384)
     assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -206,15 +206,22 @@ class MetricsLogger:
             self._jsonl.close()
 
 
-def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "training loss") -> str:
+def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "training loss",
+              vocab_size: int | None = None) -> str:
+    """Loss per logged step as a PNG; with `vocab_size`, a dashed line at ln(vocab) (random guessing)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     recs = list(records)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], marker=".", lw=1.2)
+    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], marker=".", lw=1.2, label="loss")
+    if vocab_size:
+        ax.axhline(math.log(vocab_size), ls="--", lw=0.8, color="gray", label=f"ln(vocab = {vocab_size:,})")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (cross-entropy, nats)")
     ax.set_title(title)

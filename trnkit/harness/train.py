@@ -203,6 +203,9 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         if latest is not None:
             start_step = ckpt.load(latest[1])
             log(f"resumed from {latest[1]} (step {start_step})")
+            if start_step >= t.steps:
+                log(f"the checkpoint is already at training.steps = {t.steps}: nothing to train (raise "
+                    f"--training.steps, or delete {ckpt_dir} / pass --checkpoint.resume false to start over)")
 
     peak = peak_flops(env.device.type, parallel.device_name(env.device))
     metrics = MetricsLogger(dump, cfg.metrics, t.steps, start_step, env.rank, fpt, peak, env.device,
@@ -272,7 +275,8 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             log(f"exported HF safetensors to {out}")
         result.hf_export = out
     if env.rank == 0 and cfg.metrics.plot and metrics.history:
-        png = plot_loss(metrics.history, os.path.join(dump, "loss.png"), title=f"{cfg.job.name}: {handle.name}")
+        png = plot_loss(metrics.history, os.path.join(dump, "loss.png"), title=f"{cfg.job.name}: {handle.name}",
+                        vocab_size=handle.vocab_size)
         log(f"loss curve: {png}")
     result.model = model
     return result
