@@ -240,3 +240,29 @@ def test_loop_aliases_and_tile_size():
     ts = nl.tile_size
     assert (ts.pmax, ts.psum_fmax, ts.gemm_stationary_fmax, ts.gemm_moving_fmax) == (128, 512, 128, 512)
     assert nl.ds(4, 8) == slice(4, 12)
+
+
+def test_lnc2_core_barrier_and_sendrecv():
+    a = RNG.standard_normal((256, 16)).astype(np.float32)
+
+    @nki.jit
+    def exchange(x):
+        """Each core loads its half, swaps it with the other core, writes the swapped halves."""
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        pid = nl.program_id(0)
+        mine = nl.ndarray((128, 16), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=mine, src=x[pid * 128:(pid + 1) * 128, :])
+        theirs = nl.ndarray((128, 16), nl.float32, buffer=nl.sbuf)
+        other = 1 - pid
+        nisa.sendrecv(src=mine, dst=theirs, send_to_rank=other, recv_from_rank=other, pipe_id=0)
+        nisa.dma_copy(dst=out[pid * 128:(pid + 1) * 128, :], src=theirs)
+        nisa.core_barrier(out, (0, 1))
+        # after the barrier both halves are written: read back the other core's half
+        check = nl.ndarray((128, 16), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=check, src=out[other * 128:(other + 1) * 128, :])
+        return out
+
+    out = exchange[2](a)
+    np.testing.assert_array_equal(out, np.concatenate([a[128:], a[:128]]))
+    with pytest.raises(NkiValidationError, match="needs an LNC=2 launch"):
+        exchange(a)

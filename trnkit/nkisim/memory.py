@@ -113,6 +113,7 @@ class LaunchContext:
     shared: list[Any] = field(default_factory=list)  # k-th shared_hbm allocation of the launch
     lock: threading.Lock = field(default_factory=threading.Lock)
     barrier: threading.Barrier | None = None  # for core_barrier / sendrecv style ops
+    mailbox: dict = field(default_factory=dict)  # sendrecv: (pipe_id, from, to) -> data
 
     @property
     def num_instances(self) -> int:

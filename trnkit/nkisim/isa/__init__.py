@@ -21,6 +21,7 @@ from .dma import *  # noqa: F403
 from .gpsimd import *  # noqa: F403
 from .registers import *  # noqa: F403
 from .scalar import *  # noqa: F403
+from .sync import *  # noqa: F403
 from .tensor_engine import *  # noqa: F403
 from .vector import *  # noqa: F403
 
