@@ -255,10 +255,19 @@ def _is_native(module: nn.Module, name: str) -> bool:
     return cls.__name__ == name and cls.__module__.startswith("trnkit.qwen3")
 
 
-def _is_hf(module: nn.Module, suffix: str) -> bool:
+# transformers classes whose math the adapters were checked against (5.24). Other models' look-alike
+# classes (Qwen3-Next partial rotary, VL mrope, ...) are left alone rather than guessed at.
+_HF_CLASSES = {
+    "Attention": {("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),
+                  ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention")},
+    "TopKRouter": {("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter")},
+    "Experts": {("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts")},
+}
+
+
+def _is_hf(module: nn.Module, kind: str) -> bool:
     cls = type(module)
-    return (cls.__module__.startswith("transformers.models.") and cls.__name__.startswith("Qwen3")
-            and cls.__name__.endswith(suffix))
+    return (cls.__module__, cls.__name__) in _HF_CLASSES[kind]
 
 
 def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
@@ -350,10 +359,8 @@ def _calls_global(fn: Callable[..., Any], name: str) -> bool:
 
 
 def _is_hf_rope_attention(module: nn.Module) -> bool:
-    cls = type(module)
-    return (cls.__module__.startswith("transformers.models.") and cls.__name__.startswith("Qwen3")
-            and cls.__name__.endswith("Attention") and "forward" not in module.__dict__
-            and _calls_global(cls.forward, _ROPE_GLOBAL))
+    return (_is_hf(module, "Attention") and "forward" not in module.__dict__
+            and _calls_global(type(module).forward, _ROPE_GLOBAL))
 
 
 def _hf_rope_fn(original: Callable[..., Any], guard: _Guard) -> Callable[..., Any]:
