@@ -17,7 +17,7 @@ import numpy as np
 from .. import dtypes as _dt
 from .. import memory as _mem
 from .. import trace
-from ..errors import NkiValidationError, fail, require
+from ..errors import NkiValidationError, fail
 from ..tensor import NkiTensor, psum, sbuf
 
 __all__ = [
