@@ -122,3 +122,13 @@ def test_top_k_9_under_each_policy():
 
     report = apply_overrides(copy.deepcopy(original), OverrideConfig(impl="nki", policy="off"))
     assert {r.status for r in report.rows} == {"off"}
+
+
+def test_per_sequence_positions_use_batched_cos_sin():
+    """position_ids differing per sequence give cos/sin [B, S, D]; the kernel reads them per batch."""
+    model = hf_moe_model()
+    original = copy.deepcopy(model)
+    apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl="nki", seq_len=8))
+    positions = torch.stack([torch.arange(8), torch.arange(8) + 5])
+    got = model(input_ids=IDS, position_ids=positions).logits
+    assert_close(got.detach(), original(input_ids=IDS, position_ids=positions).logits.detach())
