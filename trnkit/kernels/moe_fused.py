@@ -133,6 +133,7 @@ def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw, dgu, g
     E = block_start.shape[1] - 1
     dt = gu.dtype
     f32 = nl.float32
+    gp = nisa.engine.gpsimd
     bs = load_block_start(block_start)
     _, used = block_range(block_start, E - 1, bs)  # block_start[0, E]: blocks in use
 
@@ -145,31 +146,33 @@ def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw, dgu, g
             w_col = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
             load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
             a, u = gu_t[:, :inter], gu_t[:, inter:]
+            # ~12 elementwise passes over [rows, I], spread over the Vector (V), GpSimd (G) and
+            # Scalar (S) engines so that none of them is the bottleneck
             s = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.activation(dst=s, op=nl.sigmoid, data=a)
+            nisa.activation(dst=s, op=nl.sigmoid, data=a)  # S
             sa = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=sa, data1=a, data2=s, op=nl.multiply)  # silu(a)
+            nisa.tensor_tensor(dst=sa, data1=a, data2=s, op=nl.multiply)  # V: silu(a)
             h = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=h, data1=sa, data2=u, op=nl.multiply)
+            nisa.tensor_tensor(dst=h, data1=sa, data2=u, op=nl.multiply)  # V
             prod = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=prod, data1=ghp_t, data2=h, op=nl.multiply)
+            nisa.tensor_tensor(dst=prod, data1=ghp_t, data2=h, op=nl.multiply, engine=gp)
             gw_col = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_reduce(dst=gw_col, op=nl.add, data=prod, axis=1)
+            nisa.tensor_reduce(dst=gw_col, op=nl.add, data=prod, axis=1)  # V
             store_rows(gw, gw_col, slot_table, i, sub)
             hw_t = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=hw_t, data=h, op0=nl.multiply, operand0=w_col)
+            nisa.activation(dst=hw_t, op=nl.copy, data=h, scale=w_col)  # S: w * h
             store_rows(hw, hw_t, slot_table, i, sub)
             gh = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=gh, data=ghp_t, op0=nl.multiply, operand0=w_col)
+            nisa.activation(dst=gh, op=nl.copy, data=ghp_t, scale=w_col)  # S: w * ghp
             dgu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=dgu_t[:, inter:], data1=gh, data2=sa, op=nl.multiply)  # d up
+            nisa.tensor_tensor(dst=dgu_t[:, inter:], data1=gh, data2=sa, op=nl.multiply, engine=gp)  # d up
             dsilu = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # s * (1 + a * (1 - s))
             nisa.tensor_scalar(dst=dsilu, data=s, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
-            nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=sa, op=nl.multiply)
-            nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=s, op=nl.add)
+            nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=sa, op=nl.multiply, engine=gp)
+            nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=s, op=nl.add)  # V
             ghu = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=ghu, data1=gh, data2=u, op=nl.multiply)
-            nisa.tensor_tensor(dst=dgu_t[:, :inter], data1=ghu, data2=dsilu, op=nl.multiply)  # d gate
+            nisa.tensor_tensor(dst=ghu, data1=gh, data2=u, op=nl.multiply, engine=gp)
+            nisa.tensor_tensor(dst=dgu_t[:, :inter], data1=ghu, data2=dsilu, op=nl.multiply)  # V: d gate
             store_rows(dgu, dgu_t, slot_table, i, sub)
 
     nl.fori_loop(0, used, block)

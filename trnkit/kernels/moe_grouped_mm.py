@@ -44,22 +44,23 @@ def load_ids(table: Any, i: Any, sub: int, rows: int) -> Any:
     return ids
 
 
-def load_rows(dst: Any, src: Any, table: Any, i: Any, sub: int, zero_pad: bool) -> None:
-    """Rows of block ``i`` / sub-tile ``sub`` of ``src`` into SBUF ``dst [rows, W]``.
+def load_rows(dst: Any, src: Any, table: Any, i: Any, sub: int, zero_pad: bool, col0: int = 0) -> None:
+    """Rows of block ``i`` / sub-tile ``sub`` of ``src``, columns ``col0 ..``, into SBUF ``dst [rows, W]``.
 
     2-D ``src``: gather by the ids in ``table`` (padding ids skipped; ``zero_pad`` clears the tile
     first so padding rows are exact zeros, needed wherever rows are summed over). 3-D ``src``:
     dispatch-order slab ``i``.
     """
     rows, width = dst.shape
+    full = src.shape[-1]
     if len(src.shape) == 3:
-        nisa.dma_copy(dst=dst, src=src.ap(pattern=[[width, rows], [1, width]], offset=sub * P * width,
+        nisa.dma_copy(dst=dst, src=src.ap(pattern=[[full, rows], [1, width]], offset=sub * P * full + col0,
                                           scalar_offset=i, indirect_dim=0))
         return
     ids = load_ids(table, i, sub, rows)
     if zero_pad:
         nisa.memset(dst=dst, value=0.0, engine=nisa.engine.gpsimd)
-    nisa.dma_copy(dst=dst, src=src.ap(pattern=[[src.shape[1], rows], [1, width]], offset=0,
+    nisa.dma_copy(dst=dst, src=src.ap(pattern=[[full, rows], [1, width]], offset=col0,
                                       vector_offset=ids, indirect_dim=0), oob_mode=nisa.oob_mode.skip)
 
 
@@ -217,53 +218,57 @@ def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out, transpose_w)
     return out
 
 
+WGRAD_TILES = 6  # PSUM accumulation groups per pass of the weight-gradient kernel (6 of 8 banks)
+
+
 @nki.jit
 def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
-    """``grad_w[g] = sum over the blocks of g of a[rows].T @ b[rows]`` (fp32 accumulation in SBUF).
+    """``grad_w[g] = sum over the blocks of g of a[rows].T @ b[rows]``, accumulated in PSUM.
 
     a: ``[Ra, Ka]`` / ``[NB, B, Ka]``, b: ``[Rb, Nb]`` / ``[NB, B, Nb]`` (see module doc), grad_w
     ``[G, Ka, Nb]`` preallocated. The block's rows are the contraction (partition) dim, so no
-    transposes are needed; padding rows are zeros. Empty groups get zero gradients.
+    transposes are needed; padding rows are zeros. Each pass keeps up to WGRAD_TILES output tiles
+    ``[128, 512]`` of grad_w[g] in PSUM for the whole run-time loop over g's blocks (loading only the
+    columns of a and b that pass needs), so the sum over blocks costs no Vector work. A zero matmul
+    opens every accumulation group, which also gives empty groups their zero gradient.
     """
     G, Ka, Nb = grad_w.shape
     B = a_table.shape[1]
     rows = min(B, P)
     n_sub = B // rows
-    AC = (Ka + P - 1) // P
+    z_st = nl.ndarray((1, P), dtype=a.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=z_st, value=0.0)
+    z_mv = nl.ndarray((1, NMAX), dtype=b.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=z_mv, value=0.0)
+    a_chunks = chunks(Ka, P)
     bs = load_block_start(block_start)
     for g in range(G):
-        # one fp32 accumulator tile per (row chunk, 512-column piece): independent updates
-        acc = [tiles(len(chunks(Nb, NMAX)), (P, NMAX), nl.float32) for _ in range(AC)]
-        for row in acc:
-            for t in row:
-                nisa.memset(dst=t, value=0.0)
         lo, hi = block_range(block_start, g, bs)
+        for j0, nj in chunks(len(a_chunks), WGRAD_TILES):
+            group = a_chunks[j0:j0 + nj]
+            k_lo = group[0][0]
+            k_w = group[-1][0] + group[-1][1] - k_lo
+            for n0, nw in chunks(Nb, NMAX):
+                ps = [nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum) for _, kw in group]
+                for t, (_, kw) in zip(ps, group):
+                    nisa.nc_matmul(dst=t, stationary=z_st[0:1, :kw], moving=z_mv[0:1, :nw])
 
-        def block(i, acc=acc):
-            a_sb, b_sb = [], []
-            for sub in range(n_sub):
-                a_t = nl.ndarray((rows, Ka), dtype=a.dtype, buffer=nl.sbuf)
-                load_rows(a_t, a, a_table, i, sub, zero_pad=True)
-                b_t = nl.ndarray((rows, Nb), dtype=b.dtype, buffer=nl.sbuf)
-                load_rows(b_t, b, b_table, i, sub, zero_pad=True)
-                a_sb.append(a_t)
-                b_sb.append(b_t)
-            for c, (k0, kw) in enumerate(chunks(Ka, P)):
-                for q, (n0, nw) in enumerate(chunks(Nb, NMAX)):
-                    ps = nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum)
-                    for sub in range(n_sub):  # the sub-tiles of a block accumulate in PSUM
-                        nisa.nc_matmul(dst=ps, stationary=a_sb[sub][:rows, k0:k0 + kw],
-                                       moving=b_sb[sub][:rows, n0:n0 + nw])
-                    t = acc[c][q][:kw, :nw]
-                    nisa.tensor_tensor(dst=t, data1=t, data2=ps, op=nl.add)
+                def block(i, ps=ps, group=group, k_lo=k_lo, k_w=k_w, n0=n0, nw=nw):
+                    for sub in range(n_sub):
+                        a_t = nl.ndarray((rows, k_w), dtype=a.dtype, buffer=nl.sbuf)
+                        load_rows(a_t, a, a_table, i, sub, zero_pad=True, col0=k_lo)
+                        b_t = nl.ndarray((rows, nw), dtype=b.dtype, buffer=nl.sbuf)
+                        load_rows(b_t, b, b_table, i, sub, zero_pad=True, col0=n0)
+                        for t, (k0, kw) in zip(ps, group):
+                            nisa.nc_matmul(dst=t, stationary=a_t[:rows, k0 - k_lo:k0 - k_lo + kw],
+                                           moving=b_t[:rows, :])
 
-        nl.fori_loop(lo, hi, block)
-        for c, (k0, kw) in enumerate(chunks(Ka, P)):
-            res = nl.ndarray((P, Nb), dtype=grad_w.dtype, buffer=nl.sbuf)
-            for q, (n0, nw) in enumerate(chunks(Nb, NMAX)):
-                evacuate(res[:kw, n0:n0 + nw], acc[c][q][:kw, :nw], q)
-            nisa.dma_copy(dst=grad_w.ap(pattern=[[Nb, kw], [1, Nb]], offset=(g * Ka + k0) * Nb),
-                          src=res[:kw, :])
+                nl.fori_loop(lo, hi, block)
+                for q, (t, (k0, kw)) in enumerate(zip(ps, group)):
+                    res = nl.ndarray((kw, nw), dtype=grad_w.dtype, buffer=nl.sbuf)
+                    evacuate(res, t, q)
+                    nisa.dma_copy(dst=grad_w.ap(pattern=[[Nb, kw], [1, nw]], offset=(g * Ka + k0) * Nb + n0),
+                                  src=res)
     return grad_w
 
 
