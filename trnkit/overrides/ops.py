@@ -23,6 +23,7 @@ returns e.g. int64 indices still matches the fake (meta) implementation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ def _check_layout(layout: str) -> None:
         raise ValueError(f"trnkit::rope_hf: layout must be one of {_LAYOUTS}, got {layout!r}")
 
 
-def _backward_fn(op: str, impl: str):
+def _backward_fn(op: str, impl: str) -> Callable[..., Any]:
     entry = get_impl(op, impl)
     if entry.backward is None:
         raise RuntimeError(f"trnkit::{op}: impl {impl!r} has no backward (has_backward=False)")
