@@ -19,13 +19,14 @@ def _run(*args: str, env: dict | None = None, timeout: int = 120) -> subprocess.
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_env_table_lists_every_package_and_the_backend():
+def test_env_table_lists_every_package_and_the_backend(capsys):
     import numpy
     import torch
 
-    r = _run("env")
-    assert r.returncode == 0, r.stderr
-    out = r.stdout
+    from trnkit.__main__ import main
+
+    assert main(["env"]) == 0  # in-process: the subprocess path is covered by the tests below
+    out = capsys.readouterr().out
     for name in ("trnkit", "torch", "nki", "neuronx-cc", "torch-neuronx", "transformers", "numpy", "ml_dtypes",
                  "safetensors"):
         assert name in out
@@ -63,12 +64,16 @@ def test_demo_runs_matmul_checks_it_and_prints_the_estimate():
 
 
 def test_demo_rejects_shapes_that_do_not_tile():
-    r = _run("demo", "--m", "100", "--n", "512", "--k", "128")
-    assert r.returncode != 0
-    assert "matmul_tiled" in r.stderr and "M=100" in r.stderr
+    from trnkit.__main__ import main
+
+    with pytest.raises(AssertionError, match="matmul_tiled: shapes must be multiples.*M=100 % 128"):
+        main(["demo", "--m", "100", "--n", "512", "--k", "128"])
 
 
 @pytest.mark.parametrize("argv", [[], ["bogus"]])
-def test_cli_usage_errors(argv):
-    r = _run(*argv)
-    assert r.returncode == 2 and "usage" in r.stderr
+def test_cli_usage_errors(argv, capsys):
+    from trnkit.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "usage" in capsys.readouterr().err
