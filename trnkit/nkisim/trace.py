@@ -106,7 +106,7 @@ def active() -> Trace | None:
 def trace_only() -> bool:
     """True when the active trace asked to skip large-matmul arithmetic."""
     tr = active()
-    return bool(tr and tr.trace_only)
+    return tr is not None and tr.trace_only  # an empty Trace is falsy (__len__)
 
 
 def emit(instr: Instr) -> None:
