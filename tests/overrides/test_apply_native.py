@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import copy
+import importlib
+import os
+import socket
+import subprocess
+import sys
 import warnings
 from unittest import mock
 
@@ -206,3 +210,40 @@ def test_without_the_dry_run_the_call_time_guard_still_catches_it():
     assert {r.status for r in report.rows} == {"swapped"}  # nothing seen yet: only static checks ran
     with pytest.raises(OverrideConstraintError, match="'D <= 128' violated"):
         model(TOKENS)
+
+
+_DTENSOR_SCRIPT = """
+import os, warnings, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from tests.overrides.conftest import native_model
+from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides
+m = native_model()
+e = m.layers[0].moe.experts
+e.w_gate_up = torch.nn.Parameter(distribute_tensor(e.w_gate_up.data, init_device_mesh("cpu", (1,)), [Shard(2)]))
+try:
+    apply_overrides(m, OverrideConfig(ops=["moe_experts"], seq_len=8))
+except OverrideConstraintError as err:
+    print("STRICT", err)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    r = apply_overrides(m, OverrideConfig(ops=["moe_experts"], policy="fallback", dry_run=False))
+print("FALLBACK", r.rows[0].status, r.rows[0].reason)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter with torch.distributed: ~5-12 s
+def test_sharded_dtensor_weights_are_a_constraint_not_a_crash():
+    with socket.socket() as s:  # a free port for the single-process gloo group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PORT": str(port), "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", _DTENSOR_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "STRICT" in out.stdout and "'plain (non-DTensor) inputs' violated (got ['w_gate_up'])" in out.stdout
+    assert "FALLBACK fallback moe_experts[adapter]" in out.stdout

@@ -126,7 +126,7 @@ class _Guard:
                          needs_backward=_PROBE.needs_backward, **inputs)
             _PROBE.seen.setdefault(self.path, []).extend([*extra, *sel.reasons])
             return REFERENCE  # under FakeTensorMode the op's fake impl runs: shapes only
-        reasons = [*self.static, *extra]
+        reasons = [*self.static, *extra, *_dtensor_violations(self.op, inputs)]
         if not reasons:
             needs_backward = torch.is_grad_enabled() and any(
                 isinstance(t, Tensor) and t.requires_grad for t in inputs.values())
@@ -147,6 +147,18 @@ class _Guard:
                   message=f"trnkit override {self.op}[{self.impl}] falls back to the original module code "
                           f"(first seen at {self.path}): {reason}")
         return reason
+
+
+def _dtensor_violations(op: str, inputs: Mapping[str, Any]) -> list[Violation]:
+    """Sharded (DTensor) inputs, e.g. tensor-parallel expert weights: the kernels see whole tensors."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+    sharded = [name for name, t in inputs.items() if isinstance(t, DTensor)]
+    return [Violation(f"{op}[adapter]", "plain (non-DTensor) inputs", sharded,
+                      "the kernels compute on whole local tensors; sharded inputs would need collectives")
+            ] if sharded else []
 
 
 # --------------------------------------------------------------------------------- module adapters
@@ -439,7 +451,8 @@ def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple
 
 def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _ModuleAdapter | None,
              config: OverrideConfig, impl: str, probe_only: bool = False) -> _SwapPoint:
-    static = adapter.static(module) if adapter is not None else []
+    static = [*(adapter.static(module) if adapter is not None else []),
+              *_dtensor_violations(op, dict(module.named_parameters(recurse=adapter is not None)))]
     guard = _Guard(op, impl, config.policy, path, static, probe_only)
     if adapter is not None:
         return _swap_module(model, path, module, adapter, guard, config.block_size)
@@ -515,17 +528,15 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kw
     model.__dict__[_STATE_ATTR] = points
 
     try:
+        if config.policy == "strict":  # configuration problems first, before any dry run
+            _raise_if_any([(pt, pt.guard.static) for pt in points])
         params = list(model.parameters())
         device = params[0].device.type if params else None
         needs_backward = any(p.requires_grad for p in params)
         seen = _dry_run(model, config, device, needs_backward) if config.dry_run and points else {}
         problems = [(pt, [*pt.guard.static, *_unique(seen.get(pt.path, []))]) for pt in points]
         if config.policy == "strict":
-            bad = [(pt, rs) for pt, rs in problems if rs]
-            if bad:
-                pt, _ = bad[0]
-                raise OverrideConstraintError(pt.op, pt.guard.impl, [v for _, rs in bad for v in rs],
-                                              ", ".join(p.path for p, _ in bad))
+            _raise_if_any(problems)
     except BaseException:
         revert(model)
         raise
@@ -537,6 +548,14 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kw
         else:
             report.rows.append(OverrideRow(pt.path, pt.op, pt.guard.impl, pt.guard.impl, "swapped"))
     return report
+
+
+def _raise_if_any(problems: list[tuple[_SwapPoint, list[Violation]]]) -> None:
+    bad = [(pt, rs) for pt, rs in problems if rs]
+    if bad:
+        pt, _ = bad[0]
+        raise OverrideConstraintError(pt.op, pt.guard.impl, [v for _, rs in bad for v in rs],
+                                      ", ".join(p.path for p, _ in bad))
 
 
 def _unique(vs: list[Violation]) -> list[Violation]:
