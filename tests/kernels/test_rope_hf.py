@@ -226,3 +226,12 @@ def test_output_constraints_and_bshd_name() -> None:
                      cos=torch.zeros(8, 15), sin=torch.zeros(8, 15))
     assert constraints(q, k, layout="nope")[0].constraint.startswith("layout in")
     assert constraints(q, k, cos=a["cos"], sin=a["sin"]) == []
+
+
+def test_row_chunks_cover_every_row_once() -> None:
+    from trnkit.kernels._common import row_chunks
+
+    assert row_chunks(2309, 16) == ((0, 128, 16), (2048, 128, 2), (2304, 5, 1))
+    for n, nt in ((1, 16), (128, 1), (129, 4), (4096, 16), (5000, 3)):
+        rows = [r0 + p * NT + t for r0, P, NT in row_chunks(n, nt) for p in range(P) for t in range(NT)]
+        assert sorted(rows) == list(range(n))

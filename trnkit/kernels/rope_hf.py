@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from trnkit.kernels._common import P_MAX, dense as _dense, dtype_name as _dtype_name, row_chunks as _row_chunks
 from trnkit.kernels.constraints import Violation, check
 from trnkit.nki_api import nisa, nki, nl
 
 __all__ = ["rope_hf", "rope_hf_bshd", "rope_hf_ref", "rope_hf_bshd_ref", "constraints",
            "rope_hf_kernel"]
 
-P_MAX = 128  # partitions
 # Elements per partition per head moved by one DMA: 4 KiB of bf16 / 8 KiB of fp32, past the DMA
 # efficiency knee (>= 2-4 KiB per partition), small enough to keep several heads in flight in SBUF.
 FREE_TARGET = 2048
@@ -45,14 +45,6 @@ _DTYPES = ("float32", "bfloat16")
 
 # ---------------------------------------------------------------------------------------------------
 # constraints
-
-
-def _dtype_name(t: Any) -> str:
-    """'float32', 'bfloat16', ... for torch tensors, numpy arrays and NKI tensors alike."""
-    dt = t.dtype
-    if isinstance(dt, torch.dtype):
-        return str(dt).removeprefix("torch.")
-    return np.dtype(dt).name
 
 
 def _shape(t: Any) -> tuple[int, ...]:
@@ -195,21 +187,6 @@ def rope_hf_bshd_ref(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_ou
 
 # ---------------------------------------------------------------------------------------------------
 # NKI kernel
-
-
-def _row_chunks(S: int, nt_max: int) -> tuple:
-    """Row chunks ``(s0, P, NT)``: P partitions x NT consecutive rows each; a short tail uses P < 128."""
-    chunk = P_MAX * nt_max
-    n_full = S // chunk
-    chunks = tuple((i * chunk, P_MAX, nt_max) for i in range(n_full))
-    s0 = n_full * chunk
-    nt_rest = (S - s0) // P_MAX
-    if nt_rest:
-        chunks = chunks + ((s0, P_MAX, nt_rest),)
-        s0 = s0 + P_MAX * nt_rest
-    if s0 < S:
-        chunks = chunks + ((s0, S - s0, 1),)
-    return chunks
 
 
 def _load_tables(cos, sin, packed, b, s0, P, NT, D, backward):
@@ -377,14 +354,6 @@ def rope_hf_kernel(q, k, q_out, k_out, cos, sin, packed=False, backward=False, b
             else:
                 _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load)
     return q_out, k_out
-
-
-def _dense(t: Any) -> Any:
-    if isinstance(t, torch.Tensor):
-        return t.contiguous()
-    if isinstance(t, np.ndarray):
-        return np.ascontiguousarray(t)
-    return t
 
 
 def _launch(layout: str, q: Any, k: Any, q_out: Any, k_out: Any, cos: Any, sin: Any, rope_cache: Any,

@@ -38,13 +38,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from trnkit.kernels._common import P_MAX, cdiv as _cdiv, dense as _dense, dtype_name as _dtype_name
+from trnkit.kernels._common import row_chunks as _token_chunks
 from trnkit.kernels.constraints import Violation, check
 from trnkit.nki_api import nisa, nki, nl
 
 __all__ = ["router_topk", "router_topk_bwd", "router_topk_ref", "router_topk_bwd_ref", "constraints",
            "router_topk_kernel", "router_topk_bwd_kernel"]
 
-P_MAX = 128
 PSUM_FMAX = 512  # fp32 elements per partition in one PSUM bank (= max moving free size)
 K_MAX = 8  # one max8 instruction
 E_MAX = 512
@@ -56,17 +57,6 @@ _W_SBUF_BUDGET = 96 * 1024
 
 # ---------------------------------------------------------------------------------------------------
 # constraints
-
-
-def _dtype_name(t: Any) -> str:
-    dt = t.dtype
-    if isinstance(dt, torch.dtype):
-        return str(dt).removeprefix("torch.")
-    return np.dtype(dt).name
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def constraints(x: Any, w_router: Any, top_k: int) -> list[Violation]:
@@ -193,19 +183,6 @@ def _load_w_transposed(w, load):
         nisa.dma_copy(dst=w_sb, src=w[e0:e0 + ec, :])
         _transpose_blocks([(wT[:, :, e0:e0 + ec], w_sb)], ec, H, w.dtype, load)
     return wT
-
-
-def _token_chunks(T, nt_max):
-    """``(t0, P, NT)``: P partitions x NT consecutive tokens each (token ``t0 + p*NT + j``)."""
-    chunk = P_MAX * nt_max
-    out = tuple((i * chunk, P_MAX, nt_max) for i in range(T // chunk))
-    t0 = (T // chunk) * chunk
-    if (T - t0) // P_MAX:
-        out = out + ((t0, P_MAX, (T - t0) // P_MAX),)
-        t0 = t0 + P_MAX * ((T - t0) // P_MAX)
-    if t0 < T:
-        out = out + ((t0, T - t0, 1),)
-    return out
 
 
 # Token sub-tiles per chunk: each partition holds NT consecutive tokens, so the logits store is one
@@ -521,14 +498,6 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
 
 # ---------------------------------------------------------------------------------------------------
 # public entry points
-
-
-def _dense(t: Any) -> Any:
-    if isinstance(t, torch.Tensor):
-        return t.contiguous()
-    if isinstance(t, np.ndarray):
-        return np.ascontiguousarray(t)
-    return t
 
 
 def router_topk(x: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True) -> tuple[Any, Any, Any]:

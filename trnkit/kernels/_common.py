@@ -1,0 +1,50 @@
+"""Small helpers shared by the rope_hf and router_topk kernel modules (host-side checks and the row
+tiling both kernels use)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+P_MAX = 128  # SBUF / PSUM partitions
+
+
+def dtype_name(t: Any) -> str:
+    """'float32', 'bfloat16', ... for torch tensors, numpy arrays and NKI tensors alike."""
+    dt = t.dtype
+    if isinstance(dt, torch.dtype):
+        return str(dt).removeprefix("torch.")
+    return np.dtype(dt).name
+
+
+def dense(t: Any) -> Any:
+    """``t`` as a contiguous tensor (a copy only when it is strided); None and device tensors pass."""
+    if isinstance(t, torch.Tensor):
+        return t.contiguous()
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t)
+    return t
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_chunks(n_rows: int, nt_max: int) -> tuple:
+    """Split ``n_rows`` rows into chunks ``(r0, P, NT)``: P partitions x NT *consecutive* rows each
+    (row ``r0 + p*NT + t``), so a partition's rows are one contiguous run in a row-major HBM tensor.
+    Full chunks have P=128, NT=nt_max; then one P=128 chunk with fewer rows per partition; a short tail
+    uses P < 128 partitions with NT=1 (any row count works)."""
+    chunk = P_MAX * nt_max
+    n_full = n_rows // chunk
+    chunks = tuple((i * chunk, P_MAX, nt_max) for i in range(n_full))
+    r0 = n_full * chunk
+    nt_rest = (n_rows - r0) // P_MAX
+    if nt_rest:
+        chunks = chunks + ((r0, P_MAX, nt_rest),)
+        r0 = r0 + P_MAX * nt_rest
+    if r0 < n_rows:
+        chunks = chunks + ((r0, n_rows - r0, 1),)
+    return chunks
