@@ -160,8 +160,19 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     otherwise a padded batched matmul (each group's rows scattered into a [G, max_rows, K] buffer),
     which is also a single batched op, never a loop over groups.
     """
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return _grouped_mm_eager(x, w, offs)  # the traced (fake/meta) _grouped_mm accepts only bf16
     if _aligned_for_grouped_mm(x, w) and x.dtype == w.dtype:
         return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
+    return _padded_bmm(x, w, offs)
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return grouped_mm(x, w, offs)
+
+
+def _padded_bmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     G, M = w.shape[0], x.shape[0]
     counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
     starts = offs.long() - counts
