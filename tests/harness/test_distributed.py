@@ -76,3 +76,20 @@ def test_hf_backend_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str,
                training={"local_batch_size": local})
     for s in one:
         assert two[s] == pytest.approx(one[s], rel=1e-5, abs=1e-5), (s, one, two)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("par, local, ops, swapped", [
+    ({"tensor_parallel_degree": 2}, 2, ["rope_hf", "router_topk", "moe_experts"], 4),
+    # FSDP2: rope_hf only -- the registry's static checks reject router/experts whose parameters are
+    # FSDP-sharded DTensors at rest (at call time FSDP hands the modules plain unsharded tensors)
+    ({"data_parallel_shard_degree": 2}, 1, ["rope_hf"], 2),
+], ids=["tp", "fsdp"])
+def test_nki_kernels_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                             single: dict[int, float], par: dict, local: int,
+                                             ops: list[str], swapped: int) -> None:
+    two = _run(tmp_path, "two", tiny_tokenizer, corpus_dir, 2, expect_log=f"(policy strict): {swapped} swapped",
+               parallelism=par, training={"local_batch_size": local},
+               overrides={"ops": ops, "policy": "strict"})
+    for s in two:
+        assert two[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, single, two)

@@ -26,6 +26,7 @@ from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig,
 from trnkit.harness.data import IGNORE_INDEX, build_loader
 from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
 from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
+from trnkit.kernels.constraints import KernelConstraintError
 
 
 class TrainingDiverged(RuntimeError):
@@ -72,10 +73,15 @@ class _Log:
             print(f"[trnkit] {msg}", flush=True)
 
 
-def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log) -> str:
+def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp: bool) -> str:
     o = cfg.overrides
     if o.policy == "off":
         return ""
+    if fsdp:
+        # The registry's validation dry run (a forward on fake tensors) would trigger FSDP2's
+        # unshard hooks and leave fake unsharded root parameters behind. Under FSDP the static checks
+        # run now and the call-time checks at the first forward (strict raises before any update).
+        log("overrides: validation dry run skipped under FSDP; constraints are checked at the first call")
     try:
         from trnkit.overrides import OverrideConfig, apply_overrides
     except ImportError as e:
@@ -83,7 +89,8 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log) -> s
     # the dry-run validation sees this run's real shapes: [local_batch_size, seq_len] tokens
     report = apply_overrides(model, OverrideConfig(ops=list(o.ops), policy=o.policy, impl=o.impl,
                                                    seq_len=cfg.training.seq_len,
-                                                   batch_size=cfg.training.local_batch_size))
+                                                   batch_size=cfg.training.local_batch_size,
+                                                   dry_run=not fsdp))
     table = report.table()
     log("kernel overrides:\n" + table)
     return table
@@ -113,7 +120,7 @@ def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv,
         log(f"loading HF weights from {load_path}")
         sd = handle.load_hf_state_dict(load_path)
         _load_full(model, handle, sd)
-        return model, _apply_overrides(model, cfg, log), True
+        return model, _apply_overrides(model, cfg, log, fsdp=env.dp > 1), True
     if env.world_size == 1:
         with torch.no_grad():
             torch.manual_seed(cfg.job.seed)
@@ -128,7 +135,7 @@ def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv,
             handle.init_weights(full)
         _load_full(model, handle, full.state_dict())
         del full
-    return model, _apply_overrides(model, cfg, log), False
+    return model, _apply_overrides(model, cfg, log, fsdp=env.dp > 1), False
 
 
 def _load_full(model: torch.nn.Module, handle: ModelHandle, sd: dict[str, torch.Tensor]) -> None:
@@ -287,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         run(cfg)
     except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KernelConstraintError as e:  # a kernel override (strict policy) cannot serve this model
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
