@@ -290,7 +290,8 @@ def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
 def constraints(x: torch.Tensor, *args, **kwargs) -> list[Violation]:
     """Dispatch on the arguments: ``(x, w, group_offsets[, grad_out])`` -> grouped_mm,
     ``(x, topk_idx, topk_weights, w_gate_up, w_down[, block_size][, grad_out])`` -> moe_experts."""
-    if len(args) + len(kwargs) <= 3 and (len(args) < 2 or args[1].dim() == 1):
+    w_or_idx = args[0] if args else kwargs.get("w", kwargs.get("topk_idx"))
+    if w_or_idx is not None and w_or_idx.dim() == 3:  # grouped_mm's w [G, K, N]
         return grouped_mm_constraints(x, *args, **kwargs)
     return moe_experts_constraints(x, *args, **kwargs)
 

@@ -127,7 +127,7 @@ def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw, dgu, g
     rounded to the input dtype; ``dgu = [gh * up * silu'(gate) | gh * silu(gate)]`` with
     ``gh = w * ghp``; ``gw [T*K, 1]`` fp32 ``= <ghp, h>`` (the gradient of the slot's affinity).
     """
-    NB, B, I2 = gu.shape
+    _, B, I2 = gu.shape
     inter = I2 // 2
     rows = min(B, P)
     E = block_start.shape[1] - 1

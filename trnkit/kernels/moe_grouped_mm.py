@@ -11,7 +11,7 @@ over groups (each group's weights are loaded once, with big coalesced DMAs) and 
 
 Kernels:
 * :func:`grouped_mm_kernel` ``out[rows] = x[rows] @ w[g]`` (or ``@ w[g].T``).
-* :func:`grouped_wgrad_kernel` ``grad_w[g] = sum over blocks of a[rows].T @ b[rows]`` (fp32 in SBUF).
+* :func:`grouped_wgrad_kernel` ``grad_w[g] = sum over blocks of a[rows].T @ b[rows]`` (fp32, in PSUM).
 * :func:`combine_kernel` ``out[t] = sum_k y[t*K + k]`` (selection-matrix matmul on the Tensor Engine).
 """
 
