@@ -122,6 +122,16 @@ def test_cli_quick_writes_csv_table_and_plots(tmp_path):
     assert "matmul_tiled_forward_M-N-K_dtype-float32_time.png" in names
     md = (tmp_path / "bench.md").read_text()
     assert md.count("| matmul_tiled | forward |") == 4  # 2 sizes x 2 dtypes
+    # --report-only rebuilds the table and plots from the CSV alone
+    from trnkit.bench.__main__ import main
+
+    (tmp_path / "bench.md").unlink()
+    for p in (tmp_path / "plots").glob("*.png"):
+        p.unlink()
+    assert main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "bench.md").read_text() == md
+    assert {p.name for p in (tmp_path / "plots").glob("*.png")} == names
+    assert len(read_rows(tmp_path / "bench.csv")) == len(rows)
 
 
 def test_cli_rejects_unknown_kernel(tmp_path):

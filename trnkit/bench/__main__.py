@@ -2,8 +2,9 @@
 
 Runs the sweeps of :mod:`trnkit.bench.cases`, appends rows to ``DIR/bench.csv`` (the one schema of
 :mod:`trnkit.bench.schema`), writes ``DIR/bench.md`` (markdown table) and PNG plots under
-``DIR/plots/``. Without kernel names it runs every kernel that is importable and skips (with the
-reason) those that are not.
+``DIR/plots/`` — table and plots over every kernel in the CSV, so kernels can be run one at a time.
+Without kernel names it runs every kernel that is importable and skips (with the reason) those that
+are not. ``--report-only`` rebuilds the table and plots without running anything.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("kernels", nargs="*", help=f"kernels to run (default: all available of {', '.join(cases_mod.KERNELS)})")
     p.add_argument("--quick", action="store_true", help="CI-size shapes")
     p.add_argument("--mode", nargs="+", choices=cases_mod.MODES, default=list(cases_mod.MODES))
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (CSV, markdown, plots)")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"output directory (CSV, markdown, plots); default {DEFAULT_OUT}, "
+                        f"{DEFAULT_OUT / 'quick'} with --quick")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing; rebuild the table and plots from the CSV in --out")
     p.add_argument("--dtype", nargs="+", choices=cases_mod.DTYPES, default=["bfloat16"],
                    help="input dtypes to sweep")
     p.add_argument("--chip", default="trn2", choices=("trn2", "trn1"))
@@ -50,10 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"skipping {k}: {why}")
             continue
         selected.append(k)
+    if args.report_only:
+        selected = []
     t0 = time.perf_counter()
-    out = args.out
+    out = args.out or (DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
     csv_path = out / "bench.csv"
-    if args.overwrite:  # a fresh CSV and no stale plots
+    if args.overwrite and not args.report_only:  # a fresh CSV and no stale plots
         csv_path.unlink(missing_ok=True)
         for old in (out / "plots").glob("*.png"):
             old.unlink()
@@ -66,19 +73,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                            torch_threads=args.torch_threads or None)
         write_rows(csv_path, k_rows)  # saved kernel by kernel
         rows += k_rows
-    # table and plots show the newest row per (kernel, impl, mode, metric, x) over the whole CSV
+    if not csv_path.exists():
+        print(f"no results in {csv_path}")
+        return 1
+    # the table and plots cover the whole CSV: the newest row per (kernel, impl, mode, metric, x, config)
     latest = {}
     for r in read_rows(csv_path):
         latest[(r.kernel, r.impl, r.mode, r.metric, r.x_name, r.x_value, r.config_key)] = r
-    shown = [r for r in latest.values() if r.kernel in selected] or rows
-    table = markdown_table(shown)
+    every = list(latest.values())
     (out / "bench.md").write_text(
         "Estimated = trnkit's trn2 cost model on the interpreter's instruction trace (not a measurement); "
-        "measured = wall time on the named device.\n\n" + table + "\n")
-    pngs = plot_rows(shown, out / "plots")
-    print(table)
-    print(f"{len(rows)} rows -> {csv_path}; table -> {out / 'bench.md'}; {len(pngs)} plots -> {out / 'plots'} "
-          f"({time.perf_counter() - t0:.1f} s)")
+        "measured = wall time on the named device.\n\n" + markdown_table(every) + "\n")
+    pngs = plot_rows(every, out / "plots")
+    print(markdown_table([r for r in every if r.kernel in selected] if rows else every))
+    print(f"{len(rows)} new rows -> {csv_path}; table of all {len({r.kernel for r in every})} kernels -> "
+          f"{out / 'bench.md'}; {len(pngs)} plots -> {out / 'plots'} ({time.perf_counter() - t0:.1f} s)")
     return 0
 
 
