@@ -122,6 +122,11 @@ class _Guard:
         if _PROBE is not None:
             if self.probe_only:
                 return REFERENCE
+            sharded = _dtensor_violations(self.op, inputs)
+            if sharded:  # the op cannot even be traced on a mix of DTensors and tensors
+                if self.policy == "strict":
+                    raise OverrideConstraintError(self.op, self.impl, sharded, self.path)
+                raise RuntimeError(f"{self.path}: {sharded[0]}")
             sel = select(self.op, self.impl, policy="fallback", device=_PROBE.device,
                          needs_backward=_PROBE.needs_backward, **inputs)
             _PROBE.seen.setdefault(self.path, []).extend([*extra, *sel.reasons])
@@ -451,8 +456,7 @@ def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple
 
 def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _ModuleAdapter | None,
              config: OverrideConfig, impl: str, probe_only: bool = False) -> _SwapPoint:
-    static = [*(adapter.static(module) if adapter is not None else []),
-              *_dtensor_violations(op, dict(module.named_parameters(recurse=adapter is not None)))]
+    static = adapter.static(module) if adapter is not None else []
     guard = _Guard(op, impl, config.policy, path, static, probe_only)
     if adapter is not None:
         return _swap_module(model, path, module, adapter, guard, config.block_size)
