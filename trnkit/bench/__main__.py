@@ -70,8 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         k_cases = [c for dt in args.dtype for c in cases_mod.cases_for(k, args.quick, modes, dt)]
         k_rows = run_cases(k_cases, chip=args.chip,
                            measure_torch=not args.no_torch, budget_s=args.budget,
-                           torch_threads=args.torch_threads or None)
-        write_rows(csv_path, k_rows)  # saved kernel by kernel
+                           torch_threads=args.torch_threads or None,
+                           sink=lambda case_rows: write_rows(csv_path, case_rows))  # saved case by case
         rows += k_rows
     if not csv_path.exists():
         print(f"no results in {csv_path}")

@@ -147,9 +147,11 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
 
 
 def run_cases(cases: Iterable[Case], chip: str = "trn2", measure_torch: bool = True, budget_s: float = 0.5,
-              torch_threads: int | None = None, log: Callable[[str], None] | None = print) -> list[Row]:
+              torch_threads: int | None = None, log: Callable[[str], None] | None = print,
+              sink: Callable[[list[Row]], object] | None = None) -> list[Row]:
     """Run every case in order. A case the kernel declares unsupported (its entry check raises
-    ``KernelConstraintError``) is logged and skipped; any other error propagates."""
+    ``KernelConstraintError``) is logged and skipped; any other error propagates. ``sink`` gets each
+    case's rows as soon as they exist (e.g. to append them to the CSV), so a failure loses nothing done."""
     from trnkit.kernels.constraints import KernelConstraintError  # noqa: PLC0415
 
     rows: list[Row] = []
@@ -163,6 +165,8 @@ def run_cases(cases: Iterable[Case], chip: str = "trn2", measure_torch: bool = T
                 log(f"  {case.label}: skipped, outside the kernel's constraints: {exc}")
             continue
         rows += case_rows
+        if sink is not None:
+            sink(case_rows)
         if log:
             est = next((r.p50 for r in case_rows if r.metric in ("est_time", "wall_time") and r.impl == "nki"), None)
             log(f"  {case.label}: nki {est:.2f} us ({time.perf_counter() - t0:.1f} s)" if est is not None
