@@ -337,8 +337,10 @@ def rope_hf_kernel(q, k, q_out, k_out, cos, sin, packed=False, backward=False, b
     D = q.shape[3]
     if bshd:
         S = q.shape[1]
-        # >= FREE_TARGET contiguous elements per partition for the smaller of q / k
-        nt_max = max(1, min(FREE_TARGET // D, FREE_TARGET // (min(q.shape[2], k.shape[2]) * D)))
+        # ~FREE_TARGET elements per partition for the smaller of q / k, but at most 4*FREE_TARGET for the
+        # larger one (SBUF, and enough tiles to balance the engines)
+        h_lo, h_hi = min(q.shape[2], k.shape[2]), max(q.shape[2], k.shape[2])
+        nt_max = max(1, min(FREE_TARGET // D, FREE_TARGET // (h_lo * D), 4 * FREE_TARGET // (h_hi * D)))
     else:
         S = q.shape[2]
         nt_max = max(1, FREE_TARGET // D)
