@@ -22,3 +22,35 @@ def test_set_and_restore_blas_threads():
     assert blas.get_num_threads() == before
     with pytest.raises(ValueError, match="n must be >= 1"):
         blas.set_num_threads(0)
+
+
+def test_kernel_launch_runs_single_threaded_and_restores(monkeypatch):
+    """jit launches switch numpy's BLAS to LAUNCH_THREADS (1) and restore the caller's count after."""
+    from trnkit.nki_api import nisa, nki, nl  # noqa: PLC0415
+
+    before = blas.get_num_threads()
+    if before is None:
+        pytest.skip("numpy is not linked against its bundled OpenBLAS here")
+    seen = []
+
+    @nki.jit
+    def probe(x):
+        seen.append(blas.get_num_threads())
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    try:
+        blas.set_num_threads(2)
+        np.testing.assert_array_equal(probe(x), x)
+        np.testing.assert_array_equal(probe[2](x), x)  # grid: both programs see one thread
+        assert seen == [1, 1, 1]
+        assert blas.get_num_threads() == 2
+        monkeypatch.setattr(blas, "LAUNCH_THREADS", 0)  # 0: the launch leaves the BLAS alone
+        probe(x)
+        assert seen[-1] == 2
+    finally:
+        blas.set_num_threads(before)

@@ -4,19 +4,29 @@ Kernels issue thousands of small matmuls (``nc_matmul`` is at most 128 x 128 x 5
 BLAS gains little on them and, on a busy machine, loses a lot: on the 2-core CI box a 128x128x512
 fp32 matmul took 0.2-0.4 ms with one BLAS thread and 0.4-25 ms with two (thread hand-off under
 contention), and the tiled 2048^3 matmul kernel ran at 2.5x numpy's own matmul instead of 7-60x.
-Nothing here runs on import; callers opt in (``set_num_threads(1)``) or set ``OPENBLAS_NUM_THREADS=1``
-before numpy is imported.
+At the debug-moe training shapes the MoE forward kernel took 706 ms with the default thread count
+and 53 ms with one thread (backward 1758 ms vs 203 ms), on a loaded machine.
+
+Nothing here runs on import. Kernel launches (``trnkit.nkisim.jit``) run inside
+:func:`launch_threads`, which switches numpy's BLAS to :data:`LAUNCH_THREADS` threads (default 1;
+``TRNKIT_NKISIM_BLAS_THREADS=<n>`` changes it, ``0`` leaves the BLAS alone) for the duration of the
+outermost launch and restores the previous count afterwards. Callers can also set it process-wide
+(``set_num_threads(1)``) or set ``OPENBLAS_NUM_THREADS=1`` before numpy is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import glob
 import os
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["set_num_threads", "get_num_threads"]
+__all__ = ["set_num_threads", "get_num_threads", "launch_threads", "LAUNCH_THREADS"]
 
 _SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
             "openblas_set_num_threads64_", "openblas_set_num_threads")
@@ -24,6 +34,22 @@ _GETTERS = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads
             "openblas_get_num_threads64_", "openblas_get_num_threads")
 
 
+def _launch_threads_from_env() -> int:
+    raw = os.environ.get("TRNKIT_NKISIM_BLAS_THREADS", "1").strip()
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"TRNKIT_NKISIM_BLAS_THREADS must be an integer >= 0, got {raw!r}") from None
+    if n < 0:
+        raise ValueError(f"TRNKIT_NKISIM_BLAS_THREADS must be an integer >= 0, got {raw!r}")
+    return n
+
+
+#: BLAS threads while a kernel runs in the interpreter (0: leave numpy's BLAS as it is).
+LAUNCH_THREADS: int = _launch_threads_from_env()
+
+
+@functools.cache
 def _openblas() -> ctypes.CDLL | None:
     """numpy's bundled OpenBLAS (the wheels ship it in ``numpy.libs``), or None."""
     here = os.path.dirname(np.__file__)
@@ -35,7 +61,8 @@ def _openblas() -> ctypes.CDLL | None:
     return None
 
 
-def _call(names: tuple[str, ...], *args: int) -> int | None:
+@functools.cache
+def _function(names: tuple[str, ...], setter: bool) -> ctypes._CFuncPtr | None:
     # (Only numpy wheels' bundled OpenBLAS is handled; other BLAS builds report None.)
     lib = _openblas()
     if lib is None:
@@ -43,9 +70,9 @@ def _call(names: tuple[str, ...], *args: int) -> int | None:
     for name in names:
         fn = getattr(lib, name, None)
         if fn is not None:
-            fn.restype = ctypes.c_int if not args else None
-            out = fn(*(ctypes.c_int(a) for a in args))
-            return args[0] if args else int(out)
+            fn.restype = None if setter else ctypes.c_int
+            fn.argtypes = [ctypes.c_int] if setter else []
+            return fn
     return None
 
 
@@ -53,9 +80,44 @@ def set_num_threads(n: int) -> bool:
     """Use ``n`` BLAS threads for numpy from now on; False if numpy's BLAS could not be reached."""
     if n < 1:
         raise ValueError(f"blas.set_num_threads: n must be >= 1, got {n}")
-    return _call(_SETTERS, int(n)) is not None
+    fn = _function(_SETTERS, True)
+    if fn is None:
+        return False
+    fn(int(n))
+    return True
 
 
 def get_num_threads() -> int | None:
     """numpy's current BLAS thread count (None if unknown)."""
-    return _call(_GETTERS)
+    fn = _function(_GETTERS, False)
+    return None if fn is None else int(fn())
+
+
+_lock = threading.Lock()
+_depth = 0
+_saved: int | None = None
+
+
+@contextlib.contextmanager
+def launch_threads() -> Iterator[None]:
+    """Run the body with numpy's BLAS on :data:`LAUNCH_THREADS` threads (nested / concurrent launches
+    share one switch: the outermost entry sets it, the last exit restores the previous count)."""
+    global _depth, _saved
+    if LAUNCH_THREADS < 1:
+        yield
+        return
+    with _lock:
+        if _depth == 0:
+            before = get_num_threads()
+            if before is not None and before != LAUNCH_THREADS:
+                set_num_threads(LAUNCH_THREADS)
+                _saved = before
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0 and _saved is not None:
+                set_num_threads(_saved)
+                _saved = None

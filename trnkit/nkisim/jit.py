@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import blas as _blas
 from . import dtypes as _dt
 from . import memory as _mem
 from .errors import fail, require
@@ -188,14 +189,15 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
         finally:
             _mem.pop_context()
 
-    if n == 1:
-        run(0)
-    else:
-        threads = [threading.Thread(target=run, args=(i,), name=f"nki-program-{i}") for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    with _blas.launch_threads():  # small matmuls: one BLAS thread (see blas.py)
+        if n == 1:
+            run(0)
+        else:
+            threads = [threading.Thread(target=run, args=(i,), name=f"nki-program-{i}") for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
     for i, exc in enumerate(errors):
         if exc is not None and not isinstance(exc, threading.BrokenBarrierError):
             if n > 1 and hasattr(exc, "add_note"):  # Python >= 3.11
