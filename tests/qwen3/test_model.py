@@ -242,6 +242,17 @@ def test_forward_input_errors() -> None:
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
+def test_grouped_experts_input_errors() -> None:
+    ex = GroupedExperts(8, 4, 3)
+    x, idx, w = torch.randn(5, 8), torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2)
+    with pytest.raises(ValueError, match=r"GroupedExperts: expected x \[T, 8\].*got \(5, 6\)"):
+        ex(torch.randn(5, 6), idx, w)
+    with pytest.raises(ValueError, match=r"got \(5, 8\), \(5, 2\), \(5, 3\)"):
+        ex(x, idx, torch.ones(5, 3))
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 3\), got \[0, 3\]"):
+        ex(x, idx.index_fill(0, torch.tensor([2]), 3), w)
+
+
 @pytest.mark.parametrize("name", ["dense-tied-gqa2", "moe-norm"])
 def test_bf16_error_no_worse_than_hf_bf16(name: str, tmp_path) -> None:
     """bf16 trnkit vs the fp32 reference deviates no more than transformers' own bf16 run does

@@ -199,8 +199,16 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.dim or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] \
+                or topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"GroupedExperts: expected x [T, {self.dim}], topk_idx [T, K] and topk_weights [T, K]; "
+                             f"got {tuple(x.shape)}, {tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")
         T, K = topk_idx.shape
         flat_idx = topk_idx.reshape(-1)
+        if not torch.compiler.is_compiling() and flat_idx.numel() and not (
+                0 <= int(flat_idx.min()) and int(flat_idx.max()) < self.num_experts):
+            raise ValueError(f"GroupedExperts: expert ids must be in [0, {self.num_experts}), got "
+                             f"[{int(flat_idx.min())}, {int(flat_idx.max())}]")
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
