@@ -37,10 +37,12 @@ def test_packing_windows_overlap_by_one() -> None:
     assert loader.position == 3
 
 
-def test_dp_shards_partition_the_global_batch() -> None:
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_dp_shards_partition_the_global_batch(shuffle: bool) -> None:
     stream = np.random.default_rng(0).integers(0, 50, 1000)
-    single = PackedLoader(stream, 16, local_batch_size=4)
-    ranks = [PackedLoader(stream, 16, local_batch_size=2, dp_rank=r, dp_degree=2) for r in range(2)]
+    single = PackedLoader(stream, 16, local_batch_size=4, shuffle=shuffle, seed=3)
+    ranks = [PackedLoader(stream, 16, local_batch_size=2, dp_rank=r, dp_degree=2, shuffle=shuffle, seed=3)
+             for r in range(2)]
     for _ in range(20):  # crosses the epoch boundary (62 samples)
         full = single.next_batch()
         parts = [r.next_batch() for r in ranks]
@@ -101,3 +103,18 @@ def test_parquet_needs_pyarrow_or_reads(tmp_path: Path) -> None:
         return
     pq.write_table(pa.table({"text": ["a b", "c"]}), tmp_path / "d.parquet")
     assert read_documents(str(tmp_path / "d.parquet")) == ["a b", "c"]
+
+
+def test_shuffle_is_a_seeded_permutation_per_epoch() -> None:
+    stream = np.arange(8 * 10 + 1, dtype=np.int64)  # 10 samples of 8
+    loader = PackedLoader(stream, 8, 1, shuffle=True, seed=7)
+    epoch0 = [loader.sample_index(p) for p in range(10)]
+    epoch1 = [loader.sample_index(p) for p in range(10, 20)]
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))  # every sample once per epoch
+    assert epoch0 != list(range(10)) and epoch0 != epoch1
+    assert epoch0 == list(np.random.default_rng([7, 0]).permutation(10))
+    b = loader.next_batch()
+    assert b.tokens[0].tolist() == list(range(8 * epoch0[0], 8 * epoch0[0] + 8))
+    other = PackedLoader(stream, 8, 1, shuffle=True, seed=8)
+    with pytest.raises(ConfigError, match="shuffle=True seed=7, this run has shuffle=True seed=8"):
+        other.load_state_dict(loader.state_dict())

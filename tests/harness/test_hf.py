@@ -34,7 +34,7 @@ def hf_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _first_batch_loss(hf_dir: Path, cfg) -> float:
     """Mean next-token CE of transformers' own model on the trainer's first batch (independent reference)."""
-    loader, _ = build_loader(cfg.data, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1)
+    loader, _ = build_loader(cfg.data, cfg.training.seq_len, cfg.training.local_batch_size, 0, 1, cfg.job.seed)
     b = loader.next_batch()
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():

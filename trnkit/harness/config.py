@@ -55,6 +55,9 @@ class DataConfig:
     text_field: str = "text"      # jsonl / parquet column holding the text
     add_eos: bool = True          # append the tokenizer's EOS (<|endoftext|>) after each document
     max_documents: int = 0        # 0 = all; >0 reads only the first N documents (fast tests)
+    # Visit the packed samples in a seeded random order (a new permutation per epoch, seed job.seed);
+    # false = corpus order.
+    shuffle: bool = True
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 Packing: all documents are tokenized (EOS appended to each) and concatenated into one stream of N
 tokens. Sample ``i`` is the window ``stream[i*S : i*S + S + 1]`` (input = first S, labels = last S),
-so every token is a label once per epoch. Global step ``t`` uses samples ``[t*G, (t+1)*G)`` with
-``G = dp_degree * local_batch_size``; data-parallel rank ``r`` takes the r-th contiguous slice of
-``local_batch_size`` samples. The loader state is the number of global samples consumed (the same on
-every rank), so resuming is exact and independent of the number of processes.
+so every token is a label once per epoch. With ``shuffle`` the samples are visited in a seeded random
+order (one permutation per epoch). Global step ``t`` uses positions ``[t*G, (t+1)*G)`` of that order
+with ``G = dp_degree * local_batch_size``; data-parallel rank ``r`` takes the r-th contiguous slice of
+``local_batch_size``. The loader state is the number of global samples consumed (the same on every
+rank), so resuming is exact and independent of the number of processes.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class PackedLoader:
     """Deterministic, resumable, data-parallel-sharded loader over a packed token stream."""
 
     def __init__(self, stream: np.ndarray, seq_len: int, local_batch_size: int, dp_rank: int = 0,
-                 dp_degree: int = 1) -> None:
+                 dp_degree: int = 1, shuffle: bool = False, seed: int = 0) -> None:
         self.num_samples = (len(stream) - 1) // seq_len
         global_batch = local_batch_size * dp_degree
         if self.num_samples < global_batch:
@@ -166,15 +167,26 @@ class PackedLoader:
         self.stream = torch.from_numpy(np.ascontiguousarray(stream))
         self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.shuffle, self.seed = shuffle, seed
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, permutation) cache
         self.position = 0  # global samples consumed
 
     @property
     def epoch(self) -> int:
         return self.position // self.num_samples
 
+    def sample_index(self, position: int) -> int:
+        """Which packed sample the global `position` (counting over all epochs) reads."""
+        epoch, i = divmod(position, self.num_samples)
+        if not self.shuffle:
+            return i
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_samples))
+        return int(self._order[1][i])
+
     def next_batch(self) -> Batch:
         start = self.position + self.dp_rank * self.local_batch_size
-        idx = [(start + j) % self.num_samples for j in range(self.local_batch_size)]
+        idx = [self.sample_index(start + j) for j in range(self.local_batch_size)]
         self.position += self.local_batch_size * self.dp_degree
         S = self.seq_len
         windows = torch.stack([self.stream[i * S: i * S + S + 1] for i in idx])
@@ -186,9 +198,13 @@ class PackedLoader:
 
     # Stateful protocol (torch.distributed.checkpoint)
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "num_samples": self.num_samples, "seq_len": self.seq_len}
+        return {"position": self.position, "num_samples": self.num_samples, "seq_len": self.seq_len,
+                "shuffle": self.shuffle, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (bool(state.get("shuffle", False)), int(state.get("seed", 0))) != (self.shuffle, self.seed):
+            raise ConfigError(f"data: checkpoint was written with shuffle={state.get('shuffle')} "
+                              f"seed={state.get('seed')}, this run has shuffle={self.shuffle} seed={self.seed}")
         if int(state["seq_len"]) != self.seq_len or int(state["num_samples"]) != self.num_samples:
             raise ConfigError(f"data: checkpoint was written for seq_len {int(state['seq_len'])} and "
                               f"{int(state['num_samples'])} samples, this run has seq_len {self.seq_len} and "
@@ -197,11 +213,12 @@ class PackedLoader:
 
 
 def build_loader(data_cfg: Any, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
-                 tokenizer: Tokenizer | None = None) -> tuple[PackedLoader, Tokenizer]:
+                 seed: int = 0, tokenizer: Tokenizer | None = None) -> tuple[PackedLoader, Tokenizer]:
     tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer)
     docs = read_documents(data_cfg.dataset, data_cfg.text_field, data_cfg.max_documents)
     stream = tokenize_stream(docs, tokenizer, data_cfg.add_eos)
-    return PackedLoader(stream, seq_len, local_batch_size, dp_rank, dp_degree), tokenizer
+    loader = PackedLoader(stream, seq_len, local_batch_size, dp_rank, dp_degree, data_cfg.shuffle, seed)
+    return loader, tokenizer
 
 
 __all__ = ["Batch", "IGNORE_INDEX", "PackedLoader", "Tokenizer", "build_loader", "load_tokenizer",

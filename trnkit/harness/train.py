@@ -172,7 +172,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
 
     handle = build_handle(cfg)
-    loader, tok = build_loader(cfg.data, t.seq_len, t.local_batch_size, env.dp_rank, env.dp)
+    loader, tok = build_loader(cfg.data, t.seq_len, t.local_batch_size, env.dp_rank, env.dp, cfg.job.seed)
     if tok.vocab_size > handle.vocab_size:
         raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {handle.name} has "
                           f"vocab_size {handle.vocab_size}")
