@@ -119,7 +119,7 @@ def test_cli_quick_writes_csv_table_and_plots(tmp_path):
     est = {(r.config["dtype"], r.x_value): r.p50 for r in rows if r.impl == "nki" and r.metric == "est_time"}
     assert est[("float32", 512)] > est[("bfloat16", 512)]  # fp32: 4x TensorE cycles, 2x the bytes
     names = {p.name for p in (tmp_path / "plots").glob("*.png")}
-    assert "matmul_tiled_forward_M-N-K_dtype-float32_time.png" in names
+    assert "matmul_tiled_forward_M-N-K_float32_time.png" in names
     md = (tmp_path / "bench.md").read_text()
     assert md.count("| matmul_tiled | forward |") == 4  # 2 sizes x 2 dtypes
     # --report-only rebuilds the table and plots from the CSV alone

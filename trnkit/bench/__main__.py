@@ -60,10 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     out = args.out or (DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
     csv_path = out / "bench.csv"
-    if args.overwrite and not args.report_only:  # a fresh CSV and no stale plots
+    if args.overwrite and not args.report_only:  # a fresh CSV
         csv_path.unlink(missing_ok=True)
-        for old in (out / "plots").glob("*.png"):
-            old.unlink()
     rows = []
     for k in selected:
         print(f"{k} ({'quick' if args.quick else 'full'}, {', '.join(modes)}):")
@@ -84,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "bench.md").write_text(
         "Estimated = trnkit's trn2 cost model on the interpreter's instruction trace (not a measurement); "
         "measured = wall time on the named device.\n\n" + markdown_table(every) + "\n")
+    for stale in (out / "plots").glob("*.png"):  # every plot is redrawn from the CSV
+        stale.unlink()
     pngs = plot_rows(every, out / "plots")
     print(markdown_table([r for r in every if r.kernel in selected] if rows else every))
     print(f"{len(rows)} new rows -> {csv_path}; table of all {len({r.kernel for r in every})} kernels -> "

@@ -1,13 +1,12 @@
 """Matplotlib PNGs of benchmark rows, one pair per (kernel, mode):
 
-* ``<kernel>_<mode>_<x_name>_time.png`` — estimated trn2 time vs the swept shape, the roofline bound (dashed) and,
+* ``<kernel>_<mode>_<x_name>[_<dtype>]_time.png`` — estimated trn2 time vs the swept shape, the roofline bound (dashed) and,
   on the same axis, the measured torch reference on this host (dotted; a different device, labelled).
-* ``<kernel>_<mode>_<x_name>_engines.png`` — per-engine busy time / estimated total and the fraction of roofline.
+* ``<kernel>_<mode>_<x_name>[_<dtype>]_engines.png`` — per-engine busy time / estimated total and the fraction of roofline.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,15 +15,6 @@ from trnkit.bench.schema import Row
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-._" else "-" for c in name)
-
-
-def _config_suffix(cfg: dict, all_cfgs: list[dict], cfg_key: str) -> str:
-    """File-name suffix naming what sets this configuration apart within its sweep ("" if alone)."""
-    if len(all_cfgs) < 2:
-        return ""
-    keys = sorted({k for c in all_cfgs for k in c if any(c2.get(k) != c.get(k) for c2 in all_cfgs)})
-    label = "_".join(f"{_safe(str(k))}-{_safe(str(cfg.get(k)))}" for k in keys)
-    return "_" + (label if 0 < len(label) <= 48 else hashlib.sha1(cfg_key.encode()).hexdigest()[:8])
 
 
 def _series(rows: list[Row], impl: str, metric: str) -> dict:
@@ -49,14 +39,15 @@ def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # one plot per sweep and dtype (in a flavor sweep the other config values change with x by design)
     groups: dict[tuple[str, str, str, str], list[Row]] = {}
     for r in rows:
-        groups.setdefault((r.kernel, r.mode, r.x_name, r.config_key), []).append(r)
-    sweep_cfgs: dict[tuple[str, str, str], list[dict]] = {}
-    for key, g in groups.items():
-        sweep_cfgs.setdefault(key[:3], []).append(g[0].config)
+        groups.setdefault((r.kernel, r.mode, r.x_name, str(r.config.get("dtype", ""))), []).append(r)
+    sweep_cfgs: dict[tuple[str, str, str], list[str]] = {}
+    for key in groups:
+        sweep_cfgs.setdefault(key[:3], []).append(key[3])
     written: list[Path] = []
-    for (kernel, mode, x_name, cfg_key), g in sorted(groups.items()):
+    for (kernel, mode, x_name, dtype), g in sorted(groups.items()):
         est = _series(g, "nki", "est_time")
         if not est:
             continue
@@ -90,7 +81,8 @@ def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
         ax.legend(fontsize=7)
         fig.tight_layout()
         stem = "_".join(_safe(t) for t in (kernel, mode, x_name))
-        stem += _config_suffix(g[0].config, sweep_cfgs[(kernel, mode, x_name)], cfg_key)
+        if len(sweep_cfgs[(kernel, mode, x_name)]) > 1:
+            stem += f"_{_safe(dtype)}"
         p = out_dir / f"{stem}_time.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
