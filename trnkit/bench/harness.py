@@ -15,6 +15,7 @@ call and the torch reference op on the same inputs. :func:`run_case` turns it in
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections.abc import Callable, Iterable
@@ -139,8 +140,11 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
         if torch_threads:  # a fixed thread count keeps shared-CPU timings reproducible
             torch.set_num_threads(torch_threads)
         try:
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
             p = time_quantiles(prepared.ref, budget_s=budget_s)
-            row("torch", "wall_time", "us", p, host_device())
+            # the 1-minute load average says how shared the CPU was while timing
+            row("torch", "wall_time", "us", p, host_device(),
+                {"torch_threads": torch.get_num_threads(), "load_avg_1m": load})
         finally:
             torch.set_num_threads(saved)
     return rows
