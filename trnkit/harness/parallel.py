@@ -53,8 +53,12 @@ def init_distributed(pcfg: ParallelismConfig) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dp, tp = resolve_parallel_degrees(pcfg, world)  # raises before any group is created
     if neuron_available():  # pragma: no cover - Trainium only
+        # Native TorchNeuron registers the "neuron" device (PrivateUse1, module torch.neuron) and the
+        # "neuron" process-group backend on import (awsdocs-neuron: torch/guides/torch-distributed).
         import torch_neuronx  # noqa: F401
         device, backend = torch.device("neuron", local_rank), "neuron"
+        if hasattr(torch, "neuron") and hasattr(torch.neuron, "set_device"):
+            torch.neuron.set_device(local_rank)
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
