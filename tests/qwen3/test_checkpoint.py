@@ -88,8 +88,13 @@ def test_dtype_control_and_fused_layout(tmp_path) -> None:
     keys = load_file(tmp_path / "model.safetensors").keys()
     assert "model.layers.0.mlp.experts.gate_up_proj" in keys
     assert json.load(open(tmp_path / "config.json"))["dtype"] == "bfloat16"
-    as_bf16 = load_hf_checkpoint(tmp_path)  # default: the stored dtype
+    as_bf16 = load_hf_checkpoint(tmp_path)  # default: config.json's dtype
     assert all(p.dtype == torch.bfloat16 for p in as_bf16.parameters())
+    cfg = json.load(open(tmp_path / "config.json"))
+    json.dump({k: v for k, v in cfg.items() if k != "dtype"}, open(tmp_path / "config.json", "w"))
+    assert load_hf_checkpoint(tmp_path).tok_embeddings.weight.dtype == torch.bfloat16  # else the stored one
+    json.dump({**cfg, "dtype": "float16"}, open(tmp_path / "config.json", "w"))
+    assert load_hf_checkpoint(tmp_path).tok_embeddings.weight.dtype == torch.float16
     as_f32 = load_hf_checkpoint(tmp_path, dtype=torch.float32)
     for (n, p), q in zip(model.named_parameters(), as_f32.parameters()):
         assert q.dtype == torch.float32

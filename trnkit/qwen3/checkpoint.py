@@ -153,11 +153,25 @@ def _shard_files(folder: str) -> dict[str, list[str]]:
                           + (f" (found {found})" if found else ""))
 
 
+def _default_dtype(folder: str, stored: set[str]) -> torch.dtype:
+    """config.json's `dtype` (v5) / `torch_dtype` (v4) if set, else the stored dtype if there is one, else fp32."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            d = json.load(f)
+        name = d.get("dtype") or d.get("torch_dtype")
+    except (OSError, json.JSONDecodeError):
+        name = None
+    if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    return _ST_DTYPES.get(next(iter(stored)), torch.float32) if len(stored) == 1 else torch.float32
+
+
 def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = None,
                        dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Qwen3Model:
     """Build a Qwen3Model from an HF checkpoint folder (config.json + safetensors [+ index]).
 
-    `config`: use this instead of config.json. `dtype`: parameter dtype (None: the checkpoint's dtype);
+    `config`: use this instead of config.json. `dtype`: parameter dtype (None: config.json's dtype, else
+    the stored dtype);
     the rope cache stays fp32. Accepts the hub per-expert and the v5 fused expert layouts.
     """
     folder = os.fspath(path)
@@ -193,7 +207,7 @@ def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = Non
         plan = check_keys(hf_shapes, native_shapes, config, source=folder)
 
         if dtype is None:
-            dtype = _ST_DTYPES.get(sorted(stored_dtypes)[0], torch.float32) if stored_dtypes else torch.float32
+            dtype = _default_dtype(folder, stored_dtypes)
         model.to(dtype=dtype)
         model.to_empty(device=device)
         if config.tie_word_embeddings:
