@@ -264,3 +264,15 @@ def test_interpreted_tiled_matmul_between_roofline_and_serial_and_trace_only_inv
     assert rep.hbm_bytes == 2 * (1024 * 512 * 2 + 1024 * 1024 * 4) + 512 * 1024 * 2
     assert rep.roofline_ns < rep.total_ns < rep.serial_ns
     assert rep_to.as_dict() == rep.as_dict()  # skipping matmul arithmetic must not change the estimate
+
+
+def test_hbm_to_hbm_dma_spreads_rows_over_all_engines():
+    # 64 rows of 8 KiB, HBM -> HBM: no on-chip side; rows come from the contiguous run
+    dst, src = opnd("dst", "hbm", (64, 4096)), opnd("src", "hbm", (64, 4096))
+    i = Instr("dma_copy", DMA, (dst, src), hbm_bytes=2 * dst.nbytes, dma_bytes=dst.nbytes, partitions=1,
+              attrs={"contiguous_bytes": 8192})
+    c = cost.instr_cost(i)
+    eff = 8192 / (8192 + 256)
+    # read + write both cross HBM: the HBM share, not the 368 GB/s of the DMA engines, is the limit
+    assert c.busy_ns == pytest.approx(2 * dst.nbytes / (TRN2.hbm_bytes_per_ns * eff))
+    assert c.latency_ns == pytest.approx(1300 + c.busy_ns)  # 64 rows use all 16 engines

@@ -207,11 +207,11 @@ def _dma_geometry(instr: Instr) -> tuple[int, int, float, bool]:
     return nbytes, hbm, float(row), touches_hbm
 
 
-def _dma_rows(instr: Instr) -> int:
-    rows = instr.partitions or max((o.partitions for o in instr.operands if o.buffer in _ONCHIP), default=0)
+def _dma_rows(instr: Instr, nbytes: int, row: float) -> int:
+    """Descriptor rows of a DMA: the on-chip side's partitions, else (HBM -> HBM) bytes / row bytes."""
+    rows = max((o.partitions for o in instr.operands if o.buffer in _ONCHIP), default=0)
     if not rows:
-        o = _role(instr, "dst") or instr.operands[0]
-        rows = math.prod(o.shape[:-1]) if len(o.shape) > 1 else 1
+        rows = math.ceil(nbytes / row) if row > 0 else 1
     return max(1, int(rows))
 
 
@@ -224,7 +224,7 @@ def _dma_cost(instr: Instr, chip: Chip) -> InstrCost:
     if touches_hbm:
         busy = max(busy, hbm / (chip.hbm_bytes_per_ns * eff))
     # One transfer is split over at most min(16, rows) engines, one packet per partition row.
-    engines = min(d.engines, _dma_rows(instr))
+    engines = min(d.engines, _dma_rows(instr, nbytes, row))
     own_rate = engines * d.bytes_per_ns_per_engine * eff
     transfer = max(busy, nbytes / own_rate)
     dge = _attr_name(instr.attrs.get("dge_mode")).lower()
