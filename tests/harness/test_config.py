@@ -103,3 +103,20 @@ def test_cli_main_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> N
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m trnkit.harness.train") and "[parallelism]" in out
+
+
+@pytest.mark.parametrize("model_cfg, match", [
+    ('{"n_layerz": 2}', r"model\.config: bad Qwen3Config field .*n_layerz"),
+    ('{"n_heads": 3, "n_kv_heads": 2}', r"model\.config: Qwen3Config: n_heads \(3\) must be a multiple of n_kv_heads"),
+])
+def test_bad_model_config_is_a_config_error(model_cfg: str, match: str) -> None:
+    cfg = load_config(None, ["--model.spec", "qwen3:debug", "--model.config", model_cfg])
+    with pytest.raises(ConfigError, match=match):
+        build_handle(cfg)
+
+
+def test_unknown_flavor_and_long_seq() -> None:
+    with pytest.raises(ConfigError, match=r"model\.spec: model_registry: unknown Qwen3 flavor 'tiny'"):
+        build_handle(load_config(None, ["--model.spec", "qwen3:tiny"]))
+    with pytest.raises(ConfigError, match=r"training\.seq_len: 4096 exceeds the model's max_seq_len 2048"):
+        build_handle(load_config(None, ["--model.spec", "qwen3:debug", "--training.seq_len", "4096"]))

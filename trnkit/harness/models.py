@@ -205,6 +205,8 @@ def build_handle(cfg: TrainerConfig) -> ModelHandle:
             raise ConfigError(f"model.spec: {e.args[0]}") from None
         except TypeError as e:
             raise ConfigError(f"model.config: bad Qwen3Config field ({e})") from None
+        except ValueError as e:  # Qwen3Config.validate
+            raise ConfigError(f"model.config: {e}") from None
         c = mspec.config
         if cfg.training.seq_len > c.max_seq_len:
             raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's max_seq_len "
