@@ -93,3 +93,28 @@ def test_native_model_inductor_matches_eager():
         warnings.simplefilter("ignore")
         compiled = torch.compile(model, fullgraph=True)
         _assert_same(_loss_and_grads(compiled, params, TOKENS), _loss_and_grads(model, params, TOKENS))
+
+
+def test_an_impl_not_declared_compile_safe_falls_back_under_compile():
+    from trnkit.overrides import get_impl, register, unregister
+
+    calls = []
+
+    def eager_only(*args, **kwargs):
+        calls.append(1)
+        return get_impl("rope_hf", "reference").fn(*args, **kwargs)
+
+    register("rope_hf", "eager_only", eager_only, has_backward=True, compile_ok=False)
+    try:
+        model = native_model(num_experts=0, mlp_only_layers=[])
+        attn, original = model.layers[0].attention, copy.deepcopy(model.layers[0].attention)
+        apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl="eager_only", policy="fallback", seq_len=8))
+        x, cache = torch.randn(1, 8, 32), model.rope_cache[:8]
+        attn(x, cache)
+        assert calls == [1]  # eager: served
+        with pytest.warns(UserWarning, match="compile_ok"):
+            out = torch.compile(attn, backend="aot_eager", fullgraph=True)(x, cache)
+        assert calls == [1]  # compiled: the original code, traced into the graph
+        assert_close(out, original(x, cache))
+    finally:
+        unregister("rope_hf", "eager_only")

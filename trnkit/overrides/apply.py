@@ -148,10 +148,18 @@ class _Guard:
     def warn_fallback(self, reasons: Sequence[Violation]) -> str:
         """Warn once per distinct (op, impl, reason) — not per layer or call; returns the reason."""
         reason = "; ".join(str(v) for v in reasons)
-        warn_once("fallback", self.op, self.impl, reason,
-                  message=f"trnkit override {self.op}[{self.impl}] falls back to the original module code "
-                          f"(first seen at {self.path}): {reason}")
+        _emit_fallback_warning(self.op, self.impl, reason, self.path)
         return reason
+
+
+# Under torch.compile the guard runs while dynamo traces it; a warnings.warn call there would break
+# the graph. assume_constant_result makes dynamo run this for real at trace time (constant string
+# arguments) and bake in the result, so the warning is emitted when the fallback is compiled in.
+@torch.compiler.assume_constant_result
+def _emit_fallback_warning(op: str, impl: str, reason: str, path: str) -> bool:
+    return warn_once("fallback", op, impl, reason,
+                     message=f"trnkit override {op}[{impl}] falls back to the original module code "
+                             f"(first seen at {path}): {reason}")
 
 
 def _dtensor_violations(op: str, inputs: Mapping[str, Any]) -> list[Violation]:
