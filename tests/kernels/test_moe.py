@@ -245,6 +245,7 @@ MOE_CASES = {
     "half_tail_128": (40, 64, 32, 2, 2, 128, None),  # every expert's only block runs 64 wide
     "full_plus_half_128": (150, 64, 32, 1, 1, 128, None),  # one 128-wide block + one 64-wide tail
     "half_tail_256": (100, 64, 32, 1, 1, 256, None),  # the tail runs as one 128-row sub-tile
+    "block_512": (600, 64, 32, 1, 1, 512, None),  # 4 sub-tiles, 512 moving columns, + a 256 tail
 }
 
 
