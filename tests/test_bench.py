@@ -165,6 +165,9 @@ def test_cases_outside_kernel_constraints_are_skipped_not_fatal():
 
     with pytest.raises(RuntimeError, match="boom"):
         run_cases([Case("k", "forward", "S", 1, broken)], measure_torch=False, log=None)
+    failures: list[str] = []  # keep going: the failure is recorded, later cases still run
+    rows = run_cases([Case("k", "forward", "S", 1, broken), ok], measure_torch=False, log=None, failures=failures)
+    assert failures == ["k/forward S=1: RuntimeError: boom"] and {r.kernel for r in rows} == {"matmul_tiled"}
 
 
 def test_real_nki_path_reports_measured_device_rows(monkeypatch):

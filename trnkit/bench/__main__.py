@@ -32,6 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help=f"output directory (CSV, markdown, plots); default {DEFAULT_OUT}, "
                         f"{DEFAULT_OUT / 'quick'} with --quick")
+    p.add_argument("--keep-going", action="store_true",
+                   help="log a failing case and continue (exit status 1 at the end) instead of stopping")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing; rebuild the table and plots from the CSV in --out")
     p.add_argument("--dtype", nargs="+", choices=cases_mod.DTYPES, default=["bfloat16"],
@@ -63,13 +65,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overwrite and not args.report_only:  # a fresh CSV
         csv_path.unlink(missing_ok=True)
     rows = []
+    failures: list[str] = []
     for k in selected:
         print(f"{k} ({'quick' if args.quick else 'full'}, {', '.join(modes)}):")
         k_cases = [c for dt in args.dtype for c in cases_mod.cases_for(k, args.quick, modes, dt)]
         k_rows = run_cases(k_cases, chip=args.chip,
                            measure_torch=not args.no_torch, budget_s=args.budget,
                            torch_threads=args.torch_threads or None,
-                           sink=lambda case_rows: write_rows(csv_path, case_rows))  # saved case by case
+                           sink=lambda case_rows: write_rows(csv_path, case_rows),  # saved case by case
+                           failures=failures if args.keep_going else None)
         rows += k_rows
     if not csv_path.exists():
         print(f"no results in {csv_path}")
@@ -88,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(markdown_table([r for r in every if r.kernel in selected] if rows else every))
     print(f"{len(rows)} new rows -> {csv_path}; table of all {len({r.kernel for r in every})} kernels -> "
           f"{out / 'bench.md'}; {len(pngs)} plots -> {out / 'plots'} ({time.perf_counter() - t0:.1f} s)")
+    if failures:
+        print(f"{len(failures)} case(s) FAILED:\n  " + "\n  ".join(failures))
+        return 1
     return 0
 
 

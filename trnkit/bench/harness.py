@@ -152,10 +152,12 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
 
 def run_cases(cases: Iterable[Case], chip: str = "trn2", measure_torch: bool = True, budget_s: float = 0.5,
               torch_threads: int | None = None, log: Callable[[str], None] | None = print,
-              sink: Callable[[list[Row]], object] | None = None) -> list[Row]:
+              sink: Callable[[list[Row]], object] | None = None,
+              failures: list[str] | None = None) -> list[Row]:
     """Run every case in order. A case the kernel declares unsupported (its entry check raises
-    ``KernelConstraintError``) is logged and skipped; any other error propagates. ``sink`` gets each
-    case's rows as soon as they exist (e.g. to append them to the CSV), so a failure loses nothing done."""
+    ``KernelConstraintError``) is logged and skipped. Any other error propagates, unless ``failures`` is
+    a list: then the error is logged, appended to it as ``"<case>: <error>"``, and the run goes on.
+    ``sink`` gets each case's rows as soon as they exist (e.g. to append them to the CSV)."""
     from trnkit.kernels.constraints import KernelConstraintError  # noqa: PLC0415
 
     rows: list[Row] = []
@@ -167,6 +169,13 @@ def run_cases(cases: Iterable[Case], chip: str = "trn2", measure_torch: bool = T
         except KernelConstraintError as exc:
             if log:
                 log(f"  {case.label}: skipped, outside the kernel's constraints: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - only with failures= (keep going), else re-raised
+            if failures is None:
+                raise
+            failures.append(f"{case.label}: {type(exc).__name__}: {exc}")
+            if log:
+                log(f"  {case.label}: FAILED: {type(exc).__name__}: {exc}")
             continue
         rows += case_rows
         if sink is not None:
