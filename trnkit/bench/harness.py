@@ -8,7 +8,8 @@ call and the torch reference op on the same inputs. :func:`run_case` turns it in
   (large matmuls skip their arithmetic) and the cost model gives the **estimated** trn2 time, the
   roofline bound, per-engine busy time and the fraction of roofline;
 * with the real ``nki`` on a Trainium host: the kernel's **measured** wall time (host timer around a
-  synchronised call; p20/p50/p80) instead — untested here, no device;
+  synchronised call; p20/p50/p80) instead — no Trainium here: the tests exercise this branch with the
+  interpreter standing in for the device;
 * always: the torch reference op's **measured** wall time on the current device (p20/p50/p80).
 """
 
