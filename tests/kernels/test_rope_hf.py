@@ -225,6 +225,13 @@ def test_output_constraints_and_bshd_name() -> None:
         rope_hf_bshd(qb, torch.zeros(1, 8, 1, 15), torch.empty_like(qb), torch.zeros(1, 8, 1, 15),
                      cos=torch.zeros(8, 15), sin=torch.zeros(8, 15))
     assert constraints(q, k, layout="nope")[0].constraint.startswith("layout in")
+    wide = torch.zeros(1, 1, 129, 128)  # [B, S, H, D] fp32: 3 * 129 * 128 * 4 bytes > 192 KiB
+    with pytest.raises(KernelConstraintError, match=r"rope_hf_bshd: constraint '3 \* max\(Hq, Hk\)"):
+        rope_hf_bshd(wide, wide, torch.empty_like(wide), torch.empty_like(wide), cos=torch.zeros(1, 128),
+                     sin=torch.zeros(1, 128))
+    ok = torch.zeros(1, 1, 128, 128)
+    rope_hf_bshd(ok, ok, torch.empty_like(ok), torch.empty_like(ok), cos=torch.zeros(1, 128),
+                 sin=torch.zeros(1, 128))  # the largest allowed slab runs
     assert constraints(q, k, cos=a["cos"], sin=a["sin"]) == []
 
 

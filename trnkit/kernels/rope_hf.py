@@ -40,6 +40,7 @@ __all__ = ["rope_hf", "rope_hf_bshd", "rope_hf_ref", "rope_hf_bshd_ref", "constr
 # efficiency knee (>= 2-4 KiB per partition), small enough to keep several heads in flight in SBUF.
 FREE_TARGET = 2048
 PSUM_FMAX = 512  # fp32 elements per partition in one PSUM bank
+_BSHD_SLAB_BYTES = 192 * 1024  # SBUF per partition for bshd row slabs (x, y and the previous y)
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -98,6 +99,11 @@ def constraints(q: Any, k: Any, cos: Any = None, sin: Any = None, rope_cache: An
             bad(f"{tname}.dtype in {_DTYPES}", _dtype_name(t))
     if _dtype_name(k) != _dtype_name(q):
         bad("k.dtype == q.dtype", (_dtype_name(q), _dtype_name(k)))
+    isz = 4 if _dtype_name(q) == "float32" else 2
+    if layout == "bshd" and 3 * max(Hq, Hk) * D * isz > _BSHD_SLAB_BYTES:
+        bad("3 * max(Hq, Hk) * D * itemsize <= 192 KiB", 3 * max(Hq, Hk) * D * isz,
+            "the [B, S, H, D] layout keeps all heads of a row in SBUF (input, output and the previous "
+            "output still being stored)")
 
     have_cs = cos is not None or sin is not None
     if have_cs == (rope_cache is not None):
@@ -325,6 +331,7 @@ def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load)
                                   c_t.ap(pattern=bcast, offset=t0 * D), s_t.ap(pattern=bcast, offset=t0 * D)))
             _rotate_slabs(slabs, _pick_vector(load, NT * H * D))
             nisa.dma_copy(dst=x_out.ap(pattern=pat, offset=off), src=y_t)
+            x_t, y_t, slabs = None, None, None  # release the row slabs before the next tile's allocation
 
 
 @nki.jit
