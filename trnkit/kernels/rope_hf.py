@@ -15,11 +15,12 @@ in place and returned. fp32 or bf16 activations; cos/sin/cache fp32 or bf16. All
 Tiling (both layouts): sequence rows on partitions, and each partition holds ``NT`` *consecutive* rows,
 so every DMA moves one contiguous run of ``NT * D`` (bhsd) or ``NT * H * D`` (bshd) elements per
 partition; cos/sin are loaded once per row chunk (and batch, when they are per-batch) and reused by
-every head of q and k. A short tail chunk uses fewer partitions (any S works). The rotate-half pairing
-costs no data movement: sin is loaded with its halves swapped for the forward pass, so the math is
-three passes over the tile (``a = x*cos``, ``b = x*sin'``, ``y = a -/+ b[other half]``).
-The [B, S, H, D] layout reads one ``[NT, H, D]`` slab per partition and broadcasts cos/sin over the
-heads with a stride-0 access pattern, so no transposed copy of q/k is ever made.
+every head of q and k. A short tail chunk uses fewer partitions (any S works). The rotate-half sign
+lives in a table built once per chunk, ``t = cat(-sin[:h], sin[h:])`` (backward ``cat(sin[h:], -sin[:h])``),
+so ``y = x*cos + swap_halves(x)*t``: three elementwise passes per tile, split between the Vector engine
+(single-pass thanks to exact fp32 copies of x in PSUM made by the Scalar engine) and the GpSimd engine.
+The [B, S, H, D] layout reads one ``[NT, H, D]`` slab per partition and broadcasts cos/t over the heads
+with a stride-0 access pattern, so no transposed copy of q/k is ever made.
 """
 
 from __future__ import annotations
