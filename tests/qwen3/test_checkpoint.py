@@ -196,3 +196,36 @@ def test_bad_index_and_folder(saved, tmp_path_factory) -> None:
         load_hf_checkpoint(empty)
     with pytest.raises(CheckpointError, match="has no model.safetensors"):
         load_hf_checkpoint(empty, config=native_config("dense-gqa4"))
+
+
+def test_load_reads_one_tensor_at_a_time(tmp_path, monkeypatch) -> None:
+    """Lazy loading: each tensor read from the file is released before the next is read, so peak
+    memory is the model plus one tensor (no second full copy of the weights)."""
+    import weakref
+
+    import trnkit.qwen3.checkpoint as ck
+
+    save_hf_checkpoint(_random_model("moe-norm"), tmp_path, max_shard_size="100KB")
+    live: list[weakref.ref] = []
+    peak = [0]
+    real_open = ck.safe_open
+
+    class Tracking:
+        def __init__(self, *a, **kw):
+            self._h = real_open(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(self._h, name)
+
+        def get_tensor(self, key):
+            t = self._h.get_tensor(key)
+            live.append(weakref.ref(t))
+            peak[0] = max(peak[0], sum(r() is not None for r in live))
+            return t
+
+    monkeypatch.setattr(ck, "safe_open", Tracking)
+    model = load_hf_checkpoint(tmp_path)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and len(live) == sum(len(load_file(f)) for f in shards)
+    assert peak[0] == 1
+    assert not any(p.is_meta for p in model.parameters())

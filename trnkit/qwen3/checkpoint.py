@@ -221,6 +221,7 @@ def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = Non
                     raise CheckpointError(f"Qwen3 checkpoint: cannot read {hf_key} from {owner[hf_key]} "
                                           f"(corrupt or truncated: {e})") from e
                 copy_hf_tensor(params[key.native], key, src)
+                del src  # release before the next read: peak = model + one tensor
         return model
     finally:
         handles.clear()
