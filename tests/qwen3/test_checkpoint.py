@@ -112,6 +112,13 @@ def test_config_versions_round_trip(tmp_path) -> None:
     d = json.load(open(tmp_path / "config.json"))
     assert d["rope_theta"] == 10000.0 and "rope_parameters" not in d and d["torch_dtype"] == "float32"
     assert load_hf_checkpoint(tmp_path).config == model.config
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path)  # transformers reads the legacy v4 layout too
+    assert hf.config.rope_parameters["rope_theta"] == 10000.0
+    toks = torch.randint(0, model.config.vocab_size, (1, 12))
+    with torch.no_grad():
+        assert (hf.eval()(toks).logits - model.eval()(toks)).abs().max().item() <= 1e-4
 
 
 def test_parse_size() -> None:
