@@ -393,7 +393,8 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
 def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                            has_grad_logits=False, norm_topk_prob=True):
     """NKI kernel behind :func:`router_topk_bwd`. Phase 1 (per token tile): ``g_logits`` and
-    ``grad_x = g_logits @ w``; phase 2: ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM.
+    ``grad_x = g_logits @ w``; ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM, during
+    phase 1 when it fits 4 PSUM banks, else in a phase 2 over a g_logits scratch.
     The matmuls take ``x.dtype`` operands (bf16 like autograd of a bf16 linear; fp32 accumulation)."""
     T, H = x.shape
     E = w_router.shape[0]
@@ -403,8 +404,15 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
     grad_x = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
     grad_w = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.shared_hbm)
     split = mm != nl.float32
-    # g_logits scratch for phase 2 (bf16 inputs: its hi and lo bf16 parts)
-    g_hbm = nl.ndarray((2 if split else 1, T, E), dtype=mm, buffer=nl.shared_hbm)
+    # grad_w fits 4 PSUM banks (E <= 128, H <= 2048, e.g. Qwen3-30B-A3B): accumulate it during phase 1
+    # (no second pass over x, no g_logits scratch); else phase 2 re-reads g_logits from an HBM scratch
+    fused_w = n_e == 1 and H <= 4 * PSUM_FMAX
+    n_parts = 2 if split else 1
+    if fused_w:
+        w_accs = [nl.ndarray((E, min(PSUM_FMAX, H - h0)), dtype=nl.float32, buffer=nl.psum)
+                  for h0 in range(0, H, PSUM_FMAX)]
+    else:
+        g_hbm = nl.ndarray((n_parts, T, E), dtype=mm, buffer=nl.shared_hbm)  # bf16: hi and lo parts
     load = [0.0, 0.0]
     # w resident in SBUF [128, n_e, H]: E on partitions = the contraction of grad_x
     w_sb = nl.ndarray((P_MAX, n_e, H), dtype=mm, buffer=nl.sbuf)
@@ -452,21 +460,28 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                                        engine=nisa.engine.gpsimd)
                 else:
                     parts = [g_l]
-                for i in range(len(parts)):
-                    nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
+                x_sb = None
+                if fused_w:
+                    x_sb = nl.ndarray((tp, H), dtype=mm, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, :])
+                else:
+                    for i in range(len(parts)):
+                        nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
                 # grad_x needs g_l^T (E on partitions: the contraction)
                 gT = [nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf) for _ in parts]
                 _transpose_blocks([(gT[i], parts[i]) for i in range(len(parts))], tp, E, mm, load)
-                glT[i_g].append(gT)
+                glT[i_g].append((gT, parts, x_sb))
         i_m = step - 2
         if 0 <= i_m < n:  # grad_x [tp, H] = g_l [tp, E] @ w [E, H]; the H blocks' chains interleaved
             for gi in range(len(groups[i_m])):
-                t0, tp = tiles[groups[i_m][gi]]
-                gT = glT[i_m][gi]
+                ti = groups[i_m][gi]
+                t0, tp = tiles[ti]
+                gT, parts, x_sb = glT[i_m][gi]
                 gx_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
-                for hq in range(0, H, 4 * PSUM_FMAX):
+                nb = 2 if fused_w else 4  # grad_x PSUM banks in flight (fused: 4 hold grad_w)
+                for hq in range(0, H, nb * PSUM_FMAX):
                     blocks = [(h0, min(PSUM_FMAX, H - h0))
-                              for h0 in range(hq, min(H, hq + 4 * PSUM_FMAX), PSUM_FMAX)]
+                              for h0 in range(hq, min(H, hq + nb * PSUM_FMAX), PSUM_FMAX)]
                     gx_ps = [nl.ndarray((tp, hc), dtype=nl.float32, buffer=nl.psum) for _, hc in blocks]
                     for c in range(n_e):
                         ec = min(P_MAX, E - c * P_MAX)
@@ -479,7 +494,21 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                         h0, hc = blocks[b]
                         nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps[b], engine=_copy_engine(load, hc))
                 nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb)
+                if fused_w:  # grad_w [E, H] += g_l^T x: contraction over this tile's tokens
+                    for i in range(len(parts)):
+                        for a in range(len(w_accs)):
+                            h0 = a * PSUM_FMAX
+                            nisa.nc_matmul(dst=w_accs[a], stationary=parts[i], moving=x_sb[:, h0:h0 + w_accs[a].shape[1]],
+                                           accumulate=(ti > 0 or i > 0))
             glT[i_m] = None
+    if fused_w:
+        gw_sb = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.sbuf)
+        for a in range(len(w_accs)):
+            h0 = a * PSUM_FMAX
+            nisa.tensor_copy(dst=gw_sb[:, h0:h0 + w_accs[a].shape[1]], src=w_accs[a],
+                             engine=_copy_engine(load, w_accs[a].shape[1]))
+        nisa.dma_copy(dst=grad_w, src=gw_sb)
+        return grad_x, grad_w
     # phase 2: grad_w [E, H] = sum over token tiles of g_l^T x; groups of 4 PSUM banks per E chunk
     for c in range(n_e):
         e0 = c * P_MAX
@@ -491,7 +520,7 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 accs.append(nl.ndarray((ec, min(PSUM_FMAX, hg + hw - h0)), dtype=nl.float32, buffer=nl.psum))
             for t0 in range(0, T, P_MAX):
                 tp = min(P_MAX, T - t0)
-                g_sb = [nl.ndarray((tp, ec), dtype=mm, buffer=nl.sbuf) for _ in range(g_hbm.shape[0])]
+                g_sb = [nl.ndarray((tp, ec), dtype=mm, buffer=nl.sbuf) for _ in range(n_parts)]
                 for i in range(len(g_sb)):
                     nisa.dma_copy(dst=g_sb[i], src=g_hbm[i, t0:t0 + tp, e0:e0 + ec])
                 x_sb = nl.ndarray((tp, hw), dtype=mm, buffer=nl.sbuf)
