@@ -140,6 +140,8 @@ def test_router_ties_go_to_lower_index() -> None:
     r.gate.weight.data.zero_()
     w, idx, _ = r(torch.randn(5, 4))
     assert torch.equal(idx, torch.tensor([[0, 1, 2]] * 5)) and torch.allclose(w, torch.full((5, 3), 1 / 3))
+    with pytest.raises(ValueError, match=r"TopKRouter: x must be \[T, 4\], got \(2, 5, 4\)"):
+        r(torch.randn(2, 5, 4))
 
 
 # ---------------------------------------------------------------------------------- grouped experts

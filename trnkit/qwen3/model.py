@@ -124,6 +124,8 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if x.dim() != 2 or x.shape[1] != self.gate.in_features:
+            raise ValueError(f"TopKRouter: x must be [T, {self.gate.in_features}], got {tuple(x.shape)}")
         logits = self.gate(x).float()          # HF: linear in the activation dtype, softmax in fp32
         probs = torch.softmax(logits, dim=-1)
         # Stable descending sort == torch.topk's result, except that ties go to the lower expert index
