@@ -214,6 +214,7 @@ GMM_CASES = {
     "tails_empty_group": (70, 200, 600, [10, 10, 63], 64),  # K, N not multiples of 128/512
     "one_group_all_rows": (33, 64, 48, [33], 32),
     "rows_past_end": (40, 96, 80, [0, 17, 30], 128),
+    "many_k_chunks": (40, 1600, 100, [20, 40], 32),  # 3 PSUM passes of the weight-gradient kernel
 }
 
 
@@ -246,6 +247,7 @@ MOE_CASES = {
     "full_plus_half_128": (150, 64, 32, 1, 1, 128, None),  # one 128-wide block + one 64-wide tail
     "half_tail_256": (100, 64, 32, 1, 1, 256, None),  # the tail runs as one 128-row sub-tile
     "block_512": (600, 64, 32, 1, 1, 512, None),  # 4 sub-tiles, 512 moving columns, + a 256 tail
+    "big_I": (20, 64, 1100, 2, 1, 128, None),  # 9 I-chunks: 2 PSUM passes of gate/up
 }
 
 

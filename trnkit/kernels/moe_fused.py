@@ -63,6 +63,7 @@ def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int) -> None
             act = nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.sbuf)
             nisa.activation(dst=act, op=nl.silu, data=g_ps[jj])
             nisa.tensor_tensor(dst=h_T[j0 + jj][:iw, :], data1=act, data2=u_ps[jj], op=nl.multiply)
+        del g_ps, u_ps  # release the banks before the next pass allocates
 
 
 @nki.jit

@@ -182,6 +182,7 @@ def row_matmul(out_sb: Any, lhs_T: list, rows: int, rhs: Any, contract: int, col
                 nisa.nc_matmul(dst=ps[j], stationary=lhs_T[c][:ck, col0:col0 + rows], moving=rhs(c, ck, n0, nw))
         for j, (n0, nw) in enumerate(group):
             evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale)
+        del ps  # release the banks before the next group allocates
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -269,6 +270,7 @@ def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
                     evacuate(res, t, q)
                     nisa.dma_copy(dst=grad_w.ap(pattern=[[Nb, kw], [1, nw]], offset=(g * Ka + k0) * Nb + n0),
                                   src=res)
+                del ps, block  # release this pass's PSUM banks before the next pass allocates
     return grad_w
 
 
