@@ -198,7 +198,7 @@ def rope_hf_bshd_ref(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_ou
 
 def _load_tables(cos, sin, packed, b, s0, P, NT, D, backward):
     """fp32 SBUF tiles ``[P, NT, D]`` of ``cos`` and of the signed table ``t`` for rows
-    ``s0 + p*NT + t`` (batch ``b`` if 3-D), such that ``y = x*cos + swap_halves(x)*t``:
+    ``s0 + p*NT + j`` (batch ``b`` if 3-D), such that ``y = x*cos + swap_halves(x)*t``:
     forward ``t = cat(-sin[:h], sin[h:])``, backward ``t = cat(sin[h:], -sin[:h])``.
     """
     h = D // 2
