@@ -30,6 +30,7 @@ import functools
 import itertools
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,12 +136,16 @@ class _Guard:
         if not reasons:
             needs_backward = torch.is_grad_enabled() and any(
                 isinstance(t, Tensor) and t.requires_grad for t in inputs.values())
-            sel = select(self.op, self.impl, policy=self.policy, needs_backward=needs_backward,
-                         compiling=torch.compiler.is_compiling(), where=self.path, **inputs)
+            sel = select(self.op, self.impl, policy="fallback", needs_backward=needs_backward,
+                         compiling=torch.compiler.is_compiling(), **inputs)
             if not sel.fell_back:
                 return sel.impl
             reasons = list(sel.reasons)
         if self.policy == "strict":
+            if torch.compiler.is_compiling():
+                # torch.compile(fullgraph=True) cannot raise from a graph ("Observed exception");
+                # say why first. Without fullgraph dynamo breaks the graph and this raise runs eagerly.
+                _announce_strict(self.op, self.impl, "; ".join(str(v) for v in reasons), self.path)
             raise OverrideConstraintError(self.op, self.impl, reasons, self.path)
         self.warn_fallback(reasons)
         return None
@@ -150,6 +155,12 @@ class _Guard:
         reason = "; ".join(str(v) for v in reasons)
         _emit_fallback_warning(self.op, self.impl, reason, self.path)
         return reason
+
+
+@torch.compiler.assume_constant_result
+def _announce_strict(op: str, impl: str, reason: str, path: str) -> bool:
+    warnings.warn(f"{OverrideConstraintError(op, impl, [], path, reason)}", UserWarning, stacklevel=2)
+    return True
 
 
 # Under torch.compile the guard runs while dynamo traces it; a warnings.warn call there would break

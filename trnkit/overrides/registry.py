@@ -74,12 +74,13 @@ class RegistrationError(ValueError):
 class OverrideConstraintError(KernelConstraintError):
     """Raised under the ``strict`` policy when the selected impl cannot serve the inputs."""
 
-    def __init__(self, op: str, impl: str, violations: Iterable[Violation], where: str = "") -> None:
+    def __init__(self, op: str, impl: str, violations: Iterable[Violation], where: str = "",
+                 reason: str | None = None) -> None:
         self.op, self.impl, self.where = op, impl, where
         KernelConstraintError.__init__(self, violations)
         loc = f" at {where}" if where else ""
-        self.args = (f"trnkit override {op}[{impl}]{loc} cannot serve these inputs (policy 'strict'): "
-                     + "; ".join(str(v) for v in self.violations),)
+        reason = "; ".join(str(v) for v in self.violations) if reason is None else reason
+        self.args = (f"trnkit override {op}[{impl}]{loc} cannot serve these inputs (policy 'strict'): {reason}",)
 
 
 @dataclass(frozen=True)
