@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from .helpers import losses_from_jsonl, run_cli, tiny_config, write_config
 
@@ -26,9 +27,17 @@ def _run(tmp: Path, name: str, tok: str, corpus: Path, nproc: int, expect_log: s
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: str, corpus_dir: Path) -> dict[int, float]:
-    return _run(tmp_path_factory.mktemp("single"), "one", tiny_tokenizer, corpus_dir, 1,
-                training={"local_batch_size": 2})
+def single_run(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: str,
+               corpus_dir: Path) -> tuple[dict[int, float], Path]:
+    d = tmp_path_factory.mktemp("single")
+    losses = _run(d, "one", tiny_tokenizer, corpus_dir, 1, training={"local_batch_size": 2},
+                  checkpoint={"export_hf": True, "export_dtype": "float32"})
+    return losses, d / "one" / "hf_export"
+
+
+@pytest.fixture(scope="module")
+def single(single_run: tuple[dict[int, float], Path]) -> dict[int, float]:
+    return single_run[0]
 
 
 def test_fsdp2_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
@@ -93,3 +102,38 @@ def test_nki_kernels_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str
                overrides={"ops": ops, "policy": "strict"})
     for s in two:
         assert two[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, single, two)
+
+
+def test_tp_experts_layout_round_trip() -> None:
+    from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
+
+    E, H, I, tp = 3, 2, 4, 2
+    gate, up = torch.randn(E, H, I), torch.randn(E, H, I)
+    sd = {"layers.1.moe.experts.w_gate_up": torch.cat([gate, up], -1), "norm.weight": torch.ones(2)}
+    tpl = to_tp_layout(sd, tp)["layers.1.moe.experts.w_gate_up"]
+    # Shard(2) chunk r of the TP layout is [gate_r | up_r]
+    for r, chunk in enumerate(tpl.chunk(tp, dim=-1)):
+        s = I // tp
+        torch.testing.assert_close(chunk, torch.cat([gate[..., r * s:(r + 1) * s], up[..., r * s:(r + 1) * s]], -1))
+    back = from_tp_layout(to_tp_layout(sd, tp), tp)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_tp_sharded_experts_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                    single_run: tuple[dict[int, float], Path]) -> None:
+    single, single_export = single_run
+    tp = _run(tmp_path, "tpi", tiny_tokenizer, corpus_dir, 2,
+              # + layer 1's w_gate_up and w_down sharded on I
+              expect_log="parallelized: 17 of 24 parameters are DTensors",
+              training={"local_batch_size": 2},
+              parallelism={"tensor_parallel_degree": 2, "tp_experts": "shard_i"},
+              checkpoint={"export_hf": True, "export_dtype": "float32"})
+    for s in tp:
+        assert tp[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, tp, single)
+    # the export is in the natural layout: the same weights as the 1-process run's export
+    from safetensors.torch import load_file
+
+    ours, ref = (load_file(p / "model.safetensors") for p in (tmp_path / "tpi" / "hf_export", single_export))
+    assert sorted(ours) == sorted(ref)
+    for k in ref:
+        torch.testing.assert_close(ours[k], ref[k], atol=1e-5, rtol=1e-4, msg=k)

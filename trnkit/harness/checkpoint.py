@@ -21,6 +21,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from trnkit.harness.config import ConfigError
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -48,9 +50,10 @@ def _barrier() -> None:
 
 class Checkpointer:
     def __init__(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 loader: Any, rank: int, world_size: int, keep_latest_k: int = 2) -> None:
+                 loader: Any, rank: int, world_size: int, keep_latest_k: int = 2, expert_tp_layout: int = 1) -> None:
         self.folder, self.model, self.optimizer, self.scheduler, self.loader = folder, model, optimizer, scheduler, loader
         self.rank, self.world_size, self.keep_latest_k = rank, world_size, keep_latest_k
+        self.expert_tp_layout = expert_tp_layout  # experts' w_gate_up column layout (tp_experts.py)
 
     def _state(self, step: int) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
@@ -59,7 +62,7 @@ class Checkpointer:
             "optimizer": optim_sd,
             "lr_scheduler": self.scheduler.state_dict(),
             "data": self.loader.state_dict(),
-            "train": {"step": step},
+            "train": {"step": step, "expert_tp_layout": self.expert_tp_layout},
             # per-rank keys: DCP keeps one copy of same-named plain tensors, RNG streams differ per rank
             "rng": {f"rank{self.rank}": torch.get_rng_state()},
         }
@@ -93,6 +96,11 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+        saved = int(state["train"].get("expert_tp_layout", 1))
+        if saved != self.expert_tp_layout:
+            raise ConfigError(f"checkpoint {path}: its expert weights use the tp_experts='shard_i' layout of "
+                              f"tensor_parallel_degree {saved}, this run expects {self.expert_tp_layout} "
+                              "(resume with the same parallelism settings)")
         self.scheduler.load_state_dict(state["lr_scheduler"])
         self.loader.load_state_dict(state["data"])
         rng = state["rng"].get(f"rank{self.rank}")

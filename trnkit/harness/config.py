@@ -94,9 +94,9 @@ class ParallelismConfig:
     # FSDP2 degree; -1 = whatever the world size leaves after the other degrees.
     data_parallel_shard_degree: int = -1
     tensor_parallel_degree: int = 1
-    # Under TP the routed experts (and the router) are replicated on every TP rank; sharding them on
-    # the intermediate dimension I is not implemented yet.
-    tp_experts: Literal["replicate"] = "replicate"
+    # Under TP the routed experts are replicated on every TP rank, or (native models) sharded on the
+    # intermediate dimension I: gate/up column-parallel, down row-parallel, outputs summed over TP.
+    tp_experts: Literal["replicate", "shard_i"] = "replicate"
 
 
 @dataclass

@@ -94,7 +94,8 @@ class ModelHandle:
         q/k/v (and gate/up) column-parallel, o (and down) row-parallel; the per-head q/k RMSNorms see
         head-sharded activations, so they run as SequenceParallel over the heads dim (their weight
         grads are then summed over TP ranks). Embeddings, final norm, lm_head and the router stay
-        replicated, and so are the routed experts (``experts="replicate"``, the only mode so far).
+        replicated; routed experts are replicated or (native, ``experts="shard_i"``) sharded on I by
+        :func:`trnkit.harness.tp_experts.shard_experts_on_i`.
         """
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                        parallelize_module)
@@ -126,6 +127,12 @@ class ModelHandle:
             if dense:
                 plan.update(ffn)
             parallelize_module(block, tp_mesh, plan)
+            if not dense and experts == "shard_i":
+                if self.kind != "native":
+                    raise ConfigError("parallelism.tp_experts: 'shard_i' is implemented for qwen3: (native) "
+                                      f"models only, not {self.name}; use 'replicate'")
+                from trnkit.harness.tp_experts import shard_experts_on_i
+                shard_experts_on_i(block.moe.experts, tp_mesh)
             if self.kind == "native":
                 # The native attention reshapes with its head counts: make them the local ones.
                 block.attention.n_heads = n_heads // tp

@@ -26,6 +26,7 @@ from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig,
 from trnkit.harness.data import IGNORE_INDEX, build_loader
 from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
 from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
+from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
 from trnkit.kernels.constraints import KernelConstraintError
 
 
@@ -119,7 +120,7 @@ def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv,
             raise ConfigError(f"checkpoint.initial_load_path: no *.safetensors in {load_path!r}")
         log(f"loading HF weights from {load_path}")
         sd = handle.load_hf_state_dict(load_path)
-        _load_full(model, handle, sd)
+        _load_full(model, handle, sd, _expert_tp(cfg, env))
         return model, _apply_overrides(model, cfg, log, fsdp=env.dp > 1), True
     if env.world_size == 1:
         with torch.no_grad():
@@ -133,12 +134,19 @@ def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv,
         with torch.no_grad():
             torch.manual_seed(cfg.job.seed)
             handle.init_weights(full)
-        _load_full(model, handle, full.state_dict())
+        _load_full(model, handle, full.state_dict(), _expert_tp(cfg, env))
         del full
     return model, _apply_overrides(model, cfg, log, fsdp=env.dp > 1), False
 
 
-def _load_full(model: torch.nn.Module, handle: ModelHandle, sd: dict[str, torch.Tensor]) -> None:
+def _expert_tp(cfg: TrainerConfig, env: parallel.DistEnv) -> int:
+    """TP degree of the experts' TP weight layout (1 = natural layout, see tp_experts.py)."""
+    return env.tp if env.tp > 1 and cfg.parallelism.tp_experts == "shard_i" else 1
+
+
+def _load_full(model: torch.nn.Module, handle: ModelHandle, sd: dict[str, torch.Tensor], expert_tp: int = 1) -> None:
+    if expert_tp > 1:
+        sd = to_tp_layout(sd, expert_tp)
     load_full_model_state_dict(model, sd, strict=False)
     if handle.kind == "native":
         if handle.config.tie_word_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
@@ -203,7 +211,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
 
     ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
     ckpt = Checkpointer(ckpt_dir, model, optimizer, scheduler, loader, env.rank, env.world_size,
-                        cfg.checkpoint.keep_latest_k)
+                        cfg.checkpoint.keep_latest_k, expert_tp_layout=_expert_tp(cfg, env))
     start_step = 0
     if cfg.checkpoint.enable and cfg.checkpoint.resume:
         latest = latest_checkpoint(ckpt_dir)
@@ -275,7 +283,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         metrics.close()
 
     if cfg.checkpoint.export_hf:
-        sd = full_model_state_dict(model)
+        sd = from_tp_layout(full_model_state_dict(model), _expert_tp(cfg, env))
         out = os.path.join(dump, "hf_export")
         if env.rank == 0:
             handle.save_hf(sd, out, getattr(torch, cfg.checkpoint.export_dtype))
