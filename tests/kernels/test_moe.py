@@ -214,7 +214,7 @@ GMM_CASES = {
     "tails_empty_group": (70, 200, 600, [10, 10, 63], 64),  # K, N not multiples of 128/512
     "one_group_all_rows": (33, 64, 48, [33], 32),
     "rows_past_end": (40, 96, 80, [0, 17, 30], 128),
-    "many_k_chunks": (40, 1600, 100, [20, 40], 32),  # 3 PSUM passes of the weight-gradient kernel
+    "many_k_chunks": (24, 800, 1100, [10, 24], 32),  # 3 PSUM passes of the weight-gradient kernel
 }
 
 
