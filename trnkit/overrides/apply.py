@@ -51,6 +51,11 @@ from trnkit.overrides.registry import (
 )
 from trnkit.overrides.report import OverrideReport, OverrideRow
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = None
+
 __all__ = ["SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "revert"]
 
 SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts")
@@ -175,11 +180,9 @@ def _emit_fallback_warning(op: str, impl: str, reason: str, path: str) -> bool:
 
 def _dtensor_violations(op: str, inputs: Mapping[str, Any]) -> list[Violation]:
     """Sharded (DTensor) inputs, e.g. tensor-parallel expert weights: the kernels see whole tensors."""
-    if not torch.distributed.is_available():
+    if _DTensor is None:
         return []
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-
-    sharded = [name for name, t in inputs.items() if isinstance(t, DTensor)]
+    sharded = [name for name, t in inputs.items() if isinstance(t, _DTensor)]
     return [Violation(f"{op}[adapter]", "plain (non-DTensor) inputs", sharded,
                       "the kernels compute on whole local tensors; sharded inputs would need collectives")
             ] if sharded else []
