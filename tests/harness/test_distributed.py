@@ -137,3 +137,14 @@ def test_tp_sharded_experts_two_processes_match_one(tmp_path: Path, tiny_tokeniz
     assert sorted(ours) == sorted(ref)
     for k in ref:
         torch.testing.assert_close(ours[k], ref[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_four_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                            single: dict[int, float]) -> None:
+    two_d = _run(tmp_path, "2d", tiny_tokenizer, corpus_dir, 4,
+                 expect_log="(tp 2: attention + dense FFN; fsdp 2: per block + root)",
+                 training={"local_batch_size": 1},
+                 parallelism={"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2})
+    for s in two_d:
+        assert two_d[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, two_d, single)
