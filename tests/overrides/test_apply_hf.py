@@ -132,3 +132,17 @@ def test_per_sequence_positions_use_batched_cos_sin():
     positions = torch.stack([torch.arange(8), torch.arange(8) + 5])
     got = model(input_ids=IDS, position_ids=positions).logits
     assert_close(got.detach(), original(input_ids=IDS, position_ids=positions).logits.detach())
+
+
+def test_router_logits_still_feed_transformers_aux_loss():
+    """transformers records router logits from every *TopKRouter instance (the swapped one too)."""
+    model = hf_moe_model(output_router_logits=True, router_aux_loss_coef=0.01)
+    original = copy.deepcopy(model)
+    apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))
+    got, want = model(input_ids=IDS, labels=IDS), original(input_ids=IDS, labels=IDS)
+    assert_close(got.aux_loss.detach(), want.aux_loss.detach())
+    assert_close(got.loss.detach(), want.loss.detach())
+    got.loss.backward()
+    want.loss.backward()
+    gate, gate0 = model.model.layers[0].mlp.gate.weight, original.model.layers[0].mlp.gate.weight
+    assert_close(gate.grad, gate0.grad)
