@@ -283,3 +283,15 @@ print("ROWS", sorted({r.status for r in report.rows}), len(report.rows))
 def test_fsdp2_sharded_model_swaps_and_trains():
     """FSDP2 keeps DTensor parameters between steps but gathers them for forward: all swaps serve."""
     assert "ROWS ['swapped'] 4" in _run_with_gloo(_FSDP_SCRIPT)
+
+
+def test_native_aux_loss_gradient_flows_through_the_router_kernel():
+    model = native_model(init_std=0.2, router_aux_loss_coef=0.01)
+    original = copy.deepcopy(model)
+    apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))
+    for m in (model, original):
+        m.train()
+        (m(TOKENS).float().pow(2).mean() + m.aux_loss).backward()
+    assert_close(model.aux_loss.detach(), original.aux_loss.detach())
+    gate, gate0 = model.layers[0].moe.router.gate.weight, original.layers[0].moe.router.gate.weight
+    assert_close(gate.grad, gate0.grad)
