@@ -18,8 +18,9 @@ backward and torch.compile support, and the impl's own ``constraints(...)`` — 
 Impl call conventions (the op's canonical signature; the kernels' signatures from DESIGN.md §3):
 
 - ``rope_hf``: ``fn(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False,
-  layout="bhsd")`` writes ``q_out``/``k_out`` (``layout`` is ``"bhsd"`` or ``"bshd"``); the backward is
-  the same call with ``backward=True`` (dy in, dx out).
+  layout="bhsd")`` writes ``q_out``/``k_out`` or returns new ``(q', k')`` that trnkit copies into them
+  (``layout`` is ``"bhsd"`` or ``"bshd"``); the backward is the same call with ``backward=True``
+  (dy in, dx out).
 - ``router_topk``: ``fn(x, w_router, top_k, norm_topk_prob=True) -> (weights f32, idx int32, logits f32)``;
   ``backward(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
   norm_topk_prob) -> (grad_x, grad_w_router)``.
