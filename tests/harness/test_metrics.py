@@ -6,6 +6,7 @@ import math
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -73,3 +74,21 @@ def test_step1_sanity_notes() -> None:
 def test_plot_writes_png(tmp_path: Path) -> None:
     out = plot_loss([{"step": i, "loss": 10 / i} for i in range(1, 6)], str(tmp_path / "l.png"), vocab_size=384)
     assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_runs_cli(tmp_path: Path) -> None:
+    import json
+
+    from trnkit.harness.plot import main, plot_runs
+
+    paths = []
+    for name in ("ref", "nki"):
+        (tmp_path / name).mkdir()
+        p = tmp_path / name / "metrics.jsonl"
+        p.write_text("".join(json.dumps({"step": i, "loss": 5 - i / 10}) + "\n" for i in range(1, 6)))
+        paths.append(str(p))
+    out = tmp_path / "cmp.png"
+    assert main([*paths, "-o", str(out), "--labels", "reference,nki"]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="1 labels for 2 runs"):
+        plot_runs(paths, str(out), ["only"])

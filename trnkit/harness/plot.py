@@ -1,0 +1,53 @@
+"""Overlay the loss curves of several runs: ``python -m trnkit.harness.plot A/metrics.jsonl B/metrics.jsonl -o cmp.png``.
+
+Labels default to each run's folder name; pass ``--labels a,b`` to choose them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from trnkit.harness.metrics import read_jsonl
+
+
+def plot_runs(paths: list[str], out: str, labels: list[str] | None = None, title: str = "loss") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    labels = labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
+    if len(labels) != len(paths):
+        raise ValueError(f"plot_runs: {len(labels)} labels for {len(paths)} runs")
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    for path, label, marker in zip(paths, labels, "o.s^v"):
+        recs = read_jsonl(path)
+        ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], marker=marker, ms=3, lw=1, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (cross-entropy, nats)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trnkit.harness.plot", description=__doc__.splitlines()[0])
+    p.add_argument("metrics", nargs="+", help="metrics.jsonl files")
+    p.add_argument("-o", "--out", default="loss_compare.png")
+    p.add_argument("--labels", default="", help="comma-separated, one per run")
+    p.add_argument("--title", default="loss")
+    a = p.parse_args(argv)
+    print(plot_runs(a.metrics, a.out, [x for x in a.labels.split(",") if x] or None, a.title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
