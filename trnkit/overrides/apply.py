@@ -51,10 +51,15 @@ from trnkit.overrides.registry import (
 )
 from trnkit.overrides.report import OverrideReport, OverrideRow
 
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # torch built without distributed
-    _DTensor = None
+_DTensor: type | None = None  # torch.distributed.tensor.DTensor, resolved by apply_overrides (import is slow)
+
+
+def _resolve_dtensor() -> None:
+    global _DTensor
+    if _DTensor is None and torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+
+        _DTensor = DTensor
 
 __all__ = ["SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "revert"]
 
@@ -539,6 +544,7 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kw
     impl cannot serve (warned once per reason); ``off`` swaps nothing.
     """
     config = config if config is not None else OverrideConfig(**kwargs)
+    _resolve_dtensor()
     if getattr(model, _STATE_ATTR, None):
         raise RuntimeError("trnkit apply_overrides: overrides are already applied to this model; "
                            "call trnkit.overrides.revert(model) first")

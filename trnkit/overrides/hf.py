@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from trnkit.overrides.apply import _Guard, hf_experts_call, hf_experts_static
+from trnkit.overrides.apply import _Guard, _resolve_dtensor, hf_experts_call, hf_experts_static
 from trnkit.overrides.registry import POLICIES, get_impl
 
 __all__ = ["register_hf_experts"]
@@ -34,6 +34,7 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
     if policy not in POLICIES[:2]:
         raise ValueError(f"register_hf_experts: policy must be 'strict' or 'fallback', got {policy!r}")
     get_impl("moe_experts", impl)  # unknown impl names fail now, listing the registered ones
+    _resolve_dtensor()
 
     def trnkit_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                                top_k_weights: Tensor) -> Tensor:
