@@ -295,3 +295,8 @@ def test_native_aux_loss_gradient_flows_through_the_router_kernel():
     assert_close(model.aux_loss.detach(), original.aux_loss.detach())
     gate, gate0 = model.layers[0].moe.router.gate.weight, original.layers[0].moe.router.gate.weight
     assert_close(gate.grad, gate0.grad)
+
+
+def test_a_model_without_swap_points_gets_an_empty_report():
+    report = apply_overrides(torch.nn.Sequential(torch.nn.Linear(2, 2)), OverrideConfig())
+    assert report.rows == [] and "no swap points found" in report.table()
