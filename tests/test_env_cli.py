@@ -77,3 +77,12 @@ def test_cli_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2 and "usage" in capsys.readouterr().err
+
+
+def test_demo_rope_hf_in_process(capsys):
+    from trnkit.__main__ import main
+
+    assert main(["demo", "--kernel", "rope_hf", "--seq", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "rope_hf q [1, 8, 128, 128]" in out and "-> OK" in out
+    assert "estimated trn2 time" in out and "vector" in out and "dma" in out

@@ -1,8 +1,8 @@
 """``python -m trnkit env|demo``.
 
 * ``env``  — versions and install paths of trnkit's dependencies and the active NKI backend.
-* ``demo`` — runs a tiled matmul NKI kernel on the active backend, checks it against torch and prints
-  its estimated trn2 time per engine (cost model).
+* ``demo`` — runs a tiled matmul NKI kernel (or ``--kernel rope_hf``) on the active backend, checks it
+  against torch and prints its estimated trn2 time per engine (cost model).
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ def _cmd_env(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from trnkit import demo  # noqa: PLC0415
 
-    result = demo.run(m=args.m, n=args.n, k=args.k, chip=args.chip)
+    if args.kernel == "rope_hf":
+        result = demo.run_rope(seq=args.seq, chip=args.chip)
+    else:
+        result = demo.run(m=args.m, n=args.n, k=args.k, chip=args.chip)
     print(demo.format_result(result))
     return 0 if result["ok"] else 1
 
@@ -36,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_env.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p_env.set_defaults(fn=_cmd_env)
     p_demo = sub.add_parser("demo", help="run a tiled matmul kernel, check it, print its trn2 estimate")
+    p_demo.add_argument("--kernel", choices=("matmul", "rope_hf"), default="matmul",
+                        help="the tutorial tiled matmul, or the project's rope_hf kernel")
+    p_demo.add_argument("--seq", type=int, default=256, help="rope_hf: sequence length (multiple of 128)")
     p_demo.add_argument("--m", type=int, default=256, help="rows of the result (multiple of 128)")
     p_demo.add_argument("--n", type=int, default=1024, help="columns of the result (multiple of 512)")
     p_demo.add_argument("--k", type=int, default=512, help="contraction size (multiple of 128)")
