@@ -48,8 +48,15 @@ _LOW_FLOATS = frozenset({bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2, floa
 _INT_INFO = {d: np.iinfo(d) for d in (int8, int16, int32, uint8, uint16, uint32)}
 
 
+_RESOLVED: dict[Any, np.dtype] = {}  # resolve() results by argument (dtype objects, types, names)
+
+
 def resolve(dtype: Any, op: str = "dtype") -> np.dtype:
     """``dtype`` as an NKI numpy dtype (accepts dtype objects, numpy types and names like 'bfloat16')."""
+    try:
+        return _RESOLVED[dtype]
+    except (KeyError, TypeError):  # not seen yet / unhashable
+        pass
     try:
         dt = np.dtype(dtype)
     except TypeError:
@@ -57,6 +64,10 @@ def resolve(dtype: Any, op: str = "dtype") -> np.dtype:
     if dt not in NKI_DTYPES:
         fail(op, "dtype {dtype} is not an NKI dtype (supported: {names})", dtype=dt.name,
              names=", ".join(sorted(d.name for d in NKI_DTYPES)))
+    try:
+        _RESOLVED[dtype] = dt
+    except TypeError:
+        pass
     return dt
 
 
@@ -81,6 +92,16 @@ def dtype_name(dt: np.dtype) -> str:
 
 def sentinel(dt: np.dtype) -> Any:
     """Fill value of fresh allocations, as the official simulator: NaN for floats, 4 for ints."""
+    value = _SENTINELS.get(dt, _SENTINELS)
+    if value is _SENTINELS:
+        value = _SENTINELS[dt] = _sentinel(dt)
+    return value
+
+
+_SENTINELS: dict[np.dtype, Any] = {}
+
+
+def _sentinel(dt: np.dtype) -> Any:
     if dt == float8_e8m0fnu:
         return np.nan  # e8m0 has NaN (0xFF)
     if is_float(dt):

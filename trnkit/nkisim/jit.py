@@ -25,6 +25,7 @@ import numpy as np
 from . import blas as _blas
 from . import dtypes as _dt
 from . import memory as _mem
+from . import ops as _ops
 from .errors import fail, require
 from .tensor import NkiTensor, from_array, hbm, shared_hbm
 
@@ -181,7 +182,8 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
         ctx = _mem.KernelContext(program_id=ids[i], launch=launch, flat_program_id=i)
         _mem.push_context(ctx)
         try:
-            results[i] = fn(*wargs, **wkwargs)
+            with _ops.fp_errors_ignored():  # the hardware produces inf/nan silently
+                results[i] = fn(*wargs, **wkwargs)
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
             errors[i] = exc
             if launch.barrier is not None:

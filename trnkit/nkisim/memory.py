@@ -3,7 +3,7 @@
 Each kernel instance (one ``@nki.jit`` call, or one program of a grid launch) gets a fresh
 :class:`KernelContext` holding an empty :class:`Memory`. ``nl.ndarray`` registers every SBUF/PSUM
 allocation there; the bytes come back when the last view of the allocation is garbage-collected
-(``weakref.finalize``), so the accounting is over LIVE allocations, as a compiler's allocator would
+(a ``weakref`` callback), so the accounting is over LIVE allocations, as a compiler's allocator would
 see them. The official simulator does not model capacity at all (NKI simulator guide, "not modelled:
 SBUF/PSUM capacity"); these checks are trnkit's own.
 
@@ -50,7 +50,8 @@ class Memory:
         self.sbuf_used = 0
         self.sbuf_peak = 0
         self.psum_bank_used = [0] * PSUM_BANKS
-        self._lock = threading.Lock()
+        self._live: dict[weakref.ref, tuple[int, int]] = {}  # live allocation -> (bank or -1, bytes)
+        self._lock = threading.RLock()
 
     @property
     def psum_used(self) -> int:
@@ -86,23 +87,29 @@ class Memory:
                 if self.sbuf_used + nbytes > self.sbuf_capacity:
                     return False
                 self.sbuf_used += nbytes
-                self.sbuf_peak = max(self.sbuf_peak, self.sbuf_used)
-                weakref.finalize(owner, self._free_sbuf, nbytes)
+                if self.sbuf_used > self.sbuf_peak:
+                    self.sbuf_peak = self.sbuf_used
+                self._live[weakref.ref(owner, self._release)] = (-1, nbytes)
                 return True
             for bank, used in enumerate(self.psum_bank_used):  # first fit, a tile stays in one bank
                 if used + nbytes <= PSUM_BANK_BYTES:
                     self.psum_bank_used[bank] = used + nbytes
-                    weakref.finalize(owner, self._free_psum, bank, nbytes)
+                    self._live[weakref.ref(owner, self._release)] = (bank, nbytes)
                     return True
             return False
 
-    def _free_sbuf(self, nbytes: int) -> None:
-        with self._lock:
-            self.sbuf_used -= nbytes
+    def _release(self, ref: weakref.ref) -> None:
+        """Weakref callback: the allocation ``ref`` pointed to died; give its bytes back.
 
-    def _free_psum(self, bank: int, nbytes: int) -> None:
+        (A plain ``weakref.ref`` kept in ``_live`` costs a third of a ``weakref.finalize``; the lock
+        is re-entrant because a garbage collection inside ``_try`` may free a tile of this memory.)
+        """
         with self._lock:
-            self.psum_bank_used[bank] -= nbytes
+            bank, nbytes = self._live.pop(ref)
+            if bank < 0:
+                self.sbuf_used -= nbytes
+            else:
+                self.psum_bank_used[bank] -= nbytes
 
 
 @dataclass

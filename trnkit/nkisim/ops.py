@@ -34,7 +34,9 @@ objects here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -56,6 +58,25 @@ _F32 = np.float32
 
 def _f(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=_F32)
+
+
+# The hardware produces inf/nan silently, so every evaluation runs under np.errstate(all="ignore").
+# Entering np.errstate costs ~4 us (a context variable), as much as the arithmetic of a small tile:
+# kernel launches enter it once per program (jit, via fp_errors_ignored) and set this flag.
+_fp_quiet = threading.local()
+
+
+@contextlib.contextmanager
+def fp_errors_ignored() -> Iterator[None]:
+    """numpy floating-point errors ignored for the block (this thread), and the operator objects told
+    so; the interpreter runs each kernel program inside it."""
+    before = getattr(_fp_quiet, "on", False)
+    with np.errstate(all="ignore"):
+        _fp_quiet.on = True
+        try:
+            yield
+        finally:
+            _fp_quiet.on = before
 
 
 class NkiOp:
@@ -90,13 +111,17 @@ class NkiOp:
             raise TypeError(f"nl.{self.name}: takes {self.arity} operand(s), got {len(args)}")
         if self.kind == BITVEC:
             return self._fn(*(np.asarray(a) for a in args))
+        if getattr(_fp_quiet, "on", False):  # inside a kernel launch: errors already ignored
+            return self._fn(*map(_f, args))
         with np.errstate(all="ignore"):  # hardware produces inf/nan silently
-            return self._fn(*(_f(a) for a in args))
+            return self._fn(*map(_f, args))
 
     def apply_native(self, *args: np.ndarray) -> np.ndarray:
         """Evaluate on the arrays as given (e.g. int64 for GpSimd's exact 32-bit integer ALU)."""
         if len(args) != self.arity:
             raise TypeError(f"nl.{self.name}: takes {self.arity} operand(s), got {len(args)}")
+        if getattr(_fp_quiet, "on", False):
+            return np.asarray(self._fn(*args))
         with np.errstate(all="ignore"):
             return np.asarray(self._fn(*args))
 
@@ -105,7 +130,7 @@ class NkiOp:
         if self.reduce_ufunc is None:
             raise ValueError(f"nl.{self.name} is not a legal reduction operator")
         x = np.asarray(x) if self.kind == BITVEC else _f(x)
-        with np.errstate(all="ignore"):
+        with contextlib.nullcontext() if getattr(_fp_quiet, "on", False) else np.errstate(all="ignore"):
             if self.name.startswith("logical_"):
                 x = x != 0
             # Flatten the reduced axes into one trailing axis: non-reorderable ufuncs (subtract)

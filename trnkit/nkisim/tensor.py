@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes as _dt
+from . import memory as _memory
 from .errors import NkiValidationError, fail, require
 
 __all__ = [
@@ -127,13 +128,22 @@ class Storage:
         return self.mm
 
 
+_C_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
 def _c_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = _C_STRIDES.get(shape) if type(shape) is tuple else None
+    if strides is not None:
+        return strides
     out = []
     acc = 1
     for n in reversed(shape):
         out.append(acc)
         acc *= n
-    return tuple(reversed(out))
+    strides = tuple(reversed(out))
+    if type(shape) is tuple and len(_C_STRIDES) < 4096:
+        _C_STRIDES[shape] = strides
+    return strides
 
 
 def _norm_dim(op: str, dim: int, ndim: int) -> int:
@@ -812,27 +822,28 @@ def _nocopy_strides(shape: Sequence[int], strides: Sequence[int],
 def allocate(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: str = "",
              fill: Any = None) -> NkiTensor:
     """A fresh allocation (sentinel-filled unless ``fill`` is given), accounted in the current kernel."""
-    from . import memory  # noqa: PLC0415  (memory imports nothing from here; avoids a cycle)
-
     op = "nl.ndarray"
     shape = tuple(shape)
     if not name:
         name = f"{buffer.name}_{next(_names)}"
-    require(len(shape) >= 1, op, "tensor {name!r}: shape must have at least one dim, got {shape}",
-            name=name, shape=shape)
+    if not shape:
+        fail(op, "tensor {name!r}: shape must have at least one dim, got {shape}", name=name,
+             shape=shape)
     for s in shape:
-        require(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s > 0, op,
-                "tensor {name!r}: shape {shape} must be positive ints", name=name, shape=shape)
+        is_int = type(s) is int or (isinstance(s, (int, np.integer)) and not isinstance(s, bool))
+        if not is_int or s <= 0:
+            fail(op, "tensor {name!r}: shape {shape} must be positive ints", name=name, shape=shape)
     shape = tuple(int(s) for s in shape)
     size = math.prod(shape)
-    ctx = memory.current()
+    ctx = _memory.current()
     if buffer is shared_hbm and ctx.launch.num_instances > 1:
         return _shared_allocation(ctx, shape, dtype, name, fill)
     data = _filled(size, dtype, _dt.sentinel(dtype) if fill is None else fill)
     st = Storage(data, shape, buffer, name)
     if buffer.on_chip:
-        require(shape[0] <= memory.NUM_PARTITIONS, op, "tensor {name!r}: partition dim {p} exceeds "
-                "pmax ({pmax})", name=name, p=shape[0], pmax=memory.NUM_PARTITIONS)
+        if shape[0] > _memory.NUM_PARTITIONS:
+            fail(op, "tensor {name!r}: partition dim {p} exceeds pmax ({pmax})", name=name,
+                 p=shape[0], pmax=_memory.NUM_PARTITIONS)
         ctx.memory.allocate(st, buffer.name, st.free_bytes, name)
     return NkiTensor._make(st, shape, _c_strides(shape), 0, dtype, name)
 
@@ -840,11 +851,18 @@ def allocate(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
+_BITS_FILL: dict[np.dtype, bool] = {}
+
+
 def _filled(size: int, dtype: np.dtype, value: Any) -> np.ndarray:
     """``np.full(size, value, dtype)``; ml_dtypes fills go through the same-size uint bit pattern
     (``np.full`` on bfloat16 is ~15x slower than filling its bits)."""
     data = np.empty(size, dtype=dtype)
-    if dtype.kind == "V" or dtype.type.__module__.startswith("ml_dtypes"):
+    bits_fill = _BITS_FILL.get(dtype)
+    if bits_fill is None:
+        bits_fill = _BITS_FILL[dtype] = (dtype.kind == "V"
+                                         or dtype.type.__module__.startswith("ml_dtypes"))
+    if bits_fill:
         bits = np.asarray(value, dtype=dtype).view(_UINT[dtype.itemsize])
         data.view(_UINT[dtype.itemsize]).fill(bits)
     else:
