@@ -89,3 +89,15 @@ def test_native_hf_export_loads_in_transformers(tmp_path: Path, tiny_tokenizer: 
     with torch.no_grad():
         ours, theirs = res.model(tokens), hf(input_ids=tokens).logits
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_hf_backend_with_nki_kernels_matches_reference(tmp_path: Path, hf_moe_dir: Path, tiny_tokenizer: str,
+                                                       corpus_dir: Path) -> None:
+    common = {"model": {"spec": f"hf:{hf_moe_dir}", "config": {}}, "training": {"steps": 3}}
+    ref = run(tiny_config(tmp_path / "ref", tiny_tokenizer, corpus_dir, **common))
+    nki = run(tiny_config(tmp_path / "nki", tiny_tokenizer, corpus_dir, **common,
+                         overrides={"ops": ["rope_hf", "router_topk", "moe_experts"], "policy": "strict"}))
+    assert "(policy strict): 4 swapped" in nki.override_table
+    assert "model.layers.1.mlp.experts  moe_experts  nki   swapped" in nki.override_table
+    for s in (1, 2, 3):
+        assert nki.losses[s] == pytest.approx(ref.losses[s], rel=1e-5, abs=1e-5)
