@@ -159,7 +159,7 @@ _OPERATOR_MSG = ("binary operators on tensors are not supported by NKI; use nki.
 class NkiTensor:
     """A view ``(shape, strides, offset, dtype)`` of a :class:`Storage` in some memory buffer."""
 
-    __slots__ = ("_st", "shape", "strides", "offset", "dtype", "name", "_np", "_dyn", "_vec")
+    __slots__ = ("_st", "shape", "strides", "offset", "dtype", "name", "_np", "_dyn", "_vec", "_meta")
 
     # -- construction --------------------------------------------------------------------------
     def __init__(self, shape: Sequence[int], dtype: Any, storage: Any = None,
@@ -190,6 +190,7 @@ class NkiTensor:
         t._np = None
         t._dyn = dyn  # (scalar source: NkiTensor | VirtualRegister, multiplier)
         t._vec = vec  # (index tensor [P,1], row stride)
+        t._meta = None  # trace description of a static view, cached by isa.common.describe
         return t
 
     def _derive(self, shape: tuple[int, ...], strides: tuple[int, ...], offset: int, op: str,
@@ -352,14 +353,17 @@ class NkiTensor:
         if self._vec is not None:
             fail("__getitem__", "tensor {name!r} is an indirect (vector_offset) view and cannot be "
                  "sliced further", name=self.name)
-        if not isinstance(key, tuple):
+        if type(key) is not tuple:
             key = (key,)
-        ndim = len(self.shape)
-        n_ell = sum(1 for k in key if k is Ellipsis)
-        if n_ell:
-            require(n_ell == 1, "__getitem__", "an index can only have a single ellipsis ('...')")
-            i = next(j for j, k in enumerate(key) if k is Ellipsis)
-            key = key[:i] + (slice(None),) * (ndim - len(key) + 1) + key[i + 1:]
+        shape_in = self.shape
+        ndim = len(shape_in)
+        for k in key:
+            if k is Ellipsis:
+                n_ell = sum(1 for k2 in key if k2 is Ellipsis)
+                require(n_ell == 1, "__getitem__", "an index can only have a single ellipsis ('...')")
+                i = next(j for j, k2 in enumerate(key) if k2 is Ellipsis)
+                key = key[:i] + (slice(None),) * (ndim - len(key) + 1) + key[i + 1:]
+                break
         if len(key) > ndim:
             fail("__getitem__", "too many indices for tensor {name!r}: {n} indices, {ndim} dims",
                  name=self.name, n=len(key), ndim=ndim)
@@ -368,22 +372,34 @@ class NkiTensor:
         strides: list[int] = []
         off = self.offset
         dropped_stride = None
-        for d, n in enumerate(self.shape):
-            s = self.strides[d]
-            k = key[d] if d < len(key) else slice(None)
+        # A sub-view of this (bounds-checked) view taken with in-range ints / non-empty slices of
+        # step >= 1 stays inside it, so it is in bounds; the one rule a sub-view can newly break is
+        # partition contiguity (an on-chip partition slice with step > 1), checked below.
+        check = False
+        self_strides = self.strides
+        for d, k in enumerate(key):
+            n = shape_in[d]
+            s = self_strides[d]
             if type(k) is slice:
-                if k.start is None and k.stop is None and k.step is None:
+                start, stop, step = k.start, k.stop, k.step
+                if start is None and stop is None and step is None:
                     shape.append(n)
                     strides.append(s)
                     continue
-                step = 1 if k.step is None else k.step
-                require(step >= 1, "__getitem__", "slice step must be >= 1, got {step} (tensor "
-                        "{name!r} dim {dim})", step=step, name=self.name, dim=d)
-                start = 0 if k.start is None else k.start
-                stop = n if k.stop is None else k.stop
-                if start < 0:
+                if step is None:
+                    step = 1
+                elif step < 1:
+                    fail("__getitem__", "slice step must be >= 1, got {step} (tensor {name!r} dim "
+                         "{dim})", step=step, name=self.name, dim=d)
+                elif step != 1 and d == 0 and on_chip:
+                    check = True
+                if start is None:
+                    start = 0
+                elif start < 0:
                     start += n
-                if stop < 0:
+                if stop is None:
+                    stop = n
+                elif stop < 0:
                     stop += n
                 if not 0 <= start < stop <= n:
                     fail("__getitem__", "slice {start}:{stop} out of bounds (or empty) for dim {dim} "
@@ -415,6 +431,9 @@ class NkiTensor:
                     strides.append(s)
                 else:
                     dropped_stride = s
+        for d in range(len(key), ndim):  # trailing dims not indexed: kept whole
+            shape.append(shape_in[d])
+            strides.append(self_strides[d])
         if on_chip and len(shape) < 2 and dropped_stride is not None:
             shape.append(1)  # on-chip results stay >= 2-D: the last int-indexed free dim stays
             strides.append(dropped_stride)
@@ -423,7 +442,8 @@ class NkiTensor:
             strides.append(1)
         t = NkiTensor._make(self._st, tuple(shape), tuple(strides), off, self.dtype, self.name,
                             self._dyn, None)
-        t._check_bounds("__getitem__")
+        if check:
+            t._check_bounds("__getitem__")
         return t
 
     def __setitem__(self, key: Any, value: Any) -> None:

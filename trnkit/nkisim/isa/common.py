@@ -200,11 +200,27 @@ def store(dst: NkiTensor, values: Any) -> None:
 
 # -- trace --------------------------------------------------------------------------------------
 def operand(role: str, t: NkiTensor) -> trace.Operand:
-    on_chip = t._st.buffer.on_chip
+    m = describe(t)
+    return trace.Operand(role, m[0], t.shape, m[1], m[2], m[3], m[4])
+
+
+def describe(t: NkiTensor) -> tuple:
+    """``(buffer name, dtype name, partitions, free elems, nbytes, on_chip, span, box)`` of ``t`` for
+    its trace records (:func:`operand`, :func:`span`, :func:`box`); cached on static views (a view's
+    shape / strides / offset / dtype never change; dynamic-offset views are described per use)."""
+    m = t._meta
+    if m is not None:
+        return m
+    st = t._st
+    on_chip = st.buffer.on_chip
     size = math.prod(t.shape)
     parts = t.shape[0] if on_chip else 1
-    return trace.Operand(role, t._st.buffer.name, t.shape, _dt.dtype_name(t.dtype), parts,
-                         size // parts, size * t.dtype.itemsize)
+    sp, bx = _span_box(t)
+    m = (st.buffer.name, _dt.dtype_name(t.dtype), parts, size // parts, size * t.dtype.itemsize,
+         on_chip, sp, bx)
+    if t._dyn is None:
+        t._meta = m
+    return m
 
 
 def _span_box(t: NkiTensor) -> tuple[tuple[int, int, int], tuple[int, int, int, int, int]]:
@@ -239,7 +255,7 @@ def _span_box(t: NkiTensor) -> tuple[tuple[int, int, int], tuple[int, int, int, 
 
 def span(t: NkiTensor) -> tuple[int, int, int]:
     """``(storage key, lo, hi)``: half-open range of storage elements (storage dtype) ``t`` touches."""
-    return _span_box(t)[0]
+    return describe(t)[6]
 
 
 def box(t: NkiTensor) -> tuple[int, int, int, int, int]:
@@ -247,16 +263,16 @@ def box(t: NkiTensor) -> tuple[int, int, int, int, int]:
     ``[lo, hi)`` (storage dtype) that ``t`` touches; HBM tensors are one "partition" ``[0, 1)`` with the
     flat range. Two accesses overlap only if both intervals overlap, so writes to disjoint slices of one
     tile (``y[:, :h]`` / ``y[:, h:]``, different partition slabs) do not look dependent."""
-    return _span_box(t)[1]
+    return describe(t)[7]
 
 
 def dependency_attrs(reads: list[NkiTensor], writes: list[NkiTensor]) -> dict:
     """Trace attrs for the cost model's schedule: flat ``reads``/``writes`` spans and the finer
     ``read_boxes``/``write_boxes`` (:func:`box`)."""
-    r = [_span_box(t) for t in reads]
-    w = [_span_box(t) for t in writes]
-    return {"reads": tuple(x[0] for x in r), "writes": tuple(x[0] for x in w),
-            "read_boxes": tuple(x[1] for x in r), "write_boxes": tuple(x[1] for x in w)}
+    r = [describe(t) for t in reads]
+    w = [describe(t) for t in writes]
+    return {"reads": tuple(x[6] for x in r), "writes": tuple(x[6] for x in w),
+            "read_boxes": tuple(x[7] for x in r), "write_boxes": tuple(x[7] for x in w)}
 
 
 def contiguous_bytes(t: NkiTensor) -> int:
@@ -283,27 +299,36 @@ def emit(op: str, engine: str, dst: NkiTensor | None = None,
     tr = trace.active()
     if tr is None:
         return
-    ops = []
     attrs = dict(attrs) if attrs else {}
-    writes = []
-    reads = []
-    if dst is not None:
-        ops.append(operand("dst", dst))
-        writes.append(dst)
+    ops = []
+    reads, read_boxes, writes, write_boxes = [], [], [], []
+    elems = parts = any_elems = 0  # largest on-chip free size / partition count; largest of all
+    Operand = trace.Operand
+    roles = [(True, "dst", dst)] if dst is not None else []  # (written?, role, tensor)
     if srcs:
-        for r, t in srcs.items():
-            if isinstance(t, NkiTensor):
-                ops.append(operand(r, t))
-                reads.append(t)
-    for k, v in dependency_attrs(reads, writes).items():
-        attrs.setdefault(k, v)
-    elems = parts = 0
-    for o in ops:
-        if o.buffer == "sbuf" or o.buffer == "psum":
-            elems = max(elems, o.free_elems)
-            parts = max(parts, o.partitions)
+        roles.extend((False, r, t) for r, t in srcs.items() if isinstance(t, NkiTensor))
+    for written, r, t in roles:
+        m = t._meta or describe(t)
+        ops.append(Operand(r, m[0], t.shape, m[1], m[2], m[3], m[4]))
+        if written:
+            writes.append(m[6])
+            write_boxes.append(m[7])
+        else:
+            reads.append(m[6])
+            read_boxes.append(m[7])
+        if m[3] > any_elems:
+            any_elems = m[3]
+        if m[5]:  # on-chip operand
+            if m[3] > elems:
+                elems = m[3]
+            if m[2] > parts:
+                parts = m[2]
+    attrs.setdefault("reads", tuple(reads))
+    attrs.setdefault("writes", tuple(writes))
+    attrs.setdefault("read_boxes", tuple(read_boxes))
+    attrs.setdefault("write_boxes", tuple(write_boxes))
     if not parts and ops:  # HBM -> HBM copies
-        elems, parts = max(o.free_elems for o in ops), 1
+        elems, parts = any_elems, 1
     tr.append(trace.Instr(op=op, engine=engine, operands=tuple(ops), flops=int(flops),
                           hbm_bytes=int(hbm_bytes), dma_bytes=int(dma_bytes),
                           elems_per_partition=int(elems), partitions=int(parts),
