@@ -7,7 +7,6 @@ parallel plan, and how to read/write HF safetensors checkpoints.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -238,9 +237,4 @@ def has_hf_weights(path: str) -> bool:
     return any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names
 
 
-def read_hf_config(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, "config.json")) as f:
-        return json.load(f)
-
-
-__all__ = ["ModelHandle", "build_handle", "has_hf_weights", "read_hf_config"]
+__all__ = ["ModelHandle", "build_handle", "has_hf_weights"]
