@@ -205,34 +205,118 @@ def test_bad_index_and_folder(saved, tmp_path_factory) -> None:
         load_hf_checkpoint(empty, config=native_config("dense-gqa4"))
 
 
-def test_load_reads_one_tensor_at_a_time(tmp_path, monkeypatch) -> None:
-    """Lazy loading: each tensor read from the file is released before the next is read, so peak
-    memory is the model plus one tensor (no second full copy of the weights)."""
-    import weakref
+class _ReadTracker:
+    """Wraps ``safe_open``; at every ``get_tensor`` it counts the earlier reads whose memory the LOADER
+    still holds: a storage of an earlier read that some tensor reachable from the loader's call stack
+    (every frame between the test and the read; through locals, containers and object ``__dict__``s)
+    or from the loader modules' globals still uses — the tensor itself or any view of it.
 
+    Reachability, not just "still alive": an earlier tensor can outlive the loader's last reference for
+    reasons outside the loader (a full-suite ``-n 2`` run once saw a second live tensor while the
+    loader held none), whereas what this proves is the loader's own footprint. ``held_peak`` counts
+    the tensor being read too: a loader that lets go of each tensor before the next read has 1.
+    """
+
+    def __init__(self, real_open, modules=()) -> None:
+        import sys
+        import weakref
+
+        self._weakref = weakref
+        self._outer = sys._getframe(1)  # the test's frame: it and the frames above are not the loader
+        self._roots = [vars(m) for m in modules]
+        self.reads: list = []  # weakrefs to the storages of the tensors read so far
+        self.held_peak = 0
+        tracker = self
+
+        class Handle:
+            def __init__(self, *a, **kw):
+                self._h = real_open(*a, **kw)
+
+            def __getattr__(self, name):
+                return getattr(self._h, name)
+
+            def get_tensor(self, key):
+                t = self._h.get_tensor(key)
+                tracker._read(t)
+                return t
+
+        self.open = Handle
+
+    def _loader_storages(self) -> set:
+        """ids of the storages of every tensor reachable from the loader (frames and module globals)."""
+        import sys
+        import types
+
+        frame, todo = sys._getframe(3), list(self._roots)  # skip _loader_storages, _read, get_tensor
+        while frame is not None and frame is not self._outer:
+            todo.append(dict(frame.f_locals))
+            frame = frame.f_back
+        seen, storages = set(), set()
+        while todo:
+            o = todo.pop()
+            if id(o) in seen or isinstance(o, (types.ModuleType, type, types.FunctionType, str, bytes)):
+                continue
+            seen.add(id(o))
+            if isinstance(o, torch.Tensor):
+                storages.add(id(o.untyped_storage()))
+            elif isinstance(o, dict):
+                todo += list(o.values())
+            elif isinstance(o, (list, tuple, set, frozenset)):
+                todo += list(o)
+            elif hasattr(o, "__dict__"):
+                todo.append(vars(o))
+        return storages
+
+    def _read(self, t: torch.Tensor) -> None:
+        alive = [s for s in (r() for r in self.reads) if s is not None]
+        held = 0
+        if alive:
+            reachable = self._loader_storages()
+            held = sum(id(s) in reachable for s in alive)
+        self.reads.append(self._weakref.ref(t.untyped_storage()))
+        self.held_peak = max(self.held_peak, held + 1)
+
+
+def test_load_reads_one_tensor_at_a_time(tmp_path, monkeypatch) -> None:
+    """Lazy loading: each tensor read from the file is released by the loader before the next is read,
+    so peak memory is the model plus one tensor (no second full copy of the weights)."""
     import trnkit.qwen3.checkpoint as ck
+    import trnkit.qwen3.state_dict as sd
 
     save_hf_checkpoint(_random_model("moe-norm"), tmp_path, max_shard_size="100KB")
-    live: list[weakref.ref] = []
-    peak = [0]
-    real_open = ck.safe_open
-
-    class Tracking:
-        def __init__(self, *a, **kw):
-            self._h = real_open(*a, **kw)
-
-        def __getattr__(self, name):
-            return getattr(self._h, name)
-
-        def get_tensor(self, key):
-            t = self._h.get_tensor(key)
-            live.append(weakref.ref(t))
-            peak[0] = max(peak[0], sum(r() is not None for r in live))
-            return t
-
-    monkeypatch.setattr(ck, "safe_open", Tracking)
+    tracker = _ReadTracker(ck.safe_open, modules=(ck, sd))
+    monkeypatch.setattr(ck, "safe_open", tracker.open)
     model = load_hf_checkpoint(tmp_path)
     shards = sorted(tmp_path.glob("model-*.safetensors"))
-    assert len(shards) > 1 and len(live) == sum(len(load_file(f)) for f in shards)
-    assert peak[0] == 1
+    assert len(shards) > 1 and len(tracker.reads) == sum(len(load_file(f)) for f in shards)
+    assert tracker.held_peak == 1
     assert not any(p.is_meta for p in model.parameters())
+
+
+def test_read_tracker_sees_a_loader_that_keeps_tensors(tmp_path, monkeypatch) -> None:
+    """The accounting above can fail: a read loop that keeps the previous tensor bound while it reads
+    the next (the bug the loader once had), one that keeps only views of what it read, and tensors
+    stashed in a loader module's global are all counted."""
+    import trnkit.qwen3.checkpoint as ck
+
+    save_file({f"t{i}": torch.randn(4, 4) for i in range(3)}, tmp_path / "x.safetensors")
+
+    def bound_across_reads(h):
+        for k in ("t0", "t1", "t2"):
+            src = h.get_tensor(k)  # noqa: F841 (still bound during the next read)
+
+    def keeps_a_view(h):
+        views = []
+        for k in ("t0", "t1", "t2"):
+            views.append(h.get_tensor(k).t())
+
+    for loader in (bound_across_reads, keeps_a_view):
+        tracker = _ReadTracker(ck.safe_open)
+        loader(tracker.open(str(tmp_path / "x.safetensors"), framework="pt"))
+        assert tracker.held_peak == (2 if loader is bound_across_reads else 3), loader.__name__
+    monkeypatch.setattr(ck, "_stash", [], raising=False)
+    tracker = _ReadTracker(ck.safe_open, modules=(ck,))
+    h = tracker.open(str(tmp_path / "x.safetensors"), framework="pt")
+    for k in ("t0", "t1", "t2"):
+        ck._stash.append(h.get_tensor(k))
+    assert tracker.held_peak == 3

@@ -166,6 +166,17 @@ def _default_dtype(folder: str, stored: set[str]) -> torch.dtype:
     return _ST_DTYPES.get(next(iter(stored)), torch.float32) if len(stored) == 1 else torch.float32
 
 
+def _read_into(dst: torch.Tensor, key: HFKey, handle: Any, hf_key: str, fpath: str) -> None:
+    """Read one tensor from an open safetensors file and copy it into its native parameter. The file
+    tensor lives only in this call, so the loader holds at most one at a time (peak memory = the model
+    plus one tensor)."""
+    try:
+        src = handle.get_tensor(hf_key)
+    except SafetensorError as e:
+        raise CheckpointError(f"Qwen3 checkpoint: cannot read {hf_key} from {fpath} (corrupt or truncated: {e})") from e
+    copy_hf_tensor(dst, key, src)
+
+
 def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = None,
                        dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Qwen3Model:
     """Build a Qwen3Model from an HF checkpoint folder (config.json + safetensors [+ index]).
@@ -215,13 +226,7 @@ def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = Non
         params = dict(model.named_parameters())
         with torch.no_grad():
             for hf_key, key in plan.items():
-                try:
-                    src = handles[owner[hf_key]].get_tensor(hf_key)
-                except SafetensorError as e:
-                    raise CheckpointError(f"Qwen3 checkpoint: cannot read {hf_key} from {owner[hf_key]} "
-                                          f"(corrupt or truncated: {e})") from e
-                copy_hf_tensor(params[key.native], key, src)
-                del src  # release before the next read: peak = model + one tensor
+                _read_into(params[key.native], key, handles[owner[hf_key]], hf_key, owner[hf_key])
         return model
     finally:
         handles.clear()
