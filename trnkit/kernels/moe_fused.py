@@ -29,16 +29,15 @@ from trnkit.kernels.moe_grouped_mm import (
     P,
     block_range,
     chunks,
+    combine,
     load_block_start,
     load_rows,
     load_weight,
     row_matmul,
     store_rows,
-    scatter_add_rows,
     tiles,
     transpose_rows,
     weight_operand,
-    zero_rows,
 )
 from trnkit.nki_api import nisa, nl, nki
 
@@ -81,17 +80,17 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     T, H = x.shape
     E, _, I2 = w_gate_up.shape
     inter = I2 // 2
+    S = slot_weights.shape[0]
+    K = S // T
     B = token_table.shape[1]
     HC = (H + P - 1) // P
     IC = (inter + P - 1) // P
     dt = x.dtype
-    acc = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.hbm)  # fp32 sum of the scaled expert rows
+    y = nl.ndarray((S, H), dtype=dt, buffer=nl.hbm)  # per-slot scaled expert outputs
     bs = load_block_start(block_start)
     for e in range(E):
         wgu = load_weight(w_gate_up, e)  # [P, HC, 2I]
         wd = load_weight(w_down, e)  # [P, IC, H]
-        if e == 0:  # after expert 0's weights in program order, so they get the DMA queues first
-            zero_rows(acc)
         lo, hi = block_range(block_start, e, bs)
         mid = nisa.register_alloc()
         nisa.register_load(mid, bs[0:1, E + 1 + e:E + 2 + e])
@@ -111,13 +110,12 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
                 load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
                 y_sb = nl.ndarray((rows, H), dtype=dt, buffer=nl.sbuf)
                 row_matmul(y_sb, h_T, rows, weight_operand(wd), inter, col0=sub * rows, scale=w_col)
-                scatter_add_rows(acc, y_sb, token_table, i, sub)
+                store_rows(y, y_sb, slot_table, i, sub)
 
         nl.fori_loop(lo, mid, lambda i, block=block: block(i, B))
         nl.fori_loop(mid, hi, lambda i, block=block: block(i, B // 2))
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
-    for r0, n in chunks(T, 8 * P):  # fp32 -> input dtype, HBM -> HBM (the DMA casts)
-        nisa.dma_copy(dst=out[r0:r0 + n, :], src=acc[r0:r0 + n, :])
+    combine(y, out, K)
     return out
 
 

@@ -77,25 +77,6 @@ def store_rows(dst: Any, src: Any, table: Any, i: Any, sub: int) -> None:
                              indirect_dim=0), src=src, oob_mode=nisa.oob_mode.skip)
 
 
-def scatter_add_rows(acc: Any, src: Any, table: Any, i: Any, sub: int) -> None:
-    """``acc[ids] += src`` for the ids of block ``i`` / sub-tile ``sub`` (DMA read-modify-write in fp32,
-    ``nisa.dma_compute``; padding ids skipped). The ids of one block are unique (a token routes to an
-    expert at most once), as the DMA engine requires; blocks accumulate one after the other."""
-    rows, width = src.shape
-    ids = load_ids(table, i, sub, rows)
-    view = acc.ap(pattern=[[acc.shape[1], rows], [1, width]], offset=0, vector_offset=ids, indirect_dim=0)
-    nisa.dma_compute(dst=view, srcs=[view, src], reduce_op=nl.add, oob_mode=nisa.oob_mode.skip)
-
-
-def zero_rows(acc: Any) -> None:
-    """Fill the HBM tensor ``acc [R, W]`` with zeros (one SBUF zero tile, one DMA per 128 rows)."""
-    R, W = acc.shape
-    z = nl.ndarray((P, W), dtype=acc.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=z, value=0.0, engine=nisa.engine.gpsimd)
-    for r0, n in chunks(R, P):
-        nisa.dma_copy(dst=acc[r0:r0 + n, :], src=z[:n, :])
-
-
 def load_weight(w: Any, g: int) -> Any:
     """``w[g] [R, C]`` (HBM, row-major) -> SBUF ``[P, ceil(R/P), C]``: row ``c*P + p`` on partition p.
 
