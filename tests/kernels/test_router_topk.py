@@ -117,13 +117,11 @@ def test_backward_matches_ref(T, H, E, K, dtype, norm, with_logit_grad) -> None:
     rx, rw = router_topk_bwd_ref(x, w, logits, idx, g_w, g_l, norm)
     assert gx.dtype == x.dtype and gw.dtype == w.dtype
     assert gx.shape == x.shape and gw.shape == w.shape
-    # the kernel's sums run in a different order; compare relative to each tensor's scale (fp32 math,
-    # one rounding to the output dtype). K=1 with norm_topk_prob has an exactly zero gradient, where the
-    # kernel leaves fp32 rounding residue (~1e-7): the floor 1 (= the O(1) scale of x and the upstream
-    # gradients here) keeps that a pass.
-    for got, ref in ((gx, rx), (gw, rw)):
-        scale = ref.float().abs().max().clamp_min(1.0)
-        assert_close(got.float() / scale, ref.float() / scale, dtype)
+    # element-wise at the dtype's tolerance: the kernel's fp32 sums run in another order, then one
+    # rounding to the output dtype (K=1 with norm_topk_prob: the exact gradient is 0, the kernel leaves
+    # fp32 residue far below atol)
+    assert_close(gx, rx, dtype)
+    assert_close(gw, rw, dtype)
 
 
 def test_backward_with_int64_indices_from_the_model() -> None:
@@ -187,6 +185,5 @@ def test_max_experts_512_forward_and_backward() -> None:
     g = torch.randn(130, 8, generator=torch.Generator().manual_seed(11))
     gx, gw = router_topk_bwd(x, w, logits, idx, g)
     rx, rw = router_topk_bwd_ref(x, w, logits, idx, g)
-    for got, ref in ((gx, rx), (gw, rw)):
-        scale = ref.float().abs().max().clamp_min(1.0)
-        assert_close(got.float() / scale, ref.float() / scale, torch.bfloat16)
+    assert_close(gx, rx, torch.bfloat16)
+    assert_close(gw, rw, torch.bfloat16)

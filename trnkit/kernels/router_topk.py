@@ -103,7 +103,6 @@ def constraints(x: Any, w_router: Any, top_k: int) -> list[Violation]:
                                "w_router stays resident in SBUF next to at least one x slab per pipeline "
                                "stage (about ceil(H/128)*E + ceil(E/128)*H + 5*H elements); reduce H or E"))
     return v
-    return v
 
 
 # ---------------------------------------------------------------------------------------------------
