@@ -60,7 +60,8 @@ def test_table_layouts_d64_odd_s(layout: str, kind: str) -> None:
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_s423_multi_chunk_tail(layout: str, dtype: torch.dtype) -> None:
-    # D=16: 32 rows per partition per chunk -> one 4096-row... S=423 gives full-partition and tail chunks
+    # D=16: up to 128 rows per partition per chunk; S=423 -> chunks (0, 128, 3) (all partitions, 3 rows
+    # each) and the tail (384, 39, 1) on 39 partitions
     _run(layout, 1, 2, 1, 423, 16, dtype, "2d", backward=True)
 
 

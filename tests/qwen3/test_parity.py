@@ -31,7 +31,7 @@ def test_hf_to_trnkit_logits_and_loss(name: str, tmp_path) -> None:
     assert logits.shape == ref.logits.shape
     assert (logits - ref.logits).abs().max().item() <= LOGIT_ATOL
     assert abs(causal_lm_loss(logits, toks).item() - ref.loss.item()) <= 1e-5
-    # Not vacuous: the logits vary across positions and a shifted input changes them.
+    # Not vacuous: the logits are far from constant, so a 1e-4 match says something.
     assert ref.logits.std().item() > 1e-2
 
 
