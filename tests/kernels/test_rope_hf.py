@@ -199,6 +199,7 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("cos int", {"cos": z(8, 16, dtype=torch.int32), "sin": z(8, 16, dtype=torch.int32)}, "cos.dtype in"),
         ("cache width", {"cos": None, "sin": None, "rope_cache": z(8, 16)}, "rope_cache.shape[-1] == 2*D"),
         ("cache rows", {"cos": None, "sin": None, "rope_cache": z(4, 32)}, "rope_cache rows >= S"),
+        ("S 0", {"q": z(1, 2, 0, 16), "k": z(1, 1, 0, 16)}, "all dimensions >= 1"),
     ]
 
 
@@ -218,9 +219,13 @@ def test_output_constraints_and_bshd_name() -> None:
     q, k = a["q"], a["k"]
     with pytest.raises(KernelConstraintError, match=r"rope_hf: constraint 'q_out has the shape"):
         rope_hf(q, k, torch.empty(1, 2, 8, 8), torch.empty_like(k), cos=a["cos"], sin=a["sin"])
+    with pytest.raises(KernelConstraintError, match=r"rope_hf: constraint 'k_out has the shape and dtype of k'"):
+        rope_hf(q, k, torch.empty_like(q), torch.empty_like(k, dtype=torch.bfloat16), cos=a["cos"], sin=a["sin"])
     strided = torch.empty(1, 8, 2, 16).transpose(1, 2)
     with pytest.raises(KernelConstraintError, match="q_out is contiguous"):
         rope_hf(q, k, strided, torch.empty_like(k), cos=a["cos"], sin=a["sin"])
+    with pytest.raises(KernelConstraintError, match="k_out is contiguous"):
+        rope_hf(q, k, torch.empty_like(q), torch.empty(1, 1, 8, 32)[..., :16], cos=a["cos"], sin=a["sin"])
     with pytest.raises(KernelConstraintError, match=r"rope_hf_bshd: constraint 'D even' violated \(got 15\)"):
         qb = torch.zeros(1, 8, 2, 15)
         rope_hf_bshd(qb, torch.zeros(1, 8, 1, 15), torch.empty_like(qb), torch.zeros(1, 8, 1, 15),

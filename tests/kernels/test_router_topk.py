@@ -165,6 +165,13 @@ def test_backward_shape_constraints() -> None:
         router_topk_bwd(x, w, logits, idx, torch.zeros(4, 3))
     with pytest.raises(KernelConstraintError, match=r"router_topk_bwd: constraint 'router_logits.shape"):
         router_topk_bwd(x, w, logits[:, :5], idx, torch.zeros(4, 2))
+    with pytest.raises(KernelConstraintError, match=r"router_topk_bwd: constraint 'topk_idx.shape == \(4, 2\)' "
+                                                    r"violated \(got \(3, 2\)\)"):
+        router_topk_bwd(x, w, logits, idx[:3], torch.zeros(4, 2))
+    with pytest.raises(KernelConstraintError, match=r"router_topk_bwd: constraint 'grad_router_logits.shape"):
+        router_topk_bwd(x, w, logits, idx, torch.zeros(4, 2), torch.zeros(4, 7))
+    with pytest.raises(KernelConstraintError, match=r"router_topk: constraint '1 <= top_k <= 8' violated \(got 9\)"):
+        router_topk_bwd(x, w, logits, torch.zeros(4, 9, dtype=torch.int32), torch.zeros(4, 9))
     assert constraints(x, w, 2) == []
 
 
