@@ -56,6 +56,8 @@ def test_to_toml_round_trip(tmp_path: Path) -> None:
     ("", ["--overrides.policy", "strict"], r"overrides\.ops: must name at least one op"),
     ("", ["--lr_scheduler.warmup_steps", "-1"], r"warmup_steps: must be >= 0, got -1"),
     ("", ["--training.steps"], r"--training.steps needs a value"),
+    ("", ["--parallelism.replicated_init", "false", "--parallelism.tensor_parallel_degree", "2"],
+     r"parallelism\.replicated_init: false \(sharded init\) needs tensor_parallel_degree 1"),
     ("", ["training.steps", "3"], r"expected --<section>\.<field> <value>"),
     ("[training]\nsteps = \n", [], r"not valid TOML"),
 ])

@@ -97,6 +97,11 @@ class ParallelismConfig:
     # Under TP the routed experts are replicated on every TP rank, or (native models) sharded on the
     # intermediate dimension I: gate/up column-parallel, down row-parallel, outputs summed over TP.
     tp_experts: Literal["replicate", "shard_i"] = "replicate"
+    # Multi-process init. true: every rank initialises the full model on CPU with job.seed and loads
+    # its shards, so the weights equal a 1-process run's (needs the whole model in host memory on
+    # every rank). false: each rank initialises only its FSDP shards (seed job.seed + rank): memory
+    # scales with 1/world, values differ from a 1-process run (FSDP only: tensor_parallel_degree 1).
+    replicated_init: bool = True
 
 
 @dataclass
@@ -387,6 +392,9 @@ def _validate(cfg: TrainerConfig) -> None:
         p.tensor_parallel_degree)
     req(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
         "parallelism.data_parallel_shard_degree", "must be -1 (auto) or >= 1", p.data_parallel_shard_degree)
+    req(p.replicated_init or p.tensor_parallel_degree == 1, "parallelism.replicated_init",
+        "false (sharded init) needs tensor_parallel_degree 1 (TP-replicated parameters must get equal values)",
+        p.replicated_init)
     c = cfg.checkpoint
     req(c.interval >= 1, "checkpoint.interval", "must be >= 1", c.interval)
     req(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)

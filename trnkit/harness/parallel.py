@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +104,24 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], dp_mesh: Any, param_dt
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
+@contextmanager
+def local_shards(model: nn.Module) -> Iterator[None]:
+    """Within the block, every DTensor parameter is replaced by a plain Parameter viewing its local
+    shard, so initialisers that use ops DTensor lacks (nonzero, fancy indexing) write the shards in
+    place. The DTensor parameters (ties included) are put back on exit."""
+    saved = []
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and hasattr(p, "to_local"):
+                saved.append((m, name, p))
+                m._parameters[name] = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        for m, name, p in saved:
+            m._parameters[name] = p
+
+
 def _full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -129,4 +149,4 @@ def all_reduce_sum(x: torch.Tensor, group: Any = None) -> torch.Tensor:
 
 
 __all__ = ["DistEnv", "all_reduce_sum", "apply_fsdp", "clip_grad_norm", "destroy", "init_distributed",
-           "neuron_available"]
+           "local_shards", "neuron_available"]

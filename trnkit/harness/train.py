@@ -126,6 +126,11 @@ def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv,
         with torch.no_grad():
             torch.manual_seed(cfg.job.seed)
             handle.init_weights(model)
+    elif not cfg.parallelism.replicated_init:
+        log(f"init: each rank initialises its own shards (seed {cfg.job.seed} + rank)")
+        with torch.no_grad(), parallel.local_shards(model):
+            torch.manual_seed(cfg.job.seed + env.rank)  # independent values per shard
+            handle.init_weights(model)
     else:
         # Initialise the full model on CPU with the job seed on every rank and load the shards: the
         # weights are then identical to a single-process run's (sharded random init would not be).
