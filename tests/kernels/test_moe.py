@@ -439,3 +439,21 @@ def test_moe_experts_cost_qwen3_30b_a3b() -> None:
     _, rep, bound = _cost_of_moe_experts(T=8192, H=2048, inter=768, E=128, K=8)
     print(rep, f"\nuseful-FLOP TensorE bound {bound / 1e6:.3f} ms -> {bound / rep.total_ns:.1%}")
     assert bound / rep.total_ns >= 0.75
+
+
+def test_backward_sbuf_constraints_are_checked() -> None:
+    """Shapes whose forward fits but whose backward (a weight plus its transpose) does not."""
+    bf = torch.bfloat16
+    x, g = torch.zeros(2, 2048, dtype=bf), torch.zeros(2, 2048, dtype=bf)
+    wgu, wd = torch.zeros(2, 2048, 2048, dtype=bf), torch.zeros(2, 1024, 2048, dtype=bf)
+    idx, tw = torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2)
+    assert moe.moe_experts_constraints(x, idx, tw, wgu, wd) == []
+    with pytest.raises(KernelConstraintError, match="moe_experts: constraint 'backward working set fits 96 KiB"):
+        moe.moe_experts_bwd(x, idx, tw, wgu, wd, g)
+    xg, w = torch.zeros(4, 2048, dtype=bf), torch.zeros(2, 2048, 2048, dtype=bf)
+    offs = torch.tensor([2, 4], dtype=torch.int32)
+    assert moe.grouped_mm_constraints(xg, w, offs) == []
+    with pytest.raises(KernelConstraintError, match="grouped_mm: constraint 'one group's weights fit 96 KiB"):
+        moe.grouped_mm_bwd(xg, w, offs, torch.zeros(4, 2048, dtype=bf))
+    with pytest.raises(KernelConstraintError, match=r"grad_out.shape == \(M, N\)"):
+        moe.grouped_mm_bwd(xg, w, offs, torch.zeros(3, 2048, dtype=bf))
