@@ -246,7 +246,7 @@ def _rotate_slabs(slabs, on_vector):
             a_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=a_t, data1=x_ps, data2=c_v, op=nl.multiply, engine=eng)
             nisa.tensor_tensor(dst=xs_ps, data1=xs_ps, data2=t_v, op=nl.multiply, engine=eng)
-            if pending is not None:
+            if pending != None:  # noqa: E711 (the NKI compiler rejects `is`)
                 nisa.tensor_tensor(dst=pending[0], data1=pending[2], data2=pending[1], op=nl.add, engine=eng)
             pending = (y_v, a_t, xs_ps)
         else:
@@ -256,12 +256,12 @@ def _rotate_slabs(slabs, on_vector):
             nisa.tensor_tensor(dst=a_t, data1=x_v, data2=c_v, op=nl.multiply, engine=eng)
             nisa.tensor_tensor(dst=bx_t[..., 0:h], data1=x_v[..., h:D], data2=t_v[..., 0:h], op=nl.multiply,
                                engine=eng)
-            if pending is not None:
+            if pending != None:  # noqa: E711
                 nisa.tensor_tensor(dst=pending[0], data1=pending[1], data2=pending[2], op=nl.add, engine=eng)
             nisa.tensor_tensor(dst=bx_t[..., h:D], data1=x_v[..., 0:h], data2=t_v[..., h:D], op=nl.multiply,
                                engine=eng)
             pending = (y_v, a_t, bx_t)
-    if pending is not None:
+    if pending != None:  # noqa: E711
         eng = nisa.engine.vector if on_vector else nisa.engine.gpsimd
         nisa.tensor_tensor(dst=pending[0], data1=pending[2], data2=pending[1], op=nl.add, engine=eng)
 

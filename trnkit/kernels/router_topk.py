@@ -383,7 +383,7 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
     for i in range(n):
         nisa.tensor_tensor(dst=g[i], data1=g[i], data2=weight[i], op=nl.multiply)
     for i in range(n):
-        if group[i][3] is not None:
+        if group[i][3] != None:  # noqa: E711 (the NKI compiler rejects `is`)
             nisa.tensor_tensor(dst=g[i], data1=g[i], data2=group[i][3], op=nl.add)
     return g
 
