@@ -29,6 +29,7 @@ def dense(t: Any) -> Any:
 
 
 def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints."""
     return -(-a // b)
 
 

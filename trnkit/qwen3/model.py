@@ -224,7 +224,9 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router + grouped experts. In training with aux loss on, keeps the load-balancing statistics."""
+    """Router + grouped experts: forward(x [B,S,dim]) -> [B,S,dim]. In training with the aux loss on,
+    keeps ``aux_stats = (tokens per expert [E], summed router probabilities [E], rows)`` for
+    :meth:`Qwen3Model._aux_loss`."""
 
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
@@ -247,6 +249,10 @@ class MoE(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: ``h = x + attention(attention_norm(x)); out = h + ffn(ffn_norm(h))`` with
+    ffn the MoE block on MoE layers (``cfg.is_moe_layer(layer_id)``), else the dense SwiGLU.
+    forward(x [B,S,dim], rope_cache [S,2*head_dim] fp32) -> [B,S,dim]."""
+
     def __init__(self, cfg: Qwen3Config, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id

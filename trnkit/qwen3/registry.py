@@ -16,6 +16,8 @@ from .config import Qwen3Config
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A named model: ``name`` ("qwen3"), the canonical ``flavor`` (aliases resolved) and its config."""
+
     name: str
     flavor: str
     config: Qwen3Config
@@ -60,6 +62,7 @@ _ALIASES = {"debugmodel": "debug", "debugmodel_moe": "debug-moe"}
 
 
 def flavors() -> list[str]:
+    """Canonical flavor names, smallest first (aliases such as "debugmodel" are not listed)."""
     return list(_FLAVORS)
 
 
