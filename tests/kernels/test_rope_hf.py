@@ -65,6 +65,14 @@ def test_s423_multi_chunk_tail(layout: str, dtype: torch.dtype) -> None:
     _run(layout, 1, 2, 1, 423, 16, dtype, "2d", backward=True)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("S,D", [(1, 2), (1, 128), (2, 2)])
+def test_smallest_shapes(layout: str, S: int, D: int) -> None:
+    # one row on one partition; D=2: each half is a single element
+    _run(layout, 2, 1, 1, S, D, torch.float32, "3d", backward=False)
+    _run(layout, 1, 3, 2, S, D, torch.bfloat16, "packed", backward=True)
+
+
 def test_long_sequence_several_chunks() -> None:
     # D=128: 2048-row chunks -> chunks (0,128,16), (2048,128,2), (2304,5,1)
     _run("bhsd", 1, 1, 1, 2309, 128, torch.bfloat16, "packed", backward=False)
