@@ -424,9 +424,12 @@ def test_moe_experts_trace_visits_only_used_blocks() -> None:
     idx = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1)
     tr, rep, bound = _cost_of_moe_experts(T, H, inter, E, K, idx=idx)
     ops = tr.by_op()
-    # per block: H/128 transposes of x; 2 (gate, up) x H/128 x I/128 + I/128 x ceil(H/512) matmuls;
+    # per block: H/128 chunks of x transposed, chunk 0 on the Tensor Engine, chunk 1 as 16 32x32
+    # Vector Engine transposes; 2 (gate, up) x H/128 x I/128 + I/128 x ceil(H/512) matmuls;
     # combine: T / (128 // K) tiles x ceil(H/512) matmuls
-    assert ops["nc_transpose"] == E * 2
+    pe = [i for i in tr if i.op == "nc_transpose" and i.engine == "tensor"]
+    dve = [i for i in tr if i.op == "nc_transpose" and i.engine == "vector"]
+    assert len(pe) == E and len(dve) == E * 16
     assert ops["nc_matmul"] == E * (2 * 2 * 1 + 1 * 1) + T // 64
     weight_dmas = [i for i in tr if i.op == "dma_copy" and len(i.operands[0].shape) == 3]  # [P, chunks, C]
     assert len(weight_dmas) == 2 * E  # w_gate_up[e] and w_down[e] once each

@@ -108,12 +108,23 @@ def evacuate(dst: Any, src: Any, k: int, scale: Any = None) -> None:
         nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.vector)
 
 
-def transpose_rows(src: Any, dst: list, col0: int = 0) -> None:
+def transpose_rows(src: Any, dst: list, col0: int = 0, vector_every: int = 0) -> None:
     """SBUF ``src [rows, W]`` -> column chunk c of src on the partitions of ``dst[c][:, col0:col0+rows]``
     (the contraction layout of nc_matmul). One Tensor Engine transpose (own PSUM tile) and one
-    evacuation per chunk; separate tiles per chunk keep the chunks independent."""
+    evacuation per chunk; separate tiles per chunk keep the chunks independent.
+
+    ``vector_every = n > 0``: every n-th chunk (whose sizes are multiples of 32) is transposed by the
+    Vector Engine instead, in 32x32 blocks straight into SBUF -- for kernels whose Tensor Engine is
+    the bottleneck while the Vector Engine has time to spare.
+    """
     rows, width = src.shape
     for c, (w0, cw) in enumerate(chunks(width, P)):
+        if vector_every and c % vector_every == vector_every - 1 and rows % 32 == 0 and cw % 32 == 0:
+            for r0 in range(0, rows, 32):
+                for k0 in range(0, cw, 32):
+                    nisa.nc_transpose(dst=dst[c][k0:k0 + 32, col0 + r0:col0 + r0 + 32],
+                                      data=src[r0:r0 + 32, w0 + k0:w0 + k0 + 32], engine=nisa.engine.vector)
+            continue
         ps = nl.ndarray((cw, rows), dtype=src.dtype, buffer=nl.psum)
         nisa.nc_transpose(dst=ps, data=src[:rows, w0:w0 + cw])
         evacuate(dst[c][:cw, col0:col0 + rows], ps, c)
