@@ -70,7 +70,9 @@ def test_gradients_match(name: str, tmp_path) -> None:
     causal_lm_loss(model(toks), toks).backward()
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}  # v5 in-memory (fused experts) names
     ref = from_hf(hf_grads, model.config)
+    # fp32 rtol of tests/tolerances.py; atol 1e-6, not 1e-5, because many gradients are O(1e-4..1e-3)
+    # (every parameter is within a tenth of this bound: same math, other summation order)
     for n, p in model.named_parameters():
         assert p.grad is not None, n
-        torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     assert max(p.grad.abs().max().item() for p in model.parameters()) > 1e-3
