@@ -46,8 +46,18 @@ def test_schema_round_trip_and_validation(tmp_path):
 
 
 def test_time_quantiles_measure_wall_time():
-    p50, p20, p80 = time_quantiles(lambda: time.sleep(0.002), min_reps=5, budget_s=0.05)
+    info: dict = {}
+    p50, p20, p80 = time_quantiles(lambda: time.sleep(0.002), min_reps=5, budget_s=0.05, info=info)
     assert 2000 <= p20 <= p50 <= p80 < 200_000  # microseconds; the machine may be busy
+    assert info["reps"] >= 5 and not info["cold"]
+    # a call slower than max_total_s / 2 is measured once, cold
+    calls = []
+    p = time_quantiles(lambda: (calls.append(1), time.sleep(0.03)), max_total_s=0.04, info=info)
+    assert len(calls) == 1 and info == {"reps": 1, "cold": True} and p[0] == p[1] == p[2] >= 30_000
+    # otherwise the total time cap stops the repetitions early (but after at least one timed call)
+    calls.clear()
+    time_quantiles(lambda: (calls.append(1), time.sleep(0.01)), min_reps=50, max_total_s=0.05, info=info)
+    assert 2 <= len(calls) < 10 and info["reps"] == len(calls) - 1
 
 
 def _matmul_case(n: int = 512) -> Case:

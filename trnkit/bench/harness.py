@@ -53,20 +53,41 @@ class Case:
 
 
 def time_quantiles(fn: Callable[[], object], warmup: int = 1, min_reps: int = 5, max_reps: int = 100,
-                   budget_s: float = 1.0, sync: Callable[[], None] | None = None) -> tuple[float, float, float]:
-    """Wall time of ``fn`` in microseconds: (p50, p20, p80) over at least ``min_reps`` calls."""
-    for _ in range(warmup):
-        fn()
-        if sync:
-            sync()
-    times: list[float] = []
-    t_end = time.perf_counter() + budget_s
-    while len(times) < min_reps or (len(times) < max_reps and time.perf_counter() < t_end):
+                   budget_s: float = 1.0, sync: Callable[[], None] | None = None,
+                   max_total_s: float = 60.0, info: dict | None = None) -> tuple[float, float, float]:
+    """Wall time of ``fn`` in microseconds: (p50, p20, p80).
+
+    Calls ``fn`` ``warmup`` times, then at least ``min_reps`` times and until ``budget_s`` is spent (at
+    most ``max_reps``). A slow ``fn`` stops early once ``max_total_s`` is spent (at least one timed
+    call); if the first warm-up call alone takes over ``max_total_s / 2``, that call is the only sample.
+    ``info`` (if given) receives ``reps`` and ``cold`` so the row can say how it was measured."""
+
+    def once() -> float:
         t0 = time.perf_counter()
         fn()
         if sync:
             sync()
-        times.append((time.perf_counter() - t0) * 1e6)
+        return (time.perf_counter() - t0) * 1e6
+
+    start = time.perf_counter()
+    times: list[float] = []
+    cold = False
+    for k in range(warmup):
+        t = once()
+        if k == 0 and t * 1e-6 > max_total_s / 2:  # too slow to repeat: keep the cold call
+            times, cold = [t], True
+            break
+    if not cold:
+        t_end = time.perf_counter() + budget_s
+        while len(times) < max_reps:
+            times.append(once())
+            now = time.perf_counter()
+            if len(times) >= min_reps and now >= t_end:
+                break
+            if now - start >= max_total_s:
+                break
+    if info is not None:
+        info.update(reps=len(times), cold=cold)
     p = np.quantile(np.asarray(times), QUANTILES)
     return float(p[0]), float(p[1]), float(p[2])
 
@@ -112,8 +133,9 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
 
     if REAL_NKI:
         sync = _device_sync()
-        p = time_quantiles(prepared.nki, warmup=3, budget_s=budget_s, sync=sync)
-        row("nki", "wall_time", "us", p, "trainium", {"timer": "host perf_counter around a synced call"})
+        how = {}
+        p = time_quantiles(prepared.nki, warmup=3, budget_s=budget_s, sync=sync, info=how)
+        row("nki", "wall_time", "us", p, "trainium", {"timer": "host perf_counter around a synced call", **how})
     else:
         from trnkit.nkisim import cost, trace  # noqa: PLC0415 - interpreter only
 
@@ -142,10 +164,11 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
             torch.set_num_threads(torch_threads)
         try:
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-            p = time_quantiles(prepared.ref, budget_s=budget_s)
+            how: dict = {}
+            p = time_quantiles(prepared.ref, budget_s=budget_s, info=how)
             # the 1-minute load average says how shared the CPU was while timing
             row("torch", "wall_time", "us", p, host_device(),
-                {"torch_threads": torch.get_num_threads(), "load_avg_1m": load})
+                {"torch_threads": torch.get_num_threads(), "load_avg_1m": load, **how})
         finally:
             torch.set_num_threads(saved)
     return rows
