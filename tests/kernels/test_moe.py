@@ -244,6 +244,7 @@ MOE_CASES = {
     "odd_H_I": (12, 72, 20, 3, 2, 32, None),
     "block_256": (130, 64, 32, 2, 2, 256, None),  # 2 sub-tiles of 128 rows per block
     "half_tail_128": (40, 64, 32, 2, 2, 128, None),  # every expert's only block runs 64 wide
+    "tail_96": (80, 64, 32, 1, 1, 128, None),  # 80 rows: one 96-wide block
     "full_plus_half_128": (150, 64, 32, 1, 1, 128, None),  # one 128-wide block + one 64-wide tail
     "half_tail_256": (100, 64, 32, 1, 1, 256, None),  # the tail runs as one 128-row sub-tile
     "block_512": (600, 64, 32, 1, 1, 512, None),  # 4 sub-tiles, 512 moving columns, + a 256 tail
@@ -251,13 +252,16 @@ MOE_CASES = {
 }
 
 
-def test_half_width_tail_split() -> None:
-    idx = torch.tensor([0] * 150 + [1] * 64 + [2] * 65 + [3] * 128).view(-1, 1)
-    lay, _ = moe._moe_layout(idx, 5, 128)
-    split = moe._half_tail_split(lay, idx, 5)[0]
-    start, mid = split[:6].tolist(), split[6:].tolist()
-    assert start == [0, 2, 3, 4, 5, 5]
-    assert mid == [1, 2, 4, 5, 5, 5]  # experts 0 and 1 end with a half-used block; 2, 3 do not; 4 empty
+def test_tail_width_split() -> None:
+    # expert: used rows -> blocks of 128 [full..., tail width]: 0: 150 -> [128, 64]; 1: 64 -> [64];
+    # 2: 65 -> [96]; 3: 128 -> [128]; 4: empty; 5: 97 -> [128]
+    idx = torch.tensor([0] * 150 + [1] * 64 + [2] * 65 + [3] * 128 + [5] * 97).view(-1, 1)
+    lay, _ = moe._moe_layout(idx, 6, 128)
+    split = moe._tail_split(lay, idx, 6)[0].tolist()
+    start, b96, b64 = split[:7], split[7:14], split[14:]
+    assert start == [0, 2, 3, 4, 5, 5, 6]
+    assert b96 == [1, 2, 3, 5, 5, 6, 6]  # end of the full-width blocks
+    assert b64 == [1, 2, 4, 5, 5, 6, 6]  # end of the 96-wide blocks; then 64-wide up to start[e+1]
 
 
 def _moe_inputs(case: str, dtype: torch.dtype):

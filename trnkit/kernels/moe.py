@@ -415,19 +415,23 @@ def _moe_layout(topk_idx: torch.Tensor, num_experts: int, block_size: int) -> tu
     return lay, token
 
 
-def _half_tail_split(lay: BlockLayout, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``[1, 2E + 2]`` int32 ``[block_start | mid]``; mid[e] = end of expert e's full-width blocks.
+def _tail_split(lay: BlockLayout, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[1, (n + 1)(E + 1)]`` int32 ``[block_start | b_1 | .. | b_n]`` for the kernel's narrower tail
+    widths (``moe_fused.tail_widths``): b_j[e] = end of expert e's blocks wider than width j, i.e. the
+    last block moves to the narrowest width that holds its used rows."""
+    from trnkit.kernels.moe_fused import tail_widths  # noqa: PLC0415
 
-    An expert's last block runs at half width when at most B/2 of its rows are used (only for
-    B >= 128: narrower tiles would leave the Tensor Engine half idle).
-    """
-    B = lay.block_size
+    widths = tail_widths(lay.block_size)
     counts = torch.bincount(topk_idx.reshape(-1).long(), minlength=num_experts)
-    rem = counts % B
-    half = ((rem > 0) & (rem <= B // 2)).long() if B >= 128 else torch.zeros_like(counts)
+    rem = counts % lay.block_size
+    cls = torch.zeros_like(counts)  # 0: full width (or no partial block); j: widths[j-1]
+    for j, w in enumerate(widths, start=1):
+        cls = torch.where((rem > 0) & (rem <= w), torch.full_like(cls, j), cls)
     start = lay.block_start[0].long()
-    mid = torch.cat([start[1:] - half, start[-1:]])
-    return torch.cat([start, mid]).view(1, -1).to(torch.int32)  # one SBUF partition row
+    rows = [start]
+    for j in range(1, len(widths) + 1):
+        rows.append(torch.cat([start[1:] - (cls >= j).long(), start[-1:]]))
+    return torch.cat(rows).view(1, -1).to(torch.int32)  # one SBUF partition row
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
@@ -470,7 +474,7 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     lay, token = _moe_layout(topk_idx, E, block_size)
     weights = topk_weights.reshape(-1, 1).float()  # fp32 affinities, [T*K, 1]
     return K_.moe_experts_kernel(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), token,
-                                 lay.table, _half_tail_split(lay, topk_idx, E), weights)
+                                 lay.table, _tail_split(lay, topk_idx, E), weights)
 
 
 def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,

@@ -41,6 +41,15 @@ from trnkit.kernels.moe_grouped_mm import (
 )
 from trnkit.nki_api import nisa, nl, nki
 
+def tail_widths(B: int) -> tuple[int, ...]:
+    """Narrower widths an expert's last block may run at (widest first): a block with r used rows
+    runs at the narrowest width >= r. Only widths >= 64 pay off (narrower moving / stationary tiles
+    leave the Tensor Engine idle), and widths above 128 must be multiples of 128 (sub-tiles)."""
+    if B == 128:
+        return (96, 64)
+    return (B // 2,) if B > 128 else ()
+
+
 # every 2nd 128-column chunk of the gathered x is transposed on the Vector Engine (idle ~85% of the
 # time here) instead of the Tensor Engine, the bottleneck of this kernel
 VECTOR_TRANSPOSE_EVERY = 2
@@ -76,10 +85,11 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
 
     x ``[T, H]``; w_gate_up ``[E, H, 2I]``; w_down ``[E, I, H]``; token_table / slot_table
     ``[NB, B]`` int32 (token id / slot id t*K+k of each block position, T / T*K for padding);
-    block_start ``[1, 2E + 2]`` int32: ``[start | mid]``, start[e] the first block of expert e (and
-    start[E] the total), mid[e] the end of its *full-width* blocks: blocks ``mid[e] .. start[e+1]-1`` (0 or 1: the last
-    block when at most B/2 of its rows are used) run at half width, so a nearly empty tail block
-    costs about half; slot_weights ``[T*K, 1]`` fp32 (topk_weights flattened).
+    block_start ``[1, (n + 1)(E + 1)]`` int32 for the n = len(tail_widths(B)) narrower widths:
+    ``[start | b_1 | .. | b_n]``, start[e] the first block of expert e (start[E] the total); blocks
+    ``start[e] .. b_1[e]-1`` run at full width B, ``b_j[e] .. b_{j+1}[e]-1`` (0 or 1 block: the
+    expert's last) at ``tail_widths(B)[j-1]`` (b_{n+1} = start[e+1]), so a partly used last block
+    costs about what it uses; slot_weights ``[T*K, 1]`` fp32 (topk_weights flattened).
     """
     T, H = x.shape
     E, _, I2 = w_gate_up.shape
@@ -87,6 +97,7 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     S = slot_weights.shape[0]
     K = S // T
     B = token_table.shape[1]
+    widths = tail_widths(B)
     HC = (H + P - 1) // P
     IC = (inter + P - 1) // P
     dt = x.dtype
@@ -96,8 +107,12 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
         wgu = load_weight(w_gate_up, e)  # [P, HC, 2I]
         wd = load_weight(w_down, e)  # [P, IC, H]
         lo, hi = block_range(block_start, e, bs)
-        mid = nisa.register_alloc()
-        nisa.register_load(mid, bs[0:1, E + 1 + e:E + 2 + e])
+        bounds = [lo]
+        for j in range(1, len(widths) + 1):
+            r = nisa.register_alloc()
+            nisa.register_load(r, bs[0:1, j * (E + 1) + e:j * (E + 1) + e + 1])
+            bounds.append(r)
+        bounds.append(hi)
 
         def block(i, width, wgu=wgu, wd=wd):
             rows = min(width, P)
@@ -116,8 +131,8 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
                 row_matmul(y_sb, h_T, rows, weight_operand(wd), inter, col0=sub * rows, scale=w_col)
                 store_rows(y, y_sb, slot_table, i, sub)
 
-        nl.fori_loop(lo, mid, lambda i, block=block: block(i, B))
-        nl.fori_loop(mid, hi, lambda i, block=block: block(i, B // 2))
+        for seg, width in enumerate((B,) + widths):
+            nl.fori_loop(bounds[seg], bounds[seg + 1], lambda i, block=block, width=width: block(i, width))
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     combine(y, out, K)
     return out
