@@ -3,6 +3,7 @@ references vs transformers' Qwen3-MoE router (forward and autograd)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -146,6 +147,8 @@ def test_backward_with_int64_indices_from_the_model() -> None:
     (torch.zeros(4, 8), torch.zeros(16, 8), 9, "1 <= top_k <= 8"),
     (torch.zeros(4, 8), torch.zeros(16, 8), 0, "1 <= top_k <= 8"),
     (torch.zeros(4, 8), torch.zeros(3, 8), 4, "top_k <= E"),
+    (torch.zeros(4, 8), torch.zeros(16, 8), 2.0, "top_k is an int"),
+    (torch.zeros(4, 8), torch.zeros(16, 8), True, "top_k is an int"),
     (torch.zeros(4, 8, dtype=torch.float16), torch.zeros(4, 8, dtype=torch.float16), 2, "x.dtype in"),
     (torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16), 2, "w_router.dtype == x.dtype"),
     (torch.zeros(4, 16384), torch.zeros(512, 16384), 2, "SBUF per partition <= 200 KiB"),
@@ -172,7 +175,7 @@ def test_backward_shape_constraints() -> None:
         router_topk_bwd(x, w, logits, idx, torch.zeros(4, 2), torch.zeros(4, 7))
     with pytest.raises(KernelConstraintError, match=r"router_topk: constraint '1 <= top_k <= 8' violated \(got 9\)"):
         router_topk_bwd(x, w, logits, torch.zeros(4, 9, dtype=torch.int32), torch.zeros(4, 9))
-    assert constraints(x, w, 2) == []
+    assert constraints(x, w, 2) == [] and constraints(x, w, np.int64(2)) == []  # e.g. a K read from a config
 
 
 def test_lnc2_grid_splits_tokens() -> None:

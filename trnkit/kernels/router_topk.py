@@ -86,18 +86,23 @@ def constraints(x: Any, w_router: Any, top_k: int) -> list[Violation]:
         v.append(Violation(name, "T, H, E >= 1", {"T": T, "H": H, "E": E}))
     if E > E_MAX:
         v.append(Violation(name, "E <= 512", E, "the logits of a token tile must fit one PSUM bank"))
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= K_MAX:
-        v.append(Violation(name, "1 <= top_k <= 8", top_k, "top-K is one hardware max8"))
+    k_ok = False
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+        v.append(Violation(name, "top_k is an int", type(top_k).__name__, f"value {top_k!r}"))
+    elif not 1 <= top_k <= K_MAX:
+        v.append(Violation(name, "1 <= top_k <= 8", int(top_k), "top-K is one hardware max8"))
     elif top_k > E:
-        v.append(Violation(name, "top_k <= E", top_k, f"E = {E}"))
+        v.append(Violation(name, "top_k <= E", int(top_k), f"E = {E}"))
+    else:
+        k_ok = True
     for tname, t in (("x", x), ("w_router", w_router)):
         if _dtype_name(t) not in _DTYPES:
             v.append(Violation(name, f"{tname}.dtype in {_DTYPES}", _dtype_name(t)))
     if _dtype_name(w_router) != _dtype_name(x):
         v.append(Violation(name, "w_router.dtype == x.dtype", (_dtype_name(x), _dtype_name(w_router)),
                            "the Tensor engine needs both operands fp32 or both bf16"))
-    if isinstance(top_k, int) and 1 <= top_k <= K_MAX:
-        need = _sbuf_bytes(H, E, top_k, 4 if _dtype_name(x) == "float32" else 2)
+    if k_ok:
+        need = _sbuf_bytes(H, E, int(top_k), 4 if _dtype_name(x) == "float32" else 2)
         if need > _SBUF_BUDGET:
             v.append(Violation(name, "SBUF per partition <= 200 KiB", need,
                                "w_router stays resident in SBUF next to at least one x slab per pipeline "
