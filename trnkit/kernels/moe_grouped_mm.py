@@ -31,10 +31,6 @@ def chunks(n: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(size, n - s)) for s in range(0, n, size)]
 
 
-def itemsize(dtype: Any) -> int:
-    return 4 if dtype == nl.float32 else 2
-
-
 # ----------------------------------------------------------------------------------------- movement
 def load_ids(table: Any, i: Any, sub: int, rows: int) -> Any:
     """Ids ``table[i, sub*P : sub*P + rows]`` (block ``i`` a run-time register) -> SBUF ``[rows, 1]``."""
