@@ -1,10 +1,11 @@
 """The training loop: ``python -m trnkit.harness.train --config configs/X.toml [--section.field value ...]``.
 
 Also under ``torchrun --nproc_per_node N -m trnkit.harness.train ...``. Order of operations (as in
-torchtitan): build the model on the meta device -> parallelize (TP, then FSDP2) -> materialise
-(``to_empty``) -> initialise or load weights -> swap in kernels through the override registry (report
-printed, validated on this run's shapes) -> resume from the latest checkpoint if there is one ->
-train -> final checkpoint / HF export / loss plot.
+torchtitan): build the model on the meta device -> parallelize (TP; FSDP2 here when each rank
+initialises only its shards) -> materialise (``to_empty``) -> initialise or load weights -> swap in
+kernels through the override registry (report printed, validated on this run's shapes) -> FSDP2
+(replicated init) -> resume from the latest checkpoint if there is one -> train -> final checkpoint /
+HF export / loss plot.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp
         return ""
     if fsdp:
         # The registry's validation dry run (a forward on fake tensors) would trigger FSDP2's
-        # unshard hooks and leave fake unsharded root parameters behind. Under FSDP the static checks
-        # run now and the call-time checks at the first forward (strict raises before any update).
-        log("overrides: validation dry run skipped under FSDP; constraints are checked at the first call")
+        # unshard hooks and leave fake unsharded root parameters behind. On an already sharded model
+        # the static checks run now and the call-time checks at the first forward.
+        log("overrides: validation dry run skipped (model already FSDP-sharded); constraints are "
+            "checked at the first call")
     try:
         from trnkit.overrides import OverrideConfig, apply_overrides
     except ImportError as e:
@@ -98,42 +100,51 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp
 
 
 def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv, log: _Log) -> tuple[Any, str, bool]:
-    """meta build -> TP -> FSDP -> materialise -> init or load -> overrides. Returns (model, table, loaded).
+    """Build, parallelize, materialise, initialise or load, swap kernels. Returns (model, table, loaded).
 
-    The overrides come last so their validation dry run sees real devices and dtypes; swapped modules
-    share the originals' parameter dicts, so FSDP's and TP's parameter handling is unaffected.
+    meta build -> TP -> [FSDP2 when each rank initialises only its shards] -> to_empty -> init or load
+    -> kernel overrides -> [FSDP2 otherwise]. The overrides come after the weights so their
+    validation dry run sees real devices and dtypes, and (with replicated init) before FSDP2, whose
+    unshard hooks a fake-tensor dry run must not trigger and whose sharded parameters the kernels'
+    static checks refuse. Swapped modules share the originals' parameter dicts, so TP and FSDP2
+    handle their parameters as usual.
     """
     torch.manual_seed(cfg.job.seed)
     with torch.device("meta"):
         model = handle.build()
     bf16 = cfg.training.dtype == "bfloat16"
+    fsdp_first = env.dp > 1 and not cfg.parallelism.replicated_init
+
+    def fsdp() -> None:
+        parallel.apply_fsdp(model, handle.blocks(model), env.mesh["dp"], torch.bfloat16 if bf16 else None)
+
     if env.tp > 1:
         handle.apply_tp(model, env.mesh["tp"], cfg.parallelism.tp_experts)
-    if env.dp > 1:
-        parallel.apply_fsdp(model, handle.blocks(model), env.mesh["dp"], torch.bfloat16 if bf16 else None)
+    if fsdp_first:
+        fsdp()
     model.to_empty(device=env.device)
     handle.reset_buffers(model, env.device)
 
     load_path = cfg.checkpoint.initial_load_path or (handle.hf_path if cfg.model.hf_pretrained else "")
+    loaded = bool(load_path)
     if load_path:
         if not has_hf_weights(load_path):
             raise ConfigError(f"checkpoint.initial_load_path: no *.safetensors in {load_path!r}")
         log(f"loading HF weights from {load_path}")
-        sd = handle.load_hf_state_dict(load_path)
-        _load_full(model, handle, sd, _expert_tp(cfg, env))
-        return model, _apply_overrides(model, cfg, log, fsdp=env.dp > 1), True
-    if env.world_size == 1:
-        with torch.no_grad():
-            torch.manual_seed(cfg.job.seed)
-            handle.init_weights(model)
-    elif not cfg.parallelism.replicated_init:
+        _load_full(model, handle, handle.load_hf_state_dict(load_path), _expert_tp(cfg, env))
+    elif fsdp_first:
         log(f"init: each rank initialises its own shards (seed {cfg.job.seed} + rank)")
         with torch.no_grad(), parallel.local_shards(model):
             torch.manual_seed(cfg.job.seed + env.rank)  # independent values per shard
             handle.init_weights(model)
+    elif env.tp == 1:
+        # plain (not yet sharded) model: the same init as a single-process run
+        with torch.no_grad():
+            torch.manual_seed(cfg.job.seed)
+            handle.init_weights(model)
     else:
-        # Initialise the full model on CPU with the job seed on every rank and load the shards: the
-        # weights are then identical to a single-process run's (sharded random init would not be).
+        # TP-sharded: initialise the full model on CPU with the job seed on every rank and load the
+        # shards, so the weights equal a single-process run's (sharded random init would not).
         torch.manual_seed(cfg.job.seed)
         full = handle.build()
         with torch.no_grad():
@@ -141,7 +152,10 @@ def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv,
             handle.init_weights(full)
         _load_full(model, handle, full.state_dict(), _expert_tp(cfg, env))
         del full
-    return model, _apply_overrides(model, cfg, log, fsdp=env.dp > 1), False
+    table = _apply_overrides(model, cfg, log, fsdp=fsdp_first)
+    if env.dp > 1 and not fsdp_first:
+        fsdp()
+    return model, table, loaded
 
 
 def _expert_tp(cfg: TrainerConfig, env: parallel.DistEnv) -> int:
