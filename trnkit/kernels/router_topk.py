@@ -502,8 +502,8 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                     for i in range(len(parts)):
                         for a in range(len(w_accs)):
                             h0 = a * PSUM_FMAX
-                            nisa.nc_matmul(dst=w_accs[a], stationary=parts[i], moving=x_sb[:, h0:h0 + w_accs[a].shape[1]],
-                                           accumulate=(ti > 0 or i > 0))
+                            nisa.nc_matmul(dst=w_accs[a], stationary=parts[i],
+                                           moving=x_sb[:, h0:h0 + w_accs[a].shape[1]], accumulate=(ti > 0 or i > 0))
             glT[i_m] = None
     if fused_w:
         gw_sb = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.sbuf)
