@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import textwrap
 
 import pytest
 
@@ -27,8 +28,17 @@ def _is_jit(fn: ast.FunctionDef) -> bool:
                for d in fn.decorator_list)
 
 
+def _imported_kernel_helper(module, name: str) -> ast.FunctionDef | None:
+    """The AST of ``module.<name>`` if it is a function imported from another trnkit.kernels module."""
+    fn = getattr(module, name, None)
+    if not inspect.isfunction(fn) or not fn.__module__.startswith("trnkit.kernels"):
+        return None
+    return ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+
+
 def kernel_functions(module) -> dict[str, ast.FunctionDef]:
-    """The module's jit kernels and every module-level function they call (transitively), by name."""
+    """The module's jit kernels and every function they call (transitively; defined in the module or
+    imported from another trnkit.kernels module), by the name the module uses."""
     tree = ast.parse(inspect.getsource(module))
     defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     todo = [name for name, fn in defs.items() if _is_jit(fn)]
@@ -39,6 +49,10 @@ def kernel_functions(module) -> dict[str, ast.FunctionDef]:
             continue
         found[name] = defs[name]
         for node in ast.walk(defs[name]):
+            if isinstance(node, ast.Name) and node.id not in found and node.id not in defs:
+                helper = _imported_kernel_helper(module, node.id)
+                if helper is not None:
+                    defs[node.id] = helper
             if isinstance(node, ast.Name) and node.id in defs and node.id not in found:
                 todo.append(node.id)
     return found

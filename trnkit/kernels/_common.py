@@ -1,5 +1,5 @@
-"""Small helpers shared by the rope_hf and router_topk kernel modules (host-side checks and the row
-tiling both kernels use)."""
+"""Small helpers shared by the rope_hf and router_topk kernel modules (host-side checks, the row
+tiling both kernels use and the SPMD program split)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from trnkit.nki_api import nl
 
 P_MAX = 128  # SBUF / PSUM partitions
 
@@ -49,3 +51,12 @@ def row_chunks(n_rows: int, nt_max: int) -> tuple:
     if r0 < n_rows:
         chunks = chunks + ((r0, n_rows - r0, 1),)
     return chunks
+
+
+def program_split() -> tuple:
+    """``(number of programs, this program's id)`` along grid axis 0 inside a kernel: ``(2, 0|1)`` for
+    ``kernel[2](...)`` (LNC=2), ``(1, 0)`` for a launch without a grid, where the program queries are
+    not asked (nki-library's ``get_program_sharding_info`` does the same)."""
+    if nl.program_ndim() == 0:
+        return 1, 0
+    return nl.num_programs(0), nl.program_id(0)

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from trnkit.kernels._common import P_MAX, dense as _dense, dtype_name as _dtype_name, row_chunks as _row_chunks
+from trnkit.kernels._common import P_MAX, dense as _dense, dtype_name as _dtype_name, program_split as _program_split
+from trnkit.kernels._common import row_chunks as _row_chunks
 from trnkit.kernels.constraints import Violation, check
 from trnkit.nki_api import nisa, nki, nl
 
@@ -353,8 +354,7 @@ def rope_hf_kernel(q, k, q_out, k_out, cos, sin, packed=False, backward=False, b
         S = q.shape[2]
         nt_max = max(1, FREE_TARGET // D)
     chunks = _row_chunks(S, nt_max)
-    n_prog = nl.num_programs(0)
-    pid = nl.program_id(0)
+    n_prog, pid = _program_split()
     load = [0.0, 0.0]
     for ci in range(len(chunks)):
         if ci % n_prog == pid:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from trnkit.kernels._common import P_MAX, cdiv as _cdiv, dense as _dense, dtype_name as _dtype_name
-from trnkit.kernels._common import row_chunks as _token_chunks
+from trnkit.kernels._common import program_split as _program_split, row_chunks as _token_chunks
 from trnkit.kernels.constraints import Violation, check
 from trnkit.nki_api import nisa, nki, nl
 
@@ -260,8 +260,7 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
     wT = _load_w_transposed(w_router, load)
     chunks = _token_chunks(T, _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
     # SPMD (``router_topk_kernel[2]`` on LNC=2): program i takes every n_prog-th chunk
-    n_prog = nl.num_programs(0)
-    pid = nl.program_id(0)
+    n_prog, pid = _program_split()
     chunks = tuple(chunks[i] for i in range(len(chunks)) if i % n_prog == pid)
     n = len(chunks)
     x_sb = [None] * n
