@@ -307,6 +307,13 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
     return topk_w, topk_i, logits
 
 
+def _tiles(group, dtype, width=0):
+    """One SBUF tile per token tile of ``group``: ``[P_i, width]``, or the shape of its logits when
+    ``width`` is 0 (a module-level helper, not a closure: kernel code stays plain calls)."""
+    return [nl.ndarray((g[0].shape[0], width if width > 0 else g[0].shape[1]), dtype=dtype, buffer=nl.sbuf)
+            for g in group]
+
+
 def _logit_grad_tiles(group, iota_e, norm_topk_prob):
     """fp32 ``g_logits [P, E]`` for each token tile of ``group``: a list of ``(lg [P, E] fp32 logits,
     ik [P, K] int32 expert ids, gk [P, K] fp32 upstream top-K weight gradients, gl_in [P, E] or None
@@ -325,13 +332,7 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
     K = group[0][1].shape[1]
     f32 = nl.float32
 
-    def col(dtype):
-        return [nl.ndarray((group[i][0].shape[0], 1), dtype=dtype, buffer=nl.sbuf) for i in range(n)]
-
-    def full(dtype):
-        return [nl.ndarray(group[i][0].shape, dtype=dtype, buffer=nl.sbuf) for i in range(n)]
-
-    neg_max, s_all, e = col(f32), col(f32), full(f32)
+    neg_max, s_all, e = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32)
     ikf = [nl.ndarray(group[i][1].shape, dtype=f32, buffer=nl.sbuf) for i in range(n)]
     for i in range(n):
         nisa.tensor_reduce(dst=neg_max[i], op=nl.maximum, data=group[i][0], axis=1, negate=True)
@@ -363,10 +364,10 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
                                        engine=nisa.engine.gpsimd)
         width = width * 2
     G = [prods[i][0] for i in range(n)]
-    den, dot, rden, neg_c = col(f32), col(f32), col(f32), col(f32)
-    tmp, g = full(f32), full(f32)
+    den, dot, rden, neg_c = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1)
+    tmp, g = _tiles(group, f32), _tiles(group, f32)
     if norm_topk_prob:
-        weight = full(f32)  # m * e
+        weight = _tiles(group, f32)  # m * e
         for i in range(n):
             nisa.tensor_tensor(dst=weight[i], data1=e[i], data2=masks[i][0], op=nl.multiply)
         for i in range(n):
