@@ -776,29 +776,59 @@ class NkiTensor:
         """``(index tensor [P,1], row stride)`` for vector_offset views, else None."""
         return self._vec
 
+    def _indirect_rows_valid(self, op: str, skip_oob: bool, flat_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(row index per partition [P] int64, valid [P])`` of a vector_offset view; raises for
+        out-of-bounds rows unless ``skip_oob`` (shared by :meth:`indirect_plan` / :meth:`indirect_rows`)."""
+        idx_t, row = self._vec
+        rows = idx_t.np().reshape(-1).astype(np.int64)
+        lo = hi = self.offset  # extent of one row's free pattern (elements)
+        for n, s in zip(self.shape[1:], self.strides[1:]):
+            if s > 0:
+                hi += (n - 1) * s
+            else:
+                lo += (n - 1) * s
+        starts = rows * row
+        valid = (starts + lo >= 0) & (starts + hi < flat_size)
+        if not skip_oob and not valid.all():
+            bad = int(np.flatnonzero(~valid)[0])
+            n_rows = self._st.shape[0] if self._st.shape else 0
+            fail(op, "indirect index {index} (partition {p}) out of bounds for {bound} rows of tensor "
+                 "{name!r} (oob_mode=error)", index=int(rows[bad]), p=bad, bound=n_rows, name=self.name)
+        return rows, valid
+
+    def indirect_rows(self, op: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """For a vector_offset view: ``(table, local rows [P], valid [P])`` with ``table[local[p]]``
+        the ``shape[1:]`` elements partition ``p`` addresses (a strided view of the storage, one
+        table row per base-tensor row between the lowest and highest valid index). The same
+        elements as :meth:`indirect_plan`, moved row by row instead of through an address array
+        (~5x faster for a [128, 256] gather). None when a free stride is negative (then use
+        :meth:`indirect_plan`)."""
+        if any(s < 0 for s in self.strides[1:]):
+            return None
+        flat = self._st.flat(self.dtype)
+        rows, valid = self._indirect_rows_valid(op, skip_oob, flat.size)
+        _, row = self._vec
+        isz = self.dtype.itemsize
+        used = rows[valid]
+        r0, n = (int(used.min()), int(used.max() - used.min()) + 1) if used.size else (0, 0)
+        base = self.offset + r0 * row if n else 0  # in bounds: row r0 is a valid row
+        table = np.ndarray((n,) + self.shape[1:], self.dtype, buffer=flat, offset=base * isz,
+                           strides=(row * isz,) + tuple(s * isz for s in self.strides[1:]))
+        return table, rows - r0, valid
+
     def indirect_plan(self, op: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For a vector_offset view: ``(flat, addresses [shape], valid rows [P])``.
 
         ``addresses[p, ...]`` are flat element indices into ``flat``; rows whose index falls outside
         the base tensor's rows raise (``oob_mode.error``) or are marked invalid (``oob_mode.skip``).
         """
-        idx_t, row = self._vec
+        _, row = self._vec
         flat = self._st.flat(self.dtype)
-        rows = idx_t.np().reshape(-1).astype(np.int64)
+        rows, valid = self._indirect_rows_valid(op, skip_oob, flat.size)
         free = np.zeros((), dtype=np.int64)
         for n, s in zip(self.shape[1:], self.strides[1:]):
             free = np.add.outer(free, np.arange(n, dtype=np.int64) * s)
-        free = free + self.offset
-        lo = int(free.min()) if free.size else self.offset
-        hi = int(free.max()) if free.size else self.offset
-        starts = rows * row
-        valid = (starts + lo >= 0) & (starts + hi < flat.size)
-        if not valid.all() and not skip_oob:
-            bad = int(np.flatnonzero(~valid)[0])
-            n_rows = self._st.shape[0] if self._st.shape else 0
-            fail(op, "indirect index {index} (partition {p}) out of bounds for {bound} rows of tensor "
-                 "{name!r} (oob_mode=error)", index=int(rows[bad]), p=bad, bound=n_rows, name=self.name)
-        addr = starts.reshape((-1,) + (1,) * (len(self.shape) - 1)) + free
+        addr = (rows * row).reshape((-1,) + (1,) * (len(self.shape) - 1)) + (free + self.offset)
         return flat, addr, valid
 
 

@@ -59,7 +59,30 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
     require(src_vec is None or dst_vec is None, op, "only one side of a dma_copy can use vector_offset")
 
     moved = n_dst
+    fast = None
     if src_vec is not None:
+        fast = src.indirect_rows(op, skip)
+    elif dst_vec is not None:
+        fast = dst.indirect_rows(op, skip)
+    if fast is not None:  # row gather / scatter through a strided row table (see indirect_rows)
+        table, local, valid = fast
+        if src_vec is not None:
+            if valid.all():
+                _write(dst, _convert(table[local], dst.dtype))
+            else:  # oob_mode.skip: leave the destination rows of out-of-bounds partitions untouched
+                out = dst.np()
+                require(out.shape[0] == local.shape[0], op, "oob_mode=skip gathers need dst with the "
+                        "same partition count as the index ({p}), got {shape}", p=local.shape[0],
+                        shape=out.shape)
+                vals = _convert(table[local[valid]], dst.dtype)
+                out[valid] = vals.reshape(out[valid].shape)
+                moved = int(vals.size)
+        else:
+            vals = _convert(src.np(), dst.dtype).reshape((local.shape[0],) + table.shape[1:])
+            # rows are written in partition order, so duplicate indices keep the last partition's row
+            table[local[valid]] = vals[valid]
+            moved = int(vals[valid].size)
+    elif src_vec is not None:
         flat, addr, valid = src.indirect_plan(op, skip)
         if valid.all():
             _write(dst, _convert(flat[addr], dst.dtype))
