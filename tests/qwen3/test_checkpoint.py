@@ -179,6 +179,20 @@ def test_config_weights_mismatch(saved) -> None:
     assert "mis-shaped keys" in msg and "model.embed_tokens.weight: expected [160, 32], got [160, 64]" in msg
 
 
+def test_in_memory_state_dict_errors_name_the_keys() -> None:
+    from trnkit.qwen3.state_dict import from_hf, to_hf
+
+    model = _random_model("moe-mlp-only", seed=5)
+    hf = to_hf(model.state_dict(), model.config)
+    assert from_hf(hf, model.config).keys() == model.state_dict().keys()
+    hf.pop("model.layers.0.mlp.experts.1.down_proj.weight")
+    hf["model.layers.0.mlp.gate.weight"] = torch.zeros(3, 64)
+    with pytest.raises(CheckpointError, match="Qwen3 checkpoint state dict does not match") as e:
+        from_hf(hf, model.config)
+    assert "model.layers.0.mlp.experts.1.down_proj.weight" in str(e.value)
+    assert "model.layers.0.mlp.gate.weight: expected [4, 64], got [3, 64]" in str(e.value)
+
+
 def test_corrupt_and_truncated_files(saved) -> None:
     path = saved / "model.safetensors"
     data = path.read_bytes()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -21,103 +21,13 @@ from safetensors.torch import save_file
 
 from .config import Qwen3Config
 from .model import Qwen3Model
-from .state_dict import HFKey, copy_hf_tensor, expected_hf_shape, map_hf_key, native_to_hf_items
+from .state_dict import CheckpointError, HFKey, check_keys, copy_hf_tensor, native_to_hf_items
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: bad file, or keys/shapes that do not fit the config."""
-
-
-# ------------------------------------------------------------------------------------ validation
-def _describe(config: Qwen3Config) -> str:
-    c = config
-    s = (f"dim={c.dim}, n_layers={c.n_layers}, n_heads={c.n_heads}, n_kv_heads={c.n_kv_heads}, "
-         f"head_dim={c.head_dim}, vocab_size={c.vocab_size}, hidden_dim={c.hidden_dim}")
-    if c.is_moe:
-        s += f", num_experts={c.num_experts}, moe_inter_dim={c.moe_inter_dim}, mlp_only_layers={c.mlp_only_layers}"
-    return s
-
-
-def _listing(title: str, items: list[str], limit: int = 20) -> str:
-    more = f"\n    ... and {len(items) - limit} more" if len(items) > limit else ""
-    return f"  {title} ({len(items)}):\n" + "\n".join(f"    {x}" for x in items[:limit]) + more
-
-
-def _inferred(hf_shapes: Mapping[str, tuple[int, ...]]) -> str:
-    """What the weights themselves say about the architecture (for config/weights mismatch errors)."""
-    facts = []
-    emb = hf_shapes.get("model.embed_tokens.weight")
-    if emb is not None and len(emb) == 2:
-        facts += [f"vocab_size={emb[0]}", f"dim={emb[1]}"]
-    layers = {int(m[1]) for k in hf_shapes if (m := re.match(r"^model\.layers\.(\d+)\.", k))}
-    if layers:
-        facts.append(f"n_layers={max(layers) + 1}")
-    experts = {int(m[1]) for k in hf_shapes if (m := re.match(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.", k))}
-    if experts:
-        facts.append(f"num_experts={max(experts) + 1}")
-    return ", ".join(facts)
-
-
-def check_keys(hf_shapes: Mapping[str, tuple[int, ...]], native_shapes: Mapping[str, torch.Size],
-               config: Qwen3Config, source: str) -> dict[str, HFKey]:
-    """Validate HF keys/shapes against the native model; return {hf_key: HFKey} for the keys to copy.
-
-    Raises CheckpointError listing every unexpected, missing and mis-shaped key by name.
-    """
-    plan: dict[str, HFKey] = {}
-    unexpected, bad_shape = [], []
-    covered: dict[str, set[Any]] = {}
-    for hf_key, shape in hf_shapes.items():
-        key = map_hf_key(hf_key)
-        if key is not None and key.kind == "ignore":
-            continue
-        if key is None or key.native not in native_shapes:
-            unexpected.append(hf_key)
-            continue
-        if key.native == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied: lm_head is the embedding; a stored copy is redundant
-        native_shape = native_shapes[key.native]
-        if key.expert is not None and key.expert >= native_shape[0]:
-            unexpected.append(f"{hf_key} (expert {key.expert} >= num_experts {native_shape[0]})")
-            continue
-        covered.setdefault(key.native, set()).add("all" if key.expert is None else (key.kind, key.expert))
-        want = expected_hf_shape(key, native_shape)
-        if tuple(shape) != want:
-            bad_shape.append(f"{hf_key}: expected {list(want)}, got {list(shape)}")  # present: not "missing"
-            continue
-        plan[hf_key] = key
-
-    missing = []
-    for name, shape in native_shapes.items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        got = covered.get(name, set())
-        if "all" in got:
-            continue
-        m = re.match(r"^layers\.(\d+)\.moe\.experts\.(w_gate_up|w_down)$", name)
-        if m:
-            parts = ("gate", "up") if m[2] == "w_gate_up" else ("down",)
-            missing += [f"model.layers.{m[1]}.mlp.experts.{e}.{p}_proj.weight"
-                        for e in range(shape[0]) for p in parts if (p, e) not in got]
-        else:
-            missing.append(next(h for h, _ in native_to_hf_items({name: torch.empty(0)}, config)))
-    if unexpected or missing or bad_shape:
-        parts = [f"Qwen3 checkpoint {source} does not match the config ({_describe(config)}); "
-                 f"the weights look like: {_inferred(hf_shapes) or 'nothing recognisable'}"]
-        if missing:
-            parts.append(_listing("missing keys", missing))
-        if unexpected:
-            parts.append(_listing("unexpected keys", unexpected))
-        if bad_shape:
-            parts.append(_listing("mis-shaped keys", bad_shape))
-        raise CheckpointError("\n".join(parts))
-    return plan
 
 
 # ------------------------------------------------------------------------------------ loading
