@@ -166,7 +166,7 @@ def _expert_tp(cfg: TrainerConfig, env: parallel.DistEnv) -> int:
 def _load_full(model: torch.nn.Module, handle: ModelHandle, sd: dict[str, torch.Tensor], expert_tp: int = 1) -> None:
     if expert_tp > 1:
         sd = to_tp_layout(sd, expert_tp)
-    load_full_model_state_dict(model, sd, strict=False)
+    load_full_model_state_dict(model, sd, strict=True)  # a missing key would leave to_empty garbage
     if handle.kind == "native":
         if handle.config.tie_word_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
             model.lm_head.weight = model.tok_embeddings.weight
