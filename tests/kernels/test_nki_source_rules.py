@@ -19,7 +19,7 @@ import textwrap
 import pytest
 
 # by module path: trnkit.kernels re-exports functions of the same names as the modules
-MODULES = [importlib.import_module(f"trnkit.kernels.{m}") for m in ("rope_hf", "router_topk")]
+MODULES = [importlib.import_module(f"trnkit.kernels.{m}") for m in ("rope_hf", "router_topk", "moe_grouped_mm", "moe_fused")]
 
 
 def _is_jit(fn: ast.FunctionDef) -> bool:

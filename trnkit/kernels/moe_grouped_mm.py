@@ -98,8 +98,8 @@ def weight_operand(w_sb: Any) -> Any:
 def evacuate(dst: Any, src: Any, k: int, scale: Any = None) -> None:
     """PSUM -> SBUF copy (with cast, optional per-partition ``scale [rows, 1]``), alternating the
     Vector and Scalar engines by ``k`` so neither becomes the bottleneck."""
-    if scale is not None or k % 2:
-        nisa.activation(dst=dst, op=nl.copy, data=src, scale=1.0 if scale is None else scale)
+    if scale != None or k % 2:  # noqa: E711 (NKI rejects is / is not)
+        nisa.activation(dst=dst, op=nl.copy, data=src, scale=1.0 if scale == None else scale)
     else:
         nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.vector)
 
@@ -128,7 +128,7 @@ def transpose_rows(src: Any, dst: list, col0: int = 0, vector_every: int = 0) ->
 
 def tiles(n: int, shape: tuple, dtype: Any, buffer: Any = None) -> list:
     """``n`` separate tiles (the current-NKI replacement of a block dimension)."""
-    return [nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf if buffer is None else buffer) for _ in range(n)]
+    return [nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf if buffer == None else buffer) for _ in range(n)]
 
 
 def transposed_weight(w_sb: Any, R: int, C: int) -> Any:
