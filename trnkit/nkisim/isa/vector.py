@@ -59,8 +59,8 @@ def free_size(t: NkiTensor) -> int:
 def engine_of(op: str, engine: Any, allowed: tuple[str, ...], default: str) -> str:
     """Trace engine name for an ``nisa.engine`` argument, checked against the engines ``op`` runs on."""
     name = common.engine_name(engine, default) if engine is not None else default
-    require(name in allowed, op, "engine must be one of {allowed}, got {engine}", allowed="/".join(allowed),
-            engine=name)
+    if name not in allowed:
+        fail(op, "engine must be one of {allowed}, got {engine}", allowed="/".join(allowed), engine=name)
     return name
 
 
@@ -72,20 +72,23 @@ def cmd_name(cmd: Any) -> str:
 def check_tile(op: str, role: str, t: Any, engine: str) -> None:
     """``t`` is an on-chip tile the engine may access, within the partition / free-size limits."""
     common.check_on_chip(op, role, t)
-    b = buf(t)
-    if engine == "gpsimd":
-        require(b != "psum", op, "GpSimd engine cannot access PSUM ({role} is in PSUM)", role=role)
-    n = free_size(t)
-    if engine in ("vector", "scalar"):
+    b = t._st.buffer.name
+    if engine == "gpsimd" and b == "psum":
+        fail(op, "GpSimd engine cannot access PSUM ({role} is in PSUM)", role=role)
+    if engine == "vector" or engine == "scalar":
+        n = t.free_size
         limit = PSUM_FREE_MAX if b == "psum" else SBUF_FREE_MAX
-        require(n <= limit, op, "{role} has {n} elements per partition, over the {engine} engine "
-                "limit of {limit} for {buffer}", role=role, n=n, engine=engine, limit=limit, buffer=b)
+        if n > limit:
+            fail(op, "{role} has {n} elements per partition, over the {engine} engine limit of "
+                 "{limit} for {buffer}", role=role, n=n, engine=engine, limit=limit, buffer=b)
 
 
 def check_same_layout(op: str, ref_role: str, ref: NkiTensor, role: str, t: NkiTensor) -> None:
     """Same partition count and same number of elements per partition (shapes may differ)."""
-    common.check_same_partitions(op, {ref_role: ref, role: t})
-    common.check_same_free_size(op, {ref_role: ref, role: t})
+    if t.shape[0] != ref.shape[0]:
+        common.check_same_partitions(op, {ref_role: ref, role: t})  # raises
+    if t.free_size != ref.free_size:
+        common.check_same_free_size(op, {ref_role: ref, role: t})  # raises
 
 
 def check_column(op: str, role: str, t: Any, partitions: int, engine: str) -> None:
@@ -99,15 +102,15 @@ def check_column(op: str, role: str, t: Any, partitions: int, engine: str) -> No
 def get_op(op: str, role: str, value: Any, *, alu: bool = False, activation: bool = False,
            arity: int | None = None) -> _ops.NkiOp:
     f = _ops.resolve(value, f"{op}.{role}")
-    require(f is not None, op, "{role} is required", role=role)
-    if alu:
-        require(f.alu, op, "{role}={f} is not an ALU operator (see nki-aluop)", role=role, f=f)
-    if activation:
-        require(f.activation, op, "{role}={f} is not an activation function (see nki-act-func)",
-                role=role, f=f)
-    if arity is not None:
-        require(f.arity == arity, op, "{role}={f} must be a {kind} operator", role=role, f=f,
-                kind="binary" if arity == 2 else "unary")
+    if f is None:
+        fail(op, "{role} is required", role=role)
+    if alu and not f.alu:
+        fail(op, "{role}={f} is not an ALU operator (see nki-aluop)", role=role, f=f)
+    if activation and not f.activation:
+        fail(op, "{role}={f} is not an activation function (see nki-act-func)", role=role, f=f)
+    if arity is not None and f.arity != arity:
+        fail(op, "{role}={f} must be a {kind} operator", role=role, f=f,
+             kind="binary" if arity == 2 else "unary")
     return f
 
 
