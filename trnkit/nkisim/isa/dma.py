@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import dtypes as _dt
 from .. import trace
-from ..errors import NkiValidationError, require
+from ..errors import NkiValidationError, fail, require
 from ..tensor import NkiTensor
 from . import common
 from .common import dge_mode, engine, oob_mode
@@ -36,27 +36,31 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
     op = "dma_copy"
     common.check_tensor(op, "dst", dst)
     common.check_tensor(op, "src", src)
-    require(src.buffer.name != "psum", op, "src cannot be in PSUM (copy it to SBUF with "
-            "nisa.tensor_copy first); src {name!r}", name=src.name)
-    require(dst.buffer.name != "psum", op, "dst cannot be in PSUM (DMA moves HBM<->SBUF, SBUF->SBUF, "
-            "HBM->HBM); dst {name!r}", name=dst.name)
+    # (plain ifs: require()'s keyword values would be built on every call)
+    if src.buffer.name == "psum":
+        fail(op, "src cannot be in PSUM (copy it to SBUF with nisa.tensor_copy first); src {name!r}",
+             name=src.name)
+    if dst.buffer.name == "psum":
+        fail(op, "dst cannot be in PSUM (DMA moves HBM<->SBUF, SBUF->SBUF, HBM->HBM); dst {name!r}",
+             name=dst.name)
     for role, t in (("dst", dst), ("src", src)):
-        if t.on_chip:
-            require(t.shape[0] <= 128, op, "{role} partition dimension {p} exceeds maximum 128 "
-                    "(tensor {name!r})", role=role, p=t.shape[0], name=t.name)
+        if t.on_chip and t.shape[0] > 128:
+            fail(op, "{role} partition dimension {p} exceeds maximum 128 (tensor {name!r})", role=role,
+                 p=t.shape[0], name=t.name)
     n_dst, n_src = dst.size, src.size
-    require(n_dst == n_src, op, "element counts differ: dst {dst_shape} has {n_dst}, src {src_shape} "
-            "has {n_src}", dst_shape=dst.shape, n_dst=n_dst, src_shape=src.shape, n_src=n_src)
+    if n_dst != n_src:
+        fail(op, "element counts differ: dst {dst_shape} has {n_dst}, src {src_shape} has {n_src}",
+             dst_shape=dst.shape, n_dst=n_dst, src_shape=src.shape, n_src=n_src)
     if dge_mode is common.dge_mode.hwdge:
-        require(dst.dtype == src.dtype, op, "dge_mode=hwdge needs equal dtypes, got dst {dst_dtype} "
-                "and src {src_dtype} (use .view() to reinterpret)", dst_dtype=dst.dtype,
-                src_dtype=src.dtype)
-    else:
-        require(engine is common.engine.unknown, op, "engine= is only valid with dge_mode=hwdge, got "
-                "{engine}", engine=engine)
+        if dst.dtype != src.dtype:
+            fail(op, "dge_mode=hwdge needs equal dtypes, got dst {dst_dtype} and src {src_dtype} (use "
+                 ".view() to reinterpret)", dst_dtype=dst.dtype, src_dtype=src.dtype)
+    elif engine is not common.engine.unknown:
+        fail(op, "engine= is only valid with dge_mode=hwdge, got {engine}", engine=engine)
     skip = oob_mode is common.oob_mode.skip
     src_vec, dst_vec = src.indirect_info, dst.indirect_info
-    require(src_vec is None or dst_vec is None, op, "only one side of a dma_copy can use vector_offset")
+    if src_vec is not None and dst_vec is not None:
+        fail(op, "only one side of a dma_copy can use vector_offset")
 
     moved = n_dst
     fast = None
