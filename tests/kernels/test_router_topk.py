@@ -69,6 +69,8 @@ def test_hypothesis_shapes(T, H, E, data, dtype, norm) -> None:
     K = data.draw(st.integers(1, min(8, E)))
     x, w = _inputs(T, H, E, dtype, seed=T * 1000 + H)
     _check_forward(x, w, K, norm)
+    if data.draw(st.booleans(), label="return_affinities"):
+        _check_affinities(x, w, K, norm)
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -197,3 +199,101 @@ def test_max_experts_512_forward_and_backward() -> None:
     rx, rw = router_topk_bwd_ref(x, w, logits, idx, g)
     assert_close(gx, rx, torch.bfloat16)
     assert_close(gw, rw, torch.bfloat16)
+
+
+# --- dense affinities (return_affinities=True) ---------------------------------------------------------
+
+
+def _check_affinities(x: torch.Tensor, w: torch.Tensor, K: int, norm: bool) -> torch.Tensor:
+    out = router_topk(x, w, K, norm, return_affinities=True)
+    ref = router_topk_ref(x, w, K, norm, return_affinities=True)
+    assert len(out) == len(ref) == 4
+    wk, ik, lg, aff = out
+    T, E = x.shape[0], w.shape[0]
+    assert aff.dtype == torch.float32 and aff.shape == (T, E)
+    # the first three outputs are those of the default call
+    for a, b in zip(out[:3], router_topk(x, w, K, norm)):
+        assert torch.equal(a, b)
+    assert torch.equal(ik, ref[1])  # tie-free random inputs: same selection as torch.topk
+    assert_close(aff, ref[3], torch.float32)
+    # on-chip scatter: each selected column holds exactly the kernel's weight, every other column 0
+    assert torch.equal(aff.gather(1, ik.long()), wk)
+    mask = torch.zeros(T, E, dtype=torch.bool).scatter_(1, ik.long(), True)
+    assert torch.equal(aff[~mask], torch.zeros_like(aff[~mask]))
+    assert_close(aff.sum(dim=1), wk.sum(dim=1), torch.float32)
+    return aff
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("T,H,E,K", [
+    (130, 256, 16, 8),   # two token tiles (tail of 2)
+    (1, 128, 8, 1),      # T=1, K=1
+    (5, 64, 8, 8),       # K=E
+    (9, 200, 7, 3),      # prime E < 8 (max8 padding)
+    (33, 384, 130, 4),   # E > 128, odd T
+    (517, 64, 12, 2),    # two chunks of 2 tokens per partition + a 5-token tail
+])
+def test_affinities_match_ref(T: int, H: int, E: int, K: int, dtype: torch.dtype, norm: bool) -> None:
+    x, w = _inputs(T, H, E, dtype, seed=12)
+    _check_affinities(x, w, K, norm)
+
+
+def test_affinities_max_experts_512() -> None:
+    x, w = _inputs(3, 128, 512, torch.bfloat16, seed=13)
+    _check_affinities(x, w, 8, True)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_affinities_ref_matches_hand_scatter(norm: bool) -> None:
+    # independent oracle: softmax, torch.topk, renormalise, then a per-entry python scatter
+    x, w = _inputs(11, 48, 9, torch.float32, seed=14)
+    _, _, _, aff = router_topk_ref(x, w, 3, norm, return_affinities=True)
+    probs = torch.softmax(x.double() @ w.double().T, dim=-1)
+    vals, idx = torch.topk(probs, 3, dim=-1)
+    if norm:
+        vals = vals / vals.sum(dim=-1, keepdim=True)
+    expect = torch.zeros(11, 9, dtype=torch.float64)
+    for t in range(11):
+        for k in range(3):
+            expect[t, int(idx[t, k])] = vals[t, k]
+    assert_close(aff, expect.float(), torch.float32)
+    assert_close(aff.sum(dim=1), vals.sum(dim=1).float(), torch.float32)
+    if norm:
+        assert_close(aff.sum(dim=1), torch.ones(11), torch.float32)
+    # the default call is unchanged: three outputs
+    assert len(router_topk_ref(x, w, 3, norm)) == 3 and len(router_topk(x, w, 3, norm)) == 3
+
+
+def test_affinities_follow_the_tie_rule() -> None:
+    # experts 1, 3 and 6 tie; with K=2 only the two lower ones (1, 3) get a weight
+    x, w = _inputs(6, 64, 8, torch.float32, seed=1)
+    w[3] = w[1]
+    w[6] = w[1]
+    x += 10 * w[1] / w[1].square().sum()
+    wk, ik, _, aff = router_topk(x, w, 2, return_affinities=True)
+    assert (ik == torch.tensor([1, 3], dtype=torch.int32)).all()
+    assert torch.equal(aff[:, 1], wk[:, 0]) and torch.equal(aff[:, 3], wk[:, 1])
+    assert (aff[:, 6] == 0).all() and ((aff != 0).sum(dim=1) == 2).all()
+
+
+def test_affinities_lnc2_grid() -> None:
+    from trnkit.kernels.router_topk import router_topk_kernel
+
+    x, w = _inputs(700, 128, 16, torch.bfloat16, seed=15)  # both programs get chunks
+    got = router_topk_kernel[2](x, w, 4, norm_topk_prob=True, return_affinities=True)
+    ref = router_topk_ref(x, w, 4, True, return_affinities=True)
+    assert len(got) == 4
+    assert torch.equal(got[1], ref[1])
+    assert_close(got[3], ref[3], torch.float32)
+    assert torch.equal(got[3].gather(1, got[1].long()), got[0])
+
+
+def test_affinities_sbuf_constraint() -> None:
+    # fits without the affinity tiles, not with them (fp32, E=512: 15 KiB more per partition)
+    x, w = torch.zeros(4, 5400), torch.zeros(512, 5400)
+    assert constraints(x, w, 8) == []
+    v = constraints(x, w, 8, return_affinities=True)
+    assert [c.constraint for c in v] == ["SBUF per partition <= 200 KiB"]
+    with pytest.raises(KernelConstraintError, match="SBUF per partition <= 200 KiB"):
+        router_topk(x, w, 8, return_affinities=True)

@@ -8,7 +8,9 @@ Forward (per token ``t``)::
     weights[t] = p[t, idx] / sum_k p[t, idx_k]   if norm_topk_prob else  p[t, idx]
 
 Shapes/dtypes: ``x [T, H]``, ``w_router [E, H]`` (same dtype, fp32 or bf16) -> ``topk_weights [T, K]``
-fp32, ``topk_idx [T, K]`` int32, ``router_logits [T, E]`` fp32. ``K <= 8`` (one hardware max8), ``E <= 512``
+fp32, ``topk_idx [T, K]`` int32, ``router_logits [T, E]`` fp32, and with ``return_affinities=True`` also
+``affinities [T, E]`` fp32: ``affinities[t, idx[t, k]] = weights[t, k]``, zeros elsewhere (nki-library's
+``expert_affinities``; the dense form of the routing weights). ``K <= 8`` (one hardware max8), ``E <= 512``
 (one PSUM bank of fp32 per token tile), any H (a short last H block uses fewer partitions), any T.
 
 Kernel layout: tokens on partitions (128 per tile) for everything after the matmul, so softmax and
@@ -19,7 +21,11 @@ Top-K uses ``max8`` + ``nc_find_index8`` on the logits (softmax is monotonic, so
 the probabilities); ``nc_find_index8`` returns the first occurrence of each value and advances on
 duplicates, which gives the documented tie rule. With ``norm_topk_prob`` the softmax denominator
 cancels, so only the K selected exponentials are computed; without it one ``exp`` pass with a fused sum
-over E gives the denominator.
+over E gives the denominator. Affinities are scattered on-chip from the selected indices (so they follow
+the same tie rule): ``nc_match_replace8`` marks the K selected logits, and the mask of the marks times
+``exp(logits - max) / den`` over E (the same ops as for the K weights, so each entry is bit-identical to
+its weight) gives the dense row, at a cost independent of K; the ``[T, E]`` store is one contiguous run
+per partition like the logits.
 
 Backward (``router_topk_bwd``): ``g_p = scatter(idx, g_s)`` with ``g_s`` the gradient of the selected
 probabilities (through the renormalisation when ``norm_topk_prob``), ``g_logits = p * (g_p - <g_p, p>)
@@ -51,14 +57,19 @@ K_MAX = 8  # one max8 instruction
 E_MAX = 512
 _DTYPES = ("float32", "bfloat16")
 _NEG_BIG = -3.0e38  # pad value for E < 8 (never selected: K <= E)
+_MARK = float("inf")  # nc_match_replace8 mark of the selected logits (no finite logit equals it)
 _SBUF_BUDGET = 200 * 1024  # of the ~208 KiB usable per partition (trn2)
 
 
-def _sbuf_bytes(H: int, E: int, K: int, itemsize: int) -> int:
+def _sbuf_bytes(H: int, E: int, K: int, itemsize: int, return_affinities: bool = False) -> int:
     """Peak SBUF bytes per partition of the kernels at their smallest tiling: forward = w^T
-    (ceil(H/128)*E) + x slabs of two pipeline stages and their transposes (4*H) + one w row block (H);
+    (ceil(H/128)*E) + x slabs of two pipeline stages and their transposes (4*H) + one w row block (H)
+    (+ with affinities: up to 4 sub-tiles of fp32 affinities and one sub-tile's marked logits, mask,
+    exponentials and weights, 14*E bytes);
     backward = w (ceil(E/128)*H) + x / grad_x rows (2*H) + one group of g_logits tiles."""
     fwd = (_cdiv(H, P_MAX) * E + 5 * H) * itemsize
+    if return_affinities:
+        fwd += 4 * 4 * E + 14 * E
     bwd = (_cdiv(E, P_MAX) * H + 2 * H) * itemsize + _bwd_group(E, K) * (6 * K + 24) * E
     return max(fwd, bwd)
 
@@ -67,8 +78,9 @@ def _sbuf_bytes(H: int, E: int, K: int, itemsize: int) -> int:
 # constraints
 
 
-def constraints(x: Any, w_router: Any, top_k: int) -> list[Violation]:
-    """Violated input constraints of :func:`router_topk` / :func:`router_topk_bwd` (empty = supported)."""
+def constraints(x: Any, w_router: Any, top_k: int, return_affinities: bool = False) -> list[Violation]:
+    """Violated input constraints of :func:`router_topk` / :func:`router_topk_bwd` (empty = supported);
+    ``return_affinities`` adds the SBUF of the dense affinities to the estimate."""
     name = "router_topk"
     v: list[Violation] = []
     xs, ws = tuple(x.shape), tuple(w_router.shape)
@@ -102,7 +114,7 @@ def constraints(x: Any, w_router: Any, top_k: int) -> list[Violation]:
         v.append(Violation(name, "w_router.dtype == x.dtype", (_dtype_name(x), _dtype_name(w_router)),
                            "the Tensor engine needs both operands fp32 or both bf16"))
     if k_ok:
-        need = _sbuf_bytes(H, E, int(top_k), 4 if _dtype_name(x) == "float32" else 2)
+        need = _sbuf_bytes(H, E, int(top_k), 4 if _dtype_name(x) == "float32" else 2, bool(return_affinities))
         if need > _SBUF_BUDGET:
             v.append(Violation(name, "SBUF per partition <= 200 KiB", need,
                                "w_router stays resident in SBUF next to at least one x slab per pipeline "
@@ -114,14 +126,18 @@ def constraints(x: Any, w_router: Any, top_k: int) -> list[Violation]:
 # torch references
 
 
-def router_topk_ref(x: torch.Tensor, w_router: torch.Tensor, top_k: int, norm_topk_prob: bool = True
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Torch reference: ``(topk_weights [T,K] f32, topk_idx [T,K] int32, router_logits [T,E] f32)``."""
+def router_topk_ref(x: torch.Tensor, w_router: torch.Tensor, top_k: int, norm_topk_prob: bool = True,
+                    return_affinities: bool = False) -> tuple[torch.Tensor, ...]:
+    """Torch reference: ``(topk_weights [T,K] f32, topk_idx [T,K] int32, router_logits [T,E] f32)``, plus
+    ``affinities [T,E] f32`` (the weights scattered into their expert columns) when ``return_affinities``."""
     logits = x.float() @ w_router.float().T
     probs = torch.softmax(logits, dim=-1)
     vals, idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         vals = vals / vals.sum(dim=-1, keepdim=True)
+    if return_affinities:
+        aff = torch.zeros_like(logits).scatter_(1, idx, vals)
+        return vals, idx.to(torch.int32), logits, aff
     return vals, idx.to(torch.int32), logits
 
 
@@ -213,9 +229,39 @@ def _bwd_group(E, K):
     return max(1, min(8, 96 * 1024 // ((6 * K + 24) * E)))
 
 
-def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob):
+def _scatter_affinities(aff, lg, top8, neg_max, rden, p_all, E, K):
+    """Dense ``aff [P, E]`` fp32 of one token sub-tile: the selected experts' weights, 0 elsewhere.
+
+    ``nc_match_replace8`` marks the K selected logits (the first occurrence of each of ``top8[:, :K]``,
+    advancing on duplicates: the same experts ``nc_find_index8`` picked, ties included; the unused
+    slots hold the mark itself, which no finite logit equals) with +inf; ``mask = (marked == inf)``
+    (fp16, exact); the weights ``exp(lg - max) * (1/den)`` are computed over E exactly as for the K
+    selected (same Scalar-engine ops on the same fp32 values, so ``aff[t, idx_k] == weights[t, k]``
+    bit for bit) and multiplied by the mask on the GpSimd engine. Cost independent of K: two Vector
+    passes over E, one or two Scalar passes (the ``exp`` over E exists already without
+    ``norm_topk_prob``) and one GpSimd pass."""
+    P = aff.shape[0]
+    vals = top8
+    if K < 8:
+        vals = nl.ndarray((P, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=vals[:, 0:K], src=top8[:, 0:K], engine=nisa.engine.gpsimd)
+        nisa.memset(dst=vals[:, K:8], value=_MARK, engine=nisa.engine.gpsimd)
+    # the whole (padded, >= 8 wide) row, as for max8; the -3e38 pads are never among the K values
+    marked = nl.ndarray(lg.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.nc_match_replace8(dst=marked, data=lg, vals=vals, imm=_MARK)
+    mask = nl.ndarray((P, E), dtype=nl.float16, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=mask, data=marked[:, 0:E], op0=nl.equal, operand0=_MARK, engine=nisa.engine.vector)
+    if p_all == None:  # noqa: E711 (the NKI compiler rejects `is`)
+        p_all = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=p_all, op=nl.exp, data=lg[:, 0:E], bias=neg_max)
+    p_w = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=p_w, data=p_all, op0=nl.multiply, operand0=rden, engine=nisa.engine.scalar)
+    nisa.tensor_tensor(dst=aff, data1=p_w, data2=mask, op=nl.multiply, engine=nisa.engine.gpsimd)
+
+
+def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, aff=None):
     """Softmax top-K of one token sub-tile: ``lg [P, >=8]`` fp32 logits (padded when E < 8) ->
-    ``top_w [P, K]`` fp32, ``top_i [P, K]`` int32."""
+    ``top_w [P, K]`` fp32, ``top_i [P, K]`` int32 (and the dense ``aff [P, E]`` fp32 when given)."""
     P = lg.shape[0]
     top8 = nl.ndarray((P, 8), dtype=nl.float32, buffer=nl.sbuf)
     nisa.max8(dst=top8, src=lg)
@@ -227,6 +273,7 @@ def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob):
                        engine=nisa.engine.scalar)
     e_k = nl.ndarray((P, K), dtype=nl.float32, buffer=nl.sbuf)
     denom = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    p_all = None
     if norm_topk_prob:  # sum over the selected K only: the softmax denominator cancels
         nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max, reduce_op=nl.add,
                         reduce_res=denom, reduce_cmd=nisa.reduce_cmd.reset_reduce)
@@ -238,15 +285,19 @@ def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob):
     rden = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=rden, data=denom)
     nisa.tensor_scalar(dst=top_w, data=e_k, op0=nl.multiply, operand0=rden, engine=nisa.engine.scalar)
+    if aff != None:  # noqa: E711 (the NKI compiler rejects `is not`)
+        _scatter_affinities(aff, lg, top8, neg_max, rden, p_all, E, K)
 
 
 @nki.jit
-def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
+def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinities=False):
     """NKI kernel behind :func:`router_topk` (inputs already validated).
 
     Per token sub-tile three stages, software-pipelined so every engine has independent work queued:
     A) Tensor-engine transposes of x (H onto partitions) + PSUM -> SBUF copies, B) the H-contraction
-    matmuls into a PSUM ``[P, E]`` tile + copy out, C) max8 / find_index8 / exp / normalise.
+    matmuls into a PSUM ``[P, E]`` tile + copy out, C) max8 / find_index8 / exp / normalise (+ the
+    affinity scatter when ``return_affinities``).
+    Returns ``(topk_w, topk_i, logits)``, or ``(topk_w, topk_i, logits, affinities)``.
     """
     T, H = x.shape
     E = w_router.shape[0]
@@ -256,6 +307,9 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
     topk_w = nl.ndarray((T, K), dtype=nl.float32, buffer=nl.shared_hbm)
     topk_i = nl.ndarray((T, K), dtype=nl.int32, buffer=nl.shared_hbm)
     logits = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)
+    affinities = None
+    if return_affinities:
+        affinities = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)
     load = [0.0, 0.0]
     wT = _load_w_transposed(w_router, load)
     chunks = _token_chunks(T, _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
@@ -297,13 +351,24 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True):
             t0, P, NT = chunks[c]
             w_all = nl.ndarray((P, NT, K), dtype=nl.float32, buffer=nl.sbuf)
             i_all = nl.ndarray((P, NT, K), dtype=nl.int32, buffer=nl.sbuf)
+            a_all = None
+            if return_affinities:
+                a_all = nl.ndarray((P, NT, E), dtype=nl.float32, buffer=nl.sbuf)
             for j in range(NT):
-                _topk_subtile(lg_all[c][:, j, :], w_all[:, j, :], i_all[:, j, :], E, K, norm_topk_prob)
+                a_j = None
+                if return_affinities:
+                    a_j = a_all[:, j, :]
+                _topk_subtile(lg_all[c][:, j, :], w_all[:, j, :], i_all[:, j, :], E, K, norm_topk_prob, a_j)
             nisa.dma_copy(dst=logits.ap(pattern=[[NT * E, P], [E, NT], [1, E]], offset=t0 * E),
                           src=lg_all[c][:, :, 0:E])
             nisa.dma_copy(dst=topk_w.ap(pattern=[[NT * K, P], [K, NT], [1, K]], offset=t0 * K), src=w_all)
             nisa.dma_copy(dst=topk_i.ap(pattern=[[NT * K, P], [K, NT], [1, K]], offset=t0 * K), src=i_all)
+            if return_affinities:
+                nisa.dma_copy(dst=affinities.ap(pattern=[[NT * E, P], [E, NT], [1, E]], offset=t0 * E),
+                              src=a_all)
             lg_all[c] = None
+    if return_affinities:
+        return topk_w, topk_i, logits, affinities
     return topk_w, topk_i, logits
 
 
@@ -548,15 +613,19 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
 # public entry points
 
 
-def router_topk(x: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True) -> tuple[Any, Any, Any]:
+def router_topk(x: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
+                return_affinities: bool = False) -> tuple[Any, ...]:
     """Qwen3 router on ``x [T, H]`` with ``w_router [E, H]`` (NKI kernel).
 
     Returns ``(topk_weights [T, K] fp32, topk_idx [T, K] int32, router_logits [T, E] fp32)``; experts
-    sorted by descending probability, ties broken toward the lower expert index. Raises
+    sorted by descending probability, ties broken toward the lower expert index. With
+    ``return_affinities=True`` a fourth output ``affinities [T, E] fp32``: the top-K weights (renormalised
+    when ``norm_topk_prob``) in their expert columns, zeros elsewhere. Raises
     :class:`KernelConstraintError` on unsupported inputs.
     """
-    check(constraints(x, w_router, top_k))
-    return router_topk_kernel(_dense(x), _dense(w_router), int(top_k), norm_topk_prob=bool(norm_topk_prob))
+    check(constraints(x, w_router, top_k, return_affinities))
+    return router_topk_kernel(_dense(x), _dense(w_router), int(top_k), norm_topk_prob=bool(norm_topk_prob),
+                              return_affinities=bool(return_affinities))
 
 
 def router_topk_bwd(x: Any, w_router: Any, router_logits: Any, topk_idx: Any, grad_topk_weights: Any,
