@@ -91,10 +91,9 @@ def test_hf_backend_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str,
 @pytest.mark.slow
 @pytest.mark.parametrize("par, local, ops, swapped", [
     ({"tensor_parallel_degree": 2}, 2, ["rope_hf", "router_topk", "moe_experts"], 4),
-    # FSDP2: rope_hf only. router_topk / moe_experts are swapped and validated fine (before
-    # fully_shard), but the interpreter hands parameters to numpy with Tensor.numpy(), which marks
-    # their storage non-resizable, and FSDP2's reshard (storage.resize_(0)) then fails.
-    ({"data_parallel_shard_degree": 2}, 1, ["rope_hf"], 2),
+    # FSDP2 reshards parameters with storage.resize_(0) after kernels have read them (the
+    # interpreter's zero-copy numpy views must leave the storage resizable).
+    ({"data_parallel_shard_degree": 2}, 1, ["rope_hf", "router_topk", "moe_experts"], 4),
 ], ids=["tp", "fsdp"])
 def test_nki_kernels_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                              single: dict[int, float], par: dict, local: int,

@@ -88,6 +88,19 @@ def test_preallocated_output_written_in_place(kind):
     assert ret is out  # a returned argument comes back as the caller's object
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_args_stay_resizable(dtype):
+    """FSDP2 frees unsharded parameters with storage.resize_(0) after they went through a kernel;
+    handing a tensor to the interpreter must not mark its storage non-resizable (Tensor.numpy() does)."""
+    a, b = torch.randn(128, 16, dtype=dtype), torch.randn(128, 16, dtype=dtype)
+    out = torch.zeros(128, 16, dtype=dtype)
+    add_into(a, b, out)
+    torch.testing.assert_close(out, (a.float() + b.float()).to(dtype), rtol=0, atol=0)
+    for t in (a, b, out):
+        t.untyped_storage().resize_(0)
+        assert t.untyped_storage().nbytes() == 0
+
+
 def test_non_contiguous_torch_output_is_copied_back():
     a = torch.randn(128, 16)
     b = torch.randn(128, 16)

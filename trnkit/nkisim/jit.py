@@ -59,12 +59,14 @@ def to_numpy(t: Any, name: str = "tensor") -> np.ndarray:
     dt = _TORCH_TO_NP.get(t.dtype)
     require(dt is not None, "nki.jit", "argument {name!r} has torch dtype {dtype}, not an NKI dtype",
             name=name, dtype=str(t.dtype))
+    # DLPack, not Tensor.numpy(): .numpy() marks the storage non-resizable for good, which breaks
+    # FSDP2's reshard (storage.resize_(0)) of parameters that went through a kernel.
     t = t.detach()
     if t.dtype in (torch.bfloat16, torch.float16):
-        return t.view(torch.int16).numpy().view(dt)
+        return np.from_dlpack(t.view(torch.int16)).view(dt)
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.view(torch.uint8).numpy().view(dt)
-    return t.numpy()
+        return np.from_dlpack(t.view(torch.uint8)).view(dt)
+    return np.from_dlpack(t)
 
 
 def from_numpy(a: np.ndarray) -> Any:
