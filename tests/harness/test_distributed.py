@@ -41,31 +41,23 @@ def single(single_run: tuple[dict[int, float], Path]) -> dict[int, float]:
     return single_run[0]
 
 
-def test_fsdp2_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
-                                       single: dict[int, float]) -> None:
-    # global batch 2 = 2 ranks x 1 sequence; same samples as the 1-process batch of 2
-    fsdp = _run(tmp_path, "fsdp", tiny_tokenizer, corpus_dir, 2,
-                # every parameter is sharded
-                expect_log="parallelized: 24 of 24 parameters are DTensors (tp 1: off; fsdp 2: per block + root)",
-                training={"local_batch_size": 1},
-                parallelism={"data_parallel_shard_degree": 2})
-    assert sorted(fsdp) == list(range(1, STEPS + 1))
-    recs = [json.loads(x) for x in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+@pytest.mark.parametrize("par, local, expect_log", [
+    # global batch 2 = 2 ranks x 1 sequence; same samples as the 1-process batch of 2; every parameter sharded
+    ({"data_parallel_shard_degree": 2}, 1,
+     "parallelized: 24 of 24 parameters are DTensors (tp 1: off; fsdp 2: per block + root)"),
+    # 2 layers x (wq wk wv wo q_norm k_norm) + layer 0's dense w1 w2 w3
+    ({"tensor_parallel_degree": 2}, 2,
+     "parallelized: 15 of 24 parameters are DTensors (tp 2: attention + dense FFN; fsdp 1: off)"),
+], ids=["fsdp2", "tp"])
+def test_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                 single: dict[int, float], par: dict, local: int, expect_log: str) -> None:
+    two = _run(tmp_path, "two", tiny_tokenizer, corpus_dir, 2, expect_log=expect_log,
+               training={"local_batch_size": local}, parallelism=par)
+    assert sorted(two) == list(range(1, STEPS + 1))
+    recs = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["memory_max_rank_gib"] >= r["memory_gib"] > 0 for r in recs)  # per-rank peak RSS, max
-    for s in fsdp:
-        assert fsdp[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, fsdp, single)
-
-
-def test_tp_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
-                                    single: dict[int, float]) -> None:
-    tp = _run(tmp_path, "tp", tiny_tokenizer, corpus_dir, 2,
-              # 2 layers x (wq wk wv wo q_norm k_norm) + layer 0's dense w1 w2 w3
-              expect_log="parallelized: 15 of 24 parameters are DTensors (tp 2: attention + dense FFN; fsdp 1: off)",
-              training={"local_batch_size": 2},
-              parallelism={"tensor_parallel_degree": 2})
-    assert sorted(tp) == list(range(1, STEPS + 1))
-    for s in tp:
-        assert tp[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, tp, single)
+    for s in two:
+        assert two[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, two, single)
 
 
 @pytest.mark.slow

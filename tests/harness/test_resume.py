@@ -35,6 +35,18 @@ def test_resume_after_sigkill_reproduces_losses_exactly(tmp_path: Path, tiny_tok
     # keep_latest_k = 2: only the two newest checkpoints survive
     assert [s for s, _ in list_checkpoints(str(tmp_path / "ref" / "checkpoint"))] == [21, 24]
 
+    # a rerun of the finished job resumes step 24, trains nothing, and says how to go on or start fresh
+    again = run_cli(["--config", str(ref_cfg)])
+    assert again.returncode == 0, again.stderr[-3000:]
+    ckpt24 = tmp_path / "ref" / "checkpoint" / f"step-{STEPS}"
+    assert (f"nothing to train: checkpoint {ckpt24} is at step {STEPS} and training.steps = {STEPS}"
+            in again.stdout), again.stdout
+    assert "--training.steps N with N > 24" in again.stdout
+    assert f"--checkpoint.resume false (overwrites its checkpoints), another --job.dump_folder, or delete " \
+           f"{tmp_path / 'ref'}" in again.stdout
+    assert "step: " not in again.stdout
+    assert losses_from_jsonl(tmp_path / "ref" / "metrics.jsonl") == ref_losses  # history kept as it was
+
     cfg = _cfg(tmp_path, "killed", tiny_tokenizer, corpus_dir)
     ckpt_dir = tmp_path / "killed" / "checkpoint"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -168,6 +168,20 @@ def _suggest(name: str, options: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _coerce_number(key: str, tp: type, value: Any, from_cli: bool) -> int | float:
+    """An int or float field: TOML numbers (an int is a valid float, a bool is neither) or CLI strings."""
+    if from_cli and isinstance(value, str):
+        try:
+            return tp(value)
+        except ValueError:
+            pass
+    accepted = (int,) if tp is int else (int, float)
+    if isinstance(value, accepted) and not isinstance(value, bool):
+        return tp(value)
+    kind = "an int" if tp is int else "a number"
+    raise ConfigError(f"config {key}: expected {kind}, got {type(value).__name__} {value!r}")
+
+
 def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
     """Check (TOML) or parse (CLI string) `value` against the annotation `tp`."""
     origin = typing.get_origin(tp)
@@ -191,24 +205,8 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"config {key}: expected a bool, got {type(value).__name__} {value!r}")
-    if tp is int:
-        if from_cli and isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"config {key}: expected an int, got {type(value).__name__} {value!r}")
-    if tp is float:
-        if from_cli and isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"config {key}: expected a number, got {type(value).__name__} {value!r}")
+    if tp in (int, float):
+        return _coerce_number(key, tp, value, from_cli)
     if tp is str:
         if isinstance(value, str):
             return value

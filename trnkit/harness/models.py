@@ -23,6 +23,13 @@ _MATH_FIELDS = ("rope_theta", "norm_eps", "norm_topk_prob", "tie_word_embeddings
                 "decoder_sparse_step", "top_k")
 
 
+# Per model kind, the module names the TP plan targets: (attention, (q, k, v, o), dense FFN, (gate, up, down)).
+_TP_MODULE_NAMES = {
+    "native": ("attention", ("wq", "wk", "wv", "wo"), "feed_forward", ("w1", "w3", "w2")),
+    "hf": ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
 @dataclass
 class ModelHandle:
     kind: str                 # "native" | "hf"
@@ -106,20 +113,13 @@ class ModelHandle:
         if n_heads % tp or n_kv % tp:
             raise ConfigError(f"parallelism.tensor_parallel_degree: {tp} must divide n_heads ({n_heads}) and "
                               f"n_kv_heads ({n_kv})")
-        if self.kind == "native":
-            attn = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                    "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-                    "attention.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                    "attention.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
-            ffn = {"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                   "feed_forward.w2": RowwiseParallel()}
-        else:
-            attn = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-                    "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                    "self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                    "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
-            ffn = {"mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                   "mlp.down_proj": RowwiseParallel()}
+        a, (q, k, v, o), f, (gate, up, down) = _TP_MODULE_NAMES[self.kind]
+        # the per-head q/k RMSNorms see [B, S, H_local, D]: "sequence" parallel over the head dim 2
+        attn = {f"{a}.{q}": ColwiseParallel(), f"{a}.{k}": ColwiseParallel(), f"{a}.{v}": ColwiseParallel(),
+                f"{a}.{o}": RowwiseParallel(),
+                f"{a}.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                f"{a}.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+        ffn = {f"{f}.{gate}": ColwiseParallel(), f"{f}.{up}": ColwiseParallel(), f"{f}.{down}": RowwiseParallel()}
         for block in self.blocks(model):
             plan = dict(attn)
             dense = (block.feed_forward is not None) if self.kind == "native" else hasattr(block.mlp, "gate_proj")

@@ -174,6 +174,15 @@ def _load_full(model: torch.nn.Module, handle: ModelHandle, sd: dict[str, torch.
         model.tie_weights()
 
 
+def _finished_message(ckpt_path: str, ckpt_step: int, steps: int, dump: str) -> str:
+    """What a rerun of a finished job prints: resuming its last checkpoint leaves no step to train."""
+    return (f"nothing to train: checkpoint {ckpt_path} is at step {ckpt_step} and training.steps = {steps} "
+            f"(this job has already finished)\n"
+            f"  to train longer:  --training.steps N with N > {ckpt_step}\n"
+            f"  to start fresh:   --checkpoint.resume false (overwrites its checkpoints), another "
+            f"--job.dump_folder, or delete {dump}")
+
+
 def run(cfg: TrainerConfig) -> RunResult:
     """Train according to `cfg` (in this process; one rank of a torchrun job or a world of one)."""
     cfg.validate()
@@ -238,8 +247,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             start_step = ckpt.load(latest[1])
             log(f"resumed from {latest[1]} (step {start_step})")
             if start_step >= t.steps:
-                log(f"the checkpoint is already at training.steps = {t.steps}: nothing to train (raise "
-                    f"--training.steps, or delete {ckpt_dir} / pass --checkpoint.resume false to start over)")
+                log(_finished_message(latest[1], start_step, t.steps, dump))
 
     peak = peak_flops(env.device.type, parallel.device_name(env.device))
     metrics = MetricsLogger(dump, cfg.metrics, t.steps, start_step, env.rank, fpt, peak, env.device,
