@@ -69,7 +69,8 @@ def test_block_layout_groups_every_item_once(B: int) -> None:
     table, starts = lay.table.long(), lay.block_start[0].long()
     counts = torch.bincount(g[g < 5], minlength=5)
     assert torch.equal(starts[1:] - starts[:-1], (counts + B - 1) // B)
-    assert lay.num_blocks == moe.max_blocks(8, 5, B) >= int(starts[-1])
+    # static bound from the item count (the dropped item included: no host read of the values)
+    assert lay.num_blocks == moe.max_blocks(9, 5, B) >= int(starts[-1])
     seen = []
     for grp in range(5):
         items = table[starts[grp]:starts[grp + 1]].reshape(-1)
@@ -283,7 +284,7 @@ def test_moe_experts_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["tails", "T1", "all_to_one_expert", "empty_experts", "K_equals_E",
-                                  "block_256", "full_plus_half_128"])
+                                  "prime_E", "odd_H_I", "block_256", "full_plus_half_128"])
 def test_moe_experts_bwd_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
     x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
     g = _rand(*x.shape, dtype=dtype, seed=11)
@@ -342,6 +343,7 @@ def _good_moe() -> dict:
     return dict(x=x, topk_idx=idx, topk_weights=tw, w_gate_up=wgu, w_down=wd, block_size=32)
 
 
+MOE_VALUE_RULES = ("idx_out_of_range", "idx_negative")  # data, checked at the entry, not by constraints()
 MOE_BAD = {
     "block_size": (lambda a: a.update(block_size=48), "block_size in"),
     "E_too_big": (lambda a: a.update(w_gate_up=torch.zeros(513, 64, 4), w_down=torch.zeros(513, 2, 64),
@@ -350,6 +352,12 @@ MOE_BAD = {
                                      topk_idx=torch.arange(9).view(1, 9), topk_weights=torch.ones(1, 9)),
                   "1 <= K <= min(8, E)"),
     "idx_out_of_range": (lambda a: a.update(topk_idx=torch.tensor([[0, 4]])), "0 <= topk_idx < E"),
+    "idx_negative": (lambda a: a.update(topk_idx=torch.tensor([[-1, 2]])), "0 <= topk_idx < E"),
+    "I2_odd": (lambda a: a.update(w_gate_up=torch.zeros(4, 64, 65)), "w_gate_up.shape[2] == 2 * I is even"),
+    "T_zero": (lambda a: a.update(x=torch.zeros(0, 64), topk_idx=torch.zeros(0, 2, dtype=torch.int64),
+                                  topk_weights=torch.zeros(0, 2)), "T >= 1"),
+    "weights_dtype": (lambda a: a.update(topk_weights=a["topk_weights"].half()), "topk_weights.dtype"),
+    "w_3d": (lambda a: a.update(w_down=torch.zeros(4, 32)), "w_down is 3-D"),
     "idx_dtype": (lambda a: a.update(topk_idx=a["topk_idx"].float()), "topk_idx.dtype"),
     "dtype_fp16": (lambda a: a.update(x=a["x"].half()), "x.dtype in (float32, bfloat16)"),
     "mixed_dtypes": (lambda a: a.update(w_down=a["w_down"].bfloat16()), "share one dtype"),
@@ -371,8 +379,11 @@ def test_moe_constraint_violations_raise_clear_errors(bad: str) -> None:
     with pytest.raises(KernelConstraintError, match="moe_experts") as err:
         moe.moe_experts(**args)
     assert text in str(err.value)
+    assert "got " in str(err.value)  # the offending value is named
     with pytest.raises(KernelConstraintError, match="moe_experts"):
         moe.moe_experts_ref(**args)
+    shape_only = moe.moe_experts_constraints(**args)
+    assert (shape_only == []) == (bad in MOE_VALUE_RULES)
 
 
 def test_moe_bwd_checks_grad_out_shape() -> None:
@@ -381,11 +392,18 @@ def test_moe_bwd_checks_grad_out_shape() -> None:
         moe.moe_experts_bwd(grad_out=torch.zeros(2, 64), **args)
 
 
+GMM_VALUE_RULES = ("offs_decreasing", "offs_past_M", "offs_negative")
 GMM_BAD = {
     "offs_dtype": (dict(offs=torch.tensor([2, 5])), "group_offsets.dtype == int32"),
     "offs_decreasing": (dict(offs=torch.tensor([4, 2], dtype=torch.int32)), "non-decreasing"),
     "offs_past_M": (dict(offs=torch.tensor([2, 9], dtype=torch.int32)), "group_offsets[-1] <= M"),
+    "offs_negative": (dict(offs=torch.tensor([-1, 2], dtype=torch.int32)), "non-decreasing and >= 0"),
     "offs_len": (dict(offs=torch.tensor([2], dtype=torch.int32)), "len(group_offsets) == w.shape[0]"),
+    "offs_2d": (dict(offs=torch.tensor([[2, 5]], dtype=torch.int32)), "group_offsets is 1-D"),
+    "w_2d": (dict(w=torch.zeros(8, 4)), "w is 3-D"),
+    "G_too_big": (dict(w=torch.zeros(513, 8, 1), offs=torch.arange(513, dtype=torch.int32).clamp(max=6)),
+                  "1 <= G <= 512"),
+    "mixed_dtypes": (dict(w=torch.zeros(2, 8, 4, dtype=torch.bfloat16)), "share one dtype"),
     "K_mismatch": (dict(w=torch.zeros(2, 7, 4)), "w.shape[1] == x.shape[1]"),
     "x_1d": (dict(x=torch.zeros(8)), "x is 2-D"),
     "dtype": (dict(x=torch.zeros(6, 8, dtype=torch.float16)), "x.dtype in (float32, bfloat16)"),
@@ -401,8 +419,30 @@ def test_grouped_mm_constraint_violations_raise_clear_errors(bad: str) -> None:
     args.update(change)
     with pytest.raises(KernelConstraintError, match="grouped_mm") as err:
         moe.grouped_mm(args["x"], args["w"], args["offs"])
-    assert text in str(err.value)
-    assert moe.constraints(args["x"], args["w"], args["offs"])  # the dispatching entry agrees
+    assert text in str(err.value) and "got " in str(err.value)
+    with pytest.raises(KernelConstraintError, match="grouped_mm"):
+        moe.grouped_mm_ref(args["x"], args["w"], args["offs"])
+    # constraints() is shape/dtype-only; the value rules are the entry's own check
+    shape_only = moe.constraints(args["x"], args["w"], args["offs"])  # the dispatching entry
+    assert shape_only == moe.grouped_mm_constraints(args["x"], args["w"], args["offs"])
+    assert (shape_only == []) == (bad in GMM_VALUE_RULES)
+    if bad in GMM_VALUE_RULES:
+        assert moe.grouped_mm_value_violations(args["x"], args["offs"])
+
+
+def test_constraints_read_no_values() -> None:
+    """constraints(...) must work on meta tensors (no storage; any value read raises): what the
+    override registry's selection sees under fake tensors / torch.compile."""
+    m = dict(device="meta")
+    x, idx, tw = torch.empty(5, 64, **m), torch.empty(5, 2, dtype=torch.int64, **m), torch.empty(5, 2, **m)
+    wgu, wd = torch.empty(4, 64, 64, **m), torch.empty(4, 32, 64, **m)
+    assert moe.moe_experts_constraints(x, idx, tw, wgu, wd, 32, torch.empty(5, 64, **m)) == []
+    assert moe.constraints(x, idx, tw, wgu, wd) == []
+    offs = torch.empty(4, dtype=torch.int32, **m)
+    assert moe.grouped_mm_constraints(x, wgu, offs, torch.empty(5, 64, **m)) == []
+    assert moe.constraints(x, wgu, offs) == []
+    bad = moe.moe_experts_constraints(x, idx, tw, wgu, wd, 48)
+    assert [v.constraint for v in bad] == ["block_size in (32, 64, 128, 256, 512)"]
 
 
 # --------------------------------------------------------------------------------- cost model

@@ -58,6 +58,8 @@ __all__ = [
     "moe_experts_ref",
     "moe_experts_bwd_ref",
     "moe_experts_constraints",
+    "grouped_mm_value_violations",
+    "moe_experts_value_violations",
     "constraints",
     "BLOCK_SIZES",
     "MAX_EXPERTS",
@@ -135,30 +137,36 @@ def max_blocks(num_items: int, num_groups: int, block_size: int) -> int:
 def block_layout(group_of_item: torch.Tensor, num_groups: int, block_size: int, pad: int) -> BlockLayout:
     """Group items by ``group_of_item`` (stable: items keep their order inside a group).
 
-    Items whose group is ``>= num_groups`` are dropped (grouped_mm rows past the last offset).
+    Items whose group is ``>= num_groups`` are dropped (grouped_mm rows past the last offset). Pure
+    torch on the items' device: no host read of any value (``num_blocks`` comes from the item count
+    alone) and no Python loop over groups.
     """
     g = group_of_item.reshape(-1).long()
+    dev = g.device
     n = g.numel()
-    keep = g < num_groups
-    counts = torch.bincount(g[keep], minlength=num_groups)
-    blocks = (counts + block_size - 1) // block_size
-    block_start = torch.zeros(num_groups + 1, dtype=torch.int64)
+    g = torch.clamp(g, max=num_groups)  # every dropped item -> the extra group num_groups
+    counts = torch.bincount(g, minlength=num_groups + 1)  # [G + 1]; the last entry: dropped items
+    blocks = (counts[:num_groups] + block_size - 1) // block_size
+    block_start = torch.zeros(num_groups + 1, dtype=torch.int64, device=dev)
     block_start[1:] = torch.cumsum(blocks, 0)
-    nb = max_blocks(int(keep.sum()) if n else 0, num_groups, block_size)
-    table = torch.full((nb * block_size,), pad, dtype=torch.int64)
+    nb = max_blocks(n, num_groups, block_size)  # >= the bound for the kept items (monotone in n)
+    table = torch.full((nb * block_size + 1,), pad, dtype=torch.int64, device=dev)  # + 1 dump slot
     if n:
-        order = torch.argsort(g, stable=True)[: int(keep.sum())]
+        order = torch.argsort(g, stable=True)
         sorted_g = g[order]
         first = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(order.numel()) - first[sorted_g]
-        table[block_start[sorted_g] * block_size + rank] = order
-    return BlockLayout(table.view(nb, block_size).to(torch.int32),
+        rank = torch.arange(n, device=dev) - first[sorted_g]
+        pos = torch.where(sorted_g < num_groups, block_start[sorted_g] * block_size + rank,
+                          torch.full_like(rank, nb * block_size))  # dropped items -> the dump slot
+        table[pos] = order
+    return BlockLayout(table[:-1].view(nb, block_size).to(torch.int32),
                        block_start.view(1, -1).to(torch.int32), block_size, pad)
 
 
 def _group_of_row(group_offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Group id of each row for exclusive-end offsets (rows past the last offset get G)."""
-    return torch.searchsorted(group_offsets.long(), torch.arange(num_rows), right=True)
+    rows = torch.arange(num_rows, device=group_offsets.device)
+    return torch.searchsorted(group_offsets.long(), rows, right=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,7 +192,13 @@ def _weight_sbuf_bytes(rows: int, cols: int, itemsize: int) -> int:
 
 def grouped_mm_constraints(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
                            grad_out: torch.Tensor | None = None) -> list[Violation]:
-    """Violated constraints of :func:`grouped_mm` / :func:`grouped_mm_bwd` (empty = supported)."""
+    """Violated constraints of :func:`grouped_mm` / :func:`grouped_mm_bwd` (empty = supported).
+
+    Shapes and dtypes only: never reads a tensor value, so it works on fake / meta tensors and under
+    torch.compile (the override registry's selection). The value rules on ``group_offsets``
+    (non-decreasing, ``>= 0``, ``offs[-1] <= M``) are checked by the entry points
+    (:func:`grouped_mm_value_violations`).
+    """
     k = GROUPED_MM
     v: list[Violation] = []
     if x.dim() != 2:
@@ -206,12 +220,6 @@ def grouped_mm_constraints(x: torch.Tensor, w: torch.Tensor, group_offsets: torc
     if group_offsets.dtype != torch.int32:
         v.append(Violation(k, "group_offsets.dtype == int32", str(group_offsets.dtype),
                            "torch._grouped_mm offs contract"))
-    elif G and group_offsets.numel():
-        offs = group_offsets.long()
-        if bool((offs[1:] < offs[:-1]).any()) or int(offs[0]) < 0:
-            v.append(Violation(k, "group_offsets non-decreasing and >= 0", group_offsets.tolist()))
-        if int(offs[-1]) > M:
-            v.append(Violation(k, "group_offsets[-1] <= M", (int(offs[-1]), M)))
     v += _dtype_violations(k, x=x, w=w, **({} if grad_out is None else {"grad_out": grad_out}))
     if grad_out is not None and tuple(grad_out.shape) != (M, N):
         v.append(Violation(k, "grad_out.shape == (M, N)", tuple(grad_out.shape)))
@@ -228,7 +236,12 @@ def grouped_mm_constraints(x: torch.Tensor, w: torch.Tensor, group_offsets: torc
 def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128,
                             grad_out: torch.Tensor | None = None) -> list[Violation]:
-    """Violated constraints of :func:`moe_experts` / :func:`moe_experts_bwd` (empty = supported)."""
+    """Violated constraints of :func:`moe_experts` / :func:`moe_experts_bwd` (empty = supported).
+
+    Shapes, dtypes and ``block_size`` only: never reads a tensor value (fake / meta tensors and
+    torch.compile are fine). The range ``0 <= topk_idx < E`` is data; the entry points check it
+    (:func:`moe_experts_value_violations`).
+    """
     k = MOE_EXPERTS
     v: list[Violation] = []
     for name, t, nd in (("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2),
@@ -260,8 +273,6 @@ def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
                            (tuple(topk_idx.shape), tuple(topk_weights.shape))))
     if topk_idx.dtype not in (torch.int32, torch.int64):
         v.append(Violation(k, "topk_idx.dtype in (int32, int64)", str(topk_idx.dtype)))
-    elif topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= E):
-        v.append(Violation(k, "0 <= topk_idx < E", (int(topk_idx.min()), int(topk_idx.max()), E)))
     if topk_weights.dtype not in _DTYPES:
         v.append(Violation(k, "topk_weights.dtype in (float32, bfloat16)", str(topk_weights.dtype)))
     v += _dtype_violations(k, x=x, w_gate_up=w_gate_up, w_down=w_down,
@@ -283,13 +294,53 @@ def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     return v
 
 
+def grouped_mm_value_violations(x: torch.Tensor, group_offsets: torch.Tensor) -> list[Violation]:
+    """Value rules of ``group_offsets [G]`` int32 (non-decreasing, ``>= 0``, ``offs[-1] <= M``).
+
+    Reads the offsets (one host read of two flags); run by the entry points after the shape checks.
+    """
+    offs = group_offsets.long()
+    M = x.shape[0]
+    bad_order, past_end = torch.stack([(offs[1:] < offs[:-1]).any() | (offs[0] < 0), offs[-1] > M]).tolist()
+    v = []
+    if bad_order:
+        v.append(Violation(GROUPED_MM, "group_offsets non-decreasing and >= 0", group_offsets.tolist()))
+    if past_end:
+        v.append(Violation(GROUPED_MM, "group_offsets[-1] <= M", (int(offs[-1]), M)))
+    return v
+
+
+def moe_experts_value_violations(topk_idx: torch.Tensor, num_experts: int) -> list[Violation]:
+    """Value rule ``0 <= topk_idx < E`` (one host read of the min and max); run by the entry points."""
+    lo, hi = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()
+    if lo < 0 or hi >= num_experts:
+        return [Violation(MOE_EXPERTS, "0 <= topk_idx < E", (lo, hi, num_experts),
+                          "an index outside [0, E) would gather another expert's rows or none")]
+    return []
+
+
+def _check_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
+                      grad_out: torch.Tensor | None = None) -> None:
+    """Entry check of the grouped_mm functions: shape/dtype rules, then (if those hold) the values."""
+    v = grouped_mm_constraints(x, w, group_offsets, grad_out)
+    check(v or grouped_mm_value_violations(x, group_offsets))
+
+
+def _check_moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int,
+                       grad_out: torch.Tensor | None = None) -> None:
+    """Entry check of the moe_experts functions: shape/dtype rules, then (if those hold) the values."""
+    v = moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out)
+    check(v or moe_experts_value_violations(topk_idx, w_gate_up.shape[0]))
+
+
 def constraints(x: torch.Tensor, *args, **kwargs) -> list[Violation]:
     """Dispatch on the arguments: ``(x, w, group_offsets[, grad_out])`` -> grouped_mm,
     ``(x, topk_idx, topk_weights, w_gate_up, w_down[, block_size][, grad_out])`` -> moe_experts."""
-    w_or_idx = args[0] if args else kwargs.get("w", kwargs.get("topk_idx"))
-    if w_or_idx is not None and w_or_idx.dim() == 3:  # grouped_mm's w [G, K, N]
-        return grouped_mm_constraints(x, *args, **kwargs)
-    return moe_experts_constraints(x, *args, **kwargs)
+    # by the argument count, not by a shape (a malformed w must still reach grouped_mm's own checks)
+    if len(args) >= 4 or {"topk_idx", "topk_weights", "w_gate_up", "w_down", "block_size"} & kwargs.keys():
+        return moe_experts_constraints(x, *args, **kwargs)
+    return grouped_mm_constraints(x, *args, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,7 +366,7 @@ def _group_counts(group_offsets: torch.Tensor) -> list[int]:
 
 def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor) -> torch.Tensor:
     """Reference of :func:`grouped_mm`: fp32 accumulation, output in x.dtype, zero rows past the end."""
-    check(grouped_mm_constraints(x, w, group_offsets))
+    _check_grouped_mm(x, w, group_offsets)
     counts = _group_counts(group_offsets)
     return _per_group_f32(x, w, counts).to(x.dtype)
 
@@ -323,10 +374,10 @@ def grouped_mm_ref(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
 def grouped_mm_bwd_ref(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
                        grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`grouped_mm_bwd`: ``grad_x = grad_out_g @ w[g].T``, ``grad_w[g] = x_g.T @ grad_out_g``."""
-    check(grouped_mm_constraints(x, w, group_offsets, grad_out))
+    _check_grouped_mm(x, w, group_offsets, grad_out)
     counts = _group_counts(group_offsets)
     grad_x = _per_group_f32(grad_out, w, counts, transpose_w=True).to(x.dtype)
-    grad_w = torch.zeros(w.shape, dtype=torch.float32)
+    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
     start = 0
     for g, c in enumerate(counts):
         grad_w[g] = x[start:start + c].float().T @ grad_out[start:start + c].float()
@@ -345,7 +396,7 @@ def moe_experts_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
                     w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128) -> torch.Tensor:
     """Reference of :func:`moe_experts` (same rounding points as the kernel; block_size is ignored:
     padding does not change the result)."""
-    check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size))
+    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size)
     T, H = x.shape
     K = topk_idx.shape[1]
     inter = w_down.shape[1]
@@ -355,7 +406,7 @@ def moe_experts_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
     y = _per_group_f32(h, w_down, counts)
     ys = (topk_weights.reshape(-1)[order].float()[:, None] * y).to(x.dtype)
-    out = torch.zeros(T, H, dtype=torch.float32)
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     out.index_add_(0, order // K, ys.float())
     return out.to(x.dtype)
 
@@ -368,7 +419,7 @@ def moe_experts_bwd_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     Mirrors the kernel's rounding points: the recomputed gate/up, ``grad_out @ w_down.T``, ``h``,
     ``w * h`` and the gate/up gradients are stored in the input dtype between the NKI kernels.
     """
-    check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out))
+    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out)
     T, H = x.shape
     K = topk_idx.shape[1]
     inter = w_down.shape[1]
@@ -387,8 +438,8 @@ def moe_experts_bwd_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     hw = (ws * h).to(dt).float()
     gh = ws * ghp
     dgu = torch.cat([(gh * u * (s + sa * (1 - s))).to(dt), (gh * sa).to(dt)], dim=1).float()
-    grad_wd = torch.zeros(w_down.shape, dtype=torch.float32)
-    grad_wgu = torch.zeros(w_gate_up.shape, dtype=torch.float32)
+    grad_wd = torch.zeros(w_down.shape, dtype=torch.float32, device=x.device)
+    grad_wgu = torch.zeros(w_gate_up.shape, dtype=torch.float32, device=x.device)
     start = 0
     for e, c in enumerate(counts):
         sl = slice(start, start + c)
@@ -396,8 +447,8 @@ def moe_experts_bwd_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
         grad_wgu[e] = xs[sl].float().T @ dgu[sl]
         start += c
     gxs = _per_group_f32(dgu, w_gate_up, counts, transpose_w=True).to(dt)
-    grad_x = torch.zeros(T, H, dtype=torch.float32).index_add_(0, tok, gxs.float()).to(dt)
-    grad_tw = torch.empty(T * K, dtype=torch.float32)
+    grad_x = torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tok, gxs.float()).to(dt)
+    grad_tw = torch.empty(T * K, dtype=torch.float32, device=x.device)
     grad_tw[order] = gw
     return (grad_x, grad_tw.view(T, K).to(topk_weights.dtype), grad_wgu.to(w_gate_up.dtype),
             grad_wd.to(w_down.dtype))
@@ -439,10 +490,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
     """``out[rows of g] = x[rows of g] @ w[g]`` on the NKI kernel; rows past ``offs[-1]`` are zero."""
     from trnkit.kernels import moe_grouped_mm as K_  # noqa: PLC0415  (imports the NKI backend lazily)
 
-    check(grouped_mm_constraints(x, w, group_offsets))
+    _check_grouped_mm(x, w, group_offsets)
     M = x.shape[0]
     lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
-    out = torch.zeros(M, w.shape[2], dtype=x.dtype)
+    out = torch.zeros(M, w.shape[2], dtype=x.dtype, device=x.device)
     K_.grouped_mm_kernel(x.contiguous(), w.contiguous(), lay.table, lay.table, lay.block_start, out, False)
     return out
 
@@ -453,13 +504,13 @@ def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
     ``w[g].T``; grad_w: per-group ``x_g.T @ grad_out_g`` accumulated over blocks in fp32)."""
     from trnkit.kernels import moe_grouped_mm as K_  # noqa: PLC0415
 
-    check(grouped_mm_constraints(x, w, group_offsets, grad_out))
+    _check_grouped_mm(x, w, group_offsets, grad_out)
     M = x.shape[0]
     lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
     x, w, grad_out = x.contiguous(), w.contiguous(), grad_out.contiguous()
-    grad_x = torch.zeros(M, w.shape[1], dtype=x.dtype)
+    grad_x = torch.zeros(M, w.shape[1], dtype=x.dtype, device=x.device)
     K_.grouped_mm_kernel(grad_out, w, lay.table, lay.table, lay.block_start, grad_x, True)
-    grad_w = torch.empty(w.shape, dtype=w.dtype)
+    grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device)
     K_.grouped_wgrad_kernel(x, grad_out, lay.table, lay.table, lay.block_start, grad_w)
     return grad_x, grad_w
 
@@ -469,7 +520,7 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     """Fused SwiGLU experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype."""
     from trnkit.kernels import moe_fused as K_  # noqa: PLC0415
 
-    check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size))
+    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size)
     E = w_gate_up.shape[0]
     lay, token = _moe_layout(topk_idx, E, block_size)
     weights = topk_weights.reshape(-1, 1).float()  # fp32 affinities, [T*K, 1]
@@ -491,7 +542,7 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     from trnkit.kernels import moe_fused as KE  # noqa: PLC0415
     from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
 
-    check(moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out))
+    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out)
     T, H = x.shape
     K = topk_idx.shape[1]
     E, _, I2 = w_gate_up.shape
@@ -500,21 +551,22 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     lay, token = _moe_layout(topk_idx, E, block_size)
     NB, B = lay.table.shape
-    disp = torch.arange(NB * B, dtype=torch.int32).view(NB, B)  # dispatch-order positions
+    dev = x.device
+    disp = torch.arange(NB * B, dtype=torch.int32, device=dev).view(NB, B)  # dispatch-order positions
     weights = topk_weights.reshape(-1, 1).float()
-    gu = torch.empty(NB, B, I2, dtype=dt)
+    gu = torch.empty(NB, B, I2, dtype=dt, device=dev)
     KG.grouped_mm_kernel(x, w_gate_up, token, disp, lay.block_start, gu, False)
-    ghp = torch.empty(NB, B, I2 // 2, dtype=dt)
+    ghp = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
     KG.grouped_mm_kernel(grad_out, w_down, token, disp, lay.block_start, ghp, True)
-    hw = torch.empty(NB, B, I2 // 2, dtype=dt)
-    dgu = torch.empty(NB, B, I2, dtype=dt)
-    gw = torch.empty(T * K, 1, dtype=torch.float32)
+    hw = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
+    dgu = torch.empty(NB, B, I2, dtype=dt, device=dev)
+    gw = torch.empty(T * K, 1, dtype=torch.float32, device=dev)
     KE.swiglu_bwd_kernel(gu, ghp, lay.table, lay.block_start, weights, hw, dgu, gw)
-    grad_wd = torch.empty(w_down.shape, dtype=w_down.dtype)
+    grad_wd = torch.empty(w_down.shape, dtype=w_down.dtype, device=dev)
     KG.grouped_wgrad_kernel(hw, grad_out, disp, token, lay.block_start, grad_wd)
-    grad_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype)
+    grad_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
     KG.grouped_wgrad_kernel(x, dgu, token, disp, lay.block_start, grad_wgu)
-    gx_slots = torch.empty(T * K, H, dtype=dt)
+    gx_slots = torch.empty(T * K, H, dtype=dt, device=dev)
     KG.grouped_mm_kernel(dgu, w_gate_up, disp, lay.table, lay.block_start, gx_slots, True)
     grad_x = KG.combine_kernel(gx_slots, K)
     return grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd
