@@ -14,9 +14,10 @@ fp32, ``topk_idx [T, K]`` int32, ``router_logits [T, E]`` fp32, and with ``retur
 (one PSUM bank of fp32 per token tile), any H (a short last H block uses fewer partitions), any T.
 
 Kernel layout: tokens on partitions (128 per tile) for everything after the matmul, so softmax and
-top-K are per-partition free-axis operations. The contraction over H needs H on partitions: each x tile
-is loaded once, contiguously, and transposed 128x128 on the Tensor engine (PSUM -> SBUF copies split
-between the Vector and Scalar engines); ``w_router.T`` is built the same way once and stays in SBUF.
+top-K are per-partition free-axis operations. The contraction over H needs H on partitions: when H is a
+multiple of 128 each chunk's x^T is loaded straight from HBM by one ``dma_transpose`` (``w_router.T`` by
+DMA transposes too, once, kept in SBUF); otherwise each x tile is loaded once, contiguously, and
+transposed 128x128 on the Tensor engine (PSUM -> SBUF copies split between Vector and Scalar).
 Top-K uses ``max8`` + ``nc_find_index8`` on the logits (softmax is monotonic, so the selection is that of
 the probabilities); ``nc_find_index8`` returns the first occurrence of each value and advances on
 duplicates, which gives the documented tie rule. With ``norm_topk_prob`` the softmax denominator
@@ -203,12 +204,18 @@ def _transpose_blocks(pairs, rows, cols, dtype, load):
             nisa.tensor_copy(dst=pairs[i][0][0:cb, n_full, 0:rows], src=pt, engine=_copy_engine(load, rows))
 
 
-def _load_w_transposed(w, load):
-    """``w_router [E, H]`` -> SBUF ``wT [128, ceil(H/128), E]`` (``wT[c, j, e] = w[e, j*128 + c]``)."""
+def _load_w_transposed(w, load, dma_t=False):
+    """``w_router [E, H]`` -> SBUF ``wT [128, ceil(H/128), E]`` (``wT[c, j, e] = w[e, j*128 + c]``), by DMA
+    transpose when ``dma_t`` (H a multiple of 128), else on the Tensor engine."""
     E, H = w.shape
-    wT = nl.ndarray((P_MAX, _cdiv(H, P_MAX), E), dtype=w.dtype, buffer=nl.sbuf)
+    n_h = _cdiv(H, P_MAX)
+    wT = nl.ndarray((P_MAX, n_h, E), dtype=w.dtype, buffer=nl.sbuf)
     for e0 in range(0, E, P_MAX):
         ec = min(P_MAX, E - e0)
+        if dma_t:
+            nisa.dma_transpose(dst=wT[:, :, e0:e0 + ec], src=w.ap(pattern=[[H, ec], [P_MAX, n_h], [1, P_MAX]],
+                                                                  offset=e0 * H), axes=(2, 1, 0))
+            continue
         w_sb = nl.ndarray((ec, H), dtype=w.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=w_sb, src=w[e0:e0 + ec, :])
         _transpose_blocks([(wT[:, :, e0:e0 + ec], w_sb)], ec, H, w.dtype, load)
@@ -218,7 +225,8 @@ def _load_w_transposed(w, load):
 # Token sub-tiles per chunk: each partition holds NT consecutive tokens, so the logits store is one
 # contiguous NT*E*4-byte run per partition and the x load NT*H elements. Longer inputs amortise a deeper
 # chunk; shorter ones fill the pipeline sooner with NT=2 (cost model, H=2048: T=2048 61% vs 57% of the
-# HBM bound with NT=4; T=8192 77.5% vs 73%).
+# HBM bound with NT=4; T=8192 77.5% vs 73%; with the DMA transpose of x, T=8192: NT=4 80.7%, NT=2 79.0%,
+# NT=8 79.4%).
 def _sub_tiles(T, H, itemsize):
     nt = 4 if T >= 4096 else 2
     # x slabs of two pipeline stages + their transposes: 4 * NT * H elements per partition
@@ -294,7 +302,8 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
     """NKI kernel behind :func:`router_topk` (inputs already validated).
 
     Per token sub-tile three stages, software-pipelined so every engine has independent work queued:
-    A) Tensor-engine transposes of x (H onto partitions) + PSUM -> SBUF copies, B) the H-contraction
+    A) Tensor-engine transposes of x (H onto partitions) + PSUM -> SBUF copies (skipped when x^T comes
+    by DMA transpose), B) the H-contraction
     matmuls into a PSUM ``[P, E]`` tile + copy out, C) max8 / find_index8 / exp / normalise (+ the
     affinity scatter when ``return_affinities``).
     Returns ``(topk_w, topk_i, logits)``, or ``(topk_w, topk_i, logits, affinities)``.
@@ -311,7 +320,10 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
     if return_affinities:
         affinities = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)
     load = [0.0, 0.0]
-    wT = _load_w_transposed(w_router, load)
+    # H a multiple of 128: x^T tiles come straight from HBM by DMA transpose (the Tensor engine then only
+    # runs the matmuls); otherwise x is loaded and transposed on the Tensor engine.
+    dma_t = H % P_MAX == 0
+    wT = _load_w_transposed(w_router, load, dma_t)
     chunks = _token_chunks(T, _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
     # SPMD (``router_topk_kernel[2]`` on LNC=2): program i takes every n_prog-th chunk
     n_prog, pid = _program_split()
@@ -323,13 +335,18 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
     for step in range(n + 3):
         if step < n:  # stage L: load x one stage ahead (the DMA queue stays ahead of the transposes)
             t0, P, NT = chunks[step]
-            x_sb[step] = nl.ndarray((P, NT, H), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_sb[step], src=x.ap(pattern=[[NT * H, P], [H, NT], [1, H]], offset=t0 * H))
+            if dma_t:  # x^T straight from HBM: xT[c_, j, h, p] = x[t0 + p*NT + j, h*128 + c_]
+                xT[step] = nl.ndarray((P_MAX, NT, n_h, P), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.dma_transpose(dst=xT[step], src=x.ap(pattern=[[NT * H, P], [H, NT], [P_MAX, n_h], [1, P_MAX]],
+                                                          offset=t0 * H), axes=(3, 1, 2, 0))
+            else:
+                x_sb[step] = nl.ndarray((P, NT, H), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x_sb[step], src=x.ap(pattern=[[NT * H, P], [H, NT], [1, H]], offset=t0 * H))
         c = step - 1
-        if 0 <= c < n:  # stage A: transpose every sub-tile (interleaved)
+        if 0 <= c < n and not dma_t:  # stage A: transpose every sub-tile (interleaved)
             t0, P, NT = chunks[c]
-            xT[c] = [nl.ndarray((P_MAX, n_h, P), dtype=x.dtype, buffer=nl.sbuf) for _ in range(NT)]
-            _transpose_blocks([(xT[c][j], x_sb[c][:, j, :]) for j in range(NT)], P, H, x.dtype, load)
+            xT[c] = nl.ndarray((P_MAX, NT, n_h, P), dtype=x.dtype, buffer=nl.sbuf)
+            _transpose_blocks([(xT[c][:, j, :, :], x_sb[c][:, j, :]) for j in range(NT)], P, H, x.dtype, load)
             x_sb[c] = None
         c = step - 2
         if 0 <= c < n:  # stage B: logits, the NT accumulation chains interleaved
@@ -341,7 +358,7 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
             for h in range(n_h):
                 hb = min(P_MAX, H - h * P_MAX)
                 for j in range(NT):
-                    nisa.nc_matmul(dst=lg_ps[j], stationary=xT[c][j][0:hb, h, :], moving=wT[0:hb, h, :],
+                    nisa.nc_matmul(dst=lg_ps[j], stationary=xT[c][0:hb, j, h, :], moving=wT[0:hb, h, :],
                                    accumulate=(h > 0))
             for j in range(NT):
                 nisa.tensor_copy(dst=lg_all[c][:, j, 0:E], src=lg_ps[j], engine=_copy_engine(load, E))

@@ -11,7 +11,8 @@ Per instruction the model computes two numbers (constants in :mod:`trnkit.nkisim
   ``max(MIN_II, 2N)`` (see :func:`_compute_cycles`). A DMA occupies the core's DMA bandwidth for
   ``bytes / (rate * eff)``, ``rate`` = 16 engines x 23 B/ns, capped by the core's HBM share when it
   touches HBM, ``eff = b / (b + 256 B)`` for ``b`` contiguous bytes per partition row (the
-  small-transfer penalty of the DMA bandwidth guide).
+  small-transfer penalty of the DMA bandwidth guide); a ``dma_transpose`` further scales it by 0.9 from
+  HBM, 0.5 SBUF -> SBUF on trn2 (``DmaSpec.transpose_*_factor``).
 * **latency** — from issue to result: busy plus the fixed costs that do not occupy the engine
   (compute: static overhead + SBUF/PSUM access init, + matmul pipeline fill; DMA: the ~1.3 us
   semaphore-to-start fixed cost, ~600 ns with hardware DGE, and the single transfer's own speed, which
@@ -219,6 +220,8 @@ def _dma_cost(instr: Instr, chip: Chip) -> InstrCost:
     d = chip.dma
     nbytes, hbm, row, touches_hbm = _dma_geometry(instr)
     eff = dma_efficiency(row, chip)
+    if instr.attrs.get("transpose"):  # dma_transpose: a fraction of a copy's throughput (hardware.py)
+        eff *= d.transpose_hbm_factor if touches_hbm else d.transpose_sbuf_factor
     # Occupancy of the core's DMA bandwidth: DMA-engine time or HBM time, whichever is longer.
     busy = nbytes / (d.peak_bytes_per_ns * eff)
     if touches_hbm:

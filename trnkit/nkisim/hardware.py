@@ -47,6 +47,9 @@ class DmaSpec:
     # Small-transfer efficiency: each partition row is one packet with a setup cost; the model uses
     # efficiency(b) = b / (b + knee_bytes) for b bytes per partition row (see cost.dma_efficiency).
     knee_bytes: int
+    # DMA transpose throughput as a fraction of a copy's, from HBM and from SBUF (1.0 where absent).
+    transpose_hbm_factor: float = 1.0
+    transpose_sbuf_factor: float = 1.0
 
     @property
     def peak_bytes_per_ns(self) -> float:
@@ -140,6 +143,10 @@ TRN2 = Chip(
         # >=2 KiB approaches peak, >=4 KiB saturates. knee = 256 B gives 50% / 89% / 94% at
         # 256 B / 2 KiB / 4 KiB (a fit to those statements, not a documented curve).
         knee_bytes=256,
+        # [SDK] nki/guides/architecture/trainium2_arch ("DMA transpose"): throughput at most 90% of a
+        # copy's for HBM -> SBUF and 50% for SBUF -> SBUF (the upper bounds are used).
+        transpose_hbm_factor=0.9,
+        transpose_sbuf_factor=0.5,
     ),
     # [SDK] nki/guides/architecture/trainium2_arch: SBUF 24 MiB -> 28 MiB = 128 partitions x 224 KiB.
     sbuf_partitions=128,

@@ -1,8 +1,8 @@
 """``nki.isa`` of the interpreter: one module per engine, re-exported here.
 
-``dma`` (dma_copy), ``tensor_engine`` (nc_matmul, nc_transpose), ``vector`` / ``scalar`` /
-``gpsimd`` (the compute instructions), plus the enums of ``common`` (engine, oob_mode, dge_mode,
-reduce_cmd, nc_version).
+``dma`` (dma_copy, dma_transpose, dma_compute), ``tensor_engine`` (nc_matmul, nc_transpose),
+``vector`` / ``scalar`` / ``gpsimd`` (the compute instructions), plus the enums of ``common`` (engine,
+oob_mode, dge_mode, reduce_cmd, nc_version).
 """
 
 from ..errors import NkiValidationError

@@ -1,4 +1,5 @@
-"""DMA instructions: ``dma_copy`` (incl. indirect gather / scatter through ``.ap(vector_offset=...)``).
+"""DMA instructions: ``dma_copy`` (incl. indirect gather / scatter through ``.ap(vector_offset=...)``),
+``dma_transpose``, ``dma_compute``.
 
 Semantics (``nki/api/nki/isa/__init__.py`` ``dma_copy``, NKI 0.6): HBM<->SBUF, SBUF->SBUF, HBM->HBM;
 no PSUM source (since 0.3.0); total element counts of src and dst must match (shapes need not: the
@@ -19,7 +20,7 @@ from ..tensor import NkiTensor
 from . import common
 from .common import dge_mode, engine, oob_mode
 
-__all__ = ["dma_copy", "dma_compute"]
+__all__ = ["dma_copy", "dma_compute", "dma_transpose"]
 
 
 def _convert(values: np.ndarray, dst_dtype: np.dtype) -> np.ndarray:
@@ -29,13 +30,8 @@ def _convert(values: np.ndarray, dst_dtype: np.dtype) -> np.ndarray:
     return _dt.cast(values.astype(np.float32, copy=False), dst_dtype)
 
 
-def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
-             oob_mode: oob_mode = oob_mode.error, dge_mode: dge_mode = dge_mode.unknown,
-             engine: engine = engine.unknown, name: str | None = None) -> None:
-    """Copy ``src`` into ``dst`` with DMA engines (see module doc for the rules)."""
-    op = "dma_copy"
-    common.check_tensor(op, "dst", dst)
-    common.check_tensor(op, "src", src)
+def _check_endpoints(op: str, dst: NkiTensor, src: NkiTensor) -> None:
+    """Buffer rules shared by the DMA copies: no PSUM side, on-chip sides <= 128 partitions."""
     # (plain ifs: require()'s keyword values would be built on every call)
     if src.buffer.name == "psum":
         fail(op, "src cannot be in PSUM (copy it to SBUF with nisa.tensor_copy first); src {name!r}",
@@ -47,6 +43,37 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
         if t.on_chip and t.shape[0] > 128:
             fail(op, "{role} partition dimension {p} exceeds maximum 128 (tensor {name!r})", role=role,
                  p=t.shape[0], name=t.name)
+
+
+def _views(dst: NkiTensor, src: NkiTensor, skip: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``(src values, dst array)`` of a plain (not indirect) DMA; ``(None, None)`` when a dynamic
+    start is out of bounds and ``oob_mode=skip`` (the transfer is skipped); otherwise OOB raises."""
+    try:
+        return src.np(), dst.np()
+    except NkiValidationError:
+        if skip and (src._dyn is not None or dst._dyn is not None):
+            return None, None
+        raise
+
+
+def _emit_dma(op: str, dst: NkiTensor, src: NkiTensor, moved: int, attrs: dict) -> None:
+    """Trace record of a DMA moving ``moved`` elements from ``src`` to ``dst``."""
+    nbytes = moved * dst.dtype.itemsize
+    src_bytes = moved * src.dtype.itemsize
+    hbm = (0 if src.on_chip else src_bytes) + (0 if dst.on_chip else nbytes)
+    attrs.setdefault("contiguous_bytes", min(common.contiguous_bytes(dst), common.contiguous_bytes(src)))
+    common.emit(op, common.DMA, dst=dst, srcs={"src": src}, hbm_bytes=hbm,
+                dma_bytes=max(nbytes, src_bytes), attrs=attrs)
+
+
+def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
+             oob_mode: oob_mode = oob_mode.error, dge_mode: dge_mode = dge_mode.unknown,
+             engine: engine = engine.unknown, name: str | None = None) -> None:
+    """Copy ``src`` into ``dst`` with DMA engines (see module doc for the rules)."""
+    op = "dma_copy"
+    common.check_tensor(op, "dst", dst)
+    common.check_tensor(op, "src", src)
+    _check_endpoints(op, dst, src)
     n_dst, n_src = dst.size, src.size
     if n_dst != n_src:
         fail(op, "element counts differ: dst {dst_shape} has {n_dst}, src {src_shape} has {n_src}",
@@ -105,29 +132,77 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
         flat[addr[valid]] = vals[valid]
         moved = int(vals[valid].size)
     else:
-        try:
-            src_np = src.np()
-            out = dst.np()
-        except NkiValidationError:
-            if skip and (src._dyn is not None or dst._dyn is not None):
-                moved = 0  # dynamic start out of bounds: the transfer is skipped
-                src_np = None
-            else:
-                raise
-        if src_np is not None:
+        src_np, out = _views(dst, src, skip)
+        if src_np is None:
+            moved = 0  # dynamic start out of bounds: the transfer is skipped
+        else:
             vals = _convert(src_np, dst.dtype)
             out[...] = vals if vals.shape == out.shape else vals.reshape(out.shape)
     if trace.active() is None:
         return
-    nbytes = moved * dst.dtype.itemsize
-    src_bytes = moved * src.dtype.itemsize
-    hbm = (0 if src.on_chip else src_bytes) + (0 if dst.on_chip else nbytes)
-    common.emit(op, common.DMA, dst=dst, srcs={"src": src}, hbm_bytes=hbm,
-                dma_bytes=max(nbytes, src_bytes),
-                attrs={"dge_mode": dge_mode.name,
-                       "contiguous_bytes": min(common.contiguous_bytes(dst), common.contiguous_bytes(src)),
-                       "indirect": src_vec is not None or dst_vec is not None,
-                       "name": name})
+    _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name,
+                                    "indirect": src_vec is not None or dst_vec is not None, "name": name})
+
+
+# Permutation per source rank (NKI ``dma_transpose`` docs: 2-D [1, 0], 3-D [2, 1, 0], 4-D [3, 1, 2, 0])
+_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
+
+
+def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None = None,
+                  priority: int | None = None, dge_mode: dge_mode = dge_mode.unknown,
+                  oob_mode: oob_mode = oob_mode.error, name: str | None = None) -> None:
+    """``dst = src.transpose(axes)`` through the DMA engines.
+
+    Rules (``nki.isa.dma_transpose`` docs, Neuron SDK 2.30 "DMA Direct Transpose Constraints"): the
+    permutation is fixed by the rank of ``src`` (2-D ``(1, 0)``, 3-D ``(2, 1, 0)``, 4-D
+    ``(3, 1, 2, 0)``), ``axes`` may only restate it; src in HBM or SBUF, dst in SBUF; ``dge_mode``
+    ``unknown`` or ``hwdge``, and ``hwdge`` further needs ``src.shape[0] == 16``,
+    ``src.shape[-1] % 128 == 0`` and a 2-byte ``src.dtype`` (the docs put the 2-byte rule under hwdge
+    only for direct transposes). dst must have the permuted shape and src's dtype; no conversion. The
+    indirect (``vector_offset``) transpose is not modelled.
+    """
+    op = "dma_transpose"
+    common.check_tensor(op, "dst", dst)
+    common.check_tensor(op, "src", src)
+    _check_endpoints(op, dst, src)
+    common.check_buffer(op, "src", src, ("hbm", "sbuf"))
+    common.check_buffer(op, "dst", dst, common.SBUF)
+    perm = _TRANSPOSE_AXES.get(len(src.shape))
+    if perm is None:
+        fail(op, "src must be 2-D, 3-D or 4-D (permutations (1, 0), (2, 1, 0), (3, 1, 2, 0)), got "
+             "shape {shape}", shape=src.shape)
+    if axes is not None and tuple(axes) != perm:
+        fail(op, "axes must be {perm} for a {n}-D src (supported: (1, 0), (2, 1, 0), (3, 1, 2, 0)), "
+             "got {axes}", perm=perm, n=len(src.shape), axes=tuple(axes))
+    if dge_mode not in (common.dge_mode.unknown, common.dge_mode.hwdge):
+        fail(op, "the only valid dge_modes are unknown and hwdge, got {mode}", mode=dge_mode)
+    if dge_mode is common.dge_mode.hwdge:
+        if src.shape[0] != 16:
+            fail(op, "dge_mode=hwdge needs src.shape[0] == 16, got {p} (src shape {shape})",
+                 p=src.shape[0], shape=src.shape)
+        if src.shape[-1] % 128:
+            fail(op, "dge_mode=hwdge needs src.shape[-1] % 128 == 0, got {f} (src shape {shape})",
+                 f=src.shape[-1], shape=src.shape)
+        if src.dtype.itemsize != 2:
+            fail(op, "dge_mode=hwdge needs a 2-byte src dtype, got {dtype} ({n} bytes)",
+                 dtype=src.dtype, n=src.dtype.itemsize)
+    if src.indirect_info is not None or dst.indirect_info is not None:
+        fail(op, "indirect (vector_offset) transposes are not supported")
+    want = tuple(src.shape[a] for a in perm)
+    if tuple(dst.shape) != want:
+        fail(op, "dst shape must be src shape {src_shape} permuted by {perm} = {want}, got {dst_shape}",
+             src_shape=src.shape, perm=perm, want=want, dst_shape=dst.shape)
+    if dst.dtype != src.dtype:
+        fail(op, "dst dtype must equal src dtype, got dst {dst_dtype} and src {src_dtype}",
+             dst_dtype=dst.dtype, src_dtype=src.dtype)
+    src_np, out = _views(dst, src, oob_mode is common.oob_mode.skip)
+    moved = 0
+    if src_np is not None:
+        out[...] = np.transpose(src_np, perm)
+        moved = dst.size
+    if trace.active() is None:
+        return
+    _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name, "transpose": True, "name": name})
 
 
 def _write(dst: NkiTensor, vals: np.ndarray) -> None:
