@@ -282,6 +282,13 @@ def test_moe_experts_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
     assert_close(out, moe.moe_experts_ref(x, idx, tw, wgu, wd), dtype)
 
 
+def test_moe_experts_accepts_int32_topk_idx() -> None:
+    """router_topk returns int32 indices; the kernel must route them exactly like int64 ones."""
+    x, idx, tw, wgu, wd, B = _moe_inputs("prime_E", torch.float32)
+    out = moe.moe_experts(x, idx.to(torch.int32), tw, wgu, wd, block_size=B)
+    assert_close(out, moe.moe_experts_ref(x, idx, tw, wgu, wd), torch.float32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["tails", "T1", "all_to_one_expert", "empty_experts", "K_equals_E",
                                   "prime_E", "odd_H_I", "block_256", "full_plus_half_128"])

@@ -155,7 +155,8 @@ def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw, dgu, g
     f32 = nl.float32
     gp = nisa.engine.gpsimd
     bs = load_block_start(block_start)
-    _, used = block_range(block_start, E - 1, bs)  # block_start[0, E]: blocks in use
+    used = nisa.register_alloc()  # block_start[0, E]: blocks in use
+    nisa.register_load(used, bs[0:1, E:E + 1])
 
     def block(i):
         for sub in range(B // rows):
