@@ -133,6 +133,27 @@ def test_fallback_warns_once_matches_the_original_and_reports_it():
     assert torch.equal(logits, original(TOKENS))
 
 
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+def test_a_router_gate_with_a_bias_is_not_served(policy):
+    # the kernel computes x @ W^T from gate.weight alone: a bias would be silently dropped
+    model = native_model()
+    router = model.layers[0].moe.router
+    router.gate.bias = torch.nn.Parameter(torch.randn(router.gate.out_features))
+    original = copy.deepcopy(model)
+    cfg = OverrideConfig(ops=["router_topk"], impl="nki", policy=policy, seq_len=8)
+    if policy == "strict":
+        with pytest.raises(OverrideConstraintError, match=r"router_topk\[native adapter\]: constraint "
+                                                          r"'gate without bias' violated"):
+            apply_overrides(model, cfg)
+        return
+    with pytest.warns(UserWarning, match="gate without bias"):
+        report = apply_overrides(model, cfg)
+        logits = model(TOKENS)
+    assert [(r.module, r.status, r.impl) for r in report.rows] == [("layers.0.moe.router", "fallback", "original")]
+    assert "gate without bias" in report.rows[0].reason
+    assert torch.equal(logits, original(TOKENS))  # the original module code, bias included
+
+
 def test_off_swaps_nothing():
     model = native_model()
     report = apply_overrides(model, OverrideConfig(policy="off"))

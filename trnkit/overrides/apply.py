@@ -287,6 +287,18 @@ def hf_experts_static(module: nn.Module) -> list[Violation]:
     return [Violation(label, rule, value, why) for ok, rule, value, why in checks if not ok]
 
 
+def native_router_static(module: nn.Module) -> list[Violation]:
+    """The kernel computes x @ gate.weight^T itself: anything else `gate` would do is not served."""
+    gate = getattr(module, "gate", None)
+    label = "router_topk[native adapter]"
+    if not isinstance(gate, nn.Linear):
+        return [Violation(label, "gate is an nn.Linear", type(gate).__name__,
+                          "the kernel reads gate.weight and does the projection itself")]
+    if gate.bias is not None:
+        return [Violation(label, "gate without bias", "bias", "the kernel has no bias term")]
+    return []
+
+
 @dataclass(frozen=True)
 class _ModuleAdapter:
     op: str
@@ -320,7 +332,7 @@ def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
     if _is_native(module, "RoPEApply"):
         return _ModuleAdapter("rope_hf", _native_rope_forward)
     if _is_native(module, "TopKRouter"):
-        return _ModuleAdapter("router_topk", _native_router_forward)
+        return _ModuleAdapter("router_topk", _native_router_forward, native_router_static)
     if _is_native(module, "GroupedExperts"):
         return _ModuleAdapter("moe_experts", _native_experts_forward)
     if _is_hf(module, "TopKRouter"):
