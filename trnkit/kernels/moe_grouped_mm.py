@@ -163,6 +163,7 @@ def block_range(block_start: Any, g: int, bs_sb: Any) -> tuple[Any, Any]:
 
 
 def load_block_start(block_start: Any) -> Any:
+    """HBM ``block_start [1, n]`` int32 -> an SBUF copy ``[1, n]`` (one partition row) for register loads."""
     bs = nl.ndarray(block_start.shape, dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(dst=bs, src=block_start)
     return bs
