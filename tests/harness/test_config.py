@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,23 @@ def test_toml_and_cli_overrides(tmp_path: Path) -> None:
     assert cfg.training.moe_aux_loss_coef is None
     # untouched fields keep their defaults
     assert cfg.training.local_batch_size == TrainerConfig().training.local_batch_size
+
+
+@pytest.mark.parametrize("cli, match", [
+    (["--overrides.ops", "rope,moe_experts"], r"config overrides \(ops = \['rope', 'moe_experts'\], impl = 'nki'\): "
+                                              r"OverrideConfig.ops: unknown op\(s\) \['rope'\]; swappable ops are"),
+    (["--overrides.impl", "nkix"], r"impl = 'nkix'\): trnkit overrides: no implementation 'nkix' registered for op "
+                                   r"'rope_hf'"),
+])
+def test_unknown_override_names_stop_the_run_before_it_starts(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                              cli: list[str], match: str) -> None:
+    from trnkit.harness.train import main
+
+    rc = main(["--config", str(REPO / "configs" / "debug_moe_nki.toml"), "--job.dump_folder", str(tmp_path), *cli])
+    err = capsys.readouterr()
+    assert rc == 2
+    assert re.search(match, err.err), err.err
+    assert "data:" not in err.out  # stopped before the data and the model were built
 
 
 def test_to_toml_round_trip(tmp_path: Path) -> None:

@@ -75,9 +75,28 @@ class _Log:
             print(f"[trnkit] {msg}", flush=True)
 
 
-def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp: bool) -> str:
+def override_config(cfg: TrainerConfig) -> Any:
+    """The registry's ``OverrideConfig`` for ``[overrides]`` (None when off); errors name the config keys.
+
+    Built before anything heavy runs, so an unknown op or impl name stops the run at once.
+    """
     o = cfg.overrides
     if o.policy == "off":
+        return None
+    from trnkit.overrides import OverrideConfig
+
+    try:
+        # the dry-run validation sees this run's real shapes: [local_batch_size, seq_len] tokens
+        return OverrideConfig(ops=list(o.ops), policy=o.policy, impl=o.impl, seq_len=cfg.training.seq_len,
+                              batch_size=cfg.training.local_batch_size)
+    except (ValueError, KeyError) as e:  # unknown op / impl names, from the registry
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        raise ConfigError(f"config overrides (ops = {list(o.ops)}, impl = {o.impl!r}): {msg}") from e
+
+
+def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp: bool) -> str:
+    ocfg = override_config(cfg)
+    if ocfg is None:
         return ""
     if fsdp:
         # The registry's validation dry run (a forward on fake tensors) would trigger FSDP2's
@@ -85,16 +104,10 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp
         # the static checks run now and the call-time checks at the first forward.
         log("overrides: validation dry run skipped (model already FSDP-sharded); constraints are "
             "checked at the first call")
-    try:
-        from trnkit.overrides import OverrideConfig, apply_overrides
-    except ImportError as e:
-        raise ConfigError(f"overrides: trnkit.overrides.apply_overrides is not available ({e})") from e
-    # the dry-run validation sees this run's real shapes: [local_batch_size, seq_len] tokens
-    report = apply_overrides(model, OverrideConfig(ops=list(o.ops), policy=o.policy, impl=o.impl,
-                                                   seq_len=cfg.training.seq_len,
-                                                   batch_size=cfg.training.local_batch_size,
-                                                   dry_run=not fsdp))
-    table = report.table()
+        ocfg.dry_run = False
+    from trnkit.overrides import apply_overrides
+
+    table = apply_overrides(model, ocfg).table()
     log("kernel overrides:\n" + table)
     return table
 
@@ -207,6 +220,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     log(f"job {cfg.job.name}: world {env.world_size} (dp_shard {env.dp} x tp {env.tp}) on {env.device.type}"
         f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
 
+    override_config(cfg)  # fail fast on bad [overrides] names, before data and model are built
     handle = build_handle(cfg)
     loader, tok = build_loader(cfg.data, t.seq_len, t.local_batch_size, env.dp_rank, env.dp, cfg.job.seed)
     if tok.vocab_size > handle.vocab_size:
