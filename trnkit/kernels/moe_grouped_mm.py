@@ -260,7 +260,7 @@ def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
             for n0, nw in chunks(Nb, NMAX):
                 ps = [nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum) for _, kw in group]
                 for t, (_, kw) in zip(ps, group):
-                    nisa.nc_matmul(dst=t, stationary=z_st[0:1, :kw], moving=z_mv[0:1, :nw])
+                    nisa.nc_matmul(dst=t, stationary=z_st[0:1, :kw], moving=z_mv[0:1, :nw], accumulate=False)
 
                 def block(i, ps=ps, group=group, k_lo=k_lo, k_w=k_w, n0=n0, nw=nw):
                     for sub in range(n_sub):
@@ -269,8 +269,9 @@ def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
                         b_t = nl.ndarray((rows, nw), dtype=b.dtype, buffer=nl.sbuf)
                         load_rows(b_t, b, b_table, i, sub, zero_pad=True, col0=n0)
                         for t, (k0, kw) in zip(ps, group):
+                            # explicit: the run-time loop body always adds onto the open group
                             nisa.nc_matmul(dst=t, stationary=a_t[:rows, k0 - k_lo:k0 - k_lo + kw],
-                                           moving=b_t[:rows, :])
+                                           moving=b_t[:rows, :], accumulate=True)
 
                 nl.fori_loop(lo, hi, block)
                 for q, (t, (k0, kw)) in enumerate(zip(ps, group)):
