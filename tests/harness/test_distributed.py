@@ -83,18 +83,18 @@ def test_hf_backend_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("par, local, ops, swapped", [
-    ({"tensor_parallel_degree": 2}, 2, ["rope_hf", "router_topk", "moe_experts"], 4),
+@pytest.mark.parametrize("par, local", [
+    ({"tensor_parallel_degree": 2}, 2),
     # FSDP2 reshards parameters with storage.resize_(0) after kernels have read them (the
     # interpreter's zero-copy numpy views must leave the storage resizable).
-    ({"data_parallel_shard_degree": 2}, 1, ["rope_hf", "router_topk", "moe_experts"], 4),
+    ({"data_parallel_shard_degree": 2}, 1),
 ], ids=["tp", "fsdp"])
 def test_nki_kernels_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
-                                             single: dict[int, float], par: dict, local: int,
-                                             ops: list[str], swapped: int) -> None:
-    two = _run(tmp_path, "two", tiny_tokenizer, corpus_dir, 2, expect_log=f"(policy strict): {swapped} swapped",
+                                             single: dict[int, float], par: dict, local: int) -> None:
+    # all three kernels at the tiny model's 4 swap points (2 x rope, 1 router, 1 experts), strict: no fallback
+    two = _run(tmp_path, "two", tiny_tokenizer, corpus_dir, 2, expect_log="(policy strict): 4 swapped",
                parallelism=par, training={"local_batch_size": local},
-               overrides={"ops": ops, "policy": "strict"})
+               overrides={"ops": ["rope_hf", "router_topk", "moe_experts"], "policy": "strict"})
     for s in two:
         assert two[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, single, two)
 

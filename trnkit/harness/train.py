@@ -15,7 +15,7 @@ import os
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +48,7 @@ class RunResult:
     model: Any = None                                          # the trained module (this rank's part)
 
 
-def lr_lambda(cfg: LRSchedulerConfig, steps: int):
+def lr_lambda(cfg: LRSchedulerConfig, steps: int) -> Callable[[int], float]:
     """Multiplier for optimizer step i (0-based): linear warmup to 1, then cosine/linear decay to min."""
     warmup, floor = cfg.warmup_steps, cfg.min_lr_factor
     decay_steps = max(steps - warmup, 1)
@@ -342,10 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         run(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KernelConstraintError as e:  # a kernel override (strict policy) cannot serve this model
+    except (ConfigError, KernelConstraintError) as e:  # the latter: a strict-policy kernel cannot serve the model
         print(f"error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
