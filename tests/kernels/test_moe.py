@@ -367,6 +367,8 @@ MOE_BAD = {
     "K_too_big": (lambda a: a.update(w_gate_up=torch.zeros(16, 64, 64), w_down=torch.zeros(16, 32, 64),
                                      topk_idx=torch.arange(9).view(1, 9), topk_weights=torch.ones(1, 9)),
                   "1 <= K <= min(8, E)"),
+    "K_gt_E": (lambda a: a.update(topk_idx=torch.tensor([[0, 1, 2, 3, 0]]), topk_weights=torch.ones(1, 5)),
+               "1 <= K <= min(8, E)"),  # E = 4
     "idx_out_of_range": (lambda a: a.update(topk_idx=torch.tensor([[0, 4]])), "0 <= topk_idx < E"),
     "idx_negative": (lambda a: a.update(topk_idx=torch.tensor([[-1, 2]])), "0 <= topk_idx < E"),
     "I2_odd": (lambda a: a.update(w_gate_up=torch.zeros(4, 64, 65)), "w_gate_up.shape[2] == 2 * I is even"),
