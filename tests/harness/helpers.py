@@ -54,5 +54,5 @@ def losses_from_jsonl(path: Path) -> dict[int, float]:
     out: dict[int, float] = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        out[rec["step"]] = rec["loss"]  # a resumed run appends: later records win
+        out[rec["step"]] = rec["loss"]  # (a resumed run rewrites the file: one record per step)
     return out

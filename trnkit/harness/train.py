@@ -192,8 +192,8 @@ def _finished_message(ckpt_path: str, ckpt_step: int, steps: int, dump: str) -> 
     return (f"nothing to train: checkpoint {ckpt_path} is at step {ckpt_step} and training.steps = {steps} "
             f"(this job has already finished)\n"
             f"  to train longer:  --training.steps N with N > {ckpt_step}\n"
-            f"  to start fresh:   --checkpoint.resume false (overwrites its checkpoints), another "
-            f"--job.dump_folder, or delete {dump}")
+            f"  to start fresh:   delete {dump} or use another --job.dump_folder (--checkpoint.resume false "
+            f"also trains from step 1, but writes its checkpoints beside the old ones)")
 
 
 def run(cfg: TrainerConfig) -> RunResult:
