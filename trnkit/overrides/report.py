@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -37,13 +38,8 @@ class OverrideReport:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        counts: dict[str, int] = {}
-        for r in self.rows:
-            counts[r.status] = counts.get(r.status, 0) + 1
+        counts = Counter(r.status for r in self.rows)
         return ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no swap points found"
-
-    def by_status(self, status: str) -> list[OverrideRow]:
-        return [r for r in self.rows if r.status == status]
 
     def __str__(self) -> str:
         return self.table()
