@@ -15,10 +15,13 @@ in place and returned. fp32 or bf16 activations; cos/sin/cache fp32 or bf16. All
 Tiling (both layouts): sequence rows on partitions, and each partition holds ``NT`` *consecutive* rows,
 so every DMA moves one contiguous run of ``NT * D`` (bhsd) or ``NT * H * D`` (bshd) elements per
 partition; cos/sin are loaded once per row chunk (and batch, when they are per-batch) and reused by
-every head of q and k. A short tail chunk uses fewer partitions (any S works). The rotate-half sign
-lives in a table built once per chunk, ``t = cat(-sin[:h], sin[h:])`` (backward ``cat(sin[h:], -sin[:h])``),
-so ``y = x*cos + swap_halves(x)*t``: three elementwise passes per tile, split between the Vector engine
-(single-pass thanks to exact fp32 copies of x in PSUM made by the Scalar engine) and the GpSimd engine.
+every head of q and k. A short tail chunk uses fewer partitions (any S works). With ``t = sin``
+(backward ``cat(sin[h:], sin[:h])``), ``y = x*cos + sign*swap_halves(x)*t`` with the minus sign on one
+half: three elementwise passes per tile, split between the Vector engine (single-pass thanks to exact
+fp32 copies of x and of its half-swapped, half-negated image in PSUM made by the Scalar engine) and the
+GpSimd engine (against a half table ``-t`` negated once per chunk on the Scalar engine). The tables are
+loaded per slab of rows, so the first slabs start before a chunk's whole tables have arrived, and each
+engine's last sum of a tile is issued after the next tile's first products (pipelined across tiles).
 The [B, S, H, D] layout reads one ``[NT, H, D]`` slab per partition and broadcasts cos/t over the heads
 with a stride-0 access pattern, so no transposed copy of q/k is ever made.
 """
@@ -197,74 +200,115 @@ def rope_hf_bshd_ref(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_ou
 # NKI kernel
 
 
-def _load_tables(cos, sin, packed, b, s0, P, NT, D, backward):
-    """fp32 SBUF tiles ``[P, NT, D]`` of ``cos`` and of the signed table ``t`` for rows
-    ``s0 + p*NT + j`` (batch ``b`` if 3-D), such that ``y = x*cos + swap_halves(x)*t``:
-    forward ``t = cat(-sin[:h], sin[h:])``, backward ``t = cat(sin[h:], -sin[:h])``.
+def _load_tables(cos, sin, packed, b, s0, P, NT, D, backward, j0=0, nj=None):
+    """fp32 SBUF tiles ``[P, nj, D]`` of ``cos`` and of the (unsigned) table ``t`` for rows
+    ``s0 + p*NT + j``, ``j0 <= j < j0 + nj`` (default: all NT; batch ``b`` if 3-D): forward ``t = sin``,
+    backward ``t = cat(sin[h:], sin[:h])``. With the sign of :func:`_neg_half` applied to one half of
+    ``swap_halves(x)*t``, ``y = x*cos + sign*swap_halves(x)*t`` (no compute on the tables at all).
     """
     h = D // 2
+    if nj == None:  # noqa: E711 (the NKI compiler rejects `is`)
+        nj = NT
     rows = cos.shape[-2]
     width = cos.shape[-1]  # D, or 2D for the packed cache (cos | sin per row)
-    base = (b * rows + s0) * width if len(cos.shape) == 3 else s0 * width
+    base = ((b * rows + s0) * width if len(cos.shape) == 3 else s0 * width) + j0 * width
     sin_base = base + D if packed else base
-    c_t = nl.ndarray((P, NT, D), dtype=nl.float32, buffer=nl.sbuf)
-    t_t = nl.ndarray((P, NT, D), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=c_t, src=cos.ap(pattern=[[NT * width, P], [width, NT], [1, D]], offset=base))
-    half = [[NT * width, P], [width, NT], [1, h]]
+    c_t = nl.ndarray((P, nj, D), dtype=nl.float32, buffer=nl.sbuf)
+    t_t = nl.ndarray((P, nj, D), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=c_t, src=cos.ap(pattern=[[NT * width, P], [width, nj], [1, D]], offset=base))
+    half = [[NT * width, P], [width, nj], [1, h]]
     if backward:
         nisa.dma_copy(dst=t_t[:, :, 0:h], src=sin.ap(pattern=half, offset=sin_base + h))
         nisa.dma_copy(dst=t_t[:, :, h:D], src=sin.ap(pattern=half, offset=sin_base))
-        neg = t_t[:, :, h:D]
     else:
-        nisa.dma_copy(dst=t_t, src=sin.ap(pattern=[[NT * width, P], [width, NT], [1, D]], offset=sin_base))
-        neg = t_t[:, :, 0:h]
-    nisa.tensor_scalar(dst=neg, data=neg, op0=nl.multiply, operand0=-1.0)  # exact, once per chunk
+        nisa.dma_copy(dst=t_t, src=sin.ap(pattern=[[NT * width, P], [width, nj], [1, D]], offset=sin_base))
     return c_t, t_t
 
 
-def _rotate_slabs(slabs, on_vector):
-    """``y = x*cos + swap_halves(x)*t`` for each ``(y, x, cos, t)`` slab (<= 512 elements per partition,
-    last dim D; cos/t views of x's shape); fp32 math, one rounding into y's dtype.
+def _neg_half(D, backward):
+    """``(lo, hi)``: the half of ``swap_halves(x)*t`` that enters y with a minus sign (forward the
+    first half, ``-x[h:]*sin[:h]``; backward the second, ``-x[:h]*sin[:h]``)."""
+    h = D // 2
+    return (h, D) if backward else (0, h)
 
-    Vector path: the Scalar engine (otherwise idle) copies x and its half-swapped image exactly to
-    fp32 PSUM tiles, so each of the three Vector passes has a PSUM operand and runs single-pass.
-    GpSimd path (no PSUM access): the swapped product is two half passes into SBUF.
-    Instructions are software-pipelined (slab j+1's products are issued before slab j's sum) so an
-    in-order engine never waits on the result of the instruction just before it.
+
+def _rotate_slabs(slabs, on_vector, backward, pipe, store):
+    """``y = x*cos + sign*swap_halves(x)*t`` for each ``(y, x, cos, t, tn)`` slab (<= 512 elements per
+    partition, last dim D; cos/t views of x's shape; the sign is -1 on :func:`_neg_half`); fp32 math,
+    one rounding into y's dtype. ``tn`` = ``-t`` on the negated half (GpSimd path only, else unused).
+    ``(-u)*t = u*(-t) = -(u*t)`` exactly, so this is the reference's arithmetic bit for bit.
+
+    Vector path: the Scalar engine (otherwise idle) copies x and its half-swapped, half-negated image
+    exactly to fp32 PSUM tiles, so each of the three Vector passes has a PSUM operand and runs
+    single-pass. GpSimd path (no PSUM access): the swapped product is two half passes into SBUF, one of
+    them against ``tn``.
+    Instructions are software-pipelined (slab j+1's products are issued before slab j's sum), across
+    tiles too: ``pipe[0 if on_vector else 1]`` holds the engine's last unsummed slab, and ``store``
+    (``(dst AP, y tile)``) is issued right after the sum of this tile's last slab, so an in-order engine
+    never waits on the result of the instruction just before it. :func:`_flush` ends both pipelines.
     """
-    pending = None  # (y, a, bx) of the previous slab
-    for y_v, x_v, c_v, t_v in slabs:
+    e = 0 if on_vector else 1
+    pending = pipe[e]  # (y, a, bx, store or None) of the engine's previous slab
+    for y_v, x_v, c_v, t_v, tn_v in slabs:
         D = x_v.shape[-1]
         h = D // 2
+        n0, n1 = _neg_half(D, backward)
+        p0, p1 = (h, D) if n0 == 0 else (0, h)  # the other half (plus sign)
         shape = x_v.shape
         if on_vector:
             eng = nisa.engine.vector
             x_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
             xs_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
             nisa.tensor_copy(dst=x_ps, src=x_v, engine=nisa.engine.scalar)
-            nisa.tensor_copy(dst=xs_ps[..., 0:h], src=x_v[..., h:D], engine=nisa.engine.scalar)
-            nisa.tensor_copy(dst=xs_ps[..., h:D], src=x_v[..., 0:h], engine=nisa.engine.scalar)
+            # swap_halves(x): xs[0:h] = x[h:D], xs[h:D] = x[0:h]; times -1 (exact) on the negated half
+            nisa.tensor_scalar(dst=xs_ps[..., n0:n1], data=x_v[..., p0:p1], op0=nl.multiply, operand0=-1.0,
+                               engine=nisa.engine.scalar)
+            nisa.tensor_copy(dst=xs_ps[..., p0:p1], src=x_v[..., n0:n1], engine=nisa.engine.scalar)
             a_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=a_t, data1=x_ps, data2=c_v, op=nl.multiply, engine=eng)
             nisa.tensor_tensor(dst=xs_ps, data1=xs_ps, data2=t_v, op=nl.multiply, engine=eng)
             if pending != None:  # noqa: E711 (the NKI compiler rejects `is`)
-                nisa.tensor_tensor(dst=pending[0], data1=pending[2], data2=pending[1], op=nl.add, engine=eng)
-            pending = (y_v, a_t, xs_ps)
+                _finish(pending, eng)
+            pending = (y_v, a_t, xs_ps, None)
         else:
             eng = nisa.engine.gpsimd
             a_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
             bx_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=a_t, data1=x_v, data2=c_v, op=nl.multiply, engine=eng)
-            nisa.tensor_tensor(dst=bx_t[..., 0:h], data1=x_v[..., h:D], data2=t_v[..., 0:h], op=nl.multiply,
+            # swap_halves(x)*t, the negated half against the pre-negated table half tn
+            nisa.tensor_tensor(dst=bx_t[..., n0:n1], data1=x_v[..., p0:p1], data2=tn_v, op=nl.multiply,
                                engine=eng)
             if pending != None:  # noqa: E711
-                nisa.tensor_tensor(dst=pending[0], data1=pending[1], data2=pending[2], op=nl.add, engine=eng)
-            nisa.tensor_tensor(dst=bx_t[..., h:D], data1=x_v[..., 0:h], data2=t_v[..., h:D], op=nl.multiply,
-                               engine=eng)
-            pending = (y_v, a_t, bx_t)
-    if pending != None:  # noqa: E711
-        eng = nisa.engine.vector if on_vector else nisa.engine.gpsimd
-        nisa.tensor_tensor(dst=pending[0], data1=pending[2], data2=pending[1], op=nl.add, engine=eng)
+                _finish(pending, eng)
+            nisa.tensor_tensor(dst=bx_t[..., p0:p1], data1=x_v[..., n0:n1], data2=t_v[..., p0:p1],
+                               op=nl.multiply, engine=eng)
+            pending = (y_v, a_t, bx_t, None)
+    pipe[e] = (pending[0], pending[1], pending[2], store)
+
+
+def _finish(pending, eng):
+    """The sum ``y = a + bx`` of a pending slab, then its tile's store if it was the tile's last slab."""
+    y_v, a_t, bx_t, store = pending
+    nisa.tensor_tensor(dst=y_v, data1=bx_t, data2=a_t, op=nl.add, engine=eng)
+    if store != None:  # noqa: E711
+        nisa.dma_copy(dst=store[0], src=store[1])
+
+
+def _flush(pipe):
+    """Sum the last pending slab of each engine (and store its tile)."""
+    for e in range(2):
+        if pipe[e] != None:  # noqa: E711
+            _finish(pipe[e], nisa.engine.vector if e == 0 else nisa.engine.gpsimd)
+            pipe[e] = None
+
+
+def _neg_table(t_t, D, backward):
+    """``-t`` on the :func:`_neg_half` of a table tile ``[P, nj, D]``: a ``[P, nj, D/2]`` tile for the GpSimd
+    path (exact; on the lightly loaded Scalar engine)."""
+    n0, n1 = _neg_half(D, backward)
+    tn = nl.ndarray((t_t.shape[0], t_t.shape[1], D // 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=tn, data=t_t[:, :, n0:n1], op0=nl.multiply, operand0=-1.0, engine=nisa.engine.scalar)
+    return tn
 
 
 # Elementwise cost per element of a slab (trn2 ISA cost table): Vector 3 single passes at 0.96 GHz,
@@ -283,36 +327,57 @@ def _pick_vector(load, n):
     return False
 
 
-def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load):
+def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load, pipe):
     B, _, S, D = q.shape
     per_batch = len(cos.shape) == 3
     pat = [[NT * D, P], [D, NT], [1, D]]
     ns = max(1, PSUM_FMAX // D)  # rows per slab
     for bt in range(B if per_batch else 1):
-        c_t, s_t = _load_tables(cos, sin, packed, bt, s0, P, NT, D, backward)
+        heads = []  # (x, x_out, HBM offset) of every head tile that uses these tables
         for b in (range(bt, bt + 1) if per_batch else range(B)):
             for x, x_out in ((q, q_out), (k, k_out)):
                 H = x.shape[1]
                 for hd in range(H):
-                    off = ((b * H + hd) * S + s0) * D
-                    x_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=x_t, src=x.ap(pattern=pat, offset=off))
-                    y_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
-                    # one engine per tile: slabs of one tile on two engines would order each other
-                    slabs = []
-                    for t0 in range(0, NT, ns):
-                        t1 = min(NT, t0 + ns)
-                        slabs.append((y_t[:, t0:t1, :], x_t[:, t0:t1, :], c_t[:, t0:t1, :], s_t[:, t0:t1, :]))
-                    _rotate_slabs(slabs, _pick_vector(load, NT * D))
-                    nisa.dma_copy(dst=x_out.ap(pattern=pat, offset=off), src=y_t)
+                    heads.append((x, x_out, ((b * H + hd) * S + s0) * D))
+        # one (cos, t) pair per slab of rows, and the first two heads' loads (one per engine) issued
+        # right after the first pair, so the first slabs start before the whole chunk's tables arrive
+        tabs = [_load_tables(cos, sin, packed, bt, s0, P, NT, D, backward, 0, min(NT, ns))]
+        early = []
+        for i in range(min(2, len(heads))):
+            x_e = nl.ndarray((P, NT, D), dtype=q.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_e, src=heads[i][0].ap(pattern=pat, offset=heads[i][2]))
+            early.append(x_e)
+        for t0 in range(ns, NT, ns):
+            tabs.append(_load_tables(cos, sin, packed, bt, s0, P, NT, D, backward, t0, min(NT, t0 + ns) - t0))
+        negs = None  # -t on the negated half, per piece: built when the first GpSimd tile needs it
+        for i in range(len(heads)):
+            x, x_out, off = heads[i]
+            if i < len(early):
+                x_t = early[i]
+            else:
+                x_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x_t, src=x.ap(pattern=pat, offset=off))
+            y_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
+            # one engine per tile: slabs of one tile on two engines would order each other
+            on_vector = _pick_vector(load, NT * D)
+            if not on_vector and negs == None:  # noqa: E711
+                negs = [_neg_table(t_v, D, backward) for _, t_v in tabs]
+            slabs = []
+            for t0 in range(0, NT, ns):
+                t1 = min(NT, t0 + ns)
+                c_v, t_v = tabs[t0 // ns]
+                tn_v = None if on_vector else negs[t0 // ns]
+                slabs.append((y_t[:, t0:t1, :], x_t[:, t0:t1, :], c_v, t_v, tn_v))
+            _rotate_slabs(slabs, on_vector, backward, pipe, (x_out.ap(pattern=pat, offset=off), y_t))
 
 
-def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load):
+def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load, pipe):
     B, S, _, D = q.shape
     per_batch = len(cos.shape) == 3
     for b in range(B):
         if per_batch or b == 0:
             c_t, s_t = _load_tables(cos, sin, packed, b, s0, P, NT, D, backward)
+            tn_t = None
         for x, x_out in ((q, q_out), (k, k_out)):
             H = x.shape[2]
             off = (b * S + s0) * H * D
@@ -320,6 +385,9 @@ def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load)
             x_t = nl.ndarray((P, NT, H, D), dtype=x.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=x_t, src=x.ap(pattern=pat, offset=off))
             y_t = nl.ndarray((P, NT, H, D), dtype=x.dtype, buffer=nl.sbuf)
+            on_vector = _pick_vector(load, NT * H * D)
+            if not on_vector and tn_t == None:  # noqa: E711
+                tn_t = _neg_table(s_t, D, backward)
             G = max(1, min(H, PSUM_FMAX // D))  # heads per slab
             ns = max(1, PSUM_FMAX // (G * D))  # rows per slab
             slabs = []
@@ -329,10 +397,14 @@ def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load)
                     g1 = min(H, g0 + G)
                     # cos/sin rows t0:t1 seen as [P, rows, heads, D] with a stride-0 head axis
                     bcast = [[NT * D, P], [D, t1 - t0], [0, g1 - g0], [1, D]]
+                    tn_v = None
+                    if not on_vector:
+                        h = D // 2
+                        tn_v = tn_t.ap(pattern=[[NT * h, P], [h, t1 - t0], [0, g1 - g0], [1, h]], offset=t0 * h)
                     slabs.append((y_t[:, t0:t1, g0:g1, :], x_t[:, t0:t1, g0:g1, :],
-                                  c_t.ap(pattern=bcast, offset=t0 * D), s_t.ap(pattern=bcast, offset=t0 * D)))
-            _rotate_slabs(slabs, _pick_vector(load, NT * H * D))
-            nisa.dma_copy(dst=x_out.ap(pattern=pat, offset=off), src=y_t)
+                                  c_t.ap(pattern=bcast, offset=t0 * D), s_t.ap(pattern=bcast, offset=t0 * D),
+                                  tn_v))
+            _rotate_slabs(slabs, on_vector, backward, pipe, (x_out.ap(pattern=pat, offset=off), y_t))
             x_t, y_t, slabs = None, None, None  # release the row slabs before the next tile's allocation
 
 
@@ -356,13 +428,15 @@ def rope_hf_kernel(q, k, q_out, k_out, cos, sin, packed=False, backward=False, b
     chunks = _row_chunks(S, nt_max)
     n_prog, pid = _program_split()
     load = [0.0, 0.0]
+    pipe = [None, None]  # per engine (Vector, GpSimd): the last slab whose sum is not yet issued
     for ci in range(len(chunks)):
         if ci % n_prog == pid:
             s0, P, NT = chunks[ci]
             if bshd:
-                _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load)
+                _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load, pipe)
             else:
-                _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load)
+                _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load, pipe)
+    _flush(pipe)
     return q_out, k_out
 
 
