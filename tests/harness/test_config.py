@@ -126,7 +126,7 @@ def test_cli_main_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.parametrize("model_cfg, match", [
-    ('{"n_layerz": 2}', r"model\.config: bad Qwen3Config field .*n_layerz"),
+    ('{"n_layerz": 2}', r"model\.config: unknown Qwen3Config field 'n_layerz' \(did you mean 'n_layers'\?\)"),
     ('{"n_heads": 3, "n_kv_heads": 2}', r"model\.config: Qwen3Config: n_heads \(3\) must be a multiple of n_kv_heads"),
 ])
 def test_bad_model_config_is_a_config_error(model_cfg: str, match: str) -> None:

@@ -7,6 +7,7 @@ parallel plan, and how to read/write HF safetensors checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trnkit.harness.config import ConfigError, TrainerConfig
+from trnkit.harness.config import ConfigError, TrainerConfig, _suggest
 from trnkit.harness.metrics import ModelShape
 
 
@@ -200,9 +201,14 @@ def build_handle(cfg: TrainerConfig) -> ModelHandle:
     kind, arg = spec.split(":", 1)
     coef = cfg.training.moe_aux_loss_coef
     if kind == "qwen3":
-        from trnkit.qwen3 import model_registry
+        from trnkit.qwen3 import Qwen3Config, model_registry
 
         overrides = dict(cfg.model.config)
+        known = [f.name for f in dataclasses.fields(Qwen3Config)]
+        unknown = [k for k in overrides if k not in known]
+        if unknown:
+            raise ConfigError(f"model.config: unknown Qwen3Config field {unknown[0]!r}{_suggest(unknown[0], known)}; "
+                              f"fields: {known}")
         if coef is not None:
             overrides["router_aux_loss_coef"] = coef
         try:
