@@ -114,6 +114,15 @@ def get_op(op: str, role: str, value: Any, *, alu: bool = False, activation: boo
     return f
 
 
+def get_arith_pair(op: str, op0: Any, op1: Any) -> tuple[_ops.NkiOp, _ops.NkiOp]:
+    """``op0`` / ``op1`` of a fused two-operator instruction: both binary arithmetic ALU operators."""
+    f0 = get_op(op, "op0", op0, alu=True, arity=2)
+    f1 = get_op(op, "op1", op1, alu=True, arity=2)
+    require(not f0.is_bitvec and not f1.is_bitvec, op,
+            "op0 and op1 must be arithmetic operators (got {f0}, {f1})", f0=f0, f1=f1)
+    return f0, f1
+
+
 def check_bitvec_dtypes(op: str, f: _ops.NkiOp, tiles: dict[str, Any]) -> None:
     if not f.is_bitvec:
         return
@@ -284,10 +293,7 @@ def scalar_tensor_tensor(dst: NkiTensor, data: NkiTensor, op0: Any, operand0: An
                          name: str | None = None) -> None:
     """``dst = (data op0 operand0) op1 operand1``: operand0 scalar / ``[P, 1]``, operand1 a full tile."""
     OP = "scalar_tensor_tensor"
-    f0 = get_op(OP, "op0", op0, alu=True, arity=2)
-    f1 = get_op(OP, "op1", op1, alu=True, arity=2)
-    require(not f0.is_bitvec and not f1.is_bitvec, OP,
-            "op0 and op1 must be arithmetic operators (got {f0}, {f1})", f0=f0, f1=f1)
+    f0, f1 = get_arith_pair(OP, op0, op1)
     for role, t in (("dst", dst), ("data", data), ("operand1", operand1)):
         check_tile(OP, role, t, "vector")
     check_same_layout(OP, "data", data, "dst", dst)
@@ -705,10 +711,7 @@ def tensor_tensor_scan(dst: NkiTensor, data0: NkiTensor, data1: NkiTensor, initi
     step vectorised over the partitions (fp32, like the engine).
     """
     OP = "tensor_tensor_scan"
-    f0 = get_op(OP, "op0", op0, alu=True, arity=2)
-    f1 = get_op(OP, "op1", op1, alu=True, arity=2)
-    require(not f0.is_bitvec and not f1.is_bitvec, OP,
-            "op0 and op1 must be arithmetic operators (got {f0}, {f1})", f0=f0, f1=f1)
+    f0, f1 = get_arith_pair(OP, op0, op1)
     for role, t in (("dst", dst), ("data0", data0), ("data1", data1)):
         check_tile(OP, role, t, "vector")
     check_same_layout(OP, "data0", data0, "data1", data1)
