@@ -66,6 +66,30 @@ def _emit_dma(op: str, dst: NkiTensor, src: NkiTensor, moved: int, attrs: dict) 
                 dma_bytes=max(nbytes, src_bytes), attrs=attrs)
 
 
+def _gather(op: str, dst: NkiTensor, store: np.ndarray, index: np.ndarray, valid: np.ndarray,
+            moved: int) -> int:
+    """``dst = store[index]`` (rows or elements); with oob_mode=skip only the valid partitions are
+    written and the rest of ``dst`` is left untouched. Returns the elements moved."""
+    if valid.all():
+        _write(dst, _convert(store[index], dst.dtype))
+        return moved
+    out = dst.np()
+    require(out.shape[0] == index.shape[0], op, "oob_mode=skip gathers need dst with the "
+            "same partition count as the index ({p}), got {shape}", p=index.shape[0], shape=out.shape)
+    vals = _convert(store[index[valid]], dst.dtype)
+    out[valid] = vals.reshape(out[valid].shape)
+    return int(vals.size)
+
+
+def _scatter(src: NkiTensor, dtype: np.dtype, store: np.ndarray, index: np.ndarray,
+             valid: np.ndarray) -> int:
+    """``store[index] = src`` for the valid partitions. Returns the elements moved."""
+    vals = _convert(src.np(), dtype).reshape(index.shape + store.shape[1:])
+    # rows are written in partition order, so duplicate indices keep the last partition's row
+    store[index[valid]] = vals[valid]
+    return int(vals[valid].size)
+
+
 def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
              oob_mode: oob_mode = oob_mode.error, dge_mode: dge_mode = dge_mode.unknown,
              engine: engine = engine.unknown, name: str | None = None) -> None:
@@ -90,47 +114,14 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
         fail(op, "only one side of a dma_copy can use vector_offset")
 
     moved = n_dst
-    fast = None
-    if src_vec is not None:
-        fast = src.indirect_rows(op, skip)
-    elif dst_vec is not None:
-        fast = dst.indirect_rows(op, skip)
-    if fast is not None:  # row gather / scatter through a strided row table (see indirect_rows)
-        table, local, valid = fast
+    if src_vec is not None or dst_vec is not None:
+        side = src if src_vec is not None else dst
+        # whole rows through a strided row table where the view allows it, else a flat address array
+        store, index, valid = side.indirect_rows(op, skip) or side.indirect_plan(op, skip)
         if src_vec is not None:
-            if valid.all():
-                _write(dst, _convert(table[local], dst.dtype))
-            else:  # oob_mode.skip: leave the destination rows of out-of-bounds partitions untouched
-                out = dst.np()
-                require(out.shape[0] == local.shape[0], op, "oob_mode=skip gathers need dst with the "
-                        "same partition count as the index ({p}), got {shape}", p=local.shape[0],
-                        shape=out.shape)
-                vals = _convert(table[local[valid]], dst.dtype)
-                out[valid] = vals.reshape(out[valid].shape)
-                moved = int(vals.size)
+            moved = _gather(op, dst, store, index, valid, moved)
         else:
-            vals = _convert(src.np(), dst.dtype).reshape((local.shape[0],) + table.shape[1:])
-            # rows are written in partition order, so duplicate indices keep the last partition's row
-            table[local[valid]] = vals[valid]
-            moved = int(vals[valid].size)
-    elif src_vec is not None:
-        flat, addr, valid = src.indirect_plan(op, skip)
-        if valid.all():
-            _write(dst, _convert(flat[addr], dst.dtype))
-        else:  # oob_mode.skip: leave the destination rows of out-of-bounds partitions untouched
-            out = dst.np()
-            require(out.shape[0] == addr.shape[0], op, "oob_mode=skip gathers need dst with the "
-                    "same partition count as the index ({p}), got {shape}", p=addr.shape[0],
-                    shape=out.shape)
-            vals = _convert(flat[addr[valid]], dst.dtype)
-            out[valid] = vals.reshape(out[valid].shape)
-            moved = int(vals.size)
-    elif dst_vec is not None:
-        flat, addr, valid = dst.indirect_plan(op, skip)
-        vals = _convert(src.np(), dst.dtype).reshape(addr.shape)
-        # rows are written in partition order, so duplicate indices keep the last partition's row
-        flat[addr[valid]] = vals[valid]
-        moved = int(vals[valid].size)
+            moved = _scatter(src, dst.dtype, store, index, valid)
     else:
         src_np, out = _views(dst, src, skip)
         if src_np is None:
