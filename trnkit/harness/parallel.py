@@ -83,8 +83,13 @@ def device_name(device: torch.device) -> str:
         return "neuron"
 
 
-def destroy() -> None:
+def destroy(sync: bool = False) -> None:
+    """Tear the process group down. ``sync=True`` (a clean finish) first waits for every rank: a rank
+    that destroys its gloo group while a peer still uses it can abort at exit ("terminate called without
+    an active exception"). Error paths skip the barrier, since a failed peer would never reach it."""
     if dist.is_initialized():
+        if sync and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -201,12 +201,15 @@ def run(cfg: TrainerConfig) -> RunResult:
     cfg.validate()
     env = parallel.init_distributed(cfg.parallelism)
     prev_det = torch.are_deterministic_algorithms_enabled()
+    finished = False
     try:
         torch.use_deterministic_algorithms(cfg.job.deterministic)
-        return _run(cfg, env)
+        result = _run(cfg, env)
+        finished = True
+        return result
     finally:
         torch.use_deterministic_algorithms(prev_det)
-        parallel.destroy()
+        parallel.destroy(sync=finished)
 
 
 def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
