@@ -297,3 +297,46 @@ def test_affinities_sbuf_constraint() -> None:
     assert [c.constraint for c in v] == ["SBUF per partition <= 200 KiB"]
     with pytest.raises(KernelConstraintError, match="SBUF per partition <= 200 KiB"):
         router_topk(x, w, 8, return_affinities=True)
+
+
+def _tie_cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """All-equal logits (every expert ties), and logits spread so wide that most probabilities underflow
+    to exactly 0 in fp32 while the logits still order the experts."""
+    T, H, E = 5, 16, 16
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g)
+    equal = torch.zeros(E, H)  # every logit is 0
+    wide = torch.zeros(E, H)
+    wide[:, 0] = -200.0 * torch.randperm(E, generator=g).float()  # logits 0, -200 * k: exp underflows
+    x_wide = x.clone()
+    x_wide[:, 0] = 1.0
+    return {"all_equal": (x, equal), "underflow": (x_wide, wide)}
+
+
+@pytest.mark.parametrize("case", ["all_equal", "underflow"])
+def test_tie_rule_agrees_everywhere(case: str) -> None:
+    """Reference, kernel, the native model's router and the registry's two impls choose the same experts:
+    by logit, ties to the lower index (all-equal logits -> experts 0..K-1)."""
+    from trnkit.overrides import ops
+    from trnkit.qwen3.model import TopKRouter
+
+    x, w = _tie_cases()[case]
+    K = 8
+    logits = x @ w.T
+    expect = torch.tensor([sorted(range(w.shape[0]), key=lambda e: (-logits[t, e].item(), e))[:K]
+                           for t in range(x.shape[0])], dtype=torch.int32)
+    if case == "all_equal":
+        assert (expect == torch.arange(K, dtype=torch.int32)).all()
+    else:
+        assert (torch.softmax(logits, -1) == 0).sum(-1).min() >= 8  # underflow really happens
+    router = TopKRouter(x.shape[1], w.shape[0], K, True)
+    with torch.no_grad():
+        router.gate.weight.copy_(w)
+    picks = {"ref": router_topk_ref(x, w, K)[1], "kernel": router_topk(x, w, K)[1],
+             "native": router(x)[1].to(torch.int32),
+             "registry reference": ops.router_topk(x, w, K, True, "reference")[1],
+             "registry nki": ops.router_topk(x, w, K, True, "nki")[1]}
+    for name, idx in picks.items():
+        assert torch.equal(idx.to(torch.int32), expect), (name, idx, expect)
+    weights = {"ref": router_topk_ref(x, w, K)[0], "kernel": router_topk(x, w, K)[0]}
+    assert_close(weights["kernel"], weights["ref"], torch.float32)

@@ -133,7 +133,11 @@ def router_topk_ref(x: torch.Tensor, w_router: torch.Tensor, top_k: int, norm_to
     ``affinities [T,E] f32`` (the weights scattered into their expert columns) when ``return_affinities``."""
     logits = x.float() @ w_router.float().T
     probs = torch.softmax(logits, dim=-1)
-    vals, idx = torch.topk(probs, top_k, dim=-1)
+    # The documented tie rule: experts are chosen by logit (softmax is monotonic, and a logit still
+    # orders experts whose probabilities underflowed to 0), ties to the lower index (a stable sort;
+    # torch.topk does not promise an order among ties). The kernel and the native model do the same.
+    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    vals = probs.gather(1, idx)
     if norm_topk_prob:
         vals = vals / vals.sum(dim=-1, keepdim=True)
     if return_affinities:

@@ -128,10 +128,11 @@ class TopKRouter(nn.Module):
             raise ValueError(f"TopKRouter: x must be [T, {self.gate.in_features}], got {tuple(x.shape)}")
         logits = self.gate(x).float()          # HF: linear in the activation dtype, softmax in fp32
         probs = torch.softmax(logits, dim=-1)
-        # Stable descending sort == torch.topk's result, except that ties go to the lower expert index
-        # (torch.topk on CPU does not promise an order among ties; the NKI router kernel uses this rule).
-        weights, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-        weights, idx = weights[:, : self.top_k], idx[:, : self.top_k]
+        # Chosen by logit with a stable descending sort: torch.topk's selection, except that ties go to
+        # the lower expert index and experts whose probabilities underflowed to 0 are still ordered by
+        # logit (torch.topk promises no order among ties). router_topk_ref and the NKI kernel agree.
+        idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        weights = probs.gather(1, idx)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, idx, logits
