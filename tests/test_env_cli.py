@@ -86,3 +86,27 @@ def test_demo_rope_hf_in_process(capsys):
     out = capsys.readouterr().out
     assert "rope_hf q [1, 8, 128, 128]" in out and "-> OK" in out
     assert "estimated trn2 time" in out and "vector" in out and "dma" in out
+
+
+@pytest.mark.parametrize("text, expect", [("0.6.0", (0, 6, 0)), ("0.7.0rc1+abc", (0, 7, 0)), ("0.10", (0, 10)),
+                                          ("2.28.7631.0", (2, 28, 7631, 0)), ("dev", ())])
+def test_parse_version(text, expect):
+    from trnkit.envinfo import parse_version
+
+    assert parse_version(text) == expect
+
+
+def test_env_warns_when_the_real_nki_is_older_than_0_6():
+    from trnkit.envinfo import format_env, version_warnings
+
+    def pkgs(version, status="installed"):
+        return [{"name": "nki", "module": "nki", "version": version, "path": "/x", "status": status}]
+
+    old = version_warnings(pkgs("0.5.2"))
+    assert len(old) == 1 and "nki 0.5.2 is older than 0.6.0" in old[0] and "fori_loop" in old[0]
+    assert version_warnings(pkgs("0.6.0")) == [] and version_warnings(pkgs("0.10.1")) == []
+    # the PyPI placeholder (nki 0.0.1) is not a real NKI: reported as a placeholder, not as too old
+    assert version_warnings(pkgs("0.0.1", "placeholder, not the Neuron package")) == []
+    info = {"python": "3", "executable": "py", "platform": "p", "packages": pkgs("0.5.2"),
+            "nki_backend": "nki", "TRNKIT_NKI": ""}
+    assert format_env(info).splitlines()[-1] == old[0]

@@ -10,10 +10,15 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import itertools
 import os
 import platform
 import sys
 from dataclasses import asdict, dataclass
+
+# Oldest real NKI the kernels run on: NKI 0.6.0 (Neuron SDK 2.32) added nl.fori_loop, used by the MoE
+# kernels (NKI release notes, 0.6.0). Keep in step with the `neuron` extra in pyproject.toml.
+MIN_NKI_VERSION = (0, 6, 0)
 
 # (distribution name, import name, is a Neuron package that may be a placeholder)
 PACKAGES: tuple[tuple[str, str, bool], ...] = (
@@ -76,6 +81,32 @@ def package_info(dist: str, module: str, neuron: bool = False) -> PackageInfo:
     return PackageInfo(dist, module, version, path, status)
 
 
+def parse_version(text: str) -> tuple[int, ...]:
+    """Leading numeric release of a version string: '0.6.0' -> (0, 6, 0), '0.7.0rc1+abc' -> (0, 7, 0)."""
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        if not digits:
+            break
+        parts.append(int(digits))
+        if len(digits) < len(piece):  # '0rc1': the release ends here
+            break
+    return tuple(parts)
+
+
+def version_warnings(packages: list[dict]) -> list[str]:
+    """Warnings for an installed real NKI older than the kernels need (placeholders are not real)."""
+    out = []
+    for p in packages:
+        if p["name"] == "nki" and p["status"] == "installed" and p["version"]:
+            if parse_version(p["version"]) < MIN_NKI_VERSION:
+                need = ".".join(map(str, MIN_NKI_VERSION))
+                out.append(f"warning: nki {p['version']} is older than {need} (Neuron SDK 2.32), the first "
+                           f"with nl.fori_loop, which trnkit's MoE kernels use; install nki>={need} "
+                           f"(pip install 'trnkit[neuron]' from the Neuron repository)")
+    return out
+
+
 def nki_backend() -> str:
     """Which NKI the kernels get: 'nki' (real Neuron) or 'nkisim' (trnkit's interpreter)."""
     try:
@@ -108,4 +139,5 @@ def format_env(info: dict) -> str:
     lines += [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]
     forced = f" (TRNKIT_NKI={info['TRNKIT_NKI']})" if info["TRNKIT_NKI"] else ""
     lines.append(f"NKI backend: {info['nki_backend']}{forced}")
+    lines += version_warnings(info["packages"])
     return "\n".join(lines)
