@@ -3,6 +3,9 @@ code (each ``@nki.jit`` kernel and every module-level function it calls, transit
 
 - no ``is`` / ``is not`` (the 0.3+ compiler rejects them; write ``== None`` / ``!= None``);
 - no keyword-only ``*`` separator in a kernel's signature;
+- only the Python that nki-library's kernels use: no ``lambda``, no ``del``, no nested function with
+  default arguments (the default-argument capture idiom); nested functions that close over their
+  enclosing scope (``nl.fori_loop`` bodies) are fine;
 - nothing interpreter-only: no ``numpy`` / ``torch`` inside kernel code, no ``.np()`` on tiles, no
   private attributes (``._storage`` ...) of NKI tensors.
 
@@ -69,6 +72,13 @@ def violations(module) -> list[str]:
                 out.append(f"{where}: `is` / `is not` comparison")
             elif isinstance(node, ast.Name) and node.id in ("np", "numpy", "torch"):
                 out.append(f"{where}: uses {node.id} inside kernel code")
+            elif isinstance(node, ast.Lambda):
+                out.append(f"{where}: lambda")
+            elif isinstance(node, ast.Delete):
+                out.append(f"{where}: del statement")
+            elif (isinstance(node, ast.FunctionDef) and node is not fn
+                  and (node.args.defaults or any(d is not None for d in node.args.kw_defaults))):
+                out.append(f"{where}: nested function {node.name} with default arguments")
             elif isinstance(node, ast.Attribute) and (node.attr == "np" or (
                     node.attr.startswith("_") and not node.attr.startswith("__"))):
                 out.append(f"{where}: interpreter-only attribute .{node.attr}")
@@ -90,6 +100,10 @@ from trnkit.nki_api import nki, nl, nisa
 def _helper(t, extra):
     if extra is not None:
         return t.np()
+    scale = lambda v: v
+    def body(i, t=t):
+        return scale(t)
+    del scale
     return t._storage
 
 @nki.jit
@@ -102,5 +116,6 @@ def bad_kernel(x, *, flag=False):
 
     found = violations(bad_kernel_mod)
     assert set(kernel_functions(bad_kernel_mod)) == {"bad_kernel", "_helper"}
-    for needle in ("keyword-only", "`is` / `is not`", "uses np", ".np", "._storage"):
+    for needle in ("keyword-only", "`is` / `is not`", "uses np", ".np", "._storage", "lambda", "del statement",
+                   "nested function body with default arguments"):
         assert any(needle in v for v in found), (needle, found)

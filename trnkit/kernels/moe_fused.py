@@ -37,7 +37,6 @@ from trnkit.kernels.moe_grouped_mm import (
     store_rows,
     tiles,
     transpose_rows,
-    weight_operand,
 )
 from trnkit.nki_api import nisa, nl, nki
 
@@ -62,21 +61,58 @@ def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int) -> None
     banks, so each moving x.T chunk feeds 2 * (chunks per pass) matmuls.
     """
     ichunks = chunks(inter, P)
-    per_pass = max(1, 1024 // B)  # 2 * per_pass * B fp32 columns = 4 PSUM banks
-    for j0, nj in chunks(len(ichunks), per_pass):
-        group = ichunks[j0:j0 + nj]
-        g_ps = [nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum) for _, iw in group]
-        u_ps = [nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum) for _, iw in group]
-        for c, (_, hk) in enumerate(chunks(H, P)):
-            for jj, (i0, iw) in enumerate(group):
-                nisa.nc_matmul(dst=g_ps[jj], stationary=wgu[:hk, c, i0:i0 + iw], moving=x_T[c][:hk, :])
-                nisa.nc_matmul(dst=u_ps[jj], stationary=wgu[:hk, c, inter + i0:inter + i0 + iw],
-                               moving=x_T[c][:hk, :])
-        for jj, (_, iw) in enumerate(group):
-            act = nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=act, op=nl.silu, data=g_ps[jj])
-            nisa.tensor_tensor(dst=h_T[j0 + jj][:iw, :], data1=act, data2=u_ps[jj], op=nl.multiply)
-        del g_ps, u_ps  # release the banks before the next pass allocates
+    for j0, nj in chunks(len(ichunks), swiglu_chunks_per_pass(B)):
+        _swiglu_pass(h_T, x_T, wgu, H, inter, B, ichunks[j0:j0 + nj], j0)
+
+
+def swiglu_chunks_per_pass(B: int) -> int:
+    """I-chunks per pass over H: each needs two accumulation groups (gate, up) of ``[128, B]`` fp32,
+    2 * chunks * B fp32 columns = 4 PSUM banks. At B = 128 that is 16 groups, packed 4 per bank: whether
+    the trn2 limit of eight outstanding groups counts tiles or banks is not settled (issue #11)."""
+    return max(1, 1024 // B)
+
+
+def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, group: list, j0: int) -> None:
+    """One pass of :func:`swiglu_T` over the I-chunks in ``group`` (its PSUM tiles are local, so their
+    banks are free again when the pass returns)."""
+    g_ps = [nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum) for _, iw in group]
+    u_ps = [nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum) for _, iw in group]
+    for c, (_, hk) in enumerate(chunks(H, P)):
+        for jj, (i0, iw) in enumerate(group):
+            nisa.nc_matmul(dst=g_ps[jj], stationary=wgu[:hk, c, i0:i0 + iw], moving=x_T[c][:hk, :])
+            nisa.nc_matmul(dst=u_ps[jj], stationary=wgu[:hk, c, inter + i0:inter + i0 + iw],
+                           moving=x_T[c][:hk, :])
+    for jj, (_, iw) in enumerate(group):
+        act = nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=act, op=nl.silu, data=g_ps[jj])
+        nisa.tensor_tensor(dst=h_T[j0 + jj][:iw, :], data1=act, data2=u_ps[jj], op=nl.multiply)
+
+
+def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, token_table: Any, slot_table: Any,
+                   slot_weights: Any, y: Any, wgu: Any, wd: Any) -> None:
+    """Run-time loop over one expert's blocks lo..hi-1 of ``width`` rows (see moe_experts_kernel)."""
+    H = x.shape[1]
+    inter = wgu.shape[2] // 2
+    rows = min(width, P)
+    HC = (H + P - 1) // P
+    IC = (inter + P - 1) // P
+
+    def block(i):
+        x_T = tiles(HC, (P, width), x.dtype)
+        for sub in range(width // rows):
+            x_sb = nl.ndarray((rows, H), dtype=x.dtype, buffer=nl.sbuf)
+            load_rows(x_sb, x, token_table, i, sub, zero_pad=True)
+            transpose_rows(x_sb, x_T, col0=sub * rows, vector_every=VECTOR_TRANSPOSE_EVERY)
+        h_T = tiles(IC, (P, width), x.dtype)
+        swiglu_T(h_T, x_T, wgu, H, inter, width)
+        for sub in range(width // rows):
+            w_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+            load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
+            y_sb = nl.ndarray((rows, H), dtype=x.dtype, buffer=nl.sbuf)
+            row_matmul(y_sb, h_T, rows, wd, inter, col0=sub * rows, scale=w_col)
+            store_rows(y, y_sb, slot_table, i, sub)
+
+    nl.fori_loop(lo, hi, block)
 
 
 @nki.jit
@@ -92,14 +128,11 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     costs about what it uses; slot_weights ``[T*K, 1]`` fp32 (topk_weights flattened).
     """
     T, H = x.shape
-    E, _, I2 = w_gate_up.shape
-    inter = I2 // 2
+    E = w_gate_up.shape[0]
     S = slot_weights.shape[0]
     K = S // T
     B = token_table.shape[1]
     widths = tail_widths(B)
-    HC = (H + P - 1) // P
-    IC = (inter + P - 1) // P
     dt = x.dtype
     y = nl.ndarray((S, H), dtype=dt, buffer=nl.hbm)  # per-slot scaled expert outputs
     bs = load_block_start(block_start)
@@ -113,26 +146,9 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
             nisa.register_load(r, bs[0:1, j * (E + 1) + e:j * (E + 1) + e + 1])
             bounds.append(r)
         bounds.append(hi)
-
-        def block(i, width, wgu=wgu, wd=wd):
-            rows = min(width, P)
-            n_sub = width // rows
-            x_T = tiles(HC, (P, width), dt)
-            for sub in range(n_sub):
-                x_sb = nl.ndarray((rows, H), dtype=dt, buffer=nl.sbuf)
-                load_rows(x_sb, x, token_table, i, sub, zero_pad=True)
-                transpose_rows(x_sb, x_T, col0=sub * rows, vector_every=VECTOR_TRANSPOSE_EVERY)
-            h_T = tiles(IC, (P, width), dt)
-            swiglu_T(h_T, x_T, wgu, H, inter, width)
-            for sub in range(n_sub):
-                w_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-                load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
-                y_sb = nl.ndarray((rows, H), dtype=dt, buffer=nl.sbuf)
-                row_matmul(y_sb, h_T, rows, weight_operand(wd), inter, col0=sub * rows, scale=w_col)
-                store_rows(y, y_sb, slot_table, i, sub)
-
         for seg, width in enumerate((B,) + widths):
-            nl.fori_loop(bounds[seg], bounds[seg + 1], lambda i, block=block, width=width: block(i, width))
+            _expert_blocks(bounds[seg], bounds[seg + 1], width, x, token_table, slot_table, slot_weights, y,
+                           wgu, wd)
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     combine(y, out, K)
     return out

@@ -90,9 +90,12 @@ def load_weight(w: Any, g: int) -> Any:
     return t
 
 
-def weight_operand(w_sb: Any) -> Any:
-    """Moving-operand accessor ``rhs(c, ck, n0, nw)`` of a :func:`load_weight` tile."""
-    return lambda c, ck, n0, nw: w_sb[:ck, c, n0:n0 + nw]
+def moving_view(w_sb: Any, grid: Any, c: int, ck: int, n0: int, nw: int) -> Any:
+    """The moving operand of contraction chunk c, columns n0..n0+nw: a slice of the :func:`load_weight`
+    tile ``w_sb``, or (``grid`` != None) of the :func:`transposed_weight` tile of that 512-column piece."""
+    if grid == None:
+        return w_sb[:ck, c, n0:n0 + nw]
+    return grid[c][n0 // NMAX][:ck, :nw]
 
 
 def evacuate(dst: Any, src: Any, k: int, scale: Any = None) -> None:
@@ -131,8 +134,8 @@ def tiles(n: int, shape: tuple, dtype: Any, buffer: Any = None) -> list:
     return [nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf if buffer == None else buffer) for _ in range(n)]
 
 
-def transposed_weight(w_sb: Any, R: int, C: int) -> Any:
-    """Moving-operand accessor of ``w.T [C, R]`` built from a :func:`load_weight` tile ``[P, ., C]``.
+def transposed_weight(w_sb: Any, R: int, C: int) -> list:
+    """``w.T [C, R]`` built from a :func:`load_weight` tile ``[P, ., C]`` (read with :func:`moving_view`).
 
     Tiles ``[P, 512]`` per (C-chunk d, 512-column piece q of R); the up to 4 transposes of a piece
     share one PSUM tile and one evacuation.
@@ -150,7 +153,7 @@ def transposed_weight(w_sb: Any, R: int, C: int) -> Any:
             k += 1
             row.append(t)
         grid.append(row)
-    return lambda c, ck, n0, nw: grid[c][n0 // NMAX][:ck, :nw]
+    return grid
 
 
 def block_range(block_start: Any, g: int, bs_sb: Any) -> tuple[Any, Any]:
@@ -169,28 +172,32 @@ def load_block_start(block_start: Any) -> Any:
     return bs
 
 
-def row_matmul(out_sb: Any, lhs_T: list, rows: int, rhs: Any, contract: int, col0: int = 0,
-               scale: Any = None) -> None:
+def row_matmul(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, contract: int, col0: int = 0,
+               scale: Any = None, grid: Any = None) -> None:
     """``out_sb [rows, N] = lhs [rows, contract] @ rhs [contract, N]``.
 
     ``lhs_T[c]`` holds chunk c of lhs transposed (contraction on partitions, lhs rows at columns
-    col0..col0+rows); ``rhs(c, ck, n0, nw)`` returns the moving view of chunk c, columns n0..n0+nw.
-    The lhs chunk is the stationary operand (M = rows <= 128) and feeds up to PSUM_GROUPS moving
-    pieces of 512 columns (separate PSUM accumulation groups). ``scale [rows, 1]`` multiplies each
-    output row while PSUM is evacuated.
+    col0..col0+rows); rhs is the weight tile ``w_sb`` (or its transposed ``grid``), read with
+    :func:`moving_view`. The lhs chunk is the stationary operand (M = rows <= 128) and feeds up to
+    PSUM_GROUPS moving pieces of 512 columns (separate PSUM accumulation groups). ``scale [rows, 1]``
+    multiplies each output row while PSUM is evacuated.
     """
-    N = out_sb.shape[1]
-    pieces = chunks(N, NMAX)
-    cks = chunks(contract, P)
+    pieces = chunks(out_sb.shape[1], NMAX)
     for q0 in range(0, len(pieces), PSUM_GROUPS):
-        group = pieces[q0:q0 + PSUM_GROUPS]
-        ps = [nl.ndarray((rows, nw), dtype=nl.float32, buffer=nl.psum) for _, nw in group]
-        for c, (_, ck) in enumerate(cks):
-            for j, (n0, nw) in enumerate(group):
-                nisa.nc_matmul(dst=ps[j], stationary=lhs_T[c][:ck, col0:col0 + rows], moving=rhs(c, ck, n0, nw))
+        _row_matmul_pass(out_sb, lhs_T, rows, w_sb, grid, contract, col0, scale, pieces[q0:q0 + PSUM_GROUPS], q0)
+
+
+def _row_matmul_pass(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, grid: Any, contract: int, col0: int,
+                     scale: Any, group: list, q0: int) -> None:
+    """One pass of :func:`row_matmul` over the 512-column pieces in ``group`` (its PSUM tiles are
+    local, so their banks are free again when the pass returns)."""
+    ps = [nl.ndarray((rows, nw), dtype=nl.float32, buffer=nl.psum) for _, nw in group]
+    for c, (_, ck) in enumerate(chunks(contract, P)):
         for j, (n0, nw) in enumerate(group):
-            evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale)
-        del ps  # release the banks before the next group allocates
+            nisa.nc_matmul(dst=ps[j], stationary=lhs_T[c][:ck, col0:col0 + rows],
+                           moving=moving_view(w_sb, grid, c, ck, n0, nw))
+    for j, (n0, nw) in enumerate(group):
+        evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale)
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -210,21 +217,30 @@ def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out, transpose_w)
     bs = load_block_start(block_start)
     for g in range(G):
         w_sb = load_weight(w, g)
-        rhs = transposed_weight(w_sb, Kw, Nw) if transpose_w else weight_operand(w_sb)
+        grid = None
+        if transpose_w:
+            grid = transposed_weight(w_sb, Kw, Nw)
         lo, hi = block_range(block_start, g, bs)
-
-        def block(i, rhs=rhs):
-            for sub in range(B // rows):
-                x_sb = nl.ndarray((rows, C), dtype=dt, buffer=nl.sbuf)
-                load_rows(x_sb, x, src_table, i, sub, zero_pad=True)
-                x_T = tiles((C + P - 1) // P, (P, rows), dt)
-                transpose_rows(x_sb, x_T)
-                o_sb = nl.ndarray((rows, N), dtype=out.dtype, buffer=nl.sbuf)
-                row_matmul(o_sb, x_T, rows, rhs, C)
-                store_rows(out, o_sb, dst_table, i, sub)
-
-        nl.fori_loop(lo, hi, block)
+        _grouped_mm_blocks(lo, hi, x, src_table, dst_table, out, w_sb, grid, rows, C, N)
     return out
+
+
+def _grouped_mm_blocks(lo: Any, hi: Any, x: Any, src_table: Any, dst_table: Any, out: Any, w_sb: Any,
+                       grid: Any, rows: int, C: int, N: int) -> None:
+    """Run-time loop over blocks lo..hi-1 of one group of :func:`grouped_mm_kernel`."""
+    B = src_table.shape[1]
+
+    def block(i):
+        for sub in range(B // rows):
+            x_sb = nl.ndarray((rows, C), dtype=x.dtype, buffer=nl.sbuf)
+            load_rows(x_sb, x, src_table, i, sub, zero_pad=True)
+            x_T = tiles((C + P - 1) // P, (P, rows), x.dtype)
+            transpose_rows(x_sb, x_T)
+            o_sb = nl.ndarray((rows, N), dtype=out.dtype, buffer=nl.sbuf)
+            row_matmul(o_sb, x_T, rows, w_sb, C, grid=grid)
+            store_rows(out, o_sb, dst_table, i, sub)
+
+    nl.fori_loop(lo, hi, block)
 
 
 WGRAD_TILES = 6  # PSUM accumulation groups per pass of the weight-gradient kernel (6 of 8 banks)
@@ -242,9 +258,6 @@ def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
     opens every accumulation group, which also gives empty groups their zero gradient.
     """
     G, Ka, Nb = grad_w.shape
-    B = a_table.shape[1]
-    rows = min(B, P)
-    n_sub = B // rows
     z_st = nl.ndarray((1, P), dtype=a.dtype, buffer=nl.sbuf)
     nisa.memset(dst=z_st, value=0.0)
     z_mv = nl.ndarray((1, NMAX), dtype=b.dtype, buffer=nl.sbuf)
@@ -254,33 +267,41 @@ def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
     for g in range(G):
         lo, hi = block_range(block_start, g, bs)
         for j0, nj in chunks(len(a_chunks), WGRAD_TILES):
-            group = a_chunks[j0:j0 + nj]
-            k_lo = group[0][0]
-            k_w = group[-1][0] + group[-1][1] - k_lo
             for n0, nw in chunks(Nb, NMAX):
-                ps = [nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum) for _, kw in group]
-                for t, (_, kw) in zip(ps, group):
-                    nisa.nc_matmul(dst=t, stationary=z_st[0:1, :kw], moving=z_mv[0:1, :nw], accumulate=False)
-
-                def block(i, ps=ps, group=group, k_lo=k_lo, k_w=k_w, n0=n0, nw=nw):
-                    for sub in range(n_sub):
-                        a_t = nl.ndarray((rows, k_w), dtype=a.dtype, buffer=nl.sbuf)
-                        load_rows(a_t, a, a_table, i, sub, zero_pad=True, col0=k_lo)
-                        b_t = nl.ndarray((rows, nw), dtype=b.dtype, buffer=nl.sbuf)
-                        load_rows(b_t, b, b_table, i, sub, zero_pad=True, col0=n0)
-                        for t, (k0, kw) in zip(ps, group):
-                            # explicit: the run-time loop body always adds onto the open group
-                            nisa.nc_matmul(dst=t, stationary=a_t[:rows, k0 - k_lo:k0 - k_lo + kw],
-                                           moving=b_t[:rows, :], accumulate=True)
-
-                nl.fori_loop(lo, hi, block)
-                for q, (t, (k0, kw)) in enumerate(zip(ps, group)):
-                    res = nl.ndarray((kw, nw), dtype=grad_w.dtype, buffer=nl.sbuf)
-                    evacuate(res, t, q)
-                    nisa.dma_copy(dst=grad_w.ap(pattern=[[Nb, kw], [1, nw]], offset=(g * Ka + k0) * Nb + n0),
-                                  src=res)
-                del ps, block  # release this pass's PSUM banks before the next pass allocates
+                _wgrad_pass(lo, hi, a, b, a_table, b_table, grad_w, g, a_chunks[j0:j0 + nj], n0, nw, z_st, z_mv)
     return grad_w
+
+
+def _wgrad_pass(lo: Any, hi: Any, a: Any, b: Any, a_table: Any, b_table: Any, grad_w: Any, g: int,
+                group: list, n0: int, nw: int, z_st: Any, z_mv: Any) -> None:
+    """One pass of :func:`grouped_wgrad_kernel`: the grad_w[g] tiles of the a-chunks in ``group`` x
+    columns n0..n0+nw, summed in PSUM over g's blocks lo..hi-1 (its PSUM tiles are local, so their
+    banks are free again when the pass returns)."""
+    _, Ka, Nb = grad_w.shape
+    B = a_table.shape[1]
+    rows = min(B, P)
+    k_lo = group[0][0]
+    k_w = group[-1][0] + group[-1][1] - k_lo
+    ps = [nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum) for _, kw in group]
+    for t, (_, kw) in zip(ps, group):
+        nisa.nc_matmul(dst=t, stationary=z_st[0:1, :kw], moving=z_mv[0:1, :nw], accumulate=False)
+
+    def block(i):
+        for sub in range(B // rows):
+            a_t = nl.ndarray((rows, k_w), dtype=a.dtype, buffer=nl.sbuf)
+            load_rows(a_t, a, a_table, i, sub, zero_pad=True, col0=k_lo)
+            b_t = nl.ndarray((rows, nw), dtype=b.dtype, buffer=nl.sbuf)
+            load_rows(b_t, b, b_table, i, sub, zero_pad=True, col0=n0)
+            for t, (k0, kw) in zip(ps, group):
+                # explicit: the run-time loop body always adds onto the open group
+                nisa.nc_matmul(dst=t, stationary=a_t[:rows, k0 - k_lo:k0 - k_lo + kw],
+                               moving=b_t[:rows, :], accumulate=True)
+
+    nl.fori_loop(lo, hi, block)
+    for q, (t, (k0, kw)) in enumerate(zip(ps, group)):
+        res = nl.ndarray((kw, nw), dtype=grad_w.dtype, buffer=nl.sbuf)
+        evacuate(res, t, q)
+        nisa.dma_copy(dst=grad_w.ap(pattern=[[Nb, kw], [1, nw]], offset=(g * Ka + k0) * Nb + n0), src=res)
 
 
 def selection_matrix(K: int, dtype: Any) -> Any:
