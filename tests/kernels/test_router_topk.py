@@ -332,11 +332,10 @@ def test_tie_rule_agrees_everywhere(case: str) -> None:
     router = TopKRouter(x.shape[1], w.shape[0], K, True)
     with torch.no_grad():
         router.gate.weight.copy_(w)
-    picks = {"ref": router_topk_ref(x, w, K)[1], "kernel": router_topk(x, w, K)[1],
-             "native": router(x)[1].to(torch.int32),
+    ref, kernel = router_topk_ref(x, w, K), router_topk(x, w, K)
+    picks = {"ref": ref[1], "kernel": kernel[1], "native": router(x)[1],
              "registry reference": ops.router_topk(x, w, K, True, "reference")[1],
              "registry nki": ops.router_topk(x, w, K, True, "nki")[1]}
     for name, idx in picks.items():
         assert torch.equal(idx.to(torch.int32), expect), (name, idx, expect)
-    weights = {"ref": router_topk_ref(x, w, K)[0], "kernel": router_topk(x, w, K)[0]}
-    assert_close(weights["kernel"], weights["ref"], torch.float32)
+    assert_close(kernel[0], ref[0], torch.float32)

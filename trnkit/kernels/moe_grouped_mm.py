@@ -211,9 +211,6 @@ def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out, transpose_w)
     """
     G, Kw, Nw = w.shape
     C, N = (Nw, Kw) if transpose_w else (Kw, Nw)
-    B = src_table.shape[1]
-    rows = min(B, P)
-    dt = x.dtype
     bs = load_block_start(block_start)
     for g in range(G):
         w_sb = load_weight(w, g)
@@ -221,14 +218,15 @@ def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out, transpose_w)
         if transpose_w:
             grid = transposed_weight(w_sb, Kw, Nw)
         lo, hi = block_range(block_start, g, bs)
-        _grouped_mm_blocks(lo, hi, x, src_table, dst_table, out, w_sb, grid, rows, C, N)
+        _grouped_mm_blocks(lo, hi, x, src_table, dst_table, out, w_sb, grid, C, N)
     return out
 
 
 def _grouped_mm_blocks(lo: Any, hi: Any, x: Any, src_table: Any, dst_table: Any, out: Any, w_sb: Any,
-                       grid: Any, rows: int, C: int, N: int) -> None:
+                       grid: Any, C: int, N: int) -> None:
     """Run-time loop over blocks lo..hi-1 of one group of :func:`grouped_mm_kernel`."""
     B = src_table.shape[1]
+    rows = min(B, P)
 
     def block(i):
         for sub in range(B // rows):
