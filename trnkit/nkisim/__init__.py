@@ -1,7 +1,7 @@
 """trnkit's CPU interpreter of the NKI API (``nki``, ``nki.language``, ``nki.isa``).
 
 ``from trnkit.nkisim import jit, simulate, language as nl, isa as nisa``; kernels should import
-through :mod:`trnkit.nki_api`. See ``docs/readme/nkisim.md``.
+through :mod:`trnkit.nki_api`. See ``docs/interpreter.md``.
 """
 
 from . import dtypes, errors, language, memory, tensor, trace  # noqa: F401

@@ -1,0 +1,91 @@
+"""README.md and docs/: every relative link resolves inside the repository, and the tables generated from
+benchmark outputs are current (scripts/docs_tables.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCED = re.compile(r"```.*?```", re.S)
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+
+
+def _load_docs_tables():
+    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "docs_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+docs_tables = _load_docs_tables()
+DOC_FILES = docs_tables.doc_files()
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = FENCED.sub("", path.read_text())
+    return {github_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def relative_links(path: Path) -> list[str]:
+    text = CODE.sub("", path.read_text())
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+
+
+def test_doc_files_found():
+    names = {p.relative_to(ROOT).as_posix() for p in DOC_FILES}
+    assert {"README.md", "docs/kernels.md", "docs/interpreter.md", "docs/tests.md"} <= names
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve_inside_the_repository(path: Path):
+    problems = []
+    for target in relative_links(path):
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.is_relative_to(ROOT):
+            problems.append(f"{target}: outside the repository")
+        elif not dest.exists():
+            problems.append(f"{target}: {dest.relative_to(ROOT)} does not exist")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            problems.append(f"{target}: no heading '#{anchor}' in {dest.relative_to(ROOT)}")
+    assert not problems, f"{path.relative_to(ROOT)}: broken links:\n" + "\n".join(problems)
+
+
+def test_link_check_catches_breakage(tmp_path: Path):
+    """The checker itself: a link leaving the repository and a missing anchor are both found."""
+    assert relative_links(ROOT / "README.md"), "README has relative links"
+    assert github_slug("Parity with transformers 5.24 (tests/qwen3/)") == "parity-with-transformers-524-testsqwen3"
+    assert github_slug("The `trnkit::` ops") == "the-trnkit-ops"
+    assert "speed" in anchors(ROOT / "docs" / "interpreter.md")
+    assert "no-such-heading" not in anchors(ROOT / "docs" / "interpreter.md")
+    outside = (ROOT / "docs" / "../../benchmarks/data/plots/x.png").resolve()
+    assert not outside.is_relative_to(ROOT)
+
+
+def test_generated_tables_are_current():
+    assert docs_tables.stale_regions() == [], "run: python scripts/docs_tables.py"
+
+
+def test_stale_table_is_detected(monkeypatch):
+    """A changed CSV value makes the region stale (the check compares against the CSV, not itself)."""
+    read_csv = docs_tables.read_csv
+    rows = read_csv("interp_speed.csv")
+    rows[0]["ratio"] = str(float(rows[0]["ratio"]) + 1.0)
+    monkeypatch.setattr(docs_tables, "read_csv", lambda name: rows if name == "interp_speed.csv" else read_csv(name))
+    assert "docs/interpreter.md" in docs_tables.stale_regions()
+
+
+def test_every_generator_is_used():
+    used = {m.group("name") for p in DOC_FILES for m in docs_tables.REGION.finditer(p.read_text())}
+    assert used == set(docs_tables.GENERATORS)
