@@ -1,14 +1,14 @@
-"""Allocation: sentinels, SBUF/PSUM capacity over live allocations, partition and buffer rules."""
+"""Allocation: sentinels, SBUF/PSUM capacity by data liveness (first to last access), partition and
+buffer rules."""
 
 from __future__ import annotations
-
-import gc
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from trnkit import nkisim as nki
+from trnkit.nkisim import isa as nisa
 from trnkit.nkisim import language as nl
 from trnkit.nkisim import memory
 from trnkit.nkisim.errors import NkiValidationError
@@ -47,26 +47,77 @@ def test_zeros_ones_full():
     assert (nl.full((2, 2), 2.5, nl.float32).np() == 2.5).all()
 
 
-def test_sbuf_capacity_tracks_live_allocations(ctx):
+def _write(t):
+    nisa.memset(dst=t, value=1.0)
+
+
+def _read(t):
+    """An instruction reading ``t`` (into a scratch tile of the same shape in SBUF)."""
+    nisa.tensor_copy(dst=nl.ndarray(t.shape, nl.float32, buffer=nl.sbuf, name="scratch"), src=t)
+
+
+def _line(marker):
+    """``test_core_memory.py:N`` of the line of this file that contains ``marker``."""
+    lines = open(__file__).read().splitlines()
+    return f"test_core_memory.py:{1 + next(i for i, x in enumerate(lines) if marker in x)}"
+
+
+def test_sbuf_overflow_when_live_bytes_exceed_capacity(ctx):
     usable = memory.SBUF_USABLE_BYTES
     assert usable == 208 * KIB and memory.SBUF_PARTITION_BYTES == 224 * KIB
     a = nl.ndarray((128, 100 * KIB // 4), nl.float32, buffer=nl.sbuf, name="a")  # 100 KiB/partition
-    b = nl.ndarray((64, 100 * KIB // 2), nl.bfloat16, buffer=nl.sbuf, name="b")  # bytes per partition count
-    assert ctx.memory.sbuf_used == 200 * KIB
-    with pytest.raises(NkiValidationError, match=r"SBUF overflow allocating 'c': requested 16384 bytes "
-                                                 r"per partition, 204800 in use, capacity 212992"):
-        nl.ndarray((128, 4 * KIB), nl.float32, buffer=nl.sbuf, name="c")
-    view = a[:, 0:10]  # a view keeps the allocation alive
-    del a
-    gc.collect()
-    assert ctx.memory.sbuf_used == 200 * KIB
-    del view
-    gc.collect()
-    assert ctx.memory.sbuf_used == 100 * KIB
-    c = nl.ndarray((128, 4 * KIB), nl.float32, buffer=nl.sbuf, name="c")
-    assert ctx.memory.sbuf_used == 116 * KIB
-    assert ctx.memory.sbuf_peak == 200 * KIB
-    del b, c
+    b = nl.ndarray((64, 100 * KIB // 2), nl.bfloat16, buffer=nl.sbuf, name="b")  # per partition: 100 KiB
+    c = nl.ndarray((128, 4 * KIB), nl.float32, buffer=nl.sbuf, name="c")  # site-c
+    _write(a)
+    _write(b)
+    _write(c)  # a, b and c live together: 216 KiB > 208 KiB
+    nisa.tensor_copy(dst=a[0:64, 0:16], src=b[0:64, 0:16])
+    nisa.tensor_copy(dst=a[:, 0:16], src=c[:, 0:16])
+    with pytest.raises(NkiValidationError) as err:
+        ctx.memory.check()
+    msg = str(err.value)
+    assert msg.startswith("SBUF overflow: 221184 bytes per partition live at instruction 2 (memset), "
+                          "capacity 212992; becoming live: 'c' 16384 B allocated at ")
+    assert _line("# site-c") + ", instructions 2..4" in msg
+    assert "'a' 102400 B" in msg and "'b' 102400 B" in msg
+
+
+def test_sbuf_dead_allocation_still_referenced_takes_no_space(ctx):
+    a = nl.ndarray((128, 100 * KIB // 4), nl.float32, buffer=nl.sbuf, name="a")
+    b = nl.ndarray((128, 100 * KIB // 4), nl.float32, buffer=nl.sbuf, name="b")
+    _write(a)
+    _write(b)
+    nisa.tensor_copy(dst=b[:, 0:16], src=a[:, 0:16])  # last use of a; the Python object stays alive
+    c = nl.ndarray((128, 100 * KIB // 4), nl.float32, buffer=nl.sbuf, name="c")
+    _write(c)
+    nisa.tensor_copy(dst=c[:, 0:16], src=b[:, 0:16])
+    ctx.memory.check()
+    assert ctx.memory.sbuf_peak == 200 * KIB  # a + b, then b + c: never all three
+    assert a.shape == (128, 25600)  # still referenced
+
+
+def test_sbuf_source_and_destination_of_one_instruction_are_live_together(ctx):
+    a = nl.ndarray((128, 120 * KIB // 4), nl.float32, buffer=nl.sbuf, name="a")
+    b = nl.ndarray((128, 120 * KIB // 4), nl.float32, buffer=nl.sbuf, name="b")
+    _write(a)
+    nisa.tensor_copy(dst=b, src=a)  # a's last read and b's first write: 240 KiB at that instruction
+    with pytest.raises(NkiValidationError, match=r"SBUF overflow: 245760 bytes per partition live at "
+                                                 r"instruction 1 \(tensor_copy\)"):
+        ctx.memory.check()
+
+
+def test_never_accessed_allocations_take_no_space(ctx):
+    keep = [nl.ndarray((128, 100 * KIB // 4), nl.float32, buffer=nl.sbuf) for _ in range(5)]
+    psum = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(20)]
+    ctx.memory.check()
+    assert ctx.memory.sbuf_peak == 0 and ctx.memory.psum_peak_banks == 0
+    assert len(keep) + len(psum) == 25
+
+
+def test_sbuf_tile_larger_than_capacity_rejected_at_allocation(ctx):
+    with pytest.raises(NkiValidationError, match=r"nl.ndarray: SBUF tile 'huge' needs 217088 bytes per "
+                                                 r"partition, more than the SBUF capacity \(212992\)"):
+        nl.ndarray((128, 212 * KIB // 4), nl.float32, buffer=nl.sbuf, name="huge")
 
 
 def test_psum_tile_must_fit_one_bank(ctx):
@@ -76,17 +127,66 @@ def test_psum_tile_must_fit_one_bank(ctx):
         nl.ndarray((128, 513), nl.float32, buffer=nl.psum, name="big")
 
 
-def test_psum_eight_banks_over_live_allocations(ctx):
-    tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(7)]
-    halves = [nl.ndarray((128, 256), nl.float32, buffer=nl.psum) for _ in range(2)]  # share bank 7
-    assert ctx.memory.psum_used == 16 * KIB
-    with pytest.raises(NkiValidationError, match=r"PSUM overflow allocating 'x': requested 64 bytes per "
-                                                 r"partition, 16384 in use over 8 banks, capacity 16384"):
-        nl.ndarray((128, 16), nl.float32, buffer=nl.psum, name="x")
-    del tiles[3]
-    gc.collect()
-    nl.ndarray((128, 512), nl.float32, buffer=nl.psum)  # the freed bank is reused
-    del halves
+def _psum_banks_scenario(extra: bool) -> memory.Memory:
+    """Seven full-bank tiles and two half-bank tiles (sharing bank 7) all live at once, plus, when
+    ``extra``, a 64-byte tile live with them."""
+    tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum, name=f"full{i}") for i in range(7)]
+    tiles += [nl.ndarray((128, 256), nl.float32, buffer=nl.psum, name=f"half{i}") for i in range(2)]
+    if extra:
+        tiles.append(nl.ndarray((128, 16), nl.float32, buffer=nl.psum, name="x"))  # site-x
+    for t in tiles:
+        _write(t)
+    for t in tiles:
+        _read(t)
+    return memory.current().memory
+
+
+def test_psum_eight_banks_over_live_tiles(ctx):
+    mem = _psum_banks_scenario(extra=False)
+    mem.check()
+    assert mem.psum_peak_banks == 8
+    memory.pop_context()
+    mem = _fresh().memory
+    _psum_banks_scenario(extra=True)  # 8 banks full: one more tile of any size does not fit
+    with pytest.raises(NkiValidationError) as err:
+        mem.check()
+    msg = str(err.value)
+    assert msg.startswith("PSUM overflow: 10 live PSUM tiles (16448 bytes per partition) need 9 banks "
+                          "of 2048 bytes at instruction 9 (memset), capacity 8 banks; becoming live: "
+                          "'x' 64 B allocated at ")
+    assert _line("# site-x") in msg and "'full0' 2048 B" in msg and "'half1' 1024 B" in msg
+
+
+def test_psum_dead_tiles_kept_in_a_list_do_not_count(ctx):
+    """nki-library's pattern (bwmm_shard_on_block, attention_cte): a list holds every PSUM tile of a
+    loop, each used only in its iteration; the compiler allocates by liveness, so 12 full-bank tiles
+    referenced at once are fine while at most two are live."""
+    tiles = []
+    for i in range(12):
+        tiles.append(nl.ndarray((128, 512), nl.float32, buffer=nl.psum, name=f"acc{i}"))
+        _write(tiles[i])
+        if i:
+            _read(tiles[i - 1])
+    _read(tiles[-1])
+    ctx.memory.check()
+    assert ctx.memory.psum_peak_banks == 2
+
+
+def test_psum_tiles_live_across_a_loop_overflow(ctx):
+    tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum, name=f"acc{i}") for i in range(9)]
+    for t in tiles:  # written first, all read at the end: nine banks live at once
+        _write(t)
+    for t in tiles:
+        _read(t)
+    with pytest.raises(NkiValidationError, match=r"PSUM overflow: 9 live PSUM tiles .* need 9 banks"):
+        ctx.memory.check()
+
+
+def test_outside_a_kernel_nothing_is_recorded():
+    default = memory.current()
+    assert not default.memory.track
+    t = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
+    assert t.storage.alloc is None and default.memory.allocations == []
 
 
 def test_partition_dim_limit_and_buffer_args():
@@ -105,23 +205,56 @@ def test_kernel_memory_overflow_inside_jit():
     @nki.jit
     def hog(x):
         keep = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(9)]
-        return keep
+        for t in keep:
+            nisa.memset(dst=t, value=0.0)
+        out = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+        for t in keep:  # all nine accumulators read at the end
+            nisa.tensor_tensor(dst=out, data1=out, data2=t, op=nl.add)
+        return x
 
-    with pytest.raises(NkiValidationError, match="PSUM overflow"):
+    with pytest.raises(NkiValidationError, match="PSUM overflow: 9 live PSUM tiles"):
         hog(np.zeros(4, np.float32))
 
 
-def test_unreachable_cycles_do_not_count(ctx):
-    class Holder:
-        pass
+def test_kernel_with_dead_psum_tiles_in_an_enclosing_scope_runs():
+    """The same nine tiles, each read right after it is written: at most one is live."""
+    @nki.jit
+    def ok(x):
+        keep = []
+        out = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=out, value=0.0)
 
-    gc.disable()  # make sure only the allocator's own collection can free them
-    try:
-        for _ in range(3):  # tiles kept alive only by reference cycles: garbage, not live memory
-            h = Holder()
-            h.self = h
-            h.tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(8)]
-            del h
-        assert nl.ndarray((128, 512), nl.float32, buffer=nl.psum).shape == (128, 512)
-    finally:
-        gc.enable()
+        def step():
+            t = nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
+            keep.append(t)  # the enclosing scope keeps every tile referenced
+            nisa.memset(dst=t, value=1.0)
+            nisa.tensor_tensor(dst=out, data1=out, data2=t, op=nl.add)
+
+        for _ in range(9):
+            step()
+        y = nl.ndarray((128, 512), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=y, src=out)
+        return y
+
+    assert (ok(np.zeros(4, np.float32)) == 9.0).all()
+
+
+def test_each_grid_program_is_checked_on_its_own():
+    seen = []
+
+    @nki.jit
+    def k(x):
+        ctx = memory.current()
+        seen.append(ctx)
+        n = 5 if ctx.flat_program_id == 1 else 4  # program 1 holds five 50 KiB tiles at once
+        tiles = [nl.ndarray((128, 50 * KIB // 4), nl.float32, buffer=nl.sbuf) for _ in range(n)]
+        for t in tiles:
+            nisa.memset(dst=t, value=0.0)
+        for t in tiles:
+            nisa.tensor_copy(dst=t[:, 0:1], src=t[:, 1:2])
+        return x
+
+    with pytest.raises(NkiValidationError, match=r"SBUF overflow: 256000 bytes") as err:
+        k[2](np.zeros(4, np.float32))
+    assert "(in program (1,) of grid (2,))" in "".join(getattr(err.value, "__notes__", []))
+    assert seen[0].memory.sbuf_peak == 200 * KIB

@@ -117,6 +117,8 @@ def _filled(shape: Sequence[int], dtype: Any, buffer: Any, name: str, value: Any
     if buf.on_chip:  # on the chip this is a memset instruction
         from .isa import common  # noqa: PLC0415  (isa imports language)
 
+        if t.storage.alloc is not None:  # the memset writes it: live from here (memory.py)
+            t.storage.alloc.touch()
         common.emit("memset", common.VECTOR, dst=t, attrs={"value": value, "via": op})
     return t
 

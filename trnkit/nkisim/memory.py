@@ -1,11 +1,18 @@
-"""On-chip memory accounting and the per-kernel-instance context.
+"""On-chip memory accounting by liveness, and the per-kernel-instance context.
 
 Each kernel instance (one ``@nki.jit`` call, or one program of a grid launch) gets a fresh
 :class:`KernelContext` holding an empty :class:`Memory`. ``nl.ndarray`` registers every SBUF/PSUM
-allocation there; the bytes come back when the last view of the allocation is garbage-collected
-(a ``weakref`` callback), so the accounting is over LIVE allocations, as a compiler's allocator would
-see them. The official simulator does not model capacity at all (NKI simulator guide, "not modelled:
-SBUF/PSUM capacity"); these checks are trnkit's own.
+allocation there as an :class:`Allocation`; every instruction that reads or writes the allocation
+(``NkiTensor.np()`` and the indirect-DMA accessors) stamps it with the current instruction number
+(:attr:`Memory.clock`, advanced by :func:`tick` at the end of each instruction). An allocation
+therefore occupies memory from its first access to its last, as the compiler's allocator sees it
+(data liveness), not for the lifetime of the Python object: nki-library keeps dead PSUM tiles
+referenced in lists and enclosing scopes (``core/moe/moe_cte/bwmm_shard_on_block.py``,
+``bwmm_shard_on_I.py``, ``core/attention/attention_cte.py``) and those kernels compile and pass on
+Trainium. :meth:`Memory.check` sweeps the intervals when the kernel instance returns and raises at the
+first instruction where the live bytes exceed capacity, naming every live allocation and the
+``file:line`` that allocated it. The official simulator does not model capacity at all (NKI simulator
+guide, "not modelled: SBUF/PSUM capacity"); these checks are trnkit's own.
 
 Capacities (trn2 = NeuronCore-v3), per partition:
 
@@ -15,14 +22,19 @@ Capacities (trn2 = NeuronCore-v3), per partition:
   ``224*1024 - 16384 - ...``; ``nki-facts.md`` section 3).
 * PSUM: 16 KiB = 8 banks x 2 KiB (512 fp32) per partition (trn2 arch guide; ``nl.tile_size.rst``
   ``psum_bank_fmax``). A PSUM tile must fit inside one bank (a matmul accumulation group lives in one
-  bank); tiles are placed first-fit into the banks, several small tiles may share a bank.
+  bank; checked when the tile is allocated). At every instruction the live PSUM tiles must pack into
+  the 8 banks, each tile inside one bank (first-fit decreasing, several small tiles may share a bank).
+
+Outside any kernel (the per-thread default context, e.g. ``nl.ndarray`` at the top level of a
+script) nothing is recorded: there is no end of kernel to check at, and a long-running process would
+accumulate records. Push a :class:`KernelContext` and call :meth:`Memory.check` to check such code.
 """
 
 from __future__ import annotations
 
-import gc
+import os
+import sys
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +42,8 @@ from .errors import fail
 
 __all__ = [
     "SBUF_PARTITION_BYTES", "SBUF_USABLE_BYTES", "PSUM_BANKS", "PSUM_BANK_BYTES",
-    "PSUM_PARTITION_BYTES", "NUM_PARTITIONS", "Memory", "KernelContext", "LaunchContext",
-    "current", "push_context", "pop_context",
+    "PSUM_PARTITION_BYTES", "NUM_PARTITIONS", "Allocation", "Memory", "KernelContext",
+    "LaunchContext", "current", "push_context", "pop_context", "tick",
 ]
 
 NUM_PARTITIONS = 128
@@ -41,75 +53,148 @@ PSUM_BANKS = 8
 PSUM_BANK_BYTES = 2048
 PSUM_PARTITION_BYTES = PSUM_BANKS * PSUM_BANK_BYTES
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class Allocation:
+    """One SBUF/PSUM allocation: its size and the instructions that first and last touched it."""
+
+    __slots__ = ("name", "buffer", "nbytes", "site", "memory", "first", "last")
+
+    def __init__(self, name: str, buffer: str, nbytes: int, site: str, memory: Memory) -> None:
+        self.name = name
+        self.buffer = buffer  # "sbuf" | "psum"
+        self.nbytes = nbytes  # per partition
+        self.site = site  # "file.py:line" of the nl.ndarray call in user code
+        self.memory = memory
+        self.first = -1  # instruction numbers (Memory.clock) of the first / last access; -1: none
+        self.last = -1
+
+    def touch(self) -> None:
+        """An instruction running now reads or writes this allocation."""
+        t = self.memory.clock
+        if self.first < 0:
+            self.first = t
+        self.last = t
+
+    def describe(self) -> str:
+        span = f"instructions {self.first}..{self.last}" if self.first >= 0 else "never accessed"
+        return f"{self.name!r} {self.nbytes} B allocated at {self.site}, {span}"
+
+
+def _user_site() -> str:
+    """``file:line`` of the innermost caller outside the interpreter package."""
+    f = sys._getframe(2)
+    while f is not None and os.path.dirname(os.path.abspath(f.f_code.co_filename)).startswith(_PACKAGE_DIR):
+        f = f.f_back
+    if f is None:
+        return "<interpreter>"
+    return f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def _pack_banks(sizes: list[int]) -> list[int]:
+    """Bytes used per bank after placing ``sizes`` first-fit decreasing, each inside one bank."""
+    banks: list[int] = []
+    for n in sorted(sizes, reverse=True):
+        for i, used in enumerate(banks):
+            if used + n <= PSUM_BANK_BYTES:
+                banks[i] = used + n
+                break
+        else:
+            banks.append(n)
+    return banks
+
 
 class Memory:
-    """Live SBUF bytes and PSUM bank occupancy (bytes per partition) of one kernel instance."""
+    """SBUF/PSUM allocations of one kernel instance, checked by liveness (see the module doc)."""
 
-    def __init__(self, sbuf_capacity: int = SBUF_USABLE_BYTES) -> None:
+    def __init__(self, sbuf_capacity: int = SBUF_USABLE_BYTES, track: bool = True) -> None:
         self.sbuf_capacity = sbuf_capacity
-        self.sbuf_used = 0
-        self.sbuf_peak = 0
-        self.psum_bank_used = [0] * PSUM_BANKS
-        self._live: dict[weakref.ref, tuple[int, int]] = {}  # live allocation -> (bank or -1, bytes)
-        self._lock = threading.RLock()
+        self.track = track
+        self.clock = 0  # number of the instruction running now
+        self.allocations: list[Allocation] = []
+        self.ops: list[str] = []  # ops[t]: name of instruction t (for the overflow message)
+        self.sbuf_peak = 0  # set by check(): most SBUF bytes per partition live at once
+        self.psum_peak_banks = 0  # set by check(): most PSUM banks needed at once
+        self._lock = threading.Lock()
 
-    @property
-    def psum_used(self) -> int:
-        return sum(self.psum_bank_used)
-
-    def allocate(self, owner: object, buffer: str, nbytes: int, name: str) -> None:
-        """Account ``nbytes`` per partition for ``owner``; freed automatically when ``owner`` dies.
-
-        On overflow, unreachable tensors still waiting for the cycle collector are collected and
-        the allocation is retried once before the error (only live tensors count).
-        """
+    def allocate(self, buffer: str, nbytes: int, name: str) -> Allocation | None:
+        """Register an SBUF/PSUM allocation of ``nbytes`` per partition (None when not tracking)."""
         if buffer == "psum" and nbytes > PSUM_BANK_BYTES:
             fail("nl.ndarray", "PSUM tile {name!r} needs {requested} bytes per partition, more "
                  "than one PSUM bank ({bank} bytes = 512 fp32)",
                  name=name, requested=nbytes, bank=PSUM_BANK_BYTES)
-        if buffer not in ("sbuf", "psum") or self._try(owner, buffer, nbytes):
-            return
-        gc.collect()
-        if self._try(owner, buffer, nbytes):
-            return
-        if buffer == "sbuf":
-            fail("nl.ndarray", "SBUF overflow allocating {name!r}: requested {requested} bytes "
-                 "per partition, {used} in use, capacity {capacity}",
-                 name=name, requested=nbytes, used=self.sbuf_used, capacity=self.sbuf_capacity)
-        fail("nl.ndarray", "PSUM overflow allocating {name!r}: requested {requested} bytes per "
-             "partition, {used} in use over {banks} banks, capacity {capacity} "
-             "(bank use {bank_use})", name=name, requested=nbytes, used=self.psum_used,
-             banks=PSUM_BANKS, capacity=PSUM_PARTITION_BYTES, bank_use=list(self.psum_bank_used))
-
-    def _try(self, owner: object, buffer: str, nbytes: int) -> bool:
+        if buffer not in ("sbuf", "psum"):
+            return None
+        if buffer == "sbuf" and nbytes > self.sbuf_capacity:  # can never fit: say so at once
+            fail("nl.ndarray", "SBUF tile {name!r} needs {requested} bytes per partition, more "
+                 "than the SBUF capacity ({capacity})", name=name, requested=nbytes,
+                 capacity=self.sbuf_capacity)
+        if not self.track:
+            return None
+        a = Allocation(name, buffer, nbytes, _user_site(), self)
         with self._lock:
-            if buffer == "sbuf":
-                if self.sbuf_used + nbytes > self.sbuf_capacity:
-                    return False
-                self.sbuf_used += nbytes
-                if self.sbuf_used > self.sbuf_peak:
-                    self.sbuf_peak = self.sbuf_used
-                self._live[weakref.ref(owner, self._release)] = (-1, nbytes)
-                return True
-            for bank, used in enumerate(self.psum_bank_used):  # first fit, a tile stays in one bank
-                if used + nbytes <= PSUM_BANK_BYTES:
-                    self.psum_bank_used[bank] = used + nbytes
-                    self._live[weakref.ref(owner, self._release)] = (bank, nbytes)
-                    return True
-            return False
+            self.allocations.append(a)
+        return a
 
-    def _release(self, ref: weakref.ref) -> None:
-        """Weakref callback: the allocation ``ref`` pointed to died; give its bytes back.
+    def tick(self, op: str) -> None:
+        """Instruction ``op`` (number :attr:`clock`) is done; the next one starts."""
+        if self.track:
+            self.ops.append(op)
+            self.clock += 1
 
-        (A plain ``weakref.ref`` kept in ``_live`` costs a third of a ``weakref.finalize``; the lock
-        is re-entrant because a garbage collection inside ``_try`` may free a tile of this memory.)
+    def _op_at(self, t: int) -> str:
+        return self.ops[t] if t < len(self.ops) else "the kernel's return"
+
+    def check(self) -> None:
+        """Raise at the first instruction where the live SBUF bytes or PSUM banks exceed capacity.
+
+        Also sets :attr:`sbuf_peak` and :attr:`psum_peak_banks`. Never-accessed allocations take
+        no space (the compiler drops them).
         """
-        with self._lock:
-            bank, nbytes = self._live.pop(ref)
-            if bank < 0:
-                self.sbuf_used -= nbytes
-            else:
-                self.psum_bank_used[bank] -= nbytes
+        events = []  # (time, 0 = dies / 1 = becomes live, index, allocation); deaths first
+        for i, a in enumerate(self.allocations):
+            if a.first >= 0:
+                events.append((a.first, 1, i, a))
+                events.append((a.last + 1, 0, i, a))
+        events.sort()
+        sbuf_live: dict[int, Allocation] = {}
+        psum_live: dict[int, Allocation] = {}
+        sbuf_bytes = 0
+        self.sbuf_peak = self.psum_peak_banks = 0
+        for t, born, i, a in events:
+            live = sbuf_live if a.buffer == "sbuf" else psum_live
+            if not born:
+                del live[i]
+                if a.buffer == "sbuf":
+                    sbuf_bytes -= a.nbytes
+                continue
+            live[i] = a
+            if a.buffer == "sbuf":
+                sbuf_bytes += a.nbytes
+                self.sbuf_peak = max(self.sbuf_peak, sbuf_bytes)
+                if sbuf_bytes > self.sbuf_capacity:
+                    fail("SBUF overflow", "{used} bytes per partition live at instruction {t} "
+                         "({op}), capacity {capacity}; becoming live: {new}; live allocations: "
+                         "{live}", used=sbuf_bytes, t=t, op=self._op_at(t),
+                         capacity=self.sbuf_capacity, new=a.describe(), live=_listing(sbuf_live))
+                continue
+            if len(psum_live) <= self.psum_peak_banks:  # each tile fits a bank: no more banks
+                continue
+            banks = _pack_banks([x.nbytes for x in psum_live.values()])
+            self.psum_peak_banks = max(self.psum_peak_banks, len(banks))
+            if len(banks) > PSUM_BANKS:
+                fail("PSUM overflow", "{n} live PSUM tiles ({used} bytes per partition) need "
+                     "{need} banks of {bank} bytes at instruction {t} ({op}), capacity {banks} "
+                     "banks; becoming live: {new}; live allocations: {live}", n=len(psum_live),
+                     used=sum(banks), need=len(banks), bank=PSUM_BANK_BYTES, t=t,
+                     op=self._op_at(t), banks=PSUM_BANKS, new=a.describe(),
+                     live=_listing(psum_live))
+
+
+def _listing(live: dict[int, Allocation]) -> str:
+    items = sorted(live.values(), key=lambda a: -a.nbytes)
+    return "; ".join(a.describe() for a in items)
 
 
 @dataclass
@@ -150,8 +235,8 @@ def current() -> KernelContext:
     if stack:
         return stack[-1]
     default = getattr(_tls, "default", None)
-    if default is None:
-        default = _tls.default = KernelContext()
+    if default is None:  # outside any kernel: no liveness records (see the module doc)
+        default = _tls.default = KernelContext(memory=Memory(track=False))
     return default
 
 
@@ -164,3 +249,8 @@ def push_context(ctx: KernelContext) -> None:
 
 def pop_context() -> None:
     _tls.stack.pop()
+
+
+def tick(op: str) -> None:
+    """The instruction ``op`` of the current kernel instance is done (called by every ISA op)."""
+    current().memory.tick(op)

@@ -97,7 +97,7 @@ class Storage:
     """The flat backing array of one allocation (or of one kernel argument)."""
 
     __slots__ = ("data", "buffer", "shape", "dtype", "name", "free_bytes", "mm", "_flats", "key",
-                 "__weakref__")
+                 "alloc", "__weakref__")
 
     def __init__(self, data: np.ndarray, shape: tuple[int, ...], buffer: MemoryRegion, name: str) -> None:
         self.data = data  # 1-D, C-contiguous
@@ -111,6 +111,7 @@ class Storage:
         self._flats: dict[np.dtype, np.ndarray] = {data.dtype: data}
         # unique for the process (id() is reused after a free): the trace's dependency key
         self.key = next(_STORAGE_KEYS)
+        self.alloc: _memory.Allocation | None = None  # SBUF/PSUM liveness record (memory.py)
 
     def flat(self, dtype: np.dtype) -> np.ndarray:
         """The storage reinterpreted as a flat array of ``dtype``."""
@@ -305,7 +306,12 @@ class NkiTensor:
 
     # -- numpy access --------------------------------------------------------------------------
     def np(self) -> np.ndarray:
-        """A numpy array of shape ``self.shape`` / dtype ``self.dtype`` aliasing the storage."""
+        """A numpy array of shape ``self.shape`` / dtype ``self.dtype`` aliasing the storage.
+
+        Every call is an access by the running instruction (on-chip liveness, ``memory.py``)."""
+        rec = self._st.alloc
+        if rec is not None:
+            rec.touch()
         a = self._np
         if a is not None:
             return a
@@ -796,6 +802,12 @@ class NkiTensor:
                  "{name!r} (oob_mode=error)", index=int(rows[bad]), p=bad, bound=n_rows, name=self.name)
         return rows, valid
 
+    def _flat_access(self) -> np.ndarray:
+        """The whole storage as a flat array of this view's dtype, recorded as an access."""
+        if self._st.alloc is not None:
+            self._st.alloc.touch()
+        return self._st.flat(self.dtype)
+
     def indirect_rows(self, op: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """For a vector_offset view: ``(table, local rows [P], valid [P])`` with ``table[local[p]]``
         the ``shape[1:]`` elements partition ``p`` addresses (a strided view of the storage, one
@@ -805,7 +817,7 @@ class NkiTensor:
         :meth:`indirect_plan`)."""
         if any(s < 0 for s in self.strides[1:]):
             return None
-        flat = self._st.flat(self.dtype)
+        flat = self._flat_access()
         rows, valid = self._indirect_rows_valid(op, skip_oob, flat.size)
         _, row = self._vec
         isz = self.dtype.itemsize
@@ -823,7 +835,7 @@ class NkiTensor:
         the base tensor's rows raise (``oob_mode.error``) or are marked invalid (``oob_mode.skip``).
         """
         _, row = self._vec
-        flat = self._st.flat(self.dtype)
+        flat = self._flat_access()
         rows, valid = self._indirect_rows_valid(op, skip_oob, flat.size)
         free = np.zeros((), dtype=np.int64)
         for n, s in zip(self.shape[1:], self.strides[1:]):
@@ -894,7 +906,7 @@ def allocate(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: 
         if shape[0] > _memory.NUM_PARTITIONS:
             fail(op, "tensor {name!r}: partition dim {p} exceeds pmax ({pmax})", name=name,
                  p=shape[0], pmax=_memory.NUM_PARTITIONS)
-        ctx.memory.allocate(st, buffer.name, st.free_bytes, name)
+        st.alloc = ctx.memory.allocate(buffer.name, st.free_bytes, name)
     return NkiTensor._make(st, shape, _c_strides(shape), 0, dtype, name)
 
 
