@@ -1,8 +1,10 @@
-"""``python -m trnkit env|demo``.
+"""``python -m trnkit env|demo|conformance``.
 
 * ``env``  — versions and install paths of trnkit's dependencies and the active NKI backend.
 * ``demo`` — runs a tiled matmul NKI kernel (or ``--kernel rope_hf``) on the active backend, checks it
   against torch and prints its estimated trn2 time per engine (cost model).
+* ``conformance`` — runs AWS nki-library's kernels on the interpreter against nki-library's own
+  references and tolerances (needs a checkout: ``NKILIB_SRC``), one row per case.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.add_argument("--k", type=int, default=512, help="contraction size (multiple of 128)")
     p_demo.add_argument("--chip", default="trn2", choices=("trn2", "trn1"))
     p_demo.set_defaults(fn=_cmd_demo)
+    p_conf = sub.add_parser("conformance", help="run nki-library's kernels on the interpreter "
+                            "against nki-library's references (needs NKILIB_SRC)")
+    from trnkit.conformance import cli as conformance_cli  # noqa: PLC0415
+
+    conformance_cli.add_arguments(p_conf)
+    p_conf.set_defaults(fn=conformance_cli.run)
     args = parser.parse_args(argv)
     return args.fn(args)
 

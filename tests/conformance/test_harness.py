@@ -1,0 +1,154 @@
+"""The conformance harness itself, on a tiny stand-in nki-library checkout (no nki-library needed)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from trnkit.conformance import harness
+from trnkit.conformance.harness import Case
+
+KERNELS = '''
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+
+def scale(x, out, factor):
+    """out = x * factor through SBUF, 128 rows per tile (an LNC-aware stand-in kernel)."""
+    n = x.shape[0] // nl.num_programs()
+    for r0 in range(nl.program_id(0) * n, (nl.program_id(0) + 1) * n, 128):
+        t = nl.ndarray((128, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[r0:r0 + 128, :])
+        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=factor)
+        nisa.dma_copy(dst=out[r0:r0 + 128, :], src=t)
+    return out
+
+
+def uses_missing_api(x, out, factor):
+    nisa.no_such_instruction(dst=out, src=x)
+    return out
+
+
+def too_many_partitions(x, out, factor):
+    nl.ndarray((256, 4), dtype=x.dtype, buffer=nl.sbuf)
+    return out
+
+
+def checks_factor(x, out, factor):
+    assert factor > 0, "factor must be positive"
+    return scale(x, out, factor)
+'''
+
+REFS = '''
+import torch
+
+
+def scale_ref(x, out, factor):
+    return {"out": x * factor}
+
+
+def off_by_one_ref(x, out, factor):
+    return {"out": x * factor + 1.0}
+'''
+
+
+@pytest.fixture
+def fake_checkout(tmp_path):
+    pkg = tmp_path / "src" / "nkilib_src"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "kernels.py").write_text(textwrap.dedent(KERNELS))
+    (pkg / "refs.py").write_text(textwrap.dedent(REFS))
+    return tmp_path
+
+
+def _case(entry="scale", reference="scale_ref", lnc=1, factor=3.0, **kw):
+    def make():
+        np.random.seed(0)
+        x = np.random.randn(256, 8).astype(np.float32)
+        return {"x": x, "out": np.zeros_like(x), "factor": factor}
+    return Case(kernel="fake", name=entry, shapes="x[256,8]", entry=f"nkilib_src.kernels:{entry}",
+                reference=f"nkilib_src.refs:{reference}", inputs=make, outputs=("out",), lnc=lnc,
+                rtol=1e-6, atol=1e-6, **kw)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_matching_kernel_passes_with_its_error_and_time(fake_checkout, lnc):
+    row = harness.run_case(_case(lnc=lnc), fake_checkout, "abc123")
+    assert row.result == harness.PASS, row.message
+    assert row.max_abs_err == 0.0 and row.seconds is not None and row.nkilib_commit == "abc123"
+    # allowed = atol + rtol * max|expected|
+    np.random.seed(0)
+    x = np.random.randn(256, 8).astype(np.float32)
+    assert row.allowed_err == pytest.approx(1e-6 + 1e-6 * float(np.abs(3.0 * x).max()))
+
+
+def test_wrong_result_is_a_mismatch_with_the_error(fake_checkout):
+    row = harness.run_case(_case(reference="off_by_one_ref"), fake_checkout)
+    assert row.result == harness.MISMATCH
+    assert row.max_abs_err == pytest.approx(1.0) and "out: max|err| 1 >" in row.message
+
+
+def test_missing_api_and_rejection_are_reported_as_such(fake_checkout):
+    missing = harness.run_case(_case(entry="uses_missing_api"), fake_checkout)
+    assert missing.result == harness.MISSING and "no_such_instruction" in missing.message
+    rejected = harness.run_case(_case(entry="too_many_partitions"), fake_checkout)
+    assert rejected.result == harness.REJECTED
+    assert "partition dim 256 exceeds pmax (128)" in rejected.message
+
+
+def test_negative_case_must_be_rejected(fake_checkout):
+    ok = harness.run_case(_case(entry="checks_factor", factor=-1.0, negative=True), fake_checkout)
+    assert ok.result == harness.PASS and "factor must be positive" in ok.message
+    ran = harness.run_case(_case(entry="checks_factor", factor=2.0, negative=True), fake_checkout)
+    assert ran.result == harness.ACCEPTED
+
+
+def test_nki_modules_are_restored_after_a_case(fake_checkout):
+    before = sys.modules.get("nki")
+    harness.run_case(_case(), fake_checkout)
+    assert sys.modules.get("nki") is before
+    assert "nkilib_src" not in sys.modules and str(fake_checkout / "src") not in sys.path
+
+
+def test_nkilib_root_accepts_the_checkout_or_its_src(fake_checkout, monkeypatch, tmp_path_factory):
+    assert harness.nkilib_root(fake_checkout) == fake_checkout
+    assert harness.nkilib_root(fake_checkout / "src") == fake_checkout
+    monkeypatch.setenv("NKILIB_SRC", str(fake_checkout))
+    assert harness.nkilib_root() == fake_checkout
+    monkeypatch.delenv("NKILIB_SRC")
+    assert harness.nkilib_root() is None
+    assert harness.nkilib_root(tmp_path_factory.mktemp("empty")) is None
+
+
+def test_compare_is_nkilibs_max_mode_rule():
+    e = np.array([1.0, -4.0, 2.0])
+    # allowed = atol + rtol * max|e| = 0.1 + 0.01 * 4 = 0.14, the same for every element
+    assert harness.compare(e + [0.139, 0, -0.139], e, 0.01, 0.1)[0]
+    ok, err, allowed = harness.compare(e + [0.0, 0.0, 0.15], e, 0.01, 0.1)
+    assert not ok and err == pytest.approx(0.15) and allowed == pytest.approx(0.14)
+    inf = np.array([np.inf, 1.0])
+    assert harness.compare(inf, inf, 0.0, 0.0)[0]  # equal infinities: no difference
+    assert not harness.compare(np.array([1e30, 1.0]), inf, 1.0, 0.0)[0]  # finite vs inf
+    assert not harness.compare(np.array([np.nan, 1.0]), np.array([0.0, 1.0]), 1.0, 1.0)[0]
+    assert not harness.compare(np.zeros(3), np.zeros(4), 1.0, 1.0)[0]  # shapes differ
+
+
+def test_cli_without_checkout_says_how_to_get_one(monkeypatch, capsys):
+    from trnkit.__main__ import main
+
+    monkeypatch.delenv("NKILIB_SRC", raising=False)
+    assert main(["conformance", "-k", "cumsum"]) == 2
+    assert "git clone https://github.com/aws-neuron/nki-library" in capsys.readouterr().err
+
+
+def test_cli_lists_cases_with_their_nkilib_test_files(capsys):
+    from trnkit.__main__ import main
+
+    assert main(["conformance", "--list", "-k", "rope_hf"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 20 and all("test/integration/nkilib/core/embeddings/test_rope_hf.py" in x for x in out)

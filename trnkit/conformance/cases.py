@@ -1,0 +1,321 @@
+"""The nki-library test cases the conformance run executes, written from nki-library's test files.
+
+Every case states the test it comes from (``test/integration/nkilib/...`` at the measured commit), runs
+at that test's own shape unless its ``note`` says otherwise, builds the inputs the way that test does
+(same seeds, distributions and dtypes) and uses that test's tolerances and logical-core count (LNC).
+Nothing here is copied from nki-library: kernels, references and config helpers are imported from
+the checkout at run time (``module:function`` paths inside its ``src/``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .harness import Case
+
+__all__ = ["all_cases"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+LIB = "nkilib_src.nkilib.core"
+TESTS = "test/integration/nkilib/core"
+
+
+def _lib(path: str) -> Any:
+    """``module:attr`` from the checkout (imported when a case runs, with ``nki`` = the interpreter)."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(f"{LIB}.{module}"), attr)
+
+
+def _randn(seed: int, *shapes: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:
+    """``np.random.seed(seed)`` then one ``randn`` per shape, in order (nki-library's generators)."""
+    np.random.seed(seed)
+    return [np.random.randn(*s).astype(dtype) for s in shapes]
+
+
+def _dt_name(dt: np.dtype) -> str:
+    return {BF16: "bf16", F16: "fp16", F32: "fp32"}[np.dtype(dt)]
+
+
+# -- core/embeddings/rope_hf (test_rope_hf.py) ---------------------------------------------------
+_ROPE_SHAPES = [  # batch, q heads, kv heads, seq, head dim, dtype, backward
+    (1, 32, 8, 256, 128, BF16, False), (1, 32, 8, 256, 128, F32, False),
+    (2, 16, 4, 512, 128, BF16, False), (4, 1, 1, 512, 128, BF16, False),
+    (1, 32, 8, 512, 64, F32, False), (1, 32, 8, 256, 128, F32, True),
+]
+
+
+def _rope_inputs(b: int, h: int, kv: int, s: int, d: int, dt: np.dtype, backward: bool,
+                 packed: bool) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        np.random.seed(42)
+        q = np.random.randn(b, h, s, d).astype(dt)
+        k = np.random.randn(b, kv, s, d).astype(dt)
+        out = {"q": q, "k": k, "q_out": np.zeros_like(q), "k_out": np.zeros_like(k),
+               "backward": backward}
+        if packed:
+            out["rope_cache"] = np.random.randn(s, 2 * d).astype(dt)
+        else:
+            out["cos"] = np.random.randn(b, s, d).astype(dt)
+            out["sin"] = np.random.randn(b, s, d).astype(dt)
+        return out
+    return make
+
+
+def _rope_cases() -> list[Case]:
+    cases = []
+    variants = [("cos/sin", False, 1), ("cos/sin", False, 2), ("packed cache", True, 2)]
+    for b, h, kv, s, d, dt, bwd in _ROPE_SHAPES + [(1, 32, 8, 64, 128, F32, False)]:
+        negative = s % 128 != 0  # the test's negative case: seq_len < 128 * LNC
+        for fmt, packed, lnc in variants:
+            if negative and packed:
+                continue
+            name = f"{'bwd' if bwd else 'fwd'} {fmt} {_dt_name(dt)}" + (" (must reject)" if negative else "")
+            cases.append(Case(
+                kernel="core/embeddings/rope_hf", name=name,
+                shapes=f"q[{b},{h},{s},{d}] k[{b},{kv},{s},{d}]",
+                entry=f"{LIB}.embeddings.rope_hf:rope_hf",
+                reference=f"{LIB}.embeddings.rope_hf_torch:rope_hf_torch_ref",
+                inputs=_rope_inputs(b, h, kv, s, d, dt, bwd, packed), outputs=("q_out", "k_out"),
+                lnc=lnc, rtol=1e-6, atol=1e-6, keep_low_precision=True, negative=negative,
+                test_file=f"{TESTS}/embeddings/test_rope_hf.py"))
+    return cases
+
+
+# -- core/cumsum (test_cumsum.py, test_cumsum_fast) ----------------------------------------------
+def _cumsum_cases() -> list[Case]:
+    cases = []
+    for batch, hidden, ndim, seq, dt in [(1, 256, 2, 1, F32), (64, 1024, 3, 4, BF16),
+                                         (128, 2048, 2, 1, F32)]:
+        shape = (batch, seq, hidden) if ndim == 3 else (batch, hidden)
+        cases.append(Case(
+            kernel="core/cumsum", name=f"{ndim}-D {_dt_name(dt)}", shapes=f"x[{','.join(map(str, shape))}]",
+            entry=f"{LIB}.cumsum:cumsum", reference=f"{LIB}.cumsum.cumsum_torch:cumsum_torch_ref",
+            inputs=lambda shape=shape, dt=dt: {"x": _randn(42, shape, dtype=dt)[0]},
+            outputs=("output_0",), lnc=2,  # CompilerArgs() on trn2: LNC 2
+            rtol=1e-2 if dt == BF16 else 1e-3, atol=1e-2 if hidden > 5000 else 1e-3,
+            test_file=f"{TESTS}/cumsum/test_cumsum.py"))
+    return cases
+
+
+# -- core/subkernels rmsnorm_tkg / layernorm_tkg -------------------------------------------------
+def _norm_inputs(b: int, s: int, h: int, extra: dict[str, Any], beta: bool) -> Callable[[], dict]:
+    def make() -> dict[str, Any]:
+        np.random.seed(42)
+        out = {"input": np.random.randn(b, s, h).astype(F16),
+               "gamma": np.random.randn(1, h).astype(F16),
+               "output": np.zeros((128, b * s, h // 128), dtype=F16)}
+        if beta:
+            out["beta"] = np.random.randn(1, h).astype(F16)
+        out.update(extra)
+        return out
+    return make
+
+
+def _rmsnorm_cases() -> list[Case]:
+    cases = []
+    for lnc, b, s, h, actual, tp, shard in [
+            (1, 1, 1, 8192, None, False, False), (1, 1, 4, 2048, 1920, False, False),
+            (2, 1, 1, 5120, None, False, False), (2, 4, 8, 8192, None, False, False),
+            (2, 128, 5, 3072, None, False, False), (2, 63, 32, 3072, None, False, False),
+            (2, 2, 8, 3072, 2880, False, False), (2, 2, 8, 3072, 2880, True, False),
+            (1, 1, 1, 4096, 3072, True, False), (2, 2, 8, 8192, None, False, True),
+            (2, 4, 1, 3072, None, False, True)]:
+        ref = "rmsnorm_tkg_torch_ref" if lnc == 2 and not tp else "rmsnorm_tkg_torch_ref_lnc1"
+        name = "rmsnorm" + (f" hidden_actual={actual}" if actual else "") + (" hidden_dim_tp" if tp else "") \
+            + (" shard_on_h" if shard else "")
+        cases.append(Case(
+            kernel="core/subkernels/rmsnorm_tkg", name=name, shapes=f"x[{b},{s},{h}] fp16",
+            entry=f"{LIB}.subkernels.rmsnorm_tkg:rmsnorm_tkg",
+            reference=f"{LIB}.subkernels.rmsnorm_torch:{ref}",
+            inputs=_norm_inputs(b, s, h, {"hidden_actual": actual, "hidden_dim_tp": tp,
+                                          "shard_on_h": shard}, beta=False),
+            outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5,
+            test_file=f"{TESTS}/subkernels/test_rmsnorm_tkg.py"))
+    return cases
+
+
+def _layernorm_cases() -> list[Case]:
+    cases = []
+    for lnc, b, s, h, shard in [(1, 1, 8, 8192, False), (2, 1, 1, 5120, False), (2, 4, 8, 8192, False),
+                                (2, 128, 1, 8192, True), (2, 128, 5, 3072, False),
+                                (2, 63, 32, 3072, False), (2, 2, 5, 16384, False),
+                                (2, 4, 1, 3072, True)]:
+        ref = "layernorm_tkg_torch_ref" if lnc == 2 or shard else "layernorm_tkg_torch_ref_lnc1"
+        cases.append(Case(
+            kernel="core/subkernels/layernorm_tkg", name="layernorm" + (" shard_on_h" if shard else ""),
+            shapes=f"x[{b},{s},{h}] fp16", entry=f"{LIB}.subkernels.layernorm_tkg:layernorm_tkg",
+            reference=f"{LIB}.subkernels.layernorm_torch:{ref}",
+            inputs=_norm_inputs(b, s, h, {"shard_on_h": shard}, beta=True),
+            outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5,
+            test_file=f"{TESTS}/subkernels/test_layernorm_tkg.py"))
+    return cases
+
+
+# -- core/max/cascaded_max (test_cascaded_max.py, test_cascaded_max_unit) -----------------------
+def _cascaded_max_cases() -> list[Case]:
+    cases = []
+    for lnc, b, s, v in [(1, 8, 5, 4058), (2, 8, 5, 4058), (2, 5, 5, 8192), (2, 1, 1, 3168),
+                         (2, 1, 1, 256), (2, 1, 1, 16000), (2, 65, 1, 3168), (2, 256, 1, 3168),
+                         (1, 1, 127, 3999), (2, 1, 127, 3999)]:
+        cases.append(Case(
+            kernel="core/max/cascaded_max", name="max fp32", shapes=f"x[{b},{s},{v}]",
+            entry=f"{LIB}.max.cascaded_max:cascaded_max",
+            reference=f"{LIB}.max.cascaded_max_torch:cascaded_max_torch_ref",
+            inputs=lambda b=b, s=s, v=v: {"input_tensor": _randn(42, (b, s, v), dtype=F32)[0]},
+            outputs=("max_values", "max_indices"), lnc=lnc, rtol=1e-5, atol=1e-5,
+            test_file=f"{TESTS}/max/test_cascaded_max.py"))
+    return cases
+
+
+# -- core/topk rotational_topk (test_topk.py) ----------------------------------------------------
+def _topk_inputs(lnc: int, b: int, s: int, v: int, k: int, dt: np.dtype, is_sorted: bool
+                 ) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        inp = _randn(42, (b * s, v), dtype=dt)[0]
+        topk_config = _lib("topk.rotational_topk:create_topk_config")(
+            inp_shape=(b, s, v), inp_dtype=dt, k=k, sorted=is_sorted, num_programs=lnc)
+        config = _lib("topk.rotational_topk:create_rotational_topk_config")(
+            inp_shape=(topk_config.BxS, topk_config.vocab_size), topk_config=topk_config)
+        config = _lib("topk.rotational_topk:prepare_rotational_constants")(config)
+        return {"inp": inp, "config": config}
+    return make
+
+
+def _topk_compare(inputs: dict, actual: dict, expected: dict) -> tuple[dict, dict]:
+    """test_topk.py's validators: the sorted values against the sorted reference values, and the
+    input values the returned indices point at (sorted) against them too (ties may pick other
+    indices)."""
+    ref_sorted = np.sort(expected["topk_values"].astype(np.float32), axis=-1)
+    idx = np.asarray(actual["topk_indices"]).astype(np.int64)
+    picked = np.take_along_axis(inputs["inp"].astype(np.float32), idx, axis=-1)
+    return ({"topk_values": np.sort(np.asarray(actual["topk_values"], np.float32), axis=-1),
+             "topk_indices": np.sort(picked, axis=-1)},
+            {"topk_values": ref_sorted, "topk_indices": ref_sorted})
+
+
+def _topk_cases() -> list[Case]:
+    cases = []
+    for lnc, b, s, v, k, dt, srt in [(2, 8, 5, 4058, 256, F32, True), (1, 4, 5, 8192, 256, F32, True),
+                                     (2, 1, 1, 3168, 256, F32, True), (2, 65, 1, 3168, 256, F32, True),
+                                     (2, 1, 1, 3168, 7, F32, True), (2, 1, 1, 3168, 1, F32, True),
+                                     (1, 1, 63, 3999, 20, F32, True), (2, 1, 1, 3168, 256, BF16, True),
+                                     (2, 1, 1, 8192, 2048, F32, True), (2, 8, 5, 4058, 256, F32, False)]:
+        cases.append(Case(
+            kernel="core/topk", name=f"rotational k={k} {_dt_name(dt)}" + ("" if srt else " unsorted"),
+            shapes=f"x[{b}x{s},{v}]", entry=f"{LIB}.topk.rotational_topk:rotational_topk",
+            reference=f"{LIB}.topk.torch_ref:topk_torch_ref",
+            inputs=_topk_inputs(lnc, b, s, v, k, dt, srt), outputs=("topk_values", "topk_indices"),
+            lnc=lnc, rtol=1e-5, atol=1e-8,  # the validators' maxAllClose defaults
+            postprocess=_topk_compare, cleanup=f"{LIB}.topk.rotational_topk:cleanup_rotational_constants",
+            test_file=f"{TESTS}/topk/test_topk.py"))
+    return cases
+
+
+# -- core/router_topk (test_router_topk.py) -------------------------------------------------------
+def _router_tensor(shape: tuple[int, ...]) -> np.ndarray:
+    """Uniform in [-0.1, 0.1) from a torch generator seeded 0, cast to bf16 (the test's generator)."""
+    import torch  # noqa: PLC0415
+
+    g = torch.Generator()
+    g.manual_seed(0)
+    return torch.empty(shape, dtype=torch.float32).uniform_(-0.1, 0.1, generator=g).numpy().astype(BF16)
+
+
+def _router_wrapper(router_topk: Callable[..., Any]) -> Callable[..., Any]:
+    """The test's SBUF I/O wrapper: x optionally loaded to SBUF first, outputs optionally in SBUF
+    (copied back to HBM afterwards); returns the three outputs."""
+    import nki.isa as nisa  # noqa: PLC0415  (the interpreter, inside nki_is_interpreter)
+    import nki.language as nl  # noqa: PLC0415
+
+    x_load = _lib("router_topk.router_topk:router_topk_input_x_load")
+
+    def wrapper(x, w, w_bias, router_logits, expert_affinities, expert_index, act_fn, k, x_hbm_layout,
+                x_sb_layout, output_in_sbuf=False, x_input_in_sbuf=False, **options):
+        x_in = x_load(x, hbm_layout=1, sb_layout=x_sb_layout) if x_input_in_sbuf else x
+        idx, aff = expert_index, expert_affinities
+        if output_in_sbuf:
+            t, e = expert_affinities.shape
+            idx = nl.ndarray((t, k), dtype=nl.uint32, buffer=nl.sbuf)
+            aff = nl.ndarray((t, e), dtype=nl.float32, buffer=nl.sbuf)
+        router_topk(x=x_in, w=w, w_bias=w_bias, router_logits=router_logits, expert_affinities=aff,
+                    expert_index=idx, act_fn=act_fn, k=k, x_hbm_layout=x_hbm_layout,
+                    x_sb_layout=x_sb_layout, **options)
+        if output_in_sbuf:
+            nisa.dma_copy(src=idx, dst=expert_index)
+            nisa.dma_copy(src=aff, dst=expert_affinities)
+        return [router_logits, expert_index, expert_affinities]
+    return wrapper
+
+
+def _router_inputs(t: int, h: int, e: int, k: int, act: str, bias: bool, options: dict[str, Any],
+                   x_in_sb: bool, x_hbm_layout: int, x_sb_layout: int) -> Callable[[], dict]:
+    def make() -> dict[str, Any]:
+        act_fn = getattr(_lib("utils.common_types:RouterActFnType"), act)
+        out_sb = options.get("output_in_sbuf", False)
+        x_shape = (t, h) if (x_in_sb or x_hbm_layout == 1) else (h, t)
+        return {"x": _router_tensor(x_shape), "w": _router_tensor((h, e)),
+                "w_bias": _router_tensor((1, e)) if bias else None,
+                "router_logits": np.zeros((t, e), dtype=BF16),
+                "expert_affinities": np.zeros((t, e), dtype=F32 if out_sb else BF16),
+                "expert_index": np.zeros((t, k), dtype=np.uint32), "act_fn": act_fn, "k": k,
+                "x_hbm_layout": x_hbm_layout, "x_sb_layout": x_sb_layout,
+                "x_input_in_sbuf": x_in_sb, **options}
+    return make
+
+
+def _router_ref_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in inputs.items() if k != "output_in_sbuf"}
+
+
+def _router_cases() -> list[Case]:
+    cases = []
+    #       T,    H,   E,  k, act,      bias, options
+    for t, h, e, k, act, bias, opts, x_in_sb, xsbl, xhbm in [
+            (4, 3072, 128, 4, "SOFTMAX", True, {}, False, 0, 0),
+            (128, 3072, 128, 4, "SOFTMAX", True, {}, False, 0, 0),
+            (4, 3072, 128, 4, "SOFTMAX", False, {}, False, 0, 0),
+            (4, 3072, 128, 4, "SOFTMAX", True, {"use_PE_broadcast_w_bias": True}, False, 0, 0),
+            (4, 3072, 256, 4, "SOFTMAX", True, {}, False, 0, 0),
+            (640, 3072, 128, 4, "SOFTMAX", True, {}, False, 0, 0),
+            (48, 3072, 128, 4, "SOFTMAX", True, {"shard_on_tokens": True}, False, 0, 0),
+            (320, 3072, 128, 4, "SOFTMAX", True, {"shard_on_tokens": True}, False, 0, 0),
+            (16, 3072, 128, 4, "SOFTMAX", True, {"use_column_tiling": True}, False, 0, 0),
+            (4, 3072, 128, 4, "SOFTMAX", True, {"use_indirect_dma_scatter": True}, False, 0, 0),
+            (640, 3072, 128, 4, "SOFTMAX", True, {"use_indirect_dma_scatter": True}, False, 0, 0),
+            (8, 8192, 128, 8, "SIGMOID", True, {"use_indirect_dma_scatter": True}, False, 0, 0),
+            (8, 8192, 128, 8, "SIGMOID", True, {"router_pre_norm": True, "norm_topk_prob": True,
+                                                 "use_indirect_dma_scatter": True}, False, 0, 0),
+            (32, 3072, 128, 4, "SOFTMAX", True, {"router_pre_norm": True}, False, 0, 0),
+            (32, 256, 128, 4, "SIGMOID", True, {"use_column_tiling": True,
+                                                "use_indirect_dma_scatter": True}, False, 0, 0),
+            (32, 512, 128, 4, "SOFTMAX", False, {"shard_on_tokens": True, "output_in_sbuf": True}, False, 0, 0),
+            (128, 512, 128, 4, "SOFTMAX", False, {"shard_on_tokens": True, "output_in_sbuf": True}, False, 0, 0),
+            (32, 3072, 128, 4, "SOFTMAX", True, {}, True, 1, 0),
+            (32, 3072, 128, 4, "SOFTMAX", True, {}, True, 2, 0),
+            (4, 3072, 128, 4, "SOFTMAX", True, {}, False, 0, 1),
+            (640, 3072, 128, 4, "SOFTMAX", True, {"use_indirect_dma_scatter": True}, False, 0, 1)]:
+        flags = [n for n, v in opts.items() if v] + ([f"x in SBUF layout {xsbl}"] if x_in_sb else []) \
+            + (["x [T,H]"] if xhbm else [])
+        name = f"{act.lower()}{' bias' if bias else ''} k={k}" + (f" {' '.join(flags)}" if flags else "")
+        cases.append(Case(
+            kernel="core/router_topk", name=name, shapes=f"x[{t},{h}] w[{h},{e}]",
+            entry=f"{LIB}.router_topk.router_topk:router_topk", wrap_kernel=_router_wrapper,
+            reference=f"{LIB}.router_topk.router_topk_torch:router_topk_torch_ref",
+            ref_inputs=_router_ref_inputs,
+            inputs=_router_inputs(t, h, e, k, act, bias, opts, x_in_sb, xhbm, xsbl),
+            outputs=("router_logits", "expert_index", "expert_affinities"), lnc=2,
+            rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/router_topk/test_router_topk.py"))
+    return cases
+
+
+def all_cases() -> list[Case]:
+    """Every conformance case, kernel by kernel."""
+    return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
+            + _topk_cases() + _cascaded_max_cases())

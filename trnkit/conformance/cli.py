@@ -1,0 +1,46 @@
+"""``python -m trnkit conformance``: run the nki-library conformance cases and print one row each."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import cases as _cases
+from . import harness
+
+REFERENCE_CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "conformance.csv"
+FETCH_HINT = ("set NKILIB_SRC (or --nkilib) to a checkout of AWS nki-library: "
+              "git clone https://github.com/aws-neuron/nki-library")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nkilib", help="nki-library checkout (default: $NKILIB_SRC)")
+    p.add_argument("-k", "--filter", action="append", default=[],
+                   help="only cases whose 'kernel case' text contains this (repeatable: any)")
+    p.add_argument("--csv", help="also write the table as CSV to this path")
+    p.add_argument("--save-reference", action="store_true",
+                   help=f"write the table to {REFERENCE_CSV.relative_to(REFERENCE_CSV.parents[2])} "
+                        "(the tracked figures quoted in docs/interpreter.md)")
+    p.add_argument("--list", action="store_true", help="list the cases without running them")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit status 0 when every selected case passes, 1 otherwise, 2 without a checkout."""
+    selected = [c for c in _cases.all_cases()
+                if not args.filter or any(f in f"{c.kernel} {c.name}" for f in args.filter)]
+    if args.list:
+        for c in selected:
+            print(f"{c.kernel:<30} {c.name:<40} lnc{c.lnc} {c.shapes}  ({c.test_file})")
+        return 0
+    root = harness.nkilib_root(args.nkilib)
+    if root is None:
+        print(f"conformance: no nki-library checkout found; {FETCH_HINT}", file=sys.stderr)
+        return 2
+    print(f"nki-library {harness.nkilib_commit(root)} at {root}; {len(selected)} cases", flush=True)
+    rows = harness.run_cases(selected, root, echo=lambda r: print(harness.format_row(r), flush=True))
+    print(harness.format_table(rows).splitlines()[-1])
+    for path in ([args.csv] if args.csv else []) + ([REFERENCE_CSV] if args.save_reference else []):
+        harness.write_csv(rows, path)
+        print(f"wrote {path}")
+    return 0 if all(r.result == harness.PASS for r in rows) else 1

@@ -1,0 +1,336 @@
+"""Run AWS nki-library kernels on trnkit's interpreter and compare with nki-library's torch references.
+
+A :class:`Case` names an nki-library kernel entry point and torch reference (dotted paths inside the
+checkout's ``src/``), a generator of the inputs nki-library's own test feeds it, the logical core
+count (LNC, run as a grid launch ``kernel[lnc]``) and nki-library's tolerances. :func:`run_case`
+resolves ``nki`` to the interpreter, imports the kernel, runs it, runs the reference on copies of the
+same inputs and compares every output the way nki-library's validator does (``maxAllClose`` in its
+default "max" mode): ``|actual - expected| <= atol + rtol * max|expected|`` element-wise, and
+infinite/NaN positions must match. Each case gives one :class:`Row`: PASS, MISMATCH, MISSING API
+(the interpreter lacks a name the kernel uses), REJECTED (the interpreter refused the kernel:
+``NkiValidationError``) or ERROR (anything else, with its type).
+
+The checkout is found through ``NKILIB_SRC`` (its root, or its ``src/``); nothing of nki-library is
+copied into trnkit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import importlib
+import io
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Case", "Row", "nkilib_root", "nkilib_commit", "compare", "run_case", "run_cases",
+           "format_table", "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED"]
+
+PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
+ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
+CSV_FIELDS = ("kernel", "case", "shapes", "lnc", "result", "max_abs_err", "allowed_err", "rtol",
+              "atol", "seconds", "message", "nkilib_commit")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One nki-library test case run on the interpreter.
+
+    ``inputs()`` returns the kernel's keyword arguments as nki-library's test builds them (output
+    buffers the kernel writes in place included); ``outputs`` names the reference's outputs in the
+    order the kernel returns them. ``ref_inputs`` maps those keyword arguments to the reference's (by
+    default the same dict). ``keep_low_precision``: the reference computes bf16 inputs in bf16 and its
+    outputs are cast back to the first low-precision input dtype (nki-library's
+    ``torch_ref_wrapper(preserve_lower_precision=True)``).
+    """
+
+    kernel: str  # nki-library kernel, e.g. "core/embeddings/rope_hf"
+    name: str  # the variant, e.g. "fwd cos/sin bf16"
+    shapes: str
+    entry: str  # "module:function" inside nki-library's src/ (or a callable's qualified path)
+    reference: str  # "module:function" of nki-library's torch reference
+    inputs: Callable[[], dict[str, Any]]
+    outputs: tuple[str, ...]
+    lnc: int = 1
+    rtol: float = 1e-5
+    atol: float = 1e-8
+    keep_low_precision: bool = False
+    test_file: str = ""  # nki-library test the shapes and tolerances come from
+    note: str = ""  # e.g. "the test's shape reduced: ..."
+    negative: bool = False  # nki-library expects the kernel to reject these inputs
+    wrap_kernel: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    ref_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # (inputs, actual, expected) -> (actual, expected) to compare, for tests with their own validator
+    postprocess: Callable[[dict, dict, dict], tuple[dict, dict]] | None = None
+    cleanup: str = ""  # "module:function" nki-library's test calls after the kernel
+
+
+@dataclass
+class Row:
+    """The result of one :class:`Case`."""
+
+    kernel: str
+    case: str
+    shapes: str
+    lnc: int
+    result: str
+    max_abs_err: float | None = None
+    allowed_err: float | None = None
+    rtol: float = 0.0
+    atol: float = 0.0
+    seconds: float | None = None
+    message: str = ""
+    nkilib_commit: str = ""
+    outputs: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (err, allowed)
+
+    def csv_row(self) -> dict[str, Any]:
+        fmt = lambda v: "" if v is None else f"{v:.3g}"  # noqa: E731
+        return {"kernel": self.kernel, "case": self.case, "shapes": self.shapes, "lnc": self.lnc,
+                "result": self.result, "max_abs_err": fmt(self.max_abs_err),
+                "allowed_err": fmt(self.allowed_err), "rtol": self.rtol, "atol": self.atol,
+                "seconds": "" if self.seconds is None else f"{self.seconds:.2f}",
+                "message": self.message, "nkilib_commit": self.nkilib_commit}
+
+
+# -- the checkout --------------------------------------------------------------------------------
+def nkilib_root(path: str | os.PathLike | None = None) -> Path | None:
+    """The nki-library checkout (``path`` or ``$NKILIB_SRC``; its root or its ``src/``), or None."""
+    raw = path if path is not None else os.environ.get("NKILIB_SRC")
+    if not raw:
+        return None
+    p = Path(raw).expanduser().resolve()
+    if (p / "nkilib_src").is_dir():
+        p = p.parent
+    return p if (p / "src" / "nkilib_src").is_dir() else None
+
+
+def nkilib_commit(root: Path) -> str:
+    """Short commit hash of the checkout ("unknown" when it is not a git work tree)."""
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+@contextlib.contextmanager
+def nki_is_interpreter(root: Path) -> Iterator[None]:
+    """``import nki`` (and nki-library's ``nkilib_src``) resolve to the interpreter / the checkout
+    inside the block; the previous modules come back afterwards."""
+    from trnkit import nkisim  # noqa: PLC0415
+
+    owned = ("nki", "neuronxcc", "nkilib_src")
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in owned}
+    src = str(root / "src")
+    sys.path.insert(0, src)
+    try:
+        install = getattr(nkisim, "install_as_nki", None)
+        if install is not None:
+            install()
+        else:  # before trnkit.nkisim.install_as_nki existed: the three modules kernels import
+            sys.modules.update({"nki": nkisim, "nki.language": nkisim.language,
+                                "nki.isa": nkisim.isa})
+        yield
+    finally:
+        sys.path.remove(src)
+        for k in [k for k in sys.modules if k.split(".")[0] in owned]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+def _resolve(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# -- comparison ----------------------------------------------------------------------------------
+def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float
+            ) -> tuple[bool, float, float]:
+    """nki-library's acceptance rule ("max" mode): ``(ok, largest |a - e|, atol + rtol * max|e|)``.
+
+    ``max|e|`` is over the finite reference values; equal infinities count as no difference; a
+    position finite in one array and not in the other fails; shapes must match.
+    """
+    a = np.asarray(actual).astype(np.float64)
+    e = np.asarray(expected).astype(np.float64)
+    if a.shape != e.shape:
+        return False, float("inf"), 0.0
+    finite_e = np.abs(e[np.isfinite(e)])
+    allowed = atol + rtol * (float(finite_e.max()) if finite_e.size else 0.0)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(a - e)
+    diff = np.where(np.isinf(a) & np.isinf(e) & (np.sign(a) == np.sign(e)), 0.0, diff)
+    finite_match = bool((np.isfinite(a) == np.isfinite(e)).all())
+    worst = float(np.nanmax(diff)) if diff.size and not np.isnan(diff).all() else 0.0
+    ok = finite_match and bool(np.all(diff <= allowed))  # (NaN differences fail here)
+    if np.isnan(diff).any():
+        worst = float("nan")
+    return ok, worst, allowed
+
+
+# -- running -------------------------------------------------------------------------------------
+def _to_torch(value: Any, keep_low_precision: bool) -> Any:
+    """nki-library's reference-input convention: bf16/fp8 -> fp32 torch (bf16 kept as bf16 when
+    ``keep_low_precision``), fp16 -> fp32, uint32 -> int32."""
+    import torch  # noqa: PLC0415
+
+    if not isinstance(value, np.ndarray):
+        return value
+    name = str(value.dtype)
+    if value.dtype == np.uint32:
+        return torch.from_numpy(value.astype(np.int32))
+    if "bfloat16" in name or "float8" in name:
+        t = torch.from_numpy(value.astype(np.float32))
+        return t.to(torch.bfloat16) if keep_low_precision and "bfloat16" in name else t
+    t = torch.from_numpy(value.copy())
+    return t.float() if t.dtype == torch.float16 else t
+
+
+def _low_precision_dtype(inputs: dict[str, Any]) -> np.dtype | None:
+    for v in inputs.values():
+        if isinstance(v, np.ndarray) and any(s in str(v.dtype) for s in ("bfloat16", "float8", "float16")):
+            return v.dtype
+    return None
+
+
+def reference_outputs(case: Case, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The torch reference's outputs (numpy), on copies of ``inputs``."""
+    import torch  # noqa: PLC0415
+
+    ref_in = case.ref_inputs(inputs) if case.ref_inputs else inputs
+    kwargs = {k: _to_torch(v.copy() if isinstance(v, np.ndarray) else v, case.keep_low_precision)
+              for k, v in ref_in.items()}
+    result = _resolve(case.reference)(**kwargs)
+    if isinstance(result, torch.Tensor):
+        result = {"out": result}
+    elif isinstance(result, (list, tuple)):
+        result = dict(zip(case.outputs, result))
+    cast_to = _low_precision_dtype(ref_in) if case.keep_low_precision else None
+    out = {}
+    for k, v in result.items():
+        if isinstance(v, torch.Tensor):
+            v = v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
+            if cast_to is not None:
+                v = v.astype(cast_to)
+        out[k] = np.asarray(v)
+    return out
+
+
+def _classify(exc: BaseException) -> tuple[str, str]:
+    from trnkit.nkisim.errors import NkiValidationError  # noqa: PLC0415
+
+    msg = f"{exc}".splitlines()[0] if f"{exc}" else type(exc).__name__
+    if isinstance(exc, NkiValidationError):
+        return REJECTED, msg
+    if isinstance(exc, NotImplementedError):
+        return MISSING, msg
+    if isinstance(exc, (AttributeError, ImportError)) and any(
+            s in f"{exc} {getattr(exc, 'name', '')}" for s in ("nki", "neuronxcc")):
+        return MISSING, f"{type(exc).__name__}: {msg}"
+    return ERROR, f"{type(exc).__name__}: {msg}"
+
+
+def run_case(case: Case, root: Path, commit: str = "") -> Row:
+    """Run ``case`` on the interpreter and compare it with nki-library's reference."""
+    from trnkit import nkisim  # noqa: PLC0415
+
+    row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
+              nkilib_commit=commit)
+    with nki_is_interpreter(root):
+        try:
+            inputs = case.inputs()
+            kernel = _resolve(case.entry)
+            if case.wrap_kernel is not None:
+                kernel = case.wrap_kernel(kernel)
+            kernel_in = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
+            t0 = time.perf_counter()
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):  # nki-library's own [INFO] prints
+                    result = nkisim.simulate(kernel)[case.lnc](**kernel_in)
+            finally:
+                row.seconds = time.perf_counter() - t0
+                if case.cleanup:
+                    _resolve(case.cleanup)()
+        except Exception as exc:  # noqa: BLE001  (every failure becomes a row)
+            row.result, row.message = _classify(exc)
+            if case.negative and isinstance(exc, AssertionError):  # kernel_assert / a hardware rule
+                row.result, row.message = PASS, f"rejected as nki-library expects: {row.message}"
+            return row
+        if case.negative:
+            row.result, row.message = ACCEPTED, "ran, but nki-library's test expects a rejection"
+            return row
+        results = list(result) if isinstance(result, (list, tuple)) else [result]
+        try:
+            expected = reference_outputs(case, inputs)
+        except Exception as exc:  # noqa: BLE001
+            row.message = f"reference failed: {type(exc).__name__}: {exc}"
+            return row
+    if len(results) != len(case.outputs):
+        row.message = f"kernel returned {len(results)} outputs, the reference {len(case.outputs)}"
+        return row
+    actual = {n: np.asarray(r, dtype=expected[n].dtype) for n, r in zip(case.outputs, results)}
+    if case.postprocess is not None:
+        actual, expected = case.postprocess(inputs, actual, expected)
+    ok_all, worst_ratio = True, -1.0
+    for name in case.outputs:
+        ok, err, allowed = compare(actual[name], expected[name], case.rtol, case.atol)
+        row.outputs[name] = (err, allowed)
+        ok_all &= ok
+        ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
+        if not ratio <= worst_ratio:  # (NaN: worst)
+            worst_ratio, row.max_abs_err, row.allowed_err = ratio, err, allowed
+    row.result = PASS if ok_all else MISMATCH
+    if not ok_all:
+        row.message = "; ".join(f"{n}: max|err| {e:.3g} > {a:.3g}" for n, (e, a) in row.outputs.items()
+                                if not e <= a)
+    return row
+
+
+def run_cases(cases: Sequence[Case], root: Path, echo: Callable[[Row], None] | None = None) -> list[Row]:
+    """Run every case (in order), calling ``echo(row)`` as each finishes."""
+    commit = nkilib_commit(root)
+    rows = []
+    for case in cases:
+        row = run_case(case, root, commit)
+        rows.append(row)
+        if echo is not None:
+            echo(row)
+    return rows
+
+
+# -- reporting -----------------------------------------------------------------------------------
+def format_row(row: Row) -> str:
+    err = "" if row.max_abs_err is None else f"{row.max_abs_err:.2g} <= {row.allowed_err:.2g}"
+    if row.result == MISMATCH:
+        err = f"{row.max_abs_err:.2g} > {row.allowed_err:.2g}"
+    secs = "" if row.seconds is None else f"{row.seconds:6.1f}s"
+    line = f"{row.result:<11} {row.kernel:<28} {row.case:<34} lnc{row.lnc} {row.shapes:<34} {err:<20} {secs}"
+    return line + (f"  {row.message}" if row.message and row.result != MISMATCH else "")
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    counts = {r: sum(1 for x in rows if x.result == r) for r in (PASS, MISMATCH, MISSING, REJECTED, ERROR, ACCEPTED)}
+    summary = ", ".join(f"{n} {r}" for r, n in counts.items() if n)
+    return "\n".join([format_row(r) for r in rows] + [f"{len(rows)} cases: {summary}"])
+
+
+def write_csv(rows: Sequence[Row], path: str | os.PathLike) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow(r.csv_row())
