@@ -7,7 +7,8 @@ Reports, per input dtype (bf16 and fp32; both accumulate in fp32 like the hardwa
 * numpy's own fp32 matmul of the same shape (``A.T @ B``, what the interpreter's matmuls compute;
   numpy has no fast bf16 matmul), and the ratio interpreter / numpy. Target: within 20x.
 
-Saves ``benchmarks/data/interp_speed.json`` and ``.csv``. Run: ``python benchmarks/interp_speed.py``.
+Writes ``interp_speed.json`` and ``.csv`` to ``outputs/bench/`` (``--save-reference``: to the tracked
+``benchmarks/data/`` that docs/interpreter.md quotes). Run: ``python benchmarks/interp_speed.py``.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from pathlib import Path
 import torch
 
 import trnkit
+from trnkit.bench.paths import add_output_args, output_dir
 from trnkit.demo import matmul_tiled
 from trnkit.nkisim import trace
 
-DATA = Path(__file__).resolve().parent / "data"
+ROOT = Path(__file__).resolve().parent.parent
 TARGET_RATIO = 20.0
 
 
@@ -78,8 +80,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--size", type=int, default=2048)
     p.add_argument("--dtype", choices=("bfloat16", "float32", "both"), default="both")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--out", type=Path, default=DATA / "interp_speed")
+    add_output_args(p, "interp_speed.json and .csv")
     args = p.parse_args(argv)
+    out = output_dir(args, root=ROOT) / "interp_speed"
     dtypes = [torch.bfloat16, torch.float32] if args.dtype == "both" else [getattr(torch, args.dtype)]
     rows = []
     for dt in dtypes:
@@ -90,13 +93,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['instructions']} instructions, {r['instr_per_s']:.0f} instr/s; numpy fp32 matmul "
               f"{r['numpy_s']:.3f} s; ratio {r['ratio']:.1f}x (target <= {TARGET_RATIO:.0f}x: "
               f"{'met' if r['meets_target'] else 'MISSED'}); max |err| vs torch {r['max_abs_err']:.3g}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
-    with args.out.with_suffix(".csv").open("w", newline="") as f:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    with out.with_suffix(".csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"saved {args.out.with_suffix('.json')} and .csv")
+    print(f"saved {out.with_suffix('.json')} and .csv")
     return rows
 
 

@@ -10,7 +10,9 @@ thread and process CPU time, so that other jobs on a shared machine do not skew 
 ratio = transformers' fastest best-of step time / trnkit's best-of step time (> 1: trnkit faster).
 Targets (issue 2): dense >= 1.0x, MoE >= 1.5x.
 
-Saves `benchmarks/data/qwen3_step.json` and `.csv` (`qwen3_step_vocab<N>.*` with `--vocab N`). Run: `python benchmarks/qwen3_step.py [--batch 4 --seq 256]`.
+Writes `qwen3_step.json` and `.csv` (`qwen3_step_vocab<N>.*` with `--vocab N`) to `outputs/bench/`;
+`--save-reference` writes the tracked `benchmarks/data/` that docs/qwen3.md quotes, `--no-save` nothing.
+Run: `python benchmarks/qwen3_step.py [--batch 4 --seq 256]`.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from trnkit.bench.paths import add_output_args, output_dir  # noqa: E402
 from trnkit.qwen3 import Qwen3Model, model_registry  # noqa: E402
 from trnkit.qwen3.state_dict import to_hf  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data"
+ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"debug": 1.0, "debug-moe": 1.5}
 
 
@@ -112,7 +115,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: process CPU time (with --threads 1, insensitive to other load on a shared "
                          "machine); wall: perf_counter")
-    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--no-save", action="store_true", help="print only, write no files")
+    add_output_args(ap, "qwen3_step*.json and .csv")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,16 +138,17 @@ def main() -> None:
         print(f"  {r['flavor']:10s} ratio vs {r['best_transformers']}: {r['ratio']:.2f}x best-of, "
               f"{r['ratio_median']:.2f}x median (target >= {r['target']}x: {'met' if r['meets_target'] else 'NOT met'})")
     if not args.no_save:
-        DATA.mkdir(exist_ok=True)
+        out = output_dir(args, root=ROOT)
+        out.mkdir(parents=True, exist_ok=True)
         meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "threads": torch.get_num_threads(), "clock": args.clock, "argv": vars(args), "machine": platform.machine(), "processor": platform.processor()}
+                "threads": torch.get_num_threads(), "clock": args.clock, "argv": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "machine": platform.machine(), "processor": platform.processor()}
         stem = "qwen3_step" + (f"_vocab{args.vocab}" if args.vocab else "")
-        (DATA / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-        with open(DATA / f"{stem}.csv", "w", newline="") as f:
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        with open(out / f"{stem}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-        print(f"saved {DATA / stem}.json and .csv")
+        print(f"saved {out / stem}.json and .csv")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ A generated table sits between two markers, the first naming its generator:
     python scripts/docs_tables.py --check   # exit 1 and name the stale regions (tests/test_docs.py runs this)
 
 Edit the CSV (by re-running its benchmark with --save-reference), never the table.
+
+Figures quoted in running text are listed in QUOTES: the sentence as a template and the CSV cell that
+fills it; the check fails when the filled sentence is not in the page (the figure or the CSV changed).
 """
 
 from __future__ import annotations
@@ -19,9 +22,15 @@ import csv
 import re
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: use its trnkit
+
+from trnkit.bench.schema import latest_rows, read_rows  # noqa: E402
+from trnkit.bench.table import markdown_table  # noqa: E402
+
 DATA = ROOT / "benchmarks" / "data"
 REGION = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
@@ -78,7 +87,73 @@ def qwen3_step() -> str:
     return _table(header, rows)
 
 
-GENERATORS: dict[str, Callable[[], str]] = {"interp_speed": interp_speed, "qwen3_step": qwen3_step}
+# (kernel, mode, x_name, x_value) of the headline rows in docs/benchmarks.md (all bf16, the full sweeps)
+HEADLINE = (
+    ("rope_hf", "forward", "S", 2048), ("rope_hf", "backward", "S", 2048), ("rope_hf", "forward", "flavor", "235B-A22B"),
+    ("router_topk", "forward", "T", 2048), ("router_topk", "backward", "T", 2048),
+    ("router_topk", "forward", "flavor", "235B-A22B"), ("moe_experts", "forward", "T", 512),
+    ("moe_experts", "backward", "T", 512), ("grouped_mm", "forward", "M", 4096), ("grouped_mm", "backward", "M", 4096),
+    ("matmul_tiled", "forward", "M=N=K", 2048),
+)
+
+
+def bench_headline() -> str:
+    """python -m trnkit.bench --save-reference: one line per headline shape (trnkit.bench's own table)."""
+    rows = [r for r in latest_rows(read_rows(DATA / "bench.csv"))
+            if (r.kernel, r.mode, r.x_name, r.x_value) in HEADLINE and r.config.get("dtype") == "bfloat16"]
+    return markdown_table(rows) + "\n"
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
+}
+
+
+@dataclass(frozen=True)
+class Quote:
+    """A figure in running text: ``template`` with ``{}`` where ``fmt`` of the CSV cell goes."""
+
+    page: str  # README.md or docs/...
+    template: str
+    csv: str  # file in benchmarks/data
+    where: tuple[tuple[str, str], ...]  # column == value conditions picking one row (the last one matching)
+    column: str
+    fmt: str = "{:.1f}"
+
+    def value(self) -> str:
+        rows = [r for r in read_csv(self.csv) if all(r[k] == v for k, v in self.where)]
+        if not rows:
+            raise LookupError(f"{self.csv}: no row with {dict(self.where)}")
+        return self.fmt.format(float(rows[-1][self.column]))
+
+    def text(self) -> str:
+        return self.template.format(self.value())
+
+
+def _bench_row(kernel: str, mode: str, metric: str, x_name: str, x_value: str) -> tuple[tuple[str, str], ...]:
+    return (("kernel", kernel), ("impl", "nki"), ("mode", mode), ("metric", metric), ("x_name", x_name),
+            ("x_value", x_value))
+
+
+QUOTES = (
+    Quote("README.md", "runs at {}× numpy's own matmul time in bf16", "interp_speed.csv",
+          (("dtype", "bfloat16"),), "ratio"),
+    Quote("README.md", "in bf16 and {}× in fp32", "interp_speed.csv", (("dtype", "float32"),), "ratio"),
+    Quote("README.md", "M=4096: fwd {} µs", "bench.csv", _bench_row("grouped_mm", "forward", "est_time", "M", "4096"),
+          "p50", "{:,.1f}"),
+    Quote("README.md", "µs, {} of the roofline", "bench.csv",
+          _bench_row("grouped_mm", "forward", "fraction_of_roofline", "M", "4096"), "p50", "{:.1%}"),
+)
+
+
+def wrong_quotes() -> list[str]:
+    """Quoted figures that are not in their page as their CSV gives them."""
+    wrong = []
+    for q in QUOTES:
+        page = " ".join((ROOT / q.page).read_text().split())  # line breaks in the page are spaces
+        if q.text() not in page:
+            wrong.append(f"{q.page}: expected '{q.text()}' (from {q.csv} {dict(q.where)} {q.column})")
+    return wrong
 
 
 def doc_files() -> list[Path]:
@@ -110,10 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only report stale regions (exit 1 if any)")
     args = parser.parse_args(argv)
     if args.check:
-        stale = stale_regions()
+        stale, wrong = stale_regions(), wrong_quotes()
         for name in stale:
             print(f"stale generated table in {name}: run python scripts/docs_tables.py", file=sys.stderr)
-        return 1 if stale else 0
+        for line in wrong:
+            print(f"quoted figure disagrees with its CSV: {line}", file=sys.stderr)
+        return 1 if stale or wrong else 0
+    for line in wrong_quotes():
+        print(f"warning: quoted figure disagrees with its CSV (edit the text): {line}", file=sys.stderr)
     for path in doc_files():
         text = path.read_text()
         new = regenerate(text, str(path))

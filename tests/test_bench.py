@@ -193,3 +193,68 @@ def test_real_nki_path_reports_measured_device_rows(monkeypatch):
     dev = next(r for r in rows if r.device == "trainium")
     assert 0 < dev.p20 <= dev.p50 <= dev.p80 and "host perf_counter" in dev.details["timer"]
     assert "| matmul_tiled | forward | M=N=K=512 | dtype=bfloat16 | - | - | - | - |" in markdown_table(rows)
+
+
+# --- where outputs go: outputs/bench/ by default, the tracked benchmarks/data/ only with --save-reference ---
+def test_bench_cli_writes_to_outputs_bench_unless_save_reference(tmp_path, monkeypatch, capsys):
+    from trnkit.bench.__main__ import main
+
+    monkeypatch.chdir(tmp_path)  # the defaults are relative to the working directory (the repo root)
+    assert main(["--report-only"]) == 1
+    assert f"no results in {Path('outputs/bench/bench.csv')}" in capsys.readouterr().out
+    assert main(["--report-only", "--quick"]) == 1
+    assert f"no results in {Path('outputs/bench/quick/bench.csv')}" in capsys.readouterr().out
+    assert main(["--report-only", "--save-reference"]) == 1
+    assert f"no results in {Path('benchmarks/data/bench.csv')}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--quick", "--save-reference"])
+    assert "--save-reference with --quick" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--save-reference", "--out", "x"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def _copy_script(name: str, root: Path) -> Path:
+    """The benchmark script placed in a throw-away tree: its defaults are anchored at its own repo root."""
+    (root / "benchmarks").mkdir()
+    script = root / "benchmarks" / name
+    script.write_text((ROOT / "benchmarks" / name).read_text())
+    return script
+
+
+def _run_script(script: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, str(script), *args], cwd=script.parent.parent, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_interp_speed_leaves_reference_data_alone_by_default(tmp_path):
+    script = _copy_script("interp_speed.py", tmp_path)
+    r = _run_script(script, "--size", "512", "--dtype", "float32", "--repeat", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = list(csv.DictReader((tmp_path / "outputs" / "bench" / "interp_speed.csv").open()))
+    assert [row["M"] for row in rows] == ["512"] and float(rows[0]["interp_s"]) > 0
+    assert not (tmp_path / "benchmarks" / "data").exists()
+
+
+def test_qwen3_step_leaves_reference_data_alone_by_default(tmp_path):
+    script = _copy_script("qwen3_step.py", tmp_path)
+    tiny = ("--flavors", "debug", "--vocab", "256", "--batch", "1", "--seq", "8", "--repeat", "1", "--warmup", "0")
+    r = _run_script(script, *tiny)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = list(csv.DictReader((tmp_path / "outputs" / "bench" / "qwen3_step_vocab256.csv").open()))
+    assert {row["impl"] for row in rows} == {"trnkit", "transformers[default]"}
+    assert not (tmp_path / "benchmarks" / "data").exists()
+
+
+def test_output_dir_anchors_scripts_at_their_repo_root(tmp_path):
+    import argparse
+
+    from trnkit.bench.paths import add_output_args, output_dir
+
+    p = argparse.ArgumentParser()
+    add_output_args(p, "figures")
+    assert output_dir(p.parse_args([]), root=tmp_path) == tmp_path / "outputs" / "bench"
+    assert output_dir(p.parse_args(["--save-reference"]), root=tmp_path) == tmp_path / "benchmarks" / "data"
+    assert output_dir(p.parse_args(["--out", "x"]), root=tmp_path) == Path("x")
+    assert output_dir(p.parse_args([]), scratch_sub="quick") == Path("outputs/bench/quick")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 def _load_docs_tables():
     spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "docs_tables.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["docs_tables"] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
@@ -89,3 +91,20 @@ def test_stale_table_is_detected(monkeypatch):
 def test_every_generator_is_used():
     used = {m.group("name") for p in DOC_FILES for m in docs_tables.REGION.finditer(p.read_text())}
     assert used == set(docs_tables.GENERATORS)
+
+
+def test_quoted_figures_are_in_their_source_csv():
+    assert docs_tables.QUOTES, "README quotes figures from the benchmark CSVs"
+    assert docs_tables.wrong_quotes() == []
+
+
+def test_changed_csv_value_breaks_its_quote(monkeypatch):
+    quote = docs_tables.QUOTES[0]
+    read_csv = docs_tables.read_csv
+    rows = read_csv(quote.csv)
+    for row in rows:
+        if all(row[k] == v for k, v in quote.where):
+            row[quote.column] = str(float(row[quote.column]) * 1.5)
+    monkeypatch.setattr(docs_tables, "read_csv", lambda name: rows if name == quote.csv else read_csv(name))
+    wrong = docs_tables.wrong_quotes()
+    assert len(wrong) == 1 and wrong[0].startswith(f"{quote.page}: expected")

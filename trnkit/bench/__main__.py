@@ -1,10 +1,12 @@
-"""``python -m trnkit.bench [KERNEL ...] [--quick] [--mode forward backward] [--out DIR]``.
+"""``python -m trnkit.bench [KERNEL ...] [--quick] [--mode forward backward] [--save-reference | --out DIR]``.
 
 Runs the sweeps of :mod:`trnkit.bench.cases`, appends rows to ``DIR/bench.csv`` (the one schema of
 :mod:`trnkit.bench.schema`), writes ``DIR/bench.md`` (markdown table) and PNG plots under
 ``DIR/plots/`` — table and plots over every kernel in the CSV, so kernels can be run one at a time.
 Without kernel names it runs every kernel that is importable and skips (with the reason) those that
-are not. ``--report-only`` rebuilds the table and plots without running anything.
+are not. ``--report-only`` rebuilds the table and plots without running anything. DIR is
+``outputs/bench`` (``outputs/bench/quick`` with ``--quick``) unless ``--save-reference`` (the tracked
+``benchmarks/data``) or ``--out`` says otherwise (:mod:`trnkit.bench.paths`).
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from trnkit.bench import cases as cases_mod
 from trnkit.bench.harness import run_cases
+from trnkit.bench.paths import add_output_args, output_dir
 from trnkit.bench.plots import plot_rows
-from trnkit.bench.schema import read_rows, write_rows
+from trnkit.bench.schema import latest_rows, read_rows, write_rows
 from trnkit.bench.table import markdown_table
-
-DEFAULT_OUT = Path("benchmarks/data")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,9 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("kernels", nargs="*", help=f"kernels to run (default: all available of {', '.join(cases_mod.KERNELS)})")
     p.add_argument("--quick", action="store_true", help="CI-size shapes")
     p.add_argument("--mode", nargs="+", choices=cases_mod.MODES, default=list(cases_mod.MODES))
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"output directory (CSV, markdown, plots); default {DEFAULT_OUT}, "
-                        f"{DEFAULT_OUT / 'quick'} with --quick")
+    add_output_args(p, "the CSV, markdown table and plots")
     p.add_argument("--keep-going", action="store_true",
                    help="log a failing case and continue (exit status 1 at the end) instead of stopping")
     p.add_argument("--report-only", action="store_true",
@@ -45,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="torch intra-op threads while timing reference ops (0: torch's default)")
     p.add_argument("--overwrite", action="store_true", help="start a fresh CSV instead of appending")
     args = p.parse_args(argv)
+    if args.save_reference and args.quick:
+        p.error("--save-reference with --quick: the quick CI-size shapes are not reference figures")
 
     names = args.kernels or list(cases_mod.KERNELS)
     modes = tuple(args.mode)
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.report_only:
         selected = []
     t0 = time.perf_counter()
-    out = args.out or (DEFAULT_OUT / "quick" if args.quick else DEFAULT_OUT)
+    out = output_dir(args, scratch_sub="quick" if args.quick else "")
     csv_path = out / "bench.csv"
     if args.overwrite and not args.report_only:  # a fresh CSV
         csv_path.unlink(missing_ok=True)
@@ -79,10 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no results in {csv_path}")
         return 1
     # the table and plots cover the whole CSV: the newest row per (kernel, impl, mode, metric, x, config)
-    latest = {}
-    for r in read_rows(csv_path):
-        latest[(r.kernel, r.impl, r.mode, r.metric, r.x_name, r.x_value, r.config_key)] = r
-    every = list(latest.values())
+    every = latest_rows(read_rows(csv_path))
     (out / "bench.md").write_text(
         "Estimated = trnkit's trn2 cost model on the interpreter's instruction trace (not a measurement); "
         "measured = wall time on the named device.\n\n" + markdown_table(every) + "\n")

@@ -95,3 +95,11 @@ def read_rows(path: str | Path) -> list[Row]:
                              f"(got {reader.fieldnames}, expected {list(COLUMNS)})")
         return [Row(**{**d, "x_value": _parse_x(d["x_value"]), "p50": float(d["p50"]), "p20": float(d["p20"]),
                        "p80": float(d["p80"])}) for d in reader]
+
+
+def latest_rows(rows: Iterable[Row]) -> list[Row]:
+    """The newest row per (kernel, impl, mode, metric, x, config): later rows of an appended CSV win."""
+    latest = {}
+    for r in rows:
+        latest[(r.kernel, r.impl, r.mode, r.metric, r.x_name, r.x_value, r.config_key)] = r
+    return list(latest.values())
