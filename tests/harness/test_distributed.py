@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tolerances import assert_close
 
 from .helpers import losses_from_jsonl, run_cli, tiny_config, write_config
 
@@ -18,7 +17,9 @@ STEPS = 5
 
 def _run(tmp: Path, name: str, tok: str, corpus: Path, nproc: int, expect_log: str = "",
          **sections: dict) -> dict[int, float]:
-    base = {"training": {"steps": STEPS, "moe_aux_loss_coef": 0.0}}
+    # the MoE aux loss is on (debug-moe: coef 0.001, raised to 0.1 so a mismatch would show): global-batch
+    # balancing makes it independent of how the batch is split over ranks
+    base = {"training": {"steps": STEPS, "moe_aux_loss_coef": 0.1}}
     for k, v in sections.items():
         base.setdefault(k, {}).update(v)
     cfg = tiny_config(tmp / name, tok, corpus, **base)
@@ -131,7 +132,9 @@ def test_tp_sharded_experts_two_processes_match_one(tmp_path: Path, tiny_tokeniz
     ours, ref = (load_file(p / "model.safetensors") for p in (tmp_path / "tpi" / "hf_export", single_export))
     assert sorted(ours) == sorted(ref)
     for k in ref:
-        assert_close(ours[k], ref[k], torch.float32, msg=k)
+        # AdamW turns fp32 rounding differences in near-zero gradient elements into update differences of
+        # up to ~lr * 1e-3: measured max 2.0e-5 after 5 steps with the aux loss on (7e-6 with it off)
+        torch.testing.assert_close(ours[k], ref[k], rtol=1e-5, atol=5e-5, msg=k)
 
 
 @pytest.mark.slow

@@ -42,17 +42,23 @@ def test_resume_after_sigkill_reproduces_losses_exactly(tmp_path: Path, tiny_tok
     assert (f"nothing to train: checkpoint {ckpt24} is at step {STEPS} and training.steps = {STEPS}"
             in again.stdout), again.stdout
     assert "--training.steps N with N > 24" in again.stdout
-    assert f"to start fresh:   delete {tmp_path / 'ref'} or use another --job.dump_folder (--checkpoint.resume " \
-           f"false also trains from step 1" in again.stdout
+    assert ("to start fresh:   use another --job.dump_folder, or --checkpoint.resume false (trains from step 1; "
+            f"this run's files are first moved to {tmp_path / 'ref'}/previous-<time>/)") in again.stdout
     assert "step: " not in again.stdout
     assert losses_from_jsonl(tmp_path / "ref" / "metrics.jsonl") == ref_losses  # history kept as it was
 
     # --checkpoint.resume false in the same folder trains from step 1 (same seed: the same first losses,
-    # steps 1-2 being warmup, whose lr does not depend on training.steps)
+    # steps 1-2 being warmup, whose lr does not depend on training.steps); the old run's files are moved
+    # aside, never overwritten
     fresh = run_cli(["--config", str(ref_cfg), "--checkpoint.resume", "false", "--training.steps", "2"])
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert "resumed from" not in fresh.stdout
     assert losses_from_jsonl(tmp_path / "ref" / "metrics.jsonl") == {1: ref_losses[1], 2: ref_losses[2]}
+    (archive,) = (tmp_path / "ref").glob("previous-*")
+    assert f"the earlier run's files in {tmp_path / 'ref'} were moved to {archive}" in fresh.stdout
+    assert losses_from_jsonl(archive / "metrics.jsonl") == ref_losses
+    assert [s for s, _ in list_checkpoints(str(archive / "checkpoint"))] == [21, 24]
+    assert [s for s, _ in list_checkpoints(str(tmp_path / "ref" / "checkpoint"))] == [2]
 
     cfg = _cfg(tmp_path, "killed", tiny_tokenizer, corpus_dir)
     ckpt_dir = tmp_path / "killed" / "checkpoint"

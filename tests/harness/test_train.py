@@ -46,16 +46,29 @@ def test_tiny_moe_run_reduces_loss(tmp_path: Path, tiny_tokenizer: str, corpus_d
     assert all(r["aux_loss"] >= 0.001 * 0.999 for r in recs)
 
 
-def test_grad_accumulation_matches_bigger_batch(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path) -> None:
+@pytest.mark.parametrize("aux_scope", ["global_batch", "microbatch", "off"])
+def test_grad_accumulation_matches_bigger_batch(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                aux_scope: str) -> None:
     # Loss = token sum / global tokens: 2 microbatches of 1 == 1 batch of 2 (up to fp32 summation order).
-    # The aux loss is a per-microbatch statistic, so it is off here.
-    common = {"moe_aux_loss_coef": 0.0, "steps": 4}
+    # The MoE aux loss (debug-moe: coef 0.001, raised to 0.1 here so a mismatch would show) is the same
+    # with global-batch balancing (the default); per microbatch it is a different statistic.
+    training = {"steps": 4, "moe_aux_loss_scope": aux_scope if aux_scope != "off" else "global_batch",
+                "moe_aux_loss_coef": 0.0 if aux_scope == "off" else 0.1}
     a = run(tiny_config(tmp_path / "a", tiny_tokenizer, corpus_dir,
-                        training={**common, "local_batch_size": 2, "gradient_accumulation_steps": 1}))
+                        training={**training, "local_batch_size": 2, "gradient_accumulation_steps": 1}))
     b = run(tiny_config(tmp_path / "b", tiny_tokenizer, corpus_dir,
-                        training={**common, "local_batch_size": 1, "gradient_accumulation_steps": 2}))
+                        training={**training, "local_batch_size": 1, "gradient_accumulation_steps": 2}))
+    aux_a, aux_b = ([r["aux_loss"] for r in x.records] for x in (a, b))
+    if aux_scope == "microbatch":
+        assert aux_a[0] != pytest.approx(aux_b[0], rel=1e-6)  # the per-microbatch statistic differs ...
+        assert a.losses[4] != pytest.approx(b.losses[4], rel=1e-6, abs=1e-6)  # ... and so does the training
+        return
     for s in range(1, 5):
         assert a.losses[s] == pytest.approx(b.losses[s], rel=1e-5, abs=1e-5)
+        assert a.grad_norms[s] == pytest.approx(b.grad_norms[s], rel=1e-4, abs=1e-6)
+    assert aux_b == pytest.approx(aux_a, rel=1e-5)
+    if aux_scope == "global_batch":
+        assert all(0.1 * 0.999 < v < 0.1 * 4 for v in aux_a)  # E * sum f P: 1 when balanced, <= E
 
 
 def test_bf16_run(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path) -> None:
@@ -97,3 +110,34 @@ def test_compiled_blocks_match_eager(tmp_path: Path, tiny_tokenizer: str, corpus
                for b in comp.model.layers)
     for s in (1, 2, 3):
         assert comp.losses[s] == pytest.approx(eager.losses[s], rel=1e-5, abs=1e-5)
+
+
+def test_global_batch_aux_loss_is_transformers_loss_of_the_whole_batch() -> None:
+    # Independent reference: transformers' load_balancing_loss_func on the router logits of the whole
+    # batch. Split in two microbatches, the global-batch terms (step counts, own probabilities) sum to it.
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from trnkit.qwen3 import Qwen3Model, model_registry
+    from trnkit.qwen3.model import load_balancing_loss
+
+    torch.manual_seed(0)
+    model = Qwen3Model(model_registry("debug-moe", **{**TINY_MOE, "n_layers": 3, "router_aux_loss_coef": 1.0}).config)
+    model.init_weights()
+    model.train()
+    logits: list[torch.Tensor] = []
+    for layer in model.layers:
+        if layer.moe_enabled:
+            layer.moe.router.register_forward_hook(lambda m, i, out: logits.append(out[2]))
+    tokens = torch.randint(0, 384, (4, 16))
+    model(tokens)
+    ref = load_balancing_loss_func(tuple(logits), 4, 2)
+    torch.testing.assert_close(model.aux_loss, ref, rtol=1e-6, atol=0)  # one forward: transformers' loss
+    parts = []
+    for half in (tokens[:2], tokens[2:]):
+        model(half)
+        parts.append(model.router_stats())
+    counts, rows = sum(p[0] for p in parts), sum(p[2] for p in parts)
+    total = sum(load_balancing_loss(counts, p[1], rows, 4) for p in parts)
+    torch.testing.assert_close(total, ref, rtol=1e-6, atol=0)
+    per_microbatch = sum(load_balancing_loss(*p, 4) for p in parts) / 2
+    assert abs(float((per_microbatch - ref).detach())) > 1e-4  # the per-microbatch statistic is another number

@@ -1,18 +1,35 @@
 """Checkpoints: torch.distributed.checkpoint (DCP) of the full training state, written atomically.
 
-Layout: ``<dump_folder>/<checkpoint.folder>/step-<N>/`` (a DCP directory). A save goes to
-``step-<N>.tmp`` first and is renamed by rank 0 after every rank has finished writing, so a run killed
-mid-save never leaves a half-written ``step-<N>``; resuming picks the highest complete ``step-<N>``.
-State: model and optimizer (sharded, via ``torch.distributed.checkpoint.state_dict``), lr scheduler,
-data-loader position, step, and every rank's torch RNG state.
+Layout: ``<dump_folder>/<checkpoint.folder>/step-<N>/`` (a DCP directory plus ``trnkit.json``, the
+manifest). A save goes to ``step-<N>.tmp`` first; when every rank has finished writing, rank 0 writes
+the manifest and renames the folder, so a run killed mid-save never leaves a half-written
+``step-<N>``. State: model and optimizer (sharded, via ``torch.distributed.checkpoint.state_dict``;
+a tied weight is stored once), lr scheduler, data-loader position, step, every rank's torch RNG state.
+
+A checkpoint knows its run: the manifest holds the resolved model config and a fingerprint of the
+parameter names and shapes (:class:`RunIdentity`), plus the size (and, up to ``CHECKSUM_MAX_BYTES``,
+the CRC-32) of every file. Resuming picks the newest checkpoint that verifies (:func:`find_resumable`:
+manifest and DCP metadata readable, every file present with its recorded size and checksum), warns
+about and skips broken ones, and refuses a checkpoint of another model before anything is written.
+Pruning (``keep_latest_k``) runs only after the new checkpoint is complete and only ever deletes
+checkpoints with the same fingerprint.
+
+Save in two halves so an asynchronous writer can call them: ``state(step)`` + ``dcp.save`` (or
+``dcp.async_save``) into ``tmp_path(step)``, then ``commit(step, nbytes_hint, t0)`` on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import re
 import shutil
-from typing import Any
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -24,10 +41,74 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from trnkit.harness.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+MANIFEST = "trnkit.json"
+# Files are checksummed (CRC-32, ~1 GB/s) when the checkpoint is at most this big; above it only sizes
+# are recorded and verified (a multi-GB re-read at every save would stall the run).
+CHECKSUM_MAX_BYTES = 2 * 2**30
+# Model-config fields that may change between a run and its resume: they change neither the weights
+# nor the function the weights compute (loss coefficient, init, rope-cache length, HF bookkeeping).
+RESUMABLE_FIELDS = frozenset({
+    "router_aux_loss_coef", "init_std", "max_seq_len",  # native Qwen3Config
+    "output_router_logits", "initializer_range", "max_position_embeddings", "transformers_version",
+    "_name_or_path", "dtype", "torch_dtype", "architectures", "use_cache",  # transformers configs
+})
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, folder gone); the previous one is intact."""
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+# --------------------------------------------------------------------------- run identity
+@dataclass
+class RunIdentity:
+    """What a checkpoint records about the model that wrote it."""
+    model_spec: str
+    model_config: dict[str, Any]
+    params: dict[str, list[int]]        # parameter name -> global shape (tied weights once)
+
+    @property
+    def fingerprint(self) -> str:
+        blob = json.dumps(sorted(self.params.items()), separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @classmethod
+    def of(cls, model_spec: str, config: Any, model: nn.Module) -> "RunIdentity":
+        """From a resolved config (a dataclass or a transformers config) and the (meta) model."""
+        cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config.to_dict()
+        cfg = json.loads(json.dumps(cfg, default=str))  # plain JSON values (dtypes etc. as strings)
+        params = {name: list(p.shape) for name, p in model.named_parameters()}  # DTensor: global shape
+        return cls(model_spec, cfg, params)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_spec": self.model_spec, "model_config": self.model_config, "params": self.params,
+                "fingerprint": self.fingerprint}
+
+    def differences(self, saved: dict[str, Any]) -> list[str]:
+        """Human-readable differences from a manifest's identity ([] = the same model)."""
+        theirs = saved.get("model_config", {})
+        diffs = [f"{k}: checkpoint {theirs.get(k)!r}, this run {self.model_config.get(k)!r}"
+                 for k in sorted(set(theirs) | set(self.model_config))
+                 if k not in RESUMABLE_FIELDS and theirs.get(k) != self.model_config.get(k)]
+        if saved.get("fingerprint") != self.fingerprint:
+            p_theirs = saved.get("params", {})
+            shape_diffs = [f"{k}: checkpoint {p_theirs.get(k)}, this run {self.params.get(k)}"
+                           for k in sorted(set(p_theirs) | set(self.params)) if p_theirs.get(k) != self.params.get(k)]
+            if not diffs:  # the configs agree but the parameters differ: name the parameters
+                diffs = shape_diffs[:6] + ([f"... ({len(shape_diffs) - 6} more)"] if len(shape_diffs) > 6 else [])
+        return diffs
+
+
+# --------------------------------------------------------------------------- listing and verifying
 def list_checkpoints(folder: str) -> list[tuple[int, str]]:
-    """Complete checkpoints in `folder`, as (step, path), oldest first."""
+    """Complete (renamed) checkpoints in `folder`, as (step, path), oldest first."""
     if not os.path.isdir(folder):
         return []
     out = []
@@ -43,20 +124,196 @@ def latest_checkpoint(folder: str) -> tuple[int, str] | None:
     return ckpts[-1] if ckpts else None
 
 
+def read_manifest(path: str) -> dict[str, Any] | None:
+    """The checkpoint's manifest, or None for a checkpoint written before manifests existed."""
+    f = os.path.join(path, MANIFEST)
+    if not os.path.exists(f):
+        return None
+    with open(f) as fh:
+        return json.load(fh)
+
+
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _data_files(path: str) -> dict[str, int]:
+    return {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path)) if n != MANIFEST}
+
+
+def verify_checkpoint(path: str) -> str | None:
+    """None if the checkpoint at `path` looks loadable, else why not (naming the file).
+
+    Checks: the manifest parses; DCP's ``.metadata`` unpickles; every file DCP refers to exists and is
+    long enough for the byte ranges it records; every file in the manifest has its recorded size and
+    (when recorded) CRC-32.
+    """
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError) as e:
+        return f"{os.path.join(path, MANIFEST)} is unreadable ({type(e).__name__}: {e})"
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        ends: dict[str, int] = {}
+        for info in (metadata.storage_data or {}).values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # noqa: BLE001 - a corrupt pickle can raise almost anything
+        return f"{os.path.join(path, '.metadata')} is unreadable ({type(e).__name__}: {e})"
+    for name, end in sorted(ends.items()):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            return f"{f} is missing"
+        if os.path.getsize(f) < end:
+            return f"{f} is truncated ({os.path.getsize(f)} bytes, the metadata needs {end})"
+    for name, rec in sorted((manifest or {}).get("files", {}).items()):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            return f"{f} is missing"
+        if os.path.getsize(f) != rec["size"]:
+            return f"{f} has {os.path.getsize(f)} bytes, {rec['size']} were written"
+        if rec.get("crc32") and _crc32(f) != rec["crc32"]:
+            return f"{f} is corrupt (CRC-32 {_crc32(f)}, {rec['crc32']} was written)"
+    return None
+
+
+def mismatch_message(folder: str, path: str, diffs: list[str]) -> str:
+    return (f"checkpoint: {path} was written by another model, so this run cannot resume from it:\n  "
+            + "\n  ".join(diffs)
+            + f"\nNothing was written. To train this model, use another --job.dump_folder (or delete {folder}); "
+              "to resume the old run, use its model settings (see its config.toml).")
+
+
+def find_resumable(folder: str, identity: RunIdentity | None,
+                   warn: Callable[[str], None] = print) -> tuple[int, str] | None:
+    """The newest checkpoint in `folder` that verifies and belongs to this model, or None if there is none.
+
+    A broken checkpoint is reported through `warn` and skipped for the next older one; a checkpoint of
+    another model raises :class:`ConfigError` naming the differing fields; if checkpoints exist but
+    none verifies, :class:`ConfigError` lists them all.
+    """
+    problems = []
+    for step, path in reversed(list_checkpoints(folder)):
+        why = verify_checkpoint(path)
+        if why is not None:
+            warn(f"WARNING: checkpoint {path} is not usable: {why}; trying the next older checkpoint")
+            problems.append(f"step-{step}: {why}")
+            continue
+        manifest = read_manifest(path)
+        if identity is not None and manifest is not None:
+            diffs = identity.differences(manifest.get("identity", {}))
+            if diffs:
+                raise ConfigError(mismatch_message(folder, path, diffs))
+        return step, path
+    if problems:
+        raise ConfigError(f"checkpoint: no usable checkpoint in {folder}:\n  " + "\n  ".join(problems)
+                          + f"\nMove the broken folders away (or use another --job.dump_folder) and rerun.")
+    return None
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's value of `obj` on every rank (exceptions travel too, so every rank raises the same)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def on_rank0(fn: Callable[[], Any]) -> Any:
+    """Run `fn` on rank 0 only and give its result (or its exception) to every rank."""
+    out: Any = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            out = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+            out = ("err", e)
+    kind, val = _broadcast(out)
+    if kind == "err":
+        raise val
+    return val
+
+
+# --------------------------------------------------------------------------- the checkpointer
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """Same key <=> same memory (state dicts hand out a fresh detached tensor per key, so `is` fails)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride(),
+            local.dtype)
+
+
+def _dedup_tied(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Drop keys whose tensor shares memory with an earlier key's (a tied weight): (state, {alias: kept})."""
+    seen: dict[tuple, str] = {}
+    out, aliases = {}, {}
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor) and v.numel():
+            key = _tensor_key(v)
+            if key in seen:
+                aliases[k] = seen[key]
+                continue
+            seen[key] = k
+        out[k] = v
+    return out, aliases
+
+
 class Checkpointer:
     def __init__(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                 loader: Any, rank: int, world_size: int, keep_latest_k: int = 2, expert_tp_layout: int = 1) -> None:
+                 loader: Any, rank: int, world_size: int, keep_latest_k: int = 2, expert_tp_layout: int = 1,
+                 identity: RunIdentity | None = None, log: Callable[[str], None] | None = None) -> None:
         self.folder, self.model, self.optimizer, self.scheduler, self.loader = folder, model, optimizer, scheduler, loader
         self.rank, self.world_size, self.keep_latest_k = rank, world_size, keep_latest_k
         self.expert_tp_layout = expert_tp_layout  # experts' w_gate_up column layout (tp_experts.py)
+        self.identity = identity
+        self.log = log or (lambda msg: print(f"[trnkit] {msg}", flush=True) if rank == 0 else None)
+        self._aliases: dict[str, str] = {}
 
-    def _state(self, step: int) -> dict[str, Any]:
+    # ------------------------------------------------------------------ size and space
+    def expected_bytes(self) -> int:
+        """A checkpoint's size estimate: every parameter (once) plus AdamW's two moments, in fp32."""
+        n = sum(p.numel() if not hasattr(p, "full_tensor") else torch.Size(p.shape).numel()
+                for p in self.model.parameters())
+        return 3 * 4 * n
+
+    def check_space(self) -> None:
+        """Up front: the folder must be writable (else ConfigError); warn when the disk looks too small
+        for the checkpoints that coexist during a save (keep_latest_k + the one being written)."""
+        def check() -> str | None:
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+                probe = os.path.join(self.folder, f".write-test-{os.getpid()}")
+                with open(probe, "w") as f:
+                    f.write("ok")
+                os.remove(probe)
+            except OSError as e:
+                raise ConfigError(f"checkpoint.folder: cannot write checkpoints to {self.folder} "
+                                  f"({type(e).__name__}: {e.strerror or e}); point job.dump_folder / "
+                                  "checkpoint.folder at a writable folder") from None
+            need = self.expected_bytes()
+            coexist = self.keep_latest_k + 1 if self.keep_latest_k else 1
+            free = shutil.disk_usage(self.folder).free
+            if free < need * coexist:
+                return (f"WARNING: checkpoint folder {self.folder} has {human_bytes(free)} free; each checkpoint "
+                        f"needs ~{human_bytes(need)} and up to {coexist} coexist during a save: saves may fail")
+            return None
+
+        warning = on_rank0(check)
+        if warning:
+            self.log(warning)
+
+    # ------------------------------------------------------------------ save
+    def state(self, step: int) -> dict[str, Any]:
+        """The DCP state dict of this rank (tied weights once; their aliases are kept in self._aliases)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, self._aliases = _dedup_tied(model_sd)
         return {
             "model": model_sd,
             "optimizer": optim_sd,
@@ -67,33 +324,97 @@ class Checkpointer:
             "rng": {f"rank{self.rank}": torch.get_rng_state()},
         }
 
+    def tmp_path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}.tmp")
+
     def save(self, step: int) -> str:
+        """Write step-N synchronously; raises CheckpointSaveError (every rank) if the write fails."""
+        t0 = time.perf_counter()
+        tmp = self.tmp_path(step)
         os.makedirs(self.folder, exist_ok=True)
-        final = os.path.join(self.folder, f"step-{step}")
-        tmp = final + ".tmp"
         if self.rank == 0 and os.path.exists(tmp):
             shutil.rmtree(tmp)
         _barrier()
-        dcp.save(self._state(step), checkpoint_id=tmp)
-        _barrier()
+        try:
+            dcp.save(self.state(step), checkpoint_id=tmp)
+        except Exception as e:  # noqa: BLE001 - DCP wraps I/O errors in many types; all mean "not saved"
+            self._save_failed(step, e)
+        return self.commit(step, t0)
+
+    def _save_failed(self, step: int, err: BaseException) -> None:
+        tmp = self.tmp_path(step)
         if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            free = human_bytes(shutil.disk_usage(self.folder).free)
+        except OSError:
+            free = "unknown"
+        prev = latest_checkpoint(self.folder)
+        kept = f"the previous checkpoint {prev[1]} is intact" if prev else "no earlier checkpoint exists"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointSaveError(
+            f"checkpoint: saving step-{step} to {self.folder} failed ({type(err).__name__}: {first[:300]}). "
+            f"A checkpoint needs ~{human_bytes(self.expected_bytes())}; the disk has {free} free. "
+            f"The partial step-{step}.tmp was removed and {kept}; the run stopped. Free some space (or point "
+            "job.dump_folder elsewhere) and rerun to resume.") from err
+
+    def commit(self, step: int, t0: float | None = None) -> str:
+        """Every rank, after the DCP write of `step` finished: manifest -> rename -> prune -> log line."""
+        _barrier()
+        final = os.path.join(self.folder, f"step-{step}")
+        if self.rank == 0:
+            tmp = self.tmp_path(step)
+            files = _data_files(tmp)
+            total = sum(files.values())
+            checksum = total <= CHECKSUM_MAX_BYTES
+            manifest = {
+                "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "identity": self.identity.to_dict() if self.identity else None,
+                "tied": self._aliases,
+                "files": {n: {"size": s, **({"crc32": _crc32(os.path.join(tmp, n))} if checksum else {})}
+                          for n, s in files.items()},
+            }
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
             self._prune()
+            secs = f", {time.perf_counter() - t0:.1f} s" if t0 is not None else ""
+            self.log(f"saved checkpoint step-{step} ({human_bytes(total)}{secs}) to {final}")
         _barrier()
         return final
 
     def _prune(self) -> None:
-        if self.keep_latest_k <= 0:
+        """Keep the newest keep_latest_k checkpoints of this model; never touch another model's."""
+        if self.keep_latest_k <= 0 or self.identity is None:
             return
-        for _, path in list_checkpoints(self.folder)[:-self.keep_latest_k]:
+        mine = []
+        for step, path in list_checkpoints(self.folder):
+            try:
+                manifest = read_manifest(path)
+            except (OSError, ValueError):
+                continue
+            if manifest and (manifest.get("identity") or {}).get("fingerprint") == self.identity.fingerprint:
+                mine.append(path)
+        for path in mine[:-self.keep_latest_k]:
             shutil.rmtree(path, ignore_errors=True)
 
+    # ------------------------------------------------------------------ load
     def load(self, path: str) -> int:
         """Restore everything from `path`; returns the step it was saved at."""
-        state = self._state(0)
-        dcp.load(state, checkpoint_id=path)
+        state = self.state(0)
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except Exception as e:  # noqa: BLE001
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"checkpoint {path}: cannot be loaded into this run's model ({type(e).__name__}: "
+                              f"{first[:400]}); resume with the model settings that wrote it, or use another "
+                              "--job.dump_folder") from e
+        for alias, kept in self._aliases.items():  # a tied weight was stored once
+            state["model"][alias] = state["model"][kept]
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         saved = int(state["train"].get("expert_tp_layout", 1))
@@ -119,5 +440,6 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-__all__ = ["Checkpointer", "full_model_state_dict", "latest_checkpoint", "list_checkpoints",
-           "load_full_model_state_dict"]
+__all__ = ["CHECKSUM_MAX_BYTES", "CheckpointSaveError", "Checkpointer", "MANIFEST", "RunIdentity",
+           "find_resumable", "full_model_state_dict", "human_bytes", "latest_checkpoint", "list_checkpoints",
+           "load_full_model_state_dict", "on_rank0", "read_manifest", "verify_checkpoint"]

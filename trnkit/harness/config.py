@@ -70,6 +70,11 @@ class TrainingConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     # MoE load-balancing aux loss coefficient; None keeps the model config's value (0 disables).
     moe_aux_loss_coef: float | None = None
+    # Scope of the aux loss's expert load fractions: "global_batch" = over all microbatches and data-parallel
+    # ranks of the step (Qwen's global-batch balancing; the loss then does not depend on how the step's
+    # batch is split; with gradient accumulation the router counts take one extra no-grad forward per
+    # microbatch), "microbatch" = per microbatch, as transformers computes it in one forward.
+    moe_aux_loss_scope: Literal["global_batch", "microbatch"] = "global_batch"
 
 
 @dataclass
@@ -225,6 +230,10 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
                 raise ConfigError(f"config {key}: expected a JSON object on the command line ({e})") from e
         if not isinstance(value, dict):
             raise ConfigError(f"config {key}: expected a table, got {type(value).__name__} {value!r}")
+        nulls = [k for k, v in value.items() if v is None]
+        if nulls:
+            raise ConfigError(f"config {key}.{nulls[0]}: null is not a value (TOML has none); leave the key out "
+                              f"to keep the model's default, got {value!r}")
         return dict(value)
     raise ConfigError(f"config {key}: unsupported field type {tp!r}")  # pragma: no cover
 
@@ -312,7 +321,9 @@ def load_config(path: str | os.PathLike | None = None, cli: list[str] | None = N
 USAGE = """usage: python -m trnkit.harness.train [--config FILE.toml] [--<section>.<field> VALUE ...]
        torchrun --nproc_per_node N -m trnkit.harness.train --config FILE.toml [...]
 
-Every field below can be set in the TOML file or on the command line (lists: a,b or JSON; tables: JSON)."""
+Every field below can be set in the TOML file or on the command line (lists: a,b or JSON; tables: JSON).
+A mistake (config, data, checkpoint, disk) prints one message and exits with status 2; --debug (or
+TRNKIT_DEBUG=1) also prints the traceback."""
 
 
 def parse_args(argv: list[str] | None = None) -> TrainerConfig:

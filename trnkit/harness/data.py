@@ -65,7 +65,10 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise ConfigError(f"data.tokenizer: no tokenizer.json at {path!r}")
         self.path = path
-        self._tok = HFTokenizer.from_file(path)
+        try:
+            self._tok = HFTokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
+            raise ConfigError(f"data.tokenizer: {path} is not a valid tokenizers tokenizer.json ({e})") from None
         self.vocab_size = self._tok.get_vocab_size()  # includes added tokens
         self.eos_id = next((i for i in (self._tok.token_to_id(t) for t in self.EOS_CANDIDATES) if i is not None),
                            None)
@@ -100,31 +103,59 @@ def _files(dataset: str) -> list[str]:
     return files
 
 
+def _decode(path: str, raw: bytes, line: int | None = None) -> str:
+    """UTF-8 text, or a ConfigError naming the file (and line) and the first bad byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"{path}:{line}" if line is not None else path
+        binary = b"\0" in raw[:8192]
+        what = "a binary file, not text" if binary else f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        raise ConfigError(f"data.dataset: {where} is {what}; data files must be UTF-8 "
+                          f"(convert it, e.g. iconv -f latin1 -t utf-8, or remove it from the dataset)") from None
+
+
+def _read_jsonl(path: str, text_field: str) -> Iterator[str]:
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = _decode(path, raw, n)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                why = f"{e.msg.removesuffix(' at')}, column {e.colno}"
+                raise ConfigError(f"data.dataset: {path}:{n} is not valid JSON ({why}); each line of a .jsonl "
+                                  "file must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"data.dataset: {path}:{n} is a JSON {type(row).__name__}, not an object "
+                                  f"with a {text_field!r} field")
+            if text_field not in row:
+                raise ConfigError(f"data.text_field: {path}:{n} has no field {text_field!r} "
+                                  f"(fields: {sorted(row)})")
+            yield str(row[text_field])
+
+
 def read_documents(dataset: str, text_field: str = "text", max_documents: int = 0) -> list[str]:
     """Documents in a deterministic order: one per .txt/.md file, one per jsonl line / parquet row."""
     docs: list[str] = []
     for path in _files(dataset):
         ext = os.path.splitext(path)[1].lower()
         if ext in (".txt", ".md"):
-            with open(path, encoding="utf-8") as f:
-                docs.append(f.read())
+            with open(path, "rb") as f:
+                docs.append(_decode(path, f.read()))
         elif ext == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    row = json.loads(line)
-                    if text_field not in row:
-                        raise ConfigError(f"data.text_field: {path}:{n} has no field {text_field!r} "
-                                          f"(fields: {sorted(row)})")
-                    docs.append(str(row[text_field]))
+            docs.extend(_read_jsonl(path, text_field))
         elif ext == ".parquet":
             try:
                 import pyarrow.parquet as pq
             except ImportError:
                 raise ConfigError(f"data.dataset: reading {path} needs pyarrow, which trnkit does not depend "
                                   "on (pip install pyarrow), or convert it to jsonl") from None
-            table = pq.read_table(path)
+            try:
+                table = pq.read_table(path)
+            except Exception as e:  # noqa: BLE001 - pyarrow raises its own error types for bad files
+                raise ConfigError(f"data.dataset: {path} is not a readable parquet file ({e})") from None
             if text_field not in table.column_names:
                 raise ConfigError(f"data.text_field: {path} has no column {text_field!r} "
                                   f"(columns: {table.column_names})")

@@ -78,6 +78,7 @@ class ModelHandle:
             return model(tokens)
         out = model(input_ids=tokens, use_cache=False)
         self._last_hf_aux = getattr(out, "aux_loss", None)
+        self._last_hf_router_logits = getattr(out, "router_logits", None)
         return out.logits
 
     def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
@@ -89,6 +90,28 @@ class ModelHandle:
         if aux is None or not getattr(self.config, "output_router_logits", False) or coef == 0:
             return None
         return coef * aux  # HF returns the unweighted Switch loss
+
+    @property
+    def aux_coef(self) -> float:
+        """The MoE load-balancing loss coefficient in effect (0: off)."""
+        if self.kind == "native":
+            return self.config.router_aux_loss_coef if self.is_moe else 0.0
+        on = self.is_moe and getattr(self.config, "output_router_logits", False)
+        return float(getattr(self.config, "router_aux_loss_coef", 0.0)) if on else 0.0
+
+    def router_stats(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """``(selections per expert [E], router probabilities summed per expert [E] (with grad), rows)``
+        over all MoE layers of the last training forward, or None (aux loss off). HF models: recomputed
+        from the returned router logits as transformers' ``load_balancing_loss_func`` does."""
+        if self.kind == "native":
+            return model.router_stats()
+        logits = getattr(self, "_last_hf_router_logits", None)
+        if not logits or not self.aux_coef:
+            return None
+        probs = torch.softmax(torch.cat([l.float() for l in logits], 0), dim=-1)
+        idx = torch.topk(probs, self.shape.top_k, dim=-1).indices
+        counts = torch.bincount(idx.reshape(-1), minlength=probs.shape[-1]).float()
+        return counts, probs.sum(0), probs.shape[0]
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         layers = model.layers if self.kind == "native" else model.model.layers
@@ -155,7 +178,11 @@ class ModelHandle:
                                       f"{self.name} (set them in model.config): " + "; ".join(diffs))
             return load_hf_checkpoint(path, self.config, dtype=torch.float32).state_dict()
         from transformers import AutoModelForCausalLM
-        src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        try:
+            src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"checkpoint.initial_load_path: transformers cannot load {path} "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         return {k: v.detach() for k, v in src.state_dict().items()}
 
     def save_hf(self, state_dict: dict[str, torch.Tensor], path: str, dtype: torch.dtype) -> None:
@@ -179,7 +206,14 @@ def _hf_config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, Mod
 
     if not os.path.exists(path):
         raise ConfigError(f"model.spec: hf: path {path!r} does not exist")
-    cfg = AutoConfig.from_pretrained(path)
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model.spec: hf:{path} has no config.json (an hf: model is a folder with a transformers "
+                          f"config.json and optionally *.safetensors; found {sorted(os.listdir(path))[:10]})")
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.spec: transformers cannot read the config of hf:{path} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     for k, v in overrides.items():
         if not hasattr(cfg, k):
             raise ConfigError(f"model.config: {type(cfg).__name__} has no field {k!r}")

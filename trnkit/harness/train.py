@@ -21,14 +21,22 @@ import torch
 import torch.nn.functional as F
 
 from trnkit.harness import parallel
-from trnkit.harness.checkpoint import (Checkpointer, full_model_state_dict, latest_checkpoint,
-                                       load_full_model_state_dict)
-from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig, parse_args, to_toml
+from trnkit.harness.aux_loss import MoEAuxLoss
+from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIdentity, find_resumable,
+                                       full_model_state_dict, load_full_model_state_dict, on_rank0)
+from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig, _suggest, parse_args, to_toml
 from trnkit.harness.data import IGNORE_INDEX, build_loader
 from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
 from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
+from trnkit.harness.rundir import archive_previous_run
 from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
 from trnkit.kernels.constraints import KernelConstraintError
+from trnkit.qwen3.state_dict import CheckpointError
+
+# Errors that are the user's to fix (config, data, checkpoints, disk): one paragraph, exit 2, no traceback
+# unless --debug or TRNKIT_DEBUG=1 asks for it.
+USER_ERRORS = (ConfigError, KernelConstraintError, CheckpointError, CheckpointSaveError)
+DEBUG_ENV = "TRNKIT_DEBUG"
 
 
 class TrainingDiverged(RuntimeError):
@@ -192,8 +200,8 @@ def _finished_message(ckpt_path: str, ckpt_step: int, steps: int, dump: str) -> 
     return (f"nothing to train: checkpoint {ckpt_path} is at step {ckpt_step} and training.steps = {steps} "
             f"(this job has already finished)\n"
             f"  to train longer:  --training.steps N with N > {ckpt_step}\n"
-            f"  to start fresh:   delete {dump} or use another --job.dump_folder (--checkpoint.resume false "
-            f"also trains from step 1, but writes its checkpoints beside the old ones)")
+            f"  to start fresh:   use another --job.dump_folder, or --checkpoint.resume false (trains from step 1; "
+            f"this run's files are first moved to {dump}/previous-<time>/)")
 
 
 def run(cfg: TrainerConfig) -> RunResult:
@@ -212,23 +220,40 @@ def run(cfg: TrainerConfig) -> RunResult:
         parallel.destroy(sync=finished)
 
 
+def run_identity(handle: ModelHandle) -> RunIdentity:
+    """This run's model as its checkpoints record it (config + parameter shapes, from a meta build)."""
+    with torch.device("meta"):
+        meta = handle.build()
+    return RunIdentity.of(handle.name, handle.config, meta)
+
+
 def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     log = _Log(env.rank)
     t = cfg.training
     dump = cfg.job.dump_folder
-    os.makedirs(dump, exist_ok=True)
-    if env.rank == 0:
-        with open(os.path.join(dump, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
-    log(f"job {cfg.job.name}: world {env.world_size} (dp_shard {env.dp} x tp {env.tp}) on {env.device.type}"
-        f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
 
+    # Everything that can refuse the run happens before the first file is written.
     override_config(cfg)  # fail fast on bad [overrides] names, before data and model are built
+    _check_compile_backend(cfg)
     handle = build_handle(cfg)
+    identity = run_identity(handle)
+    ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
+    resume_from = None
+    if cfg.checkpoint.enable and cfg.checkpoint.resume:
+        resume_from = on_rank0(lambda: find_resumable(ckpt_dir, identity, warn=log))
     loader, tok = build_loader(cfg.data, t.seq_len, t.local_batch_size, env.dp_rank, env.dp, cfg.job.seed)
     if tok.vocab_size > handle.vocab_size:
         raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {handle.name} has "
                           f"vocab_size {handle.vocab_size}")
+    if resume_from is None:
+        on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
+
+    if env.rank == 0:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
+    log(f"job {cfg.job.name}: world {env.world_size} (dp_shard {env.dp} x tp {env.tp}) on {env.device.type}"
+        f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
     log(f"data: {cfg.data.dataset} -> {len(loader.stream):,} tokens ({loader.num_samples:,} samples of "
         f"{t.seq_len}) with tokenizer {tok.path} (vocab {tok.vocab_size:,})")
 
@@ -254,17 +279,17 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
                                   weight_decay=o.weight_decay, foreach=False)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler, t.steps))
 
-    ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
     ckpt = Checkpointer(ckpt_dir, model, optimizer, scheduler, loader, env.rank, env.world_size,
-                        cfg.checkpoint.keep_latest_k, expert_tp_layout=_expert_tp(cfg, env))
+                        cfg.checkpoint.keep_latest_k, expert_tp_layout=_expert_tp(cfg, env), identity=identity,
+                        log=log)
+    if cfg.checkpoint.enable:
+        ckpt.check_space()
     start_step = 0
-    if cfg.checkpoint.enable and cfg.checkpoint.resume:
-        latest = latest_checkpoint(ckpt_dir)
-        if latest is not None:
-            start_step = ckpt.load(latest[1])
-            log(f"resumed from {latest[1]} (step {start_step})")
-            if start_step >= t.steps:
-                log(_finished_message(latest[1], start_step, t.steps, dump))
+    if resume_from is not None:
+        start_step = ckpt.load(resume_from[1])
+        log(f"resumed from {resume_from[1]} (step {start_step})")
+        if start_step >= t.steps:
+            log(_finished_message(resume_from[1], start_step, t.steps, dump))
 
     peak = peak_flops(env.device.type, parallel.device_name(env.device))
     metrics = MetricsLogger(dump, cfg.metrics, t.steps, start_step, env.rank, fpt, peak, env.device,
@@ -277,7 +302,8 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
 
     dp_group = env.dp_group
     accum = t.gradient_accumulation_steps
-    last_good = latest_checkpoint(ckpt_dir) if cfg.checkpoint.enable else None
+    aux_loss = MoEAuxLoss(handle, t.moe_aux_loss_scope, env.dp, dp_group)
+    last_good = resume_from
 
     try:
         for step in range(start_step + 1, t.steps + 1):
@@ -286,22 +312,26 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             local_tokens = sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches)
             global_tokens = parallel.all_reduce_sum(torch.tensor(float(local_tokens)), dp_group)
             ce_sum = torch.zeros((), dtype=torch.float64)
-            aux_sum = 0.0
-            for b in batches:
+
+            def forward(i: int) -> torch.Tensor:
                 with amp():
-                    logits = handle.logits(model, b.tokens.to(env.device))
+                    return handle.logits(model, batches[i].tokens.to(env.device))
+
+            aux_loss.start_step(model, accum, forward)
+            for i, b in enumerate(batches):
+                logits = forward(i)
                 ce = F.cross_entropy(logits.float().flatten(0, 1), b.labels.to(env.device).flatten(),
                                      ignore_index=IGNORE_INDEX, reduction="sum")
                 # FSDP averages grads over the dp ranks: scale by dp so they are those of the global loss
                 loss = ce * env.dp / global_tokens
-                aux = handle.aux_loss(model)
+                aux = aux_loss.term(model)
                 if aux is not None:
-                    loss = loss + aux / accum  # mean over microbatches (and, through FSDP, over ranks)
-                    aux_sum += float(aux.detach()) / accum
+                    loss = loss + aux
                 del logits
                 loss.backward()
                 ce_sum += ce.detach().double().cpu()
             grad_norm = float(parallel.clip_grad_norm(params, t.max_norm))
+            aux_value = aux_loss.value()
             global_loss = float(parallel.all_reduce_sum(ce_sum, dp_group) / global_tokens.double())
             if not (math.isfinite(global_loss) and math.isfinite(grad_norm)):
                 where = f"{last_good[1]} (step {last_good[0]})" if last_good else "none written"
@@ -317,7 +347,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             if step == start_step + 1 and start_step == 0:
                 log(step1_sanity(global_loss, handle.vocab_size, loaded))
             if step % cfg.metrics.log_freq == 0 or step == t.steps:
-                extra = {"lr": lr, "aux_loss": aux_sum, "n_tokens_seen": loader.position * t.seq_len}
+                extra = {"lr": lr, "aux_loss": aux_value, "n_tokens_seen": loader.position * t.seq_len}
                 result.records.append(metrics.log(step, global_loss, grad_norm, extra))
             if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
                 path = ckpt.save(step)
@@ -341,16 +371,32 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     return result
 
 
+def _check_compile_backend(cfg: TrainerConfig) -> None:
+    if not cfg.compile.enable:
+        return
+    import torch._dynamo
+
+    known = sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"})
+    if cfg.compile.backend not in known:
+        raise ConfigError(f"config compile.backend: unknown torch.compile backend {cfg.compile.backend!r}"
+                          f"{_suggest(cfg.compile.backend, known)}; available: {known}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The CLI. Exit codes: 0 done, 2 a mistake to fix (message on stderr), 3 training diverged."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     try:
         cfg = parse_args(argv)
         run(cfg)
-    except (ConfigError, KernelConstraintError) as e:  # the latter: a strict-policy kernel cannot serve the model
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+    except (*USER_ERRORS, TrainingDiverged) as e:  # KernelConstraintError: a strict kernel cannot serve
+        if debug:
+            import traceback
+            traceback.print_exc()
+        hint = "" if debug else f" (--debug or {DEBUG_ENV}=1 shows the traceback)"
+        print(f"error: {e}{hint}", file=sys.stderr)
+        return 3 if isinstance(e, TrainingDiverged) else 2
     return 0
 
 

@@ -73,7 +73,28 @@ def _router_ref(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
 
 
 def _router_nki(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True):
-    return _attr("router_topk", "router_topk")(x, w_router, top_k, norm_topk_prob)
+    weights, idx, logits = _attr("router_topk", "router_topk")(x, w_router, top_k, norm_topk_prob)
+    return _nonfinite_tokens_as_reference(x, w_router, top_k, norm_topk_prob, weights, idx, logits)
+
+
+def _nonfinite_tokens_as_reference(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool,
+                                   weights: Tensor, idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A token whose router logits are not all finite gets the reference's outcome.
+
+    The kernel's max8 / find_index8 selection has no defined answer for NaN logits (it returned expert
+    ids outside [0, E), which the experts then reject with a misleading range error). The reference's
+    stable sort gives valid ids (an all-NaN row: experts 0..K-1) with NaN weights, so the token's output
+    is NaN and the trainer stops with its non-finite-loss message. Finite tokens keep the kernel's
+    results; the check is one reduction over the [T, E] logits.
+    """
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    if not bool(bad.any()):
+        return weights, idx, logits
+    ref_w, ref_idx, _ = _router_ref(x[bad], w_router, top_k, norm_topk_prob)
+    weights, idx = weights.clone(), idx.clone()
+    weights[bad] = ref_w.to(weights.dtype)
+    idx[bad] = ref_idx.to(idx.dtype)
+    return weights, idx, logits
 
 
 @contextlib.contextmanager

@@ -120,6 +120,10 @@ def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = Non
                 owner[k] = fpath
                 sl = h.get_slice(k)
                 hf_shapes[k] = tuple(sl.get_shape())
+                if sl.get_dtype() not in _ST_DTYPES:  # every native parameter is floating point
+                    raise CheckpointError(f"Qwen3 checkpoint: {k} in {fpath} has dtype {sl.get_dtype()}; its "
+                                          f"parameter needs a floating-point tensor ({', '.join(_ST_DTYPES)}), "
+                                          "refusing to cast")
                 stored_dtypes.add(sl.get_dtype())
 
         with torch.device("meta"):

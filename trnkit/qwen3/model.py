@@ -224,10 +224,38 @@ class GroupedExperts(nn.Module):
         return out.view(T, K, -1).sum(dim=1)
 
 
-class MoE(nn.Module):
+class _DropsForwardState:
+    """Mixin: tensors kept from the last forward (autograd graph nodes) are not module state, so
+    ``copy.deepcopy`` and pickling work after a training forward (the copy has them as None)."""
+
+    _forward_state: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for name in self._forward_state:
+            state[name] = None
+        return state
+
+
+def load_balancing_loss(counts: torch.Tensor, prob_sum: torch.Tensor, rows: float | torch.Tensor,
+                        num_experts: int) -> torch.Tensor:
+    """HF's Switch load-balancing loss from router statistics: ``E * sum_e (counts_e / rows) * (prob_sum_e / rows)``.
+
+    ``counts``: top-k selections per expert (no gradient), ``prob_sum``: router probabilities summed per
+    expert, ``rows``: (token, MoE layer) rows. With all three from one forward this is transformers'
+    ``load_balancing_loss_func``. For global-batch balancing pass the counts and rows of the whole step
+    (all microbatches and data-parallel ranks) with this microbatch's ``prob_sum``: the step's loss is then
+    the sum of the microbatches' values.
+    """
+    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+class MoE(_DropsForwardState, nn.Module):
     """Router + grouped experts: forward(x [B,S,dim]) -> [B,S,dim]. In training with the aux loss on,
     keeps ``aux_stats = (tokens per expert [E], summed router probabilities [E], rows)`` for
-    :meth:`Qwen3Model._aux_loss`."""
+    :meth:`Qwen3Model.router_stats`."""
+
+    _forward_state = ("aux_stats",)
 
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
@@ -284,7 +312,7 @@ def trunc_normal_(t: torch.Tensor, std: float) -> torch.Tensor:
     return t
 
 
-class Qwen3Model(nn.Module):
+class Qwen3Model(_DropsForwardState, nn.Module):
     """Qwen3 causal LM: forward(tokens [B,S] int64) -> logits [B,S,V].
 
     Build on the meta device and materialise with `to_empty` + `init_weights()`:
@@ -305,6 +333,8 @@ class Qwen3Model(nn.Module):
             self.lm_head.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", self._make_rope_cache(), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+
+    _forward_state = ("aux_loss",)
 
     def _make_rope_cache(self, device: torch.device | str | None = None) -> torch.Tensor:
         c = self.config
@@ -333,20 +363,26 @@ class Qwen3Model(nn.Module):
         self.aux_loss = self._aux_loss() if self.training else None
         return logits
 
+    def router_stats(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """``(selections per expert [E], router probabilities summed per expert [E], rows)`` over all MoE
+        layers of the last training forward (None when the aux loss is off or in eval mode)."""
+        stats = [l.moe.aux_stats for l in self.layers if l.moe_enabled and l.moe.aux_stats is not None]
+        if not stats:
+            return None
+        return (torch.stack([s[0] for s in stats]).sum(0), torch.stack([s[1] for s in stats]).sum(0),
+                sum(s[2] for s in stats))
+
     def _aux_loss(self) -> torch.Tensor | None:
         """HF's Switch-style load-balancing loss over all MoE layers, times router_aux_loss_coef.
 
         HF `load_balancing_loss_func`: concat the layers' router logits, p = softmax, top-k one-hot;
         loss = E * sum_e(mean_tokens_e * mean_prob_e), means over all (layer, token) rows.
         """
-        stats = [l.moe.aux_stats for l in self.layers if l.moe_enabled and l.moe.aux_stats is not None]
-        if not stats:
+        stats = self.router_stats()
+        if stats is None:
             return None
-        rows = sum(s[2] for s in stats)
-        tokens_per_expert = torch.stack([s[0] for s in stats]).sum(0) / rows
-        prob_per_expert = torch.stack([s[1] for s in stats]).sum(0) / rows
-        aux = torch.sum(tokens_per_expert * prob_per_expert) * self.config.num_experts
-        return self.config.router_aux_loss_coef * aux
+        counts, prob_sum, rows = stats
+        return self.config.router_aux_loss_coef * load_balancing_loss(counts, prob_sum, rows, self.config.num_experts)
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
