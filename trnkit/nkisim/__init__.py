@@ -4,11 +4,18 @@
 through :mod:`trnkit.nki_api`. See ``docs/interpreter.md``.
 """
 
+import numpy as _np
+
 from . import dtypes, errors, language, memory, tensor, trace  # noqa: F401
 from . import isa  # noqa: F401
 from .errors import NkiValidationError
 from .jit import Kernel, jit, simulate
 from .tensor import NkiTensor
 
+# ``nki.dtype``: the type of every NKI dtype object (``nl.bfloat16`` is a numpy dtype here); AWS
+# kernels use it in annotations (``compute_dtype: nki.dtype = nl.bfloat16``, nki-library
+# experimental/loss/cross_entropy.py).
+dtype = _np.dtype
+
 __all__ = ["jit", "simulate", "Kernel", "language", "isa", "NkiTensor", "NkiValidationError",
-           "trace", "dtypes", "memory", "errors", "tensor"]
+           "trace", "dtypes", "memory", "errors", "tensor", "dtype"]

@@ -22,7 +22,7 @@ import numpy as np
 from .tensor import NkiTensor, allocate, psum, sbuf, shared_hbm
 
 __all__ = ["load", "store", "matmul", "transpose", "sum", "max", "min", "mean", "prod", "softmax",
-           "expand_dims", "shared_constant", "shared_identity_matrix", "tile_call"]
+           "expand_dims", "broadcast_to", "shared_constant", "shared_identity_matrix", "tile_call"]
 
 
 def _isa():  # nki.isa imports nki.language; resolve lazily
@@ -168,6 +168,39 @@ def softmax(x: NkiTensor, axis: Any = -1, dtype: Any = None) -> NkiTensor:
 def expand_dims(x: NkiTensor, axis: int) -> NkiTensor:
     """A view of ``x`` with a size-1 dim inserted at ``axis`` (not before the partition dim)."""
     return x.expand_dim(axis)
+
+
+def broadcast_to(x: NkiTensor, shape: Sequence[int], dtype: Any = None) -> NkiTensor:
+    """A new SBUF tile of ``shape`` holding ``x`` broadcast numpy-style (same rank; each dim equal or
+    from 1). ``x`` itself when nothing changes. Free dims broadcast through a stride-0 view copied
+    by ``tensor_copy``; a 1-partition ``x`` is spread over the partitions by ``nc_stream_shuffle``
+    (mask ``[0] * 32`` per 32-partition quadrant, as nki-library's moe_cte_utils.py
+    ``stream_shuffle_broadcast`` does)."""
+    nisa = _isa()
+    op = "nl.broadcast_to"
+    shape = tuple(int(s) for s in shape)
+    out_dtype = x.dtype if dtype is None else _dt.resolve(dtype, op)
+    require(len(shape) == x.ndim, op, "shape {shape} must have the rank of x {x_shape}", shape=shape,
+            x_shape=x.shape)
+    for d, (n, m) in enumerate(zip(x.shape, shape)):
+        require(n == m or n == 1, op, "dim {dim} of x has size {n}, cannot broadcast to {m}", dim=d,
+                n=n, m=m)
+    if shape == x.shape and out_dtype == x.dtype:
+        return x
+    view = x
+    for d in range(1, x.ndim):
+        if x.shape[d] != shape[d]:
+            view = view.broadcast(d, shape[d])
+    out = _new(shape, out_dtype)
+    if shape[0] == x.shape[0]:
+        nisa.tensor_copy(dst=out, src=view)
+        return out
+    row = _new((1,) + shape[1:], out_dtype)
+    nisa.tensor_copy(dst=row, src=view)
+    for q in range(0, shape[0], 32):
+        stop = q + 32 if q + 32 < shape[0] else shape[0]  # (min is nl.min in this module)
+        nisa.nc_stream_shuffle(dst=out[q:stop], src=row, shuffle_mask=[0] * 32)
+    return out
 
 
 def shared_constant(constant: Any) -> NkiTensor:

@@ -19,6 +19,7 @@ __all__ = [
     "bool_", "int8", "int16", "int32", "uint8", "uint16", "uint32",
     "float16", "bfloat16", "tfloat32", "float32",
     "float8_e4m3", "float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu",
+    "float8_e4m3fn_x4", "float8_e5m2_x4", "float4_e2m1fn_x4", "PACKED_X4",
     "NKI_DTYPES", "resolve", "cast", "is_float", "is_int", "dtype_name", "sentinel",
 ]
 
@@ -40,10 +41,26 @@ float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)  # OCP (max 448, no inf)
 float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
 float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)  # MX scale (trn3)
 
+
+def _packed(name: str, bits: str) -> np.dtype:
+    """A 4x packed MX dtype: one opaque ``bits``-wide element holding 4 values (a one-field record
+    dtype named after the NKI type, so the three types compare unequal and keep their itemsize)."""
+    return np.dtype([(name, bits)])
+
+
+# "4x packed ... elements, custom data type for nki.isa.nc_matmul_mx on NeuronCore-v4" (NKI 0.6
+# nki/api/nki/language/__init__.py). Sizes as nki-library's allocator.sizeinbytes: fp8 x4 = 4 bytes,
+# fp4 x4 = 2 bytes. The interpreter models trn2: it allocates, DMA-copies and reinterprets them,
+# and no engine computes on them (nc_matmul_mx / quantize_mx are NeuronCore-v4 instructions).
+float8_e4m3fn_x4 = _packed("float8_e4m3fn_x4", "<u4")
+float8_e5m2_x4 = _packed("float8_e5m2_x4", "<u4")
+float4_e2m1fn_x4 = _packed("float4_e2m1fn_x4", "<u2")
+PACKED_X4: frozenset[np.dtype] = frozenset({float8_e4m3fn_x4, float8_e5m2_x4, float4_e2m1fn_x4})
+
 NKI_DTYPES: frozenset[np.dtype] = frozenset(
     {bool_, int8, int16, int32, uint8, uint16, uint32, float16, bfloat16, float32,
      float8_e4m3, float8_e4m3fn, float8_e5m2, float8_e8m0fnu}
-)
+) | PACKED_X4
 _LOW_FLOATS = frozenset({bfloat16, float8_e4m3, float8_e4m3fn, float8_e5m2, float8_e8m0fnu})
 _INT_INFO = {d: np.iinfo(d) for d in (int8, int16, int32, uint8, uint16, uint32)}
 
@@ -63,7 +80,7 @@ def resolve(dtype: Any, op: str = "dtype") -> np.dtype:
         fail(op, "{dtype!r} is not an NKI dtype", dtype=dtype)
     if dt not in NKI_DTYPES:
         fail(op, "dtype {dtype} is not an NKI dtype (supported: {names})", dtype=dt.name,
-             names=", ".join(sorted(d.name for d in NKI_DTYPES)))
+             names=", ".join(sorted(_NAMES[d] for d in NKI_DTYPES)))
     try:
         _RESOLVED[dtype] = dt
     except TypeError:
@@ -79,7 +96,7 @@ def is_int(dt: np.dtype) -> bool:
     return dt.kind in "iu"
 
 
-_NAMES: dict[np.dtype, str] = {d: d.name for d in NKI_DTYPES}
+_NAMES: dict[np.dtype, str] = {d: d.names[0] if d in PACKED_X4 else d.name for d in NKI_DTYPES}
 
 
 def dtype_name(dt: np.dtype) -> str:
@@ -102,6 +119,8 @@ _SENTINELS: dict[np.dtype, Any] = {}
 
 
 def _sentinel(dt: np.dtype) -> Any:
+    if dt in PACKED_X4:
+        return np.zeros((), dt)  # opaque bits: no NaN pattern is defined
     if dt == float8_e8m0fnu:
         return np.nan  # e8m0 has NaN (0xFF)
     if is_float(dt):
@@ -122,6 +141,10 @@ def cast(values: Any, dtype: np.dtype) -> np.ndarray:
     src = arr.dtype
     if src == dtype:
         return arr
+    if dtype in PACKED_X4 or src in PACKED_X4:
+        fail("cast", "{src} -> {dst}: 4x packed MX dtypes are only moved and reinterpreted by "
+             "trnkit's interpreter (no engine converts them on trn2)", src=dtype_name(src),
+             dst=dtype_name(dtype))
     if dtype.kind in "iu":
         info = _INT_INFO[dtype]
         if src.kind in "iu" or src == bool_:

@@ -7,7 +7,8 @@ aws-neuron-sdk). The ALU/activation function objects (``nl.add``, ``nl.exp``, ..
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import builtins
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,9 @@ from .dtypes import (  # noqa: F401  (re-exported dtypes)
     float8_e4m3fn,
     float8_e5m2,
     float8_e8m0fnu,
+    float4_e2m1fn_x4,
+    float8_e4m3fn_x4,
+    float8_e5m2_x4,
     float16,
     float32,
     int8,
@@ -32,6 +36,8 @@ from .dtypes import (  # noqa: F401  (re-exported dtypes)
     uint32,
 )
 from .errors import fail, require
+
+bool = bool_  # noqa: A001  (nl.bool, as AWS kernels spell it: nki-library core/utils/kernel_helpers.py)
 from .tensor import (  # noqa: F401  (re-exported)
     BUFFERS,
     MemoryRegion,
@@ -52,6 +58,7 @@ globals().update(_ops.ALL_OPS)  # the ALU / activation function objects (nl.add,
 # Experimental convenience wrappers (NKI 0.3+), lowered to nisa instructions; importing the module
 # also routes nl.<op>(tile, ...) calls to it. These names shadow Python's sum/max/min here.
 from .convenience import (  # noqa: E402
+    broadcast_to,
     expand_dims,
     load,
     matmul,
@@ -69,7 +76,18 @@ from .convenience import (  # noqa: E402
 
 
 class NKIObject:
-    """Base class for user classes passed into kernels (the real compiler requires it)."""
+    """``nl.NKIObject``: base class of kernel dataclasses and configuration objects.
+
+    ``__init__(**kwargs)`` (the documented signature) sets each keyword as an attribute, so a subclass
+    that only declares annotated fields is built as ``Configs(compute_dtype=nl.bfloat16, ...)``
+    (nki-library core/moe/moe_cte/moe_cte_utils.py ``Configs``); class-level defaults stay visible
+    for fields not passed. Subclasses may define their own ``__init__`` or use ``@dataclass``
+    (core/attention/attention_cte.py ``SectionParams``).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        for key, value in kwargs.items():
+            setattr(self, key, value)
 
 
 class _TileSize:
@@ -168,6 +186,22 @@ def static_range(*args: int) -> range:
 
 def _reg_value(v: Any) -> int:
     return v.value if isinstance(v, VirtualRegister) else int(v)
+
+
+def dynamic_range(start: int | VirtualRegister, stop: int | VirtualRegister | None = None,
+                  step: int = 1) -> Iterator[VirtualRegister]:
+    """``nl.dynamic_range``: a loop that runs on the device with (possibly register) bounds.
+
+    ``start`` / ``stop`` may be :class:`VirtualRegister` values (read once, when the loop starts);
+    ``step`` must be a compile-time positive int. The loop variable is a VirtualRegister, usable as a
+    register (``.ap(scalar_offset=i)``) but not as a Python int, like ``fori_loop``'s.
+    """
+    if stop is None:
+        start, stop = 0, start
+    require(isinstance(step, int) and not isinstance(step, builtins.bool) and step > 0,
+            "nl.dynamic_range", "step must be a compile-time positive int, got {step!r}", step=step)
+    for i in range(_reg_value(start), _reg_value(stop), step):
+        yield VirtualRegister(i)
 
 
 def fori_loop(lower: int | VirtualRegister, upper: int | VirtualRegister,

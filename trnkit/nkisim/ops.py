@@ -354,6 +354,10 @@ power = _op("power", ARITH, 2, np.power, alu=True, doc="x ** y (runs on GpSimd i
 abs_max = _op("abs_max", ARITH, 2, _abs_max, alu=True, doc="max(|x|, |y|) (NeuronCore-v4)")
 abs_min = _op("abs_min", ARITH, 2, _abs_min, alu=True, doc="min(|x|, |y|) (NeuronCore-v4)")
 bypass = _op("bypass", ARITH, 1, lambda a: a, alu=True, doc="no-op stage (returns the input)")
+# nl.average: a reduction operator of nisa.tensor_partition_reduce (documented op list there); not an
+# ALU operator of the element-wise instructions.
+average = _op("average", ARITH, 2, lambda a, b: (a + b) * _F32(0.5),
+              doc="mean reduction (nisa.tensor_partition_reduce's op)")
 
 # unary operators that are both ALU ops and activation functions
 rsqrt = _op("rsqrt", ARITH, 1, lambda x: _F32(1.0) / np.sqrt(x), alu=True, activation=True)

@@ -1,11 +1,13 @@
 """``nki.isa`` of the interpreter: one module per engine, re-exported here.
 
 ``dma`` (dma_copy, dma_transpose, dma_compute), ``tensor_engine`` (nc_matmul, nc_transpose),
-``vector`` / ``scalar`` / ``gpsimd`` (the compute instructions), plus the enums of ``common`` (engine,
+``vector`` / ``scalar`` / ``gpsimd`` (the compute instructions), ``shuffle`` (nc_stream_shuffle),
+``gather`` (nc_n_gather, local_gather, nonzero_with_count, tensor_partition_reduce), plus the enums of ``common`` (engine,
 oob_mode, dge_mode, reduce_cmd, nc_version).
 """
 
 from ..errors import NkiValidationError
+from . import constants  # noqa: F401  (nki.isa.constants)
 from ..tensor import VirtualRegister
 from .common import (
     dge_mode,
@@ -18,9 +20,11 @@ from .common import (
     reduce_cmd,
 )
 from .dma import *  # noqa: F403
+from .gather import *  # noqa: F403
 from .gpsimd import *  # noqa: F403
 from .registers import *  # noqa: F403
 from .scalar import *  # noqa: F403
+from .shuffle import *  # noqa: F403
 from .sync import *  # noqa: F403
 from .tensor_engine import *  # noqa: F403
 from .vector import *  # noqa: F403

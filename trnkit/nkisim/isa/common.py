@@ -77,9 +77,36 @@ class matmul_perf_mode(enum.Enum):  # noqa: N801
 
 
 class nc_version(enum.Enum):  # noqa: N801
+    """NeuronCore generation. Ordered (``get_nc_version() >= nc_version.gen3``, as nki-library's
+    attention_block_tkg.py / topk do) and comparable with the generation number
+    (``get_nc_version() >= 3``, experimental/collectives/fgcc.py)."""
+
     gen2 = 2  # trn1 / inf2
     gen3 = 3  # trn2
     gen4 = 4  # trn3
+
+    def _rank(self, other: Any) -> int | None:
+        if isinstance(other, nc_version):
+            return other.value
+        if isinstance(other, int) and not isinstance(other, bool):
+            return other
+        return None
+
+    def __lt__(self, other: Any) -> bool:
+        r = self._rank(other)
+        return NotImplemented if r is None else self.value < r
+
+    def __le__(self, other: Any) -> bool:
+        r = self._rank(other)
+        return NotImplemented if r is None else self.value <= r
+
+    def __gt__(self, other: Any) -> bool:
+        r = self._rank(other)
+        return NotImplemented if r is None else self.value > r
+
+    def __ge__(self, other: Any) -> bool:
+        r = self._rank(other)
+        return NotImplemented if r is None else self.value >= r
 
 
 def get_nc_version() -> nc_version:
@@ -178,7 +205,13 @@ def check_dtype(op: str, role: str, t: NkiTensor, allowed: Any) -> None:
 def read_f32(t: NkiTensor) -> np.ndarray:
     """The operand's values as float32 (the engines' arithmetic precision); no copy if already fp32."""
     a = t.np()
-    return a if a.dtype == np.float32 else a.astype(np.float32)
+    if a.dtype == np.float32:
+        return a
+    if a.dtype in _dt.PACKED_X4:
+        fail("read", "tensor {name!r} is {dtype}: 4x packed MX dtypes are only moved and "
+             "reinterpreted by trnkit's interpreter (no engine computes on them on trn2)",
+             name=t.name, dtype=_dt.dtype_name(a.dtype))
+    return a.astype(np.float32)
 
 
 def store(dst: NkiTensor, values: Any) -> None:
