@@ -242,3 +242,40 @@ def test_dma_compute_sum_and_read_modify_write():
         nisa.dma_compute(dst, [ta, ta], reduce_op=nl.multiply)
     with pytest.raises(NkiValidationError, match="all scales must be 1.0"):
         nisa.dma_compute(dst, [ta, ta], reduce_op=nl.add, scales=[1.0, 2.0])
+
+
+def test_vector_offset_rows_come_from_the_viewed_tensor_shape():
+    # router_topk's indirect scatter (nki-library core/router_topk/router_topk.py): the [T, E] output
+    # reshaped to 1-D, so vector_offset values are flat element offsets (row stride prod(()) = 1).
+    T, E = 6, 5
+    out = np.zeros((T, E), np.float32)
+    flat = hb(out, "affinities").reshape((T * E,))
+    pos = np.array([0, 7, 14, 29], np.int32)  # 29 * E would be out of bounds with the [T, E] rows
+    idx = nl.ndarray((4, 1), nl.int32, buffer=nl.sbuf)
+    idx.np()[:, 0] = pos
+    vals = nl.ndarray((4, 1), nl.float32, buffer=nl.sbuf)
+    vals.np()[:, 0] = [1, 2, 3, 4]
+    nisa.dma_copy(dst=flat.ap([[1, 4], [1, 1]], offset=0, vector_offset=idx, indirect_dim=0), src=vals)
+    want = np.zeros(T * E, np.float32)
+    want[pos] = [1, 2, 3, 4]
+    np.testing.assert_array_equal(out.reshape(-1), want)
+
+
+def test_dynamic_offsets_on_a_reshaped_view_address_its_rows():
+    # An in-bounds reshape: (8, 6) viewed as (4, 12). Rows of the view are 12 elements long; using
+    # the allocation's 6 would silently read the wrong (but in-bounds) elements.
+    a = np.arange(48, dtype=np.float32).reshape(8, 6)
+    v = hb(a, "A").reshape((4, 12))
+    idx = nl.ndarray((2, 1), nl.int32, buffer=nl.sbuf)
+    idx.np()[:, 0] = [1, 3]
+    got = nl.ndarray((2, 12), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=got, src=v.ap([[12, 2], [1, 12]], offset=0, vector_offset=idx))
+    np.testing.assert_array_equal(got.np(), a.reshape(4, 12)[[1, 3]])
+    reg = nisa.register_alloc(2)
+    one = nl.ndarray((1, 12), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=one, src=v.ap([[12, 1], [1, 12]], offset=0, scalar_offset=reg, indirect_dim=0))
+    np.testing.assert_array_equal(one.np(), a.reshape(4, 12)[2:3])
+    # the row-gather view primitive keeps the view's own row step for a column window
+    cols = nl.ndarray((2, 5), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=cols, src=v[:, 2:7].vector_select(0, idx))
+    np.testing.assert_array_equal(cols.np(), a.reshape(4, 12)[[1, 3], 2:7])

@@ -280,3 +280,23 @@ def test_lnc2_core_barrier_and_sendrecv():
     np.testing.assert_array_equal(out, np.concatenate([a[128:], a[:128]]))
     with pytest.raises(NkiValidationError, match="needs an LNC=2 launch"):
         exchange(a)
+
+
+def test_core_barrier_on_sbuf_data_and_rules():
+    # bwmm_shard_on_I (nki-library, AWS-tested) synchronises on an SBUF block counter
+    @nki.jit
+    def count(x, buffer):
+        out = nl.ndarray((2, 1), dtype=nl.int32, buffer=nl.shared_hbm)
+        counter = nl.ndarray((1, 1), nl.int32, buffer=buffer)
+        nisa.memset(counter, 0)
+        for _ in range(3):
+            nisa.tensor_scalar(dst=counter, data=counter, op0=nl.add, operand0=1)
+            nisa.core_barrier(counter, (0, 1))
+        pid = nl.program_id(0)
+        nisa.dma_copy(dst=out[pid:pid + 1, :], src=counter)
+        return out
+
+    np.testing.assert_array_equal(count[2](np.zeros(1, np.float32), nl.sbuf), [[3], [3]])
+    with pytest.raises(NkiValidationError, match=r"core_barrier: data must be in shared_hbm \(or "
+                                                 r"SBUF\), got psum"):
+        count[2](np.zeros(1, np.float32), nl.psum)

@@ -9,9 +9,11 @@ from trnkit.nkisim import ops as nl
 from trnkit.nkisim.errors import NkiValidationError
 from trnkit.nkisim.isa import gpsimd, scalar, vector
 from trnkit.nkisim.isa.common import engine, reduce_cmd
-from trnkit.nkisim.tensor import allocate, hbm
+from trnkit.nkisim.tensor import NkiTensor, Storage, allocate, hbm
 
-from ._tiles import BF16, F32, empty, psum, sbuf
+from ._tiles import BF16, F32, empty, psum, sbuf, tile
+
+RNG = np.random.default_rng(11)
 
 
 def _raises(match: str):
@@ -89,13 +91,30 @@ def test_iota_pattern_rules() -> None:
 
 def test_free_size_limits_of_vector_and_scalar_engines() -> None:
     big = empty((2, 65537), BF16)  # (a PSUM tile cannot get near its 4K limit: one 2 KiB bank each)
-    with _raises(r"tensor_copy: dst has 65537 elements per partition, over the vector engine limit "
-                 r"of 65536 for sbuf"):
+    with _raises(r"tensor_copy: dst accesses 65537 elements per partition, over the vector engine "
+                 r"limit of 65536 for sbuf"):
         vector.tensor_copy(big, big)
-    with _raises(r"activation: dst has 65537 elements per partition, over the scalar engine limit"):
+    with _raises(r"activation: dst accesses 65537 elements per partition, over the scalar engine limit"):
         scalar.activation(big, nl.exp, big)
     small = empty((2, 8), BF16)
     vector.tensor_copy(big[:, :8], small)  # views within the limit are fine
+
+
+def test_psum_free_size_limit_counts_accessed_elements_not_broadcast_repeats() -> None:
+    # layernorm_tkg (nki-library, AWS-tested) at [128, 5, 3072]: a [128, 5] PSUM mean broadcast over
+    # 3072 columns is 15360 streamed elements but 5 accessed ones; accepted.
+    mean = tile(RNG.standard_normal((128, 5)).astype(np.float32), buffer=psum)
+    x = RNG.standard_normal((128, 5, 3072)).astype(np.float32)
+    out = empty((128, 5, 3072), np.float32)
+    vector.tensor_tensor(out, tile(x), mean.expand_dim(2).broadcast(2, 3072), nl.subtract)
+    np.testing.assert_array_equal(out.np(), x - mean.np()[:, :, None])
+    # A PSUM operand really accessing more than 4K elements per partition is rejected. (No PSUM
+    # allocation reaches that size, one 2 KiB bank each, so the view is bound to raw storage here.)
+    st = Storage(np.zeros(2 * 4097, np.float32), (2, 4097), psum, "wide_psum")
+    wide = NkiTensor((2, 4097), np.float32, storage=st)
+    with _raises(r"tensor_copy: src accesses 4097 elements per partition, over the vector engine "
+                 r"limit of 4096 for psum"):
+        vector.tensor_copy(empty((2, 4097), np.float32), wide)
 
 
 def test_bitvec_ops_need_integer_dtypes() -> None:

@@ -692,9 +692,11 @@ class NkiTensor:
         (None: this view's offset). The view this is called on is otherwise ignored. On SBUF/PSUM
         the first pair addresses partitions and its step must equal the storage's free-element
         count. ``scalar_offset`` (1x1 SBUF int tensor, VirtualRegister or int) adds
-        ``value * prod(base.shape[indirect_dim+1:])``; ``vector_offset`` (``[P,1]`` SBUF int tensor,
-        HBM tensors only, ``indirect_dim=0``) makes partition ``p`` start at row ``vector_offset[p]``
-        of the base tensor (the first pair's step is then ignored, as on hardware).
+        ``value * prod(self.shape[indirect_dim+1:])``; ``vector_offset`` (``[P,1]`` SBUF int tensor,
+        HBM tensors only, ``indirect_dim=0``) makes partition ``p`` start at element
+        ``vector_offset[p] * prod(self.shape[1:])`` (the first pair's step is then ignored, as on
+        hardware). Both strides come from the shape of the tensor ``.ap`` is called on (a reshaped
+        view's rows, not the allocation's), as ``nki-aps.rst`` defines them.
         """
         op = "ap"
         st = self._st
@@ -711,7 +713,7 @@ class NkiTensor:
             off //= dt.itemsize
         else:
             off = int(offset)
-        ratio_num, ratio_den = st.dtype.itemsize, dt.itemsize  # base elements -> dt elements
+        ratio_num, ratio_den = self.dtype.itemsize, dt.itemsize  # base elements -> dt elements
         if st.buffer.on_chip:
             ps = st.free_bytes // dt.itemsize
             require(shape[0] <= 128, op, "partition count {num} exceeds pmax (128) for tensor {name!r}",
@@ -723,7 +725,9 @@ class NkiTensor:
             strides = (ps,) + strides[1:]
         require(scalar_offset is None or vector_offset is None, op,
                 "scalar_offset and vector_offset are mutually exclusive")
-        base_shape = st.shape
+        # "the dimension is relative to the base tensor": the tensor .ap is called on (its shape,
+        # not the allocation's), nki-aps.rst "prod(A.shape[indirect_dim+1:])"
+        base_shape = self.shape
         dyn = vec = None
         if scalar_offset is not None:
             d = _norm_dim(op, indirect_dim, len(base_shape))
@@ -770,7 +774,9 @@ class NkiTensor:
         require(dim == 0, "vector_select", "dim must be 0, got {dim}", dim=dim)
         self._static_only("vector_select")
         pattern = [[self.strides[0], vector_offset.shape[0]]] + self.get_pattern()[1:]
-        return self.ap(pattern, offset=self.offset, vector_offset=vector_offset, indirect_dim=0)
+        t = self.ap(pattern, offset=self.offset, vector_offset=vector_offset, indirect_dim=0)
+        t._vec = (vector_offset, self.strides[0])  # row p of this view (a sliced view keeps its step)
+        return t
 
     def indirect(self, index: NkiTensor, num_elem: int | None = None) -> NkiTensor:
         fail("indirect", "tensor indirection (.indirect) needs NeuronCore-v4 (trn3); the "
@@ -797,7 +803,7 @@ class NkiTensor:
         valid = (starts + lo >= 0) & (starts + hi < flat_size)
         if not skip_oob and not valid.all():
             bad = int(np.flatnonzero(~valid)[0])
-            n_rows = self._st.shape[0] if self._st.shape else 0
+            n_rows = flat_size // row if row else 0  # rows of the tensor .ap was called on
             fail(op, "indirect index {index} (partition {p}) out of bounds for {bound} rows of tensor "
                  "{name!r} (oob_mode=error)", index=int(rows[bad]), p=bad, bound=n_rows, name=self.name)
         return rows, valid

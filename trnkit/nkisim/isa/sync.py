@@ -34,8 +34,11 @@ def core_barrier(data: NkiTensor, cores: tuple[int, ...], engine: engine = engin
     """Wait until both cores reach this point (after writing their parts of shared ``data``)."""
     op = "core_barrier"
     common.check_tensor(op, "data", data)
-    require(data.buffer.name == "shared_hbm", op, "data must be in shared_hbm, got {buffer}",
-            buffer=data.buffer.name)
+    # The docs ask for shared HBM data; AWS's bwmm_shard_on_I (nki-library core/moe/moe_cte/
+    # bwmm_shard_on_I.py, dynamic "hybrid" loop, tested on trn2) also synchronises on an SBUF block
+    # counter, so SBUF is accepted too. The barrier itself is a semaphore exchange (no data pass).
+    require(data.buffer.name in ("shared_hbm", "sbuf"), op, "data must be in shared_hbm (or SBUF), "
+            "got {buffer}", buffer=data.buffer.name)
     require(tuple(cores) == (0, 1), op, "only cores=(0, 1) is supported, got {cores}", cores=cores)
     _launch(op).barrier.wait()
     common.emit(op, common.engine_name(engine, common.GPSIMD), srcs={"data": data},

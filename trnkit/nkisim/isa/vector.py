@@ -8,7 +8,7 @@ bitvec operators) -> round on write to ``dst.dtype`` (RNE, saturating float->int
 Engine rules enforced for all compute engines (see ``nki-facts.md`` §2 and the docstrings cited there):
 operands on chip (SBUF/PSUM), partition dim <= 128, matching partition counts and elements per
 partition, free size <= 64K elements per SBUF operand and <= 4K per PSUM operand (Vector/Scalar,
-``trainium_inferentia2_arch.rst``), GpSimd never touches PSUM, ``tensor_tensor`` inputs not both in
+``trainium_inferentia2_arch.rst``; broadcast dims not counted, see :func:`accessed_free_elems`), GpSimd never touches PSUM, ``tensor_tensor`` inputs not both in
 PSUM, bitvec operators only on integer dtypes.
 """
 
@@ -35,8 +35,10 @@ __all__ = [
 ]
 
 PMAX = 128  # nl.tile_size.pmax
-SBUF_FREE_MAX = 64 * 1024  # elements per partition per Vector/Scalar instruction from SBUF
-PSUM_FREE_MAX = 4 * 1024  # ... from PSUM
+# elements per partition a Vector/Scalar operand may access ("up to 64K elements for SBUF or 4K
+# elements for PSUM", nki/guides/architecture/trainium_inferentia2_arch.rst, VectorE and ScalarE)
+SBUF_FREE_MAX = 64 * 1024
+PSUM_FREE_MAX = 4 * 1024
 TOPK_MIN, TOPK_MAX = 8, 16384  # max8 / nc_find_index8 / nc_match_replace8 elements per partition
 _F32 = np.float32
 
@@ -77,11 +79,20 @@ def check_tile(op: str, role: str, t: Any, engine: str) -> None:
     if engine == "gpsimd" and b == "psum":
         fail(op, "GpSimd engine cannot access PSUM ({role} is in PSUM)", role=role)
     if engine == "vector" or engine == "scalar":
-        n = t.free_size
+        n = accessed_free_elems(t)
         limit = PSUM_FREE_MAX if b == "psum" else SBUF_FREE_MAX
         if n > limit:
-            fail(op, "{role} has {n} elements per partition, over the {engine} engine limit of "
-                 "{limit} for {buffer}", role=role, n=n, engine=engine, limit=limit, buffer=b)
+            fail(op, "{role} accesses {n} elements per partition, over the {engine} engine limit "
+                 "of {limit} for {buffer}", role=role, n=n, engine=engine, limit=limit, buffer=b)
+
+
+def accessed_free_elems(t: NkiTensor) -> int:
+    """Distinct elements per partition an operand reads or writes: stride-0 (broadcast) dims repeat
+    elements and do not count. The free-size limits above bound the tile a Vector/Scalar instruction
+    accesses ("the free dimension size can be up to 64K elements for SBUF or 4K elements for PSUM",
+    trainium_inferentia2_arch.rst); AWS's layernorm_tkg (nki-library core/subkernels/layernorm_tkg.py,
+    tested on hardware) streams a [128, 5] PSUM mean broadcast to [128, 5, 3072] = 15360 elements."""
+    return math.prod(n for n, s in zip(t.shape[1:], t.strides[1:]) if s != 0)
 
 
 def check_same_layout(op: str, ref_role: str, ref: NkiTensor, role: str, t: NkiTensor) -> None:
