@@ -302,3 +302,15 @@ def test_interpreted_dma_copy_is_fixed_plus_bytes_over_bandwidth():
     assert rep.count == {DMA: 2} and rep.hbm_bytes == 2 * n
     assert rep.busy_ns[DMA] == pytest.approx(2 * n / (TRN2.hbm_bytes_per_ns * eff))
     assert rep.total_ns == pytest.approx(2 * one)  # the store depends on the load: back to back
+
+
+def test_core_barrier_is_a_fixed_synchronisation_not_a_data_pass():
+    chip = hardware.get_chip("trn2")
+    costs = []
+    for buf, shape in (("sbuf", (1, 1)), ("shared_hbm", (4096, 2, 4096))):  # a counter; [T, 2, H]
+        op = opnd("data", buf, shape, "float32")
+        instr = Instr("core_barrier", "gpsimd", (op,), elems_per_partition=op.free_elems,
+                      partitions=op.partitions)
+        costs.append(cost.instr_cost(instr, "trn2"))
+    assert costs[0] == costs[1]
+    assert costs[0].busy_ns == costs[0].latency_ns == chip.dma.fixed_ns == 1300.0

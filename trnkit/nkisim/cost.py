@@ -300,6 +300,12 @@ def instr_cost(instr: Instr, chip: str | Chip = "trn2") -> InstrCost:
     if instr.engine not in (TENSOR, VECTOR, SCALAR, GPSIMD):
         raise ValueError(f"cost: instruction {instr.op!r} has unknown engine {instr.engine!r} "
                          f"(expected one of {ENGINES})")
+    if instr.op == "core_barrier":
+        # A synchronisation, not a pass over its data operand: a remote semaphore write plus a local
+        # semaphore wait, priced as one cross-engine semaphore latency (~1300 ns,
+        # nki-dma-bandwidth-guide.rst, = chip.dma.fixed_ns) during which the engine is blocked.
+        ns = chip.dma.fixed_ns
+        return InstrCost(instr.engine, ns, ns, 0.0, ns * chip.clocks.ghz(instr.engine))
     ghz = chip.clocks.ghz(instr.engine)
     cycles = _compute_cycles(instr, chip)
     fixed = chip.static_overhead_cycles + chip.access_init_cycles

@@ -108,7 +108,11 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
                  ".view() to reinterpret)", dst_dtype=dst.dtype, src_dtype=src.dtype)
     elif engine is not common.engine.unknown:
         fail(op, "engine= is only valid with dge_mode=hwdge, got {engine}", engine=engine)
-    skip = oob_mode is common.oob_mode.skip
+    # Trace-only mode does not compute large matmuls, so addresses derived from their results
+    # (router_topk's scatter indices) are not meaningful: an out-of-bounds dynamic address is
+    # skipped instead of raising, and the transfer is still traced at its full size.
+    trace_only = trace.trace_only()
+    skip = oob_mode is common.oob_mode.skip or trace_only
     src_vec, dst_vec = src.indirect_info, dst.indirect_info
     if src_vec is not None and dst_vec is not None:
         fail(op, "only one side of a dma_copy can use vector_offset")
@@ -131,6 +135,8 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
             out[...] = vals if vals.shape == out.shape else vals.reshape(out.shape)
     if trace.active() is None:
         return
+    if trace_only:
+        moved = n_dst
     _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name,
                                     "indirect": src_vec is not None or dst_vec is not None, "name": name})
 
@@ -193,6 +199,8 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
         moved = dst.size
     if trace.active() is None:
         return
+    if trace_only:
+        moved = n_dst
     _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name, "transpose": True, "name": name})
 
 

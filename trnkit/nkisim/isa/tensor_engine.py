@@ -110,8 +110,13 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
         warnings.warn(f"{op}: accumulate=True onto PSUM tile {dst.name!r} elements not written by a "
                       "previous nc_matmul (uninitialised or written by another engine): undefined "
                       "on trn2", RuntimeWarning, stacklevel=2)
-    if not (tr is not None and tr.trace_only and k * m * n >= _TRACE_ONLY_MIN_MACS):
-        # (trace-only mode skips the arithmetic; shapes, checks and bookkeeping still run)
+    if tr is not None and tr.trace_only and k * m * n >= _TRACE_ONLY_MIN_MACS:
+        # Trace-only mode skips the arithmetic (shapes, checks and bookkeeping still run). A fresh
+        # accumulation reads as zeros, not the allocation's NaN sentinel, so values later derived
+        # from it (top-k indices used as DMA addresses) stay finite and in range.
+        if accumulate is False or (accumulate is None and not any_written):
+            out[...] = 0.0
+    else:
         a = common.read_f32(stationary).reshape(k, m)
         b = common.read_f32(moving).reshape(k, n)
         if accumulate is False or (accumulate is None and not any_written):
