@@ -7,7 +7,7 @@ through :mod:`trnkit.nki_api`. See ``docs/interpreter.md``.
 import numpy as _np
 
 from . import dtypes, errors, language, memory, tensor, trace  # noqa: F401
-from . import isa  # noqa: F401
+from . import collectives, isa  # noqa: F401
 from .errors import NkiValidationError
 from .jit import Kernel, jit, simulate
 from .tensor import NkiTensor
@@ -18,4 +18,4 @@ from .tensor import NkiTensor
 dtype = _np.dtype
 
 __all__ = ["jit", "simulate", "Kernel", "language", "isa", "NkiTensor", "NkiValidationError",
-           "trace", "dtypes", "memory", "errors", "tensor", "dtype"]
+           "trace", "dtypes", "memory", "errors", "tensor", "dtype", "collectives"]

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import dtypes as _dt
 from . import memory as _mem
+from .api_names import fill_missing
 from .dtypes import (  # noqa: F401  (re-exported dtypes)
     bfloat16,
     bool_,
@@ -289,3 +290,23 @@ par_dim = _removed("par_dim")
 
 def device_print(prefix: str, x: NkiTensor) -> None:
     print(prefix, x.np())
+
+
+def is_hbm(buffer: MemoryRegion) -> bool:
+    return isinstance(buffer, MemoryRegion) and not buffer.on_chip
+
+
+def is_on_chip(buffer: MemoryRegion) -> bool:
+    return isinstance(buffer, MemoryRegion) and buffer.on_chip
+
+
+def is_psum(buffer: MemoryRegion) -> bool:
+    return buffer is psum
+
+
+def is_sbuf(buffer: MemoryRegion) -> bool:
+    return buffer is sbuf
+
+
+# documented names not implemented here: placeholders raising NotImplementedError on use
+fill_missing(globals(), "nki.language")

@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from .api_names import MissingApi
+
 __all__ = [
     "NkiOp",
     "resolve",
@@ -412,6 +414,8 @@ def resolve(op: Any, where: str = "op") -> NkiOp | None:
     """``op`` as an :class:`NkiOp`: the object itself, a numpy alias (``np.add``), or None."""
     if op is None or isinstance(op, NkiOp):
         return op
+    if isinstance(op, MissingApi):  # a documented operator the interpreter lacks (nl.prelu)
+        op.fail()
     try:
         found = _NUMPY_ALIASES.get(op)
     except TypeError:  # unhashable

@@ -6,6 +6,7 @@
 oob_mode, dge_mode, reduce_cmd, nc_version).
 """
 
+from ..api_names import fill_missing
 from ..errors import NkiValidationError
 from . import constants  # noqa: F401  (nki.isa.constants)
 from ..tensor import VirtualRegister
@@ -35,3 +36,12 @@ vector_engine = engine.vector
 scalar_engine = engine.scalar
 gpsimd_engine = engine.gpsimd
 unknown_engine = engine.unknown
+
+
+def get_nc_sub_version() -> int:
+    """Silicon revision within the generation: 0 (first revision) for the trn2 the interpreter models."""
+    return 0
+
+
+# documented names not implemented here: placeholders raising NotImplementedError on use
+fill_missing(globals(), "nki.isa")
