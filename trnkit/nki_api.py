@@ -40,7 +40,12 @@ def _resolve() -> tuple[ModuleType, ModuleType, ModuleType, bool]:
     if choice == "sim":
         return (*_load_sim(), False)
     try:
-        return (*_load_real(), True)
+        real = _load_real()
+        if getattr(real[0], "__name__", "") == "trnkit.nkisim":  # trnkit.nkisim.install_as_nki()
+            if choice == "real":
+                raise ImportError("'nki' is trnkit's interpreter (trnkit.nkisim.install_as_nki)")
+            return (*real, False)
+        return (*real, True)
     except ImportError as exc:  # the PyPI placeholder wheels raise ImportError too
         if choice == "real":
             raise ImportError(

@@ -1,13 +1,16 @@
 """trnkit's CPU interpreter of the NKI API (``nki``, ``nki.language``, ``nki.isa``).
 
 ``from trnkit.nkisim import jit, simulate, language as nl, isa as nisa``; kernels should import
-through :mod:`trnkit.nki_api`. See ``docs/interpreter.md``.
+through :mod:`trnkit.nki_api`. ``install_as_nki()`` makes ``import nki`` itself resolve here (users'
+own unmodified kernels). See ``docs/interpreter.md``.
 """
 
 import numpy as _np
 
 from . import dtypes, errors, language, memory, tensor, trace  # noqa: F401
 from . import collectives, isa  # noqa: F401
+from . import nki_typing as typing  # noqa: F401  (nki.typing)
+from .dropin import install_as_nki, nki_installed
 from .errors import NkiValidationError
 from .jit import Kernel, jit, simulate
 from .tensor import NkiTensor
@@ -18,4 +21,5 @@ from .tensor import NkiTensor
 dtype = _np.dtype
 
 __all__ = ["jit", "simulate", "Kernel", "language", "isa", "NkiTensor", "NkiValidationError",
-           "trace", "dtypes", "memory", "errors", "tensor", "dtype", "collectives"]
+           "trace", "dtypes", "memory", "errors", "tensor", "dtype", "collectives", "typing",
+           "install_as_nki", "nki_installed"]
