@@ -118,7 +118,9 @@ def test_matmul_trace_and_trace_only():
     fresh = psum_tile(128, 512)
     with trace.record(trace_only=True) as tr:
         nisa.nc_matmul(fresh, a, b)
-    assert len(tr) == 1 and np.isnan(fresh.np()).all()  # arithmetic skipped, instruction recorded
+    # arithmetic skipped, instruction recorded; the fresh accumulation reads as zeros (finite values
+    # for whatever the kernel derives from it, e.g. DMA addresses)
+    assert len(tr) == 1 and (fresh.np() == 0).all()
 
 
 @pytest.mark.parametrize("case, msg", [

@@ -199,8 +199,6 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
         moved = dst.size
     if trace.active() is None:
         return
-    if trace_only:
-        moved = n_dst
     _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name, "transpose": True, "name": name})
 
 
