@@ -94,11 +94,12 @@ def test_install_and_uninstall_restore_sys_modules() -> None:
     with nki_installed():
         import nki  # noqa: PLC0415
         import nki.isa as nisa  # noqa: PLC0415
-        from neuronxcc.nki.typing import tensor  # noqa: PLC0415
+        from neuronxcc.nki.typing import float8_e4m3, tensor  # noqa: PLC0415
         from nki.isa import constants  # noqa: PLC0415
 
         assert nki is nkisim and nisa.nc_stream_shuffle is nkisim.isa.nc_stream_shuffle
         assert constants.oob_mode is nkisim.isa.oob_mode and repr(tensor[128, 4]) == "nt.tensor[128, 4]"
+        assert float8_e4m3 == nkisim.language.float8_e4m3
         uninstall = install_as_nki()  # a second install nests and undoes only itself
         uninstall()
         assert sys.modules["nki"] is nkisim

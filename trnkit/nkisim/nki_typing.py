@@ -10,26 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .dtypes import (  # noqa: F401  (re-exported dtypes)
-    bfloat16,
-    bool_,
-    float4_e2m1fn_x4,
-    float8_e4m3,
-    float8_e4m3fn,
-    float8_e4m3fn_x4,
-    float8_e5m2,
-    float8_e5m2_x4,
-    float8_e8m0fnu,
-    float16,
-    float32,
-    int8,
-    int16,
-    int32,
-    tfloat32,
-    uint8,
-    uint16,
-    uint32,
-)
+from . import dtypes as _dt
+
+# the NKI dtypes under their nl names (nl.bool_ / nl.tfloat32 spelled out: their numpy names differ)
+globals().update({_dt.dtype_name(d): d for d in _dt.NKI_DTYPES}, bool_=_dt.bool_, tfloat32=_dt.tfloat32)
 
 __all__ = ["tensor", "mutable_tensor", "TensorAnnotation"]
 
