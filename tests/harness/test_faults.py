@@ -82,6 +82,16 @@ def test_resume_with_another_model_stops_before_writing(tmp_path: Path, trained,
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before  # not a byte touched
 
 
+def test_resume_with_other_data_settings_changes_nothing(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                        corpus_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = _copy_run(trained[0], tmp_path / "run")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=6, training={"seq_len": 16})
+    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    _assert_user_error(code, err, "data: checkpoint was written for seq_len 32")
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # config.toml included
+
+
 def test_resume_with_a_resumable_change_continues(tmp_path: Path, trained, tiny_tokenizer: str,
                                                   corpus_dir: Path) -> None:
     # the aux-loss coefficient is a training setting, not a different model
@@ -187,7 +197,8 @@ def test_disk_full_during_save_stops_cleanly(tmp_path: Path, tiny_tokenizer: str
     monkeypatch.setattr(ckpt_mod.dcp, "save", save)
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
-    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=3)
+    # keep_latest_k = 1: a prune before the new checkpoint is complete would delete step-1
+    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=3, keep=1)
     code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     folder = tmp_path / "run" / "checkpoint"
     assert f"WARNING: checkpoint folder {folder} has 1000 B free; each checkpoint needs ~" in out  # up front

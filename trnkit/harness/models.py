@@ -178,6 +178,7 @@ class ModelHandle:
                                       f"{self.name} (set them in model.config): " + "; ".join(diffs))
             return load_hf_checkpoint(path, self.config, dtype=torch.float32).state_dict()
         from transformers import AutoModelForCausalLM
+        _refuse_non_float(path)
         try:
             src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except (OSError, ValueError, RuntimeError) as e:
@@ -228,6 +229,22 @@ def _hf_config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, Mod
     if E and not any(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)):
         E = K = 0
     return cfg, ModelShape(cfg.num_hidden_layers, n_heads, head_dim, E, K)
+
+
+def _refuse_non_float(path: str) -> None:
+    """transformers casts integer / bool tensors into float parameters without a word: refuse them first."""
+    from safetensors import safe_open
+
+    from trnkit.qwen3.state_dict import CheckpointError
+
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), framework="pt") as f:
+                for key in f.keys():
+                    dtype = f.get_slice(key).get_dtype()
+                    if not dtype.startswith(("F", "BF")):
+                        raise CheckpointError(f"checkpoint: {key} in {os.path.join(path, name)} has dtype {dtype}; "
+                                              "a float parameter needs a floating-point tensor, refusing to cast")
 
 
 def build_handle(cfg: TrainerConfig) -> ModelHandle:

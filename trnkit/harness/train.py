@@ -248,10 +248,6 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     if resume_from is None:
         on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
 
-    if env.rank == 0:
-        os.makedirs(dump, exist_ok=True)
-        with open(os.path.join(dump, "config.toml"), "w") as f:
-            f.write(to_toml(cfg))
     log(f"job {cfg.job.name}: world {env.world_size} (dp_shard {env.dp} x tp {env.tp}) on {env.device.type}"
         f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
     log(f"data: {cfg.data.dataset} -> {len(loader.stream):,} tokens ({loader.num_samples:,} samples of "
@@ -290,6 +286,10 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         log(f"resumed from {resume_from[1]} (step {start_step})")
         if start_step >= t.steps:
             log(_finished_message(resume_from[1], start_step, t.steps, dump))
+    if env.rank == 0:  # written once the checkpoint (if any) has been accepted: a refused run changes nothing
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, "config.toml"), "w") as f:
+            f.write(to_toml(cfg))
 
     peak = peak_flops(env.device.type, parallel.device_name(env.device))
     metrics = MetricsLogger(dump, cfg.metrics, t.steps, start_step, env.rank, fpt, peak, env.device,
