@@ -146,7 +146,8 @@ def _routing(T: int, E: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, 
     return idx.to(torch.int32), (w / w.sum(-1, keepdim=True)).float()
 
 
-def _moe_build(T: int, H: int, I: int, E: int, K: int, backward: bool, dtype: torch.dtype) -> Callable[[], Prepared]:  # noqa: E741
+def _moe_build(T: int, H: int, I: int, E: int, K: int, backward: bool, dtype: torch.dtype,  # noqa: E741
+               lnc: int = 1) -> Callable[[], Prepared]:
     def f() -> Prepared:
         mod = _kernel_module("moe")
 
@@ -155,12 +156,12 @@ def _moe_build(T: int, H: int, I: int, E: int, K: int, backward: bool, dtype: to
         idx, tw = _routing(T, E, K, g)
         wgu, wd = _rand(E, H, 2 * I, g=g, scale=H ** -0.5, dtype=dtype), _rand(E, I, H, g=g, scale=I ** -0.5, dtype=dtype)
         if not backward:
-            return Prepared(nki=lambda: mod.moe_experts(x, idx, tw, wgu, wd),
+            return Prepared(nki=lambda: mod.moe_experts(x, idx, tw, wgu, wd, lnc=lnc),
                             ref=lambda: mod.moe_experts_ref(x, idx, tw, wgu, wd))
         go = _rand(T, H, g=g, dtype=dtype)
         leaves = [t.clone().requires_grad_() for t in (x, tw, wgu, wd)]
         out = mod.moe_experts_ref(leaves[0], idx, leaves[1], leaves[2], leaves[3])
-        return Prepared(nki=lambda: mod.moe_experts_bwd(x, idx, tw, wgu, wd, go),
+        return Prepared(nki=lambda: mod.moe_experts_bwd(x, idx, tw, wgu, wd, go, lnc=lnc),
                         ref=_grad_closure(out, leaves, go))
     return f
 
@@ -188,10 +189,28 @@ def moe_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat1
                 cfg = {"T": 256, "H": c.dim, "I": c.moe_inter_dim, "E": c.num_experts, "K": c.top_k, "dtype": dtype}
                 cases.append(Case("moe_experts", mode, "flavor", fl,
                                   _moe_build(256, c.dim, c.moe_inter_dim, c.num_experts, c.top_k, bwd, dt), cfg))
+        cases += _moe_lnc_cases(quick, mode, dtype)
     return cases
 
 
-def _gmm_build(M: int, Kd: int, N: int, G: int, backward: bool, dtype: torch.dtype) -> Callable[[], Prepared]:
+# the LNC=1 vs LNC=2 comparison of issue 13: T=512 tokens, Qwen3-30B-A3B expert sizes, E = 8 and 128
+LNC_SHAPE = {"T": 512, "H": 2048, "I": 768, "K": 8}
+LNC_EXPERTS = (8, 128)
+
+
+def _moe_lnc_cases(quick: bool, mode: str, dtype: str) -> list[Case]:
+    """One sweep over E per LNC (x_name ``E (LNC=n)``), so each LNC is its own line in the table."""
+    T, H, I, K = (64, 512, 256, 2) if quick else tuple(LNC_SHAPE.values())  # noqa: E741
+    experts = (4, 8) if quick else LNC_EXPERTS
+    dt = getattr(torch, dtype)
+    return [Case("moe_experts", mode, f"E (LNC={lnc})", E,
+                 _moe_build(T, H, I, E, K, mode == "backward", dt, lnc),
+                 {"T": T, "H": H, "I": I, "K": K, "lnc": lnc, "dtype": dtype})
+            for lnc in (1, 2) for E in experts]
+
+
+def _gmm_build(M: int, Kd: int, N: int, G: int, backward: bool, dtype: torch.dtype,
+               lnc: int = 1) -> Callable[[], Prepared]:
     def f() -> Prepared:
         mod = _kernel_module("moe")
 
@@ -201,11 +220,11 @@ def _gmm_build(M: int, Kd: int, N: int, G: int, backward: bool, dtype: torch.dty
         counts = torch.multinomial(torch.ones(G), M, replacement=True, generator=g).bincount(minlength=G)
         offs = counts.cumsum(0).to(torch.int32)
         if not backward:
-            return Prepared(nki=lambda: mod.grouped_mm(x, w, offs), ref=lambda: mod.grouped_mm_ref(x, w, offs))
+            return Prepared(nki=lambda: mod.grouped_mm(x, w, offs, lnc=lnc), ref=lambda: mod.grouped_mm_ref(x, w, offs))
         go = _rand(M, N, g=g, dtype=dtype)
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = mod.grouped_mm_ref(xr, wr, offs)
-        return Prepared(nki=lambda: mod.grouped_mm_bwd(x, w, offs, go), ref=_grad_closure(out, [xr, wr], go))
+        return Prepared(nki=lambda: mod.grouped_mm_bwd(x, w, offs, go, lnc=lnc), ref=_grad_closure(out, [xr, wr], go))
     return f
 
 
@@ -218,6 +237,10 @@ def gmm_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat1
             M = T * K  # token-expert slots after dispatch
             cfg = {"config": name, "K": H, "N": 2 * I, "G": E, "dtype": dtype, "T": T, "top_k": K}
             cases.append(Case("grouped_mm", mode, "M", M, _gmm_build(M, H, 2 * I, E, mode == "backward", dt), cfg))
+        T = 128 if quick else 512  # LNC=2 rows: the cores split the groups
+        cfg = {"config": name, "K": H, "N": 2 * I, "G": E, "dtype": dtype, "T": T, "top_k": K, "lnc": 2}
+        cases.append(Case("grouped_mm", mode, "M (LNC=2)", T * K,
+                          _gmm_build(T * K, H, 2 * I, E, mode == "backward", dt, 2), cfg))
     return cases
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from trnkit.kernels.constraints import Violation, check
+from trnkit.kernels.lnc import launch, resolve_lnc
 
 __all__ = [
     "BlockLayout",
@@ -486,51 +487,61 @@ def _tail_split(lay: BlockLayout, topk_idx: torch.Tensor, num_experts: int) -> t
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
-               block_size: int = 128) -> torch.Tensor:
-    """``out[rows of g] = x[rows of g] @ w[g]`` on the NKI kernel; rows past ``offs[-1]`` are zero."""
+               block_size: int = 128, lnc: int | None = None) -> torch.Tensor:
+    """``out[rows of g] = x[rows of g] @ w[g]`` on the NKI kernel; rows past ``offs[-1]`` are zero.
+
+    ``lnc``: 1 or 2 physical cores (None: :func:`trnkit.kernels.lnc.default_lnc`); the cores split the
+    groups, results are identical."""
     from trnkit.kernels import moe_grouped_mm as K_  # noqa: PLC0415  (imports the NKI backend lazily)
 
     _check_grouped_mm(x, w, group_offsets)
+    lnc = resolve_lnc(lnc)
     M = x.shape[0]
     lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
     out = torch.zeros(M, w.shape[2], dtype=x.dtype, device=x.device)
-    K_.grouped_mm_kernel(x.contiguous(), w.contiguous(), lay.table, lay.table, lay.block_start, out, False)
+    launch(K_.grouped_mm_kernel, lnc)(x.contiguous(), w.contiguous(), lay.table, lay.table, lay.block_start,
+                                      out, False)
     return out
 
 
 def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, grad_out: torch.Tensor,
-                   block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                   block_size: int = 128, lnc: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_w)`` of :func:`grouped_mm` on NKI kernels (grad_x: grouped matmul with
     ``w[g].T``; grad_w: per-group ``x_g.T @ grad_out_g`` accumulated over blocks in fp32)."""
     from trnkit.kernels import moe_grouped_mm as K_  # noqa: PLC0415
 
     _check_grouped_mm(x, w, group_offsets, grad_out)
+    lnc = resolve_lnc(lnc)
     M = x.shape[0]
     lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
     x, w, grad_out = x.contiguous(), w.contiguous(), grad_out.contiguous()
     grad_x = torch.zeros(M, w.shape[1], dtype=x.dtype, device=x.device)
-    K_.grouped_mm_kernel(grad_out, w, lay.table, lay.table, lay.block_start, grad_x, True)
+    launch(K_.grouped_mm_kernel, lnc)(grad_out, w, lay.table, lay.table, lay.block_start, grad_x, True)
     grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    K_.grouped_wgrad_kernel(x, grad_out, lay.table, lay.table, lay.block_start, grad_w)
+    launch(K_.grouped_wgrad_kernel, lnc)(x, grad_out, lay.table, lay.table, lay.block_start, grad_w)
     return grad_x, grad_w
 
 
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128) -> torch.Tensor:
-    """Fused SwiGLU experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype."""
+                w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128,
+                lnc: int | None = None) -> torch.Tensor:
+    """Fused SwiGLU experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype.
+    ``lnc``: 1 or 2 physical cores (None: :func:`trnkit.kernels.lnc.default_lnc`)."""
     from trnkit.kernels import moe_fused as K_  # noqa: PLC0415
 
     _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size)
+    lnc = resolve_lnc(lnc)
     E = w_gate_up.shape[0]
     lay, token = _moe_layout(topk_idx, E, block_size)
     weights = topk_weights.reshape(-1, 1).float()  # fp32 affinities, [T*K, 1]
-    return K_.moe_experts_kernel(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), token,
+    return launch(K_.moe_experts_kernel, lnc)(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), token,
                                  lay.table, _tail_split(lay, topk_idx, E), weights)
 
 
 def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                     w_gate_up: torch.Tensor, w_down: torch.Tensor, grad_out: torch.Tensor,
-                    block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    block_size: int = 128,
+                    lnc: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`moe_experts` as a pipeline of NKI kernels (activations are recomputed).
 
     1. ``gu = x[tok] @ w_gate_up[e]`` and ``ghp = grad_out[tok] @ w_down[e].T`` (grouped_mm kernel,
@@ -538,11 +549,16 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
        ``grad_topk_weights = <ghp, h>``, ``dgu``; 3. weight gradients ``grad_w_down[e] = sum (w h).T
        grad_out``, ``grad_w_gate_up[e] = sum x.T dgu`` (grouped wgrad kernel); 4. ``dgu @
        w_gate_up[e].T`` per slot and the sum over each token's K slots (combine kernel).
+
+    ``lnc=2``: every kernel runs on both cores, each on the same half of the experts (steps 1-4 only
+    read what the same core wrote before); the combine, a new launch, splits the tokens.
     """
     from trnkit.kernels import moe_fused as KE  # noqa: PLC0415
     from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
 
     _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out)
+    lnc = resolve_lnc(lnc)
+    gmm, wgrad = launch(KG.grouped_mm_kernel, lnc), launch(KG.grouped_wgrad_kernel, lnc)
     T, H = x.shape
     K = topk_idx.shape[1]
     E, _, I2 = w_gate_up.shape
@@ -555,18 +571,18 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     disp = torch.arange(NB * B, dtype=torch.int32, device=dev).view(NB, B)  # dispatch-order positions
     weights = topk_weights.reshape(-1, 1).float()
     gu = torch.empty(NB, B, I2, dtype=dt, device=dev)
-    KG.grouped_mm_kernel(x, w_gate_up, token, disp, lay.block_start, gu, False)
+    gmm(x, w_gate_up, token, disp, lay.block_start, gu, False)
     ghp = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
-    KG.grouped_mm_kernel(grad_out, w_down, token, disp, lay.block_start, ghp, True)
+    gmm(grad_out, w_down, token, disp, lay.block_start, ghp, True)
     hw = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
     dgu = torch.empty(NB, B, I2, dtype=dt, device=dev)
     gw = torch.empty(T * K, 1, dtype=torch.float32, device=dev)
-    KE.swiglu_bwd_kernel(gu, ghp, lay.table, lay.block_start, weights, hw, dgu, gw)
+    launch(KE.swiglu_bwd_kernel, lnc)(gu, ghp, lay.table, lay.block_start, weights, hw, dgu, gw)
     grad_wd = torch.empty(w_down.shape, dtype=w_down.dtype, device=dev)
-    KG.grouped_wgrad_kernel(hw, grad_out, disp, token, lay.block_start, grad_wd)
+    wgrad(hw, grad_out, disp, token, lay.block_start, grad_wd)
     grad_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
-    KG.grouped_wgrad_kernel(x, dgu, token, disp, lay.block_start, grad_wgu)
+    wgrad(x, dgu, token, disp, lay.block_start, grad_wgu)
     gx_slots = torch.empty(T * K, H, dtype=dt, device=dev)
-    KG.grouped_mm_kernel(dgu, w_gate_up, disp, lay.table, lay.block_start, gx_slots, True)
-    grad_x = KG.combine_kernel(gx_slots, K)
+    gmm(dgu, w_gate_up, disp, lay.table, lay.block_start, gx_slots, True)
+    grad_x = launch(KG.combine_kernel, lnc)(gx_slots, K)
     return grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd

@@ -17,6 +17,11 @@ run time):
 After all experts, :func:`trnkit.kernels.moe_grouped_mm.combine` sums each token's K slots with a
 0/1 selection-matrix matmul (fp32 PSUM) into ``out [T, H]``.
 
+LNC=2 (``moe_experts_kernel[2]``): each core runs the experts of
+:func:`~trnkit.kernels.moe_grouped_mm.owned_groups` (half the weights, half the blocks), writes its
+slots of the shared ``y``, waits at one ``core_barrier`` (a token's K slots come from both cores) and
+combines alternate token tiles.
+
 Backward, :func:`swiglu_bwd_kernel`: the elementwise part between the grouped matmuls of
 ``trnkit.kernels.moe.moe_experts_bwd``.
 """
@@ -33,11 +38,13 @@ from trnkit.kernels.moe_grouped_mm import (
     load_block_start,
     load_rows,
     load_weight,
+    owned_groups,
     row_matmul,
     store_rows,
     tiles,
     transpose_rows,
 )
+from trnkit.kernels._common import program_split
 from trnkit.nki_api import nisa, nl, nki
 
 def tail_widths(B: int) -> tuple[int, ...]:
@@ -134,9 +141,10 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     B = token_table.shape[1]
     widths = tail_widths(B)
     dt = x.dtype
-    y = nl.ndarray((S, H), dtype=dt, buffer=nl.hbm)  # per-slot scaled expert outputs
+    # per-slot scaled expert outputs; shared: on LNC=2 the combine reads slots of both cores
+    y = nl.ndarray((S, H), dtype=dt, buffer=nl.shared_hbm)
     bs = load_block_start(block_start)
-    for e in range(E):
+    for e in owned_groups(E):
         wgu = load_weight(w_gate_up, e)  # [P, HC, 2I]
         wd = load_weight(w_down, e)  # [P, IC, H]
         lo, hi = block_range(block_start, e, bs)
@@ -150,6 +158,8 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
             _expert_blocks(bounds[seg], bounds[seg + 1], width, x, token_table, slot_table, slot_weights, y,
                            wgu, wd)
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
+    if program_split()[0] > 1:
+        nisa.core_barrier(y, (0, 1))  # both cores' slots are in y before any token is combined
     combine(y, out, K)
     return out
 
@@ -171,8 +181,11 @@ def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw, dgu, g
     f32 = nl.float32
     gp = nisa.engine.gpsimd
     bs = load_block_start(block_start)
-    used = nisa.register_alloc()  # block_start[0, E]: blocks in use
-    nisa.register_load(used, bs[0:1, E:E + 1])
+    mine = owned_groups(E)  # LNC=2: the blocks of this core's experts (as in the grouped matmuls)
+    lo = nisa.register_alloc()
+    nisa.register_load(lo, bs[0:1, mine.start:mine.start + 1])
+    hi = nisa.register_alloc()
+    nisa.register_load(hi, bs[0:1, mine.stop:mine.stop + 1])
 
     def block(i):
         for sub in range(B // rows):
@@ -212,5 +225,5 @@ def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw, dgu, g
             nisa.tensor_tensor(dst=dgu_t[:, :inter], data1=ghu, data2=dsilu, op=nl.multiply)  # V: d gate
             store_rows(dgu, dgu_t, slot_table, i, sub)
 
-    nl.fori_loop(0, used, block)
+    nl.fori_loop(lo, hi, block)
     return hw, dgu, gw

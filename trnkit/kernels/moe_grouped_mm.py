@@ -9,6 +9,12 @@ Blocks of group ``g`` are ``block_start[0, g] .. block_start[0, g + 1] - 1``; ke
 over groups (each group's weights are loaded once, with big coalesced DMAs) and at run time
 (``nl.fori_loop`` with register bounds) over the group's blocks.
 
+LNC=2 (``kernel[2](...)``, one program per physical core): program p owns the p-th contiguous half of
+the groups (:func:`owned_groups`), so each core loads only its experts' weights and runs only their
+blocks; every block is computed exactly as on one core (results are bit-identical to LNC=1). Outputs
+written per group / per row need no synchronisation (the cores write disjoint parts); only a K-way
+combine of slots that both cores wrote waits at a ``core_barrier`` (or a new launch).
+
 Kernels:
 * :func:`grouped_mm_kernel` ``out[rows] = x[rows] @ w[g]`` (or ``@ w[g].T``).
 * :func:`grouped_wgrad_kernel` ``grad_w[g] = sum over blocks of a[rows].T @ b[rows]`` (fp32, in PSUM).
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trnkit.kernels._common import program_split
 from trnkit.nki_api import nisa, nl, nki
 
 P = 128  # partitions (nl.tile_size.pmax); contraction chunk of nc_matmul
@@ -29,6 +36,20 @@ PSUM_GROUPS = 4  # accumulation groups (PSUM banks) kept live per matmul pass
 def chunks(n: int, size: int) -> list[tuple[int, int]]:
     """``[(start, width), ...]`` covering ``range(n)`` in pieces of at most ``size``."""
     return [(s, min(size, n - s)) for s in range(0, n, size)]
+
+
+def owned_groups(G: int) -> range:
+    """The groups (experts) this program computes: all of them on a launch without a grid; on an
+    LNC=2 launch program p takes the p-th contiguous half (``ceil(G / 2)`` groups for program 0)."""
+    n_prog, pid = program_split()
+    per = (G + n_prog - 1) // n_prog
+    return range(min(G, pid * per), min(G, (pid + 1) * per))
+
+
+def owned_chunks(items: list) -> list:
+    """Every n-th item of ``items`` for program p of n (all of them without a grid)."""
+    n_prog, pid = program_split()
+    return [c for k, c in enumerate(items) if k % n_prog == pid]
 
 
 # ----------------------------------------------------------------------------------------- movement
@@ -212,7 +233,7 @@ def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out, transpose_w)
     G, Kw, Nw = w.shape
     C, N = (Nw, Kw) if transpose_w else (Kw, Nw)
     bs = load_block_start(block_start)
-    for g in range(G):
+    for g in owned_groups(G):
         w_sb = load_weight(w, g)
         grid = None
         if transpose_w:
@@ -262,7 +283,7 @@ def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
     nisa.memset(dst=z_mv, value=0.0)
     a_chunks = chunks(Ka, P)
     bs = load_block_start(block_start)
-    for g in range(G):
+    for g in owned_groups(G):
         lo, hi = block_range(block_start, g, bs)
         for j0, nj in chunks(len(a_chunks), WGRAD_TILES):
             for n0, nw in chunks(Nb, NMAX):
@@ -323,11 +344,12 @@ def combine(y: Any, out: Any, K: int) -> None:
 
     Each tile of 128 // K tokens loads its (128 // K) * K contiguous slot rows and multiplies them by
     the 0/1 selection matrix on the Tensor Engine: the K-way sum happens in fp32 PSUM, rounded once.
+    On an LNC=2 launch the programs take alternate token tiles.
     """
     T, H = out.shape
     sel = selection_matrix(K, y.dtype)
     n_tok = P // K
-    for t0, nt in chunks(T, n_tok):
+    for t0, nt in owned_chunks(chunks(T, n_tok)):
         ns = nt * K
         y_sb = nl.ndarray((ns, H), dtype=y.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=y_sb, src=y[t0 * K:t0 * K + ns, :])

@@ -39,8 +39,9 @@ Engines run concurrently; the total uses one of two schedules, named in ``CostRe
 Both lie between the roofline bound and the serialized sum (every latency added one after the other), by
 construction. The roofline bound is ``max(sum FLOPs / TensorE peak for their dtype, HBM bytes / HBM
 bandwidth)``; ``fraction_of_roofline = roofline / total``. Program instances (``program_id``, LNC=2
-launches) run on separate physical cores: each is scheduled on its own engines and HBM share, and the
-launch takes as long as the slowest.
+launches) run on separate physical cores: each is scheduled on its own engines and HBM share; they
+synchronise at every ``core_barrier`` and launch boundary, so each such phase takes as long as its
+slowest program and the phases add up (:func:`_sync_phases`).
 """
 
 from __future__ import annotations
@@ -311,6 +312,13 @@ def instr_cost(instr: Instr, chip: str | Chip = "trn2") -> InstrCost:
     fixed = chip.static_overhead_cycles + chip.access_init_cycles
     if instr.op == "nc_matmul":
         fixed += chip.mm_init_latency_cycles
+    if instr.op == "core_barrier":
+        # a semaphore exchange between the two cores, not a pass over ``data``: the engine issues one
+        # instruction; the wait is one cross-core semaphore round trip, taken as the DMA guide's
+        # semaphore-to-start fixed cost (assumption: no public figure for the barrier itself)
+        busy = chip.static_overhead_cycles / ghz
+        return InstrCost(instr.engine, busy, busy + chip.dma.fixed_ns, chip.dma.fixed_ns,
+                         chip.static_overhead_cycles)
     return InstrCost(instr.engine, cycles / ghz, (cycles + fixed) / ghz, fixed / ghz, cycles)
 
 
@@ -429,6 +437,27 @@ def _overlap_bound(instrs: Sequence[Instr], costs: Sequence[InstrCost]) -> float
     return total
 
 
+def _sync_phases(instrs: Sequence[Instr], n_programs: int) -> dict[tuple, list[int]]:
+    """One program's instructions (indices) by synchronisation phase ``(launch, barriers passed)``.
+
+    With several programs (an LNC=2 grid) every program waits for the others at a ``core_barrier`` and
+    at the start of the next launch, so each phase takes as long as its slowest program and phases add
+    up (no overlap across a sync point). A single program is one phase: consecutive launches on one
+    core overlap as far as their data dependencies allow, as before.
+    """
+    if n_programs == 1:
+        return {(): list(range(len(instrs)))}
+    phases: dict[tuple, list[int]] = defaultdict(list)
+    launch, passed = None, 0
+    for k, i in enumerate(instrs):
+        if i.attrs.get("launch") != launch:
+            launch, passed = i.attrs.get("launch"), 0
+        phases[(launch, passed)].append(k)
+        if i.op == "core_barrier":
+            passed += 1
+    return phases
+
+
 def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2") -> CostReport:
     """Estimate the run time of a recorded instruction trace on ``chip`` ("trn2" or "trn1")."""
     chip = hardware.get_chip(chip)
@@ -441,24 +470,30 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2") -> CostR
 
     busy: dict[str, float] = {}
     total = serial = compute_bound = memory_bound = 0.0
+    phase_total: dict[tuple, float] = defaultdict(float)  # sync phase -> its slowest program's time
+    phase_serial: dict[tuple, float] = defaultdict(float)
     for ks in programs.values():
         p_instrs = [instrs[k] for k in ks]
         p_costs = [costs[k] for k in ks]
-        if model == "list-schedule":
-            p_total = _list_schedule(p_instrs, p_costs)
-        else:
-            p_total = _overlap_bound(p_instrs, p_costs)
+        for phase, seg in _sync_phases(p_instrs, len(programs)).items():
+            s_instrs = [p_instrs[k] for k in seg]
+            s_costs = [p_costs[k] for k in seg]
+            if model == "list-schedule":
+                s_total = _list_schedule(s_instrs, s_costs)
+            else:
+                s_total = _overlap_bound(s_instrs, s_costs)
+            phase_total[phase] = max(phase_total[phase], s_total)
+            phase_serial[phase] = max(phase_serial[phase], sum(c.latency_ns for c in s_costs))
         p_busy: dict[str, float] = defaultdict(float)
         for i, c in zip(p_instrs, p_costs):
             p_busy[i.engine] += c.busy_ns
         for e, b in p_busy.items():
             busy[e] = max(busy.get(e, 0.0), b)
-        total = max(total, p_total)
-        serial = max(serial, sum(c.latency_ns for c in p_costs))
         p_compute = sum(i.flops / chip.tensor_flops_per_ns(_matmul_dtype(i)) for i in p_instrs if i.flops)
         p_memory = sum(i.hbm_bytes for i in p_instrs) / chip.hbm_bytes_per_ns
         compute_bound = max(compute_bound, p_compute)
         memory_bound = max(memory_bound, p_memory)
+    total, serial = sum(phase_total.values()), sum(phase_serial.values())
 
     count: dict[str, int] = defaultdict(int)
     by_op: dict[str, list] = {}

@@ -32,6 +32,7 @@ accumulate records. Push a :class:`KernelContext` and call :meth:`Memory.check` 
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
@@ -197,6 +198,9 @@ def _listing(live: dict[int, Allocation]) -> str:
     return "; ".join(a.describe() for a in items)
 
 
+_launch_counter = itertools.count()
+
+
 @dataclass
 class LaunchContext:
     """State shared by all program instances of one launch: the grid, ``shared_hbm`` storage."""
@@ -206,6 +210,7 @@ class LaunchContext:
     lock: threading.Lock = field(default_factory=threading.Lock)
     barrier: threading.Barrier | None = None  # for core_barrier / sendrecv style ops
     mailbox: dict = field(default_factory=dict)  # sendrecv: (pipe_id, from, to) -> data
+    seq: int = field(default_factory=_launch_counter.__next__)  # launch order, for the cost model
 
     @property
     def num_instances(self) -> int:

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from trnkit.kernels.constraints import Violation
+from trnkit.kernels.lnc import LNC_VALUES, set_lnc
 from trnkit.kernels.moe import from_hf_v5
 from trnkit.overrides import ops
 from trnkit.overrides.registry import (
@@ -73,7 +74,9 @@ class OverrideConfig:
     """Which ops to swap, with which impl, under which policy.
 
     ``impl`` is one name for every op or ``{op: name}``; ``seq_len``/``batch_size`` size the dry-run
-    validation (default: the model config's maximum sequence length, batch 1).
+    validation (default: the model config's maximum sequence length, batch 1). ``lnc``: physical
+    cores per MoE kernel launch (1, or 2 = a trn2 logical core); None keeps the process default
+    (:func:`trnkit.kernels.lnc.default_lnc`: 2 on a trn2 logical core, 1 on the interpreter).
     """
 
     ops: Sequence[str] = SWAPPABLE_OPS
@@ -83,9 +86,12 @@ class OverrideConfig:
     batch_size: int = 1
     dry_run: bool = True
     block_size: int = 128  # moe_experts token block size
+    lnc: int | None = None
 
     def __post_init__(self) -> None:
         self.ops = tuple(self.ops)
+        if self.lnc is not None and (isinstance(self.lnc, bool) or self.lnc not in LNC_VALUES):
+            raise ValueError(f"OverrideConfig.lnc must be one of {LNC_VALUES} or None, got {self.lnc!r}")
         bad = [op for op in self.ops if op not in SWAPPABLE_OPS]
         if bad:
             raise ValueError(f"OverrideConfig.ops: unknown op(s) {bad}; swappable ops are {list(SWAPPABLE_OPS)}")
@@ -561,6 +567,8 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kw
         raise RuntimeError("trnkit apply_overrides: overrides are already applied to this model; "
                            "call trnkit.overrides.revert(model) first")
     report = OverrideReport(config.policy)
+    if config.lnc is not None and config.policy != "off":
+        set_lnc(config.lnc)  # process-wide: the kernels' wrappers read it at each call
     found = list(_find_swap_points(model, config.ops))
     if config.policy == "off":
         report.rows.extend(OverrideRow(p, op, ORIGINAL, config.impl_for(op), "off", "policy 'off'")

@@ -364,10 +364,12 @@ def emit(op: str, engine: str, dst: NkiTensor | None = None,
     attrs.setdefault("write_boxes", tuple(write_boxes))
     if not parts and ops:  # HBM -> HBM copies
         elems, parts = any_elems, 1
+    ctx = _mem.current()
+    attrs.setdefault("launch", ctx.launch.seq)  # the cost model syncs the programs of a grid per launch
     tr.append(trace.Instr(op=op, engine=engine, operands=tuple(ops), flops=int(flops),
                           hbm_bytes=int(hbm_bytes), dma_bytes=int(dma_bytes),
                           elems_per_partition=int(elems), partitions=int(parts),
-                          program_id=_mem.current().flat_program_id, attrs=attrs))
+                          program_id=ctx.flat_program_id, attrs=attrs))
 
 
 # Buffers as tuples of names, for check_buffer
