@@ -246,7 +246,8 @@ def test_bad_data_files_name_file_and_line(tmp_path: Path, name: str, content: b
         read_documents(str(tmp_path / name))
 
 
-def test_bad_data_file_through_the_cli(tmp_path: Path, tiny_tokenizer: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_data_file_through_the_cli(tmp_path: Path, tiny_tokenizer: str, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_bytes(b'{"text": "fine"}\n{"text": oops}\n')
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, tmp_path / "data")
@@ -255,6 +256,9 @@ def test_bad_data_file_through_the_cli(tmp_path: Path, tiny_tokenizer: str, caps
     assert "--debug or TRNKIT_DEBUG=1 shows the traceback" in err
     code, _, err = _main(["--config", str(tmp_path / "c.toml"), "--debug"], capsys)
     assert code == 2 and "Traceback" in err  # asked for
+    monkeypatch.setenv("TRNKIT_DEBUG", "1")
+    code, _, err = _main(["--config", str(tmp_path / "c.toml")], capsys)
+    assert code == 2 and "Traceback" in err and "a.jsonl:2 is not valid JSON" in err
 
 
 # ------------------------------------------------------------------ bad model folders and configs
