@@ -42,15 +42,17 @@ def row_chunks(n_rows: int, nt_max: int) -> tuple:
     uses P < 128 partitions with NT=1 (any row count works)."""
     chunk = P_MAX * nt_max
     n_full = n_rows // chunk
-    chunks = tuple((i * chunk, P_MAX, nt_max) for i in range(n_full))
+    chunks = []
+    for i in range(n_full):
+        chunks.append((i * chunk, P_MAX, nt_max))
     r0 = n_full * chunk
     nt_rest = (n_rows - r0) // P_MAX
     if nt_rest:
-        chunks = chunks + ((r0, P_MAX, nt_rest),)
+        chunks.append((r0, P_MAX, nt_rest))
         r0 = r0 + P_MAX * nt_rest
     if r0 < n_rows:
-        chunks = chunks + ((r0, n_rows - r0, 1),)
-    return chunks
+        chunks.append((r0, n_rows - r0, 1))
+    return tuple(chunks)
 
 
 def program_split() -> tuple:

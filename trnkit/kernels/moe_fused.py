@@ -82,14 +82,21 @@ def swiglu_chunks_per_pass(B: int) -> int:
 def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, group: list, j0: int) -> None:
     """One pass of :func:`swiglu_T` over the I-chunks in ``group`` (its PSUM tiles are local, so their
     banks are free again when the pass returns)."""
-    g_ps = [nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum) for _, iw in group]
-    u_ps = [nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum) for _, iw in group]
-    for c, (_, hk) in enumerate(chunks(H, P)):
-        for jj, (i0, iw) in enumerate(group):
+    g_ps = []
+    u_ps = []
+    for _, iw in group:
+        g_ps.append(nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum))
+        u_ps.append(nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum))
+    hcs = chunks(H, P)
+    for c in range(len(hcs)):
+        hk = hcs[c][1]
+        for jj in range(len(group)):
+            i0, iw = group[jj]
             nisa.nc_matmul(dst=g_ps[jj], stationary=wgu[:hk, c, i0:i0 + iw], moving=x_T[c][:hk, :])
             nisa.nc_matmul(dst=u_ps[jj], stationary=wgu[:hk, c, inter + i0:inter + i0 + iw],
                            moving=x_T[c][:hk, :])
-    for jj, (_, iw) in enumerate(group):
+    for jj in range(len(group)):
+        iw = group[jj][1]
         act = nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=act, op=nl.silu, data=g_ps[jj])
         nisa.tensor_tensor(dst=h_T[j0 + jj][:iw, :], data1=act, data2=u_ps[jj], op=nl.multiply)
@@ -154,8 +161,9 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
             nisa.register_load(r, bs[0:1, j * (E + 1) + e:j * (E + 1) + e + 1])
             bounds.append(r)
         bounds.append(hi)
-        for seg, width in enumerate((B,) + widths):
-            _expert_blocks(bounds[seg], bounds[seg + 1], width, x, token_table, slot_table, slot_weights, y,
+        seg_widths = (B,) + widths
+        for seg in range(len(seg_widths)):
+            _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, token_table, slot_table, slot_weights, y,
                            wgu, wd)
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:

@@ -35,7 +35,10 @@ PSUM_GROUPS = 4  # accumulation groups (PSUM banks) kept live per matmul pass
 
 def chunks(n: int, size: int) -> list[tuple[int, int]]:
     """``[(start, width), ...]`` covering ``range(n)`` in pieces of at most ``size``."""
-    return [(s, min(size, n - s)) for s in range(0, n, size)]
+    out = []
+    for s in range(0, n, size):
+        out.append((s, min(size, n - s)))
+    return out
 
 
 def owned_groups(G: int) -> range:
@@ -138,7 +141,9 @@ def transpose_rows(src: Any, dst: list, col0: int = 0, vector_every: int = 0) ->
     the bottleneck while the Vector Engine has time to spare.
     """
     rows, width = src.shape
-    for c, (w0, cw) in enumerate(chunks(width, P)):
+    cks = chunks(width, P)
+    for c in range(len(cks)):
+        w0, cw = cks[c]
         if vector_every and c % vector_every == vector_every - 1 and rows % 32 == 0 and cw % 32 == 0:
             for r0 in range(0, rows, 32):
                 for k0 in range(0, cw, 32):
@@ -152,7 +157,10 @@ def transpose_rows(src: Any, dst: list, col0: int = 0, vector_every: int = 0) ->
 
 def tiles(n: int, shape: tuple, dtype: Any, buffer: Any = None) -> list:
     """``n`` separate tiles (the current-NKI replacement of a block dimension)."""
-    return [nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf if buffer == None else buffer) for _ in range(n)]
+    out = []
+    for _ in range(n):
+        out.append(nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf if buffer == None else buffer))
+    return out
 
 
 def transposed_weight(w_sb: Any, R: int, C: int) -> list:
@@ -163,7 +171,7 @@ def transposed_weight(w_sb: Any, R: int, C: int) -> list:
     """
     grid = []
     k = 0
-    for d, (c0, cw) in enumerate(chunks(C, P)):
+    for c0, cw in chunks(C, P):
         row = []
         for q0, qn in chunks(R, NMAX):
             ps = nl.ndarray((cw, qn), dtype=w_sb.dtype, buffer=nl.psum)
@@ -212,12 +220,18 @@ def _row_matmul_pass(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, grid: Any, 
                      scale: Any, group: list, q0: int) -> None:
     """One pass of :func:`row_matmul` over the 512-column pieces in ``group`` (its PSUM tiles are
     local, so their banks are free again when the pass returns)."""
-    ps = [nl.ndarray((rows, nw), dtype=nl.float32, buffer=nl.psum) for _, nw in group]
-    for c, (_, ck) in enumerate(chunks(contract, P)):
-        for j, (n0, nw) in enumerate(group):
+    ps = []
+    for _, nw in group:
+        ps.append(nl.ndarray((rows, nw), dtype=nl.float32, buffer=nl.psum))
+    cks = chunks(contract, P)
+    for c in range(len(cks)):
+        ck = cks[c][1]
+        for j in range(len(group)):
+            n0, nw = group[j]
             nisa.nc_matmul(dst=ps[j], stationary=lhs_T[c][:ck, col0:col0 + rows],
                            moving=moving_view(w_sb, grid, c, ck, n0, nw))
-    for j, (n0, nw) in enumerate(group):
+    for j in range(len(group)):
+        n0, nw = group[j]
         evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale)
 
 
@@ -301,9 +315,11 @@ def _wgrad_pass(lo: Any, hi: Any, a: Any, b: Any, a_table: Any, b_table: Any, gr
     rows = min(B, P)
     k_lo = group[0][0]
     k_w = group[-1][0] + group[-1][1] - k_lo
-    ps = [nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum) for _, kw in group]
-    for t, (_, kw) in zip(ps, group):
+    ps = []
+    for _, kw in group:
+        t = nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_matmul(dst=t, stationary=z_st[0:1, :kw], moving=z_mv[0:1, :nw], accumulate=False)
+        ps.append(t)
 
     def block(i):
         for sub in range(B // rows):
@@ -311,15 +327,17 @@ def _wgrad_pass(lo: Any, hi: Any, a: Any, b: Any, a_table: Any, b_table: Any, gr
             load_rows(a_t, a, a_table, i, sub, zero_pad=True, col0=k_lo)
             b_t = nl.ndarray((rows, nw), dtype=b.dtype, buffer=nl.sbuf)
             load_rows(b_t, b, b_table, i, sub, zero_pad=True, col0=n0)
-            for t, (k0, kw) in zip(ps, group):
+            for q in range(len(group)):
+                k0, kw = group[q]
                 # explicit: the run-time loop body always adds onto the open group
-                nisa.nc_matmul(dst=t, stationary=a_t[:rows, k0 - k_lo:k0 - k_lo + kw],
+                nisa.nc_matmul(dst=ps[q], stationary=a_t[:rows, k0 - k_lo:k0 - k_lo + kw],
                                moving=b_t[:rows, :], accumulate=True)
 
     nl.fori_loop(lo, hi, block)
-    for q, (t, (k0, kw)) in enumerate(zip(ps, group)):
+    for q in range(len(group)):
+        k0, kw = group[q]
         res = nl.ndarray((kw, nw), dtype=grad_w.dtype, buffer=nl.sbuf)
-        evacuate(res, t, q)
+        evacuate(res, ps[q], q)
         nisa.dma_copy(dst=grad_w.ap(pattern=[[Nb, kw], [1, nw]], offset=(g * Ka + k0) * Nb + n0), src=res)
 
 
@@ -354,7 +372,9 @@ def combine(y: Any, out: Any, K: int) -> None:
         y_sb = nl.ndarray((ns, H), dtype=y.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=y_sb, src=y[t0 * K:t0 * K + ns, :])
         o_sb = nl.ndarray((nt, H), dtype=out.dtype, buffer=nl.sbuf)
-        for j, (n0, nw) in enumerate(chunks(H, NMAX)):
+        hcs = chunks(H, NMAX)
+        for j in range(len(hcs)):
+            n0, nw = hcs[j]
             ps = nl.ndarray((nt, nw), dtype=nl.float32, buffer=nl.psum)
             nisa.nc_matmul(dst=ps, stationary=sel[:ns, :nt], moving=y_sb[:ns, n0:n0 + nw])
             evacuate(o_sb[:, n0:n0 + nw], ps, j)

@@ -334,7 +334,8 @@ def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load,
     ns = max(1, PSUM_FMAX // D)  # rows per slab
     for bt in range(B if per_batch else 1):
         heads = []  # (x, x_out, HBM offset) of every head tile that uses these tables
-        for b in (range(bt, bt + 1) if per_batch else range(B)):
+        b_lo, b_hi = (bt, bt + 1) if per_batch else (0, B)
+        for b in range(b_lo, b_hi):
             for x, x_out in ((q, q_out), (k, k_out)):
                 H = x.shape[1]
                 for hd in range(H):
@@ -361,7 +362,9 @@ def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load,
             # one engine per tile: slabs of one tile on two engines would order each other
             on_vector = _pick_vector(load, NT * D)
             if not on_vector and negs == None:  # noqa: E711
-                negs = [_neg_table(t_v, D, backward) for _, t_v in tabs]
+                negs = []
+                for tab in tabs:
+                    negs.append(_neg_table(tab[1], D, backward))
             slabs = []
             for t0 in range(0, NT, ns):
                 t1 = min(NT, t0 + ns)

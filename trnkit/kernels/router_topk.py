@@ -192,7 +192,9 @@ def _transpose_blocks(pairs, rows, cols, dtype, load):
     per_bank = max(1, 2048 // (P_MAX * itemsize))  # [128, 128] blocks per 2 KiB bank
     for j0 in range(0, n_full, per_bank):
         j1 = min(n_full, j0 + per_bank)
-        ps = [nl.ndarray((P_MAX, j1 - j0, rows), dtype=dtype, buffer=nl.psum) for _ in pairs]
+        ps = []
+        for _ in pairs:
+            ps.append(nl.ndarray((P_MAX, j1 - j0, rows), dtype=dtype, buffer=nl.psum))
         for j in range(j0, j1):
             for i in range(len(pairs)):
                 nisa.nc_transpose(dst=ps[i][:, j - j0, :], data=pairs[i][1][0:rows, j * P_MAX:(j + 1) * P_MAX])
@@ -331,7 +333,10 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
     chunks = _token_chunks(T, _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
     # SPMD (``router_topk_kernel[2]`` on LNC=2): program i takes every n_prog-th chunk
     n_prog, pid = _program_split()
-    chunks = tuple(chunks[i] for i in range(len(chunks)) if i % n_prog == pid)
+    mine = []
+    for i in range(pid, len(chunks), n_prog):
+        mine.append(chunks[i])
+    chunks = mine
     n = len(chunks)
     x_sb = [None] * n
     xT = [None] * n
@@ -350,7 +355,10 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
         if 0 <= c < n and not dma_t:  # stage A: transpose every sub-tile (interleaved)
             t0, P, NT = chunks[c]
             xT[c] = nl.ndarray((P_MAX, NT, n_h, P), dtype=x.dtype, buffer=nl.sbuf)
-            _transpose_blocks([(xT[c][:, j, :, :], x_sb[c][:, j, :]) for j in range(NT)], P, H, x.dtype, load)
+            pairs = []
+            for j in range(NT):
+                pairs.append((xT[c][:, j, :, :], x_sb[c][:, j, :]))
+            _transpose_blocks(pairs, P, H, x.dtype, load)
             x_sb[c] = None
         c = step - 2
         if 0 <= c < n:  # stage B: logits, the NT accumulation chains interleaved
@@ -358,7 +366,9 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
             lg_all[c] = nl.ndarray((P, NT, Ep), dtype=nl.float32, buffer=nl.sbuf)
             if E < 8:  # pad with a value no logit can lose to (K <= E)
                 nisa.memset(dst=lg_all[c][:, :, E:8], value=_NEG_BIG)
-            lg_ps = [nl.ndarray((P, E), dtype=nl.float32, buffer=nl.psum) for _ in range(NT)]
+            lg_ps = []
+            for j in range(NT):
+                lg_ps.append(nl.ndarray((P, E), dtype=nl.float32, buffer=nl.psum))
             for h in range(n_h):
                 hb = min(P_MAX, H - h * P_MAX)
                 for j in range(NT):
@@ -396,8 +406,10 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
 def _tiles(group, dtype, width=0):
     """One SBUF tile per token tile of ``group``: ``[P_i, width]``, or the shape of its logits when
     ``width`` is 0 (a module-level helper, not a closure: kernel code stays plain calls)."""
-    return [nl.ndarray((g[0].shape[0], width if width > 0 else g[0].shape[1]), dtype=dtype, buffer=nl.sbuf)
-            for g in group]
+    out = []
+    for g in group:
+        out.append(nl.ndarray((g[0].shape[0], width if width > 0 else g[0].shape[1]), dtype=dtype, buffer=nl.sbuf))
+    return out
 
 
 def _logit_grad_tiles(group, iota_e, norm_topk_prob):
@@ -419,7 +431,7 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
     f32 = nl.float32
 
     neg_max, s_all, e = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32)
-    ikf = [nl.ndarray(group[i][1].shape, dtype=f32, buffer=nl.sbuf) for i in range(n)]
+    ikf = _tiles(group, f32, K)
     for i in range(n):
         nisa.tensor_reduce(dst=neg_max[i], op=nl.maximum, data=group[i][0], axis=1, negate=True)
         nisa.tensor_copy(dst=ikf[i], src=group[i][1], engine=nisa.engine.gpsimd)
@@ -427,8 +439,11 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
         nisa.activation(dst=e[i], op=nl.exp, data=group[i][0], bias=neg_max[i], reduce_op=nl.add,
                         reduce_res=s_all[i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
     # products[i][k] = onehot(ik_k) * gk_k, masks[i][k] = onehot(ik_k)
-    prods = [[None] * K for _ in range(n)]
-    masks = [[None] * K for _ in range(n)]
+    prods = []
+    masks = []
+    for i in range(n):
+        prods.append([None] * K)
+        masks.append([None] * K)
     for k in range(K):
         for i in range(n):
             rows = group[i][0].shape[0]
@@ -449,7 +464,9 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
                     nisa.tensor_tensor(dst=masks[i][k], data1=masks[i][k], data2=masks[i][k + width], op=nl.add,
                                        engine=nisa.engine.gpsimd)
         width = width * 2
-    G = [prods[i][0] for i in range(n)]
+    G = []
+    for i in range(n):
+        G.append(prods[i][0])
     den, dot, rden, neg_c = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1)
     tmp, g = _tiles(group, f32), _tiles(group, f32)
     if norm_topk_prob:
@@ -499,8 +516,9 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
     fused_w = n_e == 1 and H <= 4 * PSUM_FMAX
     n_parts = 2 if split else 1
     if fused_w:
-        w_accs = [nl.ndarray((E, min(PSUM_FMAX, H - h0)), dtype=nl.float32, buffer=nl.psum)
-                  for h0 in range(0, H, PSUM_FMAX)]
+        w_accs = []
+        for h0 in range(0, H, PSUM_FMAX):
+            w_accs.append(nl.ndarray((E, min(PSUM_FMAX, H - h0)), dtype=nl.float32, buffer=nl.psum))
     else:
         g_hbm = nl.ndarray((n_parts, T, E), dtype=mm, buffer=nl.shared_hbm)  # bf16: hi and lo parts
     load = [0.0, 0.0]
@@ -511,9 +529,13 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
         nisa.dma_copy(dst=w_sb[0:ec, c, :], src=w_router[c * P_MAX:c * P_MAX + ec, :])
     iota_e = nl.ndarray((P_MAX, E), dtype=nl.float16, buffer=nl.sbuf)  # 0..E-1 on every partition (exact)
     nisa.iota(dst=iota_e, pattern=[[1, E]], offset=0, channel_multiplier=0)
-    tiles = [(t0, min(P_MAX, T - t0)) for t0 in range(0, T, P_MAX)]
+    tiles = []
+    for t0 in range(0, T, P_MAX):
+        tiles.append((t0, min(P_MAX, T - t0)))
     gs = _bwd_group(E, K)
-    groups = [list(range(g0, min(len(tiles), g0 + gs))) for g0 in range(0, len(tiles), gs)]
+    groups = []
+    for g0 in range(0, len(tiles), gs):
+        groups.append(list(range(g0, min(len(tiles), g0 + gs))))
     n = len(groups)
     ins = [None] * n  # stage L -> G
     glT = [None] * n  # stage G -> M
@@ -544,7 +566,8 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 t0, tp = tiles[groups[i_g][gi]]
                 g_l = g_ls[gi]
                 if split:  # g = hi + lo, both bf16: ~16 significant bits through bf16 matmuls
-                    parts = [nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf) for _ in range(2)]
+                    hi = nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf)
+                    parts = [hi, nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf)]
                     nisa.tensor_copy(dst=parts[0], src=g_l, engine=nisa.engine.gpsimd)
                     nisa.tensor_tensor(dst=parts[1], data1=g_l, data2=parts[0], op=nl.subtract,
                                        engine=nisa.engine.gpsimd)
@@ -558,8 +581,12 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                     for i in range(len(parts)):
                         nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
                 # grad_x needs g_l^T (E on partitions: the contraction)
-                gT = [nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf) for _ in parts]
-                _transpose_blocks([(gT[i], parts[i]) for i in range(len(parts))], tp, E, mm, load)
+                gT = []
+                pairs = []
+                for i in range(len(parts)):
+                    gT.append(nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf))
+                    pairs.append((gT[i], parts[i]))
+                _transpose_blocks(pairs, tp, E, mm, load)
                 glT[i_g].append((gT, parts, x_sb))
         i_m = step - 2
         if 0 <= i_m < n:  # grad_x [tp, H] = g_l [tp, E] @ w [E, H]; the H blocks' chains interleaved
@@ -570,9 +597,11 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 gx_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
                 nb = 2 if fused_w else 4  # grad_x PSUM banks in flight (fused: 4 hold grad_w)
                 for hq in range(0, H, nb * PSUM_FMAX):
-                    blocks = [(h0, min(PSUM_FMAX, H - h0))
-                              for h0 in range(hq, min(H, hq + nb * PSUM_FMAX), PSUM_FMAX)]
-                    gx_ps = [nl.ndarray((tp, hc), dtype=nl.float32, buffer=nl.psum) for _, hc in blocks]
+                    blocks = []
+                    gx_ps = []
+                    for h0 in range(hq, min(H, hq + nb * PSUM_FMAX), PSUM_FMAX):
+                        blocks.append((h0, min(PSUM_FMAX, H - h0)))
+                        gx_ps.append(nl.ndarray((tp, min(PSUM_FMAX, H - h0)), dtype=nl.float32, buffer=nl.psum))
                     for c in range(n_e):
                         ec = min(P_MAX, E - c * P_MAX)
                         for i in range(len(gT)):
@@ -610,7 +639,9 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 accs.append(nl.ndarray((ec, min(PSUM_FMAX, hg + hw - h0)), dtype=nl.float32, buffer=nl.psum))
             for t0 in range(0, T, P_MAX):
                 tp = min(P_MAX, T - t0)
-                g_sb = [nl.ndarray((tp, ec), dtype=mm, buffer=nl.sbuf) for _ in range(n_parts)]
+                g_sb = []
+                for i in range(n_parts):
+                    g_sb.append(nl.ndarray((tp, ec), dtype=mm, buffer=nl.sbuf))
                 for i in range(len(g_sb)):
                     nisa.dma_copy(dst=g_sb[i], src=g_hbm[i, t0:t0 + tp, e0:e0 + ec])
                 x_sb = nl.ndarray((tp, hw), dtype=mm, buffer=nl.sbuf)
