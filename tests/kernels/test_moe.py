@@ -504,10 +504,12 @@ def test_moe_experts_trace_visits_only_used_blocks() -> None:
 
 @pytest.mark.slow
 def test_moe_experts_cost_qwen3_30b_a3b() -> None:
-    """Issue 3 target: moe_experts at Qwen3-30B-A3B shapes >= 75% of the TensorE bound (~3-4 min)."""
+    """moe_experts at Qwen3-30B-A3B shapes vs the TensorE bound (~3-4 min). Issue 3's target was 75%
+    (77.9% with 16 outstanding PSUM accumulation groups); within the hardware's eight (issue #11) the
+    kernel reaches 68.4%: the 75% target is open again."""
     _, rep, bound = _cost_of_moe_experts(T=8192, H=2048, inter=768, E=128, K=8)
     print(rep, f"\nuseful-FLOP TensorE bound {bound / 1e6:.3f} ms -> {bound / rep.total_ns:.1%}")
-    assert bound / rep.total_ns >= 0.75
+    assert bound / rep.total_ns >= 0.68
 
 
 def test_backward_sbuf_constraints_are_checked() -> None:

@@ -25,7 +25,7 @@ def sb(shape, dtype=nl.bfloat16):
 
 
 @pytest.mark.parametrize("shape,axes", [((64, 128), (1, 0)), ((16, 3, 128), (2, 1, 0)),
-                                        ((32, 2, 3, 128), (3, 1, 2, 0))])
+                                        ((16, 2, 4, 128), (3, 1, 2, 0)), ((128, 1, 1, 96), (3, 1, 2, 0))])
 def test_values_match_numpy_transpose(shape, axes):
     a = RNG.standard_normal(shape).astype(BF16)
     dst = sb(tuple(shape[i] for i in axes))
@@ -44,28 +44,42 @@ def test_sbuf_source_fp32_and_strided_hbm_view():
     d = sb((128, 96), nl.float32)
     nisa.dma_transpose(dst=d, src=s)  # SBUF -> SBUF, fp32 (2-byte rule only with hwdge)
     np.testing.assert_array_equal(d.np(), a[0:96, 128:256].T)
-    # the router's x^T view: x.ap([[NT*H, P], [H, NT], [128, n_h], [1, 128]]) -> [128, NT, n_h, P]
-    v = x.ap(pattern=[[2 * 384, 64], [384, 2], [128, 3], [1, 128]], offset=384)
-    d4 = sb((128, 2, 3, 64), nl.float32)
+    # a strided 4-D view in the plain form [A, 1, 1, F]: rows 1, 3, 5, ... columns 128..255
+    v = x.ap(pattern=[[2 * 384, 64], [1, 1], [1, 1], [1, 128]], offset=384 + 128)
+    d4 = sb((128, 1, 1, 64), nl.float32)
     nisa.dma_transpose(dst=d4, src=v, axes=(3, 1, 2, 0))
-    ref = a[1:129].reshape(64, 2, 3, 128).transpose(3, 1, 2, 0)
-    np.testing.assert_array_equal(d4.np(), ref)
+    np.testing.assert_array_equal(d4.np()[:, 0, 0, :], a[1:129:2, 128:256].T)
 
 
-def test_hwdge_accepts_documented_shape():
+def test_hwdge_accepts_documented_shapes():
     a = RNG.standard_normal((16, 256)).astype(BF16)
     d = sb((128, 16))
     nisa.dma_transpose(dst=d, src=hb(a[:, 0:128]), dge_mode=nisa.dge_mode.hwdge)
     np.testing.assert_array_equal(d.np(), a[:, 0:128].T)
+    # 4-D: 16 rows, any middle dims, 128 columns (router_topk's x^T load)
+    b = RNG.standard_normal((16 * 4, 3 * 128)).astype(BF16)  # rows r*4 + j, columns h*128 + c
+    v = hb(b).ap(pattern=[[4 * 384, 16], [384, 4], [128, 3], [1, 128]], offset=0)
+    d4 = sb((128, 4, 3, 16))
+    nisa.dma_transpose(dst=d4, src=v, dge_mode=nisa.dge_mode.hwdge)
+    np.testing.assert_array_equal(d4.np(), b.reshape(16, 4, 3, 128).transpose(3, 1, 2, 0))
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda: (sb((128, 16)), hb(np.zeros((32, 128), BF16)), {"dge_mode": nisa.dge_mode.hwdge}),
-     r"hwdge needs src.shape\[0\] == 16, got 32"),
-    (lambda: (sb((64, 16)), hb(np.zeros((16, 64), BF16)), {"dge_mode": nisa.dge_mode.hwdge}),
-     r"hwdge needs src.shape\[-1\] % 128 == 0, got 64"),
+    (lambda: (sb((128, 32)), hb(np.zeros((32, 128), BF16)), {"dge_mode": nisa.dge_mode.hwdge}),
+     r"hwdge: needs src.shape\[0\] == 16, got 32"),
+    (lambda: (sb((128, 2, 4, 8)), hb(np.zeros((8, 2, 4, 128), BF16)), {"dge_mode": nisa.dge_mode.hwdge}),
+     r"hwdge: needs src.shape\[0\] == 16, got 8"),
+    (lambda: (sb((64, 2, 16)), hb(np.zeros((16, 2, 64), BF16)), {"dge_mode": nisa.dge_mode.hwdge}),
+     r"hwdge: needs src.shape\[-1\] == 128 .* got 64"),
     (lambda: (sb((128, 16), nl.float32), hb(np.zeros((16, 128), np.float32)), {"dge_mode": nisa.dge_mode.hwdge}),
-     r"hwdge needs a 2-byte src dtype, got float32 \(4 bytes\)"),
+     r"hwdge: needs a 2-byte src dtype, got float32 \(4 bytes\)"),
+    (lambda: (sb((128, 16, 16)), hb(np.zeros((16, 16, 256), BF16)), {}),
+     r"src.shape\[-1\] must be <= 128 .* got 256"),
+    # router_topk's former x^T load: 128 rows and non-trivial middle dims under dge_mode=unknown
+    (lambda: (sb((128, 2, 3, 128)), hb(np.zeros((128, 2, 3, 128), BF16)), {}),
+     r"dge_mode=unknown: src shape \(128, 2, 3, 128\) meets neither the hardware-DGE rules"),
+    (lambda: (sb((128, 3, 16), nl.float32), hb(np.zeros((16, 3, 128), np.float32)), {}),
+     r"meets neither the hardware-DGE rules \(needs a 2-byte src dtype"),
     (lambda: (sb((128, 16)), hb(np.zeros((16, 128), BF16)), {"dge_mode": nisa.dge_mode.swdge}),
      "only valid dge_modes are unknown and hwdge, got dge_mode.swdge"),
     (lambda: (sb((128, 16)), hb(np.zeros((16, 128), BF16)), {"axes": (0, 1)}),
@@ -106,22 +120,24 @@ def test_oob_error_and_skip():
 
 
 def test_trace_record_and_cost_factor():
-    a = RNG.standard_normal((128, 2048)).astype(BF16)
+    a = RNG.standard_normal((16, 2048)).astype(BF16)
     x = hb(a)
     with trace.record() as tr:
-        c = sb((128, 2048))
+        c = sb((16, 2048))
         nisa.dma_copy(dst=c, src=x)
-        t = sb((128, 16, 128))
-        nisa.dma_transpose(dst=t, src=x.ap(pattern=[[2048, 128], [128, 16], [1, 128]], offset=0),
+        t = sb((128, 16, 16))
+        nisa.dma_transpose(dst=t, src=x.ap(pattern=[[2048, 16], [128, 16], [1, 128]], offset=0),
                            name="xT")
-        t2 = sb((128, 16, 128))
-        nisa.dma_transpose(dst=t2, src=c.ap(pattern=[[2048, 128], [128, 16], [1, 128]], offset=0))
+        t2 = sb((128, 16, 16))
+        nisa.dma_transpose(dst=t2, src=c.ap(pattern=[[2048, 16], [128, 16], [1, 128]], offset=0))
     cp, tx, ts = tr.instrs[-3:]
     assert (tx.op, tx.engine, tx.dma_bytes, tx.hbm_bytes) == ("dma_transpose", "dma", a.nbytes, a.nbytes)
     assert tx.attrs["transpose"] and tx.attrs["name"] == "xT" and tx.attrs["dge_mode"] == "unknown"
     assert (ts.dma_bytes, ts.hbm_bytes) == (a.nbytes, 0)
     # trn2 arch guide: transpose throughput <= 90% of a copy's from HBM, <= 50% SBUF -> SBUF
-    ccp, ctx, cts = (cost.instr_cost(i) for i in (cp, tx, ts))
-    assert ctx.busy_ns == pytest.approx(ccp.busy_ns / 0.9)
+    # (against a copy of the same operand geometry)
+    ctx, cts = cost.instr_cost(tx), cost.instr_cost(ts)
+    ch = cost.instr_cost(cp.__class__(**{**cp.__dict__, "operands": tx.operands}))
+    assert ctx.busy_ns == pytest.approx(ch.busy_ns / 0.9)
     cs = cost.instr_cost(cp.__class__(**{**cp.__dict__, "hbm_bytes": 0, "operands": ts.operands}))
     assert cts.busy_ns == pytest.approx(cs.busy_ns / 0.5)

@@ -313,3 +313,42 @@ def test_matmul_double_row_fp8():
     with pytest.raises(NkiValidationError, match="cannot be combined with column tiling"):
         nisa.nc_matmul(psum_tile(32, 256), tile(a[:, :, :32]), tile(b), perf_mode="double_row",
                        tile_position=(0, 0), tile_size=(128, 32))
+
+
+def _open_groups(n: int, m: int = 128, nw: int = 128) -> list:
+    """``n`` PSUM tiles, each with an accumulation group opened by one matmul."""
+    a, b = tile(np.ones((4, m), np.float32)), tile(np.ones((4, nw), np.float32))
+    tiles = []
+    for _ in range(n):
+        t = psum_tile(m, nw)
+        nisa.nc_matmul(t, a, b)
+        tiles.append(t)
+    return tiles
+
+
+def test_at_most_eight_outstanding_accumulation_groups():
+    """trainium_inferentia2_arch.rst: "up to eight outstanding matmul accumulation groups". Eight small
+    tiles fit in two PSUM banks, yet a ninth group is refused (groups are counted, not banks)."""
+    tiles = _open_groups(8)
+    a, b = tile(np.ones((4, 128), np.float32)), tile(np.ones((4, 128), np.float32))
+    for t in tiles:  # accumulating onto an open group or restarting it opens nothing new
+        nisa.nc_matmul(t, a, b)
+        nisa.nc_matmul(t, a, b, accumulate=False)
+    ninth = psum_tile(128, 128)
+    with pytest.raises(NkiValidationError, match=r"would be the 9th outstanding one; TensorE has at most 8"):
+        nisa.nc_matmul(ninth, a, b)
+    t = None
+    tiles.pop()  # freeing a tile closes its group
+    nisa.nc_matmul(ninth, a, b)
+    np.testing.assert_array_equal(ninth.np(), np.full((128, 128), 4.0, np.float32))
+
+
+def test_views_of_one_tile_are_separate_groups():
+    t = psum_tile(128, 512)
+    a, b = tile(np.ones((4, 128), np.float32)), tile(np.ones((4, 64), np.float32))
+    for q in range(8):  # eight 64-column regions of one bank: eight groups
+        nisa.nc_matmul(t[:, q * 64:(q + 1) * 64], a, b)
+    other = psum_tile(128, 64)
+    with pytest.raises(NkiValidationError, match="9th outstanding"):
+        nisa.nc_matmul(other, a, b)
+    nisa.nc_transpose(dst=psum_tile(128, 4), data=a)  # transposes are not accumulation groups

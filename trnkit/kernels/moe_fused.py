@@ -7,8 +7,8 @@ run time):
    Engine into ``x.T [H (partitions, 128-chunks), B]``;
 2. ``gate.T, up.T [I-chunk, B] = w_gate_up[e][:, chunk].T @ x.T``: the 128x128 weight tile is the
    stationary operand and the block's B tokens stream as moving columns, accumulating over the H
-   chunks in up to 4 live PSUM banks; ``h.T = silu(gate.T) * up.T`` comes out directly in the
-   contraction layout of the down matmul (no transpose of h);
+   chunks in at most 8 outstanding accumulation groups; ``h.T = silu(gate.T) * up.T`` comes
+   out directly in the contraction layout of the down matmul (no transpose of h);
 3. ``y [B, H] = h @ w_down[e]``: ``h.T`` chunk stationary (M = tokens), 512-column pieces of w_down
    moving; the PSUM evacuation multiplies each row by its slot's affinity (Scalar Engine
    ``activation(copy, scale=[B, 1])``) and rounds to the input dtype;
@@ -64,24 +64,28 @@ VECTOR_TRANSPOSE_EVERY = 2
 def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int) -> None:
     """``h_T[j] [P, B] = silu(gate.T) * up.T`` for I-chunk j, ``gate.T = w_gate_up[:, chunk j].T @ x.T``.
 
-    One PSUM accumulation group per (chunk, gate|up); as many chunks per pass over H as fit in 4
-    banks, so each moving x.T chunk feeds 2 * (chunks per pass) matmuls.
+    One PSUM accumulation group per (chunk, gate|up); :func:`swiglu_chunks_per_pass` chunks per pass
+    over H, so each moving x.T chunk feeds 2 * (chunks per pass) matmuls.
     """
     ichunks = chunks(inter, P)
     for j0, nj in chunks(len(ichunks), swiglu_chunks_per_pass(B)):
         _swiglu_pass(h_T, x_T, wgu, H, inter, B, ichunks[j0:j0 + nj], j0)
 
 
+MAX_GROUPS = 8  # outstanding matmul accumulation groups on TensorE
+
+
 def swiglu_chunks_per_pass(B: int) -> int:
-    """I-chunks per pass over H: each needs two accumulation groups (gate, up) of ``[128, B]`` fp32,
-    2 * chunks * B fp32 columns = 4 PSUM banks. At B = 128 that is 16 groups, packed 4 per bank: whether
-    the trn2 limit of eight outstanding groups counts tiles or banks is not settled (issue #11)."""
-    return max(1, 1024 // B)
+    """I-chunks per pass over H: each needs two accumulation groups (gate, up) of ``[128, B]`` fp32, and
+    TensorE has at most eight outstanding (trainium_inferentia2_arch.rst "PSUM accumulation"; trnkit
+    counts groups, not banks): 4 chunks; at B > 128 the 4 PSUM banks of 2 * chunks * B fp32 columns
+    limit it further (B = 512: 2 chunks)."""
+    return min(MAX_GROUPS // 2, max(1, 1024 // B))
 
 
 def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, group: list, j0: int) -> None:
     """One pass of :func:`swiglu_T` over the I-chunks in ``group`` (its PSUM tiles are local, so their
-    banks are free again when the pass returns)."""
+    banks and accumulation groups are free again when the pass returns)."""
     g_ps = []
     u_ps = []
     for _, iw in group:

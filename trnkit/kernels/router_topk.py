@@ -14,10 +14,12 @@ fp32, ``topk_idx [T, K]`` int32, ``router_logits [T, E]`` fp32, and with ``retur
 (one PSUM bank of fp32 per token tile), any H (a short last H block uses fewer partitions), any T.
 
 Kernel layout: tokens on partitions (128 per tile) for everything after the matmul, so softmax and
-top-K are per-partition free-axis operations. The contraction over H needs H on partitions: when H is a
-multiple of 128 each chunk's x^T is loaded straight from HBM by one ``dma_transpose`` (``w_router.T`` by
-DMA transposes too, once, kept in SBUF); otherwise each x tile is loaded once, contiguously, and
-transposed 128x128 on the Tensor engine (PSUM -> SBUF copies split between Vector and Scalar).
+top-K are per-partition free-axis operations. The contraction over H needs H on partitions: for bf16 with
+H a multiple of 128 each chunk's x^T is loaded straight from HBM by hardware-DGE ``dma_transpose`` s, one
+per sub-tile (the documented hwdge form ``src [16, H/128, P/16, 128]``: 16 rows; ``w_router.T`` by DMA
+transposes too, once, kept in SBUF); otherwise (fp32, other H, a tail chunk of a partition count that is
+not a multiple of 16) each x tile is loaded once, contiguously, and transposed 128x128 on the Tensor
+engine (PSUM -> SBUF copies split between Vector and Scalar).
 Top-K uses ``max8`` + ``nc_find_index8`` on the logits (softmax is monotonic, so the selection is that of
 the probabilities); ``nc_find_index8`` returns the first occurrence of each value and advances on
 duplicates, which gives the documented tie rule. With ``norm_topk_prob`` the softmax denominator
@@ -212,20 +214,32 @@ def _transpose_blocks(pairs, rows, cols, dtype, load):
 
 def _load_w_transposed(w, load, dma_t=False):
     """``w_router [E, H]`` -> SBUF ``wT [128, ceil(H/128), E]`` (``wT[c, j, e] = w[e, j*128 + c]``), by DMA
-    transpose when ``dma_t`` (H a multiple of 128), else on the Tensor engine."""
+    transpose when ``dma_t`` (bf16, H a multiple of 128) for each block of 128 experts whose size is a
+    multiple of 16, else on the Tensor engine."""
     E, H = w.shape
     n_h = _cdiv(H, P_MAX)
     wT = nl.ndarray((P_MAX, n_h, E), dtype=w.dtype, buffer=nl.sbuf)
     for e0 in range(0, E, P_MAX):
         ec = min(P_MAX, E - e0)
-        if dma_t:
-            nisa.dma_transpose(dst=wT[:, :, e0:e0 + ec], src=w.ap(pattern=[[H, ec], [P_MAX, n_h], [1, P_MAX]],
-                                                                  offset=e0 * H), axes=(2, 1, 0))
+        if dma_t and ec % _DMA_T_ROWS == 0:
+            for r0 in range(e0, e0 + ec, _DMA_T_ROWS):
+                _dma_transpose_rows(wT[:, :, r0:r0 + _DMA_T_ROWS],
+                                    w.ap(pattern=[[H, _DMA_T_ROWS], [P_MAX, n_h], [1, P_MAX]], offset=r0 * H))
             continue
         w_sb = nl.ndarray((ec, H), dtype=w.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=w_sb, src=w[e0:e0 + ec, :])
         _transpose_blocks([(wT[:, :, e0:e0 + ec], w_sb)], ec, H, w.dtype, load)
     return wT
+
+
+# Rows per hardware-DGE DMA transpose: the documented 3-D / 4-D form needs src.shape[0] in {1, 2, 4, 8, 16}
+# and src.shape[0] * src.shape[-2] % 16 == 0 (nisa.dma_transpose docstring, NKI 0.6); 16 rows always fit.
+_DMA_T_ROWS = 16
+
+
+def _dma_transpose_rows(dst, src):
+    """One hardware-DGE transpose ``src [16, a, b, 128]`` -> ``dst [128, a, b, 16]`` (or 3-D)."""
+    nisa.dma_transpose(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge)
 
 
 # Token sub-tiles per chunk: each partition holds NT consecutive tokens, so the logits store is one
@@ -328,7 +342,7 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
     load = [0.0, 0.0]
     # H a multiple of 128: x^T tiles come straight from HBM by DMA transpose (the Tensor engine then only
     # runs the matmuls); otherwise x is loaded and transposed on the Tensor engine.
-    dma_t = H % P_MAX == 0
+    dma_t = H % P_MAX == 0 and x.dtype != nl.float32  # the hardware-DGE transpose moves 2-byte elements
     wT = _load_w_transposed(w_router, load, dma_t)
     chunks = _token_chunks(T, _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
     # SPMD (``router_topk_kernel[2]`` on LNC=2): program i takes every n_prog-th chunk
@@ -338,21 +352,27 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
         mine.append(chunks[i])
     chunks = mine
     n = len(chunks)
+    x_dma = []  # whether chunk i's x^T comes by DMA transpose (its partition count a multiple of 16)
+    for i in range(n):
+        x_dma.append(dma_t and chunks[i][1] % _DMA_T_ROWS == 0)
     x_sb = [None] * n
     xT = [None] * n
     lg_all = [None] * n
     for step in range(n + 3):
         if step < n:  # stage L: load x one stage ahead (the DMA queue stays ahead of the transposes)
             t0, P, NT = chunks[step]
-            if dma_t:  # x^T straight from HBM: xT[c_, j, h, p] = x[t0 + p*NT + j, h*128 + c_]
+            if x_dma[step]:  # x^T straight from HBM: xT[c_, j, h, p] = x[t0 + p*NT + j, h*128 + c_]
                 xT[step] = nl.ndarray((P_MAX, NT, n_h, P), dtype=x.dtype, buffer=nl.sbuf)
-                nisa.dma_transpose(dst=xT[step], src=x.ap(pattern=[[NT * H, P], [H, NT], [P_MAX, n_h], [1, P_MAX]],
-                                                          offset=t0 * H), axes=(3, 1, 2, 0))
+                for j in range(NT):  # sub-tile j: token p = 16 g + r of the chunk is row t0 + p*NT + j
+                    _dma_transpose_rows(xT[step][:, j, :, :].reshape_dim(2, (P // _DMA_T_ROWS, _DMA_T_ROWS)),
+                                        x.ap(pattern=[[NT * H, _DMA_T_ROWS], [P_MAX, n_h],
+                                                      [_DMA_T_ROWS * NT * H, P // _DMA_T_ROWS], [1, P_MAX]],
+                                             offset=(t0 + j) * H))
             else:
                 x_sb[step] = nl.ndarray((P, NT, H), dtype=x.dtype, buffer=nl.sbuf)
                 nisa.dma_copy(dst=x_sb[step], src=x.ap(pattern=[[NT * H, P], [H, NT], [1, H]], offset=t0 * H))
         c = step - 1
-        if 0 <= c < n and not dma_t:  # stage A: transpose every sub-tile (interleaved)
+        if 0 <= c < n and not x_dma[c]:  # stage A: transpose every sub-tile (interleaved)
             t0, P, NT = chunks[c]
             xT[c] = nl.ndarray((P_MAX, NT, n_h, P), dtype=x.dtype, buffer=nl.sbuf)
             pairs = []

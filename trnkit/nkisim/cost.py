@@ -204,9 +204,22 @@ def _dma_geometry(instr: Instr) -> tuple[int, int, float, bool]:
         n = math.prod(o.shape) or 1
         row = o.nbytes / n * (o.shape[-1] if o.shape else 1)
     contiguous = instr.attrs.get("contiguous_bytes")  # the interpreter's longest contiguous run
+    if instr.attrs.get("transpose") and _transpose_friendly(instr):
+        contiguous = None  # a DMA transpose's native unit is [128, 16] (trn2 guide), not a long run
     if contiguous:
         row = min(row, contiguous) if onchip else contiguous
     return nbytes, hbm, float(row), touches_hbm
+
+
+def _transpose_friendly(instr: Instr) -> bool:
+    """Whether a dma_transpose writes the hardware-friendly geometry: "the 16x DMA engines should write
+    into a single [nl.par_dim(128), 16] SBUF tile in parallel at a time, where the 16 elements along
+    free dimension must be contiguous. Having a multiple of 128 and a multiple of 16 in the output SBUF
+    partition and inner-most free dimension sizes is a pre-requisite to achieve best DMA throughput"
+    ([SDK] nki/guides/architecture/trainium2_arch.rst "DMA Transpose"). Its 32-byte runs are then the
+    engines' native unit, not a small-transfer penalty; other geometries keep the contiguous-run one."""
+    dst = _role(instr, "dst")
+    return bool(dst and dst.shape and dst.partitions % 128 == 0 and dst.shape[-1] % 16 == 0)
 
 
 def _dma_rows(instr: Instr, nbytes: int, row: float) -> int:

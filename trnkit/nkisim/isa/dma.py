@@ -150,13 +150,17 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
                   oob_mode: oob_mode = oob_mode.error, name: str | None = None) -> None:
     """``dst = src.transpose(axes)`` through the DMA engines.
 
-    Rules (``nki.isa.dma_transpose`` docs, Neuron SDK 2.30 "DMA Direct Transpose Constraints"): the
-    permutation is fixed by the rank of ``src`` (2-D ``(1, 0)``, 3-D ``(2, 1, 0)``, 4-D
-    ``(3, 1, 2, 0)``), ``axes`` may only restate it; src in HBM or SBUF, dst in SBUF; ``dge_mode``
-    ``unknown`` or ``hwdge``, and ``hwdge`` further needs ``src.shape[0] == 16``,
-    ``src.shape[-1] % 128 == 0`` and a 2-byte ``src.dtype`` (the docs put the 2-byte rule under hwdge
-    only for direct transposes). dst must have the permuted shape and src's dtype; no conversion. The
-    indirect (``vector_offset``) transpose is not modelled.
+    Rules (``nki.isa.dma_transpose`` docstring, NKI 0.6 = aws-neuron-sdk@81ce03ae
+    ``nki/api/nki/isa/__init__.py``, "DMA Direct Transpose Constraints"): the permutation is fixed by
+    the rank of ``src`` (2-D ``(1, 0)``, 3-D ``(2, 1, 0)``, 4-D ``(3, 1, 2, 0)``), ``axes`` may only
+    restate it; src in HBM or SBUF, dst in SBUF; ``dge_mode`` ``unknown`` or ``hwdge``; ``src.shape[-1]
+    <= 128``. ``hwdge`` (the hardware-DGE lowering) further needs 16 source rows, 128 columns and a
+    2-byte dtype (see :func:`_hwdge_violation`). ``unknown`` lets the compiler pick the lowering, and
+    the docs describe no other direct one, so trnkit accepts there a src that meets the hwdge rules or
+    the plain 2-D form AWS's kernels use with ``unknown`` (``[A, F]``, ``[A, 1, F]`` or
+    ``[A, 1, 1, F]``, any dtype: nki-library ``experimental/collectives/fgcc.py``, ``topk_reduce.py``)
+    and rejects the rest as not known to compile. dst must have the permuted shape and src's dtype;
+    no conversion. The indirect (``vector_offset``, software-DGE) transpose is not modelled.
     """
     op = "dma_transpose"
     common.check_tensor(op, "dst", dst)
@@ -173,16 +177,7 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
              "got {axes}", perm=perm, n=len(src.shape), axes=tuple(axes))
     if dge_mode not in (common.dge_mode.unknown, common.dge_mode.hwdge):
         fail(op, "the only valid dge_modes are unknown and hwdge, got {mode}", mode=dge_mode)
-    if dge_mode is common.dge_mode.hwdge:
-        if src.shape[0] != 16:
-            fail(op, "dge_mode=hwdge needs src.shape[0] == 16, got {p} (src shape {shape})",
-                 p=src.shape[0], shape=src.shape)
-        if src.shape[-1] % 128:
-            fail(op, "dge_mode=hwdge needs src.shape[-1] % 128 == 0, got {f} (src shape {shape})",
-                 f=src.shape[-1], shape=src.shape)
-        if src.dtype.itemsize != 2:
-            fail(op, "dge_mode=hwdge needs a 2-byte src dtype, got {dtype} ({n} bytes)",
-                 dtype=src.dtype, n=src.dtype.itemsize)
+    _check_transpose_shape(op, src, dge_mode is common.dge_mode.hwdge)
     if src.indirect_info is not None or dst.indirect_info is not None:
         fail(op, "indirect (vector_offset) transposes are not supported")
     want = tuple(src.shape[a] for a in perm)
@@ -200,6 +195,42 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
     if trace.active() is None:
         return
     _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name, "transpose": True, "name": name})
+
+
+def _hwdge_violation(src: NkiTensor) -> str | None:
+    """The first documented hardware-DGE transpose rule ``src`` breaks (None: it meets them all).
+
+    Two NKI 0.6 pages state the rules differently (aws-neuron-sdk@81ce03ae): the ``dma_transpose``
+    docstring (``nki/api/nki/isa/__init__.py``) wants 2-D ``src.shape[0] == 16``, 3-D / 4-D
+    ``src.shape[0]`` in {1, 2, 4, 8, 16} with ``src.shape[0] * src.shape[-2] % 16 == 0``, and
+    ``src.shape[-1] <= 128``; the DGE deep dive (``nki/deep-dives/nki-dge.rst``, "Hardware DGE
+    constraints for dma_transpose") wants ``src.shape[0] == 16`` and ``src.shape[-1] % 128 == 0``.
+    Both want a 2-byte dtype. trnkit accepts only what both allow: 16 rows, 128 columns.
+    """
+    shape = tuple(src.shape)
+    if shape[0] != 16:
+        return f"needs src.shape[0] == 16, got {shape[0]}"
+    if shape[-1] != 128:
+        return f"needs src.shape[-1] == 128 (<= 128 and a multiple of 128), got {shape[-1]}"
+    if src.dtype.itemsize != 2:
+        return f"needs a 2-byte src dtype, got {src.dtype} ({src.dtype.itemsize} bytes)"
+    return None
+
+
+def _check_transpose_shape(op: str, src: NkiTensor, hwdge: bool) -> None:
+    """The documented shape rules of a direct DMA transpose (see :func:`dma_transpose`)."""
+    shape = tuple(src.shape)
+    if shape[-1] > 128:
+        fail(op, "src.shape[-1] must be <= 128 (it becomes dst's partition dim), got {f} (src shape "
+             "{shape})", f=shape[-1], shape=shape)
+    why = _hwdge_violation(src)
+    if hwdge and why is not None:
+        fail(op, "dge_mode=hwdge: {why} (src shape {shape})", why=why, shape=shape)
+    plain = len(shape) == 2 or all(d == 1 for d in shape[1:-1])
+    if why is not None and not plain:
+        fail(op, "dge_mode=unknown: src shape {shape} meets neither the hardware-DGE rules ({why}) nor "
+             "the plain transpose form [A, F] / [A, 1, F] / [A, 1, 1, F] (no other direct lowering is "
+             "documented)", shape=shape, why=why)
 
 
 def _write(dst: NkiTensor, vals: np.ndarray) -> None:
