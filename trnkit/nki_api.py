@@ -6,7 +6,9 @@ variable ``TRNKIT_NKI=sim|real`` forces one (``real`` raises if the real package
 
 Kernels import only from here::
 
-    from trnkit.nki_api import nki, nl, nisa
+    from trnkit.nki_api import nki, nl, nisa, nt
+
+(``nt`` = ``nki.typing``: the ``nt.mutable_tensor`` annotation of outputs passed in.)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-__all__ = ["nki", "nl", "nisa", "REAL_NKI", "backend_name"]
+__all__ = ["nki", "nl", "nisa", "nt", "REAL_NKI", "backend_name"]
 
 
 def _load_real() -> tuple[ModuleType, ModuleType, ModuleType]:
@@ -56,6 +58,10 @@ def _resolve() -> tuple[ModuleType, ModuleType, ModuleType, bool]:
 
 
 nki, nl, nisa, REAL_NKI = _resolve()
+if REAL_NKI:
+    import nki.typing as nt  # noqa: E402
+else:
+    from trnkit.nkisim import nki_typing as nt  # noqa: E402
 
 
 def backend_name() -> str:

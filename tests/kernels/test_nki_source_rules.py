@@ -212,6 +212,8 @@ def violations(module) -> list[str]:
         bodies = _loop_bodies(fn)
         for node in _code_nodes(fn):
             where = f"{name} line {getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.comprehension):
+                continue  # reported with its ListComp / GeneratorExp / ...
             if not isinstance(node, ALLOWED_NODES):
                 out.append(f"{where}: {type(node).__name__} is outside the allowed Python subset")
             elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
@@ -250,6 +252,36 @@ def _is_call_target(node: ast.Attribute, fn: ast.FunctionDef) -> bool:
     return False
 
 
+def _returned_names(fn: ast.FunctionDef) -> set[str]:
+    out = set()
+    for node in _code_nodes(fn):
+        if isinstance(node, ast.Return) and node.value is not None:
+            vals = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            out |= {v.id for v in vals if isinstance(v, ast.Name)}
+    return out
+
+
+def aliasing_violations(module) -> list[str]:
+    """Outputs passed in (kernel parameters the kernel returns) are declared ``nt.mutable_tensor``, the
+    way nki-library declares them (``router_topk(..., router_logits: nt.mutable_tensor, ...)``, [SDK]
+    nki/library/api/router-topk.rst), and every parameter so declared is returned."""
+    out = []
+    for name, fn in kernel_functions(module).items():
+        if not _is_jit(fn):
+            continue
+        params = {a.arg: a.annotation for a in fn.args.args}
+        mutable = {p for p, ann in params.items() if ann is not None and ast.unparse(ann) == "nt.mutable_tensor"}
+        returned = _returned_names(fn) & set(params)
+        out += [f"{name}: returns parameter {p} without declaring it nt.mutable_tensor" for p in returned - mutable]
+        out += [f"{name}: parameter {p} declared nt.mutable_tensor but not returned" for p in mutable - returned]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=[m.__name__.rsplit(".", 1)[-1] for m in MODULES])
+def test_outputs_passed_in_are_declared_aliased_and_returned(module) -> None:
+    assert aliasing_violations(module) == []
+
+
 @pytest.mark.parametrize("module", MODULES, ids=[m.__name__.rsplit(".", 1)[-1] for m in MODULES])
 def test_kernel_code_follows_nki_compiler_rules(module) -> None:
     names = kernel_functions(module)
@@ -269,7 +301,7 @@ def test_api_list_is_the_documented_one() -> None:
 
 BAD_SOURCE = '''
 import numpy as np
-from trnkit.nki_api import nki, nl, nisa
+from trnkit.nki_api import nki, nl, nisa, nt
 
 def _helper(t, extra):
     if extra is not None:
@@ -298,6 +330,11 @@ def _helper(t, extra):
 @nki.jit
 def bad_kernel(x, *, flag=False):
     return _helper(x, np.zeros(1)), nl.tile_size.pmax, nl.tile_size.nope
+
+
+@nki.jit
+def bad_outputs(x, out, res: nt.mutable_tensor):
+    return out
 '''
 
 
@@ -307,7 +344,10 @@ def test_rules_catch_what_they_claim(tmp_path, monkeypatch) -> None:
     import bad_kernel_mod
 
     found = violations(bad_kernel_mod)
-    assert set(kernel_functions(bad_kernel_mod)) == {"bad_kernel", "_helper"}
+    assert set(kernel_functions(bad_kernel_mod)) == {"bad_kernel", "_helper", "bad_outputs"}
+    assert aliasing_violations(bad_kernel_mod) == [
+        "bad_outputs: parameter res declared nt.mutable_tensor but not returned",
+        "bad_outputs: returns parameter out without declaring it nt.mutable_tensor"]
     for needle in ("keyword-only", "`is` / `is not`", "uses np", ".np", "._storage", "Lambda is outside",
                    "Delete is outside", "ListComp is outside", "Try is outside",
                    "nested function body with default arguments",

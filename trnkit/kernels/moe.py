@@ -499,9 +499,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
     M = x.shape[0]
     lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
     out = torch.zeros(M, w.shape[2], dtype=x.dtype, device=x.device)
-    launch(K_.grouped_mm_kernel, lnc)(x.contiguous(), w.contiguous(), lay.table, lay.table, lay.block_start,
-                                      out, False)
-    return out
+    return launch(K_.grouped_mm_kernel, lnc)(x.contiguous(), w.contiguous(), lay.table, lay.table,
+                                             lay.block_start, out, False)
 
 
 def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor, grad_out: torch.Tensor,
@@ -516,9 +515,9 @@ def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
     lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
     x, w, grad_out = x.contiguous(), w.contiguous(), grad_out.contiguous()
     grad_x = torch.zeros(M, w.shape[1], dtype=x.dtype, device=x.device)
-    launch(K_.grouped_mm_kernel, lnc)(grad_out, w, lay.table, lay.table, lay.block_start, grad_x, True)
+    grad_x = launch(K_.grouped_mm_kernel, lnc)(grad_out, w, lay.table, lay.table, lay.block_start, grad_x, True)
     grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    launch(K_.grouped_wgrad_kernel, lnc)(x, grad_out, lay.table, lay.table, lay.block_start, grad_w)
+    grad_w = launch(K_.grouped_wgrad_kernel, lnc)(x, grad_out, lay.table, lay.table, lay.block_start, grad_w)
     return grad_x, grad_w
 
 
@@ -570,19 +569,21 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     dev = x.device
     disp = torch.arange(NB * B, dtype=torch.int32, device=dev).view(NB, B)  # dispatch-order positions
     weights = topk_weights.reshape(-1, 1).float()
+    # every kernel's outputs are taken from its return value (the buffers passed in are the aliased
+    # outputs, nt.mutable_tensor; on a device the returned tensors are the ones to use)
     gu = torch.empty(NB, B, I2, dtype=dt, device=dev)
-    gmm(x, w_gate_up, token, disp, lay.block_start, gu, False)
+    gu = gmm(x, w_gate_up, token, disp, lay.block_start, gu, False)
     ghp = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
-    gmm(grad_out, w_down, token, disp, lay.block_start, ghp, True)
+    ghp = gmm(grad_out, w_down, token, disp, lay.block_start, ghp, True)
     hw = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
     dgu = torch.empty(NB, B, I2, dtype=dt, device=dev)
     gw = torch.empty(T * K, 1, dtype=torch.float32, device=dev)
-    launch(KE.swiglu_bwd_kernel, lnc)(gu, ghp, lay.table, lay.block_start, weights, hw, dgu, gw)
+    hw, dgu, gw = launch(KE.swiglu_bwd_kernel, lnc)(gu, ghp, lay.table, lay.block_start, weights, hw, dgu, gw)
     grad_wd = torch.empty(w_down.shape, dtype=w_down.dtype, device=dev)
-    wgrad(hw, grad_out, disp, token, lay.block_start, grad_wd)
+    grad_wd = wgrad(hw, grad_out, disp, token, lay.block_start, grad_wd)
     grad_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
-    wgrad(x, dgu, token, disp, lay.block_start, grad_wgu)
+    grad_wgu = wgrad(x, dgu, token, disp, lay.block_start, grad_wgu)
     gx_slots = torch.empty(T * K, H, dtype=dt, device=dev)
-    gmm(dgu, w_gate_up, disp, lay.table, lay.block_start, gx_slots, True)
+    gx_slots = gmm(dgu, w_gate_up, disp, lay.table, lay.block_start, gx_slots, True)
     grad_x = launch(KG.combine_kernel, lnc)(gx_slots, K)
     return grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd

@@ -45,7 +45,7 @@ from trnkit.kernels.moe_grouped_mm import (
     transpose_rows,
 )
 from trnkit.kernels._common import program_split
-from trnkit.nki_api import nisa, nl, nki
+from trnkit.nki_api import nisa, nl, nki, nt
 
 def tail_widths(B: int) -> tuple[int, ...]:
     """Narrower widths an expert's last block may run at (widest first): a block with r used rows
@@ -177,7 +177,8 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
 
 
 @nki.jit
-def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw, dgu, gw):
+def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw: nt.mutable_tensor,
+                      dgu: nt.mutable_tensor, gw: nt.mutable_tensor):
     """Elementwise SwiGLU backward over the used blocks (dispatch order ``[NB, B, .]``).
 
     In: ``gu = [gate | up]`` (``[NB, B, 2I]``), ``ghp = grad_out[tok] @ w_down[e].T`` (``[NB, B, I]``),

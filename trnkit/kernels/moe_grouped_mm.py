@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from trnkit.kernels._common import program_split
-from trnkit.nki_api import nisa, nl, nki
+from trnkit.nki_api import nisa, nl, nki, nt
 
 P = 128  # partitions (nl.tile_size.pmax); contraction chunk of nc_matmul
 NMAX = 512  # nc_matmul moving free size (nl.tile_size.gemm_moving_fmax), one fp32 PSUM bank
@@ -52,7 +52,10 @@ def owned_groups(G: int) -> range:
 def owned_chunks(items: list) -> list:
     """Every n-th item of ``items`` for program p of n (all of them without a grid)."""
     n_prog, pid = program_split()
-    return [c for k, c in enumerate(items) if k % n_prog == pid]
+    out = []
+    for k in range(pid, len(items), n_prog):
+        out.append(items[k])
+    return out
 
 
 # ----------------------------------------------------------------------------------------- movement
@@ -237,7 +240,7 @@ def _row_matmul_pass(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, grid: Any, 
 
 # ------------------------------------------------------------------------------------------ kernels
 @nki.jit
-def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out, transpose_w):
+def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out: nt.mutable_tensor, transpose_w):
     """``out[dst rows] = x[src rows] @ w[g]`` (``@ w[g].T`` when ``transpose_w``) for every block.
 
     x: ``[R, C]`` row-indexed or ``[NB, B, C]`` dispatch order; w: ``[G, Kw, Nw]`` with C = Kw
@@ -280,7 +283,7 @@ WGRAD_TILES = 6  # PSUM accumulation groups per pass of the weight-gradient kern
 
 
 @nki.jit
-def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w):
+def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w: nt.mutable_tensor):
     """``grad_w[g] = sum over the blocks of g of a[rows].T @ b[rows]``, accumulated in PSUM.
 
     a: ``[Ra, Ka]`` / ``[NB, B, Ka]``, b: ``[Rb, Nb]`` / ``[NB, B, Nb]`` (see module doc), grad_w

@@ -36,7 +36,7 @@ import torch
 from trnkit.kernels._common import P_MAX, dense as _dense, dtype_name as _dtype_name, program_split as _program_split
 from trnkit.kernels._common import row_chunks as _row_chunks
 from trnkit.kernels.constraints import Violation, check
-from trnkit.nki_api import nisa, nki, nl
+from trnkit.nki_api import nisa, nki, nl, nt
 
 __all__ = ["rope_hf", "rope_hf_bshd", "rope_hf_ref", "rope_hf_bshd_ref", "constraints",
            "rope_hf_kernel"]
@@ -412,7 +412,8 @@ def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load,
 
 
 @nki.jit
-def rope_hf_kernel(q, k, q_out, k_out, cos, sin, packed=False, backward=False, bshd=False):
+def rope_hf_kernel(q, k, q_out: nt.mutable_tensor, k_out: nt.mutable_tensor, cos, sin, packed=False,
+                   backward=False, bshd=False):
     """The NKI kernel behind :func:`rope_hf` / :func:`rope_hf_bshd` (inputs already validated).
 
     ``packed=True``: ``cos`` and ``sin`` are both the packed ``rope_cache`` (cos | sin per row).
@@ -448,9 +449,8 @@ def _launch(layout: str, q: Any, k: Any, q_out: Any, k_out: Any, cos: Any, sin: 
     check(constraints(q, k, cos, sin, rope_cache, layout=layout, q_out=q_out, k_out=k_out))
     packed = rope_cache is not None
     c, s = (_dense(rope_cache),) * 2 if packed else (_dense(cos), _dense(sin))
-    rope_hf_kernel(_dense(q), _dense(k), q_out, k_out, c, s, packed=packed, backward=bool(backward),
-                   bshd=layout == "bshd")
-    return q_out, k_out
+    return rope_hf_kernel(_dense(q), _dense(k), q_out, k_out, c, s, packed=packed, backward=bool(backward),
+                          bshd=layout == "bshd")
 
 
 def rope_hf(q: Any, k: Any, q_out: Any, k_out: Any, cos: Any = None, sin: Any = None,
