@@ -313,4 +313,7 @@ def test_core_barrier_is_a_fixed_synchronisation_not_a_data_pass():
                       partitions=op.partitions)
         costs.append(cost.instr_cost(instr, "trn2"))
     assert costs[0] == costs[1]
-    assert costs[0].busy_ns == costs[0].latency_ns == chip.dma.fixed_ns == 1300.0
+    # the engine only issues it; the wait is one cross-core semaphore latency (1300 ns)
+    assert costs[0].busy_ns < 100.0
+    assert costs[0].latency_ns == pytest.approx(costs[0].busy_ns + chip.dma.fixed_ns)
+    assert chip.dma.fixed_ns == 1300.0

@@ -314,12 +314,6 @@ def instr_cost(instr: Instr, chip: str | Chip = "trn2") -> InstrCost:
     if instr.engine not in (TENSOR, VECTOR, SCALAR, GPSIMD):
         raise ValueError(f"cost: instruction {instr.op!r} has unknown engine {instr.engine!r} "
                          f"(expected one of {ENGINES})")
-    if instr.op == "core_barrier":
-        # A synchronisation, not a pass over its data operand: a remote semaphore write plus a local
-        # semaphore wait, priced as one cross-engine semaphore latency (~1300 ns,
-        # nki-dma-bandwidth-guide.rst, = chip.dma.fixed_ns) during which the engine is blocked.
-        ns = chip.dma.fixed_ns
-        return InstrCost(instr.engine, ns, ns, 0.0, ns * chip.clocks.ghz(instr.engine))
     ghz = chip.clocks.ghz(instr.engine)
     cycles = _compute_cycles(instr, chip)
     fixed = chip.static_overhead_cycles + chip.access_init_cycles
@@ -328,7 +322,8 @@ def instr_cost(instr: Instr, chip: str | Chip = "trn2") -> InstrCost:
     if instr.op == "core_barrier":
         # a semaphore exchange between the two cores, not a pass over ``data``: the engine issues one
         # instruction; the wait is one cross-core semaphore round trip, taken as the DMA guide's
-        # semaphore-to-start fixed cost (assumption: no public figure for the barrier itself)
+        # semaphore-to-start fixed cost (~1300 ns, nki-dma-bandwidth-guide.rst, = chip.dma.fixed_ns;
+        # assumption: no public figure for the barrier itself)
         busy = chip.static_overhead_cycles / ghz
         return InstrCost(instr.engine, busy, busy + chip.dma.fixed_ns, chip.dma.fixed_ns,
                          chip.static_overhead_cycles)
