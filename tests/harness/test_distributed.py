@@ -48,9 +48,10 @@ def single(single_run: tuple[dict[int, float], Path]) -> dict[int, float]:
     # global batch 2 = 2 ranks x 1 sequence; same samples as the 1-process batch of 2; every parameter sharded
     ({"data_parallel_shard_degree": 2}, 1,
      "parallelized: 24 of 24 parameters are DTensors (tp 1: off; fsdp 2: per block + root)"),
-    # 2 layers x (wq wk wv wo q_norm k_norm) + layer 0's dense w1 w2 w3
+    # 2 layers x (wq wk wv wo q_norm k_norm) + layer 0's dense w1 w2 w3 + the tied embedding / lm_head
     ({"tensor_parallel_degree": 2}, 2,
-     "parallelized: 15 of 24 parameters are DTensors (tp 2: attention + dense FFN; fsdp 1: off)"),
+     "parallelized: 16 of 24 parameters are DTensors (tp 2: attention + dense FFN + vocab (embedding, lm_head, "
+     "loss); fsdp 1: off)"),
 ], ids=["fsdp2", "tp"])
 def test_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                  single: dict[int, float], par: dict, local: int, expect_log: str) -> None:
@@ -120,7 +121,7 @@ def test_tp_sharded_experts_two_processes_match_one(tmp_path: Path, tiny_tokeniz
     single, single_export = single_run
     tp = _run(tmp_path, "tpi", tiny_tokenizer, corpus_dir, 2,
               # + layer 1's w_gate_up and w_down sharded on I
-              expect_log="parallelized: 17 of 24 parameters are DTensors",
+              expect_log="parallelized: 18 of 24 parameters are DTensors",
               training={"local_batch_size": 2},
               parallelism={"tensor_parallel_degree": 2, "tp_experts": "shard_i"},
               checkpoint={"export_hf": True, "export_dtype": "float32"})
@@ -141,7 +142,8 @@ def test_tp_sharded_experts_two_processes_match_one(tmp_path: Path, tiny_tokeniz
 def test_fsdp_x_tp_four_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                             single: dict[int, float]) -> None:
     two_d = _run(tmp_path, "2d", tiny_tokenizer, corpus_dir, 4,
-                 expect_log="(tp 2: attention + dense FFN; fsdp 2: per block + root)",
+                 expect_log="(tp 2: attention + dense FFN + vocab (embedding, lm_head, loss); fsdp 2: per block "
+                            "+ root)",
                  training={"local_batch_size": 1},
                  parallelism={"data_parallel_shard_degree": 2, "tensor_parallel_degree": 2})
     for s in two_d:

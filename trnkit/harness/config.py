@@ -75,6 +75,10 @@ class TrainingConfig:
     # batch is split; with gradient accumulation the router counts take one extra no-grad forward per
     # microbatch), "microbatch" = per microbatch, as transformers computes it in one forward.
     moe_aux_loss_scope: Literal["global_batch", "microbatch"] = "global_batch"
+    # qwen3: models: the lm_head matmul + cross-entropy run fused over chunks of this many tokens
+    # (trnkit.qwen3.loss), never holding [tokens, vocab] logits; vocab-parallel under TP. 0 = full
+    # logits then F.cross_entropy (hf: models always use full logits).
+    loss_chunk_size: int = 256
 
 
 @dataclass
@@ -388,6 +392,7 @@ def _validate(cfg: TrainerConfig) -> None:
     t = cfg.training
     for name in ("steps", "local_batch_size", "seq_len", "gradient_accumulation_steps"):
         req(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
+    req(t.loss_chunk_size >= 0, "training.loss_chunk_size", "must be >= 0 (0 = full logits)", t.loss_chunk_size)
     req(t.moe_aux_loss_coef is None or t.moe_aux_loss_coef >= 0, "training.moe_aux_loss_coef",
         "must be >= 0", t.moe_aux_loss_coef)
     o = cfg.optimizer

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from trnkit.harness.config import ConfigError, TrainerConfig, _suggest
+from trnkit.harness.data import IGNORE_INDEX
 from trnkit.harness.metrics import ModelShape
 
 
@@ -81,6 +83,18 @@ class ModelHandle:
         self._last_hf_router_logits = getattr(out, "router_logits", None)
         return out.logits
 
+    def loss_sum(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        """Summed next-token cross-entropy (fp32) over labels != IGNORE_INDEX.
+
+        Native: computed inside the model's forward by the chunked linear cross-entropy
+        (``chunk_size`` tokens per chunk, 0 = full logits), vocab-parallel under TP. hf: full logits.
+        """
+        if self.kind == "native":
+            return model(tokens, labels=labels, loss_chunk_size=chunk_size, ignore_index=IGNORE_INDEX)
+        logits = self.logits(model, tokens)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
     def aux_loss(self, model: nn.Module) -> torch.Tensor | None:
         """The weighted MoE load-balancing loss of the last training forward, or None."""
         if self.kind == "native":
@@ -125,7 +139,8 @@ class ModelHandle:
         head-sharded activations, so they run as SequenceParallel over the heads dim (their weight
         grads are then summed over TP ranks). Embeddings, final norm, lm_head and the router stay
         replicated; routed experts are replicated or (native, ``experts="shard_i"``) sharded on I by
-        :func:`trnkit.harness.tp_experts.shard_experts_on_i`.
+        :func:`trnkit.harness.tp_experts.shard_experts_on_i`. Native models also shard the embedding and
+        lm_head on the vocabulary (see :func:`_vocab_parallel`); hf models keep them replicated.
         """
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                        parallelize_module)
@@ -160,6 +175,8 @@ class ModelHandle:
                 # The native attention reshapes with its head counts: make them the local ones.
                 block.attention.n_heads = n_heads // tp
                 block.attention.n_kv_heads = n_kv // tp
+        if self.kind == "native":
+            _vocab_parallel(model, tp_mesh)
 
     # ------------------------------------------------------------------ HF checkpoints
     def load_hf_state_dict(self, path: str) -> dict[str, torch.Tensor]:
@@ -200,6 +217,26 @@ class ModelHandle:
             return
         shell.tie_weights()
         shell.to(dtype).save_pretrained(path)
+
+
+def _vocab_parallel(model: nn.Module, tp_mesh: Any) -> None:
+    """Shard the native model's embedding and lm_head on the vocabulary (rows) over TP.
+
+    The embedding looks up its local rows and all-reduces (RowwiseParallel on an Embedding); the
+    chunked loss reads the lm_head's ``Shard(0)`` weight and runs vocab-parallel, so no rank holds more
+    than V/tp logit columns; a logits forward (evaluation, ``loss_chunk_size`` 0) all-gathers them.
+    A tied weight stays one parameter (both plans shard it the same way).
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tied = model.lm_head.weight is model.tok_embeddings.weight
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    if tied:
+        model.lm_head.weight = model.tok_embeddings.weight
 
 
 def _hf_config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, ModelShape]:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from trnkit.harness import parallel
 from trnkit.harness.aux_loss import MoEAuxLoss
@@ -256,8 +255,9 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     model, table, loaded = _build_model(handle, cfg, env, log)
     if env.world_size > 1:
         n_dt = sum(hasattr(p, "placements") for p in model.parameters())
+        tp_desc = "attention + dense FFN" + (" + vocab (embedding, lm_head, loss)" if handle.kind == "native" else "")
         log(f"parallelized: {n_dt} of {len(list(model.parameters()))} parameters are DTensors "
-            f"(tp {env.tp}: {'attention + dense FFN' if env.tp > 1 else 'off'}; "
+            f"(tp {env.tp}: {tp_desc if env.tp > 1 else 'off'}; "
             f"fsdp {env.dp}: {'per block + root' if env.dp > 1 else 'off'})")
     if cfg.compile.enable:
         for block in handle.blocks(model):
@@ -271,8 +271,14 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
 
     o = cfg.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, foreach=False)
+    # CPU: the fused AdamW kernel, measured 8.5x faster than foreach=False and 6x faster than foreach=True
+    # on qwen3:debug-moe (one thread: 39 ms vs 335 / 247 ms per step). Other devices: foreach.
+    impl = {"fused": True} if env.device.type == "cpu" else {"foreach": True}
+    # one param group per kind: the fused kernel takes DTensors or plain tensors, never a mix (TP)
+    groups = [{"params": g} for g in ([p for p in params if hasattr(p, "placements")],
+                                      [p for p in params if not hasattr(p, "placements")]) if g]
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, **impl)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.lr_scheduler, t.steps))
 
     ckpt = Checkpointer(ckpt_dir, model, optimizer, scheduler, loader, env.rank, env.world_size,
@@ -315,19 +321,17 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
 
             def forward(i: int) -> torch.Tensor:
                 with amp():
-                    return handle.logits(model, batches[i].tokens.to(env.device))
+                    return handle.loss_sum(model, batches[i].tokens.to(env.device),
+                                           batches[i].labels.to(env.device), t.loss_chunk_size)
 
             aux_loss.start_step(model, accum, forward)
-            for i, b in enumerate(batches):
-                logits = forward(i)
-                ce = F.cross_entropy(logits.float().flatten(0, 1), b.labels.to(env.device).flatten(),
-                                     ignore_index=IGNORE_INDEX, reduction="sum")
+            for i in range(accum):
+                ce = forward(i)
                 # FSDP averages grads over the dp ranks: scale by dp so they are those of the global loss
                 loss = ce * env.dp / global_tokens
                 aux = aux_loss.term(model)
                 if aux is not None:
                     loss = loss + aux
-                del logits
                 loss.backward()
                 ce_sum += ce.detach().double().cpu()
             grad_norm = float(parallel.clip_grad_norm(params, t.max_norm))

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import Qwen3Config, rope_cache as _rope_cache
+from .loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 
 
 class RMSNorm(nn.Module):
@@ -312,6 +313,27 @@ def trunc_normal_(t: torch.Tensor, std: float) -> torch.Tensor:
     return t
 
 
+def _vocab_shard(weight: torch.Tensor) -> tuple[torch.Tensor, object, int]:
+    """(local rows, process group or None, first vocabulary row) of an lm_head weight: a plain tensor,
+    a replicated DTensor, or a vocab-sharded (``Shard(0)`` on one mesh dim) tensor-parallel DTensor."""
+    if not hasattr(weight, "to_local"):
+        return weight, None, 0
+    from torch.distributed.tensor import Shard
+
+    shard = [i for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
+    if not shard:
+        return weight.to_local(), None, 0
+    if len(shard) != 1 or weight.placements[shard[0]].dim != 0:
+        raise ValueError(f"Qwen3Model: lm_head weight placements {weight.placements} are not a vocab "
+                         "(dim 0) sharding over one mesh dimension")
+    mesh_dim = shard[0]
+    local = weight.to_local()
+    # torch.chunk semantics (DTensor's Shard): every rank but the last holds ceil(V / n) rows
+    n, r = weight.device_mesh.size(mesh_dim), weight.device_mesh.get_local_rank(mesh_dim)
+    start = min(r * -(-weight.shape[0] // n), weight.shape[0])
+    return local, weight.device_mesh.get_group(mesh_dim), start
+
+
 class Qwen3Model(_DropsForwardState, nn.Module):
     """Qwen3 causal LM: forward(tokens [B,S] int64) -> logits [B,S,V].
 
@@ -348,7 +370,16 @@ class Qwen3Model(_DropsForwardState, nn.Module):
             self.rope_cache = self._make_rope_cache(self.rope_cache.device)
         return self
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                loss_chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100) -> torch.Tensor:
+        """``tokens [B,S]`` -> logits [B,S,V]; with ``labels [B,S]``: the summed cross-entropy (fp32 scalar)
+        over labels != ``ignore_index``, from the chunked linear cross-entropy (``loss_chunk_size``
+        tokens per chunk; 0 = full logits + ``F.cross_entropy``), so [B*S, V] logits never exist.
+
+        The loss is computed here, inside ``forward``, so FSDP2's forward hooks have gathered the
+        lm_head weight. Under tensor parallelism with a vocab-sharded lm_head (a ``Shard(0)`` DTensor
+        weight) the loss is vocab-parallel.
+        """
         if tokens.dim() != 2:
             raise ValueError(f"Qwen3Model.forward: tokens must be [B, S], got shape {tuple(tokens.shape)}")
         S = tokens.shape[1]
@@ -359,9 +390,20 @@ class Qwen3Model(_DropsForwardState, nn.Module):
         rope = self.rope_cache[:S]
         for layer in self.layers:
             h = layer(h, rope)
-        logits = self.lm_head(self.norm(h))
+        h = self.norm(h)
         self.aux_loss = self._aux_loss() if self.training else None
-        return logits
+        if labels is None:
+            return self.lm_head(h)
+        if labels.shape != tokens.shape:
+            raise ValueError(f"Qwen3Model.forward: labels must have the tokens' shape {tuple(tokens.shape)}, "
+                             f"got {tuple(labels.shape)}")
+        if loss_chunk_size == 0:
+            logits = self.lm_head(h).float()
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index,
+                                   reduction="sum")
+        weight, group, vocab_start = _vocab_shard(self.lm_head.weight)
+        return linear_cross_entropy(h, weight, labels, chunk_size=loss_chunk_size, ignore_index=ignore_index,
+                                    group=group, vocab_start=vocab_start)
 
     def router_stats(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """``(selections per expert [E], router probabilities summed per expert [E], rows)`` over all MoE

@@ -1,0 +1,132 @@
+"""Chunked linear cross-entropy: the lm_head matmul fused with the loss, never holding [tokens, vocab].
+
+``linear_cross_entropy(h, weight, labels)`` equals ``F.cross_entropy((h @ weight.T).float(), labels,
+reduction="sum")`` (ignored labels skipped) and its gradients, but computes them ``chunk_size``
+tokens at a time: per chunk the fp32 logits, their log-sum-exp and loss, and at once (the loss is a
+scalar, so its gradient needs only one scale factor later) the gradients ``dh = (softmax - onehot) @ W``
+and ``dW += (softmax - onehot).T @ h``. The largest temporary is one chunk's [chunk, vocab] fp32 block;
+the backward only scales the stored ``dh``/``dW`` by the incoming gradient. This is the scheme of
+Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction`` (gradients in the forward pass, three matmuls
+per chunk as in the unfused forward + backward), written in plain torch.
+
+Vocab-parallel (tensor parallel): with ``group`` set, ``weight`` is this rank's rows
+``[vocab_start, vocab_start + V_local)`` of the vocabulary. The row max, the sum of exponentials and
+the target logit are all-reduced over ``group`` (Megatron's vocab-parallel cross-entropy), each rank
+computes ``dW`` for its own rows only and the partial ``dh`` are summed over the group.
+
+Precision: logits are formed in the compute dtype (the autocast dtype under autocast, else the
+inputs' dtype; as the unfused ``lm_head`` would) and the softmax / loss in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_SIZE = 256  # tokens; measured on CPU at vocab 151,936 (docs/benchmarks.md)
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                ignore_index: int, group: Any, vocab_start: int) -> torch.Tensor:
+        dt = _compute_dtype(h, weight)
+        x = h.reshape(-1, h.shape[-1])
+        y = labels.reshape(-1)
+        w = weight.to(dt)
+        v_local = w.shape[0]
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh = torch.empty(x.shape, dtype=dt, device=x.device) if need_dh else None
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_dw else None
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        if group is None:
+            bad = y[(y != ignore_index) & ((y < 0) | (y >= v_local))]
+            if bad.numel():
+                raise ValueError(f"linear_cross_entropy: label {int(bad[0])} is outside the vocabulary "
+                                 f"[0, {v_local}) (and is not ignore_index {ignore_index})")
+        for s in range(0, x.shape[0], chunk_size):
+            xc, yc = x[s:s + chunk_size].to(dt), y[s:s + chunk_size]
+            logits = (xc @ w.T).float()                                     # [c, V_local] fp32
+            valid = yc != ignore_index
+            local_t = yc - vocab_start
+            here = valid & (local_t >= 0) & (local_t < v_local)             # target in this rank's rows
+            rows = here.nonzero().squeeze(1)
+            target = torch.zeros(yc.shape, dtype=torch.float32, device=x.device)
+            target[rows] = logits[rows, local_t[rows]]
+            m = _all_reduce(logits.max(dim=1).values, dist.ReduceOp.MAX, group)
+            probs = logits.sub_(m[:, None]).exp_()                          # in place: one [c, V] block
+            sumexp = _all_reduce(probs.sum(dim=1), dist.ReduceOp.SUM, group)
+            target = _all_reduce(target, dist.ReduceOp.SUM, group)
+            total += torch.where(valid, m + sumexp.log() - target, 0.0).sum()
+            if not (need_dh or need_dw):
+                continue
+            probs.div_(sumexp[:, None])                                     # softmax
+            probs[rows, local_t[rows]] -= 1.0                               # - onehot(target)
+            probs.mul_(valid[:, None])                                      # ignored tokens: no grad
+            g = probs.to(dt)
+            if need_dh:
+                torch.mm(g, w, out=dh[s:s + chunk_size])
+            if need_dw and dt == torch.float32:
+                dw.addmm_(g.T, xc)                                          # no [V, H] temporary
+            elif need_dw:
+                dw += (g.T @ xc).float()                                    # low-precision product, fp32 sum
+        if need_dh and group is not None:
+            dist.all_reduce(dh, group=group)  # each rank's dh covers its vocabulary rows only
+        ctx.save_for_backward(dh, dw)
+        ctx.shapes = (h.shape, h.dtype, weight.dtype)
+        ctx.used = False
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.used:
+            raise RuntimeError("linear_cross_entropy: backward can run only once per forward (the gradients "
+                               "are computed in the forward and scaled in place)")
+        ctx.used = True
+        dh, dw = ctx.saved_tensors
+        h_shape, h_dtype, w_dtype = ctx.shapes
+        # scaled in place: no second [V, H] buffer next to the one autograd accumulates into .grad
+        gh = None if dh is None else _scaled(dh, grad).to(h_dtype).view(h_shape)
+        gw = None if dw is None else _scaled(dw, grad).to(w_dtype)
+        return gh, gw, None, None, None, None, None
+
+
+def _scaled(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return t if bool(grad == 1) else t.mul_(grad.to(t.dtype))
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100,
+                         group: Any = None, vocab_start: int = 0) -> torch.Tensor:
+    """Sum over non-ignored tokens of ``cross_entropy(h @ weight.T, labels)``, fp32 scalar, chunked.
+
+    ``h`` [..., H] (any leading shape), ``weight`` [V, H] (or this rank's [V_local, H] rows starting at
+    ``vocab_start`` when ``group`` is a tensor-parallel process group), ``labels`` h's leading shape.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1, got {chunk_size}")
+    if weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: weight must be [V, {h.shape[-1]}] for h of shape "
+                         f"{tuple(h.shape)}, got {tuple(weight.shape)}")
+    if labels.shape != h.shape[:-1]:
+        raise ValueError(f"linear_cross_entropy: labels must have h's leading shape {tuple(h.shape[:-1])}, "
+                         f"got {tuple(labels.shape)}")
+    return _LinearCrossEntropy.apply(h, weight, labels, chunk_size, ignore_index, group, vocab_start)
+
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "linear_cross_entropy"]
