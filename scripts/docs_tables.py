@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import re
 import sys
 from collections.abc import Callable
@@ -111,38 +112,50 @@ GENERATORS: dict[str, Callable[[], str]] = {
 
 @dataclass(frozen=True)
 class Quote:
-    """A figure in running text: ``template`` with ``{}`` where ``fmt`` of the CSV cell goes."""
+    """A figure in running text: ``template`` with ``{}`` where ``value()`` goes; ``source`` names it."""
 
     page: str  # README.md or docs/...
     template: str
-    csv: str  # file in benchmarks/data
-    where: tuple[tuple[str, str], ...]  # column == value conditions picking one row (the last one matching)
-    column: str
-    fmt: str = "{:.1f}"
-
-    def value(self) -> str:
-        rows = [r for r in read_csv(self.csv) if all(r[k] == v for k, v in self.where)]
-        if not rows:
-            raise LookupError(f"{self.csv}: no row with {dict(self.where)}")
-        return self.fmt.format(float(rows[-1][self.column]))
+    source: str
+    value: Callable[[], str]
 
     def text(self) -> str:
         return self.template.format(self.value())
 
 
-def _bench_row(kernel: str, mode: str, metric: str, x_name: str, x_value: str) -> tuple[tuple[str, str], ...]:
-    return (("kernel", kernel), ("impl", "nki"), ("mode", mode), ("metric", metric), ("x_name", x_name),
-            ("x_value", x_value))
+def csv_cell(name: str, column: str, where: dict[str, str], fmt: str = "{:.1f}") -> Callable[[], str]:
+    """``column`` of the last row of benchmarks/data/``name`` whose cells equal ``where``."""
+    def value() -> str:
+        rows = [r for r in read_csv(name) if all(r[k] == v for k, v in where.items())]
+        if not rows:
+            raise LookupError(f"{name}: no row with {where}")
+        return fmt.format(float(rows[-1][column]))
+    return value
+
+
+def json_value(name: str, path: str, fmt: str = "{:.1f}") -> Callable[[], str]:
+    """The number at key path ``a/b/c`` of benchmarks/data/``name``."""
+    def value() -> str:
+        node = json.loads((DATA / name).read_text())
+        for key in path.split("/"):
+            node = node[key]
+        return fmt.format(float(node))
+    return value
+
+
+def _bench(kernel: str, mode: str, metric: str, x_name: str, x_value: str) -> dict[str, str]:
+    return {"kernel": kernel, "impl": "nki", "mode": mode, "metric": metric, "x_name": x_name, "x_value": x_value}
 
 
 QUOTES = (
-    Quote("README.md", "runs at {}× numpy's own matmul time in bf16", "interp_speed.csv",
-          (("dtype", "bfloat16"),), "ratio"),
-    Quote("README.md", "in bf16 and {}× in fp32", "interp_speed.csv", (("dtype", "float32"),), "ratio"),
-    Quote("README.md", "M=4096: fwd {} µs", "bench.csv", _bench_row("grouped_mm", "forward", "est_time", "M", "4096"),
-          "p50", "{:,.1f}"),
-    Quote("README.md", "µs, {} of the roofline", "bench.csv",
-          _bench_row("grouped_mm", "forward", "fraction_of_roofline", "M", "4096"), "p50", "{:.1%}"),
+    Quote("README.md", "runs at {}× numpy's own matmul time in bf16", "interp_speed.csv bf16 ratio",
+          csv_cell("interp_speed.csv", "ratio", {"dtype": "bfloat16"})),
+    Quote("README.md", "in bf16 and {}× in fp32", "interp_speed.csv fp32 ratio",
+          csv_cell("interp_speed.csv", "ratio", {"dtype": "float32"})),
+    Quote("README.md", "M=4096: fwd {} µs", "bench.csv grouped_mm forward M=4096 est_time",
+          csv_cell("bench.csv", "p50", _bench("grouped_mm", "forward", "est_time", "M", "4096"), "{:,.1f}")),
+    Quote("README.md", "µs, {} of the roofline", "bench.csv grouped_mm forward M=4096 fraction_of_roofline",
+          csv_cell("bench.csv", "p50", _bench("grouped_mm", "forward", "fraction_of_roofline", "M", "4096"), "{:.1%}")),
 )
 
 
@@ -152,7 +165,7 @@ def wrong_quotes() -> list[str]:
     for q in QUOTES:
         page = " ".join((ROOT / q.page).read_text().split())  # line breaks in the page are spaces
         if q.text() not in page:
-            wrong.append(f"{q.page}: expected '{q.text()}' (from {q.csv} {dict(q.where)} {q.column})")
+            wrong.append(f"{q.page}: expected '{q.text()}' (from {q.source})")
     return wrong
 
 

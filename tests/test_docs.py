@@ -99,12 +99,20 @@ def test_quoted_figures_are_in_their_source_csv():
 
 
 def test_changed_csv_value_breaks_its_quote(monkeypatch):
-    quote = docs_tables.QUOTES[0]
     read_csv = docs_tables.read_csv
-    rows = read_csv(quote.csv)
+    rows = read_csv("interp_speed.csv")
     for row in rows:
-        if all(row[k] == v for k, v in quote.where):
-            row[quote.column] = str(float(row[quote.column]) * 1.5)
-    monkeypatch.setattr(docs_tables, "read_csv", lambda name: rows if name == quote.csv else read_csv(name))
+        row["ratio"] = str(float(row["ratio"]) * 1.5)
+    monkeypatch.setattr(docs_tables, "read_csv", lambda name: rows if name == "interp_speed.csv" else read_csv(name))
     wrong = docs_tables.wrong_quotes()
-    assert len(wrong) == 1 and wrong[0].startswith(f"{quote.page}: expected")
+    assert len(wrong) == 2 and all(w.startswith("README.md: expected") and "interp_speed.csv" in w for w in wrong)
+
+
+def test_quote_sources(tmp_path, monkeypatch):
+    (tmp_path / "r.json").write_text('{"case": {"time_us": {"mid": 645.71}}}')
+    (tmp_path / "r.csv").write_text("k,v\na,1.25\nb,2\na,3.75\n")
+    monkeypatch.setattr(docs_tables, "DATA", tmp_path)
+    assert docs_tables.json_value("r.json", "case/time_us/mid", "{:,.0f}")() == "646"
+    assert docs_tables.csv_cell("r.csv", "v", {"k": "a"}, "{:.2f}")() == "3.75"  # the last matching row
+    with pytest.raises(LookupError, match="no row with"):
+        docs_tables.csv_cell("r.csv", "v", {"k": "c"})()
