@@ -88,22 +88,6 @@ def qwen3_step() -> str:
     return _table(header, rows)
 
 
-def headline_ranges() -> str:
-    """benchmarks/headline_ranges.py: each headline case's time and fraction of its bound as a range."""
-    rows = []
-    for r in read_csv("headline_ranges.csv"):
-        rows.append([
-            f"{r['kernel']} {r['mode']}", r["shape"], f"{float(r['bound_us']):,.1f} ({r['bound_kind']})",
-            f"**{float(r['mid_us']):,.1f}** [{float(r['low_us']):,.1f}–{float(r['high_us']):,.1f}]",
-            f"**{float(r['fraction_mid']):.0%}** [{float(r['fraction_low_end']):.0%}–"
-            f"{float(r['fraction_high_end']):.0%}]",
-            r["top_sensitivity"],
-        ])
-    header = ["kernel", "shape", "bound (us)", "est. trn2 time (us), mid [low–high]",
-              "of the bound, mid [pessimistic–optimistic]", "most sensitive parameters"]
-    return _table(header, rows)
-
-
 # (kernel, mode, x_name, x_value) of the headline rows in docs/benchmarks.md (all bf16, the full sweeps)
 HEADLINE = (
     ("rope_hf", "forward", "S", 2048), ("rope_hf", "backward", "S", 2048), ("rope_hf", "forward", "flavor", "235B-A22B"),
