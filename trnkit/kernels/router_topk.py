@@ -30,6 +30,15 @@ the same tie rule): ``nc_match_replace8`` marks the K selected logits, and the m
 its weight) gives the dense row, at a cost independent of K; the ``[T, E]`` store is one contiguous run
 per partition like the logits.
 
+Variants (DeepSeek-V3 / GLM-4-MoE style routers): ``scoring="sigmoid"`` scores ``s = sigmoid(logits)``
+instead of the softmax; an optional ``selection_bias [E]`` fp32 (sigmoid only) is added to the scores
+for *choosing* the experts (``idx = top-K of s + bias``) but not to the weights (``s[idx]``); with
+``norm_topk_prob`` the sigmoid weights are divided by ``sum_k s[idx_k] + 1e-20`` (as transformers
+does); ``routed_scaling_factor`` multiplies the final weights. Without a bias the sigmoid top-K is chosen
+by logit (sigmoid is monotonic; same tie rule), the K weights are ``sigmoid`` of the selected logits;
+with a bias ``s + bias`` goes through max8 / nc_find_index8, and each weight is gathered from ``s`` with
+a one-hot mask (``(iota == idx_k) * s`` and a sum over E, K Vector passes).
+
 Backward (``router_topk_bwd``): ``g_p = scatter(idx, g_s)`` with ``g_s`` the gradient of the selected
 probabilities (through the renormalisation when ``norm_topk_prob``), ``g_logits = p * (g_p - <g_p, p>)
 (+ grad_router_logits)`` in fp32 (the per-token one-hot scatter is iota + compare on the Vector engine,
@@ -37,11 +46,14 @@ in any order of ``topk_idx``), then ``grad_x = g_logits @ w_router`` and ``grad_
 Tensor engine with fp32 accumulation. fp32 inputs: fp32 matmuls. bf16 inputs: ``g_logits`` is split into
 two bf16 parts (``hi + lo``, ~16 significant bits) multiplied against the exact bf16 x / w, so the
 gradients are as accurate as fp32 math rounded once to bf16, at 2x the bf16 matmul cost (still 2x
-cheaper than fp32 matmuls).
+cheaper than fp32 matmuls). Sigmoid scoring: ``g_logits = m * s(1 - s) * (G - c) / D`` with
+``D = <m, s> + 1e-20``, ``c = <G, m*s> / D`` (``norm_topk_prob``), else ``G * s(1 - s)``; the
+routed scaling factor scales the upstream gradient; the selection bias has no gradient (a buffer).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -62,9 +74,12 @@ _DTYPES = ("float32", "bfloat16")
 _NEG_BIG = -3.0e38  # pad value for E < 8 (never selected: K <= E)
 _MARK = float("inf")  # nc_match_replace8 mark of the selected logits (no finite logit equals it)
 _SBUF_BUDGET = 200 * 1024  # of the ~208 KiB usable per partition (trn2)
+SCORINGS = ("softmax", "sigmoid")
+_SIGMOID_NORM_EPS = 1e-20  # transformers' DeepSeek-V3 / GLM-4-MoE routers: sum + 1e-20
 
 
-def _sbuf_bytes(H: int, E: int, K: int, itemsize: int, return_affinities: bool = False) -> int:
+def _sbuf_bytes(H: int, E: int, K: int, itemsize: int, return_affinities: bool = False,
+                sigmoid: bool = False) -> int:
     """Peak SBUF bytes per partition of the kernels at their smallest tiling: forward = w^T
     (ceil(H/128)*E) + x slabs of two pipeline stages and their transposes (4*H) + one w row block (H)
     (+ with affinities: up to 4 sub-tiles of fp32 affinities and one sub-tile's marked logits, mask,
@@ -73,6 +88,8 @@ def _sbuf_bytes(H: int, E: int, K: int, itemsize: int, return_affinities: bool =
     fwd = (_cdiv(H, P_MAX) * E + 5 * H) * itemsize
     if return_affinities:
         fwd += 4 * 4 * E + 14 * E
+    if sigmoid:  # the broadcast bias, the scores, s + bias and one one-hot product (fp32)
+        fwd += 16 * E
     bwd = (_cdiv(E, P_MAX) * H + 2 * H) * itemsize + _bwd_group(E, K) * (6 * K + 24) * E
     return max(fwd, bwd)
 
@@ -81,11 +98,13 @@ def _sbuf_bytes(H: int, E: int, K: int, itemsize: int, return_affinities: bool =
 # constraints
 
 
-def constraints(x: Any, w_router: Any, top_k: int, return_affinities: bool = False) -> list[Violation]:
+def constraints(x: Any, w_router: Any, top_k: int, return_affinities: bool = False, scoring: str = "softmax",
+                selection_bias: Any = None, routed_scaling_factor: float = 1.0) -> list[Violation]:
     """Violated input constraints of :func:`router_topk` / :func:`router_topk_bwd` (empty = supported);
     ``return_affinities`` adds the SBUF of the dense affinities to the estimate."""
     name = "router_topk"
-    v: list[Violation] = []
+    v: list[Violation] = _variant_violations(w_router, return_affinities, scoring, selection_bias,
+                                             routed_scaling_factor)
     xs, ws = tuple(x.shape), tuple(w_router.shape)
     if len(xs) != 2:
         v.append(Violation(name, "x is 2-D [T, H]", xs))
@@ -117,7 +136,8 @@ def constraints(x: Any, w_router: Any, top_k: int, return_affinities: bool = Fal
         v.append(Violation(name, "w_router.dtype == x.dtype", (_dtype_name(x), _dtype_name(w_router)),
                            "the Tensor engine needs both operands fp32 or both bf16"))
     if k_ok:
-        need = _sbuf_bytes(H, E, int(top_k), 4 if _dtype_name(x) == "float32" else 2, bool(return_affinities))
+        need = _sbuf_bytes(H, E, int(top_k), 4 if _dtype_name(x) == "float32" else 2, bool(return_affinities),
+                           scoring == "sigmoid")
         if need > _SBUF_BUDGET:
             v.append(Violation(name, "SBUF per partition <= 200 KiB", need,
                                "w_router stays resident in SBUF next to at least one x slab per pipeline "
@@ -125,23 +145,67 @@ def constraints(x: Any, w_router: Any, top_k: int, return_affinities: bool = Fal
     return v
 
 
+def _variant_violations(w_router: Any, return_affinities: bool, scoring: str, selection_bias: Any,
+                        routed_scaling_factor: float) -> list[Violation]:
+    """The scoring / selection-bias / scaling rules (shapes and types only, no tensor values)."""
+    name = "router_topk"
+    v: list[Violation] = []
+    if scoring not in SCORINGS:
+        return [Violation(name, f"scoring in {SCORINGS}", scoring)]
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)) \
+            or not math.isfinite(routed_scaling_factor):
+        v.append(Violation(name, "routed_scaling_factor is a finite number", routed_scaling_factor))
+    if scoring == "sigmoid" and return_affinities:
+        v.append(Violation(name, "return_affinities with scoring='softmax'", scoring,
+                           "the dense affinities are built for softmax scores only"))
+    if selection_bias is None:
+        return v
+    if scoring != "sigmoid":
+        v.append(Violation(name, "selection_bias with scoring='sigmoid'", scoring,
+                           "choosing by softmax + bias would need the probabilities over E first"))
+    E = w_router.shape[0] if len(w_router.shape) == 2 else None
+    if tuple(selection_bias.shape) != (E,):
+        v.append(Violation(name, "selection_bias.shape == (E,)", tuple(selection_bias.shape)))
+    if _dtype_name(selection_bias) != "float32":
+        v.append(Violation(name, "selection_bias.dtype == float32", _dtype_name(selection_bias)))
+    return v
+
+
 # ---------------------------------------------------------------------------------------------------
 # torch references
 
 
+def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    return torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+
+
+def _weights_of(scores: torch.Tensor, idx: torch.Tensor, norm_topk_prob: bool, scoring: str,
+                routed_scaling_factor: float) -> torch.Tensor:
+    """The routing weights of the chosen experts: renormalised (sigmoid: + 1e-20) and scaled."""
+    vals = scores.gather(1, idx)
+    if norm_topk_prob:
+        den = vals.sum(dim=-1, keepdim=True)
+        vals = vals / (den + _SIGMOID_NORM_EPS if scoring == "sigmoid" else den)
+    return vals * routed_scaling_factor if routed_scaling_factor != 1.0 else vals
+
+
 def router_topk_ref(x: torch.Tensor, w_router: torch.Tensor, top_k: int, norm_topk_prob: bool = True,
-                    return_affinities: bool = False) -> tuple[torch.Tensor, ...]:
+                    return_affinities: bool = False, scoring: str = "softmax",
+                    selection_bias: torch.Tensor | None = None,
+                    routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, ...]:
     """Torch reference: ``(topk_weights [T,K] f32, topk_idx [T,K] int32, router_logits [T,E] f32)``, plus
-    ``affinities [T,E] f32`` (the weights scattered into their expert columns) when ``return_affinities``."""
+    ``affinities [T,E] f32`` (the weights scattered into their expert columns) when ``return_affinities``.
+    ``scoring`` / ``selection_bias`` / ``routed_scaling_factor``: see the module docstring."""
+    check(_variant_violations(w_router, return_affinities, scoring, selection_bias, routed_scaling_factor))
     logits = x.float() @ w_router.float().T
-    probs = torch.softmax(logits, dim=-1)
+    probs = _scores(logits, scoring)
     # The documented tie rule: experts are chosen by logit (softmax is monotonic, and a logit still
     # orders experts whose probabilities underflowed to 0), ties to the lower index (a stable sort;
     # torch.topk does not promise an order among ties). The kernel and the native model do the same.
-    idx = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    vals = probs.gather(1, idx)
-    if norm_topk_prob:
-        vals = vals / vals.sum(dim=-1, keepdim=True)
+    # With a selection bias the choice is by sigmoid score + bias (DeepSeek-V3), same tie rule.
+    key = logits if selection_bias is None else probs + selection_bias.float()
+    idx = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    vals = _weights_of(probs, idx, norm_topk_prob, scoring, routed_scaling_factor)
     if return_affinities:
         aff = torch.zeros_like(logits).scatter_(1, idx, vals)
         return vals, idx.to(torch.int32), logits, aff
@@ -150,16 +214,15 @@ def router_topk_ref(x: torch.Tensor, w_router: torch.Tensor, top_k: int, norm_to
 
 def router_topk_bwd_ref(x: torch.Tensor, w_router: torch.Tensor, router_logits: torch.Tensor,
                         topk_idx: torch.Tensor, grad_topk_weights: torch.Tensor,
-                        grad_router_logits: torch.Tensor | None = None, norm_topk_prob: bool = True
+                        grad_router_logits: torch.Tensor | None = None, norm_topk_prob: bool = True,
+                        scoring: str = "softmax", routed_scaling_factor: float = 1.0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference backward (autograd through softmax -> gather -> renorm -> matmul)."""
+    """Torch reference backward (autograd through softmax | sigmoid -> gather -> renorm -> scale -> matmul)."""
     xf = x.detach().float().requires_grad_(True)
     wf = w_router.detach().float().requires_grad_(True)
     with torch.enable_grad():
         logits = xf @ wf.T
-        vals = torch.softmax(logits, dim=-1).gather(1, topk_idx.long())
-        if norm_topk_prob:
-            vals = vals / vals.sum(dim=-1, keepdim=True)
+        vals = _weights_of(_scores(logits, scoring), topk_idx.long(), norm_topk_prob, scoring, routed_scaling_factor)
         outs, grads = [vals], [grad_topk_weights.float()]
         if grad_router_logits is not None:
             outs.append(logits)
@@ -287,9 +350,54 @@ def _scatter_affinities(aff, lg, top8, neg_max, rden, p_all, E, K):
     nisa.tensor_tensor(dst=aff, data1=p_w, data2=mask, op=nl.multiply, engine=nisa.engine.gpsimd)
 
 
-def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, aff=None):
+def _sigmoid_topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, scale, bias_sb, iota_e):
+    """Sigmoid top-K of one token sub-tile (see :func:`_topk_subtile`): chosen by logit, or by
+    ``sigmoid + bias`` when ``bias_sb [128, E]`` (the bias on every partition) is given."""
+    P = lg.shape[0]
+    f32 = nl.float32
+    choice = lg
+    s = None
+    if bias_sb != None:  # noqa: E711 (the NKI compiler rejects `is not`)
+        s = nl.ndarray((P, E), dtype=f32, buffer=nl.sbuf)
+        nisa.activation(dst=s, op=nl.sigmoid, data=lg[:, 0:E])
+        choice = nl.ndarray(lg.shape, dtype=f32, buffer=nl.sbuf)
+        if lg.shape[1] > E:  # E < 8: pads that are never chosen
+            nisa.memset(dst=choice[:, E:lg.shape[1]], value=_NEG_BIG)
+        nisa.tensor_tensor(dst=choice[:, 0:E], data1=s, data2=bias_sb[0:P, :], op=nl.add)
+    top8 = nl.ndarray((P, 8), dtype=f32, buffer=nl.sbuf)
+    nisa.max8(dst=top8, src=choice)
+    idx8 = nl.ndarray((P, 8), dtype=nl.uint32, buffer=nl.sbuf)
+    nisa.nc_find_index8(dst=idx8, data=choice, vals=top8)
+    nisa.tensor_copy(dst=top_i, src=idx8[:, 0:K], engine=nisa.engine.gpsimd)
+    s_k = nl.ndarray((P, K), dtype=f32, buffer=nl.sbuf)
+    den = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
+    if s == None:  # noqa: E711  the K selected logits: the same Scalar op as over E would give
+        nisa.activation(dst=s_k, op=nl.sigmoid, data=top8[:, 0:K], reduce_op=nl.add, reduce_res=den,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    else:  # gather s[idx_k]: one-hot (iota == idx_k) times s, summed over E
+        idx_f = nl.ndarray((P, K), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=idx_f, src=idx8[:, 0:K], engine=nisa.engine.gpsimd)
+        for k in range(K):
+            sel = nl.ndarray((P, E), dtype=f32, buffer=nl.sbuf)
+            nisa.scalar_tensor_tensor(dst=sel, data=iota_e[0:P, :], op0=nl.equal, operand0=idx_f[:, k:k + 1],
+                                      op1=nl.multiply, operand1=s)
+            nisa.tensor_reduce(dst=s_k[:, k:k + 1], op=nl.add, data=sel, axis=1)
+        nisa.tensor_reduce(dst=den, op=nl.add, data=s_k, axis=1)
+    if norm_topk_prob:
+        rden = nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=den, data=den, op0=nl.add, operand0=_SIGMOID_NORM_EPS)
+        nisa.reciprocal(dst=rden, data=den)
+        if scale != 1.0:
+            nisa.tensor_scalar(dst=rden, data=rden, op0=nl.multiply, operand0=scale)
+        nisa.tensor_scalar(dst=top_w, data=s_k, op0=nl.multiply, operand0=rden, engine=nisa.engine.scalar)
+    else:
+        nisa.tensor_scalar(dst=top_w, data=s_k, op0=nl.multiply, operand0=scale, engine=nisa.engine.scalar)
+
+
+def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, aff=None, scale=1.0):
     """Softmax top-K of one token sub-tile: ``lg [P, >=8]`` fp32 logits (padded when E < 8) ->
-    ``top_w [P, K]`` fp32, ``top_i [P, K]`` int32 (and the dense ``aff [P, E]`` fp32 when given)."""
+    ``top_w [P, K]`` fp32 (times ``scale``), ``top_i [P, K]`` int32 (and the dense ``aff [P, E]`` fp32
+    when given)."""
     P = lg.shape[0]
     top8 = nl.ndarray((P, 8), dtype=nl.float32, buffer=nl.sbuf)
     nisa.max8(dst=top8, src=lg)
@@ -312,20 +420,23 @@ def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, aff=None):
         nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max)
     rden = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(dst=rden, data=denom)
+    if scale != 1.0:  # routed_scaling_factor folded into the normaliser (weights and affinities alike)
+        nisa.tensor_scalar(dst=rden, data=rden, op0=nl.multiply, operand0=scale)
     nisa.tensor_scalar(dst=top_w, data=e_k, op0=nl.multiply, operand0=rden, engine=nisa.engine.scalar)
     if aff != None:  # noqa: E711 (the NKI compiler rejects `is not`)
         _scatter_affinities(aff, lg, top8, neg_max, rden, p_all, E, K)
 
 
 @nki.jit
-def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinities=False):
+def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinities=False, scoring="softmax",
+                       selection_bias=None, routed_scaling_factor=1.0):
     """NKI kernel behind :func:`router_topk` (inputs already validated).
 
     Per token sub-tile three stages, software-pipelined so every engine has independent work queued:
     A) Tensor-engine transposes of x (H onto partitions) + PSUM -> SBUF copies (skipped when x^T comes
     by DMA transpose), B) the H-contraction
     matmuls into a PSUM ``[P, E]`` tile + copy out, C) max8 / find_index8 / exp / normalise (+ the
-    affinity scatter when ``return_affinities``).
+    affinity scatter when ``return_affinities``); sigmoid scoring: :func:`_sigmoid_topk_subtile`.
     Returns ``(topk_w, topk_i, logits)``, or ``(topk_w, topk_i, logits, affinities)``.
     """
     T, H = x.shape
@@ -344,6 +455,12 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
     # runs the matmuls); otherwise x is loaded and transposed on the Tensor engine.
     dma_t = H % P_MAX == 0 and x.dtype != nl.float32  # the hardware-DGE transpose moves 2-byte elements
     wT = _load_w_transposed(w_router, load, dma_t)
+    bias_sb = iota_e = None
+    if selection_bias != None:  # noqa: E711  the bias on every partition (stride-0 DMA), expert ids
+        bias_sb = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=bias_sb, src=selection_bias.ap(pattern=[[0, P_MAX], [1, E]], offset=0))
+        iota_e = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=iota_e, pattern=[[1, E]], offset=0, channel_multiplier=0)
     chunks = _token_chunks(T, _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
     # SPMD (``router_topk_kernel[2]`` on LNC=2): program i takes every n_prog-th chunk
     n_prog, pid = _program_split()
@@ -409,7 +526,12 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
                 a_j = None
                 if return_affinities:
                     a_j = a_all[:, j, :]
-                _topk_subtile(lg_all[c][:, j, :], w_all[:, j, :], i_all[:, j, :], E, K, norm_topk_prob, a_j)
+                if scoring == "sigmoid":
+                    _sigmoid_topk_subtile(lg_all[c][:, j, :], w_all[:, j, :], i_all[:, j, :], E, K, norm_topk_prob,
+                                          routed_scaling_factor, bias_sb, iota_e)
+                else:
+                    _topk_subtile(lg_all[c][:, j, :], w_all[:, j, :], i_all[:, j, :], E, K, norm_topk_prob, a_j,
+                                  routed_scaling_factor)
             nisa.dma_copy(dst=logits.ap(pattern=[[NT * E, P], [E, NT], [1, E]], offset=t0 * E),
                           src=lg_all[c][:, :, 0:E])
             nisa.dma_copy(dst=topk_w.ap(pattern=[[NT * K, P], [K, NT], [1, K]], offset=t0 * K), src=w_all)
@@ -432,7 +554,7 @@ def _tiles(group, dtype, width=0):
     return out
 
 
-def _logit_grad_tiles(group, iota_e, norm_topk_prob):
+def _logit_grad_tiles(group, iota_e, norm_topk_prob, scoring="softmax"):
     """fp32 ``g_logits [P, E]`` for each token tile of ``group``: a list of ``(lg [P, E] fp32 logits,
     ik [P, K] int32 expert ids, gk [P, K] fp32 upstream top-K weight gradients, gl_in [P, E] or None
     (gradient of the logits themselves))``.
@@ -443,21 +565,28 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
     else: ``g = e/S * (G - <G, e>/S)``, ``S = sum(e)``.
     Every step is issued for all tiles of the group before the next step (independent instructions
     between dependent ones hide the engines' latency); the K one-hot products are summed as a tree on
-    the otherwise idle GpSimd engine. One-hot masks are fp16 (exact small integers).
+    the otherwise idle GpSimd engine. One-hot masks are fp16 (exact small integers). Sigmoid scoring:
+    ``e`` is ``s = sigmoid(lg)``, the normaliser ``S_sel + 1e-20`` (none without norm_topk_prob) and
+    the Jacobian factor ``s(1 - s)`` (see :func:`_sigmoid_jacobian`).
     """
     n = len(group)
     P, E = group[0][0].shape
     K = group[0][1].shape[1]
     f32 = nl.float32
 
+    sigmoid = scoring == "sigmoid"
     neg_max, s_all, e = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32)
     ikf = _tiles(group, f32, K)
     for i in range(n):
-        nisa.tensor_reduce(dst=neg_max[i], op=nl.maximum, data=group[i][0], axis=1, negate=True)
+        if not sigmoid:
+            nisa.tensor_reduce(dst=neg_max[i], op=nl.maximum, data=group[i][0], axis=1, negate=True)
         nisa.tensor_copy(dst=ikf[i], src=group[i][1], engine=nisa.engine.gpsimd)
     for i in range(n):
-        nisa.activation(dst=e[i], op=nl.exp, data=group[i][0], bias=neg_max[i], reduce_op=nl.add,
-                        reduce_res=s_all[i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        if sigmoid:
+            nisa.activation(dst=e[i], op=nl.sigmoid, data=group[i][0])
+        else:
+            nisa.activation(dst=e[i], op=nl.exp, data=group[i][0], bias=neg_max[i], reduce_op=nl.add,
+                            reduce_res=s_all[i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
     # products[i][k] = onehot(ik_k) * gk_k, masks[i][k] = onehot(ik_k)
     prods = []
     masks = []
@@ -485,8 +614,12 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
                                        engine=nisa.engine.gpsimd)
         width = width * 2
     G = []
+    m0 = []
     for i in range(n):
         G.append(prods[i][0])
+        m0.append(masks[i][0])
+    if sigmoid:
+        return _sigmoid_logit_grads(group, G, m0, e, norm_topk_prob)
     den, dot, rden, neg_c = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1)
     tmp, g = _tiles(group, f32), _tiles(group, f32)
     if norm_topk_prob:
@@ -510,15 +643,67 @@ def _logit_grad_tiles(group, iota_e, norm_topk_prob):
         nisa.tensor_scalar(dst=g[i], data=G[i], op0=nl.add, operand0=neg_c[i], op1=nl.multiply, operand1=rden[i])
     for i in range(n):
         nisa.tensor_tensor(dst=g[i], data1=g[i], data2=weight[i], op=nl.multiply)
-    for i in range(n):
+    return _plus_logit_grads(group, g)
+
+
+def _plus_logit_grads(group, g):
+    """``g += grad_router_logits`` for the tiles that have one (the logits are an output too)."""
+    for i in range(len(group)):
         if group[i][3] != None:  # noqa: E711 (the NKI compiler rejects `is`)
             nisa.tensor_tensor(dst=g[i], data1=g[i], data2=group[i][3], op=nl.add)
     return g
 
 
+def _sigmoid_jacobian(s):
+    """``s * (1 - s)`` of each tile (the derivative of the sigmoid, from its output)."""
+    out = []
+    for t in s:
+        d = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=d, data=t, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+        nisa.tensor_tensor(dst=d, data1=d, data2=t, op=nl.multiply)
+        out.append(d)
+    return out
+
+
+def _sigmoid_logit_grads(group, G, masks, s, norm_topk_prob):
+    """``g_logits`` for sigmoid scores ``s`` (see :func:`_logit_grad_tiles`): norm_topk_prob:
+    ``m * s(1-s) * (G - c) / D``, ``D = <m, s> + 1e-20``, ``c = <G, m*s> / D``; else ``G * s(1-s)``
+    (``G`` is zero off the selection)."""
+    n = len(group)
+    f32 = nl.float32
+    jac = _sigmoid_jacobian(s)
+    g = _tiles(group, f32)
+    if norm_topk_prob:
+        ms, tmp = _tiles(group, f32), _tiles(group, f32)
+        den, dot, rden, neg_c = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1)
+        for i in range(n):
+            nisa.tensor_tensor(dst=ms[i], data1=s[i], data2=masks[i], op=nl.multiply)
+            nisa.tensor_tensor(dst=jac[i], data1=jac[i], data2=masks[i], op=nl.multiply)
+        for i in range(n):
+            nisa.tensor_reduce(dst=den[i], op=nl.add, data=ms[i], axis=1)
+            nisa.tensor_tensor(dst=tmp[i], data1=G[i], data2=ms[i], op=nl.multiply)
+        for i in range(n):
+            nisa.tensor_scalar(dst=den[i], data=den[i], op0=nl.add, operand0=_SIGMOID_NORM_EPS)
+            nisa.tensor_reduce(dst=dot[i], op=nl.add, data=tmp[i], axis=1)
+        for i in range(n):
+            nisa.reciprocal(dst=rden[i], data=den[i])
+        for i in range(n):  # -<G, m s> / D
+            nisa.tensor_scalar(dst=neg_c[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
+                               operand1=-1.0)
+        for i in range(n):  # g = ((G - c) * (1/D)) * m s(1-s)
+            nisa.tensor_scalar(dst=g[i], data=G[i], op0=nl.add, operand0=neg_c[i], op1=nl.multiply,
+                               operand1=rden[i])
+            nisa.tensor_tensor(dst=g[i], data1=g[i], data2=jac[i], op=nl.multiply)
+    else:
+        for i in range(n):
+            nisa.tensor_tensor(dst=g[i], data1=G[i], data2=jac[i], op=nl.multiply)
+    return _plus_logit_grads(group, g)
+
+
 @nki.jit
 def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
-                           has_grad_logits=False, norm_topk_prob=True):
+                           has_grad_logits=False, norm_topk_prob=True, scoring="softmax",
+                           routed_scaling_factor=1.0):
     """NKI kernel behind :func:`router_topk_bwd`. Phase 1 (per token tile): ``g_logits`` and
     ``grad_x = g_logits @ w``; ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM, during
     phase 1 when it fits 4 PSUM banks, else in a phase 2 over a g_logits scratch.
@@ -572,6 +757,8 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 nisa.dma_copy(dst=ik, src=topk_idx[t0:t0 + tp, :])
                 gk = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.dma_copy(dst=gk, src=grad_topk_weights[t0:t0 + tp, :])
+                if routed_scaling_factor != 1.0:  # weights = scale * w': the upstream gradient of w'
+                    nisa.tensor_scalar(dst=gk, data=gk, op0=nl.multiply, operand0=routed_scaling_factor)
                 gl_in = None
                 if has_grad_logits:
                     gl_in = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
@@ -579,7 +766,7 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 ins[step].append((lg, ik, gk, gl_in))
         i_g = step - 1
         if 0 <= i_g < n:
-            g_ls = _logit_grad_tiles(ins[i_g], iota_e, norm_topk_prob)
+            g_ls = _logit_grad_tiles(ins[i_g], iota_e, norm_topk_prob, scoring)
             ins[i_g] = None
             glT[i_g] = []
             for gi in range(len(g_ls)):
@@ -686,26 +873,31 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
 
 
 def router_topk(x: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
-                return_affinities: bool = False) -> tuple[Any, ...]:
+                return_affinities: bool = False, scoring: str = "softmax", selection_bias: Any = None,
+                routed_scaling_factor: float = 1.0) -> tuple[Any, ...]:
     """Qwen3 router on ``x [T, H]`` with ``w_router [E, H]`` (NKI kernel).
 
     Returns ``(topk_weights [T, K] fp32, topk_idx [T, K] int32, router_logits [T, E] fp32)``; experts
     sorted by descending probability, ties broken toward the lower expert index. With
     ``return_affinities=True`` a fourth output ``affinities [T, E] fp32``: the top-K weights (renormalised
-    when ``norm_topk_prob``) in their expert columns, zeros elsewhere. Raises
-    :class:`KernelConstraintError` on unsupported inputs.
+    when ``norm_topk_prob``) in their expert columns, zeros elsewhere. ``scoring="sigmoid"``,
+    ``selection_bias [E]`` fp32 and ``routed_scaling_factor``: the DeepSeek-V3 variants (module
+    docstring). Raises :class:`KernelConstraintError` on unsupported inputs.
     """
-    check(constraints(x, w_router, top_k, return_affinities))
+    check(constraints(x, w_router, top_k, return_affinities, scoring, selection_bias, routed_scaling_factor))
     return router_topk_kernel(_dense(x), _dense(w_router), int(top_k), norm_topk_prob=bool(norm_topk_prob),
-                              return_affinities=bool(return_affinities))
+                              return_affinities=bool(return_affinities), scoring=scoring,
+                              selection_bias=_dense(selection_bias),
+                              routed_scaling_factor=float(routed_scaling_factor))
 
 
 def router_topk_bwd(x: Any, w_router: Any, router_logits: Any, topk_idx: Any, grad_topk_weights: Any,
-                    grad_router_logits: Any = None, norm_topk_prob: bool = True) -> tuple[Any, Any]:
+                    grad_router_logits: Any = None, norm_topk_prob: bool = True, scoring: str = "softmax",
+                    routed_scaling_factor: float = 1.0) -> tuple[Any, Any]:
     """Input gradients of :func:`router_topk`: ``(grad_x [T, H] x.dtype, grad_w_router [E, H] w.dtype)``
     from ``grad_topk_weights [T, K]`` (and ``grad_router_logits [T, E]`` if the logits are used too)."""
     K = int(topk_idx.shape[1]) if len(topk_idx.shape) == 2 else -1
-    v = constraints(x, w_router, K)
+    v = constraints(x, w_router, K, scoring=scoring, routed_scaling_factor=routed_scaling_factor)
     T = int(x.shape[0]) if len(x.shape) == 2 else -1
     E = int(w_router.shape[0]) if len(w_router.shape) == 2 else -1
     for tname, t, shp in (("router_logits", router_logits, (T, E)), ("topk_idx", topk_idx, (T, K)),
@@ -720,4 +912,5 @@ def router_topk_bwd(x: Any, w_router: Any, router_logits: Any, topk_idx: Any, gr
     return router_topk_bwd_kernel(
         _dense(x), _dense(w_router), _dense(to_f32(router_logits)), _dense(to_i32(topk_idx)),
         _dense(to_f32(grad_topk_weights)), None if gl is None else _dense(to_f32(gl)),
-        has_grad_logits=gl is not None, norm_topk_prob=bool(norm_topk_prob))
+        has_grad_logits=gl is not None, norm_topk_prob=bool(norm_topk_prob), scoring=scoring,
+        routed_scaling_factor=float(routed_scaling_factor))

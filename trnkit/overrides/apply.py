@@ -255,6 +255,31 @@ def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor
     return logits.to(x.dtype), weights.to(x.dtype), idx.long()
 
 
+def _hf_sigmoid_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """transformers' DeepSeek-V3 / GLM-4-MoE ``TopkRouter``: fp32 logits, sigmoid scores, selection by
+    ``scores + e_score_correction_bias``, ``sum + 1e-20`` renormalisation, ``routed_scaling_factor``."""
+    x = hidden_states.reshape(-1, self.hidden_dim).float()  # transformers routes in fp32
+    w, bias, scale = self.weight.float(), self.e_score_correction_bias, float(self.routed_scaling_factor)
+    impl = self._trnkit_guard.choose(x=x, w_router=w, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
+                                     scoring="sigmoid", selection_bias=bias, routed_scaling_factor=scale)
+    if impl is None:
+        return self._trnkit_fallback(hidden_states)
+    weights, idx, logits = ops.router_topk(x, w, self.top_k, self.norm_topk_prob, impl, "sigmoid", bias, scale)
+    return logits, weights, idx.long()  # as transformers: (logits, weights, indices), fp32
+
+
+def hf_sigmoid_router_static(module: nn.Module) -> list[Violation]:
+    """Group-limited routing (``n_group > 1`` groups of which only ``topk_group`` are searched) is not
+    in the kernel; with one group, or every group searched, the selection is the plain top-K."""
+    n_group, topk_group = getattr(module, "num_group", 1), getattr(module, "topk_group", 1)
+    if n_group > 1 and topk_group < n_group:
+        return [Violation("router_topk[hf adapter]", "n_group == 1 or topk_group == n_group",
+                          {"n_group": n_group, "topk_group": topk_group},
+                          "group-limited routing (top-K only inside the best topk_group expert groups) is "
+                          "not implemented by the kernel")]
+    return []
+
+
 def hf_experts_call(module: nn.Module, guard: _Guard, block_size: int, hidden_states: Tensor,
                     top_k_index: Tensor, top_k_weights: Tensor) -> Tensor | None:
     """trnkit::moe_experts for a transformers v5 experts module; None = the guard chose its own code."""
@@ -323,7 +348,11 @@ _HF_CLASSES = {
     "Attention": {("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),
                   ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention")},
     "TopKRouter": {("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter")},
-    "Experts": {("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts")},
+    "SigmoidRouter": {("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter"),
+                      ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeTopkRouter")},
+    "Experts": {("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts"),
+                ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Experts"),
+                ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeExperts")},
 }
 
 
@@ -343,6 +372,8 @@ def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
         return _ModuleAdapter("moe_experts", _native_experts_forward)
     if _is_hf(module, "TopKRouter"):
         return _ModuleAdapter("router_topk", _hf_router_forward)
+    if _is_hf(module, "SigmoidRouter"):
+        return _ModuleAdapter("router_topk", _hf_sigmoid_router_forward, hf_sigmoid_router_static)
     if _is_hf(module, "Experts"):
         return _ModuleAdapter("moe_experts", _hf_experts_forward, hf_experts_static)
     return None

@@ -68,17 +68,18 @@ def _rope_constraints(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tens
 # -------------------------------------------------------------------------------------------- router
 
 
-def _router_ref(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True):
-    return _attr("router_topk", "router_topk_ref")(x, w_router, top_k, norm_topk_prob)
+def _router_ref(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True, **variant: Any):
+    return _attr("router_topk", "router_topk_ref")(x, w_router, top_k, norm_topk_prob, **variant)
 
 
-def _router_nki(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True):
-    weights, idx, logits = _attr("router_topk", "router_topk")(x, w_router, top_k, norm_topk_prob)
-    return _nonfinite_tokens_as_reference(x, w_router, top_k, norm_topk_prob, weights, idx, logits)
+def _router_nki(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True, **variant: Any):
+    weights, idx, logits = _attr("router_topk", "router_topk")(x, w_router, top_k, norm_topk_prob, **variant)
+    return _nonfinite_tokens_as_reference(x, w_router, top_k, norm_topk_prob, weights, idx, logits, variant)
 
 
 def _nonfinite_tokens_as_reference(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool,
-                                   weights: Tensor, idx: Tensor, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                                   weights: Tensor, idx: Tensor, logits: Tensor,
+                                   variant: dict) -> tuple[Tensor, Tensor, Tensor]:
     """A token whose router logits are not all finite gets the reference's outcome.
 
     The kernel's max8 / find_index8 selection has no defined answer for NaN logits (it returned expert
@@ -90,7 +91,7 @@ def _nonfinite_tokens_as_reference(x: Tensor, w_router: Tensor, top_k: int, norm
     bad = ~torch.isfinite(logits).all(dim=-1)
     if not bool(bad.any()):
         return weights, idx, logits
-    ref_w, ref_idx, _ = _router_ref(x[bad], w_router, top_k, norm_topk_prob)
+    ref_w, ref_idx, _ = _router_ref(x[bad], w_router, top_k, norm_topk_prob, **variant)
     weights, idx = weights.clone(), idx.clone()
     weights[bad] = ref_w.to(weights.dtype)
     idx[bad] = ref_idx.to(idx.dtype)
@@ -114,21 +115,24 @@ def _autograd_dispatch() -> Iterator[None]:
 
 
 def _router_ref_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
-                    norm_topk_prob=True):
+                    norm_topk_prob=True, **variant: Any):
     with _autograd_dispatch():  # router_topk_bwd_ref differentiates the reference with autograd
             return _attr("router_topk", "router_topk_bwd_ref")(x, w_router, router_logits, topk_idx,
                                                            grad_topk_weights, grad_router_logits,
-                                                           norm_topk_prob=norm_topk_prob)
+                                                           norm_topk_prob=norm_topk_prob, **variant)
 
 
 def _router_nki_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
-                    norm_topk_prob=True):
+                    norm_topk_prob=True, **variant: Any):
     return _attr("router_topk", "router_topk_bwd")(x, w_router, router_logits, topk_idx, grad_topk_weights,
-                                                   grad_router_logits, norm_topk_prob=norm_topk_prob)
+                                                   grad_router_logits, norm_topk_prob=norm_topk_prob, **variant)
 
 
-def _router_constraints(x: Tensor, w_router: Tensor, top_k: int, **_: Any) -> list[Violation]:
-    return _attr("router_topk", "constraints")(x, w_router, top_k)
+def _router_constraints(x: Tensor, w_router: Tensor, top_k: int, scoring: str = "softmax",
+                        selection_bias: Tensor | None = None, routed_scaling_factor: float = 1.0,
+                        **_: Any) -> list[Violation]:
+    return _attr("router_topk", "constraints")(x, w_router, top_k, scoring=scoring, selection_bias=selection_bias,
+                                               routed_scaling_factor=routed_scaling_factor)
 
 
 # ----------------------------------------------------------------------------------------------- moe

@@ -11,7 +11,10 @@ registered on the functional ops with the impl's backward.
 - ``trnkit::rope_hf_apply(q, k, cos?, sin?, rope_cache?, layout, backward, impl) -> (q', k')``:
   functional, differentiable in ``q`` and ``k`` (``cos``/``sin``/``rope_cache`` are constants);
   ``layout="bshd"`` is the models' ``[B, S, H, D]``.
-- ``trnkit::router_topk(x, w_router, top_k, norm_topk_prob, impl) -> (weights f32, idx i32, logits f32)``.
+- ``trnkit::router_topk(x, w_router, top_k, norm_topk_prob, impl, scoring, selection_bias?,
+  routed_scaling_factor) -> (weights f32, idx i32, logits f32)``; the variant arguments (DeepSeek-V3
+  style sigmoid routers) reach the impl as keyword arguments only when they differ from the Qwen3
+  defaults, so impls written for softmax routers keep working.
 - ``trnkit::grouped_mm(x, w, group_offsets, impl) -> out``.
 - ``trnkit::moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, impl) -> out``.
 - ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``: the backward
@@ -128,50 +131,69 @@ rope_hf_apply.register_autograd(_rope_backward, setup_context=_rope_setup)
 # -------------------------------------------------------------------------------------------- router
 
 
+def _router_variant(scoring: str, selection_bias: Tensor | None, routed_scaling_factor: float,
+                    forward: bool = True) -> dict[str, Any]:
+    """The router variant as impl keyword arguments; empty for the Qwen3 default (softmax, no bias, x1)."""
+    kw: dict[str, Any] = {}
+    if scoring != "softmax":
+        kw["scoring"] = scoring
+    if forward and selection_bias is not None:
+        kw["selection_bias"] = selection_bias.contiguous()
+    if routed_scaling_factor != 1.0:
+        kw["routed_scaling_factor"] = routed_scaling_factor
+    return kw
+
+
 @torch.library.custom_op("trnkit::router_topk", mutates_args=())
 def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True,
-                impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
-    """Router logits, softmax and top-k: ``(topk_weights [T,K] f32, topk_idx [T,K] i32, logits [T,E] f32)``."""
-    w, idx, logits = get_impl("router_topk", impl).fn(x.contiguous(), w_router.contiguous(), top_k,
-                                                      norm_topk_prob)
+                impl: str = "reference", scoring: str = "softmax", selection_bias: Tensor | None = None,
+                routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """Router logits, scores and top-k: ``(topk_weights [T,K] f32, topk_idx [T,K] i32, logits [T,E] f32)``."""
+    w, idx, logits = get_impl("router_topk", impl).fn(
+        x.contiguous(), w_router.contiguous(), top_k, norm_topk_prob,
+        **_router_variant(scoring, selection_bias, routed_scaling_factor))
     return w.to(torch.float32), idx.to(torch.int32), logits.to(torch.float32)
 
 
 @router_topk.register_fake
-def _router_topk_fake(x, w_router, top_k, norm_topk_prob=True, impl="reference"):
+def _router_topk_fake(x, w_router, top_k, norm_topk_prob=True, impl="reference", scoring="softmax",
+                      selection_bias=None, routed_scaling_factor=1.0):
     t, e = x.shape[0], w_router.shape[0]
     return (x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32),
             x.new_empty((t, e), dtype=torch.float32))
 
 
 def _router_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    x, w_router, _, norm_topk_prob, impl = inputs
+    x, w_router, _, norm_topk_prob, impl, scoring, _, routed_scaling_factor = inputs
     _, idx, logits = output
     ctx.save_for_backward(x, w_router, logits, idx)
-    ctx.norm, ctx.impl = norm_topk_prob, impl
+    ctx.norm, ctx.impl, ctx.scoring, ctx.scale = norm_topk_prob, impl, scoring, routed_scaling_factor
 
 
 @torch.library.custom_op("trnkit::router_topk_bwd", mutates_args=())
 def router_topk_bwd(x: Tensor, w_router: Tensor, router_logits: Tensor, topk_idx: Tensor,
                     grad_topk_weights: Tensor, grad_router_logits: Tensor, norm_topk_prob: bool = True,
-                    impl: str = "reference") -> tuple[Tensor, Tensor]:
-    """Backward of ``trnkit::router_topk``: ``(grad_x, grad_w_router)``."""
+                    impl: str = "reference", scoring: str = "softmax",
+                    routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Backward of ``trnkit::router_topk``: ``(grad_x, grad_w_router)`` (the selection bias has none)."""
     gx, gw = _backward_fn("router_topk", impl)(
         x.contiguous(), w_router.contiguous(), router_logits.contiguous(), topk_idx.contiguous(),
-        grad_topk_weights.contiguous(), grad_router_logits.contiguous(), norm_topk_prob)
+        grad_topk_weights.contiguous(), grad_router_logits.contiguous(), norm_topk_prob,
+        **_router_variant(scoring, None, routed_scaling_factor, forward=False))
     return gx.to(x.dtype), gw.to(w_router.dtype)
 
 
 @router_topk_bwd.register_fake
 def _router_topk_bwd_fake(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
-                          norm_topk_prob=True, impl="reference"):
+                          norm_topk_prob=True, impl="reference", scoring="softmax", routed_scaling_factor=1.0):
     return torch.empty_like(x), torch.empty_like(w_router)
 
 
 def _router_backward(ctx: Any, grad_w: Tensor, grad_idx: Tensor | None, grad_logits: Tensor):
     x, w_router, logits, idx = ctx.saved_tensors
-    gx, gw = router_topk_bwd(x, w_router, logits, idx, grad_w, grad_logits, ctx.norm, ctx.impl)
-    return gx, gw, None, None, None
+    gx, gw = router_topk_bwd(x, w_router, logits, idx, grad_w, grad_logits, ctx.norm, ctx.impl, ctx.scoring,
+                             ctx.scale)
+    return gx, gw, None, None, None, None, None, None
 
 
 router_topk.register_autograd(_router_backward, setup_context=_router_setup)
