@@ -105,8 +105,23 @@ def bench_headline() -> str:
     return markdown_table(rows) + "\n"
 
 
+def moe_lnc() -> str:
+    """moe_experts on one core vs a trn2 logical core (the ``E (LNC=n)`` sweeps of trnkit.bench, bf16)."""
+    est = {(r.mode, r.x_name, r.x_value): r.p50 for r in latest_rows(read_rows(DATA / "bench.csv"))
+           if r.kernel == "moe_experts" and r.impl == "nki" and r.metric == "est_time"
+           and r.x_name.startswith("E (LNC=") and r.config.get("dtype") == "bfloat16"}
+    targets = {"forward": 1.6, "backward": 1.5}
+    rows = []
+    for mode, target in targets.items():
+        for E in sorted({x for m, _, x in est if m == mode}):
+            one, two = est[(mode, "E (LNC=1)", E)], est[(mode, "E (LNC=2)", E)]
+            rows.append([mode, str(E), f"{one:,.1f} us", f"{two:,.1f} us", f"**{one / two:.2f}x**", f">= {target}x"])
+    return _table(["moe_experts", "E", "LNC=1 (est. trn2)", "LNC=2 (est. trn2)", "speed-up", "target"], rows)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
+    "moe_lnc": moe_lnc,
 }
 
 
