@@ -9,7 +9,11 @@ the checkout at run time (``module:function`` paths inside its ``src/``).
 
 from __future__ import annotations
 
+import enum
 import importlib
+import math
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -315,7 +319,144 @@ def _router_cases() -> list[Case]:
     return cases
 
 
+# -- core/moe/moe_cte (test_moe_cte.py, test_moe_cte_common.py) ---------------------------------
+class BWMMFunc(enum.Enum):
+    """The kernel variants of nki-library's MoE CTE test (same names and values).
+
+    nki-library's own torch reference (``moe_cte_torch.moe_cte_torch_ref``) imports this enum from
+    its test package (``test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common``), which needs
+    nki-library's test infrastructure; :func:`_moe_test_enum` serves this one instead.
+    """
+
+    SHARD_ON_BLOCK = 1
+    SHARD_ON_INTERMEDIATE = 3
+    SHARD_ON_INTERMEDIATE_HW = 5
+
+
+_MOE_ENTRY = {BWMMFunc.SHARD_ON_BLOCK: "moe.moe_cte.bwmm_shard_on_block:bwmm_shard_on_block",
+              BWMMFunc.SHARD_ON_INTERMEDIATE:
+                  "moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate",
+              BWMMFunc.SHARD_ON_INTERMEDIATE_HW:
+                  "moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate_hybrid"}
+
+
+def _moe_test_enum() -> None:
+    """Make ``test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common.BWMMFunc`` importable."""
+    name = "test.integration.nkilib.core.moe.moe_cte.test_moe_cte_common"
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        sub = ".".join(parts[:i])
+        if sys.modules.get(sub) is None or not hasattr(sys.modules[sub], "__path__"):
+            mod = types.ModuleType(sub)
+            mod.__path__ = []  # a package, so the next level imports from sys.modules
+            sys.modules[sub] = mod
+    sys.modules[name].BWMMFunc = BWMMFunc
+
+
+def _moe_blocks(t: int, top_k: int, e: int, b: int, per_iter: int) -> int:
+    """Blocks the dispatch needs in the worst case (rounded up to ``per_iter``), as the test sizes it."""
+    n = math.ceil((t * top_k - (e - 1)) / b) + e - 1
+    return per_iter * math.ceil(n / per_iter)
+
+
+def _moe_dispatch(t: int, top_k: int, e: int, b: int, n: int, skip_token: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Routing and block metadata like the test's: each token picks ``min(top_k, e)`` distinct experts
+    at random (seed 0); experts get ceil(tokens / b) blocks in expert order, the padding blocks go to
+    the last expert. Returns (token x expert mask, token id per block slot (-1 or t when empty),
+    expert per block, dynamic-loop conditions)."""
+    np.random.seed(0)
+    k = min(top_k, e)
+    mask = np.zeros((t, e))
+    for i in range(t):
+        mask[i, np.random.choice(range(e), k, replace=False)] = 1
+    blocks = np.ceil(mask.sum(0) / b).astype(np.int32)
+    padding = n - int(blocks.sum())
+    blocks[e - 1] += padding
+    block_to_expert = np.arange(e).repeat(blocks).astype(np.int32)
+    first_slot = np.concatenate([[0], np.cumsum(blocks)[:-1]]) * b  # expert's first block slot
+    slot_of = (np.cumsum(mask, axis=0) - 1 + first_slot).astype(np.int64)  # rank within the expert
+    token_of_slot = np.full(n * b, -1 if skip_token else t, dtype=np.int32)
+    rows, experts = np.nonzero(mask)
+    token_of_slot[slot_of[rows, experts]] = rows
+    conditions = np.ones(n + 1, dtype=np.int32)
+    conditions[-(padding + 1):] = 0
+    return mask, token_of_slot, block_to_expert, conditions
+
+
+def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_size: int, skip: int,
+                bias: bool, training: bool, act: str, clamps: tuple, lnc: int
+                ) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        skip_mode = _lib("moe.moe_cte.moe_cte_utils:SkipMode")(skip in (1, 3), skip in (2, 3))
+        n = _moe_blocks(t, top_k, e, b, lnc if func is BWMMFunc.SHARD_ON_BLOCK else 1)
+        mask, token_of_slot, block_to_expert, conditions = _moe_dispatch(t, top_k, e, b, n, skip_mode.skip_token)
+        np.random.seed(0)
+        rows = t if skip_mode.skip_token else t + 1  # without token skipping: one zero row at t
+        affinities = np.random.random_sample([rows, e]).astype(BF16)
+        hidden = np.random.random_sample([rows, h]).astype(BF16)
+        affinities[:t] = affinities[:t] * mask.astype(BF16)
+        affinities[t:] = 0
+        hidden[t:] = 0
+        out = {}
+        if bias:
+            out["down_proj_bias"] = np.random.uniform(-1.632, 1.4375, size=[e, h]).astype(BF16)
+            out["gate_and_up_proj_bias"] = np.random.uniform(-1, 1, size=[e, 2, i_size]).astype(BF16)
+        i_padded = math.ceil(i_size / 16) * 16
+        down = np.random.uniform(-0.1, 0.1, size=[e, i_padded, h]).astype(BF16)
+        gate_up = np.random.uniform(-0.1, 0.1, size=[e, h, 2, i_size]).astype(BF16)
+        common_types = "utils.common_types"
+        out.update({
+            "hidden_states": hidden, "expert_affinities_masked": affinities.reshape(-1, 1),
+            "gate_up_proj_weight": gate_up, "down_proj_weight": down,
+            "token_position_to_id": token_of_slot, "block_to_expert": block_to_expert, "block_size": b,
+            "skip_dma": skip_mode, "compute_dtype": BF16, "is_tensor_update_accumulating": top_k != 1,
+            "expert_affinities_scaling_mode": _lib(f"{common_types}:ExpertAffinityScaleMode").POST_SCALE,
+            "activation_function": getattr(_lib(f"{common_types}:ActFnType"), act)})
+        for key, v in zip(("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit",
+                           "up_clamp_lower_limit"), clamps):
+            if v is not None:
+                out[key] = v
+        if func is BWMMFunc.SHARD_ON_INTERMEDIATE:
+            out.update(checkpoint_activation=training, expert_affinity_multiply_on_I=False)
+        if func is BWMMFunc.SHARD_ON_INTERMEDIATE_HW:
+            out["conditions"] = conditions
+        return out
+    return make
+
+
+def _moe_ref_inputs(func: BWMMFunc, lnc: int, top_k: int) -> Callable[[dict], dict]:
+    def ref_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+        _moe_test_enum()
+        return {**inputs, "bwmm_func": func, "lnc_degree": lnc, "top_k": top_k}
+    return ref_inputs
+
+
+def _moe_cases() -> list[Case]:
+    cases = []
+    block, inter, hybrid = BWMMFunc.SHARD_ON_BLOCK, BWMMFunc.SHARD_ON_INTERMEDIATE, BWMMFunc.SHARD_ON_INTERMEDIATE_HW
+    no_clamp, clamp = (None, None, None, None), (7, None, 8, -9)
+    for func, h, t, e, b, k, i_size, skip, bias, training, act, clamps, note in [
+            (block, 3072, 1024, 8, 512, 4, 384, 1, True, False, "Swish", clamp, ""),
+            (block, 3072, 1024, 8, 256, 4, 192, 3, True, False, "Swish", clamp, ""),
+            (inter, 3072, 1024, 8, 512, 4, 2048, 0, True, False, "SiLU", no_clamp, ""),
+            (inter, 3072, 1024, 8, 512, 4, 2048, 1, False, True, "Swish", no_clamp, ""),
+            (hybrid, 3072, 1024, 8, 512, 4, 2048, 0, False, False, "SiLU", no_clamp,
+             "a shard_on_I hybrid shape listed (commented out) in test_moe_cte.py")]:
+        outputs = ("output", "gate_up_activations_T", "down_activations") if training else ("output",)
+        flags = [f"skip={skip}"] + (["bias"] if bias else []) + (["training"] if training else []) \
+            + (["clamp"] if clamps != no_clamp else [])
+        cases.append(Case(
+            kernel="core/moe/moe_cte", name=f"{func.name.lower()} {act} {' '.join(flags)}",
+            shapes=f"T={t} H={h} E={e} B={b} k={k} I={i_size}", entry=f"{LIB}.{_MOE_ENTRY[func]}",
+            reference=f"{LIB}.moe.moe_cte.moe_cte_torch:moe_cte_torch_ref",
+            inputs=_moe_inputs(func, t, h, e, b, k, i_size, skip, bias, training, act, clamps, 2),
+            ref_inputs=_moe_ref_inputs(func, 2, k), outputs=outputs, lnc=2, rtol=2e-2, atol=1e-5,
+            note=note, test_file=f"{TESTS}/moe/moe_cte/test_moe_cte.py"))
+    return cases
+
+
 def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
-            + _topk_cases() + _cascaded_max_cases())
+            + _topk_cases() + _cascaded_max_cases() + _moe_cases())
