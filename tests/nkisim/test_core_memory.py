@@ -258,3 +258,19 @@ def test_each_grid_program_is_checked_on_its_own():
         k[2](np.zeros(4, np.float32))
     assert "(in program (1,) of grid (2,))" in "".join(getattr(err.value, "__notes__", []))
     assert seen[0].memory.sbuf_peak == 200 * KIB
+
+
+def test_every_isa_call_is_one_instruction_untraced_dma_included(ctx):
+    """Twelve 20 KiB tiles moved HBM -> SBUF -> HBM one after another (DMA only, nothing recording):
+    at most one is live, so 240 KiB of tiles fit; each dma_copy advances the clock."""
+    src = nl.ndarray((128, 5 * KIB), nl.float32, buffer=nl.shared_hbm)
+    dst = nl.ndarray((128, 5 * KIB), nl.float32, buffer=nl.shared_hbm)
+    tiles = []
+    for _ in range(12):
+        t = nl.ndarray((128, 5 * KIB), nl.float32, buffer=nl.sbuf)
+        tiles.append(t)
+        nisa.dma_copy(dst=t, src=src)
+        nisa.dma_copy(dst=dst, src=t)
+    assert ctx.memory.clock == 24 and ctx.memory.ops[:2] == ["dma_copy", "dma_copy"]
+    ctx.memory.check()
+    assert ctx.memory.sbuf_peak == 20 * KIB

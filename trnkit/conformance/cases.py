@@ -258,6 +258,11 @@ def _router_wrapper(router_topk: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# every flag the test passes explicitly (its rows name each one; the kernel's own defaults differ)
+_ROUTER_FLAGS = dict.fromkeys(("router_pre_norm", "norm_topk_prob", "use_column_tiling", "use_indirect_dma_scatter",
+                               "use_PE_broadcast_w_bias", "shard_on_tokens", "output_in_sbuf"), False)
+
+
 def _router_inputs(t: int, h: int, e: int, k: int, act: str, bias: bool, options: dict[str, Any],
                    x_in_sb: bool, x_hbm_layout: int, x_sb_layout: int) -> Callable[[], dict]:
     def make() -> dict[str, Any]:
@@ -270,7 +275,7 @@ def _router_inputs(t: int, h: int, e: int, k: int, act: str, bias: bool, options
                 "expert_affinities": np.zeros((t, e), dtype=F32 if out_sb else BF16),
                 "expert_index": np.zeros((t, k), dtype=np.uint32), "act_fn": act_fn, "k": k,
                 "x_hbm_layout": x_hbm_layout, "x_sb_layout": x_sb_layout,
-                "x_input_in_sbuf": x_in_sb, **options}
+                "x_input_in_sbuf": x_in_sb, **_ROUTER_FLAGS, **options}
     return make
 
 
@@ -329,8 +334,11 @@ class BWMMFunc(enum.Enum):
     """
 
     SHARD_ON_BLOCK = 1
+    SHARD_ON_HIDDEN = 2
     SHARD_ON_INTERMEDIATE = 3
+    SHARD_ON_INTERMEDIATE_AFFINITY_ON_INTERMEDIATE = 4
     SHARD_ON_INTERMEDIATE_HW = 5
+    SHARD_ON_INTERMEDIATE_DROPPING = 6
 
 
 _MOE_ENTRY = {BWMMFunc.SHARD_ON_BLOCK: "moe.moe_cte.bwmm_shard_on_block:bwmm_shard_on_block",

@@ -139,6 +139,7 @@ def _filled(shape: Sequence[int], dtype: Any, buffer: Any, name: str, value: Any
         if t.storage.alloc is not None:  # the memset writes it: live from here (memory.py)
             t.storage.alloc.touch()
         common.emit("memset", common.VECTOR, dst=t, attrs={"value": value, "via": op})
+        _mem.tick(op)
     return t
 
 

@@ -4,7 +4,8 @@ Each kernel instance (one ``@nki.jit`` call, or one program of a grid launch) ge
 :class:`KernelContext` holding an empty :class:`Memory`. ``nl.ndarray`` registers every SBUF/PSUM
 allocation there as an :class:`Allocation`; every instruction that reads or writes the allocation
 (``NkiTensor.np()`` and the indirect-DMA accessors) stamps it with the current instruction number
-(:attr:`Memory.clock`, advanced by :func:`tick` at the end of each instruction). An allocation
+(:attr:`Memory.clock`; every public ``nki.isa`` function is wrapped by :func:`instruction`, which
+advances the clock when the call returns, so each call is one instruction). An allocation
 therefore occupies memory from its first access to its last, as the compiler's allocator sees it
 (data liveness), not for the lifetime of the Python object: nki-library keeps dead PSUM tiles
 referenced in lists and enclosing scopes (``core/moe/moe_cte/bwmm_shard_on_block.py``,
@@ -32,6 +33,7 @@ accumulate records. Push a :class:`KernelContext` and call :meth:`Memory.check` 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -44,7 +46,7 @@ from .errors import fail
 __all__ = [
     "SBUF_PARTITION_BYTES", "SBUF_USABLE_BYTES", "PSUM_BANKS", "PSUM_BANK_BYTES",
     "PSUM_PARTITION_BYTES", "NUM_PARTITIONS", "Allocation", "Memory", "KernelContext",
-    "LaunchContext", "current", "push_context", "pop_context", "tick",
+    "LaunchContext", "current", "push_context", "pop_context", "tick", "instruction",
 ]
 
 NUM_PARTITIONS = 128
@@ -259,3 +261,17 @@ def pop_context() -> None:
 def tick(op: str) -> None:
     """The instruction ``op`` of the current kernel instance is done (called by every ISA op)."""
     current().memory.tick(op)
+
+
+def instruction(fn: Any) -> Any:
+    """Make ``fn`` (a public ``nki.isa`` function) one instruction for liveness: the clock advances
+    when it returns or raises, whatever path it took (traced or not, skipped DMA, ...)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            current().memory.tick(name)
+    return run

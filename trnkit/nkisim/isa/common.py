@@ -328,9 +328,7 @@ def emit(op: str, engine: str, dst: NkiTensor | None = None,
     ``elems_per_partition`` is the largest on-chip operand's free size and ``partitions`` the largest
     on-chip partition count; ``program_id`` is this instance's flat id. ``attrs`` gets ``reads`` /
     ``writes`` (:func:`span` of each source / of dst) for the cost model's dependency schedule.
-    Always (recording or not) ends the instruction for on-chip liveness (``memory.tick``).
     """
-    _mem.tick(op)  # the instruction is done: later accesses belong to the next one (liveness)
     tr = trace.active()
     if tr is None:
         return

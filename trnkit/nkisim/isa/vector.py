@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes, trace
-from .. import memory as _mem
 from .. import ops as _ops
 from ..errors import fail, require
 from ..tensor import NkiTensor
@@ -186,7 +185,6 @@ _WRITE_ROLES = frozenset({"dst", "dst_idx", "reduce_res"})
 def emit(opname: str, engine: str, operands: dict[str, Any], /, **attrs: Any) -> None:
     """One trace record via ``common.emit``; every output role (dst, dst_idx, reduce_res) is a write."""
     if trace.active() is None:
-        _mem.tick(opname)  # (common.emit does this when recording)
         return
     tiles = {r: t for r, t in operands.items() if is_tile(t)}
     attrs["reads"] = tuple(common.span(t) for r, t in tiles.items() if r not in _WRITE_ROLES)
