@@ -119,9 +119,23 @@ def moe_lnc() -> str:
     return _table(["moe_experts", "E", "LNC=1 (est. trn2)", "LNC=2 (est. trn2)", "speed-up", "target"], rows)
 
 
+def conformance() -> str:
+    """python -m trnkit conformance --save-reference: AWS nki-library kernels on the interpreter."""
+    rows = read_csv("conformance.csv")
+    passed = sum(r["result"] == "PASS" for r in rows)
+    commits = ", ".join(sorted({r["nkilib_commit"] for r in rows}))
+    body = [[r["kernel"].removeprefix("core/"), r["case"], r["lnc"], r["shapes"], f"**{r['result']}**",
+             f"{r['max_abs_err']} / {r['allowed_err']}" if r["max_abs_err"] else "", r["seconds"],
+             re.sub(r"\S*/nkilib_src/nkilib/", "", r["message"]).replace("|", "/")[:160]] for r in rows]
+    header = ["kernel (core/)", "case", "LNC", "shapes", "result", "max abs err / allowed", "interpreter s",
+              "message"]
+    return f"{passed} of {len(rows)} cases pass (nki-library commit {commits}).\n\n" + _table(header, body)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc,
+    "conformance": conformance,
 }
 
 

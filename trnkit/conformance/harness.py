@@ -124,25 +124,20 @@ def nkilib_commit(root: Path) -> str:
 
 @contextlib.contextmanager
 def nki_is_interpreter(root: Path) -> Iterator[None]:
-    """``import nki`` (and nki-library's ``nkilib_src``) resolve to the interpreter / the checkout
-    inside the block; the previous modules come back afterwards."""
+    """``import nki`` resolves to the interpreter (:func:`trnkit.nkisim.install_as_nki`) and
+    ``nkilib_src`` to the checkout inside the block; the previous modules come back afterwards."""
     from trnkit import nkisim  # noqa: PLC0415
 
-    owned = ("nki", "neuronxcc", "nkilib_src")
-    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in owned}
+    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "nkilib_src"}
     src = str(root / "src")
     sys.path.insert(0, src)
+    uninstall = nkisim.install_as_nki()
     try:
-        install = getattr(nkisim, "install_as_nki", None)
-        if install is not None:
-            install()
-        else:  # before trnkit.nkisim.install_as_nki existed: the three modules kernels import
-            sys.modules.update({"nki": nkisim, "nki.language": nkisim.language,
-                                "nki.isa": nkisim.isa})
         yield
     finally:
+        uninstall()
         sys.path.remove(src)
-        for k in [k for k in sys.modules if k.split(".")[0] in owned]:
+        for k in [k for k in sys.modules if k.split(".")[0] == "nkilib_src"]:
             del sys.modules[k]
         sys.modules.update(saved)
 
@@ -250,7 +245,8 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
               nkilib_commit=commit)
     with nki_is_interpreter(root):
         try:
-            inputs = case.inputs()
+            with contextlib.redirect_stdout(io.StringIO()):  # nki-library's config helpers print too
+                inputs = case.inputs()
             kernel = _resolve(case.entry)
             if case.wrap_kernel is not None:
                 kernel = case.wrap_kernel(kernel)
@@ -265,6 +261,7 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
                     _resolve(case.cleanup)()
         except Exception as exc:  # noqa: BLE001  (every failure becomes a row)
             row.result, row.message = _classify(exc)
+            row.message = row.message.replace(f"{root / 'src'}{os.sep}", "")  # checkout-relative paths
             if case.negative and isinstance(exc, AssertionError):  # kernel_assert / a hardware rule
                 row.result, row.message = PASS, f"rejected as nki-library expects: {row.message}"
             return row
@@ -292,6 +289,7 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
         if not ratio <= worst_ratio:  # (NaN: worst)
             worst_ratio, row.max_abs_err, row.allowed_err = ratio, err, allowed
     row.result = PASS if ok_all else MISMATCH
+    row.message = case.note
     if not ok_all:
         row.message = "; ".join(f"{n}: max|err| {e:.3g} > {a:.3g}" for n, (e, a) in row.outputs.items()
                                 if not e <= a)
