@@ -172,6 +172,13 @@ def json_value(name: str, path: str, fmt: str = "{:.1f}") -> Callable[[], str]:
     return value
 
 
+def csv_count(name: str, where: dict[str, str]) -> Callable[[], str]:
+    """How many rows of benchmarks/data/``name`` have cells equal to ``where`` (all rows when empty)."""
+    def value() -> str:
+        return str(sum(all(r[k] == v for k, v in where.items()) for r in read_csv(name)))
+    return value
+
+
 def _bench(kernel: str, mode: str, metric: str, x_name: str, x_value: str) -> dict[str, str]:
     return {"kernel": kernel, "impl": "nki", "mode": mode, "metric": metric, "x_name": x_name, "x_value": x_value}
 
@@ -181,6 +188,8 @@ QUOTES = (
           csv_cell("interp_speed.csv", "ratio", {"dtype": "bfloat16"})),
     Quote("README.md", "in bf16 and {}× in fp32", "interp_speed.csv fp32 ratio",
           csv_cell("interp_speed.csv", "ratio", {"dtype": "float32"})),
+    Quote("README.md", "it passes {} of their", "conformance.csv PASS rows", csv_count("conformance.csv", {"result": "PASS"})),
+    Quote("README.md", "of their {} test cases", "conformance.csv rows", csv_count("conformance.csv", {})),
     Quote("README.md", "M=4096: fwd {} µs", "bench.csv grouped_mm forward M=4096 est_time",
           csv_cell("bench.csv", "p50", _bench("grouped_mm", "forward", "est_time", "M", "4096"), "{:,.1f}")),
     Quote("README.md", "µs, {} of the roofline", "bench.csv grouped_mm forward M=4096 fraction_of_roofline",

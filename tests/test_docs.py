@@ -114,5 +114,6 @@ def test_quote_sources(tmp_path, monkeypatch):
     monkeypatch.setattr(docs_tables, "DATA", tmp_path)
     assert docs_tables.json_value("r.json", "case/time_us/mid", "{:,.0f}")() == "646"
     assert docs_tables.csv_cell("r.csv", "v", {"k": "a"}, "{:.2f}")() == "3.75"  # the last matching row
+    assert docs_tables.csv_count("r.csv", {"k": "a"})() == "2" and docs_tables.csv_count("r.csv", {})() == "3"
     with pytest.raises(LookupError, match="no row with"):
         docs_tables.csv_cell("r.csv", "v", {"k": "c"})()
