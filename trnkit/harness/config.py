@@ -135,6 +135,9 @@ class OverridesConfig:
     impl: str = "nki"
     # Physical cores per MoE kernel launch: 1, 2 (a trn2 logical core), 0 = from the detected device.
     lnc: int = 0
+    # Python modules imported before `impl` is resolved, e.g. ["my_pkg.my_kernels"]: they register
+    # their own impls with trnkit.overrides.register (see examples/my_kernels.py).
+    plugins: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -416,6 +419,9 @@ def _validate(cfg: TrainerConfig) -> None:
     req(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)
     req(cfg.metrics.log_freq >= 1, "metrics.log_freq", "must be >= 1", cfg.metrics.log_freq)
     req(cfg.data.max_documents >= 0, "data.max_documents", "must be >= 0", cfg.data.max_documents)
+    for i, name in enumerate(cfg.overrides.plugins):
+        req(all(part.isidentifier() for part in name.split(".")), f"overrides.plugins[{i}]",
+            "must be a dotted Python module name (e.g. 'my_pkg.my_kernels')", name)
     req(cfg.overrides.lnc in (0, 1, 2), "overrides.lnc", "must be 0 (detected device), 1 or 2", cfg.overrides.lnc)
     if cfg.overrides.policy != "off":
         req(len(cfg.overrides.ops) > 0, "overrides.ops", f"must name at least one op when policy is "

@@ -27,6 +27,7 @@ from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig,
 from trnkit.harness.data import IGNORE_INDEX, build_loader
 from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
 from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
+from trnkit.harness.plugins import import_plugins
 from trnkit.harness.rundir import archive_previous_run
 from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
 from trnkit.kernels.constraints import KernelConstraintError
@@ -232,6 +233,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     dump = cfg.job.dump_folder
 
     # Everything that can refuse the run happens before the first file is written.
+    import_plugins(cfg.overrides.plugins)  # user kernels register themselves before impl names are checked
     override_config(cfg)  # fail fast on bad [overrides] names, before data and model are built
     _check_compile_backend(cfg)
     handle = build_handle(cfg)

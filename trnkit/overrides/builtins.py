@@ -217,8 +217,9 @@ def register_builtins() -> None:
             _kernel(name)
         except ImportError:  # reported when the impl is first used
             pass
-    ref = {"has_backward": True, "compile_ok": True, "description": "torch reference (trnkit.kernels *_ref)"}
-    nki = {"has_backward": True, "compile_ok": True, "devices": NKI_DEVICES,
+    # their backwards are explicit formulas/kernels: no autograd needed inside the op
+    ref = {"has_backward": True, "compile_ok": True, "autograd_backward": False, "description": "torch reference (trnkit.kernels *_ref)"}
+    nki = {"has_backward": True, "compile_ok": True, "autograd_backward": False, "devices": NKI_DEVICES,
            "description": "NKI kernel (interpreter on CPU, real NKI on neuron)"}
     register("rope_hf", REFERENCE, _ROPE_REF, **ref)
     register("rope_hf", NKI, _ROPE_NKI, constraints=_rope_constraints, **nki)

@@ -26,7 +26,8 @@ returns e.g. int64 indices still matches the fake (meta) implementation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,11 +50,40 @@ def _check_layout(layout: str) -> None:
         raise ValueError(f"trnkit::rope_hf: layout must be one of {_LAYOUTS}, got {layout!r}")
 
 
-def _backward_fn(op: str, impl: str) -> Callable[..., Any]:
+# Positions of each op's differentiable inputs in its backward's arguments (x, weights, ...).
+_PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0, 1), "moe_experts": (0, 2, 3, 4)}
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+                  torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
+
+
+@contextlib.contextmanager
+def _autograd_on() -> Iterator[None]:
+    """Grad mode on and autograd dispatch back inside a custom op's kernel.
+
+    torch.library runs an op's kernel with the autograd dispatch keys excluded (and the backward under
+    no_grad), so ``torch.autograd.grad`` there fails with "element 0 of tensors does not require grad";
+    ``torch.func.vjp`` works only because functorch re-enables them for its own level. This restores
+    the exclude set without the autograd keys for the duration of a user's backward.
+    """
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
+def _run_backward(op: str, impl: str, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+    """Call the impl's backward (see ``autograd_backward`` in :func:`trnkit.overrides.register`)."""
     entry = get_impl(op, impl)
     if entry.backward is None:
         raise RuntimeError(f"trnkit::{op}: impl {impl!r} has no backward (has_backward=False)")
-    return entry.backward
+    if not entry.autograd_backward:
+        return tuple(entry.backward(*args, **kwargs))
+    leaves = [a.detach().requires_grad_() if i in _PRIMALS[op] and a.is_floating_point() else a
+              for i, a in enumerate(args)]
+    with _autograd_on():
+        grads = entry.backward(*leaves, **kwargs)
+    return tuple(g.detach() for g in grads)
 
 
 def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None,
@@ -65,10 +95,12 @@ def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos
         raise RuntimeError(f"trnkit::rope_hf: impl {impl!r} has no backward (has_backward=False)")
     qo = q_out if q_out.is_contiguous() else torch.empty_like(q_out, memory_format=torch.contiguous_format)
     ko = k_out if k_out.is_contiguous() else torch.empty_like(k_out, memory_format=torch.contiguous_format)
-    res = entry.fn(q.contiguous(), k.contiguous(), qo, ko, cos=_c(cos), sin=_c(sin),
-                   rope_cache=_c(rope_cache), backward=backward, layout=layout)
+    # rope's backward is the forward call with backward=True (dy in): a user's may use autograd too
+    with _autograd_on() if backward and entry.autograd_backward else contextlib.nullcontext():
+        res = entry.fn(q.contiguous(), k.contiguous(), qo, ko, cos=_c(cos), sin=_c(sin),
+                       rope_cache=_c(rope_cache), backward=backward, layout=layout)
     # An impl may allocate and return its own outputs instead of writing the given ones.
-    results = (qo, ko) if res is None else tuple(res)
+    results = (qo, ko) if res is None else tuple(r.detach() if r.requires_grad else r for r in res)
     for dst, got in zip((q_out, k_out), results, strict=True):
         if got is not dst:
             if got.shape != dst.shape:
@@ -176,8 +208,8 @@ def router_topk_bwd(x: Tensor, w_router: Tensor, router_logits: Tensor, topk_idx
                     impl: str = "reference", scoring: str = "softmax",
                     routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor]:
     """Backward of ``trnkit::router_topk``: ``(grad_x, grad_w_router)`` (the selection bias has none)."""
-    gx, gw = _backward_fn("router_topk", impl)(
-        x.contiguous(), w_router.contiguous(), router_logits.contiguous(), topk_idx.contiguous(),
+    gx, gw = _run_backward(
+        "router_topk", impl, x.contiguous(), w_router.contiguous(), router_logits.contiguous(), topk_idx.contiguous(),
         grad_topk_weights.contiguous(), grad_router_logits.contiguous(), norm_topk_prob,
         **_router_variant(scoring, None, routed_scaling_factor, forward=False))
     return gx.to(x.dtype), gw.to(w_router.dtype)
@@ -224,8 +256,8 @@ def _gmm_setup(ctx: Any, inputs: tuple, output: Any) -> None:
 def grouped_mm_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor,
                    impl: str = "reference") -> tuple[Tensor, Tensor]:
     """Backward of ``trnkit::grouped_mm``: ``(grad_x, grad_w)``."""
-    gx, gw = _backward_fn("grouped_mm", impl)(x.contiguous(), w.contiguous(), group_offsets.contiguous(),
-                                               grad_out.contiguous())
+    gx, gw = _run_backward("grouped_mm", impl, x.contiguous(), w.contiguous(), group_offsets.contiguous(),
+                           grad_out.contiguous())
     return gx.to(x.dtype), gw.to(w.dtype)
 
 
@@ -271,8 +303,8 @@ def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up
                     grad_out: Tensor, block_size: int = 128,
                     impl: str = "reference") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Backward of ``trnkit::moe_experts``: ``(grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)``."""
-    gx, gtw, gwgu, gwd = _backward_fn("moe_experts", impl)(
-        x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
+    gx, gtw, gwgu, gwd = _run_backward(
+        "moe_experts", impl, x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
         w_down.contiguous(), grad_out.contiguous(), block_size=block_size)
     return gx.to(x.dtype), gtw.to(topk_weights.dtype), gwgu.to(w_gate_up.dtype), gwd.to(w_down.dtype)
 

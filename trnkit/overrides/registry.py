@@ -97,6 +97,9 @@ class ImplEntry:
     compile_ok: bool = True  # traceable by torch.compile as an opaque custom op
     backward: Callable[..., Any] | None = None
     description: str = ""
+    # Run the backward with autograd on and the op's differentiable inputs as fresh leaves that require
+    # grad, so a backward written with torch.autograd.grad works inside the op (trnkit's own impls: off).
+    autograd_backward: bool = True
 
     def check(self, *, device: str | None = None, needs_backward: bool = False, compiling: bool = False,
               **inputs: Any) -> list[Violation]:
@@ -149,18 +152,23 @@ def register(op_name: str, impl_name: str, fn: Callable[..., Any] | None = None,
              constraints: Callable[..., list[Violation]] | None = None,
              devices: Iterable[str] | None = None, has_backward: bool = False, compile_ok: bool = True,
              backward: Callable[..., Any] | None = None, description: str = "",
-             replace: bool = False) -> Any:
+             replace: bool = False, autograd_backward: bool = True) -> Any:
     """Register ``fn`` as implementation ``impl_name`` of ``op_name``; without ``fn``, a decorator.
 
     Registering the same (op, impl) again with an identical entry is a no-op; with a different one it
     raises :class:`RegistrationError` unless ``replace=True``. For ops whose backward is a separate
     function (all but ``rope_hf``), ``has_backward=True`` needs ``backward=``.
+
+    The backward runs inside a custom op, where torch records no graph; with ``autograd_backward=True``
+    (default) trnkit turns autograd back on for it and passes the op's differentiable inputs as
+    detached leaves with ``requires_grad=True``, so ``torch.autograd.grad(fwd(x, w), (x, w), grad_out)``
+    works as well as ``torch.func.vjp``. ``False`` skips that (a backward that needs no autograd).
     """
     if fn is None:
         def decorator(f: Callable[..., Any]) -> Callable[..., Any]:
             register(op_name, impl_name, f, constraints=constraints, devices=devices,
                      has_backward=has_backward, compile_ok=compile_ok, backward=backward,
-                     description=description, replace=replace)
+                     description=description, replace=replace, autograd_backward=autograd_backward)
             return f
         return decorator
 
@@ -177,7 +185,8 @@ def register(op_name: str, impl_name: str, fn: Callable[..., Any] | None = None,
         raise RegistrationError(f"trnkit overrides: {op_name}[{impl_name}]: backward= is not used for "
                                 f"{op_name}; its backward is fn(..., backward=True)")
     entry = ImplEntry(op_name, impl_name, fn, constraints, None if devices is None else tuple(devices),
-                      bool(has_backward or backward is not None), compile_ok, backward, description)
+                      bool(has_backward or backward is not None), compile_ok, backward, description,
+                      autograd_backward)
     with _LOCK:
         old = _REGISTRY[op_name].get(impl_name)
         if old is not None and old != entry and not replace:

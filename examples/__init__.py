@@ -1,0 +1,1 @@
+"""Examples that the docs point to (importable as ``examples.<name>`` from the repository root)."""
