@@ -151,8 +151,11 @@ class MetricsConfig:
     log_freq: int = 1
     jsonl: bool = True            # <dump_folder>/metrics.jsonl
     plot: bool = True             # <dump_folder>/loss.png at the end
-    progress_bar: bool = True     # tqdm bar on rank 0 (stderr) when stderr is a terminal
+    progress_bar: bool = True     # tqdm bar on rank 0 (stderr) when stderr is a terminal, every step
     color: bool = False
+    # Which ranks log (through the `trnkit.harness` logger): "0" (default), another rank number, or
+    # "all" (each line prefixed with its rank; for debugging). Also `--log_rank all` on the command line.
+    log_rank: str = "0"
 
 
 @dataclass
@@ -312,8 +315,11 @@ def parse_cli_overrides(argv: list[str]) -> list[tuple[str, str]]:
                 raise ConfigError(f"command line: {arg} needs a value")
             value = argv[i + 1]
             i += 2
-        out.append((key, value))
+        out.append((_ALIASES.get(key, key), value))
     return out
+
+
+_ALIASES = {"log_rank": "metrics.log_rank"}  # short command-line forms: --log_rank all
 
 
 def load_config(path: str | os.PathLike | None = None, cli: list[str] | None = None,
@@ -417,6 +423,8 @@ def _validate(cfg: TrainerConfig) -> None:
     c = cfg.checkpoint
     req(c.interval >= 1, "checkpoint.interval", "must be >= 1", c.interval)
     req(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)
+    req(cfg.metrics.log_rank == "all" or cfg.metrics.log_rank.isdigit(), "metrics.log_rank",
+        "must be 'all' or a rank number", cfg.metrics.log_rank)
     req(cfg.metrics.log_freq >= 1, "metrics.log_freq", "must be >= 1", cfg.metrics.log_freq)
     req(cfg.data.max_documents >= 0, "data.max_documents", "must be >= 0", cfg.data.max_documents)
     for i, name in enumerate(cfg.overrides.plugins):

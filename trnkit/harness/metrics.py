@@ -20,6 +20,8 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from trnkit.harness.logs import LOGGER
+
 # Dense BF16 peak per device as torchtitan's get_peak_flops counts it (PR #2382: trn1/inf2 90e12 per
 # NeuronCore-v2; trn2/trn3 79e12 x 2 per LNC=2 logical device). CPU: unknown -> None.
 PEAK_FLOPS: dict[str, float] = {
@@ -140,7 +142,7 @@ def step1_sanity(loss: float, vocab_size: int, loaded_weights: bool) -> str:
 
 
 class MetricsLogger:
-    """Console line + JSONL + progress bar (rank 0) and the loss-curve PNG at the end."""
+    """Console line (through logging) + JSONL (rank 0) + a progress bar that advances every step."""
 
     def __init__(self, dump_folder: str, cfg: Any, steps: int, start_step: int, rank: int,
                  flops_per_tok: int, peak: float | None, device: torch.device,
@@ -162,12 +164,25 @@ class MetricsLogger:
         self._bar = None
         if rank == 0 and cfg.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
-            self._bar = tqdm(total=steps, initial=start_step, desc="train", unit="step", leave=False)
-        self._t_last = time.perf_counter()
-        self._tokens_since = 0
+            # redrawn every step (steps take far longer than a redraw); tqdm computes the ETA
+            self._bar = tqdm(total=steps, initial=start_step, desc="train", unit="step", leave=False,
+                             file=sys.stderr, mininterval=0, miniters=1, dynamic_ncols=True)
+        self._t_last = self._t_bar = time.perf_counter()
+        self._tokens_since = self._tokens_bar = 0
 
     def add_tokens(self, n: int) -> None:
         self._tokens_since += n
+        self._tokens_bar += n
+
+    def progress(self, step: int, loss: float) -> None:
+        """Advance the bar to ``step`` (call every step) with the last step's tokens/s and loss."""
+        if self._bar is None:
+            return
+        now = time.perf_counter()
+        tps = self._tokens_bar / (max(now - self._t_bar, 1e-9) * self.non_dp_size)
+        self._t_bar, self._tokens_bar = now, 0
+        self._bar.set_postfix_str(f"{tps:,.0f} tok/s, loss {loss:.4f}", refresh=False)
+        self._bar.update(step - self._bar.n)
 
     def log(self, step: int, loss: float, grad_norm: float, extra: dict[str, Any]) -> dict[str, Any]:
         now = time.perf_counter()
@@ -187,11 +202,7 @@ class MetricsLogger:
         self.history.append(rec)
         if self.rank == 0:
             line = format_line(step, loss, grad_norm, mem_gib, mem_pct, tps, tflops, mfu, self.cfg.color)
-            if self._bar is not None:
-                self._bar.write(line)
-                self._bar.update(step - self._bar.n)
-            else:
-                print(line, flush=True)
+            LOGGER.info(line)
             if self._jsonl is not None:
                 self._jsonl.write(json.dumps(rec) + "\n")
                 self._jsonl.flush()

@@ -10,9 +10,13 @@ HF export / loss plot.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -26,6 +30,7 @@ from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIde
 from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig, _suggest, parse_args, to_toml
 from trnkit.harness.data import IGNORE_INDEX, build_loader
 from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
+from trnkit.harness.logs import LOGGER, setup_logging
 from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
 from trnkit.harness.plugins import import_plugins
 from trnkit.harness.rundir import archive_previous_run
@@ -79,8 +84,7 @@ class _Log:
         self.rank = rank
 
     def __call__(self, msg: str) -> None:
-        if self.rank == 0:
-            print(f"[trnkit] {msg}", flush=True)
+        LOGGER.info(msg)  # which ranks print is set_logging's rank filter (metrics.log_rank)
 
 
 def override_config(cfg: TrainerConfig) -> Any:
@@ -208,16 +212,41 @@ def run(cfg: TrainerConfig) -> RunResult:
     """Train according to `cfg` (in this process; one rank of a torchrun job or a world of one)."""
     cfg.validate()
     env = parallel.init_distributed(cfg.parallelism)
+    setup_logging(env.rank, env.world_size, cfg.metrics.log_rank)
     prev_det = torch.are_deterministic_algorithms_enabled()
     finished = False
     try:
         torch.use_deterministic_algorithms(cfg.job.deterministic)
-        result = _run(cfg, env)
+        with _sigterm_raises():
+            result = _run(cfg, env)
         finished = True
         return result
     finally:
         torch.use_deterministic_algorithms(prev_det)
         parallel.destroy(sync=finished)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (torchrun stopping the job, a scheduler, ``kill``) as an exception, so the run's cleanup
+    (loss plot, process group) runs as it does for Ctrl-C."""
+
+    signal_name = "SIGTERM"
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_identity(handle: ModelHandle) -> RunIdentity:
@@ -249,6 +278,10 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     if resume_from is None:
         on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
 
+    if cfg.lr_scheduler.warmup_steps > t.steps:
+        LOGGER.warning(f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) > training.steps ({t.steps}): "
+                       f"the learning rate never reaches optimizer.lr (it ends at "
+                       f"{t.steps / cfg.lr_scheduler.warmup_steps:.0%} of it) and never decays")
     log(f"job {cfg.job.name}: world {env.world_size} (dp_shard {env.dp} x tp {env.tp}) on {env.device.type}"
         f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
     log(f"data: {cfg.data.dataset} -> {len(loader.stream):,} tokens ({loader.num_samples:,} samples of "
@@ -313,6 +346,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     aux_loss = MoEAuxLoss(handle, t.moe_aux_loss_scope, env.dp, dp_group)
     last_good = resume_from
 
+    outcome = "stopped by an error"
     try:
         for step in range(start_step + 1, t.steps + 1):
             optimizer.zero_grad(set_to_none=True)
@@ -348,6 +382,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             optimizer.step()
             scheduler.step()
             metrics.add_tokens(local_tokens)
+            metrics.progress(step, global_loss)
             result.losses[step] = global_loss
             result.grad_norms[step] = grad_norm
             if step == start_step + 1 and start_step == 0:
@@ -359,8 +394,17 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
                 path = ckpt.save(step)
                 last_good = (step, path)
             result.final_step = step
+        outcome = "finished"
+    except TrainingDiverged:
+        outcome = "diverged"
+        raise
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (see _sigterm_raises)
+        outcome = f"interrupted ({getattr(e, 'signal_name', 'SIGINT')})"
+        raise
     finally:
         metrics.close()
+        if env.rank == 0 and cfg.metrics.plot:
+            _write_loss_plot(metrics.history, cfg, handle, outcome, log)
 
     if cfg.checkpoint.export_hf:
         sd = from_tp_layout(full_model_state_dict(model), _expert_tp(cfg, env))
@@ -369,12 +413,24 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             handle.save_hf(sd, out, getattr(torch, cfg.checkpoint.export_dtype))
             log(f"exported HF safetensors to {out}")
         result.hf_export = out
-    if env.rank == 0 and cfg.metrics.plot and metrics.history:
-        png = plot_loss(metrics.history, os.path.join(dump, "loss.png"), title=f"{cfg.job.name}: {handle.name}",
-                        vocab_size=handle.vocab_size)
-        log(f"loss curve: {png}")
     result.model = model
     return result
+
+
+def _write_loss_plot(history: list[dict[str, Any]], cfg: TrainerConfig, handle: ModelHandle, outcome: str,
+                     log: _Log) -> None:
+    """loss.png on every exit of the step loop (finished, diverged, interrupted, an error)."""
+    if not history:
+        log(f"no loss curve: the run {outcome} before its first logged step")
+        return
+    title = f"{cfg.job.name}: {handle.name}" + ("" if outcome == "finished" else f" ({outcome})")
+    try:
+        png = plot_loss(history, os.path.join(cfg.job.dump_folder, "loss.png"), title=title,
+                        vocab_size=handle.vocab_size)
+    except Exception as e:  # noqa: BLE001 - never hide why the run stopped behind a plotting error
+        LOGGER.warning(f"could not write the loss curve: {type(e).__name__}: {e}")
+        return
+    log(f"loss curve ({outcome} at step {history[-1]['step']}): {png}")
 
 
 def _check_compile_backend(cfg: TrainerConfig) -> None:
@@ -389,7 +445,8 @@ def _check_compile_backend(cfg: TrainerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The CLI. Exit codes: 0 done, 2 a mistake to fix (message on stderr), 3 training diverged."""
+    """The CLI. Exit codes: 0 done, 2 a mistake to fix (message on stderr), 3 training diverged,
+    130 / 143 interrupted by SIGINT (Ctrl-C) / SIGTERM."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
@@ -403,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if debug else f" (--debug or {DEBUG_ENV}=1 shows the traceback)"
         print(f"error: {e}{hint}", file=sys.stderr)
         return 3 if isinstance(e, TrainingDiverged) else 2
+    except KeyboardInterrupt as e:
+        name = getattr(e, "signal_name", "SIGINT")
+        print(f"interrupted ({name}); the last checkpoint, metrics.jsonl and loss.png are kept", file=sys.stderr)
+        return 128 + getattr(signal, name)
     return 0
 
 
