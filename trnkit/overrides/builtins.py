@@ -11,17 +11,16 @@ constraints), so ``reference`` declares those constraints too and selection sees
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch._C import DispatchKey
 
 from trnkit.kernels.constraints import Violation
+from trnkit.overrides.ops import autograd_enabled
 from trnkit.overrides.registry import REFERENCE, register
 
 __all__ = ["NKI", "register_builtins"]
@@ -98,25 +97,9 @@ def _nonfinite_tokens_as_reference(x: Tensor, w_router: Tensor, top_k: int, norm
     return weights, idx, logits
 
 
-@contextlib.contextmanager
-def _autograd_dispatch() -> Iterator[None]:
-    """Re-enable the autograd dispatch keys inside a custom op body (torch runs op impls below
-    autograd), for reference backwards written with ``torch.autograd.grad``."""
-    keys = (DispatchKey.AutogradFunctionality, DispatchKey.ADInplaceOrView)
-    before = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in keys]
-    try:
-        for k in keys:
-            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
-        with torch.enable_grad():
-            yield
-    finally:
-        for k, was in zip(keys, before, strict=True):
-            torch._C._dispatch_tls_set_dispatch_key_excluded(k, was)
-
-
 def _router_ref_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                     norm_topk_prob=True, **variant: Any):
-    with _autograd_dispatch():  # router_topk_bwd_ref differentiates the reference with autograd
+    with autograd_enabled():  # router_topk_bwd_ref differentiates the reference with autograd
             return _attr("router_topk", "router_topk_bwd_ref")(x, w_router, router_logits, topk_idx,
                                                            grad_topk_weights, grad_router_logits,
                                                            norm_topk_prob=norm_topk_prob, **variant)

@@ -57,7 +57,7 @@ _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchK
 
 
 @contextlib.contextmanager
-def _autograd_on() -> Iterator[None]:
+def autograd_enabled() -> Iterator[None]:
     """Grad mode on and autograd dispatch back inside a custom op's kernel.
 
     torch.library runs an op's kernel with the autograd dispatch keys excluded (and the backward under
@@ -81,7 +81,7 @@ def _run_backward(op: str, impl: str, *args: Any, **kwargs: Any) -> tuple[Tensor
         return tuple(entry.backward(*args, **kwargs))
     leaves = [a.detach().requires_grad_() if i in _PRIMALS[op] and a.is_floating_point() else a
               for i, a in enumerate(args)]
-    with _autograd_on():
+    with autograd_enabled():
         grads = entry.backward(*leaves, **kwargs)
     return tuple(g.detach() for g in grads)
 
@@ -96,7 +96,7 @@ def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos
     qo = q_out if q_out.is_contiguous() else torch.empty_like(q_out, memory_format=torch.contiguous_format)
     ko = k_out if k_out.is_contiguous() else torch.empty_like(k_out, memory_format=torch.contiguous_format)
     # rope's backward is the forward call with backward=True (dy in): a user's may use autograd too
-    with _autograd_on() if backward and entry.autograd_backward else contextlib.nullcontext():
+    with autograd_enabled() if backward and entry.autograd_backward else contextlib.nullcontext():
         res = entry.fn(q.contiguous(), k.contiguous(), qo, ko, cos=_c(cos), sin=_c(sin),
                        rope_cache=_c(rope_cache), backward=backward, layout=layout)
     # An impl may allocate and return its own outputs instead of writing the given ones.
