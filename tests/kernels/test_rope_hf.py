@@ -73,6 +73,18 @@ def test_smallest_shapes(layout: str, S: int, D: int) -> None:
     _run(layout, 1, 3, 2, S, D, torch.bfloat16, "packed", backward=True)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_slabs_on_gpsimd_match_the_reference(layout: str, backward: bool) -> None:
+    # enough slabs that the Vector/GpSimd balance hands some to GpSimd (its own code path: no PSUM,
+    # the negated half table); small shapes run on Vector alone
+    from trnkit.nkisim import trace  # noqa: PLC0415 - the interpreter's trace, to see the engines used
+
+    with trace.record(trace_only=True) as tr:
+        _run(layout, 1, 8, 2, 2048, 128, torch.bfloat16, "packed", backward)
+    assert tr.by_engine()["gpsimd"] > 0
+
+
 def test_long_sequence_several_chunks() -> None:
     # D=128: 2048-row chunks -> chunks (0,128,16), (2048,128,2), (2304,5,1)
     _run("bhsd", 1, 1, 1, 2309, 128, torch.bfloat16, "packed", backward=False)

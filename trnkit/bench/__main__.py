@@ -7,6 +7,12 @@ Without kernel names it runs every kernel that is importable and skips (with the
 are not. ``--report-only`` rebuilds the table and plots without running anything. DIR is
 ``outputs/bench`` (``outputs/bench/quick`` with ``--quick``) unless ``--save-reference`` (the tracked
 ``benchmarks/data``) or ``--out`` says otherwise (:mod:`trnkit.bench.paths`).
+
+``--device`` (a Trainium host with the real ``nki``): the same cases, each kernel's measured wall time
+(host timer around a synchronised call: ``nki.benchmark`` is gone since nki 0.2) in the same CSV.
+``python -m trnkit.bench calibrate measured.csv`` refits the cost model to such a CSV
+(:mod:`trnkit.bench.calibrate`). Neither has run on hardware: only their guards and a synthetic CSV
+are tested.
 """
 
 from __future__ import annotations
@@ -42,9 +48,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads while timing reference ops (0: torch's default)")
     p.add_argument("--overwrite", action="store_true", help="start a fresh CSV instead of appending")
+    p.add_argument("--device", action="store_true",
+                   help="measure the kernels on this Trainium host (needs the real nki; NOT TESTED ON HARDWARE)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["calibrate"]:  # python -m trnkit.bench calibrate measured.csv
+        from trnkit.bench.calibrate import main as calibrate_main  # noqa: PLC0415
+
+        return calibrate_main(argv[1:])
     args = p.parse_args(argv)
     if args.save_reference and args.quick:
         p.error("--save-reference with --quick: the quick CI-size shapes are not reference figures")
+    if args.device:
+        from trnkit.nki_api import REAL_NKI  # noqa: PLC0415
+
+        if not REAL_NKI:
+            p.error("--device needs the real nki (a Trainium host with the Neuron SDK); here trnkit.nki_api "
+                    "resolves to its CPU interpreter")
 
     names = args.kernels or list(cases_mod.KERNELS)
     modes = tuple(args.mode)

@@ -6,7 +6,8 @@ call and the torch reference op on the same inputs. :func:`run_case` turns it in
 
 * on the interpreter (no real ``nki``): the kernel runs once under ``trace.record(trace_only=True)``
   (large matmuls skip their arithmetic) and the cost model gives the **estimated** trn2 time, the
-  roofline bound, per-engine busy time and the fraction of roofline;
+  roofline bound, per-engine busy time and the fraction of roofline; the estimate's range (optimistic /
+  pessimistic settings of :mod:`trnkit.nkisim.cost_params`) goes in the p20 / p80 columns;
 * with the real ``nki`` on a Trainium host: the kernel's **measured** wall time (host timer around a
   synchronised call; p20/p50/p80) instead — no Trainium here: the tests exercise this branch with the
   interpreter standing in for the device;
@@ -148,11 +149,15 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
         details = {"model": rep.model, "n_instrs": rep.n_instrs, "bottleneck": rep.bottleneck,
                    "flops": rep.flops, "hbm_bytes": rep.hbm_bytes, "interp_trace_only_s": round(interp_s, 4)}
         us = 1e-3
-        row("nki", "est_time", "us", (rep.total_ns * us,) * 3, dev, details)
+        # the model's range in the quantile columns: p50 mid, p20 / p80 the low / high end
+        low, mid, high = (t * us for t in rep.total_range_ns)
+        row("nki", "est_time", "us", (mid, low, high), dev, {**details, "range": "optimistic..pessimistic "
+                                                              "parameters of trnkit.nkisim.cost_params"})
         row("roofline", "est_time", "us", (rep.roofline_ns * us,) * 3, dev,
             {"compute_bound_us": rep.compute_bound_ns * us, "memory_bound_us": rep.memory_bound_ns * us})
         row("nki", "serial_time", "us", (rep.serial_ns * us,) * 3, dev)
-        row("nki", "fraction_of_roofline", "ratio", (rep.fraction_of_roofline,) * 3, dev)
+        f_low, f_mid, f_high = rep.fraction_range
+        row("nki", "fraction_of_roofline", "ratio", (f_mid, f_low, f_high), dev)
         for eng, busy in rep.busy_ns.items():
             row("nki", f"busy_{eng}", "us", (busy * us,) * 3, dev,
                 {"utilization": rep.utilization[eng], "count": rep.count.get(eng, 0)})

@@ -1,6 +1,7 @@
 """Matplotlib PNGs of benchmark rows, one pair per (kernel, mode):
 
-* ``<kernel>_<mode>_<x_name>[_<dtype>]_time.png`` — estimated trn2 time vs the swept shape, the roofline bound (dashed) and,
+* ``<kernel>_<mode>_<x_name>[_<dtype>]_time.png`` — estimated trn2 time (mid, low-high range shaded) vs the swept
+  shape, the roofline bound (dashed) and,
   on the same axis, the measured torch reference on this host (dotted; a different device, labelled).
 * ``<kernel>_<mode>_<x_name>[_<dtype>]_engines.png`` — per-engine busy time / estimated total and the fraction of roofline.
 """
@@ -67,7 +68,7 @@ def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
             if name is None:
                 name = f"torch reference, measured ({next(iter(s.values())).device})"
             ax.plot([at[x] for x in xs], [s[x].p50 for x in xs], style, label=name)
-            if impl == "torch":
+            if impl == "torch" or (impl, metric) == ("nki", "est_time"):  # measured spread / model range
                 ax.fill_between([at[x] for x in xs], [s[x].p20 for x in xs], [s[x].p80 for x in xs], alpha=0.2)
         ax.set_yscale("log")
         if numeric and len(labels) > 1 and max(labels) / max(min(labels), 1e-12) >= 8:
@@ -96,7 +97,8 @@ def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
             ax.plot([at[x] for x in xs], [s[x].p50 / est[x].p50 for x in xs], "o-", label=f"{eng} busy / total")
         frac = _series(g, "nki", "fraction_of_roofline")
         xs = [x for x in labels if x in frac]
-        ax.plot([at[x] for x in xs], [frac[x].p50 for x in xs], "k*--", label="fraction of roofline")
+        ax.plot([at[x] for x in xs], [frac[x].p50 for x in xs], "k*--", label="fraction of roofline (mid, range shaded)")
+        ax.fill_between([at[x] for x in xs], [frac[x].p20 for x in xs], [frac[x].p80 for x in xs], color="k", alpha=0.1)
         if numeric and len(labels) > 1 and max(labels) / max(min(labels), 1e-12) >= 8:
             ax.set_xscale("log", base=2)
         if not numeric:

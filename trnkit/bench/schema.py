@@ -1,7 +1,9 @@
 """The one CSV schema every trnkit benchmark writes (modelled on Liger-Kernel's benchmark CSV).
 
 A row is one number for one (kernel, impl, mode, metric, x): ``p50`` with ``p20``/``p80`` quantiles for
-measured times (all three equal for deterministic cost-model estimates). ``device`` says where the
+measured times. For cost-model estimates ``p50`` is the mid estimate and ``p20`` / ``p80`` the low / high
+end of its range (the optimistic / pessimistic parameter settings of ``trnkit.nkisim.cost_params``;
+for a fraction of roofline, low = the pessimistic end); rows without a range repeat the value. ``device`` says where the
 number comes from: ``"trn2 (cost model)"`` for estimates, the host CPU for measured torch / interpreter
 times, ``"trainium"`` for real-device measurements.
 """

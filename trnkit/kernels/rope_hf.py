@@ -311,10 +311,12 @@ def _neg_table(t_t, D, backward):
     return tn
 
 
-# Elementwise cost per element of a slab (trn2 ISA cost table): Vector 3 single passes at 0.96 GHz,
-# GpSimd 3 double passes (fp32, SBUF) at 1.2 GHz. Each slab goes to the engine that finishes first.
+# Elementwise cost per element of a slab: Vector 3 single passes at 0.96 GHz (trn2 ISA cost table);
+# GpSimd 3 two-input passes at 1.2 GHz at 0.25 elements per cycle per input, the slow end of the GpSimd
+# rates trnkit's cost model considers (no public figure): the split then never makes GpSimd the
+# bottleneck, and a faster GpSimd only leaves it idle. Each slab goes to the engine that finishes first.
 _VECTOR_NS_PER_ELEM = 3 / 0.96
-_GPSIMD_NS_PER_ELEM = 6 / 1.2
+_GPSIMD_NS_PER_ELEM = 3 * 2 / 0.25 / 1.2
 
 
 def _pick_vector(load, n):

@@ -53,6 +53,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from trnkit.nkisim import hardware
+from trnkit.nkisim.cost_params import MID, SETTINGS, ModelParams, one_at_a_time
 from trnkit.nkisim.hardware import Chip
 from trnkit.nkisim.trace import DMA, ENGINES, GPSIMD, SCALAR, TENSOR, VECTOR, Instr, Operand, Trace
 
@@ -71,6 +72,7 @@ class InstrCost:
     latency_ns: float  # = fixed_ns + the time the work itself takes (>= busy_ns)
     fixed_ns: float = 0.0  # latency that does not occupy the engine (DMA fixed cost, static overheads)
     cycles: float = 0.0  # compute engines: busy in engine cycles
+    gpsimd_ns: float = 0.0  # DMA: GpSimd time generating its descriptors (software DGE) before it starts
 
 
 @dataclass
@@ -91,6 +93,15 @@ class CostReport:
     hbm_bytes: int
     dma_bytes: int
     by_op: dict[str, tuple[int, float]] = field(default_factory=dict)  # op -> (count, busy ns summed)
+    # total under the optimistic / mid / pessimistic parameter settings (cost_params); all three equal
+    # when estimate() ran without ranges
+    total_range_ns: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def fraction_range(self) -> tuple[float, float, float]:
+        """roofline / total at the (pessimistic, mid, optimistic) end: (low, mid, high) fraction."""
+        lo, mid, hi = self.total_range_ns
+        return tuple(self.roofline_ns / t if t > 0 else 0.0 for t in (hi, mid, lo))
 
     @property
     def roofline_ns(self) -> float:
@@ -122,6 +133,8 @@ class CostReport:
             "compute_bound_ns": self.compute_bound_ns,
             "memory_bound_ns": self.memory_bound_ns,
             "fraction_of_roofline": self.fraction_of_roofline,
+            "total_range_ns": list(self.total_range_ns),
+            "fraction_range": list(self.fraction_range),
             "flops": self.flops,
             "hbm_bytes": self.hbm_bytes,
             "dma_bytes": self.dma_bytes,
@@ -136,6 +149,8 @@ class CostReport:
         lines = [
             f"estimated {self.chip} time: {_fmt_ns(self.total_ns)} ({self.model}, {self.n_instrs} instructions, "
             f"{self.n_programs} program instance{'s' if self.n_programs != 1 else ''})",
+            f"range (optimistic .. pessimistic parameters): {_fmt_ns(self.total_range_ns[0])} .. "
+            f"{_fmt_ns(self.total_range_ns[2])}",
             f"{'engine':<8} {'instrs':>7} {'busy':>11} {'util':>6}",
         ]
         for e in ENGINES:
@@ -146,7 +161,8 @@ class CostReport:
             f"serialized sum      {_fmt_ns(self.serial_ns)}",
             f"roofline bound      {_fmt_ns(self.roofline_ns)} (compute {_fmt_ns(self.compute_bound_ns)}, "
             f"HBM {_fmt_ns(self.memory_bound_ns)}; {self.flops / 1e9:.3g} GFLOP, {self.hbm_bytes / 1e6:.3g} MB)",
-            f"fraction of roofline {self.fraction_of_roofline:.1%}  (bottleneck: {self.bottleneck or '-'})",
+            f"fraction of roofline {self.fraction_of_roofline:.1%} (range {self.fraction_range[0]:.1%} .. "
+            f"{self.fraction_range[2]:.1%})  (bottleneck: {self.bottleneck or '-'})",
         ]
         return "\n".join(lines)
 
@@ -185,9 +201,11 @@ def _free_size(instr: Instr) -> int:
     return max((o.free_elems for o in instr.operands if o.buffer in _ONCHIP), default=1)
 
 
-def dma_efficiency(bytes_per_row: float, chip: Chip) -> float:
-    """Fraction of peak DMA bandwidth reached with ``bytes_per_row`` contiguous bytes per partition row."""
-    return bytes_per_row / (bytes_per_row + chip.dma.knee_bytes) if bytes_per_row > 0 else 1.0
+def dma_efficiency(bytes_per_row: float, chip: Chip, params: ModelParams | None = None) -> float:
+    """Fraction of peak DMA bandwidth reached with ``bytes_per_row`` contiguous bytes per partition row
+    (knee: ``params.dma_knee_bytes``, else the chip's documented-fit value)."""
+    knee = params.dma_knee_bytes if params is not None else chip.dma.knee_bytes
+    return bytes_per_row / (bytes_per_row + knee) if bytes_per_row > 0 else 1.0
 
 
 def _dma_geometry(instr: Instr) -> tuple[int, int, float, bool]:
@@ -230,26 +248,48 @@ def _dma_rows(instr: Instr, nbytes: int, row: float) -> int:
     return max(1, int(rows))
 
 
-def _dma_cost(instr: Instr, chip: Chip) -> InstrCost:
+def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
     d = chip.dma
     nbytes, hbm, row, touches_hbm = _dma_geometry(instr)
-    eff = dma_efficiency(row, chip)
-    if instr.attrs.get("transpose"):  # dma_transpose: a fraction of a copy's throughput (hardware.py)
-        eff *= d.transpose_hbm_factor if touches_hbm else d.transpose_sbuf_factor
+    eff = dma_efficiency(row, chip, params)
+    if instr.attrs.get("transpose"):  # dma_transpose: a fraction of a copy's throughput (cost_params)
+        factor = params.dma_transpose_factor
+        eff *= factor if touches_hbm else min(factor, d.transpose_sbuf_factor)
     # Occupancy of the core's DMA bandwidth: DMA-engine time or HBM time, whichever is longer.
     busy = nbytes / (d.peak_bytes_per_ns * eff)
     if touches_hbm:
         busy = max(busy, hbm / (chip.hbm_bytes_per_ns * eff))
     # One transfer is split over at most min(16, rows) engines, one packet per partition row.
-    engines = min(d.engines, _dma_rows(instr, nbytes, row))
+    rows = _dma_rows(instr, nbytes, row)
+    engines = min(d.engines, rows)
     own_rate = engines * d.bytes_per_ns_per_engine * eff
     transfer = max(busy, nbytes / own_rate)
     dge = _attr_name(instr.attrs.get("dge_mode")).lower()
     fixed = d.dge_fixed_ns if dge in ("hwdge", "hardware") else d.fixed_ns
-    return InstrCost(DMA, busy, fixed + transfer, fixed)
+    # Indirect (gather / scatter) DMAs have no hardware DGE ([SDK] trainium2_arch "DGE"): GpSimd writes
+    # one descriptor per row first (software DGE), occupying GpsimdE.
+    gpsimd = rows * params.swdge_cycles_per_row / chip.clocks.gpsimd if instr.attrs.get("indirect") else 0.0
+    return InstrCost(DMA, busy, fixed + transfer, fixed, gpsimd_ns=gpsimd)
 
 
-def _compute_cycles(instr: Instr, chip: Chip) -> float:
+def _vector_perf_mode(instr: Instr, chip: Chip) -> bool:
+    """VectorE's trn2 performance mode: SBUF-only, 2-byte floats, contiguous ([SDK] trainium2_arch)."""
+    if instr.engine != VECTOR or chip.vector_fast_copy <= 1.0 or not instr.operands:
+        return False
+    return (all(o.buffer == "sbuf" for o in instr.operands)
+            and all(o.dtype in _TWO_BYTE_FLOATS for o in instr.operands) and instr.attrs.get("contiguous", True))
+
+
+def _gpsimd_cycles(instr: Instr, n: int, chip: Chip, params: ModelParams) -> float:
+    """GpSimd elementwise work: one pass per input tile at ``params.gpsimd_elems_per_cycle`` (the beta-1
+    formulas are VectorE's and are not used for GpSimd, except iota / affine_select's own ``150 + N``)."""
+    if instr.op in ("iota", "affine_select"):
+        return 150.0 + n
+    passes = max(1, sum(1 for o in instr.operands if o.role != "dst"))
+    return max(chip.min_ii_cycles, passes * n / params.gpsimd_elems_per_cycle)
+
+
+def _compute_cycles(instr: Instr, chip: Chip, params: ModelParams = MID) -> float:
     """Engine cycles of a compute instruction (the ISA reference's estimated instruction cost)."""
     op, eng, min_ii = instr.op, instr.engine, chip.min_ii_cycles
     n = _free_size(instr)
@@ -265,22 +305,26 @@ def _compute_cycles(instr: Instr, chip: Chip) -> float:
             cycles *= chip.fp32_slowdown
         if _attr_name(instr.attrs.get("perf_mode")).lower() == "double_row":
             cycles /= chip.fp8_speedup
-        return cycles
+        return cycles + params.matmul_extra_cycles
     if op == "nc_transpose" and eng == TENSOR:
         src = ins[0] if ins else dst
         p = src.partitions if src else 128
         f = src.free_elems if src else n
-        return float(max(p, min(64, f)))
-    all_onchip_sbuf = all(o.buffer == "sbuf" for o in instr.operands)
+        return float(max(p, min(64, f))) + params.matmul_extra_cycles
+    if eng == GPSIMD:
+        return _gpsimd_cycles(instr, n, chip, params)
     two_byte = bool(instr.operands) and all(o.dtype in _TWO_BYTE_FLOATS for o in instr.operands)
-    fast = eng == VECTOR and all_onchip_sbuf and two_byte and instr.attrs.get("contiguous", True)
+    fast = _vector_perf_mode(instr, chip)
     alu = _attr_name(instr.attrs.get("op") or instr.attrs.get("alu_op")).lower()
+    psum_in = params.psum_single_pass and any(o.buffer == "psum" for o in ins)
     if op == "tensor_tensor":
-        single = any(o.buffer == "psum" for o in ins) or (two_byte and alu in _FAST_ALU)
+        single = psum_in or (two_byte and alu in _FAST_ALU)
         cycles = n if single else 2 * n
         if fast:
             cycles /= chip.vector_fast_tensor_tensor
         return max(min_ii, cycles)
+    if op == "tensor_tensor_scan":  # [SDK-old] beta-1 ISA: 2N (two input tiles)
+        return max(min_ii, 2 * n)
     if op == "scalar_tensor_tensor":
         return max(min_ii, n if (two_byte and alu in ("subtract", "multiply")) else 2 * n)
     if op in ("tensor_copy", "tensor_scalar"):
@@ -293,8 +337,6 @@ def _compute_cycles(instr: Instr, chip: Chip) -> float:
     if op == "memset":
         zero = instr.attrs.get("value", None) == 0 and dst is not None and dst.dtype in _TWO_BYTE_FLOATS
         return max(min_ii, n / 2 if zero else n)
-    if op in ("iota", "affine_select"):
-        return 150.0 + n
     if op == "reciprocal":
         return max(min_ii, 8 * n)
     if op in ("activation", "activation_reduce"):
@@ -306,17 +348,17 @@ def _compute_cycles(instr: Instr, chip: Chip) -> float:
     return float(max(min_ii, n))
 
 
-def instr_cost(instr: Instr, chip: str | Chip = "trn2") -> InstrCost:
-    """Busy time and latency of one instruction on ``chip``."""
+def instr_cost(instr: Instr, chip: str | Chip = "trn2", params: ModelParams = MID) -> InstrCost:
+    """Busy time and latency of one instruction on ``chip`` under ``params`` (default: the mid values)."""
     chip = hardware.get_chip(chip)
     if instr.engine == DMA:
-        return _dma_cost(instr, chip)
+        return _dma_cost(instr, chip, params)
     if instr.engine not in (TENSOR, VECTOR, SCALAR, GPSIMD):
         raise ValueError(f"cost: instruction {instr.op!r} has unknown engine {instr.engine!r} "
                          f"(expected one of {ENGINES})")
     ghz = chip.clocks.ghz(instr.engine)
-    cycles = _compute_cycles(instr, chip)
-    fixed = chip.static_overhead_cycles + chip.access_init_cycles
+    cycles = _compute_cycles(instr, chip, params)
+    fixed = params.dependent_overhead_cycles
     if instr.op == "nc_matmul":
         fixed += chip.mm_init_latency_cycles
     if instr.op == "core_barrier":
@@ -370,19 +412,27 @@ class _DepTracker:
 
 
 class _Timeline:
-    """Busy intervals of a shared resource (the core's DMA bandwidth); first-fit into the earliest gap."""
+    """Busy intervals of a shared resource (DMA bandwidth, an SBUF bus, a PSUM bank); first fit."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
 
-    def place(self, earliest: float, dur: float) -> float:
-        """Reserve ``dur`` ns at the earliest gap starting at or after ``earliest``; return the start."""
+    def fit(self, earliest: float, dur: float) -> float:
+        """The earliest start at or after ``earliest`` with ``dur`` ns free (nothing reserved)."""
         k = bisect.bisect_right(self.ends, earliest)
         t = earliest
         while k < len(self.starts) and self.starts[k] < t + dur:
             t = max(t, self.ends[k])
             k += 1
+        return t
+
+    def place(self, earliest: float, dur: float) -> float:
+        """Reserve ``dur`` ns at the earliest gap starting at or after ``earliest``; return the start."""
+        t = self.fit(earliest, dur)
+        if dur <= 0:
+            return t
+        k = bisect.bisect_right(self.ends, t)
         # merge with touching neighbours to keep the list short
         if k > 0 and self.ends[k - 1] >= t:
             self.ends[k - 1] = t + dur
@@ -397,26 +447,105 @@ class _Timeline:
         return t
 
 
-def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost]) -> float:
+# Compute instructions the recompute check may drop: pure functions of their tile and scalar operands
+# (no engine registers, no PSUM accumulation).
+_PURE_OPS = frozenset(("tensor_tensor", "tensor_scalar", "tensor_copy", "tensor_reduce", "nc_transpose",
+                       "tensor_tensor_scan", "scalar_tensor_tensor", "reciprocal", "select"))
+_NOT_KEYED = frozenset(("reads", "writes", "read_boxes", "write_boxes", "name"))
+
+
+class _Recompute:
+    """Finds compute instructions that recompute an earlier result from unchanged on-chip inputs (what the
+    compiler's loop-invariant code motion / CSE removes; ``ModelParams.compiler_cse``)."""
+
+    def __init__(self) -> None:
+        self.version: dict[object, int] = defaultdict(int)  # writes seen per storage
+        self.seen: dict[tuple, float] = {}  # key -> finish time of the first computation
+
+    def key(self, ins: Instr) -> tuple | None:
+        reads = ins.attrs["reads"]
+        if ins.op not in _PURE_OPS or ins.engine == DMA or not reads:
+            return None
+        if ins.op == "activation" and _attr_name(ins.attrs.get("reduce_cmd")) not in ("", "idle"):
+            return None
+        if any(o.buffer not in _ONCHIP for o in ins.operands):
+            return None
+        attrs = tuple(sorted((k, repr(v)) for k, v in ins.attrs.items() if k not in _NOT_KEYED))
+        shapes = tuple((o.role, o.shape, o.dtype, o.buffer) for o in ins.operands)
+        return (ins.op, ins.engine, attrs, shapes, tuple((r, self.version[r[0]]) for r in reads))
+
+    def wrote(self, ins: Instr) -> None:
+        for key, _, _ in ins.attrs["writes"]:
+            self.version[key] += 1
+
+
+def _resources(ins: Instr, c: InstrCost, chip: Chip) -> list[object]:
+    """Shared resources a compute instruction holds while busy (hardware.Chip access rules)."""
+    res: list[object] = []
+    if ins.engine == GPSIMD or (ins.engine == VECTOR and (not chip.vector_gpsimd_sbuf_parallel
+                                                          or _vector_perf_mode(ins, chip))):
+        res.append("sbuf:vector+gpsimd")
+    if ins.engine in (VECTOR, SCALAR):
+        keys = [*ins.attrs["writes"], *ins.attrs["reads"]]
+        banks = {k[0] for o, k in zip(ins.operands, keys) if o.buffer == "psum"}
+        if banks:
+            res.extend(["psum:vector+scalar"] if not chip.vector_scalar_psum_parallel
+                       else [("psum", b) for b in sorted(banks, key=repr)])
+    return res
+
+
+def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Chip,
+                   params: ModelParams = MID) -> tuple[float, set[int]]:
+    """Finish time of the last instruction, and the indices the recompute check dropped."""
     deps = _DepTracker()
     dma = _Timeline()
+    shared: dict[object, _Timeline] = defaultdict(_Timeline)
+    inflight = [0.0] * max(1, params.dma_max_inflight)  # when each DMA slot frees up
+    recompute = _Recompute() if params.compiler_cse else None
     engine_free: dict[str, float] = defaultdict(float)
     end = 0.0
-    for ins, c in zip(instrs, costs):
+    dropped: set[int] = set()
+    for k, (ins, c) in enumerate(zip(instrs, costs)):
         reads, writes = ins.attrs["reads"], ins.attrs["writes"]
         ready = deps.ready(reads, writes)
+        key = recompute.key(ins) if recompute is not None else None
+        if key is not None and key in recompute.seen:  # the compiler reuses the first result
+            finish = max(ready, recompute.seen[key])
+            recompute.wrote(ins)
+            deps.commit(reads, writes, finish)
+            dropped.add(k)
+            continue
         if ins.engine == DMA:
+            if c.gpsimd_ns:  # software DGE: descriptors written on GpSimd first
+                g0 = max(ready, engine_free[GPSIMD])
+                g0 = shared["sbuf:vector+gpsimd"].place(g0, c.gpsimd_ns)
+                engine_free[GPSIMD] = ready = g0 + c.gpsimd_ns
+            slot = min(range(len(inflight)), key=inflight.__getitem__)
+            issue = max(ready, inflight[slot])
             # bytes move once the fixed cost has elapsed, in the first gap of the core's DMA bandwidth
             # (16 queues: a transfer that is ready need not wait behind one that is not)
-            move = dma.place(ready + c.fixed_ns, c.busy_ns)
+            move = dma.place(issue + c.fixed_ns, c.busy_ns)
             finish = move + (c.latency_ns - c.fixed_ns)
+            inflight[slot] = finish
         else:
             start = max(ready, engine_free[ins.engine])
+            res = [shared[r] for r in _resources(ins, c, chip)]
+            while res:  # the first time every shared resource is free for the whole instruction
+                t = max(r.fit(start, c.busy_ns) for r in res)
+                if t == start:
+                    break
+                start = t
+            for r in res:
+                r.place(start, c.busy_ns)
             engine_free[ins.engine] = start + c.busy_ns
             finish = start + c.latency_ns
+        if recompute is not None:
+            if key is not None:
+                recompute.seen[key] = finish
+            recompute.wrote(ins)
         deps.commit(reads, writes, finish)
         end = max(end, finish)
-    return end
+    return end, dropped
 
 
 def _overlap_bound(instrs: Sequence[Instr], costs: Sequence[InstrCost]) -> float:
@@ -466,55 +595,115 @@ def _sync_phases(instrs: Sequence[Instr], n_programs: int) -> dict[tuple, list[i
     return phases
 
 
-def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2") -> CostReport:
-    """Estimate the run time of a recorded instruction trace on ``chip`` ("trn2" or "trn1")."""
+
+@dataclass(frozen=True)
+class _Run:
+    """One schedule of one program instance under one parameter setting."""
+
+    total: float
+    serial: float
+    busy: dict[str, float]
+
+
+def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -> tuple[_Run, list[InstrCost]]:
+    costs = [instr_cost(i, chip, params) for i in instrs]
+    dropped: set[int] = set()
+    if model == "list-schedule":
+        total, dropped = _list_schedule(instrs, costs, chip, params)
+    else:
+        total = _overlap_bound(instrs, costs)
+    busy: dict[str, float] = defaultdict(float)
+    serial = 0.0
+    for k, (i, c) in enumerate(zip(instrs, costs)):
+        if k in dropped:
+            continue
+        busy[i.engine] += c.busy_ns
+        if c.gpsimd_ns:
+            busy[GPSIMD] += c.gpsimd_ns
+        serial += c.latency_ns + c.gpsimd_ns
+    return _Run(total, serial, dict(busy)), costs
+
+
+def _programs(instrs: Sequence[Instr]) -> list[list[Instr]]:
+    programs: dict[int, list[Instr]] = defaultdict(list)
+    for i in instrs:
+        programs[i.program_id].append(i)
+    return list(programs.values())
+
+
+def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -> tuple[
+        float, float, list[tuple[list[Instr], dict[str, float]]], dict[int, InstrCost]]:
+    """Schedule a launch: (total, serialized sum, (program, its busy per engine) pairs, cost per instr id).
+
+    Each program runs on its own core; programs synchronise at every sync phase (:func:`_sync_phases`),
+    so a phase takes as long as its slowest program and the phases add up."""
+    programs = _programs(instrs)
+    phase_total: dict[tuple, float] = defaultdict(float)
+    phase_serial: dict[tuple, float] = defaultdict(float)
+    per_program = []
+    costs: dict[int, InstrCost] = {}
+    for p_instrs in programs:
+        p_busy: dict[str, float] = defaultdict(float)
+        for phase, seg in _sync_phases(p_instrs, len(programs)).items():
+            s_instrs = [p_instrs[k] for k in seg]
+            run, s_costs = _run(s_instrs, chip, params, model)
+            costs.update((id(i), c) for i, c in zip(s_instrs, s_costs))
+            phase_total[phase] = max(phase_total[phase], run.total)
+            phase_serial[phase] = max(phase_serial[phase], run.serial)
+            for e, b in run.busy.items():
+                p_busy[e] += b
+        per_program.append((p_instrs, dict(p_busy)))
+    return sum(phase_total.values()), sum(phase_serial.values()), per_program, costs
+
+
+def estimate_total(instrs: Sequence[Instr], chip: str | Chip, params: ModelParams) -> float:
+    """Estimated time in ns of a launch (its programs synchronised per phase) under ``params``."""
+    chip = hardware.get_chip(chip)
+    instrs = list(instrs)
+    model = "list-schedule" if _has_deps(instrs) else "overlap-bound"
+    return _launch(instrs, chip, params, model)[0] if instrs else 0.0
+
+
+def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: ModelParams | None = None,
+             ranges: bool = True) -> CostReport:
+    """Estimate the run time of a recorded instruction trace on ``chip`` ("trn2" or "trn1").
+
+    Everything in the report is for ``params`` (default: the mid values of :mod:`cost_params`); with
+    ``ranges`` (and no explicit ``params``) ``total_range_ns`` also holds the totals under the optimistic
+    and pessimistic settings: ``(low, mid, high)``."""
     chip = hardware.get_chip(chip)
     instrs = list(trace)
-    costs = [instr_cost(i, chip) for i in instrs]
-    programs: dict[int, list[int]] = defaultdict(list)
-    for k, i in enumerate(instrs):
-        programs[i.program_id].append(k)
+    setting = params or MID
     model = "empty" if not instrs else ("list-schedule" if _has_deps(instrs) else "overlap-bound")
 
     busy: dict[str, float] = {}
     total = serial = compute_bound = memory_bound = 0.0
-    phase_total: dict[tuple, float] = defaultdict(float)  # sync phase -> its slowest program's time
-    phase_serial: dict[tuple, float] = defaultdict(float)
-    for ks in programs.values():
-        p_instrs = [instrs[k] for k in ks]
-        p_costs = [costs[k] for k in ks]
-        for phase, seg in _sync_phases(p_instrs, len(programs)).items():
-            s_instrs = [p_instrs[k] for k in seg]
-            s_costs = [p_costs[k] for k in seg]
-            if model == "list-schedule":
-                s_total = _list_schedule(s_instrs, s_costs)
-            else:
-                s_total = _overlap_bound(s_instrs, s_costs)
-            phase_total[phase] = max(phase_total[phase], s_total)
-            phase_serial[phase] = max(phase_serial[phase], sum(c.latency_ns for c in s_costs))
-        p_busy: dict[str, float] = defaultdict(float)
-        for i, c in zip(p_instrs, p_costs):
-            p_busy[i.engine] += c.busy_ns
+    total, serial, per_program, costs = _launch(instrs, chip, setting, model) if instrs else (0.0, 0.0, [], {})
+    for p_instrs, p_busy in per_program:
         for e, b in p_busy.items():
             busy[e] = max(busy.get(e, 0.0), b)
         p_compute = sum(i.flops / chip.tensor_flops_per_ns(_matmul_dtype(i)) for i in p_instrs if i.flops)
         p_memory = sum(i.hbm_bytes for i in p_instrs) / chip.hbm_bytes_per_ns
         compute_bound = max(compute_bound, p_compute)
         memory_bound = max(memory_bound, p_memory)
-    total, serial = sum(phase_total.values()), sum(phase_serial.values())
+    if ranges and params is None and instrs:
+        total_range = (estimate_total(instrs, chip, SETTINGS["low"]), total,
+                       estimate_total(instrs, chip, SETTINGS["high"]))
+    else:
+        total_range = (total, total, total)
 
     count: dict[str, int] = defaultdict(int)
     by_op: dict[str, list] = {}
-    for i, c in zip(instrs, costs):
+    for i in instrs:
         count[i.engine] += 1
         entry = by_op.setdefault(i.op, [0, 0.0])
         entry[0] += 1
-        entry[1] += c.busy_ns
+        entry[1] += costs[id(i)].busy_ns
     return CostReport(
         chip=chip.name,
         model=model,
         n_instrs=len(instrs),
-        n_programs=len(programs),
+        n_programs=len(_programs(instrs)) if instrs else 0,
         busy_ns={e: busy[e] for e in ENGINES if e in busy},
         count=dict(count),
         total_ns=total,
@@ -525,7 +714,22 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2") -> CostR
         hbm_bytes=sum(i.hbm_bytes for i in instrs),
         dma_bytes=sum(i.dma_bytes for i in instrs),
         by_op={k: (v[0], v[1]) for k, v in by_op.items()},
+        total_range_ns=total_range,
     )
+
+
+def sensitivity(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2") -> dict[str, tuple[float, float]]:
+    """Per uncertain parameter: the total with only it at its optimistic and at its pessimistic value
+    (every other parameter at mid), largest swing first."""
+    from trnkit.nkisim.cost_params import PARAM_NAMES  # noqa: PLC0415
+
+    chip = hardware.get_chip(chip)
+    instrs = list(trace)
+    out = {}
+    for name in PARAM_NAMES:
+        lo, hi = one_at_a_time(name)
+        out[name] = (estimate_total(instrs, chip, lo), estimate_total(instrs, chip, hi))
+    return dict(sorted(out.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0])))
 
 
 def _matmul_dtype(instr: Instr) -> str:

@@ -83,6 +83,12 @@ class Chip:
     mm_init_latency_cycles: int  # TensorE matmul pipeline fill
     vector_fast_copy: float  # VectorE speed-up for bf16/fp16 SBUF tensor_copy / tensor_scalar
     vector_fast_tensor_tensor: float  # same, for tensor_tensor
+    # Engine access rules ([SDK] nki/guides/architecture/trainium2_arch, "memory hierarchy": both were
+    # "disallowed in NeuronCore-v2" and lifted in v3): VectorE and GpSimdE reading/writing SBUF at the same
+    # time (v3: yes, except VectorE's perf mode, which uses the bus it shares with GpSimdE), and VectorE
+    # and ScalarE accessing PSUM at the same time (v3: yes, unless both touch the same PSUM bank).
+    vector_gpsimd_sbuf_parallel: bool = False
+    vector_scalar_psum_parallel: bool = False
     notes: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -168,6 +174,8 @@ TRN2 = Chip(
     # 4x tensor_copy / tensor_scalar and 2x tensor_tensor throughput versus NeuronCore-v2.
     vector_fast_copy=4.0,
     vector_fast_tensor_tensor=2.0,
+    vector_gpsimd_sbuf_parallel=True,  # [SDK] trainium2_arch (perf-mode VectorE still shares GpSimdE's bus)
+    vector_scalar_psum_parallel=True,  # [SDK] trainium2_arch (per PSUM bank)
     notes={
         "lnc": "LNC=2 (default on trn2) pairs two physical cores: a kernel[2] launch gets 2x HBM/DMA/FLOPs "
                "([SDK] about-neuron/arch/neuron-features/logical-neuroncore-config)",
@@ -215,6 +223,8 @@ TRN1 = Chip(
     mm_init_latency_cycles=64,
     vector_fast_copy=1.0,  # the trn2 perf mode is relative to v2
     vector_fast_tensor_tensor=1.0,
+    vector_gpsimd_sbuf_parallel=False,  # [SDK] trainium2_arch: "disallowed in NeuronCore-v2"
+    vector_scalar_psum_parallel=False,  # [SDK] trainium2_arch: "disallowed in NeuronCore-v2"
 )
 
 CHIPS: dict[str, Chip] = {"trn2": TRN2, "trn1": TRN1}

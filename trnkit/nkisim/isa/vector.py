@@ -191,6 +191,8 @@ def emit(opname: str, engine: str, operands: dict[str, Any], /, **attrs: Any) ->
     attrs["writes"] = tuple(common.span(t) for r, t in tiles.items() if r in _WRITE_ROLES)
     # free dims of every operand contiguous: the condition of the Vector engine's fast modes
     attrs["contiguous"] = all(t.is_contiguous() for t in tiles.values())
+    # scalar operands (floats, ints), so the cost model can tell x*2 from x*3 (its recompute check)
+    attrs["scalars"] = tuple((r, repr(v)) for r, v in operands.items() if v is not None and not is_tile(v))
     dst = tiles.pop("dst", None)
     common.emit(opname, engine, dst=dst, srcs=tiles, attrs=attrs)
 

@@ -1,0 +1,81 @@
+"""The cost model's uncertain parameters, and the three settings that give every estimate a range.
+
+:mod:`trnkit.nkisim.hardware` holds figures the public Neuron documentation states (clocks, bandwidths,
+array sizes). This module holds what it does not pin down: rates and rules the model had to assume,
+each with its optimistic / mid / pessimistic value and where the value comes from. ``estimate()`` runs
+the schedule once per setting: ``low`` (all optimistic: shortest time), ``mid``, ``high`` (all
+pessimistic). :data:`SENSITIVITY` moves one parameter at a time from mid to each end.
+
+Calibration (``benchmarks/calibration/``): with the mid values the model reproduces the SDK's
+fused-Mamba tutorial measurements on trn1 (v1 2.34 ms, v2 1.61 ms: the fit points; v3 27.8 ms and the
+v3 seq_len table: held out). No numeric constant was fitted; one rule was chosen on the fit points:
+``compiler_cse`` (v2's measured VectorE active time is below what v2 computes as written unless the
+state-invariant ``delta * u`` is computed once), and v3 confirms it. The Mamba points are insensitive
+to the DMA, GpSimd and TensorE parameters, which stay documented or assumed values. Names below say
+"[SDK] page" for the public Neuron docs, as in hardware.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """One setting of the uncertain parameters (the defaults are the mid values)."""
+
+    # DMA transpose throughput from HBM as a fraction of a copy's (trn2; trn1 has none). [SDK]
+    # nki/guides/architecture/trainium2_arch: "up to 90%" (optimistic); nki_perf_guide warns DMA
+    # transposes "can degrade bandwidth significantly": 0.7 mid and 0.5 (the SBUF->SBUF figure) assumed.
+    dma_transpose_factor: float = 0.7
+    # Bytes per partition row at which a DMA reaches half its peak (eff = b / (b + knee)). [SDK]
+    # nki/deep-dives/nki-dma-bandwidth-guide: <256 B "severely overhead-bound", >=2 KiB near peak,
+    # >=4 KiB saturates: 256 fits those words; 128 / 512 bracket the fit (assumed).
+    dma_knee_bytes: int = 256
+    # DMA transfers in flight per core (issue-to-finish windows overlapping). The guide's ~1.3 us
+    # semaphore-to-start cost cannot overlap without limit: a transfer goes to one queue of the 16
+    # engines and "DMA transfers within a queue on the same DMA engine are executed in order" ([SDK]
+    # nki/get-started/about/nki-dma-overview). No public figure: 8 mid, 32 / 4 (assumed).
+    dma_max_inflight: int = 8
+    # GpSimd elementwise throughput, elements per partition per cycle per input pass. [SDK]
+    # trainium_inferentia2_arch: 8 processors x 512-bit SIMD = 128 fp32 lanes, so 1.0 is the ceiling;
+    # no published rate for the NKI ISA kernels on it: 0.5 mid, 0.25 pessimistic (assumed).
+    gpsimd_elems_per_cycle: float = 0.5
+    # GpSimd cycles to generate one DMA descriptor row of an indirect (gather / scatter) DMA: software
+    # DGE, which "occupies GpsimdE" ([SDK] trainium2_arch "DGE"; hardware DGE "does not support
+    # indirect DMA operations"). No public figure: 16 / 32 / 128 cycles per row (assumed).
+    swdge_cycles_per_row: float = 32.0
+    # Vector reads a PSUM operand in one pass (tensor_tensor costs N, not 2N): the beta-1 ISA cost
+    # table ([SDK-old] general/nki/api/nki/isa tensor_tensor). Pessimistic: the rule does not hold.
+    psum_single_pass: bool = True
+    # Fixed latency of a compute instruction whose result another waits on: static overhead 100 +
+    # SBUF/PSUM access init 60 cycles ([SDK] nki_perf_guide, trainium_inferentia2_arch "add a static
+    # instruction overhead of 100 engine cycles"); 100 / 220 bracket it (assumed).
+    dependent_overhead_cycles: int = 160
+    # Extra TensorE cycles per matmul beyond max(N, 64) (issue overhead not in the documented formula):
+    # 0 documented ([SDK] trainium_inferentia2_arch "Cost Model"), 32 pessimistic (assumed).
+    matmul_extra_cycles: int = 0
+    # The compiler removes a compute instruction that recomputes an earlier result from unchanged
+    # on-chip inputs (loop-invariant code motion / CSE). Chosen on Mamba v2 (fit point): without it v2
+    # as written needs 2.1 ms of VectorE time, above its measured 1.61 ms at 99.6% VectorE activity;
+    # v3 (held out) agrees. Pessimistic: no such pass.
+    compiler_cse: bool = True
+
+
+MID = ModelParams()
+LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_max_inflight=32, gpsimd_elems_per_cycle=1.0,
+                  swdge_cycles_per_row=16.0, psum_single_pass=True, dependent_overhead_cycles=100,
+                  matmul_extra_cycles=0, compiler_cse=True)
+HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_max_inflight=4, gpsimd_elems_per_cycle=0.25,
+                   swdge_cycles_per_row=128.0, psum_single_pass=False, dependent_overhead_cycles=220,
+                   matmul_extra_cycles=32, compiler_cse=False)
+SETTINGS: dict[str, ModelParams] = {"low": LOW, "mid": MID, "high": HIGH}
+
+PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(ModelParams))
+
+
+def one_at_a_time(name: str) -> tuple[ModelParams, ModelParams]:
+    """``mid`` with only ``name`` moved to its optimistic and to its pessimistic value."""
+    if name not in PARAM_NAMES:
+        raise ValueError(f"cost_params: unknown parameter {name!r} (known: {', '.join(PARAM_NAMES)})")
+    return replace(MID, **{name: getattr(LOW, name)}), replace(MID, **{name: getattr(HIGH, name)})
