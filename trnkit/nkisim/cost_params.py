@@ -41,10 +41,12 @@ class ModelParams:
     # trainium_inferentia2_arch: 8 processors x 512-bit SIMD = 128 fp32 lanes, so 1.0 is the ceiling;
     # no published rate for the NKI ISA kernels on it: 0.5 mid, 0.25 pessimistic (assumed).
     gpsimd_elems_per_cycle: float = 0.5
-    # GpSimd cycles to generate one DMA descriptor row of an indirect (gather / scatter) DMA: software
-    # DGE, which "occupies GpsimdE" ([SDK] trainium2_arch "DGE"; hardware DGE "does not support
-    # indirect DMA operations"). No public figure: 16 / 32 / 128 cycles per row (assumed).
-    swdge_cycles_per_row: float = 32.0
+    # GpSimd engine time to generate one DMA descriptor row of an indirect (gather / scatter) DMA:
+    # software DGE, which "occupies GpsimdE" ([SDK] trainium2_arch "DGE"; hardware DGE "does not support
+    # indirect DMA operations"). No public figure: its 8 processors (512-bit SIMD each) can write a
+    # descriptor each every few cycles, so ~1 cycle of engine time per row at best; 4 mid, 32
+    # pessimistic (assumed).
+    swdge_cycles_per_row: float = 4.0
     # Vector reads a PSUM operand in one pass (tensor_tensor costs N, not 2N): the beta-1 ISA cost
     # table ([SDK-old] general/nki/api/nki/isa tensor_tensor). Pessimistic: the rule does not hold.
     psum_single_pass: bool = True
@@ -64,10 +66,10 @@ class ModelParams:
 
 MID = ModelParams()
 LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_max_inflight=32, gpsimd_elems_per_cycle=1.0,
-                  swdge_cycles_per_row=16.0, psum_single_pass=True, dependent_overhead_cycles=100,
+                  swdge_cycles_per_row=1.0, psum_single_pass=True, dependent_overhead_cycles=100,
                   matmul_extra_cycles=0, compiler_cse=True)
 HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_max_inflight=4, gpsimd_elems_per_cycle=0.25,
-                   swdge_cycles_per_row=128.0, psum_single_pass=False, dependent_overhead_cycles=220,
+                   swdge_cycles_per_row=32.0, psum_single_pass=False, dependent_overhead_cycles=220,
                    matmul_extra_cycles=32, compiler_cse=False)
 SETTINGS: dict[str, ModelParams] = {"low": LOW, "mid": MID, "high": HIGH}
 
