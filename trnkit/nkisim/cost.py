@@ -1,20 +1,24 @@
 """trn2 / trn1 cost model: instruction trace -> estimated time per engine, total, roofline.
 
-``estimate(trace, chip="trn2") -> CostReport``.
+``estimate(trace, chip="trn2") -> CostReport``; ``report.total_range_ns`` = (low, mid, high) under the
+optimistic / mid / pessimistic settings of the uncertain parameters (:mod:`trnkit.nkisim.cost_params`),
+``sensitivity(trace)`` moves one parameter at a time. Calibrated against the SDK fused-Mamba tutorial's
+trn1 measurements (``benchmarks/calibration/``; docs/cost-model.md).
 
 Per instruction the model computes two numbers (constants in :mod:`trnkit.nkisim.hardware`):
 
 * **busy** — how long the instruction occupies its engine (its initiation interval). Compute engines use
   the "Estimated instruction cost" formulas of the NKI ISA reference (cycles of the engine named, N =
   elements per partition, ``MIN_II`` = 64 cycles): ``nc_matmul`` ``max(min(64, N_stationary), N_moving)``
-  cycles (x4 for fp32 inputs, /2 for fp8 ``double_row``), Vector/Scalar/GpSimd ``max(MIN_II, N)`` or
-  ``max(MIN_II, 2N)`` (see :func:`_compute_cycles`). A DMA occupies the core's DMA bandwidth for
-  ``bytes / (rate * eff)``, ``rate`` = 16 engines x 23 B/ns, capped by the core's HBM share when it
-  touches HBM, ``eff = b / (b + 256 B)`` for ``b`` contiguous bytes per partition row (the
-  small-transfer penalty of the DMA bandwidth guide); a ``dma_transpose`` further scales it by 0.9 from
-  HBM, 0.5 SBUF -> SBUF on trn2 (``DmaSpec.transpose_*_factor``).
+  cycles (x4 for fp32 inputs, /2 for fp8 ``double_row``), Vector/Scalar ``max(MIN_II, N)`` or
+  ``max(MIN_II, 2N)``, GpSimd at its own rate (see :func:`_compute_cycles`). A DMA occupies the core's
+  DMA bandwidth for ``bytes / (rate * eff)``, ``rate`` = 16 engines x 23 B/ns, capped by the core's HBM
+  share when it touches HBM, ``eff = b / (b + knee)`` for ``b`` contiguous bytes per partition row (the
+  small-transfer penalty of the DMA bandwidth guide); a ``dma_transpose`` further scales it by the
+  transpose factor; an indirect DMA first takes GpSimd time for its descriptors (software DGE). Knee,
+  factor, GpSimd rate and descriptor cost are :mod:`cost_params` values.
 * **latency** — from issue to result: busy plus the fixed costs that do not occupy the engine
-  (compute: static overhead + SBUF/PSUM access init, + matmul pipeline fill; DMA: the ~1.3 us
+  (compute: the dependent-instruction overhead, + matmul pipeline fill; DMA: the ~1.3 us
   semaphore-to-start fixed cost, ~600 ns with hardware DGE, and the single transfer's own speed, which
   uses only ``min(16, rows)`` DMA engines).
 
@@ -26,7 +30,12 @@ Engines run concurrently; the total uses one of two schedules, named in ``CostRe
   streams); an instruction starts when its engine is free and every earlier instruction it depends on
   (read-after-write, write-after-read, write-after-write on overlapping ranges) has finished; DMA
   transfers start moving bytes ``fixed`` after they become ready, in the earliest gap of the core's DMA
-  bandwidth (first fit: the 16 DMA queues let a ready transfer pass one still waiting). The total is the last finish time: a critical path through data dependencies and engine queues.
+  bandwidth (first fit: the 16 DMA queues let a ready transfer pass one still waiting), at most
+  ``dma_max_inflight`` of them between issue and finish; engines that share an access path (trn1: Vector
+  and GpSimd on SBUF, Vector and Scalar on PSUM; trn2: VectorE perf mode and GpSimd, Vector and Scalar on
+  one PSUM bank) do not overlap there; a pure compute instruction recomputing an earlier result from
+  unchanged inputs is free (``compiler_cse``). The total is the last finish time: a critical path
+  through data dependencies and engine queues.
   Each ``nl.ndarray`` is its own buffer, as written in the kernel (no extra dependencies from address
   reuse), so this is the schedule a perfectly double-buffered compilation would reach.
 * ``"overlap-bound"`` otherwise: every engine runs back-to-back once its first input has arrived, so
@@ -677,7 +686,7 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
     model = "empty" if not instrs else ("list-schedule" if _has_deps(instrs) else "overlap-bound")
 
     busy: dict[str, float] = {}
-    total = serial = compute_bound = memory_bound = 0.0
+    compute_bound = memory_bound = 0.0
     total, serial, per_program, costs = _launch(instrs, chip, setting, model) if instrs else (0.0, 0.0, [], {})
     for p_instrs, p_busy in per_program:
         for e, b in p_busy.items():
