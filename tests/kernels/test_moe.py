@@ -512,7 +512,7 @@ def test_moe_experts_cost_qwen3_30b_a3b() -> None:
     low, mid, high = rep.total_range_ns
     print(rep, f"\nuseful-FLOP TensorE bound {bound / 1e6:.3f} ms -> {bound / high:.1%} / {bound / mid:.1%} / "
           f"{bound / low:.1%} (pessimistic / mid / optimistic)")
-    assert bound / low >= 0.0
+    assert bound / low >= 0.50  # 52.5% optimistic, 47.3% mid, 32.8% pessimistic when written
 
 
 def test_backward_sbuf_constraints_are_checked() -> None:
