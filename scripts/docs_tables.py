@@ -132,10 +132,25 @@ def conformance() -> str:
     return f"{passed} of {len(rows)} cases pass (nki-library commit {commits}).\n\n" + _table(header, body)
 
 
+def headline_ranges() -> str:
+    """benchmarks/headline_ranges.py: each headline case's time and fraction of its bound as a range
+    (low / mid / high = the optimistic / mid / pessimistic settings of trnkit.nkisim.cost_params)."""
+    rows = []
+    for r in read_csv("headline_ranges.csv"):
+        mode = {"forward": "fwd", "backward": "bwd"}.get(r["mode"], r["mode"])
+        times = " / ".join(f"{float(r[k]):,.1f}" for k in ("low_us", "mid_us", "high_us"))
+        fractions = " / ".join(f"{float(r[k]):.1%}" for k in ("fraction_low_end", "fraction_mid", "fraction_high_end"))
+        rows.append([f"{r['kernel']} {mode} {r['shape']}", f"{float(r['bound_us']):,.1f} us ({r['bound_kind']})",
+                     times, fractions, r["top_sensitivity"]])
+    header = ["case", "bound", "time low / mid / high (us)", "of bound at low end / mid / high end",
+              "most sensitive parameters (us at optimistic..pessimistic)"]
+    return _table(header, rows)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc,
-    "conformance": conformance,
+    "conformance": conformance, "headline_ranges": headline_ranges,
 }
 
 
@@ -146,10 +161,11 @@ class Quote:
     page: str  # README.md or docs/...
     template: str
     source: str
-    value: Callable[[], str]
+    value: Callable[[], str] | tuple[Callable[[], str], ...]  # one per {} of the template
 
     def text(self) -> str:
-        return self.template.format(self.value())
+        values = self.value if isinstance(self.value, tuple) else (self.value,)
+        return self.template.format(*(value() for value in values))
 
 
 def csv_cell(name: str, column: str, where: dict[str, str], fmt: str = "{:.1f}") -> Callable[[], str]:
@@ -183,6 +199,15 @@ def _bench(kernel: str, mode: str, metric: str, x_name: str, x_value: str) -> di
     return {"kernel": kernel, "impl": "nki", "mode": mode, "metric": metric, "x_name": x_name, "x_value": x_value}
 
 
+def _range(case: str, kind: str) -> tuple[Callable[[], str], ...]:
+    """mid, low end, high end of a headline_ranges.csv case: kind "us" (times) or "fraction"."""
+    where = {"case": case}
+    if kind == "us":
+        return tuple(csv_cell("headline_ranges.csv", c, where, "{:,.0f}") for c in ("mid_us", "low_us", "high_us"))
+    return tuple(csv_cell("headline_ranges.csv", c, where, "{:.1%}")
+                 for c in ("fraction_mid", "fraction_low_end", "fraction_high_end"))
+
+
 QUOTES = (
     Quote("README.md", "runs at {}× numpy's own matmul time in bf16", "interp_speed.csv bf16 ratio",
           csv_cell("interp_speed.csv", "ratio", {"dtype": "bfloat16"})),
@@ -190,6 +215,12 @@ QUOTES = (
           csv_cell("interp_speed.csv", "ratio", {"dtype": "float32"})),
     Quote("README.md", "it passes {} of their", "conformance.csv PASS rows", csv_count("conformance.csv", {"result": "PASS"})),
     Quote("README.md", "of their {} test cases", "conformance.csv rows", csv_count("conformance.csv", {})),
+    Quote("README.md", "fp32 cache: fwd {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline_ranges.csv rope_fwd",
+          _range("rope_fwd", "us") + _range("rope_fwd", "fraction")),
+    Quote("README.md", "K=8: {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline_ranges.csv router",
+          _range("router", "us") + _range("router", "fraction")),
+    Quote("README.md", "T=8192: fwd {} µs ({}–{}), {} ({}–{}) of the TensorE bound", "headline_ranges.csv moe_fwd",
+          _range("moe_fwd", "us") + _range("moe_fwd", "fraction")),
     Quote("README.md", "M=4096: fwd {} µs", "bench.csv grouped_mm forward M=4096 est_time",
           csv_cell("bench.csv", "p50", _bench("grouped_mm", "forward", "est_time", "M", "4096"), "{:,.1f}")),
     Quote("README.md", "µs, {} of the roofline", "bench.csv grouped_mm forward M=4096 fraction_of_roofline",
