@@ -8,7 +8,9 @@ init, copied into the transformers model) and the same token batch. transformers
 thread and process CPU time, so that other jobs on a shared machine do not skew the comparison.
 
 ratio = transformers' fastest best-of step time / trnkit's best-of step time (> 1: trnkit faster).
-Targets (issue 2): dense >= 1.0x, MoE >= 1.5x.
+Targets (issue 2): dense >= 1.0x, MoE >= 1.5x. Also the peak RSS a step adds (Linux /proc; issue 15's
+target: <= 0.5x transformers'). trnkit computes its loss with the chunked linear cross-entropy
+(`--loss-chunk`, 0 = full logits); transformers from its full logits.
 
 Writes `qwen3_step.json` and `.csv` (`qwen3_step_vocab<N>.*` with `--vocab N`) to `outputs/bench/`;
 `--save-reference` writes the tracked `benchmarks/data/` that docs/qwen3.md quotes, `--no-save` nothing.
@@ -66,22 +68,59 @@ def build(flavor: str, seed: int = 0, vocab: int | None = None):
     return native.train(), hf_models
 
 
-def step_fn(model, toks: torch.Tensor, is_hf: bool):
+def step_fn(model, toks: torch.Tensor, is_hf: bool, loss_chunk: int = 256):
+    """fwd + mean next-token loss + bwd. trnkit: the loss inside its forward (chunked linear cross-entropy,
+    ``loss_chunk`` tokens per chunk, 0 = full logits); transformers: its logits, then the same loss."""
+    labels = torch.roll(toks, -1, 1)
+    labels[:, -1] = -100
+    n = toks.shape[0] * (toks.shape[1] - 1)
+
     def step() -> float:
         model.zero_grad(set_to_none=True)
-        logits = model(input_ids=toks).logits if is_hf else model(toks)
-        loss = _loss(logits, toks)
+        if is_hf:
+            loss = _loss(model(input_ids=toks).logits, toks)
+        else:
+            loss = model(toks, labels=labels, loss_chunk_size=loss_chunk) / n
         loss.backward()
         return loss.item()
     return step
 
 
+def _proc_status_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_delta(fn) -> float:
+    """Run ``fn`` and return its peak RSS above the RSS before it, MiB (Linux: resets VmHWM through
+    /proc/self/clear_refs; NaN elsewhere). The step's grads are freed before (zero_grad to None), so
+    this is what one step allocates at its peak: activations, logits, gradients."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        fn()
+        return float("nan")
+    base = _proc_status_mib("VmRSS")
+    fn()
+    return _proc_status_mib("VmHWM") - base
+
+
 def run(flavor: str, batch: int, seq: int, repeat: int, warmup: int, vocab: int | None = None,
-        clock=time.process_time) -> dict:
+        clock=time.process_time, loss_chunk: int = 256) -> dict:
     native, hf_models = build(flavor, vocab=vocab)
     toks = torch.randint(0, native.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
-    steps = {"trnkit": step_fn(native, toks, False)} | {k: step_fn(m, toks, True) for k, m in hf_models.items()}
+    steps = {"trnkit": step_fn(native, toks, False, loss_chunk)} | {k: step_fn(m, toks, True)
+                                                                     for k, m in hf_models.items()}
     losses = {k: fn() for k, fn in steps.items()}  # also checks they compute the same thing
+    for m in [native, *hf_models.values()]:
+        m.zero_grad(set_to_none=True)  # the peaks below count each step's own gradients
+    peak = {k: peak_rss_delta(fn) for k, fn in steps.items()}
+    for m in [native, *hf_models.values()]:
+        m.zero_grad(set_to_none=True)
     for _ in range(warmup - 1):
         for fn in steps.values():
             fn()
@@ -99,7 +138,8 @@ def run(flavor: str, batch: int, seq: int, repeat: int, warmup: int, vocab: int 
     return {"flavor": flavor, "batch": batch, "seq": seq, "tokens": batch * seq, "repeat": repeat,
             "vocab_size": native.config.vocab_size, "best_s": best, "median_s": med, "loss_step1": losses,
             "best_transformers": best_hf, "ratio": ratio, "ratio_median": med[best_hf] / med["trnkit"],
-            "target": TARGETS[flavor], "meets_target": ratio >= TARGETS[flavor]}
+            "target": TARGETS[flavor], "meets_target": ratio >= TARGETS[flavor], "peak_mib": peak,
+            "memory_ratio": peak["trnkit"] / peak[best_hf], "loss_chunk": loss_chunk}
 
 
 def main() -> None:
@@ -115,6 +155,9 @@ def main() -> None:
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                     help="cpu: process CPU time (with --threads 1, insensitive to other load on a shared "
                          "machine); wall: perf_counter")
+    ap.add_argument("--loss-chunk", type=int, default=256,
+                    help="trnkit's chunked linear cross-entropy: tokens per chunk (0 = full logits)")
+    ap.add_argument("--name", default="", help="file stem (default qwen3_step[_vocab<N>])")
     ap.add_argument("--no-save", action="store_true", help="print only, write no files")
     add_output_args(ap, "qwen3_step*.json and .csv")
     args = ap.parse_args()
@@ -123,7 +166,8 @@ def main() -> None:
     import transformers
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    results = [run(f, args.batch, args.seq, args.repeat, args.warmup, args.vocab, clock) for f in args.flavors]
+    results = [run(f, args.batch, args.seq, args.repeat, args.warmup, args.vocab, clock, args.loss_chunk)
+               for f in args.flavors]
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, threads {torch.get_num_threads()}, "
           f"{args.clock} clock, batch {args.batch} x seq {args.seq}, vocab {results[0]['vocab_size']}, "
           f"best / median of {args.repeat}")
@@ -132,17 +176,18 @@ def main() -> None:
         for impl, t in r["best_s"].items():
             rows.append({"flavor": r["flavor"], "vocab_size": r["vocab_size"], "batch": r["batch"], "seq": r["seq"],
                          "impl": impl, "best_ms": round(t * 1e3, 2), "median_ms": round(r["median_s"][impl] * 1e3, 2),
-                         "loss_step1": round(r["loss_step1"][impl], 5)})
+                         "loss_step1": round(r["loss_step1"][impl], 5), "peak_mib": round(r["peak_mib"][impl], 1)})
             print(f"  {r['flavor']:10s} {impl:28s} best {t * 1e3:9.1f} ms  median {r['median_s'][impl] * 1e3:9.1f} ms"
-                  f"   loss {r['loss_step1'][impl]:.5f}")
+                  f"   peak {r['peak_mib'][impl]:8.1f} MiB   loss {r['loss_step1'][impl]:.5f}")
         print(f"  {r['flavor']:10s} ratio vs {r['best_transformers']}: {r['ratio']:.2f}x best-of, "
-              f"{r['ratio_median']:.2f}x median (target >= {r['target']}x: {'met' if r['meets_target'] else 'NOT met'})")
+              f"{r['ratio_median']:.2f}x median (target >= {r['target']}x: {'met' if r['meets_target'] else 'NOT met'}); "
+              f"peak memory {r['memory_ratio']:.2f}x transformers'")
     if not args.no_save:
         out = output_dir(args, root=ROOT)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "threads": torch.get_num_threads(), "clock": args.clock, "argv": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "machine": platform.machine(), "processor": platform.processor()}
-        stem = "qwen3_step" + (f"_vocab{args.vocab}" if args.vocab else "")
+        stem = args.name or "qwen3_step" + (f"_vocab{args.vocab}" if args.vocab else "")
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         with open(out / f"{stem}.csv", "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
