@@ -11,6 +11,9 @@ import torch
 from trnkit.nki_api import nl
 
 P_MAX = 128  # SBUF / PSUM partitions
+# tanh-GELU: 0.5 a (1 + tanh(C (a + A a^3))) = a * sigmoid(2C (a + A a^3)), C = sqrt(2 / pi)
+GELU_C = 0.7978845608028654
+GELU_A = 0.044715
 
 
 def dtype_name(t: Any) -> str:

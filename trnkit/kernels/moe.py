@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from trnkit.kernels._common import GELU_A, GELU_C
 from trnkit.kernels.constraints import Violation, check
 from trnkit.kernels.lnc import launch, resolve_lnc
 
@@ -62,6 +64,9 @@ __all__ = [
     "grouped_mm_value_violations",
     "moe_experts_value_violations",
     "constraints",
+    "ACTIVATIONS",
+    "SWIGLU_LIMIT",
+    "SWIGLU_ALPHA",
     "BLOCK_SIZES",
     "MAX_EXPERTS",
     "MAX_TOP_K",
@@ -77,6 +82,10 @@ MAX_TOP_K = 8  # router top-k (hardware max8)
 # loaded while this one computes (2 x 96 KiB + working tiles < ~208 KiB usable on trn2).
 WEIGHT_SBUF_BUDGET = 96 * 1024
 _DTYPES = (torch.float32, torch.bfloat16)
+# expert activations: h = act(gate) * up (silu, gelu_tanh) or GPT-OSS's clamped SwiGLU
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
+SWIGLU_LIMIT = 7.0  # GPT-OSS defaults (transformers GptOssConfig.swiglu_limit / swiglu_alpha)
+SWIGLU_ALPHA = 1.702
 
 
 # --------------------------------------------------------------------------------------------------
@@ -234,14 +243,47 @@ def grouped_mm_constraints(x: torch.Tensor, w: torch.Tensor, group_offsets: torc
     return v
 
 
+def variant_violations(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str = "silu",
+                       limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA,
+                       b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None) -> list[Violation]:
+    """The expert variant's rules: a known activation, ``limit``/``alpha`` (finite, > 0) only with
+    ``swiglu_clamped``, biases ``b_gate_up [E, 2I]`` / ``b_down [E, H]`` in x's dtype."""
+    k = MOE_EXPERTS
+    v: list[Violation] = []
+    if activation not in ACTIVATIONS:
+        v.append(Violation(k, f"activation in {ACTIVATIONS}", activation))
+    elif activation == "swiglu_clamped":
+        for name, val in (("limit", limit), ("alpha", alpha)):
+            if not (isinstance(val, (int, float)) and math.isfinite(val) and val > 0):
+                v.append(Violation(k, f"swiglu_clamped {name} is finite and > 0", val))
+    elif (limit, alpha) != (SWIGLU_LIMIT, SWIGLU_ALPHA):
+        v.append(Violation(k, "limit / alpha only with activation='swiglu_clamped'",
+                           {"activation": activation, "limit": limit, "alpha": alpha},
+                           "the clamp and the sigmoid slope belong to GPT-OSS's clamped SwiGLU"))
+    E, H, I2 = w_gate_up.shape
+    for name, b, shape in (("b_gate_up", b_gate_up, (E, I2)), ("b_down", b_down, (E, H))):
+        if b is None:
+            continue
+        if tuple(b.shape) != shape:
+            v.append(Violation(k, f"{name}.shape == {('(E, 2I)' if name == 'b_gate_up' else '(E, H)')}",
+                               (tuple(b.shape), shape)))
+        if b.dtype != x.dtype:
+            v.append(Violation(k, f"{name}.dtype == x.dtype", (str(b.dtype), str(x.dtype)),
+                               "the bias is added in the kernel next to operands of x's dtype"))
+    return v
+
+
 def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128,
-                            grad_out: torch.Tensor | None = None) -> list[Violation]:
+                            grad_out: torch.Tensor | None = None, activation: str = "silu",
+                            limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA,
+                            b_gate_up: torch.Tensor | None = None,
+                            b_down: torch.Tensor | None = None) -> list[Violation]:
     """Violated constraints of :func:`moe_experts` / :func:`moe_experts_bwd` (empty = supported).
 
-    Shapes, dtypes and ``block_size`` only: never reads a tensor value (fake / meta tensors and
-    torch.compile are fine). The range ``0 <= topk_idx < E`` is data; the entry points check it
-    (:func:`moe_experts_value_violations`).
+    Shapes, dtypes, ``block_size`` and the expert variant (:func:`variant_violations`) only: never
+    reads a tensor value (fake / meta tensors and torch.compile are fine). The range ``0 <= topk_idx
+    < E`` is data; the entry points check it (:func:`moe_experts_value_violations`).
     """
     k = MOE_EXPERTS
     v: list[Violation] = []
@@ -280,14 +322,18 @@ def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
                            **({} if grad_out is None else {"grad_out": grad_out}))
     if grad_out is not None and tuple(grad_out.shape) != (T, H):
         v.append(Violation(k, "grad_out.shape == (T, H)", tuple(grad_out.shape)))
+    v += variant_violations(x, w_gate_up, activation, limit, alpha, b_gate_up, b_down)
     isz = x.element_size()
-    need = _weight_sbuf_bytes(H, I2, isz) + _weight_sbuf_bytes(inter, H, isz)
+    # + the biases: b_down broadcast over the partitions [P, H], b_gate_up as fp32 columns [P, 2 IC]
+    need = (_weight_sbuf_bytes(H, I2, isz) + _weight_sbuf_bytes(inter, H, isz)
+            + (H * isz if b_down is not None else 0) + (2 * math.ceil(inter / 128) * 4 if b_gate_up is not None else 0))
     if need > WEIGHT_SBUF_BUDGET:
         v.append(Violation(k, f"one expert's weights fit {WEIGHT_SBUF_BUDGET // 1024} KiB of SBUF per partition",
                            f"{need} bytes (H={H}, I={inter}, {x.dtype})",
                            "ceil(H/128)*2I + ceil(I/128)*H elements; use bfloat16 or shard I"))
     if grad_out is not None:  # backward: a weight and its transpose (weight grads accumulate in PSUM)
-        bwd = max(_weight_sbuf_bytes(H, I2, isz) + _weight_sbuf_bytes(I2, H, isz),
+        bwd = max(_weight_sbuf_bytes(H, I2, isz) + _weight_sbuf_bytes(I2, H, isz)
+                  + (I2 * isz if b_gate_up is not None else 0),  # gate/up recompute: bias [P, 2I]
                   _weight_sbuf_bytes(inter, H, isz) + _weight_sbuf_bytes(H, inter, isz))
         if bwd > WEIGHT_SBUF_BUDGET:
             v.append(Violation(k, f"backward working set fits {WEIGHT_SBUF_BUDGET // 1024} KiB per partition",
@@ -329,9 +375,9 @@ def _check_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Ten
 
 def _check_moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int,
-                       grad_out: torch.Tensor | None = None) -> None:
+                       grad_out: torch.Tensor | None = None, **variant: Any) -> None:
     """Entry check of the moe_experts functions: shape/dtype rules, then (if those hold) the values."""
-    v = moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out)
+    v = moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, **variant)
     check(v or moe_experts_value_violations(topk_idx, w_gate_up.shape[0]))
 
 
@@ -339,7 +385,8 @@ def constraints(x: torch.Tensor, *args, **kwargs) -> list[Violation]:
     """Dispatch on the arguments: ``(x, w, group_offsets[, grad_out])`` -> grouped_mm,
     ``(x, topk_idx, topk_weights, w_gate_up, w_down[, block_size][, grad_out])`` -> moe_experts."""
     # by the argument count, not by a shape (a malformed w must still reach grouped_mm's own checks)
-    if len(args) >= 4 or {"topk_idx", "topk_weights", "w_gate_up", "w_down", "block_size"} & kwargs.keys():
+    if len(args) >= 4 or {"topk_idx", "topk_weights", "w_gate_up", "w_down", "block_size", "activation",
+                          "b_gate_up", "b_down"} & kwargs.keys():
         return moe_experts_constraints(x, *args, **kwargs)
     return grouped_mm_constraints(x, *args, **kwargs)
 
@@ -386,59 +433,115 @@ def grouped_mm_bwd_ref(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Te
     return grad_x, grad_w.to(w.dtype)
 
 
-def _sorted_slots(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """Slots ``t*K + k`` sorted (stably) by expert, and the slot count of each expert."""
+def _sorted_slots(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Slots ``t*K + k`` sorted (stably) by expert, the slot count of each expert, and the expert of
+    each sorted slot."""
     flat = topk_idx.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    return order, torch.bincount(flat, minlength=num_experts).tolist()
+    return order, torch.bincount(flat, minlength=num_experts).tolist(), flat[order]
+
+
+def activation_ref(a: torch.Tensor, u: torch.Tensor, activation: str = "silu", limit: float = SWIGLU_LIMIT,
+                   alpha: float = SWIGLU_ALPHA) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h, dh/da, dh/du)`` in fp32 for gate pre-activations ``a`` and up projections ``u`` (biases
+    included), with the kernels' association order.
+
+    * ``silu``: ``h = a sigmoid(a) * u``; ``gelu_tanh``: ``h = gelu_tanh(a) * u`` (written as
+      ``a sigmoid(2C (a + A a^3))``, the same function); derivative ``u (s + g (1 - s) z')``.
+    * ``swiglu_clamped`` (GPT-OSS): ``ac = min(a, limit)``, ``uc = clamp(u, -limit, limit)``,
+      ``h = (uc + 1) * ac sigmoid(alpha ac)``; the clamps pass gradient where the bound is not
+      exceeded (bounds inclusive, as ``torch.clamp``).
+    """
+    a, u = a.float(), u.float()
+    if activation == "swiglu_clamped":
+        ac = a.clamp(max=limit)
+        s = torch.sigmoid(alpha * ac)
+        g = ac * s
+        up1 = u.clamp(-limit, limit) + 1
+        dg = (g * (1 - s) * alpha + s) * (a <= limit)
+        return g * up1, up1 * dg, g * ((u >= -limit) & (u <= limit))
+    if activation == "gelu_tanh":
+        s = torch.sigmoid(a * (a * a * GELU_A + 1) * (2 * GELU_C))
+        dz = a * a * (6 * GELU_A * GELU_C) + 2 * GELU_C
+    else:
+        s, dz = torch.sigmoid(a), 1.0
+    g = a * s
+    return g * u, u * (g * (1 - s) * dz + s), g
+
+
+def _variant_kw(activation: str, limit: float, alpha: float) -> dict[str, Any]:
+    return {"activation": activation, "limit": limit, "alpha": alpha}
 
 
 def moe_experts_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                    w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128) -> torch.Tensor:
+                    w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128,
+                    activation: str = "silu", limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA,
+                    b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None) -> torch.Tensor:
     """Reference of :func:`moe_experts` (same rounding points as the kernel; block_size is ignored:
-    padding does not change the result)."""
-    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size)
+    padding does not change the result). Biases are added in fp32 before the activation / before the
+    affinity scaling: ``out[t] = sum_k w * (act(x W_gu + b_gu) @ W_d + b_d)``."""
+    var = _variant_kw(activation, limit, alpha)
+    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, b_gate_up=b_gate_up,
+                       b_down=b_down, **var)
     T, H = x.shape
     K = topk_idx.shape[1]
     inter = w_down.shape[1]
-    order, counts = _sorted_slots(topk_idx, w_gate_up.shape[0])
+    order, counts, exp = _sorted_slots(topk_idx, w_gate_up.shape[0])
     xs = x[order // K]
     gu = _per_group_f32(xs, w_gate_up, counts)
-    h = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
+    if b_gate_up is not None:
+        gu = gu + b_gate_up[exp].float()
+    h = activation_ref(gu[:, :inter], gu[:, inter:], **var)[0].to(x.dtype)
     y = _per_group_f32(h, w_down, counts)
+    if b_down is not None:
+        y = y + b_down[exp].float()
     ys = (topk_weights.reshape(-1)[order].float()[:, None] * y).to(x.dtype)
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     out.index_add_(0, order // K, ys.float())
     return out.to(x.dtype)
 
 
+def _sum_per_group(rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """fp32 ``[G, W]``: the sum of each group's consecutive rows."""
+    return torch.stack([part.sum(0) for part in rows.float().split(counts)])
+
+
 def moe_experts_bwd_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                         w_gate_up: torch.Tensor, w_down: torch.Tensor, grad_out: torch.Tensor,
-                        block_size: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Reference of :func:`moe_experts_bwd` -> (grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down).
+                        block_size: int = 128, activation: str = "silu", limit: float = SWIGLU_LIMIT,
+                        alpha: float = SWIGLU_ALPHA, b_gate_up: torch.Tensor | None = None,
+                        b_down: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    """Reference of :func:`moe_experts_bwd` -> (grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)
+    and, when a bias is given, (grad_b_gate_up, grad_b_down) after them (None for an absent bias).
 
-    Mirrors the kernel's rounding points: the recomputed gate/up, ``grad_out @ w_down.T``, ``h``,
-    ``w * h`` and the gate/up gradients are stored in the input dtype between the NKI kernels.
+    Mirrors the kernel's rounding points: the recomputed gate/up (bias added), ``grad_out @ w_down.T``,
+    ``<grad_out, b_down>``, ``h``, ``w * h`` and the gate/up gradients are stored in the input dtype
+    between the NKI kernels; ``grad_b_down`` sums ``w * grad_out`` with ``w`` in the input dtype.
     """
-    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out)
+    var = _variant_kw(activation, limit, alpha)
+    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, b_gate_up=b_gate_up,
+                       b_down=b_down, **var)
     T, H = x.shape
     K = topk_idx.shape[1]
     inter = w_down.shape[1]
     dt = x.dtype
-    order, counts = _sorted_slots(topk_idx, w_gate_up.shape[0])
+    order, counts, exp = _sorted_slots(topk_idx, w_gate_up.shape[0])
     tok = order // K
     xs, gs = x[tok], grad_out[tok]
     ws = topk_weights.reshape(-1)[order].float()[:, None]
-    gu = _per_group_f32(xs, w_gate_up, counts).to(dt).float()
+    gu = _per_group_f32(xs, w_gate_up, counts)
+    if b_gate_up is not None:
+        gu = gu + b_gate_up[exp].float()
+    gu = gu.to(dt).float()
     ghp = _per_group_f32(gs, w_down, counts, transpose_w=True).to(dt).float()  # grad_out @ w_down[e].T
-    a, u = gu[:, :inter], gu[:, inter:]
-    s = torch.sigmoid(a)
-    sa = a * s
-    h = (sa * u).to(dt).float()
-    gw = (ghp * h).sum(-1)  # d out / d w = <grad_out, y> = <grad_out @ w_down.T, h>
+    h, dh_da, dh_du = activation_ref(gu[:, :inter], gu[:, inter:], **var)
+    h = h.to(dt).float()
+    gw = (ghp * h).sum(-1)  # d out / d w = <grad_out, y> = <grad_out @ w_down.T, h> (+ <grad_out, b_down>)
+    if b_down is not None:
+        gw = gw + (gs.float() * b_down[exp].float()).sum(-1).to(dt).float()
     hw = (ws * h).to(dt).float()
     gh = ws * ghp
-    dgu = torch.cat([(gh * u * (s + sa * (1 - s))).to(dt), (gh * sa).to(dt)], dim=1).float()
+    dgu = torch.cat([(gh * dh_da).to(dt), (gh * dh_du).to(dt)], dim=1).float()
     grad_wd = torch.zeros(w_down.shape, dtype=torch.float32, device=x.device)
     grad_wgu = torch.zeros(w_gate_up.shape, dtype=torch.float32, device=x.device)
     start = 0
@@ -451,8 +554,13 @@ def moe_experts_bwd_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     grad_x = torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tok, gxs.float()).to(dt)
     grad_tw = torch.empty(T * K, dtype=torch.float32, device=x.device)
     grad_tw[order] = gw
-    return (grad_x, grad_tw.view(T, K).to(topk_weights.dtype), grad_wgu.to(w_gate_up.dtype),
-            grad_wd.to(w_down.dtype))
+    grads = (grad_x, grad_tw.view(T, K).to(topk_weights.dtype), grad_wgu.to(w_gate_up.dtype),
+             grad_wd.to(w_down.dtype))
+    if b_gate_up is None and b_down is None:
+        return grads
+    grad_bgu = None if b_gate_up is None else _sum_per_group(dgu, counts).to(b_gate_up.dtype)
+    grad_bd = None if b_down is None else _sum_per_group(ws.to(dt).float() * gs.float(), counts).to(b_down.dtype)
+    return (*grads, grad_bgu, grad_bd)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -523,30 +631,47 @@ def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
 
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128,
-                lnc: int | None = None) -> torch.Tensor:
-    """Fused SwiGLU experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype.
-    ``lnc``: 1 or 2 physical cores (None: :func:`trnkit.kernels.lnc.default_lnc`)."""
+                lnc: int | None = None, activation: str = "silu", limit: float = SWIGLU_LIMIT,
+                alpha: float = SWIGLU_ALPHA, b_gate_up: torch.Tensor | None = None,
+                b_down: torch.Tensor | None = None) -> torch.Tensor:
+    """Fused gated experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype.
+    ``lnc``: 1 or 2 physical cores (None: :func:`trnkit.kernels.lnc.default_lnc`). ``activation``
+    (``silu | gelu_tanh | swiglu_clamped`` with ``limit``, ``alpha``) and the optional biases
+    ``b_gate_up [E, 2I]``, ``b_down [E, H]``: :func:`activation_ref` / :func:`moe_experts_ref`."""
     from trnkit.kernels import moe_fused as K_  # noqa: PLC0415
 
-    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size)
+    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, activation=activation,
+                       limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
     lnc = resolve_lnc(lnc)
     E = w_gate_up.shape[0]
     lay, token = _moe_layout(topk_idx, E, block_size)
     weights = topk_weights.reshape(-1, 1).float()  # fp32 affinities, [T*K, 1]
     return launch(K_.moe_experts_kernel, lnc)(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), token,
-                                 lay.table, _tail_split(lay, topk_idx, E), weights)
+                                              lay.table, _tail_split(lay, topk_idx, E), weights, activation,
+                                              float(limit), float(alpha), _dense(b_gate_up), _dense(b_down))
+
+
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
 
 
 def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                     w_gate_up: torch.Tensor, w_down: torch.Tensor, grad_out: torch.Tensor,
-                    block_size: int = 128,
-                    lnc: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`moe_experts` as a pipeline of NKI kernels (activations are recomputed).
+                    block_size: int = 128, lnc: int | None = None, activation: str = "silu",
+                    limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA,
+                    b_gate_up: torch.Tensor | None = None,
+                    b_down: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    """Backward of :func:`moe_experts` as a pipeline of NKI kernels (activations are recomputed):
+    ``(grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)``, followed by ``(grad_b_gate_up,
+    grad_b_down)`` when a bias is given (None for an absent one).
 
-    1. ``gu = x[tok] @ w_gate_up[e]`` and ``ghp = grad_out[tok] @ w_down[e].T`` (grouped_mm kernel,
-       written in dispatch order); 2. the elementwise SwiGLU backward kernel: ``h``, ``w*h``,
-       ``grad_topk_weights = <ghp, h>``, ``dgu``; 3. weight gradients ``grad_w_down[e] = sum (w h).T
-       grad_out``, ``grad_w_gate_up[e] = sum x.T dgu`` (grouped wgrad kernel); 4. ``dgu @
+    1. ``gu = x[tok] @ w_gate_up[e] + b_gate_up[e]`` and ``ghp = grad_out[tok] @ w_down[e].T`` (grouped_mm
+       kernel, written in dispatch order); with ``b_down``, also ``<grad_out[tok], b_down[e]>`` (the
+       same kernel with ``b_down[e]`` as an ``[H, 1]`` weight); 2. the elementwise activation backward
+       kernel: ``h``, ``w*h``, ``grad_topk_weights = <ghp, h> (+ <grad_out, b_down>)``, ``dgu``;
+       3. weight gradients ``grad_w_down[e] = sum (w h).T grad_out``, ``grad_w_gate_up[e] = sum x.T dgu``
+       and the bias gradients ``grad_b_down[e] = sum w grad_out``, ``grad_b_gate_up[e] = sum dgu`` (grouped
+       wgrad kernel, with a ``[.., 1]`` column of ``w`` / ones as the left operand); 4. ``dgu @
        w_gate_up[e].T`` per slot and the sum over each token's K slots (combine kernel).
 
     ``lnc=2``: every kernel runs on both cores, each on the same half of the experts (steps 1-4 only
@@ -555,7 +680,8 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     from trnkit.kernels import moe_fused as KE  # noqa: PLC0415
     from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
 
-    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out)
+    _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, activation=activation,
+                       limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
     lnc = resolve_lnc(lnc)
     gmm, wgrad = launch(KG.grouped_mm_kernel, lnc), launch(KG.grouped_wgrad_kernel, lnc)
     T, H = x.shape
@@ -572,13 +698,18 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     # every kernel's outputs are taken from its return value (the buffers passed in are the aliased
     # outputs, nt.mutable_tensor; on a device the returned tensors are the ones to use)
     gu = torch.empty(NB, B, I2, dtype=dt, device=dev)
-    gu = gmm(x, w_gate_up, token, disp, lay.block_start, gu, False)
+    gu = gmm(x, w_gate_up, token, disp, lay.block_start, gu, False, _dense(b_gate_up))
     ghp = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
     ghp = gmm(grad_out, w_down, token, disp, lay.block_start, ghp, True)
+    gw_bias = None
+    if b_down is not None:  # <grad_out[tok], b_down[e]>: b_down[e] as an [H, 1] weight
+        gw_bias = torch.empty(NB, B, 1, dtype=dt, device=dev)
+        gw_bias = gmm(grad_out, b_down.reshape(E, H, 1).contiguous(), token, disp, lay.block_start, gw_bias, False)
     hw = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
     dgu = torch.empty(NB, B, I2, dtype=dt, device=dev)
     gw = torch.empty(T * K, 1, dtype=torch.float32, device=dev)
-    hw, dgu, gw = launch(KE.swiglu_bwd_kernel, lnc)(gu, ghp, lay.table, lay.block_start, weights, hw, dgu, gw)
+    hw, dgu, gw = launch(KE.swiglu_bwd_kernel, lnc)(gu, ghp, lay.table, lay.block_start, weights, hw, dgu, gw,
+                                                    activation, float(limit), float(alpha), gw_bias)
     grad_wd = torch.empty(w_down.shape, dtype=w_down.dtype, device=dev)
     grad_wd = wgrad(hw, grad_out, disp, token, lay.block_start, grad_wd)
     grad_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
@@ -586,4 +717,15 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     gx_slots = torch.empty(T * K, H, dtype=dt, device=dev)
     gx_slots = gmm(dgu, w_gate_up, disp, lay.table, lay.block_start, gx_slots, True)
     grad_x = launch(KG.combine_kernel, lnc)(gx_slots, K)
-    return grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd
+    grads = (grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd)
+    if b_gate_up is None and b_down is None:
+        return grads
+    grad_bgu = grad_bd = None
+    if b_gate_up is not None:  # sum of dgu over the expert's slots: a ones column (gathered by token)
+        ones = torch.ones(T, 1, dtype=dt, device=dev)
+        grad_bgu = torch.empty(E, 1, I2, dtype=dt, device=dev)
+        grad_bgu = wgrad(ones, dgu, token, disp, lay.block_start, grad_bgu).view(E, I2)
+    if b_down is not None:  # sum of w * grad_out over the expert's slots
+        grad_bd = torch.empty(E, 1, H, dtype=dt, device=dev)
+        grad_bd = wgrad(weights.to(dt), grad_out, lay.table, token, lay.block_start, grad_bd).view(E, H)
+    return (*grads, grad_bgu, grad_bd)

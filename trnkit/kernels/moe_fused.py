@@ -35,6 +35,7 @@ from trnkit.kernels.moe_grouped_mm import (
     block_range,
     chunks,
     combine,
+    load_bias_rows,
     load_block_start,
     load_rows,
     load_weight,
@@ -44,7 +45,7 @@ from trnkit.kernels.moe_grouped_mm import (
     tiles,
     transpose_rows,
 )
-from trnkit.kernels._common import program_split
+from trnkit.kernels._common import GELU_A, GELU_C, program_split
 from trnkit.nki_api import nisa, nl, nki, nt
 
 def tail_widths(B: int) -> tuple[int, ...]:
@@ -61,15 +62,81 @@ def tail_widths(B: int) -> tuple[int, ...]:
 VECTOR_TRANSPOSE_EVERY = 2
 
 
-def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int) -> None:
-    """``h_T[j] [P, B] = silu(gate.T) * up.T`` for I-chunk j, ``gate.T = w_gate_up[:, chunk j].T @ x.T``.
+def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, act: dict) -> None:
+    """``h_T[j] [P, B] = act(gate.T) * up.T`` for I-chunk j, ``gate.T = w_gate_up[:, chunk j].T @ x.T``
+    (``act``: :func:`expert_act`, the activation and the expert's bias columns).
 
     One PSUM accumulation group per (chunk, gate|up); :func:`swiglu_chunks_per_pass` chunks per pass
     over H, so each moving x.T chunk feeds 2 * (chunks per pass) matmuls.
     """
     ichunks = chunks(inter, P)
     for j0, nj in chunks(len(ichunks), swiglu_chunks_per_pass(B)):
-        _swiglu_pass(h_T, x_T, wgu, H, inter, B, ichunks[j0:j0 + nj], j0)
+        _swiglu_pass(h_T, x_T, wgu, H, inter, B, ichunks[j0:j0 + nj], j0, act)
+
+
+def expert_act(activation: str, limit: float, alpha: float, b_gate_up: Any, e: int, inter: int) -> dict:
+    """The expert activation of expert e: its name, the clamp ``limit`` and slope ``alpha`` of
+    ``swiglu_clamped``, and (``b_gate_up`` given) the gate / up bias as fp32 per-partition columns
+    ``[P, 2 IC]`` (column j: gate chunk j, column IC + j: up chunk j), the ``[P, 1]`` operands the
+    transposed layout ``[I-chunk, B]`` needs."""
+    cols = None
+    if b_gate_up != None:  # noqa: E711
+        IC = (inter + P - 1) // P
+        raw = nl.ndarray((P, 2 * IC), dtype=b_gate_up.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=raw, value=0.0)
+        I2 = 2 * inter
+        full = inter // P
+        for half in range(2):
+            base = e * I2 + half * inter
+            if full > 0:
+                nisa.dma_copy(dst=raw[:, half * IC:half * IC + full],
+                              src=b_gate_up.ap(pattern=[[1, P], [P, full]], offset=base))
+            if inter % P:
+                r = inter % P
+                nisa.dma_copy(dst=raw[:r, half * IC + full:half * IC + full + 1],
+                              src=b_gate_up.ap(pattern=[[1, r], [1, 1]], offset=base + full * P))
+        cols = nl.ndarray((P, 2 * IC), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=cols, src=raw)
+    return {"activation": activation, "limit": limit, "alpha": alpha, "cols": cols}
+
+
+def activate_T(h: Any, g_ps: Any, u_ps: Any, j: int, act: dict) -> None:
+    """``h [iw, B] = act(gate + b_gate) * (up + b_up)`` for I-chunk j from the gate / up PSUM tiles.
+
+    silu / gelu_tanh: one Scalar Engine activation with the gate bias as its per-partition ``bias``,
+    one Vector op (up bias as a ``[P, 1]`` operand). swiglu_clamped (GPT-OSS): ``gc = min(gate + b,
+    limit)``, ``glu = gc * sigmoid(alpha gc)``, ``h = (clamp(up + b, -limit, limit) + 1) * glu``.
+    """
+    iw, B = g_ps.shape
+    f32 = nl.float32
+    cols = act["cols"]
+    b_gate = 0.0
+    b_up = 0.0
+    if cols != None:  # noqa: E711
+        IC = cols.shape[1] // 2
+        b_gate = cols[:iw, j:j + 1]
+        b_up = cols[:iw, IC + j:IC + j + 1]
+    limit = act["limit"]
+    if act["activation"] == "swiglu_clamped":
+        gc = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=gc, data=g_ps, op0=nl.add, operand0=b_gate, op1=nl.minimum, operand1=limit)
+        sig = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+        nisa.activation(dst=sig, op=nl.sigmoid, data=gc, scale=act["alpha"])
+        glu = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=glu, data1=gc, data2=sig, op=nl.multiply)
+        uc = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=uc, data=u_ps, op0=nl.add, operand0=b_up, op1=nl.maximum, operand1=-limit)
+        nisa.tensor_scalar(dst=uc, data=uc, op0=nl.minimum, operand0=limit, op1=nl.add, operand1=1.0)
+        nisa.tensor_tensor(dst=h, data1=uc, data2=glu, op=nl.multiply)
+        return
+    fn = nl.gelu_apprx_tanh if act["activation"] == "gelu_tanh" else nl.silu
+    a = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+    if cols == None:  # noqa: E711
+        nisa.activation(dst=a, op=fn, data=g_ps)
+        nisa.tensor_tensor(dst=h, data1=a, data2=u_ps, op=nl.multiply)
+        return
+    nisa.activation(dst=a, op=fn, data=g_ps, bias=b_gate)
+    nisa.scalar_tensor_tensor(dst=h, data=u_ps, op0=nl.add, operand0=b_up, op1=nl.multiply, operand1=a)
 
 
 MAX_GROUPS = 8  # outstanding matmul accumulation groups on TensorE
@@ -83,7 +150,8 @@ def swiglu_chunks_per_pass(B: int) -> int:
     return min(MAX_GROUPS // 2, max(1, 1024 // B))
 
 
-def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, group: list, j0: int) -> None:
+def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, group: list, j0: int,
+                 act: dict) -> None:
     """One pass of :func:`swiglu_T` over the I-chunks in ``group`` (its PSUM tiles are local, so their
     banks and accumulation groups are free again when the pass returns)."""
     g_ps = []
@@ -101,13 +169,11 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
                            moving=x_T[c][:hk, :])
     for jj in range(len(group)):
         iw = group[jj][1]
-        act = nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=act, op=nl.silu, data=g_ps[jj])
-        nisa.tensor_tensor(dst=h_T[j0 + jj][:iw, :], data1=act, data2=u_ps[jj], op=nl.multiply)
+        activate_T(h_T[j0 + jj][:iw, :], g_ps[jj], u_ps[jj], j0 + jj, act)
 
 
 def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, token_table: Any, slot_table: Any,
-                   slot_weights: Any, y: Any, wgu: Any, wd: Any) -> None:
+                   slot_weights: Any, y: Any, wgu: Any, wd: Any, act: dict, bd: Any) -> None:
     """Run-time loop over one expert's blocks lo..hi-1 of ``width`` rows (see moe_experts_kernel)."""
     H = x.shape[1]
     inter = wgu.shape[2] // 2
@@ -122,20 +188,21 @@ def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, token_table: Any, slot_
             load_rows(x_sb, x, token_table, i, sub, zero_pad=True)
             transpose_rows(x_sb, x_T, col0=sub * rows, vector_every=VECTOR_TRANSPOSE_EVERY)
         h_T = tiles(IC, (P, width), x.dtype)
-        swiglu_T(h_T, x_T, wgu, H, inter, width)
+        swiglu_T(h_T, x_T, wgu, H, inter, width, act)
         for sub in range(width // rows):
             w_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
             load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
             y_sb = nl.ndarray((rows, H), dtype=x.dtype, buffer=nl.sbuf)
-            row_matmul(y_sb, h_T, rows, wd, inter, col0=sub * rows, scale=w_col)
+            row_matmul(y_sb, h_T, rows, wd, inter, col0=sub * rows, scale=w_col, bias=bd)
             store_rows(y, y_sb, slot_table, i, sub)
 
     nl.fori_loop(lo, hi, block)
 
 
 @nki.jit
-def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_start, slot_weights):
-    """Fused SwiGLU experts: ``out [T, H] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``.
+def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_start, slot_weights,
+                       activation="silu", limit=7.0, alpha=1.702, b_gate_up=None, b_down=None):
+    """Fused gated experts: ``out [T, H] = sum_k w[t,k] * (down_e(act(gate_e(x_t)) * up_e(x_t)) + b_d)``.
 
     x ``[T, H]``; w_gate_up ``[E, H, 2I]``; w_down ``[E, I, H]``; token_table / slot_table
     ``[NB, B]`` int32 (token id / slot id t*K+k of each block position, T / T*K for padding);
@@ -144,6 +211,8 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     ``start[e] .. b_1[e]-1`` run at full width B, ``b_j[e] .. b_{j+1}[e]-1`` (0 or 1 block: the
     expert's last) at ``tail_widths(B)[j-1]`` (b_{n+1} = start[e+1]), so a partly used last block
     costs about what it uses; slot_weights ``[T*K, 1]`` fp32 (topk_weights flattened).
+    activation ``silu | gelu_tanh | swiglu_clamped`` (limit, alpha: see :func:`activate_T`); optional
+    biases b_gate_up ``[E, 2I]`` (on gate / up before the activation) and b_down ``[E, H]``.
     """
     T, H = x.shape
     E = w_gate_up.shape[0]
@@ -158,6 +227,10 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     for e in owned_groups(E):
         wgu = load_weight(w_gate_up, e)  # [P, HC, 2I]
         wd = load_weight(w_down, e)  # [P, IC, H]
+        act = expert_act(activation, limit, alpha, b_gate_up, e, w_down.shape[1])
+        bd = None
+        if b_down != None:  # noqa: E711
+            bd = load_bias_rows(b_down, e)  # [P, H]: added to every output row
         lo, hi = block_range(block_start, e, bs)
         bounds = [lo]
         for j in range(1, len(widths) + 1):
@@ -168,7 +241,7 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
         seg_widths = (B,) + widths
         for seg in range(len(seg_widths)):
             _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, token_table, slot_table, slot_weights, y,
-                           wgu, wd)
+                           wgu, wd, act, bd)
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:
         nisa.core_barrier(y, (0, 1))  # both cores' slots are in y before any token is combined
@@ -178,13 +251,15 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
 
 @nki.jit
 def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw: nt.mutable_tensor,
-                      dgu: nt.mutable_tensor, gw: nt.mutable_tensor):
-    """Elementwise SwiGLU backward over the used blocks (dispatch order ``[NB, B, .]``).
+                      dgu: nt.mutable_tensor, gw: nt.mutable_tensor, activation="silu", limit=7.0, alpha=1.702,
+                      gw_bias=None):
+    """Elementwise backward of the expert activation over the used blocks (dispatch order ``[NB, B, .]``).
 
-    In: ``gu = [gate | up]`` (``[NB, B, 2I]``), ``ghp = grad_out[tok] @ w_down[e].T`` (``[NB, B, I]``),
-    slot_weights ``[T*K, 1]`` fp32. Out (written in place): ``hw = w * h`` with ``h = silu(gate) * up``
-    rounded to the input dtype; ``dgu = [gh * up * silu'(gate) | gh * silu(gate)]`` with
-    ``gh = w * ghp``; ``gw [T*K, 1]`` fp32 ``= <ghp, h>`` (the gradient of the slot's affinity).
+    In: ``gu = [gate | up]`` (``[NB, B, 2I]``, biases included), ``ghp = grad_out[tok] @ w_down[e].T``
+    (``[NB, B, I]``), slot_weights ``[T*K, 1]`` fp32, optional gw_bias ``[NB, B, 1]`` ``= <grad_out[tok],
+    b_down[e]>``. Out (written in place): ``hw = w * h`` with ``h = act(gate) * up`` rounded to the input
+    dtype; ``dgu = [gh * dh/dgate | gh * dh/dup]`` with ``gh = w * ghp``; ``gw [T*K, 1]`` fp32 ``= <ghp,
+    h> (+ gw_bias)`` (the gradient of the slot's affinity). activation / limit / alpha: as the forward.
     """
     _, B, I2 = gu.shape
     inter = I2 // 2
@@ -208,19 +283,15 @@ def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw: nt.mut
             load_rows(ghp_t, ghp, slot_table, i, sub, zero_pad=False)
             w_col = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
             load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
-            a, u = gu_t[:, :inter], gu_t[:, inter:]
-            # ~12 elementwise passes over [rows, I], spread over the Vector (V), GpSimd (G) and
-            # Scalar (S) engines so that none of them is the bottleneck
-            s = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.activation(dst=s, op=nl.sigmoid, data=a)  # S
-            sa = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=sa, data1=a, data2=s, op=nl.multiply)  # V: silu(a)
-            h = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=h, data1=sa, data2=u, op=nl.multiply)  # V
+            h, dh_da, dh_du = activation_grad_rows(gu_t[:, :inter], gu_t[:, inter:], dt, activation, limit, alpha)
             prod = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=prod, data1=ghp_t, data2=h, op=nl.multiply, engine=gp)
             gw_col = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
             nisa.tensor_reduce(dst=gw_col, op=nl.add, data=prod, axis=1)  # V
+            if gw_bias != None:  # noqa: E711
+                gb = nl.ndarray((rows, 1), dtype=gw_bias.dtype, buffer=nl.sbuf)
+                load_rows(gb, gw_bias, slot_table, i, sub, zero_pad=False)
+                nisa.tensor_tensor(dst=gw_col, data1=gw_col, data2=gb, op=nl.add)
             store_rows(gw, gw_col, slot_table, i, sub)
             hw_t = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
             nisa.activation(dst=hw_t, op=nl.copy, data=h, scale=w_col)  # S: w * h
@@ -228,15 +299,73 @@ def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw: nt.mut
             gh = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
             nisa.activation(dst=gh, op=nl.copy, data=ghp_t, scale=w_col)  # S: w * ghp
             dgu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=dgu_t[:, inter:], data1=gh, data2=sa, op=nl.multiply, engine=gp)  # d up
-            dsilu = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # s * (1 + a * (1 - s))
-            nisa.tensor_scalar(dst=dsilu, data=s, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
-            nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=sa, op=nl.multiply, engine=gp)
-            nisa.tensor_tensor(dst=dsilu, data1=dsilu, data2=s, op=nl.add)  # V
-            ghu = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=ghu, data1=gh, data2=u, op=nl.multiply, engine=gp)
-            nisa.tensor_tensor(dst=dgu_t[:, :inter], data1=ghu, data2=dsilu, op=nl.multiply)  # V: d gate
+            nisa.tensor_tensor(dst=dgu_t[:, inter:], data1=gh, data2=dh_du, op=nl.multiply, engine=gp)  # d up
+            nisa.tensor_tensor(dst=dgu_t[:, :inter], data1=gh, data2=dh_da, op=nl.multiply)  # V: d gate
             store_rows(dgu, dgu_t, slot_table, i, sub)
 
     nl.fori_loop(lo, hi, block)
     return hw, dgu, gw
+
+
+def activation_grad_rows(a: Any, u: Any, dt: Any, activation: str, limit: float, alpha: float) -> tuple:
+    """``(h [rows, I] in dt, dh/da, dh/du fp32)`` of the expert activation, rows on partitions.
+
+    With ``g = gate_fn(a) = a' * s`` (``s`` a sigmoid) every variant has ``dg/da = s + g (1 - s) z'``:
+    silu ``s = sigmoid(a)``, ``z' = 1``; gelu_tanh ``s = sigmoid(2C (a + A a^3))`` (tanh-GELU exactly),
+    ``z' = 2C (1 + 3 A a^2)``; swiglu_clamped ``a' = min(a, limit)``, ``s = sigmoid(alpha a')``,
+    ``z' = alpha``, zero where ``a > limit``, and ``up' = clamp(up, -limit, limit) + 1`` (gradient only
+    inside the clamp). The ~12 passes are spread over the Vector (V), GpSimd (G) and Scalar (S) engines.
+    """
+    rows, inter = a.shape
+    f32 = nl.float32
+    gp = nisa.engine.gpsimd
+    clamped = activation == "swiglu_clamped"
+    s = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+    ac = a
+    dz = None
+    if clamped:
+        ac = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=ac, data=a, op0=nl.minimum, operand0=limit)  # V
+        nisa.activation(dst=s, op=nl.sigmoid, data=ac, scale=alpha)  # S
+    elif activation == "gelu_tanh":
+        a2 = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=a2, data1=a, data2=a, op=nl.multiply, engine=gp)
+        inner = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # a (1 + A a^2)
+        nisa.tensor_scalar(dst=inner, data=a2, op0=nl.multiply, operand0=GELU_A, op1=nl.add, operand1=1.0)
+        nisa.tensor_tensor(dst=inner, data1=inner, data2=a, op=nl.multiply, engine=gp)
+        nisa.activation(dst=s, op=nl.sigmoid, data=inner, scale=2.0 * GELU_C)  # S
+        dz = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # 2C (1 + 3 A a^2)
+        nisa.tensor_scalar(dst=dz, data=a2, op0=nl.multiply, operand0=6.0 * GELU_A * GELU_C, op1=nl.add,
+                           operand1=2.0 * GELU_C)
+    else:
+        nisa.activation(dst=s, op=nl.sigmoid, data=a)  # S
+    g = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=g, data1=ac, data2=s, op=nl.multiply)  # V
+    up = u
+    if clamped:
+        up = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=up, data=u, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
+        nisa.tensor_scalar(dst=up, data=up, op0=nl.add, operand0=1.0)
+    h = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=h, data1=g, data2=up, op=nl.multiply)  # V
+    dg = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # s + g (1 - s) z'
+    nisa.tensor_scalar(dst=dg, data=s, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+    nisa.tensor_tensor(dst=dg, data1=dg, data2=g, op=nl.multiply, engine=gp)
+    if clamped:
+        nisa.tensor_scalar(dst=dg, data=dg, op0=nl.multiply, operand0=alpha)
+    if dz != None:  # noqa: E711
+        nisa.tensor_tensor(dst=dg, data1=dg, data2=dz, op=nl.multiply, engine=gp)
+    nisa.tensor_tensor(dst=dg, data1=dg, data2=s, op=nl.add)  # V
+    dh_du = g
+    if clamped:
+        # the clamps: no gradient where gate > limit or |up| > limit
+        nisa.scalar_tensor_tensor(dst=dg, data=a, op0=nl.less_equal, operand0=limit, op1=nl.multiply,
+                                  operand1=dg)
+        dh_du = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=dh_du, data=u, op0=nl.less_equal, operand0=limit, op1=nl.multiply,
+                                  operand1=g)
+        nisa.scalar_tensor_tensor(dst=dh_du, data=u, op0=nl.greater_equal, operand0=-limit, op1=nl.multiply,
+                                  operand1=dh_du)
+    dh_da = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=dh_da, data1=up, data2=dg, op=nl.multiply, engine=gp)
+    return h, dh_da, dh_du

@@ -117,6 +117,15 @@ def load_weight(w: Any, g: int) -> Any:
     return t
 
 
+def load_bias_rows(b: Any, g: int) -> Any:
+    """Row ``b[g]`` of a bias ``[G, N]`` (HBM) broadcast to every partition: SBUF ``[P, N]`` (one DMA
+    whose partition step is 0), the addend of a row-layout matmul output ``[rows, N]``."""
+    _, N = b.shape
+    t = nl.ndarray((P, N), dtype=b.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=b.ap(pattern=[[0, P], [1, N]], offset=g * N))
+    return t
+
+
 def moving_view(w_sb: Any, grid: Any, c: int, ck: int, n0: int, nw: int) -> Any:
     """The moving operand of contraction chunk c, columns n0..n0+nw: a slice of the :func:`load_weight`
     tile ``w_sb``, or (``grid`` != None) of the :func:`transposed_weight` tile of that 512-column piece."""
@@ -125,9 +134,18 @@ def moving_view(w_sb: Any, grid: Any, c: int, ck: int, n0: int, nw: int) -> Any:
     return grid[c][n0 // NMAX][:ck, :nw]
 
 
-def evacuate(dst: Any, src: Any, k: int, scale: Any = None) -> None:
+def evacuate(dst: Any, src: Any, k: int, scale: Any = None, bias: Any = None) -> None:
     """PSUM -> SBUF copy (with cast, optional per-partition ``scale [rows, 1]``), alternating the
-    Vector and Scalar engines by ``k`` so neither becomes the bottleneck."""
+    Vector and Scalar engines by ``k`` so neither becomes the bottleneck. ``bias`` (an SBUF tile of
+    dst's shape) is added before the scaling: ``dst = (src + bias) * scale``."""
+    if bias != None:  # noqa: E711
+        if scale == None:  # noqa: E711
+            nisa.tensor_tensor(dst=dst, data1=src, data2=bias, op=nl.add)
+            return
+        biased = nl.ndarray(dst.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=biased, data1=src, data2=bias, op=nl.add)
+        nisa.activation(dst=dst, op=nl.copy, data=biased, scale=scale)
+        return
     if scale != None or k % 2:  # noqa: E711 (NKI rejects is / is not)
         nisa.activation(dst=dst, op=nl.copy, data=src, scale=1.0 if scale == None else scale)
     else:
@@ -205,22 +223,24 @@ def load_block_start(block_start: Any) -> Any:
 
 
 def row_matmul(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, contract: int, col0: int = 0,
-               scale: Any = None, grid: Any = None) -> None:
+               scale: Any = None, grid: Any = None, bias: Any = None) -> None:
     """``out_sb [rows, N] = lhs [rows, contract] @ rhs [contract, N]``.
 
     ``lhs_T[c]`` holds chunk c of lhs transposed (contraction on partitions, lhs rows at columns
     col0..col0+rows); rhs is the weight tile ``w_sb`` (or its transposed ``grid``), read with
     :func:`moving_view`. The lhs chunk is the stationary operand (M = rows <= 128) and feeds up to
     PSUM_GROUPS moving pieces of 512 columns (separate PSUM accumulation groups). ``scale [rows, 1]``
-    multiplies each output row while PSUM is evacuated.
+    multiplies each output row while PSUM is evacuated; ``bias`` (a :func:`load_bias_rows` tile
+    ``[P, N]``) is added to every row before that.
     """
     pieces = chunks(out_sb.shape[1], NMAX)
     for q0 in range(0, len(pieces), PSUM_GROUPS):
-        _row_matmul_pass(out_sb, lhs_T, rows, w_sb, grid, contract, col0, scale, pieces[q0:q0 + PSUM_GROUPS], q0)
+        _row_matmul_pass(out_sb, lhs_T, rows, w_sb, grid, contract, col0, scale, pieces[q0:q0 + PSUM_GROUPS], q0,
+                         bias)
 
 
 def _row_matmul_pass(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, grid: Any, contract: int, col0: int,
-                     scale: Any, group: list, q0: int) -> None:
+                     scale: Any, group: list, q0: int, bias: Any = None) -> None:
     """One pass of :func:`row_matmul` over the 512-column pieces in ``group`` (its PSUM tiles are
     local, so their banks are free again when the pass returns)."""
     ps = []
@@ -235,17 +255,22 @@ def _row_matmul_pass(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, grid: Any, 
                            moving=moving_view(w_sb, grid, c, ck, n0, nw))
     for j in range(len(group)):
         n0, nw = group[j]
-        evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale)
+        piece_bias = None
+        if bias != None:  # noqa: E711
+            piece_bias = bias[:rows, n0:n0 + nw]
+        evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale, piece_bias)
 
 
 # ------------------------------------------------------------------------------------------ kernels
 @nki.jit
-def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out: nt.mutable_tensor, transpose_w):
-    """``out[dst rows] = x[src rows] @ w[g]`` (``@ w[g].T`` when ``transpose_w``) for every block.
+def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out: nt.mutable_tensor, transpose_w, bias=None):
+    """``out[dst rows] = x[src rows] @ w[g]`` (``@ w[g].T`` when ``transpose_w``) ``+ bias[g]`` for
+    every block.
 
     x: ``[R, C]`` row-indexed or ``[NB, B, C]`` dispatch order; w: ``[G, Kw, Nw]`` with C = Kw
     (C = Nw when transposed); out: ``[R', N]`` or ``[NB, B, N]`` (preallocated, written in place);
-    tables ``[NB, B]`` int32; block_start ``[1, G + 1]`` int32. Gathered padding rows are zeros.
+    tables ``[NB, B]`` int32; block_start ``[1, G + 1]`` int32; optional bias ``[G, N]`` (added in
+    fp32 before the output is rounded). Gathered padding rows are zeros (plus the bias).
     """
     G, Kw, Nw = w.shape
     C, N = (Nw, Kw) if transpose_w else (Kw, Nw)
@@ -255,13 +280,16 @@ def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out: nt.mutable_t
         grid = None
         if transpose_w:
             grid = transposed_weight(w_sb, Kw, Nw)
+        b_sb = None
+        if bias != None:  # noqa: E711
+            b_sb = load_bias_rows(bias, g)
         lo, hi = block_range(block_start, g, bs)
-        _grouped_mm_blocks(lo, hi, x, src_table, dst_table, out, w_sb, grid, C, N)
+        _grouped_mm_blocks(lo, hi, x, src_table, dst_table, out, w_sb, grid, C, N, b_sb)
     return out
 
 
 def _grouped_mm_blocks(lo: Any, hi: Any, x: Any, src_table: Any, dst_table: Any, out: Any, w_sb: Any,
-                       grid: Any, C: int, N: int) -> None:
+                       grid: Any, C: int, N: int, b_sb: Any = None) -> None:
     """Run-time loop over blocks lo..hi-1 of one group of :func:`grouped_mm_kernel`."""
     B = src_table.shape[1]
     rows = min(B, P)
@@ -273,7 +301,7 @@ def _grouped_mm_blocks(lo: Any, hi: Any, x: Any, src_table: Any, dst_table: Any,
             x_T = tiles((C + P - 1) // P, (P, rows), x.dtype)
             transpose_rows(x_sb, x_T)
             o_sb = nl.ndarray((rows, N), dtype=out.dtype, buffer=nl.sbuf)
-            row_matmul(o_sb, x_T, rows, w_sb, C, grid=grid)
+            row_matmul(o_sb, x_T, rows, w_sb, C, grid=grid, bias=b_sb)
             store_rows(out, o_sb, dst_table, i, sub)
 
     nl.fori_loop(lo, hi, block)

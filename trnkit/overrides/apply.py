@@ -299,6 +299,39 @@ def _hf_experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, t
     return self._trnkit_fallback(hidden_states, top_k_index, top_k_weights) if out is None else out
 
 
+def deinterleave(t: Tensor) -> Tensor:
+    """GPT-OSS's interleaved last dim ``[g0, u0, g1, u1, ...]`` -> the kernel's halves ``[g | u]``
+    (a differentiable copy: gradients reach the module's own parameters)."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+def _hf_gpt_oss_experts_forward(self: Any, hidden_states: Tensor, router_indices: Tensor | None = None,
+                                routing_weights: Tensor | None = None) -> Tensor:
+    """transformers' ``GptOssExperts``: ``gate_up_proj [E, H, 2I]`` with interleaved gate / up columns
+    and ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]`` + ``down_proj_bias [E, H]``, clamped
+    SwiGLU ``(clamp(up) + 1) * gate * sigmoid(alpha * gate)`` (``self.limit``, ``self.alpha``); the
+    routing weights scale the biased expert output, as transformers does."""
+    variant = dict(activation="swiglu_clamped", limit=float(self.limit), alpha=float(self.alpha))
+    w_gate_up, b_gate_up = self.gate_up_proj, self.gate_up_proj_bias
+    bs = self._trnkit_block_size
+    impl = self._trnkit_guard.choose(x=hidden_states, topk_idx=router_indices, topk_weights=routing_weights,
+                                     w_gate_up=w_gate_up, w_down=self.down_proj, block_size=bs,
+                                     b_gate_up=b_gate_up, b_down=self.down_proj_bias, **variant)
+    if impl is None:
+        return self._trnkit_fallback(hidden_states, router_indices, routing_weights)
+    return ops.moe_experts(hidden_states, router_indices, routing_weights, deinterleave(w_gate_up), self.down_proj,
+                           bs, impl, variant["activation"], variant["limit"], variant["alpha"],
+                           deinterleave(b_gate_up), self.down_proj_bias)
+
+
+def gpt_oss_experts_static(module: nn.Module) -> list[Violation]:
+    """The GPT-OSS adapter reads the interleaved fused layout with biases; expert parallelism is not served."""
+    if getattr(module, "_is_expert_parallel", False):
+        return [Violation("moe_experts[gpt-oss adapter]", "no expert parallelism", True,
+                          "expert-parallel dispatch is not supported by this adapter")]
+    return []
+
+
 def hf_experts_static(module: nn.Module) -> list[Violation]:
     """Module-configuration checks the kernel's SwiGLU-with-fused-[gate;up] contract needs."""
     label = "moe_experts[hf adapter]"
@@ -350,6 +383,9 @@ _HF_CLASSES = {
     "TopKRouter": {("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter")},
     "SigmoidRouter": {("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter"),
                       ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeTopkRouter")},
+    # GPT-OSS's router is not matched: its logits have a bias (router.bias), which router_topk has no
+    # term for (top-K of the logits + softmax over the K equals softmax + top-K + renormalisation)
+    "GptOssExperts": {("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts")},
     "Experts": {("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeExperts"),
                 ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Experts"),
                 ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeExperts")},
@@ -376,6 +412,8 @@ def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
         return _ModuleAdapter("router_topk", _hf_sigmoid_router_forward, hf_sigmoid_router_static)
     if _is_hf(module, "Experts"):
         return _ModuleAdapter("moe_experts", _hf_experts_forward, hf_experts_static)
+    if _is_hf(module, "GptOssExperts"):
+        return _ModuleAdapter("moe_experts", _hf_gpt_oss_experts_forward, gpt_oss_experts_static)
     return None
 
 

@@ -147,22 +147,24 @@ def _gmm_constraints(x: Tensor, w: Tensor, group_offsets: Tensor, **_: Any) -> l
     return _moe_constraints_fn("grouped_mm")(x, w, group_offsets)
 
 
-def _moe_ref(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128) -> Tensor:
-    return _attr("moe", "moe_experts_ref")(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=block_size)
+def _moe_ref(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **variant: Any) -> Tensor:
+    return _attr("moe", "moe_experts_ref")(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=block_size,
+                                           **variant)
 
 
-def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128) -> Tensor:
-    return _attr("moe", "moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=block_size)
+def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **variant: Any) -> Tensor:
+    return _attr("moe", "moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=block_size,
+                                       **variant)
 
 
-def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128):
+def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128, **variant: Any):
     return _attr("moe", "moe_experts_bwd_ref")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out,
-                                               block_size=block_size)
+                                               block_size=block_size, **variant)
 
 
-def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128):
+def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128, **variant: Any):
     return _attr("moe", "moe_experts_bwd")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out,
-                                           block_size=block_size)
+                                           block_size=block_size, **variant)
 
 
 class _IndexSpec:
@@ -188,9 +190,13 @@ class _IndexSpec:
         return 0
 
 
-def _moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **_: Any) -> list[Violation]:
+_VARIANT_ARGS = ("activation", "limit", "alpha", "b_gate_up", "b_down")
+
+
+def _moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **rest: Any) -> list[Violation]:
+    variant = {k: v for k, v in rest.items() if k in _VARIANT_ARGS}
     return _moe_constraints_fn("moe_experts")(x, _IndexSpec(topk_idx), topk_weights, w_gate_up, w_down,
-                                              block_size=block_size)
+                                              block_size=block_size, **variant)
 
 
 def register_builtins() -> None:

@@ -16,7 +16,11 @@ registered on the functional ops with the impl's backward.
   style sigmoid routers) reach the impl as keyword arguments only when they differ from the Qwen3
   defaults, so impls written for softmax routers keep working.
 - ``trnkit::grouped_mm(x, w, group_offsets, impl) -> out``.
-- ``trnkit::moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, impl) -> out``.
+- ``trnkit::moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, impl, activation,
+  limit, alpha, b_gate_up?, b_down?) -> out``; the expert variant (activation ``gelu_tanh`` /
+  ``swiglu_clamped``, biases) reaches the impl as keyword arguments only when it differs from the
+  default SwiGLU without biases, so impls written for Qwen3 experts keep working. Its backward op
+  returns the bias gradients too (empty tensors for absent biases).
 - ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``: the backward
   kernels as ops of their own, so the backward graph is opaque to torch.compile too.
 
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trnkit.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from trnkit.overrides.registry import get_impl
 
 __all__ = ["grouped_mm", "grouped_mm_bwd", "moe_experts", "moe_experts_bwd", "rope_hf", "rope_hf_apply",
@@ -52,6 +57,7 @@ def _check_layout(layout: str) -> None:
 
 # Positions of each op's differentiable inputs in its backward's arguments (x, weights, ...).
 _PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0, 1), "moe_experts": (0, 2, 3, 4)}
+_PRIMAL_KWARGS = ("b_gate_up", "b_down")  # differentiable keyword arguments (the experts' biases)
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
                   torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
 
@@ -81,6 +87,8 @@ def _run_backward(op: str, impl: str, *args: Any, **kwargs: Any) -> tuple[Tensor
         return tuple(entry.backward(*args, **kwargs))
     leaves = [a.detach().requires_grad_() if i in _PRIMALS[op] and a.is_floating_point() else a
               for i, a in enumerate(args)]
+    kwargs = {k: v.detach().requires_grad_() if k in _PRIMAL_KWARGS and isinstance(v, Tensor) else v
+              for k, v in kwargs.items()}
     with autograd_enabled():
         grads = entry.backward(*leaves, **kwargs)
     return tuple(g.detach() for g in grads)
@@ -278,48 +286,86 @@ grouped_mm.register_autograd(_gmm_backward, setup_context=_gmm_setup)
 # --------------------------------------------------------------------------------------- moe experts
 
 
+def _expert_variant(activation: str, limit: float, alpha: float, b_gate_up: Tensor | None,
+                    b_down: Tensor | None) -> dict[str, Any]:
+    """The expert variant as impl keyword arguments; empty for the Qwen3 default (SwiGLU, no biases)."""
+    kw: dict[str, Any] = {}
+    if activation != "silu":
+        kw["activation"] = activation
+    if (limit, alpha) != (SWIGLU_LIMIT, SWIGLU_ALPHA):
+        kw.update(limit=limit, alpha=alpha)
+    if b_gate_up is not None:
+        kw["b_gate_up"] = b_gate_up.contiguous()
+    if b_down is not None:
+        kw["b_down"] = b_down.contiguous()
+    return kw
+
+
 @torch.library.custom_op("trnkit::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                block_size: int = 128, impl: str = "reference") -> Tensor:
-    """SwiGLU experts, routed: ``out[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``."""
+                block_size: int = 128, impl: str = "reference", activation: str = "silu",
+                limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA, b_gate_up: Tensor | None = None,
+                b_down: Tensor | None = None) -> Tensor:
+    """Gated experts, routed: ``out[t] = sum_k w[t,k] * (down_e(act(gate_e(x_t)) * up_e(x_t)) + b_down[e])``."""
     out = get_impl("moe_experts", impl).fn(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
-                                           w_gate_up.contiguous(), w_down.contiguous(), block_size=block_size)
+                                           w_gate_up.contiguous(), w_down.contiguous(), block_size=block_size,
+                                           **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
     return out.to(x.dtype)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, impl="reference"):
+def _moe_experts_fake(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, impl="reference",
+                      activation="silu", limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA, b_gate_up=None, b_down=None):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _moe_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    x, idx, tw, wgu, wd, block_size, impl = inputs
-    ctx.save_for_backward(x, idx, tw, wgu, wd)
-    ctx.block_size, ctx.impl = block_size, impl
+    x, idx, tw, wgu, wd, block_size, impl, activation, limit, alpha, b_gate_up, b_down = inputs
+    ctx.save_for_backward(x, idx, tw, wgu, wd, b_gate_up, b_down)
+    ctx.block_size, ctx.impl, ctx.act = block_size, impl, (activation, limit, alpha)
+
+
+def _bias_grad(g: Tensor | None, bias: Tensor | None, like: Tensor) -> Tensor:
+    """A bias gradient as the op returns it: empty when the op had no such bias."""
+    if bias is None:
+        return like.new_empty(0)
+    return g.to(bias.dtype)
 
 
 @torch.library.custom_op("trnkit::moe_experts_bwd", mutates_args=())
 def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                    grad_out: Tensor, block_size: int = 128,
-                    impl: str = "reference") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Backward of ``trnkit::moe_experts``: ``(grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)``."""
-    gx, gtw, gwgu, gwd = _run_backward(
+                    grad_out: Tensor, block_size: int = 128, impl: str = "reference", activation: str = "silu",
+                    limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA, b_gate_up: Tensor | None = None,
+                    b_down: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward of ``trnkit::moe_experts``: ``(grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down,
+    grad_b_gate_up, grad_b_down)``; a bias gradient is an empty tensor when that bias is None."""
+    grads = _run_backward(
         "moe_experts", impl, x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
-        w_down.contiguous(), grad_out.contiguous(), block_size=block_size)
-    return gx.to(x.dtype), gtw.to(topk_weights.dtype), gwgu.to(w_gate_up.dtype), gwd.to(w_down.dtype)
+        w_down.contiguous(), grad_out.contiguous(), block_size=block_size,
+        **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
+    gx, gtw, gwgu, gwd = grads[:4]
+    gbgu, gbd = grads[4:] if len(grads) > 4 else (None, None)
+    return (gx.to(x.dtype), gtw.to(topk_weights.dtype), gwgu.to(w_gate_up.dtype), gwd.to(w_down.dtype),
+            _bias_grad(gbgu, b_gate_up, x), _bias_grad(gbd, b_down, x))
 
 
 @moe_experts_bwd.register_fake
 def _moe_experts_bwd_fake(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128,
-                          impl="reference"):
+                          impl="reference", activation="silu", limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA,
+                          b_gate_up=None, b_down=None):
+    def bias(b):
+        return x.new_empty(0) if b is None else torch.empty_like(b)
+
     return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
-            torch.empty_like(w_down))
+            torch.empty_like(w_down), bias(b_gate_up), bias(b_down))
 
 
 def _moe_backward(ctx: Any, grad_out: Tensor):
-    x, idx, tw, wgu, wd = ctx.saved_tensors
-    gx, gtw, gwgu, gwd = moe_experts_bwd(x, idx, tw, wgu, wd, grad_out, ctx.block_size, ctx.impl)
-    return gx, None, gtw, gwgu, gwd, None, None
+    x, idx, tw, wgu, wd, b_gate_up, b_down = ctx.saved_tensors
+    gx, gtw, gwgu, gwd, gbgu, gbd = moe_experts_bwd(x, idx, tw, wgu, wd, grad_out, ctx.block_size, ctx.impl,
+                                                    *ctx.act, b_gate_up, b_down)
+    return (gx, None, gtw, gwgu, gwd, None, None, None, None, None,
+            None if b_gate_up is None else gbgu, None if b_down is None else gbd)
 
 
 moe_experts.register_autograd(_moe_backward, setup_context=_moe_setup)

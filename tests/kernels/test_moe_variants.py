@@ -1,0 +1,241 @@
+"""Expert variants of moe_experts: activation ``silu | gelu_tanh | swiglu_clamped`` (GPT-OSS) and the
+optional biases ``b_gate_up [E, 2I]`` / ``b_down [E, H]``.
+
+Oracles, independent of the kernels' refs: torch's own ``F.silu`` / ``F.gelu(approximate="tanh")`` and
+GPT-OSS's clamped SwiGLU as transformers 5.24 writes it (``GptOssExperts._apply_gate``), differentiated
+by autograd in fp64 over a per-(token, k) gather. The kernels are compared with the refs (same
+rounding points; ``tests/tolerances.py``), bit-for-bit across LNC=1/2, and with the fp64-oracle rule
+of ``test_oracle.py`` (as accurate as torch at the same dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels.test_moe import _rand, _routing, _weights
+from tests.kernels.test_moe_lnc import _equal
+from tests.kernels.test_oracle import check
+from tests.tolerances import assert_close
+from trnkit.kernels import moe
+from trnkit.kernels.constraints import KernelConstraintError
+
+DTYPES = (torch.float32, torch.bfloat16)
+F64 = torch.float64
+LIMIT, ALPHA = 1.25, 1.702  # a small limit so that the clamps bind on O(1) activations
+VARIANTS = {
+    "silu": dict(activation="silu"),
+    "gelu_tanh": dict(activation="gelu_tanh"),
+    "swiglu_clamped": dict(activation="swiglu_clamped", limit=LIMIT, alpha=ALPHA),
+}
+GRADS = ("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down", "grad_b_gate_up", "grad_b_down")
+
+
+def _gate(a: torch.Tensor, u: torch.Tensor, activation: str, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    """h = act(a) * u, written as torch / transformers write it."""
+    if activation == "silu":
+        return F.silu(a) * u
+    if activation == "gelu_tanh":
+        return F.gelu(a, approximate="tanh") * u
+    a = a.clamp(min=None, max=limit)  # GptOssExperts._apply_gate, with gate / up as separate halves
+    u = u.clamp(min=-limit, max=limit)
+    return (u + 1) * (a * torch.sigmoid(a * alpha))
+
+
+def _experts(x, idx, tw, wgu, wd, bgu, bd, dt, activation="silu", limit=7.0, alpha=1.702):
+    """out[t] = sum_k w[t,k] * (act(x_t W_gu[e] + b_gu[e]) W_d[e] + b_d[e]) in dtype dt (one gather per slot)."""
+    T, K = idx.shape
+    inter = wd.shape[1]
+    e = idx.reshape(-1).long()
+    xs = x.to(dt).repeat_interleave(K, 0)
+    gu = torch.einsum("sh,shi->si", xs, wgu.to(dt)[e])
+    if bgu is not None:
+        gu = gu + bgu.to(dt)[e]
+    h = _gate(gu[:, :inter], gu[:, inter:], activation, limit, alpha)
+    y = torch.einsum("si,sih->sh", h, wd.to(dt)[e])
+    if bd is not None:
+        y = y + bd.to(dt)[e]
+    y = y * tw.reshape(-1, 1).to(dt)
+    return y.view(T, K, -1).sum(1)
+
+
+def _inputs(T, H, inter, E, K, dtype, bias, seed=0):
+    x = _rand(T, H, dtype=dtype, seed=seed)
+    wgu, wd = _weights(E, H, inter, dtype, seed=seed + 1)
+    idx, tw = _routing(T, E, K, seed=seed + 2)
+    bgu = _rand(E, 2 * inter, dtype=dtype, seed=seed + 3) if bias in ("both", "gate_up") else None
+    bd = _rand(E, H, dtype=dtype, seed=seed + 4, scale=0.5) if bias in ("both", "down") else None
+    return x, idx, tw, wgu, wd, bgu, bd
+
+
+# ------------------------------------------------------------------------------------ references
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_activation_ref_matches_autograd_of_torch_functions(activation: str) -> None:
+    kw = VARIANTS[activation]
+    a = torch.linspace(-4, 4, 401, dtype=F64)
+    a = torch.cat([a, torch.tensor([LIMIT, -LIMIT], dtype=F64)])  # exactly on the clamp bounds
+    u = torch.flip(a, [0]).clone()
+    al, ul = a.clone().requires_grad_(), u.clone().requires_grad_()
+    h = _gate(al, ul, activation, kw.get("limit", 7.0), kw.get("alpha", 1.702))
+    da, du = torch.autograd.grad(h.sum(), [al, ul])
+    got_h, got_da, got_du = moe.activation_ref(a.float(), u.float(), **kw)
+    for name, got, want in (("h", got_h, h), ("dh_da", got_da, da), ("dh_du", got_du, du)):
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    if activation == "swiglu_clamped":  # the clamps really bind: no gradient past the limits
+        assert bool((got_da[a.float() > LIMIT] == 0).all()) and bool((got_du[u.float().abs() > LIMIT] == 0).all())
+
+
+@pytest.mark.parametrize("bias", ["none", "both"])
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_refs_match_fp64_autograd_oracle(activation: str, bias: str) -> None:
+    kw = VARIANTS[activation]
+    x, idx, tw, wgu, wd, bgu, bd = _inputs(14, 24, 10, 5, 2, torch.float32, bias)
+    leaves = [t.double().requires_grad_() if t is not None else None for t in (x, tw, wgu, wd, bgu, bd)]
+    out = _experts(leaves[0], idx, *leaves[1:], F64, **kw)
+    g = _rand(14, 24, seed=9)
+    want = torch.autograd.grad(out, [t for t in leaves if t is not None], g.double())
+    assert_close(moe.moe_experts_ref(x, idx, tw, wgu, wd, b_gate_up=bgu, b_down=bd, **kw), out.detach(),
+                 torch.float32)
+    got = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g, b_gate_up=bgu, b_down=bd, **kw)
+    got = [t for t in got if t is not None]
+    assert len(got) == len(want) == (4 if bias == "none" else 6)
+    for name, a, b in zip(GRADS, got, want):
+        assert_close(a, b, torch.float32, msg=name)
+
+
+def test_default_variant_is_the_qwen3_swiglu() -> None:
+    """activation='silu' without biases is the existing SwiGLU experts, bit for bit (ref and kernel)."""
+    x, idx, tw, wgu, wd, _, _ = _inputs(20, 64, 32, 4, 2, torch.float32, "none")
+    explicit = dict(activation="silu", limit=moe.SWIGLU_LIMIT, alpha=moe.SWIGLU_ALPHA, b_gate_up=None, b_down=None)
+    assert torch.equal(moe.moe_experts(x, idx, tw, wgu, wd, 32, **explicit), moe.moe_experts(x, idx, tw, wgu, wd, 32))
+    zero = dict(b_gate_up=torch.zeros(4, 64), b_down=torch.zeros(4, 64))
+    assert_close(moe.moe_experts(x, idx, tw, wgu, wd, 32, **zero), moe.moe_experts_ref(x, idx, tw, wgu, wd),
+                 torch.float32)
+
+
+# ------------------------------------------------------------------------------- kernels vs refs
+CASES = {
+    # name: (T, H, I, E, K, block_size)
+    "tails": (24, 160, 96, 5, 2, 32),  # H % 128 = 32, I % 128 = 96 (partial bias columns)
+    "odd_H_I": (12, 72, 20, 3, 2, 32),
+    "I_two_chunks": (40, 64, 200, 2, 2, 64),  # I = 128 + 72: a full and a partial bias column
+    "full_plus_half_128": (150, 64, 32, 1, 1, 128),  # a 128-wide block and a 64-wide tail
+}
+
+
+def _kernel_vs_ref(case: str, dtype: torch.dtype, activation: str, bias: str, backward: bool = True) -> None:
+    T, H, inter, E, K, B = CASES[case]
+    kw = VARIANTS[activation]
+    x, idx, tw, wgu, wd, bgu, bd = _inputs(T, H, inter, E, K, dtype, bias)
+    var = dict(b_gate_up=bgu, b_down=bd, **kw)
+    out = moe.moe_experts(x, idx, tw, wgu, wd, B, **var)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close(out, moe.moe_experts_ref(x, idx, tw, wgu, wd, **var), dtype)
+    if not backward:
+        return
+    g = _rand(T, H, dtype=dtype, seed=11)
+    got = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, B, **var)
+    ref = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g, **var)
+    assert len(got) == len(ref) == (4 if bias == "none" else 6)
+    for name, a, b in zip(GRADS, got, ref):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            assert_close(a, b, dtype, msg=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", ["none", "both"])
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_kernels_match_refs(activation: str, bias: str, dtype: torch.dtype) -> None:
+    _kernel_vs_ref("tails", dtype, activation, bias)
+
+
+@pytest.mark.parametrize("case,activation,bias", [
+    ("odd_H_I", "swiglu_clamped", "gate_up"), ("I_two_chunks", "gelu_tanh", "down"),
+    ("I_two_chunks", "swiglu_clamped", "both"), ("full_plus_half_128", "silu", "both")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_match_refs_more_shapes(case: str, activation: str, bias: str, dtype: torch.dtype) -> None:
+    _kernel_vs_ref(case, dtype, activation, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lnc2_is_bit_identical_to_lnc1(dtype: torch.dtype) -> None:
+    x, idx, tw, wgu, wd, bgu, bd = _inputs(24, 160, 96, 5, 2, dtype, "both")
+    var = dict(b_gate_up=bgu, b_down=bd, **VARIANTS["swiglu_clamped"])
+    _equal(moe.moe_experts(x, idx, tw, wgu, wd, 32, lnc=2, **var), moe.moe_experts(x, idx, tw, wgu, wd, 32, lnc=1, **var))
+    g = _rand(24, 160, dtype=dtype, seed=11)
+    _equal(moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, 32, lnc=2, **var),
+           moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, 32, lnc=1, **var))
+
+
+def test_empty_experts_get_zero_bias_gradients() -> None:
+    x = _rand(20, 64)
+    wgu, wd = _weights(6, 64, 48, torch.float32)
+    idx, tw = _routing(20, 6, 2, experts=[0, 2, 3, 5])
+    bgu, bd = _rand(6, 96, seed=3), _rand(6, 64, seed=4)
+    grads = moe.moe_experts_bwd(x, idx, tw, wgu, wd, _rand(20, 64, seed=5), 32, b_gate_up=bgu, b_down=bd,
+                                activation="gelu_tanh")
+    for g in grads[2:]:
+        assert bool((g[[1, 4]] == 0).all())
+        assert bool((g[[0, 2, 3, 5]] != 0).any())
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("activation", list(VARIANTS))
+def test_fp64_oracle_rule(activation: str, dtype: torch.dtype, backward: bool) -> None:
+    """err(kernel) <= 1.5 err(torch at the dtype) + eps/4 against fp64 (test_oracle.py's rule)."""
+    kw = VARIANTS[activation]
+    T, H, inter, E, K = 40, 128, 64, 4, 2
+    x, idx, tw, wgu, wd, bgu, bd = _inputs(T, H, inter, E, K, dtype, "both", seed=20)
+    var = dict(b_gate_up=bgu, b_down=bd, **kw)
+    if not backward:
+        check(f"{activation} out", moe.moe_experts(x, idx, tw, wgu, wd, **var),
+              _experts(x, idx, tw, wgu, wd, bgu, bd, dtype, **kw), _experts(x, idx, tw, wgu, wd, bgu, bd, F64, **kw))
+        return
+    go = _rand(T, H, dtype=dtype, seed=21)
+    kern = moe.moe_experts_bwd(x, idx, tw, wgu, wd, go, **var)
+
+    def grads(dt):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (x, tw, wgu, wd, bgu, bd)]
+        _experts(leaves[0], idx, *leaves[1:], dt, **kw).backward(go.to(dt))
+        return [t.grad for t in leaves]
+
+    for name, k_, b_, o_ in zip(GRADS, kern, grads(dtype), grads(F64)):
+        check(f"{activation} {name}", k_, b_, o_)
+
+
+# ----------------------------------------------------------------------------------- constraints
+def _args(**over):
+    x, idx, tw, wgu, wd, _, _ = _inputs(4, 64, 32, 3, 2, torch.float32, "none")
+    args = dict(x=x, topk_idx=idx, topk_weights=tw, w_gate_up=wgu, w_down=wd, block_size=32)
+    args.update(over)
+    return args
+
+
+BAD = {
+    "activation": (dict(activation="relu"), "activation in ('silu', 'gelu_tanh', 'swiglu_clamped')", "'relu'"),
+    "limit_without_clamp": (dict(activation="gelu_tanh", limit=3.0), "limit / alpha only with", "3.0"),
+    "limit_negative": (dict(activation="swiglu_clamped", limit=-1.0), "swiglu_clamped limit is finite and > 0", "-1.0"),
+    "alpha_inf": (dict(activation="swiglu_clamped", alpha=float("inf")), "alpha is finite and > 0", "inf"),
+    "b_gate_up_shape": (dict(b_gate_up=torch.zeros(3, 32)), "b_gate_up.shape == (E, 2I)", "(3, 32)"),
+    "b_down_shape": (dict(b_down=torch.zeros(2, 64)), "b_down.shape == (E, H)", "(2, 64)"),
+    "b_down_dtype": (dict(b_down=torch.zeros(3, 64, dtype=torch.bfloat16)), "b_down.dtype == x.dtype", "bfloat16"),
+    "bias_sbuf": (dict(x=torch.zeros(4, 2048), w_gate_up=torch.zeros(3, 2048, 1024), w_down=torch.zeros(3, 512, 2048),
+                       b_down=torch.zeros(3, 2048)), "fit 96 KiB of SBUF", "106496 bytes"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD))
+def test_unsupported_variants_are_rejected_by_name(bad: str) -> None:
+    over, rule, value = BAD[bad]
+    args = _args(**over)
+    for fn in (moe.moe_experts, moe.moe_experts_ref):
+        with pytest.raises(KernelConstraintError, match="moe_experts") as err:
+            fn(**args)
+        assert rule in str(err.value) and value in str(err.value), str(err.value)
+    with pytest.raises(KernelConstraintError, match="moe_experts"):
+        moe.moe_experts_bwd(grad_out=torch.zeros_like(args["x"]), **args)
+    assert any(rule in str(v) for v in moe.moe_experts_constraints(**args))
