@@ -9,21 +9,23 @@ Shapes: ``q [B, Hq, S, D]``, ``k [B, Hk, S, D]`` (kernel layout ``bhsd``; :func:
 model's ``[B, S, H, D]``), ``cos``/``sin`` ``[S', D]`` or ``[B, S', D]``, or the packed
 ``rope_cache [S', 2D]`` / ``[B, S', 2D]`` (cos in the first D columns, sin in the last D) with
 ``S' >= S`` (only the first S rows are read). ``q_out``/``k_out`` are preallocated by the caller, written
-in place and returned. fp32 or bf16 activations; cos/sin/cache fp32 or bf16. All arithmetic is fp32
-(each product and the sum are fp32 values; one rounding to the activation dtype at the end).
+in place and returned. fp32 or bf16 activations; cos/sin/cache fp32 or bf16. Arithmetic: transformers'
+``apply_rotary_pos_emb`` in the activation dtype, bit for bit: the tables rounded to it, each product
+rounded to it, the sum computed in fp32 and rounded once (what torch's bf16 ops do).
 
 Tiling (both layouts): sequence rows on partitions, and each partition holds ``NT`` *consecutive* rows,
 so every DMA moves one contiguous run of ``NT * D`` (bhsd) or ``NT * H * D`` (bshd) elements per
-partition; cos/sin are loaded once per row chunk (and batch, when they are per-batch) and reused by
-every head of q and k. A short tail chunk uses fewer partitions (any S works). With ``t = sin``
-(backward ``cat(sin[h:], sin[:h])``), ``y = x*cos + sign*swap_halves(x)*t`` with the minus sign on one
-half: three elementwise passes per tile, split between the Vector engine (single-pass thanks to exact
-fp32 copies of x and of its half-swapped, half-negated image in PSUM made by the Scalar engine) and the
-GpSimd engine (against a half table ``-t`` negated once per chunk on the Scalar engine). The tables are
-loaded per slab of rows, so the first slabs start before a chunk's whole tables have arrived, and each
-engine's last sum of a tile is issued after the next tile's first products (pipelined across tiles).
-The [B, S, H, D] layout reads one ``[NT, H, D]`` slab per partition and broadcasts cos/t over the heads
-with a stride-0 access pattern, so no transposed copy of q/k is ever made.
+partition (8 KiB per head tile in bhsd); the next head tiles' loads are issued ahead of the current one.
+cos/sin are loaded once per group of rows of a chunk (and batch, when they are per-batch) and reused by
+every head of q and k. A short tail chunk uses fewer partitions (any S works).
+Engines: with ``y = x*cos + swap_halves(x*t)``, ``t = [sin[h:], -sin[:h]]`` (forward) or
+``[-sin[:h], sin[h:]]`` (backward), the Vector engine forms the two products over whole contiguous rows
+(bf16: all operands bf16 in SBUF, VectorE's trn2 performance mode); the Tensor engine sums them as
+identity matmuls accumulating in an fp32 PSUM bank (the swapped halves are just the matmuls' operand
+views); the Scalar engine copies the sum out of PSUM (the one rounding) and builds the tables (copies,
+one negation) once per row group. No engine relies on a PSUM-operand or GpSimd rate assumption.
+The [B, S, H, D] layout reads one ``[NT, H, D]`` slab per partition; its tables hold each row once per
+head of a slab, so no transposed copy of q/k is ever made and every Vector operand stays contiguous.
 """
 
 from __future__ import annotations
@@ -41,11 +43,14 @@ from trnkit.nki_api import nisa, nki, nl, nt
 __all__ = ["rope_hf", "rope_hf_bshd", "rope_hf_ref", "rope_hf_bshd_ref", "constraints",
            "rope_hf_kernel"]
 
-# Elements per partition per head moved by one DMA: 4 KiB of bf16 / 8 KiB of fp32, past the DMA
-# efficiency knee (>= 2-4 KiB per partition), small enough to keep several heads in flight in SBUF.
-FREE_TARGET = 2048
+# Bytes per partition per head tile moved by one DMA: 8 KiB (4096 bf16 / 2048 fp32 elements), 94 % of
+# the DMA peak even at the pessimistic 512 B efficiency knee (cost_params.dma_knee_bytes).
+TILE_BYTES = 8192
+# Head tiles whose loads are issued ahead of the one being computed (the loads are then in flight while
+# the previous tiles compute and store).
+PREFETCH = 2
 PSUM_FMAX = 512  # fp32 elements per partition in one PSUM bank
-_BSHD_SLAB_BYTES = 192 * 1024  # SBUF per partition for bshd row slabs (x, y and the previous y)
+BSHD_SLAB_BYTES = 192 * 1024  # SBUF per partition for bshd row slabs (x, y, the previous y; the next x)
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -105,7 +110,7 @@ def constraints(q: Any, k: Any, cos: Any = None, sin: Any = None, rope_cache: An
     if _dtype_name(k) != _dtype_name(q):
         bad("k.dtype == q.dtype", (_dtype_name(q), _dtype_name(k)))
     isz = 4 if _dtype_name(q) == "float32" else 2
-    if layout == "bshd" and 3 * max(Hq, Hk) * D * isz > _BSHD_SLAB_BYTES:
+    if layout == "bshd" and 3 * max(Hq, Hk) * D * isz > BSHD_SLAB_BYTES:
         bad("3 * max(Hq, Hk) * D * itemsize <= 192 KiB", 3 * max(Hq, Hk) * D * isz,
             "the [B, S, H, D] layout keeps all heads of a row in SBUF (input, output and the previous "
             "output still being stored)")
@@ -151,11 +156,12 @@ def constraints(q: Any, k: Any, cos: Any = None, sin: Any = None, rope_cache: An
 # torch references
 
 
-def _rope_tables(cos: Any, sin: Any, rope_cache: Any, S: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (cos, sin), each [S, D] or [B, S, D], cut to the first S rows."""
+def _rope_tables(cos: Any, sin: Any, rope_cache: Any, S: int, D: int, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) in ``dtype``, each [S, D] or [B, S, D], cut to the first S rows."""
     if rope_cache is not None:
         cos, sin = rope_cache[..., :D], rope_cache[..., D:]
-    return cos[..., :S, :].float(), sin[..., :S, :].float()
+    return cos[..., :S, :].to(dtype), sin[..., :S, :].to(dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
@@ -170,13 +176,13 @@ def _ref(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Ten
          rope_cache: Any, backward: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     D = q.shape[-1]
     S = q.shape[2] if layout == "bhsd" else q.shape[1]
-    c, s = _rope_tables(cos, sin, rope_cache, S, D)
+    c, s = _rope_tables(cos, sin, rope_cache, S, D, q.dtype)
     head_dim = 1 if layout == "bhsd" else 2  # where the heads axis goes in [B, ., ., D]
     if c.dim() == 2:
         c, s = c[None], s[None]
     c, s = c.unsqueeze(head_dim), s.unsqueeze(head_dim)
     for x, out in ((q, q_out), (k, k_out)):
-        out.copy_(_rotate(x.float(), c, s, backward).to(out.dtype))
+        out.copy_(_rotate(x, c, s, backward))
     return q_out, k_out
 
 
@@ -184,7 +190,8 @@ def rope_hf_ref(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: to
                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
                 rope_cache: torch.Tensor | None = None, backward: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`rope_hf` (``[B, H, S, D]``): fp32 math, writes q_out/k_out and returns them."""
+    """Torch reference of :func:`rope_hf` (``[B, H, S, D]``): transformers' arithmetic in the activation
+    dtype (tables cast to it, as ``Qwen3RotaryEmbedding`` returns them); writes q_out/k_out and returns them."""
     return _ref(q, k, q_out, k_out, cos, sin, rope_cache, backward, "bhsd")
 
 
@@ -197,220 +204,179 @@ def rope_hf_bshd_ref(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_ou
 
 
 # ---------------------------------------------------------------------------------------------------
-# NKI kernel
+# NKI kernel (the design: module docstring and docs/kernels.md)
 
 
-def _load_tables(cos, sin, packed, b, s0, P, NT, D, backward, j0=0, nj=None):
-    """fp32 SBUF tiles ``[P, nj, D]`` of ``cos`` and of the (unsigned) table ``t`` for rows
-    ``s0 + p*NT + j``, ``j0 <= j < j0 + nj`` (default: all NT; batch ``b`` if 3-D): forward ``t = sin``,
-    backward ``t = cat(sin[h:], sin[:h])``. With the sign of :func:`_neg_half` applied to one half of
-    ``swap_halves(x)*t``, ``y = x*cos + sign*swap_halves(x)*t`` (no compute on the tables at all).
-    """
+def _identity(dtype):
+    """``[128, 128]`` identity in ``dtype``: the stationary operand of the summing matmuls."""
+    ones = nl.ndarray((P_MAX, P_MAX), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    ident = nl.ndarray((P_MAX, P_MAX), dtype=dtype, buffer=nl.sbuf)
+    # 1 where (column - partition) == 0, else 0
+    nisa.affine_select(dst=ident, pattern=[[1, P_MAX]], channel_multiplier=-1, on_true_tile=ones,
+                       on_false_value=0.0, cmp_op=nl.equal)
+    return ident
+
+
+def _load_tables(cos, sin, packed, b, s0, P, NT, D, j0, nj, dtype, backward, G=1):
+    """Tables of rows ``s0 + p*NT + j``, ``j0 <= j < j0 + nj`` (batch ``b`` if 3-D) in ``dtype``:
+    ``cos`` and ``t`` = ``[sin[h:], -sin[:h]]`` (forward) or ``[-sin[:h], sin[h:]]`` (backward), each
+    ``[P, nj, G*D]``: every row repeated for ``G`` heads (the [B, S, H, D] layout's slabs span G heads;
+    contiguous operands keep the Vector engine's products in its performance mode). One DMA per HBM
+    table (the packed cache's ``cos | sin`` rows are one contiguous run per partition), then three
+    Scalar-engine passes: copies (rounding to bf16 for bf16 activations, as transformers does with
+    cos/sin) and a negation (exact)."""
     h = D // 2
-    if nj == None:  # noqa: E711 (the NKI compiler rejects `is`)
-        nj = NT
     rows = cos.shape[-2]
     width = cos.shape[-1]  # D, or 2D for the packed cache (cos | sin per row)
     base = ((b * rows + s0) * width if len(cos.shape) == 3 else s0 * width) + j0 * width
-    sin_base = base + D if packed else base
-    c_t = nl.ndarray((P, nj, D), dtype=nl.float32, buffer=nl.sbuf)
-    t_t = nl.ndarray((P, nj, D), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=c_t, src=cos.ap(pattern=[[NT * width, P], [width, nj], [1, D]], offset=base))
-    half = [[NT * width, P], [width, nj], [1, h]]
-    if backward:
-        nisa.dma_copy(dst=t_t[:, :, 0:h], src=sin.ap(pattern=half, offset=sin_base + h))
-        nisa.dma_copy(dst=t_t[:, :, h:D], src=sin.ap(pattern=half, offset=sin_base))
-    else:
-        nisa.dma_copy(dst=t_t, src=sin.ap(pattern=[[NT * width, P], [width, nj], [1, D]], offset=sin_base))
+    pat = [[NT * width, P], [width, nj], [1, width]]
+    raw_c = nl.ndarray((P, nj, width), dtype=cos.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=raw_c, src=cos.ap(pattern=pat, offset=base))
+    raw_s, s_off = raw_c, D
+    if not packed:
+        raw_s = nl.ndarray((P, nj, width), dtype=sin.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=raw_s, src=sin.ap(pattern=pat, offset=base))
+        s_off = 0
+    act = nisa.engine.scalar
+    c_t = nl.ndarray((P, nj, G * D), dtype=dtype, buffer=nl.sbuf)
+    t_t = nl.ndarray((P, nj, G * D), dtype=dtype, buffer=nl.sbuf)
+    pos, neg = (h, 0) if backward else (0, h)  # where sin[h:] and -sin[:h] go in t
+    # [P, nj, G, n] views: the raw rows with a stride-0 head axis, the tables' G copies of a row
+    raw = [[nj * width, P], [width, nj], [0, G]]
+    tab = [[nj * G * D, P], [G * D, nj], [D, G]]
+    nisa.tensor_copy(dst=c_t.ap(pattern=tab + [[1, D]], offset=0),
+                     src=raw_c.ap(pattern=raw + [[1, D]], offset=0), engine=act)
+    nisa.tensor_copy(dst=t_t.ap(pattern=tab + [[1, h]], offset=pos),
+                     src=raw_s.ap(pattern=raw + [[1, h]], offset=s_off + h), engine=act)
+    nisa.tensor_scalar(dst=t_t.ap(pattern=tab + [[1, h]], offset=neg),
+                       data=raw_s.ap(pattern=raw + [[1, h]], offset=s_off), op0=nl.multiply, operand0=-1.0,
+                       engine=act)
     return c_t, t_t
 
 
-def _neg_half(D, backward):
-    """``(lo, hi)``: the half of ``swap_halves(x)*t`` that enters y with a minus sign (forward the
-    first half, ``-x[h:]*sin[:h]``; backward the second, ``-x[:h]*sin[:h]``)."""
-    h = D // 2
-    return (h, D) if backward else (0, h)
+def _rotate_slab(y_v, x_v, c_v, t_v, ident, P, pipe, store):
+    """One slab (<= 512 elements per partition, last dim D; ``c_v``/``t_v`` views of x's shape): the
+    products ``a = x*cos`` and ``p = x*t`` on the Vector engine, then the sum ``a + swap_halves(p)`` on
+    the Tensor engine. ``swap_halves(p)`` holds ``x[h:]*sin[h:]`` / ``-x[:h]*sin[:h]`` (backward) or
+    ``-x[h:]*sin[:h]`` / ``x[:h]*sin[h:]`` (forward) in its halves: the reference's products bit for bit.
+    The accumulating matmuls are pipelined by one slab (``pipe[0]`` holds the previous slab's, with its
+    copy and store), so TensorE never waits on the accumulation it has just started and the Scalar engine
+    never on a matmul in flight."""
+    dtype = x_v.dtype
+    shape = x_v.shape
+    vec = nisa.engine.vector
+    a_t = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+    p_t = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=a_t, data1=x_v, data2=c_v, op=nl.multiply, engine=vec)
+    nisa.tensor_tensor(dst=p_t, data1=x_v, data2=t_v, op=nl.multiply, engine=vec)
+    y_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=y_ps, stationary=ident[0:P, 0:P], moving=a_t)
+    _finish(pipe, ident)
+    pipe[0] = (y_ps, p_t, y_v, P, store)
 
 
-def _rotate_slabs(slabs, on_vector, backward, pipe, store):
-    """``y = x*cos + sign*swap_halves(x)*t`` for each ``(y, x, cos, t, tn)`` slab (<= 512 elements per
-    partition, last dim D; cos/t views of x's shape; the sign is -1 on :func:`_neg_half`); fp32 math,
-    one rounding into y's dtype. ``tn`` = ``-t`` on the negated half (GpSimd path only, else unused).
-    ``(-u)*t = u*(-t) = -(u*t)`` exactly, so this is the reference's arithmetic bit for bit.
-
-    Vector path: the Scalar engine (otherwise idle) copies x and its half-swapped, half-negated image
-    exactly to fp32 PSUM tiles, so each of the three Vector passes has a PSUM operand and runs
-    single-pass. GpSimd path (no PSUM access): the swapped product is two half passes into SBUF, one of
-    them against ``tn``.
-    Instructions are software-pipelined (slab j+1's products are issued before slab j's sum), across
-    tiles too: ``pipe[0 if on_vector else 1]`` holds the engine's last unsummed slab, and ``store``
-    (``(dst AP, y tile)``) is issued right after the sum of this tile's last slab, so an in-order engine
-    never waits on the result of the instruction just before it. :func:`_flush` ends both pipelines.
-    """
-    e = 0 if on_vector else 1
-    pending = pipe[e]  # (y, a, bx, store or None) of the engine's previous slab
-    for y_v, x_v, c_v, t_v, tn_v in slabs:
-        D = x_v.shape[-1]
+def _finish(pipe, ident):
+    """The pending slab's accumulating matmuls, its PSUM -> SBUF copy on the Scalar engine
+    (the one rounding of the sum) and, after its tile's last slab, the tile's store."""
+    if pipe[0] != None:  # noqa: E711 (the NKI compiler rejects `is`)
+        y_ps, p_t, y_v, P, store = pipe[0]
+        D = p_t.shape[-1]
         h = D // 2
-        n0, n1 = _neg_half(D, backward)
-        p0, p1 = (h, D) if n0 == 0 else (0, h)  # the other half (plus sign)
-        shape = x_v.shape
-        if on_vector:
-            eng = nisa.engine.vector
-            x_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
-            xs_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
-            nisa.tensor_copy(dst=x_ps, src=x_v, engine=nisa.engine.scalar)
-            # swap_halves(x): xs[0:h] = x[h:D], xs[h:D] = x[0:h]; times -1 (exact) on the negated half
-            nisa.tensor_scalar(dst=xs_ps[..., n0:n1], data=x_v[..., p0:p1], op0=nl.multiply, operand0=-1.0,
-                               engine=nisa.engine.scalar)
-            nisa.tensor_copy(dst=xs_ps[..., p0:p1], src=x_v[..., n0:n1], engine=nisa.engine.scalar)
-            a_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=a_t, data1=x_ps, data2=c_v, op=nl.multiply, engine=eng)
-            nisa.tensor_tensor(dst=xs_ps, data1=xs_ps, data2=t_v, op=nl.multiply, engine=eng)
-            if pending != None:  # noqa: E711 (the NKI compiler rejects `is`)
-                _finish(pending, eng)
-            pending = (y_v, a_t, xs_ps, None)
-        else:
-            eng = nisa.engine.gpsimd
-            a_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-            bx_t = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=a_t, data1=x_v, data2=c_v, op=nl.multiply, engine=eng)
-            # swap_halves(x)*t, the negated half against the pre-negated table half tn
-            nisa.tensor_tensor(dst=bx_t[..., n0:n1], data1=x_v[..., p0:p1], data2=tn_v, op=nl.multiply,
-                               engine=eng)
-            if pending != None:  # noqa: E711
-                _finish(pending, eng)
-            nisa.tensor_tensor(dst=bx_t[..., p0:p1], data1=x_v[..., n0:n1], data2=t_v[..., p0:p1],
-                               op=nl.multiply, engine=eng)
-            pending = (y_v, a_t, bx_t, None)
-    pipe[e] = (pending[0], pending[1], pending[2], store)
+        # y += swap_halves(p): the two halves of p accumulate into the opposite halves of y
+        nisa.nc_matmul(dst=y_ps[..., 0:h], stationary=ident[0:P, 0:P], moving=p_t[..., h:D])
+        nisa.nc_matmul(dst=y_ps[..., h:D], stationary=ident[0:P, 0:P], moving=p_t[..., 0:h])
+        nisa.tensor_copy(dst=y_v, src=y_ps, engine=nisa.engine.scalar)
+        if store != None:  # noqa: E711
+            nisa.dma_copy(dst=store[0], src=store[1])
+        pipe[0] = None
 
 
-def _finish(pending, eng):
-    """The sum ``y = a + bx`` of a pending slab, then its tile's store if it was the tile's last slab."""
-    y_v, a_t, bx_t, store = pending
-    nisa.tensor_tensor(dst=y_v, data1=bx_t, data2=a_t, op=nl.add, engine=eng)
-    if store != None:  # noqa: E711
-        nisa.dma_copy(dst=store[0], src=store[1])
-
-
-def _flush(pipe):
-    """Sum the last pending slab of each engine (and store its tile)."""
-    for e in range(2):
-        if pipe[e] != None:  # noqa: E711
-            _finish(pipe[e], nisa.engine.vector if e == 0 else nisa.engine.gpsimd)
-            pipe[e] = None
-
-
-def _neg_table(t_t, D, backward):
-    """``-t`` on the :func:`_neg_half` of a table tile ``[P, nj, D]``: a ``[P, nj, D/2]`` tile for the GpSimd
-    path (exact; on the lightly loaded Scalar engine)."""
-    n0, n1 = _neg_half(D, backward)
-    tn = nl.ndarray((t_t.shape[0], t_t.shape[1], D // 2), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=tn, data=t_t[:, :, n0:n1], op0=nl.multiply, operand0=-1.0, engine=nisa.engine.scalar)
-    return tn
-
-
-# Elementwise cost per element of a slab: Vector 3 single passes at 0.96 GHz (trn2 ISA cost table);
-# GpSimd 3 two-input passes at 1.2 GHz at 0.25 elements per cycle per input, the slow end of the GpSimd
-# rates trnkit's cost model considers (no public figure): the split then never makes GpSimd the
-# bottleneck, and a faster GpSimd only leaves it idle. Each slab goes to the engine that finishes first.
-_VECTOR_NS_PER_ELEM = 3 / 0.96
-_GPSIMD_NS_PER_ELEM = 3 * 2 / 0.25 / 1.2
-
-
-def _pick_vector(load, n):
-    """Greedy balance of slabs over Vector/GpSimd; ``load`` = [vector_ns, gpsimd_ns], updated."""
-    v, g = load[0] + n * _VECTOR_NS_PER_ELEM, load[1] + n * _GPSIMD_NS_PER_ELEM
-    if v <= g:
-        load[0] = v
-        return True
-    load[1] = g
-    return False
-
-
-def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load, pipe):
+def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe):
     B, _, S, D = q.shape
     per_batch = len(cos.shape) == 3
     pat = [[NT * D, P], [D, NT], [1, D]]
-    ns = max(1, PSUM_FMAX // D)  # rows per slab
+    ns = max(1, PSUM_FMAX // D)  # rows per slab (and per table group)
     for bt in range(B if per_batch else 1):
-        heads = []  # (x, x_out, HBM offset) of every head tile that uses these tables
         b_lo, b_hi = (bt, bt + 1) if per_batch else (0, B)
+        heads = []  # (x, x_out, HBM offset) of every head tile that uses these tables
         for b in range(b_lo, b_hi):
             for x, x_out in ((q, q_out), (k, k_out)):
                 H = x.shape[1]
                 for hd in range(H):
                     heads.append((x, x_out, ((b * H + hd) * S + s0) * D))
-        # one (cos, t) pair per slab of rows, and the first two heads' loads (one per engine) issued
-        # right after the first pair, so the first slabs start before the whole chunk's tables arrive
-        tabs = [_load_tables(cos, sin, packed, bt, s0, P, NT, D, backward, 0, min(NT, ns))]
-        early = []
-        for i in range(min(2, len(heads))):
-            x_e = nl.ndarray((P, NT, D), dtype=q.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_e, src=heads[i][0].ap(pattern=pat, offset=heads[i][2]))
-            early.append(x_e)
-        for t0 in range(ns, NT, ns):
-            tabs.append(_load_tables(cos, sin, packed, bt, s0, P, NT, D, backward, t0, min(NT, t0 + ns) - t0))
-        negs = None  # -t on the negated half, per piece: built when the first GpSimd tile needs it
+        tabs = []  # per slab of rows: (cos, t), loaded when the first head needs it
+        x_tiles = []  # loads issued PREFETCH heads ahead of their use
         for i in range(len(heads)):
+            for j in range(len(x_tiles), min(len(heads), i + 1 + PREFETCH)):
+                x_j = nl.ndarray((P, NT, D), dtype=q.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x_j, src=heads[j][0].ap(pattern=pat, offset=heads[j][2]))
+                x_tiles.append(x_j)
             x, x_out, off = heads[i]
-            if i < len(early):
-                x_t = early[i]
-            else:
-                x_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=x_t, src=x.ap(pattern=pat, offset=off))
+            x_t = x_tiles[i]
+            x_tiles[i] = None  # (released once its slabs are issued)
             y_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
-            # one engine per tile: slabs of one tile on two engines would order each other
-            on_vector = _pick_vector(load, NT * D)
-            if not on_vector and negs == None:  # noqa: E711
-                negs = []
-                for tab in tabs:
-                    negs.append(_neg_table(tab[1], D, backward))
-            slabs = []
             for t0 in range(0, NT, ns):
                 t1 = min(NT, t0 + ns)
+                if len(tabs) == t0 // ns:
+                    tabs.append(_load_tables(cos, sin, packed, bt, s0, P, NT, D, t0, t1 - t0, x.dtype, backward))
                 c_v, t_v = tabs[t0 // ns]
-                tn_v = None if on_vector else negs[t0 // ns]
-                slabs.append((y_t[:, t0:t1, :], x_t[:, t0:t1, :], c_v, t_v, tn_v))
-            _rotate_slabs(slabs, on_vector, backward, pipe, (x_out.ap(pattern=pat, offset=off), y_t))
+                store = (x_out.ap(pattern=pat, offset=off), y_t) if t1 == NT else None
+                _rotate_slab(y_t[:, t0:t1, :], x_t[:, t0:t1, :], c_v, t_v, ident, P, pipe, store)
 
 
-def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load, pipe):
+def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe):
     B, S, _, D = q.shape
     per_batch = len(cos.shape) == 3
+    tg = max(1, PSUM_FMAX // D)  # rows per table group
+    tiles = []  # (x, x_out, HBM offset, heads per slab, which table set) per batch and tensor
     for b in range(B):
-        if per_batch or b == 0:
-            c_t, s_t = _load_tables(cos, sin, packed, b, s0, P, NT, D, backward)
-            tn_t = None
         for x, x_out in ((q, q_out), (k, k_out)):
             H = x.shape[2]
-            off = (b * S + s0) * H * D
-            pat = [[NT * H * D, P], [H * D, NT], [D, H], [1, D]]
-            x_t = nl.ndarray((P, NT, H, D), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_t, src=x.ap(pattern=pat, offset=off))
-            y_t = nl.ndarray((P, NT, H, D), dtype=x.dtype, buffer=nl.sbuf)
-            on_vector = _pick_vector(load, NT * H * D)
-            if not on_vector and tn_t == None:  # noqa: E711
-                tn_t = _neg_table(s_t, D, backward)
-            G = max(1, min(H, PSUM_FMAX // D))  # heads per slab
-            ns = max(1, PSUM_FMAX // (G * D))  # rows per slab
-            slabs = []
-            for t0 in range(0, NT, ns):
-                t1 = min(NT, t0 + ns)
+            tiles.append((x, x_out, (b * S + s0) * H * D, max(1, min(H, PSUM_FMAX // D)), b))
+    h_max = max(q.shape[2], k.shape[2])
+    isz = 4 if q.dtype == nl.float32 else 2
+    # the next tile's load in flight too when four row slabs (x, the next x, y, the previous y) fit
+    ahead = 1 if 4 * NT * h_max * D * isz <= BSHD_SLAB_BYTES else 0
+    tabs = [[], []]  # per table set (q, k): per group of rows (cos, t), each broadcast over G heads
+    x_tiles = []
+    for i in range(len(tiles)):
+        for j in range(len(x_tiles), min(len(tiles), i + 1 + ahead)):
+            H = tiles[j][0].shape[2]
+            x_j = nl.ndarray((P, NT, H, D), dtype=q.dtype, buffer=nl.sbuf)
+            pat_j = [[NT * H * D, P], [H * D, NT], [D, H], [1, D]]
+            nisa.dma_copy(dst=x_j, src=tiles[j][0].ap(pattern=pat_j, offset=tiles[j][2]))
+            x_tiles.append(x_j)
+        x, x_out, off, G, b = tiles[i]
+        H = x.shape[2]
+        pat = [[NT * H * D, P], [H * D, NT], [D, H], [1, D]]
+        x_t = x_tiles[i]
+        x_tiles[i] = None
+        if i % 2 == 0 and (per_batch or b == 0):
+            tabs = [[], []]
+        # k shares q's tables when its slabs have as many heads
+        ts = 1 if i % 2 == 1 and G != tiles[i - 1][3] else 0
+        y_t = nl.ndarray((P, NT, H, D), dtype=x.dtype, buffer=nl.sbuf)
+        ns = max(1, PSUM_FMAX // (G * D))  # rows per slab
+        for j0 in range(0, NT, tg):
+            j1 = min(NT, j0 + tg)
+            nj = j1 - j0
+            if len(tabs[ts]) == j0 // tg:
+                tabs[ts].append(_load_tables(cos, sin, packed, b, s0, P, NT, D, j0, nj, x.dtype, backward, G))
+            c_t, t_t = tabs[ts][j0 // tg]
+            for t0 in range(j0, j1, ns):
+                t1 = min(j1, t0 + ns)
                 for g0 in range(0, H, G):
                     g1 = min(H, g0 + G)
-                    # cos/sin rows t0:t1 seen as [P, rows, heads, D] with a stride-0 head axis
-                    bcast = [[NT * D, P], [D, t1 - t0], [0, g1 - g0], [1, D]]
-                    tn_v = None
-                    if not on_vector:
-                        h = D // 2
-                        tn_v = tn_t.ap(pattern=[[NT * h, P], [h, t1 - t0], [0, g1 - g0], [1, h]], offset=t0 * h)
-                    slabs.append((y_t[:, t0:t1, g0:g1, :], x_t[:, t0:t1, g0:g1, :],
-                                  c_t.ap(pattern=bcast, offset=t0 * D), s_t.ap(pattern=bcast, offset=t0 * D),
-                                  tn_v))
-            _rotate_slabs(slabs, on_vector, backward, pipe, (x_out.ap(pattern=pat, offset=off), y_t))
-            x_t, y_t, slabs = None, None, None  # release the row slabs before the next tile's allocation
+                    # the group's rows t0:t1, first g1 - g0 of its G copies per row: [P, rows, heads, D]
+                    view = [[nj * G * D, P], [G * D, t1 - t0], [D, g1 - g0], [1, D]]
+                    c_v = c_t.ap(pattern=view, offset=(t0 - j0) * G * D)
+                    t_v = t_t.ap(pattern=view, offset=(t0 - j0) * G * D)
+                    last = t1 == NT and g1 == H
+                    store = (x_out.ap(pattern=pat, offset=off), y_t) if last else None
+                    _rotate_slab(y_t[:, t0:t1, g0:g1, :], x_t[:, t0:t1, g0:g1, :], c_v, t_v, ident, P, pipe,
+                                 store)
+        x_t, y_t = None, None  # release the row slabs before the next tile's allocation
 
 
 @nki.jit
@@ -422,27 +388,29 @@ def rope_hf_kernel(q, k, q_out: nt.mutable_tensor, k_out: nt.mutable_tensor, cos
     Row chunks are split across SPMD programs (``rope_hf_kernel[2](...)`` on LNC=2).
     """
     D = q.shape[3]
+    n_prog, pid = _program_split()
+    free = TILE_BYTES // (4 if q.dtype == nl.float32 else 2)  # elements per partition per head tile
     if bshd:
         S = q.shape[1]
-        # ~FREE_TARGET elements per partition for the smaller of q / k, but at most 4*FREE_TARGET for the
-        # larger one (SBUF, and enough tiles to balance the engines)
+        # ~free elements per partition for the smaller of q / k, at most 4x that for the larger one (SBUF)
         h_lo, h_hi = min(q.shape[2], k.shape[2]), max(q.shape[2], k.shape[2])
-        nt_max = max(1, min(FREE_TARGET // D, FREE_TARGET // (h_lo * D), 4 * FREE_TARGET // (h_hi * D)))
+        nt_max = max(1, min(free // D, free // (h_lo * D), 4 * free // (h_hi * D)))
     else:
         S = q.shape[2]
-        nt_max = max(1, FREE_TARGET // D)
+        nt_max = max(1, free // D)
+    # at least one full chunk per program when S allows it (LNC=2 splits chunks)
+    nt_max = max(1, min(nt_max, S // (P_MAX * n_prog)))
     chunks = _row_chunks(S, nt_max)
-    n_prog, pid = _program_split()
-    load = [0.0, 0.0]
-    pipe = [None, None]  # per engine (Vector, GpSimd): the last slab whose sum is not yet issued
+    ident = _identity(q.dtype)
+    pipe = [None]  # the last slab whose second matmul, copy and store are not yet issued
     for ci in range(len(chunks)):
         if ci % n_prog == pid:
             s0, P, NT = chunks[ci]
             if bshd:
-                _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load, pipe)
+                _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe)
             else:
-                _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, load, pipe)
-    _flush(pipe)
+                _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe)
+    _finish(pipe, ident)
     return q_out, k_out
 
 
