@@ -12,13 +12,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_bshd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D]; cos/sin [S, D] or [B, S, D]; fp32 math, result in x.dtype."""
-    c, s = cos.float(), sin.float()
+    """x [B, S, H, D]; cos/sin [S, D] or [B, S, D]; transformers' arithmetic: tables cast to x.dtype,
+    products and sum in x.dtype (what apply_rotary_pos_emb does, and the rope_hf contract)."""
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
     if c.dim() == 2:
         c, s = c[None], s[None]
     c, s = c[:, :, None, :], s[:, :, None, :]
-    xf = x.float()
-    return (xf * c + rotate_half(xf) * s).to(x.dtype)
+    return x * c + rotate_half(x) * s
 
 
 def router(x: torch.Tensor, w: torch.Tensor, k: int, norm: bool = True):
