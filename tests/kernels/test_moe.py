@@ -1,19 +1,22 @@
-"""MoE grouped expert matmul: refs vs independent oracles, NKI kernels (on the interpreter) vs refs.
+"""MoE grouped expert matmul: refs vs independent oracles, NKI kernels (on the interpreter) vs the
+fp64-oracle rule of ``tests/tolerances.py``.
 
 Oracles: ``torch._grouped_mm`` (CPU), autograd of an obvious per-group / per-(token, k) loop, and
-transformers' ``Qwen3MoeExperts`` / ``Qwen3MoeSparseMoeBlock`` on the same weights.
-Kernel-vs-ref tolerances come from ``tests/tolerances.py``: the refs round at the same points as the
-kernels, so only the fp32 summation order differs (fp32) or one bf16 rounding flips (bf16).
+transformers' ``Qwen3MoeExperts`` / ``Qwen3MoeSparseMoeBlock`` on the same weights, each evaluated at the
+test dtype (torch's own result) and in float64 (the oracle); the kernels against ``oracles.py``.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.tolerances import assert_close
+from tests.kernels import oracles as O
+from tests.tolerances import F64, check_oracle
 from trnkit.kernels import moe
 from trnkit.kernels.constraints import KernelConstraintError
 
@@ -106,7 +109,7 @@ def test_grouped_mm_ref_matches_torch_grouped_mm(dtype: torch.dtype) -> None:
     offs = torch.tensor([5, 5, 17, 26], dtype=torch.int32)  # an empty group, 3 rows past the end
     ref = moe.grouped_mm_ref(x, w, offs)
     torch_ = torch._grouped_mm(x, w, offs=offs)
-    assert_close(ref[:26], torch_[:26], dtype)
+    check_oracle("grouped_mm_ref", ref[:26], torch_[:26], _per_group_loop(x.double(), w.double(), offs)[:26])
     assert bool((ref[26:] == 0).all())
 
 
@@ -116,9 +119,11 @@ def test_grouped_mm_bwd_ref_matches_autograd() -> None:
     offs = torch.tensor([5, 5, 17, 26], dtype=torch.int32)
     g = _rand(29, 24, seed=6)
     _per_group_loop(x, w, offs).backward(g.double())
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    _per_group_loop(x32, w32, offs).backward(g)
     gx, gw = moe.grouped_mm_bwd_ref(x.detach().float(), w.detach().float(), offs, g)
-    assert_close(gx, x.grad.float(), torch.float32)
-    assert_close(gw, w.grad.float(), torch.float32)
+    check_oracle("grad_x", gx, x32.grad, x.grad)
+    check_oracle("grad_w", gw, w32.grad, w.grad)
     assert bool((gx[26:] == 0).all()) and bool((gw[1] == 0).all())
 
 
@@ -155,7 +160,7 @@ def test_moe_ref_matches_naive_loop_fp64() -> None:
     idx, tw = _routing(T, E, K)
     expected = _naive_moe(x, idx, tw.double(), wgu, wd)
     got = moe.moe_experts_ref(x.float(), idx, tw, wgu.float(), wd.float())
-    assert_close(got, expected.float(), torch.float32)
+    check_oracle("moe_experts_ref", got, _naive_moe(x.float(), idx, tw, wgu.float(), wd.float()), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -166,20 +171,12 @@ def test_moe_ref_matches_hf_qwen3_moe_experts(dtype: torch.dtype) -> None:
     idx, tw = _routing(T, E, K)
     with torch.no_grad():
         hf = _hf_experts(E, H, inter, wgu, wd)(x, idx, tw.to(dtype))
-        # fp32 oracle on the same (bf16-valued) inputs
-        hf32 = _hf_experts(E, H, inter, wgu.float(), wd.float())(x.float(), idx, tw.to(dtype).float())
+        # the oracle: transformers' experts in fp64 on the same (dtype-valued) inputs
+        hf64 = _hf_experts(E, H, inter, wgu.double(), wd.double())(x.double(), idx, tw.to(dtype).double())
     got = moe.moe_experts_ref(x, idx, tw.to(dtype), wgu, wd)
-    if dtype == torch.float32:
-        assert_close(got, hf, dtype)
-    else:
-        # The reference rounds h and w*y to bf16 (the kernel's rounding points), so it is a few bf16
-        # ulps from the fp32 oracle; transformers' bf16 path rounds more often (gate/up, every
-        # index_add_ step). No ad-hoc tolerance: the reference must be at least as close to the
-        # fp32 oracle as transformers' own bf16 result is, and agree with it in sign/scale.
-        err_ref = (got.float() - hf32).abs().max()
-        err_hf = (hf.float() - hf32).abs().max()
-        assert 0 < err_ref <= err_hf, (float(err_ref), float(err_hf))
-        assert err_hf < 0.02 * float(hf32.abs().max())  # the bf16 paths are close at all
+    # bf16: the reference rounds h and w*y to bf16 (the kernel's rounding points); transformers' bf16
+    # path rounds more often (gate/up, every index_add_ step)
+    check_oracle("moe_experts_ref", got, hf, hf64)
 
 
 def test_moe_ref_matches_hf_sparse_moe_block_end_to_end() -> None:
@@ -196,26 +193,33 @@ def test_moe_ref_matches_hf_sparse_moe_block_end_to_end() -> None:
     x = _rand(2, 5, 32)
     with torch.no_grad():
         expected = block(x).reshape(10, 32)
+        expected64 = copy.deepcopy(block).double()(x.double()).reshape(10, 32)
         _, tw, idx = block.gate(x.reshape(10, 32))
+        assert torch.equal(copy.deepcopy(block).double().gate(x.reshape(10, 32).double())[2], idx)  # same routing
     wgu, wd = moe.from_hf_v5(block.experts.gate_up_proj.detach(), block.experts.down_proj.detach())
-    assert_close(moe.moe_experts_ref(x.reshape(10, 32), idx, tw, wgu, wd), expected, torch.float32)
+    check_oracle("moe_experts_ref", moe.moe_experts_ref(x.reshape(10, 32), idx, tw, wgu, wd), expected, expected64)
 
 
 def test_moe_bwd_ref_matches_hf_autograd_fp32() -> None:
     T, H, inter, E, K = 12, 16, 10, 5, 2
-    x = _rand(T, H).requires_grad_()
+    x = _rand(T, H)
     wgu, wd = _weights(E, H, inter, torch.float32)
     idx, tw = _routing(T, E, K)
-    tw = tw.requires_grad_()
-    hf = _hf_experts(E, H, inter, wgu, wd)
     g = _rand(T, H, seed=9)
-    hf(x, idx, tw).backward(g)
-    gx, gtw, gwgu, gwd = moe.moe_experts_bwd_ref(x.detach(), idx, tw.detach(), wgu, wd, g)
-    assert_close(gx, x.grad, torch.float32)
-    assert_close(gtw, tw.grad, torch.float32)
-    ref_wgu, ref_wd = moe.from_hf_v5(hf.gate_up_proj.grad, hf.down_proj.grad)
-    assert_close(gwgu, ref_wgu, torch.float32)
-    assert_close(gwd, ref_wd, torch.float32)
+    got = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g)
+    for name, a, b, o in zip(("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down"), got,
+                             _hf_experts_grads(x, idx, tw, wgu, wd, g, torch.float32),
+                             _hf_experts_grads(x, idx, tw, wgu, wd, g, F64)):
+        check_oracle(f"moe_experts_bwd_ref {name}", a, b, o)
+
+
+def _hf_experts_grads(x, idx, tw, wgu, wd, g, dt):
+    """Autograd through transformers' experts at dtype dt: (grad_x, grad_topk_weights, grad_w_gate_up,
+    grad_w_down), the weight gradients in the kernel layout."""
+    hf = _hf_experts(wgu.shape[0], x.shape[1], wd.shape[1], wgu.to(dt), wd.to(dt))
+    xl, twl = x.detach().to(dt).requires_grad_(), tw.detach().to(dt).requires_grad_()
+    hf(xl, idx, twl).backward(g.to(dt))
+    return (xl.grad, twl.grad, *moe.from_hf_v5(hf.gate_up_proj.grad, hf.down_proj.grad))
 
 
 # ------------------------------------------------------------------------------ kernels vs refs
@@ -232,15 +236,13 @@ GMM_CASES = {
 @pytest.mark.parametrize("case", GMM_CASES)
 def test_grouped_mm_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
     M, K, N, offs, B = GMM_CASES[case]
-    # O(1) results with O(1/sqrt(n)) terms, so fp32 reordering stays within the stated atol
     x, w = _rand(M, K, dtype=dtype, scale=K ** -0.5), _rand(len(offs), K, N, dtype=dtype, seed=4)
     offs_t = torch.tensor(offs, dtype=torch.int32)
     g = _rand(M, N, dtype=dtype, seed=7, scale=N ** -0.5)
-    assert_close(moe.grouped_mm(x, w, offs_t, block_size=B), moe.grouped_mm_ref(x, w, offs_t), dtype)
-    gx, gw = moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B)
-    rx, rw = moe.grouped_mm_bwd_ref(x, w, offs_t, g)
-    assert_close(gx, rx, dtype)
-    assert_close(gw, rw, dtype)
+    out = moe.grouped_mm(x, w, offs_t, block_size=B)
+    O.check_all(("out",), out, lambda dt: O.grouped_mm(x, w, offs_t, dt), dtype)
+    assert bool((out[offs[-1]:] == 0).all())  # rows past the last offset
+    O.check_grouped_mm_bwd(moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B), x, w, offs_t, g, dtype)
 
 
 MOE_CASES = {
@@ -288,14 +290,14 @@ def test_moe_experts_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
     x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
     out = moe.moe_experts(x, idx, tw, wgu, wd, block_size=B)
     assert out.dtype == dtype and out.shape == x.shape
-    assert_close(out, moe.moe_experts_ref(x, idx, tw, wgu, wd), dtype)
+    O.check_all(("out",), out, lambda dt: O.experts(x, idx, tw, wgu, wd, dt), dtype)
 
 
 def test_moe_experts_accepts_int32_topk_idx() -> None:
     """router_topk returns int32 indices; the kernel must route them exactly like int64 ones."""
     x, idx, tw, wgu, wd, B = _moe_inputs("prime_E", torch.float32)
     out = moe.moe_experts(x, idx.to(torch.int32), tw, wgu, wd, block_size=B)
-    assert_close(out, moe.moe_experts_ref(x, idx, tw, wgu, wd), torch.float32)
+    assert torch.equal(out, moe.moe_experts(x, idx, tw, wgu, wd, block_size=B))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -308,7 +310,7 @@ def test_moe_experts_bwd_kernel_matches_ref(case: str, dtype: torch.dtype) -> No
     ref = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g)
     for name, a, b in zip(("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down"), got, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert_close(a, b, dtype, msg=name)
+    O.check_experts_bwd(got, x, idx, tw, wgu, wd, g, dtype)
     if case == "empty_experts":  # experts 1 and 4 got no tokens
         assert bool((got[2][[1, 4]] == 0).all()) and bool((got[3][[1, 4]] == 0).all())
 
@@ -316,16 +318,12 @@ def test_moe_experts_bwd_kernel_matches_ref(case: str, dtype: torch.dtype) -> No
 def test_moe_experts_bwd_kernel_matches_autograd_of_hf_fp32() -> None:
     """End to end: the NKI backward against autograd through transformers' experts."""
     x, idx, tw, wgu, wd, B = _moe_inputs("tails", torch.float32)
-    T, H = x.shape
-    E, _, I2 = wgu.shape
-    xr, twr = x.clone().requires_grad_(), tw.clone().requires_grad_()
-    hf = _hf_experts(E, H, I2 // 2, wgu, wd)
-    g = _rand(T, H, seed=12)
-    hf(xr, idx, twr).backward(g)
-    gx, gtw, gwgu, gwd = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B)
-    ref_wgu, ref_wd = moe.from_hf_v5(hf.gate_up_proj.grad, hf.down_proj.grad)
-    for a, b in ((gx, xr.grad), (gtw, twr.grad), (gwgu, ref_wgu), (gwd, ref_wd)):
-        assert_close(a, b, torch.float32)
+    g = _rand(*x.shape, seed=12)
+    got = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B)
+    for name, a, b, o in zip(("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down"), got,
+                             _hf_experts_grads(x, idx, tw, wgu, wd, g, torch.float32),
+                             _hf_experts_grads(x, idx, tw, wgu, wd, g, F64)):
+        check_oracle(name, a, b, o)
 
 
 @settings(max_examples=6, deadline=None)
@@ -336,8 +334,8 @@ def test_moe_experts_kernel_hypothesis(T: int, H: int, inter: int, E: int, K: in
     x = _rand(T, H, seed=seed)
     wgu, wd = _weights(E, H, inter, torch.float32, seed=seed + 1)
     idx, tw = _routing(T, E, K, seed=seed + 2)
-    assert_close(moe.moe_experts(x, idx, tw, wgu, wd, block_size=B), moe.moe_experts_ref(x, idx, tw, wgu, wd),
-                 torch.float32)
+    O.check_all(("out",), moe.moe_experts(x, idx, tw, wgu, wd, block_size=B),
+                lambda dt: O.experts(x, idx, tw, wgu, wd, dt), torch.float32)
 
 
 @settings(max_examples=5, deadline=None)
@@ -348,9 +346,9 @@ def test_grouped_mm_kernel_hypothesis(M: int, K: int, N: int, G: int, seed: int,
     offs = torch.tensor(ends, dtype=torch.int32)
     x, w = _rand(M, K, seed=seed, scale=K ** -0.5), _rand(G, K, N, seed=seed + 1)
     g = _rand(M, N, seed=seed + 2, scale=N ** -0.5)
-    assert_close(moe.grouped_mm(x, w, offs, block_size=32), moe.grouped_mm_ref(x, w, offs), torch.float32)
-    for a, b in zip(moe.grouped_mm_bwd(x, w, offs, g, block_size=32), moe.grouped_mm_bwd_ref(x, w, offs, g)):
-        assert_close(a, b, torch.float32)
+    O.check_all(("out",), moe.grouped_mm(x, w, offs, block_size=32), lambda dt: O.grouped_mm(x, w, offs, dt),
+                torch.float32)
+    O.check_grouped_mm_bwd(moe.grouped_mm_bwd(x, w, offs, g, block_size=32), x, w, offs, g, torch.float32)
 
 
 # ---------------------------------------------------------------------------------- constraints

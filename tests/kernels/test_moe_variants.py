@@ -5,7 +5,7 @@ Oracles, independent of the kernels' refs: torch's own ``F.silu`` / ``F.gelu(app
 GPT-OSS's clamped SwiGLU as transformers 5.24 writes it (``GptOssExperts._apply_gate``), differentiated
 by autograd in fp64 over a per-(token, k) gather. The kernels are compared with the refs (same
 rounding points; ``tests/tolerances.py``), bit-for-bit across LNC=1/2, and with the fp64-oracle rule
-of ``test_oracle.py`` (as accurate as torch at the same dtype).
+of ``tests/tolerances.py`` (as accurate as torch at the same dtype).
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import torch.nn.functional as F
 
 from tests.kernels.test_moe import _rand, _routing, _weights
 from tests.kernels.test_moe_lnc import _equal
-from tests.kernels.test_oracle import check
-from tests.tolerances import assert_close
+from tests.tolerances import assert_close, check_oracle as check
 from trnkit.kernels import moe
 from trnkit.kernels.constraints import KernelConstraintError
 
@@ -186,7 +185,7 @@ def test_empty_experts_get_zero_bias_gradients() -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("activation", list(VARIANTS))
 def test_fp64_oracle_rule(activation: str, dtype: torch.dtype, backward: bool) -> None:
-    """err(kernel) <= 1.5 err(torch at the dtype) + eps/4 against fp64 (test_oracle.py's rule)."""
+    """err(kernel) <= 1.5 err(torch at the dtype) + floor against fp64 (tests/tolerances.py's rule)."""
     kw = VARIANTS[activation]
     T, H, inter, E, K = 40, 128, 64, 4, 2
     x, idx, tw, wgu, wd, bgu, bd = _inputs(T, H, inter, E, K, dtype, "both", seed=20)

@@ -1,5 +1,6 @@
-"""rope_hf / rope_hf_bshd: NKI kernel (on trnkit's interpreter) vs the torch reference, and the
-reference vs transformers' Qwen3 rotary embedding (forward) and autograd (backward)."""
+"""rope_hf / rope_hf_bshd: NKI kernel (on trnkit's interpreter) against the fp64-oracle rule
+(tests/tolerances.py) and bit-identical to the torch reference, and the reference vs transformers' Qwen3
+rotary embedding (forward) and autograd (backward)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.tolerances import assert_close
+from tests.kernels import oracles as O
+from tests.tolerances import F64, check_oracle
 from trnkit.kernels.constraints import KernelConstraintError
-from trnkit.kernels.rope_hf import (_rotate, constraints, rope_hf, rope_hf_bshd, rope_hf_bshd_ref, rope_hf_kernel,
+from trnkit.kernels.rope_hf import (constraints, rope_hf, rope_hf_bshd, rope_hf_bshd_ref, rope_hf_kernel,
                                     rope_hf_ref)
 
 
@@ -36,12 +38,16 @@ def _run(layout: str, B: int, Hq: int, Hk: int, S: int, D: int, dtype: torch.dty
     ret = kern(q, k, q_out, k_out, backward=backward, **tabs)
     assert ret[0] is q_out and ret[1] is k_out  # written in place and returned
     q_ref, k_ref = ref(q, k, torch.empty_like(q), torch.empty_like(k), backward=backward, **tabs)
-    assert_close(q_out, q_ref, dtype)
-    assert_close(k_out, k_ref, dtype)
-    # stronger than the tolerance: the kernel does the reference's operations in the activation dtype
-    # (two products, one sum; the rotate-half sign sits in the table, negation is exact), so it is
-    # bit-identical
+    _check_oracle(q_out, k_out, q, k, tabs, dtype, backward, layout)
+    # the kernel does the reference's operations in the activation dtype (two products, one sum; the
+    # rotate-half sign sits in the table, negation is exact), so it is bit-identical
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+
+def _check_oracle(q_out, k_out, q, k, tabs: dict, dtype: torch.dtype, backward: bool, layout: str = "bhsd") -> None:
+    cos, sin = O.unpack(tabs["rope_cache"]) if "rope_cache" in tabs else (tabs["cos"], tabs["sin"])
+    for name, x, out in (("q", q, q_out), ("k", k, k_out)):
+        O.check_all((name,), out, lambda dt, x=x: O.rope(x, cos, sin, dt, backward, layout), dtype)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -111,9 +117,10 @@ def test_bf16_tables_and_in_place() -> None:
     cos = torch.randn(40, 32, generator=gen).to(torch.bfloat16)
     sin = torch.randn(40, 32, generator=gen).to(torch.bfloat16)
     q_ref, k_ref = rope_hf_ref(q, k, torch.empty_like(q), torch.empty_like(k), cos=cos, sin=sin)
+    q0, k0 = q.clone(), k.clone()
     rope_hf(q, k, q, k, cos=cos, sin=sin)  # q_out is q: every tile is read before it is written
-    assert_close(q, q_ref, torch.bfloat16)
-    assert_close(k, k_ref, torch.bfloat16)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    _check_oracle(q, k, q0, k0, {"cos": cos, "sin": sin}, torch.bfloat16, False)
 
 
 def test_lnc2_grid_matches_single_program() -> None:
@@ -123,8 +130,8 @@ def test_lnc2_grid_matches_single_program() -> None:
     q_ref, k_ref = rope_hf_ref(q, k, torch.empty_like(q), torch.empty_like(k), rope_cache=cache)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     rope_hf_kernel[2](q, k, q_out, k_out, cache, cache, packed=True, backward=False, bshd=False)
-    assert_close(q_out, q_ref)
-    assert_close(k_out, k_ref)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    _check_oracle(q_out, k_out, q, k, {"rope_cache": cache}, torch.float32, False)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -158,15 +165,16 @@ def test_ref_and_kernel_match_transformers_apply_rotary_pos_emb(D: int) -> None:
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(B, 4, S, D, generator=gen), torch.randn(B, 2, S, D, generator=gen)
     q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    q64, k64 = apply_rotary_pos_emb(q.double(), k.double(), cos.double(), sin.double(), unsqueeze_dim=1)
     q_ref, k_ref = rope_hf_ref(q, k, torch.empty_like(q), torch.empty_like(k), cos=cos, sin=sin)
-    assert_close(q_ref, q_hf)
-    assert_close(k_ref, k_hf)
+    check_oracle("ref q", q_ref, q_hf, q64)
+    check_oracle("ref k", k_ref, k_hf, k64)
     # torchtitan-style packed cache [S, 2D] = cat(cos, sin) in the model's [B, S, H, D] layout
     cache = torch.cat([cos[0], sin[0]], dim=-1)
     qb, kb = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
     q_out, k_out = rope_hf_bshd(qb, kb, torch.empty_like(qb), torch.empty_like(kb), rope_cache=cache)
-    assert_close(q_out.transpose(1, 2), q_hf)
-    assert_close(k_out.transpose(1, 2), k_hf)
+    check_oracle("kernel q", q_out.transpose(1, 2), q_hf, q64)
+    check_oracle("kernel k", k_out.transpose(1, 2), k_hf, k64)
 
 
 def test_ref_backward_matches_autograd_of_transformers() -> None:
@@ -175,16 +183,21 @@ def test_ref_backward_matches_autograd_of_transformers() -> None:
     B, S, D = 1, 19, 64
     gen = torch.Generator().manual_seed(6)
     cos, sin = torch.randn(B, S, D, generator=gen), torch.randn(B, S, D, generator=gen)  # general tables
-    q = torch.randn(B, 3, S, D, generator=gen, requires_grad=True)
-    k = torch.randn(B, 1, S, D, generator=gen, requires_grad=True)
+    q, k = torch.randn(B, 3, S, D, generator=gen), torch.randn(B, 1, S, D, generator=gen)
     dq, dk = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
-    torch.autograd.backward(apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1), (dq, dk))
+
+    def hf_grads(dt):
+        ql, kl = q.to(dt).requires_grad_(True), k.to(dt).requires_grad_(True)
+        out = apply_rotary_pos_emb(ql, kl, cos.to(dt), sin.to(dt), unsqueeze_dim=1)
+        return torch.autograd.grad(out, (ql, kl), (dq.to(dt), dk.to(dt)))
+
+    (hq, hk), (oq, ok) = hf_grads(torch.float32), hf_grads(F64)
     gq, gk = rope_hf_ref(dq, dk, torch.empty_like(dq), torch.empty_like(dk), cos=cos, sin=sin, backward=True)
-    assert_close(gq, q.grad)
-    assert_close(gk, k.grad)
+    check_oracle("ref grad q", gq, hq, oq)
+    check_oracle("ref grad k", gk, hk, ok)
     kq, kk = rope_hf(dq, dk, torch.empty_like(dq), torch.empty_like(dk), cos=cos, sin=sin, backward=True)
-    assert_close(kq, q.grad)
-    assert_close(kk, k.grad)
+    check_oracle("kernel grad q", kq, hq, oq)
+    check_oracle("kernel grad k", kk, hk, ok)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])

@@ -1,15 +1,17 @@
 """router_topk variants (DeepSeek-V3 / GLM-4-MoE style): sigmoid scoring, selection bias, sum + 1e-20
-renormalisation, routed_scaling_factor, E up to 512; kernel vs reference (fwd + grads), reference vs
-transformers' routers, and the constraints."""
+renormalisation, routed_scaling_factor, E up to 512; kernel vs the fp64-oracle rule (fwd + grads, selection
+equal to the reference's), reference and kernel vs transformers' routers, and the constraints."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
 import torch
 
-from tests.tolerances import assert_close
+from tests.kernels import oracles as O
+from tests.tolerances import F64, check_oracle
 from trnkit.kernels.constraints import KernelConstraintError
 
 R = importlib.import_module("trnkit.kernels.router_topk")  # the package re-exports a function of that name
@@ -44,17 +46,15 @@ def test_sigmoid_router_kernel_matches_reference(case: str, dtype: torch.dtype, 
     w_k, i_k, l_k = R.router_topk(x, w, K, norm, **kw)
     w_r, i_r, l_r = R.router_topk_ref(x, w, K, norm, **kw)
     assert torch.equal(i_k.long(), i_r.long())
-    assert_close(l_k, l_r, torch.float32)
-    assert_close(w_k, w_r, torch.float32)
+    variant = dict(norm=norm, scoring="sigmoid", scale=scale)
+    O.check_all(("logits", "weights"), (l_k, w_k), lambda dt: O.router_weights(x, w, i_k, dt, **variant), dtype)
     gk, gl = torch.randn(w_k.shape, generator=g), torch.randn(l_k.shape, generator=g)
     for grad_logits in (None, gl):
         got = R.router_topk_bwd(x, w, l_k, i_k, gk, grad_logits, norm, scoring="sigmoid",
                                 routed_scaling_factor=scale)
-        ref = R.router_topk_bwd_ref(x, w, l_k, i_k, gk, grad_logits, norm, scoring="sigmoid",
-                                    routed_scaling_factor=scale)
-        for name, a, b in zip(("grad_x", "grad_w"), got, ref):
-            assert a.dtype == b.dtype == dtype
-            assert_close(a, b, dtype, msg=name)
+        assert got[0].dtype == got[1].dtype == dtype
+        O.check_all(("grad_x", "grad_w"), got,
+                    lambda dt, gl_=grad_logits: O.router_grads(x, w, i_k, gk, gl_, dt, **variant), dtype)
 
 
 def test_selection_bias_chooses_but_does_not_weigh() -> None:
@@ -64,7 +64,7 @@ def test_selection_bias_chooses_but_does_not_weigh() -> None:
     bias[5] = 10.0
     w_k, i_k, l_k = R.router_topk(x, w, K, False, scoring="sigmoid", selection_bias=bias)
     assert bool((i_k[:, 0] == 5).all())
-    assert_close(w_k[:, 0], torch.sigmoid(l_k[:, 5]), torch.float32)
+    check_oracle("weight of the biased expert", w_k[:, 0], torch.sigmoid(x @ w[5]), torch.sigmoid(x.double() @ w[5].double()))
     unbiased = R.router_topk(x, w, K, False, scoring="sigmoid")[1]
     assert not torch.equal(unbiased, i_k)
 
@@ -73,12 +73,13 @@ def test_softmax_with_routed_scaling_factor() -> None:
     x, w, _, K, g = _inputs("multi_tile", torch.float32)
     w_k, i_k, l_k, aff = R.router_topk(x, w, K, True, return_affinities=True, routed_scaling_factor=2.5)
     w_1 = R.router_topk(x, w, K, True)[0]
-    assert_close(w_k, 2.5 * w_1, torch.float32)
+    # the scale folded into the kernel's normalisation vs a product after it: two roundings apart at most
+    torch.testing.assert_close(w_k, 2.5 * w_1, rtol=2 * torch.finfo(torch.float32).eps, atol=0)
     assert torch.equal(aff.gather(1, i_k.long()), w_k)  # the dense form carries the same scaled weights
+    O.check_all(("weights",), w_k, lambda dt: O.router_weights(x, w, i_k, dt, scale=2.5)[1], torch.float32)
     gk = torch.randn(w_k.shape, generator=g)
-    for a, b in zip(R.router_topk_bwd(x, w, l_k, i_k, gk, None, True, routed_scaling_factor=2.5),
-                    R.router_topk_bwd_ref(x, w, l_k, i_k, gk, None, True, routed_scaling_factor=2.5)):
-        assert_close(a, b, torch.float32)
+    O.check_all(("grad_x", "grad_w"), R.router_topk_bwd(x, w, l_k, i_k, gk, None, True, routed_scaling_factor=2.5),
+                lambda dt: O.router_grads(x, w, i_k, gk, None, dt, scale=2.5), torch.float32)
 
 
 def _hf_router(family: str, E: int, K: int, H: int, norm: bool, scale: float):
@@ -103,26 +104,34 @@ def _hf_router(family: str, E: int, K: int, H: int, norm: bool, scale: float):
 def test_reference_and_kernel_match_transformers_routers(family: str, norm: bool) -> None:
     T, H, E, K = 40, 64, 16, 4
     router = _hf_router(family, E, K, H, norm, 2.5)
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4), requires_grad=True)
-    hf_logits, hf_w, hf_i = router(x)
-    order = torch.argsort(hf_i, dim=-1)  # transformers' topk(sorted=False): compare per expert
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    gk = torch.randn(T, K, generator=torch.Generator().manual_seed(5))
+
+    def hf(dt):  # transformers' router at dtype dt, and its autograd for the upstream gradient gk per expert
+        r = copy.deepcopy(router).to(dt)
+        xl = x.detach().to(dt).requires_grad_(True)
+        logits, weights, idx = r(xl)
+        order = torch.argsort(idx, dim=-1)  # transformers' topk(sorted=False): compare per expert
+        g_dense = torch.zeros(T, E, dtype=dt).scatter_(1, i_k.long(), gk.to(dt))
+        (weights * g_dense.gather(1, idx)).sum().backward()
+        return idx.gather(1, order), weights.detach().gather(1, order), logits.detach(), xl.grad, r.weight.grad
+
     kw = dict(scoring="sigmoid", selection_bias=router.e_score_correction_bias,
               routed_scaling_factor=router.routed_scaling_factor)
-    for fn in (R.router_topk_ref, R.router_topk):
-        w_, i_, l_ = fn(x.detach(), router.weight.detach(), K, norm, **kw)
+    w_k, i_k, l_k = R.router_topk(x, router.weight.detach(), K, norm, **kw)
+    base, orc = hf(torch.float32), hf(F64)
+    assert torch.equal(base[0], orc[0])  # tie-free: fp32 and fp64 choose alike
+    for name, fn in (("ref", R.router_topk_ref), ("kernel", R.router_topk)):
+        w_, i_, l_ = fn(x, router.weight.detach(), K, norm, **kw)
         mine = torch.argsort(i_.long(), dim=-1)
-        assert torch.equal(i_.long().gather(1, mine), hf_i.gather(1, order))
-        assert_close(w_.gather(1, mine), hf_w.detach().gather(1, order), torch.float32)
-        assert_close(l_, hf_logits.detach(), torch.float32)
+        assert torch.equal(i_.long().gather(1, mine), base[0]), name
+        check_oracle(f"{name} weights", w_.gather(1, mine), base[1], orc[1])
+        check_oracle(f"{name} logits", l_, base[2], orc[2])
     # gradients: the kernel's backward against autograd through transformers' router
-    gk = torch.randn(T, K, generator=torch.Generator().manual_seed(5))
-    w_, i_, l_ = R.router_topk(x.detach(), router.weight.detach(), K, norm, **kw)
-    g_dense = torch.zeros(T, E).scatter_(1, i_.long(), gk)  # the same upstream gradient per expert
-    (hf_w * g_dense.gather(1, hf_i)).sum().backward()
-    gx, gw = R.router_topk_bwd(x.detach(), router.weight.detach(), l_, i_, gk, None, norm, scoring="sigmoid",
+    gx, gw = R.router_topk_bwd(x, router.weight.detach(), l_k, i_k, gk, None, norm, scoring="sigmoid",
                                routed_scaling_factor=router.routed_scaling_factor)
-    assert_close(gx, x.grad, torch.float32)
-    assert_close(gw, router.weight.grad, torch.float32)
+    check_oracle("kernel grad_x", gx, base[3], orc[3])
+    check_oracle("kernel grad_w", gw, base[4], orc[4])
 
 
 @pytest.mark.parametrize("kwargs, match", [
