@@ -14,8 +14,14 @@ about and skips broken ones, and refuses a checkpoint of another model before an
 Pruning (``keep_latest_k``) runs only after the new checkpoint is complete and only ever deletes
 checkpoints with the same fingerprint.
 
-Save in two halves so an asynchronous writer can call them: ``state(step)`` + ``dcp.save`` (or
-``dcp.async_save``) into ``tmp_path(step)``, then ``commit(step, nbytes_hint, t0)`` on every rank.
+A save has two halves: ``state(step)`` written by DCP into ``tmp_path(step)``, then ``commit(step)`` on
+every rank. :meth:`Checkpointer.save` does both at once; with ``checkpoint.async_mode = "async"``,
+:meth:`Checkpointer.save_async` copies the state (DCP's staging) and starts the write in a background
+thread (``dcp.async_save``, on a process group of its own so its collectives never interleave with the
+training's), and the commit happens later, on every rank, once every rank's write has finished
+(:meth:`Checkpointer.poll` each step, :meth:`Checkpointer.wait` before the next save and at the end).
+At most one save is in flight. A run killed during a background write leaves ``step-N.tmp`` (ignored by
+resume, replaced by the next save of that step) and the previous complete checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import re
 import shutil
 import time
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -35,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
@@ -56,6 +64,19 @@ RESUMABLE_FIELDS = frozenset({
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (disk full, folder gone); the previous one is intact."""
+
+
+# What a failed DCP read or write raises: DCP reports a rank's I/O error as a CheckpointException, which is a
+# BaseException (so `except Exception` would let it through as a traceback).
+DCP_ERRORS = (Exception, CheckpointException)
+
+
+def root_error(err: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (else `err`)."""
+    failures = getattr(err, "failures", None) if isinstance(err, CheckpointException) else None
+    if failures:
+        return failures[min(failures)][0]
+    return err
 
 
 def human_bytes(n: float) -> str:
@@ -265,6 +286,15 @@ def _dedup_tied(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     return out, aliases
 
 
+@dataclass
+class _InFlight:
+    """A background save: its step, DCP's future, when it started and how long the step loop waited."""
+    step: int
+    future: Future
+    t0: float
+    blocked_s: float
+
+
 class Checkpointer:
     def __init__(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  loader: Any, rank: int, world_size: int, keep_latest_k: int = 2, expert_tp_layout: int = 1,
@@ -275,6 +305,8 @@ class Checkpointer:
         self.identity = identity
         self.log = log or (lambda msg: print(f"[trnkit] {msg}", flush=True) if rank == 0 else None)
         self._aliases: dict[str, str] = {}
+        self._in_flight: _InFlight | None = None
+        self._async_group: Any = None  # the background writer's own process group, made at the first save
 
     # ------------------------------------------------------------------ size and space
     def expected_bytes(self) -> int:
@@ -327,21 +359,75 @@ class Checkpointer:
     def tmp_path(self, step: int) -> str:
         return os.path.join(self.folder, f"step-{step}.tmp")
 
-    def save(self, step: int) -> str:
-        """Write step-N synchronously; raises CheckpointSaveError (every rank) if the write fails."""
-        t0 = time.perf_counter()
+    def _clear_tmp(self, step: int) -> str:
         tmp = self.tmp_path(step)
         os.makedirs(self.folder, exist_ok=True)
         if self.rank == 0 and os.path.exists(tmp):
-            shutil.rmtree(tmp)
+            shutil.rmtree(tmp)  # left by a run killed mid-save
         _barrier()
+        return tmp
+
+    def save(self, step: int) -> str:
+        """Write step-N synchronously; raises CheckpointSaveError (every rank) if the write fails."""
+        t0 = time.perf_counter()
+        tmp = self._clear_tmp(step)
         try:
             dcp.save(self.state(step), checkpoint_id=tmp)
-        except Exception as e:  # noqa: BLE001 - DCP wraps I/O errors in many types; all mean "not saved"
+        except DCP_ERRORS as e:  # DCP wraps I/O errors in many types; all mean "not saved"
             self._save_failed(step, e)
         return self.commit(step, t0)
 
-    def _save_failed(self, step: int, err: BaseException) -> None:
+    # ------------------------------------------------------------------ asynchronous save
+    def save_async(self, step: int) -> tuple[int, str] | None:
+        """Start writing step-N in the background (every rank). Waits for (and commits) the save still in
+        flight first; returns that one's (step, path), or None. The state is copied before this returns,
+        so training may change the weights at once."""
+        committed = self.wait()
+        t0 = time.perf_counter()
+        tmp = self._clear_tmp(step)
+        if self._async_group is None:
+            # gloo on CPU, which async_save requires; a group of its own: the writer thread's collectives
+            # must never interleave with the training's on the default group
+            self._async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        try:
+            future = dcp.async_save(self.state(step), checkpoint_id=tmp, process_group=self._async_group,
+                                    no_dist=not dist.is_initialized())
+        except DCP_ERRORS as e:  # staging or the start of the write failed
+            self._save_failed(step, e)
+        self._in_flight = _InFlight(step, future, t0, time.perf_counter() - t0)
+        return committed
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the background save not yet committed, or None."""
+        return self._in_flight.step if self._in_flight else None
+
+    def poll(self) -> tuple[int, str] | None:
+        """Commit the background save if every rank's write has finished (every rank calls this, e.g. once
+        per step: with several ranks it is one small all-reduce while a save is in flight). Returns the
+        committed (step, path), or None."""
+        if self._in_flight is None:
+            return None
+        done = torch.tensor([int(self._in_flight.future.done())])
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return self.wait() if int(done) else None
+
+    def wait(self) -> tuple[int, str] | None:
+        """Block until the background save (if any) is written, then commit it (every rank). A failed write
+        raises CheckpointSaveError naming the step; returns the committed (step, path), or None."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return None
+        t_wait = time.perf_counter()
+        try:
+            pending.future.result()
+        except DCP_ERRORS as e:  # the writer thread's error, whatever its type
+            self._save_failed(pending.step, e, background=True)
+        blocked = pending.blocked_s + time.perf_counter() - t_wait
+        return pending.step, self.commit(pending.step, pending.t0, blocked_s=blocked)
+
+    def _save_failed(self, step: int, err: BaseException, background: bool = False) -> None:
         tmp = self.tmp_path(step)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -351,15 +437,18 @@ class Checkpointer:
             free = "unknown"
         prev = latest_checkpoint(self.folder)
         kept = f"the previous checkpoint {prev[1]} is intact" if prev else "no earlier checkpoint exists"
+        err = root_error(err)
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointSaveError(
-            f"checkpoint: saving step-{step} to {self.folder} failed ({type(err).__name__}: {first[:300]}). "
+            f"checkpoint: saving step-{step} {'in the background ' if background else ''}to {self.folder} failed "
+            f"({type(err).__name__}: {first[:300]}). "
             f"A checkpoint needs ~{human_bytes(self.expected_bytes())}; the disk has {free} free. "
             f"The partial step-{step}.tmp was removed and {kept}; the run stopped. Free some space (or point "
             "job.dump_folder elsewhere) and rerun to resume.") from err
 
-    def commit(self, step: int, t0: float | None = None) -> str:
-        """Every rank, after the DCP write of `step` finished: manifest -> rename -> prune -> log line."""
+    def commit(self, step: int, t0: float | None = None, blocked_s: float | None = None) -> str:
+        """Every rank, after the DCP write of `step` finished: manifest -> rename -> prune -> log line.
+        `blocked_s`: for a background save, how long the step loop waited for it (logged)."""
         _barrier()
         final = os.path.join(self.folder, f"step-{step}")
         if self.rank == 0:
@@ -383,6 +472,8 @@ class Checkpointer:
             os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
             self._prune()
             secs = f", {time.perf_counter() - t0:.1f} s" if t0 is not None else ""
+            if blocked_s is not None:
+                secs += f" in the background, the step loop waited {blocked_s:.2f} s"
             self.log(f"saved checkpoint step-{step} ({human_bytes(total)}{secs}) to {final}")
         _barrier()
         return final
@@ -408,9 +499,10 @@ class Checkpointer:
         state = self.state(0)
         try:
             dcp.load(state, checkpoint_id=path)
-        except Exception as e:  # noqa: BLE001
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"checkpoint {path}: cannot be loaded into this run's model ({type(e).__name__}: "
+        except DCP_ERRORS as e:
+            root = root_error(e)
+            first = (str(root).strip().splitlines() or [type(root).__name__])[0]
+            raise ConfigError(f"checkpoint {path}: cannot be loaded into this run's model ({type(root).__name__}: "
                               f"{first[:400]}); resume with the model settings that wrote it, or use another "
                               "--job.dump_folder") from e
         for alias, kept in self._aliases.items():  # a tied weight was stored once

@@ -1,7 +1,7 @@
 """Trainer configuration: dataclasses, TOML loading, ``--section.field value`` CLI overrides, validation.
 
 The layout follows torchtitan's classic TOML job config (``[job] [model] [training] [optimizer]
-[lr_scheduler] [parallelism] [checkpoint] [overrides] [compile] [metrics] [data]``). Every field can be
+[lr_scheduler] [parallelism] [checkpoint] [overrides] [compile] [metrics] [data] [validation]``). Every field can be
 set from the command line, e.g. ``--training.steps 20 --checkpoint.enable true``. Any mistake raises
 :class:`ConfigError` naming the key, the rule and the value.
 """
@@ -125,6 +125,21 @@ class CheckpointConfig:
     # Write the final weights as an HF safetensors folder (<dump_folder>/hf_export) at the end.
     export_hf: bool = False
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # "async": the write runs in a background thread (torch.distributed.checkpoint.async_save) while
+    # training goes on; the state is copied first, at most one save is in flight, and the checkpoint is
+    # renamed into place (atomic, as a synchronous one) only once every rank's write has finished.
+    async_mode: Literal["disabled", "async"] = "disabled"
+
+
+@dataclass
+class ValidationConfig:
+    enabled: bool = False
+    freq: int = 10                # evaluate every N steps (and at the last step)
+    steps: int = 4                # global batches per evaluation (the same held-out batches each time)
+    # "" = hold out the last `split_fraction` of the [data] corpus's token stream (training uses the
+    # rest); else a separate file / folder / glob read like data.dataset (the training corpus is whole).
+    dataset: str = ""
+    split_fraction: float = 0.05
 
 
 @dataclass
@@ -171,6 +186,7 @@ class TrainerConfig:
     overrides: OverridesConfig = field(default_factory=OverridesConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -423,6 +439,11 @@ def _validate(cfg: TrainerConfig) -> None:
     c = cfg.checkpoint
     req(c.interval >= 1, "checkpoint.interval", "must be >= 1", c.interval)
     req(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)
+    v = cfg.validation
+    req(v.freq >= 1, "validation.freq", "must be >= 1 (evaluate every N steps)", v.freq)
+    req(v.steps >= 1, "validation.steps", "must be >= 1 (batches per evaluation)", v.steps)
+    req(0 < v.split_fraction < 1, "validation.split_fraction",
+        "must be in (0, 1) (the part of the corpus held out for validation)", v.split_fraction)
     req(cfg.metrics.log_rank == "all" or cfg.metrics.log_rank.isdigit(), "metrics.log_rank",
         "must be 'all' or a rank number", cfg.metrics.log_rank)
     req(cfg.metrics.log_freq >= 1, "metrics.log_freq", "must be >= 1", cfg.metrics.log_freq)
@@ -454,6 +475,6 @@ def resolve_parallel_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[i
 __all__ = [
     "CheckpointConfig", "CompileConfig", "ConfigError", "DataConfig", "JobConfig", "LRSchedulerConfig",
     "MetricsConfig", "ModelConfig", "OptimizerConfig", "OverridesConfig", "ParallelismConfig",
-    "TrainerConfig", "TrainingConfig", "from_dict", "load_config", "load_toml", "parse_args",
+    "TrainerConfig", "TrainingConfig", "ValidationConfig", "from_dict", "load_config", "load_toml", "parse_args",
     "parse_cli_overrides", "resolve_parallel_degrees", "to_toml",
 ]

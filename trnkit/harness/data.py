@@ -245,12 +245,63 @@ class PackedLoader:
 
 def build_loader(data_cfg: Any, seq_len: int, local_batch_size: int, dp_rank: int, dp_degree: int,
                  seed: int = 0, tokenizer: Tokenizer | None = None) -> tuple[PackedLoader, Tokenizer]:
+    train, _, tokenizer = build_loaders(data_cfg, None, seq_len, local_batch_size, dp_rank, dp_degree, seed,
+                                        tokenizer)
+    return train, tokenizer
+
+
+def split_holdout(stream: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) parts of a packed token stream: the held-out part is its last
+    ``round(fraction * N)`` tokens. No token position is in both, so no training sample's window
+    (inputs or labels) reaches a held-out token."""
+    n_val = int(round(fraction * len(stream)))
+    return stream[:len(stream) - n_val], stream[len(stream) - n_val:]
+
+
+def build_loaders(data_cfg: Any, val_cfg: Any, seq_len: int, local_batch_size: int, dp_rank: int,
+                  dp_degree: int, seed: int = 0, tokenizer: Tokenizer | None = None
+                  ) -> tuple[PackedLoader, PackedLoader | None, Tokenizer]:
+    """(training loader, validation loader or None, tokenizer) for ``[data]`` and ``[validation]``.
+
+    Validation reads ``val_cfg.dataset`` when set, else the tail of the training corpus
+    (:func:`split_holdout`). Its loader is sharded like the training one, in corpus order (no
+    shuffle); the trainer rewinds it before each evaluation, so every evaluation sees the same batches.
+    """
     tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer)
     docs = read_documents(data_cfg.dataset, data_cfg.text_field, data_cfg.max_documents)
     stream = tokenize_stream(docs, tokenizer, data_cfg.add_eos)
-    loader = PackedLoader(stream, seq_len, local_batch_size, dp_rank, dp_degree, data_cfg.shuffle, seed)
-    return loader, tokenizer
+    global_batch = local_batch_size * dp_degree
+    val_stream = None
+    if val_cfg is not None and val_cfg.enabled:
+        if val_cfg.dataset:
+            docs = read_documents(val_cfg.dataset, data_cfg.text_field)
+            val_stream = tokenize_stream(docs, tokenizer, data_cfg.add_eos)
+            source = f"validation.dataset {val_cfg.dataset!r} ({len(val_stream):,} tokens)"
+            fix = "use more validation data"
+        else:
+            total = len(stream)
+            stream, val_stream = split_holdout(stream, val_cfg.split_fraction)
+            train_samples = max(len(stream) - 1, 0) // seq_len
+            if train_samples < global_batch:
+                raise ConfigError(
+                    f"validation.split_fraction: holding out {val_cfg.split_fraction} of the corpus "
+                    f"({len(val_stream):,} of {total:,} tokens) leaves {train_samples} training samples of seq_len "
+                    f"{seq_len}, fewer than one global batch ({global_batch}); lower validation.split_fraction, "
+                    "use more data or set validation.dataset")
+            source = (f"the held-out last {val_cfg.split_fraction} of the corpus ({len(val_stream):,} of "
+                      f"{total:,} tokens)")
+            fix = "raise validation.split_fraction"
+        val_samples = max(len(val_stream) - 1, 0) // seq_len
+        need = val_cfg.steps * global_batch
+        if val_samples < need:
+            raise ConfigError(
+                f"validation: {source} holds {val_samples} samples of seq_len {seq_len}; validation.steps "
+                f"({val_cfg.steps}) x global batch ({global_batch}) needs {need}; lower validation.steps or {fix}")
+    train = PackedLoader(stream, seq_len, local_batch_size, dp_rank, dp_degree, data_cfg.shuffle, seed)
+    val = None if val_stream is None else PackedLoader(val_stream, seq_len, local_batch_size, dp_rank, dp_degree)
+    return train, val, tokenizer
 
 
-__all__ = ["Batch", "IGNORE_INDEX", "PackedLoader", "Tokenizer", "build_loader", "load_tokenizer",
-           "qwen3_tokenizer_path", "read_documents", "shakespeare_files", "tokenize_stream"]
+__all__ = ["Batch", "IGNORE_INDEX", "PackedLoader", "Tokenizer", "build_loader", "build_loaders",
+           "load_tokenizer", "qwen3_tokenizer_path", "read_documents", "shakespeare_files", "split_holdout",
+           "tokenize_stream"]

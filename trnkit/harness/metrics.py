@@ -119,10 +119,11 @@ _COLORS = {"red": "\033[31m", "green": "\033[32m", "yellow": "\033[33m", "blue":
 
 
 def format_line(step: int, loss: float, grad_norm: float, mem_gib: float, mem_pct: float, tps: float,
-                tflops: float, mfu: float | None, color: bool = False) -> str:
+                tflops: float, mfu: float | None, color: bool = False, val_loss: float | None = None) -> str:
     c = _COLORS if color else {k: "" for k in _COLORS}
     mfu_s = "n/a" if mfu is None else f"{mfu:.2f}%"
-    return (f"{c['red']}step: {step:2}  {c['green']}loss: {loss:8.5f}  {c['yellow']}grad_norm: {grad_norm:7.4f}  "
+    val_s = "" if val_loss is None else f"val_loss: {val_loss:8.5f}  "
+    return (f"{c['red']}step: {step:2}  {c['green']}loss: {loss:8.5f}  {val_s}{c['yellow']}grad_norm: {grad_norm:7.4f}  "
             f"{c['blue']}memory: {mem_gib:5.2f}GiB({mem_pct:.2f}%)  {c['cyan']}tps: {round(tps):,}  "
             f"{c['magenta']}tflops: {tflops:,.2f}  mfu: {mfu_s}{c['reset']}")
 
@@ -169,6 +170,14 @@ class MetricsLogger:
                              file=sys.stderr, mininterval=0, miniters=1, dynamic_ncols=True)
         self._t_last = self._t_bar = time.perf_counter()
         self._tokens_since = self._tokens_bar = 0
+        self._val_loss: float | None = None
+
+    def validation(self, val_loss: float, seconds: float) -> None:
+        """This step's validation loss (goes into the next log line and record); the `seconds` it took
+        are left out of the tokens/s of the step."""
+        self._val_loss = val_loss
+        self._t_last += seconds
+        self._t_bar += seconds
 
     def add_tokens(self, n: int) -> None:
         self._tokens_since += n
@@ -199,9 +208,12 @@ class MetricsLogger:
             extra = {**extra, "memory_max_rank_gib": float(peak)}
         rec = {"step": step, "loss": loss, "grad_norm": grad_norm, "memory_gib": mem_gib, "memory_pct": mem_pct,
                "tps": tps, "tflops": tflops, "mfu": mfu, "time_s": dt, **extra}
+        val_loss, self._val_loss = self._val_loss, None
+        if val_loss is not None:
+            rec["val_loss"] = val_loss
         self.history.append(rec)
         if self.rank == 0:
-            line = format_line(step, loss, grad_norm, mem_gib, mem_pct, tps, tflops, mfu, self.cfg.color)
+            line = format_line(step, loss, grad_norm, mem_gib, mem_pct, tps, tflops, mfu, self.cfg.color, val_loss)
             LOGGER.info(line)
             if self._jsonl is not None:
                 self._jsonl.write(json.dumps(rec) + "\n")
@@ -219,7 +231,8 @@ class MetricsLogger:
 
 def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "training loss",
               vocab_size: int | None = None) -> str:
-    """Loss per logged step as a PNG; with `vocab_size`, a dashed line at ln(vocab) (random guessing)."""
+    """Loss per logged step as a PNG, the validation loss (records with ``val_loss``) as a second curve;
+    with `vocab_size`, a dashed line at ln(vocab) (random guessing)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -228,9 +241,14 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "traini
 
     recs = list(records)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], marker=".", lw=1.2, label="loss")
+    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], marker=".", lw=1.2, label="training loss")
+    val = [r for r in recs if r.get("val_loss") is not None]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], marker="o", ms=4, lw=1.2,
+                label="validation loss")
     if vocab_size:
         ax.axhline(math.log(vocab_size), ls="--", lw=0.8, color="gray", label=f"ln(vocab = {vocab_size:,})")
+    if val or vocab_size:
         ax.legend(loc="upper right", fontsize=8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")

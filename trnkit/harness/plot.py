@@ -1,6 +1,7 @@
 """Overlay the loss curves of several runs: ``python -m trnkit.harness.plot A/metrics.jsonl B/metrics.jsonl -o cmp.png``.
 
-Labels default to each run's folder name; pass ``--labels a,b`` to choose them.
+Labels default to each run's folder name; pass ``--labels a,b`` to choose them. A run's validation loss
+(records with ``val_loss``) is drawn dashed in its colour.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ def plot_runs(paths: list[str], out: str, labels: list[str] | None = None, title
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     for path, label, marker in zip(paths, labels, "o.s^v"):
         recs = read_jsonl(path)
-        ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], marker=marker, ms=3, lw=1, label=label)
+        (line,) = ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], marker=marker, ms=3, lw=1,
+                          label=label)
+        val = [r for r in recs if r.get("val_loss") is not None]
+        if val:
+            ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], ls="--", marker=marker, ms=3, lw=1,
+                    color=line.get_color(), label=f"{label} (validation)")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (cross-entropy, nats)")

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -28,13 +29,14 @@ from trnkit.harness.aux_loss import MoEAuxLoss
 from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIdentity, find_resumable,
                                        full_model_state_dict, load_full_model_state_dict, on_rank0)
 from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig, _suggest, parse_args, to_toml
-from trnkit.harness.data import IGNORE_INDEX, build_loader
+from trnkit.harness.data import IGNORE_INDEX, build_loaders
 from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
 from trnkit.harness.logs import LOGGER, setup_logging
 from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
 from trnkit.harness.plugins import import_plugins
 from trnkit.harness.rundir import archive_previous_run
 from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
+from trnkit.harness.validation import Validator
 from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.qwen3.state_dict import CheckpointError
 
@@ -52,6 +54,7 @@ class TrainingDiverged(RuntimeError):
 class RunResult:
     losses: dict[int, float] = field(default_factory=dict)   # step -> global average loss
     grad_norms: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss (all dp ranks)
     start_step: int = 0
     final_step: int = 0
     dump_folder: str = ""
@@ -271,7 +274,8 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     resume_from = None
     if cfg.checkpoint.enable and cfg.checkpoint.resume:
         resume_from = on_rank0(lambda: find_resumable(ckpt_dir, identity, warn=log))
-    loader, tok = build_loader(cfg.data, t.seq_len, t.local_batch_size, env.dp_rank, env.dp, cfg.job.seed)
+    loader, val_loader, tok = build_loaders(cfg.data, cfg.validation, t.seq_len, t.local_batch_size, env.dp_rank,
+                                            env.dp, cfg.job.seed)
     if tok.vocab_size > handle.vocab_size:
         raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {handle.name} has "
                           f"vocab_size {handle.vocab_size}")
@@ -286,6 +290,13 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
     log(f"data: {cfg.data.dataset} -> {len(loader.stream):,} tokens ({loader.num_samples:,} samples of "
         f"{t.seq_len}) with tokenizer {tok.path} (vocab {tok.vocab_size:,})")
+    validator = None
+    if val_loader is not None:
+        v = cfg.validation
+        validator = Validator(val_loader, v.steps, v.freq, t.steps, env.dp_group)
+        source = v.dataset or f"the last {v.split_fraction:.0%} of {cfg.data.dataset}"
+        log(f"validation: every {v.freq} steps and at the last, {v.steps} batches of {t.local_batch_size * env.dp} "
+            f"x {t.seq_len} tokens from {source} ({len(val_loader.stream):,} tokens, not trained on)")
 
     model, table, loaded = _build_model(handle, cfg, env, log)
     if env.world_size > 1:
@@ -338,8 +349,11 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     result = RunResult(start_step=start_step, dump_folder=dump, override_table=table)
     use_autocast = t.dtype == "bfloat16" and env.dp == 1  # FSDP casts through its MixedPrecisionPolicy
 
-    def amp() -> Any:
-        return torch.autocast(env.device.type, dtype=torch.bfloat16) if use_autocast else nullcontext()
+    def loss_sum(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of one microbatch (the model's training forward, or eval's under no_grad)."""
+        amp = torch.autocast(env.device.type, dtype=torch.bfloat16) if use_autocast else nullcontext()
+        with amp:
+            return handle.loss_sum(model, tokens.to(env.device), labels.to(env.device), t.loss_chunk_size)
 
     dp_group = env.dp_group
     accum = t.gradient_accumulation_steps
@@ -356,9 +370,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             ce_sum = torch.zeros((), dtype=torch.float64)
 
             def forward(i: int) -> torch.Tensor:
-                with amp():
-                    return handle.loss_sum(model, batches[i].tokens.to(env.device),
-                                           batches[i].labels.to(env.device), t.loss_chunk_size)
+                return loss_sum(batches[i].tokens, batches[i].labels)
 
             aux_loss.start_step(model, accum, forward)
             for i in range(accum):
@@ -374,6 +386,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             aux_value = aux_loss.value()
             global_loss = float(parallel.all_reduce_sum(ce_sum, dp_group) / global_tokens.double())
             if not (math.isfinite(global_loss) and math.isfinite(grad_norm)):
+                last_good = ckpt.wait() or last_good  # a background save of an earlier step is good: commit it
                 where = f"{last_good[1]} (step {last_good[0]})" if last_good else "none written"
                 raise TrainingDiverged(f"train: step {step}: loss {global_loss} / grad_norm {grad_norm} is not "
                                        f"finite -- stopping without applying the update; last good checkpoint: "
@@ -387,13 +400,18 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             result.grad_norms[step] = grad_norm
             if step == start_step + 1 and start_step == 0:
                 log(step1_sanity(global_loss, handle.vocab_size, loaded))
-            if step % cfg.metrics.log_freq == 0 or step == t.steps:
+            if validator is not None and validator.due(step):
+                t_val = time.perf_counter()
+                val_loss = validator.evaluate(model, loss_sum)
+                metrics.validation(val_loss, time.perf_counter() - t_val)
+                result.val_losses[step] = val_loss
+            if step % cfg.metrics.log_freq == 0 or step == t.steps or step in result.val_losses:
                 extra = {"lr": lr, "aux_loss": aux_value, "n_tokens_seen": loader.position * t.seq_len}
                 result.records.append(metrics.log(step, global_loss, grad_norm, extra))
-            if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps):
-                path = ckpt.save(step)
-                last_good = (step, path)
+            if cfg.checkpoint.enable:
+                last_good = _checkpoint(ckpt, step, cfg) or last_good
             result.final_step = step
+        last_good = ckpt.wait() or last_good  # the last background save
         outcome = "finished"
     except TrainingDiverged:
         outcome = "diverged"
@@ -402,6 +420,8 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         outcome = f"interrupted ({getattr(e, 'signal_name', 'SIGINT')})"
         raise
     finally:
+        if ckpt.in_flight is not None:
+            _settle_background_save(ckpt, env.world_size, log)
         metrics.close()
         if env.rank == 0 and cfg.metrics.plot:
             _write_loss_plot(metrics.history, cfg, handle, outcome, log)
@@ -415,6 +435,33 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         result.hf_export = out
     result.model = model
     return result
+
+
+def _checkpoint(ckpt: Checkpointer, step: int, cfg: TrainerConfig) -> tuple[int, str] | None:
+    """Save at the checkpoint steps (synchronously, or start a background save); with background saves,
+    commit one whose write has finished. Returns the (step, path) committed now, if any."""
+    c = cfg.checkpoint
+    due = step % c.interval == 0 or step == cfg.training.steps
+    if c.async_mode == "disabled":
+        return (step, ckpt.save(step)) if due else None
+    return ckpt.save_async(step) if due else ckpt.poll()
+
+
+def _settle_background_save(ckpt: Checkpointer, world_size: int, log: _Log) -> None:
+    """The step loop stopped (an error, Ctrl-C, SIGTERM) with a background save in flight. One process
+    waits for the write and commits it; several cannot (the commit is collective and a peer may be
+    gone): the partial step-N.tmp stays, resume uses the previous checkpoint and a later save of that
+    step replaces it."""
+    step = ckpt.in_flight
+    if world_size > 1:
+        log(f"checkpoint step-{step} was still being written in the background: not committed "
+            f"(step-{step}.tmp is ignored by resume)")
+        return
+    log(f"waiting for the background save of checkpoint step-{step}")
+    try:
+        ckpt.wait()
+    except CheckpointSaveError as e:  # never hide why the run stopped behind the save's error
+        LOGGER.warning(str(e))
 
 
 def _write_loss_plot(history: list[dict[str, Any]], cfg: TrainerConfig, handle: ModelHandle, outcome: str,
