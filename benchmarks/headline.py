@@ -1,149 +1,299 @@
-"""Reproduce the cost-model headline figures of docs/kernels.md, one named recipe per figure.
+"""The kernels' headline cost-model figures, as ranges (README, docs/kernels.md, docs/benchmarks.md).
 
-    python benchmarks/headline.py                 # list the recipes
-    python benchmarks/headline.py rope_fwd router_fwd ...   # run some (or: all)
+    python benchmarks/headline.py --list                      # the cases and groups
+    python benchmarks/headline.py rope router_bwd             # some cases (or groups: rope, router, moe, all)
+    python benchmarks/headline.py router --save-reference     # into benchmarks/data + regenerate the docs tables
 
-Each recipe builds its inputs exactly as the docs state them (e.g. rope: q [1,32,4096,128] + k [1,8,4096,128]
-bf16 with the packed fp32 cache [4096, 256]), runs the kernel once on the interpreter in trace-only mode and
-prints the trn2 cost-model estimate, the bound the docs quote (HBM bound, or for moe the useful-FLOP TensorE
-bound), the fraction and the busiest engines; results go to benchmarks/data/headline.json. These are
-estimates of the cost model (docs/cost-model.md), not measurements.
+Each case builds the inputs its docs state (e.g. rope: q [1,32,4096,128] + k [1,8,4096,128] bf16 with the
+packed fp32 cache [4096, 256]), runs the kernel once on the interpreter in trace-only mode and estimates
+the trace under the low / mid / high settings of ``trnkit.nkisim.cost_params`` (optimistic / mid /
+pessimistic values of the model's uncertain parameters). The headline cases (``HEADLINE``) also get a
+sensitivity table: each parameter alone at its optimistic and pessimistic value, the rest at mid.
+
+Bounds: HBM bytes / per-core HBM bandwidth for rope and router (per core for LNC=2); useful FLOPs at
+TensorE's bf16 peak for MoE (forward 6·T·K·H·I, backward 12·T·K·H·I = 2x forward; the backward's
+recompute of gate/up, 4·T·K·H·I, is reported separately, not counted as useful). The fraction of the
+bound "at the low end" is the one at the pessimistic end of the range.
+
+Outputs (merged case by case with what the folder already holds): ``headline.json`` (everything),
+``headline.csv`` (one row per case) and ``headline_sensitivity.csv`` (one row per headline case and
+parameter), in ``outputs/bench/`` or, with ``--save-reference``, in ``benchmarks/data/``; then
+``scripts/docs_tables.py`` rewrites the docs' generated tables from them.
+All figures are estimates of trnkit's cost model (docs/cost-model.md), not measurements.
 """
 
 from __future__ import annotations
 
+import argparse
+import csv
 import importlib
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from trnkit.nkisim import cost, trace
+from trnkit.bench.paths import REFERENCE_DIR, add_output_args, load_script, output_dir
+from trnkit.nkisim import cost, hardware, trace
+from trnkit.nkisim.cost_params import HIGH, LOW, MID
 
-OUT = Path(__file__).with_name("data") / "headline.json"
+ROOT = Path(__file__).resolve().parents[1]
+TRN2 = hardware.TRN2
 BF16 = torch.bfloat16
-TENSOR_BF16_FLOPS_PER_NS = 79e3  # trn2 TensorE dense bf16, 79 TFLOPS (docs/kernels.md MoE table)
+MOE = dict(T=8192, H=2048, I=768, E=128, K=8)  # Qwen3-30B-A3B experts
+ROPE_SHAPE = "q [1,32,4096,128] + k [1,8,4096,128]"
+ROUTER_SHAPE = "T=8192 H=2048 E=128 K=8"
+MOE_SHAPE = "Qwen3-30B-A3B T=8192 H=2048 I=768 E=128 K=8"
+MODEL = ("trn2 cost model on the interpreter's trace-only instruction trace (list schedule), one NeuronCore "
+         "per program; low / mid / high = every uncertain parameter of trnkit.nkisim.cost_params at its "
+         "optimistic / mid / pessimistic value")
+CSV_FIELDS = ("case", "kernel", "mode", "shape", "bound_kind", "bound_us", "low_us", "mid_us", "high_us",
+              "fraction_low_end", "fraction_mid", "fraction_high_end", "busiest_mid_us", "top_sensitivity",
+              "assumptions", "timestamp")
+SENS_FIELDS = ("case", "parameter", "optimistic_value", "mid_value", "pessimistic_value", "optimistic_us",
+               "pessimistic_us")
+
+
+@dataclass(frozen=True)
+class HeadlineCase:
+    kernel: str
+    mode: str  # "forward" | "backward"
+    shape: str  # the shape as the docs state it
+    build: Callable[[], Callable[[], object]]  # returns the kernel call on ready inputs
+    useful_flops: int = 0  # > 0: the bound is these FLOPs at TensorE's bf16 peak; 0: the HBM bound
+    notes: str = ""  # assumptions beyond MODEL (routing, layout, ...)
+
+    @property
+    def bound_kind(self) -> str:
+        if self.useful_flops:
+            return (f"useful {self.useful_flops / 1e12:.3f} TFLOP / "
+                    f"{TRN2.tensor_flops_per_ns_bf16 / 1e3:.1f} TFLOPS")
+        return f"HBM bytes / {TRN2.hbm_bytes_per_ns:.1f} GB/s"
 
 
 def _g() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def _rope(Hq: int = 32, Hk: int = 8, dtype: torch.dtype = BF16, bshd: bool = False, backward: bool = False,
-          lnc: int = 1) -> Callable[[], object]:
-    mod = importlib.import_module("trnkit.kernels.rope_hf")  # (trnkit.kernels.rope_hf is also a function)
-    B, S, D = 1, 4096, 128
-    g = _g()
-    qs, ks = ((B, S, Hq, D), (B, S, Hk, D)) if bshd else ((B, Hq, S, D), (B, Hk, S, D))
-    q, k = torch.randn(qs, generator=g).to(dtype), torch.randn(ks, generator=g).to(dtype)
-    ang = torch.arange(S, dtype=torch.float32)[:, None] * 1e6 ** (-torch.arange(0, D, 2) / D)
-    ang = torch.cat([ang, ang], -1)
-    cache = torch.cat([ang.cos(), ang.sin()], -1)  # packed fp32 [S, 2D] = cos | sin
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    if lnc > 1:
-        return lambda: mod.rope_hf_kernel[lnc](q, k, q_out, k_out, cache, cache, packed=True, backward=backward,
-                                               bshd=bshd)
-    fn = mod.rope_hf_bshd if bshd else mod.rope_hf
-    return lambda: fn(q, k, q_out, k_out, rope_cache=cache, backward=backward)
+def _rope(Hk: int = 8, dtype: torch.dtype = BF16, bshd: bool = False, backward: bool = False,
+          lnc: int = 1) -> Callable[[], Callable[[], object]]:
+    def build() -> Callable[[], object]:
+        mod = importlib.import_module("trnkit.kernels.rope_hf")  # (trnkit.kernels.rope_hf is also a function)
+        B, Hq, S, D = 1, 32, 4096, 128
+        g = _g()
+        qs, ks = ((B, S, Hq, D), (B, S, Hk, D)) if bshd else ((B, Hq, S, D), (B, Hk, S, D))
+        q, k = torch.randn(qs, generator=g).to(dtype), torch.randn(ks, generator=g).to(dtype)
+        ang = torch.arange(S, dtype=torch.float32)[:, None] * 1e6 ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+        ang = torch.cat([ang, ang], -1)
+        cache = torch.cat([ang.cos(), ang.sin()], -1)  # packed fp32 [S, 2D] = cos | sin
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        if lnc > 1:
+            return lambda: mod.rope_hf_kernel[lnc](q, k, q_out, k_out, cache, cache, packed=True, backward=backward,
+                                                   bshd=bshd)
+        fn = mod.rope_hf_bshd if bshd else mod.rope_hf
+        return lambda: fn(q, k, q_out, k_out, rope_cache=cache, backward=backward)
+    return build
 
 
-def _router(T: int = 8192, dtype: torch.dtype = BF16, norm: bool = True, affinities: bool = False,
-            backward: bool = False, lnc: int = 1) -> Callable[[], object]:
-    mod = importlib.import_module("trnkit.kernels.router_topk")
-    rt = mod.router_topk
-    H, E, K = 2048, 128, 8
-    g = _g()
-    x, w = torch.randn(T, H, generator=g).to(dtype), (torch.randn(E, H, generator=g) * H ** -0.5).to(dtype)
-    if backward:
-        weights, idx, logits = rt(x, w, K, norm)
-        gw = torch.randn(T, K, generator=g)
-        return lambda: mod.router_topk_bwd(x, w, logits, idx, gw, None, norm)
-    if lnc > 1:
-        return lambda: mod.router_topk_kernel[lnc](x, w, K, norm, affinities)
-    return lambda: rt(x, w, K, norm, return_affinities=affinities)
+def _router(dtype: torch.dtype = BF16, norm: bool = True, affinities: bool = False, backward: bool = False,
+            lnc: int = 1) -> Callable[[], Callable[[], object]]:
+    def build() -> Callable[[], object]:
+        mod = importlib.import_module("trnkit.kernels.router_topk")
+        T, H, E, K = 8192, 2048, 128, 8
+        g = _g()
+        x, w = torch.randn(T, H, generator=g).to(dtype), (torch.randn(E, H, generator=g) * H ** -0.5).to(dtype)
+        if backward:
+            weights, idx, logits = mod.router_topk(x, w, K, norm)
+            gw = torch.randn(T, K, generator=g)
+            return lambda: mod.router_topk_bwd(x, w, logits, idx, gw, None, norm)
+        if lnc > 1:
+            return lambda: mod.router_topk_kernel[lnc](x, w, K, norm, affinities)
+        return lambda: mod.router_topk(x, w, K, norm, return_affinities=affinities)
+    return build
 
 
-def _moe(T: int = 8192, backward: bool = False) -> Callable[[], object]:
-    from trnkit.kernels import moe  # noqa: PLC0415
+def _moe(backward: bool = False) -> Callable[[], Callable[[], object]]:
+    def build() -> Callable[[], object]:
+        from trnkit.kernels import moe  # noqa: PLC0415
 
-    H, inter, E, K = 2048, 768, 128, 8
-    g = _g()
-    x = torch.randn(T, H, generator=g).to(BF16)
-    p = torch.softmax(torch.randn(T, E, generator=g), -1)
-    tw, idx = p.topk(K, -1)
-    tw, idx = (tw / tw.sum(-1, keepdim=True)).float(), idx.to(torch.int32)
-    wgu = (torch.randn(E, H, 2 * inter, generator=g) * H ** -0.5).to(BF16)
-    wd = (torch.randn(E, inter, H, generator=g) * inter ** -0.5).to(BF16)
-    if backward:
+        T, H, I, E, K = (MOE[k] for k in "THIEK")  # noqa: E741
+        g = _g()
+        x = torch.randn(T, H, generator=g).to(BF16)
+        tw, idx = torch.softmax(torch.randn(T, E, generator=g), -1).topk(K, -1)
+        tw, idx = (tw / tw.sum(-1, keepdim=True)).float(), idx.to(torch.int32)
+        wgu = (torch.randn(E, H, 2 * I, generator=g) * H ** -0.5).to(BF16)
+        wd = (torch.randn(E, I, H, generator=g) * I ** -0.5).to(BF16)
+        if not backward:
+            return lambda: moe.moe_experts(x, idx, tw, wgu, wd)
         go = torch.randn(T, H, generator=g).to(BF16)
         return lambda: moe.moe_experts_bwd(x, idx, tw, wgu, wd, go)
-    return lambda: moe.moe_experts(x, idx, tw, wgu, wd)
+    return build
 
 
-def _moe_bound(T: int, backward: bool) -> float:
-    """Useful-FLOP TensorE bound (ns): gate/up and down matmuls of the T*K slots (x3 for the backward)."""
-    flops = 6 * T * 8 * 2048 * 768 * (3 if backward else 1)
-    return flops / TENSOR_BF16_FLOPS_PER_NS
+def moe_flops(mult: int) -> int:
+    """``mult``·T·K·H·I at the Qwen3-30B-A3B expert shapes (6: forward, 12: backward, 4: gate/up recompute)."""
+    return mult * MOE["T"] * MOE["K"] * MOE["H"] * MOE["I"]
 
 
-RECIPES: dict[str, tuple[str, Callable[[], Callable[[], object]], str]] = {
-    "rope_fwd": ("rope_hf q [1,32,4096,128] + k [1,8,4096,128] bf16, packed fp32 cache, fwd", _rope, "hbm"),
-    "rope_bwd": ("same, backward", lambda: _rope(backward=True), "hbm"),
-    "rope_bshd_fwd": ("same, rope_hf_bshd ([B,S,H,D]) fwd", lambda: _rope(bshd=True), "hbm"),
-    "rope_hk32_fwd": ("same, q and k both [1,32,4096,128] bf16 fwd", lambda: _rope(Hk=32), "hbm"),
-    "rope_fp32_fwd": ("same shapes (Hk=8) fp32 fwd", lambda: _rope(dtype=torch.float32), "hbm"),
-    "rope_lnc2_fwd": ("same, LNC=2 (rope_hf_kernel[2]) bf16 fwd", lambda: _rope(lnc=2), "hbm"),
-    "router_fwd": ("router_topk T=8192, H=2048, E=128, K=8 bf16", _router, "hbm"),
-    "router_nonorm_fwd": ("same, norm_topk_prob=False", lambda: _router(norm=False), "hbm"),
-    "router_lnc2_fwd": ("same, LNC=2 (router_topk_kernel[2])", lambda: _router(lnc=2), "hbm"),
-    "router_aff_fwd": ("same, return_affinities=True", lambda: _router(affinities=True), "hbm"),
-    "router_bwd": ("router_topk_bwd same shapes, bf16", lambda: _router(backward=True), "hbm"),
-    "router_fp32_bwd": ("router_topk_bwd fp32", lambda: _router(dtype=torch.float32, backward=True), "hbm"),
-    "moe_fwd": ("moe_experts fwd, Qwen3-30B-A3B T=8192 bf16 (TensorE bound)", _moe, "tensor_fwd"),
-    "moe_bwd": ("moe_experts_bwd, same shapes (TensorE bound; minutes)", lambda: _moe(backward=True),
-                "tensor_bwd"),
+ROPE_NOTES = "packed fp32 cache [4096, 256], fp32 math"
+MOE_NOTES = ("routing: top-8 of a softmax over random logits (near-uniform, ~512 slots per expert), "
+             "block_size 128")
+CASES: dict[str, HeadlineCase] = {
+    "rope_fwd": HeadlineCase("rope_hf", "forward", f"{ROPE_SHAPE} bf16", _rope(), notes=ROPE_NOTES),
+    "rope_bwd": HeadlineCase("rope_hf", "backward", f"{ROPE_SHAPE} bf16", _rope(backward=True), notes=ROPE_NOTES),
+    "rope_bshd_fwd": HeadlineCase("rope_hf", "forward", f"{ROPE_SHAPE} bf16, rope_hf_bshd ([B,S,H,D])",
+                                  _rope(bshd=True), notes=ROPE_NOTES),
+    "rope_hk32_fwd": HeadlineCase("rope_hf", "forward", "q, k [1,32,4096,128] bf16", _rope(Hk=32), notes=ROPE_NOTES),
+    "rope_fp32_fwd": HeadlineCase("rope_hf", "forward", f"{ROPE_SHAPE} fp32", _rope(dtype=torch.float32),
+                                  notes=ROPE_NOTES),
+    "rope_lnc2_fwd": HeadlineCase("rope_hf", "forward", f"{ROPE_SHAPE} bf16, LNC=2 (rope_hf_kernel[2])",
+                                  _rope(lnc=2), notes=ROPE_NOTES + "; bound per core"),
+    "router_fwd": HeadlineCase("router_topk", "forward", f"{ROUTER_SHAPE} bf16", _router()),
+    "router_nonorm_fwd": HeadlineCase("router_topk", "forward", f"{ROUTER_SHAPE} bf16, norm_topk_prob=False",
+                                      _router(norm=False)),
+    "router_lnc2_fwd": HeadlineCase("router_topk", "forward", f"{ROUTER_SHAPE} bf16, LNC=2 (router_topk_kernel[2])",
+                                    _router(lnc=2), notes="bound per core"),
+    "router_aff_fwd": HeadlineCase("router_topk", "forward", f"{ROUTER_SHAPE} bf16, return_affinities=True",
+                                   _router(affinities=True)),
+    "router_bwd": HeadlineCase("router_topk", "backward", f"{ROUTER_SHAPE} bf16", _router(backward=True)),
+    "router_fp32_bwd": HeadlineCase("router_topk", "backward", f"{ROUTER_SHAPE} fp32",
+                                    _router(dtype=torch.float32, backward=True)),
+    "moe_fwd": HeadlineCase("moe_experts", "forward", f"{MOE_SHAPE} bf16", _moe(), moe_flops(6), MOE_NOTES),
+    "moe_bwd": HeadlineCase("moe_experts", "backward", f"{MOE_SHAPE} bf16", _moe(backward=True), moe_flops(12),
+                            MOE_NOTES + "; useful FLOPs = 2x forward, gate/up recompute not counted"),
 }
+HEADLINE = ("rope_fwd", "rope_bwd", "router_fwd", "moe_fwd", "moe_bwd")  # README figures: + sensitivity
+GROUPS = {"rope": [c for c in CASES if c.startswith("rope_")], "router": [c for c in CASES if c.startswith("router_")],
+          "moe": ["moe_fwd", "moe_bwd"], "headline": list(HEADLINE), "all": list(CASES)}
 
 
-def run(name: str) -> dict:
-    title, build, bound_kind = RECIPES[name]
-    call = build()
+def assumptions(name: str) -> str:
+    case = CASES[name]
+    return f"{MODEL}; bound: {case.bound_kind}" + (f"; {case.notes}" if case.notes else "")
+
+
+def run_case(name: str, sensitivity: bool | None = None) -> dict:
+    """Trace case ``name`` once and estimate it; ``sensitivity`` (default: for the HEADLINE cases) adds the
+    one-parameter-at-a-time totals."""
+    case = CASES[name]
+    call = case.build()
     t0 = time.perf_counter()
     with trace.record(trace_only=True) as tr:
         call()
     rep = cost.estimate(tr, "trn2")
-    if bound_kind == "hbm":
-        bound = rep.memory_bound_ns
-    else:
-        bound = _moe_bound(8192, bound_kind == "tensor_bwd")
-    busy = sorted(rep.busy_ns.items(), key=lambda kv: -kv[1])[:4]
-    res = {"recipe": name, "case": title, "estimate_us": rep.total_ns / 1e3, "bound_us": bound / 1e3,
-           "bound": "HBM" if bound_kind == "hbm" else "TensorE useful FLOPs", "fraction": bound / rep.total_ns,
-           "busy_us": {k: round(v / 1e3, 1) for k, v in busy}, "interp_s": round(time.perf_counter() - t0, 1)}
-    print(f"{name}: {title}: {res['estimate_us']:.1f} us, {res['bound']} bound {res['bound_us']:.1f} us, "
-          f"{100 * res['fraction']:.1f} %, busy {res['busy_us']} ({res['interp_s']} s)", flush=True)
-    return res
+    bound = case.useful_flops / TRN2.tensor_flops_per_ns_bf16 if case.useful_flops else rep.memory_bound_ns
+    low, mid, high = rep.total_range_ns
+    out = {"kernel": case.kernel, "mode": case.mode, "shape": case.shape, "bound": case.bound_kind,
+           "bound_us": bound / 1e3, "time_us": {"low": low / 1e3, "mid": mid / 1e3, "high": high / 1e3},
+           "fraction": {"low_end": bound / high, "mid": bound / mid, "high_end": bound / low},
+           "busy_us": {e: b / 1e3 for e, b in sorted(rep.busy_ns.items(), key=lambda kv: -kv[1])},
+           "n_instrs": rep.n_instrs, "n_programs": rep.n_programs, "assumptions": assumptions(name)}
+    if sensitivity or (sensitivity is None and name in HEADLINE):
+        out["sensitivity_us"] = {k: [lo / 1e3, hi / 1e3] for k, (lo, hi) in cost.sensitivity(tr, "trn2").items()}
+    if case.kernel == "moe_experts" and case.mode == "backward":
+        out["recompute_flops"] = moe_flops(4)
+        out["recompute_us_at_peak"] = moe_flops(4) / TRN2.tensor_flops_per_ns_bf16 / 1e3
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    out["timestamp"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    return out
 
 
-def main(argv: list[str]) -> int:
-    if not argv:
-        for name, (title, _, _) in RECIPES.items():
-            print(f"{name:18s} {title}")
-        return 0
-    names = list(RECIPES) if argv == ["all"] else argv
-    unknown = [n for n in names if n not in RECIPES]
+def _top(r: dict, n: int = 3, fmt: str = "{:.1f}") -> str:
+    sens = list(r.get("sensitivity_us", {}).items())[:n]
+    return "; ".join(f"{k} {fmt.format(lo)}..{fmt.format(hi)}" for k, (lo, hi) in sens)
+
+
+def csv_rows(results: dict) -> list[dict]:
+    rows = []
+    for name in CASES:
+        r = results.get(name)
+        if r is None:
+            continue
+        t, f = r["time_us"], r["fraction"]
+        busiest = "; ".join(f"{e} {b:,.1f}" for e, b in list(r["busy_us"].items())[:3])
+        rows.append({"case": name, "kernel": r["kernel"], "mode": r["mode"], "shape": r["shape"],
+                     "bound_kind": r["bound"], "bound_us": round(r["bound_us"], 2), "low_us": round(t["low"], 2),
+                     "mid_us": round(t["mid"], 2), "high_us": round(t["high"], 2),
+                     "fraction_low_end": round(f["low_end"], 4), "fraction_mid": round(f["mid"], 4),
+                     "fraction_high_end": round(f["high_end"], 4), "busiest_mid_us": busiest,
+                     "top_sensitivity": _top(r), "assumptions": r["assumptions"], "timestamp": r["timestamp"]})
+    return rows
+
+
+def sensitivity_rows(results: dict) -> list[dict]:
+    rows = []
+    for name in CASES:
+        for param, (lo, hi) in results.get(name, {}).get("sensitivity_us", {}).items():
+            rows.append({"case": name, "parameter": param, "optimistic_value": getattr(LOW, param),
+                         "mid_value": getattr(MID, param), "pessimistic_value": getattr(HIGH, param),
+                         "optimistic_us": round(lo, 2), "pessimistic_us": round(hi, 2)})
+    return rows
+
+
+def _write_csv(path: Path, field_names: tuple[str, ...], rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=field_names)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_outputs(out: Path, results: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "headline.json").write_text(json.dumps(results, indent=1) + "\n")
+    _write_csv(out / "headline.csv", CSV_FIELDS, csv_rows(results))
+    _write_csv(out / "headline_sensitivity.csv", SENS_FIELDS, sensitivity_rows(results))
+
+
+def resolve(names: list[str]) -> list[str]:
+    """Case names from case and group names, in CASES order; unknown names raise ValueError."""
+    unknown = [n for n in names if n not in CASES and n not in GROUPS]
     if unknown:
-        print(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}", file=sys.stderr)
-        return 2
-    old = json.loads(OUT.read_text()) if OUT.exists() else {}
-    for n in names:
-        old[n] = run(n)
-    OUT.write_text(json.dumps(old, indent=1, sort_keys=True) + "\n")
+        raise ValueError(f"unknown case(s) {unknown}; cases: {', '.join(CASES)}; groups: {', '.join(GROUPS)}")
+    wanted = {c for n in names for c in GROUPS.get(n, [n])}
+    return [c for c in CASES if c in wanted]
+
+
+def regenerate_docs() -> int:
+    """Rewrite the docs' generated tables from benchmarks/data (scripts/docs_tables.py)."""
+    return load_script(ROOT / "scripts" / "docs_tables.py", "docs_tables").main([])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("cases", nargs="*", help="case or group names (see --list)")
+    ap.add_argument("--list", action="store_true", help="list the cases and groups")
+    sens = ap.add_mutually_exclusive_group()
+    sens.add_argument("--sensitivity", action="store_true", help="sensitivity table for every case run")
+    sens.add_argument("--no-sensitivity", action="store_true", help="no sensitivity table, not even for HEADLINE")
+    add_output_args(ap, "headline.{json,csv} and headline_sensitivity.csv")
+    args = ap.parse_args(argv)
+    if args.list or not args.cases:
+        for name, case in CASES.items():
+            print(f"{name:18s} {case.kernel} {case.mode}, {case.shape}{' (headline)' if name in HEADLINE else ''}")
+        print("groups: " + "; ".join(f"{g} = {' '.join(c)}" for g, c in GROUPS.items()))
+        return 0
+    try:
+        names = resolve(args.cases)
+    except ValueError as exc:
+        ap.error(str(exc))
+    out = output_dir(args, ROOT)
+    path = out / "headline.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    with_sens = True if args.sensitivity else False if args.no_sensitivity else None
+    for name in names:
+        results[name] = run_case(name, with_sens)
+        write_outputs(out, results)  # case by case: an interrupted run keeps what it finished
+        r = results[name]
+        print(f"{name}: {r['time_us']['low']:,.1f} / {r['time_us']['mid']:,.1f} / {r['time_us']['high']:,.1f} us, "
+              f"{r['fraction']['low_end']:.1%} / {r['fraction']['mid']:.1%} / {r['fraction']['high_end']:.1%} of "
+              f"{r['bound']} ({r['seconds']} s)", flush=True)
+    if out.resolve() == (ROOT / REFERENCE_DIR).resolve():
+        return regenerate_docs()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

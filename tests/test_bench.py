@@ -264,3 +264,34 @@ def test_output_dir_anchors_scripts_at_their_repo_root(tmp_path):
     assert output_dir(p.parse_args(["--save-reference"]), root=tmp_path) == tmp_path / "benchmarks" / "data"
     assert output_dir(p.parse_args(["--out", "x"]), root=tmp_path) == Path("x")
     assert output_dir(p.parse_args([]), scratch_sub="quick") == Path("outputs/bench/quick")
+
+
+def test_merge_newest_replaces_only_rows_of_the_same_shape_metric_and_config(tmp_path):
+    from trnkit.bench.schema import merge_newest
+
+    old = [_row(kernel="a", x_value=1, p50=5.0, p20=4.0, p80=6.0), _row(kernel="a", x_value=2),
+           _row(kernel="b", x_value=1), _row(kernel="a", x_value=1, extra=json.dumps({"dtype": "float32"}))]
+    path = write_rows(tmp_path / "b.csv", old)
+    assert merge_newest(path) == 0 and read_rows(path) == old  # nothing to replace: file unchanged
+    new = _row(kernel="a", x_value=1, p50=9.0, p20=8.0, p80=10.0,
+               extra=json.dumps({"details": {"bottleneck": "dma"}}), timestamp="t2")  # details are not config
+    write_rows(path, [new])
+    assert merge_newest(path) == 1
+    assert read_rows(path) == [new, *old[1:]]  # the newer row in the older one's place, the rest kept
+
+
+def test_cli_rerun_of_one_kernel_replaces_its_rows(tmp_path):
+    from trnkit.bench.__main__ import main
+
+    args = ["matmul_tiled", "--quick", "--budget", "0.02", "--out", str(tmp_path)]
+    assert main(args) == 0
+    first = read_rows(tmp_path / "bench.csv")
+    write_rows(tmp_path / "bench.csv", [_row(kernel="other")])  # another kernel's row: kept as it is
+    assert main([*args, "--no-torch"]) == 0
+    rows = read_rows(tmp_path / "bench.csv")
+    assert len(rows) == len(first) + 1 and _row(kernel="other") in rows
+    torch_rows = [r for r in rows if r.impl == "torch"]
+    assert torch_rows == [r for r in first if r.impl == "torch"]  # not re-run: the earlier timing stays
+    est = [r for r in rows if r.kernel == "matmul_tiled" and r.impl == "nki" and r.metric == "est_time"]
+    assert sorted(r.x_value for r in est) == [512, 1024]  # re-estimated, not duplicated
+

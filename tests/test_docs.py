@@ -3,12 +3,13 @@ benchmark outputs are current (scripts/docs_tables.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import pytest
+
+from trnkit.bench.paths import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -16,15 +17,7 @@ FENCED = re.compile(r"```.*?```", re.S)
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 
 
-def _load_docs_tables():
-    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "docs_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["docs_tables"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-docs_tables = _load_docs_tables()
+docs_tables = load_script(ROOT / "scripts" / "docs_tables.py", "docs_tables")
 DOC_FILES = docs_tables.doc_files()
 
 
@@ -117,3 +110,56 @@ def test_quote_sources(tmp_path, monkeypatch):
     assert docs_tables.csv_count("r.csv", {"k": "a"})() == "2" and docs_tables.csv_count("r.csv", {})() == "3"
     with pytest.raises(LookupError, match="no row with"):
         docs_tables.csv_cell("r.csv", "v", {"k": "c"})()
+
+
+def test_changed_headline_csv_makes_every_page_with_its_tables_stale(monkeypatch):
+    read_csv = docs_tables.read_csv
+    rows = read_csv(docs_tables.HEADLINE_CSV)
+    for row in rows:
+        row["mid_us"] = str(float(row["mid_us"]) + 1.0)
+    monkeypatch.setattr(docs_tables, "read_csv",
+                        lambda name: rows if name == docs_tables.HEADLINE_CSV else read_csv(name))
+    assert {"README.md", "docs/kernels.md", "docs/benchmarks.md"} <= set(docs_tables.stale_regions())
+
+
+def test_headline_targets_are_judged_at_their_end_of_the_range(monkeypatch):
+    row = {"case": "rope_fwd", "fraction_low_end": "0.69", "fraction_mid": "0.9", "fraction_high_end": "0.95"}
+    monkeypatch.setattr(docs_tables, "read_csv", lambda name: [row])
+    monkeypatch.setattr(docs_tables, "TARGETS", (("rope_fwd", "low_end", 0.70, "t"), ("rope_fwd", "mid", 0.80, "t"),
+                                                 ("moe_bwd", "mid", 0.5, "t")))
+    lines = docs_tables.headline_targets().splitlines()[2:]
+    assert "| 69.0% (69.0% / 90.0% / 95.0%) | **no** |" in lines[0] and "at the low end" in lines[0]
+    assert "| 90.0% (69.0% / 90.0% / 95.0%) | **yes** |" in lines[1]
+    assert "| not estimated | - |" in lines[2]
+
+
+TIME_FIGURE = re.compile(r"\d[\d,.]*\s?(?:µs|us|ms)\b")
+
+
+def unchecked_time_figures(page: str) -> list[str]:
+    """Times (µs, us, ms) in ``page`` outside its generated tables, code and checked quotes."""
+    text = docs_tables.REGION.sub("", (ROOT / page).read_text())
+    text = " ".join(CODE.sub("", text).split())
+    for q in docs_tables.QUOTES:
+        if q.page == page:
+            try:
+                text = text.replace(q.text(), "")
+            except LookupError:  # its CSV row is missing: test_quoted_figures_are_in_their_source_csv says so
+                continue
+    return TIME_FIGURE.findall(text)
+
+
+@pytest.mark.parametrize("page", ["docs/kernels.md", "README.md"])
+def test_cost_figures_are_generated_or_checked_quotes(page):
+    """Every time figure in the kernel pages comes from a benchmark CSV: a generated table or a quote in
+    scripts/docs_tables.py QUOTES (which also carries the range), never typed in by hand."""
+    assert unchecked_time_figures(page) == [], (
+        f"{page}: time figures not from a CSV; put them in a generated table or a Quote (scripts/docs_tables.py)")
+
+
+def test_unchecked_time_figure_is_found(tmp_path, monkeypatch):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "kernels.md").write_text("fwd 11.42 ms; `code 3 us`\n<!-- generated: headline -->\n"
+                                                  "| 5 us |\n<!-- end generated -->\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert unchecked_time_figures("docs/kernels.md") == ["11.42 ms"]

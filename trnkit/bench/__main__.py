@@ -1,7 +1,8 @@
 """``python -m trnkit.bench [KERNEL ...] [--quick] [--mode forward backward] [--save-reference | --out DIR]``.
 
 Runs the sweeps of :mod:`trnkit.bench.cases`, appends rows to ``DIR/bench.csv`` (the one schema of
-:mod:`trnkit.bench.schema`), writes ``DIR/bench.md`` (markdown table) and PNG plots under
+:mod:`trnkit.bench.schema`) case by case and at the end drops the earlier rows they replace (same kernel,
+impl, mode, metric, shape and config: a kernel can be re-run alone), writes ``DIR/bench.md`` (markdown table) and PNG plots under
 ``DIR/plots/`` — table and plots over every kernel in the CSV, so kernels can be run one at a time.
 Without kernel names it runs every kernel that is importable and skips (with the reason) those that
 are not. ``--report-only`` rebuilds the table and plots without running anything. DIR is
@@ -26,7 +27,7 @@ from trnkit.bench import cases as cases_mod
 from trnkit.bench.harness import run_cases
 from trnkit.bench.paths import add_output_args, output_dir
 from trnkit.bench.plots import plot_rows
-from trnkit.bench.schema import latest_rows, read_rows, write_rows
+from trnkit.bench.schema import latest_rows, merge_newest, read_rows, write_rows
 from trnkit.bench.table import markdown_table
 
 
@@ -47,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=0.5, help="seconds of timing per measured quantity")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads while timing reference ops (0: torch's default)")
-    p.add_argument("--overwrite", action="store_true", help="start a fresh CSV instead of appending")
+    p.add_argument("--overwrite", action="store_true", help="start a fresh CSV instead of merging into it")
     p.add_argument("--device", action="store_true",
                    help="measure the kernels on this Trainium host (needs the real nki; NOT TESTED ON HARDWARE)")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -97,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not csv_path.exists():
         print(f"no results in {csv_path}")
         return 1
+    if rows:  # this run's rows replace the earlier rows of the same shape, metric and config
+        dropped = merge_newest(csv_path)
+        print(f"{dropped} earlier rows replaced by this run's in {csv_path}")
     # the table and plots cover the whole CSV: the newest row per (kernel, impl, mode, metric, x, config)
     every = latest_rows(read_rows(csv_path))
     (out / "bench.md").write_text(

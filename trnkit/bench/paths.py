@@ -8,7 +8,10 @@ writes under ``outputs/bench/``, which git ignores. ``--out DIR`` picks any othe
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 
 REFERENCE_DIR = Path("benchmarks") / "data"
 SCRATCH_DIR = Path("outputs") / "bench"
@@ -32,3 +35,12 @@ def output_dir(args: argparse.Namespace, root: Path | None = None, scratch_sub: 
     if args.save_reference:
         return base / REFERENCE_DIR
     return base / SCRATCH_DIR / scratch_sub
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """Import the script at ``path`` (e.g. ``scripts/docs_tables.py``, not a package module) as ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module

@@ -105,3 +105,14 @@ def latest_rows(rows: Iterable[Row]) -> list[Row]:
     for r in rows:
         latest[(r.kernel, r.impl, r.mode, r.metric, r.x_name, r.x_value, r.config_key)] = r
     return list(latest.values())
+
+
+def merge_newest(path: str | Path) -> int:
+    """Rewrite the CSV at ``path`` keeping only the newest row per (kernel, impl, mode, metric, x, config)
+    (:func:`latest_rows`): a re-run of some kernels or shapes replaces their earlier rows and leaves the
+    other rows as they were. Returns how many rows were dropped."""
+    rows = read_rows(path)
+    newest = latest_rows(rows)
+    if len(newest) < len(rows):
+        write_rows(path, newest, append=False)
+    return len(rows) - len(newest)
