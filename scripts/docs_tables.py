@@ -297,6 +297,14 @@ def _bench_range(kernel: str, mode: str, x_name: str, x_value: str) -> tuple[Cal
             *(csv_cell("bench.csv", c, frac, "{:.1%}") for c in ("p50", "p20", "p80")))
 
 
+def _low_mid_high(case: str) -> tuple[Callable[[], str], ...]:
+    """A headline.csv case's times low, mid, high (us), then its fractions at the low end, mid, high end."""
+    where = {"case": case}
+    return (*(csv_cell(HEADLINE_CSV, c, where, "{:,.1f}") for c in ("low_us", "mid_us", "high_us")),
+            *(csv_cell(HEADLINE_CSV, c, where, "{:.1%}") for c in ("fraction_low_end", "fraction_mid",
+                                                                    "fraction_high_end")))
+
+
 def _range(case: str, kind: str) -> tuple[Callable[[], str], ...]:
     """mid, low end, high end of a headline.csv case: kind "us" (times) or "fraction"."""
     where = {"case": case}
@@ -328,6 +336,9 @@ QUOTES = (
     Quote("README.md", "M=4096: fwd {} µs ({}–{}), {} ({}–{}) of the roofline",
           "bench.csv grouped_mm forward M=4096 est_time, fraction_of_roofline (p50 mid, p20 / p80 the range)",
           _bench_range("grouped_mm", "forward", "M", "4096")),
+    Quote("docs/kernels.md", "forward {} / {} / {} µs (optimistic / mid / pessimistic parameters): **{}** of the "
+          "bound at the pessimistic end, {} mid, {} at the optimistic end", "headline.csv rope_fwd",
+          _low_mid_high("rope_fwd")),
     Quote("docs/kernels.md", "DMA {} us busy vs Tensor {} us on one core at mid", "bench.csv moe_experts E (LNC=1)=128",
           (_moe_busy("dma", 1, 128), _moe_busy("tensor", 1, 128))),
     Quote("docs/kernels.md", "E=8 is compute-bound (Tensor {} → {} us busy per core at mid); E=128 weight-bound "

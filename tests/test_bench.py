@@ -295,3 +295,12 @@ def test_cli_rerun_of_one_kernel_replaces_its_rows(tmp_path):
     est = [r for r in rows if r.kernel == "matmul_tiled" and r.impl == "nki" and r.metric == "est_time"]
     assert sorted(r.x_value for r in est) == [512, 1024]  # re-estimated, not duplicated
 
+
+
+def test_estimate_range_spans_the_three_settings():
+    from trnkit.bench.harness import estimate_range
+
+    assert estimate_range((1.0, 2.0, 3.0)) == (1.0, 2.0, 3.0)
+    # a list schedule is not monotone in its parameters: the optimistic setting may finish after mid
+    assert estimate_range((2.86, 2.78, 3.05)) == (2.78, 2.78, 3.05)
+    assert estimate_range((2.0, 2.5, 2.4)) == (2.0, 2.5, 2.5)

@@ -93,6 +93,15 @@ def time_quantiles(fn: Callable[[], object], warmup: int = 1, min_reps: int = 5,
     return float(p[0]), float(p[1]), float(p[2])
 
 
+def estimate_range(total_range_ns: tuple[float, float, float]) -> tuple[float, float, float]:
+    """``(low, mid, high)`` of an estimate from its totals at the optimistic, mid and pessimistic settings
+    (``CostReport.total_range_ns``): low / high are the smallest / largest of the three, since a list
+    schedule is not monotone in its parameters (a setting that speeds one engine up can reorder the
+    queues and finish later)."""
+    optimistic, mid, pessimistic = total_range_ns
+    return min(optimistic, mid, pessimistic), mid, max(optimistic, mid, pessimistic)
+
+
 def host_device() -> str:
     """Where torch reference ops run here: ``cpu: <processor>`` (or the accelerator's name)."""
     import torch  # noqa: PLC0415
@@ -150,14 +159,13 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
                    "flops": rep.flops, "hbm_bytes": rep.hbm_bytes, "interp_trace_only_s": round(interp_s, 4)}
         us = 1e-3
         # the model's range in the quantile columns: p50 mid, p20 / p80 the low / high end
-        low, mid, high = (t * us for t in rep.total_range_ns)
+        low, mid, high = (t * us for t in estimate_range(rep.total_range_ns))
         row("nki", "est_time", "us", (mid, low, high), dev, {**details, "range": "optimistic..pessimistic "
                                                               "parameters of trnkit.nkisim.cost_params"})
         row("roofline", "est_time", "us", (rep.roofline_ns * us,) * 3, dev,
             {"compute_bound_us": rep.compute_bound_ns * us, "memory_bound_us": rep.memory_bound_ns * us})
         row("nki", "serial_time", "us", (rep.serial_ns * us,) * 3, dev)
-        f_low, f_mid, f_high = rep.fraction_range
-        row("nki", "fraction_of_roofline", "ratio", (f_mid, f_low, f_high), dev)
+        row("nki", "fraction_of_roofline", "ratio", tuple(rep.roofline_ns * us / t if t > 0 else 0.0 for t in (mid, high, low)), dev)
         for eng, busy in rep.busy_ns.items():
             row("nki", f"busy_{eng}", "us", (busy * us,) * 3, dev,
                 {"utilization": rep.utilization[eng], "count": rep.count.get(eng, 0)})
