@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.test_moe import GMM_CASES, _moe_inputs, _rand
+from tests.kernels.test_moe import GMM_CASES, _moe_inputs, _rand, weight_dmas
 from trnkit.kernels import lnc as lnc_mod
 from trnkit.kernels import moe
 from trnkit.kernels.constraints import KernelConstraintError
@@ -51,13 +51,13 @@ def test_each_core_loads_only_its_experts_and_meets_the_other_once() -> None:
     """E=5: core 0 owns experts 0-2, core 1 experts 3-4 (contiguous halves); one barrier per core
     before the combine, whose token tiles alternate between the cores."""
     x, idx, tw, wgu, wd, B = _moe_inputs("tails", torch.bfloat16)  # T=24, K=2: 48 slots
-    def weight_dmas(lnc: int) -> tuple:
+    def traced(lnc: int) -> tuple:
         with trace.record(trace_only=True) as tr:
             moe.moe_experts(x, idx, tw, wgu, wd, block_size=B, lnc=lnc)
-        return tr, [i for i in tr if i.op == "dma_copy" and len(i.operands[0].shape) == 3]  # [P, chunks, C]
+        return tr, weight_dmas(tr)
 
-    _, one = weight_dmas(1)
-    tr, two = weight_dmas(2)
+    _, one = traced(1)
+    tr, two = traced(2)
     per_expert = len(one) // 5
     assert per_expert >= 1 and len(one) == 5 * per_expert
     assert [sum(i.program_id == p for i in two) for p in (0, 1)] == [3 * per_expert, 2 * per_expert]

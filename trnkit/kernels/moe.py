@@ -68,6 +68,7 @@ __all__ = [
     "SWIGLU_LIMIT",
     "SWIGLU_ALPHA",
     "BLOCK_SIZES",
+    "FWD_BLOCK_SIZE",
     "MAX_EXPERTS",
     "MAX_TOP_K",
     "WEIGHT_SBUF_BUDGET",
@@ -76,6 +77,7 @@ __all__ = [
 GROUPED_MM = "grouped_mm"
 MOE_EXPERTS = "moe_experts"
 BLOCK_SIZES = (32, 64, 128, 256, 512)  # rows per expert block; > 128 runs as 128-row sub-tiles
+FWD_BLOCK_SIZE = 512  # moe_experts' default: 512 token columns per gate/up matmul (moving free size max)
 MAX_EXPERTS = 512  # experts / groups per call (block table and block_start row fit one SBUF row)
 MAX_TOP_K = 8  # router top-k (hardware max8)
 # SBUF bytes per partition one expert's weights may take, so that the next expert's weights can be
@@ -629,26 +631,43 @@ def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
     return grad_x, grad_w
 
 
+def _per_block(table: torch.Tensor) -> torch.Tensor:
+    """``[NB, B]`` -> ``[NB, rows, B // rows]`` (rows = min(B, 128); position ``sub*rows + p`` at
+    ``[p, sub]``): a block's values load with one DMA, one column per 128-row sub-tile."""
+    NB, B = table.shape
+    rows = min(B, 128)
+    return table.view(NB, B // rows, rows).transpose(1, 2).contiguous()
+
+
 def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128,
+                w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = FWD_BLOCK_SIZE,
                 lnc: int | None = None, activation: str = "silu", limit: float = SWIGLU_LIMIT,
                 alpha: float = SWIGLU_ALPHA, b_gate_up: torch.Tensor | None = None,
                 b_down: torch.Tensor | None = None) -> torch.Tensor:
     """Fused gated experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype.
-    ``lnc``: 1 or 2 physical cores (None: :func:`trnkit.kernels.lnc.default_lnc`). ``activation``
-    (``silu | gelu_tanh | swiglu_clamped`` with ``limit``, ``alpha``) and the optional biases
+    ``block_size``: slots per expert block (the result does not depend on it; 512 lets every gate/up
+    matmul stream 512 token columns). ``lnc``: 1 or 2 physical cores (None:
+    :func:`trnkit.kernels.lnc.default_lnc`). ``activation`` (``silu | gelu_tanh | swiglu_clamped`` with ``limit``, ``alpha``) and the optional biases
     ``b_gate_up [E, 2I]``, ``b_down [E, H]``: :func:`activation_ref` / :func:`moe_experts_ref`."""
     from trnkit.kernels import moe_fused as K_  # noqa: PLC0415
 
     _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, activation=activation,
                        limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
     lnc = resolve_lnc(lnc)
+    T, K = topk_idx.shape
     E = w_gate_up.shape[0]
     lay, token = _moe_layout(topk_idx, E, block_size)
-    weights = topk_weights.reshape(-1, 1).float()  # fp32 affinities, [T*K, 1]
-    return launch(K_.moe_experts_kernel, lnc)(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), token,
-                                              lay.table, _tail_split(lay, topk_idx, E), weights, activation,
-                                              float(limit), float(alpha), _dense(b_gate_up), _dense(b_down))
+    slot = lay.table.long()
+    used = slot < T * K
+    # padding positions gather token 0 (finite rows: a Tensor Engine transpose would spread a NaN of
+    # an unwritten row over the whole tile); their results are never stored
+    token = torch.where(used, token, torch.zeros_like(token))
+    weights = topk_weights.reshape(-1).float()[slot.clamp(max=T * K - 1)] * used  # fp32 affinity per position
+    slots = torch.cat([lay.table, torch.full_like(lay.table[:1], T * K)])  # + the all-padding row NB
+    return launch(K_.moe_experts_kernel, lnc)(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
+                                              _per_block(token), _per_block(slots), _tail_split(lay, topk_idx, E),
+                                              _per_block(weights), K, activation, float(limit), float(alpha),
+                                              _dense(b_gate_up), _dense(b_down))
 
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:

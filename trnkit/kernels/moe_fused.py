@@ -50,16 +50,19 @@ from trnkit.nki_api import nisa, nl, nki, nt
 
 def tail_widths(B: int) -> tuple[int, ...]:
     """Narrower widths an expert's last block may run at (widest first): a block with r used rows
-    runs at the narrowest width >= r. Only widths >= 64 pay off (narrower moving / stationary tiles
-    leave the Tensor Engine idle), and widths above 128 must be multiples of 128 (sub-tiles)."""
+    runs at the narrowest width >= r. Above 128 the multiples of 64 below B (B = 512: 448 .. 64; a
+    gate/up matmul costs its moving width, so the last block wastes at most 63 columns there; the
+    row-wise down matmul and x transposes work in sub-tiles of <= 128 rows); at B = 128, 96 and 64
+    (narrower tiles leave the Tensor Engine idle, the 64-cycle matmul floor)."""
     if B == 128:
         return (96, 64)
-    return (B // 2,) if B > 128 else ()
+    return tuple(range(B - 64, 0, -64)) if B > 128 else ()
 
 
-# every 2nd 128-column chunk of the gathered x is transposed on the Vector Engine (idle ~85% of the
-# time here) instead of the Tensor Engine, the bottleneck of this kernel
-VECTOR_TRANSPOSE_EVERY = 2
+# 0: every x chunk is transposed on the Tensor Engine. Vector 32x32 transposes (n > 0: every n-th
+# chunk) would take the SBUF port that GpSimd shares with the Vector Engine's 2-byte mode (trn2), and
+# GpSimd writes the descriptors of every gather: a block's gather then waits behind them.
+VECTOR_TRANSPOSE_EVERY = 0
 
 
 def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, act: dict) -> None:
@@ -164,69 +167,102 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
         hk = hcs[c][1]
         for jj in range(len(group)):
             i0, iw = group[jj]
-            nisa.nc_matmul(dst=g_ps[jj], stationary=wgu[:hk, c, i0:i0 + iw], moving=x_T[c][:hk, :])
-            nisa.nc_matmul(dst=u_ps[jj], stationary=wgu[:hk, c, inter + i0:inter + i0 + iw],
+            nisa.nc_matmul(dst=g_ps[jj], stationary=wgu[c][:hk, i0:i0 + iw], moving=x_T[c][:hk, :])
+            nisa.nc_matmul(dst=u_ps[jj], stationary=wgu[c][:hk, inter + i0:inter + i0 + iw],
                            moving=x_T[c][:hk, :])
     for jj in range(len(group)):
         iw = group[jj][1]
         activate_T(h_T[j0 + jj][:iw, :], g_ps[jj], u_ps[jj], j0 + jj, act)
 
 
-def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, token_table: Any, slot_table: Any,
-                   slot_weights: Any, y: Any, wgu: Any, wd: Any, act: dict, bd: Any) -> None:
-    """Run-time loop over one expert's blocks lo..hi-1 of ``width`` rows (see moe_experts_kernel)."""
+def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, token_table: Any, block_weights: Any, wgu: Any,
+                   wd: Any, y: Any, y_prev: list, slot_table: Any, prev: Any, act: dict, bd: Any) -> None:
+    """Run-time loop over one expert's blocks lo..hi-1 of ``width`` rows (see moe_experts_kernel).
+
+    Software-pipelined scatter: block i's scaled rows stay in ``y_prev`` until block i+1 has issued
+    its gathers; only then are they scattered (``prev`` holds the block id). The descriptors of both
+    indirect DMAs are written by one in-order engine (GpSimd, software DGE), so scattering block i
+    before gathering block i+1 would make every gather wait for the previous block's whole compute.
+    """
     H = x.shape[1]
-    inter = wgu.shape[2] // 2
-    rows = min(width, P)
+    inter = wgu[0].shape[1] // 2
+    _, rows, nsub = token_table.shape
     HC = (H + P - 1) // P
     IC = (inter + P - 1) // P
+    subs = chunks(width, rows)
 
     def block(i):
+        ids = nl.ndarray((rows, nsub), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ids, src=token_table.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
+                                                  indirect_dim=0))
         x_T = tiles(HC, (P, width), x.dtype)
-        for sub in range(width // rows):
-            x_sb = nl.ndarray((rows, H), dtype=x.dtype, buffer=nl.sbuf)
-            load_rows(x_sb, x, token_table, i, sub, zero_pad=True)
-            transpose_rows(x_sb, x_T, col0=sub * rows, vector_every=VECTOR_TRANSPOSE_EVERY)
+        for s in range(len(subs)):
+            r0, rw = subs[s]
+            x_sb = nl.ndarray((rw, H), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_sb, src=x.ap(pattern=[[H, rw], [1, H]], offset=0, vector_offset=ids[:rw, s:s + 1],
+                                             indirect_dim=0))
+            transpose_rows(x_sb, x_T, col0=r0, vector_every=VECTOR_TRANSPOSE_EVERY)
+        scatter_rows(y, y_prev, slot_table, prev)  # the previous block's rows (see above)
         h_T = tiles(IC, (P, width), x.dtype)
         swiglu_T(h_T, x_T, wgu, H, inter, width, act)
-        for sub in range(width // rows):
-            w_col = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
-            load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
-            y_sb = nl.ndarray((rows, H), dtype=x.dtype, buffer=nl.sbuf)
-            row_matmul(y_sb, h_T, rows, wd, inter, col0=sub * rows, scale=w_col, bias=bd)
-            store_rows(y, y_sb, slot_table, i, sub)
+        w = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w, src=block_weights.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
+                                                  indirect_dim=0))
+        for s in range(len(subs)):
+            r0, rw = subs[s]
+            row_matmul(y_prev[s], h_T, rw, wd, inter, col0=r0, scale=w[:rw, s:s + 1], bias=bd)
+        nisa.register_move(prev, i)
 
     nl.fori_loop(lo, hi, block)
 
 
+def scatter_rows(y: Any, y_sb: list, slot_table: Any, blk: Any) -> None:
+    """Scatter the sub-tiles ``y_sb[s] [rows, H]`` of block ``blk`` (a register) to the slot rows of
+    ``y [S, H]`` named by ``slot_table [NB + 1, rows, nsub]`` (ids >= S, padding and the all-padding
+    row NB, are skipped)."""
+    _, rows, nsub = slot_table.shape
+    H = y.shape[1]
+    ids = nl.ndarray((rows, nsub), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=slot_table.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=blk,
+                                             indirect_dim=0))
+    for s in range(nsub):
+        nisa.dma_copy(dst=y.ap(pattern=[[H, rows], [1, H]], offset=0, vector_offset=ids[:, s:s + 1], indirect_dim=0),
+                      src=y_sb[s], oob_mode=nisa.oob_mode.skip)
+
+
 @nki.jit
-def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_start, slot_weights,
+def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_start, block_weights, top_k,
                        activation="silu", limit=7.0, alpha=1.702, b_gate_up=None, b_down=None):
     """Fused gated experts: ``out [T, H] = sum_k w[t,k] * (down_e(act(gate_e(x_t)) * up_e(x_t)) + b_d)``.
 
-    x ``[T, H]``; w_gate_up ``[E, H, 2I]``; w_down ``[E, I, H]``; token_table / slot_table
-    ``[NB, B]`` int32 (token id / slot id t*K+k of each block position, T / T*K for padding);
-    block_start ``[1, (n + 1)(E + 1)]`` int32 for the n = len(tail_widths(B)) narrower widths:
-    ``[start | b_1 | .. | b_n]``, start[e] the first block of expert e (start[E] the total); blocks
-    ``start[e] .. b_1[e]-1`` run at full width B, ``b_j[e] .. b_{j+1}[e]-1`` (0 or 1 block: the
-    expert's last) at ``tail_widths(B)[j-1]`` (b_{n+1} = start[e+1]), so a partly used last block
-    costs about what it uses; slot_weights ``[T*K, 1]`` fp32 (topk_weights flattened).
-    activation ``silu | gelu_tanh | swiglu_clamped`` (limit, alpha: see :func:`activate_T`); optional
-    biases b_gate_up ``[E, 2I]`` (on gate / up before the activation) and b_down ``[E, H]``.
+    x ``[T, H]``; w_gate_up ``[E, H, 2I]``; w_down ``[E, I, H]``. Per block of B positions, laid out
+    ``[NB, rows, B // rows]`` (position ``sub*rows + p`` at ``[p, sub]``, rows = min(B, 128), so a
+    block's values load with one DMA, one column per 128-row sub-tile): token_table int32 (token id;
+    padding positions name any valid token, their results are never stored), block_weights fp32 (the
+    slot's affinity), slot_table ``[NB + 1, ...]`` int32 (slot id t*K+k, T*K for padding; row NB is
+    all padding). block_start ``[1, (n + 1)(E + 1)]`` int32 for the n = len(tail_widths(B)) narrower
+    widths: ``[start | b_1 | .. | b_n]``, start[e] the first block of expert e (start[E] the total);
+    blocks ``start[e] .. b_1[e]-1`` run at full width B, ``b_j[e] .. b_{j+1}[e]-1`` (0 or 1 block:
+    the expert's last) at ``tail_widths(B)[j-1]`` (b_{n+1} = start[e+1]), so a partly used last
+    block costs about what it uses. top_k: K. activation ``silu | gelu_tanh | swiglu_clamped``
+    (limit, alpha: see :func:`activate_T`); optional biases b_gate_up ``[E, 2I]`` (on gate / up before
+    the activation) and b_down ``[E, H]``.
     """
     T, H = x.shape
     E = w_gate_up.shape[0]
-    S = slot_weights.shape[0]
-    K = S // T
-    B = token_table.shape[1]
+    NB, rows, nsub = token_table.shape
+    K = top_k
+    B = rows * nsub
     widths = tail_widths(B)
     dt = x.dtype
     # per-slot scaled expert outputs; shared: on LNC=2 the combine reads slots of both cores
-    y = nl.ndarray((S, H), dtype=dt, buffer=nl.shared_hbm)
+    y = nl.ndarray((T * K, H), dtype=dt, buffer=nl.shared_hbm)
+    y_prev = tiles(nsub, (rows, H), dt)  # the last computed block's rows, not yet scattered
+    prev = nisa.register_alloc(NB)  # its block id (NB: none yet, the all-padding table row)
     bs = load_block_start(block_start)
     for e in owned_groups(E):
-        wgu = load_weight(w_gate_up, e)  # [P, HC, 2I]
-        wd = load_weight(w_down, e)  # [P, IC, H]
+        wgu = load_weight(w_gate_up, e)  # HC tiles [P, 2I]
+        wd = load_weight(w_down, e)  # IC tiles [P, H]
         act = expert_act(activation, limit, alpha, b_gate_up, e, w_down.shape[1])
         bd = None
         if b_down != None:  # noqa: E711
@@ -240,8 +276,9 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
         bounds.append(hi)
         seg_widths = (B,) + widths
         for seg in range(len(seg_widths)):
-            _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, token_table, slot_table, slot_weights, y,
-                           wgu, wd, act, bd)
+            _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, token_table, block_weights, wgu, wd,
+                           y, y_prev, slot_table, prev, act, bd)
+    scatter_rows(y, y_prev, slot_table, prev)  # the last block
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:
         nisa.core_barrier(y, (0, 1))  # both cores' slots are in y before any token is combined

@@ -100,21 +100,20 @@ def store_rows(dst: Any, src: Any, table: Any, i: Any, sub: int) -> None:
                              indirect_dim=0), src=src, oob_mode=nisa.oob_mode.skip)
 
 
-def load_weight(w: Any, g: int) -> Any:
-    """``w[g] [R, C]`` (HBM, row-major) -> SBUF ``[P, ceil(R/P), C]``: row ``c*P + p`` on partition p.
-
-    One DMA per 4 row chunks (512 rows, one contiguous run of C elements per partition row).
+def load_weight(w: Any, g: int) -> list:
+    """``w[g] [R, C]`` (HBM, row-major) -> SBUF tiles ``[P, C]``, one per 128-row chunk c (row
+    ``c*P + p`` on partition p of tile c), each loaded by its own DMA (one contiguous run of C
+    elements per partition). Separate tiles: DMAs into one tile would each wait for the last, and
+    chunk-sized transfers share the DMA queues with the block loads instead of waiting for a long
+    free stretch.
     """
     _, R, C = w.shape
-    t = nl.ndarray((P, (R + P - 1) // P, C), dtype=w.dtype, buffer=nl.sbuf)
-    full = R // P
-    for c0, n in chunks(full, 4):
-        nisa.dma_copy(dst=t[:, c0:c0 + n, :],
-                      src=w.ap(pattern=[[C, P], [P * C, n], [1, C]], offset=(g * R + c0 * P) * C))
-    if R % P:
-        r = R % P
-        nisa.dma_copy(dst=t[:r, full, :], src=w.ap(pattern=[[C, r], [1, C]], offset=(g * R + full * P) * C))
-    return t
+    out = []
+    for r0, rw in chunks(R, P):
+        t = nl.ndarray((P, C), dtype=w.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:rw, :], src=w.ap(pattern=[[C, rw], [1, C]], offset=(g * R + r0) * C))
+        out.append(t)
+    return out
 
 
 def load_bias_rows(b: Any, g: int) -> Any:
@@ -130,7 +129,7 @@ def moving_view(w_sb: Any, grid: Any, c: int, ck: int, n0: int, nw: int) -> Any:
     """The moving operand of contraction chunk c, columns n0..n0+nw: a slice of the :func:`load_weight`
     tile ``w_sb``, or (``grid`` != None) of the :func:`transposed_weight` tile of that 512-column piece."""
     if grid == None:
-        return w_sb[:ck, c, n0:n0 + nw]
+        return w_sb[c][:ck, n0:n0 + nw]
     return grid[c][n0 // NMAX][:ck, :nw]
 
 
@@ -185,7 +184,7 @@ def tiles(n: int, shape: tuple, dtype: Any, buffer: Any = None) -> list:
 
 
 def transposed_weight(w_sb: Any, R: int, C: int) -> list:
-    """``w.T [C, R]`` built from a :func:`load_weight` tile ``[P, ., C]`` (read with :func:`moving_view`).
+    """``w.T [C, R]`` built from the :func:`load_weight` tiles ``[P, C]`` (read with :func:`moving_view`).
 
     Tiles ``[P, 512]`` per (C-chunk d, 512-column piece q of R); the up to 4 transposes of a piece
     share one PSUM tile and one evacuation.
@@ -195,10 +194,10 @@ def transposed_weight(w_sb: Any, R: int, C: int) -> list:
     for c0, cw in chunks(C, P):
         row = []
         for q0, qn in chunks(R, NMAX):
-            ps = nl.ndarray((cw, qn), dtype=w_sb.dtype, buffer=nl.psum)
+            ps = nl.ndarray((cw, qn), dtype=w_sb[0].dtype, buffer=nl.psum)
             for r0, rw in chunks(qn, P):
-                nisa.nc_transpose(dst=ps[:, r0:r0 + rw], data=w_sb[:rw, (q0 + r0) // P, c0:c0 + cw])
-            t = nl.ndarray((P, qn), dtype=w_sb.dtype, buffer=nl.sbuf)
+                nisa.nc_transpose(dst=ps[:, r0:r0 + rw], data=w_sb[(q0 + r0) // P][:rw, c0:c0 + cw])
+            t = nl.ndarray((P, qn), dtype=w_sb[0].dtype, buffer=nl.sbuf)
             evacuate(t[:cw, :], ps, k)
             k += 1
             row.append(t)
