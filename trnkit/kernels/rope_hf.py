@@ -255,25 +255,50 @@ def _load_tables(cos, sin, packed, b, s0, P, NT, D, j0, nj, dtype, backward, G=1
     return c_t, t_t
 
 
-def _rotate_slab(y_v, x_v, c_v, t_v, ident, P, pipe, store):
+def _rotate_slab(y_v, x_v, c_v, t_v, ident, P, pipe, store, load):
     """One slab (<= 512 elements per partition, last dim D; ``c_v``/``t_v`` views of x's shape): the
     products ``a = x*cos`` and ``p = x*t`` on the Vector engine, then the sum ``a + swap_halves(p)`` on
     the Tensor engine. ``swap_halves(p)`` holds ``x[h:]*sin[h:]`` / ``-x[:h]*sin[:h]`` (backward) or
     ``-x[h:]*sin[:h]`` / ``x[:h]*sin[h:]`` (forward) in its halves: the reference's products bit for bit.
     The accumulating matmuls are pipelined by one slab (``pipe[0]`` holds the previous slab's, with its
     copy and store), so TensorE never waits on the accumulation it has just started and the Scalar engine
-    never on a matmul in flight."""
+    never on a matmul in flight. ``load``: see :func:`_product_engine`."""
     dtype = x_v.dtype
     shape = x_v.shape
-    vec = nisa.engine.vector
+    n = 1  # elements per partition
+    for d in range(1, len(shape)):
+        n = n * shape[d]
+    eng = _product_engine(load, n, dtype)
     a_t = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
     p_t = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=a_t, data1=x_v, data2=c_v, op=nl.multiply, engine=vec)
-    nisa.tensor_tensor(dst=p_t, data1=x_v, data2=t_v, op=nl.multiply, engine=vec)
+    nisa.tensor_tensor(dst=a_t, data1=x_v, data2=c_v, op=nl.multiply, engine=eng)
+    nisa.tensor_tensor(dst=p_t, data1=x_v, data2=t_v, op=nl.multiply, engine=eng)
     y_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
     nisa.nc_matmul(dst=y_ps, stationary=ident[0:P, 0:P], moving=a_t)
     _finish(pipe, ident)
     pipe[0] = (y_ps, p_t, y_v, P, store)
+
+
+# fp32 products, ns per element per partition (two per element): Vector at 2 cycles per element
+# (fp32 operands: no single pass, no performance mode) and 0.96 GHz; GpSimd at 2 inputs / 0.25 elements per
+# cycle at 1.2 GHz, the slowest GpSimd rate trnkit's cost model considers (no public figure), so the share
+# never makes GpSimd the bottleneck and a faster GpSimd only leaves it idle.
+_VECTOR_FP32_NS = 2 * 2 / 0.96
+_GPSIMD_FP32_NS = 2 * 2 / 0.25 / 1.2
+
+
+def _product_engine(load, n, dtype):
+    """Engine of a slab's ``n`` elements (per partition) of products: bf16 always Vector (its performance mode uses
+    the SBUF bus it shares with GpSimd, so a GpSimd share would only slow it); fp32 greedily balanced
+    with GpSimd (``load`` = [vector_ns, gpsimd_ns], updated)."""
+    if dtype != nl.float32:
+        return nisa.engine.vector
+    v, g = load[0] + n * _VECTOR_FP32_NS, load[1] + n * _GPSIMD_FP32_NS
+    if v <= g:
+        load[0] = v
+        return nisa.engine.vector
+    load[1] = g
+    return nisa.engine.gpsimd
 
 
 def _finish(pipe, ident):
@@ -292,40 +317,65 @@ def _finish(pipe, ident):
         pipe[0] = None
 
 
-def _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe):
+def _bhsd_tiles(q, k, q_out, k_out, cos, chunks, n_prog, pid):
+    """This program's head tiles, in order: ``(x, x_out, HBM offset, (s0, P, NT), table batch, first)``;
+    ``first`` marks the first tile of each set of tiles sharing one (chunk, table batch) of tables."""
     B, _, S, D = q.shape
     per_batch = len(cos.shape) == 3
-    pat = [[NT * D, P], [D, NT], [1, D]]
+    tiles = []
+    for ci in range(len(chunks)):
+        if ci % n_prog == pid:
+            s0 = chunks[ci][0]
+            for bt in range(B if per_batch else 1):
+                b_lo, b_hi = (bt, bt + 1) if per_batch else (0, B)
+                first = True
+                for b in range(b_lo, b_hi):
+                    for x, x_out in ((q, q_out), (k, k_out)):
+                        H = x.shape[1]
+                        for hd in range(H):
+                            tiles.append((x, x_out, ((b * H + hd) * S + s0) * D, chunks[ci], bt, first))
+                            first = False
+    return tiles
+
+
+def _rope_bhsd(tiles, cos, sin, packed, backward, ident, pipe, load):
+    """Every head tile of :func:`_bhsd_tiles`; the loads run PREFETCH tiles ahead, across chunks: a new
+    chunk's tables are loaded with its first tile's prefetch (the very first chunk's slab by slab, as the
+    first tile needs them)."""
+    D = tiles[0][0].shape[3]
     ns = max(1, PSUM_FMAX // D)  # rows per slab (and per table group)
-    for bt in range(B if per_batch else 1):
-        b_lo, b_hi = (bt, bt + 1) if per_batch else (0, B)
-        heads = []  # (x, x_out, HBM offset) of every head tile that uses these tables
-        for b in range(b_lo, b_hi):
-            for x, x_out in ((q, q_out), (k, k_out)):
-                H = x.shape[1]
-                for hd in range(H):
-                    heads.append((x, x_out, ((b * H + hd) * S + s0) * D))
-        tabs = []  # per slab of rows: (cos, t), loaded when the first head needs it
-        x_tiles = []  # loads issued PREFETCH heads ahead of their use
-        for i in range(len(heads)):
-            for j in range(len(x_tiles), min(len(heads), i + 1 + PREFETCH)):
-                x_j = nl.ndarray((P, NT, D), dtype=q.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=x_j, src=heads[j][0].ap(pattern=pat, offset=heads[j][2]))
-                x_tiles.append(x_j)
-            x, x_out, off = heads[i]
-            x_t = x_tiles[i]
-            x_tiles[i] = None  # (released once its slabs are issued)
-            y_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
-            for t0 in range(0, NT, ns):
-                t1 = min(NT, t0 + ns)
-                if len(tabs) == t0 // ns:
-                    tabs.append(_load_tables(cos, sin, packed, bt, s0, P, NT, D, t0, t1 - t0, x.dtype, backward))
-                c_v, t_v = tabs[t0 // ns]
-                store = (x_out.ap(pattern=pat, offset=off), y_t) if t1 == NT else None
-                _rotate_slab(y_t[:, t0:t1, :], x_t[:, t0:t1, :], c_v, t_v, ident, P, pipe, store)
+    tab_sets = []  # per table set: per slab of rows (cos, t)
+    cur = -1  # the table set of tile i
+    x_tiles = []
+    for i in range(len(tiles)):
+        for j in range(len(x_tiles), min(len(tiles), i + 1 + PREFETCH)):
+            x, _, off, (s0, P, NT), bt, first = tiles[j]
+            x_j = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_j, src=x.ap(pattern=[[NT * D, P], [D, NT], [1, D]], offset=off))
+            x_tiles.append(x_j)
+            if first:
+                tab_sets.append([])
+                for t0 in range(0, NT if j > 0 else 0, ns):
+                    tab_sets[-1].append(_load_tables(cos, sin, packed, bt, s0, P, NT, D, t0, min(NT, t0 + ns) - t0,
+                                                     x.dtype, backward))
+        x, x_out, off, (s0, P, NT), bt, first = tiles[i]
+        if first:
+            cur = cur + 1
+        tabs = tab_sets[cur]
+        pat = [[NT * D, P], [D, NT], [1, D]]
+        x_t = x_tiles[i]
+        x_tiles[i] = None  # (released once its slabs are issued)
+        y_t = nl.ndarray((P, NT, D), dtype=x.dtype, buffer=nl.sbuf)
+        for t0 in range(0, NT, ns):
+            t1 = min(NT, t0 + ns)
+            if len(tabs) == t0 // ns:
+                tabs.append(_load_tables(cos, sin, packed, bt, s0, P, NT, D, t0, t1 - t0, x.dtype, backward))
+            c_v, t_v = tabs[t0 // ns]
+            store = (x_out.ap(pattern=pat, offset=off), y_t) if t1 == NT else None
+            _rotate_slab(y_t[:, t0:t1, :], x_t[:, t0:t1, :], c_v, t_v, ident, P, pipe, store, load)
 
 
-def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe):
+def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe, load):
     B, S, _, D = q.shape
     per_batch = len(cos.shape) == 3
     tg = max(1, PSUM_FMAX // D)  # rows per table group
@@ -375,7 +425,7 @@ def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident
                     last = t1 == NT and g1 == H
                     store = (x_out.ap(pattern=pat, offset=off), y_t) if last else None
                     _rotate_slab(y_t[:, t0:t1, g0:g1, :], x_t[:, t0:t1, g0:g1, :], c_v, t_v, ident, P, pipe,
-                                 store)
+                                 store, load)
         x_t, y_t = None, None  # release the row slabs before the next tile's allocation
 
 
@@ -402,14 +452,17 @@ def rope_hf_kernel(q, k, q_out: nt.mutable_tensor, k_out: nt.mutable_tensor, cos
     nt_max = max(1, min(nt_max, S // (P_MAX * n_prog)))
     chunks = _row_chunks(S, nt_max)
     ident = _identity(q.dtype)
-    pipe = [None]  # the last slab whose second matmul, copy and store are not yet issued
-    for ci in range(len(chunks)):
-        if ci % n_prog == pid:
-            s0, P, NT = chunks[ci]
-            if bshd:
-                _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe)
-            else:
-                _chunk_bhsd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe)
+    pipe = [None]  # the last slab whose accumulating matmuls, copy and store are not yet issued
+    load = [0.0, 0.0]  # fp32 product time given to Vector and GpSimd (ns per partition)
+    if bshd:
+        for ci in range(len(chunks)):
+            if ci % n_prog == pid:
+                s0, P, NT = chunks[ci]
+                _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe, load)
+    else:
+        tiles = _bhsd_tiles(q, k, q_out, k_out, cos, chunks, n_prog, pid)
+        if len(tiles) > 0:
+            _rope_bhsd(tiles, cos, sin, packed, backward, ident, pipe, load)
     _finish(pipe, ident)
     return q_out, k_out
 
