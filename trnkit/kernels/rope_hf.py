@@ -375,45 +375,61 @@ def _rope_bhsd(tiles, cos, sin, packed, backward, ident, pipe, load):
             _rotate_slab(y_t[:, t0:t1, :], x_t[:, t0:t1, :], c_v, t_v, ident, P, pipe, store, load)
 
 
-def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe, load):
+def _bshd_rows(x, NT, P, off, r0, r1):
+    """HBM view of rows ``r0:r1`` of every partition's NT-row slab of ``x [B, S, H, D]`` (from ``off``)."""
+    H, D = x.shape[2], x.shape[3]
+    return x.ap(pattern=[[NT * H * D, P], [H * D, r1 - r0], [D, H], [1, D]], offset=off + r0 * H * D)
+
+
+def _rope_bshd(q, k, q_out, k_out, cos, sin, packed, backward, chunks, n_prog, pid, ident, pipe, load):
+    """The [B, S, H, D] layout: per chunk and batch one ``[NT, H, D]`` slab per partition of q, then of k,
+    each one load and one store. The next slab's load, and a new chunk's tables, are issued one slab
+    ahead (across chunks) when four slabs fit in SBUF. (Storing a slab in row groups as soon as they are
+    done models slower: the stores' fixed costs fragment the DMA queue between the large loads.)"""
     B, S, _, D = q.shape
     per_batch = len(cos.shape) == 3
-    tg = max(1, PSUM_FMAX // D)  # rows per table group
-    tiles = []  # (x, x_out, HBM offset, heads per slab, which table set) per batch and tensor
-    for b in range(B):
-        for x, x_out in ((q, q_out), (k, k_out)):
-            H = x.shape[2]
-            tiles.append((x, x_out, (b * S + s0) * H * D, max(1, min(H, PSUM_FMAX // D)), b))
-    h_max = max(q.shape[2], k.shape[2])
     isz = 4 if q.dtype == nl.float32 else 2
-    # the next tile's load in flight too when four row slabs (x, the next x, y, the previous y) fit
-    ahead = 1 if 4 * NT * h_max * D * isz <= BSHD_SLAB_BYTES else 0
-    tabs = [[], []]  # per table set (q, k): per group of rows (cos, t), each broadcast over G heads
+    tg = max(1, PSUM_FMAX // D)  # rows per table group
+    tiles = []  # (x, x_out, HBM offset, (s0, P, NT), batch)
+    for ci in range(len(chunks)):
+        if ci % n_prog == pid:
+            for b in range(B):
+                for x, x_out in ((q, q_out), (k, k_out)):
+                    tiles.append((x, x_out, (b * S + chunks[ci][0]) * x.shape[2] * D, chunks[ci], b))
+    # the next slab's load in flight too when four row slabs (x, the next x, y, the previous y) fit
+    ahead = 1 if 4 * chunks[0][2] * max(q.shape[2], k.shape[2]) * D * isz <= BSHD_SLAB_BYTES else 0
+    tab_keys = []  # (s0, table batch, heads per row) of each table set
+    tab_sets = []  # per table set: per group of rows (cos, t), each row repeated for G heads
     x_tiles = []
     for i in range(len(tiles)):
         for j in range(len(x_tiles), min(len(tiles), i + 1 + ahead)):
-            H = tiles[j][0].shape[2]
-            x_j = nl.ndarray((P, NT, H, D), dtype=q.dtype, buffer=nl.sbuf)
-            pat_j = [[NT * H * D, P], [H * D, NT], [D, H], [1, D]]
-            nisa.dma_copy(dst=x_j, src=tiles[j][0].ap(pattern=pat_j, offset=tiles[j][2]))
+            x, _, off, (s0, P, NT), b = tiles[j]
+            H = x.shape[2]
+            G = max(1, min(H, PSUM_FMAX // D))  # heads per slab
+            x_j = nl.ndarray((P, NT, H, D), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_j, src=_bshd_rows(x, NT, P, off, 0, NT))
             x_tiles.append(x_j)
-        x, x_out, off, G, b = tiles[i]
+            key = (s0, b if per_batch else 0, G)
+            if key not in tab_keys:
+                tab_keys.append(key)
+                tab_sets.append([])
+                for j0 in range(0, NT if j > 0 else 0, tg):  # (the first set: group by group, as needed)
+                    tab_sets[-1].append(_load_tables(cos, sin, packed, b, s0, P, NT, D, j0, min(NT, j0 + tg) - j0,
+                                                     x.dtype, backward, G))
+        x, x_out, off, (s0, P, NT), b = tiles[i]
         H = x.shape[2]
-        pat = [[NT * H * D, P], [H * D, NT], [D, H], [1, D]]
+        G = max(1, min(H, PSUM_FMAX // D))
+        ns = max(1, PSUM_FMAX // (G * D))  # rows per slab
+        tabs = tab_sets[tab_keys.index((s0, b if per_batch else 0, G))]
         x_t = x_tiles[i]
         x_tiles[i] = None
-        if i % 2 == 0 and (per_batch or b == 0):
-            tabs = [[], []]
-        # k shares q's tables when its slabs have as many heads
-        ts = 1 if i % 2 == 1 and G != tiles[i - 1][3] else 0
         y_t = nl.ndarray((P, NT, H, D), dtype=x.dtype, buffer=nl.sbuf)
-        ns = max(1, PSUM_FMAX // (G * D))  # rows per slab
         for j0 in range(0, NT, tg):
             j1 = min(NT, j0 + tg)
             nj = j1 - j0
-            if len(tabs[ts]) == j0 // tg:
-                tabs[ts].append(_load_tables(cos, sin, packed, b, s0, P, NT, D, j0, nj, x.dtype, backward, G))
-            c_t, t_t = tabs[ts][j0 // tg]
+            if len(tabs) == j0 // tg:
+                tabs.append(_load_tables(cos, sin, packed, b, s0, P, NT, D, j0, nj, x.dtype, backward, G))
+            c_t, t_t = tabs[j0 // tg]
             for t0 in range(j0, j1, ns):
                 t1 = min(j1, t0 + ns)
                 for g0 in range(0, H, G):
@@ -423,7 +439,7 @@ def _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident
                     c_v = c_t.ap(pattern=view, offset=(t0 - j0) * G * D)
                     t_v = t_t.ap(pattern=view, offset=(t0 - j0) * G * D)
                     last = t1 == NT and g1 == H
-                    store = (x_out.ap(pattern=pat, offset=off), y_t) if last else None
+                    store = (_bshd_rows(x_out, NT, P, off, 0, NT), y_t) if last else None
                     _rotate_slab(y_t[:, t0:t1, g0:g1, :], x_t[:, t0:t1, g0:g1, :], c_v, t_v, ident, P, pipe,
                                  store, load)
         x_t, y_t = None, None  # release the row slabs before the next tile's allocation
@@ -455,10 +471,7 @@ def rope_hf_kernel(q, k, q_out: nt.mutable_tensor, k_out: nt.mutable_tensor, cos
     pipe = [None]  # the last slab whose accumulating matmuls, copy and store are not yet issued
     load = [0.0, 0.0]  # fp32 product time given to Vector and GpSimd (ns per partition)
     if bshd:
-        for ci in range(len(chunks)):
-            if ci % n_prog == pid:
-                s0, P, NT = chunks[ci]
-                _chunk_bshd(q, k, q_out, k_out, cos, sin, packed, backward, s0, P, NT, ident, pipe, load)
+        _rope_bshd(q, k, q_out, k_out, cos, sin, packed, backward, chunks, n_prog, pid, ident, pipe, load)
     else:
         tiles = _bhsd_tiles(q, k, q_out, k_out, cos, chunks, n_prog, pid)
         if len(tiles) > 0:
