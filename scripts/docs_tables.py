@@ -236,7 +236,36 @@ def headline_targets() -> str:
                   rows)
 
 
+CALIBRATION_CSV = ROOT / "benchmarks" / "calibration" / "calibration.csv"
+
+
+def calibration_markdown(rows: list[dict[str, str]]) -> str:
+    """The calibration table from benchmarks/calibration/calibration.csv rows (newest row per point, in
+    the CSV's order of first appearance): published figure vs the model's low / mid / high estimate."""
+    latest: dict[str, dict[str, str]] = {}
+    for r in rows:
+        latest.pop(r["name"], None)
+        latest[r["name"]] = r
+    body = []
+    for r in latest.values():
+        pub, lo, mid, hi = (float(r[k]) for k in ("published", "low", "mid", "high"))
+        err = float(r["error_mid"])
+        body.append([r["name"], r["shape"], r["device"], f"{pub:g} {r['unit']}", f"{lo:.3g} / {mid:.3g} / {hi:.3g}",
+                     f"{err:+.1%}", f"±{float(r['tolerance']):.0%}", "yes" if lo <= pub <= hi else "no", r["role"],
+                     r["constrains"], r["source"].replace("|", "/")])
+    header = ["point", "shape", "device", "published", "estimate low / mid / high", "error (mid)", "tolerance",
+              "published within range", "role", "constrains", "source (version, quote)"]
+    return _table(header, body)
+
+
+def calibration() -> str:
+    """benchmarks/calibration/run.py: published NKI kernel device figures vs the cost model."""
+    with open(CALIBRATION_CSV, newline="") as f:
+        return calibration_markdown(list(csv.DictReader(f)))
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "calibration": calibration,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc,
     "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,

@@ -56,9 +56,11 @@ def test_ported_mamba_kernels_compute_the_selective_scan(version, seq):
 
 
 def _published(version: str, seq: int) -> tuple[float, int]:
-    p = next(p for p in POINTS if p.version == version and p.seq_len == seq and p.channels == 4096)
-    steps = p.channels // 128 * p.state_size * (p.seq_len // 512 if version == "v3" else 1)
-    return p.published_ms * 1e6, steps
+    p = next(p for p in POINTS if p.family == "mamba" and p.version == version and p.dims["seq_len"] == seq
+             and p.dims["channels"] == 4096)
+    d = p.dims
+    steps = d["channels"] // 128 * d["state_size"] * (d["seq_len"] // 512 if version == "v3" else 1)
+    return p.published * 1e6, steps
 
 
 def _estimate(version: str, seq: int) -> tuple[cost.CostReport, int]:

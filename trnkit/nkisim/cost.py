@@ -265,13 +265,13 @@ def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
         factor = params.dma_transpose_factor
         eff *= factor if touches_hbm else min(factor, d.transpose_sbuf_factor)
     # Occupancy of the core's DMA bandwidth: DMA-engine time or HBM time, whichever is longer.
-    busy = nbytes / (d.peak_bytes_per_ns * eff)
+    busy = nbytes / (d.peak_bytes_per_ns * d.sustained_fraction * eff)
     if touches_hbm:
         busy = max(busy, hbm / (chip.hbm_bytes_per_ns * eff))
     # One transfer is split over at most min(16, rows) engines, one packet per partition row.
     rows = _dma_rows(instr, nbytes, row)
     engines = min(d.engines, rows)
-    own_rate = engines * d.bytes_per_ns_per_engine * eff
+    own_rate = engines * d.bytes_per_ns_per_engine * d.sustained_fraction * eff
     transfer = max(busy, nbytes / own_rate)
     dge = _attr_name(instr.attrs.get("dge_mode")).lower()
     fixed = d.dge_fixed_ns if dge in ("hwdge", "hardware") else d.fixed_ns
@@ -390,34 +390,57 @@ def _has_deps(instrs: Sequence[Instr]) -> bool:
 
 
 class _DepTracker:
-    """Finish times of earlier accesses per storage, for RAW / WAR / WAW dependencies."""
+    """Finish times of earlier accesses per storage, for RAW / WAR / WAW dependencies.
+
+    Accesses are boxes ``(key, p0, p1, lo, hi)``: partitions ``[p0, p1)`` x per-partition free elements
+    ``[lo, hi)`` (the interpreter's ``read_boxes`` / ``write_boxes``; HBM is one "partition" with the
+    flat range). Two accesses conflict only if both intervals overlap, so DMAs into disjoint slices of
+    one tile (``t[:, k, :]`` for each ``k``) do not wait for each other, as they would on flat ranges.
+
+    A matmul writing PSUM that earlier matmuls wrote (an accumulation group) does not wait for their
+    results: TensorE issues them in order and PSUM accumulates as the moving data streams in ([SDK]
+    nki/deep-dives/nki_perf_guide "Opt #7": a matrix-vector product's K-tiles, accumulated into one PSUM
+    tile, issue "roughly every 64 cycles", not every dependent-instruction latency)."""
 
     def __init__(self) -> None:
-        self.writes: dict[object, list[tuple[int, int, float]]] = defaultdict(list)
-        self.reads: dict[object, list[tuple[int, int, float]]] = defaultdict(list)
+        # per storage key: (p0, p1, lo, hi, finish, written by nc_matmul)
+        self.writes: dict[object, list[tuple[int, int, int, int, float, bool]]] = defaultdict(list)
+        self.reads: dict[object, list[tuple[int, int, int, int, float, bool]]] = defaultdict(list)
 
     @staticmethod
-    def _latest(entries: Iterable[tuple[int, int, float]], lo: int, hi: int) -> float:
-        return max((f for a, b, f in entries if a < hi and lo < b), default=0.0)
+    def _latest(entries: Iterable[tuple], p0: int, p1: int, lo: int, hi: int, skip_matmul: bool = False) -> float:
+        return max((e[4] for e in entries if e[0] < p1 and p0 < e[1] and e[2] < hi and lo < e[3]
+                    and not (skip_matmul and e[5])), default=0.0)
 
-    def ready(self, reads: Iterable, writes: Iterable) -> float:
+    def ready(self, reads: Iterable, writes: Iterable, matmul: bool = False) -> float:
         t = 0.0
-        for key, lo, hi in reads:
-            t = max(t, self._latest(self.writes.get(key, ()), lo, hi))
-        for key, lo, hi in writes:
-            t = max(t, self._latest(self.writes.get(key, ()), lo, hi),
-                    self._latest(self.reads.get(key, ()), lo, hi))
+        for key, p0, p1, lo, hi in reads:
+            t = max(t, self._latest(self.writes.get(key, ()), p0, p1, lo, hi))
+        for key, p0, p1, lo, hi in writes:
+            t = max(t, self._latest(self.writes.get(key, ()), p0, p1, lo, hi, skip_matmul=matmul),
+                    self._latest(self.reads.get(key, ()), p0, p1, lo, hi))
         return t
 
-    def commit(self, reads: Iterable, writes: Iterable, finish: float) -> None:
-        for key, lo, hi in writes:
-            # accesses fully covered by this write can never be waited on again (this write waited for them)
+    def commit(self, reads: Iterable, writes: Iterable, finish: float, matmul: bool = False) -> None:
+        for key, p0, p1, lo, hi in writes:
+            # accesses fully covered by this write can never be waited on again (this write waited for
+            # them, or, for an accumulating matmul, finishes after them on the in-order TensorE)
             for table in (self.writes, self.reads):
                 if key in table:
-                    table[key] = [(a, b, f) for a, b, f in table[key] if not (lo <= a and b <= hi)]
-            self.writes[key].append((lo, hi, finish))
-        for key, lo, hi in reads:
-            self.reads[key].append((lo, hi, finish))
+                    table[key] = [e for e in table[key]
+                                  if not (p0 <= e[0] and e[1] <= p1 and lo <= e[2] and e[3] <= hi)]
+            self.writes[key].append((p0, p1, lo, hi, finish, matmul))
+        for key, p0, p1, lo, hi in reads:
+            self.reads[key].append((p0, p1, lo, hi, finish, False))
+
+
+def _boxes(ins: Instr) -> tuple[Sequence, Sequence]:
+    """(read boxes, write boxes) of an instruction; flat spans as one-partition boxes where it has none."""
+    a = ins.attrs
+    if "read_boxes" in a and "write_boxes" in a:
+        return a["read_boxes"], a["write_boxes"]
+    return (tuple((k, 0, 1, lo, hi) for k, lo, hi in a["reads"]),
+            tuple((k, 0, 1, lo, hi) for k, lo, hi in a["writes"]))
 
 
 class _Timeline:
@@ -515,13 +538,14 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     end = 0.0
     dropped: set[int] = set()
     for k, (ins, c) in enumerate(zip(instrs, costs)):
-        reads, writes = ins.attrs["reads"], ins.attrs["writes"]
-        ready = deps.ready(reads, writes)
+        reads, writes = _boxes(ins)
+        matmul = ins.op == "nc_matmul"
+        ready = deps.ready(reads, writes, matmul)
         key = recompute.key(ins) if recompute is not None else None
         if key is not None and key in recompute.seen:  # the compiler reuses the first result
             finish = max(ready, recompute.seen[key])
             recompute.wrote(ins)
-            deps.commit(reads, writes, finish)
+            deps.commit(reads, writes, finish, matmul)
             dropped.add(k)
             continue
         if ins.engine == DMA:
@@ -552,7 +576,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             if key is not None:
                 recompute.seen[key] = finish
             recompute.wrote(ins)
-        deps.commit(reads, writes, finish)
+        deps.commit(reads, writes, finish, matmul)
         end = max(end, finish)
     return end, dropped
 

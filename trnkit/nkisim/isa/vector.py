@@ -187,8 +187,8 @@ def emit(opname: str, engine: str, operands: dict[str, Any], /, **attrs: Any) ->
     if trace.active() is None:
         return
     tiles = {r: t for r, t in operands.items() if is_tile(t)}
-    attrs["reads"] = tuple(common.span(t) for r, t in tiles.items() if r not in _WRITE_ROLES)
-    attrs["writes"] = tuple(common.span(t) for r, t in tiles.items() if r in _WRITE_ROLES)
+    attrs.update(common.dependency_attrs([t for r, t in tiles.items() if r not in _WRITE_ROLES],
+                                         [t for r, t in tiles.items() if r in _WRITE_ROLES]))
     # free dims of every operand contiguous: the condition of the Vector engine's fast modes
     attrs["contiguous"] = all(t.is_contiguous() for t in tiles.values())
     # scalar operands (floats, ints), so the cost model can tell x*2 from x*3 (its recompute check)

@@ -1,0 +1,36 @@
+"""Micro-kernels for single published device figures of the NKI performance guide.
+
+``scalar_dependent_chain``: the guide's "Opt #5a" profile (aws-neuron/aws-neuron-sdk
+``nki/deep-dives/nki_perf_guide.rst``, also ``general/nki/nki_perf_guide.rst`` since SDK 2.20): back-to-back
+ScalarE ``activation`` instructions (IDENTITY with scale and bias) each reading **one** element per
+partition, each reading the previous one's output (read-after-write), issue "around 189 ns (264 ScalarE
+cycles on NC-v2)" apart. The guide gives no kernel source; this is the pattern it describes: ``n``
+activations on a ``[128, 1]`` fp32 tile, each consuming the previous result.
+"""
+
+from __future__ import annotations
+
+from trnkit.nki_api import nisa, nki, nl
+
+P = 128
+
+
+@nki.jit
+def scalar_dependent_chain(x, n: int = 256):
+    """``n`` dependent one-element ScalarE activations (``y = 1.0001 * y + bias``) on ``x [128, 1]`` fp32."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    y = nl.ndarray((P, 1), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=y, src=x)
+    bias = nl.ndarray((P, 1), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=bias, src=x)
+    for _ in range(n):
+        nxt = nl.ndarray((P, 1), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=nxt, op=nl.copy, data=y, scale=1.0001, bias=bias)
+        y = nxt
+    nisa.dma_copy(dst=out, src=y)
+    return out
+
+
+def chain_interval_ns(report_total_ns: float, report_short_ns: float, n_long: int, n_short: int) -> float:
+    """Per-instruction initiation interval from two chain lengths (cancels the loads and the store)."""
+    return (report_total_ns - report_short_ns) / (n_long - n_short)
