@@ -91,6 +91,11 @@ POINTS: tuple[Point, ...] = (
           "VectorE instruction time, not the kernel time: 4,096 fp32 PSUM + SBUF tensor_tensor adds, "
           "512 copies, 256 memsets (the profile counts 5,403 VectorE instructions)", "trn2",
           "PSUM operand read in one pass (two passes: ~4.9 ms)", "busy:vector"),
+    Point("kernel_opt v5 TensorE", "kernel_opt", "v5", MM_SHAPE, dict(K=8192, M=4096, N=8192), "float32", 28.16, "ms",
+          "check", 0.1, f"{KOPT} (profile nki/img/how-to/v5-pe.png: \"Tensor Engine Active Time 28.16 ms\")",
+          "TensorE active time of 32,768 fp32 matmuls (the profile counts 65,536 matmul instructions: "
+          "LoadStationary + MultiplyMoving)", "trn2", "nc_matmul cycles (fp32 x4), matmul_extra_cycles <= ~14",
+          "busy:tensor"),
     Point("perf_guide scalar chain", "scalar_chain", "scalar_chain", "[128,1] x n, RAW-dependent", {}, "float32",
           189.0, "ns", "fit", 0.05,
           f"{PERF} (Opt #5a: \"around 189 ns (264 ScalarE cycles on NC-v2)\")",

@@ -34,7 +34,7 @@ SLICES = {
     "matmul block_free_dimension": ({"M": 256}, 1 / 16), "matmul fully_optimized": ({"N": 1024}, 1 / 8),
     "kernel_opt v2": ({"M": 128}, 1 / 32), "kernel_opt v3": ({"M": 128}, 1 / 32),
     "kernel_opt v4": ({"M": 256}, 1 / 16), "kernel_opt v5": ({"N": 1024}, 1 / 8),
-    "kernel_opt v5 VectorE": ({"N": 1024}, 1 / 8),
+    "kernel_opt v5 VectorE": ({"N": 1024}, 1 / 8), "kernel_opt v5 TensorE": ({"N": 1024}, 1 / 8),
 }
 
 

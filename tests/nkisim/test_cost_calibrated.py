@@ -117,3 +117,44 @@ def test_dependent_overhead_mid_is_the_perf_guides_measured_interval():
     lo, hi = cost_params.one_at_a_time("dependent_overhead_cycles")
     assert lo.dependent_overhead_cycles == 160  # the documented 100 static + 60 access init
     assert hi.dependent_overhead_cycles > MID.dependent_overhead_cycles
+
+
+@nki.jit
+def _perf_mode_cases(x):
+    """bf16 VectorE instructions meeting some of the trn2 perf-mode conditions (trainium2_arch)."""
+    out = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.shared_hbm)
+    a = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=a, src=x)
+    wide = nl.ndarray((128, 1024), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=wide[:, 0:512], src=x)
+    nisa.dma_copy(dst=wide[:, 512:1024], src=x)
+    p = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.psum)
+    b = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=b, src=a)  # 1a + 1b + 1c: 4x
+    c = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=c, src=wide[:, 0:1024:2])  # strided inner dim (not 1c): 2x
+    nisa.tensor_copy(dst=p, src=a)  # contiguous, output in PSUM: 2x
+    d = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=d, data1=wide[:, 0:1024:2], data2=a, op=nl.add)  # both inputs SBUF: 2x
+    e = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=e, data1=p, data2=a, op=nl.add)  # one input in PSUM: no perf mode
+    nisa.tensor_tensor(dst=e, data1=e, data2=d, op=nl.add)
+    nisa.tensor_tensor(dst=e, data1=e, data2=c, op=nl.add)
+    nisa.tensor_tensor(dst=e, data1=e, data2=b, op=nl.add)
+    nisa.dma_copy(dst=out, src=e)
+    return out
+
+
+def test_trn2_vector_perf_mode_follows_the_architecture_guides_conditions():
+    import ml_dtypes
+
+    x = np.ones((128, 512), dtype=ml_dtypes.bfloat16)
+    with trace.record() as tr:
+        _perf_mode_cases(x)
+    vec = [i for i in tr if i.engine == "vector"]
+    cycles = [cost.instr_cost(i, "trn2", MID).cycles for i in vec[:5]]
+    # 512 elements: copy 4x = 128; strided copy 2x = 256; copy into PSUM 2x = 256; SBUF add 2x = 256
+    # (a bf16 add is one pass); PSUM add 1x = 512
+    assert cycles == [128, 256, 256, 256, 512]
+    # trn1 has no perf mode
+    assert [cost.instr_cost(i, "trn1", MID).cycles for i in vec[:5]] == [512] * 5

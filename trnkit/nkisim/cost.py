@@ -2,8 +2,10 @@
 
 ``estimate(trace, chip="trn2") -> CostReport``; ``report.total_range_ns`` = (low, mid, high) under the
 optimistic / mid / pessimistic settings of the uncertain parameters (:mod:`trnkit.nkisim.cost_params`),
-``sensitivity(trace)`` moves one parameter at a time. Calibrated against the SDK fused-Mamba tutorial's
-trn1 measurements (``benchmarks/calibration/``; docs/cost-model.md).
+``sensitivity(trace)`` moves one parameter at a time. Calibrated against published device figures of NKI
+kernels: the SDK's fused-Mamba and matrix-multiplication tutorials (trn1), the kernel-optimization
+tutorial's profiles (trn2), the performance guide's dependent-instruction interval
+(``benchmarks/calibration/``; docs/cost-model.md).
 
 Per instruction the model computes two numbers (constants in :mod:`trnkit.nkisim.hardware`):
 
@@ -12,7 +14,8 @@ Per instruction the model computes two numbers (constants in :mod:`trnkit.nkisim
   elements per partition, ``MIN_II`` = 64 cycles): ``nc_matmul`` ``max(min(64, N_stationary), N_moving)``
   cycles (x4 for fp32 inputs, /2 for fp8 ``double_row``), Vector/Scalar ``max(MIN_II, N)`` or
   ``max(MIN_II, 2N)``, GpSimd at its own rate (see :func:`_compute_cycles`). A DMA occupies the core's
-  DMA bandwidth for ``bytes / (rate * eff)``, ``rate`` = 16 engines x 23 B/ns, capped by the core's HBM
+  DMA bandwidth for ``bytes / (rate * eff)``, ``rate`` = 16 engines x 23 B/ns (trn2; trn1 16 x 17 B/ns
+  x its fitted sustained fraction 0.51, ``hardware.DmaSpec.sustained_fraction``), capped by the core's HBM
   share when it touches HBM, ``eff = b / (b + knee)`` for ``b`` contiguous bytes per partition row (the
   small-transfer penalty of the DMA bandwidth guide); a ``dma_transpose`` further scales it by the
   transpose factor; an indirect DMA first takes GpSimd time for its descriptors (software DGE). Knee,
@@ -28,7 +31,9 @@ Engines run concurrently; the total uses one of two schedules, named in ``CostRe
   ``attrs["writes"]``: sequences of ``(storage_key, lo, hi)`` flat element ranges). Each engine executes
   its own instructions in program order (in-order queues, like the hardware's per-engine instruction
   streams); an instruction starts when its engine is free and every earlier instruction it depends on
-  (read-after-write, write-after-read, write-after-write on overlapping ranges) has finished; DMA
+  (read-after-write, write-after-read, write-after-write on overlapping partition x free boxes, the
+  interpreter's ``read_boxes`` / ``write_boxes``) has finished, except that a matmul does not wait for the
+  earlier matmuls of its PSUM accumulation group (TensorE issues them back to back); DMA
   transfers start moving bytes ``fixed`` after they become ready, in the earliest gap of the core's DMA
   bandwidth (first fit: the 16 DMA queues let a ready transfer pass one still waiting), at most
   ``dma_max_inflight`` of them between issue and finish; engines that share an access path (trn1: Vector
@@ -281,12 +286,35 @@ def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
     return InstrCost(DMA, busy, fixed + transfer, fixed, gpsimd_ns=gpsimd)
 
 
-def _vector_perf_mode(instr: Instr, chip: Chip) -> bool:
-    """VectorE's trn2 performance mode: SBUF-only, 2-byte floats, contiguous ([SDK] trainium2_arch)."""
+def _vector_perf_speedup(instr: Instr, chip: Chip) -> float:
+    """VectorE's trn2 performance-mode speed-up over NeuronCore-v2 ([SDK] nki/guides/architecture/
+    trainium2_arch "Vector Engine Performance Mode"; every tensor BF16/FP16, condition 1b):
+
+    * ``tensor_copy`` / ``tensor_scalar``: 4x with input and output in SBUF and the inner-most free
+      dimension contiguous (1a + 1c); 2x in SBUF without 1c, or contiguous with one of them in PSUM;
+    * ``tensor_tensor``: 2x with both inputs in SBUF (no contiguity condition);
+    * anything else: 1x.
+    """
     if instr.engine != VECTOR or chip.vector_fast_copy <= 1.0 or not instr.operands:
-        return False
-    return (all(o.buffer == "sbuf" for o in instr.operands)
-            and all(o.dtype in _TWO_BYTE_FLOATS for o in instr.operands) and instr.attrs.get("contiguous", True))
+        return 1.0
+    if not all(o.dtype in _TWO_BYTE_FLOATS for o in instr.operands):
+        return 1.0
+    in_psum = sum(o.buffer == "psum" for o in instr.operands)
+    if instr.op == "tensor_tensor":
+        inputs = [o for o in instr.operands if o.role != "dst"]
+        return chip.vector_fast_tensor_tensor if all(o.buffer == "sbuf" for o in inputs) else 1.0
+    if instr.op in ("tensor_copy", "tensor_scalar"):
+        inner = instr.attrs.get("inner_contiguous", instr.attrs.get("contiguous", True))
+        if in_psum == 0:
+            return chip.vector_fast_copy if inner else chip.vector_fast_copy / 2
+        return chip.vector_fast_copy / 2 if in_psum == 1 and inner else 1.0
+    return 1.0
+
+
+def _vector_perf_mode(instr: Instr, chip: Chip) -> bool:
+    """Whether VectorE runs this instruction in its trn2 performance mode (it then uses the SBUF bus it
+    shares with GpSimdE, [SDK] trainium2_arch "memory hierarchy")."""
+    return _vector_perf_speedup(instr, chip) > 1.0
 
 
 def _gpsimd_cycles(instr: Instr, n: int, chip: Chip, params: ModelParams) -> float:
@@ -323,21 +351,20 @@ def _compute_cycles(instr: Instr, chip: Chip, params: ModelParams = MID) -> floa
     if eng == GPSIMD:
         return _gpsimd_cycles(instr, n, chip, params)
     two_byte = bool(instr.operands) and all(o.dtype in _TWO_BYTE_FLOATS for o in instr.operands)
-    fast = _vector_perf_mode(instr, chip)
+    speedup = _vector_perf_speedup(instr, chip)
     alu = _attr_name(instr.attrs.get("op") or instr.attrs.get("alu_op")).lower()
     psum_in = params.psum_single_pass and any(o.buffer == "psum" for o in ins)
     if op == "tensor_tensor":
         single = psum_in or (two_byte and alu in _FAST_ALU)
         cycles = n if single else 2 * n
-        if fast:
-            cycles /= chip.vector_fast_tensor_tensor
+        cycles /= speedup
         return max(min_ii, cycles)
     if op == "tensor_tensor_scan":  # [SDK-old] beta-1 ISA: 2N (two input tiles)
         return max(min_ii, 2 * n)
     if op == "scalar_tensor_tensor":
         return max(min_ii, n if (two_byte and alu in ("subtract", "multiply")) else 2 * n)
     if op in ("tensor_copy", "tensor_scalar"):
-        return max(min_ii, n / chip.vector_fast_copy if fast else n)
+        return max(min_ii, n / speedup)
     if op == "tensor_reduce":
         red = _attr_name(instr.attrs.get("op")).lower()
         src = ins[0] if ins else None

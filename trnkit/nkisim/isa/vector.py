@@ -191,6 +191,8 @@ def emit(opname: str, engine: str, operands: dict[str, Any], /, **attrs: Any) ->
                                          [t for r, t in tiles.items() if r in _WRITE_ROLES]))
     # free dims of every operand contiguous: the condition of the Vector engine's fast modes
     attrs["contiguous"] = all(t.is_contiguous() for t in tiles.values())
+    # inner-most free dim contiguous (condition 1c of the trn2 perf mode for tensor_copy / tensor_scalar)
+    attrs["inner_contiguous"] = all(t.ndim < 2 or t.shape[-1] == 1 or t.strides[-1] == 1 for t in tiles.values())
     # scalar operands (floats, ints), so the cost model can tell x*2 from x*3 (its recompute check)
     attrs["scalars"] = tuple((r, repr(v)) for r, v in operands.items() if v is not None and not is_tile(v))
     dst = tiles.pop("dst", None)
