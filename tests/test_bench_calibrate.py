@@ -15,7 +15,7 @@ from trnkit.bench.cases import cases_for
 from trnkit.bench.schema import Row, write_rows
 from trnkit.nkisim import cost, cost_params, trace
 
-TRUE = replace(cost_params.MID, matmul_extra_cycles=32, dma_knee_bytes=512)
+TRUE = replace(cost_params.MID, matmul_extra_cycles=cost_params.HIGH.matmul_extra_cycles, dma_knee_bytes=512)
 
 
 def _measured_rows(tmp_path):
@@ -46,7 +46,7 @@ def test_calibrate_recovers_the_parameters_behind_synthetic_measurements(tmp_pat
     before, after = float(m.group(1)), float(m.group(2))
     assert n == 2 and before > 0.1 and after < 0.01
     fitted = json.loads(out.read_text())
-    assert (fitted["matmul_extra_cycles"], fitted["dma_knee_bytes"]) == (32, 512)
+    assert (fitted["matmul_extra_cycles"], fitted["dma_knee_bytes"]) == (TRUE.matmul_extra_cycles, 512)
     assert "NOT TESTED ON HARDWARE" in text
 
 

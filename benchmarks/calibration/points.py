@@ -68,7 +68,8 @@ def _kopt(version, ms, role, note, constrains):
 
 POINTS: tuple[Point, ...] = (
     _mamba("mamba_v1", "v1", 4096, 512, 2.34, "fit", f"{MAMBA} (\"now 2.34 ms\")",
-           "VectorE 92.16% active; delta/u reloaded per state"),
+           "VectorE 92.16% active; the port reloads delta/u per state (16x), the compiler ~7x (profiler "
+           "warning in the tutorial): the model's DMA time for v1 is ~2x the device's"),
     _mamba("mamba_v2", "v2", 4096, 512, 1.61, "fit", f"{MAMBA} (\"now 1.61 ms\")", "VectorE 99.63% active"),
     *(_mamba(f"mamba_v3 s{s}", "v3", 4096, s, ms, "check", f"{MAMBA} (seq_len scaling table)")
       for s, ms in ((1024, 3.3), (2048, 6.6), (4096, 13.3))),
