@@ -13,6 +13,8 @@ Edit the CSV (by re-running its benchmark with --save-reference), never the tabl
 
 Figures quoted in running text are listed in QUOTES: the sentence as a template and the CSV cell that
 fills it; the check fails when the filled sentence is not in the page (the figure or the CSV changed).
+Without --check the script also rewrites the numbers of a stale quote in place when its sentence (the
+template with any numbers) occurs exactly once in the page; otherwise it warns.
 """
 
 from __future__ import annotations
@@ -376,19 +378,59 @@ QUOTES = (
 )
 
 
+def quote_problem(q: Quote) -> str | None:
+    """Why quote ``q`` is not in its page as its CSV gives it (None when it is)."""
+    page = " ".join((ROOT / q.page).read_text().split())  # line breaks in the page are spaces
+    try:
+        text = q.text()
+    except LookupError as exc:  # the CSV lost the row (e.g. a case not re-run yet)
+        return f"{q.page}: '{q.template}': {exc} (from {q.source})"
+    return None if text in page else f"{q.page}: expected '{text}' (from {q.source})"
+
+
 def wrong_quotes() -> list[str]:
     """Quoted figures that are not in their page as their CSV gives them."""
-    wrong = []
+    return [problem for problem in map(quote_problem, QUOTES) if problem]
+
+
+NUMBER = r"([-+]?[\d,]*\.?\d+%?)"  # a quoted value as the formats write it: 1,234.5 / 95.3% / 7
+
+
+def refresh_quote(text: str, q: Quote) -> str | None:
+    """``text`` with the values of quote ``q`` replaced by what its CSV gives now (line breaks kept), or
+    None when the template's sentence is not found exactly once."""
+    chunks = q.template.split("{}")
+    pattern = NUMBER.join(r"\s+".join(re.escape(w) for w in chunk.split(" ")) for chunk in chunks)
+    matches = list(re.finditer(pattern, text))
+    if len(matches) != 1:
+        return None
+    values = (q.value if isinstance(q.value, tuple) else (q.value,))
+    m = matches[0]
+    out, pos = [], m.start()
+    for i, value in enumerate(values, start=1):
+        out += [text[pos:m.start(i)], value()]
+        pos = m.end(i)
+    return text[:m.start()] + "".join(out) + text[pos:]
+
+
+def refresh_quotes() -> list[str]:
+    """Rewrite every stale quoted figure in its page; returns the quotes that could not be rewritten."""
+    left = []
     for q in QUOTES:
-        page = " ".join((ROOT / q.page).read_text().split())  # line breaks in the page are spaces
-        try:
-            text = q.text()
-        except LookupError as exc:  # the CSV lost the row (e.g. a case not re-run yet)
-            wrong.append(f"{q.page}: '{q.template}': {exc} (from {q.source})")
+        problem = quote_problem(q)
+        if problem is None:
             continue
-        if text not in page:
-            wrong.append(f"{q.page}: expected '{text}' (from {q.source})")
-    return wrong
+        path = ROOT / q.page
+        try:
+            new = refresh_quote(path.read_text(), q)
+        except LookupError:
+            new = None
+        if new is None:
+            left.append(problem)
+        else:
+            path.write_text(new)
+            print(f"updated quote in {q.page}: {q.text()}")
+    return left
 
 
 def doc_files() -> list[Path]:
@@ -426,8 +468,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in wrong:
             print(f"quoted figure disagrees with its CSV: {line}", file=sys.stderr)
         return 1 if stale or wrong else 0
-    for line in wrong_quotes():
-        print(f"warning: quoted figure disagrees with its CSV (edit the text): {line}", file=sys.stderr)
+    for line in refresh_quotes():
+        print(f"warning: quoted figure disagrees with its CSV and its sentence was not found once (edit the "
+              f"text): {line}", file=sys.stderr)
     for path in doc_files():
         text = path.read_text()
         new = regenerate(text, str(path))

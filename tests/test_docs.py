@@ -167,3 +167,36 @@ def test_unchecked_time_figure_is_found(tmp_path, monkeypatch):
                                                   "DMA 258.2 µs at HIGH\n<!-- end derived -->\nbwd 1.5 us\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert unchecked_time_figures("docs/kernels.md") == ["11.42 ms", "1.5 us"]
+
+
+def test_stale_quote_is_rewritten_in_place(tmp_path, monkeypatch):
+    (tmp_path / "r.csv").write_text("case,mid,frac\na,1234.5,0.953\n")
+    monkeypatch.setattr(docs_tables, "DATA", tmp_path)
+    q = docs_tables.Quote("p.md", "fwd {} µs ({} of the\nbound)", "r.csv",
+                          (docs_tables.csv_cell("r.csv", "mid", {"case": "a"}, "{:,.1f}"),
+                           docs_tables.csv_cell("r.csv", "frac", {"case": "a"}, "{:.1%}")))
+    page = "x fwd 999.0 µs (**12.5%** of the\n  bound) y"  # line break inside the sentence is kept
+    assert docs_tables.refresh_quote(page, q) is None  # the template's "(" before {} is not "(**"
+    q = docs_tables.Quote("p.md", "fwd {} µs ({} of the bound)", "r.csv", q.value)
+    assert docs_tables.refresh_quote("x fwd 999.0 µs (12.5% of the\n  bound) y", q) == \
+        "x fwd 1,234.5 µs (95.3% of the\n  bound) y"
+    assert docs_tables.refresh_quote("fwd 1 µs (2% of the bound), fwd 3 µs (4% of the bound)", q) is None
+
+
+def test_docs_tables_rewrites_every_quote_after_a_rerun(tmp_path, monkeypatch):
+    """After a benchmark re-run changes its CSV, one run of the script brings every quote up to date."""
+    for page in {q.page for q in docs_tables.QUOTES}:
+        (tmp_path / page).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / page).write_text((ROOT / page).read_text())
+    read_csv = docs_tables.read_csv
+    rows = read_csv(docs_tables.HEADLINE_CSV)
+    for row in rows:
+        row["mid_us"] = str(float(row["mid_us"]) * 1.5)
+        row["fraction_mid"] = str(float(row["fraction_mid"]) / 1.5)
+    monkeypatch.setattr(docs_tables, "read_csv",
+                        lambda name: rows if name == docs_tables.HEADLINE_CSV else read_csv(name))
+    monkeypatch.setattr(docs_tables, "ROOT", tmp_path)
+    assert len(docs_tables.wrong_quotes()) >= 3  # rope, router, moe in README, rope in kernels.md
+    assert docs_tables.refresh_quotes() == [] and docs_tables.wrong_quotes() == []
+    rope = next(r for r in rows if r["case"] == "rope_fwd")
+    assert f"fwd {float(rope['mid_us']):,.0f} µs" in (tmp_path / "README.md").read_text()
