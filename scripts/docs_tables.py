@@ -124,6 +124,24 @@ def moe_lnc() -> str:
                   rows)
 
 
+def blockwise_moe() -> str:
+    """benchmarks/blockwise_moe.py: trnkit's moe_experts forward vs a blockwise design (trn2 cost model)."""
+    by = {(r["design"], r["E"], r["lnc"]): r for r in read_csv("blockwise_moe.csv")}
+    rows = []
+    for (design, E, lnc), bw in by.items():
+        if design != "blockwise":
+            continue
+        tk = by[("trnkit", E, lnc)]
+        t_tk, t_bw = float(tk["est_us"]), float(bw["est_us"])
+        rows.append([E, lnc, f"{t_tk:,.1f} us ({float(tk['est_low_us']):,.0f}-{float(tk['est_high_us']):,.0f})",
+                     f"{t_bw:,.1f} us ({float(bw['est_low_us']):,.0f}-{float(bw['est_high_us']):,.0f})",
+                     f"**{t_bw / t_tk:.2f}x**", f"{int(bw['flops']) / int(tk['flops']):.2f}x",
+                     f"{int(bw['hbm_bytes']) / int(tk['hbm_bytes']):.2f}x", f"{tk['bottleneck']} / {bw['bottleneck']}"])
+    header = ["E", "LNC", "trnkit moe_experts (mid, range)", "blockwise (mid, range)", "blockwise / trnkit time",
+              "FLOPs ratio", "HBM bytes ratio", "bottleneck (trnkit / blockwise)"]
+    return _table(header, rows)
+
+
 def conformance() -> str:
     """python -m trnkit conformance --save-reference: AWS nki-library kernels on the interpreter."""
     rows = read_csv("conformance.csv")
@@ -269,7 +287,7 @@ def calibration() -> str:
 GENERATORS: dict[str, Callable[[], str]] = {
     "calibration": calibration,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
-    "moe_lnc": moe_lnc,
+    "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe,
     "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),
