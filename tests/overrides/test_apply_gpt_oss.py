@@ -107,3 +107,17 @@ def test_unsupported_gpt_oss_shape_is_refused_by_the_kernel_rule() -> None:
         report = apply_overrides(model, ops=["moe_experts"], policy="fallback")
     revert(model)
     assert {r.status for r in report.rows} == {"fallback"}
+
+
+def test_experts_interface_leaves_gpt_oss_to_its_own_code() -> None:
+    """register_hf_experts serves fused [gate; up] SiLU experts only: GPT-OSS selecting it by name falls
+    back (warned, naming the rule) to transformers' code, with the same logits."""
+    from trnkit.overrides import register_hf_experts  # noqa: PLC0415
+
+    model = _model()
+    with torch.no_grad():
+        ref = model(TOKENS).logits
+        model.set_experts_implementation(register_hf_experts("trnkit_gpt_oss_test", policy="fallback"))
+        with pytest.warns(UserWarning, match="no expert bias"):
+            out = model(TOKENS).logits
+    assert_close(out, ref, torch.float32)

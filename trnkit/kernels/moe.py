@@ -14,7 +14,9 @@ Public API (DESIGN.md §3):
 * ``moe_experts(x [T, H], topk_idx [T, K], topk_weights [T, K], w_gate_up, w_down, block_size=128)
   -> [T, H]``: ``out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
   ``e = topk_idx[t, k]``. ``moe_experts_bwd(..., grad_out, block_size=128) -> (grad_x,
-  grad_topk_weights, grad_w_gate_up, grad_w_down)``.
+  grad_topk_weights, grad_w_gate_up, grad_w_down)``. Expert variants (trailing keyword arguments of
+  both and of their refs): ``activation`` ``silu | gelu_tanh | swiglu_clamped`` (GPT-OSS, with
+  ``limit`` / ``alpha``) and biases ``b_gate_up [E, 2I]`` / ``b_down [E, H]`` (:func:`activation_ref`).
 
 How it runs (dropless, megablocks / nki-library style): the (token, k) *slots* are grouped by expert
 with torch ops on the host (:func:`block_layout`: counting sort, no Python loop over experts, no host

@@ -333,13 +333,14 @@ def gpt_oss_experts_static(module: nn.Module) -> list[Violation]:
 
 
 def hf_experts_static(module: nn.Module) -> list[Violation]:
-    """Module-configuration checks the kernel's SwiGLU-with-fused-[gate;up] contract needs."""
+    """Module-configuration checks of the fused-[gate;up] SiLU adapter (Qwen3-MoE, DeepSeek-V3, GLM-4-MoE)."""
     label = "moe_experts[hf adapter]"
     cfg = getattr(module, "config", None)
     act = getattr(cfg, "hidden_act", "silu")
     checks = [
-        (act in ("silu", "swish"), "hidden_act == 'silu'", act, "the kernel computes SwiGLU (silu(gate) * up)"),
-        (not getattr(module, "has_bias", False), "no expert bias", True, "the kernel has no bias terms"),
+        (act in ("silu", "swish"), "hidden_act == 'silu'", act, "this adapter passes activation='silu'"),
+        (not getattr(module, "has_bias", False), "no expert bias", True,
+         "this adapter passes no biases (GPT-OSS experts are swapped by apply_overrides)"),
         (getattr(module, "has_gate", True), "gated experts", False, "the kernel needs gate_up_proj"),
         (getattr(module, "is_concatenated", True), "gate_up_proj = [gate; up]", "interleaved",
          "the kernel splits gate and up as two halves"),
