@@ -50,6 +50,25 @@ def test_forward_matches_ref(T: int, H: int, E: int, K: int, dtype: torch.dtype,
     _check_forward(x, w, K, norm)
 
 
+@pytest.mark.parametrize("dtype,T,n_dma_t", [
+    (torch.bfloat16, 2000, 1),  # block of 15 rows per partition (chunks 4+4+4+3) + an 80-token tail
+    (torch.bfloat16, 2050, 2),  # 16 rows per partition: sub-tiles 8 and 16 by DMA transpose
+    (torch.float32, 2000, 0),   # the DMA transpose moves 2-byte elements only
+])
+def test_forward_x_transposes_split_between_dma_and_tensor_engine(dtype: torch.dtype, T: int, n_dma_t: int) -> None:
+    from trnkit.nkisim import trace
+
+    x, w = _inputs(T, 256, 16, dtype, seed=T)
+    with trace.record() as tr:
+        _check_forward(x, w, 4, True)
+    ops = [i.op for i in tr]
+    # one full 128-token sub-tile in every eight comes by one hardware-DGE DMA transpose
+    assert ops.count("dma_transpose") == n_dma_t
+    # the others (and the w^T blocks) by 128x128 Tensor-engine transposes: 2 H blocks per sub-tile
+    n_sub = (T // 128) + (T % 128 > 0)
+    assert ops.count("nc_transpose") == 2 * (n_sub - n_dma_t) + 2
+
+
 def test_ties_go_to_lower_expert_index() -> None:
     # experts 1, 3 and 6 share a weight row, so their logits tie exactly for every token
     x, w = _inputs(6, 64, 8, torch.float32, seed=1)
@@ -140,6 +159,22 @@ def _check_zero_gradient(got: tuple, torch_grads, dtype: torch.dtype) -> None:
         assert a.abs().max() <= 1.5 * b.abs().max() + torch.finfo(dtype).eps / 4, (a.abs().max(), b.abs().max())
 
 
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_backward_any_ids_permuted_or_repeated(norm: bool, scoring: str) -> None:
+    # the gradient is computed on the K given ids (gathered, not re-derived from the logits): ids in any
+    # order, not the top-K, or repeated, give autograd's gradient of gather -> renorm (repeats add up)
+    x, w = _inputs(140, 128, 12, torch.float32, seed=12)
+    logits = x @ w.T
+    gen = torch.Generator().manual_seed(13)
+    idx = torch.stack([torch.randperm(12, generator=gen)[:4] for _ in range(140)]).to(torch.int32)
+    idx[::3, 1] = idx[::3, 0]  # every third token lists one expert twice
+    g = torch.randn(140, 4, generator=gen)
+    got = router_topk_bwd(x, w, logits, idx, g, None, norm, scoring=scoring)
+    O.check_all(("grad_x", "grad_w"), got, lambda dt: O.router_grads(x, w, idx, g, None, dt, norm, scoring),
+                torch.float32)
+
+
 def test_backward_with_int64_indices_from_the_model() -> None:
     x, w = _inputs(10, 64, 9, torch.float32, seed=8)
     _, idx, logits = router_topk_ref(x, w, 2)
@@ -196,11 +231,16 @@ def test_backward_shape_constraints() -> None:
 def test_lnc2_grid_splits_tokens() -> None:
     from trnkit.kernels.router_topk import router_topk_kernel
 
-    x, w = _inputs(700, 256, 16, torch.bfloat16, seed=9)  # 2 chunks of 512 + tail: both programs work
-    got = router_topk_kernel[2](x, w, 4, norm_topk_prob=True)
+    from trnkit.nkisim import trace
+
+    # tokens [0, 1408) and [1408, 2600): each program has a block with a DMA-transposed sub-tile and a tail
+    x, w = _inputs(2600, 256, 16, torch.bfloat16, seed=9)
+    with trace.record() as tr:
+        got = router_topk_kernel[2](x, w, 4, norm_topk_prob=True)
+    assert sorted(i.program_id for i in tr if i.op == "dma_transpose") == [0, 1]
     assert torch.equal(got[1], router_topk_ref(x, w, 4, True)[1])
     for a, b in zip(got, router_topk(x, w, 4, True)):
-        assert torch.equal(a, b)  # the programs split the token chunks: bit-identical to one program
+        assert torch.equal(a, b)  # the programs split the tokens: bit-identical to one program
     O.check_all(("logits", "weights"), (got[2], got[0]), lambda dt: O.router_weights(x, w, got[1], dt), x.dtype)
 
 

@@ -14,12 +14,15 @@ fp32, ``topk_idx [T, K]`` int32, ``router_logits [T, E]`` fp32, and with ``retur
 (one PSUM bank of fp32 per token tile), any H (a short last H block uses fewer partitions), any T.
 
 Kernel layout: tokens on partitions (128 per tile) for everything after the matmul, so softmax and
-top-K are per-partition free-axis operations. The contraction over H needs H on partitions: for bf16 with
-H a multiple of 128 each chunk's x^T is loaded straight from HBM by hardware-DGE ``dma_transpose`` s, one
-per sub-tile (the documented hwdge form ``src [16, H/128, P/16, 128]``: 16 rows; ``w_router.T`` by DMA
-transposes too, once, kept in SBUF); otherwise (fp32, other H, a tail chunk of a partition count that is
-not a multiple of 16) each x tile is loaded once, contiguously, and transposed 128x128 on the Tensor
-engine (PSUM -> SBUF copies split between Vector and Scalar).
+top-K are per-partition free-axis operations; partition p of a block holds R consecutive tokens, so
+every per-partition HBM access (x rows, logits, top-K) is one contiguous run. The contraction over H
+needs x^T (H on partitions), which comes from two sources so that neither the DMA queue nor the Tensor
+engine carries it alone: most sub-tiles are loaded contiguously and transposed 128x128 on the Tensor
+engine (PSUM -> SBUF copies split between Vector and Scalar); for bf16 with H a multiple of 128, one
+full sub-tile in every eight comes straight from HBM by a hardware-DGE ``dma_transpose`` (the
+documented hwdge form ``src [16, H/128, P/16, 128]``). ``w_router.T`` is transposed once on the Tensor
+engine and kept in SBUF. The split keeps the kernel at >= 70% of the HBM bound across the cost model's
+DMA-transpose rates (docs/kernels.md).
 Top-K uses ``max8`` + ``nc_find_index8`` on the logits (softmax is monotonic, so the selection is that of
 the probabilities); ``nc_find_index8`` returns the first occurrence of each value and advances on
 duplicates, which gives the documented tie rule. With ``norm_topk_prob`` the softmax denominator
@@ -41,8 +44,10 @@ a one-hot mask (``(iota == idx_k) * s`` and a sum over E, K Vector passes).
 
 Backward (``router_topk_bwd``): ``g_p = scatter(idx, g_s)`` with ``g_s`` the gradient of the selected
 probabilities (through the renormalisation when ``norm_topk_prob``), ``g_logits = p * (g_p - <g_p, p>)
-(+ grad_router_logits)`` in fp32 (the per-token one-hot scatter is iota + compare on the Vector engine,
-in any order of ``topk_idx``), then ``grad_x = g_logits @ w_router`` and ``grad_w = g_logits.T @ x`` on the
+(+ grad_router_logits)`` in fp32. It is computed on the K selected logits first (gathered per partition
+with ``nc_n_gather``; ``[tokens, K]`` arithmetic), then scattered to ``[tokens, E]`` by K one-hot
+products (iota == id, any order of ``topk_idx``; repeated ids add up like autograd's scatter); then
+``grad_x = g_logits @ w_router`` and ``grad_w = g_logits.T @ x`` on the
 Tensor engine with fp32 accumulation. fp32 inputs: fp32 matmuls. bf16 inputs: ``g_logits`` is split into
 two bf16 parts (``hi + lo``, ~16 significant bits) multiplied against the exact bf16 x / w, so the
 gradients are as accurate as fp32 math rounded once to bf16, at 2x the bf16 matmul cost (still 2x
@@ -275,20 +280,15 @@ def _transpose_blocks(pairs, rows, cols, dtype, load):
             nisa.tensor_copy(dst=pairs[i][0][0:cb, n_full, 0:rows], src=pt, engine=_copy_engine(load, rows))
 
 
-def _load_w_transposed(w, load, dma_t=False):
-    """``w_router [E, H]`` -> SBUF ``wT [128, ceil(H/128), E]`` (``wT[c, j, e] = w[e, j*128 + c]``), by DMA
-    transpose when ``dma_t`` (bf16, H a multiple of 128) for each block of 128 experts whose size is a
-    multiple of 16, else on the Tensor engine."""
+def _load_w_transposed(w, load):
+    """``w_router [E, H]`` -> SBUF ``wT [128, ceil(H/128), E]`` (``wT[c, j, e] = w[e, j*128 + c]``): each block
+    of 128 experts loaded contiguously and transposed on the Tensor engine (one 4 KiB row per expert,
+    where 16-row DMA transposes would move 512 B per partition)."""
     E, H = w.shape
     n_h = _cdiv(H, P_MAX)
     wT = nl.ndarray((P_MAX, n_h, E), dtype=w.dtype, buffer=nl.sbuf)
     for e0 in range(0, E, P_MAX):
         ec = min(P_MAX, E - e0)
-        if dma_t and ec % _DMA_T_ROWS == 0:
-            for r0 in range(e0, e0 + ec, _DMA_T_ROWS):
-                _dma_transpose_rows(wT[:, :, r0:r0 + _DMA_T_ROWS],
-                                    w.ap(pattern=[[H, _DMA_T_ROWS], [P_MAX, n_h], [1, P_MAX]], offset=r0 * H))
-            continue
         w_sb = nl.ndarray((ec, H), dtype=w.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=w_sb, src=w[e0:e0 + ec, :])
         _transpose_blocks([(wT[:, :, e0:e0 + ec], w_sb)], ec, H, w.dtype, load)
@@ -300,24 +300,20 @@ def _load_w_transposed(w, load, dma_t=False):
 _DMA_T_ROWS = 16
 
 
-def _dma_transpose_rows(dst, src):
-    """One hardware-DGE transpose ``src [16, a, b, 128]`` -> ``dst [128, a, b, 16]`` (or 3-D)."""
-    nisa.dma_transpose(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge)
-
-
-# Token sub-tiles per chunk: each partition holds NT consecutive tokens, so the logits store is one
-# contiguous NT*E*4-byte run per partition and the x load NT*H elements. Longer inputs amortise a deeper
-# chunk; shorter ones fill the pipeline sooner with NT=2 (cost model, H=2048: T=2048 61% vs 57% of the
-# HBM bound with NT=4; T=8192 77.5% vs 73%; with the DMA transpose of x, T=8192: NT=4 80.7%, NT=2 79.0%,
-# NT=8 79.4%).
+# Token sub-tiles per chunk: partition p holds NT consecutive tokens of the chunk, so the x load is one
+# NT*H-element run per partition and the logits store one NT*E*4-byte run. Cost model, H=2048 E=128 K=8
+# bf16, low / mid / high fraction of the HBM bound: T=8192 NT=4 88.3 / 83.9 / 74.2%, NT=2 86 / 74 / 58%,
+# NT=8 84 / 81 / 71%; T=2048 NT=4 69 / 67 / 58%, NT=2 73 / 64 / 51%; T=1024 NT=2 62 / 55 / 45%.
 def _sub_tiles(T, H, itemsize):
-    nt = 4 if T >= 4096 else 2
+    nt = 4 if T >= 2048 else 2
     # x slabs of two pipeline stages + their transposes: 4 * NT * H elements per partition
     return max(1, min(nt, (120 * 1024) // (4 * H * itemsize)))
-# Token tiles whose backward g_logits steps are issued in lockstep (latency hiding), at most 8 and
-# within ~96 KiB of SBUF per partition (~72 bytes per expert per tile: K fp32 products, K fp16 masks, ...)
+# Token tiles whose backward g_logits steps are issued in lockstep (latency hiding), at most 4 and
+# within ~96 KiB of SBUF per partition (~4K + 24 bytes per expert per tile: K fp32 one-hot products, the
+# dense sum, its bf16 parts, ...). Cost model, T=8192 H=2048 E=128 K=8 bf16, optimistic / mid /
+# pessimistic: 4 tiles 267 / 272 / 294 us, 2 tiles 254 / 271 / 310 us, 8 tiles 286 / 293 / 320 us.
 def _bwd_group(E, K):
-    return max(1, min(8, 96 * 1024 // ((6 * K + 24) * E)))
+    return max(1, min(4, 96 * 1024 // ((6 * K + 24) * E)))
 
 
 def _scatter_affinities(aff, lg, top8, neg_max, rden, p_all, E, K):
@@ -394,37 +390,79 @@ def _sigmoid_topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, scale, bias_sb
         nisa.tensor_scalar(dst=top_w, data=s_k, op0=nl.multiply, operand0=scale, engine=nisa.engine.scalar)
 
 
-def _topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, aff=None, scale=1.0):
-    """Softmax top-K of one token sub-tile: ``lg [P, >=8]`` fp32 logits (padded when E < 8) ->
-    ``top_w [P, K]`` fp32 (times ``scale``), ``top_i [P, K]`` int32 (and the dense ``aff [P, E]`` fp32
-    when given)."""
-    P = lg.shape[0]
-    top8 = nl.ndarray((P, 8), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.max8(dst=top8, src=lg)
-    idx8 = nl.ndarray((P, 8), dtype=nl.uint32, buffer=nl.sbuf)
-    nisa.nc_find_index8(dst=idx8, data=lg, vals=top8)
-    nisa.tensor_copy(dst=top_i, src=idx8[:, 0:K], engine=nisa.engine.gpsimd)
-    neg_max = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg_max, data=top8[:, 0:1], op0=nl.multiply, operand0=-1.0,
-                       engine=nisa.engine.scalar)
-    e_k = nl.ndarray((P, K), dtype=nl.float32, buffer=nl.sbuf)
-    denom = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    p_all = None
-    if norm_topk_prob:  # sum over the selected K only: the softmax denominator cancels
-        nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max, reduce_op=nl.add,
-                        reduce_res=denom, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    else:
-        p_all = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=p_all, op=nl.exp, data=lg[:, 0:E], bias=neg_max, reduce_op=nl.add,
-                        reduce_res=denom, reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        nisa.activation(dst=e_k, op=nl.exp, data=top8[:, 0:K], bias=neg_max)
-    rden = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=rden, data=denom)
-    if scale != 1.0:  # routed_scaling_factor folded into the normaliser (weights and affinities alike)
-        nisa.tensor_scalar(dst=rden, data=rden, op0=nl.multiply, operand0=scale)
-    nisa.tensor_scalar(dst=top_w, data=e_k, op0=nl.multiply, operand0=rden, engine=nisa.engine.scalar)
-    if aff != None:  # noqa: E711 (the NKI compiler rejects `is not`)
-        _scatter_affinities(aff, lg, top8, neg_max, rden, p_all, E, K)
+def _topk_tiles(lgs, tws, tis, E, K, norm_topk_prob, affs=None, scale=1.0):
+    """Softmax top-K of the token sub-tiles of one chunk: ``lgs[j] [P, >=8]`` fp32 logits (padded when
+    E < 8) -> ``tws[j] [P, K]`` fp32 (times ``scale``), ``tis[j] [P, K]`` int32 (and the dense
+    ``affs[j] [P, E]`` fp32 when given). Every step is issued for all sub-tiles before the next one
+    (independent instructions between dependent ones hide the engines' fixed latency)."""
+    n = len(lgs)
+    P = lgs[0].shape[0]
+    f32 = nl.float32
+    top8, idx8, neg_max, e_k, denom, rden, p_all = [], [], [], [], [], [], []
+    for j in range(n):
+        top8.append(nl.ndarray((P, 8), dtype=f32, buffer=nl.sbuf))
+        idx8.append(nl.ndarray((P, 8), dtype=nl.uint32, buffer=nl.sbuf))
+        neg_max.append(nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf))
+        e_k.append(nl.ndarray((P, K), dtype=f32, buffer=nl.sbuf))
+        denom.append(nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf))
+        rden.append(nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf))
+        p_all.append(None)
+    for j in range(n):
+        nisa.max8(dst=top8[j], src=lgs[j])
+    for j in range(n):
+        nisa.tensor_scalar(dst=neg_max[j], data=top8[j][:, 0:1], op0=nl.multiply, operand0=-1.0,
+                           engine=nisa.engine.scalar)
+    for j in range(n):
+        nisa.nc_find_index8(dst=idx8[j], data=lgs[j], vals=top8[j])
+    for j in range(n):
+        if norm_topk_prob:  # sum over the selected K only: the softmax denominator cancels
+            nisa.activation(dst=e_k[j], op=nl.exp, data=top8[j][:, 0:K], bias=neg_max[j], reduce_op=nl.add,
+                            reduce_res=denom[j], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        else:
+            p_all[j] = nl.ndarray((P, E), dtype=f32, buffer=nl.sbuf)
+            nisa.activation(dst=p_all[j], op=nl.exp, data=lgs[j][:, 0:E], bias=neg_max[j], reduce_op=nl.add,
+                            reduce_res=denom[j], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            nisa.activation(dst=e_k[j], op=nl.exp, data=top8[j][:, 0:K], bias=neg_max[j])
+    for j in range(n):
+        nisa.tensor_copy(dst=tis[j], src=idx8[j][:, 0:K], engine=nisa.engine.gpsimd)
+    for j in range(n):
+        nisa.reciprocal(dst=rden[j], data=denom[j])
+    for j in range(n):
+        if scale != 1.0:  # routed_scaling_factor folded into the normaliser (weights and affinities alike)
+            nisa.tensor_scalar(dst=rden[j], data=rden[j], op0=nl.multiply, operand0=scale)
+        nisa.tensor_scalar(dst=tws[j], data=e_k[j], op0=nl.multiply, operand0=rden[j], engine=nisa.engine.scalar)
+    if affs != None:  # noqa: E711 (the NKI compiler rejects `is not`)
+        for j in range(n):
+            _scatter_affinities(affs[j], lgs[j], top8[j], neg_max[j], rden[j], p_all[j], E, K)
+
+
+# Rows per partition of a token block: partition p of a block starting at token t0 holds tokens
+# t0 + p*R ... t0 + p*R + R - 1, so each chunk's x rows, logits and top-K outputs are one contiguous run
+# per partition in HBM, whatever the chunk's row count.
+_BLOCK_ROWS = 64
+# One full 128-token sub-tile in every _DMA_T_EVERY gets its x^T by DMA transpose (8 hardware-DGE
+# transposes of 16 rows); the Tensor engine transposes the others. The split balances the DMA queue
+# against the Tensor engine at both ends of the cost model's range (docs/kernels.md "router_topk").
+_DMA_T_EVERY = 8
+
+
+def _fwd_chunks(T0, T1, nt):
+    """Chunks ``(t0, P, R, r0, NT)`` of tokens ``[T0, T1)``: token ``t0 + p*R + r0 + j`` is partition ``p``
+    of sub-tile ``j < NT`` (blocks of ``R`` rows per partition, see ``_BLOCK_ROWS``; a short tail uses
+    ``P < 128`` partitions)."""
+    chunks = []
+    for b0, P, R in _token_chunks(T1 - T0, _BLOCK_ROWS):
+        for r0 in range(0, R, nt):
+            chunks.append((T0 + b0, P, R, r0, min(nt, R - r0)))
+    return chunks
+
+
+def _store_rows(dst, src, base, R):
+    """``src [P, NT, F]`` (SBUF) -> rows ``base + p*R + j`` of ``dst [T, F]`` (HBM): one contiguous run of
+    NT*F elements per partition."""
+    P, NT, F = src.shape
+    nisa.dma_copy(dst=dst.ap(pattern=[[R * F, P], [F, NT], [1, F]], offset=base * F), src=src,
+                  dge_mode=nisa.dge_mode.hwdge)
 
 
 @nki.jit
@@ -432,12 +470,14 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
                        selection_bias=None, routed_scaling_factor=1.0):
     """NKI kernel behind :func:`router_topk` (inputs already validated).
 
-    Per token sub-tile three stages, software-pipelined so every engine has independent work queued:
-    A) Tensor-engine transposes of x (H onto partitions) + PSUM -> SBUF copies (skipped when x^T comes
-    by DMA transpose), B) the H-contraction
-    matmuls into a PSUM ``[P, E]`` tile + copy out, C) max8 / find_index8 / exp / normalise (+ the
-    affinity scatter when ``return_affinities``); sigmoid scoring: :func:`_sigmoid_topk_subtile`.
-    Returns ``(topk_w, topk_i, logits)``, or ``(topk_w, topk_i, logits, affinities)``.
+    Per chunk of token sub-tiles five stages, software-pipelined so every engine has independent work
+    queued: L) x loads (one sub-tile in every ``_DMA_T_EVERY`` as x^T straight from HBM by DMA transpose
+    when the layout allows), A) Tensor-engine transposes of the other sub-tiles (H onto partitions) +
+    PSUM -> SBUF copies, B) the H-contraction matmuls into PSUM ``[P, E]`` tiles + copy out, C) max8 /
+    find_index8 / exp / normalise for all sub-tiles in lockstep (+ the affinity scatter when
+    ``return_affinities``; sigmoid scoring: :func:`_sigmoid_topk_subtile`), S) the stores, issued one
+    step later behind the next load. Returns ``(topk_w, topk_i, logits)``, or ``(topk_w, topk_i,
+    logits, affinities)``.
     """
     T, H = x.shape
     E = w_router.shape[0]
@@ -451,55 +491,77 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
     if return_affinities:
         affinities = nl.ndarray((T, E), dtype=nl.float32, buffer=nl.shared_hbm)
     load = [0.0, 0.0]
-    # H a multiple of 128: x^T tiles come straight from HBM by DMA transpose (the Tensor engine then only
-    # runs the matmuls); otherwise x is loaded and transposed on the Tensor engine.
-    dma_t = H % P_MAX == 0 and x.dtype != nl.float32  # the hardware-DGE transpose moves 2-byte elements
-    wT = _load_w_transposed(w_router, load, dma_t)
+    # the hardware-DGE transpose moves 2-byte elements in 128-column blocks
+    dma_t = H % P_MAX == 0 and x.dtype != nl.float32
     bias_sb = iota_e = None
     if selection_bias != None:  # noqa: E711  the bias on every partition (stride-0 DMA), expert ids
         bias_sb = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=bias_sb, src=selection_bias.ap(pattern=[[0, P_MAX], [1, E]], offset=0))
         iota_e = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=iota_e, pattern=[[1, E]], offset=0, channel_multiplier=0)
-    chunks = _token_chunks(T, _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
-    # SPMD (``router_topk_kernel[2]`` on LNC=2): program i takes every n_prog-th chunk
+    # SPMD (``router_topk_kernel[2]`` on LNC=2): program i takes the i-th contiguous share of the tokens
+    # (a multiple of 128), so each program's blocks keep long per-partition runs
     n_prog, pid = _program_split()
-    mine = []
-    for i in range(pid, len(chunks), n_prog):
-        mine.append(chunks[i])
-    chunks = mine
+    share = _cdiv(_cdiv(T, n_prog), P_MAX) * P_MAX
+    T0 = min(T, pid * share)
+    chunks = _fwd_chunks(T0, min(T, T0 + share), _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
     n = len(chunks)
-    x_dma = []  # whether chunk i's x^T comes by DMA transpose (its partition count a multiple of 16)
+    # x^T of one full sub-tile in every _DMA_T_EVERY by DMA transpose (the last one of its chunk)
+    n_dma_t = []
+    seen = 0
     for i in range(n):
-        x_dma.append(dma_t and chunks[i][1] % _DMA_T_ROWS == 0)
+        t0, P, R, r0, NT = chunks[i]
+        full = dma_t and P == P_MAX
+        n_dma_t.append(1 if full and (seen + NT) // _DMA_T_EVERY > seen // _DMA_T_EVERY else 0)
+        if full:
+            seen = seen + NT
+    wT = None
     x_sb = [None] * n
     xT = [None] * n
     lg_all = [None] * n
-    for step in range(n + 3):
+    outs = [None] * n  # stage C -> S: (logits, weights, indices, affinities) of a chunk
+    for step in range(n + 4):
         if step < n:  # stage L: load x one stage ahead (the DMA queue stays ahead of the transposes)
-            t0, P, NT = chunks[step]
-            if x_dma[step]:  # x^T straight from HBM: xT[c_, j, h, p] = x[t0 + p*NT + j, h*128 + c_]
-                xT[step] = nl.ndarray((P_MAX, NT, n_h, P), dtype=x.dtype, buffer=nl.sbuf)
-                for j in range(NT):  # sub-tile j: token p = 16 g + r of the chunk is row t0 + p*NT + j
-                    _dma_transpose_rows(xT[step][:, j, :, :].reshape_dim(2, (P // _DMA_T_ROWS, _DMA_T_ROWS)),
-                                        x.ap(pattern=[[NT * H, _DMA_T_ROWS], [P_MAX, n_h],
-                                                      [_DMA_T_ROWS * NT * H, P // _DMA_T_ROWS], [1, P_MAX]],
-                                             offset=(t0 + j) * H))
-            else:
-                x_sb[step] = nl.ndarray((P, NT, H), dtype=x.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(dst=x_sb[step], src=x.ap(pattern=[[NT * H, P], [H, NT], [1, H]], offset=t0 * H))
-        c = step - 1
-        if 0 <= c < n and not x_dma[c]:  # stage A: transpose every sub-tile (interleaved)
-            t0, P, NT = chunks[c]
-            xT[c] = nl.ndarray((P_MAX, NT, n_h, P), dtype=x.dtype, buffer=nl.sbuf)
-            pairs = []
+            t0, P, R, r0, NT = chunks[step]
+            base = t0 + r0
+            n_pe = NT - n_dma_t[step]  # sub-tiles 0..n_pe-1 by copy (Tensor-engine transposes), the rest x^T
+            xT[step] = []
             for j in range(NT):
-                pairs.append((xT[c][:, j, :, :], x_sb[c][:, j, :]))
-            _transpose_blocks(pairs, P, H, x.dtype, load)
+                xT[step].append(nl.ndarray((P_MAX, n_h, P), dtype=x.dtype, buffer=nl.sbuf))
+            if n_pe > 0:
+                x_sb[step] = nl.ndarray((P, n_pe, H), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x_sb[step], src=x.ap(pattern=[[R * H, P], [H, n_pe], [1, H]], offset=base * H),
+                              dge_mode=nisa.dge_mode.hwdge)
+            for j in range(n_pe, NT):  # xT[c_, h, 16g + r] = x[base + (16g + r)*R + j, h*128 + c_]
+                nisa.dma_transpose(dst=xT[step][j].reshape_dim(2, (P // _DMA_T_ROWS, _DMA_T_ROWS)),
+                                   src=x.ap(pattern=[[R * H, _DMA_T_ROWS], [P_MAX, n_h], [_DMA_T_ROWS * R * H,
+                                                                                           P // _DMA_T_ROWS],
+                                                     [1, P_MAX]], offset=(base + j) * H),
+                                   dge_mode=nisa.dge_mode.hwdge)
+            if step == 0:  # w^T (on the Tensor engine) after the first x load
+                wT = _load_w_transposed(w_router, load)
+        c = step - 4
+        if 0 <= c < n:  # stage S: the stores of the chunk whose top-K was issued one step before (queued
+            # behind the next load, so a store still waiting for its data never holds up a load)
+            t0, P, R, r0, NT = chunks[c]
+            base = t0 + r0
+            lg_c, w_c, i_c, a_c = outs[c]
+            _store_rows(logits, lg_c[:, :, 0:E], base, R)
+            _store_rows(topk_w, w_c, base, R)
+            _store_rows(topk_i, i_c, base, R)
+            if return_affinities:
+                _store_rows(affinities, a_c, base, R)
+            outs[c] = None
+        c = step - 1
+        if 0 <= c < n and x_sb[c] != None:  # noqa: E711  stage A: transpose the copied sub-tiles
+            pairs = []
+            for j in range(x_sb[c].shape[1]):
+                pairs.append((xT[c][j], x_sb[c][:, j, :]))
+            _transpose_blocks(pairs, x_sb[c].shape[0], H, x.dtype, load)
             x_sb[c] = None
         c = step - 2
         if 0 <= c < n:  # stage B: logits, the NT accumulation chains interleaved
-            t0, P, NT = chunks[c]
+            t0, P, R, r0, NT = chunks[c]
             lg_all[c] = nl.ndarray((P, NT, Ep), dtype=nl.float32, buffer=nl.sbuf)
             if E < 8:  # pad with a value no logit can lose to (K <= E)
                 nisa.memset(dst=lg_all[c][:, :, E:8], value=_NEG_BIG)
@@ -509,36 +571,32 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
             for h in range(n_h):
                 hb = min(P_MAX, H - h * P_MAX)
                 for j in range(NT):
-                    nisa.nc_matmul(dst=lg_ps[j], stationary=xT[c][0:hb, j, h, :], moving=wT[0:hb, h, :],
+                    nisa.nc_matmul(dst=lg_ps[j], stationary=xT[c][j][0:hb, h, :], moving=wT[0:hb, h, :],
                                    accumulate=(h > 0))
             for j in range(NT):
                 nisa.tensor_copy(dst=lg_all[c][:, j, 0:E], src=lg_ps[j], engine=_copy_engine(load, E))
             xT[c] = None
         c = step - 3
-        if 0 <= c < n:  # stage C: top-K, then one contiguous store per partition per output
-            t0, P, NT = chunks[c]
-            w_all = nl.ndarray((P, NT, K), dtype=nl.float32, buffer=nl.sbuf)
-            i_all = nl.ndarray((P, NT, K), dtype=nl.int32, buffer=nl.sbuf)
-            a_all = None
+        if 0 <= c < n:  # stage C: top-K
+            t0, P, R, r0, NT = chunks[c]
+            outs[c] = [lg_all[c], nl.ndarray((P, NT, K), dtype=nl.float32, buffer=nl.sbuf),
+                       nl.ndarray((P, NT, K), dtype=nl.int32, buffer=nl.sbuf), None]
             if return_affinities:
-                a_all = nl.ndarray((P, NT, E), dtype=nl.float32, buffer=nl.sbuf)
+                outs[c][3] = nl.ndarray((P, NT, E), dtype=nl.float32, buffer=nl.sbuf)
+            lgs, tws, tis, affs = [], [], [], []
             for j in range(NT):
-                a_j = None
+                lgs.append(lg_all[c][:, j, :])
+                tws.append(outs[c][1][:, j, :])
+                tis.append(outs[c][2][:, j, :])
                 if return_affinities:
-                    a_j = a_all[:, j, :]
-                if scoring == "sigmoid":
-                    _sigmoid_topk_subtile(lg_all[c][:, j, :], w_all[:, j, :], i_all[:, j, :], E, K, norm_topk_prob,
-                                          routed_scaling_factor, bias_sb, iota_e)
-                else:
-                    _topk_subtile(lg_all[c][:, j, :], w_all[:, j, :], i_all[:, j, :], E, K, norm_topk_prob, a_j,
-                                  routed_scaling_factor)
-            nisa.dma_copy(dst=logits.ap(pattern=[[NT * E, P], [E, NT], [1, E]], offset=t0 * E),
-                          src=lg_all[c][:, :, 0:E])
-            nisa.dma_copy(dst=topk_w.ap(pattern=[[NT * K, P], [K, NT], [1, K]], offset=t0 * K), src=w_all)
-            nisa.dma_copy(dst=topk_i.ap(pattern=[[NT * K, P], [K, NT], [1, K]], offset=t0 * K), src=i_all)
-            if return_affinities:
-                nisa.dma_copy(dst=affinities.ap(pattern=[[NT * E, P], [E, NT], [1, E]], offset=t0 * E),
-                              src=a_all)
+                    affs.append(outs[c][3][:, j, :])
+            if scoring == "sigmoid":
+                for j in range(NT):
+                    _sigmoid_topk_subtile(lgs[j], tws[j], tis[j], E, K, norm_topk_prob, routed_scaling_factor,
+                                          bias_sb, iota_e)
+            else:
+                _topk_tiles(lgs, tws, tis, E, K, norm_topk_prob, affs if return_affinities else None,
+                            routed_scaling_factor)
             lg_all[c] = None
     if return_affinities:
         return topk_w, topk_i, logits, affinities
@@ -554,96 +612,182 @@ def _tiles(group, dtype, width=0):
     return out
 
 
-def _logit_grad_tiles(group, iota_e, norm_topk_prob, scoring="softmax"):
-    """fp32 ``g_logits [P, E]`` for each token tile of ``group``: a list of ``(lg [P, E] fp32 logits,
-    ik [P, K] int32 expert ids, gk [P, K] fp32 upstream top-K weight gradients, gl_in [P, E] or None
-    (gradient of the logits themselves))``.
-
-    With ``e = exp(lg - max)`` and ``G = sum_k onehot(ik_k) * gk_k`` (dense scatter, any order of ik):
-    norm_topk_prob: ``g = m*e/S_sel * (G - c)``, ``m`` the selection mask, ``S_sel = <m, e>``,
-    ``c = <G, m*e> / S_sel`` (the softmax Jacobian term cancels exactly);
-    else: ``g = e/S * (G - <G, e>/S)``, ``S = sum(e)``.
-    Every step is issued for all tiles of the group before the next step (independent instructions
-    between dependent ones hide the engines' latency); the K one-hot products are summed as a tree on
-    the otherwise idle GpSimd engine. One-hot masks are fp16 (exact small integers). Sigmoid scoring:
-    ``e`` is ``s = sigmoid(lg)``, the normaliser ``S_sel + 1e-20`` (none without norm_topk_prob) and
-    the Jacobian factor ``s(1 - s)`` (see :func:`_sigmoid_jacobian`).
-    """
+def _gather_selected(group):
+    """``(ikf, lg_k)`` per token tile of ``group`` (see :func:`_selected_logit_grads`): the expert ids as
+    fp32 and the K selected logits ``lg[idx_k]`` (one per-partition ``nc_n_gather`` on GpSimd)."""
     n = len(group)
-    P, E = group[0][0].shape
     K = group[0][1].shape[1]
-    f32 = nl.float32
-
-    sigmoid = scoring == "sigmoid"
-    neg_max, s_all, e = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32)
-    ikf = _tiles(group, f32, K)
+    idx_u, ikf, lg_k = _tiles(group, nl.uint32, K), _tiles(group, nl.float32, K), _tiles(group, nl.float32, K)
     for i in range(n):
-        if not sigmoid:
-            nisa.tensor_reduce(dst=neg_max[i], op=nl.maximum, data=group[i][0], axis=1, negate=True)
+        nisa.tensor_copy(dst=idx_u[i], src=group[i][1], engine=nisa.engine.gpsimd)
         nisa.tensor_copy(dst=ikf[i], src=group[i][1], engine=nisa.engine.gpsimd)
     for i in range(n):
-        if sigmoid:
-            nisa.activation(dst=e[i], op=nl.sigmoid, data=group[i][0])
-        else:
-            nisa.activation(dst=e[i], op=nl.exp, data=group[i][0], bias=neg_max[i], reduce_op=nl.add,
-                            reduce_res=s_all[i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    # products[i][k] = onehot(ik_k) * gk_k, masks[i][k] = onehot(ik_k)
-    prods = []
-    masks = []
-    for i in range(n):
-        prods.append([None] * K)
-        masks.append([None] * K)
-    for k in range(K):
-        for i in range(n):
-            rows = group[i][0].shape[0]
-            prods[i][k] = nl.ndarray((rows, E), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=prods[i][k], data=iota_e[0:rows, :], op0=nl.equal, operand0=ikf[i][:, k:k + 1],
-                               op1=nl.multiply, operand1=group[i][2][:, k:k + 1])
-            if norm_topk_prob:
-                masks[i][k] = nl.ndarray((rows, E), dtype=nl.float16, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=masks[i][k], data=iota_e[0:rows, :], op0=nl.equal,
-                                   operand0=ikf[i][:, k:k + 1])
-    width = 1
-    while width < K:  # pairwise tree sums on GpSimd
-        for k in range(0, K - width, 2 * width):
-            for i in range(n):
-                nisa.tensor_tensor(dst=prods[i][k], data1=prods[i][k], data2=prods[i][k + width], op=nl.add,
-                                   engine=nisa.engine.gpsimd)
-                if norm_topk_prob:
-                    nisa.tensor_tensor(dst=masks[i][k], data1=masks[i][k], data2=masks[i][k + width], op=nl.add,
-                                       engine=nisa.engine.gpsimd)
-        width = width * 2
-    G = []
-    m0 = []
-    for i in range(n):
-        G.append(prods[i][0])
-        m0.append(masks[i][0])
-    if sigmoid:
-        return _sigmoid_logit_grads(group, G, m0, e, norm_topk_prob)
-    den, dot, rden, neg_c = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1)
-    tmp, g = _tiles(group, f32), _tiles(group, f32)
-    if norm_topk_prob:
-        weight = _tiles(group, f32)  # m * e
-        for i in range(n):
-            nisa.tensor_tensor(dst=weight[i], data1=e[i], data2=masks[i][0], op=nl.multiply)
-        for i in range(n):
-            nisa.tensor_reduce(dst=den[i], op=nl.add, data=weight[i], axis=1)
+        nisa.nc_n_gather(dst=lg_k[i], data=group[i][0], indices=idx_u[i])
+    return ikf, lg_k
+
+
+def _selected_logit_grads(group, gathered, norm_topk_prob, scoring="softmax"):
+    """First half of the backward's ``g_logits`` for each token tile of ``group``: a list of ``(lg [P, E]
+    fp32 logits, ik [P, K] int32 expert ids, gk [P, K] fp32 upstream top-K weight gradients, gl_in [P, E]
+    or None (gradient of the logits themselves))``, with ``gathered`` from :func:`_gather_selected`.
+    Returns ``(ikf, v, dense)`` per tile for :func:`_logit_grad_tiles`.
+
+    The gradient of the K selected weights lives on the K selected logits, so it is computed there
+    ("K-space", ``[P, K]`` tiles): ``lg_k = lg[idx_k]``, then (softmax) ``q = softmax_k(lg_k)``, ``v_k = q_k (g_k - <g, q>)`` with norm_topk_prob
+    (the softmax Jacobian term over E cancels exactly); without it ``p_k = exp(lg_k - max)/S`` over all E
+    and ``g_logits = scatter(g * p) - <g, p> p``; sigmoid: ``s_k = sigmoid(lg_k)``, ``v_k = s_k(1 - s_k)
+    (g_k - c) / D`` with ``D = sum s_k + 1e-20``, ``c = <g, s> / D`` (norm), else ``g_k s_k(1 - s_k)``.
+    Every step is issued for all tiles of the group before the next step (independent instructions
+    between dependent ones hide the engines' latency).
+    """
+    n = len(group)
+    ikf, lg_k = gathered
+    dense = [None] * n  # a dense [P, E] term added to the scatter (softmax without norm_topk_prob)
+    if scoring == "sigmoid":
+        v = _sigmoid_selected_grads(group, lg_k, norm_topk_prob)
+    elif norm_topk_prob:
+        v = _softmax_selected_grads(group, lg_k)
     else:
-        weight = e
-        den = s_all
+        v, dense = _softmax_full_grads(group, lg_k)
+    return ikf, v, dense
+
+
+def _logit_grad_tiles(group, selected, iota_e):
+    """fp32 ``g_logits [P, E]`` per tile of ``group`` from :func:`_selected_logit_grads`' ``(ikf, v,
+    dense)``: ``sum_k onehot(idx_k) * v_k + dense (+ grad_router_logits)``; repeated ids add up, as
+    autograd's scatter does."""
+    ikf, v, dense = selected
+    return _plus_logit_grads(group, _scatter_selected(group, iota_e, ikf, v, dense))
+
+
+def _k_space_tiles(group, K):
+    """Scratch per token tile of ``group``: five fp32 ``[P, 1]`` tiles, then three fp32 ``[P, K]``."""
+    out = []
+    for _ in range(5):
+        out.append(_tiles(group, nl.float32, 1))
+    for _ in range(3):
+        out.append(_tiles(group, nl.float32, K))
+    return out
+
+
+def _softmax_selected_grads(group, lg_k):
+    """norm_topk_prob: ``v_k = q_k (g_k - <g, q>)``, ``q = softmax over the K selected logits``."""
+    n = len(group)
+    neg_m, den, rden, dot, neg_c, e_k, ge, v = _k_space_tiles(group, lg_k[0].shape[1])
+    for i in range(n):
+        nisa.tensor_reduce(dst=neg_m[i], op=nl.maximum, data=lg_k[i], axis=1, negate=True)
+    for i in range(n):
+        nisa.activation(dst=e_k[i], op=nl.exp, data=lg_k[i], bias=neg_m[i], reduce_op=nl.add, reduce_res=den[i],
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
     for i in range(n):
         nisa.reciprocal(dst=rden[i], data=den[i])
-        nisa.tensor_tensor(dst=tmp[i], data1=G[i], data2=weight[i], op=nl.multiply)
+        nisa.tensor_tensor(dst=ge[i], data1=group[i][2], data2=e_k[i], op=nl.multiply)
     for i in range(n):
-        nisa.tensor_reduce(dst=dot[i], op=nl.add, data=tmp[i], axis=1)
-    for i in range(n):  # -<G, weight> / den
+        nisa.tensor_reduce(dst=dot[i], op=nl.add, data=ge[i], axis=1)
+    for i in range(n):  # -<g, q> = -<g, e> / den
         nisa.tensor_scalar(dst=neg_c[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
                            operand1=-1.0)
-    for i in range(n):  # g = ((G - c) * (1/den)) * weight
-        nisa.tensor_scalar(dst=g[i], data=G[i], op0=nl.add, operand0=neg_c[i], op1=nl.multiply, operand1=rden[i])
+    for i in range(n):  # v = ((g - c) / den) * e
+        nisa.tensor_scalar(dst=v[i], data=group[i][2], op0=nl.add, operand0=neg_c[i], op1=nl.multiply,
+                           operand1=rden[i])
+        nisa.tensor_tensor(dst=v[i], data1=v[i], data2=e_k[i], op=nl.multiply)
+    return v
+
+
+def _softmax_full_grads(group, lg_k):
+    """Without norm_topk_prob: ``g_logits = scatter(g * p_sel) - <g, p_sel> p`` with ``p`` the softmax over
+    all E; returns the K-space ``g * p_sel`` and the dense ``-<g, p_sel> p`` tiles."""
+    n = len(group)
+    neg_m, den, rden, dot, coef, e_k, ge, v = _k_space_tiles(group, lg_k[0].shape[1])
+    e_all, dense = _tiles(group, nl.float32), _tiles(group, nl.float32)
     for i in range(n):
-        nisa.tensor_tensor(dst=g[i], data1=g[i], data2=weight[i], op=nl.multiply)
-    return _plus_logit_grads(group, g)
+        nisa.tensor_reduce(dst=neg_m[i], op=nl.maximum, data=group[i][0], axis=1, negate=True)
+    for i in range(n):
+        nisa.activation(dst=e_all[i], op=nl.exp, data=group[i][0], bias=neg_m[i], reduce_op=nl.add,
+                        reduce_res=den[i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.activation(dst=e_k[i], op=nl.exp, data=lg_k[i], bias=neg_m[i])
+    for i in range(n):
+        nisa.reciprocal(dst=rden[i], data=den[i])
+        nisa.tensor_tensor(dst=ge[i], data1=group[i][2], data2=e_k[i], op=nl.multiply)
+    for i in range(n):
+        nisa.tensor_reduce(dst=dot[i], op=nl.add, data=ge[i], axis=1)
+        nisa.tensor_scalar(dst=v[i], data=ge[i], op0=nl.multiply, operand0=rden[i])  # g * p_sel
+    for i in range(n):  # -<g, p_sel> / den = -dot / den^2
+        nisa.tensor_scalar(dst=coef[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
+                           operand1=-1.0)
+        nisa.tensor_scalar(dst=coef[i], data=coef[i], op0=nl.multiply, operand0=rden[i])
+    for i in range(n):
+        nisa.tensor_scalar(dst=dense[i], data=e_all[i], op0=nl.multiply, operand0=coef[i], engine=nisa.engine.scalar)
+    return v, dense
+
+
+def _sigmoid_selected_grads(group, lg_k, norm_topk_prob):
+    """Sigmoid scores: ``v_k = s_k(1 - s_k) (g_k - c) / D`` (norm_topk_prob; ``D = sum_k s_k + 1e-20``,
+    ``c = <g, s> / D``), else ``g_k s_k(1 - s_k)``."""
+    n = len(group)
+    K = lg_k[0].shape[1]
+    f32 = nl.float32
+    s_k, jac, v = _tiles(group, f32, K), _tiles(group, f32, K), _tiles(group, f32, K)
+    den = _tiles(group, f32, 1)
+    for i in range(n):
+        nisa.activation(dst=s_k[i], op=nl.sigmoid, data=lg_k[i], reduce_op=nl.add, reduce_res=den[i],
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    for i in range(n):  # s (1 - s)
+        nisa.tensor_scalar(dst=jac[i], data=s_k[i], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+        nisa.tensor_tensor(dst=jac[i], data1=jac[i], data2=s_k[i], op=nl.multiply)
+    if not norm_topk_prob:
+        for i in range(n):
+            nisa.tensor_tensor(dst=v[i], data1=group[i][2], data2=jac[i], op=nl.multiply)
+        return v
+    rden, dot, neg_c, gs = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, K)
+    for i in range(n):
+        nisa.tensor_scalar(dst=den[i], data=den[i], op0=nl.add, operand0=_SIGMOID_NORM_EPS)
+        nisa.tensor_tensor(dst=gs[i], data1=group[i][2], data2=s_k[i], op=nl.multiply)
+    for i in range(n):
+        nisa.reciprocal(dst=rden[i], data=den[i])
+        nisa.tensor_reduce(dst=dot[i], op=nl.add, data=gs[i], axis=1)
+    for i in range(n):  # -<g, s> / D
+        nisa.tensor_scalar(dst=neg_c[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
+                           operand1=-1.0)
+    for i in range(n):  # v = ((g - c) / D) * s(1 - s)
+        nisa.tensor_scalar(dst=v[i], data=group[i][2], op0=nl.add, operand0=neg_c[i], op1=nl.multiply,
+                           operand1=rden[i])
+        nisa.tensor_tensor(dst=v[i], data1=v[i], data2=jac[i], op=nl.multiply)
+    return v
+
+
+def _scatter_selected(group, iota_e, ikf, v, dense):
+    """Dense ``[P, E]`` fp32 ``sum_k onehot(idx_k) * v_k (+ dense)`` per tile: the K one-hot products on
+    Vector, summed as a pairwise tree whose first level alternates between GpSimd and Vector (so
+    GpSimd's unknown rate never carries more than a quarter of the adds), the rest on Vector."""
+    n = len(group)
+    K = v[0].shape[1]
+    f32 = nl.float32
+    prods = []
+    for i in range(n):
+        prods.append([None] * K)
+    for k in range(K):
+        for i in range(n):
+            rows, E = group[i][0].shape
+            prods[i][k] = nl.ndarray((rows, E), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=prods[i][k], data=iota_e[0:rows, :], op0=nl.equal, operand0=ikf[i][:, k:k + 1],
+                               op1=nl.multiply, operand1=v[i][:, k:k + 1])
+    width = 1
+    while width < K:
+        m = 0
+        for k in range(0, K - width, 2 * width):
+            eng = nisa.engine.gpsimd if width == 1 and m % 2 == 0 else nisa.engine.vector
+            for i in range(n):
+                nisa.tensor_tensor(dst=prods[i][k], data1=prods[i][k], data2=prods[i][k + width], op=nl.add,
+                                   engine=eng)
+            m = m + 1
+        width = width * 2
+    g = []
+    for i in range(n):
+        g.append(prods[i][0])
+        if dense[i] != None:  # noqa: E711 (the NKI compiler rejects `is not`)
+            nisa.tensor_tensor(dst=g[i], data1=g[i], data2=dense[i], op=nl.add)
+    return g
 
 
 def _plus_logit_grads(group, g):
@@ -654,58 +798,12 @@ def _plus_logit_grads(group, g):
     return g
 
 
-def _sigmoid_jacobian(s):
-    """``s * (1 - s)`` of each tile (the derivative of the sigmoid, from its output)."""
-    out = []
-    for t in s:
-        d = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=d, data=t, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
-        nisa.tensor_tensor(dst=d, data1=d, data2=t, op=nl.multiply)
-        out.append(d)
-    return out
-
-
-def _sigmoid_logit_grads(group, G, masks, s, norm_topk_prob):
-    """``g_logits`` for sigmoid scores ``s`` (see :func:`_logit_grad_tiles`): norm_topk_prob:
-    ``m * s(1-s) * (G - c) / D``, ``D = <m, s> + 1e-20``, ``c = <G, m*s> / D``; else ``G * s(1-s)``
-    (``G`` is zero off the selection)."""
-    n = len(group)
-    f32 = nl.float32
-    jac = _sigmoid_jacobian(s)
-    g = _tiles(group, f32)
-    if norm_topk_prob:
-        ms, tmp = _tiles(group, f32), _tiles(group, f32)
-        den, dot, rden, neg_c = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1)
-        for i in range(n):
-            nisa.tensor_tensor(dst=ms[i], data1=s[i], data2=masks[i], op=nl.multiply)
-            nisa.tensor_tensor(dst=jac[i], data1=jac[i], data2=masks[i], op=nl.multiply)
-        for i in range(n):
-            nisa.tensor_reduce(dst=den[i], op=nl.add, data=ms[i], axis=1)
-            nisa.tensor_tensor(dst=tmp[i], data1=G[i], data2=ms[i], op=nl.multiply)
-        for i in range(n):
-            nisa.tensor_scalar(dst=den[i], data=den[i], op0=nl.add, operand0=_SIGMOID_NORM_EPS)
-            nisa.tensor_reduce(dst=dot[i], op=nl.add, data=tmp[i], axis=1)
-        for i in range(n):
-            nisa.reciprocal(dst=rden[i], data=den[i])
-        for i in range(n):  # -<G, m s> / D
-            nisa.tensor_scalar(dst=neg_c[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
-                               operand1=-1.0)
-        for i in range(n):  # g = ((G - c) * (1/D)) * m s(1-s)
-            nisa.tensor_scalar(dst=g[i], data=G[i], op0=nl.add, operand0=neg_c[i], op1=nl.multiply,
-                               operand1=rden[i])
-            nisa.tensor_tensor(dst=g[i], data1=g[i], data2=jac[i], op=nl.multiply)
-    else:
-        for i in range(n):
-            nisa.tensor_tensor(dst=g[i], data1=G[i], data2=jac[i], op=nl.multiply)
-    return _plus_logit_grads(group, g)
-
-
 @nki.jit
 def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                            has_grad_logits=False, norm_topk_prob=True, scoring="softmax",
                            routed_scaling_factor=1.0):
-    """NKI kernel behind :func:`router_topk_bwd`. Phase 1 (per token tile): ``g_logits`` and
-    ``grad_x = g_logits @ w``; ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM, during
+    """NKI kernel behind :func:`router_topk_bwd`. Phase 1 (per group of token tiles, see the loop):
+    ``g_logits`` and ``grad_x = g_logits @ w``; ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM, during
     phase 1 when it fits 4 PSUM banks, else in a phase 2 over a g_logits scratch.
     The matmuls take ``x.dtype`` operands (bf16 like autograd of a bf16 linear; fp32 accumulation)."""
     T, H = x.shape
@@ -743,20 +841,23 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
         groups.append(list(range(g0, min(len(tiles), g0 + gs))))
     n = len(groups)
     ins = [None] * n  # stage L -> G
+    sel = [None] * n  # stage K -> G
     glT = [None] * n  # stage G -> M
-    # phase 1, software-pipelined over groups of token tiles: L(i) loads, G(i-1) g_logits + transposes,
-    # M(i-2) grad_x matmuls (so the Vector work of one group overlaps the matmuls of the previous)
-    for step in range(n + 2):
+    # phase 1, software-pipelined over groups of token tiles: L(i) loads + gathers of the selected logits,
+    # K(i-1) the gradient on them, G(i-2) its dense scatter + transposes, M(i-3) grad_x / grad_w matmuls; each engine
+    # works on a different group than the one its inputs are still being produced for (in-order queues)
+    stores = []  # (t0, tp, grad_x tile) of the last M stage
+    for step in range(n + 4):
         if step < n:
             ins[step] = []
             for ti in groups[step]:
                 t0, tp = tiles[ti]
                 lg = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=lg, src=router_logits[t0:t0 + tp, :])
+                nisa.dma_copy(dst=lg, src=router_logits[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
                 ik = nl.ndarray((tp, K), dtype=nl.int32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=ik, src=topk_idx[t0:t0 + tp, :])
+                nisa.dma_copy(dst=ik, src=topk_idx[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
                 gk = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=gk, src=grad_topk_weights[t0:t0 + tp, :])
+                nisa.dma_copy(dst=gk, src=grad_topk_weights[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
                 if routed_scaling_factor != 1.0:  # weights = scale * w': the upstream gradient of w'
                     nisa.tensor_scalar(dst=gk, data=gk, op0=nl.multiply, operand0=routed_scaling_factor)
                 gl_in = None
@@ -764,38 +865,14 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                     gl_in = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.dma_copy(dst=gl_in, src=grad_router_logits[t0:t0 + tp, :])
                 ins[step].append((lg, ik, gk, gl_in))
-        i_g = step - 1
-        if 0 <= i_g < n:
-            g_ls = _logit_grad_tiles(ins[i_g], iota_e, norm_topk_prob, scoring)
-            ins[i_g] = None
-            glT[i_g] = []
-            for gi in range(len(g_ls)):
-                t0, tp = tiles[groups[i_g][gi]]
-                g_l = g_ls[gi]
-                if split:  # g = hi + lo, both bf16: ~16 significant bits through bf16 matmuls
-                    hi = nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf)
-                    parts = [hi, nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf)]
-                    nisa.tensor_copy(dst=parts[0], src=g_l, engine=nisa.engine.gpsimd)
-                    nisa.tensor_tensor(dst=parts[1], data1=g_l, data2=parts[0], op=nl.subtract,
-                                       engine=nisa.engine.gpsimd)
-                else:
-                    parts = [g_l]
-                x_sb = None
-                if fused_w:
-                    x_sb = nl.ndarray((tp, H), dtype=mm, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, :])
-                else:
-                    for i in range(len(parts)):
-                        nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
-                # grad_x needs g_l^T (E on partitions: the contraction)
-                gT = []
-                pairs = []
-                for i in range(len(parts)):
-                    gT.append(nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf))
-                    pairs.append((gT[i], parts[i]))
-                _transpose_blocks(pairs, tp, E, mm, load)
-                glT[i_g].append((gT, parts, x_sb))
-        i_m = step - 2
+            sel[step] = _gather_selected(ins[step])
+        for t0, tp, gx_sb in stores:  # the previous step's grad_x tiles, queued behind this step's loads
+            nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb, dge_mode=nisa.dge_mode.hwdge)
+        stores = []
+        i_k = step - 1
+        if 0 <= i_k < n:
+            sel[i_k] = _selected_logit_grads(ins[i_k], sel[i_k], norm_topk_prob, scoring)
+        i_m = step - 3
         if 0 <= i_m < n:  # grad_x [tp, H] = g_l [tp, E] @ w [E, H]; the H blocks' chains interleaved
             for gi in range(len(groups[i_m])):
                 ti = groups[i_m][gi]
@@ -818,8 +895,8 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                                                moving=w_sb[0:ec, c, h0:h0 + hc], accumulate=(c > 0 or i > 0))
                     for b in range(len(blocks)):
                         h0, hc = blocks[b]
-                        nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps[b], engine=_copy_engine(load, hc))
-                nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb)
+                        nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps[b], engine=nisa.engine.scalar)
+                stores.append((t0, tp, gx_sb))
                 if fused_w:  # grad_w [E, H] += g_l^T x: contraction over this tile's tokens
                     for i in range(len(parts)):
                         for a in range(len(w_accs)):
@@ -827,6 +904,37 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                             nisa.nc_matmul(dst=w_accs[a], stationary=parts[i],
                                            moving=x_sb[:, h0:h0 + w_accs[a].shape[1]], accumulate=(ti > 0 or i > 0))
             glT[i_m] = None
+        i_g = step - 2
+        if 0 <= i_g < n:
+            g_ls = _logit_grad_tiles(ins[i_g], sel[i_g], iota_e)
+            ins[i_g] = None
+            sel[i_g] = None
+            glT[i_g] = []
+            for gi in range(len(g_ls)):
+                t0, tp = tiles[groups[i_g][gi]]
+                g_l = g_ls[gi]
+                if split:  # g = hi + lo, both bf16: ~16 significant bits through bf16 matmuls
+                    hi = nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf)
+                    parts = [hi, nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf)]
+                    nisa.tensor_copy(dst=parts[0], src=g_l, engine=nisa.engine.gpsimd)
+                    nisa.tensor_tensor(dst=parts[1], data1=g_l, data2=parts[0], op=nl.subtract)
+                else:
+                    parts = [g_l]
+                x_sb = None
+                if fused_w:
+                    x_sb = nl.ndarray((tp, H), dtype=mm, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
+                else:
+                    for i in range(len(parts)):
+                        nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
+                # grad_x needs g_l^T (E on partitions: the contraction)
+                gT = []
+                pairs = []
+                for i in range(len(parts)):
+                    gT.append(nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf))
+                    pairs.append((gT[i], parts[i]))
+                _transpose_blocks(pairs, tp, E, mm, load)
+                glT[i_g].append((gT, parts, x_sb))
     if fused_w:
         gw_sb = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.sbuf)
         for a in range(len(w_accs)):
