@@ -51,9 +51,9 @@ def test_forward_matches_ref(T: int, H: int, E: int, K: int, dtype: torch.dtype,
 
 
 @pytest.mark.parametrize("dtype,T,n_dma_t", [
-    (torch.bfloat16, 2000, 1),  # block of 15 rows per partition (chunks 4+4+4+3) + an 80-token tail
-    (torch.bfloat16, 2050, 2),  # 16 rows per partition: sub-tiles 8 and 16 by DMA transpose
-    (torch.float32, 2000, 0),   # the DMA transpose moves 2-byte elements only
+    (torch.bfloat16, 2050, 1),  # block of 16 rows per partition (chunks of 4) + a 2-token tail
+    (torch.bfloat16, 4200, 2),  # 32 rows per partition: sub-tiles 16 and 32 by DMA transpose
+    (torch.float32, 2050, 0),   # the DMA transpose moves 2-byte elements only
 ])
 def test_forward_x_transposes_split_between_dma_and_tensor_engine(dtype: torch.dtype, T: int, n_dma_t: int) -> None:
     from trnkit.nkisim import trace
@@ -62,7 +62,7 @@ def test_forward_x_transposes_split_between_dma_and_tensor_engine(dtype: torch.d
     with trace.record() as tr:
         _check_forward(x, w, 4, True)
     ops = [i.op for i in tr]
-    # one full 128-token sub-tile in every eight comes by one hardware-DGE DMA transpose
+    # one full 128-token sub-tile in every sixteen comes by one hardware-DGE DMA transpose
     assert ops.count("dma_transpose") == n_dma_t
     # the others (and the w^T blocks) by 128x128 Tensor-engine transposes: 2 H blocks per sub-tile
     n_sub = (T // 128) + (T % 128 > 0)
@@ -233,8 +233,8 @@ def test_lnc2_grid_splits_tokens() -> None:
 
     from trnkit.nkisim import trace
 
-    # tokens [0, 1408) and [1408, 2600): each program has a block with a DMA-transposed sub-tile and a tail
-    x, w = _inputs(2600, 256, 16, torch.bfloat16, seed=9)
+    # tokens [0, 2304) and [2304, 4400): each program has a block with a DMA-transposed sub-tile; a tail
+    x, w = _inputs(4400, 256, 16, torch.bfloat16, seed=9)
     with trace.record() as tr:
         got = router_topk_kernel[2](x, w, 4, norm_topk_prob=True)
     assert sorted(i.program_id for i in tr if i.op == "dma_transpose") == [0, 1]
