@@ -3,9 +3,9 @@ optional biases ``b_gate_up [E, 2I]`` / ``b_down [E, H]``.
 
 Oracles, independent of the kernels' refs: torch's own ``F.silu`` / ``F.gelu(approximate="tanh")`` and
 GPT-OSS's clamped SwiGLU as transformers 5.24 writes it (``GptOssExperts._apply_gate``), differentiated
-by autograd in fp64 over a per-(token, k) gather. The kernels are compared with the refs (same
-rounding points; ``tests/tolerances.py``), bit-for-bit across LNC=1/2, and with the fp64-oracle rule
-of ``tests/tolerances.py`` (as accurate as torch at the same dtype).
+by autograd in fp64 over a per-(token, k) gather. Refs and kernels are held to the fp64-oracle rule of
+``tests/tolerances.py`` against that oracle (as accurate as the same torch code at the test dtype), and
+the kernels are bit-for-bit across LNC=1/2.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tests.kernels.test_moe import _rand, _routing, _weights
 from tests.kernels.test_moe_lnc import _equal
-from tests.tolerances import assert_close, check_oracle as check
+from tests.tolerances import check_oracle
 from trnkit.kernels import moe
 from trnkit.kernels.constraints import KernelConstraintError
 
@@ -59,6 +59,47 @@ def _experts(x, idx, tw, wgu, wd, bgu, bd, dt, activation="silu", limit=7.0, alp
     return y.view(T, K, -1).sum(1)
 
 
+def _torch_and_oracle(x, idx, tw, wgu, wd, bgu, bd, kw, dtype, go=None):
+    """``_experts`` at ``dtype`` (torch's own result) and in fp64 (the oracle): ``[out]``, or with ``go``
+    the autograd gradients in GRADS order (None for an absent bias)."""
+    def run(dt):
+        if go is None:
+            return [_experts(x, idx, tw, wgu, wd, bgu, bd, dt, **kw)]
+        leaves = [None if t is None else t.detach().to(dt).requires_grad_() for t in (x, tw, wgu, wd, bgu, bd)]
+        _experts(leaves[0], idx, *leaves[1:], dt, **kw).backward(go.to(dt))
+        return [None if t is None else t.grad for t in leaves]
+
+    return run(dtype), run(F64)
+
+
+# Gradients through the clamp's derivative (0 past the limit): in bf16 a gate / up value within half an
+# ulp of the limit is on either side of it depending on rounding alone, and one such value moves a
+# token's grad_x by O(1) (odd_H_I, gate_up bias: 1.2534 in fp64 rounds to the limit 1.25 in the kernel
+# and to 1.2578 through torch's two roundings: kernel 4.2e-2 vs torch 4.6e-3, where torch got lucky).
+# There the error against fp64 measures rounding luck, not accuracy, so those outputs are held to the
+# reference instead (same rounding points, fp32 sums in another order): within one bf16 ulp, as a
+# relative Frobenius norm <= 2**-7.
+CLAMP_DERIVED = ("grad_x", "grad_w_gate_up", "grad_b_gate_up")
+
+
+def _check(names, got, dtype, *case, go=None, ref=None) -> None:
+    """The oracle rule on each output of a kernel or ref (``got``; None = an absent bias, also absent in
+    torch's); ``ref``: the reference's outputs, the kernel's comparison where a bf16 clamp decides."""
+    clamped = dtype == torch.bfloat16 and case[-1].get("activation") == "swiglu_clamped" and go is not None
+    base, orc = _torch_and_oracle(*case, dtype, go=go)
+    got = list(got) + [None] * (len(base) - len(got))  # without biases the backward returns 4 gradients
+    for i, (name, a, b, o) in enumerate(zip(names, got, base, orc, strict=True)):
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        assert a.shape == b.shape, name
+        if clamped and name.split()[-1] in CLAMP_DERIVED:
+            r = ref[i].double()
+            assert float((a.double() - r).norm() / r.norm()) <= 2**-7, name
+        else:
+            check_oracle(name, a, b, o)
+
+
 def _inputs(T, H, inter, E, K, dtype, bias, seed=0):
     x = _rand(T, H, dtype=dtype, seed=seed)
     wgu, wd = _weights(E, H, inter, dtype, seed=seed + 1)
@@ -90,17 +131,12 @@ def test_activation_ref_matches_autograd_of_torch_functions(activation: str) -> 
 def test_refs_match_fp64_autograd_oracle(activation: str, bias: str) -> None:
     kw = VARIANTS[activation]
     x, idx, tw, wgu, wd, bgu, bd = _inputs(14, 24, 10, 5, 2, torch.float32, bias)
-    leaves = [t.double().requires_grad_() if t is not None else None for t in (x, tw, wgu, wd, bgu, bd)]
-    out = _experts(leaves[0], idx, *leaves[1:], F64, **kw)
+    case = (x, idx, tw, wgu, wd, bgu, bd, kw)
+    _check(("out",), [moe.moe_experts_ref(x, idx, tw, wgu, wd, b_gate_up=bgu, b_down=bd, **kw)], torch.float32, *case)
     g = _rand(14, 24, seed=9)
-    want = torch.autograd.grad(out, [t for t in leaves if t is not None], g.double())
-    assert_close(moe.moe_experts_ref(x, idx, tw, wgu, wd, b_gate_up=bgu, b_down=bd, **kw), out.detach(),
-                 torch.float32)
     got = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g, b_gate_up=bgu, b_down=bd, **kw)
-    got = [t for t in got if t is not None]
-    assert len(got) == len(want) == (4 if bias == "none" else 6)
-    for name, a, b in zip(GRADS, got, want):
-        assert_close(a, b, torch.float32, msg=name)
+    assert len([t for t in got if t is not None]) == (4 if bias == "none" else 6)
+    _check(GRADS, got, torch.float32, *case, go=g)
 
 
 def test_default_variant_is_the_qwen3_swiglu() -> None:
@@ -109,8 +145,8 @@ def test_default_variant_is_the_qwen3_swiglu() -> None:
     explicit = dict(activation="silu", limit=moe.SWIGLU_LIMIT, alpha=moe.SWIGLU_ALPHA, b_gate_up=None, b_down=None)
     assert torch.equal(moe.moe_experts(x, idx, tw, wgu, wd, 32, **explicit), moe.moe_experts(x, idx, tw, wgu, wd, 32))
     zero = dict(b_gate_up=torch.zeros(4, 64), b_down=torch.zeros(4, 64))
-    assert_close(moe.moe_experts(x, idx, tw, wgu, wd, 32, **zero), moe.moe_experts_ref(x, idx, tw, wgu, wd),
-                 torch.float32)
+    _check(("out",), [moe.moe_experts(x, idx, tw, wgu, wd, 32, **zero)], torch.float32,
+           x, idx, tw, wgu, wd, None, None, VARIANTS["silu"])
 
 
 # ------------------------------------------------------------------------------- kernels vs refs
@@ -130,7 +166,8 @@ def _kernel_vs_ref(case: str, dtype: torch.dtype, activation: str, bias: str, ba
     var = dict(b_gate_up=bgu, b_down=bd, **kw)
     out = moe.moe_experts(x, idx, tw, wgu, wd, B, **var)
     assert out.dtype == dtype and out.shape == x.shape
-    assert_close(out, moe.moe_experts_ref(x, idx, tw, wgu, wd, **var), dtype)
+    case = (x, idx, tw, wgu, wd, bgu, bd, kw)
+    _check(("out",), [out], dtype, *case)
     if not backward:
         return
     g = _rand(T, H, dtype=dtype, seed=11)
@@ -139,9 +176,8 @@ def _kernel_vs_ref(case: str, dtype: torch.dtype, activation: str, bias: str, ba
     assert len(got) == len(ref) == (4 if bias == "none" else 6)
     for name, a, b in zip(GRADS, got, ref):
         assert (a is None) == (b is None), name
-        if a is not None:
-            assert a.shape == b.shape and a.dtype == b.dtype, name
-            assert_close(a, b, dtype, msg=name)
+        assert a is None or (a.shape == b.shape and a.dtype == b.dtype), name
+    _check(GRADS, got, dtype, *case, go=g, ref=ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -190,20 +226,13 @@ def test_fp64_oracle_rule(activation: str, dtype: torch.dtype, backward: bool) -
     T, H, inter, E, K = 40, 128, 64, 4, 2
     x, idx, tw, wgu, wd, bgu, bd = _inputs(T, H, inter, E, K, dtype, "both", seed=20)
     var = dict(b_gate_up=bgu, b_down=bd, **kw)
+    case = (x, idx, tw, wgu, wd, bgu, bd, kw)
     if not backward:
-        check(f"{activation} out", moe.moe_experts(x, idx, tw, wgu, wd, **var),
-              _experts(x, idx, tw, wgu, wd, bgu, bd, dtype, **kw), _experts(x, idx, tw, wgu, wd, bgu, bd, F64, **kw))
+        _check((f"{activation} out",), [moe.moe_experts(x, idx, tw, wgu, wd, **var)], dtype, *case)
         return
     go = _rand(T, H, dtype=dtype, seed=21)
-    kern = moe.moe_experts_bwd(x, idx, tw, wgu, wd, go, **var)
-
-    def grads(dt):
-        leaves = [t.detach().to(dt).requires_grad_() for t in (x, tw, wgu, wd, bgu, bd)]
-        _experts(leaves[0], idx, *leaves[1:], dt, **kw).backward(go.to(dt))
-        return [t.grad for t in leaves]
-
-    for name, k_, b_, o_ in zip(GRADS, kern, grads(dtype), grads(F64)):
-        check(f"{activation} {name}", k_, b_, o_)
+    _check([f"{activation} {n}" for n in GRADS], moe.moe_experts_bwd(x, idx, tw, wgu, wd, go, **var), dtype, *case,
+           go=go, ref=moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, go, **var))
 
 
 # ----------------------------------------------------------------------------------- constraints
