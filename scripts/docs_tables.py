@@ -335,6 +335,17 @@ def csv_count(name: str, where: dict[str, str]) -> Callable[[], str]:
     return value
 
 
+def csv_ratio(name: str, column: str, num: dict[str, str], den: dict[str, str], fmt: str = "{:.2f}") -> Callable[[], str]:
+    """``column`` of the row matching ``num`` divided by that of the row matching ``den`` (benchmarks/data/``name``)."""
+    def value() -> str:
+        return fmt.format(float(csv_cell(name, column, num, "{!r}")()) / float(csv_cell(name, column, den, "{!r}")()))
+    return value
+
+
+def _step(flavor: str, impl: str) -> dict[str, str]:
+    return {"flavor": flavor, "impl": impl}
+
+
 def _bench(kernel: str, mode: str, metric: str, x_name: str, x_value: str) -> dict[str, str]:
     return {"kernel": kernel, "impl": "nki", "mode": mode, "metric": metric, "x_name": x_name, "x_value": x_value}
 
@@ -382,6 +393,17 @@ QUOTES = (
           _range("router_fwd", "us") + _range("router_fwd", "fraction")),
     Quote("README.md", "T=8192: fwd {} µs ({}–{}), {} ({}–{}) of the TensorE bound", "headline.csv moe_fwd",
           _range("moe_fwd", "us") + _range("moe_fwd", "fraction")),
+    Quote("README.md", "trnkit's train step is {}× faster than transformers' with {}× its peak memory on the dense",
+          "qwen3_step_seq512.csv debug", (
+              csv_ratio("qwen3_step_seq512.csv", "best_ms", _step("debug", "transformers[default]"),
+                        _step("debug", "trnkit")),
+              csv_ratio("qwen3_step_seq512.csv", "peak_mib", _step("debug", "trnkit"),
+                        _step("debug", "transformers[default]")))),
+    Quote("README.md", "and {}× faster with {}× the memory on the MoE one", "qwen3_step_seq512.csv debug-moe", (
+        csv_ratio("qwen3_step_seq512.csv", "best_ms", _step("debug-moe", "transformers[grouped_mm]"),
+                  _step("debug-moe", "trnkit")),
+        csv_ratio("qwen3_step_seq512.csv", "peak_mib", _step("debug-moe", "trnkit"),
+                  _step("debug-moe", "transformers[grouped_mm]")))),
     Quote("README.md", "M=4096: fwd {} µs ({}–{}), {} ({}–{}) of the roofline",
           "bench.csv grouped_mm forward M=4096 est_time, fraction_of_roofline (p50 mid, p20 / p80 the range)",
           _bench_range("grouped_mm", "forward", "M", "4096")),
