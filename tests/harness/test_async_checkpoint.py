@@ -230,3 +230,25 @@ def test_two_processes_write_the_single_process_checkpoint(tmp_path: Path, tiny_
     _assert_close(got["model"], ref["model"], "model")
     _assert_close(got["optimizer"], ref["optimizer"], "optimizer")
     assert got["data"] == ref["data"] and got["train"] == ref["train"]
+
+
+def test_ctrl_c_with_a_save_in_flight_commits_it(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # Ctrl-C at step 4, before the loop has polled the step-3 save started at step 3: one process waits
+    # for the write and commits it, so the run keeps the checkpoint it had started
+    real_log = MetricsLogger.log
+
+    def log(self, step, *args, **kwargs):
+        if step == 4:
+            raise KeyboardInterrupt
+        return real_log(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    with pytest.raises(KeyboardInterrupt):
+        run(_cfg(tmp_path, tiny_tokenizer, corpus_dir, "async"))
+    folder = tmp_path / "checkpoint"
+    assert [s for s, _ in list_checkpoints(str(folder))] == [3] and verify_checkpoint(str(folder / "step-3")) is None
+    assert not list(folder.glob("*.tmp"))
+    out = capsys.readouterr().out
+    assert "waiting for the background save of checkpoint step-3" in out and "saved checkpoint step-3 (" in out
