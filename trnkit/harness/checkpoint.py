@@ -166,6 +166,15 @@ def _data_files(path: str) -> dict[str, int]:
     return {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path)) if n != MANIFEST}
 
 
+def file_records(path: str) -> dict[str, dict[str, Any]]:
+    """The manifest's record of every file of a written checkpoint: size, and CRC-32 when the whole
+    checkpoint is at most CHECKSUM_MAX_BYTES."""
+    files = _data_files(path)
+    checksum = sum(files.values()) <= CHECKSUM_MAX_BYTES
+    return {n: {"size": s, **({"crc32": _crc32(os.path.join(path, n))} if checksum else {})}
+            for n, s in files.items()}
+
+
 def verify_checkpoint(path: str) -> str | None:
     """None if the checkpoint at `path` looks loadable, else why not (naming the file).
 
@@ -288,7 +297,8 @@ def _dedup_tied(sd: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
 
 @dataclass
 class _InFlight:
-    """A background save: its step, DCP's future, when it started and how long the step loop waited."""
+    """A background save: its step, its future (the manifest's file records on rank 0 once written),
+    when it started and how long the step loop waited to start it."""
     step: int
     future: Future
     t0: float
@@ -390,12 +400,28 @@ class Checkpointer:
             # must never interleave with the training's on the default group
             self._async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         try:
-            future = dcp.async_save(self.state(step), checkpoint_id=tmp, process_group=self._async_group,
-                                    no_dist=not dist.is_initialized())
+            written = dcp.async_save(self.state(step), checkpoint_id=tmp, process_group=self._async_group,
+                                     no_dist=not dist.is_initialized())
         except DCP_ERRORS as e:  # staging or the start of the write failed
             self._save_failed(step, e)
-        self._in_flight = _InFlight(step, future, t0, time.perf_counter() - t0)
+        self._in_flight = _InFlight(step, self._then_records(written, tmp), t0, time.perf_counter() - t0)
         return committed
+
+    def _then_records(self, written: Future, tmp: str) -> Future:
+        """A future of the manifest's file records, computed (rank 0: sizes, CRC-32 re-read) in the writer
+        thread right after the write, so the commit in the step loop only writes the manifest and renames.
+        Rank 0's write completes after every rank's (DCP gathers them before writing .metadata)."""
+        records: Future = Future()
+
+        def done(f: Future) -> None:
+            try:
+                f.result()
+                records.set_result(file_records(tmp) if self.rank == 0 else None)
+            except BaseException as e:  # noqa: BLE001 - handed to the step loop, which reports it
+                records.set_exception(e)
+
+        written.add_done_callback(done)
+        return records
 
     @property
     def in_flight(self) -> int | None:
@@ -421,11 +447,10 @@ class Checkpointer:
             return None
         t_wait = time.perf_counter()
         try:
-            pending.future.result()
+            files = pending.future.result()
         except DCP_ERRORS as e:  # the writer thread's error, whatever its type
             self._save_failed(pending.step, e, background=True)
-        blocked = pending.blocked_s + time.perf_counter() - t_wait
-        return pending.step, self.commit(pending.step, pending.t0, blocked_s=blocked)
+        return pending.step, self.commit(pending.step, pending.t0, files, waiting=(pending.blocked_s, t_wait))
 
     def _save_failed(self, step: int, err: BaseException, background: bool = False) -> None:
         tmp = self.tmp_path(step)
@@ -446,22 +471,22 @@ class Checkpointer:
             f"The partial step-{step}.tmp was removed and {kept}; the run stopped. Free some space (or point "
             "job.dump_folder elsewhere) and rerun to resume.") from err
 
-    def commit(self, step: int, t0: float | None = None, blocked_s: float | None = None) -> str:
+    def commit(self, step: int, t0: float | None = None, files: dict[str, dict] | None = None,
+               waiting: tuple[float, float] | None = None) -> str:
         """Every rank, after the DCP write of `step` finished: manifest -> rename -> prune -> log line.
-        `blocked_s`: for a background save, how long the step loop waited for it (logged)."""
+        `files`: the manifest's file records if already computed (:func:`file_records`). `waiting`: for a
+        background save, (seconds the step loop had waited, when it started waiting again) for the log."""
         _barrier()
         final = os.path.join(self.folder, f"step-{step}")
         if self.rank == 0:
             tmp = self.tmp_path(step)
-            files = _data_files(tmp)
-            total = sum(files.values())
-            checksum = total <= CHECKSUM_MAX_BYTES
+            files = files if files is not None else file_records(tmp)
+            total = sum(r["size"] for r in files.values())
             manifest = {
                 "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "identity": self.identity.to_dict() if self.identity else None,
                 "tied": self._aliases,
-                "files": {n: {"size": s, **({"crc32": _crc32(os.path.join(tmp, n))} if checksum else {})}
-                          for n, s in files.items()},
+                "files": files,
             }
             with open(os.path.join(tmp, MANIFEST), "w") as f:
                 json.dump(manifest, f, indent=1)
@@ -472,8 +497,9 @@ class Checkpointer:
             os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
             self._prune()
             secs = f", {time.perf_counter() - t0:.1f} s" if t0 is not None else ""
-            if blocked_s is not None:
-                secs += f" in the background, the step loop waited {blocked_s:.2f} s"
+            if waiting is not None:
+                blocked = waiting[0] + time.perf_counter() - waiting[1]
+                secs += f" in the background, the step loop waited {blocked:.2f} s"
             self.log(f"saved checkpoint step-{step} ({human_bytes(total)}{secs}) to {final}")
         _barrier()
         return final
@@ -533,5 +559,5 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
 
 
 __all__ = ["CHECKSUM_MAX_BYTES", "CheckpointSaveError", "Checkpointer", "MANIFEST", "RunIdentity",
-           "find_resumable", "full_model_state_dict", "human_bytes", "latest_checkpoint", "list_checkpoints",
-           "load_full_model_state_dict", "on_rank0", "read_manifest", "verify_checkpoint"]
+           "file_records", "find_resumable", "full_model_state_dict", "human_bytes", "latest_checkpoint",
+           "list_checkpoints", "load_full_model_state_dict", "on_rank0", "read_manifest", "verify_checkpoint"]
