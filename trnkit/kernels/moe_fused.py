@@ -63,6 +63,7 @@ def tail_widths(B: int) -> tuple[int, ...]:
 # chunk) would take the SBUF port that GpSimd shares with the Vector Engine's 2-byte mode (trn2), and
 # GpSimd writes the descriptors of every gather: a block's gather then waits behind them.
 VECTOR_TRANSPOSE_EVERY = 0
+SBUF_BYTES = 208 * 1024  # usable SBUF per partition (trnkit.nkisim.memory: the nki-library budget)
 
 
 def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, act: dict) -> None:
@@ -230,6 +231,15 @@ def scatter_rows(y: Any, y_sb: list, slot_table: Any, blk: Any) -> None:
                       src=y_sb[s], oob_mode=nisa.oob_mode.skip)
 
 
+def _prefetch_fits(H: int, inter: int, B: int, dtype: Any) -> bool:
+    """Whether two experts' weights fit SBUF next to a block's working tiles (x.T, h.T, the pending
+    output rows, two gathered sub-tiles), so the next expert's weights can load during this one."""
+    isz = 4 if dtype == nl.float32 else 2
+    weights = ((H + P - 1) // P * 2 * inter + (inter + P - 1) // P * H) * isz
+    work = ((H + P - 1) // P * B + (inter + P - 1) // P * B + 2 * H + max(B, P) // P * H) * isz
+    return 2 * weights + work + 8 * 1024 <= SBUF_BYTES
+
+
 @nki.jit
 def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_start, block_weights, top_k,
                        activation="silu", limit=7.0, alpha=1.702, b_gate_up=None, b_down=None):
@@ -260,9 +270,13 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     y_prev = tiles(nsub, (rows, H), dt)  # the last computed block's rows, not yet scattered
     prev = nisa.register_alloc(NB)  # its block id (NB: none yet, the all-padding table row)
     bs = load_block_start(block_start)
-    for e in owned_groups(E):
-        wgu = load_weight(w_gate_up, e)  # HC tiles [P, 2I]
-        wd = load_weight(w_down, e)  # IC tiles [P, H]
+    mine = owned_groups(E)
+    prefetch = _prefetch_fits(H, w_down.shape[1], B, x.dtype)
+    nxt = None
+    if len(mine):
+        nxt = (load_weight(w_gate_up, mine.start), load_weight(w_down, mine.start))
+    for e in mine:
+        wgu, wd = nxt  # HC tiles [P, 2I], IC tiles [P, H]
         act = expert_act(activation, limit, alpha, b_gate_up, e, w_down.shape[1])
         bd = None
         if b_down != None:  # noqa: E711
@@ -276,8 +290,15 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
         bounds.append(hi)
         seg_widths = (B,) + widths
         for seg in range(len(seg_widths)):
+            if seg == 1 and prefetch and e + 1 < mine.stop:
+                # the next expert's weights, issued after this expert's full-width blocks and before its
+                # narrower last one: a load issued after all its transfers starts too late to hide
+                # when few DMAs are in flight; one issued before them delays this expert's gathers
+                nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
             _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, token_table, block_weights, wgu, wd,
                            y, y_prev, slot_table, prev, act, bd)
+        if e + 1 < mine.stop and not (prefetch and len(seg_widths) > 1):
+            nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
     scatter_rows(y, y_prev, slot_table, prev)  # the last block
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:

@@ -372,17 +372,22 @@ def _wgrad_pass(lo: Any, hi: Any, a: Any, b: Any, a_table: Any, b_table: Any, gr
 
 
 def selection_matrix(K: int, dtype: Any) -> Any:
-    """SBUF ``sel [S, S // K]`` (S = (128 // K) * K slots), ``sel[s, j] = 1`` iff slot s belongs to
-    token j (``s // K == j``): built once with iota and two compares."""
+    """SBUF ``Z [S, W]`` holding the 0/1 selection matrices of :func:`combine`: S = n*K slots of n =
+    128 // K tokens (a chunk), c = 128 // n chunks per tile of M = c*n tokens, W = M + (c-1)*n;
+    ``Z[s, col] = 1`` iff ``col == s // K + (c-1)*n``, so ``Z[:, (c-1-j)*n : (c-1-j)*n + M]`` maps the
+    slots of chunk j to their tokens j*n + s // K of the tile. Built once with iota and two compares."""
     n_tok = P // K
     n_slot = n_tok * K
-    v = nl.ndarray((n_slot, n_tok), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.iota(dst=v, pattern=[[-K, n_tok]], offset=0, channel_multiplier=1)  # v[s, j] = s - K*j
-    ge = nl.ndarray((n_slot, n_tok), dtype=nl.float32, buffer=nl.sbuf)
+    nch = P // n_tok
+    width = nch * n_tok + (nch - 1) * n_tok
+    v = nl.ndarray((n_slot, width), dtype=nl.float32, buffer=nl.sbuf)
+    # v[s, col] = s - K*(col - (c-1)*n)
+    nisa.iota(dst=v, pattern=[[-K, width]], offset=K * (nch - 1) * n_tok, channel_multiplier=1)
+    ge = nl.ndarray((n_slot, width), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=ge, data=v, op0=nl.greater_equal, operand0=0.0)
-    lt = nl.ndarray((n_slot, n_tok), dtype=nl.float32, buffer=nl.sbuf)
+    lt = nl.ndarray((n_slot, width), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=lt, data=v, op0=nl.less, operand0=float(K))
-    sel = nl.ndarray((n_slot, n_tok), dtype=dtype, buffer=nl.sbuf)
+    sel = nl.ndarray((n_slot, width), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=sel, data1=ge, data2=lt, op=nl.multiply)
     return sel
 
@@ -390,24 +395,35 @@ def selection_matrix(K: int, dtype: Any) -> Any:
 def combine(y: Any, out: Any, K: int) -> None:
     """``out[t] = sum_k y[t*K + k]`` for ``y [T*K, H]``, ``out [T, H]`` (HBM).
 
-    Each tile of 128 // K tokens loads its (128 // K) * K contiguous slot rows and multiplies them by
-    the 0/1 selection matrix on the Tensor Engine: the K-way sum happens in fp32 PSUM, rounded once.
-    On an LNC=2 launch the programs take alternate token tiles.
+    A tile of M = c*n tokens (n = 128 // K per chunk of n*K slot rows, c = 128 // n chunks, so M is
+    ~128) loads its M*K contiguous slot rows with one DMA (chunk j on the partitions of column j) and
+    sums them on the Tensor Engine: per 512-column piece, c selection-matrix matmuls (see
+    :func:`selection_matrix`) accumulate into one ``[M, 512]`` fp32 PSUM tile (the K-way sum in fp32,
+    rounded once), evacuated once. On an LNC=2 launch the programs take alternate token tiles.
     """
     T, H = out.shape
     sel = selection_matrix(K, y.dtype)
     n_tok = P // K
-    for t0, nt in owned_chunks(chunks(T, n_tok)):
-        ns = nt * K
-        y_sb = nl.ndarray((ns, H), dtype=y.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=y_sb, src=y[t0 * K:t0 * K + ns, :])
+    ns = n_tok * K
+    nch = P // n_tok
+    for t0, nt in owned_chunks(chunks(T, nch * n_tok)):
+        parts = chunks(nt, n_tok)  # (first token, tokens) per chunk
+        y_sb = []
+        for j in range(len(parts)):
+            rows = parts[j][1] * K
+            t = nl.ndarray((ns, H), dtype=y.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t[:rows, :], src=y[(t0 + parts[j][0]) * K:(t0 + parts[j][0]) * K + rows, :])
+            y_sb.append(t)
         o_sb = nl.ndarray((nt, H), dtype=out.dtype, buffer=nl.sbuf)
         hcs = chunks(H, NMAX)
-        for j in range(len(hcs)):
-            n0, nw = hcs[j]
+        for q in range(len(hcs)):
+            n0, nw = hcs[q]
             ps = nl.ndarray((nt, nw), dtype=nl.float32, buffer=nl.psum)
-            nisa.nc_matmul(dst=ps, stationary=sel[:ns, :nt], moving=y_sb[:ns, n0:n0 + nw])
-            evacuate(o_sb[:, n0:n0 + nw], ps, j)
+            for j in range(len(parts)):
+                c0 = (nch - 1 - j) * n_tok
+                rows = parts[j][1] * K
+                nisa.nc_matmul(dst=ps, stationary=sel[:rows, c0:c0 + nt], moving=y_sb[j][:rows, n0:n0 + nw])
+            evacuate(o_sb[:, n0:n0 + nw], ps, q)
         nisa.dma_copy(dst=out[t0:t0 + nt, :], src=o_sb)
 
 
