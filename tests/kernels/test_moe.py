@@ -466,7 +466,7 @@ def test_constraints_read_no_values() -> None:
 
 
 # --------------------------------------------------------------------------------- cost model
-def _cost_of_moe_experts(T: int, H: int, inter: int, E: int, K: int, block_size: int = 128,
+def _cost_of_moe_experts(T: int, H: int, inter: int, E: int, K: int, block_size: int = moe.FWD_BLOCK_SIZE,
                          idx: torch.Tensor | None = None):
     from trnkit.nkisim import cost, trace  # noqa: PLC0415
 
@@ -500,7 +500,7 @@ def test_moe_experts_trace_visits_only_used_blocks() -> None:
     """Balanced routing, 128 slots per expert: one block per expert, no padding work, weights once."""
     T, H, inter, E, K = 256, 256, 128, 4, 2
     idx = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1)
-    tr, rep, bound = _cost_of_moe_experts(T, H, inter, E, K, idx=idx)
+    tr, rep, bound = _cost_of_moe_experts(T, H, inter, E, K, block_size=128, idx=idx)
     ops = tr.by_op()
     # per block: H/128 chunks of x transposed on the Tensor Engine; 2 (gate, up) x H/128 x I/128 +
     # I/128 x ceil(H/512) matmuls; combine: T / (128 // K) tiles x ceil(H/512) matmuls
@@ -515,15 +515,18 @@ def test_moe_experts_trace_visits_only_used_blocks() -> None:
 
 @pytest.mark.slow
 def test_moe_experts_cost_qwen3_30b_a3b() -> None:
-    """moe_experts at Qwen3-30B-A3B shapes vs the TensorE bound (~3-4 min). Issue 3's target was 75%
-    (77.9% with 16 outstanding PSUM accumulation groups); within the hardware's eight (issue #11) the
-    kernel reached 68.4% in the previous cost model. The issue-12 model gives a range (GpSimd rate,
-    software-DGE descriptors, shared access paths); this guards its optimistic end."""
+    """moe_experts at Qwen3-30B-A3B shapes vs the TensorE bound (a few minutes). Issue 12 asks for 70% at
+    the pessimistic end of the range; the per-engine bound there is 73.4% (docs/kernels.md, "Feasibility
+    of moe_experts at the pessimistic end"). This guards both the pessimistic end and the mid estimate
+    below what the re-tiled kernel reached on a proxy with the same per-expert load (E=16, T=1024:
+    65.1% pessimistic, 76.6% mid when written), so a
+    regression of the tiling (128-column matmuls, GpSimd zero fills, a scatter in front of the next
+    gather, late weight loads) fails it."""
     _, rep, bound = _cost_of_moe_experts(T=8192, H=2048, inter=768, E=128, K=8)
     low, mid, high = rep.total_range_ns
     print(rep, f"\nuseful-FLOP TensorE bound {bound / 1e6:.3f} ms -> {bound / high:.1%} / {bound / mid:.1%} / "
           f"{bound / low:.1%} (pessimistic / mid / optimistic)")
-    assert bound / low >= 0.50  # 52.5% optimistic, 47.3% mid, 32.8% pessimistic when written
+    assert bound / high >= 0.60 and bound / mid >= 0.70  # old kernel: 32.8% pessimistic, 47.3% mid
 
 
 def test_backward_sbuf_constraints_are_checked() -> None:

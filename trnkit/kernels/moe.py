@@ -11,7 +11,7 @@ Public API (DESIGN.md §3):
   ``[offs[g-1], offs[g])`` of x are multiplied by ``w[g]`` (torch ``_grouped_mm`` ``offs`` contract:
   exclusive ends, non-decreasing, ``offs[-1] <= M``). Rows past ``offs[-1]`` are **zero** (torch leaves
   them uninitialised). ``grouped_mm_bwd(x, w, group_offsets, grad_out) -> (grad_x, grad_w)``.
-* ``moe_experts(x [T, H], topk_idx [T, K], topk_weights [T, K], w_gate_up, w_down, block_size=128)
+* ``moe_experts(x [T, H], topk_idx [T, K], topk_weights [T, K], w_gate_up, w_down, block_size=512)
   -> [T, H]``: ``out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with
   ``e = topk_idx[t, k]``. ``moe_experts_bwd(..., grad_out, block_size=128) -> (grad_x,
   grad_topk_weights, grad_w_gate_up, grad_w_down)``. Expert variants (trailing keyword arguments of
