@@ -48,8 +48,9 @@ SHAPE = dict(T=512, H=2048, I=768, K=8, B=128)
 
 
 # ----------------------------------------------------------------------------------------- kernel
-def load_weight_dynamic(w: Any, e: Any) -> Any:
-    """``w[e] [R, C]`` -> SBUF ``[P, ceil(R/P), C]`` for a run-time expert id ``e`` (a register)."""
+def load_weight_dynamic(w: Any, e: Any) -> list:
+    """``w[e] [R, C]`` -> SBUF ``[P, ceil(R/P), C]`` for a run-time expert id ``e`` (a register), returned
+    as its ``[P, C]`` chunk views (the weight layout of trnkit's swiglu_T / row_matmul)."""
     _, R, C = w.shape
     t = nl.ndarray((P, (R + P - 1) // P, C), dtype=w.dtype, buffer=nl.sbuf)
     full = R // P
@@ -60,7 +61,10 @@ def load_weight_dynamic(w: Any, e: Any) -> Any:
         r = R % P
         nisa.dma_copy(dst=t[:r, full, :], src=w.ap(pattern=[[C, r], [1, C]], offset=full * P * C,
                                                    scalar_offset=e, indirect_dim=0))
-    return t
+    out = []
+    for c in range((R + P - 1) // P):
+        out.append(t[:, c, :])
+    return out
 
 
 @nki.jit
