@@ -201,6 +201,9 @@ def run_case(name: str, sensitivity: bool | None = None) -> dict:
            "n_instrs": rep.n_instrs, "n_programs": rep.n_programs, "assumptions": notes}
     if sensitivity or (sensitivity is None and name in HEADLINE):
         out["sensitivity_us"] = {k: [lo / 1e3, hi / 1e3] for k, (lo, hi) in cost.sensitivity(tr, "trn2").items()}
+        # the parameter values of this run (cost_params may change before the next one)
+        out["parameter_values"] = {k: [getattr(setting, k) for setting in (LOW, MID, HIGH)]
+                                   for k in out["sensitivity_us"]}
     if case.kernel == "moe_experts" and case.mode == "backward":
         out["recompute_flops"] = moe_flops(4)
         out["recompute_us_at_peak"] = moe_flops(4) / TRN2.tensor_flops_per_ns_bf16 / 1e3
@@ -234,10 +237,11 @@ def csv_rows(results: dict) -> list[dict]:
 def sensitivity_rows(results: dict) -> list[dict]:
     rows = []
     for name in CASES:
-        for param, (lo, hi) in results.get(name, {}).get("sensitivity_us", {}).items():
-            rows.append({"case": name, "parameter": param, "optimistic_value": getattr(LOW, param),
-                         "mid_value": getattr(MID, param), "pessimistic_value": getattr(HIGH, param),
-                         "optimistic_us": round(lo, 2), "pessimistic_us": round(hi, 2)})
+        r = results.get(name, {})
+        for param, (lo, hi) in r.get("sensitivity_us", {}).items():
+            values = r.get("parameter_values", {}).get(param, [getattr(s, param) for s in (LOW, MID, HIGH)])
+            rows.append({"case": name, "parameter": param, "optimistic_value": values[0], "mid_value": values[1],
+                         "pessimistic_value": values[2], "optimistic_us": round(lo, 2), "pessimistic_us": round(hi, 2)})
     return rows
 
 

@@ -186,8 +186,8 @@ def headline() -> str:
 def headline_for(*kernels: str) -> Callable[[], str]:
     """The headline cases of ``kernels`` (docs/kernels.md): range, bound, busiest engines at mid."""
     def table() -> str:
-        rows = [[f"{r['kernel']} {MODE[r['mode']]}, {r['shape']}", _times(r), f"{float(r['bound_us']):,.1f}", _fractions(r),
-                 r["busiest_mid_us"], f"`{r['case']}`"]
+        rows = [[f"{r['kernel']} {MODE[r['mode']]}, {r['shape']}", _times(r), f"{float(r['bound_us']):,.1f}",
+                 _fractions(r), r["busiest_mid_us"], f"`{r['case']}`"]
                 for r in read_csv(HEADLINE_CSV) if r["kernel"] in kernels]
         header = ["case", "est. time low / mid / high (us)", "bound (us)", "of bound at low end / mid / high end",
                   "busiest engines at mid (busy us)", "`headline.py` case"]

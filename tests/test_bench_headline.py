@@ -52,7 +52,8 @@ def tiny_cases(monkeypatch):
     useful-FLOP bound."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(128, 128, generator=g).bfloat16(), torch.randn(128, 512, generator=g).bfloat16()
-    cases = {"mm_hbm": headline.HeadlineCase("matmul_tiled", "forward", "128x128x512 bf16", lambda: lambda: matmul_tiled(a, b)),
+    cases = {"mm_hbm": headline.HeadlineCase("matmul_tiled", "forward", "128x128x512 bf16",
+                                             lambda: lambda: matmul_tiled(a, b)),
              "mm_flops": headline.HeadlineCase("matmul_tiled", "forward", "128x128x512 bf16",
                                                lambda: lambda: matmul_tiled(a, b), useful_flops=2 * 128 * 128 * 512)}
     monkeypatch.setattr(headline, "CASES", cases)
@@ -78,6 +79,7 @@ def test_run_case_matches_an_independent_estimate(tiny_cases):
     sens = cost.sensitivity(tiny_cases, "trn2")
     assert list(f["sensitivity_us"]) == list(sens) and set(sens) == set(PARAM_NAMES)
     assert f["sensitivity_us"]["dma_knee_bytes"] == pytest.approx([t / 1e3 for t in sens["dma_knee_bytes"]])
+    assert f["parameter_values"]["dma_knee_bytes"] == [LOW.dma_knee_bytes, MID.dma_knee_bytes, HIGH.dma_knee_bytes]
 
 
 def test_outputs_merge_case_by_case_and_carry_the_range(tiny_cases, tmp_path, capsys):
@@ -90,7 +92,8 @@ def test_outputs_merge_case_by_case_and_carry_the_range(tiny_cases, tmp_path, ca
     assert list(rows) == ["mm_hbm", "mm_flops"] and set(saved) == set(rows)
     for name, r in rows.items():
         t = saved[name]["time_us"]
-        assert [float(r[k]) for k in ("low_us", "mid_us", "high_us")] == [round(t[k], 2) for k in ("low", "mid", "high")]
+        times = [float(r[k]) for k in ("low_us", "mid_us", "high_us")]
+        assert times == [round(t[k], 2) for k in ("low", "mid", "high")]
         assert r["bound_kind"] == headline.CASES[name].bound_kind
     sens = _read("headline_sensitivity.csv", tmp_path)
     assert [s["parameter"] for s in sens] == list(saved["mm_flops"]["sensitivity_us"])

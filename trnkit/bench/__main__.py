@@ -2,8 +2,9 @@
 
 Runs the sweeps of :mod:`trnkit.bench.cases`, appends rows to ``DIR/bench.csv`` (the one schema of
 :mod:`trnkit.bench.schema`) case by case and at the end drops the earlier rows they replace (same kernel,
-impl, mode, metric, shape and config: a kernel can be re-run alone), writes ``DIR/bench.md`` (markdown table) and PNG plots under
-``DIR/plots/`` — table and plots over every kernel in the CSV, so kernels can be run one at a time.
+impl, mode, metric, shape and config: a kernel can be re-run alone), writes ``DIR/bench.md`` (markdown
+table) and PNG plots under ``DIR/plots/`` — table and plots over every kernel in the CSV, so kernels can
+be run one at a time.
 Without kernel names it runs every kernel that is importable and skips (with the reason) those that
 are not. ``--report-only`` rebuilds the table and plots without running anything. DIR is
 ``outputs/bench`` (``outputs/bench/quick`` with ``--quick``) unless ``--save-reference`` (the tracked
