@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,12 +38,6 @@ class DistEnv:
         return self.mesh["dp"].get_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def neuron_available() -> bool:
     return importlib.util.find_spec("torch_neuronx") is not None
 
@@ -64,10 +57,13 @@ def init_distributed(pcfg: ParallelismConfig) -> DistEnv:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if world == 1:
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group(backend=backend, rank=rank, world_size=world)
+        if world == 1 and "MASTER_PORT" not in os.environ:
+            # an in-process store: no TCP port to pick (a port found free can be taken by another process
+            # before the store listens on it: EADDRINUSE under parallel test runs)
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            dist.init_process_group(backend=backend, rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
