@@ -317,7 +317,7 @@ def _reference_estimates() -> dict[tuple, dict[tuple[str, str], Row]]:
 
 # kernels whose reference rows predate the ranges (p20 = p50 = p80): their owners re-run the sweeps
 # after re-tuning them for issue 12 (python -m trnkit.bench <kernel> --no-torch --save-reference)
-PENDING_RANGES = {"moe_experts", "grouped_mm"}
+PENDING_RANGES: set[str] = set()
 
 
 def test_reference_bench_csv_carries_ordered_ranges():
