@@ -133,7 +133,9 @@ def test_a_write_error_is_reported_not_lost(tmp_path: Path, tiny_tokenizer: str,
     assert [s for s, _ in list_checkpoints(str(folder))] == [2] and verify_checkpoint(str(folder / "step-2")) is None
     assert not (folder / "step-4.tmp").exists()
     steps = [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))]
-    assert steps[-1] == (5 if mode == "async" else 4)  # async: reported at the next step's poll
+    # async: reported at the first poll after the background write fails: step 5's, or step 6's when the writer
+    # thread is slower than one step (the step-6 save waits for the step-4 one); sync: at once
+    assert steps[-1] in ((5, 6) if mode == "async" else (4,)), steps
 
 
 def _logged_steps(metrics: Path) -> list[int]:
