@@ -315,24 +315,15 @@ def _reference_estimates() -> dict[tuple, dict[tuple[str, str], Row]]:
     return groups
 
 
-# kernels whose reference rows predate the ranges (p20 = p50 = p80): their owners re-run the sweeps
-# after re-tuning them for issue 12 (python -m trnkit.bench <kernel> --no-torch --save-reference)
-PENDING_RANGES: set[str] = set()
-
-
 def test_reference_bench_csv_carries_ordered_ranges():
     """The cost-model estimates of benchmarks/data/bench.csv: p20 / p50 / p80 = low / mid / high end of the
-    time, and the fraction of roofline = roofline / time at the other end; every kernel but the pending
-    ones has its range."""
+    time, and the fraction of roofline = roofline / time at the other end; every estimate has its range."""
     groups = _reference_estimates()
-    without_range = set()
+    assert groups
     for key, g in groups.items():
         est, frac, roof = g[("nki", "est_time")], g[("nki", "fraction_of_roofline")], g[("roofline", "est_time")]
-        if "range" not in est.details:
-            without_range.add(key[0])
-            assert est.p20 == est.p50 == est.p80, key
+        assert "range" in est.details, f"estimate without its range: {key}"
         assert 0 < roof.p50 <= est.p20 <= est.p50 <= est.p80, key
         assert (frac.p20, frac.p50, frac.p80) == pytest.approx(
             (roof.p50 / est.p80, roof.p50 / est.p50, roof.p50 / est.p20), rel=1e-6), key
-    assert groups and without_range <= PENDING_RANGES, f"estimates without their range: {without_range}"
-    assert any(k[0] == "rope_hf" and "range" in g[("nki", "est_time")].details for k, g in groups.items())
+    assert any(k[0] == "rope_hf" for k in groups)
