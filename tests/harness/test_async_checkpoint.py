@@ -80,6 +80,8 @@ def test_step_loop_runs_while_the_save_is_written(tmp_path: Path, tiny_tokenizer
 
     def log(self, step, *args, **kwargs):
         rec = real_log(self, step, *args, **kwargs)
+        if step == 4:  # the writer thread may still be staging/planning: let it reach the held write first
+            writing.wait(timeout=300)
         if step in (4, 5):
             seen[step] = (writing.is_set(), release.is_set(), (tmp_path / "checkpoint" / "step-3").exists())
         if step == 5:
