@@ -9,13 +9,13 @@ import importlib
 import pytest
 import torch
 
-from trnkit.kernels import moe, moe_fused, moe_grouped_mm
+from trnkit.kernels import moe, moe_bwd, moe_fused, moe_grouped_mm
 
 rope_hf = importlib.import_module("trnkit.kernels.rope_hf")  # (trnkit.kernels.rope_hf is also a function)
 
 KERNELS = [(moe_grouped_mm, "grouped_mm_kernel"), (moe_grouped_mm, "grouped_wgrad_kernel"),
            (moe_grouped_mm, "combine_kernel"), (moe_fused, "moe_experts_kernel"),
-           (moe_fused, "swiglu_bwd_kernel")]
+           (moe_bwd, "moe_bwd_kernel")]
 
 
 def _returning_copies(monkeypatch) -> list:
@@ -62,7 +62,7 @@ def test_moe_wrappers_use_the_kernels_returned_tensors(monkeypatch) -> None:
     for g, e in zip(grads, expected_bwd):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
     assert any(grads[0] is m for m in made) and any(grads[2] is m for m in made)
-    # the swiglu kernel's returned hw / dgu / gw feed the next kernels: a wrapper that read its own
+    # the data-path kernel's returned hw / dgu feed the weight-gradient kernel: a wrapper that read its own
     # buffers instead would see garbage here, since the copies are the only written tensors
     made.clear()
     out = moe.grouped_mm(x, wd.transpose(1, 2).contiguous(), offs)

@@ -682,29 +682,28 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
                     limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA,
                     b_gate_up: torch.Tensor | None = None,
                     b_down: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
-    """Backward of :func:`moe_experts` as a pipeline of NKI kernels (activations are recomputed):
+    """Backward of :func:`moe_experts` on NKI kernels (activations are recomputed):
     ``(grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)``, followed by ``(grad_b_gate_up,
     grad_b_down)`` when a bias is given (None for an absent one).
 
-    1. ``gu = x[tok] @ w_gate_up[e] + b_gate_up[e]`` and ``ghp = grad_out[tok] @ w_down[e].T`` (grouped_mm
-       kernel, written in dispatch order); with ``b_down``, also ``<grad_out[tok], b_down[e]>`` (the
-       same kernel with ``b_down[e]`` as an ``[H, 1]`` weight); 2. the elementwise activation backward
-       kernel: ``h``, ``w*h``, ``grad_topk_weights = <ghp, h> (+ <grad_out, b_down>)``, ``dgu``;
-       3. weight gradients ``grad_w_down[e] = sum (w h).T grad_out``, ``grad_w_gate_up[e] = sum x.T dgu``
+    1. the fused data path (:func:`trnkit.kernels.moe_bwd.moe_bwd_kernel`): per block of an expert's
+       slots the gate/up recompute, ``grad_out @ w_down.T``, the activation backward,
+       ``grad_topk_weights``, ``w*h`` and ``dgu`` (written in dispatch order for step 2), ``dgu @
+       w_gate_up.T`` per slot and the sum over each token's K slots (``grad_x``);
+    2. weight gradients ``grad_w_down[e] = sum (w h).T grad_out``, ``grad_w_gate_up[e] = sum x.T dgu``
        and the bias gradients ``grad_b_down[e] = sum w grad_out``, ``grad_b_gate_up[e] = sum dgu`` (grouped
-       wgrad kernel, with a ``[.., 1]`` column of ``w`` / ones as the left operand); 4. ``dgu @
-       w_gate_up[e].T`` per slot and the sum over each token's K slots (combine kernel).
+       wgrad kernel, with a ``[.., 1]`` column of ``w`` / ones as the left operand).
 
-    ``lnc=2``: every kernel runs on both cores, each on the same half of the experts (steps 1-4 only
-    read what the same core wrote before); the combine, a new launch, splits the tokens.
+    ``lnc=2``: every kernel runs on both cores, each on the same half of the experts (step 2 only reads
+    what the same core wrote in step 1); the data path's combine waits at one ``core_barrier``.
     """
-    from trnkit.kernels import moe_fused as KE  # noqa: PLC0415
+    from trnkit.kernels import moe_bwd as KB  # noqa: PLC0415
     from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
 
     _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, activation=activation,
                        limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
     lnc = resolve_lnc(lnc)
-    gmm, wgrad = launch(KG.grouped_mm_kernel, lnc), launch(KG.grouped_wgrad_kernel, lnc)
+    wgrad = launch(KG.grouped_wgrad_kernel, lnc)
     T, H = x.shape
     K = topk_idx.shape[1]
     E, _, I2 = w_gate_up.shape
@@ -715,29 +714,25 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     NB, B = lay.table.shape
     dev = x.device
     disp = torch.arange(NB * B, dtype=torch.int32, device=dev).view(NB, B)  # dispatch-order positions
+    slot = lay.table.long()
+    used = slot < T * K
     weights = topk_weights.reshape(-1, 1).float()
-    # every kernel's outputs are taken from its return value (the buffers passed in are the aliased
-    # outputs, nt.mutable_tensor; on a device the returned tensors are the ones to use)
-    gu = torch.empty(NB, B, I2, dtype=dt, device=dev)
-    gu = gmm(x, w_gate_up, token, disp, lay.block_start, gu, False, _dense(b_gate_up))
-    ghp = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
-    ghp = gmm(grad_out, w_down, token, disp, lay.block_start, ghp, True)
-    gw_bias = None
-    if b_down is not None:  # <grad_out[tok], b_down[e]>: b_down[e] as an [H, 1] weight
-        gw_bias = torch.empty(NB, B, 1, dtype=dt, device=dev)
-        gw_bias = gmm(grad_out, b_down.reshape(E, H, 1).contiguous(), token, disp, lay.block_start, gw_bias, False)
-    hw = torch.empty(NB, B, I2 // 2, dtype=dt, device=dev)
-    dgu = torch.empty(NB, B, I2, dtype=dt, device=dev)
-    gw = torch.empty(T * K, 1, dtype=torch.float32, device=dev)
-    hw, dgu, gw = launch(KE.swiglu_bwd_kernel, lnc)(gu, ghp, lay.table, lay.block_start, weights, hw, dgu, gw,
-                                                    activation, float(limit), float(alpha), gw_bias)
+    # padding positions gather token 0 (finite rows) with affinity 0, so their w*h and dgu are exact zeros
+    block_weights = weights[slot.clamp(max=T * K - 1), 0] * used
+    slots = torch.cat([lay.table, torch.full_like(lay.table[:1], T * K)])  # + the all-padding row NB
+    # every kernel's outputs are taken from its return value (on a device the returned tensors are the
+    # ones to use)
+    hw, dgu, gw_blocks, grad_x = launch(KB.moe_bwd_kernel, lnc)(
+        x, grad_out, w_gate_up, w_down, _per_block(torch.where(used, token, torch.zeros_like(token))),
+        _per_block(slots), lay.block_start, _per_block(block_weights), K, activation, float(limit), float(alpha),
+        _dense(b_gate_up), _dense(b_down))
+    gw_disp = gw_blocks.transpose(1, 2).reshape(NB, B)  # back from the per-block layout of _per_block
+    gw = torch.zeros(T * K, dtype=torch.float32, device=dev)
+    gw[slot[used]] = gw_disp[used]
     grad_wd = torch.empty(w_down.shape, dtype=w_down.dtype, device=dev)
     grad_wd = wgrad(hw, grad_out, disp, token, lay.block_start, grad_wd)
     grad_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
     grad_wgu = wgrad(x, dgu, token, disp, lay.block_start, grad_wgu)
-    gx_slots = torch.empty(T * K, H, dtype=dt, device=dev)
-    gx_slots = gmm(dgu, w_gate_up, disp, lay.table, lay.block_start, gx_slots, True)
-    grad_x = launch(KG.combine_kernel, lnc)(gx_slots, K)
     grads = (grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd)
     if b_gate_up is None and b_down is None:
         return grads

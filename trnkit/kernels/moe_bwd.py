@@ -1,0 +1,222 @@
+"""NKI kernel of the MoE expert backward's data path, fused: :func:`moe_bwd_kernel`.
+
+Per expert e (static loop; LNC=2: the experts of :func:`~trnkit.kernels.moe_grouped_mm.owned_groups`)
+its weights are loaded once and transposed once on the Tensor Engine (``w_down[e].T [H, I]`` for the
+``grad_out @ w_down.T`` matmul, ``w_gate_up[e].T [2I, H]`` for ``dX``); then a run-time loop
+(``nl.fori_loop`` from ``block_start``) over e's blocks of B slots, per 128-row sub-tile:
+
+1. gather the slots' ``x`` and ``grad_out`` rows by indirect DMA (padding positions name token 0 and
+   carry affinity 0, so every row is finite and every padding result is an exact zero) and transpose
+   them on the Tensor Engine (the contraction dim H on partitions);
+2. per piece of <= 512 columns of I, three PSUM accumulation groups: ``gate``, ``up`` (the recompute,
+   ``x.T`` chunk stationary, ``w_gate_up`` moving) and ``dA = grad_out @ w_down.T`` (``w_down.T``
+   moving). The activation backward runs on the rows (:func:`activation_grad_rows`): ``h``, ``w*h``,
+   ``grad_topk_weights = <dA, h> (+ <grad_out, b_down>)`` and ``dgu = [w dA dh/dgate | w dA dh/dup]``;
+3. ``w*h [B, I]`` and ``dgu [B, 2I]`` go to HBM in dispatch order (the weight-gradient kernel's
+   operands, :func:`~trnkit.kernels.moe_grouped_mm.grouped_wgrad_kernel`); ``dgu`` is transposed on
+   the Tensor Engine and ``dX [rows, H] = dgu @ w_gate_up.T`` (``dgu.T`` chunk stationary, 512-column
+   pieces of ``w_gate_up.T`` moving) is scattered to the slot buffer ``[T*K, H]`` one block later
+   (as in the forward, so the scatter's software-DGE descriptors do not delay the next gathers).
+
+After all experts (LNC=2: after a ``core_barrier``, a token's slots come from both cores) the
+selection-matrix :func:`~trnkit.kernels.moe_grouped_mm.combine` sums each token's K slot rows into
+``grad_x``. Row layout throughout: the moving operand of every big matmul is a weight (512 columns),
+so the block size does not change the Tensor Engine's work; the affinity is a per-partition scale and
+``<dA, h>`` a free-axis reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trnkit.kernels._common import program_split
+from trnkit.kernels.moe_fused import activation_grad_rows, scatter_rows
+from trnkit.kernels.moe_grouped_mm import (
+    NMAX,
+    P,
+    block_range,
+    chunks,
+    combine,
+    load_bias_rows,
+    load_block_start,
+    load_weight,
+    owned_groups,
+    row_matmul,
+    store_rows,
+    tiles,
+    transpose_rows,
+    transposed_weight,
+)
+from trnkit.nki_api import nisa, nl, nki
+
+
+def bias_columns(b: Any, g: int) -> Any:
+    """Row ``b[g]`` of a bias ``[G, N]`` (HBM) as per-partition columns ``[P, ceil(N / P)]`` (element
+    ``c*P + p`` at ``[p, c]``; the rest zero): the moving operand of a matmul contracting over N."""
+    _, N = b.shape
+    full = N // P
+    cols = nl.ndarray((P, (N + P - 1) // P), dtype=b.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=cols, value=0.0)
+    if full > 0:
+        nisa.dma_copy(dst=cols[:, :full], src=b.ap(pattern=[[1, P], [P, full]], offset=g * N))
+    if N % P:
+        r = N % P
+        nisa.dma_copy(dst=cols[:r, full:full + 1], src=b.ap(pattern=[[1, r], [1, 1]], offset=g * N + full * P))
+    return cols
+
+
+def _gather(src: Any, ids: Any, rows: int) -> Any:
+    """Rows ``src[ids]`` (HBM ``[R, W]``, ids ``[rows, 1]`` all valid) -> SBUF ``[rows, W]``."""
+    W = src.shape[1]
+    t = nl.ndarray((rows, W), dtype=src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=src.ap(pattern=[[W, rows], [1, W]], offset=0, vector_offset=ids, indirect_dim=0))
+    return t
+
+
+def _act_piece(g_ps: Any, u_ps: Any, p0: int, pw: int, rows: int, inter: int, bgu: Any, dt: Any) -> tuple:
+    """The gate / up pre-activations of I-piece ``p0 .. p0+pw`` (``+ b_gate_up[e]``) in SBUF, rounded to
+    the input dtype ``dt`` as the forward's are (a clamp of ``swiglu_clamped`` then binds exactly where
+    it does in the forward and the reference)."""
+    a = nl.ndarray((rows, pw), dtype=dt, buffer=nl.sbuf)
+    u = nl.ndarray((rows, pw), dtype=dt, buffer=nl.sbuf)
+    if bgu == None:  # noqa: E711
+        nisa.activation(dst=a, op=nl.copy, data=g_ps)
+        nisa.tensor_copy(dst=u, src=u_ps, engine=nisa.engine.vector)
+    else:
+        nisa.tensor_tensor(dst=a, data1=g_ps, data2=bgu[:rows, p0:p0 + pw], op=nl.add)
+        nisa.tensor_tensor(dst=u, data1=u_ps, data2=bgu[:rows, inter + p0:inter + p0 + pw], op=nl.add)
+    return a, u
+
+
+def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, hw_t: Any, dgu_t: Any,
+               gw_col: Any, var: dict) -> None:
+    """Steps 2 of the module doc for one sub-tile of ``rows`` slots: fills ``hw_t [rows, I]``, ``dgu_t
+    [rows, 2I]`` (input dtype) and ``gw_col [rows, 1]`` fp32 from the transposed rows ``x_T``, ``go_T``
+    (H-chunk tiles ``[P, rows]``), the expert's weight tiles ``wgu`` and ``w_down.T`` grid ``wd_T`` and
+    the slots' affinities ``w [rows, 1]`` fp32."""
+    inter = dgu_t.shape[1] // 2
+    dt = dgu_t.dtype
+    f32 = nl.float32
+    hcs = chunks(len(x_T) * P, P)
+    H = var["H"]
+    pieces = chunks(inter, NMAX)
+    parts = nl.ndarray((rows, len(pieces)), dtype=f32, buffer=nl.sbuf)
+    for k in range(len(pieces)):
+        p0, pw = pieces[k]
+        g_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
+        u_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
+        d_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
+        for c in range(len(hcs)):
+            hk = min(P, H - c * P)
+            nisa.nc_matmul(dst=g_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, p0:p0 + pw])
+            nisa.nc_matmul(dst=u_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, inter + p0:inter + p0 + pw])
+        for c in range(len(hcs)):
+            hk = min(P, H - c * P)
+            nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, :rows], moving=wd_T[c][k][:hk, :pw])
+        a, u = _act_piece(g_ps, u_ps, p0, pw, rows, inter, var["bgu"], dt)
+        h, dh_da, dh_du = activation_grad_rows(a, u, dt, var["activation"], var["limit"], var["alpha"])
+        nisa.activation(dst=hw_t[:, p0:p0 + pw], op=nl.copy, data=h, scale=w)  # w * h
+        prod = nl.ndarray((rows, pw), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod, data1=d_ps, data2=h, op=nl.multiply)
+        nisa.tensor_reduce(dst=parts[:, k:k + 1], op=nl.add, data=prod, axis=1)  # <dA, h> over the piece
+        gh = nl.ndarray((rows, pw), dtype=f32, buffer=nl.sbuf)
+        nisa.activation(dst=gh, op=nl.copy, data=d_ps, scale=w)  # w * dA
+        nisa.tensor_tensor(dst=dgu_t[:, p0:p0 + pw], data1=gh, data2=dh_da, op=nl.multiply)
+        nisa.tensor_tensor(dst=dgu_t[:, inter + p0:inter + p0 + pw], data1=gh, data2=dh_du, op=nl.multiply)
+    nisa.tensor_reduce(dst=gw_col, op=nl.add, data=parts, axis=1)
+    if var["bd_cols"] != None:  # noqa: E711  <grad_out, b_down[e]>: b_down[e] as an [H, 1] moving column
+        b_ps = nl.ndarray((rows, 1), dtype=f32, buffer=nl.psum)
+        for c in range(len(hcs)):
+            hk = min(P, H - c * P)
+            nisa.nc_matmul(dst=b_ps, stationary=go_T[c][:hk, :rows], moving=var["bd_cols"][:hk, c:c + 1])
+        nisa.tensor_tensor(dst=gw_col, data1=gw_col, data2=b_ps, op=nl.add)
+
+
+def _expert_blocks(lo: Any, hi: Any, x: Any, grad_out: Any, token_table: Any, block_weights: Any, wgu: list,
+                   wd_T: list, wgu_T: list, outs: dict, dx_prev: list, slot_table: Any, prev: Any,
+                   var: dict) -> None:
+    """Run-time loop over one expert's blocks lo..hi-1 (see the module doc)."""
+    H = x.shape[1]
+    _, rows, nsub = token_table.shape
+    HC = (H + P - 1) // P
+    I2 = outs["dgu"].shape[2]
+    IC2 = (I2 + P - 1) // P
+    dt = x.dtype
+
+    def block(i):
+        ids = nl.ndarray((rows, nsub), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=ids, src=token_table.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
+                                                  indirect_dim=0))
+        w = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w, src=block_weights.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
+                                                  indirect_dim=0))
+        gw_blk = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
+        for s in range(nsub):
+            x_T = tiles(HC, (P, rows), dt)
+            transpose_rows(_gather(x, ids[:, s:s + 1], rows), x_T)
+            go_T = tiles(HC, (P, rows), dt)
+            transpose_rows(_gather(grad_out, ids[:, s:s + 1], rows), go_T)
+            if s == 0:
+                scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the previous block's rows
+            hw_t = nl.ndarray((rows, I2 // 2), dtype=dt, buffer=nl.sbuf)
+            dgu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
+            _slot_rows(x_T, go_T, wgu, wd_T, rows, w[:, s:s + 1], hw_t, dgu_t, gw_blk[:, s:s + 1], var)
+            store_rows(outs["hw"], hw_t, None, i, s)
+            store_rows(outs["dgu"], dgu_t, None, i, s)
+            dgu_T = tiles(IC2, (P, rows), dt)
+            transpose_rows(dgu_t, dgu_T)
+            row_matmul(dx_prev[s], dgu_T, rows, None, I2, grid=wgu_T)  # dX = dgu @ w_gate_up.T
+        nisa.dma_copy(dst=outs["gw"].ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
+                                        indirect_dim=0), src=gw_blk)
+        nisa.register_move(prev, i)
+
+    nl.fori_loop(lo, hi, block)
+
+
+@nki.jit
+def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, block_start, block_weights, top_k,
+                   activation="silu", limit=7.0, alpha=1.702, b_gate_up=None, b_down=None):
+    """Data path of the MoE expert backward -> ``(hw, dgu, gw, grad_x)`` (see the module doc).
+
+    x, grad_out ``[T, H]``; w_gate_up ``[E, H, 2I]``; w_down ``[E, I, H]``; per block of B positions,
+    laid out ``[NB, rows, B // rows]`` (position ``sub*rows + p`` at ``[p, sub]``, rows = min(B, 128)):
+    token_table int32 (padding: any valid token), block_weights fp32 (the slot's affinity, 0 for
+    padding), slot_table ``[NB + 1, ...]`` int32 (slot t*K+k, T*K for padding; row NB all padding);
+    block_start ``[1, E + 1]`` int32. Outputs: ``hw = w*h [NB, B, I]`` and ``dgu [NB, B, 2I]`` (input
+    dtype, dispatch order, padding rows zero; used blocks only), ``gw [NB, rows, B // rows]`` fp32 (the
+    gradient of each position's affinity, block layout as the tables) and ``grad_x [T, H]``.
+    activation / limit / alpha / b_gate_up ``[E, 2I]`` / b_down ``[E, H]``: as the forward.
+    """
+    T, H = x.shape
+    E, _, I2 = w_gate_up.shape
+    inter = I2 // 2
+    NB, rows, nsub = token_table.shape
+    B = rows * nsub
+    K = top_k
+    dt = x.dtype
+    # shared: on LNC=2 each core writes its experts' blocks / slots, the combine reads both cores' slots
+    outs = {"hw": nl.ndarray((NB, B, inter), dtype=dt, buffer=nl.shared_hbm),
+            "dgu": nl.ndarray((NB, B, I2), dtype=dt, buffer=nl.shared_hbm),
+            "gw": nl.ndarray((NB, rows, nsub), dtype=nl.float32, buffer=nl.shared_hbm),
+            "gx_slots": nl.ndarray((T * K, H), dtype=dt, buffer=nl.shared_hbm)}
+    dx_prev = tiles(nsub, (rows, H), dt)  # the last computed block's dX rows, not yet scattered
+    prev = nisa.register_alloc(NB)  # its block id (NB: none yet, the all-padding table row)
+    bs = load_block_start(block_start)
+    for e in owned_groups(E):
+        wgu = load_weight(w_gate_up, e)  # HC tiles [P, 2I]
+        wd_T = transposed_weight(load_weight(w_down, e), inter, H)  # [H-chunk][I-piece] [P, 512]
+        wgu_T = transposed_weight(wgu, H, I2)  # [2I-chunk][H-piece] [P, 512]
+        var = {"H": H, "activation": activation, "limit": limit, "alpha": alpha, "bgu": None, "bd_cols": None}
+        if b_gate_up != None:  # noqa: E711
+            var["bgu"] = load_bias_rows(b_gate_up, e)  # [P, 2I]: added to every row
+        if b_down != None:  # noqa: E711
+            var["bd_cols"] = bias_columns(b_down, e)
+        lo, hi = block_range(block_start, e, bs)
+        _expert_blocks(lo, hi, x, grad_out, token_table, block_weights, wgu, wd_T, wgu_T, outs, dx_prev,
+                       slot_table, prev, var)
+    scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the last block
+    grad_x = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
+    if program_split()[0] > 1:
+        nisa.core_barrier(outs["gx_slots"], (0, 1))  # both cores' slots are written before any combine
+    combine(outs["gx_slots"], grad_x, K)
+    return outs["hw"], outs["dgu"], outs["gw"], grad_x
