@@ -14,6 +14,7 @@ from trnkit.kernels import moe, moe_bwd, moe_fused, moe_grouped_mm
 rope_hf = importlib.import_module("trnkit.kernels.rope_hf")  # (trnkit.kernels.rope_hf is also a function)
 
 KERNELS = [(moe_grouped_mm, "grouped_mm_kernel"), (moe_grouped_mm, "grouped_wgrad_kernel"),
+           (moe_grouped_mm, "grouped_wgrad2_kernel"),
            (moe_grouped_mm, "combine_kernel"), (moe_fused, "moe_experts_kernel"),
            (moe_bwd, "moe_bwd_kernel")]
 

@@ -629,8 +629,34 @@ def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
     grad_x = torch.zeros(M, w.shape[1], dtype=x.dtype, device=x.device)
     grad_x = launch(K_.grouped_mm_kernel, lnc)(grad_out, w, lay.table, lay.table, lay.block_start, grad_x, True)
     grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    grad_w = launch(K_.grouped_wgrad_kernel, lnc)(x, grad_out, lay.table, lay.table, lay.block_start, grad_w)
+    counts = torch.diff(group_offsets.long(), prepend=group_offsets.new_zeros(1).long())
+    grad_w = launch(K_.grouped_wgrad_kernel, lnc)(x, grad_out, _row_tiles(lay.table),
+                                                  _wgrad_bounds(lay, counts), grad_w, True)
     return grad_x, grad_w
+
+
+def _row_tiles(t: torch.Tensor) -> torch.Tensor:
+    """``[NB, B, ...]`` (a block table or a dispatch-order tensor) viewed as row tiles ``[NB * B / rows,
+    rows, ...]``, rows = min(B, 128): the weight-gradient kernels' unit of work."""
+    NB, B = t.shape[:2]
+    rows = min(B, 128)
+    return t.view(NB * B // rows, rows, *t.shape[2:])
+
+
+def _wgrad_bounds(lay: BlockLayout, counts: torch.Tensor) -> torch.Tensor:
+    """``[1, G * (S + 3)]`` int32 (S = ``moe_grouped_mm.WGRAD_MAX_SLOTS``), per group g with n row tiles
+    (of :func:`_row_tiles`) from tile lo: ``e_j = lo + min(j, n)`` for j = 0..S, ``hi = lo + n``, ``z = lo +
+    (n == 0)`` -- the bounds of the weight-gradient kernels' 0/1-trip loops (cache slot j holds tile
+    e_j when e_j < e_(j+1); tiles e_S .. hi-1 are gathered per pass; z: an empty group writes zeros)."""
+    from trnkit.kernels.moe_grouped_mm import WGRAD_MAX_SLOTS  # noqa: PLC0415
+
+    rows = min(lay.block_size, 128)
+    lo = lay.block_start[0, :-1].long() * (lay.block_size // rows)
+    n = (counts.long() + rows - 1) // rows
+    j = torch.arange(WGRAD_MAX_SLOTS + 1, device=lo.device)
+    e = lo[:, None] + torch.minimum(j[None, :], n[:, None])
+    cols = [e, (lo + n)[:, None], (lo + (n == 0).long())[:, None]]
+    return torch.cat(cols, 1).reshape(1, -1).to(torch.int32)  # one SBUF partition row
 
 
 def _per_block(table: torch.Tensor) -> torch.Tensor:
@@ -691,29 +717,25 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
        ``grad_topk_weights``, ``w*h`` and ``dgu`` (written in dispatch order for step 2), ``dgu @
        w_gate_up.T`` per slot and the sum over each token's K slots (``grad_x``);
     2. weight gradients ``grad_w_down[e] = sum (w h).T grad_out``, ``grad_w_gate_up[e] = sum x.T dgu``
-       and the bias gradients ``grad_b_down[e] = sum w grad_out``, ``grad_b_gate_up[e] = sum dgu`` (grouped
-       wgrad kernel, with a ``[.., 1]`` column of ``w`` / ones as the left operand).
+       and the bias gradients ``grad_b_down[e] = sum w grad_out``, ``grad_b_gate_up[e] = sum dgu``
+       (:func:`_expert_weight_grads`).
 
     ``lnc=2``: every kernel runs on both cores, each on the same half of the experts (step 2 only reads
     what the same core wrote in step 1); the data path's combine waits at one ``core_barrier``.
     """
     from trnkit.kernels import moe_bwd as KB  # noqa: PLC0415
-    from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
 
     _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, activation=activation,
                        limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
     lnc = resolve_lnc(lnc)
-    wgrad = launch(KG.grouped_wgrad_kernel, lnc)
-    T, H = x.shape
+    T = x.shape[0]
     K = topk_idx.shape[1]
-    E, _, I2 = w_gate_up.shape
-    dt = x.dtype
+    E = w_gate_up.shape[0]
     x, grad_out = x.contiguous(), grad_out.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     lay, token = _moe_layout(topk_idx, E, block_size)
     NB, B = lay.table.shape
     dev = x.device
-    disp = torch.arange(NB * B, dtype=torch.int32, device=dev).view(NB, B)  # dispatch-order positions
     slot = lay.table.long()
     used = slot < T * K
     weights = topk_weights.reshape(-1, 1).float()
@@ -729,19 +751,53 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     gw_disp = gw_blocks.transpose(1, 2).reshape(NB, B)  # back from the per-block layout of _per_block
     gw = torch.zeros(T * K, dtype=torch.float32, device=dev)
     gw[slot[used]] = gw_disp[used]
-    grad_wd = torch.empty(w_down.shape, dtype=w_down.dtype, device=dev)
-    grad_wd = wgrad(hw, grad_out, disp, token, lay.block_start, grad_wd)
-    grad_wgu = torch.empty(w_gate_up.shape, dtype=w_gate_up.dtype, device=dev)
-    grad_wgu = wgrad(x, dgu, token, disp, lay.block_start, grad_wgu)
+    grad_wgu, grad_wd, grad_bgu, grad_bd = _expert_weight_grads(x, grad_out, hw, dgu, lay, topk_idx, lnc,
+                                                                weights, b_gate_up, b_down)
     grads = (grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd)
     if b_gate_up is None and b_down is None:
         return grads
-    grad_bgu = grad_bd = None
-    if b_gate_up is not None:  # sum of dgu over the expert's slots: a ones column (gathered by token)
-        ones = torch.ones(T, 1, dtype=dt, device=dev)
-        grad_bgu = torch.empty(E, 1, I2, dtype=dt, device=dev)
-        grad_bgu = wgrad(ones, dgu, token, disp, lay.block_start, grad_bgu).view(E, I2)
-    if b_down is not None:  # sum of w * grad_out over the expert's slots
-        grad_bd = torch.empty(E, 1, H, dtype=dt, device=dev)
-        grad_bd = wgrad(weights.to(dt), grad_out, lay.table, token, lay.block_start, grad_bd).view(E, H)
     return (*grads, grad_bgu, grad_bd)
+
+
+def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tensor, dgu: torch.Tensor,
+                         lay: BlockLayout, topk_idx: torch.Tensor, lnc: int, weights: torch.Tensor | None = None,
+                         b_gate_up: torch.Tensor | None = None,
+                         b_down: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+    """The expert weight gradients of the backward: ``(grad_w_gate_up, grad_w_down, grad_b_gate_up,
+    grad_b_down)`` (a bias gradient only for a given bias, else None).
+
+    ``grad_w_down[e] = sum (w h).T grad_out[tok]`` and ``grad_w_gate_up[e] = sum x[tok].T dgu`` over
+    expert e's slots in one launch of ``grouped_wgrad2_kernel`` (each row tile's x / grad_out rows are
+    gathered once for both); ``hw [NB, B, I]`` and ``dgu [NB, B, 2I]`` in dispatch order of ``lay`` (the
+    slot layout of ``topk_idx``) with **zero padding rows**; padding positions gather token 0. The bias
+    gradients ``grad_b_gate_up[e] = sum dgu`` (ones column) and ``grad_b_down[e] = sum w grad_out[tok]``
+    (``weights [T*K, 1]`` fp32, rounded to x's dtype) are a second launch of the same kernel.
+    """
+    from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
+
+    T, H = x.shape
+    K = topk_idx.shape[1]
+    I = hw.shape[2]  # noqa: E741
+    E = lay.block_start.shape[1] - 1
+    dt, dev = x.dtype, x.device
+    slot = lay.table.long()
+    used = slot < T * K
+    token = torch.where(used, slot // K, torch.zeros_like(slot)).to(torch.int32)  # padding: token 0
+    table = _row_tiles(token)
+    bounds = _wgrad_bounds(lay, torch.bincount(topk_idx.reshape(-1).long(), minlength=E))
+    wgrad2 = launch(KG.grouped_wgrad2_kernel, lnc)
+    grad_wgu = torch.empty(E, H, 2 * I, dtype=dt, device=dev)
+    grad_wd = torch.empty(E, I, H, dtype=dt, device=dev)
+    grad_wd, grad_wgu = wgrad2(_row_tiles(hw), grad_out, x, _row_tiles(dgu), table, bounds, grad_wd, grad_wgu)
+    if b_gate_up is None and b_down is None:
+        return grad_wgu, grad_wd, None, None
+    # biases: sum of dgu (a ones column) and of w * grad_out over the expert's slots
+    ones = torch.ones(T, 1, dtype=dt, device=dev)
+    w_disp = torch.where(used, weights.reshape(-1)[slot.clamp(max=T * K - 1)], torch.zeros(()))
+    w_disp = w_disp.to(dt).unsqueeze(-1)  # [NB, B, 1], zero at padding
+    grad_bgu = torch.empty(E, 1, 2 * I, dtype=dt, device=dev)
+    grad_bd = torch.empty(E, 1, H, dtype=dt, device=dev)
+    grad_bgu, grad_bd = wgrad2(ones, _row_tiles(dgu), _row_tiles(w_disp), grad_out, table, bounds, grad_bgu,
+                               grad_bd)
+    return (grad_wgu, grad_wd, None if b_gate_up is None else grad_bgu.view(E, 2 * I),
+            None if b_down is None else grad_bd.view(E, H))

@@ -17,7 +17,8 @@ combine of slots that both cores wrote waits at a ``core_barrier`` (or a new lau
 
 Kernels:
 * :func:`grouped_mm_kernel` ``out[rows] = x[rows] @ w[g]`` (or ``@ w[g].T``).
-* :func:`grouped_wgrad_kernel` ``grad_w[g] = sum over blocks of a[rows].T @ b[rows]`` (fp32, in PSUM).
+* :func:`grouped_wgrad_kernel` ``grad_w[g] = sum over row tiles of a[rows].T @ b[rows]`` (fp32, in PSUM);
+  :func:`grouped_wgrad2_kernel` two such gradients of the same rows in one launch.
 * :func:`combine_kernel` ``out[t] = sum_k y[t*K + k]`` (selection-matrix matmul on the Tensor Engine).
 """
 
@@ -67,12 +68,13 @@ def load_ids(table: Any, i: Any, sub: int, rows: int) -> Any:
     return ids
 
 
-def load_rows(dst: Any, src: Any, table: Any, i: Any, sub: int, zero_pad: bool, col0: int = 0) -> None:
+def load_rows(dst: Any, src: Any, table: Any, i: Any, sub: int, zero_pad: bool, col0: int = 0,
+              ids: Any = None) -> None:
     """Rows of block ``i`` / sub-tile ``sub`` of ``src``, columns ``col0 ..``, into SBUF ``dst [rows, W]``.
 
     2-D ``src``: gather by the ids in ``table`` (padding ids skipped; ``zero_pad`` clears the tile
     first so padding rows are exact zeros, needed wherever rows are summed over). 3-D ``src``:
-    dispatch-order slab ``i``.
+    dispatch-order slab ``i``. ``ids``: the block's ids already in SBUF (:func:`load_ids`), else loaded here.
     """
     rows, width = dst.shape
     full = src.shape[-1]
@@ -80,7 +82,8 @@ def load_rows(dst: Any, src: Any, table: Any, i: Any, sub: int, zero_pad: bool, 
         nisa.dma_copy(dst=dst, src=src.ap(pattern=[[full, rows], [1, width]], offset=sub * P * full + col0,
                                           scalar_offset=i, indirect_dim=0))
         return
-    ids = load_ids(table, i, sub, rows)
+    if ids == None:  # noqa: E711
+        ids = load_ids(table, i, sub, rows)
     if zero_pad:
         nisa.memset(dst=dst, value=0.0, engine=nisa.engine.gpsimd)
     nisa.dma_copy(dst=dst, src=src.ap(pattern=[[full, rows], [1, width]], offset=col0,
@@ -306,69 +309,241 @@ def _grouped_mm_blocks(lo: Any, hi: Any, x: Any, src_table: Any, dst_table: Any,
     nl.fori_loop(lo, hi, block)
 
 
-WGRAD_TILES = 6  # PSUM accumulation groups per pass of the weight-gradient kernel (6 of 8 banks)
+# ----------------------------------------------------------------------------------- weight gradients
+WGRAD_PASS_TILES = 4  # fp32 output tiles [128, 512] (one PSUM bank each) per pass; two passes in flight: 8 banks
+WGRAD_CACHE_BYTES = 64 * 1024  # SBUF bytes per partition for one group's cached row tiles (two groups live)
+WGRAD_MAX_SLOTS = 8  # cached row tiles per group; the bounds row has WGRAD_MAX_SLOTS + 3 entries per group
+WGRAD_ZERO_COLS = 2048  # width of the zero tile written to the gradient of an empty group
+
+
+def wgrad_slots(row_bytes: int) -> int:
+    """Row tiles of one group that the weight-gradient kernels keep in SBUF, for tiles taking
+    ``row_bytes`` per partition (every operand's row + its id). 0: none fit, every pass gathers."""
+    return min(WGRAD_MAX_SLOTS, WGRAD_CACHE_BYTES // row_bytes)
 
 
 @nki.jit
-def grouped_wgrad_kernel(a, b, a_table, b_table, block_start, grad_w: nt.mutable_tensor):
-    """``grad_w[g] = sum over the blocks of g of a[rows].T @ b[rows]``, accumulated in PSUM.
-
-    a: ``[Ra, Ka]`` / ``[NB, B, Ka]``, b: ``[Rb, Nb]`` / ``[NB, B, Nb]`` (see module doc), grad_w
-    ``[G, Ka, Nb]`` preallocated. The block's rows are the contraction (partition) dim, so no
-    transposes are needed; padding rows are zeros. Each pass keeps up to WGRAD_TILES output tiles
-    ``[128, 512]`` of grad_w[g] in PSUM for the whole run-time loop over g's blocks (loading only the
-    columns of a and b that pass needs), so the sum over blocks costs no Vector work. A zero matmul
-    opens every accumulation group, which also gives empty groups their zero gradient.
-    """
-    G, Ka, Nb = grad_w.shape
-    z_st = nl.ndarray((1, P), dtype=a.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=z_st, value=0.0)
-    z_mv = nl.ndarray((1, NMAX), dtype=b.dtype, buffer=nl.sbuf)
-    nisa.memset(dst=z_mv, value=0.0)
-    a_chunks = chunks(Ka, P)
-    bs = load_block_start(block_start)
-    for g in owned_groups(G):
-        lo, hi = block_range(block_start, g, bs)
-        for j0, nj in chunks(len(a_chunks), WGRAD_TILES):
-            for n0, nw in chunks(Nb, NMAX):
-                _wgrad_pass(lo, hi, a, b, a_table, b_table, grad_w, g, a_chunks[j0:j0 + nj], n0, nw, z_st, z_mv)
+def grouped_wgrad_kernel(a, b, table, bounds, grad_w: nt.mutable_tensor, zero_pad=False):
+    """``grad_w[g] = sum over the row tiles of g of a[rows].T @ b[rows]`` (fp32 in PSUM), see
+    :func:`wgrad_products`."""
+    wgrad_products([a, b], [grad_w], table, bounds, zero_pad)
     return grad_w
 
 
-def _wgrad_pass(lo: Any, hi: Any, a: Any, b: Any, a_table: Any, b_table: Any, grad_w: Any, g: int,
-                group: list, n0: int, nw: int, z_st: Any, z_mv: Any) -> None:
-    """One pass of :func:`grouped_wgrad_kernel`: the grad_w[g] tiles of the a-chunks in ``group`` x
-    columns n0..n0+nw, summed in PSUM over g's blocks lo..hi-1 (its PSUM tiles are local, so their
-    banks are free again when the pass returns)."""
-    _, Ka, Nb = grad_w.shape
-    B = a_table.shape[1]
-    rows = min(B, P)
-    k_lo = group[0][0]
-    k_w = group[-1][0] + group[-1][1] - k_lo
+@nki.jit
+def grouped_wgrad2_kernel(a1, b1, a2, b2, table, bounds, grad_w1: nt.mutable_tensor, grad_w2: nt.mutable_tensor,
+                          zero_pad=False):
+    """Two weight gradients of the same rows in one launch: ``grad_w1[g] = sum a1.T @ b1``, ``grad_w2[g]
+    = sum a2.T @ b2`` (each row tile is loaded once for both), see :func:`wgrad_products`."""
+    wgrad_products([a1, b1, a2, b2], [grad_w1, grad_w2], table, bounds, zero_pad)
+    return grad_w1, grad_w2
+
+
+def wgrad_products(operands: list, grads: list, table: Any, bounds: Any, zero_pad: bool) -> None:
+    """``grads[p][g] = sum over g's row tiles of operands[2p][rows].T @ operands[2p + 1][rows]``.
+
+    Row tiles: ``table [NT, rows]`` int32 (rows <= 128) holds the row ids of tile ``t``; an operand is
+    either ``[R, W]`` (tile t gathers rows ``table[t]`` by indirect DMA) or ``[NT, rows, W]`` (slab t,
+    dispatch order). ``bounds [1, G * (WGRAD_MAX_SLOTS + 3)]`` int32, per group g: ``e_0 .. e_MAX``
+    (``e_j = lo + min(j, n)`` for g's n tiles ``lo .. lo + n - 1``), ``hi = lo + n`` and ``z = lo + (n == 0)``
+    (``moe._wgrad_bounds``). Padding rows of a partial tile must contribute zero: with ``zero_pad`` the
+    gathered tiles are zero-filled and padding ids skipped (ids >= R); without it the padding ids must
+    name a finite row and the other operand's padding rows be zeros (the MoE backward's ``w * h`` and
+    gate/up gradients are, since their affinity is 0).
+
+    Per group: its first ``S = wgrad_slots`` tiles are loaded into SBUF once (0/1-trip run-time loops,
+    one per cache slot), while the previous group computes. The output tiles ``[128, 512]`` go in
+    passes of WGRAD_PASS_TILES PSUM tiles, each summed over all of g's row tiles (cached slots first,
+    then tiles past the cache, gathered again per pass with only the pass's columns) in fp32, in a fixed
+    order (deterministic, LNC=2 bit-identical). The first matmul of each group opens it (no zero
+    matmul); a non-empty group evacuates and stores each pass once, an empty one writes zeros.
+    """
+    G = grads[0].shape[0]
+    row_bytes = 4  # the tile's row id
+    for op in operands:
+        row_bytes += op.shape[-1] * (4 if op.dtype == nl.float32 else 2)
+    slots = wgrad_slots(row_bytes)
+    width = WGRAD_MAX_SLOTS + 3
+    assert bounds.shape[1] == G * width, "wgrad bounds: WGRAD_MAX_SLOTS + 3 entries per group"
+    b_sb = load_block_start(bounds)
+    passes = wgrad_passes(grads)
+    zeros = []
+    for grad in grads:
+        z = nl.ndarray((P, min(grad.shape[2], WGRAD_ZERO_COLS)), dtype=grad.dtype, buffer=nl.sbuf)
+        nisa.memset(dst=z, value=0.0, engine=nisa.engine.vector)
+        zeros.append(z)
+    groups = list(owned_groups(G))
+    nxt = None
+    if len(groups) > 0:
+        nxt = _wgrad_prefetch(operands, table, b_sb, groups[0] * width, slots, zero_pad)
+    for q in range(len(groups)):
+        cur = nxt
+        if q + 1 < len(groups):  # the next group's rows load while this one computes
+            nxt = _wgrad_prefetch(operands, table, b_sb, groups[q + 1] * width, slots, zero_pad)
+        regs, cache = cur
+        for pas in passes:
+            _wgrad_pass(operands, grads, table, groups[q], regs, cache, pas, zero_pad)
+        _wgrad_zero_empty(grads, groups[q], regs, zeros)
+
+
+def wgrad_passes(grads: list) -> list:
+    """``[(p, [(k0, kw, n0, nw), ...]), ...]``: the output tiles of every gradient (128 rows x 512
+    columns, row-chunk major), cut into passes of up to WGRAD_PASS_TILES tiles of one gradient."""
+    out = []
+    for p in range(len(grads)):
+        _, Ka, Nb = grads[p].shape
+        cur = []
+        for k0, kw in chunks(Ka, P):
+            for n0, nw in chunks(Nb, NMAX):
+                cur.append((k0, kw, n0, nw))
+                if len(cur) == WGRAD_PASS_TILES:
+                    out.append((p, cur))
+                    cur = []
+        if len(cur) > 0:
+            out.append((p, cur))
+    return out
+
+
+def _wgrad_prefetch(operands: list, table: Any, b_sb: Any, base: int, slots: int, zero_pad: bool) -> tuple:
+    """The group's bound registers ``[e_0 .. e_max(S,1), hi, z]`` and its cache: slot j (a tile per
+    operand) loaded with row tile ``e_j`` when the group has more than j tiles."""
+    regs = []
+    for j in range(max(slots, 1) + 1):
+        regs.append(_reg(b_sb, base + j))
+    regs.append(_reg(b_sb, base + WGRAD_MAX_SLOTS + 1))
+    regs.append(_reg(b_sb, base + WGRAD_MAX_SLOTS + 2))
+    cache = []
+    for j in range(slots):
+        slot = []
+        for op in operands:
+            slot.append(nl.ndarray((table.shape[1], op.shape[-1]), dtype=op.dtype, buffer=nl.sbuf))
+
+        def load(i):
+            _wgrad_load(slot, operands, table, i, None, zero_pad)
+
+        nl.fori_loop(regs[j], regs[j + 1], load)
+        cache.append(slot)
+    return regs, cache
+
+
+def _reg(b_sb: Any, k: int) -> Any:
+    """A register holding ``b_sb[0, k]``."""
+    r = nisa.register_alloc()
+    nisa.register_load(r, b_sb[0:1, k:k + 1])
+    return r
+
+
+def _wgrad_load(dst: list, operands: list, table: Any, i: Any, cols: Any, zero_pad: bool) -> None:
+    """Row tile ``i`` of every operand into ``dst`` (one tile each; the tile's ids load once for all
+    gathered operands); ``cols[o] = (c0, width)`` restricts operand o to those columns."""
+    ids = None
+    for o in range(len(operands)):
+        op = operands[o]
+        c0 = 0
+        if cols != None:  # noqa: E711
+            c0 = cols[o][0]
+        if len(op.shape) == 2 and ids == None:  # noqa: E711
+            ids = load_ids(table, i, 0, table.shape[1])
+        load_rows(dst[o], op, table, i, 0, zero_pad, col0=c0, ids=ids)
+
+
+def _wgrad_pass(operands: list, grads: list, table: Any, g: int, regs: list, cache: list, pas: tuple,
+                zero_pad: bool) -> None:
+    """One pass of :func:`wgrad_products` for group g: its tiles' PSUM sums over g's row tiles, then
+    (when g has rows) evacuated and stored."""
+    p, tl = pas
+    a, b = operands[2 * p], operands[2 * p + 1]
+    grad = grads[p]
+    rows = table.shape[1]
+    slots = len(cache)
     ps = []
-    for _, kw in group:
-        t = nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=t, stationary=z_st[0:1, :kw], moving=z_mv[0:1, :nw], accumulate=False)
-        ps.append(t)
+    for k0, kw, n0, nw in tl:
+        ps.append(nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum))
+    for j in range(slots):
+        a_t, b_t = cache[j][2 * p], cache[j][2 * p + 1]
+        start = j == 0
 
-    def block(i):
-        for sub in range(B // rows):
-            a_t = nl.ndarray((rows, k_w), dtype=a.dtype, buffer=nl.sbuf)
-            load_rows(a_t, a, a_table, i, sub, zero_pad=True, col0=k_lo)
-            b_t = nl.ndarray((rows, nw), dtype=b.dtype, buffer=nl.sbuf)
-            load_rows(b_t, b, b_table, i, sub, zero_pad=True, col0=n0)
-            for q in range(len(group)):
-                k0, kw = group[q]
-                # explicit: the run-time loop body always adds onto the open group
-                nisa.nc_matmul(dst=ps[q], stationary=a_t[:rows, k0 - k_lo:k0 - k_lo + kw],
-                               moving=b_t[:rows, :], accumulate=True)
+        def cached(i):
+            _wgrad_matmuls(ps, tl, a_t, b_t, rows, 0, 0, start)
 
-    nl.fori_loop(lo, hi, block)
-    for q in range(len(group)):
-        k0, kw = group[q]
-        res = nl.ndarray((kw, nw), dtype=grad_w.dtype, buffer=nl.sbuf)
-        evacuate(res, ps[q], q)
-        nisa.dma_copy(dst=grad_w.ap(pattern=[[Nb, kw], [1, nw]], offset=(g * Ka + k0) * Nb + n0), src=res)
+        nl.fori_loop(regs[j], regs[j + 1], cached)
+    # tiles past the cache: gathered again with only this pass's columns
+    k_lo, k_hi, n_lo, n_hi = tl[0][0], tl[0][0], tl[0][2], tl[0][2]
+    for k0, kw, n0, nw in tl:
+        k_lo, k_hi, n_lo, n_hi = min(k_lo, k0), max(k_hi, k0 + kw), min(n_lo, n0), max(n_hi, n0 + nw)
+    first = regs[slots]
+    if slots == 0:  # no cache: the group's first tile opens the accumulation groups
+        first = regs[1]
+
+        def opening(i):
+            _wgrad_gathered(ps, tl, a, b, table, i, (k_lo, k_hi, n_lo, n_hi), zero_pad, True)
+
+        nl.fori_loop(regs[0], regs[1], opening)
+
+    def gathered(i):
+        _wgrad_gathered(ps, tl, a, b, table, i, (k_lo, k_hi, n_lo, n_hi), zero_pad, False)
+
+    nl.fori_loop(first, regs[-2], gathered)
+
+    def store(i):
+        _wgrad_store(grad, g, ps, tl)
+
+    nl.fori_loop(regs[0], regs[1], store)  # once, when the group has rows
+
+
+def _wgrad_gathered(ps: list, tl: list, a: Any, b: Any, table: Any, i: Any, box: tuple, zero_pad: bool,
+                    start: bool) -> None:
+    """Row tile i, columns ``box = (k_lo, k_hi, n_lo, n_hi)`` of a / b only, into the pass's PSUM tiles."""
+    k_lo, k_hi, n_lo, n_hi = box
+    rows = table.shape[1]
+    a_t = nl.ndarray((rows, k_hi - k_lo), dtype=a.dtype, buffer=nl.sbuf)
+    b_t = nl.ndarray((rows, n_hi - n_lo), dtype=b.dtype, buffer=nl.sbuf)
+    _wgrad_load([a_t, b_t], [a, b], table, i, [(k_lo, k_hi - k_lo), (n_lo, n_hi - n_lo)], zero_pad)
+    _wgrad_matmuls(ps, tl, a_t, b_t, rows, k_lo, n_lo, start)
+
+
+def _wgrad_matmuls(ps: list, tl: list, a_t: Any, b_t: Any, rows: int, k_lo: int, n_lo: int, start: bool) -> None:
+    """``ps[t] (+)= a_t[:, k-chunk].T @ b_t[:, n-piece]`` for the pass's tiles (a_t / b_t hold columns
+    from k_lo / n_lo); ``start`` opens the accumulation groups."""
+    for t in range(len(tl)):
+        k0, kw, n0, nw = tl[t]
+        nisa.nc_matmul(dst=ps[t], stationary=a_t[:rows, k0 - k_lo:k0 - k_lo + kw],
+                       moving=b_t[:rows, n0 - n_lo:n0 - n_lo + nw], accumulate=not start)
+
+
+def _wgrad_store(grad: Any, g: int, ps: list, tl: list) -> None:
+    """Evacuate the pass's PSUM tiles (Vector / Scalar alternately) and store them into ``grad[g]``, one
+    DMA per run of tiles that are contiguous in one 128-row chunk."""
+    _, Ka, Nb = grad.shape
+    t = 0
+    while t < len(tl):
+        k0, kw, n0, _ = tl[t]
+        end = t + 1
+        while end < len(tl) and tl[end][0] == k0 and tl[end][2] == tl[end - 1][2] + tl[end - 1][3]:
+            end += 1
+        run_w = tl[end - 1][2] + tl[end - 1][3] - n0
+        res = nl.ndarray((kw, run_w), dtype=grad.dtype, buffer=nl.sbuf)
+        for u in range(t, end):
+            c0 = tl[u][2] - n0
+            evacuate(res[:, c0:c0 + tl[u][3]], ps[u], u)
+        nisa.dma_copy(dst=grad.ap(pattern=[[Nb, kw], [1, run_w]], offset=(g * Ka + k0) * Nb + n0), src=res)
+        t = end
+
+
+def _wgrad_zero_empty(grads: list, g: int, regs: list, zeros: list) -> None:
+    """Zeros into every ``grads[p][g]`` when group g has no rows (a 0/1-trip loop)."""
+    for p in range(len(grads)):
+        grad = grads[p]
+        z = zeros[p]
+
+        def zero(i):
+            _, Ka, Nb = grad.shape
+            for k0, kw in chunks(Ka, P):
+                for n0, nw in chunks(Nb, z.shape[1]):
+                    nisa.dma_copy(dst=grad.ap(pattern=[[Nb, kw], [1, nw]], offset=(g * Ka + k0) * Nb + n0),
+                                  src=z[:kw, :nw])
+
+        nl.fori_loop(regs[0], regs[-1], zero)
 
 
 def selection_matrix(K: int, dtype: Any) -> Any:
