@@ -302,7 +302,7 @@ def test_moe_experts_accepts_int32_topk_idx() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["tails", "T1", "all_to_one_expert", "empty_experts", "K_equals_E",
-                                  "prime_E", "odd_H_I", "block_256", "full_plus_half_128"])
+                                  "prime_E", "odd_H_I", "block_256", "full_plus_half_128", "block_512", "big_I"])
 def test_moe_experts_bwd_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
     x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
     g = _rand(*x.shape, dtype=dtype, seed=11)

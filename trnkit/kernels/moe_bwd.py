@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trnkit.kernels._common import program_split
-from trnkit.kernels.moe_fused import activation_grad_rows, scatter_rows
+from trnkit.kernels._common import GELU_A, GELU_C, program_split
+from trnkit.kernels.moe_fused import scatter_rows
 from trnkit.kernels.moe_grouped_mm import (
     NMAX,
     P,
@@ -39,12 +39,12 @@ from trnkit.kernels.moe_grouped_mm import (
     combine,
     load_bias_rows,
     load_block_start,
+    load_rows,
     load_weight,
     owned_groups,
     row_matmul,
     store_rows,
     tiles,
-    transpose_rows,
     transposed_weight,
 )
 from trnkit.nki_api import nisa, nl, nki
@@ -73,19 +73,101 @@ def _gather(src: Any, ids: Any, rows: int) -> Any:
     return t
 
 
-def _act_piece(g_ps: Any, u_ps: Any, p0: int, pw: int, rows: int, inter: int, bgu: Any, dt: Any) -> tuple:
-    """The gate / up pre-activations of I-piece ``p0 .. p0+pw`` (``+ b_gate_up[e]``) in SBUF, rounded to
-    the input dtype ``dt`` as the forward's are (a clamp of ``swiglu_clamped`` then binds exactly where
-    it does in the forward and the reference)."""
-    a = nl.ndarray((rows, pw), dtype=dt, buffer=nl.sbuf)
-    u = nl.ndarray((rows, pw), dtype=dt, buffer=nl.sbuf)
-    if bgu == None:  # noqa: E711
-        nisa.activation(dst=a, op=nl.copy, data=g_ps)
-        nisa.tensor_copy(dst=u, src=u_ps, engine=nisa.engine.vector)
+def activation_grad_rows(a: Any, u: Any, dt: Any, activation: str, limit: float, alpha: float) -> tuple:
+    """``(h [rows, I] in dt, dh/da, dh/du fp32)`` of the expert activation, rows on partitions.
+
+    With ``g = gate_fn(a) = a' * s`` (``s`` a sigmoid) every variant has ``dg/da = s + g (1 - s) z'``:
+    silu ``s = sigmoid(a)``, ``z' = 1``; gelu_tanh ``s = sigmoid(2C (a + A a^3))`` (tanh-GELU exactly),
+    ``z' = 2C (1 + 3 A a^2)``; swiglu_clamped ``a' = min(a, limit)``, ``s = sigmoid(alpha a')``,
+    ``z' = alpha``, zero where ``a > limit``, and ``up' = clamp(up, -limit, limit) + 1`` (gradient only
+    inside the clamp). The sigmoid runs on the Scalar Engine, the rest on the Vector Engine: GpSimd stays
+    free for the software-DGE descriptors of the next gathers, which would otherwise queue behind this
+    chain on the in-order engine.
+    """
+    rows, inter = a.shape
+    f32 = nl.float32
+    clamped = activation == "swiglu_clamped"
+    s = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+    ac = a
+    dz = None
+    if clamped:
+        ac = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=ac, data=a, op0=nl.minimum, operand0=limit)
+        nisa.activation(dst=s, op=nl.sigmoid, data=ac, scale=alpha)
+    elif activation == "gelu_tanh":
+        a2 = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=a2, data1=a, data2=a, op=nl.multiply)
+        inner = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # a (1 + A a^2)
+        nisa.tensor_scalar(dst=inner, data=a2, op0=nl.multiply, operand0=GELU_A, op1=nl.add, operand1=1.0)
+        nisa.tensor_tensor(dst=inner, data1=inner, data2=a, op=nl.multiply)
+        nisa.activation(dst=s, op=nl.sigmoid, data=inner, scale=2.0 * GELU_C)
+        dz = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # 2C (1 + 3 A a^2)
+        nisa.tensor_scalar(dst=dz, data=a2, op0=nl.multiply, operand0=6.0 * GELU_A * GELU_C, op1=nl.add,
+                           operand1=2.0 * GELU_C)
     else:
-        nisa.tensor_tensor(dst=a, data1=g_ps, data2=bgu[:rows, p0:p0 + pw], op=nl.add)
-        nisa.tensor_tensor(dst=u, data1=u_ps, data2=bgu[:rows, inter + p0:inter + p0 + pw], op=nl.add)
-    return a, u
+        nisa.activation(dst=s, op=nl.sigmoid, data=a)
+    g = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=g, data1=ac, data2=s, op=nl.multiply)
+    up = u
+    if clamped:
+        up = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=up, data=u, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
+        nisa.tensor_scalar(dst=up, data=up, op0=nl.add, operand0=1.0)
+    h = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=h, data1=g, data2=up, op=nl.multiply)
+    dg = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # s + g (1 - s) z'
+    nisa.tensor_scalar(dst=dg, data=s, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+    nisa.tensor_tensor(dst=dg, data1=dg, data2=g, op=nl.multiply)
+    if clamped:
+        nisa.tensor_scalar(dst=dg, data=dg, op0=nl.multiply, operand0=alpha)
+    if dz != None:  # noqa: E711
+        nisa.tensor_tensor(dst=dg, data1=dg, data2=dz, op=nl.multiply)
+    nisa.tensor_tensor(dst=dg, data1=dg, data2=s, op=nl.add)
+    dh_du = g
+    if clamped:
+        # the clamps: no gradient where gate > limit or |up| > limit
+        nisa.scalar_tensor_tensor(dst=dg, data=a, op0=nl.less_equal, operand0=limit, op1=nl.multiply,
+                                  operand1=dg)
+        dh_du = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=dh_du, data=u, op0=nl.less_equal, operand0=limit, op1=nl.multiply,
+                                  operand1=g)
+        nisa.scalar_tensor_tensor(dst=dh_du, data=u, op0=nl.greater_equal, operand0=-limit, op1=nl.multiply,
+                                  operand1=dh_du)
+    dh_da = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=dh_da, data1=up, data2=dg, op=nl.multiply)
+    return h, dh_da, dh_du
+
+
+def _piece_to_sbuf(g_ps: Any, u_ps: Any, d_ps: Any, p0: int, bgu: Any, dt: Any) -> tuple:
+    """``(a, u, dA)`` of one I-piece (columns ``p0 ..``) from PSUM into SBUF, rounded to the input dtype
+    ``dt`` as the reference's are (a clamp of ``swiglu_clamped`` then binds where it does there); the
+    gate / up get ``b_gate_up[e]`` (``bgu [P, 2I]``). On the Scalar Engine, which then runs only work
+    that waits on the Tensor Engine, never on the Vector Engine's elementwise chain."""
+    rows, pw = g_ps.shape
+    out = []
+    for t in (g_ps, u_ps, d_ps):
+        out.append(nl.ndarray((rows, pw), dtype=dt, buffer=nl.sbuf))
+    if bgu == None:  # noqa: E711
+        nisa.activation(dst=out[0], op=nl.copy, data=g_ps)
+        nisa.activation(dst=out[1], op=nl.copy, data=u_ps)
+    else:
+        inter = bgu.shape[1] // 2
+        nisa.tensor_tensor(dst=out[0], data1=g_ps, data2=bgu[:rows, p0:p0 + pw], op=nl.add)
+        nisa.tensor_tensor(dst=out[1], data1=u_ps, data2=bgu[:rows, inter + p0:inter + p0 + pw], op=nl.add)
+    nisa.activation(dst=out[2], op=nl.copy, data=d_ps)
+    return out[0], out[1], out[2]
+
+
+def _transpose(src: Any, dst: list) -> None:
+    """SBUF ``src [rows, W]`` -> column chunk c of src on the partitions of ``dst[c] [P, rows]`` (Tensor
+    Engine transposes, evacuated by the Scalar Engine as everything that feeds a matmul here)."""
+    rows, width = src.shape
+    cks = chunks(width, P)
+    for c in range(len(cks)):
+        w0, cw = cks[c]
+        ps = nl.ndarray((cw, rows), dtype=src.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=ps, data=src[:rows, w0:w0 + cw])
+        nisa.activation(dst=dst[c][:cw, :rows], op=nl.copy, data=ps)
 
 
 def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, hw_t: Any, dgu_t: Any,
@@ -113,16 +195,17 @@ def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, 
         for c in range(len(hcs)):
             hk = min(P, H - c * P)
             nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, :rows], moving=wd_T[c][k][:hk, :pw])
-        a, u = _act_piece(g_ps, u_ps, p0, pw, rows, inter, var["bgu"], dt)
+        a, u, d = _piece_to_sbuf(g_ps, u_ps, d_ps, p0, var["bgu"], dt)
         h, dh_da, dh_du = activation_grad_rows(a, u, dt, var["activation"], var["limit"], var["alpha"])
-        nisa.activation(dst=hw_t[:, p0:p0 + pw], op=nl.copy, data=h, scale=w)  # w * h
+        nisa.tensor_scalar(dst=hw_t[:, p0:p0 + pw], data=h, op0=nl.multiply, operand0=w)  # w * h
         prod = nl.ndarray((rows, pw), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod, data1=d_ps, data2=h, op=nl.multiply)
+        nisa.tensor_tensor(dst=prod, data1=d, data2=h, op=nl.multiply)
         nisa.tensor_reduce(dst=parts[:, k:k + 1], op=nl.add, data=prod, axis=1)  # <dA, h> over the piece
-        gh = nl.ndarray((rows, pw), dtype=f32, buffer=nl.sbuf)
-        nisa.activation(dst=gh, op=nl.copy, data=d_ps, scale=w)  # w * dA
-        nisa.tensor_tensor(dst=dgu_t[:, p0:p0 + pw], data1=gh, data2=dh_da, op=nl.multiply)
-        nisa.tensor_tensor(dst=dgu_t[:, inter + p0:inter + p0 + pw], data1=gh, data2=dh_du, op=nl.multiply)
+        # dgu = [w dA dh/da | w dA dh/du]
+        nisa.scalar_tensor_tensor(dst=dgu_t[:, p0:p0 + pw], data=d, op0=nl.multiply, operand0=w, op1=nl.multiply,
+                                  operand1=dh_da)
+        nisa.scalar_tensor_tensor(dst=dgu_t[:, inter + p0:inter + p0 + pw], data=d, op0=nl.multiply, operand0=w,
+                                  op1=nl.multiply, operand1=dh_du)
     nisa.tensor_reduce(dst=gw_col, op=nl.add, data=parts, axis=1)
     if var["bd_cols"] != None:  # noqa: E711  <grad_out, b_down[e]>: b_down[e] as an [H, 1] moving column
         b_ps = nl.ndarray((rows, 1), dtype=f32, buffer=nl.psum)
@@ -132,15 +215,14 @@ def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, 
         nisa.tensor_tensor(dst=gw_col, data1=gw_col, data2=b_ps, op=nl.add)
 
 
-def _expert_blocks(lo: Any, hi: Any, x: Any, grad_out: Any, token_table: Any, block_weights: Any, wgu: list,
-                   wd_T: list, wgu_T: list, outs: dict, dx_prev: list, slot_table: Any, prev: Any,
-                   var: dict) -> None:
-    """Run-time loop over one expert's blocks lo..hi-1 (see the module doc)."""
+def _grad_blocks(lo: Any, hi: Any, x: Any, grad_out: Any, token_table: Any, block_weights: Any, wgu: list,
+                 wd_T: list, outs: dict, var: dict) -> None:
+    """Phase 1 of an expert: run-time loop over its blocks lo..hi-1 writing ``hw``, ``dgu`` and ``gw``
+    (steps 1-2 of the module doc)."""
     H = x.shape[1]
     _, rows, nsub = token_table.shape
     HC = (H + P - 1) // P
     I2 = outs["dgu"].shape[2]
-    IC2 = (I2 + P - 1) // P
     dt = x.dtype
 
     def block(i):
@@ -153,21 +235,38 @@ def _expert_blocks(lo: Any, hi: Any, x: Any, grad_out: Any, token_table: Any, bl
         gw_blk = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
         for s in range(nsub):
             x_T = tiles(HC, (P, rows), dt)
-            transpose_rows(_gather(x, ids[:, s:s + 1], rows), x_T)
+            _transpose(_gather(x, ids[:, s:s + 1], rows), x_T)
             go_T = tiles(HC, (P, rows), dt)
-            transpose_rows(_gather(grad_out, ids[:, s:s + 1], rows), go_T)
-            if s == 0:
-                scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the previous block's rows
+            _transpose(_gather(grad_out, ids[:, s:s + 1], rows), go_T)
             hw_t = nl.ndarray((rows, I2 // 2), dtype=dt, buffer=nl.sbuf)
             dgu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
             _slot_rows(x_T, go_T, wgu, wd_T, rows, w[:, s:s + 1], hw_t, dgu_t, gw_blk[:, s:s + 1], var)
             store_rows(outs["hw"], hw_t, None, i, s)
             store_rows(outs["dgu"], dgu_t, None, i, s)
-            dgu_T = tiles(IC2, (P, rows), dt)
-            transpose_rows(dgu_t, dgu_T)
-            row_matmul(dx_prev[s], dgu_T, rows, None, I2, grid=wgu_T)  # dX = dgu @ w_gate_up.T
         nisa.dma_copy(dst=outs["gw"].ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
                                         indirect_dim=0), src=gw_blk)
+
+    nl.fori_loop(lo, hi, block)
+
+
+def _dx_blocks(lo: Any, hi: Any, wgu_T: list, outs: dict, dx_prev: list, slot_table: Any, prev: Any) -> None:
+    """Phase 2 of an expert: run-time loop over its blocks lo..hi-1 computing ``dX = dgu @ w_gate_up.T``
+    per slot from the ``dgu`` rows phase 1 wrote (step 3 of the module doc). Block i's rows wait in
+    ``dx_prev`` and are scattered after block i+1's first load (``prev``: the pending block id)."""
+    dgu = outs["dgu"]
+    _, B, I2 = dgu.shape
+    rows = dx_prev[0].shape[0]
+    IC2 = (I2 + P - 1) // P
+
+    def block(i):
+        for s in range(len(dx_prev)):
+            dgu_t = nl.ndarray((rows, I2), dtype=dgu.dtype, buffer=nl.sbuf)
+            load_rows(dgu_t, dgu, None, i, s, zero_pad=False)
+            if s == 0:
+                scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the previous block's rows
+            dgu_T = tiles(IC2, (P, rows), dgu.dtype)
+            _transpose(dgu_t, dgu_T)
+            row_matmul(dx_prev[s], dgu_T, rows, None, I2, scale=1.0, grid=wgu_T)  # scale: evacuated on Scalar
         nisa.register_move(prev, i)
 
     nl.fori_loop(lo, hi, block)
@@ -202,18 +301,25 @@ def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, bloc
     dx_prev = tiles(nsub, (rows, H), dt)  # the last computed block's dX rows, not yet scattered
     prev = nisa.register_alloc(NB)  # its block id (NB: none yet, the all-padding table row)
     bs = load_block_start(block_start)
-    for e in owned_groups(E):
-        wgu = load_weight(w_gate_up, e)  # HC tiles [P, 2I]
-        wd_T = transposed_weight(load_weight(w_down, e), inter, H)  # [H-chunk][I-piece] [P, 512]
-        wgu_T = transposed_weight(wgu, H, I2)  # [2I-chunk][H-piece] [P, 512]
+    mine = owned_groups(E)
+    nxt = None
+    if len(mine):
+        nxt = (load_weight(w_gate_up, mine.start), load_weight(w_down, mine.start))
+    for e in mine:
+        wgu, wd = nxt  # HC tiles [P, 2I], IC tiles [P, H]
+        wd_T = transposed_weight(wd, inter, H)  # [H-chunk][I-piece] [P, 512]
         var = {"H": H, "activation": activation, "limit": limit, "alpha": alpha, "bgu": None, "bd_cols": None}
         if b_gate_up != None:  # noqa: E711
             var["bgu"] = load_bias_rows(b_gate_up, e)  # [P, 2I]: added to every row
         if b_down != None:  # noqa: E711
             var["bd_cols"] = bias_columns(b_down, e)
         lo, hi = block_range(block_start, e, bs)
-        _expert_blocks(lo, hi, x, grad_out, token_table, block_weights, wgu, wd_T, wgu_T, outs, dx_prev,
-                       slot_table, prev, var)
+        _grad_blocks(lo, hi, x, grad_out, token_table, block_weights, wgu, wd_T, outs, var)
+        wgu_T = transposed_weight(wgu, H, I2)  # [2I-chunk][H-piece] [P, 512]; w_gate_up[e] is free again
+        if e + 1 < mine.stop:
+            # the next expert's weights load during phase 2, which holds only w_gate_up[e].T
+            nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
+        _dx_blocks(lo, hi, wgu_T, outs, dx_prev, slot_table, prev)
     scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the last block
     grad_x = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:

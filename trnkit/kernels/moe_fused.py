@@ -22,8 +22,7 @@ LNC=2 (``moe_experts_kernel[2]``): each core runs the experts of
 slots of the shared ``y``, waits at one ``core_barrier`` (a token's K slots come from both cores) and
 combines alternate token tiles.
 
-Backward, :func:`swiglu_bwd_kernel`: the elementwise part between the grouped matmuls of
-``trnkit.kernels.moe.moe_experts_bwd``.
+The backward's data path is :mod:`trnkit.kernels.moe_bwd`.
 """
 
 from __future__ import annotations
@@ -37,16 +36,14 @@ from trnkit.kernels.moe_grouped_mm import (
     combine,
     load_bias_rows,
     load_block_start,
-    load_rows,
     load_weight,
     owned_groups,
     row_matmul,
-    store_rows,
     tiles,
     transpose_rows,
 )
-from trnkit.kernels._common import GELU_A, GELU_C, program_split
-from trnkit.nki_api import nisa, nl, nki, nt
+from trnkit.kernels._common import program_split
+from trnkit.nki_api import nisa, nl, nki
 
 def tail_widths(B: int) -> tuple[int, ...]:
     """Narrower widths an expert's last block may run at (widest first): a block with r used rows
@@ -305,125 +302,3 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
         nisa.core_barrier(y, (0, 1))  # both cores' slots are in y before any token is combined
     combine(y, out, K)
     return out
-
-
-@nki.jit
-def swiglu_bwd_kernel(gu, ghp, slot_table, block_start, slot_weights, hw: nt.mutable_tensor,
-                      dgu: nt.mutable_tensor, gw: nt.mutable_tensor, activation="silu", limit=7.0, alpha=1.702,
-                      gw_bias=None):
-    """Elementwise backward of the expert activation over the used blocks (dispatch order ``[NB, B, .]``).
-
-    In: ``gu = [gate | up]`` (``[NB, B, 2I]``, biases included), ``ghp = grad_out[tok] @ w_down[e].T``
-    (``[NB, B, I]``), slot_weights ``[T*K, 1]`` fp32, optional gw_bias ``[NB, B, 1]`` ``= <grad_out[tok],
-    b_down[e]>``. Out (written in place): ``hw = w * h`` with ``h = act(gate) * up`` rounded to the input
-    dtype; ``dgu = [gh * dh/dgate | gh * dh/dup]`` with ``gh = w * ghp``; ``gw [T*K, 1]`` fp32 ``= <ghp,
-    h> (+ gw_bias)`` (the gradient of the slot's affinity). activation / limit / alpha: as the forward.
-    """
-    _, B, I2 = gu.shape
-    inter = I2 // 2
-    rows = min(B, P)
-    E = block_start.shape[1] - 1
-    dt = gu.dtype
-    f32 = nl.float32
-    gp = nisa.engine.gpsimd
-    bs = load_block_start(block_start)
-    mine = owned_groups(E)  # LNC=2: the blocks of this core's experts (as in the grouped matmuls)
-    lo = nisa.register_alloc()
-    nisa.register_load(lo, bs[0:1, mine.start:mine.start + 1])
-    hi = nisa.register_alloc()
-    nisa.register_load(hi, bs[0:1, mine.stop:mine.stop + 1])
-
-    def block(i):
-        for sub in range(B // rows):
-            gu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
-            load_rows(gu_t, gu, slot_table, i, sub, zero_pad=False)
-            ghp_t = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
-            load_rows(ghp_t, ghp, slot_table, i, sub, zero_pad=False)
-            w_col = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
-            load_rows(w_col, slot_weights, slot_table, i, sub, zero_pad=True)
-            h, dh_da, dh_du = activation_grad_rows(gu_t[:, :inter], gu_t[:, inter:], dt, activation, limit, alpha)
-            prod = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=prod, data1=ghp_t, data2=h, op=nl.multiply, engine=gp)
-            gw_col = nl.ndarray((rows, 1), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_reduce(dst=gw_col, op=nl.add, data=prod, axis=1)  # V
-            if gw_bias != None:  # noqa: E711
-                gb = nl.ndarray((rows, 1), dtype=gw_bias.dtype, buffer=nl.sbuf)
-                load_rows(gb, gw_bias, slot_table, i, sub, zero_pad=False)
-                nisa.tensor_tensor(dst=gw_col, data1=gw_col, data2=gb, op=nl.add)
-            store_rows(gw, gw_col, slot_table, i, sub)
-            hw_t = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
-            nisa.activation(dst=hw_t, op=nl.copy, data=h, scale=w_col)  # S: w * h
-            store_rows(hw, hw_t, slot_table, i, sub)
-            gh = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-            nisa.activation(dst=gh, op=nl.copy, data=ghp_t, scale=w_col)  # S: w * ghp
-            dgu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=dgu_t[:, inter:], data1=gh, data2=dh_du, op=nl.multiply, engine=gp)  # d up
-            nisa.tensor_tensor(dst=dgu_t[:, :inter], data1=gh, data2=dh_da, op=nl.multiply)  # V: d gate
-            store_rows(dgu, dgu_t, slot_table, i, sub)
-
-    nl.fori_loop(lo, hi, block)
-    return hw, dgu, gw
-
-
-def activation_grad_rows(a: Any, u: Any, dt: Any, activation: str, limit: float, alpha: float) -> tuple:
-    """``(h [rows, I] in dt, dh/da, dh/du fp32)`` of the expert activation, rows on partitions.
-
-    With ``g = gate_fn(a) = a' * s`` (``s`` a sigmoid) every variant has ``dg/da = s + g (1 - s) z'``:
-    silu ``s = sigmoid(a)``, ``z' = 1``; gelu_tanh ``s = sigmoid(2C (a + A a^3))`` (tanh-GELU exactly),
-    ``z' = 2C (1 + 3 A a^2)``; swiglu_clamped ``a' = min(a, limit)``, ``s = sigmoid(alpha a')``,
-    ``z' = alpha``, zero where ``a > limit``, and ``up' = clamp(up, -limit, limit) + 1`` (gradient only
-    inside the clamp). The ~12 passes are spread over the Vector (V), GpSimd (G) and Scalar (S) engines.
-    """
-    rows, inter = a.shape
-    f32 = nl.float32
-    gp = nisa.engine.gpsimd
-    clamped = activation == "swiglu_clamped"
-    s = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-    ac = a
-    dz = None
-    if clamped:
-        ac = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=ac, data=a, op0=nl.minimum, operand0=limit)  # V
-        nisa.activation(dst=s, op=nl.sigmoid, data=ac, scale=alpha)  # S
-    elif activation == "gelu_tanh":
-        a2 = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=a2, data1=a, data2=a, op=nl.multiply, engine=gp)
-        inner = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # a (1 + A a^2)
-        nisa.tensor_scalar(dst=inner, data=a2, op0=nl.multiply, operand0=GELU_A, op1=nl.add, operand1=1.0)
-        nisa.tensor_tensor(dst=inner, data1=inner, data2=a, op=nl.multiply, engine=gp)
-        nisa.activation(dst=s, op=nl.sigmoid, data=inner, scale=2.0 * GELU_C)  # S
-        dz = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # 2C (1 + 3 A a^2)
-        nisa.tensor_scalar(dst=dz, data=a2, op0=nl.multiply, operand0=6.0 * GELU_A * GELU_C, op1=nl.add,
-                           operand1=2.0 * GELU_C)
-    else:
-        nisa.activation(dst=s, op=nl.sigmoid, data=a)  # S
-    g = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=g, data1=ac, data2=s, op=nl.multiply)  # V
-    up = u
-    if clamped:
-        up = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-        nisa.tensor_scalar(dst=up, data=u, op0=nl.maximum, operand0=-limit, op1=nl.minimum, operand1=limit)
-        nisa.tensor_scalar(dst=up, data=up, op0=nl.add, operand0=1.0)
-    h = nl.ndarray((rows, inter), dtype=dt, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=h, data1=g, data2=up, op=nl.multiply)  # V
-    dg = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)  # s + g (1 - s) z'
-    nisa.tensor_scalar(dst=dg, data=s, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
-    nisa.tensor_tensor(dst=dg, data1=dg, data2=g, op=nl.multiply, engine=gp)
-    if clamped:
-        nisa.tensor_scalar(dst=dg, data=dg, op0=nl.multiply, operand0=alpha)
-    if dz != None:  # noqa: E711
-        nisa.tensor_tensor(dst=dg, data1=dg, data2=dz, op=nl.multiply, engine=gp)
-    nisa.tensor_tensor(dst=dg, data1=dg, data2=s, op=nl.add)  # V
-    dh_du = g
-    if clamped:
-        # the clamps: no gradient where gate > limit or |up| > limit
-        nisa.scalar_tensor_tensor(dst=dg, data=a, op0=nl.less_equal, operand0=limit, op1=nl.multiply,
-                                  operand1=dg)
-        dh_du = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=dh_du, data=u, op0=nl.less_equal, operand0=limit, op1=nl.multiply,
-                                  operand1=g)
-        nisa.scalar_tensor_tensor(dst=dh_du, data=u, op0=nl.greater_equal, operand0=-limit, op1=nl.multiply,
-                                  operand1=dh_du)
-    dh_da = nl.ndarray((rows, inter), dtype=f32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=dh_da, data1=up, data2=dg, op=nl.multiply, engine=gp)
-    return h, dh_da, dh_du
