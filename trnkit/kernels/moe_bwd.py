@@ -266,7 +266,7 @@ def _dx_blocks(lo: Any, hi: Any, wgu_T: list, outs: dict, dx_prev: list, slot_ta
                 scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the previous block's rows
             dgu_T = tiles(IC2, (P, rows), dgu.dtype)
             _transpose(dgu_t, dgu_T)
-            row_matmul(dx_prev[s], dgu_T, rows, None, I2, scale=1.0, grid=wgu_T)  # scale: evacuated on Scalar
+            row_matmul(dx_prev[s], dgu_T, rows, None, I2, grid=wgu_T)
         nisa.register_move(prev, i)
 
     nl.fori_loop(lo, hi, block)
