@@ -598,6 +598,34 @@ def _tail_split(lay: BlockLayout, topk_idx: torch.Tensor, num_experts: int) -> t
     return torch.cat(rows).view(1, -1).to(torch.int32)  # one SBUF partition row
 
 
+def _flagged(table: torch.Tensor, split: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """A per-block id table ``[NB + 1, B]`` (row NB: padding) -> ``moe_experts_kernel``'s layout
+    ``[NB + 1, rows, nsub + 3]``: the ids as :func:`_per_block` lays them out, then the flags that tell
+    ``moe_fused.move_block_rows`` how many rows the block runs at (the same on every partition):
+    "wider than 64 rows", "at most 64 rows", "wider than one 128-row sub-tile" (``rows`` instead of 64
+    when rows <= 64). A block's run width comes from ``split`` (:func:`_tail_split`): B, or its
+    expert's tail width for an expert's narrower last block; unused blocks and row NB count as 64
+    (their ids are padding)."""
+    from trnkit.kernels.moe_fused import HALF, tail_widths  # noqa: PLC0415
+
+    NB = table.shape[0] - 1
+    B = table.shape[1]
+    rows = min(B, 128)
+    half = min(HALF, rows)
+    widths = (B,) + tail_widths(B)
+    bounds = split.view(len(widths), num_experts + 1).long()
+    start = bounds[0]
+    run = torch.full((NB + 1,), half, dtype=torch.int64, device=table.device)
+    run[:NB] = torch.where(torch.arange(NB, device=table.device) < start[-1], B, half)
+    for j in range(1, len(widths)):  # an expert's class-j tail block (at most one): b_j .. b_(j+1) - 1
+        end = bounds[j + 1, :-1] if j + 1 < len(widths) else start[1:]
+        first = bounds[j, :-1]
+        run[torch.where(first < end, first, torch.full_like(first, NB))] = widths[j]
+    run[NB] = half
+    flags = torch.stack([run > half, run <= half, run > rows], 1).to(torch.int32)  # moe_fused.FLAG_*
+    return torch.cat([_per_block(table), flags[:, None, :].expand(NB + 1, rows, 3)], 2).contiguous()
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
                block_size: int = 128, lnc: int | None = None) -> torch.Tensor:
     """``out[rows of g] = x[rows of g] @ w[g]`` on the NKI kernel; rows past ``offs[-1]`` are zero.
@@ -692,8 +720,10 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     token = torch.where(used, token, torch.zeros_like(token))
     weights = topk_weights.reshape(-1).float()[slot.clamp(max=T * K - 1)] * used  # fp32 affinity per position
     slots = torch.cat([lay.table, torch.full_like(lay.table[:1], T * K)])  # + the all-padding row NB
+    token = torch.cat([token, torch.zeros_like(token[:1])])  # row NB: the last block's look-ahead
+    split = _tail_split(lay, topk_idx, E)
     return launch(K_.moe_experts_kernel, lnc)(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
-                                              _per_block(token), _per_block(slots), _tail_split(lay, topk_idx, E),
+                                              _flagged(token, split, E), _flagged(slots, split, E), split,
                                               _per_block(weights), K, activation, float(limit), float(alpha),
                                               _dense(b_gate_up), _dense(b_down))
 

@@ -3,8 +3,9 @@
 Forward, :func:`moe_experts_kernel` (per expert e, weights loaded once; per block of B slots of e at
 run time):
 
-1. gather the block's token rows ``x[tok] [B, H]`` by indirect DMA and transpose them on the Tensor
-   Engine into ``x.T [H (partitions, 128-chunks), B]``;
+1. transpose the block's token rows ``x[tok] [B, H]`` (gathered by indirect DMA while the block before
+   it computed, see :func:`_expert_blocks`) on the Tensor Engine into ``x.T [H (partitions, 128-chunks),
+   B]``, then gather the next block's rows;
 2. ``gate.T, up.T [I-chunk, B] = w_gate_up[e][:, chunk].T @ x.T``: the 128x128 weight tile is the
    stationary operand and the block's B tokens stream as moving columns, accumulating over the H
    chunks in at most 8 outstanding accumulation groups; ``h.T = silu(gate.T) * up.T`` comes
@@ -12,7 +13,10 @@ run time):
 3. ``y [B, H] = h @ w_down[e]``: ``h.T`` chunk stationary (M = tokens), 512-column pieces of w_down
    moving; the PSUM evacuation multiplies each row by its slot's affinity (Scalar Engine
    ``activation(copy, scale=[B, 1])``) and rounds to the input dtype;
-4. scatter the rows to the slot buffer ``y [T*K, H]`` (slot t*K + k) by indirect DMA.
+4. scatter the rows to the slot buffer ``y [T*K, H]`` (slot t*K + k) by indirect DMA, one block later.
+
+Gathers and scatters move only the rows their block runs at (:func:`move_block_rows`, flags in the
+per-block tables), although the next block's width is only known at run time.
 
 After all experts, :func:`trnkit.kernels.moe_grouped_mm.combine` sums each token's K slots with a
 0/1 selection-matrix matmul (fp32 PSUM) into ``out [T, H]``.
@@ -173,45 +177,110 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
         activate_T(h_T[j0 + jj][:iw, :], g_ps[jj], u_ps[jj], j0 + jj, act)
 
 
-def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, token_table: Any, block_weights: Any, wgu: Any,
-                   wd: Any, y: Any, y_prev: list, slot_table: Any, prev: Any, act: dict, bd: Any) -> None:
+def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_table: Any, block_weights: Any,
+                   wgu: Any, wd: Any, y: Any, y_prev: list, slot_table: Any, prev: Any, act: dict, bd: Any) -> None:
     """Run-time loop over one expert's blocks lo..hi-1 of ``width`` rows (see moe_experts_kernel).
 
-    Software-pipelined scatter: block i's scaled rows stay in ``y_prev`` until block i+1 has issued
-    its gathers; only then are they scattered (``prev`` holds the block id). The descriptors of both
-    indirect DMAs are written by one in-order engine (GpSimd, software DGE), so scattering block i
-    before gathering block i+1 would make every gather wait for the previous block's whole compute.
+    Software-pipelined on both sides of the compute. Gathers run one block ahead: block i finds its
+    token rows in ``x_next`` (gathered by block i-1, or by the kernel's prologue) and, once it has
+    transposed them, gathers block i+1's rows there -- across expert boundaries, since the blocks
+    of consecutive experts are consecutive rows of the tables. Scatters run one block behind: block
+    i's scaled rows stay in ``y_prev`` until block i+1 has issued its gathers (``prev`` holds the
+    block id). The descriptors of both indirect DMAs are written by one in-order engine (GpSimd,
+    software DGE), so a gather issued after a scatter waits for the scattered block's whole compute;
+    this order lets an expert's short last block be followed at once by the next expert's first
+    block, whose rows were gathered while the short block computed. The affinities load first: a
+    load behind the next expert's weight prefetch would hold the evacuations (and with them the
+    Scalar Engine's queue) until the prefetch is done.
     """
     H = x.shape[1]
     inter = wgu[0].shape[1] // 2
-    _, rows, nsub = token_table.shape
     HC = (H + P - 1) // P
     IC = (inter + P - 1) // P
-    subs = chunks(width, rows)
+    subs = chunks(width, x_next[0].shape[0])
 
     def block(i):
-        ids = nl.ndarray((rows, nsub), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=ids, src=token_table.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
+        _, rows, nsub = block_weights.shape
+        w = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=w, src=block_weights.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
                                                   indirect_dim=0))
         x_T = tiles(HC, (P, width), x.dtype)
         for s in range(len(subs)):
             r0, rw = subs[s]
-            x_sb = nl.ndarray((rw, H), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=x_sb, src=x.ap(pattern=[[H, rw], [1, H]], offset=0, vector_offset=ids[:rw, s:s + 1],
-                                             indirect_dim=0))
-            transpose_rows(x_sb, x_T, col0=r0, vector_every=VECTOR_TRANSPOSE_EVERY)
-        scatter_rows(y, y_prev, slot_table, prev)  # the previous block's rows (see above)
+            transpose_rows(x_next[s][:rw, :], x_T, col0=r0, vector_every=VECTOR_TRANSPOSE_EVERY)
+        move_block_rows(x, x_next, block_ids(token_table, i, 1), True)  # block i + 1 (any expert's)
+        move_block_rows(y, y_prev, block_ids(slot_table, prev, 0), False)  # the previous block's rows
         h_T = tiles(IC, (P, width), x.dtype)
         swiglu_T(h_T, x_T, wgu, H, inter, width, act)
-        w = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=w, src=block_weights.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
-                                                  indirect_dim=0))
         for s in range(len(subs)):
             r0, rw = subs[s]
             row_matmul(y_prev[s], h_T, rw, wd, inter, col0=r0, scale=w[:rw, s:s + 1], bias=bd)
         nisa.register_move(prev, i)
 
     nl.fori_loop(lo, hi, block)
+
+
+# Columns after the ids in the forward's per-block tables (moe.py ``_flagged``): 0/1 flags, the same on
+# every partition, from the block's run width r: r > HALF rows | r <= HALF rows | r > one sub-tile.
+FLAG_FULL0, FLAG_HALF0, FLAG_MORE = 0, 1, 2
+NFLAGS = 3
+HALF = 64  # rows of the narrowest piece of sub-tile 0 (the narrowest tail width at rows = 128)
+
+
+def block_ids(table: Any, blk: Any, ahead: int) -> Any:
+    """Row ``blk + ahead`` of a flagged per-block table ``[NB + 1, rows, nsub + NFLAGS]`` (``blk`` a
+    register) -> SBUF ``[rows, nsub + NFLAGS]`` (ids, then the flags)."""
+    _, rows, ncol = table.shape
+    ids = nl.ndarray((rows, ncol), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ids, src=table.ap(pattern=[[ncol, rows], [1, ncol]], offset=ahead * rows * ncol,
+                                        scalar_offset=blk, indirect_dim=0))
+    return ids
+
+
+def move_block_rows(hbm: Any, sb: list, ids: Any, gather: bool) -> None:
+    """Gather (``gather``) or scatter the rows of one block between HBM ``hbm [R, H]`` and its
+    sub-tiles ``sb[s] [rows, H]``, only as many as the block runs at, by the flags in ``ids`` (see
+    :func:`block_ids`): sub-tile 0 whole or only its first HALF rows, then (flag) the other sub-tiles.
+
+    Each flag becomes a register bounding a run-time loop of 0 or 1 trips (the block's width is a
+    run-time value: the next block may be another expert's). Gathers write the rows the current block
+    may still be transposing (the top of sub-tile 0) last, scatters read the rows the current block
+    overwrites first, so neither waits on the in-order GpSimd for more than it must. Scatters skip
+    padding ids (>= R).
+    """
+    rows = sb[0].shape[0]
+    nsub = ids.shape[1] - NFLAGS
+    half = HALF if rows > HALF else rows
+    pieces = [(FLAG_MORE, 1, nsub, rows), (FLAG_FULL0, 0, 1, rows), (FLAG_HALF0, 0, 1, half)]
+    if not gather:
+        pieces = [pieces[2], pieces[1], pieces[0]]
+    for k in range(len(pieces)):
+        flag, s0, s1, r = pieces[k]
+        if s0 >= s1 or (flag == FLAG_FULL0 and r == half):
+            continue  # no sub-tile beyond the first / sub-tile 0 has no half piece (rows <= HALF)
+        _move_flagged(hbm, sb, ids, nsub + flag, s0, s1, r, gather)
+
+
+def _move_flagged(hbm: Any, sb: list, ids: Any, col: int, s0: int, s1: int, r: int, gather: bool) -> None:
+    """Rows 0..r-1 of sub-tiles s0..s1-1, one indirect DMA each, when flag column ``col`` is 1."""
+    flag = nisa.register_alloc()
+    nisa.register_load(flag, ids[0:1, col:col + 1])
+
+    def move(j):
+        for s in range(s0, s1):
+            _move_rows(hbm, sb[s], ids, s, r, gather)
+
+    nl.fori_loop(0, flag, move)
+
+
+def _move_rows(hbm: Any, t: Any, ids: Any, s: int, r: int, gather: bool) -> None:
+    """Rows 0..r-1 of sub-tile s: ``t[p] = hbm[ids[p, s]]`` (gather) or ``hbm[ids[p, s]] = t[p]``."""
+    H = hbm.shape[1]
+    view = hbm.ap(pattern=[[H, r], [1, H]], offset=0, vector_offset=ids[:r, s:s + 1], indirect_dim=0)
+    if gather:
+        nisa.dma_copy(dst=t[:r, :], src=view)
+    else:
+        nisa.dma_copy(dst=view, src=t[:r, :], oob_mode=nisa.oob_mode.skip)
 
 
 def scatter_rows(y: Any, y_sb: list, slot_table: Any, blk: Any) -> None:
@@ -244,10 +313,11 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
 
     x ``[T, H]``; w_gate_up ``[E, H, 2I]``; w_down ``[E, I, H]``. Per block of B positions, laid out
     ``[NB, rows, B // rows]`` (position ``sub*rows + p`` at ``[p, sub]``, rows = min(B, 128), so a
-    block's values load with one DMA, one column per 128-row sub-tile): token_table int32 (token id;
-    padding positions name any valid token, their results are never stored), block_weights fp32 (the
-    slot's affinity), slot_table ``[NB + 1, ...]`` int32 (slot id t*K+k, T*K for padding; row NB is
-    all padding). block_start ``[1, (n + 1)(E + 1)]`` int32 for the n = len(tail_widths(B)) narrower
+    block's values load with one DMA, one column per 128-row sub-tile): block_weights ``[NB, rows, nsub]``
+    fp32 (the slot's affinity); token_table and slot_table ``[NB + 1, rows, nsub + NFLAGS]`` int32, the
+    ids followed by the block's width flags (:func:`move_block_rows`): token ids (padding positions
+    name any valid token, their results are never stored) and slot ids t*K+k (T*K for padding); row NB
+    of both is padding (the last block's look-ahead gather, the first block's scatter). block_start ``[1, (n + 1)(E + 1)]`` int32 for the n = len(tail_widths(B)) narrower
     widths: ``[start | b_1 | .. | b_n]``, start[e] the first block of expert e (start[E] the total);
     blocks ``start[e] .. b_1[e]-1`` run at full width B, ``b_j[e] .. b_{j+1}[e]-1`` (0 or 1 block:
     the expert's last) at ``tail_widths(B)[j-1]`` (b_{n+1} = start[e+1]), so a partly used last
@@ -257,7 +327,7 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     """
     T, H = x.shape
     E = w_gate_up.shape[0]
-    NB, rows, nsub = token_table.shape
+    NB, rows, nsub = block_weights.shape  # the tables: [NB + 1, rows, nsub + NFLAGS]
     K = top_k
     B = rows * nsub
     widths = tail_widths(B)
@@ -265,12 +335,16 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     # per-slot scaled expert outputs; shared: on LNC=2 the combine reads slots of both cores
     y = nl.ndarray((T * K, H), dtype=dt, buffer=nl.shared_hbm)
     y_prev = tiles(nsub, (rows, H), dt)  # the last computed block's rows, not yet scattered
+    x_next = tiles(nsub, (rows, H), dt)  # the next block's token rows, gathered one block ahead
     prev = nisa.register_alloc(NB)  # its block id (NB: none yet, the all-padding table row)
     bs = load_block_start(block_start)
     mine = owned_groups(E)
     prefetch = _prefetch_fits(H, w_down.shape[1], B, x.dtype)
     nxt = None
     if len(mine):
+        first = nisa.register_alloc()
+        nisa.register_load(first, bs[0:1, mine.start:mine.start + 1])
+        move_block_rows(x, x_next, block_ids(token_table, first, 0), True)  # the first block, while its weights load
         nxt = (load_weight(w_gate_up, mine.start), load_weight(w_down, mine.start))
     for e in mine:
         wgu, wd = nxt  # HC tiles [P, 2I], IC tiles [P, H]
@@ -292,11 +366,11 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
                 # narrower last one: a load issued after all its transfers starts too late to hide
                 # when few DMAs are in flight; one issued before them delays this expert's gathers
                 nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
-            _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, token_table, block_weights, wgu, wd,
-                           y, y_prev, slot_table, prev, act, bd)
+            _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, x_next, token_table, block_weights,
+                           wgu, wd, y, y_prev, slot_table, prev, act, bd)
         if e + 1 < mine.stop and not (prefetch and len(seg_widths) > 1):
             nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
-    scatter_rows(y, y_prev, slot_table, prev)  # the last block
+    move_block_rows(y, y_prev, block_ids(slot_table, prev, 0), False)  # the last block
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:
         nisa.core_barrier(y, (0, 1))  # both cores' slots are in y before any token is combined
