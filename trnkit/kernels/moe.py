@@ -778,6 +778,7 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
         x, grad_out, w_gate_up, w_down, _per_block(torch.where(used, token, torch.zeros_like(token))),
         _per_block(slots), lay.block_start, _per_block(block_weights), K, activation, float(limit), float(alpha),
         _dense(b_gate_up), _dense(b_down))
+    dgu = dgu[:NB]  # (slab NB: the kernel's read-ahead margin)
     gw_disp = gw_blocks.transpose(1, 2).reshape(NB, B)  # back from the per-block layout of _per_block
     gw = torch.zeros(T * K, dtype=torch.float32, device=dev)
     gw[slot[used]] = gw_disp[used]

@@ -249,24 +249,38 @@ def _grad_blocks(lo: Any, hi: Any, x: Any, grad_out: Any, token_table: Any, bloc
     nl.fori_loop(lo, hi, block)
 
 
-def _dx_blocks(lo: Any, hi: Any, wgu_T: list, outs: dict, dx_prev: list, slot_table: Any, prev: Any) -> None:
-    """Phase 2 of an expert: run-time loop over its blocks lo..hi-1 computing ``dX = dgu @ w_gate_up.T``
-    per slot from the ``dgu`` rows phase 1 wrote (step 3 of the module doc). Block i's rows wait in
-    ``dx_prev`` and are scattered after block i+1's first load (``prev``: the pending block id)."""
-    dgu = outs["dgu"]
+def _load_dgu(pend: list, dgu: Any, blk: Any, ahead: int) -> None:
+    """Slab ``blk + ahead`` (``blk`` a register, ``ahead`` 0 or 1) of ``dgu [NB + 1, B, 2I]`` into the
+    sub-tiles ``pend[s] [rows, 2I]``."""
     _, B, I2 = dgu.shape
+    rows = pend[0].shape[0]
+    for s in range(len(pend)):
+        nisa.dma_copy(dst=pend[s], src=dgu.ap(pattern=[[I2, rows], [1, I2]], offset=(ahead * B + s * rows) * I2,
+                                              scalar_offset=blk, indirect_dim=0))
+
+
+def _dx_blocks(lo: Any, hi: Any, wgu_T: list, outs: dict, pend: list, dx_prev: list, slot_table: Any,
+               prev: Any) -> None:
+    """Phase 2 of an expert: run-time loop over its blocks lo..hi-1 computing ``dX = dgu @ w_gate_up.T``
+    per slot from the ``dgu`` rows phase 1 wrote (step 3 of the module doc). ``pend`` holds block i's
+    ``dgu`` rows when its iteration starts (loaded by the kernel before the loop or by iteration i-1, right
+    after that one's transposes: the loads then never queue behind the next expert's weight loads);
+    block i's ``dX`` rows wait in ``dx_prev`` and are scattered after block i+1's transposes (``prev``:
+    the pending block id), as in the forward."""
+    dgu = outs["dgu"]
+    I2 = dgu.shape[2]
     rows = dx_prev[0].shape[0]
     IC2 = (I2 + P - 1) // P
 
     def block(i):
-        for s in range(len(dx_prev)):
-            dgu_t = nl.ndarray((rows, I2), dtype=dgu.dtype, buffer=nl.sbuf)
-            load_rows(dgu_t, dgu, None, i, s, zero_pad=False)
-            if s == 0:
-                scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the previous block's rows
-            dgu_T = tiles(IC2, (P, rows), dgu.dtype)
-            _transpose(dgu_t, dgu_T)
-            row_matmul(dx_prev[s], dgu_T, rows, None, I2, grid=wgu_T)
+        dgu_T = []
+        for s in range(len(pend)):
+            dgu_T.append(tiles(IC2, (P, rows), dgu.dtype))
+            _transpose(pend[s], dgu_T[s])
+        _load_dgu(pend, dgu, i, 1)  # the next block's rows (past the expert's last block: unused)
+        scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the previous block's rows
+        for s in range(len(pend)):
+            row_matmul(dx_prev[s], dgu_T[s], rows, None, I2, grid=wgu_T)
         nisa.register_move(prev, i)
 
     nl.fori_loop(lo, hi, block)
@@ -295,10 +309,12 @@ def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, bloc
     dt = x.dtype
     # shared: on LNC=2 each core writes its experts' blocks / slots, the combine reads both cores' slots
     outs = {"hw": nl.ndarray((NB, B, inter), dtype=dt, buffer=nl.shared_hbm),
-            "dgu": nl.ndarray((NB, B, I2), dtype=dt, buffer=nl.shared_hbm),
+            # + slab NB: phase 2 reads one slab ahead (unused past an expert's last block)
+            "dgu": nl.ndarray((NB + 1, B, I2), dtype=dt, buffer=nl.shared_hbm),
             "gw": nl.ndarray((NB, rows, nsub), dtype=nl.float32, buffer=nl.shared_hbm),
             "gx_slots": nl.ndarray((T * K, H), dtype=dt, buffer=nl.shared_hbm)}
     dx_prev = tiles(nsub, (rows, H), dt)  # the last computed block's dX rows, not yet scattered
+    pend = tiles(nsub, (rows, I2), dt)  # the dgu rows of phase 2's next block
     prev = nisa.register_alloc(NB)  # its block id (NB: none yet, the all-padding table row)
     bs = load_block_start(block_start)
     mine = owned_groups(E)
@@ -315,11 +331,12 @@ def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, bloc
             var["bd_cols"] = bias_columns(b_down, e)
         lo, hi = block_range(block_start, e, bs)
         _grad_blocks(lo, hi, x, grad_out, token_table, block_weights, wgu, wd_T, outs, var)
+        _load_dgu(pend, outs["dgu"], lo, 0)  # phase 2's first block, before the weight loads below
         wgu_T = transposed_weight(wgu, H, I2)  # [2I-chunk][H-piece] [P, 512]; w_gate_up[e] is free again
         if e + 1 < mine.stop:
             # the next expert's weights load during phase 2, which holds only w_gate_up[e].T
             nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
-        _dx_blocks(lo, hi, wgu_T, outs, dx_prev, slot_table, prev)
+        _dx_blocks(lo, hi, wgu_T, outs, pend, dx_prev, slot_table, prev)
     scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the last block
     grad_x = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:
