@@ -24,7 +24,8 @@ sync) into blocks of ``block_size`` rows per expert, padding the last block of e
 kernels loop statically over experts (loading each expert's weights once) and, inside, run a
 *run-time* loop (``nl.fori_loop`` with register bounds) over that expert's blocks; each block gathers
 its token rows by indirect DMA, so no compute is spent on the padding blocks of the static worst-case
-table. See :mod:`trnkit.kernels.moe_fused` and :mod:`trnkit.kernels.moe_grouped_mm`.
+table. See :mod:`trnkit.kernels.moe_fused` (forward), :mod:`trnkit.kernels.moe_bwd` (backward data path)
+and :mod:`trnkit.kernels.moe_grouped_mm`.
 
 Numerics (bf16): matmuls accumulate in fp32 PSUM; ``h = silu(gate) * up`` is rounded to the input
 dtype (it is the down matmul's operand), each slot's scaled output ``w * y`` is rounded to the input

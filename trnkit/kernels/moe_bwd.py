@@ -1,28 +1,34 @@
 """NKI kernel of the MoE expert backward's data path, fused: :func:`moe_bwd_kernel`.
 
-Per expert e (static loop; LNC=2: the experts of :func:`~trnkit.kernels.moe_grouped_mm.owned_groups`)
-its weights are loaded once and transposed once on the Tensor Engine (``w_down[e].T [H, I]`` for the
-``grad_out @ w_down.T`` matmul, ``w_gate_up[e].T [2I, H]`` for ``dX``); then a run-time loop
-(``nl.fori_loop`` from ``block_start``) over e's blocks of B slots, per 128-row sub-tile:
+Per expert e (static loop; LNC=2: the experts of :func:`~trnkit.kernels.moe_grouped_mm.owned_groups`),
+two run-time loops (``nl.fori_loop`` from ``block_start``) over e's blocks of B slots, per 128-row
+sub-tile:
 
-1. gather the slots' ``x`` and ``grad_out`` rows by indirect DMA (padding positions name token 0 and
+1. with ``w_gate_up[e]`` and ``w_down[e].T [H, I]`` (transposed once on the Tensor Engine) in SBUF:
+   gather the slots' ``x`` and ``grad_out`` rows by indirect DMA (padding positions name token 0 and
    carry affinity 0, so every row is finite and every padding result is an exact zero) and transpose
-   them on the Tensor Engine (the contraction dim H on partitions);
-2. per piece of <= 512 columns of I, three PSUM accumulation groups: ``gate``, ``up`` (the recompute,
-   ``x.T`` chunk stationary, ``w_gate_up`` moving) and ``dA = grad_out @ w_down.T`` (``w_down.T``
-   moving). The activation backward runs on the rows (:func:`activation_grad_rows`): ``h``, ``w*h``,
-   ``grad_topk_weights = <dA, h> (+ <grad_out, b_down>)`` and ``dgu = [w dA dh/dgate | w dA dh/dup]``;
-3. ``w*h [B, I]`` and ``dgu [B, 2I]`` go to HBM in dispatch order (the weight-gradient kernel's
-   operands, :func:`~trnkit.kernels.moe_grouped_mm.grouped_wgrad_kernel`); ``dgu`` is transposed on
-   the Tensor Engine and ``dX [rows, H] = dgu @ w_gate_up.T`` (``dgu.T`` chunk stationary, 512-column
-   pieces of ``w_gate_up.T`` moving) is scattered to the slot buffer ``[T*K, H]`` one block later
-   (as in the forward, so the scatter's software-DGE descriptors do not delay the next gathers).
+   them on the Tensor Engine (the contraction dim H on partitions); per piece of <= 512 columns of I,
+   three PSUM accumulation groups: ``gate``, ``up`` (the recompute, ``x.T`` chunk stationary,
+   ``w_gate_up`` moving) and ``dA = grad_out @ w_down.T`` (``w_down.T`` moving); the activation
+   backward on the rows (:func:`activation_grad_rows`) gives ``h``, ``w*h``, ``grad_topk_weights =
+   <dA, h> (+ <grad_out, b_down>)`` and ``dgu = [w dA dh/dgate | w dA dh/dup]``. ``w*h [B, I]`` and
+   ``dgu [B, 2I]`` go to HBM in dispatch order (the weight-gradient kernel's operands,
+   :func:`~trnkit.kernels.moe_grouped_mm.grouped_wgrad2_kernel`);
+2. with ``w_gate_up[e].T [2I, H]`` (transposed once, after which ``w_gate_up[e]`` is dead and the
+   next expert's weights load): read the ``dgu`` rows back, transpose them and compute ``dX [rows, H]
+   = dgu @ w_gate_up.T`` (``dgu.T`` chunk stationary, 512-column pieces of ``w_gate_up.T`` moving),
+   scattered to the slot buffer ``[T*K, H]`` one block later (as in the forward, so the scatter's
+   software-DGE descriptors do not delay the next loads).
 
-After all experts (LNC=2: after a ``core_barrier``, a token's slots come from both cores) the
-selection-matrix :func:`~trnkit.kernels.moe_grouped_mm.combine` sums each token's K slot rows into
-``grad_x``. Row layout throughout: the moving operand of every big matmul is a weight (512 columns),
-so the block size does not change the Tensor Engine's work; the affinity is a per-partition scale and
-``<dA, h>`` a free-axis reduction.
+The two phases keep SBUF for the next expert's weights (one expert's three sets of weight tiles take
+120 KiB per partition at the Qwen3-30B-A3B shapes). After all experts (LNC=2: after a
+``core_barrier``, a token's slots come from both cores) the selection-matrix
+:func:`~trnkit.kernels.moe_grouped_mm.combine` sums each token's K slot rows into ``grad_x``. Row
+layout throughout: the moving operand of every big matmul is a weight (512 columns), so the block size
+does not change the Tensor Engine's work; the affinity is a per-partition scalar and ``<dA, h>`` a
+free-axis reduction. Engines issue in order, so the work is split to keep the Tensor Engine fed: the
+Scalar Engine evacuates everything a matmul waits on, the Vector Engine runs the activation backward,
+GpSimd only writes DMA descriptors.
 """
 
 from __future__ import annotations
