@@ -30,7 +30,7 @@ import matmul_kernels  # noqa: E402
 import micro_kernels  # noqa: E402
 from points import POINTS, Point  # noqa: E402
 
-from trnkit.nkisim import cost, cost_params, trace  # noqa: E402
+from trnkit.nkisim import cost, cost_params, memory, trace  # noqa: E402
 
 FIELDS = ("name", "kernel", "shape", "device", "unit", "published", "low", "mid", "high", "error_mid", "role",
           "tolerance", "source", "note", "constrains", "sensitivity")
@@ -50,13 +50,26 @@ def mamba_inputs(d: dict) -> tuple[np.ndarray, ...]:
     return delta, u, A, B, C
 
 
+# The kernel-optimization tutorial's v4 and v5 keep more tiles live in program order than SBUF holds (v4:
+# 2 x 64 rhs tiles of 2 KiB = 256 KiB per partition at K=8192). They ran on trn2 (the tutorial's profiles):
+# the compiler fits them by scheduling or spilling, which the interpreter's liveness model does not see, so
+# their time is estimated with the capacity check off (docs/cost-model.md, "Calibration").
+OVER_CAPACITY_AS_WRITTEN = {("kernel_opt", "v4"), ("kernel_opt", "v5")}
+
+
 def _matmul_call(p: Point, d: dict) -> Callable[[], object]:
     kernels = matmul_kernels.KERNELS if p.family == "matmul" else kernel_opt_kernels.KERNELS
     if p.dtype == "bfloat16":
         lhsT, rhs = torch.zeros(d["K"], d["M"], dtype=torch.bfloat16), torch.zeros(d["K"], d["N"], dtype=torch.bfloat16)
     else:
         lhsT, rhs = np.zeros((d["K"], d["M"]), np.float32), np.zeros((d["K"], d["N"]), np.float32)
-    return lambda: kernels[p.version](lhsT, rhs)
+    if (p.family, p.version) not in OVER_CAPACITY_AS_WRITTEN:
+        return lambda: kernels[p.version](lhsT, rhs)
+
+    def unchecked() -> object:
+        with memory.capacity_check_off():
+            return kernels[p.version](lhsT, rhs)
+    return unchecked
 
 
 def kernel_call(p: Point, dims: dict | None = None, n_chain: int = CHAIN[1]) -> Callable[[], object]:

@@ -26,6 +26,7 @@ import run  # noqa: E402
 from points import POINTS  # noqa: E402
 
 from trnkit.nkisim import cost, hardware, trace  # noqa: E402
+from trnkit.nkisim.errors import NkiValidationError  # noqa: E402
 
 BY_NAME = {p.name: p for p in POINTS}
 # point -> (dims of the slice, its share of the published work)
@@ -106,3 +107,16 @@ def test_published_shape_rows_cover_every_point_and_respect_their_tolerance():
 def test_held_out_points_are_at_least_as_many_as_fit_points():
     roles = [p.role for p in POINTS]
     assert roles.count("check") >= roles.count("fit") > 0
+
+
+@pytest.mark.parametrize("name", ["kernel_opt v4", "kernel_opt v5"])
+def test_tutorial_kernels_estimated_unchecked_do_overflow_sbuf_in_program_order(name):
+    """The capacity-check exemption (run.OVER_CAPACITY_AS_WRITTEN) covers only kernels that need it: run
+    strictly, these slices overflow SBUF in program order."""
+    p = BY_NAME[name]
+    assert (p.family, p.version) in run.OVER_CAPACITY_AS_WRITTEN
+    kernels = kernel_opt_kernels.KERNELS
+    d = {**p.dims, **SLICES[name][0]}
+    lhsT, rhs = np.zeros((d["K"], d["M"]), np.float32), np.zeros((d["K"], d["N"]), np.float32)
+    with pytest.raises(NkiValidationError, match="SBUF overflow"), trace.record(trace_only=True):
+        kernels[p.version](lhsT, rhs)

@@ -186,7 +186,7 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
         try:
             with _ops.fp_errors_ignored():  # the hardware produces inf/nan silently
                 results[i] = fn(*wargs, **wkwargs)
-            ctx.memory.check()  # SBUF/PSUM capacity over the instance's data liveness
+            ctx.memory.check(strict=_mem.capacity_checked())  # SBUF/PSUM capacity over data liveness
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
             errors[i] = exc
             if launch.barrier is not None:

@@ -153,7 +153,10 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
     if tr is not None and tr.trace_only and k * m * n >= _TRACE_ONLY_MIN_MACS:
         # Trace-only mode skips the arithmetic (shapes, checks and bookkeeping still run). A fresh
         # accumulation reads as zeros, not the allocation's NaN sentinel, so values later derived
-        # from it (top-k indices used as DMA addresses) stay finite and in range.
+        # from it (top-k indices used as DMA addresses) stay finite and in range. The operands are
+        # still read (np() records the access), so on-chip liveness and the memory check stay exact.
+        stationary.np()
+        moving.np()
         if accumulate is False or (accumulate is None and not any_written):
             out[...] = 0.0
     else:
