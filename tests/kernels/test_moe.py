@@ -584,6 +584,26 @@ def test_expert_weight_grads_gather_each_row_once() -> None:
     assert len(stores) == 4 * 4  # per expert 2 + 2 row chunks of 128; expert 3's are zeros
 
 
+def test_weight_grad_passes_hold_whole_row_chunks() -> None:
+    """PSUM passes of at most 4 output tiles [128, 512]; whole 128-row chunks where they fit, so every
+    chunk is stored as full rows (Qwen3-30B-A3B: grad_w_down 6 passes of 4, grad_w_gate_up 16 of 3)."""
+    from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
+
+    class G:  # only .shape is read
+        def __init__(self, *shape):
+            self.shape = shape
+
+    passes = KG.wgrad_passes([G(128, 768, 2048), G(128, 2048, 1536), G(4, 300, 100), G(4, 128, 2600)])
+    sizes = [(p, len(tl)) for p, tl in passes]
+    assert sizes == [(0, 4)] * 6 + [(1, 3)] * 16 + [(2, 3)] + [(3, 4), (3, 2)]
+    for p, tl in passes:
+        if p < 3:  # whole chunks: every chunk in a pass has all its pieces
+            for k0, kw, n0, nw in tl:
+                assert sum(t[3] for t in tl if t[0] == k0) == [2048, 1536, 100][p]
+    tiles = [(p, *t) for p, tl in passes for t in tl]
+    assert len(tiles) == len(set(tiles)) == 6 * 4 + 16 * 3 + 3 * 1 + 1 * 6  # every tile once
+
+
 @pytest.mark.parametrize("cache", ["none", "two_slots"])
 def test_weight_grads_do_not_depend_on_the_row_cache(monkeypatch: pytest.MonkeyPatch, cache: str) -> None:
     """The weight-gradient kernels keep up to WGRAD_MAX_SLOTS row tiles of a group in SBUF and gather

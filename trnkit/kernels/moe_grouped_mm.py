@@ -381,26 +381,34 @@ def wgrad_products(operands: list, grads: list, table: Any, bounds: Any, zero_pa
         if q + 1 < len(groups):  # the next group's rows load while this one computes
             nxt = _wgrad_prefetch(operands, table, b_sb, groups[q + 1] * width, slots, zero_pad)
         regs, cache = cur
+        evac = 0  # evacuations alternate between the Vector and Scalar engines across passes
         for pas in passes:
-            _wgrad_pass(operands, grads, table, groups[q], regs, cache, pas, zero_pad)
+            _wgrad_pass(operands, grads, table, groups[q], regs, cache, pas, zero_pad, evac)
+            evac += len(pas[1])
         _wgrad_zero_empty(grads, groups[q], regs, zeros)
 
 
 def wgrad_passes(grads: list) -> list:
     """``[(p, [(k0, kw, n0, nw), ...]), ...]``: the output tiles of every gradient (128 rows x 512
-    columns, row-chunk major), cut into passes of up to WGRAD_PASS_TILES tiles of one gradient."""
+    columns) in passes of up to WGRAD_PASS_TILES tiles of one gradient. A pass holds whole 128-row
+    chunks (all their 512-column pieces, so each chunk is stored as one DMA of full rows) when a chunk
+    has at most WGRAD_PASS_TILES pieces, else up to WGRAD_PASS_TILES pieces of one chunk."""
     out = []
     for p in range(len(grads)):
         _, Ka, Nb = grads[p].shape
-        cur = []
-        for k0, kw in chunks(Ka, P):
-            for n0, nw in chunks(Nb, NMAX):
-                cur.append((k0, kw, n0, nw))
-                if len(cur) == WGRAD_PASS_TILES:
-                    out.append((p, cur))
-                    cur = []
-        if len(cur) > 0:
-            out.append((p, cur))
+        rows = chunks(Ka, P)
+        pieces = chunks(Nb, NMAX)
+        per_pass = max(1, WGRAD_PASS_TILES // len(pieces))  # whole chunks per pass
+        for r in range(0, len(rows), per_pass):
+            cur = []
+            for k0, kw in rows[r:r + per_pass]:
+                for n0, nw in pieces:
+                    cur.append((k0, kw, n0, nw))
+                    if len(cur) == WGRAD_PASS_TILES:
+                        out.append((p, cur))
+                        cur = []
+            if len(cur) > 0:
+                out.append((p, cur))
     return out
 
 
@@ -448,9 +456,9 @@ def _wgrad_load(dst: list, operands: list, table: Any, i: Any, cols: Any, zero_p
 
 
 def _wgrad_pass(operands: list, grads: list, table: Any, g: int, regs: list, cache: list, pas: tuple,
-                zero_pad: bool) -> None:
+                zero_pad: bool, evac: int) -> None:
     """One pass of :func:`wgrad_products` for group g: its tiles' PSUM sums over g's row tiles, then
-    (when g has rows) evacuated and stored."""
+    (when g has rows) evacuated (``evac``: the group's evacuations before this pass) and stored."""
     p, tl = pas
     a, b = operands[2 * p], operands[2 * p + 1]
     grad = grads[p]
@@ -486,7 +494,7 @@ def _wgrad_pass(operands: list, grads: list, table: Any, g: int, regs: list, cac
     nl.fori_loop(first, regs[-2], gathered)
 
     def store(i):
-        _wgrad_store(grad, g, ps, tl)
+        _wgrad_store(grad, g, ps, tl, evac)
 
     nl.fori_loop(regs[0], regs[1], store)  # once, when the group has rows
 
@@ -511,7 +519,7 @@ def _wgrad_matmuls(ps: list, tl: list, a_t: Any, b_t: Any, rows: int, k_lo: int,
                        moving=b_t[:rows, n0 - n_lo:n0 - n_lo + nw], accumulate=not start)
 
 
-def _wgrad_store(grad: Any, g: int, ps: list, tl: list) -> None:
+def _wgrad_store(grad: Any, g: int, ps: list, tl: list, evac: int) -> None:
     """Evacuate the pass's PSUM tiles (Vector / Scalar alternately) and store them into ``grad[g]``, one
     DMA per run of tiles that are contiguous in one 128-row chunk."""
     _, Ka, Nb = grad.shape
@@ -525,7 +533,7 @@ def _wgrad_store(grad: Any, g: int, ps: list, tl: list) -> None:
         res = nl.ndarray((kw, run_w), dtype=grad.dtype, buffer=nl.sbuf)
         for u in range(t, end):
             c0 = tl[u][2] - n0
-            evacuate(res[:, c0:c0 + tl[u][3]], ps[u], u)
+            evacuate(res[:, c0:c0 + tl[u][3]], ps[u], evac + u)
         nisa.dma_copy(dst=grad.ap(pattern=[[Nb, kw], [1, run_w]], offset=(g * Ka + k0) * Nb + n0), src=res)
         t = end
 
