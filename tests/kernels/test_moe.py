@@ -260,6 +260,7 @@ MOE_CASES = {
     "full_plus_half_128": (150, 64, 32, 1, 1, 128, None),  # one 128-wide block + one 64-wide tail
     "half_tail_256": (100, 64, 32, 1, 1, 256, None),  # the tail runs as one 128-row sub-tile
     "block_512": (600, 64, 32, 1, 1, 512, None),  # 4 sub-tiles, 512 moving columns, + a 256 tail
+    "two_experts_512": (700, 64, 32, 2, 2, 512, None),  # each: a 512 block + a 192 tail (look-ahead across)
     "big_I": (20, 64, 1100, 2, 1, 128, None),  # 9 I-chunks: 2 PSUM passes of gate/up
 }
 

@@ -23,9 +23,11 @@ def _equal(a: tuple | torch.Tensor, b: tuple | torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["tails", "T1", "all_to_one_expert", "empty_experts", "prime_E", "block_256",
-                                  "tail_96"])
+                                  "tail_96", "two_experts_512"])
 def test_moe_experts_lnc2_is_bit_identical_to_lnc1(case: str, dtype: torch.dtype) -> None:
-    """tail_96 has E=1 (the second core has no expert), all_to_one_expert puts every block on core 0."""
+    """tail_96 has E=1 (the second core has no expert), all_to_one_expert puts every block on core 0;
+    two_experts_512: one expert per core, each a full 512-slot block and a 192-wide tail (the first
+    core's last look-ahead gathers the second core's first block)."""
     x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
     one = moe.moe_experts(x, idx, tw, wgu, wd, block_size=B, lnc=1)
     _equal(moe.moe_experts(x, idx, tw, wgu, wd, block_size=B, lnc=2), one)
