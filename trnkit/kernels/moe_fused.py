@@ -299,10 +299,10 @@ def scatter_rows(y: Any, y_sb: list, slot_table: Any, blk: Any) -> None:
 
 def _prefetch_fits(H: int, inter: int, B: int, dtype: Any) -> bool:
     """Whether two experts' weights fit SBUF next to a block's working tiles (x.T, h.T, the pending
-    output rows, two gathered sub-tiles), so the next expert's weights can load during this one."""
+    output rows, the next block's gathered rows), so the next expert's weights can load during this one."""
     isz = 4 if dtype == nl.float32 else 2
     weights = ((H + P - 1) // P * 2 * inter + (inter + P - 1) // P * H) * isz
-    work = ((H + P - 1) // P * B + (inter + P - 1) // P * B + 2 * H + max(B, P) // P * H) * isz
+    work = ((H + P - 1) // P * B + (inter + P - 1) // P * B + 2 * (max(B, P) // P) * H) * isz
     return 2 * weights + work + 8 * 1024 <= SBUF_BYTES
 
 
