@@ -361,6 +361,42 @@ def test_moe_experts_bwd_kernel_matches_ref(case: str, dtype: torch.dtype) -> No
         assert bool((got[2][[1, 4]] == 0).all()) and bool((got[3][[1, 4]] == 0).all())
 
 
+@pytest.mark.parametrize("case", ["empty_experts", "block_256"])
+def test_moe_bwd_data_path_hands_exact_zero_padding_rows_to_the_weight_gradients(case: str, monkeypatch) -> None:
+    """The data-path kernel's contract with the weight-gradient kernel: ``w*h`` and ``dgu`` in dispatch
+    order, every used position equal to the reference's rows, every padding position of a used block an
+    exact zero (the weight-gradient kernel sums over all rows of a tile)."""
+    x, idx, tw, wgu, wd, B = _moe_inputs(case, torch.float32)
+    g = _rand(*x.shape, seed=11)
+    seen = {}
+    real = moe._expert_weight_grads
+
+    def spy(x_, go_, hw, dgu, lay, *rest):
+        seen.update(hw=hw.clone(), dgu=dgu.clone(), lay=lay)
+        return real(x_, go_, hw, dgu, lay, *rest)
+
+    monkeypatch.setattr(moe, "_expert_weight_grads", spy)
+    moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B)
+    lay = seen["lay"]
+    T, K = idx.shape
+    inter = wd.shape[1]
+    slot = lay.table.long()
+    nb_used = int(lay.block_start[0, -1])
+    used = slot[:nb_used] < T * K
+    # the reference's rows: w*h and dgu of each slot (fp32: the kernel's rounding points are exact)
+    s = slot[:nb_used][used]
+    tok, k = s // K, s % K
+    e = idx.reshape(-1)[s]
+    gu = torch.einsum("nh,nhj->nj", x[tok], wgu[e])
+    h, dh_da, dh_du = moe.activation_ref(gu[:, :inter], gu[:, inter:])
+    dA = torch.einsum("nh,nih->ni", g[tok], wd[e])
+    w = tw[tok, k][:, None]
+    for name, want in (("hw", w * h), ("dgu", torch.cat([w * dA * dh_da, w * dA * dh_du], 1))):
+        got = seen[name][:nb_used]
+        assert bool((got[~used] == 0).all()), f"{name}: padding rows must be exact zeros"
+        torch.testing.assert_close(got[used], want, rtol=1e-4, atol=1e-5)
+
+
 def test_moe_experts_bwd_kernel_matches_autograd_of_hf_fp32() -> None:
     """End to end: the NKI backward against autograd through transformers' experts."""
     x, idx, tw, wgu, wd, B = _moe_inputs("tails", torch.float32)
