@@ -803,7 +803,8 @@ def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tens
     gathered once for both); ``hw [NB, B, I]`` and ``dgu [NB, B, 2I]`` in dispatch order of ``lay`` (the
     slot layout of ``topk_idx``) with **zero padding rows**; padding positions gather token 0. The bias
     gradients ``grad_b_gate_up[e] = sum dgu`` (ones column) and ``grad_b_down[e] = sum w grad_out[tok]``
-    (``weights [T*K, 1]`` fp32, rounded to x's dtype) are a second launch of the same kernel.
+    (``weights [T*K, 1]`` fp32, rounded to x's dtype) are a second launch (of ``grouped_wgrad_kernel``
+    when only one bias is given).
     """
     from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
 
@@ -823,13 +824,19 @@ def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tens
     grad_wd, grad_wgu = wgrad2(_row_tiles(hw), grad_out, x, _row_tiles(dgu), table, bounds, grad_wd, grad_wgu)
     if b_gate_up is None and b_down is None:
         return grad_wgu, grad_wd, None, None
-    # biases: sum of dgu (a ones column) and of w * grad_out over the expert's slots
-    ones = torch.ones(T, 1, dtype=dt, device=dev)
-    w_disp = torch.where(used, weights.reshape(-1)[slot.clamp(max=T * K - 1)], torch.zeros(()))
-    w_disp = w_disp.to(dt).unsqueeze(-1)  # [NB, B, 1], zero at padding
-    grad_bgu = torch.empty(E, 1, 2 * I, dtype=dt, device=dev)
-    grad_bd = torch.empty(E, 1, H, dtype=dt, device=dev)
-    grad_bgu, grad_bd = wgrad2(ones, _row_tiles(dgu), _row_tiles(w_disp), grad_out, table, bounds, grad_bgu,
-                               grad_bd)
-    return (grad_wgu, grad_wd, None if b_gate_up is None else grad_bgu.view(E, 2 * I),
-            None if b_down is None else grad_bd.view(E, H))
+    # biases: sum of dgu (a ones column) and of w * grad_out over the expert's slots, one launch
+    ops, grads = [], []
+    if b_gate_up is not None:
+        ops += [torch.ones(T, 1, dtype=dt, device=dev), _row_tiles(dgu)]
+        grads.append(torch.empty(E, 1, 2 * I, dtype=dt, device=dev))
+    if b_down is not None:
+        w_disp = torch.where(used, weights.reshape(-1)[slot.clamp(max=T * K - 1)], 0.0)  # zero at padding
+        ops += [_row_tiles(w_disp.to(dt).unsqueeze(-1)), grad_out]
+        grads.append(torch.empty(E, 1, H, dtype=dt, device=dev))
+    if len(grads) == 2:
+        grads = list(wgrad2(*ops, table, bounds, *grads))
+    else:
+        grads = [launch(KG.grouped_wgrad_kernel, lnc)(*ops, table, bounds, grads[0])]
+    grad_bgu = None if b_gate_up is None else grads[0].view(E, 2 * I)
+    grad_bd = None if b_down is None else grads[-1].view(E, H)
+    return grad_wgu, grad_wd, grad_bgu, grad_bd
