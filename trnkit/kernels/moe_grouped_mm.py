@@ -579,35 +579,66 @@ def combine(y: Any, out: Any, K: int) -> None:
     """``out[t] = sum_k y[t*K + k]`` for ``y [T*K, H]``, ``out [T, H]`` (HBM).
 
     A tile of M = c*n tokens (n = 128 // K per chunk of n*K slot rows, c = 128 // n chunks, so M is
-    ~128) loads its M*K contiguous slot rows with one DMA (chunk j on the partitions of column j) and
-    sums them on the Tensor Engine: per 512-column piece, c selection-matrix matmuls (see
-    :func:`selection_matrix`) accumulate into one ``[M, 512]`` fp32 PSUM tile (the K-way sum in fp32,
-    rounded once), evacuated once. On an LNC=2 launch the programs take alternate token tiles.
+    ~128) loads its M*K contiguous slot rows, one DMA per chunk (:func:`_combine_load`, issued one tile
+    ahead so the loads never queue behind a store that waits for compute), and sums them on the
+    Tensor Engine: per 512-column piece, c selection-matrix matmuls (see :func:`selection_matrix`)
+    accumulate into one ``[M, 512]`` fp32 PSUM tile (the K-way sum in fp32, rounded once), evacuated
+    once; up to PSUM_GROUPS pieces at a time, fed chunk by chunk (:func:`_combine_pass`). On an LNC=2
+    launch the programs take alternate token tiles.
     """
     T, H = out.shape
     sel = selection_matrix(K, y.dtype)
     n_tok = P // K
-    ns = n_tok * K
     nch = P // n_tok
-    for t0, nt in owned_chunks(chunks(T, nch * n_tok)):
+    token_tiles = owned_chunks(chunks(T, nch * n_tok))
+    nxt = None
+    if len(token_tiles):
+        nxt = _combine_load(y, token_tiles[0], K)
+    for k in range(len(token_tiles)):
+        t0, nt = token_tiles[k]
         parts = chunks(nt, n_tok)  # (first token, tokens) per chunk
-        y_sb = []
-        for j in range(len(parts)):
-            rows = parts[j][1] * K
-            t = nl.ndarray((ns, H), dtype=y.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=t[:rows, :], src=y[(t0 + parts[j][0]) * K:(t0 + parts[j][0]) * K + rows, :])
-            y_sb.append(t)
+        y_sb = nxt
+        if k + 1 < len(token_tiles):  # the next tile's loads go first: the store below waits for compute
+            nxt = _combine_load(y, token_tiles[k + 1], K)
         o_sb = nl.ndarray((nt, H), dtype=out.dtype, buffer=nl.sbuf)
         hcs = chunks(H, NMAX)
-        for q in range(len(hcs)):
-            n0, nw = hcs[q]
-            ps = nl.ndarray((nt, nw), dtype=nl.float32, buffer=nl.psum)
-            for j in range(len(parts)):
-                c0 = (nch - 1 - j) * n_tok
-                rows = parts[j][1] * K
-                nisa.nc_matmul(dst=ps, stationary=sel[:rows, c0:c0 + nt], moving=y_sb[j][:rows, n0:n0 + nw])
-            evacuate(o_sb[:, n0:n0 + nw], ps, q)
+        for q0 in range(0, len(hcs), PSUM_GROUPS):
+            _combine_pass(o_sb, y_sb, sel, parts, hcs[q0:q0 + PSUM_GROUPS], q0, K)
         nisa.dma_copy(dst=out[t0:t0 + nt, :], src=o_sb)
+
+
+def _combine_load(y: Any, tile: tuple, K: int) -> list:
+    """The slot rows of the :func:`combine` token tile ``(t0, nt)``: one ``[n*K, H]`` SBUF tile per
+    chunk of n = 128 // K tokens (one DMA each)."""
+    t0, nt = tile
+    n_tok = P // K
+    out = []
+    for c0, cn in chunks(nt, n_tok):
+        t = nl.ndarray((n_tok * K, y.shape[1]), dtype=y.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:cn * K, :], src=y[(t0 + c0) * K:(t0 + c0 + cn) * K, :])
+        out.append(t)
+    return out
+
+
+def _combine_pass(o_sb: Any, y_sb: list, sel: Any, parts: list, group: list, q0: int, K: int) -> None:
+    """The 512-column pieces in ``group`` of one :func:`combine` tile, one PSUM accumulation group
+    each, fed chunk by chunk (chunk-major: a piece's sum grows as the chunks' loads arrive, so the
+    tile is done soon after its last load; each piece still adds the chunks in order 0, 1, ...)."""
+    nt = o_sb.shape[0]
+    n_tok = P // K
+    nch = P // n_tok
+    ps = []
+    for _, nw in group:
+        ps.append(nl.ndarray((nt, nw), dtype=nl.float32, buffer=nl.psum))
+    for j in range(len(parts)):
+        c0 = (nch - 1 - j) * n_tok
+        rows = parts[j][1] * K
+        for q in range(len(group)):
+            n0, nw = group[q]
+            nisa.nc_matmul(dst=ps[q], stationary=sel[:rows, c0:c0 + nt], moving=y_sb[j][:rows, n0:n0 + nw])
+    for q in range(len(group)):
+        n0, nw = group[q]
+        evacuate(o_sb[:, n0:n0 + nw], ps[q], q0 + q)
 
 
 @nki.jit
