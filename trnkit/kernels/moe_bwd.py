@@ -338,7 +338,9 @@ def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, bloc
         lo, hi = block_range(block_start, e, bs)
         _grad_blocks(lo, hi, x, grad_out, token_table, block_weights, wgu, wd_T, outs, var)
         _load_dgu(pend, outs["dgu"], lo, 0)  # phase 2's first block, before the weight loads below
-        wgu_T = transposed_weight(wgu, H, I2)  # [2I-chunk][H-piece] [P, 512]; w_gate_up[e] is free again
+        # [2I-chunk][H-piece] [P, 512]; w_gate_up[e] is free again. The first two chunk rows, which phase 2's
+        # first matmuls read, are evacuated on Scalar: Vector still runs phase 1's last activation backward
+        wgu_T = transposed_weight(wgu, H, I2, scalar_rows=2)
         if e + 1 < mine.stop:
             # the next expert's weights load during phase 2, which holds only w_gate_up[e].T
             nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))

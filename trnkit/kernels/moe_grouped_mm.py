@@ -186,11 +186,13 @@ def tiles(n: int, shape: tuple, dtype: Any, buffer: Any = None) -> list:
     return out
 
 
-def transposed_weight(w_sb: Any, R: int, C: int) -> list:
+def transposed_weight(w_sb: Any, R: int, C: int, scalar_rows: int = 0) -> list:
     """``w.T [C, R]`` built from the :func:`load_weight` tiles ``[P, C]`` (read with :func:`moving_view`).
 
     Tiles ``[P, 512]`` per (C-chunk d, 512-column piece q of R); the up to 4 transposes of a piece
-    share one PSUM tile and one evacuation.
+    share one PSUM tile and one evacuation (alternately Vector and Scalar; those of the first
+    ``scalar_rows`` C-chunks all on Scalar, for a caller whose Vector Engine is still busy when the
+    first matmuls need them).
     """
     grid = []
     k = 0
@@ -201,7 +203,7 @@ def transposed_weight(w_sb: Any, R: int, C: int) -> list:
             for r0, rw in chunks(qn, P):
                 nisa.nc_transpose(dst=ps[:, r0:r0 + rw], data=w_sb[(q0 + r0) // P][:rw, c0:c0 + cw])
             t = nl.ndarray((P, qn), dtype=w_sb[0].dtype, buffer=nl.sbuf)
-            evacuate(t[:cw, :], ps, k)
+            evacuate(t[:cw, :], ps, k, 1.0 if len(grid) < scalar_rows else None)  # a scale: on Scalar
             k += 1
             row.append(t)
         grid.append(row)
