@@ -355,7 +355,8 @@ def wgrad_products(operands: list, grads: list, table: Any, bounds: Any, zero_pa
 
     Per group: its first ``S = wgrad_slots`` tiles are loaded into SBUF once (0/1-trip run-time loops,
     one per cache slot), while the previous group computes. The output tiles ``[128, 512]`` go in
-    passes of WGRAD_PASS_TILES PSUM tiles, each summed over all of g's row tiles (cached slots first,
+    passes of up to WGRAD_PASS_TILES PSUM tiles (:func:`wgrad_passes`; two passes in flight fill the 8
+    banks), each summed over all of g's row tiles (cached slots first,
     then tiles past the cache, gathered again per pass with only the pass's columns) in fp32, in a fixed
     order (deterministic, LNC=2 bit-identical). The first matmul of each group opens it (no zero
     matmul); a non-empty group evacuates and stores each pass once, an empty one writes zeros.
@@ -367,7 +368,7 @@ def wgrad_products(operands: list, grads: list, table: Any, bounds: Any, zero_pa
     slots = wgrad_slots(row_bytes)
     width = WGRAD_MAX_SLOTS + 3
     assert bounds.shape[1] == G * width, "wgrad bounds: WGRAD_MAX_SLOTS + 3 entries per group"
-    b_sb = load_block_start(bounds)
+    b_sb = load_block_start(bounds)  # (any [1, n] int32 row: the bound registers load from it)
     passes = wgrad_passes(grads)
     zeros = []
     for grad in grads:
