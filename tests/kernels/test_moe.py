@@ -672,7 +672,7 @@ def test_moe_experts_cost_qwen3_30b_a3b() -> None:
     """moe_experts at Qwen3-30B-A3B shapes vs the TensorE bound (a minute or two). Issue 12 asks for 70%
     at the pessimistic end of the range; the per-engine bound there is 76.2% (docs/kernels.md,
     "Feasibility of moe_experts at the pessimistic end"). The kernel reached 75.2% / 78.7% (pessimistic /
-    mid) at this shape when written (headline.py's routing); this guards both ends a little below, so a
+    mid) with this test's routing when written; this guards both ends a little below, so a
     regression of the tiling (128-column matmuls, GpSimd zero fills, a scatter in front of the next
     gather, gathers not one block ahead, scatters of padding sub-tiles, late weight loads) fails it."""
     _, rep, bound = _cost_of_moe_experts(T=8192, H=2048, inter=768, E=128, K=8)
