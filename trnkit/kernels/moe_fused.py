@@ -61,8 +61,8 @@ def tail_widths(B: int) -> tuple[int, ...]:
 
 
 # 0: every x chunk is transposed on the Tensor Engine. Vector 32x32 transposes (n > 0: every n-th
-# chunk) would take the SBUF port that GpSimd shares with the Vector Engine's 2-byte mode (trn2), and
-# GpSimd writes the descriptors of every gather: a block's gather then waits behind them.
+# chunk) take 16 instructions of 64 Vector cycles per 128x128 chunk, 8x the TensorE time they save:
+# even n = 8 puts the Vector Engine on the critical path (docs/kernels.md, moe_experts feasibility).
 VECTOR_TRANSPOSE_EVERY = 0
 SBUF_BYTES = 208 * 1024  # usable SBUF per partition (trnkit.nkisim.memory: the nki-library budget)
 
