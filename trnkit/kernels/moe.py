@@ -519,9 +519,10 @@ def moe_experts_bwd_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
     """Reference of :func:`moe_experts_bwd` -> (grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)
     and, when a bias is given, (grad_b_gate_up, grad_b_down) after them (None for an absent bias).
 
-    Mirrors the kernel's rounding points: the recomputed gate/up (bias added), ``grad_out @ w_down.T``,
-    ``<grad_out, b_down>``, ``h``, ``w * h`` and the gate/up gradients are stored in the input dtype
-    between the NKI kernels; ``grad_b_down`` sums ``w * grad_out`` with ``w`` in the input dtype.
+    Mirrors the kernels' rounding points: the recomputed gate/up (bias added), ``grad_out @ w_down.T``,
+    ``h``, ``w * h`` and the gate/up gradients are rounded to the input dtype (the data-path kernel
+    rounds them there too; ``<grad_out, b_down>``, rounded here, stays fp32 in the kernel); ``grad_b_down``
+    sums ``w * grad_out`` with ``w`` in the input dtype.
     """
     var = _variant_kw(activation, limit, alpha)
     _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, b_gate_up=b_gate_up,

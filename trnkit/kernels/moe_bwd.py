@@ -147,11 +147,12 @@ def activation_grad_rows(a: Any, u: Any, dt: Any, activation: str, limit: float,
 def _piece_to_sbuf(g_ps: Any, u_ps: Any, d_ps: Any, p0: int, bgu: Any, dt: Any) -> tuple:
     """``(a, u, dA)`` of one I-piece (columns ``p0 ..``) from PSUM into SBUF, rounded to the input dtype
     ``dt`` as the reference's are (a clamp of ``swiglu_clamped`` then binds where it does there); the
-    gate / up get ``b_gate_up[e]`` (``bgu [P, 2I]``). On the Scalar Engine, which then runs only work
-    that waits on the Tensor Engine, never on the Vector Engine's elementwise chain."""
+    gate / up get ``b_gate_up[e]`` (``bgu [P, 2I]``, then added by the Vector Engine). Otherwise on the
+    Scalar Engine, which then runs only work that waits on the Tensor Engine, never on the Vector
+    Engine's elementwise chain."""
     rows, pw = g_ps.shape
     out = []
-    for t in (g_ps, u_ps, d_ps):
+    for _ in range(3):
         out.append(nl.ndarray((rows, pw), dtype=dt, buffer=nl.sbuf))
     if bgu == None:  # noqa: E711
         nisa.activation(dst=out[0], op=nl.copy, data=g_ps)
@@ -178,14 +179,14 @@ def _transpose(src: Any, dst: list) -> None:
 
 def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, hw_t: Any, dgu_t: Any,
                gw_col: Any, var: dict) -> None:
-    """Steps 2 of the module doc for one sub-tile of ``rows`` slots: fills ``hw_t [rows, I]``, ``dgu_t
+    """Phase 1's work on one sub-tile of ``rows`` slots (module doc): fills ``hw_t [rows, I]``, ``dgu_t
     [rows, 2I]`` (input dtype) and ``gw_col [rows, 1]`` fp32 from the transposed rows ``x_T``, ``go_T``
     (H-chunk tiles ``[P, rows]``), the expert's weight tiles ``wgu`` and ``w_down.T`` grid ``wd_T`` and
     the slots' affinities ``w [rows, 1]`` fp32."""
     inter = dgu_t.shape[1] // 2
     dt = dgu_t.dtype
     f32 = nl.float32
-    hcs = chunks(len(x_T) * P, P)
+    HC = len(x_T)
     H = var["H"]
     pieces = chunks(inter, NMAX)
     parts = nl.ndarray((rows, len(pieces)), dtype=f32, buffer=nl.sbuf)
@@ -194,11 +195,11 @@ def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, 
         g_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
         u_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
         d_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
-        for c in range(len(hcs)):
+        for c in range(HC):
             hk = min(P, H - c * P)
             nisa.nc_matmul(dst=g_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, p0:p0 + pw])
             nisa.nc_matmul(dst=u_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, inter + p0:inter + p0 + pw])
-        for c in range(len(hcs)):
+        for c in range(HC):
             hk = min(P, H - c * P)
             nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, :rows], moving=wd_T[c][k][:hk, :pw])
         a, u, d = _piece_to_sbuf(g_ps, u_ps, d_ps, p0, var["bgu"], dt)
@@ -215,7 +216,7 @@ def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, 
     nisa.tensor_reduce(dst=gw_col, op=nl.add, data=parts, axis=1)
     if var["bd_cols"] != None:  # noqa: E711  <grad_out, b_down[e]>: b_down[e] as an [H, 1] moving column
         b_ps = nl.ndarray((rows, 1), dtype=f32, buffer=nl.psum)
-        for c in range(len(hcs)):
+        for c in range(HC):
             hk = min(P, H - c * P)
             nisa.nc_matmul(dst=b_ps, stationary=go_T[c][:hk, :rows], moving=var["bd_cols"][:hk, c:c + 1])
         nisa.tensor_tensor(dst=gw_col, data1=gw_col, data2=b_ps, op=nl.add)
@@ -223,8 +224,8 @@ def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, 
 
 def _grad_blocks(lo: Any, hi: Any, x: Any, grad_out: Any, token_table: Any, block_weights: Any, wgu: list,
                  wd_T: list, outs: dict, var: dict) -> None:
-    """Phase 1 of an expert: run-time loop over its blocks lo..hi-1 writing ``hw``, ``dgu`` and ``gw``
-    (steps 1-2 of the module doc)."""
+    """Phase 1 of an expert (module doc): run-time loop over its blocks lo..hi-1 writing ``hw``, ``dgu``
+    and ``gw``."""
     H = x.shape[1]
     _, rows, nsub = token_table.shape
     HC = (H + P - 1) // P
@@ -268,7 +269,7 @@ def _load_dgu(pend: list, dgu: Any, blk: Any, ahead: int) -> None:
 def _dx_blocks(lo: Any, hi: Any, wgu_T: list, outs: dict, pend: list, dx_prev: list, slot_table: Any,
                prev: Any) -> None:
     """Phase 2 of an expert: run-time loop over its blocks lo..hi-1 computing ``dX = dgu @ w_gate_up.T``
-    per slot from the ``dgu`` rows phase 1 wrote (step 3 of the module doc). ``pend`` holds block i's
+    per slot from the ``dgu`` rows phase 1 wrote (module doc). ``pend`` holds block i's
     ``dgu`` rows when its iteration starts (loaded by the kernel before the loop or by iteration i-1, right
     after that one's transposes: the loads then never queue behind the next expert's weight loads);
     block i's ``dX`` rows wait in ``dx_prev`` and are scattered after block i+1's transposes (``prev``:
@@ -301,8 +302,8 @@ def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, bloc
     laid out ``[NB, rows, B // rows]`` (position ``sub*rows + p`` at ``[p, sub]``, rows = min(B, 128)):
     token_table int32 (padding: any valid token), block_weights fp32 (the slot's affinity, 0 for
     padding), slot_table ``[NB + 1, ...]`` int32 (slot t*K+k, T*K for padding; row NB all padding);
-    block_start ``[1, E + 1]`` int32. Outputs: ``hw = w*h [NB, B, I]`` and ``dgu [NB, B, 2I]`` (input
-    dtype, dispatch order, padding rows zero; used blocks only), ``gw [NB, rows, B // rows]`` fp32 (the
+    block_start ``[1, E + 1]`` int32. Outputs: ``hw = w*h [NB, B, I]`` and ``dgu [NB + 1, B, 2I]`` (input
+    dtype, dispatch order, padding rows zero; used blocks only; slab NB is phase 2's read-ahead margin), ``gw [NB, rows, B // rows]`` fp32 (the
     gradient of each position's affinity, block layout as the tables) and ``grad_x [T, H]``.
     activation / limit / alpha / b_gate_up ``[E, 2I]`` / b_down ``[E, H]``: as the forward.
     """
