@@ -15,7 +15,7 @@ rope_hf = importlib.import_module("trnkit.kernels.rope_hf")  # (trnkit.kernels.r
 
 KERNELS = [(moe_grouped_mm, "grouped_mm_kernel"), (moe_grouped_mm, "grouped_wgrad_kernel"),
            (moe_grouped_mm, "grouped_wgrad2_kernel"),
-           (moe_grouped_mm, "combine_kernel"), (moe_fused, "moe_experts_kernel"),
+           (moe_fused, "moe_experts_kernel"),
            (moe_bwd, "moe_bwd_kernel")]
 
 

@@ -19,7 +19,8 @@ Kernels:
 * :func:`grouped_mm_kernel` ``out[rows] = x[rows] @ w[g]`` (or ``@ w[g].T``).
 * :func:`grouped_wgrad_kernel` ``grad_w[g] = sum over row tiles of a[rows].T @ b[rows]`` (fp32, in PSUM);
   :func:`grouped_wgrad2_kernel` two such gradients of the same rows in one launch.
-* :func:`combine_kernel` ``out[t] = sum_k y[t*K + k]`` (selection-matrix matmul on the Tensor Engine).
+* :func:`combine` ``out[t] = sum_k y[t*K + k]`` (selection-matrix matmul on the Tensor Engine), called at
+  the end of the forward and backward data-path kernels.
 """
 
 from __future__ import annotations
@@ -642,12 +643,3 @@ def _combine_pass(o_sb: Any, y_sb: list, sel: Any, parts: list, group: list, q0:
     for q in range(len(group)):
         n0, nw = group[q]
         evacuate(o_sb[:, n0:n0 + nw], ps[q], q0 + q)
-
-
-@nki.jit
-def combine_kernel(y, K):
-    """``out [T, H] = sum_k y[t*K + k]`` for ``y [T*K, H]`` (see :func:`combine`)."""
-    S, H = y.shape
-    out = nl.ndarray((S // K, H), dtype=y.dtype, buffer=nl.shared_hbm)
-    combine(y, out, K)
-    return out
