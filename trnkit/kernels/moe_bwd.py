@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from trnkit.kernels._common import GELU_A, GELU_C, program_split
-from trnkit.kernels.moe_fused import scatter_rows
+from trnkit.kernels.moe_fused import block_row, move_rows, scatter_rows
 from trnkit.kernels.moe_grouped_mm import (
     NMAX,
     P,
@@ -71,11 +71,10 @@ def bias_columns(b: Any, g: int) -> Any:
     return cols
 
 
-def _gather(src: Any, ids: Any, rows: int) -> Any:
-    """Rows ``src[ids]`` (HBM ``[R, W]``, ids ``[rows, 1]`` all valid) -> SBUF ``[rows, W]``."""
-    W = src.shape[1]
-    t = nl.ndarray((rows, W), dtype=src.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=src.ap(pattern=[[W, rows], [1, W]], offset=0, vector_offset=ids, indirect_dim=0))
+def _gather(src: Any, ids: Any, s: int, rows: int) -> Any:
+    """Rows ``src[ids[:, s]]`` (HBM ``[R, W]``, all ids valid) -> a new SBUF tile ``[rows, W]``."""
+    t = nl.ndarray((rows, src.shape[1]), dtype=src.dtype, buffer=nl.sbuf)
+    move_rows(src, t, ids, s, rows, True)
     return t
 
 
@@ -233,18 +232,14 @@ def _grad_blocks(lo: Any, hi: Any, x: Any, grad_out: Any, token_table: Any, bloc
     dt = x.dtype
 
     def block(i):
-        ids = nl.ndarray((rows, nsub), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=ids, src=token_table.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
-                                                  indirect_dim=0))
-        w = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=w, src=block_weights.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
-                                                  indirect_dim=0))
+        ids = block_row(token_table, i, 0)
+        w = block_row(block_weights, i, 0)  # fp32 affinities
         gw_blk = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
         for s in range(nsub):
             x_T = tiles(HC, (P, rows), dt)
-            _transpose(_gather(x, ids[:, s:s + 1], rows), x_T)
+            _transpose(_gather(x, ids, s, rows), x_T)
             go_T = tiles(HC, (P, rows), dt)
-            _transpose(_gather(grad_out, ids[:, s:s + 1], rows), go_T)
+            _transpose(_gather(grad_out, ids, s, rows), go_T)
             hw_t = nl.ndarray((rows, I2 // 2), dtype=dt, buffer=nl.sbuf)
             dgu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
             _slot_rows(x_T, go_T, wgu, wd_T, rows, w[:, s:s + 1], hw_t, dgu_t, gw_blk[:, s:s + 1], var)

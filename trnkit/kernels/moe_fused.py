@@ -200,16 +200,13 @@ def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_tab
     subs = chunks(width, x_next[0].shape[0])
 
     def block(i):
-        _, rows, nsub = block_weights.shape
-        w = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=w, src=block_weights.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=i,
-                                                  indirect_dim=0))
+        w = block_row(block_weights, i, 0)  # fp32 affinities
         x_T = tiles(HC, (P, width), x.dtype)
         for s in range(len(subs)):
             r0, rw = subs[s]
             transpose_rows(x_next[s][:rw, :], x_T, col0=r0, vector_every=VECTOR_TRANSPOSE_EVERY)
-        move_block_rows(x, x_next, block_ids(token_table, i, 1), True)  # block i + 1 (any expert's)
-        move_block_rows(y, y_prev, block_ids(slot_table, prev, 0), False)  # the previous block's rows
+        move_block_rows(x, x_next, block_row(token_table, i, 1), True)  # block i + 1 (any expert's)
+        move_block_rows(y, y_prev, block_row(slot_table, prev, 0), False)  # the previous block's rows
         h_T = tiles(IC, (P, width), x.dtype)
         swiglu_T(h_T, x_T, wgu, H, inter, width, act)
         for s in range(len(subs)):
@@ -227,11 +224,12 @@ NFLAGS = 3
 HALF = 64  # rows of the narrowest piece of sub-tile 0 (the narrowest tail width at rows = 128)
 
 
-def block_ids(table: Any, blk: Any, ahead: int) -> Any:
-    """Row ``blk + ahead`` of a flagged per-block table ``[NB + 1, rows, nsub + NFLAGS]`` (``blk`` a
-    register) -> SBUF ``[rows, nsub + NFLAGS]`` (ids, then the flags)."""
+def block_row(table: Any, blk: Any, ahead: int) -> Any:
+    """Row ``blk + ahead`` of a per-block table ``[NB (+ 1), rows, ncol]`` (``blk`` a register) -> SBUF
+    ``[rows, ncol]`` in the table's dtype: a flagged id table's ids, then its flags (ncol = nsub +
+    NFLAGS), or one value per position of the block (ids, affinities: ncol = nsub)."""
     _, rows, ncol = table.shape
-    ids = nl.ndarray((rows, ncol), dtype=nl.int32, buffer=nl.sbuf)
+    ids = nl.ndarray((rows, ncol), dtype=table.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=ids, src=table.ap(pattern=[[ncol, rows], [1, ncol]], offset=ahead * rows * ncol,
                                         scalar_offset=blk, indirect_dim=0))
     return ids
@@ -240,7 +238,7 @@ def block_ids(table: Any, blk: Any, ahead: int) -> Any:
 def move_block_rows(hbm: Any, sb: list, ids: Any, gather: bool) -> None:
     """Gather (``gather``) or scatter the rows of one block between HBM ``hbm [R, H]`` and its
     sub-tiles ``sb[s] [rows, H]``, only as many as the block runs at, by the flags in ``ids`` (see
-    :func:`block_ids`): sub-tile 0 whole or only its first HALF rows, then (flag) the other sub-tiles.
+    :func:`block_row`): sub-tile 0 whole or only its first HALF rows, then (flag) the other sub-tiles.
 
     Each flag becomes a register bounding a run-time loop of 0 or 1 trips (the block's width is a
     run-time value: the next block may be another expert's). Gathers write the rows the current block
@@ -268,12 +266,12 @@ def _move_flagged(hbm: Any, sb: list, ids: Any, col: int, s0: int, s1: int, r: i
 
     def move(j):
         for s in range(s0, s1):
-            _move_rows(hbm, sb[s], ids, s, r, gather)
+            move_rows(hbm, sb[s], ids, s, r, gather)
 
     nl.fori_loop(0, flag, move)
 
 
-def _move_rows(hbm: Any, t: Any, ids: Any, s: int, r: int, gather: bool) -> None:
+def move_rows(hbm: Any, t: Any, ids: Any, s: int, r: int, gather: bool) -> None:
     """Rows 0..r-1 of sub-tile s: ``t[p] = hbm[ids[p, s]]`` (gather) or ``hbm[ids[p, s]] = t[p]``."""
     H = hbm.shape[1]
     view = hbm.ap(pattern=[[H, r], [1, H]], offset=0, vector_offset=ids[:r, s:s + 1], indirect_dim=0)
@@ -288,13 +286,9 @@ def scatter_rows(y: Any, y_sb: list, slot_table: Any, blk: Any) -> None:
     ``y [S, H]`` named by ``slot_table [NB + 1, rows, nsub]`` (ids >= S, padding and the all-padding
     row NB, are skipped)."""
     _, rows, nsub = slot_table.shape
-    H = y.shape[1]
-    ids = nl.ndarray((rows, nsub), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ids, src=slot_table.ap(pattern=[[nsub, rows], [1, nsub]], offset=0, scalar_offset=blk,
-                                             indirect_dim=0))
+    ids = block_row(slot_table, blk, 0)
     for s in range(nsub):
-        nisa.dma_copy(dst=y.ap(pattern=[[H, rows], [1, H]], offset=0, vector_offset=ids[:, s:s + 1], indirect_dim=0),
-                      src=y_sb[s], oob_mode=nisa.oob_mode.skip)
+        move_rows(y, y_sb[s], ids, s, rows, False)
 
 
 def _prefetch_fits(H: int, inter: int, B: int, dtype: Any) -> bool:
@@ -344,7 +338,7 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     if len(mine):
         first = nisa.register_alloc()
         nisa.register_load(first, bs[0:1, mine.start:mine.start + 1])
-        move_block_rows(x, x_next, block_ids(token_table, first, 0), True)  # the first block, while its weights load
+        move_block_rows(x, x_next, block_row(token_table, first, 0), True)  # the first block, while its weights load
         nxt = (load_weight(w_gate_up, mine.start), load_weight(w_down, mine.start))
     for e in mine:
         wgu, wd = nxt  # HC tiles [P, 2I], IC tiles [P, H]
@@ -370,7 +364,7 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
                            wgu, wd, y, y_prev, slot_table, prev, act, bd)
         if e + 1 < mine.stop and not (prefetch and len(seg_widths) > 1):
             nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
-    move_block_rows(y, y_prev, block_ids(slot_table, prev, 0), False)  # the last block
+    move_block_rows(y, y_prev, block_row(slot_table, prev, 0), False)  # the last block
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:
         nisa.core_barrier(y, (0, 1))  # both cores' slots are in y before any token is combined
