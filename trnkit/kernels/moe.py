@@ -573,12 +573,26 @@ def moe_experts_bwd_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
 # NKI entry points
 # --------------------------------------------------------------------------------------------------
 def _moe_layout(topk_idx: torch.Tensor, num_experts: int, block_size: int) -> tuple[BlockLayout, torch.Tensor]:
-    """Slot layout (pad = T*K) and the token id of each block position (pad = T)."""
+    """Slot layout (pad = T*K) and the token id of each block position (:func:`_slot_tokens`)."""
     T, K = topk_idx.shape
     lay = block_layout(topk_idx.reshape(-1), num_experts, block_size, pad=T * K)
+    return lay, _slot_tokens(lay, K)
+
+
+def _slot_tokens(lay: BlockLayout, K: int) -> torch.Tensor:
+    """``[NB, B]`` int32 token id of each position of a slot layout; padding positions name token 0, so
+    every gathered row is finite (a Tensor Engine transpose would spread a NaN of an unwritten row over
+    the whole tile) and, with affinity 0 (:func:`_position_weights`), contributes exact zeros."""
     slot = lay.table.long()
-    token = torch.where(slot < T * K, slot // K, torch.full_like(slot, T)).to(torch.int32)
-    return lay, token
+    return torch.where(slot < lay.pad, slot // K, torch.zeros_like(slot)).to(torch.int32)
+
+
+def _position_weights(topk_weights: torch.Tensor, lay: BlockLayout) -> torch.Tensor:
+    """``[NB, B]`` fp32 affinity of each position of a slot layout (``topk_weights`` flattened in slot
+    order); 0 at padding positions."""
+    slot = lay.table.long()
+    w = topk_weights.reshape(-1).float()
+    return torch.where(slot < lay.pad, w[slot.clamp(max=lay.pad - 1)], torch.zeros((), device=w.device))
 
 
 def _tail_split(lay: BlockLayout, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -714,13 +728,8 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     lnc = resolve_lnc(lnc)
     T, K = topk_idx.shape
     E = w_gate_up.shape[0]
-    lay, token = _moe_layout(topk_idx, E, block_size)
-    slot = lay.table.long()
-    used = slot < T * K
-    # padding positions gather token 0 (finite rows: a Tensor Engine transpose would spread a NaN of
-    # an unwritten row over the whole tile); their results are never stored
-    token = torch.where(used, token, torch.zeros_like(token))
-    weights = topk_weights.reshape(-1).float()[slot.clamp(max=T * K - 1)] * used  # fp32 affinity per position
+    lay, token = _moe_layout(topk_idx, E, block_size)  # padding positions: token 0, results never stored
+    weights = _position_weights(topk_weights, lay)
     slots = torch.cat([lay.table, torch.full_like(lay.table[:1], T * K)])  # + the all-padding row NB
     token = torch.cat([token, torch.zeros_like(token[:1])])  # row NB: the last block's look-ahead
     split = _tail_split(lay, topk_idx, E)
@@ -772,14 +781,13 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     used = slot < T * K
     weights = topk_weights.reshape(-1, 1).float()
     # padding positions gather token 0 (finite rows) with affinity 0, so their w*h and dgu are exact zeros
-    block_weights = weights[slot.clamp(max=T * K - 1), 0] * used
+    block_weights = _position_weights(weights, lay)
     slots = torch.cat([lay.table, torch.full_like(lay.table[:1], T * K)])  # + the all-padding row NB
     # every kernel's outputs are taken from its return value (on a device the returned tensors are the
     # ones to use)
     hw, dgu, gw_blocks, grad_x = launch(KB.moe_bwd_kernel, lnc)(
-        x, grad_out, w_gate_up, w_down, _per_block(torch.where(used, token, torch.zeros_like(token))),
-        _per_block(slots), lay.block_start, _per_block(block_weights), K, activation, float(limit), float(alpha),
-        _dense(b_gate_up), _dense(b_down))
+        x, grad_out, w_gate_up, w_down, _per_block(token), _per_block(slots), lay.block_start,
+        _per_block(block_weights), K, activation, float(limit), float(alpha), _dense(b_gate_up), _dense(b_down))
     dgu = dgu[:NB]  # (slab NB: the kernel's read-ahead margin)
     gw_disp = gw_blocks.transpose(1, 2).reshape(NB, B)  # back from the per-block layout of _per_block
     gw = torch.zeros(T * K, dtype=torch.float32, device=dev)
@@ -814,10 +822,7 @@ def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tens
     I = hw.shape[2]  # noqa: E741
     E = lay.block_start.shape[1] - 1
     dt, dev = x.dtype, x.device
-    slot = lay.table.long()
-    used = slot < T * K
-    token = torch.where(used, slot // K, torch.zeros_like(slot)).to(torch.int32)  # padding: token 0
-    table = _row_tiles(token)
+    table = _row_tiles(_slot_tokens(lay, K))
     bounds = _wgrad_bounds(lay, torch.bincount(topk_idx.reshape(-1).long(), minlength=E))
     wgrad2 = launch(KG.grouped_wgrad2_kernel, lnc)
     grad_wgu = torch.empty(E, H, 2 * I, dtype=dt, device=dev)
@@ -831,8 +836,7 @@ def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tens
         ops += [torch.ones(T, 1, dtype=dt, device=dev), _row_tiles(dgu)]
         grads.append(torch.empty(E, 1, 2 * I, dtype=dt, device=dev))
     if b_down is not None:
-        w_disp = torch.where(used, weights.reshape(-1)[slot.clamp(max=T * K - 1)], 0.0)  # zero at padding
-        ops += [_row_tiles(w_disp.to(dt).unsqueeze(-1)), grad_out]
+        ops += [_row_tiles(_position_weights(weights, lay).to(dt).unsqueeze(-1)), grad_out]
         grads.append(torch.empty(E, 1, H, dtype=dt, device=dev))
     if len(grads) == 2:
         grads = list(wgrad2(*ops, table, bounds, *grads))
