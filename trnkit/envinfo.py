@@ -109,7 +109,7 @@ def data_packages() -> list[DataPackageInfo]:
     """The two data packages `scripts/run.sh` installs (with --no-deps; trnkit reads their files, never
     imports them) and the files the trainer's defaults read from them."""
     from trnkit.harness import data  # noqa: PLC0415 - lazy: it imports torch
-    from trnkit.harness.config import ConfigError  # noqa: PLC0415
+    from trnkit.errors import ConfigError  # noqa: PLC0415
 
     def tokenizer() -> tuple[str, int]:
         path = data.qwen3_tokenizer_path()

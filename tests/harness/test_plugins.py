@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -80,3 +81,74 @@ def test_missing_plugin_is_exit_2_with_one_paragraph(tmp_path: Path) -> None:
     assert proc.stderr.startswith("error: config overrides.plugins: cannot import plugin module 'no_such_pkg.kernels'")
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def _plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, text: str) -> str:
+    (tmp_path / f"{name}.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
+def test_plugin_calling_sys_exit_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for code in (0, 3):
+        name = _plugin(tmp_path, monkeypatch, f"exiting_kernels_{code}", f"import sys\n\nsys.exit({code})\n")
+        with pytest.raises(ConfigError, match=rf"cannot import plugin module '{name}': it called sys.exit\({code}\) "
+                                              rf"while being imported \(at .*{name}.py:3\)"):
+            import_plugins([name])
+
+
+def test_plugin_sys_exit_0_through_the_cli_is_exit_2_and_writes_nothing(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "exit_zero_kernels.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    proc = run_cli(["--overrides.plugins", "exit_zero_kernels", "--job.dump_folder", str(tmp_path / "run")],
+                   timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)  # not 0: nothing was trained
+    assert proc.stderr.startswith("error: config overrides.plugins: cannot import plugin module 'exit_zero_kernels': "
+                                  "it called sys.exit(0) while being imported")
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+_BAD_CONSTRAINTS = """
+import re
+import sys
+
+import examples.my_kernels as ex
+from trnkit.overrides import register
+
+
+def bad_constraints(x, w_router, top_k, **_):
+    {body}
+
+
+register("router_topk", "{impl}", ex.router_fwd, backward=ex.router_bwd, constraints=bad_constraints,
+         has_backward=True)
+"""
+
+
+@pytest.mark.parametrize("impl, body, what", [
+    ("raising", "raise RuntimeError('cannot tell')", r"raised RuntimeError: cannot tell \(at .*\.py:10\)"),
+    ("exiting", "sys.exit(0)", r"called sys.exit\(0\) \(at .*\.py:10\)"),
+    ("nolist", "return None", r"must return a list of Violation, got NoneType None"),
+])
+def test_plugin_constraint_function_that_fails_is_exit_2_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_tokenizer: str, corpus_dir: Path,
+        capsys: pytest.CaptureFixture[str], example_plugin, impl: str, body: str, what: str) -> None:
+    from trnkit.harness.train import main
+
+    name = _plugin(tmp_path, monkeypatch, f"bad_constraints_{impl}", _BAD_CONSTRAINTS.format(body=body, impl=impl))
+    dump = tmp_path / "run"
+    cfg = tiny_config(dump, tiny_tokenizer, corpus_dir, overrides={"plugins": [name], "ops": ["router_topk"],
+                                                                   "policy": "fallback", "impl": impl})
+    try:
+        rc = main(["--config", str(write_config(cfg, tmp_path / "c.toml"))])
+    finally:
+        unregister("router_topk", impl)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert re.match(rf"error: trnkit overrides: the constraint function {name}\.bad_constraints of "
+                    rf"router_topk\[{impl}\] {what}", err), err
+    assert "Traceback" not in err
+    assert not (dump / "metrics.jsonl").exists()  # stopped before the first step

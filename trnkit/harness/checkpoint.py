@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from trnkit.harness.config import ConfigError
+from trnkit.errors import ConfigError, TrnkitError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "trnkit.json"
@@ -62,7 +62,7 @@ RESUMABLE_FIELDS = frozenset({
 })
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(TrnkitError, RuntimeError):
     """A checkpoint could not be written (disk full, folder gone); the previous one is intact."""
 
 

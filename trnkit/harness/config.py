@@ -18,9 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-
-class ConfigError(ValueError):
-    """A bad trainer configuration (unknown key, wrong type, impossible value)."""
+from trnkit.errors import ConfigError
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from trnkit.harness.config import ConfigError
+from trnkit.errors import ConfigError
 
 IGNORE_INDEX = -100
 

@@ -26,6 +26,7 @@ import torch
 
 from trnkit.harness import parallel
 from trnkit.harness.aux_loss import MoEAuxLoss
+from trnkit.errors import TrnkitError
 from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIdentity, find_resumable,
                                        full_model_state_dict, load_full_model_state_dict, on_rank0)
 from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig, _suggest, parse_args, to_toml
@@ -37,12 +38,7 @@ from trnkit.harness.plugins import import_plugins
 from trnkit.harness.rundir import archive_previous_run
 from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
 from trnkit.harness.validation import Validator
-from trnkit.kernels.constraints import KernelConstraintError
-from trnkit.qwen3.state_dict import CheckpointError
 
-# Errors that are the user's to fix (config, data, checkpoints, disk): one paragraph, exit 2, no traceback
-# unless --debug or TRNKIT_DEBUG=1 asks for it.
-USER_ERRORS = (ConfigError, KernelConstraintError, CheckpointError, CheckpointSaveError)
 DEBUG_ENV = "TRNKIT_DEBUG"
 
 
@@ -500,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         run(cfg)
-    except (*USER_ERRORS, TrainingDiverged) as e:  # KernelConstraintError: a strict kernel cannot serve
+    except (TrnkitError, TrainingDiverged) as e:  # every user error (trnkit.errors): one paragraph, exit 2
         if debug:
             import traceback
             traceback.print_exc()

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from trnkit.errors import TrnkitError
+
 
 @dataclass(frozen=True)
 class Violation:
@@ -26,7 +28,7 @@ class Violation:
         return f"{msg}: {self.reason}" if self.reason else msg
 
 
-class KernelConstraintError(ValueError):
+class KernelConstraintError(TrnkitError, ValueError):
     """Raised by a kernel's entry check when its inputs violate declared constraints."""
 
     def __init__(self, violations: Iterable[Violation]) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from trnkit.errors import TrnkitError
 from trnkit.kernels.constraints import Violation
 from trnkit.kernels.lnc import LNC_VALUES, set_lnc
 from trnkit.kernels.moe import from_hf_v5
@@ -607,7 +608,7 @@ def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs
             tokens = torch.zeros(config.batch_size, seq, dtype=torch.long,
                                  device=param.device if param is not None else "cpu")
             model(tokens)
-    except OverrideConstraintError:
+    except TrnkitError:  # a strict impl that cannot serve, a user's constraint function that failed
         raise
     except Exception as exc:
         raise RuntimeError(

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trnkit.errors import TrnkitError, raised_at
 from trnkit.kernels.constraints import KernelConstraintError, Violation
 
 __all__ = [
@@ -68,8 +69,12 @@ POLICIES = ("strict", "fallback", "off")
 REFERENCE = "reference"
 
 
-class RegistrationError(ValueError):
+class RegistrationError(TrnkitError, ValueError):
     """A registration that conflicts with an existing one, or names an unknown op."""
+
+
+class ConstraintFunctionError(TrnkitError, RuntimeError):
+    """An impl's own constraint function raised (``SystemExit`` included) or returned no list of Violation."""
 
 
 class OverrideConstraintError(KernelConstraintError):
@@ -116,8 +121,21 @@ class ImplEntry:
             out.append(Violation(label, "compile_ok", False,
                                  "this implementation is not declared torch.compile-safe"))
         if self.constraints is not None and inputs:
-            out.extend(self.constraints(**inputs))
+            out.extend(self._run_constraints(label, inputs))
         return out
+
+    def _run_constraints(self, label: str, inputs: dict[str, Any]) -> list[Violation]:
+        fn = self.constraints
+        try:
+            got = fn(**inputs)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's (plugin's) function: theirs to fix
+            what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
+            raise ConstraintFunctionError(f"trnkit overrides: the constraint function {_qualname(fn)} of {label} "
+                                          f"{what}{raised_at(e)}") from e
+        if not isinstance(got, list) or not all(isinstance(v, Violation) for v in got):
+            raise ConstraintFunctionError(f"trnkit overrides: the constraint function {_qualname(fn)} of {label} "
+                                          f"must return a list of Violation, got {type(got).__name__} {got!r:.100}")
+        return got
 
 
 @dataclass(frozen=True)

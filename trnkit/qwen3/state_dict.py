@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from trnkit.errors import TrnkitError
+
 from .config import Qwen3Config
 
 # (HF pattern, native pattern, kind). {L} = layer index, {E} = expert index.
@@ -145,7 +147,7 @@ def native_to_hf_items(native: Mapping[str, torch.Tensor], config: Qwen3Config,
             raise KeyError(f"Qwen3 state-dict adapter: native key {name!r} has no HF mapping")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TrnkitError, ValueError):
     """A checkpoint that cannot be loaded: bad file, or keys/shapes that do not fit the config."""
 
 

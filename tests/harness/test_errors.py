@@ -1,0 +1,50 @@
+"""Every user error derives from trnkit.errors.TrnkitError, and the trainer's CLI maps any of them to exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from trnkit.errors import ConfigError, TrnkitError
+from trnkit.harness import train
+from trnkit.harness.checkpoint import CheckpointSaveError
+from trnkit.kernels.constraints import KernelConstraintError
+from trnkit.overrides.registry import ConstraintFunctionError, OverrideConstraintError, RegistrationError
+from trnkit.qwen3.state_dict import CheckpointError
+
+
+@pytest.mark.parametrize("cls", [ConfigError, KernelConstraintError, OverrideConstraintError, CheckpointError,
+                                 CheckpointSaveError, RegistrationError, ConstraintFunctionError])
+def test_user_errors_share_one_base(cls: type) -> None:
+    assert issubclass(cls, TrnkitError)
+
+
+def test_harness_config_error_is_the_shared_class() -> None:
+    from trnkit.harness import config
+
+    assert config.ConfigError is ConfigError and issubclass(ConfigError, ValueError)  # old except clauses hold
+
+
+class _PluginsOwnError(TrnkitError):
+    """A user error class defined outside trnkit (e.g. by a plugin)."""
+
+
+@pytest.mark.parametrize("exc, code", [(_PluginsOwnError("my_pkg: bad block size 3"), 2),
+                                       (train.TrainingDiverged("train: step 1: loss nan"), 3)])
+def test_cli_maps_any_trnkit_error_to_exit_2(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                             exc: Exception, code: int) -> None:
+    def fail(cfg: object) -> None:
+        raise exc
+
+    monkeypatch.setattr(train, "run", fail)
+    assert train.main([]) == code
+    err = capsys.readouterr().err
+    assert err == f"error: {exc} (--debug or TRNKIT_DEBUG=1 shows the traceback)\n"
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(cfg: object) -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(train, "run", fail)
+    with pytest.raises(ZeroDivisionError):
+        train.main([])

@@ -1,0 +1,30 @@
+"""The base class of every error that is the user's to fix (a leaf module: every layer may import it).
+
+A :class:`TrnkitError` names what is wrong (the config key, the op, the file), the rule it breaks and
+the value it saw, so its message alone tells the user what to change. The trainer's command line prints
+any of them as one ``error: ...`` message and exits with status 2, without a traceback (``--debug`` or
+``TRNKIT_DEBUG=1`` shows one); anything else is a bug and keeps its traceback.
+
+Subclasses keep the built-in base they had (``ValueError``, ``RuntimeError``) so existing ``except``
+clauses still catch them.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+__all__ = ["ConfigError", "TrnkitError", "raised_at"]
+
+
+class TrnkitError(Exception):
+    """A mistake the user can fix: bad config, data, model folder, checkpoint, disk, kernel inputs."""
+
+
+class ConfigError(TrnkitError, ValueError):
+    """A bad configuration value (trainer config, model config, override names, plugins)."""
+
+
+def raised_at(e: BaseException) -> str:
+    """`` (at file:line)`` of the innermost frame of ``e``'s traceback (empty when it has none)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
