@@ -34,3 +34,32 @@ def scalar_dependent_chain(x, n: int = 256):
 def chain_interval_ns(report_total_ns: float, report_short_ns: float, n_long: int, n_short: int) -> float:
     """Per-instruction initiation interval from two chain lengths (cancels the loads and the store)."""
     return (report_total_ns - report_short_ns) / (n_long - n_short)
+
+
+@nki.jit
+def dma_exp_roundtrip(in_tensor):
+    """The DMA overview's profiled kernel ([SDK] nki/get-started/about/nki-dma-overview.rst, "Example 1"
+    ``A[4, 4096]`` and "Example 2" ``A[128, 128]``, bf16, one NeuronCore-v3): one HBM -> SBUF load, one
+    ScalarE ``activation`` (exp), one SBUF -> HBM store. The code is the page's, in the current API."""
+    out_tensor = nl.ndarray(in_tensor.shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    sbuf_tensor = nl.ndarray(in_tensor.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+    out_tile = nl.ndarray(in_tensor.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_copy(dst=sbuf_tensor, src=in_tensor)
+    nisa.activation(dst=out_tile, op=nl.exp, data=sbuf_tensor)
+    nisa.dma_copy(dst=out_tensor, src=out_tile)
+    return out_tensor
+
+
+@nki.jit
+def dma_load_stream(in_tensor, n: int = 16):
+    """``n`` back-to-back HBM -> SBUF loads of ``in_tensor [128, F]`` (bf16), each into its own tile, no
+    compute: the pattern assumed for the DMA overview's throughput figure ("DMA Throughput varying Bytes per
+    Partition for p_dim = 128", [SDK] nki/img/overviews/nki-dma-intro-1.jpg), whose kernel the page does not
+    give. Returns one of the tiles so the loads are not dead code."""
+    out = nl.ndarray(in_tensor.shape, dtype=in_tensor.dtype, buffer=nl.shared_hbm)
+    tile = None
+    for _ in range(n):
+        tile = nl.ndarray(in_tensor.shape, dtype=in_tensor.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=tile, src=in_tensor)
+    nisa.dma_copy(dst=out, src=tile)
+    return out
