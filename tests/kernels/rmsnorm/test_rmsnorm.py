@@ -1,0 +1,181 @@
+"""RMSNorm kernels: fp64-oracle parity (forward, residual form, backward with the weight gradient; fp32
+and bf16; wide rows, narrow rows as Qwen3's q/k head norm, odd shapes), agreement with the torch
+reference, LNC=2, constraints. Slow tier: Qwen3-4B and Qwen3-30B-A3B shapes.
+
+The oracle is transformers' Qwen3RMSNorm arithmetic (normalise in fp32, cast, times the weight) written
+in plain torch and run at the test dtype (torch's own result) and in float64 (tests/tolerances.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from tests.kernels.oracles import leaves
+from tests.tolerances import F64, assert_close, check_oracle
+from trnkit.kernels.constraints import KernelConstraintError
+from trnkit.kernels.rmsnorm import (rmsnorm, rmsnorm_bwd, rmsnorm_bwd_ref, rmsnorm_constraints, rmsnorm_ref,
+                                    rmsnorm_residual, rmsnorm_residual_ref)
+from trnkit.nkisim import trace
+
+K = importlib.import_module("trnkit.kernels.rmsnorm.rmsnorm")  # (the package's rmsnorm is the function)
+EPS = 1e-6
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def hf_rmsnorm(x: torch.Tensor, w: torch.Tensor, dt: torch.dtype, residual: torch.Tensor | None = None):
+    """transformers' Qwen3RMSNorm at dtype ``dt`` (its internal fp32 is float64 for the oracle)."""
+    x = x.to(dt)
+    if residual is not None:
+        x = x + residual.to(dt)
+    inner = torch.promote_types(dt, torch.float32)
+    h = x.to(inner)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    return w.to(dt) * h.to(dt), x
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    H = shape[-1]
+    x = (torch.randn(shape, generator=g) * scale).to(dtype)
+    w = (1 + 0.2 * torch.randn(H, generator=g)).to(dtype)
+    res = torch.randn(shape, generator=g).to(dtype)
+    gy = torch.randn(shape, generator=g).to(dtype)
+    gs = torch.randn(shape, generator=g).to(dtype)
+    return x, w, res, gy, gs
+
+
+def norm_case(shape: tuple[int, ...], dtype: torch.dtype, residual: bool, lnc: int = 1, seed: int = 0) -> None:
+    """Forward and backward of the kernels against the fp64 oracle; in the residual form the backward
+    also gets the residual stream's gradient (grad_s) and its result is the gradient of x and residual."""
+    x, w, res, gy, gs = _inputs(shape, dtype, seed)
+    if residual:
+        y, s, rstd = rmsnorm_residual(x, res, w, EPS, lnc=lnc)
+        check_oracle("rmsnorm s", s, x + res, x.to(F64) + res.to(F64))
+    else:
+        (y, rstd), s = rmsnorm(x, w, EPS, lnc=lnc), x
+    base, _ = hf_rmsnorm(x, w, dtype, res if residual else None)
+    orc, s64 = hf_rmsnorm(x, w, F64, res if residual else None)
+    check_oracle("rmsnorm y", y, base, orc)
+    check_oracle("rmsnorm rstd", rstd, torch.rsqrt(s.float().pow(2).mean(-1) + EPS).reshape(-1),
+                 torch.rsqrt(s64.pow(2).mean(-1) + EPS).reshape(-1))
+    g_s = gs if residual else None
+    gx, gw = rmsnorm_bwd(gy, s, w, rstd, g_s, lnc=lnc)
+    assert gx.dtype == x.dtype and gw.dtype == w.dtype and gw.shape == w.shape
+    grads = {}
+    for dt in (dtype, F64):
+        sl, wl = leaves([s, w], dt)
+        out, _ = hf_rmsnorm(sl, wl, dt)
+        outs, gos = [out], [gy.to(dt)]
+        if residual:  # s also flows on down the residual stream
+            outs.append(sl)
+            gos.append(gs.to(dt))
+        grads[dt] = torch.autograd.grad(outs, (sl, wl), gos)
+    check_oracle("rmsnorm grad_x", gx, grads[dtype][0], grads[F64][0])
+    check_oracle("rmsnorm grad_w", gw, grads[dtype][1], grads[F64][1])
+
+
+FAST = [(1, 2), (3, 7), (130, 96), (257, 640), (2, 3, 128), (2, 5, 4, 128), (129, 1030)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", FAST, ids=[str(s) for s in FAST])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_oracle_parity(shape, dtype, residual) -> None:
+    norm_case(shape, dtype, residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(300, 1024), (1030, 128), (1, 640)], ids=["wide", "narrow", "one-row"])
+def test_lnc2_matches_lnc1(shape, dtype) -> None:
+    """LNC=2 splits the rows: y, s, rstd and grad_x bit-identical to LNC=1; grad_w sums two partials (the
+    same fp32 terms in another order); the oracle rule holds on both."""
+    x, w, res, gy, gs = _inputs(shape, dtype, seed=1)
+    one, two = rmsnorm_residual(x, res, w, EPS, lnc=1), rmsnorm_residual(x, res, w, EPS, lnc=2)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    b1, b2 = rmsnorm_bwd(gy, one[1], w, one[2], gs, lnc=1), rmsnorm_bwd(gy, one[1], w, one[2], gs, lnc=2)
+    assert torch.equal(b1[0], b2[0])
+    assert_close(b2[1], b1[1], dtype)
+    norm_case(shape, dtype, True, lnc=2, seed=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_reference_has_the_kernels_rounding_points(dtype) -> None:
+    """The torch reference rounds where the kernels do: equal up to fp32 summation order (a rounding-
+    boundary case may differ by one ulp of the output dtype)."""
+    x, w, res, gy, gs = _inputs((257, 640), dtype, seed=2)
+    y, s, rstd = rmsnorm_residual(x, res, w, EPS)
+    yr, sr, rr = rmsnorm_residual_ref(x, res, w, EPS)
+    assert torch.equal(s, sr)
+    torch.testing.assert_close(rstd, rr, rtol=2e-7, atol=0)
+    assert_close(y, yr, dtype)
+    gx, gw = rmsnorm_bwd(gy, s, w, rstd, gs)
+    gxr, gwr = rmsnorm_bwd_ref(gy, s, w, rr, gs)
+    assert_close(gx, gxr, dtype)
+    assert_close(gw, gwr, dtype)
+
+
+def test_fp32_weight_with_bf16_activations() -> None:
+    """A fp32 weight (fp32 master params) with bf16 activations: y is fp32 (HF: fp32 weight * bf16 h),
+    grad_w fp32, grad_x bf16, all within the oracle rule."""
+    x, _, _, gy, _ = _inputs((130, 640), torch.bfloat16, seed=3)
+    w = 1 + 0.2 * torch.randn(640, generator=torch.Generator().manual_seed(4))
+    y, rstd = rmsnorm(x, w, EPS)
+    assert y.dtype == torch.float32
+    yr, _ = rmsnorm_ref(x, w, EPS)
+    torch.testing.assert_close(y, yr, rtol=2e-6, atol=1e-6)
+    gx, gw = rmsnorm_bwd(gy.float(), x, w, rstd)
+    assert gx.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    gxr, gwr = rmsnorm_bwd_ref(gy.float(), x, w, rstd)
+    assert_close(gx, gxr, torch.bfloat16)
+    assert_close(gw, gwr, torch.float32)
+
+
+def test_constraints_name_the_rule_and_value() -> None:
+    x = torch.randn(4, 64)
+    cases = [
+        (dict(x=x, weight=torch.ones(32)), "weight is [H]"),
+        (dict(x=x.half(), weight=torch.ones(64).half()), "x.dtype in"),
+        (dict(x=x.bfloat16(), weight=torch.ones(64).half()), "weight.dtype == x.dtype or float32"),
+        (dict(x=x, weight=torch.ones(64), eps=-1.0), "eps is a finite float >= 0"),
+        (dict(x=x, weight=torch.ones(64), residual=torch.randn(4, 32)), "residual has x's shape"),
+        (dict(x=torch.randn(2, 9000).bfloat16(), weight=torch.ones(9000).bfloat16()), "H <= 8192"),
+    ]
+    for kw, rule in cases:
+        v = rmsnorm_constraints(**kw)
+        assert v and rule in v[0].constraint, (kw.keys(), v)
+    with pytest.raises(KernelConstraintError, match="rmsnorm: constraint 'weight is"):
+        rmsnorm(x, torch.ones(32))
+    with pytest.raises(KernelConstraintError, match=r"rmsnorm_bwd: constraint 'rstd is \[rows\] float32"):
+        rmsnorm_bwd(x, x, torch.ones(64), torch.ones(3))
+    with pytest.raises(KernelConstraintError, match="rmsnorm_bwd: constraint 'grad_y has x's shape and the output"):
+        rmsnorm_bwd(x.bfloat16(), x, torch.ones(64), torch.ones(4))
+
+
+def test_kernels_run_on_both_engines_and_tensor_engine_sums() -> None:
+    """The wide forward balances the n pass between Vector and Scalar; the backward's row sums over
+    partitions (dw) and the wide dx sums run on the Tensor engine (trace)."""
+    x, w, _, gy, _ = _inputs((512, 1024), torch.bfloat16)
+    with trace.record() as tr:
+        y, rstd = rmsnorm(x, w)
+    by = tr.by_op()
+    assert by["activation_reduce"] == 512 // 128 * 1 * (512 // 512)  # one per row slot: 4 chunks x NT rows
+    ops = {(i.engine, i.op) for i in tr}
+    assert ("vector", "tensor_scalar") in ops and ("scalar", "activation") in ops
+    with trace.record() as tr:
+        rmsnorm_bwd(gy, x, w, rstd)
+    assert tr.by_engine()["tensor"] > 0
+
+
+# --------------------------------------------------------------------------------------------- slow
+SLOW = [("4B norm", (8192, 2560)), ("4B q-norm", (2048, 32, 128)), ("4B k-norm", (2048, 8, 128)),
+        ("30B-A3B norm", (8192, 2048)), ("30B-A3B q-norm", (2048, 32, 128))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", SLOW, ids=[c[0] for c in SLOW])
+def test_oracle_parity_production(case, dtype) -> None:
+    norm_case(case[1], dtype, residual=case[0].endswith(" norm"))

@@ -1,0 +1,461 @@
+"""RMSNorm forward and backward NKI kernels (``rmsnorm_fwd_kernel``, ``rmsnorm_bwd_kernel``).
+
+Rows (tokens; Qwen3's q/k head norm: one row per (token, head)) go on partitions: partition ``p`` of
+a chunk holds ``NT`` consecutive rows, so every DMA moves one contiguous run of ``NT * H`` elements
+per partition (about 8 KiB), and the next chunk's loads are issued before the current chunk's stores.
+H is the free dimension, so every per-row statistic is a free-axis reduction and every per-row scale
+a per-partition scalar. LNC=2 (``kernel[2]``) gives each core a contiguous half of the rows.
+
+Forward (``y = w * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)``, HF's cast order):
+Scalar squares and sums each row (``activation_reduce``), then ``rstd`` in one Scalar pass over the
+chunk's ``[P, NT]`` sums; Vector forms ``n = x * rstd`` (rounded to x's dtype) and ``y = n * w``
+(``w`` broadcast to every partition once). With a residual, Vector first adds ``s = x + residual``
+(stored: the new residual stream) and normalises ``s``.
+
+Backward (``gw = (dy * w).to(x.dtype)``, ``dx = rstd * gw - x * rstd^3 * sum(gw * x) / H``,
+``dw = sum_rows dy * n``): Vector forms ``gw``, ``n`` and ``prod = dy * n``; the row sum
+``D' = sum(gw * n)`` (= ``rstd * sum(gw * x)`` up to n's rounding) is a Vector product summed on Scalar.
+``dw``'s sum over rows is a sum over partitions, done on the Tensor engine: each 128-column piece of
+``prod`` is the stationary operand of a matmul whose moving operand is a one-hot ``[P, NC]`` matrix
+(ones in column c), so every piece accumulates into column c of one ``[128, NC]`` fp32 PSUM tile across
+all chunks (one accumulation group for the whole kernel). For wide rows (H >= 512) ``dx`` is summed
+on the Tensor engine too: ``dx = diag(rstd) @ gw + diag(-c) @ x (+ I @ grad_s)`` into an fp32 PSUM
+bank, the per-row scalars split into bf16 hi + lo parts for bf16 operands (so the sum is as exact as
+fp32 arithmetic), copied out by Scalar (the one rounding). Narrow rows (Qwen3's head norm, H = 128)
+keep NT rows per partition and use per-row Scalar / Vector passes instead (a diagonal matrix per row
+would cost more Vector time than the row itself). LNC=2: each core's partial ``dw`` goes to a shared
+HBM scratch, one ``core_barrier``, then each core sums half of the partitions.
+
+NaN: the Tensor engine multiplies, so a NaN in one row's ``gw`` / ``x`` makes every row of its chunk
+NaN in ``dx`` (``0 * NaN``), and any NaN reaches ``dw`` (as in the reference).
+"""
+
+from __future__ import annotations
+
+from trnkit.kernels._common import P_MAX, cdiv, program_split, row_chunks
+from trnkit.nki_api import nisa, nki, nl
+
+P = P_MAX
+ROW_BYTES = 8192  # bytes per partition per operand DMA (several rows per partition for narrow rows)
+WIDE = 512  # H from which per-row instructions are long enough (>= one PSUM bank of columns)
+PIECE = 512  # columns per PSUM bank (fp32)
+PREFETCH = 1  # chunks whose loads are issued ahead of the one being computed
+
+
+def _out_dtype(x, w):
+    """``w * n``'s dtype: fp32 if either operand is."""
+    if x.dtype == nl.float32 or w.dtype == nl.float32:
+        return nl.float32
+    return x.dtype
+
+
+def _own_chunks(N, H, dtype, n_prog, pid):
+    """This program's row chunks ``(r0, P, NT)`` (rows ``r0 + p*NT + j``): a contiguous share of the rows."""
+    per = cdiv(N, n_prog)
+    lo = min(N, pid * per)
+    hi = min(N, lo + per)
+    isz = 4 if dtype == nl.float32 else 2
+    nt = max(1, ROW_BYTES // (H * isz))
+    if hi - lo >= P:
+        nt = max(1, min(nt, (hi - lo) // P))
+    out = []
+    if hi > lo:
+        local = row_chunks(hi - lo, nt)
+        for i in range(len(local)):
+            out.append((lo + local[i][0], local[i][1], local[i][2]))
+    return out
+
+
+def _rows(t, r0, Pc, NT, W):
+    """HBM ``t [N, W]`` rows ``r0 + p*NT + j`` as a ``[Pc, NT, W]`` access pattern."""
+    return t.ap(pattern=[[NT * W, Pc], [W, NT], [1, W]], offset=r0 * W)
+
+
+def _row_stats(t, r0, Pc, NT):
+    """HBM ``t [N]`` (one value per row) for the rows of a chunk as ``[Pc, NT]``."""
+    return t.ap(pattern=[[NT, Pc], [1, NT]], offset=r0)
+
+
+def _load_chunk(srcs, chunk, H):
+    """SBUF copies ``[Pc, NT, H]`` of the chunk's rows of each HBM tensor in ``srcs`` (None stays None)."""
+    r0, Pc, NT = chunk
+    out = []
+    for i in range(len(srcs)):
+        t = None
+        if srcs[i] != None:  # noqa: E711 (NKI rejects `is`)
+            t = nl.ndarray((Pc, NT, H), dtype=srcs[i].dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=_rows(srcs[i], r0, Pc, NT, H))
+        out.append(t)
+    return out
+
+
+def _weight_rows(w, H):
+    """``w [H]`` (HBM) broadcast to every partition: SBUF ``[P, H]`` (one DMA, partition step 0)."""
+    t = nl.ndarray((P, H), dtype=w.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=w.ap(pattern=[[0, P], [1, H]], offset=0))
+    return t
+
+
+def _per_row(t, Pc, NT, H):
+    """``[Pc, NT]`` per-row values broadcast along H: a ``[Pc, NT, H]`` view (step 0 on the last axis)."""
+    return t.ap(pattern=[[NT, Pc], [1, NT], [0, H]], offset=0)
+
+
+def _per_col(w_sb, Pc, NT, H):
+    """The broadcast weight ``[P, H]`` as a ``[Pc, NT, H]`` view (step 0 over the rows of a partition)."""
+    return w_sb.ap(pattern=[[H, Pc], [0, NT], [1, H]], offset=0)
+
+
+# Engine time of one per-row scaling pass (ns per element per partition): Vector ``tensor_scalar`` with an
+# fp32 scalar column (no 2-byte performance mode) at 0.96 GHz, Scalar ``activation`` at 1.2 GHz; the
+# rows of a chunk go to whichever engine has less work so far (``load`` = [Vector ns, Scalar ns]).
+VECTOR_NS, SCALAR_NS = 1.0 / 0.96, 1.0 / 1.2
+MIN_CYCLES = 64  # an instruction's minimum initiation interval (cycles)
+
+
+def _scale_row(dst, src, col, load):
+    """``dst = src * col`` (a per-partition fp32 scalar column) on Vector or Scalar, whichever is less
+    loaded; ``load`` is updated."""
+    n = max(MIN_CYCLES, src.shape[1])
+    if load[1] + n * SCALAR_NS <= load[0] + n * VECTOR_NS:
+        nisa.activation(dst=dst, op=nl.copy, data=src, scale=col)
+        load[1] = load[1] + n * SCALAR_NS
+    else:
+        nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=col)
+        load[0] = load[0] + n * VECTOR_NS
+
+
+def _tt_ns(n, dtype):
+    """Vector time of a ``tensor_tensor`` over n elements per partition: 2-byte operands in SBUF run
+    single-pass at twice the rate (trn2 performance mode), fp32 in two passes."""
+    return max(MIN_CYCLES, n / 2 if dtype != nl.float32 else 2 * n) * VECTOR_NS
+
+
+def _normalise(n_t, src, rstd_t, NT, load):
+    """``n = src * rstd`` per row, rounded to n's dtype (rows balanced between Vector and Scalar)."""
+    for j in range(NT):
+        _scale_row(n_t[:, j, :], src[:, j, :], rstd_t[:, j:j + 1], load)
+
+
+def _row_sums(dst, data, Pc, NT, H, op, load):
+    """``dst [Pc, NT] = sum_h op(data)`` per row (fp32): Scalar ``activation_reduce`` per wide row, else one
+    Scalar pass and a Vector reduction over the chunk (``load`` is charged)."""
+    if H >= WIDE:
+        junk = nl.ndarray((Pc, H), dtype=data.dtype, buffer=nl.sbuf)
+        for j in range(NT):
+            nisa.activation_reduce(dst=junk, op=op, data=data[:, j, :], reduce_op=nl.add,
+                                   reduce_res=dst[:, j:j + 1])
+        load[1] = load[1] + NT * (H + MIN_CYCLES) * SCALAR_NS
+    else:
+        tmp = nl.ndarray((Pc, NT, H), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=tmp, op=op, data=data)
+        nisa.tensor_reduce(dst=dst, op=nl.add, data=tmp, axis=2)
+        load[1] = load[1] + max(MIN_CYCLES, NT * H) * SCALAR_NS
+        load[0] = load[0] + max(MIN_CYCLES, NT * H) * VECTOR_NS
+
+
+def _fwd_squares(x_t, r_t, s, chunk, out_dt, load):
+    """Stage A of a forward chunk: ``src = x (+ residual)`` (stored as ``s``) and the row sums of squares
+    (wide rows: complete, on Scalar; narrow rows: the squares, summed in stage B)."""
+    r0, Pc, NT = chunk
+    H = x_t.shape[2]
+    src = x_t
+    if r_t != None:  # noqa: E711
+        src = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=src, data1=x_t, data2=r_t, op=nl.add)
+        load[0] = load[0] + _tt_ns(NT * H, x_t.dtype)
+        nisa.dma_copy(dst=_rows(s, r0, Pc, NT, H), src=src)
+    ss = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    sq = None
+    if H >= WIDE:
+        _row_sums(ss, src, Pc, NT, H, nl.square, load)
+    else:
+        sq = nl.ndarray((Pc, NT, H), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq, op=nl.square, data=src)
+        load[1] = load[1] + max(MIN_CYCLES, NT * H) * SCALAR_NS
+    load[0] = load[0] + _tt_ns(NT * H, out_dt)  # stage C's y = n * w
+    return [src, ss, sq, None, chunk]
+
+
+def _fwd_sum(state, load):
+    """Stage B1 (narrow rows): the Vector sum of the squares."""
+    src, ss, sq, _, chunk = state
+    if sq != None:  # noqa: E711
+        nisa.tensor_reduce(dst=ss, op=nl.add, data=sq, axis=2)
+        load[0] = load[0] + max(MIN_CYCLES, chunk[2] * src.shape[2]) * VECTOR_NS
+
+
+def _fwd_rstd(state, eps_t):
+    """Stage B2: ``rstd = rsqrt(sum / H + eps)`` per row."""
+    src, ss, sq, _, chunk = state
+    r0, Pc, NT = chunk
+    H = src.shape[2]
+    rstd_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=rstd_t, op=nl.rsqrt, data=ss, scale=1.0 / H, bias=eps_t[:Pc, :])
+    return [src, None, None, rstd_t, chunk]
+
+
+def _fwd_norm(state, load):
+    """Stage C: ``n = src * rstd`` per row (rounded to src's dtype; rows balanced between Vector and Scalar)."""
+    src, _, _, rstd_t, chunk = state
+    r0, Pc, NT = chunk
+    n_t = nl.ndarray((Pc, NT, src.shape[2]), dtype=src.dtype, buffer=nl.sbuf)
+    _normalise(n_t, src, rstd_t, NT, load)
+    return [None, None, n_t, rstd_t, chunk]
+
+
+def _fwd_output(state, y, rstd, w_sb, out_dt):
+    """Stage D: ``y = n * w`` and the stores of y and rstd."""
+    _, _, n_t, rstd_t, chunk = state
+    r0, Pc, NT = chunk
+    H = n_t.shape[2]
+    y_t = nl.ndarray((Pc, NT, H), dtype=out_dt, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=y_t, data1=n_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
+    nisa.dma_copy(dst=_row_stats(rstd, r0, Pc, NT), src=rstd_t)
+    nisa.dma_copy(dst=_rows(y, r0, Pc, NT, H), src=y_t)
+
+
+@nki.jit
+def rmsnorm_fwd_kernel(x, w, eps, residual=None):
+    """``(y [N, H], rstd [N] fp32)``, or ``(y, s, rstd)`` with ``s = x + residual`` normalised instead of x.
+
+    ``x`` (and ``residual``) ``[N, H]`` fp32 / bf16, ``w [H]`` of x's dtype or fp32; ``y`` has
+    ``promote(x.dtype, w.dtype)``.
+    """
+    N, H = x.shape
+    out_dt = _out_dtype(x, w)
+    y = nl.ndarray((N, H), dtype=out_dt, buffer=nl.shared_hbm)
+    rstd = nl.ndarray((N,), dtype=nl.float32, buffer=nl.shared_hbm)
+    s = None
+    if residual != None:  # noqa: E711
+        s = nl.ndarray((N, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    n_prog, pid = program_split()
+    chunks = _own_chunks(N, H, x.dtype, n_prog, pid)
+    w_sb = _weight_rows(w, H)
+    eps_t = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=eps_t, value=float(eps))
+    loads = []
+    load = [0.0, 0.0]  # Vector / Scalar ns so far (row balancing of the n pass)
+    # A software pipeline of four stages, chunk i in stage A while chunk i-1 is in B, i-2 in C and i-3 in
+    # D, issued so that no engine's in-order queue waits on work issued in the same iteration: Vector
+    # sums chunk i-1's squares (B1) while Scalar squares chunk i (A), forms y of chunk i-3 (D) while
+    # Scalar normalises chunk i-2 (C), and Scalar's rsqrt of chunk i-1 (B2) comes last.
+    pipe = [None, None, None]  # chunk i-1 after A, i-2 after B, i-3 after C
+    for i in range(len(chunks) + 3):
+        b_in, c_in, d_in = pipe[0], pipe[1], pipe[2]
+        if b_in != None:  # noqa: E711
+            _fwd_sum(b_in, load)
+        cur = None
+        if i < len(chunks):
+            for k in range(len(loads), min(len(chunks), i + 1 + PREFETCH)):
+                loads.append(_load_chunk([x, residual], chunks[k], H))
+            cur = _fwd_squares(loads[i][0], loads[i][1], s, chunks[i], out_dt, load)
+            loads[i] = None
+        if d_in != None:  # noqa: E711
+            _fwd_output(d_in, y, rstd, w_sb, out_dt)
+        if c_in != None:  # noqa: E711
+            c_in = _fwd_norm(c_in, load)
+        if b_in != None:  # noqa: E711
+            b_in = _fwd_rstd(b_in, eps_t)
+        pipe = [cur, b_in, c_in]
+    if residual != None:  # noqa: E711
+        return y, s, rstd
+    return y, rstd
+
+
+def _identity(dtype):
+    """``[P, P]`` identity in ``dtype`` (1 where column == partition)."""
+    ones = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    ident = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=ident, pattern=[[1, P]], channel_multiplier=-1, on_true_tile=ones,
+                       on_false_value=0.0, cmp_op=nl.equal)
+    return ident
+
+
+def _one_hot(NC, dtype):
+    """``E [P, NC, NC]``, ``E[:, c, :]`` = ones in column c: the moving operands of the dw column sums."""
+    e = nl.ndarray((P, NC, NC), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=e, value=0.0)
+    for c in range(NC):
+        nisa.memset(dst=e[:, c, c:c + 1], value=1.0)
+    return e
+
+
+def _split(col, dtype):
+    """fp32 ``[Pc, NT]`` -> ``(col, lo)`` where ``lo = col - round_dtype(col)`` (fp32): scaling a ``dtype``
+    operand by ``col`` and by ``lo``, each rounded to ``dtype``, gives ``round(col) + round(lo)``, within
+    fp32 rounding of col (``lo`` is None for fp32, which the Tensor engine takes whole)."""
+    if dtype == nl.float32:
+        return col, None
+    Pc, NT = col.shape
+    hi16 = nl.ndarray((Pc, NT), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=hi16, src=col)
+    lo = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=lo, data1=col, data2=hi16, op=nl.subtract)
+    return col, lo
+
+
+def _diags(ident, parts, j, Pc, dtype):
+    """``diag(part[:, j])`` ``[Pc, Pc]`` in ``dtype`` for each fp32 part (the stationary operands)."""
+    out = []
+    for i in range(len(parts)):
+        if parts[i] != None:  # noqa: E711
+            d = nl.ndarray((Pc, Pc), dtype=dtype, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=d, data=ident[:Pc, :Pc], op0=nl.multiply, operand0=parts[i][:, j:j + 1])
+            out.append(d)
+    return out
+
+
+def _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, ident, Pc, NT, H):
+    """``dx = diag(rstd) @ gw + diag(-c) @ x (+ I @ grad_s)`` per row, summed in an fp32 PSUM bank per 512
+    columns and copied out by Scalar (the one rounding)."""
+    dt = x_t.dtype
+    r_parts = _split(rstd_t, dt)
+    c_parts = _split(negc_t, dt)
+    for j in range(NT):
+        dr = _diags(ident, [r_parts[0], r_parts[1]], j, Pc, dt)
+        dc = _diags(ident, [c_parts[0], c_parts[1]], j, Pc, dt)
+        for c0 in range(0, H, PIECE):
+            cw = min(PIECE, H - c0)
+            ps = nl.ndarray((Pc, cw), dtype=nl.float32, buffer=nl.psum)
+            for k in range(len(dr)):
+                nisa.nc_matmul(dst=ps, stationary=dr[k], moving=gw_t[:, j, c0:c0 + cw])
+            for k in range(len(dc)):
+                nisa.nc_matmul(dst=ps, stationary=dc[k], moving=x_t[:, j, c0:c0 + cw])
+            if gs_t != None:  # noqa: E711
+                nisa.nc_matmul(dst=ps, stationary=ident[:Pc, :Pc], moving=gs_t[:, j, c0:c0 + cw])
+            nisa.activation(dst=dx_t[:, j, c0:c0 + cw], op=nl.copy, data=ps)
+
+
+def _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, Pc, NT, H):
+    """``dx = rstd * gw + (-c * x + grad_s)`` per row: Scalar scales x, Vector adds (fp32) and rounds once."""
+    u = nl.ndarray((Pc, NT, H), dtype=nl.float32, buffer=nl.sbuf)
+    for j in range(NT):
+        nisa.activation(dst=u[:, j, :], op=nl.copy, data=x_t[:, j, :], scale=negc_t[:, j:j + 1])
+    if gs_t != None:  # noqa: E711
+        nisa.tensor_tensor(dst=u, data1=u, data2=gs_t, op=nl.add)
+    for j in range(NT):
+        nisa.scalar_tensor_tensor(dst=dx_t[:, j, :], data=gw_t[:, j, :], op0=nl.multiply,
+                                  operand0=rstd_t[:, j:j + 1], op1=nl.add, operand1=u[:, j, :])
+
+
+def _store_dw(dw, dw_ps, n_prog, pid, NC):
+    """The ``[P, NC]`` column sums (``dw[c*P + m]`` on partition m, column c) -> ``dw [NC*P]``; on LNC=2
+    through a shared scratch and one barrier, each core summing half of the partitions."""
+    part = nl.ndarray((P, NC), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=part, src=dw_ps)
+    if n_prog == 1:
+        out = nl.ndarray((P, NC), dtype=dw.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out, src=part)
+        nisa.dma_copy(dst=dw.ap(pattern=[[1, P], [P, NC]], offset=0), src=out)
+        return
+    scratch = nl.ndarray((n_prog, P, NC), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=scratch.ap(pattern=[[NC, P], [1, NC]], offset=pid * P * NC), src=part)
+    nisa.core_barrier(scratch, (0, 1))
+    half = P // n_prog
+    acc = nl.ndarray((half, NC), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=acc, src=scratch.ap(pattern=[[NC, half], [1, NC]], offset=pid * half * NC))
+    for q in range(1, n_prog):
+        other = nl.ndarray((half, NC), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=other, src=scratch.ap(pattern=[[NC, half], [1, NC]], offset=(q * P + pid * half) * NC))
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=other, op=nl.add)
+    out = nl.ndarray((half, NC), dtype=dw.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=acc)
+    nisa.dma_copy(dst=dw.ap(pattern=[[1, half], [P, NC]], offset=pid * half), src=out)
+
+
+def _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC):
+    """Row j of the chunk into the dw column sums: ``dw_ps[:, c] += sum_p prod[p, j, c*P + m] * rstd[p, j]``
+    for every 128-column piece c. The moving operand is the one-hot ``[Pc, NC]`` scaled by rstd (one
+    Scalar pass; rstd rounded to prod's dtype, an error of each row's weight that averages out over the
+    rows, far below dw's own rounding)."""
+    mv = nl.ndarray((Pc, NC, NC), dtype=prod.dtype, buffer=nl.sbuf)
+    nisa.activation(dst=mv, op=nl.copy, data=onehot[:Pc, :, :], scale=rstd_t[:, j:j + 1])
+    for c in range(NC):
+        nisa.nc_matmul(dst=dw_ps, stationary=prod[:, j, c * P:(c + 1) * P], moving=mv[:, c, :])
+
+
+def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt):
+    """Stage 1 of a backward chunk: ``gw = dy * w``, the dw matmuls, ``D = sum(gw * x)`` per row."""
+    dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
+    r0, Pc, NT = chunk
+    H = x_t.shape[2]
+    NC = cdiv(H, P)
+    HP = NC * P
+    gw_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=gw_t, data1=dy_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
+    # dw: sum over rows of rstd * (dy * x), the row sums on the Tensor engine
+    prod = nl.ndarray((Pc, NT, HP), dtype=out_dt, buffer=nl.sbuf)
+    if HP > H:
+        nisa.memset(dst=prod[:, :, H:HP], value=0.0)
+    nisa.tensor_tensor(dst=prod[:, :, 0:H], data1=dy_t, data2=x_t, op=nl.multiply)
+    for j in range(NT):
+        _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC)
+    t_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=t_t, data1=gw_t, data2=x_t, op=nl.multiply)
+    d_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    if H >= WIDE:
+        _row_sums(d_t, t_t, Pc, NT, H, nl.copy, [0.0, 0.0])
+    else:  # the products are already in SBUF: one Vector reduction (2-byte input: half a cycle per element)
+        nisa.tensor_reduce(dst=d_t, op=nl.add, data=t_t, axis=2)
+    return (gw_t, x_t, gs_t, rstd_t, d_t, chunk)
+
+
+def _bwd_dx(state, dx, ident):
+    """Stage 2 of a backward chunk: ``-c = -rstd^3 * D / H`` and ``dx = rstd * gw - c * x (+ grad_s)``."""
+    gw_t, x_t, gs_t, rstd_t, d_t, chunk = state
+    r0, Pc, NT = chunk
+    H = x_t.shape[2]
+    r3 = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=r3, data1=rstd_t, data2=rstd_t, op=nl.multiply)
+    nisa.tensor_tensor(dst=r3, data1=r3, data2=rstd_t, op=nl.multiply)
+    negc = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=negc, data=d_t, op0=nl.multiply, operand0=-1.0 / H, op1=nl.multiply,
+                              operand1=r3)
+    dx_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
+    if H >= WIDE:
+        _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc, ident, Pc, NT, H)
+    else:
+        _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc, Pc, NT, H)
+    nisa.dma_copy(dst=_rows(dx, r0, Pc, NT, H), src=dx_t)
+
+
+@nki.jit
+def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
+    """``(dx [N, H] x.dtype, dw [ceil(H/128)*128] w.dtype)`` (``dw``'s first H entries are the gradient;
+    the padding is zero) of :func:`rmsnorm_fwd_kernel` at ``x`` with its ``rstd``; ``grad_s`` (x's
+    shape and dtype) is added to ``dx``. ``dy`` has the forward output's dtype."""
+    N, H = x.shape
+    NC = cdiv(H, P)
+    HP = NC * P
+    out_dt = _out_dtype(x, w)
+    dx = nl.ndarray((N, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    dw = nl.ndarray((HP,), dtype=w.dtype, buffer=nl.shared_hbm)
+    n_prog, pid = program_split()
+    chunks = _own_chunks(N, H, x.dtype, n_prog, pid)
+    w_sb = _weight_rows(w, H)
+    onehot = _one_hot(NC, out_dt)
+    ident = _identity(x.dtype)
+    dw_ps = nl.ndarray((P, NC), dtype=nl.float32, buffer=nl.psum)
+    if len(chunks) == 0:  # no rows here: zero partial sums
+        nisa.memset(dst=dw_ps, value=0.0)
+    loads = []
+    pending = None  # the previous chunk: its dx is formed after this chunk's first stage
+    for i in range(len(chunks) + 1):
+        cur = None
+        if i < len(chunks):
+            for k in range(len(loads), min(len(chunks), i + 1 + PREFETCH)):
+                r0k, Pk, NTk = chunks[k]
+                tl = _load_chunk([dy, x, grad_s], chunks[k], H)
+                r_k = nl.ndarray((Pk, NTk), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=r_k, src=_row_stats(rstd, r0k, Pk, NTk))
+                tl.append(r_k)
+                loads.append(tl)
+            cur = _bwd_sums(loads[i], chunks[i], w_sb, onehot, dw_ps, out_dt)
+            loads[i] = None
+        if pending != None:  # noqa: E711
+            _bwd_dx(pending, dx, ident)
+        pending = cur
+    _store_dw(dw, dw_ps, n_prog, pid, NC)
+    return dx, dw
