@@ -244,6 +244,55 @@ def gmm_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat1
     return cases
 
 
+# --- rmsnorm ----------------------------------------------------------------------------------------
+
+
+def _rmsnorm_build(rows: int, H: int, backward: bool, dtype: torch.dtype, lnc: int = 1,
+                   residual: bool = False) -> Callable[[], Prepared]:
+    def f() -> Prepared:
+        mod = _kernel_module("rmsnorm")
+
+        g = torch.Generator().manual_seed(0)
+        x, w = _rand(rows, H, g=g, dtype=dtype), (1 + _rand(H, g=g, scale=0.1, dtype=torch.float32)).to(dtype)
+        r = _rand(rows, H, g=g, dtype=dtype) if residual else None
+        if not backward:
+            if residual:
+                return Prepared(nki=lambda: mod.rmsnorm_residual(x, r, w, lnc=lnc),
+                                ref=lambda: mod.rmsnorm_residual_ref(x, r, w))
+            return Prepared(nki=lambda: mod.rmsnorm(x, w, lnc=lnc), ref=lambda: mod.rmsnorm_ref(x, w))
+        _, rstd = mod.rmsnorm_ref(x, w)
+        gy = _rand(rows, H, g=g, dtype=dtype)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        yr, _ = mod.rmsnorm_ref(xr, wr)
+        return Prepared(nki=lambda: mod.rmsnorm_bwd(gy, x, w, rstd, r, lnc=lnc), ref=_grad_closure(yr, [xr, wr], gy))
+    return f
+
+
+def rmsnorm_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
+    """Tokens at Qwen3-4B's hidden size (LNC=1 and 2), the Qwen3 flavors at 8192 tokens, and the q/k head
+    norm (rows = tokens x heads, H = head_dim) at 2048 tokens."""
+    dt = getattr(torch, dtype)
+    cases = []
+    for mode in modes:
+        bwd = mode == "backward"
+        c = _flavor("4B")
+        for lnc in (1, 2):
+            for T in ([128, 256] if quick else [512, 2048, 8192]):
+                cfg = {"flavor": "4B", "H": c.dim, "lnc": lnc, "dtype": dtype}
+                cases.append(Case("rmsnorm", mode, f"T (LNC={lnc})", T, _rmsnorm_build(T, c.dim, bwd, dt, lnc), cfg))
+        if quick:
+            continue
+        for fl in ("0.6B", "4B", "30B-A3B"):
+            c = _flavor(fl)
+            cfg = {"T": 8192, "H": c.dim, "lnc": 2, "dtype": dtype, "residual": True}
+            cases.append(Case("rmsnorm", mode, "flavor (residual, LNC=2)", fl,
+                              _rmsnorm_build(8192, c.dim, bwd, dt, 2, residual=True), cfg))
+            cfg = {"T": 2048, "rows": 2048 * c.n_heads, "H": c.head_dim, "lnc": 2, "dtype": dtype}
+            cases.append(Case("rmsnorm", mode, "q-norm flavor (LNC=2)", fl,
+                              _rmsnorm_build(2048 * c.n_heads, c.head_dim, bwd, dt, 2), cfg))
+    return cases
+
+
 # kernel name -> (module under trnkit.kernels that must import, names it must have, case builder)
 KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]] = {
     "matmul_tiled": (None, (), matmul_cases),
@@ -251,6 +300,7 @@ KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]
     "router_topk": ("router_topk", ("router_topk", "router_topk_ref", "router_topk_bwd"), router_cases),
     "moe_experts": ("moe", ("moe_experts", "moe_experts_ref", "moe_experts_bwd"), moe_cases),
     "grouped_mm": ("moe", ("grouped_mm", "grouped_mm_ref", "grouped_mm_bwd"), gmm_cases),
+    "rmsnorm": ("rmsnorm", ("rmsnorm", "rmsnorm_ref", "rmsnorm_bwd"), rmsnorm_cases),
 }
 
 
