@@ -68,6 +68,18 @@ def _open_group(op: str, dst: NkiTensor) -> None:
     regions.add(region)
 
 
+def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a.T @ b`` for fp32 ``a [K, M]``, ``b [K, N]``: the exact products summed in fp64, rounded once to fp32.
+
+    An fp32 BLAS sums in an order that depends on the operand shapes (OpenBLAS picks its kernels by M and
+    N; on some CPUs a column's value changes with N), so one tile's result would depend on how the
+    kernel tiled its neighbours, and a split over LNC=2 programs would not be bit-identical to one
+    program. fp32 x fp32 products are exact in fp64 and K <= 128 of them sum there with negligible
+    error, so every element gets one value whatever the tile shape.
+    """
+    return (a.astype(np.float64).T @ b.astype(np.float64)).astype(np.float32)
+
+
 def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
               is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
               is_transpose: bool = False, accumulate: bool | None = None,
@@ -160,17 +172,13 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
         if accumulate is False or (accumulate is None and not any_written):
             out[...] = 0.0
     else:
-        a = common.read_f32(stationary).reshape(k, m)
-        b = common.read_f32(moving).reshape(k, n)
+        res = _dot(common.read_f32(stationary).reshape(k, m), common.read_f32(moving).reshape(k, n))
+        res = res.reshape(out.shape)
         if accumulate is False or (accumulate is None and not any_written):
-            if out.flags.c_contiguous:  # straight into PSUM (a/b are SBUF: no overlap)
-                np.matmul(a.T, b, out=out.reshape(m, n))
-            else:
-                out[...] = (a.T @ b).reshape(out.shape)
+            out[...] = res
         elif accumulate is True or all_written:
-            out += (a.T @ b).reshape(out.shape)
+            out += res
         else:  # accumulate=None over a partly written region: per element
-            res = (a.T @ b).reshape(out.shape)
             np.copyto(out, np.where(flags, out + res, res))
     flags[...] = True
     if tr is None:
