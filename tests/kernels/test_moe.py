@@ -269,8 +269,9 @@ def test_tail_width_split() -> None:
     # expert: used rows -> blocks of 128 [full..., tail width]: 0: 150 -> [128, 64]; 1: 64 -> [64];
     # 2: 65 -> [96]; 3: 128 -> [128]; 4: empty; 5: 97 -> [128]
     idx = torch.tensor([0] * 150 + [1] * 64 + [2] * 65 + [3] * 128 + [5] * 97).view(-1, 1)
-    lay, _ = moe._moe_layout(idx, 6, 128)
-    split = moe._tail_split(lay, idx, 6)[0].tolist()
+    lay, split = moe._tail_layout(idx, 6, 128)
+    assert lay.table.equal(moe._moe_layout(idx, 6, 128)[0].table)  # LNC=1: the plain slot layout
+    split = split[0].tolist()
     start, b96, b64 = split[:7], split[7:14], split[14:]
     assert start == [0, 2, 3, 4, 5, 5, 6]
     assert b96 == [1, 2, 3, 5, 5, 6, 6]  # end of the full-width blocks
@@ -285,7 +286,7 @@ def test_flagged_block_tables() -> None:
     lay, token = moe._moe_layout(idx, 6, 128)  # run widths (test above): 128, 64 | 64 | 96 | 128 | 128
     NB = lay.table.shape[0]
     table = torch.cat([token, torch.zeros_like(token[:1])])
-    got = moe._flagged(table, moe._tail_split(lay, idx, 6), 6)
+    got = moe._flagged(table, moe._tail_layout(idx, 6, 128)[1], 6)
     assert got.shape == (NB + 1, 128, 4)
     assert got[:, :, 1:].eq(got[:, :1, 1:]).all()
     assert got[:, 0, 1].tolist() == [1, 0, 0, 1, 1, 1] + [0] * (NB - 5)
@@ -295,7 +296,7 @@ def test_flagged_block_tables() -> None:
     # B = 512: expert 0 has 600 slots (a full block + a 128-wide tail), expert 1 40 (a 64-wide tail)
     idx = torch.tensor([0] * 600 + [1] * 40).view(-1, 1)
     lay, token = moe._moe_layout(idx, 2, 512)
-    got = moe._flagged(torch.cat([token, token[:1]]), moe._tail_split(lay, idx, 2), 2)
+    got = moe._flagged(torch.cat([token, token[:1]]), moe._tail_layout(idx, 2, 512)[1], 2)
     assert got.shape == (lay.table.shape[0] + 1, 128, 7)
     assert got[:4, 0, 4:].tolist() == [[1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 1, 0]]
     assert got[0, :, :4].equal(token[0].view(4, 128).T)  # position sub*128 + p at [p, sub]

@@ -149,22 +149,40 @@ def max_blocks(num_items: int, num_groups: int, block_size: int) -> int:
     return max(1, (num_items - nonempty) // block_size + nonempty)
 
 
-def block_layout(group_of_item: torch.Tensor, num_groups: int, block_size: int, pad: int) -> BlockLayout:
+def paired(per_group: torch.Tensor, lnc: int) -> torch.Tensor:
+    """Per-group counts (``[G]`` or ``[G, n]``) as an LNC=``lnc`` launch runs them: unchanged for 1; for 2
+    padded to an even number of groups (a last group of zeros: the masked group of
+    ``moe_grouped_mm.masked_group``) and each group j of core 0 given the larger count of itself and
+    its partner, group j of core 1 (``owned_groups``: contiguous halves), so both cores run the same
+    run-time loops."""
+    if lnc == 1:
+        return per_group
+    if per_group.shape[0] % 2:
+        per_group = torch.cat([per_group, torch.zeros_like(per_group[:1])])
+    half = per_group.shape[0] // 2
+    both = torch.maximum(per_group[:half], per_group[half:])
+    return torch.cat([both, both])
+
+
+def block_layout(group_of_item: torch.Tensor, num_groups: int, block_size: int, pad: int,
+                 lnc: int = 1) -> BlockLayout:
     """Group items by ``group_of_item`` (stable: items keep their order inside a group).
 
     Items whose group is ``>= num_groups`` are dropped (grouped_mm rows past the last offset). Pure
     torch on the items' device: no host read of any value (``num_blocks`` comes from the item count
-    alone) and no Python loop over groups.
+    alone) and no Python loop over groups. ``lnc=2``: the groups' block counts are :func:`paired`
+    (padding blocks at the end of a group; ``block_start`` has one more group for an odd count).
     """
     g = group_of_item.reshape(-1).long()
     dev = g.device
     n = g.numel()
     g = torch.clamp(g, max=num_groups)  # every dropped item -> the extra group num_groups
     counts = torch.bincount(g, minlength=num_groups + 1)  # [G + 1]; the last entry: dropped items
-    blocks = (counts[:num_groups] + block_size - 1) // block_size
-    block_start = torch.zeros(num_groups + 1, dtype=torch.int64, device=dev)
+    blocks = paired((counts[:num_groups] + block_size - 1) // block_size, lnc)
+    block_start = torch.zeros(blocks.shape[0] + 1, dtype=torch.int64, device=dev)
     block_start[1:] = torch.cumsum(blocks, 0)
-    nb = max_blocks(n, num_groups, block_size)  # >= the bound for the kept items (monotone in n)
+    # >= the bound for the kept items (monotone in n); pairing at most doubles the blocks
+    nb = lnc * max_blocks(n, num_groups, block_size)
     table = torch.full((nb * block_size + 1,), pad, dtype=torch.int64, device=dev)  # + 1 dump slot
     if n:
         order = torch.argsort(g, stable=True)
@@ -572,10 +590,11 @@ def moe_experts_bwd_ref(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: t
 # --------------------------------------------------------------------------------------------------
 # NKI entry points
 # --------------------------------------------------------------------------------------------------
-def _moe_layout(topk_idx: torch.Tensor, num_experts: int, block_size: int) -> tuple[BlockLayout, torch.Tensor]:
+def _moe_layout(topk_idx: torch.Tensor, num_experts: int, block_size: int,
+                lnc: int = 1) -> tuple[BlockLayout, torch.Tensor]:
     """Slot layout (pad = T*K) and the token id of each block position (:func:`_slot_tokens`)."""
     T, K = topk_idx.shape
-    lay = block_layout(topk_idx.reshape(-1), num_experts, block_size, pad=T * K)
+    lay = block_layout(topk_idx.reshape(-1), num_experts, block_size, pad=T * K, lnc=lnc)
     return lay, _slot_tokens(lay, K)
 
 
@@ -595,35 +614,71 @@ def _position_weights(topk_weights: torch.Tensor, lay: BlockLayout) -> torch.Ten
     return torch.where(slot < lay.pad, w[slot.clamp(max=lay.pad - 1)], torch.zeros((), device=w.device))
 
 
-def _tail_split(lay: BlockLayout, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``[1, (n + 1)(E + 1)]`` int32 ``[block_start | b_1 | .. | b_n]`` for the kernel's narrower tail
-    widths (``moe_fused.tail_widths``): b_j[e] = end of expert e's blocks wider than width j, i.e. the
-    last block moves to the narrowest width that holds its used rows."""
+def _tail_layout(topk_idx: torch.Tensor, num_experts: int, block_size: int,
+                 lnc: int = 1) -> tuple[BlockLayout, torch.Tensor]:
+    """The forward's slot layout and its ``[1, (n + 1)(E' + 1)]`` int32 row ``[block_start | b_1 | .. |
+    b_n]`` for the kernel's n narrower tail widths (``moe_fused.tail_widths``): an expert's last block
+    moves to the narrowest width that holds its used rows (its *class* j, 0: full width B), and its
+    blocks are ``start .. b_1 - 1`` at width B, then ``b_j .. b_(j+1) - 1`` (0 or 1 block) at width j.
+
+    ``lnc=2`` (E' = E rounded up to even): expert j of core 0 and expert j of core 1 get the larger
+    full-width block count of the two and a block in every class either has (:func:`paired`), so both
+    cores run every segment's loop the same number of times; the extra blocks are padding. With
+    ``lnc=1`` this is :func:`block_layout`'s layout (each expert's blocks, its tail block last)."""
     from trnkit.kernels.moe_fused import tail_widths  # noqa: PLC0415
 
-    widths = tail_widths(lay.block_size)
-    counts = torch.bincount(topk_idx.reshape(-1).long(), minlength=num_experts)
-    rem = counts % lay.block_size
+    T, K = topk_idx.shape
+    B = block_size
+    widths = tail_widths(B)
+    g = topk_idx.reshape(-1).long()
+    dev = g.device
+    counts = torch.bincount(g, minlength=num_experts)
+    rem = counts % B
     cls = torch.zeros_like(counts)  # 0: full width (or no partial block); j: widths[j-1]
     for j, w in enumerate(widths, start=1):
         cls = torch.where((rem > 0) & (rem <= w), torch.full_like(cls, j), cls)
-    start = lay.block_start[0].long()
+    own_full = (counts + B - 1) // B - (cls > 0).long()  # the expert's own full-width blocks
+    classes = torch.arange(1, len(widths) + 1, device=dev)
+    full = paired(own_full, lnc)
+    has = paired((cls[:, None] == classes[None, :]).long(), lnc)  # [E', n]: a block of class j
+    blocks = full + has.sum(1)
+    start = torch.zeros(blocks.shape[0] + 1, dtype=torch.int64, device=dev)
+    start[1:] = torch.cumsum(blocks, 0)
     rows = [start]
-    for j in range(1, len(widths) + 1):
-        rows.append(torch.cat([start[1:] - (cls >= j).long(), start[-1:]]))
-    return torch.cat(rows).view(1, -1).to(torch.int32)  # one SBUF partition row
+    b_j = start[:-1] + full
+    for j in range(len(widths)):
+        rows.append(torch.cat([b_j, start[-1:]]))
+        b_j = b_j + has[:, j]
+    split = torch.cat(rows).view(1, -1).to(torch.int32)  # one SBUF partition row
+    # items: rank r of expert e -> its full-width blocks, the rest (r >= own_full * B) to its class block
+    nb = lnc * max_blocks(g.numel(), num_experts, B)
+    table = torch.full((nb * B,), T * K, dtype=torch.int64, device=dev)
+    if g.numel():
+        order = torch.argsort(g, stable=True)
+        e = g[order]
+        rank = torch.arange(g.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[e]
+        before = torch.cat([torch.zeros_like(full[:, None]), torch.cumsum(has, 1)], 1)  # classes < j present
+        tail_blk = start[:-1][e] + full[e] + before[e, cls[e].clamp(min=1) - 1]
+        in_full = rank < own_full[e] * B
+        pos = torch.where(in_full, start[e] * B + rank, tail_blk * B + rank - own_full[e] * B)
+        table[pos] = order
+    lay = BlockLayout(table.view(nb, B).to(torch.int32), start.view(1, -1).to(torch.int32), B, T * K)
+    return lay, split
 
 
-def _flagged(table: torch.Tensor, split: torch.Tensor, num_experts: int) -> torch.Tensor:
+def _flagged(table: torch.Tensor, split: torch.Tensor, num_experts: int, lnc: int = 1) -> torch.Tensor:
     """A per-block id table ``[NB + 1, B]`` (row NB: padding) -> ``moe_experts_kernel``'s layout
     ``[NB + 1, rows, nsub + 3]``: the ids as :func:`_per_block` lays them out, then the flags that tell
     ``moe_fused.move_block_rows`` how many rows the block runs at (the same on every partition):
     "wider than 64 rows", "at most 64 rows", "wider than one 128-row sub-tile" (``rows`` instead of 64
-    when rows <= 64). A block's run width comes from ``split`` (:func:`_tail_split`): B, or its
+    when rows <= 64). A block's run width comes from ``split`` (:func:`_tail_layout`): B, or its
     expert's tail width for an expert's narrower last block; unused blocks and row NB count as 64
-    (their ids are padding)."""
+    (their ids are padding). ``lnc=2``: the first unused row (core 1's look-ahead past its last block)
+    gets the flags of core 1's first block (core 0's look-ahead past its last), so both cores' gathers
+    run the same 0/1-trip loops."""
     from trnkit.kernels.moe_fused import HALF, tail_widths  # noqa: PLC0415
 
+    num_experts = split.shape[1] // (len(tail_widths(table.shape[1])) + 1) - 1  # the layout's (LNC=2: even)
     NB = table.shape[0] - 1
     B = table.shape[1]
     rows = min(B, 128)
@@ -638,6 +693,8 @@ def _flagged(table: torch.Tensor, split: torch.Tensor, num_experts: int) -> torc
         first = bounds[j, :-1]
         run[torch.where(first < end, first, torch.full_like(first, NB))] = widths[j]
     run[NB] = half
+    if lnc == 2:  # core 1's look-ahead past its last block runs like core 0's into core 1's first block
+        run[start[-1]] = run[start[num_experts // 2]]
     flags = torch.stack([run > half, run <= half, run > rows], 1).to(torch.int32)  # moe_fused.FLAG_*
     return torch.cat([_per_block(table), flags[:, None, :].expand(NB + 1, rows, 3)], 2).contiguous()
 
@@ -653,7 +710,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
     _check_grouped_mm(x, w, group_offsets)
     lnc = resolve_lnc(lnc)
     M = x.shape[0]
-    lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
+    lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M, lnc=lnc)
     out = torch.zeros(M, w.shape[2], dtype=x.dtype, device=x.device)
     return launch(K_.grouped_mm_kernel, lnc)(x.contiguous(), w.contiguous(), lay.table, lay.table,
                                              lay.block_start, out, False)
@@ -668,14 +725,14 @@ def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
     _check_grouped_mm(x, w, group_offsets, grad_out)
     lnc = resolve_lnc(lnc)
     M = x.shape[0]
-    lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M)
+    lay = block_layout(_group_of_row(group_offsets, M), w.shape[0], block_size, pad=M, lnc=lnc)
     x, w, grad_out = x.contiguous(), w.contiguous(), grad_out.contiguous()
     grad_x = torch.zeros(M, w.shape[1], dtype=x.dtype, device=x.device)
     grad_x = launch(K_.grouped_mm_kernel, lnc)(grad_out, w, lay.table, lay.table, lay.block_start, grad_x, True)
     grad_w = torch.empty(w.shape, dtype=w.dtype, device=w.device)
     counts = torch.diff(group_offsets.long(), prepend=group_offsets.new_zeros(1).long())
     grad_w = launch(K_.grouped_wgrad_kernel, lnc)(x, grad_out, _row_tiles(lay.table),
-                                                  _wgrad_bounds(lay, counts), grad_w, True)
+                                                  _wgrad_bounds(lay, counts, lnc), grad_w, True)
     return grad_x, grad_w
 
 
@@ -687,16 +744,18 @@ def _row_tiles(t: torch.Tensor) -> torch.Tensor:
     return t.view(NB * B // rows, rows, *t.shape[2:])
 
 
-def _wgrad_bounds(lay: BlockLayout, counts: torch.Tensor) -> torch.Tensor:
+def _wgrad_bounds(lay: BlockLayout, counts: torch.Tensor, lnc: int = 1) -> torch.Tensor:
     """``[1, G * (S + 3)]`` int32 (S = ``moe_grouped_mm.WGRAD_MAX_SLOTS``), per group g with n row tiles
     (of :func:`_row_tiles`) from tile lo: ``e_j = lo + min(j, n)`` for j = 0..S, ``hi = lo + n``, ``z = lo +
     (n == 0)`` -- the bounds of the weight-gradient kernels' 0/1-trip loops (cache slot j holds tile
-    e_j when e_j < e_(j+1); tiles e_S .. hi-1 are gathered per pass; z: an empty group writes zeros)."""
+    e_j when e_j < e_(j+1); tiles e_S .. hi-1 are gathered per pass; z: an empty group writes zeros).
+    ``lnc=2``: the tile counts :func:`paired` like the blocks of ``lay`` (a layout made for LNC=2), so
+    both cores run the same loops (a group's padding tiles add zero rows)."""
     from trnkit.kernels.moe_grouped_mm import WGRAD_MAX_SLOTS  # noqa: PLC0415
 
     rows = min(lay.block_size, 128)
     lo = lay.block_start[0, :-1].long() * (lay.block_size // rows)
-    n = (counts.long() + rows - 1) // rows
+    n = paired((counts.long() + rows - 1) // rows, lnc)
     j = torch.arange(WGRAD_MAX_SLOTS + 1, device=lo.device)
     e = lo[:, None] + torch.minimum(j[None, :], n[:, None])
     cols = [e, (lo + n)[:, None], (lo + (n == 0).long())[:, None]]
@@ -728,13 +787,13 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     lnc = resolve_lnc(lnc)
     T, K = topk_idx.shape
     E = w_gate_up.shape[0]
-    lay, token = _moe_layout(topk_idx, E, block_size)  # padding positions: token 0, results never stored
+    lay, split = _tail_layout(topk_idx, E, block_size, lnc)
+    token = _slot_tokens(lay, K)  # padding positions: token 0, results never stored
     weights = _position_weights(topk_weights, lay)
     slots = torch.cat([lay.table, torch.full_like(lay.table[:1], T * K)])  # + the all-padding row NB
     token = torch.cat([token, torch.zeros_like(token[:1])])  # row NB: the last block's look-ahead
-    split = _tail_split(lay, topk_idx, E)
     return launch(K_.moe_experts_kernel, lnc)(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
-                                              _flagged(token, split, E), _flagged(slots, split, E), split,
+                                              _flagged(token, split, E, lnc), _flagged(slots, split, E, lnc), split,
                                               _per_block(weights), K, activation, float(limit), float(alpha),
                                               _dense(b_gate_up), _dense(b_down))
 
@@ -774,7 +833,7 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     E = w_gate_up.shape[0]
     x, grad_out = x.contiguous(), grad_out.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
-    lay, token = _moe_layout(topk_idx, E, block_size)
+    lay, token = _moe_layout(topk_idx, E, block_size, lnc)
     NB, B = lay.table.shape
     dev = x.device
     slot = lay.table.long()
@@ -793,7 +852,7 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     gw = torch.zeros(T * K, dtype=torch.float32, device=dev)
     gw[slot[used]] = gw_disp[used]
     grad_wgu, grad_wd, grad_bgu, grad_bd = _expert_weight_grads(x, grad_out, hw, dgu, lay, topk_idx, lnc,
-                                                                weights, b_gate_up, b_down)
+                                                                weights, b_gate_up, b_down, E)
     grads = (grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd)
     if b_gate_up is None and b_down is None:
         return grads
@@ -803,7 +862,8 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
 def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tensor, dgu: torch.Tensor,
                          lay: BlockLayout, topk_idx: torch.Tensor, lnc: int, weights: torch.Tensor | None = None,
                          b_gate_up: torch.Tensor | None = None,
-                         b_down: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+                         b_down: torch.Tensor | None = None,
+                         num_experts: int | None = None) -> tuple[torch.Tensor | None, ...]:
     """The expert weight gradients of the backward: ``(grad_w_gate_up, grad_w_down, grad_b_gate_up,
     grad_b_down)`` (a bias gradient only for a given bias, else None).
 
@@ -812,7 +872,8 @@ def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tens
     gathered once for both); ``hw [NB, B, I]`` and ``dgu [NB, B, 2I]`` in dispatch order of ``lay`` (the
     slot layout of ``topk_idx``) with **zero padding rows**; padding positions gather token 0. The bias
     gradients ``grad_b_gate_up[e] = sum dgu`` (ones column) and ``grad_b_down[e] = sum w grad_out[tok]``
-    (``weights [T*K, 1]`` fp32, rounded to x's dtype) are a second launch (of ``grouped_wgrad_kernel``
+    (``weights [T*K, 1]`` fp32, rounded to x's dtype) are a second launch. ``num_experts``: E (default: the
+    groups of ``lay``, which an LNC=2 layout rounds up to even) (of ``grouped_wgrad_kernel``
     when only one bias is given).
     """
     from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
@@ -820,10 +881,10 @@ def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tens
     T, H = x.shape
     K = topk_idx.shape[1]
     I = hw.shape[2]  # noqa: E741
-    E = lay.block_start.shape[1] - 1
+    E = lay.block_start.shape[1] - 1 if num_experts is None else num_experts
     dt, dev = x.dtype, x.device
     table = _row_tiles(_slot_tokens(lay, K))
-    bounds = _wgrad_bounds(lay, torch.bincount(topk_idx.reshape(-1).long(), minlength=E))
+    bounds = _wgrad_bounds(lay, torch.bincount(topk_idx.reshape(-1).long(), minlength=E), lnc)
     wgrad2 = launch(KG.grouped_wgrad2_kernel, lnc)
     grad_wgu = torch.empty(E, H, 2 * I, dtype=dt, device=dev)
     grad_wd = torch.empty(E, I, H, dtype=dt, device=dev)

@@ -1,6 +1,7 @@
 """NKI kernel of the MoE expert backward's data path, fused: :func:`moe_bwd_kernel`.
 
-Per expert e (static loop; LNC=2: the experts of :func:`~trnkit.kernels.moe_grouped_mm.owned_groups`),
+Per expert e (static loop; LNC=2: the experts of :func:`~trnkit.kernels.moe_grouped_mm.owned_groups`,
+the j-th expert of both cores with as many blocks, padding ones on the core with fewer),
 two run-time loops (``nl.fori_loop`` from ``block_start``) over e's blocks of B slots, per 128-row
 sub-tile:
 
@@ -47,6 +48,7 @@ from trnkit.kernels.moe_grouped_mm import (
     load_block_start,
     load_rows,
     load_weight,
+    masked_group,
     owned_groups,
     row_matmul,
     store_rows,
@@ -262,13 +264,14 @@ def _load_dgu(pend: list, dgu: Any, blk: Any, ahead: int) -> None:
 
 
 def _dx_blocks(lo: Any, hi: Any, wgu_T: list, outs: dict, pend: list, dx_prev: list, slot_table: Any,
-               prev: Any) -> None:
+               prev_ids: Any) -> None:
     """Phase 2 of an expert: run-time loop over its blocks lo..hi-1 computing ``dX = dgu @ w_gate_up.T``
     per slot from the ``dgu`` rows phase 1 wrote (module doc). ``pend`` holds block i's
     ``dgu`` rows when its iteration starts (loaded by the kernel before the loop or by iteration i-1, right
     after that one's transposes: the loads then never queue behind the next expert's weight loads);
-    block i's ``dX`` rows wait in ``dx_prev`` and are scattered after block i+1's transposes (``prev``:
-    the pending block id), as in the forward."""
+    block i's ``dX`` rows wait in ``dx_prev`` and are scattered after block i+1's transposes (``prev_ids``:
+    the pending block's slot ids, an SBUF tile, not a register carried across iterations), as in the
+    forward."""
     dgu = outs["dgu"]
     I2 = dgu.shape[2]
     rows = dx_prev[0].shape[0]
@@ -280,10 +283,10 @@ def _dx_blocks(lo: Any, hi: Any, wgu_T: list, outs: dict, pend: list, dx_prev: l
             dgu_T.append(tiles(IC2, (P, rows), dgu.dtype))
             _transpose(pend[s], dgu_T[s])
         _load_dgu(pend, dgu, i, 1)  # the next block's rows (past the expert's last block: unused)
-        scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the previous block's rows
+        scatter_rows(outs["gx_slots"], dx_prev, prev_ids)  # the previous block's rows
+        block_row(slot_table, i, 0, prev_ids)  # this block's, scattered by the next iteration
         for s in range(len(pend)):
             row_matmul(dx_prev[s], dgu_T[s], rows, None, I2, grid=wgu_T)
-        nisa.register_move(prev, i)
 
     nl.fori_loop(lo, hi, block)
 
@@ -303,7 +306,8 @@ def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, bloc
     activation / limit / alpha / b_gate_up ``[E, 2I]`` / b_down ``[E, H]``: as the forward.
     """
     T, H = x.shape
-    E, _, I2 = w_gate_up.shape
+    E_w, _, I2 = w_gate_up.shape
+    E = block_start.shape[1] - 1  # the layout's experts (E_w, or + 1 masked one: moe_grouped_mm.masked_group)
     inter = I2 // 2
     NB, rows, nsub = token_table.shape
     B = rows * nsub
@@ -317,20 +321,23 @@ def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, bloc
             "gx_slots": nl.ndarray((T * K, H), dtype=dt, buffer=nl.shared_hbm)}
     dx_prev = tiles(nsub, (rows, H), dt)  # the last computed block's dX rows, not yet scattered
     pend = tiles(nsub, (rows, I2), dt)  # the dgu rows of phase 2's next block
-    prev = nisa.register_alloc(NB)  # its block id (NB: none yet, the all-padding table row)
+    # the slot ids of the block in dx_prev (row NB, all padding: none yet)
+    prev_ids = block_row(slot_table, nisa.register_alloc(NB), 0)
     bs = load_block_start(block_start)
     mine = owned_groups(E)
     nxt = None
     if len(mine):
-        nxt = (load_weight(w_gate_up, mine.start), load_weight(w_down, mine.start))
+        ew = masked_group(mine.start, E_w)
+        nxt = (load_weight(w_gate_up, ew), load_weight(w_down, ew))
     for e in mine:
         wgu, wd = nxt  # HC tiles [P, 2I], IC tiles [P, H]
+        ew = masked_group(e, E_w)
         wd_T = transposed_weight(wd, inter, H)  # [H-chunk][I-piece] [P, 512]
         var = {"H": H, "activation": activation, "limit": limit, "alpha": alpha, "bgu": None, "bd_cols": None}
         if b_gate_up != None:  # noqa: E711
-            var["bgu"] = load_bias_rows(b_gate_up, e)  # [P, 2I]: added to every row
+            var["bgu"] = load_bias_rows(b_gate_up, ew)  # [P, 2I]: added to every row
         if b_down != None:  # noqa: E711
-            var["bd_cols"] = bias_columns(b_down, e)
+            var["bd_cols"] = bias_columns(b_down, ew)
         lo, hi = block_range(block_start, e, bs)
         _grad_blocks(lo, hi, x, grad_out, token_table, block_weights, wgu, wd_T, outs, var)
         _load_dgu(pend, outs["dgu"], lo, 0)  # phase 2's first block, before the weight loads below
@@ -339,9 +346,9 @@ def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, bloc
         wgu_T = transposed_weight(wgu, H, I2, scalar_rows=2)
         if e + 1 < mine.stop:
             # the next expert's weights load during phase 2, which holds only w_gate_up[e].T
-            nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
-        _dx_blocks(lo, hi, wgu_T, outs, pend, dx_prev, slot_table, prev)
-    scatter_rows(outs["gx_slots"], dx_prev, slot_table, prev)  # the last block
+            nxt = (load_weight(w_gate_up, masked_group(e + 1, E_w)), load_weight(w_down, masked_group(e + 1, E_w)))
+        _dx_blocks(lo, hi, wgu_T, outs, pend, dx_prev, slot_table, prev_ids)
+    scatter_rows(outs["gx_slots"], dx_prev, prev_ids)  # the last block
     grad_x = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:
         nisa.core_barrier(outs["gx_slots"], (0, 1))  # both cores' slots are written before any combine

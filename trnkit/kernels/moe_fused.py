@@ -24,7 +24,13 @@ After all experts, :func:`trnkit.kernels.moe_grouped_mm.combine` sums each token
 LNC=2 (``moe_experts_kernel[2]``): each core runs the experts of
 :func:`~trnkit.kernels.moe_grouped_mm.owned_groups` (half the weights, half the blocks), writes its
 slots of the shared ``y``, waits at one ``core_barrier`` (a token's K slots come from both cores) and
-combines alternate token tiles.
+combines pairs of token tiles. The host's paired layout gives the j-th expert of either
+core the same blocks per width class (padding blocks on the core with fewer), so both cores run the
+same loops with the same trip counts.
+
+No state is carried in registers from one run-time iteration to the next: the slot ids of the block
+whose rows wait to be scattered stay in an SBUF tile (NKI migration guide: loop-carried state in SBUF
+or HBM).
 
 The backward's data path is :mod:`trnkit.kernels.moe_bwd`.
 """
@@ -41,6 +47,7 @@ from trnkit.kernels.moe_grouped_mm import (
     load_bias_rows,
     load_block_start,
     load_weight,
+    masked_group,
     owned_groups,
     row_matmul,
     tiles,
@@ -178,15 +185,16 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
 
 
 def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_table: Any, block_weights: Any,
-                   wgu: Any, wd: Any, y: Any, y_prev: list, slot_table: Any, prev: Any, act: dict, bd: Any) -> None:
+                   wgu: Any, wd: Any, y: Any, y_prev: list, slot_table: Any, prev_ids: Any, act: dict,
+                   bd: Any) -> None:
     """Run-time loop over one expert's blocks lo..hi-1 of ``width`` rows (see moe_experts_kernel).
 
     Software-pipelined on both sides of the compute. Gathers run one block ahead: block i finds its
     token rows in ``x_next`` (gathered by block i-1, or by the kernel's prologue) and, once it has
     transposed them, gathers block i+1's rows there -- across expert boundaries, since the blocks
     of consecutive experts are consecutive rows of the tables. Scatters run one block behind: block
-    i's scaled rows stay in ``y_prev`` until block i+1 has issued its gathers (``prev`` holds the
-    block id). The descriptors of both indirect DMAs are written by one in-order engine (GpSimd,
+    i's scaled rows stay in ``y_prev`` until block i+1 has issued its gathers (``prev_ids`` holds the
+    block's slot ids and flags, loaded right after the previous block's scatter read them). The descriptors of both indirect DMAs are written by one in-order engine (GpSimd,
     software DGE), so a gather issued after a scatter waits for the scattered block's whole compute;
     this order lets an expert's short last block be followed at once by the next expert's first
     block, whose rows were gathered while the short block computed. The affinities load first: a
@@ -206,13 +214,13 @@ def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_tab
             r0, rw = subs[s]
             transpose_rows(x_next[s][:rw, :], x_T, col0=r0, vector_every=VECTOR_TRANSPOSE_EVERY)
         move_block_rows(x, x_next, block_row(token_table, i, 1), True)  # block i + 1 (any expert's)
-        move_block_rows(y, y_prev, block_row(slot_table, prev, 0), False)  # the previous block's rows
+        move_block_rows(y, y_prev, prev_ids, False)  # the previous block's rows
+        block_row(slot_table, i, 0, prev_ids)  # this block's, scattered by the next iteration
         h_T = tiles(IC, (P, width), x.dtype)
         swiglu_T(h_T, x_T, wgu, H, inter, width, act)
         for s in range(len(subs)):
             r0, rw = subs[s]
             row_matmul(y_prev[s], h_T, rw, wd, inter, col0=r0, scale=w[:rw, s:s + 1], bias=bd)
-        nisa.register_move(prev, i)
 
     nl.fori_loop(lo, hi, block)
 
@@ -224,12 +232,13 @@ NFLAGS = 3
 HALF = 64  # rows of the narrowest piece of sub-tile 0 (the narrowest tail width at rows = 128)
 
 
-def block_row(table: Any, blk: Any, ahead: int) -> Any:
+def block_row(table: Any, blk: Any, ahead: int, ids: Any = None) -> Any:
     """Row ``blk + ahead`` of a per-block table ``[NB (+ 1), rows, ncol]`` (``blk`` a register) -> SBUF
-    ``[rows, ncol]`` in the table's dtype: a flagged id table's ids, then its flags (ncol = nsub +
-    NFLAGS), or one value per position of the block (ids, affinities: ncol = nsub)."""
+    ``[rows, ncol]`` in the table's dtype (a new tile, or ``ids``): a flagged id table's ids, then its
+    flags (ncol = nsub + NFLAGS), or one value per position of the block (ids, affinities: ncol = nsub)."""
     _, rows, ncol = table.shape
-    ids = nl.ndarray((rows, ncol), dtype=table.dtype, buffer=nl.sbuf)
+    if ids == None:  # noqa: E711
+        ids = nl.ndarray((rows, ncol), dtype=table.dtype, buffer=nl.sbuf)
     nisa.dma_copy(dst=ids, src=table.ap(pattern=[[ncol, rows], [1, ncol]], offset=ahead * rows * ncol,
                                         scalar_offset=blk, indirect_dim=0))
     return ids
@@ -281,12 +290,11 @@ def move_rows(hbm: Any, t: Any, ids: Any, s: int, r: int, gather: bool) -> None:
         nisa.dma_copy(dst=view, src=t[:r, :], oob_mode=nisa.oob_mode.skip)
 
 
-def scatter_rows(y: Any, y_sb: list, slot_table: Any, blk: Any) -> None:
-    """Scatter the sub-tiles ``y_sb[s] [rows, H]`` of block ``blk`` (a register) to the slot rows of
-    ``y [S, H]`` named by ``slot_table [NB + 1, rows, nsub]`` (ids >= S, padding and the all-padding
-    row NB, are skipped)."""
-    _, rows, nsub = slot_table.shape
-    ids = block_row(slot_table, blk, 0)
+def scatter_rows(y: Any, y_sb: list, ids: Any) -> None:
+    """Scatter the sub-tiles ``y_sb[s] [rows, H]`` of a block to the slot rows of ``y [S, H]`` named by
+    its row ``ids [rows, nsub]`` of a slot table (:func:`block_row`; ids >= S, padding and the
+    all-padding row NB, are skipped)."""
+    rows, nsub = ids.shape
     for s in range(nsub):
         move_rows(y, y_sb[s], ids, s, rows, False)
 
@@ -311,7 +319,9 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     fp32 (the slot's affinity); token_table and slot_table ``[NB + 1, rows, nsub + NFLAGS]`` int32, the
     ids followed by the block's width flags (:func:`move_block_rows`): token ids (padding positions
     name any valid token, their results are never stored) and slot ids t*K+k (T*K for padding); row NB
-    of both is padding (the last block's look-ahead gather, the first block's scatter). block_start ``[1, (n + 1)(E + 1)]`` int32 for the n = len(tail_widths(B)) narrower
+    of both is padding (the last block's look-ahead gather, the first block's scatter). block_start
+    ``[1, (n + 1)(E' + 1)]`` int32 (E' = E, or E + 1 in an LNC=2 layout of an odd E, see
+    :func:`~trnkit.kernels.moe_grouped_mm.masked_group`) for the n = len(tail_widths(B)) narrower
     widths: ``[start | b_1 | .. | b_n]``, start[e] the first block of expert e (start[E] the total);
     blocks ``start[e] .. b_1[e]-1`` run at full width B, ``b_j[e] .. b_{j+1}[e]-1`` (0 or 1 block:
     the expert's last) at ``tail_widths(B)[j-1]`` (b_{n+1} = start[e+1]), so a partly used last
@@ -320,17 +330,19 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     the activation) and b_down ``[E, H]``.
     """
     T, H = x.shape
-    E = w_gate_up.shape[0]
+    E_w = w_gate_up.shape[0]
     NB, rows, nsub = block_weights.shape  # the tables: [NB + 1, rows, nsub + NFLAGS]
     K = top_k
     B = rows * nsub
     widths = tail_widths(B)
+    E = block_start.shape[1] // (len(widths) + 1) - 1  # the layout's experts (E_w, or + 1 masked one)
     dt = x.dtype
     # per-slot scaled expert outputs; shared: on LNC=2 the combine reads slots of both cores
     y = nl.ndarray((T * K, H), dtype=dt, buffer=nl.shared_hbm)
     y_prev = tiles(nsub, (rows, H), dt)  # the last computed block's rows, not yet scattered
     x_next = tiles(nsub, (rows, H), dt)  # the next block's token rows, gathered one block ahead
-    prev = nisa.register_alloc(NB)  # its block id (NB: none yet, the all-padding table row)
+    # the slot ids (and flags) of the block in y_prev (row NB, all padding: none yet)
+    prev_ids = block_row(slot_table, nisa.register_alloc(NB), 0)
     bs = load_block_start(block_start)
     mine = owned_groups(E)
     prefetch = _prefetch_fits(H, w_down.shape[1], B, x.dtype)
@@ -339,13 +351,14 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
         first = nisa.register_alloc()
         nisa.register_load(first, bs[0:1, mine.start:mine.start + 1])
         move_block_rows(x, x_next, block_row(token_table, first, 0), True)  # the first block, while its weights load
-        nxt = (load_weight(w_gate_up, mine.start), load_weight(w_down, mine.start))
+        nxt = (load_weight(w_gate_up, masked_group(mine.start, E_w)), load_weight(w_down, masked_group(mine.start, E_w)))
     for e in mine:
         wgu, wd = nxt  # HC tiles [P, 2I], IC tiles [P, H]
-        act = expert_act(activation, limit, alpha, b_gate_up, e, w_down.shape[1])
+        ew = masked_group(e, E_w)
+        act = expert_act(activation, limit, alpha, b_gate_up, ew, w_down.shape[1])
         bd = None
         if b_down != None:  # noqa: E711
-            bd = load_bias_rows(b_down, e)  # [P, H]: added to every output row
+            bd = load_bias_rows(b_down, ew)  # [P, H]: added to every output row
         lo, hi = block_range(block_start, e, bs)
         bounds = [lo]
         for j in range(1, len(widths) + 1):
@@ -359,12 +372,12 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
                 # the next expert's weights, issued after this expert's full-width blocks and before its
                 # narrower last one: a load issued after all its transfers starts too late to hide
                 # when few DMAs are in flight; one issued before them delays this expert's gathers
-                nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
+                nxt = (load_weight(w_gate_up, masked_group(e + 1, E_w)), load_weight(w_down, masked_group(e + 1, E_w)))
             _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, x_next, token_table, block_weights,
-                           wgu, wd, y, y_prev, slot_table, prev, act, bd)
+                           wgu, wd, y, y_prev, slot_table, prev_ids, act, bd)
         if e + 1 < mine.stop and not (prefetch and len(seg_widths) > 1):
-            nxt = (load_weight(w_gate_up, e + 1), load_weight(w_down, e + 1))
-    move_block_rows(y, y_prev, block_row(slot_table, prev, 0), False)  # the last block
+            nxt = (load_weight(w_gate_up, masked_group(e + 1, E_w)), load_weight(w_down, masked_group(e + 1, E_w)))
+    move_block_rows(y, y_prev, prev_ids, False)  # the last block
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:
         nisa.core_barrier(y, (0, 1))  # both cores' slots are in y before any token is combined

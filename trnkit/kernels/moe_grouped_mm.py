@@ -11,9 +11,15 @@ over groups (each group's weights are loaded once, with big coalesced DMAs) and 
 
 LNC=2 (``kernel[2](...)``, one program per physical core): program p owns the p-th contiguous half of
 the groups (:func:`owned_groups`), so each core loads only its experts' weights and runs only their
-blocks; every block is computed exactly as on one core (results are bit-identical to LNC=1). Outputs
+blocks; every block is computed exactly as on one core (results are bit-identical to LNC=1). Both
+cores must take the same run-time control flow ("different control flow on the two cores is
+undefined", NKI LNC guide), so the host lays the blocks out in pairs (``moe.block_layout(lnc=2)``):
+group j of core 0 and group j of core 1 get the same number of blocks (the smaller one padding
+blocks, whose rows are never stored), and an odd group count gets a last, all-padding group on core 1
+(:func:`masked_group`: it loads the last real group's weights again and writes nowhere). Outputs
 written per group / per row need no synchronisation (the cores write disjoint parts); only a K-way
-combine of slots that both cores wrote waits at a ``core_barrier`` (or a new launch).
+combine of slots that both cores wrote waits at a ``core_barrier`` (or a new launch), and then the
+cores sum pairs of equal token tiles (:func:`combine_pairs`).
 
 Kernels:
 * :func:`grouped_mm_kernel` ``out[rows] = x[rows] @ w[g]`` (or ``@ w[g].T``).
@@ -51,13 +57,11 @@ def owned_groups(G: int) -> range:
     return range(min(G, pid * per), min(G, (pid + 1) * per))
 
 
-def owned_chunks(items: list) -> list:
-    """Every n-th item of ``items`` for program p of n (all of them without a grid)."""
-    n_prog, pid = program_split()
-    out = []
-    for k in range(pid, len(items), n_prog):
-        out.append(items[k])
-    return out
+def masked_group(g: int, G: int) -> int:
+    """The group whose weights group g of a block layout loads: g itself, or for the all-padding group
+    an LNC=2 layout adds to an odd group count (g == G) the last real one (so both cores issue the
+    same loads; its blocks store nothing)."""
+    return min(g, G - 1)
 
 
 # ----------------------------------------------------------------------------------------- movement
@@ -274,20 +278,21 @@ def grouped_mm_kernel(x, w, src_table, dst_table, block_start, out: nt.mutable_t
 
     x: ``[R, C]`` row-indexed or ``[NB, B, C]`` dispatch order; w: ``[G, Kw, Nw]`` with C = Kw
     (C = Nw when transposed); out: ``[R', N]`` or ``[NB, B, N]`` (preallocated, written in place);
-    tables ``[NB, B]`` int32; block_start ``[1, G + 1]`` int32; optional bias ``[G, N]`` (added in
+    tables ``[NB, B]`` int32; block_start ``[1, G' + 1]`` int32 (G' = G, or G + 1 in an LNC=2 layout
+    of an odd G, see :func:`masked_group`); optional bias ``[G, N]`` (added in
     fp32 before the output is rounded). Gathered padding rows are zeros (plus the bias).
     """
     G, Kw, Nw = w.shape
     C, N = (Nw, Kw) if transpose_w else (Kw, Nw)
     bs = load_block_start(block_start)
-    for g in owned_groups(G):
-        w_sb = load_weight(w, g)
+    for g in owned_groups(block_start.shape[1] - 1):
+        w_sb = load_weight(w, masked_group(g, G))
         grid = None
         if transpose_w:
             grid = transposed_weight(w_sb, Kw, Nw)
         b_sb = None
         if bias != None:  # noqa: E711
-            b_sb = load_bias_rows(bias, g)
+            b_sb = load_bias_rows(bias, masked_group(g, G))
         lo, hi = block_range(block_start, g, bs)
         _grouped_mm_blocks(lo, hi, x, src_table, dst_table, out, w_sb, grid, C, N, b_sb)
     return out
@@ -362,13 +367,14 @@ def wgrad_products(operands: list, grads: list, table: Any, bounds: Any, zero_pa
     order (deterministic, LNC=2 bit-identical). The first matmul of each group opens it (no zero
     matmul); a non-empty group evacuates and stores each pass once, an empty one writes zeros.
     """
-    G = grads[0].shape[0]
+    width = WGRAD_MAX_SLOTS + 3
+    G = bounds.shape[1] // width  # the layout's groups (LNC=2, odd G: + the masked group)
     row_bytes = 4  # the tile's row id
     for op in operands:
         row_bytes += op.shape[-1] * (4 if op.dtype == nl.float32 else 2)
     slots = wgrad_slots(row_bytes)
-    width = WGRAD_MAX_SLOTS + 3
     assert bounds.shape[1] == G * width, "wgrad bounds: WGRAD_MAX_SLOTS + 3 entries per group"
+    assert G in (grads[0].shape[0], grads[0].shape[0] + 1), "wgrad bounds: one group per gradient (+ a masked one)"
     b_sb = load_block_start(bounds)  # (any [1, n] int32 row: the bound registers load from it)
     passes = wgrad_passes(grads)
     zeros = []
@@ -377,6 +383,7 @@ def wgrad_products(operands: list, grads: list, table: Any, bounds: Any, zero_pa
         nisa.memset(dst=z, value=0.0, engine=nisa.engine.vector)
         zeros.append(z)
     groups = list(owned_groups(G))
+    scratch = _masked_scratch(grads, G)
     nxt = None
     if len(groups) > 0:
         nxt = _wgrad_prefetch(operands, table, b_sb, groups[0] * width, slots, zero_pad)
@@ -386,10 +393,25 @@ def wgrad_products(operands: list, grads: list, table: Any, bounds: Any, zero_pa
             nxt = _wgrad_prefetch(operands, table, b_sb, groups[q + 1] * width, slots, zero_pad)
         regs, cache = cur
         evac = 0  # evacuations alternate between the Vector and Scalar engines across passes
+        dst, g = grads, groups[q]
+        if g >= grads[0].shape[0]:
+            dst, g = scratch, 0  # the masked group's gradient goes to the scratch copy
         for pas in passes:
-            _wgrad_pass(operands, grads, table, groups[q], regs, cache, pas, zero_pad, evac)
+            _wgrad_pass(operands, dst, table, g, regs, cache, pas, zero_pad, evac)
             evac += len(pas[1])
-        _wgrad_zero_empty(grads, groups[q], regs, zeros)
+        _wgrad_zero_empty(dst, g, regs, zeros)
+
+
+def _masked_scratch(grads: list, G: int) -> Any:
+    """One group of each gradient in private HBM, where the masked group (:func:`masked_group`) writes,
+    so it runs the same instructions as its partner on the other core and writes no real gradient
+    (None when the layout has no masked group)."""
+    if G == grads[0].shape[0]:
+        return None
+    scratch = []
+    for grad in grads:
+        scratch.append(nl.ndarray((1, grad.shape[1], grad.shape[2]), dtype=grad.dtype, buffer=nl.private_hbm))
+    return scratch
 
 
 def wgrad_passes(grads: list) -> list:
@@ -588,27 +610,63 @@ def combine(y: Any, out: Any, K: int) -> None:
     Tensor Engine: per 512-column piece, c selection-matrix matmuls (see :func:`selection_matrix`)
     accumulate into one ``[M, 512]`` fp32 PSUM tile (the K-way sum in fp32, rounded once), evacuated
     once; up to PSUM_GROUPS pieces at a time, fed chunk by chunk (:func:`_combine_pass`). On an LNC=2
-    launch the programs take alternate token tiles.
+    launch the programs take the tiles in pairs of equal size (:func:`combine_pairs`); where a tile
+    has no partner, the second program sums a copy of it into a private scratch tensor (masked work,
+    so both run the same instructions).
     """
     T, H = out.shape
     sel = selection_matrix(K, y.dtype)
     n_tok = P // K
     nch = P // n_tok
-    token_tiles = owned_chunks(chunks(T, nch * n_tok))
-    nxt = None
-    if len(token_tiles):
-        nxt = _combine_load(y, token_tiles[0], K)
-    for k in range(len(token_tiles)):
-        t0, nt = token_tiles[k]
+    work = []  # (token tile, masked: summed into the scratch tensor)
+    n_prog, pid = program_split()
+    scratch = None
+    for pair in combine_pairs(chunks(T, nch * n_tok), n_prog):
+        if pair[pid] != None:  # noqa: E711
+            work.append((pair[pid], False))
+            continue
+        if scratch == None:  # noqa: E711
+            scratch = nl.ndarray((nch * n_tok, H), dtype=out.dtype, buffer=nl.private_hbm)
+        work.append((pair[0], True))
+    if len(work) == 0:
+        return
+    nxt = _combine_load(y, work[0][0], K)
+    for k in range(len(work)):
+        (t0, nt), masked = work[k]
         parts = chunks(nt, n_tok)  # (first token, tokens) per chunk
         y_sb = nxt
-        if k + 1 < len(token_tiles):  # the next tile's loads go first: the store below waits for compute
-            nxt = _combine_load(y, token_tiles[k + 1], K)
+        if k + 1 < len(work):  # the next tile's loads go first: the store below waits for compute
+            nxt = _combine_load(y, work[k + 1][0], K)
         o_sb = nl.ndarray((nt, H), dtype=out.dtype, buffer=nl.sbuf)
         hcs = chunks(H, NMAX)
         for q0 in range(0, len(hcs), PSUM_GROUPS):
             _combine_pass(o_sb, y_sb, sel, parts, hcs[q0:q0 + PSUM_GROUPS], q0, K)
-        nisa.dma_copy(dst=out[t0:t0 + nt, :], src=o_sb)
+        if masked:
+            nisa.dma_copy(dst=scratch[0:nt, :], src=o_sb)
+        else:
+            nisa.dma_copy(dst=out[t0:t0 + nt, :], src=o_sb)
+
+
+def combine_pairs(tiles: list, n_prog: int) -> list:
+    """The :func:`combine` token tiles ``(t0, nt)`` as each program takes them: ``[(tile,), ...]`` without a
+    grid; on LNC=2 ``[(tile of program 0, tile of program 1 or None), ...]``, consecutive tiles of equal
+    size paired (so both programs' tiles have the same chunks), a tile without such a partner paired
+    with None (program 1 then sums a masked copy of it)."""
+    if n_prog == 1:
+        out = []
+        for t in tiles:
+            out.append((t,))
+        return out
+    out = []
+    i = 0
+    while i < len(tiles):
+        if i + 1 < len(tiles) and tiles[i + 1][1] == tiles[i][1]:
+            out.append((tiles[i], tiles[i + 1]))
+            i += 2
+        else:
+            out.append((tiles[i], None))
+            i += 1
+    return out
 
 
 def _combine_load(y: Any, tile: tuple, K: int) -> list:
