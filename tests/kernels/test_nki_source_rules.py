@@ -289,6 +289,25 @@ def test_kernel_code_follows_nki_compiler_rules(module) -> None:
     assert violations(module) == []
 
 
+def psum_matmuls_without_accumulate(module) -> list[str]:
+    """Every ``nisa.nc_matmul`` call in kernel code without an explicit ``accumulate=`` (the default,
+    None, accumulates per element into whatever an earlier write left, which is undefined after a
+    non-matmul write on NeuronCore v2/v3; each accumulation group states where it opens)."""
+    out = []
+    for name, fn in kernel_functions(module).items():
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and _api_name(node.func) == ("nisa", "nc_matmul") \
+                    and "accumulate" not in {k.arg for k in node.keywords}:
+                out.append(f"{name}: line {node.lineno}")
+    return out
+
+
+@pytest.mark.parametrize("module", MODULES + [importlib.import_module("trnkit.kernels.moe_bwd")],
+                         ids=[m.__name__.rsplit(".", 1)[-1] for m in MODULES] + ["moe_bwd"])
+def test_every_matmul_states_whether_it_accumulates(module) -> None:
+    assert psum_matmuls_without_accumulate(module) == []
+
+
 def test_api_list_is_the_documented_one() -> None:
     """Spot checks of nki_api_0_6.json against the 0.6 reference (nisa.dma_transpose(dst, src, axes=None,
     ...), nl.fori_loop(lower, upper, body_fun, step=1), deprecated affine_range)."""

@@ -198,11 +198,13 @@ def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, 
         d_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
         for c in range(HC):
             hk = min(P, H - c * P)
-            nisa.nc_matmul(dst=g_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, p0:p0 + pw])
-            nisa.nc_matmul(dst=u_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, inter + p0:inter + p0 + pw])
+            nisa.nc_matmul(dst=g_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, p0:p0 + pw],
+                           accumulate=c > 0)
+            nisa.nc_matmul(dst=u_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, inter + p0:inter + p0 + pw],
+                           accumulate=c > 0)
         for c in range(HC):
             hk = min(P, H - c * P)
-            nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, :rows], moving=wd_T[c][k][:hk, :pw])
+            nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, :rows], moving=wd_T[c][k][:hk, :pw], accumulate=c > 0)
         a, u, d = _piece_to_sbuf(g_ps, u_ps, d_ps, p0, var["bgu"], dt)
         h, dh_da, dh_du = activation_grad_rows(a, u, dt, var["activation"], var["limit"], var["alpha"])
         nisa.tensor_scalar(dst=hw_t[:, p0:p0 + pw], data=h, op0=nl.multiply, operand0=w)  # w * h
@@ -219,7 +221,8 @@ def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, 
         b_ps = nl.ndarray((rows, 1), dtype=f32, buffer=nl.psum)
         for c in range(HC):
             hk = min(P, H - c * P)
-            nisa.nc_matmul(dst=b_ps, stationary=go_T[c][:hk, :rows], moving=var["bd_cols"][:hk, c:c + 1])
+            nisa.nc_matmul(dst=b_ps, stationary=go_T[c][:hk, :rows], moving=var["bd_cols"][:hk, c:c + 1],
+                           accumulate=c > 0)
         nisa.tensor_tensor(dst=gw_col, data1=gw_col, data2=b_ps, op=nl.add)
 
 

@@ -176,9 +176,10 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
         hk = hcs[c][1]
         for jj in range(len(group)):
             i0, iw = group[jj]
-            nisa.nc_matmul(dst=g_ps[jj], stationary=wgu[c][:hk, i0:i0 + iw], moving=x_T[c][:hk, :])
+            nisa.nc_matmul(dst=g_ps[jj], stationary=wgu[c][:hk, i0:i0 + iw], moving=x_T[c][:hk, :],
+                           accumulate=c > 0)
             nisa.nc_matmul(dst=u_ps[jj], stationary=wgu[c][:hk, inter + i0:inter + i0 + iw],
-                           moving=x_T[c][:hk, :])
+                           moving=x_T[c][:hk, :], accumulate=c > 0)
     for jj in range(len(group)):
         iw = group[jj][1]
         activate_T(h_T[j0 + jj][:iw, :], g_ps[jj], u_ps[jj], j0 + jj, act)

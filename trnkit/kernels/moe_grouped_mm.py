@@ -261,7 +261,7 @@ def _row_matmul_pass(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, grid: Any, 
         for j in range(len(group)):
             n0, nw = group[j]
             nisa.nc_matmul(dst=ps[j], stationary=lhs_T[c][:ck, col0:col0 + rows],
-                           moving=moving_view(w_sb, grid, c, ck, n0, nw))
+                           moving=moving_view(w_sb, grid, c, ck, n0, nw), accumulate=c > 0)
     for j in range(len(group)):
         n0, nw = group[j]
         piece_bias = None
@@ -697,7 +697,8 @@ def _combine_pass(o_sb: Any, y_sb: list, sel: Any, parts: list, group: list, q0:
         rows = parts[j][1] * K
         for q in range(len(group)):
             n0, nw = group[q]
-            nisa.nc_matmul(dst=ps[q], stationary=sel[:rows, c0:c0 + nt], moving=y_sb[j][:rows, n0:n0 + nw])
+            nisa.nc_matmul(dst=ps[q], stationary=sel[:rows, c0:c0 + nt], moving=y_sb[j][:rows, n0:n0 + nw],
+                           accumulate=j > 0)
     for q in range(len(group)):
         n0, nw = group[q]
         evacuate(o_sb[:, n0:n0 + nw], ps[q], q0 + q)

@@ -274,7 +274,7 @@ def _rotate_slab(y_v, x_v, c_v, t_v, ident, P, pipe, store, load):
     nisa.tensor_tensor(dst=a_t, data1=x_v, data2=c_v, op=nl.multiply, engine=eng)
     nisa.tensor_tensor(dst=p_t, data1=x_v, data2=t_v, op=nl.multiply, engine=eng)
     y_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=y_ps, stationary=ident[0:P, 0:P], moving=a_t)
+    nisa.nc_matmul(dst=y_ps, stationary=ident[0:P, 0:P], moving=a_t, accumulate=False)  # opens the group
     _finish(pipe, ident)
     pipe[0] = (y_ps, p_t, y_v, P, store)
 
@@ -309,8 +309,8 @@ def _finish(pipe, ident):
         D = p_t.shape[-1]
         h = D // 2
         # y += swap_halves(p): the two halves of p accumulate into the opposite halves of y
-        nisa.nc_matmul(dst=y_ps[..., 0:h], stationary=ident[0:P, 0:P], moving=p_t[..., h:D])
-        nisa.nc_matmul(dst=y_ps[..., h:D], stationary=ident[0:P, 0:P], moving=p_t[..., 0:h])
+        nisa.nc_matmul(dst=y_ps[..., 0:h], stationary=ident[0:P, 0:P], moving=p_t[..., h:D], accumulate=True)
+        nisa.nc_matmul(dst=y_ps[..., h:D], stationary=ident[0:P, 0:P], moving=p_t[..., 0:h], accumulate=True)
         nisa.tensor_copy(dst=y_v, src=y_ps, engine=nisa.engine.scalar)
         if store != None:  # noqa: E711
             nisa.dma_copy(dst=store[0], src=store[1])

@@ -320,11 +320,11 @@ def _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, ident, Pc, NT, H):
             cw = min(PIECE, H - c0)
             ps = nl.ndarray((Pc, cw), dtype=nl.float32, buffer=nl.psum)
             for k in range(len(dr)):
-                nisa.nc_matmul(dst=ps, stationary=dr[k], moving=gw_t[:, j, c0:c0 + cw])
+                nisa.nc_matmul(dst=ps, stationary=dr[k], moving=gw_t[:, j, c0:c0 + cw], accumulate=k > 0)
             for k in range(len(dc)):
-                nisa.nc_matmul(dst=ps, stationary=dc[k], moving=x_t[:, j, c0:c0 + cw])
+                nisa.nc_matmul(dst=ps, stationary=dc[k], moving=x_t[:, j, c0:c0 + cw], accumulate=True)
             if gs_t != None:  # noqa: E711
-                nisa.nc_matmul(dst=ps, stationary=ident[:Pc, :Pc], moving=gs_t[:, j, c0:c0 + cw])
+                nisa.nc_matmul(dst=ps, stationary=ident[:Pc, :Pc], moving=gs_t[:, j, c0:c0 + cw], accumulate=True)
             nisa.activation(dst=dx_t[:, j, c0:c0 + cw], op=nl.copy, data=ps)
 
 
@@ -365,7 +365,7 @@ def _store_dw(dw, dw_ps, n_prog, pid, NC):
     nisa.dma_copy(dst=dw.ap(pattern=[[1, half], [P, NC]], offset=pid * half), src=out)
 
 
-def _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC):
+def _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC, opens=False):
     """Row j of the chunk into the dw column sums: ``dw_ps[:, c] += sum_p prod[p, j, c*P + m] * rstd[p, j]``
     for every 128-column piece c. The moving operand is the one-hot ``[Pc, NC]`` scaled by rstd (one
     Scalar pass; rstd rounded to prod's dtype, an error of each row's weight that averages out over the
@@ -373,10 +373,11 @@ def _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC):
     mv = nl.ndarray((Pc, NC, NC), dtype=prod.dtype, buffer=nl.sbuf)
     nisa.activation(dst=mv, op=nl.copy, data=onehot[:Pc, :, :], scale=rstd_t[:, j:j + 1])
     for c in range(NC):
-        nisa.nc_matmul(dst=dw_ps, stationary=prod[:, j, c * P:(c + 1) * P], moving=mv[:, c, :])
+        nisa.nc_matmul(dst=dw_ps, stationary=prod[:, j, c * P:(c + 1) * P], moving=mv[:, c, :],
+                       accumulate=not (opens and c == 0))  # the program's first matmul opens the group
 
 
-def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt):
+def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt, first=False):
     """Stage 1 of a backward chunk: ``gw = dy * w``, the dw matmuls, ``D = sum(gw * x)`` per row."""
     dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
     r0, Pc, NT = chunk
@@ -391,7 +392,7 @@ def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt):
         nisa.memset(dst=prod[:, :, H:HP], value=0.0)
     nisa.tensor_tensor(dst=prod[:, :, 0:H], data1=dy_t, data2=x_t, op=nl.multiply)
     for j in range(NT):
-        _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC)
+        _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC, first and j == 0)
     t_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=t_t, data1=gw_t, data2=x_t, op=nl.multiply)
     d_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
@@ -452,7 +453,7 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
                 nisa.dma_copy(dst=r_k, src=_row_stats(rstd, r0k, Pk, NTk))
                 tl.append(r_k)
                 loads.append(tl)
-            cur = _bwd_sums(loads[i], chunks[i], w_sb, onehot, dw_ps, out_dt)
+            cur = _bwd_sums(loads[i], chunks[i], w_sb, onehot, dw_ps, out_dt, i == 0)
             loads[i] = None
         if pending != None:  # noqa: E711
             _bwd_dx(pending, dx, ident)
