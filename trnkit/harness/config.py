@@ -29,6 +29,9 @@ class JobConfig:
     seed: int = 0
     # Deterministic algorithms; required for bit-exact resume on CPU (default on).
     deterministic: bool = True
+    # A lock file from `python -m trnkit env --lock > stack.lock`: the run refuses to start (exit 2) when an
+    # installed version differs from it. "" = no check. Every run writes its own stack to <dump_folder>/stack.lock.
+    stack: str = ""
 
 
 @dataclass
@@ -165,6 +168,9 @@ class MetricsConfig:
     jsonl: bool = True            # <dump_folder>/metrics.jsonl
     plot: bool = True             # <dump_folder>/loss.png at the end
     progress_bar: bool = True     # tqdm bar on rank 0 (stderr) when stderr is a terminal, every step
+    # When stderr is not a terminal (a logged run): a progress line on stderr every N steps with the step,
+    # loss, tokens/s and ETA (rank 0; 0 = none).
+    progress_freq: int = 10
     color: bool = False
     # Which ranks log (through the `trnkit.harness` logger): "0" (default), another rank number, or
     # "all" (each line prefixed with its rank; for debugging). Also `--log_rank all` on the command line.
@@ -347,7 +353,7 @@ def load_config(path: str | os.PathLike | None = None, cli: list[str] | None = N
     return cfg
 
 
-USAGE = """usage: python -m trnkit.harness.train [--config FILE.toml] [--<section>.<field> VALUE ...]
+USAGE = """usage: python -m trnkit.harness.train [--config FILE.toml|NAME] [--<section>.<field> VALUE ...]
        torchrun --nproc_per_node N -m trnkit.harness.train --config FILE.toml [...]
 
 Every field below can be set in the TOML file or on the command line (lists: a,b or JSON; tables: JSON).
@@ -376,7 +382,9 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
         else:
             rest.append(argv[i])
             i += 1
-    return load_config(path, rest)
+    from trnkit.packaged import resolve_config  # a shipped config by name: --config debug_moe_nki
+
+    return load_config(resolve_config(path) if path else None, rest)
 
 
 def _toml_value(v: Any) -> str:
@@ -445,6 +453,8 @@ def _validate(cfg: TrainerConfig) -> None:
     req(cfg.metrics.log_rank == "all" or cfg.metrics.log_rank.isdigit(), "metrics.log_rank",
         "must be 'all' or a rank number", cfg.metrics.log_rank)
     req(cfg.metrics.log_freq >= 1, "metrics.log_freq", "must be >= 1", cfg.metrics.log_freq)
+    req(cfg.metrics.progress_freq >= 0, "metrics.progress_freq", "must be >= 0 (0 = no progress lines)",
+        cfg.metrics.progress_freq)
     req(cfg.data.max_documents >= 0, "data.max_documents", "must be >= 0", cfg.data.max_documents)
     for i, name in enumerate(cfg.overrides.plugins):
         req(all(part.isidentifier() for part in name.split(".")), f"overrides.plugins[{i}]",

@@ -14,7 +14,7 @@ from typing import Callable
 from trnkit.harness.checkpoint import list_checkpoints
 
 # What a run writes directly under its dump folder (the checkpoint folder is added by the caller).
-RUN_FILES = ("metrics.jsonl", "config.toml", "loss.png", "hf_export")
+RUN_FILES = ("metrics.jsonl", "config.toml", "stack.lock", "loss.png", "hf_export")
 
 
 def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str], None]) -> str | None:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from trnkit import envinfo
 from trnkit.harness import parallel
 from trnkit.harness.aux_loss import MoEAuxLoss
 from trnkit.errors import TrnkitError
@@ -264,6 +265,8 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     import_plugins(cfg.overrides.plugins)  # user kernels register themselves before impl names are checked
     override_config(cfg)  # fail fast on bad [overrides] names, before data and model are built
     _check_compile_backend(cfg)
+    if cfg.job.stack:
+        envinfo.check_stack(cfg.job.stack)  # a ConfigError naming each difference
     handle = build_handle(cfg)
     identity = run_identity(handle)
     ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
@@ -338,6 +341,8 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, "config.toml"), "w") as f:
             f.write(to_toml(cfg))
+        with open(os.path.join(dump, "stack.lock"), "w") as f:
+            f.write(envinfo.lock_text(envinfo.current_stack()))
 
     peak = peak_flops(env.device.type, parallel.device_name(env.device))
     metrics = MetricsLogger(dump, cfg.metrics, t.steps, start_step, env.rank, fpt, peak, env.device,

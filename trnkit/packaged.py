@@ -1,0 +1,49 @@
+"""Files trnkit ships next to its code: the trainer configs and the examples.
+
+In a wheel they are ``trnkit/configs`` and ``trnkit/examples`` (pyproject.toml maps the repository's
+top-level ``configs/`` and ``examples/`` there); in a source checkout they are those top-level folders.
+A config can be named by its file name without ``.toml`` (``--config debug_moe_nki``) from any directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from trnkit.errors import ConfigError
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _shipped(name: str) -> Path:
+    installed = _PACKAGE / name          # a wheel install
+    return installed if installed.is_dir() else _PACKAGE.parent / name  # a source checkout
+
+
+def configs_dir() -> Path:
+    """The folder holding the shipped trainer configs (``*.toml``)."""
+    return _shipped("configs")
+
+
+def examples_dir() -> Path:
+    """The folder holding the shipped examples (``my_kernels.py``)."""
+    return _shipped("examples")
+
+
+def config_names() -> list[str]:
+    """Names of the shipped configs, e.g. ``["debug_moe", "debug_moe_hf", "debug_moe_nki", ...]``."""
+    return sorted(p.stem for p in configs_dir().glob("*.toml"))
+
+
+def resolve_config(path_or_name: str | os.PathLike) -> Path:
+    """A config file: ``path_or_name`` itself when that file exists, else the shipped config of that name
+    (``debug_moe_nki`` or ``debug_moe_nki.toml``). Raises ConfigError naming the shipped configs."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    if path.parent == Path("."):  # a bare name, not a path to a folder
+        shipped = configs_dir() / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
+        if shipped.is_file():
+            return shipped
+    raise ConfigError(f"config: file not found: {os.fspath(path_or_name)} (neither a file nor the name of a "
+                      f"shipped config; shipped configs in {configs_dir()}: {config_names()})")
