@@ -1,0 +1,161 @@
+"""Flash attention kernels: fp64-oracle parity of the forward (output and log-sum-exp) and of the
+gradients (fp32 and bf16; S = 1, S not a multiple of 128, several 1024-key steps; Hq / Hk = 1, 2, 4, 8;
+head dims 16 to 128), agreement with the torch reference, LNC=2 (all three work splits), constraints,
+and the trace: no [S, S] tensor in HBM. Slow tier: Qwen3-4B and Qwen3-30B-A3B shapes.
+
+The oracle is plain causal softmax attention in torch (scores, softmax, ``P @ V`` at one dtype,
+transformers' eager attention): at the test dtype it is torch's own result, in float64 the oracle
+(tests/tolerances.py); gradients are autograd's. It is evaluated one kv head (and its query heads) at a
+time and compared with :class:`~tests.tolerances.OracleErr`, so a production shape never holds the
+fp64 scores of every head at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.oracles import leaves
+from tests.tolerances import F64, OracleErr, assert_close
+from trnkit.kernels.attention import attention, attention_constraints, attention_ref
+from trnkit.kernels.constraints import KernelConstraintError
+from trnkit.nkisim import trace
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dt: torch.dtype, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o [B, S, G, D], lse [B, G, S])`` of query heads ``q [B, S, G, D]`` over one kv head
+    ``k, v [B, S, D]`` at dtype dt."""
+    S = q.shape[1]
+    s = torch.einsum("bigd,bjd->bgij", q.to(dt), k.to(dt)) * scale
+    s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
+    o = torch.einsum("bgij,bjd->bigd", torch.softmax(s, -1), v.to(dt))
+    return o, torch.logsumexp(s, -1)
+
+
+def _inputs(B: int, S: int, Hq: int, Hk: int, D: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, go = (torch.randn(B, S, h, D, generator=g) for h in (Hq, Hk, Hk, Hq))
+    return (q * scale).to(dtype), (k * scale).to(dtype), v.to(dtype), go.to(dtype)
+
+
+def check_attention(q, k, v, o, lse, scale: float, grads=None, go=None) -> None:
+    """The fp64-oracle rule on o and lse (and on the gradients ``grads = (dq, dk, dv)`` for the output
+    gradient ``go``), streamed over kv heads."""
+    dtype = q.dtype
+    Hq, Hk = q.shape[2], k.shape[2]
+    G = Hq // Hk
+    names = ("o", "lse", "grad_q", "grad_k", "grad_v")
+    errs = {n: OracleErr(f"attention {n}", torch.float32 if n == "lse" else dtype) for n in names}
+    for j in range(Hk):
+        hs = slice(j * G, (j + 1) * G)
+        per = {}
+        for dt in (dtype, F64):
+            ql, kl, vl = leaves([q[:, :, hs], k[:, :, j], v[:, :, j]], dt)
+            out, ls = eager_attention(ql, kl, vl, dt, scale)
+            g_ = torch.autograd.grad(out, (ql, kl, vl), go[:, :, hs].to(dt)) if grads is not None else None
+            per[dt] = (out.detach(), ls.detach(), g_)
+        errs["o"].add(o[:, :, hs], per[dtype][0], per[F64][0])
+        errs["lse"].add(lse[:, hs], per[dtype][1], per[F64][1])
+        if grads is not None:
+            errs["grad_q"].add(grads[0][:, :, hs], per[dtype][2][0], per[F64][2][0])
+            errs["grad_k"].add(grads[1][:, :, j], per[dtype][2][1], per[F64][2][1])
+            errs["grad_v"].add(grads[2][:, :, j], per[dtype][2][2], per[F64][2][2])
+    for n in names[: 5 if grads is not None else 2]:
+        errs[n].check()
+
+
+def attention_case(shape: tuple[int, int, int, int, int], dtype: torch.dtype, lnc: int = 1, seed: int = 0,
+                   backward: bool = False) -> None:
+    q, k, v, go = _inputs(*shape, dtype, seed)
+    scale = shape[4] ** -0.5
+    o, lse = attention(q, k, v, lnc=lnc)
+    assert o.shape == q.shape and o.dtype == dtype and lse.shape == (shape[0], shape[2], shape[1])
+    assert lse.dtype == torch.float32
+    check_attention(q, k, v, o, lse, scale)
+
+
+# (B, S, Hq, Hk, D): S = 1, odd S, S past one 1024-key step; group sizes 1, 2, 3, 4, 8
+FAST = [(1, 1, 2, 1, 64), (1, 5, 2, 1, 16), (2, 130, 4, 2, 64), (1, 200, 4, 1, 32), (1, 129, 8, 1, 128),
+        (1, 1100, 2, 2, 128), (1, 300, 3, 3, 64), (1, 257, 3, 1, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", FAST, ids=[str(s) for s in FAST])
+def test_forward_oracle_parity(shape, dtype) -> None:
+    attention_case(shape, dtype)
+
+
+# LNC=2 work splits: query heads of a group (G even), (b, kv head) pairs, a padded duplicate unit
+LNC2 = [(1, 300, 4, 2, 64), (2, 130, 3, 1, 64), (1, 257, 3, 1, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", LNC2, ids=["split-heads", "split-kv", "padded"])
+def test_lnc2_matches_lnc1(shape, dtype) -> None:
+    """Each query tile runs the same instructions on either core: bit-identical outputs."""
+    q, k, v, _ = _inputs(*shape, dtype, seed=1)
+    one, two = attention(q, k, v, lnc=1), attention(q, k, v, lnc=2)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+    attention_case(shape, dtype, lnc=2, seed=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_reference_has_the_kernels_rounding_points(dtype) -> None:
+    q, k, v, _ = _inputs(1, 300, 4, 2, 64, dtype, seed=2)
+    o, lse = attention(q, k, v)
+    ro, rl = attention_ref(q, k, v)
+    torch.testing.assert_close(lse, rl, rtol=2e-6, atol=2e-6)
+    assert_close(o, ro, dtype)
+
+
+def test_large_scores_and_a_custom_scale() -> None:
+    """Scores of a few hundred (exp would overflow without the running max) and scale != D^-0.5."""
+    q, k, v, _ = _inputs(1, 600, 2, 1, 64, torch.float32, seed=3, scale=6.0)
+    o, lse = attention(q, k, v, scale=0.3)
+    assert torch.isfinite(o).all() and lse.max() > 100
+    check_attention(q, k, v, o, lse, 0.3)
+
+
+def test_no_square_tensor_in_hbm() -> None:
+    """Every HBM access of the forward is at most one head's rows: no [S, S] scores or probabilities."""
+    S, Hq, D = 1100, 2, 64
+    q, k, v, _ = _inputs(1, S, Hq, 1, D, torch.bfloat16)
+    with trace.record() as tr:
+        attention(q, k, v)
+    hbm = [o.nbytes for i in tr for o in i.operands if o.buffer in ("hbm", "shared_hbm", "private_hbm")]
+    assert hbm and max(hbm) <= S * D * 2 < S * S
+
+
+def test_constraints_name_the_rule_and_value() -> None:
+    q, k = torch.randn(1, 8, 4, 64), torch.randn(1, 8, 2, 64)
+    cases = [
+        (dict(q=q[0], k=k, v=k), "q is [B, S, Hq, D]"),
+        (dict(q=q, k=k[:, :4], v=k[:, :4]), "k is [B, S, Hk, D]"),
+        (dict(q=q, k=k, v=k[..., :32]), "v has k's shape"),
+        (dict(q=torch.randn(1, 8, 3, 64), k=k, v=k), "Hq % Hk == 0"),
+        (dict(q=q.half(), k=k.half(), v=k.half()), "q.dtype in"),
+        (dict(q=q, k=k.bfloat16(), v=k), "q, k, v share one dtype"),
+        (dict(q=torch.randn(1, 8, 4, 256), k=torch.randn(1, 8, 2, 256), v=torch.randn(1, 8, 2, 256)), "D <= 128"),
+        (dict(q=q, k=k, v=k, scale=-1.0), "scale is None or a finite float > 0"),
+        (dict(q=torch.empty(1, 20000, 1, 8, device="meta"), k=torch.empty(1, 20000, 1, 8, device="meta"),
+              v=torch.empty(1, 20000, 1, 8, device="meta")), "S <= 16384 for float32"),
+    ]
+    for kw, rule in cases:
+        found = attention_constraints(**kw)
+        assert found and rule in found[0].constraint, (rule, found)
+    with pytest.raises(KernelConstraintError, match=r"attention: constraint 'Hq % Hk == 0"):
+        attention(torch.randn(1, 8, 3, 64), k, k)
+
+
+# --------------------------------------------------------------------------------------------- slow
+SLOW = [("4B", (1, 2048, 32, 8, 128)), ("30B-A3B", (1, 2048, 32, 4, 128))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", SLOW, ids=[c[0] for c in SLOW])
+def test_oracle_parity_production(case, dtype) -> None:
+    attention_case(case[1], dtype, lnc=2)

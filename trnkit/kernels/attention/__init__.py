@@ -1,0 +1,35 @@
+"""Flash attention (causal, GQA) as NKI kernels: forward with the log-sum-exp saved, and the backward.
+
+``attention(q, k, v, scale)`` -> ``(o, lse)``; ``attention_bwd(q, k, v, o, lse, grad_o, scale)`` ->
+``(grad_q, grad_k, grad_v)``. Layout ``[B, S, H, D]`` (q ``Hq`` heads, k / v ``Hk``, ``Hq % Hk == 0``),
+``lse [B, Hq, S]`` fp32, ``scale`` defaults to ``D ** -0.5``. The torch references of the same
+signatures are in :mod:`trnkit.kernels.attention.attention_torch`; the designs in
+:mod:`trnkit.kernels.attention.attention` and :mod:`trnkit.kernels.attention.attention_bwd`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trnkit.kernels._common import dense
+from trnkit.kernels.attention.attention import attention_fwd_kernel
+from trnkit.kernels.attention.attention_torch import attention_bwd_ref, attention_ref
+from trnkit.kernels.attention.constraints import attention_bwd_constraints, attention_constraints
+from trnkit.kernels.constraints import check
+from trnkit.kernels.lnc import launch, resolve_lnc
+
+__all__ = ["attention", "attention_bwd_constraints", "attention_bwd_ref", "attention_constraints",
+           "attention_fwd_kernel", "attention_ref"]
+
+
+def _scale(q: Any, scale: float | None) -> float:
+    return float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+
+
+def attention(q: Any, k: Any, v: Any, scale: float | None = None, lnc: int | None = None) -> tuple[Any, Any]:
+    """``(o [B, S, Hq, D] q.dtype, lse [B, Hq, S] fp32)``: causal GQA attention (NKI kernel).
+
+    Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
+    """
+    check(attention_constraints(q, k, v, scale))
+    return launch(attention_fwd_kernel, resolve_lnc(lnc))(dense(q), dense(k), dense(v), _scale(q, scale))

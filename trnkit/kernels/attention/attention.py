@@ -1,0 +1,303 @@
+"""Flash attention forward NKI kernel (``attention_fwd_kernel``): causal, GQA, online softmax, the
+log-sum-exp saved for the backward; no ``[S, S]`` matrix anywhere but in on-chip tiles.
+
+Layout ``[B, S, H, D]`` (q ``Hq`` heads, k / v ``Hk``); query head ``h`` reads kv head ``h // G``,
+``G = Hq / Hk``. A work unit is one kv head of one batch row with (some of) its G query heads: its
+``K^T [D, S]`` (DMA transpose) and ``V [128, S/128, D]`` stay resident in SBUF while every query tile
+of those heads streams past them, so K and V are read from HBM once per unit.
+
+A query tile is 128 rows (partitions); its keys ``0 .. r0 + 127`` (causal: the tiles above the
+diagonal are skipped) go in steps of up to 1024 keys, two PSUM banks of fp32 scores:
+
+1. Tensor: ``S = Q K^T`` per bank (``Q^T`` stationary, ``K^T`` moving, contraction over D); on the
+   diagonal tile a second matmul adds the causal mask into the same PSUM (``I @ mask``).
+   Vector: the row max per bank, the running max ``m``, ``-scale * m``.
+2. Scalar: ``P = exp(scale * S - scale * m)`` straight from PSUM (rounded to the input dtype) with the
+   fp32 row sums; the correction ``exp(scale * (m_old - m))`` and ``l = l * corr + rowsum``.
+3. Tensor: ``P^T`` per 128-key block (PE transpose into PSUM), copied to SBUF by Vector or Scalar,
+   whichever has less work so far.
+4. Tensor: ``O_step = P V`` accumulated over the step's keys in one PSUM bank; Vector
+   ``O = O * corr + O_step``; after the last step ``o = O / l`` and ``lse = scale * m + log(l)``.
+
+The steps of a unit are software-pipelined (seven stages, :func:`_run_unit`) so that no engine's
+in-order queue waits on work issued in the same iteration. LNC=2 (``kernel[2]``) splits the work
+units between the two cores with one control flow (:func:`~trnkit.kernels.attention.tiling.work_units`).
+"""
+
+from __future__ import annotations
+
+from trnkit.kernels._common import cdiv, program_split
+from trnkit.kernels.attention.tiling import (P, causal_mask, identity, load_kv, needs_scratch, row_stats, rows,
+                                             work_units)
+from trnkit.nki_api import nisa, nki, nl
+
+BANK = 512  # keys per PSUM bank of fp32 scores (gemm_moving_fmax)
+STEP = 1024  # keys per pipeline step of a query tile (two banks)
+VECTOR_GHZ, SCALAR_GHZ = 0.96, 1.2
+
+
+def _steps(S, g0, ng, j, G):
+    """The unit's pipeline steps: per query head and 128-row tile, its causal keys in STEP chunks."""
+    out = []
+    for g in range(g0, g0 + ng):
+        for qt in range(cdiv(S, P)):
+            r0 = qt * P
+            nq = min(P, S - r0)
+            nkeys = r0 + nq
+            nsec = cdiv(nkeys, STEP)
+            for s in range(nsec):
+                out.append({"h": j * G + g, "r0": r0, "nq": nq, "k0": s * STEP, "k1": min(nkeys, (s + 1) * STEP),
+                            "first": s == 0, "last": s == nsec - 1})
+    return out
+
+
+def _cheaper_engine(load, n, two_byte):
+    """Engine for a PSUM -> SBUF copy of n elements per partition: 0 (Vector) or 1 (Scalar), whichever
+    finishes first given the work so far (``load`` = [Vector ns, Scalar ns], updated)."""
+    vec = max(64, n / 2 if two_byte else n) / VECTOR_GHZ
+    act = max(64, n) / SCALAR_GHZ
+    if load[0] + vec <= load[1] + act:
+        load[0] = load[0] + vec
+        return 0
+    load[1] = load[1] + act
+    return 1
+
+
+def _scores(st, q, kT, ident, mask, load):
+    """Stage 1: Q^T (first step of a tile), the score banks, the causal mask, the per-bank row max."""
+    b, h, r0, nq, k0, k1 = st["b"], st["h"], st["r0"], st["nq"], st["k0"], st["k1"]
+    D = q.shape[3]
+    if st["first"]:
+        qT = nl.ndarray((D, P), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=qT[:, 0:nq], src=rows(q, b, r0, nq, h))
+    else:
+        qT = st["prev"]["qT"]
+    nb = cdiv(k1 - k0, BANK)
+    bm = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
+    banks = []
+    for i in range(nb):
+        kb0 = k0 + i * BANK
+        w = min(BANK, k1 - kb0)
+        s_ps = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=s_ps, stationary=qT[:, 0:nq], moving=kT[0:D, kb0:kb0 + w])
+        if kb0 <= r0 and r0 < kb0 + w:  # the diagonal block: add the causal mask
+            nisa.nc_matmul(dst=s_ps[:, r0 - kb0:r0 - kb0 + nq], stationary=ident[0:nq, 0:nq], moving=mask[0:nq, 0:nq])
+        nisa.tensor_reduce(dst=bm[:, i:i + 1], op=nl.maximum, data=s_ps, axis=1)
+        load[0] = load[0] + max(64, w) / VECTOR_GHZ
+        banks.append([kb0, w, s_ps])
+    st["qT"], st["banks"], st["bm"] = qT, banks, bm
+
+
+def _row_max(st):
+    """The running row max ``m`` over the step's banks and the tile's earlier steps (one Vector op)."""
+    bm, prev, nq = st["bm"], st["prev"], st["nq"]
+    m = bm
+    if bm.shape[1] > 1 or prev != None:  # noqa: E711 (NKI rejects `is`)
+        m = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if bm.shape[1] == 1:
+            nisa.tensor_tensor(dst=m, data1=bm, data2=prev["m"], op=nl.maximum)
+        elif prev == None:  # noqa: E711
+            nisa.tensor_tensor(dst=m, data1=bm[:, 0:1], data2=bm[:, 1:2], op=nl.maximum)
+        else:
+            nisa.scalar_tensor_tensor(dst=m, data=bm[:, 0:1], op0=nl.maximum, operand0=bm[:, 1:2], op1=nl.maximum,
+                                      operand1=prev["m"])
+    st["m"] = m
+
+
+def _neg_max(st):
+    """``-scale * m``, the exponentials' bias."""
+    negm = nl.ndarray((st["nq"], 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=negm, data=st["m"], op0=nl.multiply, operand0=-st["scale"])
+    st["negm"] = negm
+
+
+def _exp(st, load):
+    """Stage 2: P = exp(scale * S - scale * m) per bank with the row sums; the correction factor."""
+    nq, scale, banks, prev = st["nq"], st["scale"], st["banks"], st["prev"]
+    nb = len(banks)
+    rs = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
+    probs = []
+    for i in range(nb):
+        kb0, w, s_ps = banks[i]
+        p_sb = nl.ndarray((nq, w), dtype=st["pdt"], buffer=nl.sbuf)
+        nisa.activation_reduce(dst=p_sb, op=nl.exp, data=s_ps, reduce_op=nl.add, reduce_res=rs[:, i:i + 1],
+                               bias=st["negm"], scale=scale)
+        load[1] = load[1] + (max(64, w) + 64) / SCALAR_GHZ
+        probs.append([kb0, w, p_sb])
+    st["banks"] = None  # the score banks are dead: their PSUM accumulation groups close
+    if prev != None:  # noqa: E711
+        corr = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=corr, op=nl.exp, data=prev["negm"], scale=-1.0, bias=st["negm"])
+        st["corr"] = corr
+    st["probs"], st["rs"] = probs, rs
+
+
+def _transpose(st, load):
+    """Stage 3: P^T per 128-key block (PE transpose to PSUM), copied to SBUF by Vector or Scalar."""
+    nq, pdt = st["nq"], st["pdt"]
+    two_byte = pdt != nl.float32
+    blocks = []
+    for i in range(len(st["probs"])):
+        kb0, w, p_sb = st["probs"][i]
+        nsub = cdiv(w, P)
+        pt_ps = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.psum)
+        for c in range(nsub):
+            kc = min(P, w - c * P)
+            nisa.nc_transpose(dst=pt_ps[0:kc, c, :], data=p_sb[:, c * P:c * P + kc])
+        pt_sb = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.sbuf)
+        nfull = w // P
+        parts = []
+        if nfull > 0:
+            parts.append([P, 0, nfull])
+        if nfull < nsub:
+            parts.append([w - nfull * P, nfull, nsub])
+        for pi in range(len(parts)):
+            kc, c0, c1 = parts[pi]
+            if _cheaper_engine(load, (c1 - c0) * nq, two_byte) == 0:
+                nisa.tensor_copy(dst=pt_sb[0:kc, c0:c1, :], src=pt_ps[0:kc, c0:c1, :])
+            else:
+                nisa.activation(dst=pt_sb[0:kc, c0:c1, :], op=nl.copy, data=pt_ps[0:kc, c0:c1, :])
+        for c in range(nsub):
+            blocks.append([kb0 + c * P, min(P, w - c * P), pt_sb, c])
+    st["probs"], st["blocks"] = None, blocks
+
+
+def _row_sum(st):
+    """The running sum ``l = l * corr + rowsum``."""
+    nq, rs, prev = st["nq"], st["rs"], st["prev"]
+    ls = rs
+    if rs.shape[1] > 1 and prev == None:  # noqa: E711
+        ls = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=ls, data1=rs[:, 0:1], data2=rs[:, 1:2], op=nl.add)
+    elif prev != None:  # noqa: E711
+        if rs.shape[1] > 1:
+            ls = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_reduce(dst=ls, op=nl.add, data=rs, axis=1)
+        l_run = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=l_run, data=prev["l"], op0=nl.multiply, operand0=st["corr"], op1=nl.add,
+                                  operand1=ls)
+        ls = l_run
+    st["l"] = ls
+
+
+def _pv(st, v_sb):
+    """Stage 4: O_step = P V over the step's keys, one PSUM accumulation group."""
+    nq, D = st["nq"], v_sb.shape[2]
+    pv_ps = nl.ndarray((nq, D), dtype=nl.float32, buffer=nl.psum)
+    blocks = st["blocks"]
+    for i in range(len(blocks)):
+        key0, kc, pt_sb, c = blocks[i]
+        nisa.nc_matmul(dst=pv_ps, stationary=pt_sb[0:kc, c, :], moving=v_sb[0:kc, key0 // P, :])
+    st["blocks"], st["pv"] = None, pv_ps
+
+
+def _o_update(st):
+    """Stage 5: the running output ``O = O * corr + O_step`` (fp32, SBUF; a tile's only step stays in PSUM)."""
+    nq, pv_ps, prev = st["nq"], st["pv"], st["prev"]
+    acc = pv_ps
+    if prev != None:  # noqa: E711
+        acc = nl.ndarray((nq, pv_ps.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=acc, data=prev["o"], op0=nl.multiply, operand0=st["corr"], op1=nl.add,
+                                  operand1=pv_ps)
+    elif not st["last"]:
+        acc = nl.ndarray((nq, pv_ps.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=acc, src=pv_ps)
+    st["pv"], st["o"] = None, acc
+    if prev != None:  # noqa: E711
+        prev["o"] = None
+
+
+def _finish_stats(st):
+    """Stage 6 (a tile's last step): ``1 / l`` and ``log(l)``."""
+    nq = st["nq"]
+    rl = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(dst=rl, data=st["l"])
+    lg = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lg, op=nl.log, data=st["l"])
+    st["rl"], st["lg"] = rl, lg
+
+
+def _finish_store(st, outs):
+    """Stage 7: ``o = O / l`` (rounded once) and ``lse = scale * m + log(l)``, stored."""
+    o, lse = outs
+    h, r0, nq = st["h"], st["r0"], st["nq"]
+    o_t = nl.ndarray((nq, o.shape[3]), dtype=o.dtype, buffer=nl.sbuf)
+    nisa.activation(dst=o_t, op=nl.copy, data=st["o"], scale=st["rl"])
+    st["o"] = None  # (may be the PSUM tile: its accumulation group closes)
+    nisa.dma_copy(dst=rows(o, st["ob"], r0, nq, h), src=o_t)
+    lse_t = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=lse_t, data1=st["lg"], data2=st["negm"], op=nl.subtract)
+    nisa.dma_copy(dst=row_stats(lse, st["ob"], h, r0, nq), src=lse_t)
+
+
+def _at(steps, t):
+    """``steps[t]`` when t is a step index, else None (pipeline fill and drain)."""
+    if 0 <= t and t < len(steps):
+        return steps[t]
+    return None
+
+
+def _run_unit(unit, q, k, v, scale, outs, ident, mask):
+    """One work unit: load its kv head, then the software-pipelined steps of its query tiles.
+
+    Iteration t issues, per engine in this order, so that each instruction's inputs were produced at
+    least one stage earlier: Tensor S(t), P^T(t-2), PV(t-3); Vector the bank maxima (t), P^T copies
+    (t-2), the running max (t), O (t-4), l (t-2), -scale*m (t), 1/l (t-5), lse (t-6); Scalar exp (t-1),
+    P^T copies (t-2), log l (t-5), o = O / l (t-6).
+    """
+    b, j, g0, ng, _ = unit
+    S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    G = Hq // k.shape[2]
+    kT, v_sb = load_kv(k, v, b, j, D)
+    steps = _steps(S, g0, ng, j, G)
+    ob = b if outs[0].shape[0] > 1 else 0  # the scratch outputs hold one batch row
+    for i in range(len(steps)):
+        steps[i]["b"], steps[i]["ob"], steps[i]["scale"], steps[i]["pdt"] = b, ob, scale, q.dtype
+        steps[i]["prev"] = None if steps[i]["first"] else steps[i - 1]
+    load = [0.0, 0.0]  # Vector / Scalar ns so far (engine choice of the P^T copies)
+    for t in range(len(steps) + 6):
+        cur = _at(steps, t)
+        if cur != None:  # noqa: E711
+            _scores(cur, q, kT, ident, mask, load)
+        if _at(steps, t - 1) != None:  # noqa: E711
+            _exp(steps[t - 1], load)
+        if _at(steps, t - 2) != None:  # noqa: E711
+            _transpose(steps[t - 2], load)
+        if cur != None:  # noqa: E711
+            _row_max(cur)
+        if _at(steps, t - 3) != None:  # noqa: E711
+            _pv(steps[t - 3], v_sb)
+        if _at(steps, t - 4) != None:  # noqa: E711
+            _o_update(steps[t - 4])
+        if _at(steps, t - 2) != None:  # noqa: E711
+            _row_sum(steps[t - 2])
+        if cur != None:  # noqa: E711
+            _neg_max(cur)
+        if _at(steps, t - 5) != None and steps[t - 5]["last"]:  # noqa: E711
+            _finish_stats(steps[t - 5])
+        if _at(steps, t - 6) != None and steps[t - 6]["last"]:  # noqa: E711
+            _finish_store(steps[t - 6], outs)
+
+
+@nki.jit
+def attention_fwd_kernel(q, k, v, scale):
+    """``(o [B, S, Hq, D] q.dtype, lse [B, Hq, S] fp32)``: causal attention of ``q [B, S, Hq, D]`` over
+    ``k, v [B, S, Hk, D]`` (fp32 or bf16, one dtype), ``o_i = sum_j softmax_j(scale * q_i . k_j) v_j``
+    over ``j <= i``, ``lse_i = log(sum_j exp(scale * q_i . k_j))``."""
+    B, S, Hq, D = q.shape
+    Hk = k.shape[2]
+    G = Hq // Hk
+    o = nl.ndarray((B, S, Hq, D), dtype=q.dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((B, Hq, S), dtype=nl.float32, buffer=nl.shared_hbm)
+    n_prog, pid = program_split()
+    scratch = None
+    if needs_scratch(B, Hk, G, n_prog):
+        scratch = (nl.ndarray((1, S, Hq, D), dtype=q.dtype, buffer=nl.private_hbm),
+                   nl.ndarray((1, Hq, S), dtype=nl.float32, buffer=nl.private_hbm))
+    ident = identity(nl.bfloat16)
+    mask = causal_mask(nl.bfloat16)
+    units = work_units(B, Hk, G, n_prog, pid)
+    for u in range(len(units)):
+        outs = (o, lse) if units[u][4] else scratch
+        _run_unit(units[u], q, k, v, float(scale), outs, ident, mask)
+    return o, lse

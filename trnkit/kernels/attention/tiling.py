@@ -1,0 +1,99 @@
+"""Shared tiling of the flash attention kernels: the SPMD work split, HBM row views of the
+``[B, S, H, D]`` tensors, the identity and causal-mask tiles."""
+
+from __future__ import annotations
+
+from trnkit.kernels._common import P_MAX
+from trnkit.nki_api import nisa, nl
+
+P = P_MAX
+# The causal mask value: the most negative finite bf16 (exact in bf16 and fp32). Added to a score it
+# leaves a finite fp32 number whose exp is 0, and a row max is never taken from it (the diagonal is
+# always unmasked), so no inf - inf can arise.
+NEG = -3.3895313892515355e38
+
+
+def work_units(B, Hk, G, n_prog, pid):
+    """This program's work units ``(b, kv head j, first query head of the group g0, heads ng, real)``.
+
+    Every program gets the same number of units of the same size, so both programs of an LNC=2 launch
+    run the same control flow (divergent control flow between the programs is undefined in NKI): the
+    query heads of each group are split in halves when the group size G is even, else the (b, kv head)
+    pairs when there is an even number of them; otherwise the second program's list is padded with a
+    copy of the first program's last unit (``real`` False: its results go to a scratch buffer).
+    """
+    units = []
+    if n_prog == 1:
+        for b in range(B):
+            for j in range(Hk):
+                units.append((b, j, 0, G, True))
+    elif G % 2 == 0:
+        half = G // n_prog
+        for b in range(B):
+            for j in range(Hk):
+                units.append((b, j, pid * half, half, True))
+    else:
+        n = B * Hk
+        per = (n + n_prog - 1) // n_prog
+        for i in range(per):
+            u = pid * per + i
+            real = u < n
+            if not real:
+                u = n - 1
+            units.append((u // Hk, u % Hk, 0, G, real))
+    return units
+
+
+def needs_scratch(B, Hk, G, n_prog):
+    """Whether :func:`work_units` pads a program's list with a duplicate unit."""
+    return n_prog > 1 and G % 2 == 1 and (B * Hk) % n_prog == 1
+
+
+def rows(t, b, s0, n, h):
+    """HBM ``t [B, S, H, D]``: sequence rows ``s0 .. s0 + n`` of head ``h`` as an ``[n, D]`` view."""
+    _, S, H, D = t.shape
+    return t.ap(pattern=[[H * D, n], [1, D]], offset=((b * S + s0) * H + h) * D)
+
+
+def row_stats(t, b, h, s0, n):
+    """HBM ``t [B, H, S]`` (one fp32 value per row): rows ``s0 .. s0 + n`` of head h as ``[n, 1]``."""
+    _, H, S = t.shape
+    return t.ap(pattern=[[1, n], [1, 1]], offset=(b * H + h) * S + s0)
+
+
+def identity(dtype):
+    """``[P, P]`` identity in ``dtype`` (1 where column == partition)."""
+    ones = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    ident = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=ident, pattern=[[1, P]], channel_multiplier=-1, on_true_tile=ones,
+                       on_false_value=0.0, cmp_op=nl.equal)
+    return ident
+
+
+def causal_mask(dtype):
+    """``[P, P]`` additive mask in ``dtype``: 0 where column <= partition (key <= query), else NEG."""
+    zeros = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=zeros, value=0.0)
+    mask = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=mask, pattern=[[1, P]], channel_multiplier=-1, on_true_tile=zeros,
+                       on_false_value=NEG, cmp_op=nl.less_equal)
+    return mask
+
+
+def load_kv(k, v, b, j, kT_rows):
+    """One kv head resident in SBUF: ``K^T [kT_rows, S]`` (rows 0..D-1 filled; DMA transpose) and
+    ``V [P, ceil(S/P), D]`` (key ``t*P + p`` on partition p of tile t)."""
+    _, S, Hk, D = k.shape
+    nkt = (S + P - 1) // P
+    kT = nl.ndarray((kT_rows, nkt * P), dtype=k.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=kT[0:D, 0:S], src=rows(k, b, 0, S, j))
+    v_sb = nl.ndarray((P, nkt, D), dtype=v.dtype, buffer=nl.sbuf)
+    nfull = S // P
+    if nfull > 0:
+        nisa.dma_copy(dst=v_sb[:, 0:nfull, :],
+                      src=v.ap(pattern=[[Hk * D, P], [P * Hk * D, nfull], [1, D]], offset=(b * S * Hk + j) * D))
+    rem = S - nfull * P
+    if rem > 0:
+        nisa.dma_copy(dst=v_sb[0:rem, nfull, :], src=rows(v, b, nfull * P, rem, j))
+    return kT, v_sb
