@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.kernels import oracles as O
+from tests.kernels.lnc_streams import assert_same_streams, recorded_streams
 from tests.tolerances import F64, check_oracle
 from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.kernels.router_topk import (constraints, router_topk, router_topk_bwd, router_topk_bwd_ref,
@@ -231,12 +232,12 @@ def test_backward_shape_constraints() -> None:
 def test_lnc2_grid_splits_tokens() -> None:
     from trnkit.kernels.router_topk import router_topk_kernel
 
-    from trnkit.nkisim import trace
-
     # tokens [0, 2304) and [2304, 4400): each program has a block with a DMA-transposed sub-tile; a tail
     x, w = _inputs(4400, 256, 16, torch.bfloat16, seed=9)
-    with trace.record() as tr:
+    with recorded_streams() as s:
         got = router_topk_kernel[2](x, w, 4, norm_topk_prob=True)
+    assert_same_streams(s)  # [2096, 4400) on program 1: the same chunks, tokens 2096.. computed twice
+    tr = s.trace
     assert sorted(i.program_id for i in tr if i.op == "dma_transpose") == [0, 1]
     assert torch.equal(got[1], router_topk_ref(x, w, 4, True)[1])
     for a, b in zip(got, router_topk(x, w, 4, True)):
@@ -339,7 +340,9 @@ def test_affinities_lnc2_grid() -> None:
     from trnkit.kernels.router_topk import router_topk_kernel
 
     x, w = _inputs(700, 128, 16, torch.bfloat16, seed=15)  # both programs get chunks
-    got = router_topk_kernel[2](x, w, 4, norm_topk_prob=True, return_affinities=True)
+    with recorded_streams() as s:
+        got = router_topk_kernel[2](x, w, 4, norm_topk_prob=True, return_affinities=True)
+    assert_same_streams(s)
     assert len(got) == 4
     assert torch.equal(got[1], router_topk_ref(x, w, 4, True)[1])
     for a, b in zip(got, router_topk(x, w, 4, True, return_affinities=True)):

@@ -58,6 +58,27 @@ def row_chunks(n_rows: int, nt_max: int) -> tuple:
     return tuple(chunks)
 
 
+def program_share(items: list, keys: list, n_prog: int, pid: int) -> list:
+    """This program's part of an SPMD split of ``items``: ``[(item, masked), ...]``. Runs of consecutive
+    items with equal ``keys`` (their shapes) go to the programs in groups of ``n_prog``, one each; in a
+    group short of a member the programs without one repeat the group's first item as masked work (the
+    caller computes it and stores it to a scratch tensor), so every program runs the same instructions:
+    both cores of a logical core must take the same control flow ("different control flow on the two
+    cores is undefined", NKI LNC guide)."""
+    out = []
+    i = 0
+    while i < len(items):
+        n = 1
+        while n < n_prog and i + n < len(items) and keys[i + n] == keys[i]:
+            n += 1
+        if pid < n:
+            out.append((items[i + pid], False))
+        else:
+            out.append((items[i], True))
+        i += n
+    return out
+
+
 def program_split() -> tuple:
     """``(number of programs, this program's id)`` along grid axis 0 inside a kernel: ``(2, 0|1)`` for
     ``kernel[2](...)`` (LNC=2), ``(1, 0)`` for a launch without a grid, where the program queries are

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from trnkit.kernels._common import P_MAX, dense as _dense, dtype_name as _dtype_name, program_split as _program_split
+from trnkit.kernels._common import program_share as _program_share
 from trnkit.kernels._common import row_chunks as _row_chunks
 from trnkit.kernels.constraints import Violation, check
 from trnkit.nki_api import nisa, nki, nl, nt
@@ -317,24 +318,49 @@ def _finish(pipe, ident):
         pipe[0] = None
 
 
+def _my_chunks(chunks, n_prog, pid):
+    """This program's row chunks (:func:`_program_share`: pairs of equal chunks, masked work where a
+    chunk has no partner)."""
+    keys = []
+    for c in chunks:
+        keys.append((c[1], c[2]))
+    return _program_share(list(chunks), keys, n_prog, pid)
+
+
+def _masked_outputs(q, k, mine, shapes):
+    """Scratch tensors (private HBM, ``shapes`` for q and k) where this program stores masked work
+    instead of q_out / k_out: ``[for q, for k]``, empty without masked chunks."""
+    scratch = []
+    for i in range(len(mine)):
+        if mine[i][1] and len(scratch) == 0:
+            scratch.append(nl.ndarray(shapes[0], dtype=q.dtype, buffer=nl.private_hbm))
+            scratch.append(nl.ndarray(shapes[1], dtype=k.dtype, buffer=nl.private_hbm))
+    return scratch
+
+
 def _bhsd_tiles(q, k, q_out, k_out, cos, chunks, n_prog, pid):
-    """This program's head tiles, in order: ``(x, x_out, HBM offset, (s0, P, NT), table batch, first)``;
-    ``first`` marks the first tile of each set of tiles sharing one (chunk, table batch) of tables."""
+    """This program's head tiles, in order: ``(x, (out, out offset), HBM offset, (s0, P, NT), table batch,
+    first)``; ``first`` marks the first tile of each set of tiles sharing one (chunk, table batch) of
+    tables. A masked chunk's tiles store to a scratch tensor (offset 0)."""
     B, _, S, D = q.shape
     per_batch = len(cos.shape) == 3
+    mine = _my_chunks(chunks, n_prog, pid)
+    scratch = _masked_outputs(q, k, mine, ((P_MAX, chunks[0][2] * D), (P_MAX, chunks[0][2] * D)))
     tiles = []
-    for ci in range(len(chunks)):
-        if ci % n_prog == pid:
-            s0 = chunks[ci][0]
-            for bt in range(B if per_batch else 1):
-                b_lo, b_hi = (bt, bt + 1) if per_batch else (0, B)
-                first = True
-                for b in range(b_lo, b_hi):
-                    for x, x_out in ((q, q_out), (k, k_out)):
-                        H = x.shape[1]
-                        for hd in range(H):
-                            tiles.append((x, x_out, ((b * H + hd) * S + s0) * D, chunks[ci], bt, first))
-                            first = False
+    for chunk, masked in mine:
+        s0 = chunk[0]
+        for bt in range(B if per_batch else 1):
+            b_lo, b_hi = (bt, bt + 1) if per_batch else (0, B)
+            first = True
+            for b in range(b_lo, b_hi):
+                for w in range(2):
+                    x, x_out = ((q, q_out), (k, k_out))[w]
+                    H = x.shape[1]
+                    for hd in range(H):
+                        off = ((b * H + hd) * S + s0) * D
+                        dst = (scratch[w], 0) if masked else (x_out, off)
+                        tiles.append((x, dst, off, chunk, bt, first))
+                        first = False
     return tiles
 
 
@@ -358,7 +384,7 @@ def _rope_bhsd(tiles, cos, sin, packed, backward, ident, pipe, load):
                 for t0 in range(0, NT if j > 0 else 0, ns):
                     tab_sets[-1].append(_load_tables(cos, sin, packed, bt, s0, P, NT, D, t0, min(NT, t0 + ns) - t0,
                                                      x.dtype, backward))
-        x, x_out, off, (s0, P, NT), bt, first = tiles[i]
+        x, (x_out, out_off), off, (s0, P, NT), bt, first = tiles[i]
         if first:
             cur = cur + 1
         tabs = tab_sets[cur]
@@ -371,7 +397,7 @@ def _rope_bhsd(tiles, cos, sin, packed, backward, ident, pipe, load):
             if len(tabs) == t0 // ns:
                 tabs.append(_load_tables(cos, sin, packed, bt, s0, P, NT, D, t0, t1 - t0, x.dtype, backward))
             c_v, t_v = tabs[t0 // ns]
-            store = (x_out.ap(pattern=pat, offset=off), y_t) if t1 == NT else None
+            store = (x_out.ap(pattern=pat, offset=out_off), y_t) if t1 == NT else None
             _rotate_slab(y_t[:, t0:t1, :], x_t[:, t0:t1, :], c_v, t_v, ident, P, pipe, store, load)
 
 
@@ -390,12 +416,17 @@ def _rope_bshd(q, k, q_out, k_out, cos, sin, packed, backward, chunks, n_prog, p
     per_batch = len(cos.shape) == 3
     isz = 4 if q.dtype == nl.float32 else 2
     tg = max(1, PSUM_FMAX // D)  # rows per table group
-    tiles = []  # (x, x_out, HBM offset, (s0, P, NT), batch)
-    for ci in range(len(chunks)):
-        if ci % n_prog == pid:
-            for b in range(B):
-                for x, x_out in ((q, q_out), (k, k_out)):
-                    tiles.append((x, x_out, (b * S + chunks[ci][0]) * x.shape[2] * D, chunks[ci], b))
+    tiles = []  # (x, (out, out offset), HBM offset, (s0, P, NT), batch); masked chunks store to scratch
+    mine = _my_chunks(chunks, n_prog, pid)
+    rows = P_MAX * chunks[0][2]
+    scratch = _masked_outputs(q, k, mine, ((1, rows, q.shape[2], D), (1, rows, k.shape[2], D)))
+    for chunk, masked in mine:
+        for b in range(B):
+            for w in range(2):
+                x, x_out = ((q, q_out), (k, k_out))[w]
+                off = (b * S + chunk[0]) * x.shape[2] * D
+                dst = (scratch[w], 0) if masked else (x_out, off)
+                tiles.append((x, dst, off, chunk, b))
     # the next slab's load in flight too when four row slabs (x, the next x, y, the previous y) fit
     ahead = 1 if 4 * chunks[0][2] * max(q.shape[2], k.shape[2]) * D * isz <= BSHD_SLAB_BYTES else 0
     tab_keys = []  # (s0, table batch, heads per row) of each table set
@@ -416,7 +447,7 @@ def _rope_bshd(q, k, q_out, k_out, cos, sin, packed, backward, chunks, n_prog, p
                 for j0 in range(0, NT if j > 0 else 0, tg):  # (the first set: group by group, as needed)
                     tab_sets[-1].append(_load_tables(cos, sin, packed, b, s0, P, NT, D, j0, min(NT, j0 + tg) - j0,
                                                      x.dtype, backward, G))
-        x, x_out, off, (s0, P, NT), b = tiles[i]
+        x, (x_out, out_off), off, (s0, P, NT), b = tiles[i]
         H = x.shape[2]
         G = max(1, min(H, PSUM_FMAX // D))
         ns = max(1, PSUM_FMAX // (G * D))  # rows per slab
@@ -439,7 +470,7 @@ def _rope_bshd(q, k, q_out, k_out, cos, sin, packed, backward, chunks, n_prog, p
                     c_v = c_t.ap(pattern=view, offset=(t0 - j0) * G * D)
                     t_v = t_t.ap(pattern=view, offset=(t0 - j0) * G * D)
                     last = t1 == NT and g1 == H
-                    store = (_bshd_rows(x_out, NT, P, off, 0, NT), y_t) if last else None
+                    store = (_bshd_rows(x_out, NT, P, out_off, 0, NT), y_t) if last else None
                     _rotate_slab(y_t[:, t0:t1, g0:g1, :], x_t[:, t0:t1, g0:g1, :], c_v, t_v, ident, P, pipe,
                                  store, load)
         x_t, y_t = None, None  # release the row slabs before the next tile's allocation
@@ -451,7 +482,9 @@ def rope_hf_kernel(q, k, q_out: nt.mutable_tensor, k_out: nt.mutable_tensor, cos
     """The NKI kernel behind :func:`rope_hf` / :func:`rope_hf_bshd` (inputs already validated).
 
     ``packed=True``: ``cos`` and ``sin`` are both the packed ``rope_cache`` (cos | sin per row).
-    Row chunks are split across SPMD programs (``rope_hf_kernel[2](...)`` on LNC=2).
+    Row chunks are split across SPMD programs (``rope_hf_kernel[2](...)`` on LNC=2), in pairs of equal
+    chunks; a chunk without a partner (the short ones at the end of S) is computed by the second program
+    too, into a private scratch tensor, so both programs run the same instructions.
     """
     D = q.shape[3]
     n_prog, pid = _program_split()

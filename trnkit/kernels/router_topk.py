@@ -500,11 +500,14 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
         iota_e = nl.ndarray((P_MAX, E), dtype=nl.float32, buffer=nl.sbuf)
         nisa.iota(dst=iota_e, pattern=[[1, E]], offset=0, channel_multiplier=0)
     # SPMD (``router_topk_kernel[2]`` on LNC=2): program i takes the i-th contiguous share of the tokens
-    # (a multiple of 128), so each program's blocks keep long per-partition runs
+    # (a multiple of 128), so each program's blocks keep long per-partition runs. Every program takes
+    # as many tokens (the last one's share ends at T and overlaps the one before it), so both run the
+    # same instructions (both cores must take the same control flow, NKI LNC guide); tokens in the overlap
+    # are computed by both and written twice with the same values (each token's result is its own row's).
     n_prog, pid = _program_split()
-    share = _cdiv(_cdiv(T, n_prog), P_MAX) * P_MAX
-    T0 = min(T, pid * share)
-    chunks = _fwd_chunks(T0, min(T, T0 + share), _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
+    share = min(T, _cdiv(_cdiv(T, n_prog), P_MAX) * P_MAX)
+    T0 = min(T - share, pid * share)
+    chunks = _fwd_chunks(T0, T0 + share, _sub_tiles(T, H, 4 if x.dtype == nl.float32 else 2))
     n = len(chunks)
     # x^T of one full sub-tile in every _DMA_T_EVERY by DMA transpose (the last one of its chunk)
     n_dma_t = []
