@@ -4,7 +4,7 @@ Reports, per input dtype (bf16 and fp32; both accumulate in fp32 like the hardwa
 * the interpreter's wall time for one kernel call (best of ``--repeat``), with and without tracing,
   and in trace-only mode (matmul arithmetic skipped),
 * instructions simulated per second,
-* numpy's own fp32 matmul of the same shape (``A.T @ B``, what the interpreter's matmuls compute;
+* numpy's own fp32 matmul of the same shape (``A.T @ B``; the interpreter sums each product in fp64 and rounds once;
   numpy has no fast bf16 matmul), and the ratio interpreter / numpy. Target: within 20x.
 
 Writes ``interp_speed.json`` and ``.csv`` to ``outputs/bench/`` (``--save-reference``: to the tracked
