@@ -23,7 +23,7 @@ from trnkit.overrides.registry import (  # noqa: I001  (registry first: the othe
 )
 from trnkit.overrides import ops
 from trnkit.overrides.builtins import NKI, register_builtins
-from trnkit.overrides.apply import SWAPPABLE_OPS, OverrideConfig, apply_overrides, revert
+from trnkit.overrides.apply import DEFAULT_OPS, SWAPPABLE_OPS, OverrideConfig, apply_overrides, revert
 from trnkit.overrides.report import OverrideReport, OverrideRow
 from trnkit.overrides.hf import register_hf_experts
 
@@ -34,6 +34,7 @@ __all__ = [
     "OPS",
     "POLICIES",
     "REFERENCE",
+    "DEFAULT_OPS",
     "SWAPPABLE_OPS",
     "ImplEntry",
     "OverrideConfig",

@@ -12,7 +12,11 @@ rope_hf        ``layers[i].attention.rope`` (``RoPEApply``)     ``layers[i].self
 router_topk    ``layers[i].moe.router`` (``TopKRouter``)        ``layers[i].mlp.gate`` (``*TopKRouter``)
 moe_experts    ``layers[i].moe.experts`` (``GroupedExperts``)   ``layers[i].mlp.experts`` (``*Experts``,
                                                                 fused ``gate_up_proj``/``down_proj``)
+rmsnorm        every ``RMSNorm`` (``attention_norm``,           every ``Qwen3RMSNorm`` / ``Qwen3MoeRMSNorm``
+               ``ffn_norm``, ``q_norm``, ``k_norm``, ``norm``)  (layer, q/k head and final norms)
 =============  ===============================================  ==========================================
+
+``rmsnorm`` is swappable but not in the default ``ops`` (:data:`DEFAULT_OPS`): name it to swap the norms.
 
 Modules are replaced by an instance of a subclass of their own class that shares the original's
 parameters, buffers, children and attributes, so ``state_dict`` keys, checkpoints and ``isinstance``
@@ -65,7 +69,8 @@ def _resolve_dtensor() -> None:
 
 __all__ = ["SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "revert"]
 
-SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts")
+SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm")
+DEFAULT_OPS = ("rope_hf", "router_topk", "moe_experts")  # OverrideConfig's default selection
 ORIGINAL = "original"  # report name for "the module's own forward"
 _STATE_ATTR = "_trnkit_overrides"
 
@@ -80,7 +85,7 @@ class OverrideConfig:
     (:func:`trnkit.kernels.lnc.default_lnc`: 2 on a trn2 logical core, 1 on the interpreter).
     """
 
-    ops: Sequence[str] = SWAPPABLE_OPS
+    ops: Sequence[str] = DEFAULT_OPS
     impl: str | Mapping[str, str] = "nki"
     policy: str = "strict"
     seq_len: int | None = None
@@ -245,6 +250,15 @@ def _native_experts_forward(self: Any, x: Tensor, topk_idx: Tensor, topk_weights
     return ops.moe_experts(x, topk_idx, topk_weights, self.w_gate_up, self.w_down, bs, impl)
 
 
+def _rmsnorm_forward(self: Any, x: Tensor) -> Tensor:
+    """trnkit's ``RMSNorm`` (``eps``) and transformers' Qwen3 norms (``variance_epsilon``): the same math."""
+    eps = float(self.eps if hasattr(self, "eps") else self.variance_epsilon)
+    impl = self._trnkit_guard.choose(x=x, weight=self.weight, eps=eps)
+    if impl is None:
+        return self._trnkit_fallback(x)
+    return ops.rmsnorm(x, self.weight, eps, impl)[0]
+
+
 def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     x = hidden_states.reshape(-1, self.hidden_dim)
     impl = self._trnkit_guard.choose(x=x, w_router=self.weight, top_k=self.top_k,
@@ -380,6 +394,8 @@ def _is_native(module: nn.Module, name: str) -> bool:
 # transformers classes whose math the adapters were checked against (5.24). Other models' look-alike
 # classes (Qwen3-Next partial rotary, VL mrope, ...) are left alone rather than guessed at.
 _HF_CLASSES = {
+    "RMSNorm": {("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
+                ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeRMSNorm")},
     "Attention": {("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),
                   ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention")},
     "TopKRouter": {("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter")},
@@ -408,6 +424,8 @@ def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
         return _ModuleAdapter("router_topk", _native_router_forward, native_router_static)
     if _is_native(module, "GroupedExperts"):
         return _ModuleAdapter("moe_experts", _native_experts_forward)
+    if _is_native(module, "RMSNorm") or _is_hf(module, "RMSNorm"):
+        return _ModuleAdapter("rmsnorm", _rmsnorm_forward)
     if _is_hf(module, "TopKRouter"):
         return _ModuleAdapter("router_topk", _hf_router_forward)
     if _is_hf(module, "SigmoidRouter"):

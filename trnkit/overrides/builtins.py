@@ -199,9 +199,32 @@ def _moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=12
                                               block_size=block_size, **variant)
 
 
+# ------------------------------------------------------------------------------------------- rmsnorm
+
+
+def _rmsnorm_ref(x: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    return _attr("rmsnorm", "rmsnorm_ref")(x, weight, eps)
+
+
+def _rmsnorm_nki(x: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    return _attr("rmsnorm", "rmsnorm")(x, weight, eps)
+
+
+def _rmsnorm_ref_bwd(x: Tensor, weight: Tensor, rstd: Tensor, grad_y: Tensor, eps: float = 1e-6):
+    return _attr("rmsnorm", "rmsnorm_bwd_ref")(grad_y, x, weight, rstd)
+
+
+def _rmsnorm_nki_bwd(x: Tensor, weight: Tensor, rstd: Tensor, grad_y: Tensor, eps: float = 1e-6):
+    return _attr("rmsnorm", "rmsnorm_bwd")(grad_y, x, weight, rstd)
+
+
+def _rmsnorm_constraints(x: Tensor, weight: Tensor, eps: float = 1e-6, **_: Any) -> list[Violation]:
+    return _attr("rmsnorm", "rmsnorm_constraints")(x, weight, eps)
+
+
 def register_builtins() -> None:
     """Register ``reference`` and ``nki`` for every op (idempotent)."""
-    for name in ("rope_hf", "router_topk", "moe"):
+    for name in ("rope_hf", "router_topk", "moe", "rmsnorm"):
         try:
             _kernel(name)
         except ImportError:  # reported when the impl is first used
@@ -218,6 +241,8 @@ def register_builtins() -> None:
     register("grouped_mm", NKI, _gmm_nki, backward=_gmm_nki_bwd, constraints=_gmm_constraints, **nki)
     register("moe_experts", REFERENCE, _moe_ref, backward=_moe_ref_bwd, constraints=_moe_constraints, **ref)
     register("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_constraints, **nki)
+    register("rmsnorm", REFERENCE, _rmsnorm_ref, backward=_rmsnorm_ref_bwd, **ref)
+    register("rmsnorm", NKI, _rmsnorm_nki, backward=_rmsnorm_nki_bwd, constraints=_rmsnorm_constraints, **nki)
 
 
 _ROPE_REF = _rope(ref=True)

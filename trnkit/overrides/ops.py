@@ -21,7 +21,9 @@ registered on the functional ops with the impl's backward.
   ``swiglu_clamped``, biases) reaches the impl as keyword arguments only when it differs from the
   default SwiGLU without biases, so impls written for Qwen3 experts keep working. Its backward op
   returns the bias gradients too (empty tensors for absent biases).
-- ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``: the backward
+- ``trnkit::rmsnorm(x, weight, eps, impl) -> (y, rstd f32)``: HF's cast order, ``y`` in
+  ``promote(x.dtype, weight.dtype)``, ``rstd`` one fp32 value per row (saved for the backward).
+- ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``, ``trnkit::rmsnorm_bwd``: the backward
   kernels as ops of their own, so the backward graph is opaque to torch.compile too.
 
 Impls receive contiguous tensors. Outputs are normalised to the declared dtypes, so a user impl that
@@ -40,8 +42,8 @@ from torch import Tensor
 from trnkit.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from trnkit.overrides.registry import get_impl
 
-__all__ = ["grouped_mm", "grouped_mm_bwd", "moe_experts", "moe_experts_bwd", "rope_hf", "rope_hf_apply",
-           "router_topk", "router_topk_bwd"]
+__all__ = ["grouped_mm", "grouped_mm_bwd", "moe_experts", "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rope_hf",
+           "rope_hf_apply", "router_topk", "router_topk_bwd"]
 
 _LAYOUTS = ("bhsd", "bshd")
 
@@ -56,7 +58,8 @@ def _check_layout(layout: str) -> None:
 
 
 # Positions of each op's differentiable inputs in its backward's arguments (x, weights, ...).
-_PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0, 1), "moe_experts": (0, 2, 3, 4)}
+_PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0, 1), "moe_experts": (0, 2, 3, 4),
+                                        "rmsnorm": (0, 1)}
 _PRIMAL_KWARGS = ("b_gate_up", "b_down")  # differentiable keyword arguments (the experts' biases)
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
                   torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
@@ -369,3 +372,54 @@ def _moe_backward(ctx: Any, grad_out: Tensor):
 
 
 moe_experts.register_autograd(_moe_backward, setup_context=_moe_setup)
+
+
+# ------------------------------------------------------------------------------------------- rmsnorm
+
+
+def _rows(x: Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+@torch.library.custom_op("trnkit::rmsnorm", mutates_args=())
+def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """``(y, rstd)``: ``y = weight * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)`` per row (fp32)."""
+    y, rstd = get_impl("rmsnorm", impl).fn(x.contiguous(), weight.contiguous(), eps)
+    return y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape), rstd.to(torch.float32).reshape(-1)
+
+
+@rmsnorm.register_fake
+def _rmsnorm_fake(x, weight, eps=1e-6, impl="reference"):
+    return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
+            x.new_empty((_rows(x),), dtype=torch.float32))
+
+
+def _rmsnorm_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, weight, eps, impl = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.eps, ctx.impl = eps, impl
+
+
+@torch.library.custom_op("trnkit::rmsnorm_bwd", mutates_args=())
+def rmsnorm_bwd(x: Tensor, weight: Tensor, rstd: Tensor, grad_y: Tensor, eps: float = 1e-6,
+                impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Backward of ``trnkit::rmsnorm``: ``(grad_x, grad_weight)`` (``rstd`` is the forward's, not differentiated)."""
+    gx, gw = _run_backward("rmsnorm", impl, x.contiguous(), weight.contiguous(), rstd.contiguous(),
+                           grad_y.contiguous(), eps=eps)
+    return gx.to(x.dtype).reshape(x.shape), gw.to(weight.dtype)
+
+
+@rmsnorm_bwd.register_fake
+def _rmsnorm_bwd_fake(x, weight, rstd, grad_y, eps=1e-6, impl="reference"):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _rmsnorm_backward(ctx: Any, grad_y: Tensor | None, grad_rstd: Tensor | None):
+    x, weight, rstd = ctx.saved_tensors
+    if grad_y is None:  # only rstd was used downstream: it carries no gradient
+        return torch.zeros_like(x), torch.zeros_like(weight), None, None
+    gx, gw = rmsnorm_bwd(x, weight, rstd, grad_y, ctx.eps, ctx.impl)
+    return gx, gw, None, None
+
+
+rmsnorm.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)

@@ -1,6 +1,6 @@
 """Implementation registry for trnkit's overridable ops.
 
-Every op (``rope_hf``, ``router_topk``, ``grouped_mm``, ``moe_experts``) has named implementations
+Every op (``rope_hf``, ``router_topk``, ``grouped_mm``, ``moe_experts``, ``rmsnorm``) has named implementations
 ("impls"): the built-in ``reference`` (torch) and ``nki`` (the NKI kernel: real NKI on a ``neuron``
 device, trnkit's interpreter on CPU), plus any a user registers::
 
@@ -29,6 +29,8 @@ Impl call conventions (the op's canonical signature; the kernels' signatures fro
 - ``moe_experts``: ``fn(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128) -> out``;
   ``backward(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128) ->
   (grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)``.
+- ``rmsnorm``: ``fn(x, weight, eps=1e-6) -> (y, rstd [rows] f32)`` with ``y = weight * (x * rstd).to(x.dtype)``;
+  ``backward(x, weight, rstd, grad_y, eps=1e-6) -> (grad_x, grad_weight)``.
 
 ``constraints(**inputs) -> list[Violation]`` receives the op's inputs by name (tensors may be fake or
 meta: read shapes, dtypes and devices only, never values).
@@ -64,7 +66,8 @@ __all__ = [
 
 # op name -> whether an impl's backward is a separate function (True) or the forward fn called with
 # backward=True (False, rope_hf: the rotation's transpose is the same kernel).
-OPS: dict[str, bool] = {"rope_hf": False, "router_topk": True, "grouped_mm": True, "moe_experts": True}
+OPS: dict[str, bool] = {"rope_hf": False, "router_topk": True, "grouped_mm": True, "moe_experts": True,
+                        "rmsnorm": True}
 POLICIES = ("strict", "fallback", "off")
 REFERENCE = "reference"
 

@@ -1,0 +1,148 @@
+"""trnkit::rmsnorm: the op (forward, autograd, fake, opcheck, torch.compile) and its swap into trnkit's
+native Qwen3 and transformers' Qwen3 / Qwen3-MoE norms, against transformers' own RMSNorm math."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.overrides.conftest import hf_moe_model, native_model
+from tests.tolerances import assert_close
+from trnkit.overrides import (
+    DEFAULT_OPS,
+    OverrideConfig,
+    OverrideConstraintError,
+    apply_overrides,
+    ops,
+    revert,
+    select,
+)
+
+TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _hf_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm.forward (5.x), written out: the independent reference."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 5, 32), (1, 1, 8), (7, 130), (2, 3, 4, 16)])
+def test_op_forward_and_gradients_match_transformers_math(impl, dtype, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).requires_grad_()
+    dy = torch.randn(shape, generator=g).to(dtype)
+    y, rstd = ops.rmsnorm(x, w, 1e-6, impl)
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    want = _hf_rmsnorm(x2, w2, 1e-6)
+    assert y.dtype == want.dtype and y.shape == want.shape and rstd.shape == (x.numel() // shape[-1],)
+    assert_close(y, want, dtype)
+    rows = x.detach().float().reshape(-1, shape[-1])
+    assert_close(rstd, torch.rsqrt(rows.square().mean(-1) + 1e-6), torch.float32)
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    wx, ww = torch.autograd.grad(want, (x2, w2), dy)
+    assert_close(gx, wx, dtype)
+    # the weight gradient sums over every row: compare at the scale of that sum
+    torch.testing.assert_close(gw.float(), ww.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=(1e-2 if dtype == torch.bfloat16 else 1e-5) * rows.shape[0])
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_opcheck(impl):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 4, 16, generator=g, requires_grad=True), torch.randn(16, generator=g, requires_grad=True)
+    torch.library.opcheck(torch.ops.trnkit.rmsnorm, (x, w, 1e-5, impl))
+    rstd = torch.rand(12, generator=g) + 0.5
+    torch.library.opcheck(torch.ops.trnkit.rmsnorm_bwd, (x.detach(), w.detach(), rstd, torch.randn(3, 4, 16), 1e-5, impl))
+
+
+def test_compiles_fullgraph():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 8, 32, generator=g, requires_grad=True), torch.randn(32, generator=g, requires_grad=True)
+    fn = lambda a, b: ops.rmsnorm(a, b, 1e-6, "nki")[0]  # noqa: E731
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x, w)
+    got.square().sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    want = fn(x, w)
+    want.square().sum().backward()
+    assert torch.equal(got, want) and torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
+
+
+def _logits_and_grads(model, tokens=TOKENS):
+    model.zero_grad()
+    out = model(tokens)
+    logits = out if isinstance(out, torch.Tensor) else out.logits  # native model / transformers
+    (logits.float() ** 2).mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_parity(model, original):
+    got_logits, got = _logits_and_grads(model)
+    want_logits, want = _logits_and_grads(original)
+    assert_close(got_logits, want_logits, torch.float32)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert_close(got[name], want[name], torch.float32, msg=name)
+
+
+def test_native_model_every_norm_swapped_matches_and_reverts():
+    model = native_model(init_std=0.2)
+    original = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    report = apply_overrides(model, OverrideConfig(ops=["rmsnorm"], impl="nki", seq_len=8))
+    paths = [f"layers.{i}.{n}" for i in (0, 1) for n in ("attention_norm", "attention.q_norm", "attention.k_norm",
+                                                         "ffn_norm")] + ["norm"]
+    assert {(r.module, r.op, r.status) for r in report.rows} == {(p, "rmsnorm", "swapped") for p in paths}
+    assert list(model.state_dict()) == keys
+    _assert_parity(model, original)
+    assert revert(model) == len(paths)
+    assert type(model.norm) is type(original.norm)
+
+
+def test_default_ops_leave_the_norms_alone():
+    assert "rmsnorm" not in DEFAULT_OPS
+    report = apply_overrides(native_model(), OverrideConfig(impl="reference", seq_len=8))
+    assert report.rows and all(r.op != "rmsnorm" for r in report.rows)
+
+
+def test_transformers_qwen3_moe_norms_swapped_match():
+    model = hf_moe_model()
+    original = copy.deepcopy(model)
+    report = apply_overrides(model, OverrideConfig(ops=["rmsnorm"], impl="nki", seq_len=8))
+    swapped = {r.module for r in report.rows if r.status == "swapped"}
+    # per layer: input / post-attention norms and the q / k head norms; plus the final norm
+    assert len(swapped) == 2 * 4 + 1 and "model.norm" in swapped, report.table()
+    assert {r.op for r in report.rows} == {"rmsnorm"}
+    _assert_parity(model, original)
+
+
+def test_transformers_dense_qwen3_norms_swapped_match():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=16))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # norms away from 1
+    original = copy.deepcopy(model)
+    report = apply_overrides(model, OverrideConfig(ops=["rmsnorm"], impl="nki", seq_len=8))
+    assert sum(r.status == "swapped" for r in report.rows) == 9, report.table()
+    _assert_parity(model, original)
+
+
+def test_rows_too_wide_for_the_kernel_name_op_rule_and_value():
+    x, w = torch.empty(2, 4097), torch.empty(4097)
+    with pytest.raises(OverrideConstraintError, match=r"rmsnorm.*H <= 4096 for float32.*4097"):
+        select("rmsnorm", "nki", policy="strict", x=x, weight=w, eps=1e-6)
+    sel = select("rmsnorm", "nki", policy="fallback", x=x, weight=w, eps=1e-6)
+    assert sel.impl == "reference" and "H <= 4096" in str(sel.reasons[0])
+    assert select("rmsnorm", "nki", x=x.bfloat16(), weight=w.bfloat16(), eps=1e-6).impl == "nki"
