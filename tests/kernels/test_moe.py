@@ -699,3 +699,37 @@ def test_backward_sbuf_constraints_are_checked() -> None:
         moe.grouped_mm_bwd(xg, w, offs, torch.zeros(4, 2048, dtype=bf))
     with pytest.raises(KernelConstraintError, match=r"grad_out.shape == \(M, N\)"):
         moe.grouped_mm_bwd(xg, w, offs, torch.zeros(3, 2048, dtype=bf))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_token_spreads_to_its_combine_tile_only(value: float, dtype: torch.dtype) -> None:
+    """The documented contract (docs/kernels.md, "Non-finite inputs"): a non-finite value in one token's
+    row of x makes the outputs (forward) and grad_x rows (backward) of the tokens that share a combine
+    tile with its slots non-finite (the selection-matrix matmul multiplies 0 x NaN), never a finite
+    value; every other row is exactly the NaN-free result. grad_topk_weights stays per row, and the
+    weight gradients are non-finite exactly for the experts the token is routed to, as in the reference.
+    Here K=1 (combine tiles of 128 tokens) and tokens 0..127 all go to expert 0, one block: its
+    128-row sub-tile is tile 0, so the transposes' spread on the hardware stays inside it too."""
+    T, H, inter, E = 300, 64, 32, 4
+    x = _rand(T, H, dtype=dtype)
+    wgu, wd = _weights(E, H, inter, dtype)
+    idx = torch.cat([torch.zeros(128, dtype=torch.long), 1 + torch.arange(T - 128) % 3]).view(T, 1)
+    tw = torch.rand(T, 1, generator=torch.Generator().manual_seed(3)) + 0.1
+    g = _rand(T, H, dtype=dtype, seed=4)
+    clean = moe.moe_experts(x, idx, tw, wgu, wd, block_size=128)
+    clean_b = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=128)
+    x[5, 7] = value
+    ref = moe.moe_experts_ref(x, idx, tw, wgu, wd)
+    assert (~torch.isfinite(ref).all(1)).nonzero().flatten().tolist() == [5]  # the reference: its row only
+    out = moe.moe_experts(x, idx, tw, wgu, wd, block_size=128)
+    tile = torch.arange(T) < 128
+    assert (~torch.isfinite(out).all(1)).equal(tile)
+    assert torch.equal(out[~tile], clean[~tile])
+    gx, gtw, gwgu, gwd = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=128)
+    assert (~torch.isfinite(gx).all(1)).equal(tile) and torch.equal(gx[~tile], clean_b[0][~tile])
+    row5 = torch.arange(T) == 5
+    assert (~torch.isfinite(gtw).all(1)).equal(row5) and torch.equal(gtw[~row5], clean_b[1][~row5])
+    expert0 = torch.arange(E) == 0
+    for got, before in ((gwgu, clean_b[2]), (gwd, clean_b[3])):
+        assert (~torch.isfinite(got).flatten(1).all(1)).equal(expert0) and torch.equal(got[1:], before[1:])

@@ -327,3 +327,26 @@ def test_row_chunks_cover_every_row_once() -> None:
     for n, nt in ((1, 16), (128, 1), (129, 4), (4096, 16), (5000, 3)):
         rows = [r0 + p * NT + t for r0, P, NT in row_chunks(n, nt) for p in range(P) for t in range(NT)]
         assert sorted(rows) == list(range(n))
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_spreads_along_its_partition_column(dtype: torch.dtype, backward: bool) -> None:
+    """The documented contract (docs/kernels.md, "Non-finite inputs"): a NaN at row s, dim d of one
+    (batch, head) makes that head's rows ``r0 + p*NT + t`` of its chunk (every partition p, the same
+    offset t of s in its partition) non-finite in dims d and d +- D/2 (the identity matmuls that sum
+    the products multiply 0 x NaN); the reference has only row s. Everything else is the NaN-free result.
+    S=256, D=64: one chunk of 128 partitions x NT=2 rows, so s=5 spreads to every odd row."""
+    S, D = 256, 64
+    gen = torch.Generator().manual_seed(8)
+    q, k = torch.randn(1, 2, S, D, generator=gen).to(dtype), torch.randn(1, 1, S, D, generator=gen).to(dtype)
+    cos, sin = torch.randn(S, D, generator=gen), torch.randn(S, D, generator=gen)
+    clean = rope_hf(q, k, torch.empty_like(q), torch.empty_like(k), cos=cos, sin=sin, backward=backward)
+    q[0, 1, 5, 3] = float("nan")
+    ref = rope_hf_ref(q, k, torch.empty_like(q), torch.empty_like(k), cos=cos, sin=sin, backward=backward)
+    assert sorted(set((~torch.isfinite(ref[0])).nonzero()[:, 2].tolist())) == [5]
+    q_out, k_out = rope_hf(q, k, torch.empty_like(q), torch.empty_like(k), cos=cos, sin=sin, backward=backward)
+    spread = torch.zeros_like(q_out, dtype=torch.bool)
+    spread[0, 1, 1::2, 3] = spread[0, 1, 1::2, 3 + D // 2] = True
+    assert (~torch.isfinite(q_out)).equal(spread)
+    assert torch.equal(q_out[~spread], clean[0][~spread]) and torch.equal(k_out, clean[1])
