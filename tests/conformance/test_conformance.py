@@ -1,9 +1,12 @@
-"""AWS nki-library's core kernels on the interpreter, against nki-library's own references.
+"""AWS nki-library's kernels on the interpreter, against nki-library's own references.
 
-Runs only with a local checkout: ``NKILIB_SRC=/path/to/nki-library`` (git clone of
-https://github.com/aws-neuron/nki-library); CI has no network, so these are skipped there. Every case of
-``trnkit.conformance.cases`` must PASS (a negative case: be rejected as nki-library's test expects).
-``python -m trnkit conformance`` prints the same cases as a table.
+The checkout comes from ``NKILIB_SRC``, else the archive ``nki-library-<commit>.tar.gz`` in
+``shared/thirdparty/`` next to the source tree (or ``NKILIB_TARBALL``) is extracted to the temp dir
+(:func:`trnkit.conformance.harness.nkilib_root`). Every case of ``trnkit.conformance.cases`` must PASS
+(a negative case: be rejected as nki-library's test expects). Two tiers: the cases of
+``cases.FAST`` (at least one per kernel, seconds) run in the fast suite, so a new interpreter rule
+that breaks an AWS kernel fails CI; every other case is ``slow``. ``python -m trnkit conformance``
+prints the same cases as a table.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ from trnkit.conformance.cli import FETCH_HINT
 
 ROOT = harness.nkilib_root()
 CASES = cases.all_cases()
+FAST = set(cases.FAST)
 
-pytestmark = [
-    pytest.mark.slow,  # minutes for the whole table
-    pytest.mark.skipif(ROOT is None, reason=f"no nki-library checkout: {FETCH_HINT}"),
-]
+pytestmark = pytest.mark.skipif(ROOT is None, reason=f"no nki-library checkout or archive: {FETCH_HINT}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c.kernel}|{c.name}|lnc{c.lnc}|{c.shapes}" for c in CASES])
+def _param(case: harness.Case):
+    cid = cases.case_id(case)
+    return pytest.param(case, id=cid, marks=() if cid in FAST else (pytest.mark.slow,))
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_nkilib_case(case):
     row = harness.run_case(case, ROOT)
     assert row.result == harness.PASS, harness.format_row(row)

@@ -22,7 +22,7 @@ import numpy as np
 
 from .harness import Case
 
-__all__ = ["all_cases"]
+__all__ = ["all_cases", "case_id", "FAST", "fast_cases"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -472,3 +472,34 @@ def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases())
+
+
+def case_id(case: Case) -> str:
+    """``kernel|case|lncN|shapes``: unique per case (the pytest id)."""
+    return f"{case.kernel}|{case.name}|lnc{case.lnc}|{case.shapes}"
+
+
+# The fast tier (CI's `-m "not slow"` run): at least one case of every kernel, each a few seconds at
+# most, covering LNC 1 and 2, a negative case, SBUF/HBM I/O variants and one MoE kernel with
+# sequential PSUM accumulation groups. The rest runs in the slow tier.
+FAST = (
+    "core/embeddings/rope_hf|fwd cos/sin bf16|lnc2|q[1,32,256,128] k[1,8,256,128]",
+    "core/embeddings/rope_hf|bwd packed cache fp32|lnc2|q[1,32,256,128] k[1,8,256,128]",
+    "core/embeddings/rope_hf|fwd cos/sin fp32 (must reject)|lnc2|q[1,32,64,128] k[1,8,64,128]",
+    "core/router_topk|softmax bias k=4|lnc2|x[4,3072] w[3072,128]",
+    "core/router_topk|softmax bias k=4 use_indirect_dma_scatter x [T,H]|lnc2|x[640,3072] w[3072,128]",
+    "core/router_topk|softmax k=4 shard_on_tokens output_in_sbuf|lnc2|x[32,512] w[512,128]",
+    "core/cumsum|3-D bf16|lnc2|x[64,4,1024]",
+    "core/subkernels/rmsnorm_tkg|rmsnorm hidden_actual=1920|lnc1|x[1,4,2048] fp16",
+    "core/subkernels/rmsnorm_tkg|rmsnorm shard_on_h|lnc2|x[2,8,8192] fp16",
+    "core/subkernels/layernorm_tkg|layernorm|lnc2|x[4,8,8192] fp16",
+    "core/topk|rotational k=256 fp32|lnc2|x[65x1,3168]",
+    "core/max/cascaded_max|max fp32|lnc2|x[65,1,3168]",
+    "core/moe/moe_cte|shard_on_block Swish skip=3 bias clamp|lnc2|T=1024 H=3072 E=8 B=256 k=4 I=192",
+)
+
+
+def fast_cases() -> list[Case]:
+    """The cases of :data:`FAST`, in :func:`all_cases` order."""
+    fast = set(FAST)
+    return [c for c in all_cases() if case_id(c) in fast]

@@ -11,13 +11,14 @@ from . import harness
 
 REFERENCE_CSV = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "conformance.csv"
 FETCH_HINT = ("set NKILIB_SRC (or --nkilib) to a checkout of AWS nki-library: "
-              "git clone https://github.com/aws-neuron/nki-library")
+              "git clone https://github.com/aws-neuron/nki-library (or NKILIB_TARBALL to its git archive, "
+              "nki-library-<commit>.tar.gz)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nkilib", help="nki-library checkout (default: $NKILIB_SRC)")
     p.add_argument("-k", "--filter", action="append", default=[],
-                   help="only cases whose 'kernel case' text contains this (repeatable: any)")
+                   help="only cases whose 'kernel case shapes' text contains this (repeatable: any)")
     p.add_argument("--csv", help="also write the table as CSV to this path")
     p.add_argument("--save-reference", action="store_true",
                    help=f"write the table to {REFERENCE_CSV.relative_to(REFERENCE_CSV.parents[2])} "
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit status 0 when every selected case passes, 1 otherwise, 2 without a checkout."""
     selected = [c for c in _cases.all_cases()
-                if not args.filter or any(f in f"{c.kernel} {c.name}" for f in args.filter)]
+                if not args.filter or any(f in f"{c.kernel} {c.name} {c.shapes}" for f in args.filter)]
     if args.list:
         for c in selected:
             print(f"{c.kernel:<30} {c.name:<40} lnc{c.lnc} {c.shapes}  ({c.test_file})")

@@ -10,8 +10,9 @@ infinite/NaN positions must match. Each case gives one :class:`Row`: PASS, MISMA
 (the interpreter lacks a name the kernel uses), REJECTED (the interpreter refused the kernel:
 ``NkiValidationError``) or ERROR (anything else, with its type).
 
-The checkout is found through ``NKILIB_SRC`` (its root, or its ``src/``); nothing of nki-library is
-copied into trnkit.
+The checkout is found through ``NKILIB_SRC`` (its root, or its ``src/``), else the archive
+``nki-library-<commit>.tar.gz`` (``NKILIB_TARBALL``, or ``shared/thirdparty/`` next to or inside the
+source tree) is extracted to the temp dir once; nothing of nki-library is copied into trnkit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Case", "Row", "nkilib_root", "nkilib_commit", "compare", "run_case", "run_cases",
+__all__ = ["Case", "Row", "nkilib_root", "nkilib_commit", "nkilib_tarball", "extract_tarball", "compare", "run_case", "run_cases",
            "format_table", "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
@@ -100,20 +102,73 @@ class Row:
                 "message": self.message, "nkilib_commit": self.nkilib_commit}
 
 
-# -- the checkout --------------------------------------------------------------------------------
-def nkilib_root(path: str | os.PathLike | None = None) -> Path | None:
-    """The nki-library checkout (``path`` or ``$NKILIB_SRC``; its root or its ``src/``), or None."""
-    raw = path if path is not None else os.environ.get("NKILIB_SRC")
-    if not raw:
-        return None
-    p = Path(raw).expanduser().resolve()
+# -- the checkout ---------------------------------------------------------------------------------
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# where a source tree keeps the nki-library archive (``git archive`` of a commit) next to it
+TARBALL_DIRS = (REPO_ROOT.parent / "shared" / "thirdparty", REPO_ROOT / "shared" / "thirdparty")
+COMMIT_FILE = ".nkilib-commit"  # written next to an extracted archive: its commit
+
+
+def _checkout(p: Path) -> Path | None:
     if (p / "nkilib_src").is_dir():
         p = p.parent
     return p if (p / "src" / "nkilib_src").is_dir() else None
 
 
+def nkilib_tarball() -> Path | None:
+    """The nki-library archive: ``$NKILIB_TARBALL``, else the newest ``nki-library-*.tar.gz`` in
+    :data:`TARBALL_DIRS`."""
+    raw = os.environ.get("NKILIB_TARBALL")
+    if raw:
+        p = Path(raw).expanduser()
+        return p if p.is_file() else None
+    for d in TARBALL_DIRS:
+        found = sorted(d.glob("nki-library-*.tar.gz")) if d.is_dir() else []
+        if found:
+            return found[-1]
+    return None
+
+
+def extract_tarball(tarball: Path, cache: Path | None = None) -> Path:
+    """Extract ``tarball`` once into ``cache`` (default: a per-archive folder in the temp dir) and
+    return the checkout; concurrent callers (pytest workers) each extract aside and one rename wins."""
+    import tarfile  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    stat = tarball.stat()
+    dest = cache or Path(tempfile.gettempdir()) / f"trnkit-{tarball.name.removesuffix('.tar.gz')}-{stat.st_size}"
+    if (dest / COMMIT_FILE).is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    with tarfile.open(tarball) as tf:
+        commit = str(tf.pax_headers.get("comment", "unknown"))[:7]  # git archive records the commit
+        tf.extractall(tmp, filter="data")
+    (tmp / COMMIT_FILE).write_text(commit + "\n")
+    try:
+        tmp.rename(dest)
+    except OSError:  # another process won the race
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def nkilib_root(path: str | os.PathLike | None = None, use_tarball: bool = True) -> Path | None:
+    """The nki-library checkout: ``path`` or ``$NKILIB_SRC`` (its root or its ``src/``), else the
+    archive of :func:`nkilib_tarball` extracted (``use_tarball``); None when there is none."""
+    raw = path if path is not None else os.environ.get("NKILIB_SRC")
+    if raw:
+        return _checkout(Path(raw).expanduser().resolve())
+    tarball = nkilib_tarball() if use_tarball else None
+    return _checkout(extract_tarball(tarball)) if tarball is not None else None
+
+
 def nkilib_commit(root: Path) -> str:
-    """Short commit hash of the checkout ("unknown" when it is not a git work tree)."""
+    """Short commit hash of the checkout (an extracted archive's recorded commit; "unknown" when it
+    is neither)."""
+    if (root / COMMIT_FILE).is_file():
+        return (root / COMMIT_FILE).read_text().strip()
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=20, check=True)
@@ -240,6 +295,7 @@ def _classify(exc: BaseException) -> tuple[str, str]:
 def run_case(case: Case, root: Path, commit: str = "") -> Row:
     """Run ``case`` on the interpreter and compare it with nki-library's reference."""
     from trnkit import nkisim  # noqa: PLC0415
+    from trnkit.nkisim import memory  # noqa: PLC0415
 
     row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
               nkilib_commit=commit)
@@ -253,8 +309,13 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
             kernel_in = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
             t0 = time.perf_counter()
             try:
-                with contextlib.redirect_stdout(io.StringIO()):  # nki-library's own [INFO] prints
+                # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles
+                # with the default allocator (spilled to the HBM scratchpad: memory.sbuf_spills)
+                with contextlib.redirect_stdout(io.StringIO()), memory.sbuf_spills(), \
+                        warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always", memory.SbufSpillWarning)
                     result = nkisim.simulate(kernel)[case.lnc](**kernel_in)
+                spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
             finally:
                 row.seconds = time.perf_counter() - t0
                 if case.cleanup:
@@ -289,11 +350,19 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
         if not ratio <= worst_ratio:  # (NaN: worst)
             worst_ratio, row.max_abs_err, row.allowed_err = ratio, err, allowed
     row.result = PASS if ok_all else MISMATCH
-    row.message = case.note
+    row.message = "; ".join(m for m in (case.note, _spill_note(spills)) if m)
     if not ok_all:
         row.message = "; ".join(f"{n}: max|err| {e:.3g} > {a:.3g}" for n, (e, a) in row.outputs.items()
                                 if not e <= a)
     return row
+
+
+def _spill_note(spills: list) -> str:
+    """One line for the SBUF spills of a case's programs (the largest); "" without any."""
+    if not spills:
+        return ""
+    worst = max(spills, key=lambda w: w.excess)
+    return f"{len(spills)} program(s) exceed SBUF in program order: {worst}"
 
 
 def run_cases(cases: Sequence[Case], root: Path, echo: Callable[[Row], None] | None = None) -> list[Row]:

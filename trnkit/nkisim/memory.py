@@ -26,6 +26,19 @@ Capacities (trn2 = NeuronCore-v3), per partition:
   bank; checked when the tile is allocated). At every instruction the live PSUM tiles must pack into
   the 8 banks, each tile inside one bank (first-fit decreasing, several small tiles may share a bank).
 
+Matmul accumulation groups (:meth:`Memory.matmul_write`, checked with the capacities): "A series of
+TensorE matmul instructions with the first one writing to a PSUM bank and more subsequent instructions
+accumulating into the same PSUM bank data is called a matmul accumulation group ... with 8 PSUM banks
+per partition, TensorE can have up to eight outstanding matmul accumulation groups"
+(``nki/guides/architecture/trainium_inferentia2_arch.rst``, "PSUM accumulation"). A group is
+outstanding from its first matmul to its last one; after that its result is plain PSUM data (bounded
+by the PSUM capacity, not by this rule). Each PSUM tile lives in one bank, so a tile carries one group
+at a time: matmuls into any of its views extend the tile's current group, and a matmul that starts a
+fresh accumulation after another instruction read or wrote the tile opens a new group. At no
+instruction may more than eight groups be outstanding. AWS's tested kernels rely on exactly this:
+sequential and single-matmul groups into many PSUM tiles kept in lists (attention_tkg,
+output_projection_tkg, mlp_tkg, moe_cte shard_on_block) run on trn2.
+
 Outside any kernel (the per-thread default context, e.g. ``nl.ndarray`` at the top level of a
 script) nothing is recorded: there is no end of kernel to check at, and a long-running process would
 accumulate records. Push a :class:`KernelContext` and call :meth:`Memory.check` to check such code.
@@ -39,6 +52,7 @@ import itertools
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +63,7 @@ __all__ = [
     "SBUF_PARTITION_BYTES", "SBUF_USABLE_BYTES", "PSUM_BANKS", "PSUM_BANK_BYTES",
     "PSUM_PARTITION_BYTES", "NUM_PARTITIONS", "Allocation", "Memory", "KernelContext",
     "LaunchContext", "current", "push_context", "pop_context", "tick", "instruction",
+    "MAX_ACCUMULATION_GROUPS", "SbufSpillWarning", "sbuf_spills",
 ]
 
 NUM_PARTITIONS = 128
@@ -57,6 +72,7 @@ SBUF_USABLE_BYTES = 208 * 1024  # what a kernel may allocate (nki-library budget
 PSUM_BANKS = 8
 PSUM_BANK_BYTES = 2048
 PSUM_PARTITION_BYTES = PSUM_BANKS * PSUM_BANK_BYTES
+MAX_ACCUMULATION_GROUPS = PSUM_BANKS  # outstanding matmul accumulation groups (module doc)
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,7 +80,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 class Allocation:
     """One SBUF/PSUM allocation: its size and the instructions that first and last touched it."""
 
-    __slots__ = ("name", "buffer", "nbytes", "site", "memory", "first", "last")
+    __slots__ = ("name", "buffer", "nbytes", "site", "memory", "first", "last", "groups")
 
     def __init__(self, name: str, buffer: str, nbytes: int, site: str, memory: Memory) -> None:
         self.name = name
@@ -74,6 +90,7 @@ class Allocation:
         self.memory = memory
         self.first = -1  # instruction numbers (Memory.clock) of the first / last access; -1: none
         self.last = -1
+        self.groups: list[list[int]] = []  # PSUM: [first, last] matmul of each accumulation group
 
     def touch(self) -> None:
         """An instruction running now reads or writes this allocation."""
@@ -119,8 +136,11 @@ class Memory:
         self.clock = 0  # number of the instruction running now
         self.allocations: list[Allocation] = []
         self.ops: list[str] = []  # ops[t]: name of instruction t (for the overflow message)
+        self.running = "access"  # name of the instruction running now (for access errors)
         self.sbuf_peak = 0  # set by check(): most SBUF bytes per partition live at once
         self.psum_peak_banks = 0  # set by check(): most PSUM banks needed at once
+        self.sbuf_spill = 0  # set by check() under sbuf_spills(): most bytes over capacity
+        self.sbuf_spill_at = -1  # ... and the instruction where that excess is live
         self._lock = threading.Lock()
 
     def allocate(self, buffer: str, nbytes: int, name: str) -> Allocation | None:
@@ -142,6 +162,34 @@ class Memory:
             self.allocations.append(a)
         return a
 
+    def matmul_write(self, alloc: Allocation | None, starts: bool) -> None:
+        """A matmul running now writes PSUM ``alloc``; ``starts``: it overwrites rather than
+        accumulates. Call before the instruction touches ``alloc`` (see the module doc)."""
+        if alloc is None:
+            return
+        t = self.clock
+        groups = alloc.groups
+        if groups and (not starts or alloc.last <= groups[-1][1]):
+            groups[-1][1] = t  # accumulates, or nothing else used the tile since: the same group
+        else:
+            groups.append([t, t])
+
+    def check_accumulation_groups(self) -> None:
+        """Raise at the first instruction where more than eight matmul accumulation groups are
+        outstanding (from their first to their last matmul)."""
+        events = sorted((g[0], 1, g[1], a.name) for a in self.allocations for g in a.groups)
+        ends: list[tuple[int, str, int]] = []  # (last, name, first) of the open groups
+        for first, _, last, name in events:
+            ends = [e for e in ends if e[0] >= first]
+            if len(ends) >= MAX_ACCUMULATION_GROUPS:
+                open_groups = ", ".join(f"{n!r} (instructions {f}..{e})" for e, n, f in sorted(ends, key=lambda x: x[2]))
+                fail("nc_matmul", "the matmul accumulation group on {name!r} at instruction {t} "
+                     "(until instruction {last}) would be the {n}th outstanding one; TensorE has at "
+                     "most {limit} (trainium_inferentia2_arch.rst, PSUM accumulation: one per PSUM "
+                     "bank); outstanding: {open}", name=name, t=first, last=last, n=len(ends) + 1,
+                     limit=MAX_ACCUMULATION_GROUPS, open=open_groups)
+            ends.append((last, name, first))
+
     def tick(self, op: str) -> None:
         """Instruction ``op`` (number :attr:`clock`) is done; the next one starts."""
         if self.track:
@@ -153,7 +201,7 @@ class Memory:
 
     def check(self, strict: bool = True) -> None:
         """Raise at the first instruction where the live SBUF bytes or PSUM banks exceed capacity
-        (``strict=False``: only measure).
+        (``strict=False``: only measure); then the matmul accumulation groups (always strict).
 
         Also sets :attr:`sbuf_peak` and :attr:`psum_peak_banks`. Never-accessed allocations take
         no space (the compiler drops them).
@@ -167,7 +215,7 @@ class Memory:
         sbuf_live: dict[int, Allocation] = {}
         psum_live: dict[int, Allocation] = {}
         sbuf_bytes = 0
-        self.sbuf_peak = self.psum_peak_banks = 0
+        self.sbuf_peak = self.psum_peak_banks = self.sbuf_spill = 0
         for t, born, i, a in events:
             live = sbuf_live if a.buffer == "sbuf" else psum_live
             if not born:
@@ -179,7 +227,10 @@ class Memory:
             if a.buffer == "sbuf":
                 sbuf_bytes += a.nbytes
                 self.sbuf_peak = max(self.sbuf_peak, sbuf_bytes)
-                if strict and sbuf_bytes > self.sbuf_capacity:
+                if strict and sbuf_bytes > self.sbuf_capacity and _sbuf_spills:
+                    if sbuf_bytes - self.sbuf_capacity > self.sbuf_spill:
+                        self.sbuf_spill, self.sbuf_spill_at = sbuf_bytes - self.sbuf_capacity, t
+                elif strict and sbuf_bytes > self.sbuf_capacity:
                     fail("SBUF overflow", "{used} bytes per partition live at instruction {t} "
                          "({op}), capacity {capacity}; becoming live: {new}; live allocations: "
                          "{live}", used=sbuf_bytes, t=t, op=self._op_at(t),
@@ -196,6 +247,14 @@ class Memory:
                      used=sum(banks), need=len(banks), bank=PSUM_BANK_BYTES, t=t,
                      op=self._op_at(t), banks=PSUM_BANKS, new=a.describe(),
                      live=_listing(psum_live))
+        if self.sbuf_spill:
+            warnings.warn(SbufSpillWarning(
+                f"SBUF spill: {self.sbuf_peak} bytes per partition live at the peak, "
+                f"{self.sbuf_spill} more than the capacity {self.sbuf_capacity} (at instruction "
+                f"{self.sbuf_spill_at}, {self._op_at(self.sbuf_spill_at)}); compiled with neuronx-cc's "
+                "default allocation the excess goes to the HBM scratchpad (memory.sbuf_spills)", self.sbuf_spill),
+                stacklevel=2)
+        self.check_accumulation_groups()
 
 
 def _listing(live: dict[int, Allocation]) -> str:
@@ -255,6 +314,42 @@ def capacity_check_off() -> Iterator[None]:
         _capacity_checked = saved
 
 
+class SbufSpillWarning(RuntimeWarning):
+    """A kernel instance needed more SBUF in program order than the capacity (see :func:`sbuf_spills`);
+    ``excess``: the most bytes per partition over the capacity."""
+
+    def __init__(self, message: str, excess: int = 0) -> None:
+        super().__init__(message)
+        self.excess = excess
+
+
+_sbuf_spills = False  # module-wide like _capacity_checked (grid programs run on threads)
+
+
+@contextlib.contextmanager
+def sbuf_spills() -> Iterator[None]:
+    """Kernels called inside may hold more SBUF in program order than the capacity: the excess is
+    recorded (:attr:`Memory.sbuf_spill`) and warned about (:class:`SbufSpillWarning`), not raised.
+
+    How the compiler handles it: by default neuronx-cc, not NKI, allocates SBUF/PSUM and orders the
+    instructions after NKI traces the kernel (``nki/deep-dives/nki-compile-config.rst``, Overview:
+    "By default, neuronx-cc makes both decisions after NKI traces the kernel";
+    ``nki.compiler.Allocation.COLORING``: "allocates the tiles with graph coloring after it traces
+    the kernel"), and the runtime gives every program an HBM scratchpad, "additional space used to
+    store intermediary SBUF" (``neuron-runtime/explore/device-memory.rst``). A kernel whose live
+    tiles exceed SBUF in program order therefore compiles: the allocator reorders or spills to the
+    scratchpad (extra DMA the cost model does not price). Only NKI's own allocator
+    (``Allocation.LINEAR``) fails "out of memory" instead. The conformance run uses this mode for
+    AWS's kernels; trnkit's kernels are held to the stricter rule (no spill) by default. PSUM cannot
+    spill (matmuls write only PSUM) and stays checked."""
+    global _sbuf_spills
+    saved, _sbuf_spills = _sbuf_spills, True
+    try:
+        yield
+    finally:
+        _sbuf_spills = saved
+
+
 def capacity_checked() -> bool:
     """False inside :func:`capacity_check_off`."""
     return _capacity_checked
@@ -294,8 +389,12 @@ def instruction(fn: Any) -> Any:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        mem = current().memory
+        mem.running = name
         try:
             return fn(*args, **kwargs)
         finally:
-            current().memory.tick(name)
+            mem = current().memory  # (the same unless fn pushed a context)
+            mem.running = "access"
+            mem.tick(name)
     return run

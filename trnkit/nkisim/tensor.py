@@ -7,9 +7,12 @@ Model (``nki/get-started/nki-language-guide.rst`` "Anatomy of a tensor", ``nki/d
   so the partition stride of the storage is ``F`` (the first ``.ap`` pair's step);
 * a view is ``(shape, strides, offset)`` in elements of its dtype: element ``(i0, i1, ...)`` lives at
   ``flat[offset + sum(strides[k] * i_k)]``. All views of an allocation share its storage;
-* every view is bounds-checked when it is created (on-chip views must also stay inside their
-  partitions); an access outside the storage raises :class:`NkiValidationError` naming the tensor,
-  the index and the bound;
+* every view is bounds-checked when an instruction first accesses it, not when it is built (on-chip
+  views must also stay inside their partitions): AWS's kernels build out-of-range views they only use
+  under a guard (an ``.ap`` past the end, an empty ``nl.ds(0, 0)``), as the compiler only rejects an
+  access. An access outside the storage raises :class:`NkiValidationError` naming the instruction,
+  the tensor, the index and the bound. Structural rules (partition contiguity of an on-chip view, the
+  ``.ap`` partition step, too many indices, negative steps) are still checked when the view is built;
 * ``t.np()`` is a numpy array aliasing the storage (what the ISA ops read and write);
 * dynamic offsets (``.ap(scalar_offset=...)``, ``select(dim, tensor)``) are resolved each time the
   view is used; ``vector_offset`` (per-partition row gather/scatter on HBM) views are only consumed
@@ -160,7 +163,8 @@ _OPERATOR_MSG = ("binary operators on tensors are not supported by NKI; use nki.
 class NkiTensor:
     """A view ``(shape, strides, offset, dtype)`` of a :class:`Storage` in some memory buffer."""
 
-    __slots__ = ("_st", "shape", "strides", "offset", "dtype", "name", "_np", "_dyn", "_vec", "_meta")
+    __slots__ = ("_st", "shape", "strides", "offset", "dtype", "name", "_np", "_dyn", "_vec", "_meta",
+                 "_unchecked")
 
     # -- construction --------------------------------------------------------------------------
     def __init__(self, shape: Sequence[int], dtype: Any, storage: Any = None,
@@ -192,13 +196,17 @@ class NkiTensor:
         t._dyn = dyn  # (scalar source: NkiTensor | VirtualRegister, multiplier)
         t._vec = vec  # (index tensor [P,1], row stride)
         t._meta = None  # trace description of a static view, cached by isa.common.describe
+        # bounds not yet checked: None = in bounds; "" = check at the first access; else the reason
+        # it is out of range (raised at the first access)
+        t._unchecked = None
         return t
 
     def _derive(self, shape: tuple[int, ...], strides: tuple[int, ...], offset: int, op: str,
                 dtype: np.dtype | None = None) -> NkiTensor:
         t = NkiTensor._make(self._st, shape, strides, offset, dtype or self.dtype, self.name,
                             self._dyn, self._vec)
-        t._check_bounds(op)
+        t._structure(op)
+        t._unchecked = ""  # in range or not: checked when accessed
         return t
 
     # -- basic attributes ----------------------------------------------------------------------
@@ -264,6 +272,23 @@ class NkiTensor:
                 lo += (n - 1) * s
         return lo, hi
 
+    def _structure(self, op: str) -> None:
+        """The rules a view breaks however it is used: contiguous partition access on chip."""
+        if self._st.buffer.on_chip and len(self.shape) > 0 and self.shape[0] > 1 and self._vec is None \
+                and self.strides[0] != self.partition_stride:
+            fail(op, "tensor {name!r}: partition access must be contiguous (partition step "
+                 "{step} elements, storage partition stride {pstride})",
+                 name=self.name, step=self.strides[0], pstride=self.partition_stride)
+
+    def _checked(self) -> None:
+        """Bounds of a static view at its first access (by the running instruction)."""
+        why = self._unchecked
+        op = _memory.current().memory.running
+        if why:
+            fail(op, "{why} (tensor {name!r}, accessed)", why=why, name=self.name)
+        self._check_bounds(op)
+        self._unchecked = None
+
     def _check_bounds(self, op: str, offset: int | None = None) -> None:
         off = self.offset if offset is None else offset
         for n in self.shape:
@@ -319,7 +344,12 @@ class NkiTensor:
             fail("np", "tensor {name!r} is an indirect (vector_offset) view; only nisa.dma_copy "
                  "can read or write it", name=self.name)
         isz = self.dtype.itemsize
-        off = self.offset if self._dyn is None else self.resolve_offset("np")
+        if self._dyn is None:
+            if self._unchecked is not None:
+                self._checked()
+            off = self.offset
+        else:
+            off = self.resolve_offset(_memory.current().memory.running)
         a = np.ndarray(self.shape, self.dtype, buffer=self._st.flat(self.dtype), offset=off * isz,
                        strides=tuple(s * isz for s in self.strides))
         if self._dyn is None:
@@ -329,6 +359,8 @@ class NkiTensor:
     def resolve_offset(self, op: str) -> int:
         """The view's start element now (reads a dynamic ``scalar_offset``), bounds-checked."""
         if self._dyn is None:
+            if self._unchecked is not None:
+                self._checked()
             return self.offset
         src, mult = self._dyn
         if isinstance(src, VirtualRegister):
@@ -378,10 +410,12 @@ class NkiTensor:
         strides: list[int] = []
         off = self.offset
         dropped_stride = None
-        # A sub-view of this (bounds-checked) view taken with in-range ints / non-empty slices of
-        # step >= 1 stays inside it, so it is in bounds; the one rule a sub-view can newly break is
-        # partition contiguity (an on-chip partition slice with step > 1), checked below.
+        # A sub-view of an in-bounds view taken with in-range ints / non-empty slices of step >= 1
+        # stays inside it, so it is in bounds; the one structural rule a sub-view can newly break is
+        # partition contiguity (an on-chip partition slice with step > 1), checked below. Anything
+        # out of range is only recorded: an access raises (see the module doc).
         check = False
+        why = None if self._unchecked is None else ""  # a sub-view of an unchecked view: check it
         self_strides = self.strides
         for d, k in enumerate(key):
             n = shape_in[d]
@@ -407,11 +441,9 @@ class NkiTensor:
                     stop = n
                 elif stop < 0:
                     stop += n
-                if not 0 <= start < stop <= n:
-                    fail("__getitem__", "slice {start}:{stop} out of bounds (or empty) for dim {dim} "
-                         "of size {bound} of tensor {name!r}", start=k.start, stop=k.stop, dim=d,
-                         bound=n, name=self.name)
-                shape.append((stop - start + step - 1) // step)
+                if not 0 <= start < stop <= n and not why:
+                    why = (f"slice {k.start}:{k.stop} out of bounds (or empty) for dim {d} of size {n}")
+                shape.append(max(0, (stop - start + step - 1) // step))
                 strides.append(s * step)
                 off += start * s
             elif isinstance(k, (NkiTensor, VirtualRegister)):
@@ -428,9 +460,8 @@ class NkiTensor:
                          "slices, nl.ds or .ap())", key=k, name=self.name)
                 if i < 0:
                     i += n
-                if not 0 <= i < n:
-                    fail("__getitem__", "index {index} out of bounds for dim {dim} of size {bound} of "
-                         "tensor {name!r}", index=k, dim=d, bound=n, name=self.name)
+                if not 0 <= i < n and not why:
+                    why = f"index {k} out of bounds for dim {d} of size {n}"
                 off += i * s
                 if on_chip and d == 0:  # on-chip: an int on the partition dim keeps a size-1 dim
                     shape.append(1)
@@ -449,7 +480,8 @@ class NkiTensor:
         t = NkiTensor._make(self._st, tuple(shape), tuple(strides), off, self.dtype, self.name,
                             self._dyn, None)
         if check:
-            t._check_bounds("__getitem__")
+            t._structure("__getitem__")
+        t._unchecked = why
         return t
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -523,14 +555,15 @@ class NkiTensor:
             return t
         i = int(index)
         n = self.shape[d]
-        require(0 <= i < n, "select", "index {index} out of bounds for dim {dim} of size {bound} of "
-                "tensor {name!r}", index=i, dim=d, bound=n, name=self.name)
         shape = self.shape[:d] + self.shape[d + 1:]
         strides = self.strides[:d] + self.strides[d + 1:]
         if self._st.buffer.on_chip and d == 0:
             fail("select", "on-chip tensor {name!r}: cannot select away the partition dim",
                  name=self.name)
-        return self._derive(shape or (1,), strides or (1,), self.offset + i * self.strides[d], "select")
+        t = self._derive(shape or (1,), strides or (1,), self.offset + i * self.strides[d], "select")
+        if not 0 <= i < n:
+            t._unchecked = f"select index {i} out of bounds for dim {d} of size {n}"
+        return t
 
     def permute(self, dims: Sequence[int]) -> NkiTensor:
         dims = tuple(dims)
@@ -763,7 +796,7 @@ class NkiTensor:
             vec = (vector_offset, rows // ratio_den)
         t = NkiTensor._make(st, shape, strides, off, dt, self.name, dyn, vec)
         if vec is None:
-            t._check_bounds(op)
+            t._unchecked = ""  # checked when accessed (an out-of-range .ap may sit under a guard)
         else:
             for n in shape:
                 require(n > 0, op, "empty dimension in pattern {pattern}", pattern=pattern)

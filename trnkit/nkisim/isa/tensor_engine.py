@@ -9,9 +9,7 @@ fp32 (products of bf16/fp8 inputs are exact in fp32; accumulation in fp32).
 
 from __future__ import annotations
 
-import gc
 import warnings
-import weakref
 
 import numpy as np
 
@@ -31,42 +29,6 @@ _MM_IN = frozenset({_dt.float8_e4m3, _dt.float8_e5m2, _dt.bfloat16, _dt.float16,
 _FP8 = frozenset({_dt.float8_e4m3, _dt.float8_e5m2})
 _PE_TILE_SIZES = (32, 64, 128)  # row / column tiles of the 128x128 PE array (32 needs v3+)
 _TRACE_ONLY_MIN_MACS = 128 * 128 * 128  # trace-only mode skips the arithmetic from this size up
-
-# "A series of TensorE matmul instructions with the first one writing to a PSUM bank and more subsequent
-# instructions accumulating into the same PSUM bank data is called a matmul accumulation group. [...]
-# with 8 PSUM banks per partition, TensorE can have up to eight outstanding matmul accumulation groups"
-# ([SDK] nki/guides/architecture/trainium_inferentia2_arch.rst, "PSUM accumulation"). The guide ties a
-# group to a bank and derives the limit from the bank count, so a group owns a bank: trnkit counts
-# groups, not banks -- every PSUM region (tile or view, by storage + offset + shape) that a matmul
-# opened is one group, open until its tile is freed, and small tiles packed into one bank still count
-# one each. (nc_transpose writes are not accumulation groups and are not counted.)
-MAX_ACCUMULATION_GROUPS = 8
-# kernel instance (its Memory) -> PSUM storage -> regions with an open group
-_open_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _open_group(op: str, dst: NkiTensor) -> None:
-    """Count the accumulation group a starting matmul opens on ``dst`` (see MAX_ACCUMULATION_GROUPS)."""
-    per_storage = _open_groups.get(_mem.current().memory)
-    if per_storage is None:
-        per_storage = _open_groups[_mem.current().memory] = weakref.WeakKeyDictionary()
-    regions = per_storage.get(dst.storage)
-    region = (dst.offset, tuple(dst.shape), tuple(dst.strides))
-    if regions is not None and region in regions:
-        return
-    n_open = sum(len(r) for r in per_storage.values())
-    if n_open >= MAX_ACCUMULATION_GROUPS:  # tiles still waiting for the cycle collector do not count
-        gc.collect()
-        n_open = sum(len(r) for r in per_storage.values())
-    if n_open >= MAX_ACCUMULATION_GROUPS:
-        names = sorted({st.name for st in per_storage.keys()})
-        fail(op, "a matmul accumulation group on {name!r} would be the {n}th outstanding one; TensorE "
-             "has at most {limit} (one per PSUM bank; open groups on {open})",
-             name=dst.name, n=n_open + 1, limit=MAX_ACCUMULATION_GROUPS, open=names)
-    if regions is None:
-        regions = per_storage[dst.storage] = set()
-    regions.add(region)
-
 
 def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a.T @ b`` for fp32 ``a [K, M]``, ``b [K, N]``: the exact products summed in fp64, rounded once to fp32.
@@ -151,12 +113,12 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
     if dst.dtype != f32:
         fail(op, "dst must be float32 in PSUM on trn2, got {dtype}", dtype=dst.dtype)
 
-    out = dst.np()
     flags = dst.matmul_flags()
     all_written = bool(flags.all())
     any_written = all_written or bool(flags.any())
-    if accumulate is False or not any_written:
-        _open_group(op, dst)
+    # at most 8 outstanding accumulation groups: memory.py tracks them, checked at the kernel's end
+    _mem.current().memory.matmul_write(dst.storage.alloc, starts=accumulate is False or not any_written)
+    out = dst.np()
     tr = trace.active()  # (not trace.trace_only(): an empty Trace is falsy there)
     if accumulate is True and not all_written:
         warnings.warn(f"{op}: accumulate=True onto PSUM tile {dst.name!r} elements not written by a "
