@@ -79,9 +79,10 @@ def _scores(st, q, kT, ident, mask, load):
         kb0 = k0 + i * BANK
         w = min(BANK, k1 - kb0)
         s_ps = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=s_ps, stationary=qT[:, 0:nq], moving=kT[0:D, kb0:kb0 + w])
+        nisa.nc_matmul(dst=s_ps, stationary=qT[:, 0:nq], moving=kT[0:D, kb0:kb0 + w], accumulate=False)
         if kb0 <= r0 and r0 < kb0 + w:  # the diagonal block: add the causal mask
-            nisa.nc_matmul(dst=s_ps[:, r0 - kb0:r0 - kb0 + nq], stationary=ident[0:nq, 0:nq], moving=mask[0:nq, 0:nq])
+            nisa.nc_matmul(dst=s_ps[:, r0 - kb0:r0 - kb0 + nq], stationary=ident[0:nq, 0:nq], moving=mask[0:nq, 0:nq],
+                           accumulate=True)
         nisa.tensor_reduce(dst=bm[:, i:i + 1], op=nl.maximum, data=s_ps, axis=1)
         load[0] = load[0] + max(64, w) / VECTOR_GHZ
         banks.append([kb0, w, s_ps])
@@ -187,7 +188,8 @@ def _pv(st, v_sb):
     blocks = st["blocks"]
     for i in range(len(blocks)):
         key0, kc, pt_sb, c = blocks[i]
-        nisa.nc_matmul(dst=pv_ps, stationary=pt_sb[0:kc, c, :], moving=v_sb[0:kc, key0 // P, :])
+        nisa.nc_matmul(dst=pv_ps, stationary=pt_sb[0:kc, c, :], moving=v_sb[0:kc, key0 // P, :],
+                       accumulate=i > 0)
     st["blocks"], st["pv"] = None, pv_ps
 
 
