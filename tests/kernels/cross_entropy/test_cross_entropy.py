@@ -1,0 +1,139 @@
+"""Fused linear cross-entropy kernels: fp64-oracle parity of the loss, the log-sum-exp and both gradients
+(fp32 and bf16; odd T, H and V, partial tiles, ignored tokens, mean and sum), agreement with the torch
+reference, LNC=2 bit-identical to one program, no [T, V] tensor in HBM, constraints. Slow tier: a
+Qwen3 vocabulary.
+
+The oracle is ``torch.nn.functional.cross_entropy(hidden @ weight.T, labels)`` with autograd, run at the
+test dtype (torch's own result) and in float64 (tests/tolerances.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels.oracles import leaves
+from tests.tolerances import F64, check_oracle
+from trnkit.kernels.constraints import KernelConstraintError
+from trnkit.kernels.cross_entropy import (
+    linear_cross_entropy,
+    linear_cross_entropy_bwd,
+    linear_cross_entropy_bwd_ref,
+    linear_cross_entropy_constraints,
+    linear_cross_entropy_ref,
+)
+from trnkit.nkisim import trace
+
+DTYPES = [torch.float32, torch.bfloat16]
+IGNORE = -100
+
+
+def _inputs(T: int, H: int, V: int, dtype: torch.dtype, seed: int = 0, n_ignored: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) / H ** 0.5 * 2).to(dtype)
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[torch.randperm(T, generator=g)[:min(n_ignored, T - 1)]] = IGNORE
+    return h, w, labels
+
+
+def _torch_ce(h, w, labels, dt, reduction):
+    """``F.cross_entropy(h @ w.T)`` at dtype ``dt`` (fp64: the oracle), with its gradients."""
+    hl, wl = leaves([h, w], dt)
+    loss = F.cross_entropy(hl @ wl.T, labels, ignore_index=IGNORE, reduction=reduction)
+    grads = torch.autograd.grad(loss, (hl, wl))
+    return loss.detach(), grads
+
+
+def ce_case(T: int, H: int, V: int, dtype: torch.dtype, reduction: str = "mean", lnc: int = 1, seed: int = 0,
+            n_ignored: int = 1) -> None:
+    h, w, labels = _inputs(T, H, V, dtype, seed, n_ignored)
+    loss, lse = linear_cross_entropy(h, w, labels, IGNORE, reduction, lnc=lnc)
+    base_loss, base_g = _torch_ce(h, w, labels, dtype, reduction)
+    orc_loss, orc_g = _torch_ce(h, w, labels, F64, reduction)
+    check_oracle("lce loss", loss.reshape(1), base_loss.reshape(1), orc_loss.reshape(1))
+    check_oracle("lce lse", lse, torch.logsumexp(h.float() @ w.float().T, -1),
+                 torch.logsumexp(h.to(F64) @ w.to(F64).T, -1))
+    gh, gw = linear_cross_entropy_bwd(h, w, labels, lse, 1.0, IGNORE, reduction, lnc=lnc)
+    assert gh.dtype == h.dtype and gw.dtype == w.dtype and gh.shape == h.shape and gw.shape == w.shape
+    check_oracle("lce grad_hidden", gh, base_g[0], orc_g[0])
+    check_oracle("lce grad_weight", gw, base_g[1], orc_g[1])
+
+
+FAST = [(1, 8, 5), (5, 16, 40), (130, 200, 700), (64, 96, 515), (200, 130, 1030)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", FAST)
+def test_oracle_fast(shape, dtype):
+    ce_case(*shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sum_reduction_and_many_ignored(dtype):
+    ce_case(150, 64, 300, dtype, reduction="sum", n_ignored=40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_the_reference_and_its_rounding(dtype):
+    h, w, labels = _inputs(130, 72, 600, dtype, seed=3, n_ignored=5)
+    loss, lse = linear_cross_entropy(h, w, labels, IGNORE)
+    rloss, rlse = linear_cross_entropy_ref(h, w, labels, IGNORE)
+    torch.testing.assert_close(loss, rloss, rtol=2e-6, atol=0)
+    torch.testing.assert_close(lse, rlse, rtol=2e-6, atol=2e-6)
+    gh, gw = linear_cross_entropy_bwd(h, w, labels, lse, 0.5, IGNORE)
+    rgh, rgw = linear_cross_entropy_bwd_ref(h, w, labels, rlse, 0.5, IGNORE)
+    # the same rounding points (dl rounded to the operands' dtype); fp32 sums in another order
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(gh.float(), rgh.float(), rtol=tol, atol=tol * float(rgh.abs().max()))
+    torch.testing.assert_close(gw.float(), rgw.float(), rtol=tol, atol=tol * float(rgw.abs().max()))
+    # ignored tokens get no gradient
+    assert torch.all(gh[labels == IGNORE] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T, V", [(300, 700), (129, 260), (1, 9)])
+def test_lnc2_bit_identical_to_one_program(T, V, dtype):
+    h, w, labels = _inputs(T, 48, V, dtype, seed=5)
+    one = linear_cross_entropy(h, w, labels, lnc=1)
+    two = linear_cross_entropy(h, w, labels, lnc=2)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    g1 = linear_cross_entropy_bwd(h, w, labels, one[1], lnc=1)
+    g2 = linear_cross_entropy_bwd(h, w, labels, one[1], lnc=2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_no_logits_tensor_in_hbm():
+    T, H, V = 256, 64, 1100
+    h, w, labels = _inputs(T, H, V, torch.bfloat16)
+    with trace.record() as tr:
+        _, lse = linear_cross_entropy(h, w, labels)
+        linear_cross_entropy_bwd(h, w, labels, lse)
+    hbm = {op.nbytes for i in tr for op in i.operands if op.buffer in ("hbm", "shared_hbm", "private_hbm")}
+    # the largest HBM operand any instruction touches is a parameter or gradient, never T x V
+    assert max(hbm) < T * V * 2 and (T * V * 4) not in hbm
+    psum_tiles = {op.shape for i in tr if i.op == "nc_matmul" for op in i.operands if op.role == "dst"}
+    assert all(s[0] <= 128 and s[-1] <= 512 for s in psum_tiles)
+
+
+def test_labels_out_of_range_and_constraints():
+    h, w, labels = _inputs(4, 8, 10, torch.float32)
+    labels[2] = 10
+    with pytest.raises(KernelConstraintError, match=r"linear_cross_entropy: constraint '0 <= label < V = 10 or "
+                                                    r"label == ignore_index \(-100\)' violated \(got 10\)"):
+        linear_cross_entropy(h, w, labels)
+    rules = [v.constraint for v in linear_cross_entropy_constraints(torch.empty(4, 2561), torch.empty(9, 2561),
+                                                              torch.empty(4, dtype=torch.long))]
+    assert rules == ["H <= 2560"]
+    bad = linear_cross_entropy_constraints(torch.empty(4, 8), torch.empty(9, 8, dtype=torch.bfloat16),
+                                           torch.empty(4), reduction="max")
+    assert [v.constraint for v in bad] == ["weight.dtype == hidden.dtype", "labels is an integer tensor",
+                                     "reduction in ('mean', 'sum')"]
+    with pytest.raises(KernelConstraintError, match="lse is"):
+        linear_cross_entropy_bwd(h, w, torch.zeros(4, dtype=torch.long), torch.zeros(3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_oracle_qwen3_vocabulary(dtype):
+    ce_case(256, 256, 151936, dtype)

@@ -1,0 +1,72 @@
+"""Fused linear cross-entropy (the lm_head and the loss in one kernel) as NKI kernels: the logits
+``[T, V]`` never exist in HBM.
+
+``linear_cross_entropy(hidden [T, H], weight [V, H], labels [T], ignore_index=-100, reduction="mean")``
+-> ``(loss [] f32, lse [T] f32)``; ``linear_cross_entropy_bwd(hidden, weight, labels, lse, grad_loss, ...)``
+-> ``(grad_hidden [T, H], grad_weight [V, H])``. ``reduction`` is ``"mean"`` (over the tokens whose label
+is not ``ignore_index``, as ``torch.nn.functional.cross_entropy``) or ``"sum"``; tied embeddings pass
+the embedding table as ``weight``. The torch references of the same signatures are in
+:mod:`trnkit.kernels.cross_entropy.cross_entropy_torch`; the design in
+:mod:`trnkit.kernels.cross_entropy.cross_entropy`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trnkit.kernels.constraints import Violation, check
+from trnkit.kernels.cross_entropy.constraints import linear_cross_entropy_constraints
+from trnkit.kernels.cross_entropy.cross_entropy import lce_bwd_kernel, lce_fwd_kernel
+from trnkit.kernels.cross_entropy.cross_entropy_torch import (
+    linear_cross_entropy_bwd_ref,
+    linear_cross_entropy_ref,
+    token_scale,
+)
+from trnkit.kernels.lnc import launch, resolve_lnc
+
+__all__ = ["lce_bwd_kernel", "lce_fwd_kernel", "linear_cross_entropy", "linear_cross_entropy_bwd",
+           "linear_cross_entropy_bwd_ref", "linear_cross_entropy_constraints", "linear_cross_entropy_ref"]
+
+
+def _labels_f32(labels: torch.Tensor, V: int, ignore_index: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(labels as fp32 with ignored tokens at -1, valid mask)``; labels outside [0, V) that are not
+    ``ignore_index`` are refused (a value check: it reads the labels)."""
+    valid = labels != ignore_index
+    out = valid & ((labels < 0) | (labels >= V))
+    if bool(out.any()):
+        first = int(labels[out][0])
+        check([Violation(name, f"0 <= label < V = {V} or label == ignore_index ({ignore_index})", first)])
+    return torch.where(valid, labels, -1).to(torch.float32), valid
+
+
+def linear_cross_entropy(hidden: Any, weight: Any, labels: Any, ignore_index: int = -100,
+                         reduction: str = "mean", lnc: int | None = None) -> tuple[Any, Any]:
+    """``(loss [] f32, lse [T] f32)``: the cross-entropy of ``hidden @ weight.T`` against ``labels`` (NKI kernel).
+
+    Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
+    """
+    check(linear_cross_entropy_constraints(hidden, weight, labels, ignore_index, reduction))
+    lab, valid = _labels_f32(labels, weight.shape[0], ignore_index, "linear_cross_entropy")
+    per_token, lse = launch(lce_fwd_kernel, resolve_lnc(lnc))(hidden.T.contiguous(), weight.T.contiguous(), lab)
+    per_token = torch.where(valid, per_token, 0.0)
+    loss = per_token.sum() / valid.sum() if reduction == "mean" else per_token.sum()
+    return loss, lse
+
+
+def linear_cross_entropy_bwd(hidden: Any, weight: Any, labels: Any, lse: Any, grad_loss: Any = 1.0,
+                             ignore_index: int = -100, reduction: str = "mean", lnc: int | None = None
+                             ) -> tuple[Any, Any]:
+    """``(grad_hidden [T, H] hidden.dtype, grad_weight [V, H] weight.dtype)`` of :func:`linear_cross_entropy`
+    given its ``lse`` and the loss gradient ``grad_loss`` (NKI kernel)."""
+    name = "linear_cross_entropy_bwd"
+    check(linear_cross_entropy_constraints(hidden, weight, labels, ignore_index, reduction, name=name))
+    if tuple(lse.shape) != (hidden.shape[0],) or lse.dtype != torch.float32:
+        check([Violation(name, "lse is [T] float32 (the forward's)", (tuple(lse.shape), str(lse.dtype)))])
+    lab, _ = _labels_f32(labels, weight.shape[0], ignore_index, name)
+    scale = token_scale(labels, ignore_index, reduction, grad_loss)
+    gh, gw = launch(lce_bwd_kernel, resolve_lnc(lnc))(hidden.T.contiguous(), hidden.contiguous(),
+                                                       weight.T.contiguous(), weight.contiguous(), lab,
+                                                       lse.contiguous(), scale)
+    return gh.to(hidden.dtype), gw.to(weight.dtype)
