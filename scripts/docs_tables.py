@@ -150,8 +150,8 @@ def conformance() -> str:
     body = [[r["kernel"].removeprefix("core/"), r["case"], r["lnc"], r["shapes"], f"**{r['result']}**",
              f"{r['max_abs_err']} / {r['allowed_err']}" if r["max_abs_err"] else "", r["seconds"],
              re.sub(r"\S*/nkilib_src/nkilib/", "", r["message"]).replace("|", "/")[:160]] for r in rows]
-    header = ["kernel (core/)", "case", "LNC", "shapes", "result", "max abs err / allowed", "interpreter s",
-              "message"]
+    header = ["kernel (core/ unless named)", "case", "LNC", "shapes", "result", "max abs err / allowed",
+              "interpreter s", "message"]
     return f"{passed} of {len(rows)} cases pass (nki-library commit {commits}).\n\n" + _table(header, body)
 
 

@@ -221,3 +221,15 @@ def test_sbuf_beyond_capacity_compiles_with_a_spill_note(fake_checkout):
     assert row.result == harness.PASS, row.message
     assert "exceed SBUF in program order: SBUF spill: 240000 bytes per partition live at the peak, " \
            "27008 more than the capacity 212992" in row.message
+
+
+def test_a_filtered_save_replaces_only_its_own_rows(fake_checkout, tmp_path):
+    import csv
+
+    first, second = _case(), _case(lnc=2)
+    path = tmp_path / "ref.csv"
+    harness.write_csv([harness.run_case(first, fake_checkout), harness.run_case(second, fake_checkout)], path)
+    rerun = harness.run_case(_case(lnc=2, reference="off_by_one_ref"), fake_checkout)
+    harness.write_csv([rerun], path, merge_order=[first, second])
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["lnc"], r["result"]) for r in rows] == [("1", "PASS"), ("2", "MISMATCH")]

@@ -20,6 +20,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .cases_conv import conv_cases
+from .cases_projection import projection_cases
 from .harness import Case
 
 __all__ = ["all_cases", "case_id", "FAST", "fast_cases"]
@@ -471,7 +473,7 @@ def _moe_cases() -> list[Case]:
 def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
-            + _topk_cases() + _cascaded_max_cases() + _moe_cases())
+            + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases())
 
 
 def case_id(case: Case) -> str:
@@ -496,6 +498,11 @@ FAST = (
     "core/topk|rotational k=256 fp32|lnc2|x[65x1,3168]",
     "core/max/cascaded_max|max fp32|lnc2|x[65,1,3168]",
     "core/moe/moe_cte|shard_on_block Swish skip=3 bias clamp|lnc2|T=1024 H=3072 E=8 B=256 k=4 I=192",
+    "experimental/conv/conv1d|conv1d fp32 stride=2 pad=2,2 dilation=2 bias GELU|lnc2|x[2,64,40] w[5,64,128]",
+    "experimental/conv/conv1d|conv1d bf16 bias SiLU|lnc2|x[1,16,20] w[3,16,32]",
+    "experimental/conv/depthwise_conv1d|depthwise bf16 stride=2 pad=5,5|lnc2|img[1,256,1,512] k=64",
+    "core/output_projection/tkg|bf16 bias TRANSPOSE_OUT|lnc2|B=4 heads=8 S=4 d=64 H=3072",
+    "core/output_projection/tkg|bf16 bias TRANSPOSE_OUT (must reject)|lnc2|B=4 heads=10 S=8 d=128 H=602",
 )
 
 

@@ -393,11 +393,25 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join([format_row(r) for r in rows] + [f"{len(rows)} cases: {summary}"])
 
 
-def write_csv(rows: Sequence[Row], path: str | os.PathLike) -> None:
+def _row_key(r: dict[str, Any]) -> tuple[str, str, str, str]:
+    return (r["kernel"], r["case"], str(r["lnc"]), r["shapes"])
+
+
+def write_csv(rows: Sequence[Row], path: str | os.PathLike, merge_order: Sequence[Case] | None = None) -> None:
+    """Write ``rows`` as CSV. ``merge_order``: keep the file's rows of the other cases listed there
+    (a filtered run updates its own rows only) and write every row in that order."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
+    out = {_row_key(d): d for d in (r.csv_row() for r in rows)}
+    if merge_order is not None:
+        old = {}
+        if p.is_file():
+            with p.open(newline="") as f:
+                old = {_row_key(d): d for d in csv.DictReader(f)}
+        keys = [(c.kernel, c.name, str(c.lnc), c.shapes) for c in merge_order]
+        out = {k: out.get(k, old.get(k)) for k in keys if k in out or k in old}
     with p.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
-        for r in rows:
-            w.writerow(r.csv_row())
+        for d in out.values():
+            w.writerow(d)
