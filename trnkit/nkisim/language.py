@@ -8,6 +8,7 @@ aws-neuron-sdk). The ALU/activation function objects (``nl.add``, ``nl.exp``, ..
 from __future__ import annotations
 
 import builtins
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -82,13 +83,54 @@ class NKIObject:
     ``__init__(**kwargs)`` (the documented signature) sets each keyword as an attribute, so a subclass
     that only declares annotated fields is built as ``Configs(compute_dtype=nl.bfloat16, ...)``
     (nki-library core/moe/moe_cte/moe_cte_utils.py ``Configs``); class-level defaults stay visible
-    for fields not passed. Subclasses may define their own ``__init__`` or use ``@dataclass``
-    (core/attention/attention_cte.py ``SectionParams``).
+    for fields not passed. A subclass may define its own ``__init__``. A ``@dataclass`` subclass keeps
+    this constructor too (dataclasses never replace an ``__init__`` the class already has, and
+    :meth:`__init_subclass__` gives it one), as AWS's tested kernels need: they build dataclass
+    configs without a field that has no default and pass un-annotated attributes as keywords
+    (mlp_tkg, moe_tkg, moe_block_tkg, attention_cte). Positional arguments fill the dataclass fields in
+    order, fields not passed get their default or ``default_factory()``, ``__post_init__`` runs, and
+    a field with no default that was not passed stays unset (reading it raises ``AttributeError``).
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        for key, value in kwargs.items():
-            setattr(self, key, value)
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        inherited = next(k for k in cls.__mro__[1:] if "__init__" in k.__dict__)
+        if "__init__" not in cls.__dict__ and inherited.__dict__["__init__"] is _nki_object_init:
+            cls.__init__ = _nki_object_init  # (before @dataclass runs, which then keeps it)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _nki_object_init(self, *args, **kwargs)
+
+
+def _nki_object_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    fields = {f.name: f for f in dataclasses.fields(self)} if dataclasses.is_dataclass(self) else None
+    if fields is None:
+        if args:
+            raise TypeError(f"{type(self).__name__}() takes keyword arguments only (nl.NKIObject)")
+    else:
+        names = [n for n, f in fields.items() if f.init]
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__}() takes at most {len(names)} positional arguments "
+                            f"({len(args)} given)")
+        for name, value in zip(names, args):
+            if name in kwargs:
+                raise TypeError(f"{type(self).__name__}() got multiple values for argument {name!r}")
+            kwargs[name] = value
+        for name, f in fields.items():
+            if name in kwargs:
+                continue
+            if f.default_factory is not dataclasses.MISSING:
+                kwargs[name] = f.default_factory()
+            elif f.default is not dataclasses.MISSING:
+                kwargs[name] = f.default
+    for key, value in kwargs.items():
+        object.__setattr__(self, key, value)  # (frozen dataclasses too)
+    post_init = getattr(self, "__post_init__", None)
+    if fields is not None and post_init is not None:
+        post_init()
+
+
+NKIObject.__init__ = _nki_object_init  # the marker __init_subclass__ looks for
 
 
 class _TileSize:

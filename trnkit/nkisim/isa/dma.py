@@ -95,6 +95,7 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
              engine: engine = engine.unknown, name: str | None = None) -> None:
     """Copy ``src`` into ``dst`` with DMA engines (see module doc for the rules)."""
     op = "dma_copy"
+    dge_mode = _dge_mode(op, dge_mode)
     common.check_tensor(op, "dst", dst)
     common.check_tensor(op, "src", src)
     _check_endpoints(op, dst, src)
@@ -157,12 +158,14 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
     <= 128``. ``hwdge`` (the hardware-DGE lowering) further needs 16 source rows, 128 columns and a
     2-byte dtype (see :func:`_hwdge_violation`). ``unknown`` lets the compiler pick the lowering, and
     the docs describe no other direct one, so trnkit accepts there a src that meets the hwdge rules or
-    the plain 2-D form AWS's kernels use with ``unknown`` (``[A, F]``, ``[A, 1, F]`` or
-    ``[A, 1, 1, F]``, any dtype: nki-library ``experimental/collectives/fgcc.py``, ``topk_reduce.py``)
-    and rejects the rest as not known to compile. dst must have the permuted shape and src's dtype;
+    the forms AWS's tested kernels use with ``unknown`` (``[A, F]``, ``[A, 1, F]`` or
+    ``[A, 1, B, F]``, any dtype: nki-library ``experimental/collectives/fgcc.py``, ``topk_reduce.py``,
+    ``core/qkv/qkv_cte.py``, ``core/attention/attention_cte.py``) and rejects the rest as not known
+    to compile. dst must have the permuted shape and src's dtype;
     no conversion. The indirect (``vector_offset``, software-DGE) transpose is not modelled.
     """
     op = "dma_transpose"
+    dge_mode = _dge_mode(op, dge_mode)
     common.check_tensor(op, "dst", dst)
     common.check_tensor(op, "src", src)
     _check_endpoints(op, dst, src)
@@ -226,11 +229,26 @@ def _check_transpose_shape(op: str, src: NkiTensor, hwdge: bool) -> None:
     why = _hwdge_violation(src)
     if hwdge and why is not None:
         fail(op, "dge_mode=hwdge: {why} (src shape {shape})", why=why, shape=shape)
-    plain = len(shape) == 2 or all(d == 1 for d in shape[1:-1])
+    # the forms AWS's tested kernels compile with the default DGE mode: [A, F], [A, 1, F] and
+    # [A, 1, B, F] (nki-library core/qkv/qkv_cte.py loads [s, 1, H/128, 128] tiles of the input,
+    # core/attention/attention_cte.py [s, 1, 1, d]; test_qkv_cte.py / test_attention_cte.py run on trn2)
+    plain = len(shape) == 2 or shape[1] == 1
     if why is not None and not plain:
         fail(op, "dge_mode=unknown: src shape {shape} meets neither the hardware-DGE rules ({why}) nor "
-             "the plain transpose form [A, F] / [A, 1, F] / [A, 1, 1, F] (no other direct lowering is "
-             "documented)", shape=shape, why=why)
+             "a form AWS's tested kernels use ([A, F], [A, 1, F], [A, 1, B, F]; no other direct "
+             "lowering is documented)", shape=shape, why=why)
+
+
+def _dge_mode(op: str, value: object) -> dge_mode:
+    """``dge_mode`` as the enum; its raw value is accepted too (nki-library passes ``dge_mode=3``,
+    ``_DGE_MODE_NONE = 3  # Use STATIC DMA mode``, in norm_tkg_utils.py, qkv_tkg.py, mlp_tkg)."""
+    if isinstance(value, common.dge_mode):
+        return value
+    try:
+        return common.dge_mode(value)
+    except ValueError:
+        fail(op, "dge_mode must be one of {valid}, got {value!r}", value=value,
+             valid=", ".join(f"{m.name} ({m.value})" for m in common.dge_mode))
 
 
 def _write(dst: NkiTensor, vals: np.ndarray) -> None:

@@ -1,0 +1,51 @@
+"""DMA forms AWS's tested kernels use (nki-library d2ad3a5), and their invalid neighbours."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from trnkit.nkisim import isa as nisa
+from trnkit.nkisim import language as nl
+from trnkit.nkisim import trace
+from trnkit.nkisim.errors import NkiValidationError
+from trnkit.nkisim.tensor import from_array
+
+RNG = np.random.default_rng(11)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float32])
+def test_4d_transpose_a_1_b_f_with_the_default_dge_mode(dtype):
+    """qkv_cte's input load: x[s, H] viewed as [s, 1, H/128, 128] and transposed to
+    [128, 1, H/128, s] (``.ap`` on HBM and SBUF, default dge_mode)."""
+    s, h = 96, 3 * 128
+    x = RNG.standard_normal((s, h)).astype(dtype)
+    src = from_array(x, nl.hbm, "x").ap(pattern=[[h, s], [1, 1], [128, 3], [1, 128]], offset=0)
+    dst = nl.ndarray((128, 3 * s), dtype, buffer=nl.sbuf, name="xT")
+    nisa.dma_transpose(dst=dst.ap(pattern=[[3 * s, 128], [1, 1], [s, 3], [1, s]], offset=0), src=src)
+    for j in range(3):  # dst[c, j*s + r] = x[r, j*128 + c]
+        np.testing.assert_array_equal(dst.np()[:, j * s:(j + 1) * s], x[:, j * 128:(j + 1) * 128].T)
+
+
+def test_a_transpose_with_a_non_unit_second_dim_is_still_refused():
+    src = from_array(np.zeros((128, 2, 3, 128), BF16), nl.hbm, "x")
+    with pytest.raises(NkiValidationError, match=r"dma_transpose: dge_mode=unknown: src shape \(128, 2, 3, 128\) "
+                       r"meets neither the hardware-DGE rules .* nor a form AWS's tested kernels use"):
+        nisa.dma_transpose(dst=nl.ndarray((128, 2, 3, 128), BF16, buffer=nl.sbuf), src=src)
+
+
+def test_dge_mode_given_as_its_raw_value():
+    """norm_tkg_utils.py / qkv_tkg.py / mlp_tkg: ``_DGE_MODE_NONE = 3`` passed as dge_mode."""
+    x = RNG.standard_normal((4, 8)).astype(np.float32)
+    dst = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+    with trace.record() as tr:
+        nisa.dma_copy(dst=dst, src=from_array(x, nl.hbm, "x"), dge_mode=3)
+    np.testing.assert_array_equal(dst.np(), x)
+    assert tr.instrs[0].attrs["dge_mode"] == "none"
+    with pytest.raises(NkiValidationError, match=r"dge_mode=hwdge needs equal dtypes"):  # 2 is hwdge
+        nisa.dma_copy(dst=nl.ndarray((4, 8), BF16, buffer=nl.sbuf), src=from_array(x, nl.hbm, "x"), dge_mode=2)
+    with pytest.raises(NkiValidationError, match=r"dma_copy: dge_mode must be one of unknown \(0\), swdge \(1\), "
+                       r"hwdge \(2\), none \(3\), got 7"):
+        nisa.dma_copy(dst=dst, src=from_array(x, nl.hbm, "x"), dge_mode=7)
