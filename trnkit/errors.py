@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import traceback
 
-__all__ = ["ConfigError", "TrnkitError", "raised_at"]
+__all__ = ["ConfigError", "DiskWriteError", "TrnkitError", "raised_at"]
 
 
 class TrnkitError(Exception):
@@ -22,6 +22,11 @@ class TrnkitError(Exception):
 
 class ConfigError(TrnkitError, ValueError):
     """A bad configuration value (trainer config, model config, override names, plugins)."""
+
+
+class DiskWriteError(TrnkitError, RuntimeError):
+    """A run's file (checkpoint, HF export, metrics) could not be written (disk full, folder gone); the
+    message names what was kept."""
 
 
 def raised_at(e: BaseException) -> str:

@@ -86,7 +86,7 @@ def test_resume_with_other_data_settings_changes_nothing(tmp_path: Path, trained
                                                         corpus_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _copy_run(trained[0], tmp_path / "run")
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=6, training={"seq_len": 16})
+    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3, training={"seq_len": 16})
     code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     _assert_user_error(code, err, "data: checkpoint was written for seq_len 32")
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # config.toml included
@@ -96,7 +96,8 @@ def test_resume_with_a_resumable_change_continues(tmp_path: Path, trained, tiny_
                                                   corpus_dir: Path) -> None:
     # the aux-loss coefficient is a training setting, not a different model
     run_dir = _copy_run(trained[0], tmp_path / "run")
-    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4, training={"moe_aux_loss_coef": 0.01}))
+    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4, training={"moe_aux_loss_coef": 0.01},
+                        checkpoint={"reschedule": True}))
     assert res.start_step == 3 and sorted(res.losses) == [4]
 
 
@@ -107,7 +108,7 @@ def test_pruning_keeps_other_models_checkpoints(tmp_path: Path, trained, tiny_to
     m = json.loads(foreign.read_text())
     m["identity"]["fingerprint"] = "another-model"
     foreign.write_text(json.dumps(m))
-    run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=5, keep=2))
+    run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=5, keep=2, checkpoint={"reschedule": True}))
     # this model's 2, 3, 4, 5 -> the newest two; the other model's step-1 is never deleted
     assert [s for s, _ in list_checkpoints(str(run_dir / "checkpoint"))] == [1, 4, 5]
 
@@ -141,9 +142,10 @@ def _truncate(d: Path) -> str:
     return f"{f} is truncated"
 
 
-def _corrupt_metadata(d: Path) -> str:
-    (d / ".metadata").write_bytes(b"\x80\x04garbage")
-    return f"{d / '.metadata'} is unreadable"
+def _corrupt_metadata(d: Path) -> str:  # same size: only the CRC tells, before anything is unpickled
+    f = d / ".metadata"
+    f.write_bytes(b"\x80\x04garbage".ljust(f.stat().st_size, b"."))
+    return f"{f} is corrupt (CRC-32"
 
 
 def _flip_byte(d: Path) -> str:

@@ -41,7 +41,8 @@ def test_resume_after_sigkill_reproduces_losses_exactly(tmp_path: Path, tiny_tok
     ckpt24 = tmp_path / "ref" / "checkpoint" / f"step-{STEPS}"
     assert (f"nothing to train: checkpoint {ckpt24} is at step {STEPS} and training.steps = {STEPS}"
             in again.stdout), again.stdout
-    assert "--training.steps N with N > 24" in again.stdout
+    assert "--training.steps N with N > 24 and --checkpoint.reschedule true (the learning rate then follows the " \
+           "schedule of N steps from step 25 on)" in again.stdout
     assert ("to start fresh:   use another --job.dump_folder, or --checkpoint.resume false (trains from step 1; "
             f"this run's files are first moved to {tmp_path / 'ref'}/previous-<time>/)") in again.stdout
     assert "step: " not in again.stdout

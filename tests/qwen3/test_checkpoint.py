@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -289,6 +290,24 @@ class _ReadTracker:
             held = sum(id(s) in reachable for s in alive)
         self.reads.append(self._weakref.ref(t.untyped_storage()))
         self.held_peak = max(self.held_peak, held + 1)
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "symlink"])
+def test_index_paths_must_stay_inside_the_folder(saved, tmp_path_factory, where: str) -> None:
+    """A shard named by the index that resolves outside the checkpoint folder is refused, not read."""
+    outside = tmp_path_factory.mktemp("outside")
+    os.replace(saved / "model.safetensors", outside / "x.safetensors")
+    name = {"parent": os.path.relpath(outside / "x.safetensors", saved), "absolute": str(outside / "x.safetensors"),
+            "symlink": "link.safetensors"}[where]
+    if where == "symlink":
+        (saved / "link.safetensors").symlink_to(outside / "x.safetensors")
+    keys = list(load_file(outside / "x.safetensors"))
+    json.dump({"weight_map": {k: name for k in keys}}, open(saved / "model.safetensors.index.json", "w"))
+    rule = ("a shard must be a file name relative to the checkpoint folder" if where == "absolute" else
+            f"which resolves to {outside / 'x.safetensors'}, outside the checkpoint folder")
+    with pytest.raises(CheckpointError, match=re.escape(f"maps {keys[0]} to {name!r}")) as e:
+        load_hf_checkpoint(saved)
+    assert rule in str(e.value)
 
 
 def test_load_reads_one_tensor_at_a_time(tmp_path, monkeypatch) -> None:

@@ -8,11 +8,14 @@ a tied weight is stored once), lr scheduler, data-loader position, step, every r
 
 A checkpoint knows its run: the manifest holds the resolved model config and a fingerprint of the
 parameter names and shapes (:class:`RunIdentity`), plus the size (and, up to ``CHECKSUM_MAX_BYTES``,
-the CRC-32) of every file. Resuming picks the newest checkpoint that verifies (:func:`find_resumable`:
-manifest and DCP metadata readable, every file present with its recorded size and checksum), warns
-about and skips broken ones, and refuses a checkpoint of another model before anything is written.
-Pruning (``keep_latest_k``) runs only after the new checkpoint is complete and only ever deletes
-checkpoints with the same fingerprint.
+the CRC-32) of every file (``.metadata`` always with its CRC). Resuming picks the newest checkpoint that
+verifies (:func:`find_resumable`): the manifest is checked first and every file it lists must have its
+recorded size and checksum before DCP's ``.metadata`` is unpickled, and that only through the restricted
+unpickler of :mod:`trnkit.harness.dcp_safe` (a checkpoint without a valid manifest is refused unless
+``checkpoint.trust_unverified``); broken ones are warned about and skipped, and a checkpoint of another
+model is refused before anything is written. Pruning (``keep_latest_k``) runs only after the new
+checkpoint is complete, only ever deletes checkpoints with the same fingerprint and never follows a
+symbolic link.
 
 A save has two halves: ``state(step)`` written by DCP into ``tmp_path(step)``, then ``commit(step)`` on
 every rank. :meth:`Checkpointer.save` does both at once; with ``checkpoint.async_mode = "async"``,
@@ -46,7 +49,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from trnkit.errors import ConfigError, TrnkitError
+from trnkit.errors import ConfigError, DiskWriteError, TrnkitError
+from trnkit.harness.dcp_safe import METADATA, SafeLoadPlanner, SafeReader, UnsafeCheckpointError, read_metadata
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "trnkit.json"
@@ -62,7 +66,7 @@ RESUMABLE_FIELDS = frozenset({
 })
 
 
-class CheckpointSaveError(TrnkitError, RuntimeError):
+class CheckpointSaveError(DiskWriteError):
     """A checkpoint could not be written (disk full, folder gone); the previous one is intact."""
 
 
@@ -77,6 +81,22 @@ def root_error(err: BaseException) -> BaseException:
     if failures:
         return failures[min(failures)][0]
     return err
+
+
+def write_failed(what: str, folder: str, err: BaseException, need: str, kept: str,
+                 cls: type[DiskWriteError] = DiskWriteError) -> DiskWriteError:
+    """The message of every failed write of a run (checkpoint, HF export, metrics): what failed and why,
+    the bytes needed (`need`, e.g. "a checkpoint needs ~1.2 GiB", or "") and free, what was kept
+    (`kept`), and the way out."""
+    try:
+        free = human_bytes(shutil.disk_usage(folder).free)
+    except OSError:
+        free = "unknown"
+    err = root_error(err)
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    space = f"{need[0].upper()}{need[1:]}; the disk has {free} free" if need else f"The disk has {free} free"
+    return cls(f"{what} failed ({type(err).__name__}: {first[:300]}). {space}. {kept}; the run stopped. "
+               "Free some space (or point job.dump_folder elsewhere) and rerun to resume.")
 
 
 def human_bytes(n: float) -> str:
@@ -135,7 +155,7 @@ def list_checkpoints(folder: str) -> list[tuple[int, str]]:
     out = []
     for name in os.listdir(folder):
         m = _STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(folder, name, ".metadata")):
+        if m and os.path.isfile(os.path.join(folder, name, METADATA)):
             out.append((int(m.group(1)), os.path.join(folder, name)))
     return sorted(out)
 
@@ -146,7 +166,7 @@ def latest_checkpoint(folder: str) -> tuple[int, str] | None:
 
 
 def read_manifest(path: str) -> dict[str, Any] | None:
-    """The checkpoint's manifest, or None for a checkpoint written before manifests existed."""
+    """The checkpoint's manifest, or None when the checkpoint has none."""
     f = os.path.join(path, MANIFEST)
     if not os.path.exists(f):
         return None
@@ -168,45 +188,89 @@ def _data_files(path: str) -> dict[str, int]:
 
 def file_records(path: str) -> dict[str, dict[str, Any]]:
     """The manifest's record of every file of a written checkpoint: size, and CRC-32 when the whole
-    checkpoint is at most CHECKSUM_MAX_BYTES."""
+    checkpoint is at most CHECKSUM_MAX_BYTES (``.metadata``, which is unpickled, always has one)."""
     files = _data_files(path)
     checksum = sum(files.values()) <= CHECKSUM_MAX_BYTES
-    return {n: {"size": s, **({"crc32": _crc32(os.path.join(path, n))} if checksum else {})}
+    return {n: {"size": s, **({"crc32": _crc32(os.path.join(path, n))} if checksum or n == METADATA else {})}
             for n, s in files.items()}
 
 
-def verify_checkpoint(path: str) -> str | None:
+def _is_plain_name(name: Any) -> bool:
+    """A file name that stays inside its folder: no separator, not '.', '..' or absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and not os.path.isabs(name))
+
+
+def _manifest_problem(path: str, manifest: Any) -> str | None:
+    """Why a parsed manifest cannot vouch for the checkpoint's files (None: it can)."""
+    f = os.path.join(path, MANIFEST)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f"{f} lists no files, so nothing can be verified"
+    for name, rec in files.items():
+        if not _is_plain_name(name):
+            return f"{f} lists the file {name!r}, which is outside the checkpoint folder"
+        if not (isinstance(rec, dict) and isinstance(rec.get("size"), int) and not isinstance(rec["size"], bool)):
+            return f"{f} has no size for {name!r}"
+    if not isinstance(files.get(METADATA, {}).get("crc32"), str):
+        return f"{f} has no CRC-32 for {METADATA}"
+    return None
+
+
+def _check_files(path: str, files: dict[str, dict[str, Any]]) -> str | None:
+    for name, rec in sorted(files.items()):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            return f"{f} is missing"
+        size = os.path.getsize(f)
+        if size < rec["size"]:
+            return f"{f} is truncated ({size} bytes, {rec['size']} were written)"
+        if size > rec["size"]:
+            return f"{f} has {size} bytes, {rec['size']} were written"
+        if rec.get("crc32") and _crc32(f) != rec["crc32"]:
+            return f"{f} is corrupt (CRC-32 {_crc32(f)}, {rec['crc32']} was written)"
+    return None
+
+
+def verify_checkpoint(path: str, trust_unverified: bool = False) -> str | None:
     """None if the checkpoint at `path` looks loadable, else why not (naming the file).
 
-    Checks: the manifest parses; DCP's ``.metadata`` unpickles; every file DCP refers to exists and is
-    long enough for the byte ranges it records; every file in the manifest has its recorded size and
-    (when recorded) CRC-32.
+    Integrity before parsing: the manifest (JSON) must list every file with its size and CRC-32
+    (``.metadata`` included); those are checked before DCP's ``.metadata`` is unpickled (with the
+    restricted unpickler of :mod:`trnkit.harness.dcp_safe`). Then every file the metadata refers to must
+    be a plain name inside the folder, exist and be long enough for the byte ranges it records.
+    ``trust_unverified``: a checkpoint without a (valid) manifest is accepted on the metadata checks alone.
     """
     try:
         manifest = read_manifest(path)
     except (OSError, ValueError) as e:
-        return f"{os.path.join(path, MANIFEST)} is unreadable ({type(e).__name__}: {e})"
+        manifest, problem = None, f"{os.path.join(path, MANIFEST)} is unreadable ({type(e).__name__}: {e})"
+    else:
+        problem = (f"it has no manifest {MANIFEST}, so its files cannot be verified" if manifest is None
+                   else _manifest_problem(path, manifest))
+    if problem is not None and not trust_unverified:
+        return problem + " (--checkpoint.trust_unverified true loads it unverified)"
+    listed = manifest["files"] if problem is None else {}
+    why = _check_files(path, listed)
+    if why is not None:
+        return why
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = read_metadata(path)
         ends: dict[str, int] = {}
         for info in (metadata.storage_data or {}).values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except UnsafeCheckpointError as e:
+        return str(e).removeprefix("checkpoint: ")
     except Exception as e:  # noqa: BLE001 - a corrupt pickle can raise almost anything
-        return f"{os.path.join(path, '.metadata')} is unreadable ({type(e).__name__}: {e})"
+        return f"{os.path.join(path, METADATA)} is unreadable ({type(e).__name__}: {e})"
     for name, end in sorted(ends.items()):
-        f = os.path.join(path, name)
+        f = os.path.join(path, str(name))
+        if not _is_plain_name(name) or (listed and name not in listed):
+            return f"{os.path.join(path, METADATA)} refers to {name!r}, which is not a file of this checkpoint"
         if not os.path.isfile(f):
             return f"{f} is missing"
         if os.path.getsize(f) < end:
             return f"{f} is truncated ({os.path.getsize(f)} bytes, the metadata needs {end})"
-    for name, rec in sorted((manifest or {}).get("files", {}).items()):
-        f = os.path.join(path, name)
-        if not os.path.isfile(f):
-            return f"{f} is missing"
-        if os.path.getsize(f) != rec["size"]:
-            return f"{f} has {os.path.getsize(f)} bytes, {rec['size']} were written"
-        if rec.get("crc32") and _crc32(f) != rec["crc32"]:
-            return f"{f} is corrupt (CRC-32 {_crc32(f)}, {rec['crc32']} was written)"
     return None
 
 
@@ -217,24 +281,27 @@ def mismatch_message(folder: str, path: str, diffs: list[str]) -> str:
               "to resume the old run, use its model settings (see its config.toml).")
 
 
-def find_resumable(folder: str, identity: RunIdentity | None,
-                   warn: Callable[[str], None] = print) -> tuple[int, str] | None:
+def find_resumable(folder: str, identity: RunIdentity | None, warn: Callable[[str], None] = print,
+                   trust_unverified: bool = False) -> tuple[int, str] | None:
     """The newest checkpoint in `folder` that verifies and belongs to this model, or None if there is none.
 
-    A broken checkpoint is reported through `warn` and skipped for the next older one; a checkpoint of
-    another model raises :class:`ConfigError` naming the differing fields; if checkpoints exist but
-    none verifies, :class:`ConfigError` lists them all.
+    A broken (or unverifiable) checkpoint is reported through `warn` and skipped for the next older one;
+    a checkpoint of another model raises :class:`ConfigError` naming the differing fields; if checkpoints
+    exist but none verifies, :class:`ConfigError` lists them all.
     """
     problems = []
     for step, path in reversed(list_checkpoints(folder)):
-        why = verify_checkpoint(path)
+        why = verify_checkpoint(path, trust_unverified)
         if why is not None:
             warn(f"WARNING: checkpoint {path} is not usable: {why}; trying the next older checkpoint")
             problems.append(f"step-{step}: {why}")
             continue
-        manifest = read_manifest(path)
-        if identity is not None and manifest is not None:
-            diffs = identity.differences(manifest.get("identity", {}))
+        try:
+            manifest = read_manifest(path)
+        except (OSError, ValueError):  # trusted unverified
+            manifest = None
+        if identity is not None and isinstance(manifest, dict):
+            diffs = identity.differences(manifest.get("identity") or {})
             if diffs:
                 raise ConfigError(mismatch_message(folder, path, diffs))
         return step, path
@@ -308,11 +375,13 @@ class _InFlight:
 class Checkpointer:
     def __init__(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  loader: Any, rank: int, world_size: int, keep_latest_k: int = 2, expert_tp_layout: int = 1,
-                 identity: RunIdentity | None = None, log: Callable[[str], None] | None = None) -> None:
+                 identity: RunIdentity | None = None, log: Callable[[str], None] | None = None,
+                 schedule: dict[str, Any] | None = None) -> None:
         self.folder, self.model, self.optimizer, self.scheduler, self.loader = folder, model, optimizer, scheduler, loader
         self.rank, self.world_size, self.keep_latest_k = rank, world_size, keep_latest_k
         self.expert_tp_layout = expert_tp_layout  # experts' w_gate_up column layout (tp_experts.py)
         self.identity = identity
+        self.schedule = schedule  # the learning-rate schedule's settings, recorded in the manifest
         self.log = log or (lambda msg: print(f"[trnkit] {msg}", flush=True) if rank == 0 else None)
         self._aliases: dict[str, str] = {}
         self._in_flight: _InFlight | None = None
@@ -372,7 +441,9 @@ class Checkpointer:
     def _clear_tmp(self, step: int) -> str:
         tmp = self.tmp_path(step)
         os.makedirs(self.folder, exist_ok=True)
-        if self.rank == 0 and os.path.exists(tmp):
+        if self.rank == 0 and os.path.islink(tmp):
+            os.remove(tmp)  # a link is removed, never followed
+        elif self.rank == 0 and os.path.exists(tmp):
             shutil.rmtree(tmp)  # left by a run killed mid-save
         _barrier()
         return tmp
@@ -453,23 +524,15 @@ class Checkpointer:
         return pending.step, self.commit(pending.step, pending.t0, files, waiting=(pending.blocked_s, t_wait))
 
     def _save_failed(self, step: int, err: BaseException, background: bool = False) -> None:
-        tmp = self.tmp_path(step)
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            free = human_bytes(shutil.disk_usage(self.folder).free)
-        except OSError:
-            free = "unknown"
+            shutil.rmtree(self.tmp_path(step), ignore_errors=True)
         prev = latest_checkpoint(self.folder)
         kept = f"the previous checkpoint {prev[1]} is intact" if prev else "no earlier checkpoint exists"
-        err = root_error(err)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointSaveError(
-            f"checkpoint: saving step-{step} {'in the background ' if background else ''}to {self.folder} failed "
-            f"({type(err).__name__}: {first[:300]}). "
-            f"A checkpoint needs ~{human_bytes(self.expected_bytes())}; the disk has {free} free. "
-            f"The partial step-{step}.tmp was removed and {kept}; the run stopped. Free some space (or point "
-            "job.dump_folder elsewhere) and rerun to resume.") from err
+        where = "in the background " if background else ""
+        raise write_failed(f"checkpoint: saving step-{step} {where}to {self.folder}", self.folder, err,
+                           f"a checkpoint needs ~{human_bytes(self.expected_bytes())}",
+                           f"The partial step-{step}.tmp was removed and {kept}",
+                           CheckpointSaveError) from root_error(err)
 
     def commit(self, step: int, t0: float | None = None, files: dict[str, dict] | None = None,
                waiting: tuple[float, float] | None = None) -> str:
@@ -485,6 +548,8 @@ class Checkpointer:
             manifest = {
                 "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "identity": self.identity.to_dict() if self.identity else None,
+                "schedule": self.schedule,
+                "world_size": self.world_size,
                 "tied": self._aliases,
                 "files": files,
             }
@@ -492,7 +557,9 @@ class Checkpointer:
                 json.dump(manifest, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            if os.path.exists(final):
+            if os.path.islink(final):  # never delete through a link (it may point outside the run folder)
+                os.remove(final)
+            elif os.path.exists(final):
                 shutil.rmtree(final)
             os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
             self._prune()
@@ -510,23 +577,43 @@ class Checkpointer:
             return
         mine = []
         for step, path in list_checkpoints(self.folder):
+            if os.path.islink(path):  # pruning never follows a link (it may point outside the run folder)
+                continue
             try:
                 manifest = read_manifest(path)
             except (OSError, ValueError):
                 continue
-            if manifest and (manifest.get("identity") or {}).get("fingerprint") == self.identity.fingerprint:
+            if isinstance(manifest, dict) and (manifest.get("identity") or {}).get("fingerprint") == \
+                    self.identity.fingerprint:
                 mine.append(path)
         for path in mine[:-self.keep_latest_k]:
             shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
     def load(self, path: str) -> int:
-        """Restore everything from `path`; returns the step it was saved at."""
+        """Restore everything from `path`; returns the step it was saved at.
+
+        Another world size than the checkpoint's is resharded by DCP (model and optimizer shards, the
+        global data position); a rank the checkpoint has no RNG state for keeps its own (seeded) one.
+        """
         state = self.state(0)
+        saved_ranks = sorted(int(k.removeprefix("rng.rank")) for k in read_metadata(path).state_dict_metadata
+                             if k.startswith("rng.rank") and k.removeprefix("rng.rank").isdigit())
+        if len(saved_ranks) != self.world_size:
+            self.log(f"WARNING: checkpoint {path} was written by a world size of {len(saved_ranks)} process(es), "
+                     f"this run has world size {self.world_size}: model and optimizer state are resharded; "
+                     "the data position is global, so no sample is skipped or repeated; RNG states of ranks the "
+                     "checkpoint does not have stay as seeded (the resumed run is not bit-exact to an "
+                     "uninterrupted one)")
+        if self.rank not in saved_ranks:
+            state["rng"] = {}
         try:
-            dcp.load(state, checkpoint_id=path)
+            # the restricted reader and planner: nothing in the folder can run code (dcp_safe.py)
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
         except DCP_ERRORS as e:
             root = root_error(e)
+            if isinstance(root, UnsafeCheckpointError):
+                raise root from None
             first = (str(root).strip().splitlines() or [type(root).__name__])[0]
             raise ConfigError(f"checkpoint {path}: cannot be loaded into this run's model ({type(root).__name__}: "
                               f"{first[:400]}); resume with the model settings that wrote it, or use another "
@@ -558,6 +645,6 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
     set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-__all__ = ["CHECKSUM_MAX_BYTES", "CheckpointSaveError", "Checkpointer", "MANIFEST", "RunIdentity",
+__all__ = ["CHECKSUM_MAX_BYTES", "write_failed", "CheckpointSaveError", "Checkpointer", "MANIFEST", "RunIdentity",
            "file_records", "find_resumable", "full_model_state_dict", "human_bytes", "latest_checkpoint",
            "list_checkpoints", "load_full_model_state_dict", "on_rank0", "read_manifest", "verify_checkpoint"]

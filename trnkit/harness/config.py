@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import sys
 import types
@@ -130,6 +131,13 @@ class CheckpointConfig:
     # training goes on; the state is copied first, at most one save is in flight, and the checkpoint is
     # renamed into place (atomic, as a synchronous one) only once every rank's write has finished.
     async_mode: Literal["disabled", "async"] = "disabled"
+    # Resume from a checkpoint without a valid manifest (trnkit.json with every file's size and CRC),
+    # whose files therefore cannot be verified before they are read.
+    trust_unverified: bool = False
+    # Resume with a different LR schedule (training.steps, [lr_scheduler], optimizer.lr) than the
+    # checkpoint's: the learning rate follows the new schedule from the resumed step on. Without it
+    # such a resume is refused.
+    reschedule: bool = False
 
 
 @dataclass
@@ -219,15 +227,15 @@ def _coerce_number(key: str, tp: type, value: Any, from_cli: bool) -> int | floa
     raise ConfigError(f"config {key}: expected {kind}, got {type(value).__name__} {value!r}")
 
 
-def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
-    """Check (TOML) or parse (CLI string) `value` against the annotation `tp`."""
+def coerce(key: str, tp: Any, value: Any, from_cli: bool = False) -> Any:
+    """Check (TOML) or parse (CLI string) `value` against the annotation `tp`; a ConfigError names `key`."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         non_none = [a for a in args if a is not type(None)]
         if value is None or (from_cli and str(value).lower() in ("none", "null")):
             return None
-        return _coerce(key, non_none[0], value, from_cli)
+        return coerce(key, non_none[0], value, from_cli)
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"config {key}: must be one of {list(args)}, got {value!r}")
@@ -253,7 +261,7 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             value = json.loads(value) if value.startswith("[") else [v for v in value.split(",") if v]
         if not isinstance(value, list):
             raise ConfigError(f"config {key}: expected a list, got {type(value).__name__} {value!r}")
-        return [_coerce(f"{key}[{i}]", args[0], v, from_cli) for i, v in enumerate(value)]
+        return [coerce(f"{key}[{i}]", args[0], v, from_cli) for i, v in enumerate(value)]
     if origin is dict:
         if from_cli and isinstance(value, str):
             try:
@@ -283,7 +291,7 @@ def _set(cfg: TrainerConfig, dotted: str, value: Any, from_cli: bool) -> None:
     if name not in hints:
         names = list(hints)
         raise ConfigError(f"config: unknown key {sec}.{name}{_suggest(name, names)}; keys in [{sec}]: {names}")
-    setattr(section, name, _coerce(f"{sec}.{name}", hints[name], value, from_cli))
+    setattr(section, name, coerce(f"{sec}.{name}", hints[name], value, from_cli))
 
 
 def load_toml(path: str | os.PathLike) -> dict[str, Any]:
@@ -296,6 +304,14 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config: file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config: --config {path} is a folder; pass a TOML file (e.g. configs/debug_moe.toml)") \
+            from None
+    except OSError as e:
+        raise ConfigError(f"config: cannot read --config {path} ({type(e).__name__}: {e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config: --config {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); a config is a TOML text file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config: {path} is not valid TOML ({e})") from e
 
@@ -417,6 +433,8 @@ def _validate(cfg: TrainerConfig) -> None:
         if not cond:
             raise ConfigError(f"config {key}: {rule}, got {value!r}")
 
+    _require_finite(cfg)
+    req(0 <= cfg.job.seed <= SEED_MAX, "job.seed", f"must be in [0, 2**63 - 1] (torch and numpy seeds)", cfg.job.seed)
     spec = cfg.model.spec
     req(spec.startswith(("qwen3:", "hf:")) and len(spec.split(":", 1)[1]) > 0, "model.spec",
         "must be 'qwen3:<flavor>' or 'hf:<path>'", spec)
@@ -428,6 +446,7 @@ def _validate(cfg: TrainerConfig) -> None:
         "must be >= 0", t.moe_aux_loss_coef)
     o = cfg.optimizer
     req(o.lr > 0, "optimizer.lr", "must be > 0", o.lr)
+    req(o.eps > 0, "optimizer.eps", "must be > 0 (AdamW divides by sqrt(v) + eps)", o.eps)
     req(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optimizer.beta1/beta2", "must be in [0, 1)", (o.beta1, o.beta2))
     req(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0", o.weight_decay)
     s = cfg.lr_scheduler
@@ -465,6 +484,27 @@ def _validate(cfg: TrainerConfig) -> None:
             f"{cfg.overrides.policy!r}", cfg.overrides.ops)
 
 
+SEED_MAX = 2**63 - 1
+
+
+def _require_finite(cfg: TrainerConfig) -> None:
+    """Every float setting of the schema (``float`` and ``float | None`` fields) must be finite: a NaN
+    slips through every range check (``nan > 0`` is false but so is ``nan <= 0``) and inf is no setting."""
+    for sec in dataclasses.fields(cfg):
+        section = getattr(cfg, sec.name)
+        for name, tp in typing.get_type_hints(type(section)).items():
+            value = getattr(section, name)
+            if float in (tp, *typing.get_args(tp)) and isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"config {sec.name}.{name}: must be a finite number, got {value!r}")
+
+
+def check_log_rank(log_rank: str, world_size: int) -> None:
+    """``metrics.log_rank`` must name a rank of this run (else nothing would ever be printed)."""
+    if log_rank != "all" and int(log_rank) >= world_size:
+        raise ConfigError(f"config metrics.log_rank: must be 'all' or a rank in [0, {world_size - 1}] (world size "
+                          f"{world_size}), got {log_rank!r}")
+
+
 def resolve_parallel_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int]:
     """(dp_shard, tp) for `world_size`; raises unless the degrees multiply to the world size."""
     tp = cfg.tensor_parallel_degree
@@ -483,6 +523,7 @@ def resolve_parallel_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[i
 __all__ = [
     "CheckpointConfig", "CompileConfig", "ConfigError", "DataConfig", "JobConfig", "LRSchedulerConfig",
     "MetricsConfig", "ModelConfig", "OptimizerConfig", "OverridesConfig", "ParallelismConfig",
-    "TrainerConfig", "TrainingConfig", "ValidationConfig", "from_dict", "load_config", "load_toml", "parse_args",
+    "TrainerConfig", "TrainingConfig", "ValidationConfig", "check_log_rank", "coerce", "from_dict", "load_config",
+    "load_toml", "parse_args",
     "parse_cli_overrides", "resolve_parallel_degrees", "to_toml",
 ]

@@ -88,22 +88,69 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 
 # --------------------------------------------------------------------------- documents
-def _files(dataset: str) -> list[str]:
+DATA_EXTENSIONS = (".txt", ".md", ".jsonl", ".parquet")
+
+
+def _files(dataset: str, key: str = "data.dataset") -> list[str]:
+    """The data files of a dataset setting (`key` names it in errors), each checked to be a readable file."""
     if dataset == "shakespeare":
         return shakespeare_files()
     if os.path.isdir(dataset):
-        files = sorted(f for ext in ("txt", "md", "jsonl", "parquet")
-                       for f in glob.glob(os.path.join(dataset, "**", f"*.{ext}"), recursive=True))
+        files = _walk(dataset, key)
     elif any(c in dataset for c in "*?["):
         files = sorted(glob.glob(dataset, recursive=True))
     else:
-        files = [dataset] if os.path.isfile(dataset) else []
+        files = [dataset] if os.path.lexists(dataset) else []
     if not files:
-        raise ConfigError(f"data.dataset: no .txt/.md/.jsonl/.parquet files found for {dataset!r}")
+        raise ConfigError(f"{key}: no .txt/.md/.jsonl/.parquet files found for {dataset!r}")
+    first: dict[str, str] = {}
+    for path in files:
+        if os.path.islink(path) and not os.path.exists(path):
+            raise ConfigError(f"{key}: {path} is a dangling symbolic link (to {os.readlink(path)}); restore its "
+                              "target or remove the link")
+        if not os.path.isfile(path):
+            what = "a folder" if os.path.isdir(path) else "not a regular file"
+            raise ConfigError(f"{key}: {path} is {what}; data entries must be .txt/.md/.jsonl/.parquet files")
+        real = first.setdefault(os.path.realpath(path), path)
+        if real != path:  # e.g. a recursive glob through a link back to an enclosing folder
+            raise ConfigError(f"{key}: {path} is the file {real} again (through a symbolic link); every file would "
+                              "be read more than once: remove the link or narrow the pattern")
     return files
 
 
-def _decode(path: str, raw: bytes, line: int | None = None) -> str:
+def _walk(folder: str, key: str) -> list[str]:
+    """Data files under `folder` (links followed, hidden names skipped, as ``glob('**')``), sorted. A folder
+    reached twice (a link back to an enclosing folder, or a second way into one) is a ConfigError: its
+    files would be read again and again."""
+    files, seen = [], {}
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            cycle = os.path.commonpath([real, os.path.realpath(folder)]) == real
+            raise ConfigError(f"{key}: {root} is {seen[real]} again (a symbolic link to "
+                              f"{'an enclosing folder: a cycle' if cycle else 'a folder read already'}); its files "
+                              "would be read more than once: remove the link")
+        seen[real] = root
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files += [os.path.join(root, n) for n in names
+                  if not n.startswith(".") and os.path.splitext(n)[1].lower() in DATA_EXTENSIONS]
+    return sorted(files)
+
+
+_JSON_TYPES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list",
+               dict: "an object"}
+
+
+def _text(path: str, where: str, field: str, value: Any) -> str:
+    """A document's text from a jsonl / parquet field, which must be a string (never "None" or "[1, 2]")."""
+    if isinstance(value, str):
+        return value
+    kind = _JSON_TYPES.get(type(value), type(value).__name__)
+    raise ConfigError(f"data.text_field: {where} field {field!r} is {kind} ({str(value)[:40]}), not a string; "
+                      "every document's text must be a string")
+
+
+def _decode(path: str, raw: bytes, line: int | None = None, key: str = "data.dataset") -> str:
     """UTF-8 text, or a ConfigError naming the file (and line) and the first bad byte."""
     try:
         return raw.decode("utf-8")
@@ -111,57 +158,60 @@ def _decode(path: str, raw: bytes, line: int | None = None) -> str:
         where = f"{path}:{line}" if line is not None else path
         binary = b"\0" in raw[:8192]
         what = "a binary file, not text" if binary else f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
-        raise ConfigError(f"data.dataset: {where} is {what}; data files must be UTF-8 "
+        raise ConfigError(f"{key}: {where} is {what}; data files must be UTF-8 "
                           f"(convert it, e.g. iconv -f latin1 -t utf-8, or remove it from the dataset)") from None
 
 
-def _read_jsonl(path: str, text_field: str) -> Iterator[str]:
+def _read_jsonl(path: str, text_field: str, key: str = "data.dataset") -> Iterator[str]:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
-            line = _decode(path, raw, n)
+            line = _decode(path, raw, n, key)
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 why = f"{e.msg.removesuffix(' at')}, column {e.colno}"
-                raise ConfigError(f"data.dataset: {path}:{n} is not valid JSON ({why}); each line of a .jsonl "
+                raise ConfigError(f"{key}: {path}:{n} is not valid JSON ({why}); each line of a .jsonl "
                                   "file must be one JSON object") from None
             if not isinstance(row, dict):
-                raise ConfigError(f"data.dataset: {path}:{n} is a JSON {type(row).__name__}, not an object "
+                raise ConfigError(f"{key}: {path}:{n} is a JSON {type(row).__name__}, not an object "
                                   f"with a {text_field!r} field")
             if text_field not in row:
                 raise ConfigError(f"data.text_field: {path}:{n} has no field {text_field!r} "
                                   f"(fields: {sorted(row)})")
-            yield str(row[text_field])
+            yield _text(path, f"{path}:{n}", text_field, row[text_field])
 
 
-def read_documents(dataset: str, text_field: str = "text", max_documents: int = 0) -> list[str]:
-    """Documents in a deterministic order: one per .txt/.md file, one per jsonl line / parquet row."""
+def read_documents(dataset: str, text_field: str = "text", max_documents: int = 0,
+                   key: str = "data.dataset") -> list[str]:
+    """Documents in a deterministic order: one per .txt/.md file, one per jsonl line / parquet row.
+    `key`: the setting that named `dataset` (``data.dataset`` or ``validation.dataset``), for errors."""
     docs: list[str] = []
-    for path in _files(dataset):
+    for path in _files(dataset, key):
         ext = os.path.splitext(path)[1].lower()
         if ext in (".txt", ".md"):
             with open(path, "rb") as f:
-                docs.append(_decode(path, f.read()))
+                docs.append(_decode(path, f.read(), key=key))
         elif ext == ".jsonl":
-            docs.extend(_read_jsonl(path, text_field))
+            docs.extend(_read_jsonl(path, text_field, key))
         elif ext == ".parquet":
             try:
                 import pyarrow.parquet as pq
             except ImportError:
-                raise ConfigError(f"data.dataset: reading {path} needs pyarrow, which trnkit does not depend "
+                raise ConfigError(f"{key}: reading {path} needs pyarrow, which trnkit does not depend "
                                   "on (pip install pyarrow), or convert it to jsonl") from None
             try:
                 table = pq.read_table(path)
             except Exception as e:  # noqa: BLE001 - pyarrow raises its own error types for bad files
-                raise ConfigError(f"data.dataset: {path} is not a readable parquet file ({e})") from None
+                raise ConfigError(f"{key}: {path} is not a readable parquet file ({e})") from None
             if text_field not in table.column_names:
                 raise ConfigError(f"data.text_field: {path} has no column {text_field!r} "
                                   f"(columns: {table.column_names})")
-            docs.extend(str(x) for x in table.column(text_field).to_pylist())
+            docs.extend(_text(path, f"{path} row {i}", text_field, x)
+                        for i, x in enumerate(table.column(text_field).to_pylist()))
         else:
-            raise ConfigError(f"data.dataset: unsupported file type {ext!r} ({path}); use txt, md, jsonl or parquet")
+            raise ConfigError(f"{key}: unsupported file type {ext!r} ({path}); use txt, md, jsonl or parquet")
         if max_documents and len(docs) >= max_documents:
             return docs[:max_documents]
     return docs
@@ -274,7 +324,7 @@ def build_loaders(data_cfg: Any, val_cfg: Any, seq_len: int, local_batch_size: i
     val_stream = None
     if val_cfg is not None and val_cfg.enabled:
         if val_cfg.dataset:
-            docs = read_documents(val_cfg.dataset, data_cfg.text_field)
+            docs = read_documents(val_cfg.dataset, data_cfg.text_field, key="validation.dataset")
             val_stream = tokenize_stream(docs, tokenizer, data_cfg.add_eos)
             source = f"validation.dataset {val_cfg.dataset!r} ({len(val_stream):,} tokens)"
             fix = "use more validation data"

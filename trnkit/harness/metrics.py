@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from trnkit.errors import ConfigError
 from trnkit.harness.logs import LOGGER
 
 # Dense BF16 peak per device as torchtitan's get_peak_flops counts it (PR #2382: trn1/inf2 90e12 per
@@ -153,15 +154,11 @@ class MetricsLogger:
         self.history: list[dict[str, Any]] = []
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self._jsonl = None
+        self.dump_folder = dump_folder
         if rank == 0 and cfg.jsonl:
             os.makedirs(dump_folder, exist_ok=True)
-            # keep the records of the steps a resumed run does not redo; a fresh run starts a new file
-            kept = [r for r in read_jsonl(self.jsonl_path) if r["step"] <= start_step] \
-                if os.path.exists(self.jsonl_path) else []
-            self._jsonl = open(self.jsonl_path, "w")
-            for r in kept:
-                self._jsonl.write(json.dumps(r) + "\n")
-            self.history = kept
+            self.history = _resume_jsonl(self.jsonl_path, start_step)
+            self._jsonl = open(self.jsonl_path, "a")
         self._bar = None
         if rank == 0 and cfg.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
@@ -216,17 +213,34 @@ class MetricsLogger:
             line = format_line(step, loss, grad_norm, mem_gib, mem_pct, tps, tflops, mfu, self.cfg.color, val_loss)
             LOGGER.info(line)
             if self._jsonl is not None:
-                self._jsonl.write(json.dumps(rec) + "\n")
-                self._jsonl.flush()
+                self._append(rec)
         self._t_last = time.perf_counter()
         self._tokens_since = 0
         return rec
+
+    def _append(self, rec: dict[str, Any]) -> None:
+        """One line per record, flushed; a failed write (disk full) stops the run with the save's message."""
+        try:
+            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.flush()
+        except OSError as e:
+            from trnkit.harness.checkpoint import write_failed
+
+            last = self.history[-2]["step"] if len(self.history) > 1 else None
+            kept = (f"{self.jsonl_path} keeps the records up to step {last}" if last is not None else
+                    f"{self.jsonl_path} has no complete record yet")
+            raise write_failed(f"metrics: appending the record of step {rec['step']} to {self.jsonl_path}",
+                               self.dump_folder, e, "", kept) from e
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         if self._jsonl is not None:
-            self._jsonl.close()
+            try:
+                self._jsonl.close()
+            except OSError as e:  # the write that failed has already been reported
+                LOGGER.warning(f"could not close {self.jsonl_path}: {e}")
+            self._jsonl = None
 
 
 def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "training loss",
@@ -261,9 +275,48 @@ def plot_loss(records: Iterable[dict[str, Any]], path: str, title: str = "traini
     return path
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_jsonl(path: str, repair_tail: bool = False) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file. `repair_tail`: a last line cut off by a killed run (no newline
+    after it, not valid JSON) is dropped with a warning; any other bad line is a ConfigError naming it."""
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    out = []
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("not a record with an integer step")
+        except ValueError as e:
+            if repair_tail and n == len(lines):  # the last line has no newline: the write was cut off
+                LOGGER.warning(f"metrics: the last line of {path} was cut off (a run killed while writing it); "
+                               f"dropping it: {raw[:60]!r}")
+                break
+            raise ConfigError(f"metrics: {path}:{n} is not a metrics record ({e}); move the file away to let "
+                              "the run start a new one") from None
+        out.append(rec)
+    return out
+
+
+def _resume_jsonl(path: str, start_step: int) -> list[dict[str, Any]]:
+    """The records a (resumed) run keeps: those of steps <= start_step. The file is rewritten (to a temporary
+    file, then renamed) only when it holds more than that or a torn last line; else it is appended to."""
+    if not os.path.exists(path):
+        return []
+    records = read_jsonl(path, repair_tail=True)
+    kept = [r for r in records if r["step"] <= start_step]
+    with open(path, "rb") as f:
+        clean_end = f.read().endswith(b"\n") or os.path.getsize(path) == 0
+    if kept != records or not clean_end:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return kept
 
 
 __all__ = ["MetricsLogger", "ModelShape", "PEAK_FLOPS", "count_params", "device_memory", "flops_per_token",

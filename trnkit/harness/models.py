@@ -8,7 +8,9 @@ parallel plan, and how to read/write HF safetensors checkpoints.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trnkit.harness.config import ConfigError, TrainerConfig, _suggest
+from trnkit.harness.config import ConfigError, TrainerConfig, _suggest, coerce
 from trnkit.harness.data import IGNORE_INDEX
 from trnkit.harness.metrics import ModelShape
 
@@ -197,7 +199,7 @@ class ModelHandle:
         from transformers import AutoModelForCausalLM
         _refuse_non_float(path)
         try:
-            src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
         except (OSError, ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: transformers cannot load {path} "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -239,6 +241,41 @@ def _vocab_parallel(model: nn.Module, tp_mesh: Any) -> None:
         model.lm_head.weight = model.tok_embeddings.weight
 
 
+def _check_native_values(c: Any) -> None:
+    """Value rules of the native model config beyond its types (Qwen3Config checks sizes and counts):
+    finite positive RoPE base and norm epsilon (0 or less ends in a NaN loss naming nothing), layer
+    indices inside the model."""
+    def req(cond: bool, key: str, rule: str, value: Any) -> None:
+        if not cond:
+            raise ConfigError(f"model.config.{key}: {rule}, got {value!r}")
+
+    req(math.isfinite(c.rope_theta) and c.rope_theta > 0, "rope_theta", "must be a finite number > 0 (the RoPE base)",
+        c.rope_theta)
+    req(math.isfinite(c.norm_eps) and c.norm_eps > 0, "norm_eps", "must be a finite number > 0 (RMSNorm divides by "
+        "sqrt(mean(x^2) + eps))", c.norm_eps)
+    for name in ("init_std", "router_aux_loss_coef"):
+        req(math.isfinite(getattr(c, name)) and getattr(c, name) >= 0, name, "must be a finite number >= 0",
+            getattr(c, name))
+    outside = [i for i in c.mlp_only_layers if not 0 <= i < c.n_layers]
+    req(not outside, "mlp_only_layers", f"layer indices must be in [0, n_layers - 1 = {c.n_layers - 1}]; "
+        f"out of range: {outside}", c.mlp_only_layers)
+
+
+def _hf_override(cfg: Any, key: str, value: Any) -> Any:
+    """A model.config value for a transformers config, checked against the type of the field's current value."""
+    current = getattr(cfg, key)
+    tp = type(current) if isinstance(current, (bool, int, float, str, list)) else None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is None:
+        return value
+    hint = list[int] if tp is list and all(isinstance(x, int) for x in current) else tp
+    value = coerce(f"model.config.{key}", hint, value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"model.config.{key}: must be a finite number, got {value!r}")
+    return value
+
+
 def _hf_config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, ModelShape]:
     from transformers import AutoConfig
 
@@ -248,14 +285,14 @@ def _hf_config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, Mod
         raise ConfigError(f"model.spec: hf:{path} has no config.json (an hf: model is a folder with a transformers "
                           f"config.json and optionally *.safetensors; found {sorted(os.listdir(path))[:10]})")
     try:
-        cfg = AutoConfig.from_pretrained(path)
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never run code from the folder
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"model.spec: transformers cannot read the config of hf:{path} "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     for k, v in overrides.items():
         if not hasattr(cfg, k):
             raise ConfigError(f"model.config: {type(cfg).__name__} has no field {k!r}")
-        setattr(cfg, k, v)
+        setattr(cfg, k, _hf_override(cfg, k, v))
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     E = getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0) or 0
@@ -263,6 +300,10 @@ def _hf_config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, Mod
     # HF's layer rule (Qwen3MoeDecoderLayer); a "MoE" config whose layers are all dense is dense
     step = getattr(cfg, "decoder_sparse_step", 1) or 1
     dense = set(getattr(cfg, "mlp_only_layers", None) or [])
+    outside = sorted(i for i in dense if not 0 <= i < cfg.num_hidden_layers)
+    if outside:
+        raise ConfigError(f"model.config.mlp_only_layers: layer indices must be in [0, num_hidden_layers - 1 = "
+                          f"{cfg.num_hidden_layers - 1}]; out of range: {outside}")
     if E and not any(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)):
         E = K = 0
     return cfg, ModelShape(cfg.num_hidden_layers, n_heads, head_dim, E, K)
@@ -272,8 +313,11 @@ def _refuse_non_float(path: str) -> None:
     """transformers casts integer / bool tensors into float parameters without a word: refuse them first."""
     from safetensors import safe_open
 
+    from trnkit.qwen3.checkpoint import INDEX_NAME, shard_files
     from trnkit.qwen3.state_dict import CheckpointError
 
+    if os.path.isfile(os.path.join(path, INDEX_NAME)):
+        shard_files(path)  # every file the index names must resolve inside the folder
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(path, name), framework="pt") as f:
@@ -297,6 +341,8 @@ def build_handle(cfg: TrainerConfig) -> ModelHandle:
         if unknown:
             raise ConfigError(f"model.config: unknown Qwen3Config field {unknown[0]!r}{_suggest(unknown[0], known)}; "
                               f"fields: {known}")
+        hints = typing.get_type_hints(Qwen3Config)
+        overrides = {k: coerce(f"model.config.{k}", hints[k], v) for k, v in overrides.items()}  # the typed schema
         if coef is not None:
             overrides["router_aux_loss_coef"] = coef
         try:
@@ -308,6 +354,7 @@ def build_handle(cfg: TrainerConfig) -> ModelHandle:
         except ValueError as e:  # Qwen3Config.validate
             raise ConfigError(f"model.config: {e}") from None
         c = mspec.config
+        _check_native_values(c)
         if cfg.training.seq_len > c.max_seq_len:
             raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's max_seq_len "
                               f"{c.max_seq_len}")
@@ -315,6 +362,10 @@ def build_handle(cfg: TrainerConfig) -> ModelHandle:
         return ModelHandle("native", spec, c, shape, c.vocab_size, c.is_moe)
     if kind == "hf":
         hcfg, shape = _hf_config_and_shape(arg, cfg.model.config)
+        max_pos = getattr(hcfg, "max_position_embeddings", None)
+        if isinstance(max_pos, int) and cfg.training.seq_len > max_pos:
+            raise ConfigError(f"training.seq_len: {cfg.training.seq_len} exceeds the model's max_position_embeddings "
+                              f"{max_pos} (hf:{arg}/config.json)")
         is_moe = shape.num_experts > 0
         if is_moe and coef is not None:
             hcfg.router_aux_loss_coef = coef

@@ -1,16 +1,27 @@
-"""The dump folder of a run: a fresh run never overwrites the files of an earlier run in the same folder.
+"""The dump folder of a run: one run at a time, and a fresh run never overwrites an earlier run's files.
+
+A run holds :class:`RunLock` (an advisory ``flock`` on ``<dump_folder>/.trnkit.lock``, with its pid,
+host and start time in the file) for its whole life; a second run on the same folder is refused with the
+holder named. The kernel drops the lock when its process dies, so the lock file of a killed run is
+taken over with a warning.
 
 A run that starts from step 0 (``--checkpoint.resume false``, checkpoints off, or nothing to resume)
 in a folder that holds an earlier run's ``metrics.jsonl`` or checkpoints first moves that run's files
-into ``<dump_folder>/previous-<UTC time>/``; nothing is deleted.
+into ``<dump_folder>/previous-<UTC time>/``; nothing is deleted. What a run writes or replaces under its
+folder (the HF export) must not be a symbolic link nor resolve outside the folder
+(:func:`writable_inside`).
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import socket
 import time
-from typing import Callable
+from typing import Any, Callable
 
+from trnkit.errors import ConfigError
 from trnkit.harness.checkpoint import list_checkpoints
 
 # What a run writes directly under its dump folder (the checkpoint folder is added by the caller).
@@ -39,4 +50,115 @@ def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str],
     return dest
 
 
-__all__ = ["RUN_FILES", "archive_previous_run"]
+LOCK_NAME = ".trnkit.lock"
+
+
+class RunLock:
+    """The advisory lock on a dump folder, held from :meth:`acquire` to :meth:`release`."""
+
+    def __init__(self, dump: str, log: Callable[[str], None]) -> None:
+        self.dump, self.log = dump, log
+        self.path = os.path.join(dump, LOCK_NAME)
+        self._fd: int | None = None
+        self._made_folder = False
+
+    def acquire(self) -> None:
+        """Take the lock, or raise :class:`ConfigError` naming the run that holds it."""
+        self._make_folder()
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _describe(_read_holder(fd))
+                os.close(fd)
+                self._remove_folder()
+                raise ConfigError(
+                    f"job.dump_folder: {self.dump} is in use by another run ({holder}; lock {self.path}). Two "
+                    "runs in one folder would overwrite each other's checkpoints and metrics: wait for it to "
+                    "finish, stop it, or use another --job.dump_folder") from None
+            try:  # the holder may have released (and unlinked) the file between our open and our flock
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        stale = _read_holder(fd)
+        if stale:
+            self.log(f"WARNING: taking over the lock of a run that ended without releasing it ({_describe(stale)}, "
+                     f"no longer running); {self.path}")
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        os.unlink(self.path)  # while still locked: a run waiting on the old file sees the swap and retries
+        os.close(self._fd)
+        self._fd = None
+        self._remove_folder()
+
+    def _make_folder(self) -> None:
+        if os.path.exists(self.dump) and not os.path.isdir(self.dump):
+            raise ConfigError(f"job.dump_folder: {self.dump} is a file, not a folder; point job.dump_folder at a "
+                              "folder (it is created if missing)")
+        try:
+            if not os.path.isdir(self.dump):
+                os.makedirs(self.dump)
+                self._made_folder = True
+            probe = os.path.join(self.dump, f".write-test-{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise ConfigError(f"job.dump_folder: cannot write to {self.dump} ({type(e).__name__}: "
+                              f"{e.strerror or e}); point job.dump_folder at a writable folder") from None
+
+    def _remove_folder(self) -> None:
+        """A run that created the dump folder and wrote nothing into it leaves no trace."""
+        if self._made_folder:
+            try:
+                os.rmdir(self.dump)
+            except OSError:
+                pass  # not empty: the run wrote its files
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {"pid": "?", "host": "?", "start": "? (unreadable lock file)"}
+    return data if isinstance(data, dict) else {}
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "holder unknown: the lock file is empty"
+    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('start')}"
+
+
+def writable_inside(path: str, dump: str, key: str) -> str:
+    """`path`, after checking that writing or deleting there stays inside the run folder `dump`: neither
+    `path` nor a folder between `dump` and it is a symbolic link, and it resolves inside `dump`.
+    Else a :class:`ConfigError` naming `key` (the setting that chose the path)."""
+    root = os.path.realpath(dump)
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(dump))
+    if rel.startswith(os.pardir) or os.path.isabs(rel):
+        raise ConfigError(f"{key}: {path} is outside the run folder {dump}")
+    here = os.path.abspath(dump)
+    for part in rel.split(os.sep):
+        here = os.path.join(here, part)
+        if os.path.islink(here):
+            raise ConfigError(f"{key}: {here} is a symbolic link (to {os.readlink(here)}); the run writes and "
+                              f"deletes files there, so it must be a real folder inside {dump}: remove the link")
+    if os.path.commonpath([root, os.path.realpath(path)]) != root:
+        raise ConfigError(f"{key}: {path} resolves to {os.path.realpath(path)}, outside the run folder {root}")
+    return path
+
+
+__all__ = ["LOCK_NAME", "RUN_FILES", "RunLock", "archive_previous_run", "writable_inside"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -23,24 +24,28 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 
 from trnkit import envinfo
 from trnkit.harness import parallel
 from trnkit.harness.aux_loss import MoEAuxLoss
 from trnkit.errors import TrnkitError
 from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIdentity, find_resumable,
-                                       full_model_state_dict, load_full_model_state_dict, on_rank0)
-from trnkit.harness.config import ConfigError, LRSchedulerConfig, TrainerConfig, _suggest, parse_args, to_toml
+                                       full_model_state_dict, human_bytes, load_full_model_state_dict, on_rank0,
+                                       read_manifest, write_failed)
+from trnkit.harness.config import (ConfigError, LRSchedulerConfig, TrainerConfig, _suggest, check_log_rank, parse_args,
+                                   to_toml)
 from trnkit.harness.data import IGNORE_INDEX, build_loaders
 from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
 from trnkit.harness.logs import LOGGER, setup_logging
 from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
 from trnkit.harness.plugins import import_plugins
-from trnkit.harness.rundir import archive_previous_run
+from trnkit.harness.rundir import RunLock, archive_previous_run, writable_inside
 from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
 from trnkit.harness.validation import Validator
 
 DEBUG_ENV = "TRNKIT_DEBUG"
+EXPORT_DIR = "hf_export"  # under job.dump_folder
 
 
 class TrainingDiverged(RuntimeError):
@@ -199,11 +204,57 @@ def _load_full(model: torch.nn.Module, handle: ModelHandle, sd: dict[str, torch.
         model.tie_weights()
 
 
+def lr_schedule(cfg: TrainerConfig) -> dict[str, Any]:
+    """The settings that decide the learning rate of every step (recorded in each checkpoint's manifest)."""
+    s = cfg.lr_scheduler
+    return {"training.steps": cfg.training.steps, "optimizer.lr": cfg.optimizer.lr,
+            "lr_scheduler.warmup_steps": s.warmup_steps, "lr_scheduler.decay_type": s.decay_type,
+            "lr_scheduler.min_lr_factor": s.min_lr_factor}
+
+
+def _lr_of(schedule: dict[str, Any], i: int) -> float:
+    """The learning rate of optimizer step i (0-based) under a recorded schedule (see :func:`lr_schedule`)."""
+    s = LRSchedulerConfig(warmup_steps=schedule["lr_scheduler.warmup_steps"],
+                          decay_type=schedule["lr_scheduler.decay_type"],
+                          min_lr_factor=schedule["lr_scheduler.min_lr_factor"])
+    return schedule["optimizer.lr"] * lr_lambda(s, schedule["training.steps"])(i)
+
+
+def _schedule_changed(cfg: TrainerConfig, resume_from: tuple[int, str], log: _Log) -> bool:
+    """Whether this run resumes with another learning rate than its checkpoint's schedule would give for
+    any step still to train: refused (ConfigError, before anything is written) unless
+    ``checkpoint.reschedule``, which follows the new schedule from the next step on. Settings that change
+    no step's learning rate (e.g. more steps at a constant rate) resume as they are."""
+    step, path = resume_from
+    try:
+        saved = (read_manifest(path) or {}).get("schedule")
+    except (OSError, ValueError):  # an unverified checkpoint (checkpoint.trust_unverified)
+        saved = None
+    now = lr_schedule(cfg)
+    if not isinstance(saved, dict) or not set(now) <= set(saved):
+        return False
+    changed = next((i for i in range(step, cfg.training.steps)
+                    if not math.isclose(_lr_of(saved, i), _lr_of(now, i), rel_tol=1e-9)), None)
+    if changed is None:
+        return False
+    diffs = "; ".join(f"{k}: checkpoint {saved[k]!r}, this run {v!r}" for k, v in now.items() if saved[k] != v)
+    lrs = f"step {changed + 1} would train at lr {_lr_of(now, changed):.3g} instead of {_lr_of(saved, changed):.3g}"
+    if not cfg.checkpoint.reschedule:
+        raise ConfigError(
+            f"checkpoint: {path} (step {step}) was written with another learning-rate schedule ({diffs}): {lrs}. "
+            "Nothing was written. Resume with the checkpoint's settings (see its run's config.toml), or pass "
+            f"--checkpoint.reschedule true to follow this run's schedule from step {step + 1} on.")
+    log(f"WARNING: checkpoint.reschedule: the learning rate follows this run's schedule from step {step + 1} on "
+        f"({diffs}): {lrs}")
+    return True
+
+
 def _finished_message(ckpt_path: str, ckpt_step: int, steps: int, dump: str) -> str:
     """What a rerun of a finished job prints: resuming its last checkpoint leaves no step to train."""
     return (f"nothing to train: checkpoint {ckpt_path} is at step {ckpt_step} and training.steps = {steps} "
             f"(this job has already finished)\n"
-            f"  to train longer:  --training.steps N with N > {ckpt_step}\n"
+            f"  to train longer:  --training.steps N with N > {ckpt_step} and --checkpoint.reschedule true (the "
+            f"learning rate then follows the schedule of N steps from step {ckpt_step + 1} on)\n"
             f"  to start fresh:   use another --job.dump_folder, or --checkpoint.resume false (trains from step 1; "
             f"this run's files are first moved to {dump}/previous-<time>/)")
 
@@ -212,13 +263,19 @@ def run(cfg: TrainerConfig) -> RunResult:
     """Train according to `cfg` (in this process; one rank of a torchrun job or a world of one)."""
     cfg.validate()
     env = parallel.init_distributed(cfg.parallelism)
+    check_log_rank(cfg.metrics.log_rank, env.world_size)
     setup_logging(env.rank, env.world_size, cfg.metrics.log_rank)
     prev_det = torch.are_deterministic_algorithms_enabled()
     finished = False
+    lock = RunLock(cfg.job.dump_folder, _Log(env.rank))
     try:
         torch.use_deterministic_algorithms(cfg.job.deterministic)
         with _sigterm_raises():
-            result = _run(cfg, env)
+            on_rank0(lock.acquire)  # one run per dump folder, for the run's whole life
+            try:
+                result = _run(cfg, env)
+            finally:
+                lock.release()
         finished = True
         return result
     finally:
@@ -267,17 +324,21 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     _check_compile_backend(cfg)
     if cfg.job.stack:
         envinfo.check_stack(cfg.job.stack)  # a ConfigError naming each difference
+    if cfg.checkpoint.export_hf:
+        writable_inside(os.path.join(dump, EXPORT_DIR), dump, "checkpoint.export_hf")
     handle = build_handle(cfg)
     identity = run_identity(handle)
     ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
     resume_from = None
     if cfg.checkpoint.enable and cfg.checkpoint.resume:
-        resume_from = on_rank0(lambda: find_resumable(ckpt_dir, identity, warn=log))
+        resume_from = on_rank0(lambda: find_resumable(ckpt_dir, identity, warn=log,
+                                                           trust_unverified=cfg.checkpoint.trust_unverified))
     loader, val_loader, tok = build_loaders(cfg.data, cfg.validation, t.seq_len, t.local_batch_size, env.dp_rank,
                                             env.dp, cfg.job.seed)
     if tok.vocab_size > handle.vocab_size:
         raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {handle.name} has "
                           f"vocab_size {handle.vocab_size}")
+    reschedule = resume_from is not None and on_rank0(lambda: _schedule_changed(cfg, resume_from, log))
     if resume_from is None:
         on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
 
@@ -328,12 +389,17 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
 
     ckpt = Checkpointer(ckpt_dir, model, optimizer, scheduler, loader, env.rank, env.world_size,
                         cfg.checkpoint.keep_latest_k, expert_tp_layout=_expert_tp(cfg, env), identity=identity,
-                        log=log)
+                        log=log, schedule=lr_schedule(cfg))
     if cfg.checkpoint.enable:
         ckpt.check_space()
     start_step = 0
     if resume_from is not None:
         start_step = ckpt.load(resume_from[1])
+        if reschedule:  # the checkpoint's scheduler state carries its base lr: follow this run's schedule
+            scheduler.base_lrs = [o.lr for _ in optimizer.param_groups]
+            for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
+                group["initial_lr"], group["lr"] = o.lr, o.lr * fn(scheduler.last_epoch)
+            scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
         log(f"resumed from {resume_from[1]} (step {start_step})")
         if start_step >= t.steps:
             log(_finished_message(resume_from[1], start_step, t.steps, dump))
@@ -388,13 +454,22 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             global_loss = float(parallel.all_reduce_sum(ce_sum, dp_group) / global_tokens.double())
             if not (math.isfinite(global_loss) and math.isfinite(grad_norm)):
                 last_good = ckpt.wait() or last_good  # a background save of an earlier step is good: commit it
-                where = f"{last_good[1]} (step {last_good[0]})" if last_good else "none written"
                 raise TrainingDiverged(f"train: step {step}: loss {global_loss} / grad_norm {grad_norm} is not "
                                        f"finite -- stopping without applying the update; last good checkpoint: "
-                                       f"{where}")
+                                       f"{_where(last_good)}")
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
+            saving = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == t.steps)
+            if saving or (step == t.steps and cfg.checkpoint.export_hf):
+                # a non-finite update (e.g. a huge lr) never becomes a checkpoint or an export
+                bad = _non_finite_state(model, optimizer)
+                if int(parallel.all_reduce_sum(torch.tensor(len(bad)))):
+                    last_good = ckpt.wait() or last_good
+                    raise TrainingDiverged(
+                        f"train: step {step}: after the update (lr {lr:g}) {len(bad)} parameter / optimizer-state "
+                        f"tensors on rank {env.rank} are not finite (first: {', '.join(bad[:3]) or 'on another rank'})"
+                        f" -- step {step} is neither saved nor exported; last good checkpoint: {_where(last_good)}")
             metrics.add_tokens(local_tokens)
             metrics.progress(step, global_loss)
             result.losses[step] = global_loss
@@ -429,13 +504,57 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
 
     if cfg.checkpoint.export_hf:
         sd = from_tp_layout(full_model_state_dict(model), _expert_tp(cfg, env))
-        out = os.path.join(dump, "hf_export")
-        if env.rank == 0:
-            handle.save_hf(sd, out, getattr(torch, cfg.checkpoint.export_dtype))
-            log(f"exported HF safetensors to {out}")
+        out = os.path.join(dump, EXPORT_DIR)
+        on_rank0(lambda: _write_export(handle, sd, cfg, last_good, log))
         result.hf_export = out
     result.model = model
     return result
+
+
+def _write_export(handle: ModelHandle, sd: dict[str, torch.Tensor], cfg: TrainerConfig,
+                  last_good: tuple[int, str] | None, log: _Log) -> None:
+    """Write the HF export into ``hf_export.tmp`` and swap it in, so a failed write (disk full) leaves
+    the previous export (if any) and removes its partial files. Never writes through a link."""
+    dump = cfg.job.dump_folder
+    out = writable_inside(os.path.join(dump, EXPORT_DIR), dump, "checkpoint.export_hf")
+    tmp, old = (writable_inside(out + suffix, dump, "checkpoint.export_hf") for suffix in (".tmp", ".old"))
+    dtype = getattr(torch, cfg.checkpoint.export_dtype)
+    for stale in (tmp, old):
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        handle.save_hf(sd, tmp, dtype)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        need = sum(t.numel() for t in sd.values()) * torch.empty((), dtype=dtype).element_size()
+        kept = (f"The partial export was removed; the last checkpoint {last_good[1]} holds the trained weights "
+                "(a rerun resumes from it and writes the export)" if last_good else
+                "The partial export was removed; checkpoints are off (checkpoint.enable = false), so the trained "
+                "weights were not saved anywhere")
+        raise write_failed(f"checkpoint.export_hf: writing the HF export to {out}", dump, e,
+                           f"the export needs ~{human_bytes(need)}", kept) from e
+    if os.path.exists(out):
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    log(f"exported HF safetensors to {out}")
+
+
+def _where(last_good: tuple[int, str] | None) -> str:
+    return f"{last_good[1]} (step {last_good[0]})" if last_good else "none written"
+
+
+def _non_finite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of this rank's parameters and optimizer-state tensors (local shards) holding a NaN or inf."""
+    def finite(t: torch.Tensor) -> bool:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return not local.is_floating_point() or bool(torch.isfinite(local).all())
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    bad = [n for n, p in model.named_parameters() if not finite(p.detach())]
+    for p, state in optimizer.state.items():
+        bad += [f"{key} of {names.get(id(p), '?')}" for key, v in state.items()
+                if isinstance(v, torch.Tensor) and not finite(v)]
+    return bad
 
 
 def _checkpoint(ckpt: Checkpointer, step: int, cfg: TrainerConfig) -> tuple[int, str] | None:

@@ -40,7 +40,20 @@ def _open(path: str):  # -> safetensors handle
         raise CheckpointError(f"Qwen3 checkpoint: {path} is corrupt or truncated ({e})") from e
 
 
-def _shard_files(folder: str) -> dict[str, list[str]]:
+def _inside(folder: str, fname: Any, index: str, key: str) -> str:
+    """The shard file `fname` named by the index, which must resolve (links followed) inside `folder`."""
+    if not isinstance(fname, str) or not fname or os.path.isabs(fname):
+        raise CheckpointError(f"Qwen3 checkpoint: {index} maps {key} to {fname!r}; a shard must be a file name "
+                              "relative to the checkpoint folder")
+    path = os.path.join(folder, fname)
+    root = os.path.realpath(folder)
+    if os.path.commonpath([root, os.path.realpath(path)]) != root:
+        raise CheckpointError(f"Qwen3 checkpoint: {index} maps {key} to {fname!r}, which resolves to "
+                              f"{os.path.realpath(path)}, outside the checkpoint folder {root}; refusing to read it")
+    return path
+
+
+def shard_files(folder: str) -> dict[str, list[str]]:
     """{file path: [keys it should hold]} from the index, or {model.safetensors: []} (all keys)."""
     index = os.path.join(folder, INDEX_NAME)
     if os.path.isfile(index):
@@ -49,9 +62,12 @@ def _shard_files(folder: str) -> dict[str, list[str]]:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"Qwen3 checkpoint: {index} is not a valid safetensors index ({e!r})") from e
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"Qwen3 checkpoint: {index}: weight_map must be an object, got "
+                                  f"{type(weight_map).__name__}")
         files: dict[str, list[str]] = {}
         for key, fname in weight_map.items():
-            files.setdefault(os.path.join(folder, fname), []).append(key)
+            files.setdefault(_inside(folder, fname, index, key), []).append(key)
         return files
     single = os.path.join(folder, SINGLE_NAME)
     if os.path.isfile(single):
@@ -107,7 +123,7 @@ def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = Non
     handles, hf_shapes, stored_dtypes = {}, {}, set()
     owner: dict[str, str] = {}
     try:
-        for fpath, listed in _shard_files(folder).items():
+        for fpath, listed in shard_files(folder).items():
             h = handles[fpath] = _open(fpath)
             keys = list(h.keys())
             absent = sorted(set(listed) - set(keys))

@@ -1,0 +1,311 @@
+"""Nothing a run has written is lost: one run per folder, no non-finite checkpoint or export, disk-full
+exports and metrics end in the save's message, a torn metrics.jsonl is repaired, an LR schedule is
+never changed silently on resume."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trnkit.harness import checkpoint as ckpt_mod
+from trnkit.harness import models as models_mod
+from trnkit.harness.checkpoint import list_checkpoints, verify_checkpoint
+from trnkit.harness.config import ConfigError
+from trnkit.harness.metrics import read_jsonl
+from trnkit.harness.rundir import LOCK_NAME
+from trnkit.harness.train import lr_lambda, run
+
+from .helpers import REPO, tiny_config, write_config
+from .test_faults import _assert_user_error, _ckpt_cfg, _main
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: str, corpus_dir: Path):
+    """A finished 3-step run with a checkpoint at every step (kept), and its losses."""
+    d = tmp_path_factory.mktemp("trained") / "run"
+    res = run(_ckpt_cfg(d, tiny_tokenizer, corpus_dir))
+    return d, res.losses
+
+
+def _copy(trained, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(trained[0], tmp_path / "run"))
+
+
+def _snapshot(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+# ------------------------------------------------------------------ one run per dump folder
+def _hold_lock(dump: Path) -> subprocess.Popen:
+    """Another process holding the run lock on `dump` (as a running trainer does) until killed."""
+    code = ("import sys, time; from trnkit.harness.rundir import RunLock; RunLock(sys.argv[1], print).acquire(); "
+            "print('locked', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(dump)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_second_run_on_a_locked_folder_is_refused_and_a_dead_holder_is_taken_over(
+        tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = _copy(trained, tmp_path)
+    holder = _hold_lock(run_dir)
+    try:
+        before = _snapshot(run_dir)
+        cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3)
+        code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+        _assert_user_error(code, err, f"job.dump_folder: {run_dir} is in use by another run (pid {holder.pid} on "
+                                      f"host {socket.gethostname()}, started 20", f"lock {run_dir / LOCK_NAME}",
+                           "use another --job.dump_folder")
+        assert _snapshot(run_dir) == before and "resumed" not in out  # refused before reading or writing
+    finally:
+        holder.kill()
+        holder.wait()
+    # killed: the kernel dropped its flock, the lock file with its pid stays behind
+    assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == holder.pid
+    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3))
+    out = capsys.readouterr().out
+    assert f"WARNING: taking over the lock of a run that ended without releasing it (pid {holder.pid}" in out
+    assert res.start_step == 3 and not (run_dir / LOCK_NAME).exists()  # released at the end
+
+
+def test_a_run_holds_the_lock_for_its_whole_life(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    real_save = ckpt_mod.Checkpointer.save
+
+    def save(self, step):  # while the run saves, a second run on the folder is refused
+        second = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, training={"steps": 1})
+        with pytest.raises(ConfigError, match=f"pid {os.getpid()} on host"):
+            run(second)
+        seen.append(step)
+        return real_save(self, step)
+
+    monkeypatch.setattr(ckpt_mod.Checkpointer, "save", save)
+    run(_ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=2))
+    assert seen == [1, 2] and [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
+
+
+def test_dump_folder_that_is_a_file(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "run").write_text("not a folder")
+    cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir)
+    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    _assert_user_error(code, err, f"job.dump_folder: {tmp_path / 'run'} is a file, not a folder")
+    assert (tmp_path / "run").read_text() == "not a folder"
+
+
+def test_unwritable_dump_folder(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from trnkit.harness import rundir
+
+    def makedirs(path, *args, **kwargs):  # a read-only parent (the tests may run as root, who could write)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(rundir.os, "makedirs", makedirs)
+    cfg = tiny_config(tmp_path / "ro" / "run", tiny_tokenizer, corpus_dir)
+    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    _assert_user_error(code, err, f"job.dump_folder: cannot write to {tmp_path / 'ro' / 'run'} (PermissionError: "
+                                  "Permission denied); point job.dump_folder at a writable folder")
+
+
+def test_refused_run_leaves_no_dump_folder(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, training={"seq_len": 1000})
+    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    _assert_user_error(code, err, "training.seq_len: 1000 exceeds the model's max_seq_len 64")
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ a non-finite update is never saved
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_non_finite_update_is_never_saved_or_exported(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                      corpus_dir: Path, async_mode: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # lr 1e39 is a finite float (config accepts it) whose fp32 update overflows the weights to inf; the
+    # loss and gradients of that step are finite, so only a check after the update catches it
+    run_dir = _copy(trained, tmp_path)
+    before = _snapshot(run_dir / "checkpoint")
+    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4, optimizer={"lr": 1e39},
+                    checkpoint={"export_hf": True, "reschedule": True, "async_mode": async_mode})
+    code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert code == 3 and "Traceback" not in err, err
+    step3 = run_dir / "checkpoint" / "step-3"
+    assert re.search(r"train: step 4: after the update \(lr 5\.\d+e\+38\) \d+ parameter / optimizer-state tensors on "
+                     r"rank 0 are not finite \(first: [a-z_.0-9]+weight", err), err
+    assert f"step 4 is neither saved nor exported; last good checkpoint: {step3} (step 3)" in err
+    assert [s for s, _ in list_checkpoints(str(run_dir / "checkpoint"))] == [1, 2, 3]
+    assert _snapshot(run_dir / "checkpoint") == before and not (run_dir / "hf_export").exists()
+
+
+# ------------------------------------------------------------------ disk full on export and metrics
+_usage = collections.namedtuple("usage", "total used free")
+
+
+def _disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints-on", "checkpoints-off"])
+def test_disk_full_during_the_hf_export(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path, checkpoints: bool,
+                                        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    real = models_mod.ModelHandle.save_hf
+
+    def save_hf(self, sd, path, dtype):  # writes the files, then the disk fills up
+        real(self, sd, path, dtype)
+        _disk_full()
+
+    monkeypatch.setattr(models_mod.ModelHandle, "save_hf", save_hf)
+    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda path: _usage(10**6, 10**6 - 1000, 1000))
+    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=2,
+                    checkpoint={"export_hf": True, "enable": checkpoints})
+    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    out = tmp_path / "run" / "hf_export"
+    kept = (f"the last checkpoint {tmp_path / 'run' / 'checkpoint' / 'step-2'} holds the trained weights (a rerun "
+            "resumes from it and writes the export)" if checkpoints else
+            "checkpoints are off (checkpoint.enable = false), so the trained weights were not saved anywhere")
+    _assert_user_error(code, err, f"checkpoint.export_hf: writing the HF export to {out} failed (OSError: [Errno 28] "
+                                  "No space left on device). The export needs ~", "KiB; the disk has 1000 B free.",
+                       f"The partial export was removed; {kept}; the run stopped.")
+    assert not out.exists() and not (tmp_path / "run" / "hf_export.tmp").exists()
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
+    if checkpoints:  # the rerun (space freed) trains nothing and writes the export
+        monkeypatch.setattr(models_mod.ModelHandle, "save_hf", real)
+        res = run(cfg)
+        assert res.start_step == 2 and not res.losses and (out / "model.safetensors").is_file()
+
+
+def test_disk_full_while_appending_metrics(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from trnkit.harness import metrics as metrics_mod
+
+    real = metrics_mod.MetricsLogger._append
+
+    def append(self, rec):
+        if rec["step"] == 3:
+            self._jsonl.write = _disk_full
+        real(self, rec)
+
+    monkeypatch.setattr(metrics_mod.MetricsLogger, "_append", append)
+    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda path: _usage(10**6, 10**6 - 1000, 1000))
+    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4)
+    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    path = tmp_path / "run" / "metrics.jsonl"
+    _assert_user_error(code, err, f"metrics: appending the record of step 3 to {path} failed (OSError: [Errno 28] "
+                                  "No space left on device). The disk has 1000 B free.",
+                       f"{path} keeps the records up to step 2; the run stopped")
+    assert [r["step"] for r in read_jsonl(str(path))] == [1, 2]
+    assert [s for s, _ in list_checkpoints(str(tmp_path / "run" / "checkpoint"))] == [1, 2]
+
+
+# ------------------------------------------------------------------ metrics.jsonl cut by a kill
+def test_torn_metrics_tail_is_repaired_on_resume(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = _copy(trained, tmp_path)
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:2]) + lines[2][:25])  # killed while writing step 3's record
+    shutil.rmtree(run_dir / "checkpoint" / "step-3")
+    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3))
+    out = capsys.readouterr().out
+    assert f"metrics: the last line of {path} was cut off" in out
+    assert res.start_step == 2 and res.losses[3] == trained[1][3]
+    recs = read_jsonl(str(path))
+    assert [r["step"] for r in recs] == [1, 2, 3] and recs[2]["loss"] == trained[1][3]
+
+
+def test_bad_metrics_line_in_the_middle_is_named(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = _copy(trained, tmp_path)
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + "garbage\n" + "".join(lines[1:]))
+    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3)
+    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    _assert_user_error(code, err, f"metrics: {path}:2 is not a metrics record", "move the file away")
+
+
+def test_resume_appends_to_metrics(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path) -> None:
+    run_dir = _copy(trained, tmp_path)
+    path = run_dir / "metrics.jsonl"
+    inode, head = path.stat().st_ino, path.read_text()
+    run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4, checkpoint={"reschedule": True}))
+    assert path.stat().st_ino == inode and path.read_text().startswith(head)  # appended, not rewritten
+    assert [r["step"] for r in read_jsonl(str(path))] == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------ a changed LR schedule is explicit
+def test_resume_with_more_steps_is_refused_without_reschedule(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                              corpus_dir: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = _copy(trained, tmp_path)
+    before = _snapshot(run_dir)
+    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=8)
+    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    # the finished cosine ended at lr 1e-3 (min_lr_factor 0.1); the 8-step one re-warms step 4 to 7.5e-3
+    fn = lr_lambda(cfg.lr_scheduler, 8)
+    _assert_user_error(code, err, f"checkpoint: {run_dir / 'checkpoint' / 'step-3'} (step 3) was written with "
+                                  "another learning-rate schedule (training.steps: checkpoint 3, this run 8): step 4 "
+                                  f"would train at lr {1e-2 * fn(3):.3g} instead of 0.001. Nothing was written.",
+                       "pass --checkpoint.reschedule true to follow this run's schedule from step 4 on")
+    assert _snapshot(run_dir) == before
+
+
+def test_more_steps_at_a_constant_rate_resume_as_they_are(tmp_path: Path, tiny_tokenizer: str,
+                                                          corpus_dir: Path) -> None:
+    constant = {"warmup_steps": 2, "decay_type": "constant"}
+    run(_ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=3, lr_scheduler=constant))
+    res = run(_ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=5, lr_scheduler=constant))
+    assert res.start_step == 3 and [r["lr"] for r in res.records] == [1e-2, 1e-2]  # no step's lr changes
+
+
+def test_reschedule_follows_the_new_schedule(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = _copy(trained, tmp_path)
+    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=8, optimizer={"lr": 5e-3},
+                    checkpoint={"reschedule": True})
+    res = run(cfg)
+    fn = lr_lambda(cfg.lr_scheduler, 8)
+    assert "WARNING: checkpoint.reschedule: the learning rate follows this run's schedule from step 4 on " \
+           "(training.steps: checkpoint 3, this run 8; optimizer.lr: checkpoint 0.01, this run 0.005): step 4 " \
+           f"would train at lr {5e-3 * fn(3):.3g} instead of 0.001" in capsys.readouterr().out
+    lrs = {r["step"]: r["lr"] for r in res.records}
+    assert res.start_step == 3 and sorted(lrs) == [4, 5, 6, 7, 8]
+    for step, lr in lrs.items():  # step s uses multiplier s - 1 of the new schedule, on the new base lr
+        assert math.isclose(lr, 5e-3 * fn(step - 1), rel_tol=1e-12), (step, lr)
+
+
+# ------------------------------------------------------------------ another world size on resume
+def test_resume_on_another_world_size_is_resharded(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path) -> None:
+    from .helpers import losses_from_jsonl, run_cli
+
+    one = run(_ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4, checkpoint={"interval": 2},
+                        training={"local_batch_size": 2}))
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-4")  # as if stopped after step 3
+    # the same global batch on 2 FSDP2 ranks: resumed from the 1-process step-2 checkpoint
+    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4, checkpoint={"interval": 2},
+                    training={"local_batch_size": 1}, parallelism={"data_parallel_shard_degree": 2})
+    proc = run_cli(["--config", str(write_config(cfg, tmp_path / "two.toml"))], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step2 = tmp_path / "run" / "checkpoint" / "step-2"
+    assert (f"WARNING: checkpoint {step2} was written by a world size of 1 process(es), this run has world size 2: "
+            "model and optimizer state are resharded") in proc.stdout
+    assert f"resumed from {step2} (step 2)" in proc.stdout
+    two = losses_from_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert sorted(two) == [1, 2, 3, 4]
+    for s in (3, 4):  # FSDP2 over 2 ranks gives the 1-process losses (reduction order: 1e-5)
+        assert two[s] == pytest.approx(one.losses[s], rel=1e-5, abs=1e-5), (s, two, one.losses)
+    # the FSDP2-sharded step-4 passes the restricted metadata unpickler (DTensor shards' metadata included)
+    assert verify_checkpoint(str(tmp_path / "run" / "checkpoint" / "step-4")) is None

@@ -1,0 +1,178 @@
+"""Every bad input ends in one message naming the key, the rule and the value (exit 2), before anything
+is written: config values checked against the typed schema (ranges, finite floats, seeds, booleans,
+layer indices), the model config, --config itself, dataset entries file by file, log_rank."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from trnkit.harness.config import ConfigError
+from trnkit.harness.data import read_documents
+
+from .helpers import REPO, tiny_config, write_config
+from .test_faults import _assert_user_error, _main
+
+
+def _refused(tmp_path: Path, tiny_tokenizer: str, corpus: Path, capsys: pytest.CaptureFixture[str],
+             cli: list[str], *fragments: str, **sections: dict) -> None:
+    """The run is refused with `fragments` in its message, and its dump folder never appears."""
+    cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus, **sections)
+    code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml")), *cli], capsys)
+    _assert_user_error(code, err, *fragments)
+    assert "step: " not in out and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("cli, message", [
+    (["--optimizer.eps", "-1"], "config optimizer.eps: must be > 0 (AdamW divides by sqrt(v) + eps), got -1.0"),
+    (["--optimizer.eps", "nan"], "config optimizer.eps: must be a finite number, got nan"),
+    (["--optimizer.lr", "inf"], "config optimizer.lr: must be a finite number, got inf"),
+    (["--training.max_norm", "nan"], "config training.max_norm: must be a finite number, got nan"),
+    (["--lr_scheduler.min_lr_factor", "-inf"], "config lr_scheduler.min_lr_factor: must be a finite number, got -inf"),
+    (["--job.seed", str(2**70)], f"config job.seed: must be in [0, 2**63 - 1] (torch and numpy seeds), got {2**70}"),
+    (["--job.seed", "-5"], "config job.seed: must be in [0, 2**63 - 1] (torch and numpy seeds), got -5"),
+    (["--metrics.log_rank", "3"], "config metrics.log_rank: must be 'all' or a rank in [0, 0] (world size 1), got '3'"),
+    (["--model.config", '{"n_layers": 2.5}'], "config model.config.n_layers: expected an int, got float 2.5"),
+    (["--model.config", '{"dim": true}'], "config model.config.dim: expected an int, got bool True"),
+    (["--model.config", '{"rope_theta": "abc"}'], "config model.config.rope_theta: expected a number, got str 'abc'"),
+    (["--model.config", '{"tie_word_embeddings": "yes"}'],
+     "config model.config.tie_word_embeddings: expected a bool, got str 'yes'"),
+    (["--model.config", '{"mlp_only_layers": [99]}'],
+     "model.config.mlp_only_layers: layer indices must be in [0, n_layers - 1 = 1]; out of range: [99], got [99]"),
+    (["--model.config", '{"rope_theta": 0}'], "model.config.rope_theta: must be a finite number > 0 (the RoPE base), "
+                                             "got 0.0"),
+    (["--model.config", '{"norm_eps": -1}'], "model.config.norm_eps: must be a finite number > 0 (RMSNorm divides by "
+                                            "sqrt(mean(x^2) + eps)), got -1.0"),
+], ids=["eps-negative", "eps-nan", "lr-inf", "max_norm-nan", "min_lr-inf", "seed-huge", "seed-negative",
+        "log_rank-beyond-world", "n_layers-float", "dim-bool", "rope_theta-str", "tie-str", "mlp_only_layers-99",
+        "rope_theta-0", "norm_eps-negative"])
+def test_bad_values_are_refused_naming_key_rule_and_value(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                          capsys: pytest.CaptureFixture[str], cli: list[str],
+                                                          message: str) -> None:
+    if cli[0] == "--model.config":  # on top of the tiny model's sizes
+        from .helpers import TINY_MOE
+        cli = [cli[0], json.dumps({**TINY_MOE, **json.loads(cli[1])})]
+    _refused(tmp_path, tiny_tokenizer, corpus_dir, capsys, cli, message)
+
+
+def test_toml_inf_and_nan_are_refused(tmp_path: Path) -> None:
+    from trnkit.harness.config import load_config
+
+    (tmp_path / "c.toml").write_text("[optimizer]\nlr = inf\n")
+    with pytest.raises(ConfigError, match=r"config optimizer.lr: must be a finite number, got inf"):
+        load_config(tmp_path / "c.toml")
+    (tmp_path / "c.toml").write_text("[training]\nmoe_aux_loss_coef = nan\n")
+    with pytest.raises(ConfigError, match=r"config training.moe_aux_loss_coef: must be a finite number, got nan"):
+        load_config(tmp_path / "c.toml")
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("folder", "is a folder; pass a TOML file"),
+    ("binary", "is not UTF-8 text (byte 0x80 at offset 0); a config is a TOML text file"),
+    ("latin1", "is not UTF-8 text (byte 0xe9 at offset 17); a config is a TOML text file"),
+])
+def test_config_file_that_is_not_a_toml_text(tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str,
+                                             message: str) -> None:
+    path = tmp_path / "c.toml"
+    if kind == "folder":
+        path.mkdir()
+    else:
+        latin1 = '[job]\nname = "caf\u00e9"\n'.encode("latin-1")
+        path.write_bytes(bytes(range(128, 256)) if kind == "binary" else latin1)
+    code, _, err = _main(["--config", str(path)], capsys)
+    _assert_user_error(code, err, f"config: --config {path} {message}")
+
+
+def test_hf_model_seq_len_beyond_max_position_embeddings(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    folder = REPO / "configs" / "hf" / "qwen3-moe-debug"
+    _refused(tmp_path, tiny_tokenizer, corpus_dir, capsys, ["--training.seq_len", "4096"],
+             f"training.seq_len: 4096 exceeds the model's max_position_embeddings 2048 (hf:{folder}/config.json)",
+             model={"spec": f"hf:{folder}", "config": {}})
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"tie_word_embeddings": "yes"}, "config model.config.tie_word_embeddings: expected a bool, got str 'yes'"),
+    ({"num_hidden_layers": 2.5}, "config model.config.num_hidden_layers: expected an int, got float 2.5"),
+    ({"mlp_only_layers": [0, 7]}, "model.config.mlp_only_layers: layer indices must be in [0, num_hidden_layers - 1 "
+                                  "= 3]; out of range: [7]"),
+])
+def test_hf_model_config_values_are_typed(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                          capsys: pytest.CaptureFixture[str], override: dict, message: str) -> None:
+    folder = REPO / "configs" / "hf" / "qwen3-moe-debug"
+    _refused(tmp_path, tiny_tokenizer, corpus_dir, capsys, [], message, model={"spec": f"hf:{folder}",
+                                                                              "config": override})
+
+
+# ------------------------------------------------------------------ dataset entries, file by file
+def _folder_entry(d: Path) -> tuple[str, str]:
+    (d / "a.txt").write_text("fine")
+    (d / "b.txt").mkdir()
+    return str(d / "*.txt"), f"data.dataset: {d / 'b.txt'} is a folder; data entries must be"
+
+
+def _dangling(d: Path) -> tuple[str, str]:
+    (d / "a.txt").write_text("fine")
+    (d / "gone.txt").symlink_to(d / "deleted.txt")
+    return str(d), f"data.dataset: {d / 'gone.txt'} is a dangling symbolic link (to {d / 'deleted.txt'})"
+
+
+def _cycle(d: Path) -> tuple[str, str]:
+    (d / "a.txt").write_text("fine")
+    (d / "loop").symlink_to(d)
+    return str(d), f"data.dataset: {d / 'loop'} is {d} again (a symbolic link to an enclosing folder: a cycle)"
+
+
+def _jsonl(value: str, kind: str):
+    def make(d: Path) -> tuple[str, str]:
+        (d / "a.jsonl").write_text('{"text": "fine"}\n{"text": ' + value + "}\n")
+        return str(d), f"data.text_field: {d / 'a.jsonl'}:2 field 'text' is {kind} ({json.loads(value)}), not a string"
+    return make
+
+
+@pytest.mark.parametrize("make", [_folder_entry, _dangling, _cycle, _jsonl("null", "null"),
+                                  _jsonl("3", "a number"), _jsonl("[1, 2]", "a list")],
+                         ids=["folder", "dangling-link", "cycle", "text-null", "text-number", "text-list"])
+def test_dataset_entries_are_checked_file_by_file(tmp_path: Path, make) -> None:
+    (tmp_path / "data").mkdir()
+    dataset, message = make(tmp_path / "data")
+    with pytest.raises(ConfigError) as e:
+        read_documents(dataset)
+    assert message in str(e.value), str(e.value)
+
+
+def test_dataset_entry_error_through_the_cli(tmp_path: Path, tiny_tokenizer: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "data").mkdir()
+    dataset, message = _cycle(tmp_path / "data")
+    _refused(tmp_path, tiny_tokenizer, Path(dataset), capsys, [], message)
+
+
+def test_recursive_glob_through_a_cycle_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("one")
+    (tmp_path / "data" / "loop").symlink_to(tmp_path / "data")
+    with pytest.raises(ConfigError, match=r"data\.dataset: .*/loop/a\.txt is the file .*/data/a\.txt again \(through "
+                                          r"a symbolic link\)"):
+        read_documents(str(tmp_path / "data" / "**" / "*.txt"))
+
+
+def test_a_second_way_into_a_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "data" / "x").mkdir(parents=True)
+    (tmp_path / "data" / "x" / "a.txt").write_text("one")
+    (tmp_path / "data" / "y").symlink_to(tmp_path / "data" / "x")
+    with pytest.raises(ConfigError, match=r"y is .*/x again \(a symbolic link to a folder read already\)"):
+        read_documents(str(tmp_path / "data"))
+    os.remove(tmp_path / "data" / "y")
+    assert read_documents(str(tmp_path / "data")) == ["one"]
+
+
+def test_missing_validation_dataset_names_its_own_key(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-val"
+    _refused(tmp_path, tiny_tokenizer, corpus_dir, capsys, [],
+             f"validation.dataset: no .txt/.md/.jsonl/.parquet files found for {str(missing)!r}",
+             validation={"enabled": True, "dataset": str(missing)})
