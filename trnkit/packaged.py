@@ -41,6 +41,9 @@ def resolve_config(path_or_name: str | os.PathLike) -> Path:
     path = Path(path_or_name)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ConfigError(f"config: --config {path} is a folder; pass a TOML file (or the name of a shipped config: "
+                          f"{config_names()})")
     if path.parent == Path("."):  # a bare name, not a path to a folder
         shipped = configs_dir() / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
         if shipped.is_file():
