@@ -275,6 +275,8 @@ class LaunchContext:
     barrier: threading.Barrier | None = None  # for core_barrier / sendrecv style ops
     mailbox: dict = field(default_factory=dict)  # sendrecv: (pipe_id, from, to) -> data
     seq: int = field(default_factory=_launch_counter.__next__)  # launch order, for the cost model
+    # the device this launch runs on in a multi-rank run (collectives.run_ranks); None: a lone device
+    rank: Any = field(default_factory=lambda: getattr(_tls, "rank", None))
 
     @property
     def num_instances(self) -> int:
@@ -292,6 +294,7 @@ class KernelContext:
     launch: LaunchContext = field(default_factory=LaunchContext)
     memory: Memory = field(default_factory=Memory)
     shared_count: int = 0  # shared_hbm allocations made so far by this instance
+    collective_seq: int = 0  # nki.collectives calls made so far by this instance
     flat_program_id: int = 0
 
 
@@ -364,6 +367,11 @@ def current() -> KernelContext:
     if default is None:  # outside any kernel: no liveness records (see the module doc)
         default = _tls.default = KernelContext(memory=Memory(track=False))
     return default
+
+
+def set_rank(rank: Any) -> None:
+    """Launches made from this thread run as device ``rank`` (``collectives.run_ranks``; None: alone)."""
+    _tls.rank = rank
 
 
 def push_context(ctx: KernelContext) -> None:

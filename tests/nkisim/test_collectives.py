@@ -1,0 +1,120 @@
+"""nki.collectives on a multi-rank run (collectives.run_ranks), against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trnkit import nkisim as nki
+from trnkit.nkisim import collectives as ncc
+from trnkit.nkisim import isa as nisa
+from trnkit.nkisim import language as nl
+from trnkit.nkisim.errors import NkiValidationError
+
+
+def _x(rank: int, rows: int = 4, cols: int = 8) -> np.ndarray:
+    return (np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) + 100 * rank)
+
+
+@nki.jit
+def gather_hbm(x, groups):
+    out = nl.ndarray((x.shape[0] * len(groups[0]), x.shape[1]), x.dtype, buffer=nl.shared_hbm)
+    ncc.all_gather(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup(groups), collective_dim=0)
+    return out
+
+
+@nki.jit
+def gather_sbuf_columns(x, n):
+    """topk_reduce's form: 2-D SBUF tiles gathered along the free dim."""
+    rows, cols = x.shape
+    t = nl.ndarray((rows, cols), x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    g = nl.ndarray((rows, cols * n), x.dtype, buffer=nl.sbuf)
+    ncc.all_gather(srcs=[t], dsts=[g], replica_group=ncc.ReplicaGroup([list(range(n))]), collective_dim=1)
+    out = nl.ndarray((rows, cols * n), x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=g)
+    return out
+
+
+@nki.jit
+def ring(x, n):
+    """Ring all-gather by n-1 implicit permutes (fgcc's pattern): each step stores the chunk it holds at
+    its processing rank's slot, addressed by the rank register (``.ap(scalar_offset=...)``)."""
+    rows, cols = x.shape
+    rg = ncc.ReplicaGroup([list(range(n))])
+    out = nl.ndarray((n * rows, cols), x.dtype, buffer=nl.shared_hbm)
+    slots = out.reshape((n, rows * cols))
+    cur = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=cur, src=x)
+    for it in range(n):
+        who = ncc.collective_permute_implicit_current_processing_rank_id(iteration_id=it, replica_group=rg)
+        nisa.dma_copy(dst=slots.ap([[cols, rows], [1, cols]], offset=0, scalar_offset=who, indirect_dim=0),
+                      src=cur)
+        if it < n - 1:
+            nxt = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+            ncc.collective_permute_implicit(srcs_by_channel=[[cur]], dsts_by_channel=[[nxt]], replica_group=rg)
+            cur = nxt
+    return out
+
+
+@nki.jit
+def reduce_and_rank(x, groups):
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    ncc.all_reduce(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup(groups), op=nl.add)
+    r = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+    nisa.register_store(dst=r, src=ncc.rank_id())
+    rank = nl.ndarray((1, 1), nl.int32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=rank, src=r)
+    return out, rank
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_all_gather_hbm_in_two_rank_lists(lnc):
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    outs = ncc.run_ranks(gather_hbm, 8, lambda r: {"x": _x(r), "groups": groups}, grid=lnc)
+    for r, out in enumerate(outs):
+        base = 0 if r < 4 else 4
+        np.testing.assert_array_equal(out, np.concatenate([_x(base + i) for i in range(4)]))
+
+
+def test_all_gather_sbuf_along_the_free_dim():
+    outs = ncc.run_ranks(gather_sbuf_columns, 4, lambda r: {"x": _x(r), "n": 4})
+    for out in outs:
+        np.testing.assert_array_equal(out, np.concatenate([_x(i) for i in range(4)], axis=1))
+
+
+def test_ring_permute_and_processing_rank_id():
+    outs = ncc.run_ranks(ring, 4, lambda r: {"x": _x(r), "n": 4})
+    for out in outs:
+        np.testing.assert_array_equal(out, np.concatenate([_x(i) for i in range(4)]))
+
+
+def test_all_reduce_and_rank_id_and_partition_op():
+    groups = ncc.ReplicaGroup.from_partition_op(4, ncc.rg_partition_op.mod, 2).replica_groups
+    assert groups == [[0, 2], [1, 3]]
+    assert ncc.ReplicaGroup.from_partition_op(8, ncc.rg_partition_op.div, 4).replica_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    outs = ncc.run_ranks(reduce_and_rank, 4, lambda r: {"x": _x(r), "groups": groups})
+    for r, (out, rank) in enumerate(outs):
+        np.testing.assert_array_equal(out, _x(r % 2) + _x(r % 2 + 2))
+        assert int(rank[0, 0]) == r
+
+
+def test_invalid_collectives_raise():
+    with pytest.raises(NkiValidationError, match="all_gather: a collective needs peer devices"):
+        gather_hbm(_x(0), [[0]])
+    with pytest.raises(NkiValidationError, match="collective_dim must be 0 for HBM tensors, got 1"):
+        @nki.jit
+        def bad_dim(x):
+            out = nl.ndarray((4, 16), x.dtype, buffer=nl.shared_hbm)
+            ncc.all_gather(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup([[0, 1]]), collective_dim=1)
+            return out
+        ncc.run_ranks(bad_dim, 2, lambda r: {"x": _x(r)})
+    with pytest.raises(NkiValidationError, match=r"dst 'out' has shape \(4, 8\), the result is \(8, 8\)"):
+        @nki.jit
+        def small_dst(x):
+            out = nl.ndarray((4, 8), x.dtype, buffer=nl.shared_hbm, name="out")
+            ncc.all_gather(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup([[0, 1]]), collective_dim=0)
+            return out
+        ncc.run_ranks(small_dst, 2, lambda r: {"x": _x(r)})
+    with pytest.raises(NkiValidationError, match="more than one rank-list"):
+        ncc.run_ranks(gather_hbm, 2, lambda r: {"x": _x(r), "groups": [[0, 1], [1]]})
