@@ -187,7 +187,9 @@ def test_the_fast_tier_names_real_cases_and_covers_every_kernel():
     ids = [cases.case_id(c) for c in all_cases]
     assert len(set(ids)) == len(ids)
     assert set(cases.FAST) <= set(ids), set(cases.FAST) - set(ids)
-    assert {c.kernel for c in cases.fast_cases()} == {c.kernel for c in all_cases}
+    fast_kernels = {c.kernel for c in cases.fast_cases()}
+    assert fast_kernels | set(cases.SLOW_ONLY) == {c.kernel for c in all_cases}
+    assert not fast_kernels & set(cases.SLOW_ONLY)
 
 
 SPILLING = '''
@@ -233,3 +235,38 @@ def test_a_filtered_save_replaces_only_its_own_rows(fake_checkout, tmp_path):
     harness.write_csv([rerun], path, merge_order=[first, second])
     rows = list(csv.DictReader(path.open()))
     assert [(r["lnc"], r["result"]) for r in rows] == [("1", "PASS"), ("2", "MISMATCH")]
+
+
+GATHER = '''
+import nki.collectives as ncc
+import nki.isa as nisa
+import nki.language as nl
+
+
+def gather(x, n):
+    out = nl.ndarray((x.shape[0] * n, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+    ncc.all_gather(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup([list(range(n))]), collective_dim=0)
+    return out
+'''
+
+
+def gather_ref(ranks, **_):
+    """Every rank holds all ranks' x, stacked per rank."""
+    full = np.concatenate([np.asarray(r["x"]) for r in ranks])
+    return {"result": np.stack([full] * len(ranks))}
+
+
+def swapped_ref(ranks, **_):
+    return gather_ref(ranks[::-1])
+
+
+def test_a_multi_rank_case_compares_every_rank(fake_checkout):
+    (fake_checkout / "src" / "nkilib_src" / "gather.py").write_text(textwrap.dedent(GATHER))
+    x = np.arange(3 * 4 * 8, dtype=np.float32).reshape(3, 4, 8)
+    case = Case(kernel="fake", name="gather", shapes="x[4,8] x3", entry="nkilib_src.gather:gather",
+                reference=f"{__name__}:gather_ref", inputs=lambda: {"ranks": [{"x": x[r], "n": 3} for r in range(3)]},
+                outputs=("result",), ranks=3, lnc=2, rtol=0.0, atol=0.0)
+    row = harness.run_case(case, fake_checkout)
+    assert row.result == harness.PASS and row.max_abs_err == 0.0, row.message
+    wrong = harness.run_case(Case(**{**case.__dict__, "reference": f"{__name__}:swapped_ref"}), fake_checkout)
+    assert wrong.result == harness.MISMATCH and wrong.max_abs_err == 64.0  # rank 2's rows vs rank 0's

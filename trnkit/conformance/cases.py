@@ -20,11 +20,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
 from .cases_projection import projection_cases
 from .harness import Case
 
-__all__ = ["all_cases", "case_id", "FAST", "fast_cases"]
+__all__ = ["all_cases", "case_id", "FAST", "SLOW_ONLY", "fast_cases"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -473,7 +474,8 @@ def _moe_cases() -> list[Case]:
 def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
-            + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases())
+            + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
+            + collective_cases())
 
 
 def case_id(case: Case) -> str:
@@ -503,7 +505,12 @@ FAST = (
     "experimental/conv/depthwise_conv1d|depthwise bf16 stride=2 pad=5,5|lnc2|img[1,256,1,512] k=64",
     "core/output_projection/tkg|bf16 bias TRANSPOSE_OUT|lnc2|B=4 heads=8 S=4 d=64 H=3072",
     "core/output_projection/tkg|bf16 bias TRANSPOSE_OUT (must reject)|lnc2|B=4 heads=10 S=8 d=128 H=602",
+    "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
+    "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",
+    "experimental/collectives/fg_allgather|ring all-gather bf16|lnc2|m=1024 K=4096 tp=4",
 )
+# kernels whose every case is too slow for the fast tier (the fast tier covers all other kernels)
+SLOW_ONLY = {"experimental/collectives/fgcc": "its one test row multiplies 4096x4096x4096 over 4 ranks (~40 s)"}
 
 
 def fast_cases() -> list[Case]:

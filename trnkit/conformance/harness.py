@@ -73,6 +73,9 @@ class Case:
     # (inputs, actual, expected) -> (actual, expected) to compare, for tests with their own validator
     postprocess: Callable[[dict, dict, dict], tuple[dict, dict]] | None = None
     cleanup: str = ""  # "module:function" nki-library's test calls after the kernel
+    # > 0: a collective kernel on that many devices (nki.collectives.run_ranks); inputs() returns
+    # {"ranks": [kwargs of rank 0, ...]} and each output is compared stacked over the ranks
+    ranks: int = 0
 
 
 @dataclass
@@ -294,7 +297,6 @@ def _classify(exc: BaseException) -> tuple[str, str]:
 
 def run_case(case: Case, root: Path, commit: str = "") -> Row:
     """Run ``case`` on the interpreter and compare it with nki-library's reference."""
-    from trnkit import nkisim  # noqa: PLC0415
     from trnkit.nkisim import memory  # noqa: PLC0415
 
     row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
@@ -306,7 +308,7 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
             kernel = _resolve(case.entry)
             if case.wrap_kernel is not None:
                 kernel = case.wrap_kernel(kernel)
-            kernel_in = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
+            kernel_in = _copies(inputs["ranks"]) if case.ranks else _copies([inputs])[0]
             t0 = time.perf_counter()
             try:
                 # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles
@@ -314,7 +316,7 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
                 with contextlib.redirect_stdout(io.StringIO()), memory.sbuf_spills(), \
                         warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", memory.SbufSpillWarning)
-                    result = nkisim.simulate(kernel)[case.lnc](**kernel_in)
+                    result = _launch(case, kernel, kernel_in)
                 spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
             finally:
                 row.seconds = time.perf_counter() - t0
@@ -355,6 +357,23 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
         row.message = "; ".join(f"{n}: max|err| {e:.3g} > {a:.3g}" for n, (e, a) in row.outputs.items()
                                 if not e <= a)
     return row
+
+
+def _copies(kwargs_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in kw.items()} for kw in kwargs_list]
+
+
+def _launch(case: Case, kernel: Callable[..., Any], kernel_in: Any) -> Any:
+    """Run the kernel as the case says: one device (a ``kernel[lnc]`` grid launch) or ``case.ranks``
+    devices, whose results come back stacked per output (rank-major)."""
+    from trnkit import nkisim  # noqa: PLC0415
+    from trnkit.nkisim import collectives  # noqa: PLC0415
+
+    if not case.ranks:
+        return nkisim.simulate(kernel)[case.lnc](**kernel_in)
+    per_rank = collectives.run_ranks(kernel, case.ranks, lambda r: kernel_in[r], grid=case.lnc)
+    per_rank = [list(r) if isinstance(r, (list, tuple)) else [r] for r in per_rank]
+    return [np.stack([np.asarray(r[i]) for r in per_rank]) for i in range(len(per_rank[0]))]
 
 
 def _spill_note(spills: list) -> str:
