@@ -329,7 +329,8 @@ def _my_chunks(chunks, n_prog, pid):
 
 def _masked_outputs(q, k, mine, shapes):
     """Scratch tensors (private HBM, ``shapes`` for q and k) where this program stores masked work
-    instead of q_out / k_out: ``[for q, for k]``, empty without masked chunks."""
+    instead of q_out / k_out: ``[for q, for k]``, empty without masked chunks. Each tile of a masked
+    chunk has its own place, so the stores do not wait for each other."""
     scratch = []
     for i in range(len(mine)):
         if mine[i][1] and len(scratch) == 0:
@@ -341,11 +342,12 @@ def _masked_outputs(q, k, mine, shapes):
 def _bhsd_tiles(q, k, q_out, k_out, cos, chunks, n_prog, pid):
     """This program's head tiles, in order: ``(x, (out, out offset), HBM offset, (s0, P, NT), table batch,
     first)``; ``first`` marks the first tile of each set of tiles sharing one (chunk, table batch) of
-    tables. A masked chunk's tiles store to a scratch tensor (offset 0)."""
+    tables. A masked chunk's tiles store to a scratch tensor, each head tile to its own place."""
     B, _, S, D = q.shape
     per_batch = len(cos.shape) == 3
     mine = _my_chunks(chunks, n_prog, pid)
-    scratch = _masked_outputs(q, k, mine, ((P_MAX, chunks[0][2] * D), (P_MAX, chunks[0][2] * D)))
+    tile = P_MAX * chunks[0][2] * D  # elements of the largest chunk's head tile
+    scratch = _masked_outputs(q, k, mine, ((B * q.shape[1], tile), (B * k.shape[1], tile)))
     tiles = []
     for chunk, masked in mine:
         s0 = chunk[0]
@@ -358,7 +360,7 @@ def _bhsd_tiles(q, k, q_out, k_out, cos, chunks, n_prog, pid):
                     H = x.shape[1]
                     for hd in range(H):
                         off = ((b * H + hd) * S + s0) * D
-                        dst = (scratch[w], 0) if masked else (x_out, off)
+                        dst = (scratch[w], (b * H + hd) * tile) if masked else (x_out, off)
                         tiles.append((x, dst, off, chunk, bt, first))
                         first = False
     return tiles
@@ -419,13 +421,13 @@ def _rope_bshd(q, k, q_out, k_out, cos, sin, packed, backward, chunks, n_prog, p
     tiles = []  # (x, (out, out offset), HBM offset, (s0, P, NT), batch); masked chunks store to scratch
     mine = _my_chunks(chunks, n_prog, pid)
     rows = P_MAX * chunks[0][2]
-    scratch = _masked_outputs(q, k, mine, ((1, rows, q.shape[2], D), (1, rows, k.shape[2], D)))
+    scratch = _masked_outputs(q, k, mine, ((B, rows, q.shape[2], D), (B, rows, k.shape[2], D)))
     for chunk, masked in mine:
         for b in range(B):
             for w in range(2):
                 x, x_out = ((q, q_out), (k, k_out))[w]
                 off = (b * S + chunk[0]) * x.shape[2] * D
-                dst = (scratch[w], 0) if masked else (x_out, off)
+                dst = (scratch[w], b * rows * x.shape[2] * D) if masked else (x_out, off)
                 tiles.append((x, dst, off, chunk, b))
     # the next slab's load in flight too when four row slabs (x, the next x, y, the previous y) fit
     ahead = 1 if 4 * chunks[0][2] * max(q.shape[2], k.shape[2]) * D * isz <= BSHD_SLAB_BYTES else 0
