@@ -303,9 +303,7 @@ def psum_matmuls_without_accumulate(module) -> list[str]:
     return out
 
 
-# rope_hf, router_topk, rmsnorm and the MoE kernels (attention.attention does not state it yet)
-ACCUMULATE_MODULES = [m for m in MODULES if not m.__name__.endswith("attention.attention")] + [
-    importlib.import_module("trnkit.kernels.moe_bwd")]
+ACCUMULATE_MODULES = MODULES + [importlib.import_module("trnkit.kernels.moe_bwd")]
 
 
 @pytest.mark.parametrize("module", ACCUMULATE_MODULES, ids=[m.__name__.rsplit(".", 1)[-1] for m in ACCUMULATE_MODULES])
