@@ -14,9 +14,12 @@ moe_experts    ``layers[i].moe.experts`` (``GroupedExperts``)   ``layers[i].mlp.
                                                                 fused ``gate_up_proj``/``down_proj``)
 rmsnorm        every ``RMSNorm`` (``attention_norm``,           every ``Qwen3RMSNorm`` / ``Qwen3MoeRMSNorm``
                ``ffn_norm``, ``q_norm``, ``k_norm``, ``norm``)  (layer, q/k head and final norms)
+linear_cross_  ``loss`` (``LinearCrossEntropy``: lm_head +      (transformers computes its loss outside a
+entropy        summed cross-entropy)                            module: not swapped)
 =============  ===============================================  ==========================================
 
-``rmsnorm`` is swappable but not in the default ``ops`` (:data:`DEFAULT_OPS`): name it to swap the norms.
+``rmsnorm`` and ``linear_cross_entropy`` are swappable but not in the default ``ops``
+(:data:`DEFAULT_OPS`): name them to swap the norms and the loss.
 
 Modules are replaced by an instance of a subclass of their own class that shares the original's
 parameters, buffers, children and attributes, so ``state_dict`` keys, checkpoints and ``isinstance``
@@ -69,7 +72,7 @@ def _resolve_dtensor() -> None:
 
 __all__ = ["SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "revert"]
 
-SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm")
+SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm", "linear_cross_entropy")
 DEFAULT_OPS = ("rope_hf", "router_topk", "moe_experts")  # OverrideConfig's default selection
 ORIGINAL = "original"  # report name for "the module's own forward"
 _STATE_ATTR = "_trnkit_overrides"
@@ -259,6 +262,19 @@ def _rmsnorm_forward(self: Any, x: Tensor) -> Tensor:
     return ops.rmsnorm(x, self.weight, eps, impl)[0]
 
 
+def _native_loss_forward(self: Any, h: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 256,
+                         ignore_index: int = -100) -> Tensor:
+    """trnkit's ``LinearCrossEntropy``: the summed loss of ``h [B, S, H] @ weight.T`` in the compute dtype
+    (the autocast dtype under autocast, as the lm_head would run), fp32 out."""
+    dev = h.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(h.dtype, weight.dtype)
+    hidden, w, lab = h.reshape(-1, h.shape[-1]).to(dt), weight.to(dt), labels.reshape(-1)
+    impl = self._trnkit_guard.choose(hidden=hidden, weight=w, labels=lab, ignore_index=ignore_index)
+    if impl is None:
+        return self._trnkit_fallback(h, weight, labels, chunk_size, ignore_index)
+    return ops.linear_cross_entropy(hidden, w, lab, ignore_index, impl)[0]
+
+
 def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     x = hidden_states.reshape(-1, self.hidden_dim)
     impl = self._trnkit_guard.choose(x=x, w_router=self.weight, top_k=self.top_k,
@@ -424,6 +440,8 @@ def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
         return _ModuleAdapter("router_topk", _native_router_forward, native_router_static)
     if _is_native(module, "GroupedExperts"):
         return _ModuleAdapter("moe_experts", _native_experts_forward)
+    if _is_native(module, "LinearCrossEntropy"):
+        return _ModuleAdapter("linear_cross_entropy", _native_loss_forward)
     if _is_native(module, "RMSNorm") or _is_hf(module, "RMSNorm"):
         return _ModuleAdapter("rmsnorm", _rmsnorm_forward)
     if _is_hf(module, "TopKRouter"):
@@ -625,7 +643,8 @@ def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
             tokens = torch.zeros(config.batch_size, seq, dtype=torch.long,
                                  device=param.device if param is not None else "cpu")
-            model(tokens)
+            # the loss runs only when the forward gets labels
+            model(tokens, **({"labels": tokens} if "linear_cross_entropy" in config.ops else {}))
     except TrnkitError:  # a strict impl that cannot serve, a user's constraint function that failed
         raise
     except Exception as exc:

@@ -222,9 +222,31 @@ def _rmsnorm_constraints(x: Tensor, weight: Tensor, eps: float = 1e-6, **_: Any)
     return _attr("rmsnorm", "rmsnorm_constraints")(x, weight, eps)
 
 
+# ------------------------------------------------------------------------------ linear cross-entropy
+
+
+def _lce(ref: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(forward, backward) of the summed linear cross-entropy: the kernels' torch reference or the kernels."""
+    suffix = "_ref" if ref else ""
+
+    def fn(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100):
+        return _attr("cross_entropy", "linear_cross_entropy" + suffix)(hidden, weight, labels, ignore_index, "sum")
+
+    def bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, grad_loss: Tensor, ignore_index: int = -100):
+        return _attr("cross_entropy", "linear_cross_entropy_bwd" + suffix)(hidden, weight, labels, lse, grad_loss,
+                                                                           ignore_index, "sum")
+
+    return fn, bwd
+
+
+def _lce_constraints(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
+                     **_: Any) -> list[Violation]:
+    return _attr("cross_entropy", "linear_cross_entropy_constraints")(hidden, weight, labels, ignore_index, "sum")
+
+
 def register_builtins() -> None:
     """Register ``reference`` and ``nki`` for every op (idempotent)."""
-    for name in ("rope_hf", "router_topk", "moe", "rmsnorm"):
+    for name in ("rope_hf", "router_topk", "moe", "rmsnorm", "cross_entropy"):
         try:
             _kernel(name)
         except ImportError:  # reported when the impl is first used
@@ -243,6 +265,10 @@ def register_builtins() -> None:
     register("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_constraints, **nki)
     register("rmsnorm", REFERENCE, _rmsnorm_ref, backward=_rmsnorm_ref_bwd, **ref)
     register("rmsnorm", NKI, _rmsnorm_nki, backward=_rmsnorm_nki_bwd, constraints=_rmsnorm_constraints, **nki)
+    lce_ref, lce_ref_bwd = _lce(ref=True)
+    lce_nki, lce_nki_bwd = _lce(ref=False)
+    register("linear_cross_entropy", REFERENCE, lce_ref, backward=lce_ref_bwd, **ref)
+    register("linear_cross_entropy", NKI, lce_nki, backward=lce_nki_bwd, constraints=_lce_constraints, **nki)
 
 
 _ROPE_REF = _rope(ref=True)

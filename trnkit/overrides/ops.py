@@ -23,7 +23,10 @@ registered on the functional ops with the impl's backward.
   returns the bias gradients too (empty tensors for absent biases).
 - ``trnkit::rmsnorm(x, weight, eps, impl) -> (y, rstd f32)``: HF's cast order, ``y`` in
   ``promote(x.dtype, weight.dtype)``, ``rstd`` one fp32 value per row (saved for the backward).
-- ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``, ``trnkit::rmsnorm_bwd``: the backward
+- ``trnkit::linear_cross_entropy(hidden, weight, labels, ignore_index, impl) -> (loss f32, lse f32)``: the
+  lm_head fused with the cross-entropy summed over the labels that are not ``ignore_index``.
+- ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``, ``trnkit::rmsnorm_bwd``,
+  ``trnkit::linear_cross_entropy_bwd``: the backward
   kernels as ops of their own, so the backward graph is opaque to torch.compile too.
 
 Impls receive contiguous tensors. Outputs are normalised to the declared dtypes, so a user impl that
@@ -42,8 +45,8 @@ from torch import Tensor
 from trnkit.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from trnkit.overrides.registry import get_impl
 
-__all__ = ["grouped_mm", "grouped_mm_bwd", "moe_experts", "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rope_hf",
-           "rope_hf_apply", "router_topk", "router_topk_bwd"]
+__all__ = ["grouped_mm", "grouped_mm_bwd", "linear_cross_entropy", "linear_cross_entropy_bwd", "moe_experts",
+           "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rope_hf", "rope_hf_apply", "router_topk", "router_topk_bwd"]
 
 _LAYOUTS = ("bhsd", "bshd")
 
@@ -59,7 +62,7 @@ def _check_layout(layout: str) -> None:
 
 # Positions of each op's differentiable inputs in its backward's arguments (x, weights, ...).
 _PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0, 1), "moe_experts": (0, 2, 3, 4),
-                                        "rmsnorm": (0, 1)}
+                                        "rmsnorm": (0, 1), "linear_cross_entropy": (0, 1)}
 _PRIMAL_KWARGS = ("b_gate_up", "b_down")  # differentiable keyword arguments (the experts' biases)
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
                   torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
@@ -423,3 +426,54 @@ def _rmsnorm_backward(ctx: Any, grad_y: Tensor | None, grad_rstd: Tensor | None)
 
 
 rmsnorm.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
+
+
+# ------------------------------------------------------------------------------ linear cross-entropy
+
+
+@torch.library.custom_op("trnkit::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
+                         impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """``(loss, lse [T])``: ``cross_entropy(hidden @ weight.T, labels, reduction="sum")`` (fp32) and the
+    log-sum-exp of each token's logits (saved for the backward)."""
+    loss, lse = get_impl("linear_cross_entropy", impl).fn(hidden.contiguous(), weight.contiguous(), labels.contiguous(),
+                                                           ignore_index=ignore_index)
+    return loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1)
+
+
+@linear_cross_entropy.register_fake
+def _linear_cross_entropy_fake(hidden, weight, labels, ignore_index=-100, impl="reference"):
+    return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
+
+
+def _lce_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    hidden, weight, labels, ignore_index, impl = inputs
+    ctx.save_for_backward(hidden, weight, labels, output[1])
+    ctx.ignore_index, ctx.impl = ignore_index, impl
+
+
+@torch.library.custom_op("trnkit::linear_cross_entropy_bwd", mutates_args=())
+def linear_cross_entropy_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, grad_loss: Tensor,
+                             ignore_index: int = -100, impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Backward of ``trnkit::linear_cross_entropy``: ``(grad_hidden, grad_weight)`` for the loss gradient
+    ``grad_loss`` (a scalar tensor)."""
+    gh, gw = _run_backward("linear_cross_entropy", impl, hidden.contiguous(), weight.contiguous(),
+                           labels.contiguous(), lse.contiguous(), grad_loss.detach().reshape(()),
+                           ignore_index=ignore_index)
+    return gh.to(hidden.dtype), gw.to(weight.dtype)
+
+
+@linear_cross_entropy_bwd.register_fake
+def _linear_cross_entropy_bwd_fake(hidden, weight, labels, lse, grad_loss, ignore_index=-100, impl="reference"):
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _lce_backward(ctx: Any, grad_loss: Tensor | None, grad_lse: Tensor | None):
+    hidden, weight, labels, lse = ctx.saved_tensors
+    if grad_loss is None:  # only lse was used downstream: it carries no gradient
+        return torch.zeros_like(hidden), torch.zeros_like(weight), None, None, None
+    gh, gw = linear_cross_entropy_bwd(hidden, weight, labels, lse, grad_loss, ctx.ignore_index, ctx.impl)
+    return gh, gw, None, None, None
+
+
+linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)

@@ -12,6 +12,7 @@ Module tree (the override registry swaps the marked modules; keep the paths stab
         moe: MoE (router: TopKRouter <- swap point, experts: GroupedExperts <- swap point)  (None on dense)
       norm: RMSNorm
       lm_head: Linear[dim -> V]   (weight is tok_embeddings.weight when tied)
+      loss: LinearCrossEntropy    (lm_head + summed cross-entropy, no parameters  <- swap point)
       rope_cache: buffer [max_seq_len, 2*head_dim] fp32 = cat(cos, sin)   (not in the state dict)
 
 Numerics follow HF Qwen3: RMSNorm in fp32, cast to the input dtype, then times the weight; cos/sin
@@ -49,6 +50,18 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LinearCrossEntropy(nn.Module):
+    """The lm_head fused with the summed cross-entropy (swap point ``loss``, no parameters): the chunked
+    torch implementation of :mod:`.loss`, vocab-parallel when ``weight`` is a vocab shard (a ``Shard(0)``
+    DTensor)."""
+
+    def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100) -> torch.Tensor:
+        weight, group, vocab_start = _vocab_shard(weight)
+        return linear_cross_entropy(h, weight, labels, chunk_size=chunk_size, ignore_index=ignore_index,
+                                    group=group, vocab_start=vocab_start)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -351,6 +364,7 @@ class Qwen3Model(_DropsForwardState, nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.loss = LinearCrossEntropy()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", self._make_rope_cache(), persistent=False)
@@ -401,9 +415,7 @@ class Qwen3Model(_DropsForwardState, nn.Module):
             logits = self.lm_head(h).float()
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index,
                                    reduction="sum")
-        weight, group, vocab_start = _vocab_shard(self.lm_head.weight)
-        return linear_cross_entropy(h, weight, labels, chunk_size=loss_chunk_size, ignore_index=ignore_index,
-                                    group=group, vocab_start=vocab_start)
+        return self.loss(h, self.lm_head.weight, labels, loss_chunk_size, ignore_index)
 
     def router_stats(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """``(selections per expert [E], router probabilities summed per expert [E], rows)`` over all MoE

@@ -1,0 +1,96 @@
+"""trnkit::linear_cross_entropy: the op (forward, autograd, fake, opcheck, torch.compile) and its swap into
+trnkit's native Qwen3 (the ``loss`` module), against ``torch.nn.functional.cross_entropy``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.overrides.conftest import native_model
+from tests.tolerances import assert_close
+from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides, ops, revert, select
+
+IGNORE = -100
+
+
+def _inputs(T: int, H: int, V: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g) / H ** 0.5).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (T,), generator=g)
+    labels[::3] = IGNORE
+    return h, w, labels
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 8, 5), (37, 24, 130), (129, 40, 600)])
+def test_op_loss_and_gradients_match_torch_cross_entropy(impl, dtype, shape):
+    h, w, labels = _inputs(*shape, dtype, seed=sum(shape))
+    loss, lse = ops.linear_cross_entropy(h, w, labels, IGNORE, impl)
+    h2, w2 = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = F.cross_entropy(h2 @ w2.T, labels, ignore_index=IGNORE, reduction="sum")
+    assert loss.dtype == torch.float32 and loss.shape == () and lse.shape == (shape[0],)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+    assert_close(lse, torch.logsumexp(h2 @ w2.T, -1).detach(), torch.float32)
+    gh, gw = torch.autograd.grad(2.0 * loss, (h, w))
+    wh, ww = torch.autograd.grad(2.0 * want, (h2, w2))
+    assert gh.dtype == dtype and gw.dtype == dtype
+    if dtype == torch.float32:
+        assert_close(gh, wh, dtype)
+        assert_close(gw, ww, dtype)
+    else:  # dl is rounded to bf16 before the matmuls (as a bf16 lm_head backward would): sums of rounded terms
+        for got, want in ((gh, wh), (gw, ww)):
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_opcheck(impl):
+    h, w, labels = _inputs(9, 16, 40, torch.float32, seed=1)
+    torch.library.opcheck(torch.ops.trnkit.linear_cross_entropy, (h, w, labels, IGNORE, impl))
+    lse = torch.logsumexp(h.detach() @ w.detach().T, -1)
+    torch.library.opcheck(torch.ops.trnkit.linear_cross_entropy_bwd,
+                          (h.detach(), w.detach(), labels, lse, torch.tensor(1.5), IGNORE, impl))
+
+
+def test_compiles_fullgraph():
+    h, w, labels = _inputs(20, 16, 50, torch.float32, seed=2)
+    fn = lambda a, b: ops.linear_cross_entropy(a, b, labels, IGNORE, "nki")[0]  # noqa: E731
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(h, w)
+    got_g = torch.autograd.grad(got, (h, w))
+    want = fn(h, w)
+    want_g = torch.autograd.grad(want, (h, w))
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_g, want_g))
+
+
+def test_native_model_loss_swapped_matches_and_reverts():
+    model = native_model(init_std=0.2)
+    original = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    report = apply_overrides(model, OverrideConfig(ops=["linear_cross_entropy"], impl="nki", seq_len=8))
+    assert [(r.module, r.op, r.status) for r in report.rows] == [("loss", "linear_cross_entropy", "swapped")]
+    assert list(model.state_dict()) == keys
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    labels = tokens.roll(-1, 1)
+    labels[:, -1] = IGNORE
+    results = []
+    for m in (model, original):
+        m.zero_grad()
+        loss = m(tokens, labels=labels, loss_chunk_size=4)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (got, got_g), (want, want_g) = results
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    for name in want_g:
+        assert_close(got_g[name], want_g[name], torch.float32, msg=name)
+    assert revert(model) == 1 and type(model.loss) is type(original.loss)
+
+
+def test_width_beyond_the_kernel_names_op_rule_and_value():
+    h, w, labels = torch.empty(4, 2561), torch.empty(9, 2561), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(OverrideConstraintError, match=r"linear_cross_entropy.*H <= 2560.*2561"):
+        select("linear_cross_entropy", "nki", policy="strict", hidden=h, weight=w, labels=labels)
+    assert select("linear_cross_entropy", "nki", hidden=h[:, :64], weight=w[:, :64], labels=labels).impl == "nki"
