@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from trnkit.errors import ConfigError, DiskWriteError, TrnkitError
+from trnkit.errors import ConfigError, DiskWriteError
 from trnkit.harness.dcp_safe import METADATA, SafeLoadPlanner, SafeReader, UnsafeCheckpointError, read_metadata
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
