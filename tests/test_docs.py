@@ -200,3 +200,67 @@ def test_docs_tables_rewrites_every_quote_after_a_rerun(tmp_path, monkeypatch):
     assert docs_tables.refresh_quotes() == [] and docs_tables.wrong_quotes() == []
     rope = next(r for r in rows if r["case"] == "rope_fwd")
     assert f"fwd {float(rope['mid_us']):,.0f} µs" in (tmp_path / "README.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------ snippets that run
+PYTHON_SNIPPET = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", re.S | re.M)  # also indented (in a list)
+
+
+def python_snippets(path: Path) -> list[tuple[int, str]]:
+    """(line number, code) of every ```python block of a page, in order, indented ones dedented."""
+    import textwrap
+
+    text = path.read_text()
+    return [(text[:m.start()].count("\n") + 2, textwrap.dedent(m.group(2)))
+            for m in PYTHON_SNIPPET.finditer(text)]
+
+
+PAGES_WITH_SNIPPETS = [p for p in DOC_FILES if python_snippets(p)]
+
+
+@pytest.mark.parametrize("path", PAGES_WITH_SNIPPETS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_python_snippets_run_as_written(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Every ```python block of README.md and docs/*.md runs as written, a page's blocks in order in one
+    namespace (a block may use what an earlier block of the same page defined), from an empty folder."""
+    import copy
+
+    from trnkit.overrides import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", copy.deepcopy(registry._REGISTRY))  # pages register impls
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    namespace: dict = {"__name__": "__main__"}
+    for line, code in python_snippets(path):
+        try:
+            exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), namespace)  # noqa: S102
+        except Exception as e:
+            pytest.fail(f"{path.relative_to(ROOT)}, snippet at line {line}: {type(e).__name__}: {e}")
+
+
+def test_snippet_finder_sees_every_python_block():
+    assert len(python_snippets(ROOT / "README.md")) == 3
+    assert sum(len(python_snippets(p)) for p in DOC_FILES) >= 14
+    assert any("scoring=\"sigmoid\"" in code for _, code in python_snippets(ROOT / "docs" / "kernels.md"))
+    assert python_snippets(ROOT / "docs" / "trainer.md") == []  # bash / toml blocks are not Python
+
+
+# ------------------------------------------------------------------------------------------ the docs site
+def test_every_docs_page_is_in_the_site_navigation():
+    nav = set(re.findall(r":\s*([\w.-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M))
+    assert nav == {p.name for p in (ROOT / "docs").glob("*.md")} | {"index.md"}
+
+
+def test_docs_site_builds_with_strict(tmp_path: Path):
+    """`mkdocs build --strict` (the docs extra): no broken page link, anchor or configuration warning."""
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("material")
+    import subprocess
+
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                        "-d", str(site)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    home = (site / "index.html").read_text()
+    assert "Quick start" in home and 'href="trainer/"' in home  # the README, its docs/ links made relative
+    for page in ("trainer", "kernels", "interpreter", "benchmarks"):
+        assert (site / page / "index.html").is_file()
