@@ -32,12 +32,11 @@ def locked() -> dict[str, str]:
     return out
 
 
-def test_every_package_folder_is_in_the_wheel_list():
-    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
-    found = set(find_packages(str(ROOT), include=["trnkit*"]))
-    assert listed == found | {"trnkit.configs", "trnkit.examples"}, "update [tool.setuptools] packages"
+def test_configs_and_examples_are_mapped_into_the_package():
     assert PYPROJECT["tool"]["setuptools"]["package-dir"] == {"trnkit.configs": "configs",
                                                                "trnkit.examples": "examples"}
+    assert "packages" not in PYPROJECT["tool"]["setuptools"]  # setup.py finds them: a new subpackage is never left out
+    assert '"trnkit.configs", "trnkit.examples"' in (ROOT / "setup.py").read_text()
 
 
 def test_base_dependencies_are_ranges_and_the_lock_satisfies_every_one():
@@ -110,6 +109,8 @@ def test_wheel_installs_outside_the_checkout_and_trains(tmp_path):
     wheel, = dist.glob("trnkit-*.whl")
     sdist, = dist.glob("trnkit-*.tar.gz")
     names = set(zipfile.ZipFile(wheel).namelist())
+    for package in find_packages(str(ROOT), include=["trnkit*"]):  # every package, also ones added later
+        assert f"{package.replace('.', '/')}/__init__.py" in names, package
     assert {"trnkit/py.typed", "trnkit/configs/debug_moe_nki.toml", "trnkit/configs/qwen3_30b_a3b.toml",
             "trnkit/configs/hf/qwen3-moe-debug/config.json", "trnkit/examples/my_kernels.py"} <= names
     assert not any(n.startswith(("tests/", "configs/", "examples/")) for n in names)
