@@ -284,7 +284,39 @@ def calibration() -> str:
         return calibration_markdown(list(csv.DictReader(f)))
 
 
+def plan_check() -> str:
+    """benchmarks/plan_check.py: the memory planner against the measured CPU peak and torchtitan's MemTracker."""
+    rows = read_csv("plan_check.csv")
+    body = [[r["case"], f"{float(r['plan_gib']):.3f}", r["peak_phase"], f"{float(r['measured_gib']):.3f}",
+             f"**{float(r['plan_error']):+.1%}**", f"{float(r['torchtitan_gib']):.3f}",
+             f"{float(r['torchtitan_error']):+.1%}"] for r in rows]
+    header = ["case (3 steps, one process)", "plan GiB", "plan's peak", "measured peak GiB", "plan error",
+              "MemTracker GiB", "MemTracker error"]
+    return _table(header, body)
+
+
+def plan_layouts() -> str:
+    """python -m trnkit.harness.plan --config qwen3_30b_a3b --layouts 64x1,32x2,16x4,8x8 [--activation-checkpointing full]."""
+    from trnkit.harness.config import load_config  # noqa: PLC0415 - the planner itself, not a CSV
+    from trnkit.harness.plan import layouts_table, parse_layouts, plan
+    from trnkit.packaged import resolve_config
+
+    out = []
+    for ac in ("none", "full"):
+        plans = []
+        for dp, tp in parse_layouts("64x1,32x2,16x4,8x8"):
+            cfg = load_config(resolve_config("qwen3_30b_a3b"), [  # TP needs every rank to init the full model
+                "--parallelism.data_parallel_shard_degree", str(dp), "--parallelism.tensor_parallel_degree", str(tp),
+                "--parallelism.replicated_init", "true"])
+            plans.append(plan(cfg, dp * tp, "trn2", activation_checkpointing=ac))
+        lines = layouts_table(plans).splitlines()
+        title = "as the trainer runs it" if ac == "none" else "what-if: `--activation-checkpointing full`"
+        out += [f"{title}:", "", *lines[1:-1], ""]
+    return "\n".join(out[:-1])
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "plan_check": plan_check, "plan_layouts": plan_layouts,
     "calibration": calibration,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe,

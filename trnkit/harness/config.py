@@ -33,6 +33,9 @@ class JobConfig:
     # A lock file from `python -m trnkit env --lock > stack.lock`: the run refuses to start (exit 2) when an
     # installed version differs from it. "" = no check. Every run writes its own stack to <dump_folder>/stack.lock.
     stack: str = ""
+    # The per-rank memory plan (python -m trnkit.harness.plan) at start-up: "warn" logs a warning when the
+    # run does not fit the device's memory, "stop" refuses to start (exit 2), "off" skips it.
+    memory_check: Literal["warn", "stop", "off"] = "warn"
 
 
 @dataclass

@@ -10,9 +10,12 @@ own handlers).
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
+import time
+from typing import Callable, TextIO
 
-__all__ = ["LOGGER", "setup_logging"]
+__all__ = ["LOGGER", "ProgressLine", "interrupt_message", "setup_logging"]
 
 LOGGER = logging.getLogger("trnkit.harness")
 
@@ -69,3 +72,51 @@ def setup_logging(rank: int, world_size: int, log_rank: str = "0") -> logging.Lo
     handler.setFormatter(_Formatter(prefix))
     LOGGER.setLevel(logging.INFO)
     return LOGGER
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class ProgressLine:
+    """The progress bar's content as a plain line every ``every`` steps, for a stderr that is not a terminal
+    (a log file, a scheduler's capture): ``step 10/50 (20%)  loss 5.1234  tokens/s 1,234  elapsed 0:00:42  ETA
+    0:02:48``. tokens/s is over the steps since the previous line; the ETA is the mean step time of this
+    run so far times the steps left."""
+
+    def __init__(self, total_steps: int, start_step: int, every: int, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self.start, self.every = total_steps, start_step, every
+        self.stream, self.clock = stream, clock
+        self._t0 = self._t_last = clock()
+        self._tokens = 0
+
+    def update(self, step: int, loss: float, tokens: int) -> str | None:
+        """Count this step's ``tokens``; on every ``every``-th step (and the last) write and return the line."""
+        self._tokens += tokens
+        if step % self.every and step != self.total:
+            return None
+        now = self.clock()
+        tps = self._tokens / max(now - self._t_last, 1e-9)
+        per_step = (now - self._t0) / max(step - self.start, 1)
+        line = (f"[trnkit] step {step}/{self.total} ({step / self.total:.0%})  loss {loss:.4f}  "
+                f"tokens/s {tps:,.0f}  elapsed {_clock(now - self._t0)}  ETA {_clock(per_step * (self.total - step))}")
+        print(line, file=self.stream or sys.stderr, flush=True)
+        self._t_last, self._tokens = now, 0
+        return line
+
+
+def interrupt_message(signal_name: str, kept: tuple[int, str] | None, checkpoint_enabled: bool, resume: bool,
+                      dump_folder: str, argv: list[str]) -> str:
+    """What the trainer prints when Ctrl-C (or SIGTERM) stops it: what was kept and the command that resumes."""
+    command = "python -m trnkit.harness.train " + shlex.join(argv)  # under torchrun: the same torchrun command
+    head = f"interrupted ({signal_name}); metrics.jsonl and loss.png are kept in {dump_folder}"
+    if kept is not None:
+        step, path = kept
+        flag = "" if resume else " --checkpoint.resume true"
+        return f"{head}; kept checkpoint {path} (step {step}); resume with:\n  {command}{flag}"
+    if checkpoint_enabled:
+        return (f"{head}; no checkpoint was written yet, so a rerun starts from step 1:\n  {command}")
+    return (f"{head}; checkpoints are off (checkpoint.enable = false), so nothing can be resumed; a rerun starts "
+            f"from step 1 (add --checkpoint.enable true to keep checkpoints):\n  {command}")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from trnkit.errors import ConfigError
-from trnkit.harness.logs import LOGGER
+from trnkit.harness.logs import LOGGER, ProgressLine
 
 # Dense BF16 peak per device as torchtitan's get_peak_flops counts it (PR #2382: trn1/inf2 90e12 per
 # NeuronCore-v2; trn2/trn3 79e12 x 2 per LNC=2 logical device). CPU: unknown -> None.
@@ -165,6 +165,9 @@ class MetricsLogger:
             # redrawn every step (steps take far longer than a redraw); tqdm computes the ETA
             self._bar = tqdm(total=steps, initial=start_step, desc="train", unit="step", leave=False,
                              file=sys.stderr, mininterval=0, miniters=1, dynamic_ncols=True)
+        self._line = None
+        if rank == 0 and cfg.progress_freq > 0 and self._bar is None and not sys.stderr.isatty():
+            self._line = ProgressLine(steps, start_step, cfg.progress_freq)
         self._t_last = self._t_bar = time.perf_counter()
         self._tokens_since = self._tokens_bar = 0
         self._val_loss: float | None = None
@@ -181,7 +184,11 @@ class MetricsLogger:
         self._tokens_bar += n
 
     def progress(self, step: int, loss: float) -> None:
-        """Advance the bar to ``step`` (call every step) with the last step's tokens/s and loss."""
+        """Advance the bar to ``step`` (call every step) with the last step's tokens/s and loss; without a
+        terminal, a progress line every ``progress_freq`` steps."""
+        if self._line is not None:
+            self._line.update(step, loss, self._tokens_bar)
+            self._tokens_bar = 0
         if self._bar is None:
             return
         now = time.perf_counter()

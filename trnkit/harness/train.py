@@ -36,9 +36,11 @@ from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIde
 from trnkit.harness.config import (ConfigError, LRSchedulerConfig, TrainerConfig, _suggest, check_log_rank, parse_args,
                                    to_toml)
 from trnkit.harness.data import IGNORE_INDEX, build_loaders
-from trnkit.harness.metrics import MetricsLogger, flops_per_token, peak_flops, plot_loss, step1_sanity
-from trnkit.harness.logs import LOGGER, setup_logging
+from trnkit.harness.metrics import (MetricsLogger, device_memory, flops_per_token, peak_flops, plot_loss,
+                                    step1_sanity)
+from trnkit.harness.logs import LOGGER, interrupt_message, setup_logging
 from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
+from trnkit.harness.plan import check_at_startup, measured_vs_plan
 from trnkit.harness.plugins import import_plugins
 from trnkit.harness.rundir import RunLock, archive_previous_run, writable_inside
 from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
@@ -328,6 +330,8 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         writable_inside(os.path.join(dump, EXPORT_DIR), dump, "checkpoint.export_hf")
     handle = build_handle(cfg)
     identity = run_identity(handle)
+    memory_plan = check_at_startup(cfg, env.world_size, env.device.type, parallel.device_name(env.device),
+                                   cfg.job.memory_check, log)
     ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
     resume_from = None
     if cfg.checkpoint.enable and cfg.checkpoint.resume:
@@ -476,6 +480,8 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
             result.grad_norms[step] = grad_norm
             if step == start_step + 1 and start_step == 0:
                 log(step1_sanity(global_loss, handle.vocab_size, loaded))
+                if memory_plan is not None and env.device.type == "neuron":  # pragma: no cover - needs a device
+                    log(measured_vs_plan(memory_plan, device_memory(env.device)[0] * 2**30))
             if validator is not None and validator.due(step):
                 t_val = time.perf_counter()
                 val_loss = validator.evaluate(model, loss_sum)
@@ -494,6 +500,7 @@ def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
         raise
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (see _sigterm_raises)
         outcome = f"interrupted ({getattr(e, 'signal_name', 'SIGINT')})"
+        e.kept_checkpoint = last_good  # type: ignore[attr-defined] - main() names it and the resume command
         raise
     finally:
         if ckpt.in_flight is not None:
@@ -617,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    cfg = None
     try:
         cfg = parse_args(argv)
         run(cfg)
@@ -629,7 +637,11 @@ def main(argv: list[str] | None = None) -> int:
         return 3 if isinstance(e, TrainingDiverged) else 2
     except KeyboardInterrupt as e:
         name = getattr(e, "signal_name", "SIGINT")
-        print(f"interrupted ({name}); the last checkpoint, metrics.jsonl and loss.png are kept", file=sys.stderr)
+        if cfg is None:
+            print(f"interrupted ({name}) before the run started", file=sys.stderr)
+        else:
+            print(interrupt_message(name, getattr(e, "kept_checkpoint", None), cfg.checkpoint.enable,
+                                    cfg.checkpoint.resume, cfg.job.dump_folder, argv), file=sys.stderr)
         return 128 + getattr(signal, name)
     return 0
 

@@ -1,0 +1,140 @@
+"""The per-rank memory planner: terms against hand counts and the model's own parameters, the measured CPU
+peak (benchmarks/plan_check.py's CSV), the CLI and the trainer's start-up check."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trnkit.bench.paths import load_script
+from trnkit.errors import ConfigError
+from trnkit.harness import plan as plan_mod
+from trnkit.harness.config import load_config
+from trnkit.harness.plan import DEVICE_MEMORY, GiB, plan
+from trnkit.harness.train import run
+from trnkit.packaged import resolve_config
+from trnkit.qwen3 import Qwen3Model, model_registry
+
+from .helpers import REPO, tiny_config
+
+CSV = REPO / "benchmarks" / "data" / "plan_check.csv"
+
+
+def _terms(p) -> dict[str, int]:
+    return {t.name: t.bytes for t in p.terms}
+
+
+def test_device_memory_per_rank_from_the_documented_sizes():
+    assert DEVICE_MEMORY["trn2"] == 24 * GiB      # 96 GiB per Trainium2 chip / 4 logical cores (LNC=2)
+    assert DEVICE_MEMORY["trn2-lnc1"] == 12 * GiB  # / 8 physical cores
+    assert DEVICE_MEMORY["trn1"] == 16 * GiB      # 32 GiB per Trainium chip / 2 cores
+
+
+@pytest.mark.parametrize("flavor", ["debug", "debug-moe", "0.6B"])
+def test_parameter_terms_count_the_models_own_parameters(flavor):
+    cfg = load_config(None, ["--model.spec", f"qwen3:{flavor}"])
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Qwen3Model(model_registry(flavor).config).parameters())
+    terms = _terms(plan(cfg, 1, "trn2"))
+    assert terms["parameters"] == 4 * n and terms["gradients"] == 4 * n and terms["optimizer state"] == 8 * n
+
+
+def test_fsdp_and_tp_shard_what_they_shard():
+    cfg = load_config(resolve_config("qwen3_30b_a3b"))
+    mc = model_registry("30B-A3B").config
+    one = _terms(plan(cfg, 1, "trn2"))
+    cfg.parallelism.data_parallel_shard_degree = 8
+    fsdp8 = _terms(plan(cfg, 8, "trn2"))
+    assert fsdp8["optimizer state"] == pytest.approx(one["optimizer state"] / 8, rel=1e-6)
+    cfg.parallelism.data_parallel_shard_degree = 2
+    assert fsdp8["activations"] == _terms(plan(cfg, 2, "trn2"))["activations"]  # FSDP does not shard them
+    # (bf16 under FSDP's mixed precision keeps a bf16 residual stream; one rank's autocast keeps it fp32)
+    assert fsdp8["activations"] < one["activations"]
+    cfg.parallelism.data_parallel_shard_degree, cfg.parallelism.tensor_parallel_degree = 2, 4
+    tp4 = _terms(plan(cfg, 8, "trn2"))
+    # replicated experts: TP shards attention, norms stay whole, the 48 x 128 experts are on every TP rank
+    experts = 48 * 128 * 3 * mc.dim * mc.moe_inter_dim
+    assert tp4["parameters"] > 4 * experts / 2 > fsdp8["parameters"]
+    assert tp4["MoE dispatch buffers"] == one["MoE dispatch buffers"]  # tokens are not split by TP
+    # hand count: 1 x 4096 tokens x 48 MoE layers x top-8 x dim 2048 x bf16 x (permuted in, out, weighted)
+    assert one["MoE dispatch buffers"] == 4096 * 48 * 8 * 2048 * 2 * 3
+    cfg.parallelism.tp_experts = "shard_i"
+    assert _terms(plan(cfg, 8, "trn2"))["parameters"] < tp4["parameters"] / 2
+
+
+def test_loss_chunk_is_one_block_not_the_full_logits():
+    cfg = load_config(resolve_config("debug_moe"))
+    chunked = _terms(plan(cfg, 1, "cpu"))["loss chunk"]
+    # [256, 151,936] fp32 block + fp32 dW [151,936, 256] + the final norm / dh per token (2 x 128 tokens)
+    assert chunked == 256 * 151936 * 4 + 151936 * 256 * 4 + 256 * (4 * 256 + 4 + 2 * 4 * 256 + 4 * 256)
+    cfg.training.loss_chunk_size = 0
+    assert _terms(plan(cfg, 1, "cpu"))["loss chunk"] > 2 * 256 * 151936 * 4
+
+
+def test_plan_is_within_15_percent_of_the_measured_cpu_peak():
+    """benchmarks/plan_check.py measured each case's peak resident memory; its plan column is the planner's
+    figure today (a planner change without a rerun of the benchmark fails here)."""
+    rows = list(csv.DictReader(CSV.open()))
+    assert {r["case"] for r in rows} >= {"debug-moe fp32 2x128", "0.6B widths, 2 layers, fp32 1x512"}
+    check = load_script(REPO / "benchmarks" / "plan_check.py", "plan_check")
+    by_case = {case: (config, overrides) for case, config, overrides in check.CASES}
+    for r in rows:
+        assert abs(float(r["plan_error"])) < 0.15, r
+        config, overrides = by_case[r["case"]]
+        cfg = load_config(resolve_config(config), [*check.COMMON, *overrides])
+        assert plan(cfg, 1, "cpu").total / GiB == pytest.approx(float(r["plan_gib"]), abs=1e-4), \
+            f"{r['case']}: rerun python benchmarks/plan_check.py"
+
+
+def test_cli_layouts_of_a_trn2_48xlarge():
+    r = subprocess.run([sys.executable, "-m", "trnkit.harness.plan", "--config", "qwen3_30b_a3b", "--layouts",
+                        "64x1,16x4,8x8"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and " x " in line[:12]]
+    assert [row.split("|")[1].strip() for row in rows] == ["64 x 1", "16 x 4", "8 x 8"]
+    assert "24.00 GiB per rank" in r.stdout
+    for row in rows:
+        total = float(row.split("|")[-3].split()[0].replace(",", ""))
+        assert row.split("|")[-2].strip() == ("yes" if total <= 24 else "**no**")
+
+
+def test_cli_single_plan_and_errors():
+    r = subprocess.run([sys.executable, "-m", "trnkit.harness.plan", "--config", "debug_moe_nki", "--device",
+                        "trn1", "--training.seq_len", "64"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "dp_shard 1 x tp 1 on trn1" in r.stdout and "fits:" in r.stdout and "of 16.00 GiB per rank" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "trnkit.harness.plan", "--config", "debug_moe_nki",
+                          "--training.seq_len", "0"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert bad.returncode == 2 and "training.seq_len: must be >= 1" in bad.stderr
+
+
+def test_trainer_warns_or_stops_when_the_plan_does_not_fit(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                           monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(plan_mod, "cpu_capacity", lambda ranks: 1 << 20)  # a 1 MiB "device"
+    cfg = tiny_config(tmp_path / "stop", tiny_tokenizer, corpus_dir, job={"memory_check": "stop"})
+    with pytest.raises(ConfigError, match=r"job.memory_check = \"stop\": the run does not fit: does NOT fit: .* of "
+                                          r"0.00 GiB per rank on cpu .*largest: "):
+        run(cfg)
+    assert not (tmp_path / "stop").exists()
+    caplog.set_level(logging.INFO, logger="trnkit.harness")
+    res = run(tiny_config(tmp_path / "warn", tiny_tokenizer, corpus_dir, training={"steps": 1}))
+    assert res.final_step == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(w.startswith("memory plan: the run does not fit") for w in warnings), warnings
+    caplog.clear()
+    monkeypatch.undo()
+    run(tiny_config(tmp_path / "fits", tiny_tokenizer, corpus_dir, training={"steps": 1}))
+    assert any(r.getMessage().startswith("memory plan (end of") and "fits:" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_measured_vs_plan_line():
+    p = plan(load_config(resolve_config("debug_moe")), 1, "trn2")
+    assert plan_mod.measured_vs_plan(p, p.total * 1.1).endswith(f"plan {plan_mod.gib(p.total)} (+10%)")

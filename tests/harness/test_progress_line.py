@@ -1,0 +1,115 @@
+"""A run someone follows from a log: progress lines when stderr is not a terminal, and what Ctrl-C keeps and
+how to resume it."""
+
+from __future__ import annotations
+
+import io
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from trnkit.harness.logs import ProgressLine, interrupt_message
+from trnkit.harness.metrics import MetricsLogger
+from trnkit.harness.train import main, run
+
+from .helpers import tiny_config, write_config
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_progress_line_every_n_steps_with_tokens_per_second_and_eta():
+    clock, out = Clock(), io.StringIO()
+    line = ProgressLine(total_steps=25, start_step=0, every=10, stream=out, clock=clock)
+    written = []
+    for step in range(1, 26):
+        clock.t += 2.0 if step <= 10 else 4.0  # steps 11.. take twice as long
+        written.append(line.update(step, 5.0 - step / 10, tokens=100))
+    lines = [w for w in written if w]
+    assert [written.index(w) + 1 for w in lines] == [10, 20, 25]  # every 10th step and the last
+    assert lines[0] == "[trnkit] step 10/25 (40%)  loss 4.0000  tokens/s 50  elapsed 0:00:20  ETA 0:00:30"
+    # tokens/s over steps 11-20 only (100 tokens / 4 s); ETA from the mean step time so far (60 s / 20 steps)
+    assert lines[1] == "[trnkit] step 20/25 (80%)  loss 3.0000  tokens/s 25  elapsed 0:01:00  ETA 0:00:15"
+    assert lines[2].startswith("[trnkit] step 25/25 (100%)") and lines[2].endswith("ETA 0:00:00")
+    assert out.getvalue().splitlines() == lines
+
+
+def test_resumed_run_counts_its_eta_from_its_own_steps():
+    clock = Clock()
+    line = ProgressLine(total_steps=100, start_step=90, every=5, stream=io.StringIO(), clock=clock)
+    for step in range(91, 96):
+        clock.t += 3.0
+        text = line.update(step, 1.0, tokens=30)
+    assert text.endswith("elapsed 0:00:15  ETA 0:00:15") and "step 95/100 (95%)" in text
+
+
+def test_logged_run_writes_progress_lines_a_terminal_does_not(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                               capsys: pytest.CaptureFixture[str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    run(tiny_config(tmp_path / "a", tiny_tokenizer, corpus_dir, training={"steps": 5}, metrics={"progress_freq": 2}))
+    err = capsys.readouterr().err  # pytest's capture is not a terminal
+    steps = [line.split()[2] for line in err.splitlines() if line.startswith("[trnkit] step ")]
+    assert steps == ["2/5", "4/5", "5/5"], err
+    assert all("tokens/s" in line and "ETA" in line for line in err.splitlines() if line.startswith("[trnkit] step "))
+    run(tiny_config(tmp_path / "b", tiny_tokenizer, corpus_dir, training={"steps": 3}, metrics={"progress_freq": 0}))
+    assert "[trnkit] step " not in capsys.readouterr().err
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    run(tiny_config(tmp_path / "c", tiny_tokenizer, corpus_dir, training={"steps": 2}, metrics={"progress_freq": 1}))
+    assert "[trnkit] step 1/2" not in sys.stderr.getvalue()  # a terminal gets the bar (off here), not lines
+
+
+def test_interrupt_message_names_the_checkpoint_and_the_resume_command():
+    argv = ["--config", "my run.toml", "--training.steps", "50"]
+    msg = interrupt_message("SIGINT", (20, "out/checkpoint/step-20"), True, True, "out", argv)
+    assert msg == ("interrupted (SIGINT); metrics.jsonl and loss.png are kept in out; kept checkpoint "
+                   "out/checkpoint/step-20 (step 20); resume with:\n"
+                   "  python -m trnkit.harness.train --config 'my run.toml' --training.steps 50")
+    assert interrupt_message("SIGTERM", (2, "c/step-2"), True, False, "o", []).endswith(
+        "python -m trnkit.harness.train  --checkpoint.resume true")
+    assert "no checkpoint was written yet, so a rerun starts from step 1" in \
+        interrupt_message("SIGINT", None, True, True, "o", [])
+    assert "checkpoints are off (checkpoint.enable = false)" in interrupt_message("SIGINT", None, False, True, "o", [])
+
+
+def test_ctrl_c_prints_a_resume_command_that_resumes(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C at step 5 (after the step-4 checkpoint; deterministic, in-process): exit 130, the message names
+    step-4 and a command; that command resumes from step-4."""
+    original = MetricsLogger.progress
+
+    def ctrl_c_at(stop: int):
+        def progress(self: MetricsLogger, step: int, loss: float) -> None:
+            original(self, step, loss)
+            if step == stop:
+                raise KeyboardInterrupt
+        return progress
+
+    cfg = tiny_config(tmp_path, tiny_tokenizer, corpus_dir, training={"steps": 100},
+                      checkpoint={"enable": True, "interval": 2, "keep_latest_k": 0})
+    toml = write_config(cfg, tmp_path / "c.toml")
+    monkeypatch.setattr(MetricsLogger, "progress", ctrl_c_at(5))
+    assert main(["--config", str(toml)]) == 130
+    err = capsys.readouterr().err.splitlines()
+    kept = next(i for i, line in enumerate(err) if "kept checkpoint" in line)
+    assert err[kept] == (f"interrupted (SIGINT); metrics.jsonl and loss.png are kept in {tmp_path}; kept checkpoint "
+                         f"{tmp_path / 'checkpoint' / 'step-4'} (step 4); resume with:")
+    command = err[kept + 1].strip()
+    assert command == f"python -m trnkit.harness.train --config {toml}"
+    # the printed command as it is (stopped again at step 6, after it resumed and trained step 5)
+    monkeypatch.setattr(MetricsLogger, "progress", ctrl_c_at(6))
+    assert main(shlex.split(command)[3:]) == 130
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'checkpoint' / 'step-4'} (step 4)" in out and "step:  5  loss:" in out
