@@ -103,6 +103,10 @@ def _empty_file_list(d: Path) -> None:
     _set_manifest(d, lambda m: m.update(files={}))
 
 
+def _no_metadata_record(d: Path) -> None:
+    _set_manifest(d, lambda m: m["files"].pop(".metadata"))
+
+
 def _outside_name(d: Path) -> None:
     _set_manifest(d, lambda m: m["files"].update({"../../outside.bin": {"size": 1}}))
 
@@ -110,8 +114,9 @@ def _outside_name(d: Path) -> None:
 @pytest.mark.parametrize("damage, why", [
     (_drop_manifest, "it has no manifest trnkit.json, so its files cannot be verified"),
     (_empty_file_list, "step-3/trnkit.json lists no files, so nothing can be verified"),
+    (_no_metadata_record, "step-3/trnkit.json does not list .metadata"),
     (_outside_name, "step-3/trnkit.json lists the file '../../outside.bin', which is outside the checkpoint folder"),
-], ids=["no-manifest", "empty-file-list", "outside-name"])
+], ids=["no-manifest", "empty-file-list", "no-metadata-record", "outside-name"])
 def test_unverifiable_checkpoint_is_refused(tmp_path: Path, trained: Path, tiny_tokenizer: str, corpus_dir: Path,
                                             damage, why: str, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _copy(trained, tmp_path)
