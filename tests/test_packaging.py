@@ -91,6 +91,22 @@ def test_trainer_cli_takes_a_config_name(tmp_path, monkeypatch):
     assert cfg.job.name == "debug_moe_nki" and cfg.training.steps == 3 and cfg.overrides.policy == "strict"
 
 
+def test_shipped_hf_folder_resolves_from_any_folder(tmp_path, monkeypatch):
+    from trnkit.harness.config import parse_args
+    from trnkit.harness.models import build_handle
+    from trnkit.harness.plan import plan
+    from trnkit.packaged import shipped_path
+
+    monkeypatch.chdir(tmp_path)
+    cfg = parse_args(["--config", "debug_moe_hf"])
+    assert cfg.model.spec == "hf:configs/hf/qwen3-moe-debug"
+    handle = build_handle(cfg)
+    assert Path(handle.hf_path) == configs_dir() / "hf" / "qwen3-moe-debug" and handle.is_moe
+    assert plan(cfg, 1, "cpu").total > 0
+    (tmp_path / "configs" / "hf").mkdir(parents=True)  # a folder of the user's own wins
+    assert shipped_path("configs/hf") == "configs/hf" and shipped_path("configs/nope") == "configs/nope"
+
+
 # ------------------------------------------------------------------------------------------ slow tier
 def _run(cmd: list[str], cwd: Path, timeout: int = 1200, env: dict | None = None) -> str:
     full_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}

@@ -50,3 +50,14 @@ def resolve_config(path_or_name: str | os.PathLike) -> Path:
             return shipped
     raise ConfigError(f"config: file not found: {os.fspath(path_or_name)} (neither a file nor the name of a "
                       f"shipped config; shipped configs in {configs_dir()}: {config_names()})")
+
+
+def shipped_path(path: str) -> str:
+    """``path`` itself when it exists (or is absolute); a relative ``configs/...`` or ``examples/...`` path
+    that does not exist from the working folder names the shipped file (``hf:configs/hf/qwen3-moe-debug`` in
+    debug_moe_hf.toml works from any folder and from a wheel install)."""
+    p = Path(path)
+    if p.is_absolute() or p.exists() or not p.parts or p.parts[0] not in ("configs", "examples"):
+        return path
+    candidate = _shipped(p.parts[0]).joinpath(*p.parts[1:])
+    return str(candidate) if candidate.exists() else path

@@ -361,6 +361,9 @@ def build_handle(cfg: TrainerConfig) -> ModelHandle:
         shape = ModelShape(c.n_layers, c.n_heads, c.head_dim, c.num_experts, c.top_k if c.is_moe else 0)
         return ModelHandle("native", spec, c, shape, c.vocab_size, c.is_moe)
     if kind == "hf":
+        from trnkit.packaged import shipped_path
+
+        arg = shipped_path(arg)  # configs/hf/... of a shipped config, from any folder
         hcfg, shape = _hf_config_and_shape(arg, cfg.model.config)
         max_pos = getattr(hcfg, "max_position_embeddings", None)
         if isinstance(max_pos, int) and cfg.training.seq_len > max_pos:

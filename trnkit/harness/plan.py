@@ -124,6 +124,9 @@ def model_config(cfg: Any) -> Any:
     try:
         if kind == "qwen3":
             return model_registry(arg, **cfg.model.config).config
+        from trnkit.packaged import shipped_path
+
+        arg = shipped_path(arg)
         path = os.path.join(arg, "config.json") if os.path.isdir(arg) else arg
         with open(path) as f:
             return Qwen3Config.from_hf({**json.load(f), **cfg.model.config})
