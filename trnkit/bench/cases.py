@@ -293,6 +293,50 @@ def rmsnorm_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfl
     return cases
 
 
+def _attention_build(S: int, Hq: int, Hk: int, D: int, backward: bool, dtype: torch.dtype, lnc: int
+                     ) -> Callable[[], Prepared]:
+    def f() -> Prepared:
+        mod = _kernel_module("attention")
+
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (_rand(1, S, h, D, g=g, dtype=dtype) for h in (Hq, Hk, Hk))
+        if not backward:
+            return Prepared(nki=lambda: mod.attention(q, k, v, lnc=lnc), ref=lambda: mod.attention_ref(q, k, v))
+        o, lse = mod.attention_ref(q, k, v)
+        go = _rand(1, S, Hq, D, g=g, dtype=dtype)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        out, _ = mod.attention_ref(qr, kr, vr)
+        return Prepared(nki=lambda: mod.attention_bwd(q, k, v, o, lse, go, lnc=lnc),
+                        ref=_grad_closure(out, [qr, kr, vr], go))
+    return f
+
+
+def attention_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
+    """Causal attention, one batch row: sequence length at Qwen3-4B's heads (32 q / 8 kv, head_dim 128;
+    LNC=2), and the Qwen3 flavors' heads at 2048 tokens (quick: 4 q / 1 kv heads, S = 256, 512)."""
+    dt = getattr(torch, dtype)
+    cases = []
+    for mode in modes:
+        bwd = mode == "backward"
+        if quick:
+            for S in (256, 512):
+                cfg = {"Hq": 4, "Hk": 1, "D": 128, "lnc": 2, "dtype": dtype}
+                cases.append(Case("attention", mode, "S (4 q / 1 kv heads)", S, _attention_build(S, 4, 1, 128, bwd, dt, 2),
+                                  cfg))
+            continue
+        c = _flavor("4B")
+        for S in (512, 1024, 2048, 4096):
+            cfg = {"flavor": "4B", "Hq": c.n_heads, "Hk": c.n_kv_heads, "D": c.head_dim, "lnc": 2, "dtype": dtype}
+            cases.append(Case("attention", mode, "S (4B heads, LNC=2)", S,
+                              _attention_build(S, c.n_heads, c.n_kv_heads, c.head_dim, bwd, dt, 2), cfg))
+        for fl in ("0.6B", "4B", "30B-A3B"):
+            c = _flavor(fl)
+            cfg = {"S": 2048, "Hq": c.n_heads, "Hk": c.n_kv_heads, "D": c.head_dim, "lnc": 2, "dtype": dtype}
+            cases.append(Case("attention", mode, "flavor (S=2048, LNC=2)", fl,
+                              _attention_build(2048, c.n_heads, c.n_kv_heads, c.head_dim, bwd, dt, 2), cfg))
+    return cases
+
+
 # kernel name -> (module under trnkit.kernels that must import, names it must have, case builder)
 KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]] = {
     "matmul_tiled": (None, (), matmul_cases),
@@ -301,6 +345,7 @@ KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]
     "moe_experts": ("moe", ("moe_experts", "moe_experts_ref", "moe_experts_bwd"), moe_cases),
     "grouped_mm": ("moe", ("grouped_mm", "grouped_mm_ref", "grouped_mm_bwd"), gmm_cases),
     "rmsnorm": ("rmsnorm", ("rmsnorm", "rmsnorm_ref", "rmsnorm_bwd"), rmsnorm_cases),
+    "attention": ("attention", ("attention", "attention_ref", "attention_bwd"), attention_cases),
 }
 
 

@@ -3,7 +3,8 @@
 - :mod:`.registry`: ``register`` / ``select`` / ``list_impls`` (impls per op, policies).
 - :mod:`.ops`: the ``trnkit::`` custom ops (``torch.ops.trnkit.*``).
 - :mod:`.apply`: ``apply_overrides(model, OverrideConfig(...)) -> OverrideReport`` and ``revert``.
-- :mod:`.hf`: ``register_hf_experts()`` — trnkit as a transformers v5 ``experts_implementation``.
+- :mod:`.hf`: ``register_hf_experts()`` / ``register_hf_attention()`` — trnkit as a transformers v5
+  ``experts_implementation`` / ``attn_implementation``.
 """
 
 from trnkit.overrides.registry import (  # noqa: I001  (registry first: the others build on it)
@@ -25,7 +26,7 @@ from trnkit.overrides import ops
 from trnkit.overrides.builtins import NKI, register_builtins
 from trnkit.overrides.apply import DEFAULT_OPS, SWAPPABLE_OPS, OverrideConfig, apply_overrides, revert
 from trnkit.overrides.report import OverrideReport, OverrideRow
-from trnkit.overrides.hf import register_hf_experts
+from trnkit.overrides.hf import register_hf_attention, register_hf_experts
 
 register_builtins()
 
@@ -48,6 +49,7 @@ __all__ = [
     "list_impls",
     "ops",
     "register",
+    "register_hf_attention",
     "register_hf_experts",
     "reset_warnings",
     "revert",

@@ -16,10 +16,19 @@ rmsnorm        every ``RMSNorm`` (``attention_norm``,           every ``Qwen3RMS
                ``ffn_norm``, ``q_norm``, ``k_norm``, ``norm``)  (layer, q/k head and final norms)
 linear_cross_  ``loss`` (``LinearCrossEntropy``: lm_head +      (transformers computes its loss outside a
 entropy        summed cross-entropy)                            module: not swapped)
-=============  ===============================================  ==========================================
 
 ``rmsnorm`` and ``linear_cross_entropy`` are swappable but not in the default ``ops``
 (:data:`DEFAULT_OPS`): name them to swap the norms and the loss.
+=======
+attention      ``layers[i].attention.core``                     ``layers[i].self_attn``: its own copy of
+               (``CausalAttention``)                            the config selects the attention function
+                                                                ``"trnkit"`` (transformers'
+                                                                ``AttentionInterface``, see
+                                                                :func:`~trnkit.overrides.hf.register_hf_attention`)
+=============  ===============================================  ==========================================
+
+``rmsnorm``, ``linear_cross_entropy`` and ``attention`` are swappable but not in the default ``ops``
+(:data:`DEFAULT_OPS`): name them to swap the norms, the loss and the attention.
 
 Modules are replaced by an instance of a subclass of their own class that shares the original's
 parameters, buffers, children and attributes, so ``state_dict`` keys, checkpoints and ``isinstance``
@@ -72,7 +81,7 @@ def _resolve_dtensor() -> None:
 
 __all__ = ["SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "revert"]
 
-SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm", "linear_cross_entropy")
+SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm", "linear_cross_entropy", "attention")
 DEFAULT_OPS = ("rope_hf", "router_topk", "moe_experts")  # OverrideConfig's default selection
 ORIGINAL = "original"  # report name for "the module's own forward"
 _STATE_ATTR = "_trnkit_overrides"
@@ -275,6 +284,13 @@ def _native_loss_forward(self: Any, h: Tensor, weight: Tensor, labels: Tensor, c
     return ops.linear_cross_entropy(hidden, w, lab, ignore_index, impl)[0]
 
 
+def _native_attention_forward(self: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    impl = self._trnkit_guard.choose(q=q, k=k, v=v, scale=self.scale)
+    if impl is None:
+        return self._trnkit_fallback(q, k, v)
+    return ops.attention(q, k, v, float(self.scale), impl)[0]
+
+
 def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     x = hidden_states.reshape(-1, self.hidden_dim)
     impl = self._trnkit_guard.choose(x=x, w_router=self.weight, top_k=self.top_k,
@@ -442,6 +458,8 @@ def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
         return _ModuleAdapter("moe_experts", _native_experts_forward)
     if _is_native(module, "LinearCrossEntropy"):
         return _ModuleAdapter("linear_cross_entropy", _native_loss_forward)
+    if _is_native(module, "CausalAttention"):
+        return _ModuleAdapter("attention", _native_attention_forward)
     if _is_native(module, "RMSNorm") or _is_hf(module, "RMSNorm"):
         return _ModuleAdapter("rmsnorm", _rmsnorm_forward)
     if _is_hf(module, "TopKRouter"):
@@ -585,14 +603,22 @@ class _SwapPoint:
     parent: nn.Module | None = None  # module swap: where the replacement sits
     name: str = ""
     namespace: str | None = None  # rotary swap: the scoped globals module in sys.modules
+    config: Any = None  # transformers attention swap: the module's original config
 
     def undo(self) -> None:
         if self.parent is not None:
             self.module.training = getattr(self.parent, self.name).training
             setattr(self.parent, self.name, self.module)
+        elif self.config is not None:
+            from trnkit.overrides.hf import unset_hf_attention  # noqa: PLC0415 (hf imports this module)
+
+            unset_hf_attention(self.module, self.config)
         else:
             self.module.__dict__.pop("forward", None)
             sys.modules.pop(self.namespace or "", None)
+
+
+HF_ATTENTION = "hf-attention"  # _find_swap_points' marker of a transformers attention module
 
 
 def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple[str, nn.Module, str, Any]]:
@@ -602,14 +628,21 @@ def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple
         adapter = _module_adapter(module)
         if adapter is not None and adapter.op in wanted:
             yield path, module, adapter.op, adapter
-        elif "rope_hf" in wanted and _is_hf_rope_attention(module):
+            continue
+        if "rope_hf" in wanted and _is_hf_rope_attention(module):
             yield path, module, "rope_hf", None
+        if "attention" in wanted and _is_hf(module, "Attention") and not isinstance(module, _Swapped):
+            yield path, module, "attention", HF_ATTENTION
 
 
 def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _ModuleAdapter | None,
              config: OverrideConfig, impl: str, probe_only: bool = False) -> _SwapPoint:
-    static = adapter.static(module) if adapter is not None else []
+    static = adapter.static(module) if isinstance(adapter, _ModuleAdapter) else []
     guard = _Guard(op, impl, config.policy, path, static, probe_only)
+    if adapter == HF_ATTENTION:
+        from trnkit.overrides.hf import set_hf_attention  # noqa: PLC0415 (hf imports this module)
+
+        return _SwapPoint(path, op, guard, module, config=set_hf_attention(module, guard))
     if adapter is not None:
         return _swap_module(model, path, module, adapter, guard, config.block_size)
     return _swap_hf_rope(path, module, guard)

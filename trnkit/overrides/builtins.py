@@ -242,11 +242,32 @@ def _lce(ref: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
 def _lce_constraints(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
                      **_: Any) -> list[Violation]:
     return _attr("cross_entropy", "linear_cross_entropy_constraints")(hidden, weight, labels, ignore_index, "sum")
+# ----------------------------------------------------------------------------------------- attention
+
+
+def _attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    return _attr("attention", "attention_ref")(q, k, v, scale)
+
+
+def _attention_nki(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    return _attr("attention", "attention")(q, k, v, scale)
+
+
+def _attention_ref_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad_o: Tensor, scale: float):
+    return _attr("attention", "attention_bwd_ref")(q, k, v, o, lse, grad_o, scale)
+
+
+def _attention_nki_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad_o: Tensor, scale: float):
+    return _attr("attention", "attention_bwd")(q, k, v, o, lse, grad_o, scale)
+
+
+def _attention_constraints(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, **_: Any) -> list[Violation]:
+    return _attr("attention", "attention_constraints")(q, k, v, scale)
 
 
 def register_builtins() -> None:
     """Register ``reference`` and ``nki`` for every op (idempotent)."""
-    for name in ("rope_hf", "router_topk", "moe", "rmsnorm", "cross_entropy"):
+    for name in ("rope_hf", "router_topk", "moe", "rmsnorm", "cross_entropy", "attention"):
         try:
             _kernel(name)
         except ImportError:  # reported when the impl is first used
@@ -269,6 +290,9 @@ def register_builtins() -> None:
     lce_nki, lce_nki_bwd = _lce(ref=False)
     register("linear_cross_entropy", REFERENCE, lce_ref, backward=lce_ref_bwd, **ref)
     register("linear_cross_entropy", NKI, lce_nki, backward=lce_nki_bwd, constraints=_lce_constraints, **nki)
+    register("attention", REFERENCE, _attention_ref, backward=_attention_ref_bwd, **ref)
+    register("attention", NKI, _attention_nki, backward=_attention_nki_bwd, constraints=_attention_constraints,
+             **nki)
 
 
 _ROPE_REF = _rope(ref=True)

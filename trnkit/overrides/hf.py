@@ -1,4 +1,5 @@
-"""trnkit's ``moe_experts`` as a transformers v5 *experts implementation*.
+"""trnkit's ops inside transformers v5 through its registries: ``moe_experts`` as an *experts
+implementation* and ``attention`` as an *attention function*.
 
 transformers 5.x dispatches every ``@use_experts_implementation`` experts module (``Qwen3MoeExperts``,
 ...) through ``ALL_EXPERTS_FUNCTIONS`` keyed by ``config._experts_implementation``. After
@@ -16,12 +17,18 @@ validation dry run and no report; use ``apply_overrides`` for per-module validat
 
 from __future__ import annotations
 
+import copy
+import sys
+from typing import Any
+
 from torch import Tensor, nn
 
+from trnkit.kernels.constraints import Violation
+from trnkit.overrides import ops
 from trnkit.overrides.apply import _Guard, _resolve_dtensor, hf_experts_call, hf_experts_static
 from trnkit.overrides.registry import POLICIES, get_impl
 
-__all__ = ["register_hf_experts"]
+__all__ = ["register_hf_attention", "register_hf_experts"]
 
 _GUARD_ATTR = "_trnkit_interface_guards"
 
@@ -51,3 +58,97 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
     trnkit_experts_forward.__qualname__ = f"trnkit_experts_forward[{name}]"
     ALL_EXPERTS_FUNCTIONS.register(name, trnkit_experts_forward)
     return name
+
+
+# ----------------------------------------------------------------------------------------- attention
+# transformers' attention modules (Qwen3Attention, ...) call
+# ``ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)(self, q, k, v, mask, ...)``
+# with q, k, v in [B, H, S, D]; the function returns ``(o [B, S, H, D], weights or None)``.
+
+_ATTN_GUARD = "_trnkit_attention_guard"  # set on a module by apply_overrides (its own guard)
+_ATTN_FALLBACK = "_trnkit_attention_fallback"  # the attention implementation the module had
+_interface: dict[str, Any] = {}  # name -> (impl, policy) of register_hf_attention
+
+
+def _fallback_forward(module: nn.Module, implementation: str) -> Any:
+    """transformers' attention function ``implementation`` (its module's own eager one for "eager")."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
+
+
+def _attention_guard(module: nn.Module, name: str) -> _Guard:
+    guard = module.__dict__.get(_ATTN_GUARD)
+    if guard is None:  # selected by name (attn_implementation=...): one guard per module and name
+        guards: dict[str, _Guard] = module.__dict__.setdefault(_GUARD_ATTR, {})
+        guard = guards.get(name)
+        if guard is None:
+            impl, policy = _interface[name]
+            guard = guards[name] = _Guard("attention", impl, policy, type(module).__name__, [])
+    return guard
+
+
+def _attention_forward(name: str) -> Any:
+    def trnkit_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                 attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                                 sliding_window: int | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+        guard = _attention_guard(module, name)
+        extra = []
+        if attention_mask is not None:
+            extra.append(Violation("attention", "attention_mask is None (causal, no padding mask)",
+                                   f"a {tuple(attention_mask.shape)} mask", "the kernel applies the causal mask "
+                                   "itself; pad-free batches under sdpa / 'trnkit' masks pass None"))
+        if dropout:
+            extra.append(Violation("attention", "dropout == 0", dropout))
+        if sliding_window:
+            extra.append(Violation("attention", "sliding_window is None", sliding_window))
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        impl = guard.choose(extra, q=q, k=k, v=v, scale=scale)
+        if impl is None:
+            fallback = _fallback_forward(module, module.__dict__.get(_ATTN_FALLBACK, "sdpa"))
+            return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            sliding_window=sliding_window, **kwargs)
+        return ops.attention(q, k, v, scale, impl)[0], None
+
+    trnkit_attention_forward.__qualname__ = f"trnkit_attention_forward[{name}]"
+    return trnkit_attention_forward
+
+
+def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str = "fallback") -> str:
+    """Register ``name`` in transformers' ``AttentionInterface`` (and sdpa's causal mask under the same
+    name, so pad-free causal batches pass no mask); returns ``name``. Then
+    ``from_pretrained(..., attn_implementation="trnkit")`` runs every attention through ``trnkit::attention``
+    with ``impl``; a call it cannot serve (a padding mask, dropout, a sliding window, a constraint)
+    raises under ``strict`` or falls back to sdpa with a warning under ``fallback``."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: PLC0415
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
+
+    if policy not in POLICIES[:2]:
+        raise ValueError(f"register_hf_attention: policy must be 'strict' or 'fallback', got {policy!r}")
+    get_impl("attention", impl)  # unknown impl names fail now, listing the registered ones
+    _resolve_dtensor()
+    _interface[name] = (impl, policy)
+    ALL_ATTENTION_FUNCTIONS.register(name, _attention_forward(name))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
+
+
+def set_hf_attention(module: nn.Module, guard: _Guard) -> Any:
+    """apply_overrides' swap of one transformers attention module: its own config copy selects
+    ``"trnkit"`` and ``guard`` decides each call; returns the original config (for the undo)."""
+    name = "trnkit"
+    if name not in _interface:
+        register_hf_attention(name)
+    original = module.__dict__["config"]
+    own = copy.copy(original)
+    own._attn_implementation = name
+    module.__dict__.update({"config": own, _ATTN_GUARD: guard, _ATTN_FALLBACK: original._attn_implementation or "sdpa"})
+    return original
+
+
+def unset_hf_attention(module: nn.Module, original: Any) -> None:
+    module.__dict__["config"] = original
+    module.__dict__.pop(_ATTN_GUARD, None)
+    module.__dict__.pop(_ATTN_FALLBACK, None)

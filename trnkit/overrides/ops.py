@@ -25,8 +25,10 @@ registered on the functional ops with the impl's backward.
   ``promote(x.dtype, weight.dtype)``, ``rstd`` one fp32 value per row (saved for the backward).
 - ``trnkit::linear_cross_entropy(hidden, weight, labels, ignore_index, impl) -> (loss f32, lse f32)``: the
   lm_head fused with the cross-entropy summed over the labels that are not ``ignore_index``.
+- ``trnkit::attention(q, k, v, scale, impl) -> (o, lse f32)``: causal GQA attention in the ``[B, S, H, D]``
+  layout (``lse [B, Hq, S]``, saved for the backward; it carries no gradient of its own).
 - ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``, ``trnkit::rmsnorm_bwd``,
-  ``trnkit::linear_cross_entropy_bwd``: the backward
+  ``trnkit::linear_cross_entropy_bwd``, ``trnkit::attention_bwd``: the backward
   kernels as ops of their own, so the backward graph is opaque to torch.compile too.
 
 Impls receive contiguous tensors. Outputs are normalised to the declared dtypes, so a user impl that
@@ -45,8 +47,9 @@ from torch import Tensor
 from trnkit.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from trnkit.overrides.registry import get_impl
 
-__all__ = ["grouped_mm", "grouped_mm_bwd", "linear_cross_entropy", "linear_cross_entropy_bwd", "moe_experts",
-           "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rope_hf", "rope_hf_apply", "router_topk", "router_topk_bwd"]
+__all__ = ["attention", "attention_bwd", "grouped_mm", "grouped_mm_bwd", "linear_cross_entropy",
+           "linear_cross_entropy_bwd", "moe_experts", "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rope_hf",
+           "rope_hf_apply", "router_topk", "router_topk_bwd"]
 
 _LAYOUTS = ("bhsd", "bshd")
 
@@ -62,7 +65,8 @@ def _check_layout(layout: str) -> None:
 
 # Positions of each op's differentiable inputs in its backward's arguments (x, weights, ...).
 _PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0, 1), "moe_experts": (0, 2, 3, 4),
-                                        "rmsnorm": (0, 1), "linear_cross_entropy": (0, 1)}
+                                        "rmsnorm": (0, 1), "linear_cross_entropy": (0, 1),
+                                        "attention": (0, 1, 2)}
 _PRIMAL_KWARGS = ("b_gate_up", "b_down")  # differentiable keyword arguments (the experts' biases)
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
                   torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
@@ -477,3 +481,54 @@ def _lce_backward(ctx: Any, grad_loss: Tensor | None, grad_lse: Tensor | None):
 
 
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+@torch.library.custom_op("trnkit::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """Causal GQA attention ``(o [B, S, Hq, D], lse [B, Hq, S] f32)`` of ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]``."""
+    B, S, H, _ = q.shape
+    o, lse = get_impl("attention", impl).fn(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+    return o.to(q.dtype).reshape(q.shape).contiguous(), lse.to(torch.float32).reshape(B, H, S).contiguous()
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, scale, impl="reference"):
+    B, S, H, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+def _attention_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    q, k, v, scale, impl = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.scale, ctx.impl = scale, impl
+
+
+@torch.library.custom_op("trnkit::attention_bwd", mutates_args=())
+def attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad_o: Tensor, scale: float,
+                  impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of ``trnkit::attention``: ``(grad_q, grad_k, grad_v)`` from the forward's ``o`` and ``lse``."""
+    dq, dk, dv = _run_backward("attention", impl, q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
+                               lse.contiguous(), grad_o.contiguous(), scale=scale)
+    return (dq.to(q.dtype).reshape(q.shape).contiguous(), dk.to(k.dtype).reshape(k.shape).contiguous(),
+            dv.to(v.dtype).reshape(v.shape).contiguous())
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(q, k, v, o, lse, grad_o, scale, impl="reference"):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _attention_backward(ctx: Any, grad_o: Tensor | None, grad_lse: Tensor | None):
+    q, k, v, o, lse = ctx.saved_tensors
+    if grad_o is None:  # only lse was used downstream: it carries no gradient
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
+    dq, dk, dv = attention_bwd(q, k, v, o, lse, grad_o, ctx.scale, ctx.impl)
+    return dq, dk, dv, None, None
+
+
+attention.register_autograd(_attention_backward, setup_context=_attention_setup)

@@ -1,7 +1,7 @@
 """Implementation registry for trnkit's overridable ops.
 
-Every op (``rope_hf``, ``router_topk``, ``grouped_mm``, ``moe_experts``, ``rmsnorm``, ``linear_cross_entropy``)
-has named implementations
+Every op (``rope_hf``, ``router_topk``, ``grouped_mm``, ``moe_experts``, ``rmsnorm``, ``linear_cross_entropy``,
+``attention``) has named implementations
 ("impls"): the built-in ``reference`` (torch) and ``nki`` (the NKI kernel: real NKI on a ``neuron``
 device, trnkit's interpreter on CPU), plus any a user registers::
 
@@ -36,6 +36,8 @@ Impl call conventions (the op's canonical signature; the kernels' signatures fro
   (loss f32, lse [T] f32)``, the cross-entropy of ``hidden @ weight.T`` summed over the tokens whose label
   is not ``ignore_index``; ``backward(hidden, weight, labels, lse, grad_loss, ignore_index=-100) ->
   (grad_hidden, grad_weight)``.
+- ``attention``: ``fn(q, k, v, scale) -> (o, lse [B, Hq, S] f32)``, causal GQA attention, ``q [B, S, Hq, D]``,
+  ``k, v [B, S, Hk, D]``; ``backward(q, k, v, o, lse, grad_o, scale) -> (grad_q, grad_k, grad_v)``.
 
 ``constraints(**inputs) -> list[Violation]`` receives the op's inputs by name (tensors may be fake or
 meta: read shapes, dtypes and devices only, never values).
@@ -72,7 +74,8 @@ __all__ = [
 # op name -> whether an impl's backward is a separate function (True) or the forward fn called with
 # backward=True (False, rope_hf: the rotation's transpose is the same kernel).
 OPS: dict[str, bool] = {"rope_hf": False, "router_topk": True, "grouped_mm": True, "moe_experts": True,
-                        "rmsnorm": True, "linear_cross_entropy": True}
+                        "rmsnorm": True, "linear_cross_entropy": True,
+                        "attention": True}
 POLICIES = ("strict", "fallback", "off")
 REFERENCE = "reference"
 

@@ -86,6 +86,24 @@ class RoPEApply(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+class CausalAttention(nn.Module):
+    """Causal GQA softmax attention (swap point ``layers[i].attention.core``).
+
+    ``forward(q [B,S,Hq,D], k [B,S,Hk,D], v [B,S,Hk,D]) -> [B,S,Hq,D]`` (query head h reads kv head
+    ``h // (Hq / Hk)``), scores scaled by ``scale``.
+    """
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale,
+            enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     """GQA causal self-attention with per-head q/k RMSNorm applied before RoPE."""
 
@@ -99,6 +117,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.rope = RoPEApply()
+        self.core = CausalAttention(cfg.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
@@ -106,10 +125,7 @@ class Attention(nn.Module):
         k = self.k_norm(self.wk(x).view(B, S, self.n_kv_heads, self.head_dim))
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
         q, k = self.rope(q, k, rope_cache)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            scale=self.head_dim ** -0.5, enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        return self.wo(self.core(q, k, v).reshape(B, S, -1))
 
 
 class FeedForward(nn.Module):

@@ -13,13 +13,14 @@ from typing import Any
 
 from trnkit.kernels._common import dense
 from trnkit.kernels.attention.attention import attention_fwd_kernel
+from trnkit.kernels.attention.attention_bwd import attention_bwd_kernel
 from trnkit.kernels.attention.attention_torch import attention_bwd_ref, attention_ref
 from trnkit.kernels.attention.constraints import attention_bwd_constraints, attention_constraints
 from trnkit.kernels.constraints import check
 from trnkit.kernels.lnc import launch, resolve_lnc
 
-__all__ = ["attention", "attention_bwd_constraints", "attention_bwd_ref", "attention_constraints",
-           "attention_fwd_kernel", "attention_ref"]
+__all__ = ["attention", "attention_bwd", "attention_bwd_constraints", "attention_bwd_kernel", "attention_bwd_ref",
+           "attention_constraints", "attention_fwd_kernel", "attention_ref"]
 
 
 def _scale(q: Any, scale: float | None) -> float:
@@ -33,3 +34,12 @@ def attention(q: Any, k: Any, v: Any, scale: float | None = None, lnc: int | Non
     """
     check(attention_constraints(q, k, v, scale))
     return launch(attention_fwd_kernel, resolve_lnc(lnc))(dense(q), dense(k), dense(v), _scale(q, scale))
+
+
+def attention_bwd(q: Any, k: Any, v: Any, o: Any, lse: Any, grad_o: Any, scale: float | None = None,
+                  lnc: int | None = None) -> tuple[Any, Any, Any]:
+    """``(grad_q, grad_k, grad_v)`` of :func:`attention` from its ``o`` and ``lse`` and the output gradient
+    ``grad_o`` (q's shape and dtype) (NKI kernel)."""
+    check(attention_bwd_constraints(q, k, v, o, lse, grad_o, scale))
+    return launch(attention_bwd_kernel, resolve_lnc(lnc))(dense(q), dense(k), dense(v), dense(o),
+                                                          dense(grad_o), dense(lse), _scale(q, scale))

@@ -293,12 +293,12 @@ def attention_fwd_kernel(q, k, v, scale):
     lse = nl.ndarray((B, Hq, S), dtype=nl.float32, buffer=nl.shared_hbm)
     n_prog, pid = program_split()
     scratch = None
-    if needs_scratch(B, Hk, G, n_prog):
+    if needs_scratch(B, Hk, G, n_prog, True):
         scratch = (nl.ndarray((1, S, Hq, D), dtype=q.dtype, buffer=nl.private_hbm),
                    nl.ndarray((1, Hq, S), dtype=nl.float32, buffer=nl.private_hbm))
     ident = identity(nl.bfloat16)
     mask = causal_mask(nl.bfloat16)
-    units = work_units(B, Hk, G, n_prog, pid)
+    units = work_units(B, Hk, G, n_prog, pid, True)
     for u in range(len(units)):
         outs = (o, lse) if units[u][4] else scratch
         _run_unit(units[u], q, k, v, float(scale), outs, ident, mask)

@@ -13,21 +13,22 @@ P = P_MAX
 NEG = -3.3895313892515355e38
 
 
-def work_units(B, Hk, G, n_prog, pid):
+def work_units(B, Hk, G, n_prog, pid, split_heads):
     """This program's work units ``(b, kv head j, first query head of the group g0, heads ng, real)``.
 
     Every program gets the same number of units of the same size, so both programs of an LNC=2 launch
-    run the same control flow (divergent control flow between the programs is undefined in NKI): the
-    query heads of each group are split in halves when the group size G is even, else the (b, kv head)
-    pairs when there is an even number of them; otherwise the second program's list is padded with a
-    copy of the first program's last unit (``real`` False: its results go to a scratch buffer).
+    run the same control flow (divergent control flow between the programs is undefined in NKI): with
+    ``split_heads`` the query heads of each group are split in halves when the group size G is even,
+    else the (b, kv head) pairs when there is an even number of them; otherwise the second program's
+    list is padded with a copy of the first program's last unit (``real`` False: its results go to a
+    scratch buffer).
     """
     units = []
     if n_prog == 1:
         for b in range(B):
             for j in range(Hk):
                 units.append((b, j, 0, G, True))
-    elif G % 2 == 0:
+    elif split_heads and G % 2 == 0:
         half = G // n_prog
         for b in range(B):
             for j in range(Hk):
@@ -44,9 +45,9 @@ def work_units(B, Hk, G, n_prog, pid):
     return units
 
 
-def needs_scratch(B, Hk, G, n_prog):
+def needs_scratch(B, Hk, G, n_prog, split_heads):
     """Whether :func:`work_units` pads a program's list with a duplicate unit."""
-    return n_prog > 1 and G % 2 == 1 and (B * Hk) % n_prog == 1
+    return n_prog > 1 and (G % 2 == 1 or not split_heads) and (B * Hk) % n_prog == 1
 
 
 def rows(t, b, s0, n, h):

@@ -1,0 +1,121 @@
+"""trnkit's flash attention under the trn2 cost model: the fraction of TensorE's bf16 peak at S = 4096,
+head_dim 128, and side by side with AWS nki-library's ``attention_cte`` (forward) and ``attention_bwd``
+(backward) traced on trnkit's interpreter (the conformance harness's checkout: ``NKILIB_SRC`` or the
+archive in ``shared/thirdparty``; nothing of nki-library is copied into trnkit).
+
+FLOPs: causal counted once, ``4 * Hq * D * S^2 / 2`` forward (``Q K^T`` and ``P V``), 2.5 times that
+backward (``S`` recomputed, ``dP``, ``dV``, ``dK``, ``dQ``). The peak is 79 TFLOPS bf16 per physical core
+(LNC=2: two cores). Both kernels get the same shapes, bf16, one batch row, a Qwen3-4B-like group of
+4 query heads per kv head (per-head work is the same at any head count), trace-only interpreter runs.
+
+Usage: ``python benchmarks/attention_peak.py [--seq 4096] [--heads 8 2] [--lnc 1 2] [--no-nkilib] [--save]``;
+``--save`` writes ``benchmarks/data/attention_peak.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from trnkit.kernels.attention import attention, attention_bwd, attention_ref
+from trnkit.nkisim import cost, trace
+
+CSV = Path(__file__).parent / "data" / "attention_peak.csv"
+PEAK = 79e12  # TensorE bf16 FLOP/s per physical core (trn2)
+D = 128
+
+
+def _estimate(run) -> tuple[float, float, float, float]:
+    """(low, mid, high) estimated ns of the call ``run()`` traced trace-only, and the trace seconds."""
+    t = time.time()
+    with trace.record(trace_only=True) as tr:
+        run()
+    seconds = time.time() - t
+    rep = cost.estimate(tr)
+    return (*rep.total_range_ns, seconds)
+
+
+def _trnkit(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, tuple]:
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(1, S, h, D, generator=g).bfloat16() for h in (Hq, Hk, Hk, Hq))
+    o, lse = attention_ref(q, k, v)
+    return {"forward": _estimate(lambda: attention(q, k, v, lnc=lnc)),
+            "backward": _estimate(lambda: attention_bwd(q, k, v, o, lse, go, lnc=lnc))}
+
+
+def _nkilib(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, tuple] | None:
+    from trnkit.conformance import harness  # noqa: PLC0415
+
+    root = harness.nkilib_root()
+    if root is None:
+        return None
+    bf = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(0)
+    out = {}
+    with harness.nki_is_interpreter(root):
+        cte = importlib.import_module("nkilib_src.nkilib.core.attention.attention_cte").attention_cte
+        bwd = importlib.import_module("nkilib_src.nkilib.core.attention.attention_bwd").attention_bwd
+        q = rng.standard_normal((Hq, S, D)).astype(bf)  # batch x heads folded, tp_q: [bs, S, d]
+        k = rng.standard_normal((Hk, D, S)).astype(bf)  # [bs_kv, d, S]
+        v = rng.standard_normal((Hk, S, D)).astype(bf)
+        fwd_kernel = cte[lnc] if lnc > 1 else cte
+        out["forward"] = _estimate(lambda: fwd_kernel(q, k, v, scale=D ** -0.5, causal_mask=True, tp_q=True,
+                                                      tp_k=False, cache_softmax=True))
+        qb = rng.standard_normal((1, Hq, D, S)).astype(bf)  # attention_bwd: [bs, heads, d, S]
+        kb, vb = (rng.standard_normal((1, Hk, D, S)).astype(bf) for _ in range(2))
+        ob, dyb = (rng.standard_normal((1, Hq, D, S)).astype(bf) for _ in range(2))
+        lse = rng.standard_normal((1, Hq, 128, S // 128)).astype(np.float32)
+        bwd_kernel = bwd[lnc] if lnc > 1 else bwd
+        out["backward"] = _estimate(lambda: bwd_kernel(qb, kb, vb, ob, dyb, lse, use_causal_mask=True))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--heads", type=int, nargs=2, default=[8, 2], metavar=("HQ", "HK"))
+    p.add_argument("--lnc", type=int, nargs="+", default=[1, 2], choices=(1, 2))
+    p.add_argument("--no-nkilib", action="store_true", help="trnkit's kernels only")
+    p.add_argument("--save", action="store_true", help="write benchmarks/data/attention_peak.csv")
+    args = p.parse_args()
+    S, (Hq, Hk) = args.seq, args.heads
+    flops = {"forward": 4 * Hq * D * S * S / 2, "backward": 2.5 * 4 * Hq * D * S * S / 2}
+    rows = []
+    for lnc in args.lnc:
+        results = {"trnkit": _trnkit(S, Hq, Hk, lnc)}
+        if not args.no_nkilib:
+            results["nki-library"] = _nkilib(S, Hq, Hk, lnc)
+        for mode in ("forward", "backward"):
+            for who, res in results.items():
+                if res is None:
+                    continue
+                low, mid, high, secs = res[mode]
+                frac = [flops[mode] / (t * 1e-9) / (PEAK * lnc) for t in (high, mid, low)]
+                row = {"kernel": who, "mode": mode, "S": S, "Hq": Hq, "Hk": Hk, "D": D, "lnc": lnc,
+                       "est_us_mid": round(mid / 1e3, 1), "est_us_low": round(low / 1e3, 1),
+                       "est_us_high": round(high / 1e3, 1), "peak_frac_mid": round(frac[1], 3),
+                       "peak_frac_pessimistic": round(frac[0], 3), "trace_s": round(secs, 1)}
+                rows.append(row)
+                print(f"LNC={lnc} {mode:8s} {who:11s} {mid / 1e3:9.1f} us [{low / 1e3:.1f}-{high / 1e3:.1f}]  "
+                      f"{100 * frac[1]:5.1f}% of bf16 peak (pessimistic {100 * frac[0]:.1f}%)")
+            if "nki-library" in results and results["nki-library"] is not None:
+                ratio = [results["trnkit"][mode][i] / results["nki-library"][mode][i] for i in (1, 2)]
+                print(f"LNC={lnc} {mode:8s} trnkit / nki-library time: {ratio[0]:.2f}x mid, {ratio[1]:.2f}x pessimistic")
+    if args.save:
+        CSV.parent.mkdir(parents=True, exist_ok=True)
+        with CSV.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print(f"-> {CSV}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""trnkit::attention: the op (forward, autograd, fake, opcheck, torch.compile) and its swap into trnkit's
+native Qwen3 (``layers[i].attention.core``) and transformers' Qwen3 / Qwen3-MoE attention (its
+``AttentionInterface``: ``attn_implementation="trnkit"`` and ``apply_overrides``), against plain
+causal softmax attention (transformers' eager attention math) and the models' own outputs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.overrides.conftest import hf_moe_model, native_model
+from tests.tolerances import assert_close
+from trnkit.overrides import (
+    DEFAULT_OPS,
+    OverrideConfig,
+    OverrideConstraintError,
+    apply_overrides,
+    ops,
+    register_hf_attention,
+    revert,
+    select,
+)
+
+TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """transformers' eager attention (repeat_kv, softmax in fp32, causal mask), [B, S, H, D] in and out."""
+    G = q.shape[2] // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(G, 1), v.transpose(1, 2).repeat_interleave(G, 1)
+    S = q.shape[1]
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
+    p = torch.softmax(s, -1, dtype=torch.float32).to(q.dtype)
+    return (p @ vh).transpose(1, 2)
+
+
+def _qkv(B, S, Hq, Hk, D, dtype, seed=0, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, S, h, D, generator=g).to(dtype).requires_grad_(grad) for h in (Hq, Hk, Hk)]
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 9, 4, 2, 16), (1, 1, 2, 1, 8), (1, 130, 8, 1, 32)])
+def test_op_forward_and_gradients_match_eager_attention(impl, dtype, shape):
+    q, k, v = _qkv(*shape, dtype)
+    scale = shape[-1] ** -0.5
+    go = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    o, lse = ops.attention(q, k, v, scale, impl)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    want = _eager(q2, k2, v2, scale)
+    assert o.dtype == dtype and o.shape == q.shape and lse.shape == (shape[0], shape[2], shape[1])
+    _close(o, want, dtype)
+    got_g = torch.autograd.grad(o, (q, k, v), go)
+    want_g = torch.autograd.grad(want, (q2, k2, v2), go)
+    for a, b in zip(got_g, want_g, strict=True):
+        _close(a, b, dtype)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal up to each side's own rounding: eager rounds the normalised probabilities to bf16, the kernel
+    the unnormalised ones (the fp64-oracle tests of tests/kernels/attention hold the accuracy), and the
+    gradients sum over up to S keys / S * G queries: a tolerance at the scale of the largest value."""
+    scale = max(b.float().abs().max().item(), 1.0)  # (dq = dk = 0 exactly for one key)
+    torch.testing.assert_close(a.float(), b.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=(2e-2 if dtype == torch.bfloat16 else 1e-5) * scale)
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_opcheck(impl):
+    q, k, v = _qkv(1, 5, 2, 1, 8, torch.float32, seed=3)
+    torch.library.opcheck(torch.ops.trnkit.attention, (q, k, v, 0.3, impl))
+    o, lse = ops.attention(q, k, v, 0.3, impl)
+    args = (q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), torch.randn(q.shape), 0.3, impl)
+    torch.library.opcheck(torch.ops.trnkit.attention_bwd, args)
+
+
+def test_compiles_fullgraph():
+    q, k, v = _qkv(1, 8, 4, 2, 16, torch.float32, seed=4)
+    fn = lambda a, b, c: ops.attention(a, b, c, 0.25, "nki")[0]  # noqa: E731
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    got.square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want = fn(q, k, v)
+    want.square().sum().backward()
+    assert torch.equal(got, want) and all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v), strict=True))
+
+
+def _logits_and_grads(model, tokens=TOKENS):
+    model.zero_grad()
+    out = model(tokens)
+    logits = out if isinstance(out, torch.Tensor) else out.logits  # native model / transformers
+    (logits.float() ** 2).mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_parity(model, original):
+    got_logits, got = _logits_and_grads(model)
+    want_logits, want = _logits_and_grads(original)
+    assert_close(got_logits, want_logits, torch.float32)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert_close(got[name], want[name], torch.float32, msg=name)
+
+
+def test_native_model_attention_swapped_matches_and_reverts():
+    model = native_model(init_std=0.2)
+    original = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    report = apply_overrides(model, OverrideConfig(ops=["attention"], impl="nki", seq_len=8))
+    assert {(r.module, r.op, r.status) for r in report.rows} == {(f"layers.{i}.attention.core", "attention", "swapped")
+                                                                 for i in (0, 1)}
+    assert list(model.state_dict()) == keys
+    _assert_parity(model, original)
+    assert revert(model) == 2
+    assert type(model.layers[0].attention.core) is type(original.layers[0].attention.core)
+
+
+def test_default_ops_leave_attention_alone():
+    assert "attention" not in DEFAULT_OPS
+    report = apply_overrides(native_model(), OverrideConfig(impl="reference", seq_len=8))
+    assert report.rows and all(r.op != "attention" for r in report.rows)
+
+
+def test_transformers_qwen3_moe_attention_swapped_matches_and_reverts():
+    model = hf_moe_model()
+    original = copy.deepcopy(model)
+    report = apply_overrides(model, OverrideConfig(ops=["attention", "rope_hf"], impl="nki", seq_len=8))
+    swapped = sorted((r.module, r.op) for r in report.rows if r.status == "swapped")
+    assert swapped == sorted((f"model.layers.{i}.self_attn", op) for i in (0, 1) for op in ("attention", "rope_hf"))
+    assert model.model.layers[0].self_attn.config._attn_implementation == "trnkit"
+    assert model.config._attn_implementation == original.config._attn_implementation  # the model's own: untouched
+    _assert_parity(model, original)
+    revert(model)
+    assert model.model.layers[0].self_attn.config is model.config
+
+
+def test_transformers_dense_qwen3_attn_implementation_trnkit():
+    """``attn_implementation="trnkit"`` (after register_hf_attention) runs every layer through the
+    kernel: same logits and gradients as sdpa; a padding mask falls back to sdpa with a warning."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    assert register_hf_attention() == "trnkit"
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=16)
+    torch.manual_seed(0)
+    ref = Qwen3ForCausalLM(Qwen3Config(**cfg, attn_implementation="sdpa"))
+    model = Qwen3ForCausalLM(Qwen3Config(**cfg, attn_implementation="trnkit"))
+    model.load_state_dict(ref.state_dict())
+    calls = []
+    orig = ops.attention
+    try:
+        ops.attention = lambda *a: calls.append(a[-1]) or orig(*a)
+        _assert_parity(model, ref)
+    finally:
+        ops.attention = orig
+    assert calls == ["nki"] * 2
+    mask = torch.ones(TOKENS.shape, dtype=torch.long)
+    mask[0, :2] = 0  # left padding: a real mask, which the kernel does not take
+    with pytest.warns(UserWarning, match="attention_mask is None"):
+        got = model(TOKENS, attention_mask=mask).logits
+    assert_close(got, ref(TOKENS, attention_mask=mask).logits, torch.float32)
+
+
+def test_unsupported_shapes_name_op_rule_and_value():
+    q, k = torch.empty(1, 8, 2, 256), torch.empty(1, 8, 1, 256)
+    with pytest.raises(OverrideConstraintError, match=r"attention.*D <= 128.*256"):
+        select("attention", "nki", policy="strict", q=q, k=k, v=k, scale=0.1)
+    sel = select("attention", "nki", policy="fallback", q=q, k=k, v=k, scale=0.1)
+    assert sel.impl == "reference" and "D <= 128" in str(sel.reasons[0])

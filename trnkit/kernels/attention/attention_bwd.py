@@ -1,0 +1,340 @@
+"""Flash attention backward NKI kernel (``attention_bwd_kernel``): dq, dk, dv of the causal GQA
+attention of :mod:`trnkit.kernels.attention.attention` from its output ``o`` and log-sum-exp ``lse``.
+
+The probabilities are recomputed, never stored: with ``delta_i = sum_d dO[i, d] O[i, d]``,
+``P = exp(scale * Q K^T - lse)``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, then ``dV = P^T dO``,
+``dK = scale * dS^T Q``, ``dQ = scale * dS K``.
+
+A work unit is one kv head of one batch row with all its G query heads (LNC=2 splits the units, one
+control flow on both cores). Its keys go in blocks of 512 (outer loop); every query tile that sees a
+block (128 rows, the diagonal and below, last tile first) adds into the block's ``dK^T`` and ``dV^T``,
+each ``[D, 512]`` in one PSUM bank for the whole block: with queries on partitions both are plain
+matmuls (``dV^T += dO^T P``: ``dO`` stationary, ``P`` moving), no transpose. Per (query tile, key
+block), 128 x 512 scores:
+
+1. Tensor: ``S = Q K^T`` and ``dP = dO V^T`` (``Q^T``, ``dO^T`` stationary; the key block's ``K^T``,
+   ``V^T`` moving).
+2. Scalar: ``P = exp(scale * S - lse)`` and ``dP - delta`` from PSUM (per-row biases), in the input
+   dtype; on the diagonal GpSimd zeroes ``P`` above it (``affine_select``).
+3. Vector: ``dS = P * (dP - delta)``; Tensor: ``dV^T += dO^T P``.
+4. Tensor: ``dK^T += Q^T dS`` and ``dS^T`` per 128 keys (PE transpose), copied to SBUF.
+5. Tensor: ``dQ_blk = dS K`` (``dS^T`` stationary, ``K`` moving); Vector adds it into the fp32 dQ
+   accumulator of the tile, kept in SBUF for all query tiles of the pass's heads.
+
+After a key block, ``dK = scale * dK^T`` and ``dV^T`` are transposed back (PE) and stored. When the dQ
+accumulators of all G heads do not fit in SBUF (long S, large G) the heads go in passes, each adding
+its partial dK / dV into an fp32 HBM scratch (``dma_compute``) that the last pass converts.
+"""
+
+from __future__ import annotations
+
+from trnkit.kernels._common import cdiv, program_split
+from trnkit.kernels.attention.tiling import P, needs_scratch, row_stats, rows, work_units
+from trnkit.nki_api import nisa, nki, nl
+
+KB = 512  # keys per block (one PSUM bank of fp32 dK^T / dV^T / scores)
+DQ_BUDGET = 144 * 1024  # SBUF bytes per partition for the fp32 dQ accumulators of one pass
+VECTOR_GHZ, SCALAR_GHZ = 0.96, 1.2
+
+
+def heads_per_pass(S, D, G):
+    """Query heads whose fp32 dQ accumulators (``S * D * 4 / 128`` bytes per partition each) fit DQ_BUDGET."""
+    per_head = cdiv(S, P) * D * 4
+    return max(1, min(G, DQ_BUDGET // per_head))
+
+
+def _q_stats(o, do, lse, b, h, nqt):
+    """``-lse`` and ``-delta`` (``delta = rowsum(dO * O)``) of head h, ``[P, nqt]`` fp32 (row ``t*P + p``
+    at ``[p, t]``)."""
+    S, D = o.shape[1], o.shape[3]
+    neglse = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
+    negdelta = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
+    for t in range(nqt):
+        r0 = t * P
+        nq = min(P, S - r0)
+        o_t = nl.ndarray((P, D), dtype=o.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=o_t[0:nq, :], src=rows(o, b, r0, nq, h))
+        do_t = nl.ndarray((P, D), dtype=do.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=do_t[0:nq, :], src=rows(do, b, r0, nq, h))
+        prod = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod[0:nq, :], data1=o_t[0:nq, :], data2=do_t[0:nq, :], op=nl.multiply)
+        nisa.tensor_reduce(dst=negdelta[0:nq, t:t + 1], op=nl.add, data=prod[0:nq, :], axis=1, negate=True)
+        lse_t = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=lse_t[0:nq, :], src=row_stats(lse, b, h, r0, nq))
+        nisa.tensor_scalar(dst=neglse[0:nq, t:t + 1], data=lse_t[0:nq, :], op0=nl.multiply, operand0=-1.0)
+    return neglse, negdelta
+
+
+def _load_kv_block(k, v, b, j, kb0, w):
+    """The key block's ``K^T``, ``V^T`` ``[D, w]`` (DMA transpose) and ``K`` ``[P, nsub, D]`` (PE transposes
+    of K^T: key ``kb0 + c*P + p`` at ``[p, c]``)."""
+    D = k.shape[3]
+    kT = nl.ndarray((D, KB), dtype=k.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=kT[:, 0:w], src=rows(k, b, kb0, w, j))
+    vT = nl.ndarray((D, KB), dtype=v.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=vT[:, 0:w], src=rows(v, b, kb0, w, j))
+    nsub = cdiv(w, P)
+    k_nat = nl.ndarray((P, nsub, D), dtype=k.dtype, buffer=nl.sbuf)
+    for c in range(nsub):
+        kc = min(P, w - c * P)
+        k_ps = nl.ndarray((P, D), dtype=k.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=k_ps[0:kc, :], data=kT[:, c * P:c * P + kc])
+        nisa.tensor_copy(dst=k_nat[0:kc, c, :], src=k_ps[0:kc, :])
+    return kT, vT, k_nat
+
+
+def _blocks(S, kb0, heads, nqt):
+    """The (head index, query tile) blocks that see keys ``kb0 ..``: per head, the last tile first."""
+    out = []
+    for hi in range(len(heads)):
+        for t in range(nqt - 1, kb0 // P - 1, -1):
+            r0 = t * P
+            nq = min(P, S - r0)
+            out.append({"hi": hi, "h": heads[hi], "qt": t, "r0": r0, "nq": nq, "w": min(KB, r0 + nq - kb0, S - kb0),
+                        "open": len(out) == 0})
+    return out
+
+
+def _cheaper_engine(load, n, two_byte):
+    """0 (Vector) or 1 (Scalar) for a PSUM -> SBUF copy of n elements per partition, whichever finishes
+    first given the work so far (``load`` = [Vector ns, Scalar ns], updated)."""
+    vec = max(64, n / 2 if two_byte else n) / VECTOR_GHZ
+    act = max(64, n) / SCALAR_GHZ
+    if load[0] + vec <= load[1] + act:
+        load[0] = load[0] + vec
+        return 0
+    load[1] = load[1] + act
+    return 1
+
+
+def _st_scores(blk, ctx):
+    """Stage 1: the block's q-side tiles and ``S``, ``dP`` in PSUM."""
+    q, do, b, kv = ctx["q"], ctx["do"], ctx["b"], ctx["kv"]
+    h, r0, nq, w = blk["h"], blk["r0"], blk["nq"], blk["w"]
+    D = q.shape[3]
+    qT = nl.ndarray((D, P), dtype=q.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=qT[:, 0:nq], src=rows(q, b, r0, nq, h))
+    doT = nl.ndarray((D, P), dtype=do.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=doT[:, 0:nq], src=rows(do, b, r0, nq, h))
+    q_t = nl.ndarray((P, D), dtype=q.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=q_t[0:nq, :], src=rows(q, b, r0, nq, h))
+    do_t = nl.ndarray((P, D), dtype=do.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=do_t[0:nq, :], src=rows(do, b, r0, nq, h))
+    s_ps = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=s_ps, stationary=qT[:, 0:nq], moving=kv[0][:, 0:w], accumulate=False)
+    dp_ps = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=dp_ps, stationary=doT[:, 0:nq], moving=kv[1][:, 0:w], accumulate=False)
+    blk["q_t"], blk["do_t"], blk["s"], blk["dp"] = q_t, do_t, s_ps, dp_ps
+
+
+def _st_probs(blk, ctx):
+    """Stage 2: ``P = exp(scale * S - lse)`` (zero above the diagonal) and ``dP - delta`` (Scalar)."""
+    nq, w, t, hi = blk["nq"], blk["w"], blk["qt"], blk["hi"]
+    pdt = ctx["pdt"]
+    neglse, negdelta = ctx["stats"][hi]
+    p_sb = nl.ndarray((nq, w), dtype=pdt, buffer=nl.sbuf)
+    nisa.activation(dst=p_sb, op=nl.exp, data=blk["s"], bias=neglse[0:nq, t:t + 1], scale=ctx["scale"])
+    dpm = nl.ndarray((nq, w), dtype=pdt, buffer=nl.sbuf)
+    nisa.activation(dst=dpm, op=nl.copy, data=blk["dp"], bias=negdelta[0:nq, t:t + 1])
+    blk["s"], blk["dp"] = None, None
+    c0 = blk["r0"] - ctx["kb0"]
+    if 0 <= c0 and c0 < w:  # the diagonal: keys past each row's own position get probability 0
+        p_m = nl.ndarray((nq, w), dtype=pdt, buffer=nl.sbuf)
+        nisa.affine_select(dst=p_m, pattern=[[1, w]], channel_multiplier=-1, on_true_tile=p_sb, on_false_value=0.0,
+                           cmp_op=nl.less_equal, offset=-c0)
+        p_sb = p_m
+    blk["p"], blk["dpm"] = p_sb, dpm
+
+
+def _st_ds(blk, ctx):
+    """Stage 3: ``dS = P * (dP - delta)`` (Vector) and ``dV^T += dO^T P``."""
+    nq, w = blk["nq"], blk["w"]
+    ds = nl.ndarray((nq, w), dtype=ctx["pdt"], buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=ds, data1=blk["p"], data2=blk["dpm"], op=nl.multiply)
+    # the block list starts with the widest block (the last query tile): it opens the group
+    nisa.nc_matmul(dst=ctx["dvT"][:, 0:w], stationary=blk["do_t"][0:nq, :], moving=blk["p"], accumulate=not blk["open"])
+    blk["ds"], blk["p"], blk["dpm"], blk["do_t"] = ds, None, None, None
+
+
+def _st_dk(blk, ctx):
+    """Stage 4: ``dK^T += Q^T dS`` and ``dS^T`` per 128 keys (PE transpose), copied to SBUF."""
+    nq, w, ds = blk["nq"], blk["w"], blk["ds"]
+    pdt = ctx["pdt"]
+    nisa.nc_matmul(dst=ctx["dkT"][:, 0:w], stationary=blk["q_t"][0:nq, :], moving=ds, accumulate=not blk["open"])
+    nsub = cdiv(w, P)
+    dsT_ps = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.psum)
+    for c in range(nsub):
+        kc = min(P, w - c * P)
+        nisa.nc_transpose(dst=dsT_ps[0:kc, c, :], data=ds[:, c * P:c * P + kc])
+    dsT = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.sbuf)
+    nfull = w // P
+    parts = []
+    if nfull > 0:
+        parts.append([P, 0, nfull])
+    if nfull < nsub:
+        parts.append([w - nfull * P, nfull, nsub])
+    for pi in range(len(parts)):
+        kc, c0, c1 = parts[pi]
+        if _cheaper_engine(ctx["load"], (c1 - c0) * nq, pdt != nl.float32) == 0:
+            nisa.tensor_copy(dst=dsT[0:kc, c0:c1, :], src=dsT_ps[0:kc, c0:c1, :])
+        else:
+            nisa.activation(dst=dsT[0:kc, c0:c1, :], op=nl.copy, data=dsT_ps[0:kc, c0:c1, :])
+    blk["dsT"], blk["ds"], blk["q_t"] = dsT, None, None
+
+
+def _st_dq(blk, ctx):
+    """Stage 5: ``dQ_blk = dS K`` over the block's keys; added into the tile's fp32 dQ accumulator."""
+    nq, w, dsT = blk["nq"], blk["w"], blk["dsT"]
+    k_nat = ctx["kv"][2]
+    D = k_nat.shape[2]
+    dq_ps = nl.ndarray((nq, D), dtype=nl.float32, buffer=nl.psum)
+    for c in range(cdiv(w, P)):
+        kc = min(P, w - c * P)
+        nisa.nc_matmul(dst=dq_ps, stationary=dsT[0:kc, c, :], moving=k_nat[0:kc, c, :], accumulate=c > 0)
+    acc = ctx["dq_acc"][0:nq, blk["hi"] * ctx["nqt"] + blk["qt"], :]
+    if ctx["kb0"] == 0:
+        nisa.tensor_copy(dst=acc, src=dq_ps)
+    else:
+        nisa.tensor_tensor(dst=acc, data1=acc, data2=dq_ps, op=nl.add)
+    blk["dsT"] = None
+
+
+def _transpose_out(src_ps, w, scale, dt):
+    """``[D, w]`` fp32 PSUM (times scale) -> ``[(kc, [P, D] tile in dt)]`` per 128 keys (PE transposes)."""
+    D = src_ps.shape[0]
+    t_sb = nl.ndarray((D, KB), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=t_sb[:, 0:w], op=nl.copy, data=src_ps[:, 0:w], scale=scale)
+    tiles = []
+    for c in range(cdiv(w, P)):
+        kc = min(P, w - c * P)
+        tp = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=tp[0:kc, :], data=t_sb[:, c * P:c * P + kc])
+        out = nl.ndarray((P, D), dtype=dt, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=out[0:kc, :], src=tp[0:kc, :])
+        tiles.append([kc, out])
+    return tiles
+
+
+def _store_dkv(ctx, outs, kb0, w, first_pass, last_pass):
+    """The key block's dK (= scale * dK^T transposed) and dV: stored, or added into the fp32 scratch
+    of a multi-pass unit (converted by its last pass)."""
+    dk, dv, scr = outs[1], outs[2], outs[3]
+    j, ob = ctx["j"], ctx["ob"]
+    pairs = [[ctx["dkT"], ctx["scale"], dk, 0], [ctx["dvT"], 1.0, dv, 1]]
+    for i in range(2):
+        src_ps, sc, dst, which = pairs[i]
+        D = src_ps.shape[0]
+        dt = dst.dtype if scr == None else nl.float32  # noqa: E711 (NKI rejects `is`)
+        tiles = _transpose_out(src_ps, w, sc, dt)
+        for c in range(len(tiles)):
+            kc, tile = tiles[c]
+            r0 = kb0 + c * P
+            if scr == None:  # noqa: E711
+                nisa.dma_copy(dst=rows(dst, ob, r0, kc, j), src=tile[0:kc, :])
+            else:
+                view = rows(scr, 2 * ob + which, r0, kc, j)
+                if first_pass:
+                    nisa.dma_copy(dst=view, src=tile[0:kc, :])
+                else:
+                    nisa.dma_compute(dst=view, srcs=[view, tile[0:kc, :]], reduce_op=nl.add)
+                if last_pass:
+                    fin = nl.ndarray((P, D), dtype=dst.dtype, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=fin[0:kc, :], src=view)
+                    nisa.dma_copy(dst=rows(dst, ob, r0, kc, j), src=fin[0:kc, :])
+
+
+def _store_dq(ctx, dq, heads):
+    """The pass's dQ = scale * accumulator, in dq's dtype."""
+    S, D = dq.shape[1], dq.shape[3]
+    for hi in range(len(heads)):
+        for t in range(ctx["nqt"]):
+            r0 = t * P
+            nq = min(P, S - r0)
+            out = nl.ndarray((P, D), dtype=dq.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=out[0:nq, :], op=nl.copy, data=ctx["dq_acc"][0:nq, hi * ctx["nqt"] + t, :],
+                            scale=ctx["scale"])
+            nisa.dma_copy(dst=rows(dq, ctx["ob"], r0, nq, heads[hi]), src=out[0:nq, :])
+
+
+def _at(blocks, t):
+    """``blocks[t]`` when t is a block index, else None (pipeline fill and drain)."""
+    if 0 <= t and t < len(blocks):
+        return blocks[t]
+    return None
+
+
+def _run_blocks(blocks, ctx):
+    """The software pipeline over a key block's (head, query tile) blocks. Iteration t issues, per
+    engine in this order: Tensor S, dP (t), dV^T (t-2), dQ (t-4), dK^T and dS^T (t-3); Scalar P and
+    dP - delta (t-1), dS^T copies (t-3); Vector dS (t-2), the dQ sum (t-4), dS^T copies (t-3)."""
+    for t in range(len(blocks) + 4):
+        if _at(blocks, t) != None:  # noqa: E711
+            _st_scores(blocks[t], ctx)
+        if _at(blocks, t - 1) != None:  # noqa: E711
+            _st_probs(blocks[t - 1], ctx)
+        if _at(blocks, t - 2) != None:  # noqa: E711
+            _st_ds(blocks[t - 2], ctx)
+        if _at(blocks, t - 4) != None:  # noqa: E711
+            _st_dq(blocks[t - 4], ctx)
+        if _at(blocks, t - 3) != None:  # noqa: E711
+            _st_dk(blocks[t - 3], ctx)
+
+
+def _bwd_unit(unit, ins, outs, scale):
+    """One work unit (one kv head, all its query heads), its heads in passes that fit SBUF."""
+    q, k, v, o, do, lse = ins
+    b, j, g0, ng, _ = unit
+    S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    G = Hq // k.shape[2]
+    nqt = cdiv(S, P)
+    hpp = heads_per_pass(S, D, G)
+    npass = cdiv(ng, hpp)
+    ctx = {"q": q, "do": do, "b": b, "j": j, "ob": b if outs[0].shape[0] > 1 else 0, "scale": scale,
+           "pdt": q.dtype, "nqt": nqt, "load": [0.0, 0.0]}
+    for pi in range(npass):
+        heads = []
+        for g in range(g0 + pi * hpp, min(g0 + ng, g0 + (pi + 1) * hpp)):
+            heads.append(j * G + g)
+        stats = []
+        for hi in range(len(heads)):
+            stats.append(_q_stats(o, do, lse, b, heads[hi], nqt))
+        ctx["stats"] = stats
+        ctx["dq_acc"] = nl.ndarray((P, len(heads) * nqt, D), dtype=nl.float32, buffer=nl.sbuf)
+        for kb in range(cdiv(S, KB)):
+            kb0 = kb * KB
+            w = min(KB, S - kb0)
+            ctx["kb0"] = kb0
+            ctx["kv"] = _load_kv_block(k, v, b, j, kb0, w)
+            ctx["dkT"] = nl.ndarray((D, w), dtype=nl.float32, buffer=nl.psum)
+            ctx["dvT"] = nl.ndarray((D, w), dtype=nl.float32, buffer=nl.psum)
+            _run_blocks(_blocks(S, kb0, heads, nqt), ctx)
+            _store_dkv(ctx, outs, kb0, w, pi == 0, pi == npass - 1)
+            ctx["dkT"], ctx["dvT"], ctx["kv"] = None, None, None  # (their PSUM accumulation groups close)
+        _store_dq(ctx, outs[0], heads)
+
+
+@nki.jit
+def attention_bwd_kernel(q, k, v, o, do, lse, scale):
+    """``(dq, dk, dv)`` (the inputs' shapes and dtype) of :func:`~.attention.attention_fwd_kernel` at
+    ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]`` given its output ``o``, log-sum-exp ``lse [B, Hq, S]`` and
+    the output gradient ``do`` (q's shape and dtype)."""
+    B, S, Hq, D = q.shape
+    Hk = k.shape[2]
+    G = Hq // Hk
+    dq = nl.ndarray((B, S, Hq, D), dtype=q.dtype, buffer=nl.shared_hbm)
+    dk = nl.ndarray((B, S, Hk, D), dtype=k.dtype, buffer=nl.shared_hbm)
+    dv = nl.ndarray((B, S, Hk, D), dtype=v.dtype, buffer=nl.shared_hbm)
+    n_prog, pid = program_split()
+    scr = None
+    if cdiv(G, heads_per_pass(S, D, G)) > 1:  # several head passes: fp32 dK / dV partial sums
+        scr = nl.ndarray((2 * B, S, Hk, D), dtype=nl.float32, buffer=nl.private_hbm)
+    dup = None
+    if needs_scratch(B, Hk, G, n_prog, False):
+        dup = (nl.ndarray((1, S, Hq, D), dtype=q.dtype, buffer=nl.private_hbm),
+               nl.ndarray((1, S, Hk, D), dtype=k.dtype, buffer=nl.private_hbm),
+               nl.ndarray((1, S, Hk, D), dtype=v.dtype, buffer=nl.private_hbm), scr)
+    units = work_units(B, Hk, G, n_prog, pid, False)
+    for u in range(len(units)):
+        outs = (dq, dk, dv, scr) if units[u][4] else dup
+        _bwd_unit(units[u], (q, k, v, o, do, lse), outs, float(scale))
+    return dq, dk, dv
