@@ -122,9 +122,9 @@ def test_labels_out_of_range_and_constraints():
     with pytest.raises(KernelConstraintError, match=r"linear_cross_entropy: constraint '0 <= label < V = 10 or "
                                                     r"label == ignore_index \(-100\)' violated \(got 10\)"):
         linear_cross_entropy(h, w, labels)
-    rules = [v.constraint for v in linear_cross_entropy_constraints(torch.empty(4, 3585), torch.empty(9, 3585),
+    rules = [v.constraint for v in linear_cross_entropy_constraints(torch.empty(4, 3073), torch.empty(9, 3073),
                                                               torch.empty(4, dtype=torch.long))]
-    assert rules == ["H <= 3584"]
+    assert rules == ["H <= 3072"]
     bad = linear_cross_entropy_constraints(torch.empty(4, 8), torch.empty(9, 8, dtype=torch.bfloat16),
                                            torch.empty(4), reduction="max")
     assert [v.constraint for v in bad] == ["weight.dtype == hidden.dtype", "labels is an integer tensor",

@@ -10,9 +10,10 @@ from trnkit.kernels.rmsnorm.constraints import dtype_name, shape
 
 DTYPES = ("float32", "bfloat16")
 REDUCTIONS = ("mean", "sum")
-# The backward sums each [128, H] gradient product in PSUM banks of 512 fp32 columns next to one bank of
-# logits: ceil(H / 512) + 1 <= 8 banks (Qwen3 up to 4B: H 2560; 30B-A3B's H is 2048).
-H_MAX = 3584
+# The backward sums each [128, H] gradient product in PSUM banks of 512 fp32 columns next to two banks of
+# logits (the next tile's computed ahead): ceil(H / 512) + 2 <= 8 banks (Qwen3 up to 4B: H 2560; 30B-A3B:
+# 2048).
+H_MAX = 3072
 # labels are compared as fp32 values: every index below 2^24 is exact.
 V_MAX = 1 << 24
 
@@ -43,7 +44,7 @@ def linear_cross_entropy_constraints(hidden: Any, weight: Any, labels: Any, igno
     if not dtype_name(labels).startswith(("int", "uint")):
         bad("labels is an integer tensor", dtype_name(labels))
     if hs[1] > H_MAX:
-        bad(f"H <= {H_MAX}", hs[1], "the backward sums a [128, H] product in ceil(H/512) PSUM banks + 1 for logits")
+        bad(f"H <= {H_MAX}", hs[1], "the backward sums a [128, H] product in ceil(H/512) PSUM banks + 2 for logits")
     if ws[0] >= V_MAX:
         bad(f"V < 2**24", ws[0], "labels are compared as fp32 values")
     if reduction not in REDUCTIONS:

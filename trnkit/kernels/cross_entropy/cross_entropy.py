@@ -204,6 +204,68 @@ def _fold(acc, banks, first):
             nisa.tensor_tensor(dst=acc[:, h0:h0 + hw], data1=acc[:, h0:h0 + hw], data2=banks[b], op=nl.add)
 
 
+def _items(n_members, n_loads):
+    """``[(member, load), ...]`` in member-major order."""
+    out = []
+    for j in range(n_members):
+        for k in range(n_loads):
+            out.append((j, k))
+    return out
+
+
+def _logits_h(st, load, H):
+    """grad_hidden pass: the transposed logits ``[vw, tw]`` of a token tile ``st`` and a vocabulary load."""
+    v0, w_sb, w_rows = load
+    ps = nl.ndarray((w_rows.shape[0], st["acc"].shape[0]), dtype=nl.float32, buffer=nl.psum)
+    _logits(ps, w_sb, st["h"], H)
+    return ps
+
+
+def _grad_h_step(st, load, ps, k, n_loads, first_chunk, iota_p, dt):
+    """grad_hidden pass: ``dl^T`` from the logits ``ps`` and its product with the vocabulary rows into the
+    token tile's PSUM banks (opened at the chunk's first load, folded into ``acc`` after its last)."""
+    v0, w_sb, w_rows = load
+    vw, tw = ps.shape
+    if k == 0:
+        st["banks"] = _banks(tw, st["acc"].shape[1])
+    hit = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=hit, data=st["lab"][0:vw, :], op0=nl.subtract, operand0=float(v0))
+    nisa.tensor_tensor(dst=hit, data1=hit, data2=iota_p[0:vw, 0:tw], op=nl.equal)
+    dlT = nl.ndarray((vw, tw), dtype=dt, buffer=nl.sbuf)
+    _dlogits(dlT, ps, st["lse"][0:vw, :], st["scale"][0:vw, :], hit)
+    _matmul_banks(st["banks"], dlT, w_rows, k == 0)
+    if k == n_loads - 1:
+        _fold(st["acc"], st["banks"], first_chunk)
+
+
+def _logits_w(st, load, H):
+    """grad_weight pass: the logits ``[tw, vw]`` of a token load and a vocabulary tile ``st``."""
+    h_sb, h_rows, neg, scale_c, lab_c = load
+    ps = nl.ndarray((h_rows.shape[0], st["acc"].shape[0]), dtype=nl.float32, buffer=nl.psum)
+    _logits(ps, h_sb, st["w"], H)
+    return ps
+
+
+def _grad_w_step(st, load, ps, k, n_loads, first_chunk, iota_f, dt):
+    """grad_weight pass: ``dl`` from the logits ``ps`` and ``dl.T @ h`` into the vocabulary tile's PSUM banks."""
+    h_sb, h_rows, neg, scale_c, lab_c = load
+    tw, vw = ps.shape
+    if k == 0:
+        st["banks"] = _banks(vw, st["acc"].shape[1])
+    rel = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=rel, data=lab_c, op0=nl.subtract, operand0=float(st["v0"]))
+    hit = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=hit, data=iota_f[0:tw, 0:vw], op0=nl.equal, operand0=rel)
+    p = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=p, op=nl.exp, data=ps, bias=neg)
+    nisa.tensor_tensor(dst=p, data1=p, data2=hit, op=nl.subtract)
+    dl = nl.ndarray((tw, vw), dtype=dt, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=dl, data=p, op0=nl.multiply, operand0=scale_c)
+    _matmul_banks(st["banks"], dl, h_rows, k == 0)
+    if k == n_loads - 1:
+        _fold(st["acc"], st["banks"], first_chunk)
+
+
 def _store(dst_hbm, scratch, r0, acc, masked):
     """An accumulated ``[rows, H]`` gradient tile to ``dst_hbm[r0:r0+rows, :]`` (a masked one to scratch)."""
     rows = acc.shape[0]
@@ -245,22 +307,13 @@ def lce_bwd_kernel(hT, h, wT, w, labels, lse, scale):
                 w_rows = nl.ndarray((vw, H), dtype=dt, buffer=nl.sbuf)
                 nisa.dma_copy(dst=w_rows, src=w[v0:v0 + vw, :])
                 loads.append((v0, _load_cols(wT, v0, vw, H, dt), w_rows))
-            for j in range(len(group)):
-                st = group[j]
-                tw = st["acc"].shape[0]
-                banks = _banks(tw, H)
-                for k in range(len(loads)):
-                    v0, w_sb, w_rows = loads[k]
-                    vw = w_rows.shape[0]
-                    ps = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.psum)
-                    _logits(ps, w_sb, st["h"], H)
-                    hit = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=hit, data=st["lab"][0:vw, :], op0=nl.subtract, operand0=float(v0))
-                    nisa.tensor_tensor(dst=hit, data1=hit, data2=iota_p[0:vw, 0:tw], op=nl.equal)
-                    dlT = nl.ndarray((vw, tw), dtype=dt, buffer=nl.sbuf)
-                    _dlogits(dlT, ps, st["lse"][0:vw, :], st["scale"][0:vw, :], hit)
-                    _matmul_banks(banks, dlT, w_rows, k == 0)
-                _fold(st["acc"], banks, c0 == 0)
+            items = _items(len(group), len(loads))
+            ahead = _logits_h(group[items[0][0]], loads[items[0][1]], H)
+            for i in range(len(items)):
+                ps = ahead
+                if i + 1 < len(items):  # the next logits first: TensorE computes them while dl forms
+                    ahead = _logits_h(group[items[i + 1][0]], loads[items[i + 1][1]], H)
+                _grad_h_step(group[items[i][0]], loads[items[i][1]], ps, items[i][1], len(loads), c0 == 0, iota_p, dt)
         for j in range(len(group)):
             _store(grad_h, scratch, group[j]["t0"], group[j]["acc"], group[j]["masked"])
 
@@ -281,26 +334,13 @@ def lce_bwd_kernel(hT, h, wT, w, labels, lse, scale):
                 nisa.tensor_scalar(dst=neg, data=_column(lse, t0, tw), op0=nl.multiply, operand0=-1.0)
                 loads.append((_load_cols(hT, t0, tw, H, dt), h_rows, neg, _column(scale, t0, tw),
                               _column(labels, t0, tw)))
-            for j in range(len(group)):
-                st = group[j]
-                vw = st["acc"].shape[0]
-                banks = _banks(vw, H)
-                for k in range(len(loads)):
-                    h_sb, h_rows, neg, scale_c, lab_c = loads[k]
-                    tw = h_rows.shape[0]
-                    ps = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.psum)
-                    _logits(ps, h_sb, st["w"], H)
-                    rel = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=rel, data=lab_c, op0=nl.subtract, operand0=float(st["v0"]))
-                    hit = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=hit, data=iota_f[0:tw, 0:vw], op0=nl.equal, operand0=rel)
-                    p = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.activation(dst=p, op=nl.exp, data=ps, bias=neg)
-                    nisa.tensor_tensor(dst=p, data1=p, data2=hit, op=nl.subtract)
-                    dl = nl.ndarray((tw, vw), dtype=dt, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dst=dl, data=p, op0=nl.multiply, operand0=scale_c)
-                    _matmul_banks(banks, dl, h_rows, k == 0)
-                _fold(st["acc"], banks, c0 == 0)
+            items = _items(len(group), len(loads))
+            ahead = _logits_w(group[items[0][0]], loads[items[0][1]], H)
+            for i in range(len(items)):
+                ps = ahead
+                if i + 1 < len(items):  # the next logits first: TensorE computes them while dl forms
+                    ahead = _logits_w(group[items[i + 1][0]], loads[items[i + 1][1]], H)
+                _grad_w_step(group[items[i][0]], loads[items[i][1]], ps, items[i][1], len(loads), c0 == 0, iota_f, dt)
         for j in range(len(group)):
             _store(grad_w, scratch, group[j]["v0"], group[j]["acc"], group[j]["masked"])
     return grad_h, grad_w
