@@ -83,6 +83,7 @@ __all__ = ["SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "revert"]
 
 SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm", "linear_cross_entropy", "attention")
 DEFAULT_OPS = ("rope_hf", "router_topk", "moe_experts")  # OverrideConfig's default selection
+_STAND_IN_OPS = ("rope_hf", "router_topk", "moe_experts")  # ops given shape-only stand-ins in the dry run
 ORIGINAL = "original"  # report name for "the module's own forward"
 _STATE_ATTR = "_trnkit_overrides"
 
@@ -665,9 +666,11 @@ def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs
     seq = config.seq_len or _default_seq_len(model)
     param = next(model.parameters(), None)
     # Swap points of ops that are not being overridden often hold data-dependent code (expert
-    # dispatch); give them shape-only stand-ins for the dry run. Eval mode skips aux statistics.
+    # dispatch); give them shape-only stand-ins for the dry run. The norms and the loss keep their own
+    # (shape-only) code: a stand-in would run a trnkit op, which has no DTensor rule under tensor
+    # parallelism. Eval mode skips aux statistics.
     others = [_install(model, path, module, op, adapter, config, REFERENCE, probe_only=True)
-              for path, module, op, adapter in _find_swap_points(model, SWAPPABLE_OPS)
+              for path, module, op, adapter in _find_swap_points(model, _STAND_IN_OPS)
               if op not in config.ops]
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
