@@ -792,10 +792,25 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     weights = _position_weights(topk_weights, lay)
     slots = torch.cat([lay.table, torch.full_like(lay.table[:1], T * K)])  # + the all-padding row NB
     token = torch.cat([token, torch.zeros_like(token[:1])])  # row NB: the last block's look-ahead
+    slot_pages = _with_previous(_flagged(slots, split, E, lnc), lay.block_start, lnc)
     return launch(K_.moe_experts_kernel, lnc)(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
-                                              _flagged(token, split, E, lnc), _flagged(slots, split, E, lnc), split,
+                                              _flagged(token, split, E, lnc), slot_pages, split,
                                               _per_block(weights), K, activation, float(limit), float(alpha),
                                               _dense(b_gate_up), _dense(b_down))
+
+
+def _with_previous(table: torch.Tensor, block_start: torch.Tensor, lnc: int) -> torch.Tensor:
+    """A flagged slot table ``[NB + 1, ...]`` (row NB: padding) and below it its second page: row r = the
+    row of the block before r, the padding row for the first block of each core's part (``block_start
+    [1, E' + 1]``, E' / ``lnc`` experts per core), so block r scatters the rows its predecessor left
+    without a block id carried across loop iterations (``moe_fused._expert_blocks``)."""
+    NB = table.shape[0] - 1
+    start = block_start[0].long()
+    prev = torch.cat([table[NB:], table[:NB]])  # row r <- row r - 1; row 0 <- the padding row
+    E = start.shape[0] - 1
+    firsts = torch.clamp(start[torch.arange(lnc, device=start.device) * (E // lnc)], max=NB)
+    prev[firsts] = table[NB]
+    return torch.cat([table, prev]).contiguous()
 
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:

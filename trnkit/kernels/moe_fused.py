@@ -28,9 +28,9 @@ combines pairs of token tiles. The host's paired layout gives the j-th expert of
 core the same blocks per width class (padding blocks on the core with fewer), so both cores run the
 same loops with the same trip counts.
 
-No state is carried in registers from one run-time iteration to the next: the slot ids of the block
-whose rows wait to be scattered stay in an SBUF tile (NKI migration guide: loop-carried state in SBUF
-or HBM).
+No state is carried in registers from one run-time iteration to the next (NKI migration guide:
+loop-carried state in SBUF or HBM): the block whose rows wait to be scattered is the one before the
+current block, whose slot ids the host puts in a second page of the slot table.
 
 The backward's data path is :mod:`trnkit.kernels.moe_bwd`.
 """
@@ -186,16 +186,16 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
 
 
 def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_table: Any, block_weights: Any,
-                   wgu: Any, wd: Any, y: Any, y_prev: list, slot_table: Any, prev_ids: Any, act: dict,
-                   bd: Any) -> None:
+                   wgu: Any, wd: Any, y: Any, y_prev: list, slot_table: Any, act: dict, bd: Any) -> None:
     """Run-time loop over one expert's blocks lo..hi-1 of ``width`` rows (see moe_experts_kernel).
 
     Software-pipelined on both sides of the compute. Gathers run one block ahead: block i finds its
     token rows in ``x_next`` (gathered by block i-1, or by the kernel's prologue) and, once it has
     transposed them, gathers block i+1's rows there -- across expert boundaries, since the blocks
     of consecutive experts are consecutive rows of the tables. Scatters run one block behind: block
-    i's scaled rows stay in ``y_prev`` until block i+1 has issued its gathers (``prev_ids`` holds the
-    block's slot ids and flags, loaded right after the previous block's scatter read them). The descriptors of both indirect DMAs are written by one in-order engine (GpSimd,
+    i's scaled rows stay in ``y_prev`` until block i+1 has issued its gathers; block i+1 scatters them by
+    its row of the second page of ``slot_table`` (the ids of the block before it on this core), so no
+    block id is carried from one iteration to the next. The descriptors of both indirect DMAs are written by one in-order engine (GpSimd,
     software DGE), so a gather issued after a scatter waits for the scattered block's whole compute;
     this order lets an expert's short last block be followed at once by the next expert's first
     block, whose rows were gathered while the short block computed. The affinities load first: a
@@ -207,6 +207,7 @@ def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_tab
     HC = (H + P - 1) // P
     IC = (inter + P - 1) // P
     subs = chunks(width, x_next[0].shape[0])
+    page = slot_table.shape[0] // 2  # slot_table's second page: the previous block's ids
 
     def block(i):
         w = block_row(block_weights, i, 0)  # fp32 affinities
@@ -215,8 +216,7 @@ def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_tab
             r0, rw = subs[s]
             transpose_rows(x_next[s][:rw, :], x_T, col0=r0, vector_every=VECTOR_TRANSPOSE_EVERY)
         move_block_rows(x, x_next, block_row(token_table, i, 1), True)  # block i + 1 (any expert's)
-        move_block_rows(y, y_prev, prev_ids, False)  # the previous block's rows
-        block_row(slot_table, i, 0, prev_ids)  # this block's, scattered by the next iteration
+        move_block_rows(y, y_prev, block_row(slot_table, i, page), False)  # the previous block's rows
         h_T = tiles(IC, (P, width), x.dtype)
         swiglu_T(h_T, x_T, wgu, H, inter, width, act)
         for s in range(len(subs)):
@@ -317,10 +317,12 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     x ``[T, H]``; w_gate_up ``[E, H, 2I]``; w_down ``[E, I, H]``. Per block of B positions, laid out
     ``[NB, rows, B // rows]`` (position ``sub*rows + p`` at ``[p, sub]``, rows = min(B, 128), so a
     block's values load with one DMA, one column per 128-row sub-tile): block_weights ``[NB, rows, nsub]``
-    fp32 (the slot's affinity); token_table and slot_table ``[NB + 1, rows, nsub + NFLAGS]`` int32, the
-    ids followed by the block's width flags (:func:`move_block_rows`): token ids (padding positions
-    name any valid token, their results are never stored) and slot ids t*K+k (T*K for padding); row NB
-    of both is padding (the last block's look-ahead gather, the first block's scatter). block_start
+    fp32 (the slot's affinity); token_table ``[NB + 1, rows, nsub + NFLAGS]`` int32, the ids followed by
+    the block's width flags (:func:`move_block_rows`), token ids (padding positions name any valid token,
+    their results are never stored), row NB padding (the last block's look-ahead gather); slot_table
+    ``[2 (NB + 1), rows, nsub + NFLAGS]`` int32 in two pages of that layout, slot ids t*K+k (T*K for
+    padding): page 0 block r's, page 1 (rows NB + 1 + r) those of the block before r on the same core
+    (the padding row NB for each core's first block), which block r scatters. block_start
     ``[1, (n + 1)(E' + 1)]`` int32 (E' = E, or E + 1 in an LNC=2 layout of an odd E, see
     :func:`~trnkit.kernels.moe_grouped_mm.masked_group`) for the n = len(tail_widths(B)) narrower
     widths: ``[start | b_1 | .. | b_n]``, start[e] the first block of expert e (start[E] the total);
@@ -342,8 +344,6 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     y = nl.ndarray((T * K, H), dtype=dt, buffer=nl.shared_hbm)
     y_prev = tiles(nsub, (rows, H), dt)  # the last computed block's rows, not yet scattered
     x_next = tiles(nsub, (rows, H), dt)  # the next block's token rows, gathered one block ahead
-    # the slot ids (and flags) of the block in y_prev (row NB, all padding: none yet)
-    prev_ids = block_row(slot_table, nisa.register_alloc(NB), 0)
     bs = load_block_start(block_start)
     mine = owned_groups(E)
     prefetch = _prefetch_fits(H, w_down.shape[1], B, x.dtype)
@@ -375,10 +375,15 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
                 # when few DMAs are in flight; one issued before them delays this expert's gathers
                 nxt = (load_weight(w_gate_up, masked_group(e + 1, E_w)), load_weight(w_down, masked_group(e + 1, E_w)))
             _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, x_next, token_table, block_weights,
-                           wgu, wd, y, y_prev, slot_table, prev_ids, act, bd)
+                           wgu, wd, y, y_prev, slot_table, act, bd)
         if e + 1 < mine.stop and not (prefetch and len(seg_widths) > 1):
             nxt = (load_weight(w_gate_up, masked_group(e + 1, E_w)), load_weight(w_down, masked_group(e + 1, E_w)))
-    move_block_rows(y, y_prev, prev_ids, False)  # the last block
+    # the last block: row end - 1 of the first page, end = the block after this core's last one
+    last = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=last, data=bs[0:1, mine.stop:mine.stop + 1], op0=nl.subtract, operand0=1)
+    last_blk = nisa.register_alloc()
+    nisa.register_load(last_blk, last)
+    move_block_rows(y, y_prev, block_row(slot_table, last_blk, 0), False)
     out = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     if program_split()[0] > 1:
         nisa.core_barrier(y, (0, 1))  # both cores' slots are in y before any token is combined
