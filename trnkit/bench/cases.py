@@ -337,6 +337,44 @@ def attention_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "b
     return cases
 
 
+def _cross_entropy_build(T: int, H: int, V: int, backward: bool, dtype: torch.dtype, lnc: int
+                         ) -> Callable[[], Prepared]:
+    def f() -> Prepared:
+        mod = _kernel_module("cross_entropy")
+
+        g = torch.Generator().manual_seed(0)
+        h, w = _rand(T, H, g=g, dtype=dtype), _rand(V, H, g=g, scale=H ** -0.5, dtype=dtype)
+        labels = torch.randint(0, V, (T,), generator=g)
+        if not backward:
+            return Prepared(nki=lambda: mod.linear_cross_entropy(h, w, labels, lnc=lnc),
+                            ref=lambda: mod.linear_cross_entropy_ref(h, w, labels))
+        _, lse = mod.linear_cross_entropy_ref(h, w, labels)
+        hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = torch.nn.functional.cross_entropy(hr.float() @ wr.float().T, labels)
+        return Prepared(nki=lambda: mod.linear_cross_entropy_bwd(h, w, labels, lse, lnc=lnc),
+                        ref=_grad_closure(loss, [hr, wr], torch.ones(())))
+    return f
+
+
+CE_VOCAB = 16384  # the sweeps' vocabulary: the kernels' cost is linear in V (one loop over its tiles)
+
+
+def cross_entropy_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
+    """The fused lm_head + loss: tokens at Qwen3-30B-A3B's H (2048) over a 16,384 vocabulary (the cost is
+    linear in V: multiply by 151,936 / 16,384 = 9.27 for Qwen3's), LNC=1 and 2."""
+    dt = getattr(torch, dtype)
+    cases = []
+    for mode in modes:
+        bwd = mode == "backward"
+        H = _flavor("30B-A3B").dim
+        for lnc in (1, 2):
+            for T in ([128, 256] if quick else [512, 1024, 2048]):
+                cfg = {"flavor": "30B-A3B", "H": H, "V": CE_VOCAB, "lnc": lnc, "dtype": dtype}
+                cases.append(Case("cross_entropy", mode, f"T (LNC={lnc})", T,
+                                  _cross_entropy_build(T, H, CE_VOCAB, bwd, dt, lnc), cfg))
+    return cases
+
+
 # kernel name -> (module under trnkit.kernels that must import, names it must have, case builder)
 KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]] = {
     "matmul_tiled": (None, (), matmul_cases),
@@ -346,6 +384,8 @@ KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]
     "grouped_mm": ("moe", ("grouped_mm", "grouped_mm_ref", "grouped_mm_bwd"), gmm_cases),
     "rmsnorm": ("rmsnorm", ("rmsnorm", "rmsnorm_ref", "rmsnorm_bwd"), rmsnorm_cases),
     "attention": ("attention", ("attention", "attention_ref", "attention_bwd"), attention_cases),
+    "cross_entropy": ("cross_entropy", ("linear_cross_entropy", "linear_cross_entropy_ref",
+                                        "linear_cross_entropy_bwd"), cross_entropy_cases),
 }
 
 
