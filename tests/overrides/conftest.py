@@ -70,3 +70,26 @@ def hf_moe_model(seed: int = 0, **overrides):
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else None
     return model
+
+
+def _logits_and_grads(model, tokens):
+    model.zero_grad()
+    out = model(tokens)
+    logits = out if isinstance(out, torch.Tensor) else out.logits  # native model / transformers
+    (logits.float() ** 2).mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_swap_parity(model, original, tokens=None):
+    """A swapped model's logits and every parameter gradient equal the original's at the fp32 tolerance
+    (tokens: ``[2, 8]`` ids below 64 by default, the tiny models' vocabulary)."""
+    from tests.tolerances import assert_close  # noqa: PLC0415
+
+    if tokens is None:
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    got_logits, got = _logits_and_grads(model, tokens)
+    want_logits, want = _logits_and_grads(original, tokens)
+    assert_close(got_logits, want_logits, torch.float32)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert_close(got[name], want[name], torch.float32, msg=name)

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from tests.overrides.conftest import hf_moe_model, native_model
+from tests.overrides.conftest import assert_swap_parity, hf_moe_model, native_model
 from tests.tolerances import assert_close
 from trnkit.overrides import (
     DEFAULT_OPS,
@@ -91,23 +91,6 @@ def test_compiles_fullgraph():
     assert torch.equal(got, want) and all(torch.equal(a, t.grad) for a, t in zip(grads, (q, k, v), strict=True))
 
 
-def _logits_and_grads(model, tokens=TOKENS):
-    model.zero_grad()
-    out = model(tokens)
-    logits = out if isinstance(out, torch.Tensor) else out.logits  # native model / transformers
-    (logits.float() ** 2).mean().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_parity(model, original):
-    got_logits, got = _logits_and_grads(model)
-    want_logits, want = _logits_and_grads(original)
-    assert_close(got_logits, want_logits, torch.float32)
-    assert got.keys() == want.keys()
-    for name in want:
-        assert_close(got[name], want[name], torch.float32, msg=name)
-
-
 def test_native_model_attention_swapped_matches_and_reverts():
     model = native_model(init_std=0.2)
     original = copy.deepcopy(model)
@@ -116,7 +99,7 @@ def test_native_model_attention_swapped_matches_and_reverts():
     assert {(r.module, r.op, r.status) for r in report.rows} == {(f"layers.{i}.attention.core", "attention", "swapped")
                                                                  for i in (0, 1)}
     assert list(model.state_dict()) == keys
-    _assert_parity(model, original)
+    assert_swap_parity(model, original)
     assert revert(model) == 2
     assert type(model.layers[0].attention.core) is type(original.layers[0].attention.core)
 
@@ -135,7 +118,7 @@ def test_transformers_qwen3_moe_attention_swapped_matches_and_reverts():
     assert swapped == sorted((f"model.layers.{i}.self_attn", op) for i in (0, 1) for op in ("attention", "rope_hf"))
     assert model.model.layers[0].self_attn.config._attn_implementation == "trnkit"
     assert model.config._attn_implementation == original.config._attn_implementation  # the model's own: untouched
-    _assert_parity(model, original)
+    assert_swap_parity(model, original)
     revert(model)
     assert model.model.layers[0].self_attn.config is model.config
 
@@ -156,7 +139,7 @@ def test_transformers_dense_qwen3_attn_implementation_trnkit():
     orig = ops.attention
     try:
         ops.attention = lambda *a: calls.append(a[-1]) or orig(*a)
-        _assert_parity(model, ref)
+        assert_swap_parity(model, ref)
     finally:
         ops.attention = orig
     assert calls == ["nki"] * 2

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from tests.overrides.conftest import hf_moe_model, native_model
+from tests.overrides.conftest import assert_swap_parity, hf_moe_model, native_model
 from tests.tolerances import assert_close
 from trnkit.overrides import (
     DEFAULT_OPS,
@@ -20,7 +20,6 @@ from trnkit.overrides import (
     select,
 )
 
-TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
 def _hf_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,23 +74,6 @@ def test_compiles_fullgraph():
     assert torch.equal(got, want) and torch.equal(gx, x.grad) and torch.equal(gw, w.grad)
 
 
-def _logits_and_grads(model, tokens=TOKENS):
-    model.zero_grad()
-    out = model(tokens)
-    logits = out if isinstance(out, torch.Tensor) else out.logits  # native model / transformers
-    (logits.float() ** 2).mean().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_parity(model, original):
-    got_logits, got = _logits_and_grads(model)
-    want_logits, want = _logits_and_grads(original)
-    assert_close(got_logits, want_logits, torch.float32)
-    assert got.keys() == want.keys()
-    for name in want:
-        assert_close(got[name], want[name], torch.float32, msg=name)
-
-
 def test_native_model_every_norm_swapped_matches_and_reverts():
     model = native_model(init_std=0.2)
     original = copy.deepcopy(model)
@@ -101,7 +83,7 @@ def test_native_model_every_norm_swapped_matches_and_reverts():
                                                          "ffn_norm")] + ["norm"]
     assert {(r.module, r.op, r.status) for r in report.rows} == {(p, "rmsnorm", "swapped") for p in paths}
     assert list(model.state_dict()) == keys
-    _assert_parity(model, original)
+    assert_swap_parity(model, original)
     assert revert(model) == len(paths)
     assert type(model.norm) is type(original.norm)
 
@@ -120,7 +102,7 @@ def test_transformers_qwen3_moe_norms_swapped_match():
     # per layer: input / post-attention norms and the q / k head norms; plus the final norm
     assert len(swapped) == 2 * 4 + 1 and "model.norm" in swapped, report.table()
     assert {r.op for r in report.rows} == {"rmsnorm"}
-    _assert_parity(model, original)
+    assert_swap_parity(model, original)
 
 
 def test_transformers_dense_qwen3_norms_swapped_match():
@@ -136,7 +118,7 @@ def test_transformers_dense_qwen3_norms_swapped_match():
     original = copy.deepcopy(model)
     report = apply_overrides(model, OverrideConfig(ops=["rmsnorm"], impl="nki", seq_len=8))
     assert sum(r.status == "swapped" for r in report.rows) == 9, report.table()
-    _assert_parity(model, original)
+    assert_swap_parity(model, original)
 
 
 def test_rows_too_wide_for_the_kernel_name_op_rule_and_value():
