@@ -71,7 +71,7 @@ def test_accumulate_none_is_per_location():
     np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_accumulate_false_overwrites_true_adds_and_warns_on_unwritten():
+def test_accumulate_false_overwrites_true_adds():
     a = RNG.standard_normal((32, 16)).astype(np.float32)
     b = RNG.standard_normal((32, 64)).astype(np.float32)
     ref = a.T @ b
@@ -81,22 +81,68 @@ def test_accumulate_false_overwrites_true_adds_and_warns_on_unwritten():
     np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        nisa.nc_matmul(dst, tile(a), tile(b), accumulate=True)  # matmul-written: no warning
+        nisa.nc_matmul(dst, tile(a), tile(b), accumulate=True)  # matmul-written: defined
     np.testing.assert_allclose(dst.np(), 2 * ref, rtol=1e-5, atol=1e-5)
-    fresh = psum_tile(16, 64)
-    nisa.memset(fresh, 0.0)  # written by another engine: accumulating is undefined on trn2
-    with pytest.warns(RuntimeWarning, match="accumulate=True onto PSUM tile .* not written by a "
-                                            "previous nc_matmul"):
-        nisa.nc_matmul(fresh, tile(a), tile(b), accumulate=True)
-    np.testing.assert_allclose(fresh.np(), ref, rtol=1e-5, atol=1e-5)
-    # after a non-matmul write, accumulate=None starts a new group (overwrites)
+    # after a non-matmul write, accumulate=False starts a new group (overwrites)
     nisa.tensor_copy(dst=dst, src=tile(np.full((16, 64), 5.0, np.float32)))
     np.testing.assert_array_equal(dst.np(), 5.0)
-    nisa.nc_matmul(dst, tile(a), tile(b))
+    nisa.nc_matmul(dst, tile(a), tile(b), accumulate=False)
     np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-5)
-    nisa.memset(dst, 3.0)
-    nisa.nc_matmul(dst, tile(a), tile(b))
-    np.testing.assert_allclose(dst.np(), ref, rtol=1e-5, atol=1e-5)
+    nisa.nc_matmul(dst, tile(a), tile(b))  # matmul-written: accumulate=None adds
+    np.testing.assert_allclose(dst.np(), 2 * ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("accumulate", [None, True])
+def test_accumulating_onto_a_memset_psum_tile_is_undefined(accumulate):
+    """nc_matmul docs: accumulating into PSUM value-initialised by a non-matmul instruction is
+    undefined on NeuronCore-v2/v3 (trn2); accumulate=None leaves the start to the compiler."""
+    a = RNG.standard_normal((32, 16)).astype(np.float32)
+    b = RNG.standard_normal((32, 64)).astype(np.float32)
+    fresh = psum_tile(16, 64)
+    nisa.memset(fresh, 1.5)
+    what = "values" if accumulate else "non-zero values"
+    with pytest.raises(NkiValidationError, match=rf"nc_matmul: accumulate={accumulate} onto PSUM tile "
+                       rf"'.*' whose elements hold {what} written by a non-matmul instruction .*value-"
+                       r"initialized by a non-matmul instruction.*accumulate=False"):
+        nisa.nc_matmul(fresh, tile(a), tile(b), accumulate=accumulate)
+    nisa.nc_matmul(fresh, tile(a), tile(b), accumulate=False)  # the defined way
+    np.testing.assert_allclose(fresh.np(), a.T @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_accumulate_none_onto_a_zeroed_psum_tile_runs():
+    """AWS's tested depthwise_conv1d (nki-library experimental/conv) memsets its PSUM tile to 0 and
+    accumulates onto it with accumulate=None: starting or continuing the group gives the same sum."""
+    a = RNG.standard_normal((32, 16)).astype(np.float32)
+    b = RNG.standard_normal((32, 64)).astype(np.float32)
+    acc = psum_tile(16, 64)
+    nisa.memset(acc, 0.0)
+    nisa.nc_matmul(acc, tile(a[:16]), tile(b[:16]))
+    nisa.nc_matmul(acc, tile(a[16:]), tile(b[16:]))
+    np.testing.assert_allclose(acc.np(), a.T @ b, rtol=1e-5, atol=1e-5)
+    zeroed = psum_tile(16, 64)
+    nisa.memset(zeroed, 0.0)
+    with pytest.raises(NkiValidationError, match=r"accumulate=True onto PSUM tile '.*' whose elements "
+                       r"hold values written by a non-matmul instruction"):
+        nisa.nc_matmul(zeroed, tile(a), tile(b), accumulate=True)  # explicitly accumulating: unsupported
+
+
+def test_accumulate_true_onto_unwritten_psum_is_undefined():
+    a = RNG.standard_normal((32, 16)).astype(np.float32)
+    b = RNG.standard_normal((32, 64)).astype(np.float32)
+    with pytest.raises(NkiValidationError, match=r"nc_matmul: accumulate=True onto PSUM tile '.*' "
+                       r"elements no matmul has written .*uninitialized PSUM location is undefined"):
+        nisa.nc_matmul(psum_tile(16, 64), tile(a), tile(b), accumulate=True)
+
+
+def test_matmul_after_tensor_engine_transpose_is_defined():
+    """A TensorE nc_transpose is a matmul (is_transpose), not a value initialisation: a later
+    accumulate=None matmul on the tile is defined (and starts a new accumulation)."""
+    a = RNG.standard_normal((16, 16)).astype(np.float32)
+    dst = psum_tile(16, 16)
+    nisa.nc_transpose(dst, tile(a))
+    nisa.nc_matmul(dst, tile(np.eye(16, dtype=np.float32)), tile(a))
+    np.testing.assert_allclose(dst.np(), a, rtol=1e-6)
+
 
 
 def test_matmul_trace_and_trace_only():

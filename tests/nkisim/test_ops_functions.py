@@ -180,5 +180,6 @@ def test_wired_into_nki_language_and_isa() -> None:
     for name, op in ops.ALL_OPS.items():
         assert getattr(nl, name) is op
     for mod in (vector, scalar, gpsimd):
-        for name in mod.__all__:  # each instruction wrapped once as one liveness step (memory.py)
-            assert getattr(nisa, name).__wrapped__ is getattr(mod, name)
+        for name in mod.__all__:  # each instruction wrapped as one liveness step (memory.py) and one
+            wrapped = getattr(nisa, name)  # step of its program's control-flow record (controlflow.py)
+            assert wrapped.__wrapped__.__wrapped__ is getattr(mod, name)

@@ -206,8 +206,22 @@ def test_topk_rules() -> None:
 
 
 def test_memset_value_must_match_dtype() -> None:
-    with _raises(r"memset: value 1.5 does not match integer dst dtype int32"):
+    with _raises(r"memset: value 1.5 \(float\) does not match integer dst dtype int32: pass an integer "
+                 r"literal \(NKI 0.3.0 migration guide"):
         vector.memset(empty((4, 4), np.int32), 1.5)
+    with _raises(r"memset: value 2.0 \(float\) does not match integer dst dtype int32"):
+        vector.memset(empty((4, 4), np.int32), 2.0)  # integral, but a float literal (NKI 0.3.0+)
+    t = empty((4, 4), np.int32)
+    vector.memset(t, 2)  # the AWS form (nki-library bwmm_shard_on_I: memset(block_idx, value=N))
+    np.testing.assert_array_equal(t.np(), 2)
+    f = f32(4, 4)
+    vector.memset(f, 0)  # an integer literal into a float tile (nki-library's memset(..., 0))
+    np.testing.assert_array_equal(f.np(), 0.0)
+    u = empty((4, 4), np.uint32)
+    vector.memset(u, 0.0)  # +0.0 has the integer 0's bits (nki-library router_topk: uint32, value=0.0)
+    np.testing.assert_array_equal(u.np(), 0)
+    with _raises(r"memset: value -0.0 \(float\) does not match integer dst dtype uint32"):
+        vector.memset(u, -0.0)
     with _raises(r"memset: value 300 is out of range for uint8"):
         vector.memset(empty((4, 4), np.uint8), 300)
     with _raises(r"memset: value must be a compile-time scalar, got NkiTensor"):

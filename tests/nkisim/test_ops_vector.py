@@ -279,15 +279,19 @@ def test_trace_records_engine_sizes_and_dependencies() -> None:
     assert (lo, hi) == (0, 96 * 512)
 
 
-def test_memset_into_psum_restarts_matmul_accumulation() -> None:
-    # A memset PSUM tile is no longer "written by nc_matmul": accumulate=None overwrites it.
+def test_memset_into_psum_needs_accumulate_false_to_restart_matmuls() -> None:
+    # A memset PSUM tile is no longer "written by nc_matmul": accumulating onto it is undefined on
+    # trn2 (nc_matmul docs), accumulate=False overwrites it.
+    from trnkit.nkisim.errors import NkiValidationError
     from trnkit.nkisim.isa.tensor_engine import nc_matmul
 
     a, b = tile(np.ones((4, 2), np.float32)), tile(np.ones((4, 3), np.float32))
     acc = empty((2, 3), F32, psum)
     nc_matmul(acc, a, b)
     nisa.memset(acc, 100.0)
-    nc_matmul(acc, a, b)
+    with pytest.raises(NkiValidationError, match="value-initialized by a non-matmul instruction"):
+        nc_matmul(acc, a, b)
+    nc_matmul(acc, a, b, accumulate=False)
     np.testing.assert_array_equal(acc.np(), np.full((2, 3), 4.0))
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import blas as _blas
+from . import controlflow as _cf
 from . import dtypes as _dt
 from . import memory as _mem
 from . import ops as _ops
@@ -163,28 +164,33 @@ class Kernel:
         return Kernel(self.fn, tuple(int(n) for n in g), **self.options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _launch(self.fn, self.grid, args, kwargs)
+        return _launch(self.fn, self.grid, args, kwargs, strict=self.options.get("strict", True))
 
     def __repr__(self) -> str:
         return f"<nki.jit kernel {self.fn.__name__} grid={self.grid}>"
 
 
-def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: dict) -> Any:
+def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: dict,
+            strict: bool = True) -> Any:
+    """Run ``fn`` as one program per grid point. ``strict``: undefined behaviour on the hardware
+    (LNC=2 programs taking different runtime control flow, ...) raises; False: it warns."""
     n = math.prod(grid) if grid else 1
     conv = _Args(shared_hbm if n > 1 else hbm)
     names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
     wargs = tuple(conv.wrap(a, names[i] if i < len(names) else f"arg{i}") for i, a in enumerate(args))
     wkwargs = {k: conv.wrap(v, k) for k, v in kwargs.items()}
-    launch = _mem.LaunchContext(grid=grid, barrier=threading.Barrier(n) if n > 1 else None)
+    launch = _mem.LaunchContext(grid=grid, barrier=_cf.Rendezvous(n) if n > 1 else None)
     ids = list(itertools.product(*(range(g) for g in grid))) if grid else [()]
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
+    outer = _cf.current()  # a @nki.jit helper called inside a kernel is part of that program
+    programs = [outer if outer is not None and n == 1 else _cf.Program(i, strict) for i in range(n)]
 
     def run(i: int) -> None:
         ctx = _mem.KernelContext(program_id=ids[i], launch=launch, flat_program_id=i)
         _mem.push_context(ctx)
         try:
-            with _ops.fp_errors_ignored():  # the hardware produces inf/nan silently
+            with _ops.fp_errors_ignored(), _cf.running(programs[i]):  # the hardware's inf/nan are silent
                 results[i] = fn(*wargs, **wkwargs)
             ctx.memory.check(strict=_mem.capacity_checked())  # SBUF/PSUM capacity over data liveness
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
@@ -193,6 +199,8 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
                 launch.barrier.abort()  # do not leave the other programs waiting
         finally:
             _mem.pop_context()
+            if launch.barrier is not None:  # nor waiting at a barrier this program never reaches
+                launch.barrier.finish()  # (different control flow: reported by _cf.compare below)
 
     with _blas.launch_threads():  # small matmuls: one BLAS thread (see blas.py)
         if n == 1:
@@ -224,10 +232,14 @@ def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     return Kernel(fn, **options)
 
 
-def simulate(kernel: Any) -> Callable[..., Any]:
-    """``nki.simulate(kernel)(*args)``: run ``kernel`` (jit, grid-indexed, or plain function) here."""
+def simulate(kernel: Any, strict: bool = True) -> Callable[..., Any]:
+    """``nki.simulate(kernel)(*args)``: run ``kernel`` (jit, grid-indexed, or plain function) here.
+
+    ``strict=False`` (a trnkit extension, for exploring kernels) reports undefined behaviour on the
+    hardware as :class:`~trnkit.nkisim.controlflow.UndefinedBehaviourWarning` instead of raising;
+    invalid uses still raise."""
     if isinstance(kernel, Kernel):
-        return kernel
+        return kernel if strict else Kernel(kernel.fn, kernel.grid, **{**kernel.options, "strict": False})
     if callable(kernel):
-        return Kernel(kernel)
+        return Kernel(kernel, strict=strict)
     fail("nki.simulate", "expected a kernel function, got {type}", type=type(kernel).__name__)

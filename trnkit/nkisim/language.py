@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from . import controlflow as _cf
 from . import dtypes as _dt
 from . import memory as _mem
 from .api_names import fill_missing
@@ -168,18 +169,20 @@ def ndarray(shape: Sequence[int], dtype: Any, buffer: MemoryRegion = sbuf, name:
             address: Any = None) -> NkiTensor:
     """Allocate a tensor. Memory is NOT initialised: it holds NaN (floats) / 4 (ints) sentinels."""
     buf = _buffer(buffer, "nl.ndarray")
-    return allocate(tuple(shape), _dt.resolve(dtype, "nl.ndarray"), buf, name)
+    return _cf.allocated(allocate(tuple(shape), _dt.resolve(dtype, "nl.ndarray"), buf, name))
 
 
 def _filled(shape: Sequence[int], dtype: Any, buffer: Any, name: str, value: Any, op: str) -> NkiTensor:
     buf = _buffer(buffer, op)
     dt = _dt.resolve(dtype, op)
-    t = allocate(tuple(shape), dt, buf, name, fill=_dt.cast(np.asarray(value), dt))
+    t = _cf.allocated(allocate(tuple(shape), dt, buf, name, fill=_dt.cast(np.asarray(value), dt)))
     if buf.on_chip:  # on the chip this is a memset instruction
         from .isa import common  # noqa: PLC0415  (isa imports language)
 
         if t.storage.alloc is not None:  # the memset writes it: live from here (memory.py)
             t.storage.alloc.touch()
+        if buf is psum:
+            common.set_value_initialised(t, True)
         common.emit("memset", common.VECTOR, dst=t, attrs={"value": value, "via": op})
         _mem.tick(op)
     return t
@@ -234,40 +237,58 @@ def _reg_value(v: Any) -> int:
 
 def dynamic_range(start: int | VirtualRegister, stop: int | VirtualRegister | None = None,
                   step: int = 1) -> Iterator[VirtualRegister]:
-    """``nl.dynamic_range``: a loop that runs on the device with (possibly register) bounds.
+    """``nl.dynamic_range`` (deprecated in NKI 0.6 for ``fori_loop``): a runtime loop with (possibly
+    register) bounds.
 
     ``start`` / ``stop`` may be :class:`VirtualRegister` values (read once, when the loop starts);
-    ``step`` must be a compile-time positive int. The loop variable is a VirtualRegister, usable as a
-    register (``.ap(scalar_offset=i)``) but not as a Python int, like ``fori_loop``'s.
+    ``step`` must be a compile-time positive int. The loop variable is a read-only VirtualRegister,
+    usable as a register (``.ap(scalar_offset=i)``) but not as a Python int, like ``fori_loop``'s.
+    The rules of runtime loops apply (:mod:`trnkit.nkisim.controlflow`).
     """
     if stop is None:
         start, stop = 0, start
     require(isinstance(step, int) and not isinstance(step, builtins.bool) and step > 0,
             "nl.dynamic_range", "step must be a compile-time positive int, got {step!r}", step=step)
-    for i in range(_reg_value(start), _reg_value(stop), step):
-        yield VirtualRegister(i)
+    yield from _cf.iterate("nl.dynamic_range", range(_reg_value(start), _reg_value(stop), step))
 
 
 def fori_loop(lower: int | VirtualRegister, upper: int | VirtualRegister,
-              body_fun: Callable[[VirtualRegister], Any], step: int = 1) -> None:
-    """``for i in range(lower, upper, step): body_fun(i)`` with ``i`` a :class:`VirtualRegister`.
+              body_fun: Callable[[VirtualRegister], None], step: int = 1) -> None:
+    """``for i in range(lower, upper, step): body_fun(i)`` as one runtime (hardware) loop.
 
-    On the device the loop runs at run time and ``i`` is a register usable only as
-    ``.ap(scalar_offset=i)`` (or in ``nisa.register_*``); the interpreter runs the body once per
-    value and passes a fresh VirtualRegister holding it, which refuses Python arithmetic just as the
-    compiler would.
+    ``i`` is a fresh read-only :class:`VirtualRegister` per iteration ("passed by value"), usable only
+    as ``.ap(scalar_offset=i)`` or in ``nisa.register_*`` reads; Python arithmetic on it raises, as
+    the compiler would. The body returns nothing, keeps loop state in SBUF/HBM, and tensors it
+    allocates stay inside its iteration (NKI 0.6 migration guide, "Rules for migrated loops"; checked
+    in :mod:`trnkit.nkisim.controlflow`).
     """
-    require(isinstance(step, int) and step > 0, "nl.fori_loop", "step must be a compile-time "
-            "positive int, got {step!r}", step=step)
-    for i in range(_reg_value(lower), _reg_value(upper), step):
-        body_fun(VirtualRegister(i))
+    require(isinstance(step, int) and not isinstance(step, builtins.bool) and step > 0,
+            "nl.fori_loop", "step must be a compile-time positive int, got {step!r}", step=step)
+    for i in _cf.iterate("nl.fori_loop", range(_reg_value(lower), _reg_value(upper), step)):
+        _cf.loop_body_result("nl.fori_loop", body_fun(i))
 
 
-def while_loop(init_reg: VirtualRegister, body_fun: Callable[[], VirtualRegister]) -> None:
-    """Run ``body_fun`` while the condition register is non-zero; it returns the next condition."""
-    reg = init_reg
-    while _reg_value(reg):
-        reg = body_fun()
+def while_loop(init: VirtualRegister, body_fun: Callable[[VirtualRegister], VirtualRegister]) -> None:
+    """Run ``body_fun(r)`` while the condition register is non-zero (checked before each iteration).
+
+    As documented (``nki.language.while_loop``): "The body receives the current condition value ``r``
+    as a VirtualRegister, passed by value ... The loop's next condition is the register the body
+    **returns**"; the migration guide: "The while_loop body can only return the condition for the
+    next iteration".
+    """
+    op = "nl.while_loop"
+    require(isinstance(init, VirtualRegister), op, "init must be a VirtualRegister (the condition), "
+            "got {type}", type=type(init).__name__)
+    with _cf.loop(op, None) as frame:
+        cond = init.value
+        while cond:
+            frame.iteration += 1
+            nxt = body_fun(_cf.Register(cond))
+            require(isinstance(nxt, VirtualRegister), op, "the body must return the next condition "
+                    "register (a VirtualRegister), got {got!r} ({doc}: the while_loop body can only "
+                    "return the condition for the next iteration)", got=nxt,
+                    doc=_cf.MIGRATION_LOOP_RULES)
+            cond = nxt._value if isinstance(nxt, _cf.Register) else nxt.value  # the loop's own read
 
 
 def program_id(axis: int = 0) -> int:
@@ -306,14 +327,19 @@ def program_ndim() -> int:
 
 class _NoReorder:
     def __enter__(self) -> None:
-        return None
+        program = _cf.current()
+        if program is not None:
+            program.no_reorder += 1
 
     def __exit__(self, *exc: Any) -> None:
-        return None
+        program = _cf.current()
+        if program is not None:
+            program.no_reorder -= 1
 
 
 def no_reorder() -> _NoReorder:
-    """``with nl.no_reorder():`` keeps program order; the interpreter is always in order."""
+    """``with nl.no_reorder():`` keeps program order (the interpreter is always in order); runtime
+    loops may not start inside it."""
     return _NoReorder()
 
 

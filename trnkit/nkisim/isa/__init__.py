@@ -29,15 +29,17 @@ from .shuffle import *  # noqa: F403
 from .sync import *  # noqa: F403
 from .tensor_engine import *  # noqa: F403
 from .vector import *  # noqa: F403
+from .. import controlflow as _controlflow  # noqa: E402
 from .. import memory as _memory  # noqa: E402
 
 # every call of a public instruction (each engine module's __all__) is one step of the on-chip
-# liveness clock (memory.py); `common` holds enums and operand checks, not instructions
+# liveness clock (memory.py) and one instruction of its program's control-flow record
+# (controlflow.py); `common` holds enums and operand checks, not instructions
 for _module in [m for m in list(globals().values()) if getattr(m, "__name__", "").startswith(__name__ + ".")
                 and hasattr(m, "__all__") and m.__name__.rsplit(".", 1)[1] not in ("common", "constants")]:
     for _name in _module.__all__:
         if callable(globals()[_name]) and not isinstance(globals()[_name], type):
-            globals()[_name] = _memory.instruction(globals()[_name])
+            globals()[_name] = _controlflow.instruction(_memory.instruction(globals()[_name]))
 
 # Engine-type aliases of the NKI stubs (nki.isa.tensor_engine, ...); nisa.dma_engine is the enum.
 tensor_engine = engine.tensor

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ __all__ = [
     "TENSOR", "VECTOR", "SCALAR", "GPSIMD", "DMA",
     "check_tensor", "check_buffer", "check_on_chip", "check_partitions", "check_same_partitions",
     "check_same_free_size", "check_dtype", "read_f32", "store", "operand", "emit", "engine_name",
-    "span", "box", "dependency_attrs", "contiguous_bytes",
+    "span", "box", "dependency_attrs", "contiguous_bytes", "value_initialised", "set_value_initialised",
 ]
 
 TENSOR, VECTOR, SCALAR, GPSIMD, DMA = trace.TENSOR, trace.VECTOR, trace.SCALAR, trace.GPSIMD, trace.DMA
@@ -229,6 +230,33 @@ def store(dst: NkiTensor, values: Any) -> None:
     st = dst._st
     if st.mm is not None:
         dst.matmul_flags()[...] = False
+    if st.buffer is psum:
+        set_value_initialised(dst, True)
+
+
+# PSUM storage -> which elements hold a value written by a non-matmul instruction (memset,
+# tensor_copy, activation, ...; TensorE transposes are matmuls and clear it): nc_matmul may not
+# accumulate onto those on trn2 (tensor_engine.py)
+_value_init: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def value_initialised(t: NkiTensor) -> np.ndarray | None:
+    """Bool view (``t``'s shape) of the PSUM elements last written by a non-matmul instruction (None
+    for a view in another element size than its allocation's, which matmuls cannot use anyway)."""
+    st = t._st
+    if t.dtype.itemsize != st.dtype.itemsize:
+        return None
+    flags = _value_init.get(st)
+    if flags is None:
+        flags = _value_init[st] = np.zeros(st.data.size, dtype=np.bool_)
+    return np.ndarray(t.shape, np.bool_, buffer=flags, offset=t.resolve_offset("psum"),
+                      strides=t.strides)
+
+
+def set_value_initialised(t: NkiTensor, written_by_non_matmul: bool) -> None:
+    flags = value_initialised(t)
+    if flags is not None:
+        flags[...] = written_by_non_matmul
 
 
 # -- trace --------------------------------------------------------------------------------------

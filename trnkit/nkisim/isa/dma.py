@@ -117,6 +117,13 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
     src_vec, dst_vec = src.indirect_info, dst.indirect_info
     if src_vec is not None and dst_vec is not None:
         fail(op, "only one side of a dma_copy can use vector_offset")
+    if (src_vec is not None or dst_vec is not None) and dge_mode not in _INDIRECT_DGE:
+        # DGE deep dive (nki/deep-dives/nki-dge.rst, "How .ap() Affects DGE Mode"): with
+        # vector_offset "the DGE mode is constrained to swdge" (table: unknown or swdge), "the only
+        # mode that supports indirect (gather/scatter) operations with dynamic indices from SBUF"
+        fail(op, "a vector_offset (gather/scatter) view needs dge_mode unknown or swdge, got {mode} "
+             "(NKI DGE guide, \"How .ap() Affects DGE Mode\": software DGE is the only mode that "
+             "supports indirect gather/scatter)", mode=f"dge_mode.{dge_mode.name}")
 
     moved = n_dst
     if src_vec is not None or dst_vec is not None:
@@ -140,6 +147,17 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
         moved = n_dst
     _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name,
                                     "indirect": src_vec is not None or dst_vec is not None, "name": name})
+
+
+_INDIRECT_DGE = (dge_mode.unknown, dge_mode.swdge)
+
+
+def _check_skip_is_indirect(op: str, oob_mode: oob_mode, tensors: list[NkiTensor], doc: str) -> None:
+    """``oob_mode=skip`` only where an operand's address is dynamic (vector_offset / scalar_offset)."""
+    if oob_mode is common.oob_mode.skip and not any(t.indirect_info is not None or t._dyn is not None
+                                                     for t in tensors):
+        fail(op, "oob_mode=skip is only valid with indirect indexing (a vector_offset or scalar_offset "
+             "view), and no operand uses one ({doc})", doc=doc)
 
 
 # Permutation per source rank (NKI ``dma_transpose`` docs: 2-D [1, 0], 3-D [2, 1, 0], 4-D [3, 1, 2, 0])
@@ -180,6 +198,10 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
              "got {axes}", perm=perm, n=len(src.shape), axes=tuple(axes))
     if dge_mode not in (common.dge_mode.unknown, common.dge_mode.hwdge):
         fail(op, "the only valid dge_modes are unknown and hwdge, got {mode}", mode=dge_mode)
+    # dma_transpose docstring (NKI 0.6): "oob_mode.skip: ... Only valid when src uses indirect
+    # indexing"; NKI 0.5.0 release notes: "dma_transpose with scalar_offset now supports oob_mode.skip"
+    _check_skip_is_indirect(op, oob_mode, [src], "nki.isa.dma_transpose: oob_mode.skip is \"Only valid "
+                            "when src uses indirect indexing\"")
     _check_transpose_shape(op, src, dge_mode is common.dge_mode.hwdge)
     if src.indirect_info is not None or dst.indirect_info is not None:
         fail(op, "indirect (vector_offset) transposes are not supported")
@@ -290,6 +312,9 @@ def dma_compute(dst: NkiTensor, srcs: list[NkiTensor] | tuple[NkiTensor, ...], r
                 name=t.name)
         require(t.size == dst.size, op, "element counts differ: {role} has {n}, dst has {n_dst}",
                 role=role, n=t.size, n_dst=dst.size)
+    # NKI 0.4.0 release notes: "Validation ensures oob_mode.skip is used only with indirect indexing"
+    _check_skip_is_indirect(op, oob_mode, [dst] + srcs, "NKI 0.4.0 release notes: dma_compute "
+                            "\"Validation ensures oob_mode.skip is used only with indirect indexing\"")
     skip = oob_mode is common.oob_mode.skip
     indirect = [i for i, s in enumerate(srcs) if s.indirect_info is not None]
     if dst.indirect_info is not None or indirect:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import controlflow as _cf
 from .. import dtypes as _dt
 from ..errors import require
 from ..tensor import NkiTensor, VirtualRegister
@@ -32,12 +33,16 @@ def _check_scalar_tile(op: str, role: str, t: object) -> NkiTensor:
 
 def register_alloc(x: int | None = None) -> VirtualRegister:
     """A new register, initialised to ``x`` (0 when None)."""
-    return VirtualRegister(0 if x is None else int(x))
+    return _cf.Register(0 if x is None else int(x))
 
 
 def register_move(dst: VirtualRegister, src: VirtualRegister | int) -> None:
-    _check_reg("register_move", "dst", dst)
-    dst.value = src.value if isinstance(src, VirtualRegister) else int(src)
+    """``dst = src`` (a register or an immediate)."""
+    op = "register_move"
+    _check_reg(op, "dst", dst)
+    value = src.value if isinstance(src, VirtualRegister) else int(src)
+    _cf.write_register(op, dst)
+    dst.value = value
 
 
 def register_load(dst: VirtualRegister, src: NkiTensor) -> None:
@@ -45,6 +50,7 @@ def register_load(dst: VirtualRegister, src: NkiTensor) -> None:
     op = "register_load"
     _check_reg(op, "dst", dst)
     _check_scalar_tile(op, "src", src)
+    _cf.write_register(op, dst)
     dst.value = int(np.asarray(src.np()).reshape(-1)[0])
     common.emit(op, common.GPSIMD, srcs={"src": src})
 

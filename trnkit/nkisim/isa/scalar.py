@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import ops as _ops
-from ..errors import require
+from ..errors import fail, require
 from ..tensor import NkiTensor
 from . import common
 from .vector import (
@@ -37,10 +37,22 @@ __all__ = ["activation", "activation_reduce"]
 _scalar_regs = threading.local()
 _F32 = np.float32
 
+# "Supported Activation Functions for NKI ISA" (aws-neuron-sdk nki/api/nki.api.shared.rst, the table
+# "Accepted op by Scalar Engine" for nki.isa.activation / activate2): nothing else is accepted (e.g.
+# nl.cos, which nki.language provides but the table does not list). prelu is activate2-only (trn3).
+ACTIVATION_TABLE = frozenset({
+    "copy", "square", "sigmoid", "relu", "gelu", "gelu_dx", "gelu_apprx_tanh", "gelu_apprx_sigmoid",
+    "gelu_apprx_sigmoid_dx", "silu", "silu_dx", "tanh", "softplus", "mish", "erf", "erf_dx", "exp",
+    "log", "sin", "arctan", "sqrt", "rsqrt", "reciprocal", "sign", "abs"})
+
 
 def _activate(OP: str, dst: Any, op: Any, data: Any, bias: Any,
               scale: Any) -> tuple[_ops.NkiOp, np.ndarray]:
     f = get_op(OP, "op", op, activation=True, arity=1)
+    if f.name not in ACTIVATION_TABLE:
+        fail(OP, "op=nl.{name} is not in the Scalar Engine's activation function table (NKI ISA "
+             "reference, \"Supported Activation Functions for NKI ISA\": {table})", name=f.name,
+             table=", ".join(sorted(ACTIVATION_TABLE)))
     check_tile(OP, "dst", dst, "scalar")
     check_tile(OP, "data", data, "scalar")
     check_same_layout(OP, "data", data, "dst", dst)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import controlflow as _cf
 from .. import memory as _mem
 from ..errors import require
 from ..tensor import NkiTensor
@@ -40,7 +41,9 @@ def core_barrier(data: NkiTensor, cores: tuple[int, ...], engine: engine = engin
     require(data.buffer.name in ("shared_hbm", "sbuf"), op, "data must be in shared_hbm (or SBUF), "
             "got {buffer}", buffer=data.buffer.name)
     require(tuple(cores) == (0, 1), op, "only cores=(0, 1) is supported, got {cores}", cores=cores)
-    _launch(op).barrier.wait()
+    launch = _launch(op)
+    _cf.sync_event(op, f"cores={tuple(cores)}")
+    launch.barrier.wait()
     common.emit(op, common.engine_name(engine, common.GPSIMD), srcs={"data": data},
                 attrs={"name": name})
 
@@ -66,6 +69,7 @@ def sendrecv(src: NkiTensor, dst: NkiTensor, send_to_rank: int, recv_from_rank: 
                 "for {bits}-bit types, got {bytes_}", limit=limit, bits=8 * src.dtype.itemsize,
                 bytes_=per_partition)
     launch = _launch(op)
+    _cf.sync_event(op, f"pipe_id={pipe_id}, {src.shape} {src.dtype}")
     me = _mem.current().flat_program_id
     with launch.lock:
         launch.mailbox[(pipe_id, me, send_to_rank)] = np.array(src.np())

@@ -9,10 +9,10 @@ fp32 (products of bf16/fp8 inputs are exact in fp32; accumulation in fp32).
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 
+from .. import controlflow as _cf
 from .. import dtypes as _dt
 from .. import memory as _mem
 from .. import trace
@@ -116,14 +116,12 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
     flags = dst.matmul_flags()
     all_written = bool(flags.all())
     any_written = all_written or bool(flags.any())
+    if accumulate is not False and not all_written:
+        _check_accumulation_start(op, dst, flags, accumulate)
     # at most 8 outstanding accumulation groups: memory.py tracks them, checked at the kernel's end
     _mem.current().memory.matmul_write(dst.storage.alloc, starts=accumulate is False or not any_written)
     out = dst.np()
     tr = trace.active()  # (not trace.trace_only(): an empty Trace is falsy there)
-    if accumulate is True and not all_written:
-        warnings.warn(f"{op}: accumulate=True onto PSUM tile {dst.name!r} elements not written by a "
-                      "previous nc_matmul (uninitialised or written by another engine): undefined "
-                      "on trn2", RuntimeWarning, stacklevel=2)
     if tr is not None and tr.trace_only and k * m * n >= _TRACE_ONLY_MIN_MACS:
         # Trace-only mode skips the arithmetic (shapes, checks and bookkeeping still run). A fresh
         # accumulation reads as zeros, not the allocation's NaN sentinel, so values later derived
@@ -143,6 +141,7 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
         else:  # accumulate=None over a partly written region: per element
             np.copyto(out, np.where(flags, out + res, res))
     flags[...] = True
+    common.set_value_initialised(dst, False)
     if tr is None:
         return
     # "continue": this matmul adds onto an open accumulation group (the cost model streams those)
@@ -152,6 +151,39 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
                 attrs={"M": m, "N": n, "K": k, "dtype": _dt.dtype_name(stationary.dtype),
                        "accumulate": accumulate, "acc_group": group,
                        "perf_mode": perf_mode, "name": name})
+
+
+def _check_accumulation_start(op: str, dst: NkiTensor, flags: np.ndarray, accumulate: bool | None) -> None:
+    """Undefined accumulation starts (``accumulate`` None or True onto PSUM elements that no matmul
+    has written since their last other write), from the ``nc_matmul`` docstring (NKI 0.6):
+
+    * "Using ``accumulate=True`` on an uninitialized PSUM location is undefined behavior on all
+      targets";
+    * "On NeuronCore-v2 and NeuronCore-v3, matmul accumulating into a PSUM location that was
+      value-initialized by a non-matmul instruction (e.g., ``memset``, ``tensor_copy``) is not
+      supported and is undefined behavior on hardware". With ``accumulate=True`` that is an error;
+      with ``accumulate=None`` the compiler decides whether such a write starts or continues the
+      accumulation, which is undefined unless both give the same sum: PSUM set to 0 (AWS's tested
+      nki-library experimental/conv/depthwise_conv1d memsets its PSUM tile to 0 and accumulates onto
+      it with accumulate=None, on trn2), so only non-zero values there are refused.
+
+    Start an accumulation over such elements with ``accumulate=False``.
+    """
+    value_init = common.value_initialised(dst)
+    mask = value_init & ~flags if value_init is not None else None
+    if mask is not None and mask.any() and (accumulate is True or bool((dst.np()[mask] != 0).any())):
+        _cf.undefined(op, "accumulate={acc} onto PSUM tile {name!r} whose elements hold {what} written "
+                      "by a non-matmul instruction (memset, tensor_copy, ...): undefined on trn2 "
+                      "(nc_matmul docs: \"matmul accumulating into a PSUM location that was "
+                      "value-initialized by a non-matmul instruction ... is undefined behavior on "
+                      "hardware\" on NeuronCore-v2/v3); start the accumulation with accumulate=False",
+                      acc=accumulate, name=dst.name,
+                      what="values" if accumulate is True else "non-zero values")
+    elif accumulate is True and not (mask is not None and mask.any()):
+        _cf.undefined(op, "accumulate=True onto PSUM tile {name!r} elements no matmul has written "
+                      "(nc_matmul docs: \"Using accumulate=True on an uninitialized PSUM location is "
+                      "undefined behavior on all targets\"); start the accumulation with "
+                      "accumulate=False", name=dst.name)
 
 
 def _pe_tile(op: str, tile_position: tuple, tile_size: tuple) -> tuple[int, int]:
@@ -182,6 +214,7 @@ def _transpose_mode(op: str, dst: NkiTensor, stationary: NkiTensor, moving: NkiT
             "the stationary dtype {dtype}", dst_dtype=dst.dtype, dtype=stationary.dtype)
     common.store(dst, stationary.np().reshape(k, m).T.reshape(dst.shape))
     dst.matmul_flags()[...] = True
+    common.set_value_initialised(dst, False)
 
 
 def nc_transpose(dst: NkiTensor, data: NkiTensor, engine: engine = engine.unknown,
@@ -218,5 +251,7 @@ def nc_transpose(dst: NkiTensor, data: NkiTensor, engine: engine = engine.unknow
             dst_dtype=dst.dtype, data_dtype=data.dtype)
     res = data.np().reshape(p, f).T
     common.store(dst, res.reshape(dst.shape))
+    if use_tensor:  # a TensorE transpose is a matmul (is_transpose), not a value initialisation
+        common.set_value_initialised(dst, False)
     common.emit(op, common.TENSOR if use_tensor else common.VECTOR, dst=dst, srcs={"data": data},
                 flops=2 * p * p * f if use_tensor else 0, attrs={"P": p, "F": f, "name": name})

@@ -414,8 +414,16 @@ def memset(dst: NkiTensor, value: Any, engine: Any = common.engine.unknown,
     require(isinstance(value, (int, float, bool, np.integer, np.floating)), OP,
             "value must be a compile-time scalar, got {got}", got=type(value).__name__)
     if dtypes.is_int(dst.dtype):
-        require(float(value).is_integer(), OP, "value {value!r} does not match integer dst dtype {dtype}",
-                value=value, dtype=dst.dtype.name)
+        # NKI 0.2 -> 0.3 migration guide, "nisa.memset -- strict type matching": "NKI 0.3.0 enforces
+        # that the value argument must match the destination tensor's dtype ... For integer-typed
+        # tensors, pass an integer literal." One float is accepted: +0.0, whose fill bits are the
+        # integer 0's -- AWS's tested router_topk (nki-library core/router_topk, shard_on_tokens
+        # output_in_sbuf) memsets a uint32 tile with value=0.0.
+        zero = isinstance(value, (float, np.floating)) and value == 0 and math.copysign(1.0, value) > 0
+        require(isinstance(value, (int, np.integer)) or zero, OP, "value {value!r} ({type}) does not "
+                "match integer dst dtype {dtype}: pass an integer literal (NKI 0.3.0 migration guide, "
+                "\"nisa.memset -- strict type matching\")", value=value, type=type(value).__name__,
+                dtype=dst.dtype.name)
         info = np.iinfo(dst.dtype)
         require(info.min <= int(value) <= info.max, OP, "value {value} is out of range for {dtype}",
                 value=value, dtype=dst.dtype.name)
