@@ -14,6 +14,7 @@ import pytest
 from trnkit.nkisim import isa as nisa
 from trnkit.nkisim import jit, simulate
 from trnkit.nkisim import language as nl
+from trnkit.nkisim.controlflow import UndefinedBehaviourWarning
 from trnkit.nkisim.errors import NkiValidationError
 
 RNG = np.random.default_rng(22)
@@ -52,6 +53,87 @@ def test_fori_loop_with_state_in_sbuf_runs():
     x = RNG.standard_normal((6, 8)).astype(np.float32)
     got = _rows_sum_sbuf_state(x, np.array([[4]], np.int32))
     np.testing.assert_allclose(got[0], x[:4].sum(0), rtol=1e-6)
+
+
+@jit
+def _previous_row_in_register(x, n):
+    """Copies row i-1 in iteration i, the previous index carried in a register (moe_fused's old
+    ``register_move(prev, i)``)."""
+    R, F = x.shape
+    out = nl.ndarray((1, F), dtype=x.dtype, buffer=nl.shared_hbm)
+    row = nl.ndarray((1, F), dtype=x.dtype, buffer=nl.sbuf)
+    prev = nisa.register_alloc(0)
+
+    def body(i):
+        nisa.dma_copy(dst=row, src=x.ap([[F, 1], [1, F]], scalar_offset=prev, indirect_dim=0))
+        nisa.register_move(prev, i)
+
+    nl.fori_loop(0, _register_from(n), body)
+    nisa.dma_copy(dst=out, src=row)
+    return out
+
+
+def test_register_carried_across_fori_loop_iterations_raises():
+    x = RNG.standard_normal((6, 8)).astype(np.float32)
+    with pytest.raises(NkiValidationError, match=r"VirtualRegister: register VirtualRegister\(0\) was "
+                       r"written in nl.fori_loop at test_strict_rules.py:\d+, iteration 0 and is read in "
+                       r"iteration 1: loop state carried in a register across runtime-loop iterations \("
+                       + MIGRATION + r': "Keep cross-iteration state in SBUF or HBM"'):
+        _previous_row_in_register(x, np.array([[3]], np.int32))
+
+
+@jit
+def _register_read_after_loop(x, n):
+    R, F = x.shape
+    out = nl.ndarray((1, F), dtype=x.dtype, buffer=nl.shared_hbm)
+    row = nl.ndarray((1, F), dtype=x.dtype, buffer=nl.sbuf)
+    last = nisa.register_alloc(0)
+
+    def body(i):
+        nisa.register_move(last, i)  # a scratch register written and read in the same iteration: fine
+        nisa.dma_copy(dst=row, src=x.ap([[F, 1], [1, F]], scalar_offset=last, indirect_dim=0))
+
+    nl.fori_loop(0, _register_from(n), body)
+    nisa.dma_copy(dst=row, src=x.ap([[F, 1], [1, F]], scalar_offset=last, indirect_dim=0))
+    nisa.dma_copy(dst=out, src=row)
+    return out
+
+
+def test_register_written_in_loop_and_read_after_it_raises():
+    x = RNG.standard_normal((6, 8)).astype(np.float32)
+    with pytest.raises(NkiValidationError, match=r"written in nl.fori_loop at .*, iteration 2 and is "
+                       r"read after that nl.fori_loop ended: loop state carried in a register"):
+        _register_read_after_loop(x, np.array([[3]], np.int32))
+
+
+@jit
+def _nested_loop_carry(x, n):
+    """An inner runtime loop whose body carries a register between its iterations (NKI 0.4.0 known
+    issue: nested runtime loops with loop-carried values fail to compile)."""
+    R, F = x.shape
+    out = nl.ndarray((1, F), dtype=x.dtype, buffer=nl.shared_hbm)
+    row = nl.ndarray((1, F), dtype=x.dtype, buffer=nl.sbuf)
+    hi = _register_from(n)
+
+    def outer(i):
+        prev = nisa.register_alloc(0)  # per outer iteration: fine there, carried by the inner loop
+
+        def inner(j):
+            nisa.dma_copy(dst=row, src=x.ap([[F, 1], [1, F]], scalar_offset=prev, indirect_dim=0))
+            nisa.register_move(prev, j)
+
+        nl.fori_loop(0, hi, inner)
+
+    nl.fori_loop(0, 2, outer)
+    nisa.dma_copy(dst=out, src=row)
+    return out
+
+
+def test_register_carried_in_nested_runtime_loop_raises():
+    x = RNG.standard_normal((6, 8)).astype(np.float32)
+    with pytest.raises(NkiValidationError, match=r"written in nl.fori_loop at .*, iteration 0 and is read "
+                       r"in iteration 1"):
+        _nested_loop_carry(x, np.array([[2]], np.int32))
 
 
 @jit
@@ -215,6 +297,39 @@ def test_lnc2_same_trip_counts_run():
     x = RNG.standard_normal((6, 8)).astype(np.float32)
     got = _per_core_rows[2](x, np.array([[3], [3]], np.int32))
     np.testing.assert_allclose(got, np.stack([x[:3].sum(0)] * 2), rtol=1e-6)
+
+
+def test_lnc2_different_trip_counts_raise_naming_the_loop_and_counts():
+    x = RNG.standard_normal((6, 8)).astype(np.float32)
+    with pytest.raises(NkiValidationError, match=r"LNC=2 divergence: the two programs take different "
+                       r"runtime control flow at control-flow step 0: program 0 runs nl.fori_loop at "
+                       r"test_strict_rules.py:\d+ \(4 iterations; after 3 instructions\), program 1 runs "
+                       r"nl.fori_loop at test_strict_rules.py:\d+ \(2 iterations; after 3 instructions\) "
+                       r".*lnc.rst, \"Final Notes\"\): \"if you use dynamic control flow, and this "
+                       r"control-flow is different on the different cores, then the behavior is undefined"):
+        _per_core_rows[2](x, np.array([[4], [2]], np.int32))
+
+
+def test_lnc2_divergence_is_a_warning_under_strict_false():
+    x = RNG.standard_normal((6, 8)).astype(np.float32)
+    with pytest.warns(UndefinedBehaviourWarning, match=r"LNC=2 divergence: .*4 iterations.*2 iterations"):
+        got = simulate(_per_core_rows[2], strict=False)(x, np.array([[4], [2]], np.int32))
+    np.testing.assert_allclose(got, np.stack([x[:4].sum(0), x[:2].sum(0)]), rtol=1e-6)
+
+
+@jit
+def _barrier_on_one_core(x):
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    if nl.program_id(0) == 0:
+        nisa.core_barrier(out, (0, 1))
+    return out
+
+
+def test_lnc2_barrier_only_one_core_reaches_raises_instead_of_hanging():
+    with pytest.raises(NkiValidationError, match=r"LNC=2 divergence: .* at control-flow step 0: program 0 "
+                       r"runs core_barrier at .*\(cores=\(0, 1\); after 0 instructions\), program 1 runs no "
+                       r"further runtime loop or barrier"):
+        _barrier_on_one_core[2](np.zeros((2, 4), np.float32))
 
 
 @jit

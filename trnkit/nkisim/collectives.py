@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from . import controlflow as _cf
 from . import memory as _mem
 from .api_names import fill_missing
 from .errors import NkiValidationError, fail, require
@@ -158,6 +159,7 @@ def _exchange(op: str, payload: Any) -> dict[tuple[int, int], Any]:
     me, ctx = _me(op)
     key = (ctx.collective_seq, op)
     ctx.collective_seq += 1
+    _cf.sync_event(op, f"collective #{key[0]}", counted=False)  # compared between the programs of an LNC=2 launch
     world = me.world
     with world.lock:
         world.mailbox.setdefault(key, {})[(me.rank, ctx.flat_program_id)] = payload

@@ -202,6 +202,8 @@ class Register(VirtualRegister):
 
     @property
     def value(self) -> int:  # type: ignore[override]
+        if self.made:
+            check_register_read(self)
         return self._value
 
     @value.setter

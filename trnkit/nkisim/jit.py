@@ -216,6 +216,8 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
             if n > 1 and hasattr(exc, "add_note"):  # Python >= 3.11
                 exc.add_note(f"(in program {ids[i]} of grid {grid})")
             raise exc
+    if n == 2:  # an LNC=2 launch: both programs must take the same runtime control flow
+        _cf.compare(programs)
     for exc in errors:
         if exc is not None:
             raise exc
