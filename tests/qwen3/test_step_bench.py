@@ -17,6 +17,7 @@ from trnkit.bench.paths import load_script
 bench = load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "qwen3_train_step.py", "qwen3_train_step")
 
 
+@pytest.mark.slow  # builds two models at vocab 151,936 per case
 @pytest.mark.parametrize("flavor, experts", [("debug", None), ("debug-moe", "grouped_mm")])
 @pytest.mark.parametrize("dtype, atol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_both_sides_train_alike(flavor: str, experts: str | None, dtype: str, atol: float) -> None:
