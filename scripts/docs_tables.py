@@ -278,6 +278,11 @@ def calibration_markdown(rows: list[dict[str, str]]) -> str:
     return _table(header, body)
 
 
+def _latest_calibration_rows() -> dict[str, dict[str, str]]:
+    with open(CALIBRATION_CSV, newline="") as f:
+        return {r["name"]: r for r in csv.DictReader(f)}  # newest row per point
+
+
 def calibration() -> str:
     """benchmarks/calibration/run.py: published NKI kernel device figures vs the cost model."""
     with open(CALIBRATION_CSV, newline="") as f:
@@ -315,9 +320,53 @@ def plan_layouts() -> str:
     return "\n".join(out[:-1])
 
 
+def calibration_changes_rows(rows: dict[str, dict[str, str]]) -> list[dict]:
+    """Each published version-to-version change (benchmarks/calibration/changes.csv) with the model's:
+    published and predicted relative change of the mid estimate, right direction, within half its size."""
+    with open(CALIBRATION_CSV.parent / "changes.csv", newline="") as f:
+        changes = list(csv.DictReader(f))
+    out = []
+    for c in changes:
+        b, a = rows[c["before"]], rows[c["after"]]
+        pub = float(a["published"]) / float(b["published"]) - 1
+        pred = float(a["mid"]) / float(b["mid"]) - 1
+        out.append({"before": c["before"], "after": c["after"], "why": c["why"], "published": pub,
+                    "predicted": pred, "direction": (pub > 0) == (pred > 0),
+                    "within_half": abs(pred - pub) <= 0.5 * abs(pub)})
+    return out
+
+
+def calibration_changes() -> str:
+    """The published version-to-version changes and the model's prediction of each."""
+    body = [[f"{r['before']} -> {r['after']}", r["why"], f"{r['published']:+.1%}", f"{r['predicted']:+.1%}",
+             "yes" if r["direction"] else "no", "yes" if r["within_half"] else "no"]
+            for r in calibration_changes_rows(_latest_calibration_rows())]
+    return _table(["change", "what changed", "published", "predicted (mid)", "right direction",
+                   "within half its size"], body)
+
+
+def calibration_summary() -> str:
+    """Per role: points, how many within their tolerance at mid and inside low..high, the largest |error|."""
+    rows = _latest_calibration_rows().values()
+    body = []
+    for role in ("fit", "check", "context"):
+        rs = [r for r in rows if r["role"] == role]
+        if not rs:
+            continue
+        errs = [abs(float(r["error_mid"])) for r in rs]
+        inside = sum(float(r["low"]) <= float(r["published"]) <= float(r["high"]) for r in rs)
+        within = sum(e <= float(r["tolerance"]) for e, r in zip(errs, rs))
+        worst = max(rs, key=lambda r: abs(float(r["error_mid"])))
+        body.append([role, str(len(rs)), f"{within} / {len(rs)}", f"{inside} / {len(rs)}",
+                     f"{max(errs):.1%} ({worst['name']})"])
+    return _table(["role", "points", "within tolerance (mid)", "published inside low..high",
+                   "largest error (mid)"], body)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "plan_check": plan_check, "plan_layouts": plan_layouts,
-    "calibration": calibration,
+    "calibration": calibration, "calibration_changes": calibration_changes,
+    "calibration_summary": calibration_summary,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe,
     "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,

@@ -11,8 +11,10 @@ which refuses anything but fit points.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -20,7 +22,7 @@ sys.path.insert(0, str(HERE))
 
 from points import DMA_POINTS, POINTS, SPLIT, Point  # noqa: E402
 
-from trnkit.nkisim import hardware  # noqa: E402
+from trnkit.nkisim import cost, cost_params, hardware  # noqa: E402
 
 ALL = {p.name: p for p in (*POINTS, *DMA_POINTS)}
 
@@ -68,6 +70,18 @@ def dma_fixed_range_ns(points: Iterable[Point] | None = None) -> tuple[float, fl
     return min(vals), max(vals)
 
 
+def dma_fixed_mid_ns(points: Iterable[Point] | None = None) -> float:
+    """The per-transfer time of back-to-back loads from one queue in the overhead-bound part of the DMA
+    overview's throughput curve: a transfer of ``b`` bytes per partition at relative throughput ``r`` takes
+    ``128 b / (r * BW)``, BW the 32 KiB-per-partition throughput (16 engines at the core's HBM share, the
+    rows' efficiency at 32 KiB). One transfer per fixed cost: the queue's trigger-to-first-byte time."""
+    pts = require_fit(points if points is not None else
+                      [p for p in fit_points("dma_fixed_ns") if p.metric == "rel_throughput"])
+    chip, knee = hardware.TRN2, cost_params.MID.dma_knee_bytes
+    bw = min(chip.dma.peak_bytes_per_ns, chip.hbm_bytes_per_ns) * 32768 / (32768 + knee)
+    return sum(128 * p.dims["bytes"] / (p.published * bw) for p in pts) / len(pts)
+
+
 def dma_wake_ns(points: Iterable[Point] | None = None) -> float:
     """A DMA's completion to the start of the instruction waiting on it (semaphore wake-up)."""
     pts = require_fit(points if points is not None else fit_points("dma_wake_ns"))
@@ -82,10 +96,34 @@ def dependent_overhead_cycles(points: Iterable[Point] | None = None) -> float:
     return sum(_ns(p) * chip.clocks.scalar - chip.min_ii_cycles for p in pts) / len(pts)
 
 
+# the slice of a matrix-multiplication fit point the iterative fit runs: one M-tile row, 1/32 of the work
+# (every M-tile does the same work; tests/nkisim/test_calibration_points.py checks such slices)
+MM_SLICE = ({"M": 128}, 1 / 32)
+
+
+def trn1_dma_sustained_fraction(points: Iterable[Point] | None = None, iterations: int = 4) -> float:
+    """trn1's sustained fraction of the documented DMA rate: the value at which the model's time of the
+    DMA-bound fit kernels (a slice of each, :data:`MM_SLICE`) matches their published times (geometric
+    mean). Their time scales as 1 / fraction, so each step multiplies by the remaining ratio."""
+    import run  # noqa: PLC0415 - runs the interpreter; only this fit needs it
+
+    pts = require_fit(points if points is not None else fit_points("sustained_fraction"))
+    dims, share = MM_SLICE
+    traces = [(list(run.trace_of(run.kernel_call(p, dims))), _ns(p) * share) for p in pts]
+    chip = hardware.TRN1
+    frac = chip.dma.sustained_fraction
+    for _ in range(iterations):
+        trial = replace(chip, dma=replace(chip.dma, sustained_fraction=frac))
+        logs = [math.log(cost.estimate_total(tr, trial, cost_params.MID) / target) for tr, target in traces]
+        frac *= math.exp(sum(logs) / len(logs))
+    return frac
+
+
 CLOSED_FORM = {
     "hardware.Chip.act_fixed_ns": act_fixed_ns,
     "hardware.Chip.act_table_load_ns": act_table_load_ns,
     "cost_params.dma_fixed_ns (low / high)": dma_fixed_range_ns,
+    "cost_params.dma_fixed_ns (mid)": dma_fixed_mid_ns,
     "cost_params.dma_wake_ns (mid)": dma_wake_ns,
     "cost_params.dependent_overhead_cycles (mid)": dependent_overhead_cycles,
 }
@@ -94,6 +132,8 @@ CLOSED_FORM = {
 def main() -> int:
     for name, f in CLOSED_FORM.items():
         print(f"{name}: {f()}")
+    print(f"hardware.TRN1.dma.sustained_fraction: {trn1_dma_sustained_fraction()} "
+          f"(the model uses {hardware.TRN1.dma.sustained_fraction})")
     return 0
 
 

