@@ -239,7 +239,8 @@ def sensitivity_rows(results: dict) -> list[dict]:
     for name in CASES:
         r = results.get(name, {})
         for param, (lo, hi) in r.get("sensitivity_us", {}).items():
-            values = r.get("parameter_values", {}).get(param, [getattr(s, param) for s in (LOW, MID, HIGH)])
+            # a case saved under an earlier model may name a parameter the model no longer has
+            values = r.get("parameter_values", {}).get(param, [getattr(s, param, "") for s in (LOW, MID, HIGH)])
             rows.append({"case": name, "parameter": param, "optimistic_value": values[0], "mid_value": values[1],
                          "pessimistic_value": values[2], "optimistic_us": round(lo, 2), "pessimistic_us": round(hi, 2)})
     return rows

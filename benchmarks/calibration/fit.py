@@ -74,11 +74,12 @@ def dma_fixed_mid_ns(points: Iterable[Point] | None = None) -> float:
     """The per-transfer time of back-to-back loads from one queue in the overhead-bound part of the DMA
     overview's throughput curve: a transfer of ``b`` bytes per partition at relative throughput ``r`` takes
     ``128 b / (r * BW)``, BW the 32 KiB-per-partition throughput (16 engines at the core's HBM share, the
-    rows' efficiency at 32 KiB). One transfer per fixed cost: the queue's trigger-to-first-byte time."""
+    payloads' efficiency at 32 KiB per partition). One transfer per fixed cost: the queue's trigger-to-first-byte time."""
     pts = require_fit(points if points is not None else
                       [p for p in fit_points("dma_fixed_ns") if p.metric == "rel_throughput"])
     chip, knee = hardware.TRN2, cost_params.MID.dma_knee_bytes
-    bw = min(chip.dma.peak_bytes_per_ns, chip.hbm_bytes_per_ns) * 32768 / (32768 + knee)
+    payload = 32768 * chip.dma.partitions_per_engine  # one engine's contiguous share of a [128, 32 KiB] load
+    bw = min(chip.dma.peak_bytes_per_ns, chip.hbm_bytes_per_ns) * payload / (payload + knee)
     return sum(128 * p.dims["bytes"] / (p.published * bw) for p in pts) / len(pts)
 
 

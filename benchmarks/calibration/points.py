@@ -224,8 +224,19 @@ DMA_POINTS: tuple[Point, ...] = (
     *(_curve(b, r) for b, r in CURVE.items()),
 )
 
+def _grouped(points: tuple[Point, ...]) -> tuple[Point, ...]:
+    """``points`` with the points of one kernel run next to each other (in the order kernels first appear),
+    so the runner traces each kernel once."""
+    def kernel(p: Point) -> tuple:
+        return p.family, p.version, tuple(sorted(p.dims.items()))
+    first: dict[tuple, int] = {}
+    for p in points:
+        first.setdefault(kernel(p), len(first))
+    return tuple(sorted(points, key=lambda p: first[kernel(p)]))
+
+
 # Every point run and tested.
-POINTS: tuple[Point, ...] = (*BASE_POINTS, *DMA_POINTS, *ACTIVE_POINTS)
+POINTS: tuple[Point, ...] = _grouped((*BASE_POINTS, *DMA_POINTS, *ACTIVE_POINTS))
 
 # Published but not modelled: mamba_v2 at seq_len > 512 (53.33 ms at 8192 and the scaling table's v2
 # column, 4.4 / 8.9 / 13.1 / 17.6 ms at 1024 - 4096) does not fit its broadcast operands in one PSUM bank

@@ -42,17 +42,35 @@ SLICES = {
 # Points whose mid estimate misses their tolerance, and why (docs/cost-model.md, "What the misses say");
 # the tests check they still miss, so the list cannot outlive the miss.
 KNOWN_MISSES = {
-    "mamba_v1": "the port reloads delta/u per state (16x, the compiler ~7x): DMA-bound at trn1's fitted rate",
-    "kernel_opt v2": "DMA-bound at the documented trn2 rates with two queues: ~23% faster than the device",
+    "dma_intro ex2 store issue": "a fit point of the fixed cost's low end; the mid is the throughput curve's",
+    "kernel_opt v5 DMA active": "the profiler counts 21.5% DMA-active, the model's trigger-to-last-byte spans 15%",
+    "kernel_opt v5 VectorE active": "12.7% against 10.6%: the model's VectorE spans include the dependent latency",
 }
+# Slices that miss where the full shape does not (the full shapes are in calibration.csv).
+SLICE_MISSES = {"kernel_opt v2": "one M-tile row: 16% fast (the full shape: 9.6%); its DMA queues start empty"}
 # Check points whose published figure lies outside the model's low..high range, and why.
 KNOWN_OUTSIDE_RANGE = {
     "mamba_v3 s1024": "VectorE formulas shared by every setting, 4-5% slow here",
     "mamba_v3 s2048": "same",
     "mamba_v3 s4096": "same",
+    "mamba_v1 VectorE active": "within 2% at mid; the range of a share near 100% is narrow",
+    "mamba_v2 VectorE active": "same (0.1% at mid)",
+    "mamba_v1 small VectorE active": "the toy shape's share is 10 points below the profiler's",
+    "dma_intro ex2": "the profile's store is triggered 880 ns after the exp (software DGE on GpSimd): not modelled",
+    "dma_intro ex1 load engine": "23 B/ns per engine in every setting; the profile shows 23.1",
+    "dma_intro ex2 activation": "a fixed-cost formula every setting shares, 1% off",
+    "dma_curve 4096": "the flat part of the curve: every setting is within 3% of 1.0",
+    "dma_curve 8192": "same",
+    "dma_curve 16384": "same",
+    "kernel_opt v3 DMA active": "99.7% published, at most 99.0% modelled",
+    "kernel_opt v4 DMA active": "95.7% published, at most 81% modelled",
+    "kernel_opt v5 DMA active": "see KNOWN_MISSES",
+    "kernel_opt v5 VectorE active": "see KNOWN_MISSES",
 }
 # Published version changes predicted in the right direction but not within half their size.
 KNOWN_SIZE_MISSES = {
+    ("matmul tiled", "matmul hoist_load"): "-26% for -17%: the tiled kernel's full shape is 12% slow (its fit "
+                                           "sees a one-row slice)",
     ("kernel_opt v3", "kernel_opt v4"): "a +0.7% change between two TensorE-bound kernels",
     ("kernel_opt v4", "kernel_opt v5"): "a -0.4% change between two TensorE-bound kernels",
 }
@@ -73,7 +91,7 @@ def test_matmul_tutorial_slices_within_tolerance_of_the_published_time(name):
     published_ns = p.published * 1e6 * share
     assert low <= mid <= high
     within = mid == pytest.approx(published_ns, rel=p.tolerance)
-    assert within != (name in KNOWN_MISSES), (p.role, mid / published_ns - 1)
+    assert within != (name in KNOWN_MISSES or name in SLICE_MISSES), (p.role, mid / published_ns - 1)
 
 
 def test_scalar_chain_interval_is_the_perf_guides_189_ns():

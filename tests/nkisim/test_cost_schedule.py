@@ -67,7 +67,7 @@ def test_the_dma_overview_example_1_step_by_step():
 
     instrs, _ = _trace(roundtrip, a)
     load, act, store = cost.timeline(instrs)
-    one_engine = 32768 / (22.65625 * 8192 / (8192 + MID.dma_knee_bytes))  # one engine, HBM-capped rate
+    one_engine = 32768 / (22.65625 * 32768 / (32768 + MID.dma_knee_bytes))  # one engine, one 32 KiB payload
     assert load.first_byte == MID.dma_fixed_ns and load.end - load.first_byte == pytest.approx(one_engine)
     assert act.table_load[0] == pytest.approx(load.end + MID.dma_wake_ns)  # the completion semaphore
     assert act.end - act.start == pytest.approx(4096 / 1.2 + TRN2.act_fixed_ns)
@@ -94,7 +94,7 @@ def test_engine_active_is_the_union_of_its_busy_spans():
     # DMA: trigger to last byte of the load, and of the store; ScalarE: the table load and the ACTIVATE
     dma_active = (load.end - load.start) + (store.end - store.start)
     assert rep.active_ns[DMA] == pytest.approx(dma_active)
-    assert rep.active_ns[SCALAR] == pytest.approx(act.end - act.table_load[0])
+    assert rep.active_ns[SCALAR] == pytest.approx(act.ready - act.table_load[0])  # to its result
     assert rep.active[DMA] == pytest.approx(dma_active / rep.total_ns)
     assert 0 < rep.active[SCALAR] < 1
 

@@ -294,12 +294,19 @@ def _dma_engines(instr: Instr, nbytes: int, row: float, chip: Chip) -> tuple[int
 def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
     d = chip.dma
     nbytes, hbm, row, touches_hbm = _dma_geometry(instr)
+    first, last = _dma_engines(instr, nbytes, row, chip)
+    engines = last - first
+    contiguous = instr.attrs.get("contiguous_bytes")
+    if touches_hbm and contiguous and not (instr.attrs.get("transpose") and _transpose_friendly(instr)) \
+            and any(o.buffer in _ONCHIP for o in instr.operands):
+        # the payload of one packet: the contiguous run in HBM, up to one engine's share (partition rows
+        # adjacent in HBM merge: the DMA overview's [128, 128] load moves 2 KiB per engine in 97 ns);
+        # the bandwidth guide's "large contiguous payloads (>=4 KiB)" are HBM-side runs
+        row = min(float(contiguous), nbytes / engines)
     eff = dma_efficiency(row, params)
     if instr.attrs.get("transpose"):  # dma_transpose: a fraction of a copy's throughput (cost_params)
         factor = params.dma_transpose_factor
         eff *= factor if touches_hbm else min(factor, d.transpose_sbuf_factor)
-    first, last = _dma_engines(instr, nbytes, row, chip)
-    engines = last - first
     # each engine moves its share at its own rate; HBM traffic is capped at the core's HBM share
     rate = d.bytes_per_ns_per_engine * d.sustained_fraction
     if touches_hbm and hbm:  # HBM -> HBM crosses HBM twice per byte moved
@@ -888,14 +895,15 @@ def _schedule_end(times: Sequence[Timing], instrs: Sequence[Instr]) -> float:
 
 
 def _active(times: Sequence[Timing]) -> dict[str, float]:
-    """Per engine, the time it is active as the profiler shows it: a compute engine while one of its
-    instructions (or an activation-table load) runs; the DMA while any transfer is between its trigger
-    and its last byte ("DMA active" counts time with any transfer in flight)."""
+    """Per engine, the time it is active as the profiler shows it: a compute engine from an instruction's
+    start to its result (its busy time and its fixed latency: the pipeline is still working on it), and
+    while an activation-table load runs; the DMA while any transfer is between its trigger and its last
+    byte ("DMA active" counts time with any transfer in flight)."""
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for t in times:
         if t.dropped:
             continue
-        spans[t.engine].append((t.start, t.end))
+        spans[t.engine].append((t.start, t.end if t.engine == DMA else max(t.end, t.ready)))
         if t.table_load:
             spans[t.engine].append(t.table_load)
     return {e: _union(v) for e, v in spans.items()}

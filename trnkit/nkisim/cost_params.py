@@ -30,13 +30,12 @@ class ModelParams:
     # nki/guides/architecture/trainium2_arch: "up to 90%" (optimistic); nki_perf_guide warns DMA
     # transposes "can degrade bandwidth significantly": 0.7 mid and 0.5 (the SBUF->SBUF figure) assumed.
     dma_transpose_factor: float = 0.7
-    # Bytes of per-row overhead of a DMA engine: a row's efficiency is b / (b + knee) for b contiguous
-    # bytes per partition row. The fixed cost per transfer is priced separately (dma_fixed_ns, per
-    # queue), so this is what is left per descriptor row. [SDK] nki/deep-dives/nki-dma-bandwidth-guide
-    # names the "per-packet overhead" without a figure: 32 mid, 16 optimistic (assumed); 512 pessimistic
-    # (the upper bracket of the earlier fit to the guide's "<256 B severely overhead-bound", which the
-    # per-queue fixed cost now explains). Checked by the DMA overview's Example 2 engine time.
-    dma_knee_bytes: int = 32
+    # Bytes of per-packet overhead of a DMA: a packet's efficiency is b / (b + knee) for a payload of b
+    # contiguous bytes (the HBM-side run, up to one engine's share of the transfer). [SDK]
+    # nki/deep-dives/nki-dma-bandwidth-guide: payloads <256 B are "severely overhead-bound", >=2 KiB
+    # approach peak, "large payloads (>=4 KiB) are required to saturate HBM bandwidth": 256 fits those
+    # words (50% / 89% / 94% at 256 B / 2 KiB / 4 KiB); 128 / 512 bracket the fit (assumed).
+    dma_knee_bytes: int = 256
     # DMA trigger to first byte, per transfer, ns. Profiled on trn2 ([SDK] nki/get-started/about/
     # nki-dma-overview, profiles nki-dma-intro-3/-5.png: 1013 / 904 / 740 / 619 ns for its four
     # transfers, fit points "dma_intro ... issue"): the shortest and longest are the ends. Mid: the DMA
@@ -115,7 +114,7 @@ class ModelParams:
 
 
 MID = ModelParams()
-LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=16, dma_fixed_ns=619.0, dma_wake_ns=250.0, dma_queues=5,
+LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619.0, dma_wake_ns=250.0, dma_queues=5,
                   dma_hoist=True, hoist_bounded_by_sbuf=False, gpsimd_elems_per_cycle=1.0,
                   swdge_cycles_per_row=1.0, psum_single_pass=True, psum_access_cycles=0, dependent_overhead_cycles=160,
                   matmul_extra_cycles=0, compiler_cse=True)
