@@ -138,10 +138,13 @@ def test_trace_record_and_cost_factor():
     # range; 70% mid, 50% pessimistic: cost_params.dma_transpose_factor), <= 50% SBUF -> SBUF
     # (against a copy of the same operand geometry)
     ctx, cts = cost.instr_cost(tx), cost.instr_cost(ts)
-    same = cp.__class__(**{**cp.__dict__, "operands": tx.operands})
+    # a copy of the same geometry: the transpose's operands and partition boxes, without transpose
+    plain = {k: v for k, v in tx.attrs.items() if k not in ("transpose", "contiguous_bytes")}
+    same = cp.__class__(**{**cp.__dict__, "operands": tx.operands, "attrs": plain})
     ch = cost.instr_cost(same)
     assert ctx.busy_ns == pytest.approx(ch.busy_ns / 0.7)
     best = cost.instr_cost(tx, params=cost_params.LOW)
     assert best.busy_ns == pytest.approx(cost.instr_cost(same, params=cost_params.LOW).busy_ns / 0.9)
-    cs = cost.instr_cost(cp.__class__(**{**cp.__dict__, "hbm_bytes": 0, "operands": ts.operands}))
+    plain_s = {k: v for k, v in ts.attrs.items() if k not in ("transpose", "contiguous_bytes")}
+    cs = cost.instr_cost(cp.__class__(**{**cp.__dict__, "hbm_bytes": 0, "operands": ts.operands, "attrs": plain_s}))
     assert cts.busy_ns == pytest.approx(cs.busy_ns / 0.5)
