@@ -152,16 +152,19 @@ def blockwise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     starts = lay.block_start[0].long()
     used = starts[-1]
     expert_of_block = torch.searchsorted(starts[1:], torch.arange(N), right=True).clamp(max=E - 1)
-    # ping-pong: block j goes to core j % lnc; each core's blocks become contiguous rows of the tables
-    order = torch.cat([torch.arange(p, N, lnc) for p in range(lnc)])
-    first = [0]
-    for p in range(1, lnc):
-        first.append(first[-1] + len(range(p - 1, N, lnc)))
-    bounds = torch.stack([v for p in range(lnc) for v in
-                          (torch.tensor(first[p]), first[p] + (used - p + lnc - 1).clamp(min=0) // lnc)])
-    slot = lay.table[order].long()
+    # ping-pong: used block j goes to core j % lnc; each core's blocks become contiguous rows of the tables.
+    # Both cores run the same trip count (LNC=2 programs must take the same control flow): a core with one
+    # block fewer runs a padding block (row N: every slot padding, so nothing is gathered or stored).
+    per_core = -(-int(used) // lnc)
+    order = torch.tensor([j for p in range(lnc) for j in
+                          [*range(p, int(used), lnc), *[N] * (per_core - len(range(p, int(used), lnc)))]],
+                         dtype=torch.long)
+    table = torch.cat([lay.table.long(), torch.full((1, block_size), T * K)])
+    expert_of_block = torch.cat([expert_of_block, torch.zeros(1, dtype=torch.long)])
+    bounds = torch.tensor([v for p in range(lnc) for v in (p * per_core, (p + 1) * per_core)])
+    slot = table[order]
     token = torch.where(slot < T * K, slot // K, torch.full_like(slot, T))
-    core = torch.cat([torch.full((len(range(p, N, lnc)), 1), p) for p in range(lnc)])
+    core = torch.arange(lnc).repeat_interleave(per_core).view(-1, 1)
     acc_ids = torch.where(slot < T * K, token + core * T, torch.full_like(slot, lnc * T))
     return launch(blockwise_moe_kernel, lnc)(
         x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), token.to(torch.int32), acc_ids.to(torch.int32),

@@ -488,6 +488,14 @@ QUOTES = (
     Quote("README.md", "M=4096: fwd {} µs ({}–{}), {} ({}–{}) of the roofline",
           "bench.csv grouped_mm forward M=4096 est_time, fraction_of_roofline (p50 mid, p20 / p80 the range)",
           _bench_range("grouped_mm", "forward", "M", "4096")),
+    Quote("README.md", "T=8192, LNC=2: fwd {} µs ({}–{}), {} ({}–{}) of the HBM bound; bwd {} µs ({}–{}), {} ({}–{})",
+          "bench.csv rmsnorm T (LNC=2)=8192 forward, backward",
+          _bench_range("rmsnorm", "forward", "T (LNC=2)", "8192")
+          + _bench_range("rmsnorm", "backward", "T (LNC=2)", "8192")),
+    Quote("README.md", "LNC=2: fwd {} µs ({}–{}), {} ({}–{}) of its roofline; bwd {} µs ({}–{}), {} ({}–{})",
+          "bench.csv cross_entropy T (LNC=2)=2048 forward, backward",
+          _bench_range("cross_entropy", "forward", "T (LNC=2)", "2048")
+          + _bench_range("cross_entropy", "backward", "T (LNC=2)", "2048")),
     Quote("docs/kernels.md", "forward {} / {} / {} µs (optimistic / mid / pessimistic parameters): **{}** of the "
           "bound at the pessimistic end, {} mid, {} at the optimistic end", "headline.csv rope_fwd",
           _low_mid_high("rope_fwd")),
