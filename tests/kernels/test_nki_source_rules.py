@@ -41,7 +41,8 @@ import pytest
 # by module path: trnkit.kernels re-exports functions of the same names as the modules
 MODULES = [importlib.import_module(f"trnkit.kernels.{m}")
            for m in ("rope_hf", "router_topk", "moe_grouped_mm", "moe_fused", "rmsnorm.rmsnorm",
-                     "cross_entropy.cross_entropy", "attention.attention", "attention.attention_bwd")]
+                     "cross_entropy.cross_entropy", "attention.attention", "attention.attention_bwd",
+                     "mlp.mlp")]
 
 API = json.loads((Path(__file__).with_name("nki_api_0_6.json")).read_text())["modules"]
 

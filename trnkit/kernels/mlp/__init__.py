@@ -1,0 +1,69 @@
+"""Dense SwiGLU MLP (Qwen3's dense feed-forward) as NKI kernels: the forward and the backward with both
+weight gradients.
+
+``mlp(x, w_gate_up, w_down)`` -> ``y = (silu(x @ Wg) * (x @ Wu)) @ w_down``; ``mlp_bwd(x, w_gate_up, w_down,
+grad_y)`` -> ``(grad_x, grad_w_gate_up, grad_w_down)``. ``x [..., H]`` (any leading shape), ``w_gate_up [H,
+2I]`` (gate columns first: the MoE experts' layout of one expert), ``w_down [I, H]``; every output in x's
+dtype. :func:`from_linear` / :func:`to_linear` convert from / to ``nn.Linear`` weights (transformers'
+``gate_proj`` / ``up_proj`` / ``down_proj``). The torch references of the same signatures are in
+:mod:`trnkit.kernels.mlp.mlp_torch`; the design in :mod:`trnkit.kernels.mlp.mlp`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trnkit.kernels._common import dense
+from trnkit.kernels.constraints import check
+from trnkit.kernels.lnc import launch, resolve_lnc
+from trnkit.kernels.mlp.constraints import mlp_constraints
+from trnkit.kernels.mlp.mlp import mlp_bwd_kernel, mlp_fwd_kernel, mlp_wgrad_kernel, plan
+from trnkit.kernels.mlp.mlp_torch import mlp_bwd_ref, mlp_ref
+
+__all__ = ["from_linear", "mlp", "mlp_bwd", "mlp_bwd_kernel", "mlp_bwd_ref", "mlp_constraints", "mlp_fwd_kernel",
+           "mlp_ref", "mlp_wgrad_kernel", "to_linear"]
+
+
+def from_linear(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nn.Linear`` weights ``gate [I, H]``, ``up [I, H]``, ``down [H, I]`` -> the kernels' ``(w_gate_up [H, 2I],
+    w_down [I, H])`` (contiguous copies)."""
+    return torch.cat([w_gate, w_up]).T.contiguous(), w_down.T.contiguous()
+
+
+def to_linear(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' layout -> ``nn.Linear`` weights ``(gate [I, H], up [I, H], down [H, I])``."""
+    gate, up = w_gate_up.T.chunk(2)
+    return gate.contiguous(), up.contiguous(), w_down.T.contiguous()
+
+
+def _plan(x: Any, w_down: Any) -> tuple[int, int]:
+    return plan(x.shape[-1], w_down.shape[0], x.element_size())
+
+
+def mlp(x: Any, w_gate_up: Any, w_down: Any, lnc: int | None = None) -> Any:
+    """``y [x.shape] = (silu(x @ Wg) * (x @ Wu)) @ w_down`` in x's dtype (NKI kernel).
+
+    Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
+    """
+    check(mlp_constraints(x, w_gate_up, w_down))
+    tb, ib = _plan(x, w_down)
+    rows = dense(x).reshape(-1, x.shape[-1])
+    y = launch(mlp_fwd_kernel, resolve_lnc(lnc))(rows, dense(w_gate_up), dense(w_down), tb, ib)
+    return y.reshape(x.shape)
+
+
+def mlp_bwd(x: Any, w_gate_up: Any, w_down: Any, grad_y: Any, lnc: int | None = None) -> tuple[Any, Any, Any]:
+    """``(grad_x [x.shape], grad_w_gate_up [H, 2I], grad_w_down [I, H])`` of :func:`mlp` for the output
+    gradient ``grad_y`` (NKI kernels: the data path, then both weight gradients; activations recomputed)."""
+    check(mlp_constraints(x, w_gate_up, w_down, grad_y))
+    lnc = resolve_lnc(lnc)
+    _, ib = _plan(x, w_down)
+    rows = dense(x).reshape(-1, x.shape[-1])
+    dy = dense(grad_y).reshape(rows.shape)
+    w_gate_up, w_down = dense(w_gate_up), dense(w_down)
+    grad_x, h, dgu = launch(mlp_bwd_kernel, lnc)(rows, dy, w_gate_up, w_down.T.contiguous(),
+                                                 w_gate_up.T.contiguous(), ib)
+    grad_wgu, grad_wd = launch(mlp_wgrad_kernel, lnc)(rows, dgu, h, dy)
+    return grad_x.reshape(x.shape), grad_wgu, grad_wd

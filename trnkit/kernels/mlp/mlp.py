@@ -1,0 +1,357 @@
+"""Dense SwiGLU MLP NKI kernels: ``mlp_fwd_kernel``, the backward's data path ``mlp_bwd_kernel`` and its
+weight gradients ``mlp_wgrad_kernel``.
+
+``y = (silu(x @ Wg) * (x @ Wu)) @ Wd`` with ``w_gate_up [H, 2I]`` (gate columns first, the contraction dim H
+leading, as the MoE experts' weights) and ``w_down [I, H]``. Tokens are contiguous rows, so nothing is
+gathered or scattered; the weights of a Qwen3 dense layer (Qwen3-4B: 150 MB) do not fit SBUF, so they
+stream through it in blocks of :func:`plan`'s ``IB`` columns of I for every token tile.
+
+Forward, per tile of ``TB`` tokens (``TB`` from :func:`plan`, up to 512: the gate / up matmuls' moving
+size): the rows are transposed on the Tensor Engine into ``x.T [H, TB]``; per I-block the block's gate /
+up columns of ``w_gate_up`` load and the MoE experts' :func:`~trnkit.kernels.moe_fused.swiglu_T` computes
+``h.T = silu(gate.T) * up.T`` (weight tile stationary, the tokens moving), directly in the contraction
+layout of the down matmul. ``h.T`` of the whole I stays in SBUF; the down matmul then streams ``w_down``
+in ``[128, <= 512]`` pieces and accumulates each ``[<= 128 tokens, 512]`` output piece over all of I in
+one PSUM bank (``h.T`` chunk stationary, ``w_down`` moving), rounded once to the input dtype.
+
+Backward, data path per tile of 128 tokens (the gradients' row layout: tokens on partitions): ``x`` and
+``grad_out`` rows are transposed; per I-block, three PSUM groups ``gate``, ``up`` (the recompute) and
+``dA = grad_out @ w_down.T`` (the host hands ``w_down.T [H, I]``) with the rows' transposes stationary and
+512 weight columns moving; the MoE experts' :func:`~trnkit.kernels.moe_bwd.activation_grad_rows` gives
+``h`` and the SiLU derivative, ``dgu = [dA dh/dgate | dA dh/dup]``. ``h`` and ``dgu`` rows go to HBM (the
+weight gradients' operands) and ``dgu`` is transposed into SBUF, where the whole tile's ``dgu.T`` waits for
+``grad_x = dgu @ w_gate_up.T`` (the host hands ``w_gate_up.T [2I, H]``, streamed in pieces; each output
+piece accumulates over all of 2I in one PSUM bank).
+
+Weight gradients (:func:`mlp_wgrad_kernel`): ``grad_w_gate_up = x.T @ dgu`` and ``grad_w_down = h.T @
+grad_out``, output tiles of ``[<= 128, <= 512]`` in passes of up to 2 x 2 tiles (four PSUM banks), each
+pass summing its tiles over every 128-token tile in fp32 PSUM and rounding once.
+
+LNC=2: the forward and the data path split the token tiles, the weight gradients the passes, between
+the two programs with :func:`~trnkit.kernels._common.program_share` (the same instructions on both: a
+program short of a tile computes a masked copy into a private scratch tensor).
+"""
+
+from __future__ import annotations
+
+from trnkit.kernels._common import cdiv, program_share, program_split
+from trnkit.kernels.moe_bwd import activation_grad_rows
+from trnkit.kernels.moe_fused import expert_act, swiglu_T
+from trnkit.kernels.moe_grouped_mm import NMAX, P, chunks, evacuate, tiles, transpose_rows
+from trnkit.nki_api import nisa, nki, nl
+
+TB_OPTIONS = (512, 256, 128)  # forward token tile widths, widest first (the gate / up moving size)
+IB_OPTIONS = (512, 256, 128)  # I-block widths (the backward's gate / up / dA PSUM width)
+BWD_TB = 128  # backward token tile: the row layout's partitions
+DOWN_BANKS = 4  # PSUM banks of one down-projection / grad_x pass (the rest for the next tile's matmuls)
+WG_K, WG_N = 2, 2  # weight-gradient pass: 128-row chunks x 512-column pieces (four PSUM banks)
+# SBUF bytes per partition :func:`plan` lets a kernel's long-lived tiles take (of 208 KiB usable), so the
+# next block's weight loads and the elementwise temporaries fit beside them
+SBUF_PLAN_BYTES = 168 * 1024
+
+
+def _fwd_bytes(H: int, I: int, TB: int, IB: int, isz: int) -> int:  # noqa: E741
+    """Forward SBUF per partition: x.T and h.T of a token tile, one weight block, the output rows."""
+    sub = cdiv(TB, P)
+    return (cdiv(H, P) * TB + cdiv(I, P) * TB + cdiv(H, P) * 2 * IB + 2 * sub * H) * isz
+
+
+def _bwd_bytes(H: int, I: int, IB: int, isz: int) -> int:  # noqa: E741
+    """Backward data path SBUF per partition: x.T, grad_out.T, the tile's dgu.T, one block of w_gate_up and
+    w_down.T, the rows and ~10 fp32 elementwise tiles of a block."""
+    return ((2 * cdiv(H, P) * BWD_TB + 2 * cdiv(I, P) * BWD_TB + cdiv(H, P) * 3 * IB + 3 * H) * isz
+            + 10 * IB * 4)
+
+
+def plan(H: int, I: int, itemsize: int) -> tuple[int, int] | None:  # noqa: E741
+    """``(TB, IB)``: the forward's token tile and the I-block width, the widest that fit
+    ``SBUF_PLAN_BYTES``; None when even ``(128, 128)`` does not (the kernels' SBUF constraint)."""
+    ib = None
+    for cand in IB_OPTIONS:
+        if _bwd_bytes(H, I, cand, itemsize) <= SBUF_PLAN_BYTES and _fwd_bytes(H, I, 128, cand, itemsize) <= SBUF_PLAN_BYTES:
+            ib = cand
+            break
+    if ib == None:  # noqa: E711
+        return None
+    for tb in TB_OPTIONS:
+        if _fwd_bytes(H, I, tb, ib, itemsize) <= SBUF_PLAN_BYTES:
+            return tb, ib
+    return None
+
+
+def _my_tiles(n, width):
+    """This program's ``[((start, size), masked), ...]`` of ``n`` rows in tiles of ``width``."""
+    n_prog, pid = program_split()
+    items = chunks(n, width)
+    keys = []
+    for i in range(len(items)):
+        keys.append(items[i][1])
+    return program_share(items, keys, n_prog, pid)
+
+
+def _load_rows_T(src, t0, tw, dst_T):
+    """Rows ``t0 .. t0+tw`` of ``src [T, W]`` transposed into ``dst_T[c] [P, tw]`` (W in 128-chunks), one
+    128-row sub-tile at a time (a DMA of whole rows, then Tensor Engine transposes)."""
+    W = src.shape[1]
+    for r0, rw in chunks(tw, P):
+        rows = nl.ndarray((rw, W), dtype=src.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=rows, src=src[t0 + r0:t0 + r0 + rw, :])
+        transpose_rows(rows, dst_T, col0=r0)
+
+
+def _gate_up_block(w_gate_up, i0, ib):
+    """Columns ``i0 .. i0+ib`` of the gate and of the up half of ``w_gate_up [H, 2I]``: per 128-row chunk of
+    H a tile ``[P, 2 ib]`` (gate columns, then up columns), the layout :func:`swiglu_T` reads."""
+    H, I2 = w_gate_up.shape
+    inter = I2 // 2
+    out = []
+    for h0, hk in chunks(H, P):
+        t = nl.ndarray((P, 2 * ib), dtype=w_gate_up.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:hk, 0:ib], src=w_gate_up[h0:h0 + hk, i0:i0 + ib])
+        nisa.dma_copy(dst=t[:hk, ib:2 * ib], src=w_gate_up[h0:h0 + hk, inter + i0:inter + i0 + ib])
+        out.append(t)
+    return out
+
+
+def _col_block(w, c0, cw):
+    """Columns ``c0 .. c0+cw`` of ``w [R, C]`` as one tile ``[P, cw]`` per 128-row chunk."""
+    R = w.shape[0]
+    out = []
+    for r0, rk in chunks(R, P):
+        t = nl.ndarray((P, cw), dtype=w.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t[:rk, :], src=w[r0:r0 + rk, c0:c0 + cw])
+        out.append(t)
+    return out
+
+
+def _streamed_rows(out_rows, lhs_T, w, row_of_chunk, tw):
+    """``out_rows[s] [rows_s, N] = lhs[tw, K] @ w`` with ``lhs_T[k] [P, tw]`` the 128-chunks of lhs
+    transposed (K on partitions) and ``w`` in HBM, its rows of chunk k from ``row_of_chunk[k]`` (the
+    chunk's width is lhs_T's partitions used: ``row_of_chunk[k] = (row0, width)``).
+
+    ``w`` streams in ``[width, <= 512]`` pieces; each ``[<= 128 rows, 512]`` output piece accumulates over
+    every chunk in one PSUM bank (``DOWN_BANKS`` banks per pass: sub-tiles x pieces), then is evacuated
+    (rounded once) into ``out_rows``."""
+    N = w.shape[1]
+    subs = chunks(tw, P)
+    per_pass = max(1, DOWN_BANKS // len(subs))
+    pieces = chunks(N, NMAX)
+    evac = 0
+    for q0 in range(0, len(pieces), per_pass):
+        group = pieces[q0:q0 + per_pass]
+        n0 = group[0][0]
+        gw = group[-1][0] + group[-1][1] - n0
+        ps = []
+        for s in range(len(subs)):
+            row = []
+            for _, nw in group:
+                row.append(nl.ndarray((subs[s][1], nw), dtype=nl.float32, buffer=nl.psum))
+            ps.append(row)
+        for k in range(len(row_of_chunk)):
+            r0, rk = row_of_chunk[k]
+            w_t = nl.ndarray((P, gw), dtype=w.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=w_t[:rk, :], src=w[r0:r0 + rk, n0:n0 + gw])
+            for s in range(len(subs)):
+                s0, sw = subs[s]
+                for j in range(len(group)):
+                    c0 = group[j][0] - n0
+                    nisa.nc_matmul(dst=ps[s][j], stationary=lhs_T[k][:rk, s0:s0 + sw],
+                                   moving=w_t[:rk, c0:c0 + group[j][1]], accumulate=k > 0)
+        for s in range(len(subs)):
+            for j in range(len(group)):
+                c0, nw = group[j]
+                evacuate(out_rows[s][:, c0:c0 + nw], ps[s][j], evac)
+                evac += 1
+
+
+def _store_rows(dst, scratch, t0, rows_sb, masked):
+    """The tile's row sub-tiles ``rows_sb[s]`` to ``dst[t0 + s*128 ...]`` (a masked tile: to ``scratch``)."""
+    for s in range(len(rows_sb)):
+        rw = rows_sb[s].shape[0]
+        if masked:
+            nisa.dma_copy(dst=scratch[s * P:s * P + rw, :], src=rows_sb[s])
+        else:
+            nisa.dma_copy(dst=dst[t0 + s * P:t0 + s * P + rw, :], src=rows_sb[s])
+
+
+@nki.jit
+def mlp_fwd_kernel(x, w_gate_up, w_down, tb, ib):
+    """``y [T, H] = (silu(x @ Wg) * (x @ Wu)) @ w_down`` in x's dtype: x ``[T, H]``, w_gate_up ``[H, 2I]``
+    (gate columns first), w_down ``[I, H]``; ``tb`` / ``ib``: the token tile and I-block widths (:func:`plan`)."""
+    T, H = x.shape
+    inter = w_down.shape[0]
+    dt = x.dtype
+    y = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
+    scratch = nl.ndarray((tb, H), dtype=dt, buffer=nl.private_hbm)  # masked tiles' rows
+    act = expert_act("silu", 7.0, 1.702, None, 0, inter)
+    HC = cdiv(H, P)
+    i_rows = chunks(inter, P)
+    mine = _my_tiles(T, tb)
+    for m in range(len(mine)):
+        (t0, tw), masked = mine[m]
+        x_T = tiles(HC, (P, tw), dt)
+        _load_rows_T(x, t0, tw, x_T)
+        h_T = tiles(len(i_rows), (P, tw), dt)
+        for i0, iw in chunks(inter, ib):
+            wgu = _gate_up_block(w_gate_up, i0, iw)
+            swiglu_T(h_T[i0 // P:i0 // P + cdiv(iw, P)], x_T, wgu, H, iw, tw, act)
+        y_rows = []
+        for _, sw in chunks(tw, P):
+            y_rows.append(nl.ndarray((sw, H), dtype=dt, buffer=nl.sbuf))
+        _streamed_rows(y_rows, h_T, w_down, i_rows, tw)
+        _store_rows(y, scratch, t0, y_rows, masked)
+    return y
+
+
+def _grad_block(x_T, go_T, wgu, wd_T, H, tw, dt):
+    """One I-block of the backward's data path for a token tile: ``(h, dgate, dup)`` rows ``[tw, ib]`` in
+    dt from the gate / up recompute and ``dA = grad_out @ w_down.T`` (three PSUM groups over H)."""
+    ib = wd_T[0].shape[1]
+    hcs = chunks(H, P)
+    f32 = nl.float32
+    g_ps = nl.ndarray((tw, ib), dtype=f32, buffer=nl.psum)
+    u_ps = nl.ndarray((tw, ib), dtype=f32, buffer=nl.psum)
+    d_ps = nl.ndarray((tw, ib), dtype=f32, buffer=nl.psum)
+    for c in range(len(hcs)):
+        hk = hcs[c][1]
+        nisa.nc_matmul(dst=g_ps, stationary=x_T[c][:hk, :tw], moving=wgu[c][:hk, 0:ib], accumulate=c > 0)
+        nisa.nc_matmul(dst=u_ps, stationary=x_T[c][:hk, :tw], moving=wgu[c][:hk, ib:2 * ib], accumulate=c > 0)
+    for c in range(len(hcs)):
+        hk = hcs[c][1]
+        nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, :tw], moving=wd_T[c][:hk, :], accumulate=c > 0)
+    a = nl.ndarray((tw, ib), dtype=f32, buffer=nl.sbuf)
+    u = nl.ndarray((tw, ib), dtype=f32, buffer=nl.sbuf)
+    d = nl.ndarray((tw, ib), dtype=f32, buffer=nl.sbuf)
+    nisa.activation(dst=a, op=nl.copy, data=g_ps)  # Scalar evacuates: Vector runs the chain below
+    nisa.activation(dst=u, op=nl.copy, data=u_ps)
+    nisa.activation(dst=d, op=nl.copy, data=d_ps)
+    h, dh_da, dh_du = activation_grad_rows(a, u, dt, "silu", 7.0, 1.702)
+    dg = nl.ndarray((tw, ib), dtype=dt, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=dg, data1=d, data2=dh_da, op=nl.multiply)
+    du = nl.ndarray((tw, ib), dtype=dt, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=du, data1=d, data2=dh_du, op=nl.multiply)
+    return h, dg, du
+
+
+@nki.jit
+def mlp_bwd_kernel(x, grad_out, w_gate_up, w_down_T, w_gate_up_T, ib):
+    """Data path of the MLP backward -> ``(grad_x [T, H], h [T, I], dgu [T, 2I])`` in x's dtype (h and dgu:
+    the operands of :func:`mlp_wgrad_kernel`). x, grad_out ``[T, H]``; w_gate_up ``[H, 2I]``; w_down_T
+    ``[H, I]`` (w_down transposed); w_gate_up_T ``[2I, H]``; ``ib``: the I-block width (:func:`plan`)."""
+    T, H = x.shape
+    inter = w_down_T.shape[1]
+    dt = x.dtype
+    grad_x = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
+    h_out = nl.ndarray((T, inter), dtype=dt, buffer=nl.shared_hbm)
+    dgu_out = nl.ndarray((T, 2 * inter), dtype=dt, buffer=nl.shared_hbm)
+    scratch = nl.ndarray((BWD_TB, max(ib, H)), dtype=dt, buffer=nl.private_hbm)  # masked tiles' rows
+    HC = cdiv(H, P)
+    ic = cdiv(inter, P)
+    # dgu.T chunk k: gate rows then up rows of w_gate_up.T
+    dgu_rows = []
+    for half in range(2):
+        for r0, rk in chunks(inter, P):
+            dgu_rows.append((half * inter + r0, rk))
+    mine = _my_tiles(T, BWD_TB)
+    for m in range(len(mine)):
+        (t0, tw), masked = mine[m]
+        x_T = tiles(HC, (P, tw), dt)
+        _load_rows_T(x, t0, tw, x_T)
+        go_T = tiles(HC, (P, tw), dt)
+        _load_rows_T(grad_out, t0, tw, go_T)
+        dgu_T = tiles(2 * ic, (P, tw), dt)
+        for i0, iw in chunks(inter, ib):
+            h, dg, du = _grad_block(x_T, go_T, _gate_up_block(w_gate_up, i0, iw), _col_block(w_down_T, i0, iw), H,
+                                    tw, dt)
+            if masked:
+                nisa.dma_copy(dst=scratch[0:tw, 0:iw], src=h)
+                nisa.dma_copy(dst=scratch[0:tw, 0:iw], src=dg)
+                nisa.dma_copy(dst=scratch[0:tw, 0:iw], src=du)
+            else:
+                nisa.dma_copy(dst=h_out[t0:t0 + tw, i0:i0 + iw], src=h)
+                nisa.dma_copy(dst=dgu_out[t0:t0 + tw, i0:i0 + iw], src=dg)
+                nisa.dma_copy(dst=dgu_out[t0:t0 + tw, inter + i0:inter + i0 + iw], src=du)
+            transpose_rows(dg, dgu_T[i0 // P:i0 // P + cdiv(iw, P)])
+            transpose_rows(du, dgu_T[ic + i0 // P:ic + i0 // P + cdiv(iw, P)])
+        gx = [nl.ndarray((tw, H), dtype=dt, buffer=nl.sbuf)]
+        _streamed_rows(gx, dgu_T, w_gate_up_T, dgu_rows, tw)
+        if masked:
+            nisa.dma_copy(dst=scratch[0:tw, 0:H], src=gx[0])
+        else:
+            nisa.dma_copy(dst=grad_x[t0:t0 + tw, :], src=gx[0])
+    return grad_x, h_out, dgu_out
+
+
+def _wgrad_passes(K, N, which):
+    """Output tiles of a ``[K, N]`` weight gradient in passes ``(which, k0, kn, n0, nn)`` of up to
+    ``WG_K`` 128-row chunks x ``WG_N`` 512-column pieces."""
+    out = []
+    for k0, kn in chunks(K, WG_K * P):
+        for n0, nn in chunks(N, WG_N * NMAX):
+            out.append((which, k0, kn, n0, nn))
+    return out
+
+
+def _wgrad_pass(a, b, grad, scratch, pas, masked):
+    """``grad[k0:k0+kn, n0:n0+nn] = a[:, k0:k0+kn].T @ b[:, n0:n0+nn]`` summed over every 128-token tile
+    in fp32 PSUM (one bank per 128 x 512 tile), rounded once and stored (a masked pass: to ``scratch``)."""
+    _, k0, kn, n0, nn = pas
+    T = a.shape[0]
+    kcs = chunks(kn, P)
+    ncs = chunks(nn, NMAX)
+    ps = []
+    for _, kw in kcs:
+        row = []
+        for _, nw in ncs:
+            row.append(nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum))
+        ps.append(row)
+    tts = chunks(T, P)
+    for t in range(len(tts)):
+        t0, tw = tts[t]
+        a_t = nl.ndarray((tw, kn), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=a_t, src=a[t0:t0 + tw, k0:k0 + kn])
+        b_t = nl.ndarray((tw, nn), dtype=b.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=b_t, src=b[t0:t0 + tw, n0:n0 + nn])
+        for i in range(len(kcs)):
+            c0, kw = kcs[i]
+            for j in range(len(ncs)):
+                q0, nw = ncs[j]
+                nisa.nc_matmul(dst=ps[i][j], stationary=a_t[:, c0:c0 + kw], moving=b_t[:, q0:q0 + nw],
+                               accumulate=t > 0)
+    evac = 0
+    for i in range(len(kcs)):
+        c0, kw = kcs[i]
+        res = nl.ndarray((kw, nn), dtype=grad.dtype, buffer=nl.sbuf)
+        for j in range(len(ncs)):
+            q0, nw = ncs[j]
+            evacuate(res[:, q0:q0 + nw], ps[i][j], evac)
+            evac += 1
+        if masked:
+            nisa.dma_copy(dst=scratch[0:kw, 0:nn], src=res)
+        else:
+            nisa.dma_copy(dst=grad[k0 + c0:k0 + c0 + kw, n0:n0 + nn], src=res)
+
+
+@nki.jit
+def mlp_wgrad_kernel(x, dgu, h, grad_out):
+    """``(grad_w_gate_up [H, 2I] = x.T @ dgu, grad_w_down [I, H] = h.T @ grad_out)`` in x's dtype, fp32
+    sums over all T tokens: x, grad_out ``[T, H]``, dgu ``[T, 2I]``, h ``[T, I]`` (of :func:`mlp_bwd_kernel`)."""
+    T, H = x.shape
+    inter = h.shape[1]
+    dt = x.dtype
+    grad_wgu = nl.ndarray((H, 2 * inter), dtype=dt, buffer=nl.shared_hbm)
+    grad_wd = nl.ndarray((inter, H), dtype=dt, buffer=nl.shared_hbm)
+    scratch = nl.ndarray((P, WG_N * NMAX), dtype=dt, buffer=nl.private_hbm)  # masked passes' rows
+    passes = _wgrad_passes(H, 2 * inter, 0) + _wgrad_passes(inter, H, 1)
+    keys = []
+    for i in range(len(passes)):
+        keys.append((passes[i][0], passes[i][2], passes[i][4]))
+    n_prog, pid = program_split()
+    mine = program_share(passes, keys, n_prog, pid)
+    for m in range(len(mine)):
+        pas, masked = mine[m]
+        if pas[0] == 0:
+            _wgrad_pass(x, dgu, grad_wgu, scratch, pas, masked)
+        else:
+            _wgrad_pass(h, grad_out, grad_wd, scratch, pas, masked)
+    return grad_wgu, grad_wd
