@@ -138,7 +138,7 @@ def test_transformers_dense_qwen3_attn_implementation_trnkit():
     calls = []
     orig = ops.attention
     try:
-        ops.attention = lambda *a: calls.append(a[-1]) or orig(*a)
+        ops.attention = lambda *a, **kw: calls.append(a[-1]) or orig(*a, **kw)
         assert_swap_parity(model, ref)
     finally:
         ops.attention = orig

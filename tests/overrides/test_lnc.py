@@ -15,12 +15,6 @@ from trnkit.overrides import OverrideConfig, apply_overrides, revert
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.fixture(autouse=True)
-def _restore_lnc():
-    yield
-    lnc_mod.set_lnc(None)
-
-
 def _run(lnc: int | None) -> tuple[torch.Tensor, list[torch.Tensor], set[int]]:
     model = native_model()
     apply_overrides(model, OverrideConfig(ops=["moe_experts"], lnc=lnc))
@@ -35,13 +29,39 @@ def _run(lnc: int | None) -> tuple[torch.Tensor, list[torch.Tensor], set[int]]:
     return logits.detach(), grads, {i.program_id for i in tr}
 
 
-def test_lnc2_override_runs_both_cores_with_identical_results() -> None:
+def test_lnc2_override_runs_both_cores_with_identical_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(lnc_mod.ENV, raising=False)
     out1, grads1, progs1 = _run(1)
-    assert lnc_mod.default_lnc() == 1 and progs1 == {0}
+    assert progs1 == {0}
     out2, grads2, progs2 = _run(2)
-    assert lnc_mod.default_lnc() == 2 and progs2 == {0, 1}
+    assert progs2 == {0, 1}
     assert torch.equal(out1, out2)  # fp32 model: bit-identical
     assert all(torch.equal(a, b) for a, b in zip(grads1, grads2, strict=True))
+    # the setting belonged to the swapped modules: nothing is left in the process after revert
+    assert lnc_mod.default_lnc() == 1
+    _, _, progs = _run(None)
+    assert progs == {0}
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "linear_cross_entropy", "attention"])
+def test_lnc_reaches_every_lnc_kernel_of_the_native_model(op: str) -> None:
+    """The norms, the fused loss and attention also run on both cores at lnc=2 (fwd and bwd), same numbers."""
+    runs = {}
+    for lnc in (1, 2):
+        model = native_model()
+        apply_overrides(model, OverrideConfig(ops=[op], lnc=lnc))
+        try:
+            with trace.record(trace_only=False) as tr:
+                loss = model(TOKENS, labels=TOKENS) if op == "linear_cross_entropy" else model(TOKENS).square().mean()
+                loss.backward()
+            runs[lnc] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None],
+                         {i.program_id for i in tr})
+        finally:
+            revert(model)
+    assert runs[1][2] == {0} and runs[2][2] == {0, 1}
+    torch.testing.assert_close(runs[2][0], runs[1][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(runs[2][1], runs[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_override_config_lnc_is_checked_and_the_trainer_passes_it() -> None:

@@ -1,10 +1,10 @@
-"""Logical NeuronCore size (LNC) of the MoE kernels' launches.
+"""Logical NeuronCore size (LNC) of the kernels' launches.
 
 LNC=1 runs a kernel on one physical NeuronCore; LNC=2 (trn2's default logical core) launches it as
 ``kernel[2](...)``, one program per physical core of the pair (``nl.program_id(0)`` = 0 | 1), and the
-kernel splits the work between them. The wrappers take ``lnc: int | None``; ``None`` resolves, in this
-order, to the process setting (:func:`set_lnc`: the override config and the trainer set it), the
-environment variable ``TRNKIT_LNC``, and the detected device (:func:`detected_lnc`).
+kernel splits the work between them. The wrappers take ``lnc: int | None``; ``None`` resolves to the
+environment variable ``TRNKIT_LNC`` when set, else the detected device (:func:`detected_lnc`). There is
+no process-wide setting: the override configuration passes its ``lnc`` to each op as an argument.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from typing import Any
 
 from trnkit.kernels.constraints import Violation, check
 
-__all__ = ["LNC_VALUES", "default_lnc", "detected_lnc", "launch", "resolve_lnc", "set_lnc"]
+__all__ = ["LNC_VALUES", "default_lnc", "detected_lnc", "launch", "lnc_violations", "resolve_lnc"]
 
 LNC_VALUES = (1, 2)
 ENV = "TRNKIT_LNC"
 _INSTANCE_TYPE = Path("/sys/devices/virtual/dmi/id/product_name")  # EC2 (Nitro): the instance type
-_setting: int | None = None
 
 
 def _instance_type() -> str:
@@ -51,18 +50,13 @@ def _violations(lnc: Any, source: str) -> list[Violation]:
     return []
 
 
-def set_lnc(lnc: int | None) -> None:
-    """Set the process-wide LNC of the MoE kernel wrappers (None: back to env / detection)."""
-    if lnc is not None:
-        check(_violations(lnc, "lnc"))
-    global _setting  # noqa: PLW0603 - one process-wide switch, like torch's default dtype
-    _setting = lnc
+def lnc_violations(lnc: Any) -> list[Violation]:
+    """``lnc`` outside (None, 1, 2): one violation naming the value."""
+    return [] if lnc is None else _violations(lnc, "lnc")
 
 
 def default_lnc() -> int:
     """The LNC a wrapper uses when called with ``lnc=None`` (see the module docstring)."""
-    if _setting is not None:
-        return _setting
     env = os.environ.get(ENV, "").strip()
     if env:
         value = int(env) if env.isdigit() else env

@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from trnkit.errors import TrnkitError
 from trnkit.kernels.constraints import Violation
-from trnkit.kernels.lnc import LNC_VALUES, set_lnc
+from trnkit.kernels.lnc import LNC_VALUES
 from trnkit.kernels.moe import from_hf_v5
 from trnkit.overrides import ops
 from trnkit.overrides.registry import (
@@ -94,8 +94,9 @@ class OverrideConfig:
 
     ``impl`` is one name for every op or ``{op: name}``; ``seq_len``/``batch_size`` size the dry-run
     validation (default: the model config's maximum sequence length, batch 1). ``lnc``: physical
-    cores per MoE kernel launch (1, or 2 = a trn2 logical core); None keeps the process default
-    (:func:`trnkit.kernels.lnc.default_lnc`: 2 on a trn2 logical core, 1 on the interpreter).
+    cores per kernel launch (1, or 2 = a trn2 logical core), passed by each swapped module to its op;
+    None: the device default (:func:`trnkit.kernels.lnc.default_lnc`: 2 on a trn2 logical core, 1 on
+    the interpreter). It belongs to the swapped modules: ``revert`` leaves nothing behind.
     """
 
     ops: Sequence[str] = DEFAULT_OPS
@@ -150,9 +151,12 @@ class _Guard:
     """Per-module call-time decision: the impl to run, or None for the module's original code."""
 
     def __init__(self, op: str, impl: str, policy: str, path: str, static: list[Violation],
-                 probe_only: bool = False) -> None:
+                 probe_only: bool = False, lnc: int = 0, block_size: int = 128) -> None:
         self.op, self.impl, self.policy, self.path, self.static = op, impl, policy, path, static
         self.probe_only = probe_only  # a shape-only stand-in used during the dry run
+        # the kernel options this swap point passes to its op: physical cores per launch (0 = the
+        # device default) and the moe_experts token block size
+        self.lnc, self.block_size = lnc, block_size
 
     def choose(self, extra: Sequence[Violation] = (), **inputs: Any) -> str | None:
         if _PROBE is not None:
@@ -226,7 +230,6 @@ class _Swapped:
 
     _trnkit_guard: _Guard
     _trnkit_original: nn.Module
-    _trnkit_block_size: int
 
     def _trnkit_fallback(self, *args: Any, **kwargs: Any) -> Any:
         original = self._trnkit_original
@@ -255,12 +258,13 @@ def _native_router_forward(self: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor
 
 
 def _native_experts_forward(self: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Tensor:
-    bs = self._trnkit_block_size
-    impl = self._trnkit_guard.choose(x=x, topk_idx=topk_idx, topk_weights=topk_weights,
-                                     w_gate_up=self.w_gate_up, w_down=self.w_down, block_size=bs)
+    guard = self._trnkit_guard
+    impl = guard.choose(x=x, topk_idx=topk_idx, topk_weights=topk_weights,
+                        w_gate_up=self.w_gate_up, w_down=self.w_down, block_size=guard.block_size)
     if impl is None:
         return self._trnkit_fallback(x, topk_idx, topk_weights)
-    return ops.moe_experts(x, topk_idx, topk_weights, self.w_gate_up, self.w_down, bs, impl)
+    return ops.moe_experts(x, topk_idx, topk_weights, self.w_gate_up, self.w_down, guard.block_size, impl,
+                           lnc=guard.lnc)
 
 
 def _rmsnorm_forward(self: Any, x: Tensor) -> Tensor:
@@ -269,7 +273,7 @@ def _rmsnorm_forward(self: Any, x: Tensor) -> Tensor:
     impl = self._trnkit_guard.choose(x=x, weight=self.weight, eps=eps)
     if impl is None:
         return self._trnkit_fallback(x)
-    return ops.rmsnorm(x, self.weight, eps, impl)[0]
+    return ops.rmsnorm(x, self.weight, eps, impl, lnc=self._trnkit_guard.lnc)[0]
 
 
 def _native_loss_forward(self: Any, h: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 256,
@@ -282,14 +286,14 @@ def _native_loss_forward(self: Any, h: Tensor, weight: Tensor, labels: Tensor, c
     impl = self._trnkit_guard.choose(hidden=hidden, weight=w, labels=lab, ignore_index=ignore_index)
     if impl is None:
         return self._trnkit_fallback(h, weight, labels, chunk_size, ignore_index)
-    return ops.linear_cross_entropy(hidden, w, lab, ignore_index, impl)[0]
+    return ops.linear_cross_entropy(hidden, w, lab, ignore_index, impl, lnc=self._trnkit_guard.lnc)[0]
 
 
 def _native_attention_forward(self: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     impl = self._trnkit_guard.choose(q=q, k=k, v=v, scale=self.scale)
     if impl is None:
         return self._trnkit_fallback(q, k, v)
-    return ops.attention(q, k, v, float(self.scale), impl)[0]
+    return ops.attention(q, k, v, float(self.scale), impl, lnc=self._trnkit_guard.lnc)[0]
 
 
 def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -328,22 +332,22 @@ def hf_sigmoid_router_static(module: nn.Module) -> list[Violation]:
     return []
 
 
-def hf_experts_call(module: nn.Module, guard: _Guard, block_size: int, hidden_states: Tensor,
-                    top_k_index: Tensor, top_k_weights: Tensor) -> Tensor | None:
+def hf_experts_call(module: nn.Module, guard: _Guard, hidden_states: Tensor, top_k_index: Tensor,
+                    top_k_weights: Tensor) -> Tensor | None:
     """trnkit::moe_experts for a transformers v5 experts module; None = the guard chose its own code."""
     # [E, 2I, H] / [E, H, I] -> kernel layout [E, H, 2I] / [E, I, H]; views for the check, copies to run.
     impl = guard.choose(x=hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights,
                         w_gate_up=module.gate_up_proj.transpose(1, 2), w_down=module.down_proj.transpose(1, 2),
-                        block_size=block_size)
+                        block_size=guard.block_size)
     if impl is None:
         return None
     w_gate_up, w_down = from_hf_v5(module.gate_up_proj, module.down_proj)  # the one layout converter
-    return ops.moe_experts(hidden_states, top_k_index, top_k_weights, w_gate_up, w_down, block_size, impl)
+    return ops.moe_experts(hidden_states, top_k_index, top_k_weights, w_gate_up, w_down, guard.block_size, impl,
+                           lnc=guard.lnc)
 
 
 def _hf_experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    out = hf_experts_call(self, self._trnkit_guard, self._trnkit_block_size, hidden_states, top_k_index,
-                          top_k_weights)
+    out = hf_experts_call(self, self._trnkit_guard, hidden_states, top_k_index, top_k_weights)
     return self._trnkit_fallback(hidden_states, top_k_index, top_k_weights) if out is None else out
 
 
@@ -361,15 +365,15 @@ def _hf_gpt_oss_experts_forward(self: Any, hidden_states: Tensor, router_indices
     routing weights scale the biased expert output, as transformers does."""
     variant = dict(activation="swiglu_clamped", limit=float(self.limit), alpha=float(self.alpha))
     w_gate_up, b_gate_up = self.gate_up_proj, self.gate_up_proj_bias
-    bs = self._trnkit_block_size
-    impl = self._trnkit_guard.choose(x=hidden_states, topk_idx=router_indices, topk_weights=routing_weights,
-                                     w_gate_up=w_gate_up, w_down=self.down_proj, block_size=bs,
-                                     b_gate_up=b_gate_up, b_down=self.down_proj_bias, **variant)
+    guard = self._trnkit_guard
+    impl = guard.choose(x=hidden_states, topk_idx=router_indices, topk_weights=routing_weights,
+                        w_gate_up=w_gate_up, w_down=self.down_proj, block_size=guard.block_size,
+                        b_gate_up=b_gate_up, b_down=self.down_proj_bias, **variant)
     if impl is None:
         return self._trnkit_fallback(hidden_states, router_indices, routing_weights)
     return ops.moe_experts(hidden_states, router_indices, routing_weights, deinterleave(w_gate_up), self.down_proj,
-                           bs, impl, variant["activation"], variant["limit"], variant["alpha"],
-                           deinterleave(b_gate_up), self.down_proj_bias)
+                           guard.block_size, impl, variant["activation"], variant["limit"], variant["alpha"],
+                           deinterleave(b_gate_up), self.down_proj_bias, lnc=guard.lnc)
 
 
 def gpt_oss_experts_static(module: nn.Module) -> list[Violation]:
@@ -479,11 +483,10 @@ def _swapped_class(cls: type, forward: Callable[..., Any]) -> type:
     return type(f"Trnkit{cls.__name__}", (_Swapped, cls), {"forward": forward, "__module__": __name__})
 
 
-def _swap_module(model: nn.Module, path: str, module: nn.Module, adapter: _ModuleAdapter, guard: _Guard,
-                 block_size: int) -> _SwapPoint:
+def _swap_module(model: nn.Module, path: str, module: nn.Module, adapter: _ModuleAdapter, guard: _Guard) -> _SwapPoint:
     new = object.__new__(_swapped_class(type(module), adapter.forward))
     new.__dict__.update(module.__dict__)  # the same _parameters/_buffers/_modules dicts: same state_dict
-    new.__dict__.update(_trnkit_guard=guard, _trnkit_original=module, _trnkit_block_size=block_size)
+    new.__dict__.update(_trnkit_guard=guard, _trnkit_original=module)
     parent_path, _, name = path.rpartition(".")
     parent = model.get_submodule(parent_path)
     setattr(parent, name, new)
@@ -639,13 +642,14 @@ def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple
 def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _ModuleAdapter | None,
              config: OverrideConfig, impl: str, probe_only: bool = False) -> _SwapPoint:
     static = adapter.static(module) if isinstance(adapter, _ModuleAdapter) else []
-    guard = _Guard(op, impl, config.policy, path, static, probe_only)
+    guard = _Guard(op, impl, config.policy, path, static, probe_only, lnc=config.lnc or 0,
+                   block_size=config.block_size)
     if adapter == HF_ATTENTION:
         from trnkit.overrides.hf import set_hf_attention  # noqa: PLC0415 (hf imports this module)
 
         return _SwapPoint(path, op, guard, module, config=set_hf_attention(module, guard))
     if adapter is not None:
-        return _swap_module(model, path, module, adapter, guard, config.block_size)
+        return _swap_module(model, path, module, adapter, guard)
     return _swap_hf_rope(path, module, guard)
 
 
@@ -711,8 +715,6 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kw
         raise RuntimeError("trnkit apply_overrides: overrides are already applied to this model; "
                            "call trnkit.overrides.revert(model) first")
     report = OverrideReport(config.policy)
-    if config.lnc is not None and config.policy != "off":
-        set_lnc(config.lnc)  # process-wide: the kernels' wrappers read it at each call
     found = list(_find_swap_points(model, config.ops))
     if config.policy == "off":
         report.rows.extend(OverrideRow(p, op, ORIGINAL, config.impl_for(op), "off", "policy 'off'")

@@ -4,6 +4,9 @@ Registered when :mod:`trnkit.overrides` is imported. The kernel modules are impo
 missing one only fails when its impl is used). ``nki`` on a CPU tensor runs trnkit's NKI interpreter, on
 a ``neuron`` tensor the real NKI kernel (the resolver in :mod:`trnkit.nki_api` decides which).
 
+The ``nki`` impls of the kernels that split work over a trn2 logical core take ``lnc`` (None: the
+device default); the ops pass it from the override configuration.
+
 The reference backward is the kernels' ``*_bwd_ref`` (``rope_hf_ref(..., backward=True)`` for RoPE).
 The MoE references enforce the kernels' input domain themselves (they ``check`` the same
 constraints), so ``reference`` declares those constraints too and selection sees them up front.
@@ -131,16 +134,16 @@ def _gmm_ref(x: Tensor, w: Tensor, group_offsets: Tensor) -> Tensor:
     return _attr("moe", "grouped_mm_ref")(x, w, group_offsets)
 
 
-def _gmm_nki(x: Tensor, w: Tensor, group_offsets: Tensor) -> Tensor:
-    return _attr("moe", "grouped_mm")(x, w, group_offsets)
+def _gmm_nki(x: Tensor, w: Tensor, group_offsets: Tensor, lnc: int | None = None) -> Tensor:
+    return _attr("moe", "grouped_mm")(x, w, group_offsets, lnc=lnc)
 
 
 def _gmm_ref_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor):
     return _attr("moe", "grouped_mm_bwd_ref")(x, w, group_offsets, grad_out)
 
 
-def _gmm_nki_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor):
-    return _attr("moe", "grouped_mm_bwd")(x, w, group_offsets, grad_out)
+def _gmm_nki_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor, lnc: int | None = None):
+    return _attr("moe", "grouped_mm_bwd")(x, w, group_offsets, grad_out, lnc=lnc)
 
 
 def _gmm_constraints(x: Tensor, w: Tensor, group_offsets: Tensor, **_: Any) -> list[Violation]:
@@ -152,9 +155,9 @@ def _moe_ref(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **var
                                            **variant)
 
 
-def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **variant: Any) -> Tensor:
+def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, lnc=None, **variant: Any) -> Tensor:
     return _attr("moe", "moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=block_size,
-                                       **variant)
+                                       lnc=lnc, **variant)
 
 
 def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128, **variant: Any):
@@ -162,9 +165,10 @@ def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_s
                                                block_size=block_size, **variant)
 
 
-def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128, **variant: Any):
+def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128, lnc=None,
+                 **variant: Any):
     return _attr("moe", "moe_experts_bwd")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out,
-                                           block_size=block_size, **variant)
+                                           block_size=block_size, lnc=lnc, **variant)
 
 
 class _IndexSpec:
@@ -206,16 +210,17 @@ def _rmsnorm_ref(x: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, 
     return _attr("rmsnorm", "rmsnorm_ref")(x, weight, eps)
 
 
-def _rmsnorm_nki(x: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
-    return _attr("rmsnorm", "rmsnorm")(x, weight, eps)
+def _rmsnorm_nki(x: Tensor, weight: Tensor, eps: float = 1e-6, lnc: int | None = None) -> tuple[Tensor, Tensor]:
+    return _attr("rmsnorm", "rmsnorm")(x, weight, eps, lnc=lnc)
 
 
 def _rmsnorm_ref_bwd(x: Tensor, weight: Tensor, rstd: Tensor, grad_y: Tensor, eps: float = 1e-6):
     return _attr("rmsnorm", "rmsnorm_bwd_ref")(grad_y, x, weight, rstd)
 
 
-def _rmsnorm_nki_bwd(x: Tensor, weight: Tensor, rstd: Tensor, grad_y: Tensor, eps: float = 1e-6):
-    return _attr("rmsnorm", "rmsnorm_bwd")(grad_y, x, weight, rstd)
+def _rmsnorm_nki_bwd(x: Tensor, weight: Tensor, rstd: Tensor, grad_y: Tensor, eps: float = 1e-6,
+                     lnc: int | None = None):
+    return _attr("rmsnorm", "rmsnorm_bwd")(grad_y, x, weight, rstd, lnc=lnc)
 
 
 def _rmsnorm_constraints(x: Tensor, weight: Tensor, eps: float = 1e-6, **_: Any) -> list[Violation]:
@@ -225,18 +230,24 @@ def _rmsnorm_constraints(x: Tensor, weight: Tensor, eps: float = 1e-6, **_: Any)
 # ------------------------------------------------------------------------------ linear cross-entropy
 
 
-def _lce(ref: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(forward, backward) of the summed linear cross-entropy: the kernels' torch reference or the kernels."""
-    suffix = "_ref" if ref else ""
+def _lce_ref(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100):
+    return _attr("cross_entropy", "linear_cross_entropy_ref")(hidden, weight, labels, ignore_index, "sum")
 
-    def fn(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100):
-        return _attr("cross_entropy", "linear_cross_entropy" + suffix)(hidden, weight, labels, ignore_index, "sum")
 
-    def bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, grad_loss: Tensor, ignore_index: int = -100):
-        return _attr("cross_entropy", "linear_cross_entropy_bwd" + suffix)(hidden, weight, labels, lse, grad_loss,
-                                                                           ignore_index, "sum")
+def _lce_ref_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, grad_loss: Tensor,
+                 ignore_index: int = -100):
+    return _attr("cross_entropy", "linear_cross_entropy_bwd_ref")(hidden, weight, labels, lse, grad_loss,
+                                                                  ignore_index, "sum")
 
-    return fn, bwd
+
+def _lce_nki(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, lnc: int | None = None):
+    return _attr("cross_entropy", "linear_cross_entropy")(hidden, weight, labels, ignore_index, "sum", lnc=lnc)
+
+
+def _lce_nki_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, grad_loss: Tensor,
+                 ignore_index: int = -100, lnc: int | None = None):
+    return _attr("cross_entropy", "linear_cross_entropy_bwd")(hidden, weight, labels, lse, grad_loss,
+                                                              ignore_index, "sum", lnc=lnc)
 
 
 def _lce_constraints(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
@@ -249,16 +260,17 @@ def _attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tenso
     return _attr("attention", "attention_ref")(q, k, v, scale)
 
 
-def _attention_nki(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    return _attr("attention", "attention")(q, k, v, scale)
+def _attention_nki(q: Tensor, k: Tensor, v: Tensor, scale: float, lnc: int | None = None) -> tuple[Tensor, Tensor]:
+    return _attr("attention", "attention")(q, k, v, scale, lnc=lnc)
 
 
 def _attention_ref_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad_o: Tensor, scale: float):
     return _attr("attention", "attention_bwd_ref")(q, k, v, o, lse, grad_o, scale)
 
 
-def _attention_nki_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad_o: Tensor, scale: float):
-    return _attr("attention", "attention_bwd")(q, k, v, o, lse, grad_o, scale)
+def _attention_nki_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad_o: Tensor, scale: float,
+                       lnc: int | None = None):
+    return _attr("attention", "attention_bwd")(q, k, v, o, lse, grad_o, scale, lnc=lnc)
 
 
 def _attention_constraints(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, **_: Any) -> list[Violation]:
@@ -286,10 +298,8 @@ def register_builtins() -> None:
     register("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_constraints, **nki)
     register("rmsnorm", REFERENCE, _rmsnorm_ref, backward=_rmsnorm_ref_bwd, **ref)
     register("rmsnorm", NKI, _rmsnorm_nki, backward=_rmsnorm_nki_bwd, constraints=_rmsnorm_constraints, **nki)
-    lce_ref, lce_ref_bwd = _lce(ref=True)
-    lce_nki, lce_nki_bwd = _lce(ref=False)
-    register("linear_cross_entropy", REFERENCE, lce_ref, backward=lce_ref_bwd, **ref)
-    register("linear_cross_entropy", NKI, lce_nki, backward=lce_nki_bwd, constraints=_lce_constraints, **nki)
+    register("linear_cross_entropy", REFERENCE, _lce_ref, backward=_lce_ref_bwd, **ref)
+    register("linear_cross_entropy", NKI, _lce_nki, backward=_lce_nki_bwd, constraints=_lce_constraints, **nki)
     register("attention", REFERENCE, _attention_ref, backward=_attention_ref_bwd, **ref)
     register("attention", NKI, _attention_nki, backward=_attention_nki_bwd, constraints=_attention_constraints,
              **nki)

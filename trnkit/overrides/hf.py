@@ -23,7 +23,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from trnkit.kernels.constraints import Violation
+from trnkit.kernels.constraints import Violation, check
+from trnkit.kernels.lnc import lnc_violations
 from trnkit.overrides import ops
 from trnkit.overrides.apply import _Guard, _resolve_dtensor, hf_experts_call, hf_experts_static
 from trnkit.overrides.registry import POLICIES, get_impl
@@ -34,13 +35,15 @@ _GUARD_ATTR = "_trnkit_interface_guards"
 
 
 def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "fallback",
-                        block_size: int = 128) -> str:
-    """Register ``name`` in transformers' ``ALL_EXPERTS_FUNCTIONS``; returns ``name``."""
+                        block_size: int = 128, lnc: int | None = None) -> str:
+    """Register ``name`` in transformers' ``ALL_EXPERTS_FUNCTIONS``; returns ``name``. ``block_size`` and
+    ``lnc`` (physical cores per launch; None: the device default) are passed to ``trnkit::moe_experts``."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: PLC0415  (optional dependency)
 
     if policy not in POLICIES[:2]:
         raise ValueError(f"register_hf_experts: policy must be 'strict' or 'fallback', got {policy!r}")
     get_impl("moe_experts", impl)  # unknown impl names fail now, listing the registered ones
+    check(lnc_violations(lnc))
     _resolve_dtensor()
 
     def trnkit_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
@@ -49,8 +52,8 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
         guard = guards.get(name)
         if guard is None:
             guard = guards[name] = _Guard("moe_experts", impl, policy, type(self).__name__,
-                                          hf_experts_static(self))
-        out = hf_experts_call(self, guard, block_size, hidden_states, top_k_index, top_k_weights)
+                                          hf_experts_static(self), lnc=lnc or 0, block_size=block_size)
+        out = hf_experts_call(self, guard, hidden_states, top_k_index, top_k_weights)
         if out is None:  # the class's own (eager) forward, under use_experts_implementation's wrapper
             return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
         return out
@@ -67,7 +70,7 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
 
 _ATTN_GUARD = "_trnkit_attention_guard"  # set on a module by apply_overrides (its own guard)
 _ATTN_FALLBACK = "_trnkit_attention_fallback"  # the attention implementation the module had
-_interface: dict[str, Any] = {}  # name -> (impl, policy) of register_hf_attention
+_interface: dict[str, Any] = {}  # name -> (impl, policy, lnc) of register_hf_attention
 
 
 def _fallback_forward(module: nn.Module, implementation: str) -> Any:
@@ -84,8 +87,8 @@ def _attention_guard(module: nn.Module, name: str) -> _Guard:
         guards: dict[str, _Guard] = module.__dict__.setdefault(_GUARD_ATTR, {})
         guard = guards.get(name)
         if guard is None:
-            impl, policy = _interface[name]
-            guard = guards[name] = _Guard("attention", impl, policy, type(module).__name__, [])
+            impl, policy, lnc = _interface[name]
+            guard = guards[name] = _Guard("attention", impl, policy, type(module).__name__, [], lnc=lnc)
     return guard
 
 
@@ -110,26 +113,29 @@ def _attention_forward(name: str) -> Any:
             fallback = _fallback_forward(module, module.__dict__.get(_ATTN_FALLBACK, "sdpa"))
             return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                             sliding_window=sliding_window, **kwargs)
-        return ops.attention(q, k, v, scale, impl)[0], None
+        return ops.attention(q, k, v, scale, impl, lnc=guard.lnc)[0], None
 
     trnkit_attention_forward.__qualname__ = f"trnkit_attention_forward[{name}]"
     return trnkit_attention_forward
 
 
-def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str = "fallback") -> str:
+def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str = "fallback",
+                          lnc: int | None = None) -> str:
     """Register ``name`` in transformers' ``AttentionInterface`` (and sdpa's causal mask under the same
     name, so pad-free causal batches pass no mask); returns ``name``. Then
     ``from_pretrained(..., attn_implementation="trnkit")`` runs every attention through ``trnkit::attention``
     with ``impl``; a call it cannot serve (a padding mask, dropout, a sliding window, a constraint)
-    raises under ``strict`` or falls back to sdpa with a warning under ``fallback``."""
+    raises under ``strict`` or falls back to sdpa with a warning under ``fallback``. ``lnc``: physical
+    cores per launch (None: the device default)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: PLC0415
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
     if policy not in POLICIES[:2]:
         raise ValueError(f"register_hf_attention: policy must be 'strict' or 'fallback', got {policy!r}")
     get_impl("attention", impl)  # unknown impl names fail now, listing the registered ones
+    check(lnc_violations(lnc))
     _resolve_dtensor()
-    _interface[name] = (impl, policy)
+    _interface[name] = (impl, policy, lnc or 0)
     ALL_ATTENTION_FUNCTIONS.register(name, _attention_forward(name))
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
     return name

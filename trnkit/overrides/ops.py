@@ -31,6 +31,11 @@ registered on the functional ops with the impl's backward.
   ``trnkit::linear_cross_entropy_bwd``, ``trnkit::attention_bwd``: the backward
   kernels as ops of their own, so the backward graph is opaque to torch.compile too.
 
+The ops of kernels that split work over a trn2 logical core (``grouped_mm``, ``moe_experts``, ``rmsnorm``,
+``linear_cross_entropy``, ``attention`` and their backwards) take a trailing ``lnc: int`` (1 or 2 physical
+cores; 0 = the device default, :func:`trnkit.kernels.lnc.default_lnc`); it reaches an impl as the keyword
+``lnc`` when set and the impl declares that parameter, and the backward runs at the forward's ``lnc``.
+
 Impls receive contiguous tensors. Outputs are normalised to the declared dtypes, so a user impl that
 returns e.g. int64 indices still matches the fake (meta) implementation.
 """
@@ -38,6 +43,8 @@ returns e.g. int64 indices still matches the fake (meta) implementation.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,11 +95,23 @@ def autograd_enabled() -> Iterator[None]:
         yield
 
 
-def _run_backward(op: str, impl: str, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+@functools.cache
+def _takes_lnc(fn: Any) -> bool:
+    return "lnc" in inspect.signature(fn).parameters
+
+
+def _lnc_kw(fn: Any, lnc: int) -> dict[str, int]:
+    """``lnc`` as the impl's keyword argument: passed when set (1 or 2; 0 = the device default) and the
+    impl declares an ``lnc`` parameter (the ``nki`` impls do; a reference or a user's impl need not)."""
+    return {"lnc": lnc} if lnc and _takes_lnc(fn) else {}
+
+
+def _run_backward(op: str, impl: str, *args: Any, lnc: int = 0, **kwargs: Any) -> tuple[Tensor, ...]:
     """Call the impl's backward (see ``autograd_backward`` in :func:`trnkit.overrides.register`)."""
     entry = get_impl(op, impl)
     if entry.backward is None:
         raise RuntimeError(f"trnkit::{op}: impl {impl!r} has no backward (has_backward=False)")
+    kwargs.update(_lnc_kw(entry.backward, lnc))
     if not entry.autograd_backward:
         return tuple(entry.backward(*args, **kwargs))
     leaves = [a.detach().requires_grad_() if i in _PRIMALS[op] and a.is_floating_point() else a
@@ -253,41 +272,42 @@ router_topk.register_autograd(_router_backward, setup_context=_router_setup)
 
 
 @torch.library.custom_op("trnkit::grouped_mm", mutates_args=())
-def grouped_mm(x: Tensor, w: Tensor, group_offsets: Tensor, impl: str = "reference") -> Tensor:
+def grouped_mm(x: Tensor, w: Tensor, group_offsets: Tensor, impl: str = "reference", lnc: int = 0) -> Tensor:
     """``out[rows of group g] = x[rows of group g] @ w[g]``; ``group_offsets`` are exclusive ends."""
-    out = get_impl("grouped_mm", impl).fn(x.contiguous(), w.contiguous(), group_offsets.contiguous())
+    fn = get_impl("grouped_mm", impl).fn
+    out = fn(x.contiguous(), w.contiguous(), group_offsets.contiguous(), **_lnc_kw(fn, lnc))
     return out.to(x.dtype)
 
 
 @grouped_mm.register_fake
-def _grouped_mm_fake(x, w, group_offsets, impl="reference"):
+def _grouped_mm_fake(x, w, group_offsets, impl="reference", lnc=0):
     return x.new_empty((x.shape[0], w.shape[2]))
 
 
 def _gmm_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    x, w, offs, impl = inputs
+    x, w, offs, impl, lnc = inputs
     ctx.save_for_backward(x, w, offs)
-    ctx.impl = impl
+    ctx.impl, ctx.lnc = impl, lnc
 
 
 @torch.library.custom_op("trnkit::grouped_mm_bwd", mutates_args=())
 def grouped_mm_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor,
-                   impl: str = "reference") -> tuple[Tensor, Tensor]:
+                   impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor]:
     """Backward of ``trnkit::grouped_mm``: ``(grad_x, grad_w)``."""
     gx, gw = _run_backward("grouped_mm", impl, x.contiguous(), w.contiguous(), group_offsets.contiguous(),
-                           grad_out.contiguous())
+                           grad_out.contiguous(), lnc=lnc)
     return gx.to(x.dtype), gw.to(w.dtype)
 
 
 @grouped_mm_bwd.register_fake
-def _grouped_mm_bwd_fake(x, w, group_offsets, grad_out, impl="reference"):
+def _grouped_mm_bwd_fake(x, w, group_offsets, grad_out, impl="reference", lnc=0):
     return torch.empty_like(x), torch.empty_like(w)
 
 
 def _gmm_backward(ctx: Any, grad_out: Tensor):
     x, w, offs = ctx.saved_tensors
-    gx, gw = grouped_mm_bwd(x, w, offs, grad_out, ctx.impl)
-    return gx, gw, None, None
+    gx, gw = grouped_mm_bwd(x, w, offs, grad_out, ctx.impl, ctx.lnc)
+    return gx, gw, None, None, None
 
 
 grouped_mm.register_autograd(_gmm_backward, setup_context=_gmm_setup)
@@ -315,24 +335,26 @@ def _expert_variant(activation: str, limit: float, alpha: float, b_gate_up: Tens
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                 block_size: int = 128, impl: str = "reference", activation: str = "silu",
                 limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA, b_gate_up: Tensor | None = None,
-                b_down: Tensor | None = None) -> Tensor:
+                b_down: Tensor | None = None, lnc: int = 0) -> Tensor:
     """Gated experts, routed: ``out[t] = sum_k w[t,k] * (down_e(act(gate_e(x_t)) * up_e(x_t)) + b_down[e])``."""
-    out = get_impl("moe_experts", impl).fn(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(),
-                                           w_gate_up.contiguous(), w_down.contiguous(), block_size=block_size,
-                                           **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
+    fn = get_impl("moe_experts", impl).fn
+    out = fn(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
+             w_down.contiguous(), block_size=block_size, **_lnc_kw(fn, lnc),
+             **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
     return out.to(x.dtype)
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, impl="reference",
-                      activation="silu", limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA, b_gate_up=None, b_down=None):
+                      activation="silu", limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA, b_gate_up=None, b_down=None,
+                      lnc=0):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _moe_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    x, idx, tw, wgu, wd, block_size, impl, activation, limit, alpha, b_gate_up, b_down = inputs
+    x, idx, tw, wgu, wd, block_size, impl, activation, limit, alpha, b_gate_up, b_down, lnc = inputs
     ctx.save_for_backward(x, idx, tw, wgu, wd, b_gate_up, b_down)
-    ctx.block_size, ctx.impl, ctx.act = block_size, impl, (activation, limit, alpha)
+    ctx.block_size, ctx.impl, ctx.act, ctx.lnc = block_size, impl, (activation, limit, alpha), lnc
 
 
 def _bias_grad(g: Tensor | None, bias: Tensor | None, like: Tensor) -> Tensor:
@@ -346,12 +368,12 @@ def _bias_grad(g: Tensor | None, bias: Tensor | None, like: Tensor) -> Tensor:
 def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                     grad_out: Tensor, block_size: int = 128, impl: str = "reference", activation: str = "silu",
                     limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA, b_gate_up: Tensor | None = None,
-                    b_down: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    b_down: Tensor | None = None, lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward of ``trnkit::moe_experts``: ``(grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down,
     grad_b_gate_up, grad_b_down)``; a bias gradient is an empty tensor when that bias is None."""
     grads = _run_backward(
         "moe_experts", impl, x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
-        w_down.contiguous(), grad_out.contiguous(), block_size=block_size,
+        w_down.contiguous(), grad_out.contiguous(), block_size=block_size, lnc=lnc,
         **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
     gx, gtw, gwgu, gwd = grads[:4]
     gbgu, gbd = grads[4:] if len(grads) > 4 else (None, None)
@@ -362,7 +384,7 @@ def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up
 @moe_experts_bwd.register_fake
 def _moe_experts_bwd_fake(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128,
                           impl="reference", activation="silu", limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA,
-                          b_gate_up=None, b_down=None):
+                          b_gate_up=None, b_down=None, lnc=0):
     def bias(b):
         return x.new_empty(0) if b is None else torch.empty_like(b)
 
@@ -373,9 +395,9 @@ def _moe_experts_bwd_fake(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out
 def _moe_backward(ctx: Any, grad_out: Tensor):
     x, idx, tw, wgu, wd, b_gate_up, b_down = ctx.saved_tensors
     gx, gtw, gwgu, gwd, gbgu, gbd = moe_experts_bwd(x, idx, tw, wgu, wd, grad_out, ctx.block_size, ctx.impl,
-                                                    *ctx.act, b_gate_up, b_down)
+                                                    *ctx.act, b_gate_up, b_down, ctx.lnc)
     return (gx, None, gtw, gwgu, gwd, None, None, None, None, None,
-            None if b_gate_up is None else gbgu, None if b_down is None else gbd)
+            None if b_gate_up is None else gbgu, None if b_down is None else gbd, None)
 
 
 moe_experts.register_autograd(_moe_backward, setup_context=_moe_setup)
@@ -389,44 +411,46 @@ def _rows(x: Tensor) -> int:
 
 
 @torch.library.custom_op("trnkit::rmsnorm", mutates_args=())
-def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference") -> tuple[Tensor, Tensor]:
+def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference",
+            lnc: int = 0) -> tuple[Tensor, Tensor]:
     """``(y, rstd)``: ``y = weight * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)`` per row (fp32)."""
-    y, rstd = get_impl("rmsnorm", impl).fn(x.contiguous(), weight.contiguous(), eps)
+    fn = get_impl("rmsnorm", impl).fn
+    y, rstd = fn(x.contiguous(), weight.contiguous(), eps, **_lnc_kw(fn, lnc))
     return y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape), rstd.to(torch.float32).reshape(-1)
 
 
 @rmsnorm.register_fake
-def _rmsnorm_fake(x, weight, eps=1e-6, impl="reference"):
+def _rmsnorm_fake(x, weight, eps=1e-6, impl="reference", lnc=0):
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
             x.new_empty((_rows(x),), dtype=torch.float32))
 
 
 def _rmsnorm_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    x, weight, eps, impl = inputs
+    x, weight, eps, impl, lnc = inputs
     ctx.save_for_backward(x, weight, output[1])
-    ctx.eps, ctx.impl = eps, impl
+    ctx.eps, ctx.impl, ctx.lnc = eps, impl, lnc
 
 
 @torch.library.custom_op("trnkit::rmsnorm_bwd", mutates_args=())
 def rmsnorm_bwd(x: Tensor, weight: Tensor, rstd: Tensor, grad_y: Tensor, eps: float = 1e-6,
-                impl: str = "reference") -> tuple[Tensor, Tensor]:
+                impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor]:
     """Backward of ``trnkit::rmsnorm``: ``(grad_x, grad_weight)`` (``rstd`` is the forward's, not differentiated)."""
     gx, gw = _run_backward("rmsnorm", impl, x.contiguous(), weight.contiguous(), rstd.contiguous(),
-                           grad_y.contiguous(), eps=eps)
+                           grad_y.contiguous(), eps=eps, lnc=lnc)
     return gx.to(x.dtype).reshape(x.shape), gw.to(weight.dtype)
 
 
 @rmsnorm_bwd.register_fake
-def _rmsnorm_bwd_fake(x, weight, rstd, grad_y, eps=1e-6, impl="reference"):
+def _rmsnorm_bwd_fake(x, weight, rstd, grad_y, eps=1e-6, impl="reference", lnc=0):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _rmsnorm_backward(ctx: Any, grad_y: Tensor | None, grad_rstd: Tensor | None):
     x, weight, rstd = ctx.saved_tensors
     if grad_y is None:  # only rstd was used downstream: it carries no gradient
-        return torch.zeros_like(x), torch.zeros_like(weight), None, None
-    gx, gw = rmsnorm_bwd(x, weight, rstd, grad_y, ctx.eps, ctx.impl)
-    return gx, gw, None, None
+        return torch.zeros_like(x), torch.zeros_like(weight), None, None, None
+    gx, gw = rmsnorm_bwd(x, weight, rstd, grad_y, ctx.eps, ctx.impl, ctx.lnc)
+    return gx, gw, None, None, None
 
 
 rmsnorm.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
@@ -437,47 +461,50 @@ rmsnorm.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
 
 @torch.library.custom_op("trnkit::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
-                         impl: str = "reference") -> tuple[Tensor, Tensor]:
+                         impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor]:
     """``(loss, lse [T])``: ``cross_entropy(hidden @ weight.T, labels, reduction="sum")`` (fp32) and the
     log-sum-exp of each token's logits (saved for the backward)."""
-    loss, lse = get_impl("linear_cross_entropy", impl).fn(hidden.contiguous(), weight.contiguous(), labels.contiguous(),
-                                                           ignore_index=ignore_index)
+    fn = get_impl("linear_cross_entropy", impl).fn
+    loss, lse = fn(hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index=ignore_index,
+                   **_lnc_kw(fn, lnc))
     return loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1)
 
 
 @linear_cross_entropy.register_fake
-def _linear_cross_entropy_fake(hidden, weight, labels, ignore_index=-100, impl="reference"):
+def _linear_cross_entropy_fake(hidden, weight, labels, ignore_index=-100, impl="reference", lnc=0):
     return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
 
 
 def _lce_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    hidden, weight, labels, ignore_index, impl = inputs
+    hidden, weight, labels, ignore_index, impl, lnc = inputs
     ctx.save_for_backward(hidden, weight, labels, output[1])
-    ctx.ignore_index, ctx.impl = ignore_index, impl
+    ctx.ignore_index, ctx.impl, ctx.lnc = ignore_index, impl, lnc
 
 
 @torch.library.custom_op("trnkit::linear_cross_entropy_bwd", mutates_args=())
 def linear_cross_entropy_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, grad_loss: Tensor,
-                             ignore_index: int = -100, impl: str = "reference") -> tuple[Tensor, Tensor]:
+                             ignore_index: int = -100, impl: str = "reference",
+                             lnc: int = 0) -> tuple[Tensor, Tensor]:
     """Backward of ``trnkit::linear_cross_entropy``: ``(grad_hidden, grad_weight)`` for the loss gradient
     ``grad_loss`` (a scalar tensor)."""
     gh, gw = _run_backward("linear_cross_entropy", impl, hidden.contiguous(), weight.contiguous(),
                            labels.contiguous(), lse.contiguous(), grad_loss.detach().reshape(()),
-                           ignore_index=ignore_index)
+                           ignore_index=ignore_index, lnc=lnc)
     return gh.to(hidden.dtype), gw.to(weight.dtype)
 
 
 @linear_cross_entropy_bwd.register_fake
-def _linear_cross_entropy_bwd_fake(hidden, weight, labels, lse, grad_loss, ignore_index=-100, impl="reference"):
+def _linear_cross_entropy_bwd_fake(hidden, weight, labels, lse, grad_loss, ignore_index=-100, impl="reference",
+                                   lnc=0):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
 def _lce_backward(ctx: Any, grad_loss: Tensor | None, grad_lse: Tensor | None):
     hidden, weight, labels, lse = ctx.saved_tensors
     if grad_loss is None:  # only lse was used downstream: it carries no gradient
-        return torch.zeros_like(hidden), torch.zeros_like(weight), None, None, None
-    gh, gw = linear_cross_entropy_bwd(hidden, weight, labels, lse, grad_loss, ctx.ignore_index, ctx.impl)
-    return gh, gw, None, None, None
+        return torch.zeros_like(hidden), torch.zeros_like(weight), None, None, None, None
+    gh, gw = linear_cross_entropy_bwd(hidden, weight, labels, lse, grad_loss, ctx.ignore_index, ctx.impl, ctx.lnc)
+    return gh, gw, None, None, None, None
 
 
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
@@ -487,37 +514,39 @@ linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
 
 
 @torch.library.custom_op("trnkit::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference") -> tuple[Tensor, Tensor]:
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference",
+              lnc: int = 0) -> tuple[Tensor, Tensor]:
     """Causal GQA attention ``(o [B, S, Hq, D], lse [B, Hq, S] f32)`` of ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]``."""
     B, S, H, _ = q.shape
-    o, lse = get_impl("attention", impl).fn(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+    fn = get_impl("attention", impl).fn
+    o, lse = fn(q.contiguous(), k.contiguous(), v.contiguous(), scale, **_lnc_kw(fn, lnc))
     return o.to(q.dtype).reshape(q.shape).contiguous(), lse.to(torch.float32).reshape(B, H, S).contiguous()
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, scale, impl="reference"):
+def _attention_fake(q, k, v, scale, impl="reference", lnc=0):
     B, S, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 def _attention_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    q, k, v, scale, impl = inputs
+    q, k, v, scale, impl, lnc = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.scale, ctx.impl = scale, impl
+    ctx.scale, ctx.impl, ctx.lnc = scale, impl, lnc
 
 
 @torch.library.custom_op("trnkit::attention_bwd", mutates_args=())
 def attention_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad_o: Tensor, scale: float,
-                  impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+                  impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``trnkit::attention``: ``(grad_q, grad_k, grad_v)`` from the forward's ``o`` and ``lse``."""
     dq, dk, dv = _run_backward("attention", impl, q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(),
-                               lse.contiguous(), grad_o.contiguous(), scale=scale)
+                               lse.contiguous(), grad_o.contiguous(), scale=scale, lnc=lnc)
     return (dq.to(q.dtype).reshape(q.shape).contiguous(), dk.to(k.dtype).reshape(k.shape).contiguous(),
             dv.to(v.dtype).reshape(v.shape).contiguous())
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(q, k, v, o, lse, grad_o, scale, impl="reference"):
+def _attention_bwd_fake(q, k, v, o, lse, grad_o, scale, impl="reference", lnc=0):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -526,9 +555,9 @@ def _attention_bwd_fake(q, k, v, o, lse, grad_o, scale, impl="reference"):
 def _attention_backward(ctx: Any, grad_o: Tensor | None, grad_lse: Tensor | None):
     q, k, v, o, lse = ctx.saved_tensors
     if grad_o is None:  # only lse was used downstream: it carries no gradient
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
-    dq, dk, dv = attention_bwd(q, k, v, o, lse, grad_o, ctx.scale, ctx.impl)
-    return dq, dk, dv, None, None
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
+    dq, dk, dv = attention_bwd(q, k, v, o, lse, grad_o, ctx.scale, ctx.impl, ctx.lnc)
+    return dq, dk, dv, None, None, None
 
 
 attention.register_autograd(_attention_backward, setup_context=_attention_setup)
