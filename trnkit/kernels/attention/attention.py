@@ -4,22 +4,25 @@ log-sum-exp saved for the backward; no ``[S, S]`` matrix anywhere but in on-chip
 Layout ``[B, S, H, D]`` (q ``Hq`` heads, k / v ``Hk``); query head ``h`` reads kv head ``h // G``,
 ``G = Hq / Hk``. A work unit is one kv head of one batch row with (some of) its G query heads: its
 ``K^T [D, S]`` (DMA transpose) and ``V [128, S/128, D]`` stay resident in SBUF while every query tile
-of those heads streams past them, so K and V are read from HBM once per unit.
+of those heads streams past them, so K and V are read from HBM once per unit. ``Q^T`` is loaded and
+the output stored in chunks of eight query tiles (one DMA each), the log-sum-exp of the whole unit
+at its end (one activation-table switch per unit for the ``log``).
 
 A query tile is 128 rows (partitions); its keys ``0 .. r0 + 127`` (causal: the tiles above the
 diagonal are skipped) go in steps of up to 1024 keys, two PSUM banks of fp32 scores:
 
 1. Tensor: ``S = Q K^T`` per bank (``Q^T`` stationary, ``K^T`` moving, contraction over D); on the
    diagonal tile a second matmul adds the causal mask into the same PSUM (``I @ mask``).
-   Vector: the row max per bank, the running max ``m``, ``-scale * m``.
+   Vector: the row max per bank; ``-scale * m`` of the running max ``m`` (one op).
 2. Scalar: ``P = exp(scale * S - scale * m)`` straight from PSUM (rounded to the input dtype) with the
-   fp32 row sums; the correction ``exp(scale * (m_old - m))`` and ``l = l * corr + rowsum``.
+   fp32 row sums; the correction ``exp(scale * (m_old - m))``. Vector: ``l = l * corr + rowsum``.
 3. Tensor: ``P^T`` per 128-key block (PE transpose into PSUM), copied to SBUF by Vector or Scalar,
    whichever has less work so far.
 4. Tensor: ``O_step = P V`` accumulated over the step's keys in one PSUM bank; Vector
-   ``O = O * corr + O_step``; after the last step ``o = O / l`` and ``lse = scale * m + log(l)``.
+   ``O = O * corr + O_step``; after the last step
+   ``o = O / l`` and ``l`` kept for the unit's ``lse = scale * m + log(l)``.
 
-The steps of a unit are software-pipelined (seven stages, :func:`_run_unit`) so that no engine's
+The steps of a unit are software-pipelined (six stages, :func:`_run_unit`) so that no engine's
 in-order queue waits on work issued in the same iteration. LNC=2 (``kernel[2]``) splits the work
 units between the two cores with one control flow (:func:`~trnkit.kernels.attention.tiling.work_units`).
 """
@@ -27,27 +30,33 @@ units between the two cores with one control flow (:func:`~trnkit.kernels.attent
 from __future__ import annotations
 
 from trnkit.kernels._common import cdiv, program_split
-from trnkit.kernels.attention.tiling import (P, causal_mask, identity, load_kv, needs_scratch, row_stats, rows,
+from trnkit.kernels.attention.tiling import (P, causal_mask, identity, load_kv, needs_scratch, rows, tiles_view,
                                              work_units)
 from trnkit.nki_api import nisa, nki, nl
 
 BANK = 512  # keys per PSUM bank of fp32 scores (gemm_moving_fmax)
 STEP = 1024  # keys per pipeline step of a query tile (two banks)
+QCHUNK = 8  # query tiles per Q^T load and per output store
 VECTOR_GHZ, SCALAR_GHZ = 0.96, 1.2
+ACT_FIXED_NS = 295  # ScalarE's fixed time per ACTIVATE (trn2 profile; see docs/cost-model.md)
 
 
 def _steps(S, g0, ng, j, G):
     """The unit's pipeline steps: per query head and 128-row tile, its causal keys in STEP chunks."""
     out = []
+    nqt = cdiv(S, P)
     for g in range(g0, g0 + ng):
-        for qt in range(cdiv(S, P)):
+        for qt in range(nqt):
             r0 = qt * P
             nq = min(P, S - r0)
             nkeys = r0 + nq
             nsec = cdiv(nkeys, STEP)
+            ct = qt % QCHUNK
             for s in range(nsec):
                 out.append({"h": j * G + g, "r0": r0, "nq": nq, "k0": s * STEP, "k1": min(nkeys, (s + 1) * STEP),
-                            "first": s == 0, "last": s == nsec - 1})
+                            "first": s == 0, "last": s == nsec - 1, "col": (g - g0) * nqt + qt, "ct": ct,
+                            "chunk_first": ct == 0 and s == 0,
+                            "chunk_last": s == nsec - 1 and (ct == QCHUNK - 1 or qt == nqt - 1)})
     return out
 
 
@@ -55,7 +64,7 @@ def _cheaper_engine(load, n, two_byte):
     """Engine for a PSUM -> SBUF copy of n elements per partition: 0 (Vector) or 1 (Scalar), whichever
     finishes first given the work so far (``load`` = [Vector ns, Scalar ns], updated)."""
     vec = max(64, n / 2 if two_byte else n) / VECTOR_GHZ
-    act = max(64, n) / SCALAR_GHZ
+    act = max(64, n) / SCALAR_GHZ + ACT_FIXED_NS
     if load[0] + vec <= load[1] + act:
         load[0] = load[0] + vec
         return 0
@@ -64,52 +73,54 @@ def _cheaper_engine(load, n, two_byte):
 
 
 def _scores(st, q, kT, ident, mask, load):
-    """Stage 1: Q^T (first step of a tile), the score banks, the causal mask, the per-bank row max."""
+    """Stage 1: Q^T (first step of a chunk), the score banks, the causal mask, the per-bank row max
+    (negated)."""
     b, h, r0, nq, k0, k1 = st["b"], st["h"], st["r0"], st["nq"], st["k0"], st["k1"]
-    D = q.shape[3]
-    if st["first"]:
-        qT = nl.ndarray((D, P), dtype=q.dtype, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=qT[:, 0:nq], src=rows(q, b, r0, nq, h))
+    S, D = q.shape[1], q.shape[3]
+    if st["chunk_first"]:
+        n = min(QCHUNK * P, S - r0)
+        qT = nl.ndarray((D, QCHUNK * P), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=qT[:, 0:n], src=rows(q, b, r0, n, h))
+        st["qT"] = qT
+        st["oc"] = nl.ndarray((P, QCHUNK, D), dtype=q.dtype, buffer=nl.sbuf)
     else:
-        qT = st["prev"]["qT"]
+        st["qT"], st["oc"] = st["before"]["qT"], st["before"]["oc"]
+    c0 = st["ct"] * P
     nb = cdiv(k1 - k0, BANK)
-    bm = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
+    nbm = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
     banks = []
     for i in range(nb):
         kb0 = k0 + i * BANK
         w = min(BANK, k1 - kb0)
         s_ps = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=s_ps, stationary=qT[:, 0:nq], moving=kT[0:D, kb0:kb0 + w], accumulate=False)
+        nisa.nc_matmul(dst=s_ps, stationary=st["qT"][:, c0:c0 + nq], moving=kT[0:D, kb0:kb0 + w], accumulate=False)
         if kb0 <= r0 and r0 < kb0 + w:  # the diagonal block: add the causal mask
             nisa.nc_matmul(dst=s_ps[:, r0 - kb0:r0 - kb0 + nq], stationary=ident[0:nq, 0:nq], moving=mask[0:nq, 0:nq],
                            accumulate=True)
-        nisa.tensor_reduce(dst=bm[:, i:i + 1], op=nl.maximum, data=s_ps, axis=1)
+        nisa.tensor_reduce(dst=nbm[:, i:i + 1], op=nl.maximum, data=s_ps, axis=1, negate=True)
         load[0] = load[0] + max(64, w) / VECTOR_GHZ
         banks.append([kb0, w, s_ps])
-    st["qT"], st["banks"], st["bm"] = qT, banks, bm
+    st["banks"], st["nbm"] = banks, nbm
 
 
-def _row_max(st):
-    """The running row max ``m`` over the step's banks and the tile's earlier steps (one Vector op)."""
-    bm, prev, nq = st["bm"], st["prev"], st["nq"]
-    m = bm
-    if bm.shape[1] > 1 or prev != None:  # noqa: E711 (NKI rejects `is`)
-        m = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        if bm.shape[1] == 1:
-            nisa.tensor_tensor(dst=m, data1=bm, data2=prev["m"], op=nl.maximum)
-        elif prev == None:  # noqa: E711
-            nisa.tensor_tensor(dst=m, data1=bm[:, 0:1], data2=bm[:, 1:2], op=nl.maximum)
-        else:
-            nisa.scalar_tensor_tensor(dst=m, data=bm[:, 0:1], op0=nl.maximum, operand0=bm[:, 1:2], op1=nl.maximum,
-                                      operand1=prev["m"])
-    st["m"] = m
-
-
-def _neg_max(st):
-    """``-scale * m``, the exponentials' bias."""
-    negm = nl.ndarray((st["nq"], 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=negm, data=st["m"], op0=nl.multiply, operand0=-st["scale"])
-    st["negm"] = negm
+def _neg_max(st, negm_all, scale_col):
+    """``-scale * m`` of the running row max ``m`` over the step's banks and the tile's earlier steps
+    (the exponentials' bias; GpSimd: the operands are small SBUF columns). A tile's last step writes it
+    into the unit's column ``col``."""
+    nbm, prev, nq = st["nbm"], st["prev"], st["nq"]
+    nm = nbm
+    if nbm.shape[1] > 1:
+        nm = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=nm, data1=nbm[:, 0:1], data2=nbm[:, 1:2], op=nl.minimum, engine=nisa.engine.gpsimd)
+    if prev != None:  # noqa: E711 (NKI rejects `is`)
+        nm2 = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=nm2, data1=nm, data2=prev["nm"], op=nl.minimum, engine=nisa.engine.gpsimd)
+        nm = nm2
+    negm = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if st["last"]:
+        negm = negm_all[0:nq, st["col"]:st["col"] + 1]
+    nisa.tensor_tensor(dst=negm, data1=nm, data2=scale_col[0:nq, :], op=nl.multiply, engine=nisa.engine.gpsimd)
+    st["nm"], st["negm"] = nm, negm
 
 
 def _exp(st, load):
@@ -123,12 +134,13 @@ def _exp(st, load):
         p_sb = nl.ndarray((nq, w), dtype=st["pdt"], buffer=nl.sbuf)
         nisa.activation_reduce(dst=p_sb, op=nl.exp, data=s_ps, reduce_op=nl.add, reduce_res=rs[:, i:i + 1],
                                bias=st["negm"], scale=scale)
-        load[1] = load[1] + (max(64, w) + 64) / SCALAR_GHZ
+        load[1] = load[1] + (max(64, w) + 64) / SCALAR_GHZ + ACT_FIXED_NS
         probs.append([kb0, w, p_sb])
     st["banks"] = None  # the score banks are dead: their PSUM accumulation groups close
     if prev != None:  # noqa: E711
         corr = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=corr, op=nl.exp, data=prev["negm"], scale=-1.0, bias=st["negm"])
+        load[1] = load[1] + 64 / SCALAR_GHZ + ACT_FIXED_NS
         st["corr"] = corr
     st["probs"], st["rs"] = probs, rs
 
@@ -163,21 +175,27 @@ def _transpose(st, load):
     st["probs"], st["blocks"] = None, blocks
 
 
-def _row_sum(st):
-    """The running sum ``l = l * corr + rowsum``."""
+def _row_sum(st, l_all):
+    """The running sum ``l = l * corr + rowsum`` (GpSimd; a tile's last step writes it into the unit's
+    column ``col``)."""
     nq, rs, prev = st["nq"], st["rs"], st["prev"]
-    ls = rs
-    if rs.shape[1] > 1 and prev == None:  # noqa: E711
+    step = rs
+    if rs.shape[1] > 1:
+        step = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=step, data1=rs[:, 0:1], data2=rs[:, 1:2], op=nl.add, engine=nisa.engine.gpsimd)
+    ls = step
+    if prev != None:  # noqa: E711
         ls = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=ls, data1=rs[:, 0:1], data2=rs[:, 1:2], op=nl.add)
+        nisa.tensor_tensor(dst=ls, data1=prev["l"], data2=st["corr"], op=nl.multiply, engine=nisa.engine.gpsimd)
+    if st["last"]:
+        dst = l_all[0:nq, st["col"]:st["col"] + 1]
+        if prev != None:  # noqa: E711
+            nisa.tensor_tensor(dst=dst, data1=ls, data2=step, op=nl.add, engine=nisa.engine.gpsimd)
+        else:
+            nisa.tensor_copy(dst=dst, src=step, engine=nisa.engine.gpsimd)
+        ls = dst
     elif prev != None:  # noqa: E711
-        if rs.shape[1] > 1:
-            ls = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_reduce(dst=ls, op=nl.add, data=rs, axis=1)
-        l_run = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.scalar_tensor_tensor(dst=l_run, data=prev["l"], op0=nl.multiply, operand0=st["corr"], op1=nl.add,
-                                  operand1=ls)
-        ls = l_run
+        nisa.tensor_tensor(dst=ls, data1=ls, data2=step, op=nl.add, engine=nisa.engine.gpsimd)
     st["l"] = ls
 
 
@@ -193,7 +211,7 @@ def _pv(st, v_sb):
     st["blocks"], st["pv"] = None, pv_ps
 
 
-def _o_update(st):
+def _o_update(st, load):
     """Stage 5: the running output ``O = O * corr + O_step`` (fp32, SBUF; a tile's only step stays in PSUM)."""
     nq, pv_ps, prev = st["nq"], st["pv"], st["prev"]
     acc = pv_ps
@@ -201,35 +219,56 @@ def _o_update(st):
         acc = nl.ndarray((nq, pv_ps.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=acc, data=prev["o"], op0=nl.multiply, operand0=st["corr"], op1=nl.add,
                                   operand1=pv_ps)
+        load[0] = load[0] + 2 * pv_ps.shape[1] / VECTOR_GHZ
+        prev["o"] = None
     elif not st["last"]:
         acc = nl.ndarray((nq, pv_ps.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=acc, src=pv_ps)
+        if _cheaper_engine(load, pv_ps.shape[1], False) == 0:
+            nisa.tensor_copy(dst=acc, src=pv_ps)
+        else:
+            nisa.activation(dst=acc, op=nl.copy, data=pv_ps)
     st["pv"], st["o"] = None, acc
-    if prev != None:  # noqa: E711
-        prev["o"] = None
 
 
-def _finish_stats(st):
-    """Stage 6 (a tile's last step): ``1 / l`` and ``log(l)``."""
-    nq = st["nq"]
+def _finish(st, outs, load, ones_col):
+    """Stage 6 (a tile's last step): ``o = O / l`` rounded once into the chunk's output tile; the
+    chunk's last tile stores it."""
+    o = outs[0]
+    nq, ct = st["nq"], st["ct"]
     rl = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(dst=rl, data=st["l"])
-    lg = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=lg, op=nl.log, data=st["l"])
-    st["rl"], st["lg"] = rl, lg
-
-
-def _finish_store(st, outs):
-    """Stage 7: ``o = O / l`` (rounded once) and ``lse = scale * m + log(l)``, stored."""
-    o, lse = outs
-    h, r0, nq = st["h"], st["r0"], st["nq"]
-    o_t = nl.ndarray((nq, o.shape[3]), dtype=o.dtype, buffer=nl.sbuf)
-    nisa.activation(dst=o_t, op=nl.copy, data=st["o"], scale=st["rl"])
+    nisa.tensor_tensor(dst=rl, data1=ones_col[0:nq, :], data2=st["l"], op=nl.divide, engine=nisa.engine.gpsimd)
+    dst = st["oc"][0:nq, ct, :]
+    if _cheaper_engine(load, o.shape[3], False) == 0:
+        nisa.tensor_scalar(dst=dst, data=st["o"], op0=nl.multiply, operand0=rl)
+    else:
+        nisa.activation(dst=dst, op=nl.copy, data=st["o"], scale=rl)
     st["o"] = None  # (may be the PSUM tile: its accumulation group closes)
-    nisa.dma_copy(dst=rows(o, st["ob"], r0, nq, h), src=o_t)
-    lse_t = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lse_t, data1=st["lg"], data2=st["negm"], op=nl.subtract)
-    nisa.dma_copy(dst=row_stats(lse, st["ob"], h, r0, nq), src=lse_t)
+    if st["chunk_last"]:  # the chunk's full tiles in one DMA, a short last tile (S % 128) in another
+        nfull = ct + 1 if nq == P else ct
+        if nfull > 0:
+            nisa.dma_copy(dst=tiles_view(o, st["ob"], st["r0"] - ct * P, nfull, st["h"]), src=st["oc"][:, 0:nfull, :])
+        if nq < P:
+            nisa.dma_copy(dst=rows(o, st["ob"], st["r0"], nq, st["h"]), src=st["oc"][0:nq, ct, :])
+
+
+def _store_lse(unit_heads, l_all, negm_all, lse, ob, S):
+    """``lse = log(l) - (-scale * m)`` of every tile of the unit (one ``log``: one activation-table
+    switch per unit), stored per head."""
+    lg = nl.ndarray(l_all.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=lg, op=nl.log, data=l_all)
+    lse_t = nl.ndarray(l_all.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=lse_t, data1=lg, data2=negm_all, op=nl.subtract)
+    nqt = cdiv(S, P)
+    nfull = S // P
+    for hi in range(len(unit_heads)):
+        base = (ob * lse.shape[1] + unit_heads[hi]) * S
+        if nfull > 0:
+            nisa.dma_copy(dst=lse.ap(pattern=[[1, P], [P, nfull]], offset=base),
+                          src=lse_t[:, hi * nqt:hi * nqt + nfull])
+        if nfull < nqt:
+            rem = S - nfull * P
+            nisa.dma_copy(dst=lse.ap(pattern=[[1, rem], [1, 1]], offset=base + nfull * P),
+                          src=lse_t[0:rem, hi * nqt + nfull:hi * nqt + nqt])
 
 
 def _at(steps, t):
@@ -244,20 +283,29 @@ def _run_unit(unit, q, k, v, scale, outs, ident, mask):
 
     Iteration t issues, per engine in this order, so that each instruction's inputs were produced at
     least one stage earlier: Tensor S(t), P^T(t-2), PV(t-3); Vector the bank maxima (t), P^T copies
-    (t-2), the running max (t), O (t-4), l (t-2), -scale*m (t), 1/l (t-5), lse (t-6); Scalar exp (t-1),
-    P^T copies (t-2), log l (t-5), o = O / l (t-6).
+    (t-2), -scale*m (t), O (t-4), l (t-2), o = O / l (t-5); Scalar exp (t-1), P^T copies (t-2).
     """
     b, j, g0, ng, _ = unit
     S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
     G = Hq // k.shape[2]
+    nqt = cdiv(S, P)
     kT, v_sb = load_kv(k, v, b, j, D)
     steps = _steps(S, g0, ng, j, G)
     ob = b if outs[0].shape[0] > 1 else 0  # the scratch outputs hold one batch row
+    # per tile of the unit (column (head - g0) * nqt + tile): the final row sum and -scale * max
+    l_all = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=l_all, value=1.0)  # (rows past S of a short last tile: log(1))
+    negm_all = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=negm_all, value=0.0)
+    cols = (nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf), nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf))
+    nisa.memset(dst=cols[0], value=scale)
+    nisa.memset(dst=cols[1], value=1.0)
     for i in range(len(steps)):
         steps[i]["b"], steps[i]["ob"], steps[i]["scale"], steps[i]["pdt"] = b, ob, scale, q.dtype
         steps[i]["prev"] = None if steps[i]["first"] else steps[i - 1]
+        steps[i]["before"] = None if i == 0 else steps[i - 1]
     load = [0.0, 0.0]  # Vector / Scalar ns so far (engine choice of the P^T copies)
-    for t in range(len(steps) + 6):
+    for t in range(len(steps) + 5):
         cur = _at(steps, t)
         if cur != None:  # noqa: E711
             _scores(cur, q, kT, ident, mask, load)
@@ -266,19 +314,21 @@ def _run_unit(unit, q, k, v, scale, outs, ident, mask):
         if _at(steps, t - 2) != None:  # noqa: E711
             _transpose(steps[t - 2], load)
         if cur != None:  # noqa: E711
-            _row_max(cur)
+            _neg_max(cur, negm_all, cols[0])
         if _at(steps, t - 3) != None:  # noqa: E711
             _pv(steps[t - 3], v_sb)
         if _at(steps, t - 4) != None:  # noqa: E711
-            _o_update(steps[t - 4])
+            _o_update(steps[t - 4], load)
         if _at(steps, t - 2) != None:  # noqa: E711
-            _row_sum(steps[t - 2])
-        if cur != None:  # noqa: E711
-            _neg_max(cur)
+            _row_sum(steps[t - 2], l_all)
         if _at(steps, t - 5) != None and steps[t - 5]["last"]:  # noqa: E711
-            _finish_stats(steps[t - 5])
-        if _at(steps, t - 6) != None and steps[t - 6]["last"]:  # noqa: E711
-            _finish_store(steps[t - 6], outs)
+            _finish(steps[t - 5], outs, load, cols[1])
+        if _at(steps, t - 5) != None:  # noqa: E711
+            steps[t - 5]["before"] = None  # (the chunk's tiles travel one step further)
+    heads = []
+    for g in range(g0, g0 + ng):
+        heads.append(j * G + g)
+    _store_lse(heads, l_all, negm_all, outs[1], ob, S)
 
 
 @nki.jit

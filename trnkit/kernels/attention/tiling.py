@@ -56,6 +56,13 @@ def rows(t, b, s0, n, h):
     return t.ap(pattern=[[H * D, n], [1, D]], offset=((b * S + s0) * H + h) * D)
 
 
+def tiles_view(t, b, s0, nt, h):
+    """HBM ``t [B, S, H, D]``: ``nt`` full 128-row tiles of head ``h`` from row ``s0`` as ``[P, nt, D]``
+    (row ``s0 + i*P + p`` at ``[p, i]``)."""
+    _, S, H, D = t.shape
+    return t.ap(pattern=[[H * D, P], [P * H * D, nt], [1, D]], offset=((b * S + s0) * H + h) * D)
+
+
 def row_stats(t, b, h, s0, n):
     """HBM ``t [B, H, S]`` (one fp32 value per row): rows ``s0 .. s0 + n`` of head h as ``[n, 1]``."""
     _, H, S = t.shape
@@ -92,8 +99,7 @@ def load_kv(k, v, b, j, kT_rows):
     v_sb = nl.ndarray((P, nkt, D), dtype=v.dtype, buffer=nl.sbuf)
     nfull = S // P
     if nfull > 0:
-        nisa.dma_copy(dst=v_sb[:, 0:nfull, :],
-                      src=v.ap(pattern=[[Hk * D, P], [P * Hk * D, nfull], [1, D]], offset=(b * S * Hk + j) * D))
+        nisa.dma_copy(dst=v_sb[:, 0:nfull, :], src=tiles_view(v, b, 0, nfull, j))
     rem = S - nfull * P
     if rem > 0:
         nisa.dma_copy(dst=v_sb[0:rem, nfull, :], src=rows(v, b, nfull * P, rem, j))
