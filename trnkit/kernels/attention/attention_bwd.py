@@ -29,39 +29,100 @@ its partial dK / dV into an fp32 HBM scratch (``dma_compute``) that the last pas
 from __future__ import annotations
 
 from trnkit.kernels._common import cdiv, program_split
-from trnkit.kernels.attention.tiling import P, needs_scratch, row_stats, rows, work_units
+from trnkit.kernels.attention.tiling import P, needs_scratch, rows, tiles_view, work_units
 from trnkit.nki_api import nisa, nki, nl
 
 KB = 512  # keys per block (one PSUM bank of fp32 dK^T / dV^T / scores)
-DQ_BUDGET = 144 * 1024  # SBUF bytes per partition for the fp32 dQ accumulators of one pass
+DQ_BUDGET = 144 * 1024  # SBUF bytes per partition for the fp32 dQ accumulators (+ q-side cache) of one pass
+QCHUNK = 8  # query tiles per O / dO load of the row statistics
 VECTOR_GHZ, SCALAR_GHZ = 0.96, 1.2
+ACT_FIXED_NS = 295  # ScalarE's fixed time per ACTIVATE (trn2 profile; see docs/cost-model.md)
 
 
-def heads_per_pass(S, D, G):
-    """Query heads whose fp32 dQ accumulators (``S * D * 4 / 128`` bytes per partition each) fit DQ_BUDGET."""
+def cache_q_side(S, D, itemsize):
+    """Whether one head's fp32 dQ accumulator and its ``Q``, ``dO``, ``Q^T``, ``dO^T`` (``S * D * (4 + 4 *
+    itemsize) / 128`` bytes per partition) fit DQ_BUDGET: then a pass loads them once, not per key block."""
+    return cdiv(S, P) * D * (4 + 4 * itemsize) <= DQ_BUDGET
+
+
+def heads_per_pass(S, D, G, itemsize=4):
+    """Query heads per pass: as many as fit DQ_BUDGET (with their q-side cache when one fits), the
+    passes balanced."""
     per_head = cdiv(S, P) * D * 4
-    return max(1, min(G, DQ_BUDGET // per_head))
+    if cache_q_side(S, D, itemsize):
+        per_head = cdiv(S, P) * D * (4 + 4 * itemsize)
+    fit = max(1, min(G, DQ_BUDGET // per_head))
+    return cdiv(G, cdiv(G, fit))
 
 
-def _q_stats(o, do, lse, b, h, nqt):
+def _q_side(q, do, b, h, cache):
+    """Head h's ``Q``, ``dO`` ``[P, nqt, D]`` (row ``t*P + p`` at ``[p, t]``) and ``Q^T``, ``dO^T`` ``[D, S]``
+    for the whole pass (``cache``), else None."""
+    if not cache:
+        return None
+    S, D = q.shape[1], q.shape[3]
+    nqt = cdiv(S, P)
+    out = []
+    for x in (q, do):
+        nat = nl.ndarray((P, nqt, D), dtype=x.dtype, buffer=nl.sbuf)
+        _load_tiles(nat, x, b, h)
+        xT = nl.ndarray((D, nqt * P), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=xT[:, 0:S], src=rows(x, b, 0, S, h))
+        out.append([nat, xT])
+    return out
+
+
+def _load_tiles(dst, x, b, h, t0=0, nt=None):
+    """``x``'s head h, query tiles ``t0 .. t0 + nt`` into ``dst [P, nt, D]`` (full tiles in one DMA, a
+    short last tile in another)."""
+    S = x.shape[1]
+    if nt == None:  # noqa: E711 (NKI rejects `is`)
+        nt = cdiv(S, P)
+    nfull = min(nt, S // P - t0)
+    if nfull > 0:
+        nisa.dma_copy(dst=dst[:, 0:nfull, :], src=tiles_view(x, b, t0 * P, nfull, h))
+    if nfull < nt:
+        r0 = (t0 + nfull) * P
+        nisa.dma_copy(dst=dst[0:S - r0, nfull, :], src=rows(x, b, r0, S - r0, h))
+
+
+def _q_stats(o, do, lse, b, h, nqt, qs):
     """``-lse`` and ``-delta`` (``delta = rowsum(dO * O)``) of head h, ``[P, nqt]`` fp32 (row ``t*P + p``
-    at ``[p, t]``)."""
+    at ``[p, t]``); O and dO go in chunks of QCHUNK tiles (dO from the pass's cache ``qs`` if any)."""
     S, D = o.shape[1], o.shape[3]
     neglse = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
     negdelta = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
-    for t in range(nqt):
-        r0 = t * P
-        nq = min(P, S - r0)
-        o_t = nl.ndarray((P, D), dtype=o.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=o_t[0:nq, :], src=rows(o, b, r0, nq, h))
-        do_t = nl.ndarray((P, D), dtype=do.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=do_t[0:nq, :], src=rows(do, b, r0, nq, h))
-        prod = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=prod[0:nq, :], data1=o_t[0:nq, :], data2=do_t[0:nq, :], op=nl.multiply)
-        nisa.tensor_reduce(dst=negdelta[0:nq, t:t + 1], op=nl.add, data=prod[0:nq, :], axis=1, negate=True)
-        lse_t = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=lse_t[0:nq, :], src=row_stats(lse, b, h, r0, nq))
-        nisa.tensor_scalar(dst=neglse[0:nq, t:t + 1], data=lse_t[0:nq, :], op0=nl.multiply, operand0=-1.0)
+    nfull = S // P
+    lse_t = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
+    base = (b * lse.shape[1] + h) * S
+    if nfull > 0:
+        nisa.dma_copy(dst=lse_t[:, 0:nfull], src=lse.ap(pattern=[[1, P], [P, nfull]], offset=base))
+    if nfull < nqt:
+        rem = S - nfull * P
+        nisa.dma_copy(dst=lse_t[0:rem, nfull:nqt], src=lse.ap(pattern=[[1, rem], [1, 1]], offset=base + nfull * P))
+    for c in range(cdiv(nqt, QCHUNK)):
+        t0 = c * QCHUNK
+        nt = min(QCHUNK, nqt - t0)
+        o_t = nl.ndarray((P, QCHUNK, D), dtype=o.dtype, buffer=nl.sbuf)
+        _load_tiles(o_t, o, b, h, t0, nt)
+        if qs != None:  # noqa: E711
+            do_t = qs[1][0][:, t0:t0 + nt, :]
+        else:
+            do_c = nl.ndarray((P, QCHUNK, D), dtype=do.dtype, buffer=nl.sbuf)
+            _load_tiles(do_c, do, b, h, t0, nt)
+            do_t = do_c[:, 0:nt, :]
+        for t in range(nt):
+            nq = min(P, S - (t0 + t) * P)
+            prod = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=prod[0:nq, :], data1=o_t[0:nq, t, :], data2=do_t[0:nq, t, :], op=nl.multiply)
+            nisa.tensor_reduce(dst=negdelta[0:nq, t0 + t:t0 + t + 1], op=nl.add, data=prod[0:nq, :], axis=1,
+                               negate=True)
+    if nfull > 0:
+        nisa.tensor_scalar(dst=neglse[:, 0:nfull], data=lse_t[:, 0:nfull], op0=nl.multiply, operand0=-1.0)
+    if nfull < nqt:
+        rem = S - nfull * P
+        nisa.tensor_scalar(dst=neglse[0:rem, nfull:nqt], data=lse_t[0:rem, nfull:nqt], op0=nl.multiply,
+                           operand0=-1.0)
     return neglse, negdelta
 
 
@@ -99,7 +160,7 @@ def _cheaper_engine(load, n, two_byte):
     """0 (Vector) or 1 (Scalar) for a PSUM -> SBUF copy of n elements per partition, whichever finishes
     first given the work so far (``load`` = [Vector ns, Scalar ns], updated)."""
     vec = max(64, n / 2 if two_byte else n) / VECTOR_GHZ
-    act = max(64, n) / SCALAR_GHZ
+    act = max(64, n) / SCALAR_GHZ + ACT_FIXED_NS
     if load[0] + vec <= load[1] + act:
         load[0] = load[0] + vec
         return 0
@@ -112,31 +173,50 @@ def _st_scores(blk, ctx):
     q, do, b, kv = ctx["q"], ctx["do"], ctx["b"], ctx["kv"]
     h, r0, nq, w = blk["h"], blk["r0"], blk["nq"], blk["w"]
     D = q.shape[3]
-    qT = nl.ndarray((D, P), dtype=q.dtype, buffer=nl.sbuf)
-    nisa.dma_transpose(dst=qT[:, 0:nq], src=rows(q, b, r0, nq, h))
-    doT = nl.ndarray((D, P), dtype=do.dtype, buffer=nl.sbuf)
-    nisa.dma_transpose(dst=doT[:, 0:nq], src=rows(do, b, r0, nq, h))
-    q_t = nl.ndarray((P, D), dtype=q.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=q_t[0:nq, :], src=rows(q, b, r0, nq, h))
-    do_t = nl.ndarray((P, D), dtype=do.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=do_t[0:nq, :], src=rows(do, b, r0, nq, h))
+    qs = ctx["qs"][blk["hi"]]
+    if qs != None:  # noqa: E711 (the pass's cached q-side tiles)
+        qT, doT = qs[0][1][:, r0:r0 + nq], qs[1][1][:, r0:r0 + nq]
+        q_t, do_t = qs[0][0][:, blk["qt"], :], qs[1][0][:, blk["qt"], :]
+    else:
+        qT_sb = nl.ndarray((D, P), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=qT_sb[:, 0:nq], src=rows(q, b, r0, nq, h))
+        doT_sb = nl.ndarray((D, P), dtype=do.dtype, buffer=nl.sbuf)
+        nisa.dma_transpose(dst=doT_sb[:, 0:nq], src=rows(do, b, r0, nq, h))
+        q_t = nl.ndarray((P, D), dtype=q.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=q_t[0:nq, :], src=rows(q, b, r0, nq, h))
+        do_t = nl.ndarray((P, D), dtype=do.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=do_t[0:nq, :], src=rows(do, b, r0, nq, h))
+        qT, doT = qT_sb[:, 0:nq], doT_sb[:, 0:nq]
     s_ps = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=s_ps, stationary=qT[:, 0:nq], moving=kv[0][:, 0:w], accumulate=False)
+    nisa.nc_matmul(dst=s_ps, stationary=qT, moving=kv[0][:, 0:w], accumulate=False)
     dp_ps = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=dp_ps, stationary=doT[:, 0:nq], moving=kv[1][:, 0:w], accumulate=False)
+    nisa.nc_matmul(dst=dp_ps, stationary=doT, moving=kv[1][:, 0:w], accumulate=False)
     blk["q_t"], blk["do_t"], blk["s"], blk["dp"] = q_t, do_t, s_ps, dp_ps
 
 
 def _st_probs(blk, ctx):
-    """Stage 2: ``P = exp(scale * S - lse)`` (zero above the diagonal) and ``dP - delta`` (Scalar)."""
+    """Stage 2: ``P = exp(scale * S - lse)`` (zero above the diagonal) and ``dP - delta`` (Scalar, or left
+    to stage 3)."""
     nq, w, t, hi = blk["nq"], blk["w"], blk["qt"], blk["hi"]
     pdt = ctx["pdt"]
     neglse, negdelta = ctx["stats"][hi]
     p_sb = nl.ndarray((nq, w), dtype=pdt, buffer=nl.sbuf)
     nisa.activation(dst=p_sb, op=nl.exp, data=blk["s"], bias=neglse[0:nq, t:t + 1], scale=ctx["scale"])
-    dpm = nl.ndarray((nq, w), dtype=pdt, buffer=nl.sbuf)
-    nisa.activation(dst=dpm, op=nl.copy, data=blk["dp"], bias=negdelta[0:nq, t:t + 1])
-    blk["s"], blk["dp"] = None, None
+    load = ctx["load"]
+    load[1] = load[1] + ACT_FIXED_NS + w / SCALAR_GHZ
+    # dP - delta: on Scalar (then dS = P * dpm on Vector), or folded into one Vector op at stage 3,
+    # whichever engine would finish first
+    tt = (w / 2 if pdt != nl.float32 else 2 * w) / VECTOR_GHZ
+    stt = 2 * w / VECTOR_GHZ
+    dpm = None
+    if max(load[1] + ACT_FIXED_NS + w / SCALAR_GHZ, load[0] + tt) <= max(load[1], load[0] + stt):
+        dpm = nl.ndarray((nq, w), dtype=pdt, buffer=nl.sbuf)
+        nisa.activation(dst=dpm, op=nl.copy, data=blk["dp"], bias=negdelta[0:nq, t:t + 1])
+        load[0], load[1] = load[0] + tt, load[1] + ACT_FIXED_NS + w / SCALAR_GHZ
+        blk["dp"] = None
+    else:
+        load[0] = load[0] + stt
+    blk["s"] = None
     c0 = blk["r0"] - ctx["kb0"]
     if 0 <= c0 and c0 < w:  # the diagonal: keys past each row's own position get probability 0
         p_m = nl.ndarray((nq, w), dtype=pdt, buffer=nl.sbuf)
@@ -147,10 +227,17 @@ def _st_probs(blk, ctx):
 
 
 def _st_ds(blk, ctx):
-    """Stage 3: ``dS = P * (dP - delta)`` (Vector) and ``dV^T += dO^T P``."""
+    """Stage 3: ``dS = P * (dP - delta)`` (Vector; from dP in PSUM when stage 2 left it) and
+    ``dV^T += dO^T P``."""
     nq, w = blk["nq"], blk["w"]
     ds = nl.ndarray((nq, w), dtype=ctx["pdt"], buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=ds, data1=blk["p"], data2=blk["dpm"], op=nl.multiply)
+    if blk["dpm"] != None:  # noqa: E711 (NKI rejects `is`)
+        nisa.tensor_tensor(dst=ds, data1=blk["p"], data2=blk["dpm"], op=nl.multiply)
+    else:
+        negdelta = ctx["stats"][blk["hi"]][1]
+        nisa.scalar_tensor_tensor(dst=ds, data=blk["dp"], op0=nl.add, operand0=negdelta[0:nq, blk["qt"]:blk["qt"] + 1],
+                                  op1=nl.multiply, operand1=blk["p"])
+        blk["dp"] = None
     # the block list starts with the widest block (the last query tile): it opens the group
     nisa.nc_matmul(dst=ctx["dvT"][:, 0:w], stationary=blk["do_t"][0:nq, :], moving=blk["p"], accumulate=not blk["open"])
     blk["ds"], blk["p"], blk["dpm"], blk["do_t"] = ds, None, None, None
@@ -196,23 +283,36 @@ def _st_dq(blk, ctx):
         nisa.tensor_copy(dst=acc, src=dq_ps)
     else:
         nisa.tensor_tensor(dst=acc, data1=acc, data2=dq_ps, op=nl.add)
+    ctx["load"][0] = ctx["load"][0] + max(64, D) / VECTOR_GHZ
     blk["dsT"] = None
 
 
 def _transpose_out(src_ps, w, scale, dt):
-    """``[D, w]`` fp32 PSUM (times scale) -> ``[(kc, [P, D] tile in dt)]`` per 128 keys (PE transposes)."""
+    """``[D, w]`` fp32 PSUM (times scale) -> ``[P, nsub, D]`` in dt (key ``c*P + p`` at ``[p, c]``; PE
+    transposes)."""
     D = src_ps.shape[0]
     t_sb = nl.ndarray((D, KB), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=t_sb[:, 0:w], op=nl.copy, data=src_ps[:, 0:w], scale=scale)
-    tiles = []
-    for c in range(cdiv(w, P)):
+    nsub = cdiv(w, P)
+    out = nl.ndarray((P, nsub, D), dtype=dt, buffer=nl.sbuf)
+    for c in range(nsub):
         kc = min(P, w - c * P)
         tp = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_transpose(dst=tp[0:kc, :], data=t_sb[:, c * P:c * P + kc])
-        out = nl.ndarray((P, D), dtype=dt, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=out[0:kc, :], src=tp[0:kc, :])
-        tiles.append([kc, out])
-    return tiles
+        nisa.tensor_copy(dst=out[0:kc, c, :], src=tp[0:kc, :])
+    return out
+
+
+def _key_views(t, ob, kb0, w, j, tile):
+    """``[(HBM view, SBUF view)]`` of keys ``kb0 .. kb0 + w`` of kv head j: the full 128-key tiles in one
+    pair, a short last tile in another."""
+    nfull = w // P
+    out = []
+    if nfull > 0:
+        out.append([tiles_view(t, ob, kb0, nfull, j), tile[:, 0:nfull, :]])
+    if nfull * P < w:
+        out.append([rows(t, ob, kb0 + nfull * P, w - nfull * P, j), tile[0:w - nfull * P, nfull, :]])
+    return out
 
 
 def _store_dkv(ctx, outs, kb0, w, first_pass, last_pass):
@@ -225,35 +325,48 @@ def _store_dkv(ctx, outs, kb0, w, first_pass, last_pass):
         src_ps, sc, dst, which = pairs[i]
         D = src_ps.shape[0]
         dt = dst.dtype if scr == None else nl.float32  # noqa: E711 (NKI rejects `is`)
-        tiles = _transpose_out(src_ps, w, sc, dt)
-        for c in range(len(tiles)):
-            kc, tile = tiles[c]
-            r0 = kb0 + c * P
-            if scr == None:  # noqa: E711
-                nisa.dma_copy(dst=rows(dst, ob, r0, kc, j), src=tile[0:kc, :])
-            else:
-                view = rows(scr, 2 * ob + which, r0, kc, j)
+        tile = _transpose_out(src_ps, w, sc, dt)
+        if scr == None:  # noqa: E711
+            views = _key_views(dst, ob, kb0, w, j, tile)
+            for vi in range(len(views)):
+                nisa.dma_copy(dst=views[vi][0], src=views[vi][1])
+        else:
+            views = _key_views(scr, 2 * ob + which, kb0, w, j, tile)
+            fin = nl.ndarray((P, cdiv(w, P), D), dtype=dst.dtype, buffer=nl.sbuf)
+            outv = _key_views(dst, ob, kb0, w, j, fin)
+            for vi in range(len(views)):
+                view, part = views[vi]
                 if first_pass:
-                    nisa.dma_copy(dst=view, src=tile[0:kc, :])
+                    nisa.dma_copy(dst=view, src=part)
                 else:
-                    nisa.dma_compute(dst=view, srcs=[view, tile[0:kc, :]], reduce_op=nl.add)
+                    nisa.dma_compute(dst=view, srcs=[view, part], reduce_op=nl.add)
                 if last_pass:
-                    fin = nl.ndarray((P, D), dtype=dst.dtype, buffer=nl.sbuf)
-                    nisa.dma_copy(dst=fin[0:kc, :], src=view)
-                    nisa.dma_copy(dst=rows(dst, ob, r0, kc, j), src=fin[0:kc, :])
+                    nisa.dma_copy(dst=outv[vi][1], src=view)
+                    nisa.dma_copy(dst=outv[vi][0], src=outv[vi][1])
 
 
 def _store_dq(ctx, dq, heads):
-    """The pass's dQ = scale * accumulator, in dq's dtype."""
+    """The pass's dQ = scale * accumulator, in dq's dtype, per QCHUNK query tiles (full tiles in one
+    instruction and DMA, a short last tile in another)."""
     S, D = dq.shape[1], dq.shape[3]
+    nqt = ctx["nqt"]
     for hi in range(len(heads)):
-        for t in range(ctx["nqt"]):
-            r0 = t * P
-            nq = min(P, S - r0)
-            out = nl.ndarray((P, D), dtype=dq.dtype, buffer=nl.sbuf)
-            nisa.activation(dst=out[0:nq, :], op=nl.copy, data=ctx["dq_acc"][0:nq, hi * ctx["nqt"] + t, :],
-                            scale=ctx["scale"])
-            nisa.dma_copy(dst=rows(dq, ctx["ob"], r0, nq, heads[hi]), src=out[0:nq, :])
+        for c in range(cdiv(nqt, QCHUNK)):
+            t0 = c * QCHUNK
+            nt = min(QCHUNK, nqt - t0)
+            nfull = min(nt, S // P - t0)
+            out = nl.ndarray((P, QCHUNK, D), dtype=dq.dtype, buffer=nl.sbuf)
+            col = hi * nqt + t0
+            if nfull > 0:
+                nisa.activation(dst=out[:, 0:nfull, :], op=nl.copy, data=ctx["dq_acc"][:, col:col + nfull, :],
+                                scale=ctx["scale"])
+                nisa.dma_copy(dst=tiles_view(dq, ctx["ob"], t0 * P, nfull, heads[hi]), src=out[:, 0:nfull, :])
+            if nfull < nt:
+                r0 = (t0 + nfull) * P
+                nq = S - r0
+                nisa.activation(dst=out[0:nq, nfull, :], op=nl.copy, data=ctx["dq_acc"][0:nq, col + nfull, :],
+                                scale=ctx["scale"])
+                nisa.dma_copy(dst=rows(dq, ctx["ob"], r0, nq, heads[hi]), src=out[0:nq, nfull, :])
 
 
 def _at(blocks, t):
@@ -287,7 +400,8 @@ def _bwd_unit(unit, ins, outs, scale):
     S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
     G = Hq // k.shape[2]
     nqt = cdiv(S, P)
-    hpp = heads_per_pass(S, D, G)
+    itemsize = 4 if q.dtype == nl.float32 else 2
+    hpp = heads_per_pass(S, D, G, itemsize)
     npass = cdiv(ng, hpp)
     ctx = {"q": q, "do": do, "b": b, "j": j, "ob": b if outs[0].shape[0] > 1 else 0, "scale": scale,
            "pdt": q.dtype, "nqt": nqt, "load": [0.0, 0.0]}
@@ -295,10 +409,13 @@ def _bwd_unit(unit, ins, outs, scale):
         heads = []
         for g in range(g0 + pi * hpp, min(g0 + ng, g0 + (pi + 1) * hpp)):
             heads.append(j * G + g)
+        cache = cache_q_side(S, D, itemsize)
         stats = []
+        qside = []
         for hi in range(len(heads)):
-            stats.append(_q_stats(o, do, lse, b, heads[hi], nqt))
-        ctx["stats"] = stats
+            qside.append(_q_side(q, do, b, heads[hi], cache))
+            stats.append(_q_stats(o, do, lse, b, heads[hi], nqt, qside[hi]))
+        ctx["stats"], ctx["qs"] = stats, qside
         ctx["dq_acc"] = nl.ndarray((P, len(heads) * nqt, D), dtype=nl.float32, buffer=nl.sbuf)
         for kb in range(cdiv(S, KB)):
             kb0 = kb * KB
@@ -326,7 +443,7 @@ def attention_bwd_kernel(q, k, v, o, do, lse, scale):
     dv = nl.ndarray((B, S, Hk, D), dtype=v.dtype, buffer=nl.shared_hbm)
     n_prog, pid = program_split()
     scr = None
-    if cdiv(G, heads_per_pass(S, D, G)) > 1:  # several head passes: fp32 dK / dV partial sums
+    if cdiv(G, heads_per_pass(S, D, G, 4 if q.dtype == nl.float32 else 2)) > 1:  # several head passes: fp32 dK / dV partial sums
         scr = nl.ndarray((2 * B, S, Hk, D), dtype=nl.float32, buffer=nl.private_hbm)
     dup = None
     if needs_scratch(B, Hk, G, n_prog, False):
