@@ -142,6 +142,25 @@ def blockwise_moe() -> str:
     return _table(header, rows)
 
 
+def attention_peak() -> str:
+    """benchmarks/attention_peak.py: trnkit's flash attention vs nki-library's attention_cte / attention_bwd."""
+    by = {(r["kernel"], r["mode"], r["lnc"]): r for r in read_csv("attention_peak.csv")}
+    rows = []
+    for (kernel, mode, lnc), tk in by.items():
+        aws = by.get(("nki-library", mode, lnc))
+        if kernel != "trnkit" or aws is None:
+            continue
+        cells = []
+        for r in (tk, aws):
+            cells += [f"{float(r['est_us_mid']):,.1f} us ({float(r['est_us_low']):,.1f}–{float(r['est_us_high']):,.1f})",
+                      f"{float(r['peak_frac_mid']):.1%} / {float(r['peak_frac_pessimistic']):.1%}"]
+        ratio = [float(tk[c]) / float(aws[c]) for c in ("est_us_mid", "est_us_high")]
+        rows.append([lnc, mode, *cells, f"{ratio[0]:.2f}x / {ratio[1]:.2f}x"])
+    header = ["LNC", "pass", "trnkit (mid, range)", "of peak (mid / pessimistic)", "nki-library (mid, range)",
+              "of peak (mid / pessimistic)", "trnkit / nki-library time (mid / pessimistic)"]
+    return _table(header, rows)
+
+
 def conformance() -> str:
     """python -m trnkit conformance --save-reference: AWS nki-library kernels on the interpreter."""
     rows = read_csv("conformance.csv")
@@ -368,7 +387,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "calibration": calibration, "calibration_changes": calibration_changes,
     "calibration_summary": calibration_summary,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
-    "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe,
+    "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak,
     "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),

@@ -14,16 +14,20 @@ block), 128 x 512 scores:
 
 1. Tensor: ``S = Q K^T`` and ``dP = dO V^T`` (``Q^T``, ``dO^T`` stationary; the key block's ``K^T``,
    ``V^T`` moving).
-2. Scalar: ``P = exp(scale * S - lse)`` and ``dP - delta`` from PSUM (per-row biases), in the input
-   dtype; on the diagonal GpSimd zeroes ``P`` above it (``affine_select``).
-3. Vector: ``dS = P * (dP - delta)``; Tensor: ``dV^T += dO^T P``.
+2. Scalar: ``P = exp(scale * S - lse)`` from PSUM (per-row bias), in the input dtype; on the diagonal
+   GpSimd zeroes ``P`` above it (``affine_select``). ``dP - delta`` on Scalar too, or left to stage 3,
+   whichever of Scalar and Vector has less work so far.
+3. Vector: ``dS = P * (dP - delta)`` (from the Scalar result, or from dP in PSUM in one instruction);
+   Tensor: ``dV^T += dO^T P``.
 4. Tensor: ``dK^T += Q^T dS`` and ``dS^T`` per 128 keys (PE transpose), copied to SBUF.
 5. Tensor: ``dQ_blk = dS K`` (``dS^T`` stationary, ``K`` moving); Vector adds it into the fp32 dQ
    accumulator of the tile, kept in SBUF for all query tiles of the pass's heads.
 
-After a key block, ``dK = scale * dK^T`` and ``dV^T`` are transposed back (PE) and stored. When the dQ
-accumulators of all G heads do not fit in SBUF (long S, large G) the heads go in passes, each adding
-its partial dK / dV into an fp32 HBM scratch (``dma_compute``) that the last pass converts.
+After a key block, ``dK = scale * dK^T`` and ``dV^T`` are transposed back (PE) and stored (the block's
+full 128-key tiles in one DMA). When the dQ accumulators of all G heads do not fit in SBUF (long S,
+large G) the heads go in balanced passes, each adding its partial dK / dV into an fp32 HBM scratch
+(``dma_compute``) that the last pass converts. When a head's ``Q``, ``dO``, ``Q^T``, ``dO^T`` fit next to
+its accumulator (:func:`cache_q_side`) a pass loads them once instead of once per key block.
 """
 
 from __future__ import annotations

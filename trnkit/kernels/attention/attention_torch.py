@@ -11,8 +11,9 @@ output divided by the row sum and rounded once. (The kernel takes the max over t
 The backward is the flash attention one: ``P = exp(scale * S - lse)`` recomputed from the saved
 ``lse``, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - delta)`` with
 ``delta_i = sum_d dO[i, d] * O[i, d]`` (fp32), ``dQ = scale * dS K``, ``dK = scale * dS^T Q``, summed over
-the query heads of a group for ``dK`` and ``dV``. ``P``, ``dP - delta`` and ``dS`` are rounded to the input
-dtype (the kernel's Scalar / Vector outputs and the Tensor engine's operands); every product
+the query heads of a group for ``dK`` and ``dV``. ``P`` and ``dS`` are rounded to the input dtype (the
+Tensor engine's operands); ``dP - delta`` is not (the kernel rounds it only on the blocks whose
+``dP - delta`` it computes on the Scalar engine, a one-ulp difference in ``dS`` there); every product
 accumulates in fp32.
 """
 
@@ -63,7 +64,7 @@ def attention_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
     delta = (do * o.float().transpose(1, 2)).sum(-1, keepdim=True)
     dp = torch.einsum("bhid,bhjd->bhij", do, vf)
     p = p.to(dt).float()
-    ds = (p * (dp - delta).to(dt).float()).to(dt).float()
+    ds = (p * (dp - delta)).to(dt).float()
     dq = torch.einsum("bhij,bhjd->bhid", ds, kf) * scale
     dk = torch.einsum("bhij,bhid->bhjd", ds, qf) * scale
     dv = torch.einsum("bhij,bhid->bhjd", p, do)
