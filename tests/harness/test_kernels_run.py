@@ -46,19 +46,19 @@ TINY_DENSE = {k: v for k, v in TINY_MOE.items() if k not in ("num_experts", "top
 
 def test_dense_model_with_every_kernel_matches_reference_run(tmp_path: Path, tiny_tokenizer: str,
                                                                          corpus_dir: Path) -> None:
-    """configs/debug_dense_nki.toml in miniature: every norm, the rotary embedding and the fused lm_head +
-    loss as NKI kernels."""
+    """configs/debug_dense_nki.toml in miniature: every norm, the rotary embedding, the dense MLPs and the
+    fused lm_head + loss as NKI kernels."""
     steps = 10
     common = {"model": {"spec": "qwen3:debug", "config": dict(TINY_DENSE)}, "training": {"steps": steps}}
     ref = run(tiny_config(tmp_path / "ref", tiny_tokenizer, corpus_dir, **common))
     nki = run(tiny_config(tmp_path / "nki", tiny_tokenizer, corpus_dir, **common,
-                         overrides={"ops": ["rope_hf", "rmsnorm", "linear_cross_entropy"], "policy": "strict",
+                         overrides={"ops": ["rope_hf", "rmsnorm", "linear_cross_entropy", "mlp"], "policy": "strict",
                                     "impl": "nki"}))
     rows = [line.split() for line in nki.override_table.splitlines()[2:]]
-    # 2 layers x (attention, ffn, q head, k head norms) + the final norm; a rope per layer
+    # 2 layers x (attention, ffn, q head, k head norms) + the final norm; a rope and an MLP per layer
     assert sorted((r[1], r[2], r[3]) for r in rows) == sorted(
         [("rope_hf", "nki", "swapped")] * 2 + [("rmsnorm", "nki", "swapped")] * 9
-        + [("linear_cross_entropy", "nki", "swapped")])
+        + [("linear_cross_entropy", "nki", "swapped")] + [("mlp", "nki", "swapped")] * 2)
     losses = [nki.losses[s] for s in range(1, steps + 1)]
     assert sum(losses[-3:]) / 3 < losses[0] - 0.2  # it trains
     rtol, atol = tol(torch.float32)

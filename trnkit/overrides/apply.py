@@ -17,18 +17,17 @@ rmsnorm        every ``RMSNorm`` (``attention_norm``,           every ``Qwen3RMS
 linear_cross_  ``loss`` (``LinearCrossEntropy``: lm_head +      (transformers computes its loss outside a
 entropy        summed cross-entropy)                            module: not swapped)
 
-``rmsnorm`` and ``linear_cross_entropy`` are swappable but not in the default ``ops``
-(:data:`DEFAULT_OPS`): name them to swap the norms and the loss.
-=======
 attention      ``layers[i].attention.core``                     ``layers[i].self_attn``: its own copy of
                (``CausalAttention``)                            the config selects the attention function
                                                                 ``"trnkit"`` (transformers'
                                                                 ``AttentionInterface``, see
                                                                 :func:`~trnkit.overrides.hf.register_hf_attention`)
+mlp            ``layers[i].feed_forward`` (``FeedForward``:     ``layers[i].mlp`` (``Qwen3MLP``; Qwen3-MoE's
+               the dense layers' SwiGLU)                        dense ``Qwen3MoeMLP``)
 =============  ===============================================  ==========================================
 
-``rmsnorm``, ``linear_cross_entropy`` and ``attention`` are swappable but not in the default ``ops``
-(:data:`DEFAULT_OPS`): name them to swap the norms, the loss and the attention.
+``rmsnorm``, ``linear_cross_entropy``, ``attention`` and ``mlp`` are swappable but not in the default
+``ops`` (:data:`DEFAULT_OPS`): name them to swap the norms, the loss, the attention and the dense MLP.
 
 Modules are replaced by an instance of a subclass of their own class that shares the original's
 parameters, buffers, children and attributes, so ``state_dict`` keys, checkpoints and ``isinstance``
@@ -81,7 +80,7 @@ def _resolve_dtensor() -> None:
 
 __all__ = ["SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "revert"]
 
-SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm", "linear_cross_entropy", "attention")
+SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm", "linear_cross_entropy", "attention", "mlp")
 DEFAULT_OPS = ("rope_hf", "router_topk", "moe_experts")  # OverrideConfig's default selection
 _STAND_IN_OPS = ("rope_hf", "router_topk", "moe_experts")  # ops given shape-only stand-ins in the dry run
 ORIGINAL = "original"  # report name for "the module's own forward"
@@ -296,6 +295,46 @@ def _native_attention_forward(self: Any, q: Tensor, k: Tensor, v: Tensor) -> Ten
     return ops.attention(q, k, v, float(self.scale), impl, lnc=self._trnkit_guard.lnc)[0]
 
 
+def _mlp_linears(module: nn.Module) -> tuple[Any, Any, Any]:
+    """(gate, up, down) projections of trnkit's ``FeedForward`` (w1, w3, w2) or transformers' Qwen3 MLPs."""
+    if hasattr(module, "gate_proj"):
+        return module.gate_proj, module.up_proj, module.down_proj
+    return module.w1, module.w3, module.w2
+
+
+def _mlp_forward(self: Any, x: Tensor) -> Tensor:
+    """The dense SwiGLU MLP in the compute dtype (the autocast dtype under autocast, as the projections
+    would run): ``w_gate_up = cat(gate, up).T`` and ``w_down = down.T`` are views / a copy that autograd
+    differentiates back to the ``nn.Linear`` weights."""
+    gate, up, down = _mlp_linears(self)
+    dev = x.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(x.dtype,
+                                                                                                 gate.weight.dtype)
+    xc = x.to(dt)
+    w_gate_up = torch.cat([gate.weight, up.weight]).to(dt).T
+    w_down = down.weight.to(dt).T
+    impl = self._trnkit_guard.choose(x=xc, w_gate_up=w_gate_up, w_down=w_down)
+    if impl is None:
+        return self._trnkit_fallback(x)
+    return ops.mlp(xc, w_gate_up, w_down, impl)
+
+
+def mlp_static(module: nn.Module) -> list[Violation]:
+    """The kernel is SiLU-gated with no biases: projections that are bias-free ``nn.Linear`` and (transformers)
+    ``hidden_act == "silu"``."""
+    label = "mlp[adapter]"
+    out = []
+    for proj in _mlp_linears(module):
+        if not isinstance(proj, nn.Linear) or proj.bias is not None:
+            out.append(Violation(label, "gate / up / down are nn.Linear without bias", type(proj).__name__,
+                                 "the kernel reads the projections' weights and has no bias term"))
+            break
+    act = getattr(getattr(module, "config", None), "hidden_act", "silu")
+    if act != "silu":
+        out.append(Violation(label, "hidden_act == 'silu'", act, "the kernel's gate activation is SiLU"))
+    return out
+
+
 def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     x = hidden_states.reshape(-1, self.hidden_dim)
     impl = self._trnkit_guard.choose(x=x, w_router=self.weight, top_k=self.top_k,
@@ -436,6 +475,8 @@ _HF_CLASSES = {
     "Attention": {("transformers.models.qwen3.modeling_qwen3", "Qwen3Attention"),
                   ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeAttention")},
     "TopKRouter": {("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter")},
+    "MLP": {("transformers.models.qwen3.modeling_qwen3", "Qwen3MLP"),
+            ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeMLP")},
     "SigmoidRouter": {("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter"),
                       ("transformers.models.glm4_moe.modeling_glm4_moe", "Glm4MoeTopkRouter")},
     # GPT-OSS's router is not matched: its logits have a bias (router.bias), which router_topk has no
@@ -465,6 +506,8 @@ def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
         return _ModuleAdapter("linear_cross_entropy", _native_loss_forward)
     if _is_native(module, "CausalAttention"):
         return _ModuleAdapter("attention", _native_attention_forward)
+    if _is_native(module, "FeedForward") or _is_hf(module, "MLP"):
+        return _ModuleAdapter("mlp", _mlp_forward, mlp_static)
     if _is_native(module, "RMSNorm") or _is_hf(module, "RMSNorm"):
         return _ModuleAdapter("rmsnorm", _rmsnorm_forward)
     if _is_hf(module, "TopKRouter"):

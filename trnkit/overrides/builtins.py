@@ -277,9 +277,32 @@ def _attention_constraints(q: Tensor, k: Tensor, v: Tensor, scale: float | None 
     return _attr("attention", "attention_constraints")(q, k, v, scale)
 
 
+# ----------------------------------------------------------------------------------------------- mlp
+
+
+def _mlp_ref(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+    return _attr("mlp", "mlp_ref")(x, w_gate_up, w_down)
+
+
+def _mlp_nki(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
+    return _attr("mlp", "mlp")(x, w_gate_up, w_down)
+
+
+def _mlp_ref_bwd(x: Tensor, w_gate_up: Tensor, w_down: Tensor, grad_y: Tensor):
+    return _attr("mlp", "mlp_bwd_ref")(x, w_gate_up, w_down, grad_y)
+
+
+def _mlp_nki_bwd(x: Tensor, w_gate_up: Tensor, w_down: Tensor, grad_y: Tensor):
+    return _attr("mlp", "mlp_bwd")(x, w_gate_up, w_down, grad_y)
+
+
+def _mlp_constraints(x: Tensor, w_gate_up: Tensor, w_down: Tensor, **_: Any) -> list[Violation]:
+    return _attr("mlp", "mlp_constraints")(x, w_gate_up, w_down)
+
+
 def register_builtins() -> None:
     """Register ``reference`` and ``nki`` for every op (idempotent)."""
-    for name in ("rope_hf", "router_topk", "moe", "rmsnorm", "cross_entropy", "attention"):
+    for name in ("rope_hf", "router_topk", "moe", "rmsnorm", "cross_entropy", "attention", "mlp"):
         try:
             _kernel(name)
         except ImportError:  # reported when the impl is first used
@@ -303,6 +326,8 @@ def register_builtins() -> None:
     register("attention", REFERENCE, _attention_ref, backward=_attention_ref_bwd, **ref)
     register("attention", NKI, _attention_nki, backward=_attention_nki_bwd, constraints=_attention_constraints,
              **nki)
+    register("mlp", REFERENCE, _mlp_ref, backward=_mlp_ref_bwd, **ref)
+    register("mlp", NKI, _mlp_nki, backward=_mlp_nki_bwd, constraints=_mlp_constraints, **nki)
 
 
 _ROPE_REF = _rope(ref=True)

@@ -27,8 +27,10 @@ registered on the functional ops with the impl's backward.
   lm_head fused with the cross-entropy summed over the labels that are not ``ignore_index``.
 - ``trnkit::attention(q, k, v, scale, impl) -> (o, lse f32)``: causal GQA attention in the ``[B, S, H, D]``
   layout (``lse [B, Hq, S]``, saved for the backward; it carries no gradient of its own).
+- ``trnkit::mlp(x, w_gate_up, w_down, impl) -> y``: the dense SwiGLU MLP ``(silu(x @ Wg) * (x @ Wu)) @ w_down``,
+  ``x [..., H]``, ``w_gate_up [H, 2I]`` (gate columns first), ``w_down [I, H]``, ``y`` in x's dtype.
 - ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``, ``trnkit::rmsnorm_bwd``,
-  ``trnkit::linear_cross_entropy_bwd``, ``trnkit::attention_bwd``: the backward
+  ``trnkit::linear_cross_entropy_bwd``, ``trnkit::attention_bwd``, ``trnkit::mlp_bwd``: the backward
   kernels as ops of their own, so the backward graph is opaque to torch.compile too.
 
 The ops of kernels that split work over a trn2 logical core (``grouped_mm``, ``moe_experts``, ``rmsnorm``,
@@ -56,7 +58,7 @@ from trnkit.overrides.registry import get_impl
 
 __all__ = ["attention", "attention_bwd", "grouped_mm", "grouped_mm_bwd", "linear_cross_entropy",
            "linear_cross_entropy_bwd", "moe_experts", "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rope_hf",
-           "rope_hf_apply", "router_topk", "router_topk_bwd"]
+           "rope_hf_apply", "router_topk", "router_topk_bwd", "mlp", "mlp_bwd"]
 
 _LAYOUTS = ("bhsd", "bshd")
 
@@ -73,7 +75,7 @@ def _check_layout(layout: str) -> None:
 # Positions of each op's differentiable inputs in its backward's arguments (x, weights, ...).
 _PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0, 1), "moe_experts": (0, 2, 3, 4),
                                         "rmsnorm": (0, 1), "linear_cross_entropy": (0, 1),
-                                        "attention": (0, 1, 2)}
+                                        "attention": (0, 1, 2), "mlp": (0, 1, 2)}
 _PRIMAL_KWARGS = ("b_gate_up", "b_down")  # differentiable keyword arguments (the experts' biases)
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
                   torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
@@ -561,3 +563,49 @@ def _attention_backward(ctx: Any, grad_o: Tensor | None, grad_lse: Tensor | None
 
 
 attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+# ----------------------------------------------------------------------------------------------- mlp
+
+
+@torch.library.custom_op("trnkit::mlp", mutates_args=())
+def mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, impl: str = "reference") -> Tensor:
+    """The dense SwiGLU MLP ``y = (silu(x @ Wg) * (x @ Wu)) @ w_down`` of ``x [..., H]``, ``w_gate_up [H, 2I]``,
+    ``w_down [I, H]``."""
+    y = get_impl("mlp", impl).fn(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous())
+    return y.to(x.dtype).reshape(x.shape).contiguous()
+
+
+@mlp.register_fake
+def _mlp_fake(x, w_gate_up, w_down, impl="reference"):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _mlp_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, w_gate_up, w_down, impl = inputs
+    ctx.save_for_backward(x, w_gate_up, w_down)
+    ctx.impl = impl
+
+
+@torch.library.custom_op("trnkit::mlp_bwd", mutates_args=())
+def mlp_bwd(x: Tensor, w_gate_up: Tensor, w_down: Tensor, grad_y: Tensor,
+            impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of ``trnkit::mlp``: ``(grad_x, grad_w_gate_up, grad_w_down)`` (activations recomputed)."""
+    gx, gwgu, gwd = _run_backward("mlp", impl, x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
+                                  grad_y.contiguous())
+    return (gx.to(x.dtype).reshape(x.shape).contiguous(), gwgu.to(w_gate_up.dtype).contiguous(),
+            gwd.to(w_down.dtype).contiguous())
+
+
+@mlp_bwd.register_fake
+def _mlp_bwd_fake(x, w_gate_up, w_down, grad_y, impl="reference"):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (x, w_gate_up, w_down))
+
+
+def _mlp_backward(ctx: Any, grad_y: Tensor):
+    x, w_gate_up, w_down = ctx.saved_tensors
+    gx, gwgu, gwd = mlp_bwd(x, w_gate_up, w_down, grad_y, ctx.impl)
+    return gx, gwgu, gwd, None
+
+
+mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)

@@ -1,7 +1,7 @@
 """Implementation registry for trnkit's overridable ops.
 
 Every op (``rope_hf``, ``router_topk``, ``grouped_mm``, ``moe_experts``, ``rmsnorm``, ``linear_cross_entropy``,
-``attention``) has named implementations
+``attention``, ``mlp``) has named implementations
 ("impls"): the built-in ``reference`` (torch) and ``nki`` (the NKI kernel: real NKI on a ``neuron``
 device, trnkit's interpreter on CPU), plus any a user registers::
 
@@ -38,6 +38,9 @@ Impl call conventions (the op's canonical signature; the kernels' signatures fro
   (grad_hidden, grad_weight)``.
 - ``attention``: ``fn(q, k, v, scale) -> (o, lse [B, Hq, S] f32)``, causal GQA attention, ``q [B, S, Hq, D]``,
   ``k, v [B, S, Hk, D]``; ``backward(q, k, v, o, lse, grad_o, scale) -> (grad_q, grad_k, grad_v)``.
+- ``mlp``: ``fn(x [..., H], w_gate_up [H, 2I], w_down [I, H]) -> y``, the dense SwiGLU MLP ``(silu(x @ Wg) *
+  (x @ Wu)) @ w_down`` (gate columns first); ``backward(x, w_gate_up, w_down, grad_y) -> (grad_x,
+  grad_w_gate_up, grad_w_down)``.
 
 ``constraints(**inputs) -> list[Violation]`` receives the op's inputs by name (tensors may be fake or
 meta: read shapes, dtypes and devices only, never values).
@@ -75,7 +78,7 @@ __all__ = [
 # backward=True (False, rope_hf: the rotation's transpose is the same kernel).
 OPS: dict[str, bool] = {"rope_hf": False, "router_topk": True, "grouped_mm": True, "moe_experts": True,
                         "rmsnorm": True, "linear_cross_entropy": True,
-                        "attention": True}
+                        "attention": True, "mlp": True}
 POLICIES = ("strict", "fallback", "off")
 REFERENCE = "reference"
 
