@@ -73,6 +73,8 @@ def test_to_toml_round_trip(tmp_path: Path) -> None:
     ("", ["--model.spec", "llama:7b"], r"model\.spec: must be 'qwen3:<flavor>' or 'hf:<path>'"),
     ("", ["--overrides.policy", "strict"], r"overrides\.ops: must name at least one op"),
     ("", ["--overrides.lnc", "3"], r"overrides\.lnc: must be 0 \(detected device\), 1 or 2, got 3"),
+    ("", ["--overrides.block_size", "100"],
+     r"overrides\.block_size: must be one of \(32, 64, 128, 256, 512\), got 100"),
     ("", ["--lr_scheduler.warmup_steps", "-1"], r"warmup_steps: must be >= 0, got -1"),
     ("", ["--training.steps"], r"--training.steps needs a value"),
     ("", ["--parallelism.replicated_init", "false", "--parallelism.tensor_parallel_degree", "2"],

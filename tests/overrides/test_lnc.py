@@ -72,3 +72,23 @@ def test_override_config_lnc_is_checked_and_the_trainer_passes_it() -> None:
     assert override_config(cfg).lnc is None  # 0: the detected device's
     cfg.overrides.lnc = 2
     assert override_config(cfg).lnc == 2
+    assert override_config(cfg).block_size == 128
+    cfg.overrides.block_size = 512
+    assert override_config(cfg).block_size == 512
+    with pytest.raises(ValueError, match=r"OverrideConfig\.block_size must be one of \(32, 64, 128, 256, 512\), got 100"):
+        OverrideConfig(ops=["moe_experts"], block_size=100)
+
+
+def test_block_size_reaches_the_experts_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trnkit.overrides import ops
+
+    seen = []
+    real = ops.moe_experts
+    monkeypatch.setattr(ops, "moe_experts", lambda *a, **kw: seen.append((a[5], kw.get("lnc"))) or real(*a, **kw))
+    model = native_model()
+    apply_overrides(model, OverrideConfig(ops=["moe_experts"], block_size=64, lnc=2, dry_run=False))
+    try:
+        model(TOKENS)
+    finally:
+        revert(model)
+    assert seen == [(64, 2)]  # one MoE layer: its block size and lnc from the config

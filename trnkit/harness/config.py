@@ -160,8 +160,10 @@ class OverridesConfig:
     ops: list[str] = field(default_factory=list)
     policy: Literal["strict", "fallback", "off"] = "off"
     impl: str = "nki"
-    # Physical cores per MoE kernel launch: 1, 2 (a trn2 logical core), 0 = from the detected device.
+    # Physical cores per kernel launch: 1, 2 (a trn2 logical core), 0 = from the detected device.
     lnc: int = 0
+    # moe_experts token block (rows per expert block, fwd and bwd): 32, 64, 128, 256 or 512.
+    block_size: int = 128
     # Python modules imported before `impl` is resolved, e.g. ["my_pkg.my_kernels"]: they register
     # their own impls with trnkit.overrides.register (see examples/my_kernels.py).
     plugins: list[str] = field(default_factory=list)
@@ -482,6 +484,10 @@ def _validate(cfg: TrainerConfig) -> None:
         req(all(part.isidentifier() for part in name.split(".")), f"overrides.plugins[{i}]",
             "must be a dotted Python module name (e.g. 'my_pkg.my_kernels')", name)
     req(cfg.overrides.lnc in (0, 1, 2), "overrides.lnc", "must be 0 (detected device), 1 or 2", cfg.overrides.lnc)
+    from trnkit.kernels.moe import BLOCK_SIZES  # noqa: PLC0415 - the kernels load only when a config is checked
+
+    req(cfg.overrides.block_size in BLOCK_SIZES, "overrides.block_size", f"must be one of {BLOCK_SIZES}",
+        cfg.overrides.block_size)
     if cfg.overrides.policy != "off":
         req(len(cfg.overrides.ops) > 0, "overrides.ops", f"must name at least one op when policy is "
             f"{cfg.overrides.policy!r}", cfg.overrides.ops)

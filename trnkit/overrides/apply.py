@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from trnkit.errors import TrnkitError
 from trnkit.kernels.constraints import Violation
 from trnkit.kernels.lnc import LNC_VALUES
-from trnkit.kernels.moe import from_hf_v5
+from trnkit.kernels.moe import BLOCK_SIZES, from_hf_v5
 from trnkit.overrides import ops
 from trnkit.overrides.registry import (
     POLICIES,
@@ -111,6 +111,8 @@ class OverrideConfig:
         self.ops = tuple(self.ops)
         if self.lnc is not None and (isinstance(self.lnc, bool) or self.lnc not in LNC_VALUES):
             raise ValueError(f"OverrideConfig.lnc must be one of {LNC_VALUES} or None, got {self.lnc!r}")
+        if isinstance(self.block_size, bool) or self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"OverrideConfig.block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}")
         bad = [op for op in self.ops if op not in SWAPPABLE_OPS]
         if bad:
             raise ValueError(f"OverrideConfig.ops: unknown op(s) {bad}; swappable ops are {list(SWAPPABLE_OPS)}")
