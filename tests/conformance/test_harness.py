@@ -270,3 +270,40 @@ def test_a_multi_rank_case_compares_every_rank(fake_checkout):
     assert row.result == harness.PASS and row.max_abs_err == 0.0, row.message
     wrong = harness.run_case(Case(**{**case.__dict__, "reference": f"{__name__}:swapped_ref"}), fake_checkout)
     assert wrong.result == harness.MISMATCH and wrong.max_abs_err == 64.0  # rank 2's rows vs rank 0's
+
+
+BROKEN_DOCSTRING = '''def kernel(x):
+    """Doubles x.
+
+    Notes:
+        Runs on one core.
+        Any dtype.
+    """
+
+        Runs on one core.
+        Any dtype.
+    """
+    return 2 * x
+
+
+def other(x):
+    """
+    Unrelated docstring.
+    """
+    return x
+'''
+
+
+def test_a_repeated_docstring_tail_is_dropped_and_nothing_else():
+    """nki-library's core/mlp/mlp.py at d2ad3a5 repeats its docstring's tail after the closing quotes."""
+    import ast
+
+    with pytest.raises(SyntaxError):
+        ast.parse(BROKEN_DOCSTRING)
+    fixed = harness.drop_repeated_docstring_tail(BROKEN_DOCSTRING)
+    namespace: dict = {}
+    exec(compile(fixed, "<fixed>", "exec"), namespace)
+    assert namespace["kernel"](3) == 6 and namespace["other"](3) == 3
+    assert fixed.count("Runs on one core.") == 1 and fixed.count("Unrelated docstring.") == 1
+    unrelated = 'def f():\n    """\n    a\n    """\n    return 1\n'  # nothing repeated: unchanged
+    assert harness.drop_repeated_docstring_tail(unrelated) == unrelated

@@ -254,6 +254,20 @@ def test_bn_stats_rules() -> None:
         vector.bn_aggr(f32(4, 3), f32(4, 6))
 
 
+def test_range_select_fill_is_an_fp32_immediate() -> None:
+    """nki-library's attention kernels pass the literal -3.4028235e38 (a double one ulp away from
+    finfo(float32).min that rounds to it): accepted; a value rounding elsewhere is refused."""
+    src, lo, hi = f32(4, 8), f32(4, 1), f32(4, 1)
+    src.np()[...] = np.arange(32, dtype=np.float32).reshape(4, 8)
+    lo.np()[...], hi.np()[...] = 2.0, 5.0
+    dst = f32(4, 8)
+    vector.range_select(dst, src, nl.greater_equal, nl.less, lo, hi, on_false_value=-3.4028235e38)
+    expect = np.where((np.arange(8) >= 2) & (np.arange(8) < 5), src.np(), np.finfo(np.float32).min)
+    np.testing.assert_array_equal(dst.np(), expect)
+    with _raises(r"range_select: on_false_value must be FP32_MIN \(.*\) as an fp32 immediate, got -3.4e\+38"):
+        vector.range_select(f32(4, 8), src, nl.greater_equal, nl.less, lo, hi, on_false_value=-3.4e38)
+
+
 def test_select_and_scan_rules() -> None:
     with _raises(r"range_select: on_false_value must be FP32_MIN"):
         vector.range_select(f32(4, 8), f32(4, 8), nl.less, nl.less, f32(4, 1), f32(4, 1), on_false_value=0.0)

@@ -20,8 +20,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .cases_attention import attention_cases
 from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
+from .cases_mlp import mlp_cases
 from .cases_projection import projection_cases
 from .harness import Case
 
@@ -475,7 +477,7 @@ def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
-            + collective_cases())
+            + attention_cases() + mlp_cases() + collective_cases())
 
 
 def case_id(case: Case) -> str:
@@ -505,6 +507,11 @@ FAST = (
     "experimental/conv/depthwise_conv1d|depthwise bf16 stride=2 pad=5,5|lnc2|img[1,256,1,512] k=64",
     "core/output_projection/tkg|bf16 bias TRANSPOSE_OUT|lnc2|B=4 heads=8 S=4 d=64 H=3072",
     "core/output_projection/tkg|bf16 bias TRANSPOSE_OUT (must reject)|lnc2|B=4 heads=10 S=8 d=128 H=602",
+    "core/attention/attention_cte|apc bf16 causal tp_q tp_k tp_out prior=2048/1920|lnc2|bs=1/1 Sq=256 Skv=256 d=128",
+    "core/attention/attention_cte|vnc fp32 tp_q|lnc2|bs=2/2 Sq=577 Skv=577 d=88",
+    "core/attention/attention_bwd|packed bf16 seqs=128+384 causal sw=64|lnc1|b=1 heads=1/1 S=512 d=128",
+    "core/attention/attention_bwd|packed bf16 seqs=128+128 causal wrong_dtype (must reject)|lnc1|b=1 heads=1/1 S=256 d=128",
+    "core/mlp/mlp_cte|bf16 x fp8 no_norm GELU skip_gate|lnc2|B=1 S=578 H=1408 I=352",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",
 )

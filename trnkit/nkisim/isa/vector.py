@@ -829,8 +829,11 @@ def range_select(dst: NkiTensor, on_true_tile: NkiTensor, comp_op0: Any, comp_op
     check_same_layout(OP, "on_true_tile", on_true_tile, "dst", dst)
     require(dtypes.is_float(on_true_tile.dtype), OP, "on_true_tile must have a float dtype, got {dtype}",
             dtype=on_true_tile.dtype.name)
-    require(float(on_false_value) == FP32_MIN, OP, "on_false_value must be FP32_MIN ({fmin}), got "
-            "{v!r}", fmin=FP32_MIN, v=on_false_value)
+    # NKI ISA reference (range_select): on_false_value "must be FP32_MIN". The field is an fp32
+    # immediate, so a Python float that rounds to it in fp32 is that value: nki-library's attention
+    # kernels (tested on trn2) pass the literal -3.4028235e38, one double away from finfo's.
+    require(_F32(on_false_value) == _F32(FP32_MIN), OP, "on_false_value must be FP32_MIN ({fmin}) as an "
+            "fp32 immediate, got {v!r}", fmin=FP32_MIN, v=on_false_value)
     require(isinstance(range_start, (int, np.integer)), OP, "range_start must be a compile-time int, "
             "got {v!r}", v=range_start)
     P = on_true_tile.shape[0]
