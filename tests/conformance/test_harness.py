@@ -307,3 +307,19 @@ def test_a_repeated_docstring_tail_is_dropped_and_nothing_else():
     assert fixed.count("Runs on one core.") == 1 and fixed.count("Unrelated docstring.") == 1
     unrelated = 'def f():\n    """\n    a\n    """\n    return 1\n'  # nothing repeated: unchanged
     assert harness.drop_repeated_docstring_tail(unrelated) == unrelated
+
+
+def test_neuron_dtypes_imports_inside_the_run_and_every_use_names_it(fake_checkout):
+    """nki-library's mx_torch_common imports AWS's neuron_dtypes (not installable) at the top; its
+    unquantized references never use it. Inside the run the import works; a use raises."""
+    import importlib.util
+
+    if importlib.util.find_spec("neuron_dtypes") is not None:
+        pytest.skip("the real neuron_dtypes is installed")
+    with harness.nki_is_interpreter(fake_checkout):
+        import neuron_dtypes
+
+        with pytest.raises(NotImplementedError, match=r"neuron_dtypes.static_cast: AWS's neuron_dtypes package "
+                                                      r"is not installable"):
+            neuron_dtypes.static_cast(np.zeros(2), np.float32)
+    assert "neuron_dtypes" not in sys.modules

@@ -511,6 +511,7 @@ FAST = (
     "core/attention/attention_cte|vnc fp32 tp_q|lnc2|bs=2/2 Sq=577 Skv=577 d=88",
     "core/attention/attention_bwd|packed bf16 seqs=128+384 causal sw=64|lnc1|b=1 heads=1/1 S=512 d=128",
     "core/attention/attention_bwd|packed bf16 seqs=128+128 causal wrong_dtype (must reject)|lnc1|b=1 heads=1/1 S=256 d=128",
+    "core/output_projection/cte|bf16 bias|lnc2|B=1 S=128 H=3072 heads=17 d=10",
     "core/mlp/mlp_cte|bf16 x fp8 no_norm GELU skip_gate|lnc2|B=1 S=578 H=1408 I=352",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",

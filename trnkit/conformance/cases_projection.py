@@ -71,5 +71,40 @@ def _tkg_cases() -> list[Case]:
     return cases
 
 
+# -- output_projection_cte (test_output_proj_cte.py, test_output_proj_cte_bf16_unit) ----------------
+# batch, seqlen, hidden, n_head, d_head, test_bias (rows of OUTPUT_PROJ_CTE_UNIT_CASES)
+_CTE = [
+    (1, 16, 5120, 10, 128, True), (1, 128, 3072, 16, 64, True), (1, 1024, 3072, 16, 64, True),
+    (1, 2048, 3072, 16, 64, True), (1, 128, 3072, 16, 10, True), (1, 128, 3072, 17, 10, True),
+    (1, 128, 3072, 8, 32, True), (1, 128, 8192, 1, 128, False), (1, 512, 8192, 2, 128, False),
+    (1, 2048, 8192, 1, 128, False), (1, 1024, 1024, 1, 64, False), (1, 1024, 8192, 1, 64, False),
+    (1, 1024, 20480, 3, 128, False), (1, 10240, 3072, 8, 64, True),
+]
+
+
+def _cte_inputs(b: int, s: int, h: int, n: int, d: int, bias: bool) -> Callable[[], dict[str, Any]]:
+    """The test's ``generate_output_proj_cte_inputs`` (unquantized): ``np_random_sample()`` (seed 0)
+    draws the attention then the weight, cast to bf16; the bias from ``default_rng(0)`` x 100."""
+    def make() -> dict[str, Any]:
+        np.random.seed(0)
+        attention = np.random.random_sample((b, n, d, s)).astype(BF16)
+        bias_t = (np.random.default_rng(0).normal(size=(1, h)) * 100).astype(BF16) if bias else None
+        weight = np.random.random_sample((n * d, h)).astype(BF16)
+        quant = importlib.import_module(f"{LIB}.utils.common_types").QuantizationType.NONE
+        return {"attention": attention, "weight": weight, "bias": bias_t, "quantization_type": quant,
+                "input_scales": None, "weight_scales": None}
+    return make
+
+
+def _cte_cases() -> list[Case]:
+    module = f"{LIB}.output_projection.output_projection_cte"
+    return [Case(
+        kernel="core/output_projection/cte", name="bf16" + (" bias" if bias else ""),
+        shapes=f"B={b} S={s} H={h} heads={n} d={d}", entry=f"{module}:output_projection_cte",
+        reference=f"{module}.output_projection_cte_torch:output_projection_cte_torch_ref",
+        inputs=_cte_inputs(b, s, h, n, d, bias), outputs=("out",), lnc=2, rtol=2e-2, atol=1e-5,
+        test_file=f"{TESTS}/test_output_proj_cte.py") for b, s, h, n, d, bias in _CTE]
+
+
 def projection_cases() -> list[Case]:
-    return _tkg_cases()
+    return _tkg_cases() + _cte_cases()

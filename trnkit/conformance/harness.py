@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -180,6 +181,29 @@ def nkilib_commit(root: Path) -> str:
     return out.stdout.strip() or "unknown"
 
 
+class _MissingNeuronDtypes(types.ModuleType):
+    """Stands in for AWS's ``neuron_dtypes`` (not installable): importing works, every use raises."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise NotImplementedError(f"neuron_dtypes.{name}: AWS's neuron_dtypes package is not installable; "
+                                  "this path of nki-library's code needs it")
+
+
+def _neuron_dtypes_shim() -> types.ModuleType | None:
+    """Some nki-library reference modules import ``neuron_dtypes`` at the top but only use it on their
+    fp8 / MX paths; without the package, install :class:`_MissingNeuronDtypes` (returned) so the
+    other paths run and any use names the package."""
+    import importlib.util  # noqa: PLC0415
+
+    if "neuron_dtypes" in sys.modules or importlib.util.find_spec("neuron_dtypes") is not None:
+        return None
+    shim = _MissingNeuronDtypes("neuron_dtypes")
+    sys.modules["neuron_dtypes"] = shim
+    return shim
+
+
 @contextlib.contextmanager
 def nki_is_interpreter(root: Path) -> Iterator[None]:
     """``import nki`` resolves to the interpreter (:func:`trnkit.nkisim.install_as_nki`) and
@@ -190,9 +214,12 @@ def nki_is_interpreter(root: Path) -> Iterator[None]:
     src = str(root / "src")
     sys.path.insert(0, src)
     uninstall = nkisim.install_as_nki()
+    shim = _neuron_dtypes_shim()
     try:
         yield
     finally:
+        if shim is not None and sys.modules.get("neuron_dtypes") is shim:
+            del sys.modules["neuron_dtypes"]
         uninstall()
         sys.path.remove(src)
         for k in [k for k in sys.modules if k.split(".")[0] == "nkilib_src"]:
