@@ -238,10 +238,10 @@ class GroupedExperts(nn.Module):
                              f"got {tuple(x.shape)}, {tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")
         T, K = topk_idx.shape
         flat_idx = topk_idx.reshape(-1)
-        if not torch.compiler.is_compiling() and flat_idx.numel() and not (
-                0 <= int(flat_idx.min()) and int(flat_idx.max()) < self.num_experts):
-            raise ValueError(f"GroupedExperts: expert ids must be in [0, {self.num_experts}), got "
-                             f"[{int(flat_idx.min())}, {int(flat_idx.max())}]")
+        if not torch.compiler.is_compiling() and flat_idx.numel():
+            lo, hi = torch.stack(torch.aminmax(flat_idx)).tolist()  # one host sync per call
+            if not (0 <= lo and hi < self.num_experts):
+                raise ValueError(f"GroupedExperts: expert ids must be in [0, {self.num_experts}), got [{lo}, {hi}]")
         order = torch.argsort(flat_idx, stable=True)
         counts = torch.bincount(flat_idx, minlength=self.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
