@@ -59,29 +59,10 @@ def heads_per_pass(S, D, G, itemsize=4):
     return cdiv(G, cdiv(G, fit))
 
 
-def _q_side(q, do, b, h, cache):
-    """Head h's ``Q``, ``dO`` ``[P, nqt, D]`` (row ``t*P + p`` at ``[p, t]``) and ``Q^T``, ``dO^T`` ``[D, S]``
-    for the whole pass (``cache``), else None."""
-    if not cache:
-        return None
-    S, D = q.shape[1], q.shape[3]
-    nqt = cdiv(S, P)
-    out = []
-    for x in (q, do):
-        nat = nl.ndarray((P, nqt, D), dtype=x.dtype, buffer=nl.sbuf)
-        _load_tiles(nat, x, b, h)
-        xT = nl.ndarray((D, nqt * P), dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=xT[:, 0:S], src=rows(x, b, 0, S, h))
-        out.append([nat, xT])
-    return out
-
-
-def _load_tiles(dst, x, b, h, t0=0, nt=None):
+def _load_tiles(dst, x, b, h, t0, nt):
     """``x``'s head h, query tiles ``t0 .. t0 + nt`` into ``dst [P, nt, D]`` (full tiles in one DMA, a
     short last tile in another)."""
     S = x.shape[1]
-    if nt == None:  # noqa: E711 (NKI rejects `is`)
-        nt = cdiv(S, P)
     nfull = min(nt, S // P - t0)
     if nfull > 0:
         nisa.dma_copy(dst=dst[:, 0:nfull, :], src=tiles_view(x, b, t0 * P, nfull, h))
@@ -90,12 +71,26 @@ def _load_tiles(dst, x, b, h, t0=0, nt=None):
         nisa.dma_copy(dst=dst[0:S - r0, nfull, :], src=rows(x, b, r0, S - r0, h))
 
 
-def _q_stats(o, do, lse, b, h, nqt, qs):
-    """``-lse`` and ``-delta`` (``delta = rowsum(dO * O)``) of head h, ``[P, nqt]`` fp32 (row ``t*P + p``
-    at ``[p, t]``); O and dO go in chunks of QCHUNK tiles (dO from the pass's cache ``qs`` if any)."""
+def _delta(negdelta, o_t, do_t, t0, nt, S):
+    """``-delta = -rowsum(dO * O)`` of query tiles ``t0 .. t0 + nt`` (``o_t``, ``do_t`` ``[P, nt, D]``) into
+    columns ``t0 ..`` of ``negdelta``."""
+    D = o_t.shape[2]
+    for t in range(nt):
+        nq = min(P, S - (t0 + t) * P)
+        prod = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=prod[0:nq, :], data1=o_t[0:nq, t, :], data2=do_t[0:nq, t, :], op=nl.multiply)
+        nisa.tensor_reduce(dst=negdelta[0:nq, t0 + t:t0 + t + 1], op=nl.add, data=prod[0:nq, :], axis=1, negate=True)
+
+
+def _head_setup(ins, b, h, nqt, cache):
+    """Head h's loads for a pass: ``lse`` ``[P, nqt]`` fp32 (row ``t*P + p`` at ``[p, t]``) and, with
+    ``cache``, its ``O``, ``Q``, ``dO`` ``[P, nqt, D]`` and ``Q^T``, ``dO^T`` ``[D, S]`` (per QCHUNK tiles, the
+    last chunk first: the order the blocks use them); the row statistics ``-lse``, ``-delta`` are formed
+    by :func:`_head_stats` when the blocks first need them (so the engines' in-order queues do not wait on
+    loads the current blocks do not use). Without ``cache`` the statistics are formed here, chunk by chunk."""
+    q, do, o, lse = ins[0], ins[4], ins[3], ins[5]
     S, D = o.shape[1], o.shape[3]
-    neglse = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
-    negdelta = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
+    hd = {"stats": None, "qs": None, "o": None, "done": None}
     nfull = S // P
     lse_t = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
     base = (b * lse.shape[1] + h) * S
@@ -104,47 +99,84 @@ def _q_stats(o, do, lse, b, h, nqt, qs):
     if nfull < nqt:
         rem = S - nfull * P
         nisa.dma_copy(dst=lse_t[0:rem, nfull:nqt], src=lse.ap(pattern=[[1, rem], [1, 1]], offset=base + nfull * P))
-    for c in range(cdiv(nqt, QCHUNK)):
-        t0 = c * QCHUNK
+    hd["lse"] = lse_t
+    negdelta = None
+    if cache:
+        hd["o"] = nl.ndarray((P, nqt, D), dtype=o.dtype, buffer=nl.sbuf)
+        qs = []
+        for x in (q, do):
+            qs.append([nl.ndarray((P, nqt, D), dtype=x.dtype, buffer=nl.sbuf),
+                       nl.ndarray((D, nqt * P), dtype=x.dtype, buffer=nl.sbuf)])
+        hd["qs"] = qs
+    else:
+        negdelta = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
+    nchunk = cdiv(nqt, QCHUNK)
+    for ci in range(nchunk):
+        t0 = (nchunk - 1 - ci) * QCHUNK
         nt = min(QCHUNK, nqt - t0)
-        o_t = nl.ndarray((P, QCHUNK, D), dtype=o.dtype, buffer=nl.sbuf)
-        _load_tiles(o_t, o, b, h, t0, nt)
-        if qs != None:  # noqa: E711
-            do_t = qs[1][0][:, t0:t0 + nt, :]
+        r0 = t0 * P
+        if cache:
+            _load_tiles(hd["o"][:, t0:t0 + nt, :], o, b, h, t0, nt)
+            for xi in range(2):
+                x = (q, do)[xi]
+                _load_tiles(hd["qs"][xi][0][:, t0:t0 + nt, :], x, b, h, t0, nt)
+                nrows = min(nt * P, S - r0)
+                nisa.dma_transpose(dst=hd["qs"][xi][1][:, r0:r0 + nrows], src=rows(x, b, r0, nrows, h))
         else:
+            o_c = nl.ndarray((P, QCHUNK, D), dtype=o.dtype, buffer=nl.sbuf)
+            _load_tiles(o_c, o, b, h, t0, nt)
             do_c = nl.ndarray((P, QCHUNK, D), dtype=do.dtype, buffer=nl.sbuf)
             _load_tiles(do_c, do, b, h, t0, nt)
-            do_t = do_c[:, 0:nt, :]
-        for t in range(nt):
-            nq = min(P, S - (t0 + t) * P)
-            prod = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=prod[0:nq, :], data1=o_t[0:nq, t, :], data2=do_t[0:nq, t, :], op=nl.multiply)
-            nisa.tensor_reduce(dst=negdelta[0:nq, t0 + t:t0 + t + 1], op=nl.add, data=prod[0:nq, :], axis=1,
-                               negate=True)
+            _delta(negdelta, o_c, do_c, t0, nt, S)
+    if not cache:
+        hd["stats"] = [_neg_lse(lse_t, S), negdelta]
+    return hd
+
+
+def _neg_lse(lse_t, S):
+    """``-lse`` (``[P, nqt]`` fp32) of the loaded ``lse_t``."""
+    nqt = lse_t.shape[1]
+    nfull = S // P
+    neglse = nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)
     if nfull > 0:
         nisa.tensor_scalar(dst=neglse[:, 0:nfull], data=lse_t[:, 0:nfull], op0=nl.multiply, operand0=-1.0)
     if nfull < nqt:
         rem = S - nfull * P
         nisa.tensor_scalar(dst=neglse[0:rem, nfull:nqt], data=lse_t[0:rem, nfull:nqt], op0=nl.multiply,
                            operand0=-1.0)
-    return neglse, negdelta
+    return neglse
+
+
+def _head_stats(hd, S, qt):
+    """A cached head's row statistics ``[-lse, -delta]``, ``-delta`` formed per QCHUNK tiles when a block of
+    query tile ``qt``'s chunk first needs it."""
+    nqt = hd["lse"].shape[1]
+    if hd["stats"] == None:  # noqa: E711 (NKI rejects `is`)
+        hd["stats"] = [_neg_lse(hd["lse"], S), nl.ndarray((P, nqt), dtype=nl.float32, buffer=nl.sbuf)]
+        hd["done"] = []
+        for c in range(cdiv(nqt, QCHUNK)):
+            hd["done"].append(False)
+    c = qt // QCHUNK
+    if not hd["done"][c]:
+        t0 = c * QCHUNK
+        nt = min(QCHUNK, nqt - t0)
+        _delta(hd["stats"][1], hd["o"][:, t0:t0 + nt, :], hd["qs"][1][0][:, t0:t0 + nt, :], t0, nt, S)
+        hd["done"][c] = True
+    return hd["stats"]
 
 
 def _load_kv_block(k, v, b, j, kb0, w):
-    """The key block's ``K^T``, ``V^T`` ``[D, w]`` (DMA transpose) and ``K`` ``[P, nsub, D]`` (PE transposes
-    of K^T: key ``kb0 + c*P + p`` at ``[p, c]``)."""
+    """The key block's ``K^T``, ``V^T`` ``[D, w]`` (DMA transpose) and ``K`` ``[P, nsub, D]`` (key
+    ``kb0 + c*P + p`` at ``[p, c]``): DMAs only, so the next block's can be issued ahead of this one's work."""
     D = k.shape[3]
     kT = nl.ndarray((D, KB), dtype=k.dtype, buffer=nl.sbuf)
     nisa.dma_transpose(dst=kT[:, 0:w], src=rows(k, b, kb0, w, j))
     vT = nl.ndarray((D, KB), dtype=v.dtype, buffer=nl.sbuf)
     nisa.dma_transpose(dst=vT[:, 0:w], src=rows(v, b, kb0, w, j))
-    nsub = cdiv(w, P)
-    k_nat = nl.ndarray((P, nsub, D), dtype=k.dtype, buffer=nl.sbuf)
-    for c in range(nsub):
-        kc = min(P, w - c * P)
-        k_ps = nl.ndarray((P, D), dtype=k.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=k_ps[0:kc, :], data=kT[:, c * P:c * P + kc])
-        nisa.tensor_copy(dst=k_nat[0:kc, c, :], src=k_ps[0:kc, :])
+    k_nat = nl.ndarray((P, cdiv(w, P), D), dtype=k.dtype, buffer=nl.sbuf)
+    views = _key_views(k, b, kb0, w, j, k_nat)
+    for vi in range(len(views)):
+        nisa.dma_copy(dst=views[vi][1], src=views[vi][0])
     return kT, vT, k_nat
 
 
@@ -177,7 +209,7 @@ def _st_scores(blk, ctx):
     q, do, b, kv = ctx["q"], ctx["do"], ctx["b"], ctx["kv"]
     h, r0, nq, w = blk["h"], blk["r0"], blk["nq"], blk["w"]
     D = q.shape[3]
-    qs = ctx["qs"][blk["hi"]]
+    qs = ctx["heads"][blk["hi"]]["qs"]
     if qs != None:  # noqa: E711 (the pass's cached q-side tiles)
         qT, doT = qs[0][1][:, r0:r0 + nq], qs[1][1][:, r0:r0 + nq]
         q_t, do_t = qs[0][0][:, blk["qt"], :], qs[1][0][:, blk["qt"], :]
@@ -203,7 +235,7 @@ def _st_probs(blk, ctx):
     to stage 3)."""
     nq, w, t, hi = blk["nq"], blk["w"], blk["qt"], blk["hi"]
     pdt = ctx["pdt"]
-    neglse, negdelta = ctx["stats"][hi]
+    neglse, negdelta = ctx["heads"][hi]["stats"]
     p_sb = nl.ndarray((nq, w), dtype=pdt, buffer=nl.sbuf)
     nisa.activation(dst=p_sb, op=nl.exp, data=blk["s"], bias=neglse[0:nq, t:t + 1], scale=ctx["scale"])
     load = ctx["load"]
@@ -238,7 +270,7 @@ def _st_ds(blk, ctx):
     if blk["dpm"] != None:  # noqa: E711 (NKI rejects `is`)
         nisa.tensor_tensor(dst=ds, data1=blk["p"], data2=blk["dpm"], op=nl.multiply)
     else:
-        negdelta = ctx["stats"][blk["hi"]][1]
+        negdelta = ctx["heads"][blk["hi"]]["stats"][1]
         nisa.scalar_tensor_tensor(dst=ds, data=blk["dp"], op0=nl.add, operand0=negdelta[0:nq, blk["qt"]:blk["qt"] + 1],
                                   op1=nl.multiply, operand1=blk["p"])
         blk["dp"] = None
@@ -386,6 +418,8 @@ def _run_blocks(blocks, ctx):
     dP - delta (t-1), dS^T copies (t-3); Vector dS (t-2), the dQ sum (t-4), dS^T copies (t-3)."""
     for t in range(len(blocks) + 4):
         if _at(blocks, t) != None:  # noqa: E711
+            if ctx["heads"][blocks[t]["hi"]]["o"] != None:  # noqa: E711 (a cached head: statistics on first use)
+                _head_stats(ctx["heads"][blocks[t]["hi"]], ctx["q"].shape[1], blocks[t]["qt"])
             _st_scores(blocks[t], ctx)
         if _at(blocks, t - 1) != None:  # noqa: E711
             _st_probs(blocks[t - 1], ctx)
@@ -414,18 +448,20 @@ def _bwd_unit(unit, ins, outs, scale):
         for g in range(g0 + pi * hpp, min(g0 + ng, g0 + (pi + 1) * hpp)):
             heads.append(j * G + g)
         cache = cache_q_side(S, D, itemsize)
-        stats = []
-        qside = []
+        nkb = cdiv(S, KB)
+        kv_next = _load_kv_block(k, v, b, j, 0, min(KB, S))  # first: the first block needs it
+        hds = []
         for hi in range(len(heads)):
-            qside.append(_q_side(q, do, b, heads[hi], cache))
-            stats.append(_q_stats(o, do, lse, b, heads[hi], nqt, qside[hi]))
-        ctx["stats"], ctx["qs"] = stats, qside
+            hds.append(_head_setup(ins, b, heads[hi], nqt, cache))
+        ctx["heads"] = hds
         ctx["dq_acc"] = nl.ndarray((P, len(heads) * nqt, D), dtype=nl.float32, buffer=nl.sbuf)
-        for kb in range(cdiv(S, KB)):
+        for kb in range(nkb):
             kb0 = kb * KB
             w = min(KB, S - kb0)
             ctx["kb0"] = kb0
-            ctx["kv"] = _load_kv_block(k, v, b, j, kb0, w)
+            ctx["kv"] = kv_next
+            if kb + 1 < nkb:  # the next key block's loads go ahead of this block's work and stores
+                kv_next = _load_kv_block(k, v, b, j, kb0 + KB, min(KB, S - kb0 - KB))
             ctx["dkT"] = nl.ndarray((D, w), dtype=nl.float32, buffer=nl.psum)
             ctx["dvT"] = nl.ndarray((D, w), dtype=nl.float32, buffer=nl.psum)
             _run_blocks(_blocks(S, kb0, heads, nqt), ctx)
