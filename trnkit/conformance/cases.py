@@ -23,6 +23,7 @@ import numpy as np
 from .cases_attention import attention_cases
 from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
+from .cases_loss import loss_cases
 from .cases_mlp import mlp_cases
 from .cases_projection import projection_cases
 from .harness import Case
@@ -477,7 +478,8 @@ def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
-            + attention_cases() + mlp_cases() + collective_cases())
+            + attention_cases() + mlp_cases() + loss_cases()
+            + collective_cases())
 
 
 def case_id(case: Case) -> str:
@@ -512,6 +514,8 @@ FAST = (
     "core/attention/attention_bwd|packed bf16 seqs=128+384 causal sw=64|lnc1|b=1 heads=1/1 S=512 d=128",
     "core/attention/attention_bwd|packed bf16 seqs=128+128 causal wrong_dtype (must reject)|lnc1|b=1 heads=1/1 S=256 d=128",
     "core/output_projection/cte|bf16 bias|lnc2|B=1 S=128 H=3072 heads=17 d=10",
+    "experimental/loss/cross_entropy_forward|switch_transformers_fast bfloat16 PB=1 CS=32128|lnc2|B=1 T=1 V=32128",
+    "experimental/loss/cross_entropy_backward|switch_transformers_fast bfloat16 PB=1 CS=16384 mean|lnc2|B=1 T=1 V=32128",
     "core/mlp/mlp_cte|bf16 x fp8 no_norm GELU skip_gate|lnc2|B=1 S=578 H=1408 I=352",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",
