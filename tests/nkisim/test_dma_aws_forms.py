@@ -36,6 +36,23 @@ def test_a_transpose_with_a_non_unit_second_dim_is_still_refused():
         nisa.dma_transpose(dst=nl.ndarray((128, 2, 3, 128), BF16, buffer=nl.sbuf), src=src)
 
 
+def test_transpose_with_static_dma_dge_mode_none():
+    """mlp_tkg's gate/up bias load (run by moe_tkg, tested on trn2): a [n, 1, 1, I0] view transposed
+    to [I0, 1, 1, n] with ``dge_mode=3`` (none); swdge stays refused, none keeps unknown's shape rules."""
+    b = RNG.standard_normal((3, 128)).astype(BF16)
+    src = from_array(b, nl.hbm, "bias").ap(pattern=[[128, 3], [1, 1], [1, 1], [1, 128]], offset=0)
+    dst = nl.ndarray((128, 3), BF16, buffer=nl.sbuf, name="biasT")
+    nisa.dma_transpose(dst=dst.ap(pattern=[[3, 128], [1, 1], [1, 1], [1, 3]], offset=0), src=src, dge_mode=3)
+    np.testing.assert_array_equal(dst.np(), b.T)
+    with pytest.raises(NkiValidationError, match=r"dma_transpose: dge_mode=none: src shape \(128, 2, 3, 128\)"):
+        nisa.dma_transpose(dst=nl.ndarray((128, 2, 3, 128), BF16, buffer=nl.sbuf), dge_mode=3,
+                           src=from_array(np.zeros((128, 2, 3, 128), BF16), nl.hbm, "x"))
+    with pytest.raises(NkiValidationError, match=r"dma_transpose: the only valid dge_modes are unknown, hwdge and "
+                       r"none \(static\), got dge_mode.swdge"):
+        nisa.dma_transpose(dst=nl.ndarray((128, 3), BF16, buffer=nl.sbuf), src=from_array(b.T.copy(), nl.hbm, "b"),
+                           dge_mode=nisa.dge_mode.swdge)
+
+
 def test_dge_mode_given_as_its_raw_value():
     """norm_tkg_utils.py / qkv_tkg.py / mlp_tkg: ``_DGE_MODE_NONE = 3`` passed as dge_mode."""
     x = RNG.standard_normal((4, 8)).astype(np.float32)

@@ -25,7 +25,9 @@ from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
 from .cases_loss import loss_cases
 from .cases_mlp import mlp_cases
+from .cases_moe_tkg import moe_tkg_cases
 from .cases_projection import projection_cases
+from .cases_qkv import qkv_cases
 from .harness import Case
 
 __all__ = ["all_cases", "case_id", "FAST", "SLOW_ONLY", "fast_cases"]
@@ -478,8 +480,8 @@ def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
-            + attention_cases() + mlp_cases() + loss_cases()
-            + collective_cases())
+            + attention_cases() + mlp_cases() + loss_cases() + moe_tkg_cases()
+            + qkv_cases() + collective_cases())
 
 
 def case_id(case: Case) -> str:
@@ -516,6 +518,9 @@ FAST = (
     "core/output_projection/cte|bf16 bias|lnc2|B=1 S=128 H=3072 heads=17 d=10",
     "experimental/loss/cross_entropy_forward|switch_transformers_fast bfloat16 PB=1 CS=32128|lnc2|B=1 T=1 V=32128",
     "experimental/loss/cross_entropy_backward|switch_transformers_fast bfloat16 PB=1 CS=16384 mean|lnc2|B=1 T=1 V=32128",
+    "core/moe/moe_tkg|all experts Swish post_scale clamp bias|lnc2|T=4 H=3072 I=192 E=4",
+    "core/moe/moe_tkg|top-1 Swish post_scale clamp bias|lnc2|T=3 H=512 I=128 E=2",
+    "core/qkv/qkv_cte|accuracy bf16 rms_norm BSD dma_transpose fused_add|lnc1|B=1 S=128 H=512 I=512",
     "core/mlp/mlp_cte|bf16 x fp8 no_norm GELU skip_gate|lnc2|B=1 S=578 H=1408 I=352",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",

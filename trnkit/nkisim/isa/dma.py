@@ -172,7 +172,8 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
     Rules (``nki.isa.dma_transpose`` docstring, NKI 0.6 = aws-neuron-sdk@81ce03ae
     ``nki/api/nki/isa/__init__.py``, "DMA Direct Transpose Constraints"): the permutation is fixed by
     the rank of ``src`` (2-D ``(1, 0)``, 3-D ``(2, 1, 0)``, 4-D ``(3, 1, 2, 0)``), ``axes`` may only
-    restate it; src in HBM or SBUF, dst in SBUF; ``dge_mode`` ``unknown`` or ``hwdge``; ``src.shape[-1]
+    restate it; src in HBM or SBUF, dst in SBUF; ``dge_mode`` ``unknown`` or ``hwdge`` (and ``none``,
+    which nki-library's tested mlp_tkg passes; checked as ``unknown``); ``src.shape[-1]
     <= 128``. ``hwdge`` (the hardware-DGE lowering) further needs 16 source rows, 128 columns and a
     2-byte dtype (see :func:`_hwdge_violation`). ``unknown`` lets the compiler pick the lowering, and
     the docs describe no other direct one, so trnkit accepts there a src that meets the hwdge rules or
@@ -196,13 +197,17 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
     if axes is not None and tuple(axes) != perm:
         fail(op, "axes must be {perm} for a {n}-D src (supported: (1, 0), (2, 1, 0), (3, 1, 2, 0)), "
              "got {axes}", perm=perm, n=len(src.shape), axes=tuple(axes))
-    if dge_mode not in (common.dge_mode.unknown, common.dge_mode.hwdge):
-        fail(op, "the only valid dge_modes are unknown and hwdge, got {mode}", mode=dge_mode)
+    # The docstring lists unknown and hwdge. nki-library's mlp_tkg gate/up projection (run by moe_tkg's
+    # all-expert path, tested on trn2) transposes its bias with dge_mode=3, none ("Use STATIC DMA mode":
+    # descriptors built at compile time); the tested kernel wins, so none runs under unknown's shape
+    # rules. swdge (descriptors built by software at run time) stays refused.
+    if dge_mode not in (common.dge_mode.unknown, common.dge_mode.hwdge, common.dge_mode.none):
+        fail(op, "the only valid dge_modes are unknown, hwdge and none (static), got {mode}", mode=dge_mode)
     # dma_transpose docstring (NKI 0.6): "oob_mode.skip: ... Only valid when src uses indirect
     # indexing"; NKI 0.5.0 release notes: "dma_transpose with scalar_offset now supports oob_mode.skip"
     _check_skip_is_indirect(op, oob_mode, [src], "nki.isa.dma_transpose: oob_mode.skip is \"Only valid "
                             "when src uses indirect indexing\"")
-    _check_transpose_shape(op, src, dge_mode is common.dge_mode.hwdge)
+    _check_transpose_shape(op, src, dge_mode)
     if src.indirect_info is not None or dst.indirect_info is not None:
         fail(op, "indirect (vector_offset) transposes are not supported")
     want = tuple(src.shape[a] for a in perm)
@@ -242,8 +247,9 @@ def _hwdge_violation(src: NkiTensor) -> str | None:
     return None
 
 
-def _check_transpose_shape(op: str, src: NkiTensor, hwdge: bool) -> None:
+def _check_transpose_shape(op: str, src: NkiTensor, mode: dge_mode) -> None:
     """The documented shape rules of a direct DMA transpose (see :func:`dma_transpose`)."""
+    hwdge = mode is common.dge_mode.hwdge
     shape = tuple(src.shape)
     if shape[-1] > 128:
         fail(op, "src.shape[-1] must be <= 128 (it becomes dst's partition dim), got {f} (src shape "
@@ -256,9 +262,9 @@ def _check_transpose_shape(op: str, src: NkiTensor, hwdge: bool) -> None:
     # core/attention/attention_cte.py [s, 1, 1, d]; test_qkv_cte.py / test_attention_cte.py run on trn2)
     plain = len(shape) == 2 or shape[1] == 1
     if why is not None and not plain:
-        fail(op, "dge_mode=unknown: src shape {shape} meets neither the hardware-DGE rules ({why}) nor "
+        fail(op, "dge_mode={mode}: src shape {shape} meets neither the hardware-DGE rules ({why}) nor "
              "a form AWS's tested kernels use ([A, F], [A, 1, F], [A, 1, B, F]; no other direct "
-             "lowering is documented)", shape=shape, why=why)
+             "lowering is documented)", mode=mode.name, shape=shape, why=why)
 
 
 def _dge_mode(op: str, value: object) -> dge_mode:

@@ -1,0 +1,118 @@
+"""Conformance cases of nki-library's core/moe/moe_tkg kernel, written from its test files.
+
+``test/integration/nkilib/core/moe/moe_tkg/test_moe_tkg.py`` (``test_moe_tkg_bfloat16``: rows of
+``MOE_TKG_TEST_PARAMS``, unquantized and fp8 ROW) against ``moe_tkg_torch_ref`` at rtol 2e-2 / atol
+1e-5, ``CompilerArgs(logical_nc_config=vnc)``. Inputs as ``test_moe_tkg_utils.build_moe_tkg`` builds
+them: ``np.random.seed(0)`` then the expert indices (all-expert: a permutation per token from
+``np.random.choice``; selective: ``randint``), every normal tensor from a fresh ``default_rng(0)``
+(hidden states, weights, biases, scales), the affinities from the global state (``rand``, normalized
+per token, placed at the chosen experts), the gate / up clamps 7 / 8 / -6 when the row clamps.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .harness import Case
+
+__all__ = ["moe_tkg_cases"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+FP8 = np.dtype(ml_dtypes.float8_e4m3)
+LIB = "nkilib_src.nkilib.core"
+TESTS = "test/integration/nkilib/core/moe/moe_tkg"
+
+
+def _moe_tkg_inputs(t: int, h: int, i: int, e: int, top_k: int | None, act: str, scale_mode: str,
+                    all_expert: bool, row_quant: bool, clamp: bool, bias: bool) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        types = importlib.import_module(f"{LIB}.utils.common_types")
+        k = top_k if top_k is not None else e
+        np.random.seed(0)
+        if all_expert:
+            idx = np.stack([np.random.choice(e, size=k, replace=False) for _ in range(t)]).astype(np.int32)
+        else:
+            idx = np.random.randint(0, e, size=(t, k)).astype(np.int32)
+        normal = lambda shape, dt: np.random.default_rng(0).normal(size=shape).astype(dt)  # noqa: E731
+        hidden = normal((t, h), F16)
+        weights = np.random.rand(t, k)
+        weights = weights / weights.sum(axis=1, keepdims=True)
+        routed = np.ones(t, dtype=bool)
+        np.random.shuffle(routed)
+        aff = np.zeros((t, e), dtype=BF16 if all_expert else F32)
+        for r in range(t):
+            for j in range(k):
+                aff[r, idx[r, j]] = weights[r, j]
+        w_dt = FP8 if row_quant else F16
+        mode = getattr(types.ExpertAffinityScaleMode, scale_mode)
+        return {
+            "hidden_input": hidden, "expert_gate_up_weights": normal((e, h, 2, i), w_dt),
+            "expert_down_weights": normal((e, i, h), w_dt), "expert_affinities": aff, "expert_index": idx,
+            "is_all_expert": all_expert,
+            "rank_id": np.zeros((1, 1), np.uint32) if all_expert and scale_mode != "NO_SCALE" else None,
+            "mask_unselected_experts": False,
+            "expert_gate_up_bias": normal((e, 2, i), F16) if bias else None,
+            "expert_down_bias": normal((e, h), F16) if bias else None,
+            "expert_gate_up_weights_scale": normal((e, 2, i), F32) if row_quant else None,
+            "expert_down_weights_scale": normal((e, h), F32) if row_quant else None,
+            "gate_up_input_scale": None, "down_input_scale": None, "expert_affinities_eager": None,
+            "expert_affinities_scaling_mode": mode, "activation_fn": getattr(types.ActFnType, act),
+            "output_dtype": F16, "gate_clamp_upper_limit": 7.0 if clamp else None, "gate_clamp_lower_limit": None,
+            "up_clamp_upper_limit": 8.0 if clamp else None, "up_clamp_lower_limit": -6.0 if clamp else None,
+            "is_all_expert_dynamic": False, "block_size": None}
+    return make
+
+
+# tokens, hidden, intermediate, experts, top_k (None: all), act, scaling, all_expert, fp8 ROW, clamp, bias
+# (every row: vnc 2, fp16, clamp on)
+_ROWS = [
+    # all experts
+    (32, 3072, 512, 1, None, "SiLU", "NO_SCALE", True, False, True, False),
+    (4, 3072, 64, 4, None, "Swish", "POST_SCALE", True, False, True, True),
+    (4, 3072, 192, 4, None, "Swish", "POST_SCALE", True, False, True, True),
+    (32, 3072, 768, 8, None, "SiLU", "POST_SCALE", True, False, True, True),
+    (32, 3072, 384, 8, None, "SiLU", "POST_SCALE", True, False, True, True),
+    (2, 4096, 192, 8, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (2, 5120, 128, 16, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (128, 256, 128, 2, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (300, 256, 128, 2, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (512, 3072, 384, 8, None, "SiLU", "POST_SCALE", True, False, True, True),
+    (4, 384, 128, 4, None, "SiLU", "POST_SCALE", True, False, True, False),  # negative: H/LNC not x128
+    (4, 378, 128, 4, None, "SiLU", "POST_SCALE", True, False, True, False),  # negative
+    # selective experts
+    (2, 512, 128, 2, 1, "SiLU", "POST_SCALE", False, False, True, False),
+    (2, 512, 64, 2, 1, "Swish", "POST_SCALE", False, False, True, True),
+    (3, 512, 128, 2, 1, "Swish", "POST_SCALE", False, False, True, True),
+    (7, 512, 128, 4, 2, "Swish", "POST_SCALE", False, False, True, True),
+    (4, 3072, 192, 128, 4, "Swish", "POST_SCALE", False, False, True, True),
+    (1, 3072, 384, 128, 4, "Swish", "POST_SCALE", False, False, True, True),
+    (32, 3072, 384, 8, 4, "Swish", "POST_SCALE", False, False, True, True),
+    (2, 4096, 192, 8, 8, "Swish", "POST_SCALE", False, False, True, False),
+    (4, 384, 128, 4, 2, "Swish", "POST_SCALE", False, False, True, False),
+    # fp8 ROW quantization
+    (4, 512, 64, 2, None, "SiLU", "POST_SCALE", True, True, True, True),
+    (4, 1024, 128, 4, None, "SiLU", "POST_SCALE", True, True, True, True),
+    (4, 512, 64, 4, 2, "Swish", "POST_SCALE", False, True, True, True),
+    (32, 3072, 192, 8, 4, "Swish", "POST_SCALE", False, True, True, True),
+]
+
+
+def moe_tkg_cases() -> list[Case]:
+    cases, lnc = [], 2
+    for t, h, i, e, k, act, mode, all_e, rowq, clamp, bias in _ROWS:
+        negative = (h // lnc % 128 != 0 or (h // 128) % lnc != 0) and (all_e or t == 1)
+        name = ("all experts" if all_e else f"top-{k}") + f" {act} {mode.lower()}" + " fp8 row" * rowq \
+            + " clamp" * clamp + " bias" * bias + " (must reject)" * negative
+        cases.append(Case(
+            kernel="core/moe/moe_tkg", name=name, shapes=f"T={t} H={h} I={i} E={e}",
+            entry=f"{LIB}.moe:moe_tkg", reference=f"{LIB}.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
+            inputs=_moe_tkg_inputs(t, h, i, e, k, act, mode, all_e, rowq, clamp, bias), outputs=("out",),
+            lnc=lnc, rtol=2e-2, atol=1e-5, negative=negative, test_file=f"{TESTS}/test_moe_tkg.py"))
+    return cases

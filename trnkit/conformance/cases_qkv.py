@@ -1,0 +1,157 @@
+"""Conformance cases of nki-library's core/qkv kernel (CTE), written from its test files.
+
+``test/integration/nkilib/core/qkv/test_qkv_cte.py``: ``qkv`` at rtol 2e-2 / atol 1e-5 with
+``CompilerArgs(logical_nc_config=vnc)``, bf16 (every unquantized test passes ``dtype=nl.bfloat16``),
+rows of its fused-RoPE, accuracy, BSD / NBSd performance and no-DMA-transpose tables. Inputs as
+``test_qkv_common.build_qkv_input`` draws them from one normal generator: input, fused weights, the
+two residuals (fused add), gamma (RMS / layer norm), the layer-norm bias, the RoPE cos / sin caches
+(half the head dim drawn, tiled twice). The RoPE rows use the test's own fresh generator
+(``rope_gaussian_tensor_generator()``, seed 0); the other tests share one ``gaussian_tensor_generator()``
+created when the test module is imported, so their draws depend on which tests ran before: each case
+here starts a fresh ``default_rng(0)`` (the draws of that test when it runs first). The golden,
+``golden_func_fused_add_qkv`` in the test module, is :func:`qkv_golden`, written from the test: fp32
+residual add, RMS norm (over ``hidden_actual`` when given) or layer norm, ``x @ W``, rotate-half RoPE
+on the q and k heads, the NBSd layout, rounded to bf16.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .harness import Case
+
+__all__ = ["qkv_cases", "qkv_golden"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+LIB = "nkilib_src.nkilib.core"
+TESTS = "test/integration/nkilib/core/qkv"
+
+
+def _qkv_inputs(b: int, s: int, h: int, fused_dim: int, norm: str, dma_t: bool, fused_add: bool, norm_bias: bool,
+                layout: str, eps: float, hidden_actual: int | None, heads: tuple[int, int, int] | None,
+                rope: bool) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        types = importlib.import_module(f"{LIB}.utils.common_types")
+        qkv_types = importlib.import_module(f"{LIB}.qkv.qkv")
+        rng = np.random.default_rng(0)
+        draw = lambda shape: rng.normal(size=shape).astype(BF16)  # noqa: E731
+        x = draw((b, s, h))
+        w = draw((h, fused_dim))
+        mlp_prev = draw((b, s, h)) if fused_add else None
+        attn_prev = draw((b, s, h)) if fused_add else None
+        gamma = draw((1, h)) if norm in ("RMS_NORM", "LAYER_NORM") else None
+        ln_bias = draw((1, h)) if norm_bias else None
+        cos = sin = None
+        if rope:
+            d = heads[2]
+            cos, sin = (np.tile(draw((b, s, d // 2)), 2) for _ in range(2))
+        q, kv, d = heads if heads else (None, None, None)
+        return {"input": x, "fused_qkv_weights": w, "output_layout": getattr(qkv_types.QKVOutputLayout, layout),
+                "bias": None, "quantization_type": types.QuantizationType.NONE, "qkv_w_scale": None,
+                "qkv_in_scale": None, "fused_residual_add": fused_add, "mlp_prev": mlp_prev,
+                "attention_prev": attn_prev, "fused_norm_type": getattr(types.NormType, norm),
+                "gamma_norm_weights": gamma, "layer_norm_bias": ln_bias, "norm_eps": eps,
+                "hidden_actual": hidden_actual, "fused_rope": rope, "cos_cache": cos, "sin_cache": sin,
+                "d_head": d, "num_q_heads": q, "num_kv_heads": kv, "store_output_in_sbuf": False, "sbm": None,
+                "use_auto_allocation": False, "load_input_with_DMA_transpose": dma_t,
+                "weight_layout": qkv_types.QKVWeightLayout.CONTIGUOUS, "is_h_dim_4h_transposed": False}
+    return make
+
+
+def _f32(t: Any) -> np.ndarray | None:
+    return None if t is None else np.asarray(t.float().numpy() if hasattr(t, "float") else t, np.float32)
+
+
+def qkv_golden(input: Any, fused_qkv_weights: Any, output_layout: Any = None, fused_residual_add: bool = False,
+               mlp_prev: Any = None, attention_prev: Any = None, fused_norm_type: Any = None,
+               gamma_norm_weights: Any = None, layer_norm_bias: Any = None, norm_eps: float = 1e-6,
+               hidden_actual: int | None = None, fused_rope: bool = False, cos_cache: Any = None,
+               sin_cache: Any = None, d_head: int | None = None, num_q_heads: int | None = None,
+               num_kv_heads: int | None = None, **_: Any) -> dict[str, np.ndarray]:
+    """The unquantized QKV golden of nki-library's QKV CTE test (see the module docstring)."""
+    x = _f32(input)
+    if fused_residual_add:
+        x = x + _f32(mlp_prev) + _f32(attention_prev)
+    norm = fused_norm_type.name
+    gamma, beta = _f32(gamma_norm_weights), _f32(layer_norm_bias)
+    if norm in ("RMS_NORM", "RMS_NORM_SKIP_GAMMA"):
+        n = hidden_actual if norm == "RMS_NORM" and hidden_actual is not None else x.shape[-1]
+        rms = np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True) / n + norm_eps).astype(np.float32)
+        x = x * np.reciprocal(rms)
+        x = x * gamma if gamma is not None else x
+    elif norm == "LAYER_NORM":
+        mean, var = x.mean(axis=-1, keepdims=True), x.var(axis=-1, keepdims=True)
+        x = ((x - mean) * np.reciprocal(np.sqrt(var + norm_eps))).astype(np.float32)
+        x = x * gamma if gamma is not None else x
+        x = x + beta if beta is not None else x
+    out = x @ _f32(fused_qkv_weights)
+    if fused_rope:  # rotate-half RoPE on every q and k head; v unchanged
+        d, half = d_head, d_head // 2
+        cos, sin = _f32(cos_cache)[:, :, None, :half], _f32(sin_cache)[:, :, None, :half]
+        b, s, _ = out.shape
+        qk = out[:, :, :(num_q_heads + num_kv_heads) * d].reshape(b, s, -1, d)
+        x1, x2 = qk[..., :half], qk[..., half:]
+        rotated = np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(b, s, -1)
+        out = np.concatenate([rotated, out[:, :, (num_q_heads + num_kv_heads) * d:]], axis=-1)
+    if output_layout.name == "NBSd":
+        b, s, i = out.shape
+        out = out.reshape(b, s, i // d_head, d_head).transpose(2, 0, 1, 3)
+    return {"out": out.astype(BF16).astype(np.float32)}
+
+
+# vnc, batch, seqlen, hidden, fused dim or (q heads, kv heads, d_head), norm, DMA transpose, fused add,
+# norm bias, layout, eps, hidden_actual, fused RoPE, test
+_ROWS = [
+    # test_qkv_cte_fused_rope_unit
+    (2, 1, 128, 8192, (1, 1, 128), "NO_NORM", False, False, False, "BSD", 1e-6, None, True, "fused_rope"),
+    (2, 1, 128, 8192, (8, 1, 128), "NO_NORM", True, False, False, "BSD", 1e-6, None, True, "fused_rope"),
+    (2, 1, 192, 8320, (8, 1, 128), "NO_NORM", False, False, False, "BSD", 1e-6, None, True, "fused_rope"),
+    (2, 1, 128, 8192, (2, 1, 128), "RMS_NORM", False, False, False, "BSD", 1e-6, None, True, "fused_rope"),
+    (2, 1, 128, 8192, (8, 1, 64), "NO_NORM", True, False, False, "BSD", 1e-6, None, True, "fused_rope"),
+    # test_qkv_cte_accuracy_unit (bf16 whatever the row's dtype column says)
+    (1, 1, 128, 512, 512, "RMS_NORM", True, True, False, "BSD", 1e-6, None, False, "accuracy"),
+    (1, 1, 512, 1024, 256, "RMS_NORM", True, True, False, "BSD", 1e-6, 768, False, "accuracy"),
+    (1, 1, 127, 512, 512, "RMS_NORM", True, True, False, "BSD", 1e-6, None, False, "accuracy"),
+    (1, 1, 1000, 512, 512, "RMS_NORM", True, True, False, "BSD", 1e-6, None, False, "accuracy"),
+    (1, 1, 512, 1024, 512, "RMS_NORM", True, True, False, "BSD", 77.0, None, False, "accuracy"),
+    (1, 1, 512, 1024, 512, "NO_NORM", True, False, False, "BSD", 1e-6, None, False, "accuracy"),
+    (1, 1, 128, 16384, 512, "RMS_NORM", True, False, False, "BSD", 1e-6, 15104, False, "accuracy"),
+    # test_qkv_cte_performance_bsd_unit
+    (1, 1, 128, 3072, 1280, "NO_NORM", True, False, False, "BSD", 1e-6, None, False, "performance_bsd"),
+    (2, 1, 1024, 3072, 1280, "NO_NORM", True, False, False, "BSD", 1e-6, None, False, "performance_bsd"),
+    (2, 1, 256, 7168, 384, "RMS_NORM", True, True, False, "BSD", 1e-6, None, False, "performance_bsd"),
+    (2, 1, 256, 7168, 384, "RMS_NORM_SKIP_GAMMA", True, True, False, "BSD", 1e-6, None, False, "performance_bsd"),
+    (1, 1, 578, 1408, 264, "LAYER_NORM", True, True, True, "BSD", 1e-6, None, False, "performance_bsd"),
+    (2, 12, 578, 1408, 264, "RMS_NORM", True, True, False, "BSD", 1e-6, None, False, "performance_bsd"),
+    (2, 14, 578, 1408, 264, "LAYER_NORM", True, False, True, "BSD", 1e-6, None, False, "performance_bsd"),
+    # test_qkv_cte_performance_nbsd_unit
+    (2, 1, 512, 256, (2, 2, 128), "NO_NORM", True, False, False, "NBSd", 1e-6, None, False, "performance_nbsd"),
+    (2, 4, 512, 256, (8, 2, 128), "NO_NORM", True, False, False, "NBSd", 1e-6, None, False, "performance_nbsd"),
+    (2, 1, 1024, 8192, (2, 2, 128), "NO_NORM", True, False, False, "NBSd", 1e-6, None, False, "performance_nbsd"),
+    # test_qkv_cte_no_dma_transpose_unit
+    (2, 1, 128, 8192, (1, 1, 128), "NO_NORM", False, False, False, "BSD", 1e-6, None, False, "no_dma_transpose"),
+    (2, 1, 578, 1408, (1, 1, 88), "RMS_NORM", False, False, False, "BSD", 1e-6, None, False, "no_dma_transpose"),
+    (2, 1, 512, 256, (2, 2, 128), "NO_NORM", False, False, False, "NBSd", 1e-6, None, False, "no_dma_transpose"),
+]
+
+
+def qkv_cases() -> list[Case]:
+    cases = []
+    for lnc, b, s, h, dim, norm, dma_t, fused, nb, layout, eps, actual, rope, test in _ROWS:
+        heads = dim if isinstance(dim, tuple) else None
+        fused_dim = (heads[0] + 2 * heads[1]) * heads[2] if heads else dim
+        flags = [norm.lower(), layout] + ["dma_transpose"] * dma_t + ["fused_add"] * fused + ["norm_bias"] * nb \
+            + [f"eps={eps:g}"] * (eps != 1e-6) + [f"hidden_actual={actual}"] * bool(actual) + ["rope"] * rope
+        shapes = f"B={b} S={s} H={h} " + (f"heads={heads[0]}/{heads[1]} d={heads[2]}" if heads else f"I={fused_dim}")
+        cases.append(Case(
+            kernel="core/qkv/qkv_cte", name=f"{test} bf16 " + " ".join(flags), shapes=shapes,
+            entry=f"{LIB}.qkv.qkv:qkv", reference="trnkit.conformance.cases_qkv:qkv_golden",
+            inputs=_qkv_inputs(b, s, h, fused_dim, norm, dma_t, fused, nb, layout, eps, actual, heads, rope),
+            outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/test_qkv_cte.py",
+            note="" if rope else "inputs as the test draws them when it runs first (its generator is shared)"))
+    return cases
