@@ -1,0 +1,76 @@
+"""Conformance cases of nki-library's core/subkernels find_nonzero_indices and indexed_flatten.
+
+``test/integration/nkilib/core/subkernels/test_find_nonzero_indices.py``: a sparse [T, E] input with
+``T * top_k // E`` ones per expert column (``np.random.seed(42)``, one permutation; float32 inputs
+use 0.1 for the nonzeros), optionally a column window (``col_start_id``, ``n_cols``), LNC 2, exact
+comparison. ``test_indexed_flatten.py``: an [E, T] ``arange`` input scattered in ``f_len`` chunks at
+``row_offsets`` (optionally from ``row_offsets_start``), padding -1, LNC 2, exact. Both against
+nki-library's torch references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .harness import Case
+
+__all__ = ["subkernel_cases"]
+
+LIB = "nkilib_src.nkilib.core.subkernels"
+TESTS = "test/integration/nkilib/core/subkernels"
+
+
+def _nonzero_inputs(t: int, e: int, top_k: int, chunk: int, dtype: str, window: tuple[int, int] | None
+                    ) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        np.random.seed(42)
+        k = t * top_k // e
+        flat = np.random.permutation(np.concatenate([np.ones(k * e), np.zeros((t - k) * e)]))
+        x = flat.reshape(e, t).T.astype(dtype)
+        if dtype == "float32":
+            x[x > 0] = 0.1
+        out = {"input_tensor": x, "chunk_size": chunk}
+        if window is not None:
+            out.update(col_start_id=np.array([window[0]], dtype=np.int32), n_cols=window[1])
+        return out
+    return make
+
+
+def _flatten_inputs(t: int, e: int, f_len: int, n: int, start: int | None) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        return {"input_tensor": np.arange(e * t, dtype=np.int32).reshape(e, t), "f_len": f_len,
+                "output_len": (n * t + 1024 + 127) // 128 * 128,
+                "row_offsets": np.array([t // f_len * i for i in range(n)], dtype=np.int32),
+                "row_offsets_start": None if start is None else np.array([start], dtype=np.int32),
+                "padding_val": -1}
+    return make
+
+
+# T, E, top_k, chunk_size, dtype, (E_offset, E_local) or None
+_NONZERO = [(4096, 128, 8, 4096, "int32", None), (4096, 128, 8, 4096, "float32", None),
+            (10240, 128, 4, 10240, "int32", None), (4096, 128, 8, 4096, "int32", (0, 4)),
+            (10240, 128, 4, 10240, "float32", (16, 16)), (10240, 128, 4, 10240, "float32", (120, 8))]
+# T, E, f_len, rows N (= E without row_offsets_start), row_offsets_start
+_FLATTEN = [(4096, 1, 128, 1, None), (4096, 2, 256, 2, None), (4096, 3, 128, 3, None), (10240, 17, 128, 17, None),
+            (65536, 4, 256, 4, None), (4096, 128, 128, 128, None), (4096, 2, 128, 4, 2), (4096, 3, 128, 5, 1),
+            (10240, 8, 128, 16, 8)]
+
+
+def subkernel_cases() -> list[Case]:
+    cases = [Case(
+        kernel="core/subkernels/find_nonzero_indices",
+        name=f"{dt} chunk={chunk}" + (f" columns {w[0]}+{w[1]}" if w else ""), shapes=f"T={t} E={e} top_k={k}",
+        entry=f"{LIB}.find_nonzero_indices:find_nonzero_indices",
+        reference=f"{LIB}.find_nonzero_indices_torch:find_nonzero_indices_torch_ref",
+        inputs=_nonzero_inputs(t, e, k, chunk, dt, w), outputs=("indices", "nonzero_counts"), lnc=2, rtol=0.0,
+        atol=0.0, test_file=f"{TESTS}/test_find_nonzero_indices.py") for t, e, k, chunk, dt, w in _NONZERO]
+    cases += [Case(
+        kernel="core/subkernels/indexed_flatten", name=f"f_len={f}" + (f" rows={n} from {s}" if s is not None else ""),
+        shapes=f"T={t} E={e}", entry=f"{LIB}.indexed_flatten:indexed_flatten",
+        reference=f"{LIB}.indexed_flatten_torch:indexed_flatten_torch_ref", inputs=_flatten_inputs(t, e, f, n, s),
+        outputs=("flattened_array",), lnc=2, rtol=0.0, atol=0.0, test_file=f"{TESTS}/test_indexed_flatten.py")
+        for t, e, f, n, s in _FLATTEN]
+    return cases
