@@ -457,6 +457,24 @@ def _bench_range(kernel: str, mode: str, x_name: str, x_value: str) -> tuple[Cal
             *(csv_cell("bench.csv", c, frac, "{:.1%}") for c in ("p50", "p20", "p80")))
 
 
+def _bench_min(kernel: str, mode: str, x_name: str, metric: str = "fraction_of_roofline",
+               column: str = "p20", fmt: str = "{:.1%}") -> Callable[[], str]:
+    """The smallest ``column`` of a bench.csv sweep (every x value of ``x_name``): e.g. the lowest
+    pessimistic-end fraction over the flavors."""
+    def value() -> str:
+        where = {"kernel": kernel, "impl": "nki", "mode": mode, "metric": metric, "x_name": x_name}
+        rows = [r for r in read_csv("bench.csv") if all(r[k] == v for k, v in where.items())]
+        if not rows:
+            raise LookupError(f"bench.csv: no row with {where}")
+        return fmt.format(min(float(r[column]) for r in rows))
+    return value
+
+
+def _bench_frac(kernel: str, mode: str, x_name: str, x_value: str, column: str = "p20") -> Callable[[], str]:
+    """A bench.csv fraction of roofline (p20: the pessimistic end, p50: mid)."""
+    return csv_cell("bench.csv", column, _bench(kernel, mode, "fraction_of_roofline", x_name, x_value), "{:.1%}")
+
+
 def _low_mid_high(case: str) -> tuple[Callable[[], str], ...]:
     """A headline.csv case's times low, mid, high (us), then its fractions at the low end, mid, high end."""
     where = {"case": case}
@@ -523,6 +541,33 @@ QUOTES = (
     Quote("docs/kernels.md", "E=8 is compute-bound (Tensor {} → {} us busy per core at mid); E=128 weight-bound "
           "(DMA {} → {} us per core)", "bench.csv moe_experts E (LNC=n) sweeps",
           (_moe_busy("tensor", 1, 8), _moe_busy("tensor", 2, 8), _moe_busy("dma", 1, 128), _moe_busy("dma", 2, 128))),
+    Quote("docs/kernels.md", "under the current model the forward reaches {} of the bound at the pessimistic end "
+          "({} mid)", "headline.csv moe_fwd", (csv_cell(HEADLINE_CSV, "fraction_low_end", {"case": "moe_fwd"}, "{:.1%}"),
+                                                csv_cell(HEADLINE_CSV, "fraction_mid", {"case": "moe_fwd"}, "{:.1%}"))),
+    Quote("docs/benchmarks.md", "The backward ({} us at mid against the forward's {} us) is Scalar-bound under the "
+          "current model ({} us of Scalar busy time)", "bench.csv moe_experts T=512 est_time, busy_scalar", (
+              csv_cell("bench.csv", "p50", _bench("moe_experts", "backward", "est_time", "T", "512"), "{:,.0f}"),
+              csv_cell("bench.csv", "p50", _bench("moe_experts", "forward", "est_time", "T", "512"), "{:,.0f}"),
+              csv_cell("bench.csv", "p50", _bench("moe_experts", "backward", "busy_scalar", "T", "512"), "{:,.0f}"))),
+    Quote("docs/benchmarks.md", "tokens at Qwen3-4B's H, T=8192: fwd {} (mid {}), bwd {} (mid {}); residual form at "
+          "the flavors: fwd ≥ {}, bwd ≥ {}; the q head norm (H = 128): fwd {} (0.6B) – {} (4B, 30B-A3B), bwd {} – {}",
+          "bench.csv rmsnorm fraction_of_roofline (p20 pessimistic end, p50 mid)", (
+              _bench_frac("rmsnorm", "forward", "T (LNC=2)", "8192"),
+              _bench_frac("rmsnorm", "forward", "T (LNC=2)", "8192", "p50"),
+              _bench_frac("rmsnorm", "backward", "T (LNC=2)", "8192"),
+              _bench_frac("rmsnorm", "backward", "T (LNC=2)", "8192", "p50"),
+              _bench_min("rmsnorm", "forward", "flavor (residual, LNC=2)"),
+              _bench_min("rmsnorm", "backward", "flavor (residual, LNC=2)"),
+              _bench_frac("rmsnorm", "forward", "q-norm flavor (LNC=2)", "0.6B"),
+              _bench_frac("rmsnorm", "forward", "q-norm flavor (LNC=2)", "4B"),
+              _bench_frac("rmsnorm", "backward", "q-norm flavor (LNC=2)", "0.6B"),
+              _bench_frac("rmsnorm", "backward", "q-norm flavor (LNC=2)", "4B"))),
+    Quote("docs/benchmarks.md", "T=2048, LNC=2: fwd {} (mid {}), bwd {} (mid {})",
+          "bench.csv cross_entropy T (LNC=2)=2048 fraction_of_roofline", (
+              _bench_frac("cross_entropy", "forward", "T (LNC=2)", "2048"),
+              _bench_frac("cross_entropy", "forward", "T (LNC=2)", "2048", "p50"),
+              _bench_frac("cross_entropy", "backward", "T (LNC=2)", "2048"),
+              _bench_frac("cross_entropy", "backward", "T (LNC=2)", "2048", "p50"))),
 )
 
 
