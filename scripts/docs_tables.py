@@ -382,6 +382,73 @@ def calibration_summary() -> str:
                    "largest error (mid)"], body)
 
 
+def _step_span(r: dict[str, str], scale: float = 1.0, fmt: str = "{:,.1f}") -> str:
+    """``mid (low..high)`` of a step.csv row's estimate (us, times ``scale``)."""
+    lo, mid, hi = (float(r[c]) * scale for c in ("est_low_us", "est_mid_us", "est_high_us"))
+    return f"{fmt.format(mid)} ({fmt.format(lo)}..{fmt.format(hi)})"
+
+
+def _step_configs() -> dict[tuple[str, ...], list[dict[str, str]]]:
+    """step.csv's rows per (flavor, batch, seq, LNC), smallest flavor first (the registry's order)."""
+    from trnkit.qwen3 import flavors  # noqa: PLC0415
+
+    by: dict[tuple[str, ...], list[dict[str, str]]] = {}
+    for r in read_csv("step.csv"):
+        by.setdefault((r["flavor"], r["batch"], r["seq"], r["lnc"]), []).append(r)
+    known = flavors()
+
+    def rank(cfg: tuple[str, ...]) -> tuple:
+        return (known.index(cfg[0]) if cfg[0] in known else len(known), cfg[0], *map(int, cfg[1:]))
+
+    return {cfg: by[cfg] for cfg in sorted(by, key=rank)}
+
+
+def step_estimate() -> str:
+    """python -m trnkit.bench step --save-reference: per flavor, the layer, the head and the step (trn2 cost model)."""
+    body = []
+    for (flavor, batch, seq, lnc), rows in _step_configs().items():
+        totals = {r["part"]: r for r in rows if r["op"] == "total"}
+        st = totals.pop("step")
+        head = totals.pop("head")
+        layers = " + ".join(f"{r['count']} × {_step_span(r, 1e-3, '{:,.2f}')}" for r in totals.values())
+        busy = {e: float(st[f"busy_{e}_us"]) for e in ("tensor", "vector", "scalar", "gpsimd", "dma")}
+        top = ", ".join(f"{e} {b / float(st['est_mid_us']):.0%}" for e, b in
+                        sorted(busy.items(), key=lambda kv: -kv[1])[:3])
+        mfu = f"**{float(st['mfu_mid']):.1%}** ({float(st['mfu_low']):.1%}..{float(st['mfu_high']):.1%})"
+        body.append([f"`{flavor}`", f"{batch}×{seq}", lnc, layers, _step_span(head, 1e-3, "{:,.2f}"),
+                     f"**{_step_span(st, 1e-3, '{:,.1f}')}**", f"{float(st['model_gflop']) / 1e3:,.1f}", mfu, top])
+    return _table(["flavor", "batch×seq", "LNC", "layers (ms each)", "head: norm + loss (ms)", "step (ms)",
+                   "model TFLOP", "MFU", "busiest engines (busy / step)"], body)
+
+
+def step_ops() -> str:
+    """The same CSV, per op of a layer and of the head: mid estimate (low..high) per configuration, in us."""
+    configs = _step_configs()
+    cols = list(configs)
+    ops: dict[tuple[str, str, str], dict[tuple[str, ...], dict[str, str]]] = {}
+    order: list[tuple[str, str, str]] = []  # each configuration's op sequence merged in (MoE ops after ffn_norm)
+    for cfg, rows in configs.items():
+        at = -1
+        kinds = {r["part"] for r in rows} - {"head", "step"}  # a flavor with dense and MoE layers keeps both
+        for r in rows:
+            if r["op"] != "total":
+                key = ("layer" if len(kinds) == 1 and r["part"] != "head" else r["part"], r["op"], r["mode"])
+                if key not in ops:
+                    order.insert(at + 1, key)
+                at = order.index(key)
+                ops.setdefault(key, {})[cfg] = r
+    body = []
+    for part, op, mode in order:
+        by_cfg = ops[(part, op, mode)]
+        kernel = next(iter(by_cfg.values()))["kernel"]
+        cells = []
+        for c in cols:
+            r = by_cfg.get(c)
+            cells.append("—" if r is None else _step_span(r) + (" *" if r["traced"] else ""))
+        body.append([part, op, mode, f"`{kernel}`", *cells])
+    return _table(["part", "op", "mode", "kernel", *(f"`{f}` {b}×{s} LNC={n} (us)" for f, b, s, n in cols)], body)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
     "plan_check": plan_check, "plan_layouts": plan_layouts,
     "calibration": calibration, "calibration_changes": calibration_changes,
@@ -391,6 +458,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),
+    "step_estimate": step_estimate, "step_ops": step_ops,
 }
 
 
@@ -498,7 +566,21 @@ def _moe_busy(engine: str, lnc: int, E: int) -> Callable[[], str]:
                     "{:,.0f}")
 
 
+def step_cell(flavor: str, column: str, scale: float = 1.0, fmt: str = "{:,.0f}") -> Callable[[], str]:
+    """``column`` of the step total of ``flavor`` at 1 x 4096 tokens, LNC=2 in benchmarks/data/step.csv, times ``scale``."""
+    def value() -> str:
+        where = {"flavor": flavor, "batch": "1", "seq": "4096", "lnc": "2", "part": "step"}
+        rows = [r for r in read_csv("step.csv") if all(r[k] == v for k, v in where.items())]
+        if not rows:
+            raise LookupError(f"step.csv: no row with {where}")
+        return fmt.format(float(rows[-1][column]) * scale)
+    return value
+
+
 QUOTES = (
+    Quote("README.md", "LNC=2: an estimated {} ms per step ({}–{}), {}% MFU", "step.csv 30B-A3B step total",
+          (step_cell("30B-A3B", "est_mid_us", 1e-3), step_cell("30B-A3B", "est_low_us", 1e-3),
+           step_cell("30B-A3B", "est_high_us", 1e-3), step_cell("30B-A3B", "mfu_mid", 100, "{:.1f}"))),
     Quote("README.md", "runs at {}× numpy's own matmul time in bf16", "interp_speed.csv bf16 ratio",
           csv_cell("interp_speed.csv", "ratio", {"dtype": "bfloat16"})),
     Quote("README.md", "in bf16 and {}× in fp32", "interp_speed.csv fp32 ratio",

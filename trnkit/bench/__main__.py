@@ -15,6 +15,9 @@ are not. ``--report-only`` rebuilds the table and plots without running anything
 ``python -m trnkit.bench calibrate measured.csv`` refits the cost model to such a CSV
 (:mod:`trnkit.bench.calibrate`). Neither has run on hardware: only their guards and a synthetic CSV
 are tested.
+
+``python -m trnkit.bench step --flavor F --seq N --batch B --lnc 2``: the estimated trn2 time of one Qwen3
+train step from its NKI kernels (:mod:`trnkit.bench.step`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", action="store_true",
                    help="measure the kernels on this Trainium host (needs the real nki; NOT TESTED ON HARDWARE)")
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["step"]:  # python -m trnkit.bench step --flavor 0.6B --seq 4096
+        from trnkit.bench.step import main as step_main  # noqa: PLC0415
+
+        return step_main(argv[1:])
     if argv[:1] == ["calibrate"]:  # python -m trnkit.bench calibrate measured.csv
         from trnkit.bench.calibrate import main as calibrate_main  # noqa: PLC0415
 
