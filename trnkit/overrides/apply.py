@@ -318,7 +318,7 @@ def _mlp_forward(self: Any, x: Tensor) -> Tensor:
     impl = self._trnkit_guard.choose(x=xc, w_gate_up=w_gate_up, w_down=w_down)
     if impl is None:
         return self._trnkit_fallback(x)
-    return ops.mlp(xc, w_gate_up, w_down, impl)
+    return ops.mlp(xc, w_gate_up, w_down, impl, lnc=self._trnkit_guard.lnc)
 
 
 def mlp_static(module: nn.Module) -> list[Violation]:

@@ -284,16 +284,16 @@ def _mlp_ref(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
     return _attr("mlp", "mlp_ref")(x, w_gate_up, w_down)
 
 
-def _mlp_nki(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> Tensor:
-    return _attr("mlp", "mlp")(x, w_gate_up, w_down)
+def _mlp_nki(x: Tensor, w_gate_up: Tensor, w_down: Tensor, lnc: int | None = None) -> Tensor:
+    return _attr("mlp", "mlp")(x, w_gate_up, w_down, lnc=lnc)
 
 
 def _mlp_ref_bwd(x: Tensor, w_gate_up: Tensor, w_down: Tensor, grad_y: Tensor):
     return _attr("mlp", "mlp_bwd_ref")(x, w_gate_up, w_down, grad_y)
 
 
-def _mlp_nki_bwd(x: Tensor, w_gate_up: Tensor, w_down: Tensor, grad_y: Tensor):
-    return _attr("mlp", "mlp_bwd")(x, w_gate_up, w_down, grad_y)
+def _mlp_nki_bwd(x: Tensor, w_gate_up: Tensor, w_down: Tensor, grad_y: Tensor, lnc: int | None = None):
+    return _attr("mlp", "mlp_bwd")(x, w_gate_up, w_down, grad_y, lnc=lnc)
 
 
 def _mlp_constraints(x: Tensor, w_gate_up: Tensor, w_down: Tensor, **_: Any) -> list[Violation]:

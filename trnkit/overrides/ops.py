@@ -34,7 +34,7 @@ registered on the functional ops with the impl's backward.
   kernels as ops of their own, so the backward graph is opaque to torch.compile too.
 
 The ops of kernels that split work over a trn2 logical core (``grouped_mm``, ``moe_experts``, ``rmsnorm``,
-``linear_cross_entropy``, ``attention`` and their backwards) take a trailing ``lnc: int`` (1 or 2 physical
+``linear_cross_entropy``, ``attention``, ``mlp`` and their backwards) take a trailing ``lnc: int`` (1 or 2 physical
 cores; 0 = the device default, :func:`trnkit.kernels.lnc.default_lnc`); it reaches an impl as the keyword
 ``lnc`` when set and the impl declares that parameter, and the backward runs at the forward's ``lnc``.
 
@@ -569,43 +569,44 @@ attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
 @torch.library.custom_op("trnkit::mlp", mutates_args=())
-def mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, impl: str = "reference") -> Tensor:
+def mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, impl: str = "reference", lnc: int = 0) -> Tensor:
     """The dense SwiGLU MLP ``y = (silu(x @ Wg) * (x @ Wu)) @ w_down`` of ``x [..., H]``, ``w_gate_up [H, 2I]``,
     ``w_down [I, H]``."""
-    y = get_impl("mlp", impl).fn(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous())
+    fn = get_impl("mlp", impl).fn
+    y = fn(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), **_lnc_kw(fn, lnc))
     return y.to(x.dtype).reshape(x.shape).contiguous()
 
 
 @mlp.register_fake
-def _mlp_fake(x, w_gate_up, w_down, impl="reference"):
+def _mlp_fake(x, w_gate_up, w_down, impl="reference", lnc=0):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _mlp_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    x, w_gate_up, w_down, impl = inputs
+    x, w_gate_up, w_down, impl, lnc = inputs
     ctx.save_for_backward(x, w_gate_up, w_down)
-    ctx.impl = impl
+    ctx.impl, ctx.lnc = impl, lnc
 
 
 @torch.library.custom_op("trnkit::mlp_bwd", mutates_args=())
 def mlp_bwd(x: Tensor, w_gate_up: Tensor, w_down: Tensor, grad_y: Tensor,
-            impl: str = "reference") -> tuple[Tensor, Tensor, Tensor]:
+            impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of ``trnkit::mlp``: ``(grad_x, grad_w_gate_up, grad_w_down)`` (activations recomputed)."""
     gx, gwgu, gwd = _run_backward("mlp", impl, x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(),
-                                  grad_y.contiguous())
+                                  grad_y.contiguous(), lnc=lnc)
     return (gx.to(x.dtype).reshape(x.shape).contiguous(), gwgu.to(w_gate_up.dtype).contiguous(),
             gwd.to(w_down.dtype).contiguous())
 
 
 @mlp_bwd.register_fake
-def _mlp_bwd_fake(x, w_gate_up, w_down, grad_y, impl="reference"):
+def _mlp_bwd_fake(x, w_gate_up, w_down, grad_y, impl="reference", lnc=0):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (x, w_gate_up, w_down))
 
 
 def _mlp_backward(ctx: Any, grad_y: Tensor):
     x, w_gate_up, w_down = ctx.saved_tensors
-    gx, gwgu, gwd = mlp_bwd(x, w_gate_up, w_down, grad_y, ctx.impl)
-    return gx, gwgu, gwd, None
+    gx, gwgu, gwd = mlp_bwd(x, w_gate_up, w_down, grad_y, ctx.impl, ctx.lnc)
+    return gx, gwgu, gwd, None, None
 
 
 mlp.register_autograd(_mlp_backward, setup_context=_mlp_setup)
