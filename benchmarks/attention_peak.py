@@ -51,7 +51,7 @@ def _trnkit(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, tuple]:
 
 
 def _nkilib(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, tuple] | None:
-    from trnkit.conformance import harness  # noqa: PLC0415
+    from trnkit.conformance import harness
 
     root = harness.nkilib_root()
     if root is None:
@@ -107,7 +107,8 @@ def main() -> None:
                       f"{100 * frac[1]:5.1f}% of bf16 peak (pessimistic {100 * frac[0]:.1f}%)")
             if "nki-library" in results and results["nki-library"] is not None:
                 ratio = [results["trnkit"][mode][i] / results["nki-library"][mode][i] for i in (1, 2)]
-                print(f"LNC={lnc} {mode:8s} trnkit / nki-library time: {ratio[0]:.2f}x mid, {ratio[1]:.2f}x pessimistic")
+                print(f"LNC={lnc} {mode:8s} trnkit / nki-library time: {ratio[0]:.2f}x mid, "
+                      f"{ratio[1]:.2f}x pessimistic")
     if args.save:
         CSV.parent.mkdir(parents=True, exist_ok=True)
         with CSV.open("w", newline="") as f:

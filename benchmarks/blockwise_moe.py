@@ -185,7 +185,7 @@ def _inputs(E: int, dtype: torch.dtype = torch.bfloat16, T: int = SHAPE["T"], H:
 
 
 def estimate(fn) -> dict:
-    from trnkit.nkisim import cost, trace  # noqa: PLC0415 - interpreter only
+    from trnkit.nkisim import cost, trace  # interpreter only
 
     t0 = time.perf_counter()
     with trace.record(trace_only=True) as tr:

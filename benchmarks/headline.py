@@ -119,7 +119,7 @@ def _router(dtype: torch.dtype = BF16, norm: bool = True, affinities: bool = Fal
 
 def _moe(backward: bool = False) -> Callable[[], Callable[[], object]]:
     def build() -> Callable[[], object]:
-        from trnkit.kernels import moe  # noqa: PLC0415
+        from trnkit.kernels import moe
 
         T, H, I, E, K = (MOE[k] for k in "THIEK")  # noqa: E741
         g = _g()

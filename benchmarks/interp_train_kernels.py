@@ -27,7 +27,7 @@ def cases() -> dict:
     rope, router, moe = (importlib.import_module(f"trnkit.kernels.{n}") for n in ("rope_hf", "router_topk", "moe"))
     torch.manual_seed(0)
     B, S, Hq, Hk, D = 2, 128, 4, 2, 64
-    T, H, E, K, I = B * S, 256, 8, 2, 128
+    T, H, E, K, I = B * S, 256, 8, 2, 128  # noqa: E741
     q, k = torch.randn(B, S, Hq, D), torch.randn(B, S, Hk, D)
     cache = torch.randn(S, 2 * D)
     x = torch.randn(T, H)

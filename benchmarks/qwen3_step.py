@@ -30,12 +30,12 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from trnkit.bench.paths import add_output_args, output_dir  # noqa: E402
-from trnkit.qwen3 import Qwen3Model, model_registry  # noqa: E402
-from trnkit.qwen3.state_dict import to_hf  # noqa: E402
+from trnkit.bench.paths import add_output_args, output_dir
+from trnkit.qwen3 import Qwen3Model, model_registry
+from trnkit.qwen3.state_dict import to_hf
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"debug": 1.0, "debug-moe": 1.5}
@@ -180,13 +180,16 @@ def main() -> None:
             print(f"  {r['flavor']:10s} {impl:28s} best {t * 1e3:9.1f} ms  median {r['median_s'][impl] * 1e3:9.1f} ms"
                   f"   peak {r['peak_mib'][impl]:8.1f} MiB   loss {r['loss_step1'][impl]:.5f}")
         print(f"  {r['flavor']:10s} ratio vs {r['best_transformers']}: {r['ratio']:.2f}x best-of, "
-              f"{r['ratio_median']:.2f}x median (target >= {r['target']}x: {'met' if r['meets_target'] else 'NOT met'}); "
+              f"{r['ratio_median']:.2f}x median "
+              f"(target >= {r['target']}x: {'met' if r['meets_target'] else 'NOT met'}); "
               f"peak memory {r['memory_ratio']:.2f}x transformers'")
     if not args.no_save:
         out = output_dir(args, root=ROOT)
         out.mkdir(parents=True, exist_ok=True)
         meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-                "threads": torch.get_num_threads(), "clock": args.clock, "argv": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "machine": platform.machine(), "processor": platform.processor()}
+                "threads": torch.get_num_threads(), "clock": args.clock,
+                "argv": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "machine": platform.machine(), "processor": platform.processor()}
         stem = args.name or "qwen3_step" + (f"_vocab{args.vocab}" if args.vocab else "")
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         with open(out / f"{stem}.csv", "w", newline="") as f:

@@ -44,12 +44,12 @@ from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from trnkit.bench.paths import add_output_args, output_dir  # noqa: E402
-from trnkit.harness.parallel import clip_grad_norm  # noqa: E402
-from trnkit.qwen3 import Qwen3Model, model_registry  # noqa: E402
-from trnkit.qwen3.state_dict import to_hf  # noqa: E402
+from trnkit.bench.paths import add_output_args, output_dir
+from trnkit.harness.parallel import clip_grad_norm
+from trnkit.qwen3 import Qwen3Model, model_registry
+from trnkit.qwen3.state_dict import to_hf
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_SPEEDUP, TARGET_MEMORY = 1.25, 0.5

@@ -92,7 +92,8 @@ def qwen3_step() -> str:
 
 # (kernel, mode, x_name, x_value) of the headline rows in docs/benchmarks.md (all bf16, the full sweeps)
 HEADLINE = (
-    ("rope_hf", "forward", "S", 2048), ("rope_hf", "backward", "S", 2048), ("rope_hf", "forward", "flavor", "235B-A22B"),
+    ("rope_hf", "forward", "S", 2048), ("rope_hf", "backward", "S", 2048),
+    ("rope_hf", "forward", "flavor", "235B-A22B"),
     ("router_topk", "forward", "T", 2048), ("router_topk", "backward", "T", 2048),
     ("router_topk", "forward", "flavor", "235B-A22B"), ("moe_experts", "forward", "T", 512),
     ("moe_experts", "backward", "T", 512), ("grouped_mm", "forward", "M", 4096), ("grouped_mm", "backward", "M", 4096),
@@ -152,7 +153,8 @@ def attention_peak() -> str:
             continue
         cells = []
         for r in (tk, aws):
-            cells += [f"{float(r['est_us_mid']):,.1f} us ({float(r['est_us_low']):,.1f}–{float(r['est_us_high']):,.1f})",
+            cells += [f"{float(r['est_us_mid']):,.1f} us "
+                      f"({float(r['est_us_low']):,.1f}–{float(r['est_us_high']):,.1f})",
                       f"{float(r['peak_frac_mid']):.1%} / {float(r['peak_frac_pessimistic']):.1%}"]
         ratio = [float(tk[c]) / float(aws[c]) for c in ("est_us_mid", "est_us_high")]
         rows.append([lnc, mode, *cells, f"{ratio[0]:.2f}x / {ratio[1]:.2f}x"])
@@ -320,8 +322,9 @@ def plan_check() -> str:
 
 
 def plan_layouts() -> str:
-    """python -m trnkit.harness.plan --config qwen3_30b_a3b --layouts 64x1,32x2,16x4,8x8 [--activation-checkpointing full]."""
-    from trnkit.harness.config import load_config  # noqa: PLC0415 - the planner itself, not a CSV
+    """python -m trnkit.harness.plan --config qwen3_30b_a3b --layouts 64x1,32x2,16x4,8x8
+    [--activation-checkpointing full]."""
+    from trnkit.harness.config import load_config  # the planner itself, not a CSV
     from trnkit.harness.plan import layouts_table, parse_layouts, plan
     from trnkit.packaged import resolve_config
 
@@ -503,7 +506,8 @@ def csv_count(name: str, where: dict[str, str]) -> Callable[[], str]:
     return value
 
 
-def csv_ratio(name: str, column: str, num: dict[str, str], den: dict[str, str], fmt: str = "{:.2f}") -> Callable[[], str]:
+def csv_ratio(name: str, column: str, num: dict[str, str], den: dict[str, str],
+              fmt: str = "{:.2f}") -> Callable[[], str]:
     """``column`` of the row matching ``num`` divided by that of the row matching ``den`` (benchmarks/data/``name``)."""
     def value() -> str:
         return fmt.format(float(csv_cell(name, column, num, "{!r}")()) / float(csv_cell(name, column, den, "{!r}")()))
@@ -585,7 +589,8 @@ QUOTES = (
           csv_cell("interp_speed.csv", "ratio", {"dtype": "bfloat16"})),
     Quote("README.md", "in bf16 and {}× in fp32", "interp_speed.csv fp32 ratio",
           csv_cell("interp_speed.csv", "ratio", {"dtype": "float32"})),
-    Quote("README.md", "it passes {} of their", "conformance.csv PASS rows", csv_count("conformance.csv", {"result": "PASS"})),
+    Quote("README.md", "it passes {} of their", "conformance.csv PASS rows",
+          csv_count("conformance.csv", {"result": "PASS"})),
     Quote("README.md", "of their {} test cases", "conformance.csv rows", csv_count("conformance.csv", {})),
     Quote("README.md", "fp32 cache: fwd {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline.csv rope_fwd",
           _range("rope_fwd", "us") + _range("rope_fwd", "fraction")),

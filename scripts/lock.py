@@ -41,7 +41,8 @@ def lock_text(versions: dict[str, str]) -> str:
             f"{sys.version_info.major}.{sys.version_info.minor}); do not edit by hand.\n"
             "# Installed with: pip install -c constraints.txt -e '.[dev,data,docs]'  (scripts/run.sh, CI)\n")
     # a local version label (torch 2.13.0+cpu) is left out: ==2.13.0 matches it and any other build
-    lines = [f"{name}=={version.split('+')[0]}" for name, version in sorted(versions.items(), key=lambda kv: kv[0].lower())]
+    lines = [f"{name}=={version.split('+')[0]}"
+             for name, version in sorted(versions.items(), key=lambda kv: kv[0].lower())]
     return head + "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,7 @@
 # One entry point for a fresh machine: creates .venv, installs trnkit with its dev, data and docs extras
 # at the versions of constraints.txt and then runs what was asked for.
 #   bash scripts/run.sh train [trainer args...]   # main job: debug Qwen3-MoE with NKI kernels swapped in
-#   bash scripts/run.sh test  [pytest args...]    # the test suite (what CI runs)
+#   bash scripts/run.sh test  [pytest args...]    # ruff check, then the test suite (what CI runs)
 #   bash scripts/run.sh demo                      # one kernel on the interpreter + its trn2 estimate
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 cmd=${1:-test}; shift || true
 case "$cmd" in
   train) exec "$VENV/bin/python" -m trnkit.harness.train --config configs/debug_moe_nki.toml "$@" ;;
-  test)  exec "$VENV/bin/python" -m pytest -m "not slow" -n 2 -q "$@" ;;
+  test)  "$VENV/bin/ruff" check trnkit tests benchmarks scripts examples setup.py  # lint first ([tool.ruff])
+         exec "$VENV/bin/python" -m pytest -m "not slow" -n 2 -q "$@" ;;
   demo)  exec "$VENV/bin/python" -m trnkit demo "$@" ;;
   *) echo "usage: scripts/run.sh train|test|demo [args]" >&2; exit 2 ;;
 esac

@@ -59,7 +59,7 @@ def test_calibrate_rejects_a_csv_without_measurements_and_the_real_nki(tmp_path,
     path = write_rows(tmp_path / "est.csv", [est], append=False)
     with pytest.raises(ValueError, match="no measured kernel rows"):
         calibrate.measured_points(path)
-    import trnkit.nki_api  # noqa: PLC0415
+    import trnkit.nki_api
 
     monkeypatch.setattr(trnkit.nki_api, "REAL_NKI", True)
     with pytest.raises(RuntimeError, match="TRNKIT_NKI=sim"):

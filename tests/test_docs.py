@@ -233,7 +233,7 @@ def test_python_snippets_run_as_written(path: Path, tmp_path: Path, monkeypatch:
     for line, code in python_snippets(path):
         try:
             exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), namespace)  # noqa: S102
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any error of a snippet fails the test, named
             pytest.fail(f"{path.relative_to(ROOT)}, snippet at line {line}: {type(e).__name__}: {e}")
 
 

@@ -7,7 +7,8 @@ accurate as torch computing the same thing at the same dtype, both measured agai
     floor = max(eps_out / 4, eps_fp32 * max(2, 32 / sqrt(n)), eps_test * 4 / sqrt(n))
 
 ``eps_out`` is the machine epsilon of the kernel output's dtype (2**-23 fp32, 2**-7 bf16), ``eps_test``
-that of the dtype torch computed in (the test dtype), ``n`` the number of output elements. The floor is rounding noise no implementation choice decides: a quarter ulp
+that of the dtype torch computed in (the test dtype), ``n`` the number of output elements. The floor is rounding
+noise no implementation choice decides: a quarter ulp
 of the output dtype (where a result is exact or pure output rounding, the ratio of two tiny errors
 means nothing), and fp32 summation-order noise, since every kernel computes in fp32 and sums in its
 own order (the PE array accumulates sequentially) while torch's error at a small shape can sit well

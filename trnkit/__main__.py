@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    from trnkit import envinfo  # noqa: PLC0415
+    from trnkit import envinfo
 
     if args.lock:
         print(envinfo.lock_text(envinfo.current_stack()), end="")
@@ -28,7 +28,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from trnkit import demo  # noqa: PLC0415
+    from trnkit import demo
 
     if args.kernel == "rope_hf":
         result = demo.run_rope(seq=args.seq, chip=args.chip)
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo.set_defaults(fn=_cmd_demo)
     p_conf = sub.add_parser("conformance", help="run nki-library's kernels on the interpreter "
                             "against nki-library's references (needs NKILIB_SRC)")
-    from trnkit.conformance import cli as conformance_cli  # noqa: PLC0415
+    from trnkit.conformance import cli as conformance_cli
 
     conformance_cli.add_arguments(p_conf)
     p_conf.set_defaults(fn=conformance_cli.run)

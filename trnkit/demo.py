@@ -54,7 +54,7 @@ def _run_traced(fn, chip: str):
     t0 = time.perf_counter()
     if REAL_NKI:  # on Trainium: no trace; the kernel runs on the device
         return fn(), None, time.perf_counter() - t0
-    from trnkit.nkisim import cost, trace  # noqa: PLC0415 - interpreter only
+    from trnkit.nkisim import cost, trace  # interpreter only
 
     with trace.record() as tr:
         out = fn()

@@ -142,8 +142,8 @@ class DataPackageInfo:
 def data_packages() -> list[DataPackageInfo]:
     """The two data packages `scripts/run.sh` installs (with --no-deps; trnkit reads their files, never
     imports them) and the files the trainer's defaults read from them."""
-    from trnkit.harness import data  # noqa: PLC0415 - lazy: it imports torch
-    from trnkit.errors import ConfigError  # noqa: PLC0415
+    from trnkit.harness import data  # lazy: it imports torch
+    from trnkit.errors import ConfigError
 
     def tokenizer() -> tuple[str, int]:
         path = data.qwen3_tokenizer_path()
@@ -184,7 +184,7 @@ def version_warnings(packages: list[dict]) -> list[str]:
 def nki_backend() -> str:
     """Which NKI the kernels get: 'nki' (real Neuron) or 'nkisim' (trnkit's interpreter)."""
     try:
-        from trnkit import nki_api  # noqa: PLC0415 - lazy: resolving imports the interpreter
+        from trnkit import nki_api  # lazy: resolving imports the interpreter
     except Exception as exc:  # noqa: BLE001
         return f"unavailable ({type(exc).__name__}: {exc})"
     return nki_api.backend_name()
@@ -269,8 +269,8 @@ def lock_text(stack: dict[str, str]) -> str:
 
 def read_lock(path: str | os.PathLike) -> dict[str, str]:
     """The ``[stack]`` table of a lock file; ConfigError naming the file and the problem."""
-    from trnkit.errors import ConfigError  # noqa: PLC0415
-    from trnkit.harness.config import load_toml  # noqa: PLC0415 - lazy: the TOML reader (tomli on 3.10)
+    from trnkit.errors import ConfigError
+    from trnkit.harness.config import load_toml  # lazy: the TOML reader (tomli on 3.10)
 
     data = load_toml(path)
     table = data.get("stack")
@@ -290,7 +290,7 @@ def stack_differences(locked: dict[str, str], current: dict[str, str]) -> list[s
 def check_stack(path: str | os.PathLike) -> dict[str, str]:
     """Compare the installed stack with the lock at ``path``; raises ConfigError naming every difference.
     Returns the installed stack (as the lock's components)."""
-    from trnkit.errors import ConfigError  # noqa: PLC0415
+    from trnkit.errors import ConfigError
 
     locked = read_lock(path)
     current = current_stack(tuple(locked))

@@ -20,17 +20,17 @@ __all__ = ["nki", "nl", "nisa", "nt", "REAL_NKI", "backend_name"]
 
 
 def _load_real() -> tuple[ModuleType, ModuleType, ModuleType]:
-    import nki as real_nki  # noqa: PLC0415  (optional Neuron dependency)
-    import nki.isa as real_isa  # noqa: PLC0415
-    import nki.language as real_nl  # noqa: PLC0415
+    import nki as real_nki  # optional Neuron dependency
+    import nki.isa as real_isa
+    import nki.language as real_nl
 
     return real_nki, real_nl, real_isa
 
 
 def _load_sim() -> tuple[ModuleType, ModuleType, ModuleType]:
-    from trnkit import nkisim  # noqa: PLC0415
-    from trnkit.nkisim import isa as sim_isa  # noqa: PLC0415
-    from trnkit.nkisim import language as sim_nl  # noqa: PLC0415
+    from trnkit import nkisim
+    from trnkit.nkisim import isa as sim_isa
+    from trnkit.nkisim import language as sim_nl
 
     return nkisim, sim_nl, sim_isa
 
@@ -59,9 +59,9 @@ def _resolve() -> tuple[ModuleType, ModuleType, ModuleType, bool]:
 
 nki, nl, nisa, REAL_NKI = _resolve()
 if REAL_NKI:
-    import nki.typing as nt  # noqa: E402
+    import nki.typing as nt
 else:
-    from trnkit.nkisim import nki_typing as nt  # noqa: E402
+    from trnkit.nkisim import nki_typing as nt
 
 
 def backend_name() -> str:

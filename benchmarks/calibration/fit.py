@@ -74,7 +74,8 @@ def dma_fixed_mid_ns(points: Iterable[Point] | None = None) -> float:
     """The per-transfer time of back-to-back loads from one queue in the overhead-bound part of the DMA
     overview's throughput curve: a transfer of ``b`` bytes per partition at relative throughput ``r`` takes
     ``128 b / (r * BW)``, BW the 32 KiB-per-partition throughput (16 engines at the core's HBM share, the
-    payloads' efficiency at 32 KiB per partition). One transfer per fixed cost: the queue's trigger-to-first-byte time."""
+    payloads' efficiency at 32 KiB per partition). One transfer per fixed cost: the queue's trigger-to-first-byte
+    time."""
     pts = require_fit(points if points is not None else
                       [p for p in fit_points("dma_fixed_ns") if p.metric == "rel_throughput"])
     chip, knee = hardware.TRN2, cost_params.MID.dma_knee_bytes
@@ -106,7 +107,7 @@ def trn1_dma_sustained_fraction(points: Iterable[Point] | None = None, iteration
     """trn1's sustained fraction of the documented DMA rate: the value at which the model's time of the
     DMA-bound fit kernels (a slice of each, :data:`MM_SLICE`) matches their published times (geometric
     mean). Their time scales as 1 / fraction, so each step multiplies by the remaining ratio."""
-    import run  # noqa: PLC0415 - runs the interpreter; only this fit needs it
+    import run  # runs the interpreter; only this fit needs it
 
     pts = require_fit(points if points is not None else fit_points("sustained_fraction"))
     dims, share = MM_SLICE

@@ -31,11 +31,6 @@ def scalar_dependent_chain(x, n: int = 256):
     return out
 
 
-def chain_interval_ns(report_total_ns: float, report_short_ns: float, n_long: int, n_short: int) -> float:
-    """Per-instruction initiation interval from two chain lengths (cancels the loads and the store)."""
-    return (report_total_ns - report_short_ns) / (n_long - n_short)
-
-
 @nki.jit
 def dma_exp_roundtrip(in_tensor):
     """The DMA overview's profiled kernel ([SDK] nki/get-started/about/nki-dma-overview.rst, "Example 1"

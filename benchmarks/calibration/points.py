@@ -145,7 +145,8 @@ BASE_POINTS: tuple[Point, ...] = (
     _mm("tiled", 51.80, "Original Tiled | 51.80", "DMA rate (256 B + 1 KiB rows): hardware.TRN1 sustained_fraction"),
     _mm("hoist_load", 42.96, "Optimization 1 | 42.96", "DMA rate (1 KiB rows): hardware.TRN1 sustained_fraction"),
     _mm("block_free_dimension", 22.07, "Optimization 2 | 22.07", "DMA rate held out; box dependencies"),
-    _mm("fully_optimized", 6.97, "Optimization 3 | 6.97", "TensorE bf16 rate, PSUM accumulation issue, DMA/TensorE overlap"),
+    _mm("fully_optimized", 6.97, "Optimization 3 | 6.97",
+        "TensorE bf16 rate, PSUM accumulation issue, DMA/TensorE overlap"),
     _kopt("v2", 39.89, "one NeuronCore (nc0); MBU 38.06%, DMA active 99.93%",
           "trn2 DMA: per-transfer fixed cost, queues, 23 B/ns per engine"),
     _kopt("v3", 28.20, "DMA active 99.73%, TensorE 99.85%", "TensorE fp32 rate (x4) with DMA near saturation"),
@@ -170,7 +171,8 @@ BASE_POINTS: tuple[Point, ...] = (
 
 # Engine-active shares the profiler reported (the same runs as the kernel-time points).
 ACTIVE_POINTS: tuple[Point, ...] = (
-    _mamba("mamba_v1 VectorE active", "v1", 4096, 512, 92.16, f"{MAMBA} (\"VectorE active duration has dropped to 92.16% during the core execution "
+    _mamba("mamba_v1 VectorE active", "v1", 4096, 512, 92.16,
+           f"{MAMBA} (\"VectorE active duration has dropped to 92.16% during the core execution "
            "period\")", "profiler's engine-active share", metric="active:vector", unit="%"),
     _mamba("mamba_v1 small VectorE active", "v1", 256, 512, 98.71, f"{MAMBA} (\"compared to 98.71% previously with "
            "the toy example\")", "profiler's engine-active share during the core execution period",

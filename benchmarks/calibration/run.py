@@ -226,7 +226,7 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from docs_tables import calibration_markdown  # noqa: PLC0415 - scripts/ on sys.path
+    from docs_tables import calibration_markdown  # scripts/ on sys.path
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="points to (re)run; default: those not in the CSV yet")

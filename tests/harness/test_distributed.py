@@ -104,7 +104,7 @@ def test_nki_kernels_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str
 def test_tp_experts_layout_round_trip() -> None:
     from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
 
-    E, H, I, tp = 3, 2, 4, 2
+    E, H, I, tp = 3, 2, 4, 2  # noqa: E741
     gate, up = torch.randn(E, H, I), torch.randn(E, H, I)
     sd = {"layers.1.moe.experts.w_gate_up": torch.cat([gate, up], -1), "norm.weight": torch.ones(2)}
     tpl = to_tp_layout(sd, tp)["layers.1.moe.experts.w_gate_up"]

@@ -240,7 +240,8 @@ def test_fresh_run_moves_the_old_runs_files_aside(tmp_path: Path, trained, tiny_
     ("bin.txt", bytes(range(256)) * 4, r"bin\.txt is a binary file, not text; data files must be UTF-8"),
     ("latin.txt", "caf\u00e9 cr\u00e8me".encode("latin-1"),
      r"latin\.txt is not UTF-8 text \(byte 0xe9 at offset 3\)"),
-    ("bad.jsonl", b'{"text": "ok"}\n{"text": "no end\n', r"bad\.jsonl:2 is not valid JSON \(Invalid control character, column 17\)"),
+    ("bad.jsonl", b'{"text": "ok"}\n{"text": "no end\n',
+     r"bad\.jsonl:2 is not valid JSON \(Invalid control character, column 17\)"),
     ("list.jsonl", b'{"text": "ok"}\n\n[1, 2]\n', r"list\.jsonl:3 is a JSON list, not an object"),
     ("latin.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"latin\.jsonl:2 is not UTF-8 text"),
 ], ids=["binary", "latin1", "jsonl-syntax", "jsonl-list", "jsonl-latin1"])
@@ -333,7 +334,7 @@ def test_deepcopy_after_a_training_forward() -> None:
     model(torch.randint(0, 384, (2, 8)))
     assert model.aux_loss is not None and model.aux_loss.grad_fn is not None
     twin = copy.deepcopy(model)
-    assert twin.aux_loss is None and all(l.moe is None or l.moe.aux_stats is None for l in twin.layers)
+    assert twin.aux_loss is None and all(b.moe is None or b.moe.aux_stats is None for b in twin.layers)
     tokens = torch.randint(0, 384, (2, 8))
     model.eval(), twin.eval()
     torch.testing.assert_close(twin(tokens), model(tokens), rtol=0, atol=0)

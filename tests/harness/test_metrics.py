@@ -21,7 +21,7 @@ def test_flops_per_token_moe_by_hand() -> None:
     c = model_registry("debug-moe", **{**TINY_MOE, "tie_word_embeddings": False}).config
     with torch.device("meta"):
         m = Qwen3Model(c)
-    d, hd, V, E, K, I = c.dim, c.head_dim, c.vocab_size, c.num_experts, c.top_k, c.moe_inter_dim
+    d, hd, V, E, K, I = c.dim, c.head_dim, c.vocab_size, c.num_experts, c.top_k, c.moe_inter_dim  # noqa: E741
     attn = d * hd * (2 * c.n_heads + 2 * c.n_kv_heads) + 2 * hd + 2 * d
     dense_ffn = 3 * d * c.hidden_dim
     experts = E * 3 * d * I

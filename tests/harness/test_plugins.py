@@ -22,7 +22,7 @@ OPS = ["router_topk", "moe_experts"]
 
 @pytest.fixture
 def example_plugin():
-    import examples.my_kernels as plugin  # noqa: F401 - the run imports it; this is only for CALLS
+    import examples.my_kernels as plugin  # the run imports it; this is only for CALLS
 
     plugin.CALLS.clear()
     yield plugin
@@ -65,7 +65,8 @@ def test_plugin_errors_name_the_module(tmp_path: Path, monkeypatch: pytest.Monke
     (tmp_path / "broken_kernels.py").write_text("import torch\n\nraise RuntimeError('no device here')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError, match=r"config overrides.plugins: cannot import plugin module "
-                                          r"'broken_kernels': RuntimeError: no device here \(at .*broken_kernels.py:3\)"):
+                                          r"'broken_kernels': RuntimeError: no device here "
+                                          r"\(at .*broken_kernels.py:3\)"):
         import_plugins(["broken_kernels"])
     with pytest.raises(ConfigError, match=r"'no_such_pkg.kernels': ModuleNotFoundError: No module named "
                                           r"'no_such_pkg' \(is it on sys.path / PYTHONPATH\?\)"):

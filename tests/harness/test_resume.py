@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from trnkit.harness.checkpoint import latest_checkpoint, list_checkpoints
 

@@ -131,7 +131,7 @@ def test_unverifiable_checkpoint_is_refused(tmp_path: Path, trained: Path, tiny_
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4)
     code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"checkpoint: no usable checkpoint in {folder}", f"step-3: ", why,
+    _assert_user_error(code, err, f"checkpoint: no usable checkpoint in {folder}", "step-3: ", why,
                        "(--checkpoint.trust_unverified true loads it unverified)")
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # nothing written or moved
 

@@ -141,8 +141,8 @@ def _naive_moe(x, idx, tw, wgu, wd):
 
 
 def _hf_experts(E: int, H: int, inter: int, wgu: torch.Tensor, wd: torch.Tensor):
-    from transformers import Qwen3MoeConfig  # noqa: PLC0415
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts  # noqa: PLC0415
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=inter, num_experts=E, num_experts_per_tok=2)
     experts = Qwen3MoeExperts(cfg).to(wgu.dtype)
@@ -181,8 +181,8 @@ def test_moe_ref_matches_hf_qwen3_moe_experts(dtype: torch.dtype) -> None:
 
 def test_moe_ref_matches_hf_sparse_moe_block_end_to_end() -> None:
     """Router from HF's Qwen3MoeSparseMoeBlock, experts from the reference on converted weights."""
-    from transformers import Qwen3MoeConfig  # noqa: PLC0415
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock  # noqa: PLC0415
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=3,
@@ -307,7 +307,7 @@ def test_moe_experts_gathers_only_what_each_block_reads() -> None:
     expert 0 with 600 slots (a full block + a 128-wide tail), expert 1 with 40 (one 64-wide block);
     plus 64 padding rows each for the last block's look-ahead gather and the first block's scatter
     (of no block yet)."""
-    from trnkit.nkisim import trace  # noqa: PLC0415
+    from trnkit.nkisim import trace
 
     H, inter = 128, 64
     idx = torch.tensor([0] * 600 + [1] * 40).view(-1, 1)
@@ -551,7 +551,7 @@ def test_constraints_read_no_values() -> None:
 # --------------------------------------------------------------------------------- cost model
 def _cost_of_moe_experts(T: int, H: int, inter: int, E: int, K: int, block_size: int = moe.FWD_BLOCK_SIZE,
                          idx: torch.Tensor | None = None):
-    from trnkit.nkisim import cost, trace  # noqa: PLC0415
+    from trnkit.nkisim import cost, trace
 
     x = _rand(T, H, dtype=torch.bfloat16)
     wgu, wd = _weights(E, H, inter, torch.bfloat16)
@@ -600,10 +600,10 @@ def test_expert_weight_grads_gather_each_row_once() -> None:
     """Both weight gradients in one launch: per 128-row tile of an expert, x and grad_out rows are
     gathered once (not once per PSUM pass), no gathered tile is zero-filled, no zero matmul opens an
     accumulation group, and only an empty expert writes zeros."""
-    from trnkit.nkisim import trace  # noqa: PLC0415
+    from trnkit.nkisim import trace
 
-    T, H, inter, E, K, B = 200, 256, 192, 4, 2, 128
-    idx = torch.stack([torch.arange(T) % 3, (torch.arange(T) + 1) % 3], 1)  # expert 3 empty
+    T, H, inter, E, B = 200, 256, 192, 4, 128
+    idx = torch.stack([torch.arange(T) % 3, (torch.arange(T) + 1) % 3], 1)  # top-2; expert 3 empty
     x, g = _rand(T, H, dtype=torch.bfloat16), _rand(T, H, dtype=torch.bfloat16, seed=5)
     lay, _ = moe._moe_layout(idx, E, B)
     hw = _rand(lay.num_blocks, B, inter, dtype=torch.bfloat16, seed=6)
@@ -625,7 +625,7 @@ def test_expert_weight_grads_gather_each_row_once() -> None:
 def test_weight_grad_passes_hold_whole_row_chunks() -> None:
     """PSUM passes of at most 4 output tiles [128, 512]; whole 128-row chunks where they fit, so every
     chunk is stored as full rows (Qwen3-30B-A3B: grad_w_down 6 passes of 4, grad_w_gate_up 16 of 3)."""
-    from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
+    from trnkit.kernels import moe_grouped_mm as KG
 
     class G:  # only .shape is read
         def __init__(self, *shape):
@@ -648,7 +648,7 @@ def test_weight_grads_do_not_depend_on_the_row_cache(monkeypatch: pytest.MonkeyP
     the rest again in every pass (all of them when no tile fits): the fp32 sums run in the same order,
     so the gradients are bit-identical to the default -- for groups with more tiles than slots (10
     tiles of 32 rows; 5 of 128), partial tiles, empty groups."""
-    from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
+    from trnkit.kernels import moe_grouped_mm as KG
 
     M, Kd, N, offs, B = 330, 96, 600, [0, 300, 300, 330], 32
     x, w = _rand(M, Kd, scale=Kd ** -0.5), _rand(len(offs), Kd, N, seed=4)

@@ -52,7 +52,8 @@ def test_grouped_mm_lnc2_is_bit_identical_to_lnc1(case: str, dtype: torch.dtype)
     offs_t = torch.tensor(offs, dtype=torch.int32)
     g = _rand(M, N, dtype=dtype, seed=7, scale=N ** -0.5)
     with recorded_streams() as s:
-        two = moe.grouped_mm(x, w, offs_t, block_size=B, lnc=2), moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B, lnc=2)
+        two = (moe.grouped_mm(x, w, offs_t, block_size=B, lnc=2),
+               moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B, lnc=2))
     _equal(two[0], moe.grouped_mm(x, w, offs_t, block_size=B, lnc=1))
     _equal(two[1], moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B, lnc=1))
     assert_same_streams(s)
@@ -91,7 +92,8 @@ def test_each_core_loads_only_its_experts_and_meets_the_other_once(monkeypatch: 
     # copy of it into a private scratch tensor
     sel_mm = [i for i in s.trace if i.op == "nc_matmul" and i.operands[1].shape[1] == 24]
     assert sorted(i.program_id for i in sel_mm) == [0, 1]
-    stores = [(i.program_id, i.operands[0].buffer) for i in s.trace if i.op == "dma_copy" and i.operands[0].shape == (24, 160)]
+    stores = [(i.program_id, i.operands[0].buffer) for i in s.trace
+              if i.op == "dma_copy" and i.operands[0].shape == (24, 160)]
     assert sorted(stores) == [(0, "shared_hbm"), (1, "private_hbm")]
 
 
@@ -107,7 +109,7 @@ def test_lnc_switch_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_detected_lnc_on_real_nki(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trnkit.nki_api  # noqa: PLC0415
+    import trnkit.nki_api
 
     monkeypatch.setattr(trnkit.nki_api, "REAL_NKI", True)
     monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)

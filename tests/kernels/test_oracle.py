@@ -210,7 +210,7 @@ def test_rule_fails_a_less_accurate_result() -> None:
 
 def test_streamed_error_equals_the_whole() -> None:
     """OracleErr over parts gives the error of the whole output."""
-    from tests.tolerances import OracleErr  # noqa: PLC0415
+    from tests.tolerances import OracleErr
 
     o = torch.randn(6, 50, dtype=F64)
     r, b = o + 1e-3 * torch.randn(6, 50, dtype=F64), o + 1e-3 * torch.randn(6, 50, dtype=F64)

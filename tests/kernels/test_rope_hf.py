@@ -87,7 +87,7 @@ def test_engine_split_bf16(layout: str, backward: bool) -> None:
     engine with every operand bf16 in SBUF and contiguous (the trn2 performance-mode conditions, so the
     cost model prices each at N/2 cycles), the sum as three identity matmuls per slab on TensorE, the
     rounding PSUM -> SBUF copy on the Scalar engine; GpSimd only builds the identity."""
-    from trnkit.nkisim import cost, trace  # noqa: PLC0415 - the interpreter's trace and cost model
+    from trnkit.nkisim import cost, trace  # the interpreter's trace and cost model
 
     H, S, D = 10, 1024, 128  # q 8 heads + k 2 heads
     with trace.record() as tr:
@@ -111,7 +111,7 @@ def test_fp32_products_shared_with_gpsimd(layout: str) -> None:
     """fp32 (no Vector performance mode, so no shared-bus conflict): about a quarter of the products go
     to GpSimd (the share its slowest modelled rate can keep up with: 4.17 vs 13.3 ns per element), the
     rest to Vector; the result is still the reference's bit for bit (checked in _run)."""
-    from trnkit.nkisim import trace  # noqa: PLC0415
+    from trnkit.nkisim import trace
 
     with trace.record() as tr:
         _run(layout, 1, 8, 2, 512, 128, torch.float32, "packed", backward=True)

@@ -64,7 +64,8 @@ def test_selection_bias_chooses_but_does_not_weigh() -> None:
     bias[5] = 10.0
     w_k, i_k, l_k = R.router_topk(x, w, K, False, scoring="sigmoid", selection_bias=bias)
     assert bool((i_k[:, 0] == 5).all())
-    check_oracle("weight of the biased expert", w_k[:, 0], torch.sigmoid(x @ w[5]), torch.sigmoid(x.double() @ w[5].double()))
+    check_oracle("weight of the biased expert", w_k[:, 0], torch.sigmoid(x @ w[5]),
+                 torch.sigmoid(x.double() @ w[5].double()))
     unbiased = R.router_topk(x, w, K, False, scoring="sigmoid")[1]
     assert not torch.equal(unbiased, i_k)
 
@@ -84,11 +85,11 @@ def test_softmax_with_routed_scaling_factor() -> None:
 
 def _hf_router(family: str, E: int, K: int, H: int, norm: bool, scale: float):
     if family == "deepseek_v3":
-        from transformers import DeepseekV3Config as Config  # noqa: PLC0415
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as Router  # noqa: PLC0415
+        from transformers import DeepseekV3Config as Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as Router
     else:
-        from transformers import Glm4MoeConfig as Config  # noqa: PLC0415
-        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter as Router  # noqa: PLC0415
+        from transformers import Glm4MoeConfig as Config
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter as Router
     cfg = Config(hidden_size=H, n_routed_experts=E, num_experts_per_tok=K, n_group=1, topk_group=1,
                  norm_topk_prob=norm, routed_scaling_factor=scale)
     router = Router(cfg)
@@ -137,7 +138,8 @@ def test_reference_and_kernel_match_transformers_routers(family: str, norm: bool
 @pytest.mark.parametrize("kwargs, match", [
     (dict(scoring="tanh"), r"router_topk: constraint 'scoring in \('softmax', 'sigmoid'\)' violated \(got 'tanh'\)"),
     (dict(selection_bias=torch.zeros(16)), r"'selection_bias with scoring='sigmoid'' violated \(got 'softmax'\)"),
-    (dict(scoring="sigmoid", selection_bias=torch.zeros(15)), r"'selection_bias.shape == \(E,\)' violated \(got \(15,\)\)"),
+    (dict(scoring="sigmoid", selection_bias=torch.zeros(15)),
+     r"'selection_bias.shape == \(E,\)' violated \(got \(15,\)\)"),
     (dict(scoring="sigmoid", selection_bias=torch.zeros(16, dtype=torch.bfloat16)),
      r"'selection_bias.dtype == float32' violated \(got 'bfloat16'\)"),
     (dict(scoring="sigmoid", return_affinities=True), r"'return_affinities with scoring='softmax'' violated"),

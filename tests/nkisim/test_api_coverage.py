@@ -48,7 +48,7 @@ def test_missing_operator_passed_as_op_is_a_clear_not_implemented_error() -> Non
 
 
 def test_import_of_a_missing_name_succeeds_and_fails_on_use() -> None:
-    from trnkit.nkisim.isa import rng  # noqa: PLC0415  (a kernel module importing it still loads)
+    from trnkit.nkisim.isa import rng  # a kernel module importing it still loads
 
     with pytest.raises(NotImplementedError, match="nki.isa.rng"):
         rng(dst=None)

@@ -19,8 +19,8 @@ import pytest
 from trnkit.nkisim import cost, trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "calibration"))
-import mamba_kernels  # noqa: E402
-from points import POINTS  # noqa: E402
+import mamba_kernels
+from points import POINTS
 
 TOL = 0.20  # the acceptance band
 

@@ -146,7 +146,7 @@ def test_published_shape_rows_cover_every_point_and_respect_their_tolerance():
 
 
 def test_published_version_changes_are_predicted_in_direction_and_size():
-    from docs_tables import calibration_changes_rows  # noqa: PLC0415 - scripts/ is on sys.path via run
+    from docs_tables import calibration_changes_rows  # scripts/ is on sys.path via run
 
     rows = calibration_changes_rows(_csv_rows())
     assert len(rows) == 7

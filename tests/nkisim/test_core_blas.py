@@ -26,7 +26,7 @@ def test_set_and_restore_blas_threads():
 
 def test_kernel_launch_runs_single_threaded_and_restores(monkeypatch):
     """jit launches switch numpy's BLAS to LAUNCH_THREADS (1) and restore the caller's count after."""
-    from trnkit.nki_api import nisa, nki, nl  # noqa: PLC0415
+    from trnkit.nki_api import nisa, nki, nl
 
     before = blas.get_num_threads()
     if before is None:

@@ -226,7 +226,8 @@ def test_partition_start_alignment_rule():
     with pytest.raises(NkiValidationError, match=r"starts at partition 32 with 64 partitions; "
                                                  r"allowed starts for that size are \(0, 64\)"):
         nisa.nc_matmul(psum_tile(32, 64), big[32:96, 0:32], mv[32:96])
-    with pytest.raises(NkiValidationError, match=r"starts at partition 63 with 65 partitions; allowed starts for that size are \(0,\)"):
+    with pytest.raises(NkiValidationError,
+                       match=r"starts at partition 63 with 65 partitions; allowed starts for that size are \(0,\)"):
         nisa.nc_matmul(psum_tile(32, 64), big[63:128, 0:32], mv[63:128])
 
 

@@ -3,7 +3,6 @@ buffer rules."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 

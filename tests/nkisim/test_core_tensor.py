@@ -209,7 +209,8 @@ def test_ap_rules():
     with pytest.raises(NkiValidationError, match=r"first pattern pair's step must equal .* \(32\), got 64"):
         t.ap(pattern=[[64, 8], [1, 32]], offset=0)
     # out of range: built, raised when accessed (here: read by a test, outside an instruction)
-    with pytest.raises(NkiValidationError, match="access: tensor 'apt': free-dim access .* out of bounds for 32 elements"):
+    with pytest.raises(NkiValidationError,
+                       match="access: tensor 'apt': free-dim access .* out of bounds for 32 elements"):
         t.ap(pattern=[[32, 16], [1, 33]], offset=0).np()
     with pytest.raises(NkiValidationError, match=r"partitions \[8, 24\) out of bounds for 16"):
         t.ap(pattern=[[32, 16], [1, 32]], offset=8 * 32).np()

@@ -92,10 +92,10 @@ def test_pytest_plugin_runs_an_unmodified_test_suite(tmp_path: Path) -> None:
 def test_install_and_uninstall_restore_sys_modules() -> None:
     before = {k: sys.modules.get(k) for k in ("nki", "nki.isa", "neuronxcc", "neuronxcc.nki.typing")}
     with nki_installed():
-        import nki  # noqa: PLC0415
-        import nki.isa as nisa  # noqa: PLC0415
-        from neuronxcc.nki.typing import float8_e4m3, tensor  # noqa: PLC0415
-        from nki.isa import constants  # noqa: PLC0415
+        import nki
+        import nki.isa as nisa
+        from neuronxcc.nki.typing import float8_e4m3, tensor
+        from nki.isa import constants
 
         assert nki is nkisim and nisa.nc_stream_shuffle is nkisim.isa.nc_stream_shuffle
         assert constants.oob_mode is nkisim.isa.oob_mode and repr(tensor[128, 4]) == "nt.tensor[128, 4]"
@@ -107,7 +107,7 @@ def test_install_and_uninstall_restore_sys_modules() -> None:
 
 
 def test_nki_api_does_not_mistake_the_installed_interpreter_for_real_nki(monkeypatch) -> None:
-    from trnkit import nki_api  # noqa: PLC0415
+    from trnkit import nki_api
 
     with nki_installed():
         monkeypatch.delenv("TRNKIT_NKI", raising=False)
@@ -120,6 +120,6 @@ def test_nki_api_does_not_mistake_the_installed_interpreter_for_real_nki(monkeyp
 
 def test_runner_usage_error() -> None:
     with pytest.raises(SystemExit):
-        from trnkit.nkisim.__main__ import main  # noqa: PLC0415
+        from trnkit.nkisim.__main__ import main
 
         main(["run"])

@@ -10,7 +10,7 @@ from trnkit.nkisim import trace
 from trnkit.nkisim.isa import vector as nisa
 from trnkit.nkisim.isa.common import engine, reduce_cmd
 
-from ._tiles import BF16, F16, F32, FLOATS, as_f32, empty, psum, ref_round, sbuf, tile
+from ._tiles import BF16, F16, F32, FLOATS, as_f32, empty, psum, ref_round, tile
 
 RNG = np.random.default_rng(42)
 

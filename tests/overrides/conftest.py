@@ -83,7 +83,7 @@ def _logits_and_grads(model, tokens):
 def assert_swap_parity(model, original, tokens=None):
     """A swapped model's logits and every parameter gradient equal the original's at the fp32 tolerance
     (tokens: ``[2, 8]`` ids below 64 by default, the tiny models' vocabulary)."""
-    from tests.tolerances import assert_close  # noqa: PLC0415
+    from tests.tolerances import assert_close
 
     if tokens is None:
         tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))

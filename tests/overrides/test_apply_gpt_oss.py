@@ -17,7 +17,7 @@ from trnkit.overrides import OverrideConstraintError, apply_overrides, revert
 from trnkit.overrides.apply import deinterleave
 
 def _model(**overrides):
-    from transformers import GptOssConfig, GptOssForCausalLM  # noqa: PLC0415
+    from transformers import GptOssConfig, GptOssForCausalLM
 
     cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, head_dim=8, num_local_experts=6, num_experts_per_tok=2,
@@ -112,7 +112,7 @@ def test_unsupported_gpt_oss_shape_is_refused_by_the_kernel_rule() -> None:
 def test_experts_interface_leaves_gpt_oss_to_its_own_code() -> None:
     """register_hf_experts serves fused [gate; up] SiLU experts only: GPT-OSS selecting it by name falls
     back (warned, naming the rule) to transformers' code, with the same logits."""
-    from trnkit.overrides import register_hf_experts  # noqa: PLC0415
+    from trnkit.overrides import register_hf_experts
 
     model = _model()
     with torch.no_grad():

@@ -18,11 +18,11 @@ def _model(family: str, **overrides):
                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
                   norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=16)
     if family == "deepseek_v3":
-        from transformers import DeepseekV3Config as Config, DeepseekV3ForCausalLM as Model  # noqa: PLC0415
+        from transformers import DeepseekV3Config as Config, DeepseekV3ForCausalLM as Model
 
         common.update(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
     else:
-        from transformers import Glm4MoeConfig as Config, Glm4MoeForCausalLM as Model  # noqa: PLC0415
+        from transformers import Glm4MoeConfig as Config, Glm4MoeForCausalLM as Model
 
         common.update(head_dim=8)
     common.update(overrides)

@@ -84,7 +84,7 @@ def test_guard_runs_under_compile(short_rope):  # noqa: F811
         compiled(long, cache[:12])  # graph break, then the eager raise
     # fullgraph=True cannot raise from a graph: dynamo fails, after a warning with the reason
     torch._dynamo.reset()
-    with pytest.warns(UserWarning, match=r"rope_hf\[short\].*'S <= 8'"), pytest.raises(Exception):
+    with pytest.warns(UserWarning, match=r"rope_hf\[short\].*'S <= 8'"), pytest.raises(Exception):  # noqa: PT011 - dynamo's own error type
         torch.compile(attn, backend="aot_eager", fullgraph=True)(long, cache[:12])
 
 

@@ -76,7 +76,8 @@ def test_override_config_lnc_is_checked_and_the_trainer_passes_it() -> None:
     assert override_config(cfg).block_size == 128
     cfg.overrides.block_size = 512
     assert override_config(cfg).block_size == 512
-    with pytest.raises(ValueError, match=r"OverrideConfig\.block_size must be one of \(32, 64, 128, 256, 512\), got 100"):
+    with pytest.raises(ValueError,
+                       match=r"OverrideConfig\.block_size must be one of \(32, 64, 128, 256, 512\), got 100"):
         OverrideConfig(ops=["moe_experts"], block_size=100)
 
 

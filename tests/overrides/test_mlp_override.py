@@ -65,7 +65,8 @@ def test_opcheck(impl):
     x = torch.randn(3, 4, 16, generator=g, requires_grad=True)
     wgu, wd = torch.randn(16, 20, generator=g, requires_grad=True), torch.randn(10, 16, generator=g, requires_grad=True)
     torch.library.opcheck(torch.ops.trnkit.mlp, (x, wgu, wd, impl))
-    torch.library.opcheck(torch.ops.trnkit.mlp_bwd, (x.detach(), wgu.detach(), wd.detach(), torch.randn(3, 4, 16), impl))
+    torch.library.opcheck(torch.ops.trnkit.mlp_bwd,
+                          (x.detach(), wgu.detach(), wd.detach(), torch.randn(3, 4, 16), impl))
 
 
 def test_compiles_fullgraph():

@@ -97,7 +97,7 @@ def _router_inputs(T=6, H=8, E=5):
     return torch.randn(T, H, generator=g), torch.randn(E, H, generator=g)
 
 
-def _moe_inputs(T=5, H=8, I=4, E=3, K=2):
+def _moe_inputs(T=5, H=8, I=4, E=3, K=2):  # noqa: E741
     g = _gen(2)
     x = torch.randn(T, H, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])

@@ -58,7 +58,8 @@ def test_opcheck(impl):
     x, w = torch.randn(3, 4, 16, generator=g, requires_grad=True), torch.randn(16, generator=g, requires_grad=True)
     torch.library.opcheck(torch.ops.trnkit.rmsnorm, (x, w, 1e-5, impl))
     rstd = torch.rand(12, generator=g) + 0.5
-    torch.library.opcheck(torch.ops.trnkit.rmsnorm_bwd, (x.detach(), w.detach(), rstd, torch.randn(3, 4, 16), 1e-5, impl))
+    torch.library.opcheck(torch.ops.trnkit.rmsnorm_bwd,
+                          (x.detach(), w.detach(), rstd, torch.randn(3, 4, 16), 1e-5, impl))
 
 
 def test_compiles_fullgraph():

@@ -6,9 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
+import torch
 
-from trnkit.qwen3 import Qwen3Config  # noqa: E402
+from trnkit.qwen3 import Qwen3Config
 
 # name -> kwargs for transformers' Qwen3Config / Qwen3MoeConfig (MoE when "num_experts" is present).
 TINY: dict[str, dict] = {

@@ -36,7 +36,7 @@ def test_swap_points_and_layout() -> None:
         assert isinstance(layer.moe.experts, GroupedExperts)
         assert layer.moe.router.gate.weight.shape == (8, 256) and layer.moe.router.gate.bias is None
         assert layer.moe.experts.w_gate_up.shape == (8, 256, 256) and layer.moe.experts.w_down.shape == (8, 128, 256)
-    assert all(isinstance(l.attention.rope, RoPEApply) for l in model.layers)
+    assert all(isinstance(b.attention.rope, RoPEApply) for b in model.layers)
     assert model.rope_cache.shape == (2048, 128) and model.rope_cache.dtype == torch.float32
     assert "rope_cache" not in model.state_dict()
 

@@ -37,7 +37,8 @@ from trnkit.bench.table import markdown_table
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trnkit.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("kernels", nargs="*", help=f"kernels to run (default: all available of {', '.join(cases_mod.KERNELS)})")
+    p.add_argument("kernels", nargs="*",
+                   help=f"kernels to run (default: all available of {', '.join(cases_mod.KERNELS)})")
     p.add_argument("--quick", action="store_true", help="CI-size shapes")
     p.add_argument("--mode", nargs="+", choices=cases_mod.MODES, default=list(cases_mod.MODES))
     add_output_args(p, "the CSV, markdown table and plots")
@@ -61,14 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return step_main(argv[1:])
     if argv[:1] == ["calibrate"]:  # python -m trnkit.bench calibrate measured.csv
-        from trnkit.bench.calibrate import main as calibrate_main  # noqa: PLC0415
+        from trnkit.bench.calibrate import main as calibrate_main
 
         return calibrate_main(argv[1:])
     args = p.parse_args(argv)
     if args.save_reference and args.quick:
         p.error("--save-reference with --quick: the quick CI-size shapes are not reference figures")
     if args.device:
-        from trnkit.nki_api import REAL_NKI  # noqa: PLC0415
+        from trnkit.nki_api import REAL_NKI
 
         if not REAL_NKI:
             p.error("--device needs the real nki (a Trainium host with the Neuron SDK); here trnkit.nki_api "

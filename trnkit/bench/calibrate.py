@@ -72,8 +72,8 @@ def _match(row: Row) -> cases_mod.Case | None:
 
 def measured_points(csv_path: Path) -> tuple[list[tuple[str, list[Instr], float]], list[str]]:
     """(label, trace, measured ns) per measured row, and the rows that match no case."""
-    from trnkit.nki_api import REAL_NKI  # noqa: PLC0415
-    from trnkit.nkisim import trace  # noqa: PLC0415
+    from trnkit.nki_api import REAL_NKI
+    from trnkit.nkisim import trace
 
     if REAL_NKI:
         raise RuntimeError("calibrate traces kernels on trnkit's interpreter, but trnkit.nki_api resolves to "

@@ -30,7 +30,7 @@ def _kernel_module(name: str):
 
 
 def _flavor(name: str):
-    from trnkit.qwen3 import model_registry  # noqa: PLC0415
+    from trnkit.qwen3 import model_registry
 
     return model_registry(name).config
 
@@ -45,7 +45,7 @@ def _grad_closure(out: torch.Tensor, inputs: list[torch.Tensor], grad: torch.Ten
 
 def matmul_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
     dt = getattr(torch, dtype)
-    from trnkit.demo import matmul_tiled  # noqa: PLC0415
+    from trnkit.demo import matmul_tiled
 
     def build(n: int) -> Callable[[], Prepared]:
         def f() -> Prepared:
@@ -89,7 +89,8 @@ def rope_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat
         seqs = [128, 256] if quick else [128, 512, 1024, 2048, 4096, 8192]
         for S in seqs:
             cfg = {"flavor": "0.6B", "B": 1, "Hq": c.n_heads, "Hk": c.n_kv_heads, "D": c.head_dim, "dtype": dtype}
-            cases.append(Case("rope_hf", mode, "S", S, _rope_build(1, c.n_heads, c.n_kv_heads, S, c.head_dim, bwd, dt), cfg))
+            build = _rope_build(1, c.n_heads, c.n_kv_heads, S, c.head_dim, bwd, dt)
+            cases.append(Case("rope_hf", mode, "S", S, build, cfg))
         if not quick:
             for fl in ("0.6B", "4B", "30B-A3B", "235B-A22B"):
                 c = _flavor(fl)
@@ -127,7 +128,8 @@ def router_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bflo
         c = _flavor("30B-A3B")
         for T in ([128, 256] if quick else [128, 512, 1024, 2048, 4096, 8192]):
             cfg = {"flavor": "30B-A3B", "H": c.dim, "E": c.num_experts, "K": c.top_k, "dtype": dtype}
-            cases.append(Case("router_topk", mode, "T", T, _router_build(T, c.dim, c.num_experts, c.top_k, bwd, dt), cfg))
+            build = _router_build(T, c.dim, c.num_experts, c.top_k, bwd, dt)
+            cases.append(Case("router_topk", mode, "T", T, build, cfg))
         if not quick:
             for fl in ("30B-A3B", "235B-A22B"):
                 c = _flavor(fl)
@@ -154,7 +156,8 @@ def _moe_build(T: int, H: int, I: int, E: int, K: int, backward: bool, dtype: to
         g = torch.Generator().manual_seed(0)
         x = _rand(T, H, g=g, dtype=dtype)
         idx, tw = _routing(T, E, K, g)
-        wgu, wd = _rand(E, H, 2 * I, g=g, scale=H ** -0.5, dtype=dtype), _rand(E, I, H, g=g, scale=I ** -0.5, dtype=dtype)
+        wgu = _rand(E, H, 2 * I, g=g, scale=H ** -0.5, dtype=dtype)
+        wd = _rand(E, I, H, g=g, scale=I ** -0.5, dtype=dtype)
         if not backward:
             return Prepared(nki=lambda: mod.moe_experts(x, idx, tw, wgu, wd, lnc=lnc),
                             ref=lambda: mod.moe_experts_ref(x, idx, tw, wgu, wd))
@@ -321,8 +324,8 @@ def attention_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "b
         if quick:
             for S in (256, 512):
                 cfg = {"Hq": 4, "Hk": 1, "D": 128, "lnc": 2, "dtype": dtype}
-                cases.append(Case("attention", mode, "S (4 q / 1 kv heads)", S, _attention_build(S, 4, 1, 128, bwd, dt, 2),
-                                  cfg))
+                build = _attention_build(S, 4, 1, 128, bwd, dt, 2)
+                cases.append(Case("attention", mode, "S (4 q / 1 kv heads)", S, build, cfg))
             continue
         c = _flavor("4B")
         for S in (512, 1024, 2048, 4096):

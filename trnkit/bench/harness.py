@@ -104,7 +104,7 @@ def estimate_range(total_range_ns: tuple[float, float, float]) -> tuple[float, f
 
 def host_device() -> str:
     """Where torch reference ops run here: ``cpu: <processor>`` (or the accelerator's name)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     if torch.cuda.is_available():
         return f"cuda: {torch.cuda.get_device_name(0)}"
@@ -115,7 +115,7 @@ def host_device() -> str:
 def _device_sync() -> Callable[[], None] | None:
     """A synchronisation callable for real-device timing (torch-xla), or None."""
     try:
-        import torch_xla.core.xla_model as xm  # noqa: PLC0415 - only on Neuron hosts
+        import torch_xla.core.xla_model as xm  # only on Neuron hosts
     except ImportError:
         return None
     return lambda: xm.wait_device_ops()
@@ -125,7 +125,7 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
              torch_threads: int | None = None) -> list[Row]:
     """Benchmark one case; returns its rows (see the module docstring). ``torch_threads`` fixes torch's
     intra-op thread count while the reference op is timed (None: leave it)."""
-    from trnkit.nki_api import REAL_NKI  # noqa: PLC0415 - resolving imports the interpreter
+    from trnkit.nki_api import REAL_NKI  # resolving imports the interpreter
 
     prepared = case.build()
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -147,7 +147,7 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
         p = time_quantiles(prepared.nki, warmup=3, budget_s=budget_s, sync=sync, info=how)
         row("nki", "wall_time", "us", p, "trainium", {"timer": "host perf_counter around a synced call", **how})
     else:
-        from trnkit.nkisim import cost, trace  # noqa: PLC0415 - interpreter only
+        from trnkit.nkisim import cost, trace  # interpreter only
 
         t0 = time.perf_counter()
         with trace.record(trace_only=True) as tr:
@@ -165,12 +165,13 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
         row("roofline", "est_time", "us", (rep.roofline_ns * us,) * 3, dev,
             {"compute_bound_us": rep.compute_bound_ns * us, "memory_bound_us": rep.memory_bound_ns * us})
         row("nki", "serial_time", "us", (rep.serial_ns * us,) * 3, dev)
-        row("nki", "fraction_of_roofline", "ratio", tuple(rep.roofline_ns * us / t if t > 0 else 0.0 for t in (mid, high, low)), dev)
+        fractions = tuple(rep.roofline_ns * us / t if t > 0 else 0.0 for t in (mid, high, low))
+        row("nki", "fraction_of_roofline", "ratio", fractions, dev)
         for eng, busy in rep.busy_ns.items():
             row("nki", f"busy_{eng}", "us", (busy * us,) * 3, dev,
                 {"utilization": rep.utilization[eng], "count": rep.count.get(eng, 0)})
     if measure_torch:
-        import torch  # noqa: PLC0415
+        import torch
 
         saved = torch.get_num_threads()
         if torch_threads:  # a fixed thread count keeps shared-CPU timings reproducible
@@ -195,7 +196,7 @@ def run_cases(cases: Iterable[Case], chip: str = "trn2", measure_torch: bool = T
     ``KernelConstraintError``) is logged and skipped. Any other error propagates, unless ``failures`` is
     a list: then the error is logged, appended to it as ``"<case>: <error>"``, and the run goes on.
     ``sink`` gets each case's rows as soon as they exist (e.g. to append them to the CSV)."""
-    from trnkit.kernels.constraints import KernelConstraintError  # noqa: PLC0415
+    from trnkit.kernels.constraints import KernelConstraintError
 
     rows: list[Row] = []
     for case in cases:
@@ -207,7 +208,7 @@ def run_cases(cases: Iterable[Case], chip: str = "trn2", measure_torch: bool = T
             if log:
                 log(f"  {case.label}: skipped, outside the kernel's constraints: {exc}")
             continue
-        except Exception as exc:  # noqa: BLE001 - only with failures= (keep going), else re-raised
+        except Exception as exc:  # only with failures= (keep going), else re-raised
             if failures is None:
                 raise
             failures.append(f"{case.label}: {type(exc).__name__}: {exc}")

@@ -3,7 +3,8 @@
 * ``<kernel>_<mode>_<x_name>[_<dtype>]_time.png`` — estimated trn2 time (mid, low-high range shaded) vs the swept
   shape, the roofline bound (dashed) and,
   on the same axis, the measured torch reference on this host (dotted; a different device, labelled).
-* ``<kernel>_<mode>_<x_name>[_<dtype>]_engines.png`` — per-engine busy time / estimated total and the fraction of roofline.
+* ``<kernel>_<mode>_<x_name>[_<dtype>]_engines.png`` — per-engine busy time / estimated total and the fraction of
+  roofline.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ def _xs(values: Iterable) -> tuple[list, list, bool]:
 
 def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
     """Write the PNGs for every (kernel, mode) that has cost-model estimates; returns their paths."""
-    import matplotlib  # noqa: PLC0415 - optional dependency, imported only to plot
+    import matplotlib  # optional dependency, imported only to plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,8 @@ def plot_rows(rows: Iterable[Row], out_dir: str | Path) -> list[Path]:
             ax.plot([at[x] for x in xs], [s[x].p50 / est[x].p50 for x in xs], "o-", label=f"{eng} busy / total")
         frac = _series(g, "nki", "fraction_of_roofline")
         xs = [x for x in labels if x in frac]
-        ax.plot([at[x] for x in xs], [frac[x].p50 for x in xs], "k*--", label="fraction of roofline (mid, range shaded)")
+        ax.plot([at[x] for x in xs], [frac[x].p50 for x in xs], "k*--",
+                label="fraction of roofline (mid, range shaded)")
         ax.fill_between([at[x] for x in xs], [frac[x].p20 for x in xs], [frac[x].p80 for x in xs], color="k", alpha=0.1)
         if numeric and len(labels) > 1 and max(labels) / max(min(labels), 1e-12) >= 8:
             ax.set_xscale("log", base=2)

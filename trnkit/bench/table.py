@@ -48,7 +48,8 @@ def markdown_table(rows: Iterable[Row]) -> str:
         kernel, (_, mode), x_name = key[:3]
         any_row = next(iter(g.values()))
         est, roof = g.get(("nki", "est_time")), g.get(("roofline", "est_time"))
-        frac, real, ref = g.get(("nki", "fraction_of_roofline")), g.get(("nki", "wall_time")), g.get(("torch", "wall_time"))
+        frac = g.get(("nki", "fraction_of_roofline"))
+        real, ref = g.get(("nki", "wall_time")), g.get(("torch", "wall_time"))
         cfg_s = ", ".join(f"{k}={v}" for k, v in sorted(any_row.config.items()))
         ref_s = f"{_fmt(ref.p50)} [{_fmt(ref.p20)}-{_fmt(ref.p80)}]" if ref else "-"
         lines.append(

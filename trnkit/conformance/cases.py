@@ -234,7 +234,7 @@ def _topk_cases() -> list[Case]:
 # -- core/router_topk (test_router_topk.py) -------------------------------------------------------
 def _router_tensor(shape: tuple[int, ...]) -> np.ndarray:
     """Uniform in [-0.1, 0.1) from a torch generator seeded 0, cast to bf16 (the test's generator)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     g = torch.Generator()
     g.manual_seed(0)
@@ -244,8 +244,8 @@ def _router_tensor(shape: tuple[int, ...]) -> np.ndarray:
 def _router_wrapper(router_topk: Callable[..., Any]) -> Callable[..., Any]:
     """The test's SBUF I/O wrapper: x optionally loaded to SBUF first, outputs optionally in SBUF
     (copied back to HBM afterwards); returns the three outputs."""
-    import nki.isa as nisa  # noqa: PLC0415  (the interpreter, inside nki_is_interpreter)
-    import nki.language as nl  # noqa: PLC0415
+    import nki.isa as nisa  # the interpreter, inside nki_is_interpreter
+    import nki.language as nl
 
     x_load = _lib("router_topk.router_topk:router_topk_input_x_load")
 
@@ -515,7 +515,8 @@ FAST = (
     "core/attention/attention_cte|apc bf16 causal tp_q tp_k tp_out prior=2048/1920|lnc2|bs=1/1 Sq=256 Skv=256 d=128",
     "core/attention/attention_cte|vnc fp32 tp_q|lnc2|bs=2/2 Sq=577 Skv=577 d=88",
     "core/attention/attention_bwd|packed bf16 seqs=128+384 causal sw=64|lnc1|b=1 heads=1/1 S=512 d=128",
-    "core/attention/attention_bwd|packed bf16 seqs=128+128 causal wrong_dtype (must reject)|lnc1|b=1 heads=1/1 S=256 d=128",
+    "core/attention/attention_bwd|packed bf16 seqs=128+128 causal wrong_dtype (must reject)|lnc1"
+    "|b=1 heads=1/1 S=256 d=128",
     "core/output_projection/cte|bf16 bias|lnc2|B=1 S=128 H=3072 heads=17 d=10",
     "experimental/loss/cross_entropy_forward|switch_transformers_fast bfloat16 PB=1 CS=32128|lnc2|B=1 T=1 V=32128",
     "experimental/loss/cross_entropy_backward|switch_transformers_fast bfloat16 PB=1 CS=16384 mean|lnc2|B=1 T=1 V=32128",

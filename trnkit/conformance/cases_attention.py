@@ -73,7 +73,7 @@ def _cte_inputs(bs: int, bs_kv: int, d: int, dt: np.dtype, sq: int, skv: int, pr
 def attention_cte_golden(out_dtype: Any = None, **kw: Any) -> dict[str, Any]:
     """The test's golden: ``attention_cte_torch_ref`` in fp32 softmax, the output rounded to the
     test dtype (``out_dtype``), the cached statistics kept fp32."""
-    import torch  # noqa: PLC0415
+    import torch
 
     ref = importlib.import_module(f"{LIB}.attention.attention_cte_torch").attention_cte_torch_ref
     kw.pop("mm_out_dtype", None)
@@ -89,7 +89,7 @@ def attention_cte_golden(out_dtype: Any = None, **kw: Any) -> dict[str, Any]:
 
 
 def _cte_ref_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
-    import torch  # noqa: PLC0415
+    import torch
 
     return {**inputs, "out_dtype": {BF16: torch.bfloat16, F16: torch.float16, F32: torch.float32}[
         inputs["q"].dtype]}
@@ -193,7 +193,7 @@ def _bwd_inputs(b: int, hq: int, hkv: int, s: int, d: int, dt: np.dtype, causal:
     generator in that order, o and lse from nki-library's ``compute_o_lse`` on them (bf16 inputs as
     bf16 torch tensors, mixed precision), o rounded to the test dtype."""
     def make() -> dict[str, Any]:
-        import torch  # noqa: PLC0415
+        import torch
 
         np.random.seed(0)
         rng = np.random.default_rng(0)
@@ -278,7 +278,8 @@ def _bwd_cases() -> list[Case]:
     for b, hq, hkv, s, d, dt, causal, sw, sinks, test in _BWD:
         negative = s % 128 != 0 or hq % hkv != 0 or d % math.ceil(d / 128) != 0 or (sw is not None and not causal)
         scale = (1.0 if causal else None) if test == "fast" else None
-        name = f"{test} {_DT[dt]}" + " causal" * causal + f" sw={sw}" * (sw is not None) + f" sinks={sinks}" * bool(sinks)
+        name = (f"{test} {_DT[dt]}" + " causal" * causal + f" sw={sw}" * (sw is not None)
+                + f" sinks={sinks}" * bool(sinks))
         cases.append(_bwd_case(name, b, hq, hkv, s, d, dt, causal, sw, sinks, scale, None, None,
                                2 if b * hkv % 2 == 0 else 1, negative))
     for hq, hkv, d, dt, seqlens, causal, sinks, sw, neg in _BWD_PACKED:

@@ -84,7 +84,8 @@ def collective_cases() -> list[Case]:
                                              (96, 512, BF16, 16, 1), (128, 512, F32, 8, 1), (64, 1024, F16, 8, 1),
                                              (128, 256, BF16, 64, 1), (128, 256, BF16, 32, 1),
                                              (128, 384, BF16, 16, 1)]),
-                        ("allgather_sb2sb_tiled", [(128, 512, BF16, 4, 2), (64, 1024, BF16, 4, 2), (256, 512, BF16, 8, 1),
+                        ("allgather_sb2sb_tiled", [(128, 512, BF16, 4, 2), (64, 1024, BF16, 4, 2),
+                                                   (256, 512, BF16, 8, 1),
                                                    (256, 512, BF16, 4, 2), (512, 1024, BF16, 8, 1),
                                                    (512, 1024, BF16, 8, 2), (256, 512, F32, 8, 1),
                                                    (512, 1024, F16, 4, 2), (256, 512, BF16, 8, 2)])):
@@ -99,7 +100,8 @@ def collective_cases() -> list[Case]:
                 test_file=f"{TESTS}/test_sb2sb_allgather.py"))
     n_cols = 4096
     cases.append(Case(
-        kernel="experimental/collectives/fgcc", name="all-gather + matmul bf16", shapes=f"m={m} K={k} N={n_cols} tp={tp}",
+        kernel="experimental/collectives/fgcc", name="all-gather + matmul bf16",
+        shapes=f"m={m} K={k} N={n_cols} tp={tp}",
         entry=f"{EXP}.fgcc:allgather_compute_matmul", reference=f"{HERE}:matmul_columns",
         inputs=_fgcc_inputs(m, k, n_cols, tp), outputs=("result",), lnc=2, ranks=tp, rtol=1e-2, atol=1e-2,
         postprocess=_flat_compare, test_file=f"{TESTS}/test_fgcc.py"))

@@ -76,7 +76,7 @@ _CONV1D = [  # CONV1D_BASIC_PARAMS
 
 def _conv1d_inputs(b, cin, cout, length, k, stride, pl, pr, dil, bias, act, lnc_shard, dt) -> Callable[[], dict]:
     def make() -> dict[str, Any]:
-        import importlib  # noqa: PLC0415
+        import importlib
 
         shapes = [(b, cin, length), (k, cin, cout)] + ([(cout,)] if bias else [])
         drawn = _gaussian(*shapes, dtype=dt)
@@ -149,7 +149,7 @@ _DEPTHWISE = [
 def depthwise_golden(img_ref, filter_ref, padding, stride, **_: Any) -> dict[str, Any]:
     """The depthwise test's golden: torch ``conv2d(groups=C)`` in fp32 with the width padding, cast to
     the image dtype (the harness passes fp32 torch tensors; the dtype comes back through the case)."""
-    import torch  # noqa: PLC0415
+    import torch
 
     out = torch.nn.functional.conv2d(img_ref.float(), filter_ref.float(), bias=None, stride=stride,
                                      padding=(0, padding[1][0]), groups=img_ref.shape[1])

@@ -40,7 +40,7 @@ def _types() -> Any:
 def _mlp_inputs(b: int, s: int, h: int, i: int, norm: str, fused: bool, store: bool, skip_gate: bool,
                 act: str, gate_b: bool, up_b: bool, down_b: bool, norm_b: bool) -> Callable[[], dict]:
     def make() -> dict[str, Any]:
-        import nki.language as nl  # noqa: PLC0415  (the interpreter, inside nki_is_interpreter)
+        import nki.language as nl  # the interpreter, inside nki_is_interpreter
 
         types = _types()
         gen = np.random.default_rng(0)
@@ -79,7 +79,7 @@ def _np(t: Any) -> np.ndarray | None:
 
 
 def _activation(name: str, x: np.ndarray) -> np.ndarray:
-    from scipy.special import erf, expit  # noqa: PLC0415
+    from scipy.special import erf, expit
 
     return {"SiLU": lambda: x * expit(x), "GELU": lambda: 0.5 * x * (1 + erf(x / np.sqrt(2))),
             "GELU_Tanh_Approx": lambda: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))),

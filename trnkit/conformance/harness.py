@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Case", "Row", "nkilib_root", "nkilib_commit", "nkilib_tarball", "extract_tarball", "compare", "run_case", "run_cases",
-           "format_table", "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED"]
+__all__ = ["Case", "Row", "nkilib_root", "nkilib_commit", "nkilib_tarball", "extract_tarball", "compare", "run_case",
+           "run_cases", "format_table", "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
@@ -136,8 +136,8 @@ def nkilib_tarball() -> Path | None:
 def extract_tarball(tarball: Path, cache: Path | None = None) -> Path:
     """Extract ``tarball`` once into ``cache`` (default: a per-archive folder in the temp dir) and
     return the checkout; concurrent callers (pytest workers) each extract aside and one rename wins."""
-    import tarfile  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
+    import tarfile
+    import tempfile
 
     stat = tarball.stat()
     dest = cache or Path(tempfile.gettempdir()) / f"trnkit-{tarball.name.removesuffix('.tar.gz')}-{stat.st_size}"
@@ -152,7 +152,7 @@ def extract_tarball(tarball: Path, cache: Path | None = None) -> Path:
     try:
         tmp.rename(dest)
     except OSError:  # another process won the race
-        import shutil  # noqa: PLC0415
+        import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
@@ -195,7 +195,7 @@ def _neuron_dtypes_shim() -> types.ModuleType | None:
     """Some nki-library reference modules import ``neuron_dtypes`` at the top but only use it on their
     fp8 / MX paths; without the package, install :class:`_MissingNeuronDtypes` (returned) so the
     other paths run and any use names the package."""
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
 
     if "neuron_dtypes" in sys.modules or importlib.util.find_spec("neuron_dtypes") is not None:
         return None
@@ -208,7 +208,7 @@ def _neuron_dtypes_shim() -> types.ModuleType | None:
 def nki_is_interpreter(root: Path) -> Iterator[None]:
     """``import nki`` resolves to the interpreter (:func:`trnkit.nkisim.install_as_nki`) and
     ``nkilib_src`` to the checkout inside the block; the previous modules come back afterwards."""
-    from trnkit import nkisim  # noqa: PLC0415
+    from trnkit import nkisim
 
     saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] == "nkilib_src"}
     src = str(root / "src")
@@ -253,8 +253,8 @@ def drop_repeated_docstring_tail(source: str) -> str:
 def _load_repaired(module: str) -> None:
     """Import ``module`` from its source with :func:`drop_repeated_docstring_tail` applied when the
     file does not parse as it is (a file that parses is imported normally)."""
-    import ast  # noqa: PLC0415
-    import importlib.util  # noqa: PLC0415
+    import ast
+    import importlib.util
 
     if module in sys.modules:
         return
@@ -316,7 +316,7 @@ def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float
 def _to_torch(value: Any, keep_low_precision: bool) -> Any:
     """nki-library's reference-input convention: bf16/fp8 -> fp32 torch (bf16 kept as bf16 when
     ``keep_low_precision``), fp16 -> fp32, uint32 -> int32."""
-    import torch  # noqa: PLC0415
+    import torch
 
     if not isinstance(value, np.ndarray):
         return value
@@ -339,7 +339,7 @@ def _low_precision_dtype(inputs: dict[str, Any]) -> np.dtype | None:
 
 def reference_outputs(case: Case, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
     """The torch reference's outputs (numpy), on copies of ``inputs``."""
-    import torch  # noqa: PLC0415
+    import torch
 
     ref_in = case.ref_inputs(inputs) if case.ref_inputs else inputs
     kwargs = {k: _to_torch(v.copy() if isinstance(v, np.ndarray) else v, case.keep_low_precision)
@@ -361,7 +361,7 @@ def reference_outputs(case: Case, inputs: dict[str, Any]) -> dict[str, np.ndarra
 
 
 def _classify(exc: BaseException) -> tuple[str, str]:
-    from trnkit.nkisim.errors import NkiValidationError  # noqa: PLC0415
+    from trnkit.nkisim.errors import NkiValidationError
 
     msg = f"{exc}".splitlines()[0] if f"{exc}" else type(exc).__name__
     if isinstance(exc, NkiValidationError):
@@ -376,7 +376,7 @@ def _classify(exc: BaseException) -> tuple[str, str]:
 
 def run_case(case: Case, root: Path, commit: str = "") -> Row:
     """Run ``case`` on the interpreter and compare it with nki-library's reference."""
-    from trnkit.nkisim import memory  # noqa: PLC0415
+    from trnkit.nkisim import memory
 
     row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
               nkilib_commit=commit)
@@ -447,8 +447,8 @@ def _copies(kwargs_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _launch(case: Case, kernel: Callable[..., Any], kernel_in: Any) -> Any:
     """Run the kernel as the case says: one device (a ``kernel[lnc]`` grid launch) or ``case.ranks``
     devices, whose results come back stacked per output (rank-major)."""
-    from trnkit import nkisim  # noqa: PLC0415
-    from trnkit.nkisim import collectives  # noqa: PLC0415
+    from trnkit import nkisim
+    from trnkit.nkisim import collectives
 
     if not case.ranks:
         return nkisim.simulate(kernel)[case.lnc](**kernel_in)

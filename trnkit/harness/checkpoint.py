@@ -307,7 +307,7 @@ def find_resumable(folder: str, identity: RunIdentity | None, warn: Callable[[st
         return step, path
     if problems:
         raise ConfigError(f"checkpoint: no usable checkpoint in {folder}:\n  " + "\n  ".join(problems)
-                          + f"\nMove the broken folders away (or use another --job.dump_folder) and rerun.")
+                          + "\nMove the broken folders away (or use another --job.dump_folder) and rerun.")
     return None
 
 
@@ -377,7 +377,8 @@ class Checkpointer:
                  loader: Any, rank: int, world_size: int, keep_latest_k: int = 2, expert_tp_layout: int = 1,
                  identity: RunIdentity | None = None, log: Callable[[str], None] | None = None,
                  schedule: dict[str, Any] | None = None) -> None:
-        self.folder, self.model, self.optimizer, self.scheduler, self.loader = folder, model, optimizer, scheduler, loader
+        self.folder, self.model, self.optimizer = folder, model, optimizer
+        self.scheduler, self.loader = scheduler, loader
         self.rank, self.world_size, self.keep_latest_k = rank, world_size, keep_latest_k
         self.expert_tp_layout = expert_tp_layout  # experts' w_gate_up column layout (tp_experts.py)
         self.identity = identity

@@ -439,7 +439,7 @@ def _validate(cfg: TrainerConfig) -> None:
             raise ConfigError(f"config {key}: {rule}, got {value!r}")
 
     _require_finite(cfg)
-    req(0 <= cfg.job.seed <= SEED_MAX, "job.seed", f"must be in [0, 2**63 - 1] (torch and numpy seeds)", cfg.job.seed)
+    req(0 <= cfg.job.seed <= SEED_MAX, "job.seed", "must be in [0, 2**63 - 1] (torch and numpy seeds)", cfg.job.seed)
     spec = cfg.model.spec
     req(spec.startswith(("qwen3:", "hf:")) and len(spec.split(":", 1)[1]) > 0, "model.spec",
         "must be 'qwen3:<flavor>' or 'hf:<path>'", spec)
@@ -484,7 +484,7 @@ def _validate(cfg: TrainerConfig) -> None:
         req(all(part.isidentifier() for part in name.split(".")), f"overrides.plugins[{i}]",
             "must be a dotted Python module name (e.g. 'my_pkg.my_kernels')", name)
     req(cfg.overrides.lnc in (0, 1, 2), "overrides.lnc", "must be 0 (detected device), 1 or 2", cfg.overrides.lnc)
-    from trnkit.kernels.moe import BLOCK_SIZES  # noqa: PLC0415 - the kernels load only when a config is checked
+    from trnkit.kernels.moe import BLOCK_SIZES  # the kernels load only when a config is checked
 
     req(cfg.overrides.block_size in BLOCK_SIZES, "overrides.block_size", f"must be one of {BLOCK_SIZES}",
         cfg.overrides.block_size)

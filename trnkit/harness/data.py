@@ -157,7 +157,8 @@ def _decode(path: str, raw: bytes, line: int | None = None, key: str = "data.dat
     except UnicodeDecodeError as e:
         where = f"{path}:{line}" if line is not None else path
         binary = b"\0" in raw[:8192]
-        what = "a binary file, not text" if binary else f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})"
+        what = ("a binary file, not text" if binary
+                else f"not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})")
         raise ConfigError(f"{key}: {where} is {what}; data files must be UTF-8 "
                           f"(convert it, e.g. iconv -f latin1 -t utf-8, or remove it from the dataset)") from None
 

@@ -104,7 +104,7 @@ def device_memory(device: torch.device) -> tuple[float, float]:
             peak = mod.max_memory_allocated() / 2**30
             cap = mod.get_device_properties(device).total_memory / 2**30
             return peak, 100 * peak / cap
-        except Exception:
+        except Exception:  # noqa: BLE001 - a backend without memory stats: fall back to the process RSS
             pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
     try:
@@ -124,7 +124,8 @@ def format_line(step: int, loss: float, grad_norm: float, mem_gib: float, mem_pc
     c = _COLORS if color else {k: "" for k in _COLORS}
     mfu_s = "n/a" if mfu is None else f"{mfu:.2f}%"
     val_s = "" if val_loss is None else f"val_loss: {val_loss:8.5f}  "
-    return (f"{c['red']}step: {step:2}  {c['green']}loss: {loss:8.5f}  {val_s}{c['yellow']}grad_norm: {grad_norm:7.4f}  "
+    return (f"{c['red']}step: {step:2}  {c['green']}loss: {loss:8.5f}  {val_s}"
+            f"{c['yellow']}grad_norm: {grad_norm:7.4f}  "
             f"{c['blue']}memory: {mem_gib:5.2f}GiB({mem_pct:.2f}%)  {c['cyan']}tps: {round(tps):,}  "
             f"{c['magenta']}tflops: {tflops:,.2f}  mfu: {mfu_s}{c['reset']}")
 

@@ -124,7 +124,7 @@ class ModelHandle:
         logits = getattr(self, "_last_hf_router_logits", None)
         if not logits or not self.aux_coef:
             return None
-        probs = torch.softmax(torch.cat([l.float() for l in logits], 0), dim=-1)
+        probs = torch.softmax(torch.cat([chunk.float() for chunk in logits], 0), dim=-1)
         idx = torch.topk(probs, self.shape.top_k, dim=-1).indices
         counts = torch.bincount(idx.reshape(-1), minlength=probs.shape[-1]).float()
         return counts, probs.sum(0), probs.shape[0]

@@ -75,7 +75,7 @@ def device_name(device: torch.device) -> str:
         return device.type
     try:  # pragma: no cover - Trainium only
         return str(torch.neuron.get_device_properties(device).name)
-    except Exception:  # pragma: no cover
+    except Exception:  # noqa: BLE001  # pragma: no cover - a name is cosmetic
         return "neuron"
 
 

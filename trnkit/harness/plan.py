@@ -195,7 +195,8 @@ def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None =
     # ---- activations saved for the backward (per token, per layer), in the model's own order
     q, kv = mc.n_heads * hd / tp, mc.n_kv_heads * hd / tp
     norm_saved = r * d + 4 + 2 * a * d                         # input (residual), rstd, normed, scaled output
-    attn_tok = (norm_saved + 5 * a * q + 5 * a * kv + a * kv   # q, k: proj, q/k-norm (normed, out), rotate_half, rope out
+    # q, k: proj, q/k-norm (normed, out), rotate_half, rope out
+    attn_tok = (norm_saved + 5 * a * q + 5 * a * kv + a * kv
                 + 2 * a * q + 4 * mc.n_heads / tp)             # SDPA out (+ its reshape copy), logsumexp
     ffn_norm_tok = norm_saved
     dense_tok = 4 * a * mc.hidden_dim / tp                     # w1, silu, w3, product

@@ -1,4 +1,5 @@
-"""Overlay the loss curves of several runs: ``python -m trnkit.harness.plot A/metrics.jsonl B/metrics.jsonl -o cmp.png``.
+"""Overlay the loss curves of several runs: ``python -m trnkit.harness.plot A/metrics.jsonl B/metrics.jsonl -o
+cmp.png``.
 
 Labels default to each run's folder name; pass ``--labels a,b`` to choose them. A run's validation loss
 (records with ``val_loss``) is drawn dashed in its colour.
@@ -45,7 +46,7 @@ def plot_runs(paths: list[str], out: str, labels: list[str] | None = None, title
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trnkit.harness.plot", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m trnkit.harness.plot", description=__doc__.split("\n\n")[0])
     p.add_argument("metrics", nargs="+", help="metrics.jsonl files")
     p.add_argument("-o", "--out", default="loss_compare.png")
     p.add_argument("--labels", default="", help="comma-separated, one per run")

@@ -25,7 +25,7 @@ def import_plugins(names: list[str]) -> list[types.ModuleType]:
     for name in names:
         try:
             modules.append(importlib.import_module(name))
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - any error inside a user's module is theirs to fix
+        except (Exception, SystemExit) as e:  # any error inside a user's module is theirs to fix
             raise ConfigError(f"config overrides.plugins: cannot import plugin module {name!r}: "
                               f"{_describe(e)}{_where(e, name)}") from e
     return modules

@@ -33,7 +33,7 @@ def detected_lnc() -> int:
     """The device's logical core size: on real NKI the Neuron runtime's ``NEURON_LOGICAL_NC_CONFIG``
     when set, else 2 on a trn2 host (its default) and 1 elsewhere; 1 on the interpreter (which runs
     both when asked)."""
-    from trnkit.nki_api import REAL_NKI  # noqa: PLC0415 - resolving imports the backend
+    from trnkit.nki_api import REAL_NKI  # resolving imports the backend
 
     if not REAL_NKI:
         return 1

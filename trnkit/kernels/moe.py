@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from trnkit.kernels._common import GELU_A, GELU_C
 from trnkit.kernels.constraints import Violation, check
@@ -625,7 +624,7 @@ def _tail_layout(topk_idx: torch.Tensor, num_experts: int, block_size: int,
     full-width block count of the two and a block in every class either has (:func:`paired`), so both
     cores run every segment's loop the same number of times; the extra blocks are padding. With
     ``lnc=1`` this is :func:`block_layout`'s layout (each expert's blocks, its tail block last)."""
-    from trnkit.kernels.moe_fused import tail_widths  # noqa: PLC0415
+    from trnkit.kernels.moe_fused import tail_widths
 
     T, K = topk_idx.shape
     B = block_size
@@ -676,7 +675,7 @@ def _flagged(table: torch.Tensor, split: torch.Tensor, num_experts: int, lnc: in
     (their ids are padding). ``lnc=2``: the first unused row (core 1's look-ahead past its last block)
     gets the flags of core 1's first block (core 0's look-ahead past its last), so both cores' gathers
     run the same 0/1-trip loops."""
-    from trnkit.kernels.moe_fused import HALF, tail_widths  # noqa: PLC0415
+    from trnkit.kernels.moe_fused import HALF, tail_widths
 
     num_experts = split.shape[1] // (len(tail_widths(table.shape[1])) + 1) - 1  # the layout's (LNC=2: even)
     NB = table.shape[0] - 1
@@ -705,7 +704,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
 
     ``lnc``: 1 or 2 physical cores (None: :func:`trnkit.kernels.lnc.default_lnc`); the cores split the
     groups, results are identical."""
-    from trnkit.kernels import moe_grouped_mm as K_  # noqa: PLC0415  (imports the NKI backend lazily)
+    from trnkit.kernels import moe_grouped_mm as K_  # imports the NKI backend lazily
 
     _check_grouped_mm(x, w, group_offsets)
     lnc = resolve_lnc(lnc)
@@ -720,7 +719,7 @@ def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
                    block_size: int = 128, lnc: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_x, grad_w)`` of :func:`grouped_mm` on NKI kernels (grad_x: grouped matmul with
     ``w[g].T``; grad_w: per-group ``x_g.T @ grad_out_g`` accumulated over blocks in fp32)."""
-    from trnkit.kernels import moe_grouped_mm as K_  # noqa: PLC0415
+    from trnkit.kernels import moe_grouped_mm as K_
 
     _check_grouped_mm(x, w, group_offsets, grad_out)
     lnc = resolve_lnc(lnc)
@@ -751,7 +750,7 @@ def _wgrad_bounds(lay: BlockLayout, counts: torch.Tensor, lnc: int = 1) -> torch
     e_j when e_j < e_(j+1); tiles e_S .. hi-1 are gathered per pass; z: an empty group writes zeros).
     ``lnc=2``: the tile counts :func:`paired` like the blocks of ``lay`` (a layout made for LNC=2), so
     both cores run the same loops (a group's padding tiles add zero rows)."""
-    from trnkit.kernels.moe_grouped_mm import WGRAD_MAX_SLOTS  # noqa: PLC0415
+    from trnkit.kernels.moe_grouped_mm import WGRAD_MAX_SLOTS
 
     rows = min(lay.block_size, 128)
     lo = lay.block_start[0, :-1].long() * (lay.block_size // rows)
@@ -778,9 +777,10 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     """Fused gated experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype.
     ``block_size``: slots per expert block (the result does not depend on it; 512 lets every gate/up
     matmul stream 512 token columns). ``lnc``: 1 or 2 physical cores (None:
-    :func:`trnkit.kernels.lnc.default_lnc`). ``activation`` (``silu | gelu_tanh | swiglu_clamped`` with ``limit``, ``alpha``) and the optional biases
+    :func:`trnkit.kernels.lnc.default_lnc`). ``activation`` (``silu | gelu_tanh | swiglu_clamped`` with ``limit``,
+    ``alpha``) and the optional biases
     ``b_gate_up [E, 2I]``, ``b_down [E, H]``: :func:`activation_ref` / :func:`moe_experts_ref`."""
-    from trnkit.kernels import moe_fused as K_  # noqa: PLC0415
+    from trnkit.kernels import moe_fused as K_
 
     _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, activation=activation,
                        limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
@@ -838,7 +838,7 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     ``lnc=2``: every kernel runs on both cores, each on the same half of the experts (step 2 only reads
     what the same core wrote in step 1); the data path's combine waits at one ``core_barrier``.
     """
-    from trnkit.kernels import moe_bwd as KB  # noqa: PLC0415
+    from trnkit.kernels import moe_bwd as KB
 
     _check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, activation=activation,
                        limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
@@ -891,7 +891,7 @@ def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tens
     groups of ``lay``, which an LNC=2 layout rounds up to even) (of ``grouped_wgrad_kernel``
     when only one bias is given).
     """
-    from trnkit.kernels import moe_grouped_mm as KG  # noqa: PLC0415
+    from trnkit.kernels import moe_grouped_mm as KG
 
     T, H = x.shape
     K = topk_idx.shape[1]

@@ -46,7 +46,6 @@ from trnkit.kernels.moe_grouped_mm import (
     combine,
     load_bias_rows,
     load_block_start,
-    load_rows,
     load_weight,
     masked_group,
     owned_groups,
@@ -304,7 +303,8 @@ def moe_bwd_kernel(x, grad_out, w_gate_up, w_down, token_table, slot_table, bloc
     token_table int32 (padding: any valid token), block_weights fp32 (the slot's affinity, 0 for
     padding), slot_table ``[NB + 1, ...]`` int32 (slot t*K+k, T*K for padding; row NB all padding);
     block_start ``[1, E + 1]`` int32. Outputs: ``hw = w*h [NB, B, I]`` and ``dgu [NB + 1, B, 2I]`` (input
-    dtype, dispatch order, padding rows zero; used blocks only; slab NB is phase 2's read-ahead margin), ``gw [NB, rows, B // rows]`` fp32 (the
+    dtype, dispatch order, padding rows zero; used blocks only; slab NB is phase 2's read-ahead margin), ``gw [NB,
+    rows, B // rows]`` fp32 (the
     gradient of each position's affinity, block layout as the tables) and ``grad_x [T, H]``.
     activation / limit / alpha / b_gate_up ``[E, 2I]`` / b_down ``[E, H]``: as the forward.
     """

@@ -195,7 +195,8 @@ def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_tab
     of consecutive experts are consecutive rows of the tables. Scatters run one block behind: block
     i's scaled rows stay in ``y_prev`` until block i+1 has issued its gathers; block i+1 scatters them by
     its row of the second page of ``slot_table`` (the ids of the block before it on this core), so no
-    block id is carried from one iteration to the next. The descriptors of both indirect DMAs are written by one in-order engine (GpSimd,
+    block id is carried from one iteration to the next. The descriptors of both indirect DMAs are written by one
+    in-order engine (GpSimd,
     software DGE), so a gather issued after a scatter waits for the scattered block's whole compute;
     this order lets an expert's short last block be followed at once by the next expert's first
     block, whose rows were gathered while the short block computed. The affinities load first: a
@@ -352,7 +353,8 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
         first = nisa.register_alloc()
         nisa.register_load(first, bs[0:1, mine.start:mine.start + 1])
         move_block_rows(x, x_next, block_row(token_table, first, 0), True)  # the first block, while its weights load
-        nxt = (load_weight(w_gate_up, masked_group(mine.start, E_w)), load_weight(w_down, masked_group(mine.start, E_w)))
+        nxt = (load_weight(w_gate_up, masked_group(mine.start, E_w)),
+               load_weight(w_down, masked_group(mine.start, E_w)))
     for e in mine:
         wgu, wd = nxt  # HC tiles [P, 2I], IC tiles [P, H]
         ew = masked_group(e, E_w)

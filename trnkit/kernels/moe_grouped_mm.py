@@ -136,7 +136,7 @@ def load_bias_rows(b: Any, g: int) -> Any:
 def moving_view(w_sb: Any, grid: Any, c: int, ck: int, n0: int, nw: int) -> Any:
     """The moving operand of contraction chunk c, columns n0..n0+nw: a slice of the :func:`load_weight`
     tile ``w_sb``, or (``grid`` != None) of the :func:`transposed_weight` tile of that 512-column piece."""
-    if grid == None:
+    if grid == None:  # noqa: E711 (the NKI compiler rejects `is`)
         return w_sb[c][:ck, n0:n0 + nw]
     return grid[c][n0 // NMAX][:ck, :nw]
 
@@ -154,7 +154,7 @@ def evacuate(dst: Any, src: Any, k: int, scale: Any = None, bias: Any = None) ->
         nisa.activation(dst=dst, op=nl.copy, data=biased, scale=scale)
         return
     if scale != None or k % 2:  # noqa: E711 (NKI rejects is / is not)
-        nisa.activation(dst=dst, op=nl.copy, data=src, scale=1.0 if scale == None else scale)
+        nisa.activation(dst=dst, op=nl.copy, data=src, scale=1.0 if scale == None else scale)  # noqa: E711 (the NKI compiler rejects `is`)
     else:
         nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.vector)
 
@@ -187,7 +187,7 @@ def tiles(n: int, shape: tuple, dtype: Any, buffer: Any = None) -> list:
     """``n`` separate tiles (the current-NKI replacement of a block dimension)."""
     out = []
     for _ in range(n):
-        out.append(nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf if buffer == None else buffer))
+        out.append(nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf if buffer == None else buffer))  # noqa: E711 (the NKI compiler rejects `is`)
     return out
 
 

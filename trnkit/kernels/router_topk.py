@@ -636,7 +636,8 @@ def _selected_logit_grads(group, gathered, norm_topk_prob, scoring="softmax"):
     Returns ``(ikf, v, dense)`` per tile for :func:`_logit_grad_tiles`.
 
     The gradient of the K selected weights lives on the K selected logits, so it is computed there
-    ("K-space", ``[P, K]`` tiles): ``lg_k = lg[idx_k]``, then (softmax) ``q = softmax_k(lg_k)``, ``v_k = q_k (g_k - <g, q>)`` with norm_topk_prob
+    ("K-space", ``[P, K]`` tiles): ``lg_k = lg[idx_k]``, then (softmax) ``q = softmax_k(lg_k)``, ``v_k = q_k (g_k -
+    <g, q>)`` with norm_topk_prob
     (the softmax Jacobian term over E cancels exactly); without it ``p_k = exp(lg_k - max)/S`` over all E
     and ``g_logits = scatter(g * p) - <g, p> p``; sigmoid: ``s_k = sigmoid(lg_k)``, ``v_k = s_k(1 - s_k)
     (g_k - c) / D`` with ``D = sum s_k + 1e-20``, ``c = <g, s> / D`` (norm), else ``g_k s_k(1 - s_k)``.

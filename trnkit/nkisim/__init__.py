@@ -7,9 +7,9 @@ own unmodified kernels). See ``docs/interpreter.md``.
 
 import numpy as _np
 
-from . import dtypes, errors, language, memory, tensor, trace  # noqa: F401
-from . import collectives, isa  # noqa: F401
-from . import nki_typing as typing  # noqa: F401  (nki.typing)
+from . import dtypes, errors, language, memory, tensor, trace
+from . import collectives, isa
+from . import nki_typing as typing  # nki.typing
 from .dropin import install_as_nki, nki_installed
 from .errors import NkiValidationError
 from .jit import Kernel, jit, simulate

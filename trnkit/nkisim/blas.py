@@ -102,7 +102,7 @@ _saved: int | None = None
 def launch_threads() -> Iterator[None]:
     """Run the body with numpy's BLAS on :data:`LAUNCH_THREADS` threads (nested / concurrent launches
     share one switch: the outermost entry sets it, the last exit restores the previous count)."""
-    global _depth, _saved
+    global _depth, _saved  # noqa: PLW0603 - numpy's BLAS thread count is process state
     if LAUNCH_THREADS < 1:
         yield
         return

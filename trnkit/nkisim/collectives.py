@@ -113,7 +113,7 @@ def run_ranks(kernel: Any, n_ranks: int, make_inputs: Callable[[int], dict[str, 
               grid: int | tuple[int, ...] = ()) -> list[Any]:
     """Run ``kernel`` on ``n_ranks`` devices at once, rank ``r`` with ``make_inputs(r)`` as keyword
     arguments and ``grid`` programs (e.g. 2 for LNC=2); returns each rank's result, in rank order."""
-    from .jit import simulate  # noqa: PLC0415
+    from .jit import simulate
 
     g = grid if isinstance(grid, tuple) else (grid,)
     programs = math.prod(g) if g else 1

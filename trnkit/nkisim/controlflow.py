@@ -133,7 +133,7 @@ def current() -> Program | None:
     return getattr(_tls, "program", None)
 
 
-class running:
+class running:  # noqa: N801 - used as `with running(program):`
     """``with running(program):`` makes ``program`` this thread's record (nested launches of one
     program, e.g. a ``@nki.jit`` helper called inside a kernel, keep the outer record)."""
 
@@ -194,7 +194,7 @@ class Register(VirtualRegister):
 
     __slots__ = ("_value", "made", "loop_var")
 
-    def __init__(self, value: int = 0, loop_var: str = "") -> None:  # noqa: D107
+    def __init__(self, value: int = 0, loop_var: str = "") -> None:
         program = current()
         self.made = program.position() if program is not None else ()
         self.loop_var = loop_var
@@ -265,7 +265,7 @@ def sync_event(op: str, detail: str, counted: bool = True) -> None:
         program.events.append(Event(op, user_site(), detail, program.instructions - int(counted)))
 
 
-class loop:
+class loop:  # noqa: N801 - used as `with loop(kind, trips):`
     """``with loop(kind, trips) as frame:`` runs one runtime loop; the caller advances
     ``frame.iteration``. ``trips`` is None when unknown up front (``while_loop``: recorded at the end)."""
 

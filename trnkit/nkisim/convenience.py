@@ -26,7 +26,7 @@ __all__ = ["load", "store", "matmul", "transpose", "sum", "max", "min", "mean", 
 
 
 def _isa():  # nki.isa imports nki.language; resolve lazily
-    from . import isa  # noqa: PLC0415
+    from . import isa
 
     return isa
 

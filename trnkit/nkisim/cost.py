@@ -1107,7 +1107,7 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
 def sensitivity(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2") -> dict[str, tuple[float, float]]:
     """Per uncertain parameter: the total with only it at its optimistic and at its pessimistic value
     (every other parameter at mid), largest swing first."""
-    from trnkit.nkisim.cost_params import PARAM_NAMES  # noqa: PLC0415
+    from trnkit.nkisim.cost_params import PARAM_NAMES
 
     chip = hardware.get_chip(chip)
     instrs = list(trace)

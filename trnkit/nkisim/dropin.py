@@ -23,8 +23,8 @@ __all__ = ["install_as_nki", "nki_installed", "module_map"]
 
 def module_map() -> dict[str, types.ModuleType]:
     """``sys.modules`` name -> interpreter module, for every name :func:`install_as_nki` binds."""
-    from trnkit import nkisim  # noqa: PLC0415  (this module is imported by trnkit.nkisim itself)
-    from trnkit.nkisim import collectives, isa, language, nki_typing  # noqa: PLC0415
+    from trnkit import nkisim  # this module is imported by trnkit.nkisim itself
+    from trnkit.nkisim import collectives, isa, language, nki_typing
 
     public = {"": nkisim, ".language": language, ".isa": isa, ".isa.constants": isa.constants,
               ".collectives": collectives, ".typing": nki_typing}

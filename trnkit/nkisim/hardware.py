@@ -50,8 +50,8 @@ class DmaSpec:
     # ([SDK] nki/get-started/about/nki-dma-overview: "each DMA engine corresponds to 8 partition lanes";
     # its Example 1, 4 partitions, runs on "a single DMA engine").
     partitions_per_engine: int = 8
-    # DMA transpose throughput as a fraction of a copy's, from HBM and from SBUF (1.0 where absent).
-    transpose_hbm_factor: float = 1.0
+    # DMA transpose throughput from SBUF as a fraction of a copy's (1.0 where absent); from HBM it is a
+    # range parameter, cost_params.dma_transpose_factor.
     transpose_sbuf_factor: float = 1.0
     # Fraction of ``engines * bytes_per_ns_per_engine`` the DMA queues sustain on HBM <-> SBUF copies
     # (on top of the small-row efficiency): 1.0 = the documented rate.
@@ -154,8 +154,8 @@ TRN2 = Chip(
         # [SDK] nki/deep-dives/nki-dma-bandwidth-guide: ~1300 ns semaphore-to-start fixed cost per transfer.
         fixed_ns=1300.0,
         # [SDK] nki/guides/architecture/trainium2_arch ("DMA transpose"): throughput at most 90% of a
-        # copy's for HBM -> SBUF and 50% for SBUF -> SBUF (the upper bounds are used).
-        transpose_hbm_factor=0.9,
+        # copy's for HBM -> SBUF and 50% for SBUF -> SBUF (the SBUF bound is used here; the HBM one is
+        # the optimistic end of cost_params.dma_transpose_factor).
         transpose_sbuf_factor=0.5,
     ),
     # [SDK] nki/guides/architecture/trainium2_arch: SBUF 24 MiB -> 28 MiB = 128 partitions x 224 KiB.

@@ -40,7 +40,6 @@ from .dtypes import (  # noqa: F401  (re-exported dtypes)
 )
 from .errors import fail, require
 
-bool = bool_  # noqa: A001  (nl.bool, as AWS kernels spell it: nki-library core/utils/kernel_helpers.py)
 from .tensor import (  # noqa: F401  (re-exported)
     BUFFERS,
     MemoryRegion,
@@ -56,11 +55,13 @@ from .tensor import (  # noqa: F401  (re-exported)
 
 from . import ops as _ops
 
+bool = bool_  # noqa: A001  (nl.bool, as AWS kernels spell it: nki-library core/utils/kernel_helpers.py)
+
 globals().update(_ops.ALL_OPS)  # the ALU / activation function objects (nl.add, nl.exp, ...)
 
 # Experimental convenience wrappers (NKI 0.3+), lowered to nisa instructions; importing the module
 # also routes nl.<op>(tile, ...) calls to it. These names shadow Python's sum/max/min here.
-from .convenience import (  # noqa: E402
+from .convenience import (  # noqa: E402, F401  (re-exported)
     broadcast_to,
     expand_dims,
     load,
@@ -177,7 +178,7 @@ def _filled(shape: Sequence[int], dtype: Any, buffer: Any, name: str, value: Any
     dt = _dt.resolve(dtype, op)
     t = _cf.allocated(allocate(tuple(shape), dt, buf, name, fill=_dt.cast(np.asarray(value), dt)))
     if buf.on_chip:  # on the chip this is a memset instruction
-        from .isa import common  # noqa: PLC0415  (isa imports language)
+        from .isa import common  # isa imports language
 
         if t.storage.alloc is not None:  # the memset writes it: live from here (memory.py)
             t.storage.alloc.touch()

@@ -182,7 +182,8 @@ class Memory:
         for first, _, last, name in events:
             ends = [e for e in ends if e[0] >= first]
             if len(ends) >= MAX_ACCUMULATION_GROUPS:
-                open_groups = ", ".join(f"{n!r} (instructions {f}..{e})" for e, n, f in sorted(ends, key=lambda x: x[2]))
+                open_groups = ", ".join(f"{n!r} (instructions {f}..{e})"
+                                        for e, n, f in sorted(ends, key=lambda x: x[2]))
                 fail("nc_matmul", "the matmul accumulation group on {name!r} at instruction {t} "
                      "(until instruction {last}) would be the {n}th outstanding one; TensorE has at "
                      "most {limit} (trainium_inferentia2_arch.rst, PSUM accumulation: one per PSUM "
@@ -309,7 +310,7 @@ def capacity_check_off() -> Iterator[None]:
     A trnkit extension for published kernels that compile on Trainium although their tiles overflow
     in program order (the compiler schedules or spills them; the liveness model above does not): the
     calibration's ports of the kernel-optimization tutorial. trnkit's own kernels never use it."""
-    global _capacity_checked
+    global _capacity_checked  # noqa: PLW0603 - restored on exit
     saved, _capacity_checked = _capacity_checked, False
     try:
         yield
@@ -345,7 +346,7 @@ def sbuf_spills() -> Iterator[None]:
     (``Allocation.LINEAR``) fails "out of memory" instead. The conformance run uses this mode for
     AWS's kernels; trnkit's kernels are held to the stricter rule (no spill) by default. PSUM cannot
     spill (matmuls write only PSUM) and stays checked."""
-    global _sbuf_spills
+    global _sbuf_spills  # noqa: PLW0603 - restored on exit
     saved, _sbuf_spills = _sbuf_spills, True
     try:
         yield

@@ -171,7 +171,7 @@ _tile_wrapper: Callable[..., Any] | None = None
 
 def set_tile_wrapper(fn: Callable[..., Any] | None) -> None:
     """Let ``nki.language`` route ``nl.exp(tile)``-style calls to its convenience wrappers."""
-    global _tile_wrapper
+    global _tile_wrapper  # noqa: PLW0603 - the one hook nki.language sets at import
     _tile_wrapper = fn
 
 
@@ -196,7 +196,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 def _erf(x: np.ndarray) -> np.ndarray:
     # numpy has no vectorised erf; torch (a base dependency) does, zero-copy on fp32 arrays.
-    import torch  # noqa: PLC0415
+    import torch
 
     x = np.ascontiguousarray(x, dtype=_F32)
     return torch.special.erf(torch.from_numpy(x)).numpy()

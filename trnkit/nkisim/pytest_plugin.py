@@ -11,12 +11,12 @@ _uninstall = None
 
 
 def pytest_configure(config: Any) -> None:
-    global _uninstall
+    global _uninstall  # noqa: PLW0603 - pytest's configure / unconfigure pair
     _uninstall = install_as_nki()
 
 
 def pytest_unconfigure(config: Any) -> None:
-    global _uninstall
+    global _uninstall  # noqa: PLW0603
     if _uninstall is not None:
         _uninstall()
         _uninstall = None

@@ -7,7 +7,7 @@
   ``experts_implementation`` / ``attn_implementation``.
 """
 
-from trnkit.overrides.registry import (  # noqa: I001  (registry first: the others build on it)
+from trnkit.overrides.registry import (  # registry first: the others build on it
     OPS,
     POLICIES,
     REFERENCE,

@@ -72,9 +72,9 @@ _DTensor: type | None = None  # torch.distributed.tensor.DTensor, resolved by ap
 
 
 def _resolve_dtensor() -> None:
-    global _DTensor
+    global _DTensor  # noqa: PLW0603 - a lazily imported class, cached
     if _DTensor is None and torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor  # noqa: PLC0415
+        from torch.distributed.tensor import DTensor
 
         _DTensor = DTensor
 
@@ -659,7 +659,7 @@ class _SwapPoint:
             self.module.training = getattr(self.parent, self.name).training
             setattr(self.parent, self.name, self.module)
         elif self.config is not None:
-            from trnkit.overrides.hf import unset_hf_attention  # noqa: PLC0415 (hf imports this module)
+            from trnkit.overrides.hf import unset_hf_attention  # hf imports this module
 
             unset_hf_attention(self.module, self.config)
         else:
@@ -690,7 +690,7 @@ def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _
     guard = _Guard(op, impl, config.policy, path, static, probe_only, lnc=config.lnc or 0,
                    block_size=config.block_size)
     if adapter == HF_ATTENTION:
-        from trnkit.overrides.hf import set_hf_attention  # noqa: PLC0415 (hf imports this module)
+        from trnkit.overrides.hf import set_hf_attention  # hf imports this module
 
         return _SwapPoint(path, op, guard, module, config=set_hf_attention(module, guard))
     if adapter is not None:
@@ -708,9 +708,9 @@ def _default_seq_len(model: nn.Module) -> int:
 
 
 def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs_backward: bool) -> dict:
-    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    global _PROBE
+    global _PROBE  # noqa: PLW0603 - set for the dry run only
     probe = _Probe(device, needs_backward)
     seq = config.seq_len or _default_seq_len(model)
     param = next(model.parameters(), None)

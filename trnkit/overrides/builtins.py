@@ -187,12 +187,6 @@ class _IndexSpec:
     def numel(self) -> int:
         return self.shape.numel()
 
-    def min(self) -> int:
-        return 0
-
-    def max(self) -> int:
-        return 0
-
 
 _VARIANT_ARGS = ("activation", "limit", "alpha", "b_gate_up", "b_down")
 
@@ -308,7 +302,8 @@ def register_builtins() -> None:
         except ImportError:  # reported when the impl is first used
             pass
     # their backwards are explicit formulas/kernels: no autograd needed inside the op
-    ref = {"has_backward": True, "compile_ok": True, "autograd_backward": False, "description": "torch reference (trnkit.kernels *_ref)"}
+    ref = {"has_backward": True, "compile_ok": True, "autograd_backward": False,
+           "description": "torch reference (trnkit.kernels *_ref)"}
     nki = {"has_backward": True, "compile_ok": True, "autograd_backward": False, "devices": NKI_DEVICES,
            "description": "NKI kernel (interpreter on CPU, real NKI on neuron)"}
     register("rope_hf", REFERENCE, _ROPE_REF, **ref)

@@ -38,7 +38,7 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
                         block_size: int = 128, lnc: int | None = None) -> str:
     """Register ``name`` in transformers' ``ALL_EXPERTS_FUNCTIONS``; returns ``name``. ``block_size`` and
     ``lnc`` (physical cores per launch; None: the device default) are passed to ``trnkit::moe_experts``."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # noqa: PLC0415  (optional dependency)
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # optional dependency
 
     if policy not in POLICIES[:2]:
         raise ValueError(f"register_hf_experts: policy must be 'strict' or 'fallback', got {policy!r}")
@@ -75,7 +75,7 @@ _interface: dict[str, Any] = {}  # name -> (impl, policy, lnc) of register_hf_at
 
 def _fallback_forward(module: nn.Module, implementation: str) -> Any:
     """transformers' attention function ``implementation`` (its module's own eager one for "eager")."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     eager = sys.modules[type(module).__module__].eager_attention_forward
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
@@ -127,8 +127,8 @@ def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str =
     with ``impl``; a call it cannot serve (a padding mask, dropout, a sliding window, a constraint)
     raises under ``strict`` or falls back to sdpa with a warning under ``fallback``. ``lnc``: physical
     cores per launch (None: the device default)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask  # noqa: PLC0415
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if policy not in POLICIES[:2]:
         raise ValueError(f"register_hf_attention: policy must be 'strict' or 'fallback', got {policy!r}")

@@ -370,7 +370,8 @@ def _bias_grad(g: Tensor | None, bias: Tensor | None, like: Tensor) -> Tensor:
 def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                     grad_out: Tensor, block_size: int = 128, impl: str = "reference", activation: str = "silu",
                     limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA, b_gate_up: Tensor | None = None,
-                    b_down: Tensor | None = None, lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    b_down: Tensor | None = None,
+                    lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward of ``trnkit::moe_experts``: ``(grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down,
     grad_b_gate_up, grad_b_down)``; a bias gradient is an empty tensor when that bias is None."""
     grads = _run_backward(

@@ -142,7 +142,7 @@ class ImplEntry:
         fn = self.constraints
         try:
             got = fn(**inputs)
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's (plugin's) function: theirs to fix
+        except (Exception, SystemExit) as e:  # a user's (plugin's) function: theirs to fix
             what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
             raise ConstraintFunctionError(f"trnkit overrides: the constraint function {_qualname(fn)} of {label} "
                                           f"{what}{raised_at(e)}") from e

@@ -436,7 +436,7 @@ class Qwen3Model(_DropsForwardState, nn.Module):
     def router_stats(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """``(selections per expert [E], router probabilities summed per expert [E], rows)`` over all MoE
         layers of the last training forward (None when the aux loss is off or in eval mode)."""
-        stats = [l.moe.aux_stats for l in self.layers if l.moe_enabled and l.moe.aux_stats is not None]
+        stats = [b.moe.aux_stats for b in self.layers if b.moe_enabled and b.moe.aux_stats is not None]
         if not stats:
             return None
         return (torch.stack([s[0] for s in stats]).sum(0), torch.stack([s[1] for s in stats]).sum(0),

@@ -483,7 +483,8 @@ def attention_bwd_kernel(q, k, v, o, do, lse, scale):
     dv = nl.ndarray((B, S, Hk, D), dtype=v.dtype, buffer=nl.shared_hbm)
     n_prog, pid = program_split()
     scr = None
-    if cdiv(G, heads_per_pass(S, D, G, 4 if q.dtype == nl.float32 else 2)) > 1:  # several head passes: fp32 dK / dV partial sums
+    # several head passes: fp32 dK / dV partial sums
+    if cdiv(G, heads_per_pass(S, D, G, 4 if q.dtype == nl.float32 else 2)) > 1:
         scr = nl.ndarray((2 * B, S, Hk, D), dtype=nl.float32, buffer=nl.private_hbm)
     dup = None
     if needs_scratch(B, Hk, G, n_prog, False):

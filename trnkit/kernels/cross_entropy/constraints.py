@@ -46,7 +46,7 @@ def linear_cross_entropy_constraints(hidden: Any, weight: Any, labels: Any, igno
     if hs[1] > H_MAX:
         bad(f"H <= {H_MAX}", hs[1], "the backward sums a [128, H] product in ceil(H/512) PSUM banks + 2 for logits")
     if ws[0] >= V_MAX:
-        bad(f"V < 2**24", ws[0], "labels are compared as fp32 values")
+        bad("V < 2**24", ws[0], "labels are compared as fp32 values")
     if reduction not in REDUCTIONS:
         bad(f"reduction in {REDUCTIONS}", reduction)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):

@@ -68,7 +68,8 @@ def plan(H: int, I: int, itemsize: int) -> tuple[int, int] | None:  # noqa: E741
     ``SBUF_PLAN_BYTES``; None when even ``(128, 128)`` does not (the kernels' SBUF constraint)."""
     ib = None
     for cand in IB_OPTIONS:
-        if _bwd_bytes(H, I, cand, itemsize) <= SBUF_PLAN_BYTES and _fwd_bytes(H, I, 128, cand, itemsize) <= SBUF_PLAN_BYTES:
+        if (_bwd_bytes(H, I, cand, itemsize) <= SBUF_PLAN_BYTES
+                and _fwd_bytes(H, I, 128, cand, itemsize) <= SBUF_PLAN_BYTES):
             ib = cand
             break
     if ib == None:  # noqa: E711

@@ -2,15 +2,16 @@
 
 ``dma`` (dma_copy, dma_transpose, dma_compute), ``tensor_engine`` (nc_matmul, nc_transpose),
 ``vector`` / ``scalar`` / ``gpsimd`` (the compute instructions), ``shuffle`` (nc_stream_shuffle),
-``gather`` (nc_n_gather, local_gather, nonzero_with_count, tensor_partition_reduce), plus the enums of ``common`` (engine,
+``gather`` (nc_n_gather, local_gather, nonzero_with_count, tensor_partition_reduce), plus the enums of ``common``
+(engine,
 oob_mode, dge_mode, reduce_cmd, nc_version).
 """
 
 from ..api_names import fill_missing
-from ..errors import NkiValidationError
+from ..errors import NkiValidationError  # noqa: F401  (nki.isa.NkiValidationError)
 from . import constants  # noqa: F401  (nki.isa.constants)
-from ..tensor import VirtualRegister
-from .common import (
+from ..tensor import VirtualRegister  # noqa: F401  (nki.isa.VirtualRegister)
+from .common import (  # noqa: F401  (the enums: nki.isa.engine, ...)
     dge_mode,
     dma_engine,
     engine,
@@ -29,8 +30,8 @@ from .shuffle import *  # noqa: F403
 from .sync import *  # noqa: F403
 from .tensor_engine import *  # noqa: F403
 from .vector import *  # noqa: F403
-from .. import controlflow as _controlflow  # noqa: E402
-from .. import memory as _memory  # noqa: E402
+from .. import controlflow as _controlflow
+from .. import memory as _memory
 
 # every call of a public instruction (each engine module's __all__) is one step of the on-chip
 # liveness clock (memory.py) and one instruction of its program's control-flow record

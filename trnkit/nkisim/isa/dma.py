@@ -300,7 +300,7 @@ def dma_compute(dst: NkiTensor, srcs: list[NkiTensor] | tuple[NkiTensor, ...], r
     ``reduce_op=nl.add``, scales of 1.0 and unique indices are supported, as on the hardware.
     """
     op = "dma_compute"
-    from .. import ops as _ops  # noqa: PLC0415
+    from .. import ops as _ops
 
     common.check_tensor(op, "dst", dst)
     srcs = list(srcs)

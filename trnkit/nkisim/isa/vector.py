@@ -8,7 +8,8 @@ bitvec operators) -> round on write to ``dst.dtype`` (RNE, saturating float->int
 Engine rules enforced for all compute engines (see ``nki-facts.md`` §2 and the docstrings cited there):
 operands on chip (SBUF/PSUM), partition dim <= 128, matching partition counts and elements per
 partition, free size <= 64K elements per SBUF operand and <= 4K per PSUM operand (Vector/Scalar,
-``trainium_inferentia2_arch.rst``; broadcast dims not counted, see :func:`accessed_free_elems`), GpSimd never touches PSUM, ``tensor_tensor`` inputs not both in
+``trainium_inferentia2_arch.rst``; broadcast dims not counted, see :func:`accessed_free_elems`), GpSimd never
+touches PSUM, ``tensor_tensor`` inputs not both in
 PSUM, bitvec operators only on integer dtypes.
 """
 
