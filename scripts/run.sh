@@ -25,8 +25,11 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 cmd=${1:-test}; shift || true
 case "$cmd" in
   train) exec "$VENV/bin/python" -m trnkit.harness.train --config configs/debug_moe_nki.toml "$@" ;;
-  test)  "$VENV/bin/ruff" check trnkit tests benchmarks scripts examples setup.py  # lint first ([tool.ruff])
-         exec "$VENV/bin/python" -m pytest -m "not slow" -n 2 -q "$@" ;;
+  test)  # lint ([tool.ruff] in pyproject.toml), then the tests; either failing fails the command
+         lint=0
+         "$VENV/bin/ruff" check trnkit tests benchmarks scripts examples setup.py || lint=$?
+         "$VENV/bin/python" -m pytest -m "not slow" -n 2 -q "$@"
+         exit "$lint" ;;
   demo)  exec "$VENV/bin/python" -m trnkit demo "$@" ;;
   *) echo "usage: scripts/run.sh train|test|demo [args]" >&2; exit 2 ;;
 esac

@@ -92,8 +92,8 @@ def test_ring_permute_and_processing_rank_id():
 def test_all_reduce_and_rank_id_and_partition_op():
     groups = ncc.ReplicaGroup.from_partition_op(4, ncc.rg_partition_op.mod, 2).replica_groups
     assert groups == [[0, 2], [1, 3]]
-    groups = ncc.ReplicaGroup.from_partition_op(8, ncc.rg_partition_op.div, 4).replica_groups
-    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    div_groups = ncc.ReplicaGroup.from_partition_op(8, ncc.rg_partition_op.div, 4).replica_groups
+    assert div_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
     outs = ncc.run_ranks(reduce_and_rank, 4, lambda r: {"x": _x(r), "groups": groups})
     for r, (out, rank) in enumerate(outs):
         np.testing.assert_array_equal(out, _x(r % 2) + _x(r % 2 + 2))
