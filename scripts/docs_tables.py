@@ -571,7 +571,8 @@ def _moe_busy(engine: str, lnc: int, E: int) -> Callable[[], str]:
 
 
 def step_cell(flavor: str, column: str, scale: float = 1.0, fmt: str = "{:,.0f}") -> Callable[[], str]:
-    """``column`` of the step total of ``flavor`` at 1 x 4096 tokens, LNC=2 in benchmarks/data/step.csv, times ``scale``."""
+    """``column`` of the step total of ``flavor`` at 1 x 4096 tokens, LNC=2 in benchmarks/data/step.csv,
+    times ``scale``."""
     def value() -> str:
         where = {"flavor": flavor, "batch": "1", "seq": "4096", "lnc": "2", "part": "step"}
         rows = [r for r in read_csv("step.csv") if all(r[k] == v for k, v in where.items())]
@@ -629,8 +630,9 @@ QUOTES = (
           "(DMA {} → {} us per core)", "bench.csv moe_experts E (LNC=n) sweeps",
           (_moe_busy("tensor", 1, 8), _moe_busy("tensor", 2, 8), _moe_busy("dma", 1, 128), _moe_busy("dma", 2, 128))),
     Quote("docs/kernels.md", "under the current model the forward reaches {} of the bound at the pessimistic end "
-          "({} mid)", "headline.csv moe_fwd", (csv_cell(HEADLINE_CSV, "fraction_low_end", {"case": "moe_fwd"}, "{:.1%}"),
-                                                csv_cell(HEADLINE_CSV, "fraction_mid", {"case": "moe_fwd"}, "{:.1%}"))),
+          "({} mid)", "headline.csv moe_fwd",
+          (csv_cell(HEADLINE_CSV, "fraction_low_end", {"case": "moe_fwd"}, "{:.1%}"),
+           csv_cell(HEADLINE_CSV, "fraction_mid", {"case": "moe_fwd"}, "{:.1%}"))),
     Quote("docs/benchmarks.md", "The backward ({} us at mid against the forward's {} us) is Scalar-bound under the "
           "current model ({} us of Scalar busy time)", "bench.csv moe_experts T=512 est_time, busy_scalar", (
               csv_cell("bench.csv", "p50", _bench("moe_experts", "backward", "est_time", "T", "512"), "{:,.0f}"),

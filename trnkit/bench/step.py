@@ -231,7 +231,7 @@ def norm_op(name: str, part: str, rows: int, H: int, mode: str, lnc: int, residu
 
 
 def rope_op(part: str, B: int, S: int, Hq: int, Hk: int, D: int, mode: str, lnc: int, theta: float) -> StepOp:
-    from trnkit.kernels import rope_hf as _  # noqa: F401, PLC0415 - the module, below by its full name
+    from trnkit.kernels import rope_hf as _loaded  # noqa: F401 - loads the module, used below by its full name
     from trnkit.kernels.lnc import launch  # noqa: PLC0415
     from trnkit.qwen3.config import rope_cache  # noqa: PLC0415
 
@@ -590,7 +590,8 @@ def report(st: StepEstimate) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trnkit.bench step --flavor F --seq N [--batch B] [--lnc 2] [--full] [--save-reference | --out DIR]``."""
+    """``python -m trnkit.bench step --flavor F --seq N [--batch B] [--lnc 2] [--full]
+    [--save-reference | --out DIR]``."""
     import argparse  # noqa: PLC0415
 
     from trnkit.bench.paths import add_output_args, output_dir  # noqa: PLC0415

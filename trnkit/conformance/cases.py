@@ -519,7 +519,8 @@ FAST = (
     "|b=1 heads=1/1 S=256 d=128",
     "core/output_projection/cte|bf16 bias|lnc2|B=1 S=128 H=3072 heads=17 d=10",
     "experimental/loss/cross_entropy_forward|switch_transformers_fast bfloat16 PB=1 CS=32128|lnc2|B=1 T=1 V=32128",
-    "experimental/loss/cross_entropy_backward|switch_transformers_fast bfloat16 PB=1 CS=16384 mean|lnc2|B=1 T=1 V=32128",
+    "experimental/loss/cross_entropy_backward|switch_transformers_fast bfloat16 PB=1 CS=16384 mean|lnc2"
+    "|B=1 T=1 V=32128",
     "core/moe/moe_tkg|all experts Swish post_scale clamp bias|lnc2|T=4 H=3072 I=192 E=4",
     "core/moe/moe_tkg|top-1 Swish post_scale clamp bias|lnc2|T=3 H=512 I=128 E=2",
     "core/qkv/qkv_cte|accuracy bf16 rms_norm BSD dma_transpose fused_add|lnc1|B=1 S=128 H=512 I=512",
