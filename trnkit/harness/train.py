@@ -87,9 +87,6 @@ def lr_lambda(cfg: LRSchedulerConfig, steps: int) -> Callable[[int], float]:
 
 
 class _Log:
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-
     def __call__(self, msg: str) -> None:
         LOGGER.info(msg)  # which ranks print is set_logging's rank filter (metrics.log_rank)
 
@@ -270,7 +267,7 @@ def run(cfg: TrainerConfig) -> RunResult:
     setup_logging(env.rank, env.world_size, cfg.metrics.log_rank)
     prev_det = torch.are_deterministic_algorithms_enabled()
     finished = False
-    lock = RunLock(cfg.job.dump_folder, _Log(env.rank))
+    lock = RunLock(cfg.job.dump_folder, _Log())
     try:
         torch.use_deterministic_algorithms(cfg.job.deterministic)
         with _sigterm_raises():
@@ -317,7 +314,7 @@ def run_identity(handle: ModelHandle) -> RunIdentity:
 
 
 def _run(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
-    log = _Log(env.rank)
+    log = _Log()
     t = cfg.training
     dump = cfg.job.dump_folder
 
