@@ -138,21 +138,28 @@ def test_large_scores_and_a_custom_scale() -> None:
     check_attention(q, k, v, o, lse, 0.3, attention_bwd(q, k, v, o, lse, go, scale=0.3), go)
 
 
-def test_backward_head_passes(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_backward_head_passes(monkeypatch, dtype) -> None:
     """When the dQ accumulators of a group do not fit SBUF together the heads go in passes whose dK / dV
-    partial sums meet in an fp32 HBM scratch: same results as one pass (up to summation order)."""
-    from trnkit.kernels.attention import attention_bwd as bwd_mod  # noqa: F401 (the package function)
+    partial sums meet in an fp32 HBM scratch: same results as one pass (up to summation order). fp32: one
+    head's accumulator per pass, q-side tiles loaded per key block; bf16: one head with its cached q-side
+    tiles per pass."""
     import importlib
     kb = importlib.import_module("trnkit.kernels.attention.attention_bwd")
-    q, k, v, go = _inputs(1, 300, 4, 1, 64, torch.float32, seed=5)
+    q, k, v, go = _inputs(1, 300, 4, 1, 64, dtype, seed=5)
     o, lse = attention(q, k, v)
     one = attention_bwd(q, k, v, o, lse, go)
-    monkeypatch.setattr(kb, "DQ_BUDGET", 3 * 64 * 4)  # one head of 3 query tiles per pass
-    assert kb.heads_per_pass(300, 64, 4) == 1
+    itemsize = 4 if dtype == torch.float32 else 2
+    budget = 3 * 64 * 4 if dtype == torch.float32 else 3 * 64 * (4 + 4 * itemsize)  # 3 query tiles per head
+    monkeypatch.setattr(kb, "DQ_BUDGET", budget)
+    assert kb.heads_per_pass(300, 64, 4, itemsize) == 1
+    assert kb.cache_q_side(300, 64, itemsize) == (dtype == torch.bfloat16)
     passes = attention_bwd(q, k, v, o, lse, go)
     assert torch.equal(passes[0], one[0])
+    # fp32 partial sums in another order: equal up to fp32 rounding, which can flip one bf16 rounding (1 ulp)
+    rtol = 1e-6 if dtype == torch.float32 else 2 ** -7
     for a, b in zip(passes[1:], one[1:], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=1e-6)
     check_attention(q, k, v, o, lse, 64 ** -0.5, passes, go)
 
 
