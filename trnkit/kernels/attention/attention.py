@@ -15,9 +15,10 @@ diagonal are skipped) go in steps of up to 1024 keys, two PSUM banks of fp32 sco
    diagonal tile a second matmul adds the causal mask into the same PSUM (``I @ mask``).
    Vector: the row max per bank; ``-scale * m`` of the running max ``m`` (one op).
 2. Scalar: ``P = exp(scale * S - scale * m)`` straight from PSUM (rounded to the input dtype) with the
-   fp32 row sums; the correction ``exp(scale * (m_old - m))``. Vector: ``l = l * corr + rowsum``.
-3. Tensor: ``P^T`` per 128-key block (PE transpose into PSUM), copied to SBUF by Vector or Scalar,
-   whichever has less work so far.
+   fp32 row sum of the step (accumulated over its banks in ScalarE's reduce registers); the correction
+   ``exp(scale * (m_old - m))``. GpSimd: ``l = l * corr + rowsum``.
+3. Tensor: ``P^T`` per 128-key block (PE transposes into one PSUM tile per step), copied to SBUF by
+   Vector or Scalar, whichever has less work so far.
 4. Tensor: ``O_step = P V`` accumulated over the step's keys in one PSUM bank; Vector
    ``O = O * corr + O_step``; after the last step
    ``o = O / l`` and ``l`` kept for the unit's ``lse = scale * m + log(l)``.
@@ -39,6 +40,7 @@ STEP = 1024  # keys per pipeline step of a query tile (two banks)
 QCHUNK = 8  # query tiles per Q^T load and per output store
 VECTOR_GHZ, SCALAR_GHZ = 0.96, 1.2
 ACT_FIXED_NS = 295  # ScalarE's fixed time per ACTIVATE (trn2 profile; see docs/cost-model.md)
+PSUM_READ_CYCLES = 60  # VectorE's PSUM access setup per instruction (performance guide; a range in the model)
 
 
 def _steps(S, g0, ng, j, G):
@@ -63,7 +65,7 @@ def _steps(S, g0, ng, j, G):
 def _cheaper_engine(load, n, two_byte):
     """Engine for a PSUM -> SBUF copy of n elements per partition: 0 (Vector) or 1 (Scalar), whichever
     finishes first given the work so far (``load`` = [Vector ns, Scalar ns], updated)."""
-    vec = max(64, n / 2 if two_byte else n) / VECTOR_GHZ
+    vec = (max(64, n / 2 if two_byte else n) + PSUM_READ_CYCLES) / VECTOR_GHZ
     act = max(64, n) / SCALAR_GHZ + ACT_FIXED_NS
     if load[0] + vec <= load[1] + act:
         load[0] = load[0] + vec
@@ -124,17 +126,22 @@ def _neg_max(st, negm_all, scale_col):
 
 
 def _exp(st, load):
-    """Stage 2: P = exp(scale * S - scale * m) per bank with the row sums; the correction factor."""
+    """Stage 2: P = exp(scale * S - scale * m) per bank with the step's row sum; the correction factor."""
     nq, scale, banks, prev = st["nq"], st["scale"], st["banks"], st["prev"]
     nb = len(banks)
-    rs = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
+    rs = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
     probs = []
     for i in range(nb):
         kb0, w, s_ps = banks[i]
         p_sb = nl.ndarray((nq, w), dtype=st["pdt"], buffer=nl.sbuf)
-        nisa.activation_reduce(dst=p_sb, op=nl.exp, data=s_ps, reduce_op=nl.add, reduce_res=rs[:, i:i + 1],
-                               bias=st["negm"], scale=scale)
-        load[1] = load[1] + (max(64, w) + 64) / SCALAR_GHZ + ACT_FIXED_NS
+        cmd = nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce
+        if i == nb - 1:  # the row sum over the step's banks accumulates in ScalarE's registers; read once
+            nisa.activation(dst=p_sb, op=nl.exp, data=s_ps, bias=st["negm"], scale=scale, reduce_op=nl.add,
+                            reduce_res=rs, reduce_cmd=cmd)
+        else:
+            nisa.activation(dst=p_sb, op=nl.exp, data=s_ps, bias=st["negm"], scale=scale, reduce_op=nl.add,
+                            reduce_cmd=cmd)
+        load[1] = load[1] + (max(64, w) + (64 if i == nb - 1 else 0)) / SCALAR_GHZ + ACT_FIXED_NS
         probs.append([kb0, w, p_sb])
     st["banks"] = None  # the score banks are dead: their PSUM accumulation groups close
     if prev != None:  # noqa: E711
@@ -146,43 +153,44 @@ def _exp(st, load):
 
 
 def _transpose(st, load):
-    """Stage 3: P^T per 128-key block (PE transpose to PSUM), copied to SBUF by Vector or Scalar."""
+    """Stage 3: P^T per 128-key block (PE transposes into as few PSUM tiles as fit a bank: one per step in
+    bf16), copied to SBUF by Vector or Scalar (a tile's full blocks in one instruction)."""
     nq, pdt = st["nq"], st["pdt"]
     two_byte = pdt != nl.float32
-    blocks = []
+    subs = []  # (first key, keys, probabilities, column) per 128-key block
     for i in range(len(st["probs"])):
         kb0, w, p_sb = st["probs"][i]
-        nsub = cdiv(w, P)
-        pt_ps = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.psum)
-        for c in range(nsub):
-            kc = min(P, w - c * P)
-            nisa.nc_transpose(dst=pt_ps[0:kc, c, :], data=p_sb[:, c * P:c * P + kc])
-        pt_sb = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.sbuf)
-        nfull = w // P
+        for c in range(cdiv(w, P)):
+            subs.append([kb0 + c * P, min(P, w - c * P), p_sb, c * P])
+    per_tile = BANK * 4 // (P * (2 if two_byte else 4))  # blocks per PSUM bank
+    blocks = []
+    for g0 in range(0, len(subs), per_tile):
+        n = min(per_tile, len(subs) - g0)
+        pt_ps = nl.ndarray((P, n, nq), dtype=pdt, buffer=nl.psum)
+        pt_sb = nl.ndarray((P, n, nq), dtype=pdt, buffer=nl.sbuf)
+        for c in range(n):
+            key0, kc, p_sb, col = subs[g0 + c]
+            nisa.nc_transpose(dst=pt_ps[0:kc, c, :], data=p_sb[:, col:col + kc])
+            blocks.append([key0, kc, pt_sb, c])
+        nfull = n if subs[g0 + n - 1][1] == P else n - 1  # only the step's last block can be short
         parts = []
         if nfull > 0:
             parts.append([P, 0, nfull])
-        if nfull < nsub:
-            parts.append([w - nfull * P, nfull, nsub])
+        if nfull < n:
+            parts.append([subs[g0 + n - 1][1], nfull, n])
         for pi in range(len(parts)):
             kc, c0, c1 = parts[pi]
             if _cheaper_engine(load, (c1 - c0) * nq, two_byte) == 0:
                 nisa.tensor_copy(dst=pt_sb[0:kc, c0:c1, :], src=pt_ps[0:kc, c0:c1, :])
             else:
                 nisa.activation(dst=pt_sb[0:kc, c0:c1, :], op=nl.copy, data=pt_ps[0:kc, c0:c1, :])
-        for c in range(nsub):
-            blocks.append([kb0 + c * P, min(P, w - c * P), pt_sb, c])
     st["probs"], st["blocks"] = None, blocks
 
 
 def _row_sum(st, l_all):
     """The running sum ``l = l * corr + rowsum`` (GpSimd; a tile's last step writes it into the unit's
     column ``col``)."""
-    nq, rs, prev = st["nq"], st["rs"], st["prev"]
-    step = rs
-    if rs.shape[1] > 1:
-        step = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=step, data1=rs[:, 0:1], data2=rs[:, 1:2], op=nl.add, engine=nisa.engine.gpsimd)
+    nq, step, prev = st["nq"], st["rs"], st["prev"]
     ls = step
     if prev != None:  # noqa: E711
         ls = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
