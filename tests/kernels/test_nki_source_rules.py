@@ -3,7 +3,7 @@
 Checked on each ``@nki.jit`` kernel and every module-level function it calls, transitively (also
 helpers imported from another trnkit.kernels module). The rules (docs/kernels.md "Source rules"):
 
-1. **Python syntax: an allowlist** of what AWS's nki-library kernels use (``/work/nki-library/src``
+1. **Python syntax: an allowlist** of what AWS's nki-library kernels use (its ``src/``
    at d2ad3a5, surveyed with ``ast``: no lambda, no comprehension, no ``del``, no ``try``/``with``,
    no nested ``def`` in kernel code) plus ``assert`` (the NKI tutorials use it): plain functions,
    assignments, ``if``, ``for`` / ``while`` over trace-time values, arithmetic / comparisons /
