@@ -7,8 +7,9 @@ H is the free dimension, so every per-row statistic is a free-axis reduction and
 a per-partition scalar. LNC=2 (``kernel[2]``) gives each core a contiguous half of the rows.
 
 Forward (``y = w * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)``, HF's cast order):
-Scalar squares and sums each row (``activation_reduce``), then ``rstd`` in one Scalar pass over the
-chunk's ``[P, NT]`` sums; Vector forms ``n = x * rstd`` (rounded to x's dtype) and ``y = n * w``
+Scalar squares and sums each row (``activation_reduce``), then ``rstd`` in two Vector ``tensor_scalar``
+passes over the chunk's ``[P, NT]`` sums (so Scalar keeps one activation table); Vector forms
+``n = x * rstd`` (rounded to x's dtype) and ``y = n * w``
 (``w`` broadcast to every partition once). With a residual, Vector first adds ``s = x + residual``
 (stored: the new residual stream) and normalises ``s``.
 
@@ -185,13 +186,16 @@ def _fwd_sum(state, load):
         load[0] = load[0] + max(MIN_CYCLES, chunk[2] * src.shape[2]) * VECTOR_NS
 
 
-def _fwd_rstd(state, eps_t):
-    """Stage B2: ``rstd = rsqrt(sum / H + eps)`` per row."""
+def _fwd_rstd(state, eps):
+    """Stage B2: ``rstd = rsqrt(sum / H + eps)`` per row, on Vector: Scalar keeps the square's activation
+    table loaded (an rsqrt activation between the chunks' squares would switch tables twice per chunk)."""
     src, ss, sq, _, chunk = state
     r0, Pc, NT = chunk
     H = src.shape[2]
+    ms = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ms, data=ss, op0=nl.multiply, operand0=1.0 / H, op1=nl.add, operand1=eps)
     rstd_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=rstd_t, op=nl.rsqrt, data=ss, scale=1.0 / H, bias=eps_t[:Pc, :])
+    nisa.tensor_scalar(dst=rstd_t, data=ms, op0=nl.rsqrt, operand0=None)
     return [src, None, None, rstd_t, chunk]
 
 
@@ -232,14 +236,12 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     n_prog, pid = program_split()
     chunks = _own_chunks(N, H, x.dtype, n_prog, pid)
     w_sb = _weight_rows(w, H)
-    eps_t = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=eps_t, value=float(eps))
     loads = []
     load = [0.0, 0.0]  # Vector / Scalar ns so far (row balancing of the n pass)
     # A software pipeline of four stages, chunk i in stage A while chunk i-1 is in B, i-2 in C and i-3 in
     # D, issued so that no engine's in-order queue waits on work issued in the same iteration: Vector
     # sums chunk i-1's squares (B1) while Scalar squares chunk i (A), forms y of chunk i-3 (D) while
-    # Scalar normalises chunk i-2 (C), and Scalar's rsqrt of chunk i-1 (B2) comes last.
+    # Scalar normalises chunk i-2 (C), and the rsqrt of chunk i-1 (B2, Vector) comes last.
     pipe = [None, None, None]  # chunk i-1 after A, i-2 after B, i-3 after C
     for i in range(len(chunks) + 3):
         b_in, c_in, d_in = pipe[0], pipe[1], pipe[2]
@@ -256,7 +258,7 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
         if c_in != None:  # noqa: E711
             c_in = _fwd_norm(c_in, load)
         if b_in != None:  # noqa: E711
-            b_in = _fwd_rstd(b_in, eps_t)
+            b_in = _fwd_rstd(b_in, float(eps))
         pipe = [cur, b_in, c_in]
     if residual != None:  # noqa: E711
         return y, s, rstd
