@@ -526,6 +526,7 @@ FAST = (
     "core/qkv/qkv_cte|accuracy bf16 rms_norm BSD dma_transpose fused_add|lnc1|B=1 S=128 H=512 I=512",
     "core/subkernels/find_nonzero_indices|float32 chunk=10240 columns 120+8|lnc2|T=10240 E=128 top_k=4",
     "core/subkernels/indexed_flatten|f_len=128 rows=5 from 1|lnc2|T=4096 E=3",
+    "experimental/collectives/topk_reduce|bf16 from 8 ranks|lnc1|T=4 K=4 H=2880",
     "core/mlp/mlp_cte|bf16 x fp8 no_norm GELU skip_gate|lnc2|B=1 S=578 H=1408 I=352",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",

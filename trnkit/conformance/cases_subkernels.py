@@ -6,6 +6,12 @@ use 0.1 for the nonzeros), optionally a column window (``col_start_id``, ``n_col
 comparison. ``test_indexed_flatten.py``: an [E, T] ``arange`` input scattered in ``f_len`` chunks at
 ``row_offsets`` (optionally from ``row_offsets_start``), padding -1, LNC 2, exact. Both against
 nki-library's torch references.
+
+``test/integration/nkilib/experimental/subkernels/test_topk_reduce.py``: T * K bf16 rows (``randn``
+after ``np.random.seed(42)``) with their token id packed as an int32 in two bf16 columns, scattered by
+one permutation into a [ranks * T, H + 2] buffer of -1, reduced per token; rtol / atol 5e-2. The test
+imports ``nkilib.experimental.subkernels.topk_reduce``, which is ``experimental/collectives/topk_reduce.py``
+at d2ad3a5 (the test module does not import there); the cases run that file's kernel and reference.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .harness import Case
@@ -20,6 +27,8 @@ from .harness import Case
 __all__ = ["subkernel_cases"]
 
 LIB = "nkilib_src.nkilib.core.subkernels"
+EXP = "nkilib_src.nkilib.experimental.collectives"
+BF16 = np.dtype(ml_dtypes.bfloat16)
 TESTS = "test/integration/nkilib/core/subkernels"
 
 
@@ -49,6 +58,20 @@ def _flatten_inputs(t: int, e: int, f_len: int, n: int, start: int | None) -> Ca
     return make
 
 
+def _topk_reduce_inputs(t: int, k: int, h: int, ranks: int) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        np.random.seed(42)
+        buf = np.full((ranks * t, h + 2), -1, dtype=BF16)
+        values = np.random.randn(t * k, h).astype(BF16)
+        ids = np.arange(t, dtype=np.int32).repeat(k).reshape(t * k, 1).view(BF16)  # [T*K, 2]
+        buf[np.random.permutation(ranks * t)[:t * k]] = np.concatenate([values, ids], axis=1)
+        return {"input": buf, "T": t, "K": k}
+    return make
+
+
+# lnc, source ranks, T, K, H (TOPK_REDUCE_PARAMS)
+_TOPK_REDUCE = [(1, 8, 4, 4, 2880), (2, 8, 4, 8, 4096), (2, 8, 128, 4, 2880), (2, 128, 4, 4, 2880),
+                (2, 128, 128, 8, 4096)]
 # T, E, top_k, chunk_size, dtype, (E_offset, E_local) or None
 _NONZERO = [(4096, 128, 8, 4096, "int32", None), (4096, 128, 8, 4096, "float32", None),
             (10240, 128, 4, 10240, "int32", None), (4096, 128, 8, 4096, "int32", (0, 4)),
@@ -73,4 +96,11 @@ def subkernel_cases() -> list[Case]:
         reference=f"{LIB}.indexed_flatten_torch:indexed_flatten_torch_ref", inputs=_flatten_inputs(t, e, f, n, s),
         outputs=("flattened_array",), lnc=2, rtol=0.0, atol=0.0, test_file=f"{TESTS}/test_indexed_flatten.py")
         for t, e, f, n, s in _FLATTEN]
+    cases += [Case(
+        kernel="experimental/collectives/topk_reduce", name=f"bf16 from {ranks} ranks", shapes=f"T={t} K={k} H={h}",
+        entry=f"{EXP}.topk_reduce:topk_reduce", reference=f"{EXP}.topk_reduce_torch:topk_reduce_torch_ref",
+        inputs=_topk_reduce_inputs(t, k, h, ranks), outputs=("out",), lnc=lnc, rtol=5e-2, atol=5e-2,
+        note="test module imports experimental.subkernels.topk_reduce; the kernel is in experimental/collectives",
+        test_file="test/integration/nkilib/experimental/subkernels/test_topk_reduce.py")
+        for lnc, ranks, t, k, h in _TOPK_REDUCE]
     return cases
