@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from tests.tolerances import assert_close
 from trnkit.qwen3 import Qwen3Model, model_registry
+from trnkit.qwen3 import loss as loss_module
 from trnkit.qwen3.loss import linear_cross_entropy
 
 
@@ -48,10 +49,15 @@ def test_matches_unfused_fp32(shape: tuple[int, ...], vocab: int, chunk: int) ->
     assert torch.all(got[1].view(-1, 12)[::3] == 0)  # ignored rows get exactly zero dh
 
 
-def test_bf16_autocast_as_accurate_as_unfused() -> None:
+@pytest.mark.parametrize("matmul", ["bf16", "fp32"])
+def test_bf16_autocast_as_accurate_as_unfused(matmul: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Under autocast both paths round the logits and the logit gradients to bf16, at different points
     # (the chunked dW sums fp32 per-chunk products): compare both with the exact (fp64) result for the
     # same bf16-rounded inputs. Error bound: 2**-7 of the largest magnitude (one bf16 ulp at the top).
+    # Both ways of multiplying the bf16 operands: bf16 matmuls (a CPU with native bf16 matmul, or a
+    # GPU) and fp32 matmuls of the rounded operands (a CPU without), whichever this machine has.
+    monkeypatch.setattr(loss_module, "_matmul_dtype",
+                        lambda dt, device: torch.float32 if matmul == "fp32" else dt)
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(3, 10, 32, generator=g), torch.randn(64, 32, generator=g) * 0.2
     y = torch.randint(0, 64, (3, 10), generator=g)

@@ -15,7 +15,14 @@ the target logit are all-reduced over ``group`` (Megatron's vocab-parallel cross
 computes ``dW`` for its own rows only and the partial ``dh`` are summed over the group.
 
 Precision: logits are formed in the compute dtype (the autocast dtype under autocast, else the
-inputs' dtype; as the unfused ``lm_head`` would) and the softmax / loss in fp32.
+inputs' dtype; as the unfused ``lm_head`` would) and the softmax / loss in fp32. On a CPU without native
+bf16 / fp16 matmul (no AVX512-BF16 / AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False) torch
+multiplies low-precision matrices in a scalar fallback GEMM that is 3-90x slower than its fp32 one,
+depending on the operands' layout. There the operands are rounded to the compute dtype and multiplied
+in fp32 instead: a product of two bf16 (fp16) numbers is exact in fp32 and both GEMMs accumulate in
+fp32, so the logits, the logit gradients and ``dh`` (rounded to the compute dtype after the product,
+as a low-precision GEMM's output is) carry the same roundings, and ``dW`` sums the per-chunk products
+in fp32 without rounding each one.
 """
 
 from __future__ import annotations
@@ -35,6 +42,16 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(h.dtype, weight.dtype)
 
 
+def _matmul_dtype(dt: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the loss's matmuls run in for compute dtype ``dt``: ``dt`` itself, or fp32 on a CPU
+    whose ``dt`` matmul is emulated (see the module docstring)."""
+    if device.type != "cpu" or dt not in (torch.bfloat16, torch.float16):
+        return dt
+    native = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dt == torch.bfloat16
+              else torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dt if native else torch.float32
+
+
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, op=op, group=group)
@@ -46,12 +63,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                 ignore_index: int, group: Any, vocab_start: int) -> torch.Tensor:
         dt = _compute_dtype(h, weight)
+        mm_dt = _matmul_dtype(dt, h.device)
         x = h.reshape(-1, h.shape[-1])
         y = labels.reshape(-1)
-        w = weight.to(dt)
+        w = weight.to(dt).to(mm_dt)                                         # rounded to dt, multiplied in mm_dt
         v_local = w.shape[0]
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh = torch.empty(x.shape, dtype=dt, device=x.device) if need_dh else None
+        dh = torch.empty(x.shape, dtype=mm_dt, device=x.device) if need_dh else None
         dw = torch.empty(w.shape, dtype=torch.float32, device=w.device) if need_dw else None
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         if group is None:
@@ -61,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                  f"[0, {v_local}) (and is not ignore_index {ignore_index})")
         bufs = _ChunkBuffers(min(chunk_size, max(x.shape[0], 1)), w, dt)
         for s in range(0, x.shape[0], chunk_size):
-            xc, yc = x[s:s + chunk_size].to(dt), y[s:s + chunk_size]
+            xc, yc = x[s:s + chunk_size].to(dt).to(mm_dt), y[s:s + chunk_size]
             logits, probs = bufs.logits(xc, w)                              # [c, V_local] in dt, in fp32
             valid = yc != ignore_index
             local_t = yc - vocab_start
@@ -81,13 +99,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ignored = (~valid).nonzero().squeeze(1)
             if ignored.numel():
                 probs.index_fill_(0, ignored, 0.0)                          # ignored tokens: no grad
-            g = bufs.gradient(logits, probs)                                # softmax - onehot, in dt
+            g = bufs.gradient(logits, probs)                                # softmax - onehot, dt-rounded
             if need_dh:
                 torch.mm(g, w, out=dh[s:s + chunk_size])
             if need_dw:
                 bufs.add_weight_grad(dw, g, xc, first=s == 0)
         if need_dh and group is not None:
             dist.all_reduce(dh, group=group)  # each rank's dh covers its vocabulary rows only
+        if need_dh:
+            dh = dh.to(dt)                                                  # a dt matmul's output rounding
         if need_dw and x.shape[0] == 0:
             dw.zero_()
         ctx.save_for_backward(dh, dw)
@@ -115,7 +135,9 @@ class _ChunkBuffers:
     A fresh block of many MiB costs a page fault per 4 KiB page on every chunk (measured on CPU at vocab
     151,936: a [256, V] fp32 copy into a new tensor takes 67 ms, into a reused one 23 ms), so the logits,
     their fp32 copy and the low-precision weight-gradient product each have one buffer for the whole call.
-    The gradient ``softmax - onehot`` in the compute dtype overwrites the logits it came from.
+    The gradient ``softmax - onehot`` in the compute dtype overwrites the logits it came from. With
+    low-precision operands multiplied in fp32 (``w`` fp32, ``dt`` not), the fp32 block holds the product,
+    the probabilities and the gradient, and the ``dt`` block only rounds them (``dt`` and back).
     """
 
     _ROWS_PER_BLOCK = 1024  # fp32 staging rows for the low-precision dW sum (about 1 MiB at H = 256)
@@ -125,6 +147,7 @@ class _ChunkBuffers:
         self._logits = torch.empty((rows, v), dtype=dt, device=w.device)
         self._fp32 = self._logits if dt == torch.float32 else torch.empty((rows, v), dtype=torch.float32,
                                                                            device=w.device)
+        self._rounds = dt != w.dtype                     # dt operands multiplied in fp32
         self._product: torch.Tensor | None = None        # [V, H] in dt, for dt != fp32
         self._stage: torch.Tensor | None = None          # [block, H] fp32
         self._hidden = hidden
@@ -132,17 +155,26 @@ class _ChunkBuffers:
     def logits(self, xc: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``xc @ w.T`` in the compute dtype and the same values in fp32 (one tensor when dt is fp32)."""
         n = xc.shape[0]
-        logits = self._logits[:n]
+        logits, fp32 = self._logits[:n], self._fp32[:n]
+        if self._rounds:
+            torch.mm(xc, w.T, out=fp32)
+            return fp32, self._round(fp32)
         torch.mm(xc, w.T, out=logits)
-        fp32 = self._fp32[:n]
         if fp32 is not logits:
             fp32.copy_(logits)
         return logits, fp32
 
     def gradient(self, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """``probs`` (softmax - onehot, fp32) rounded to the compute dtype, in the matmul dtype."""
+        if self._rounds:
+            return self._round(probs)
         if probs is logits:
             return probs
         return logits.copy_(probs)
+
+    def _round(self, fp32: torch.Tensor) -> torch.Tensor:
+        """``fp32`` rounded to the compute dtype in place (through the compute-dtype block)."""
+        return fp32.copy_(self._logits[:fp32.shape[0]].copy_(fp32))
 
     def add_weight_grad(self, dw: torch.Tensor, g: torch.Tensor, xc: torch.Tensor, first: bool) -> None:
         """``dw (fp32) += g.T @ xc``: fp32 operands accumulate in place; low-precision ones form their
