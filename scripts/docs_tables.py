@@ -64,29 +64,27 @@ def interp_speed() -> str:
     return _table(header, rows)
 
 
-def _step_table(csv_name: str) -> list[list[str]]:
-    by_case: dict[tuple[str, str, str, str], dict[str, dict[str, str]]] = {}
-    for r in read_csv(csv_name):
-        by_case.setdefault((r["flavor"], r["vocab_size"], r["batch"], r["seq"]), {})[r["impl"]] = r
-    rows = []
-    for (flavor, vocab, batch, seq), impls in by_case.items():
-        ours = impls.pop("trnkit")
-        best = min(impls.values(), key=lambda r: float(r["best_ms"]))
-        fastest_median = min(float(r["median_ms"]) for r in impls.values())
-        theirs = ", ".join(f"{name.removeprefix('transformers[').rstrip(']')} {float(r['best_ms']):.0f}"
-                           for name, r in impls.items())
-        ratio = float(best["best_ms"]) / float(ours["best_ms"])
-        ratio_median = fastest_median / float(ours["median_ms"])
-        rows.append([f"`{flavor}`", f"{int(vocab):,}", f"{batch}×{seq}", f"{float(ours['best_ms']):.0f}",
-                     theirs, f"**{ratio:.2f}×** (median {ratio_median:.2f}×)"])
-    return rows
-
-
 def qwen3_step() -> str:
-    """benchmarks/qwen3_step.py: one train step, trnkit's native Qwen3 vs transformers (best of 5, ms)."""
-    rows = _step_table("qwen3_step.csv") + _step_table("qwen3_step_vocab2048.csv")
-    header = ["flavor", "vocab", "batch×seq", "trnkit ms", "transformers ms (per experts backend)",
-              "speed vs fastest transformers"]
+    """benchmarks/qwen3_step.py: a full train step, trnkit's native Qwen3 vs transformers (min of the timed steps)."""
+    by_case: dict[tuple[str, ...], dict[str, dict[str, str]]] = {}
+    for r in read_csv("qwen3_step.csv"):
+        key = (r["flavor"], r["dtype"], r["batch"], r["seq"], r["vocab_size"], r["deterministic"])
+        by_case.setdefault(key, {})[r["impl"]] = r
+    rows = []
+    for (flavor, dtype, batch, seq, vocab, det), impls in sorted(by_case.items(), key=lambda kv: (
+            int(kv[0][3]), kv[0][0], kv[0][1] != "float32", kv[0][5])):
+        ours = impls.pop("trnkit")
+        fastest = min(impls.values(), key=lambda r: float(r["best_ms"]))
+        theirs = ", ".join(f"{name.removeprefix('transformers[').rstrip(']')} {float(r['best_ms']):,.0f}"
+                           for name, r in impls.items())
+        rows.append([f"`{flavor}`", dtype, f"{batch}×{seq}", f"{int(vocab):,}", det, f"{float(ours['best_ms']):,.0f}",
+                     theirs, f"**{float(ours['speedup']):.2f}×** (median {float(ours['speedup_median']):.2f}×)",
+                     f"{float(ours['peak_mib']):,.0f} / {float(fastest['peak_mib']):,.0f}",
+                     f"**{float(ours['memory_ratio']):.2f}×**", f"{float(ours['loss_step1']):.4f}",
+                     f"{float(fastest['max_loss_diff']):.1e}"])
+    header = ["flavor", "dtype", "batch×seq", "vocab", "deterministic", "trnkit ms",
+              "transformers ms (per experts backend)", "speed-up vs fastest", "step peak MiB (trnkit / transformers)",
+              "memory", "loss step 1", "max loss diff"]
     return _table(header, rows)
 
 
@@ -515,8 +513,15 @@ def csv_ratio(name: str, column: str, num: dict[str, str], den: dict[str, str],
     return value
 
 
-def _step(flavor: str, impl: str) -> dict[str, str]:
-    return {"flavor": flavor, "impl": impl}
+def _step(flavor: str, dtype: str, seq: int = 512) -> dict[str, str]:
+    """trnkit's row of a benchmarks/qwen3_step.py case (batch 2, deterministic algorithms off)."""
+    return {"flavor": flavor, "dtype": dtype, "batch": "2", "seq": str(seq), "deterministic": "off", "impl": "trnkit"}
+
+
+def _step_quote(dtype: str) -> tuple[Callable[[], str], ...]:
+    """Speed-up and memory ratio of the dense, then the MoE case of benchmarks/qwen3_step.py at seq 512."""
+    return tuple(csv_cell("qwen3_step.csv", column, _step(flavor, dtype), "{:.2f}")
+                 for flavor in ("debug", "debug-moe") for column in ("speedup", "memory_ratio"))
 
 
 def _bench(kernel: str, mode: str, metric: str, x_name: str, x_value: str) -> dict[str, str]:
@@ -600,17 +605,9 @@ QUOTES = (
           _range("router_fwd", "us") + _range("router_fwd", "fraction")),
     Quote("README.md", "T=8192: fwd {} µs ({}–{}), {} ({}–{}) of the TensorE bound", "headline.csv moe_fwd",
           _range("moe_fwd", "us") + _range("moe_fwd", "fraction")),
-    Quote("README.md", "trnkit's train step is {}× faster than transformers' with {}× its peak memory on the dense",
-          "qwen3_step_seq512.csv debug", (
-              csv_ratio("qwen3_step_seq512.csv", "best_ms", _step("debug", "transformers[default]"),
-                        _step("debug", "trnkit")),
-              csv_ratio("qwen3_step_seq512.csv", "peak_mib", _step("debug", "trnkit"),
-                        _step("debug", "transformers[default]")))),
-    Quote("README.md", "and {}× faster with {}× the memory on the MoE one", "qwen3_step_seq512.csv debug-moe", (
-        csv_ratio("qwen3_step_seq512.csv", "best_ms", _step("debug-moe", "transformers[grouped_mm]"),
-                  _step("debug-moe", "trnkit")),
-        csv_ratio("qwen3_step_seq512.csv", "peak_mib", _step("debug-moe", "trnkit"),
-                  _step("debug-moe", "transformers[grouped_mm]")))),
+    Quote("README.md", "trnkit's train step is {}× faster than transformers' with {}× its peak memory on the dense "
+          "debug model and {}× faster with {}× the memory on the MoE one in fp32",
+          "qwen3_step.csv fp32 seq 512, deterministic off", _step_quote("float32")),
     Quote("README.md", "M=4096: fwd {} µs ({}–{}), {} ({}–{}) of the roofline",
           "bench.csv grouped_mm forward M=4096 est_time, fraction_of_roofline (p50 mid, p20 / p80 the range)",
           _bench_range("grouped_mm", "forward", "M", "4096")),

@@ -246,7 +246,8 @@ def test_interp_speed_leaves_reference_data_alone_by_default(tmp_path):
 
 def test_qwen3_step_leaves_reference_data_alone_by_default(tmp_path):
     script = _copy_script("qwen3_step.py", tmp_path)
-    tiny = ("--flavors", "debug", "--vocab", "256", "--batch", "1", "--seq", "8", "--repeat", "1", "--warmup", "0")
+    tiny = ("--flavors", "debug", "--vocab", "256", "--batch", "1", "--seqs", "8", "--dtypes", "float32",
+            "--repeat", "1", "--warmup", "0")
     r = _run_script(script, *tiny)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = list(csv.DictReader((tmp_path / "outputs" / "bench" / "qwen3_step_vocab256.csv").open()))

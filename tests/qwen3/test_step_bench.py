@@ -1,4 +1,4 @@
-"""benchmarks/qwen3_train_step.py times the same computation on both sides: equal losses over full steps.
+"""benchmarks/qwen3_step.py times the same computation on both sides: equal losses over full steps.
 
 Each side's step (forward, loss, backward, clip, fused AdamW) from the same weights and batch; fp32 losses
 agree to summation order (1e-5) over steps that include the optimizer update, bf16 (autocast on both sides)
@@ -14,7 +14,7 @@ import torch
 
 from trnkit.bench.paths import load_script
 
-bench = load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "qwen3_train_step.py", "qwen3_train_step")
+bench = load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "qwen3_step.py", "qwen3_step")
 
 
 @pytest.mark.slow  # builds two models at vocab 151,936 per case
