@@ -161,6 +161,34 @@ def attention_peak() -> str:
     return _table(header, rows)
 
 
+def mlp_peak() -> str:
+    """benchmarks/mlp_peak.py: trnkit's dense MLP forward vs nki-library's mlp_cte (LNC=2)."""
+    rows = read_csv("mlp_peak.csv")
+    by = {(r["kernel"], r["case"], r["T"], r["H"], r["I"]): r for r in rows}
+
+    def cells(r: dict | None) -> list[str]:
+        if r is None:
+            return ["", ""]
+        if r["error"]:
+            return [f"not served: {r['error']}", ""]
+        return [f"{float(r['est_us_mid']):,.1f} us ({float(r['est_us_low']):,.1f}–{float(r['est_us_high']):,.1f})",
+                f"{float(r['peak_frac_mid']):.1%} / {float(r['peak_frac_pessimistic']):.1%}"]
+
+    body = []
+    for (kernel, case, T, H, I), tk in by.items():  # noqa: E741
+        if kernel != "trnkit":
+            continue
+        aws = by.get(("nki-library", case, T, H, I))
+        ratio = ""
+        if aws is not None and not aws["error"]:
+            ratio = " / ".join(f"{float(tk[c]) / float(aws[c]):.2f}x" for c in ("est_us_mid", "est_us_high"))
+        body.append([case, f"{int(T):,}", f"{int(H):,}", f"{int(I):,}", *cells(tk), *cells(aws), ratio])
+    header = ["shape", "T", "H", "I", "trnkit (mid, range)", "of peak (mid / pessimistic)",
+              "nki-library mlp_cte (mid, range)", "of peak (mid / pessimistic)",
+              "trnkit / nki-library time (mid / pessimistic)"]
+    return _table(header, body)
+
+
 def conformance() -> str:
     """python -m trnkit conformance --save-reference: AWS nki-library kernels on the interpreter."""
     rows = read_csv("conformance.csv")
@@ -456,7 +484,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "calibration": calibration, "calibration_changes": calibration_changes,
     "calibration_summary": calibration_summary,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
-    "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak,
+    "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak, "mlp_peak": mlp_peak,
     "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),
@@ -619,6 +647,10 @@ QUOTES = (
           "bench.csv cross_entropy T (LNC=2)=2048 forward, backward",
           _bench_range("cross_entropy", "forward", "T (LNC=2)", "2048")
           + _bench_range("cross_entropy", "backward", "T (LNC=2)", "2048")),
+    Quote("README.md", "I=9728, T=2048, LNC=2: fwd {} µs ({}–{}), {} ({}–{}) of its roofline; bwd {} µs ({}–{}), "
+          "{} ({}–{})", "bench.csv mlp T (4B, LNC=2)=2048 forward, backward",
+          _bench_range("mlp", "forward", "T (4B, LNC=2)", "2048")
+          + _bench_range("mlp", "backward", "T (4B, LNC=2)", "2048")),
     Quote("docs/kernels.md", "forward {} / {} / {} µs (optimistic / mid / pessimistic parameters): **{}** of the "
           "bound at the pessimistic end, {} mid, {} at the optimistic end", "headline.csv rope_fwd",
           _low_mid_high("rope_fwd")),

@@ -378,6 +378,53 @@ def cross_entropy_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str 
     return cases
 
 
+def _mlp_build(T: int, H: int, I: int, backward: bool, dtype: torch.dtype, lnc: int) -> Callable[[], Prepared]:  # noqa: E741
+    def f() -> Prepared:
+        mod = _kernel_module("mlp")
+
+        g = torch.Generator().manual_seed(0)
+        x = _rand(T, H, g=g, dtype=dtype)
+        wgu, wd = _rand(H, 2 * I, g=g, scale=H ** -0.5, dtype=dtype), _rand(I, H, g=g, scale=I ** -0.5, dtype=dtype)
+        if not backward:
+            return Prepared(nki=lambda: mod.mlp(x, wgu, wd, lnc=lnc), ref=lambda: mod.mlp_ref(x, wgu, wd))
+        gy = _rand(T, H, g=g, dtype=dtype)
+        graph: list = []  # the reference's forward graph, built at its first timed call (not for --no-torch)
+
+        def ref() -> object:
+            if not graph:
+                xr, wgur, wdr = (t.clone().requires_grad_() for t in (x, wgu, wd))
+                gate, up = (xr @ wgur).chunk(2, dim=-1)
+                graph.append(_grad_closure((torch.nn.functional.silu(gate) * up) @ wdr, [xr, wgur, wdr], gy))
+            return graph[0]()
+
+        return Prepared(nki=lambda: mod.mlp_bwd(x, wgu, wd, gy, lnc=lnc), ref=ref)
+    return f
+
+
+def mlp_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
+    """The dense SwiGLU MLP, LNC=2: tokens at Qwen3-4B's H and I (2560, 9728), and Qwen3-0.6B at 2048
+    tokens (quick: H = 256, I = 768)."""
+    dt = getattr(torch, dtype)
+    cases = []
+    for mode in modes:
+        bwd = mode == "backward"
+        if quick:
+            for T in (128, 256):
+                cfg = {"H": 256, "I": 768, "lnc": 2, "dtype": dtype}
+                cases.append(Case("mlp", mode, "T (H=256, I=768, LNC=2)", T, _mlp_build(T, 256, 768, bwd, dt, 2), cfg))
+            continue
+        c = _flavor("4B")
+        for T in (512, 1024, 2048):
+            cfg = {"flavor": "4B", "H": c.dim, "I": c.hidden_dim, "lnc": 2, "dtype": dtype}
+            cases.append(Case("mlp", mode, "T (4B, LNC=2)", T, _mlp_build(T, c.dim, c.hidden_dim, bwd, dt, 2), cfg))
+        for fl in ("0.6B",):  # 4B at T=2048 is the T sweep's last case
+            c = _flavor(fl)
+            cfg = {"T": 2048, "H": c.dim, "I": c.hidden_dim, "lnc": 2, "dtype": dtype}
+            cases.append(Case("mlp", mode, "flavor (T=2048, LNC=2)", fl,
+                              _mlp_build(2048, c.dim, c.hidden_dim, bwd, dt, 2), cfg))
+    return cases
+
+
 # kernel name -> (module under trnkit.kernels that must import, names it must have, case builder)
 KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]] = {
     "matmul_tiled": (None, (), matmul_cases),
@@ -389,6 +436,7 @@ KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]
     "attention": ("attention", ("attention", "attention_ref", "attention_bwd"), attention_cases),
     "cross_entropy": ("cross_entropy", ("linear_cross_entropy", "linear_cross_entropy_ref",
                                         "linear_cross_entropy_bwd"), cross_entropy_cases),
+    "mlp": ("mlp", ("mlp", "mlp_ref", "mlp_bwd"), mlp_cases),
 }
 
 

@@ -100,11 +100,13 @@ def test_linear_layout_round_trip():
 
 
 def test_plan():
-    # the widest token tile / I-block that fit SBUF: Qwen3-0.6B, Qwen3-4B, Qwen3-8B (bf16), 4B in fp32
-    assert plan(1024, 3072, 2) == (512, 512)
-    assert plan(2560, 9728, 2) == (256, 512)
-    assert plan(4096, 12288, 2) == (256, 256)
-    assert plan(2560, 9728, 4) == (256, 128)
+    # (forward token tile, I-block, backward token tile, I-block), the widest that fit SBUF, the token
+    # tile first: Qwen3-0.6B, Qwen3-4B, Qwen3-8B (bf16), 4B in fp32
+    assert plan(1024, 3072, 2) == (512, 512, 256, 512)
+    assert plan(2560, 9728, 2) == (512, 256, 256, 256)
+    assert plan(4096, 12288, 2) == (256, 512, 128, 256)
+    assert plan(2560, 9728, 4) == (256, 128, 128, 128)
+    assert plan(2560, 9728, 2, tokens=256) == (256, 512, 256, 256)  # a core with 256 tokens: wider I-blocks
     assert plan(5120, 25600, 2) is None  # Qwen3-32B: a tile's dgu.T alone takes 100 KiB
 
 

@@ -38,8 +38,10 @@ def to_linear(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tens
     return gate.contiguous(), up.contiguous(), w_down.T.contiguous()
 
 
-def _plan(x: Any, w_down: Any) -> tuple[int, int]:
-    return plan(x.shape[-1], w_down.shape[0], x.element_size())
+def _plan(x: Any, w_down: Any, lnc: int) -> tuple[int, int, int, int]:
+    """The tiles of :func:`~trnkit.kernels.mlp.mlp.plan` for one core's share of x's rows."""
+    per_core = -(-(x.numel() // x.shape[-1]) // lnc)
+    return plan(x.shape[-1], w_down.shape[0], x.element_size(), per_core)
 
 
 def mlp(x: Any, w_gate_up: Any, w_down: Any, lnc: int | None = None) -> Any:
@@ -48,9 +50,10 @@ def mlp(x: Any, w_gate_up: Any, w_down: Any, lnc: int | None = None) -> Any:
     Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
     """
     check(mlp_constraints(x, w_gate_up, w_down))
-    tb, ib = _plan(x, w_down)
+    lnc = resolve_lnc(lnc)
+    tb, ib, _, _ = _plan(x, w_down, lnc)
     rows = dense(x).reshape(-1, x.shape[-1])
-    y = launch(mlp_fwd_kernel, resolve_lnc(lnc))(rows, dense(w_gate_up), dense(w_down), tb, ib)
+    y = launch(mlp_fwd_kernel, lnc)(rows, dense(w_gate_up), dense(w_down), tb, ib)
     return y.reshape(x.shape)
 
 
@@ -59,11 +62,11 @@ def mlp_bwd(x: Any, w_gate_up: Any, w_down: Any, grad_y: Any, lnc: int | None = 
     gradient ``grad_y`` (NKI kernels: the data path, then both weight gradients; activations recomputed)."""
     check(mlp_constraints(x, w_gate_up, w_down, grad_y))
     lnc = resolve_lnc(lnc)
-    _, ib = _plan(x, w_down)
+    _, _, tb, ib = _plan(x, w_down, lnc)
     rows = dense(x).reshape(-1, x.shape[-1])
     dy = dense(grad_y).reshape(rows.shape)
     w_gate_up, w_down = dense(w_gate_up), dense(w_down)
     grad_x, h, dgu = launch(mlp_bwd_kernel, lnc)(rows, dy, w_gate_up, w_down.T.contiguous(),
-                                                 w_gate_up.T.contiguous(), ib)
+                                                 w_gate_up.T.contiguous(), tb, ib)
     grad_wgu, grad_wd = launch(mlp_wgrad_kernel, lnc)(rows, dgu, h, dy)
     return grad_x.reshape(x.shape), grad_wgu, grad_wd

@@ -14,8 +14,9 @@ layout of the down matmul. ``h.T`` of the whole I stays in SBUF; the down matmul
 in ``[128, <= 512]`` pieces and accumulates each ``[<= 128 tokens, 512]`` output piece over all of I in
 one PSUM bank (``h.T`` chunk stationary, ``w_down`` moving), rounded once to the input dtype.
 
-Backward, data path per tile of 128 tokens (the gradients' row layout: tokens on partitions): ``x`` and
-``grad_out`` rows are transposed; per I-block, three PSUM groups ``gate``, ``up`` (the recompute) and
+Backward, data path per tile of up to 256 tokens (:func:`plan`; 128-token sub-tiles in the gradients'
+row layout, tokens on partitions, sharing each weight block load): ``x`` and ``grad_out`` rows are
+transposed; per I-block and sub-tile, three PSUM groups ``gate``, ``up`` (the recompute) and
 ``dA = grad_out @ w_down.T`` (the host hands ``w_down.T [H, I]``) with the rows' transposes stationary and
 512 weight columns moving; the MoE experts' :func:`~trnkit.kernels.moe_bwd.activation_grad_rows` gives
 ``h`` and the SiLU derivative, ``dgu = [dA dh/dgate | dA dh/dup]``. ``h`` and ``dgu`` rows go to HBM (the
@@ -24,17 +25,19 @@ weight gradients' operands) and ``dgu`` is transposed into SBUF, where the whole
 piece accumulates over all of 2I in one PSUM bank).
 
 Weight gradients (:func:`mlp_wgrad_kernel`): ``grad_w_gate_up = x.T @ dgu`` and ``grad_w_down = h.T @
-grad_out``, output tiles of ``[<= 128, <= 512]`` in passes of up to 2 x 2 tiles (four PSUM banks), each
+grad_out``, output tiles of ``[<= 128, <= 512]`` in passes of up to 4 x 2 tiles (eight PSUM banks), each
 pass summing its tiles over every 128-token tile in fp32 PSUM and rounding once.
 
-LNC=2: the forward and the data path split the token tiles, the weight gradients the passes, between
-the two programs with :func:`~trnkit.kernels._common.program_share` (the same instructions on both: a
-program short of a tile computes a masked copy into a private scratch tensor).
+LNC=2: the forward and the data path give each program a contiguous half of the tokens, the weight
+gradients every other pass. The kernels have no run-time loops, so the two programs' instruction streams
+may differ (only run-time control flow must match on both cores).
 """
 
 from __future__ import annotations
 
-from trnkit.kernels._common import cdiv, program_share, program_split
+from collections.abc import Callable
+
+from trnkit.kernels._common import cdiv, program_split
 from trnkit.kernels.moe_bwd import activation_grad_rows
 from trnkit.kernels.moe_fused import expert_act, swiglu_T
 from trnkit.kernels.moe_grouped_mm import NMAX, P, chunks, evacuate, tiles, transpose_rows
@@ -42,9 +45,9 @@ from trnkit.nki_api import nisa, nki, nl
 
 TB_OPTIONS = (512, 256, 128)  # forward token tile widths, widest first (the gate / up moving size)
 IB_OPTIONS = (512, 256, 128)  # I-block widths (the backward's gate / up / dA PSUM width)
-BWD_TB = 128  # backward token tile: the row layout's partitions
+BWD_TB_OPTIONS = (256, 128)  # backward token tiles: 128-row sub-tiles sharing each weight block load
 DOWN_BANKS = 4  # PSUM banks of one down-projection / grad_x pass (the rest for the next tile's matmuls)
-WG_K, WG_N = 2, 2  # weight-gradient pass: 128-row chunks x 512-column pieces (four PSUM banks)
+WG_K, WG_N = 4, 2  # weight-gradient pass: 128-row chunks x 512-column pieces (eight PSUM banks)
 # SBUF bytes per partition :func:`plan` lets a kernel's long-lived tiles take (of 208 KiB usable), so the
 # next block's weight loads and the elementwise temporaries fit beside them
 SBUF_PLAN_BYTES = 168 * 1024
@@ -56,38 +59,52 @@ def _fwd_bytes(H: int, I: int, TB: int, IB: int, isz: int) -> int:  # noqa: E741
     return (cdiv(H, P) * TB + cdiv(I, P) * TB + cdiv(H, P) * 2 * IB + 2 * sub * H) * isz
 
 
-def _bwd_bytes(H: int, I: int, IB: int, isz: int) -> int:  # noqa: E741
+def _bwd_bytes(H: int, I: int, TB: int, IB: int, isz: int) -> int:  # noqa: E741
     """Backward data path SBUF per partition: x.T, grad_out.T, the tile's dgu.T, one block of w_gate_up and
     w_down.T, the rows and ~10 fp32 elementwise tiles of a block."""
-    return ((2 * cdiv(H, P) * BWD_TB + 2 * cdiv(I, P) * BWD_TB + cdiv(H, P) * 3 * IB + 3 * H) * isz
+    return ((2 * cdiv(H, P) * TB + 2 * cdiv(I, P) * TB + cdiv(H, P) * 3 * IB + 3 * H * cdiv(TB, P)) * isz
             + 10 * IB * 4)
 
 
-def plan(H: int, I: int, itemsize: int) -> tuple[int, int] | None:  # noqa: E741
-    """``(TB, IB)``: the forward's token tile and the I-block width, the widest that fit
-    ``SBUF_PLAN_BYTES``; None when even ``(128, 128)`` does not (the kernels' SBUF constraint)."""
-    ib = None
-    for cand in IB_OPTIONS:
-        if (_bwd_bytes(H, I, cand, itemsize) <= SBUF_PLAN_BYTES
-                and _fwd_bytes(H, I, 128, cand, itemsize) <= SBUF_PLAN_BYTES):
-            ib = cand
-            break
-    if ib == None:  # noqa: E711
-        return None
+def plan(H: int, I: int, itemsize: int, tokens: int = 512) -> tuple[int, int, int, int] | None:  # noqa: E741
+    """``(TB, IB, TB_bwd, IB_bwd)``: the forward's and the backward data path's token tile and I-block
+    widths, the widest that fit ``SBUF_PLAN_BYTES`` (the token tile first: it sets how often the weights
+    stream; no wider than one core's ``tokens`` need, so that a wider I-block can fit instead); None when
+    even 128 / 128 does not (the kernels' SBUF constraint)."""
+    tbs = []
     for tb in TB_OPTIONS:
-        if _fwd_bytes(H, I, tb, ib, itemsize) <= SBUF_PLAN_BYTES:
-            return tb, ib
+        narrower_holds_all = False
+        for o in TB_OPTIONS:
+            narrower_holds_all = narrower_holds_all or tokens <= o < tb
+        if not narrower_holds_all:
+            tbs.append(tb)
+    fwd = _widest(tuple(tbs), lambda tb, ib: _fwd_bytes(H, I, tb, ib, itemsize))
+    bwd = _widest(BWD_TB_OPTIONS, lambda tb, ib: _bwd_bytes(H, I, tb, ib, itemsize))
+    if fwd == None or bwd == None:  # noqa: E711
+        return None
+    return fwd[0], fwd[1], bwd[0], bwd[1]
+
+
+def _widest(tb_options: tuple, need: Callable[[int, int], int]) -> tuple[int, int] | None:
+    """The first ``(tb, ib)`` (widest token tile, then I-block) whose ``need(tb, ib)`` bytes fit."""
+    for tb in tb_options:
+        for ib in IB_OPTIONS:
+            if need(tb, ib) <= SBUF_PLAN_BYTES:
+                return tb, ib
     return None
 
 
 def _my_tiles(n, width):
-    """This program's ``[((start, size), masked), ...]`` of ``n`` rows in tiles of ``width``."""
+    """This program's ``[(start, size), ...]``: its contiguous share of ``n`` rows (LNC=2: halves, the
+    first one larger by at most one row) in tiles of ``width``. The kernels have no run-time loops, so
+    the two programs' instruction streams may differ in length (only run-time control flow must match)."""
     n_prog, pid = program_split()
-    items = chunks(n, width)
-    keys = []
-    for i in range(len(items)):
-        keys.append(items[i][1])
-    return program_share(items, keys, n_prog, pid)
+    per = cdiv(n, n_prog)
+    start = min(n, pid * per)
+    out = []
+    for t0, tw in chunks(min(n, start + per) - start, width):
+        out.append((start + t0, tw))
+    return out
 
 
 def _load_rows_T(src, t0, tw, dst_T):
@@ -165,14 +182,11 @@ def _streamed_rows(out_rows, lhs_T, w, row_of_chunk, tw):
                 evac += 1
 
 
-def _store_rows(dst, scratch, t0, rows_sb, masked):
-    """The tile's row sub-tiles ``rows_sb[s]`` to ``dst[t0 + s*128 ...]`` (a masked tile: to ``scratch``)."""
+def _store_rows(dst, t0, rows_sb):
+    """The tile's row sub-tiles ``rows_sb[s]`` to ``dst[t0 + s*128 ...]``."""
     for s in range(len(rows_sb)):
         rw = rows_sb[s].shape[0]
-        if masked:
-            nisa.dma_copy(dst=scratch[s * P:s * P + rw, :], src=rows_sb[s])
-        else:
-            nisa.dma_copy(dst=dst[t0 + s * P:t0 + s * P + rw, :], src=rows_sb[s])
+        nisa.dma_copy(dst=dst[t0 + s * P:t0 + s * P + rw, :], src=rows_sb[s])
 
 
 @nki.jit
@@ -183,13 +197,12 @@ def mlp_fwd_kernel(x, w_gate_up, w_down, tb, ib):
     inter = w_down.shape[0]
     dt = x.dtype
     y = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
-    scratch = nl.ndarray((tb, H), dtype=dt, buffer=nl.private_hbm)  # masked tiles' rows
     act = expert_act("silu", 7.0, 1.702, None, 0, inter)
     HC = cdiv(H, P)
     i_rows = chunks(inter, P)
     mine = _my_tiles(T, tb)
     for m in range(len(mine)):
-        (t0, tw), masked = mine[m]
+        t0, tw = mine[m]
         x_T = tiles(HC, (P, tw), dt)
         _load_rows_T(x, t0, tw, x_T)
         h_T = tiles(len(i_rows), (P, tw), dt)
@@ -200,52 +213,54 @@ def mlp_fwd_kernel(x, w_gate_up, w_down, tb, ib):
         for _, sw in chunks(tw, P):
             y_rows.append(nl.ndarray((sw, H), dtype=dt, buffer=nl.sbuf))
         _streamed_rows(y_rows, h_T, w_down, i_rows, tw)
-        _store_rows(y, scratch, t0, y_rows, masked)
+        _store_rows(y, t0, y_rows)
     return y
 
 
-def _grad_block(x_T, go_T, wgu, wd_T, H, tw, dt):
-    """One I-block of the backward's data path for a token tile: ``(h, dgate, dup)`` rows ``[tw, ib]`` in
-    dt from the gate / up recompute and ``dA = grad_out @ w_down.T`` (three PSUM groups over H)."""
+def _grad_block(x_T, go_T, wgu, wd_T, H, s0, sw, dt):
+    """One I-block of the backward's data path for the tokens ``s0 .. s0+sw`` (<= 128) of a tile: ``(h,
+    dgate, dup)`` rows ``[sw, ib]`` in dt from the gate / up recompute and ``dA = grad_out @ w_down.T``
+    (three PSUM groups over H)."""
     ib = wd_T[0].shape[1]
     hcs = chunks(H, P)
     f32 = nl.float32
-    g_ps = nl.ndarray((tw, ib), dtype=f32, buffer=nl.psum)
-    u_ps = nl.ndarray((tw, ib), dtype=f32, buffer=nl.psum)
-    d_ps = nl.ndarray((tw, ib), dtype=f32, buffer=nl.psum)
+    g_ps = nl.ndarray((sw, ib), dtype=f32, buffer=nl.psum)
+    u_ps = nl.ndarray((sw, ib), dtype=f32, buffer=nl.psum)
+    d_ps = nl.ndarray((sw, ib), dtype=f32, buffer=nl.psum)
     for c in range(len(hcs)):
         hk = hcs[c][1]
-        nisa.nc_matmul(dst=g_ps, stationary=x_T[c][:hk, :tw], moving=wgu[c][:hk, 0:ib], accumulate=c > 0)
-        nisa.nc_matmul(dst=u_ps, stationary=x_T[c][:hk, :tw], moving=wgu[c][:hk, ib:2 * ib], accumulate=c > 0)
+        nisa.nc_matmul(dst=g_ps, stationary=x_T[c][:hk, s0:s0 + sw], moving=wgu[c][:hk, 0:ib], accumulate=c > 0)
+        nisa.nc_matmul(dst=u_ps, stationary=x_T[c][:hk, s0:s0 + sw], moving=wgu[c][:hk, ib:2 * ib],
+                       accumulate=c > 0)
     for c in range(len(hcs)):
         hk = hcs[c][1]
-        nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, :tw], moving=wd_T[c][:hk, :], accumulate=c > 0)
-    a = nl.ndarray((tw, ib), dtype=f32, buffer=nl.sbuf)
-    u = nl.ndarray((tw, ib), dtype=f32, buffer=nl.sbuf)
-    d = nl.ndarray((tw, ib), dtype=f32, buffer=nl.sbuf)
+        nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, s0:s0 + sw], moving=wd_T[c][:hk, :], accumulate=c > 0)
+    a = nl.ndarray((sw, ib), dtype=f32, buffer=nl.sbuf)
+    u = nl.ndarray((sw, ib), dtype=f32, buffer=nl.sbuf)
+    d = nl.ndarray((sw, ib), dtype=f32, buffer=nl.sbuf)
     nisa.activation(dst=a, op=nl.copy, data=g_ps)  # Scalar evacuates: Vector runs the chain below
     nisa.activation(dst=u, op=nl.copy, data=u_ps)
     nisa.activation(dst=d, op=nl.copy, data=d_ps)
     h, dh_da, dh_du = activation_grad_rows(a, u, dt, "silu", 7.0, 1.702)
-    dg = nl.ndarray((tw, ib), dtype=dt, buffer=nl.sbuf)
+    dg = nl.ndarray((sw, ib), dtype=dt, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=dg, data1=d, data2=dh_da, op=nl.multiply)
-    du = nl.ndarray((tw, ib), dtype=dt, buffer=nl.sbuf)
+    du = nl.ndarray((sw, ib), dtype=dt, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=du, data1=d, data2=dh_du, op=nl.multiply)
     return h, dg, du
 
 
 @nki.jit
-def mlp_bwd_kernel(x, grad_out, w_gate_up, w_down_T, w_gate_up_T, ib):
+def mlp_bwd_kernel(x, grad_out, w_gate_up, w_down_T, w_gate_up_T, tb, ib):
     """Data path of the MLP backward -> ``(grad_x [T, H], h [T, I], dgu [T, 2I])`` in x's dtype (h and dgu:
     the operands of :func:`mlp_wgrad_kernel`). x, grad_out ``[T, H]``; w_gate_up ``[H, 2I]``; w_down_T
-    ``[H, I]`` (w_down transposed); w_gate_up_T ``[2I, H]``; ``ib``: the I-block width (:func:`plan`)."""
+    ``[H, I]`` (w_down transposed); w_gate_up_T ``[2I, H]``; ``tb`` / ``ib``: the token tile (128-row
+    sub-tiles sharing each weight block) and I-block widths (:func:`plan`)."""
     T, H = x.shape
     inter = w_down_T.shape[1]
     dt = x.dtype
     grad_x = nl.ndarray((T, H), dtype=dt, buffer=nl.shared_hbm)
     h_out = nl.ndarray((T, inter), dtype=dt, buffer=nl.shared_hbm)
     dgu_out = nl.ndarray((T, 2 * inter), dtype=dt, buffer=nl.shared_hbm)
-    scratch = nl.ndarray((BWD_TB, max(ib, H)), dtype=dt, buffer=nl.private_hbm)  # masked tiles' rows
     HC = cdiv(H, P)
     ic = cdiv(inter, P)
     # dgu.T chunk k: gate rows then up rows of w_gate_up.T
@@ -253,33 +268,31 @@ def mlp_bwd_kernel(x, grad_out, w_gate_up, w_down_T, w_gate_up_T, ib):
     for half in range(2):
         for r0, rk in chunks(inter, P):
             dgu_rows.append((half * inter + r0, rk))
-    mine = _my_tiles(T, BWD_TB)
+    mine = _my_tiles(T, tb)
     for m in range(len(mine)):
-        (t0, tw), masked = mine[m]
+        t0, tw = mine[m]
+        subs = chunks(tw, P)
         x_T = tiles(HC, (P, tw), dt)
         _load_rows_T(x, t0, tw, x_T)
         go_T = tiles(HC, (P, tw), dt)
         _load_rows_T(grad_out, t0, tw, go_T)
         dgu_T = tiles(2 * ic, (P, tw), dt)
         for i0, iw in chunks(inter, ib):
-            h, dg, du = _grad_block(x_T, go_T, _gate_up_block(w_gate_up, i0, iw), _col_block(w_down_T, i0, iw), H,
-                                    tw, dt)
-            if masked:
-                nisa.dma_copy(dst=scratch[0:tw, 0:iw], src=h)
-                nisa.dma_copy(dst=scratch[0:tw, 0:iw], src=dg)
-                nisa.dma_copy(dst=scratch[0:tw, 0:iw], src=du)
-            else:
-                nisa.dma_copy(dst=h_out[t0:t0 + tw, i0:i0 + iw], src=h)
-                nisa.dma_copy(dst=dgu_out[t0:t0 + tw, i0:i0 + iw], src=dg)
-                nisa.dma_copy(dst=dgu_out[t0:t0 + tw, inter + i0:inter + i0 + iw], src=du)
-            transpose_rows(dg, dgu_T[i0 // P:i0 // P + cdiv(iw, P)])
-            transpose_rows(du, dgu_T[ic + i0 // P:ic + i0 // P + cdiv(iw, P)])
-        gx = [nl.ndarray((tw, H), dtype=dt, buffer=nl.sbuf)]
+            wgu = _gate_up_block(w_gate_up, i0, iw)
+            wd_T = _col_block(w_down_T, i0, iw)
+            for s0, sw in subs:
+                h, dg, du = _grad_block(x_T, go_T, wgu, wd_T, H, s0, sw, dt)
+                r0 = t0 + s0
+                nisa.dma_copy(dst=h_out[r0:r0 + sw, i0:i0 + iw], src=h)
+                nisa.dma_copy(dst=dgu_out[r0:r0 + sw, i0:i0 + iw], src=dg)
+                nisa.dma_copy(dst=dgu_out[r0:r0 + sw, inter + i0:inter + i0 + iw], src=du)
+                transpose_rows(dg, dgu_T[i0 // P:i0 // P + cdiv(iw, P)], col0=s0)
+                transpose_rows(du, dgu_T[ic + i0 // P:ic + i0 // P + cdiv(iw, P)], col0=s0)
+        gx = []
+        for _, sw in subs:
+            gx.append(nl.ndarray((sw, H), dtype=dt, buffer=nl.sbuf))
         _streamed_rows(gx, dgu_T, w_gate_up_T, dgu_rows, tw)
-        if masked:
-            nisa.dma_copy(dst=scratch[0:tw, 0:H], src=gx[0])
-        else:
-            nisa.dma_copy(dst=grad_x[t0:t0 + tw, :], src=gx[0])
+        _store_rows(grad_x, t0, gx)
     return grad_x, h_out, dgu_out
 
 
@@ -293,9 +306,9 @@ def _wgrad_passes(K, N, which):
     return out
 
 
-def _wgrad_pass(a, b, grad, scratch, pas, masked):
+def _wgrad_pass(a, b, grad, pas):
     """``grad[k0:k0+kn, n0:n0+nn] = a[:, k0:k0+kn].T @ b[:, n0:n0+nn]`` summed over every 128-token tile
-    in fp32 PSUM (one bank per 128 x 512 tile), rounded once and stored (a masked pass: to ``scratch``)."""
+    in fp32 PSUM (one bank per 128 x 512 tile), rounded once and stored."""
     _, k0, kn, n0, nn = pas
     T = a.shape[0]
     kcs = chunks(kn, P)
@@ -327,10 +340,7 @@ def _wgrad_pass(a, b, grad, scratch, pas, masked):
             q0, nw = ncs[j]
             evacuate(res[:, q0:q0 + nw], ps[i][j], evac)
             evac += 1
-        if masked:
-            nisa.dma_copy(dst=scratch[0:kw, 0:nn], src=res)
-        else:
-            nisa.dma_copy(dst=grad[k0 + c0:k0 + c0 + kw, n0:n0 + nn], src=res)
+        nisa.dma_copy(dst=grad[k0 + c0:k0 + c0 + kw, n0:n0 + nn], src=res)
 
 
 @nki.jit
@@ -342,17 +352,12 @@ def mlp_wgrad_kernel(x, dgu, h, grad_out):
     dt = x.dtype
     grad_wgu = nl.ndarray((H, 2 * inter), dtype=dt, buffer=nl.shared_hbm)
     grad_wd = nl.ndarray((inter, H), dtype=dt, buffer=nl.shared_hbm)
-    scratch = nl.ndarray((P, WG_N * NMAX), dtype=dt, buffer=nl.private_hbm)  # masked passes' rows
     passes = _wgrad_passes(H, 2 * inter, 0) + _wgrad_passes(inter, H, 1)
-    keys = []
-    for i in range(len(passes)):
-        keys.append((passes[i][0], passes[i][2], passes[i][4]))
     n_prog, pid = program_split()
-    mine = program_share(passes, keys, n_prog, pid)
-    for m in range(len(mine)):
-        pas, masked = mine[m]
+    for m in range(pid, len(passes), n_prog):  # LNC=2: every other pass
+        pas = passes[m]
         if pas[0] == 0:
-            _wgrad_pass(x, dgu, grad_wgu, scratch, pas, masked)
+            _wgrad_pass(x, dgu, grad_wgu, pas)
         else:
-            _wgrad_pass(h, grad_out, grad_wd, scratch, pas, masked)
+            _wgrad_pass(h, grad_out, grad_wd, pas)
     return grad_wgu, grad_wd
