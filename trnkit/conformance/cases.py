@@ -28,6 +28,7 @@ from .cases_mlp import mlp_cases
 from .cases_moe_tkg import moe_tkg_cases
 from .cases_projection import projection_cases
 from .cases_qkv import qkv_cases
+from .cases_rmsnorm_quant import rmsnorm_quant_cases
 from .cases_subkernels import subkernel_cases
 from .harness import Case
 
@@ -482,7 +483,8 @@ def all_cases() -> list[Case]:
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
             + attention_cases() + mlp_cases() + loss_cases() + moe_tkg_cases()
-            + qkv_cases() + subkernel_cases() + collective_cases())
+            + qkv_cases() + subkernel_cases()
+            + rmsnorm_quant_cases() + collective_cases())
 
 
 def case_id(case: Case) -> str:
@@ -527,6 +529,7 @@ FAST = (
     "core/subkernels/find_nonzero_indices|float32 chunk=10240 columns 120+8|lnc2|T=10240 E=128 top_k=4",
     "core/subkernels/indexed_flatten|f_len=128 rows=5 from 1|lnc2|T=4096 E=3",
     "experimental/collectives/topk_reduce|bf16 from 8 ranks|lnc1|T=4 K=4 H=2880",
+    "core/rmsnorm/rmsnorm_quant|row fp8 rmsnorm lower_bound=0.5|lnc2|B=1 S=2 H=16384",
     "core/mlp/mlp_cte|bf16 x fp8 no_norm GELU skip_gate|lnc2|B=1 S=578 H=1408 I=352",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",
