@@ -39,8 +39,8 @@ FLOPs per step / (step time x TensorE's peak bf16 FLOP/s per physical core x LNC
 from __future__ import annotations
 
 import csv
+import importlib
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -231,11 +231,11 @@ def norm_op(name: str, part: str, rows: int, H: int, mode: str, lnc: int, residu
 
 
 def rope_op(part: str, B: int, S: int, Hq: int, Hk: int, D: int, mode: str, lnc: int, theta: float) -> StepOp:
-    from trnkit.kernels import rope_hf as _loaded  # noqa: F401 - loads the module, used below by its full name
     from trnkit.kernels.lnc import launch  # noqa: PLC0415
     from trnkit.qwen3.config import rope_cache  # noqa: PLC0415
 
-    mod = sys.modules["trnkit.kernels.rope_hf"]  # trnkit.kernels re-exports a function of the same name
+    # import_module: trnkit.kernels re-exports a function named rope_hf
+    mod = importlib.import_module("trnkit.kernels.rope_hf")
 
     def make(_: int, g: torch.Generator | None) -> tuple:
         cache = rope_cache(D, S, theta).to(DTYPE) if g is not None else _t(S, 2 * D, g=None)
