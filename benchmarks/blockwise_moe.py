@@ -19,7 +19,8 @@ Differences that the figures measure:
   selection-matrix matmul.
 
 The blockwise kernel visits only the used blocks (its dynamic loop's early exit at its best: no static
-worst-case blocks are computed), which favours it.
+worst-case blocks are computed), which favours it; at LNC=2 a core with one block fewer runs one
+all-padding block, so that both cores take the same trip count.
 
 Usage: ``python benchmarks/blockwise_moe.py [--save]`` (T=512, H=2048, I=768, K=8, E in 8, 128, bf16,
 block 128, LNC 1 and 2); ``--save`` writes ``benchmarks/data/blockwise_moe.csv`` (docs/benchmarks.md).
@@ -150,15 +151,14 @@ def blockwise_moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     lay = moe.block_layout(topk_idx.reshape(-1), E, block_size, pad=T * K)
     N = lay.num_blocks
     starts = lay.block_start[0].long()
-    used = starts[-1]
+    used = int(starts[-1])
     expert_of_block = torch.searchsorted(starts[1:], torch.arange(N), right=True).clamp(max=E - 1)
     # ping-pong: used block j goes to core j % lnc; each core's blocks become contiguous rows of the tables.
     # Both cores run the same trip count (LNC=2 programs must take the same control flow): a core with one
     # block fewer runs a padding block (row N: every slot padding, so nothing is gathered or stored).
-    per_core = -(-int(used) // lnc)
-    order = torch.tensor([j for p in range(lnc) for j in
-                          [*range(p, int(used), lnc), *[N] * (per_core - len(range(p, int(used), lnc)))]],
-                         dtype=torch.long)
+    per_core = -(-used // lnc)
+    mine = [list(range(p, used, lnc)) for p in range(lnc)]
+    order = torch.tensor([j for blocks in mine for j in blocks + [N] * (per_core - len(blocks))], dtype=torch.long)
     table = torch.cat([lay.table.long(), torch.full((1, block_size), T * K)])
     expert_of_block = torch.cat([expert_of_block, torch.zeros(1, dtype=torch.long)])
     bounds = torch.tensor([v for p in range(lnc) for v in (p * per_core, (p + 1) * per_core)])

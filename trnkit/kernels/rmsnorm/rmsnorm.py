@@ -195,6 +195,9 @@ def _fwd_rstd(state, eps):
     ms = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=ms, data=ss, op0=nl.multiply, operand0=1.0 / H, op1=nl.add, operand1=eps)
     rstd_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    # rsqrt is a documented unary ALU op of tensor_scalar (NKI API reference, nki.api.shared "Supported
+    # Math Operators": ALU unary abs, square, relu, rsqrt, reciprocal); nki-library computes it with
+    # activation(op=nl.rsqrt) instead.
     nisa.tensor_scalar(dst=rstd_t, data=ms, op0=nl.rsqrt, operand0=None)
     return [src, None, None, rstd_t, chunk]
 
