@@ -27,7 +27,9 @@ def tiny_config(dump: Path, tokenizer: str, corpus: Path, **sections: dict[str, 
         "training": {"steps": 8, "local_batch_size": 2, "seq_len": 32},
         "optimizer": {"lr": 1e-2},
         "lr_scheduler": {"warmup_steps": 2},
-        "metrics": {"plot": False, "progress_bar": False},
+        # quiet runs: no bar, and no progress lines on stderr (not a terminal under pytest), so a test reads
+        # the run's own messages there; the progress tests turn them on
+        "metrics": {"plot": False, "progress_bar": False, "progress_freq": 0},
     }
     for sec, vals in sections.items():
         base.setdefault(sec, {}).update(vals)
