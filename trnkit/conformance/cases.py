@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from .cases_attention import attention_cases
+from .cases_attention_tkg import attention_tkg_cases
 from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
 from .cases_loss import loss_cases
@@ -482,7 +483,7 @@ def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
-            + attention_cases() + mlp_cases() + loss_cases() + moe_tkg_cases()
+            + attention_cases() + attention_tkg_cases() + mlp_cases() + loss_cases() + moe_tkg_cases()
             + qkv_cases() + subkernel_cases()
             + rmsnorm_quant_cases() + collective_cases())
 
@@ -517,6 +518,7 @@ FAST = (
     "core/attention/attention_cte|apc bf16 causal tp_q tp_k tp_out prior=2048/1920|lnc2|bs=1/1 Sq=256 Skv=256 d=128",
     "core/attention/attention_cte|vnc fp32 tp_q|lnc2|bs=2/2 Sq=577 Skv=577 d=88",
     "core/attention/attention_bwd|packed bf16 seqs=128+384 causal sw=64|lnc1|b=1 heads=1/1 S=512 d=128",
+    "core/attention/gen_mask_tkg_hbm|block_len=16 active_mask|lnc2|bs=8 q_head=8 s_prior=4096 s_active=5",
     "core/attention/attention_bwd|packed bf16 seqs=128+128 causal wrong_dtype (must reject)|lnc1"
     "|b=1 heads=1/1 S=256 d=128",
     "core/output_projection/cte|bf16 bias|lnc2|B=1 S=128 H=3072 heads=17 d=10",
