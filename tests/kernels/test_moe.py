@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from tests.kernels import oracles as O
 from tests.tolerances import F64, check_oracle
 from trnkit.kernels import moe
+from trnkit.kernels.moe import layout
 from trnkit.kernels.constraints import KernelConstraintError
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -73,7 +74,7 @@ def test_block_layout_groups_every_item_once(B: int) -> None:
     counts = torch.bincount(g[g < 5], minlength=5)
     assert torch.equal(starts[1:] - starts[:-1], (counts + B - 1) // B)
     # static bound from the item count (the dropped item included: no host read of the values)
-    assert lay.num_blocks == moe.max_blocks(9, 5, B) >= int(starts[-1])
+    assert lay.num_blocks == layout.max_blocks(9, 5, B) >= int(starts[-1])
     seen = []
     for grp in range(5):
         items = table[starts[grp]:starts[grp + 1]].reshape(-1)
@@ -90,7 +91,7 @@ def test_max_blocks_is_the_worst_case() -> None:
     n, G, B = 50, 7, 8
     g = torch.tensor([0, 1, 2, 3, 4, 5] + [6] * (n - 6))
     lay = moe.block_layout(g, G, B, pad=n)
-    assert int(lay.block_start[0, -1]) == lay.num_blocks == moe.max_blocks(n, G, B)
+    assert int(lay.block_start[0, -1]) == lay.num_blocks == layout.max_blocks(n, G, B)
 
 
 # ---------------------------------------------------------------------------- grouped_mm reference
@@ -269,8 +270,8 @@ def test_tail_width_split() -> None:
     # expert: used rows -> blocks of 128 [full..., tail width]: 0: 150 -> [128, 64]; 1: 64 -> [64];
     # 2: 65 -> [96]; 3: 128 -> [128]; 4: empty; 5: 97 -> [128]
     idx = torch.tensor([0] * 150 + [1] * 64 + [2] * 65 + [3] * 128 + [5] * 97).view(-1, 1)
-    lay, split = moe._tail_layout(idx, 6, 128)
-    assert lay.table.equal(moe._moe_layout(idx, 6, 128)[0].table)  # LNC=1: the plain slot layout
+    lay, split = layout.tail_layout(idx, 6, 128)
+    assert lay.table.equal(layout.moe_layout(idx, 6, 128)[0].table)  # LNC=1: the plain slot layout
     split = split[0].tolist()
     start, b96, b64 = split[:7], split[7:14], split[14:]
     assert start == [0, 2, 3, 4, 5, 5, 6]
@@ -283,10 +284,10 @@ def test_flagged_block_tables() -> None:
     block's run width r (r > 64 | r <= 64 | r > one 128-row sub-tile), the same on every partition;
     row NB (padding) and unused blocks count as 64 rows."""
     idx = torch.tensor([0] * 150 + [1] * 64 + [2] * 65 + [3] * 128 + [5] * 97).view(-1, 1)
-    lay, token = moe._moe_layout(idx, 6, 128)  # run widths (test above): 128, 64 | 64 | 96 | 128 | 128
+    lay, token = layout.moe_layout(idx, 6, 128)  # run widths (test above): 128, 64 | 64 | 96 | 128 | 128
     NB = lay.table.shape[0]
     table = torch.cat([token, torch.zeros_like(token[:1])])
-    got = moe._flagged(table, moe._tail_layout(idx, 6, 128)[1], 6)
+    got = layout.flagged(table, layout.tail_layout(idx, 6, 128)[1], 6)
     assert got.shape == (NB + 1, 128, 4)
     assert got[:, :, 1:].eq(got[:, :1, 1:]).all()
     assert got[:, 0, 1].tolist() == [1, 0, 0, 1, 1, 1] + [0] * (NB - 5)
@@ -295,8 +296,8 @@ def test_flagged_block_tables() -> None:
     assert got[:, :, 0].equal(table)  # [NB + 1, B] -> [NB + 1, rows, nsub] (one sub-tile here)
     # B = 512: expert 0 has 600 slots (a full block + a 128-wide tail), expert 1 40 (a 64-wide tail)
     idx = torch.tensor([0] * 600 + [1] * 40).view(-1, 1)
-    lay, token = moe._moe_layout(idx, 2, 512)
-    got = moe._flagged(torch.cat([token, token[:1]]), moe._tail_layout(idx, 2, 512)[1], 2)
+    lay, token = layout.moe_layout(idx, 2, 512)
+    got = layout.flagged(torch.cat([token, token[:1]]), layout.tail_layout(idx, 2, 512)[1], 2)
     assert got.shape == (lay.table.shape[0] + 1, 128, 7)
     assert got[:4, 0, 4:].tolist() == [[1, 0, 1], [1, 0, 0], [0, 1, 0], [0, 1, 0]]
     assert got[0, :, :4].equal(token[0].view(4, 128).T)  # position sub*128 + p at [p, sub]
@@ -605,7 +606,7 @@ def test_expert_weight_grads_gather_each_row_once() -> None:
     T, H, inter, E, B = 200, 256, 192, 4, 128
     idx = torch.stack([torch.arange(T) % 3, (torch.arange(T) + 1) % 3], 1)  # top-2; expert 3 empty
     x, g = _rand(T, H, dtype=torch.bfloat16), _rand(T, H, dtype=torch.bfloat16, seed=5)
-    lay, _ = moe._moe_layout(idx, E, B)
+    lay, _ = layout.moe_layout(idx, E, B)
     hw = _rand(lay.num_blocks, B, inter, dtype=torch.bfloat16, seed=6)
     dgu = _rand(lay.num_blocks, B, 2 * inter, dtype=torch.bfloat16, seed=7)
     with trace.record() as tr:
@@ -625,7 +626,7 @@ def test_expert_weight_grads_gather_each_row_once() -> None:
 def test_weight_grad_passes_hold_whole_row_chunks() -> None:
     """PSUM passes of at most 4 output tiles [128, 512]; whole 128-row chunks where they fit, so every
     chunk is stored as full rows (Qwen3-30B-A3B: grad_w_down 6 passes of 4, grad_w_gate_up 16 of 3)."""
-    from trnkit.kernels import moe_grouped_mm as KG
+    from trnkit.kernels.moe import moe_grouped_mm as KG
 
     class G:  # only .shape is read
         def __init__(self, *shape):
@@ -648,7 +649,7 @@ def test_weight_grads_do_not_depend_on_the_row_cache(monkeypatch: pytest.MonkeyP
     the rest again in every pass (all of them when no tile fits): the fp32 sums run in the same order,
     so the gradients are bit-identical to the default -- for groups with more tiles than slots (10
     tiles of 32 rows; 5 of 128), partial tiles, empty groups."""
-    from trnkit.kernels import moe_grouped_mm as KG
+    from trnkit.kernels.moe import moe_grouped_mm as KG
 
     M, Kd, N, offs, B = 330, 96, 600, [0, 300, 300, 330], 32
     x, w = _rand(M, Kd, scale=Kd ** -0.5), _rand(len(offs), Kd, N, seed=4)

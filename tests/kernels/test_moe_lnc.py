@@ -9,7 +9,8 @@ import torch
 
 from tests.kernels.test_moe import GMM_CASES, _moe_inputs, _rand, weight_dmas
 from trnkit.kernels import lnc as lnc_mod
-from trnkit.kernels import moe, moe_fused
+from trnkit.kernels import moe
+from trnkit.kernels.moe import moe_fused
 from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.nki_api import nl
 from tests.kernels.lnc_streams import assert_same_streams, recorded_streams

@@ -40,7 +40,7 @@ import pytest
 
 # by module path: trnkit.kernels re-exports functions of the same names as the modules
 MODULES = [importlib.import_module(f"trnkit.kernels.{m}")
-           for m in ("rope_hf", "router_topk", "moe_grouped_mm", "moe_fused", "rmsnorm.rmsnorm",
+           for m in ("rope_hf", "router_topk", "moe.moe_grouped_mm", "moe.moe_fused", "rmsnorm.rmsnorm",
                      "cross_entropy.cross_entropy", "attention.attention", "attention.attention_bwd",
                      "mlp.mlp")]
 
@@ -304,7 +304,7 @@ def psum_matmuls_without_accumulate(module) -> list[str]:
     return out
 
 
-ACCUMULATE_MODULES = MODULES + [importlib.import_module("trnkit.kernels.moe_bwd")]
+ACCUMULATE_MODULES = MODULES + [importlib.import_module("trnkit.kernels.moe.moe_bwd")]
 
 
 @pytest.mark.parametrize("module", ACCUMULATE_MODULES, ids=[m.__name__.rsplit(".", 1)[-1] for m in ACCUMULATE_MODULES])

@@ -9,7 +9,8 @@ import importlib
 import pytest
 import torch
 
-from trnkit.kernels import moe, moe_bwd, moe_fused, moe_grouped_mm
+from trnkit.kernels import moe
+from trnkit.kernels.moe import moe_bwd, moe_fused, moe_grouped_mm
 
 rope_hf = importlib.import_module("trnkit.kernels.rope_hf")  # (trnkit.kernels.rope_hf is also a function)
 

@@ -164,12 +164,12 @@ def _op(name: str, kernel: str, mode: str, part: str, shape: str, flops: int,
 def _slice_cols(K: int, N: int, backward: bool) -> int:
     """Columns per launch of a ``[K, N]`` weight: the widest slice (N itself, or a multiple of 128 that
     divides N) whose weight (and, backward, its transpose) fits grouped_mm's SBUF budget."""
-    from trnkit.kernels.moe import WEIGHT_SBUF_BUDGET, _weight_sbuf_bytes  # noqa: PLC0415
+    from trnkit.kernels.moe.constraints import WEIGHT_SBUF_BUDGET, weight_sbuf_bytes  # noqa: PLC0415
 
     isz = torch.finfo(DTYPE).bits // 8
 
     def fits(n: int) -> bool:
-        need = _weight_sbuf_bytes(K, n, isz) + (_weight_sbuf_bytes(n, K, isz) if backward else 0)
+        need = weight_sbuf_bytes(K, n, isz) + (weight_sbuf_bytes(n, K, isz) if backward else 0)
         return need <= WEIGHT_SBUF_BUDGET
 
     for n in [N] + [c for c in range(N - N % 128, 0, -128) if N % c == 0]:

@@ -484,7 +484,7 @@ def _validate(cfg: TrainerConfig) -> None:
         req(all(part.isidentifier() for part in name.split(".")), f"overrides.plugins[{i}]",
             "must be a dotted Python module name (e.g. 'my_pkg.my_kernels')", name)
     req(cfg.overrides.lnc in (0, 1, 2), "overrides.lnc", "must be 0 (detected device), 1 or 2", cfg.overrides.lnc)
-    from trnkit.kernels.moe import BLOCK_SIZES  # the kernels load only when a config is checked
+    from trnkit.kernels.moe.constraints import BLOCK_SIZES  # the kernels load only when a config is checked
 
     req(cfg.overrides.block_size in BLOCK_SIZES, "overrides.block_size", f"must be one of {BLOCK_SIZES}",
         cfg.overrides.block_size)

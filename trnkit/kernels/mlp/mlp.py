@@ -8,7 +8,7 @@ stream through it in blocks of :func:`plan`'s ``IB`` columns of I for every toke
 
 Forward, per tile of ``TB`` tokens (``TB`` from :func:`plan`, up to 512: the gate / up matmuls' moving
 size): the rows are transposed on the Tensor Engine into ``x.T [H, TB]``; per I-block the block's gate /
-up columns of ``w_gate_up`` load and the MoE experts' :func:`~trnkit.kernels.moe_fused.swiglu_T` computes
+up columns of ``w_gate_up`` load and the MoE experts' :func:`~trnkit.kernels.moe.moe_fused.swiglu_T` computes
 ``h.T = silu(gate.T) * up.T`` (weight tile stationary, the tokens moving), directly in the contraction
 layout of the down matmul. ``h.T`` of the whole I stays in SBUF; the down matmul then streams ``w_down``
 in ``[128, <= 512]`` pieces and accumulates each ``[<= 128 tokens, 512]`` output piece over all of I in
@@ -18,7 +18,7 @@ Backward, data path per tile of up to 256 tokens (:func:`plan`; 128-token sub-ti
 row layout, tokens on partitions, sharing each weight block load): ``x`` and ``grad_out`` rows are
 transposed; per I-block and sub-tile, three PSUM groups ``gate``, ``up`` (the recompute) and
 ``dA = grad_out @ w_down.T`` (the host hands ``w_down.T [H, I]``) with the rows' transposes stationary and
-512 weight columns moving; the MoE experts' :func:`~trnkit.kernels.moe_bwd.activation_grad_rows` gives
+512 weight columns moving; the MoE experts' :func:`~trnkit.kernels.moe.moe_bwd.activation_grad_rows` gives
 ``h`` and the SiLU derivative, ``dgu = [dA dh/dgate | dA dh/dup]``. ``h`` and ``dgu`` rows go to HBM (the
 weight gradients' operands) and ``dgu`` is transposed into SBUF, where the whole tile's ``dgu.T`` waits for
 ``grad_x = dgu @ w_gate_up.T`` (the host hands ``w_gate_up.T [2I, H]``, streamed in pieces; each output
@@ -38,9 +38,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from trnkit.kernels._common import cdiv, program_split
-from trnkit.kernels.moe_bwd import activation_grad_rows
-from trnkit.kernels.moe_fused import expert_act, swiglu_T
-from trnkit.kernels.moe_grouped_mm import NMAX, P, chunks, evacuate, tiles, transpose_rows
+from trnkit.kernels.moe.moe_bwd import activation_grad_rows
+from trnkit.kernels.moe.moe_fused import expert_act, swiglu_T
+from trnkit.kernels.tiles import NMAX, P, chunks, evacuate, tiles, transpose_rows
 from trnkit.nki_api import nisa, nki, nl
 
 TB_OPTIONS = (512, 256, 128)  # forward token tile widths, widest first (the gate / up moving size)

@@ -1,25 +1,21 @@
-"""NKI kernels of the grouped (per-expert) matmuls and the shared tile helpers of the MoE kernels.
-
-Row layouts. A *row-indexed* HBM tensor is 2-D ``[R, W]``: a block reads / writes its rows through a
-``[num_blocks, B]`` int32 table of row ids by indirect DMA (``.ap(vector_offset=ids)`` on the HBM
-side); ids ``>= R`` mark padding and are skipped (``oob_mode.skip``). A *dispatch-order* tensor is 3-D
-``[num_blocks, B, W]``: block ``i`` is its slab ``i`` (plain DMA with a run-time ``scalar_offset``).
+"""NKI kernels of the grouped (per-expert) matmuls; their tile helpers (row layouts, weight loads, the
+row matmul) are in :mod:`trnkit.kernels.tiles`.
 
 Blocks of group ``g`` are ``block_start[0, g] .. block_start[0, g + 1] - 1``; kernels loop statically
 over groups (each group's weights are loaded once, with big coalesced DMAs) and at run time
 (``nl.fori_loop`` with register bounds) over the group's blocks.
 
-LNC=2 (``kernel[2](...)``, one program per physical core): program p owns the p-th contiguous half of
-the groups (:func:`owned_groups`), so each core loads only its experts' weights and runs only their
-blocks; every block is computed exactly as on one core (results are bit-identical to LNC=1). Both
-cores must take the same run-time control flow ("different control flow on the two cores is
-undefined", NKI LNC guide), so the host lays the blocks out in pairs (``moe.block_layout(lnc=2)``):
-group j of core 0 and group j of core 1 get the same number of blocks (the smaller one padding
+LNC=2 (``kernel[2](...)``, one program per physical core): program p owns the p-th contiguous half of the
+groups (:func:`~trnkit.kernels.tiles.owned_groups`), so each core loads only its experts' weights and runs
+only their blocks; every block is computed exactly as on one core (results are bit-identical to LNC=1). Both
+cores must take the same run-time control flow ("different control flow on the two cores is undefined", NKI
+LNC guide), so the host lays the blocks out in pairs (:func:`~trnkit.kernels.moe.layout.block_layout` with
+``lnc=2``): group j of core 0 and group j of core 1 get the same number of blocks (the smaller one padding
 blocks, whose rows are never stored), and an odd group count gets a last, all-padding group on core 1
-(:func:`masked_group`: it loads the last real group's weights again and writes nowhere). Outputs
-written per group / per row need no synchronisation (the cores write disjoint parts); only a K-way
-combine of slots that both cores wrote waits at a ``core_barrier`` (or a new launch), and then the
-cores sum pairs of equal token tiles (:func:`combine_pairs`).
+(:func:`~trnkit.kernels.tiles.masked_group`: it loads the last real group's weights again and writes nowhere).
+Outputs written per group / per row need no synchronisation (the cores write disjoint parts); only a K-way
+combine of slots that both cores wrote waits at a ``core_barrier`` (or a new launch), and then the cores sum
+pairs of equal token tiles (:func:`combine_pairs`).
 
 Kernels:
 * :func:`grouped_mm_kernel` ``out[rows] = x[rows] @ w[g]`` (or ``@ w[g].T``).
@@ -34,240 +30,28 @@ from __future__ import annotations
 from typing import Any
 
 from trnkit.kernels._common import program_split
+from trnkit.kernels.moe.layout import WGRAD_MAX_SLOTS
+from trnkit.kernels.tiles import (
+    NMAX,
+    P,
+    PSUM_GROUPS,
+    block_range,
+    chunks,
+    evacuate,
+    load_bias_rows,
+    load_block_start,
+    load_ids,
+    load_rows,
+    load_weight,
+    masked_group,
+    owned_groups,
+    row_matmul,
+    store_rows,
+    tiles,
+    transpose_rows,
+    transposed_weight,
+)
 from trnkit.nki_api import nisa, nl, nki, nt
-
-P = 128  # partitions (nl.tile_size.pmax); contraction chunk of nc_matmul
-NMAX = 512  # nc_matmul moving free size (nl.tile_size.gemm_moving_fmax), one fp32 PSUM bank
-PSUM_GROUPS = 4  # accumulation groups (PSUM banks) kept live per matmul pass
-
-
-def chunks(n: int, size: int) -> list[tuple[int, int]]:
-    """``[(start, width), ...]`` covering ``range(n)`` in pieces of at most ``size``."""
-    out = []
-    for s in range(0, n, size):
-        out.append((s, min(size, n - s)))
-    return out
-
-
-def owned_groups(G: int) -> range:
-    """The groups (experts) this program computes: all of them on a launch without a grid; on an
-    LNC=2 launch program p takes the p-th contiguous half (``ceil(G / 2)`` groups for program 0)."""
-    n_prog, pid = program_split()
-    per = (G + n_prog - 1) // n_prog
-    return range(min(G, pid * per), min(G, (pid + 1) * per))
-
-
-def masked_group(g: int, G: int) -> int:
-    """The group whose weights group g of a block layout loads: g itself, or for the all-padding group
-    an LNC=2 layout adds to an odd group count (g == G) the last real one (so both cores issue the
-    same loads; its blocks store nothing)."""
-    return min(g, G - 1)
-
-
-# ----------------------------------------------------------------------------------------- movement
-def load_ids(table: Any, i: Any, sub: int, rows: int) -> Any:
-    """Ids ``table[i, sub*P : sub*P + rows]`` (block ``i`` a run-time register) -> SBUF ``[rows, 1]``."""
-    ids = nl.ndarray((rows, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ids, src=table.ap(pattern=[[1, rows], [1, 1]], offset=sub * P,
-                                        scalar_offset=i, indirect_dim=0))
-    return ids
-
-
-def load_rows(dst: Any, src: Any, table: Any, i: Any, sub: int, zero_pad: bool, col0: int = 0,
-              ids: Any = None) -> None:
-    """Rows of block ``i`` / sub-tile ``sub`` of ``src``, columns ``col0 ..``, into SBUF ``dst [rows, W]``.
-
-    2-D ``src``: gather by the ids in ``table`` (padding ids skipped; ``zero_pad`` clears the tile
-    first so padding rows are exact zeros, needed wherever rows are summed over). 3-D ``src``:
-    dispatch-order slab ``i``. ``ids``: the block's ids already in SBUF (:func:`load_ids`), else loaded here.
-    """
-    rows, width = dst.shape
-    full = src.shape[-1]
-    if len(src.shape) == 3:
-        nisa.dma_copy(dst=dst, src=src.ap(pattern=[[full, rows], [1, width]], offset=sub * P * full + col0,
-                                          scalar_offset=i, indirect_dim=0))
-        return
-    if ids == None:  # noqa: E711
-        ids = load_ids(table, i, sub, rows)
-    if zero_pad:
-        nisa.memset(dst=dst, value=0.0, engine=nisa.engine.gpsimd)
-    nisa.dma_copy(dst=dst, src=src.ap(pattern=[[full, rows], [1, width]], offset=col0,
-                                      vector_offset=ids, indirect_dim=0), oob_mode=nisa.oob_mode.skip)
-
-
-def store_rows(dst: Any, src: Any, table: Any, i: Any, sub: int) -> None:
-    """SBUF ``src [rows, W]`` -> rows of block ``i`` / sub-tile ``sub`` of ``dst`` (scatter for 2-D
-    ``dst``, padding ids skipped; slab ``i`` for 3-D ``dst``)."""
-    rows, width = src.shape
-    if len(dst.shape) == 3:
-        nisa.dma_copy(dst=dst.ap(pattern=[[width, rows], [1, width]], offset=sub * P * width,
-                                 scalar_offset=i, indirect_dim=0), src=src)
-        return
-    ids = load_ids(table, i, sub, rows)
-    nisa.dma_copy(dst=dst.ap(pattern=[[dst.shape[1], rows], [1, width]], offset=0, vector_offset=ids,
-                             indirect_dim=0), src=src, oob_mode=nisa.oob_mode.skip)
-
-
-def load_weight(w: Any, g: int) -> list:
-    """``w[g] [R, C]`` (HBM, row-major) -> SBUF tiles ``[P, C]``, one per 128-row chunk c (row
-    ``c*P + p`` on partition p of tile c), each loaded by its own DMA (one contiguous run of C
-    elements per partition). Separate tiles: DMAs into one tile would each wait for the last, and
-    chunk-sized transfers share the DMA queues with the block loads instead of waiting for a long
-    free stretch.
-    """
-    _, R, C = w.shape
-    out = []
-    for r0, rw in chunks(R, P):
-        t = nl.ndarray((P, C), dtype=w.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t[:rw, :], src=w.ap(pattern=[[C, rw], [1, C]], offset=(g * R + r0) * C))
-        out.append(t)
-    return out
-
-
-def load_bias_rows(b: Any, g: int) -> Any:
-    """Row ``b[g]`` of a bias ``[G, N]`` (HBM) broadcast to every partition: SBUF ``[P, N]`` (one DMA
-    whose partition step is 0), the addend of a row-layout matmul output ``[rows, N]``."""
-    _, N = b.shape
-    t = nl.ndarray((P, N), dtype=b.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=b.ap(pattern=[[0, P], [1, N]], offset=g * N))
-    return t
-
-
-def moving_view(w_sb: Any, grid: Any, c: int, ck: int, n0: int, nw: int) -> Any:
-    """The moving operand of contraction chunk c, columns n0..n0+nw: a slice of the :func:`load_weight`
-    tile ``w_sb``, or (``grid`` != None) of the :func:`transposed_weight` tile of that 512-column piece."""
-    if grid == None:  # noqa: E711 (the NKI compiler rejects `is`)
-        return w_sb[c][:ck, n0:n0 + nw]
-    return grid[c][n0 // NMAX][:ck, :nw]
-
-
-def evacuate(dst: Any, src: Any, k: int, scale: Any = None, bias: Any = None) -> None:
-    """PSUM -> SBUF copy (with cast, optional per-partition ``scale [rows, 1]``), alternating the
-    Vector and Scalar engines by ``k`` so neither becomes the bottleneck. ``bias`` (an SBUF tile of
-    dst's shape) is added before the scaling: ``dst = (src + bias) * scale``."""
-    if bias != None:  # noqa: E711
-        if scale == None:  # noqa: E711
-            nisa.tensor_tensor(dst=dst, data1=src, data2=bias, op=nl.add)
-            return
-        biased = nl.ndarray(dst.shape, dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=biased, data1=src, data2=bias, op=nl.add)
-        nisa.activation(dst=dst, op=nl.copy, data=biased, scale=scale)
-        return
-    if scale != None or k % 2:  # noqa: E711 (NKI rejects is / is not)
-        nisa.activation(dst=dst, op=nl.copy, data=src, scale=1.0 if scale == None else scale)  # noqa: E711 (the NKI compiler rejects `is`)
-    else:
-        nisa.tensor_copy(dst=dst, src=src, engine=nisa.engine.vector)
-
-
-def transpose_rows(src: Any, dst: list, col0: int = 0, vector_every: int = 0) -> None:
-    """SBUF ``src [rows, W]`` -> column chunk c of src on the partitions of ``dst[c][:, col0:col0+rows]``
-    (the contraction layout of nc_matmul). One Tensor Engine transpose (own PSUM tile) and one
-    evacuation per chunk; separate tiles per chunk keep the chunks independent.
-
-    ``vector_every = n > 0``: every n-th chunk (whose sizes are multiples of 32) is transposed by the
-    Vector Engine instead, in 32x32 blocks straight into SBUF -- for kernels whose Tensor Engine is
-    the bottleneck while the Vector Engine has time to spare.
-    """
-    rows, width = src.shape
-    cks = chunks(width, P)
-    for c in range(len(cks)):
-        w0, cw = cks[c]
-        if vector_every and c % vector_every == vector_every - 1 and rows % 32 == 0 and cw % 32 == 0:
-            for r0 in range(0, rows, 32):
-                for k0 in range(0, cw, 32):
-                    nisa.nc_transpose(dst=dst[c][k0:k0 + 32, col0 + r0:col0 + r0 + 32],
-                                      data=src[r0:r0 + 32, w0 + k0:w0 + k0 + 32], engine=nisa.engine.vector)
-            continue
-        ps = nl.ndarray((cw, rows), dtype=src.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=ps, data=src[:rows, w0:w0 + cw])
-        evacuate(dst[c][:cw, col0:col0 + rows], ps, c)
-
-
-def tiles(n: int, shape: tuple, dtype: Any, buffer: Any = None) -> list:
-    """``n`` separate tiles (the current-NKI replacement of a block dimension)."""
-    out = []
-    for _ in range(n):
-        out.append(nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf if buffer == None else buffer))  # noqa: E711 (the NKI compiler rejects `is`)
-    return out
-
-
-def transposed_weight(w_sb: Any, R: int, C: int, scalar_rows: int = 0) -> list:
-    """``w.T [C, R]`` built from the :func:`load_weight` tiles ``[P, C]`` (read with :func:`moving_view`).
-
-    Tiles ``[P, 512]`` per (C-chunk d, 512-column piece q of R); the up to 4 transposes of a piece
-    share one PSUM tile and one evacuation (alternately Vector and Scalar; those of the first
-    ``scalar_rows`` C-chunks all on Scalar, for a caller whose Vector Engine is still busy when the
-    first matmuls need them).
-    """
-    grid = []
-    k = 0
-    for c0, cw in chunks(C, P):
-        row = []
-        for q0, qn in chunks(R, NMAX):
-            ps = nl.ndarray((cw, qn), dtype=w_sb[0].dtype, buffer=nl.psum)
-            for r0, rw in chunks(qn, P):
-                nisa.nc_transpose(dst=ps[:, r0:r0 + rw], data=w_sb[(q0 + r0) // P][:rw, c0:c0 + cw])
-            t = nl.ndarray((P, qn), dtype=w_sb[0].dtype, buffer=nl.sbuf)
-            evacuate(t[:cw, :], ps, k, 1.0 if len(grid) < scalar_rows else None)  # a scale: on Scalar
-            k += 1
-            row.append(t)
-        grid.append(row)
-    return grid
-
-
-def block_range(block_start: Any, g: int, bs_sb: Any) -> tuple[Any, Any]:
-    """Registers holding ``block_start[0, g]`` and ``block_start[0, g + 1]`` (bs_sb: SBUF copy)."""
-    lo = nisa.register_alloc()
-    hi = nisa.register_alloc()
-    nisa.register_load(lo, bs_sb[0:1, g:g + 1])
-    nisa.register_load(hi, bs_sb[0:1, g + 1:g + 2])
-    return lo, hi
-
-
-def load_block_start(block_start: Any) -> Any:
-    """HBM ``block_start [1, n]`` int32 -> an SBUF copy ``[1, n]`` (one partition row) for register loads."""
-    bs = nl.ndarray(block_start.shape, dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=bs, src=block_start)
-    return bs
-
-
-def row_matmul(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, contract: int, col0: int = 0,
-               scale: Any = None, grid: Any = None, bias: Any = None) -> None:
-    """``out_sb [rows, N] = lhs [rows, contract] @ rhs [contract, N]``.
-
-    ``lhs_T[c]`` holds chunk c of lhs transposed (contraction on partitions, lhs rows at columns
-    col0..col0+rows); rhs is the weight tile ``w_sb`` (or its transposed ``grid``), read with
-    :func:`moving_view`. The lhs chunk is the stationary operand (M = rows <= 128) and feeds up to
-    PSUM_GROUPS moving pieces of 512 columns (separate PSUM accumulation groups). ``scale [rows, 1]``
-    multiplies each output row while PSUM is evacuated; ``bias`` (a :func:`load_bias_rows` tile
-    ``[P, N]``) is added to every row before that.
-    """
-    pieces = chunks(out_sb.shape[1], NMAX)
-    for q0 in range(0, len(pieces), PSUM_GROUPS):
-        _row_matmul_pass(out_sb, lhs_T, rows, w_sb, grid, contract, col0, scale, pieces[q0:q0 + PSUM_GROUPS], q0,
-                         bias)
-
-
-def _row_matmul_pass(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, grid: Any, contract: int, col0: int,
-                     scale: Any, group: list, q0: int, bias: Any = None) -> None:
-    """One pass of :func:`row_matmul` over the 512-column pieces in ``group`` (its PSUM tiles are
-    local, so their banks are free again when the pass returns)."""
-    ps = []
-    for _, nw in group:
-        ps.append(nl.ndarray((rows, nw), dtype=nl.float32, buffer=nl.psum))
-    cks = chunks(contract, P)
-    for c in range(len(cks)):
-        ck = cks[c][1]
-        for j in range(len(group)):
-            n0, nw = group[j]
-            nisa.nc_matmul(dst=ps[j], stationary=lhs_T[c][:ck, col0:col0 + rows],
-                           moving=moving_view(w_sb, grid, c, ck, n0, nw), accumulate=c > 0)
-    for j in range(len(group)):
-        n0, nw = group[j]
-        piece_bias = None
-        if bias != None:  # noqa: E711
-            piece_bias = bias[:rows, n0:n0 + nw]
-        evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale, piece_bias)
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -320,7 +104,6 @@ def _grouped_mm_blocks(lo: Any, hi: Any, x: Any, src_table: Any, dst_table: Any,
 # ----------------------------------------------------------------------------------- weight gradients
 WGRAD_PASS_TILES = 4  # fp32 output tiles [128, 512] (one PSUM bank each) per pass; two passes in flight: 8 banks
 WGRAD_CACHE_BYTES = 64 * 1024  # SBUF bytes per partition for one group's cached row tiles (two groups live)
-WGRAD_MAX_SLOTS = 8  # cached row tiles per group; the bounds row has WGRAD_MAX_SLOTS + 3 entries per group
 WGRAD_ZERO_COLS = 2048  # width of the zero tile written to the gradient of an empty group
 
 
@@ -354,7 +137,7 @@ def wgrad_products(operands: list, grads: list, table: Any, bounds: Any, zero_pa
     either ``[R, W]`` (tile t gathers rows ``table[t]`` by indirect DMA) or ``[NT, rows, W]`` (slab t,
     dispatch order). ``bounds [1, G * (WGRAD_MAX_SLOTS + 3)]`` int32, per group g: ``e_0 .. e_MAX``
     (``e_j = lo + min(j, n)`` for g's n tiles ``lo .. lo + n - 1``), ``hi = lo + n`` and ``z = lo + (n == 0)``
-    (``moe._wgrad_bounds``). Padding rows of a partial tile must contribute zero: with ``zero_pad`` the
+    (:func:`~trnkit.kernels.moe.layout.wgrad_bounds`). Padding rows of a partial tile must contribute zero: with ``zero_pad`` the
     gathered tiles are zero-filled and padding ids skipped (ids >= R); without it the padding ids must
     name a finite row and the other operand's padding rows be zeros (the MoE backward's ``w * h`` and
     gate/up gradients are, since their affinity is 0).

@@ -1,6 +1,6 @@
 """NKI kernel of the MoE expert backward's data path, fused: :func:`moe_bwd_kernel`.
 
-Per expert e (static loop; LNC=2: the experts of :func:`~trnkit.kernels.moe_grouped_mm.owned_groups`,
+Per expert e (static loop; LNC=2: the experts of :func:`~trnkit.kernels.tiles.owned_groups`,
 the j-th expert of both cores with as many blocks, padding ones on the core with fewer),
 two run-time loops (``nl.fori_loop`` from ``block_start``) over e's blocks of B slots, per 128-row
 sub-tile:
@@ -14,7 +14,7 @@ sub-tile:
    backward on the rows (:func:`activation_grad_rows`) gives ``h``, ``w*h``, ``grad_topk_weights =
    <dA, h> (+ <grad_out, b_down>)`` and ``dgu = [w dA dh/dgate | w dA dh/dup]``. ``w*h [B, I]`` and
    ``dgu [B, 2I]`` go to HBM in dispatch order (the weight-gradient kernel's operands,
-   :func:`~trnkit.kernels.moe_grouped_mm.grouped_wgrad2_kernel`);
+   :func:`~trnkit.kernels.moe.moe_grouped_mm.grouped_wgrad2_kernel`);
 2. with ``w_gate_up[e].T [2I, H]`` (transposed once, after which ``w_gate_up[e]`` is dead and the
    next expert's weights load): read the ``dgu`` rows back, transpose them and compute ``dX [rows, H]
    = dgu @ w_gate_up.T`` (``dgu.T`` chunk stationary, 512-column pieces of ``w_gate_up.T`` moving),
@@ -24,7 +24,7 @@ sub-tile:
 The two phases keep SBUF for the next expert's weights (one expert's three sets of weight tiles take
 120 KiB per partition at the Qwen3-30B-A3B shapes). After all experts (LNC=2: after a
 ``core_barrier``, a token's slots come from both cores) the selection-matrix
-:func:`~trnkit.kernels.moe_grouped_mm.combine` sums each token's K slot rows into ``grad_x``. Row
+:func:`~trnkit.kernels.moe.moe_grouped_mm.combine` sums each token's K slot rows into ``grad_x``. Row
 layout throughout: the moving operand of every big matmul is a weight (512 columns), so the block size
 does not change the Tensor Engine's work; the affinity is a per-partition scalar and ``<dA, h>`` a
 free-axis reduction. Engines issue in order, so the work is split to keep the Tensor Engine fed: the
@@ -37,13 +37,13 @@ from __future__ import annotations
 from typing import Any
 
 from trnkit.kernels._common import GELU_A, GELU_C, program_split
-from trnkit.kernels.moe_fused import block_row, move_rows, scatter_rows
-from trnkit.kernels.moe_grouped_mm import (
+from trnkit.kernels.moe.moe_fused import block_row, move_rows, scatter_rows
+from trnkit.kernels.moe.moe_grouped_mm import combine
+from trnkit.kernels.tiles import (
     NMAX,
     P,
     block_range,
     chunks,
-    combine,
     load_bias_rows,
     load_block_start,
     load_weight,

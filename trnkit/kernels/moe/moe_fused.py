@@ -18,11 +18,11 @@ run time):
 Gathers and scatters move only the rows their block runs at (:func:`move_block_rows`, flags in the
 per-block tables), although the next block's width is only known at run time.
 
-After all experts, :func:`trnkit.kernels.moe_grouped_mm.combine` sums each token's K slots with a
+After all experts, :func:`trnkit.kernels.moe.moe_grouped_mm.combine` sums each token's K slots with a
 0/1 selection-matrix matmul (fp32 PSUM) into ``out [T, H]``.
 
 LNC=2 (``moe_experts_kernel[2]``): each core runs the experts of
-:func:`~trnkit.kernels.moe_grouped_mm.owned_groups` (half the weights, half the blocks), writes its
+:func:`~trnkit.kernels.tiles.owned_groups` (half the weights, half the blocks), writes its
 slots of the shared ``y``, waits at one ``core_barrier`` (a token's K slots come from both cores) and
 combines pairs of token tiles. The host's paired layout gives the j-th expert of either
 core the same blocks per width class (padding blocks on the core with fewer), so both cores run the
@@ -32,18 +32,20 @@ No state is carried in registers from one run-time iteration to the next (NKI mi
 loop-carried state in SBUF or HBM): the block whose rows wait to be scattered is the one before the
 current block, whose slot ids the host puts in a second page of the slot table.
 
-The backward's data path is :mod:`trnkit.kernels.moe_bwd`.
+The backward's data path is :mod:`trnkit.kernels.moe.moe_bwd`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from trnkit.kernels.moe_grouped_mm import (
+from trnkit.kernels._common import program_split
+from trnkit.kernels.moe.layout import FLAG_FULL0, FLAG_HALF0, FLAG_MORE, HALF, NFLAGS, tail_widths
+from trnkit.kernels.moe.moe_grouped_mm import combine
+from trnkit.kernels.tiles import (
     P,
     block_range,
     chunks,
-    combine,
     load_bias_rows,
     load_block_start,
     load_weight,
@@ -53,19 +55,7 @@ from trnkit.kernels.moe_grouped_mm import (
     tiles,
     transpose_rows,
 )
-from trnkit.kernels._common import program_split
 from trnkit.nki_api import nisa, nl, nki
-
-def tail_widths(B: int) -> tuple[int, ...]:
-    """Narrower widths an expert's last block may run at (widest first): a block with r used rows
-    runs at the narrowest width >= r. Above 128 the multiples of 64 below B (B = 512: 448 .. 64; a
-    gate/up matmul costs its moving width, so the last block wastes at most 63 columns there; the
-    row-wise down matmul and x transposes work in sub-tiles of <= 128 rows); at B = 128, 96 and 64
-    (narrower tiles leave the Tensor Engine idle, the 64-cycle matmul floor)."""
-    if B == 128:
-        return (96, 64)
-    return tuple(range(B - 64, 0, -64)) if B > 128 else ()
-
 
 # 0: every x chunk is transposed on the Tensor Engine. Vector 32x32 transposes (n > 0: every n-th
 # chunk) take 16 instructions of 64 Vector cycles per 128x128 chunk, 8x the TensorE time they save:
@@ -227,13 +217,6 @@ def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_tab
     nl.fori_loop(lo, hi, block)
 
 
-# Columns after the ids in the forward's per-block tables (moe.py ``_flagged``): 0/1 flags, the same on
-# every partition, from the block's run width r: r > HALF rows | r <= HALF rows | r > one sub-tile.
-FLAG_FULL0, FLAG_HALF0, FLAG_MORE = 0, 1, 2
-NFLAGS = 3
-HALF = 64  # rows of the narrowest piece of sub-tile 0 (the narrowest tail width at rows = 128)
-
-
 def block_row(table: Any, blk: Any, ahead: int, ids: Any = None) -> Any:
     """Row ``blk + ahead`` of a per-block table ``[NB (+ 1), rows, ncol]`` (``blk`` a register) -> SBUF
     ``[rows, ncol]`` in the table's dtype (a new tile, or ``ids``): a flagged id table's ids, then its
@@ -325,7 +308,7 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     padding): page 0 block r's, page 1 (rows NB + 1 + r) those of the block before r on the same core
     (the padding row NB for each core's first block), which block r scatters. block_start
     ``[1, (n + 1)(E' + 1)]`` int32 (E' = E, or E + 1 in an LNC=2 layout of an odd E, see
-    :func:`~trnkit.kernels.moe_grouped_mm.masked_group`) for the n = len(tail_widths(B)) narrower
+    :func:`~trnkit.kernels.tiles.masked_group`) for the n = len(tail_widths(B)) narrower
     widths: ``[start | b_1 | .. | b_n]``, start[e] the first block of expert e (start[E] the total);
     blocks ``start[e] .. b_1[e]-1`` run at full width B, ``b_j[e] .. b_{j+1}[e]-1`` (0 or 1 block:
     the expert's last) at ``tail_widths(B)[j-1]`` (b_{n+1} = start[e+1]), so a partly used last

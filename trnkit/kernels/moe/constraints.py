@@ -1,0 +1,240 @@
+"""Declared input constraints of the MoE kernels (:func:`~trnkit.kernels.moe.grouped_mm`,
+:func:`~trnkit.kernels.moe.moe_experts` and their backwards) and the limits they are built from.
+
+The ``*_constraints`` functions read shapes, dtypes and settings only (fake / meta tensors and
+torch.compile are fine: the override registry's selection); the ``*_value_violations`` read the routing
+values and run in the entry points (``check_*``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from trnkit.kernels.constraints import Violation, check
+
+GROUPED_MM = "grouped_mm"
+MOE_EXPERTS = "moe_experts"
+BLOCK_SIZES = (32, 64, 128, 256, 512)  # rows per expert block; > 128 runs as 128-row sub-tiles
+FWD_BLOCK_SIZE = 512  # moe_experts' default: 512 token columns per gate/up matmul (moving free size max)
+MAX_EXPERTS = 512  # experts / groups per call (block table and block_start row fit one SBUF row)
+MAX_TOP_K = 8  # router top-k (hardware max8)
+# SBUF bytes per partition one expert's weights may take, so that the next expert's weights can be
+# loaded while this one computes (2 x 96 KiB + working tiles < ~208 KiB usable on trn2).
+WEIGHT_SBUF_BUDGET = 96 * 1024
+_DTYPES = (torch.float32, torch.bfloat16)
+# expert activations: h = act(gate) * up (silu, gelu_tanh) or GPT-OSS's clamped SwiGLU
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
+SWIGLU_LIMIT = 7.0  # GPT-OSS defaults (transformers GptOssConfig.swiglu_limit / swiglu_alpha)
+SWIGLU_ALPHA = 1.702
+
+
+def _dtype_violations(kernel: str, **tensors: torch.Tensor) -> list[Violation]:
+    out = []
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            out.append(Violation(kernel, f"{name}.dtype in (float32, bfloat16)", str(t.dtype)))
+    dts = {t.dtype for t in tensors.values()}
+    if len(dts) > 1:
+        out.append(Violation(kernel, "all float inputs share one dtype",
+                             {k: str(t.dtype) for k, t in tensors.items()},
+                             "nc_matmul needs both operands in the same precision class"))
+    return out
+
+
+def weight_sbuf_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """SBUF bytes per partition of a [rows, cols] weight laid out with rows on partitions."""
+    return math.ceil(rows / 128) * cols * itemsize
+
+
+def grouped_mm_constraints(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
+                           grad_out: torch.Tensor | None = None) -> list[Violation]:
+    """Violated constraints of :func:`grouped_mm` / :func:`grouped_mm_bwd` (empty = supported).
+
+    Shapes and dtypes only: never reads a tensor value, so it works on fake / meta tensors and under
+    torch.compile (the override registry's selection). The value rules on ``group_offsets``
+    (non-decreasing, ``>= 0``, ``offs[-1] <= M``) are checked by the entry points
+    (:func:`grouped_mm_value_violations`).
+    """
+    k = GROUPED_MM
+    v: list[Violation] = []
+    if x.dim() != 2:
+        v.append(Violation(k, "x is 2-D [M, K]", tuple(x.shape)))
+    if w.dim() != 3:
+        v.append(Violation(k, "w is 3-D [G, K, N]", tuple(w.shape)))
+    if group_offsets.dim() != 1:
+        v.append(Violation(k, "group_offsets is 1-D [G]", tuple(group_offsets.shape)))
+    if v:
+        return v
+    M, K = x.shape
+    G, Kw, N = w.shape
+    if Kw != K:
+        v.append(Violation(k, "w.shape[1] == x.shape[1] (K)", (Kw, K)))
+    if group_offsets.shape[0] != G:
+        v.append(Violation(k, "len(group_offsets) == w.shape[0] (G)", (group_offsets.shape[0], G)))
+    if not 1 <= G <= MAX_EXPERTS:
+        v.append(Violation(k, f"1 <= G <= {MAX_EXPERTS}", G))
+    if group_offsets.dtype != torch.int32:
+        v.append(Violation(k, "group_offsets.dtype == int32", str(group_offsets.dtype),
+                           "torch._grouped_mm offs contract"))
+    v += _dtype_violations(k, x=x, w=w, **({} if grad_out is None else {"grad_out": grad_out}))
+    if grad_out is not None and tuple(grad_out.shape) != (M, N):
+        v.append(Violation(k, "grad_out.shape == (M, N)", tuple(grad_out.shape)))
+    isz = x.element_size()
+    need = weight_sbuf_bytes(K, N, isz)
+    if grad_out is not None:  # backward also holds w[g] transposed
+        need += weight_sbuf_bytes(N, K, isz)
+    if need > WEIGHT_SBUF_BUDGET:
+        v.append(Violation(k, f"one group's weights fit {WEIGHT_SBUF_BUDGET // 1024} KiB of SBUF per partition",
+                           f"{need} bytes (K={K}, N={N}, {x.dtype})", "use smaller K*N or bfloat16"))
+    return v
+
+
+def variant_violations(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str = "silu",
+                       limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA,
+                       b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None) -> list[Violation]:
+    """The expert variant's rules: a known activation, ``limit``/``alpha`` (finite, > 0) only with
+    ``swiglu_clamped``, biases ``b_gate_up [E, 2I]`` / ``b_down [E, H]`` in x's dtype."""
+    k = MOE_EXPERTS
+    v: list[Violation] = []
+    if activation not in ACTIVATIONS:
+        v.append(Violation(k, f"activation in {ACTIVATIONS}", activation))
+    elif activation == "swiglu_clamped":
+        for name, val in (("limit", limit), ("alpha", alpha)):
+            if not (isinstance(val, (int, float)) and math.isfinite(val) and val > 0):
+                v.append(Violation(k, f"swiglu_clamped {name} is finite and > 0", val))
+    elif (limit, alpha) != (SWIGLU_LIMIT, SWIGLU_ALPHA):
+        v.append(Violation(k, "limit / alpha only with activation='swiglu_clamped'",
+                           {"activation": activation, "limit": limit, "alpha": alpha},
+                           "the clamp and the sigmoid slope belong to GPT-OSS's clamped SwiGLU"))
+    E, H, I2 = w_gate_up.shape
+    for name, b, shape in (("b_gate_up", b_gate_up, (E, I2)), ("b_down", b_down, (E, H))):
+        if b is None:
+            continue
+        if tuple(b.shape) != shape:
+            v.append(Violation(k, f"{name}.shape == {('(E, 2I)' if name == 'b_gate_up' else '(E, H)')}",
+                               (tuple(b.shape), shape)))
+        if b.dtype != x.dtype:
+            v.append(Violation(k, f"{name}.dtype == x.dtype", (str(b.dtype), str(x.dtype)),
+                               "the bias is added in the kernel next to operands of x's dtype"))
+    return v
+
+
+def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int = 128,
+                            grad_out: torch.Tensor | None = None, activation: str = "silu",
+                            limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA,
+                            b_gate_up: torch.Tensor | None = None,
+                            b_down: torch.Tensor | None = None) -> list[Violation]:
+    """Violated constraints of :func:`moe_experts` / :func:`moe_experts_bwd` (empty = supported).
+
+    Shapes, dtypes, ``block_size`` and the expert variant (:func:`variant_violations`) only: never
+    reads a tensor value (fake / meta tensors and torch.compile are fine). The range ``0 <= topk_idx
+    < E`` is data; the entry points check it (:func:`moe_experts_value_violations`).
+    """
+    k = MOE_EXPERTS
+    v: list[Violation] = []
+    for name, t, nd in (("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2),
+                        ("w_gate_up", w_gate_up, 3), ("w_down", w_down, 3)):
+        if t.dim() != nd:
+            v.append(Violation(k, f"{name} is {nd}-D", tuple(t.shape)))
+    if v:
+        return v
+    T, H = x.shape
+    E, Hw, I2 = w_gate_up.shape
+    inter = I2 // 2
+    K = topk_idx.shape[1]
+    if block_size not in BLOCK_SIZES:
+        v.append(Violation(k, f"block_size in {BLOCK_SIZES}", block_size))
+    if Hw != H:
+        v.append(Violation(k, "w_gate_up.shape[1] == H", (Hw, H), "kernel layout is [E, H, 2I]"))
+    if I2 % 2:
+        v.append(Violation(k, "w_gate_up.shape[2] == 2 * I is even", I2))
+    if tuple(w_down.shape) != (E, inter, H):
+        v.append(Violation(k, "w_down.shape == (E, I, H)", tuple(w_down.shape)))
+    if not 1 <= E <= MAX_EXPERTS:
+        v.append(Violation(k, f"1 <= E <= {MAX_EXPERTS}", E))
+    if not 1 <= K <= min(MAX_TOP_K, E):
+        v.append(Violation(k, f"1 <= K <= min({MAX_TOP_K}, E)", K))
+    if T < 1:
+        v.append(Violation(k, "T >= 1", T))
+    if topk_idx.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_idx.shape):
+        v.append(Violation(k, "topk_idx and topk_weights are [T, K]",
+                           (tuple(topk_idx.shape), tuple(topk_weights.shape))))
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        v.append(Violation(k, "topk_idx.dtype in (int32, int64)", str(topk_idx.dtype)))
+    if topk_weights.dtype not in _DTYPES:
+        v.append(Violation(k, "topk_weights.dtype in (float32, bfloat16)", str(topk_weights.dtype)))
+    v += _dtype_violations(k, x=x, w_gate_up=w_gate_up, w_down=w_down,
+                           **({} if grad_out is None else {"grad_out": grad_out}))
+    if grad_out is not None and tuple(grad_out.shape) != (T, H):
+        v.append(Violation(k, "grad_out.shape == (T, H)", tuple(grad_out.shape)))
+    v += variant_violations(x, w_gate_up, activation, limit, alpha, b_gate_up, b_down)
+    isz = x.element_size()
+    # + the biases: b_down broadcast over the partitions [P, H], b_gate_up as fp32 columns [P, 2 IC]
+    need = (weight_sbuf_bytes(H, I2, isz) + weight_sbuf_bytes(inter, H, isz)
+            + (H * isz if b_down is not None else 0) + (2 * math.ceil(inter / 128) * 4 if b_gate_up is not None else 0))
+    if need > WEIGHT_SBUF_BUDGET:
+        v.append(Violation(k, f"one expert's weights fit {WEIGHT_SBUF_BUDGET // 1024} KiB of SBUF per partition",
+                           f"{need} bytes (H={H}, I={inter}, {x.dtype})",
+                           "ceil(H/128)*2I + ceil(I/128)*H elements; use bfloat16 or shard I"))
+    if grad_out is not None:  # backward: a weight and its transpose (weight grads accumulate in PSUM)
+        bwd = max(weight_sbuf_bytes(H, I2, isz) + weight_sbuf_bytes(I2, H, isz)
+                  + (I2 * isz if b_gate_up is not None else 0),  # gate/up recompute: bias [P, 2I]
+                  weight_sbuf_bytes(inter, H, isz) + weight_sbuf_bytes(H, inter, isz))
+        if bwd > WEIGHT_SBUF_BUDGET:
+            v.append(Violation(k, f"backward working set fits {WEIGHT_SBUF_BUDGET // 1024} KiB per partition",
+                               f"{bwd} bytes (H={H}, I={inter}, {x.dtype})"))
+    return v
+
+
+def grouped_mm_value_violations(x: torch.Tensor, group_offsets: torch.Tensor) -> list[Violation]:
+    """Value rules of ``group_offsets [G]`` int32 (non-decreasing, ``>= 0``, ``offs[-1] <= M``).
+
+    Reads the offsets (one host read of two flags); run by the entry points after the shape checks.
+    """
+    offs = group_offsets.long()
+    M = x.shape[0]
+    bad_order, past_end = torch.stack([(offs[1:] < offs[:-1]).any() | (offs[0] < 0), offs[-1] > M]).tolist()
+    v = []
+    if bad_order:
+        v.append(Violation(GROUPED_MM, "group_offsets non-decreasing and >= 0", group_offsets.tolist()))
+    if past_end:
+        v.append(Violation(GROUPED_MM, "group_offsets[-1] <= M", (int(offs[-1]), M)))
+    return v
+
+
+def moe_experts_value_violations(topk_idx: torch.Tensor, num_experts: int) -> list[Violation]:
+    """Value rule ``0 <= topk_idx < E`` (one host read of the min and max); run by the entry points."""
+    lo, hi = torch.stack([topk_idx.min(), topk_idx.max()]).tolist()
+    if lo < 0 or hi >= num_experts:
+        return [Violation(MOE_EXPERTS, "0 <= topk_idx < E", (lo, hi, num_experts),
+                          "an index outside [0, E) would gather another expert's rows or none")]
+    return []
+
+
+def check_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
+                      grad_out: torch.Tensor | None = None) -> None:
+    """Entry check of the grouped_mm functions: shape/dtype rules, then (if those hold) the values."""
+    v = grouped_mm_constraints(x, w, group_offsets, grad_out)
+    check(v or grouped_mm_value_violations(x, group_offsets))
+
+
+def check_moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                       w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int,
+                       grad_out: torch.Tensor | None = None, **variant: Any) -> None:
+    """Entry check of the moe_experts functions: shape/dtype rules, then (if those hold) the values."""
+    v = moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, **variant)
+    check(v or moe_experts_value_violations(topk_idx, w_gate_up.shape[0]))
+
+
+def constraints(x: torch.Tensor, *args, **kwargs) -> list[Violation]:
+    """Dispatch on the arguments: ``(x, w, group_offsets[, grad_out])`` -> grouped_mm,
+    ``(x, topk_idx, topk_weights, w_gate_up, w_down[, block_size][, grad_out])`` -> moe_experts."""
+    # by the argument count, not by a shape (a malformed w must still reach grouped_mm's own checks)
+    if len(args) >= 4 or {"topk_idx", "topk_weights", "w_gate_up", "w_down", "block_size", "activation",
+                          "b_gate_up", "b_down"} & kwargs.keys():
+        return moe_experts_constraints(x, *args, **kwargs)
+    return grouped_mm_constraints(x, *args, **kwargs)
