@@ -69,6 +69,12 @@ def test_oracle_fast(shape, dtype):
     ce_case(*shape, dtype)
 
 
+def test_grad_weight_token_chunks():
+    """More tokens than the grad_weight pass keeps resident in SBUF (fp32 at H=2048: 8 tiles of 128), so
+    the token chunks' PSUM sums meet in its fp32 SBUF accumulator; V=130 leaves a 2-row vocabulary tile."""
+    ce_case(1100, 2048, 130, torch.float32, lnc=2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sum_reduction_and_many_ignored(dtype):
     ce_case(150, 64, 300, dtype, reduction="sum", n_ignored=40)

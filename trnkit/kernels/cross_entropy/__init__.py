@@ -49,7 +49,8 @@ def linear_cross_entropy(hidden: Any, weight: Any, labels: Any, ignore_index: in
     """
     check(linear_cross_entropy_constraints(hidden, weight, labels, ignore_index, reduction))
     lab, valid = _labels_f32(labels, weight.shape[0], ignore_index, "linear_cross_entropy")
-    per_token, lse = launch(lce_fwd_kernel, resolve_lnc(lnc))(hidden.T.contiguous(), weight.T.contiguous(), lab)
+    per_token, lse = launch(lce_fwd_kernel, resolve_lnc(lnc))(hidden.T.contiguous(), hidden.contiguous(),
+                                                     weight.T.contiguous(), weight.contiguous(), lab)
     per_token = torch.where(valid, per_token, 0.0)
     loss = per_token.sum() / valid.sum() if reduction == "mean" else per_token.sum()
     return loss, lse

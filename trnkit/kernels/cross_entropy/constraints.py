@@ -10,8 +10,8 @@ from trnkit.kernels.rmsnorm.constraints import dtype_name, shape
 
 DTYPES = ("float32", "bfloat16")
 REDUCTIONS = ("mean", "sum")
-# The backward sums each [128, H] gradient product in PSUM banks of 512 fp32 columns next to two banks of
-# logits (the next tile's computed ahead): ceil(H / 512) + 2 <= 8 banks (Qwen3 up to 4B: H 2560; 30B-A3B:
+# The backward sums each [128, H] gradient product in PSUM banks of 512 fp32 columns (one accumulation group
+# each) next to up to two banks of logits: ceil(H / 512) + 2 <= 8 banks (Qwen3 up to 4B: H 2560; 30B-A3B:
 # 2048).
 H_MAX = 3072
 # labels are compared as fp32 values: every index below 2^24 is exact.

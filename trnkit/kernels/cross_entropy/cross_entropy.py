@@ -3,32 +3,42 @@
 
 The logits ``hidden @ weight.T`` exist only as fp32 PSUM tiles. Every matmul contracts over H on the
 partitions, so the host hands the kernels both layouts of each operand: ``hT [H, T]`` and ``wT [H, V]``
-(H leading: the logits' operands) and ``h [T, H]`` / ``w [V, H]`` (the gradients' moving operands).
+(H leading: the logits' operands) and ``h [T, H]`` / ``w [V, H]`` (the gradients' moving operands, and
+the rows gathered by label). Every logits tile is ``[128, 512]``: a 128-column stationary operand
+against a 512-column moving one, one fp32 PSUM bank, summed over the 128-row chunks of H.
 
-Forward, per group of up to four tiles of 128 tokens (tokens on partitions), which share each weight
-tile load: for each 512-column vocabulary tile each token tile's logits ``[128, 512]`` accumulate over
-the 128-row chunks of H in one PSUM bank; the Vector engine takes the
-tile's row max and the target logit (a one-hot mask of ``iota == label - v0`` times the logits, summed),
-the Scalar engine ``exp(logits - m_new)`` summed along the row (``activation_reduce``), and the
-running ``(m, s)`` pair is rescaled online. At the end ``lse = m + ln s``, ``loss = lse - target``.
+Forward, per group of up to eight tiles of 128 tokens (tokens on partitions), which share each load of
+512 vocabulary columns: the Vector engine takes each logits tile's negated row max and the running
+``-m = min(-m, -rowmax)``; the Scalar engine sums ``exp(logits - m)`` along the row
+(``activation_reduce``) into one column per vocabulary tile. Nothing waits on the sum inside the loop:
+at the end ``s = sum_k s_k * exp(m_k - m)`` over the columns, ``lse = m + ln s``. The target logit is
+``h[t] . w[label[t]]`` on the Vector engine, from the rows gathered by label (one indirect DMA per
+token tile), so the vocabulary loop carries no one-hot work; ``loss = lse - target``.
 
 Backward, ``dl[t, v] = scale[t] * (exp(logit - lse[t]) - [v == label[t]])`` (``scale`` = the loss
-gradient per token, 0 for ignored tokens), rounded to the operands' dtype like the reference:
+gradient per token, 0 for ignored tokens). Both gradients are summed in PSUM over the tiles of the
+contracted dimension (a matmul accumulation group of ``ceil(H / 512)`` banks per 128-row output tile,
+at most 6 banks next to the logits) and leave PSUM once per chunk of those tiles:
 
-* ``grad_hidden [T, H]``: per group of up to four 128-token tiles, over 128-row vocabulary tiles (each
-  loaded once for the group) the logits are recomputed transposed (``[128 v, 128 t]``, vocabulary on
-  partitions, so ``dl^T`` is directly the stationary operand), and each ``dl^T.T @ w[v0:v0+128, :]`` is
-  summed on the Tensor engine into PSUM banks of 512 columns (two vocabulary tiles per sum) and added
-  on the Vector engine into an fp32 ``[128, H]`` accumulator in SBUF.
-* ``grad_weight [V, H]``: per group of up to four 128-row vocabulary tiles, over 128-token tiles (each
-  loaded once for the group) the logits are recomputed in the forward's layout (tokens on partitions)
-  and ``dl.T @ h[t0:t0+128, :]`` is accumulated likewise.
+* ``grad_weight [V, H]``: per group of 512 vocabulary rows, logits ``[128 t, 512 v]`` per token tile;
+  ``dl`` in the operands' dtype (Scalar: ``exp`` with the per-token ``-lse`` bias; Vector: ``e * scale
+  - scale * onehot``), then for each 128-row vocabulary tile ``dl[:, tile].T @ h[t, :]`` summed over
+  the chunk's token tiles. When all tokens' ``h`` and ``hT`` fit in SBUF they are loaded once and every
+  sum runs over all tokens; otherwise the tokens go in chunks and each chunk's sum is added into an fp32
+  SBUF accumulator.
+* ``grad_hidden [T, H]``: per group of 512 tokens, logits ``[128 v, 512 t]`` per vocabulary tile (the
+  vocabulary on partitions, so ``p^T = exp(logit - lse)`` is directly the stationary operand; the
+  per-token ``lse`` is a broadcast row subtracted on the Vector engine), then for each 128-token tile
+  ``p^T[:, tile].T @ w[v, :]`` summed over a chunk of vocabulary tiles and added into an fp32 SBUF
+  accumulator. The one-hot part and ``scale`` come after the vocabulary loop: ``grad_h[t] = scale[t] *
+  (acc[t] - w[label[t]])`` with the rows gathered by label. (``p`` is rounded to the operands' dtype
+  where the reference rounds ``scale * (p - onehot)``.)
 
 The two passes recompute the logits once each (4 matmul passes over ``T x V x H`` in all, against 3
 for a backward that stored the logits): the price of no ``[T, V]`` buffer. LNC=2 splits the token tiles
-(forward, grad_hidden) and the vocabulary tiles (grad_weight) between the two cores with the same
-instruction stream on both (``program_share``: a core short of a tile computes a masked copy into a
-scratch tensor).
+(forward), the 512-token groups (grad_hidden) and the 512-row vocabulary groups (grad_weight) between
+the two cores with the same instruction stream on both (``program_share``: a core short of an item
+computes a masked copy into a scratch tensor).
 """
 
 from __future__ import annotations
@@ -37,11 +47,13 @@ from trnkit.kernels._common import P_MAX, cdiv, program_share
 from trnkit.nki_api import nisa, nki, nl
 
 P = P_MAX
-VF = 512  # vocabulary columns per forward logits tile (one fp32 PSUM bank)
+WIDE = 512  # moving columns of a logits tile (one fp32 PSUM bank): vocabulary (forward, grad_w) or tokens
 HB = 512  # hidden columns per gradient PSUM bank
-NEG_BIG = -3.0e38  # the running max before the first tile
-GROUP = 4  # tiles sharing each load of the other operand (forward: one PSUM bank of logits each)
-PAIR = 2  # backward: outer tiles whose products are summed in PSUM before one add into SBUF
+FWD_GROUP = 8  # forward: token tiles sharing each load of WIDE weight columns
+# SBUF bytes per partition for the contracted tiles of one chunk (both layouts and their dl tiles), and
+# for keeping all tokens resident through the grad_weight pass (no reload, no SBUF accumulator)
+CHUNK_BYTES = 64 * 1024
+RESIDENT_BYTES = 144 * 1024
 
 
 def _tiles(n, width):
@@ -61,29 +73,54 @@ def _share(n, width, n_prog, pid):
     return program_share(tiles, keys, n_prog, pid)
 
 
-def _load_cols(src, c0, cw, H, dtype):
-    """SBUF ``[128, nH, cw]``: columns ``c0:c0+cw`` of ``src [H, N]`` (H leading), chunk c = rows
-    ``c*128 ...`` of H (a short last chunk leaves the tail partitions unused)."""
-    nH = cdiv(H, P)
+def _chunks(n, per_tile, budget):
+    """``n`` tiles in balanced chunks ``[(first, count), ...]`` of at most ``budget // per_tile`` tiles."""
+    k = cdiv(n, max(1, budget // per_tile))
+    base, extra = divmod(n, k)
+    out = []
+    first = 0
+    for i in range(k):
+        count = base + (1 if i < extra else 0)
+        out.append((first, count))
+        first = first + count
+    return out
+
+
+def _cols(src, c0, cw, dtype):
+    """SBUF ``[128, nH, cw]``: columns ``c0:c0+cw`` of ``src [H, N]``, chunk c = rows ``c*128 ...`` of H
+    (the full chunks in one DMA; a short last chunk leaves the tail partitions unused)."""
+    H, N = src.shape
+    nH, nfull = cdiv(H, P), H // P
     t = nl.ndarray((P, nH, cw), dtype=dtype, buffer=nl.sbuf)
-    for c in range(nH):
-        hk = min(P, H - c * P)
-        nisa.dma_copy(dst=t[0:hk, c, :], src=src[c * P:c * P + hk, c0:c0 + cw])
+    if nfull > 0:
+        nisa.dma_copy(dst=t[:, 0:nfull, :], src=src.ap(pattern=[[N, P], [P * N, nfull], [1, cw]], offset=c0))
+    if nfull < nH:
+        nisa.dma_copy(dst=t[0:H - nfull * P, nfull, :], src=src[nfull * P:H, c0:c0 + cw])
     return t
 
 
-def _logits(ps, stat, mov, H):
-    """``ps = stat[:, c, :].T @ mov[:, c, :]`` summed over the H chunks (fp32 PSUM)."""
-    nH = cdiv(H, P)
-    for c in range(nH):
-        hk = min(P, H - c * P)
-        nisa.nc_matmul(dst=ps, stationary=stat[0:hk, c, :], moving=mov[0:hk, c, :], accumulate=c > 0)
+def _rows(src, r0, n, dtype):
+    """SBUF ``[128, ceil(n/128), H]``: rows ``r0:r0+n`` of ``src [N, H]``, row ``r0 + i*128 + p`` at
+    ``[p, i]`` (the full tiles in one DMA)."""
+    H = src.shape[1]
+    nt, nfull = cdiv(n, P), n // P
+    t = nl.ndarray((P, nt, H), dtype=dtype, buffer=nl.sbuf)
+    if nfull > 0:
+        nisa.dma_copy(dst=t[:, 0:nfull, :], src=src.ap(pattern=[[H, P], [P * H, nfull], [1, H]], offset=r0 * H))
+    if nfull < nt:
+        nisa.dma_copy(dst=t[0:n - nfull * P, nfull, :], src=src[r0 + nfull * P:r0 + n, :])
+    return t
 
 
-def _column(src, t0, tw):
-    """SBUF ``[tw, 1]`` fp32: ``src[t0:t0+tw]`` (one value per partition)."""
-    t = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=src.ap(pattern=[[1, tw], [1, 1]], offset=t0))
+def _stat_cols(src, n):
+    """SBUF ``[128, ceil(n/128)]`` fp32: ``src[i*128 + p]`` at ``[p, i]`` (one value per token tile column)."""
+    nt, nfull = cdiv(n, P), n // P
+    t = nl.ndarray((P, nt), dtype=nl.float32, buffer=nl.sbuf)
+    if nfull > 0:
+        nisa.dma_copy(dst=t[:, 0:nfull], src=src.ap(pattern=[[1, P], [P, nfull]], offset=0))
+    if nfull < nt:
+        nisa.dma_copy(dst=t[0:n - nfull * P, nfull:nt], src=src.ap(pattern=[[1, n - nfull * P], [1, 1]],
+                                                                    offset=nfull * P))
     return t
 
 
@@ -94,87 +131,101 @@ def _row(src, t0, tw, rows):
     return t
 
 
-def _fwd_tile_stats(ps, st, iota, v0):
-    """Fold one ``[tw, vw]`` PSUM logits tile into a token tile's running ``(m, s, target)``."""
-    tw, vw = ps.shape
-    # target logit: sum(logits * (iota == label - v0))
-    rel = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=rel, data=st["lab"], op0=nl.subtract, operand0=float(v0))
-    hit = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=hit, data=iota[0:tw, 0:vw], op0=nl.equal, operand0=rel)
-    nisa.tensor_tensor(dst=hit, data1=hit, data2=ps, op=nl.multiply)
-    part = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=part, op=nl.add, data=hit, axis=1)
-    nisa.tensor_tensor(dst=st["tgt"], data1=st["tgt"], data2=part, op=nl.add)
-    # online log-sum-exp: m_new = max(m, max_row), s = s * exp(m - m_new) + sum(exp(logits - m_new))
-    mx = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=mx, op=nl.maximum, data=ps, axis=1)
-    nisa.tensor_tensor(dst=mx, data1=mx, data2=st["m"], op=nl.maximum)
-    neg = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=neg, data=mx, op0=nl.multiply, operand0=-1.0)
-    e = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)
-    es = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation_reduce(dst=e, op=nl.exp, data=ps, reduce_op=nl.add, reduce_res=es, bias=neg)
-    corr = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=corr, op=nl.exp, data=st["m"], bias=neg)
-    nisa.tensor_tensor(dst=st["s"], data1=st["s"], data2=corr, op=nl.multiply)
-    nisa.tensor_tensor(dst=st["s"], data1=st["s"], data2=es, op=nl.add)
-    nisa.tensor_copy(dst=st["m"], src=mx)
+def _logits(ps, stat, s0, sw, mov, m0, mw, H):
+    """``ps = stat[:, c, s0:s0+sw].T @ mov[:, c, m0:m0+mw]`` summed over the H chunks c (fp32 PSUM)."""
+    for c in range(cdiv(H, P)):
+        hk = min(P, H - c * P)
+        nisa.nc_matmul(dst=ps, stationary=stat[0:hk, c, s0:s0 + sw], moving=mov[0:hk, c, m0:m0 + mw],
+                       accumulate=c > 0)
+
+
+def _label_rows(w, lab, tw, dtype):
+    """SBUF ``[tw, H]``: ``w[max(label, 0)]`` per token (an ignored token's label -1 reads row 0), one
+    indirect DMA."""
+    H = w.shape[1]
+    idx = nl.ndarray((tw, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=idx, data=lab, op0=nl.maximum, operand0=0.0)
+    rows = nl.ndarray((tw, H), dtype=dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=rows, src=w.ap(pattern=[[H, tw], [1, H]], offset=0, vector_offset=idx, indirect_dim=0))
+    return rows
+
+
+def _column(src, t0, tw):
+    """SBUF ``[tw, 1]`` fp32: ``src[t0:t0+tw]`` (one value per partition)."""
+    t = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=src.ap(pattern=[[1, tw], [1, 1]], offset=t0))
+    return t
+
+
+def _fwd_finish(st, h, w, dt):
+    """``[lse | loss]`` ``[tw, 2]`` of a token tile from its per-vocabulary-tile columns ``negm`` (``-m_k``,
+    the running max negated) and ``es`` (``sum exp(logits - m_k)``), and its target logit."""
+    tw, nv = st["es"].shape
+    negm = st["negm"][:, nv - 1:nv]
+    corr = nl.ndarray((tw, nv), dtype=nl.float32, buffer=nl.sbuf)  # exp(m_k - m)
+    nisa.activation(dst=corr, op=nl.exp, data=st["negm"], bias=negm, scale=-1.0)
+    nisa.tensor_tensor(dst=corr, data1=corr, data2=st["es"], op=nl.multiply)
+    s = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=s, op=nl.add, data=corr, axis=1)
+    # target logit h[t] . w[label[t]]
+    h_rows = nl.ndarray((tw, h.shape[1]), dtype=dt, buffer=nl.sbuf)
+    nisa.dma_copy(dst=h_rows, src=h[st["t0"]:st["t0"] + tw, :])
+    prod = nl.ndarray((tw, h.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=prod, data1=h_rows, data2=_label_rows(w, st["lab"], tw, dt), op=nl.multiply)
+    tgt = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=tgt, op=nl.add, data=prod, axis=1)
+    out = nl.ndarray((tw, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=out[:, 0:1], op=nl.log, data=s)
+    nisa.tensor_tensor(dst=out[:, 0:1], data1=out[:, 0:1], data2=negm, op=nl.subtract)
+    nisa.tensor_tensor(dst=out[:, 1:2], data1=out[:, 0:1], data2=tgt, op=nl.subtract)
+    return out
 
 
 @nki.jit
-def lce_fwd_kernel(hT, wT, labels):
-    """``(loss [T] f32, lse [T] f32)`` of ``hT [H, T]``, ``wT [H, V]``, ``labels [T]`` fp32 (a vocabulary
-    index, or -1 for an ignored token: its loss is ``lse``, masked by the host)."""
+def lce_fwd_kernel(hT, h, wT, w, labels):
+    """``(loss [T] f32, lse [T] f32)`` of ``hT [H, T]`` / ``h [T, H]``, ``wT [H, V]`` / ``w [V, H]``, ``labels
+    [T]`` fp32 (a vocabulary index, or -1 for an ignored token: its loss is masked by the host)."""
     H, T = hT.shape
     V = wT.shape[1]
+    dt = hT.dtype
     n_prog = nl.num_programs(0) if nl.program_ndim() > 0 else 1
     pid = nl.program_id(0) if nl.program_ndim() > 0 else 0
     loss = nl.ndarray((T,), dtype=nl.float32, buffer=nl.shared_hbm)
     lse = nl.ndarray((T,), dtype=nl.float32, buffer=nl.shared_hbm)
     scratch = nl.ndarray((2, P), dtype=nl.float32, buffer=nl.shared_hbm)  # masked tiles' results
-    iota = nl.ndarray((P, VF), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.iota(dst=iota, pattern=[[1, VF]], offset=0, channel_multiplier=0)
+    vt = _tiles(V, WIDE)
     mine = _share(T, P, n_prog, pid)
-    for g0 in range(0, len(mine), GROUP):
-        group = []  # the token tiles that share each weight tile: their hidden columns and running stats
-        for (t0, tw), masked in mine[g0:g0 + GROUP]:
-            st = {"t0": t0, "masked": masked, "h": _load_cols(hT, t0, tw, H, hT.dtype), "lab": _column(labels, t0, tw)}
-            for key, init in (("m", NEG_BIG), ("s", 0.0), ("tgt", 0.0)):
-                st[key] = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.memset(dst=st[key], value=init)
-            group.append(st)
-        for v0, vw in _tiles(V, VF):
-            w_sb = _load_cols(wT, v0, vw, H, wT.dtype)
+    for g0 in range(0, len(mine), FWD_GROUP):
+        group = []  # the token tiles that share each weight load: their hidden columns and statistics
+        for (t0, tw), masked in mine[g0:g0 + FWD_GROUP]:
+            group.append({"t0": t0, "masked": masked, "h": _cols(hT, t0, tw, dt), "lab": _column(labels, t0, tw),
+                          "negm": nl.ndarray((tw, len(vt)), dtype=nl.float32, buffer=nl.sbuf),
+                          "es": nl.ndarray((tw, len(vt)), dtype=nl.float32, buffer=nl.sbuf)})
+        for k in range(len(vt)):
+            v0, vw = vt[k]
+            w_sb = _cols(wT, v0, vw, dt)
             for j in range(len(group)):
                 st = group[j]
-                ps = nl.ndarray((st["lab"].shape[0], vw), dtype=nl.float32, buffer=nl.psum)
-                _logits(ps, st["h"], w_sb, H)
-                _fwd_tile_stats(ps, st, iota, v0)
+                tw = st["lab"].shape[0]
+                ps = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.psum)
+                _logits(ps, st["h"], 0, tw, w_sb, 0, vw, H)
+                negm = st["negm"][:, k:k + 1]
+                nisa.tensor_reduce(dst=negm, op=nl.maximum, data=ps, axis=1, negate=True)
+                if k > 0:
+                    nisa.tensor_tensor(dst=negm, data1=negm, data2=st["negm"][:, k - 1:k], op=nl.minimum)
+                e = nl.ndarray((tw, vw), dtype=dt, buffer=nl.sbuf)  # only its row sum is kept
+                nisa.activation_reduce(dst=e, op=nl.exp, data=ps, reduce_op=nl.add, reduce_res=st["es"][:, k:k + 1],
+                                       bias=negm)
         for j in range(len(group)):
             st = group[j]
             tw, t0 = st["lab"].shape[0], st["t0"]
-            out = nl.ndarray((tw, 2), dtype=nl.float32, buffer=nl.sbuf)  # [lse | loss]
-            nisa.activation(dst=out[:, 0:1], op=nl.log, data=st["s"])
-            nisa.tensor_tensor(dst=out[:, 0:1], data1=out[:, 0:1], data2=st["m"], op=nl.add)
-            nisa.tensor_tensor(dst=out[:, 1:2], data1=out[:, 0:1], data2=st["tgt"], op=nl.subtract)
+            out = _fwd_finish(st, h, w, dt)
             if st["masked"]:
                 nisa.dma_copy(dst=scratch.ap(pattern=[[1, tw], [P, 2]], offset=0), src=out)
             else:
                 nisa.dma_copy(dst=lse.ap(pattern=[[1, tw], [1, 1]], offset=t0), src=out[:, 0:1])
                 nisa.dma_copy(dst=loss.ap(pattern=[[1, tw], [1, 1]], offset=t0), src=out[:, 1:2])
     return loss, lse
-
-
-def _dlogits(dst, ps, lse_b, scale_b, hit):
-    """``dst = scale * (exp(ps - lse) - hit)`` for PSUM logits ``ps`` with ``lse`` / ``scale`` / ``hit``
-    laid out like ``ps`` (columns or broadcast rows); rounded once into ``dst``'s dtype."""
-    rows, cols = ps.shape
-    p = nl.ndarray((rows, cols), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=p, data1=ps, data2=lse_b, op=nl.subtract)
-    nisa.activation(dst=p, op=nl.exp, data=p)
-    nisa.tensor_tensor(dst=p, data1=p, data2=hit, op=nl.subtract)
-    nisa.tensor_tensor(dst=dst, data1=p, data2=scale_b, op=nl.multiply)
 
 
 def _banks(rows, H):
@@ -185,94 +236,141 @@ def _banks(rows, H):
     return out
 
 
-def _matmul_banks(banks, stationary, moving_rows, first):
-    """``banks (+)= stationary.T @ moving_rows``, 512 columns of ``moving_rows`` per bank."""
-    for b in range(len(banks)):
-        h0 = b * HB
-        nisa.nc_matmul(dst=banks[b], stationary=stationary, moving=moving_rows[:, h0:h0 + banks[b].shape[1]],
-                       accumulate=not first)
+def _sum_products(banks, dl, s0, sw, rows, tiles):
+    """``banks = sum_i dl[:, i, s0:s0+sw].T @ rows[:, i, :]`` over the contracted tiles ``[(i, size), ...]``
+    (one accumulation group per bank; the tiles outermost, so the last tile's ``dl`` is needed last)."""
+    for n in range(len(tiles)):
+        i, k = tiles[n]
+        for b in range(len(banks)):
+            h0 = b * HB
+            nisa.nc_matmul(dst=banks[b], stationary=dl[0:k, i, s0:s0 + sw],
+                           moving=rows[0:k, i, h0:h0 + banks[b].shape[1]], accumulate=n > 0)
 
 
-def _fold(acc, banks, first):
-    """``acc (+)= banks`` (fp32 SBUF accumulator, Vector engine; ``first``: copied instead)."""
+def _leave_psum(dst, banks, add):
+    """``dst (+)= banks`` (fp32 SBUF ``[rows, H]``): an add on the Vector engine, or a copy alternating
+    between the Vector and Scalar engines."""
     for b in range(len(banks)):
         h0 = b * HB
         hw = banks[b].shape[1]
-        if first:
-            nisa.tensor_copy(dst=acc[:, h0:h0 + hw], src=banks[b])
+        if add:
+            nisa.tensor_tensor(dst=dst[:, h0:h0 + hw], data1=dst[:, h0:h0 + hw], data2=banks[b], op=nl.add)
+        elif b % 2 == 0:
+            nisa.tensor_copy(dst=dst[:, h0:h0 + hw], src=banks[b])
         else:
-            nisa.tensor_tensor(dst=acc[:, h0:h0 + hw], data1=acc[:, h0:h0 + hw], data2=banks[b], op=nl.add)
+            nisa.activation(dst=dst[:, h0:h0 + hw], op=nl.copy, data=banks[b])
 
 
-def _items(n_members, n_loads):
-    """``[(member, load), ...]`` in member-major order."""
-    out = []
-    for j in range(n_members):
-        for k in range(n_loads):
-            out.append((j, k))
-    return out
-
-
-def _logits_h(st, load, H):
-    """grad_hidden pass: the transposed logits ``[vw, tw]`` of a token tile ``st`` and a vocabulary load."""
-    v0, w_sb, w_rows = load
-    ps = nl.ndarray((w_rows.shape[0], st["acc"].shape[0]), dtype=nl.float32, buffer=nl.psum)
-    _logits(ps, w_sb, st["h"], H)
-    return ps
-
-
-def _grad_h_step(st, load, ps, k, n_loads, first_chunk, iota_p, dt):
-    """grad_hidden pass: ``dl^T`` from the logits ``ps`` and its product with the vocabulary rows into the
-    token tile's PSUM banks (opened at the chunk's first load, folded into ``acc`` after its last)."""
-    v0, w_sb, w_rows = load
-    vw, tw = ps.shape
-    if k == 0:
-        st["banks"] = _banks(tw, st["acc"].shape[1])
-    hit = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=hit, data=st["lab"][0:vw, :], op0=nl.subtract, operand0=float(v0))
-    nisa.tensor_tensor(dst=hit, data1=hit, data2=iota_p[0:vw, 0:tw], op=nl.equal)
-    dlT = nl.ndarray((vw, tw), dtype=dt, buffer=nl.sbuf)
-    _dlogits(dlT, ps, st["lse"][0:vw, :], st["scale"][0:vw, :], hit)
-    _matmul_banks(st["banks"], dlT, w_rows, k == 0)
-    if k == n_loads - 1:
-        _fold(st["acc"], st["banks"], first_chunk)
-
-
-def _logits_w(st, load, H):
-    """grad_weight pass: the logits ``[tw, vw]`` of a token load and a vocabulary tile ``st``."""
-    h_sb, h_rows, neg, scale_c, lab_c = load
-    ps = nl.ndarray((h_rows.shape[0], st["acc"].shape[0]), dtype=nl.float32, buffer=nl.psum)
-    _logits(ps, h_sb, st["w"], H)
-    return ps
-
-
-def _grad_w_step(st, load, ps, k, n_loads, first_chunk, iota_f, dt):
-    """grad_weight pass: ``dl`` from the logits ``ps`` and ``dl.T @ h`` into the vocabulary tile's PSUM banks."""
-    h_sb, h_rows, neg, scale_c, lab_c = load
-    tw, vw = ps.shape
-    if k == 0:
-        st["banks"] = _banks(vw, st["acc"].shape[1])
-    rel = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=rel, data=lab_c, op0=nl.subtract, operand0=float(st["v0"]))
-    hit = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=hit, data=iota_f[0:tw, 0:vw], op0=nl.equal, operand0=rel)
-    p = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p, op=nl.exp, data=ps, bias=neg)
-    nisa.tensor_tensor(dst=p, data1=p, data2=hit, op=nl.subtract)
-    dl = nl.ndarray((tw, vw), dtype=dt, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=dl, data=p, op0=nl.multiply, operand0=scale_c)
-    _matmul_banks(st["banks"], dl, h_rows, k == 0)
-    if k == n_loads - 1:
-        _fold(st["acc"], st["banks"], first_chunk)
-
-
-def _store(dst_hbm, scratch, r0, acc, masked):
-    """An accumulated ``[rows, H]`` gradient tile to ``dst_hbm[r0:r0+rows, :]`` (a masked one to scratch)."""
-    rows = acc.shape[0]
+def _store(dst_hbm, scratch, r0, src, masked):
+    """A finished ``[rows, H]`` gradient tile to ``dst_hbm[r0:r0+rows, :]`` (a masked one to scratch)."""
+    rows = src.shape[0]
     if masked:
-        nisa.dma_copy(dst=scratch[0:rows, :], src=acc)
+        nisa.dma_copy(dst=scratch[0:rows, :], src=src)
     else:
-        nisa.dma_copy(dst=dst_hbm[r0:r0 + rows, :], src=acc)
+        nisa.dma_copy(dst=dst_hbm[r0:r0 + rows, :], src=src)
+
+
+def _grad_weight(hT, h, wT, grad_w, scratch, lse, scale, labels, n_prog, pid):
+    """grad_weight: groups of 512 vocabulary rows; tokens on partitions, summed over token chunks."""
+    H, T = hT.shape
+    V = wT.shape[1]
+    dt = hT.dtype
+    isz = 4 if dt == nl.float32 else 2
+    tt = _tiles(T, P)
+    per_tile = (cdiv(H, P) * P + H + WIDE) * isz
+    chunks = [(0, len(tt))]
+    if len(tt) * per_tile > RESIDENT_BYTES:
+        chunks = _chunks(len(tt), per_tile, CHUNK_BYTES)
+    neg = _stat_cols(lse, T)
+    nisa.tensor_scalar(dst=neg, data=neg, op0=nl.multiply, operand0=-1.0)
+    sc = _stat_cols(scale, T)
+    lab = _stat_cols(labels, T)
+    resident = []
+    if len(chunks) == 1:
+        resident = [_cols(hT, 0, T, dt), _rows(h, 0, T, dt)]
+    for (v0, vw), masked in _share(V, WIDE, n_prog, pid):
+        w_sb = _cols(wT, v0, vw, dt)
+        vid = nl.ndarray((P, vw), dtype=nl.float32, buffer=nl.sbuf)  # vocabulary index of each column
+        nisa.iota(dst=vid, pattern=[[1, vw]], offset=v0, channel_multiplier=0)
+        subs = _tiles(vw, P)
+        acc = []
+        if len(chunks) > 1:
+            for s0, sw in subs:
+                acc.append(nl.ndarray((sw, H), dtype=nl.float32, buffer=nl.sbuf))
+        for ci in range(len(chunks)):
+            i0, n = chunks[ci]
+            c0, cn = tt[i0][0], min(T, tt[i0 + n - 1][0] + P) - tt[i0][0]
+            xT, x = resident if len(chunks) == 1 else [_cols(hT, c0, cn, dt), _rows(h, c0, cn, dt)]
+            dl = nl.ndarray((P, n, vw), dtype=dt, buffer=nl.sbuf)
+            inner = []
+            for i in range(n):
+                t0, tw = tt[i0 + i]
+                col = i0 + i
+                ps = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.psum)
+                _logits(ps, xT, t0 - c0, tw, w_sb, 0, vw, H)
+                e = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.activation(dst=e, op=nl.exp, data=ps, bias=neg[0:tw, col:col + 1])
+                hs = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)  # scale * onehot
+                nisa.tensor_scalar(dst=hs, data=vid[0:tw, :], op0=nl.equal, operand0=lab[0:tw, col:col + 1],
+                                   op1=nl.multiply, operand1=sc[0:tw, col:col + 1])
+                nisa.scalar_tensor_tensor(dst=dl[0:tw, i, :], data=e, op0=nl.multiply, operand0=sc[0:tw, col:col + 1],
+                                          op1=nl.subtract, operand1=hs)
+                inner.append((i, tw))
+            for si in range(len(subs)):
+                s0, sw = subs[si]
+                banks = _banks(sw, H)
+                _sum_products(banks, dl, s0, sw, x, inner)
+                if len(chunks) == 1:
+                    out = nl.ndarray((sw, H), dtype=nl.float32, buffer=nl.sbuf)
+                    _leave_psum(out, banks, False)
+                    _store(grad_w, scratch, v0 + s0, out, masked)
+                else:
+                    _leave_psum(acc[si], banks, ci > 0)
+                    if ci == len(chunks) - 1:
+                        _store(grad_w, scratch, v0 + s0, acc[si], masked)
+
+
+def _grad_hidden(hT, wT, w, grad_h, scratch, lse, scale, labels, n_prog, pid):
+    """grad_hidden: groups of 512 tokens; the vocabulary on partitions, summed over vocabulary chunks."""
+    H, T = hT.shape
+    V = wT.shape[1]
+    dt = hT.dtype
+    isz = 4 if dt == nl.float32 else 2
+    vt = _tiles(V, P)
+    chunks = _chunks(len(vt), (cdiv(H, P) * P + H + WIDE) * isz, CHUNK_BYTES)
+    for (t0, tw), masked in _share(T, WIDE, n_prog, pid):
+        x_sb = _cols(hT, t0, tw, dt)
+        lse_b = _row(lse, t0, tw, P)
+        subs = _tiles(tw, P)
+        acc = []
+        for s0, sw in subs:
+            acc.append(nl.ndarray((sw, H), dtype=nl.float32, buffer=nl.sbuf))
+        for ci in range(len(chunks)):
+            i0, n = chunks[ci]
+            c0, cn = vt[i0][0], min(V, vt[i0 + n - 1][0] + P) - vt[i0][0]
+            wT_c, w_c = _cols(wT, c0, cn, dt), _rows(w, c0, cn, dt)
+            pT = nl.ndarray((P, n, tw), dtype=dt, buffer=nl.sbuf)  # exp(logits - lse), vocabulary on partitions
+            inner = []
+            for i in range(n):
+                v0, vw = vt[i0 + i]
+                ps = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.psum)
+                _logits(ps, wT_c, v0 - c0, vw, x_sb, 0, tw, H)
+                x = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=x, data1=ps, data2=lse_b[0:vw, :], op=nl.subtract)
+                nisa.activation(dst=pT[0:vw, i, :], op=nl.exp, data=x)
+                inner.append((i, vw))
+            for si in range(len(subs)):
+                s0, sw = subs[si]
+                banks = _banks(sw, H)
+                _sum_products(banks, pT, s0, sw, w_c, inner)
+                _leave_psum(acc[si], banks, ci > 0)
+        for si in range(len(subs)):
+            s0, sw = subs[si]
+            lab = _column(labels, t0 + s0, sw)
+            nisa.tensor_tensor(dst=acc[si], data1=acc[si], data2=_label_rows(w, lab, sw, dt), op=nl.subtract)
+            out = nl.ndarray((sw, H), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=out, op=nl.copy, data=acc[si], scale=_column(scale, t0 + s0, sw))
+            _store(grad_h, scratch, t0 + s0, out, masked)
 
 
 @nki.jit
@@ -281,66 +379,11 @@ def lce_bwd_kernel(hT, h, wT, w, labels, lse, scale):
     ``labels`` / ``lse`` / ``scale`` ``[T]`` fp32 (``scale`` = d loss / d loss_t, 0 for ignored tokens)."""
     H, T = hT.shape
     V = wT.shape[1]
-    dt = hT.dtype
     n_prog = nl.num_programs(0) if nl.program_ndim() > 0 else 1
     pid = nl.program_id(0) if nl.program_ndim() > 0 else 0
     grad_h = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.shared_hbm)
     grad_w = nl.ndarray((V, H), dtype=nl.float32, buffer=nl.shared_hbm)
     scratch = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.shared_hbm)  # masked tiles' results
-    iota_p = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)  # partition index
-    nisa.iota(dst=iota_p, pattern=[[0, P]], offset=0, channel_multiplier=1)
-    iota_f = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)  # free index
-    nisa.iota(dst=iota_f, pattern=[[1, P]], offset=0, channel_multiplier=0)
-
-    # grad_hidden: groups of token tiles share each vocabulary tile's loads; vocabulary on partitions
-    mine = _share(T, P, n_prog, pid)
-    for g0 in range(0, len(mine), GROUP):
-        group = []
-        for (t0, tw), masked in mine[g0:g0 + GROUP]:
-            group.append({"t0": t0, "masked": masked, "h": _load_cols(hT, t0, tw, H, dt),
-                          "lse": _row(lse, t0, tw, P), "scale": _row(scale, t0, tw, P), "lab": _row(labels, t0, tw, P),
-                          "acc": nl.ndarray((tw, H), dtype=nl.float32, buffer=nl.sbuf)})
-        vt = _tiles(V, P)
-        for c0 in range(0, len(vt), PAIR):
-            loads = []  # this chunk's vocabulary tiles: (v0, wT columns, w rows), shared by the group
-            for v0, vw in vt[c0:c0 + PAIR]:
-                w_rows = nl.ndarray((vw, H), dtype=dt, buffer=nl.sbuf)
-                nisa.dma_copy(dst=w_rows, src=w[v0:v0 + vw, :])
-                loads.append((v0, _load_cols(wT, v0, vw, H, dt), w_rows))
-            items = _items(len(group), len(loads))
-            ahead = _logits_h(group[items[0][0]], loads[items[0][1]], H)
-            for i in range(len(items)):
-                ps = ahead
-                if i + 1 < len(items):  # the next logits first: TensorE computes them while dl forms
-                    ahead = _logits_h(group[items[i + 1][0]], loads[items[i + 1][1]], H)
-                _grad_h_step(group[items[i][0]], loads[items[i][1]], ps, items[i][1], len(loads), c0 == 0, iota_p, dt)
-        for j in range(len(group)):
-            _store(grad_h, scratch, group[j]["t0"], group[j]["acc"], group[j]["masked"])
-
-    # grad_weight: groups of vocabulary tiles share each token tile's loads; tokens on partitions
-    mine = _share(V, P, n_prog, pid)
-    for g0 in range(0, len(mine), GROUP):
-        group = []
-        for (v0, vw), masked in mine[g0:g0 + GROUP]:
-            group.append({"v0": v0, "masked": masked, "w": _load_cols(wT, v0, vw, H, dt),
-                          "acc": nl.ndarray((vw, H), dtype=nl.float32, buffer=nl.sbuf)})
-        tt = _tiles(T, P)
-        for c0 in range(0, len(tt), PAIR):
-            loads = []  # this chunk's token tiles: (hT columns, h rows, -lse, scale, label), shared by the group
-            for t0, tw in tt[c0:c0 + PAIR]:
-                h_rows = nl.ndarray((tw, H), dtype=dt, buffer=nl.sbuf)
-                nisa.dma_copy(dst=h_rows, src=h[t0:t0 + tw, :])
-                neg = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_scalar(dst=neg, data=_column(lse, t0, tw), op0=nl.multiply, operand0=-1.0)
-                loads.append((_load_cols(hT, t0, tw, H, dt), h_rows, neg, _column(scale, t0, tw),
-                              _column(labels, t0, tw)))
-            items = _items(len(group), len(loads))
-            ahead = _logits_w(group[items[0][0]], loads[items[0][1]], H)
-            for i in range(len(items)):
-                ps = ahead
-                if i + 1 < len(items):  # the next logits first: TensorE computes them while dl forms
-                    ahead = _logits_w(group[items[i + 1][0]], loads[items[i + 1][1]], H)
-                _grad_w_step(group[items[i][0]], loads[items[i][1]], ps, items[i][1], len(loads), c0 == 0, iota_f, dt)
-        for j in range(len(group)):
-            _store(grad_w, scratch, group[j]["v0"], group[j]["acc"], group[j]["masked"])
+    _grad_hidden(hT, wT, w, grad_h, scratch, lse, scale, labels, n_prog, pid)
+    _grad_weight(hT, h, wT, grad_w, scratch, lse, scale, labels, n_prog, pid)
     return grad_h, grad_w
