@@ -27,7 +27,12 @@ from trnkit.overrides import (
     revert,
     unregister,
 )
-from trnkit.overrides.apply import _Swapped
+
+
+def _bound(module) -> bool:
+    """A native swap point takes its kernel choice itself: its ``kernel`` is set (nothing is rebuilt)."""
+    return getattr(module, "kernel", None) is not None
+
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 SWAP_PATHS = ["layers.0.attention.rope", "layers.1.attention.rope", "layers.0.moe.router", "layers.0.moe.experts"]
@@ -72,7 +77,7 @@ def test_swap_matches_original_logits_and_grads():
         ("layers.0.attention.rope", "rope_hf", "swapped"), ("layers.0.moe.router", "router_topk", "swapped"),
         ("layers.0.moe.experts", "moe_experts", "swapped"), ("layers.1.attention.rope", "rope_hf", "swapped")]
     for path in SWAP_PATHS:
-        assert isinstance(model.get_submodule(path), _Swapped)
+        assert _bound(model.get_submodule(path))
     assert list(model.state_dict()) == keys  # parameter names unchanged
 
     with _spy_kernels() as calls:
@@ -88,7 +93,7 @@ def test_swap_matches_original_logits_and_grads():
 
     assert revert(model) == 4
     for path in SWAP_PATHS:
-        assert not isinstance(model.get_submodule(path), _Swapped)
+        assert not _bound(model.get_submodule(path))
     assert_close(model(TOKENS).detach(), want_logits)
 
 
@@ -111,7 +116,7 @@ def test_strict_rejects_a_model_the_kernel_cannot_serve_before_the_first_step():
     msg = str(err.value)
     assert "rope_hf[nki]" in msg and "'D <= 128' violated (got 160)" in msg
     assert "layers.0.attention.rope" in msg and "layers.1.attention.rope" in msg
-    assert not any(isinstance(m, _Swapped) for m in model.modules())  # left unchanged
+    assert not any(_bound(m) for m in model.modules())  # left unchanged
     assert not getattr(model, "_trnkit_overrides", None)
 
 
@@ -158,7 +163,7 @@ def test_off_swaps_nothing():
     model = native_model()
     report = apply_overrides(model, OverrideConfig(policy="off"))
     assert {r.status for r in report.rows} == {"off"} and len(report.rows) == 4
-    assert not any(isinstance(m, _Swapped) for m in model.modules())
+    assert not any(_bound(m) for m in model.modules())
 
 
 def _short_rope(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False, layout="bhsd"):
@@ -220,8 +225,8 @@ def test_a_deep_copy_of_a_swapped_model_reverts_on_its_own():
     apply_overrides(model, OverrideConfig(impl="reference", seq_len=8))
     twin = copy.deepcopy(model)
     assert revert(twin) == 4
-    assert not any(isinstance(m, _Swapped) for m in twin.modules())
-    assert all(isinstance(model.get_submodule(p), _Swapped) for p in SWAP_PATHS)  # the original keeps its swaps
+    assert not any(_bound(m) for m in twin.modules())
+    assert all(_bound(model.get_submodule(p)) for p in SWAP_PATHS)  # the original keeps its swaps
     assert_close(twin(TOKENS), model(TOKENS))
 
 
@@ -254,7 +259,7 @@ e = m.layers[0].moe.experts
 x, idx, w = torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    impl = e._trnkit_guard.choose(x=x, topk_idx=idx, topk_weights=w, w_gate_up=e.w_gate_up, w_down=e.w_down,
+    impl = e.kernel.choose(x=x, topk_idx=idx, topk_weights=w, w_gate_up=e.w_gate_up, w_down=e.w_down,
                                   block_size=128)
 print("FALLBACK", r.rows[0].status, impl, [str(c.message) for c in caught])
 """

@@ -73,7 +73,7 @@ def test_override_config_lnc_is_checked_and_the_trainer_passes_it() -> None:
     assert override_config(cfg).lnc is None  # 0: the detected device's
     cfg.overrides.lnc = 2
     assert override_config(cfg).lnc == 2
-    assert override_config(cfg).block_size == 128
+    assert override_config(cfg).block_size == 0  # the kernel's tuned sizes (forward 512, backward 128)
     cfg.overrides.block_size = 512
     assert override_config(cfg).block_size == 512
     with pytest.raises(ValueError,
@@ -94,3 +94,27 @@ def test_block_size_reaches_the_experts_op(monkeypatch: pytest.MonkeyPatch) -> N
     finally:
         revert(model)
     assert seen == [(64, 2)]  # one MoE layer: its block size and lnc from the config
+
+
+def test_the_tuned_block_sizes_reach_the_kernels_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """block_size 0 (the default of the library's and the trainer's config): the nki kernels run at their
+    tuned sizes, forward 512 and backward 128 slots per expert block."""
+    import inspect
+
+    from trnkit.kernels import moe
+
+    seen = []
+    for name in ("moe_experts", "moe_experts_bwd"):
+        real = getattr(moe, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            bound = inspect.signature(_real).bind(*a, **kw)
+            bound.apply_defaults()
+            seen.append((_name, bound.arguments["block_size"]))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(moe, name, spy)
+    model = native_model()
+    apply_overrides(model, OverrideConfig(ops=["moe_experts"], seq_len=8))
+    model(TOKENS).square().mean().backward()
+    assert seen == [("moe_experts", 512), ("moe_experts_bwd", 128)]

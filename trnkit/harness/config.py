@@ -21,6 +21,9 @@ from typing import Any, Literal
 
 from trnkit.errors import ConfigError
 
+if typing.TYPE_CHECKING:
+    from trnkit.overrides.config import OverrideConfig
+
 
 @dataclass
 class JobConfig:
@@ -154,19 +157,12 @@ class ValidationConfig:
     split_fraction: float = 0.05
 
 
-@dataclass
-class OverridesConfig:
-    # Ops to swap for kernels through trnkit.overrides (e.g. ["rope_hf", "router_topk", "moe_experts"]).
-    ops: list[str] = field(default_factory=list)
-    policy: Literal["strict", "fallback", "off"] = "off"
-    impl: str = "nki"
-    # Physical cores per kernel launch: 1, 2 (a trn2 logical core), 0 = from the detected device.
-    lnc: int = 0
-    # moe_experts token block (rows per expert block, fwd and bwd): 32, 64, 128, 256 or 512.
-    block_size: int = 128
-    # Python modules imported before `impl` is resolved, e.g. ["my_pkg.my_kernels"]: they register
-    # their own impls with trnkit.overrides.register (see examples/my_kernels.py).
-    plugins: list[str] = field(default_factory=list)
+def _no_overrides() -> OverrideConfig:
+    """``[overrides]``: trnkit.overrides' own config (ops, impl, policy, block_size, lnc, plugins); the
+    trainer's default swaps nothing. seq_len / batch_size are set from [training] when it is applied."""
+    from trnkit.overrides.config import OverrideConfig
+
+    return OverrideConfig(ops=[], policy="off")
 
 
 @dataclass
@@ -200,7 +196,7 @@ class TrainerConfig:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    overrides: OverridesConfig = field(default_factory=OverridesConfig)
+    overrides: OverrideConfig = field(default_factory=_no_overrides)
     compile: CompileConfig = field(default_factory=CompileConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
@@ -483,11 +479,11 @@ def _validate(cfg: TrainerConfig) -> None:
     for i, name in enumerate(cfg.overrides.plugins):
         req(all(part.isidentifier() for part in name.split(".")), f"overrides.plugins[{i}]",
             "must be a dotted Python module name (e.g. 'my_pkg.my_kernels')", name)
-    req(cfg.overrides.lnc in (0, 1, 2), "overrides.lnc", "must be 0 (detected device), 1 or 2", cfg.overrides.lnc)
-    from trnkit.kernels.moe.constraints import BLOCK_SIZES  # the kernels load only when a config is checked
+    req(cfg.overrides.lnc in (0, 1, 2, None), "overrides.lnc", "must be 0 (detected device), 1 or 2", cfg.overrides.lnc)
+    from trnkit.overrides.config import choice_problems  # the kernels load only when a config is checked
 
-    req(cfg.overrides.block_size in BLOCK_SIZES, "overrides.block_size", f"must be one of {BLOCK_SIZES}",
-        cfg.overrides.block_size)
+    for name, problem in choice_problems(cfg.overrides.policy, cfg.overrides.block_size, cfg.overrides.lnc):
+        raise ConfigError(f"config overrides.{name}: {problem}")
     if cfg.overrides.policy != "off":
         req(len(cfg.overrides.ops) > 0, "overrides.ops", f"must name at least one op when policy is "
             f"{cfg.overrides.policy!r}", cfg.overrides.ops)
@@ -531,7 +527,7 @@ def resolve_parallel_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[i
 
 __all__ = [
     "CheckpointConfig", "CompileConfig", "ConfigError", "DataConfig", "JobConfig", "LRSchedulerConfig",
-    "MetricsConfig", "ModelConfig", "OptimizerConfig", "OverridesConfig", "ParallelismConfig",
+    "MetricsConfig", "ModelConfig", "OptimizerConfig", "ParallelismConfig",
     "TrainerConfig", "TrainingConfig", "ValidationConfig", "check_log_rank", "coerce", "from_dict", "load_config",
     "load_toml", "parse_args",
     "parse_cli_overrides", "resolve_parallel_degrees", "to_toml",

@@ -11,6 +11,7 @@ HF export / loss plot.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -99,13 +100,10 @@ def override_config(cfg: TrainerConfig) -> Any:
     o = cfg.overrides
     if o.policy == "off":
         return None
-    from trnkit.overrides import OverrideConfig
-
     try:
-        # the dry-run validation sees this run's real shapes: [local_batch_size, seq_len] tokens
-        return OverrideConfig(ops=list(o.ops), policy=o.policy, impl=o.impl, seq_len=cfg.training.seq_len,
-                              batch_size=cfg.training.local_batch_size, lnc=o.lnc or None,
-                              block_size=o.block_size)
+        # checked again (fields set one by one from TOML / CLI); the dry-run validation sees this run's
+        # real shapes: [local_batch_size, seq_len] tokens
+        return dataclasses.replace(o, seq_len=cfg.training.seq_len, batch_size=cfg.training.local_batch_size)
     except (ValueError, KeyError) as e:  # unknown op / impl names, from the registry
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         raise ConfigError(f"config overrides (ops = {list(o.ops)}, impl = {o.impl!r}): {msg}") from e

@@ -2,7 +2,9 @@
 
 - :mod:`.registry`: ``register`` / ``select`` / ``list_impls`` (impls per op, policies).
 - :mod:`.ops`: the ``trnkit::`` custom ops (``torch.ops.trnkit.*``).
-- :mod:`.apply`: ``apply_overrides(model, OverrideConfig(...)) -> OverrideReport`` and ``revert``.
+- :mod:`.config`: ``KernelChoice`` (impl, policy, MoE block size, LNC: one op's kernel, as data) and
+  ``OverrideConfig`` (the one config of kernel choices: the library's and the trainer's ``[overrides]``).
+- :mod:`.apply`: ``apply_overrides(model, config) -> OverrideReport``, ``revert`` and ``bind_kernels``.
 - :mod:`.hf`: ``register_hf_experts()`` / ``register_hf_attention()`` — trnkit as a transformers v5
   ``experts_implementation`` / ``attn_implementation``.
 """
@@ -24,7 +26,16 @@ from trnkit.overrides.registry import (  # registry first: the others build on i
 )
 from trnkit.overrides import ops
 from trnkit.overrides.builtins import NKI, register_builtins
-from trnkit.overrides.apply import DEFAULT_OPS, SWAPPABLE_OPS, OverrideConfig, apply_overrides, revert
+from trnkit.overrides.config import KernelChoice
+from trnkit.overrides.apply import (
+    DEFAULT_OPS,
+    SWAPPABLE_OPS,
+    BoundKernel,
+    OverrideConfig,
+    apply_overrides,
+    bind_kernels,
+    revert,
+)
 from trnkit.overrides.report import OverrideReport, OverrideRow
 from trnkit.overrides.hf import register_hf_attention, register_hf_experts
 
@@ -37,7 +48,9 @@ __all__ = [
     "REFERENCE",
     "DEFAULT_OPS",
     "SWAPPABLE_OPS",
+    "BoundKernel",
     "ImplEntry",
+    "KernelChoice",
     "OverrideConfig",
     "OverrideConstraintError",
     "OverrideReport",
@@ -45,6 +58,7 @@ __all__ = [
     "RegistrationError",
     "Selection",
     "apply_overrides",
+    "bind_kernels",
     "get_impl",
     "list_impls",
     "ops",

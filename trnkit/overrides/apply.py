@@ -3,7 +3,7 @@
 Swap points (each becomes one report row):
 
 =============  ===============================================  ==========================================
-op             trnkit native Qwen3 (DESIGN.md §4)               transformers v5 Qwen3 / Qwen3-MoE
+op             trnkit native Qwen3 (``kernel_op`` modules)      transformers v5 Qwen3 / Qwen3-MoE
 =============  ===============================================  ==========================================
 rope_hf        ``layers[i].attention.rope`` (``RoPEApply``)     ``layers[i].self_attn``: its forward is
                                                                 rebound, for that module only, to a copy
@@ -29,18 +29,21 @@ mlp            ``layers[i].feed_forward`` (``FeedForward``:     ``layers[i].mlp`
 ``rmsnorm``, ``linear_cross_entropy``, ``attention`` and ``mlp`` are swappable but not in the default
 ``ops`` (:data:`DEFAULT_OPS`): name them to swap the norms, the loss, the attention and the dense MLP.
 
-Modules are replaced by an instance of a subclass of their own class that shares the original's
-parameters, buffers, children and attributes, so ``state_dict`` keys, checkpoints and ``isinstance``
-checks are unchanged. Before returning, every swapped module is validated against the model's real
-shapes and dtypes by a dry run of the whole model on fake tensors (no memory, no kernel runs) plus
-static checks of the module configuration (activation, weight layout, ...). At every call the same
-constraint functions run again (shape/dtype/device only), so a shape that changes mid-run gets the
-policy's behaviour: ``strict`` raises, ``fallback`` warns once per reason and runs the module's
-original code.
+A module whose class declares ``kernel_op`` (trnkit's native Qwen3: :class:`trnkit.qwen3.model.KernelSlot`)
+takes the choice itself: its ``kernel`` attribute is set to the op's :class:`BoundKernel` and its own
+forward calls the ``trnkit::`` op; nothing is rebuilt. transformers' modules are replaced by an instance
+of a subclass of their own class that shares the original's parameters, buffers, children and
+attributes, so ``state_dict`` keys, checkpoints and ``isinstance`` checks are unchanged. Before
+returning, every swap point is validated against the model's real shapes and dtypes by a dry run
+of the whole model on fake tensors (no memory, no kernel runs) plus static checks of the module
+configuration (activation, weight layout, ...). At every call the same constraint functions run again
+(shape/dtype/device only), so a shape that changes mid-run gets the policy's behaviour: ``strict``
+raises, ``fallback`` warns once per reason and runs the module's original code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import sys
@@ -55,14 +58,12 @@ from torch import Tensor, nn
 
 from trnkit.errors import TrnkitError
 from trnkit.kernels.constraints import Violation
-from trnkit.kernels.lnc import LNC_VALUES
-from trnkit.kernels.moe import BLOCK_SIZES, from_hf_v5
+from trnkit.kernels.moe import from_hf_v5
 from trnkit.overrides import ops
+from trnkit.overrides.config import DEFAULT_OPS, SWAPPABLE_OPS, KernelChoice, OverrideConfig
 from trnkit.overrides.registry import (
-    POLICIES,
     REFERENCE,
     OverrideConstraintError,
-    get_impl,
     select,
     warn_once,
 )
@@ -78,59 +79,12 @@ def _resolve_dtensor() -> None:
 
         _DTensor = DTensor
 
-__all__ = ["SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "revert"]
+__all__ = ["DEFAULT_OPS", "SWAPPABLE_OPS", "BoundKernel", "OverrideConfig", "apply_overrides", "bind_kernels",
+           "revert"]
 
-SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm", "linear_cross_entropy", "attention", "mlp")
-DEFAULT_OPS = ("rope_hf", "router_topk", "moe_experts")  # OverrideConfig's default selection
 _STAND_IN_OPS = ("rope_hf", "router_topk", "moe_experts")  # ops given shape-only stand-ins in the dry run
 ORIGINAL = "original"  # report name for "the module's own forward"
 _STATE_ATTR = "_trnkit_overrides"
-
-
-@dataclass
-class OverrideConfig:
-    """Which ops to swap, with which impl, under which policy.
-
-    ``impl`` is one name for every op or ``{op: name}``; ``seq_len``/``batch_size`` size the dry-run
-    validation (default: the model config's maximum sequence length, batch 1). ``lnc``: physical
-    cores per kernel launch (1, or 2 = a trn2 logical core), passed by each swapped module to its op;
-    None: the device default (:func:`trnkit.kernels.lnc.default_lnc`: 2 on a trn2 logical core, 1 on
-    the interpreter). It belongs to the swapped modules: ``revert`` leaves nothing behind.
-    """
-
-    ops: Sequence[str] = DEFAULT_OPS
-    impl: str | Mapping[str, str] = "nki"
-    policy: str = "strict"
-    seq_len: int | None = None
-    batch_size: int = 1
-    dry_run: bool = True
-    block_size: int = 128  # moe_experts token block size
-    lnc: int | None = None
-
-    def __post_init__(self) -> None:
-        self.ops = tuple(self.ops)
-        if self.lnc is not None and (isinstance(self.lnc, bool) or self.lnc not in LNC_VALUES):
-            raise ValueError(f"OverrideConfig.lnc must be one of {LNC_VALUES} or None, got {self.lnc!r}")
-        if isinstance(self.block_size, bool) or self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"OverrideConfig.block_size must be one of {BLOCK_SIZES}, got {self.block_size!r}")
-        bad = [op for op in self.ops if op not in SWAPPABLE_OPS]
-        if bad:
-            raise ValueError(f"OverrideConfig.ops: unknown op(s) {bad}; swappable ops are {list(SWAPPABLE_OPS)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"OverrideConfig.policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.seq_len is not None and not (isinstance(self.seq_len, int) and self.seq_len >= 1):
-            raise ValueError(f"OverrideConfig.seq_len must be a positive int or None, got {self.seq_len!r}")
-        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
-            raise ValueError(f"OverrideConfig.batch_size must be a positive int, got {self.batch_size!r}")
-        if isinstance(self.impl, Mapping):
-            extra = sorted(set(self.impl) - set(self.ops))
-            if extra:
-                raise ValueError(f"OverrideConfig.impl names ops that are not in ops: {extra}")
-        for op in self.ops:
-            get_impl(op, self.impl_for(op))  # unknown impl names fail here, with the registered ones
-
-    def impl_for(self, op: str) -> str:
-        return self.impl if isinstance(self.impl, str) else self.impl.get(op, "nki")
 
 
 # ------------------------------------------------------------------------------------------ guard
@@ -148,16 +102,20 @@ class _Probe:
 _PROBE: _Probe | None = None
 
 
-class _Guard:
-    """Per-module call-time decision: the impl to run, or None for the module's original code."""
+class BoundKernel:
+    """One swap point's :class:`KernelChoice`, bound to its module path: the call-time decision
+    (:meth:`choose`: the impl to run, or None for the module's own code) and the options the swap
+    point passes to its op (``lnc``: 0 = the device default; ``block_size``: 0 = the kernel's tuned sizes)."""
 
-    def __init__(self, op: str, impl: str, policy: str, path: str, static: list[Violation],
-                 probe_only: bool = False, lnc: int = 0, block_size: int = 128) -> None:
-        self.op, self.impl, self.policy, self.path, self.static = op, impl, policy, path, static
+    def __init__(self, op: str, choice: KernelChoice, path: str, static: Sequence[Violation] = (),
+                 probe_only: bool = False) -> None:
+        self.op, self.choice, self.path, self.static = op, choice, path, list(static)
         self.probe_only = probe_only  # a shape-only stand-in used during the dry run
-        # the kernel options this swap point passes to its op: physical cores per launch (0 = the
-        # device default) and the moe_experts token block size
-        self.lnc, self.block_size = lnc, block_size
+        self.impl, self.policy = choice.impl, choice.policy
+        self.lnc, self.block_size = choice.lnc or 0, choice.block_size
+
+    def __repr__(self) -> str:
+        return f"BoundKernel({self.op!r}, {self.choice!r}, path={self.path!r})"
 
     def choose(self, extra: Sequence[Violation] = (), **inputs: Any) -> str | None:
         if _PROBE is not None:
@@ -229,7 +187,7 @@ def _dtensor_violations(op: str, inputs: Mapping[str, Any]) -> list[Violation]:
 class _Swapped:
     """Mixin for swapped modules; the concrete class is ``type(name, (_Swapped, OriginalClass), {...})``."""
 
-    _trnkit_guard: _Guard
+    _trnkit_guard: BoundKernel
     _trnkit_original: nn.Module
 
     def _trnkit_fallback(self, *args: Any, **kwargs: Any) -> Any:
@@ -242,69 +200,21 @@ class _Swapped:
         return f"trnkit {g.op}[{g.impl}] policy={g.policy}"
 
 
-def _native_rope_forward(self: Any, q: Tensor, k: Tensor, rope_cache: Tensor) -> tuple[Tensor, Tensor]:
-    impl = self._trnkit_guard.choose(q=q, k=k, rope_cache=rope_cache, layout="bshd")
-    if impl is None:
-        return self._trnkit_fallback(q, k, rope_cache)
-    return ops.rope_hf_apply(q, k, None, None, rope_cache, "bshd", False, impl)
-
-
-def _native_router_forward(self: Any, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    w = self.gate.weight
-    impl = self._trnkit_guard.choose(x=x, w_router=w, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
-    if impl is None:
-        return self._trnkit_fallback(x)
-    weights, idx, logits = ops.router_topk(x, w, self.top_k, self.norm_topk_prob, impl)
-    return weights, idx.long(), logits
-
-
-def _native_experts_forward(self: Any, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Tensor:
-    guard = self._trnkit_guard
-    impl = guard.choose(x=x, topk_idx=topk_idx, topk_weights=topk_weights,
-                        w_gate_up=self.w_gate_up, w_down=self.w_down, block_size=guard.block_size)
-    if impl is None:
-        return self._trnkit_fallback(x, topk_idx, topk_weights)
-    return ops.moe_experts(x, topk_idx, topk_weights, self.w_gate_up, self.w_down, guard.block_size, impl,
-                           lnc=guard.lnc)
-
-
 def _rmsnorm_forward(self: Any, x: Tensor) -> Tensor:
-    """trnkit's ``RMSNorm`` (``eps``) and transformers' Qwen3 norms (``variance_epsilon``): the same math."""
-    eps = float(self.eps if hasattr(self, "eps") else self.variance_epsilon)
+    """transformers' Qwen3 norms (``variance_epsilon``)."""
+    eps = float(self.variance_epsilon)
     impl = self._trnkit_guard.choose(x=x, weight=self.weight, eps=eps)
     if impl is None:
         return self._trnkit_fallback(x)
     return ops.rmsnorm(x, self.weight, eps, impl, lnc=self._trnkit_guard.lnc)[0]
 
 
-def _native_loss_forward(self: Any, h: Tensor, weight: Tensor, labels: Tensor, chunk_size: int = 256,
-                         ignore_index: int = -100) -> Tensor:
-    """trnkit's ``LinearCrossEntropy``: the summed loss of ``h [B, S, H] @ weight.T`` in the compute dtype
-    (the autocast dtype under autocast, as the lm_head would run), fp32 out."""
-    dev = h.device.type
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(h.dtype, weight.dtype)
-    hidden, w, lab = h.reshape(-1, h.shape[-1]).to(dt), weight.to(dt), labels.reshape(-1)
-    impl = self._trnkit_guard.choose(hidden=hidden, weight=w, labels=lab, ignore_index=ignore_index)
-    if impl is None:
-        return self._trnkit_fallback(h, weight, labels, chunk_size, ignore_index)
-    return ops.linear_cross_entropy(hidden, w, lab, ignore_index, impl, lnc=self._trnkit_guard.lnc)[0]
-
-
-def _native_attention_forward(self: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    impl = self._trnkit_guard.choose(q=q, k=k, v=v, scale=self.scale)
-    if impl is None:
-        return self._trnkit_fallback(q, k, v)
-    return ops.attention(q, k, v, float(self.scale), impl, lnc=self._trnkit_guard.lnc)[0]
-
-
 def _mlp_linears(module: nn.Module) -> tuple[Any, Any, Any]:
-    """(gate, up, down) projections of trnkit's ``FeedForward`` (w1, w3, w2) or transformers' Qwen3 MLPs."""
-    if hasattr(module, "gate_proj"):
-        return module.gate_proj, module.up_proj, module.down_proj
-    return module.w1, module.w3, module.w2
+    """(gate, up, down) projections of transformers' Qwen3 MLPs."""
+    return module.gate_proj, module.up_proj, module.down_proj
 
 
-def _mlp_forward(self: Any, x: Tensor) -> Tensor:
+def _hf_mlp_forward(self: Any, x: Tensor) -> Tensor:
     """The dense SwiGLU MLP in the compute dtype (the autocast dtype under autocast, as the projections
     would run): ``w_gate_up = cat(gate, up).T`` and ``w_down = down.T`` are views / a copy that autograd
     differentiates back to the ``nn.Linear`` weights."""
@@ -373,13 +283,13 @@ def hf_sigmoid_router_static(module: nn.Module) -> list[Violation]:
     return []
 
 
-def hf_experts_call(module: nn.Module, guard: _Guard, hidden_states: Tensor, top_k_index: Tensor,
+def hf_experts_call(module: nn.Module, guard: BoundKernel, hidden_states: Tensor, top_k_index: Tensor,
                     top_k_weights: Tensor) -> Tensor | None:
     """trnkit::moe_experts for a transformers v5 experts module; None = the guard chose its own code."""
     # [E, 2I, H] / [E, H, I] -> kernel layout [E, H, 2I] / [E, I, H]; views for the check, copies to run.
     impl = guard.choose(x=hidden_states, topk_idx=top_k_index, topk_weights=top_k_weights,
                         w_gate_up=module.gate_up_proj.transpose(1, 2), w_down=module.down_proj.transpose(1, 2),
-                        block_size=guard.block_size)
+                        **ops.block_size_kw(guard.block_size))
     if impl is None:
         return None
     w_gate_up, w_down = from_hf_v5(module.gate_up_proj, module.down_proj)  # the one layout converter
@@ -408,7 +318,7 @@ def _hf_gpt_oss_experts_forward(self: Any, hidden_states: Tensor, router_indices
     w_gate_up, b_gate_up = self.gate_up_proj, self.gate_up_proj_bias
     guard = self._trnkit_guard
     impl = guard.choose(x=hidden_states, topk_idx=router_indices, topk_weights=routing_weights,
-                        w_gate_up=w_gate_up, w_down=self.down_proj, block_size=guard.block_size,
+                        w_gate_up=w_gate_up, w_down=self.down_proj, **ops.block_size_kw(guard.block_size),
                         b_gate_up=b_gate_up, b_down=self.down_proj_bias, **variant)
     if impl is None:
         return self._trnkit_fallback(hidden_states, router_indices, routing_weights)
@@ -445,28 +355,11 @@ def hf_experts_static(module: nn.Module) -> list[Violation]:
     return [Violation(label, rule, value, why) for ok, rule, value, why in checks if not ok]
 
 
-def native_router_static(module: nn.Module) -> list[Violation]:
-    """The kernel computes x @ gate.weight^T itself: anything else `gate` would do is not served."""
-    gate = getattr(module, "gate", None)
-    label = "router_topk[native adapter]"
-    if not isinstance(gate, nn.Linear):
-        return [Violation(label, "gate is an nn.Linear", type(gate).__name__,
-                          "the kernel reads gate.weight and does the projection itself")]
-    if gate.bias is not None:
-        return [Violation(label, "gate without bias", "bias", "the kernel has no bias term")]
-    return []
-
-
 @dataclass(frozen=True)
 class _ModuleAdapter:
     op: str
     forward: Callable[..., Any]
     static: Callable[[nn.Module], list[Violation]] = lambda m: []
-
-
-def _is_native(module: nn.Module, name: str) -> bool:
-    cls = type(module)
-    return cls.__name__ == name and cls.__module__.startswith("trnkit.qwen3")
 
 
 # transformers classes whose math the adapters were checked against (5.24). Other models' look-alike
@@ -498,19 +391,9 @@ def _is_hf(module: nn.Module, kind: str) -> bool:
 def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
     if isinstance(module, _Swapped):
         return None
-    if _is_native(module, "RoPEApply"):
-        return _ModuleAdapter("rope_hf", _native_rope_forward)
-    if _is_native(module, "TopKRouter"):
-        return _ModuleAdapter("router_topk", _native_router_forward, native_router_static)
-    if _is_native(module, "GroupedExperts"):
-        return _ModuleAdapter("moe_experts", _native_experts_forward)
-    if _is_native(module, "LinearCrossEntropy"):
-        return _ModuleAdapter("linear_cross_entropy", _native_loss_forward)
-    if _is_native(module, "CausalAttention"):
-        return _ModuleAdapter("attention", _native_attention_forward)
-    if _is_native(module, "FeedForward") or _is_hf(module, "MLP"):
-        return _ModuleAdapter("mlp", _mlp_forward, mlp_static)
-    if _is_native(module, "RMSNorm") or _is_hf(module, "RMSNorm"):
+    if _is_hf(module, "MLP"):
+        return _ModuleAdapter("mlp", _hf_mlp_forward, mlp_static)
+    if _is_hf(module, "RMSNorm"):
         return _ModuleAdapter("rmsnorm", _rmsnorm_forward)
     if _is_hf(module, "TopKRouter"):
         return _ModuleAdapter("router_topk", _hf_router_forward)
@@ -528,7 +411,8 @@ def _swapped_class(cls: type, forward: Callable[..., Any]) -> type:
     return type(f"Trnkit{cls.__name__}", (_Swapped, cls), {"forward": forward, "__module__": __name__})
 
 
-def _swap_module(model: nn.Module, path: str, module: nn.Module, adapter: _ModuleAdapter, guard: _Guard) -> _SwapPoint:
+def _swap_module(model: nn.Module, path: str, module: nn.Module, adapter: _ModuleAdapter,
+                 guard: BoundKernel) -> _SwapPoint:
     new = object.__new__(_swapped_class(type(module), adapter.forward))
     new.__dict__.update(module.__dict__)  # the same _parameters/_buffers/_modules dicts: same state_dict
     new.__dict__.update(_trnkit_guard=guard, _trnkit_original=module)
@@ -599,7 +483,7 @@ def _is_hf_rope_attention(module: nn.Module) -> bool:
             and _calls_global(type(module).forward, _ROPE_GLOBAL))
 
 
-def _hf_rope_fn(original: Callable[..., Any], guard: _Guard) -> Callable[..., Any]:
+def _hf_rope_fn(original: Callable[..., Any], guard: BoundKernel) -> Callable[..., Any]:
     """trnkit's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` for one attention module.
 
     transformers hands q/k as ``[B, H, S, D]`` views of contiguous ``[B, S, H, D]`` projections and
@@ -621,7 +505,7 @@ def _hf_rope_fn(original: Callable[..., Any], guard: _Guard) -> Callable[..., An
     return apply_rotary_pos_emb
 
 
-def _swap_hf_rope(path: str, module: nn.Module, guard: _Guard) -> _SwapPoint:
+def _swap_hf_rope(path: str, module: nn.Module, guard: BoundKernel) -> _SwapPoint:
     cls_forward = type(module).forward
     source = _globals_with(cls_forward, _ROPE_GLOBAL)
     ns = _namespace_module(source, _ROPE_GLOBAL, _hf_rope_fn(source[_ROPE_GLOBAL], guard))
@@ -647,15 +531,19 @@ class _SwapPoint:
 
     path: str
     op: str
-    guard: _Guard
+    guard: BoundKernel
     module: nn.Module  # the original module (module swap) or the attention module (rotary swap)
     parent: nn.Module | None = None  # module swap: where the replacement sits
     name: str = ""
     namespace: str | None = None  # rotary swap: the scoped globals module in sys.modules
     config: Any = None  # transformers attention swap: the module's original config
+    slot: bool = False  # a kernel_op module: its kernel was set (to guard), previous is restored
+    previous: Any = None
 
     def undo(self) -> None:
-        if self.parent is not None:
+        if self.slot:
+            self.module.kernel = self.previous
+        elif self.parent is not None:
             self.module.training = getattr(self.parent, self.name).training
             setattr(self.parent, self.name, self.module)
         elif self.config is not None:
@@ -668,11 +556,27 @@ class _SwapPoint:
 
 
 HF_ATTENTION = "hf-attention"  # _find_swap_points' marker of a transformers attention module
+SLOT = "kernel-slot"  # _find_swap_points' marker of a module that takes its kernel choice itself
+
+
+def kernel_op(module: nn.Module) -> str:
+    """The op a module computes when its class declares one (``kernel_op``, trnkit's native modules), else ''."""
+    return getattr(type(module), "kernel_op", "") or ""
+
+
+def slot_static(module: nn.Module, op: str) -> list[Violation]:
+    """A ``kernel_op`` module's own configuration checks (its ``kernel_static()``) as violations."""
+    static = getattr(module, "kernel_static", None)
+    return [Violation(f"{op}[native adapter]", *item) for item in static()] if static is not None else []
 
 
 def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple[str, nn.Module, str, Any]]:
     for path, module in list(model.named_modules()):
         if not path:
+            continue
+        if kernel_op(module):
+            if kernel_op(module) in wanted:
+                yield path, module, kernel_op(module), SLOT
             continue
         adapter = _module_adapter(module)
         if adapter is not None and adapter.op in wanted:
@@ -684,11 +588,13 @@ def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple
             yield path, module, "attention", HF_ATTENTION
 
 
-def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _ModuleAdapter | None,
-             config: OverrideConfig, impl: str, probe_only: bool = False) -> _SwapPoint:
-    static = adapter.static(module) if isinstance(adapter, _ModuleAdapter) else []
-    guard = _Guard(op, impl, config.policy, path, static, probe_only, lnc=config.lnc or 0,
-                   block_size=config.block_size)
+def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _ModuleAdapter | str | None,
+             choice: KernelChoice, probe_only: bool = False) -> _SwapPoint:
+    static = adapter.static(module) if isinstance(adapter, _ModuleAdapter) else slot_static(module, op)
+    guard = BoundKernel(op, choice, path, static, probe_only)
+    if adapter == SLOT:
+        previous, module.kernel = module.kernel, guard
+        return _SwapPoint(path, op, guard, module, slot=True, previous=previous)
     if adapter == HF_ATTENTION:
         from trnkit.overrides.hf import set_hf_attention  # hf imports this module
 
@@ -718,9 +624,10 @@ def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs
     # dispatch); give them shape-only stand-ins for the dry run. The norms and the loss keep their own
     # (shape-only) code: a stand-in would run a trnkit op, which has no DTensor rule under tensor
     # parallelism. Eval mode skips aux statistics.
-    others = [_install(model, path, module, op, adapter, config, REFERENCE, probe_only=True)
+    stand_in = KernelChoice(REFERENCE, "strict")
+    others = [_install(model, path, module, op, adapter, stand_in, probe_only=True)
               for path, module, op, adapter in _find_swap_points(model, _STAND_IN_OPS)
-              if op not in config.ops]
+              if op not in config.ops and getattr(module, "kernel", None) is None]
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     _PROBE = probe
@@ -746,15 +653,43 @@ def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs
     return probe.seen
 
 
-def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kwargs: Any) -> OverrideReport:
-    """Swap the configured trnkit ops into ``model`` and validate them; returns the report.
+def bind_kernels(model: nn.Module, kernels: Mapping[str, KernelChoice]) -> int:
+    """Give every module of ``model`` that declares a ``kernel_op`` in ``kernels`` that op's choice, bound
+    to its path (no dry run: the model may still be on the meta device); returns how many were bound.
+    trnkit's native Qwen3 calls this when it is built with ``Qwen3Config.kernels``."""
+    for op, choice in kernels.items():
+        if op not in SWAPPABLE_OPS:
+            raise ValueError(f"kernels: unknown op {op!r}; swappable ops are {list(SWAPPABLE_OPS)}")
+        if not isinstance(choice, KernelChoice):
+            raise TypeError(f"kernels[{op!r}]: expected a KernelChoice, got {type(choice).__name__}")
+        choice.check_impl(op)
+    n = 0
+    for path, module in model.named_modules():
+        op = kernel_op(module)
+        if op in kernels:
+            module.kernel = BoundKernel(op, kernels[op], path, slot_static(module, op))
+            n += 1
+    return n
 
-    ``kwargs`` build an :class:`OverrideConfig` when ``config`` is omitted. Under ``strict`` a violated
-    constraint raises :class:`OverrideConstraintError` (naming module, op, impl, rule and value) and
-    leaves the model unchanged; under ``fallback`` the module keeps its original code for inputs the
-    impl cannot serve (warned once per reason); ``off`` swaps nothing.
+
+def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
+                    choices: Mapping[str, KernelChoice] | None = None, **kwargs: Any) -> OverrideReport:
+    """Give ``model``'s swap points the configured kernels and validate them; returns the report.
+
+    ``kwargs`` build an :class:`OverrideConfig` when ``config`` is omitted. ``choices``: ``{op:
+    KernelChoice}`` in place of ``config.ops`` and its impl / policy / block size / lnc (``config`` then
+    sizes the dry run only). Under ``strict`` a violated constraint raises
+    :class:`OverrideConstraintError` (naming module, op, impl, rule and value) and leaves the model
+    unchanged; under ``fallback`` the module keeps its original code for inputs the impl cannot serve
+    (warned once per reason); ``off`` swaps nothing.
     """
     config = config if config is not None else OverrideConfig(**kwargs)
+    if choices is not None:
+        for op, choice in choices.items():
+            choice.check_impl(op)
+        config = dataclasses.replace(config, ops=list(choices), impl={op: c.impl for op, c in choices.items()})
+    else:
+        choices = config.kernels()
     _resolve_dtensor()
     if getattr(model, _STATE_ATTR, None):
         raise RuntimeError("trnkit apply_overrides: overrides are already applied to this model; "
@@ -766,20 +701,17 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kw
                            for p, _, op, _ in found)
         return report
 
-    points = [_install(model, path, module, op, adapter, config, config.impl_for(op))
-              for path, module, op, adapter in found]
+    points = [_install(model, path, module, op, adapter, choices[op]) for path, module, op, adapter in found]
     model.__dict__[_STATE_ATTR] = points
 
-    try:
-        if config.policy == "strict":  # configuration problems first, before any dry run
-            _raise_if_any([(pt, pt.guard.static) for pt in points])
+    try:  # under strict: configuration problems first, before any dry run
+        _raise_if_any([(pt, pt.guard.static) for pt in points])
         params = list(model.parameters())
         device = params[0].device.type if params else None
         needs_backward = any(p.requires_grad for p in params)
         seen = _dry_run(model, config, device, needs_backward) if config.dry_run and points else {}
         problems = [(pt, [*pt.guard.static, *_unique(seen.get(pt.path, []))]) for pt in points]
-        if config.policy == "strict":
-            _raise_if_any(problems)
+        _raise_if_any(problems)
     except BaseException:
         revert(model)
         raise
@@ -794,7 +726,8 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, **kw
 
 
 def _raise_if_any(problems: list[tuple[_SwapPoint, list[Violation]]]) -> None:
-    bad = [(pt, rs) for pt, rs in problems if rs]
+    """Raise for the swap points under ``strict`` that have problems."""
+    bad = [(pt, rs) for pt, rs in problems if rs and pt.guard.policy == "strict"]
     if bad:
         pt, _ = bad[0]
         raise OverrideConstraintError(pt.op, pt.guard.impl, [v for _, rs in bad for v in rs],

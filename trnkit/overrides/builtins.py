@@ -150,25 +150,22 @@ def _gmm_constraints(x: Tensor, w: Tensor, group_offsets: Tensor, **_: Any) -> l
     return _moe_constraints_fn("grouped_mm")(x, w, group_offsets)
 
 
-def _moe_ref(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **variant: Any) -> Tensor:
-    return _attr("moe", "moe_experts_ref")(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=block_size,
-                                           **variant)
+# block_size (and the expert variant) reach the kernels as keywords only when the op sets them: the
+# kernels' own defaults are their tuned block sizes (forward 512, backward 128).
+def _moe_ref(x, topk_idx, topk_weights, w_gate_up, w_down, **kw: Any) -> Tensor:
+    return _attr("moe", "moe_experts_ref")(x, topk_idx, topk_weights, w_gate_up, w_down, **kw)
 
 
-def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, lnc=None, **variant: Any) -> Tensor:
-    return _attr("moe", "moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=block_size,
-                                       lnc=lnc, **variant)
+def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, lnc=None, **kw: Any) -> Tensor:
+    return _attr("moe", "moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down, lnc=lnc, **kw)
 
 
-def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128, **variant: Any):
-    return _attr("moe", "moe_experts_bwd_ref")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out,
-                                               block_size=block_size, **variant)
+def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, **kw: Any):
+    return _attr("moe", "moe_experts_bwd_ref")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, **kw)
 
 
-def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128, lnc=None,
-                 **variant: Any):
-    return _attr("moe", "moe_experts_bwd")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out,
-                                           block_size=block_size, lnc=lnc, **variant)
+def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, lnc=None, **kw: Any):
+    return _attr("moe", "moe_experts_bwd")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, lnc=lnc, **kw)
 
 
 class _IndexSpec:

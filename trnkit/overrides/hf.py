@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from trnkit.kernels.constraints import Violation, check
 from trnkit.kernels.lnc import lnc_violations
 from trnkit.overrides import ops
-from trnkit.overrides.apply import _Guard, _resolve_dtensor, hf_experts_call, hf_experts_static
+from trnkit.overrides.apply import BoundKernel, _resolve_dtensor, hf_experts_call, hf_experts_static
+from trnkit.overrides.config import KernelChoice
 from trnkit.overrides.registry import POLICIES, get_impl
 
 __all__ = ["register_hf_attention", "register_hf_experts"]
@@ -35,24 +36,25 @@ _GUARD_ATTR = "_trnkit_interface_guards"
 
 
 def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "fallback",
-                        block_size: int = 128, lnc: int | None = None) -> str:
-    """Register ``name`` in transformers' ``ALL_EXPERTS_FUNCTIONS``; returns ``name``. ``block_size`` and
-    ``lnc`` (physical cores per launch; None: the device default) are passed to ``trnkit::moe_experts``."""
+                        block_size: int = 0, lnc: int | None = None) -> str:
+    """Register ``name`` in transformers' ``ALL_EXPERTS_FUNCTIONS``; returns ``name``. ``block_size`` (0: the
+    kernel's tuned sizes) and ``lnc`` (physical cores per launch; None: the device default) are passed to
+    ``trnkit::moe_experts``."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS  # optional dependency
 
     if policy not in POLICIES[:2]:
         raise ValueError(f"register_hf_experts: policy must be 'strict' or 'fallback', got {policy!r}")
     get_impl("moe_experts", impl)  # unknown impl names fail now, listing the registered ones
     check(lnc_violations(lnc))
+    choice = KernelChoice(impl, policy, block_size, lnc or 0)
     _resolve_dtensor()
 
     def trnkit_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                                top_k_weights: Tensor) -> Tensor:
-        guards: dict[str, _Guard] = self.__dict__.setdefault(_GUARD_ATTR, {})
+        guards: dict[str, BoundKernel] = self.__dict__.setdefault(_GUARD_ATTR, {})
         guard = guards.get(name)
         if guard is None:
-            guard = guards[name] = _Guard("moe_experts", impl, policy, type(self).__name__,
-                                          hf_experts_static(self), lnc=lnc or 0, block_size=block_size)
+            guard = guards[name] = BoundKernel("moe_experts", choice, type(self).__name__, hf_experts_static(self))
         out = hf_experts_call(self, guard, hidden_states, top_k_index, top_k_weights)
         if out is None:  # the class's own (eager) forward, under use_experts_implementation's wrapper
             return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
@@ -70,7 +72,7 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
 
 _ATTN_GUARD = "_trnkit_attention_guard"  # set on a module by apply_overrides (its own guard)
 _ATTN_FALLBACK = "_trnkit_attention_fallback"  # the attention implementation the module had
-_interface: dict[str, Any] = {}  # name -> (impl, policy, lnc) of register_hf_attention
+_interface: dict[str, KernelChoice] = {}  # name -> the choice of register_hf_attention
 
 
 def _fallback_forward(module: nn.Module, implementation: str) -> Any:
@@ -81,14 +83,13 @@ def _fallback_forward(module: nn.Module, implementation: str) -> Any:
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
 
 
-def _attention_guard(module: nn.Module, name: str) -> _Guard:
+def _attention_guard(module: nn.Module, name: str) -> BoundKernel:
     guard = module.__dict__.get(_ATTN_GUARD)
     if guard is None:  # selected by name (attn_implementation=...): one guard per module and name
-        guards: dict[str, _Guard] = module.__dict__.setdefault(_GUARD_ATTR, {})
+        guards: dict[str, BoundKernel] = module.__dict__.setdefault(_GUARD_ATTR, {})
         guard = guards.get(name)
         if guard is None:
-            impl, policy, lnc = _interface[name]
-            guard = guards[name] = _Guard("attention", impl, policy, type(module).__name__, [], lnc=lnc)
+            guard = guards[name] = BoundKernel("attention", _interface[name], type(module).__name__)
     return guard
 
 
@@ -135,13 +136,13 @@ def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str =
     get_impl("attention", impl)  # unknown impl names fail now, listing the registered ones
     check(lnc_violations(lnc))
     _resolve_dtensor()
-    _interface[name] = (impl, policy, lnc or 0)
+    _interface[name] = KernelChoice(impl, policy, lnc=lnc or 0)
     ALL_ATTENTION_FUNCTIONS.register(name, _attention_forward(name))
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
     return name
 
 
-def set_hf_attention(module: nn.Module, guard: _Guard) -> Any:
+def set_hf_attention(module: nn.Module, guard: BoundKernel) -> Any:
     """apply_overrides' swap of one transformers attention module: its own config copy selects
     ``"trnkit"`` and ``guard`` decides each call; returns the original config (for the undo)."""
     name = "trnkit"

@@ -108,6 +108,12 @@ def _lnc_kw(fn: Any, lnc: int) -> dict[str, int]:
     return {"lnc": lnc} if lnc and _takes_lnc(fn) else {}
 
 
+def block_size_kw(block_size: int) -> dict[str, int]:
+    """``moe_experts``' ``block_size`` as an impl's keyword argument: passed when set; 0 = the impl's own
+    default (the ``nki`` kernels' tuned sizes: forward 512, backward 128 slots per expert block)."""
+    return {"block_size": block_size} if block_size else {}
+
+
 def _run_backward(op: str, impl: str, *args: Any, lnc: int = 0, **kwargs: Any) -> tuple[Tensor, ...]:
     """Call the impl's backward (see ``autograd_backward`` in :func:`trnkit.overrides.register`)."""
     entry = get_impl(op, impl)
@@ -335,19 +341,19 @@ def _expert_variant(activation: str, limit: float, alpha: float, b_gate_up: Tens
 
 @torch.library.custom_op("trnkit::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                block_size: int = 128, impl: str = "reference", activation: str = "silu",
+                block_size: int = 0, impl: str = "reference", activation: str = "silu",
                 limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA, b_gate_up: Tensor | None = None,
                 b_down: Tensor | None = None, lnc: int = 0) -> Tensor:
     """Gated experts, routed: ``out[t] = sum_k w[t,k] * (down_e(act(gate_e(x_t)) * up_e(x_t)) + b_down[e])``."""
     fn = get_impl("moe_experts", impl).fn
     out = fn(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
-             w_down.contiguous(), block_size=block_size, **_lnc_kw(fn, lnc),
+             w_down.contiguous(), **block_size_kw(block_size), **_lnc_kw(fn, lnc),
              **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
     return out.to(x.dtype)
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, impl="reference",
+def _moe_experts_fake(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=0, impl="reference",
                       activation="silu", limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA, b_gate_up=None, b_down=None,
                       lnc=0):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -368,7 +374,7 @@ def _bias_grad(g: Tensor | None, bias: Tensor | None, like: Tensor) -> Tensor:
 
 @torch.library.custom_op("trnkit::moe_experts_bwd", mutates_args=())
 def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                    grad_out: Tensor, block_size: int = 128, impl: str = "reference", activation: str = "silu",
+                    grad_out: Tensor, block_size: int = 0, impl: str = "reference", activation: str = "silu",
                     limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA, b_gate_up: Tensor | None = None,
                     b_down: Tensor | None = None,
                     lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -376,7 +382,7 @@ def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up
     grad_b_gate_up, grad_b_down)``; a bias gradient is an empty tensor when that bias is None."""
     grads = _run_backward(
         "moe_experts", impl, x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
-        w_down.contiguous(), grad_out.contiguous(), block_size=block_size, lnc=lnc,
+        w_down.contiguous(), grad_out.contiguous(), **block_size_kw(block_size), lnc=lnc,
         **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
     gx, gtw, gwgu, gwd = grads[:4]
     gbgu, gbd = grads[4:] if len(grads) > 4 else (None, None)
@@ -385,7 +391,7 @@ def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up
 
 
 @moe_experts_bwd.register_fake
-def _moe_experts_bwd_fake(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=128,
+def _moe_experts_bwd_fake(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=0,
                           impl="reference", activation="silu", limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA,
                           b_gate_up=None, b_down=None, lnc=0):
     def bias(b):

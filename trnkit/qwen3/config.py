@@ -44,6 +44,9 @@ class Qwen3Config:
     # --- token ids (carried through to/from config.json) ---
     bos_token_id: int | None = 151643
     eos_token_id: int | None = 151645
+    # --- kernels: {op: trnkit.overrides.KernelChoice} for the swap points (empty: the torch code).
+    # Bound to the modules when the model is built; not part of config.json.
+    kernels: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()

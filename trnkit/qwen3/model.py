@@ -33,8 +33,45 @@ from .config import Qwen3Config, rope_cache as _rope_cache
 from .loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm with HF's cast order: normalise in fp32, cast to the input dtype, then scale."""
+class KernelSlot:
+    """Mixin of the modules whose math a ``trnkit::`` op can compute (the swap points).
+
+    ``kernel_op`` names the op; ``kernel`` is None (the module's own torch code) or the op's kernel
+    choice bound to this module (:class:`trnkit.overrides.BoundKernel`, from ``Qwen3Config.kernels`` or
+    :func:`trnkit.overrides.apply_overrides`). ``kernel.choose(**inputs)`` checks the op's constraints on
+    these inputs and returns the impl to pass to the op, or None for the module's own code (``fallback``).
+    """
+
+    kernel_op: str = ""
+    kernel = None
+
+    def kernel_static(self) -> list[tuple[str, object, str]]:
+        """``(rule, value, why)`` for each way this module's configuration differs from what the op
+        computes (checked when a kernel is bound; the kernel is then not run on it)."""
+        return []
+
+    def _choose(self, **inputs: object) -> str | None:
+        return None if self.kernel is None else self.kernel.choose(**inputs)
+
+
+def _kernel_ops():
+    """``trnkit.overrides.ops`` (already loaded whenever a kernel is bound; imported here, not at module
+    level, so the plain torch model does not load the kernels)."""
+    from trnkit.overrides import ops
+
+    return ops
+
+
+def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer on ``x`` and ``w`` computes in: the autocast dtype under autocast."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(x.dtype, w.dtype)
+
+
+class RMSNorm(KernelSlot, nn.Module):
+    """RMSNorm with HF's cast order: normalise in fp32, cast to the input dtype, then scale (op ``rmsnorm``)."""
+
+    kernel_op = "rmsnorm"
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -42,6 +79,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        impl = self._choose(x=x, weight=self.weight, eps=float(self.eps))
+        if impl is not None:
+            return _kernel_ops().rmsnorm(x, self.weight, float(self.eps), impl, lnc=self.kernel.lnc)[0]
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
 
@@ -52,13 +92,22 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-class LinearCrossEntropy(nn.Module):
-    """The lm_head fused with the summed cross-entropy (swap point ``loss``, no parameters): the chunked
-    torch implementation of :mod:`.loss`, vocab-parallel when ``weight`` is a vocab shard (a ``Shard(0)``
-    DTensor)."""
+class LinearCrossEntropy(KernelSlot, nn.Module):
+    """The lm_head fused with the summed cross-entropy (swap point ``loss``, op ``linear_cross_entropy``, no
+    parameters): the chunked torch implementation of :mod:`.loss`, vocab-parallel when ``weight`` is a vocab
+    shard (a ``Shard(0)`` DTensor). The kernel runs in the compute dtype (the autocast dtype under autocast,
+    as the lm_head would), fp32 out."""
+
+    kernel_op = "linear_cross_entropy"
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100) -> torch.Tensor:
+        if self.kernel is not None:
+            dt = _compute_dtype(h, weight)
+            hidden, w, lab = h.reshape(-1, h.shape[-1]).to(dt), weight.to(dt), labels.reshape(-1)
+            impl = self.kernel.choose(hidden=hidden, weight=w, labels=lab, ignore_index=ignore_index)
+            if impl is not None:
+                return _kernel_ops().linear_cross_entropy(hidden, w, lab, ignore_index, impl, lnc=self.kernel.lnc)[0]
         weight, group, vocab_start = _vocab_shard(weight)
         return linear_cross_entropy(h, weight, labels, chunk_size=chunk_size, ignore_index=ignore_index,
                                     group=group, vocab_start=vocab_start)
@@ -70,13 +119,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class RoPEApply(nn.Module):
-    """Rotate-half RoPE (swap point `layers[i].attention.rope`).
+class RoPEApply(KernelSlot, nn.Module):
+    """Rotate-half RoPE (swap point `layers[i].attention.rope`, op ``rope_hf``).
 
     forward(q [B,S,Hq,D], k [B,S,Hk,D], rope_cache [S,2D] fp32 cos|sin) -> (q, k), dtype of the inputs.
     """
 
+    kernel_op = "rope_hf"
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        impl = self._choose(q=q, k=k, rope_cache=rope_cache, layout="bshd")
+        if impl is not None:
+            return _kernel_ops().rope_hf_apply(q, k, None, None, rope_cache, "bshd", False, impl)
         S, D = q.shape[1], q.shape[-1]
         if rope_cache.shape != (S, 2 * D):
             raise ValueError(f"RoPEApply: rope_cache must have shape [S, 2D] = [{S}, {2 * D}] for q of shape "
@@ -86,18 +140,23 @@ class RoPEApply(nn.Module):
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-class CausalAttention(nn.Module):
-    """Causal GQA softmax attention (swap point ``layers[i].attention.core``).
+class CausalAttention(KernelSlot, nn.Module):
+    """Causal GQA softmax attention (swap point ``layers[i].attention.core``, op ``attention``).
 
     ``forward(q [B,S,Hq,D], k [B,S,Hk,D], v [B,S,Hk,D]) -> [B,S,Hq,D]`` (query head h reads kv head
     ``h // (Hq / Hk)``), scores scaled by ``scale``.
     """
+
+    kernel_op = "attention"
 
     def __init__(self, scale: float) -> None:
         super().__init__()
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        impl = self._choose(q=q, k=k, v=v, scale=self.scale)
+        if impl is not None:
+            return _kernel_ops().attention(q, k, v, float(self.scale), impl, lnc=self.kernel.lnc)[0]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale,
             enable_gqa=q.shape[2] != k.shape[2])
@@ -128,8 +187,14 @@ class Attention(nn.Module):
         return self.wo(self.core(q, k, v).reshape(B, S, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x) (w1 = gate_proj, w3 = up_proj, w2 = down_proj)."""
+class FeedForward(KernelSlot, nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x) (w1 = gate_proj, w3 = up_proj, w2 = down_proj; op ``mlp``).
+
+    The kernel gets ``w_gate_up = cat(w1, w3).T [H, 2I]`` and ``w_down = w2.T [I, H]`` in the compute
+    dtype (the autocast dtype under autocast); autograd takes the gradients back to the linears' weights.
+    """
+
+    kernel_op = "mlp"
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -138,10 +203,18 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            dt = _compute_dtype(x, self.w1.weight)
+            xc = x.to(dt)
+            w_gate_up = torch.cat([self.w1.weight, self.w3.weight]).to(dt).T
+            w_down = self.w2.weight.to(dt).T
+            impl = self.kernel.choose(x=xc, w_gate_up=w_gate_up, w_down=w_down)
+            if impl is not None:
+                return _kernel_ops().mlp(xc, w_gate_up, w_down, impl, lnc=self.kernel.lnc)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(KernelSlot, nn.Module):
     """Qwen3-MoE router (swap point `layers[i].moe.router`): softmax(fp32) -> top-k -> optional renorm.
 
     forward(x [T,H]) -> (topk_weights [T,K] fp32, topk_idx [T,K] int64, router_logits [T,E] fp32).
@@ -153,7 +226,23 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
 
+    kernel_op = "router_topk"
+
+    def kernel_static(self) -> list[tuple[str, object, str]]:
+        """The kernel computes ``x @ gate.weight^T`` itself: anything else ``gate`` would do is not served."""
+        if not isinstance(self.gate, nn.Linear):
+            return [("gate is an nn.Linear", type(self.gate).__name__,
+                     "the kernel reads gate.weight and does the projection itself")]
+        if self.gate.bias is not None:
+            return [("gate without bias", "bias", "the kernel has no bias term")]
+        return []
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        w = self.gate.weight
+        impl = self._choose(x=x, w_router=w, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+        if impl is not None:
+            weights, idx, logits = _kernel_ops().router_topk(x, w, self.top_k, self.norm_topk_prob, impl)
+            return weights, idx.long(), logits
         if x.dim() != 2 or x.shape[1] != self.gate.in_features:
             raise ValueError(f"TopKRouter: x must be [T, {self.gate.in_features}], got {tuple(x.shape)}")
         logits = self.gate(x).float()          # HF: linear in the activation dtype, softmax in fp32
@@ -216,7 +305,7 @@ def _padded_bmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch.bmm(padded, w)[group_of_row, slot]
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(KernelSlot, nn.Module):
     """Routed SwiGLU experts (swap point `layers[i].moe.experts`), kernel weight layout.
 
     w_gate_up [E, H, 2I] (gate columns first), w_down [E, I, H].
@@ -231,7 +320,16 @@ class GroupedExperts(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * inter_dim))
         self.w_down = nn.Parameter(torch.empty(num_experts, inter_dim, dim))
 
+    kernel_op = "moe_experts"
+
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            ops, bs = _kernel_ops(), self.kernel.block_size  # block_size 0: the kernel's tuned sizes
+            impl = self.kernel.choose(x=x, topk_idx=topk_idx, topk_weights=topk_weights, w_gate_up=self.w_gate_up,
+                                      w_down=self.w_down, **ops.block_size_kw(bs))
+            if impl is not None:
+                return ops.moe_experts(x, topk_idx, topk_weights, self.w_gate_up, self.w_down, bs, impl,
+                                       lnc=self.kernel.lnc)
         if x.dim() != 2 or x.shape[1] != self.dim or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] \
                 or topk_weights.shape != topk_idx.shape:
             raise ValueError(f"GroupedExperts: expected x [T, {self.dim}], topk_idx [T, K] and topk_weights [T, K]; "
@@ -385,6 +483,10 @@ class Qwen3Model(_DropsForwardState, nn.Module):
             self.lm_head.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", self._make_rope_cache(), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        if config.kernels:  # {op: KernelChoice}: each swap point calls its trnkit:: op with its choice
+            from trnkit.overrides import bind_kernels
+
+            bind_kernels(self, config.kernels)
 
     _forward_state = ("aux_loss",)
 

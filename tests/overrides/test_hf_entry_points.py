@@ -1,0 +1,77 @@
+"""trnkit.hf's per-family entry points on tiny transformers v5 Qwen3 / Qwen3-MoE: parity, per-op choices,
+the family check, revert."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.overrides.conftest import assert_swap_parity, hf_moe_model
+from trnkit.hf import apply_trnkit_to_qwen3, apply_trnkit_to_qwen3_moe, revert
+from trnkit.overrides import KernelChoice, OverrideConstraintError
+
+transformers = pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _dense_model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=16))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else None
+    return model
+
+
+def test_qwen3_moe_entry_point_swaps_the_named_ops_with_their_own_choices():
+    model = hf_moe_model()
+    original = copy.deepcopy(model)
+    report = apply_trnkit_to_qwen3_moe(model, router=KernelChoice("reference"), seq_len=8)
+    assert [(r.module, r.op, r.impl, r.status) for r in report.rows] == [
+        (f"model.layers.{i}.{p}", op, impl, "swapped") for i in (0, 1)
+        for p, op, impl in (("self_attn", "rope_hf", "nki"), ("mlp.experts", "moe_experts", "nki"),
+                            ("mlp.gate", "router_topk", "reference"))]
+    assert_swap_parity(model, original, IDS)
+    assert revert(model) == 6
+    assert not any(type(m).__name__.startswith("Trnkit") for m in model.modules())
+    assert "forward" not in model.model.layers[0].self_attn.__dict__
+
+
+def test_qwen3_moe_entry_point_leaves_ops_set_to_false_alone():
+    model = hf_moe_model()
+    report = apply_trnkit_to_qwen3_moe(model, rope=False, experts=False, impl="reference", seq_len=8)
+    assert {(r.op, r.impl) for r in report.rows} == {("router_topk", "reference")}
+    assert len(report.rows) == 2
+
+
+def test_qwen3_dense_entry_point_matches_transformers():
+    model = _dense_model()
+    original = copy.deepcopy(model)
+    report = apply_trnkit_to_qwen3(model, rmsnorm="reference", seq_len=8)
+    ops = sorted({(r.op, r.impl, r.status) for r in report.rows})
+    assert ops == [("rmsnorm", "reference", "swapped"), ("rope_hf", "nki", "swapped")]
+    assert sum(r.op == "rmsnorm" for r in report.rows) == 2 * 4 + 1  # 4 norms per layer + the final norm
+    assert_swap_parity(model, original, IDS)
+
+
+def test_an_entry_point_refuses_another_family():
+    with pytest.raises(ValueError, match=r"apply_trnkit_to_qwen3: expects a transformers model of type \['qwen3'\], "
+                                         r"got Qwen3MoeForCausalLM \(model_type 'qwen3_moe'\); use "
+                                         r"trnkit.hf.apply_trnkit_to_qwen3_moe"):
+        apply_trnkit_to_qwen3(hf_moe_model())
+    with pytest.raises(ValueError, match=r"model_type None"):
+        apply_trnkit_to_qwen3_moe(torch.nn.Linear(2, 2))
+
+
+def test_a_strict_choice_raises_and_leaves_the_model_unchanged():
+    model = hf_moe_model(num_experts_per_tok=9, num_experts=12)  # the router kernel's top-K is one max8
+    with pytest.raises(OverrideConstraintError, match=r"router_topk: constraint '1 <= top_k <= 8' violated \(got 9\)"):
+        apply_trnkit_to_qwen3_moe(model, rope=False, experts=KernelChoice("reference", "fallback"), seq_len=8)
+    assert not any(type(m).__name__.startswith("Trnkit") for m in model.modules())

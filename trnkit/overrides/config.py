@@ -1,0 +1,131 @@
+"""Kernel choices as configuration: :class:`KernelChoice` (one op: impl, policy, MoE block size, LNC) and
+:class:`OverrideConfig` (which ops, and their choices; the library's config and the trainer's
+``[overrides]`` section).
+
+A choice is plain data, checked when it is made. trnkit's native Qwen3 takes one per op from its config
+(``Qwen3Config.kernels``); :func:`~trnkit.overrides.apply.apply_overrides` and the transformers entry
+points (:mod:`trnkit.hf`) build them from an :class:`~trnkit.overrides.apply.OverrideConfig`. Each swap
+point holds its choice bound to its module path (:class:`~trnkit.overrides.apply.BoundKernel`), which
+passes ``impl``, ``block_size`` and ``lnc`` to the ``trnkit::`` op as arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trnkit.kernels.lnc import LNC_VALUES
+from trnkit.kernels.moe.constraints import BLOCK_SIZES
+from trnkit.overrides.registry import POLICIES, get_impl
+
+__all__ = ["DEFAULT_OPS", "SWAPPABLE_OPS", "KernelChoice", "OverrideConfig", "choice_problems"]
+
+SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm", "linear_cross_entropy", "attention", "mlp")
+DEFAULT_OPS = ("rope_hf", "router_topk", "moe_experts")  # OverrideConfig's default selection
+
+
+def choice_problems(policy: str, block_size: int, lnc: int | None) -> list[tuple[str, str]]:
+    """``(field, "<rule>, got <value>")`` for each setting outside its range; shared by
+    :class:`KernelChoice`, :class:`~trnkit.overrides.apply.OverrideConfig` and the trainer's config check,
+    which put the field's name in front."""
+    out: list[tuple[str, str]] = []
+    if policy not in POLICIES:
+        out.append(("policy", f"must be one of {POLICIES}, got {policy!r}"))
+    if isinstance(block_size, bool) or block_size not in (0, *BLOCK_SIZES):
+        out.append(("block_size", f"must be one of {BLOCK_SIZES}, got {block_size!r} (or 0: the kernel's tuned "
+                                  "sizes, forward 512 and backward 128)"))
+    if lnc is not None and (isinstance(lnc, bool) or lnc not in (0, *LNC_VALUES)):
+        out.append(("lnc", f"must be one of {LNC_VALUES} or None, got {lnc!r} (None or 0: the device default)"))
+    return out
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which implementation of one ``trnkit::`` op a swap point runs, and how.
+
+    ``impl``: a registered impl name (``"nki"``, ``"reference"``, a user's). ``policy``: ``"strict"``
+    raises on inputs the impl cannot serve, ``"fallback"`` runs the module's own code for them (warned
+    once per reason). ``block_size``: ``moe_experts`` slots per expert block, 0 = the kernel's tuned
+    sizes (forward 512, backward 128). ``lnc``: physical cores per launch (1 or 2), 0 = the device
+    default (:func:`trnkit.kernels.lnc.default_lnc`).
+    """
+
+    impl: str = "nki"
+    policy: str = "strict"
+    block_size: int = 0
+    lnc: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy == "off":
+            raise ValueError("KernelChoice.policy must be 'strict' or 'fallback' (no choice = the module's own code)")
+        bad = choice_problems(self.policy, self.block_size, self.lnc)
+        if bad:
+            raise ValueError(f"KernelChoice.{bad[0][0]} {bad[0][1]}")
+
+    def check_impl(self, op: str) -> None:
+        """Unknown impl names fail here, listing the registered ones."""
+        get_impl(op, self.impl)
+
+
+@dataclass
+class OverrideConfig:
+    """Which ops get a kernel, with which impl, under which policy: the one config of kernel choices,
+    used by :func:`~trnkit.overrides.apply.apply_overrides`, the transformers entry points and the
+    trainer (its ``[overrides]`` section; there ``seq_len`` and ``batch_size`` are the run's own).
+
+    ``impl`` is one name for every op or ``{op: name}``; ``seq_len``/``batch_size`` size the dry-run
+    validation (default: the model config's maximum sequence length, batch 1). ``block_size``:
+    ``moe_experts`` slots per expert block, 0 = the kernel's tuned sizes (forward 512, backward 128).
+    ``lnc``: physical cores per kernel launch (1, or 2 = a trn2 logical core), passed by each swap point
+    to its op; None (or 0): the device default (:func:`trnkit.kernels.lnc.default_lnc`: 2 on a trn2
+    logical core, 1 on the interpreter). Both belong to the swap points' :class:`KernelChoice`
+    (:meth:`choice`): no process-wide setting is left behind. ``plugins``: modules imported first (they
+    register their own impls with :func:`trnkit.overrides.register`).
+    """
+
+    ops: list[str] = field(default_factory=lambda: list(DEFAULT_OPS))
+    impl: str | dict[str, str] = "nki"
+    policy: Literal["strict", "fallback", "off"] = "strict"
+    seq_len: int | None = None
+    batch_size: int = 1
+    dry_run: bool = True
+    block_size: int = 0
+    lnc: int | None = None
+    plugins: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ops = list(self.ops)
+        for name in self.plugins:  # user modules that register impls, before the impl names are checked
+            importlib.import_module(name)
+        problems = dict(choice_problems(self.policy, self.block_size, self.lnc))
+        for name in ("lnc", "block_size", "policy"):  # the order of the checks' messages
+            if name in problems:
+                raise ValueError(f"OverrideConfig.{name} {problems[name]}")
+        self.lnc = self.lnc or None  # one sentinel for "the device default" (a TOML file writes 0)
+        bad = [op for op in self.ops if op not in SWAPPABLE_OPS]
+        if bad:
+            raise ValueError(f"OverrideConfig.ops: unknown op(s) {bad}; swappable ops are {list(SWAPPABLE_OPS)}")
+        if self.seq_len is not None and not (isinstance(self.seq_len, int) and self.seq_len >= 1):
+            raise ValueError(f"OverrideConfig.seq_len must be a positive int or None, got {self.seq_len!r}")
+        if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
+            raise ValueError(f"OverrideConfig.batch_size must be a positive int, got {self.batch_size!r}")
+        if isinstance(self.impl, Mapping):
+            extra = sorted(set(self.impl) - set(self.ops))
+            if extra:
+                raise ValueError(f"OverrideConfig.impl names ops that are not in ops: {extra}")
+        for op in self.ops:
+            get_impl(op, self.impl_for(op))  # unknown impl names fail here, with the registered ones
+
+    def impl_for(self, op: str) -> str:
+        return self.impl if isinstance(self.impl, str) else self.impl.get(op, "nki")
+
+    def choice(self, op: str) -> KernelChoice:
+        """``op``'s :class:`KernelChoice` under this config (policy ``off`` has none)."""
+        return KernelChoice(self.impl_for(op), self.policy, self.block_size, self.lnc or 0)
+
+    def kernels(self) -> dict[str, KernelChoice]:
+        """``{op: KernelChoice}`` for every op of ``ops`` (empty under policy ``off``): the value of
+        ``Qwen3Config.kernels`` that builds a native model with these kernels."""
+        return {} if self.policy == "off" else {op: self.choice(op) for op in self.ops}
