@@ -99,8 +99,6 @@ class _Probe:
     seen: dict[str, list[Violation]] = field(default_factory=dict)
 
 
-_PROBE: _Probe | None = None
-
 
 class BoundKernel:
     """One swap point's :class:`KernelChoice`, bound to its module path: the call-time decision
@@ -111,6 +109,7 @@ class BoundKernel:
                  probe_only: bool = False) -> None:
         self.op, self.choice, self.path, self.static = op, choice, path, list(static)
         self.probe_only = probe_only  # a shape-only stand-in used during the dry run
+        self.probe: _Probe | None = None  # set while a validation dry run collects what this swap point sees
         self.impl, self.policy = choice.impl, choice.policy
         self.lnc, self.block_size = choice.lnc or 0, choice.block_size
 
@@ -118,7 +117,8 @@ class BoundKernel:
         return f"BoundKernel({self.op!r}, {self.choice!r}, path={self.path!r})"
 
     def choose(self, extra: Sequence[Violation] = (), **inputs: Any) -> str | None:
-        if _PROBE is not None:
+        probe = self.probe
+        if probe is not None:
             if self.probe_only:
                 return REFERENCE
             sharded = _dtensor_violations(self.op, inputs)
@@ -126,9 +126,9 @@ class BoundKernel:
                 if self.policy == "strict":
                     raise OverrideConstraintError(self.op, self.impl, sharded, self.path)
                 raise RuntimeError(f"{self.path}: {sharded[0]}")
-            sel = select(self.op, self.impl, policy="fallback", device=_PROBE.device,
-                         needs_backward=_PROBE.needs_backward, **inputs)
-            _PROBE.seen.setdefault(self.path, []).extend([*extra, *sel.reasons])
+            sel = select(self.op, self.impl, policy="fallback", device=probe.device,
+                         needs_backward=probe.needs_backward, **inputs)
+            probe.seen.setdefault(self.path, []).extend([*extra, *sel.reasons])
             return REFERENCE  # under FakeTensorMode the op's fake impl runs: shapes only
         reasons = [*self.static, *extra, *_dtensor_violations(self.op, inputs)]
         if not reasons:
@@ -613,10 +613,10 @@ def _default_seq_len(model: nn.Module) -> int:
     return 128
 
 
-def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs_backward: bool) -> dict:
+def _dry_run(model: nn.Module, config: OverrideConfig, points: list[_SwapPoint], device: str | None,
+             needs_backward: bool) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    global _PROBE  # noqa: PLW0603 - set for the dry run only
     probe = _Probe(device, needs_backward)
     seq = config.seq_len or _default_seq_len(model)
     param = next(model.parameters(), None)
@@ -630,7 +630,12 @@ def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs
               if op not in config.ops and getattr(module, "kernel", None) is None]
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
-    _PROBE = probe
+    # every swap point of the model reports to this run's probe (native modules may hold kernels of
+    # other ops, e.g. from Qwen3Config.kernels)
+    guards = [pt.guard for pt in (*points, *others)]
+    guards += [m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), BoundKernel)]
+    for guard in guards:
+        guard.probe = probe
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
             tokens = torch.zeros(config.batch_size, seq, dtype=torch.long,
@@ -645,7 +650,8 @@ def _dry_run(model: nn.Module, config: OverrideConfig, device: str | None, needs
             f"(tokens [{config.batch_size}, {seq}]) failed: {type(exc).__name__}: {exc}. Pass "
             f"OverrideConfig(dry_run=False) to rely on the static and call-time checks only.") from exc
     finally:
-        _PROBE = None
+        for guard in guards:
+            guard.probe = None
         for m, training in modes:
             m.training = training
         for pt in reversed(others):
@@ -709,7 +715,7 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
         params = list(model.parameters())
         device = params[0].device.type if params else None
         needs_backward = any(p.requires_grad for p in params)
-        seen = _dry_run(model, config, device, needs_backward) if config.dry_run and points else {}
+        seen = _dry_run(model, config, points, device, needs_backward) if config.dry_run and points else {}
         problems = [(pt, [*pt.guard.static, *_unique(seen.get(pt.path, []))]) for pt in points]
         _raise_if_any(problems)
     except BaseException:
