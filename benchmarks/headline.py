@@ -117,22 +117,47 @@ def _router(dtype: torch.dtype = BF16, norm: bool = True, affinities: bool = Fal
     return build
 
 
-def _moe(backward: bool = False) -> Callable[[], Callable[[], object]]:
+def _moe_inputs() -> tuple[torch.Tensor, ...]:
+    T, H, I, E, K = (MOE[k] for k in "THIEK")  # noqa: E741
+    g = _g()
+    x = torch.randn(T, H, generator=g).to(BF16)
+    tw, idx = torch.softmax(torch.randn(T, E, generator=g), -1).topk(K, -1)
+    tw, idx = (tw / tw.sum(-1, keepdim=True)).float(), idx.to(torch.int32)
+    wgu = (torch.randn(E, H, 2 * I, generator=g) * H ** -0.5).to(BF16)
+    wd = (torch.randn(E, I, H, generator=g) * I ** -0.5).to(BF16)
+    return x, idx, tw, wgu, wd
+
+
+def _moe(backward: bool = False, block_size: int | None = None) -> Callable[[], Callable[[], object]]:
+    """The kernel called directly, at its default (tuned) block sizes unless ``block_size`` is given."""
     def build() -> Callable[[], object]:
         from trnkit.kernels import moe
 
-        T, H, I, E, K = (MOE[k] for k in "THIEK")  # noqa: E741
-        g = _g()
-        x = torch.randn(T, H, generator=g).to(BF16)
-        tw, idx = torch.softmax(torch.randn(T, E, generator=g), -1).topk(K, -1)
-        tw, idx = (tw / tw.sum(-1, keepdim=True)).float(), idx.to(torch.int32)
-        wgu = (torch.randn(E, H, 2 * I, generator=g) * H ** -0.5).to(BF16)
-        wd = (torch.randn(E, I, H, generator=g) * I ** -0.5).to(BF16)
+        x, idx, tw, wgu, wd = _moe_inputs()
+        sized = {} if block_size is None else {"block_size": block_size}
         if not backward:
-            return lambda: moe.moe_experts(x, idx, tw, wgu, wd)
-        go = torch.randn(T, H, generator=g).to(BF16)
-        return lambda: moe.moe_experts_bwd(x, idx, tw, wgu, wd, go)
+            return lambda: moe.moe_experts(x, idx, tw, wgu, wd, **sized)
+        go = torch.randn(MOE["T"], MOE["H"], generator=_g()).to(BF16)
+        return lambda: moe.moe_experts_bwd(x, idx, tw, wgu, wd, go, **sized)
     return build
+
+
+def _moe_training_path() -> Callable[[], object]:
+    """The forward as training runs it: the native model's experts module with the kernel choice of the
+    trainer's default ``[overrides]`` (block_size 0: the kernel's tuned sizes), through trnkit::moe_experts."""
+    from trnkit.overrides import OverrideConfig, bind_kernels
+    from trnkit.qwen3.model import GroupedExperts
+
+    x, idx, tw, wgu, wd = _moe_inputs()
+    with torch.device("meta"):
+        experts = GroupedExperts(MOE["H"], MOE["I"], MOE["E"])
+    experts.w_gate_up, experts.w_down = torch.nn.Parameter(wgu), torch.nn.Parameter(wd)
+    bind_kernels(experts, OverrideConfig(ops=["moe_experts"], impl="nki").kernels())
+
+    def call() -> object:
+        with torch.no_grad():
+            return experts(x, idx, tw)
+    return call
 
 
 def moe_flops(mult: int) -> int:
@@ -141,8 +166,8 @@ def moe_flops(mult: int) -> int:
 
 
 ROPE_NOTES = "packed fp32 cache [4096, 256], fp32 math"
-MOE_NOTES = ("routing: top-8 of a softmax over random logits (near-uniform, ~512 slots per expert), "
-             "block_size 128")
+MOE_ROUTING = "routing: top-8 of a softmax over random logits (near-uniform, ~512 slots per expert)"
+MOE_NOTES = MOE_ROUTING + ", block_size 128"
 CASES: dict[str, HeadlineCase] = {
     "rope_fwd": HeadlineCase("rope_hf", "forward", f"{ROPE_SHAPE} bf16", _rope(), notes=ROPE_NOTES),
     "rope_bwd": HeadlineCase("rope_hf", "backward", f"{ROPE_SHAPE} bf16", _rope(backward=True), notes=ROPE_NOTES),
@@ -166,6 +191,15 @@ CASES: dict[str, HeadlineCase] = {
     "moe_fwd": HeadlineCase("moe_experts", "forward", f"{MOE_SHAPE} bf16", _moe(), moe_flops(6), MOE_NOTES),
     "moe_bwd": HeadlineCase("moe_experts", "backward", f"{MOE_SHAPE} bf16", _moe(backward=True), moe_flops(12),
                             MOE_NOTES + "; useful FLOPs = 2x forward, gate/up recompute not counted"),
+    "moe_train_fwd": HeadlineCase("moe_experts", "forward", f"{MOE_SHAPE} bf16, the training path",
+                                  _moe_training_path, moe_flops(6),
+                                  "the native GroupedExperts with the trainer's default [overrides] choice "
+                                  "(impl nki, block_size 0 = the tuned sizes) through trnkit::moe_experts; "
+                                  + MOE_ROUTING),
+    "moe_b128_fwd": HeadlineCase("moe_experts", "forward", f"{MOE_SHAPE} bf16, block_size=128",
+                                 _moe(block_size=128), moe_flops(6),
+                                 "block_size 128 (what the override path passed before its default became the "
+                                 "tuned sizes); " + MOE_ROUTING),
 }
 HEADLINE = ("rope_fwd", "rope_bwd", "router_fwd", "moe_fwd", "moe_bwd")  # README figures: + sensitivity
 GROUPS = {"rope": [c for c in CASES if c.startswith("rope_")], "router": [c for c in CASES if c.startswith("router_")],

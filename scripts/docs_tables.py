@@ -663,6 +663,10 @@ QUOTES = (
           "({} mid)", "headline.csv moe_fwd",
           (csv_cell(HEADLINE_CSV, "fraction_low_end", {"case": "moe_fwd"}, "{:.1%}"),
            csv_cell(HEADLINE_CSV, "fraction_mid", {"case": "moe_fwd"}, "{:.1%}"))),
+    Quote("docs/benchmarks.md", "`trnkit::moe_experts`: {} µs ({}–{}), {} ({}–{}) of the bound",
+          "headline.csv moe_train_fwd", _range("moe_train_fwd", "us") + _range("moe_train_fwd", "fraction")),
+    Quote("docs/benchmarks.md", "directions before: {} µs ({}–{}), {} ({}–{}), ahead at mid",
+          "headline.csv moe_b128_fwd", _range("moe_b128_fwd", "us") + _range("moe_b128_fwd", "fraction")),
     Quote("docs/benchmarks.md", "The backward ({} us at mid against the forward's {} us) is Scalar-bound under the "
           "current model ({} us of Scalar busy time)", "bench.csv moe_experts T=512 est_time, busy_scalar", (
               csv_cell("bench.csv", "p50", _bench("moe_experts", "backward", "est_time", "T", "512"), "{:,.0f}"),
