@@ -7,8 +7,8 @@ partitions, so the host hands the kernels both layouts of each operand: ``hT [H,
 the rows gathered by label). Every logits tile is ``[128, 512]``: a 128-column stationary operand
 against a 512-column moving one, one fp32 PSUM bank, summed over the 128-row chunks of H.
 
-Forward, per group of up to eight tiles of 128 tokens (tokens on partitions), which share each load of
-512 vocabulary columns: the Vector engine takes each logits tile's negated row max and the running
+Forward, per group of up to 1,024 tokens (eight 128-token tiles, tokens on partitions), which share each
+load of 512 vocabulary columns: the Vector engine takes each logits tile's negated row max and the running
 ``-m = min(-m, -rowmax)``; the Scalar engine sums ``exp(logits - m)`` along the row
 (``activation_reduce``) into one column per vocabulary tile. Nothing waits on the sum inside the loop:
 at the end ``s = sum_k s_k * exp(m_k - m)`` over the columns, ``lse = m + ln s``. The target logit is
@@ -26,7 +26,7 @@ at most 6 banks next to the logits) and leave PSUM once per chunk of those tiles
   the chunk's token tiles. When all tokens' ``h`` and ``hT`` fit in SBUF they are loaded once and every
   sum runs over all tokens; otherwise the tokens go in chunks and each chunk's sum is added into an fp32
   SBUF accumulator.
-* ``grad_hidden [T, H]``: per group of 512 tokens, logits ``[128 v, 512 t]`` per vocabulary tile (the
+* ``grad_hidden [T, H]``: per group of up to 512 tokens, logits ``[128 v, 512 t]`` per vocabulary tile (the
   vocabulary on partitions, so ``p^T = exp(logit - lse)`` is directly the stationary operand; the
   per-token ``lse`` is a broadcast row subtracted on the Vector engine), then for each 128-token tile
   ``p^T[:, tile].T @ w[v, :]`` summed over a chunk of vocabulary tiles and added into an fp32 SBUF
@@ -34,11 +34,12 @@ at most 6 banks next to the logits) and leave PSUM once per chunk of those tiles
   (acc[t] - w[label[t]])`` with the rows gathered by label. (``p`` is rounded to the operands' dtype
   where the reference rounds ``scale * (p - onehot)``.)
 
-The two passes recompute the logits once each (4 matmul passes over ``T x V x H`` in all, against 3
-for a backward that stored the logits): the price of no ``[T, V]`` buffer. LNC=2 splits the token tiles
-(forward), the 512-token groups (grad_hidden) and the 512-row vocabulary groups (grad_weight) between
-the two cores with the same instruction stream on both (``program_share``: a core short of an item
-computes a masked copy into a scratch tensor).
+Each pass loads the next group's operands ahead of this group's stores (one DMA queue in program order
+still keeps TensorE fed). The two passes recompute the logits once each (4 matmul passes over ``T x V x
+H`` in all, against 3 for a backward that stored the logits): the price of no ``[T, V]`` buffer. LNC=2
+splits the token groups (forward, grad_hidden; cut narrower when that gives both cores equal groups) and the 512-row
+vocabulary groups (grad_weight) between the two cores with the same instruction stream on both
+(``program_share``: a core short of an item computes a masked copy into a scratch tensor).
 """
 
 from __future__ import annotations
@@ -50,10 +51,12 @@ P = P_MAX
 WIDE = 512  # moving columns of a logits tile (one fp32 PSUM bank): vocabulary (forward, grad_w) or tokens
 HB = 512  # hidden columns per gradient PSUM bank
 FWD_GROUP = 8  # forward: token tiles sharing each load of WIDE weight columns
-# SBUF bytes per partition for the contracted tiles of one chunk (both layouts and their dl tiles), and
-# for keeping all tokens resident through the grad_weight pass (no reload, no SBUF accumulator)
+# SBUF bytes per partition for the contracted tiles of one chunk (both layouts and their dl tiles), at
+# most; for keeping all tokens resident through the grad_weight pass (no reload, no SBUF accumulator);
+# and for everything a backward pass holds at once (the next group's operands loaded ahead included)
 CHUNK_BYTES = 64 * 1024
 RESIDENT_BYTES = 144 * 1024
+SBUF_BYTES = 192 * 1024
 
 
 def _tiles(n, width):
@@ -71,6 +74,14 @@ def _share(n, width, n_prog, pid):
     for i in range(len(tiles)):
         keys.append(tiles[i][1])
     return program_share(tiles, keys, n_prog, pid)
+
+
+def _group_share(n, width, n_prog, pid):
+    """This program's groups of at most ``width`` of ``n`` as ``_share`` gives them, the group width cut
+    so that the number of groups is a multiple of the programs (no core idles on a masked copy when
+    ``n`` allows an even split: 512 tokens at LNC=2 are two groups of 256)."""
+    k = cdiv(cdiv(n, width), n_prog) * n_prog
+    return _share(n, cdiv(n, k), n_prog, pid)
 
 
 def _chunks(n, per_tile, budget):
@@ -157,28 +168,49 @@ def _column(src, t0, tw):
     return t
 
 
-def _fwd_finish(st, h, w, dt):
-    """``[lse | loss]`` ``[tw, 2]`` of a token tile from its per-vocabulary-tile columns ``negm`` (``-m_k``,
-    the running max negated) and ``es`` (``sum exp(logits - m_k)``), and its target logit."""
-    tw, nv = st["es"].shape
-    negm = st["negm"][:, nv - 1:nv]
-    corr = nl.ndarray((tw, nv), dtype=nl.float32, buffer=nl.sbuf)  # exp(m_k - m)
-    nisa.activation(dst=corr, op=nl.exp, data=st["negm"], bias=negm, scale=-1.0)
-    nisa.tensor_tensor(dst=corr, data1=corr, data2=st["es"], op=nl.multiply)
-    s = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=s, op=nl.add, data=corr, axis=1)
-    # target logit h[t] . w[label[t]]
-    h_rows = nl.ndarray((tw, h.shape[1]), dtype=dt, buffer=nl.sbuf)
-    nisa.dma_copy(dst=h_rows, src=h[st["t0"]:st["t0"] + tw, :])
-    prod = nl.ndarray((tw, h.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=prod, data1=h_rows, data2=_label_rows(w, st["lab"], tw, dt), op=nl.multiply)
+def _target(h, w, t0, tw, lab, dt):
+    """SBUF ``[tw, 1]`` fp32: the target logits ``h[t] . w[label[t]]`` of tokens ``t0:t0+tw`` (Vector)."""
+    H = h.shape[1]
+    h_rows = nl.ndarray((tw, H), dtype=dt, buffer=nl.sbuf)
+    nisa.dma_copy(dst=h_rows, src=h[t0:t0 + tw, :])
+    prod = nl.ndarray((tw, H), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=prod, data1=h_rows, data2=_label_rows(w, lab, tw, dt), op=nl.multiply)
     tgt = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=tgt, op=nl.add, data=prod, axis=1)
-    out = nl.ndarray((tw, 2), dtype=nl.float32, buffer=nl.sbuf)
+    return tgt
+
+
+def _fwd_finish(out, negm_cols, es_cols, tgt):
+    """``out [tw, 2] = [lse | loss]`` of a token tile from its per-vocabulary-tile columns ``negm_cols``
+    (``-m_k``, the running max negated) and ``es_cols`` (``sum exp(logits - m_k)``) and its target logit."""
+    tw, nv = es_cols.shape
+    negm = negm_cols[:, nv - 1:nv]
+    corr = nl.ndarray((tw, nv), dtype=nl.float32, buffer=nl.sbuf)  # exp(m_k - m)
+    nisa.activation(dst=corr, op=nl.exp, data=negm_cols, bias=negm, scale=-1.0)
+    nisa.tensor_tensor(dst=corr, data1=corr, data2=es_cols, op=nl.multiply)
+    s = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=s, op=nl.add, data=corr, axis=1)
     nisa.activation(dst=out[:, 0:1], op=nl.log, data=s)
     nisa.tensor_tensor(dst=out[:, 0:1], data1=out[:, 0:1], data2=negm, op=nl.subtract)
     nisa.tensor_tensor(dst=out[:, 1:2], data1=out[:, 0:1], data2=tgt, op=nl.subtract)
-    return out
+
+
+def _store_stats(loss, lse, scratch, t0, gw, out, masked):
+    """A group's ``out [128, n, 2]`` (``[lse | loss]`` of token ``t0 + i*128 + p`` at ``[p, i]``) to HBM: the
+    full tiles in one DMA per output, a short last tile in one more (a masked group: to scratch)."""
+    nfull = gw // P
+    if masked:
+        nisa.dma_copy(dst=scratch.ap(pattern=[[2, P], [2 * P, 1], [1, 2]], offset=0), src=out[:, 0:1, :])
+        return
+    for k in range(2):
+        dst = lse if k == 0 else loss
+        if nfull > 0:
+            nisa.dma_copy(dst=dst.ap(pattern=[[1, P], [P, nfull], [1, 1]], offset=t0),
+                          src=out[:, 0:nfull, k:k + 1])
+        if nfull * P < gw:
+            rem = gw - nfull * P
+            nisa.dma_copy(dst=dst.ap(pattern=[[1, rem], [1, 1], [1, 1]], offset=t0 + nfull * P),
+                          src=out[0:rem, nfull:nfull + 1, k:k + 1])
 
 
 @nki.jit
@@ -192,39 +224,40 @@ def lce_fwd_kernel(hT, h, wT, w, labels):
     pid = nl.program_id(0) if nl.program_ndim() > 0 else 0
     loss = nl.ndarray((T,), dtype=nl.float32, buffer=nl.shared_hbm)
     lse = nl.ndarray((T,), dtype=nl.float32, buffer=nl.shared_hbm)
-    scratch = nl.ndarray((2, P), dtype=nl.float32, buffer=nl.shared_hbm)  # masked tiles' results
+    scratch = nl.ndarray((2 * P,), dtype=nl.float32, buffer=nl.shared_hbm)  # masked groups' results
     vt = _tiles(V, WIDE)
-    mine = _share(T, P, n_prog, pid)
-    for g0 in range(0, len(mine), FWD_GROUP):
-        group = []  # the token tiles that share each weight load: their hidden columns and statistics
-        for (t0, tw), masked in mine[g0:g0 + FWD_GROUP]:
-            group.append({"t0": t0, "masked": masked, "h": _cols(hT, t0, tw, dt), "lab": _column(labels, t0, tw),
-                          "negm": nl.ndarray((tw, len(vt)), dtype=nl.float32, buffer=nl.sbuf),
-                          "es": nl.ndarray((tw, len(vt)), dtype=nl.float32, buffer=nl.sbuf)})
+    for (t0, gw), masked in _group_share(T, FWD_GROUP * P, n_prog, pid):
+        # the group's tokens share each weight load; token tile j = columns j*128 ... of x_sb
+        w_sb = _cols(wT, vt[0][0], vt[0][1], dt)
+        x_sb = _cols(hT, t0, gw, dt)
+        subs = _tiles(gw, P)
+        negm = nl.ndarray((P, len(subs), len(vt)), dtype=nl.float32, buffer=nl.sbuf)
+        es = nl.ndarray((P, len(subs), len(vt)), dtype=nl.float32, buffer=nl.sbuf)
+        tgt = []
         for k in range(len(vt)):
             v0, vw = vt[k]
-            w_sb = _cols(wT, v0, vw, dt)
-            for j in range(len(group)):
-                st = group[j]
-                tw = st["lab"].shape[0]
+            if k > 0:
+                w_sb = _cols(wT, v0, vw, dt)
+            for j in range(len(subs)):
+                s0, tw = subs[j]
                 ps = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.psum)
-                _logits(ps, st["h"], 0, tw, w_sb, 0, vw, H)
-                negm = st["negm"][:, k:k + 1]
-                nisa.tensor_reduce(dst=negm, op=nl.maximum, data=ps, axis=1, negate=True)
+                _logits(ps, x_sb, s0, tw, w_sb, 0, vw, H)
+                col = negm[0:tw, j, k:k + 1]
+                nisa.tensor_reduce(dst=col, op=nl.maximum, data=ps, axis=1, negate=True)
                 if k > 0:
-                    nisa.tensor_tensor(dst=negm, data1=negm, data2=st["negm"][:, k - 1:k], op=nl.minimum)
+                    nisa.tensor_tensor(dst=col, data1=col, data2=negm[0:tw, j, k - 1:k], op=nl.minimum)
                 e = nl.ndarray((tw, vw), dtype=dt, buffer=nl.sbuf)  # only its row sum is kept
-                nisa.activation_reduce(dst=e, op=nl.exp, data=ps, reduce_op=nl.add, reduce_res=st["es"][:, k:k + 1],
-                                       bias=negm)
-        for j in range(len(group)):
-            st = group[j]
-            tw, t0 = st["lab"].shape[0], st["t0"]
-            out = _fwd_finish(st, h, w, dt)
-            if st["masked"]:
-                nisa.dma_copy(dst=scratch.ap(pattern=[[1, tw], [P, 2]], offset=0), src=out)
-            else:
-                nisa.dma_copy(dst=lse.ap(pattern=[[1, tw], [1, 1]], offset=t0), src=out[:, 0:1])
-                nisa.dma_copy(dst=loss.ap(pattern=[[1, tw], [1, 1]], offset=t0), src=out[:, 1:2])
+                nisa.activation_reduce(dst=e, op=nl.exp, data=ps, reduce_op=nl.add, reduce_res=es[0:tw, j, k:k + 1],
+                                       bias=col)
+            if k == 0:  # the target logits while the first weight columns are in use (off the loads' path)
+                for j in range(len(subs)):
+                    s0, tw = subs[j]
+                    tgt.append(_target(h, w, t0 + s0, tw, _column(labels, t0 + s0, tw), dt))
+        out = nl.ndarray((P, len(subs), 2), dtype=nl.float32, buffer=nl.sbuf)  # [lse | loss] per token
+        for j in range(len(subs)):
+            tw = subs[j][1]
+            _fwd_finish(out[0:tw, j, :], negm[0:tw, j, :], es[0:tw, j, :], tgt[j])
+        _store_stats(loss, lse, scratch, t0, gw, out, masked)
     return loss, lse
 
 
@@ -280,7 +313,9 @@ def _grad_weight(hT, h, wT, grad_w, scratch, lse, scale, labels, n_prog, pid):
     per_tile = (cdiv(H, P) * P + H + WIDE) * isz
     chunks = [(0, len(tt))]
     if len(tt) * per_tile > RESIDENT_BYTES:
-        chunks = _chunks(len(tt), per_tile, CHUNK_BYTES)
+        # held besides a chunk: the accumulators, two groups' weight columns, stats, e / onehot tiles
+        held = (4 * H + 3 * len(tt)) * 4 + 2 * cdiv(H, P) * WIDE * isz + 3 * WIDE * 4
+        chunks = _chunks(len(tt), per_tile, min(CHUNK_BYTES, SBUF_BYTES - held))
     neg = _stat_cols(lse, T)
     nisa.tensor_scalar(dst=neg, data=neg, op0=nl.multiply, operand0=-1.0)
     sc = _stat_cols(scale, T)
@@ -288,8 +323,11 @@ def _grad_weight(hT, h, wT, grad_w, scratch, lse, scale, labels, n_prog, pid):
     resident = []
     if len(chunks) == 1:
         resident = [_cols(hT, 0, T, dt), _rows(h, 0, T, dt)]
-    for (v0, vw), masked in _share(V, WIDE, n_prog, pid):
-        w_sb = _cols(wT, v0, vw, dt)
+    groups = _share(V, WIDE, n_prog, pid)
+    w_next = _cols(wT, groups[0][0][0], groups[0][0][1], dt)
+    for gi in range(len(groups)):
+        (v0, vw), masked = groups[gi]
+        w_sb = w_next
         vid = nl.ndarray((P, vw), dtype=nl.float32, buffer=nl.sbuf)  # vocabulary index of each column
         nisa.iota(dst=vid, pattern=[[1, vw]], offset=v0, channel_multiplier=0)
         subs = _tiles(vw, P)
@@ -316,6 +354,8 @@ def _grad_weight(hT, h, wT, grad_w, scratch, lse, scale, labels, n_prog, pid):
                 nisa.scalar_tensor_tensor(dst=dl[0:tw, i, :], data=e, op0=nl.multiply, operand0=sc[0:tw, col:col + 1],
                                           op1=nl.subtract, operand1=hs)
                 inner.append((i, tw))
+            if ci == len(chunks) - 1 and gi + 1 < len(groups):  # the next group's columns ahead of the stores
+                w_next = _cols(wT, groups[gi + 1][0][0], groups[gi + 1][0][1], dt)
             for si in range(len(subs)):
                 s0, sw = subs[si]
                 banks = _banks(sw, H)
@@ -330,17 +370,35 @@ def _grad_weight(hT, h, wT, grad_w, scratch, lse, scale, labels, n_prog, pid):
                         _store(grad_w, scratch, v0 + s0, acc[si], masked)
 
 
+def _hidden_group(hT, lse, scale, labels, t0, tw, dt):
+    """A grad_hidden token group's operands: its hidden columns ``[128, nH, tw]``, ``lse`` as a broadcast row,
+    and per 128-token tile (column i) its labels and loss scales."""
+    n = cdiv(tw, P)
+    g = {"x": _cols(hT, t0, tw, dt), "lse": _row(lse, t0, tw, P),
+         "lab": nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf),
+         "scale": nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)}
+    for key, src in (("lab", labels), ("scale", scale)):
+        for i in range(n):
+            sw = min(P, tw - i * P)
+            nisa.dma_copy(dst=g[key][0:sw, i:i + 1], src=src.ap(pattern=[[1, sw], [1, 1]], offset=t0 + i * P))
+    return g
+
+
 def _grad_hidden(hT, wT, w, grad_h, scratch, lse, scale, labels, n_prog, pid):
-    """grad_hidden: groups of 512 tokens; the vocabulary on partitions, summed over vocabulary chunks."""
+    """grad_hidden: groups of up to 512 tokens; the vocabulary on partitions, summed over vocabulary chunks."""
     H, T = hT.shape
     V = wT.shape[1]
     dt = hT.dtype
     isz = 4 if dt == nl.float32 else 2
     vt = _tiles(V, P)
-    chunks = _chunks(len(vt), (cdiv(H, P) * P + H + WIDE) * isz, CHUNK_BYTES)
-    for (t0, tw), masked in _share(T, WIDE, n_prog, pid):
-        x_sb = _cols(hT, t0, tw, dt)
-        lse_b = _row(lse, t0, tw, P)
+    # held besides a chunk: the accumulators, two groups' hidden columns and lse rows, a gathered row tile
+    held = 4 * H * 4 + 2 * (cdiv(H, P) * WIDE * isz + WIDE * 4) + H * isz + 2 * WIDE * 4
+    chunks = _chunks(len(vt), (cdiv(H, P) * P + H + WIDE) * isz, min(CHUNK_BYTES, SBUF_BYTES - held))
+    groups = _group_share(T, WIDE, n_prog, pid)
+    nxt = _hidden_group(hT, lse, scale, labels, groups[0][0][0], groups[0][0][1], dt)
+    for gi in range(len(groups)):
+        (t0, tw), masked = groups[gi]
+        g = nxt
         subs = _tiles(tw, P)
         acc = []
         for s0, sw in subs:
@@ -349,14 +407,16 @@ def _grad_hidden(hT, wT, w, grad_h, scratch, lse, scale, labels, n_prog, pid):
             i0, n = chunks[ci]
             c0, cn = vt[i0][0], min(V, vt[i0 + n - 1][0] + P) - vt[i0][0]
             wT_c, w_c = _cols(wT, c0, cn, dt), _rows(w, c0, cn, dt)
+            if ci == len(chunks) - 1 and gi + 1 < len(groups):  # the next group's operands ahead of the stores
+                nxt = _hidden_group(hT, lse, scale, labels, groups[gi + 1][0][0], groups[gi + 1][0][1], dt)
             pT = nl.ndarray((P, n, tw), dtype=dt, buffer=nl.sbuf)  # exp(logits - lse), vocabulary on partitions
             inner = []
             for i in range(n):
                 v0, vw = vt[i0 + i]
                 ps = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.psum)
-                _logits(ps, wT_c, v0 - c0, vw, x_sb, 0, tw, H)
+                _logits(ps, wT_c, v0 - c0, vw, g["x"], 0, tw, H)
                 x = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=x, data1=ps, data2=lse_b[0:vw, :], op=nl.subtract)
+                nisa.tensor_tensor(dst=x, data1=ps, data2=g["lse"][0:vw, :], op=nl.subtract)
                 nisa.activation(dst=pT[0:vw, i, :], op=nl.exp, data=x)
                 inner.append((i, vw))
             for si in range(len(subs)):
@@ -366,11 +426,10 @@ def _grad_hidden(hT, wT, w, grad_h, scratch, lse, scale, labels, n_prog, pid):
                 _leave_psum(acc[si], banks, ci > 0)
         for si in range(len(subs)):
             s0, sw = subs[si]
-            lab = _column(labels, t0 + s0, sw)
-            nisa.tensor_tensor(dst=acc[si], data1=acc[si], data2=_label_rows(w, lab, sw, dt), op=nl.subtract)
-            out = nl.ndarray((sw, H), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(dst=out, op=nl.copy, data=acc[si], scale=_column(scale, t0 + s0, sw))
-            _store(grad_h, scratch, t0 + s0, out, masked)
+            nisa.tensor_tensor(dst=acc[si], data1=acc[si], data2=_label_rows(w, g["lab"][0:sw, si:si + 1], sw, dt),
+                               op=nl.subtract)
+            nisa.activation(dst=acc[si], op=nl.copy, data=acc[si], scale=g["scale"][0:sw, si:si + 1])
+            _store(grad_h, scratch, t0 + s0, acc[si], masked)
 
 
 @nki.jit
