@@ -38,10 +38,9 @@ from typing import Any
 import torch
 
 from trnkit.kernels import moe
-from trnkit.kernels._common import program_split
 from trnkit.kernels.lnc import launch
 from trnkit.kernels.moe.moe_fused import expert_act, swiglu_T
-from trnkit.kernels.tiles import P, chunks, load_rows, row_matmul, store_rows, tiles, transpose_rows
+from trnkit.kernels.tiles import P, chunks, load_rows, program_split, row_matmul, store_rows, tiles, transpose_rows
 from trnkit.nki_api import nisa, nki, nl
 
 CSV = Path(__file__).parent / "data" / "blockwise_moe.csv"

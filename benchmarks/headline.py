@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib
 import json
 import sys
 import time
@@ -83,7 +82,8 @@ def _g() -> torch.Generator:
 def _rope(Hk: int = 8, dtype: torch.dtype = BF16, bshd: bool = False, backward: bool = False,
           lnc: int = 1) -> Callable[[], Callable[[], object]]:
     def build() -> Callable[[], object]:
-        mod = importlib.import_module("trnkit.kernels.rope_hf")  # (trnkit.kernels.rope_hf is also a function)
+        from trnkit.kernels import rope as mod
+        from trnkit.kernels.rope.rope_kernel import rope_hf_kernel
         B, Hq, S, D = 1, 32, 4096, 128
         g = _g()
         qs, ks = ((B, S, Hq, D), (B, S, Hk, D)) if bshd else ((B, Hq, S, D), (B, Hk, S, D))
@@ -93,8 +93,8 @@ def _rope(Hk: int = 8, dtype: torch.dtype = BF16, bshd: bool = False, backward: 
         cache = torch.cat([ang.cos(), ang.sin()], -1)  # packed fp32 [S, 2D] = cos | sin
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
         if lnc > 1:
-            return lambda: mod.rope_hf_kernel[lnc](q, k, q_out, k_out, cache, cache, packed=True, backward=backward,
-                                                   bshd=bshd)
+            return lambda: rope_hf_kernel[lnc](q, k, q_out, k_out, cache, cache, packed=True, backward=backward,
+                                               bshd=bshd)
         fn = mod.rope_hf_bshd if bshd else mod.rope_hf
         return lambda: fn(q, k, q_out, k_out, rope_cache=cache, backward=backward)
     return build
@@ -103,7 +103,8 @@ def _rope(Hk: int = 8, dtype: torch.dtype = BF16, bshd: bool = False, backward: 
 def _router(dtype: torch.dtype = BF16, norm: bool = True, affinities: bool = False, backward: bool = False,
             lnc: int = 1) -> Callable[[], Callable[[], object]]:
     def build() -> Callable[[], object]:
-        mod = importlib.import_module("trnkit.kernels.router_topk")
+        from trnkit.kernels import router as mod
+        from trnkit.kernels.router.router_fwd import router_topk_kernel
         T, H, E, K = 8192, 2048, 128, 8
         g = _g()
         x, w = torch.randn(T, H, generator=g).to(dtype), (torch.randn(E, H, generator=g) * H ** -0.5).to(dtype)
@@ -112,7 +113,7 @@ def _router(dtype: torch.dtype = BF16, norm: bool = True, affinities: bool = Fal
             gw = torch.randn(T, K, generator=g)
             return lambda: mod.router_topk_bwd(x, w, logits, idx, gw, None, norm)
         if lnc > 1:
-            return lambda: mod.router_topk_kernel[lnc](x, w, K, norm, affinities)
+            return lambda: router_topk_kernel[lnc](x, w, K, norm, affinities)
         return lambda: mod.router_topk(x, w, K, norm, return_affinities=affinities)
     return build
 

@@ -24,7 +24,7 @@ from trnkit.nkisim import trace
 
 
 def cases() -> dict:
-    rope, router, moe = (importlib.import_module(f"trnkit.kernels.{n}") for n in ("rope_hf", "router_topk", "moe"))
+    rope, router, moe = (importlib.import_module(f"trnkit.kernels.{n}") for n in ("rope", "router", "moe"))
     torch.manual_seed(0)
     B, S, Hq, Hk, D = 2, 128, 4, 2, 64
     T, H, E, K, I = B * S, 256, 8, 2, 128  # noqa: E741

@@ -9,7 +9,6 @@ dtype on the Vector engine and stored. It is also the kernel of ``benchmarks/int
 
 from __future__ import annotations
 
-import importlib
 import time
 
 import numpy as np
@@ -86,8 +85,7 @@ def run(m: int = 256, n: int = 1024, k: int = 512, chip: str = "trn2", dtype: to
 def run_rope(seq: int = 256, heads: int = 8, kv_heads: int = 2, head_dim: int = 128, chip: str = "trn2",
              seed: int = 0) -> dict:
     """Run the project's ``rope_hf`` kernel once (bf16, [1, H, S, D]), compare with ``rope_hf_ref``."""
-    # the module itself (``trnkit.kernels`` re-exports a function of the same name)
-    mod = importlib.import_module("trnkit.kernels.rope_hf")
+    from trnkit.kernels import rope as mod
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(1, heads, seq, head_dim, generator=g).to(torch.bfloat16)
     k = torch.randn(1, kv_heads, seq, head_dim, generator=g).to(torch.bfloat16)

@@ -341,7 +341,7 @@ def test_deepcopy_after_a_training_forward() -> None:
 
 # ------------------------------------------------------------------ NaN activations
 def test_nki_router_gives_a_nan_token_the_reference_outcome() -> None:
-    from trnkit.kernels.router_topk import router_topk, router_topk_ref
+    from trnkit.kernels.router import router_topk, router_topk_ref
     from trnkit.overrides.registry import get_impl
 
     torch.manual_seed(0)

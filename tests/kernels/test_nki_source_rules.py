@@ -38,11 +38,10 @@ from pathlib import Path
 
 import pytest
 
-# by module path: trnkit.kernels re-exports functions of the same names as the modules
 MODULES = [importlib.import_module(f"trnkit.kernels.{m}")
-           for m in ("rope_hf", "router_topk", "moe.moe_grouped_mm", "moe.moe_fused", "rmsnorm.rmsnorm",
-                     "cross_entropy.cross_entropy", "attention.attention", "attention.attention_bwd",
-                     "mlp.mlp")]
+           for m in ("rope.rope_kernel", "router.router_fwd", "router.router_bwd", "moe.moe_grouped_mm",
+                     "moe.moe_fused", "rmsnorm.rmsnorm", "cross_entropy.cross_entropy", "attention.attention",
+                     "attention.attention_bwd", "mlp.mlp")]
 
 API = json.loads((Path(__file__).with_name("nki_api_0_6.json")).read_text())["modules"]
 

@@ -14,7 +14,6 @@ TP=2 shard (I=384) there; everything else runs the full layer. docs/tests.md has
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import pytest
@@ -24,10 +23,9 @@ from hypothesis import strategies as st
 
 from tests.kernels import oracles as O
 from tests.tolerances import F64, check_oracle
-from trnkit.kernels import moe
-
-rope = importlib.import_module("trnkit.kernels.rope_hf")  # (trnkit.kernels.rope_hf is also a function)
-router = importlib.import_module("trnkit.kernels.router_topk")
+from trnkit.kernels import moe, rope, router
+from trnkit.kernels.rope.rope_kernel import rope_hf_kernel
+from trnkit.kernels.router.router_fwd import router_topk_kernel
 
 DTYPES = [torch.float32, torch.bfloat16]
 SLOW = settings(max_examples=50, deadline=None, derandomize=True, print_blob=True,
@@ -61,7 +59,7 @@ def rope_case(B: int, Hq: int, Hk: int, S: int, D: int, dtype: torch.dtype, back
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if lnc > 1:
         c, s = (tabs["rope_cache"],) * 2 if "rope_cache" in tabs else (cos, sin)
-        rope.rope_hf_kernel[lnc](q, k, q_out, k_out, c, s, packed="rope_cache" in tabs, backward=backward,
+        rope_hf_kernel[lnc](q, k, q_out, k_out, c, s, packed="rope_cache" in tabs, backward=backward,
                                  bshd=layout == "bshd")
     else:
         (rope.rope_hf if layout == "bhsd" else rope.rope_hf_bshd)(q, k, q_out, k_out, backward=backward, **tabs)
@@ -81,7 +79,7 @@ def router_case(T: int, H: int, E: int, K: int, dtype: torch.dtype, backward: bo
     kw = dict(scoring=scoring, selection_bias=torch.randn(E, generator=g) * 0.2 if bias else None,
               routed_scaling_factor=scale)
     if lnc > 1:
-        weights, idx, logits = router.router_topk_kernel[lnc](x, w, K, norm, False, **kw)
+        weights, idx, logits = router_topk_kernel[lnc](x, w, K, norm, False, **kw)
     else:
         weights, idx, logits = router.router_topk(x, w, K, norm, **kw)
     variant = dict(norm=norm, scoring=scoring, scale=scale)

@@ -4,7 +4,6 @@ those (declared ``nt.mutable_tensor``: tests/kernels/test_nki_source_rules.py)."
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ import torch
 from trnkit.kernels import moe
 from trnkit.kernels.moe import moe_bwd, moe_fused, moe_grouped_mm
 
-rope_hf = importlib.import_module("trnkit.kernels.rope_hf")  # (trnkit.kernels.rope_hf is also a function)
+from trnkit.kernels import rope as rope_hf
 
 KERNELS = [(moe_grouped_mm, "grouped_mm_kernel"), (moe_grouped_mm, "grouped_wgrad_kernel"),
            (moe_grouped_mm, "grouped_wgrad2_kernel"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.test_moe_variants import _experts
+from tests.kernels.moe.test_moe_variants import _experts
 from tests.tolerances import assert_close
 from trnkit.overrides import ops, register, select, unregister
 

@@ -25,7 +25,7 @@ def _rand(*shape: int, g: torch.Generator, scale: float = 1.0, dtype: torch.dtyp
 
 
 def _kernel_module(name: str):
-    # import_module, not `from trnkit.kernels import x`: the package re-exports functions of the same name
+    """The kernel family ``trnkit.kernels.<name>`` (its host API)."""
     return importlib.import_module(f"trnkit.kernels.{name}")
 
 
@@ -64,7 +64,7 @@ def matmul_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bflo
 
 def _rope_build(B: int, Hq: int, Hk: int, S: int, D: int, backward: bool, dtype: torch.dtype) -> Callable[[], Prepared]:
     def f() -> Prepared:
-        mod = _kernel_module("rope_hf")
+        mod = _kernel_module("rope")
 
         g = torch.Generator().manual_seed(0)
         q, k = _rand(B, Hq, S, D, g=g, dtype=dtype), _rand(B, Hk, S, D, g=g, dtype=dtype)
@@ -105,7 +105,7 @@ def rope_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat
 
 def _router_build(T: int, H: int, E: int, K: int, backward: bool, dtype: torch.dtype) -> Callable[[], Prepared]:
     def f() -> Prepared:
-        mod = _kernel_module("router_topk")
+        mod = _kernel_module("router")
 
         g = torch.Generator().manual_seed(0)
         x, w = _rand(T, H, g=g, dtype=dtype), _rand(E, H, g=g, scale=H ** -0.5, dtype=dtype)
@@ -428,8 +428,8 @@ def mlp_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat1
 # kernel name -> (module under trnkit.kernels that must import, names it must have, case builder)
 KERNELS: dict[str, tuple[str | None, tuple[str, ...], Callable[..., list[Case]]]] = {
     "matmul_tiled": (None, (), matmul_cases),
-    "rope_hf": ("rope_hf", ("rope_hf", "rope_hf_ref"), rope_cases),
-    "router_topk": ("router_topk", ("router_topk", "router_topk_ref", "router_topk_bwd"), router_cases),
+    "rope_hf": ("rope", ("rope_hf", "rope_hf_ref"), rope_cases),
+    "router_topk": ("router", ("router_topk", "router_topk_ref", "router_topk_bwd"), router_cases),
     "moe_experts": ("moe", ("moe_experts", "moe_experts_ref", "moe_experts_bwd"), moe_cases),
     "grouped_mm": ("moe", ("grouped_mm", "grouped_mm_ref", "grouped_mm_bwd"), gmm_cases),
     "rmsnorm": ("rmsnorm", ("rmsnorm", "rmsnorm_ref", "rmsnorm_bwd"), rmsnorm_cases),

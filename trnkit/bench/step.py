@@ -13,9 +13,9 @@ busy time. The ops of a layer (``T = batch x seq`` tokens):
   :func:`~trnkit.kernels.moe.grouped_mm` (one group per physical core, each with the whole weight and
   its share of the tokens; the weight in column slices that fit the kernel's SBUF budget, one launch
   per slice);
-* ``rope``: :func:`~trnkit.kernels.rope_hf.rope_hf_kernel` on the ``[B, S, H, D]`` layout;
+* ``rope``: :func:`~trnkit.kernels.rope.rope_kernel.rope_hf_kernel` on the ``[B, S, H, D]`` layout;
 * ``attention``: :func:`~trnkit.kernels.attention.attention` / ``attention_bwd`` (causal, GQA);
-* MoE layers: ``router`` (:func:`~trnkit.kernels.router_topk.router_topk_kernel`) and ``experts``
+* MoE layers: ``router`` (:func:`~trnkit.kernels.router.router_fwd.router_topk_kernel`) and ``experts``
   (:func:`~trnkit.kernels.moe.moe_experts`, balanced routing: every expert gets ``T x top_k / E`` slots);
   dense layers: ``mlp`` (:func:`~trnkit.kernels.mlp.mlp` / ``mlp_bwd``, the fused SwiGLU MLP).
 
@@ -39,7 +39,6 @@ FLOPs per step / (step time x TensorE's peak bf16 FLOP/s per physical core x LNC
 from __future__ import annotations
 
 import csv
-import importlib
 import math
 import time
 from collections.abc import Callable
@@ -234,19 +233,19 @@ def rope_op(part: str, B: int, S: int, Hq: int, Hk: int, D: int, mode: str, lnc:
     from trnkit.kernels.lnc import launch  # noqa: PLC0415
     from trnkit.qwen3.config import rope_cache  # noqa: PLC0415
 
-    # import_module: trnkit.kernels re-exports a function named rope_hf
-    mod = importlib.import_module("trnkit.kernels.rope_hf")
+    from trnkit.kernels.rope.constraints import constraints as rope_constraints  # noqa: PLC0415
+    from trnkit.kernels.rope.rope_kernel import rope_hf_kernel  # noqa: PLC0415
 
     def make(_: int, g: torch.Generator | None) -> tuple:
         cache = rope_cache(D, S, theta).to(DTYPE) if g is not None else _t(S, 2 * D, g=None)
         return _t(B, S, Hq, D, g=g), _t(B, S, Hk, D, g=g), cache
 
     def call(q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> object:
-        return launch(mod.rope_hf_kernel, lnc)(q, k, torch.empty_like(q), torch.empty_like(k), cache, cache,
-                                              packed=True, backward=mode == "backward", bshd=True)
+        return launch(rope_hf_kernel, lnc)(q, k, torch.empty_like(q), torch.empty_like(k), cache, cache,
+                                          packed=True, backward=mode == "backward", bshd=True)
 
     def constraints(q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> list:
-        return mod.constraints(q, k, rope_cache=cache, layout="bshd")
+        return rope_constraints(q, k, rope_cache=cache, layout="bshd")
 
     return _op("rope", "rope_hf", mode, part, f"q [{B}, {S}, {Hq}, {D}], k [{B}, {S}, {Hk}, {D}]", 0, make, call,
                constraints, key=("rope", mode, B, S, Hq, Hk, D, lnc))
@@ -292,7 +291,9 @@ def _balanced_routing(T: int, E: int, K: int) -> tuple[torch.Tensor, torch.Tenso
 
 def router_op(part: str, T: int, H: int, E: int, K: int, mode: str, lnc: int) -> StepOp:
     from trnkit.kernels.lnc import launch  # noqa: PLC0415
-    from trnkit.kernels.router_topk import constraints, router_topk_bwd_kernel, router_topk_kernel  # noqa: PLC0415
+    from trnkit.kernels.router.constraints import constraints  # noqa: PLC0415
+    from trnkit.kernels.router.router_bwd import router_topk_bwd_kernel  # noqa: PLC0415
+    from trnkit.kernels.router.router_fwd import router_topk_kernel  # noqa: PLC0415
 
     bwd = mode == "backward"
 

@@ -1,5 +1,6 @@
-"""Small helpers shared by the rope_hf and router_topk kernel modules (host-side checks, the row
-tiling both kernels use and the SPMD program split)."""
+"""Small helpers shared by the kernel families: host-side dtype / layout helpers and the trace-time
+tilings (plain Python: no NKI import, so constraints and references load without the NKI backend; the
+kernel-side helpers are :mod:`trnkit.kernels.tiles`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from trnkit.nki_api import nl
 
 P_MAX = 128  # SBUF / PSUM partitions
 # tanh-GELU: 0.5 a (1 + tanh(C (a + A a^3))) = a * sigmoid(2C (a + A a^3)), C = sqrt(2 / pi)
@@ -77,12 +76,3 @@ def program_share(items: list, keys: list, n_prog: int, pid: int) -> list:
             out.append((items[i], True))
         i += n
     return out
-
-
-def program_split() -> tuple:
-    """``(number of programs, this program's id)`` along grid axis 0 inside a kernel: ``(2, 0|1)`` for
-    ``kernel[2](...)`` (LNC=2), ``(1, 0)`` for a launch without a grid, where the program queries are
-    not asked (nki-library's ``get_program_sharding_info`` does the same)."""
-    if nl.program_ndim() == 0:
-        return 1, 0
-    return nl.num_programs(0), nl.program_id(0)

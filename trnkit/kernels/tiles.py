@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from trnkit.kernels._common import program_split
 from trnkit.nki_api import nisa, nl
 
 P = 128  # partitions (nl.tile_size.pmax); contraction chunk of nc_matmul
@@ -30,6 +29,15 @@ def chunks(n: int, size: int) -> list[tuple[int, int]]:
     for s in range(0, n, size):
         out.append((s, min(size, n - s)))
     return out
+
+
+def program_split() -> tuple:
+    """``(number of programs, this program's id)`` along grid axis 0 inside a kernel: ``(2, 0|1)`` for
+    ``kernel[2](...)`` (LNC=2), ``(1, 0)`` for a launch without a grid, where the program queries are
+    not asked (nki-library's ``get_program_sharding_info`` does the same)."""
+    if nl.program_ndim() == 0:
+        return 1, 0
+    return nl.num_programs(0), nl.program_id(0)
 
 
 def owned_groups(G: int) -> range:

@@ -55,7 +55,7 @@ def _rope(ref: bool) -> Callable[..., Any]:
            sin: Tensor | None = None, rope_cache: Tensor | None = None, backward: bool = False,
            layout: str = "bhsd") -> Any:
         name = "rope_hf" if layout == "bhsd" else "rope_hf_bshd"
-        kernel = _attr("rope_hf", name + ("_ref" if ref else ""))
+        kernel = _attr("rope", name + ("_ref" if ref else ""))
         return kernel(q, k, q_out, k_out, cos=cos, sin=sin, rope_cache=rope_cache, backward=backward)
 
     fn.__name__ = fn.__qualname__ = f"rope_hf_{'reference' if ref else 'nki'}"
@@ -64,18 +64,18 @@ def _rope(ref: bool) -> Callable[..., Any]:
 
 def _rope_constraints(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor | None = None,
                       rope_cache: Tensor | None = None, layout: str = "bhsd", **_: Any) -> list[Violation]:
-    return _attr("rope_hf", "constraints")(q, k, cos=cos, sin=sin, rope_cache=rope_cache, layout=layout)
+    return _attr("rope", "constraints")(q, k, cos=cos, sin=sin, rope_cache=rope_cache, layout=layout)
 
 
 # -------------------------------------------------------------------------------------------- router
 
 
 def _router_ref(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True, **variant: Any):
-    return _attr("router_topk", "router_topk_ref")(x, w_router, top_k, norm_topk_prob, **variant)
+    return _attr("router", "router_topk_ref")(x, w_router, top_k, norm_topk_prob, **variant)
 
 
 def _router_nki(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True, **variant: Any):
-    weights, idx, logits = _attr("router_topk", "router_topk")(x, w_router, top_k, norm_topk_prob, **variant)
+    weights, idx, logits = _attr("router", "router_topk")(x, w_router, top_k, norm_topk_prob, **variant)
     return _nonfinite_tokens_as_reference(x, w_router, top_k, norm_topk_prob, weights, idx, logits, variant)
 
 
@@ -103,21 +103,21 @@ def _nonfinite_tokens_as_reference(x: Tensor, w_router: Tensor, top_k: int, norm
 def _router_ref_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                     norm_topk_prob=True, **variant: Any):
     with autograd_enabled():  # router_topk_bwd_ref differentiates the reference with autograd
-            return _attr("router_topk", "router_topk_bwd_ref")(x, w_router, router_logits, topk_idx,
+            return _attr("router", "router_topk_bwd_ref")(x, w_router, router_logits, topk_idx,
                                                            grad_topk_weights, grad_router_logits,
                                                            norm_topk_prob=norm_topk_prob, **variant)
 
 
 def _router_nki_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                     norm_topk_prob=True, **variant: Any):
-    return _attr("router_topk", "router_topk_bwd")(x, w_router, router_logits, topk_idx, grad_topk_weights,
+    return _attr("router", "router_topk_bwd")(x, w_router, router_logits, topk_idx, grad_topk_weights,
                                                    grad_router_logits, norm_topk_prob=norm_topk_prob, **variant)
 
 
 def _router_constraints(x: Tensor, w_router: Tensor, top_k: int, scoring: str = "softmax",
                         selection_bias: Tensor | None = None, routed_scaling_factor: float = 1.0,
                         **_: Any) -> list[Violation]:
-    return _attr("router_topk", "constraints")(x, w_router, top_k, scoring=scoring, selection_bias=selection_bias,
+    return _attr("router", "constraints")(x, w_router, top_k, scoring=scoring, selection_bias=selection_bias,
                                                routed_scaling_factor=routed_scaling_factor)
 
 
@@ -293,7 +293,7 @@ def _mlp_constraints(x: Tensor, w_gate_up: Tensor, w_down: Tensor, **_: Any) -> 
 
 def register_builtins() -> None:
     """Register ``reference`` and ``nki`` for every op (idempotent)."""
-    for name in ("rope_hf", "router_topk", "moe", "rmsnorm", "cross_entropy", "attention", "mlp"):
+    for name in ("rope", "router", "moe", "rmsnorm", "cross_entropy", "attention", "mlp"):
         try:
             _kernel(name)
         except ImportError:  # reported when the impl is first used

@@ -30,9 +30,18 @@ units between the two cores with one control flow (:func:`~trnkit.kernels.attent
 
 from __future__ import annotations
 
-from trnkit.kernels._common import cdiv, program_split
-from trnkit.kernels.attention.tiling import (P, causal_mask, identity, load_kv, needs_scratch, rows, tiles_view,
-                                             work_units)
+from trnkit.kernels._common import cdiv
+from trnkit.kernels.attention.tiling import (
+    P,
+    causal_mask,
+    identity,
+    load_kv,
+    needs_scratch,
+    rows,
+    tiles_view,
+    work_units,
+)
+from trnkit.kernels.tiles import program_split
 from trnkit.nki_api import nisa, nki, nl
 
 BANK = 512  # keys per PSUM bank of fp32 scores (gemm_moving_fmax)

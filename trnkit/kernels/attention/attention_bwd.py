@@ -32,8 +32,9 @@ its accumulator (:func:`cache_q_side`) a pass loads them once instead of once pe
 
 from __future__ import annotations
 
-from trnkit.kernels._common import cdiv, program_split
+from trnkit.kernels._common import cdiv
 from trnkit.kernels.attention.tiling import P, needs_scratch, rows, tiles_view, work_units
+from trnkit.kernels.tiles import program_split
 from trnkit.nki_api import nisa, nki, nl
 
 KB = 512  # keys per block (one PSUM bank of fp32 dK^T / dV^T / scores)

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from trnkit.kernels._common import cdiv, program_split
+from trnkit.kernels._common import cdiv
 from trnkit.kernels.moe.moe_bwd import activation_grad_rows
 from trnkit.kernels.moe.moe_fused import expert_act, swiglu_T
-from trnkit.kernels.tiles import NMAX, P, chunks, evacuate, tiles, transpose_rows
+from trnkit.kernels.tiles import NMAX, P, chunks, evacuate, program_split, tiles, transpose_rows
 from trnkit.nki_api import nisa, nki, nl
 
 TB_OPTIONS = (512, 256, 128)  # forward token tile widths, widest first (the gate / up moving size)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trnkit.kernels._common import GELU_A, GELU_C, program_split
+from trnkit.kernels._common import GELU_A, GELU_C
 from trnkit.kernels.moe.moe_fused import block_row, move_rows, scatter_rows
 from trnkit.kernels.moe.moe_grouped_mm import combine
 from trnkit.kernels.tiles import (
@@ -49,12 +49,13 @@ from trnkit.kernels.tiles import (
     load_weight,
     masked_group,
     owned_groups,
+    program_split,
     row_matmul,
     store_rows,
     tiles,
     transposed_weight,
 )
-from trnkit.nki_api import nisa, nl, nki
+from trnkit.nki_api import nisa, nki, nl
 
 
 def bias_columns(b: Any, g: int) -> Any:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from trnkit.kernels._common import program_split
 from trnkit.kernels.moe.layout import FLAG_FULL0, FLAG_HALF0, FLAG_MORE, HALF, NFLAGS, tail_widths
 from trnkit.kernels.moe.moe_grouped_mm import combine
 from trnkit.kernels.tiles import (
@@ -51,11 +50,12 @@ from trnkit.kernels.tiles import (
     load_weight,
     masked_group,
     owned_groups,
+    program_split,
     row_matmul,
     tiles,
     transpose_rows,
 )
-from trnkit.nki_api import nisa, nl, nki
+from trnkit.nki_api import nisa, nki, nl
 
 # 0: every x chunk is transposed on the Tensor Engine. Vector 32x32 transposes (n > 0: every n-th
 # chunk) take 16 instructions of 64 Vector cycles per 128x128 chunk, 8x the TensorE time they save:

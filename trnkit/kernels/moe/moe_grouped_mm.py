@@ -29,12 +29,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from trnkit.kernels._common import program_split
 from trnkit.kernels.moe.layout import WGRAD_MAX_SLOTS
 from trnkit.kernels.tiles import (
     NMAX,
-    P,
     PSUM_GROUPS,
+    P,
     block_range,
     chunks,
     evacuate,
@@ -45,13 +44,14 @@ from trnkit.kernels.tiles import (
     load_weight,
     masked_group,
     owned_groups,
+    program_split,
     row_matmul,
     store_rows,
     tiles,
     transpose_rows,
     transposed_weight,
 )
-from trnkit.nki_api import nisa, nl, nki, nt
+from trnkit.nki_api import nisa, nki, nl, nt
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -133,14 +133,14 @@ def grouped_wgrad2_kernel(a1, b1, a2, b2, table, bounds, grad_w1: nt.mutable_ten
 def wgrad_products(operands: list, grads: list, table: Any, bounds: Any, zero_pad: bool) -> None:
     """``grads[p][g] = sum over g's row tiles of operands[2p][rows].T @ operands[2p + 1][rows]``.
 
-    Row tiles: ``table [NT, rows]`` int32 (rows <= 128) holds the row ids of tile ``t``; an operand is
-    either ``[R, W]`` (tile t gathers rows ``table[t]`` by indirect DMA) or ``[NT, rows, W]`` (slab t,
-    dispatch order). ``bounds [1, G * (WGRAD_MAX_SLOTS + 3)]`` int32, per group g: ``e_0 .. e_MAX``
-    (``e_j = lo + min(j, n)`` for g's n tiles ``lo .. lo + n - 1``), ``hi = lo + n`` and ``z = lo + (n == 0)``
-    (:func:`~trnkit.kernels.moe.layout.wgrad_bounds`). Padding rows of a partial tile must contribute zero: with ``zero_pad`` the
-    gathered tiles are zero-filled and padding ids skipped (ids >= R); without it the padding ids must
-    name a finite row and the other operand's padding rows be zeros (the MoE backward's ``w * h`` and
-    gate/up gradients are, since their affinity is 0).
+    Row tiles: ``table [NT, rows]`` int32 (rows <= 128) holds the row ids of tile ``t``; an operand is either
+    ``[R, W]`` (tile t gathers rows ``table[t]`` by indirect DMA) or ``[NT, rows, W]`` (slab t, dispatch
+    order). ``bounds [1, G * (WGRAD_MAX_SLOTS + 3)]`` int32, per group g: ``e_0 .. e_MAX`` (``e_j = lo +
+    min(j, n)`` for g's n tiles ``lo .. lo + n - 1``), ``hi = lo + n`` and ``z = lo + (n == 0)``
+    (:func:`~trnkit.kernels.moe.layout.wgrad_bounds`). Padding rows of a partial tile must contribute zero:
+    with ``zero_pad`` the gathered tiles are zero-filled and padding ids skipped (ids >= R); without it the
+    padding ids must name a finite row and the other operand's padding rows be zeros (the MoE backward's ``w *
+    h`` and gate/up gradients are, since their affinity is 0).
 
     Per group: its first ``S = wgrad_slots`` tiles are loaded into SBUF once (0/1-trip run-time loops,
     one per cache slot), while the previous group computes. The output tiles ``[128, 512]`` go in

@@ -15,6 +15,7 @@ import torch
 from trnkit.kernels._common import GELU_A, GELU_C
 from trnkit.kernels.moe.constraints import SWIGLU_ALPHA, SWIGLU_LIMIT, check_grouped_mm, check_moe_experts
 
+
 def _per_group_f32(x: torch.Tensor, w: torch.Tensor, counts: list[int], transpose_w: bool = False) -> torch.Tensor:
     """fp32 ``x_g @ w[g]`` (or ``@ w[g].T``) over consecutive row groups of sizes ``counts``."""
     n_out = w.shape[1] if transpose_w else w.shape[2]

@@ -33,7 +33,8 @@ NaN in ``dx`` (``0 * NaN``), and any NaN reaches ``dw`` (as in the reference).
 
 from __future__ import annotations
 
-from trnkit.kernels._common import P_MAX, cdiv, program_split, row_chunks
+from trnkit.kernels._common import P_MAX, cdiv, row_chunks
+from trnkit.kernels.tiles import program_split
 from trnkit.nki_api import nisa, nki, nl
 
 P = P_MAX

@@ -1,17 +1,5 @@
-"""HF rotate-half rotary position embedding (``rope_hf``) as an NKI kernel, forward and backward.
-
-Math (per row ``s`` and head, ``h = D // 2``; pairs element ``i`` with ``i + h``)::
-
-    forward   y  = x * cos + rotate_half(x) * sin,      rotate_half(x)   = cat(-x[h:], x[:h])
-    backward  dx = dy * cos + rotate_half_T(dy * sin),  rotate_half_T(z) = cat(z[h:], -z[:h])
-
-Shapes: ``q [B, Hq, S, D]``, ``k [B, Hk, S, D]`` (kernel layout ``bhsd``; :func:`rope_hf_bshd` takes the
-model's ``[B, S, H, D]``), ``cos``/``sin`` ``[S', D]`` or ``[B, S', D]``, or the packed
-``rope_cache [S', 2D]`` / ``[B, S', 2D]`` (cos in the first D columns, sin in the last D) with
-``S' >= S`` (only the first S rows are read). ``q_out``/``k_out`` are preallocated by the caller, written
-in place and returned. fp32 or bf16 activations; cos/sin/cache fp32 or bf16. Arithmetic: transformers'
-``apply_rotary_pos_emb`` in the activation dtype, bit for bit: the tables rounded to it, each product
-rounded to it, the sum computed in fp32 and rounded once (what torch's bf16 ops do).
+"""NKI kernel of HF rotate-half RoPE, :func:`rope_hf_kernel` (forward and backward; semantics:
+:mod:`trnkit.kernels.rope`).
 
 Tiling (both layouts): sequence rows on partitions, and each partition holds ``NT`` *consecutive* rows,
 so every DMA moves one contiguous run of ``NT * D`` (bhsd) or ``NT * H * D`` (bshd) elements per
@@ -30,19 +18,10 @@ head of a slab, so no transposed copy of q/k is ever made and every Vector opera
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
-import torch
-
-from trnkit.kernels._common import P_MAX, dense as _dense, dtype_name as _dtype_name, program_split as _program_split
-from trnkit.kernels._common import program_share as _program_share
-from trnkit.kernels._common import row_chunks as _row_chunks
-from trnkit.kernels.constraints import Violation, check
+from trnkit.kernels._common import P_MAX, program_share, row_chunks
+from trnkit.kernels.rope.constraints import BSHD_SLAB_BYTES
+from trnkit.kernels.tiles import program_split
 from trnkit.nki_api import nisa, nki, nl, nt
-
-__all__ = ["rope_hf", "rope_hf_bshd", "rope_hf_ref", "rope_hf_bshd_ref", "constraints",
-           "rope_hf_kernel"]
 
 # Bytes per partition per head tile moved by one DMA: 8 KiB (4096 bf16 / 2048 fp32 elements), 94 % of
 # the DMA peak even at the pessimistic 512 B efficiency knee (cost_params.dma_knee_bytes).
@@ -51,161 +30,6 @@ TILE_BYTES = 8192
 # the previous tiles compute and store).
 PREFETCH = 2
 PSUM_FMAX = 512  # fp32 elements per partition in one PSUM bank
-BSHD_SLAB_BYTES = 192 * 1024  # SBUF per partition for bshd row slabs (x, y, the previous y; the next x)
-_DTYPES = ("float32", "bfloat16")
-
-
-# ---------------------------------------------------------------------------------------------------
-# constraints
-
-
-def _shape(t: Any) -> tuple[int, ...]:
-    return tuple(int(n) for n in t.shape)
-
-
-def _is_contiguous(t: Any) -> bool:
-    if isinstance(t, torch.Tensor):
-        return t.is_contiguous()
-    if isinstance(t, np.ndarray):
-        return bool(t.flags.c_contiguous)
-    return True  # device / NKI tensors: HBM tensors are dense
-
-
-def constraints(q: Any, k: Any, cos: Any = None, sin: Any = None, rope_cache: Any = None,
-                layout: str = "bhsd", q_out: Any = None, k_out: Any = None) -> list[Violation]:
-    """Violated input constraints of :func:`rope_hf` (``layout="bhsd"``) / :func:`rope_hf_bshd` (``"bshd"``).
-
-    Empty list = the kernel serves these inputs. ``q_out``/``k_out`` are checked when given.
-    """
-    name = "rope_hf" if layout != "bshd" else "rope_hf_bshd"
-    v: list[Violation] = []
-
-    def bad(rule: str, value: Any, reason: str = "") -> None:
-        v.append(Violation(name, rule, value, reason))
-
-    if layout not in ("bhsd", "bshd"):
-        bad("layout in ('bhsd', 'bshd')", layout)
-        return v
-    dims = "[B, H, S, D]" if layout == "bhsd" else "[B, S, H, D]"
-    if len(_shape(q)) != 4:
-        bad(f"q is 4-D {dims}", _shape(q))
-    if len(_shape(k)) != 4:
-        bad(f"k is 4-D {dims}", _shape(k))
-    if v:
-        return v
-    if layout == "bhsd":
-        (B, Hq, S, D), (Bk, Hk, Sk, Dk) = _shape(q), _shape(k)
-    else:
-        (B, S, Hq, D), (Bk, Sk, Hk, Dk) = _shape(q), _shape(k)
-    if (Bk, Sk, Dk) != (B, S, D):
-        bad("q and k share B, S and D", {"q": _shape(q), "k": _shape(k)})
-    if min(B, Hq, Hk, S, D) < 1:
-        bad("all dimensions >= 1", {"q": _shape(q), "k": _shape(k)})
-    if D % 2:
-        bad("D even", D, "rotate-half pairs element i with i + D/2")
-    if D > P_MAX:
-        bad("D <= 128", D, "the kernel keeps a whole head row in one tile row")
-    for tname, t in (("q", q), ("k", k)):
-        if _dtype_name(t) not in _DTYPES:
-            bad(f"{tname}.dtype in {_DTYPES}", _dtype_name(t))
-    if _dtype_name(k) != _dtype_name(q):
-        bad("k.dtype == q.dtype", (_dtype_name(q), _dtype_name(k)))
-    isz = 4 if _dtype_name(q) == "float32" else 2
-    if layout == "bshd" and 3 * max(Hq, Hk) * D * isz > BSHD_SLAB_BYTES:
-        bad("3 * max(Hq, Hk) * D * itemsize <= 192 KiB", 3 * max(Hq, Hk) * D * isz,
-            "the [B, S, H, D] layout keeps all heads of a row in SBUF (input, output and the previous "
-            "output still being stored)")
-
-    have_cs = cos is not None or sin is not None
-    if have_cs == (rope_cache is not None):
-        bad("exactly one of (cos, sin) or rope_cache", "both" if have_cs else "neither")
-        return v
-    if have_cs:
-        if cos is None or sin is None:
-            bad("cos and sin given together", "cos" if sin is None else "sin")
-            return v
-        if _shape(cos) != _shape(sin):
-            bad("cos.shape == sin.shape", (_shape(cos), _shape(sin)))
-        tabs, width = (("cos", cos), ("sin", sin)), D
-    else:
-        tabs, width = (("rope_cache", rope_cache),), 2 * D
-    for tname, t in tabs:
-        shp = _shape(t)
-        if len(shp) not in (2, 3):
-            bad(f"{tname} is 2-D [S, {'D' if have_cs else '2D'}] or 3-D [B, S, ...]", shp)
-            continue
-        if shp[-1] != width:
-            bad(f"{tname}.shape[-1] == {'D' if have_cs else '2*D'}", shp[-1], f"D = {D}")
-        if shp[-2] < S:
-            bad(f"{tname} rows >= S", shp[-2], f"S = {S}")
-        if len(shp) == 3 and shp[0] != B:
-            bad(f"{tname}.shape[0] == B", shp[0], f"B = {B}")
-        if _dtype_name(t) not in _DTYPES:
-            bad(f"{tname}.dtype in {_DTYPES}", _dtype_name(t))
-    for tname, t, ref in (("q_out", q_out, q), ("k_out", k_out, k)):
-        if t is None:
-            continue
-        if _shape(t) != _shape(ref) or _dtype_name(t) != _dtype_name(ref):
-            bad(f"{tname} has the shape and dtype of {tname[0]}", (_shape(t), _dtype_name(t)),
-                f"expected {(_shape(ref), _dtype_name(ref))}")
-        if not _is_contiguous(t):
-            bad(f"{tname} is contiguous", "strided", "the kernel writes it in place as a dense tensor")
-    return v
-
-
-# ---------------------------------------------------------------------------------------------------
-# torch references
-
-
-def _rope_tables(cos: Any, sin: Any, rope_cache: Any, S: int, D: int, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) in ``dtype``, each [S, D] or [B, S, D], cut to the first S rows."""
-    if rope_cache is not None:
-        cos, sin = rope_cache[..., :D], rope_cache[..., D:]
-    return cos[..., :S, :].to(dtype), sin[..., :S, :].to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    if backward:  # dy*cos + rotate_half^T(dy*sin)
-        z = x * sin
-        return x * cos + torch.cat((z[..., h:], -z[..., :h]), dim=-1)
-    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
-
-
-def _ref(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, cos: Any, sin: Any,
-         rope_cache: Any, backward: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    D = q.shape[-1]
-    S = q.shape[2] if layout == "bhsd" else q.shape[1]
-    c, s = _rope_tables(cos, sin, rope_cache, S, D, q.dtype)
-    head_dim = 1 if layout == "bhsd" else 2  # where the heads axis goes in [B, ., ., D]
-    if c.dim() == 2:
-        c, s = c[None], s[None]
-    c, s = c.unsqueeze(head_dim), s.unsqueeze(head_dim)
-    for x, out in ((q, q_out), (k, k_out)):
-        out.copy_(_rotate(x, c, s, backward))
-    return q_out, k_out
-
-
-def rope_hf_ref(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
-                cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                rope_cache: torch.Tensor | None = None, backward: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`rope_hf` (``[B, H, S, D]``): transformers' arithmetic in the activation
-    dtype (tables cast to it, as ``Qwen3RotaryEmbedding`` returns them); writes q_out/k_out and returns them."""
-    return _ref(q, k, q_out, k_out, cos, sin, rope_cache, backward, "bhsd")
-
-
-def rope_hf_bshd_ref(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor,
-                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                     rope_cache: torch.Tensor | None = None, backward: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`rope_hf_bshd` (``[B, S, H, D]``)."""
-    return _ref(q, k, q_out, k_out, cos, sin, rope_cache, backward, "bshd")
-
-
-# ---------------------------------------------------------------------------------------------------
-# NKI kernel (the design: module docstring and docs/kernels.md)
 
 
 def _identity(dtype):
@@ -319,12 +143,12 @@ def _finish(pipe, ident):
 
 
 def _my_chunks(chunks, n_prog, pid):
-    """This program's row chunks (:func:`_program_share`: pairs of equal chunks, masked work where a
+    """This program's row chunks (:func:`program_share`: pairs of equal chunks, masked work where a
     chunk has no partner)."""
     keys = []
     for c in chunks:
         keys.append((c[1], c[2]))
-    return _program_share(list(chunks), keys, n_prog, pid)
+    return program_share(list(chunks), keys, n_prog, pid)
 
 
 def _masked_outputs(q, k, mine, shapes):
@@ -489,7 +313,7 @@ def rope_hf_kernel(q, k, q_out: nt.mutable_tensor, k_out: nt.mutable_tensor, cos
     too, into a private scratch tensor, so both programs run the same instructions.
     """
     D = q.shape[3]
-    n_prog, pid = _program_split()
+    n_prog, pid = program_split()
     free = TILE_BYTES // (4 if q.dtype == nl.float32 else 2)  # elements per partition per head tile
     if bshd:
         S = q.shape[1]
@@ -501,7 +325,7 @@ def rope_hf_kernel(q, k, q_out: nt.mutable_tensor, k_out: nt.mutable_tensor, cos
         nt_max = max(1, free // D)
     # at least one full chunk per program when S allows it (LNC=2 splits chunks)
     nt_max = max(1, min(nt_max, S // (P_MAX * n_prog)))
-    chunks = _row_chunks(S, nt_max)
+    chunks = row_chunks(S, nt_max)
     ident = _identity(q.dtype)
     pipe = [None]  # the last slab whose accumulating matmuls, copy and store are not yet issued
     load = [0.0, 0.0]  # fp32 product time given to Vector and GpSimd (ns per partition)
@@ -513,31 +337,3 @@ def rope_hf_kernel(q, k, q_out: nt.mutable_tensor, k_out: nt.mutable_tensor, cos
             _rope_bhsd(tiles, cos, sin, packed, backward, ident, pipe, load)
     _finish(pipe, ident)
     return q_out, k_out
-
-
-def _launch(layout: str, q: Any, k: Any, q_out: Any, k_out: Any, cos: Any, sin: Any, rope_cache: Any,
-            backward: bool) -> tuple[Any, Any]:
-    check(constraints(q, k, cos, sin, rope_cache, layout=layout, q_out=q_out, k_out=k_out))
-    packed = rope_cache is not None
-    c, s = (_dense(rope_cache),) * 2 if packed else (_dense(cos), _dense(sin))
-    return rope_hf_kernel(_dense(q), _dense(k), q_out, k_out, c, s, packed=packed, backward=bool(backward),
-                          bshd=layout == "bshd")
-
-
-def rope_hf(q: Any, k: Any, q_out: Any, k_out: Any, cos: Any = None, sin: Any = None,
-            rope_cache: Any = None, backward: bool = False) -> tuple[Any, Any]:
-    """HF rotate-half RoPE on ``q [B, Hq, S, D]`` and ``k [B, Hk, S, D]`` (NKI kernel).
-
-    Either ``cos``/``sin`` (``[S', D]`` or ``[B, S', D]``) or the packed ``rope_cache [S', 2D]``
-    (``[B, S', 2D]``; cos | sin), ``S' >= S``. ``q_out``/``k_out`` (same shape/dtype as q/k, contiguous)
-    are written in place and returned. ``backward=True``: q/k are the output gradients and
-    q_out/k_out receive the input gradients. Raises :class:`KernelConstraintError` on bad inputs.
-    """
-    return _launch("bhsd", q, k, q_out, k_out, cos, sin, rope_cache, backward)
-
-
-def rope_hf_bshd(q: Any, k: Any, q_out: Any, k_out: Any, cos: Any = None, sin: Any = None,
-                 rope_cache: Any = None, backward: bool = False) -> tuple[Any, Any]:
-    """:func:`rope_hf` for the model's ``[B, S, H, D]`` layout (read and written in place by DMA
-    access patterns; no transposed copy)."""
-    return _launch("bshd", q, k, q_out, k_out, cos, sin, rope_cache, backward)

@@ -16,8 +16,8 @@ from tests.kernels import oracles as O
 from tests.kernels.lnc_streams import assert_same_streams, recorded_streams
 from tests.tolerances import F64, check_oracle
 from trnkit.kernels.constraints import KernelConstraintError
-from trnkit.kernels.router_topk import (constraints, router_topk, router_topk_bwd, router_topk_bwd_ref,
-                                        router_topk_ref)
+from trnkit.kernels.router import (constraints, router_topk, router_topk_bwd, router_topk_bwd_ref,
+                                   router_topk_ref)
 
 
 def _inputs(T: int, H: int, E: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +230,7 @@ def test_backward_shape_constraints() -> None:
 
 
 def test_lnc2_grid_splits_tokens() -> None:
-    from trnkit.kernels.router_topk import router_topk_kernel
+    from trnkit.kernels.router.router_fwd import router_topk_kernel
 
     # tokens [0, 2304) and [2304, 4400): each program has a block with a DMA-transposed sub-tile; a tail
     x, w = _inputs(4400, 256, 16, torch.bfloat16, seed=9)
@@ -337,7 +337,7 @@ def test_affinities_follow_the_tie_rule() -> None:
 
 
 def test_affinities_lnc2_grid() -> None:
-    from trnkit.kernels.router_topk import router_topk_kernel
+    from trnkit.kernels.router.router_fwd import router_topk_kernel
 
     x, w = _inputs(700, 128, 16, torch.bfloat16, seed=15)  # both programs get chunks
     with recorded_streams() as s:

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.test_moe import _rand, _routing, _weights
+from tests.kernels.moe.test_moe import _rand, _routing, _weights
 from tests.kernels.lnc_streams import assert_same_streams, recorded_streams
-from tests.kernels.test_moe_lnc import _equal
+from tests.kernels.moe.test_moe_lnc import _equal
 from tests.tolerances import check_oracle
 from trnkit.kernels import moe
 from trnkit.kernels.constraints import KernelConstraintError

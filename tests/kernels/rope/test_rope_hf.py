@@ -13,8 +13,8 @@ from tests.kernels import oracles as O
 from tests.kernels.lnc_streams import assert_same_streams, recorded_streams
 from tests.tolerances import F64, check_oracle
 from trnkit.kernels.constraints import KernelConstraintError
-from trnkit.kernels.rope_hf import (constraints, rope_hf, rope_hf_bshd, rope_hf_bshd_ref, rope_hf_kernel,
-                                    rope_hf_ref)
+from trnkit.kernels.rope import constraints, rope_hf, rope_hf_bshd, rope_hf_bshd_ref, rope_hf_ref
+from trnkit.kernels.rope.rope_kernel import rope_hf_kernel
 
 
 def _tables(kind: str, B: int, S: int, D: int, extra: int, gen: torch.Generator) -> dict:

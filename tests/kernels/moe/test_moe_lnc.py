@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.test_moe import GMM_CASES, _moe_inputs, _rand, weight_dmas
+from tests.kernels.moe.test_moe import GMM_CASES, _moe_inputs, _rand, weight_dmas
 from trnkit.kernels import lnc as lnc_mod
 from trnkit.kernels import moe
 from trnkit.kernels.moe import moe_fused

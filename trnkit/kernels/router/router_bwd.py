@@ -1,0 +1,396 @@
+"""NKI kernel of the router's backward, :func:`router_topk_bwd_kernel`.
+
+Backward (``router_topk_bwd``): ``g_p = scatter(idx, g_s)`` with ``g_s`` the gradient of the selected
+probabilities (through the renormalisation when ``norm_topk_prob``), ``g_logits = p * (g_p - <g_p, p>)
+(+ grad_router_logits)`` in fp32. It is computed on the K selected logits first (gathered per partition
+with ``nc_n_gather``; ``[tokens, K]`` arithmetic), then scattered to ``[tokens, E]`` by K one-hot
+products (iota == id, any order of ``topk_idx``; repeated ids add up like autograd's scatter); then
+``grad_x = g_logits @ w_router`` and ``grad_w = g_logits.T @ x`` on the
+Tensor engine with fp32 accumulation. fp32 inputs: fp32 matmuls. bf16 inputs: ``g_logits`` is split into
+two bf16 parts (``hi + lo``, ~16 significant bits) multiplied against the exact bf16 x / w, so the
+gradients are as accurate as fp32 math rounded once to bf16, at 2x the bf16 matmul cost (still 2x
+cheaper than fp32 matmuls). Sigmoid scoring: ``g_logits = m * s(1 - s) * (G - c) / D`` with
+``D = <m, s> + 1e-20``, ``c = <G, m*s> / D`` (``norm_topk_prob``), else ``G * s(1 - s)``; the
+routed scaling factor scales the upstream gradient; the selection bias has no gradient (a buffer).
+"""
+
+from __future__ import annotations
+
+from trnkit.kernels._common import P_MAX, cdiv
+from trnkit.kernels.router.constraints import SIGMOID_NORM_EPS, bwd_group
+from trnkit.kernels.router.router_fwd import PSUM_FMAX, _copy_engine, _transpose_blocks
+from trnkit.nki_api import nisa, nki, nl
+
+
+def _tiles(group, dtype, width=0):
+    """One SBUF tile per token tile of ``group``: ``[P_i, width]``, or the shape of its logits when
+    ``width`` is 0 (a module-level helper, not a closure: kernel code stays plain calls)."""
+    out = []
+    for g in group:
+        out.append(nl.ndarray((g[0].shape[0], width if width > 0 else g[0].shape[1]), dtype=dtype, buffer=nl.sbuf))
+    return out
+
+
+def _gather_selected(group):
+    """``(ikf, lg_k)`` per token tile of ``group`` (see :func:`_selected_logit_grads`): the expert ids as
+    fp32 and the K selected logits ``lg[idx_k]`` (one per-partition ``nc_n_gather`` on GpSimd)."""
+    n = len(group)
+    K = group[0][1].shape[1]
+    idx_u, ikf, lg_k = _tiles(group, nl.uint32, K), _tiles(group, nl.float32, K), _tiles(group, nl.float32, K)
+    for i in range(n):
+        nisa.tensor_copy(dst=idx_u[i], src=group[i][1], engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=ikf[i], src=group[i][1], engine=nisa.engine.gpsimd)
+    for i in range(n):
+        nisa.nc_n_gather(dst=lg_k[i], data=group[i][0], indices=idx_u[i])
+    return ikf, lg_k
+
+
+def _selected_logit_grads(group, gathered, norm_topk_prob, scoring="softmax"):
+    """First half of the backward's ``g_logits`` for each token tile of ``group``: a list of ``(lg [P, E]
+    fp32 logits, ik [P, K] int32 expert ids, gk [P, K] fp32 upstream top-K weight gradients, gl_in [P, E]
+    or None (gradient of the logits themselves))``, with ``gathered`` from :func:`_gather_selected`.
+    Returns ``(ikf, v, dense)`` per tile for :func:`_logit_grad_tiles`.
+
+    The gradient of the K selected weights lives on the K selected logits, so it is computed there
+    ("K-space", ``[P, K]`` tiles): ``lg_k = lg[idx_k]``, then (softmax) ``q = softmax_k(lg_k)``, ``v_k = q_k (g_k -
+    <g, q>)`` with norm_topk_prob
+    (the softmax Jacobian term over E cancels exactly); without it ``p_k = exp(lg_k - max)/S`` over all E
+    and ``g_logits = scatter(g * p) - <g, p> p``; sigmoid: ``s_k = sigmoid(lg_k)``, ``v_k = s_k(1 - s_k)
+    (g_k - c) / D`` with ``D = sum s_k + 1e-20``, ``c = <g, s> / D`` (norm), else ``g_k s_k(1 - s_k)``.
+    Every step is issued for all tiles of the group before the next step (independent instructions
+    between dependent ones hide the engines' latency).
+    """
+    n = len(group)
+    ikf, lg_k = gathered
+    dense = [None] * n  # a dense [P, E] term added to the scatter (softmax without norm_topk_prob)
+    if scoring == "sigmoid":
+        v = _sigmoid_selected_grads(group, lg_k, norm_topk_prob)
+    elif norm_topk_prob:
+        v = _softmax_selected_grads(group, lg_k)
+    else:
+        v, dense = _softmax_full_grads(group, lg_k)
+    return ikf, v, dense
+
+
+def _logit_grad_tiles(group, selected, iota_e):
+    """fp32 ``g_logits [P, E]`` per tile of ``group`` from :func:`_selected_logit_grads`' ``(ikf, v,
+    dense)``: ``sum_k onehot(idx_k) * v_k + dense (+ grad_router_logits)``; repeated ids add up, as
+    autograd's scatter does."""
+    ikf, v, dense = selected
+    return _plus_logit_grads(group, _scatter_selected(group, iota_e, ikf, v, dense))
+
+
+def _k_space_tiles(group, K):
+    """Scratch per token tile of ``group``: five fp32 ``[P, 1]`` tiles, then three fp32 ``[P, K]``."""
+    out = []
+    for _ in range(5):
+        out.append(_tiles(group, nl.float32, 1))
+    for _ in range(3):
+        out.append(_tiles(group, nl.float32, K))
+    return out
+
+
+def _softmax_selected_grads(group, lg_k):
+    """norm_topk_prob: ``v_k = q_k (g_k - <g, q>)``, ``q = softmax over the K selected logits``."""
+    n = len(group)
+    neg_m, den, rden, dot, neg_c, e_k, ge, v = _k_space_tiles(group, lg_k[0].shape[1])
+    for i in range(n):
+        nisa.tensor_reduce(dst=neg_m[i], op=nl.maximum, data=lg_k[i], axis=1, negate=True)
+    for i in range(n):
+        nisa.activation(dst=e_k[i], op=nl.exp, data=lg_k[i], bias=neg_m[i], reduce_op=nl.add, reduce_res=den[i],
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    for i in range(n):
+        nisa.reciprocal(dst=rden[i], data=den[i])
+        nisa.tensor_tensor(dst=ge[i], data1=group[i][2], data2=e_k[i], op=nl.multiply)
+    for i in range(n):
+        nisa.tensor_reduce(dst=dot[i], op=nl.add, data=ge[i], axis=1)
+    for i in range(n):  # -<g, q> = -<g, e> / den
+        nisa.tensor_scalar(dst=neg_c[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
+                           operand1=-1.0)
+    for i in range(n):  # v = ((g - c) / den) * e
+        nisa.tensor_scalar(dst=v[i], data=group[i][2], op0=nl.add, operand0=neg_c[i], op1=nl.multiply,
+                           operand1=rden[i])
+        nisa.tensor_tensor(dst=v[i], data1=v[i], data2=e_k[i], op=nl.multiply)
+    return v
+
+
+def _softmax_full_grads(group, lg_k):
+    """Without norm_topk_prob: ``g_logits = scatter(g * p_sel) - <g, p_sel> p`` with ``p`` the softmax over
+    all E; returns the K-space ``g * p_sel`` and the dense ``-<g, p_sel> p`` tiles."""
+    n = len(group)
+    neg_m, den, rden, dot, coef, e_k, ge, v = _k_space_tiles(group, lg_k[0].shape[1])
+    e_all, dense = _tiles(group, nl.float32), _tiles(group, nl.float32)
+    for i in range(n):
+        nisa.tensor_reduce(dst=neg_m[i], op=nl.maximum, data=group[i][0], axis=1, negate=True)
+    for i in range(n):
+        nisa.activation(dst=e_all[i], op=nl.exp, data=group[i][0], bias=neg_m[i], reduce_op=nl.add,
+                        reduce_res=den[i], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.activation(dst=e_k[i], op=nl.exp, data=lg_k[i], bias=neg_m[i])
+    for i in range(n):
+        nisa.reciprocal(dst=rden[i], data=den[i])
+        nisa.tensor_tensor(dst=ge[i], data1=group[i][2], data2=e_k[i], op=nl.multiply)
+    for i in range(n):
+        nisa.tensor_reduce(dst=dot[i], op=nl.add, data=ge[i], axis=1)
+        nisa.tensor_scalar(dst=v[i], data=ge[i], op0=nl.multiply, operand0=rden[i])  # g * p_sel
+    for i in range(n):  # -<g, p_sel> / den = -dot / den^2
+        nisa.tensor_scalar(dst=coef[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
+                           operand1=-1.0)
+        nisa.tensor_scalar(dst=coef[i], data=coef[i], op0=nl.multiply, operand0=rden[i])
+    for i in range(n):
+        nisa.tensor_scalar(dst=dense[i], data=e_all[i], op0=nl.multiply, operand0=coef[i], engine=nisa.engine.scalar)
+    return v, dense
+
+
+def _sigmoid_selected_grads(group, lg_k, norm_topk_prob):
+    """Sigmoid scores: ``v_k = s_k(1 - s_k) (g_k - c) / D`` (norm_topk_prob; ``D = sum_k s_k + 1e-20``,
+    ``c = <g, s> / D``), else ``g_k s_k(1 - s_k)``."""
+    n = len(group)
+    K = lg_k[0].shape[1]
+    f32 = nl.float32
+    s_k, jac, v = _tiles(group, f32, K), _tiles(group, f32, K), _tiles(group, f32, K)
+    den = _tiles(group, f32, 1)
+    for i in range(n):
+        nisa.activation(dst=s_k[i], op=nl.sigmoid, data=lg_k[i], reduce_op=nl.add, reduce_res=den[i],
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    for i in range(n):  # s (1 - s)
+        nisa.tensor_scalar(dst=jac[i], data=s_k[i], op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+        nisa.tensor_tensor(dst=jac[i], data1=jac[i], data2=s_k[i], op=nl.multiply)
+    if not norm_topk_prob:
+        for i in range(n):
+            nisa.tensor_tensor(dst=v[i], data1=group[i][2], data2=jac[i], op=nl.multiply)
+        return v
+    rden, dot, neg_c, gs = _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, 1), _tiles(group, f32, K)
+    for i in range(n):
+        nisa.tensor_scalar(dst=den[i], data=den[i], op0=nl.add, operand0=SIGMOID_NORM_EPS)
+        nisa.tensor_tensor(dst=gs[i], data1=group[i][2], data2=s_k[i], op=nl.multiply)
+    for i in range(n):
+        nisa.reciprocal(dst=rden[i], data=den[i])
+        nisa.tensor_reduce(dst=dot[i], op=nl.add, data=gs[i], axis=1)
+    for i in range(n):  # -<g, s> / D
+        nisa.tensor_scalar(dst=neg_c[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
+                           operand1=-1.0)
+    for i in range(n):  # v = ((g - c) / D) * s(1 - s)
+        nisa.tensor_scalar(dst=v[i], data=group[i][2], op0=nl.add, operand0=neg_c[i], op1=nl.multiply,
+                           operand1=rden[i])
+        nisa.tensor_tensor(dst=v[i], data1=v[i], data2=jac[i], op=nl.multiply)
+    return v
+
+
+def _scatter_selected(group, iota_e, ikf, v, dense):
+    """Dense ``[P, E]`` fp32 ``sum_k onehot(idx_k) * v_k (+ dense)`` per tile: the K one-hot products on
+    Vector, summed as a pairwise tree whose first level alternates between GpSimd and Vector (so
+    GpSimd's unknown rate never carries more than a quarter of the adds), the rest on Vector."""
+    n = len(group)
+    K = v[0].shape[1]
+    f32 = nl.float32
+    prods = []
+    for i in range(n):
+        prods.append([None] * K)
+    for k in range(K):
+        for i in range(n):
+            rows, E = group[i][0].shape
+            prods[i][k] = nl.ndarray((rows, E), dtype=f32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=prods[i][k], data=iota_e[0:rows, :], op0=nl.equal, operand0=ikf[i][:, k:k + 1],
+                               op1=nl.multiply, operand1=v[i][:, k:k + 1])
+    width = 1
+    while width < K:
+        m = 0
+        for k in range(0, K - width, 2 * width):
+            eng = nisa.engine.gpsimd if width == 1 and m % 2 == 0 else nisa.engine.vector
+            for i in range(n):
+                nisa.tensor_tensor(dst=prods[i][k], data1=prods[i][k], data2=prods[i][k + width], op=nl.add,
+                                   engine=eng)
+            m = m + 1
+        width = width * 2
+    g = []
+    for i in range(n):
+        g.append(prods[i][0])
+        if dense[i] != None:  # noqa: E711 (the NKI compiler rejects `is not`)
+            nisa.tensor_tensor(dst=g[i], data1=g[i], data2=dense[i], op=nl.add)
+    return g
+
+
+def _plus_logit_grads(group, g):
+    """``g += grad_router_logits`` for the tiles that have one (the logits are an output too)."""
+    for i in range(len(group)):
+        if group[i][3] != None:  # noqa: E711 (the NKI compiler rejects `is`)
+            nisa.tensor_tensor(dst=g[i], data1=g[i], data2=group[i][3], op=nl.add)
+    return g
+
+
+@nki.jit
+def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
+                           has_grad_logits=False, norm_topk_prob=True, scoring="softmax",
+                           routed_scaling_factor=1.0):
+    """NKI kernel behind :func:`router_topk_bwd`. Phase 1 (per group of token tiles, see the loop):
+    ``g_logits`` and ``grad_x = g_logits @ w``; ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM, during
+    phase 1 when it fits 4 PSUM banks, else in a phase 2 over a g_logits scratch.
+    The matmuls take ``x.dtype`` operands (bf16 like autograd of a bf16 linear; fp32 accumulation)."""
+    T, H = x.shape
+    E = w_router.shape[0]
+    K = topk_idx.shape[1]
+    n_e = cdiv(E, P_MAX)
+    mm = x.dtype
+    grad_x = nl.ndarray((T, H), dtype=x.dtype, buffer=nl.shared_hbm)
+    grad_w = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.shared_hbm)
+    split = mm != nl.float32
+    # grad_w fits 4 PSUM banks (E <= 128, H <= 2048, e.g. Qwen3-30B-A3B): accumulate it during phase 1
+    # (no second pass over x, no g_logits scratch); else phase 2 re-reads g_logits from an HBM scratch
+    fused_w = n_e == 1 and H <= 4 * PSUM_FMAX
+    n_parts = 2 if split else 1
+    if fused_w:
+        w_accs = []
+        for h0 in range(0, H, PSUM_FMAX):
+            w_accs.append(nl.ndarray((E, min(PSUM_FMAX, H - h0)), dtype=nl.float32, buffer=nl.psum))
+    else:
+        g_hbm = nl.ndarray((n_parts, T, E), dtype=mm, buffer=nl.shared_hbm)  # bf16: hi and lo parts
+    load = [0.0, 0.0]
+    # w resident in SBUF [128, n_e, H]: E on partitions = the contraction of grad_x
+    w_sb = nl.ndarray((P_MAX, n_e, H), dtype=mm, buffer=nl.sbuf)
+    for c in range(n_e):
+        ec = min(P_MAX, E - c * P_MAX)
+        nisa.dma_copy(dst=w_sb[0:ec, c, :], src=w_router[c * P_MAX:c * P_MAX + ec, :])
+    iota_e = nl.ndarray((P_MAX, E), dtype=nl.float16, buffer=nl.sbuf)  # 0..E-1 on every partition (exact)
+    nisa.iota(dst=iota_e, pattern=[[1, E]], offset=0, channel_multiplier=0)
+    tiles = []
+    for t0 in range(0, T, P_MAX):
+        tiles.append((t0, min(P_MAX, T - t0)))
+    gs = bwd_group(E, K)
+    groups = []
+    for g0 in range(0, len(tiles), gs):
+        groups.append(list(range(g0, min(len(tiles), g0 + gs))))
+    n = len(groups)
+    ins = [None] * n  # stage L -> G
+    sel = [None] * n  # stage K -> G
+    glT = [None] * n  # stage G -> M
+    # phase 1, software-pipelined over groups of token tiles: L(i) loads + gathers of the selected logits,
+    # K(i-1) the gradient on them, G(i-2) its dense scatter + transposes, M(i-3) grad_x / grad_w matmuls; each engine
+    # works on a different group than the one its inputs are still being produced for (in-order queues)
+    stores = []  # (t0, tp, grad_x tile) of the last M stage
+    for step in range(n + 4):
+        if step < n:
+            ins[step] = []
+            for ti in groups[step]:
+                t0, tp = tiles[ti]
+                lg = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=lg, src=router_logits[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
+                ik = nl.ndarray((tp, K), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=ik, src=topk_idx[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
+                gk = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.dma_copy(dst=gk, src=grad_topk_weights[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
+                if routed_scaling_factor != 1.0:  # weights = scale * w': the upstream gradient of w'
+                    nisa.tensor_scalar(dst=gk, data=gk, op0=nl.multiply, operand0=routed_scaling_factor)
+                gl_in = None
+                if has_grad_logits:
+                    gl_in = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=gl_in, src=grad_router_logits[t0:t0 + tp, :])
+                ins[step].append((lg, ik, gk, gl_in))
+            sel[step] = _gather_selected(ins[step])
+        for t0, tp, gx_sb in stores:  # the previous step's grad_x tiles, queued behind this step's loads
+            nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb, dge_mode=nisa.dge_mode.hwdge)
+        stores = []
+        i_k = step - 1
+        if 0 <= i_k < n:
+            sel[i_k] = _selected_logit_grads(ins[i_k], sel[i_k], norm_topk_prob, scoring)
+        i_m = step - 3
+        if 0 <= i_m < n:  # grad_x [tp, H] = g_l [tp, E] @ w [E, H]; the H blocks' chains interleaved
+            for gi in range(len(groups[i_m])):
+                ti = groups[i_m][gi]
+                t0, tp = tiles[ti]
+                gT, parts, x_sb = glT[i_m][gi]
+                gx_sb = nl.ndarray((tp, H), dtype=x.dtype, buffer=nl.sbuf)
+                nb = 2 if fused_w else 4  # grad_x PSUM banks in flight (fused: 4 hold grad_w)
+                for hq in range(0, H, nb * PSUM_FMAX):
+                    blocks = []
+                    gx_ps = []
+                    for h0 in range(hq, min(H, hq + nb * PSUM_FMAX), PSUM_FMAX):
+                        blocks.append((h0, min(PSUM_FMAX, H - h0)))
+                        gx_ps.append(nl.ndarray((tp, min(PSUM_FMAX, H - h0)), dtype=nl.float32, buffer=nl.psum))
+                    for c in range(n_e):
+                        ec = min(P_MAX, E - c * P_MAX)
+                        for i in range(len(gT)):
+                            for b in range(len(blocks)):
+                                h0, hc = blocks[b]
+                                nisa.nc_matmul(dst=gx_ps[b], stationary=gT[i][0:ec, c, :],
+                                               moving=w_sb[0:ec, c, h0:h0 + hc], accumulate=(c > 0 or i > 0))
+                    for b in range(len(blocks)):
+                        h0, hc = blocks[b]
+                        nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps[b], engine=nisa.engine.scalar)
+                stores.append((t0, tp, gx_sb))
+                if fused_w:  # grad_w [E, H] += g_l^T x: contraction over this tile's tokens
+                    for i in range(len(parts)):
+                        for a in range(len(w_accs)):
+                            h0 = a * PSUM_FMAX
+                            nisa.nc_matmul(dst=w_accs[a], stationary=parts[i],
+                                           moving=x_sb[:, h0:h0 + w_accs[a].shape[1]], accumulate=(ti > 0 or i > 0))
+            glT[i_m] = None
+        i_g = step - 2
+        if 0 <= i_g < n:
+            g_ls = _logit_grad_tiles(ins[i_g], sel[i_g], iota_e)
+            ins[i_g] = None
+            sel[i_g] = None
+            glT[i_g] = []
+            for gi in range(len(g_ls)):
+                t0, tp = tiles[groups[i_g][gi]]
+                g_l = g_ls[gi]
+                if split:  # g = hi + lo, both bf16: ~16 significant bits through bf16 matmuls
+                    hi = nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf)
+                    parts = [hi, nl.ndarray((tp, E), dtype=mm, buffer=nl.sbuf)]
+                    nisa.tensor_copy(dst=parts[0], src=g_l, engine=nisa.engine.gpsimd)
+                    nisa.tensor_tensor(dst=parts[1], data1=g_l, data2=parts[0], op=nl.subtract)
+                else:
+                    parts = [g_l]
+                x_sb = None
+                if fused_w:
+                    x_sb = nl.ndarray((tp, H), dtype=mm, buffer=nl.sbuf)
+                    nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
+                else:
+                    for i in range(len(parts)):
+                        nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
+                # grad_x needs g_l^T (E on partitions: the contraction)
+                gT = []
+                pairs = []
+                for i in range(len(parts)):
+                    gT.append(nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf))
+                    pairs.append((gT[i], parts[i]))
+                _transpose_blocks(pairs, tp, E, mm, load)
+                glT[i_g].append((gT, parts, x_sb))
+    if fused_w:
+        gw_sb = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.sbuf)
+        for a in range(len(w_accs)):
+            h0 = a * PSUM_FMAX
+            nisa.tensor_copy(dst=gw_sb[:, h0:h0 + w_accs[a].shape[1]], src=w_accs[a],
+                             engine=_copy_engine(load, w_accs[a].shape[1]))
+        nisa.dma_copy(dst=grad_w, src=gw_sb)
+        return grad_x, grad_w
+    # phase 2: grad_w [E, H] = sum over token tiles of g_l^T x; groups of 4 PSUM banks per E chunk
+    for c in range(n_e):
+        e0 = c * P_MAX
+        ec = min(P_MAX, E - e0)
+        for hg in range(0, H, 4 * PSUM_FMAX):
+            hw = min(4 * PSUM_FMAX, H - hg)
+            accs = []
+            for h0 in range(hg, hg + hw, PSUM_FMAX):
+                accs.append(nl.ndarray((ec, min(PSUM_FMAX, hg + hw - h0)), dtype=nl.float32, buffer=nl.psum))
+            for t0 in range(0, T, P_MAX):
+                tp = min(P_MAX, T - t0)
+                g_sb = []
+                for i in range(n_parts):
+                    g_sb.append(nl.ndarray((tp, ec), dtype=mm, buffer=nl.sbuf))
+                for i in range(len(g_sb)):
+                    nisa.dma_copy(dst=g_sb[i], src=g_hbm[i, t0:t0 + tp, e0:e0 + ec])
+                x_sb = nl.ndarray((tp, hw), dtype=mm, buffer=nl.sbuf)
+                nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, hg:hg + hw])
+                for i in range(len(g_sb)):  # consecutive matmuls go to different accumulators
+                    for a in range(len(accs)):
+                        h0 = a * PSUM_FMAX
+                        hc = accs[a].shape[1]
+                        nisa.nc_matmul(dst=accs[a], stationary=g_sb[i], moving=x_sb[:, h0:h0 + hc],
+                                       accumulate=(t0 > 0 or i > 0))
+            gw_sb = nl.ndarray((ec, hw), dtype=w_router.dtype, buffer=nl.sbuf)
+            for a in range(len(accs)):
+                h0 = a * PSUM_FMAX
+                nisa.tensor_copy(dst=gw_sb[:, h0:h0 + accs[a].shape[1]], src=accs[a],
+                                 engine=_copy_engine(load, accs[a].shape[1]))
+            nisa.dma_copy(dst=grad_w[e0:e0 + ec, hg:hg + hw], src=gw_sb)
+    return grad_x, grad_w
