@@ -243,19 +243,69 @@ def _row_matmul_pass(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, grid: Any, 
                      scale: Any, group: list, q0: int, bias: Any = None) -> None:
     """One pass of :func:`row_matmul` over the 512-column pieces in ``group`` (its PSUM tiles are
     local, so their banks are free again when the pass returns)."""
-    ps = []
-    for _, nw in group:
-        ps.append(nl.ndarray((rows, nw), dtype=nl.float32, buffer=nl.psum))
     cks = chunks(contract, P)
+    operands = []
     for c in range(len(cks)):
         ck = cks[c][1]
-        for j in range(len(group)):
-            n0, nw = group[j]
-            nisa.nc_matmul(dst=ps[j], stationary=lhs_T[c][:ck, col0:col0 + rows],
-                           moving=moving_view(w_sb, grid, c, ck, n0, nw), accumulate=c > 0)
-    for j in range(len(group)):
-        n0, nw = group[j]
-        piece_bias = None
+        row = []
+        for n0, nw in group:
+            row.append((lhs_T[c][:ck, col0:col0 + rows], moving_view(w_sb, grid, c, ck, n0, nw)))
+        operands.append(row)
+    dsts = []
+    biases = None
+    if bias != None:  # noqa: E711
+        biases = []
+    for n0, nw in group:
+        dsts.append(out_sb[:rows, n0:n0 + nw])
         if bias != None:  # noqa: E711
-            piece_bias = bias[:rows, n0:n0 + nw]
-        evacuate(out_sb[:rows, n0:n0 + nw], ps[j], q0 + j, scale, piece_bias)
+            biases.append(bias[:rows, n0:n0 + nw])
+    accumulate_evacuate(dsts, operands, q0, scale, biases)
+
+
+# ------------------------------------------------------------------------- PSUM accumulation groups
+def psum_tiles(shapes: list) -> list:
+    """One fp32 PSUM tile per shape, each the home of one matmul accumulation group."""
+    out = []
+    for shape in shapes:
+        out.append(nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum))
+    return out
+
+
+def accumulate(ps: list, operands: list, start: bool = True) -> None:
+    """Matmul accumulation groups ``ps[j] += operands[c][j][0].T @ operands[c][j][1]`` over the
+    contraction chunks c (each entry a ``(stationary, moving)`` pair), issued chunk-major: for each
+    chunk every group in order, so consecutive matmuls write different PSUM tiles. ``start``: chunk 0
+    opens each group (``accumulate=False``); False continues groups opened by an earlier call (a sum
+    over loads that arrive one by one)."""
+    for c in range(len(operands)):
+        for j in range(len(ps)):
+            nisa.nc_matmul(dst=ps[j], stationary=operands[c][j][0], moving=operands[c][j][1],
+                           accumulate=c > 0 or not start)
+
+
+def evacuate_tiles(dsts: list, ps: list, k0: int = 0, scale: Any = None, biases: Any = None,
+                   engines: Any = None) -> None:
+    """PSUM tiles ``ps[j]`` -> ``dsts[j]``: by :func:`evacuate` (engines alternating from ``k0``, the
+    optional per-row ``scale`` and per-tile ``biases``) or, with ``engines`` given, by one
+    ``tensor_copy`` each on ``engines[j]``."""
+    for j in range(len(ps)):
+        if engines != None:  # noqa: E711 (the NKI compiler rejects `is`)
+            nisa.tensor_copy(dst=dsts[j], src=ps[j], engine=engines[j])
+        else:
+            b = None
+            if biases != None:  # noqa: E711
+                b = biases[j]
+            evacuate(dsts[j], ps[j], k0 + j, scale, b)
+
+
+def accumulate_evacuate(dsts: list, operands: list, k0: int = 0, scale: Any = None, biases: Any = None,
+                        engines: Any = None) -> None:
+    """``dsts[j] = sum over c of operands[c][j][0].T @ operands[c][j][1]``: the accumulation groups of
+    :func:`accumulate` in fp32 PSUM tiles of the dsts' shapes (local: their banks are free again when
+    this returns), then evacuated by :func:`evacuate_tiles` (the rounding to the dsts' dtype)."""
+    shapes = []
+    for d in dsts:
+        shapes.append(d.shape)
+    ps = psum_tiles(shapes)
+    accumulate(ps, operands)
+    evacuate_tiles(dsts, ps, k0, scale, biases, engines)

@@ -41,7 +41,7 @@ from trnkit.kernels.attention.tiling import (
     tiles_view,
     work_units,
 )
-from trnkit.kernels.tiles import program_split
+from trnkit.kernels.tiles import accumulate, program_split
 from trnkit.nki_api import nisa, nki, nl
 
 BANK = 512  # keys per PSUM bank of fp32 scores (gemm_moving_fmax)
@@ -220,11 +220,10 @@ def _pv(st, v_sb):
     """Stage 4: O_step = P V over the step's keys, one PSUM accumulation group."""
     nq, D = st["nq"], v_sb.shape[2]
     pv_ps = nl.ndarray((nq, D), dtype=nl.float32, buffer=nl.psum)
-    blocks = st["blocks"]
-    for i in range(len(blocks)):
-        key0, kc, pt_sb, c = blocks[i]
-        nisa.nc_matmul(dst=pv_ps, stationary=pt_sb[0:kc, c, :], moving=v_sb[0:kc, key0 // P, :],
-                       accumulate=i > 0)
+    operands = []
+    for key0, kc, pt_sb, c in st["blocks"]:
+        operands.append([(pt_sb[0:kc, c, :], v_sb[0:kc, key0 // P, :])])
+    accumulate([pv_ps], operands)
     st["blocks"], st["pv"] = None, pv_ps
 
 

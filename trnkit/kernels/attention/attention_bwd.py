@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from trnkit.kernels._common import cdiv
 from trnkit.kernels.attention.tiling import P, needs_scratch, rows, tiles_view, work_units
-from trnkit.kernels.tiles import program_split
+from trnkit.kernels.tiles import accumulate, program_split
 from trnkit.nki_api import nisa, nki, nl
 
 KB = 512  # keys per block (one PSUM bank of fp32 dK^T / dV^T / scores)
@@ -312,9 +312,11 @@ def _st_dq(blk, ctx):
     k_nat = ctx["kv"][2]
     D = k_nat.shape[2]
     dq_ps = nl.ndarray((nq, D), dtype=nl.float32, buffer=nl.psum)
+    operands = []
     for c in range(cdiv(w, P)):
         kc = min(P, w - c * P)
-        nisa.nc_matmul(dst=dq_ps, stationary=dsT[0:kc, c, :], moving=k_nat[0:kc, c, :], accumulate=c > 0)
+        operands.append([(dsT[0:kc, c, :], k_nat[0:kc, c, :])])
+    accumulate([dq_ps], operands)
     acc = ctx["dq_acc"][0:nq, blk["hi"] * ctx["nqt"] + blk["qt"], :]
     if ctx["kb0"] == 0:
         nisa.tensor_copy(dst=acc, src=dq_ps)

@@ -40,7 +40,17 @@ from collections.abc import Callable
 from trnkit.kernels._common import cdiv
 from trnkit.kernels.moe.moe_bwd import activation_grad_rows
 from trnkit.kernels.moe.moe_fused import expert_act, swiglu_T
-from trnkit.kernels.tiles import NMAX, P, chunks, evacuate, program_split, tiles, transpose_rows
+from trnkit.kernels.tiles import (
+    NMAX,
+    P,
+    accumulate,
+    chunks,
+    evacuate_tiles,
+    program_split,
+    psum_tiles,
+    tiles,
+    transpose_rows,
+)
 from trnkit.nki_api import nisa, nki, nl
 
 TB_OPTIONS = (512, 256, 128)  # forward token tile widths, widest first (the gate / up moving size)
@@ -159,27 +169,23 @@ def _streamed_rows(out_rows, lhs_T, w, row_of_chunk, tw):
         group = pieces[q0:q0 + per_pass]
         n0 = group[0][0]
         gw = group[-1][0] + group[-1][1] - n0
-        ps = []
+        dsts, shapes = [], []  # (sub-tile, piece), sub-tile-major: one accumulation group each
         for s in range(len(subs)):
-            row = []
-            for _, nw in group:
-                row.append(nl.ndarray((subs[s][1], nw), dtype=nl.float32, buffer=nl.psum))
-            ps.append(row)
-        for k in range(len(row_of_chunk)):
+            for c0, nw in group:
+                dsts.append(out_rows[s][:, c0:c0 + nw])
+                shapes.append((subs[s][1], nw))
+        ps = psum_tiles(shapes)
+        for k in range(len(row_of_chunk)):  # each chunk's weight rows load, then feed every group
             r0, rk = row_of_chunk[k]
             w_t = nl.ndarray((P, gw), dtype=w.dtype, buffer=nl.sbuf)
             nisa.dma_copy(dst=w_t[:rk, :], src=w[r0:r0 + rk, n0:n0 + gw])
-            for s in range(len(subs)):
-                s0, sw = subs[s]
-                for j in range(len(group)):
-                    c0 = group[j][0] - n0
-                    nisa.nc_matmul(dst=ps[s][j], stationary=lhs_T[k][:rk, s0:s0 + sw],
-                                   moving=w_t[:rk, c0:c0 + group[j][1]], accumulate=k > 0)
-        for s in range(len(subs)):
-            for j in range(len(group)):
-                c0, nw = group[j]
-                evacuate(out_rows[s][:, c0:c0 + nw], ps[s][j], evac)
-                evac += 1
+            row = []
+            for s0, sw in subs:
+                for c0, nw in group:
+                    row.append((lhs_T[k][:rk, s0:s0 + sw], w_t[:rk, c0 - n0:c0 - n0 + nw]))
+            accumulate(ps, [row], start=k == 0)
+        evacuate_tiles(dsts, ps, evac)
+        evac += len(dsts)
 
 
 def _store_rows(dst, t0, rows_sb):
@@ -224,17 +230,15 @@ def _grad_block(x_T, go_T, wgu, wd_T, H, s0, sw, dt):
     ib = wd_T[0].shape[1]
     hcs = chunks(H, P)
     f32 = nl.float32
-    g_ps = nl.ndarray((sw, ib), dtype=f32, buffer=nl.psum)
-    u_ps = nl.ndarray((sw, ib), dtype=f32, buffer=nl.psum)
-    d_ps = nl.ndarray((sw, ib), dtype=f32, buffer=nl.psum)
+    g_ps, u_ps, d_ps = psum_tiles([(sw, ib), (sw, ib), (sw, ib)])
+    gate_up, down = [], []
     for c in range(len(hcs)):
         hk = hcs[c][1]
-        nisa.nc_matmul(dst=g_ps, stationary=x_T[c][:hk, s0:s0 + sw], moving=wgu[c][:hk, 0:ib], accumulate=c > 0)
-        nisa.nc_matmul(dst=u_ps, stationary=x_T[c][:hk, s0:s0 + sw], moving=wgu[c][:hk, ib:2 * ib],
-                       accumulate=c > 0)
-    for c in range(len(hcs)):
-        hk = hcs[c][1]
-        nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, s0:s0 + sw], moving=wd_T[c][:hk, :], accumulate=c > 0)
+        rows_T = x_T[c][:hk, s0:s0 + sw]
+        gate_up.append([(rows_T, wgu[c][:hk, 0:ib]), (rows_T, wgu[c][:hk, ib:2 * ib])])
+        down.append([(go_T[c][:hk, s0:s0 + sw], wd_T[c][:hk, :])])
+    accumulate([g_ps, u_ps], gate_up)
+    accumulate([d_ps], down)
     a = nl.ndarray((sw, ib), dtype=f32, buffer=nl.sbuf)
     u = nl.ndarray((sw, ib), dtype=f32, buffer=nl.sbuf)
     d = nl.ndarray((sw, ib), dtype=f32, buffer=nl.sbuf)
@@ -313,33 +317,30 @@ def _wgrad_pass(a, b, grad, pas):
     T = a.shape[0]
     kcs = chunks(kn, P)
     ncs = chunks(nn, NMAX)
-    ps = []
+    shapes = []  # (row chunk, column piece), chunk-major: one accumulation group each
     for _, kw in kcs:
-        row = []
         for _, nw in ncs:
-            row.append(nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum))
-        ps.append(row)
+            shapes.append((kw, nw))
+    ps = psum_tiles(shapes)
     tts = chunks(T, P)
-    for t in range(len(tts)):
+    for t in range(len(tts)):  # each token tile's rows load, then add to every group
         t0, tw = tts[t]
         a_t = nl.ndarray((tw, kn), dtype=a.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=a_t, src=a[t0:t0 + tw, k0:k0 + kn])
         b_t = nl.ndarray((tw, nn), dtype=b.dtype, buffer=nl.sbuf)
         nisa.dma_copy(dst=b_t, src=b[t0:t0 + tw, n0:n0 + nn])
-        for i in range(len(kcs)):
-            c0, kw = kcs[i]
-            for j in range(len(ncs)):
-                q0, nw = ncs[j]
-                nisa.nc_matmul(dst=ps[i][j], stationary=a_t[:, c0:c0 + kw], moving=b_t[:, q0:q0 + nw],
-                               accumulate=t > 0)
-    evac = 0
+        row = []
+        for c0, kw in kcs:
+            for q0, nw in ncs:
+                row.append((a_t[:, c0:c0 + kw], b_t[:, q0:q0 + nw]))
+        accumulate(ps, [row], start=t == 0)
     for i in range(len(kcs)):
         c0, kw = kcs[i]
         res = nl.ndarray((kw, nn), dtype=grad.dtype, buffer=nl.sbuf)
-        for j in range(len(ncs)):
-            q0, nw = ncs[j]
-            evacuate(res[:, q0:q0 + nw], ps[i][j], evac)
-            evac += 1
+        dsts = []
+        for q0, nw in ncs:
+            dsts.append(res[:, q0:q0 + nw])
+        evacuate_tiles(dsts, ps[i * len(ncs):(i + 1) * len(ncs)], i * len(ncs))
         nisa.dma_copy(dst=grad[k0 + c0:k0 + c0 + kw, n0:n0 + nn], src=res)
 
 

@@ -42,6 +42,7 @@ from trnkit.kernels.moe.moe_grouped_mm import combine
 from trnkit.kernels.tiles import (
     NMAX,
     P,
+    accumulate,
     block_range,
     chunks,
     load_bias_rows,
@@ -50,6 +51,7 @@ from trnkit.kernels.tiles import (
     masked_group,
     owned_groups,
     program_split,
+    psum_tiles,
     row_matmul,
     store_rows,
     tiles,
@@ -193,18 +195,15 @@ def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, 
     parts = nl.ndarray((rows, len(pieces)), dtype=f32, buffer=nl.sbuf)
     for k in range(len(pieces)):
         p0, pw = pieces[k]
-        g_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
-        u_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
-        d_ps = nl.ndarray((rows, pw), dtype=f32, buffer=nl.psum)
+        g_ps, u_ps, d_ps = psum_tiles([(rows, pw), (rows, pw), (rows, pw)])
+        gate_up, down = [], []
         for c in range(HC):
             hk = min(P, H - c * P)
-            nisa.nc_matmul(dst=g_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, p0:p0 + pw],
-                           accumulate=c > 0)
-            nisa.nc_matmul(dst=u_ps, stationary=x_T[c][:hk, :rows], moving=wgu[c][:hk, inter + p0:inter + p0 + pw],
-                           accumulate=c > 0)
-        for c in range(HC):
-            hk = min(P, H - c * P)
-            nisa.nc_matmul(dst=d_ps, stationary=go_T[c][:hk, :rows], moving=wd_T[c][k][:hk, :pw], accumulate=c > 0)
+            gate_up.append([(x_T[c][:hk, :rows], wgu[c][:hk, p0:p0 + pw]),
+                            (x_T[c][:hk, :rows], wgu[c][:hk, inter + p0:inter + p0 + pw])])
+            down.append([(go_T[c][:hk, :rows], wd_T[c][k][:hk, :pw])])
+        accumulate([g_ps, u_ps], gate_up)
+        accumulate([d_ps], down)
         a, u, d = _piece_to_sbuf(g_ps, u_ps, d_ps, p0, var["bgu"], dt)
         h, dh_da, dh_du = activation_grad_rows(a, u, dt, var["activation"], var["limit"], var["alpha"])
         nisa.tensor_scalar(dst=hw_t[:, p0:p0 + pw], data=h, op0=nl.multiply, operand0=w)  # w * h
@@ -219,10 +218,11 @@ def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, 
     nisa.tensor_reduce(dst=gw_col, op=nl.add, data=parts, axis=1)
     if var["bd_cols"] != None:  # noqa: E711  <grad_out, b_down[e]>: b_down[e] as an [H, 1] moving column
         b_ps = nl.ndarray((rows, 1), dtype=f32, buffer=nl.psum)
+        operands = []
         for c in range(HC):
             hk = min(P, H - c * P)
-            nisa.nc_matmul(dst=b_ps, stationary=go_T[c][:hk, :rows], moving=var["bd_cols"][:hk, c:c + 1],
-                           accumulate=c > 0)
+            operands.append([(go_T[c][:hk, :rows], var["bd_cols"][:hk, c:c + 1])])
+        accumulate([b_ps], operands)
         nisa.tensor_tensor(dst=gw_col, data1=gw_col, data2=b_ps, op=nl.add)
 
 

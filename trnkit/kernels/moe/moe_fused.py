@@ -43,6 +43,7 @@ from trnkit.kernels.moe.layout import FLAG_FULL0, FLAG_HALF0, FLAG_MORE, HALF, N
 from trnkit.kernels.moe.moe_grouped_mm import combine
 from trnkit.kernels.tiles import (
     P,
+    accumulate,
     block_range,
     chunks,
     load_bias_rows,
@@ -51,6 +52,7 @@ from trnkit.kernels.tiles import (
     masked_group,
     owned_groups,
     program_split,
+    psum_tiles,
     row_matmul,
     tiles,
     transpose_rows,
@@ -156,23 +158,24 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
                  act: dict) -> None:
     """One pass of :func:`swiglu_T` over the I-chunks in ``group`` (its PSUM tiles are local, so their
     banks and accumulation groups are free again when the pass returns)."""
-    g_ps = []
-    u_ps = []
+    shapes = []
     for _, iw in group:
-        g_ps.append(nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum))
-        u_ps.append(nl.ndarray((iw, B), dtype=nl.float32, buffer=nl.psum))
+        shapes.append((iw, B))
+        shapes.append((iw, B))
+    ps = psum_tiles(shapes)  # gate and up of each chunk, interleaved
     hcs = chunks(H, P)
+    operands = []
     for c in range(len(hcs)):
         hk = hcs[c][1]
-        for jj in range(len(group)):
-            i0, iw = group[jj]
-            nisa.nc_matmul(dst=g_ps[jj], stationary=wgu[c][:hk, i0:i0 + iw], moving=x_T[c][:hk, :],
-                           accumulate=c > 0)
-            nisa.nc_matmul(dst=u_ps[jj], stationary=wgu[c][:hk, inter + i0:inter + i0 + iw],
-                           moving=x_T[c][:hk, :], accumulate=c > 0)
+        row = []
+        for i0, iw in group:
+            row.append((wgu[c][:hk, i0:i0 + iw], x_T[c][:hk, :]))
+            row.append((wgu[c][:hk, inter + i0:inter + i0 + iw], x_T[c][:hk, :]))
+        operands.append(row)
+    accumulate(ps, operands)
     for jj in range(len(group)):
         iw = group[jj][1]
-        activate_T(h_T[j0 + jj][:iw, :], g_ps[jj], u_ps[jj], j0 + jj, act)
+        activate_T(h_T[j0 + jj][:iw, :], ps[2 * jj], ps[2 * jj + 1], j0 + jj, act)
 
 
 def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_table: Any, block_weights: Any,

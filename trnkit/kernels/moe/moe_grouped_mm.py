@@ -32,11 +32,13 @@ from typing import Any
 from trnkit.kernels.moe.layout import WGRAD_MAX_SLOTS
 from trnkit.kernels.tiles import (
     NMAX,
-    PSUM_GROUPS,
     P,
+    PSUM_GROUPS,
+    accumulate,
+    accumulate_evacuate,
     block_range,
     chunks,
-    evacuate,
+    evacuate_tiles,
     load_bias_rows,
     load_block_start,
     load_ids,
@@ -45,6 +47,7 @@ from trnkit.kernels.tiles import (
     masked_group,
     owned_groups,
     program_split,
+    psum_tiles,
     row_matmul,
     store_rows,
     tiles,
@@ -273,9 +276,10 @@ def _wgrad_pass(operands: list, grads: list, table: Any, g: int, regs: list, cac
     grad = grads[p]
     rows = table.shape[1]
     slots = len(cache)
-    ps = []
+    shapes = []
     for k0, kw, n0, nw in tl:
-        ps.append(nl.ndarray((kw, nw), dtype=nl.float32, buffer=nl.psum))
+        shapes.append((kw, nw))
+    ps = psum_tiles(shapes)
     for j in range(slots):
         a_t, b_t = cache[j][2 * p], cache[j][2 * p + 1]
         start = j == 0
@@ -322,10 +326,10 @@ def _wgrad_gathered(ps: list, tl: list, a: Any, b: Any, table: Any, i: Any, box:
 def _wgrad_matmuls(ps: list, tl: list, a_t: Any, b_t: Any, rows: int, k_lo: int, n_lo: int, start: bool) -> None:
     """``ps[t] (+)= a_t[:, k-chunk].T @ b_t[:, n-piece]`` for the pass's tiles (a_t / b_t hold columns
     from k_lo / n_lo); ``start`` opens the accumulation groups."""
-    for t in range(len(tl)):
-        k0, kw, n0, nw = tl[t]
-        nisa.nc_matmul(dst=ps[t], stationary=a_t[:rows, k0 - k_lo:k0 - k_lo + kw],
-                       moving=b_t[:rows, n0 - n_lo:n0 - n_lo + nw], accumulate=not start)
+    row = []
+    for k0, kw, n0, nw in tl:
+        row.append((a_t[:rows, k0 - k_lo:k0 - k_lo + kw], b_t[:rows, n0 - n_lo:n0 - n_lo + nw]))
+    accumulate(ps, [row], start=start)
 
 
 def _wgrad_store(grad: Any, g: int, ps: list, tl: list, evac: int) -> None:
@@ -340,9 +344,11 @@ def _wgrad_store(grad: Any, g: int, ps: list, tl: list, evac: int) -> None:
             end += 1
         run_w = tl[end - 1][2] + tl[end - 1][3] - n0
         res = nl.ndarray((kw, run_w), dtype=grad.dtype, buffer=nl.sbuf)
+        dsts = []
         for u in range(t, end):
             c0 = tl[u][2] - n0
-            evacuate(res[:, c0:c0 + tl[u][3]], ps[u], evac + u)
+            dsts.append(res[:, c0:c0 + tl[u][3]])
+        evacuate_tiles(dsts, ps[t:end], evac + t)
         nisa.dma_copy(dst=grad.ap(pattern=[[Nb, kw], [1, run_w]], offset=(g * Ka + k0) * Nb + n0), src=res)
         t = end
 
@@ -472,16 +478,15 @@ def _combine_pass(o_sb: Any, y_sb: list, sel: Any, parts: list, group: list, q0:
     nt = o_sb.shape[0]
     n_tok = P // K
     nch = P // n_tok
-    ps = []
-    for _, nw in group:
-        ps.append(nl.ndarray((nt, nw), dtype=nl.float32, buffer=nl.psum))
+    operands = []
     for j in range(len(parts)):
         c0 = (nch - 1 - j) * n_tok
         rows = parts[j][1] * K
-        for q in range(len(group)):
-            n0, nw = group[q]
-            nisa.nc_matmul(dst=ps[q], stationary=sel[:rows, c0:c0 + nt], moving=y_sb[j][:rows, n0:n0 + nw],
-                           accumulate=j > 0)
-    for q in range(len(group)):
-        n0, nw = group[q]
-        evacuate(o_sb[:, n0:n0 + nw], ps[q], q0 + q)
+        row = []
+        for n0, nw in group:
+            row.append((sel[:rows, c0:c0 + nt], y_sb[j][:rows, n0:n0 + nw]))
+        operands.append(row)
+    dsts = []
+    for n0, nw in group:
+        dsts.append(o_sb[:, n0:n0 + nw])
+    accumulate_evacuate(dsts, operands, q0)

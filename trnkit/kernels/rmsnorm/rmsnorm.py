@@ -34,7 +34,7 @@ NaN in ``dx`` (``0 * NaN``), and any NaN reaches ``dw`` (as in the reference).
 from __future__ import annotations
 
 from trnkit.kernels._common import P_MAX, cdiv, row_chunks
-from trnkit.kernels.tiles import program_split
+from trnkit.kernels.tiles import accumulate, program_split
 from trnkit.nki_api import nisa, nki, nl
 
 P = P_MAX
@@ -325,12 +325,14 @@ def _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, ident, Pc, NT, H):
         for c0 in range(0, H, PIECE):
             cw = min(PIECE, H - c0)
             ps = nl.ndarray((Pc, cw), dtype=nl.float32, buffer=nl.psum)
+            operands = []  # one accumulation group: the diagonal products of gw, then x, then gs
             for k in range(len(dr)):
-                nisa.nc_matmul(dst=ps, stationary=dr[k], moving=gw_t[:, j, c0:c0 + cw], accumulate=k > 0)
+                operands.append([(dr[k], gw_t[:, j, c0:c0 + cw])])
             for k in range(len(dc)):
-                nisa.nc_matmul(dst=ps, stationary=dc[k], moving=x_t[:, j, c0:c0 + cw], accumulate=True)
+                operands.append([(dc[k], x_t[:, j, c0:c0 + cw])])
             if gs_t != None:  # noqa: E711
-                nisa.nc_matmul(dst=ps, stationary=ident[:Pc, :Pc], moving=gs_t[:, j, c0:c0 + cw], accumulate=True)
+                operands.append([(ident[:Pc, :Pc], gs_t[:, j, c0:c0 + cw])])
+            accumulate([ps], operands)
             nisa.activation(dst=dx_t[:, j, c0:c0 + cw], op=nl.copy, data=ps)
 
 
@@ -378,9 +380,10 @@ def _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC, opens=False):
     rows, far below dw's own rounding)."""
     mv = nl.ndarray((Pc, NC, NC), dtype=prod.dtype, buffer=nl.sbuf)
     nisa.activation(dst=mv, op=nl.copy, data=onehot[:Pc, :, :], scale=rstd_t[:, j:j + 1])
+    operands = []
     for c in range(NC):
-        nisa.nc_matmul(dst=dw_ps, stationary=prod[:, j, c * P:(c + 1) * P], moving=mv[:, c, :],
-                       accumulate=not (opens and c == 0))  # the program's first matmul opens the group
+        operands.append([(prod[:, j, c * P:(c + 1) * P], mv[:, c, :])])
+    accumulate([dw_ps], operands, start=opens)  # the program's first matmul opens the group
 
 
 def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt, first=False):

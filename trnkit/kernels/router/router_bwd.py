@@ -19,6 +19,7 @@ from __future__ import annotations
 from trnkit.kernels._common import P_MAX, cdiv
 from trnkit.kernels.router.constraints import SIGMOID_NORM_EPS, bwd_group
 from trnkit.kernels.router.router_fwd import PSUM_FMAX, _copy_engine, _transpose_blocks
+from trnkit.kernels.tiles import accumulate, accumulate_evacuate, evacuate_tiles, psum_tiles
 from trnkit.nki_api import nisa, nki, nl
 
 
@@ -218,6 +219,17 @@ def _plus_logit_grads(group, g):
     return g
 
 
+def _evacuate_row_blocks(dst, accs, load):
+    """``dst [rows, H]`` <- the PSUM tiles ``accs`` of consecutive 512-column blocks of it, each copied by
+    the engine with less queued work (:func:`~trnkit.kernels.router.router_fwd._copy_engine`)."""
+    dsts, engines = [], []
+    for a in range(len(accs)):
+        h0 = a * PSUM_FMAX
+        dsts.append(dst[:, h0:h0 + accs[a].shape[1]])
+        engines.append(_copy_engine(load, accs[a].shape[1]))
+    evacuate_tiles(dsts, accs, engines=engines)
+
+
 @nki.jit
 def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                            has_grad_logits=False, norm_topk_prob=True, scoring="softmax",
@@ -239,9 +251,10 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
     fused_w = n_e == 1 and H <= 4 * PSUM_FMAX
     n_parts = 2 if split else 1
     if fused_w:
-        w_accs = []
+        w_shapes = []
         for h0 in range(0, H, PSUM_FMAX):
-            w_accs.append(nl.ndarray((E, min(PSUM_FMAX, H - h0)), dtype=nl.float32, buffer=nl.psum))
+            w_shapes.append((E, min(PSUM_FMAX, H - h0)))
+        w_accs = psum_tiles(w_shapes)
     else:
         g_hbm = nl.ndarray((n_parts, T, E), dtype=mm, buffer=nl.shared_hbm)  # bf16: hi and lo parts
     load = [0.0, 0.0]
@@ -302,27 +315,31 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 nb = 2 if fused_w else 4  # grad_x PSUM banks in flight (fused: 4 hold grad_w)
                 for hq in range(0, H, nb * PSUM_FMAX):
                     blocks = []
-                    gx_ps = []
                     for h0 in range(hq, min(H, hq + nb * PSUM_FMAX), PSUM_FMAX):
                         blocks.append((h0, min(PSUM_FMAX, H - h0)))
-                        gx_ps.append(nl.ndarray((tp, min(PSUM_FMAX, H - h0)), dtype=nl.float32, buffer=nl.psum))
+                    operands = []  # contraction chunks: (E chunk c, g_logits part i)
                     for c in range(n_e):
                         ec = min(P_MAX, E - c * P_MAX)
                         for i in range(len(gT)):
-                            for b in range(len(blocks)):
-                                h0, hc = blocks[b]
-                                nisa.nc_matmul(dst=gx_ps[b], stationary=gT[i][0:ec, c, :],
-                                               moving=w_sb[0:ec, c, h0:h0 + hc], accumulate=(c > 0 or i > 0))
-                    for b in range(len(blocks)):
-                        h0, hc = blocks[b]
-                        nisa.tensor_copy(dst=gx_sb[:, h0:h0 + hc], src=gx_ps[b], engine=nisa.engine.scalar)
+                            row = []
+                            for h0, hc in blocks:
+                                row.append((gT[i][0:ec, c, :], w_sb[0:ec, c, h0:h0 + hc]))
+                            operands.append(row)
+                    dsts, engines = [], []
+                    for h0, hc in blocks:
+                        dsts.append(gx_sb[:, h0:h0 + hc])
+                        engines.append(nisa.engine.scalar)
+                    accumulate_evacuate(dsts, operands, engines=engines)
                 stores.append((t0, tp, gx_sb))
                 if fused_w:  # grad_w [E, H] += g_l^T x: contraction over this tile's tokens
+                    operands = []
                     for i in range(len(parts)):
+                        row = []
                         for a in range(len(w_accs)):
                             h0 = a * PSUM_FMAX
-                            nisa.nc_matmul(dst=w_accs[a], stationary=parts[i],
-                                           moving=x_sb[:, h0:h0 + w_accs[a].shape[1]], accumulate=(ti > 0 or i > 0))
+                            row.append((parts[i], x_sb[:, h0:h0 + w_accs[a].shape[1]]))
+                        operands.append(row)
+                    accumulate(w_accs, operands, start=ti == 0)
             glT[i_m] = None
         i_g = step - 2
         if 0 <= i_g < n:
@@ -357,10 +374,7 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 glT[i_g].append((gT, parts, x_sb))
     if fused_w:
         gw_sb = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.sbuf)
-        for a in range(len(w_accs)):
-            h0 = a * PSUM_FMAX
-            nisa.tensor_copy(dst=gw_sb[:, h0:h0 + w_accs[a].shape[1]], src=w_accs[a],
-                             engine=_copy_engine(load, w_accs[a].shape[1]))
+        _evacuate_row_blocks(gw_sb, w_accs, load)
         nisa.dma_copy(dst=grad_w, src=gw_sb)
         return grad_x, grad_w
     # phase 2: grad_w [E, H] = sum over token tiles of g_l^T x; groups of 4 PSUM banks per E chunk
@@ -369,9 +383,10 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
         ec = min(P_MAX, E - e0)
         for hg in range(0, H, 4 * PSUM_FMAX):
             hw = min(4 * PSUM_FMAX, H - hg)
-            accs = []
+            shapes = []
             for h0 in range(hg, hg + hw, PSUM_FMAX):
-                accs.append(nl.ndarray((ec, min(PSUM_FMAX, hg + hw - h0)), dtype=nl.float32, buffer=nl.psum))
+                shapes.append((ec, min(PSUM_FMAX, hg + hw - h0)))
+            accs = psum_tiles(shapes)
             for t0 in range(0, T, P_MAX):
                 tp = min(P_MAX, T - t0)
                 g_sb = []
@@ -381,16 +396,15 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                     nisa.dma_copy(dst=g_sb[i], src=g_hbm[i, t0:t0 + tp, e0:e0 + ec])
                 x_sb = nl.ndarray((tp, hw), dtype=mm, buffer=nl.sbuf)
                 nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, hg:hg + hw])
-                for i in range(len(g_sb)):  # consecutive matmuls go to different accumulators
+                operands = []
+                for i in range(len(g_sb)):
+                    row = []
                     for a in range(len(accs)):
                         h0 = a * PSUM_FMAX
-                        hc = accs[a].shape[1]
-                        nisa.nc_matmul(dst=accs[a], stationary=g_sb[i], moving=x_sb[:, h0:h0 + hc],
-                                       accumulate=(t0 > 0 or i > 0))
+                        row.append((g_sb[i], x_sb[:, h0:h0 + accs[a].shape[1]]))
+                    operands.append(row)
+                accumulate(accs, operands, start=t0 == 0)
             gw_sb = nl.ndarray((ec, hw), dtype=w_router.dtype, buffer=nl.sbuf)
-            for a in range(len(accs)):
-                h0 = a * PSUM_FMAX
-                nisa.tensor_copy(dst=gw_sb[:, h0:h0 + accs[a].shape[1]], src=accs[a],
-                                 engine=_copy_engine(load, accs[a].shape[1]))
+            _evacuate_row_blocks(gw_sb, accs, load)
             nisa.dma_copy(dst=grad_w[e0:e0 + ec, hg:hg + hw], src=gw_sb)
     return grad_x, grad_w

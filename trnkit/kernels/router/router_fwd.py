@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from trnkit.kernels._common import P_MAX, cdiv, row_chunks
 from trnkit.kernels.router.constraints import SIGMOID_NORM_EPS
-from trnkit.kernels.tiles import program_split
+from trnkit.kernels.tiles import accumulate_evacuate, program_split
 from trnkit.nki_api import nisa, nki, nl
 
 PSUM_FMAX = 512  # fp32 elements per partition in one PSUM bank (= max moving free size)
@@ -364,16 +364,18 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
             lg_all[c] = nl.ndarray((P, NT, Ep), dtype=nl.float32, buffer=nl.sbuf)
             if E < 8:  # pad with a value no logit can lose to (K <= E)
                 nisa.memset(dst=lg_all[c][:, :, E:8], value=_NEG_BIG)
-            lg_ps = []
-            for j in range(NT):
-                lg_ps.append(nl.ndarray((P, E), dtype=nl.float32, buffer=nl.psum))
+            operands = []
             for h in range(n_h):
                 hb = min(P_MAX, H - h * P_MAX)
+                row = []
                 for j in range(NT):
-                    nisa.nc_matmul(dst=lg_ps[j], stationary=xT[c][j][0:hb, h, :], moving=wT[0:hb, h, :],
-                                   accumulate=(h > 0))
+                    row.append((xT[c][j][0:hb, h, :], wT[0:hb, h, :]))
+                operands.append(row)
+            dsts, engines = [], []
             for j in range(NT):
-                nisa.tensor_copy(dst=lg_all[c][:, j, 0:E], src=lg_ps[j], engine=_copy_engine(load, E))
+                dsts.append(lg_all[c][:, j, 0:E])
+                engines.append(_copy_engine(load, E))
+            accumulate_evacuate(dsts, operands, engines=engines)
             xT[c] = None
         c = step - 3
         if 0 <= c < n:  # stage C: top-K
