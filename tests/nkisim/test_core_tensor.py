@@ -222,6 +222,41 @@ def test_ap_rules():
         h.ap([[8, 4], [1, 8]], scalar_offset=idx[0:1, :], vector_offset=idx)
 
 
+def test_ap_on_a_column_view_is_relative_to_the_view():
+    # AWS's core/mlp/mlp_tkg: a [T, 2I] SBUF tile, a .ap view of its second half (the up projection),
+    # then TensorView(view).slice(1, o, o + n).get_view(): a pattern stepping by the view's own row (I)
+    a = RNG.standard_normal((8, 32)).astype(np.float32)
+    t = sb(a)
+    up = t.ap(pattern=[[32, 8], [1, 16]], offset=16)
+    v = up.ap(pattern=[[16, 8], [1, 6]], offset=4)
+    np.testing.assert_array_equal(v.np(), a[:, 20:26])
+    nisa.tensor_scalar(dst=v, data=v, op0=nl.multiply, operand0=2.0)  # writes land in the view's columns
+    expect = a.copy()
+    expect[:, 20:26] *= 2
+    np.testing.assert_array_equal(t.np(), expect)
+    # a slice of columns is a view of its own too; the storage's step keeps addressing the storage
+    np.testing.assert_array_equal(t[2:6, 8:16].ap(pattern=[[8, 3], [2, 4]], offset=9).np(), a[3:6, 9:16:2])
+    np.testing.assert_array_equal(up.ap(pattern=[[32, 8], [1, 4]], offset=0).np(), a[:, 0:4])
+
+
+def test_ap_on_a_column_view_rules():
+    t = nl.ndarray((8, 32), nl.float32, buffer=nl.sbuf, name="cv")
+    up = t.ap(pattern=[[32, 8], [1, 16]], offset=16)
+    # nki-aps.rst: the partition access must be continuous (neither the view's nor the storage's row)
+    with pytest.raises(NkiValidationError, match=r"first pattern pair's step must equal .* \(32\) or of the view "
+                       r".* \(16\), got 8"):
+        up.ap(pattern=[[8, 8], [1, 8]], offset=0)
+    # a free pattern past the view's row would need a different pattern per partition
+    with pytest.raises(NkiValidationError, match=r"ap: tensor 'cv': .* stay inside the view's row; offset 12 .*"
+                       r"reaches element 17"):
+        up.ap(pattern=[[16, 8], [1, 6]], offset=12)
+    with pytest.raises(NkiValidationError, match=r"partitions \[2, 10\) of a view with 8 partitions"):
+        up.ap(pattern=[[16, 8], [1, 4]], offset=32)
+    # a strided column view is not a tensor of its own: only the storage's step applies
+    with pytest.raises(NkiValidationError, match="first pattern pair's step"):
+        t[:, ::2].ap(pattern=[[16, 8], [1, 4]], offset=0)
+
+
 def test_ap_scalar_offset_resolved_at_use():
     a = RNG.standard_normal((4, 128, 8)).astype(np.float32)
     t = hb(a)

@@ -26,11 +26,14 @@ from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
 from .cases_loss import loss_cases
 from .cases_mlp import mlp_cases
+from .cases_moe_block import moe_block_cases
+from .cases_moe_experimental import moe_experimental_cases
 from .cases_moe_tkg import moe_tkg_cases
 from .cases_projection import projection_cases
 from .cases_qkv import qkv_cases
 from .cases_rmsnorm_quant import rmsnorm_quant_cases
 from .cases_subkernels import subkernel_cases
+from .cases_utils import utils_cases
 from .harness import Case
 
 __all__ = ["all_cases", "case_id", "FAST", "SLOW_ONLY", "fast_cases"]
@@ -483,9 +486,10 @@ def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
-            + attention_cases() + attention_tkg_cases() + mlp_cases() + loss_cases() + moe_tkg_cases()
-            + qkv_cases() + subkernel_cases()
-            + rmsnorm_quant_cases() + collective_cases())
+            + attention_cases() + attention_tkg_cases() + mlp_cases() + moe_block_cases() + loss_cases()
+            + moe_tkg_cases()
+            + qkv_cases() + subkernel_cases() + utils_cases()
+            + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases())
 
 
 def case_id(case: Case) -> str:
@@ -519,6 +523,16 @@ FAST = (
     "core/attention/attention_cte|vnc fp32 tp_q|lnc2|bs=2/2 Sq=577 Skv=577 d=88",
     "core/attention/attention_bwd|packed bf16 seqs=128+384 causal sw=64|lnc1|b=1 heads=1/1 S=512 d=128",
     "core/attention/gen_mask_tkg_hbm|block_len=16 active_mask|lnc2|bs=8 q_head=8 s_prior=4096 s_active=5",
+    "core/attention/gen_mask_tkg|block_len=16 active_mask batch 4 of 16|lnc2|bs=4 q_head=8 s_prior=4096 s_active=5",
+    "core/attention/attention_tkg|bf16 tp_k_prior use_pos_id fuse_rope|lnc2"
+    "|bs=4 q_head=2 s_active=7 s_prior=256/16384 d=128 block_len=0",
+    "core/qkv/qkv_tkg|accuracy bf16 rms_norm BSD qkv_bias|lnc2|B=8 S=5 H=3072 heads=8/1 d=64",
+    "core/mlp/mlp_tkg|bf16 rms_norm gate_b up_b down_b gate_up_column_tiling down_column_tiling|lnc2"
+    "|B=8 S=5 H=8192 I=512",
+    "core/moe_block/moe_block_tkg|all experts Swish fp16 weights fp16 input bias clamp|lnc2"
+    "|B=19 S=1 H=3072 I=128 E=128/1 k=4",
+    "core/utils/cross_partition_copy|fp32 partitions 5..24 -> 28..47|lnc1|[128,8]",
+    "core/utils/tp_broadcast|fp32 column 9 x 12 select 2|lnc1|[13,3,13]",
     "core/attention/attention_bwd|packed bf16 seqs=128+128 causal wrong_dtype (must reject)|lnc1"
     "|b=1 heads=1/1 S=256 d=128",
     "core/output_projection/cte|bf16 bias|lnc2|B=1 S=128 H=3072 heads=17 d=10",
@@ -541,6 +555,7 @@ SLOW_ONLY = {
     "experimental/collectives/fgcc": "its one test row multiplies 4096x4096x4096 over 4 ranks (~40 s)",
     "experimental/collectives/fg_allgather": "its one test row gathers [4096, 4096] on 4 ranks x 2 cores "
                                             "(~4.4 GB resident)",
+    "experimental/moe/bwmm_shard_on_H": "its smallest test row runs 47 blocks of 256 tokens x H=5120 (~35 s)",
 }
 
 

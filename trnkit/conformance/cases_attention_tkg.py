@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -152,5 +153,412 @@ def _gen_mask_hbm_cases() -> list[Case]:
     return cases
 
 
+# -- gen_mask_tkg on SBUF (test_gen_mask_tkg.py, TestGenMaskTkg) -----------------------------------
+def _gen_mask_wrapper(gen_mask_tkg: Callable[..., Any]) -> Callable[..., Any]:
+    """The test's kernel is a wrapper in its module: it opens an auto-allocating SBUF manager, loads
+    the position ids (and start positions) into SBUF, runs ``gen_mask_tkg`` into an SBUF mask (the
+    active mask stays in HBM) and stores it: as it is at LNC 1, into its core's slot of an
+    ``[lnc, ...]`` output at LNC 2. Written here from that description."""
+    import nki.isa as nisa  # the interpreter, inside nki_is_interpreter
+    import nki.language as nl
+
+    sbuf_manager = importlib.import_module(f"{LIB}.utils.allocator").SbufManager
+    logger = importlib.import_module(f"{LIB}.utils.logging").Logger
+    sharding = importlib.import_module(f"{LIB}.utils.kernel_helpers").get_verified_program_sharding_info
+
+    def wrapper(pos_ids_hbm, mask_out_hbm, bs, q_head, s_active, is_s_prior_sharded, s_prior_per_shard,
+                start_pos_hbm=None, s_prior_offset=0, block_len=0, strided_mm1=True, active_mask_hbm=None,
+                is_batch_sharded=False, batch_offset=0):
+        _, lnc, shard = sharding("gen_mask_wrapper", (0, 1))
+        tile_shape = mask_out_hbm.shape[-5:]
+        sbm = sbuf_manager(0, 128 * math.prod(tile_shape[1:]) * 8, logger("gen_mask_wrapper"), use_auto_alloc=True)
+        sbm.open_scope(name="gen_mask_wrapper")
+        pos = sbm.alloc_stack((128, bs * s_active), dtype=pos_ids_hbm.dtype, buffer=nl.sbuf, name="pos_ids_sbuf")
+        mask = sbm.alloc_stack(tile_shape, dtype=mask_out_hbm.dtype, buffer=nl.sbuf, name="mask_out_sbuf")
+        nisa.dma_copy(dst=pos, src=pos_ids_hbm)
+        start = None
+        if start_pos_hbm is not None:
+            start = sbm.alloc_stack((128, bs * s_active), dtype=start_pos_hbm.dtype, buffer=nl.sbuf,
+                                    name="start_pos_sbuf")
+            nisa.dma_copy(dst=start, src=start_pos_hbm)
+        gen_mask_tkg(pos_ids=pos, mask_out=mask, bs=bs, q_head=q_head, s_active=s_active,
+                     is_s_prior_sharded=is_s_prior_sharded, s_prior_per_shard=s_prior_per_shard, start_pos=start,
+                     s_prior_offset=s_prior_offset, block_len=block_len, strided_mm1=strided_mm1,
+                     active_mask=active_mask_hbm, sbm=sbm, is_batch_sharded=is_batch_sharded,
+                     batch_offset=batch_offset)
+        out = nl.ndarray(mask_out_hbm.shape, dtype=mask_out_hbm.dtype, buffer=nl.shared_hbm, name="golden_mask")
+        nisa.dma_copy(dst=out if lnc == 1 else out[shard, :, :, :, :, :], src=mask)
+        sbm.close_scope()
+        return out
+    return wrapper
+
+
+def _sbuf_mask_inputs(bs: int, q_head: int, s_ctx: int, s_active: int, block_len: int, lnc: int, strided: bool,
+                      sp_offset: int, fa_tile: int, window: int, active: bool, batch_offset: int,
+                      bs_full: int | None) -> Callable[[], dict[str, Any]]:
+    """The test's ``generate_gen_mask_inputs``: shard decisions and the block-length resize from the
+    library's helpers, the rows above broadcast to 128 partitions."""
+    def make() -> dict[str, Any]:
+        utils = importlib.import_module(f"{LIB}.attention.attention_tkg_utils")
+        sprior_sharded = lnc > 1 and utils.is_s_prior_sharded(bs, q_head, s_active, s_ctx, 128)
+        per_shard = s_ctx // lnc if sprior_sharded else s_ctx
+        n_tiles = (fa_tile if fa_tile else per_shard) // 128
+        blk = block_len
+        if block_len:
+            with contextlib.redirect_stdout(io.StringIO()):
+                blk, _ = utils.resize_cache_block_len_for_attention_tkg_kernel(
+                    s_ctx // block_len, block_len, lnc, 128, bs, q_head, s_active,
+                    enable_fa_s_prior_tiling=fa_tile > 0)
+        rows = _mask_inputs(bs, q_head, s_ctx, s_active, block_len, window, False)
+        out: dict[str, Any] = {"pos_ids_hbm": np.repeat(rows["pos_ids_hbm"], 128, axis=0)}
+        if window:
+            out["start_pos_hbm"] = np.repeat(rows["start_pos_hbm"], 128, axis=0)
+        tile = (128, n_tiles, bs, q_head, s_active)
+        out.update(mask_out_hbm=np.zeros(tile if lnc == 1 else (lnc, *tile), dtype=F32), bs=bs, q_head=q_head,
+                   s_active=s_active, is_s_prior_sharded=sprior_sharded, s_prior_per_shard=per_shard,
+                   s_prior_offset=sp_offset, block_len=blk, strided_mm1=strided)
+        if active:
+            batch_sharded = lnc > 1 and utils.is_batch_sharded(bs, q_head, s_active, s_ctx, 128)
+            full = bs_full if bs_full is not None else (bs * lnc if batch_sharded else bs)
+            out.update(active_mask_hbm=causal_active_mask(full, q_head, s_active), is_batch_sharded=batch_sharded,
+                       batch_offset=batch_offset)
+        return out
+    return make
+
+
+def gen_mask_sbuf_golden(mask_out_hbm: Any, lnc: int, **kw: Any) -> dict[str, Any]:
+    """``gen_mask_tkg_torch_ref[lnc]`` into a zero mask per core (``shard_id`` 0..lnc-1), stacked at
+    LNC 2, as the test's torch adapter calls it (it passes the batch offset at LNC 1 only)."""
+    import torch
+
+    ref = importlib.import_module(f"{LIB}.attention.gen_mask_tkg_torch").gen_mask_tkg_torch_ref
+    kw = {k.removesuffix("_hbm"): v.float() if hasattr(v, "float") else v for k, v in kw.items()}
+    if lnc > 1:
+        kw.pop("batch_offset", None)
+    tile = tuple(mask_out_hbm.shape[-5:])
+    masks = []
+    for shard in range(lnc):
+        mask = torch.zeros(tile, dtype=torch.float32)
+        ref.shard_id = shard
+        with contextlib.redirect_stdout(io.StringIO()):
+            ref[lnc](mask_out=mask, **kw)
+        masks.append(mask)
+    return {"golden_mask": masks[0] if lnc == 1 else torch.stack(masks)}
+
+
+# TestGenMaskTkg rows: batch, q_head, s_ctx, s_active, block_len, sliding window, strided_mm1, s_prior_offset,
+# FA tile, lnc, active mask, batch offset, bs_full
+def _sbuf_rows() -> list[tuple]:
+    rows = [(b, q, s, a, 0, sw, True, off, fa, lnc, False, 0, None) for b, q, s, a, sw, off, fa, lnc in [
+        (4, 1, 256, 1, 0, 0, 0, 1), (4, 1, 512, 1, 0, 0, 0, 1), (4, 1, 1024, 5, 0, 0, 0, 1),
+        (4, 2, 2048, 7, 0, 0, 0, 1), (4, 1, 4096, 5, 0, 0, 0, 1), (4, 1, 1024, 5, 0, 0, 256, 1),
+        (4, 1, 1024, 5, 0, 256, 256, 1),
+        (4, 1, 1024, 5, 0, 512, 256, 1), (4, 1, 1024, 5, 0, 768, 256, 1), (4, 2, 16384, 7, 0, 0, 0, 2),
+        (4, 1, 4096, 5, 0, 0, 0, 2), (4, 1, 4096, 5, 0, 768, 256, 2), (8, 8, 4096, 5, 0, 1536, 256, 2)]]
+    rows += [(b, q, s, a, 0, sw, False, off, fa, lnc, False, 0, None) for b, q, s, a, sw, off, fa, lnc in [
+        (4, 1, 256, 1, 0, 0, 0, 1), (4, 1, 512, 1, 0, 0, 0, 1), (4, 1, 1024, 5, 0, 0, 0, 1),
+        (4, 1, 1024, 5, 0, 256, 256, 1), (4, 1, 4096, 5, 0, 0, 0, 2), (4, 1, 4096, 5, 0, 512, 512, 2),
+        (8, 8, 4096, 5, 0, 1536, 512, 2)]]
+    rows += [(b, q, s, a, bl, sw, False, off, fa, lnc, False, 0, None) for b, q, s, a, bl, sw, off, fa, lnc in [
+        (4, 1, 256, 5, 16, 0, 0, 0, 1), (4, 1, 512, 5, 16, 0, 0, 0, 1), (4, 1, 1024, 5, 16, 0, 0, 0, 1),
+        (4, 1, 2048, 5, 32, 0, 0, 0, 1), (4, 1, 4096, 5, 16, 0, 0, 2048, 1), (4, 1, 4096, 5, 16, 0, 2048, 2048, 1),
+        (4, 1, 10240, 5, 16, 0, 8192, 2048, 1), (4, 1, 8192, 5, 16, 0, 0, 0, 2), (4, 1, 4096, 5, 16, 0, 0, 0, 2),
+        (4, 1, 20480, 5, 16, 0, 8192, 2048, 2), (8, 8, 10240, 5, 16, 0, 8192, 2048, 2)]]
+    rows += [(b, q, s, a, bl, sw, st, off, fa, lnc, False, 0, None) for b, q, s, a, bl, sw, st, off, fa, lnc in [
+        (4, 1, 1024, 5, 0, 64, True, 0, 0, 1), (4, 1, 1024, 5, 0, 128, True, 0, 0, 1),
+        (4, 1, 1024, 5, 0, 256, True, 0, 0, 1), (4, 1, 1024, 5, 0, 512, True, 0, 0, 1),
+        (4, 2, 2048, 7, 0, 128, True, 0, 0, 1), (4, 1, 4096, 5, 0, 128, True, 0, 0, 2),
+        (4, 2, 4096, 7, 0, 256, True, 0, 0, 2), (4, 1, 1024, 5, 0, 128, False, 0, 0, 1),
+        (4, 1, 1024, 5, 0, 256, False, 0, 0, 1), (4, 1, 4096, 5, 0, 128, False, 0, 0, 2),
+        (4, 1, 1024, 5, 16, 128, False, 0, 0, 1), (4, 1, 2048, 5, 16, 256, False, 0, 0, 1),
+        (4, 1, 2048, 5, 32, 512, False, 0, 0, 1), (4, 1, 4096, 5, 16, 128, False, 0, 0, 2),
+        (4, 1, 8192, 5, 16, 256, False, 0, 0, 2), (4, 1, 1024, 5, 0, 128, True, 0, 256, 1),
+        (4, 1, 1024, 5, 0, 128, True, 512, 256, 1), (4, 1, 1024, 5, 0, 128, True, 768, 256, 1),
+        (4, 1, 4096, 5, 16, 128, False, 0, 2048, 1), (4, 1, 4096, 5, 16, 128, False, 2048, 2048, 1),
+        (4, 1, 4096, 5, 0, 128, True, 0, 256, 2), (4, 1, 1024, 1, 0, 128, True, 0, 0, 1),
+        (4, 1, 2048, 1, 16, 256, False, 0, 0, 1), (8, 8, 4096, 5, 0, 128, True, 0, 0, 2),
+        (8, 8, 4096, 5, 16, 128, False, 0, 0, 2)]]
+    rows += [(b, q, s, a, 0, sw, st, off, fa, lnc, True, bo, bf) for b, q, s, a, st, sw, off, fa, lnc, bo, bf in [
+        (4, 1, 256, 5, True, 0, 0, 0, 1, 0, None), (4, 2, 512, 5, True, 0, 0, 0, 1, 0, None),
+        (4, 1, 256, 5, False, 0, 0, 0, 1, 0, None), (4, 2, 512, 5, False, 0, 0, 0, 1, 0, None),
+        (4, 1, 256, 1, True, 0, 0, 0, 1, 0, None), (4, 1, 256, 1, False, 0, 0, 0, 1, 0, None),
+        (4, 1, 1024, 5, True, 0, 768, 256, 1, 0, None), (4, 1, 1024, 5, False, 0, 768, 256, 1, 0, None),
+        (4, 2, 4096, 5, True, 0, 0, 0, 2, 0, None), (80, 8, 256, 8, True, 0, 0, 256, 2, 0, None),
+        (4, 1, 256, 8, True, 0, 0, 0, 1, 0, None), (4, 2, 256, 4, True, 0, 0, 0, 1, 0, None),
+        (80, 8, 256, 8, True, 0, 0, 0, 1, 0, None), (4, 1, 256, 7, True, 0, 0, 0, 1, 0, None),
+        (80, 8, 256, 7, True, 0, 0, 0, 1, 0, None), (4, 1, 256, 1, True, 0, 0, 0, 1, 0, None),
+        (80, 8, 256, 1, True, 0, 0, 0, 1, 0, None), (80, 8, 256, 4, True, 0, 0, 256, 2, 0, None),
+        (32, 8, 256, 8, True, 0, 0, 256, 2, 0, None), (80, 8, 256, 7, True, 0, 0, 256, 2, 0, None),
+        (32, 8, 256, 5, True, 0, 0, 256, 2, 0, None), (80, 8, 256, 1, True, 0, 0, 256, 2, 0, None),
+        (80, 8, 256, 8, False, 0, 0, 256, 2, 0, None), (32, 8, 256, 5, False, 0, 0, 256, 2, 0, None),
+        (4, 2, 4096, 8, True, 0, 0, 0, 2, 0, None), (4, 1, 4096, 16, True, 0, 0, 0, 2, 0, None),
+        (80, 8, 512, 8, True, 0, 256, 256, 2, 0, None), (16, 1, 4096, 8, True, 0, 0, 0, 2, 0, None),
+        (26, 1, 256, 5, True, 0, 0, 256, 2, 0, None), (4, 1, 1024, 5, True, 128, 768, 256, 1, 0, None),
+        (4, 2, 1024, 5, True, 256, 0, 0, 1, 0, None), (4, 1, 1024, 5, False, 128, 768, 256, 1, 0, None),
+        (4, 2, 4096, 5, True, 128, 0, 0, 2, 0, None), (2, 1, 256, 5, True, 0, 0, 0, 1, 2, 4),
+        (3, 2, 512, 5, True, 0, 0, 0, 1, 3, 7), (1, 1, 256, 1, True, 0, 0, 0, 1, 3, 4),
+        (2, 1, 256, 5, False, 0, 0, 0, 1, 2, 4), (2, 2, 4096, 5, True, 0, 0, 0, 2, 2, 4),
+        (40, 8, 256, 8, True, 0, 0, 256, 2, 40, 160), (2, 1, 1024, 5, True, 0, 768, 256, 1, 2, 4),
+        (2, 2, 4096, 5, True, 0, 1792, 256, 2, 2, 4), (2, 1, 1024, 5, True, 128, 768, 256, 1, 2, 4),
+        (2, 1, 1024, 5, False, 128, 768, 256, 1, 2, 4), (2, 2, 4096, 5, True, 256, 0, 0, 2, 2, 4)]]
+    rows += [(b, q, s, a, bl, sw, False, off, fa, lnc, True, bo, bf) for b, q, s, a, bl, sw, off, fa, lnc, bo, bf in [
+        (4, 1, 2048, 5, 16, 0, 0, 0, 1, 0, None), (4, 2, 4096, 5, 16, 0, 0, 0, 1, 0, None),
+        (4, 1, 2048, 1, 16, 0, 0, 0, 1, 0, None), (4, 1, 8192, 5, 16, 0, 0, 0, 2, 0, None),
+        (4, 1, 4096, 5, 16, 0, 0, 0, 2, 0, None), (64, 8, 2048, 1, 16, 0, 0, 0, 2, 0, None),
+        (8, 8, 4096, 5, 16, 0, 0, 0, 2, 0, None), (4, 8, 4096, 7, 16, 0, 0, 0, 2, 0, None),
+        (4, 1, 8192, 5, 16, 0, 2048, 2048, 2, 0, None), (8, 8, 8192, 5, 16, 0, 6144, 2048, 2, 0, None),
+        (2, 1, 2048, 5, 16, 0, 0, 0, 1, 2, 4), (3, 2, 4096, 5, 16, 0, 0, 0, 1, 3, 7),
+        (2, 1, 8192, 5, 16, 0, 0, 0, 2, 2, 4), (4, 8, 4096, 5, 16, 0, 0, 0, 2, 4, 16),
+        (2, 1, 4096, 5, 16, 0, 2048, 2048, 1, 2, 4), (2, 1, 2048, 5, 16, 128, 0, 0, 1, 2, 4),
+        (2, 1, 8192, 5, 16, 128, 0, 0, 2, 2, 4)]]
+    return list(dict.fromkeys(rows))
+
+
+def _gen_mask_sbuf_cases() -> list[Case]:
+    cases = []
+    for b, q, s, a, bl, sw, strided, off, fa, lnc, active, bo, bf in _sbuf_rows():
+        flags = ["flat" if bl == 0 else f"block_len={bl}"] + (["strided_mm1"] if strided else []) \
+            + ([f"sw={sw}"] if sw else []) + ([f"fa_tile={off}+{fa}"] if fa else []) \
+            + (["active_mask"] if active else []) + ([f"batch {bo} of {bf}"] if bo or bf else [])
+        cases.append(Case(
+            kernel="core/attention/gen_mask_tkg", name=" ".join(flags),
+            shapes=f"bs={b} q_head={q} s_prior={s} s_active={a}",
+            entry=f"{LIB}.attention.gen_mask_tkg:gen_mask_tkg", wrap_kernel=_gen_mask_wrapper,
+            reference=f"{HERE}:gen_mask_sbuf_golden",
+            inputs=_sbuf_mask_inputs(b, q, s, a, bl, lnc, strided, off, fa, sw, active, bo, bf),
+            ref_inputs=_with_lnc(lnc), outputs=("golden_mask",), lnc=lnc, rtol=0.0, atol=0.0,
+            test_file=f"{TESTS}/test_gen_mask_tkg.py"))
+    return cases
+
+
+# -- attention_tkg (test_attention_tkg.py, test_attn_tkg_fast) ------------------------------------
+def _attn_wrapper(attention_tkg: Callable[..., Any]) -> Callable[..., Any]:
+    """The test's kernel is a wrapper in its module: it checks the tile parameters, opens an SBUF
+    manager over the usable SBUF (less 16 KiB for the compiler), allocates the outputs (in SBUF or
+    HBM as the config says), loads q and k_active into SBUF when ``qk_in_sb``, runs attention_tkg and
+    copies SBUF outputs back to HBM. Written here from that description, calling the library's own
+    helpers; the debug tensors (``DBG=True``) are not built (the fast rows run without them)."""
+    import nki.isa as nisa  # the interpreter, inside nki_is_interpreter
+    import nki.language as nl
+
+    mod = importlib.import_module(f"{LIB}.attention.attention_tkg")
+    sbuf_manager = importlib.import_module(f"{LIB}.utils.allocator").SbufManager
+    logger = importlib.import_module(f"{LIB}.utils.logging").Logger
+
+    def wrapper(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs, rope_pos_ids, start_pos_ids, sink,
+                active_blocks_table, attn_out_shape, k_out_shape, cfg, dtype):
+        mod._compute_tile_params(cfg, mod.TileConstants.get_tile_constants(), q, k_prior, v_prior, k_active,
+                                 v_active, active_blocks_table)
+        sbm = sbuf_manager(0, nl.tile_size.total_available_sbuf_size - 16 * 1024, logger("SBM"))
+        sbm.open_scope()
+
+        def output(shape, in_sb):
+            return sbm.alloc_stack(shape, dtype=dtype, buffer=nl.sbuf) if in_sb \
+                else nl.ndarray(shape, dtype=dtype, buffer=nl.shared_hbm)
+
+        out = output(attn_out_shape, cfg.out_in_sb)
+        k_out = output(k_out_shape, cfg.k_out_in_sb) if cfg.fuse_rope else None
+        if cfg.qk_in_sb:
+            q_sb = sbm.alloc_stack(q.shape, dtype=q.dtype, buffer=nl.sbuf)
+            k_sb = sbm.alloc_stack(k_active.shape, dtype=k_active.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(q_sb, q)
+            nisa.dma_copy(k_sb, k_active)
+            q, k_active = q_sb, k_sb
+        attn_out, k_out = attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, out, cfg, sbm, inv_freqs,
+                                        rope_pos_ids, start_pos_ids, sink, active_blocks_table, k_out)
+        results = [attn_out] + ([k_out] if cfg.fuse_rope else [])
+        for i, (t, in_sb) in enumerate(zip(results, (cfg.out_in_sb, cfg.k_out_in_sb))):
+            if in_sb:
+                hbm = nl.ndarray(t.shape, dtype=t.dtype, buffer=nl.shared_hbm)
+                nisa.dma_copy(dst=hbm, src=t)
+                results[i] = hbm
+        sbm.close_scope()
+        return tuple(results)
+    return wrapper
+
+
+def _block_table(bs: int, s_prior: int, s_active: int, pos: np.ndarray, block_len: int) -> np.ndarray:
+    """Distinct cache blocks per batch row (``np.random.choice`` without replacement from the global
+    state), zero past the blocks that hold the row's context and active tokens."""
+    n_blocks = bs * s_prior // block_len
+    table = np.random.choice(n_blocks, size=bs * (s_prior // block_len), replace=False)
+    table = table.reshape(bs, s_prior // block_len).astype(np.uint32)
+    for b in range(bs):
+        table[b, -(-(int(pos[b, 0]) + s_active) // block_len):] = 0
+    return table
+
+
+def _attn_inputs(cfg_args: tuple, cfg_kw: dict, dt_name: str, sink: bool, window: int, lnc: int
+                 ) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        import nki.language as nl
+        import torch
+
+        utils = importlib.import_module(f"{LIB}.attention.attention_tkg_utils")
+        cfg = utils.AttnTKGConfig(*cfg_args, **cfg_kw)
+        dt = {"bf16": nl.bfloat16, "fp32": nl.float32}[dt_name]
+        block = cfg.block_len != 0
+        bsq = cfg.bs * cfg.q_head * cfg.s_active
+        q_shape = (cfg.d_head, bsq) if cfg.qk_in_sb else (cfg.bs, cfg.q_head, cfg.s_active, cfg.d_head)
+        k_shape = (cfg.d_head, cfg.bs * cfg.s_active) if cfg.qk_in_sb else (cfg.bs, 1, cfg.s_active, cfg.d_head)
+        if block:
+            k_prior_shape = v_prior_shape = (cfg.bs * cfg.curr_sprior // cfg.block_len, cfg.block_len, cfg.d_head)
+        else:
+            k_prior_shape = (cfg.bs, 1, cfg.full_sprior, cfg.d_head) if cfg.tp_k_prior \
+                else (cfg.bs, 1, cfg.d_head, cfg.full_sprior)
+            v_prior_shape = (cfg.bs, 1, cfg.full_sprior, cfg.d_head)
+        pos = ((np.arange(cfg.bs) * 3 + cfg.curr_sprior // 4 * 3) % (cfg.curr_sprior - cfg.s_active))[:, None]
+        np.random.seed(0)  # the test's np_random_sample(): random_sample per tensor, cast to the dtype
+        draw = lambda shape, d=dt: np.random.random_sample(shape).astype(d)  # noqa: E731
+        out = {"q": draw(q_shape), "k_active": draw(k_shape), "v_active": draw((cfg.bs, 1, cfg.s_active, cfg.d_head)),
+               "k_prior": draw(k_prior_shape), "v_prior": draw(v_prior_shape)}
+        if cfg.use_pos_id:
+            mask = causal_active_mask(cfg.bs, cfg.q_head, cfg.s_active)
+        else:
+            full = importlib.import_module(f"{LIB}.attention.gen_mask_tkg_torch").build_full_attention_mask
+            with contextlib.redirect_stdout(io.StringIO()):
+                mask = full(cache_lens=torch.from_numpy(pos.flatten()).to(torch.float32), batch=cfg.bs,
+                            num_heads=cfg.q_head, s_active=cfg.s_active, s_ctx=cfg.curr_sprior, lnc=lnc,
+                            block_len=cfg.block_len, include_active_mask=True, transposed=True,
+                            enable_fa_s_prior_tiling=cfg.enable_fa_s_prior_tiling).numpy()
+        out["mask"] = mask.astype(np.bool_).astype(np.uint8)
+        out["inv_freqs"] = np.random.random(size=(cfg.d_head // 2, 1)).astype(F32) if cfg.fuse_rope else None
+        out["start_pos_ids"] = out["rope_pos_ids"] = None
+        if cfg.fuse_rope or cfg.use_pos_id:
+            rope = np.broadcast_to(pos, (cfg.bs, cfg.s_active)) + (np.arange(cfg.s_active) if window else 0)
+            out["rope_pos_ids"] = np.ascontiguousarray(rope).astype(F32)
+            if window:
+                out["start_pos_ids"] = swa_start_positions(pos, cfg.s_active, window, cfg.curr_sprior, cfg.block_len)
+        out["active_blocks_table"] = _block_table(cfg.bs, cfg.curr_sprior, cfg.s_active, pos, cfg.block_len) \
+            if block else None
+        out["sink"] = np.random.random_sample((cfg.q_head, 1)).astype(F32) if sink else None
+        out.update(attn_out_shape=(cfg.d_head, bsq) if cfg.out_in_sb
+                   else (cfg.bs, cfg.q_head, cfg.d_head, cfg.s_active),
+                   k_out_shape=(cfg.d_head, cfg.bs * cfg.s_active) if cfg.k_out_in_sb
+                   else (cfg.bs, 1, cfg.d_head, cfg.s_active), cfg=cfg, dtype=dt)
+        return out
+    return make
+
+
+def attention_tkg_golden(lnc: int, attn_out_shape: tuple, k_out_shape: tuple, dtype: Any, **kw: Any
+                         ) -> dict[str, Any]:
+    """``attention_tkg_torch_ref[lnc]`` into fp32 outputs, rounded to the test dtype (the test's golden)."""
+    import torch
+
+    ref = importlib.import_module(f"{LIB}.attention.attention_tkg_torch").attention_tkg_torch_ref
+    cfg = kw["cfg"]
+    out = torch.zeros(attn_out_shape, dtype=torch.float32)
+    k_out = torch.zeros(k_out_shape, dtype=torch.float32) if cfg.fuse_rope else None
+    with contextlib.redirect_stdout(io.StringIO()):
+        out, k_out = ref[lnc](out=out, k_out=k_out, sbm=None, DBG_TENSORS=None, **kw)
+    result = {"out": out.numpy().astype(dtype)}
+    if cfg.fuse_rope:
+        result["k_out"] = k_out.numpy().astype(dtype)
+    return result
+
+
+_T = dict(tp_k_prior=True)
+_ROPE = dict(use_pos_id=True, fuse_rope=True)
+_SB = dict(qk_in_sb=True, k_out_in_sb=True, out_in_sb=True)
+_BLOCK = dict(tp_k_prior=True, strided_mm1=False, **_SB)
+# attention_tkg_fast_configs without the fp8 KV rows: (AttnTKGConfig args, kwargs, dtype, sink, sliding window)
+_ATTN_ROWS: list[tuple[tuple, dict, str, bool, int]] = [
+    *[((4, 1, 5, s, 10240, 128, 0), {**_T, **_ROPE}, "bf16", False, 0)
+      for s in (1024, 1536, 3072, 4608, 7168, 8704, 10240)],
+    *[((4, 1, 5, s, 24576, 128, 0), {**_T, **_ROPE}, "bf16", False, 0) for s in (14336, 18432, 22528, 24576)],
+    ((4, 1, 5, 16384, 16384, 128, 0), {**_T, **_ROPE}, "bf16", False, 0),
+    ((4, 2, 7, 16384, 16384, 128, 0), {**_T, **_ROPE}, "bf16", False, 0),
+    *[((4, 2, 7, s, 16384, 128, 0), {**_T, **_ROPE}, "bf16", False, 0) for s in (256, 512, 1024, 2048, 4096)],
+    ((4, 2, 7, 512, 16384, 64, 0), {**_T, **_ROPE}, "bf16", False, 0),
+    ((4, 3, 7, 16384, 16384, 64, 0), {**_T, **_ROPE}, "bf16", False, 0),
+    ((4, 1, 5, 10240, 10240, 64, 0), {**_T, **_ROPE}, "bf16", False, 0),
+    ((4, 1, 5, 18432, 24576, 64, 0), {**_T, **_ROPE}, "bf16", False, 0),
+    *[((4, 1, 5, s, 10240, 128, 0), _ROPE, "bf16", False, 0) for s in (1024, 1536, 3072, 4608, 7168, 8704, 10240)],
+    *[((4, 1, 5, s, 24576, 128, 0), _ROPE, "bf16", False, 0) for s in (14336, 18432, 22528, 24576)],
+    ((4, 1, 5, 16384, 16384, 128, 0), _ROPE, "bf16", False, 0),
+    ((4, 2, 7, 16384, 16384, 128, 0), _ROPE, "bf16", False, 0),
+    *[((4, 2, 7, s, 16384, 128, 0), _ROPE, "bf16", False, 0) for s in (256, 512, 1024, 2048, 4096)],
+    ((4, 2, 7, 512, 16384, 64, 0), _ROPE, "bf16", False, 0),
+    ((4, 3, 7, 16384, 16384, 64, 0), _ROPE, "bf16", False, 0),
+    ((4, 1, 5, 10240, 10240, 64, 0), _ROPE, "bf16", False, 0),
+    ((4, 1, 5, 18432, 24576, 64, 0), _ROPE, "bf16", False, 0),
+    # input / output in SBUF
+    ((4, 1, 5, 10240, 10240, 128, 0), dict(qk_in_sb=True), "bf16", False, 0),
+    ((4, 1, 5, 10240, 10240, 128, 0), dict(**_ROPE, qk_in_sb=True), "bf16", False, 0),
+    ((4, 1, 5, 10240, 10240, 128, 0), _SB, "bf16", False, 0),
+    ((4, 1, 5, 10240, 10240, 128, 0), dict(use_pos_id=True, **_SB), "bf16", False, 0),
+    ((4, 1, 5, 10240, 10240, 128, 0), dict(fuse_rope=True, **_SB), "bf16", False, 0),
+    # sink (bf16, fp32)
+    *[(cfg, {**_T, **_ROPE}, dt, True, 0) for dt in ("bf16", "fp32")
+      for cfg in ((8, 8, 1, 1024, 10240, 64, 0), (128, 1, 1, 1024, 10240, 64, 0), (4, 4, 5, 1024, 10240, 64, 0))],
+    # LNC-shard on batch
+    ((8, 4, 4, 128, 256, 64, 0), {**_T, **_SB}, "bf16", True, 0),
+    ((32, 8, 1, 128, 256, 64, 0), {**_T, **_SB}, "bf16", True, 0),
+    ((128, 1, 1, 128, 256, 64, 0), dict(qk_in_sb=True), "bf16", True, 0),
+    ((1, 1, 1, 128, 256, 64, 0), {**_T, **_SB}, "bf16", False, 0),
+    ((16, 8, 1, 8192, 8192, 64, 0), _SB, "bf16", False, 0),
+    ((4, 8, 7, 3072, 10240, 64, 0), {**_T, **_SB}, "bf16", True, 0),
+    ((4, 8, 7, 128, 10240, 64, 0), {**_T, **_SB}, "bf16", True, 0),
+    ((64, 8, 1, 2048, 2048, 128, 0), _SB, "bf16", False, 0),
+    # block KV
+    ((4, 1, 5, 8192, 8192, 128, 16), _BLOCK, "bf16", True, 0),
+    ((4, 1, 5, 10240, 10240, 128, 16), _BLOCK, "bf16", True, 0),
+    ((4, 8, 7, 4096, 10240, 64, 16), _BLOCK, "bf16", True, 0),
+    ((4, 8, 7, 3072, 10240, 64, 16), _BLOCK, "bf16", True, 0),
+    ((64, 8, 1, 2048, 2048, 128, 16), _BLOCK, "bf16", False, 0),
+    ((4, 1, 5, 12288, 12288, 128, 16), _BLOCK, "bf16", True, 0),
+    ((4, 1, 5, 12288, 12288, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 128),
+    ((8, 8, 5, 12288, 12288, 64, 16), _BLOCK, "bf16", True, 0),
+    # block KV with the mask generated in the kernel (use_pos_id)
+    ((4, 1, 5, 8192, 8192, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 0),
+    ((4, 1, 5, 10240, 10240, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 0),
+    ((4, 8, 7, 4096, 10240, 64, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 0),
+    ((4, 8, 7, 3072, 10240, 64, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 0),
+    ((64, 8, 1, 2048, 2048, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", False, 0),
+    ((4, 1, 5, 12288, 12288, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 0),
+    # strided_mm1 off
+    ((4, 1, 5, 1024, 10240, 128, 0), dict(tp_k_prior=True, strided_mm1=False, **_ROPE), "bf16", False, 0),
+    ((4, 1, 5, 1536, 10240, 128, 0), dict(tp_k_prior=True, strided_mm1=False, **_ROPE), "bf16", False, 0),
+    ((4, 10, 5, 5376, 5376, 64, 0), dict(strided_mm1=False, qk_in_sb=True), "bf16", False, 0),
+    # s_prior sharding with B * q_head * s_active > 128
+    ((5, 7, 7, 24576, 24576, 64, 0), dict(use_pos_id=True, qk_in_sb=True), "bf16", True, 0),
+    # sliding window
+    ((4, 1, 5, 1024, 10240, 128, 0), {**_T, **_ROPE}, "bf16", False, 128),
+    ((4, 1, 5, 1024, 10240, 128, 0), {**_T, **_ROPE}, "bf16", False, 256),
+    ((4, 2, 7, 2048, 16384, 128, 0), {**_T, **_ROPE}, "bf16", False, 512),
+    ((4, 1, 5, 4096, 16384, 128, 0), {**_T, **_ROPE}, "bf16", False, 128),
+    ((4, 1, 5, 1024, 10240, 128, 0), dict(tp_k_prior=True, strided_mm1=False, **_ROPE), "bf16", False, 128),
+    ((4, 2, 7, 2048, 16384, 128, 0), dict(tp_k_prior=True, strided_mm1=False, **_ROPE), "bf16", False, 256),
+    ((4, 1, 5, 8192, 8192, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 128),
+    ((4, 1, 5, 8192, 8192, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 256),
+    ((4, 8, 7, 4096, 10240, 64, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 128),
+    ((4, 1, 5, 1024, 10240, 128, 0), {**_T, **_ROPE}, "bf16", True, 128),
+    ((4, 2, 7, 1024, 16384, 64, 0), {**_T, **_ROPE}, "bf16", False, 128),
+    ((4, 8, 7, 3072, 10240, 64, 0), dict(tp_k_prior=True, use_pos_id=True, qk_in_sb=True, k_out_in_sb=True,
+                                          out_in_sb=True), "bf16", True, 256),
+    ((4, 1, 5, 10240, 10240, 128, 0), {**_T, **_ROPE}, "bf16", False, 256),
+    ((4, 1, 5, 10240, 10240, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", False, 256),
+]
+_FLAG_NAMES = ("tp_k_prior", "use_pos_id", "fuse_rope", "qk_in_sb", "k_out_in_sb", "out_in_sb")
+
+
+def _attn_cases() -> list[Case]:
+    cases = []
+    for args, kw, dt, sink, window in _ATTN_ROWS:
+        bs, qh, sa, sp, spf, d, bl = args
+        flags = [dt] + [f for f in _FLAG_NAMES if kw.get(f)] + ([] if kw.get("strided_mm1", True) else
+                                                                ["no_strided_mm1"]) \
+            + (["sink"] if sink else []) + ([f"sw={window}"] if window else [])
+        for lnc in (1, 2):
+            cases.append(Case(
+                kernel="core/attention/attention_tkg", name=" ".join(flags),
+                shapes=f"bs={bs} q_head={qh} s_active={sa} s_prior={sp}/{spf} d={d} block_len={bl}",
+                entry=f"{LIB}.attention.attention_tkg:attention_tkg", wrap_kernel=_attn_wrapper,
+                reference=f"{HERE}:attention_tkg_golden", inputs=_attn_inputs(args, kw, dt, sink, window, lnc),
+                ref_inputs=_with_lnc(lnc), outputs=("out", "k_out") if kw.get("fuse_rope") else ("out",),
+                lnc=lnc, rtol=1e-2, atol=1e-5, test_file=f"{TESTS}/test_attention_tkg.py"))
+    return cases
+
+
 def attention_tkg_cases() -> list[Case]:
-    return _gen_mask_hbm_cases()
+    return _gen_mask_hbm_cases() + _gen_mask_sbuf_cases() + _attn_cases()

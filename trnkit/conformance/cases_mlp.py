@@ -1,4 +1,4 @@
-"""Conformance cases of nki-library's core/mlp kernel (CTE mode), written from its test files.
+"""Conformance cases of nki-library's core/mlp kernel (CTE and TKG modes), written from its test files.
 
 ``test/integration/nkilib/core/mlp/test_mlp_cte.py`` (``test_mlp_cte_unit``: rows of its unquantized
 tables ``MLP_CTE_UNIT_TEST_CASES_GATE_BIAS_FALSE`` / ``_TRUE``) runs ``mlp`` at rtol 2e-2 / atol 1e-5 with
@@ -8,6 +8,10 @@ hidden states, the norm bias, the gate / up / down weights (the test passes ``qu
 even for unquantized rows, so the weights are fp8), the biases and the (unused) weight scales, in that
 order; gamma from ``default_rng(42)`` uniform(-0.1, 0.1). The golden (``golden_mlp`` / ``norm_mlp_ref``
 lives in nki-library's test package) is :func:`mlp_golden`, the same computation written from the test.
+
+``test_mlp_tkg.py`` (``test_mlp_tkg_unit``) runs the same ``mlp`` entry point at token-generation shapes
+with the same inputs and golden; its unquantized rows pass no ``quant_dtype``, so the weights are bf16
+and no scales are drawn.
 """
 
 from __future__ import annotations
@@ -38,7 +42,11 @@ def _types() -> Any:
 
 
 def _mlp_inputs(b: int, s: int, h: int, i: int, norm: str, fused: bool, store: bool, skip_gate: bool,
-                act: str, gate_b: bool, up_b: bool, down_b: bool, norm_b: bool) -> Callable[[], dict]:
+                act: str, gate_b: bool, up_b: bool, down_b: bool, norm_b: bool, weight_dtype: np.dtype = FP8,
+                column_tiling: tuple[bool, bool] = (True, True)) -> Callable[[], dict]:
+    """``build_fused_norm_mlp``'s draws; ``weight_dtype``: the test's ``quant_dtype`` (fp8 in the CTE
+    test, which then also draws the weight scales) or, without one, the activation dtype (bf16, no
+    scales)."""
     def make() -> dict[str, Any]:
         import nki.language as nl  # the interpreter, inside nki_is_interpreter
 
@@ -54,10 +62,10 @@ def _mlp_inputs(b: int, s: int, h: int, i: int, norm: str, fused: bool, store: b
             gamma = rng.uniform(low=-0.1, high=0.1, size=(1, h)).astype(BF16)
             if norm_b:
                 beta = draw((1, h), BF16)
-        gate_w, up_w, down_w = draw((h, i), FP8), draw((h, i), FP8), draw((i, h), FP8)
+        gate_w, up_w, down_w = (draw(shape, weight_dtype) for shape in ((h, i), (h, i), (i, h)))
         biases = [draw(shape, BF16) if on else None for shape, on in (((1, i), gate_b), ((1, i), up_b),
                                                                      ((1, h), down_b))]
-        scales = [draw(shape, F32) for shape in ((128, i), (128, i), (128, h))]
+        scales = [draw(shape, F32) if weight_dtype == FP8 else None for shape in ((128, i), (128, i), (128, h))]
         return {"hidden_tensor": hidden, "gate_proj_weights_tensor": gate_w, "up_proj_weights_tensor": up_w,
                 "down_proj_weights_tensor": down_w, "normalization_weights_tensor": gamma,
                 "gate_proj_bias_tensor": biases[0], "up_proj_bias_tensor": biases[1],
@@ -67,8 +75,8 @@ def _mlp_inputs(b: int, s: int, h: int, i: int, norm: str, fused: bool, store: b
                 "quantization_type": types.QuantizationType.NONE, "gate_w_scale": scales[0],
                 "up_w_scale": scales[1], "down_w_scale": scales[2], "gate_up_in_scale": None,
                 "down_in_scale": None, "output_dtype": nl.bfloat16, "store_output_in_sbuf": False, "eps": 1e-6,
-                "skip_gate_proj": skip_gate, "use_tkg_gate_up_proj_column_tiling": True,
-                "use_tkg_down_proj_column_tiling": True, "use_tkg_down_proj_optimized_layout": False,
+                "skip_gate_proj": skip_gate, "use_tkg_gate_up_proj_column_tiling": column_tiling[0],
+                "use_tkg_down_proj_column_tiling": column_tiling[1], "use_tkg_down_proj_optimized_layout": False,
                 "gate_clamp_upper_limit": None, "gate_clamp_lower_limit": None, "up_clamp_upper_limit": None,
                 "up_clamp_lower_limit": None}
     return make
@@ -186,5 +194,94 @@ def _cte_cases() -> list[Case]:
     return cases
 
 
+# test_mlp_tkg.py (test_mlp_tkg_unit), the unquantized rows without use_tkg_down_proj_optimized_layout (whose
+# generator permutes the down weights): lnc, batch, seqlen, hidden, intermediate, norm, fused_add, store_add,
+# skip_gate, gate_b, up_b, down_b, gate/up column tiling, down column tiling (activation SiLU throughout)
+_TKG = [
+    # nki_tkg_fused_norm_mlp_kernel_spmd_vnc2_params
+    (2, 2, 4, 8448, 1408, "LAYER_NORM", False, False, False, False, False, False, True, True),
+    (2, 4, 2, 4096, 1024, "LAYER_NORM", False, False, False, False, False, False, True, True),
+    (2, 1, 1, 8448, 1408, "NO_NORM", False, False, False, False, False, False, True, True),
+    (2, 1, 1, 8192, 448, "RMS_NORM", False, False, False, False, False, False, True, True),
+    (2, 4, 5, 8192, 896, "RMS_NORM", True, True, False, False, False, False, True, True),
+    (2, 1, 5, 16384, 832, "NO_NORM", False, False, False, False, False, False, True, True),
+    (2, 4, 7, 16384, 832, "RMS_NORM", False, False, False, False, False, False, True, True),
+    (2, 64, 1, 3072, 135, "RMS_NORM", False, False, False, False, False, False, True, True),
+    (2, 4, 1, 3072, 2160, "RMS_NORM", False, False, False, False, False, False, True, True),
+    (2, 8, 5, 8192, 896, "RMS_NORM", False, False, False, False, False, False, True, True),
+    (2, 8, 5, 16384, 896, "RMS_NORM", True, True, False, False, False, False, True, True),
+    (2, 1, 1, 2048, 512, "RMS_NORM", False, False, False, False, False, False, True, True),
+    (2, 1, 1, 4096, 896, "RMS_NORM", False, False, False, False, False, False, True, True),
+    (2, 1, 1, 7168, 364, "NO_NORM", False, False, False, False, False, False, True, True),
+    (2, 1, 5, 32768, 896, "NO_NORM", False, False, False, False, False, False, True, True),
+    (2, 1, 5, 32768, 896, "RMS_NORM", True, True, False, False, False, False, True, True),
+    (2, 1, 5, 20480, 832, "NO_NORM", False, False, False, False, False, False, True, True),
+    (2, 2, 7, 20480, 832, "RMS_NORM", True, True, False, False, False, False, True, True),
+    (2, 4, 1, 5120, 128, "NO_NORM", False, False, False, False, False, False, True, True),
+    (2, 8, 7, 16384, 896, "RMS_NORM", False, False, False, True, True, True, True, True),
+    (2, 8, 5, 8192, 512, "RMS_NORM", False, False, False, True, True, True, True, True),
+    (2, 4, 1, 8192, 5120, "NO_NORM", False, False, False, True, True, True, True, True),
+    (2, 4, 1, 8192, 512, "RMS_NORM", True, False, False, False, False, False, True, True),
+    (2, 4, 8, 8192, 512, "RMS_NORM", True, False, False, False, False, False, True, True),
+    (2, 4, 1, 8192, 512, "LAYER_NORM", True, False, False, False, False, False, True, True),
+    (2, 4, 8, 8192, 512, "LAYER_NORM", True, False, False, False, False, False, True, True),
+    (2, 1, 1, 5376, 336, "RMS_NORM", False, False, False, False, False, False, True, True),
+    # nki_tkg_fused_norm_mlp_kernel_spmd_vnc1_params
+    (1, 1, 1, 8192, 448, "RMS_NORM", True, True, False, False, False, False, True, True),
+    (1, 1, 1, 7168, 896, "RMS_NORM", True, True, False, False, False, False, True, True),
+    (1, 1, 1, 16384, 416, "NO_NORM", False, False, False, False, False, False, True, True),
+    (1, 1, 1, 16384, 832, "NO_NORM", False, False, False, False, False, False, True, True),
+    (1, 3, 8, 8192, 832, "LAYER_NORM", False, False, False, False, False, False, True, True),
+    (1, 4, 2, 16384, 832, "RMS_NORM", False, False, False, False, False, False, True, True),
+    (1, 4, 2, 16384, 832, "RMS_NORM", False, False, False, True, True, True, True, True),
+    (1, 32, 2, 8192, 512, "RMS_NORM", False, False, False, True, True, True, True, True),
+    (1, 1, 1, 256, 448, "NO_NORM", False, False, False, False, False, False, True, True),
+    # nki_tkg_fused_norm_mlp_kernel_spmd_vnc2_swap_perms (the column-tiling variants)
+    (2, 1, 1, 4096, 128, "NO_NORM", False, False, False, False, False, False, False, True),
+    (2, 4, 1, 5120, 256, "NO_NORM", False, False, False, False, False, False, False, False),
+    (2, 8, 1, 5120, 128, "NO_NORM", False, False, False, False, False, False, False, False),
+    (2, 16, 1, 5120, 128, "NO_NORM", False, False, False, False, False, False, False, False),
+    (2, 32, 1, 5120, 128, "NO_NORM", False, False, False, False, False, False, False, False),
+    (2, 4, 1, 8192, 512, "NO_NORM", False, False, False, False, False, False, False, False),
+    (2, 4, 5, 8192, 1024, "NO_NORM", False, False, False, False, False, False, False, False),
+    (2, 4, 5, 8192, 1560, "NO_NORM", False, False, False, True, True, True, False, False),
+    (2, 4, 1, 16384, 832, "NO_NORM", False, False, False, False, False, False, True, True),
+    (2, 4, 1, 16384, 832, "NO_NORM", False, False, False, False, False, False, True, False),
+    (2, 4, 1, 16384, 832, "NO_NORM", False, False, False, False, False, False, False, True),
+    (2, 4, 1, 16384, 832, "NO_NORM", False, False, False, False, False, False, False, False),
+    # nki_tkg_fused_norm_mlp_kernel_spmd_skip_gate
+    (2, 4, 1, 16384, 832, "NO_NORM", False, False, True, False, False, False, True, True),
+    (2, 4, 1, 16384, 832, "NO_NORM", False, False, True, False, False, False, True, False),
+    (2, 4, 1, 16384, 832, "NO_NORM", False, False, True, False, False, False, False, True),
+    (2, 4, 1, 16384, 832, "NO_NORM", False, False, True, False, False, False, False, False),
+]
+
+
+def _tkg_negative(lnc: int, b: int, s: int, h: int, down_col: bool) -> bool:
+    """The test's expected rejections: more than 128 tokens, H / 128 not split evenly over the cores,
+    or (without down-projection column tiling) more than 8 PSUM banks for the down projection."""
+    t, h1_shard = b * s, h // 128 // lnc
+    return t > 128 or (h // 128) % lnc != 0 or (h // lnc) % 128 != 0 \
+        or (not down_col and -(-h1_shard // (512 // t)) > 8)
+
+
+def _tkg_cases() -> list[Case]:
+    cases = []
+    for lnc, b, s, h, i, norm, fused, store, skip, gb, ub, db, gate_col, down_col in _TKG:
+        negative = _tkg_negative(lnc, b, s, h, down_col)
+        flags = [norm.lower()] + ["fused_add"] * fused + ["store_add"] * (fused and store) + ["skip_gate"] * skip \
+            + [n for n, on in (("gate_b", gb), ("up_b", ub), ("down_b", db)) if on] \
+            + ["gate_up_column_tiling"] * gate_col + ["down_column_tiling"] * down_col
+        cases.append(Case(
+            kernel="core/mlp/mlp_tkg", name="bf16 " + " ".join(flags) + " (must reject)" * negative,
+            shapes=f"B={b} S={s} H={h} I={i}", entry=f"{LIB}.mlp.mlp:mlp",
+            reference="trnkit.conformance.cases_mlp:mlp_golden",
+            inputs=_mlp_inputs(b, s, h, i, norm, fused, store, skip, "SiLU", gb, ub, db, False, BF16,
+                               (gate_col, down_col)),
+            outputs=("out", "add_out") if fused and store else ("out",), lnc=lnc, rtol=2e-2, atol=1e-5,
+            negative=negative, note=MLP_REPAIR_NOTE, test_file=f"{TESTS}/test_mlp_tkg.py"))
+    return cases
+
+
 def mlp_cases() -> list[Case]:
-    return _cte_cases()
+    return _cte_cases() + _tkg_cases()

@@ -1,17 +1,24 @@
-"""Conformance cases of nki-library's core/qkv kernel (CTE), written from its test files.
+"""Conformance cases of nki-library's core/qkv kernel (CTE and TKG), written from its test files.
 
 ``test/integration/nkilib/core/qkv/test_qkv_cte.py``: ``qkv`` at rtol 2e-2 / atol 1e-5 with
 ``CompilerArgs(logical_nc_config=vnc)``, bf16 (every unquantized test passes ``dtype=nl.bfloat16``),
 rows of its fused-RoPE, accuracy, BSD / NBSd performance and no-DMA-transpose tables. Inputs as
 ``test_qkv_common.build_qkv_input`` draws them from one normal generator: input, fused weights, the
-two residuals (fused add), gamma (RMS / layer norm), the layer-norm bias, the RoPE cos / sin caches
+two residuals (fused add), gamma (RMS / layer norm), the QKV bias, the layer-norm bias, the RoPE cos / sin caches
 (half the head dim drawn, tiled twice). The RoPE rows use the test's own fresh generator
 (``rope_gaussian_tensor_generator()``, seed 0); the other tests share one ``gaussian_tensor_generator()``
 created when the test module is imported, so their draws depend on which tests ran before: each case
 here starts a fresh ``default_rng(0)`` (the draws of that test when it runs first). The golden,
 ``golden_func_fused_add_qkv`` in the test module, is :func:`qkv_golden`, written from the test: fp32
-residual add, RMS norm (over ``hidden_actual`` when given) or layer norm, ``x @ W``, rotate-half RoPE
+residual add, RMS norm (over ``hidden_actual`` when given) or layer norm, ``x @ W`` plus the bias, rotate-half RoPE
 on the q and k heads, the NBSd layout, rounded to bf16.
+
+``test_qkv_tkg.py`` (``test_qkv_tkg_accuracy_unit`` and ``test_qkv_tkg_performance_bsd_unit``, their
+unquantized rows): the same ``qkv`` entry point at token-generation shapes (it dispatches to
+``qkv_tkg``), inputs from the same ``build_qkv_input`` and the CTE test's golden, bf16, rtol 2e-2 /
+atol 1e-5. The performance rows give one KV head and ``fused_dim / d_head - 2`` q heads, as the test does.
+With a fused residual add the kernel also returns the sum; the test's golden has ``out`` only, so only
+``out`` is compared.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .harness import Case
+from .harness import Case, first_output
 
 __all__ = ["qkv_cases", "qkv_golden"]
 
@@ -34,7 +41,7 @@ TESTS = "test/integration/nkilib/core/qkv"
 
 def _qkv_inputs(b: int, s: int, h: int, fused_dim: int, norm: str, dma_t: bool, fused_add: bool, norm_bias: bool,
                 layout: str, eps: float, hidden_actual: int | None, heads: tuple[int, int, int] | None,
-                rope: bool) -> Callable[[], dict[str, Any]]:
+                rope: bool, qkv_bias: bool = False) -> Callable[[], dict[str, Any]]:
     def make() -> dict[str, Any]:
         types = importlib.import_module(f"{LIB}.utils.common_types")
         qkv_types = importlib.import_module(f"{LIB}.qkv.qkv")
@@ -45,6 +52,7 @@ def _qkv_inputs(b: int, s: int, h: int, fused_dim: int, norm: str, dma_t: bool, 
         mlp_prev = draw((b, s, h)) if fused_add else None
         attn_prev = draw((b, s, h)) if fused_add else None
         gamma = draw((1, h)) if norm in ("RMS_NORM", "LAYER_NORM") else None
+        bias = draw((1, fused_dim)) if qkv_bias else None
         ln_bias = draw((1, h)) if norm_bias else None
         cos = sin = None
         if rope:
@@ -52,7 +60,7 @@ def _qkv_inputs(b: int, s: int, h: int, fused_dim: int, norm: str, dma_t: bool, 
             cos, sin = (np.tile(draw((b, s, d // 2)), 2) for _ in range(2))
         q, kv, d = heads if heads else (None, None, None)
         return {"input": x, "fused_qkv_weights": w, "output_layout": getattr(qkv_types.QKVOutputLayout, layout),
-                "bias": None, "quantization_type": types.QuantizationType.NONE, "qkv_w_scale": None,
+                "bias": bias, "quantization_type": types.QuantizationType.NONE, "qkv_w_scale": None,
                 "qkv_in_scale": None, "fused_residual_add": fused_add, "mlp_prev": mlp_prev,
                 "attention_prev": attn_prev, "fused_norm_type": getattr(types.NormType, norm),
                 "gamma_norm_weights": gamma, "layer_norm_bias": ln_bias, "norm_eps": eps,
@@ -67,7 +75,8 @@ def _f32(t: Any) -> np.ndarray | None:
     return None if t is None else np.asarray(t.float().numpy() if hasattr(t, "float") else t, np.float32)
 
 
-def qkv_golden(input: Any, fused_qkv_weights: Any, output_layout: Any = None, fused_residual_add: bool = False,
+def qkv_golden(input: Any, fused_qkv_weights: Any, output_layout: Any = None, bias: Any = None,
+               fused_residual_add: bool = False,
                mlp_prev: Any = None, attention_prev: Any = None, fused_norm_type: Any = None,
                gamma_norm_weights: Any = None, layer_norm_bias: Any = None, norm_eps: float = 1e-6,
                hidden_actual: int | None = None, fused_rope: bool = False, cos_cache: Any = None,
@@ -90,6 +99,8 @@ def qkv_golden(input: Any, fused_qkv_weights: Any, output_layout: Any = None, fu
         x = x * gamma if gamma is not None else x
         x = x + beta if beta is not None else x
     out = x @ _f32(fused_qkv_weights)
+    if bias is not None:
+        out = out + _f32(bias)
     if fused_rope:  # rotate-half RoPE on every q and k head; v unchanged
         d, half = d_head, d_head // 2
         cos, sin = _f32(cos_cache)[:, :, None, :half], _f32(sin_cache)[:, :, None, :half]
@@ -140,6 +151,89 @@ _ROWS = [
 ]
 
 
+# test_qkv_tkg_accuracy_unit (QuantizationType.NONE rows): vnc, batch, seqlen, hidden, hidden_actual, fused dim,
+# q heads, kv heads, d_head, norm, fused add, norm bias, qkv bias, eps, layout
+_TKG_ROWS = [
+    (1, 1, 4, 16384, None, 384, 1, 1, 128, "RMS_NORM", True, False, False, 1e-6, "BSD"),
+    (1, 4, 1, 32768, None, 384, 1, 1, 128, "NO_NORM", True, False, False, 1e-6, "BSD"),
+    (1, 1, 4, 4096, None, 512, 2, 1, 128, "NO_NORM", True, False, False, 1e-6, "BSD"),
+    (1, 4, 1, 4096, None, 896, 5, 1, 128, "RMS_NORM", True, False, False, 1e-6, "BSD"),
+    (1, 4, 1, 4096, 4096, 896, 5, 1, 128, "RMS_NORM", True, False, False, 1e-6, "BSD"),
+    (1, 4, 1, 4096, 3072, 896, 5, 1, 128, "RMS_NORM", True, False, False, 1e-6, "BSD"),
+    (2, 2, 1, 3840, None, 10240, 64, 8, 128, "NO_NORM", False, False, False, 1e-6, "BSD"),
+    (1, 1, 1, 128, None, 512, 2, 1, 128, "NO_NORM", False, False, False, 1e-6, "BSD"),
+    (1, 1, 7, 8192, None, 384, 1, 1, 128, "RMS_NORM", False, False, False, 1e-5, "BSD"),
+    (1, 1, 5, 8192, None, 384, 1, 1, 128, "LAYER_NORM", False, True, False, 1e-6, "BSD"),
+    (1, 1, 5, 8192, None, 384, 1, 1, 128, "LAYER_NORM", False, False, False, 1e-6, "BSD"),
+    (1, 1, 3, 16384, None, 896, 5, 1, 128, "NO_NORM", False, False, True, 1e-6, "BSD"),
+    (2, 8, 5, 3072, None, 640, 8, 1, 64, "RMS_NORM", False, False, True, 1e-6, "BSD"),
+    (2, 1, 1, 16384, None, 512, 2, 1, 128, "NO_NORM", False, False, False, 1e-6, "NBSd"),
+    (2, 1, 1, 8192, None, 768, 2, 2, 128, "NO_NORM", False, False, False, 1e-6, "NBSd"),
+    (2, 1, 1, 8448, None, 4352, 24, 5, 128, "NO_NORM", False, False, False, 1e-6, "NBSd"),
+    (1, 1, 1, 8192, None, 5120, 32, 4, 128, "RMS_NORM", False, False, False, 1e-6, "NBSd"),
+    (2, 1, 1, 8192, None, 10240, 64, 8, 128, "RMS_NORM", False, False, False, 1e-6, "BSD"),
+    (2, 1, 1, 8448, None, 1920, 5, 5, 128, "NO_NORM", False, False, False, 1e-6, "NBSd"),
+    (2, 1, 1, 8192, None, 512, 2, 1, 128, "RMS_NORM", True, False, False, 77.0, "BSD"),
+]
+# test_qkv_tkg_performance_bsd_unit (QuantizationType.NONE rows): vnc, batch, seqlen, hidden, fused dim, d_head,
+# norm, fused add, norm bias, qkv bias
+_TKG_PERF_ROWS = [
+    (2, 2, 4, 8448, 1408, 128, 'LAYER_NORM', False, False, False),
+    (2, 4, 2, 4096, 1024, 128, 'LAYER_NORM', False, False, False),
+    (2, 16, 5, 8192, 104, 26, 'RMS_NORM', False, False, False),
+    (2, 14, 5, 8192, 104, 26, 'RMS_NORM', False, False, False),
+    (2, 3, 1, 2048, 104, 26, 'RMS_NORM', False, False, False),
+    (2, 1, 1, 2048, 104, 26, 'RMS_NORM', False, False, False),
+    (2, 5, 1, 4096, 512, 128, 'RMS_NORM', False, False, False),
+    (2, 1, 5, 4096, 512, 128, 'RMS_NORM', False, False, False),
+    (2, 3, 1, 16384, 384, 128, 'RMS_NORM', True, False, False),
+    (2, 5, 1, 16384, 384, 128, 'RMS_NORM', True, False, False),
+    (2, 1, 6, 16384, 896, 128, 'RMS_NORM', True, False, False),
+    (2, 1, 6, 16384, 384, 128, 'RMS_NORM', True, False, False),
+    (2, 1, 3, 16384, 384, 128, 'RMS_NORM', True, False, False),
+    (2, 1, 5, 16384, 384, 128, 'RMS_NORM', True, False, False),
+    (2, 4, 1, 16384, 512, 128, 'RMS_NORM', False, False, False),
+    (2, 8, 7, 16384, 512, 128, 'RMS_NORM', True, False, False),
+    (2, 4, 7, 16384, 512, 128, 'RMS_NORM', False, False, False),
+    (2, 3, 1, 8192, 512, 128, 'NO_NORM', True, False, False),
+    (2, 1, 1, 8192, 896, 128, 'NO_NORM', True, False, False),
+    (2, 8, 5, 8192, 384, 128, 'RMS_NORM', False, False, False),
+    (2, 4, 5, 8192, 384, 128, 'RMS_NORM', False, False, False),
+    (2, 1, 3, 8192, 512, 128, 'NO_NORM', True, False, False),
+    (2, 8, 5, 8192, 5120, 1024, 'RMS_NORM', False, False, False),
+    (2, 4, 5, 8192, 10240, 1024, 'RMS_NORM', False, False, False),
+    (2, 1, 1, 32768, 896, 128, 'NO_NORM', False, False, False),
+    (2, 1, 1, 20480, 896, 128, 'NO_NORM', False, False, False),
+    (2, 1, 3, 32768, 896, 128, 'RMS_NORM', False, False, False),
+    (2, 1, 3, 20480, 896, 128, 'RMS_NORM', False, False, False),
+    (2, 1, 5, 32768, 896, 128, 'RMS_NORM', True, False, False),
+    (2, 1, 5, 20480, 896, 128, 'RMS_NORM', True, False, False),
+    (2, 4, 4, 3072, 640, 64, 'RMS_NORM', False, False, True),
+    (2, 4, 1, 3072, 640, 64, 'RMS_NORM', False, False, True),
+    (2, 1, 1, 8448, 1920, 128, 'NO_NORM', False, False, False),
+    (2, 1, 1, 8448, 1920, 128, 'LAYER_NORM', False, False, False),
+]
+
+
+def _tkg_cases() -> list[Case]:
+    rows = [(*r, "accuracy") for r in _TKG_ROWS] + [
+        (lnc, b, s, h, None, dim, dim // d - 2, 1, d, norm, fused, nb, qb, 1e-6, "BSD", "performance_bsd")
+        for lnc, b, s, h, dim, d, norm, fused, nb, qb in _TKG_PERF_ROWS]
+    cases = []
+    for lnc, b, s, h, actual, dim, q, kv, d, norm, fused, nb, qb, eps, layout, test in rows:
+        flags = [norm.lower(), layout] + ["fused_add"] * fused + ["norm_bias"] * nb + ["qkv_bias"] * qb \
+            + [f"eps={eps:g}"] * (eps != 1e-6) + [f"hidden_actual={actual}"] * bool(actual)
+        cases.append(Case(
+            kernel="core/qkv/qkv_tkg", name=f"{test} bf16 " + " ".join(flags),
+            shapes=f"B={b} S={s} H={h} heads={q}/{kv} d={d}", entry=f"{LIB}.qkv.qkv:qkv",
+            wrap_kernel=first_output if fused else None,  # with a fused add it also returns the sum
+            reference="trnkit.conformance.cases_qkv:qkv_golden",
+            inputs=_qkv_inputs(b, s, h, dim, norm, True, fused, nb, layout, eps, actual, (q, kv, d), False, qb),
+            outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/test_qkv_tkg.py",
+            note="inputs as the test draws them when it runs first (its generator is shared)"))
+    return cases
+
+
 def qkv_cases() -> list[Case]:
     cases = []
     for lnc, b, s, h, dim, norm, dma_t, fused, nb, layout, eps, actual, rope, test in _ROWS:
@@ -154,4 +248,4 @@ def qkv_cases() -> list[Case]:
             inputs=_qkv_inputs(b, s, h, fused_dim, norm, dma_t, fused, nb, layout, eps, actual, heads, rope),
             outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/test_qkv_cte.py",
             note="" if rope else "inputs as the test draws them when it runs first (its generator is shared)"))
-    return cases
+    return cases + _tkg_cases()

@@ -34,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Case", "Row", "nkilib_root", "nkilib_commit", "nkilib_tarball", "extract_tarball", "compare", "run_case",
-           "run_cases", "format_table", "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED"]
+__all__ = ["Case", "Row", "first_output", "nkilib_root", "nkilib_commit", "nkilib_tarball", "extract_tarball",
+           "compare", "run_case", "run_cases", "format_table", "write_csv", "PASS", "MISMATCH", "MISSING",
+           "REJECTED", "ERROR", "ACCEPTED"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
@@ -438,6 +439,15 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
         row.message = "; ".join(f"{n}: max|err| {e:.3g} > {a:.3g}" for n, (e, a) in row.outputs.items()
                                 if not e <= a)
     return row
+
+
+def first_output(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``kernel`` returning only its first output, for tests that check that one alone (a
+    ``Case.wrap_kernel``)."""
+    def wrapper(**kw: Any) -> Any:
+        result = kernel(**kw)
+        return result[0] if isinstance(result, (list, tuple)) else result
+    return wrapper
 
 
 def _copies(kwargs_list: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -751,10 +751,19 @@ class NkiTensor:
             ps = st.free_bytes // dt.itemsize
             require(shape[0] <= 128, op, "partition count {num} exceeds pmax (128) for tensor {name!r}",
                     num=shape[0], name=self.name)
-            require(strides[0] == ps or shape[0] == 1, op, "on-chip tensor {name!r}: the first "
-                    "pattern pair's step must equal the free-element count of the storage ({pstride}), "
-                    "got {step} (the partition access must be contiguous)",
-                    name=self.name, pstride=ps, step=strides[0])
+            view_free = self._row_window()
+            if (strides[0] != ps and shape[0] > 1 and view_free is not None and strides[0] == view_free
+                    and dt == self.dtype and scalar_offset is None and vector_offset is None):
+                off = self._view_relative_offset(op, shape, strides, offset, view_free, ps)
+            else:
+                # nki-aps.rst "Restriction on SBUF/PSUM Tensors": "the access on the partition
+                # dimension must be continuous, meaning that the step of the leading dimension must
+                # be the element count of the entire free dimension of the tensor"
+                require(strides[0] == ps or shape[0] == 1, op, "on-chip tensor {name!r}: the first "
+                        "pattern pair's step must equal the free-element count of the storage ({pstride}) "
+                        "or of the view .ap is called on ({view}), got {step} (nki-aps.rst: the access on "
+                        "the partition dimension must be continuous)",
+                        name=self.name, pstride=ps, view=view_free, step=strides[0])
             strides = (ps,) + strides[1:]
         require(scalar_offset is None or vector_offset is None, op,
                 "scalar_offset and vector_offset are mutually exclusive")
@@ -801,6 +810,43 @@ class NkiTensor:
             for n in shape:
                 require(n > 0, op, "empty dimension in pattern {pattern}", pattern=pattern)
         return t
+
+    def _row_window(self) -> int | None:
+        """Free-element count of this on-chip view when it is a window of whole partitions whose
+        free elements are contiguous within each partition (a column range of the allocation, e.g.
+        a ``.ap`` or slice of some of its columns); None otherwise."""
+        if len(self.shape) < 2 or self.strides[0] != self._st.free_bytes // self.dtype.itemsize:
+            return None
+        expect = 1
+        for n, s in zip(reversed(self.shape[1:]), reversed(self.strides[1:])):
+            if n > 1 and s != expect:
+                return None
+            expect *= n
+        return expect
+
+    def _view_relative_offset(self, op: str, shape: tuple[int, ...], strides: tuple[int, ...],
+                              offset: int | None, view_free: int, ps: int) -> int:
+        """Storage offset of a pattern laid over this view as a ``[P, view_free]`` tensor.
+
+        nki-aps.rst defines the pattern over "the tensor" ``.ap`` is called on: its first step is
+        "the number of elements in the free dimension of the tensor" and ``offset`` counts "from
+        the beginning of the tensor". The same page says ``.ap`` "cannot be called on a tile
+        produced by it", but AWS's tested nki-library kernels do exactly that on a column range of
+        an SBUF tile (core/mlp/mlp_tkg gate/up projection: ``TensorView(tile_view).slice(...)``,
+        whose ``.ap`` steps by the view's own row), so such a view is accepted as a tensor of its
+        own: partition ``w`` is the view's row ``w``, free offsets count from the view's first
+        column and must stay inside the view's row (the hardware pattern is per partition)."""
+        rel = 0 if offset is None else int(offset)
+        row, col = divmod(rel, view_free)
+        reach = col + sum((n - 1) * s for n, s in zip(shape[1:], strides[1:]))
+        require(rel >= 0 and min(strides[1:], default=0) >= 0 and reach < view_free, op,
+                "tensor {name!r}: a pattern laid over a view of {view} free elements per partition must "
+                "stay inside the view's row; offset {offset} with free pattern {free} reaches element "
+                "{reach}", name=self.name, view=view_free, offset=rel,
+                free=[[s, n] for s, n in zip(strides[1:], shape[1:])], reach=reach)
+        require(row + shape[0] <= self.shape[0], op, "tensor {name!r}: partitions [{lo}, {hi}) of a view "
+                "with {p} partitions", name=self.name, lo=row, hi=row + shape[0], p=self.shape[0])
+        return self.offset + row * ps + col
 
     def vector_select(self, dim: int, vector_offset: NkiTensor) -> NkiTensor:
         """Per-partition row gather/scatter view: partition ``p`` uses row ``vector_offset[p]``."""

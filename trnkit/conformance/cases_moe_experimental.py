@@ -1,0 +1,171 @@
+"""Conformance cases of nki-library's experimental/moe kernels, written from their test files.
+
+``test/integration/nkilib/experimental/moe/test_bwmm_shard_on_H.py``: ``blockwise_mm_baseline_shard_hidden``
+(blockwise MoE, each core takes half of the hidden dimension) at LNC 2, rtol 2e-2 / atol 1e-5. Routing as
+the test's ``generate_token_position_to_id_and_experts`` (``np.random.seed(0)``, each token picks
+``top_k`` distinct experts; experts get ceil(tokens / block) blocks in expert order, the padding blocks
+go to the last expert), then ``np.random.seed(0)`` again for the hidden states and affinities
+(``random_sample``; ``rand`` masked when tokens are skipped) and the weights (uniform +-0.1). The test's
+golden is numpy in its module; :func:`shard_on_h_golden` is the same computation written from it:
+per block, in block order, the gathered tokens' ``silu(x @ W_gate) * (x @ W_up) @ W_down`` in fp32,
+scaled by the affinity before or after as the scaling mode says, added into the output in the
+test dtype.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .harness import Case, first_output
+
+__all__ = ["moe_experimental_cases", "shard_on_h_golden"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+EXP = "nkilib_src.nkilib.experimental.moe"
+TESTS = "test/integration/nkilib/experimental/moe"
+HERE = "trnkit.conformance.cases_moe_experimental"
+_DT = {BF16: "bf16", F32: "fp32"}
+
+
+def _n_blocks(t: int, k: int, e: int, b: int) -> int:
+    return math.ceil((t * k - (e - 1)) / b) + e - 1
+
+
+def _routing(t: int, k: int, e: int, b: int, n: int, skip_token: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(token x expert mask, token id per block slot, expert per block) as the test draws them."""
+    np.random.seed(0)
+    chosen = np.stack([np.random.choice(range(e), k, replace=False) for _ in range(t)])
+    mask = np.zeros((t, e))
+    for j in range(k):
+        mask += chosen[:, j:j + 1] == np.arange(e)[None, :]
+    blocks = np.ceil(mask.sum(0) / b).astype(np.int32)
+    blocks[e - 1] += n - blocks.sum()
+    block_to_expert = np.arange(e).repeat(blocks).astype(np.int32)
+    slot = np.cumsum(mask, axis=0)  # 1-based rank of the token within its expert
+    slot[:, 1:] += (np.cumsum(blocks) * b)[:-1]
+    slot = np.where(mask > 0, slot, 0).astype(np.int64)
+    token_of_slot = np.full(n * b + 1, -1 if skip_token else t, dtype=np.int32)
+    token_of_slot[slot] = np.arange(t)[:, None]  # slot 0 collects the unrouted pairs and is dropped
+    return mask, token_of_slot[1:], block_to_expert
+
+
+def _shard_h_inputs(h: int, t: int, e: int, b: int, k: int, i: int, dt: np.dtype, skip: int, mode: str,
+                    checkpoint: bool) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        mod = importlib.import_module(f"{EXP}.forward.bwmm_shard_on_H")
+        scale_mode = importlib.import_module("nkilib_src.nkilib.core.utils.common_types").ExpertAffinityScaleMode
+        skip_mode = mod.SkipMode(skip in (1, 3), skip in (2, 3))
+        n = _n_blocks(t, k, e, b)
+        mask, token_of_slot, block_to_expert = _routing(t, k, e, b, n, skip_mode.skip_token)
+        np.random.seed(0)
+        if skip_mode.skip_token:
+            hidden = np.random.random_sample([t, h]).astype(dt)
+            affinities = (np.random.rand(t, e) * mask).astype(dt)
+        else:
+            hidden = np.random.random_sample([t + 1, h]).astype(dt)
+            affinities = np.random.random_sample([t + 1, e]).astype(dt)
+            affinities[:t] = affinities[:t] * mask
+            affinities[t] = 0
+            hidden[t] = 0
+        out = {"hidden_states": hidden, "expert_affinities_masked": affinities.reshape(-1, 1),
+               "gate_up_proj_weight": np.random.uniform(-0.1, 0.1, size=[e, h, 2, i]).astype(dt),
+               "down_proj_weight": np.random.uniform(-0.1, 0.1, size=[e, math.ceil(i / 16) * 16, h]).astype(dt),
+               "block_size": b, "token_position_to_id": token_of_slot,
+               "block_to_expert": block_to_expert.reshape(-1, 1),
+               "skip_dma": skip_mode, "compute_dtype": dt, "is_tensor_update_accumulating": k != 1,
+               "expert_affinities_scaling_mode": getattr(scale_mode, mode)}
+        if checkpoint:
+            out["gate_up_activations_T"] = np.zeros([n, 2, i, b], dtype=dt)
+            out["down_activations"] = np.zeros([n, b, h], dtype=dt)
+        return out
+    return make
+
+
+def _np(v: Any) -> np.ndarray:
+    return v.float().numpy() if hasattr(v, "float") else np.asarray(v, dtype=np.float32)
+
+
+def shard_on_h_golden(hidden_states: Any, expert_affinities_masked: Any, gate_up_proj_weight: Any,
+                      down_proj_weight: Any, block_size: int, token_position_to_id: Any, block_to_expert: Any,
+                      skip_dma: Any, compute_dtype: Any, expert_affinities_scaling_mode: Any,
+                      **_: Any) -> dict[str, np.ndarray]:
+    """The test's numpy golden (see the module docstring); ``output`` in the test dtype."""
+    dt = np.dtype(compute_dtype)
+    x_all = _np(hidden_states)
+    e, h, _, i = gate_up_proj_weight.shape
+    t = x_all.shape[0] - (0 if skip_dma.skip_token else 1)
+    affinities = _np(expert_affinities_masked).reshape(-1, e)
+    w_gate_up = _np(gate_up_proj_weight).reshape(e, h, 2 * i)
+    w_down = _np(down_proj_weight)[:, :i, :]
+    ids_per_block = _np(token_position_to_id).astype(np.int64).reshape(-1, block_size)
+    mode = expert_affinities_scaling_mode.name
+    output = np.zeros((t if skip_dma.skip_token else t + 1, h), dtype=dt)
+    for ids, expert in zip(ids_per_block, _np(block_to_expert).astype(np.int64).flatten()):
+        x = x_all[ids]
+        scale = affinities[ids, expert].reshape(-1, 1).astype(dt).astype(np.float32)
+        if mode == "PRE_SCALE":
+            x = scale * x
+        gate_up = (x @ w_gate_up[expert]).reshape(-1, 2, i)
+        gate, up = gate_up[:, 0], gate_up[:, 1]
+        down = (gate / (1 + np.exp(-gate)) * up) @ w_down[expert]
+        if mode == "POST_SCALE":
+            down = down * scale
+        output[ids] += down.astype(dt)  # fancy-index add: a repeated id is written once
+    return {"output": output}
+
+
+# moe_bwmm_shard_h_test_params: hidden, tokens, experts, block, top_k, intermediate, dtype, skip, scaling,
+# checkpoint activations (the kernel then also returns the activations; the test compares the output only)
+_SHARD_H = [
+    (7168, 1024, 256, 512, 8, 32, BF16, 0, "POST_SCALE", False),
+    (7168, 1024, 256, 256, 8, 32, BF16, 0, "POST_SCALE", False),
+    (7168, 1024, 256, 256, 8, 32, BF16, 2, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 336, BF16, 0, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 336, BF16, 1, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 336, BF16, 2, "POST_SCALE", False),
+    (6144, 4096, 16, 1024, 4, 336, BF16, 1, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 1, 336, BF16, 0, "POST_SCALE", False),
+    (5120, 8192, 16, 256, 1, 128, BF16, 2, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 336, F32, 0, "POST_SCALE", False),
+    (5120, 8192, 16, 256, 1, 128, BF16, 0, "NO_SCALE", False),
+    (5120, 8192, 16, 256, 1, 128, BF16, 0, "PRE_SCALE", False),
+    (5120, 8192, 16, 256, 1, 512, BF16, 0, "NO_SCALE", False),
+    (5120, 8192, 16, 256, 1, 512, BF16, 0, "PRE_SCALE", False),
+    (5120, 8192, 128, 128, 2, 64, BF16, 0, "NO_SCALE", False),
+    (5120, 8192, 128, 128, 2, 64, BF16, 0, "POST_SCALE", False),
+    (5120, 8192, 128, 128, 2, 64, BF16, 0, "PRE_SCALE", False),
+    (5120, 8192, 128, 128, 4, 64, BF16, 0, "PRE_SCALE", False),
+    (5120, 8192, 128, 128, 4, 64, BF16, 0, "NO_SCALE", False),
+    (5120, 8192, 128, 128, 4, 64, BF16, 0, "POST_SCALE", False),
+    (1536, 4096, 234, 128, 7, 288, BF16, 1, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 1024, BF16, 0, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 1024, F32, 0, "POST_SCALE", False),
+    (5120, 8192, 128, 256, 4, 1024, BF16, 0, "POST_SCALE", True),
+    (5120, 8192, 16, 256, 4, 1024, BF16, 0, "POST_SCALE", True),
+    (5120, 8192, 16, 256, 4, 1024, F32, 0, "POST_SCALE", True),
+    (5120, 8192, 128, 256, 1, 128, BF16, 0, "POST_SCALE", True),
+    (5120, 8192, 128, 256, 1, 128, F32, 0, "POST_SCALE", True),
+    (2880, 8192, 128, 512, 4, 2880, BF16, 0, "POST_SCALE", True),
+    (2880, 8192, 128, 512, 4, 2880, BF16, 0, "POST_SCALE", False),
+]
+
+
+def moe_experimental_cases() -> list[Case]:
+    cases = []
+    for h, t, e, b, k, i, dt, skip, mode, ckpt in _SHARD_H:
+        flags = [_DT[dt], f"skip={skip}", mode] + ["checkpoint_activation"] * ckpt
+        cases.append(Case(
+            kernel="experimental/moe/bwmm_shard_on_H", name=" ".join(flags),
+            shapes=f"T={t} H={h} E={e} B={b} k={k} I={i}",
+            entry=f"{EXP}.forward.bwmm_shard_on_H:blockwise_mm_baseline_shard_hidden",
+            wrap_kernel=first_output if ckpt else None, reference=f"{HERE}:shard_on_h_golden",
+            inputs=_shard_h_inputs(h, t, e, b, k, i, dt, skip, mode, ckpt), outputs=("output",), lnc=2,
+            rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/test_bwmm_shard_on_H.py"))
+    return cases
