@@ -15,42 +15,29 @@ Usage: ``python benchmarks/attention_peak.py [--seq 4096] [--heads 8 2] [--lnc 1
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib
-import time
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import torch
+from side_by_side import PEAK, Estimate, estimate, print_ratio, write_csv
 
 from trnkit.kernels.attention import attention, attention_bwd, attention_ref
-from trnkit.nkisim import cost, trace
 
 CSV = Path(__file__).parent / "data" / "attention_peak.csv"
-PEAK = 79e12  # TensorE bf16 FLOP/s per physical core (trn2)
 D = 128
 
 
-def _estimate(run) -> tuple[float, float, float, float]:
-    """(low, mid, high) estimated ns of the call ``run()`` traced trace-only, and the trace seconds."""
-    t = time.time()
-    with trace.record(trace_only=True) as tr:
-        run()
-    seconds = time.time() - t
-    rep = cost.estimate(tr)
-    return (*rep.total_range_ns, seconds)
-
-
-def _trnkit(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, tuple]:
+def _trnkit(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, Estimate]:
     g = torch.Generator().manual_seed(0)
     q, k, v, go = (torch.randn(1, S, h, D, generator=g).bfloat16() for h in (Hq, Hk, Hk, Hq))
     o, lse = attention_ref(q, k, v)
-    return {"forward": _estimate(lambda: attention(q, k, v, lnc=lnc)),
-            "backward": _estimate(lambda: attention_bwd(q, k, v, o, lse, go, lnc=lnc))}
+    return {"forward": estimate(lambda: attention(q, k, v, lnc=lnc)),
+            "backward": estimate(lambda: attention_bwd(q, k, v, o, lse, go, lnc=lnc))}
 
 
-def _nkilib(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, tuple] | None:
+def _nkilib(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, Estimate] | None:
     from trnkit.conformance import harness
 
     root = harness.nkilib_root()
@@ -66,14 +53,14 @@ def _nkilib(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, tuple] | None:
         k = rng.standard_normal((Hk, D, S)).astype(bf)  # [bs_kv, d, S]
         v = rng.standard_normal((Hk, S, D)).astype(bf)
         fwd_kernel = cte[lnc] if lnc > 1 else cte
-        out["forward"] = _estimate(lambda: fwd_kernel(q, k, v, scale=D ** -0.5, causal_mask=True, tp_q=True,
-                                                      tp_k=False, cache_softmax=True))
+        out["forward"] = estimate(lambda: fwd_kernel(q, k, v, scale=D ** -0.5, causal_mask=True, tp_q=True,
+                                                     tp_k=False, cache_softmax=True))
         qb = rng.standard_normal((1, Hq, D, S)).astype(bf)  # attention_bwd: [bs, heads, d, S]
         kb, vb = (rng.standard_normal((1, Hk, D, S)).astype(bf) for _ in range(2))
         ob, dyb = (rng.standard_normal((1, Hq, D, S)).astype(bf) for _ in range(2))
         lse = rng.standard_normal((1, Hq, 128, S // 128)).astype(np.float32)
         bwd_kernel = bwd[lnc] if lnc > 1 else bwd
-        out["backward"] = _estimate(lambda: bwd_kernel(qb, kb, vb, ob, dyb, lse, use_causal_mask=True))
+        out["backward"] = estimate(lambda: bwd_kernel(qb, kb, vb, ob, dyb, lse, use_causal_mask=True))
     return out
 
 
@@ -105,17 +92,10 @@ def main() -> None:
                 rows.append(row)
                 print(f"LNC={lnc} {mode:8s} {who:11s} {mid / 1e3:9.1f} us [{low / 1e3:.1f}-{high / 1e3:.1f}]  "
                       f"{100 * frac[1]:5.1f}% of bf16 peak (pessimistic {100 * frac[0]:.1f}%)")
-            if "nki-library" in results and results["nki-library"] is not None:
-                ratio = [results["trnkit"][mode][i] / results["nki-library"][mode][i] for i in (1, 2)]
-                print(f"LNC={lnc} {mode:8s} trnkit / nki-library time: {ratio[0]:.2f}x mid, "
-                      f"{ratio[1]:.2f}x pessimistic")
+            if results.get("nki-library") is not None:
+                print_ratio(f"LNC={lnc} {mode:8s}", results["trnkit"][mode], results["nki-library"][mode])
     if args.save:
-        CSV.parent.mkdir(parents=True, exist_ok=True)
-        with CSV.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        print(f"-> {CSV}")
+        write_csv(rows, CSV)
 
 
 if __name__ == "__main__":

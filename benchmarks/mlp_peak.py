@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import importlib
 import io
-import time
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import torch
+from side_by_side import PEAK, Estimate, estimate, print_ratio, write_csv
 
 from trnkit.kernels.mlp import mlp
-from trnkit.nkisim import cost, trace
 
 CSV = Path(__file__).parent / "data" / "mlp_peak.csv"
-PEAK = 79e12  # TensorE bf16 FLOP/s per physical core (trn2)
 LNC = 2
 # (case, T, H, I): nki-library test_mlp_cte.py unit shapes (B = 1), Qwen3-4B per TP rank and whole
 SHAPES = [("nki-library unit", 1024, 1024, 448), ("nki-library unit", 768, 1024, 896),
@@ -39,25 +36,15 @@ SHAPES = [("nki-library unit", 1024, 1024, 448), ("nki-library unit", 768, 1024,
           ("Qwen3-4B", 2048, 2560, 9728)]
 
 
-def _estimate(run) -> tuple[float, float, float, float]:
-    """(low, mid, high) estimated ns of the call ``run()`` traced trace-only, and the trace seconds."""
-    t = time.time()
-    with trace.record(trace_only=True) as tr:
-        run()
-    seconds = time.time() - t
-    rep = cost.estimate(tr)
-    return (*rep.total_range_ns, seconds)
-
-
-def _trnkit(T: int, H: int, I: int) -> tuple:  # noqa: E741
+def _trnkit(T: int, H: int, I: int) -> Estimate:  # noqa: E741
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, H, generator=g).bfloat16()
     wgu = (torch.randn(H, 2 * I, generator=g) * H ** -0.5).bfloat16()
     wd = (torch.randn(I, H, generator=g) * I ** -0.5).bfloat16()
-    return _estimate(lambda: mlp(x, wgu, wd, lnc=LNC))
+    return estimate(lambda: mlp(x, wgu, wd, lnc=LNC))
 
 
-def _nkilib(T: int, H: int, I: int) -> tuple | str | None:  # noqa: E741
+def _nkilib(T: int, H: int, I: int) -> Estimate | str | None:  # noqa: E741
     """nki-library's mlp_cte forward at LNC=2 (an estimate tuple), its error message, or None without a checkout."""
     from trnkit.conformance import harness  # noqa: PLC0415
 
@@ -86,12 +73,12 @@ def _nkilib(T: int, H: int, I: int) -> tuple | str | None:  # noqa: E741
         wd = (rng.standard_normal((I, H)) * I ** -0.5).astype(bf)
         try:
             with contextlib.redirect_stdout(io.StringIO()):  # its allocator's [INFO] lines
-                return _estimate(lambda: kernel(x, wg, wu, wd))
+                return estimate(lambda: kernel(x, wg, wu, wd))
         except Exception as exc:  # noqa: BLE001 - a shape it does not serve: reported, not fatal
             return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
 
-def _row(who: str, case: str, T: int, H: int, I: int, res: tuple | str) -> dict:  # noqa: E741
+def _row(who: str, case: str, T: int, H: int, I: int, res: Estimate | str) -> dict:  # noqa: E741
     row = {"kernel": who, "case": case, "T": T, "H": H, "I": I, "lnc": LNC, "est_us_mid": "",
            "est_us_low": "", "est_us_high": "", "peak_frac_mid": "", "peak_frac_pessimistic": "", "trace_s": "",
            "error": ""}
@@ -126,16 +113,10 @@ def main() -> None:
                                      f"(pessimistic {100 * row['peak_frac_pessimistic']:.1f}%)")
             print(f"{case:16s} T={T} H={H} I={I} {who:11s} {shown}", flush=True)
         tk, aws = results["trnkit"], results.get("nki-library")
-        if isinstance(aws, tuple):
-            ratio = [tk[i] / aws[i] for i in (1, 2)]
-            print(f"{case:16s} forward trnkit / nki-library time: {ratio[0]:.2f}x mid, {ratio[1]:.2f}x pessimistic")
+        if isinstance(aws, Estimate):
+            print_ratio(f"{case:16s} forward", tk, aws)
     if args.save:
-        CSV.parent.mkdir(parents=True, exist_ok=True)
-        with CSV.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-        print(f"-> {CSV}")
+        write_csv(rows, CSV)
 
 
 if __name__ == "__main__":

@@ -189,6 +189,50 @@ def mlp_peak() -> str:
     return _table(header, body)
 
 
+def _ratio(num: dict[str, str], num_prefix: str, den: dict[str, str], den_prefix: str) -> str:
+    """``mid / pessimistic`` time ratio of two ``{prefix}_mid / _high`` column sets."""
+    return " / ".join(f"{float(num[num_prefix + end]) / float(den[den_prefix + end]):.2f}x"
+                      for end in ("_mid", "_high"))
+
+
+def _short_error(message: str) -> str:
+    """A kernel's refusal as the rule and the value: no exception class, no advice, no reason after the rule."""
+    message = message.split(": ", 1)[-1]
+    message = re.sub(r"^\[INTERNAL_ERROR\] \[\w+\] Kernel validation exception: ", "", message)
+    message = re.sub(r"\): .*", ")", message.split(" - Please")[0])
+    return message.replace("|", "/")
+
+
+def rmsnorm_peak() -> str:
+    """benchmarks/rmsnorm_peak.py: trnkit's RMSNorm forward vs nki-library's rmsnorm_tkg and rmsnorm_quant (LNC=2)."""
+    by: dict[tuple[str, ...], dict[str, dict[str, str]]] = {}
+    for r in read_csv("rmsnorm_peak.csv"):
+        by.setdefault((r["case"], r["B"], r["S"], r["H"]), {})[r["kernel"]] = r
+
+    def cell(r: dict[str, str] | None) -> str:
+        if r is None:
+            return ""
+        if r["error"]:
+            return "not served: " + _short_error(r["error"])
+        return (f"{float(r['est_us_mid']):,.1f} us ({float(r['est_us_low']):,.1f}–{float(r['est_us_high']):,.1f}), "
+                f"{float(r['bound_frac_mid']):.0%} / {float(r['bound_frac_pessimistic']):.0%}")
+
+    def ratio(ours: dict[str, str], theirs: dict[str, str] | None) -> str:
+        if theirs is None or ours["error"] or theirs["error"]:
+            return ""
+        return _ratio(ours, "est_us", theirs, "est_us")
+
+    body = []
+    for (case, B, S, H), k in by.items():
+        ours, tkg, quant = k["trnkit"], k.get("nki-library rmsnorm_tkg"), k.get("nki-library rmsnorm_quant")
+        body.append([case, f"[{B}, {int(S):,}, {int(H):,}]", cell(ours), cell(tkg), cell(quant), ratio(ours, tkg),
+                     ratio(ours, quant)])
+    header = ["shape", "x [B, S, H]", "trnkit rmsnorm: mid (range), of bound mid / pessimistic",
+              "nki-library rmsnorm_tkg", "nki-library rmsnorm_quant (row fp8)",
+              "trnkit / rmsnorm_tkg time (mid / pessimistic)", "trnkit / rmsnorm_quant time (mid / pessimistic)"]
+    return _table(header, body)
+
+
 def conformance() -> str:
     """python -m trnkit conformance --save-reference: AWS nki-library kernels on the interpreter."""
     rows = read_csv("conformance.csv")
@@ -485,6 +529,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "calibration_summary": calibration_summary,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak, "mlp_peak": mlp_peak,
+    "rmsnorm_peak": rmsnorm_peak,
     "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),

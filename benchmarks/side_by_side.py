@@ -1,0 +1,71 @@
+"""What the side-by-side benchmarks (trnkit's kernels against AWS nki-library's under the same trn2 cost
+model: ``attention_peak.py``, ``mlp_peak.py``, ``cross_entropy_peak.py``, ``rmsnorm_peak.py``) share: a
+trace-only estimate of one call, the time ratio line they print, and the CSV they save.
+
+nki-library itself is reached through the conformance harness's checkout (``NKILIB_SRC`` or the archive in
+``shared/thirdparty``); nothing of it is copied into trnkit.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from trnkit.nkisim import cost, trace
+
+PEAK = 79e12  # TensorE bf16 FLOP/s per physical core (trn2)
+HBM_BW = 362.5e9  # HBM bytes/s per physical core (trn2), the cost model's bandwidth
+
+
+class Estimate(NamedTuple):
+    """Estimated ns of one call at the optimistic (low), mid and pessimistic (high) end, and the trace seconds."""
+
+    low: float
+    mid: float
+    high: float
+    seconds: float
+
+
+def estimate(run: Callable[[], Any], chip: str = "trn2") -> Estimate:
+    """Trace ``run()`` on the interpreter (trace only: large matmuls skip their arithmetic) and estimate it."""
+    t = time.time()
+    with trace.record(trace_only=True) as tr:
+        run()
+    seconds = time.time() - t
+    return Estimate(*cost.estimate(tr, chip).total_range_ns, seconds)
+
+
+def line_at(x: float, points: Sequence[tuple[float, Estimate]]) -> Estimate:
+    """The estimate at ``x`` on the straight line through two traced ``(size, Estimate)`` points (a launch
+    whose work repeats per unit of size: its fixed part counted once); trace seconds summed."""
+    (x1, e1), (x2, e2) = points
+    low, mid, high = (a + (b - a) / (x2 - x1) * (x - x1) for a, b in zip(e1[:3], e2[:3]))
+    return Estimate(low, mid, high, e1.seconds + e2.seconds)
+
+
+def time_ratio(ours: Estimate, theirs: Estimate) -> tuple[float, float]:
+    """trnkit's time over nki-library's at mid and at the pessimistic end (< 1: trnkit faster)."""
+    return ours.mid / theirs.mid, ours.high / theirs.high
+
+
+def print_ratio(label: str, ours: Estimate, theirs: Estimate) -> None:
+    mid, pessimistic = time_ratio(ours, theirs)
+    print(f"{label} trnkit / nki-library time: {mid:.2f}x mid, {pessimistic:.2f}x pessimistic", flush=True)
+
+
+def write_csv(rows: Sequence[dict], path: Path, replace: Sequence[str] = ()) -> None:
+    """``rows`` (one dict each, the first one's keys as the header) to ``path``. Without ``replace`` the file is
+    rewritten; with it, earlier rows are kept unless a new row has the same values in the ``replace`` columns."""
+    if replace and path.exists():
+        new = {tuple(str(r[k]) for k in replace) for r in rows}
+        with path.open(newline="") as f:
+            rows = [r for r in csv.DictReader(f) if tuple(r[k] for k in replace) not in new] + list(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"-> {path}")
