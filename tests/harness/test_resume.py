@@ -86,3 +86,25 @@ def test_resume_after_sigkill_reproduces_losses_exactly(tmp_path: Path, tiny_tok
     losses = losses_from_jsonl(tmp_path / "killed" / "metrics.jsonl")
     for s in range(1, STEPS + 1):
         assert losses[s] == ref_losses[s], (s, losses[s], ref_losses[s])  # bit-exact
+
+
+def test_the_kernel_choice_does_not_change_the_run_identity() -> None:
+    """A checkpoint resumes under other [overrides] (or one written before Qwen3Config had kernels): the
+    kernels decide which code computes the model, not the model."""
+    import torch
+
+    from trnkit.harness.checkpoint import RunIdentity
+    from trnkit.overrides import KernelChoice
+    from trnkit.qwen3 import Qwen3Model, model_registry
+
+    plain = model_registry("debug-moe").config
+    chosen = plain.replace(kernels={"rope_hf": KernelChoice("reference")})
+    with torch.device("meta"):
+        ident = RunIdentity.of("qwen3:debug-moe", chosen, Qwen3Model(chosen))
+        saved = RunIdentity.of("qwen3:debug-moe", plain, Qwen3Model(plain)).to_dict()
+    saved["model_config"].pop("kernels")  # as written before the field existed
+    assert ident.model_config["kernels"] == {"rope_hf": {"impl": "reference", "policy": "strict", "block_size": 0,
+                                                          "lnc": 0}}
+    assert ident.differences(saved) == []
+    saved["model_config"]["n_layers"] = 3  # a real difference is still one
+    assert ident.differences(saved)[0].startswith("n_layers: checkpoint 3")

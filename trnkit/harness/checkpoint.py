@@ -60,7 +60,7 @@ CHECKSUM_MAX_BYTES = 2 * 2**30
 # Model-config fields that may change between a run and its resume: they change neither the weights
 # nor the function the weights compute (loss coefficient, init, rope-cache length, HF bookkeeping).
 RESUMABLE_FIELDS = frozenset({
-    "router_aux_loss_coef", "init_std", "max_seq_len",  # native Qwen3Config
+    "router_aux_loss_coef", "init_std", "max_seq_len", "kernels",  # native Qwen3Config (kernels: which code runs)
     "output_router_logits", "initializer_range", "max_position_embeddings", "transformers_version",
     "_name_or_path", "dtype", "torch_dtype", "architectures", "use_cache",  # transformers configs
 })

@@ -336,7 +336,7 @@ def build_handle(cfg: TrainerConfig) -> ModelHandle:
         from trnkit.qwen3 import Qwen3Config, model_registry
 
         overrides = dict(cfg.model.config)
-        known = [f.name for f in dataclasses.fields(Qwen3Config)]
+        known = [f.name for f in dataclasses.fields(Qwen3Config) if f.name != "kernels"]  # from [overrides]
         unknown = [k for k in overrides if k not in known]
         if unknown:
             raise ConfigError(f"model.config: unknown Qwen3Config field {unknown[0]!r}{_suggest(unknown[0], known)}; "
@@ -345,6 +345,8 @@ def build_handle(cfg: TrainerConfig) -> ModelHandle:
         overrides = {k: coerce(f"model.config.{k}", hints[k], v) for k, v in overrides.items()}  # the typed schema
         if coef is not None:
             overrides["router_aux_loss_coef"] = coef
+        if cfg.overrides.policy != "off":  # the kernel choices, bound to the swap points when the model is built
+            overrides["kernels"] = cfg.overrides.kernels()
         try:
             mspec = model_registry(arg, **overrides)
         except KeyError as e:
