@@ -168,7 +168,7 @@ def moe_flops(mult: int) -> int:
 
 ROPE_NOTES = "packed fp32 cache [4096, 256], fp32 math"
 MOE_ROUTING = "routing: top-8 of a softmax over random logits (near-uniform, ~512 slots per expert)"
-MOE_NOTES = MOE_ROUTING + ", block_size 128"
+MOE_NOTES = MOE_ROUTING + ", the kernels' default block sizes (forward 512, backward 128)"
 CASES: dict[str, HeadlineCase] = {
     "rope_fwd": HeadlineCase("rope_hf", "forward", f"{ROPE_SHAPE} bf16", _rope(), notes=ROPE_NOTES),
     "rope_bwd": HeadlineCase("rope_hf", "backward", f"{ROPE_SHAPE} bf16", _rope(backward=True), notes=ROPE_NOTES),

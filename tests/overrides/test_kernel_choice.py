@@ -1,0 +1,65 @@
+"""KernelChoice as configuration: checked when made, bound by the native model at build, passed to the ops."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.overrides.conftest import native_model
+from tests.tolerances import assert_close
+from trnkit.overrides import KernelChoice, OverrideConfig, bind_kernels, ops
+
+TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_choice_is_checked_when_it_is_made():
+    with pytest.raises(ValueError, match=r"KernelChoice\.policy must be 'strict' or 'fallback'"):
+        KernelChoice("nki", "off")
+    with pytest.raises(ValueError, match=r"KernelChoice\.block_size must be one of \(32, 64, 128, 256, 512\), "
+                                         r"got 100 \(or 0: the kernel's tuned sizes"):
+        KernelChoice("nki", block_size=100)
+    with pytest.raises(ValueError, match=r"KernelChoice\.lnc must be one of \(1, 2\) or None, got 3"):
+        KernelChoice("nki", lnc=3)
+    model = native_model()
+    with pytest.raises(KeyError, match=r"no implementation 'fast' registered for op 'rope_hf'"):
+        bind_kernels(model, {"rope_hf": KernelChoice("fast")})
+    with pytest.raises(ValueError, match=r"kernels: unknown op 'rope'"):
+        bind_kernels(model, {"rope": KernelChoice("nki")})
+    with pytest.raises(TypeError, match=r"kernels\['rope_hf'\]: expected a KernelChoice, got dict"):
+        bind_kernels(model, {"rope_hf": {"impl": "nki"}})
+
+
+def test_the_native_model_takes_its_kernels_from_its_config(monkeypatch: pytest.MonkeyPatch):
+    """Qwen3Config.kernels: every swap point of the ops named is bound at build and calls its op with the
+    choice's impl, block size and lnc; the logits and gradients are the torch model's."""
+    plain = native_model(init_std=0.2)
+    choices = OverrideConfig(impl="reference").kernels()
+    choices["moe_experts"] = KernelChoice("nki", block_size=64, lnc=2)
+    torch.manual_seed(0)
+    model = type(plain)(plain.config.replace(kernels=choices))
+    model.load_state_dict(plain.state_dict())
+    bound = {name: m.kernel.choice for name, m in model.named_modules() if getattr(m, "kernel", None) is not None}
+    assert bound == {"layers.0.attention.rope": choices["rope_hf"], "layers.1.attention.rope": choices["rope_hf"],
+                     "layers.0.moe.router": choices["router_topk"], "layers.0.moe.experts": choices["moe_experts"]}
+    seen = []
+    real = ops.moe_experts
+    monkeypatch.setattr(ops, "moe_experts", lambda *a, **kw: seen.append((a[5], a[6], kw["lnc"])) or real(*a, **kw))
+    got = model(TOKENS)
+    got.square().mean().backward()
+    assert seen == [(64, "nki", 2)]
+    want = plain(TOKENS)
+    want.square().mean().backward()
+    assert_close(got.detach(), want.detach())
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters(), strict=True):
+        assert_close(p.grad, q.grad, msg=name)
+
+
+def test_switching_kernels_is_building_again_and_a_copy_keeps_its_choices():
+    model = native_model()
+    with_kernels = type(model)(model.config.replace(kernels={"rope_hf": KernelChoice("reference")}))
+    assert model.layers[0].attention.rope.kernel is None  # the default config: the torch code
+    twin = copy.deepcopy(with_kernels)
+    assert twin.layers[0].attention.rope.kernel.choice == KernelChoice("reference")
+    assert twin.layers[0].attention.rope.kernel is not with_kernels.layers[0].attention.rope.kernel
