@@ -162,7 +162,7 @@ def _no_overrides() -> OverrideConfig:
     trainer's default swaps nothing. seq_len / batch_size are set from [training] when it is applied."""
     from trnkit.overrides.config import OverrideConfig
 
-    return OverrideConfig(ops=[], policy="off")
+    return OverrideConfig(ops=[], policy="off", lnc=0)  # lnc 0 (TOML has no None): the detected device
 
 
 @dataclass

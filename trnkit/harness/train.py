@@ -103,7 +103,8 @@ def override_config(cfg: TrainerConfig) -> Any:
     try:
         # checked again (fields set one by one from TOML / CLI); the dry-run validation sees this run's
         # real shapes: [local_batch_size, seq_len] tokens
-        return dataclasses.replace(o, seq_len=cfg.training.seq_len, batch_size=cfg.training.local_batch_size)
+        return dataclasses.replace(o, seq_len=cfg.training.seq_len, batch_size=cfg.training.local_batch_size,
+                                   lnc=o.lnc or None)
     except (ValueError, KeyError) as e:  # unknown op / impl names, from the registry
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         raise ConfigError(f"config overrides (ops = {list(o.ops)}, impl = {o.impl!r}): {msg}") from e

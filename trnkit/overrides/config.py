@@ -103,7 +103,6 @@ class OverrideConfig:
         for name in ("lnc", "block_size", "policy"):  # the order of the checks' messages
             if name in problems:
                 raise ValueError(f"OverrideConfig.{name} {problems[name]}")
-        self.lnc = self.lnc or None  # one sentinel for "the device default" (a TOML file writes 0)
         bad = [op for op in self.ops if op not in SWAPPABLE_OPS]
         if bad:
             raise ValueError(f"OverrideConfig.ops: unknown op(s) {bad}; swappable ops are {list(SWAPPABLE_OPS)}")
