@@ -40,8 +40,8 @@ import pytest
 
 MODULES = [importlib.import_module(f"trnkit.kernels.{m}")
            for m in ("rope.rope_kernel", "router.router_fwd", "router.router_bwd", "moe.moe_grouped_mm",
-                     "moe.moe_fused", "rmsnorm.rmsnorm", "cross_entropy.cross_entropy", "attention.attention",
-                     "attention.attention_bwd", "mlp.mlp")]
+                     "moe.moe_fused", "rmsnorm.rmsnorm_kernels", "cross_entropy.cross_entropy",
+                     "attention.flash_fwd", "attention.flash_bwd", "mlp.mlp_kernels")]
 
 API = json.loads((Path(__file__).with_name("nki_api_0_6.json")).read_text())["modules"]
 

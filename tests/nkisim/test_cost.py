@@ -7,27 +7,11 @@ import math
 import numpy as np
 import pytest
 
+from tests.helpers import TRN2, matmul, opnd
 from trnkit.nkisim import cost, hardware
 from trnkit.nkisim.cost_params import MID
-from trnkit.nkisim.trace import DMA, SCALAR, TENSOR, VECTOR, Instr, Operand
+from trnkit.nkisim.trace import DMA, SCALAR, TENSOR, VECTOR, Instr
 
-TRN2 = hardware.TRN2
-ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3": 1, "int32": 4}
-
-
-def opnd(role: str, buffer: str, shape: tuple[int, ...], dtype: str = "bfloat16") -> Operand:
-    n = math.prod(shape)
-    onchip = buffer in ("sbuf", "psum")
-    return Operand(role, buffer, shape, dtype, shape[0] if onchip else 1,
-                   n // shape[0] if onchip else n, n * ITEM[dtype])
-
-
-def matmul(k: int, m: int, n: int, dtype: str = "bfloat16", deps=None, **attrs) -> Instr:
-    ops = (opnd("dst", "psum", (m, n), "float32"), opnd("stationary", "sbuf", (k, m), dtype),
-           opnd("moving", "sbuf", (k, n), dtype))
-    if deps:
-        attrs.update(deps)
-    return Instr("nc_matmul", TENSOR, ops, flops=2 * m * n * k, elems_per_partition=n, partitions=k, attrs=attrs)
 
 
 def dma_load(shape: tuple[int, ...], dtype: str = "bfloat16", deps=None, **attrs) -> Instr:

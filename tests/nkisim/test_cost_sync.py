@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests.nkisim.test_cost import TRN2, matmul
+from tests.helpers import TRN2, matmul
 from trnkit.nki_api import nisa, nki, nl
 from trnkit.nkisim import cost, trace
 from trnkit.nkisim.trace import GPSIMD, Instr, Operand

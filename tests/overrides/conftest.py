@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.overrides import _refs
-from trnkit.overrides import register, reset_warnings, unregister
+from trnkit.kernels.constraints import Violation
+from trnkit.overrides import get_impl, register, reset_warnings, unregister
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +39,6 @@ def testref():
     yield "testref"
     for op in ("router_topk", "grouped_mm", "moe_experts"):
         unregister(op, "testref")
-
-
 
 
 def native_model(seed: int = 0, **overrides):
@@ -93,3 +92,20 @@ def assert_swap_parity(model, original, tokens=None):
     assert got.keys() == want.keys()
     for name in want:
         assert_close(got[name], want[name], torch.float32, msg=name)
+
+
+def _short_rope(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False, layout="bhsd"):
+    return get_impl("rope_hf", "reference").fn(q, k, q_out, k_out, cos=cos, sin=sin, rope_cache=rope_cache,
+                                               backward=backward, layout=layout)
+
+
+def _at_most_8_rows(q, k, layout="bhsd", **_):
+    s = q.shape[1] if layout == "bshd" else q.shape[2]
+    return [] if s <= 8 else [Violation("short_rope", "S <= 8", s, "test limit")]
+
+
+@pytest.fixture
+def short_rope():
+    register("rope_hf", "short", _short_rope, constraints=_at_most_8_rows, has_backward=True)
+    yield "short"
+    unregister("rope_hf", "short")

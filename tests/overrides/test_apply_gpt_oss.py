@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.overrides.test_apply_sigmoid_routers import TOKENS, _logits_and_grads
+from tests.helpers import TOKENS, hf_logits_and_grads
 from tests.tolerances import assert_close
 from trnkit.overrides import OverrideConstraintError, apply_overrides, revert
 from trnkit.overrides.apply import deinterleave
@@ -35,13 +35,13 @@ def _model(**overrides):
 
 def test_gpt_oss_experts_swapped_with_model_parity() -> None:
     model = _model()
-    ref_out, ref_grads = _logits_and_grads(model)
+    ref_out, ref_grads = hf_logits_and_grads(model)
     report = apply_overrides(model, ops=["router_topk", "moe_experts"], policy="strict")
     try:
         rows = {(r.module, r.op): r.status for r in report.rows}
         assert rows == {(f"model.layers.{i}.mlp.experts", "moe_experts"): "swapped" for i in (0, 1)}, report.table()
         assert "TrnkitGptOssExperts" == type(model.model.layers[0].mlp.experts).__name__
-        out, grads = _logits_and_grads(model)
+        out, grads = hf_logits_and_grads(model)
     finally:
         revert(model)
     assert_close(out, ref_out, torch.float32)

@@ -16,15 +16,11 @@ import torch
 
 from tests.overrides.conftest import native_model
 from tests.tolerances import assert_close
-from trnkit.kernels.constraints import Violation
 from trnkit.overrides import (
     OverrideConfig,
     OverrideConstraintError,
     apply_overrides,
-    get_impl,
-    register,
     revert,
-    unregister,
 )
 
 
@@ -162,23 +158,6 @@ def test_off_swaps_nothing():
     report = apply_overrides(model, OverrideConfig(policy="off"))
     assert {r.status for r in report.rows} == {"off"} and len(report.rows) == 4
     assert not any(_bound(m) for m in model.modules())
-
-
-def _short_rope(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False, layout="bhsd"):
-    return get_impl("rope_hf", "reference").fn(q, k, q_out, k_out, cos=cos, sin=sin, rope_cache=rope_cache,
-                                               backward=backward, layout=layout)
-
-
-def _at_most_8_rows(q, k, layout="bhsd", **_):
-    s = q.shape[1] if layout == "bshd" else q.shape[2]
-    return [] if s <= 8 else [Violation("short_rope", "S <= 8", s, "test limit")]
-
-
-@pytest.fixture
-def short_rope():
-    register("rope_hf", "short", _short_rope, constraints=_at_most_8_rows, has_backward=True)
-    yield "short"
-    unregister("rope_hf", "short")
 
 
 def test_call_time_guard_strict_raises_on_a_shape_change(short_rope):

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import hf_logits_and_grads
 from tests.tolerances import assert_close
 from trnkit.overrides import OverrideConstraintError, apply_overrides, revert
-
-TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
 def _model(family: str, **overrides):
@@ -39,17 +38,10 @@ def _model(family: str, **overrides):
     return model
 
 
-def _logits_and_grads(model):
-    model.zero_grad()
-    out = model(TOKENS).logits
-    out.square().mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
 def test_sigmoid_router_and_experts_swapped_with_parity(family: str) -> None:
     model = _model(family)
-    ref_out, ref_grads = _logits_and_grads(model)
+    ref_out, ref_grads = hf_logits_and_grads(model)
     report = apply_overrides(model, ops=["router_topk", "moe_experts"], policy="strict")
     try:
         rows = {(r.module, r.op): r.status for r in report.rows}
@@ -57,7 +49,7 @@ def test_sigmoid_router_and_experts_swapped_with_parity(family: str) -> None:
             assert rows[(f"model.layers.{layer}.mlp.gate", "router_topk")] == "swapped", report.table()
             assert rows[(f"model.layers.{layer}.mlp.experts", "moe_experts")] == "swapped", report.table()
         assert "swapped" in report.table()
-        out, grads = _logits_and_grads(model)
+        out, grads = hf_logits_and_grads(model)
     finally:
         revert(model)
     assert_close(out, ref_out, torch.float32)

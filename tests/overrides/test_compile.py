@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.overrides.conftest import hf_moe_model, native_model
-from tests.overrides.test_apply_native import short_rope  # noqa: F401  (fixture)
 from tests.tolerances import assert_close
 from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.moe.test_moe_variants import _experts
+from tests.helpers import torch_experts
 from tests.tolerances import assert_close
 from trnkit.overrides import ops, register, select, unregister
 
@@ -32,7 +32,7 @@ def test_variant_op_forward_and_grads_match_fp64_oracle(impl: str) -> None:
     out = ops.moe_experts(xl, idx, twl, wgul, wdl, 32, impl, "swiglu_clamped", 1.0, 1.702, bgul, bdl)
     grads = torch.autograd.grad(out.square().sum(), leaves)
     o64 = [t.double().requires_grad_() for t in (x, tw, wgu, wd, bgu, bd)]
-    want = _experts(o64[0], idx, *o64[1:], torch.float64, activation="swiglu_clamped", limit=1.0, alpha=1.702)
+    want = torch_experts(o64[0], idx, *o64[1:], torch.float64, activation="swiglu_clamped", limit=1.0, alpha=1.702)
     want_grads = torch.autograd.grad(want.square().sum(), o64)
     assert_close(out, want.detach(), torch.float32)
     for name, a, b in zip(("x", "tw", "w_gate_up", "w_down", "b_gate_up", "b_down"), grads, want_grads):

@@ -145,7 +145,7 @@ def test_backward_head_passes(monkeypatch, dtype) -> None:
     head's accumulator per pass, q-side tiles loaded per key block; bf16: one head with its cached q-side
     tiles per pass."""
     import importlib
-    kb = importlib.import_module("trnkit.kernels.attention.attention_bwd")
+    kb = importlib.import_module("trnkit.kernels.attention.flash_bwd")
     q, k, v, go = _inputs(1, 300, 4, 1, 64, dtype, seed=5)
     o, lse = attention(q, k, v)
     one = attention_bwd(q, k, v, o, lse, go)

@@ -15,7 +15,7 @@ from tests.kernels.oracles import leaves
 from tests.tolerances import F64, OracleErr, check_oracle
 from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.kernels.mlp import from_linear, mlp, mlp_bwd, mlp_bwd_ref, mlp_constraints, mlp_ref, to_linear
-from trnkit.kernels.mlp.mlp import plan
+from trnkit.kernels.mlp.tiling import plan
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import GMM_CASES, MOE_CASES, expert_weights, moe_inputs, rand, routing, weight_dmas
 from tests.kernels import oracles as O
 from tests.tolerances import F64, check_oracle
 from trnkit.kernels import moe
@@ -24,30 +25,10 @@ from trnkit.kernels.constraints import KernelConstraintError
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _rand(*shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
-
-def _weights(E: int, H: int, inter: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    return (_rand(E, H, 2 * inter, dtype=dtype, scale=H ** -0.5, seed=seed),
-            _rand(E, inter, H, dtype=dtype, scale=inter ** -0.5, seed=seed + 1))
-
-
-def _routing(T: int, E: int, K: int, seed: int = 2, experts: list[int] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct experts per token (drawn from ``experts``), renormalised softmax-like weights."""
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.tensor(experts if experts is not None else list(range(E)))
-    idx = torch.stack([pool[torch.randperm(len(pool), generator=g)[:K]] for _ in range(T)])
-    w = torch.rand(T, K, generator=g) + 0.1
-    return idx, w / w.sum(-1, keepdim=True)
-
-
 # --------------------------------------------------------------------------------------- converters
 def test_layout_converters_round_trip_and_agree() -> None:
     E, H, inter = 3, 8, 5
-    gate_up_proj, down_proj = _rand(E, 2 * inter, H), _rand(E, H, inter, seed=3)
+    gate_up_proj, down_proj = rand(E, 2 * inter, H), rand(E, H, inter, seed=3)
     wgu, wd = moe.from_hf_v5(gate_up_proj, down_proj)
     assert wgu.shape == (E, H, 2 * inter) and wd.shape == (E, inter, H)
     # gate columns first: column i of w_gate_up[e] is row i of gate_up_proj[e]
@@ -106,7 +87,7 @@ def _per_group_loop(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> tor
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_grouped_mm_ref_matches_torch_grouped_mm(dtype: torch.dtype) -> None:
-    x, w = _rand(29, 16, dtype=dtype), _rand(4, 16, 24, dtype=dtype, seed=5)
+    x, w = rand(29, 16, dtype=dtype), rand(4, 16, 24, dtype=dtype, seed=5)
     offs = torch.tensor([5, 5, 17, 26], dtype=torch.int32)  # an empty group, 3 rows past the end
     ref = moe.grouped_mm_ref(x, w, offs)
     torch_ = torch._grouped_mm(x, w, offs=offs)
@@ -115,10 +96,10 @@ def test_grouped_mm_ref_matches_torch_grouped_mm(dtype: torch.dtype) -> None:
 
 
 def test_grouped_mm_bwd_ref_matches_autograd() -> None:
-    x = _rand(29, 16).double().requires_grad_()
-    w = _rand(4, 16, 24, seed=5).double().requires_grad_()
+    x = rand(29, 16).double().requires_grad_()
+    w = rand(4, 16, 24, seed=5).double().requires_grad_()
     offs = torch.tensor([5, 5, 17, 26], dtype=torch.int32)
-    g = _rand(29, 24, seed=6)
+    g = rand(29, 24, seed=6)
     _per_group_loop(x, w, offs).backward(g.double())
     x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     _per_group_loop(x32, w32, offs).backward(g)
@@ -156,9 +137,9 @@ def _hf_experts(E: int, H: int, inter: int, wgu: torch.Tensor, wd: torch.Tensor)
 
 def test_moe_ref_matches_naive_loop_fp64() -> None:
     T, H, inter, E, K = 9, 12, 7, 5, 3
-    x = _rand(T, H).double()
-    wgu, wd = (w.double() for w in _weights(E, H, inter, torch.float32))
-    idx, tw = _routing(T, E, K)
+    x = rand(T, H).double()
+    wgu, wd = (w.double() for w in expert_weights(E, H, inter, torch.float32))
+    idx, tw = routing(T, E, K)
     expected = _naive_moe(x, idx, tw.double(), wgu, wd)
     got = moe.moe_experts_ref(x.float(), idx, tw, wgu.float(), wd.float())
     check_oracle("moe_experts_ref", got, _naive_moe(x.float(), idx, tw, wgu.float(), wd.float()), expected)
@@ -167,9 +148,9 @@ def test_moe_ref_matches_naive_loop_fp64() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_ref_matches_hf_qwen3_moe_experts(dtype: torch.dtype) -> None:
     T, H, inter, E, K = 16, 32, 24, 6, 2
-    x = _rand(T, H, dtype=dtype)
-    wgu, wd = _weights(E, H, inter, dtype)
-    idx, tw = _routing(T, E, K)
+    x = rand(T, H, dtype=dtype)
+    wgu, wd = expert_weights(E, H, inter, dtype)
+    idx, tw = routing(T, E, K)
     with torch.no_grad():
         hf = _hf_experts(E, H, inter, wgu, wd)(x, idx, tw.to(dtype))
         # the oracle: transformers' experts in fp64 on the same (dtype-valued) inputs
@@ -191,7 +172,7 @@ def test_moe_ref_matches_hf_sparse_moe_block_end_to_end() -> None:
     block = Qwen3MoeSparseMoeBlock(cfg)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    x = _rand(2, 5, 32)
+    x = rand(2, 5, 32)
     with torch.no_grad():
         expected = block(x).reshape(10, 32)
         expected64 = copy.deepcopy(block).double()(x.double()).reshape(10, 32)
@@ -203,10 +184,10 @@ def test_moe_ref_matches_hf_sparse_moe_block_end_to_end() -> None:
 
 def test_moe_bwd_ref_matches_hf_autograd_fp32() -> None:
     T, H, inter, E, K = 12, 16, 10, 5, 2
-    x = _rand(T, H)
-    wgu, wd = _weights(E, H, inter, torch.float32)
-    idx, tw = _routing(T, E, K)
-    g = _rand(T, H, seed=9)
+    x = rand(T, H)
+    wgu, wd = expert_weights(E, H, inter, torch.float32)
+    idx, tw = routing(T, E, K)
+    g = rand(T, H, seed=9)
     got = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g)
     for name, a, b, o in zip(("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down"), got,
                              _hf_experts_grads(x, idx, tw, wgu, wd, g, torch.float32),
@@ -224,46 +205,17 @@ def _hf_experts_grads(x, idx, tw, wgu, wd, g, dt):
 
 
 # ------------------------------------------------------------------------------ kernels vs refs
-GMM_CASES = {
-    # name: (M, K, N, offsets, block_size)
-    "tails_empty_group": (70, 200, 600, [10, 10, 63], 64),  # K, N not multiples of 128/512
-    "one_group_all_rows": (33, 64, 48, [33], 32),
-    "rows_past_end": (40, 96, 80, [0, 17, 30], 128),
-    "many_k_chunks": (24, 800, 1100, [10, 24], 32),  # 3 PSUM passes of the weight-gradient kernel
-}
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", GMM_CASES)
 def test_grouped_mm_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
     M, K, N, offs, B = GMM_CASES[case]
-    x, w = _rand(M, K, dtype=dtype, scale=K ** -0.5), _rand(len(offs), K, N, dtype=dtype, seed=4)
+    x, w = rand(M, K, dtype=dtype, scale=K ** -0.5), rand(len(offs), K, N, dtype=dtype, seed=4)
     offs_t = torch.tensor(offs, dtype=torch.int32)
-    g = _rand(M, N, dtype=dtype, seed=7, scale=N ** -0.5)
+    g = rand(M, N, dtype=dtype, seed=7, scale=N ** -0.5)
     out = moe.grouped_mm(x, w, offs_t, block_size=B)
     O.check_all(("out",), out, lambda dt: O.grouped_mm(x, w, offs_t, dt), dtype)
     assert bool((out[offs[-1]:] == 0).all())  # rows past the last offset
     O.check_grouped_mm_bwd(moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B), x, w, offs_t, g, dtype)
-
-
-MOE_CASES = {
-    # name: (T, H, I, E, K, block_size, experts used or None)
-    "tails": (24, 160, 96, 5, 2, 32, None),  # H % 128 = 32, I % 128 = 96
-    "T1": (1, 64, 32, 4, 2, 32, None),
-    "all_to_one_expert": (40, 64, 32, 4, 1, 32, [2]),  # 2 blocks of expert 2, others empty
-    "empty_experts": (20, 64, 48, 6, 2, 32, [0, 2, 3, 5]),
-    "K_equals_E": (10, 64, 32, 3, 3, 32, None),
-    "prime_E": (20, 64, 32, 7, 2, 64, None),
-    "odd_H_I": (12, 72, 20, 3, 2, 32, None),
-    "block_256": (130, 64, 32, 2, 2, 256, None),  # 2 sub-tiles of 128 rows per block
-    "half_tail_128": (40, 64, 32, 2, 2, 128, None),  # every expert's only block runs 64 wide
-    "tail_96": (80, 64, 32, 1, 1, 128, None),  # 80 rows: one 96-wide block
-    "full_plus_half_128": (150, 64, 32, 1, 1, 128, None),  # one 128-wide block + one 64-wide tail
-    "half_tail_256": (100, 64, 32, 1, 1, 256, None),  # the tail runs as one 128-row sub-tile
-    "block_512": (600, 64, 32, 1, 1, 512, None),  # 4 sub-tiles, 512 moving columns, + a 256 tail
-    "two_experts_512": (700, 64, 32, 2, 2, 512, None),  # each: a 512 block + a 192 tail (look-ahead across)
-    "big_I": (20, 64, 1100, 2, 1, 128, None),  # 9 I-chunks: 2 PSUM passes of gate/up
-}
 
 
 def test_tail_width_split() -> None:
@@ -312,8 +264,8 @@ def test_moe_experts_gathers_only_what_each_block_reads() -> None:
 
     H, inter = 128, 64
     idx = torch.tensor([0] * 600 + [1] * 40).view(-1, 1)
-    x = _rand(640, H)
-    wgu, wd = _weights(2, H, inter, torch.float32)
+    x = rand(640, H)
+    wgu, wd = expert_weights(2, H, inter, torch.float32)
     with trace.record() as tr:
         out = moe.moe_experts(x, idx, torch.ones(640, 1), wgu, wd, block_size=512)
     moved = {"sbuf": 0, "shared_hbm": 0}
@@ -324,18 +276,10 @@ def test_moe_experts_gathers_only_what_each_block_reads() -> None:
     assert torch.allclose(out, moe.moe_experts_ref(x, idx, torch.ones(640, 1), wgu, wd), atol=1e-4, rtol=1e-4)
 
 
-def _moe_inputs(case: str, dtype: torch.dtype):
-    T, H, inter, E, K, B, used = MOE_CASES[case]
-    x = _rand(T, H, dtype=dtype)
-    wgu, wd = _weights(E, H, inter, dtype)
-    idx, tw = _routing(T, E, K, experts=used)
-    return x, idx, tw, wgu, wd, B
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_moe_experts_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
-    x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
+    x, idx, tw, wgu, wd, B = moe_inputs(case, dtype)
     out = moe.moe_experts(x, idx, tw, wgu, wd, block_size=B)
     assert out.dtype == dtype and out.shape == x.shape
     O.check_all(("out",), out, lambda dt: O.experts(x, idx, tw, wgu, wd, dt), dtype)
@@ -343,7 +287,7 @@ def test_moe_experts_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
 
 def test_moe_experts_accepts_int32_topk_idx() -> None:
     """router_topk returns int32 indices; the kernel must route them exactly like int64 ones."""
-    x, idx, tw, wgu, wd, B = _moe_inputs("prime_E", torch.float32)
+    x, idx, tw, wgu, wd, B = moe_inputs("prime_E", torch.float32)
     out = moe.moe_experts(x, idx.to(torch.int32), tw, wgu, wd, block_size=B)
     assert torch.equal(out, moe.moe_experts(x, idx, tw, wgu, wd, block_size=B))
 
@@ -352,8 +296,8 @@ def test_moe_experts_accepts_int32_topk_idx() -> None:
 @pytest.mark.parametrize("case", ["tails", "T1", "all_to_one_expert", "empty_experts", "K_equals_E",
                                   "prime_E", "odd_H_I", "block_256", "full_plus_half_128", "block_512", "big_I"])
 def test_moe_experts_bwd_kernel_matches_ref(case: str, dtype: torch.dtype) -> None:
-    x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
-    g = _rand(*x.shape, dtype=dtype, seed=11)
+    x, idx, tw, wgu, wd, B = moe_inputs(case, dtype)
+    g = rand(*x.shape, dtype=dtype, seed=11)
     got = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B)
     ref = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g)
     for name, a, b in zip(("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down"), got, ref):
@@ -368,8 +312,8 @@ def test_moe_bwd_data_path_hands_exact_zero_padding_rows_to_the_weight_gradients
     """The data-path kernel's contract with the weight-gradient kernel: ``w*h`` and ``dgu`` in dispatch
     order, every used position equal to the reference's rows, every padding position of a used block an
     exact zero (the weight-gradient kernel sums over all rows of a tile)."""
-    x, idx, tw, wgu, wd, B = _moe_inputs(case, torch.float32)
-    g = _rand(*x.shape, seed=11)
+    x, idx, tw, wgu, wd, B = moe_inputs(case, torch.float32)
+    g = rand(*x.shape, seed=11)
     seen = {}
     real = moe._expert_weight_grads
 
@@ -401,8 +345,8 @@ def test_moe_bwd_data_path_hands_exact_zero_padding_rows_to_the_weight_gradients
 
 def test_moe_experts_bwd_kernel_matches_autograd_of_hf_fp32() -> None:
     """End to end: the NKI backward against autograd through transformers' experts."""
-    x, idx, tw, wgu, wd, B = _moe_inputs("tails", torch.float32)
-    g = _rand(*x.shape, seed=12)
+    x, idx, tw, wgu, wd, B = moe_inputs("tails", torch.float32)
+    g = rand(*x.shape, seed=12)
     got = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B)
     for name, a, b, o in zip(("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down"), got,
                              _hf_experts_grads(x, idx, tw, wgu, wd, g, torch.float32),
@@ -415,9 +359,9 @@ def test_moe_experts_bwd_kernel_matches_autograd_of_hf_fp32() -> None:
        K=st.integers(1, 4), B=st.sampled_from([32, 64, 128]), seed=st.integers(0, 1000))
 def test_moe_experts_kernel_hypothesis(T: int, H: int, inter: int, E: int, K: int, B: int, seed: int) -> None:
     K = min(K, E)
-    x = _rand(T, H, seed=seed)
-    wgu, wd = _weights(E, H, inter, torch.float32, seed=seed + 1)
-    idx, tw = _routing(T, E, K, seed=seed + 2)
+    x = rand(T, H, seed=seed)
+    wgu, wd = expert_weights(E, H, inter, torch.float32, seed=seed + 1)
+    idx, tw = routing(T, E, K, seed=seed + 2)
     O.check_all(("out",), moe.moe_experts(x, idx, tw, wgu, wd, block_size=B),
                 lambda dt: O.experts(x, idx, tw, wgu, wd, dt), torch.float32)
 
@@ -428,8 +372,8 @@ def test_moe_experts_kernel_hypothesis(T: int, H: int, inter: int, E: int, K: in
 def test_grouped_mm_kernel_hypothesis(M: int, K: int, N: int, G: int, seed: int, data) -> None:
     ends = sorted(data.draw(st.lists(st.integers(0, M), min_size=G, max_size=G)))
     offs = torch.tensor(ends, dtype=torch.int32)
-    x, w = _rand(M, K, seed=seed, scale=K ** -0.5), _rand(G, K, N, seed=seed + 1)
-    g = _rand(M, N, seed=seed + 2, scale=N ** -0.5)
+    x, w = rand(M, K, seed=seed, scale=K ** -0.5), rand(G, K, N, seed=seed + 1)
+    g = rand(M, N, seed=seed + 2, scale=N ** -0.5)
     O.check_all(("out",), moe.grouped_mm(x, w, offs, block_size=32), lambda dt: O.grouped_mm(x, w, offs, dt),
                 torch.float32)
     O.check_grouped_mm_bwd(moe.grouped_mm_bwd(x, w, offs, g, block_size=32), x, w, offs, g, torch.float32)
@@ -437,7 +381,7 @@ def test_grouped_mm_kernel_hypothesis(M: int, K: int, N: int, G: int, seed: int,
 
 # ---------------------------------------------------------------------------------- constraints
 def _good_moe() -> dict:
-    x, idx, tw, wgu, wd, _ = _moe_inputs("T1", torch.float32)
+    x, idx, tw, wgu, wd, _ = moe_inputs("T1", torch.float32)
     return dict(x=x, topk_idx=idx, topk_weights=tw, w_gate_up=wgu, w_down=wd, block_size=32)
 
 
@@ -554,9 +498,9 @@ def _cost_of_moe_experts(T: int, H: int, inter: int, E: int, K: int, block_size:
                          idx: torch.Tensor | None = None):
     from trnkit.nkisim import cost, trace
 
-    x = _rand(T, H, dtype=torch.bfloat16)
-    wgu, wd = _weights(E, H, inter, torch.bfloat16)
-    probs = torch.softmax(_rand(T, E, seed=3), -1)
+    x = rand(T, H, dtype=torch.bfloat16)
+    wgu, wd = expert_weights(E, H, inter, torch.bfloat16)
+    probs = torch.softmax(rand(T, E, seed=3), -1)
     tw, top = probs.topk(K, -1)
     idx = top if idx is None else idx
     with trace.record(trace_only=True) as tr:
@@ -564,20 +508,6 @@ def _cost_of_moe_experts(T: int, H: int, inter: int, E: int, K: int, block_size:
     rep = cost.estimate(tr, chip="trn2")
     tensor_bound_ns = 2 * T * K * 3 * H * inter / 79e3  # useful FLOPs / 79 TFLOPS (bf16, one NeuronCore)
     return tr, rep, tensor_bound_ns
-
-
-def weight_dmas(tr) -> list:
-    """The weight loads of a moe_experts trace with bf16 inputs: the plain (not indirect) HBM -> SBUF
-    DMAs of bf16 data before a program's combine (which starts with its selection matrix's iota; x
-    rows come by indirect DMA, block tables are int32, affinities fp32)."""
-    out, combining = [], set()
-    for i in tr:
-        if i.op == "iota":
-            combining.add(i.program_id)
-        elif (i.op == "dma_copy" and i.program_id not in combining and not i.attrs["indirect"]
-              and i.operands[0].buffer == "sbuf" and i.operands[0].dtype == "bfloat16"):
-            out.append(i)
-    return out
 
 
 def test_moe_experts_trace_visits_only_used_blocks() -> None:
@@ -605,10 +535,10 @@ def test_expert_weight_grads_gather_each_row_once() -> None:
 
     T, H, inter, E, B = 200, 256, 192, 4, 128
     idx = torch.stack([torch.arange(T) % 3, (torch.arange(T) + 1) % 3], 1)  # top-2; expert 3 empty
-    x, g = _rand(T, H, dtype=torch.bfloat16), _rand(T, H, dtype=torch.bfloat16, seed=5)
+    x, g = rand(T, H, dtype=torch.bfloat16), rand(T, H, dtype=torch.bfloat16, seed=5)
     lay, _ = layout.moe_layout(idx, E, B)
-    hw = _rand(lay.num_blocks, B, inter, dtype=torch.bfloat16, seed=6)
-    dgu = _rand(lay.num_blocks, B, 2 * inter, dtype=torch.bfloat16, seed=7)
+    hw = rand(lay.num_blocks, B, inter, dtype=torch.bfloat16, seed=6)
+    dgu = rand(lay.num_blocks, B, 2 * inter, dtype=torch.bfloat16, seed=7)
     with trace.record() as tr:
         moe._expert_weight_grads(x, g, hw, dgu, lay, idx, lnc=1)
     tiles = 3 * 2  # 133 or 134 slots per used expert: 2 row tiles each
@@ -652,11 +582,11 @@ def test_weight_grads_do_not_depend_on_the_row_cache(monkeypatch: pytest.MonkeyP
     from trnkit.kernels.moe import moe_grouped_mm as KG
 
     M, Kd, N, offs, B = 330, 96, 600, [0, 300, 300, 330], 32
-    x, w = _rand(M, Kd, scale=Kd ** -0.5), _rand(len(offs), Kd, N, seed=4)
+    x, w = rand(M, Kd, scale=Kd ** -0.5), rand(len(offs), Kd, N, seed=4)
     offs_t = torch.tensor(offs, dtype=torch.int32)
-    go = _rand(M, N, seed=7, scale=N ** -0.5)
-    xm, idx, tw, wgu, wd, Bm = _moe_inputs("block_512", torch.bfloat16)
-    gm = _rand(*xm.shape, dtype=torch.bfloat16, seed=11)
+    go = rand(M, N, seed=7, scale=N ** -0.5)
+    xm, idx, tw, wgu, wd, Bm = moe_inputs("block_512", torch.bfloat16)
+    gm = rand(*xm.shape, dtype=torch.bfloat16, seed=11)
     want_gmm = moe.grouped_mm_bwd(x, w, offs_t, go, block_size=B)
     want_moe = moe.moe_experts_bwd(xm, idx, tw, wgu, wd, gm, block_size=Bm)
     row_bytes = (Kd + N) * 4 + 4  # grouped_mm fp32: one tile of x and grad_out rows + its id
@@ -713,11 +643,11 @@ def test_non_finite_token_spreads_to_its_combine_tile_only(value: float, dtype: 
     Here K=1 (combine tiles of 128 tokens) and tokens 0..127 all go to expert 0, one block: its
     128-row sub-tile is tile 0, so the transposes' spread on the hardware stays inside it too."""
     T, H, inter, E = 300, 64, 32, 4
-    x = _rand(T, H, dtype=dtype)
-    wgu, wd = _weights(E, H, inter, dtype)
+    x = rand(T, H, dtype=dtype)
+    wgu, wd = expert_weights(E, H, inter, dtype)
     idx = torch.cat([torch.zeros(128, dtype=torch.long), 1 + torch.arange(T - 128) % 3]).view(T, 1)
     tw = torch.rand(T, 1, generator=torch.Generator().manual_seed(3)) + 0.1
-    g = _rand(T, H, dtype=dtype, seed=4)
+    g = rand(T, H, dtype=dtype, seed=4)
     clean = moe.moe_experts(x, idx, tw, wgu, wd, block_size=128)
     clean_b = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=128)
     x[5, 7] = value

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.moe.test_moe import GMM_CASES, _moe_inputs, _rand, weight_dmas
+from tests.helpers import GMM_CASES, assert_bit_identical, moe_inputs, rand, weight_dmas
 from trnkit.kernels import lnc as lnc_mod
 from trnkit.kernels import moe
 from trnkit.kernels.moe import moe_fused
@@ -18,12 +18,6 @@ from tests.kernels.lnc_streams import assert_same_streams, recorded_streams
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _equal(a: tuple | torch.Tensor, b: tuple | torch.Tensor) -> None:
-    for k, (x, y) in enumerate(zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,))):
-        assert x.dtype == y.dtype and x.shape == y.shape, k
-        assert torch.equal(x, y), f"output {k}: max diff {(x.float() - y.float()).abs().max().item()}"
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ["tails", "T1", "all_to_one_expert", "empty_experts", "prime_E", "block_256",
                                   "tail_96", "two_experts_512"])
@@ -31,17 +25,17 @@ def test_moe_experts_lnc2_is_bit_identical_to_lnc1(case: str, dtype: torch.dtype
     """tail_96 has E=1 (the second core has no expert), all_to_one_expert puts every block on core 0;
     two_experts_512: one expert per core, each a full 512-slot block and a 192-wide tail (the first
     core's last look-ahead gathers the second core's first block)."""
-    x, idx, tw, wgu, wd, B = _moe_inputs(case, dtype)
+    x, idx, tw, wgu, wd, B = moe_inputs(case, dtype)
     one = moe.moe_experts(x, idx, tw, wgu, wd, block_size=B, lnc=1)
     with recorded_streams() as s:
         two = moe.moe_experts(x, idx, tw, wgu, wd, block_size=B, lnc=2)
-    _equal(two, one)
+    assert_bit_identical(two, one)
     assert_same_streams(s)
     if case in ("tails", "all_to_one_expert", "prime_E", "tail_96", "block_256"):
-        g = _rand(*x.shape, dtype=dtype, seed=11)
+        g = rand(*x.shape, dtype=dtype, seed=11)
         with recorded_streams() as s:
             two = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B, lnc=2)
-        _equal(two, moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B, lnc=1))
+        assert_bit_identical(two, moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=B, lnc=1))
         assert_same_streams(s)
 
 
@@ -49,14 +43,14 @@ def test_moe_experts_lnc2_is_bit_identical_to_lnc1(case: str, dtype: torch.dtype
 @pytest.mark.parametrize("case", list(GMM_CASES))
 def test_grouped_mm_lnc2_is_bit_identical_to_lnc1(case: str, dtype: torch.dtype) -> None:
     M, K, N, offs, B = GMM_CASES[case]
-    x, w = _rand(M, K, dtype=dtype, scale=K ** -0.5), _rand(len(offs), K, N, dtype=dtype, seed=4)
+    x, w = rand(M, K, dtype=dtype, scale=K ** -0.5), rand(len(offs), K, N, dtype=dtype, seed=4)
     offs_t = torch.tensor(offs, dtype=torch.int32)
-    g = _rand(M, N, dtype=dtype, seed=7, scale=N ** -0.5)
+    g = rand(M, N, dtype=dtype, seed=7, scale=N ** -0.5)
     with recorded_streams() as s:
         two = (moe.grouped_mm(x, w, offs_t, block_size=B, lnc=2),
                moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B, lnc=2))
-    _equal(two[0], moe.grouped_mm(x, w, offs_t, block_size=B, lnc=1))
-    _equal(two[1], moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B, lnc=1))
+    assert_bit_identical(two[0], moe.grouped_mm(x, w, offs_t, block_size=B, lnc=1))
+    assert_bit_identical(two[1], moe.grouped_mm_bwd(x, w, offs_t, g, block_size=B, lnc=1))
     assert_same_streams(s)
 
 
@@ -64,7 +58,7 @@ def test_each_core_loads_only_its_experts_and_meets_the_other_once(monkeypatch: 
     """E=5: core 0 owns experts 0-2, core 1 experts 3-4 and a masked sixth (contiguous halves of the
     paired layout's 6 groups), which loads expert 4's weights again so both cores issue the same loads;
     one barrier per core before the combine, where core 1 sums a masked copy of core 0's one token tile."""
-    x, idx, tw, wgu, wd, B = _moe_inputs("tails", torch.bfloat16)  # T=24, K=2: 48 slots, H=160
+    x, idx, tw, wgu, wd, B = moe_inputs("tails", torch.bfloat16)  # T=24, K=2: 48 slots, H=160
     loaded = []
     real_load = moe_fused.load_weight
 
@@ -125,7 +119,7 @@ def test_detected_lnc_on_real_nki(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("bad", [0, 3, True, "2"])
 def test_bad_lnc_is_refused_by_every_wrapper(bad) -> None:
-    x, idx, tw, wgu, wd, B = _moe_inputs("T1", torch.float32)
+    x, idx, tw, wgu, wd, B = moe_inputs("T1", torch.float32)
     msg = r"lnc: constraint 'lnc in \(1, 2\)' violated"
     with pytest.raises(KernelConstraintError, match=msg):
         moe.moe_experts(x, idx, tw, wgu, wd, block_size=B, lnc=bad)

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.kernels.moe.test_moe import _rand, _routing, _weights
+from tests.helpers import assert_bit_identical, expert_weights, gate, rand, routing, torch_experts
 from tests.kernels.lnc_streams import assert_same_streams, recorded_streams
-from tests.kernels.moe.test_moe_lnc import _equal
 from tests.tolerances import check_oracle
 from trnkit.kernels import moe
 from trnkit.kernels.constraints import KernelConstraintError
@@ -32,42 +30,14 @@ VARIANTS = {
 GRADS = ("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down", "grad_b_gate_up", "grad_b_down")
 
 
-def _gate(a: torch.Tensor, u: torch.Tensor, activation: str, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
-    """h = act(a) * u, written as torch / transformers write it."""
-    if activation == "silu":
-        return F.silu(a) * u
-    if activation == "gelu_tanh":
-        return F.gelu(a, approximate="tanh") * u
-    a = a.clamp(min=None, max=limit)  # GptOssExperts._apply_gate, with gate / up as separate halves
-    u = u.clamp(min=-limit, max=limit)
-    return (u + 1) * (a * torch.sigmoid(a * alpha))
-
-
-def _experts(x, idx, tw, wgu, wd, bgu, bd, dt, activation="silu", limit=7.0, alpha=1.702):
-    """out[t] = sum_k w[t,k] * (act(x_t W_gu[e] + b_gu[e]) W_d[e] + b_d[e]) in dtype dt (one gather per slot)."""
-    T, K = idx.shape
-    inter = wd.shape[1]
-    e = idx.reshape(-1).long()
-    xs = x.to(dt).repeat_interleave(K, 0)
-    gu = torch.einsum("sh,shi->si", xs, wgu.to(dt)[e])
-    if bgu is not None:
-        gu = gu + bgu.to(dt)[e]
-    h = _gate(gu[:, :inter], gu[:, inter:], activation, limit, alpha)
-    y = torch.einsum("si,sih->sh", h, wd.to(dt)[e])
-    if bd is not None:
-        y = y + bd.to(dt)[e]
-    y = y * tw.reshape(-1, 1).to(dt)
-    return y.view(T, K, -1).sum(1)
-
-
 def _torch_and_oracle(x, idx, tw, wgu, wd, bgu, bd, kw, dtype, go=None):
-    """``_experts`` at ``dtype`` (torch's own result) and in fp64 (the oracle): ``[out]``, or with ``go``
+    """``torch_experts`` at ``dtype`` (torch's own result) and in fp64 (the oracle): ``[out]``, or with ``go``
     the autograd gradients in GRADS order (None for an absent bias)."""
     def run(dt):
         if go is None:
-            return [_experts(x, idx, tw, wgu, wd, bgu, bd, dt, **kw)]
+            return [torch_experts(x, idx, tw, wgu, wd, bgu, bd, dt, **kw)]
         leaves = [None if t is None else t.detach().to(dt).requires_grad_() for t in (x, tw, wgu, wd, bgu, bd)]
-        _experts(leaves[0], idx, *leaves[1:], dt, **kw).backward(go.to(dt))
+        torch_experts(leaves[0], idx, *leaves[1:], dt, **kw).backward(go.to(dt))
         return [None if t is None else t.grad for t in leaves]
 
     return run(dtype), run(F64)
@@ -102,11 +72,11 @@ def _check(names, got, dtype, *case, go=None, ref=None) -> None:
 
 
 def _inputs(T, H, inter, E, K, dtype, bias, seed=0):
-    x = _rand(T, H, dtype=dtype, seed=seed)
-    wgu, wd = _weights(E, H, inter, dtype, seed=seed + 1)
-    idx, tw = _routing(T, E, K, seed=seed + 2)
-    bgu = _rand(E, 2 * inter, dtype=dtype, seed=seed + 3) if bias in ("both", "gate_up") else None
-    bd = _rand(E, H, dtype=dtype, seed=seed + 4, scale=0.5) if bias in ("both", "down") else None
+    x = rand(T, H, dtype=dtype, seed=seed)
+    wgu, wd = expert_weights(E, H, inter, dtype, seed=seed + 1)
+    idx, tw = routing(T, E, K, seed=seed + 2)
+    bgu = rand(E, 2 * inter, dtype=dtype, seed=seed + 3) if bias in ("both", "gate_up") else None
+    bd = rand(E, H, dtype=dtype, seed=seed + 4, scale=0.5) if bias in ("both", "down") else None
     return x, idx, tw, wgu, wd, bgu, bd
 
 
@@ -118,7 +88,7 @@ def test_activation_ref_matches_autograd_of_torch_functions(activation: str) -> 
     a = torch.cat([a, torch.tensor([LIMIT, -LIMIT], dtype=F64)])  # exactly on the clamp bounds
     u = torch.flip(a, [0]).clone()
     al, ul = a.clone().requires_grad_(), u.clone().requires_grad_()
-    h = _gate(al, ul, activation, kw.get("limit", 7.0), kw.get("alpha", 1.702))
+    h = gate(al, ul, activation, kw.get("limit", 7.0), kw.get("alpha", 1.702))
     da, du = torch.autograd.grad(h.sum(), [al, ul])
     got_h, got_da, got_du = moe.activation_ref(a.float(), u.float(), **kw)
     for name, got, want in (("h", got_h, h), ("dh_da", got_da, da), ("dh_du", got_du, du)):
@@ -134,7 +104,7 @@ def test_refs_match_fp64_autograd_oracle(activation: str, bias: str) -> None:
     x, idx, tw, wgu, wd, bgu, bd = _inputs(14, 24, 10, 5, 2, torch.float32, bias)
     case = (x, idx, tw, wgu, wd, bgu, bd, kw)
     _check(("out",), [moe.moe_experts_ref(x, idx, tw, wgu, wd, b_gate_up=bgu, b_down=bd, **kw)], torch.float32, *case)
-    g = _rand(14, 24, seed=9)
+    g = rand(14, 24, seed=9)
     got = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g, b_gate_up=bgu, b_down=bd, **kw)
     assert len([t for t in got if t is not None]) == (4 if bias == "none" else 6)
     _check(GRADS, got, torch.float32, *case, go=g)
@@ -171,7 +141,7 @@ def _kernel_vs_ref(case: str, dtype: torch.dtype, activation: str, bias: str, ba
     _check(("out",), [out], dtype, *case)
     if not backward:
         return
-    g = _rand(T, H, dtype=dtype, seed=11)
+    g = rand(T, H, dtype=dtype, seed=11)
     got = moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, B, **var)
     ref = moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, g, **var)
     assert len(got) == len(ref) == (4 if bias == "none" else 6)
@@ -200,21 +170,21 @@ def test_kernels_match_refs_more_shapes(case: str, activation: str, bias: str, d
 def test_lnc2_is_bit_identical_to_lnc1(dtype: torch.dtype) -> None:
     x, idx, tw, wgu, wd, bgu, bd = _inputs(24, 160, 96, 5, 2, dtype, "both")
     var = dict(b_gate_up=bgu, b_down=bd, **VARIANTS["swiglu_clamped"])
-    g = _rand(24, 160, dtype=dtype, seed=11)
+    g = rand(24, 160, dtype=dtype, seed=11)
     with recorded_streams() as s:  # E=5: core 1 also runs a masked sixth expert (biases included)
         two = (moe.moe_experts(x, idx, tw, wgu, wd, 32, lnc=2, **var),
                moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, 32, lnc=2, **var))
     assert_same_streams(s)
-    _equal(two[0], moe.moe_experts(x, idx, tw, wgu, wd, 32, lnc=1, **var))
-    _equal(two[1], moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, 32, lnc=1, **var))
+    assert_bit_identical(two[0], moe.moe_experts(x, idx, tw, wgu, wd, 32, lnc=1, **var))
+    assert_bit_identical(two[1], moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, 32, lnc=1, **var))
 
 
 def test_empty_experts_get_zero_bias_gradients() -> None:
-    x = _rand(20, 64)
-    wgu, wd = _weights(6, 64, 48, torch.float32)
-    idx, tw = _routing(20, 6, 2, experts=[0, 2, 3, 5])
-    bgu, bd = _rand(6, 96, seed=3), _rand(6, 64, seed=4)
-    grads = moe.moe_experts_bwd(x, idx, tw, wgu, wd, _rand(20, 64, seed=5), 32, b_gate_up=bgu, b_down=bd,
+    x = rand(20, 64)
+    wgu, wd = expert_weights(6, 64, 48, torch.float32)
+    idx, tw = routing(20, 6, 2, experts=[0, 2, 3, 5])
+    bgu, bd = rand(6, 96, seed=3), rand(6, 64, seed=4)
+    grads = moe.moe_experts_bwd(x, idx, tw, wgu, wd, rand(20, 64, seed=5), 32, b_gate_up=bgu, b_down=bd,
                                 activation="gelu_tanh")
     for g in grads[2:]:
         assert bool((g[[1, 4]] == 0).all())
@@ -234,7 +204,7 @@ def test_fp64_oracle_rule(activation: str, dtype: torch.dtype, backward: bool) -
     if not backward:
         _check((f"{activation} out",), [moe.moe_experts(x, idx, tw, wgu, wd, **var)], dtype, *case)
         return
-    go = _rand(T, H, dtype=dtype, seed=21)
+    go = rand(T, H, dtype=dtype, seed=21)
     _check([f"{activation} {n}" for n in GRADS], moe.moe_experts_bwd(x, idx, tw, wgu, wd, go, **var), dtype, *case,
            go=go, ref=moe.moe_experts_bwd_ref(x, idx, tw, wgu, wd, go, **var))
 

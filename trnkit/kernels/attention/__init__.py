@@ -4,7 +4,8 @@
 ``(grad_q, grad_k, grad_v)``. Layout ``[B, S, H, D]`` (q ``Hq`` heads, k / v ``Hk``, ``Hq % Hk == 0``),
 ``lse [B, Hq, S]`` fp32, ``scale`` defaults to ``D ** -0.5``. The torch references of the same
 signatures are in :mod:`trnkit.kernels.attention.attention_torch`; the designs in
-:mod:`trnkit.kernels.attention.attention` and :mod:`trnkit.kernels.attention.attention_bwd`.
+:mod:`trnkit.kernels.attention.flash_fwd` and :mod:`trnkit.kernels.attention.flash_bwd` (imported, with
+the NKI backend, on the first call).
 """
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from trnkit.kernels._common import dense
-from trnkit.kernels.attention.attention import attention_fwd_kernel
-from trnkit.kernels.attention.attention_bwd import attention_bwd_kernel
 from trnkit.kernels.attention.attention_torch import attention_bwd_ref, attention_ref
 from trnkit.kernels.attention.constraints import attention_bwd_constraints, attention_constraints
 from trnkit.kernels.constraints import check
 from trnkit.kernels.lnc import launch, resolve_lnc
 
-__all__ = ["attention", "attention_bwd", "attention_bwd_constraints", "attention_bwd_kernel", "attention_bwd_ref",
-           "attention_constraints", "attention_fwd_kernel", "attention_ref"]
+__all__ = ["attention", "attention_bwd", "attention_bwd_constraints", "attention_bwd_ref", "attention_constraints",
+           "attention_ref"]
 
 
 def _scale(q: Any, scale: float | None) -> float:
@@ -32,6 +31,8 @@ def attention(q: Any, k: Any, v: Any, scale: float | None = None, lnc: int | Non
 
     Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
     """
+    from trnkit.kernels.attention.flash_fwd import attention_fwd_kernel
+
     check(attention_constraints(q, k, v, scale))
     return launch(attention_fwd_kernel, resolve_lnc(lnc))(dense(q), dense(k), dense(v), _scale(q, scale))
 
@@ -40,6 +41,8 @@ def attention_bwd(q: Any, k: Any, v: Any, o: Any, lse: Any, grad_o: Any, scale: 
                   lnc: int | None = None) -> tuple[Any, Any, Any]:
     """``(grad_q, grad_k, grad_v)`` of :func:`attention` from its ``o`` and ``lse`` and the output gradient
     ``grad_o`` (q's shape and dtype) (NKI kernel)."""
+    from trnkit.kernels.attention.flash_bwd import attention_bwd_kernel
+
     check(attention_bwd_constraints(q, k, v, o, lse, grad_o, scale))
     return launch(attention_bwd_kernel, resolve_lnc(lnc))(dense(q), dense(k), dense(v), dense(o),
                                                           dense(grad_o), dense(lse), _scale(q, scale))

@@ -7,7 +7,7 @@
 is not ``ignore_index``, as ``torch.nn.functional.cross_entropy``) or ``"sum"``; tied embeddings pass
 the embedding table as ``weight``. The torch references of the same signatures are in
 :mod:`trnkit.kernels.cross_entropy.cross_entropy_torch`; the design in
-:mod:`trnkit.kernels.cross_entropy.cross_entropy`.
+:mod:`trnkit.kernels.cross_entropy.cross_entropy` (imported, with the NKI backend, on the first call).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch
 
 from trnkit.kernels.constraints import Violation, check
 from trnkit.kernels.cross_entropy.constraints import linear_cross_entropy_constraints
-from trnkit.kernels.cross_entropy.cross_entropy import lce_bwd_kernel, lce_fwd_kernel
 from trnkit.kernels.cross_entropy.cross_entropy_torch import (
     linear_cross_entropy_bwd_ref,
     linear_cross_entropy_ref,
@@ -26,7 +25,7 @@ from trnkit.kernels.cross_entropy.cross_entropy_torch import (
 )
 from trnkit.kernels.lnc import launch, resolve_lnc
 
-__all__ = ["lce_bwd_kernel", "lce_fwd_kernel", "linear_cross_entropy", "linear_cross_entropy_bwd",
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_bwd",
            "linear_cross_entropy_bwd_ref", "linear_cross_entropy_constraints", "linear_cross_entropy_ref"]
 
 
@@ -47,6 +46,8 @@ def linear_cross_entropy(hidden: Any, weight: Any, labels: Any, ignore_index: in
 
     Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
     """
+    from trnkit.kernels.cross_entropy.cross_entropy import lce_fwd_kernel
+
     check(linear_cross_entropy_constraints(hidden, weight, labels, ignore_index, reduction))
     lab, valid = _labels_f32(labels, weight.shape[0], ignore_index, "linear_cross_entropy")
     per_token, lse = launch(lce_fwd_kernel, resolve_lnc(lnc))(hidden.T.contiguous(), hidden.contiguous(),
@@ -61,6 +62,8 @@ def linear_cross_entropy_bwd(hidden: Any, weight: Any, labels: Any, lse: Any, gr
                              ) -> tuple[Any, Any]:
     """``(grad_hidden [T, H] hidden.dtype, grad_weight [V, H] weight.dtype)`` of :func:`linear_cross_entropy`
     given its ``lse`` and the loss gradient ``grad_loss`` (NKI kernel)."""
+    from trnkit.kernels.cross_entropy.cross_entropy import lce_bwd_kernel
+
     name = "linear_cross_entropy_bwd"
     check(linear_cross_entropy_constraints(hidden, weight, labels, ignore_index, reduction, name=name))
     if tuple(lse.shape) != (hidden.shape[0],) or lse.dtype != torch.float32:

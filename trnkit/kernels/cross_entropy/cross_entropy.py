@@ -45,6 +45,7 @@ vocabulary groups (grad_weight) between the two cores with the same instruction 
 from __future__ import annotations
 
 from trnkit.kernels._common import P_MAX, cdiv, program_share
+from trnkit.kernels.tiles import accumulate, psum_tiles
 from trnkit.nki_api import nisa, nki, nl
 
 P = P_MAX
@@ -144,10 +145,11 @@ def _row(src, t0, tw, rows):
 
 def _logits(ps, stat, s0, sw, mov, m0, mw, H):
     """``ps = stat[:, c, s0:s0+sw].T @ mov[:, c, m0:m0+mw]`` summed over the H chunks c (fp32 PSUM)."""
+    operands = []
     for c in range(cdiv(H, P)):
         hk = min(P, H - c * P)
-        nisa.nc_matmul(dst=ps, stationary=stat[0:hk, c, s0:s0 + sw], moving=mov[0:hk, c, m0:m0 + mw],
-                       accumulate=c > 0)
+        operands.append([(stat[0:hk, c, s0:s0 + sw], mov[0:hk, c, m0:m0 + mw])])
+    accumulate([ps], operands)
 
 
 def _label_rows(w, lab, tw, dtype):
@@ -263,21 +265,23 @@ def lce_fwd_kernel(hT, h, wT, w, labels):
 
 def _banks(rows, H):
     """fp32 PSUM tiles ``[rows, <=512]`` covering H columns (one bank each)."""
-    out = []
+    shapes = []
     for h0, hw in _tiles(H, HB):
-        out.append(nl.ndarray((rows, hw), dtype=nl.float32, buffer=nl.psum))
-    return out
+        shapes.append((rows, hw))
+    return psum_tiles(shapes)
 
 
 def _sum_products(banks, dl, s0, sw, rows, tiles):
     """``banks = sum_i dl[:, i, s0:s0+sw].T @ rows[:, i, :]`` over the contracted tiles ``[(i, size), ...]``
     (one accumulation group per bank; the tiles outermost, so the last tile's ``dl`` is needed last)."""
-    for n in range(len(tiles)):
-        i, k = tiles[n]
+    operands = []
+    for i, k in tiles:
+        row = []
         for b in range(len(banks)):
             h0 = b * HB
-            nisa.nc_matmul(dst=banks[b], stationary=dl[0:k, i, s0:s0 + sw],
-                           moving=rows[0:k, i, h0:h0 + banks[b].shape[1]], accumulate=n > 0)
+            row.append((dl[0:k, i, s0:s0 + sw], rows[0:k, i, h0:h0 + banks[b].shape[1]]))
+        operands.append(row)
+    accumulate(banks, operands)
 
 
 def _leave_psum(dst, banks, add):

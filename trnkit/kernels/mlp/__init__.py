@@ -6,7 +6,8 @@ grad_y)`` -> ``(grad_x, grad_w_gate_up, grad_w_down)``. ``x [..., H]`` (any lead
 2I]`` (gate columns first: the MoE experts' layout of one expert), ``w_down [I, H]``; every output in x's
 dtype. :func:`from_linear` / :func:`to_linear` convert from / to ``nn.Linear`` weights (transformers'
 ``gate_proj`` / ``up_proj`` / ``down_proj``). The torch references of the same signatures are in
-:mod:`trnkit.kernels.mlp.mlp_torch`; the design in :mod:`trnkit.kernels.mlp.mlp`.
+:mod:`trnkit.kernels.mlp.mlp_torch`; the kernels and their design in :mod:`trnkit.kernels.mlp.mlp_kernels`
+(imported, with the NKI backend, on the first call), the tile sizes in :mod:`trnkit.kernels.mlp.tiling`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from trnkit.kernels._common import dense
 from trnkit.kernels.constraints import check
 from trnkit.kernels.lnc import launch, resolve_lnc
 from trnkit.kernels.mlp.constraints import mlp_constraints
-from trnkit.kernels.mlp.mlp import mlp_bwd_kernel, mlp_fwd_kernel, mlp_wgrad_kernel, plan
 from trnkit.kernels.mlp.mlp_torch import mlp_bwd_ref, mlp_ref
+from trnkit.kernels.mlp.tiling import plan
 
-__all__ = ["from_linear", "mlp", "mlp_bwd", "mlp_bwd_kernel", "mlp_bwd_ref", "mlp_constraints", "mlp_fwd_kernel",
-           "mlp_ref", "mlp_wgrad_kernel", "to_linear"]
+__all__ = ["from_linear", "mlp", "mlp_bwd", "mlp_bwd_ref", "mlp_constraints", "mlp_ref", "to_linear"]
 
 
 def from_linear(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +39,7 @@ def to_linear(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tens
 
 
 def _plan(x: Any, w_down: Any, lnc: int) -> tuple[int, int, int, int]:
-    """The tiles of :func:`~trnkit.kernels.mlp.mlp.plan` for one core's share of x's rows."""
+    """The tiles of :func:`~trnkit.kernels.mlp.tiling.plan` for one core's share of x's rows."""
     per_core = -(-(x.numel() // x.shape[-1]) // lnc)
     return plan(x.shape[-1], w_down.shape[0], x.element_size(), per_core)
 
@@ -49,6 +49,8 @@ def mlp(x: Any, w_gate_up: Any, w_down: Any, lnc: int | None = None) -> Any:
 
     Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
     """
+    from trnkit.kernels.mlp.mlp_kernels import mlp_fwd_kernel
+
     check(mlp_constraints(x, w_gate_up, w_down))
     lnc = resolve_lnc(lnc)
     tb, ib, _, _ = _plan(x, w_down, lnc)
@@ -60,6 +62,8 @@ def mlp(x: Any, w_gate_up: Any, w_down: Any, lnc: int | None = None) -> Any:
 def mlp_bwd(x: Any, w_gate_up: Any, w_down: Any, grad_y: Any, lnc: int | None = None) -> tuple[Any, Any, Any]:
     """``(grad_x [x.shape], grad_w_gate_up [H, 2I], grad_w_down [I, H])`` of :func:`mlp` for the output
     gradient ``grad_y`` (NKI kernels: the data path, then both weight gradients; activations recomputed)."""
+    from trnkit.kernels.mlp.mlp_kernels import mlp_bwd_kernel, mlp_wgrad_kernel
+
     check(mlp_constraints(x, w_gate_up, w_down, grad_y))
     lnc = resolve_lnc(lnc)
     _, _, tb, ib = _plan(x, w_down, lnc)

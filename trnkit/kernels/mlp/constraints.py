@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from trnkit.kernels.constraints import Violation
-from trnkit.kernels.mlp.mlp import plan
+from trnkit.kernels.mlp.tiling import plan
 from trnkit.kernels.rmsnorm.constraints import dtype_name, shape
 
 DTYPES = ("float32", "bfloat16")

@@ -1,5 +1,5 @@
 """Flash attention backward NKI kernel (``attention_bwd_kernel``): dq, dk, dv of the causal GQA
-attention of :mod:`trnkit.kernels.attention.attention` from its output ``o`` and log-sum-exp ``lse``.
+attention of :mod:`trnkit.kernels.attention.flash_fwd` from its output ``o`` and log-sum-exp ``lse``.
 
 The probabilities are recomputed, never stored: with ``delta_i = sum_d dO[i, d] O[i, d]``,
 ``P = exp(scale * Q K^T - lse)``, ``dP = dO V^T``, ``dS = P * (dP - delta)``, then ``dV = P^T dO``,
@@ -475,9 +475,10 @@ def _bwd_unit(unit, ins, outs, scale):
 
 @nki.jit
 def attention_bwd_kernel(q, k, v, o, do, lse, scale):
-    """``(dq, dk, dv)`` (the inputs' shapes and dtype) of :func:`~.attention.attention_fwd_kernel` at
-    ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]`` given its output ``o``, log-sum-exp ``lse [B, Hq, S]`` and
-    the output gradient ``do`` (q's shape and dtype)."""
+    """``(dq, dk, dv)`` (the inputs' shapes and dtype) of
+    :func:`~trnkit.kernels.attention.flash_fwd.attention_fwd_kernel` at ``q [B, S, Hq, D]``, ``k, v [B, S, Hk,
+    D]`` given its output ``o``, log-sum-exp ``lse [B, Hq, S]`` and the output gradient ``do`` (q's shape and
+    dtype)."""
     B, S, Hq, D = q.shape
     Hk = k.shape[2]
     G = Hq // Hk

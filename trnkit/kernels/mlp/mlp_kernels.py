@@ -4,9 +4,9 @@ weight gradients ``mlp_wgrad_kernel``.
 ``y = (silu(x @ Wg) * (x @ Wu)) @ Wd`` with ``w_gate_up [H, 2I]`` (gate columns first, the contraction dim H
 leading, as the MoE experts' weights) and ``w_down [I, H]``. Tokens are contiguous rows, so nothing is
 gathered or scattered; the weights of a Qwen3 dense layer (Qwen3-4B: 150 MB) do not fit SBUF, so they
-stream through it in blocks of :func:`plan`'s ``IB`` columns of I for every token tile.
+stream through it in blocks of ``tiling.plan``'s ``IB`` columns of I for every token tile.
 
-Forward, per tile of ``TB`` tokens (``TB`` from :func:`plan`, up to 512: the gate / up matmuls' moving
+Forward, per tile of ``TB`` tokens (``TB`` from ``tiling.plan``, up to 512: the gate / up matmuls' moving
 size): the rows are transposed on the Tensor Engine into ``x.T [H, TB]``; per I-block the block's gate /
 up columns of ``w_gate_up`` load and the MoE experts' :func:`~trnkit.kernels.moe.moe_fused.swiglu_T` computes
 ``h.T = silu(gate.T) * up.T`` (weight tile stationary, the tokens moving), directly in the contraction
@@ -14,7 +14,7 @@ layout of the down matmul. ``h.T`` of the whole I stays in SBUF; the down matmul
 in ``[128, <= 512]`` pieces and accumulates each ``[<= 128 tokens, 512]`` output piece over all of I in
 one PSUM bank (``h.T`` chunk stationary, ``w_down`` moving), rounded once to the input dtype.
 
-Backward, data path per tile of up to 256 tokens (:func:`plan`; 128-token sub-tiles in the gradients'
+Backward, data path per tile of up to 256 tokens (``tiling.plan``; 128-token sub-tiles in the gradients'
 row layout, tokens on partitions, sharing each weight block load): ``x`` and ``grad_out`` rows are
 transposed; per I-block and sub-tile, three PSUM groups ``gate``, ``up`` (the recompute) and
 ``dA = grad_out @ w_down.T`` (the host hands ``w_down.T [H, I]``) with the rows' transposes stationary and
@@ -35,7 +35,6 @@ may differ (only run-time control flow must match on both cores).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 from trnkit.kernels._common import cdiv
 from trnkit.kernels.moe.moe_bwd import activation_grad_rows
@@ -53,55 +52,8 @@ from trnkit.kernels.tiles import (
 )
 from trnkit.nki_api import nisa, nki, nl
 
-TB_OPTIONS = (512, 256, 128)  # forward token tile widths, widest first (the gate / up moving size)
-IB_OPTIONS = (512, 256, 128)  # I-block widths (the backward's gate / up / dA PSUM width)
-BWD_TB_OPTIONS = (256, 128)  # backward token tiles: 128-row sub-tiles sharing each weight block load
 DOWN_BANKS = 4  # PSUM banks of one down-projection / grad_x pass (the rest for the next tile's matmuls)
 WG_K, WG_N = 4, 2  # weight-gradient pass: 128-row chunks x 512-column pieces (eight PSUM banks)
-# SBUF bytes per partition :func:`plan` lets a kernel's long-lived tiles take (of 208 KiB usable), so the
-# next block's weight loads and the elementwise temporaries fit beside them
-SBUF_PLAN_BYTES = 168 * 1024
-
-
-def _fwd_bytes(H: int, I: int, TB: int, IB: int, isz: int) -> int:  # noqa: E741
-    """Forward SBUF per partition: x.T and h.T of a token tile, one weight block, the output rows."""
-    sub = cdiv(TB, P)
-    return (cdiv(H, P) * TB + cdiv(I, P) * TB + cdiv(H, P) * 2 * IB + 2 * sub * H) * isz
-
-
-def _bwd_bytes(H: int, I: int, TB: int, IB: int, isz: int) -> int:  # noqa: E741
-    """Backward data path SBUF per partition: x.T, grad_out.T, the tile's dgu.T, one block of w_gate_up and
-    w_down.T, the rows and ~10 fp32 elementwise tiles of a block."""
-    return ((2 * cdiv(H, P) * TB + 2 * cdiv(I, P) * TB + cdiv(H, P) * 3 * IB + 3 * H * cdiv(TB, P)) * isz
-            + 10 * IB * 4)
-
-
-def plan(H: int, I: int, itemsize: int, tokens: int = 512) -> tuple[int, int, int, int] | None:  # noqa: E741
-    """``(TB, IB, TB_bwd, IB_bwd)``: the forward's and the backward data path's token tile and I-block
-    widths, the widest that fit ``SBUF_PLAN_BYTES`` (the token tile first: it sets how often the weights
-    stream; no wider than one core's ``tokens`` need, so that a wider I-block can fit instead); None when
-    even 128 / 128 does not (the kernels' SBUF constraint)."""
-    tbs = []
-    for tb in TB_OPTIONS:
-        narrower_holds_all = False
-        for o in TB_OPTIONS:
-            narrower_holds_all = narrower_holds_all or tokens <= o < tb
-        if not narrower_holds_all:
-            tbs.append(tb)
-    fwd = _widest(tuple(tbs), lambda tb, ib: _fwd_bytes(H, I, tb, ib, itemsize))
-    bwd = _widest(BWD_TB_OPTIONS, lambda tb, ib: _bwd_bytes(H, I, tb, ib, itemsize))
-    if fwd == None or bwd == None:  # noqa: E711
-        return None
-    return fwd[0], fwd[1], bwd[0], bwd[1]
-
-
-def _widest(tb_options: tuple, need: Callable[[int, int], int]) -> tuple[int, int] | None:
-    """The first ``(tb, ib)`` (widest token tile, then I-block) whose ``need(tb, ib)`` bytes fit."""
-    for tb in tb_options:
-        for ib in IB_OPTIONS:
-            if need(tb, ib) <= SBUF_PLAN_BYTES:
-                return tb, ib
-    return None
 
 
 def _my_tiles(n, width):
@@ -198,7 +150,7 @@ def _store_rows(dst, t0, rows_sb):
 @nki.jit
 def mlp_fwd_kernel(x, w_gate_up, w_down, tb, ib):
     """``y [T, H] = (silu(x @ Wg) * (x @ Wu)) @ w_down`` in x's dtype: x ``[T, H]``, w_gate_up ``[H, 2I]``
-    (gate columns first), w_down ``[I, H]``; ``tb`` / ``ib``: the token tile and I-block widths (:func:`plan`)."""
+    (gate columns first), w_down ``[I, H]``; ``tb`` / ``ib``: the token tile and I-block widths (``tiling.plan``)."""
     T, H = x.shape
     inter = w_down.shape[0]
     dt = x.dtype
@@ -258,7 +210,7 @@ def mlp_bwd_kernel(x, grad_out, w_gate_up, w_down_T, w_gate_up_T, tb, ib):
     """Data path of the MLP backward -> ``(grad_x [T, H], h [T, I], dgu [T, 2I])`` in x's dtype (h and dgu:
     the operands of :func:`mlp_wgrad_kernel`). x, grad_out ``[T, H]``; w_gate_up ``[H, 2I]``; w_down_T
     ``[H, I]`` (w_down transposed); w_gate_up_T ``[2I, H]``; ``tb`` / ``ib``: the token tile (128-row
-    sub-tiles sharing each weight block) and I-block widths (:func:`plan`)."""
+    sub-tiles sharing each weight block) and I-block widths (``tiling.plan``)."""
     T, H = x.shape
     inter = w_down_T.shape[1]
     dt = x.dtype
