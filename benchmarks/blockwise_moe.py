@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(r)
     if args.save:
         with CSV.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
             w.writeheader()
             w.writerows(rows)
     return 0

@@ -283,7 +283,7 @@ def sensitivity_rows(results: dict) -> list[dict]:
 
 def _write_csv(path: Path, field_names: tuple[str, ...], rows: list[dict]) -> None:
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=field_names)
+        w = csv.DictWriter(f, fieldnames=field_names, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
 

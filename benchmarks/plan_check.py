@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             done = {row["case"]: {k: f"{v:.4f}" if isinstance(v, float) else v for k, v in row.items()}
                     for row in rows}
             with open(args.out, "w", newline="") as f:  # after every case: a long run keeps what it measured
-                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
                 w.writeheader()
                 for name, _, _ in CASES:
                     if name in done or name in kept:

@@ -249,7 +249,7 @@ def save_case(out: Path, name: str, rows: list[dict], meta: dict) -> None:
     old = list(csv.DictReader(path.open())) if path.exists() else []
     merged = [r for r in old if tuple(r[k] for k in CASE) not in case] + rows
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
         w.writeheader()
         w.writerows(merged)
     (out / f"{name}.json").write_text(json.dumps({"meta_of_last_run": meta, "rows": merged}, indent=2))

@@ -65,7 +65,7 @@ def write_csv(rows: Sequence[dict], path: Path, replace: Sequence[str] = ()) -> 
             rows = [r for r in csv.DictReader(f) if tuple(r[k] for k in replace) not in new] + list(rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
     print(f"-> {path}")

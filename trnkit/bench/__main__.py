@@ -115,9 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "bench.md").write_text(
         "Estimated = trnkit's trn2 cost model on the interpreter's instruction trace (not a measurement); "
         "measured = wall time on the named device.\n\n" + markdown_table(every) + "\n")
-    for stale in (out / "plots").glob("*.png"):  # every plot is redrawn from the CSV
+    pngs = plot_rows(every, out / "plots")  # every plot is redrawn from the CSV
+    for stale in set((out / "plots").glob("*.png")) - set(pngs):  # drawn first: a failed plot loses nothing
         stale.unlink()
-    pngs = plot_rows(every, out / "plots")
     print(markdown_table([r for r in every if r.kernel in selected] if rows else every))
     print(f"{len(rows)} new rows -> {csv_path}; table of all {len({r.kernel for r in every})} kernels -> "
           f"{out / 'bench.md'}; {len(pngs)} plots -> {out / 'plots'} ({time.perf_counter() - t0:.1f} s)")

@@ -71,7 +71,7 @@ def write_rows(path: str | Path, rows: Iterable[Row], append: bool = True) -> Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not (append and path.exists() and path.stat().st_size > 0)
     with path.open("a" if append else "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=COLUMNS, lineterminator="\n")
         if new:
             w.writeheader()
         for r in rows:

@@ -549,7 +549,7 @@ def write_csv(path: Path, rows: list[dict]) -> Path:
             old = [r for r in csv.DictReader(f) if tuple(r[k] for k in keys) not in new]
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, lineterminator="\n")
         w.writeheader()
         w.writerows(old + rows)
     return path

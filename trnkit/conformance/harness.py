@@ -521,7 +521,7 @@ def write_csv(rows: Sequence[Row], path: str | os.PathLike, merge_order: Sequenc
         keys = [(c.kernel, c.name, str(c.lnc), c.shapes) for c in merge_order]
         out = {k: out.get(k, old.get(k)) for k in keys if k in out or k in old}
     with p.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, lineterminator="\n")
         w.writeheader()
         for d in out.values():
             w.writerow(d)
