@@ -23,6 +23,11 @@ def dtype_name(t: Any) -> str:
     return np.dtype(dt).name
 
 
+def shape(t: Any) -> tuple[int, ...]:
+    """``t``'s shape as a tuple of ints (torch, numpy and NKI tensors alike)."""
+    return tuple(int(n) for n in t.shape)
+
+
 def dense(t: Any) -> Any:
     """``t`` as a contiguous tensor (a copy only when it is strided); None and device tensors pass."""
     if isinstance(t, torch.Tensor):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from trnkit.kernels._common import dtype_name
+from trnkit.kernels._common import dtype_name, shape
 from trnkit.kernels.constraints import Violation
 
 DTYPES = ("float32", "bfloat16")
@@ -14,10 +14,6 @@ D_MAX = 128  # the head dim is the contraction (partition) dim of q . k: one pas
 # Longest sequence per dtype: the forward keeps one kv head's K^T and V resident in SBUF
 # (S * D * itemsize * 2 / 128 bytes per partition, 128 KiB at D = 128), the rest for the working tiles.
 S_MAX = {"bfloat16": 32768, "float32": 16384}
-
-
-def shape(t: Any) -> tuple[int, ...]:
-    return tuple(int(n) for n in t.shape)
 
 
 def _common(name: str, q: Any, k: Any, v: Any, scale: Any, bad: Any) -> bool:

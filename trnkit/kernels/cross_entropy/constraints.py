@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trnkit.kernels._common import dtype_name, shape
 from trnkit.kernels.constraints import Violation
-from trnkit.kernels.rmsnorm.constraints import dtype_name, shape
 
 DTYPES = ("float32", "bfloat16")
 REDUCTIONS = ("mean", "sum")

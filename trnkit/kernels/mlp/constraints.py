@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from trnkit.kernels._common import dtype_name, shape
 from trnkit.kernels.constraints import Violation
 from trnkit.kernels.mlp.tiling import plan
-from trnkit.kernels.rmsnorm.constraints import dtype_name, shape
 
 DTYPES = ("float32", "bfloat16")
 

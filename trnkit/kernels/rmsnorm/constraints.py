@@ -6,27 +6,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-import torch
 
+from trnkit.kernels._common import dtype_name, shape
 from trnkit.kernels.constraints import Violation
 
 DTYPES = ("float32", "bfloat16")
 # Widest row each dtype supports: the backward keeps ~8 row tiles of H elements per partition (inputs,
 # gradients, products, one row ahead) plus the broadcast weight in 208 KiB of SBUF.
 H_MAX = {"bfloat16": 8192, "float32": 4096}
-
-
-def dtype_name(t: Any) -> str:
-    """'float32', 'bfloat16', ... of a torch tensor, numpy array or NKI tensor."""
-    dt = t.dtype
-    if isinstance(dt, torch.dtype):
-        return str(dt).removeprefix("torch.")
-    return np.dtype(dt).name
-
-
-def shape(t: Any) -> tuple[int, ...]:
-    return tuple(int(n) for n in t.shape)
 
 
 def out_dtype(x: Any, weight: Any) -> str:

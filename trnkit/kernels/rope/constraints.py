@@ -8,15 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from trnkit.kernels._common import P_MAX, dtype_name
+from trnkit.kernels._common import P_MAX, dtype_name, shape
 from trnkit.kernels.constraints import Violation
 
 DTYPES = ("float32", "bfloat16")
 BSHD_SLAB_BYTES = 192 * 1024  # SBUF per partition for bshd row slabs (x, y, the previous y; the next x)
-
-
-def shape(t: Any) -> tuple[int, ...]:
-    return tuple(int(n) for n in t.shape)
 
 
 def is_contiguous(t: Any) -> bool:
