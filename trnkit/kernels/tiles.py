@@ -174,6 +174,45 @@ def transpose_rows(src: Any, dst: list, col0: int = 0, vector_every: int = 0) ->
         evacuate(dst[c][:cw, col0:col0 + rows], ps, c)
 
 
+TRANSPOSE_GROUP = 4  # Tensor Engine transposes sharing one PSUM tile and one evacuation
+
+
+def chunk_tile(n: int, width: int, dtype: Any) -> tuple[Any, list]:
+    """One SBUF tile ``[P, n, width]`` and its n chunk views ``[P, width]`` (chunk c at ``[:, c, :]``): the
+    contraction layout of :func:`transpose_rows`, in one tile so that one instruction can fill
+    several chunks (:func:`transpose_rows_grouped`)."""
+    t = nl.ndarray((P, n, width), dtype=dtype, buffer=nl.sbuf)
+    views = []
+    for c in range(n):
+        views.append(t[:, c, :])
+    return t, views
+
+
+def transpose_rows_grouped(src: Any, dst: Any, col0: int = 0, scalar: bool = False) -> None:
+    """:func:`transpose_rows` into a :func:`chunk_tile` ``dst [P, n, W']``: column chunk c of ``src [rows,
+    W]`` on the partitions of ``dst[:, c, col0:col0+rows]``. Up to TRANSPOSE_GROUP chunks of equal width
+    share one PSUM tile and one evacuation (a quarter of the per-instruction fixed costs), on the
+    Vector Engine, or with ``scalar`` on the Scalar Engine (for a kernel whose Vector Engine is busier)."""
+    rows, width = src.shape
+    cks = chunks(width, P)
+    g0 = 0
+    while g0 < len(cks):
+        cw = cks[g0][1]
+        n = 1
+        while n < TRANSPOSE_GROUP and g0 + n < len(cks) and cks[g0 + n][1] == cw:
+            n += 1
+        ps = nl.ndarray((cw, n, rows), dtype=src.dtype, buffer=nl.psum)
+        for j in range(n):
+            w0 = cks[g0 + j][0]
+            nisa.nc_transpose(dst=ps[:, j, :], data=src[:rows, w0:w0 + cw])
+        out = dst[:cw, g0:g0 + n, col0:col0 + rows]
+        if scalar:
+            nisa.activation(dst=out, op=nl.copy, data=ps)
+        else:
+            nisa.tensor_copy(dst=out, src=ps, engine=nisa.engine.vector)
+        g0 += n
+
+
 def tiles(n: int, shape: tuple, dtype: Any, buffer: Any = None) -> list:
     """``n`` separate tiles (the current-NKI replacement of a block dimension)."""
     out = []

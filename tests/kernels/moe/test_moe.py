@@ -516,11 +516,12 @@ def test_moe_experts_trace_visits_only_used_blocks() -> None:
     idx = torch.stack([torch.arange(T) % E, (torch.arange(T) + 1) % E], 1)
     tr, rep, bound = _cost_of_moe_experts(T, H, inter, E, K, block_size=128, idx=idx)
     ops = tr.by_op()
-    # per block: H/128 chunks of x transposed on the Tensor Engine; 2 (gate, up) x H/128 x I/128 +
+    # per block: H/128 chunks of x transposed on the Tensor Engine (the first block's by the prologue,
+    # block i+1's by block i, the last block's look-ahead padding row too); 2 (gate, up) x H/128 x I/128 +
     # I/128 x ceil(H/512) matmuls; combine: T / (128 // K) tiles x ceil(H/512) matmuls
     pe = [i for i in tr if i.op == "nc_transpose" and i.engine == "tensor"]
     dve = [i for i in tr if i.op == "nc_transpose" and i.engine == "vector"]
-    assert len(pe) == E * 2 and not dve
+    assert len(pe) == (E + 1) * 2 and not dve
     assert ops["nc_matmul"] == E * (2 * 2 * 1 + 1 * 1) + T // 64
     # weights: one DMA per 128-row chunk of w_gate_up[e] (H/128 = 2) and w_down[e] (I/128 = 1)
     assert len(weight_dmas(tr)) == 3 * E

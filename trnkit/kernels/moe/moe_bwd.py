@@ -19,7 +19,9 @@ sub-tile:
    next expert's weights load): read the ``dgu`` rows back, transpose them and compute ``dX [rows, H]
    = dgu @ w_gate_up.T`` (``dgu.T`` chunk stationary, 512-column pieces of ``w_gate_up.T`` moving),
    scattered to the slot buffer ``[T*K, H]`` one block later (as in the forward, so the scatter's
-   software-DGE descriptors do not delay the next loads).
+   software-DGE descriptors do not delay the next loads). Here the Vector Engine evacuates the ``dgu``
+   transposes and the Scalar Engine the ``dX`` pieces, so the next block's transposes never queue
+   behind this block's last evacuations.
 
 The two phases keep SBUF for the next expert's weights (one expert's three sets of weight tiles take
 120 KiB per partition at the Qwen3-30B-A3B shapes). After all experts (LNC=2: after a
@@ -28,8 +30,8 @@ The two phases keep SBUF for the next expert's weights (one expert's three sets 
 layout throughout: the moving operand of every big matmul is a weight (512 columns), so the block size
 does not change the Tensor Engine's work; the affinity is a per-partition scalar and ``<dA, h>`` a
 free-axis reduction. Engines issue in order, so the work is split to keep the Tensor Engine fed: the
-Scalar Engine evacuates everything a matmul waits on, the Vector Engine runs the activation backward,
-GpSimd only writes DMA descriptors.
+Scalar Engine evacuates everything a phase-1 matmul waits on, the Vector Engine runs the activation backward,
+GpSimd only writes DMA descriptors. Transposes share a PSUM tile four at a time, with one evacuation.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from trnkit.kernels.tiles import (
     P,
     accumulate,
     block_range,
+    chunk_tile,
     chunks,
     load_bias_rows,
     load_block_start,
@@ -55,6 +58,7 @@ from trnkit.kernels.tiles import (
     row_matmul,
     store_rows,
     tiles,
+    transpose_rows_grouped,
     transposed_weight,
 )
 from trnkit.nki_api import nisa, nki, nl
@@ -168,16 +172,11 @@ def _piece_to_sbuf(g_ps: Any, u_ps: Any, d_ps: Any, p0: int, bgu: Any, dt: Any) 
     return out[0], out[1], out[2]
 
 
-def _transpose(src: Any, dst: list) -> None:
-    """SBUF ``src [rows, W]`` -> column chunk c of src on the partitions of ``dst[c] [P, rows]`` (Tensor
-    Engine transposes, evacuated by the Scalar Engine as everything that feeds a matmul here)."""
-    rows, width = src.shape
-    cks = chunks(width, P)
-    for c in range(len(cks)):
-        w0, cw = cks[c]
-        ps = nl.ndarray((cw, rows), dtype=src.dtype, buffer=nl.psum)
-        nisa.nc_transpose(dst=ps, data=src[:rows, w0:w0 + cw])
-        nisa.activation(dst=dst[c][:cw, :rows], op=nl.copy, data=ps)
+def _transpose(src: Any, dst: Any) -> None:
+    """SBUF ``src [rows, W]`` -> column chunk c of src on the partitions of ``dst[:, c, :rows]`` (a
+    :func:`~trnkit.kernels.tiles.chunk_tile`): Tensor Engine transposes, four per PSUM tile,
+    evacuated by the Scalar Engine as everything that feeds a matmul here."""
+    transpose_rows_grouped(src, dst, scalar=True)
 
 
 def _slot_rows(x_T: list, go_T: list, wgu: list, wd_T: list, rows: int, w: Any, hw_t: Any, dgu_t: Any,
@@ -241,10 +240,10 @@ def _grad_blocks(lo: Any, hi: Any, x: Any, grad_out: Any, token_table: Any, bloc
         w = block_row(block_weights, i, 0)  # fp32 affinities
         gw_blk = nl.ndarray((rows, nsub), dtype=nl.float32, buffer=nl.sbuf)
         for s in range(nsub):
-            x_T = tiles(HC, (P, rows), dt)
-            _transpose(_gather(x, ids, s, rows), x_T)
-            go_T = tiles(HC, (P, rows), dt)
-            _transpose(_gather(grad_out, ids, s, rows), go_T)
+            x_big, x_T = chunk_tile(HC, rows, dt)
+            _transpose(_gather(x, ids, s, rows), x_big)
+            go_big, go_T = chunk_tile(HC, rows, dt)
+            _transpose(_gather(grad_out, ids, s, rows), go_big)
             hw_t = nl.ndarray((rows, I2 // 2), dtype=dt, buffer=nl.sbuf)
             dgu_t = nl.ndarray((rows, I2), dtype=dt, buffer=nl.sbuf)
             _slot_rows(x_T, go_T, wgu, wd_T, rows, w[:, s:s + 1], hw_t, dgu_t, gw_blk[:, s:s + 1], var)
@@ -283,13 +282,15 @@ def _dx_blocks(lo: Any, hi: Any, wgu_T: list, outs: dict, pend: list, dx_prev: l
     def block(i):
         dgu_T = []
         for s in range(len(pend)):
-            dgu_T.append(tiles(IC2, (P, rows), dgu.dtype))
-            _transpose(pend[s], dgu_T[s])
+            big, views = chunk_tile(IC2, rows, dgu.dtype)
+            transpose_rows_grouped(pend[s], big)  # evacuated by Vector, idle in phase 2
+            dgu_T.append(views)
         _load_dgu(pend, dgu, i, 1)  # the next block's rows (past the expert's last block: unused)
         scatter_rows(outs["gx_slots"], dx_prev, prev_ids)  # the previous block's rows
         block_row(slot_table, i, 0, prev_ids)  # this block's, scattered by the next iteration
         for s in range(len(pend)):
-            row_matmul(dx_prev[s], dgu_T[s], rows, None, I2, grid=wgu_T)
+            # evacuated by Scalar (scale 1.0), so that Vector's queue is free for the next block's dgu.T
+            row_matmul(dx_prev[s], dgu_T[s], rows, None, I2, scale=1.0, grid=wgu_T)
 
     nl.fori_loop(lo, hi, block)
 

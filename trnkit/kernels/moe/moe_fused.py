@@ -3,17 +3,21 @@
 Forward, :func:`moe_experts_kernel` (per expert e, weights loaded once; per block of B slots of e at
 run time):
 
-1. transpose the block's token rows ``x[tok] [B, H]`` (gathered by indirect DMA while the block before
-   it computed, see :func:`_expert_blocks`) on the Tensor Engine into ``x.T [H (partitions, 128-chunks),
-   B]``, then gather the next block's rows;
+1. the block's token rows ``x[tok] [B, H]`` were gathered by indirect DMA and transposed on the Tensor
+   Engine into ``x.T [H (partitions, 128-chunks), B]`` by the block before it (see
+   :func:`_expert_blocks`); four 128x128 transposes share one PSUM tile and one Vector Engine
+   evacuation (:func:`~trnkit.kernels.tiles.transpose_rows_grouped`);
 2. ``gate.T, up.T [I-chunk, B] = w_gate_up[e][:, chunk].T @ x.T``: the 128x128 weight tile is the
    stationary operand and the block's B tokens stream as moving columns, accumulating over the H
    chunks in at most 8 outstanding accumulation groups; ``h.T = silu(gate.T) * up.T`` comes
-   out directly in the contraction layout of the down matmul (no transpose of h);
-3. ``y [B, H] = h @ w_down[e]``: ``h.T`` chunk stationary (M = tokens), 512-column pieces of w_down
+   out directly in the contraction layout of the down matmul (no transpose of h). The gate (and up)
+   groups of a pass share one PSUM bank where they fit, so one Scalar Engine activation and one
+   Vector Engine multiply cover the pass (:func:`swiglu_T`);
+3. gather the next block's rows and, after the gate / up matmuls, transpose them;
+4. ``y [B, H] = h @ w_down[e]``: ``h.T`` chunk stationary (M = tokens), 512-column pieces of w_down
    moving; the PSUM evacuation multiplies each row by its slot's affinity (Scalar Engine
    ``activation(copy, scale=[B, 1])``) and rounds to the input dtype;
-4. scatter the rows to the slot buffer ``y [T*K, H]`` (slot t*K + k) by indirect DMA, one block later.
+5. scatter the rows to the slot buffer ``y [T*K, H]`` (slot t*K + k) by indirect DMA, one block later.
 
 Gathers and scatters move only the rows their block runs at (:func:`move_block_rows`, flags in the
 per-block tables), although the next block's width is only known at run time.
@@ -45,6 +49,7 @@ from trnkit.kernels.tiles import (
     P,
     accumulate,
     block_range,
+    chunk_tile,
     chunks,
     load_bias_rows,
     load_block_start,
@@ -55,27 +60,42 @@ from trnkit.kernels.tiles import (
     psum_tiles,
     row_matmul,
     tiles,
-    transpose_rows,
+    transpose_rows_grouped,
 )
 from trnkit.nki_api import nisa, nki, nl
 
-# 0: every x chunk is transposed on the Tensor Engine. Vector 32x32 transposes (n > 0: every n-th
-# chunk) take 16 instructions of 64 Vector cycles per 128x128 chunk, 8x the TensorE time they save:
-# even n = 8 puts the Vector Engine on the critical path (docs/kernels.md, moe_experts feasibility).
-VECTOR_TRANSPOSE_EVERY = 0
 SBUF_BYTES = 208 * 1024  # usable SBUF per partition (trnkit.nkisim.memory: the nki-library budget)
 
 
-def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, act: dict) -> None:
+def swiglu_T(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, act: dict, h_tile: Any = None) -> None:
     """``h_T[j] [P, B] = act(gate.T) * up.T`` for I-chunk j, ``gate.T = w_gate_up[:, chunk j].T @ x.T``
     (``act``: :func:`expert_act`, the activation and the expert's bias columns).
 
     One PSUM accumulation group per (chunk, gate|up); :func:`swiglu_chunks_per_pass` chunks per pass
-    over H, so each moving x.T chunk feeds 2 * (chunks per pass) matmuls.
+    over H, so each moving x.T chunk feeds 2 * (chunks per pass) matmuls. ``h_tile``: the
+    :func:`~trnkit.kernels.tiles.chunk_tile` whose views ``h_T`` are; given, the full chunks of
+    a pass whose gate (and up) groups fit one PSUM bank together share it, and one activation and one
+    multiply cover them all (:func:`_grouped_pass`).
     """
     ichunks = chunks(inter, P)
     for j0, nj in chunks(len(ichunks), swiglu_chunks_per_pass(B)):
-        _swiglu_pass(h_T, x_T, wgu, H, inter, B, ichunks[j0:j0 + nj], j0, act)
+        group = ichunks[j0:j0 + nj]
+        if _grouped_pass(h_tile, group, B, act):
+            _swiglu_pass_grouped(h_tile, x_T, wgu, H, inter, B, group, j0, act)
+        else:
+            _swiglu_pass(h_T, x_T, wgu, H, inter, B, group, j0, act)
+
+
+def _grouped_pass(h_tile: Any, group: list, B: int, act: dict) -> bool:
+    """Whether a :func:`swiglu_T` pass over the I-chunks ``group`` runs grouped: an ``h_tile`` given, no
+    bias (its columns differ per chunk), one Scalar Engine activation (silu / gelu_tanh), every chunk
+    full and all gate groups ``[P, B]`` fp32 within one 2 KiB PSUM bank."""
+    if h_tile == None or act["cols"] != None or act["activation"] == "swiglu_clamped":  # noqa: E711
+        return False
+    full = True
+    for _, iw in group:
+        full = full and iw == P
+    return full and len(group) > 1 and len(group) * B * 4 <= 2048
 
 
 def expert_act(activation: str, limit: float, alpha: float, b_gate_up: Any, e: int, inter: int) -> dict:
@@ -105,13 +125,14 @@ def expert_act(activation: str, limit: float, alpha: float, b_gate_up: Any, e: i
 
 
 def activate_T(h: Any, g_ps: Any, u_ps: Any, j: int, act: dict) -> None:
-    """``h [iw, B] = act(gate + b_gate) * (up + b_up)`` for I-chunk j from the gate / up PSUM tiles.
+    """``h [iw, B] = act(gate + b_gate) * (up + b_up)`` for I-chunk j from the gate / up PSUM tiles (or
+    ``[iw, n, B]`` for n chunks, without biases).
 
     silu / gelu_tanh: one Scalar Engine activation with the gate bias as its per-partition ``bias``,
     one Vector op (up bias as a ``[P, 1]`` operand). swiglu_clamped (GPT-OSS): ``gc = min(gate + b,
     limit)``, ``glu = gc * sigmoid(alpha gc)``, ``h = (clamp(up + b, -limit, limit) + 1) * glu``.
     """
-    iw, B = g_ps.shape
+    iw = g_ps.shape[0]
     f32 = nl.float32
     cols = act["cols"]
     b_gate = 0.0
@@ -122,19 +143,19 @@ def activate_T(h: Any, g_ps: Any, u_ps: Any, j: int, act: dict) -> None:
         b_up = cols[:iw, IC + j:IC + j + 1]
     limit = act["limit"]
     if act["activation"] == "swiglu_clamped":
-        gc = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+        gc = nl.ndarray(g_ps.shape, dtype=f32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=gc, data=g_ps, op0=nl.add, operand0=b_gate, op1=nl.minimum, operand1=limit)
-        sig = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+        sig = nl.ndarray(g_ps.shape, dtype=f32, buffer=nl.sbuf)
         nisa.activation(dst=sig, op=nl.sigmoid, data=gc, scale=act["alpha"])
-        glu = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+        glu = nl.ndarray(g_ps.shape, dtype=f32, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=glu, data1=gc, data2=sig, op=nl.multiply)
-        uc = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+        uc = nl.ndarray(g_ps.shape, dtype=f32, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=uc, data=u_ps, op0=nl.add, operand0=b_up, op1=nl.maximum, operand1=-limit)
         nisa.tensor_scalar(dst=uc, data=uc, op0=nl.minimum, operand0=limit, op1=nl.add, operand1=1.0)
         nisa.tensor_tensor(dst=h, data1=uc, data2=glu, op=nl.multiply)
         return
     fn = nl.gelu_apprx_tanh if act["activation"] == "gelu_tanh" else nl.silu
-    a = nl.ndarray((iw, B), dtype=f32, buffer=nl.sbuf)
+    a = nl.ndarray(g_ps.shape, dtype=f32, buffer=nl.sbuf)
     if cols == None:  # noqa: E711
         nisa.activation(dst=a, op=fn, data=g_ps)
         nisa.tensor_tensor(dst=h, data1=a, data2=u_ps, op=nl.multiply)
@@ -169,8 +190,8 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
         hk = hcs[c][1]
         row = []
         for i0, iw in group:
-            row.append((wgu[c][:hk, i0:i0 + iw], x_T[c][:hk, :]))
-            row.append((wgu[c][:hk, inter + i0:inter + i0 + iw], x_T[c][:hk, :]))
+            row.append((wgu[c][:hk, i0:i0 + iw], x_T[c][:hk, :B]))
+            row.append((wgu[c][:hk, inter + i0:inter + i0 + iw], x_T[c][:hk, :B]))
         operands.append(row)
     accumulate(ps, operands)
     for jj in range(len(group)):
@@ -178,46 +199,87 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
         activate_T(h_T[j0 + jj][:iw, :], ps[2 * jj], ps[2 * jj + 1], j0 + jj, act)
 
 
-def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, x_next: list, token_table: Any, block_weights: Any,
+def _swiglu_pass_grouped(h_tile: Any, x_T: list, wgu: Any, H: int, inter: int, B: int, group: list, j0: int,
+                         act: dict) -> None:
+    """:func:`_swiglu_pass` with the pass's gate groups in one PSUM tile ``[P, nj, B]`` and its up groups
+    in another, activated together into ``h_tile[:, j0:j0+nj, :]`` (:func:`_grouped_pass`)."""
+    nj = len(group)
+    g_ps, u_ps = psum_tiles([(P, nj, B), (P, nj, B)])
+    ps = []
+    for jj in range(nj):
+        ps.append(g_ps[:, jj, :])
+        ps.append(u_ps[:, jj, :])
+    hcs = chunks(H, P)
+    operands = []
+    for c in range(len(hcs)):
+        hk = hcs[c][1]
+        row = []
+        for i0, _ in group:
+            row.append((wgu[c][:hk, i0:i0 + P], x_T[c][:hk, :B]))
+            row.append((wgu[c][:hk, inter + i0:inter + i0 + P], x_T[c][:hk, :B]))
+        operands.append(row)
+    accumulate(ps, operands)
+    activate_T(h_tile[:, j0:j0 + nj, :], g_ps, u_ps, j0, act)
+
+
+def _expert_blocks(lo: Any, hi: Any, width: int, x: Any, rows_in: dict, token_table: Any, block_weights: Any,
                    wgu: Any, wd: Any, y: Any, y_prev: list, slot_table: Any, act: dict, bd: Any) -> None:
     """Run-time loop over one expert's blocks lo..hi-1 of ``width`` rows (see moe_experts_kernel).
 
-    Software-pipelined on both sides of the compute. Gathers run one block ahead: block i finds its
-    token rows in ``x_next`` (gathered by block i-1, or by the kernel's prologue) and, once it has
-    transposed them, gathers block i+1's rows there -- across expert boundaries, since the blocks
+    Software-pipelined on both sides of the compute. Block i finds its token rows transposed in
+    ``rows_in["x_T"]`` (chunk views of ``rows_in["x_big"]``, :func:`transpose_next`, done by block i-1 or
+    the kernel's prologue); it gathers block i+1's rows into ``rows_in["x_next"]`` first, and
+    transposes them after its gate / up matmuls (the last readers of x.T), so their evacuations run
+    while the Tensor Engine computes the down projection -- across expert boundaries, since the blocks
     of consecutive experts are consecutive rows of the tables. Scatters run one block behind: block
-    i's scaled rows stay in ``y_prev`` until block i+1 has issued its gathers; block i+1 scatters them by
+    i's scaled rows stay in ``y_prev`` until block i+1 has issued its gather; block i+1 scatters them by
     its row of the second page of ``slot_table`` (the ids of the block before it on this core), so no
-    block id is carried from one iteration to the next. The descriptors of both indirect DMAs are written by one
-    in-order engine (GpSimd,
-    software DGE), so a gather issued after a scatter waits for the scattered block's whole compute;
-    this order lets an expert's short last block be followed at once by the next expert's first
-    block, whose rows were gathered while the short block computed. The affinities load first: a
+    block id is carried from one iteration to the next. The descriptors of both indirect DMAs are
+    written by one in-order engine (GpSimd, software DGE), so the gather goes first: behind the
+    scatter it would wait for the previous block's last evacuation. The affinities load first: a
     load behind the next expert's weight prefetch would hold the evacuations (and with them the
     Scalar Engine's queue) until the prefetch is done.
     """
     H = x.shape[1]
     inter = wgu[0].shape[1] // 2
-    HC = (H + P - 1) // P
     IC = (inter + P - 1) // P
-    subs = chunks(width, x_next[0].shape[0])
+    subs = chunks(width, P)
     page = slot_table.shape[0] // 2  # slot_table's second page: the previous block's ids
 
     def block(i):
         w = block_row(block_weights, i, 0)  # fp32 affinities
-        x_T = tiles(HC, (P, width), x.dtype)
-        for s in range(len(subs)):
-            r0, rw = subs[s]
-            transpose_rows(x_next[s][:rw, :], x_T, col0=r0, vector_every=VECTOR_TRANSPOSE_EVERY)
-        move_block_rows(x, x_next, block_row(token_table, i, 1), True)  # block i + 1 (any expert's)
+        nxt = block_row(token_table, i, 1)  # block i + 1 (any expert's)
+        move_block_rows(x, rows_in["x_next"], nxt, True)
         move_block_rows(y, y_prev, block_row(slot_table, i, page), False)  # the previous block's rows
-        h_T = tiles(IC, (P, width), x.dtype)
-        swiglu_T(h_T, x_T, wgu, H, inter, width, act)
+        h_big, h_T = chunk_tile(IC, width, x.dtype)
+        swiglu_T(h_T, rows_in["x_T"], wgu, H, inter, width, act, h_big)
+        transpose_next(rows_in, nxt)  # block i + 1's rows, for the next iteration
         for s in range(len(subs)):
             r0, rw = subs[s]
             row_matmul(y_prev[s], h_T, rw, wd, inter, col0=r0, scale=w[:rw, s:s + 1], bias=bd)
 
     nl.fori_loop(lo, hi, block)
+
+
+def transpose_next(rows_in: dict, ids: Any) -> None:
+    """The sub-tiles of ``rows_in["x_next"]`` that the next block's gather filled (by the flags in its
+    row ``ids`` of the token table: sub-tile 0 always, whole; the others when it is wider than one
+    sub-tile, as :func:`move_block_rows`), transposed into ``rows_in["x_big"]``. Rows past the block's
+    width are never read."""
+    x_next = rows_in["x_next"]
+    rows = x_next[0].shape[0]
+    transpose_rows_grouped(x_next[0], rows_in["x_big"])
+    if len(x_next) == 1:
+        return
+    more = nisa.register_alloc()
+    col = ids.shape[1] - NFLAGS + FLAG_MORE
+    nisa.register_load(more, ids[0:1, col:col + 1])
+
+    def rest(j):
+        for s in range(1, len(x_next)):
+            transpose_rows_grouped(x_next[s], rows_in["x_big"], col0=s * rows)
+
+    nl.fori_loop(0, more, rest)
 
 
 def block_row(table: Any, blk: Any, ahead: int, ids: Any = None) -> Any:
@@ -330,7 +392,9 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     # per-slot scaled expert outputs; shared: on LNC=2 the combine reads slots of both cores
     y = nl.ndarray((T * K, H), dtype=dt, buffer=nl.shared_hbm)
     y_prev = tiles(nsub, (rows, H), dt)  # the last computed block's rows, not yet scattered
-    x_next = tiles(nsub, (rows, H), dt)  # the next block's token rows, gathered one block ahead
+    # the next block's token rows, gathered one block ahead, and transposed (chunk views of one tile)
+    x_big, x_T = chunk_tile((H + P - 1) // P, B, dt)
+    rows_in = {"x_next": tiles(nsub, (rows, H), dt), "x_big": x_big, "x_T": x_T}
     bs = load_block_start(block_start)
     mine = owned_groups(E)
     prefetch = _prefetch_fits(H, w_down.shape[1], B, x.dtype)
@@ -338,7 +402,10 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
     if len(mine):
         first = nisa.register_alloc()
         nisa.register_load(first, bs[0:1, mine.start:mine.start + 1])
-        move_block_rows(x, x_next, block_row(token_table, first, 0), True)  # the first block, while its weights load
+        # the first block, while its weights load
+        ids = block_row(token_table, first, 0)
+        move_block_rows(x, rows_in["x_next"], ids, True)
+        transpose_next(rows_in, ids)
         nxt = (load_weight(w_gate_up, masked_group(mine.start, E_w)),
                load_weight(w_down, masked_group(mine.start, E_w)))
     for e in mine:
@@ -362,7 +429,7 @@ def moe_experts_kernel(x, w_gate_up, w_down, token_table, slot_table, block_star
                 # narrower last one: a load issued after all its transfers starts too late to hide
                 # when few DMAs are in flight; one issued before them delays this expert's gathers
                 nxt = (load_weight(w_gate_up, masked_group(e + 1, E_w)), load_weight(w_down, masked_group(e + 1, E_w)))
-            _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, x_next, token_table, block_weights,
+            _expert_blocks(bounds[seg], bounds[seg + 1], seg_widths[seg], x, rows_in, token_table, block_weights,
                            wgu, wd, y, y_prev, slot_table, act, bd)
         if e + 1 < mine.stop and not (prefetch and len(seg_widths) > 1):
             nxt = (load_weight(w_gate_up, masked_group(e + 1, E_w)), load_weight(w_down, masked_group(e + 1, E_w)))
