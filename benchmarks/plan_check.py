@@ -74,16 +74,16 @@ import json, sys
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from trnkit.harness.config import load_config
-from trnkit.harness.models import build_handle
+from trnkit.harness.models import build_spec
 from trnkit.packaged import resolve_config
 
 cfg = load_config(resolve_config(sys.argv[1]), sys.argv[2:])
 t = cfg.training
-handle = build_handle(cfg)
-model = handle.build()
-handle.init_weights(model)
+spec = build_spec(cfg)
+model = spec.build()
+spec.init_weights(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-tokens = torch.randint(0, handle.vocab_size, (t.local_batch_size, t.seq_len))
+tokens = torch.randint(0, spec.vocab_size, (t.local_batch_size, t.seq_len))
 tracker = MemTracker()
 tracker.track_external(model, opt)
 amp = t.dtype == "bfloat16"
@@ -91,7 +91,7 @@ with tracker:
     for i in range(2):  # torchtitan: the second iteration holds the optimizer state
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            loss = handle.loss_sum(model, tokens, tokens, t.loss_chunk_size)
+            loss = spec.loss_sum(model, tokens, tokens, t.loss_chunk_size)
         loss.backward()
         opt.step()
         if i == 0:

@@ -93,15 +93,15 @@ def test_trainer_cli_takes_a_config_name(tmp_path, monkeypatch):
 
 def test_shipped_hf_folder_resolves_from_any_folder(tmp_path, monkeypatch):
     from trnkit.harness.config import parse_args
-    from trnkit.harness.models import build_handle
+    from trnkit.harness.models import build_spec
     from trnkit.harness.plan import plan
     from trnkit.packaged import shipped_path
 
     monkeypatch.chdir(tmp_path)
     cfg = parse_args(["--config", "debug_moe_hf"])
     assert cfg.model.spec == "hf:configs/hf/qwen3-moe-debug"
-    handle = build_handle(cfg)
-    assert Path(handle.hf_path) == configs_dir() / "hf" / "qwen3-moe-debug" and handle.is_moe
+    spec = build_spec(cfg)
+    assert Path(spec.hf_path) == configs_dir() / "hf" / "qwen3-moe-debug" and spec.is_moe
     assert plan(cfg, 1, "cpu").total > 0
     (tmp_path / "configs" / "hf").mkdir(parents=True)  # a folder of the user's own wins
     assert shipped_path("configs/hf") == "configs/hf" and shipped_path("configs/nope") == "configs/nope"

@@ -10,7 +10,7 @@ import pytest
 from trnkit.harness.config import (ConfigError, ParallelismConfig, TrainerConfig, load_config, parse_args,
                                    resolve_parallel_degrees, to_toml)
 
-from trnkit.harness.models import build_handle
+from trnkit.harness.models import build_spec
 
 from .helpers import REPO
 
@@ -111,8 +111,8 @@ def test_parallel_degrees_must_multiply_to_world() -> None:
 def test_shipped_configs_parse(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)  # hf: paths in the configs are relative to the repository root
     cfg = load_config(path)
-    handle = build_handle(cfg)  # the flavor / HF config.json exists and accepts the config's fields
-    assert handle.vocab_size == 151936  # every shipped config uses the real Qwen3 tokenizer
+    spec = build_spec(cfg)  # the flavor / HF config.json exists and accepts the config's fields
+    assert spec.vocab_size == 151936  # every shipped config uses the real Qwen3 tokenizer
     assert cfg.data.tokenizer == "qwen3"
 
 
@@ -135,11 +135,11 @@ def test_cli_main_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> N
 def test_bad_model_config_is_a_config_error(model_cfg: str, match: str) -> None:
     cfg = load_config(None, ["--model.spec", "qwen3:debug", "--model.config", model_cfg])
     with pytest.raises(ConfigError, match=match):
-        build_handle(cfg)
+        build_spec(cfg)
 
 
 def test_unknown_flavor_and_long_seq() -> None:
     with pytest.raises(ConfigError, match=r"model\.spec: model_registry: unknown Qwen3 flavor 'tiny'"):
-        build_handle(load_config(None, ["--model.spec", "qwen3:tiny"]))
+        build_spec(load_config(None, ["--model.spec", "qwen3:tiny"]))
     with pytest.raises(ConfigError, match=r"training\.seq_len: 4096 exceeds the model's max_seq_len 2048"):
-        build_handle(load_config(None, ["--model.spec", "qwen3:debug", "--training.seq_len", "4096"]))
+        build_spec(load_config(None, ["--model.spec", "qwen3:debug", "--training.seq_len", "4096"]))

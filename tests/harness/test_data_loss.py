@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 from trnkit.harness import checkpoint as ckpt_mod
-from trnkit.harness import models as models_mod
 from trnkit.harness.checkpoint import list_checkpoints, verify_checkpoint
 from trnkit.harness.config import ConfigError
 from trnkit.harness.metrics import read_jsonl
 from trnkit.harness.rundir import LOCK_NAME, RunLock
 from trnkit.harness.train import lr_lambda, run
+from trnkit.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
 from .helpers import REPO, tiny_config, write_config
 from .test_faults import _assert_user_error, _ckpt_cfg, _main
@@ -158,13 +158,13 @@ def _disk_full(*args, **kwargs):
 @pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints-on", "checkpoints-off"])
 def test_disk_full_during_the_hf_export(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path, checkpoints: bool,
                                         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    real = models_mod.ModelHandle.save_hf
+    real = Qwen3StateDictAdapter.save_hf
 
     def save_hf(self, sd, path, dtype):  # writes the files, then the disk fills up
         real(self, sd, path, dtype)
         _disk_full()
 
-    monkeypatch.setattr(models_mod.ModelHandle, "save_hf", save_hf)
+    monkeypatch.setattr(Qwen3StateDictAdapter, "save_hf", save_hf)
     monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda path: _usage(10**6, 10**6 - 1000, 1000))
     cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=2,
                     checkpoint={"export_hf": True, "enable": checkpoints})
@@ -179,7 +179,7 @@ def test_disk_full_during_the_hf_export(tmp_path: Path, tiny_tokenizer: str, cor
     assert not out.exists() and not (tmp_path / "run" / "hf_export.tmp").exists()
     assert [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
     if checkpoints:  # the rerun (space freed) trains nothing and writes the export
-        monkeypatch.setattr(models_mod.ModelHandle, "save_hf", real)
+        monkeypatch.setattr(Qwen3StateDictAdapter, "save_hf", real)
         res = run(cfg)
         assert res.start_step == 2 and not res.losses and (out / "model.safetensors").is_file()
 

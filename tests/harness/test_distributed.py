@@ -102,7 +102,7 @@ def test_nki_kernels_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str
 
 
 def test_tp_experts_layout_round_trip() -> None:
-    from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
+    from trnkit.qwen3.tp_experts import from_tp_layout, to_tp_layout
 
     E, H, I, tp = 3, 2, 4, 2  # noqa: E741
     gate, up = torch.randn(E, H, I), torch.randn(E, H, I)

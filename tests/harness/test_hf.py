@@ -107,20 +107,20 @@ def test_hf_backend_with_nki_kernels_matches_reference(tmp_path: Path, hf_moe_di
 def test_hf_router_stats_give_transformers_aux_loss(tmp_path: Path, hf_moe_dir: Path, tiny_tokenizer: str,
                                                     corpus_dir: Path) -> None:
     # the global-batch aux loss reads the HF model's router logits; over one forward it is HF's own aux loss
-    from trnkit.harness.models import build_handle
+    from trnkit.harness.models import build_spec
     from trnkit.qwen3.model import load_balancing_loss
 
-    handle = build_handle(tiny_config(tmp_path, tiny_tokenizer, corpus_dir,
-                                      model={"spec": f"hf:{hf_moe_dir}", "config": {}}))
+    spec = build_spec(tiny_config(tmp_path, tiny_tokenizer, corpus_dir,
+                                    model={"spec": f"hf:{hf_moe_dir}", "config": {}}))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_moe_dir, dtype=torch.float32,
                                                               output_router_logits=True)
     model.train()
-    handle.logits(model, torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0)))
-    counts, prob_sum, rows = handle.router_stats(model)
+    spec.logits(model, torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0)))
+    counts, prob_sum, rows = spec.router_stats(model)
     assert rows == 2 * 16 and float(counts.sum()) == 2 * 16 * 2  # one MoE layer, top-2
-    assert handle.aux_coef == 0.001
-    torch.testing.assert_close(handle.aux_coef * load_balancing_loss(counts, prob_sum, rows, 4),
-                               handle.aux_loss(model), rtol=1e-6, atol=0)
+    assert spec.aux_coef == 0.001
+    torch.testing.assert_close(spec.aux_coef * load_balancing_loss(counts, prob_sum, rows, 4),
+                               spec.aux_loss(model), rtol=1e-6, atol=0)
 
 
 def test_hf_backend_refuses_non_float_weights(tmp_path: Path, hf_moe_dir: Path, tiny_tokenizer: str,

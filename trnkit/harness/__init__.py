@@ -2,10 +2,10 @@
 
 - :mod:`.config`      dataclasses, TOML + ``--section.field value`` CLI, validation (:class:`ConfigError`)
 - :mod:`.data`        local text -> tokenizer.json -> packed, shuffled, DP-sharded, resumable batches
-- :mod:`.models`      the ``qwen3:<flavor>`` (native) and ``hf:<path>`` (transformers) backends, TP plans
+- :mod:`.models`      ``model.spec`` -> a :class:`trnkit.model_spec.ModelSpec` (the table of model families)
+- :mod:`.hf_spec`     transformers v5 models as a ModelSpec (``hf:<path>``)
 - :mod:`.parallel`    process group / device mesh, FSDP2, DTensor-aware grad clipping
-- :mod:`.tp_experts`  routed experts sharded on I under TP
 - :mod:`.checkpoint`  atomic torch.distributed.checkpoint save / resume
 - :mod:`.metrics`     FLOPs per token, peak FLOPs, torchtitan's console line, JSONL, loss plot
-- :mod:`.train`       the loop (:func:`run`, :func:`main`)
+- :mod:`.train`       the :class:`Trainer` (build, ``train_step``, ``train``), :func:`run`, :func:`main`
 """

@@ -20,13 +20,14 @@ from typing import Any, Callable
 import torch
 
 from trnkit.harness import parallel
+from trnkit.model_spec import ModelSpec
 from trnkit.qwen3.model import load_balancing_loss
 
 
 class MoEAuxLoss:
-    def __init__(self, handle: Any, scope: str, dp: int, dp_group: Any) -> None:
-        self.handle, self.scope, self.dp, self.dp_group = handle, scope, dp, dp_group
-        self.coef = handle.aux_coef
+    def __init__(self, spec: ModelSpec, scope: str, dp: int, dp_group: Any) -> None:
+        self.spec, self.scope, self.dp, self.dp_group = spec, scope, dp, dp_group
+        self.coef = spec.aux_coef
         self._totals: tuple[torch.Tensor, torch.Tensor] | None = None
         self._sum = 0.0
         self._accum = 1
@@ -45,7 +46,7 @@ class MoEAuxLoss:
         with torch.no_grad():
             for i in range(n_microbatches):
                 forward(i)
-                stats = self.handle.router_stats(model)
+                stats = self.spec.router_stats(model)
                 if stats is None:
                     return
                 counts, rows = counts + stats[0].detach().cpu(), rows + stats[2]
@@ -56,19 +57,19 @@ class MoEAuxLoss:
         if not self.coef:
             return None
         if self.scope == "microbatch":
-            aux = self.handle.aux_loss(model)
+            aux = self.spec.aux_loss(model)
             if aux is None:
                 return None
             self._sum += float(aux.detach()) / self._accum
             return aux / self._accum  # mean over microbatches (and, through FSDP's averaging, over ranks)
-        stats = self.handle.router_stats(model)
+        stats = self.spec.router_stats(model)
         if stats is None:
             return None
         counts, prob_sum, rows = stats
         total_counts, total_rows = self._totals or self._reduce(counts, rows)
         dev = prob_sum.device
         aux = self.coef * load_balancing_loss(total_counts.to(dev), prob_sum, total_rows.to(dev),
-                                              self.handle.shape.num_experts)
+                                              self.spec.shape.num_experts)
         self._sum += float(aux.detach())
         return aux * self.dp  # FSDP averages gradients over the dp ranks; the step's loss is their sum
 

@@ -122,8 +122,11 @@ class RunIdentity:
 
     @classmethod
     def of(cls, model_spec: str, config: Any, model: nn.Module) -> "RunIdentity":
-        """From a resolved config (a dataclass or a transformers config) and the (meta) model."""
-        cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config.to_dict()
+        """From a resolved config (a dataclass, a transformers config or a plain dict) and the (meta) model."""
+        if dataclasses.is_dataclass(config):
+            cfg = dataclasses.asdict(config)
+        else:
+            cfg = dict(config) if isinstance(config, dict) else config.to_dict()
         cfg = json.loads(json.dumps(cfg, default=str))  # plain JSON values (dtypes etc. as strings)
         params = {name: list(p.shape) for name, p in model.named_parameters()}  # DTensor: global shape
         return cls(model_spec, cfg, params)

@@ -436,9 +436,9 @@ def _validate(cfg: TrainerConfig) -> None:
 
     _require_finite(cfg)
     req(0 <= cfg.job.seed <= SEED_MAX, "job.seed", "must be in [0, 2**63 - 1] (torch and numpy seeds)", cfg.job.seed)
-    spec = cfg.model.spec
-    req(spec.startswith(("qwen3:", "hf:")) and len(spec.split(":", 1)[1]) > 0, "model.spec",
-        "must be 'qwen3:<flavor>' or 'hf:<path>'", spec)
+    from trnkit.harness.models import spec_family  # the table of model families (models imports this module)
+
+    spec_family(cfg.model.spec)
     t = cfg.training
     for name in ("steps", "local_batch_size", "seq_len", "gradient_accumulation_steps"):
         req(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))

@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from trnkit.errors import ConfigError
-
-IGNORE_INDEX = -100
+from trnkit.model_spec import IGNORE_INDEX  # re-exported: the label the loss skips
 
 
 # --------------------------------------------------------------------------- bundled assets

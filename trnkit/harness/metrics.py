@@ -14,7 +14,6 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 
 from trnkit.errors import ConfigError
 from trnkit.harness.logs import LOGGER, ProgressLine
+from trnkit.model_spec import ModelShape  # re-exported
 
 # Dense BF16 peak per device as torchtitan's get_peak_flops counts it (PR #2382: trn1/inf2 90e12 per
 # NeuronCore-v2; trn2/trn3 79e12 x 2 per LNC=2 logical device). CPU: unknown -> None.
@@ -46,16 +46,6 @@ def peak_flops(device_type: str, device_name: str = "") -> float | None:
         if key in name:
             return PEAK_FLOPS[key]
     return PEAK_FLOPS["trn2"]  # torchtitan's fallback for an unrecognised neuron device
-
-
-@dataclass
-class ModelShape:
-    """What the FLOPs formula needs to know about a model."""
-    n_layers: int
-    n_heads: int
-    head_dim: int
-    num_experts: int = 0
-    top_k: int = 0
 
 
 def count_params(model: nn.Module, shape: ModelShape) -> dict[str, int]:

@@ -40,12 +40,13 @@ from trnkit.harness.data import IGNORE_INDEX, build_loaders
 from trnkit.harness.metrics import (MetricsLogger, device_memory, flops_per_token, peak_flops, plot_loss,
                                     step1_sanity)
 from trnkit.harness.logs import LOGGER, interrupt_message, setup_logging
-from trnkit.harness.models import ModelHandle, build_handle, has_hf_weights
+from trnkit.harness.models import build_spec, has_hf_weights
 from trnkit.harness.plan import check_at_startup, measured_vs_plan
 from trnkit.harness.plugins import import_plugins
 from trnkit.harness.rundir import RunLock, archive_previous_run, writable_inside
-from trnkit.harness.tp_experts import from_tp_layout, to_tp_layout
 from trnkit.harness.validation import Validator
+from trnkit.model_spec import ModelSpec
+from trnkit.qwen3.tp_experts import from_tp_layout, to_tp_layout
 
 DEBUG_ENV = "TRNKIT_DEBUG"
 EXPORT_DIR = "hf_export"  # under job.dump_folder
@@ -128,8 +129,10 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp
     return table
 
 
-def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv, log: _Log) -> tuple[Any, str, bool]:
-    """Build, parallelize, materialise, initialise or load, swap kernels. Returns (model, table, loaded).
+def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv,
+                 log: _Log) -> tuple[Any, str, bool, str]:
+    """Build, parallelize, materialise, initialise or load, swap kernels. Returns (model, override table,
+    loaded, what TP sharded).
 
     meta build -> TP -> [FSDP2 when each rank initialises only its shards] -> to_empty -> init or load
     -> kernel overrides -> [FSDP2 otherwise]. The overrides come after the weights so their
@@ -140,51 +143,52 @@ def _build_model(handle: ModelHandle, cfg: TrainerConfig, env: parallel.DistEnv,
     """
     torch.manual_seed(cfg.job.seed)
     with torch.device("meta"):
-        model = handle.build()
+        model = spec.build()
     bf16 = cfg.training.dtype == "bfloat16"
     fsdp_first = env.dp > 1 and not cfg.parallelism.replicated_init
 
     def fsdp() -> None:
-        parallel.apply_fsdp(model, handle.blocks(model), env.mesh["dp"], torch.bfloat16 if bf16 else None)
+        parallel.apply_fsdp(model, spec.blocks(model), env.mesh["dp"], torch.bfloat16 if bf16 else None)
 
+    tp_desc = "off"
     if env.tp > 1:
-        handle.apply_tp(model, env.mesh["tp"], cfg.parallelism.tp_experts)
+        tp_desc = spec.parallelize(model, env.mesh["tp"], cfg.parallelism.tp_experts)
     if fsdp_first:
         fsdp()
     model.to_empty(device=env.device)
-    handle.reset_buffers(model, env.device)
+    spec.reset_buffers(model, env.device)
 
-    load_path = cfg.checkpoint.initial_load_path or (handle.hf_path if cfg.model.hf_pretrained else "")
+    load_path = cfg.checkpoint.initial_load_path or (spec.hf_path if cfg.model.hf_pretrained else "")
     loaded = bool(load_path)
     if load_path:
         if not has_hf_weights(load_path):
             raise ConfigError(f"checkpoint.initial_load_path: no *.safetensors in {load_path!r}")
         log(f"loading HF weights from {load_path}")
-        _load_full(model, handle, handle.load_hf_state_dict(load_path), _expert_tp(cfg, env))
+        _load_full(model, spec, spec.state_dict_adapter.load_hf(load_path), _expert_tp(cfg, env))
     elif fsdp_first:
         log(f"init: each rank initialises its own shards (seed {cfg.job.seed} + rank)")
         with torch.no_grad(), parallel.local_shards(model):
             torch.manual_seed(cfg.job.seed + env.rank)  # independent values per shard
-            handle.init_weights(model)
+            spec.init_weights(model)
     elif env.tp == 1:
         # plain (not yet sharded) model: the same init as a single-process run
         with torch.no_grad():
             torch.manual_seed(cfg.job.seed)
-            handle.init_weights(model)
+            spec.init_weights(model)
     else:
         # TP-sharded: initialise the full model on CPU with the job seed on every rank and load the
         # shards, so the weights equal a single-process run's (sharded random init would not).
         torch.manual_seed(cfg.job.seed)
-        full = handle.build()
+        full = spec.build()
         with torch.no_grad():
             torch.manual_seed(cfg.job.seed)
-            handle.init_weights(full)
-        _load_full(model, handle, full.state_dict(), _expert_tp(cfg, env))
+            spec.init_weights(full)
+        _load_full(model, spec, full.state_dict(), _expert_tp(cfg, env))
         del full
     table = _apply_overrides(model, cfg, log, fsdp=fsdp_first)
     if env.dp > 1 and not fsdp_first:
         fsdp()
-    return model, table, loaded
+    return model, table, loaded, tp_desc
 
 
 def _expert_tp(cfg: TrainerConfig, env: parallel.DistEnv) -> int:
@@ -192,15 +196,11 @@ def _expert_tp(cfg: TrainerConfig, env: parallel.DistEnv) -> int:
     return env.tp if env.tp > 1 and cfg.parallelism.tp_experts == "shard_i" else 1
 
 
-def _load_full(model: torch.nn.Module, handle: ModelHandle, sd: dict[str, torch.Tensor], expert_tp: int = 1) -> None:
+def _load_full(model: torch.nn.Module, spec: ModelSpec, sd: dict[str, torch.Tensor], expert_tp: int = 1) -> None:
     if expert_tp > 1:
         sd = to_tp_layout(sd, expert_tp)
     load_full_model_state_dict(model, sd, strict=True)  # a missing key would leave to_empty garbage
-    if handle.kind == "native":
-        if handle.config.tie_word_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
-            model.lm_head.weight = model.tok_embeddings.weight
-    else:
-        model.tie_weights()
+    spec.tie_weights(model)
 
 
 def lr_schedule(cfg: TrainerConfig) -> dict[str, Any]:
@@ -305,11 +305,11 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_identity(handle: ModelHandle) -> RunIdentity:
+def run_identity(spec: ModelSpec) -> RunIdentity:
     """This run's model as its checkpoints record it (config + parameter shapes, from a meta build)."""
     with torch.device("meta"):
-        meta = handle.build()
-    return RunIdentity.of(handle.name, handle.config, meta)
+        meta = spec.build()
+    return RunIdentity.of(spec.name, spec.config, meta)
 
 
 @dataclass
@@ -360,8 +360,8 @@ class Trainer:
             envinfo.check_stack(cfg.job.stack)  # a ConfigError naming each difference
         if cfg.checkpoint.export_hf:
             writable_inside(os.path.join(dump, EXPORT_DIR), dump, "checkpoint.export_hf")
-        self.handle = handle = build_handle(cfg)
-        identity = run_identity(handle)
+        self.spec = spec = build_spec(cfg)
+        identity = run_identity(spec)
         self.memory_plan = check_at_startup(cfg, env.world_size, env.device.type, parallel.device_name(env.device),
                                             cfg.job.memory_check, log)
         ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
@@ -371,9 +371,9 @@ class Trainer:
                                                           trust_unverified=cfg.checkpoint.trust_unverified))
         self.loader, val_loader, tok = build_loaders(cfg.data, cfg.validation, t.seq_len, t.local_batch_size,
                                                      env.dp_rank, env.dp, cfg.job.seed)
-        if tok.vocab_size > handle.vocab_size:
-            raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {handle.name} has "
-                              f"vocab_size {handle.vocab_size}")
+        if tok.vocab_size > spec.vocab_size:
+            raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {spec.name} has "
+                              f"vocab_size {spec.vocab_size}")
         reschedule = resume_from is not None and on_rank0(lambda: _schedule_changed(cfg, resume_from, log))
         if resume_from is None:
             on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
@@ -395,23 +395,21 @@ class Trainer:
                 f"{t.local_batch_size * env.dp} x {t.seq_len} tokens from {source} ({len(val_loader.stream):,} "
                 "tokens, not trained on)")
 
-        model, table, self.loaded = _build_model(handle, cfg, env, log)
+        model, table, self.loaded, tp_desc = _build_model(spec, cfg, env, log)
         self.model = model
         if env.world_size > 1:
             n_dt = sum(hasattr(p, "placements") for p in model.parameters())
-            tp_desc = "attention + dense FFN" + (" + vocab (embedding, lm_head, loss)" if handle.kind == "native"
-                                                 else "")
             log(f"parallelized: {n_dt} of {len(list(model.parameters()))} parameters are DTensors "
-                f"(tp {env.tp}: {tp_desc if env.tp > 1 else 'off'}; "
+                f"(tp {env.tp}: {tp_desc}; "
                 f"fsdp {env.dp}: {'per block + root' if env.dp > 1 else 'off'})")
         if cfg.compile.enable:
-            for block in handle.blocks(model):
+            for block in spec.blocks(model):
                 block.compile(backend=cfg.compile.backend)
         model.train()
 
-        fpt, counts = flops_per_token(model, handle.shape, t.seq_len)
+        fpt, counts = flops_per_token(model, spec.shape, t.seq_len)
         n_dense = counts["total"] - counts["experts"]
-        log(f"model {handle.name}: total parameter count: dense {n_dense:,}, sparse {counts['experts']:,}, "
+        log(f"model {spec.name}: total parameter count: dense {n_dense:,}, sparse {counts['experts']:,}, "
             f"active {counts['active']:,}; {fpt / 1e9:.3f} GFLOP/token (fwd+bwd)")
 
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -437,7 +435,7 @@ class Trainer:
                                      non_dp_size=env.tp)
         self.result = RunResult(start_step=self.start_step, dump_folder=dump, override_table=table)
         self.use_autocast = t.dtype == "bfloat16" and env.dp == 1  # FSDP casts through its MixedPrecisionPolicy
-        self.aux_loss = MoEAuxLoss(handle, t.moe_aux_loss_scope, env.dp, env.dp_group)
+        self.aux_loss = MoEAuxLoss(spec, t.moe_aux_loss_scope, env.dp, env.dp_group)
         self.last_good = resume_from  # (step, path) of the newest committed checkpoint
 
     def _resume(self, resume_from: tuple[int, str], reschedule: bool) -> int:
@@ -460,7 +458,7 @@ class Trainer:
         device = self.env.device
         amp = torch.autocast(device.type, dtype=torch.bfloat16) if self.use_autocast else nullcontext()
         with amp:
-            return self.handle.loss_sum(self.model, tokens.to(device), labels.to(device),
+            return self.spec.loss_sum(self.model, tokens.to(device), labels.to(device),
                                         self.cfg.training.loss_chunk_size)
 
     def forward_backward_step(self, batch: Any, global_tokens: torch.Tensor) -> torch.Tensor:
@@ -525,7 +523,7 @@ class Trainer:
                 result.losses[step] = s.loss
                 result.grad_norms[step] = s.grad_norm
                 if step == self.start_step + 1 and self.start_step == 0:
-                    log(step1_sanity(s.loss, self.handle.vocab_size, self.loaded))
+                    log(step1_sanity(s.loss, self.spec.vocab_size, self.loaded))
                     if self.memory_plan is not None and self.env.device.type == "neuron":  # pragma: no cover
                         log(measured_vs_plan(self.memory_plan, device_memory(self.env.device)[0] * 2**30))
                 if self.validator is not None and self.validator.due(step):
@@ -553,17 +551,17 @@ class Trainer:
                 _settle_background_save(self.ckpt, self.env.world_size, log)
             metrics.close()
             if self.env.rank == 0 and cfg.metrics.plot:
-                _write_loss_plot(metrics.history, cfg, self.handle, outcome, log)
+                _write_loss_plot(metrics.history, cfg, self.spec, outcome, log)
 
         if cfg.checkpoint.export_hf:
             sd = from_tp_layout(full_model_state_dict(self.model), _expert_tp(cfg, self.env))
-            on_rank0(lambda: _write_export(self.handle, sd, cfg, self.last_good, log))
+            on_rank0(lambda: _write_export(self.spec, sd, cfg, self.last_good, log))
             result.hf_export = os.path.join(cfg.job.dump_folder, EXPORT_DIR)
         result.model = self.model
         return result
 
 
-def _write_export(handle: ModelHandle, sd: dict[str, torch.Tensor], cfg: TrainerConfig,
+def _write_export(spec: ModelSpec, sd: dict[str, torch.Tensor], cfg: TrainerConfig,
                   last_good: tuple[int, str] | None, log: _Log) -> None:
     """Write the HF export into ``hf_export.tmp`` and swap it in, so a failed write (disk full) leaves
     the previous export (if any) and removes its partial files. Never writes through a link."""
@@ -574,7 +572,7 @@ def _write_export(handle: ModelHandle, sd: dict[str, torch.Tensor], cfg: Trainer
     for stale in (tmp, old):
         shutil.rmtree(stale, ignore_errors=True)
     try:
-        handle.save_hf(sd, tmp, dtype)
+        spec.state_dict_adapter.save_hf(sd, tmp, dtype)
     except (OSError, SafetensorError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         need = sum(t.numel() for t in sd.values()) * torch.empty((), dtype=dtype).element_size()
@@ -636,16 +634,16 @@ def _settle_background_save(ckpt: Checkpointer, world_size: int, log: _Log) -> N
         LOGGER.warning(str(e))
 
 
-def _write_loss_plot(history: list[dict[str, Any]], cfg: TrainerConfig, handle: ModelHandle, outcome: str,
+def _write_loss_plot(history: list[dict[str, Any]], cfg: TrainerConfig, spec: ModelSpec, outcome: str,
                      log: _Log) -> None:
     """loss.png on every exit of the step loop (finished, diverged, interrupted, an error)."""
     if not history:
         log(f"no loss curve: the run {outcome} before its first logged step")
         return
-    title = f"{cfg.job.name}: {handle.name}" + ("" if outcome == "finished" else f" ({outcome})")
+    title = f"{cfg.job.name}: {spec.name}" + ("" if outcome == "finished" else f" ({outcome})")
     try:
         png = plot_loss(history, os.path.join(cfg.job.dump_folder, "loss.png"), title=title,
-                        vocab_size=handle.vocab_size)
+                        vocab_size=spec.vocab_size)
     except Exception as e:  # noqa: BLE001 - never hide why the run stopped behind a plotting error
         LOGGER.warning(f"could not write the loss curve: {type(e).__name__}: {e}")
         return

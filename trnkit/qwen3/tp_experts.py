@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trnkit.errors import ConfigError
+
 GATE_UP = re.compile(r"^layers\.\d+\.moe\.experts\.w_gate_up$")
 
 
@@ -88,7 +90,7 @@ def shard_experts_on_i(experts: nn.Module, tp_mesh: Any) -> None:
     tp = tp_mesh.size()
     inter = experts.w_down.shape[1]
     if inter % tp:
-        raise ValueError(f"parallelism.tp_experts 'shard_i': moe_inter_dim {inter} is not divisible by "
+        raise ConfigError(f"parallelism.tp_experts 'shard_i': moe_inter_dim {inter} is not divisible by "
                          f"tensor_parallel_degree {tp}")
     # Values are (re)loaded in the TP layout after materialisation; only shapes/placements matter here.
     experts.w_gate_up = nn.Parameter(distribute_tensor(experts.w_gate_up.data, tp_mesh, [Shard(2)]))
