@@ -2,22 +2,25 @@
 
 The layout follows torchtitan's classic TOML job config (``[job] [model] [training] [optimizer]
 [lr_scheduler] [parallelism] [checkpoint] [overrides] [compile] [metrics] [data] [validation]``). Every field can be
-set from the command line, e.g. ``--training.steps 20 --checkpoint.enable true``. Any mistake raises
-:class:`ConfigError` naming the key, the rule and the value.
+set from the command line, e.g. ``--training.steps 20 --checkpoint.enable true``. TOML is read by the
+standard library's ``tomllib``; each value is checked against its dataclass field's annotation by pydantic
+(:func:`coerce`). Any mistake raises :class:`ConfigError` naming the key, the rule and the value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from pydantic import TypeAdapter, ValidationError
 
 from trnkit.errors import ConfigError
 
@@ -214,69 +217,62 @@ def _suggest(name: str, options: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _coerce_number(key: str, tp: type, value: Any, from_cli: bool) -> int | float:
-    """An int or float field: TOML numbers (an int is a valid float, a bool is neither) or CLI strings."""
-    if from_cli and isinstance(value, str):
-        try:
-            return tp(value)
-        except ValueError:
-            pass
-    accepted = (int,) if tp is int else (int, float)
-    if isinstance(value, accepted) and not isinstance(value, bool):
-        return tp(value)
-    kind = "an int" if tp is int else "a number"
-    raise ConfigError(f"config {key}: expected {kind}, got {type(value).__name__} {value!r}")
+@functools.cache
+def _adapter(tp: Any) -> TypeAdapter:
+    return TypeAdapter(tp)
+
+
+# pydantic's error type prefix -> what the message says was expected
+_EXPECTED = {"int": "an int", "float": "a number", "bool": "a bool", "string": "a string", "list": "a list",
+             "dict": "a table"}
 
 
 def coerce(key: str, tp: Any, value: Any, from_cli: bool = False) -> Any:
-    """Check (TOML) or parse (CLI string) `value` against the annotation `tp`; a ConfigError names `key`."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        non_none = [a for a in args if a is not type(None)]
-        if value is None or (from_cli and str(value).lower() in ("none", "null")):
-            return None
-        return coerce(key, non_none[0], value, from_cli)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"config {key}: must be one of {list(args)}, got {value!r}")
-        return value
-    if tp is bool:
-        if from_cli and isinstance(value, str):
-            low = value.lower()
-            if low in ("true", "1", "yes", "on"):
-                return True
-            if low in ("false", "0", "no", "off"):
-                return False
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"config {key}: expected a bool, got {type(value).__name__} {value!r}")
-    if tp in (int, float):
-        return _coerce_number(key, tp, value, from_cli)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"config {key}: expected a string, got {type(value).__name__} {value!r}")
-    if origin is list:
-        if from_cli and isinstance(value, str):
-            value = json.loads(value) if value.startswith("[") else [v for v in value.split(",") if v]
-        if not isinstance(value, list):
-            raise ConfigError(f"config {key}: expected a list, got {type(value).__name__} {value!r}")
-        return [coerce(f"{key}[{i}]", args[0], v, from_cli) for i, v in enumerate(value)]
-    if origin is dict:
-        if from_cli and isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config {key}: expected a JSON object on the command line ({e})") from e
-        if not isinstance(value, dict):
-            raise ConfigError(f"config {key}: expected a table, got {type(value).__name__} {value!r}")
+    """Check a TOML value or parse a command-line string against the annotation ``tp`` (pydantic: strict
+    types for TOML, where an int is a valid float and a bool is no number; strings parsed from the CLI).
+    A ConfigError names ``key``, what was expected and the value."""
+    if from_cli and isinstance(value, str):
+        value = _from_cli(key, tp, value)
+    if isinstance(value, dict):
         nulls = [k for k, v in value.items() if v is None]
         if nulls:
             raise ConfigError(f"config {key}.{nulls[0]}: null is not a value (TOML has none); leave the key out "
                               f"to keep the model's default, got {value!r}")
-        return dict(value)
-    raise ConfigError(f"config {key}: unsupported field type {tp!r}")  # pragma: no cover
+    try:
+        return _adapter(tp).validate_python(value, strict=not from_cli)
+    except ValidationError as e:
+        raise ConfigError(_message(key, tp, value, e.errors()[0])) from None
+
+
+def _from_cli(key: str, tp: Any, value: str) -> Any:
+    """The command line's spellings that are not the value's own: none/null for an optional field, a list as
+    ``a,b`` or JSON, a table as JSON."""
+    args = typing.get_args(tp)
+    if type(None) in args:  # an optional field (X | None)
+        if value.lower() in ("none", "null"):
+            return None
+        tp = next(a for a in args if a is not type(None))
+    origin = typing.get_origin(tp)
+    try:
+        if origin is list:
+            return json.loads(value) if value.startswith("[") else [v for v in value.split(",") if v]
+        if origin is dict:
+            return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config {key}: expected JSON on the command line ({e}), got {value!r}") from None
+    return value
+
+
+def _message(key: str, tp: Any, value: Any, err: dict[str, Any]) -> str:
+    where = key + "".join(f"[{i}]" for i in err["loc"] if isinstance(i, int))
+    if err["type"] == "literal_error":
+        options = list(typing.get_args(tp)) if typing.get_origin(tp) is Literal else err["ctx"]["expected"]
+        return f"config {where}: must be one of {options}, got {value!r}"
+    got = err["input"]
+    expected = _EXPECTED.get(err["type"].split("_")[0])
+    if expected:
+        return f"config {where}: expected {expected}, got {type(got).__name__} {got!r}"
+    return f"config {where}: {err['msg']}, got {got!r}"
 
 
 def _set(cfg: TrainerConfig, dotted: str, value: Any, from_cli: bool) -> None:
