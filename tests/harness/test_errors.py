@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from trnkit.errors import ConfigError, TrnkitError
 from trnkit.harness import train
 from trnkit.harness.checkpoint import CheckpointSaveError
 from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.overrides.registry import ConstraintFunctionError, OverrideConstraintError, RegistrationError
+from trnkit.qwen3 import Qwen3Config
+from trnkit.qwen3.checkpoint import parse_size
 from trnkit.qwen3.state_dict import CheckpointError
+from trnkit.qwen3.tp_experts import shard_experts_on_i
 
 
 @pytest.mark.parametrize("cls", [ConfigError, KernelConstraintError, OverrideConstraintError, CheckpointError,
@@ -48,3 +52,28 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(train, "run", fail)
     with pytest.raises(ZeroDivisionError):
         train.main([])
+
+
+
+class _Experts:  # what shard_experts_on_i reads before it refuses: the down projection's shape [E, I, H]
+    w_down = torch.zeros(2, 3, 4)
+
+
+class _Mesh:
+    def size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: Qwen3Config(n_heads=3, n_kv_heads=2), r"Qwen3Config: n_heads \(3\) must be a multiple of n_kv_heads"),
+    (lambda: Qwen3Config.from_hf({"model_type": "llama"}),
+     r"Qwen3Config\.from_hf: model_type must be 'qwen3' or 'qwen3_moe', got 'llama'"),
+    (lambda: parse_size("5 parsecs"), r"save_hf_checkpoint: cannot parse max_shard_size '5 parsecs'"),
+    (lambda: shard_experts_on_i(_Experts(), _Mesh()),
+     r"parallelism\.tp_experts 'shard_i': moe_inter_dim 3 is not divisible by tensor_parallel_degree 2"),
+])
+def test_library_input_errors_are_trnkit_errors(call, match: str) -> None:
+    # the native model's config and checkpoint arguments: ConfigError (still a ValueError for old except clauses)
+    with pytest.raises(TrnkitError, match=match) as e:
+        call()
+    assert isinstance(e.value, ValueError)

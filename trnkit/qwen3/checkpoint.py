@@ -19,6 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from trnkit.errors import ConfigError
+
 from .config import Qwen3Config
 from .model import Qwen3Model
 from .state_dict import CheckpointError, HFKey, check_keys, copy_hf_tensor, native_to_hf_items
@@ -172,11 +174,11 @@ def parse_size(size: int | str) -> int:
     """Bytes from an int or a string like "5GB" (10^9) / "500MiB" (2^20), as HF's max_shard_size."""
     if isinstance(size, int):
         if size <= 0:
-            raise ValueError(f"save_hf_checkpoint: max_shard_size must be > 0, got {size}")
+            raise ConfigError(f"save_hf_checkpoint: max_shard_size must be > 0, got {size}")
         return size
     m = _SIZE_RE.match(str(size))
     if not m:
-        raise ValueError(f"save_hf_checkpoint: cannot parse max_shard_size {size!r} (e.g. '5GB', '200MiB', 10**9)")
+        raise ConfigError(f"save_hf_checkpoint: cannot parse max_shard_size {size!r} (e.g. '5GB', '200MiB', 10**9)")
     return int(float(m[1]) * _UNITS[(m[2] or "B").upper()])
 
 

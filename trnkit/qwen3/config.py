@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trnkit.errors import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -55,7 +57,7 @@ class Qwen3Config:
     def validate(self) -> None:
         def req(cond: bool, what: str) -> None:
             if not cond:
-                raise ValueError(f"Qwen3Config: {what}")
+                raise ConfigError(f"Qwen3Config: {what}")
 
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len"):
             v = getattr(self, name)
@@ -123,22 +125,22 @@ class Qwen3Config:
         d = _as_dict(hf)
         model_type = d.get("model_type", "qwen3")
         if model_type not in ("qwen3", "qwen3_moe"):
-            raise ValueError(f"Qwen3Config.from_hf: model_type must be 'qwen3' or 'qwen3_moe', got {model_type!r}")
+            raise ConfigError(f"Qwen3Config.from_hf: model_type must be 'qwen3' or 'qwen3_moe', got {model_type!r}")
         rope_params = d.get("rope_parameters") or {}
         rope_scaling = d.get("rope_scaling")
         rope_type = rope_params.get("rope_type") or (rope_scaling or {}).get("rope_type") or (
             rope_scaling or {}).get("type") or "default"
         if rope_type != "default":
-            raise ValueError(f"Qwen3Config.from_hf: only rope_type 'default' is supported, got {rope_type!r}")
+            raise ConfigError(f"Qwen3Config.from_hf: only rope_type 'default' is supported, got {rope_type!r}")
         theta = rope_params.get("rope_theta", d.get("rope_theta"))
         if theta is None:
-            raise ValueError("Qwen3Config.from_hf: config has neither rope_parameters.rope_theta nor rope_theta")
+            raise ConfigError("Qwen3Config.from_hf: config has neither rope_parameters.rope_theta nor rope_theta")
         if d.get("attention_bias", False):
-            raise ValueError("Qwen3Config.from_hf: attention_bias=True is not supported (Qwen3 has no biases)")
+            raise ConfigError("Qwen3Config.from_hf: attention_bias=True is not supported (Qwen3 has no biases)")
         if d.get("use_sliding_window", False):
-            raise ValueError("Qwen3Config.from_hf: use_sliding_window=True is not supported")
+            raise ConfigError("Qwen3Config.from_hf: use_sliding_window=True is not supported")
         if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"Qwen3Config.from_hf: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
+            raise ConfigError(f"Qwen3Config.from_hf: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
         n_heads = d["num_attention_heads"]
         # v5 writes num_local_experts (Qwen3MoeConfig.attribute_map: num_experts -> num_local_experts)
         num_experts = d.get("num_experts", d.get("num_local_experts")) or 0
@@ -176,7 +178,7 @@ class Qwen3Config:
     def to_hf(self, version: int = 5) -> dict[str, Any]:
         """config.json dict for transformers (`version=5`: rope_parameters; `4`: top-level rope_theta)."""
         if version not in (4, 5):
-            raise ValueError(f"Qwen3Config.to_hf: version must be 4 or 5, got {version!r}")
+            raise ConfigError(f"Qwen3Config.to_hf: version must be 4 or 5, got {version!r}")
         d: dict[str, Any] = {
             "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
             "model_type": "qwen3_moe" if self.is_moe else "qwen3",
@@ -228,7 +230,7 @@ def _as_dict(hf: Any) -> dict[str, Any]:
             with open(path) as f:
                 return json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"Qwen3Config.from_hf: {path} is not valid JSON ({e})") from e
+            raise ConfigError(f"Qwen3Config.from_hf: {path} is not valid JSON ({e})") from e
     if hasattr(hf, "to_dict"):
         return hf.to_dict()
     raise TypeError(f"Qwen3Config.from_hf: expected a dict, a path or a transformers config, got {type(hf).__name__}")
