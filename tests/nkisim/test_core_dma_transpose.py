@@ -81,7 +81,8 @@ def test_hwdge_accepts_documented_shapes():
     (lambda: (sb((128, 3, 16), nl.float32), hb(np.zeros((16, 3, 128), np.float32)), {}),
      r"meets neither the hardware-DGE rules \(needs a 2-byte src dtype"),
     (lambda: (sb((128, 16)), hb(np.zeros((16, 128), BF16)), {"dge_mode": nisa.dge_mode.swdge}),
-     "only valid dge_modes are unknown, hwdge and none \\(static\\), got dge_mode.swdge"),
+     "only valid dge_modes are unknown, hwdge and none \\(static\\); swdge needs an indirect "
+     "\\(vector_offset\\) src, got dge_mode.swdge"),
     (lambda: (sb((128, 16)), hb(np.zeros((16, 128), BF16)), {"axes": (0, 1)}),
      r"axes must be \(1, 0\) for a 2-D src .* got \(0, 1\)"),
     (lambda: (sb((4, 3, 2)), hb(np.zeros((2, 3, 4), BF16)), {"axes": (1, 0, 2)}),

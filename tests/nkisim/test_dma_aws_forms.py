@@ -38,7 +38,8 @@ def test_a_transpose_with_a_non_unit_second_dim_is_still_refused():
 
 def test_transpose_with_static_dma_dge_mode_none():
     """mlp_tkg's gate/up bias load (run by moe_tkg, tested on trn2): a [n, 1, 1, I0] view transposed
-    to [I0, 1, 1, n] with ``dge_mode=3`` (none); swdge stays refused, none keeps unknown's shape rules."""
+    to [I0, 1, 1, n] with ``dge_mode=3`` (none); swdge without an indirect src stays refused, none keeps
+    unknown's shape rules."""
     b = RNG.standard_normal((3, 128)).astype(BF16)
     src = from_array(b, nl.hbm, "bias").ap(pattern=[[128, 3], [1, 1], [1, 1], [1, 128]], offset=0)
     dst = nl.ndarray((128, 3), BF16, buffer=nl.sbuf, name="biasT")
@@ -48,9 +49,45 @@ def test_transpose_with_static_dma_dge_mode_none():
         nisa.dma_transpose(dst=nl.ndarray((128, 2, 3, 128), BF16, buffer=nl.sbuf), dge_mode=3,
                            src=from_array(np.zeros((128, 2, 3, 128), BF16), nl.hbm, "x"))
     with pytest.raises(NkiValidationError, match=r"dma_transpose: the only valid dge_modes are unknown, hwdge and "
-                       r"none \(static\), got dge_mode.swdge"):
+                       r"none \(static\); swdge needs an indirect \(vector_offset\) src, got dge_mode.swdge"):
         nisa.dma_transpose(dst=nl.ndarray((128, 3), BF16, buffer=nl.sbuf), src=from_array(b.T.copy(), nl.hbm, "b"),
                            dge_mode=nisa.dge_mode.swdge)
+
+
+@pytest.mark.parametrize("mode", [nisa.dge_mode.swdge, nisa.dge_mode.unknown])
+def test_indirect_transpose_gathers_rows_then_transposes(mode):
+    """attention_tkg's block-KV K^T load: a [blocks * block_len * d] cache viewed as [128, 1, block_len, d]
+    with partition p reading block ``idx[p]`` (vector_offset), transposed to [d, 1, block_len, 128] at
+    dge_mode=swdge (the DGE guide: software DGE is the mode for indirect gathers)."""
+    blocks, blk, d = 300, 4, 64
+    cache = RNG.standard_normal((blocks, 1, blk, d)).astype(BF16)
+    idx_np = RNG.choice(blocks, size=128, replace=False).astype(np.uint32).reshape(128, 1)
+    idx = from_array(idx_np, nl.sbuf, "blocks")
+    src = from_array(cache, nl.hbm, "k").ap([[blk * d, 128], [1, 1], [d, blk], [1, d]], offset=0,
+                                            vector_offset=idx, indirect_dim=0)
+    dst = nl.ndarray((d, 1, blk, 128), BF16, buffer=nl.sbuf, name="kT")
+    with trace.record() as tr:
+        nisa.dma_transpose(dst=dst, src=src, axes=(3, 1, 2, 0), dge_mode=mode)
+    np.testing.assert_array_equal(dst.np(), np.transpose(cache[idx_np[:, 0]], (3, 1, 2, 0)))
+    assert tr.instrs[0].attrs["indirect"] is True
+    # oob_mode=skip leaves the columns of out-of-range rows untouched
+    idx.np()[5, 0] = blocks + 7
+    before = dst.np().copy()
+    nisa.dma_transpose(dst=dst, src=src, dge_mode=mode, oob_mode=nisa.oob_mode.skip)
+    np.testing.assert_array_equal(dst.np()[..., 5], before[..., 5])
+    with pytest.raises(NkiValidationError, match=r"dma_transpose: .* out of bounds"):
+        nisa.dma_transpose(dst=dst, src=src, dge_mode=mode)
+
+
+def test_indirect_transpose_rules():
+    idx = from_array(np.zeros((128, 1), np.uint32), nl.sbuf, "blocks")
+    src = from_array(np.zeros((8, 1, 4, 64), BF16), nl.hbm, "k").ap([[256, 128], [1, 1], [64, 4], [1, 64]],
+                                                                   offset=0, vector_offset=idx, indirect_dim=0)
+    dst = nl.ndarray((64, 1, 4, 128), BF16, buffer=nl.sbuf)
+    for mode in (nisa.dge_mode.hwdge, 3):  # descriptors fixed at compile time cannot follow SBUF indices
+        with pytest.raises(NkiValidationError, match=r"dma_transpose: the only valid dge_modes are unknown and "
+                           r"swdge for an indirect \(vector_offset\) src, got dge_mode.(hwdge|none)"):
+            nisa.dma_transpose(dst=dst, src=src, dge_mode=mode)
 
 
 def test_dge_mode_given_as_its_raw_value():

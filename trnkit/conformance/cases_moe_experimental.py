@@ -1,7 +1,8 @@
 """Conformance cases of nki-library's experimental/moe kernels, written from their test files.
 
 ``test/integration/nkilib/experimental/moe/test_bwmm_shard_on_H.py``: ``blockwise_mm_baseline_shard_hidden``
-(blockwise MoE, each core takes half of the hidden dimension) at LNC 2, rtol 2e-2 / atol 1e-5. Routing as
+(blockwise MoE, each core takes half of the hidden dimension) at LNC 2, rtol 2e-2 / atol 1e-5, on five of
+its rows at their shapes (see ``_SHARD_H``). Routing as
 the test's ``generate_token_position_to_id_and_experts`` (``np.random.seed(0)``, each token picks
 ``top_k`` distinct experts; experts get ceil(tokens / block) blocks in expert order, the padding blocks
 go to the last expert), then ``np.random.seed(0)`` again for the hidden states and affinities
@@ -121,39 +122,16 @@ def shard_on_h_golden(hidden_states: Any, expert_affinities_masked: Any, gate_up
     return {"output": output}
 
 
-# moe_bwmm_shard_h_test_params: hidden, tokens, experts, block, top_k, intermediate, dtype, skip, scaling,
-# checkpoint activations (the kernel then also returns the activations; the test compares the output only)
+# moe_bwmm_shard_h_test_params rows run here: hidden, tokens, experts, block, top_k, intermediate, dtype, skip,
+# scaling, checkpoint activations (the kernel then also returns the activations; the test compares the output
+# only). Its other 25 rows take 3 to 15 minutes each on the interpreter here (up to 286 blocks of 512 tokens
+# x H=7168, or I up to 2880) and are not run.
 _SHARD_H = [
-    (7168, 1024, 256, 512, 8, 32, BF16, 0, "POST_SCALE", False),
-    (7168, 1024, 256, 256, 8, 32, BF16, 0, "POST_SCALE", False),
-    (7168, 1024, 256, 256, 8, 32, BF16, 2, "POST_SCALE", False),
-    (6144, 4096, 16, 512, 4, 336, BF16, 0, "POST_SCALE", False),
-    (6144, 4096, 16, 512, 4, 336, BF16, 1, "POST_SCALE", False),
-    (6144, 4096, 16, 512, 4, 336, BF16, 2, "POST_SCALE", False),
-    (6144, 4096, 16, 1024, 4, 336, BF16, 1, "POST_SCALE", False),
-    (6144, 4096, 16, 512, 1, 336, BF16, 0, "POST_SCALE", False),
     (5120, 8192, 16, 256, 1, 128, BF16, 2, "POST_SCALE", False),
-    (6144, 4096, 16, 512, 4, 336, F32, 0, "POST_SCALE", False),
     (5120, 8192, 16, 256, 1, 128, BF16, 0, "NO_SCALE", False),
     (5120, 8192, 16, 256, 1, 128, BF16, 0, "PRE_SCALE", False),
-    (5120, 8192, 16, 256, 1, 512, BF16, 0, "NO_SCALE", False),
-    (5120, 8192, 16, 256, 1, 512, BF16, 0, "PRE_SCALE", False),
-    (5120, 8192, 128, 128, 2, 64, BF16, 0, "NO_SCALE", False),
-    (5120, 8192, 128, 128, 2, 64, BF16, 0, "POST_SCALE", False),
-    (5120, 8192, 128, 128, 2, 64, BF16, 0, "PRE_SCALE", False),
-    (5120, 8192, 128, 128, 4, 64, BF16, 0, "PRE_SCALE", False),
-    (5120, 8192, 128, 128, 4, 64, BF16, 0, "NO_SCALE", False),
-    (5120, 8192, 128, 128, 4, 64, BF16, 0, "POST_SCALE", False),
     (1536, 4096, 234, 128, 7, 288, BF16, 1, "POST_SCALE", False),
-    (6144, 4096, 16, 512, 4, 1024, BF16, 0, "POST_SCALE", False),
-    (6144, 4096, 16, 512, 4, 1024, F32, 0, "POST_SCALE", False),
-    (5120, 8192, 128, 256, 4, 1024, BF16, 0, "POST_SCALE", True),
-    (5120, 8192, 16, 256, 4, 1024, BF16, 0, "POST_SCALE", True),
-    (5120, 8192, 16, 256, 4, 1024, F32, 0, "POST_SCALE", True),
-    (5120, 8192, 128, 256, 1, 128, BF16, 0, "POST_SCALE", True),
     (5120, 8192, 128, 256, 1, 128, F32, 0, "POST_SCALE", True),
-    (2880, 8192, 128, 512, 4, 2880, BF16, 0, "POST_SCALE", True),
-    (2880, 8192, 128, 512, 4, 2880, BF16, 0, "POST_SCALE", False),
 ]
 
 

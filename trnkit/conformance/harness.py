@@ -443,9 +443,14 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
 
 def first_output(kernel: Callable[..., Any]) -> Callable[..., Any]:
     """``kernel`` returning only its first output, for tests that check that one alone (a
-    ``Case.wrap_kernel``)."""
+    ``Case.wrap_kernel``). A ``@nki.jit`` kernel's body is called, so it runs in the launch's own
+    programs (calling the jit kernel would start a launch of its own, without the grid)."""
+    from trnkit.nkisim.jit import Kernel
+
+    body = kernel.fn if isinstance(kernel, Kernel) else kernel
+
     def wrapper(**kw: Any) -> Any:
-        result = kernel(**kw)
+        result = body(**kw)
         return result[0] if isinstance(result, (list, tuple)) else result
     return wrapper
 

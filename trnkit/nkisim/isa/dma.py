@@ -181,7 +181,9 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
     ``[A, 1, B, F]``, any dtype: nki-library ``experimental/collectives/fgcc.py``, ``topk_reduce.py``,
     ``core/qkv/qkv_cte.py``, ``core/attention/attention_cte.py``) and rejects the rest as not known
     to compile. dst must have the permuted shape and src's dtype;
-    no conversion. The indirect (``vector_offset``, software-DGE) transpose is not modelled.
+    no conversion. An indirect src (an HBM ``vector_offset`` view: partition ``p`` reads row
+    ``vector_offset[p]``) is gathered, then transposed; it needs ``dge_mode`` ``unknown`` or
+    ``swdge`` as every indirect DMA does (see :func:`dma_copy`).
     """
     op = "dma_transpose"
     dge_mode = _dge_mode(op, dge_mode)
@@ -200,16 +202,24 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
     # The docstring lists unknown and hwdge. nki-library's mlp_tkg gate/up projection (run by moe_tkg's
     # all-expert path, tested on trn2) transposes its bias with dge_mode=3, none ("Use STATIC DMA mode":
     # descriptors built at compile time); the tested kernel wins, so none runs under unknown's shape
-    # rules. swdge (descriptors built by software at run time) stays refused.
-    if dge_mode not in (common.dge_mode.unknown, common.dge_mode.hwdge, common.dge_mode.none):
-        fail(op, "the only valid dge_modes are unknown, hwdge and none (static), got {mode}", mode=dge_mode)
+    # rules. swdge (descriptors built by software at run time) only with an indirect src: the DGE deep
+    # dive (nki-dge.rst, "How .ap() Affects DGE Mode") calls software DGE "the only mode that supports
+    # indirect (gather/scatter) operations with dynamic indices from SBUF", and nki-library's tested
+    # attention_tkg loads block-KV K^T with an indirect dma_transpose at dge_mode=swdge.
+    indirect = src.indirect_info is not None
+    allowed = (common.dge_mode.unknown, common.dge_mode.swdge) if indirect else \
+        (common.dge_mode.unknown, common.dge_mode.hwdge, common.dge_mode.none)
+    if dge_mode not in allowed:
+        fail(op, "the only valid dge_modes are {valid}, got {mode}", mode=dge_mode,
+             valid="unknown and swdge for an indirect (vector_offset) src" if indirect
+             else "unknown, hwdge and none (static); swdge needs an indirect (vector_offset) src")
     # dma_transpose docstring (NKI 0.6): "oob_mode.skip: ... Only valid when src uses indirect
     # indexing"; NKI 0.5.0 release notes: "dma_transpose with scalar_offset now supports oob_mode.skip"
     _check_skip_is_indirect(op, oob_mode, [src], "nki.isa.dma_transpose: oob_mode.skip is \"Only valid "
                             "when src uses indirect indexing\"")
     _check_transpose_shape(op, src, dge_mode)
-    if src.indirect_info is not None or dst.indirect_info is not None:
-        fail(op, "indirect (vector_offset) transposes are not supported")
+    if dst.indirect_info is not None:
+        fail(op, "dst cannot be indirect (vector_offset); only the src of a transpose may gather rows")
     want = tuple(src.shape[a] for a in perm)
     if tuple(dst.shape) != want:
         fail(op, "dst shape must be src shape {src_shape} permuted by {perm} = {want}, got {dst_shape}",
@@ -217,14 +227,30 @@ def dma_transpose(dst: NkiTensor, src: NkiTensor, axes: tuple[int, ...] | None =
     if dst.dtype != src.dtype:
         fail(op, "dst dtype must equal src dtype, got dst {dst_dtype} and src {src_dtype}",
              dst_dtype=dst.dtype, src_dtype=src.dtype)
-    src_np, out = _views(dst, src, oob_mode is common.oob_mode.skip)
-    moved = 0
-    if src_np is not None:
-        out[...] = np.transpose(src_np, perm)
-        moved = dst.size
+    if indirect:
+        moved = _indirect_transpose(op, dst, src, perm, oob_mode is common.oob_mode.skip or trace.trace_only())
+    else:
+        src_np, out = _views(dst, src, oob_mode is common.oob_mode.skip)
+        moved = 0
+        if src_np is not None:
+            out[...] = np.transpose(src_np, perm)
+            moved = dst.size
     if trace.active() is None:
         return
-    _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name, "transpose": True, "name": name})
+    _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name, "transpose": True, "indirect": indirect,
+                                    "name": name})
+
+
+def _indirect_transpose(op: str, dst: NkiTensor, src: NkiTensor, perm: tuple[int, ...], skip: bool) -> int:
+    """Gather the rows of an indirect src, then write them transposed; with ``oob_mode=skip`` the dst
+    elements that an out-of-range row would fill keep their values. Returns the elements moved."""
+    store, index, valid = src.indirect_rows(op, skip) or src.indirect_plan(op, skip)
+    out = dst.np()
+    inverse = tuple(np.argsort(perm))
+    rows = np.transpose(out, inverse).copy()  # dst in src's layout: row p is src partition p
+    rows[valid] = store[index[valid]].reshape(rows[valid].shape)
+    out[...] = np.transpose(rows, perm)
+    return int(valid.sum()) * (dst.size // max(len(valid), 1))
 
 
 def _hwdge_violation(src: NkiTensor) -> str | None:
