@@ -111,7 +111,10 @@ def _per_col(w_sb, Pc, NT, H):
 # Engine time of one per-row scaling pass (ns per element per partition): Vector ``tensor_scalar`` with an
 # fp32 scalar column (no 2-byte performance mode) at 0.96 GHz, Scalar ``activation`` at 1.2 GHz; the
 # rows of a chunk go to whichever engine has less work so far (``load`` = [Vector ns, Scalar ns]).
+# A Scalar ACTIVATE also takes a fixed time per instruction (trn2 profiles: about 295 ns), so a short
+# row costs Scalar about three times what it costs Vector.
 VECTOR_NS, SCALAR_NS = 1.0 / 0.96, 1.0 / 1.2
+ACTIVATE_FIXED_NS = 295.0
 MIN_CYCLES = 64  # an instruction's minimum initiation interval (cycles)
 
 
@@ -119,9 +122,10 @@ def _scale_row(dst, src, col, load):
     """``dst = src * col`` (a per-partition fp32 scalar column) on Vector or Scalar, whichever is less
     loaded; ``load`` is updated."""
     n = max(MIN_CYCLES, src.shape[1])
-    if load[1] + n * SCALAR_NS <= load[0] + n * VECTOR_NS:
+    on_scalar = n * SCALAR_NS + ACTIVATE_FIXED_NS
+    if load[1] + on_scalar <= load[0] + n * VECTOR_NS:
         nisa.activation(dst=dst, op=nl.copy, data=src, scale=col)
-        load[1] = load[1] + n * SCALAR_NS
+        load[1] = load[1] + on_scalar
     else:
         nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=col)
         load[0] = load[0] + n * VECTOR_NS
@@ -337,10 +341,11 @@ def _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, ident, Pc, NT, H):
 
 
 def _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, Pc, NT, H):
-    """``dx = rstd * gw + (-c * x + grad_s)`` per row: Scalar scales x, Vector adds (fp32) and rounds once."""
+    """``dx = rstd * gw + (-c * x + grad_s)`` per row on Vector (a short row on Scalar would add its fixed
+    ACTIVATE time): scales x and adds in fp32, rounded once."""
     u = nl.ndarray((Pc, NT, H), dtype=nl.float32, buffer=nl.sbuf)
     for j in range(NT):
-        nisa.activation(dst=u[:, j, :], op=nl.copy, data=x_t[:, j, :], scale=negc_t[:, j:j + 1])
+        nisa.tensor_scalar(dst=u[:, j, :], data=x_t[:, j, :], op0=nl.multiply, operand0=negc_t[:, j:j + 1])
     if gs_t != None:  # noqa: E711
         nisa.tensor_tensor(dst=u, data1=u, data2=gs_t, op=nl.add)
     for j in range(NT):
