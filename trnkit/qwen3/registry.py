@@ -1,4 +1,4 @@
-"""Flavor registry: `model_registry(flavor) -> ModelSpec(name, flavor, config)`.
+"""Flavor registry: `model_registry(flavor) -> FlavorSpec(name, flavor, config)`.
 
 Published values from the Qwen3 config.json files on the HF Hub (see ../shared/notes/qwen3.md and
 anchors.md §2.5; torchtitan's qwen3 flavor table has the same numbers, 235B-A22B rope_theta 5e6 per
@@ -15,7 +15,7 @@ from .config import Qwen3Config
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class FlavorSpec:
     """A named model: ``name`` ("qwen3"), the canonical ``flavor`` (aliases resolved) and its config."""
 
     name: str
@@ -66,7 +66,7 @@ def flavors() -> list[str]:
     return list(_FLAVORS)
 
 
-def model_registry(flavor: str, **overrides: Any) -> ModelSpec:
+def model_registry(flavor: str, **overrides: Any) -> FlavorSpec:
     """Spec for a named flavor; keyword overrides replace config fields (e.g. `max_seq_len=8192`)."""
     flavor = _ALIASES.get(flavor, flavor)
     if flavor not in _FLAVORS:
@@ -74,4 +74,4 @@ def model_registry(flavor: str, **overrides: Any) -> ModelSpec:
     cfg = _FLAVORS[flavor]()
     if overrides:
         cfg = cfg.replace(**overrides)
-    return ModelSpec(name="qwen3", flavor=flavor, config=cfg)
+    return FlavorSpec(name="qwen3", flavor=flavor, config=cfg)
