@@ -12,8 +12,9 @@ load of 512 vocabulary columns: the Vector engine takes each logits tile's negat
 ``-m = min(-m, -rowmax)``; the Scalar engine sums ``exp(logits - m)`` along the row
 (``activation_reduce``) into one column per vocabulary tile. Nothing waits on the sum inside the loop:
 at the end ``s = sum_k s_k * exp(m_k - m)`` over the columns, ``lse = m + ln s``. The target logit is
-``h[t] . w[label[t]]`` on the Vector engine, from the rows gathered by label (one indirect DMA per
-token tile), so the vocabulary loop carries no one-hot work; ``loss = lse - target``.
+``h[t] . w[label[t]]``, from the rows gathered by label (one indirect DMA per token tile; the products on
+GpSimd, spread over the vocabulary loop, the row sums on Vector at the end), so the vocabulary loop
+carries no one-hot work; ``loss = lse - target``.
 
 Backward, ``dl[t, v] = scale[t] * (exp(logit - lse[t]) - [v == label[t]])`` (``scale`` = the loss
 gradient per token, 0 for ignored tokens). Both gradients are summed in PSUM over the tiles of the
@@ -170,22 +171,24 @@ def _column(src, t0, tw):
     return t
 
 
-def _target(h, w, t0, tw, lab, dt):
-    """SBUF ``[tw, 1]`` fp32: the target logits ``h[t] . w[label[t]]`` of tokens ``t0:t0+tw`` (Vector)."""
+def _target_products(h, w, t0, tw, lab, dt):
+    """SBUF ``[tw, H]`` fp32: ``h[t] * w[label[t]]`` for tokens ``t0:t0+tw``, whose row sums are the target
+    logits (on GpSimd, otherwise idle in the forward, while the vocabulary loop runs)."""
     H = h.shape[1]
     h_rows = nl.ndarray((tw, H), dtype=dt, buffer=nl.sbuf)
     nisa.dma_copy(dst=h_rows, src=h[t0:t0 + tw, :])
     prod = nl.ndarray((tw, H), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=prod, data1=h_rows, data2=_label_rows(w, lab, tw, dt), op=nl.multiply)
+    nisa.tensor_tensor(dst=prod, data1=h_rows, data2=_label_rows(w, lab, tw, dt), op=nl.multiply,
+                       engine=nisa.engine.gpsimd)
+    return prod
+
+
+def _fwd_finish(out, negm_cols, es_cols, prod):
+    """``out [tw, 2] = [lse | loss]`` of a token tile from its per-vocabulary-tile columns ``negm_cols``
+    (``-m_k``, the running max negated) and ``es_cols`` (``sum exp(logits - m_k)``) and its target products."""
+    tw, nv = es_cols.shape
     tgt = nl.ndarray((tw, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(dst=tgt, op=nl.add, data=prod, axis=1)
-    return tgt
-
-
-def _fwd_finish(out, negm_cols, es_cols, tgt):
-    """``out [tw, 2] = [lse | loss]`` of a token tile from its per-vocabulary-tile columns ``negm_cols``
-    (``-m_k``, the running max negated) and ``es_cols`` (``sum exp(logits - m_k)``) and its target logit."""
-    tw, nv = es_cols.shape
     negm = negm_cols[:, nv - 1:nv]
     corr = nl.ndarray((tw, nv), dtype=nl.float32, buffer=nl.sbuf)  # exp(m_k - m)
     nisa.activation(dst=corr, op=nl.exp, data=negm_cols, bias=negm, scale=-1.0)
@@ -228,14 +231,18 @@ def lce_fwd_kernel(hT, h, wT, w, labels):
     lse = nl.ndarray((T,), dtype=nl.float32, buffer=nl.shared_hbm)
     scratch = nl.ndarray((2 * P,), dtype=nl.float32, buffer=nl.shared_hbm)  # masked groups' results
     vt = _tiles(V, WIDE)
-    for (t0, gw), masked in _group_share(T, FWD_GROUP * P, n_prog, pid):
+    groups = _group_share(T, FWD_GROUP * P, n_prog, pid)
+    nxt = [_cols(wT, vt[0][0], vt[0][1], dt), _cols(hT, groups[0][0][0], groups[0][0][1], dt)]
+    for gi in range(len(groups)):
+        (t0, gw), masked = groups[gi]
         # the group's tokens share each weight load; token tile j = columns j*128 ... of x_sb
-        w_sb = _cols(wT, vt[0][0], vt[0][1], dt)
-        x_sb = _cols(hT, t0, gw, dt)
+        w_sb, x_sb = nxt
         subs = _tiles(gw, P)
         negm = nl.ndarray((P, len(subs), len(vt)), dtype=nl.float32, buffer=nl.sbuf)
         es = nl.ndarray((P, len(subs), len(vt)), dtype=nl.float32, buffer=nl.sbuf)
         tgt = []
+        for j in range(len(subs)):
+            tgt.append(None)
         for k in range(len(vt)):
             v0, vw = vt[k]
             if k > 0:
@@ -251,10 +258,11 @@ def lce_fwd_kernel(hT, h, wT, w, labels):
                 e = nl.ndarray((tw, vw), dtype=dt, buffer=nl.sbuf)  # only its row sum is kept
                 nisa.activation_reduce(dst=e, op=nl.exp, data=ps, reduce_op=nl.add, reduce_res=es[0:tw, j, k:k + 1],
                                        bias=col)
-            if k == 0:  # the target logits while the first weight columns are in use (off the loads' path)
-                for j in range(len(subs)):
-                    s0, tw = subs[j]
-                    tgt.append(_target(h, w, t0 + s0, tw, _column(labels, t0 + s0, tw), dt))
+            for j in range(k, len(subs), len(vt)):  # spread over the loop: GpSimd (and its DMA queue) never long busy
+                s0, tw = subs[j]
+                tgt[j] = _target_products(h, w, t0 + s0, tw, _column(labels, t0 + s0, tw), dt)
+        if gi + 1 < len(groups):  # the next group's first operands ahead of this group's stores
+            nxt = [_cols(wT, vt[0][0], vt[0][1], dt), _cols(hT, groups[gi + 1][0][0], groups[gi + 1][0][1], dt)]
         out = nl.ndarray((P, len(subs), 2), dtype=nl.float32, buffer=nl.sbuf)  # [lse | loss] per token
         for j in range(len(subs)):
             tw = subs[j][1]
