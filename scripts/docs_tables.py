@@ -189,10 +189,31 @@ def mlp_peak() -> str:
     return _table(header, body)
 
 
+def _us_range(r: dict[str, str], prefix: str) -> str:
+    """``mid us (low–high)`` of the ``{prefix}_mid / _low / _high`` columns (us)."""
+    return (f"{float(r[prefix + '_mid']):,.1f} us "
+            f"({float(r[prefix + '_low']):,.1f}–{float(r[prefix + '_high']):,.1f})")
+
+
 def _ratio(num: dict[str, str], num_prefix: str, den: dict[str, str], den_prefix: str) -> str:
     """``mid / pessimistic`` time ratio of two ``{prefix}_mid / _high`` column sets."""
     return " / ".join(f"{float(num[num_prefix + end]) / float(den[den_prefix + end]):.2f}x"
                       for end in ("_mid", "_high"))
+
+
+def cross_entropy_peak() -> str:
+    """benchmarks/cross_entropy_peak.py: trnkit's fused linear cross-entropy vs nki-library's cross_entropy (LNC=2)."""
+    body = []
+    for r in sorted(read_csv("cross_entropy_peak.csv"), key=lambda r: (r["case"], r["mode"] != "forward")):
+        mm = float(r["matmul_bound_us"])
+        job = {f"job{end}": str(float(r["nkilib_us" + end]) + mm) for end in ("_mid", "_low", "_high")}
+        body.append([r["case"], f"{int(r['N']):,}", f"{int(r['H']):,}", f"{int(r['V']):,}", r["mode"],
+                     _us_range(r, "trnkit_us"), _us_range(r, "nkilib_us"), f"{mm:,.1f} us", _us_range(job, "job"),
+                     _ratio(r, "trnkit_us", r, "nkilib_us"), f"**{_ratio(r, 'trnkit_us', job, 'job')}**"])
+    header = ["shape", "N", "H", "V", "pass", "trnkit fused (mid, range)", "nki-library kernel alone (mid, range)",
+              "+ lm_head matmul bound", "nki-library same job (mid, range)",
+              "trnkit / kernel alone (mid / pessimistic)", "trnkit / same job (mid / pessimistic)"]
+    return _table(header, body)
 
 
 def _short_error(message: str) -> str:
@@ -529,7 +550,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "calibration_summary": calibration_summary,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak, "mlp_peak": mlp_peak,
-    "rmsnorm_peak": rmsnorm_peak,
+    "cross_entropy_peak": cross_entropy_peak, "rmsnorm_peak": rmsnorm_peak,
     "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),
