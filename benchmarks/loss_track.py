@@ -132,7 +132,7 @@ def write_csv(rows: list[dict], path: Path) -> None:
             rows = [r for r in csv.DictReader(f) if r["config"] not in configs] + rows
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w = csv.DictWriter(f, fieldnames=FIELDS, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
 
