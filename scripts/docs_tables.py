@@ -254,6 +254,26 @@ def rmsnorm_peak() -> str:
     return _table(header, body)
 
 
+def loss_track() -> str:
+    """benchmarks/loss_track.py: the all-kernels configs against the reference path, per config over all steps."""
+    rows = read_csv("loss_track.csv")
+    body = []
+    for r in rows:
+        if r["step"] != "max":
+            continue
+        steps = [s for s in rows if s["config"] == r["config"] and s["step"] != "max"]
+        first, last = steps[0], steps[-1]
+        body.append([f"`{r['config']}`", str(len(steps)), r["dtype"],
+                     f"{float(first['loss_reference']):.4f} → {float(last['loss_reference']):.4f}",
+                     f"{float(first['loss_nki']):.4f} → {float(last['loss_nki']):.4f}",
+                     f"{float(r['abs_diff']):.1e}", f"**{float(r['rel_diff']):.1e}**",
+                     f"{float(r['rel_diff_reordered']):.1e}", f"{float(r['rtol']):.1e}",
+                     "yes" if r["within"] == "True" else "**no**"])
+    header = ["config", "steps", "dtype", "loss, reference (step 1 → last)", "loss, all kernels (step 1 → last)",
+              "max abs diff", "max rel diff", "reordered reference: max rel diff", "tolerance (rel)", "within"]
+    return _table(header, body)
+
+
 def conformance() -> str:
     """python -m trnkit conformance --save-reference: AWS nki-library kernels on the interpreter."""
     rows = read_csv("conformance.csv")
@@ -550,7 +570,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "calibration_summary": calibration_summary,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak, "mlp_peak": mlp_peak,
-    "cross_entropy_peak": cross_entropy_peak, "rmsnorm_peak": rmsnorm_peak,
+    "cross_entropy_peak": cross_entropy_peak, "rmsnorm_peak": rmsnorm_peak, "loss_track": loss_track,
     "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),
@@ -682,7 +702,15 @@ def step_cell(flavor: str, column: str, scale: float = 1.0, fmt: str = "{:,.0f}"
     return value
 
 
+def _loss_track(config: str, column: str) -> Callable[[], str]:
+    return csv_cell("loss_track.csv", column, {"config": config, "step": "max"}, "{:.1e}")
+
+
 QUOTES = (
+    Quote("README.md", "Over 20 steps their losses differ from the same configs' with the reference ops by at most {} "
+          "(MoE) and {} (dense) relative, against a stated tolerance of {}", "loss_track.csv max rows",
+          (_loss_track("debug_moe_nki", "rel_diff"), _loss_track("debug_dense_nki", "rel_diff"),
+           _loss_track("debug_moe_nki", "rtol"))),
     Quote("README.md", "LNC=2: an estimated {} ms per step ({}–{}), {}% MFU", "step.csv 30B-A3B step total",
           (step_cell("30B-A3B", "est_mid_us", 1e-3), step_cell("30B-A3B", "est_low_us", 1e-3),
            step_cell("30B-A3B", "est_high_us", 1e-3), step_cell("30B-A3B", "mfu_mid", 100, "{:.1f}"))),
@@ -775,7 +803,7 @@ def wrong_quotes() -> list[str]:
     return [problem for problem in map(quote_problem, QUOTES) if problem]
 
 
-NUMBER = r"([-+]?[\d,]*\.?\d+%?)"  # a quoted value as the formats write it: 1,234.5 / 95.3% / 7
+NUMBER = r"([-+]?[\d,]*\.?\d+(?:e[-+]\d+)?%?)"  # a quoted value as the formats write: 1,234.5 / 95.3% / 7 / 3.4e-06
 
 
 def refresh_quote(text: str, q: Quote) -> str | None:
