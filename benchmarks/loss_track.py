@@ -53,8 +53,10 @@ def tolerance(dtype: str, steps: int) -> tuple[float, float]:
     differently moves its weight by up to the learning rate, and the difference grows from step to step
     (the reordered reference, the same math in another fp32 order with no kernel involved, shows how far).
     The tolerance is 2**-13 = 1.2e-4 relative (about 1,000 fp32 ulps) for any run of at most 20 steps:
-    room for that growth, and 32 times below one bf16 rounding of the loss (2**-8 relative), so a kernel
-    that loses precision to bf16 anywhere, drops a token or an expert, or mis-scales a row fails it.
+    room for that growth on a calm trajectory (not on one with gradient-norm spikes, which amplify it: the
+    shipped dense config, whose run with the torch reference impls and no kernel leaves it too), and 32
+    times below one bf16 rounding of the loss (2**-8 relative), so a kernel that loses precision to bf16
+    anywhere, drops a token or an expert, or mis-scales a row fails it.
     bfloat16 runs are not covered (the configs are fp32).
     """
     if dtype != "float32":
