@@ -64,8 +64,24 @@ def hf_moe_model(seed: int = 0, **overrides):
               num_experts_per_tok=2, max_position_embeddings=16, norm_topk_prob=True)
     kw.update(overrides)
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw))
-    with torch.no_grad():  # transformers initialises the router to zeros: make routing non-trivial
+    # transformers initialises the router to zeros: spread the weights to make routing non-trivial
+    return spread_weights(Qwen3MoeForCausalLM(Qwen3MoeConfig(**kw)))
+
+
+def hf_dense_model(seed: int = 0, **overrides):
+    """A tiny transformers v5 Qwen3ForCausalLM (2 layers) in fp32, as transformers initialises it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=16)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**kw))
+
+
+def spread_weights(model):
+    """Every weight matrix drawn from N(0, 0.2) (from the current torch seed), in place; returns the model."""
+    with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else None
     return model

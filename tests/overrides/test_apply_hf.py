@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from tests.overrides.conftest import hf_moe_model
+from tests.overrides.conftest import hf_dense_model, hf_moe_model
 from tests.tolerances import assert_close
 from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides, revert
 from trnkit.overrides.apply import _Swapped
@@ -73,12 +73,7 @@ def test_rotary_swap_is_scoped_to_the_model():
 
 
 def test_dense_qwen3_rope_swap():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         max_position_embeddings=16))
+    model = hf_dense_model()
     original = copy.deepcopy(model)
     report = apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))  # only rope exists here
     assert [(r.op, r.status) for r in report.rows] == [("rope_hf", "swapped")] * 2

@@ -8,26 +8,13 @@ import copy
 import pytest
 import torch
 
-from tests.overrides.conftest import assert_swap_parity, hf_moe_model
+from tests.overrides.conftest import assert_swap_parity, hf_dense_model, hf_moe_model, spread_weights
 from trnkit.hf import apply_trnkit_to_qwen3, apply_trnkit_to_qwen3_moe, revert
 from trnkit.overrides import KernelChoice, OverrideConstraintError
 
 transformers = pytest.importorskip("transformers")
 
 IDS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-
-
-def _dense_model():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         max_position_embeddings=16))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else None
-    return model
 
 
 def test_qwen3_moe_entry_point_swaps_the_named_ops_with_their_own_choices():
@@ -52,7 +39,7 @@ def test_qwen3_moe_entry_point_leaves_ops_set_to_false_alone():
 
 
 def test_qwen3_dense_entry_point_matches_transformers():
-    model = _dense_model()
+    model = spread_weights(hf_dense_model())
     original = copy.deepcopy(model)
     report = apply_trnkit_to_qwen3(model, rmsnorm="reference", seq_len=8)
     ops = sorted({(r.op, r.impl, r.status) for r in report.rows})

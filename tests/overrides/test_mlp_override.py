@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.overrides.conftest import assert_swap_parity, hf_moe_model, native_model
+from tests.overrides.conftest import assert_swap_parity, hf_dense_model, hf_moe_model, native_model, spread_weights
 from tests.tolerances import assert_close
 from trnkit.overrides import (
     DEFAULT_OPS,
@@ -102,15 +102,7 @@ def test_default_ops_leave_the_mlp_alone():
 
 
 def test_transformers_dense_qwen3_mlp_swapped_match():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         max_position_embeddings=16))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else None
+    model = spread_weights(hf_dense_model())
     original = copy.deepcopy(model)
     report = apply_overrides(model, OverrideConfig(ops=["mlp"], impl="nki", seq_len=8))
     assert {r.module for r in report.rows if r.status == "swapped"} == {"model.layers.0.mlp", "model.layers.1.mlp"}

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from tests.overrides.conftest import assert_swap_parity, hf_moe_model, native_model
+from tests.overrides.conftest import assert_swap_parity, hf_dense_model, hf_moe_model, native_model
 from tests.tolerances import assert_close
 from trnkit.overrides import (
     DEFAULT_OPS,
@@ -107,12 +107,7 @@ def test_transformers_qwen3_moe_norms_swapped_match():
 
 
 def test_transformers_dense_qwen3_norms_swapped_match():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         max_position_embeddings=16))
+    model = hf_dense_model()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))  # norms away from 1
