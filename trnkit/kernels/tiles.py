@@ -302,6 +302,17 @@ def _row_matmul_pass(out_sb: Any, lhs_T: list, rows: int, w_sb: Any, grid: Any, 
 
 
 # ------------------------------------------------------------------------- PSUM accumulation groups
+def identity(dtype: Any) -> Any:
+    """``[P, P]`` identity in ``dtype`` (1 where column == partition): the stationary operand of transposes
+    and of summing matmuls."""
+    ones = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    ident = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
+    nisa.affine_select(dst=ident, pattern=[[1, P]], channel_multiplier=-1, on_true_tile=ones,
+                       on_false_value=0.0, cmp_op=nl.equal)
+    return ident
+
+
 def psum_tiles(shapes: list) -> list:
     """One fp32 PSUM tile per shape, each the home of one matmul accumulation group."""
     out = []

@@ -33,15 +33,23 @@ its accumulator (:func:`cache_q_side`) a pass loads them once instead of once pe
 from __future__ import annotations
 
 from trnkit.kernels._common import cdiv
-from trnkit.kernels.attention.tiling import P, needs_scratch, rows, tiles_view, work_units
+from trnkit.kernels.attention.tiling import (
+    ACT_FIXED_NS,
+    SCALAR_GHZ,
+    VECTOR_GHZ,
+    P,
+    cheaper_engine,
+    needs_scratch,
+    rows,
+    tiles_view,
+    work_units,
+)
 from trnkit.kernels.tiles import accumulate, program_split
 from trnkit.nki_api import nisa, nki, nl
 
 KB = 512  # keys per block (one PSUM bank of fp32 dK^T / dV^T / scores)
 DQ_BUDGET = 144 * 1024  # SBUF bytes per partition for the fp32 dQ accumulators (+ q-side cache) of one pass
 QCHUNK = 8  # query tiles per O / dO load of the row statistics
-VECTOR_GHZ, SCALAR_GHZ = 0.96, 1.2
-ACT_FIXED_NS = 295  # ScalarE's fixed time per ACTIVATE (trn2 profile; see docs/cost-model.md)
 
 
 def cache_q_side(S, D, itemsize):
@@ -193,18 +201,6 @@ def _blocks(S, kb0, heads, nqt):
     return out
 
 
-def _cheaper_engine(load, n, two_byte):
-    """0 (Vector) or 1 (Scalar) for a PSUM -> SBUF copy of n elements per partition, whichever finishes
-    first given the work so far (``load`` = [Vector ns, Scalar ns], updated)."""
-    vec = max(64, n / 2 if two_byte else n) / VECTOR_GHZ
-    act = max(64, n) / SCALAR_GHZ + ACT_FIXED_NS
-    if load[0] + vec <= load[1] + act:
-        load[0] = load[0] + vec
-        return 0
-    load[1] = load[1] + act
-    return 1
-
-
 def _st_scores(blk, ctx):
     """Stage 1: the block's q-side tiles and ``S``, ``dP`` in PSUM."""
     q, do, b, kv = ctx["q"], ctx["do"], ctx["b"], ctx["kv"]
@@ -299,7 +295,7 @@ def _st_dk(blk, ctx):
         parts.append([w - nfull * P, nfull, nsub])
     for pi in range(len(parts)):
         kc, c0, c1 = parts[pi]
-        if _cheaper_engine(ctx["load"], (c1 - c0) * nq, pdt != nl.float32) == 0:
+        if cheaper_engine(ctx["load"], (c1 - c0) * nq, pdt != nl.float32) == 0:
             nisa.tensor_copy(dst=dsT[0:kc, c0:c1, :], src=dsT_ps[0:kc, c0:c1, :])
         else:
             nisa.activation(dst=dsT[0:kc, c0:c1, :], op=nl.copy, data=dsT_ps[0:kc, c0:c1, :])

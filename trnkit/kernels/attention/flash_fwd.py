@@ -32,23 +32,24 @@ from __future__ import annotations
 
 from trnkit.kernels._common import cdiv
 from trnkit.kernels.attention.tiling import (
+    ACT_FIXED_NS,
+    SCALAR_GHZ,
+    VECTOR_GHZ,
     P,
     causal_mask,
-    identity,
+    cheaper_engine,
     load_kv,
     needs_scratch,
     rows,
     tiles_view,
     work_units,
 )
-from trnkit.kernels.tiles import accumulate, program_split
+from trnkit.kernels.tiles import accumulate, identity, program_split
 from trnkit.nki_api import nisa, nki, nl
 
 BANK = 512  # keys per PSUM bank of fp32 scores (gemm_moving_fmax)
 STEP = 1024  # keys per pipeline step of a query tile (two banks)
 QCHUNK = 8  # query tiles per Q^T load and per output store
-VECTOR_GHZ, SCALAR_GHZ = 0.96, 1.2
-ACT_FIXED_NS = 295  # ScalarE's fixed time per ACTIVATE (trn2 profile; see docs/cost-model.md)
 PSUM_READ_CYCLES = 60  # VectorE's PSUM access setup per instruction (performance guide; a range in the model)
 
 
@@ -69,18 +70,6 @@ def _steps(S, g0, ng, j, G):
                             "chunk_first": ct == 0 and s == 0,
                             "chunk_last": s == nsec - 1 and (ct == QCHUNK - 1 or qt == nqt - 1)})
     return out
-
-
-def _cheaper_engine(load, n, two_byte):
-    """Engine for a PSUM -> SBUF copy of n elements per partition: 0 (Vector) or 1 (Scalar), whichever
-    finishes first given the work so far (``load`` = [Vector ns, Scalar ns], updated)."""
-    vec = (max(64, n / 2 if two_byte else n) + PSUM_READ_CYCLES) / VECTOR_GHZ
-    act = max(64, n) / SCALAR_GHZ + ACT_FIXED_NS
-    if load[0] + vec <= load[1] + act:
-        load[0] = load[0] + vec
-        return 0
-    load[1] = load[1] + act
-    return 1
 
 
 def _scores(st, q, kT, ident, mask, load):
@@ -189,7 +178,7 @@ def _transpose(st, load):
             parts.append([subs[g0 + n - 1][1], nfull, n])
         for pi in range(len(parts)):
             kc, c0, c1 = parts[pi]
-            if _cheaper_engine(load, (c1 - c0) * nq, two_byte) == 0:
+            if cheaper_engine(load, (c1 - c0) * nq, two_byte, PSUM_READ_CYCLES) == 0:
                 nisa.tensor_copy(dst=pt_sb[0:kc, c0:c1, :], src=pt_ps[0:kc, c0:c1, :])
             else:
                 nisa.activation(dst=pt_sb[0:kc, c0:c1, :], op=nl.copy, data=pt_ps[0:kc, c0:c1, :])
@@ -239,7 +228,7 @@ def _o_update(st, load):
         prev["o"] = None
     elif not st["last"]:
         acc = nl.ndarray((nq, pv_ps.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
-        if _cheaper_engine(load, pv_ps.shape[1], False) == 0:
+        if cheaper_engine(load, pv_ps.shape[1], False, PSUM_READ_CYCLES) == 0:
             nisa.tensor_copy(dst=acc, src=pv_ps)
         else:
             nisa.activation(dst=acc, op=nl.copy, data=pv_ps)
@@ -254,7 +243,7 @@ def _finish(st, outs, load, ones_col):
     rl = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=rl, data1=ones_col[0:nq, :], data2=st["l"], op=nl.divide, engine=nisa.engine.gpsimd)
     dst = st["oc"][0:nq, ct, :]
-    if _cheaper_engine(load, o.shape[3], False) == 0:
+    if cheaper_engine(load, o.shape[3], False, PSUM_READ_CYCLES) == 0:
         nisa.tensor_scalar(dst=dst, data=st["o"], op0=nl.multiply, operand0=rl)
     else:
         nisa.activation(dst=dst, op=nl.copy, data=st["o"], scale=rl)

@@ -1,5 +1,5 @@
 """Shared tiling of the flash attention kernels: the SPMD work split, HBM row views of the
-``[B, S, H, D]`` tensors, the identity and causal-mask tiles."""
+``[B, S, H, D]`` tensors, the causal-mask tile."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from trnkit.kernels._common import P_MAX
 from trnkit.nki_api import nisa, nl
 
 P = P_MAX
+# Engine clocks and ScalarE's fixed ACTIVATE time, for the kernels' trace-time engine balancing
+VECTOR_GHZ, SCALAR_GHZ = 0.96, 1.2
+ACT_FIXED_NS = 295  # trn2 profile; see docs/cost-model.md
 # The causal mask value: the most negative finite bf16 (exact in bf16 and fp32). Added to a score it
 # leaves a finite fp32 number whose exp is 0, and a row max is never taken from it (the diagonal is
 # always unmasked), so no inf - inf can arise.
@@ -69,14 +72,17 @@ def row_stats(t, b, h, s0, n):
     return t.ap(pattern=[[1, n], [1, 1]], offset=(b * H + h) * S + s0)
 
 
-def identity(dtype):
-    """``[P, P]`` identity in ``dtype`` (1 where column == partition)."""
-    ones = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-    nisa.memset(dst=ones, value=1.0)
-    ident = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-    nisa.affine_select(dst=ident, pattern=[[1, P]], channel_multiplier=-1, on_true_tile=ones,
-                       on_false_value=0.0, cmp_op=nl.equal)
-    return ident
+def cheaper_engine(load, n, two_byte, psum_read_cycles=0):
+    """Engine for a PSUM -> SBUF copy of n elements per partition: 0 (Vector) or 1 (Scalar), whichever
+    finishes first given the work so far (``load`` = [Vector ns, Scalar ns], updated). ``psum_read_cycles``:
+    VectorE's per-instruction PSUM access setup, where the caller counts it."""
+    vec = (max(64, n / 2 if two_byte else n) + psum_read_cycles) / VECTOR_GHZ
+    act = max(64, n) / SCALAR_GHZ + ACT_FIXED_NS
+    if load[0] + vec <= load[1] + act:
+        load[0] = load[0] + vec
+        return 0
+    load[1] = load[1] + act
+    return 1
 
 
 def causal_mask(dtype):

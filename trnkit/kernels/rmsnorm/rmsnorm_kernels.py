@@ -34,7 +34,7 @@ NaN in ``dx`` (``0 * NaN``), and any NaN reaches ``dw`` (as in the reference).
 from __future__ import annotations
 
 from trnkit.kernels._common import P_MAX, cdiv, row_chunks
-from trnkit.kernels.tiles import accumulate, program_split
+from trnkit.kernels.tiles import accumulate, identity, program_split
 from trnkit.nki_api import nisa, nki, nl
 
 P = P_MAX
@@ -273,16 +273,6 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     return y, rstd
 
 
-def _identity(dtype):
-    """``[P, P]`` identity in ``dtype`` (1 where column == partition)."""
-    ones = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-    nisa.memset(dst=ones, value=1.0)
-    ident = nl.ndarray((P, P), dtype=dtype, buffer=nl.sbuf)
-    nisa.affine_select(dst=ident, pattern=[[1, P]], channel_multiplier=-1, on_true_tile=ones,
-                       on_false_value=0.0, cmp_op=nl.equal)
-    return ident
-
-
 def _one_hot(NC, dtype):
     """``E [P, NC, NC]``, ``E[:, c, :]`` = ones in column c: the moving operands of the dw column sums."""
     e = nl.ndarray((P, NC, NC), dtype=dtype, buffer=nl.sbuf)
@@ -451,7 +441,7 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
     chunks = _own_chunks(N, H, x.dtype, n_prog, pid)
     w_sb = _weight_rows(w, H)
     onehot = _one_hot(NC, out_dt)
-    ident = _identity(x.dtype)
+    ident = identity(x.dtype)
     dw_ps = nl.ndarray((P, NC), dtype=nl.float32, buffer=nl.psum)
     if len(chunks) == 0:  # no rows here: zero partial sums
         nisa.memset(dst=dw_ps, value=0.0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from trnkit.kernels._common import P_MAX, program_share, row_chunks
 from trnkit.kernels.rope.constraints import BSHD_SLAB_BYTES
-from trnkit.kernels.tiles import program_split
+from trnkit.kernels.tiles import identity, program_split
 from trnkit.nki_api import nisa, nki, nl, nt
 
 # Bytes per partition per head tile moved by one DMA: 8 KiB (4096 bf16 / 2048 fp32 elements), 94 % of
@@ -30,17 +30,6 @@ TILE_BYTES = 8192
 # the previous tiles compute and store).
 PREFETCH = 2
 PSUM_FMAX = 512  # fp32 elements per partition in one PSUM bank
-
-
-def _identity(dtype):
-    """``[128, 128]`` identity in ``dtype``: the stationary operand of the summing matmuls."""
-    ones = nl.ndarray((P_MAX, P_MAX), dtype=dtype, buffer=nl.sbuf)
-    nisa.memset(dst=ones, value=1.0)
-    ident = nl.ndarray((P_MAX, P_MAX), dtype=dtype, buffer=nl.sbuf)
-    # 1 where (column - partition) == 0, else 0
-    nisa.affine_select(dst=ident, pattern=[[1, P_MAX]], channel_multiplier=-1, on_true_tile=ones,
-                       on_false_value=0.0, cmp_op=nl.equal)
-    return ident
 
 
 def _load_tables(cos, sin, packed, b, s0, P, NT, D, j0, nj, dtype, backward, G=1):
@@ -326,7 +315,7 @@ def rope_hf_kernel(q, k, q_out: nt.mutable_tensor, k_out: nt.mutable_tensor, cos
     # at least one full chunk per program when S allows it (LNC=2 splits chunks)
     nt_max = max(1, min(nt_max, S // (P_MAX * n_prog)))
     chunks = row_chunks(S, nt_max)
-    ident = _identity(q.dtype)
+    ident = identity(q.dtype)
     pipe = [None]  # the last slab whose accumulating matmuls, copy and store are not yet issued
     load = [0.0, 0.0]  # fp32 product time given to Vector and GpSimd (ns per partition)
     if bshd:
