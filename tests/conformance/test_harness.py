@@ -323,3 +323,56 @@ def test_neuron_dtypes_imports_inside_the_run_and_every_use_names_it(fake_checko
                                                       r"is not installable"):
             neuron_dtypes.static_cast(np.zeros(2), np.float32)
     assert "neuron_dtypes" not in sys.modules
+
+
+TEST_FILE = '''
+from test.utils.common_dataclasses import KernelArgs, ValidationArgs
+from test.utils.pytest_test_metadata import pytest_test_metadata
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+
+@nki.jit
+def triple(x):
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=3.0)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+@pytest_test_metadata(name="Stand-in", pytest_marks=["fast"])
+class TestTriple:
+    def test_triple(self, test_manager):
+        validate = KernelArgs(kernel_func=triple, validation_args=ValidationArgs()).validation_args
+        test_manager.execute(validate)
+'''
+
+
+def test_kernels_defined_in_a_test_file_run_with_stand_ins_for_its_infrastructure(fake_checkout):
+    """test_collectives.py defines its kernels itself and imports its orchestration from test.utils (not in
+    nki-library's archive): the file is imported from the checkout with stand-ins; stdlib `test` is kept."""
+    rel = "test/integration/nkilib/test_triple.py"
+    (fake_checkout / rel).parent.mkdir(parents=True)
+    (fake_checkout / rel).write_text(TEST_FILE)
+    before = sys.modules.get("test")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    case = Case(kernel="fake", name="triple", shapes="x[2,4]", entry=f"{rel}:triple",
+                reference=f"{__name__}:triple_ref", inputs=lambda: {"x": x}, outputs=("out",), rtol=0.0, atol=0.0)
+    row = harness.run_case(case, fake_checkout)
+    assert row.result == harness.PASS and row.max_abs_err == 0.0, row.message
+    assert sys.modules.get("test") is before
+    assert not [k for k in sys.modules if k.startswith(harness.TEST_MODULE_PREFIX)]
+    with harness.nki_is_interpreter(fake_checkout):
+        mod = harness.load_test_module(fake_checkout, rel)
+        assert mod.TestTriple.__name__ == "TestTriple"  # the decorator stand-in returns the class
+        with pytest.raises(NotImplementedError, match=r"KernelArgs\(\.\.\.\)\.validation_args: "
+                                                      r"nki-library's test infrastructure is not part"):
+            mod.TestTriple().test_triple(test_manager=None)
+
+
+def triple_ref(x):
+    return {"out": x * 3}

@@ -22,7 +22,7 @@ NOT_IMPLEMENTED = {
     "nki.isa": ["NkiInstruction", "nc_matmul_mx", "activate2", "rng", "dropout", "set_rng_seed",
                 "rand_set_state", "rand_get_state", "rand2", "exponential", "sequence_bounds",
                 "quantize_mx", "topk"],
-    "nki.collectives": ["all_gather_v", "reduce_scatter", "all_to_all", "all_to_all_v"],
+    "nki.collectives": ["all_gather_v", "all_to_all_v"],
 }
 
 

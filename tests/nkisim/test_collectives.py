@@ -119,3 +119,81 @@ def test_invalid_collectives_raise():
         ncc.run_ranks(small_dst, 2, lambda r: {"x": _x(r)})
     with pytest.raises(NkiValidationError, match="more than one rank-list"):
         ncc.run_ranks(gather_hbm, 2, lambda r: {"x": _x(r), "groups": [[0, 1], [1]]})
+
+
+@nki.jit
+def scatter_sums(x, groups, dim=0):
+    """AWS's test_collectives reduce_scatter form: dst rows = src rows / ranks of the rank-list."""
+    n = len(groups[0])
+    out = nl.ndarray((x.shape[0] // n, x.shape[1]), x.dtype, buffer=nl.shared_hbm, name="out")
+    ncc.reduce_scatter(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup(groups), collective_dim=dim, op=nl.add)
+    return out
+
+
+@nki.jit
+def scatter_max_sbuf(x, n):
+    t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    r = nl.ndarray((x.shape[0] // n, x.shape[1]), x.dtype, buffer=nl.sbuf)
+    ncc.reduce_scatter(srcs=[t], dsts=[r], replica_group=ncc.ReplicaGroup([list(range(n))]), collective_dim=0,
+                       op=nl.maximum)
+    out = nl.ndarray(r.shape, x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=r)
+    return out
+
+
+@nki.jit
+def exchange(x, groups):
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    ncc.all_to_all(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup(groups), collective_dim=0)
+    return out
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_reduce_scatter_sums_and_hands_out_chunk_by_rank_list_position(lnc):
+    groups = [[0, 2], [1, 3]]  # rank 2 is position 1 of its rank-list: it gets the second chunk
+    outs = ncc.run_ranks(scatter_sums, 4, lambda r: {"x": _x(r), "groups": groups}, grid=lnc)
+    for r, out in enumerate(outs):
+        total = _x(r % 2) + _x(r % 2 + 2)
+        np.testing.assert_array_equal(out, total[:2] if r < 2 else total[2:])
+
+
+def test_reduce_scatter_in_sbuf_with_maximum():
+    outs = ncc.run_ranks(scatter_max_sbuf, 2, lambda r: {"x": _x(1 - r) * (1 if r else -1), "n": 2})
+    both = np.maximum(-_x(1), _x(0))
+    np.testing.assert_array_equal(outs[0], both[:2])
+    np.testing.assert_array_equal(outs[1], both[2:])
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_all_to_all_sends_chunk_i_to_rank_i(lnc):
+    outs = ncc.run_ranks(exchange, 4, lambda r: {"x": _x(r), "groups": [[0, 1, 2, 3]]}, grid=lnc)
+    for r, out in enumerate(outs):  # 4 rows over 4 ranks: rank r gets row r of every rank
+        np.testing.assert_array_equal(out, np.stack([_x(p)[r] for p in range(4)]))
+
+
+def test_invalid_reduce_scatter_and_all_to_all_raise():
+    # API reference: reduce_scatter / all_to_all "collective_dim ... Currently only 0 is supported"
+    with pytest.raises(NkiValidationError, match=r"reduce_scatter: collective_dim must be 0 .* got 1"):
+        ncc.run_ranks(scatter_sums, 2, lambda r: {"x": _x(r), "groups": [[0, 1]], "dim": 1})
+    with pytest.raises(NkiValidationError, match=r"reduce_scatter: src .* has 3 rows along collective_dim 0, "
+                       r"not a multiple of the 2 ranks"):
+        ncc.run_ranks(scatter_sums, 2, lambda r: {"x": _x(r, rows=3), "groups": [[0, 1]]})
+
+    # API reference, all_to_all: "Tensors must reside on HBM. SBUF is not currently supported"
+    @nki.jit
+    def exchange_sbuf(x):
+        t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        ncc.all_to_all(srcs=[t], dsts=[t], replica_group=ncc.ReplicaGroup([[0, 1]]), collective_dim=0)
+        return x
+    with pytest.raises(NkiValidationError, match=r"all_to_all: tensors must be in HBM \(SBUF is not supported\)"):
+        ncc.run_ranks(exchange_sbuf, 2, lambda r: {"x": _x(r)})
+    with pytest.raises(NkiValidationError, match="reduce_scatter: op must be nl.add, nl.maximum or nl.minimum"):
+        @nki.jit
+        def scatter_mul(x):
+            out = nl.ndarray((2, 8), x.dtype, buffer=nl.shared_hbm)
+            ncc.reduce_scatter(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup([[0, 1]]), collective_dim=0,
+                               op=nl.multiply)
+            return out
+        ncc.run_ranks(scatter_mul, 2, lambda r: {"x": _x(r)})

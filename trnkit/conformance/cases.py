@@ -549,6 +549,9 @@ FAST = (
     "core/mlp/mlp_cte|bf16 x fp8 no_norm GELU skip_gate|lnc2|B=1 S=578 H=1408 I=352",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",
+    "experimental/collectives/test_collectives|reduce_scatter add dim 0 fp32|lnc2|[256,512] ranks=2",
+    "experimental/collectives/test_collectives|attn_q_batch_shard TP2DP2 dBnS input_rank|lnc2"
+    "|ranks=4 G=2 heads=1 B=8 S=1 d=64",
 )
 # kernels whose every case is too slow for the fast tier (the fast tier covers all other kernels)
 SLOW_ONLY = {

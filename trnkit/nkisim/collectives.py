@@ -13,6 +13,12 @@ kernel launched alone has no peers and its collectives raise. Semantics, from th
   tensors only on HBM; all tensors in one kind of memory).
 * ``all_reduce(srcs, dsts, replica_group, op)``: ``op`` (add / minimum / maximum) over the rank-list,
   in fp32.
+* ``reduce_scatter(srcs, dsts, replica_group, collective_dim, op)``: the ``op`` reduction over the
+  rank-list (fp32), split along ``collective_dim`` (0 only) into one chunk per rank; the rank at
+  position ``i`` of its rank-list receives chunk ``i`` (HBM or SBUF; several tensors only on HBM).
+* ``all_to_all(srcs, dsts, replica_group, collective_dim)``: each src is split along
+  ``collective_dim`` (0 only) into one chunk per rank; the rank at position ``i`` receives chunk ``i``
+  of every rank's src, concatenated in rank-list order (HBM only).
 * ``collective_permute(srcs, dsts, source_target_pairs)``: HBM, one tensor each; the target's dst
   receives the source's src.
 * ``collective_permute_implicit(srcs_by_channel, dsts_by_channel, replica_group, channel_ids)``: in the
@@ -46,7 +52,8 @@ from .errors import NkiValidationError, fail, require
 from .language import NKIObject
 from .tensor import NkiTensor, VirtualRegister
 
-__all__ = ["PeerFailed", "ReplicaGroup", "rg_partition_op", "all_gather", "all_reduce", "collective_permute",
+__all__ = ["PeerFailed", "ReplicaGroup", "rg_partition_op", "all_gather", "all_reduce", "reduce_scatter",
+           "all_to_all", "collective_permute",
            "collective_permute_implicit", "collective_permute_implicit_reduce",
            "collective_permute_implicit_current_processing_rank_id", "rank_id", "run_ranks", "TIMEOUT_S"]
 
@@ -246,6 +253,58 @@ def all_reduce(srcs: list, dsts: list, replica_group: ReplicaGroup, op: Any, pri
     ranks, pid = _peers(opname, replica_group, got)
     for i, dst in enumerate(dsts):
         _write(opname, dst, reduce.reduce(np.stack([got[(r, pid)][i] for r in ranks]), axis=0))
+
+
+def _chunks(op: str, value: np.ndarray, n: int, name: str) -> list[np.ndarray]:
+    """``value`` split along dim 0 into ``n`` equal chunks (the rank-list's size)."""
+    require(value.shape[0] % n == 0, op, "src {name!r} has {rows} rows along collective_dim 0, not a multiple "
+            "of the {n} ranks of the rank-list", name=name, rows=value.shape[0], n=n)
+    return np.split(value, n, axis=0)
+
+
+def _dim0_only(op: str, collective_dim: int) -> None:
+    # API reference (reduce_scatter, all_to_all): "collective_dim ... Currently only 0 is supported."
+    require(collective_dim == 0, op, "collective_dim must be 0 (the only dimension the NKI API reference "
+            "supports), got {dim}", dim=collective_dim)
+
+
+@_mem.instruction
+def reduce_scatter(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_dim: int, op: Any,
+                   priority: int | None = None, name: str | None = None) -> None:
+    """API reference ``nki.collectives.reduce_scatter``: HBM or SBUF (not mixed), several tensors only
+    on HBM, ``collective_dim`` 0 only, ``op`` add / minimum / maximum."""
+    opname = "reduce_scatter"
+    reduce = _reducer(opname, op)
+    require(len(srcs) == len(dsts) and len(srcs) >= 1, opname, "srcs and dsts must be lists of equal "
+            "length, got {n_src} and {n_dst}", n_src=len(srcs), n_dst=len(dsts))
+    on_hbm = _check_memories(opname, list(srcs) + list(dsts))
+    require(on_hbm or len(srcs) == 1, opname, "several tensors (coalesced) are only supported in HBM")
+    _dim0_only(opname, collective_dim)
+    got = _exchange(opname, [s.np().astype(np.float32) for s in srcs])
+    ranks, pid = _peers(opname, replica_group, got)
+    me, _ = _me(opname)
+    for i, dst in enumerate(dsts):
+        total = reduce.reduce(np.stack([got[(r, pid)][i] for r in ranks]), axis=0)
+        _write(opname, dst, _chunks(opname, total, len(ranks), srcs[i].name)[ranks.index(me.rank)])
+
+
+@_mem.instruction
+def all_to_all(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_dim: int,
+               priority: int | None = None, name: str | None = None) -> None:
+    """API reference ``nki.collectives.all_to_all``: "Tensors must reside on HBM", ``collective_dim`` 0
+    only ("split and ... concatenated" along it)."""
+    op = "all_to_all"
+    require(len(srcs) == len(dsts) and len(srcs) >= 1, op, "srcs and dsts must be lists of equal "
+            "length, got {n_src} and {n_dst}", n_src=len(srcs), n_dst=len(dsts))
+    _check_memories(op, list(srcs) + list(dsts), hbm_only=True)
+    _dim0_only(op, collective_dim)
+    got = _exchange(op, [s.np().copy() for s in srcs])
+    ranks, pid = _peers(op, replica_group, got)
+    me, _ = _me(op)
+    mine = ranks.index(me.rank)
+    for i, dst in enumerate(dsts):
+        parts = [_chunks(op, got[(r, pid)][i], len(ranks), srcs[i].name)[mine] for r in ranks]
+        _write(op, dst, np.concatenate(parts, axis=0))
 
 
 @_mem.instruction
