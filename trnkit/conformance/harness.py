@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nkilib_commit", "nkilib_tarball",
-           "extract_tarball", "compare", "run_case", "run_cases", "format_table", "write_csv", "PASS", "MISMATCH", "MISSING",
-           "REJECTED", "ERROR", "ACCEPTED"]
+           "extract_tarball", "compare", "run_case", "run_cases", "format_table", "write_csv", "PASS", "MISMATCH",
+           "MISSING", "REJECTED", "ERROR", "ACCEPTED"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
