@@ -17,10 +17,10 @@ of this: it takes its kernels from its config (``Qwen3Config.kernels``).
 
 from __future__ import annotations
 
-
 from torch import nn
 
-from trnkit.overrides import KernelChoice, OverrideConfig, OverrideReport, apply_overrides, revert
+from trnkit.overrides import KernelChoice, OverrideConfig, OverrideReport, apply_overrides
+from trnkit.overrides.apply import undo_swaps
 
 __all__ = ["SUPPORTED", "apply_trnkit_to_qwen3", "apply_trnkit_to_qwen3_moe", "revert"]
 
@@ -79,3 +79,9 @@ def apply_trnkit_to_qwen3_moe(model: nn.Module, *, rope: OpArg = True, router: O
            "attention": attention}
     return _apply("apply_trnkit_to_qwen3_moe", model, ops, impl, policy, block_size, lnc, seq_len, batch_size,
                   dry_run)
+
+
+def revert(model: nn.Module) -> int:
+    """Give every module of a transformers ``model`` swapped by an entry point (or by
+    :func:`~trnkit.overrides.apply_overrides`) its own code back; returns how many were restored."""
+    return undo_swaps(model)

@@ -13,7 +13,8 @@ import torch
 
 from tests.helpers import TOKENS, hf_logits_and_grads
 from tests.tolerances import assert_close
-from trnkit.overrides import OverrideConstraintError, apply_overrides, revert
+from trnkit.hf import revert
+from trnkit.overrides import OverrideConstraintError, apply_overrides
 from trnkit.overrides.apply import deinterleave
 
 def _model(**overrides):

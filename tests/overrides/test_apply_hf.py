@@ -9,7 +9,8 @@ import torch
 
 from tests.overrides.conftest import hf_dense_model, hf_moe_model
 from tests.tolerances import assert_close
-from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides, revert
+from trnkit.hf import revert
+from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides
 from trnkit.overrides.apply import _Swapped
 
 transformers = pytest.importorskip("transformers")
@@ -48,6 +49,15 @@ def test_qwen3_moe_swap_matches_transformers():
     attn = model.model.layers[0].self_attn
     assert "forward" not in attn.__dict__ and not isinstance(model.model.layers[0].mlp.gate, _Swapped)
     assert_close(model(input_ids=IDS).logits.detach(), want_logits)
+
+
+def test_apply_twice_is_an_error_until_reverted():
+    model = hf_moe_model()
+    apply_overrides(model, OverrideConfig(impl="reference", seq_len=8))
+    with pytest.raises(RuntimeError, match=r"already applied.*trnkit\.hf\.revert"):
+        apply_overrides(model, OverrideConfig(impl="reference"))
+    assert revert(model) == 6
+    apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl="reference", seq_len=8))
 
 
 def test_rotary_swap_is_scoped_to_the_model():

@@ -1,4 +1,4 @@
-"""apply_overrides / revert on trnkit's native Qwen3: parity, checkpoints, policies, call-time guard."""
+"""apply_overrides / bind_kernels on trnkit's native Qwen3: parity, checkpoints, policies, call-time guard."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import torch
 from tests.overrides.conftest import native_model
 from tests.tolerances import assert_close
 from trnkit.overrides import (
+    DEFAULT_OPS,
     OverrideConfig,
     OverrideConstraintError,
     apply_overrides,
-    revert,
+    bind_kernels,
 )
 
 
@@ -85,7 +86,7 @@ def test_swap_matches_original_logits_and_grads():
     for name in want_grads:
         assert_close(got_grads[name], want_grads[name], msg=name)
 
-    assert revert(model) == 4
+    assert bind_kernels(model, dict.fromkeys(DEFAULT_OPS)) == 4  # each back to its torch code
     for path in SWAP_PATHS:
         assert not _bound(model.get_submodule(path))
     assert_close(model(TOKENS).detach(), want_logits)
@@ -99,7 +100,7 @@ def test_checkpoints_load_and_save_unchanged_while_swapped():
         assert n == n2 and torch.equal(p, p2)
     expected = other(TOKENS)
     assert_close(model(TOKENS), expected)
-    revert(model)  # the loaded weights stay in the original modules
+    bind_kernels(model, dict.fromkeys(DEFAULT_OPS))  # the loaded weights stay in the modules
     assert_close(model(TOKENS), expected)
 
 
@@ -182,11 +183,11 @@ def test_call_time_guard_fallback_on_a_shape_change(short_rope):
     assert torch.equal(out, original(long_batch))
 
 
-def test_apply_twice_is_an_error_and_unknown_names_are_named():
+def test_apply_again_switches_the_choice_and_unknown_names_are_named():
     model = native_model()
     apply_overrides(model, OverrideConfig(impl="reference", seq_len=8))
-    with pytest.raises(RuntimeError, match="already applied"):
-        apply_overrides(model, OverrideConfig(impl="reference"))
+    apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl="nki", seq_len=8))  # a native module: re-set
+    assert [model.get_submodule(p).kernel.impl for p in SWAP_PATHS] == ["nki", "nki", "reference", "reference"]
     with pytest.raises(KeyError, match="no implementation 'fast' registered for op 'rope_hf'"):
         OverrideConfig(impl="fast")
     with pytest.raises(ValueError, match="unknown op.*'rope'"):
@@ -197,11 +198,11 @@ def test_apply_twice_is_an_error_and_unknown_names_are_named():
         OverrideConfig(seq_len=0)
 
 
-def test_a_deep_copy_of_a_swapped_model_reverts_on_its_own():
+def test_a_deep_copy_of_a_swapped_model_switches_back_on_its_own():
     model = native_model()
     apply_overrides(model, OverrideConfig(impl="reference", seq_len=8))
     twin = copy.deepcopy(model)
-    assert revert(twin) == 4
+    assert bind_kernels(twin, dict.fromkeys(DEFAULT_OPS)) == 4
     assert not any(_bound(m) for m in twin.modules())
     assert all(_bound(model.get_submodule(p)) for p in SWAP_PATHS)  # the original keeps its swaps
     assert_close(twin(TOKENS), model(TOKENS))

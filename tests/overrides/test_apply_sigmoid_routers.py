@@ -8,7 +8,8 @@ import torch
 
 from tests.helpers import hf_logits_and_grads
 from tests.tolerances import assert_close
-from trnkit.overrides import OverrideConstraintError, apply_overrides, revert
+from trnkit.hf import revert
+from trnkit.overrides import OverrideConstraintError, apply_overrides
 
 
 def _model(family: str, **overrides):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tests.overrides.conftest import native_model
 from tests.tolerances import assert_close
-from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides, ops, revert, select
+from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides, bind_kernels, ops, select
 
 IGNORE = -100
 
@@ -66,7 +66,7 @@ def test_compiles_fullgraph():
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_g, want_g))
 
 
-def test_native_model_loss_swapped_matches_and_reverts():
+def test_native_model_loss_swapped_matches_and_switches_back():
     model = native_model(init_std=0.2)
     original = copy.deepcopy(model)
     keys = list(model.state_dict())
@@ -86,7 +86,7 @@ def test_native_model_loss_swapped_matches_and_reverts():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
     for name in want_g:
         assert_close(got_g[name], want_g[name], torch.float32, msg=name)
-    assert revert(model) == 1 and type(model.loss) is type(original.loss)
+    assert bind_kernels(model, {"linear_cross_entropy": None}) == 1 and type(model.loss) is type(original.loss)
 
 
 def test_width_beyond_the_kernel_names_op_rule_and_value():

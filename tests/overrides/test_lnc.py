@@ -10,7 +10,7 @@ from trnkit.harness.config import TrainerConfig
 from trnkit.harness.train import override_config
 from trnkit.kernels import lnc as lnc_mod
 from trnkit.nkisim import trace
-from trnkit.overrides import OverrideConfig, apply_overrides, revert
+from trnkit.overrides import OverrideConfig, apply_overrides
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
@@ -18,14 +18,11 @@ TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)
 def _run(lnc: int | None) -> tuple[torch.Tensor, list[torch.Tensor], set[int]]:
     model = native_model()
     apply_overrides(model, OverrideConfig(ops=["moe_experts"], lnc=lnc))
-    try:
-        model.zero_grad()
-        with trace.record(trace_only=False) as tr:
-            logits = model(TOKENS)
-            logits.square().mean().backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    finally:
-        revert(model)
+    model.zero_grad()
+    with trace.record(trace_only=False) as tr:
+        logits = model(TOKENS)
+        logits.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     return logits.detach(), grads, {i.program_id for i in tr}
 
 
@@ -37,7 +34,7 @@ def test_lnc2_override_runs_both_cores_with_identical_results(monkeypatch: pytes
     assert progs2 == {0, 1}
     assert torch.equal(out1, out2)  # fp32 model: bit-identical
     assert all(torch.equal(a, b) for a, b in zip(grads1, grads2, strict=True))
-    # the setting belonged to the swapped modules: nothing is left in the process after revert
+    # the setting belonged to the models' modules: nothing is left in the process
     assert lnc_mod.default_lnc() == 1
     _, _, progs = _run(None)
     assert progs == {0}
@@ -51,14 +48,11 @@ def test_lnc_reaches_every_lnc_kernel_of_the_native_model(op: str) -> None:
     for lnc in (1, 2):
         model = native_model()
         apply_overrides(model, OverrideConfig(ops=[op], lnc=lnc))
-        try:
-            with trace.record(trace_only=False) as tr:
-                loss = model(TOKENS, labels=TOKENS) if op == "linear_cross_entropy" else model(TOKENS).square().mean()
-                loss.backward()
-            runs[lnc] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None],
-                         {i.program_id for i in tr})
-        finally:
-            revert(model)
+        with trace.record(trace_only=False) as tr:
+            loss = model(TOKENS, labels=TOKENS) if op == "linear_cross_entropy" else model(TOKENS).square().mean()
+            loss.backward()
+        runs[lnc] = (loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None],
+                     {i.program_id for i in tr})
     assert runs[1][2] == {0} and runs[2][2] == {0, 1}
     torch.testing.assert_close(runs[2][0], runs[1][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(runs[2][1], runs[1][1], strict=True):
@@ -89,10 +83,7 @@ def test_block_size_reaches_the_experts_op(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(ops, "moe_experts", lambda *a, **kw: seen.append((a[5], kw.get("lnc"))) or real(*a, **kw))
     model = native_model()
     apply_overrides(model, OverrideConfig(ops=["moe_experts"], block_size=64, lnc=2, dry_run=False))
-    try:
-        model(TOKENS)
-    finally:
-        revert(model)
+    model(TOKENS)
     assert seen == [(64, 2)]  # one MoE layer: its block size and lnc from the config
 
 

@@ -17,8 +17,8 @@ from trnkit.overrides import (
     OverrideConfig,
     OverrideConstraintError,
     apply_overrides,
+    bind_kernels,
     ops,
-    revert,
     select,
 )
 
@@ -83,7 +83,7 @@ def test_compiles_fullgraph():
     assert torch.equal(got, want) and all(torch.equal(a, t.grad) for a, t in zip(grads, (x, wgu, wd), strict=True))
 
 
-def test_native_dense_layer_swapped_matches_and_reverts():
+def test_native_dense_layer_swapped_matches_and_switches_back():
     model = native_model(init_std=0.2)
     original = copy.deepcopy(model)
     keys = list(model.state_dict())
@@ -91,7 +91,7 @@ def test_native_dense_layer_swapped_matches_and_reverts():
     assert [(r.module, r.op, r.status) for r in report.rows] == [("layers.1.feed_forward", "mlp", "swapped")]
     assert list(model.state_dict()) == keys
     assert_swap_parity(model, original)
-    assert revert(model) == 1
+    assert bind_kernels(model, {"mlp": None}) == 1
     assert type(model.layers[1].feed_forward) is type(original.layers[1].feed_forward)
 
 

@@ -4,7 +4,8 @@
 - :mod:`.ops`: the ``trnkit::`` custom ops (``torch.ops.trnkit.*``).
 - :mod:`.config`: ``KernelChoice`` (impl, policy, MoE block size, LNC: one op's kernel, as data) and
   ``OverrideConfig`` (the one config of kernel choices: the library's and the trainer's ``[overrides]``).
-- :mod:`.apply`: ``apply_overrides(model, config) -> OverrideReport``, ``revert`` and ``bind_kernels``.
+- :mod:`.apply`: ``apply_overrides(model, config) -> OverrideReport`` and ``bind_kernels`` (a native model's
+  kernel choices); ``trnkit.hf.revert`` undoes the swaps of a transformers model.
 - :mod:`.hf`: ``register_hf_experts()`` / ``register_hf_attention()`` — trnkit as a transformers v5
   ``experts_implementation`` / ``attn_implementation``.
 """
@@ -34,7 +35,6 @@ from trnkit.overrides.apply import (
     OverrideConfig,
     apply_overrides,
     bind_kernels,
-    revert,
 )
 from trnkit.overrides.report import OverrideReport, OverrideRow
 from trnkit.overrides.hf import register_hf_attention, register_hf_experts
@@ -66,7 +66,6 @@ __all__ = [
     "register_hf_attention",
     "register_hf_experts",
     "reset_warnings",
-    "revert",
     "select",
     "unregister",
 ]

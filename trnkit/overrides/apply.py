@@ -1,4 +1,4 @@
-"""Swap trnkit ops into a model: :func:`apply_overrides` and :func:`revert`.
+"""Swap trnkit ops into a model: :func:`apply_overrides` (and :func:`bind_kernels` for the native model).
 
 Swap points (each becomes one report row):
 
@@ -80,11 +80,11 @@ def _resolve_dtensor() -> None:
         _DTensor = DTensor
 
 __all__ = ["DEFAULT_OPS", "SWAPPABLE_OPS", "BoundKernel", "OverrideConfig", "apply_overrides", "bind_kernels",
-           "revert"]
+           "undo_swaps"]
 
 _STAND_IN_OPS = ("rope_hf", "router_topk", "moe_experts")  # ops given shape-only stand-ins in the dry run
 ORIGINAL = "original"  # report name for "the module's own forward"
-_STATE_ATTR = "_trnkit_overrides"
+_STATE_ATTR = "_trnkit_overrides"  # a transformers model's applied swaps, for trnkit.hf.revert
 
 
 # ------------------------------------------------------------------------------------------ guard
@@ -659,21 +659,26 @@ def _dry_run(model: nn.Module, config: OverrideConfig, points: list[_SwapPoint],
     return probe.seen
 
 
-def bind_kernels(model: nn.Module, kernels: Mapping[str, KernelChoice]) -> int:
+def bind_kernels(model: nn.Module, kernels: Mapping[str, KernelChoice | None]) -> int:
     """Give every module of ``model`` that declares a ``kernel_op`` in ``kernels`` that op's choice, bound
-    to its path (no dry run: the model may still be on the meta device); returns how many were bound.
-    trnkit's native Qwen3 calls this when it is built with ``Qwen3Config.kernels``."""
+    to its path (no dry run: the model may still be on the meta device); ``None`` gives the modules of that
+    op back their own torch code. Returns how many modules were set. trnkit's native Qwen3 calls this when
+    it is built with ``Qwen3Config.kernels``; it is also how a built native model switches kernels."""
     for op, choice in kernels.items():
         if op not in SWAPPABLE_OPS:
             raise ValueError(f"kernels: unknown op {op!r}; swappable ops are {list(SWAPPABLE_OPS)}")
+        if choice is None:
+            continue
         if not isinstance(choice, KernelChoice):
-            raise TypeError(f"kernels[{op!r}]: expected a KernelChoice, got {type(choice).__name__}")
+            raise TypeError(f"kernels[{op!r}]: expected a KernelChoice, got {type(choice).__name__} "
+                            "(or None: the module's own torch code)")
         choice.check_impl(op)
     n = 0
     for path, module in model.named_modules():
         op = kernel_op(module)
         if op in kernels:
-            module.kernel = BoundKernel(op, kernels[op], path, slot_static(module, op))
+            choice = kernels[op]
+            module.kernel = None if choice is None else BoundKernel(op, choice, path, slot_static(module, op))
             n += 1
     return n
 
@@ -688,6 +693,10 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
     :class:`OverrideConstraintError` (naming module, op, impl, rule and value) and leaves the model
     unchanged; under ``fallback`` the module keeps its original code for inputs the impl cannot serve
     (warned once per reason); ``off`` swaps nothing.
+
+    trnkit's native modules (``kernel_op``) just take the new choice: applying again switches them, and
+    :func:`bind_kernels` with ``None`` gives them their torch code back. transformers' modules are
+    swapped; :func:`trnkit.hf.revert` undoes that, and applying again before it is an error.
     """
     config = config if config is not None else OverrideConfig(**kwargs)
     if choices is not None:
@@ -699,7 +708,7 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
     _resolve_dtensor()
     if getattr(model, _STATE_ATTR, None):
         raise RuntimeError("trnkit apply_overrides: overrides are already applied to this model; "
-                           "call trnkit.overrides.revert(model) first")
+                           "call trnkit.hf.revert(model) first")
     report = OverrideReport(config.policy)
     found = list(_find_swap_points(model, config.ops))
     if config.policy == "off":
@@ -708,7 +717,6 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
         return report
 
     points = [_install(model, path, module, op, adapter, choices[op]) for path, module, op, adapter in found]
-    model.__dict__[_STATE_ATTR] = points
 
     try:  # under strict: configuration problems first, before any dry run
         _raise_if_any([(pt, pt.guard.static) for pt in points])
@@ -719,8 +727,11 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
         problems = [(pt, [*pt.guard.static, *_unique(seen.get(pt.path, []))]) for pt in points]
         _raise_if_any(problems)
     except BaseException:
-        revert(model)
+        _undo(points)
         raise
+    swaps = [pt for pt in points if not pt.slot]  # a native module just holds its new choice: nothing to undo
+    if swaps:
+        model.__dict__[_STATE_ATTR] = swaps
 
     for pt, reasons in problems:
         if reasons:
@@ -744,9 +755,13 @@ def _unique(vs: list[Violation]) -> list[Violation]:
     return list({str(v): v for v in vs}.values())  # values may be unhashable (shapes as lists)
 
 
-def revert(model: nn.Module) -> int:
-    """Restore every module :func:`apply_overrides` swapped; returns how many were restored."""
-    points: list[_SwapPoint] = model.__dict__.pop(_STATE_ATTR, None) or []
+def _undo(points: Sequence[_SwapPoint]) -> int:
     for pt in reversed(points):
         pt.undo()
     return len(points)
+
+
+def undo_swaps(model: nn.Module) -> int:
+    """Restore every transformers module :func:`apply_overrides` swapped; returns how many were restored
+    (public as :func:`trnkit.hf.revert`)."""
+    return _undo(model.__dict__.pop(_STATE_ATTR, None) or [])
