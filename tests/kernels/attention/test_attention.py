@@ -87,7 +87,7 @@ def attention_case(shape: tuple[int, int, int, int, int], dtype: torch.dtype, ln
     check_attention(q, k, v, o, lse, scale, grads, go)
 
 
-# (B, S, Hq, Hk, D): S = 1, odd S, S past one 1024-key step; group sizes 1, 2, 3, 4, 8
+# (B, S, Hq, Hk, D): S = 1, odd S, S past two PSUM banks; group sizes 1, 2, 3, 4, 8
 FAST = [(1, 1, 2, 1, 64), (1, 5, 2, 1, 16), (2, 130, 4, 2, 64), (1, 200, 4, 1, 32), (1, 129, 8, 1, 128),
         (1, 1100, 2, 2, 128), (1, 300, 3, 3, 64), (1, 257, 3, 1, 32)]
 
@@ -161,6 +161,22 @@ def test_backward_head_passes(monkeypatch, dtype) -> None:
     for a, b in zip(passes[1:], one[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=rtol, atol=1e-6)
     check_attention(q, k, v, o, lse, 64 ** -0.5, passes, go)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_forward_steps_past_one(monkeypatch, dtype) -> None:
+    """Tiles whose keys take several pipeline steps (the running max, the correction of O and l, and P^T
+    split between DMA and PE transposes in each step): same rule against the oracle, at LNC=1 and, bit
+    for bit, at LNC=2. The default step (4,096 keys up to S = 8,192) is shrunk to 512 keys."""
+    import importlib
+    kf = importlib.import_module("trnkit.kernels.attention.flash_fwd")
+    assert kf.step_keys(4096, 2, 128) == 4096 and kf.step_keys(32768, 2, 128) == 1024
+    monkeypatch.setattr(kf, "step_keys", lambda S, itemsize, D: 512)
+    q, k, v, _ = _inputs(1, 1100, 4, 2, 64, dtype, seed=3)
+    o, lse = attention(q, k, v)
+    check_attention(q, k, v, o, lse, 64 ** -0.5)
+    two = attention(q, k, v, lnc=2)
+    assert torch.equal(two[0], o) and torch.equal(two[1], lse)
 
 
 def test_no_square_tensor_in_hbm() -> None:

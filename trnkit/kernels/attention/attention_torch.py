@@ -5,7 +5,7 @@ Causal GQA attention in the ``[B, S, H, D]`` layout: query head ``h`` reads key 
 probabilities are rounded to the input dtype before the ``P @ V`` product (the kernel's rounding
 point: the Tensor engine takes them in the input dtype) unnormalised, ``exp(scale * s - max)``, and the
 output divided by the row sum and rounded once. (The kernel takes the max over the keys seen so far,
-1024 per step: for rows past 1024 keys its earlier probabilities are rounded against an older max.)
+up to 4,096 per step: for rows past one step its earlier probabilities are rounded against an older max.)
 ``lse[b, h, i] = log(sum_j exp(scale * q_i . k_j))`` over ``j <= i`` (fp32).
 
 The backward is the flash attention one: ``P = exp(scale * S - lse)`` recomputed from the saved

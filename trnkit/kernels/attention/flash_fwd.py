@@ -9,23 +9,28 @@ the output stored in chunks of eight query tiles (one DMA each), the log-sum-exp
 at its end (one activation-table switch per unit for the ``log``).
 
 A query tile is 128 rows (partitions); its keys ``0 .. r0 + 127`` (causal: the tiles above the
-diagonal are skipped) go in steps of up to 1024 keys, two PSUM banks of fp32 scores:
+diagonal are skipped) go in steps of up to :func:`step_keys` keys (4,096 while K, V and the step's
+tiles fit SBUF: one step per tile at S = 4,096):
 
-1. Tensor: ``S = Q K^T`` per bank (``Q^T`` stationary, ``K^T`` moving, contraction over D); on the
-   diagonal tile a second matmul adds the causal mask into the same PSUM (``I @ mask``).
-   Vector: the row max per bank; ``-scale * m`` of the running max ``m`` (one op).
-2. Scalar: ``P = exp(scale * S - scale * m)`` straight from PSUM (rounded to the input dtype) with the
-   fp32 row sum of the step (accumulated over its banks in ScalarE's reduce registers); the correction
-   ``exp(scale * (m_old - m))``. GpSimd: ``l = l * corr + rowsum``.
-3. Tensor: ``P^T`` per 128-key block (PE transposes into one PSUM tile per step), copied to SBUF by
-   Vector or Scalar, whichever has less work so far.
-4. Tensor: ``O_step = P V`` accumulated over the step's keys in one PSUM bank; Vector
-   ``O = O * corr + O_step``; after the last step
-   ``o = O / l`` and ``l`` kept for the unit's ``lse = scale * m + log(l)``.
+1. Tensor: ``S = Q K^T`` per 512-key PSUM bank (``Q^T`` stationary, ``K^T`` moving); on the diagonal
+   bank a second matmul adds the causal mask into the same PSUM (``I @ mask``). Vector empties each
+   bank as soon as it is written: ``scale * S`` into the step's fp32 SBUF tile and its row max in the
+   same pass (``tensor_scalar_reduce``), then the step's ``-max`` over the banks (one op).
+2. GpSimd: the running ``-m`` over the tile's steps (small SBUF columns). Scalar:
+   ``P = exp(scale * S - m)`` of the whole step in ONE instruction from SBUF (its fixed time paid once
+   per step, not per bank) with the fp32 row sum in the same pass; the correction
+   ``exp(m_old - m)`` on later steps.
+3. ``P^T`` per 128 keys: most blocks by one DMA transpose per step (SBUF -> SBUF, the DMA queues are
+   otherwise nearly idle), the rest by PE transposes copied out of PSUM by Vector or Scalar. The split
+   balances the engines' estimated work (trace-time estimates of each engine's work).
+4. Tensor: ``O_step = P V`` accumulated over the step's keys in one PSUM bank; on a tile's later steps
+   Vector ``O = O * corr + O_step`` and GpSimd ``l = l * corr + rowsum``; after the last step
+   ``o = O / l``, rounded once, and ``l``, ``-m`` kept for the unit's ``lse = m + log(l)``.
 
-The steps of a unit are software-pipelined (six stages, :func:`_run_unit`) so that no engine's
-in-order queue waits on work issued in the same iteration. LNC=2 (``kernel[2]``) splits the work
-units between the two cores with one control flow (:func:`~trnkit.kernels.attention.tiling.work_units`).
+The steps of a unit are software-pipelined (:func:`_run_unit`) so that no engine's in-order queue waits
+on work issued in the same iteration. LNC=2 (``kernel[2]``) splits the work units between the two cores
+with one control flow (:func:`~trnkit.kernels.attention.tiling.work_units`); every trace-time choice
+depends on shapes only, so both cores issue the same instructions.
 """
 
 from __future__ import annotations
@@ -44,145 +49,225 @@ from trnkit.kernels.attention.tiling import (
     tiles_view,
     work_units,
 )
-from trnkit.kernels.tiles import accumulate, identity, program_split
+from trnkit.kernels.tiles import identity, program_split
 from trnkit.nki_api import nisa, nki, nl
 
 BANK = 512  # keys per PSUM bank of fp32 scores (gemm_moving_fmax)
-STEP = 1024  # keys per pipeline step of a query tile (two banks)
 QCHUNK = 8  # query tiles per Q^T load and per output store
+# Pipeline distance (in steps) of P V behind the scores, and of o = O / l: P^T of a step arrives by DMA
+# several microseconds after its exp, while two consecutive steps (a short and a long tile) take about
+# as long as one tile's scores
+LAG_PV, LAG_FINISH = 5, 7
+DMA_BLOCKS = 16  # most 128-key blocks per DMA transpose (P V starts on the first ones)
+KV_PIECES = 4  # DMAs per resident K^T / V load (the first tiles start on the first piece)
 PSUM_READ_CYCLES = 60  # VectorE's PSUM access setup per instruction (performance guide; a range in the model)
+SBUF_BUDGET = 160 * 1024  # bytes per partition the resident K / V and the pipelined step tiles may take
+# Trace-time engine rates for the P^T split (trn2): TensorE clock; a DMA transpose SBUF -> SBUF moves
+# bytes at half a copy's rate over the 16 DMA engines (23 B/ns each), about 86% packet efficiency.
+TENSOR_GHZ = 2.4
+DMA_TRANSPOSE_BYTES_PER_NS = 16 * 23 * 0.5 * 0.86
 
 
-def _steps(S, g0, ng, j, G):
-    """The unit's pipeline steps: per query head and 128-row tile, its causal keys in STEP chunks."""
+def _itemsize(dtype):
+    """Bytes per element of the kernel's dtypes (fp32 or bf16)."""
+    return 4 if dtype == nl.float32 else 2
+
+
+def step_keys(S: int, itemsize: int, D: int) -> int:
+    """Keys per pipeline step: the largest of 4096 / 2048 / 1024 / 512 whose tiles (two fp32 score
+    tiles, two of probabilities and three of ``P^T`` in flight) fit next to the resident ``K^T``, ``V``
+    and the Q / output chunks."""
+    spad = cdiv(S, P) * P
+    resident = spad * itemsize + cdiv(S, P) * D * itemsize + 4 * QCHUNK * P * itemsize
+    for step in (4096, 2048, 1024):
+        if resident + (2 * 4 + 5 * itemsize) * step <= SBUF_BUDGET:
+            return step
+    return BANK
+
+
+# ``load``: estimated busy ns per engine so far (trace time, shapes only), indexed by these; the first
+# two are the [Vector, Scalar] pair :func:`cheaper_engine` updates.
+VEC, ACT, PE, DMA = 0, 1, 2, 3
+
+
+def _tile_order(nqt):
+    """Query tiles in the order a head visits them: shortest and longest alternating (0, n-1, 1, n-2,
+    ...), so every two consecutive tiles hold about the same work and the pipeline's stages keep a
+    steady distance in time (in index order the work per step would ramp up along each head)."""
     out = []
-    nqt = cdiv(S, P)
-    for g in range(g0, g0 + ng):
-        for qt in range(nqt):
-            r0 = qt * P
-            nq = min(P, S - r0)
-            nkeys = r0 + nq
-            nsec = cdiv(nkeys, STEP)
-            ct = qt % QCHUNK
-            for s in range(nsec):
-                out.append({"h": j * G + g, "r0": r0, "nq": nq, "k0": s * STEP, "k1": min(nkeys, (s + 1) * STEP),
-                            "first": s == 0, "last": s == nsec - 1, "col": (g - g0) * nqt + qt, "ct": ct,
-                            "chunk_first": ct == 0 and s == 0,
-                            "chunk_last": s == nsec - 1 and (ct == QCHUNK - 1 or qt == nqt - 1)})
+    for i in range(nqt // 2):
+        out.append(i)
+        out.append(nqt - 1 - i)
+    if nqt % 2 == 1:
+        out.append(nqt // 2)
     return out
 
 
-def _scores(st, q, kT, ident, mask, load):
-    """Stage 1: Q^T (first step of a chunk), the score banks, the causal mask, the per-bank row max
-    (negated)."""
-    b, h, r0, nq, k0, k1 = st["b"], st["h"], st["r0"], st["nq"], st["k0"], st["k1"]
+def _steps(S, g0, ng, j, G, step):
+    """The unit's pipeline steps: per query head and 128-row tile (:func:`_tile_order`), its causal keys
+    in ``step`` chunks. A chunk (eight consecutive tiles: one Q^T load, one output store) is loaded at
+    the first step of its first visited tile and stored after its last visited tile."""
+    out = []
+    nqt = cdiv(S, P)
+    order = _tile_order(nqt)
+    for g in range(g0, g0 + ng):
+        seen = [0] * cdiv(nqt, QCHUNK)
+        for qt in order:
+            r0 = qt * P
+            nq = min(P, S - r0)
+            nkeys = r0 + nq
+            nsec = cdiv(nkeys, step)
+            ch = qt // QCHUNK
+            seen[ch] = seen[ch] + 1
+            ntiles = min(QCHUNK, nqt - ch * QCHUNK)
+            for s in range(nsec):
+                out.append({"h": j * G + g, "r0": r0, "nq": nq, "k0": s * step, "k1": min(nkeys, (s + 1) * step),
+                            "first": s == 0, "last": s == nsec - 1, "col": (g - g0) * nqt + qt, "ct": qt % QCHUNK,
+                            "chunk": f"{g}_{ch}", "chunk_r0": ch * QCHUNK * P, "chunk_tiles": ntiles,
+                            "chunk_first": seen[ch] == 1 and s == 0,
+                            "chunk_last": seen[ch] == ntiles and s == nsec - 1})
+    return out
+
+
+def _scores(st, q, kT, ident, mask, negm_all, chunks, load):
+    """Stage 1: Q^T (first step of a chunk), the score banks and the causal mask (Tensor); each bank
+    emptied into ``scale * S`` (fp32, SBUF) with its row max (Vector), then the step's ``-max``."""
+    b, h, r0, nq, k0, k1, scale = st["b"], st["h"], st["r0"], st["nq"], st["k0"], st["k1"], st["scale"]
     S, D = q.shape[1], q.shape[3]
     if st["chunk_first"]:
-        n = min(QCHUNK * P, S - r0)
+        n = min(QCHUNK * P, S - st["chunk_r0"])
         qT = nl.ndarray((D, QCHUNK * P), dtype=q.dtype, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=qT[:, 0:n], src=rows(q, b, r0, n, h))
-        st["qT"] = qT
-        st["oc"] = nl.ndarray((P, QCHUNK, D), dtype=q.dtype, buffer=nl.sbuf)
-    else:
-        st["qT"], st["oc"] = st["before"]["qT"], st["before"]["oc"]
+        nisa.dma_transpose(dst=qT[:, 0:n], src=rows(q, b, st["chunk_r0"], n, h))
+        load[DMA] = load[DMA] + n * D * _itemsize(q.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 1.4)
+        chunks[st["chunk"]] = (qT, nl.ndarray((P, QCHUNK, D), dtype=q.dtype, buffer=nl.sbuf))
+    st["qT"], st["oc"] = chunks[st["chunk"]]
     c0 = st["ct"] * P
-    nb = cdiv(k1 - k0, BANK)
-    nbm = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
-    banks = []
-    for i in range(nb):
-        kb0 = k0 + i * BANK
-        w = min(BANK, k1 - kb0)
-        s_ps = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(dst=s_ps, stationary=st["qT"][:, c0:c0 + nq], moving=kT[0:D, kb0:kb0 + w], accumulate=False)
-        if kb0 <= r0 and r0 < kb0 + w:  # the diagonal block: add the causal mask
-            nisa.nc_matmul(dst=s_ps[:, r0 - kb0:r0 - kb0 + nq], stationary=ident[0:nq, 0:nq], moving=mask[0:nq, 0:nq],
-                           accumulate=True)
-        nisa.tensor_reduce(dst=nbm[:, i:i + 1], op=nl.maximum, data=s_ps, axis=1, negate=True)
-        load[0] = load[0] + max(64, w) / VECTOR_GHZ
-        banks.append([kb0, w, s_ps])
-    st["banks"], st["nbm"] = banks, nbm
+    w = k1 - k0
+    nb = cdiv(w, BANK)
+    s_sb = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.sbuf)
+    bm = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
+    pending = None
+    for i in range(nb + 1):
+        if i < nb:
+            kb0 = k0 + i * BANK
+            wb = min(BANK, k1 - kb0)
+            s_ps = nl.ndarray((nq, wb), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_matmul(dst=s_ps, stationary=st["qT"][:, c0:c0 + nq], moving=kT[0:D, kb0:kb0 + wb],
+                           accumulate=False)
+            load[PE] = load[PE] + max(64, wb) / TENSOR_GHZ
+            if kb0 <= r0 and r0 < kb0 + wb:  # the diagonal block: add the causal mask
+                nisa.nc_matmul(dst=s_ps[:, r0 - kb0:r0 - kb0 + nq], stationary=ident[0:nq, 0:nq],
+                               moving=mask[0:nq, 0:nq], accumulate=True)
+                load[PE] = load[PE] + max(64, nq) / TENSOR_GHZ
+        if pending != None:  # noqa: E711 (NKI rejects `is`); the previous bank, while this one is formed
+            pi, pb0, pw, p_ps = pending
+            nisa.tensor_scalar_reduce(dst=s_sb[:, pb0 - k0:pb0 - k0 + pw], data=p_ps, op0=nl.multiply,
+                                      operand0=scale, reduce_op=nl.maximum, reduce_res=bm[:, pi:pi + 1])
+            load[VEC] = load[VEC] + max(64, pw) / VECTOR_GHZ
+        pending = None
+        if i < nb:
+            pending = (i, kb0, wb, s_ps)
+    nm = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if st["first"] and st["last"]:  # the tile's only step: its -max is final
+        nm = negm_all[0:nq, st["col"]:st["col"] + 1]
+    nisa.tensor_reduce(dst=nm, op=nl.maximum, data=bm, axis=1, negate=True)
+    load[VEC] = load[VEC] + 64 / VECTOR_GHZ
+    st["s_sb"], st["nm"] = s_sb, nm
 
 
-def _neg_max(st, negm_all, scale_col):
-    """``-scale * m`` of the running row max ``m`` over the step's banks and the tile's earlier steps
-    (the exponentials' bias; GpSimd: the operands are small SBUF columns). A tile's last step writes it
-    into the unit's column ``col``."""
-    nbm, prev, nq = st["nbm"], st["prev"], st["nq"]
-    nm = nbm
-    if nbm.shape[1] > 1:
-        nm = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=nm, data1=nbm[:, 0:1], data2=nbm[:, 1:2], op=nl.minimum, engine=nisa.engine.gpsimd)
-    if prev != None:  # noqa: E711 (NKI rejects `is`)
-        nm2 = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=nm2, data1=nm, data2=prev["nm"], op=nl.minimum, engine=nisa.engine.gpsimd)
-        nm = nm2
-    negm = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if st["last"]:
-        negm = negm_all[0:nq, st["col"]:st["col"] + 1]
-    nisa.tensor_tensor(dst=negm, data1=nm, data2=scale_col[0:nq, :], op=nl.multiply, engine=nisa.engine.gpsimd)
-    st["nm"], st["negm"] = nm, negm
+def _neg_max(st, negm_all):
+    """``-m`` of the running row max over the tile's steps so far (GpSimd; small SBUF columns), written
+    into the unit's column ``col`` by the tile's last step."""
+    prev, nq = st["prev"], st["nq"]
+    negm = st["nm"]
+    if prev != None:  # noqa: E711
+        negm = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if st["last"]:
+            negm = negm_all[0:nq, st["col"]:st["col"] + 1]
+        nisa.tensor_tensor(dst=negm, data1=st["nm"], data2=prev["negm"], op=nl.minimum, engine=nisa.engine.gpsimd)
+    st["negm"] = negm
 
 
 def _exp(st, load):
-    """Stage 2: P = exp(scale * S - scale * m) per bank with the step's row sum; the correction factor."""
-    nq, scale, banks, prev = st["nq"], st["scale"], st["banks"], st["prev"]
-    nb = len(banks)
+    """Stage 2: ``P = exp(scale * S - m)`` of the step (one instruction) with its row sum; the
+    correction factor ``exp(m_old - m)`` on a tile's later steps."""
+    nq, prev = st["nq"], st["prev"]
+    w = st["k1"] - st["k0"]
+    p_sb = nl.ndarray((nq, w), dtype=st["pdt"], buffer=nl.sbuf)
     rs = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    probs = []
-    for i in range(nb):
-        kb0, w, s_ps = banks[i]
-        p_sb = nl.ndarray((nq, w), dtype=st["pdt"], buffer=nl.sbuf)
-        cmd = nisa.reduce_cmd.reset_reduce if i == 0 else nisa.reduce_cmd.reduce
-        if i == nb - 1:  # the row sum over the step's banks accumulates in ScalarE's registers; read once
-            nisa.activation(dst=p_sb, op=nl.exp, data=s_ps, bias=st["negm"], scale=scale, reduce_op=nl.add,
-                            reduce_res=rs, reduce_cmd=cmd)
-        else:
-            nisa.activation(dst=p_sb, op=nl.exp, data=s_ps, bias=st["negm"], scale=scale, reduce_op=nl.add,
-                            reduce_cmd=cmd)
-        load[1] = load[1] + (max(64, w) + (64 if i == nb - 1 else 0)) / SCALAR_GHZ + ACT_FIXED_NS
-        probs.append([kb0, w, p_sb])
-    st["banks"] = None  # the score banks are dead: their PSUM accumulation groups close
+    nisa.activation(dst=p_sb, op=nl.exp, data=st["s_sb"], bias=st["negm"], scale=1.0, reduce_op=nl.add,
+                    reduce_res=rs, reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    load[ACT] = load[ACT] + (max(64, w) + 64) / SCALAR_GHZ + ACT_FIXED_NS
     if prev != None:  # noqa: E711
         corr = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=corr, op=nl.exp, data=prev["negm"], scale=-1.0, bias=st["negm"])
-        load[1] = load[1] + 64 / SCALAR_GHZ + ACT_FIXED_NS
+        load[ACT] = load[ACT] + 64 / SCALAR_GHZ + ACT_FIXED_NS
         st["corr"] = corr
-    st["probs"], st["rs"] = probs, rs
+    st["s_sb"], st["p"], st["rs"] = None, p_sb, rs
+
+
+def _pe_blocks(load, nfull, nq, itemsize):
+    """How many of a step's ``nfull`` full 128-key blocks go to PE transposes (the rest: one DMA
+    transpose): each block to whichever path's engines would finish it first given the work so far."""
+    dma_ns = P * nq * itemsize / DMA_TRANSPOSE_BYTES_PER_NS
+    pe_ns = max(64, nq) / TENSOR_GHZ
+    copy_v = max(64, nq / 2 if itemsize == 2 else nq) / VECTOR_GHZ
+    copy_s = nq / SCALAR_GHZ + ACT_FIXED_NS / 8
+    d, t, v, s = load[DMA], load[PE], load[VEC], load[ACT]
+    n_pe = 0
+    for _ in range(nfull):
+        by_pe = max(t + pe_ns, min(v + copy_v, s + copy_s))
+        if by_pe < d + dma_ns:
+            n_pe = n_pe + 1
+            t = t + pe_ns
+            if v + copy_v <= s + copy_s:
+                v = v + copy_v
+            else:
+                s = s + copy_s
+        else:
+            d = d + dma_ns
+    load[DMA] = d
+    return n_pe
 
 
 def _transpose(st, load):
-    """Stage 3: P^T per 128-key block (PE transposes into as few PSUM tiles as fit a bank: one per step in
-    bf16), copied to SBUF by Vector or Scalar (a tile's full blocks in one instruction)."""
-    nq, pdt = st["nq"], st["pdt"]
+    """Stage 3: ``P^T [keys, nsub, q]`` per 128-key block: the first blocks by one DMA transpose
+    (SBUF -> SBUF), the others (and a short last block) by PE transposes into PSUM tiles of up to a
+    bank, each copied out by Vector or Scalar, whichever has less work."""
+    nq, pdt, p_sb = st["nq"], st["pdt"], st["p"]
+    w = st["k1"] - st["k0"]
+    nsub = cdiv(w, P)
+    nfull = w // P
     two_byte = pdt != nl.float32
-    subs = []  # (first key, keys, probabilities, column) per 128-key block
-    for i in range(len(st["probs"])):
-        kb0, w, p_sb = st["probs"][i]
-        for c in range(cdiv(w, P)):
-            subs.append([kb0 + c * P, min(P, w - c * P), p_sb, c * P])
-    per_tile = BANK * 4 // (P * (2 if two_byte else 4))  # blocks per PSUM bank
-    blocks = []
-    for g0 in range(0, len(subs), per_tile):
-        n = min(per_tile, len(subs) - g0)
+    itemsize = 2 if two_byte else 4
+    pt = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.sbuf)
+    n_pe = _pe_blocks(load, nfull, nq, itemsize)
+    n_dma = nfull - n_pe
+    for d0 in range(0, n_dma, DMA_BLOCKS):
+        nd = min(DMA_BLOCKS, n_dma - d0)
+        nisa.dma_transpose(dst=pt.ap(pattern=[[nsub * nq, P], [1, 1], [nq, nd], [1, nq]], offset=d0 * nq),
+                           src=p_sb.ap(pattern=[[w, nq], [1, 1], [P, nd], [1, P]], offset=d0 * P))
+    per_tile = BANK * 4 // (P * itemsize)  # blocks per PSUM bank
+    for c0 in range(n_dma, nsub, per_tile):
+        n = min(per_tile, nsub - c0)
         pt_ps = nl.ndarray((P, n, nq), dtype=pdt, buffer=nl.psum)
-        pt_sb = nl.ndarray((P, n, nq), dtype=pdt, buffer=nl.sbuf)
         for c in range(n):
-            key0, kc, p_sb, col = subs[g0 + c]
-            nisa.nc_transpose(dst=pt_ps[0:kc, c, :], data=p_sb[:, col:col + kc])
-            blocks.append([key0, kc, pt_sb, c])
-        nfull = n if subs[g0 + n - 1][1] == P else n - 1  # only the step's last block can be short
+            kc = min(P, w - (c0 + c) * P)
+            nisa.nc_transpose(dst=pt_ps[0:kc, c, :], data=p_sb[:, (c0 + c) * P:(c0 + c) * P + kc])
+            load[PE] = load[PE] + max(64, nq) / TENSOR_GHZ
+        nfull_here = n if (c0 + n) * P <= w else n - 1  # only the step's last block can be short
         parts = []
-        if nfull > 0:
-            parts.append([P, 0, nfull])
-        if nfull < n:
-            parts.append([subs[g0 + n - 1][1], nfull, n])
+        if nfull_here > 0:
+            parts.append([P, 0, nfull_here])
+        if nfull_here < n:
+            parts.append([w - (c0 + n - 1) * P, nfull_here, n])
         for pi in range(len(parts)):
-            kc, c0, c1 = parts[pi]
-            if cheaper_engine(load, (c1 - c0) * nq, two_byte, PSUM_READ_CYCLES) == 0:
-                nisa.tensor_copy(dst=pt_sb[0:kc, c0:c1, :], src=pt_ps[0:kc, c0:c1, :])
+            kc, a, z = parts[pi]
+            if cheaper_engine(load, (z - a) * nq, two_byte, PSUM_READ_CYCLES) == 0:
+                nisa.tensor_copy(dst=pt[0:kc, c0 + a:c0 + z, :], src=pt_ps[0:kc, a:z, :])
             else:
-                nisa.activation(dst=pt_sb[0:kc, c0:c1, :], op=nl.copy, data=pt_ps[0:kc, c0:c1, :])
-    st["probs"], st["blocks"] = None, blocks
+                nisa.activation(dst=pt[0:kc, c0 + a:c0 + z, :], op=nl.copy, data=pt_ps[0:kc, a:z, :])
+    st["p"], st["pt"] = None, pt
 
 
 def _row_sum(st, l_all):
@@ -205,15 +290,17 @@ def _row_sum(st, l_all):
     st["l"] = ls
 
 
-def _pv(st, v_sb):
-    """Stage 4: O_step = P V over the step's keys, one PSUM accumulation group."""
-    nq, D = st["nq"], v_sb.shape[2]
+def _pv(st, v_sb, load):
+    """Stage 4: ``O_step = P V`` over the step's keys, one PSUM accumulation group."""
+    nq, D, pt = st["nq"], v_sb.shape[2], st["pt"]
+    k0, w = st["k0"], st["k1"] - st["k0"]
     pv_ps = nl.ndarray((nq, D), dtype=nl.float32, buffer=nl.psum)
-    operands = []
-    for key0, kc, pt_sb, c in st["blocks"]:
-        operands.append([(pt_sb[0:kc, c, :], v_sb[0:kc, key0 // P, :])])
-    accumulate([pv_ps], operands)
-    st["blocks"], st["pv"] = None, pv_ps
+    nsub = cdiv(w, P)
+    for c in range(nsub):
+        kc = min(P, w - c * P)
+        nisa.nc_matmul(dst=pv_ps, stationary=pt[0:kc, c, :], moving=v_sb[0:kc, k0 // P + c, :], accumulate=c > 0)
+        load[PE] = load[PE] + max(64, D) / TENSOR_GHZ
+    st["pt"], st["pv"] = None, pv_ps
 
 
 def _o_update(st, load):
@@ -224,7 +311,7 @@ def _o_update(st, load):
         acc = nl.ndarray((nq, pv_ps.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=acc, data=prev["o"], op0=nl.multiply, operand0=st["corr"], op1=nl.add,
                                   operand1=pv_ps)
-        load[0] = load[0] + 2 * pv_ps.shape[1] / VECTOR_GHZ
+        load[VEC] = load[VEC] + 2 * pv_ps.shape[1] / VECTOR_GHZ
         prev["o"] = None
     elif not st["last"]:
         acc = nl.ndarray((nq, pv_ps.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
@@ -249,16 +336,20 @@ def _finish(st, outs, load, ones_col):
         nisa.activation(dst=dst, op=nl.copy, data=st["o"], scale=rl)
     st["o"] = None  # (may be the PSUM tile: its accumulation group closes)
     if st["chunk_last"]:  # the chunk's full tiles in one DMA, a short last tile (S % 128) in another
-        nfull = ct + 1 if nq == P else ct
+        n = st["chunk_tiles"]
+        c0 = st["chunk_r0"]
+        nfull = min(n, (o.shape[1] - c0) // P)
         if nfull > 0:
-            nisa.dma_copy(dst=tiles_view(o, st["ob"], st["r0"] - ct * P, nfull, st["h"]), src=st["oc"][:, 0:nfull, :])
-        if nq < P:
-            nisa.dma_copy(dst=rows(o, st["ob"], st["r0"], nq, st["h"]), src=st["oc"][0:nq, ct, :])
+            nisa.dma_copy(dst=tiles_view(o, st["ob"], c0, nfull, st["h"]), src=st["oc"][:, 0:nfull, :])
+        if nfull < n:
+            rem = o.shape[1] - c0 - nfull * P
+            nisa.dma_copy(dst=rows(o, st["ob"], c0 + nfull * P, rem, st["h"]), src=st["oc"][0:rem, nfull, :])
+        load[DMA] = load[DMA] + n * P * o.shape[3] * _itemsize(o.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 2)
 
 
 def _store_lse(unit_heads, l_all, negm_all, lse, ob, S):
-    """``lse = log(l) - (-scale * m)`` of every tile of the unit (one ``log``: one activation-table
-    switch per unit), stored per head."""
+    """``lse = log(l) - (-m)`` of every tile of the unit (one ``log``: one activation-table switch per
+    unit), stored per head."""
     lg = nl.ndarray(l_all.shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=lg, op=nl.log, data=l_all)
     lse_t = nl.ndarray(l_all.shape, dtype=nl.float32, buffer=nl.sbuf)
@@ -283,53 +374,48 @@ def _at(steps, t):
     return None
 
 
-def _run_unit(unit, q, k, v, scale, outs, ident, mask):
+def _run_unit(unit, q, k, v, scale, outs, ident, mask, load):
     """One work unit: load its kv head, then the software-pipelined steps of its query tiles.
 
     Iteration t issues, per engine in this order, so that each instruction's inputs were produced at
-    least one stage earlier: Tensor S(t), P^T(t-2), PV(t-3); Vector the bank maxima (t), P^T copies
-    (t-2), -scale*m (t), O (t-4), l (t-2), o = O / l (t-5); Scalar exp (t-1), P^T copies (t-2).
+    least one stage earlier: Tensor S(t), P^T(t-2), PV(t-3); Vector the banks of S(t), P^T copies (t-2),
+    O (t-4), o = O / l (t-5); GpSimd -m (t), l (t-2); Scalar exp (t-1), P^T copies (t-2); DMA P^T (t-2).
     """
     b, j, g0, ng, _ = unit
     S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
     G = Hq // k.shape[2]
     nqt = cdiv(S, P)
-    kT, v_sb = load_kv(k, v, b, j, D)
-    steps = _steps(S, g0, ng, j, G)
+    kT, v_sb = load_kv(k, v, b, j, D, KV_PIECES)
+    load[DMA] = load[DMA] + 2 * S * D * _itemsize(q.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 1.4)
+    chunks = {}  # per chunk of a head: its Q^T and output tiles
+    steps = _steps(S, g0, ng, j, G, step_keys(S, _itemsize(q.dtype), D))
     ob = b if outs[0].shape[0] > 1 else 0  # the scratch outputs hold one batch row
     # per tile of the unit (column (head - g0) * nqt + tile): the final row sum and -scale * max
     l_all = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=l_all, value=1.0)  # (rows past S of a short last tile: log(1))
     negm_all = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=negm_all, value=0.0)
-    cols = (nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf), nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf))
-    nisa.memset(dst=cols[0], value=scale)
-    nisa.memset(dst=cols[1], value=1.0)
+    ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_col, value=1.0)
     for i in range(len(steps)):
         steps[i]["b"], steps[i]["ob"], steps[i]["scale"], steps[i]["pdt"] = b, ob, scale, q.dtype
         steps[i]["prev"] = None if steps[i]["first"] else steps[i - 1]
-        steps[i]["before"] = None if i == 0 else steps[i - 1]
-    load = [0.0, 0.0]  # Vector / Scalar ns so far (engine choice of the P^T copies)
-    for t in range(len(steps) + 5):
+    for t in range(len(steps) + LAG_FINISH):
         cur = _at(steps, t)
         if cur != None:  # noqa: E711
-            _scores(cur, q, kT, ident, mask, load)
+            _scores(cur, q, kT, ident, mask, negm_all, chunks, load)
+            _neg_max(cur, negm_all)
         if _at(steps, t - 1) != None:  # noqa: E711
             _exp(steps[t - 1], load)
         if _at(steps, t - 2) != None:  # noqa: E711
             _transpose(steps[t - 2], load)
-        if cur != None:  # noqa: E711
-            _neg_max(cur, negm_all, cols[0])
-        if _at(steps, t - 3) != None:  # noqa: E711
-            _pv(steps[t - 3], v_sb)
-        if _at(steps, t - 4) != None:  # noqa: E711
-            _o_update(steps[t - 4], load)
-        if _at(steps, t - 2) != None:  # noqa: E711
             _row_sum(steps[t - 2], l_all)
-        if _at(steps, t - 5) != None and steps[t - 5]["last"]:  # noqa: E711
-            _finish(steps[t - 5], outs, load, cols[1])
-        if _at(steps, t - 5) != None:  # noqa: E711
-            steps[t - 5]["before"] = None  # (the chunk's tiles travel one step further)
+        if _at(steps, t - LAG_PV) != None:  # noqa: E711
+            _pv(steps[t - LAG_PV], v_sb, load)
+        if _at(steps, t - LAG_PV - 1) != None:  # noqa: E711
+            _o_update(steps[t - LAG_PV - 1], load)
+        if _at(steps, t - LAG_FINISH) != None and steps[t - LAG_FINISH]["last"]:  # noqa: E711
+            _finish(steps[t - LAG_FINISH], outs, load, ones_col)
     heads = []
     for g in range(g0, g0 + ng):
         heads.append(j * G + g)
@@ -354,7 +440,8 @@ def attention_fwd_kernel(q, k, v, scale):
     ident = identity(nl.bfloat16)
     mask = causal_mask(nl.bfloat16)
     units = work_units(B, Hk, G, n_prog, pid, True)
+    load = [0.0, 0.0, 0.0, 0.0]
     for u in range(len(units)):
         outs = (o, lse) if units[u][4] else scratch
-        _run_unit(units[u], q, k, v, float(scale), outs, ident, mask)
+        _run_unit(units[u], q, k, v, float(scale), outs, ident, mask, load)
     return o, lse

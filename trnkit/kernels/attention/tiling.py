@@ -95,18 +95,23 @@ def causal_mask(dtype):
     return mask
 
 
-def load_kv(k, v, b, j, kT_rows):
+def load_kv(k, v, b, j, kT_rows, pieces=1):
     """One kv head resident in SBUF: ``K^T [kT_rows, S]`` (rows 0..D-1 filled; DMA transpose) and
-    ``V [P, ceil(S/P), D]`` (key ``t*P + p`` on partition p of tile t)."""
+    ``V [P, ceil(S/P), D]`` (key ``t*P + p`` on partition p of tile t), each loaded in ``pieces`` DMAs
+    of consecutive keys (whole 128-key tiles) so the first keys' work need not wait for the last keys."""
     _, S, Hk, D = k.shape
     nkt = (S + P - 1) // P
     kT = nl.ndarray((kT_rows, nkt * P), dtype=k.dtype, buffer=nl.sbuf)
-    nisa.dma_transpose(dst=kT[0:D, 0:S], src=rows(k, b, 0, S, j))
     v_sb = nl.ndarray((P, nkt, D), dtype=v.dtype, buffer=nl.sbuf)
-    nfull = S // P
-    if nfull > 0:
-        nisa.dma_copy(dst=v_sb[:, 0:nfull, :], src=tiles_view(v, b, 0, nfull, j))
-    rem = S - nfull * P
-    if rem > 0:
-        nisa.dma_copy(dst=v_sb[0:rem, nfull, :], src=rows(v, b, nfull * P, rem, j))
+    per = (nkt + pieces - 1) // pieces
+    for t0 in range(0, nkt, per):
+        t1 = min(nkt, t0 + per)
+        s1 = min(S, t1 * P)
+        nisa.dma_transpose(dst=kT[0:D, t0 * P:s1], src=rows(k, b, t0 * P, s1 - t0 * P, j))
+        nfull = min(t1, S // P) - t0
+        if nfull > 0:
+            nisa.dma_copy(dst=v_sb[:, t0:t0 + nfull, :], src=tiles_view(v, b, t0 * P, nfull, j))
+        if t0 + nfull < t1:
+            rem = S - (t0 + nfull) * P
+            nisa.dma_copy(dst=v_sb[0:rem, t0 + nfull, :], src=rows(v, b, (t0 + nfull) * P, rem, j))
     return kT, v_sb
