@@ -33,6 +33,7 @@ from .cases_projection import projection_cases
 from .cases_qkv import qkv_cases
 from .cases_rmsnorm_quant import rmsnorm_quant_cases
 from .cases_subkernels import subkernel_cases
+from .cases_tensor_view import tensor_view_cases
 from .cases_utils import utils_cases
 from .harness import Case
 
@@ -488,7 +489,7 @@ def all_cases() -> list[Case]:
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
             + attention_cases() + attention_tkg_cases() + mlp_cases() + moe_block_cases() + loss_cases()
             + moe_tkg_cases()
-            + qkv_cases() + subkernel_cases() + utils_cases()
+            + qkv_cases() + subkernel_cases() + utils_cases() + tensor_view_cases()
             + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases())
 
 
@@ -550,6 +551,9 @@ FAST = (
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",
     "experimental/collectives/test_collectives|reduce_scatter add dim 0 fp32|lnc2|[256,512] ranks=2",
+    "core/utils/tensor_view|dynamic_select reshape_dim(0,(128,2)) -> vector_select(0,)|lnc1|[256,8]",
+    "core/utils/tensor_view|negative_chain permute((0,2,1),) -> reshape((128,24),) hbm (must reject: non-contiguous "
+    "layout)|lnc1|[128,4,6]",
     "experimental/collectives/test_collectives|attn_q_batch_shard TP2DP2 dBnS input_rank|lnc2"
     "|ranks=4 G=2 heads=1 B=8 S=1 d=64",
 )

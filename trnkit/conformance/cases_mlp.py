@@ -25,7 +25,7 @@ import numpy as np
 
 from .harness import Case
 
-__all__ = ["mlp_cases", "mlp_golden"]
+__all__ = ["mlp_cases", "mlp_golden", "swap_down_layout"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3)
@@ -43,16 +43,19 @@ def _types() -> Any:
 
 def _mlp_inputs(b: int, s: int, h: int, i: int, norm: str, fused: bool, store: bool, skip_gate: bool,
                 act: str, gate_b: bool, up_b: bool, down_b: bool, norm_b: bool, weight_dtype: np.dtype = FP8,
-                column_tiling: tuple[bool, bool] = (True, True)) -> Callable[[], dict]:
+                column_tiling: tuple[bool, bool] = (True, True), swapped_down_lnc: int = 0) -> Callable[[], dict]:
     """``build_fused_norm_mlp``'s draws; ``weight_dtype``: the test's ``quant_dtype`` (fp8 in the CTE
     test, which then also draws the weight scales) or, without one, the activation dtype (bf16, no
-    scales)."""
+    scales). ``swapped_down_lnc``: the rows with ``use_tkg_down_proj_optimized_layout``, whose test
+    builds its generator as ``gaussian_tensor_generator(0, 241, modifier_fn=..., lnc=...)`` (mean 0,
+    std 241) and hands the kernel the down weights in its unit-stride layout (:func:`swap_down_layout`)."""
     def make() -> dict[str, Any]:
         import nki.language as nl  # the interpreter, inside nki_is_interpreter
 
         types = _types()
         gen = np.random.default_rng(0)
-        draw = lambda shape, dt: gen.normal(size=shape).astype(dt)  # noqa: E731
+        std = 241.0 if swapped_down_lnc else 1.0
+        draw = lambda shape, dt: (gen.normal(size=shape) * std).astype(dt)  # noqa: E731
         np.random.seed(42)
         rng = np.random.default_rng(42)
         fused_t = draw((b, s, h), BF16) if fused else None
@@ -63,6 +66,8 @@ def _mlp_inputs(b: int, s: int, h: int, i: int, norm: str, fused: bool, store: b
             if norm_b:
                 beta = draw((1, h), BF16)
         gate_w, up_w, down_w = (draw(shape, weight_dtype) for shape in ((h, i), (h, i), (i, h)))
+        if swapped_down_lnc:
+            down_w = swap_down_layout(down_w, swapped_down_lnc)
         biases = [draw(shape, BF16) if on else None for shape, on in (((1, i), gate_b), ((1, i), up_b),
                                                                      ((1, h), down_b))]
         scales = [draw(shape, F32) if weight_dtype == FP8 else None for shape in ((128, i), (128, i), (128, h))]
@@ -76,10 +81,20 @@ def _mlp_inputs(b: int, s: int, h: int, i: int, norm: str, fused: bool, store: b
                 "up_w_scale": scales[1], "down_w_scale": scales[2], "gate_up_in_scale": None,
                 "down_in_scale": None, "output_dtype": nl.bfloat16, "store_output_in_sbuf": False, "eps": 1e-6,
                 "skip_gate_proj": skip_gate, "use_tkg_gate_up_proj_column_tiling": column_tiling[0],
-                "use_tkg_down_proj_column_tiling": column_tiling[1], "use_tkg_down_proj_optimized_layout": False,
+                "use_tkg_down_proj_column_tiling": column_tiling[1],
+                "use_tkg_down_proj_optimized_layout": bool(swapped_down_lnc),
                 "gate_clamp_upper_limit": None, "gate_clamp_lower_limit": None, "up_clamp_upper_limit": None,
                 "up_clamp_lower_limit": None}
     return make
+
+
+def swap_down_layout(down: np.ndarray, lnc: int, inverse: bool = False) -> np.ndarray:
+    """The down-projection weight ``[I, H]`` in mlp_tkg's optimized (unit-stride) layout: per core
+    ``c``, the core's ``H / lnc`` columns as ``[128, H / 128 / lnc]`` transposed (the test's
+    ``modify_down_proj_lhs_rhs_swap_unit_stride_layout``); ``inverse`` puts it back (its golden)."""
+    i, h = down.shape
+    inner = (h // 128 // lnc, 128) if inverse else (128, h // 128 // lnc)
+    return down.reshape((i, lnc, *inner)).transpose((0, 1, 3, 2)).reshape((i, h))
 
 
 def _np(t: Any) -> np.ndarray | None:
@@ -116,10 +131,11 @@ def mlp_golden(hidden_tensor: Any, gate_proj_weights_tensor: Any, up_proj_weight
                down_proj_bias_tensor: Any = None, normalization_bias_tensor: Any = None,
                fused_add_tensor: Any = None, store_fused_add_result: bool = False, activation_fn: Any = None,
                normalization_type: Any = None, skip_gate_proj: bool = False, eps: float = 1e-6,
-               **_: Any) -> dict[str, np.ndarray]:
+               swapped_down_lnc: int = 0, **_: Any) -> dict[str, np.ndarray]:
     """The unquantized MLP golden of nki-library's MLP tests: (fused add) -> norm -> act(x @ gate + b)
     * (x @ up + b) (act(x @ up + b) with the gate skipped) -> @ down + b, in float64/fp32 numpy; outputs
-    rounded to bf16 (``out`` and, with a stored fused add, ``add_out``)."""
+    rounded to bf16 (``out`` and, with a stored fused add, ``add_out``). ``swapped_down_lnc``: the down
+    weights come in the optimized layout and are put back first, as the test's golden does."""
     hidden_sum = np.zeros(tuple(hidden_tensor.shape))
     for t in ([fused_add_tensor] if fused_add_tensor is not None else []) + [hidden_tensor]:
         hidden_sum += _np(t)
@@ -135,7 +151,8 @@ def mlp_golden(hidden_tensor: Any, gate_proj_weights_tensor: Any, up_proj_weight
         if gate_proj_bias_tensor is not None:
             gate = gate + _np(gate_proj_bias_tensor)
         mult = _activation(activation_fn.name, gate) * up
-    out = mult @ _np(down_proj_weights_tensor)
+    down = _np(down_proj_weights_tensor)
+    out = mult @ (swap_down_layout(down, swapped_down_lnc, inverse=True) if swapped_down_lnc else down)
     if down_proj_bias_tensor is not None:
         out = out + _np(down_proj_bias_tensor)
     result = {"out": out.astype(BF16).astype(np.float32)}
@@ -257,6 +274,12 @@ _TKG = [
 ]
 
 
+# nki_tkg_fused_norm_mlp_kernel_spmd_vnc2_swap_perms's two "Llama 3 TP32 all projections swapped, down_w layout
+# optimized for unit stride loading" rows (use_tkg_down_proj_optimized_layout): lnc, batch, seqlen, hidden,
+# intermediate, norm (no fused add, no biases, no column tiling)
+_TKG_SWAPPED = [(1, 4, 1, 8192, 1024, "RMS_NORM"), (2, 4, 1, 8192, 1024, "RMS_NORM")]
+
+
 def _tkg_negative(lnc: int, b: int, s: int, h: int, down_col: bool) -> bool:
     """The test's expected rejections: more than 128 tokens, H / 128 not split evenly over the cores,
     or (without down-projection column tiling) more than 8 PSUM banks for the down projection."""
@@ -280,6 +303,16 @@ def _tkg_cases() -> list[Case]:
                                (gate_col, down_col)),
             outputs=("out", "add_out") if fused and store else ("out",), lnc=lnc, rtol=2e-2, atol=1e-5,
             negative=negative, note=MLP_REPAIR_NOTE, test_file=f"{TESTS}/test_mlp_tkg.py"))
+    for lnc, b, s, h, i, norm in _TKG_SWAPPED:
+        cases.append(Case(
+            kernel="core/mlp/mlp_tkg", name=f"bf16 {norm.lower()} down_w optimized layout std=241",
+            shapes=f"B={b} S={s} H={h} I={i}", entry=f"{LIB}.mlp.mlp:mlp",
+            reference="trnkit.conformance.cases_mlp:mlp_golden",
+            inputs=_mlp_inputs(b, s, h, i, norm, False, False, False, "SiLU", False, False, False, False, BF16,
+                               (False, False), swapped_down_lnc=lnc),
+            ref_inputs=lambda kw, lnc=lnc: {**kw, "swapped_down_lnc": lnc},
+            outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5, note=MLP_REPAIR_NOTE,
+            test_file=f"{TESTS}/test_mlp_tkg.py"))
     return cases
 
 

@@ -334,7 +334,9 @@ def load_test_module(root: Path, rel_path: str) -> types.ModuleType:
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         try:
-            spec.loader.exec_module(mod)
+            with warnings.catch_warnings():  # the marks nki-library's pytest config registers (fast, ...)
+                warnings.filterwarnings("ignore", message=r"Unknown pytest\.mark")
+                spec.loader.exec_module(mod)
         except BaseException:
             del sys.modules[name]
             raise
