@@ -16,8 +16,9 @@ matmul(s) at their lower bound (the larger of TensorE's bf16 peak time for ``2 N
 ``4 N H V`` backward, and the HBM time of their operands and the logits), the most any matmul kernel could
 give it. The ratio against the same job is the fair one; the ratio against the kernel alone is a floor.
 
-Tracing: trnkit's kernel at 2,048 and 4,096 vocabulary rows, read on the straight line through the two at V
-(as ``python -m trnkit.bench step`` does); nki-library's at 2 and 4 batches of positions per core, read on the
+Tracing: trnkit's kernel at two vocabulary sizes, read on the straight line through the two at V, the sizes
+doubled from 2,048 and 4,096 rows until the line's slopes are a steady state's (as ``python -m trnkit.bench step``
+does: :func:`trnkit.bench.step._steady`); nki-library's at 2 and 4 batches of positions per core, read on the
 line at N (its position batches run one after another with the same instructions). Shapes: nki-library's
 test row for Qwen3's 151,936 vocabulary (``test_cross_entropy_forward.py`` / ``_backward.py``, B=2, T=4096: N =
 8,192; its tests have no H, its kernel none either) with the hidden size of Qwen3-4B (2,560) and of

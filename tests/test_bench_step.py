@@ -83,7 +83,7 @@ def test_scaled_traces_read_off_a_proportion_or_a_line():
     assert step._at(16, [(4, 10.0)]) == 40.0
     assert step._at(10, [(2, 5.0), (4, 9.0)]) == 21.0  # 1 + 2 per unit
     op = step.loss_op(128, 256, 151936, "forward", 2, full=False)
-    assert op.traced_units == (2048, 4096) and "straight line" in op.traced
+    assert op.traced_units == (2048, 4096) and op.traced == "vocabulary rows"
     attn = step.attention_op("dense layer", 1, 4096, 32, 8, 128, "backward", 2, full=False)
     assert (attn.units, attn.traced_units) == (8, (2,)) and "2 of 8 kv heads (8 q heads)" in attn.traced
     # a weight too big for one grouped_mm launch goes in column slices: 4B's q_proj backward
@@ -154,3 +154,49 @@ def test_cli_prints_the_report_and_writes_the_csv(est, tmp_path, monkeypatch, ca
     assert step.report(est) in out and f"-> {tmp_path / 'step.csv'}" in out
     rows = list(csv.DictReader((tmp_path / "step.csv").open()))
     assert rows[-1]["part"] == "step" and rows[-1]["flavor"] == "debug"
+
+
+def _fake_trace(fixed_ns: float, hidden_per_unit: float):
+    """A stand-in for ``step._trace``: every unit costs 1.0 ns on the busiest engine at mid (0.9 optimistic,
+    1.1 pessimistic) plus a fixed tail that the growing loop overlaps ``hidden_per_unit`` ns per unit until
+    none of it shows (at the pessimistic settings the tail is three times longer)."""
+    def trace(op, u, chip):
+        tail = [max(0.0, f - hidden_per_unit * u) for f in (fixed_ns, fixed_ns, 3 * fixed_ns)]
+        return (0.9 * u + 100 + tail[0], 1.0 * u + 100 + tail[1], 1.1 * u + 100 + tail[2]), {"tensor": 1.0 * u}
+    return trace
+
+
+def test_line_fit_doubles_the_traced_sizes_until_the_fixed_work_is_overlapped(monkeypatch):
+    # a pessimistic tail of 3,000 ns, hidden 0.4 ns per unit: gone from 7,500 units on. Through 2,048 and
+    # 4,096 the pessimistic slope is 1.1 - 0.4 = 0.7 < mid's 1.0: read at 151,936 that end would come out
+    # ~45 us below mid. The steady line (8,192 and 16,384) reads 1.1 x 151,936 + 100 there.
+    monkeypatch.setattr(step, "_trace", _fake_trace(1000.0, 0.4))
+    op = step.loss_op(128, 256, 151936, "forward", 2, full=False)
+    e = step.estimate_op(op, "trn2", {})
+    assert (e.low_ns, e.mid_ns, e.high_ns) == pytest.approx((0.9 * 151936 + 100, 151936 + 100, 1.1 * 151936 + 100))
+    assert e.low_ns <= e.mid_ns <= e.high_ns
+    assert e.busy_ns["tensor"] == pytest.approx(151936)
+    assert e.traced == "8,192 and 16,384 of 151,936 vocabulary rows, the straight line through them at 151,936"
+    assert step._steady([(2048, (2048.0, 2148.0, 2300.0), {"tensor": 2048.0}),
+                         (4096, (4096.0, 4196.0, 4600.0), {"tensor": 4096.0})])
+    assert not step._steady([(2048, (2048.0, 2148.0, 2300.0), {"tensor": 2048.0}),  # pessimistic slope low
+                             (4096, (4096.0, 4196.0, 3800.0), {"tensor": 4096.0})])
+    assert not step._steady([(2048, (2048.0, 2148.0, 2300.0), {"tensor": 2100.0}),  # mid slope under the busy one
+                             (4096, (4000.0, 4100.0, 4600.0), {"tensor": 4096.0})])
+
+
+def test_line_fit_with_no_steady_state_below_the_op_traces_the_whole_op(monkeypatch):
+    monkeypatch.setattr(step, "_trace", _fake_trace(1e9, 1.0))  # the tail never hidden below the op's size
+    op = step.loss_op(128, 256, 20000, "forward", 2, full=False)
+    e = step.estimate_op(op, "trn2", {})
+    assert e.traced == "all 20,000 vocabulary rows (no steady state at fewer)"
+    assert e.mid_ns == pytest.approx(20000 + 100 + 1e9 - 20000)  # the trace at 20,000 itself
+
+
+def test_fused_loss_ends_bracket_mid_at_the_full_vocabulary():
+    # the real kernel: at 2,048 and 4,096 rows the forward's pessimistic end still shows the per-group fixed
+    # work (the target logits on GpSimd), and a line through them put that end below mid at V
+    e = step.estimate_op(step.loss_op(2048, 512, 151936, "forward", 2, full=False), "trn2", {})
+    assert e.low_ns <= e.mid_ns <= e.high_ns
+    assert e.traced.startswith("4,096 and 8,192 of 151,936 vocabulary rows")
+    assert e.mid_ns >= e.busy_ns["tensor"] > 0

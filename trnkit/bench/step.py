@@ -26,8 +26,14 @@ of the partial input gradients of a matmul launched in column slices.
 
 Scaled traces (said in the output, column ``traced``): a launch whose work repeats per unit is traced for
 fewer units and its estimate multiplied: matmul column slices (identical launches), attention kv heads
-(each core runs its kv heads one after the other), experts (same slots per expert), vocabulary tiles of
-the loss. ``--full`` traces the whole attention, experts and vocabulary (slow at real sizes).
+(each core runs its kv heads one after the other), experts (same slots per expert). The loss is read on the
+straight line through two traces at ``u`` and ``2u`` vocabulary rows, which counts its fixed work (per token
+group: the target logits, the statistics, the stores) once. That line is only right where the traced sizes
+are in the schedule's steady state, the fixed work already overlapped by the vocabulary loop as it is at the
+full vocabulary; so the line is accepted only when its slopes are a steady state's (:func:`_steady`: the
+optimistic end's slope at most mid's, the pessimistic end's at least mid's, and mid's at least the busiest
+engine's busy time per row), and otherwise the sizes are doubled until they are. ``--full`` traces the whole
+attention, experts and vocabulary (slow at real sizes).
 
 Model FLOPs: the matmuls of the model (projections, MLP or the top-k experts, router, lm_head, and
 attention's ``QK^T`` and ``PV`` with the causal half counted once), backward = 2 x forward; MFU = model
@@ -55,7 +61,8 @@ DTYPE = torch.bfloat16
 MODES = ("forward", "backward")
 ATTN_HEADS_TRACED = 1  # kv heads per core traced when scaling attention
 EXPERTS_TRACED = 8  # experts per core traced when scaling the MoE experts
-VOCAB_TRACED = 2048  # vocabulary rows of the first of two loss traces (the second: twice as many)
+VOCAB_TRACED = 2048  # vocabulary rows of the first of two loss traces (the second: twice as many), at least
+STEADY_TOL = 0.005  # slopes closer than this (relative) count as equal in the steady-state check
 
 
 @dataclass(frozen=True)
@@ -70,10 +77,11 @@ class StepOp:
     model_flops: int  # model FLOPs of the whole op (0 for non-matmul work)
     run: Callable[[int], object]  # the traced launch for ``u`` units of the op's work
     units: int = 1  # units of work in the whole op (kv heads, experts, vocabulary rows, column slices)
-    # units traced: (units,) = the whole op; (u,) = u units, the estimate times units / u; (u1, u2) = a
-    # straight line through the two traces, read at ``units`` (the launch's fixed part counted once)
+    # units traced: (units,) = the whole op; (u,) = u units, the estimate times units / u; (u, 2u) = a
+    # straight line through two traces, read at ``units`` (the launch's fixed part counted once), the sizes
+    # doubled until the line is a steady state's (:func:`_steady`)
     traced_units: tuple[int, ...] = ()
-    traced: str = ""  # what was traced when not the whole op
+    traced: str = ""  # what was traced when not the whole op (a line fit: what its units are, "vocabulary rows")
     key: tuple = ()  # identical launches share one trace
     check: Callable[[int], list] = lambda u: []  # the kernel's declared constraints at ``u`` units (meta tensors)
 
@@ -89,6 +97,7 @@ class OpEstimate:
     high_ns: float
     busy_ns: dict[str, float] = field(default_factory=dict)
     trace_s: float = 0.0
+    traced: str = ""  # what was traced when not the whole op
 
 
 @dataclass
@@ -378,8 +387,7 @@ def loss_op(T: int, H: int, V: int, mode: str, lnc: int, full: bool) -> StepOp:
     def call(*a: torch.Tensor) -> object:
         return mod.linear_cross_entropy_bwd(*a, lnc=lnc) if bwd else mod.linear_cross_entropy(*a, lnc=lnc)
 
-    traced = (f"{traced_units[0]:,} and {traced_units[1]:,} of {V:,} vocabulary rows, the straight line "
-              f"through them at {V:,}" if len(traced_units) == 2 else "")
+    traced = "vocabulary rows" if len(traced_units) == 2 else ""
     kernel = "linear_cross_entropy_bwd" if bwd else "linear_cross_entropy"
     return _op("lm_head_loss", kernel, mode, "head", f"[{T}, {H}] x [{V}, {H}]", 2 * T * H * V * (2 if bwd else 1),
                make, call, lambda h, w, labels, *_: mod.linear_cross_entropy_constraints(h, w, labels),
@@ -445,6 +453,19 @@ def _trace(op: StepOp, units: int, chip: str) -> tuple[tuple[float, float, float
     return estimate_range(rep.total_range_ns), dict(rep.busy_ns)
 
 
+def _steady(points: list[tuple[int, tuple[float, float, float], dict[str, float]]]) -> bool:
+    """Whether the line through two traces ``(units, (low, mid, high) ns, busy ns)`` has a steady state's
+    slopes: each added unit adds at least the busiest engine's busy time to mid, and no less at the
+    pessimistic settings and no more at the optimistic ones than at mid (within ``STEADY_TOL``). A traced
+    size whose fixed work is not yet overlapped breaks this (the fixed work shrinks as the size grows, so
+    the slope comes out low, most at the pessimistic end where the fixed work is longest)."""
+    (u1, y1, b1), (u2, y2, b2) = points
+    low, mid, high = ((y2[i] - y1[i]) / (u2 - u1) for i in range(3))
+    busy = max((b2.get(e, 0.0) - b1.get(e, 0.0)) / (u2 - u1) for e in b2)
+    tol = STEADY_TOL * mid
+    return low <= mid + tol and high >= mid - tol and mid >= busy - tol
+
+
 def _at(units: int, points: list[tuple[int, float]]) -> float:
     """A quantity at ``units``: proportional to one traced point, or on the line through two."""
     if len(points) == 1:
@@ -460,13 +481,25 @@ def estimate_op(op: StepOp, chip: str, cache: dict) -> OpEstimate:
     secs = 0.0
     if key not in cache:
         t0 = time.perf_counter()
-        cache[key] = [(u, *_trace(op, u, chip)) for u in op.traced_units]
+        points = [(u, *_trace(op, u, chip)) for u in op.traced_units]
+        while len(points) == 2 and not _steady(points) and points[1][0] < op.units:
+            u = min(2 * points[1][0], op.units)  # at the op's size: the line reads off that trace
+            points = [points[1], (u, *_trace(op, u, chip))]
+        cache[key] = points
         secs = time.perf_counter() - t0
     points = cache[key]
     low, mid, high = (_at(op.units, [(u, lmh[i]) for u, lmh, _ in points]) for i in range(3))
+    traced = op.traced
+    if len(points) == 2 and points[1][0] == op.units:
+        traced = f"all {op.units:,} {op.traced} (no steady state at fewer)"
+    elif len(points) == 2:
+        # steady slopes differ by less than STEADY_TOL: an end past mid is on mid's line
+        low, high = min(low, mid), max(high, mid)
+        traced = (f"{points[0][0]:,} and {points[1][0]:,} of {op.units:,} {op.traced}, the straight line through "
+                  f"them at {op.units:,}")
     engines = points[0][2]
     busy = {e: _at(op.units, [(u, b.get(e, 0.0)) for u, _, b in points]) for e in engines}
-    return OpEstimate(op, low, mid, high, busy, secs)
+    return OpEstimate(op, low, mid, high, busy, secs, traced)
 
 
 def estimate_step(flavor: str, seq: int, batch: int = 1, lnc: int = 2, chip: str = "trn2", full: bool = False,
@@ -497,7 +530,7 @@ def estimate_step(flavor: str, seq: int, batch: int = 1, lnc: int = 2, chip: str
         est = estimate_op(op, chip, cache)
         if log:
             log(f"  {op.part:<11} {op.name:<15} {op.mode:<8} {est.mid_ns / 1e3:>11,.1f} us"
-                f"{'  (traced ' + op.traced + ')' if op.traced else ''}  [{est.trace_s:.1f} s]")
+                f"{'  (traced ' + est.traced + ')' if est.traced else ''}  [{est.trace_s:.1f} s]")
         out.append(est)
     peak = hardware.get_chip(chip).tensor_flops_per_ns_bf16
     return StepEstimate(flavor, seq, batch, lnc, chip, layers, out, peak)
@@ -527,7 +560,7 @@ def csv_rows(st: StepEstimate) -> list[dict]:
                 "traced": traced}
 
     rows = [row(e.op.part, e.op.name, e.op.mode, e.op.kernel, e.op.shape, 1, (e.low_ns, e.mid_ns, e.high_ns),
-                e.busy_ns, e.op.model_flops, e.op.traced)
+                e.busy_ns, e.op.model_flops, e.traced)
             for e in st.ops]
     for part, n in (*st.layers.items(), ("head", 1)):
         flops = sum(e.op.model_flops for e in st.ops if e.op.part == part)
@@ -566,7 +599,7 @@ def report(st: StepEstimate) -> str:
         top = max(e.busy_ns, key=e.busy_ns.get) if e.busy_ns else "-"
         busiest = f"{top} {e.busy_ns.get(top, 0.0) / e.mid_ns:.0%}" if e.busy_ns else "-"
         lines.append(f"{e.op.part:<11} {e.op.name:<15} {e.op.mode:<8} {e.op.kernel:<24} {e.mid_ns * us:>11,.1f} "
-                     f"{f'{e.low_ns * us:,.1f}..{e.high_ns * us:,.1f}':>23} {busiest:>16}  {e.op.traced}")
+                     f"{f'{e.low_ns * us:,.1f}..{e.high_ns * us:,.1f}':>23} {busiest:>16}  {e.traced}")
     lines.append("")
     for part, n in (*st.layers.items(), ("head", 1)):
         lo, mid, hi = st.part_total(part)
@@ -583,10 +616,10 @@ def report(st: StepEstimate) -> str:
               f"MFU: {st.mfu(mid):.1%} (range {st.mfu(hi):.1%}..{st.mfu(lo):.1%})",
               "not counted: embedding lookup and its gradient, optimizer step, cross-device gradient "
               "reductions, sums of partial input gradients of column-sliced matmuls"]
-    scaled = [e.op for e in st.ops if e.op.traced]
+    scaled = [e for e in st.ops if e.traced]
     if scaled:
         lines.append("scaled traces: "
-                     + "; ".join(sorted({f"{o.name} {o.mode}: {o.traced}" for o in scaled})))
+                     + "; ".join(sorted({f"{e.op.name} {e.op.mode}: {e.traced}" for e in scaled})))
     return "\n".join(lines)
 
 
