@@ -20,14 +20,16 @@ its H <= 8,192 in bf16), Qwen3-4B (H 2,560) and Qwen3-30B-A3B (H 2,048) at 8,192
 Qwen3-4B's q head norm (2,048 tokens x 32 heads, H = head_dim 128). A shape a kernel refuses is a row with
 its error.
 
-Usage: ``python benchmarks/rmsnorm_peak.py [--no-nkilib] [--save]``; ``--save`` writes
-``benchmarks/data/rmsnorm_peak.csv``.
+Usage: ``python benchmarks/rmsnorm_peak.py [--no-nkilib | --nkilib-from-csv] [--save]``; ``--save`` writes
+``benchmarks/data/rmsnorm_peak.csv``. ``--nkilib-from-csv`` traces trnkit's kernel only and carries nki-library's
+figures (or errors) over from that CSV, for when only trnkit's kernel changed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import importlib
 import io
 import warnings
@@ -110,6 +112,22 @@ def _nkilib(B: int, S: int, H: int) -> dict[str, Estimate | str] | None:
     return out
 
 
+def _saved_nkilib(case: str, B: int, S: int, H: int) -> dict[str, dict]:
+    """nki-library's rows at this shape from the saved CSV (carried over as they are)."""
+    with CSV.open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["kernel"] in KERNELS[1:] and r["case"] == case
+                and (int(r["B"]), int(r["S"]), int(r["H"])) == (B, S, H)]
+    if len(rows) != len(KERNELS) - 1:
+        raise SystemExit(f"--nkilib-from-csv: {CSV.name} has no nki-library figures for {case} x[{B},{S},{H}]; "
+                         "run without it to trace nki-library's kernels")
+    return {r["kernel"]: r for r in rows}
+
+
+def _from_row(row: dict) -> Estimate | str:
+    """A saved row's estimate (ns) or its error."""
+    return row["error"] or Estimate(*(float(row[f"est_us_{k}"]) * 1e3 for k in ("low", "mid", "high")), 0.0)
+
+
 def _row(kernel: str, case: str, B: int, S: int, H: int, res: Estimate | str) -> dict:
     row = {"kernel": kernel, "case": case, "B": B, "S": S, "H": H, "lnc": LNC, "est_us_mid": "", "est_us_low": "",
            "est_us_high": "", "bound_us": "", "bound_frac_mid": "", "bound_frac_pessimistic": "", "error": ""}
@@ -125,20 +143,26 @@ def _row(kernel: str, case: str, B: int, S: int, H: int, res: Estimate | str) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--no-nkilib", action="store_true", help="trnkit's kernel only")
+    side = p.add_mutually_exclusive_group()
+    side.add_argument("--no-nkilib", action="store_true", help="trnkit's kernel only")
+    side.add_argument("--nkilib-from-csv", action="store_true",
+                      help="trace trnkit's kernel only; take nki-library's figures from the saved CSV")
     p.add_argument("--save", action="store_true", help="write benchmarks/data/rmsnorm_peak.csv")
     args = p.parse_args()
     rows = []
     for case, B, S, H in SHAPES:
         results = {"trnkit": _trnkit(B, S, H)}
-        if not args.no_nkilib:
+        saved = _saved_nkilib(case, B, S, H) if args.nkilib_from_csv else {}
+        if saved:
+            results.update({kernel: _from_row(r) for kernel, r in saved.items()})
+        elif not args.no_nkilib:
             results.update(_nkilib(B, S, H) or {})
         for kernel, res in results.items():
-            row = _row(kernel, case, B, S, H, res)
+            row = saved.get(kernel) or _row(kernel, case, B, S, H, res)
             rows.append(row)
-            shown = row["error"] or (f"{row['est_us_mid']:9.2f} us [{row['est_us_low']}-{row['est_us_high']}]  "
-                                     f"{100 * row['bound_frac_mid']:5.1f}% of the HBM bound "
-                                     f"(pessimistic {100 * row['bound_frac_pessimistic']:.1f}%)")
+            shown = row["error"] or (f"{float(row['est_us_mid']):9.2f} us [{row['est_us_low']}-{row['est_us_high']}]  "
+                                     f"{100 * float(row['bound_frac_mid']):5.1f}% of the HBM bound "
+                                     f"(pessimistic {100 * float(row['bound_frac_pessimistic']):.1f}%)")
             print(f"{case:30s} x[{B},{S},{H}] {kernel:26s} {shown}", flush=True)
         for kernel in KERNELS[1:]:
             if isinstance(results["trnkit"], Estimate) and isinstance(results.get(kernel), Estimate):

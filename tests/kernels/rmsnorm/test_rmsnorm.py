@@ -73,7 +73,8 @@ def norm_case(shape: tuple[int, ...], dtype: torch.dtype, residual: bool, lnc: i
     check_oracle("rmsnorm grad_w", gw, grads[dtype][1], grads[F64][1])
 
 
-FAST = [(1, 2), (3, 7), (130, 96), (257, 640), (2, 3, 128), (2, 5, 4, 128), (129, 1030)]
+# (3, 4096): few rows spread over the partitions (8 per row)
+FAST = [(1, 2), (3, 7), (130, 96), (257, 640), (2, 3, 128), (2, 5, 4, 128), (129, 1030), (3, 4096)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -84,7 +85,8 @@ def test_oracle_parity(shape, dtype, residual) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(300, 1024), (1030, 128), (1, 640)], ids=["wide", "narrow", "one-row"])
+@pytest.mark.parametrize("shape", [(300, 1024), (1030, 128), (1, 640), (21, 4096)],
+                         ids=["wide", "narrow", "one-row", "spread"])
 def test_lnc2_matches_lnc1(shape, dtype) -> None:
     """LNC=2 splits the rows: y, s, rstd and grad_x bit-identical to LNC=1; grad_w sums two partials (the
     same fp32 terms in another order); the oracle rule holds on both."""
@@ -138,7 +140,9 @@ def test_constraints_name_the_rule_and_value() -> None:
         (dict(x=x.bfloat16(), weight=torch.ones(64).half()), "weight.dtype == x.dtype or float32"),
         (dict(x=x, weight=torch.ones(64), eps=-1.0), "eps is a finite float >= 0"),
         (dict(x=x, weight=torch.ones(64), residual=torch.randn(4, 32)), "residual has x's shape"),
-        (dict(x=torch.randn(2, 9000).bfloat16(), weight=torch.ones(9000).bfloat16()), "H <= 8192"),
+        (dict(x=torch.randn(2, 9001).bfloat16(), weight=torch.ones(9001).bfloat16()), "H is a multiple of 2"),
+        (dict(x=torch.randn(2, 65537), weight=torch.ones(65537)), "H <= 65536"),
+        (dict(x=torch.randn(2, 9000).bfloat16(), weight=torch.ones(9000).bfloat16(), backward=True), "H <= 8192"),
     ]
     for kw, rule in cases:
         v = rmsnorm_constraints(**kw)
@@ -149,6 +153,61 @@ def test_constraints_name_the_rule_and_value() -> None:
         rmsnorm_bwd(x, x, torch.ones(64), torch.ones(3))
     with pytest.raises(KernelConstraintError, match="rmsnorm_bwd: constraint 'grad_y has x's shape and the output"):
         rmsnorm_bwd(x.bfloat16(), x, torch.ones(64), torch.ones(4))
+    wide = torch.randn(2, 9000).bfloat16()  # the forward splits it, the backward keeps whole rows
+    assert not rmsnorm_constraints(wide, torch.ones(9000).bfloat16())
+    v = rmsnorm_constraints(wide, torch.ones(9000).bfloat16(), backward=True)
+    assert [(b.kernel, b.constraint, b.value) for b in v] == [("rmsnorm_bwd", "H <= 8192 for bfloat16", 9000)]
+    with pytest.raises(KernelConstraintError,
+                       match=r"rmsnorm_bwd: constraint 'H <= 8192 for bfloat16' violated \(got 9000"):
+        rmsnorm_bwd(wide, wide, torch.ones(9000).bfloat16(), torch.ones(2))
+
+
+# Rows wider than 16 KiB split into 2^k pieces (one per partition); few rows spread over the partitions.
+WIDE_FWD = [((70, 16384), torch.bfloat16), ((9, 8192), torch.float32), ((5, 2, 12288), torch.bfloat16),
+            ((33, 8192), torch.bfloat16), ((2, 2048), torch.float32)]
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("case", WIDE_FWD, ids=[f"{s}-{d}" for s, d in WIDE_FWD])
+def test_forward_split_rows(case, residual) -> None:
+    """Forward beyond the backward's H (and few rows spread over the partitions): y, s and rstd within
+    the oracle rule, LNC=2 bit-identical to LNC=1."""
+    shape, dtype = case
+    x, w, res, _, _ = _inputs(shape, dtype, seed=5)
+    r = res if residual else None
+    outs = {}
+    for lnc in (1, 2):
+        if residual:
+            y, s, rstd = rmsnorm_residual(x, res, w, EPS, lnc=lnc)
+            check_oracle("rmsnorm s", s, x + res, x.to(F64) + res.to(F64))
+        else:
+            (y, rstd), s = rmsnorm(x, w, EPS, lnc=lnc), x
+        outs[lnc] = (y, s, rstd)
+        base, _ = hf_rmsnorm(x, w, dtype, r)
+        orc, s64 = hf_rmsnorm(x, w, F64, r)
+        check_oracle("rmsnorm y", y, base, orc)
+        check_oracle("rmsnorm rstd", rstd, torch.rsqrt(s.float().pow(2).mean(-1) + EPS).reshape(-1),
+                     torch.rsqrt(s64.pow(2).mean(-1) + EPS).reshape(-1))
+    for a, b in zip(outs[1], outs[2], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_split_factor_and_tensor_engine_sums() -> None:
+    """Pieces per row: wide rows to 16 KiB, few rows until one core's rows fill the partitions (pieces
+    >= 512); the split forward sums each row's pieces on the Tensor engine (trace)."""
+    from trnkit.kernels.rmsnorm.rmsnorm_kernels import split_factor
+    from trnkit.nki_api import nl
+
+    assert split_factor(8192, 2560, nl.bfloat16) == 1
+    assert split_factor(2048, 16384, nl.bfloat16) == 2
+    assert split_factor(2048, 16384, nl.float32) == 4
+    assert split_factor(32, 8192, nl.bfloat16) == 8  # 16 rows per core x 8 pieces of 1024
+    assert split_factor(32, 640, nl.bfloat16) == 1  # pieces would be under 512
+    assert split_factor(1, 2048, nl.bfloat16) == 4
+    x, w, _, _, _ = _inputs((32, 8192), torch.bfloat16)
+    with trace.record() as tr:
+        rmsnorm(x, w, lnc=2)
+    assert tr.by_op()["nc_matmul"] == 2 * 2  # per core: the pieces' sum and rstd back to the pieces
 
 
 def test_kernels_run_on_both_engines_and_tensor_engine_sums() -> None:

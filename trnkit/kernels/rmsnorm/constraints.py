@@ -11,9 +11,23 @@ from trnkit.kernels._common import dtype_name, shape
 from trnkit.kernels.constraints import Violation
 
 DTYPES = ("float32", "bfloat16")
-# Widest row each dtype supports: the backward keeps ~8 row tiles of H elements per partition (inputs,
-# gradients, products, one row ahead) plus the broadcast weight in 208 KiB of SBUF.
+# Widest row of the backward: it keeps ~8 row tiles of H elements per partition (inputs, gradients,
+# products, one row ahead) plus the broadcast weight in 208 KiB of SBUF.
 H_MAX = {"bfloat16": 8192, "float32": 4096}
+# The forward splits a row wider than ROW_MAX_BYTES into f pieces (a power of two, one per partition),
+# so H must divide into them; FWD_H_MAX bounds the weight and row tiles all the same.
+ROW_MAX_BYTES = 16384
+FWD_H_MAX = 65536
+
+
+def row_pieces(H: int, dtype: str) -> int:
+    """The fewest pieces (a power of two) that split a row of H ``dtype`` elements into pieces of at most
+    ``ROW_MAX_BYTES``: the forward's partitions per row for wide rows."""
+    isz = 4 if dtype == "float32" else 2
+    f = 1
+    while H * isz > f * ROW_MAX_BYTES:
+        f *= 2
+    return f
 
 
 def out_dtype(x: Any, weight: Any) -> str:
@@ -21,7 +35,7 @@ def out_dtype(x: Any, weight: Any) -> str:
     return "float32" if "float32" in (dtype_name(x), dtype_name(weight)) else dtype_name(x)
 
 
-def _common(name: str, x: Any, weight: Any, bad: Any) -> bool:
+def _common(name: str, x: Any, weight: Any, bad: Any, backward: bool) -> bool:
     """Rules shared by the forward and the backward; True when the shapes are usable at all."""
     xs, ws = shape(x), shape(weight)
     if len(xs) < 1 or min(xs, default=0) < 1:
@@ -36,21 +50,37 @@ def _common(name: str, x: Any, weight: Any, bad: Any) -> bool:
     if wd not in (xd, "float32"):
         bad("weight.dtype == x.dtype or float32", wd, f"x.dtype = {xd}")
     H = xs[-1]
-    if xd in H_MAX and H > H_MAX[xd]:
+    if xd not in H_MAX:
+        return True
+    if backward and H > H_MAX[xd]:
         bad(f"H <= {H_MAX[xd]} for {xd}", H, "the backward keeps whole rows of every operand in SBUF")
+    elif not backward and H > FWD_H_MAX:
+        bad(f"H <= {FWD_H_MAX}", H, "the forward keeps a row's pieces and the weight in SBUF")
+    elif not backward and H % row_pieces(H, xd):
+        f = row_pieces(H, xd)
+        bad(f"H is a multiple of {f} (a {xd} row of H elements splits into {f} equal pieces)", H,
+            f"the forward splits rows over {ROW_MAX_BYTES} bytes into pieces of at most that")
     return True
 
 
-def rmsnorm_constraints(x: Any, weight: Any, eps: float = 1e-6, residual: Any = None) -> list[Violation]:
-    """Violated constraints of :func:`trnkit.kernels.rmsnorm.rmsnorm` / ``rmsnorm_residual``."""
+def rmsnorm_constraints(x: Any, weight: Any, eps: float = 1e-6, residual: Any = None,
+                        backward: bool = False) -> list[Violation]:
+    """Violated constraints of :func:`trnkit.kernels.rmsnorm.rmsnorm` / ``rmsnorm_residual``; with
+    ``backward`` (the caller will need the gradient) also the backward's limit on H, reported under
+    ``rmsnorm_bwd``."""
     name = "rmsnorm" if residual is None else "rmsnorm_residual"
     v: list[Violation] = []
 
     def bad(rule: str, value: Any, reason: str = "") -> None:
         v.append(Violation(name, rule, value, reason))
 
-    if not _common(name, x, weight, bad):
+    def bad_bwd(rule: str, value: Any, reason: str = "") -> None:
+        v.append(Violation("rmsnorm_bwd", rule, value, reason))
+
+    if not _common(name, x, weight, bad, backward=False):
         return v
+    if backward:
+        _common("rmsnorm_bwd", x, weight, bad_bwd, backward=True)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         bad("eps is a finite float >= 0", eps)
     if residual is not None and (shape(residual) != shape(x) or dtype_name(residual) != dtype_name(x)):
@@ -66,7 +96,7 @@ def rmsnorm_bwd_constraints(grad_y: Any, x: Any, weight: Any, rstd: Any, grad_s:
     def bad(rule: str, value: Any, reason: str = "") -> None:
         v.append(Violation("rmsnorm_bwd", rule, value, reason))
 
-    if not _common("rmsnorm_bwd", x, weight, bad):
+    if not _common("rmsnorm_bwd", x, weight, bad, backward=True):
         return v
     want = out_dtype(x, weight)
     if shape(grad_y) != shape(x) or dtype_name(grad_y) != want:
@@ -80,4 +110,5 @@ def rmsnorm_bwd_constraints(grad_y: Any, x: Any, weight: Any, rstd: Any, grad_s:
     return v
 
 
-__all__ = ["DTYPES", "H_MAX", "out_dtype", "rmsnorm_bwd_constraints", "rmsnorm_constraints"]
+__all__ = ["DTYPES", "FWD_H_MAX", "H_MAX", "ROW_MAX_BYTES", "out_dtype", "row_pieces", "rmsnorm_bwd_constraints",
+           "rmsnorm_constraints"]

@@ -11,7 +11,12 @@ Scalar squares and sums each row (``activation_reduce``), then ``rstd`` in two V
 passes over the chunk's ``[P, NT]`` sums (so Scalar keeps one activation table); Vector forms
 ``n = x * rstd`` (rounded to x's dtype) and ``y = n * w``
 (``w`` broadcast to every partition once). With a residual, Vector first adds ``s = x + residual``
-(stored: the new residual stream) and normalises ``s``.
+(stored: the new residual stream) and normalises ``s``. The forward splits rows wider than 16 KiB, and
+spreads a few rows (fewer than 64 per core), over ``f`` partitions each (:func:`split_factor`): it then
+works on the ``[N*f, H/f]`` sub-rows, one per partition, and each row's f partial sums of squares add
+up on the Tensor engine (a ``[P, P/f]`` 0/1 matrix as the stationary operand), which also sends ``rstd``
+back to the row's partitions. A Scalar square of one element first loads the activation table while
+the first rows load.
 
 Backward (``gw = (dy * w).to(x.dtype)``, ``dx = rstd * gw - x * rstd^3 * sum(gw * x) / H``,
 ``dw = sum_rows dy * n``): Vector forms ``gw``, ``n`` and ``prod = dy * n``; the row sum
@@ -34,6 +39,7 @@ NaN in ``dx`` (``0 * NaN``), and any NaN reaches ``dw`` (as in the reference).
 from __future__ import annotations
 
 from trnkit.kernels._common import P_MAX, cdiv, row_chunks
+from trnkit.kernels.rmsnorm.constraints import ROW_MAX_BYTES
 from trnkit.kernels.tiles import accumulate, identity, program_split
 from trnkit.nki_api import nisa, nki, nl
 
@@ -42,6 +48,7 @@ ROW_BYTES = 8192  # bytes per partition per operand DMA (several rows per partit
 WIDE = 512  # H from which per-row instructions are long enough (>= one PSUM bank of columns)
 PIECE = 512  # columns per PSUM bank (fp32)
 PREFETCH = 1  # chunks whose loads are issued ahead of the one being computed
+SPREAD_MIN = 512  # narrowest sub-row a spread of few rows over the partitions makes
 
 
 def _out_dtype(x, w):
@@ -51,16 +58,40 @@ def _out_dtype(x, w):
     return x.dtype
 
 
-def _own_chunks(N, H, dtype, n_prog, pid):
-    """This program's row chunks ``(r0, P, NT)`` (rows ``r0 + p*NT + j``): a contiguous share of the rows."""
+def split_factor(N, H, dtype):
+    """Partitions per row ``f`` of the forward (a power of two dividing H): the kernel works on the
+    ``[N*f, H/f]`` sub-rows of x (one contiguous run each) and sums each row's f partial statistics on
+    the Tensor engine. Rows wider than ``ROW_MAX_BYTES`` are split to fit SBUF; few rows are spread
+    until the rows of one core fill the partitions (pieces of at least ``SPREAD_MIN`` elements), since a
+    DMA or an instruction over a few partitions uses a few of the 16 DMA engines and lanes. The rows of
+    one core are counted as at LNC=2 whatever the launch, so LNC=1 and LNC=2 normalise every row the
+    same way (bit-identical results)."""
+    isz = 4 if dtype == nl.float32 else 2
+    f = 1
+    while H * isz > f * ROW_MAX_BYTES and H % (2 * f) == 0 and f < P:
+        f = 2 * f
+    per_core = cdiv(N, 2)
+    while per_core * 2 * f <= P and H % (2 * f) == 0 and H // (2 * f) >= SPREAD_MIN:
+        f = 2 * f
+    return f
+
+
+def _own_chunks(N, H, dtype, n_prog, pid, f=1):
+    """This program's chunks ``(s0, Pc, NT)`` of sub-rows (``[N*f, H/f]``; sub-rows ``s0 + p*NT + j``): a
+    contiguous share of the rows. With ``f > 1`` a chunk is ``Pc / f`` whole rows, one sub-row per
+    partition."""
     per = cdiv(N, n_prog)
     lo = min(N, pid * per)
     hi = min(N, lo + per)
+    out = []
+    if f > 1:
+        for r in range(lo, hi, P // f):
+            out.append((r * f, min(P // f, hi - r) * f, 1))
+        return out
     isz = 4 if dtype == nl.float32 else 2
     nt = max(1, ROW_BYTES // (H * isz))
     if hi - lo >= P:
         nt = max(1, min(nt, (hi - lo) // P))
-    out = []
     if hi > lo:
         local = row_chunks(hi - lo, nt)
         for i in range(len(local)):
@@ -91,11 +122,35 @@ def _load_chunk(srcs, chunk, H):
     return out
 
 
-def _weight_rows(w, H):
-    """``w [H]`` (HBM) broadcast to every partition: SBUF ``[P, H]`` (one DMA, partition step 0)."""
-    t = nl.ndarray((P, H), dtype=w.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=w.ap(pattern=[[0, P], [1, H]], offset=0))
+def _weight_rows(w, H, f=1):
+    """``w [H]`` (HBM) as SBUF ``[P, H/f]``: partition p holds piece ``p % f`` of w, the weight of the
+    sub-rows there (one DMA; partition step 0 for f = 1)."""
+    Hf = H // f
+    t = nl.ndarray((P, Hf), dtype=w.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=w.ap(pattern=[[0, P // f], [Hf, f], [1, Hf]], offset=0))
     return t
+
+
+def _group_matrices(f):
+    """``(E [P, P/f], ET [P/f, P])`` fp32, ``E[k, r] = ET[r, k] = 1`` where sub-row k belongs to row r
+    (``k // f == r``): the stationary operands that sum a row's f partial statistics (``E``) and send a
+    per-row value back to its f partitions (``ET``)."""
+    R = P // f
+    ones = nl.ndarray((P, P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    e1 = nl.ndarray((P, R), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.affine_select(dst=e1, pattern=[[-f, R]], channel_multiplier=1, on_true_tile=ones[:, 0:R],
+                       on_false_value=0.0, cmp_op=nl.greater_equal)  # k - f*r >= 0
+    e = nl.ndarray((P, R), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.affine_select(dst=e, pattern=[[f, R]], channel_multiplier=-1, on_true_tile=e1, on_false_value=0.0,
+                       cmp_op=nl.greater_equal, offset=f - 1)  # f*r + f - 1 - k >= 0
+    t1 = nl.ndarray((R, P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.affine_select(dst=t1, pattern=[[1, P]], channel_multiplier=-f, on_true_tile=ones[0:R, :],
+                       on_false_value=0.0, cmp_op=nl.greater_equal)
+    et = nl.ndarray((R, P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.affine_select(dst=et, pattern=[[-1, P]], channel_multiplier=f, on_true_tile=t1, on_false_value=0.0,
+                       cmp_op=nl.greater_equal, offset=f - 1)
+    return e, et
 
 
 def _per_row(t, Pc, NT, H):
@@ -160,6 +215,15 @@ def _row_sums(dst, data, Pc, NT, H, op, load):
         load[0] = load[0] + max(MIN_CYCLES, NT * H) * VECTOR_NS
 
 
+def _warm_square_table():
+    """One-element square on Scalar before the first load arrives: the activation-table load it needs
+    (about 1.3 us on trn2) then overlaps the first DMA instead of delaying the first chunk's squares."""
+    z = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=z, value=0.0)
+    sq = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sq, op=nl.square, data=z)
+
+
 def _fwd_squares(x_t, r_t, s, chunk, out_dt, load):
     """Stage A of a forward chunk: ``src = x (+ residual)`` (stored as ``s``) and the row sums of squares
     (wide rows: complete, on Scalar; narrow rows: the squares, summed in stage B)."""
@@ -191,39 +255,52 @@ def _fwd_sum(state, load):
         load[0] = load[0] + max(MIN_CYCLES, chunk[2] * src.shape[2]) * VECTOR_NS
 
 
-def _fwd_rstd(state, eps):
+def _fwd_rstd(state, eps, H, groups):
     """Stage B2: ``rstd = rsqrt(sum / H + eps)`` per row, on Vector: Scalar keeps the square's activation
-    table loaded (an rsqrt activation between the chunks' squares would switch tables twice per chunk)."""
+    table loaded (an rsqrt activation between the chunks' squares would switch tables twice per chunk).
+    Split rows (``groups = (f, E, ET)``): the f partial sums of each row add up on the Tensor engine
+    (``E``), and ``rstd`` goes back to the row's partitions the same way (``ET``, exact: one 1.0 term)."""
     src, ss, sq, _, chunk = state
     r0, Pc, NT = chunk
-    H = src.shape[2]
-    ms = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=ms, data=ss, op0=nl.multiply, operand0=1.0 / H, op1=nl.add, operand1=eps)
-    rstd_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    rows, src_sums = Pc, ss
+    if groups != None:  # noqa: E711
+        f, e, et = groups
+        rows = Pc // f
+        src_sums = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=src_sums, stationary=e[:Pc, :rows], moving=ss, accumulate=False)
+    ms = nl.ndarray((rows, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=ms, data=src_sums, op0=nl.multiply, operand0=1.0 / H, op1=nl.add, operand1=eps)
+    rstd_rows = nl.ndarray((rows, NT), dtype=nl.float32, buffer=nl.sbuf)
     # rsqrt is a documented unary ALU op of tensor_scalar (NKI API reference, nki.api.shared "Supported
     # Math Operators": ALU unary abs, square, relu, rsqrt, reciprocal); nki-library computes it with
     # activation(op=nl.rsqrt) instead.
-    nisa.tensor_scalar(dst=rstd_t, data=ms, op0=nl.rsqrt, operand0=None)
-    return [src, None, None, rstd_t, chunk]
+    nisa.tensor_scalar(dst=rstd_rows, data=ms, op0=nl.rsqrt, operand0=None)
+    rstd_t = rstd_rows
+    if groups != None:  # noqa: E711
+        back = nl.ndarray((Pc, 1), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=back, stationary=et[:rows, :Pc], moving=rstd_rows, accumulate=False)
+        rstd_t = nl.ndarray((Pc, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=rstd_t, src=back)
+    return [src, rstd_rows, None, rstd_t, chunk]
 
 
 def _fwd_norm(state, load):
     """Stage C: ``n = src * rstd`` per row (rounded to src's dtype; rows balanced between Vector and Scalar)."""
-    src, _, _, rstd_t, chunk = state
+    src, rstd_rows, _, rstd_t, chunk = state
     r0, Pc, NT = chunk
     n_t = nl.ndarray((Pc, NT, src.shape[2]), dtype=src.dtype, buffer=nl.sbuf)
     _normalise(n_t, src, rstd_t, NT, load)
-    return [None, None, n_t, rstd_t, chunk]
+    return [None, rstd_rows, n_t, rstd_t, chunk]
 
 
-def _fwd_output(state, y, rstd, w_sb, out_dt):
-    """Stage D: ``y = n * w`` and the stores of y and rstd."""
-    _, _, n_t, rstd_t, chunk = state
+def _fwd_output(state, y, rstd, w_sb, out_dt, f):
+    """Stage D: ``y = n * w`` and the stores of y and rstd (rows ``r0 / f ..`` for split rows)."""
+    _, rstd_rows, n_t, _, chunk = state
     r0, Pc, NT = chunk
     H = n_t.shape[2]
     y_t = nl.ndarray((Pc, NT, H), dtype=out_dt, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=y_t, data1=n_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
-    nisa.dma_copy(dst=_row_stats(rstd, r0, Pc, NT), src=rstd_t)
+    nisa.dma_copy(dst=_row_stats(rstd, r0 // f, Pc // f, NT), src=rstd_rows)
     nisa.dma_copy(dst=_rows(y, r0, Pc, NT, H), src=y_t)
 
 
@@ -242,9 +319,18 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     if residual != None:  # noqa: E711
         s = nl.ndarray((N, H), dtype=x.dtype, buffer=nl.shared_hbm)
     n_prog, pid = program_split()
-    chunks = _own_chunks(N, H, x.dtype, n_prog, pid)
-    w_sb = _weight_rows(w, H)
+    f = split_factor(N, H, x.dtype)
+    Hf = H // f  # the kernel works on the [N*f, Hf] sub-rows
+    chunks = _own_chunks(N, H, x.dtype, n_prog, pid, f)
     loads = []
+    if len(chunks) > 0:  # the first rows' load goes first: the weight is needed last
+        loads.append(_load_chunk([x, residual], chunks[0], Hf))
+    _warm_square_table()
+    groups = None
+    if f > 1:
+        e, et = _group_matrices(f)
+        groups = (f, e, et)
+    w_sb = _weight_rows(w, H, f)
     load = [0.0, 0.0]  # Vector / Scalar ns so far (row balancing of the n pass)
     # A software pipeline of four stages, chunk i in stage A while chunk i-1 is in B, i-2 in C and i-3 in
     # D, issued so that no engine's in-order queue waits on work issued in the same iteration: Vector
@@ -258,15 +344,15 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
         cur = None
         if i < len(chunks):
             for k in range(len(loads), min(len(chunks), i + 1 + PREFETCH)):
-                loads.append(_load_chunk([x, residual], chunks[k], H))
+                loads.append(_load_chunk([x, residual], chunks[k], Hf))
             cur = _fwd_squares(loads[i][0], loads[i][1], s, chunks[i], out_dt, load)
             loads[i] = None
         if d_in != None:  # noqa: E711
-            _fwd_output(d_in, y, rstd, w_sb, out_dt)
+            _fwd_output(d_in, y, rstd, w_sb, out_dt, f)
         if c_in != None:  # noqa: E711
             c_in = _fwd_norm(c_in, load)
         if b_in != None:  # noqa: E711
-            b_in = _fwd_rstd(b_in, float(eps))
+            b_in = _fwd_rstd(b_in, float(eps), H, groups)
         pipe = [cur, b_in, c_in]
     if residual != None:  # noqa: E711
         return y, s, rstd
