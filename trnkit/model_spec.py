@@ -89,3 +89,7 @@ class ModelSpec(Protocol):
     def router_stats(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """``(selections per expert [E], router probabilities summed per expert [E] (with grad), rows)`` over
         all MoE layers of the last training forward, or None (aux loss off)."""
+
+    def plan_config(self) -> Any | None:
+        """The model as a ``trnkit.qwen3.Qwen3Config``, the shape the memory planner
+        (``trnkit.harness.plan``) counts, or None for a model that is not Qwen3-shaped (no plan)."""

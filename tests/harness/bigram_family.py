@@ -96,6 +96,9 @@ class BigramSpec:
     def router_stats(self, model: nn.Module) -> None:
         return None
 
+    def plan_config(self) -> None:
+        return None  # not Qwen3-shaped: the trainer skips the memory plan
+
 
 def build_spec(hidden: str, overrides: dict[str, Any], *, name: str, seq_len: int, aux_loss_coef: float | None,
                kernels: dict[str, Any]) -> BigramSpec:

@@ -45,6 +45,23 @@ def test_parameter_terms_count_the_models_own_parameters(flavor):
     assert terms["parameters"] == 4 * n and terms["gradients"] == 4 * n and terms["optimizer state"] == 8 * n
 
 
+def test_the_plan_reads_the_model_through_its_spec() -> None:
+    """An hf: Qwen3-MoE folder is planned from its ModelSpec's plan_config (the parameter terms count the
+    transformers model's own parameters); a family that is not Qwen3-shaped gets no plan."""
+    from tests.harness.bigram_family import BigramSpec
+    from trnkit.harness.models import build_spec
+
+    cfg = load_config(resolve_config("debug_moe_hf"))
+    spec = build_spec(cfg)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in spec.build().parameters())
+    p = plan(cfg, 1, "trn2", spec=spec)
+    assert _terms(p)["parameters"] == 4 * n and p.model.startswith(f"{cfg.model.spec} (")
+    assert plan(cfg, 1, "trn2").terms == p.terms  # the spec built from cfg when none is passed
+    with pytest.raises(ConfigError, match=r"model.spec 'bigram:8' is not Qwen3-shaped"):
+        plan(cfg, 1, "trn2", spec=BigramSpec("bigram:8", {"vocab": 16, "hidden": 8}))
+
+
 def test_fsdp_and_tp_shard_what_they_shard():
     cfg = load_config(resolve_config("qwen3_30b_a3b"))
     mc = model_registry("30B-A3B").config

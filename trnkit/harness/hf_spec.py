@@ -20,6 +20,7 @@ from torch import nn
 from trnkit.errors import ConfigError
 from trnkit.harness.config import coerce
 from trnkit.model_spec import IGNORE_INDEX, ModelShape
+from trnkit.packaged import shipped_path
 
 __all__ = ["HFSpec", "HFStateDictAdapter", "build_spec"]
 
@@ -148,14 +149,20 @@ class HFSpec:
         counts = torch.bincount(idx.reshape(-1), minlength=probs.shape[-1]).float()
         return counts, probs.sum(0), probs.shape[0]
 
+    def plan_config(self) -> Any | None:
+        """transformers' Qwen3 / Qwen3-MoE as trnkit's Qwen3Config (a ConfigError for features it lacks)."""
+        if getattr(self.config, "model_type", None) not in ("qwen3", "qwen3_moe"):
+            return None
+        from trnkit.qwen3 import Qwen3Config
+
+        return Qwen3Config.from_hf(self.config)
+
 
 def build_spec(path: str, overrides: dict[str, Any], *, name: str, seq_len: int, aux_loss_coef: float | None,
                kernels: dict[str, Any]) -> HFSpec:
     """The spec of the transformers model in ``path`` (a shipped ``configs/hf/...`` path resolves from any
     folder) with ``overrides`` applied to its config (checked against each field's current type). ``kernels``
     are not bound at build: transformers' modules get them from ``apply_overrides`` after the weights."""
-    from trnkit.packaged import shipped_path
-
     path = shipped_path(path)
     hcfg, shape = _config_and_shape(path, overrides)
     max_pos = getattr(hcfg, "max_position_embeddings", None)

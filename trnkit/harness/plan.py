@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trnkit.errors import ConfigError
+from trnkit.harness.config import load_config, resolve_parallel_degrees
+from trnkit.harness.models import build_spec
+from trnkit.model_spec import ModelSpec
+from trnkit.packaged import resolve_config
 
 GiB = 2**30
 
@@ -116,32 +120,22 @@ def gib(n: int | float) -> str:
     return f"{n / GiB:,.2f} GiB"
 
 
-def model_config(cfg: Any) -> Any:
-    """The Qwen3Config of ``cfg.model`` (qwen3: flavors and hf: folders of a Qwen3 / Qwen3-MoE config.json)."""
-    from trnkit.qwen3 import Qwen3Config, model_registry
-
-    kind, _, arg = cfg.model.spec.partition(":")
-    try:
-        if kind == "qwen3":
-            return model_registry(arg, **cfg.model.config).config
-        from trnkit.packaged import shipped_path
-
-        arg = shipped_path(arg)
-        path = os.path.join(arg, "config.json") if os.path.isdir(arg) else arg
-        with open(path) as f:
-            return Qwen3Config.from_hf({**json.load(f), **cfg.model.config})
-    except (KeyError, ValueError, TypeError, OSError) as e:
-        raise ConfigError(f"plan: model.spec {cfg.model.spec!r}: {e}") from e
+def planned_config(spec: ModelSpec) -> Any:
+    """The Qwen3Config the plan counts, from the model's :class:`ModelSpec`; a ConfigError when it has none."""
+    mc = spec.plan_config()
+    if mc is None:
+        raise ConfigError(f"plan: model.spec {spec.name!r} is not Qwen3-shaped (its ModelSpec has no plan_config)")
+    return mc
 
 
 def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None = None,
-         activation_checkpointing: str = "none") -> MemoryPlan:
-    """The per-rank memory plan of ``cfg`` (a TrainerConfig) on ``world_size`` ranks of ``device``.
+         activation_checkpointing: str = "none", spec: ModelSpec | None = None) -> MemoryPlan:
+    """The per-rank memory plan of ``cfg`` (a TrainerConfig) on ``world_size`` ranks of ``device``, for the
+    model of ``spec`` (default: ``cfg.model``'s, built by ``harness.models.build_spec``).
     ``activation_checkpointing="full"`` is a what-if (per-block recompute; the trainer does not do it)."""
-    from trnkit.harness.config import resolve_parallel_degrees
-
     dp, tp = resolve_parallel_degrees(cfg.parallelism, world_size)
-    mc = model_config(cfg)
+    spec = spec if spec is not None else build_spec(cfg)
+    mc = planned_config(spec)
     t = cfg.training
     if capacity is None:
         capacity = DEVICE_MEMORY.get(device)
@@ -250,7 +244,7 @@ def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None =
         work += tokens * 2 * a * d                   # TP all-reduce of block outputs / input grads
     terms.append(Term("backward working set", int(work), "one layer's activation gradients"
                       + (" + TP all-reduce buffers" if tp > 1 else ""), (BACKWARD,)))
-    name = f"{cfg.model.spec} ({total_params / 1e9:.2f} B params)"
+    name = f"{spec.name} ({total_params / 1e9:.2f} B params)"
     return MemoryPlan(name, device, capacity, dp, tp, terms)
 
 
@@ -268,7 +262,7 @@ def device_of(device_type: str, device_name: str = "") -> str:
     return "trn1" if "trn1" in device_name.lower() else "trn2"
 
 
-def check_at_startup(cfg: Any, world_size: int, device_type: str, device_name: str, mode: str,
+def check_at_startup(cfg: Any, spec: ModelSpec, world_size: int, device_type: str, device_name: str, mode: str,
                      log: Any) -> MemoryPlan | None:
     """The trainer's start-up check (``job.memory_check``): log the plan's verdict; when it does not fit,
     warn ("warn") or raise ConfigError ("stop"). A model the planner cannot read is logged and skipped."""
@@ -276,7 +270,7 @@ def check_at_startup(cfg: Any, world_size: int, device_type: str, device_name: s
         return None
     device = device_of(device_type, device_name)
     try:
-        p = plan(cfg, world_size, device, cpu_capacity(world_size) if device == "cpu" else None)
+        p = plan(cfg, world_size, device, cpu_capacity(world_size) if device == "cpu" else None, spec=spec)
     except ConfigError as e:
         log(f"memory plan: skipped ({e})")
         return None
@@ -310,9 +304,6 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trnkit.harness.config import load_config
-    from trnkit.packaged import resolve_config
-
     parser = argparse.ArgumentParser(prog="python -m trnkit.harness.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="a trainer TOML file or a shipped config's name")
     parser.add_argument("--device", default="trn2", choices=[*DEVICE_MEMORY, "cpu"],

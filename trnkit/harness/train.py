@@ -362,8 +362,8 @@ class Trainer:
             writable_inside(os.path.join(dump, EXPORT_DIR), dump, "checkpoint.export_hf")
         self.spec = spec = build_spec(cfg)
         identity = run_identity(spec)
-        self.memory_plan = check_at_startup(cfg, env.world_size, env.device.type, parallel.device_name(env.device),
-                                            cfg.job.memory_check, log)
+        self.memory_plan = check_at_startup(cfg, spec, env.world_size, env.device.type,
+                                            parallel.device_name(env.device), cfg.job.memory_check, log)
         ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
         resume_from = None
         if cfg.checkpoint.enable and cfg.checkpoint.resume:

@@ -72,6 +72,9 @@ class Qwen3Spec:
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.layers)
 
+    def plan_config(self) -> Qwen3Config:
+        return self.config
+
     def parallelize(self, model: nn.Module, tp_mesh: Any, experts: str) -> str:
         return parallelize_qwen3(model, tp_mesh, experts)
 
