@@ -11,7 +11,7 @@ from tests.overrides.conftest import hf_dense_model, hf_moe_model
 from tests.tolerances import assert_close
 from trnkit.hf import revert
 from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides
-from trnkit.overrides.apply import _Swapped
+from trnkit.overrides.apply import swapped
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
@@ -36,7 +36,8 @@ def test_qwen3_moe_swap_matches_transformers():
         for p, op in (("self_attn", "rope_hf"), ("mlp.experts", "moe_experts"), ("mlp.gate", "router_topk"))]
     assert list(model.state_dict()) == keys
     assert isinstance(model.model.layers[0].mlp.experts, modeling_qwen3_moe.Qwen3MoeExperts)  # subclass
-    assert isinstance(model.model.layers[0].mlp.gate, _Swapped)
+    assert swapped(model.model.layers[0].mlp.gate)
+    assert type(model.model.layers[0].mlp.gate) is modeling_qwen3_moe.Qwen3MoeTopKRouter  # its class: unchanged
 
     got_logits, got_grads = _logits_and_grads(model)
     want_logits, want_grads = _logits_and_grads(original)
@@ -47,7 +48,7 @@ def test_qwen3_moe_swap_matches_transformers():
 
     revert(model)
     attn = model.model.layers[0].self_attn
-    assert "forward" not in attn.__dict__ and not isinstance(model.model.layers[0].mlp.gate, _Swapped)
+    assert "forward" not in attn.__dict__ and not swapped(model.model.layers[0].mlp.gate)
     assert_close(model(input_ids=IDS).logits.detach(), want_logits)
 
 
@@ -82,6 +83,21 @@ def test_rotary_swap_is_scoped_to_the_model():
         ops.rope_hf_apply = real
 
 
+def test_rope_swap_with_a_kv_cache_matches_transformers():
+    """Decoding with transformers' cache: the swapped attention forward updates the cache as theirs does."""
+    model = hf_moe_model()
+    original = copy.deepcopy(model)
+    apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl="nki", seq_len=8))
+    with torch.no_grad():
+        got = model.generate(IDS[:, :5], max_new_tokens=3, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        want = original.generate(IDS[:, :5], max_new_tokens=3, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    for g, w in zip(got.logits, want.logits, strict=True):
+        assert_close(g, w)
+
+
 def test_dense_qwen3_rope_swap():
     model = hf_dense_model()
     original = copy.deepcopy(model)
@@ -110,7 +126,7 @@ def test_top_k_9_under_each_policy():
         apply_overrides(model, OverrideConfig(impl="nki", policy="strict", seq_len=8))
     assert "'1 <= top_k <= 8' violated (got 9)" in str(err.value)
     assert "model.layers.0.mlp.gate" in str(err.value)
-    assert not any(isinstance(m, _Swapped) for m in model.modules())
+    assert not any(swapped(m) for m in model.modules())
 
     original = copy.deepcopy(model)
     with pytest.warns(UserWarning) as caught:

@@ -10,6 +10,7 @@ import torch
 
 from tests.overrides.conftest import assert_swap_parity, hf_dense_model, hf_moe_model, spread_weights
 from trnkit.hf import apply_trnkit_to_qwen3, apply_trnkit_to_qwen3_moe, revert
+from trnkit.overrides.apply import swapped
 from trnkit.overrides import KernelChoice, OverrideConstraintError
 
 transformers = pytest.importorskip("transformers")
@@ -27,7 +28,7 @@ def test_qwen3_moe_entry_point_swaps_the_named_ops_with_their_own_choices():
                             ("mlp.gate", "router_topk", "reference"))]
     assert_swap_parity(model, original, IDS)
     assert revert(model) == 6
-    assert not any(type(m).__name__.startswith("Trnkit") for m in model.modules())
+    assert not any(swapped(m) for m in model.modules())
     assert "forward" not in model.model.layers[0].self_attn.__dict__
 
 
@@ -61,4 +62,4 @@ def test_a_strict_choice_raises_and_leaves_the_model_unchanged():
     model = hf_moe_model(num_experts_per_tok=9, num_experts=12)  # the router kernel's top-K is one max8
     with pytest.raises(OverrideConstraintError, match=r"router_topk: constraint '1 <= top_k <= 8' violated \(got 9\)"):
         apply_trnkit_to_qwen3_moe(model, rope=False, experts=KernelChoice("reference", "fallback"), seq_len=8)
-    assert not any(type(m).__name__.startswith("Trnkit") for m in model.modules())
+    assert not any(swapped(m) for m in model.modules())

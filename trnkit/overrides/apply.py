@@ -5,10 +5,9 @@ Swap points (each becomes one report row):
 =============  ===============================================  ==========================================
 op             trnkit native Qwen3 (``kernel_op`` modules)      transformers v5 Qwen3 / Qwen3-MoE
 =============  ===============================================  ==========================================
-rope_hf        ``layers[i].attention.rope`` (``RoPEApply``)     ``layers[i].self_attn``: its forward is
-                                                                rebound, for that module only, to a copy
-                                                                whose ``apply_rotary_pos_emb`` global is
-                                                                trnkit's
+rope_hf        ``layers[i].attention.rope`` (``RoPEApply``)     ``layers[i].self_attn``: that module's own
+                                                                forward is transformers' attention forward
+                                                                with trnkit's rope at the rotary call site
 router_topk    ``layers[i].moe.router`` (``TopKRouter``)        ``layers[i].mlp.gate`` (``*TopKRouter``)
 moe_experts    ``layers[i].moe.experts`` (``GroupedExperts``)   ``layers[i].mlp.experts`` (``*Experts``,
                                                                 fused ``gate_up_proj``/``down_proj``)
@@ -31,9 +30,12 @@ mlp            ``layers[i].feed_forward`` (``FeedForward``:     ``layers[i].mlp`
 
 A module whose class declares ``kernel_op`` (trnkit's native Qwen3: :class:`trnkit.qwen3.model.KernelSlot`)
 takes the choice itself: its ``kernel`` attribute is set to the op's :class:`BoundKernel` and its own
-forward calls the ``trnkit::`` op; nothing is rebuilt. transformers' modules are replaced by an instance
-of a subclass of their own class that shares the original's parameters, buffers, children and
-attributes, so ``state_dict`` keys, checkpoints and ``isinstance`` checks are unchanged. Before
+forward calls the ``trnkit::`` op; nothing is rebuilt. A transformers module keeps its object and class
+and gets a ``forward`` of its own (an instance attribute, bound to it; Liger-Kernel swaps modules the
+same way): ``state_dict`` keys, checkpoints, ``isinstance`` checks and transformers' hooks keyed by class
+(router-logit capture, ``_init_weights``) are unchanged, other models and other instances of the class
+are untouched, and :func:`undo_swaps` just deletes the attribute. Replacing the module by a trnkit
+module built from its weights would lose those class-keyed hooks. Before
 returning, every swap point is validated against the model's real shapes and dtypes by a dry run
 of the whole model on fake tensors (no memory, no kernel runs) plus static checks of the module
 configuration (activation, weight layout, ...). At every call the same constraint functions run again
@@ -44,8 +46,6 @@ raises, ``fallback`` warns once per reason and runs the module's original code.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import sys
 import types
 import warnings
@@ -184,20 +184,23 @@ def _dtensor_violations(op: str, inputs: Mapping[str, Any]) -> list[Violation]:
 # --------------------------------------------------------------------------------- module adapters
 
 
-class _Swapped:
-    """Mixin for swapped modules; the concrete class is ``type(name, (_Swapped, OriginalClass), {...})``."""
+_GUARD = "_trnkit_guard"  # a swapped transformers module's BoundKernel, in its __dict__ beside its forward
 
-    _trnkit_guard: BoundKernel
-    _trnkit_original: nn.Module
 
-    def _trnkit_fallback(self, *args: Any, **kwargs: Any) -> Any:
-        original = self._trnkit_original
-        original.training = self.training  # type: ignore[attr-defined]
-        return original.forward(*args, **kwargs)
+def swapped(module: nn.Module) -> bool:
+    """Whether ``module`` (a transformers module) runs a trnkit forward bound to it by :func:`apply_overrides`."""
+    return _GUARD in module.__dict__
 
-    def extra_repr(self) -> str:
-        g = self._trnkit_guard
-        return f"trnkit {g.op}[{g.impl}] policy={g.policy}"
+
+def _original(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The module's own code: its class's forward."""
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _extra_repr(self: Any) -> str:
+    g = self._trnkit_guard
+    own = type(self).extra_repr(self)
+    return f"{own + ', ' if own else ''}trnkit {g.op}[{g.impl}] policy={g.policy}"
 
 
 def _rmsnorm_forward(self: Any, x: Tensor) -> Tensor:
@@ -205,7 +208,7 @@ def _rmsnorm_forward(self: Any, x: Tensor) -> Tensor:
     eps = float(self.variance_epsilon)
     impl = self._trnkit_guard.choose(x=x, weight=self.weight, eps=eps)
     if impl is None:
-        return self._trnkit_fallback(x)
+        return _original(self, x)
     return ops.rmsnorm(x, self.weight, eps, impl, lnc=self._trnkit_guard.lnc)[0]
 
 
@@ -227,7 +230,7 @@ def _hf_mlp_forward(self: Any, x: Tensor) -> Tensor:
     w_down = down.weight.to(dt).T
     impl = self._trnkit_guard.choose(x=xc, w_gate_up=w_gate_up, w_down=w_down)
     if impl is None:
-        return self._trnkit_fallback(x)
+        return _original(self, x)
     return ops.mlp(xc, w_gate_up, w_down, impl, lnc=self._trnkit_guard.lnc)
 
 
@@ -252,7 +255,7 @@ def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor
     impl = self._trnkit_guard.choose(x=x, w_router=self.weight, top_k=self.top_k,
                                      norm_topk_prob=self.norm_topk_prob)
     if impl is None:
-        return self._trnkit_fallback(hidden_states)
+        return _original(self, hidden_states)
     weights, idx, logits = ops.router_topk(x, self.weight, self.top_k, self.norm_topk_prob, impl)
     # transformers returns (logits, scores, indices) in the activation dtype.
     return logits.to(x.dtype), weights.to(x.dtype), idx.long()
@@ -266,7 +269,7 @@ def _hf_sigmoid_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor
     impl = self._trnkit_guard.choose(x=x, w_router=w, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                                      scoring="sigmoid", selection_bias=bias, routed_scaling_factor=scale)
     if impl is None:
-        return self._trnkit_fallback(hidden_states)
+        return _original(self, hidden_states)
     weights, idx, logits = ops.router_topk(x, w, self.top_k, self.norm_topk_prob, impl, "sigmoid", bias, scale)
     return logits, weights, idx.long()  # as transformers: (logits, weights, indices), fp32
 
@@ -299,7 +302,7 @@ def hf_experts_call(module: nn.Module, guard: BoundKernel, hidden_states: Tensor
 
 def _hf_experts_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     out = hf_experts_call(self, self._trnkit_guard, hidden_states, top_k_index, top_k_weights)
-    return self._trnkit_fallback(hidden_states, top_k_index, top_k_weights) if out is None else out
+    return _original(self, hidden_states, top_k_index, top_k_weights) if out is None else out
 
 
 def deinterleave(t: Tensor) -> Tensor:
@@ -321,7 +324,7 @@ def _hf_gpt_oss_experts_forward(self: Any, hidden_states: Tensor, router_indices
                         w_gate_up=w_gate_up, w_down=self.down_proj, **ops.block_size_kw(guard.block_size),
                         b_gate_up=b_gate_up, b_down=self.down_proj_bias, **variant)
     if impl is None:
-        return self._trnkit_fallback(hidden_states, router_indices, routing_weights)
+        return _original(self, hidden_states, router_indices, routing_weights)
     return ops.moe_experts(hidden_states, router_indices, routing_weights, deinterleave(w_gate_up), self.down_proj,
                            guard.block_size, impl, variant["activation"], variant["limit"], variant["alpha"],
                            deinterleave(b_gate_up), self.down_proj_bias, lnc=guard.lnc)
@@ -389,7 +392,7 @@ def _is_hf(module: nn.Module, kind: str) -> bool:
 
 
 def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
-    if isinstance(module, _Swapped):
+    if swapped(module):
         return None
     if _is_hf(module, "MLP"):
         return _ModuleAdapter("mlp", _hf_mlp_forward, mlp_static)
@@ -406,120 +409,67 @@ def _module_adapter(module: nn.Module) -> _ModuleAdapter | None:
     return None
 
 
-@functools.cache
-def _swapped_class(cls: type, forward: Callable[..., Any]) -> type:
-    return type(f"Trnkit{cls.__name__}", (_Swapped, cls), {"forward": forward, "__module__": __name__})
+def _bind(module: nn.Module, forward: Callable[..., Any], guard: BoundKernel) -> None:
+    """``forward`` (and a repr naming the kernel) as this one module's own methods, as Liger-Kernel swaps a
+    module's forward: the class, the parameters and ``state_dict`` stay, other instances are untouched."""
+    module.__dict__.update(forward=types.MethodType(forward, module), extra_repr=types.MethodType(_extra_repr, module))
+    module.__dict__[_GUARD] = guard
 
 
-def _swap_module(model: nn.Module, path: str, module: nn.Module, adapter: _ModuleAdapter,
-                 guard: BoundKernel) -> _SwapPoint:
-    new = object.__new__(_swapped_class(type(module), adapter.forward))
-    new.__dict__.update(module.__dict__)  # the same _parameters/_buffers/_modules dicts: same state_dict
-    new.__dict__.update(_trnkit_guard=guard, _trnkit_original=module)
-    parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path)
-    setattr(parent, name, new)
-    return _SwapPoint(path, guard.op, guard, module, parent, name)
+def _unbind(module: nn.Module) -> None:
+    for name in ("forward", "extra_repr", _GUARD):
+        module.__dict__.pop(name, None)
 
 
-# ------------------------------------------------------------------------- transformers' rotary swap
-
-_ROPE_GLOBAL = "apply_rotary_pos_emb"
-
-
-def _with_global(fn: Callable[..., Any], source: dict, namespace: dict) -> Callable[..., Any]:
-    """A copy of ``fn`` (and of every function it wraps via ``__wrapped__``) in which functions whose
-    globals are ``source`` use ``namespace`` instead. The module's globals stay untouched, so other
-    models keep the original functions."""
-    inner = getattr(fn, "__wrapped__", None)
-    new_inner = _with_global(inner, source, namespace) if inner is not None else None
-    closure = fn.__closure__
-    if closure is not None and new_inner is not None:
-        closure = tuple(types.CellType(new_inner) if _cell_is(c, inner) else c for c in closure)
-    new_globals = namespace if fn.__globals__ is source else fn.__globals__
-    new = types.FunctionType(fn.__code__, new_globals, fn.__name__, fn.__defaults__, closure)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__dict__.update(fn.__dict__)
-    new.__qualname__, new.__doc__ = fn.__qualname__, fn.__doc__
-    if new_inner is not None:
-        new.__wrapped__ = new_inner
-    return new
-
-
-def _namespace_module(source: dict, name: str, value: Any) -> types.ModuleType:
-    """A module registered in ``sys.modules`` holding a copy of ``source`` with ``name = value``.
-
-    torch.compile resolves an inlined function's globals through ``sys.modules[globals['__name__']]``,
-    so the copied globals must be a real, importable module of their own."""
-    mod_name = f"{__name__}._scoped_{next(_NAMESPACE_IDS)}"
-    mod = types.ModuleType(mod_name)
-    mod.__dict__.update(source)
-    mod.__dict__.update(__name__=mod_name, __spec__=None, __loader__=None)
-    mod.__dict__[name] = value
-    sys.modules[mod_name] = mod
-    return mod
-
-
-_NAMESPACE_IDS = itertools.count()
-
-
-def _cell_is(cell: types.CellType, obj: Any) -> bool:
-    try:
-        return cell.cell_contents is obj
-    except ValueError:  # empty cell
-        return False
-
-
-def _calls_global(fn: Callable[..., Any], name: str) -> bool:
-    try:
-        _globals_with(fn, name)
-    except LookupError:
-        return False
-    return True
+# ------------------------------------------------------------------------- transformers' rotary call site
 
 
 def _is_hf_rope_attention(module: nn.Module) -> bool:
-    return (_is_hf(module, "Attention") and "forward" not in module.__dict__
-            and _calls_global(type(module).forward, _ROPE_GLOBAL))
+    return _is_hf(module, "Attention") and not swapped(module)
 
 
-def _hf_rope_fn(original: Callable[..., Any], guard: BoundKernel) -> Callable[..., Any]:
-    """trnkit's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` for one attention module.
-
-    transformers hands q/k as ``[B, H, S, D]`` views of contiguous ``[B, S, H, D]`` projections and
-    cos/sin as ``[B, S, D]``; the kernel's bshd form reads that storage directly (no copies)."""
-
-    def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1):
-        extra = () if unsqueeze_dim == 1 else (
-            Violation("rope_hf[hf adapter]", "unsqueeze_dim == 1", unsqueeze_dim, "q/k must be [B, H, S, D]"),)
-        q_bshd, k_bshd = q.transpose(1, 2), k.transpose(1, 2)
-        tables = (cos, sin)
-        if cos.dim() == 3 and cos.shape[0] == 1:  # positions shared by the batch: [1, S, D] -> [S, D]
-            cos, sin = cos[0], sin[0]
-        impl = guard.choose(extra, q=q_bshd, k=k_bshd, cos=cos, sin=sin, layout="bshd")
-        if impl is None:
-            return original(q, k, *tables, unsqueeze_dim)
-        q_out, k_out = ops.rope_hf_apply(q_bshd, k_bshd, cos, sin, None, "bshd", False, impl)
-        return q_out.transpose(1, 2), k_out.transpose(1, 2)
-
-    return apply_rotary_pos_emb
+def _hf_rope(self: Any, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """trnkit's ``rope_hf`` at the rotary call site of a transformers attention module: q/k ``[B, S, H, D]``
+    (the projections' own layout: the kernel's bshd form reads it with no copy), cos/sin ``[B, S, D]``;
+    returns q/k ``[B, H, S, D]`` as transformers' ``apply_rotary_pos_emb`` does."""
+    tables = (cos, sin)
+    if cos.dim() == 3 and cos.shape[0] == 1:  # positions shared by the batch: [1, S, D] -> [S, D]
+        cos, sin = cos[0], sin[0]
+    impl = self._trnkit_guard.choose(q=q, k=k, cos=cos, sin=sin, layout="bshd")
+    if impl is None:
+        return _hf_modeling(self).apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *tables)
+    q_out, k_out = ops.rope_hf_apply(q, k, cos, sin, None, "bshd", False, impl)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 
-def _swap_hf_rope(path: str, module: nn.Module, guard: BoundKernel) -> _SwapPoint:
-    cls_forward = type(module).forward
-    source = _globals_with(cls_forward, _ROPE_GLOBAL)
-    ns = _namespace_module(source, _ROPE_GLOBAL, _hf_rope_fn(source[_ROPE_GLOBAL], guard))
-    module.forward = types.MethodType(_with_global(cls_forward, source, ns.__dict__), module)  # this module only
-    return _SwapPoint(path, guard.op, guard, module, namespace=ns.__name__)
+def _hf_modeling(module: nn.Module) -> Any:
+    """The transformers modeling module of ``module``'s class (its ``apply_rotary_pos_emb``, attention registry)."""
+    return sys.modules[type(module).__module__]
 
 
-def _globals_with(fn: Callable[..., Any], name: str) -> dict:
-    """The globals dict, along ``fn``'s ``__wrapped__`` chain, of the function that calls ``name``."""
-    while fn is not None:
-        if name in fn.__code__.co_names and name in fn.__globals__:
-            return fn.__globals__
-        fn = getattr(fn, "__wrapped__", None)
-    raise LookupError(name)
+def _hf_rope_attention_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
+                               attention_mask: Tensor | None, cache: Any = None, **kwargs: Any) -> tuple[Tensor, Any]:
+    """transformers' ``Qwen3Attention`` / ``Qwen3MoeAttention`` forward (5.24, the classes of
+    ``_HF_CLASSES["Attention"]``; the parity tests compare it with theirs) with :func:`_hf_rope` at the
+    rotary call site, bound to one module: transformers' module-level ``apply_rotary_pos_emb`` stays
+    theirs, so other models are untouched."""
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)  # the argument's old name (transformers maps it until 5.40)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
+    k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape))
+    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    q, k = _hf_rope(self, q, k, *position_embeddings)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+    modeling = _hf_modeling(self)
+    attention = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                               modeling.eager_attention_forward)
+    dropout = 0.0 if not self.training else self.attention_dropout
+    out, weights = attention(self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling,
+                             sliding_window=self.sliding_window, **kwargs)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
 
 # ------------------------------------------------------------------------------------ entry points
@@ -532,10 +482,7 @@ class _SwapPoint:
     path: str
     op: str
     guard: BoundKernel
-    module: nn.Module  # the original module (module swap) or the attention module (rotary swap)
-    parent: nn.Module | None = None  # module swap: where the replacement sits
-    name: str = ""
-    namespace: str | None = None  # rotary swap: the scoped globals module in sys.modules
+    module: nn.Module
     config: Any = None  # transformers attention swap: the module's original config
     slot: bool = False  # a kernel_op module: its kernel was set (to guard), previous is restored
     previous: Any = None
@@ -543,16 +490,12 @@ class _SwapPoint:
     def undo(self) -> None:
         if self.slot:
             self.module.kernel = self.previous
-        elif self.parent is not None:
-            self.module.training = getattr(self.parent, self.name).training
-            setattr(self.parent, self.name, self.module)
         elif self.config is not None:
             from trnkit.overrides.hf import unset_hf_attention  # hf imports this module
 
             unset_hf_attention(self.module, self.config)
         else:
-            self.module.__dict__.pop("forward", None)
-            sys.modules.pop(self.namespace or "", None)
+            _unbind(self.module)
 
 
 HF_ATTENTION = "hf-attention"  # _find_swap_points' marker of a transformers attention module
@@ -584,11 +527,11 @@ def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple
             continue
         if "rope_hf" in wanted and _is_hf_rope_attention(module):
             yield path, module, "rope_hf", None
-        if "attention" in wanted and _is_hf(module, "Attention") and not isinstance(module, _Swapped):
+        if "attention" in wanted and _is_hf(module, "Attention"):
             yield path, module, "attention", HF_ATTENTION
 
 
-def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _ModuleAdapter | str | None,
+def _install(path: str, module: nn.Module, op: str, adapter: _ModuleAdapter | str | None,
              choice: KernelChoice, probe_only: bool = False) -> _SwapPoint:
     static = adapter.static(module) if isinstance(adapter, _ModuleAdapter) else slot_static(module, op)
     guard = BoundKernel(op, choice, path, static, probe_only)
@@ -599,9 +542,8 @@ def _install(model: nn.Module, path: str, module: nn.Module, op: str, adapter: _
         from trnkit.overrides.hf import set_hf_attention  # hf imports this module
 
         return _SwapPoint(path, op, guard, module, config=set_hf_attention(module, guard))
-    if adapter is not None:
-        return _swap_module(model, path, module, adapter, guard)
-    return _swap_hf_rope(path, module, guard)
+    _bind(module, adapter.forward if adapter is not None else _hf_rope_attention_forward, guard)
+    return _SwapPoint(path, op, guard, module)
 
 
 def _default_seq_len(model: nn.Module) -> int:
@@ -625,7 +567,7 @@ def _dry_run(model: nn.Module, config: OverrideConfig, points: list[_SwapPoint],
     # (shape-only) code: a stand-in would run a trnkit op, which has no DTensor rule under tensor
     # parallelism. Eval mode skips aux statistics.
     stand_in = KernelChoice(REFERENCE, "strict")
-    others = [_install(model, path, module, op, adapter, stand_in, probe_only=True)
+    others = [_install(path, module, op, adapter, stand_in, probe_only=True)
               for path, module, op, adapter in _find_swap_points(model, _STAND_IN_OPS)
               if op not in config.ops and getattr(module, "kernel", None) is None]
     modes = [(m, m.training) for m in model.modules()]
@@ -716,7 +658,7 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
                            for p, _, op, _ in found)
         return report
 
-    points = [_install(model, path, module, op, adapter, choices[op]) for path, module, op, adapter in found]
+    points = [_install(path, module, op, adapter, choices[op]) for path, module, op, adapter in found]
 
     try:  # under strict: configuration problems first, before any dry run
         _raise_if_any([(pt, pt.guard.static) for pt in points])
