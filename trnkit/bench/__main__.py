@@ -18,6 +18,9 @@ are tested.
 
 ``python -m trnkit.bench step --flavor F --seq N --batch B --lnc 2``: the estimated trn2 time of one Qwen3
 train step from its NKI kernels (:mod:`trnkit.bench.step`).
+
+``python -m trnkit.bench figures [-j N]``: re-runs every cost-model figure the docs quote, in parallel
+processes, then rewrites the docs' tables (:mod:`trnkit.bench.figures`).
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from trnkit.bench.step import main as step_main  # noqa: PLC0415
 
         return step_main(argv[1:])
+    if argv[:1] == ["figures"]:  # python -m trnkit.bench figures -j 2: every cost-model figure the docs quote
+        from trnkit.bench.figures import main as figures_main
+
+        return figures_main(argv[1:])
     if argv[:1] == ["calibrate"]:  # python -m trnkit.bench calibrate measured.csv
         from trnkit.bench.calibrate import main as calibrate_main
 
