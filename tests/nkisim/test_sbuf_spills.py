@@ -69,3 +69,39 @@ def test_fitting_kernels_do_not_warn_and_psum_still_cannot_spill():
 
     with memory.sbuf_spills(), pytest.raises(NkiValidationError, match="PSUM overflow"):
         nine_banks(np.ones((4, 128), np.float32))
+
+
+@nki.jit
+def gate_up_tiles(x, w, evacuate_each: bool):
+    """AWS's moe_cte dropping kernel's shape of work: nine [128, 512] fp32 PSUM tiles, one matmul group
+    each; its form allocates and fills every tile before it reads any (``evacuate_each=False``)."""
+    xs = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=xs, src=x)
+    ws = nl.ndarray((128, 9 * 128), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ws, src=w)
+    res = nl.ndarray((128, 9, 512), nl.float32, buffer=nl.sbuf)
+    tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(9)]
+    for i, acc in enumerate(tiles):
+        nisa.nc_matmul(dst=acc, stationary=ws[:, i * 128:(i + 1) * 128], moving=xs)
+        if evacuate_each:
+            nisa.tensor_copy(dst=res[:, i, :], src=acc)
+    if not evacuate_each:
+        for i, acc in enumerate(tiles):
+            nisa.tensor_copy(dst=res[:, i, :], src=acc)
+    out = nl.ndarray((128, 9, 512), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=res)
+    return out
+
+
+def test_psum_is_checked_in_program_order_where_the_compiler_may_reorder():
+    """neuronx-cc places tiles and orders instructions after tracing (nki-compile-config.rst), so it may
+    interleave each tile's evacuation with the matmuls and compile the all-first form in 8 banks; the
+    interpreter checks PSUM in program order and rejects it (docs/interpreter.md, "Differences from the
+    real compiler"). The interleaved form of the same work runs and gives the product."""
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((128, 512), np.float32), rng.standard_normal((128, 9 * 128), np.float32)
+    want = np.stack([w[:, i * 128:(i + 1) * 128].T @ x for i in range(9)], axis=1)
+    np.testing.assert_allclose(gate_up_tiles(x, w, True), want, rtol=1e-4, atol=1e-3)
+    with memory.sbuf_spills(), pytest.raises(NkiValidationError, match=r"PSUM overflow: 9 live PSUM tiles "
+                                             r"\(18432 bytes per partition\) need 9 banks"):
+        gate_up_tiles(x, w, False)

@@ -408,7 +408,7 @@ def _moe_dispatch(t: int, top_k: int, e: int, b: int, n: int, skip_token: bool
 
 
 def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_size: int, skip: int,
-                bias: bool, training: bool, act: str, clamps: tuple, lnc: int
+                bias: bool, training: bool, act: str, clamps: tuple, lnc: int, multiply_on_i: bool = False
                 ) -> Callable[[], dict[str, Any]]:
     def make() -> dict[str, Any]:
         skip_mode = _lib("moe.moe_cte.moe_cte_utils:SkipMode")(skip in (1, 3), skip in (2, 3))
@@ -441,7 +441,7 @@ def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_si
             if v is not None:
                 out[key] = v
         if func is BWMMFunc.SHARD_ON_INTERMEDIATE:
-            out.update(checkpoint_activation=training, expert_affinity_multiply_on_I=False)
+            out.update(checkpoint_activation=training, expert_affinity_multiply_on_I=multiply_on_i)
         if func is BWMMFunc.SHARD_ON_INTERMEDIATE_HW:
             out["conditions"] = conditions
         return out
@@ -455,29 +455,46 @@ def _moe_ref_inputs(func: BWMMFunc, lnc: int, top_k: int) -> Callable[[dict], di
     return ref_inputs
 
 
+# rows of test_moe_cte.py's BWMM_LNC2_TEST_CASES (func, H, T, E, B, top_k, I, skip, bias, training, activation,
+# clamps, expert_affinity_multiply_on_I): 10 of its 48 enabled rows, chosen to cover each kernel path its
+# table tests (shard_on_block with token / weight skipping and I up to 3072, shard_on_I with bias, with
+# activation checkpointing and with the affinity multiplied on I). Its other rows run the same paths at other
+# sizes (its E=64 top-8 rows need 8.8 GB here). Its shard_on_I rows at I=3072 and its 6 dropping rows are
+# left out: they fill more PSUM tiles than PSUM holds before reading any (docs/interpreter.md, "Differences
+# from the real compiler")
+_CLAMP, _NO_CLAMP = (7, None, 8, -9), (None, None, None, None)
+_B, _I, _HW = BWMMFunc.SHARD_ON_BLOCK, BWMMFunc.SHARD_ON_INTERMEDIATE, BWMMFunc.SHARD_ON_INTERMEDIATE_HW
+_MOE_ROWS = [
+    (_B, 3072, 1024, 8, 512, 4, 384, 1, True, False, "Swish", _CLAMP, False),
+    (_B, 3072, 1024, 8, 512, 4, 192, 1, True, False, "Swish", _CLAMP, False),
+    (_B, 3072, 1024, 8, 256, 4, 384, 1, True, False, "Swish", _CLAMP, False),
+    (_B, 3072, 1024, 8, 256, 4, 192, 3, True, False, "Swish", _CLAMP, False),
+    (_B, 3072, 1024, 8, 256, 4, 1536, 1, True, False, "Swish", _CLAMP, False),
+    (_I, 3072, 1024, 8, 512, 4, 2048, 0, True, False, "SiLU", _NO_CLAMP, False),
+    (_I, 3072, 1024, 8, 512, 4, 2048, 1, False, True, "Swish", _NO_CLAMP, False),
+    (_I, 3072, 1024, 8, 512, 4, 2048, 0, False, True, "Swish", _NO_CLAMP, True),
+    (_B, 3072, 1024, 8, 512, 4, 384, 3, True, False, "Swish", _CLAMP, False),
+    (_B, 3072, 1024, 8, 512, 4, 3072, 1, True, False, "Swish", _CLAMP, False),
+]
+# the one reduced row: the test's hybrid row (T=10240 H=4096 E=4 k=8 I=768) took minutes here
+_MOE_REDUCED = (_HW, 3072, 1024, 8, 512, 4, 2048, 0, False, False, "SiLU", _NO_CLAMP, False)
+_MOE_REDUCED_NOTE = ("reduced shape: the test's hybrid row (T=10240 H=4096 E=4 k=8 I=768) takes minutes here; "
+                     "this is a hybrid row it lists commented out")
+
+
 def _moe_cases() -> list[Case]:
     cases = []
-    block, inter, hybrid = BWMMFunc.SHARD_ON_BLOCK, BWMMFunc.SHARD_ON_INTERMEDIATE, BWMMFunc.SHARD_ON_INTERMEDIATE_HW
-    no_clamp, clamp = (None, None, None, None), (7, None, 8, -9)
-    for func, h, t, e, b, k, i_size, skip, bias, training, act, clamps, note in [
-            (block, 3072, 1024, 8, 512, 4, 384, 1, True, False, "Swish", clamp, ""),
-            (block, 3072, 1024, 8, 512, 4, 192, 1, True, False, "Swish", clamp, ""),
-            (block, 3072, 1024, 8, 256, 4, 384, 1, True, False, "Swish", clamp, ""),
-            (block, 3072, 1024, 8, 256, 4, 192, 3, True, False, "Swish", clamp, ""),
-            (block, 3072, 1024, 8, 256, 4, 1536, 1, True, False, "Swish", clamp, ""),
-            (inter, 3072, 1024, 8, 512, 4, 2048, 0, True, False, "SiLU", no_clamp, ""),
-            (inter, 3072, 1024, 8, 512, 4, 2048, 1, False, True, "Swish", no_clamp, ""),
-            (hybrid, 3072, 1024, 8, 512, 4, 2048, 0, False, False, "SiLU", no_clamp,
-             "reduced shape: the test's hybrid row (T=10240 H=4096 E=4 k=8 I=768) takes minutes here; "
-             "this is a hybrid row it lists commented out")]:
-        outputs = ("output", "gate_up_activations_T", "down_activations") if training else ("output",)
+    for row in _MOE_ROWS[:7] + [_MOE_REDUCED] + _MOE_ROWS[7:]:
+        func, h, t, e, b, k, i_size, skip, bias, training, act, clamps, on_i = row
+        outputs = ("output",) + (("gate_up_activations_T",) + ("down_activations",) * (not on_i)) * training
         flags = [f"skip={skip}"] + (["bias"] if bias else []) + (["training"] if training else []) \
-            + (["clamp"] if clamps != no_clamp else [])
+            + (["clamp"] if clamps != _NO_CLAMP else []) + (["multiply_on_I"] if on_i else [])
+        note = _MOE_REDUCED_NOTE if row is _MOE_REDUCED else ""
         cases.append(Case(
             kernel="core/moe/moe_cte", name=f"{func.name.lower()} {act} {' '.join(flags)}",
             shapes=f"T={t} H={h} E={e} B={b} k={k} I={i_size}", entry=f"{LIB}.{_MOE_ENTRY[func]}",
             reference=f"{LIB}.moe.moe_cte.moe_cte_torch:moe_cte_torch_ref",
-            inputs=_moe_inputs(func, t, h, e, b, k, i_size, skip, bias, training, act, clamps, 2),
+            inputs=_moe_inputs(func, t, h, e, b, k, i_size, skip, bias, training, act, clamps, 2, on_i),
             ref_inputs=_moe_ref_inputs(func, 2, k), outputs=outputs, lnc=2, rtol=2e-2, atol=1e-5,
             note=note, test_file=f"{TESTS}/moe/moe_cte/test_moe_cte.py"))
     return cases
