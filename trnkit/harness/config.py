@@ -20,6 +20,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import tomli_w
 from pydantic import TypeAdapter, ValidationError
 
 from trnkit.errors import ConfigError
@@ -311,7 +312,12 @@ def _sections() -> list[str]:
 
 
 def parse_cli_overrides(argv: list[str]) -> list[tuple[str, str]]:
-    """``["--training.steps", "20", "--job.name=x"]`` -> ``[("training.steps", "20"), ("job.name", "x")]``."""
+    """``["--training.steps", "20", "--job.name=x"]`` -> ``[("training.steps", "20"), ("job.name", "x")]``.
+
+    Not argparse (nor pydantic-settings' or tyro's command line, built on it): a value may begin with a
+    dash (``--lr_scheduler.min_lr_factor -inf``, ``--job.seed -5``), which argparse reads as an option, and
+    an unknown or misspelt key must be a ConfigError naming it with the keys it may have meant (``_set``).
+    The values are checked by pydantic against the dataclasses (:func:`coerce`)."""
     out: list[tuple[str, str]] = []
     i = 0
     while i < len(argv):
@@ -337,8 +343,12 @@ _ALIASES = {"log_rank": "metrics.log_rank"}  # short command-line forms: --log_r
 def load_config(path: str | os.PathLike | None = None, cli: list[str] | None = None,
                 validate: bool = True) -> TrainerConfig:
     """TOML file (optional) + CLI overrides -> validated :class:`TrainerConfig`."""
+    return _load(path, parse_cli_overrides(cli or []), validate)
+
+
+def _load(path: str | os.PathLike | None, pairs: list[tuple[str, str]], validate: bool = True) -> TrainerConfig:
     cfg = from_dict(load_toml(path)) if path else TrainerConfig()
-    for key, value in parse_cli_overrides(cli or []):
+    for key, value in pairs:
         _set(cfg, key, value, from_cli=True)
     if validate:
         cfg.validate()
@@ -359,47 +369,16 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + "\n# defaults:\n" + to_toml(TrainerConfig()))
         raise SystemExit(0)
-    path = None
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        if argv[i] == "--config":
-            if i + 1 >= len(argv):
-                raise ConfigError("command line: --config needs a path")
-            path = argv[i + 1]
-            i += 2
-        elif argv[i].startswith("--config="):
-            path = argv[i].split("=", 1)[1]
-            i += 1
-        else:
-            rest.append(argv[i])
-            i += 1
-
-    return load_config(resolve_config(path) if path else None, rest)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)  # a JSON string is a valid TOML basic string
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise ConfigError(f"config: cannot write {type(v).__name__} {v!r} as TOML")
+    pairs = parse_cli_overrides(argv)
+    paths = [value for key, value in pairs if key == "config"]
+    return _load(resolve_config(paths[-1]) if paths else None, [(k, v) for k, v in pairs if k != "config"])
 
 
 def to_toml(cfg: TrainerConfig) -> str:
-    """The resolved configuration as TOML (None-valued fields are left out: they mean "default")."""
-    lines: list[str] = []
-    for sec, table in cfg.to_dict().items():
-        lines.append(f"[{sec}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
-        lines.append("")
-    return "\n".join(lines)
+    """The resolved configuration as TOML (written by tomli-w; None-valued fields are left out: they mean
+    "default")."""
+    return tomli_w.dumps({sec: {k: v for k, v in table.items() if v is not None}
+                          for sec, table in cfg.to_dict().items()})
 
 
 # --------------------------------------------------------------------------- validation
