@@ -12,12 +12,16 @@ the same token batch and the same optimizer settings:
   `bf16=True` does on CPU. No `torch.compile` on either side.
 - trnkit: `model(tokens, labels=..., loss_chunk_size=...)` (the chunked linear cross-entropy), the trainer's
   clip (`trnkit.harness.parallel.clip_grad_norm`) and the trainer's CPU AdamW (fused=True); bf16 as the
-  trainer runs it (autocast over fp32 weights).
+  trainer runs it (autocast over fp32 weights). On a CPU without native bf16 matmul its linear layers and
+  chunked loss multiply the bf16-rounded operands in fp32 (`trnkit.qwen3.precision`); the `setup` column
+  says which.
 
 How the figures repeat: one thread (`--threads 1`), process CPU time (other jobs on a shared machine do not
 count), fixed seeds for weights and tokens, the two sides interleaved (trnkit, transformers, trnkit, ...)
 so that slow phases of the machine hit both, the min of `--repeat` steps for the ratio (median reported
-too). Deterministic algorithms (`torch.use_deterministic_algorithms`) are set the same on both sides:
+too). A side whose first step takes longer than `--slow-step-s` (transformers' bf16 step on a CPU without
+native bf16 matmul) is timed by that step alone, cold, and stepped no more; its row says `reps` "1 cold".
+Deterministic algorithms (`torch.use_deterministic_algorithms`) are set the same on both sides:
 `--deterministic off` is transformers' default, `on` the trainer's default; the CSV says which.
 
 Step peak memory: for each side a fresh process builds that side alone, runs one step (so AdamW's state
@@ -50,6 +54,7 @@ import torch
 from trnkit.bench.paths import add_output_args, output_dir
 from trnkit.harness.parallel import clip_grad_norm
 from trnkit.qwen3 import Qwen3Model, model_registry
+from trnkit.qwen3.precision import native_matmul
 from trnkit.qwen3.state_dict import to_hf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,6 +150,21 @@ def fresh_process_peak(side: str, flavor: str, dtype: str, seq: int, args: argpa
     return float(out.strip().splitlines()[-1])
 
 
+def setup(side: str, dtype: str, loss_chunk: int) -> str:
+    """How ``side`` runs its step (the CSV's ``setup`` column)."""
+    amp = "autocast bf16" if dtype == "bfloat16" else "fp32"
+    if side == "trnkit":
+        loss = f"chunked loss {loss_chunk}" if loss_chunk else "full logits"
+        return f"{amp}; {loss}; bf16 linears in {matmul_dtype_name()}" if dtype == "bfloat16" else f"{amp}; {loss}"
+    experts = side.removeprefix("transformers[").rstrip("]")
+    return f"{amp}; labels=; sdpa" + ("" if experts == "default" else f"; experts {experts}")
+
+
+def matmul_dtype_name() -> str:
+    """Where a bf16 autocast matmul of trnkit's model runs on this CPU (trnkit.qwen3.precision)."""
+    return "bf16" if native_matmul(torch.bfloat16) else "fp32 (no native bf16)"
+
+
 def run_case(flavor: str, dtype: str, seq: int, args: argparse.Namespace, clock) -> list[dict]:
     native = build_native(flavor, vocab=args.vocab)
     experts = args.hf_experts if native.config.is_moe else [None]
@@ -155,12 +175,18 @@ def run_case(flavor: str, dtype: str, seq: int, args: argparse.Namespace, clock)
     steps |= {k: step_fn(m, toks, True, dtype, args.loss_chunk) for k, m in hf.items()}
     losses: dict[str, list[float]] = {k: [] for k in steps}
     times: dict[str, list[float]] = {k: [] for k in steps}
+    cold: set[str] = set()  # sides whose first step took over --slow-step-s: that step is their only timing
     for rep in range(args.warmup + args.repeat):  # interleaved; every side sees the same batches and updates
         for k, fn in steps.items():
+            if k in cold:
+                continue
             t0 = clock()
             losses[k].append(fn())
+            dt = clock() - t0
             if rep >= args.warmup:
-                times[k].append(clock() - t0)
+                times[k].append(dt)
+            elif rep == 0 and dt > args.slow_step_s:
+                times[k], cold = [dt], cold | {k}
     del native, hf, steps
     best = {k: min(v) for k, v in times.items()}
     fastest_hf = min((k for k in best if k != "trnkit"), key=best.get)
@@ -170,7 +196,8 @@ def run_case(flavor: str, dtype: str, seq: int, args: argparse.Namespace, clock)
     for k in times:
         rows.append({"flavor": flavor, "dtype": dtype, "batch": args.batch, "seq": seq,
                      "vocab_size": vocab,
-                     "deterministic": args.deterministic, "impl": k,
+                     "deterministic": args.deterministic, "impl": k, "setup": setup(k, dtype, args.loss_chunk),
+                     "reps": f"{len(times[k])} cold" if k in cold else len(times[k]),
                      "best_ms": round(best[k] * 1e3, 1), "median_ms": round(statistics.median(times[k]) * 1e3, 1),
                      "peak_mib": round(peak[k], 1) if k in peak else "",
                      "loss_step1": round(losses[k][0], 6),
@@ -183,7 +210,7 @@ def run_case(flavor: str, dtype: str, seq: int, args: argparse.Namespace, clock)
     print(f"  {flavor:9s} {dtype:8s} seq {seq:5d}: trnkit {r['best_ms']:8.0f} ms vs {fastest_hf} "
           f"{best[fastest_hf] * 1e3:8.0f} ms -> {r['speedup']:.2f}x (median {r['speedup_median']:.2f}x); "
           f"peak {peak['trnkit']:.0f} vs {peak[fastest_hf]:.0f} MiB -> {r['memory_ratio']:.2f}x; "
-          f"max |loss diff| over {len(losses['trnkit'])} steps {loss_diff:.1e}", flush=True)
+          f"max |loss diff| over {min(len(v) for v in losses.values())} steps {loss_diff:.1e}", flush=True)
     return rows
 
 
@@ -195,6 +222,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--slow-step-s", type=float, default=120.0,
+                    help="a side whose first step takes longer (clock seconds) is timed by that step alone "
+                         "(its row: reps '1 cold'); for transformers' bf16 step on CPUs without native bf16")
     ap.add_argument("--hf-experts", nargs="+", default=["eager", "grouped_mm"],
                     choices=["eager", "grouped_mm", "batched_mm"], help="transformers experts backends (MoE)")
     ap.add_argument("--deterministic", choices=["off", "on"], default="off",

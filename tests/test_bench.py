@@ -252,7 +252,15 @@ def test_qwen3_step_leaves_reference_data_alone_by_default(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = list(csv.DictReader((tmp_path / "outputs" / "bench" / "qwen3_step_vocab256.csv").open()))
     assert {row["impl"] for row in rows} == {"trnkit", "transformers[default]"}
+    assert {row["reps"] for row in rows} == {"1"}
+    setup = {row["impl"]: row["setup"] for row in rows}
+    assert setup == {"trnkit": "fp32; chunked loss 256", "transformers[default]": "fp32; labels=; sdpa"}
     assert not (tmp_path / "benchmarks" / "data").exists()
+    # a side slower than --slow-step-s is timed by its first step alone (here: every side)
+    r = _run_script(script, *tiny[:-4], "--repeat", "2", "--warmup", "1", "--slow-step-s", "0", "--name", "cold")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = list(csv.DictReader((tmp_path / "outputs" / "bench" / "cold.csv").open()))
+    assert [row["reps"] for row in rows] == ["1 cold", "1 cold"]
 
 
 def test_output_dir_anchors_scripts_at_their_repo_root(tmp_path):

@@ -56,7 +56,7 @@ def test_bf16_autocast_as_accurate_as_unfused(matmul: str, monkeypatch: pytest.M
     # same bf16-rounded inputs. Error bound: 2**-7 of the largest magnitude (one bf16 ulp at the top).
     # Both ways of multiplying the bf16 operands: bf16 matmuls (a CPU with native bf16 matmul, or a
     # GPU) and fp32 matmuls of the rounded operands (a CPU without), whichever this machine has.
-    monkeypatch.setattr(loss_module, "_matmul_dtype",
+    monkeypatch.setattr(loss_module, "matmul_dtype",
                         lambda dt, device: torch.float32 if matmul == "fp32" else dt)
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(3, 10, 32, generator=g), torch.randn(64, 32, generator=g) * 0.2

@@ -16,13 +16,10 @@ computes ``dW`` for its own rows only and the partial ``dh`` are summed over the
 
 Precision: logits are formed in the compute dtype (the autocast dtype under autocast, else the
 inputs' dtype; as the unfused ``lm_head`` would) and the softmax / loss in fp32. On a CPU without native
-bf16 / fp16 matmul (no AVX512-BF16 / AMX: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False) torch
-multiplies low-precision matrices in a scalar fallback GEMM that is 3-90x slower than its fp32 one,
-depending on the operands' layout. There the operands are rounded to the compute dtype and multiplied
-in fp32 instead: a product of two bf16 (fp16) numbers is exact in fp32 and both GEMMs accumulate in
-fp32, so the logits, the logit gradients and ``dh`` (rounded to the compute dtype after the product,
-as a low-precision GEMM's output is) carry the same roundings, and ``dW`` sums the per-chunk products
-in fp32 without rounding each one.
+bf16 / fp16 matmul (:func:`trnkit.qwen3.precision.matmul_dtype`) the operands are rounded to the compute
+dtype and multiplied in fp32: the logits, the logit gradients and ``dh`` (rounded to the compute dtype
+after the product, as a low-precision GEMM's output is) carry the same roundings, and ``dW`` sums the
+per-chunk products in fp32 without rounding each one.
 """
 
 from __future__ import annotations
@@ -32,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .precision import matmul_dtype
+
 DEFAULT_CHUNK_SIZE = 256  # tokens; measured on CPU at vocab 151,936 (docs/benchmarks.md)
 
 
@@ -40,16 +39,6 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return torch.promote_types(h.dtype, weight.dtype)
-
-
-def _matmul_dtype(dt: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype the loss's matmuls run in for compute dtype ``dt``: ``dt`` itself, or fp32 on a CPU
-    whose ``dt`` matmul is emulated (see the module docstring)."""
-    if device.type != "cpu" or dt not in (torch.bfloat16, torch.float16):
-        return dt
-    native = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dt == torch.bfloat16
-              else torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return dt if native else torch.float32
 
 
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
@@ -63,7 +52,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                 ignore_index: int, group: Any, vocab_start: int) -> torch.Tensor:
         dt = _compute_dtype(h, weight)
-        mm_dt = _matmul_dtype(dt, h.device)
+        mm_dt = matmul_dtype(dt, h.device)
         x = h.reshape(-1, h.shape[-1])
         y = labels.reshape(-1)
         w = weight.to(dt).to(mm_dt)                                         # rounded to dt, multiplied in mm_dt

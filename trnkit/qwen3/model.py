@@ -31,6 +31,7 @@ from torch import nn
 
 from .config import Qwen3Config, rope_cache as _rope_cache
 from .loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
+from .precision import Linear
 
 
 class KernelSlot:
@@ -169,10 +170,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wq = Linear(cfg.dim, cfg.n_heads * cfg.head_dim)
+        self.wk = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim)
+        self.wv = Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim)
+        self.wo = Linear(cfg.n_heads * cfg.head_dim, cfg.dim)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.rope = RoPEApply()
@@ -198,9 +199,9 @@ class FeedForward(KernelSlot, nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w1 = Linear(dim, hidden_dim)
+        self.w2 = Linear(hidden_dim, dim)
+        self.w3 = Linear(dim, hidden_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -223,7 +224,7 @@ class TopKRouter(KernelSlot, nn.Module):
 
     def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
         super().__init__()
-        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.gate = Linear(dim, num_experts)
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
 
     kernel_op = "router_topk"
@@ -477,7 +478,7 @@ class Qwen3Model(_DropsForwardState, nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.dim, config.vocab_size)
         self.loss = LinearCrossEntropy()
         if config.tie_word_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
