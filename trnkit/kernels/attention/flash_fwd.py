@@ -73,14 +73,20 @@ def _itemsize(dtype):
     return 4 if dtype == nl.float32 else 2
 
 
-def step_keys(S: int, itemsize: int, D: int) -> int:
-    """Keys per pipeline step: the largest of 4096 / 2048 / 1024 / 512 whose tiles (two fp32 score
-    tiles, two of probabilities and three of ``P^T`` in flight) fit next to the resident ``K^T``, ``V``
-    and the Q / output chunks."""
+def _budget_used(S, itemsize, D, step):
+    """SBUF bytes per partition of one unit's resident ``K^T`` / ``V``, the Q / output chunks and the
+    pipelined tiles of ``step``-key steps (two fp32 score tiles, two of probabilities, three of ``P^T``
+    in flight)."""
     spad = cdiv(S, P) * P
     resident = spad * itemsize + cdiv(S, P) * D * itemsize + 4 * QCHUNK * P * itemsize
+    return resident + (2 * 4 + 5 * itemsize) * step
+
+
+def step_keys(S: int, itemsize: int, D: int) -> int:
+    """Keys per pipeline step: the largest of 4096 / 2048 / 1024 / 512 whose tiles fit
+    (:func:`_budget_used` within ``SBUF_BUDGET``)."""
     for step in (4096, 2048, 1024):
-        if resident + (2 * 4 + 5 * itemsize) * step <= SBUF_BUDGET:
+        if _budget_used(S, itemsize, D, step) <= SBUF_BUDGET:
             return step
     return BANK
 
@@ -129,18 +135,25 @@ def _steps(S, g0, ng, j, G, step):
     return out
 
 
-def _scores(st, q, kT, ident, mask, negm_all, chunks, load):
-    """Stage 1: Q^T (first step of a chunk), the score banks and the causal mask (Tensor); each bank
-    emptied into ``scale * S`` (fp32, SBUF) with its row max (Vector), then the step's ``-max``."""
-    b, h, r0, nq, k0, k1, scale = st["b"], st["h"], st["r0"], st["nq"], st["k0"], st["k1"], st["scale"]
-    S, D = q.shape[1], q.shape[3]
-    if st["chunk_first"]:
+def _load_chunk(st, q):
+    """The Q^T and output tiles of the step's chunk: loaded (one DMA transpose) at the chunk's first step."""
+    chunks = st["u"]["chunks"]
+    if st["chunk_first"] and st["chunk"] not in chunks:
+        S, D = q.shape[1], q.shape[3]
         n = min(QCHUNK * P, S - st["chunk_r0"])
         qT = nl.ndarray((D, QCHUNK * P), dtype=q.dtype, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=qT[:, 0:n], src=rows(q, b, st["chunk_r0"], n, h))
-        load[DMA] = load[DMA] + n * D * _itemsize(q.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 1.4)
+        nisa.dma_transpose(dst=qT[:, 0:n], src=rows(q, st["b"], st["chunk_r0"], n, st["h"]))
+        st["load"][DMA] = st["load"][DMA] + n * D * _itemsize(q.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 1.4)
         chunks[st["chunk"]] = (qT, nl.ndarray((P, QCHUNK, D), dtype=q.dtype, buffer=nl.sbuf))
     st["qT"], st["oc"] = chunks[st["chunk"]]
+
+
+def _scores(st, q, kT, ident, mask, negm_all, load):
+    """Stage 1: Q^T (first step of a chunk), the score banks and the causal mask (Tensor); each bank
+    emptied into ``scale * S`` (fp32, SBUF) with its row max (Vector), then the step's ``-max``."""
+    r0, nq, k0, k1, scale = st["r0"], st["nq"], st["k0"], st["k1"], st["scale"]
+    D = q.shape[3]
+    _load_chunk(st, q)
     c0 = st["ct"] * P
     w = k1 - k0
     nb = cdiv(w, BANK)
@@ -374,52 +387,80 @@ def _at(steps, t):
     return None
 
 
-def _run_unit(unit, q, k, v, scale, outs, ident, mask, load):
-    """One work unit: load its kv head, then the software-pipelined steps of its query tiles.
+def _open_unit(st, q, k, v):
+    """A unit's first step: its first Q^T chunk, then its resident ``K^T`` and ``V`` (in pieces) and its
+    per-tile columns ``l`` (row sums) and ``-m`` (column ``(head - g0) * nqt + tile``)."""
+    u = st["u"]
+    b, j, _, ng, _ = u["unit"]
+    S, D = q.shape[1], q.shape[3]
+    nqt = cdiv(S, P)
+    _load_chunk(st, q)
+    u["kT"], u["v"] = load_kv(k, v, b, j, D, KV_PIECES)
+    st["load"][DMA] = st["load"][DMA] + 2 * S * D * _itemsize(q.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 1.4)
+    u["l_all"] = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=u["l_all"], value=1.0)  # (rows past S of a short last tile: log(1))
+    u["negm_all"] = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=u["negm_all"], value=0.0)
+
+
+def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
+    """The software-pipelined steps of one or more work units (one continuous pipeline: the next unit's
+    first steps overlap the last ones' drain).
 
     Iteration t issues, per engine in this order, so that each instruction's inputs were produced at
-    least one stage earlier: Tensor S(t), P^T(t-2), PV(t-3); Vector the banks of S(t), P^T copies (t-2),
-    O (t-4), o = O / l (t-5); GpSimd -m (t), l (t-2); Scalar exp (t-1), P^T copies (t-2); DMA P^T (t-2).
+    least one stage earlier: Tensor S(t), P^T(t-2), PV(t-LAG_PV); Vector the banks of S(t), P^T copies
+    (t-2), O (t-LAG_PV-1), o = O / l (t-LAG_FINISH); GpSimd -m (t), l (t-2); Scalar exp (t-1), P^T
+    copies (t-2); DMA P^T (t-2).
     """
-    b, j, g0, ng, _ = unit
     S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
     G = Hq // k.shape[2]
-    nqt = cdiv(S, P)
-    kT, v_sb = load_kv(k, v, b, j, D, KV_PIECES)
-    load[DMA] = load[DMA] + 2 * S * D * _itemsize(q.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 1.4)
-    chunks = {}  # per chunk of a head: its Q^T and output tiles
-    steps = _steps(S, g0, ng, j, G, step_keys(S, _itemsize(q.dtype), D))
-    ob = b if outs[0].shape[0] > 1 else 0  # the scratch outputs hold one batch row
-    # per tile of the unit (column (head - g0) * nqt + tile): the final row sum and -scale * max
-    l_all = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=l_all, value=1.0)  # (rows past S of a short last tile: log(1))
-    negm_all = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=negm_all, value=0.0)
-    ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones_col, value=1.0)
-    for i in range(len(steps)):
-        steps[i]["b"], steps[i]["ob"], steps[i]["scale"], steps[i]["pdt"] = b, ob, scale, q.dtype
-        steps[i]["prev"] = None if steps[i]["first"] else steps[i - 1]
+    step = step_keys(S, _itemsize(q.dtype), D)
+    steps = []
+    for ui in range(len(units)):
+        b, j, g0, ng, _ = units[ui]
+        outs = outs_of[ui]
+        heads = []
+        for g in range(g0, g0 + ng):
+            heads.append(j * G + g)
+        u = {"unit": units[ui], "outs": outs, "heads": heads, "chunks": {},
+             "ob": b if outs[0].shape[0] > 1 else 0}  # (the scratch outputs hold one batch row)
+        us = _steps(S, g0, ng, j, G, step)
+        for i in range(len(us)):
+            us[i]["u"], us[i]["b"], us[i]["ob"], us[i]["scale"], us[i]["pdt"] = u, b, u["ob"], scale, q.dtype
+            us[i]["load"] = load
+            us[i]["prev"] = None if us[i]["first"] else us[i - 1]
+            us[i]["unit_first"], us[i]["unit_last"] = i == 0, i == len(us) - 1
+            steps.append(us[i])
     for t in range(len(steps) + LAG_FINISH):
         cur = _at(steps, t)
         if cur != None:  # noqa: E711
-            _scores(cur, q, kT, ident, mask, negm_all, chunks, load)
-            _neg_max(cur, negm_all)
+            if cur["unit_first"]:
+                _open_unit(cur, q, k, v)
+            _scores(cur, q, cur["u"]["kT"], ident, mask, cur["u"]["negm_all"], load)
+            _neg_max(cur, cur["u"]["negm_all"])
         if _at(steps, t - 1) != None:  # noqa: E711
             _exp(steps[t - 1], load)
         if _at(steps, t - 2) != None:  # noqa: E711
             _transpose(steps[t - 2], load)
-            _row_sum(steps[t - 2], l_all)
+            _row_sum(steps[t - 2], steps[t - 2]["u"]["l_all"])
         if _at(steps, t - LAG_PV) != None:  # noqa: E711
-            _pv(steps[t - LAG_PV], v_sb, load)
+            _pv(steps[t - LAG_PV], steps[t - LAG_PV]["u"]["v"], load)
         if _at(steps, t - LAG_PV - 1) != None:  # noqa: E711
             _o_update(steps[t - LAG_PV - 1], load)
-        if _at(steps, t - LAG_FINISH) != None and steps[t - LAG_FINISH]["last"]:  # noqa: E711
-            _finish(steps[t - LAG_FINISH], outs, load, ones_col)
-    heads = []
-    for g in range(g0, g0 + ng):
-        heads.append(j * G + g)
-    _store_lse(heads, l_all, negm_all, outs[1], ob, S)
+        done = _at(steps, t - LAG_FINISH)
+        if done != None and done["last"]:  # noqa: E711
+            _finish(done, done["u"]["outs"], load, ones_col)
+        if done != None and done["unit_last"]:  # noqa: E711
+            u = done["u"]
+            _store_lse(u["heads"], u["l_all"], u["negm_all"], u["outs"][1], u["ob"], S)
+
+
+def one_pipeline(S: int, itemsize: int, D: int) -> bool:
+    """Whether two units' resident ``K^T`` and ``V`` fit SBUF next to the step tiles, so that all units
+    of a launch run as one pipeline (else each unit drains before the next one loads)."""
+    spad = cdiv(S, P) * P
+    resident = spad * itemsize + cdiv(S, P) * D * itemsize
+    return resident + _budget_used(S, itemsize, D, step_keys(S, itemsize, D)) <= SBUF_BUDGET
 
 
 @nki.jit
@@ -439,9 +480,16 @@ def attention_fwd_kernel(q, k, v, scale):
                    nl.ndarray((1, Hq, S), dtype=nl.float32, buffer=nl.private_hbm))
     ident = identity(nl.bfloat16)
     mask = causal_mask(nl.bfloat16)
+    ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_col, value=1.0)
     units = work_units(B, Hk, G, n_prog, pid, True)
-    load = [0.0, 0.0, 0.0, 0.0]
+    outs_of = []
     for u in range(len(units)):
-        outs = (o, lse) if units[u][4] else scratch
-        _run_unit(units[u], q, k, v, float(scale), outs, ident, mask, load)
+        outs_of.append((o, lse) if units[u][4] else scratch)
+    load = [0.0, 0.0, 0.0, 0.0]
+    if one_pipeline(S, _itemsize(q.dtype), D):
+        _pipeline(units, q, k, v, float(scale), outs_of, ident, mask, ones_col, load)
+    else:
+        for u in range(len(units)):
+            _pipeline([units[u]], q, k, v, float(scale), [outs_of[u]], ident, mask, ones_col, load)
     return o, lse
