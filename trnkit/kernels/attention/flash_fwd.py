@@ -57,7 +57,7 @@ QCHUNK = 8  # query tiles per Q^T load and per output store
 # Pipeline distance (in steps) of P V behind the scores, and of o = O / l: P^T of a step arrives by DMA
 # several microseconds after its exp, while two consecutive steps (a short and a long tile) take about
 # as long as one tile's scores
-LAG_PV, LAG_FINISH = 5, 7
+LAG_EXP, LAG_T, LAG_PV, LAG_FINISH = 2, 3, 6, 8
 DMA_BLOCKS = 16  # most 128-key blocks per DMA transpose (P V starts on the first ones)
 KV_PIECES = 4  # DMAs per resident K^T / V load (the first tiles start on the first piece)
 PSUM_READ_CYCLES = 60  # VectorE's PSUM access setup per instruction (performance guide; a range in the model)
@@ -158,7 +158,12 @@ def _scores(st, q, kT, ident, mask, negm_all, load):
     w = k1 - k0
     nb = cdiv(w, BANK)
     s_sb = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.sbuf)
-    bm = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
+    nm = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if st["first"] and st["last"]:  # the tile's only step: its -max is final
+        nm = negm_all[0:nq, st["col"]:st["col"] + 1]
+    bm = nm
+    if nb > 1:
+        bm = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
     pending = None
     for i in range(nb + 1):
         if i < nb:
@@ -174,17 +179,19 @@ def _scores(st, q, kT, ident, mask, negm_all, load):
                 load[PE] = load[PE] + max(64, nq) / TENSOR_GHZ
         if pending != None:  # noqa: E711 (NKI rejects `is`); the previous bank, while this one is formed
             pi, pb0, pw, p_ps = pending
+            # -scale * S and its row min (= -scale * max: the exp's bias needs no negation)
             nisa.tensor_scalar_reduce(dst=s_sb[:, pb0 - k0:pb0 - k0 + pw], data=p_ps, op0=nl.multiply,
-                                      operand0=scale, reduce_op=nl.maximum, reduce_res=bm[:, pi:pi + 1])
+                                      operand0=-scale, reduce_op=nl.minimum, reduce_res=bm[:, pi:pi + 1])
             load[VEC] = load[VEC] + max(64, pw) / VECTOR_GHZ
         pending = None
         if i < nb:
             pending = (i, kb0, wb, s_ps)
-    nm = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if st["first"] and st["last"]:  # the tile's only step: its -max is final
-        nm = negm_all[0:nq, st["col"]:st["col"] + 1]
-    nisa.tensor_reduce(dst=nm, op=nl.maximum, data=bm, axis=1, negate=True)
-    load[VEC] = load[VEC] + 64 / VECTOR_GHZ
+    n = nb
+    while n > 1:  # the banks' minima pairwise on GpSimd (small SBUF columns), the last pair into nm
+        h = n // 2
+        dst = nm if n == 2 else bm[:, 0:h]
+        nisa.tensor_tensor(dst=dst, data1=bm[:, 0:h], data2=bm[:, n - h:n], op=nl.minimum, engine=nisa.engine.gpsimd)
+        n = n - h
     st["s_sb"], st["nm"] = s_sb, nm
 
 
@@ -208,7 +215,7 @@ def _exp(st, load):
     w = st["k1"] - st["k0"]
     p_sb = nl.ndarray((nq, w), dtype=st["pdt"], buffer=nl.sbuf)
     rs = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=p_sb, op=nl.exp, data=st["s_sb"], bias=st["negm"], scale=1.0, reduce_op=nl.add,
+    nisa.activation(dst=p_sb, op=nl.exp, data=st["s_sb"], bias=st["negm"], scale=-1.0, reduce_op=nl.add,
                     reduce_res=rs, reduce_cmd=nisa.reduce_cmd.reset_reduce)
     load[ACT] = load[ACT] + (max(64, w) + 64) / SCALAR_GHZ + ACT_FIXED_NS
     if prev != None:  # noqa: E711
@@ -283,7 +290,7 @@ def _transpose(st, load):
     st["p"], st["pt"] = None, pt
 
 
-def _row_sum(st, l_all):
+def _row_sum(st, l_all, ones_col):
     """The running sum ``l = l * corr + rowsum`` (GpSimd; a tile's last step writes it into the unit's
     column ``col``)."""
     nq, step, prev = st["nq"], st["rs"], st["prev"]
@@ -301,6 +308,10 @@ def _row_sum(st, l_all):
     elif prev != None:  # noqa: E711
         nisa.tensor_tensor(dst=ls, data1=ls, data2=step, op=nl.add, engine=nisa.engine.gpsimd)
     st["l"] = ls
+    if st["last"]:  # 1 / l for the tile's output, long before it is needed (GpSimd works in order)
+        rl = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=rl, data1=ones_col[0:nq, :], data2=ls, op=nl.divide, engine=nisa.engine.gpsimd)
+        st["rl"] = rl
 
 
 def _pv(st, v_sb, load):
@@ -335,13 +346,11 @@ def _o_update(st, load):
     st["pv"], st["o"] = None, acc
 
 
-def _finish(st, outs, load, ones_col):
+def _finish(st, outs, load):
     """Stage 6 (a tile's last step): ``o = O / l`` rounded once into the chunk's output tile; the
     chunk's last tile stores it."""
     o = outs[0]
-    nq, ct = st["nq"], st["ct"]
-    rl = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=rl, data1=ones_col[0:nq, :], data2=st["l"], op=nl.divide, engine=nisa.engine.gpsimd)
+    nq, ct, rl = st["nq"], st["ct"], st["rl"]
     dst = st["oc"][0:nq, ct, :]
     if cheaper_engine(load, o.shape[3], False, PSUM_READ_CYCLES) == 0:
         nisa.tensor_scalar(dst=dst, data=st["o"], op0=nl.multiply, operand0=rl)
@@ -438,18 +447,18 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
                 _open_unit(cur, q, k, v)
             _scores(cur, q, cur["u"]["kT"], ident, mask, cur["u"]["negm_all"], load)
             _neg_max(cur, cur["u"]["negm_all"])
-        if _at(steps, t - 1) != None:  # noqa: E711
-            _exp(steps[t - 1], load)
-        if _at(steps, t - 2) != None:  # noqa: E711
-            _transpose(steps[t - 2], load)
-            _row_sum(steps[t - 2], steps[t - 2]["u"]["l_all"])
+        if _at(steps, t - LAG_EXP) != None:  # noqa: E711
+            _exp(steps[t - LAG_EXP], load)
+        if _at(steps, t - LAG_T) != None:  # noqa: E711
+            _transpose(steps[t - LAG_T], load)
+            _row_sum(steps[t - LAG_T], steps[t - LAG_T]["u"]["l_all"], ones_col)
         if _at(steps, t - LAG_PV) != None:  # noqa: E711
             _pv(steps[t - LAG_PV], steps[t - LAG_PV]["u"]["v"], load)
         if _at(steps, t - LAG_PV - 1) != None:  # noqa: E711
             _o_update(steps[t - LAG_PV - 1], load)
         done = _at(steps, t - LAG_FINISH)
         if done != None and done["last"]:  # noqa: E711
-            _finish(done, done["u"]["outs"], load, ones_col)
+            _finish(done, done["u"]["outs"], load)
         if done != None and done["unit_last"]:  # noqa: E711
             u = done["u"]
             _store_lse(u["heads"], u["l_all"], u["negm_all"], u["outs"][1], u["ob"], S)
