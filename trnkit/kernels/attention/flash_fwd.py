@@ -43,7 +43,8 @@ from trnkit.kernels.attention.tiling import (
     P,
     causal_mask,
     cheaper_engine,
-    load_kv,
+    load_kT,
+    load_v,
     needs_scratch,
     rows,
     tiles_view,
@@ -397,14 +398,15 @@ def _at(steps, t):
 
 
 def _open_unit(st, q, k, v):
-    """A unit's first step: its first Q^T chunk, then its resident ``K^T`` and ``V`` (in pieces) and its
-    per-tile columns ``l`` (row sums) and ``-m`` (column ``(head - g0) * nqt + tile``)."""
+    """A unit's first step: its first Q^T chunk, then its resident ``K^T`` (in pieces) and its per-tile
+    columns ``l`` (row sums) and ``-m`` (column ``(head - g0) * nqt + tile``). ``V`` follows the second
+    step's Q^T chunk (:func:`_pipeline`): P V needs it only steps later."""
     u = st["u"]
     b, j, _, ng, _ = u["unit"]
     S, D = q.shape[1], q.shape[3]
     nqt = cdiv(S, P)
     _load_chunk(st, q)
-    u["kT"], u["v"] = load_kv(k, v, b, j, D, KV_PIECES)
+    u["kT"] = load_kT(k, b, j, D, KV_PIECES)
     st["load"][DMA] = st["load"][DMA] + 2 * S * D * _itemsize(q.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 1.4)
     u["l_all"] = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=u["l_all"], value=1.0)  # (rows past S of a short last tile: log(1))
@@ -439,6 +441,7 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
             us[i]["load"] = load
             us[i]["prev"] = None if us[i]["first"] else us[i - 1]
             us[i]["unit_first"], us[i]["unit_last"] = i == 0, i == len(us) - 1
+            us[i]["load_v"] = i == min(1, len(us) - 1)
             steps.append(us[i])
     for t in range(len(steps) + LAG_FINISH):
         cur = _at(steps, t)
@@ -446,6 +449,8 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
             if cur["unit_first"]:
                 _open_unit(cur, q, k, v)
             _scores(cur, q, cur["u"]["kT"], ident, mask, cur["u"]["negm_all"], load)
+            if cur["load_v"]:
+                cur["u"]["v"] = load_v(v, cur["b"], cur["u"]["unit"][1], KV_PIECES)
             _neg_max(cur, cur["u"]["negm_all"])
         if _at(steps, t - LAG_EXP) != None:  # noqa: E711
             _exp(steps[t - LAG_EXP], load)

@@ -95,23 +95,37 @@ def causal_mask(dtype):
     return mask
 
 
-def load_kv(k, v, b, j, kT_rows, pieces=1):
-    """One kv head resident in SBUF: ``K^T [kT_rows, S]`` (rows 0..D-1 filled; DMA transpose) and
-    ``V [P, ceil(S/P), D]`` (key ``t*P + p`` on partition p of tile t), each loaded in ``pieces`` DMAs
-    of consecutive keys (whole 128-key tiles) so the first keys' work need not wait for the last keys."""
-    _, S, Hk, D = k.shape
+def _pieces(S, pieces):
+    """``(first tile, tiles, first key, keys)`` of ``pieces`` runs of whole 128-key tiles covering S."""
     nkt = (S + P - 1) // P
-    kT = nl.ndarray((kT_rows, nkt * P), dtype=k.dtype, buffer=nl.sbuf)
-    v_sb = nl.ndarray((P, nkt, D), dtype=v.dtype, buffer=nl.sbuf)
     per = (nkt + pieces - 1) // pieces
+    out = []
     for t0 in range(0, nkt, per):
         t1 = min(nkt, t0 + per)
-        s1 = min(S, t1 * P)
-        nisa.dma_transpose(dst=kT[0:D, t0 * P:s1], src=rows(k, b, t0 * P, s1 - t0 * P, j))
-        nfull = min(t1, S // P) - t0
+        out.append((t0, t1 - t0, t0 * P, min(S, t1 * P) - t0 * P))
+    return out
+
+
+def load_kT(k, b, j, kT_rows, pieces=1):
+    """``K^T [kT_rows, ceil(S/P)*P]`` of kv head j resident in SBUF (rows 0..D-1 filled), by DMA
+    transposes of ``pieces`` runs of consecutive keys (the first keys' work need not wait for the last)."""
+    _, S, Hk, D = k.shape
+    kT = nl.ndarray((kT_rows, (S + P - 1) // P * P), dtype=k.dtype, buffer=nl.sbuf)
+    for t0, nt, s0, n in _pieces(S, pieces):
+        nisa.dma_transpose(dst=kT[0:D, s0:s0 + n], src=rows(k, b, s0, n, j))
+    return kT
+
+
+def load_v(v, b, j, pieces=1):
+    """``V [P, ceil(S/P), D]`` of kv head j resident in SBUF (key ``t*P + p`` on partition p of tile t),
+    in ``pieces`` DMAs of whole tiles (a short last tile in its own)."""
+    _, S, Hk, D = v.shape
+    v_sb = nl.ndarray((P, (S + P - 1) // P, D), dtype=v.dtype, buffer=nl.sbuf)
+    for t0, nt, s0, n in _pieces(S, pieces):
+        nfull = n // P
         if nfull > 0:
-            nisa.dma_copy(dst=v_sb[:, t0:t0 + nfull, :], src=tiles_view(v, b, t0 * P, nfull, j))
-        if t0 + nfull < t1:
-            rem = S - (t0 + nfull) * P
-            nisa.dma_copy(dst=v_sb[0:rem, t0 + nfull, :], src=rows(v, b, (t0 + nfull) * P, rem, j))
-    return kT, v_sb
+            nisa.dma_copy(dst=v_sb[:, t0:t0 + nfull, :], src=tiles_view(v, b, s0, nfull, j))
+        if nfull < nt:
+            rem = n - nfull * P
+            nisa.dma_copy(dst=v_sb[0:rem, t0 + nfull, :], src=rows(v, b, s0 + nfull * P, rem, j))
+    return v_sb
