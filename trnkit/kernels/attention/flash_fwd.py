@@ -14,23 +14,37 @@ tiles fit SBUF: one step per tile at S = 4,096):
 
 1. Tensor: ``S = Q K^T`` per 512-key PSUM bank (``Q^T`` stationary, ``K^T`` moving); on the diagonal
    bank a second matmul adds the causal mask into the same PSUM (``I @ mask``). Vector empties each
-   bank as soon as it is written: ``scale * S`` into the step's fp32 SBUF tile and its row max in the
-   same pass (``tensor_scalar_reduce``), then the step's ``-max`` over the banks (one op).
-2. GpSimd: the running ``-m`` over the tile's steps (small SBUF columns). Scalar:
-   ``P = exp(scale * S - m)`` of the whole step in ONE instruction from SBUF (its fixed time paid once
-   per step, not per bank) with the fp32 row sum in the same pass; the correction
+   bank as soon as it is written: ``-scale * S`` into the step's fp32 SBUF tile and its row minimum
+   (``-scale * max``) in the same pass (``tensor_scalar_reduce``). GpSimd: the banks' minima pairwise,
+   and the running ``-m`` over the tile's steps (small SBUF columns).
+2. Scalar: ``P = exp(scale * S - m)`` of the whole step in ONE instruction from SBUF (its fixed time
+   paid once per step, not per bank) with the fp32 row sum in the same pass; the correction
    ``exp(m_old - m)`` on later steps.
-3. ``P^T`` per 128 keys: most blocks by one DMA transpose per step (SBUF -> SBUF, the DMA queues are
-   otherwise nearly idle), the rest by PE transposes copied out of PSUM by Vector or Scalar. The split
-   balances the engines' estimated work (trace-time estimates of each engine's work).
+3. ``P^T`` per 128 keys: most blocks by DMA transposes (SBUF -> SBUF, up to 16 blocks each), the rest
+   by PE transposes copied out of PSUM by Vector or Scalar; the split follows trace-time estimates of
+   each engine's work so far (:func:`_pe_blocks`). GpSimd: ``l = l * corr + rowsum`` and ``1 / l``.
 4. Tensor: ``O_step = P V`` accumulated over the step's keys in one PSUM bank; on a tile's later steps
-   Vector ``O = O * corr + O_step`` and GpSimd ``l = l * corr + rowsum``; after the last step
-   ``o = O / l``, rounded once, and ``l``, ``-m`` kept for the unit's ``lse = m + log(l)``.
+   Vector ``O = O * corr + O_step``; after the last step ``o = O * (1 / l)``, rounded once, and ``l``,
+   ``-m`` kept for the unit's ``lse = m + log(l)``.
 
-The steps of a unit are software-pipelined (:func:`_run_unit`) so that no engine's in-order queue waits
-on work issued in the same iteration. LNC=2 (``kernel[2]``) splits the work units between the two cores
-with one control flow (:func:`~trnkit.kernels.attention.tiling.work_units`); every trace-time choice
-depends on shapes only, so both cores issue the same instructions.
+All steps of a launch form one software pipeline (:func:`_pipeline`; per unit when two units' K / V
+would not fit SBUF) in which each stage runs a fixed number of steps behind the scores, so that no
+engine's in-order queue waits on work issued in the same iteration; a head's tiles alternate shortest
+and longest (:func:`_tile_order`) so those distances stay about constant in time. LNC=2 (``kernel[2]``)
+splits the work units between the two cores with one control flow
+(:func:`~trnkit.kernels.attention.tiling.work_units`); every trace-time choice depends on shapes only,
+so both cores issue the same instructions.
+
+Why not 70% of TensorE's peak (trn2 cost model, per 128 x 512 block of bf16 scores at S = 4,096):
+TensorE needs 427 ns (``S`` and ``P V``, 512 cycles each at 2.4 GHz). Vector must read every fp32
+score from PSUM once for the row max (only Vector reduces with max, one bank per instruction):
+533 ns, plus about 30 ns of ``o = O / l``. Scalar's exp of every score: 427 ns, plus about 85 ns of
+fixed ACTIVATE time and row-sum read-out. The DMA queues' loads and stores: about 65 ns. ``P^T``
+(keys on partitions for ``P V``) costs per 128 x 128 block either a DMA transpose at half a copy's
+rate (about 209 ns of the 16 DMA engines) or a PE transpose (53 ns) plus its PSUM copy (67 ns Vector,
+107 ns + fixed Scalar). Spread over the four engines the block needs about 610 ns with every engine
+busy all the time (68% of peak, causal FLOPs counted once); fill, drain and the transposes' latency
+cost the schedule a further ~15%.
 """
 
 from __future__ import annotations
@@ -55,9 +69,9 @@ from trnkit.nki_api import nisa, nki, nl
 
 BANK = 512  # keys per PSUM bank of fp32 scores (gemm_moving_fmax)
 QCHUNK = 8  # query tiles per Q^T load and per output store
-# Pipeline distance (in steps) of P V behind the scores, and of o = O / l: P^T of a step arrives by DMA
-# several microseconds after its exp, while two consecutive steps (a short and a long tile) take about
-# as long as one tile's scores
+# Pipeline distances (in steps) of the exp, the P^T transposes, P V and o = O / l behind the scores:
+# P^T of a step arrives by DMA several microseconds after its exp, while two consecutive steps (a
+# short and a long tile) take about as long as one long tile's scores (chosen on the cost model)
 LAG_EXP, LAG_T, LAG_PV, LAG_FINISH = 2, 3, 6, 8
 DMA_BLOCKS = 16  # most 128-key blocks per DMA transpose (P V starts on the first ones)
 KV_PIECES = 4  # DMAs per resident K^T / V load (the first tiles start on the first piece)
