@@ -173,17 +173,27 @@ ACTIVATE_FIXED_NS = 295.0
 MIN_CYCLES = 64  # an instruction's minimum initiation interval (cycles)
 
 
-def _scale_row(dst, src, col, load):
-    """``dst = src * col`` (a per-partition fp32 scalar column) on Vector or Scalar, whichever is less
-    loaded; ``load`` is updated."""
-    n = max(MIN_CYCLES, src.shape[1])
+def _on_scalar(n, load):
+    """Whether a per-row scaling of n elements goes to Scalar (less loaded with it than Vector would be);
+    charges ``load`` (``[Vector ns, Scalar ns]``) with it."""
+    n = max(MIN_CYCLES, n)
     on_scalar = n * SCALAR_NS + ACTIVATE_FIXED_NS
     if load[1] + on_scalar <= load[0] + n * VECTOR_NS:
-        nisa.activation(dst=dst, op=nl.copy, data=src, scale=col)
         load[1] = load[1] + on_scalar
+        return True
+    load[0] = load[0] + n * VECTOR_NS
+    return False
+
+
+def _scale_row(dst, src, col, load, on_scalar=None):
+    """``dst = src * col`` (a per-partition fp32 scalar column) on Vector or Scalar, whichever is less
+    loaded (``load`` is updated), or as ``on_scalar`` says when given."""
+    if on_scalar == None:  # noqa: E711
+        on_scalar = _on_scalar(src.shape[1], load)
+    if on_scalar:
+        nisa.activation(dst=dst, op=nl.copy, data=src, scale=col)
     else:
         nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=col)
-        load[0] = load[0] + n * VECTOR_NS
 
 
 def _tt_ns(n, dtype):
@@ -416,17 +426,34 @@ def _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, ident, Pc, NT, H):
             nisa.activation(dst=dx_t[:, j, c0:c0 + cw], op=nl.copy, data=ps)
 
 
-def _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, Pc, NT, H):
-    """``dx = rstd * gw + (-c * x + grad_s)`` per row on Vector (a short row on Scalar would add its fixed
-    ACTIVATE time): scales x and adds in fp32, rounded once."""
+def _dx_narrow_start(x_t, negc_t, Pc, NT, H, load):
+    """Narrow rows, first part of dx: ``u = -c * x`` in fp32, issued with the chunk's sums so that the rows
+    given to Scalar (the less loaded engine, row by row) run while Vector starts the next chunk; returns
+    ``(u, rows left to Vector)``."""
     u = nl.ndarray((Pc, NT, H), dtype=nl.float32, buffer=nl.sbuf)
+    vector_rows = []
     for j in range(NT):
-        nisa.tensor_scalar(dst=u[:, j, :], data=x_t[:, j, :], op0=nl.multiply, operand0=negc_t[:, j:j + 1])
+        if _on_scalar(H, load):
+            _scale_row(u[:, j, :], x_t[:, j, :], negc_t[:, j:j + 1], load, True)
+        else:
+            vector_rows.append(j)
+    return u, vector_rows
+
+
+def _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, u, vector_rows, load):
+    """Narrow rows: the rest of ``u = -c * x (+ grad_s)``, then ``dx = rstd * gw + u`` per row on Vector,
+    rounded once."""
+    NT, H = x_t.shape[1], x_t.shape[2]
+    for k in range(len(vector_rows)):
+        j = vector_rows[k]
+        _scale_row(u[:, j, :], x_t[:, j, :], negc_t[:, j:j + 1], load, False)
     if gs_t != None:  # noqa: E711
         nisa.tensor_tensor(dst=u, data1=u, data2=gs_t, op=nl.add)
+        load[0] = load[0] + _tt_ns(NT * H, nl.float32)
     for j in range(NT):
         nisa.scalar_tensor_tensor(dst=dx_t[:, j, :], data=gw_t[:, j, :], op0=nl.multiply,
                                   operand0=rstd_t[:, j:j + 1], op1=nl.add, operand1=u[:, j, :])
+    load[0] = load[0] + NT * max(MIN_CYCLES, 2 * H) * VECTOR_NS
 
 
 def _store_dw(dw, dw_ps, n_prog, pid, NC):
@@ -467,7 +494,16 @@ def _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC, opens=False):
     accumulate([dw_ps], operands, start=opens)  # the program's first matmul opens the group
 
 
-def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt, first=False):
+def _dw_matmuls_narrow(dw_ps, prod, rstd_t, Pc, NT, opens=False):
+    """:func:`_dw_matmuls` for rows of one 128-column piece: the moving operand of row j is rstd's column j
+    itself, rounded to prod's dtype once for the whole chunk (the same values as the one-hot scaled)."""
+    r = nl.ndarray((Pc, NT), dtype=prod.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r, src=rstd_t)
+    for j in range(NT):
+        accumulate([dw_ps], [[(prod[:, j, 0:P], r[:, j:j + 1])]], start=opens and j == 0)
+
+
+def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt, load, first=False):
     """Stage 1 of a backward chunk: ``gw = dy * w``, the dw matmuls, ``D = sum(gw * x)`` per row."""
     dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
     r0, Pc, NT = chunk
@@ -481,34 +517,49 @@ def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt, first=False):
     if HP > H:
         nisa.memset(dst=prod[:, :, H:HP], value=0.0)
     nisa.tensor_tensor(dst=prod[:, :, 0:H], data1=dy_t, data2=x_t, op=nl.multiply)
-    for j in range(NT):
-        _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC, first and j == 0)
+    if NC == 1:
+        _dw_matmuls_narrow(dw_ps, prod, rstd_t, Pc, NT, first)
+    else:
+        for j in range(NT):
+            _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC, first and j == 0)
     t_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=t_t, data1=gw_t, data2=x_t, op=nl.multiply)
+    load[0] = load[0] + 2 * _tt_ns(NT * H, x_t.dtype) + _tt_ns(NT * H, out_dt)
     d_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     if H >= WIDE:
         _row_sums(d_t, t_t, Pc, NT, H, nl.copy, [0.0, 0.0])
-    else:  # the products are already in SBUF: one Vector reduction (2-byte input: half a cycle per element)
-        nisa.tensor_reduce(dst=d_t, op=nl.add, data=t_t, axis=2)
-    return (gw_t, x_t, gs_t, rstd_t, d_t, chunk)
+        return (gw_t, x_t, gs_t, rstd_t, d_t, chunk, None, None, None)
+    # narrow rows: the products are already in SBUF: one Vector reduction (2-byte input: half a cycle per
+    # element); then -c and the start of dx
+    nisa.tensor_reduce(dst=d_t, op=nl.add, data=t_t, axis=2)
+    load[0] = load[0] + _tt_ns(NT * H, x_t.dtype)
+    negc = _neg_c(rstd_t, d_t, H)
+    u, vector_rows = _dx_narrow_start(x_t, negc, Pc, NT, H, load)
+    return (gw_t, x_t, gs_t, rstd_t, d_t, chunk, negc, u, vector_rows)
 
 
-def _bwd_dx(state, dx, ident):
-    """Stage 2 of a backward chunk: ``-c = -rstd^3 * D / H`` and ``dx = rstd * gw - c * x (+ grad_s)``."""
-    gw_t, x_t, gs_t, rstd_t, d_t, chunk = state
-    r0, Pc, NT = chunk
-    H = x_t.shape[2]
+def _neg_c(rstd_t, d_t, H):
+    """``-c = -rstd^3 * D / H`` per row ``[Pc, NT]``."""
+    Pc, NT = rstd_t.shape
     r3 = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=r3, data1=rstd_t, data2=rstd_t, op=nl.multiply)
     nisa.tensor_tensor(dst=r3, data1=r3, data2=rstd_t, op=nl.multiply)
     negc = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=negc, data=d_t, op0=nl.multiply, operand0=-1.0 / H, op1=nl.multiply,
                               operand1=r3)
+    return negc
+
+
+def _bwd_dx(state, dx, ident, load):
+    """Stage 2 of a backward chunk: ``dx = rstd * gw - c * x (+ grad_s)`` (wide rows: ``-c`` here too)."""
+    gw_t, x_t, gs_t, rstd_t, d_t, chunk, negc, u, vector_rows = state
+    r0, Pc, NT = chunk
+    H = x_t.shape[2]
     dx_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
     if H >= WIDE:
-        _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc, ident, Pc, NT, H)
+        _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, _neg_c(rstd_t, d_t, H), ident, Pc, NT, H)
     else:
-        _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc, Pc, NT, H)
+        _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc, u, vector_rows, load)
     nisa.dma_copy(dst=_rows(dx, r0, Pc, NT, H), src=dx_t)
 
 
@@ -532,6 +583,7 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
     if len(chunks) == 0:  # no rows here: zero partial sums
         nisa.memset(dst=dw_ps, value=0.0)
     loads = []
+    load = [0.0, 0.0]  # Vector / Scalar ns so far (narrow rows: balancing of the per-row passes)
     pending = None  # the previous chunk: its dx is formed after this chunk's first stage
     for i in range(len(chunks) + 1):
         cur = None
@@ -543,10 +595,10 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
                 nisa.dma_copy(dst=r_k, src=_row_stats(rstd, r0k, Pk, NTk))
                 tl.append(r_k)
                 loads.append(tl)
-            cur = _bwd_sums(loads[i], chunks[i], w_sb, onehot, dw_ps, out_dt, i == 0)
+            cur = _bwd_sums(loads[i], chunks[i], w_sb, onehot, dw_ps, out_dt, load, i == 0)
             loads[i] = None
         if pending != None:  # noqa: E711
-            _bwd_dx(pending, dx, ident)
+            _bwd_dx(pending, dx, ident, load)
         pending = cur
     _store_dw(dw, dw_ps, n_prog, pid, NC)
     return dx, dw
