@@ -5,8 +5,9 @@ The two do different amounts of work, and the table says which:
 
 - trnkit ``linear_cross_entropy`` takes hidden ``[N, H]`` and the lm_head ``[V, H]``: the forward computes the
   logits on TensorE (``2 N H V`` FLOPs), their log-sum-exp and the loss, and writes only the loss and the lse;
-  the backward recomputes the logits once for each gradient and produces grad_hidden and grad_weight (four
-  matmul passes over ``N x V x H``: ``8 N H V`` FLOPs), fp32 accumulation throughout. No ``[N, V]`` tensor in HBM.
+  the backward recomputes the logits once and produces grad_hidden and grad_weight from each logits tile
+  (three matmul passes over ``N x V x H``: ``6 N H V`` FLOPs), fp32 accumulation throughout. No ``[N, V]`` tensor
+  in HBM.
 - nki-library's kernels take the logits ``[N, V]`` from HBM: the forward computes lse and loss (internal dtype
   bf16, as its tests run it), the backward ``grad_logits`` (written over the logits). The lm_head matmul before
   it and the two gradient matmuls after it are someone else's job, and the ``[N, V]`` logits live in HBM.

@@ -73,4 +73,4 @@ def linear_cross_entropy_bwd(hidden: Any, weight: Any, labels: Any, lse: Any, gr
     gh, gw = launch(lce_bwd_kernel, resolve_lnc(lnc))(hidden.T.contiguous(), hidden.contiguous(),
                                                        weight.T.contiguous(), weight.contiguous(), lab,
                                                        lse.contiguous(), scale)
-    return gh.to(hidden.dtype), gw.to(weight.dtype)
+    return gh.sum(0).to(hidden.dtype), gw.to(weight.dtype)  # grad_hidden: one partial per program

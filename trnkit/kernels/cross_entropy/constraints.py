@@ -11,8 +11,8 @@ from trnkit.kernels.constraints import Violation
 DTYPES = ("float32", "bfloat16")
 REDUCTIONS = ("mean", "sum")
 # The backward sums each [128, H] gradient product in PSUM banks of 512 fp32 columns (one accumulation group
-# each) next to up to two banks of logits: ceil(H / 512) + 2 <= 8 banks (Qwen3 up to 4B: H 2560; 30B-A3B:
-# 2048).
+# each) next to a bank of logits and one of dl's transposes: ceil(H / 512) + 2 <= 8 banks (Qwen3 up to 4B:
+# H 2560; 30B-A3B: 2048).
 H_MAX = 3072
 # labels are compared as fp32 values: every index below 2^24 is exact.
 V_MAX = 1 << 24
@@ -44,7 +44,8 @@ def linear_cross_entropy_constraints(hidden: Any, weight: Any, labels: Any, igno
     if not dtype_name(labels).startswith(("int", "uint")):
         bad("labels is an integer tensor", dtype_name(labels))
     if hs[1] > H_MAX:
-        bad(f"H <= {H_MAX}", hs[1], "the backward sums a [128, H] product in ceil(H/512) PSUM banks + 2 for logits")
+        bad(f"H <= {H_MAX}", hs[1],
+            "the backward sums a [128, H] product in ceil(H/512) PSUM banks + 2 for logits and transposes")
     if ws[0] >= V_MAX:
         bad("V < 2**24", ws[0], "labels are compared as fp32 values")
     if reduction not in REDUCTIONS:

@@ -1,5 +1,6 @@
 """Fused linear cross-entropy NKI kernels: ``lce_fwd_kernel`` (loss and log-sum-exp per token) and
-``lce_bwd_kernel`` (grad_hidden and grad_weight), both without a ``[T, V]`` tensor in HBM.
+``lce_bwd_kernel`` (grad_weight, and grad_hidden as one partial sum per program), both without a ``[T, V]``
+tensor in HBM.
 
 The logits ``hidden @ weight.T`` exist only as fp32 PSUM tiles. Every matmul contracts over H on the
 partitions, so the host hands the kernels both layouts of each operand: ``hT [H, T]`` and ``wT [H, V]``
@@ -17,30 +18,30 @@ GpSimd, spread over the vocabulary loop, the row sums on Vector at the end), so 
 carries no one-hot work; ``loss = lse - target``.
 
 Backward, ``dl[t, v] = scale[t] * (exp(logit - lse[t]) - [v == label[t]])`` (``scale`` = the loss
-gradient per token, 0 for ignored tokens). Both gradients are summed in PSUM over the tiles of the
-contracted dimension (a matmul accumulation group of ``ceil(H / 512)`` banks per 128-row output tile,
-at most 6 banks next to the logits) and leave PSUM once per chunk of those tiles:
+gradient per token, 0 for ignored tokens), rounded to the operands' dtype as the reference rounds it. Each
+logits tile is computed once and gives both gradients (3 matmul passes over ``T x V x H``, ``6 T H V``
+FLOPs, against 2 for a backward that stored the logits: the price of no ``[T, V]`` buffer). Per group of
+512 vocabulary rows (the groups split between the programs), with the group's ``wT`` columns and ``w``
+rows in SBUF, per chunk of token tiles (``hT`` columns and ``h`` rows, the next chunk's loaded ahead):
 
-* ``grad_weight [V, H]``: per group of 512 vocabulary rows, logits ``[128 t, 512 v]`` per token tile;
-  ``dl`` in the operands' dtype (Scalar: ``exp`` with the per-token ``-lse`` bias; Vector: ``e * scale
-  - scale * onehot``), then for each 128-row vocabulary tile ``dl[:, tile].T @ h[t, :]`` summed over
-  the chunk's token tiles. When all tokens' ``h`` and ``hT`` fit in SBUF they are loaded once and every
-  sum runs over all tokens; otherwise the tokens go in chunks and each chunk's sum is added into an fp32
-  SBUF accumulator.
-* ``grad_hidden [T, H]``: per group of up to 512 tokens, logits ``[128 v, 512 t]`` per vocabulary tile (the
-  vocabulary on partitions, so ``p^T = exp(logit - lse)`` is directly the stationary operand; the
-  per-token ``lse`` is a broadcast row subtracted on the Vector engine), then for each 128-token tile
-  ``p^T[:, tile].T @ w[v, :]`` summed over a chunk of vocabulary tiles and added into an fp32 SBUF
-  accumulator. The one-hot part and ``scale`` come after the vocabulary loop: ``grad_h[t] = scale[t] *
-  (acc[t] - w[label[t]])`` with the rows gathered by label. (``p`` is rounded to the operands' dtype
-  where the reference rounds ``scale * (p - onehot)``.)
+* logits ``[128 t, 512 v]`` per token tile; Scalar: ``exp`` with the per-token ``-lse`` bias; Vector:
+  ``e * scale - scale * onehot`` into ``dl`` (tokens on partitions);
+* grad_hidden: per token tile, ``dl`` transposed on TensorE (four ``[128, 128]`` transposes, copied out on
+  the Scalar engine: the vocabulary on partitions), then ``dl^T[:, j].T @ w[j, :]`` summed in PSUM over the
+  group's four 128-row vocabulary tiles j, added on leaving PSUM into this program's fp32 grad_hidden
+  partial in HBM (read back at the chunk's start; the program's first group writes it). With the
+  vocabulary split between the programs each has its own partial; the host adds them.
+* grad_weight: per 128-row vocabulary tile, ``dl[:, tile].T @ h[t, :]`` summed in PSUM over the chunk's
+  token tiles and into the group's fp32 SBUF accumulator over the chunks, stored after the last chunk.
 
-Each pass loads the next group's operands ahead of this group's stores (one DMA queue in program order
-still keeps TensorE fed). The two passes recompute the logits once each (4 matmul passes over ``T x V x
-H`` in all, against 3 for a backward that stored the logits): the price of no ``[T, V]`` buffer. LNC=2
-splits the token groups (forward, grad_hidden; cut narrower when that gives both cores equal groups) and the 512-row
-vocabulary groups (grad_weight) between the two cores with the same instruction stream on both
-(``program_share``: a core short of an item computes a masked copy into a scratch tensor).
+Both gradients are summed in PSUM in a matmul accumulation group of ``ceil(H / 512)`` banks per 128-row
+output tile (at most 6 banks next to the logits). What binds, besides TensorE: HBM traffic, since every
+group re-reads all tokens' ``h`` (both layouts) and reads and writes the grad_hidden partial (about
+``(4 + 8) T H`` bytes per 512 vocabulary rows); SBUF (the accumulators of 512 rows and the group's weights
+hold about 80 KiB per partition at H = 2,560 in bf16), which caps the group at 512 rows and the chunk at
+a few token tiles. A program short of a group (LNC=2 with an odd count) computes a masked copy of
+another program's group with the loss scales set to 0 (so it adds nothing to its grad_hidden partial)
+and stores its grad_weight to a scratch tensor: both programs run the same instruction stream.
 """
 
 from __future__ import annotations
@@ -50,15 +51,11 @@ from trnkit.kernels.tiles import accumulate, psum_tiles
 from trnkit.nki_api import nisa, nki, nl
 
 P = P_MAX
-WIDE = 512  # moving columns of a logits tile (one fp32 PSUM bank): vocabulary (forward, grad_w) or tokens
+WIDE = 512  # vocabulary columns of a logits tile (one fp32 PSUM bank); the backward's vocabulary group
 HB = 512  # hidden columns per gradient PSUM bank
 FWD_GROUP = 8  # forward: token tiles sharing each load of WIDE weight columns
-# SBUF bytes per partition for the contracted tiles of one chunk (both layouts and their dl tiles), at
-# most; for keeping all tokens resident through the grad_weight pass (no reload, no SBUF accumulator);
-# and for everything a backward pass holds at once (the next group's operands loaded ahead included)
-CHUNK_BYTES = 64 * 1024
-RESIDENT_BYTES = 144 * 1024
-SBUF_BYTES = 192 * 1024
+# SBUF bytes per partition the backward holds at once, at most (of the 208 KiB a kernel may allocate)
+SBUF_BYTES = 200 * 1024
 
 
 def _tiles(n, width):
@@ -134,13 +131,6 @@ def _stat_cols(src, n):
     if nfull < nt:
         nisa.dma_copy(dst=t[0:n - nfull * P, nfull:nt], src=src.ap(pattern=[[1, n - nfull * P], [1, 1]],
                                                                     offset=nfull * P))
-    return t
-
-
-def _row(src, t0, tw, rows):
-    """SBUF ``[rows, tw]`` fp32: ``src[t0:t0+tw]`` on every partition (partition step 0)."""
-    t = nl.ndarray((rows, tw), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=src.ap(pattern=[[0, rows], [1, tw]], offset=t0))
     return t
 
 
@@ -315,42 +305,59 @@ def _store(dst_hbm, scratch, r0, src, masked):
         nisa.dma_copy(dst=dst_hbm[r0:r0 + rows, :], src=src)
 
 
-def _grad_weight(hT, h, wT, grad_w, scratch, lse, scale, labels, n_prog, pid):
-    """grad_weight: groups of 512 vocabulary rows; tokens on partitions, summed over token chunks."""
+def _grad_both(hT, h, wT, w, gh_part, grad_w, scratch, lse, scale, labels, n_prog, pid):
+    """Both gradients from each logits tile: groups of 512 vocabulary rows (split between the programs); per
+    chunk of token tiles, ``dl [t, v]`` gives grad_weight (summed over the chunk's tokens in PSUM, over the
+    chunks in an fp32 SBUF accumulator) and, transposed on TensorE, this group's part of grad_hidden per
+    token tile (summed over the group's 128-row vocabulary tiles in PSUM), added into this program's
+    grad_hidden partial in HBM (read back, added on leaving PSUM, stored; the group a program starts with
+    writes it)."""
     H, T = hT.shape
     V = wT.shape[1]
     dt = hT.dtype
     isz = 4 if dt == nl.float32 else 2
+    nw = WIDE // P
     tt = _tiles(T, P)
-    per_tile = (cdiv(H, P) * P + H + WIDE) * isz
-    chunks = [(0, len(tt))]
-    if len(tt) * per_tile > RESIDENT_BYTES:
-        # held besides a chunk: the accumulators, two groups' weight columns, stats, e / onehot tiles
-        held = (4 * H + 3 * len(tt)) * 4 + 2 * cdiv(H, P) * WIDE * isz + 3 * WIDE * 4
-        chunks = _chunks(len(tt), per_tile, min(CHUNK_BYTES, SBUF_BYTES - held))
+    # per token tile of a chunk: both layouts, dl and dl^T, its grad_hidden partial (fp32)
+    # per token tile of a chunk: both layouts twice (the next chunk's loaded ahead), dl and dl^T, its
+    # grad_hidden partial (fp32)
+    per_tile = 2 * (cdiv(H, P) * P + H) * isz + 2 * WIDE * isz + H * 4
+    # held besides the chunks: grad_weight's accumulators, the group's weight columns and rows, stats,
+    # e / onehot tiles
+    held = (nw * H + 4 * len(tt)) * 4 + (cdiv(H, P) * WIDE + nw * H) * isz + 3 * WIDE * 4
+    chunks = _chunks(len(tt), per_tile, SBUF_BYTES - held)
     neg = _stat_cols(lse, T)
     nisa.tensor_scalar(dst=neg, data=neg, op0=nl.multiply, operand0=-1.0)
     sc = _stat_cols(scale, T)
+    zero = nl.ndarray((P, len(tt)), dtype=nl.float32, buffer=nl.sbuf)  # a masked group's loss scales
+    nisa.memset(dst=zero, value=0.0)
     lab = _stat_cols(labels, T)
-    resident = []
-    if len(chunks) == 1:
-        resident = [_cols(hT, 0, T, dt), _rows(h, 0, T, dt)]
     groups = _share(V, WIDE, n_prog, pid)
-    w_next = _cols(wT, groups[0][0][0], groups[0][0][1], dt)
+    x_next = _chunk_operands(hT, h, tt, chunks[0], dt)
     for gi in range(len(groups)):
         (v0, vw), masked = groups[gi]
-        w_sb = w_next
+        w_sb, w_rows = _cols(wT, v0, vw, dt), _rows(w, v0, vw, dt)
+        # a masked group (another program's) adds nothing to this program's grad_hidden: scale 0, dl = 0
+        gsc = zero if masked else sc
         vid = nl.ndarray((P, vw), dtype=nl.float32, buffer=nl.sbuf)  # vocabulary index of each column
         nisa.iota(dst=vid, pattern=[[1, vw]], offset=v0, channel_multiplier=0)
         subs = _tiles(vw, P)
+        vtiles = []
+        for j in range(len(subs)):
+            vtiles.append((j, subs[j][1]))
         acc = []
-        if len(chunks) > 1:
-            for s0, sw in subs:
-                acc.append(nl.ndarray((sw, H), dtype=nl.float32, buffer=nl.sbuf))
+        for s0, sw in subs:
+            acc.append(nl.ndarray((sw, H), dtype=nl.float32, buffer=nl.sbuf))
         for ci in range(len(chunks)):
             i0, n = chunks[ci]
-            c0, cn = tt[i0][0], min(T, tt[i0 + n - 1][0] + P) - tt[i0][0]
-            xT, x = resident if len(chunks) == 1 else [_cols(hT, c0, cn, dt), _rows(h, c0, cn, dt)]
+            c0 = tt[i0][0]
+            xT, x = x_next
+            parts = []  # this program's grad_hidden partial of the chunk's tokens, read back ahead of its sums
+            for i in range(n):
+                t0, tw = tt[i0 + i]
+                parts.append(nl.ndarray((tw, H), dtype=nl.float32, buffer=nl.sbuf))
+                if gi > 0:
+                    nisa.dma_copy(dst=parts[i], src=gh_part[pid, t0:t0 + tw, :])
             dl = nl.ndarray((P, n, vw), dtype=dt, buffer=nl.sbuf)
             inner = []
             for i in range(n):
@@ -362,99 +369,64 @@ def _grad_weight(hT, h, wT, grad_w, scratch, lse, scale, labels, n_prog, pid):
                 nisa.activation(dst=e, op=nl.exp, data=ps, bias=neg[0:tw, col:col + 1])
                 hs = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)  # scale * onehot
                 nisa.tensor_scalar(dst=hs, data=vid[0:tw, :], op0=nl.equal, operand0=lab[0:tw, col:col + 1],
-                                   op1=nl.multiply, operand1=sc[0:tw, col:col + 1])
-                nisa.scalar_tensor_tensor(dst=dl[0:tw, i, :], data=e, op0=nl.multiply, operand0=sc[0:tw, col:col + 1],
+                                   op1=nl.multiply, operand1=gsc[0:tw, col:col + 1])
+                nisa.scalar_tensor_tensor(dst=dl[0:tw, i, :], data=e, op0=nl.multiply, operand0=gsc[0:tw, col:col + 1],
                                           op1=nl.subtract, operand1=hs)
                 inner.append((i, tw))
-            if ci == len(chunks) - 1 and gi + 1 < len(groups):  # the next group's columns ahead of the stores
-                w_next = _cols(wT, groups[gi + 1][0][0], groups[gi + 1][0][1], dt)
+            if ci + 1 < len(chunks) or gi + 1 < len(groups):  # the next chunk's tokens ahead of the stores
+                x_next = _chunk_operands(hT, h, tt, chunks[(ci + 1) % len(chunks)], dt)
+            for i in range(n):
+                t0, tw = tt[i0 + i]
+                dlT = _transposed(dl, i, tw, subs, dt)
+                banks = _banks(tw, H)
+                _sum_products(banks, dlT, 0, tw, w_rows, vtiles)
+                _leave_psum(parts[i], banks, gi > 0)
+                nisa.dma_copy(dst=gh_part[pid, t0:t0 + tw, :], src=parts[i])
             for si in range(len(subs)):
                 s0, sw = subs[si]
                 banks = _banks(sw, H)
                 _sum_products(banks, dl, s0, sw, x, inner)
-                if len(chunks) == 1:
-                    out = nl.ndarray((sw, H), dtype=nl.float32, buffer=nl.sbuf)
-                    _leave_psum(out, banks, False)
-                    _store(grad_w, scratch, v0 + s0, out, masked)
-                else:
-                    _leave_psum(acc[si], banks, ci > 0)
-                    if ci == len(chunks) - 1:
-                        _store(grad_w, scratch, v0 + s0, acc[si], masked)
-
-
-def _hidden_group(hT, lse, scale, labels, t0, tw, dt):
-    """A grad_hidden token group's operands: its hidden columns ``[128, nH, tw]``, ``lse`` as a broadcast row,
-    and per 128-token tile (column i) its labels and loss scales."""
-    n = cdiv(tw, P)
-    g = {"x": _cols(hT, t0, tw, dt), "lse": _row(lse, t0, tw, P),
-         "lab": nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf),
-         "scale": nl.ndarray((P, n), dtype=nl.float32, buffer=nl.sbuf)}
-    for key, src in (("lab", labels), ("scale", scale)):
-        for i in range(n):
-            sw = min(P, tw - i * P)
-            nisa.dma_copy(dst=g[key][0:sw, i:i + 1], src=src.ap(pattern=[[1, sw], [1, 1]], offset=t0 + i * P))
-    return g
-
-
-def _grad_hidden(hT, wT, w, grad_h, scratch, lse, scale, labels, n_prog, pid):
-    """grad_hidden: groups of up to 512 tokens; the vocabulary on partitions, summed over vocabulary chunks."""
-    H, T = hT.shape
-    V = wT.shape[1]
-    dt = hT.dtype
-    isz = 4 if dt == nl.float32 else 2
-    vt = _tiles(V, P)
-    # held besides a chunk: the accumulators, two groups' hidden columns and lse rows, a gathered row tile
-    held = 4 * H * 4 + 2 * (cdiv(H, P) * WIDE * isz + WIDE * 4) + H * isz + 2 * WIDE * 4
-    chunks = _chunks(len(vt), (cdiv(H, P) * P + H + WIDE) * isz, min(CHUNK_BYTES, SBUF_BYTES - held))
-    groups = _group_share(T, WIDE, n_prog, pid)
-    nxt = _hidden_group(hT, lse, scale, labels, groups[0][0][0], groups[0][0][1], dt)
-    for gi in range(len(groups)):
-        (t0, tw), masked = groups[gi]
-        g = nxt
-        subs = _tiles(tw, P)
-        acc = []
-        for s0, sw in subs:
-            acc.append(nl.ndarray((sw, H), dtype=nl.float32, buffer=nl.sbuf))
-        for ci in range(len(chunks)):
-            i0, n = chunks[ci]
-            c0, cn = vt[i0][0], min(V, vt[i0 + n - 1][0] + P) - vt[i0][0]
-            wT_c, w_c = _cols(wT, c0, cn, dt), _rows(w, c0, cn, dt)
-            if ci == len(chunks) - 1 and gi + 1 < len(groups):  # the next group's operands ahead of the stores
-                nxt = _hidden_group(hT, lse, scale, labels, groups[gi + 1][0][0], groups[gi + 1][0][1], dt)
-            pT = nl.ndarray((P, n, tw), dtype=dt, buffer=nl.sbuf)  # exp(logits - lse), vocabulary on partitions
-            inner = []
-            for i in range(n):
-                v0, vw = vt[i0 + i]
-                ps = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.psum)
-                _logits(ps, wT_c, v0 - c0, vw, g["x"], 0, tw, H)
-                x = nl.ndarray((vw, tw), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=x, data1=ps, data2=g["lse"][0:vw, :], op=nl.subtract)
-                nisa.activation(dst=pT[0:vw, i, :], op=nl.exp, data=x)
-                inner.append((i, vw))
-            for si in range(len(subs)):
-                s0, sw = subs[si]
-                banks = _banks(sw, H)
-                _sum_products(banks, pT, s0, sw, w_c, inner)
                 _leave_psum(acc[si], banks, ci > 0)
-        for si in range(len(subs)):
-            s0, sw = subs[si]
-            nisa.tensor_tensor(dst=acc[si], data1=acc[si], data2=_label_rows(w, g["lab"][0:sw, si:si + 1], sw, dt),
-                               op=nl.subtract)
-            nisa.activation(dst=acc[si], op=nl.copy, data=acc[si], scale=g["scale"][0:sw, si:si + 1])
-            _store(grad_h, scratch, t0 + s0, acc[si], masked)
+                if ci == len(chunks) - 1:
+                    _store(grad_w, scratch, v0 + s0, acc[si], masked)
+
+
+def _chunk_operands(hT, h, tt, chunk, dt):
+    """A chunk ``(first, count)`` of token tiles in both layouts: ``[hT columns, h rows]``."""
+    i0, n = chunk
+    c0, cn = tt[i0][0], min(hT.shape[1], tt[i0 + n - 1][0] + P) - tt[i0][0]
+    return [_cols(hT, c0, cn, dt), _rows(h, c0, cn, dt)]
+
+
+def _transposed(dl, i, tw, subs, dt):
+    """SBUF ``[128, len(subs), tw]``: ``dl[0:tw, i, :]`` with the vocabulary on partitions (vocabulary tile j
+    at ``[:, j, :]``), by TensorE transposes into one PSUM tile, copied out on the Scalar engine."""
+    nv = len(subs)
+    ps = nl.ndarray((P, nv, tw), dtype=dt, buffer=nl.psum)
+    for j in range(nv):
+        s0, sw = subs[j]
+        nisa.nc_transpose(dst=ps[0:sw, j, :], data=dl[0:tw, i, s0:s0 + sw])
+    out = nl.ndarray((P, nv, tw), dtype=dt, buffer=nl.sbuf)
+    nfull = nv if subs[nv - 1][1] == P else nv - 1
+    if nfull > 0:
+        nisa.activation(dst=out[:, 0:nfull, :], op=nl.copy, data=ps[:, 0:nfull, :])
+    if nfull < nv:
+        sw = subs[nv - 1][1]
+        nisa.activation(dst=out[0:sw, nv - 1, :], op=nl.copy, data=ps[0:sw, nv - 1, :])
+    return out
 
 
 @nki.jit
 def lce_bwd_kernel(hT, h, wT, w, labels, lse, scale):
-    """``(grad_h [T, H] f32, grad_w [V, H] f32)``: ``hT [H, T]``, ``h [T, H]``, ``wT [H, V]``, ``w [V, H]``,
-    ``labels`` / ``lse`` / ``scale`` ``[T]`` fp32 (``scale`` = d loss / d loss_t, 0 for ignored tokens)."""
+    """``(grad_h [programs, T, H] f32, grad_w [V, H] f32)``: ``hT [H, T]``, ``h [T, H]``, ``wT [H, V]``, ``w [V, H]``,
+    ``labels`` / ``lse`` / ``scale`` ``[T]`` fp32 (``scale`` = d loss / d loss_t, 0 for ignored tokens).
+    grad_hidden comes as one partial sum per program (its vocabulary groups' part); the host adds them."""
     H, T = hT.shape
     V = wT.shape[1]
     n_prog = nl.num_programs(0) if nl.program_ndim() > 0 else 1
     pid = nl.program_id(0) if nl.program_ndim() > 0 else 0
-    grad_h = nl.ndarray((T, H), dtype=nl.float32, buffer=nl.shared_hbm)
+    gh_part = nl.ndarray((n_prog, T, H), dtype=nl.float32, buffer=nl.shared_hbm)
     grad_w = nl.ndarray((V, H), dtype=nl.float32, buffer=nl.shared_hbm)
     scratch = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.shared_hbm)  # masked tiles' results
-    _grad_hidden(hT, wT, w, grad_h, scratch, lse, scale, labels, n_prog, pid)
-    _grad_weight(hT, h, wT, grad_w, scratch, lse, scale, labels, n_prog, pid)
-    return grad_h, grad_w
+    _grad_both(hT, h, wT, w, gh_part, grad_w, scratch, lse, scale, labels, n_prog, pid)
+    return gh_part, grad_w
