@@ -15,7 +15,7 @@ from tests.helpers import TOKENS, hf_logits_and_grads
 from tests.tolerances import assert_close
 from trnkit.hf import revert
 from trnkit.overrides import OverrideConstraintError, apply_overrides
-from trnkit.overrides.apply import deinterleave, swapped
+from trnkit.overrides.hf_modules import deinterleave, swapped
 
 def _model(**overrides):
     from transformers import GptOssConfig, GptOssForCausalLM

@@ -11,7 +11,7 @@ from tests.overrides.conftest import hf_dense_model, hf_moe_model
 from tests.tolerances import assert_close
 from trnkit.hf import revert
 from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides
-from trnkit.overrides.apply import swapped
+from trnkit.overrides.hf_modules import swapped
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402

@@ -10,7 +10,7 @@ import torch
 
 from tests.overrides.conftest import assert_swap_parity, hf_dense_model, hf_moe_model, spread_weights
 from trnkit.hf import apply_trnkit_to_qwen3, apply_trnkit_to_qwen3_moe, revert
-from trnkit.overrides.apply import swapped
+from trnkit.overrides.hf_modules import swapped
 from trnkit.overrides import KernelChoice, OverrideConstraintError
 
 transformers = pytest.importorskip("transformers")

@@ -121,7 +121,7 @@ def test_non_silu_activation_is_not_served():
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-    from trnkit.overrides.apply import mlp_static
+    from trnkit.overrides.hf_modules import mlp_static
 
     rules = [v.constraint for v in mlp_static(Qwen3MLP(Qwen3Config(hidden_size=8, intermediate_size=4,
                                                                    hidden_act="gelu")))]

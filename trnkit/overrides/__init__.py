@@ -6,6 +6,8 @@
   ``OverrideConfig`` (the one config of kernel choices: the library's and the trainer's ``[overrides]``).
 - :mod:`.apply`: ``apply_overrides(model, config) -> OverrideReport`` and ``bind_kernels`` (a native model's
   kernel choices); ``trnkit.hf.revert`` undoes the swaps of a transformers model.
+- :mod:`.guard`: ``BoundKernel``, a swap point's choice at call time (constraints, policy).
+- :mod:`.hf_modules`: the transformers module adapters and the per-instance forward they are bound as.
 - :mod:`.hf`: ``register_hf_experts()`` / ``register_hf_attention()`` — trnkit as a transformers v5
   ``experts_implementation`` / ``attn_implementation``.
 """
@@ -28,10 +30,10 @@ from trnkit.overrides.registry import (  # registry first: the others build on i
 from trnkit.overrides import ops
 from trnkit.overrides.builtins import NKI, register_builtins
 from trnkit.overrides.config import KernelChoice
+from trnkit.overrides.guard import BoundKernel
 from trnkit.overrides.apply import (
     DEFAULT_OPS,
     SWAPPABLE_OPS,
-    BoundKernel,
     OverrideConfig,
     apply_overrides,
     bind_kernels,

@@ -5,7 +5,7 @@
 A choice is plain data, checked when it is made. trnkit's native Qwen3 takes one per op from its config
 (``Qwen3Config.kernels``); :func:`~trnkit.overrides.apply.apply_overrides` and the transformers entry
 points (:mod:`trnkit.hf`) build them from an :class:`~trnkit.overrides.apply.OverrideConfig`. Each swap
-point holds its choice bound to its module path (:class:`~trnkit.overrides.apply.BoundKernel`), which
+point holds its choice bound to its module path (:class:`~trnkit.overrides.guard.BoundKernel`), which
 passes ``impl``, ``block_size`` and ``lnc`` to the ``trnkit::`` op as arguments.
 """
 

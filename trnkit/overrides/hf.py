@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from trnkit.kernels.constraints import Violation, check
 from trnkit.kernels.lnc import lnc_violations
 from trnkit.overrides import ops
-from trnkit.overrides.apply import BoundKernel, _resolve_dtensor, hf_experts_call, hf_experts_static
+from trnkit.overrides.guard import BoundKernel, resolve_dtensor
+from trnkit.overrides.hf_modules import hf_experts_call, hf_experts_static
 from trnkit.overrides.config import KernelChoice
 from trnkit.overrides.registry import POLICIES, get_impl
 
@@ -47,7 +48,7 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
     get_impl("moe_experts", impl)  # unknown impl names fail now, listing the registered ones
     check(lnc_violations(lnc))
     choice = KernelChoice(impl, policy, block_size, lnc or 0)
-    _resolve_dtensor()
+    resolve_dtensor()
 
     def trnkit_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                                top_k_weights: Tensor) -> Tensor:
@@ -135,7 +136,7 @@ def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str =
         raise ValueError(f"register_hf_attention: policy must be 'strict' or 'fallback', got {policy!r}")
     get_impl("attention", impl)  # unknown impl names fail now, listing the registered ones
     check(lnc_violations(lnc))
-    _resolve_dtensor()
+    resolve_dtensor()
     _interface[name] = KernelChoice(impl, policy, lnc=lnc or 0)
     ALL_ATTENTION_FUNCTIONS.register(name, _attention_forward(name))
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)

@@ -1,0 +1,121 @@
+"""A swap point's kernel choice at call time: :class:`BoundKernel` (the choice bound to a module path, which
+checks the op's constraints on each call's inputs and applies the policy) and the probe the validation dry
+run collects what it sees with."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from trnkit.kernels.constraints import Violation
+from trnkit.overrides.config import KernelChoice
+from trnkit.overrides.registry import REFERENCE, OverrideConstraintError, select, warn_once
+
+__all__ = ["BoundKernel", "Probe", "resolve_dtensor"]
+
+_DTensor: type | None = None  # torch.distributed.tensor.DTensor, resolved by resolve_dtensor (import is slow)
+
+
+def resolve_dtensor() -> None:
+    """Make the guards recognise DTensor inputs (called when kernels are applied: the import is slow)."""
+    global _DTensor  # noqa: PLW0603 - a lazily imported class, cached
+    if _DTensor is None and torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        _DTensor = DTensor
+
+
+@dataclass
+class Probe:
+    """Collects what the guards see during the fake-tensor dry run."""
+
+    device: str | None
+    needs_backward: bool
+    seen: dict[str, list[Violation]] = field(default_factory=dict)
+
+
+
+class BoundKernel:
+    """One swap point's :class:`KernelChoice`, bound to its module path: the call-time decision
+    (:meth:`choose`: the impl to run, or None for the module's own code) and the options the swap
+    point passes to its op (``lnc``: 0 = the device default; ``block_size``: 0 = the kernel's tuned sizes)."""
+
+    def __init__(self, op: str, choice: KernelChoice, path: str, static: Sequence[Violation] = (),
+                 probe_only: bool = False) -> None:
+        self.op, self.choice, self.path, self.static = op, choice, path, list(static)
+        self.probe_only = probe_only  # a shape-only stand-in used during the dry run
+        self.probe: Probe | None = None  # set while a validation dry run collects what this swap point sees
+        self.impl, self.policy = choice.impl, choice.policy
+        self.lnc, self.block_size = choice.lnc or 0, choice.block_size
+
+    def __repr__(self) -> str:
+        return f"BoundKernel({self.op!r}, {self.choice!r}, path={self.path!r})"
+
+    def choose(self, extra: Sequence[Violation] = (), **inputs: Any) -> str | None:
+        probe = self.probe
+        if probe is not None:
+            if self.probe_only:
+                return REFERENCE
+            sharded = _dtensor_violations(self.op, inputs)
+            if sharded:  # the op cannot even be traced on a mix of DTensors and tensors
+                if self.policy == "strict":
+                    raise OverrideConstraintError(self.op, self.impl, sharded, self.path)
+                raise RuntimeError(f"{self.path}: {sharded[0]}")
+            sel = select(self.op, self.impl, policy="fallback", device=probe.device,
+                         needs_backward=probe.needs_backward, **inputs)
+            probe.seen.setdefault(self.path, []).extend([*extra, *sel.reasons])
+            return REFERENCE  # under FakeTensorMode the op's fake impl runs: shapes only
+        reasons = [*self.static, *extra, *_dtensor_violations(self.op, inputs)]
+        if not reasons:
+            needs_backward = torch.is_grad_enabled() and any(
+                isinstance(t, Tensor) and t.requires_grad for t in inputs.values())
+            sel = select(self.op, self.impl, policy="fallback", needs_backward=needs_backward,
+                         compiling=torch.compiler.is_compiling(), **inputs)
+            if not sel.fell_back:
+                return sel.impl
+            reasons = list(sel.reasons)
+        if self.policy == "strict":
+            if torch.compiler.is_compiling():
+                # torch.compile(fullgraph=True) cannot raise from a graph ("Observed exception");
+                # say why first. Without fullgraph dynamo breaks the graph and this raise runs eagerly.
+                _announce_strict(self.op, self.impl, "; ".join(str(v) for v in reasons), self.path)
+            raise OverrideConstraintError(self.op, self.impl, reasons, self.path)
+        self.warn_fallback(reasons)
+        return None
+
+    def warn_fallback(self, reasons: Sequence[Violation]) -> str:
+        """Warn once per distinct (op, impl, reason) — not per layer or call; returns the reason."""
+        reason = "; ".join(str(v) for v in reasons)
+        _emit_fallback_warning(self.op, self.impl, reason, self.path)
+        return reason
+
+
+@torch.compiler.assume_constant_result
+def _announce_strict(op: str, impl: str, reason: str, path: str) -> bool:
+    warnings.warn(f"{OverrideConstraintError(op, impl, [], path, reason)}", UserWarning, stacklevel=2)
+    return True
+
+
+# Under torch.compile the guard runs while dynamo traces it; a warnings.warn call there would break
+# the graph. assume_constant_result makes dynamo run this for real at trace time (constant string
+# arguments) and bake in the result, so the warning is emitted when the fallback is compiled in.
+@torch.compiler.assume_constant_result
+def _emit_fallback_warning(op: str, impl: str, reason: str, path: str) -> bool:
+    return warn_once("fallback", op, impl, reason,
+                     message=f"trnkit override {op}[{impl}] falls back to the original module code "
+                             f"(first seen at {path}): {reason}")
+
+
+def _dtensor_violations(op: str, inputs: Mapping[str, Any]) -> list[Violation]:
+    """Sharded (DTensor) inputs, e.g. tensor-parallel expert weights: the kernels see whole tensors."""
+    if _DTensor is None:
+        return []
+    sharded = [name for name, t in inputs.items() if isinstance(t, _DTensor)]
+    return [Violation(f"{op}[adapter]", "plain (non-DTensor) inputs", sharded,
+                      "the kernels compute on whole local tensors; sharded inputs would need collectives")
+            ] if sharded else []
