@@ -143,6 +143,8 @@ def test_constraints_name_the_rule_and_value() -> None:
         (dict(x=torch.randn(2, 9001).bfloat16(), weight=torch.ones(9001).bfloat16()), "H is a multiple of 2"),
         (dict(x=torch.randn(2, 65537), weight=torch.ones(65537)), "H <= 65536"),
         (dict(x=torch.randn(2, 9000).bfloat16(), weight=torch.ones(9000).bfloat16(), backward=True), "H <= 8192"),
+        # a fp32 weight makes grad_y fp32: the backward's rows are fp32-wide
+        (dict(x=torch.randn(2, 8192).bfloat16(), weight=torch.ones(8192), backward=True), "H <= 4096 for float32"),
     ]
     for kw, rule in cases:
         v = rmsnorm_constraints(**kw)

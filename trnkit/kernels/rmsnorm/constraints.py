@@ -52,8 +52,11 @@ def _common(name: str, x: Any, weight: Any, bad: Any, backward: bool) -> bool:
     H = xs[-1]
     if xd not in H_MAX:
         return True
-    if backward and H > H_MAX[xd]:
-        bad(f"H <= {H_MAX[xd]} for {xd}", H, "the backward keeps whole rows of every operand in SBUF")
+    # the backward's rows are as wide as its widest operand: grad_y is fp32 when the weight is
+    wide_dt = "float32" if wd == "float32" else xd
+    if backward and H > H_MAX[wide_dt]:
+        bad(f"H <= {H_MAX[wide_dt]} for {wide_dt}", H, "the backward keeps whole rows of every operand in SBUF "
+            "(float32 ones when x or the weight is float32)")
     elif not backward and H > FWD_H_MAX:
         bad(f"H <= {FWD_H_MAX}", H, "the forward keeps a row's pieces and the weight in SBUF")
     elif not backward and H % row_pieces(H, xd):

@@ -2,7 +2,7 @@
 
 Rows (tokens; Qwen3's q/k head norm: one row per (token, head)) go on partitions: partition ``p`` of
 a chunk holds ``NT`` consecutive rows, so every DMA moves one contiguous run of ``NT * H`` elements
-per partition (about 8 KiB), and the next chunk's loads are issued before the current chunk's stores.
+per partition (about 8 KiB), and the next two chunks' loads are issued before the current chunk's stores.
 H is the free dimension, so every per-row statistic is a free-axis reduction and every per-row scale
 a per-partition scalar. LNC=2 (``kernel[2]``) gives each core a contiguous half of the rows.
 
@@ -47,7 +47,9 @@ P = P_MAX
 ROW_BYTES = 8192  # bytes per partition per operand DMA (several rows per partition for narrow rows)
 WIDE = 512  # H from which per-row instructions are long enough (>= one PSUM bank of columns)
 PIECE = 512  # columns per PSUM bank (fp32)
-PREFETCH = 1  # chunks whose loads are issued ahead of the one being computed
+# chunks whose loads are issued ahead of the one being computed: two, so that a load goes ahead of the
+# store of the chunk before even where the DMA queue keeps program order; one for rows over ROW_BYTES
+PREFETCH = 2
 SPREAD_MIN = 512  # narrowest sub-row a spread of few rows over the partitions makes
 
 
@@ -74,6 +76,15 @@ def split_factor(N, H, dtype):
     while per_core * 2 * f <= P and H % (2 * f) == 0 and H // (2 * f) >= SPREAD_MIN:
         f = 2 * f
     return f
+
+
+def _prefetch(W, dtype):
+    """Chunks loaded ahead for (sub-)rows of W elements: :data:`PREFETCH`, or one for rows over
+    ``ROW_BYTES`` per partition (the backward's ~8 row tiles per chunk would not fit SBUF twice ahead, and
+    the forward's wide pieces would have to wait for SBUF to free up)."""
+    if W * (4 if dtype == nl.float32 else 2) > ROW_BYTES:
+        return 1
+    return PREFETCH
 
 
 def _own_chunks(N, H, dtype, n_prog, pid, f=1):
@@ -341,6 +352,7 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
         e, et = _group_matrices(f)
         groups = (f, e, et)
     w_sb = _weight_rows(w, H, f)
+    ahead = _prefetch(Hf, x.dtype)
     load = [0.0, 0.0]  # Vector / Scalar ns so far (row balancing of the n pass)
     # A software pipeline of four stages, chunk i in stage A while chunk i-1 is in B, i-2 in C and i-3 in
     # D, issued so that no engine's in-order queue waits on work issued in the same iteration: Vector
@@ -353,7 +365,7 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
             _fwd_sum(b_in, load)
         cur = None
         if i < len(chunks):
-            for k in range(len(loads), min(len(chunks), i + 1 + PREFETCH)):
+            for k in range(len(loads), min(len(chunks), i + 1 + ahead)):
                 loads.append(_load_chunk([x, residual], chunks[k], Hf))
             cur = _fwd_squares(loads[i][0], loads[i][1], s, chunks[i], out_dt, load)
             loads[i] = None
@@ -582,13 +594,14 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
     dw_ps = nl.ndarray((P, NC), dtype=nl.float32, buffer=nl.psum)
     if len(chunks) == 0:  # no rows here: zero partial sums
         nisa.memset(dst=dw_ps, value=0.0)
+    ahead = _prefetch(H, x.dtype)
     loads = []
     load = [0.0, 0.0]  # Vector / Scalar ns so far (narrow rows: balancing of the per-row passes)
     pending = None  # the previous chunk: its dx is formed after this chunk's first stage
     for i in range(len(chunks) + 1):
         cur = None
         if i < len(chunks):
-            for k in range(len(loads), min(len(chunks), i + 1 + PREFETCH)):
+            for k in range(len(loads), min(len(chunks), i + 1 + ahead)):
                 r0k, Pk, NTk = chunks[k]
                 tl = _load_chunk([dy, x, grad_s], chunks[k], H)
                 r_k = nl.ndarray((Pk, NTk), dtype=nl.float32, buffer=nl.sbuf)
