@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from trnkit.kernels._common import P_MAX, cdiv, row_chunks
 from trnkit.kernels.router.constraints import SIGMOID_NORM_EPS
-from trnkit.kernels.tiles import accumulate_evacuate, program_split
+from trnkit.kernels.tiles import accumulate, program_split
 from trnkit.nki_api import nisa, nki, nl
 
 PSUM_FMAX = 512  # fp32 elements per partition in one PSUM bank (= max moving free size)
@@ -42,15 +42,35 @@ _NEG_BIG = -3.0e38  # pad value for E < 8 (never selected: K <= E)
 _MARK = float("inf")  # nc_match_replace8 mark of the selected logits (no finite logit equals it)
 
 
-def _copy_engine(load, n):
-    """Engine for a PSUM -> SBUF copy of ``n`` elements per partition: Vector (0.96 GHz) or Scalar
-    (1.2 GHz), whichever has less work queued (both read PSUM; GpSimd cannot). ``load`` = [vec, act] ns."""
-    v, a = load[0] + n / 0.96, load[1] + n / 1.2
+# Vector also runs the top-K chain (max8, find_index8, the scalings: short dependent instructions whose
+# latency is the pipeline's tail), so the copy balance counts its copies this much heavier than their
+# estimated time. Cost model, router_fwd T=8192 H=2048 E=128 K=8 bf16, mid / pessimistic fraction of the
+# HBM bound: 1.0 82.3 / 69.8%, 1.3 83.5 / 71.2%, 1.5 83.3 / 72.3%, 1.7 83.1 / 73.4%, 2.0 81.7 / 74.0%.
+_VECTOR_COPY_WEIGHT = 1.5
+
+
+def _copy_engine(load, n, two_byte=False):
+    """Engine for a PSUM -> SBUF copy of ``n`` elements per partition: Vector or Scalar, whichever has less
+    work queued (both read PSUM; GpSimd cannot). ``load`` = [vec, act] estimated busy ns: a Vector
+    instruction pays ~60 cycles of access set-up at 0.96 GHz and copies 2-byte data at twice the rate
+    (trn2 performance mode, one operand in PSUM), weighted by ``_VECTOR_COPY_WEIGHT``; a Scalar one pays
+    the ~295 ns ACTIVATE fixed time at 1.2 GHz (docs/cost-model.md)."""
+    v = load[0] + _VECTOR_COPY_WEIGHT * ((n / 2 if two_byte else n) + 60) / 0.96
+    a = load[1] + 295 + n / 1.2
     if v <= a:
         load[0] = v
         return nisa.engine.vector
     load[1] = a
     return nisa.engine.scalar
+
+
+def _charge(load, vector_elems, scalar_elems):
+    """Add compute work that is not a PSUM copy to ``load`` (see :func:`_copy_engine`): one Vector / Scalar
+    instruction per entry, of that many elements per partition (at least MIN_II = 64 cycles each)."""
+    for n in vector_elems:
+        load[0] = load[0] + (max(64, n) + 60) / 0.96
+    for n in scalar_elems:
+        load[1] = load[1] + 295 + max(64, n) / 1.2
 
 
 def _transpose_blocks(pairs, rows, cols, dtype, load):
@@ -72,14 +92,15 @@ def _transpose_blocks(pairs, rows, cols, dtype, load):
                 nisa.nc_transpose(dst=ps[i][:, j - j0, :], data=pairs[i][1][0:rows, j * P_MAX:(j + 1) * P_MAX])
         for i in range(len(pairs)):
             nisa.tensor_copy(dst=pairs[i][0][:, j0:j1, 0:rows], src=ps[i],
-                             engine=_copy_engine(load, (j1 - j0) * rows))
+                             engine=_copy_engine(load, (j1 - j0) * rows, itemsize == 2))
         ps = None
     if cols > n_full * P_MAX:
         cb = cols - n_full * P_MAX
         for i in range(len(pairs)):
             pt = nl.ndarray((cb, rows), dtype=dtype, buffer=nl.psum)
             nisa.nc_transpose(dst=pt, data=pairs[i][1][0:rows, n_full * P_MAX:cols])
-            nisa.tensor_copy(dst=pairs[i][0][0:cb, n_full, 0:rows], src=pt, engine=_copy_engine(load, rows))
+            nisa.tensor_copy(dst=pairs[i][0][0:cb, n_full, 0:rows], src=pt,
+                             engine=_copy_engine(load, rows, itemsize == 2))
 
 
 def _load_w_transposed(w, load):
@@ -119,10 +140,10 @@ def _scatter_affinities(aff, lg, top8, neg_max, rden, p_all, E, K):
     advancing on duplicates: the same experts ``nc_find_index8`` picked, ties included; the unused
     slots hold the mark itself, which no finite logit equals) with +inf; ``mask = (marked == inf)``
     (fp16, exact); the weights ``exp(lg - max) * (1/den)`` are computed over E exactly as for the K
-    selected (same Scalar-engine ops on the same fp32 values, so ``aff[t, idx_k] == weights[t, k]``
-    bit for bit) and multiplied by the mask on the GpSimd engine. Cost independent of K: two Vector
-    passes over E, one or two Scalar passes (the ``exp`` over E exists already without
-    ``norm_topk_prob``) and one GpSimd pass."""
+    selected (the same ``exp`` on ScalarE and the same Vector multiply on the same fp32 values, so
+    ``aff[t, idx_k] == weights[t, k]`` bit for bit) and multiplied by the mask on the GpSimd engine.
+    Cost independent of K: three Vector passes over E, zero or one Scalar pass (the ``exp`` over E exists
+    already without ``norm_topk_prob``) and one GpSimd pass."""
     P = aff.shape[0]
     vals = top8
     if K < 8:
@@ -138,7 +159,7 @@ def _scatter_affinities(aff, lg, top8, neg_max, rden, p_all, E, K):
         p_all = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=p_all, op=nl.exp, data=lg[:, 0:E], bias=neg_max)
     p_w = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=p_w, data=p_all, op0=nl.multiply, operand0=rden, engine=nisa.engine.scalar)
+    nisa.tensor_scalar(dst=p_w, data=p_all, op0=nl.multiply, operand0=rden, engine=nisa.engine.vector)
     nisa.tensor_tensor(dst=aff, data1=p_w, data2=mask, op=nl.multiply, engine=nisa.engine.gpsimd)
 
 
@@ -181,55 +202,54 @@ def _sigmoid_topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, scale, bias_sb
         nisa.reciprocal(dst=rden, data=den)
         if scale != 1.0:
             nisa.tensor_scalar(dst=rden, data=rden, op0=nl.multiply, operand0=scale)
-        nisa.tensor_scalar(dst=top_w, data=s_k, op0=nl.multiply, operand0=rden, engine=nisa.engine.scalar)
+        nisa.tensor_scalar(dst=top_w, data=s_k, op0=nl.multiply, operand0=rden, engine=nisa.engine.vector)
     else:
-        nisa.tensor_scalar(dst=top_w, data=s_k, op0=nl.multiply, operand0=scale, engine=nisa.engine.scalar)
+        nisa.tensor_scalar(dst=top_w, data=s_k, op0=nl.multiply, operand0=scale, engine=nisa.engine.vector)
 
 
-def _topk_tiles(lgs, tws, tis, E, K, norm_topk_prob, affs=None, scale=1.0):
-    """Softmax top-K of the token sub-tiles of one chunk: ``lgs[j] [P, >=8]`` fp32 logits (padded when
-    E < 8) -> ``tws[j] [P, K]`` fp32 (times ``scale``), ``tis[j] [P, K]`` int32 (and the dense
-    ``affs[j] [P, E]`` fp32 when given). Every step is issued for all sub-tiles before the next one
-    (independent instructions between dependent ones hide the engines' fixed latency)."""
-    n = len(lgs)
-    P = lgs[0].shape[0]
+def _topk_tiles(lg, tw, ti, E, K, norm_topk_prob, aff=None, scale=1.0):
+    """Softmax top-K of the NT token sub-tiles of one chunk: ``lg [P, NT, >=8]`` fp32 logits (padded when
+    E < 8) -> ``tw [P, NT, K]`` fp32 (times ``scale``), ``ti [P, NT, K]`` int32 (and the dense
+    ``aff [P, NT, E]`` fp32 when given). Every step is issued for all sub-tiles before the next one
+    (independent instructions between dependent ones hide the engines' fixed latency); the per-token
+    steps that are not per-sub-tile reductions (the negated max, the index cast, the reciprocal) are one
+    instruction for the whole chunk. ScalarE only computes the exponentials (its fixed time per
+    instruction is the largest); the small scalings run on Vector (GpSimd's tensor_scalar is rsqrt only)."""
+    P, NT = lg.shape[0], lg.shape[1]
     f32 = nl.float32
-    top8, idx8, neg_max, e_k, denom, rden, p_all = [], [], [], [], [], [], []
-    for j in range(n):
-        top8.append(nl.ndarray((P, 8), dtype=f32, buffer=nl.sbuf))
-        idx8.append(nl.ndarray((P, 8), dtype=nl.uint32, buffer=nl.sbuf))
-        neg_max.append(nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf))
-        e_k.append(nl.ndarray((P, K), dtype=f32, buffer=nl.sbuf))
-        denom.append(nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf))
-        rden.append(nl.ndarray((P, 1), dtype=f32, buffer=nl.sbuf))
-        p_all.append(None)
-    for j in range(n):
-        nisa.max8(dst=top8[j], src=lgs[j])
-    for j in range(n):
-        nisa.tensor_scalar(dst=neg_max[j], data=top8[j][:, 0:1], op0=nl.multiply, operand0=-1.0,
-                           engine=nisa.engine.scalar)
-    for j in range(n):
-        nisa.nc_find_index8(dst=idx8[j], data=lgs[j], vals=top8[j])
-    for j in range(n):
+    top8 = nl.ndarray((P, NT, 8), dtype=f32, buffer=nl.sbuf)
+    idx8 = nl.ndarray((P, NT, 8), dtype=nl.uint32, buffer=nl.sbuf)
+    neg_max = nl.ndarray((P, NT, 1), dtype=f32, buffer=nl.sbuf)
+    e_k = nl.ndarray((P, NT, K), dtype=f32, buffer=nl.sbuf)
+    denom = nl.ndarray((P, NT), dtype=f32, buffer=nl.sbuf)
+    rden = nl.ndarray((P, NT), dtype=f32, buffer=nl.sbuf)
+    p_all = [None] * NT
+    for j in range(NT):
+        nisa.max8(dst=top8[:, j, :], src=lg[:, j, :])
+    nisa.tensor_scalar(dst=neg_max, data=top8[:, :, 0:1], op0=nl.multiply, operand0=-1.0,
+                       engine=nisa.engine.vector)
+    for j in range(NT):
+        nisa.nc_find_index8(dst=idx8[:, j, :], data=lg[:, j, :], vals=top8[:, j, :])
+    for j in range(NT):
         if norm_topk_prob:  # sum over the selected K only: the softmax denominator cancels
-            nisa.activation(dst=e_k[j], op=nl.exp, data=top8[j][:, 0:K], bias=neg_max[j], reduce_op=nl.add,
-                            reduce_res=denom[j], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            nisa.activation(dst=e_k[:, j, :], op=nl.exp, data=top8[:, j, 0:K], bias=neg_max[:, j, :],
+                            reduce_op=nl.add, reduce_res=denom[:, j:j + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
         else:
             p_all[j] = nl.ndarray((P, E), dtype=f32, buffer=nl.sbuf)
-            nisa.activation(dst=p_all[j], op=nl.exp, data=lgs[j][:, 0:E], bias=neg_max[j], reduce_op=nl.add,
-                            reduce_res=denom[j], reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            nisa.activation(dst=e_k[j], op=nl.exp, data=top8[j][:, 0:K], bias=neg_max[j])
-    for j in range(n):
-        nisa.tensor_copy(dst=tis[j], src=idx8[j][:, 0:K], engine=nisa.engine.gpsimd)
-    for j in range(n):
-        nisa.reciprocal(dst=rden[j], data=denom[j])
-    for j in range(n):
-        if scale != 1.0:  # routed_scaling_factor folded into the normaliser (weights and affinities alike)
-            nisa.tensor_scalar(dst=rden[j], data=rden[j], op0=nl.multiply, operand0=scale)
-        nisa.tensor_scalar(dst=tws[j], data=e_k[j], op0=nl.multiply, operand0=rden[j], engine=nisa.engine.scalar)
-    if affs != None:  # noqa: E711 (the NKI compiler rejects `is not`)
-        for j in range(n):
-            _scatter_affinities(affs[j], lgs[j], top8[j], neg_max[j], rden[j], p_all[j], E, K)
+            nisa.activation(dst=p_all[j], op=nl.exp, data=lg[:, j, 0:E], bias=neg_max[:, j, :], reduce_op=nl.add,
+                            reduce_res=denom[:, j:j + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            nisa.activation(dst=e_k[:, j, :], op=nl.exp, data=top8[:, j, 0:K], bias=neg_max[:, j, :])
+    nisa.tensor_copy(dst=ti, src=idx8[:, :, 0:K], engine=nisa.engine.gpsimd)
+    nisa.reciprocal(dst=rden, data=denom)
+    if scale != 1.0:  # routed_scaling_factor folded into the normaliser (weights and affinities alike)
+        nisa.tensor_scalar(dst=rden, data=rden, op0=nl.multiply, operand0=scale, engine=nisa.engine.vector)
+    for j in range(NT):
+        nisa.tensor_scalar(dst=tw[:, j, :], data=e_k[:, j, :], op0=nl.multiply, operand0=rden[:, j:j + 1],
+                           engine=nisa.engine.vector)
+    if aff != None:  # noqa: E711 (the NKI compiler rejects `is not`)
+        for j in range(NT):
+            _scatter_affinities(aff[:, j, :], lg[:, j, :], top8[:, j, :], neg_max[:, j, :], rden[:, j:j + 1],
+                                p_all[j], E, K)
 
 
 # Rows per partition of a token block: partition p of a block starting at token t0 holds tokens
@@ -319,7 +339,7 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
     xT = [None] * n
     lg_all = [None] * n
     outs = [None] * n  # stage C -> S: (logits, weights, indices, affinities) of a chunk
-    for step in range(n + 4):
+    for step in range(n + 6):
         if step < n:  # stage L: load x one stage ahead (the DMA queue stays ahead of the transposes)
             t0, P, R, r0, NT = chunks[step]
             base = t0 + r0
@@ -339,7 +359,7 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
                                    dge_mode=nisa.dge_mode.hwdge)
             if step == 0:  # w^T (on the Tensor engine) after the first x load
                 wT = _load_w_transposed(w_router, load)
-        c = step - 4
+        c = step - 6
         if 0 <= c < n:  # stage S: the stores of the chunk whose top-K was issued one step before (queued
             # behind the next load, so a store still waiting for its data never holds up a load)
             t0, P, R, r0, NT = chunks[c]
@@ -364,18 +384,23 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
             lg_all[c] = nl.ndarray((P, NT, Ep), dtype=nl.float32, buffer=nl.sbuf)
             if E < 8:  # pad with a value no logit can lose to (K <= E)
                 nisa.memset(dst=lg_all[c][:, :, E:8], value=_NEG_BIG)
-            operands = []
-            for h in range(n_h):
-                hb = min(P_MAX, H - h * P_MAX)
-                row = []
-                for j in range(NT):
-                    row.append((xT[c][j][0:hb, h, :], wT[0:hb, h, :]))
-                operands.append(row)
-            dsts, engines = [], []
-            for j in range(NT):
-                dsts.append(lg_all[c][:, j, 0:E])
-                engines.append(_copy_engine(load, E))
-            accumulate_evacuate(dsts, operands, engines=engines)
+            # sub-tiles whose [P, E] fp32 logits share one PSUM bank share one tile, evacuated by one copy
+            per_bank = max(1, PSUM_FMAX // E)
+            for j0 in range(0, NT, per_bank):
+                j1 = min(NT, j0 + per_bank)
+                ps = nl.ndarray((P, j1 - j0, E), dtype=nl.float32, buffer=nl.psum)
+                operands = []
+                for h in range(n_h):
+                    hb = min(P_MAX, H - h * P_MAX)
+                    row = []
+                    for j in range(j0, j1):
+                        row.append((xT[c][j][0:hb, h, :], wT[0:hb, h, :]))
+                    operands.append(row)
+                views = []
+                for j in range(j1 - j0):
+                    views.append(ps[:, j, :])
+                accumulate(views, operands)
+                nisa.tensor_copy(dst=lg_all[c][:, j0:j1, 0:E], src=ps, engine=_copy_engine(load, (j1 - j0) * E))
             xT[c] = None
         c = step - 3
         if 0 <= c < n:  # stage C: top-K
@@ -384,20 +409,16 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
                        nl.ndarray((P, NT, K), dtype=nl.int32, buffer=nl.sbuf), None]
             if return_affinities:
                 outs[c][3] = nl.ndarray((P, NT, E), dtype=nl.float32, buffer=nl.sbuf)
-            lgs, tws, tis, affs = [], [], [], []
-            for j in range(NT):
-                lgs.append(lg_all[c][:, j, :])
-                tws.append(outs[c][1][:, j, :])
-                tis.append(outs[c][2][:, j, :])
-                if return_affinities:
-                    affs.append(outs[c][3][:, j, :])
             if scoring == "sigmoid":
                 for j in range(NT):
-                    _sigmoid_topk_subtile(lgs[j], tws[j], tis[j], E, K, norm_topk_prob, routed_scaling_factor,
-                                          bias_sb, iota_e)
+                    _sigmoid_topk_subtile(lg_all[c][:, j, :], outs[c][1][:, j, :], outs[c][2][:, j, :], E, K,
+                                          norm_topk_prob, routed_scaling_factor, bias_sb, iota_e)
             else:
-                _topk_tiles(lgs, tws, tis, E, K, norm_topk_prob, affs if return_affinities else None,
+                _topk_tiles(lg_all[c], outs[c][1], outs[c][2], E, K, norm_topk_prob, outs[c][3],
                             routed_scaling_factor)
+                # max8, find_index8 and the weight scaling per sub-tile, the chunk's negated max and
+                # reciprocal on Vector; the exponentials on Scalar
+                _charge(load, [Ep] * (2 * NT) + [K] * NT + [NT, 8 * NT], [K if norm_topk_prob else E] * NT)
             lg_all[c] = None
     if return_affinities:
         return topk_w, topk_i, logits, affinities
