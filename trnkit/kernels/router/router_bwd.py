@@ -179,33 +179,27 @@ def _sigmoid_selected_grads(group, lg_k, norm_topk_prob):
 
 def _scatter_selected(group, iota_e, ikf, v, dense):
     """Dense ``[P, E]`` fp32 ``sum_k onehot(idx_k) * v_k (+ dense)`` per tile: the K one-hot products on
-    Vector, summed as a pairwise tree whose first level alternates between GpSimd and Vector (so
-    GpSimd's unknown rate never carries more than a quarter of the adds), the rest on Vector."""
+    Vector into one ``[P, K, E]`` tile, summed over k by one Vector ``tensor_reduce`` over its
+    ``[P, E, K]`` view (one pass over K*E elements instead of K - 1 adds of 2E cycles each). With
+    distinct ids every column has at most one non-zero product, so the sum is exact in any order."""
     n = len(group)
     K = v[0].shape[1]
     f32 = nl.float32
     prods = []
     for i in range(n):
-        prods.append([None] * K)
+        rows, E = group[i][0].shape
+        prods.append(nl.ndarray((rows, K, E), dtype=f32, buffer=nl.sbuf))
     for k in range(K):
         for i in range(n):
-            rows, E = group[i][0].shape
-            prods[i][k] = nl.ndarray((rows, E), dtype=f32, buffer=nl.sbuf)
-            nisa.tensor_scalar(dst=prods[i][k], data=iota_e[0:rows, :], op0=nl.equal, operand0=ikf[i][:, k:k + 1],
-                               op1=nl.multiply, operand1=v[i][:, k:k + 1])
-    width = 1
-    while width < K:
-        m = 0
-        for k in range(0, K - width, 2 * width):
-            eng = nisa.engine.gpsimd if width == 1 and m % 2 == 0 else nisa.engine.vector
-            for i in range(n):
-                nisa.tensor_tensor(dst=prods[i][k], data1=prods[i][k], data2=prods[i][k + width], op=nl.add,
-                                   engine=eng)
-            m = m + 1
-        width = width * 2
+            rows = group[i][0].shape[0]
+            nisa.tensor_scalar(dst=prods[i][:, k, :], data=iota_e[0:rows, :], op0=nl.equal,
+                               operand0=ikf[i][:, k:k + 1], op1=nl.multiply, operand1=v[i][:, k:k + 1])
     g = []
     for i in range(n):
-        g.append(prods[i][0])
+        rows, E = group[i][0].shape
+        g.append(nl.ndarray((rows, E), dtype=f32, buffer=nl.sbuf))
+        nisa.tensor_reduce(dst=g[i], op=nl.add, data=prods[i].permute((0, 2, 1)), axis=2)
+    for i in range(n):
         if dense[i] != None:  # noqa: E711 (the NKI compiler rejects `is not`)
             nisa.tensor_tensor(dst=g[i], data1=g[i], data2=dense[i], op=nl.add)
     return g
