@@ -32,18 +32,34 @@ def _tiles(group, dtype, width=0):
     return out
 
 
-def _gather_selected(group):
-    """``(ikf, lg_k)`` per token tile of ``group`` (see :func:`_selected_logit_grads`): the expert ids as
-    fp32 and the K selected logits ``lg[idx_k]`` (one per-partition ``nc_n_gather`` on GpSimd)."""
+def _group_tile(n, last_rows, K):
+    """One fp32 ``[128, n, K]`` SBUF tile for the K-space values of a group's ``n`` token tiles (tile i in
+    ``[:, i, :]``), so a K-space step is one instruction per group. When the last tile is short
+    (``last_rows < 128``) the tile is zeroed first: the group-wide steps read the rows past its tokens
+    (finite values, results never used)."""
+    t = nl.ndarray((P_MAX, n, K), dtype=nl.float32, buffer=nl.sbuf)
+    if last_rows < P_MAX:
+        nisa.memset(dst=t, value=0.0, engine=nisa.engine.gpsimd)
+    return t
+
+
+def _gather_selected(group, gk_all):
+    """``(ikf, lg_k, lg_k_all, gk_all)`` for the token tiles of ``group`` (see :func:`_selected_logit_grads`):
+    the expert ids as fp32 and the K selected logits ``lg[idx_k]`` per tile (one per-partition
+    ``nc_n_gather`` on GpSimd, into views of the group tile ``lg_k_all``); ``gk_all`` the group tile of
+    the upstream gradients."""
     n = len(group)
     K = group[0][1].shape[1]
-    idx_u, ikf, lg_k = _tiles(group, nl.uint32, K), _tiles(group, nl.float32, K), _tiles(group, nl.float32, K)
+    idx_u, ikf = _tiles(group, nl.uint32, K), _tiles(group, nl.float32, K)
+    lg_k_all = _group_tile(n, group[-1][0].shape[0], K)
+    lg_k = []
     for i in range(n):
         nisa.tensor_copy(dst=idx_u[i], src=group[i][1], engine=nisa.engine.gpsimd)
         nisa.tensor_copy(dst=ikf[i], src=group[i][1], engine=nisa.engine.gpsimd)
     for i in range(n):
+        lg_k.append(lg_k_all[0:group[i][0].shape[0], i, :])
         nisa.nc_n_gather(dst=lg_k[i], data=group[i][0], indices=idx_u[i])
-    return ikf, lg_k
+    return ikf, lg_k, lg_k_all, gk_all
 
 
 def _selected_logit_grads(group, gathered, norm_topk_prob, scoring="softmax"):
@@ -62,12 +78,12 @@ def _selected_logit_grads(group, gathered, norm_topk_prob, scoring="softmax"):
     between dependent ones hide the engines' latency).
     """
     n = len(group)
-    ikf, lg_k = gathered
+    ikf, lg_k, lg_k_all, gk_all = gathered
     dense = [None] * n  # a dense [P, E] term added to the scatter (softmax without norm_topk_prob)
     if scoring == "sigmoid":
         v = _sigmoid_selected_grads(group, lg_k, norm_topk_prob)
     elif norm_topk_prob:
-        v = _softmax_selected_grads(group, lg_k)
+        v = _softmax_selected_grads(group, lg_k_all, gk_all)
     else:
         v, dense = _softmax_full_grads(group, lg_k)
     return ikf, v, dense
@@ -91,27 +107,38 @@ def _k_space_tiles(group, K):
     return out
 
 
-def _softmax_selected_grads(group, lg_k):
-    """norm_topk_prob: ``v_k = q_k (g_k - <g, q>)``, ``q = softmax over the K selected logits``."""
+def _softmax_selected_grads(group, lg_k_all, gk_all):
+    """norm_topk_prob: ``v_k = q_k (g_k - <g, q>)``, ``q = softmax over the K selected logits``; every step
+    but the per-tile ``exp`` (its bias is a column) and the per-tile ``(g - c) / den`` one instruction
+    over the group tiles ``[128, n, K]``."""
     n = len(group)
-    neg_m, den, rden, dot, neg_c, e_k, ge, v = _k_space_tiles(group, lg_k[0].shape[1])
+    f32 = nl.float32
+    K = lg_k_all.shape[2]
+    neg_m = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.sbuf)
+    den = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.sbuf)
+    rden = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.sbuf)
+    dot = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.sbuf)
+    neg_c = nl.ndarray((P_MAX, n), dtype=f32, buffer=nl.sbuf)
+    e_k = nl.ndarray((P_MAX, n, K), dtype=f32, buffer=nl.sbuf)
+    ge = nl.ndarray((P_MAX, n, K), dtype=f32, buffer=nl.sbuf)
+    v_all = nl.ndarray((P_MAX, n, K), dtype=f32, buffer=nl.sbuf)
+    nisa.tensor_reduce(dst=neg_m, op=nl.maximum, data=lg_k_all, axis=2, negate=True)
     for i in range(n):
-        nisa.tensor_reduce(dst=neg_m[i], op=nl.maximum, data=lg_k[i], axis=1, negate=True)
-    for i in range(n):
-        nisa.activation(dst=e_k[i], op=nl.exp, data=lg_k[i], bias=neg_m[i], reduce_op=nl.add, reduce_res=den[i],
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-    for i in range(n):
-        nisa.reciprocal(dst=rden[i], data=den[i])
-        nisa.tensor_tensor(dst=ge[i], data1=group[i][2], data2=e_k[i], op=nl.multiply)
-    for i in range(n):
-        nisa.tensor_reduce(dst=dot[i], op=nl.add, data=ge[i], axis=1)
-    for i in range(n):  # -<g, q> = -<g, e> / den
-        nisa.tensor_scalar(dst=neg_c[i], data=dot[i], op0=nl.multiply, operand0=rden[i], op1=nl.multiply,
-                           operand1=-1.0)
+        nisa.activation(dst=e_k[:, i, :], op=nl.exp, data=lg_k_all[:, i, :], bias=neg_m[:, i:i + 1],
+                        reduce_op=nl.add, reduce_res=den[:, i:i + 1], reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    nisa.reciprocal(dst=rden, data=den)
+    nisa.tensor_tensor(dst=ge, data1=gk_all, data2=e_k, op=nl.multiply)
+    nisa.tensor_reduce(dst=dot, op=nl.add, data=ge, axis=2)
+    # -<g, q> = -(<g, e> / den)
+    nisa.tensor_tensor(dst=neg_c, data1=dot, data2=rden, op=nl.multiply)
+    nisa.tensor_scalar(dst=neg_c, data=neg_c, op0=nl.multiply, operand0=-1.0)
     for i in range(n):  # v = ((g - c) / den) * e
-        nisa.tensor_scalar(dst=v[i], data=group[i][2], op0=nl.add, operand0=neg_c[i], op1=nl.multiply,
-                           operand1=rden[i])
-        nisa.tensor_tensor(dst=v[i], data1=v[i], data2=e_k[i], op=nl.multiply)
+        nisa.tensor_scalar(dst=v_all[:, i, :], data=gk_all[:, i, :], op0=nl.add, operand0=neg_c[:, i:i + 1],
+                           op1=nl.multiply, operand1=rden[:, i:i + 1])
+    nisa.tensor_tensor(dst=v_all, data1=v_all, data2=e_k, op=nl.multiply)
+    v = []
+    for i in range(n):
+        v.append(v_all[0:group[i][0].shape[0], i, :])
     return v
 
 
@@ -277,22 +304,24 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
     for step in range(n + 4):
         if step < n:
             ins[step] = []
-            for ti in groups[step]:
+            gk_all = _group_tile(len(groups[step]), tiles[groups[step][-1]][1], K)
+            for gi in range(len(groups[step])):
+                ti = groups[step][gi]
                 t0, tp = tiles[ti]
                 lg = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.dma_copy(dst=lg, src=router_logits[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
                 ik = nl.ndarray((tp, K), dtype=nl.int32, buffer=nl.sbuf)
                 nisa.dma_copy(dst=ik, src=topk_idx[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
-                gk = nl.ndarray((tp, K), dtype=nl.float32, buffer=nl.sbuf)
+                gk = gk_all[0:tp, gi, :]
                 nisa.dma_copy(dst=gk, src=grad_topk_weights[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
-                if routed_scaling_factor != 1.0:  # weights = scale * w': the upstream gradient of w'
-                    nisa.tensor_scalar(dst=gk, data=gk, op0=nl.multiply, operand0=routed_scaling_factor)
                 gl_in = None
                 if has_grad_logits:
                     gl_in = nl.ndarray((tp, E), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.dma_copy(dst=gl_in, src=grad_router_logits[t0:t0 + tp, :])
                 ins[step].append((lg, ik, gk, gl_in))
-            sel[step] = _gather_selected(ins[step])
+            if routed_scaling_factor != 1.0:  # weights = scale * w': the upstream gradient of w'
+                nisa.tensor_scalar(dst=gk_all, data=gk_all, op0=nl.multiply, operand0=routed_scaling_factor)
+            sel[step] = _gather_selected(ins[step], gk_all)
         for t0, tp, gx_sb in stores:  # the previous step's grad_x tiles, queued behind this step's loads
             nisa.dma_copy(dst=grad_x[t0:t0 + tp, :], src=gx_sb, dge_mode=nisa.dge_mode.hwdge)
         stores = []
