@@ -1,8 +1,9 @@
 """The all-kernels configs train and follow the reference (torch) path's loss curve.
 
 Fast tier: each config's ``[overrides]`` (every kernel op that applies to the model, strict policy) on a
-tiny model of its kind, 10 steps. Slow tier: the configs as shipped, 20 steps (``benchmarks/loss_track.py``,
-whose ``tolerance`` states and derives the bound both tiers assert).
+tiny model of its kind, 10 steps, within ``benchmarks/loss_track.py``'s tolerance floor alone (a tiny model's
+trajectory is calm). Slow tier: the configs as shipped, 20 steps, within the full tolerance (the floor or a
+multiple of the kernel-free witnesses' drift, whichever is larger; ``loss_track.tolerance`` derives both).
 """
 
 from __future__ import annotations
