@@ -45,7 +45,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from side_by_side import HBM_BW, PEAK, Estimate, estimate, line_at, print_ratio, write_csv
+from side_by_side import (HBM_BW, PEAK, Estimate, add_side_args, estimate, line_at, print_ratio, saved_estimate,
+                          write_csv)
 
 from trnkit.bench.step import estimate_op, loss_op
 
@@ -106,8 +107,7 @@ def _saved_nkilib(case: str, mode: str, pb: int, cs: int) -> Estimate:
     if not same_config or not rows[0].get("nkilib_us_mid"):
         raise SystemExit(f"--nkilib-from-csv: {CSV.name} has no nki-library figures for case={case} mode={mode} "
                          f"positions_per_batch={pb} chunk_size={cs}; run without it to trace nki-library's kernel")
-    r = rows[0]
-    return Estimate(*(float(r[f"nkilib_us_{k}"]) * 1e3 for k in ("low", "mid", "high")), 0.0)
+    return saved_estimate(rows[0], "nkilib_us_")
 
 
 def matmul_bound_ns(N: int, H: int, V: int, mode: str) -> float:
@@ -127,11 +127,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    side = p.add_mutually_exclusive_group()
-    side.add_argument("--no-nkilib", action="store_true", help="trnkit's kernels only")
-    side.add_argument("--nkilib-from-csv", action="store_true",
-                      help="trace trnkit's kernels only; take nki-library's figures from the saved CSV")
-    p.add_argument("--save", action="store_true", help="write benchmarks/data/cross_entropy_peak.csv")
+    add_side_args(p, "kernels", CSV.name)
     args = p.parse_args()
     for case, N, H, V, fwd_cfg, bwd_cfg in SHAPES:
         if case not in args.cases:

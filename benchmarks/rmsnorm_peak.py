@@ -38,7 +38,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
-from side_by_side import HBM_BW, Estimate, estimate, print_ratio, write_csv
+from side_by_side import HBM_BW, Estimate, add_side_args, estimate, print_ratio, saved_estimate, write_csv
 
 from trnkit.kernels.rmsnorm import rmsnorm
 
@@ -125,7 +125,7 @@ def _saved_nkilib(case: str, B: int, S: int, H: int) -> dict[str, dict]:
 
 def _from_row(row: dict) -> Estimate | str:
     """A saved row's estimate (ns) or its error."""
-    return row["error"] or Estimate(*(float(row[f"est_us_{k}"]) * 1e3 for k in ("low", "mid", "high")), 0.0)
+    return row["error"] or saved_estimate(row, "est_us_")
 
 
 def _row(kernel: str, case: str, B: int, S: int, H: int, res: Estimate | str) -> dict:
@@ -143,11 +143,7 @@ def _row(kernel: str, case: str, B: int, S: int, H: int, res: Estimate | str) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    side = p.add_mutually_exclusive_group()
-    side.add_argument("--no-nkilib", action="store_true", help="trnkit's kernel only")
-    side.add_argument("--nkilib-from-csv", action="store_true",
-                      help="trace trnkit's kernel only; take nki-library's figures from the saved CSV")
-    p.add_argument("--save", action="store_true", help="write benchmarks/data/rmsnorm_peak.csv")
+    add_side_args(p, "kernel", CSV.name)
     args = p.parse_args()
     rows = []
     for case, B, S, H in SHAPES:

@@ -8,6 +8,7 @@ nki-library itself is reached through the conformance harness's checkout (``NKIL
 
 from __future__ import annotations
 
+import argparse
 import csv
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,20 @@ class Estimate(NamedTuple):
     mid: float
     high: float
     seconds: float
+
+
+def saved_estimate(row: dict, prefix: str) -> Estimate:
+    """The estimate a saved CSV row holds in its ``{prefix}low`` / ``mid`` / ``high`` columns (us), in ns."""
+    return Estimate(*(float(row[f"{prefix}{k}"]) * 1e3 for k in ("low", "mid", "high")), 0.0)
+
+
+def add_side_args(p: argparse.ArgumentParser, kernel: str, csv_name: str) -> None:
+    """The options every side-by-side script shares: which side to trace, and whether to save its CSV."""
+    side = p.add_mutually_exclusive_group()
+    side.add_argument("--no-nkilib", action="store_true", help=f"trnkit's {kernel} only")
+    side.add_argument("--nkilib-from-csv", action="store_true",
+                      help=f"trace trnkit's {kernel} only; take nki-library's figures from the saved CSV")
+    p.add_argument("--save", action="store_true", help=f"write benchmarks/data/{csv_name}")
 
 
 def estimate(run: Callable[[], Any], chip: str = "trn2") -> Estimate:
