@@ -184,6 +184,15 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
         shapes.append((iw, B))
         shapes.append((iw, B))
     ps = psum_tiles(shapes)  # gate and up of each chunk, interleaved
+    accumulate(ps, _gate_up_operands(x_T, wgu, H, inter, B, group))
+    for jj in range(len(group)):
+        iw = group[jj][1]
+        activate_T(h_T[j0 + jj][:iw, :], ps[2 * jj], ps[2 * jj + 1], j0 + jj, act)
+
+
+def _gate_up_operands(x_T: list, wgu: Any, H: int, inter: int, B: int, group: list) -> list:
+    """:func:`accumulate`'s operands for the gate and up projections of the I-chunks ``(i0, width)`` in
+    ``group``: per H-chunk, the gate then the up weight columns of each I-chunk against ``x_T``."""
     hcs = chunks(H, P)
     operands = []
     for c in range(len(hcs)):
@@ -193,10 +202,7 @@ def _swiglu_pass(h_T: list, x_T: list, wgu: Any, H: int, inter: int, B: int, gro
             row.append((wgu[c][:hk, i0:i0 + iw], x_T[c][:hk, :B]))
             row.append((wgu[c][:hk, inter + i0:inter + i0 + iw], x_T[c][:hk, :B]))
         operands.append(row)
-    accumulate(ps, operands)
-    for jj in range(len(group)):
-        iw = group[jj][1]
-        activate_T(h_T[j0 + jj][:iw, :], ps[2 * jj], ps[2 * jj + 1], j0 + jj, act)
+    return operands
 
 
 def _swiglu_pass_grouped(h_tile: Any, x_T: list, wgu: Any, H: int, inter: int, B: int, group: list, j0: int,
@@ -209,16 +215,10 @@ def _swiglu_pass_grouped(h_tile: Any, x_T: list, wgu: Any, H: int, inter: int, B
     for jj in range(nj):
         ps.append(g_ps[:, jj, :])
         ps.append(u_ps[:, jj, :])
-    hcs = chunks(H, P)
-    operands = []
-    for c in range(len(hcs)):
-        hk = hcs[c][1]
-        row = []
-        for i0, _ in group:
-            row.append((wgu[c][:hk, i0:i0 + P], x_T[c][:hk, :B]))
-            row.append((wgu[c][:hk, inter + i0:inter + i0 + P], x_T[c][:hk, :B]))
-        operands.append(row)
-    accumulate(ps, operands)
+    full = []  # the grouped pass holds whole P-wide chunks
+    for i0, _ in group:
+        full.append((i0, P))
+    accumulate(ps, _gate_up_operands(x_T, wgu, H, inter, B, full))
     activate_T(h_tile[:, j0:j0 + nj, :], g_ps, u_ps, j0, act)
 
 
