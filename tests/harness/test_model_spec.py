@@ -1,5 +1,5 @@
 """The ModelSpec protocol: both shipped families implement it, and a new family is one module plus one
-line in ``trnkit.harness.models.FAMILIES`` -- the trainer trains, checkpoints, resumes and exports it
+line in ``trnkit.harness.families.FAMILIES`` -- the trainer trains, checkpoints, resumes and exports it
 without knowing what it is."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trnkit.harness import models
+from trnkit.harness import families
 from trnkit.harness.config import ConfigError, load_config
 from trnkit.harness.models import build_spec
 from trnkit.harness.train import run
@@ -38,7 +38,7 @@ def test_unknown_family_names_the_known_forms() -> None:
 @pytest.fixture()
 def bigram(monkeypatch: pytest.MonkeyPatch) -> None:
     # the one change a new family needs: its line in the table (its module here is a test module)
-    monkeypatch.setitem(models.FAMILIES, "bigram", (bigram_family.__name__, "<hidden size>"))
+    monkeypatch.setitem(families.FAMILIES, "bigram", (bigram_family.__name__, "<hidden size>"))
 
 
 def test_a_new_family_trains_resumes_and_exports(bigram: None, tmp_path: Path, tiny_tokenizer: str,

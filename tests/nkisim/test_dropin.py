@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import trnkit.nkisim as nkisim
-from trnkit.nkisim.dropin import install_as_nki, nki_installed
+from trnkit.nkisim import install_as_nki, nki_installed
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -24,6 +24,7 @@ import tomli_w
 from pydantic import TypeAdapter, ValidationError
 
 from trnkit.errors import ConfigError
+from trnkit.harness.families import spec_family
 from trnkit.packaged import load_toml, resolve_config
 
 if typing.TYPE_CHECKING:
@@ -389,8 +390,6 @@ def _validate(cfg: TrainerConfig) -> None:
 
     _require_finite(cfg)
     req(0 <= cfg.job.seed <= SEED_MAX, "job.seed", "must be in [0, 2**63 - 1] (torch and numpy seeds)", cfg.job.seed)
-    from trnkit.harness.models import spec_family  # the table of model families (models imports this module)
-
     spec_family(cfg.model.spec)
     t = cfg.training
     for name in ("steps", "local_batch_size", "seq_len", "gradient_accumulation_steps"):

@@ -1,9 +1,9 @@
 """Model families behind one interface: ``model.spec = "<family>:<argument>"`` -> a :class:`ModelSpec`.
 
-:data:`FAMILIES` maps each family to the module that implements it; a module offers
+:data:`trnkit.harness.families.FAMILIES` maps each family to the module that implements it; a module offers
 ``build_spec(argument, overrides, *, name, seq_len, aux_loss_coef, kernels) -> ModelSpec`` and, when its model
 config is a dataclass, ``CONFIG_CLASS``: ``model.config``'s overrides are then checked against that
-class's fields and types here. A new model family is one module and one line in this table.
+class's fields and types here. A new model family is one module and one line in that table.
 """
 
 from __future__ import annotations
@@ -14,22 +14,8 @@ import os
 import typing
 
 from trnkit.harness.config import ConfigError, TrainerConfig, _suggest, coerce
+from trnkit.harness.families import FAMILIES, spec_family
 from trnkit.model_spec import ModelSpec
-
-# family -> (the module implementing it, what follows "<family>:")
-FAMILIES: dict[str, tuple[str, str]] = {
-    "qwen3": ("trnkit.qwen3.spec", "<flavor>"),      # trnkit's native Qwen3 / Qwen3-MoE
-    "hf": ("trnkit.harness.hf_spec", "<path>"),      # transformers v5 AutoModelForCausalLM from a folder
-}
-
-
-def spec_family(spec: str) -> tuple[str, str]:
-    """``(family, argument)`` of a ``model.spec`` string; a ConfigError unless the family is known."""
-    family, _, arg = spec.partition(":")
-    if family not in FAMILIES or not arg:
-        forms = " or ".join(f"'{f}:{form}'" for f, (_, form) in FAMILIES.items())
-        raise ConfigError(f"config model.spec: must be {forms}, got {spec!r}")
-    return family, arg
 
 
 def build_spec(cfg: TrainerConfig) -> ModelSpec:
@@ -61,4 +47,4 @@ def has_hf_weights(path: str) -> bool:
     return any(n.endswith(".safetensors") for n in names) or "model.safetensors.index.json" in names
 
 
-__all__ = ["FAMILIES", "build_spec", "has_hf_weights", "spec_family"]
+__all__ = ["build_spec", "has_hf_weights"]

@@ -8,7 +8,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from .dropin import install_as_nki
+from . import install_as_nki
 
 
 def main(argv: list[str] | None = None) -> int:

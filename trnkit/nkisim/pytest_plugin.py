@@ -1,11 +1,11 @@
 """pytest plugin: ``python -m pytest -p trnkit.nkisim.pytest_plugin tests/`` runs a test suite that
-does ``import nki`` on trnkit's CPU interpreter (see :mod:`trnkit.nkisim.dropin`)."""
+does ``import nki`` on trnkit's CPU interpreter (see :func:`trnkit.nkisim.install_as_nki`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .dropin import install_as_nki
+from . import install_as_nki
 
 _uninstall = None
 
