@@ -67,7 +67,7 @@ def _trnkit(N: int, H: int, V: int, mode: str) -> Estimate:
 
 def _nkilib(N: int, V: int, mode: str, pb: int, cs: int) -> Estimate | None:
     """nki-library's kernel for ``N`` positions, on the line through traces of 2 and 4 batches per core."""
-    from trnkit.conformance import harness  # noqa: PLC0415
+    from trnkit.conformance import harness
 
     root = harness.nkilib_root()
     if root is None:

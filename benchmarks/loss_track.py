@@ -119,8 +119,8 @@ PATHS = {"reference": ("--overrides.policy", "off"),
 
 def run_path(config: str, steps: int, dump: Path, extra: tuple[str, ...]) -> tuple[dict[int, float], str, str, float]:
     """One training run of ``config``: (losses per step, the override table, training.dtype, CPU seconds)."""
-    from trnkit.harness.config import parse_args  # noqa: PLC0415 - the trainer loads only when a run starts
-    from trnkit.harness.train import run  # noqa: PLC0415
+    from trnkit.harness.config import parse_args  # the trainer loads only when a run starts
+    from trnkit.harness.train import run
 
     cfg = parse_args(["--config", config, "--training.steps", str(steps), "--job.dump_folder", str(dump),
                       "--checkpoint.enable", "false", "--metrics.plot", "false", "--metrics.progress_bar", "false",

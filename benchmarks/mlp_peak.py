@@ -46,7 +46,7 @@ def _trnkit(T: int, H: int, I: int) -> Estimate:  # noqa: E741
 
 def _nkilib(T: int, H: int, I: int) -> Estimate | str | None:  # noqa: E741
     """nki-library's mlp_cte forward at LNC=2 (an estimate tuple), its error message, or None without a checkout."""
-    from trnkit.conformance import harness  # noqa: PLC0415
+    from trnkit.conformance import harness
 
     root = harness.nkilib_root()
     if root is None:

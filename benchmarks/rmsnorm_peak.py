@@ -76,8 +76,8 @@ def _trnkit(B: int, S: int, H: int) -> Estimate | str:
 
 def _nkilib(B: int, S: int, H: int) -> dict[str, Estimate | str] | None:
     """Both nki-library kernels at LNC=2 (an estimate or the error each raised), or None without a checkout."""
-    from trnkit import nkisim  # noqa: PLC0415
-    from trnkit.conformance import harness  # noqa: PLC0415
+    from trnkit import nkisim
+    from trnkit.conformance import harness
 
     root = harness.nkilib_root()
     if root is None:

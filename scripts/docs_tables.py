@@ -512,7 +512,7 @@ def _step_span(r: dict[str, str], scale: float = 1.0, fmt: str = "{:,.1f}") -> s
 
 def _step_configs() -> dict[tuple[str, ...], list[dict[str, str]]]:
     """step.csv's rows per (flavor, batch, seq, LNC), smallest flavor first (the registry's order)."""
-    from trnkit.qwen3 import flavors  # noqa: PLC0415
+    from trnkit.qwen3 import flavors
 
     by: dict[tuple[str, ...], list[dict[str, str]]] = {}
     for r in read_csv("step.csv"):

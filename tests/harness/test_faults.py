@@ -1,4 +1,4 @@
-"""Fault injection: every way a user's mistake or a broken file can meet the trainer (issue #14's table).
+"""Fault injection: every way a user's mistake or a broken file can meet the trainer.
 
 Each case ends in one clear message (exit 2 through the CLI, no traceback) or a documented recovery,
 and never loses a run: truncated / corrupt / mismatched checkpoints, a full disk, an unwritable folder,

@@ -1,4 +1,4 @@
-"""Cost model rules added for calibration (issue #12): engine access rules, GpSimd rates, software DGE,
+"""Cost model rules added for calibration: engine access rules, GpSimd rates, software DGE,
 DMA transfers in flight, the recompute check, and the low / mid / high ranges (core_barrier: test_cost_sync)."""
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def test_hf_moe_blocks_compile_fullgraph():
     _assert_same(_loss_and_grads(compiled_moe, params, x), _loss_and_grads(layer.mlp, params, x))
 
 
-def test_guard_runs_under_compile(short_rope):  # noqa: F811
+def test_guard_runs_under_compile(short_rope):
     """A new shape retraces the swapped attention; the guard then applies the policy."""
     def attention(policy):
         model = native_model(num_experts=0, mlp_only_layers=[])

@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="measure the kernels on this Trainium host (needs the real nki; NOT TESTED ON HARDWARE)")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["step"]:  # python -m trnkit.bench step --flavor 0.6B --seq 4096
-        from trnkit.bench.step import main as step_main  # noqa: PLC0415
+        from trnkit.bench.step import main as step_main
 
         return step_main(argv[1:])
     if argv[:1] == ["figures"]:  # python -m trnkit.bench figures -j 2: every cost-model figure the docs quote

@@ -196,7 +196,7 @@ def moe_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat1
     return cases
 
 
-# the LNC=1 vs LNC=2 comparison of issue 13: T=512 tokens, Qwen3-30B-A3B expert sizes, E = 8 and 128
+# the LNC=1 vs LNC=2 comparison: T=512 tokens, Qwen3-30B-A3B expert sizes, E = 8 and 128
 LNC_SHAPE = {"T": 512, "H": 2048, "I": 768, "K": 8}
 LNC_EXPERTS = (8, 128)
 

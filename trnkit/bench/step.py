@@ -172,7 +172,7 @@ def _op(name: str, kernel: str, mode: str, part: str, shape: str, flops: int,
 def _slice_cols(K: int, N: int, backward: bool) -> int:
     """Columns per launch of a ``[K, N]`` weight: the widest slice (N itself, or a multiple of 128 that
     divides N) whose weight (and, backward, its transpose) fits grouped_mm's SBUF budget."""
-    from trnkit.kernels.moe.constraints import WEIGHT_SBUF_BUDGET, weight_sbuf_bytes  # noqa: PLC0415
+    from trnkit.kernels.moe.constraints import WEIGHT_SBUF_BUDGET, weight_sbuf_bytes
 
     isz = torch.finfo(DTYPE).bits // 8
 
@@ -190,7 +190,7 @@ def _slice_cols(K: int, N: int, backward: bool) -> int:
 def matmul_op(name: str, part: str, T: int, K: int, N: int, mode: str, lnc: int) -> StepOp:
     """``[T, K] @ [K, N]`` through grouped_mm: ``lnc`` groups (one per core) of ``T / lnc`` token rows,
     each with the whole weight; one launch per column slice (one traced, times the slice count)."""
-    from trnkit.kernels import moe  # noqa: PLC0415
+    from trnkit.kernels import moe
 
     bwd = mode == "backward"
     n = _slice_cols(K, N, bwd)
@@ -213,7 +213,7 @@ def matmul_op(name: str, part: str, T: int, K: int, N: int, mode: str, lnc: int)
 
 
 def norm_op(name: str, part: str, rows: int, H: int, mode: str, lnc: int, residual: bool) -> StepOp:
-    from trnkit.kernels import rmsnorm as mod  # noqa: PLC0415
+    from trnkit.kernels import rmsnorm as mod
 
     bwd = mode == "backward"
 
@@ -239,11 +239,11 @@ def norm_op(name: str, part: str, rows: int, H: int, mode: str, lnc: int, residu
 
 
 def rope_op(part: str, B: int, S: int, Hq: int, Hk: int, D: int, mode: str, lnc: int, theta: float) -> StepOp:
-    from trnkit.kernels.lnc import launch  # noqa: PLC0415
-    from trnkit.qwen3.config import rope_cache  # noqa: PLC0415
+    from trnkit.kernels.lnc import launch
+    from trnkit.qwen3.config import rope_cache
 
-    from trnkit.kernels.rope.constraints import constraints as rope_constraints  # noqa: PLC0415
-    from trnkit.kernels.rope.rope_kernel import rope_hf_kernel  # noqa: PLC0415
+    from trnkit.kernels.rope.constraints import constraints as rope_constraints
+    from trnkit.kernels.rope.rope_kernel import rope_hf_kernel
 
     def make(_: int, g: torch.Generator | None) -> tuple:
         cache = rope_cache(D, S, theta).to(DTYPE) if g is not None else _t(S, 2 * D, g=None)
@@ -264,7 +264,7 @@ def rope_op(part: str, B: int, S: int, Hq: int, Hk: int, D: int, mode: str, lnc:
 
 
 def attention_op(part: str, B: int, S: int, Hq: int, Hk: int, D: int, mode: str, lnc: int, full: bool) -> StepOp:
-    from trnkit.kernels import attention as mod  # noqa: PLC0415
+    from trnkit.kernels import attention as mod
 
     hk = Hk if full else min(Hk, ATTN_HEADS_TRACED * lnc)
     if Hk % hk:
@@ -299,10 +299,10 @@ def _balanced_routing(T: int, E: int, K: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def router_op(part: str, T: int, H: int, E: int, K: int, mode: str, lnc: int) -> StepOp:
-    from trnkit.kernels.lnc import launch  # noqa: PLC0415
-    from trnkit.kernels.router.constraints import constraints  # noqa: PLC0415
-    from trnkit.kernels.router.router_bwd import router_topk_bwd_kernel  # noqa: PLC0415
-    from trnkit.kernels.router.router_fwd import router_topk_kernel  # noqa: PLC0415
+    from trnkit.kernels.lnc import launch
+    from trnkit.kernels.router.constraints import constraints
+    from trnkit.kernels.router.router_bwd import router_topk_bwd_kernel
+    from trnkit.kernels.router.router_fwd import router_topk_kernel
 
     bwd = mode == "backward"
 
@@ -326,7 +326,7 @@ def router_op(part: str, T: int, H: int, E: int, K: int, mode: str, lnc: int) ->
 def experts_op(part: str, T: int, H: int, inter: int, E: int, K: int, mode: str, lnc: int, full: bool) -> StepOp:
     """The top-k experts with balanced routing; scaled: ``e`` experts with the same slots per expert
     (``T * K / E``) as the whole layer, the tokens cut to ``T * e / E`` (every token still picks K)."""
-    from trnkit.kernels import moe  # noqa: PLC0415
+    from trnkit.kernels import moe
 
     bwd = mode == "backward"
     e = E if full else min(E, EXPERTS_TRACED * lnc)
@@ -354,7 +354,7 @@ def experts_op(part: str, T: int, H: int, inter: int, E: int, K: int, mode: str,
 
 def mlp_op(part: str, T: int, H: int, inter: int, mode: str, lnc: int) -> StepOp:
     """The dense SwiGLU MLP (gate/up, SiLU x up, down) through the mlp kernels."""
-    from trnkit.kernels import mlp as mod  # noqa: PLC0415
+    from trnkit.kernels import mlp as mod
 
     bwd = mode == "backward"
 
@@ -373,7 +373,7 @@ def mlp_op(part: str, T: int, H: int, inter: int, mode: str, lnc: int) -> StepOp
 
 
 def loss_op(T: int, H: int, V: int, mode: str, lnc: int, full: bool) -> StepOp:
-    from trnkit.kernels import cross_entropy as mod  # noqa: PLC0415
+    from trnkit.kernels import cross_entropy as mod
 
     traced_units = (V,) if full or V <= 2 * VOCAB_TRACED else (VOCAB_TRACED, 2 * VOCAB_TRACED)
     bwd = mode == "backward"
@@ -441,7 +441,7 @@ def step_ops(cfg, batch: int, seq: int, lnc: int, full: bool = False) -> tuple[l
 
 
 def _trace(op: StepOp, units: int, chip: str) -> tuple[tuple[float, float, float], dict[str, float]]:
-    from trnkit.nkisim import cost, trace  # noqa: PLC0415
+    from trnkit.nkisim import cost, trace
 
     try:
         with trace.record(trace_only=True) as tr:
@@ -505,8 +505,8 @@ def estimate_op(op: StepOp, chip: str, cache: dict) -> OpEstimate:
 def estimate_step(flavor: str, seq: int, batch: int = 1, lnc: int = 2, chip: str = "trn2", full: bool = False,
                   log: Callable[[str], None] | None = None, config=None) -> StepEstimate:
     """The step estimate of a registry flavor (or of ``config``, a Qwen3Config, named ``flavor``)."""
-    from trnkit.nkisim import hardware  # noqa: PLC0415
-    from trnkit.qwen3 import model_registry  # noqa: PLC0415
+    from trnkit.nkisim import hardware
+    from trnkit.qwen3 import model_registry
 
     for name, value in (("seq", seq), ("batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -626,10 +626,10 @@ def report(st: StepEstimate) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m trnkit.bench step --flavor F --seq N [--batch B] [--lnc 2] [--full]
     [--save-reference | --out DIR]``."""
-    import argparse  # noqa: PLC0415
+    import argparse
 
-    from trnkit.bench.paths import add_output_args, output_dir  # noqa: PLC0415
-    from trnkit.qwen3 import flavors  # noqa: PLC0415
+    from trnkit.bench.paths import add_output_args, output_dir
+    from trnkit.qwen3 import flavors
 
     p = argparse.ArgumentParser(prog="python -m trnkit.bench step", description=__doc__.split("\n\n")[0])
     p.add_argument("--flavor", required=True, help=f"Qwen3 flavor ({', '.join(flavors())})")

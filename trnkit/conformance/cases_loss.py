@@ -33,7 +33,7 @@ def _ref(name: str) -> Callable[..., Any]:
 
 
 def _torch_logits(logits: Any, dtype_name: str) -> Any:
-    import torch  # noqa: PLC0415
+    import torch
 
     t = logits if isinstance(logits, torch.Tensor) else torch.from_numpy(np.asarray(logits, np.float32))
     return t.to(torch.bfloat16 if dtype_name == "bfloat16" else torch.float32)
@@ -57,8 +57,8 @@ def backward_golden(logits_hbm: Any, targets_hbm: Any, reduction: str = "mean", 
 
 def _inputs(n: int, v: int, dtype_name: str, pb: int, cs: int, reduction: str | None) -> Callable[[], dict]:
     def make() -> dict[str, Any]:
-        import nki.language as nl  # noqa: PLC0415  (the interpreter, inside nki_is_interpreter)
-        import torch  # noqa: PLC0415
+        import nki.language as nl  # the interpreter, inside nki_is_interpreter
+        import torch
 
         np.random.seed(42)
         logits = np.random.randn(n, v).astype(BF16 if dtype_name == "bfloat16" else F32)
