@@ -58,3 +58,27 @@ def losses_from_jsonl(path: Path) -> dict[int, float]:
         rec = json.loads(line)
         out[rec["step"]] = rec["loss"]  # (a resumed run rewrites the file: one record per step)
     return out
+
+
+def ckpt_config(tmp: Path, tok: str, corpus: Path, steps: int = 3, keep: int = 0, **sections: dict) -> TrainerConfig:
+    """:func:`tiny_config` with a checkpoint at every step (``keep`` newest kept, 0 = all)."""
+    return tiny_config(tmp, tok, corpus, training={"steps": steps, **sections.pop("training", {})},
+                       checkpoint={"enable": True, "interval": 1, "keep_latest_k": keep,
+                                   **sections.pop("checkpoint", {})}, **sections)
+
+
+def main_result(args: list[str], capsys: Any) -> tuple[int, str, str]:
+    """The trainer's command line in this process: ``(exit code, stdout, stderr)`` (``capsys``: pytest's)."""
+    from trnkit.harness.train import main
+
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(code: int, err: str, *fragments: str) -> None:
+    """A user's mistake: exit 2, one ``error: ...`` message with every fragment, no traceback."""
+    assert code == 2, err
+    assert "Traceback" not in err and err.startswith("error: "), err
+    for f in fragments:
+        assert f in err, (f, err)

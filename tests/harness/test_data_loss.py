@@ -25,15 +25,14 @@ from trnkit.harness.rundir import LOCK_NAME, RunLock
 from trnkit.harness.train import lr_lambda, run
 from trnkit.qwen3.state_dict_adapter import Qwen3StateDictAdapter
 
-from .helpers import REPO, tiny_config, write_config
-from .test_faults import _assert_user_error, _ckpt_cfg, _main
+from .helpers import REPO, assert_user_error, ckpt_config, main_result, tiny_config, write_config
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: str, corpus_dir: Path):
     """A finished 3-step run with a checkpoint at every step (kept), and its losses."""
     d = tmp_path_factory.mktemp("trained") / "run"
-    res = run(_ckpt_cfg(d, tiny_tokenizer, corpus_dir))
+    res = run(ckpt_config(d, tiny_tokenizer, corpus_dir))
     return d, res.losses
 
 
@@ -62,18 +61,18 @@ def test_second_run_on_a_locked_folder_is_refused_and_a_dead_holder_is_taken_ove
     holder = _hold_lock(run_dir)
     try:
         before = _snapshot(run_dir)
-        cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3)
-        code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-        _assert_user_error(code, err, f"job.dump_folder: {run_dir} is in use by another run (pid {holder.pid} on "
-                                      f"host {socket.gethostname()}, started 20", f"lock {run_dir / LOCK_NAME}",
-                           "use another --job.dump_folder")
+        cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3)
+        code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+        assert_user_error(code, err, f"job.dump_folder: {run_dir} is in use by another run (pid {holder.pid} on "
+                                     f"host {socket.gethostname()}, started 20", f"lock {run_dir / LOCK_NAME}",
+                          "use another --job.dump_folder")
         assert _snapshot(run_dir) == before and "resumed" not in out  # refused before reading or writing
     finally:
         holder.kill()
         holder.wait()
     # killed: the kernel dropped its flock, the lock file with its pid stays behind
     assert json.loads((run_dir / LOCK_NAME).read_text())["pid"] == holder.pid
-    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3))
+    res = run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3))
     out = capsys.readouterr().out
     assert f"WARNING: taking over the lock of a run that ended without releasing it (pid {holder.pid}" in out
     assert res.start_step == 3 and not (run_dir / LOCK_NAME).exists()  # released at the end
@@ -91,7 +90,7 @@ def test_a_run_holds_the_lock_for_its_whole_life(tmp_path: Path, tiny_tokenizer:
         return real_save(self, step)
 
     monkeypatch.setattr(ckpt_mod.Checkpointer, "save", save)
-    run(_ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=2))
+    run(ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=2))
     assert seen == [1, 2] and [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
 
 
@@ -99,8 +98,8 @@ def test_dump_folder_that_is_a_file(tmp_path: Path, tiny_tokenizer: str, corpus_
                                     capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "run").write_text("not a folder")
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir)
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"job.dump_folder: {tmp_path / 'run'} is a file, not a folder")
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"job.dump_folder: {tmp_path / 'run'} is a file, not a folder")
     assert (tmp_path / "run").read_text() == "not a folder"
 
 
@@ -113,16 +112,16 @@ def test_unwritable_dump_folder(tmp_path: Path, tiny_tokenizer: str, corpus_dir:
 
     monkeypatch.setattr(rundir.os, "makedirs", makedirs)
     cfg = tiny_config(tmp_path / "ro" / "run", tiny_tokenizer, corpus_dir)
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"job.dump_folder: cannot write to {tmp_path / 'ro' / 'run'} (PermissionError: "
-                                  "Permission denied); point job.dump_folder at a writable folder")
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"job.dump_folder: cannot write to {tmp_path / 'ro' / 'run'} (PermissionError: "
+                                 "Permission denied); point job.dump_folder at a writable folder")
 
 
 def test_refused_run_leaves_no_dump_folder(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, training={"seq_len": 1000})
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, "training.seq_len: 1000 exceeds the model's max_seq_len 64")
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, "training.seq_len: 1000 exceeds the model's max_seq_len 64")
     assert not (tmp_path / "run").exists()
 
 
@@ -135,9 +134,9 @@ def test_non_finite_update_is_never_saved_or_exported(tmp_path: Path, trained, t
     # loss and gradients of that step are finite, so only a check after the update catches it
     run_dir = _copy(trained, tmp_path)
     before = _snapshot(run_dir / "checkpoint")
-    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4, optimizer={"lr": 1e39},
-                    checkpoint={"export_hf": True, "reschedule": True, "async_mode": async_mode})
-    code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4, optimizer={"lr": 1e39},
+                      checkpoint={"export_hf": True, "reschedule": True, "async_mode": async_mode})
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     assert code == 3 and "Traceback" not in err, err
     step3 = run_dir / "checkpoint" / "step-3"
     assert re.search(r"train: step 4: after the update \(lr 5\.\d+e\+38\) \d+ parameter / optimizer-state tensors on "
@@ -166,16 +165,16 @@ def test_disk_full_during_the_hf_export(tmp_path: Path, tiny_tokenizer: str, cor
 
     monkeypatch.setattr(Qwen3StateDictAdapter, "save_hf", save_hf)
     monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda path: _usage(10**6, 10**6 - 1000, 1000))
-    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=2,
-                    checkpoint={"export_hf": True, "enable": checkpoints})
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=2,
+                      checkpoint={"export_hf": True, "enable": checkpoints})
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     out = tmp_path / "run" / "hf_export"
     kept = (f"the last checkpoint {tmp_path / 'run' / 'checkpoint' / 'step-2'} holds the trained weights (a rerun "
             "resumes from it and writes the export)" if checkpoints else
             "checkpoints are off (checkpoint.enable = false), so the trained weights were not saved anywhere")
-    _assert_user_error(code, err, f"checkpoint.export_hf: writing the HF export to {out} failed (OSError: [Errno 28] "
-                                  "No space left on device). The export needs ~", "KiB; the disk has 1000 B free.",
-                       f"The partial export was removed; {kept}; the run stopped.")
+    assert_user_error(code, err, f"checkpoint.export_hf: writing the HF export to {out} failed (OSError: [Errno 28] "
+                                 "No space left on device). The export needs ~", "KiB; the disk has 1000 B free.",
+                      f"The partial export was removed; {kept}; the run stopped.")
     assert not out.exists() and not (tmp_path / "run" / "hf_export.tmp").exists()
     assert [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
     if checkpoints:  # the rerun (space freed) trains nothing and writes the export
@@ -198,12 +197,12 @@ def test_disk_full_while_appending_metrics(tmp_path: Path, tiny_tokenizer: str, 
 
     monkeypatch.setattr(metrics_mod.MetricsLogger, "_append", append)
     monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda path: _usage(10**6, 10**6 - 1000, 1000))
-    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4)
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4)
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     path = tmp_path / "run" / "metrics.jsonl"
-    _assert_user_error(code, err, f"metrics: appending the record of step 3 to {path} failed (OSError: [Errno 28] "
-                                  "No space left on device). The disk has 1000 B free.",
-                       f"{path} keeps the records up to step 2; the run stopped")
+    assert_user_error(code, err, f"metrics: appending the record of step 3 to {path} failed (OSError: [Errno 28] "
+                                 "No space left on device). The disk has 1000 B free.",
+                      f"{path} keeps the records up to step 2; the run stopped")
     assert [r["step"] for r in read_jsonl(str(path))] == [1, 2]
     assert [s for s, _ in list_checkpoints(str(tmp_path / "run" / "checkpoint"))] == [1, 2]
 
@@ -216,7 +215,7 @@ def test_torn_metrics_tail_is_repaired_on_resume(tmp_path: Path, trained, tiny_t
     lines = path.read_text().splitlines(keepends=True)
     path.write_text("".join(lines[:2]) + lines[2][:25])  # killed while writing step 3's record
     shutil.rmtree(run_dir / "checkpoint" / "step-3")
-    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3))
+    res = run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3))
     out = capsys.readouterr().out
     assert f"metrics: the last line of {path} was cut off" in out
     assert res.start_step == 2 and res.losses[3] == trained[1][3]
@@ -230,16 +229,16 @@ def test_bad_metrics_line_in_the_middle_is_named(tmp_path: Path, trained, tiny_t
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines(keepends=True)
     path.write_text(lines[0] + "garbage\n" + "".join(lines[1:]))
-    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3)
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"metrics: {path}:2 is not a metrics record", "move the file away")
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3)
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"metrics: {path}:2 is not a metrics record", "move the file away")
 
 
 def test_resume_appends_to_metrics(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path) -> None:
     run_dir = _copy(trained, tmp_path)
     path = run_dir / "metrics.jsonl"
     inode, head = path.stat().st_ino, path.read_text()
-    run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4, checkpoint={"reschedule": True}))
+    run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4, checkpoint={"reschedule": True}))
     assert path.stat().st_ino == inode and path.read_text().startswith(head)  # appended, not rewritten
     assert [r["step"] for r in read_jsonl(str(path))] == [1, 2, 3, 4]
 
@@ -250,30 +249,30 @@ def test_resume_with_more_steps_is_refused_without_reschedule(tmp_path: Path, tr
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _copy(trained, tmp_path)
     before = _snapshot(run_dir)
-    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=8)
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=8)
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     # the finished cosine ended at lr 1e-3 (min_lr_factor 0.1); the 8-step one re-warms step 4 to 7.5e-3
     fn = lr_lambda(cfg.lr_scheduler, 8)
-    _assert_user_error(code, err, f"checkpoint: {run_dir / 'checkpoint' / 'step-3'} (step 3) was written with "
-                                  "another learning-rate schedule (training.steps: checkpoint 3, this run 8): step 4 "
-                                  f"would train at lr {1e-2 * fn(3):.3g} instead of 0.001. Nothing was written.",
-                       "pass --checkpoint.reschedule true to follow this run's schedule from step 4 on")
+    assert_user_error(code, err, f"checkpoint: {run_dir / 'checkpoint' / 'step-3'} (step 3) was written with "
+                                 "another learning-rate schedule (training.steps: checkpoint 3, this run 8): step 4 "
+                                 f"would train at lr {1e-2 * fn(3):.3g} instead of 0.001. Nothing was written.",
+                      "pass --checkpoint.reschedule true to follow this run's schedule from step 4 on")
     assert _snapshot(run_dir) == before
 
 
 def test_more_steps_at_a_constant_rate_resume_as_they_are(tmp_path: Path, tiny_tokenizer: str,
                                                           corpus_dir: Path) -> None:
     constant = {"warmup_steps": 2, "decay_type": "constant"}
-    run(_ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=3, lr_scheduler=constant))
-    res = run(_ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=5, lr_scheduler=constant))
+    run(ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=3, lr_scheduler=constant))
+    res = run(ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=5, lr_scheduler=constant))
     assert res.start_step == 3 and [r["lr"] for r in res.records] == [1e-2, 1e-2]  # no step's lr changes
 
 
 def test_reschedule_follows_the_new_schedule(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _copy(trained, tmp_path)
-    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=8, optimizer={"lr": 5e-3},
-                    checkpoint={"reschedule": True})
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=8, optimizer={"lr": 5e-3},
+                      checkpoint={"reschedule": True})
     res = run(cfg)
     fn = lr_lambda(cfg.lr_scheduler, 8)
     assert "WARNING: checkpoint.reschedule: the learning rate follows this run's schedule from step 4 on " \
@@ -289,12 +288,12 @@ def test_reschedule_follows_the_new_schedule(tmp_path: Path, trained, tiny_token
 def test_resume_on_another_world_size_is_resharded(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path) -> None:
     from .helpers import losses_from_jsonl, run_cli
 
-    one = run(_ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4, checkpoint={"interval": 2},
-                        training={"local_batch_size": 2}))
+    one = run(ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4, checkpoint={"interval": 2},
+                          training={"local_batch_size": 2}))
     shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-4")  # as if stopped after step 3
     # the same global batch on 2 FSDP2 ranks: resumed from the 1-process step-2 checkpoint
-    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4, checkpoint={"interval": 2},
-                    training={"local_batch_size": 1}, parallelism={"data_parallel_shard_degree": 2})
+    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4, checkpoint={"interval": 2},
+                      training={"local_batch_size": 1}, parallelism={"data_parallel_shard_degree": 2})
     proc = run_cli(["--config", str(write_config(cfg, tmp_path / "two.toml"))], nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     step2 = tmp_path / "run" / "checkpoint" / "step-2"

@@ -23,35 +23,16 @@ from trnkit.harness.checkpoint import MANIFEST, list_checkpoints, read_manifest,
 from trnkit.harness.config import ConfigError
 from trnkit.harness.data import read_documents
 from trnkit.harness.metrics import read_jsonl
-from trnkit.harness.train import main, run
+from trnkit.harness.train import run
 
-from .helpers import TINY_MOE, tiny_config, write_config
-
-
-def _ckpt_cfg(tmp: Path, tok: str, corpus: Path, steps: int = 3, keep: int = 0, **sections: dict):
-    return tiny_config(tmp, tok, corpus, training={"steps": steps, **sections.pop("training", {})},
-                       checkpoint={"enable": True, "interval": 1, "keep_latest_k": keep,
-                                   **sections.pop("checkpoint", {})}, **sections)
-
-
-def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = main(args)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _assert_user_error(code: int, err: str, *fragments: str) -> None:
-    assert code == 2, err
-    assert "Traceback" not in err and err.startswith("error: "), err
-    for f in fragments:
-        assert f in err, (f, err)
+from .helpers import TINY_MOE, assert_user_error, ckpt_config, main_result, tiny_config, write_config
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: str, corpus_dir: Path):
     """A finished 3-step run with a checkpoint at every step (kept), as a pristine template to copy."""
     d = tmp_path_factory.mktemp("trained")
-    cfg = _ckpt_cfg(d / "run", tiny_tokenizer, corpus_dir)
+    cfg = ckpt_config(d / "run", tiny_tokenizer, corpus_dir)
     res = run(cfg)
     return d / "run", res.losses
 
@@ -75,10 +56,10 @@ def test_resume_with_another_model_stops_before_writing(tmp_path: Path, trained,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _copy_run(trained[0], tmp_path / "run")
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
-    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=6, model={"config": {**TINY_MOE, **change}})
-    code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"{run_dir / 'checkpoint' / 'step-3'} was written by another model", field,
-                       "Nothing was written", "use another --job.dump_folder")
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=6, model={"config": {**TINY_MOE, **change}})
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"{run_dir / 'checkpoint' / 'step-3'} was written by another model", field,
+                      "Nothing was written", "use another --job.dump_folder")
     assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before  # not a byte touched
 
 
@@ -86,9 +67,9 @@ def test_resume_with_other_data_settings_changes_nothing(tmp_path: Path, trained
                                                         corpus_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _copy_run(trained[0], tmp_path / "run")
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3, training={"seq_len": 16})
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, "data: checkpoint was written for seq_len 32")
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3, training={"seq_len": 16})
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, "data: checkpoint was written for seq_len 32")
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # config.toml included
 
 
@@ -96,8 +77,8 @@ def test_resume_with_a_resumable_change_continues(tmp_path: Path, trained, tiny_
                                                   corpus_dir: Path) -> None:
     # the aux-loss coefficient is a training setting, not a different model
     run_dir = _copy_run(trained[0], tmp_path / "run")
-    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4, training={"moe_aux_loss_coef": 0.01},
-                        checkpoint={"reschedule": True}))
+    res = run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4, training={"moe_aux_loss_coef": 0.01},
+                          checkpoint={"reschedule": True}))
     assert res.start_step == 3 and sorted(res.losses) == [4]
 
 
@@ -108,7 +89,7 @@ def test_pruning_keeps_other_models_checkpoints(tmp_path: Path, trained, tiny_to
     m = json.loads(foreign.read_text())
     m["identity"]["fingerprint"] = "another-model"
     foreign.write_text(json.dumps(m))
-    run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=5, keep=2, checkpoint={"reschedule": True}))
+    run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=5, keep=2, checkpoint={"reschedule": True}))
     # this model's 2, 3, 4, 5 -> the newest two; the other model's step-1 is never deleted
     assert [s for s, _ in list_checkpoints(str(run_dir / "checkpoint"))] == [1, 4, 5]
 
@@ -129,7 +110,7 @@ def test_manifest_records_the_run_and_the_tied_weight_is_stored_once(trained) ->
 
 def test_each_save_logs_size_and_time(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    run(_ckpt_cfg(tmp_path, tiny_tokenizer, corpus_dir, steps=2))
+    run(ckpt_config(tmp_path, tiny_tokenizer, corpus_dir, steps=2))
     out = capsys.readouterr().out
     for step in (1, 2):
         assert re.search(rf"saved checkpoint step-{step} \(\d+\.\d KiB, \d+\.\d s\) to .*step-{step}", out), out
@@ -164,7 +145,7 @@ def test_broken_newest_checkpoint_falls_back_to_the_older_one(tmp_path: Path, tr
     step3 = run_dir / "checkpoint" / "step-3"
     why = damage(step3)
     assert why in (verify_checkpoint(str(step3)) or "")
-    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3))
+    res = run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3))
     out = capsys.readouterr().out
     assert f"WARNING: checkpoint {step3} is not usable: {why}" in out and "trying the next older" in out
     assert res.start_step == 2
@@ -176,9 +157,9 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path: Path, trained, tiny_tok
     run_dir = _copy_run(trained[0], tmp_path / "run")
     whys = [_truncate(run_dir / "checkpoint" / "step-1"), _corrupt_metadata(run_dir / "checkpoint" / "step-2"),
             _flip_byte(run_dir / "checkpoint" / "step-3")]
-    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4)
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"checkpoint: no usable checkpoint in {run_dir / 'checkpoint'}", *whys)
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4)
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"checkpoint: no usable checkpoint in {run_dir / 'checkpoint'}", *whys)
 
 
 # ------------------------------------------------------------------ disk full / unwritable folder
@@ -200,13 +181,13 @@ def test_disk_full_during_save_stops_cleanly(tmp_path: Path, tiny_tokenizer: str
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 1000, 1000))
     # keep_latest_k = 1: a prune before the new checkpoint is complete would delete step-1
-    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=3, keep=1)
-    code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=3, keep=1)
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     folder = tmp_path / "run" / "checkpoint"
     assert f"WARNING: checkpoint folder {folder} has 1000 B free; each checkpoint needs ~" in out  # up front
-    _assert_user_error(code, err, f"checkpoint: saving step-2 to {folder} failed (RuntimeError: [enforce fail",
-                       "A checkpoint needs ~", "KiB; the disk has 1000 B free",
-                       f"the previous checkpoint {folder / 'step-1'} is intact; the run stopped")
+    assert_user_error(code, err, f"checkpoint: saving step-2 to {folder} failed (RuntimeError: [enforce fail",
+                      "A checkpoint needs ~", "KiB; the disk has 1000 B free",
+                      f"the previous checkpoint {folder / 'step-1'} is intact; the run stopped")
     assert [s for s, _ in list_checkpoints(str(folder))] == [1] and verify_checkpoint(str(folder / "step-1")) is None
     assert not (folder / "step-2.tmp").exists()
     assert [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
@@ -215,9 +196,9 @@ def test_disk_full_during_save_stops_cleanly(tmp_path: Path, tiny_tokenizer: str
 def test_unwritable_checkpoint_folder_is_refused_up_front(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "blocker").write_text("a file where the checkpoint folder should be")
-    cfg = _ckpt_cfg(tmp_path / "run", tiny_tokenizer, corpus_dir, checkpoint={"folder": str(tmp_path / "blocker")})
-    code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"checkpoint.folder: cannot write checkpoints to {tmp_path / 'blocker'}")
+    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, checkpoint={"folder": str(tmp_path / "blocker")})
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"checkpoint.folder: cannot write checkpoints to {tmp_path / 'blocker'}")
     assert "step: " not in out  # refused before the first step
 
 
@@ -226,7 +207,7 @@ def test_fresh_run_moves_the_old_runs_files_aside(tmp_path: Path, trained, tiny_
                                                   corpus_dir: Path) -> None:
     run_dir = _copy_run(trained[0], tmp_path / "run")
     old_metrics = (run_dir / "metrics.jsonl").read_text()
-    run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=1, checkpoint={"resume": False}))
+    run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=1, checkpoint={"resume": False}))
     (archive,) = run_dir.glob("previous-*")
     assert (archive / "metrics.jsonl").read_text() == old_metrics
     assert [s for s, _ in list_checkpoints(str(archive / "checkpoint"))] == [1, 2, 3]
@@ -254,13 +235,13 @@ def test_bad_data_file_through_the_cli(tmp_path: Path, tiny_tokenizer: str, caps
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_bytes(b'{"text": "fine"}\n{"text": oops}\n')
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, tmp_path / "data")
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"{tmp_path / 'data' / 'a.jsonl'}:2 is not valid JSON")
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"{tmp_path / 'data' / 'a.jsonl'}:2 is not valid JSON")
     assert "--debug or TRNKIT_DEBUG=1 shows the traceback" in err
-    code, _, err = _main(["--config", str(tmp_path / "c.toml"), "--debug"], capsys)
+    code, _, err = main_result(["--config", str(tmp_path / "c.toml"), "--debug"], capsys)
     assert code == 2 and "Traceback" in err  # asked for
     monkeypatch.setenv("TRNKIT_DEBUG", "1")
-    code, _, err = _main(["--config", str(tmp_path / "c.toml")], capsys)
+    code, _, err = main_result(["--config", str(tmp_path / "c.toml")], capsys)
     assert code == 2 and "Traceback" in err and "a.jsonl:2 is not valid JSON" in err
 
 
@@ -271,24 +252,24 @@ def test_hf_folder_without_config_json(tmp_path: Path, tiny_tokenizer: str, corp
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, model={"spec": f"hf:{tmp_path / 'hf'}",
                                                                          "config": {}})
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"model.spec: hf:{tmp_path / 'hf'} has no config.json", "model.safetensors")
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"model.spec: hf:{tmp_path / 'hf'} has no config.json", "model.safetensors")
 
 
 def test_compile_backend_typo(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                               capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, compile={"enable": True, "backend": "inductr"})
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, "config compile.backend: unknown torch.compile backend 'inductr' "
-                                  "(did you mean 'inductor'?)")
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, "config compile.backend: unknown torch.compile backend 'inductr' "
+                                 "(did you mean 'inductor'?)")
 
 
 @pytest.mark.parametrize("args", [
     ["--model.config", '{"n_layers": null}'],
 ])
 def test_model_config_null_value(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _main(args, capsys)
-    _assert_user_error(code, err, "config model.config.n_layers: null is not a value")
+    code, _, err = main_result(args, capsys)
+    assert_user_error(code, err, "config model.config.n_layers: null is not a value")
 
 
 def test_checkpoint_error_through_initial_load_path(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
@@ -297,8 +278,8 @@ def test_checkpoint_error_through_initial_load_path(tmp_path: Path, tiny_tokeniz
     (tmp_path / "w" / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")  # truncated
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir,
                       checkpoint={"initial_load_path": str(tmp_path / "w")})
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"Qwen3 checkpoint: {tmp_path / 'w' / 'model.safetensors'} is corrupt or truncated")
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"Qwen3 checkpoint: {tmp_path / 'w' / 'model.safetensors'} is corrupt or truncated")
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
@@ -373,6 +354,6 @@ def test_nan_activation_ends_in_the_non_finite_stop(tmp_path: Path, tiny_tokeniz
     overrides = {"ops": ops, "policy": "strict"} if ops else {}
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, training={"steps": 2}, overrides=overrides,
                       checkpoint={"initial_load_path": str(tmp_path / "w")})
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     assert code == 3 and "Traceback" not in err, err
     assert "train: step 1: loss nan / grad_norm nan is not finite -- stopping without applying the update" in err

@@ -13,16 +13,15 @@ import pytest
 from trnkit.harness.config import ConfigError
 from trnkit.harness.data import read_documents
 
-from .helpers import REPO, tiny_config, write_config
-from .test_faults import _assert_user_error, _main
+from .helpers import REPO, assert_user_error, main_result, tiny_config, write_config
 
 
 def _refused(tmp_path: Path, tiny_tokenizer: str, corpus: Path, capsys: pytest.CaptureFixture[str],
              cli: list[str], *fragments: str, **sections: dict) -> None:
     """The run is refused with `fragments` in its message, and its dump folder never appears."""
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus, **sections)
-    code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml")), *cli], capsys)
-    _assert_user_error(code, err, *fragments)
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml")), *cli], capsys)
+    assert_user_error(code, err, *fragments)
     assert "step: " not in out and not (tmp_path / "run").exists()
 
 
@@ -82,8 +81,8 @@ def test_config_file_that_is_not_a_toml_text(tmp_path: Path, capsys: pytest.Capt
     else:
         latin1 = '[job]\nname = "caf\u00e9"\n'.encode("latin-1")
         path.write_bytes(bytes(range(128, 256)) if kind == "binary" else latin1)
-    code, _, err = _main(["--config", str(path)], capsys)
-    _assert_user_error(code, err, f"config: --config {path} {message}")
+    code, _, err = main_result(["--config", str(path)], capsys)
+    assert_user_error(code, err, f"config: --config {path} {message}")
 
 
 def test_hf_model_seq_len_beyond_max_position_embeddings(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,

@@ -23,8 +23,7 @@ from trnkit.harness.checkpoint import MANIFEST, list_checkpoints, root_error, ve
 from trnkit.harness.dcp_safe import SafeLoadPlanner, SafeReader, UnsafeCheckpointError
 from trnkit.harness.train import run
 
-from .helpers import tiny_config, write_config
-from .test_faults import _assert_user_error, _ckpt_cfg, _main
+from .helpers import assert_user_error, ckpt_config, main_result, tiny_config, write_config
 
 
 class _Payload:
@@ -41,7 +40,7 @@ class _Payload:
 def trained(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: str, corpus_dir: Path) -> Path:
     """A finished 3-step run with a checkpoint at every step (kept), as a pristine template to copy."""
     d = tmp_path_factory.mktemp("trained") / "run"
-    run(_ckpt_cfg(d, tiny_tokenizer, corpus_dir))
+    run(ckpt_config(d, tiny_tokenizer, corpus_dir))
     return d
 
 
@@ -73,7 +72,7 @@ def test_crafted_metadata_executes_nothing(tmp_path: Path, trained: Path, tiny_t
         why = f"{step3 / '.metadata'} refers to posix.mkdir, which DCP never writes into checkpoint metadata"
     else:
         why = f"{step3 / '.metadata'} is truncated ({len(payload)} bytes"  # refused before it is parsed
-    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=3))
+    res = run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3))
     out = capsys.readouterr().out
     assert f"WARNING: checkpoint {step3} is not usable: {why}" in out, out
     assert res.start_step == 2 and sorted(res.losses) == [3]  # resumed from the intact step-2
@@ -129,10 +128,10 @@ def test_unverifiable_checkpoint_is_refused(tmp_path: Path, trained: Path, tiny_
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    cfg = _ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4)
-    code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"checkpoint: no usable checkpoint in {folder}", "step-3: ", why,
-                       "(--checkpoint.trust_unverified true loads it unverified)")
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4)
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"checkpoint: no usable checkpoint in {folder}", "step-3: ", why,
+                      "(--checkpoint.trust_unverified true loads it unverified)")
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # nothing written or moved
 
 
@@ -143,9 +142,9 @@ def test_trust_unverified_loads_a_checkpoint_without_manifest(tmp_path: Path, tr
     _drop_manifest(step3)
     assert "no manifest" in verify_checkpoint(str(step3))
     assert verify_checkpoint(str(step3), trust_unverified=True) is None
-    reference = run(_ckpt_cfg(tmp_path / "ref", tiny_tokenizer, corpus_dir, steps=4, checkpoint={"interval": 100}))
-    res = run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=4,
-                        checkpoint={"trust_unverified": True, "reschedule": True}))
+    reference = run(ckpt_config(tmp_path / "ref", tiny_tokenizer, corpus_dir, steps=4, checkpoint={"interval": 100}))
+    res = run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4,
+                          checkpoint={"trust_unverified": True, "reschedule": True}))
     assert res.start_step == 3 and res.losses[4] == reference.losses[4]  # the exact state was restored
 
 
@@ -158,9 +157,9 @@ def test_symlinked_export_folder_is_refused_up_front(tmp_path: Path, tiny_tokeni
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "hf_export").symlink_to(outside)
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, checkpoint={"export_hf": True})
-    code, out, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"checkpoint.export_hf: {tmp_path / 'run' / 'hf_export'} is a symbolic link "
-                                  f"(to {outside})", "remove the link")
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"checkpoint.export_hf: {tmp_path / 'run' / 'hf_export'} is a symbolic link "
+                                 f"(to {outside})", "remove the link")
     assert "step: " not in out  # refused before training
     assert [p.name for p in outside.iterdir()] == ["model-00001-of-00002.safetensors"]
 
@@ -170,7 +169,7 @@ def test_pruning_never_follows_a_link(tmp_path: Path, trained: Path, tiny_tokeni
     outside = tmp_path / "outside-step-1"
     shutil.move(run_dir / "checkpoint" / "step-1", outside)  # this run's own checkpoint, same fingerprint
     (run_dir / "checkpoint" / "step-1").symlink_to(outside)
-    run(_ckpt_cfg(run_dir, tiny_tokenizer, corpus_dir, steps=5, keep=1, checkpoint={"reschedule": True}))
+    run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=5, keep=1, checkpoint={"reschedule": True}))
     assert [s for s, _ in list_checkpoints(str(run_dir / "checkpoint"))] == [1, 5]  # the link is left alone
     assert verify_checkpoint(str(outside)) is None and (run_dir / "checkpoint" / "step-1").is_symlink()
 
@@ -185,7 +184,7 @@ def test_hf_model_with_custom_code_is_refused(tmp_path: Path, tiny_tokenizer: st
         "AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.EvilModel"}}))
     (folder / "configuration_evil.py").write_text(f"import os\nos.mkdir({str(marker)!r})\n")
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, model={"spec": f"hf:{folder}", "config": {}})
-    code, _, err = _main(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    _assert_user_error(code, err, f"model.spec: transformers cannot read the config of hf:{folder}",
-                       "contains custom code which must be executed")
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"model.spec: transformers cannot read the config of hf:{folder}",
+                      "contains custom code which must be executed")
     assert not marker.exists()
