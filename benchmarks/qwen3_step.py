@@ -58,7 +58,6 @@ from trnkit.qwen3.precision import native_matmul
 from trnkit.qwen3.state_dict import to_hf
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET_SPEEDUP, TARGET_MEMORY = 1.25, 0.5
 LR, MAX_NORM = 3e-4, 1.0
 
 

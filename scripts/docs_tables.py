@@ -626,14 +626,6 @@ def csv_count(name: str, where: dict[str, str]) -> Callable[[], str]:
     return value
 
 
-def csv_ratio(name: str, column: str, num: dict[str, str], den: dict[str, str],
-              fmt: str = "{:.2f}") -> Callable[[], str]:
-    """``column`` of the row matching ``num`` divided by that of the row matching ``den`` (benchmarks/data/``name``)."""
-    def value() -> str:
-        return fmt.format(float(csv_cell(name, column, num, "{!r}")()) / float(csv_cell(name, column, den, "{!r}")()))
-    return value
-
-
 def _step(flavor: str, dtype: str, seq: int = 512) -> dict[str, str]:
     """trnkit's row of a benchmarks/qwen3_step.py case (batch 2, deterministic algorithms off)."""
     return {"flavor": flavor, "dtype": dtype, "batch": "2", "seq": str(seq), "deterministic": "off", "impl": "trnkit"}

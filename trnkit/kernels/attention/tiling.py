@@ -66,12 +66,6 @@ def tiles_view(t, b, s0, nt, h):
     return t.ap(pattern=[[H * D, P], [P * H * D, nt], [1, D]], offset=((b * S + s0) * H + h) * D)
 
 
-def row_stats(t, b, h, s0, n):
-    """HBM ``t [B, H, S]`` (one fp32 value per row): rows ``s0 .. s0 + n`` of head h as ``[n, 1]``."""
-    _, H, S = t.shape
-    return t.ap(pattern=[[1, n], [1, 1]], offset=(b * H + h) * S + s0)
-
-
 def cheaper_engine(load, n, two_byte, psum_read_cycles=0):
     """Engine for a PSUM -> SBUF copy of n elements per partition: 0 (Vector) or 1 (Scalar), whichever
     finishes first given the work so far (``load`` = [Vector ns, Scalar ns], updated). ``psum_read_cycles``:

@@ -164,11 +164,6 @@ def _group_matrices(f):
     return e, et
 
 
-def _per_row(t, Pc, NT, H):
-    """``[Pc, NT]`` per-row values broadcast along H: a ``[Pc, NT, H]`` view (step 0 on the last axis)."""
-    return t.ap(pattern=[[NT, Pc], [1, NT], [0, H]], offset=0)
-
-
 def _per_col(w_sb, Pc, NT, H):
     """The broadcast weight ``[P, H]`` as a ``[Pc, NT, H]`` view (step 0 over the rows of a partition)."""
     return w_sb.ap(pattern=[[H, Pc], [0, NT], [1, H]], offset=0)
