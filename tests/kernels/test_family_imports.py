@@ -10,10 +10,14 @@ import sys
 TORCH_MODULES = {"attention": "attention_torch", "cross_entropy": "cross_entropy_torch", "mlp": "mlp_torch",
                  "moe": "moe_torch", "rmsnorm": "rmsnorm_torch", "rope": "rope_torch", "router": "router_torch"}
 BACKEND = ("trnkit.nkisim", "trnkit.nki_api")
+SHARED = ("constraints", "lnc", "_common")  # kernels/ modules every family's host side imports
 
 
 def test_constraints_references_and_host_api_do_not_load_the_interpreter() -> None:
     lines = ["import importlib, sys", f"backend = {BACKEND!r}"]
+    for module in SHARED:  # first, alone: trnkit.kernels.constraints is what users import to check shapes
+        lines.append(f"importlib.import_module('trnkit.kernels.{module}')")
+        lines.append(f"print('{module}', sorted(m for m in sys.modules if m.startswith(backend)))")
     for family, torch_module in TORCH_MODULES.items():
         for module in (f"{family}.constraints", f"{family}.{torch_module}", family):
             lines.append(f"importlib.import_module('trnkit.kernels.{module}')")
@@ -23,7 +27,7 @@ def test_constraints_references_and_host_api_do_not_load_the_interpreter() -> No
               "print('router.router_fwd', sorted(m for m in sys.modules if m.startswith(backend)))"]
     out = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, check=True)
     loaded = dict(line.split(" ", 1) for line in out.stdout.strip().splitlines())
-    assert len(loaded) == 3 * len(TORCH_MODULES) + 1
+    assert len(loaded) == len(SHARED) + 3 * len(TORCH_MODULES) + 1
     assert {m: v for m, v in loaded.items() if m != "router.router_fwd" and v != "[]"} == {}
     assert "'trnkit.nki_api'" in loaded["router.router_fwd"]
 
