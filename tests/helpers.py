@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trnkit.nkisim import hardware
 from trnkit.nkisim.trace import TENSOR, Instr, Operand
@@ -148,3 +152,65 @@ def matmul(k: int, m: int, n: int, dtype: str = "bfloat16", deps=None, **attrs) 
     if deps:
         attrs.update(deps)
     return Instr("nc_matmul", TENSOR, ops, flops=2 * m * n * k, elems_per_partition=n, partitions=k, attrs=attrs)
+
+
+# ----------------------------------------------------------------------------------- host reads
+# ops whose result is a Python value or whose output size depends on the values: on an accelerator each one
+# waits for the device and copies back (_local_scalar_dense: .item(), int(t), float(t), bool(t))
+_READ_OPS = {"aten._local_scalar_dense", "aten.bincount", "aten.nonzero", "aten.masked_select", "aten._unique2",
+             "aten.unique_dim", "aten.unique_consecutive", "aten.histc"}
+_READ_METHODS = ("tolist", "numpy", "cpu")  # not dispatched on CPU tensors: counted by wrapping them
+
+
+class HostReads(TorchDispatchMode):
+    """Records every read of tensor values back to the host inside its ``with`` block (``reads``: the op or
+    method names, in order); nothing is counted inside :meth:`paused`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.counting = True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = func.overloadpacket._qualified_op_name.replace("::", ".")
+        if self.counting and (name in _READ_OPS or (name == "aten.repeat_interleave"
+                                                    and (kwargs or {}).get("output_size") is None)):
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
+
+    def outside(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` run with counting paused (a kernel launch: on the device its work is not a host read)."""
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.paused():
+                return fn(*args, **kwargs)
+        return call
+
+
+@contextlib.contextmanager
+def host_reads() -> Iterator[HostReads]:
+    """``with host_reads() as r: ...`` then ``r.reads``: see :class:`HostReads`."""
+    mode, saved = HostReads(), {name: getattr(torch.Tensor, name) for name in _READ_METHODS}
+
+    def wrap(name: str) -> Callable[..., Any]:
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if mode.counting:
+                mode.reads.append(name)
+            return saved[name](self, *args, **kwargs)
+        return method
+
+    for name in _READ_METHODS:
+        setattr(torch.Tensor, name, wrap(name))
+    try:
+        with mode:
+            yield mode
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)

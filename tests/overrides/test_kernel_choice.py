@@ -7,9 +7,12 @@ import copy
 import pytest
 import torch
 
+import trnkit.kernels.moe as moe_kernels
+from tests.helpers import expert_weights, host_reads, rand, routing
 from tests.overrides.conftest import native_model
 from tests.tolerances import assert_close
 from trnkit.overrides import KernelChoice, OverrideConfig, bind_kernels, ops
+from trnkit.qwen3 import GroupedExperts
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
 
@@ -63,3 +66,32 @@ def test_switching_kernels_is_building_again_and_a_copy_keeps_its_choices():
     twin = copy.deepcopy(with_kernels)
     assert twin.layers[0].attention.rope.kernel.choice == KernelChoice("reference")
     assert twin.layers[0].attention.rope.kernel is not with_kernels.layers[0].attention.rope.kernel
+
+
+def test_the_moe_kernel_path_reads_the_host_once_per_call(monkeypatch: pytest.MonkeyPatch):
+    """GroupedExperts through trnkit::moe_experts with the nki impl: the host side of the forward and of the
+    backward (the choice's check, the op, the block layouts) reads the device once each, the expert-id range
+    check; the kernel launches are the device's work and not counted (the torch path reads once, in its forward).
+    Results are the torch path's."""
+    T, H, inter, E, K = 24, 128, 64, 4, 2
+    wgu, wd = expert_weights(E, H, inter, torch.float32)
+    idx, tw = routing(T, E, K)
+    x = rand(T, H, seed=3)
+    results = {}
+    for impl in (None, "nki"):
+        ex = GroupedExperts(H, inter, E)
+        ex.load_state_dict({"w_gate_up": wgu, "w_down": wd})
+        if impl:
+            assert bind_kernels(ex, {"moe_experts": KernelChoice(impl, lnc=1)}) == 1
+        xi, twi = x.clone().requires_grad_(), tw.clone().requires_grad_()
+        with host_reads() as r:
+            real = moe_kernels.launch
+            monkeypatch.setattr(moe_kernels, "launch", lambda kernel, lnc: r.outside(real(kernel, lnc)))
+            y = ex(xi, idx, twi)
+            forward = list(r.reads)
+            y.square().mean().backward()
+            monkeypatch.setattr(moe_kernels, "launch", real)
+        assert forward == ["tolist"] and r.reads == ["tolist"] * (2 if impl else 1), (impl, r.reads)
+        results[impl] = (y.detach(), xi.grad, twi.grad, ex.w_gate_up.grad, ex.w_down.grad)
+    for got, want in zip(results["nki"], results[None], strict=True):
+        assert_close(got, want)

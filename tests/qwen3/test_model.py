@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import trnkit.qwen3.model as qm
 from trnkit.qwen3 import (FeedForward, GroupedExperts, Qwen3Config, Qwen3Model, RoPEApply, TopKRouter, grouped_mm,
                           model_registry)
+from tests.helpers import host_reads
 from trnkit.qwen3.checkpoint import load_hf_checkpoint
 
 from .hf_utils import hf_model, tokens
@@ -184,12 +185,16 @@ def test_grouped_experts_forward_backward(case: str, E: int, K: int, H: int) -> 
     idx, w = _routing(case, T, E, K, g)
     x = torch.randn(T, H, generator=g, requires_grad=True)
     w.requires_grad_(True)
-    y = ex(x, idx, w)
+    with host_reads() as r:
+        y = ex(x, idx, w)
+    assert r.reads == ["tolist"]  # one host read per call: the id range and the largest expert, together
     ref_params = [ex.w_gate_up.detach().clone().requires_grad_(), ex.w_down.detach().clone().requires_grad_()]
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     ref = _experts_ref(xr, idx, wr, *ref_params)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
-    y.sum().backward()  # an expanded (zero-stride) grad, which CPU _grouped_mm's backward rejects alone
+    with host_reads() as r:
+        y.sum().backward()  # an expanded (zero-stride) grad, which CPU _grouped_mm's backward rejects alone
+    assert r.reads == []
     ref.sum().backward()
     for a, b in [(x.grad, xr.grad), (w.grad, wr.grad), (ex.w_gate_up.grad, ref_params[0].grad),
                  (ex.w_down.grad, ref_params[1].grad)]:

@@ -258,6 +258,14 @@ class TopKRouter(KernelSlot, nn.Module):
         return weights, idx, logits
 
 
+def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 ``[n]``: how many of ``ids`` (each in ``[0, n)``; an id outside raises) equal each value. What
+    ``torch.bincount(ids, minlength=n)`` gives, without its output size depending on the values (which
+    reads the largest id back to the host on an accelerator)."""
+    ones = torch.ones_like(ids, dtype=torch.int64)
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, ones)
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the incoming grad contiguous (CPU `_grouped_mm` backward rejects
     expanded/zero-stride grads, e.g. from `y.sum()`)."""
@@ -276,18 +284,19 @@ def _aligned_for_grouped_mm(*tensors: torch.Tensor) -> bool:
     return all(all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
     """Rows `offs[g-1]:offs[g]` of x [M,K] times w[g] [K,N] -> [M,N] (offs: int32 exclusive ends).
 
     Uses `torch._grouped_mm` when the strides allow it (it has CPU fwd+bwd kernels in torch 2.13);
     otherwise a padded batched matmul (each group's rows scattered into a [G, max_rows, K] buffer),
-    which is also a single batched op, never a loop over groups.
+    which is also a single batched op, never a loop over groups. ``max_rows``: the most rows of one
+    group when the caller has read it already (else the padded path reads it from ``offs``).
     """
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return _grouped_mm_eager(x, w, offs)  # the traced (fake/meta) _grouped_mm accepts only bf16
     if _aligned_for_grouped_mm(x, w) and x.dtype == w.dtype:
         return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
-    return _padded_bmm(x, w, offs)
+    return _padded_bmm(x, w, offs, max_rows)
 
 
 @torch.compiler.disable
@@ -295,13 +304,13 @@ def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> t
     return grouped_mm(x, w, offs)
 
 
-def _padded_bmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _padded_bmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, max_rows: int | None) -> torch.Tensor:
     G, M = w.shape[0], x.shape[0]
     counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
     starts = offs.long() - counts
     group_of_row = torch.repeat_interleave(torch.arange(G, device=x.device), counts, output_size=M)
     slot = torch.arange(M, device=x.device) - starts[group_of_row]
-    cap = int(counts.max()) if M > 0 else 0
+    cap = 0 if M == 0 else max_rows if max_rows is not None else int(counts.max())
     padded = x.new_zeros(G, cap, x.shape[1]).index_put((group_of_row, slot), x)
     return torch.bmm(padded, w)[group_of_row, slot]
 
@@ -336,17 +345,21 @@ class GroupedExperts(KernelSlot, nn.Module):
             raise ValueError(f"GroupedExperts: expected x [T, {self.dim}], topk_idx [T, K] and topk_weights [T, K]; "
                              f"got {tuple(x.shape)}, {tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")
         T, K = topk_idx.shape
-        flat_idx = topk_idx.reshape(-1)
+        E, flat_idx = self.num_experts, topk_idx.reshape(-1)
+        max_rows = None
         if not torch.compiler.is_compiling() and flat_idx.numel():
-            lo, hi = torch.stack(torch.aminmax(flat_idx)).tolist()  # one host sync per call
-            if not (0 <= lo and hi < self.num_experts):
-                raise ValueError(f"GroupedExperts: expert ids must be in [0, {self.num_experts}), got [{lo}, {hi}]")
+            counts = expert_counts(flat_idx.clamp(0, E - 1), E)  # = the counts once the range below holds
+            # the call's one host read: the id range and the most rows of one expert (the padded matmul's size)
+            lo, hi, max_rows = torch.stack([*torch.aminmax(flat_idx.long()), counts.max()]).tolist()
+            if not (0 <= lo and hi < E):
+                raise ValueError(f"GroupedExperts: expert ids must be in [0, {E}), got [{lo}, {hi}]")
+        else:
+            counts = expert_counts(flat_idx, E)
         order = torch.argsort(flat_idx, stable=True)
-        counts = torch.bincount(flat_idx, minlength=self.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         xs = x[order // K]
-        gate, up = grouped_mm(xs, self.w_gate_up, offs).chunk(2, dim=-1)
-        ys = grouped_mm(F.silu(gate) * up, self.w_down, offs)
+        gate, up = grouped_mm(xs, self.w_gate_up, offs, max_rows).chunk(2, dim=-1)
+        ys = grouped_mm(F.silu(gate) * up, self.w_down, offs, max_rows)
         ys = ys * topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
         # Un-sort: slot order[j] gets ys[j]; then each token sums its K contributions.
         out = torch.empty_like(ys).index_copy_(0, order, ys)
@@ -399,7 +412,7 @@ class MoE(_DropsForwardState, nn.Module):
         weights, idx, logits = self.router(flat)
         if self.training and self.collect_aux:
             E = logits.shape[-1]
-            counts = torch.bincount(idx.reshape(-1), minlength=E).float()
+            counts = expert_counts(idx.reshape(-1), E).float()
             self.aux_stats = (counts, torch.softmax(logits.float(), dim=-1).sum(0), flat.shape[0])
         else:
             self.aux_stats = None

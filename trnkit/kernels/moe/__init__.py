@@ -61,6 +61,7 @@ from trnkit.kernels.moe.constraints import (
 from trnkit.kernels.moe.layout import (
     BlockLayout,
     block_layout,
+    counts_of,
     flagged,
     group_of_row,
     moe_layout,
@@ -260,8 +261,9 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
         per_block(block_weights), K, activation, float(limit), float(alpha), _dense(b_gate_up), _dense(b_down))
     dgu = dgu[:NB]  # (slab NB: the kernel's read-ahead margin)
     gw_disp = gw_blocks.transpose(1, 2).reshape(NB, B)  # back from the per-block layout of per_block
-    gw = torch.zeros(T * K, dtype=torch.float32, device=dev)
-    gw[slot[used]] = gw_disp[used]
+    gw = torch.zeros(T * K + 1, dtype=torch.float32, device=dev)  # + a dump slot for the padding positions
+    gw[torch.where(used, slot, T * K)] = gw_disp  # (a boolean-mask index would read the mask back to the host)
+    gw = gw[:T * K]
     grad_wgu, grad_wd, grad_bgu, grad_bd = _expert_weight_grads(x, grad_out, hw, dgu, lay, topk_idx, lnc,
                                                                 weights, b_gate_up, b_down, E)
     grads = (grad_x, gw.view(T, K).to(topk_weights.dtype), grad_wgu, grad_wd)
@@ -295,7 +297,7 @@ def _expert_weight_grads(x: torch.Tensor, grad_out: torch.Tensor, hw: torch.Tens
     E = lay.block_start.shape[1] - 1 if num_experts is None else num_experts
     dt, dev = x.dtype, x.device
     table = row_tiles(slot_tokens(lay, K))
-    bounds = wgrad_bounds(lay, torch.bincount(topk_idx.reshape(-1).long(), minlength=E), lnc)
+    bounds = wgrad_bounds(lay, counts_of(topk_idx.reshape(-1).long(), E), lnc)
     wgrad2 = launch(KG.grouped_wgrad2_kernel, lnc)
     grad_wgu = torch.empty(E, H, 2 * I, dtype=dt, device=dev)
     grad_wd = torch.empty(E, I, H, dtype=dt, device=dev)

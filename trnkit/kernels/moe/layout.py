@@ -83,6 +83,12 @@ def paired(per_group: torch.Tensor, lnc: int) -> torch.Tensor:
     return torch.cat([both, both])
 
 
+def counts_of(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 ``[n]``: how many of ``ids`` (int64, each in ``[0, n)``) equal each value. ``torch.bincount``'s
+    counts without its value-dependent output size (a read of the largest id back to the host on a device)."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
 def block_layout(group_of_item: torch.Tensor, num_groups: int, block_size: int, pad: int,
                  lnc: int = 1) -> BlockLayout:
     """Group items by ``group_of_item`` (stable: items keep their order inside a group).
@@ -96,7 +102,7 @@ def block_layout(group_of_item: torch.Tensor, num_groups: int, block_size: int, 
     dev = g.device
     n = g.numel()
     g = torch.clamp(g, max=num_groups)  # every dropped item -> the extra group num_groups
-    counts = torch.bincount(g, minlength=num_groups + 1)  # [G + 1]; the last entry: dropped items
+    counts = counts_of(g, num_groups + 1)  # [G + 1]; the last entry: dropped items
     blocks = paired((counts[:num_groups] + block_size - 1) // block_size, lnc)
     block_start = torch.zeros(blocks.shape[0] + 1, dtype=torch.int64, device=dev)
     block_start[1:] = torch.cumsum(blocks, 0)
@@ -161,7 +167,7 @@ def tail_layout(topk_idx: torch.Tensor, num_experts: int, block_size: int,
     widths = tail_widths(B)
     g = topk_idx.reshape(-1).long()
     dev = g.device
-    counts = torch.bincount(g, minlength=num_experts)
+    counts = counts_of(g, num_experts)
     rem = counts % B
     cls = torch.zeros_like(counts)  # 0: full width (or no partial block); j: widths[j-1]
     for j, w in enumerate(widths, start=1):
