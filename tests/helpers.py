@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._library import custom_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trnkit.nkisim import hardware
@@ -162,6 +163,15 @@ _READ_OPS = {"aten._local_scalar_dense", "aten.bincount", "aten.nonzero", "aten.
 _READ_METHODS = ("tolist", "numpy", "cpu")  # not dispatched on CPU tensors: counted by wrapping them
 
 
+def _reads_values(name: str, args: tuple, kwargs: dict) -> bool:
+    """repeat_interleave without ``output_size``; indexing by a boolean mask (its size is the mask's count)."""
+    if name == "aten.repeat_interleave":
+        return kwargs.get("output_size") is None
+    if name in ("aten.index", "aten.index_put", "aten.index_put_"):
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+    return False
+
+
 class HostReads(TorchDispatchMode):
     """Records every read of tensor values back to the host inside its ``with`` block (``reads``: the op or
     method names, in order); nothing is counted inside :meth:`paused`."""
@@ -172,9 +182,13 @@ class HostReads(TorchDispatchMode):
         self.counting = True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        name = func.overloadpacket._qualified_op_name.replace("::", ".")
-        if self.counting and (name in _READ_OPS or (name == "aten.repeat_interleave"
-                                                    and (kwargs or {}).get("output_size") is None)):
+        qualified = func.overloadpacket._qualified_op_name
+        if qualified.startswith("trnkit::"):
+            # a trnkit custom op: torch would run its body with this mode off, so run the body under it
+            with self:
+                return custom_ops.OPDEFS[qualified]._init_fn(*args, **(kwargs or {}))
+        name = qualified.replace("::", ".")
+        if self.counting and (name in _READ_OPS or _reads_values(name, args, kwargs or {})):
             self.reads.append(name)
         return func(*args, **(kwargs or {}))
 
