@@ -22,12 +22,15 @@ from torch import nn
 from trnkit.overrides import KernelChoice, OverrideConfig, OverrideReport, apply_overrides
 from trnkit.overrides.apply import undo_swaps
 
-__all__ = ["SUPPORTED", "apply_trnkit_to_qwen3", "apply_trnkit_to_qwen3_moe", "revert"]
+__all__ = ["SUPPORTED", "apply_trnkit_to_deepseek_v3", "apply_trnkit_to_glm4_moe", "apply_trnkit_to_gpt_oss",
+           "apply_trnkit_to_qwen3", "apply_trnkit_to_qwen3_moe", "revert"]
 
 OpArg = bool | str | KernelChoice
 
 # entry point -> transformers model_type(s) it serves (the table in docs/overrides.md)
-SUPPORTED = {"apply_trnkit_to_qwen3": ("qwen3",), "apply_trnkit_to_qwen3_moe": ("qwen3_moe",)}
+SUPPORTED = {"apply_trnkit_to_qwen3": ("qwen3",), "apply_trnkit_to_qwen3_moe": ("qwen3_moe",),
+             "apply_trnkit_to_deepseek_v3": ("deepseek_v3",), "apply_trnkit_to_glm4_moe": ("glm4_moe",),
+             "apply_trnkit_to_gpt_oss": ("gpt_oss",)}
 
 
 def _choice(arg: OpArg, impl: str, policy: str, block_size: int, lnc: int | None) -> KernelChoice | None:
@@ -79,6 +82,39 @@ def apply_trnkit_to_qwen3_moe(model: nn.Module, *, rope: OpArg = True, router: O
            "attention": attention}
     return _apply("apply_trnkit_to_qwen3_moe", model, ops, impl, policy, block_size, lnc, seq_len, batch_size,
                   dry_run)
+
+
+def apply_trnkit_to_deepseek_v3(model: nn.Module, *, router: OpArg = True, experts: OpArg = True, impl: str = "nki",
+                                policy: str = "strict", block_size: int = 0, lnc: int | None = None,
+                                seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
+                                ) -> OverrideReport:
+    """trnkit's kernels in a transformers v5 DeepSeek-V3 (``DeepseekV3ForCausalLM`` / ``DeepseekV3Model``):
+    ``router`` (``router_topk``, sigmoid scoring, in every ``mlp.gate``; grouped top-K only when every group is
+    searched) and ``experts`` (``moe_experts`` in every ``mlp.experts``); returns the per-module report."""
+    ops = {"router_topk": router, "moe_experts": experts}
+    return _apply("apply_trnkit_to_deepseek_v3", model, ops, impl, policy, block_size, lnc, seq_len, batch_size,
+                  dry_run)
+
+
+def apply_trnkit_to_glm4_moe(model: nn.Module, *, router: OpArg = True, experts: OpArg = True, impl: str = "nki",
+                             policy: str = "strict", block_size: int = 0, lnc: int | None = None,
+                             seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
+                             ) -> OverrideReport:
+    """trnkit's kernels in a transformers v5 GLM-4-MoE (``Glm4MoeForCausalLM`` / ``Glm4MoeModel``): ``router``
+    (``router_topk``, sigmoid scoring, in every ``mlp.gate``) and ``experts`` (``moe_experts`` in every
+    ``mlp.experts``); returns the per-module report."""
+    ops = {"router_topk": router, "moe_experts": experts}
+    return _apply("apply_trnkit_to_glm4_moe", model, ops, impl, policy, block_size, lnc, seq_len, batch_size, dry_run)
+
+
+def apply_trnkit_to_gpt_oss(model: nn.Module, *, experts: OpArg = True, impl: str = "nki", policy: str = "strict",
+                            block_size: int = 0, lnc: int | None = None, seq_len: int | None = None,
+                            batch_size: int = 1, dry_run: bool = True) -> OverrideReport:
+    """trnkit's kernels in a transformers v5 GPT-OSS (``GptOssForCausalLM`` / ``GptOssModel``): ``experts``
+    (``moe_experts`` with the clamped SwiGLU and biases, in every ``mlp.experts``; its router keeps its own code:
+    its logits have a bias ``router_topk`` has no term for); returns the per-module report."""
+    return _apply("apply_trnkit_to_gpt_oss", model, {"moe_experts": experts}, impl, policy, block_size, lnc, seq_len,
+                  batch_size, dry_run)
 
 
 def revert(model: nn.Module) -> int:

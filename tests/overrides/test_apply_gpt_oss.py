@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import TOKENS, hf_logits_and_grads
 from tests.tolerances import assert_close
-from trnkit.hf import revert
+from trnkit.hf import apply_trnkit_to_gpt_oss, revert
 from trnkit.overrides import OverrideConstraintError, apply_overrides
 from trnkit.overrides.hf_modules import deinterleave, swapped
 
@@ -34,10 +34,14 @@ def _model(**overrides):
     return model
 
 
-def test_gpt_oss_experts_swapped_with_model_parity() -> None:
+@pytest.mark.parametrize("entry_point", [False, True], ids=["apply_overrides", "trnkit.hf"])
+def test_gpt_oss_experts_swapped_with_model_parity(entry_point: bool) -> None:
     model = _model()
     ref_out, ref_grads = hf_logits_and_grads(model)
-    report = apply_overrides(model, ops=["router_topk", "moe_experts"], policy="strict")
+    if entry_point:  # the family's entry point: experts only
+        report = apply_trnkit_to_gpt_oss(model)
+    else:
+        report = apply_overrides(model, ops=["router_topk", "moe_experts"], policy="strict")
     try:
         rows = {(r.module, r.op): r.status for r in report.rows}
         assert rows == {(f"model.layers.{i}.mlp.experts", "moe_experts"): "swapped" for i in (0, 1)}, report.table()

@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import hf_logits_and_grads
 from tests.tolerances import assert_close
-from trnkit.hf import revert
+from trnkit.hf import apply_trnkit_to_deepseek_v3, apply_trnkit_to_glm4_moe, apply_trnkit_to_qwen3_moe, revert
 from trnkit.overrides import OverrideConstraintError, apply_overrides
 
 
@@ -39,11 +39,18 @@ def _model(family: str, **overrides):
     return model
 
 
+ENTRY_POINTS = {"deepseek_v3": apply_trnkit_to_deepseek_v3, "glm4_moe": apply_trnkit_to_glm4_moe}
+
+
+@pytest.mark.parametrize("entry_point", [False, True], ids=["apply_overrides", "trnkit.hf"])
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
-def test_sigmoid_router_and_experts_swapped_with_parity(family: str) -> None:
+def test_sigmoid_router_and_experts_swapped_with_parity(family: str, entry_point: bool) -> None:
     model = _model(family)
     ref_out, ref_grads = hf_logits_and_grads(model)
-    report = apply_overrides(model, ops=["router_topk", "moe_experts"], policy="strict")
+    if entry_point:  # the family's own entry point: router and experts by default
+        report = ENTRY_POINTS[family](model)
+    else:
+        report = apply_overrides(model, ops=["router_topk", "moe_experts"], policy="strict")
     try:
         rows = {(r.module, r.op): r.status for r in report.rows}
         for layer in (0, 1):
@@ -75,3 +82,14 @@ def test_group_limited_routing_is_refused_with_the_reason() -> None:
     report = apply_overrides(model, ops=["router_topk"], policy="strict")
     revert(model)
     assert {r.status for r in report.rows if r.op == "router_topk"} == {"swapped"}
+
+
+def test_an_entry_point_refuses_another_family() -> None:
+    model = _model("glm4_moe")
+    with pytest.raises(ValueError, match=r"trnkit\.hf\.apply_trnkit_to_deepseek_v3: expects a transformers model of "
+                                         r"type \['deepseek_v3'\], got Glm4MoeForCausalLM \(model_type 'glm4_moe'\); "
+                                         r"use trnkit\.hf\.apply_trnkit_to_glm4_moe"):
+        apply_trnkit_to_deepseek_v3(model)
+    with pytest.raises(ValueError, match=r"use trnkit\.hf\.apply_trnkit_to_glm4_moe"):
+        apply_trnkit_to_qwen3_moe(model)
+    assert revert(model) == 0  # nothing was swapped
