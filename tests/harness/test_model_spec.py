@@ -1,6 +1,6 @@
-"""The ModelSpec protocol: both shipped families implement it, and a new family is one module plus one
-line in ``trnkit.harness.families.FAMILIES`` -- the trainer trains, checkpoints, resumes and exports it
-without knowing what it is."""
+"""The ModelSpec protocol: both shipped families implement it, and a new family is one module, named by its
+module path in the config (or by a short name, its line in ``trnkit.harness.families.FAMILIES``) -- the trainer
+trains, checkpoints, resumes and exports it without knowing what it is."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_unknown_family_names_the_known_forms() -> None:
 
 @pytest.fixture()
 def bigram(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the one change a new family needs: its line in the table (its module here is a test module)
+    # a short name for the family: its line in the table (its module here is a test module)
     monkeypatch.setitem(families.FAMILIES, "bigram", (bigram_family.__name__, "<hidden size>"))
 
 
@@ -71,3 +71,22 @@ def test_a_new_family_s_errors_reach_the_user(bigram: None, tmp_path: Path, tiny
                                               corpus_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.spec: bigram:<hidden size> needs a number, got 'x'"):
         run(tiny_config(tmp_path, tiny_tokenizer, corpus_dir, model={"spec": "bigram:x", "config": {}}))
+
+
+def test_a_family_of_your_own_is_named_by_its_module_path(tmp_path: Path, tiny_tokenizer: str,
+                                                         corpus_dir: Path) -> None:
+    """No change to trnkit: ``model.spec = "<package.module>:<argument>"`` builds the family that module offers."""
+    spec = f"{bigram_family.__name__}:32"
+    assert "bigram" not in families.FAMILIES
+    res = run(tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, model={"spec": spec, "config": {"vocab": 384}},
+                          training={"steps": 3}, optimizer={"lr": 1e-1}, lr_scheduler={"decay_type": "constant"}))
+    assert isinstance(res.model, bigram_family.Bigram)
+    assert abs(res.losses[1] - math.log(384)) < 0.05 and res.losses[3] < res.losses[1]
+    with pytest.raises(ConfigError, match=r"model\.spec: no module 'no_such_pkg\.family' for the family of "
+                                          r"'no_such_pkg\.family:1' \(No module named 'no_such_pkg'\)"):
+        run(tiny_config(tmp_path / "a", tiny_tokenizer, corpus_dir, model={"spec": "no_such_pkg.family:1"}))
+    with pytest.raises(ConfigError, match=r"model\.spec: module 'tests\.harness\.helpers' has no build_spec\("):
+        run(tiny_config(tmp_path / "b", tiny_tokenizer, corpus_dir, model={"spec": "tests.harness.helpers:1"}))
+    with pytest.raises(ConfigError, match=r"must be 'qwen3:<flavor>' or 'hf:<path>', got 'bigram:32' \(a family of "
+                                          r"your own: '<package\.module>:<argument>'"):
+        load_config(None, ["--model.spec", "bigram:32"])

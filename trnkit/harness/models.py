@@ -1,9 +1,10 @@
 """Model families behind one interface: ``model.spec = "<family>:<argument>"`` -> a :class:`ModelSpec`.
 
-:data:`trnkit.harness.families.FAMILIES` maps each family to the module that implements it; a module offers
+:data:`trnkit.harness.families.FAMILIES` maps each shipped family to the module that implements it (a family of
+your own is named by its module path, ``"<package.module>:<argument>"``); a module offers
 ``build_spec(argument, overrides, *, name, seq_len, aux_loss_coef, kernels) -> ModelSpec`` and, when its model
 config is a dataclass, ``CONFIG_CLASS``: ``model.config``'s overrides are then checked against that
-class's fields and types here. A new model family is one module and one line in that table.
+class's fields and types here. A new model family is one module.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import typing
 
 from trnkit.harness.config import ConfigError, TrainerConfig, _suggest, coerce
-from trnkit.harness.families import FAMILIES, spec_family
+from trnkit.harness.families import family_module, spec_family
 from trnkit.model_spec import ModelSpec
 
 
@@ -23,7 +24,17 @@ def build_spec(cfg: TrainerConfig) -> ModelSpec:
     ConfigError naming the key, the rule and the value."""
     spec = cfg.model.spec
     family, arg = spec_family(spec)
-    module = importlib.import_module(FAMILIES[family][0])
+    name = family_module(family)
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (name == e.name or name.startswith(e.name + ".")):  # else: one it imports
+            raise
+        raise ConfigError(f"config model.spec: no module {name!r} for the family of {spec!r} ({e}); it must be "
+                          "importable (on sys.path or PYTHONPATH)") from e
+    if not callable(getattr(module, "build_spec", None)):
+        raise ConfigError(f"config model.spec: module {name!r} has no build_spec(argument, overrides, *, name, "
+                          "seq_len, aux_loss_coef, kernels) function")
     overrides = dict(cfg.model.config)
     schema = getattr(module, "CONFIG_CLASS", None)
     if schema is not None:
