@@ -55,6 +55,19 @@ def _read(t):
     nisa.tensor_copy(dst=nl.ndarray(t.shape, nl.float32, buffer=nl.sbuf, name="scratch"), src=t)
 
 
+def _read_after_all(tiles):
+    """Read every tile after a column that depends on all of them: ``g`` sums each tile's first column,
+    then each tile is read with ``g`` added. No tile's last read can move above the last tile's write,
+    so all are live at once in any order the compiler may choose."""
+    g = nl.ndarray((128, 1), nl.float32, buffer=nl.sbuf, name="g")
+    nisa.memset(dst=g, value=0.0)
+    for t in tiles:
+        nisa.tensor_tensor(dst=g, data1=g, data2=t[:, 0:1], op=nl.add)
+    for t in tiles:
+        nisa.tensor_scalar(dst=nl.ndarray(t.shape, nl.float32, buffer=nl.sbuf, name="scratch"), data=t,
+                           op0=nl.add, operand0=g)
+
+
 def _line(marker):
     """``test_core_memory.py:N`` of the line of this file that contains ``marker``."""
     lines = open(__file__).read().splitlines()
@@ -135,8 +148,7 @@ def _psum_banks_scenario(extra: bool) -> memory.Memory:
         tiles.append(nl.ndarray((128, 16), nl.float32, buffer=nl.psum, name="x"))  # site-x
     for t in tiles:
         _write(t)
-    for t in tiles:
-        _read(t)
+    _read_after_all(tiles)
     return memory.current().memory
 
 
@@ -151,8 +163,10 @@ def test_psum_eight_banks_over_live_tiles(ctx):
         mem.check()
     msg = str(err.value)
     assert msg.startswith("PSUM overflow: 10 live PSUM tiles (16448 bytes per partition) need 9 banks "
-                          "of 2048 bytes at instruction 9 (memset), capacity 8 banks; becoming live: "
-                          "'x' 64 B allocated at ")
+                          "of 2048 bytes at instruction 9 (memset), capacity 8 banks, also with every "
+                          "instruction that reads PSUM moved up to the last instruction it depends on "
+                          "(nki.language.no_reorder: without it \"the compiler scheduler is free to "
+                          "reorder independent operations\"); becoming live: 'x' 64 B allocated at ")
     assert _line("# site-x") in msg and "'full0' 2048 B" in msg and "'half1' 1024 B" in msg
 
 
@@ -173,10 +187,52 @@ def test_psum_dead_tiles_kept_in_a_list_do_not_count(ctx):
 
 def test_psum_tiles_live_across_a_loop_overflow(ctx):
     tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum, name=f"acc{i}") for i in range(9)]
-    for t in tiles:  # written first, all read at the end: nine banks live at once
+    for t in tiles:  # written first, all read after a value that needs all nine: nine banks live at once
+        _write(t)
+    _read_after_all(tiles)
+    with pytest.raises(NkiValidationError, match=r"PSUM overflow: 9 live PSUM tiles .* need 9 banks"):
+        ctx.memory.check()
+
+
+def test_psum_reads_move_up_to_the_instructions_they_depend_on(ctx):
+    """Nine tiles written first and each read at the end, independently: in program order nine banks
+    are live, but each read depends only on its tile's write, so the compiler may run it right after
+    that write (one or two banks): accepted, and recorded as needing the reordering."""
+    tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum, name=f"acc{i}") for i in range(9)]
+    for t in tiles:
         _write(t)
     for t in tiles:
         _read(t)
+    with pytest.warns(memory.PsumReorderWarning, match=r"PSUM: 9 banks live at once in program order, 1 with "
+                      r"each PSUM read moved up"):
+        ctx.memory.check()
+    assert ctx.memory.psum_peak_banks == 9 and ctx.memory.psum_reordered_banks == 1
+
+
+def test_psum_reads_do_not_move_out_of_no_reorder_or_a_loop_iteration(ctx):
+    """A read inside ``nl.no_reorder()`` keeps program order ("guarantee that operations inside the block
+    execute in program order"), and nothing moves across a runtime loop iteration's start (the body is
+    one block of code)."""
+    tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum, name=f"acc{i}") for i in range(9)]
+    for t in tiles:
+        _write(t)
+    with nl.no_reorder():
+        for t in tiles:
+            _read(t)
+    with pytest.raises(NkiValidationError, match=r"PSUM overflow: 9 live PSUM tiles .* need 9 banks"):
+        ctx.memory.check()
+    memory.pop_context()
+    ctx = _fresh()
+    tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum, name=f"acc{i}") for i in range(9)]
+    for t in tiles:
+        _write(t)
+
+
+    def body(_):  # one iteration: the reads sit in the loop body
+        for t in tiles:
+            _read(t)
+
+    nl.fori_loop(0, 1, body)
     with pytest.raises(NkiValidationError, match=r"PSUM overflow: 9 live PSUM tiles .* need 9 banks"):
         ctx.memory.check()
 
@@ -206,9 +262,7 @@ def test_kernel_memory_overflow_inside_jit():
         keep = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(9)]
         for t in keep:
             nisa.memset(dst=t, value=0.0)
-        out = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
-        for t in keep:  # all nine accumulators read at the end
-            nisa.tensor_tensor(dst=out, data1=out, data2=t, op=nl.add)
+        _read_after_all(keep)  # all nine accumulators read after a value that needs all of them
         return x
 
     with pytest.raises(NkiValidationError, match="PSUM overflow: 9 live PSUM tiles"):

@@ -72,20 +72,31 @@ def test_fitting_kernels_do_not_warn_and_psum_still_cannot_spill():
 
 
 @nki.jit
-def gate_up_tiles(x, w, evacuate_each: bool):
-    """AWS's moe_cte dropping kernel's shape of work: nine [128, 512] fp32 PSUM tiles, one matmul group
-    each; its form allocates and fills every tile before it reads any (``evacuate_each=False``)."""
-    xs = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=xs, src=x)
-    ws = nl.ndarray((128, 9 * 128), nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=ws, src=w)
+def gate_up_tiles(x, w, evacuate_each: bool, read_after_all: bool = False):
+    """AWS's moe_cte shard_on_I kernels' shape of work: nine [128, 512] fp32 PSUM tiles, one accumulation
+    group of two matmuls (K = 256) each; its form allocates and fills every tile before it reads any
+    (``evacuate_each=False``). ``read_after_all``: each tile is read with a column ``g`` added that sums
+    every tile's first column, so no read can run before the last tile is written."""
+    xs = nl.ndarray((128, 2, 512), nl.float32, buffer=nl.sbuf)
+    ws = nl.ndarray((128, 2, 9 * 128), nl.float32, buffer=nl.sbuf)
+    for k in range(2):  # the two K halves, on the partitions
+        nisa.dma_copy(dst=xs[:, k, :], src=x[k * 128:(k + 1) * 128, :])
+        nisa.dma_copy(dst=ws[:, k, :], src=w[k * 128:(k + 1) * 128, :])
     res = nl.ndarray((128, 9, 512), nl.float32, buffer=nl.sbuf)
     tiles = [nl.ndarray((128, 512), nl.float32, buffer=nl.psum) for _ in range(9)]
     for i, acc in enumerate(tiles):
-        nisa.nc_matmul(dst=acc, stationary=ws[:, i * 128:(i + 1) * 128], moving=xs)
+        for k in range(2):
+            nisa.nc_matmul(dst=acc, stationary=ws[:, k, i * 128:(i + 1) * 128], moving=xs[:, k, :])
         if evacuate_each:
             nisa.tensor_copy(dst=res[:, i, :], src=acc)
-    if not evacuate_each:
+    if read_after_all:
+        g = nl.ndarray((128, 1), nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=g, value=0.0)
+        for acc in tiles:
+            nisa.tensor_tensor(dst=g, data1=g, data2=acc[:, 0:1], op=nl.add)
+        for i, acc in enumerate(tiles):
+            nisa.tensor_scalar(dst=res[:, i, :], data=acc, op0=nl.add, operand0=g)
+    elif not evacuate_each:
         for i, acc in enumerate(tiles):
             nisa.tensor_copy(dst=res[:, i, :], src=acc)
     out = nl.ndarray((128, 9, 512), nl.float32, buffer=nl.shared_hbm)
@@ -93,15 +104,19 @@ def gate_up_tiles(x, w, evacuate_each: bool):
     return out
 
 
-def test_psum_is_checked_in_program_order_where_the_compiler_may_reorder():
-    """neuronx-cc places tiles and orders instructions after tracing (nki-compile-config.rst), so it may
-    interleave each tile's evacuation with the matmuls and compile the all-first form in 8 banks; the
-    interpreter checks PSUM in program order and rejects it (docs/interpreter.md, "Differences from the
-    real compiler"). The interleaved form of the same work runs and gives the product."""
+def test_psum_reads_move_up_to_the_instructions_they_depend_on():
+    """neuronx-cc orders the instructions after tracing ("the compiler scheduler is free to reorder
+    independent operations", nki.language.no_reorder), so it may run each tile's evacuation right after
+    the tile's last matmul: the fill-first form, nine banks in program order, compiles in two and runs
+    here, with the same product as the interleaved form. When every read needs a value computed from all
+    nine tiles, no order fits them in eight banks: rejected."""
     rng = np.random.default_rng(0)
-    x, w = rng.standard_normal((128, 512), np.float32), rng.standard_normal((128, 9 * 128), np.float32)
+    x, w = rng.standard_normal((256, 512), np.float32), rng.standard_normal((256, 9 * 128), np.float32)
     want = np.stack([w[:, i * 128:(i + 1) * 128].T @ x for i in range(9)], axis=1)
     np.testing.assert_allclose(gate_up_tiles(x, w, True), want, rtol=1e-4, atol=1e-3)
+    with pytest.warns(memory.PsumReorderWarning, match="9 banks live at once in program order, 1 with"):
+        np.testing.assert_allclose(gate_up_tiles(x, w, False), want, rtol=1e-4, atol=1e-3)
     with memory.sbuf_spills(), pytest.raises(NkiValidationError, match=r"PSUM overflow: 9 live PSUM tiles "
-                                             r"\(18432 bytes per partition\) need 9 banks"):
-        gate_up_tiles(x, w, False)
+                                             r"\(18432 bytes per partition\) need 9 banks .* also with every "
+                                             r"instruction that reads PSUM moved up"):
+        gate_up_tiles(x, w, False, read_after_all=True)

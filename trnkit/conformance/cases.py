@@ -456,12 +456,12 @@ def _moe_ref_inputs(func: BWMMFunc, lnc: int, top_k: int) -> Callable[[dict], di
 
 
 # rows of test_moe_cte.py's BWMM_LNC2_TEST_CASES (func, H, T, E, B, top_k, I, skip, bias, training, activation,
-# clamps, expert_affinity_multiply_on_I): 20 of its 48 enabled rows, chosen to cover each kernel path its
-# table tests (shard_on_block with token / weight skipping and I up to 3072, shard_on_I with bias, with
-# activation checkpointing and with the affinity multiplied on I). Its other rows run the same paths at other
-# sizes (its E=64 top-8 rows need 8.8 GB here). Its shard_on_I rows at I=3072 and its 6 dropping rows are
-# left out: they fill more PSUM tiles than PSUM holds before reading any (docs/interpreter.md, "Differences
-# from the real compiler")
+# clamps, expert_affinity_multiply_on_I): 26 of its 48 enabled rows, covering each kernel path its table tests
+# (shard_on_block with token / weight skipping and I up to 3072, shard_on_I with bias, with activation
+# checkpointing and with the affinity multiplied on I, at I=2048 and I=3072). Its shard_on_I rows at I=3072
+# fill more PSUM tiles than PSUM holds before reading any: they run because each read may move up to its
+# tile's last matmul (docs/interpreter.md, "Memory and hardware rules"). Its other rows run the same paths at
+# other sizes (its E=64 top-8 rows need 8.8 GB here); its 6 dropping rows have no case yet
 _CLAMP, _NO_CLAMP = (7, None, 8, -9), (None, None, None, None)
 _B, _I, _HW = BWMMFunc.SHARD_ON_BLOCK, BWMMFunc.SHARD_ON_INTERMEDIATE, BWMMFunc.SHARD_ON_INTERMEDIATE_HW
 _MOE_ROWS = [
@@ -485,6 +485,12 @@ _MOE_ROWS = [
     (_B, 3072, 1024, 8, 512, 4, 1536, 1, True, False, "Swish", _CLAMP, False),
     (_B, 3072, 1024, 8, 256, 4, 3072, 1, True, False, "Swish", _CLAMP, False),
     (_B, 3072, 10240, 128, 256, 4, 192, 3, True, False, "Swish", _CLAMP, False),
+    (_I, 3072, 1024, 8, 512, 4, 3072, 0, True, False, "Swish", _NO_CLAMP, False),
+    (_I, 3072, 1024, 8, 512, 4, 3072, 1, True, False, "Swish", _NO_CLAMP, False),
+    (_I, 3072, 1024, 8, 512, 4, 3072, 0, False, True, "Swish", _NO_CLAMP, True),
+    (_I, 3072, 1024, 8, 512, 4, 3072, 1, False, True, "Swish", _NO_CLAMP, True),
+    (_I, 3072, 1024, 8, 512, 4, 3072, 0, False, True, "Swish", _NO_CLAMP, False),
+    (_I, 3072, 1024, 8, 512, 4, 3072, 1, False, True, "Swish", _NO_CLAMP, False),
 ]
 # the one reduced row: the test's hybrid row (T=10240 H=4096 E=4 k=8 I=768) took minutes here
 _MOE_REDUCED = (_HW, 3072, 1024, 8, 512, 4, 2048, 0, False, False, "SiLU", _NO_CLAMP, False)

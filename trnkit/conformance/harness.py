@@ -464,12 +464,15 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
             t0 = time.perf_counter()
             try:
                 # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles
-                # with the default allocator (spilled to the HBM scratchpad: memory.sbuf_spills)
+                # with the default allocator (spilled to the HBM scratchpad: memory.sbuf_spills);
+                # PSUM beyond it in program order may fit in the compiler's order (PsumReorderWarning)
                 with contextlib.redirect_stdout(io.StringIO()), memory.sbuf_spills(), \
                         warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", memory.SbufSpillWarning)
+                    warnings.simplefilter("always", memory.PsumReorderWarning)
                     result = _launch(case, kernel, kernel_in)
                 spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
+                reorders = [w.message for w in caught if issubclass(w.category, memory.PsumReorderWarning)]
             finally:
                 row.seconds = time.perf_counter() - t0
                 if case.cleanup:
@@ -504,7 +507,7 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
         if not ratio <= worst_ratio:  # (NaN: worst)
             worst_ratio, row.max_abs_err, row.allowed_err = ratio, err, allowed
     row.result = PASS if ok_all else MISMATCH
-    row.message = "; ".join(m for m in (case.note, _spill_note(spills)) if m)
+    row.message = "; ".join(m for m in (case.note, _reorder_note(reorders), _spill_note(spills)) if m)
     if not ok_all:
         row.message = "; ".join(f"{n}: max|err| {e:.3g} > {a:.3g}" for n, (e, a) in row.outputs.items()
                                 if not e <= a)
@@ -548,6 +551,15 @@ def _spill_note(spills: list) -> str:
         return ""
     worst = max(spills, key=lambda w: w.excess)
     return f"{len(spills)} program(s) exceed SBUF in program order: {worst}"
+
+
+def _reorder_note(reorders: list) -> str:
+    """One line for the programs whose PSUM fits only reordered (the most banks); "" without any."""
+    if not reorders:
+        return ""
+    worst = max(reorders, key=lambda w: w.program_order)
+    return (f"{len(reorders)} program(s) exceed PSUM in program order ({worst.program_order} banks) and fit in "
+            f"{worst.reordered} with each PSUM read moved up to its dependences")
 
 
 def run_cases(cases: Sequence[Case], root: Path, echo: Callable[[Row], None] | None = None) -> list[Row]:

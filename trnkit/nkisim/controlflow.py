@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import memory as _memory
 from .errors import NkiValidationError, fail
 from .tensor import NkiTensor, VirtualRegister
 
@@ -69,6 +70,11 @@ class Frame:
 
     def describe(self, iteration: int) -> str:
         return f"{self.kind} at {self.site}, iteration {iteration}"
+
+    def next_iteration(self) -> None:
+        """The next iteration starts (the body is one block of code: nothing moves across it)."""
+        self.iteration += 1
+        _memory.current().memory.fence()
 
 
 @dataclass(frozen=True)
@@ -263,6 +269,7 @@ def sync_event(op: str, detail: str, counted: bool = True) -> None:
     program = current()
     if program is not None:
         program.events.append(Event(op, user_site(), detail, program.instructions - int(counted)))
+    _memory.current().memory.pin(fence=True)  # nothing moves across a synchronisation (memory.py)
 
 
 class loop:  # noqa: N801 - used as `with loop(kind, trips):`
@@ -284,6 +291,7 @@ class loop:  # noqa: N801 - used as `with loop(kind, trips):`
             if self.trips is not None:
                 self._event(self.trips)
             self.program.frames.append(self.frame)
+        _memory.current().memory.fence()  # the compiler reorders inside a loop body only (memory.py)
         return self.frame
 
     def _event(self, trips: int) -> None:
@@ -292,6 +300,7 @@ class loop:  # noqa: N801 - used as `with loop(kind, trips):`
 
     def __exit__(self, *exc: Any) -> None:
         self.frame.active = False
+        _memory.current().memory.fence()
         if self.program is not None:
             self.program.frames.pop()
             if self.trips is None and exc[0] is None:
@@ -394,6 +403,8 @@ def instruction(fn: Callable[..., Any]) -> Callable[..., Any]:
             program.counts[name] += 1
             if program.scoped:
                 program.check_operands(name, args, kwargs)
+            if program.no_reorder:  # kept in program order (memory.py, the reordered schedule)
+                _memory.current().memory.pin(fence=True)
         return fn(*args, **kwargs)
     return run
 
@@ -402,5 +413,5 @@ def iterate(kind: str, values: range, loop_var: bool = True) -> Iterator[Registe
     """The iterations of a counted runtime loop: one fresh register per value (passed by value)."""
     with loop(kind, len(values)) as frame:
         for i in values:
-            frame.iteration += 1
+            frame.next_iteration()
             yield Register(i, loop_var=kind if loop_var else "")

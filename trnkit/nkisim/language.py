@@ -283,7 +283,7 @@ def while_loop(init: VirtualRegister, body_fun: Callable[[VirtualRegister], Virt
     with _cf.loop(op, None) as frame:
         cond = init.value
         while cond:
-            frame.iteration += 1
+            frame.next_iteration()
             nxt = body_fun(_cf.Register(cond))
             require(isinstance(nxt, VirtualRegister), op, "the body must return the next condition "
                     "register (a VirtualRegister), got {got!r} ({doc}: the while_loop body can only "
@@ -331,11 +331,13 @@ class _NoReorder:
         program = _cf.current()
         if program is not None:
             program.no_reorder += 1
+        _mem.current().memory.fence()
 
     def __exit__(self, *exc: Any) -> None:
         program = _cf.current()
         if program is not None:
             program.no_reorder -= 1
+        _mem.current().memory.fence()
 
 
 def no_reorder() -> _NoReorder:

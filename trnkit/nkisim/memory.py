@@ -24,7 +24,33 @@ Capacities (trn2 = NeuronCore-v3), per partition:
 * PSUM: 16 KiB = 8 banks x 2 KiB (512 fp32) per partition (trn2 arch guide; ``nl.tile_size.rst``
   ``psum_bank_fmax``). A PSUM tile must fit inside one bank (a matmul accumulation group lives in one
   bank; checked when the tile is allocated). At every instruction the live PSUM tiles must pack into
-  the 8 banks, each tile inside one bank (first-fit decreasing, several small tiles may share a bank).
+  the 8 banks, each tile inside one bank (first-fit decreasing, several small tiles may share a bank),
+  in program order or else in the reordered schedule below.
+
+PSUM and the compiler's reordering. The order of the trace is not the order the hardware runs:
+neuronx-cc "makes both decisions [where each tensor goes in SBUF, PSUM and HBM, and the order in which
+the engines run the instructions] after NKI traces the kernel" (``nki/deep-dives/nki-compile-config.rst``,
+Overview), and "without [``nl.no_reorder``] the compiler scheduler is free to reorder independent
+operations" (``nki.language.no_reorder``). A tile's address is held "at its first write" and released
+"after its last read" (``nki.compiler.Allocation``, LINEAR). So PSUM tiles that need more than the 8 banks
+in program order are judged again on one schedule the compiler may legally produce: every instruction
+that reads or rewrites PSUM tiles written earlier (an evacuation: ``tensor_copy``, ``activation``,
+``tensor_tensor`` ... reading PSUM, and no first write of a PSUM tile) moves up to right after the last
+instruction it depends on, i.e. the last earlier instruction that touched any allocation it touches
+(reads and writes are not told apart: every shared allocation is a dependence, which only forbids more
+moves). Each such move can only end a PSUM tile's life earlier, never start one earlier, so this
+schedule needs at most the banks of program order. The kernel is rejected only if it overflows there
+too: then at least nine tiles are live at once in every order that keeps these dependences (nine tiles
+written before a value that every read of them needs, for example). The docs do not say how neuronx-cc
+picks among legal orders; the interpreter assumes it finds this one when the program order does not fit.
+What does not move (its dependences are not all visible to the interpreter, or the docs forbid it): a
+matmul (its accumulation group keeps its order), an instruction that reads a register or touches HBM, one
+inside ``nl.no_reorder()`` ("guarantee that operations inside the block execute in program order"), a
+cross-core synchronisation (nothing moves above it either), and nothing moves across the start or end of
+a runtime-loop iteration (the body is compiled once; ``NkiInstruction.depends_on``: an edge cannot be
+wired "into or out of a dynamic loop"). The schedule is built as the kernel runs (:meth:`Memory.tick`
+places each instruction) and used only for the PSUM capacity: SBUF and the accumulation groups stay in
+program order. :class:`PsumReorderWarning` reports a kernel that fits only reordered.
 
 Matmul accumulation groups (:meth:`Memory.matmul_write`, checked with the capacities): "A series of
 TensorE matmul instructions with the first one writing to a PSUM bank and more subsequent instructions
@@ -63,7 +89,7 @@ __all__ = [
     "SBUF_PARTITION_BYTES", "SBUF_USABLE_BYTES", "PSUM_BANKS", "PSUM_BANK_BYTES",
     "PSUM_PARTITION_BYTES", "NUM_PARTITIONS", "Allocation", "Memory", "KernelContext",
     "LaunchContext", "current", "push_context", "pop_context", "tick", "instruction",
-    "MAX_ACCUMULATION_GROUPS", "SbufSpillWarning", "sbuf_spills",
+    "MAX_ACCUMULATION_GROUPS", "SbufSpillWarning", "PsumReorderWarning", "sbuf_spills",
 ]
 
 NUM_PARTITIONS = 128
@@ -80,7 +106,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 class Allocation:
     """One SBUF/PSUM allocation: its size and the instructions that first and last touched it."""
 
-    __slots__ = ("name", "buffer", "nbytes", "site", "memory", "first", "last", "groups")
+    __slots__ = ("name", "buffer", "nbytes", "site", "memory", "first", "last", "groups", "reach")
 
     def __init__(self, name: str, buffer: str, nbytes: int, site: str, memory: Memory) -> None:
         self.name = name
@@ -91,16 +117,22 @@ class Allocation:
         self.first = -1  # instruction numbers (Memory.clock) of the first / last access; -1: none
         self.last = -1
         self.groups: list[list[int]] = []  # PSUM: [first, last] matmul of each accumulation group
+        self.reach: tuple[int, int, int] | None = None  # slot of its last access in the reordered schedule
 
     def touch(self) -> None:
         """An instruction running now reads or writes this allocation."""
-        t = self.memory.clock
+        memory = self.memory
+        t = memory.clock
+        if self.last != t or self.first < 0:
+            memory.touching.append(self)
         if self.first < 0:
             self.first = t
         self.last = t
 
-    def describe(self) -> str:
+    def describe(self, reordered: bool = False) -> str:
         span = f"instructions {self.first}..{self.last}" if self.first >= 0 else "never accessed"
+        if reordered and self.reach is not None and self.reach[1]:
+            span += f" (instruction {self.last} can run right after instruction {self.reach[0]})"
         return f"{self.name!r} {self.nbytes} B allocated at {self.site}, {span}"
 
 
@@ -141,6 +173,12 @@ class Memory:
         self.psum_peak_banks = 0  # set by check(): most PSUM banks needed at once
         self.sbuf_spill = 0  # set by check() under sbuf_spills(): most bytes over capacity
         self.sbuf_spill_at = -1  # ... and the instruction where that excess is live
+        self.psum_reordered_banks = 0  # set by check(): banks needed with PSUM reads moved up; 0: in order
+        # the reordered schedule (module doc, "PSUM and the compiler's reordering"), built as it runs:
+        self.touching: list[Allocation] = []  # allocations the running instruction accessed so far
+        self.pinned = False  # the running instruction keeps its place (matmul, register, HBM, sync)
+        self.fencing = False  # ... and nothing after it may move above it (sync, nl.no_reorder)
+        self.fence_slot: tuple[int, int, int] = (-1, 0, -1)  # no moved instruction goes before this
         self._lock = threading.Lock()
 
     def allocate(self, buffer: str, nbytes: int, name: str) -> Allocation | None:
@@ -167,6 +205,7 @@ class Memory:
         accumulates. Call before the instruction touches ``alloc`` (see the module doc)."""
         if alloc is None:
             return
+        self.pinned = True  # a matmul stays in its accumulation group's order
         t = self.clock
         groups = alloc.groups
         if groups and (not starts or alloc.last <= groups[-1][1]):
@@ -194,8 +233,40 @@ class Memory:
     def tick(self, op: str) -> None:
         """Instruction ``op`` (number :attr:`clock`) is done; the next one starts."""
         if self.track:
+            self._place(self.clock)
             self.ops.append(op)
             self.clock += 1
+
+    def pin(self, fence: bool = False) -> None:
+        """The running instruction may not move up in the reordered schedule (it reads a register or
+        HBM, or synchronises); ``fence``: neither may any later instruction move above it."""
+        self.pinned = True
+        self.fencing = self.fencing or fence
+
+    def fence(self) -> None:
+        """No instruction from here on moves above the instructions before (a runtime-loop iteration
+        starts or ends, an ``nl.no_reorder`` block opens or closes)."""
+        if self.track:
+            self.fence_slot = (self.clock - 1, 0, self.clock - 1)
+
+    def _place(self, t: int) -> None:
+        """Slot of instruction ``t`` in the reordered schedule (module doc): ``(t, 0, t)`` where it
+        stands, or ``(a, 1, t)``, right after instruction ``a``, for an instruction that reads PSUM
+        tiles written earlier and moves up to the last instruction it depends on."""
+        touched = self.touching
+        movable = not self.pinned and touched and any(a.buffer == "psum" for a in touched) \
+            and all(a.first < t for a in touched if a.buffer == "psum")
+        if movable:
+            after = max([self.fence_slot] + [a.reach for a in touched if a.reach is not None])
+            slot = (after[0], 1, t)
+        else:
+            slot = (t, 0, t)
+        for a in touched:
+            a.reach = slot
+        if self.fencing:
+            self.fence_slot = slot
+        self.touching = []
+        self.pinned = self.fencing = False
 
     def _op_at(self, t: int) -> str:
         return self.ops[t] if t < len(self.ops) else "the kernel's return"
@@ -204,8 +275,11 @@ class Memory:
         """Raise at the first instruction where the live SBUF bytes or PSUM banks exceed capacity
         (``strict=False``: only measure); then the matmul accumulation groups (always strict).
 
-        Also sets :attr:`sbuf_peak` and :attr:`psum_peak_banks`. Never-accessed allocations take
-        no space (the compiler drops them).
+        Also sets :attr:`sbuf_peak`, :attr:`psum_peak_banks` (in program order) and
+        :attr:`psum_reordered_banks`. Never-accessed allocations take no space (the compiler drops
+        them).
+        PSUM that overflows in program order is judged on the reordered schedule
+        (:meth:`check_psum_reordered`).
         """
         events = []  # (time, 0 = dies / 1 = becomes live, index, allocation); deaths first
         for i, a in enumerate(self.allocations):
@@ -216,7 +290,7 @@ class Memory:
         sbuf_live: dict[int, Allocation] = {}
         psum_live: dict[int, Allocation] = {}
         sbuf_bytes = 0
-        self.sbuf_peak = self.psum_peak_banks = self.sbuf_spill = 0
+        self.sbuf_peak = self.psum_peak_banks = self.sbuf_spill = self.psum_reordered_banks = 0
         for t, born, i, a in events:
             live = sbuf_live if a.buffer == "sbuf" else psum_live
             if not born:
@@ -241,13 +315,8 @@ class Memory:
                 continue
             banks = _pack_banks([x.nbytes for x in psum_live.values()])
             self.psum_peak_banks = max(self.psum_peak_banks, len(banks))
-            if strict and len(banks) > PSUM_BANKS:
-                fail("PSUM overflow", "{n} live PSUM tiles ({used} bytes per partition) need "
-                     "{need} banks of {bank} bytes at instruction {t} ({op}), capacity {banks} "
-                     "banks; becoming live: {new}; live allocations: {live}", n=len(psum_live),
-                     used=sum(banks), need=len(banks), bank=PSUM_BANK_BYTES, t=t,
-                     op=self._op_at(t), banks=PSUM_BANKS, new=a.describe(),
-                     live=_listing(psum_live))
+            if strict and len(banks) > PSUM_BANKS and not self.psum_reordered_banks:
+                self.psum_reordered_banks = self.check_psum_reordered()  # raises unless that fits
         if self.sbuf_spill:
             warnings.warn(SbufSpillWarning(
                 f"SBUF spill: {self.sbuf_peak} bytes per partition live at the peak, "
@@ -255,12 +324,54 @@ class Memory:
                 f"{self.sbuf_spill_at}, {self._op_at(self.sbuf_spill_at)}); compiled with neuronx-cc's "
                 "default allocation the excess goes to the HBM scratchpad (memory.sbuf_spills)", self.sbuf_spill),
                 stacklevel=2)
+        if self.psum_reordered_banks:
+            warnings.warn(PsumReorderWarning(
+                f"PSUM: {self.psum_peak_banks} banks live at once in program order, "
+                f"{self.psum_reordered_banks} with each PSUM read moved up to the instructions it depends on "
+                "(neuronx-cc orders the instructions after tracing)", self.psum_peak_banks,
+                self.psum_reordered_banks), stacklevel=2)
         self.check_accumulation_groups()
 
 
-def _listing(live: dict[int, Allocation]) -> str:
+    def check_psum_reordered(self) -> int:
+        """Raise at the first instruction where the live PSUM tiles need more than eight banks in
+        the reordered schedule (module doc, "PSUM and the compiler's reordering"): a tile is live from
+        its first access to the slot its last access moves up to. Returns the most banks needed."""
+        events = []  # (slot, 0 = becomes live / 1 = dies, index, allocation); births first
+        for i, a in enumerate(self.allocations):
+            if a.buffer == "psum" and a.first >= 0:
+                events.append(((a.first, 0, a.first), 0, i, a))
+                ends = a.reach if a.reach is not None and a.reach[2] == a.last else (a.last, 0, a.last)
+                events.append((ends, 1, i, a))
+        events.sort(key=lambda e: e[:3])
+        live: dict[int, Allocation] = {}
+        peak = 0
+        for slot, dies, i, a in events:
+            if dies:
+                del live[i]
+                continue
+            live[i] = a
+            if len(live) <= peak:
+                continue
+            banks = _pack_banks([x.nbytes for x in live.values()])
+            peak = max(peak, len(banks))
+            if len(banks) > PSUM_BANKS:
+                t = slot[0]
+                fail("PSUM overflow", "{n} live PSUM tiles ({used} bytes per partition) need "
+                     "{need} banks of {bank} bytes at instruction {t} ({op}), capacity {banks} "
+                     "banks, also with every instruction that reads PSUM moved up to the last "
+                     "instruction it depends on (nki.language.no_reorder: without it \"the compiler "
+                     "scheduler is free to reorder independent operations\"); becoming live: {new}; "
+                     "live allocations: {live}",
+                     n=len(live), used=sum(banks), need=len(banks), bank=PSUM_BANK_BYTES, t=t,
+                     op=self._op_at(t), banks=PSUM_BANKS, new=a.describe(True),
+                     live=_listing(live, reordered=True))
+        return peak
+
+
+def _listing(live: dict[int, Allocation], reordered: bool = False) -> str:
     items = sorted(live.values(), key=lambda a: -a.nbytes)
-    return "; ".join(a.describe() for a in items)
+    return "; ".join(a.describe(reordered) for a in items)
 
 
 _launch_counter = itertools.count()
@@ -316,6 +427,17 @@ def capacity_check_off() -> Iterator[None]:
         yield
     finally:
         _capacity_checked = saved
+
+
+class PsumReorderWarning(RuntimeWarning):
+    """A kernel instance's PSUM tiles overflow the eight banks in program order and fit once each PSUM
+    read moves up to the instructions it depends on (module doc): ``program_order`` and ``reordered``
+    are the banks needed at the peak."""
+
+    def __init__(self, message: str, program_order: int = 0, reordered: int = 0) -> None:
+        super().__init__(message)
+        self.program_order = program_order
+        self.reordered = reordered
 
 
 class SbufSpillWarning(RuntimeWarning):

@@ -337,6 +337,8 @@ class NkiTensor:
         rec = self._st.alloc
         if rec is not None:
             rec.touch()
+        else:  # HBM: not tracked by allocation, so the instruction keeps its place (memory.Memory.pin)
+            _memory.current().memory.pin()
         a = self._np
         if a is not None:
             return a
@@ -364,6 +366,7 @@ class NkiTensor:
             return self.offset
         src, mult = self._dyn
         if isinstance(src, VirtualRegister):
+            _memory.current().memory.pin()  # reads a register: keeps its place (memory.Memory.pin)
             value = src.value
         else:
             value = int(src.np().reshape(-1)[0])
@@ -891,6 +894,8 @@ class NkiTensor:
         """The whole storage as a flat array of this view's dtype, recorded as an access."""
         if self._st.alloc is not None:
             self._st.alloc.touch()
+        else:
+            _memory.current().memory.pin()
         return self._st.flat(self.dtype)
 
     def indirect_rows(self, op: str, skip_oob: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
