@@ -64,7 +64,7 @@ from trnkit.kernels.attention.tiling import (
     tiles_view,
     work_units,
 )
-from trnkit.kernels.tiles import identity, program_split
+from trnkit.kernels.tiles import accumulate, identity, program_split, psum_tiles
 from trnkit.nki_api import nisa, nki, nl
 
 BANK = 512  # keys per PSUM bank of fp32 scores (gemm_moving_fmax)
@@ -333,12 +333,14 @@ def _pv(st, v_sb, load):
     """Stage 4: ``O_step = P V`` over the step's keys, one PSUM accumulation group."""
     nq, D, pt = st["nq"], v_sb.shape[2], st["pt"]
     k0, w = st["k0"], st["k1"] - st["k0"]
-    pv_ps = nl.ndarray((nq, D), dtype=nl.float32, buffer=nl.psum)
     nsub = cdiv(w, P)
+    operands = []
     for c in range(nsub):
         kc = min(P, w - c * P)
-        nisa.nc_matmul(dst=pv_ps, stationary=pt[0:kc, c, :], moving=v_sb[0:kc, k0 // P + c, :], accumulate=c > 0)
-        load[PE] = load[PE] + max(64, D) / TENSOR_GHZ
+        operands.append([(pt[0:kc, c, :], v_sb[0:kc, k0 // P + c, :])])
+    pv_ps = psum_tiles([(nq, D)])[0]
+    accumulate([pv_ps], operands)
+    load[PE] = load[PE] + nsub * max(64, D) / TENSOR_GHZ
     st["pt"], st["pv"] = None, pv_ps
 
 
