@@ -360,7 +360,9 @@ _MOE_ENTRY = {BWMMFunc.SHARD_ON_BLOCK: "moe.moe_cte.bwmm_shard_on_block:bwmm_sha
               BWMMFunc.SHARD_ON_INTERMEDIATE:
                   "moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate",
               BWMMFunc.SHARD_ON_INTERMEDIATE_HW:
-                  "moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate_hybrid"}
+                  "moe.moe_cte.bwmm_shard_on_I:blockwise_mm_baseline_shard_intermediate_hybrid",
+              BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING:
+                  "moe.moe_cte.bwmm_shard_on_I:blockwise_mm_shard_intermediate_dropping"}
 
 
 def _moe_test_enum() -> None:
@@ -407,13 +409,34 @@ def _moe_dispatch(t: int, top_k: int, e: int, b: int, n: int, skip_token: bool
     return mask, token_of_slot, block_to_expert, conditions
 
 
+def _moe_dropping_dispatch(t: int, top_k: int, e: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Routing of the dropping kernel's test (one block per expert, every token may go to any expert):
+    each expert in turn takes ``b`` distinct tokens at random among those picked fewer than ``top_k``
+    times so far (all that are left when fewer remain; the rest of its block is token ``t``, the zero
+    row). Returns (token x expert mask: all ones, as the test's, token id per block slot, expert per
+    block). The test draws from numpy's global generator unseeded; this draws after seed 0."""
+    np.random.seed(0)
+    uses = np.zeros(t, dtype=np.int32)
+    token_of_slot = np.full(e * b, t, dtype=np.int32)
+    for expert in range(e):
+        free = np.flatnonzero(uses < top_k)
+        chosen = np.random.choice(free, b, replace=False) if len(free) >= b else free
+        uses[chosen] += 1
+        token_of_slot[expert * b:expert * b + len(chosen)] = chosen
+    return np.ones((t, e)), token_of_slot, np.arange(e, dtype=np.int32)
+
+
 def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_size: int, skip: int,
                 bias: bool, training: bool, act: str, clamps: tuple, lnc: int, multiply_on_i: bool = False
                 ) -> Callable[[], dict[str, Any]]:
     def make() -> dict[str, Any]:
         skip_mode = _lib("moe.moe_cte.moe_cte_utils:SkipMode")(skip in (1, 3), skip in (2, 3))
-        n = _moe_blocks(t, top_k, e, b, lnc if func is BWMMFunc.SHARD_ON_BLOCK else 1)
-        mask, token_of_slot, block_to_expert, conditions = _moe_dispatch(t, top_k, e, b, n, skip_mode.skip_token)
+        if func is BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING:
+            mask, token_of_slot, block_to_expert = _moe_dropping_dispatch(t, top_k, e, b)
+        else:
+            n = _moe_blocks(t, top_k, e, b, lnc if func is BWMMFunc.SHARD_ON_BLOCK else 1)
+            mask, token_of_slot, block_to_expert, conditions = _moe_dispatch(t, top_k, e, b, n,
+                                                                             skip_mode.skip_token)
         np.random.seed(0)
         rows = t if skip_mode.skip_token else t + 1  # without token skipping: one zero row at t
         affinities = np.random.random_sample([rows, e]).astype(BF16)
@@ -442,6 +465,8 @@ def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_si
                 out[key] = v
         if func is BWMMFunc.SHARD_ON_INTERMEDIATE:
             out.update(checkpoint_activation=training, expert_affinity_multiply_on_I=multiply_on_i)
+        if func is BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING:  # checkpoints always, takes no flag for it
+            out["expert_affinity_multiply_on_I"] = multiply_on_i
         if func is BWMMFunc.SHARD_ON_INTERMEDIATE_HW:
             out["conditions"] = conditions
         return out
@@ -456,14 +481,15 @@ def _moe_ref_inputs(func: BWMMFunc, lnc: int, top_k: int) -> Callable[[dict], di
 
 
 # rows of test_moe_cte.py's BWMM_LNC2_TEST_CASES (func, H, T, E, B, top_k, I, skip, bias, training, activation,
-# clamps, expert_affinity_multiply_on_I): 26 of its 48 enabled rows, covering each kernel path its table tests
+# clamps, expert_affinity_multiply_on_I): 32 of its 48 enabled rows, covering each kernel path its table tests
 # (shard_on_block with token / weight skipping and I up to 3072, shard_on_I with bias, with activation
-# checkpointing and with the affinity multiplied on I, at I=2048 and I=3072). Its shard_on_I rows at I=3072
-# fill more PSUM tiles than PSUM holds before reading any: they run because each read may move up to its
-# tile's last matmul (docs/interpreter.md, "Memory and hardware rules"). Its other rows run the same paths at
-# other sizes (its E=64 top-8 rows need 8.8 GB here); its 6 dropping rows have no case yet
+# checkpointing and with the affinity multiplied on I, at I=2048 and I=3072, and the dropping kernel). Its
+# shard_on_I rows at I=3072 and its dropping rows fill more PSUM tiles than PSUM holds before reading any: they
+# run because each read may move up to its tile's last matmul (docs/interpreter.md, "Memory and hardware
+# rules"). Its other rows run the same paths at other sizes (its E=64 top-8 rows need 8.8 GB here)
 _CLAMP, _NO_CLAMP = (7, None, 8, -9), (None, None, None, None)
 _B, _I, _HW = BWMMFunc.SHARD_ON_BLOCK, BWMMFunc.SHARD_ON_INTERMEDIATE, BWMMFunc.SHARD_ON_INTERMEDIATE_HW
+_D = BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING
 _MOE_ROWS = [
     (_B, 3072, 1024, 8, 512, 4, 384, 1, True, False, "Swish", _CLAMP, False),
     (_B, 3072, 1024, 8, 512, 4, 192, 1, True, False, "Swish", _CLAMP, False),
@@ -491,6 +517,12 @@ _MOE_ROWS = [
     (_I, 3072, 1024, 8, 512, 4, 3072, 1, False, True, "Swish", _NO_CLAMP, True),
     (_I, 3072, 1024, 8, 512, 4, 3072, 0, False, True, "Swish", _NO_CLAMP, False),
     (_I, 3072, 1024, 8, 512, 4, 3072, 1, False, True, "Swish", _NO_CLAMP, False),
+    (_D, 1536, 8192, 2, 4096, 2, 6144, 0, False, True, "SiLU", _NO_CLAMP, True),
+    (_D, 2048, 2048, 2, 1024, 2, 8192, 0, False, True, "SiLU", _NO_CLAMP, True),
+    (_D, 4096, 4096, 2, 2048, 8, 1536, 0, False, True, "SiLU", _NO_CLAMP, True),
+    (_D, 1536, 8192, 2, 4096, 2, 6144, 0, False, True, "SiLU", _NO_CLAMP, False),
+    (_D, 2048, 2048, 2, 1024, 2, 8192, 0, False, True, "SiLU", _NO_CLAMP, False),
+    (_D, 4096, 4096, 2, 2048, 8, 1536, 0, False, True, "SiLU", _NO_CLAMP, False),
 ]
 # the one reduced row: the test's hybrid row (T=10240 H=4096 E=4 k=8 I=768) took minutes here
 _MOE_REDUCED = (_HW, 3072, 1024, 8, 512, 4, 2048, 0, False, False, "SiLU", _NO_CLAMP, False)
