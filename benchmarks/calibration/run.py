@@ -181,9 +181,12 @@ def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = 
         return _range(vals), {}
     tr = _kernel_trace(p, dims)
     if p.metric.startswith("active:"):  # the profiler's engine-active share, %
+        # the range spans the settings and the narrow / wide active definitions (cost.ACTIVE_DEFINITIONS)
         engine = p.metric.removeprefix("active:")
-        vals = [100 * _report(p, dims, tr, k).active.get(engine, 0.0) for k in SETTINGS]
-        return _range(vals), {}
+        reports = [_report(p, dims, tr, k) for k in SETTINGS]
+        shares = [100 * r.active.get(engine, 0.0) for r in reports]
+        ends = [100 * a / r.total_ns for r in reports for a in r.active_range_ns.get(engine, (0.0, 0.0))]
+        return (min(shares + ends), shares[1], max(shares + ends)), {}
     if p.metric != "total" and not p.metric.startswith("busy:"):
         vals = [_timeline_metric(p, tr, cost_params.SETTINGS[k]) for k in SETTINGS]
         return _range(vals), {}

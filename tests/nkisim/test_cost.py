@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -127,22 +128,38 @@ def test_sbuf_to_sbuf_dma_uses_the_engine_rate():
 
 
 def test_vector_scalar_gpsimd_formulas():
+    a = MID.access_init_cycles  # Vector / GpSimd: + the per-instruction access set-up (cost_params)
     # fp32 tensor_tensor: max(MIN_II, 2N) at 0.96 GHz
-    assert cost.instr_cost(vec("tensor_tensor", (128, 512))).cycles == 1024
-    assert cost.instr_cost(vec("tensor_tensor", (128, 512))).busy_ns == pytest.approx(1024 / 0.96)
-    assert cost.instr_cost(vec("tensor_tensor", (128, 16))).cycles == 64  # MIN_II floor
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512))).cycles == 1024 + a
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512))).busy_ns == pytest.approx((1024 + a) / 0.96)
+    formula_only = replace(MID, access_init_cycles=0)
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512)), params=formula_only).cycles == 1024
+    assert cost.instr_cost(vec("tensor_tensor", (128, 16))).cycles == 64 + a  # MIN_II floor
     # one input in PSUM: single pass
-    assert cost.instr_cost(vec("tensor_tensor", (128, 512), src_buf="psum")).cycles == 512
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512), src_buf="psum")).cycles == 512 + a
     # bf16 add in SBUF: single pass, then the trn2 2x perf mode
-    assert cost.instr_cost(vec("tensor_tensor", (128, 512), "bfloat16", op="add")).cycles == 256
-    assert cost.instr_cost(vec("tensor_tensor", (128, 512), "bfloat16", op="add"), "trn1").cycles == 512
-    assert cost.instr_cost(vec("tensor_copy", (128, 512), "bfloat16")).cycles == 128  # 4x perf mode
-    assert cost.instr_cost(vec("reciprocal", (128, 512))).cycles == 8 * 512
-    assert cost.instr_cost(vec("iota", (128, 512), "int32", engine="gpsimd")).busy_ns == pytest.approx(662 / 1.2)
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512), "bfloat16", op="add")).cycles == 256 + a
+    assert cost.instr_cost(vec("tensor_tensor", (128, 512), "bfloat16", op="add"), "trn1").cycles == 512 + a
+    assert cost.instr_cost(vec("tensor_copy", (128, 512), "bfloat16")).cycles == 128 + a  # 4x perf mode
+    assert cost.instr_cost(vec("reciprocal", (128, 512))).cycles == 8 * 512 + a
+    assert cost.instr_cost(vec("iota", (128, 512), "int32", engine="gpsimd")).busy_ns == pytest.approx(
+        (662 + a) / 1.2)
     act = cost.instr_cost(vec("activation", (128, 512), engine=SCALAR))
     assert act.busy_ns == pytest.approx(512 / 1.2 + TRN2.act_fixed_ns)  # + the ACTIVATE's fixed time
     assert cost.instr_cost(vec("activation", (128, 512), engine=SCALAR), "trn1").busy_ns == pytest.approx(512 / 1.4)
     assert cost.instr_cost(vec("activation", (128, 512), engine=SCALAR, reduce_res=True)).cycles == 512 + 64
+
+
+def test_every_scalar_instruction_pays_the_activate_fixed_time():
+    # a copy or tensor_scalar on ScalarE runs through the same ACTIVATE pipeline (nki.isa.activate2's
+    # three stages): it cannot dodge the profiled fixed time by not being an ``activation``
+    for op in ("tensor_copy", "tensor_scalar", "activation"):
+        c = cost.instr_cost(vec(op, (128, 512), engine=SCALAR))
+        assert c.busy_ns == pytest.approx(512 / 1.2 + TRN2.act_fixed_ns), op
+    assert cost.instr_cost(vec("tensor_copy", (128, 512), engine=SCALAR), "trn1").busy_ns == pytest.approx(512 / 1.4)
+    # VectorE pays no ACTIVATE time, only its access set-up
+    v = cost.instr_cost(vec("tensor_copy", (128, 512)))
+    assert v.busy_ns == pytest.approx((512 + MID.access_init_cycles) / 0.96)
 
 
 def test_unknown_engine_is_a_clear_error():

@@ -91,10 +91,16 @@ def test_engine_active_is_the_union_of_its_busy_spans():
     instrs, _ = _trace(_activations, a, (nl.exp,))
     rep = cost.estimate(instrs, params=MID)
     load, act, store = cost.timeline(instrs)
-    # DMA: trigger to last byte of the load, and of the store; ScalarE: the table load and the ACTIVATE
+    # DMA (mid): trigger to last byte of the load, and of the store; narrow: first to last byte; wide: to
+    # the completion semaphore's wake-up
     dma_active = (load.end - load.start) + (store.end - store.start)
     assert rep.active_ns[DMA] == pytest.approx(dma_active)
-    assert rep.active_ns[SCALAR] == pytest.approx(act.ready - act.table_load[0])  # to its result
+    bytes_moving = (load.end - load.first_byte) + (store.end - store.first_byte)
+    to_wake = (load.ready - load.start) + (store.ready - store.start)
+    assert rep.active_range_ns[DMA] == pytest.approx((bytes_moving, to_wake))
+    # ScalarE (mid, narrow): the table load and the ACTIVATE's busy time; wide: to its result
+    assert rep.active_ns[SCALAR] == pytest.approx(act.end - act.table_load[0])
+    assert rep.active_range_ns[SCALAR] == pytest.approx((act.end - act.table_load[0], act.ready - act.table_load[0]))
     assert rep.active[DMA] == pytest.approx(dma_active / rep.total_ns)
     assert 0 < rep.active[SCALAR] < 1
 

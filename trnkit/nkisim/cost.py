@@ -117,9 +117,12 @@ class CostReport:
     # total under the optimistic / mid / pessimistic parameter settings (cost_params); all three equal
     # when estimate() ran without ranges
     total_range_ns: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    # per engine, the time it is active as a profiler shows it (list schedule only): a compute engine
-    # while one of its instructions runs, the DMA while any transfer is between trigger and last byte
+    # per engine, the time it is active as a profiler shows it (list schedule only; :func:`_active`): a
+    # compute engine while one of its instructions holds it, the DMA while any transfer is between trigger
+    # and last byte
     active_ns: dict[str, float] = field(default_factory=dict)
+    # per engine, the active time under the narrow and the wide definition (ACTIVE_DEFINITIONS)
+    active_range_ns: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def fraction_range(self) -> tuple[float, float, float]:
@@ -434,6 +437,8 @@ def instr_cost(instr: Instr, chip: str | Chip = "trn2", params: ModelParams = MI
     cycles = _compute_cycles(instr, chip, params)
     if instr.engine != TENSOR and any(o.buffer == "psum" for o in instr.operands):
         cycles += params.psum_access_cycles  # the PSUM access bubble (cost_params)
+    if instr.engine in (VECTOR, GPSIMD):
+        cycles += params.access_init_cycles  # SBUF/PSUM access set-up per instruction (cost_params)
     fixed = params.dependent_overhead_cycles
     if instr.op == "nc_matmul":
         fixed += chip.mm_init_latency_cycles
@@ -446,7 +451,12 @@ def instr_cost(instr: Instr, chip: str | Chip = "trn2", params: ModelParams = MI
         return InstrCost(instr.engine, busy, busy + chip.dma.fixed_ns, chip.dma.fixed_ns,
                          chip.static_overhead_cycles)
     busy = cycles / ghz
-    if instr.op in _ACTIVATE_OPS:  # the ACTIVATE's fixed time (hardware.Chip.act_fixed_ns, profiled)
+    if instr.engine == SCALAR:
+        # The ACTIVATE's fixed time (hardware.Chip.act_fixed_ns, profiled), paid by every ScalarE
+        # instruction: ScalarE runs each one through its activation pipeline ([SDK] nki.isa.activate2:
+        # "a three-stage pipeline per partition: tensor-scalar operations, activation function, optional
+        # reduction"; a tensor_scalar / tensor_copy on ScalarE is that pipeline with the activation
+        # bypassed), so moving a copy to ScalarE does not dodge it.
         busy += chip.act_fixed_ns
     return InstrCost(instr.engine, busy, busy + fixed / ghz, fixed / ghz, cycles)
 
@@ -472,26 +482,34 @@ class _DepTracker:
     nki/deep-dives/nki_perf_guide "Opt #7": a matrix-vector product's K-tiles, accumulated into one PSUM
     tile, issue "roughly every 64 cycles", not every dependent-instruction latency)."""
 
-    def __init__(self) -> None:
-        # per storage key: (p0, p1, lo, hi, finish, written by nc_matmul)
-        self.writes: dict[object, list[tuple[int, int, int, int, float, bool]]] = defaultdict(list)
-        self.reads: dict[object, list[tuple[int, int, int, int, float, bool]]] = defaultdict(list)
+    def __init__(self, same_engine_streaming: bool = False) -> None:
+        # per storage key: (p0, p1, lo, hi, finish, written by nc_matmul, engine, finish for its own engine)
+        self.writes: dict[object, list[tuple]] = defaultdict(list)
+        self.reads: dict[object, list[tuple]] = defaultdict(list)
+        self.streaming = same_engine_streaming
 
-    @staticmethod
-    def _latest(entries: Iterable[tuple], p0: int, p1: int, lo: int, hi: int, skip_matmul: bool = False) -> float:
-        return max((e[4] for e in entries if e[0] < p1 and p0 < e[1] and e[2] < hi and lo < e[3]
-                    and not (skip_matmul and e[5])), default=0.0)
-
-    def ready(self, reads: Iterable, writes: Iterable, matmul: bool = False) -> float:
+    def _latest(self, entries: Iterable[tuple], p0: int, p1: int, lo: int, hi: int, engine: str,
+                skip_matmul: bool = False) -> float:
         t = 0.0
-        for key, p0, p1, lo, hi in reads:
-            t = max(t, self._latest(self.writes.get(key, ()), p0, p1, lo, hi))
-        for key, p0, p1, lo, hi in writes:
-            t = max(t, self._latest(self.writes.get(key, ()), p0, p1, lo, hi, skip_matmul=matmul),
-                    self._latest(self.reads.get(key, ()), p0, p1, lo, hi))
+        for e in entries:
+            if e[0] < p1 and p0 < e[1] and e[2] < hi and lo < e[3] and not (skip_matmul and e[5]):
+                t = max(t, e[7] if self.streaming and e[6] == engine else e[4])
         return t
 
-    def commit(self, reads: Iterable, writes: Iterable, finish: float, matmul: bool = False) -> None:
+    def ready(self, reads: Iterable, writes: Iterable, matmul: bool = False, engine: str = "") -> float:
+        t = 0.0
+        for key, p0, p1, lo, hi in reads:
+            t = max(t, self._latest(self.writes.get(key, ()), p0, p1, lo, hi, engine))
+        for key, p0, p1, lo, hi in writes:
+            t = max(t, self._latest(self.writes.get(key, ()), p0, p1, lo, hi, engine, skip_matmul=matmul),
+                    self._latest(self.reads.get(key, ()), p0, p1, lo, hi, engine))
+        return t
+
+    def commit(self, reads: Iterable, writes: Iterable, finish: float, matmul: bool = False, engine: str = "",
+               own: float | None = None) -> None:
+        """``finish``: when another engine may use the result; ``own``: when the next instruction of the
+        same engine may (``same_engine_streaming``), default ``finish``."""
+        own = finish if own is None else own
         for key, p0, p1, lo, hi in writes:
             # accesses fully covered by this write can never be waited on again (this write waited for
             # them, or, for an accumulating matmul, finishes after them on the in-order TensorE)
@@ -499,9 +517,9 @@ class _DepTracker:
                 if key in table:
                     table[key] = [e for e in table[key]
                                   if not (p0 <= e[0] and e[1] <= p1 and lo <= e[2] and e[3] <= hi)]
-            self.writes[key].append((p0, p1, lo, hi, finish, matmul))
+            self.writes[key].append((p0, p1, lo, hi, finish, matmul, engine, own))
         for key, p0, p1, lo, hi in reads:
-            self.reads[key].append((p0, p1, lo, hi, finish, False))
+            self.reads[key].append((p0, p1, lo, hi, finish, False, engine, own))
 
 
 def _boxes(ins: Instr) -> tuple[Sequence, Sequence]:
@@ -789,7 +807,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Chip,
                    params: ModelParams = MID) -> list[Timing]:
     """Each instruction's :class:`Timing` in the list schedule (recomputed ones ``dropped``)."""
-    deps = _DepTracker()
+    deps = _DepTracker(params.same_engine_streaming)
     # the 16 DMA engines' busy intervals; one timeline for all when every transfer uses all of them
     per_engine = any(c.dma_engines[1] - c.dma_engines[0] not in (0, chip.dma.engines)
                      for i, c in zip(instrs, costs) if i.engine == DMA)
@@ -798,7 +816,8 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     queue_last: dict[object, float] = defaultdict(float)  # last trigger per queue (program-order issue)
     shared: dict[object, _Timeline] = defaultdict(_Timeline)
     recompute = _Recompute() if params.compiler_cse else None
-    engine_free: dict[str, float] = defaultdict(float)
+    engine_free: dict[str, float] = defaultdict(float)  # the end of each engine's last instruction
+    engine_time: dict[str, _Timeline] = defaultdict(_Timeline)  # each compute engine's busy intervals
     writer: dict[object, str] = {}  # storage key -> engine of its last writer
     table = ""  # the activation table loaded on ScalarE
     n_dma = 0
@@ -812,7 +831,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     for k, (ins, c) in enumerate(zip(instrs, costs)):
         reads, writes = _boxes(ins)
         matmul = ins.op == "nc_matmul"
-        ready = deps.ready(reads, writes, matmul)
+        ready = deps.ready(reads, writes, matmul, ins.engine)
         if params.hoist_bounded_by_sbuf and k in plan.allocates:  # the space it takes must be free by then
             ready = max(ready, freed.earliest(plan.older_live[k], plan.allocates[k]))
         if k in plan.spill:  # live tiles exceed SBUF even with loads sunk: spill, reload later
@@ -833,9 +852,12 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
         table_load = None
         if ins.engine == DMA:
             if c.gpsimd_ns:  # software DGE: descriptors written on GpSimd first
-                g0 = max(ready, engine_free[GPSIMD])
-                g0 = shared["sbuf:vector+gpsimd"].place(g0, c.gpsimd_ns)
-                engine_free[GPSIMD] = ready = g0 + c.gpsimd_ns
+                g0 = ready if params.compute_reorder else max(ready, engine_free[GPSIMD])
+                g0 = _fit_all((engine_time[GPSIMD], shared["sbuf:vector+gpsimd"]), g0, c.gpsimd_ns)
+                engine_time[GPSIMD].place(g0, c.gpsimd_ns)
+                shared["sbuf:vector+gpsimd"].place(g0, c.gpsimd_ns)
+                engine_free[GPSIMD] = max(engine_free[GPSIMD], g0 + c.gpsimd_ns)
+                ready = g0 + c.gpsimd_ns
             q = _dma_queue(ins, n_dma, params)
             n_dma += 1
             # the trigger waits on a semaphore from another engine's result ([SDK] nki-dma-overview: "The
@@ -854,33 +876,45 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             for e in used:
                 e.place(t, c.transfer_ns)
             end = t + c.transfer_ns
-            finish = end + params.dma_wake_ns
+            finish = own = end + params.dma_wake_ns
             out_first = t
         else:
-            start = max(ready, engine_free[ins.engine])
             busy = c.busy_ns
+            pre = 0.0  # an activation-table load ScalarE runs first
             if ins.op in _ACTIVATE_OPS and ins.engine == SCALAR:
                 fn = _attr_name(ins.attrs.get("op")).lower()
                 if fn not in _NO_TABLE and fn != table:
-                    table_load = (start, start + chip.act_table_load_ns)
-                    start, table = table_load[1], fn
+                    pre, table = chip.act_table_load_ns, fn
+            # in program order on its engine, or (compute_reorder) in the first gap of the engine after
+            # its inputs are ready: the compiler's scheduler moves an independent instruction ahead
+            t = ready if params.compute_reorder else max(ready, engine_free[ins.engine])
             res = [shared[r] for r in _resources(ins, c, chip)]
-            while res:  # the first time every shared resource is free for the whole instruction
-                t = max(r.fit(start, busy) for r in res)
-                if t == start:
+            mine = engine_time[ins.engine]
+            while True:  # the first time the engine and every shared resource are free for it
+                t = mine.fit(t, pre + busy)
+                t2 = max((r.fit(t + pre, busy) - pre for r in res), default=t)
+                if t2 == t:
                     break
-                start = t
+                t = t2
+            mine.place(t, pre + busy)
             for r in res:
-                r.place(start, busy)
+                r.place(t + pre, busy)
+            if pre:
+                table_load = (t, t + pre)
+            start = t + pre
             end = start + busy
-            engine_free[ins.engine] = end
+            engine_free[ins.engine] = max(engine_free[ins.engine], end)
             finish = start + c.latency_ns
+            # the next instruction of the same engine may start once this one's data streams out: not
+            # before its end, nor before its dependent-instruction interval (MIN_II + fixed latency, the
+            # perf guide's measured 264 cycles for one-element instructions) has passed
+            own = start + max(busy, chip.min_ii_cycles / chip.clocks.ghz(ins.engine) + c.fixed_ns)
             out_first = 0.0
         if recompute is not None:
             if key is not None:
                 recompute.seen[key] = finish
             recompute.wrote(ins)
-        deps.commit(reads, writes, finish, matmul)
+        deps.commit(reads, writes, finish, matmul, ins.engine, own)
         for b in writes:
             writer[b[0]] = ins.engine
         if k in plan.dies:
@@ -894,19 +928,38 @@ def _schedule_end(times: Sequence[Timing], instrs: Sequence[Instr]) -> float:
     return max((t.end if i.engine == DMA else t.ready for t, i in zip(times, instrs)), default=0.0)
 
 
-def _active(times: Sequence[Timing]) -> dict[str, float]:
-    """Per engine, the time it is active as the profiler shows it: a compute engine from an instruction's
-    start to its result (its busy time and its fixed latency: the pipeline is still working on it), and
-    while an activation-table load runs; the DMA while any transfer is between its trigger and its last
-    byte ("DMA active" counts time with any transfer in flight)."""
-    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+# How the profiler counts an engine "active" is not documented; the model reports three definitions
+# (ACTIVE_DEFINITIONS), the middle one as ``CostReport.active``, and the narrow / wide ones as its range.
+ACTIVE_DEFINITIONS = ("narrow", "mid", "wide")
+
+
+def _active(times: Sequence[Timing]) -> dict[str, tuple[float, float, float]]:
+    """Per engine, the time it is active as a profiler shows it, under the (narrow, mid, wide) definitions.
+
+    Compute engines: narrow and mid, while one of its instructions holds it (its busy time, and an
+    activation-table load): the kernel-optimization tutorial's v5 profile gives VectorE 3.08 ms of
+    "instruction time" and 10.55 % active of 28.30 ms (10.9 %), so the profiler's share is instruction
+    time, not instruction time plus the dependent latency; wide, from an instruction's start to its result
+    (the pipeline still works on it). DMA: narrow, while bytes move (first to last byte); mid, while any
+    transfer is between its trigger and its last byte ("DMA active" counts time with any transfer in
+    flight); wide, from its trigger to its completion semaphore's wake-up."""
+    spans: dict[str, list[list[tuple[float, float]]]] = defaultdict(lambda: [[], [], []])
     for t in times:
         if t.dropped:
             continue
-        spans[t.engine].append((t.start, t.end if t.engine == DMA else max(t.end, t.ready)))
+        s = spans[t.engine]
+        if t.engine == DMA:
+            s[0].append((t.first_byte, t.end))
+            s[1].append((t.start, t.end))
+            s[2].append((t.start, t.ready))
+            continue
+        s[0].append((t.start, t.end))
+        s[1].append((t.start, t.end))
+        s[2].append((t.start, max(t.end, t.ready)))
         if t.table_load:
-            spans[t.engine].append(t.table_load)
-    return {e: _union(v) for e, v in spans.items()}
+            for v in s:
+                v.append(t.table_load)
+    return {e: tuple(_union(v) for v in s) for e, s in spans.items()}
 
 
 def _overlap_bound(instrs: Sequence[Instr], costs: Sequence[InstrCost]) -> float:
@@ -964,13 +1017,13 @@ class _Run:
     total: float
     serial: float
     busy: dict[str, float]
-    active: dict[str, float]  # per engine, the time the profiler would show it active (list schedule)
+    active: dict[str, tuple[float, float, float]]  # per engine, active time (narrow, mid, wide definition)
 
 
 def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -> tuple[_Run, list[InstrCost]]:
     costs = [instr_cost(i, chip, params) for i in instrs]
     dropped: set[int] = set()
-    active: dict[str, float] = {}
+    active: dict[str, tuple[float, float, float]] = {}
     if model == "list-schedule":
         times = _list_schedule(instrs, costs, chip, params)
         total = _schedule_end(times, instrs)
@@ -1023,7 +1076,7 @@ def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str
     costs: dict[int, InstrCost] = {}
     for p_instrs in programs:
         p_busy: dict[str, float] = defaultdict(float)
-        p_active: dict[str, float] = defaultdict(float)
+        p_active: dict[str, tuple] = defaultdict(lambda: (0.0, 0.0, 0.0))
         for phase, seg in _sync_phases(p_instrs, len(programs)).items():
             s_instrs = [p_instrs[k] for k in seg]
             run, s_costs = _run(s_instrs, chip, params, model)
@@ -1033,7 +1086,7 @@ def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str
             for e, b in run.busy.items():
                 p_busy[e] += b
             for e, b in run.active.items():
-                p_active[e] += b
+                p_active[e] = tuple(x + y for x, y in zip(p_active[e], b))
         per_program.append((p_instrs, dict(p_busy), dict(p_active)))
     return sum(phase_total.values()), sum(phase_serial.values()), per_program, costs
 
@@ -1059,14 +1112,14 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
     model = "empty" if not instrs else ("list-schedule" if _has_deps(instrs) else "overlap-bound")
 
     busy: dict[str, float] = {}
-    active: dict[str, float] = {}
+    active: dict[str, tuple[float, float, float]] = {}
     compute_bound = memory_bound = 0.0
     total, serial, per_program, costs = _launch(instrs, chip, setting, model) if instrs else (0.0, 0.0, [], {})
     for p_instrs, p_busy, p_active in per_program:
         for e, b in p_busy.items():
             busy[e] = max(busy.get(e, 0.0), b)
         for e, b in p_active.items():
-            active[e] = max(active.get(e, 0.0), b)
+            active[e] = tuple(max(x, y) for x, y in zip(active.get(e, (0.0, 0.0, 0.0)), b))
         p_compute = sum(i.flops / chip.tensor_flops_per_ns(_matmul_dtype(i)) for i in p_instrs if i.flops)
         p_memory = sum(i.hbm_bytes for i in p_instrs) / chip.hbm_bytes_per_ns
         compute_bound = max(compute_bound, p_compute)
@@ -1100,7 +1153,8 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
         dma_bytes=sum(i.dma_bytes for i in instrs),
         by_op={k: (v[0], v[1]) for k, v in by_op.items()},
         total_range_ns=total_range,
-        active_ns={e: active[e] for e in ENGINES if e in active},
+        active_ns={e: active[e][1] for e in ENGINES if e in active},
+        active_range_ns={e: (active[e][0], active[e][2]) for e in ENGINES if e in active},
     )
 
 

@@ -98,6 +98,13 @@ class ModelParams:
     # optimistic and mid (the fit point mamba_v1, on trn1 VectorE with PSUM operands at every step, has no
     # room for it: 60 cycles would put it 24% above its published time), 120 pessimistic (assumed).
     psum_access_cycles: int = 0
+    # Engine cycles per Vector / GpSimd instruction for its SBUF/PSUM access set-up, on top of the ISA
+    # formula. [SDK] nki/deep-dives/nki_perf_guide: "~60 cycles" of access initialisation per instruction
+    # (whether it holds the engine is not said). Chosen at 60 (mid) on the fit point mamba_v2: VectorE-bound
+    # on trn1, 99.63 % VectorE active in 1.61 ms, while its 2,593 VectorE instructions' formulas add up
+    # to 1.45 ms: 60 cycles each is 0.14 ms more. 0 optimistic (the formula alone), 100 pessimistic (the
+    # documented static overhead; assumed). ScalarE's own fixed time is hardware.Chip.act_fixed_ns.
+    access_init_cycles: int = 60
     # Extra TensorE cycles per matmul beyond max(N, 64) (issue overhead not in the documented formula):
     # 0 documented ([SDK] trainium_inferentia2_arch "Cost Model"; nki_perf_guide "Opt #7": matmuls with
     # a short moving tensor issue "roughly every 64 cycles", the formula's floor). Measured bound: the
@@ -111,18 +118,36 @@ class ModelParams:
     # as written needs 2.1 ms of VectorE time, above its measured 1.61 ms at 99.6% VectorE activity; v3
     # (held out) agrees. Pessimistic: no such pass.
     compiler_cse: bool = True
+    # Whether the compiler issues a compute instruction ahead of earlier, independent instructions of the
+    # same engine (each engine still runs its queue in order; the freedom is the order the compiler
+    # writes): [SDK] nki/guides/how-to-scheduling-apis, instructions without data dependencies "could
+    # execute in any order" and the automatic scheduler reorders them. Off: every engine runs the kernel's
+    # instructions in program order, so a dependent instruction's fixed latency leaves its engine idle;
+    # on: a later independent instruction fills that gap. How far the scheduler goes is not documented.
+    compute_reorder: bool = False
+    # Whether an instruction that reads a result of the instruction before it on the same engine may start
+    # as that result streams out (elementwise engines process a partition's elements in order) rather than
+    # a full dependent-instruction latency after its end: the interval is then max(its busy time, MIN_II +
+    # dependent_overhead_cycles), which keeps the perf guide's measured 264-cycle interval for one-element
+    # instructions. Not documented for long instructions; chosen on the fit points mamba_v1 / mamba_v2
+    # (VectorE-bound, 92 / 99.6 % VectorE active on the device, which gaps of the full latency after each
+    # of their dependent VectorE instructions would rule out); off pessimistic.
+    same_engine_streaming: bool = True
 
 
 MID = ModelParams()
 LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619.0, dma_wake_ns=250.0, dma_queues=5,
                   dma_hoist=True, hoist_bounded_by_sbuf=False, gpsimd_elems_per_cycle=1.0,
-                  swdge_cycles_per_row=1.0, psum_single_pass=True, psum_access_cycles=0, dependent_overhead_cycles=160,
-                  matmul_extra_cycles=0, compiler_cse=True)
+                  swdge_cycles_per_row=1.0, psum_single_pass=True, psum_access_cycles=0, access_init_cycles=0,
+                  dependent_overhead_cycles=160,
+                  matmul_extra_cycles=0, compiler_cse=True, compute_reorder=True,
+                  same_engine_streaming=True)
 HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=1013.0, dma_wake_ns=375.0, dma_queues=1,
                    dma_hoist=False, hoist_bounded_by_sbuf=True, gpsimd_elems_per_cycle=0.25,
-                   swdge_cycles_per_row=32.0, psum_single_pass=True, psum_access_cycles=120,
+                   swdge_cycles_per_row=32.0, psum_single_pass=True, psum_access_cycles=120, access_init_cycles=100,
                    dependent_overhead_cycles=240,
-                   matmul_extra_cycles=16, compiler_cse=False)
+                   matmul_extra_cycles=16, compiler_cse=False, compute_reorder=False,
+                   same_engine_streaming=False)
 SETTINGS: dict[str, ModelParams] = {"low": LOW, "mid": MID, "high": HIGH}
 
 PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(ModelParams))
