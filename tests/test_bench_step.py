@@ -194,9 +194,10 @@ def test_line_fit_with_no_steady_state_below_the_op_traces_the_whole_op(monkeypa
 
 
 def test_fused_loss_ends_bracket_mid_at_the_full_vocabulary():
-    # the real kernel: at 2,048 and 4,096 rows the forward's pessimistic end still shows the per-group fixed
-    # work (the target logits on GpSimd), and a line through them put that end below mid at V
+    # the real kernel: where the forward's pessimistic end still shows the per-group fixed work (the target
+    # logits on GpSimd) at the smaller traces, a line through them put that end below mid at V; the line
+    # is taken only from a steady state (which trace sizes reach it depends on the cost model)
     e = step.estimate_op(step.loss_op(2048, 512, 151936, "forward", 2, full=False), "trn2", {})
     assert e.low_ns <= e.mid_ns <= e.high_ns
-    assert e.traced.startswith("4,096 and 8,192 of 151,936 vocabulary rows")
+    assert "of 151,936 vocabulary rows, the straight line through them" in e.traced
     assert e.mid_ns >= e.busy_ns["tensor"] > 0
