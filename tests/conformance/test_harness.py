@@ -376,3 +376,23 @@ def test_kernels_defined_in_a_test_file_run_with_stand_ins_for_its_infrastructur
 
 def triple_ref(x):
     return {"out": x * 3}
+
+
+def test_a_test_module_imports_its_sibling_test_modules_from_the_checkout(fake_checkout):
+    """test_bwmm_bwd_common.py imports helpers from another nki-library test module
+    (``test.integration.nkilib.utils...``): that module is loaded from the checkout too, and no ``test.*``
+    name stays behind."""
+    helper, common = "test/integration/nkilib/utils/helpers.py", "test/integration/nkilib/moe/common.py"
+    common_text = TEST_FILE.split("@pytest_test_metadata")[0] + (
+        "from test.integration.nkilib.utils.helpers import FACTOR\n\n\n"
+        "def tripled(x):\n    return {'out': x * FACTOR}\n")
+    for rel, text in ((helper, "FACTOR = 3.0\n"), (common, common_text)):
+        (fake_checkout / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake_checkout / rel).write_text(text)
+    before = {k for k in sys.modules if k == "test" or k.startswith("test.")}
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    case = Case(kernel="fake", name="tripled", shapes="x[2,4]", entry=f"{common}:triple",
+                reference=f"{common}:tripled", inputs=lambda: {"x": x}, outputs=("out",), rtol=0.0, atol=0.0)
+    row = harness.run_case(case, fake_checkout)
+    assert row.result == harness.PASS and row.max_abs_err == 0.0, row.message
+    assert {k for k in sys.modules if k == "test" or k.startswith("test.")} == before

@@ -628,6 +628,8 @@ SLOW_ONLY = {
     "experimental/collectives/fg_allgather": "its one test row gathers [4096, 4096] on 4 ranks x 2 cores "
                                             "(~4.4 GB resident)",
     "experimental/moe/bwmm_shard_on_H": "its smallest test row runs 47 blocks of 256 tokens x H=5120 (~35 s)",
+    "experimental/moe/bwd": "its smallest test row runs 8 blocks of 512 tokens x H=6144 after its test's numpy "
+                            "forward pass builds the checkpointed activations (~20 s)",
 }
 
 

@@ -1,8 +1,13 @@
 """Conformance cases of nki-library's experimental/moe kernels, written from their test files.
 
+``test/integration/nkilib/experimental/moe/test_bwmm_bwd.py``: ``blockwise_mm_bwd`` (the MoE backward) at
+LNC 2, rtol 2e-2 / atol 1e-5, on rows of its table (see ``_BWD``). Its input builder (routing, weights,
+upstream gradient and the forward activations it checkpoints) and its golden live in the test's own
+module, ``test_bwmm_bwd_common.py``; the cases import that module from the checkout and call both.
+
 ``test/integration/nkilib/experimental/moe/test_bwmm_shard_on_H.py``: ``blockwise_mm_baseline_shard_hidden``
-(blockwise MoE, each core takes half of the hidden dimension) at LNC 2, rtol 2e-2 / atol 1e-5, on five of
-its rows at their shapes (see ``_SHARD_H``). Routing as
+(blockwise MoE, each core takes half of the hidden dimension) at LNC 2, rtol 2e-2 / atol 1e-5, on rows of
+its table at their shapes (see ``_SHARD_H``). Routing as
 the test's ``generate_token_position_to_id_and_experts`` (``np.random.seed(0)``, each token picks
 ``top_k`` distinct experts; experts get ceil(tokens / block) blocks in expert order, the padding blocks
 go to the last expert), then ``np.random.seed(0)`` again for the hidden states and affinities
@@ -18,12 +23,13 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from .harness import Case, first_output
+from .harness import Case, first_output, load_test_module
 
 __all__ = ["moe_experimental_cases", "shard_on_h_golden"]
 
@@ -124,19 +130,87 @@ def shard_on_h_golden(hidden_states: Any, expert_affinities_masked: Any, gate_up
 
 # moe_bwmm_shard_h_test_params rows run here: hidden, tokens, experts, block, top_k, intermediate, dtype, skip,
 # scaling, checkpoint activations (the kernel then also returns the activations; the test compares the output
-# only). Its other 25 rows take 3 to 15 minutes each on the interpreter here (up to 286 blocks of 512 tokens
-# x H=7168, or I up to 2880) and are not run.
+# only). Its other 14 rows are heavier (271 blocks of 512 tokens x H=7168, I=1024 or 2880 over up to 255
+# blocks, fp32 at I=336 or 1024, 383 blocks at k=4) and are not run here for CPU time.
 _SHARD_H = [
     (5120, 8192, 16, 256, 1, 128, BF16, 2, "POST_SCALE", False),
     (5120, 8192, 16, 256, 1, 128, BF16, 0, "NO_SCALE", False),
     (5120, 8192, 16, 256, 1, 128, BF16, 0, "PRE_SCALE", False),
     (1536, 4096, 234, 128, 7, 288, BF16, 1, "POST_SCALE", False),
     (5120, 8192, 128, 256, 1, 128, F32, 0, "POST_SCALE", True),
+    (5120, 8192, 128, 256, 1, 128, BF16, 0, "POST_SCALE", True),
+    (5120, 8192, 16, 256, 1, 512, BF16, 0, "NO_SCALE", False),
+    (5120, 8192, 16, 256, 1, 512, BF16, 0, "PRE_SCALE", False),
+    (6144, 4096, 16, 512, 1, 336, BF16, 0, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 336, BF16, 0, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 336, BF16, 1, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 336, BF16, 2, "POST_SCALE", False),
+    (6144, 4096, 16, 1024, 4, 336, BF16, 1, "POST_SCALE", False),
+    (5120, 8192, 128, 128, 2, 64, BF16, 0, "NO_SCALE", False),
+    (5120, 8192, 128, 128, 2, 64, BF16, 0, "POST_SCALE", False),
+    (5120, 8192, 128, 128, 2, 64, BF16, 0, "PRE_SCALE", False),
 ]
 
 
-def moe_experimental_cases() -> list[Case]:
+# -- experimental/moe/bwd (test_bwmm_bwd.py): the backward kernel, inputs and golden from its test's module ----
+BWD_COMMON = f"{TESTS}/test_bwmm_bwd_common.py"
+
+
+def _checkout() -> Path:
+    """The nki-library checkout the run imports ``nkilib_src`` from."""
+    return Path(importlib.import_module("nkilib_src").__file__).resolve().parents[2]
+
+
+def _bwd_inputs(h: int, t: int, e: int, b: int, k: int, i: int, skip: int, clamps: tuple, bias: bool,
+                act: str) -> Callable[[], dict[str, Any]]:
+    """The kernel's arguments as ``test_bwmm_bwd.py`` builds them: its module's ``build_bwmm_bwd_inputs``
+    (routing, weights, upstream gradient and the forward pass's checkpointed activations), run from the
+    checkout."""
+    def make() -> dict[str, Any]:
+        params = importlib.import_module(f"{EXP}.bwd.moe_bwd_parameters")
+        common = load_test_module(_checkout(), BWD_COMMON)
+        inputs, _, _ = common.build_bwmm_bwd_inputs(
+            tokens=t, hidden=h, intermediate=i, expert=e, block_size=b, top_k=k, dtype=BF16,
+            dma_skip=params.SkipMode(skip in (1, 3), skip in (2, 3)), bias_flag=bias,
+            clamp_limits=params.ClampLimits(*clamps), activation_type=getattr(params.ActFnType, act))
+        return inputs
+    return make
+
+
+# TEST_PARAMS rows of test_bwmm_bwd.py run here: hidden, tokens, experts, block, top_k, intermediate, skip,
+# clamp limits (gate upper, gate lower, up upper, up lower), bias, activation. All bf16, LNC 2. Its other 6
+# rows (I=1024 over 47-143 blocks, 159 blocks of 256 tokens, I=2880 at B=256/1024 and over 32 experts) are
+# not run here for CPU time.
+_NO_CLAMPS, _CLAMPS = (None, None, None, None), (7, -7, 7, -7)
+_BWD = [
+    (6144, 4096, 1, 512, 1, 128, 0, _CLAMPS, False, "SiLU"),
+    (4096, 4096, 2, 512, 2, 384, 0, _NO_CLAMPS, False, "SiLU"),
+    (4096, 4096, 4, 512, 2, 384, 0, _NO_CLAMPS, False, "SiLU"),
+    (6144, 4096, 16, 512, 4, 128, 0, _NO_CLAMPS, False, "SiLU"),
+    (5120, 8192, 16, 512, 1, 256, 0, _NO_CLAMPS, False, "SiLU"),
+    (2880, 4096, 2, 512, 2, 2880, 0, _CLAMPS, True, "Swish"),
+    (2880, 4096, 2, 512, 2, 2880, 1, _CLAMPS, True, "Swish"),
+]
+_BWD_OUTPUTS = ("hidden_states_grad", "expert_affinities_masked_grad", "gate_up_proj_weight_grad",
+                "down_proj_weight_grad")
+
+
+def _bwd_cases() -> list[Case]:
     cases = []
+    for h, t, e, b, k, i, skip, clamps, bias, act in _BWD:
+        flags = [f"skip={skip}", act] + ["clamp"] * (clamps[0] is not None) + ["bias"] * bias
+        cases.append(Case(
+            kernel="experimental/moe/bwd", name=" ".join(flags), shapes=f"T={t} H={h} E={e} B={b} k={k} I={i}",
+            entry=f"{EXP}.bwd.blockwise_mm_backward:blockwise_mm_bwd",
+            reference=f"{BWD_COMMON}:blockwise_mm_bwd_torch_ref", inputs=_bwd_inputs(h, t, e, b, k, i, skip, clamps,
+                                                                                     bias, act),
+            outputs=_BWD_OUTPUTS + ("gate_and_up_proj_bias_grad", "down_proj_bias_grad") * bias, lnc=2,
+            rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/test_bwmm_bwd.py"))
+    return cases
+
+
+def moe_experimental_cases() -> list[Case]:
+    cases = _bwd_cases()
     for h, t, e, b, k, i, dt, skip, mode, ckpt in _SHARD_H:
         flags = [_DT[dt], f"skip={skip}", mode] + ["checkpoint_activation"] * ckpt
         cases.append(Case(

@@ -310,8 +310,10 @@ TEST_MODULE_PREFIX = "nkilib_src._nkilib_tests"  # removed with nkilib_src after
 
 def load_test_module(root: Path, rel_path: str) -> types.ModuleType:
     """nki-library's test file ``rel_path`` (``test/integration/...py``, under ``root``), imported for
-    the kernels it defines, with stand-ins for the ``test.utils`` modules it imports (stdlib ``test``
-    entries are restored afterwards). Its kernels and test data run as they are; nothing is copied."""
+    the kernels and goldens it defines, with stand-ins for the ``test.utils`` modules it imports; the
+    other nki-library test modules it imports (``test.integration...``) are loaded from the checkout the
+    same way (stdlib ``test`` entries are restored afterwards). Its kernels and test data run as they
+    are; nothing is copied."""
     import ast
     import importlib.util
 
@@ -320,14 +322,18 @@ def load_test_module(root: Path, rel_path: str) -> types.ModuleType:
         return sys.modules[name]
     path = root / rel_path
     tree = ast.parse(path.read_text())
-    infra = {n.module: [a.name for a in n.names] for n in ast.walk(tree)
-             if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith(TEST_INFRA + ".")}
-    shadowed = {k: sys.modules.get(k) for k in ["test", TEST_INFRA, *infra]}
+    imported = {n.module: [a.name for a in n.names] for n in ast.walk(tree)
+                if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("test.")}
+    infra = {m: names for m, names in imported.items() if m.startswith(TEST_INFRA + ".")}
+    siblings = {m: load_test_module(root, m.replace(".", "/") + ".py")
+                for m in imported if m not in infra and (root / (m.replace(".", "/") + ".py")).is_file()}
+    shadowed = {k: sys.modules.get(k) for k in ["test", TEST_INFRA, *infra, *siblings]}
     for mod_name, names in infra.items():
         stand = types.ModuleType(mod_name)
         for n in names:
             setattr(stand, n, _TestInfraStandIn(n))
         sys.modules[mod_name] = stand
+    sys.modules.update(siblings)  # found by their full name, so no parent package is needed
     sys.modules["test"], sys.modules[TEST_INFRA] = types.ModuleType("test"), types.ModuleType(TEST_INFRA)
     try:
         spec = importlib.util.spec_from_file_location(name, path)
