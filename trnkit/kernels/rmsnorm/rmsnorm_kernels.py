@@ -21,10 +21,12 @@ the first rows load.
 Backward (``gw = (dy * w).to(x.dtype)``, ``dx = rstd * gw - x * rstd^3 * sum(gw * x) / H``,
 ``dw = sum_rows dy * n``): Vector forms ``gw``, ``n`` and ``prod = dy * n``; the row sum
 ``D' = sum(gw * n)`` (= ``rstd * sum(gw * x)`` up to n's rounding) is a Vector product summed on Scalar.
-``dw``'s sum over rows is a sum over partitions, done on the Tensor engine: each 128-column piece of
-``prod`` is the stationary operand of a matmul whose moving operand is a one-hot ``[P, NC]`` matrix
-(ones in column c), so every piece accumulates into column c of one ``[128, NC]`` fp32 PSUM tile across
-all chunks (one accumulation group for the whole kernel). For wide rows (H >= 512) ``dx`` is summed
+``dw``'s sum over rows is a sum over partitions, done on the Tensor engine: each 128-column piece c of
+a row of ``prod`` is the stationary operand of a matmul whose moving operand is the rows' ``rstd``
+column (rounded to prod's dtype), accumulating into column c of one ``[128, NC]`` fp32 PSUM tile across
+all chunks (one accumulation group for the whole kernel). The per-row statistics (``rstd^3``, the bf16
+parts of the diagonal scalars) are tiny ``[P, NT]`` instructions, issued on the otherwise idle GpSimd
+engine so Vector's queue keeps to the passes over the rows. For wide rows (H >= 512) ``dx`` is summed
 on the Tensor engine too: ``dx = diag(rstd) @ gw + diag(-c) @ x (+ I @ grad_s)`` into an fp32 PSUM
 bank, the per-row scalars split into bf16 hi + lo parts for bf16 operands (so the sum is as exact as
 fp32 arithmetic), copied out by Scalar (the one rounding). Narrow rows (Qwen3's head norm, H = 128)
@@ -376,26 +378,19 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     return y, rstd
 
 
-def _one_hot(NC, dtype):
-    """``E [P, NC, NC]``, ``E[:, c, :]`` = ones in column c: the moving operands of the dw column sums."""
-    e = nl.ndarray((P, NC, NC), dtype=dtype, buffer=nl.sbuf)
-    nisa.memset(dst=e, value=0.0)
-    for c in range(NC):
-        nisa.memset(dst=e[:, c, c:c + 1], value=1.0)
-    return e
-
-
-def _split(col, dtype):
+def _split(col, dtype, hi16=None):
     """fp32 ``[Pc, NT]`` -> ``(col, lo)`` where ``lo = col - round_dtype(col)`` (fp32): scaling a ``dtype``
     operand by ``col`` and by ``lo``, each rounded to ``dtype``, gives ``round(col) + round(lo)``, within
-    fp32 rounding of col (``lo`` is None for fp32, which the Tensor engine takes whole)."""
+    fp32 rounding of col (``lo`` is None for fp32, which the Tensor engine takes whole). ``hi16``:
+    ``round_dtype(col)`` when the caller has it already."""
     if dtype == nl.float32:
         return col, None
     Pc, NT = col.shape
-    hi16 = nl.ndarray((Pc, NT), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=hi16, src=col)
+    if hi16 == None or hi16.dtype != dtype:  # noqa: E711
+        hi16 = nl.ndarray((Pc, NT), dtype=dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=hi16, src=col, engine=nisa.gpsimd_engine)
     lo = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lo, data1=col, data2=hi16, op=nl.subtract)
+    nisa.tensor_tensor(dst=lo, data1=col, data2=hi16, op=nl.subtract, engine=nisa.gpsimd_engine)
     return col, lo
 
 
@@ -410,11 +405,11 @@ def _diags(ident, parts, j, Pc, dtype):
     return out
 
 
-def _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, ident, Pc, NT, H):
+def _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, ident, Pc, NT, H, rstd16):
     """``dx = diag(rstd) @ gw + diag(-c) @ x (+ I @ grad_s)`` per row, summed in an fp32 PSUM bank per 512
     columns and copied out by Scalar (the one rounding)."""
     dt = x_t.dtype
-    r_parts = _split(rstd_t, dt)
+    r_parts = _split(rstd_t, dt, rstd16)
     c_parts = _split(negc_t, dt)
     for j in range(NT):
         dr = _diags(ident, [r_parts[0], r_parts[1]], j, Pc, dt)
@@ -488,29 +483,22 @@ def _store_dw(dw, dw_ps, n_prog, pid, NC):
     nisa.dma_copy(dst=dw.ap(pattern=[[1, half], [P, NC]], offset=pid * half), src=out)
 
 
-def _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC, opens=False):
-    """Row j of the chunk into the dw column sums: ``dw_ps[:, c] += sum_p prod[p, j, c*P + m] * rstd[p, j]``
-    for every 128-column piece c. The moving operand is the one-hot ``[Pc, NC]`` scaled by rstd (one
-    Scalar pass; rstd rounded to prod's dtype, an error of each row's weight that averages out over the
-    rows, far below dw's own rounding)."""
-    mv = nl.ndarray((Pc, NC, NC), dtype=prod.dtype, buffer=nl.sbuf)
-    nisa.activation(dst=mv, op=nl.copy, data=onehot[:Pc, :, :], scale=rstd_t[:, j:j + 1])
-    operands = []
-    for c in range(NC):
-        operands.append([(prod[:, j, c * P:(c + 1) * P], mv[:, c, :])])
-    accumulate([dw_ps], operands, start=opens)  # the program's first matmul opens the group
-
-
-def _dw_matmuls_narrow(dw_ps, prod, rstd_t, Pc, NT, opens=False):
-    """:func:`_dw_matmuls` for rows of one 128-column piece: the moving operand of row j is rstd's column j
-    itself, rounded to prod's dtype once for the whole chunk (the same values as the one-hot scaled)."""
+def _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, opens=False):
+    """The chunk's rows into the dw column sums: ``dw_ps[m, c] += sum_p prod[p, j, c*P + m] * rstd[p, j]``
+    for every row j and 128-column piece c (its own column of the PSUM tile). The moving operand is rstd's
+    column j itself, rounded to prod's dtype once for the whole chunk (an error of each row's weight that
+    averages out over the rows, far below dw's own rounding); the program's first row opens each column.
+    Returns that rounded rstd."""
     r = nl.ndarray((Pc, NT), dtype=prod.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=r, src=rstd_t)
+    nisa.tensor_copy(dst=r, src=rstd_t, engine=nisa.gpsimd_engine)
     for j in range(NT):
-        accumulate([dw_ps], [[(prod[:, j, 0:P], r[:, j:j + 1])]], start=opens and j == 0)
+        for c in range(NC):
+            nisa.nc_matmul(dst=dw_ps[:, c:c + 1], stationary=prod[:, j, c * P:(c + 1) * P], moving=r[:, j:j + 1],
+                           accumulate=not (opens and j == 0))
+    return r
 
 
-def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt, load, first=False):
+def _bwd_sums(tiles, chunk, w_sb, dw_ps, out_dt, load, first=False):
     """Stage 1 of a backward chunk: ``gw = dy * w``, the dw matmuls, ``D = sum(gw * x)`` per row."""
     dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
     r0, Pc, NT = chunk
@@ -524,33 +512,29 @@ def _bwd_sums(tiles, chunk, w_sb, onehot, dw_ps, out_dt, load, first=False):
     if HP > H:
         nisa.memset(dst=prod[:, :, H:HP], value=0.0)
     nisa.tensor_tensor(dst=prod[:, :, 0:H], data1=dy_t, data2=x_t, op=nl.multiply)
-    if NC == 1:
-        _dw_matmuls_narrow(dw_ps, prod, rstd_t, Pc, NT, first)
-    else:
-        for j in range(NT):
-            _dw_matmuls(dw_ps, prod, rstd_t, onehot, j, Pc, NC, first and j == 0)
+    rstd16 = _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first)
     t_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=t_t, data1=gw_t, data2=x_t, op=nl.multiply)
     load[0] = load[0] + 2 * _tt_ns(NT * H, x_t.dtype) + _tt_ns(NT * H, out_dt)
     d_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     if H >= WIDE:
         _row_sums(d_t, t_t, Pc, NT, H, nl.copy, [0.0, 0.0])
-        return (gw_t, x_t, gs_t, rstd_t, d_t, chunk, None, None, None)
+        return (gw_t, x_t, gs_t, rstd_t, d_t, chunk, None, None, None, rstd16)
     # narrow rows: the products are already in SBUF: one Vector reduction (2-byte input: half a cycle per
     # element); then -c and the start of dx
     nisa.tensor_reduce(dst=d_t, op=nl.add, data=t_t, axis=2)
     load[0] = load[0] + _tt_ns(NT * H, x_t.dtype)
     negc = _neg_c(rstd_t, d_t, H)
     u, vector_rows = _dx_narrow_start(x_t, negc, Pc, NT, H, load)
-    return (gw_t, x_t, gs_t, rstd_t, d_t, chunk, negc, u, vector_rows)
+    return (gw_t, x_t, gs_t, rstd_t, d_t, chunk, negc, u, vector_rows, rstd16)
 
 
 def _neg_c(rstd_t, d_t, H):
     """``-c = -rstd^3 * D / H`` per row ``[Pc, NT]``."""
     Pc, NT = rstd_t.shape
     r3 = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=r3, data1=rstd_t, data2=rstd_t, op=nl.multiply)
-    nisa.tensor_tensor(dst=r3, data1=r3, data2=rstd_t, op=nl.multiply)
+    nisa.tensor_tensor(dst=r3, data1=rstd_t, data2=rstd_t, op=nl.multiply, engine=nisa.gpsimd_engine)
+    nisa.tensor_tensor(dst=r3, data1=r3, data2=rstd_t, op=nl.multiply, engine=nisa.gpsimd_engine)
     negc = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=negc, data=d_t, op0=nl.multiply, operand0=-1.0 / H, op1=nl.multiply,
                               operand1=r3)
@@ -559,12 +543,12 @@ def _neg_c(rstd_t, d_t, H):
 
 def _bwd_dx(state, dx, ident, load):
     """Stage 2 of a backward chunk: ``dx = rstd * gw - c * x (+ grad_s)`` (wide rows: ``-c`` here too)."""
-    gw_t, x_t, gs_t, rstd_t, d_t, chunk, negc, u, vector_rows = state
+    gw_t, x_t, gs_t, rstd_t, d_t, chunk, negc, u, vector_rows, rstd16 = state
     r0, Pc, NT = chunk
     H = x_t.shape[2]
     dx_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
     if H >= WIDE:
-        _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, _neg_c(rstd_t, d_t, H), ident, Pc, NT, H)
+        _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, _neg_c(rstd_t, d_t, H), ident, Pc, NT, H, rstd16)
     else:
         _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc, u, vector_rows, load)
     nisa.dma_copy(dst=_rows(dx, r0, Pc, NT, H), src=dx_t)
@@ -584,7 +568,6 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
     n_prog, pid = program_split()
     chunks = _own_chunks(N, H, x.dtype, n_prog, pid)
     w_sb = _weight_rows(w, H)
-    onehot = _one_hot(NC, out_dt)
     ident = identity(x.dtype)
     dw_ps = nl.ndarray((P, NC), dtype=nl.float32, buffer=nl.psum)
     if len(chunks) == 0:  # no rows here: zero partial sums
@@ -603,7 +586,7 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
                 nisa.dma_copy(dst=r_k, src=_row_stats(rstd, r0k, Pk, NTk))
                 tl.append(r_k)
                 loads.append(tl)
-            cur = _bwd_sums(loads[i], chunks[i], w_sb, onehot, dw_ps, out_dt, load, i == 0)
+            cur = _bwd_sums(loads[i], chunks[i], w_sb, dw_ps, out_dt, load, i == 0)
             loads[i] = None
         if pending != None:  # noqa: E711
             _bwd_dx(pending, dx, ident, load)
