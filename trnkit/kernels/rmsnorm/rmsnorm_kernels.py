@@ -322,6 +322,182 @@ def _fwd_output(state, y, rstd, w_sb, out_dt, f):
     nisa.dma_copy(dst=_rows(y, r0, Pc, NT, H), src=y_t)
 
 
+def _bank_slots(Pc, NT, dtype):
+    """Row slots j whose transposed ``[<=128, Pc]`` blocks share one 2 KiB PSUM bank."""
+    isz = 4 if dtype == nl.float32 else 2
+    return max(1, min(NT, 2048 // (Pc * isz)))
+
+
+def _narrow_consts(H, eps):
+    """``(inv_h [P, 1], eps_row [1, P], ones_row [1, P])`` fp32: the moving column ``1/H`` that turns a matmul
+    sum of squares into the mean, and the operands of the matmul adding eps to every row's mean."""
+    inv_h = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=inv_h, value=1.0 / H)
+    eps_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=eps_row, value=eps)
+    ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_row, value=1.0)
+    return inv_h, eps_row, ones_row
+
+
+def _mean_squares_group(ms, xt, group, inv_h):
+    """One group of transposed blocks into the row means: Scalar squares ``xt`` ``[hw, gn, Pc]`` (PSUM ->
+    SBUF fp32), then per row slot j the Tensor engine sums its column piece over the partitions:
+    ``ms[:, j] (+)= sq[:, g, :].T @ (1/H)`` (the first column piece opens column j, the next add to it)."""
+    h0, hw, j0, gn = group
+    Pc = xt.shape[2]
+    sq = nl.ndarray((hw, gn, Pc), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sq, op=nl.square, data=xt)
+    for g in range(gn):
+        nisa.nc_matmul(dst=ms[:, j0 + g:j0 + g + 1], stationary=sq[:, g, :], moving=inv_h[:hw, :],
+                       accumulate=h0 > 0)
+
+
+def _narrow_means(src, consts, chunk, H):
+    """``mean(x^2) + eps`` ``[Pc, NT]`` fp32 in PSUM for rows narrower than ``WIDE``: the Tensor engine
+    transposes each row slot's ``[Pc, <=128]`` column piece into PSUM (H on the partitions, a bank's worth
+    of slots per group), Scalar squares a whole group per instruction, a matmul against a ``1/H`` column
+    sums the squares over the partitions into column j (the products of a power-of-two 1/H are exact),
+    and one more matmul adds eps to every row. The transposes of group k+1 are issued before the sums of
+    group k, so the Tensor engine works while Scalar squares."""
+    inv_h, eps_row, ones_row = consts
+    r0, Pc, NT = chunk
+    ms = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
+    G = _bank_slots(Pc, NT, src.dtype)
+    groups = []  # (first column, width, first row slot, slots)
+    for h0 in range(0, H, P):
+        for j0 in range(0, NT, G):
+            groups.append((h0, min(P, H - h0), j0, min(G, NT - j0)))
+    pending = None
+    for k in range(len(groups) + 1):
+        cur = None
+        if k < len(groups):
+            h0, hw, j0, gn = groups[k]
+            xt = nl.ndarray((hw, gn, Pc), dtype=src.dtype, buffer=nl.psum)
+            for g in range(gn):
+                nisa.nc_transpose(dst=xt[:, g, :], data=src[:, j0 + g, h0:h0 + hw])
+            cur = (xt, groups[k])
+        if pending != None:  # noqa: E711
+            _mean_squares_group(ms, pending[0], pending[1], inv_h)
+        pending = cur
+    nisa.nc_matmul(dst=ms, stationary=eps_row[:, :Pc], moving=ones_row[:, :NT], accumulate=True)
+    return ms
+
+
+def _narrow_rstd(ms, chunk, rstd):
+    """Narrow rows, ``rstd = rsqrt(mean + eps)`` ``[Pc, NT]`` on Vector, twice: into PSUM, where the
+    normalisation reads it (:func:`_narrow_output`), and into SBUF, stored from there (DMA cannot read
+    PSUM) and the scale column of the rows Scalar normalises."""
+    r0, Pc, NT = chunk
+    # rsqrt is a documented unary ALU op of tensor_scalar (NKI API reference, nki.api.shared "Supported
+    # Math Operators"); an rsqrt activation would switch Scalar's table away from the squares' one.
+    rstd_ps = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
+    nisa.tensor_scalar(dst=rstd_ps, data=ms, op0=nl.rsqrt, operand0=None)
+    rstd_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=rstd_t, data=ms, op0=nl.rsqrt, operand0=None)
+    nisa.dma_copy(dst=_row_stats(rstd, r0, Pc, NT), src=rstd_t)
+    return rstd_t, rstd_ps
+
+
+def _scalar_slots(Pc, NT, H, dtype):
+    """Row slots of a chunk normalised on Scalar (one ``activation`` per slot, rstd as its scale column)
+    rather than in Vector's whole-chunk pass: as many as keep Scalar (the squares, one fixed ACTIVATE time
+    per instruction) below Vector (the normalisation and ``y``) on that chunk."""
+    groups = cdiv(NT, _bank_slots(Pc, NT, dtype)) * cdiv(H, P)
+    scalar_ns = groups * ACTIVATE_FIXED_NS + NT * H * SCALAR_NS
+    vector_ns = 1.5 * NT * H * VECTOR_NS
+    per_slot = H * VECTOR_NS + ACTIVATE_FIXED_NS + H * SCALAR_NS
+    return min(NT - 1, max(0, int((vector_ns - scalar_ns) / per_slot)))
+
+
+def _narrow_output(src, rstd, chunk, y, w_sb, out_dt, H):
+    """Narrow rows: ``n = src * rstd`` over the chunk's first slots in one Vector instruction (rstd read
+    from PSUM, broadcast along H: with one operand in PSUM Vector reads both in one pass; fp32 product,
+    one rounding to src's dtype), the last :func:`_scalar_slots` on Scalar (the same arithmetic), then
+    ``y = n * w`` and its store."""
+    rstd_t, rstd_ps = rstd
+    r0, Pc, NT = chunk
+    k = _scalar_slots(Pc, NT, H, src.dtype)
+    nv = NT - k
+    n_t = nl.ndarray((Pc, NT, H), dtype=src.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=n_t[:, 0:nv, :], data1=src[:, 0:nv, :], data2=_per_row(rstd_ps, Pc, NT, H)[:, 0:nv, :],
+                       op=nl.multiply)
+    for j in range(nv, NT):
+        nisa.activation(dst=n_t[:, j, :], op=nl.copy, data=src[:, j, :], scale=rstd_t[:, j:j + 1])
+    y_t = nl.ndarray((Pc, NT, H), dtype=out_dt, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=y_t, data1=n_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
+    nisa.dma_copy(dst=_rows(y, r0, Pc, NT, H), src=y_t)
+
+
+def _ramp(slots, nt):
+    """Row slots per chunk (``nt`` per chunk in the middle): the first and last chunks ramp up from and down
+    to ``nt / 8``, so the engines of the later stages start early and the last store comes soon after
+    the last load."""
+    edge = []
+    for d in (8, 4, 2):
+        if nt // d >= 1:
+            edge.append(nt // d)
+    if slots < 2 * sum(edge) + nt:
+        edge = []
+    body = slots - 2 * sum(edge)
+    sizes = list(edge)
+    for _ in range(body // nt):
+        sizes.append(nt)
+    if body % nt:
+        sizes.append(body % nt)
+    for k in range(len(edge)):
+        sizes.append(edge[len(edge) - 1 - k])
+    return sizes
+
+
+def _narrow_chunks(N, H, dtype, n_prog, pid):
+    """This program's chunks ``(r0, Pc, NT)`` of narrow rows: a contiguous share of the rows, 128 partitions x
+    NT consecutive rows each (NT from :func:`_ramp`), a short tail on fewer partitions with NT = 1."""
+    per = cdiv(N, n_prog)
+    lo = min(N, pid * per)
+    hi = min(N, lo + per)
+    isz = 4 if dtype == nl.float32 else 2
+    sizes = _ramp((hi - lo) // P, max(1, ROW_BYTES // (H * isz)))
+    out = []
+    r0 = lo
+    for k in range(len(sizes)):
+        out.append((r0, P, sizes[k]))
+        r0 = r0 + P * sizes[k]
+    if r0 < hi:
+        out.append((r0, hi - r0, 1))
+    return out
+
+
+def _narrow_forward(x, residual, s, y, rstd, w_sb, chunks, eps, out_dt):
+    """The forward pipeline for rows narrower than ``WIDE`` (the q/k head norm), three stages issued in this
+    order: chunk i-2's normalisation (mostly Vector), chunk i's loads, residual add and mean squares
+    (Tensor / Scalar), chunk i-1's rstd; no engine's queue waits on work of the same iteration."""
+    H = x.shape[1]
+    consts = _narrow_consts(H, eps)
+    ahead = _prefetch(H, x.dtype)
+    loads = []
+    pipe = [None, None]  # chunk i-1 after its sums, chunk i-2 after its rstd
+    for i in range(len(chunks) + 2):
+        b_in, c_in = pipe[0], pipe[1]
+        if c_in != None:  # noqa: E711
+            _narrow_output(c_in[0], c_in[1], c_in[2], y, w_sb, out_dt, H)
+        cur = None
+        if i < len(chunks):
+            for k in range(len(loads), min(len(chunks), i + 1 + ahead)):
+                loads.append(_load_chunk([x, residual], chunks[k], H))
+            src = loads[i][0]
+            if residual != None:  # noqa: E711
+                r0, Pc, NT = chunks[i]
+                src = nl.ndarray((Pc, NT, H), dtype=x.dtype, buffer=nl.sbuf)
+                nisa.tensor_tensor(dst=src, data1=loads[i][0], data2=loads[i][1], op=nl.add)
+                nisa.dma_copy(dst=_rows(s, r0, Pc, NT, H), src=src)
+            loads[i] = None
+            cur = [src, _narrow_means(src, consts, chunks[i], H), chunks[i]]
+        if b_in != None:  # noqa: E711
+            b_in = [b_in[0], _narrow_rstd(b_in[1], b_in[2], rstd), b_in[2]]
+        pipe = [cur, b_in]
+
+
 @nki.jit
 def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     """``(y [N, H], rstd [N] fp32)``, or ``(y, s, rstd)`` with ``s = x + residual`` normalised instead of x.
@@ -339,6 +515,13 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     n_prog, pid = program_split()
     f = split_factor(N, H, x.dtype)
     Hf = H // f  # the kernel works on the [N*f, Hf] sub-rows
+    if H < WIDE:  # narrow rows (never split)
+        _warm_square_table()
+        _narrow_forward(x, residual, s, y, rstd, _weight_rows(w, H), _narrow_chunks(N, H, x.dtype, n_prog, pid),
+                        float(eps), out_dt)
+        if residual != None:  # noqa: E711
+            return y, s, rstd
+        return y, rstd
     chunks = _own_chunks(N, H, x.dtype, n_prog, pid, f)
     loads = []
     if len(chunks) > 0:  # the first rows' load goes first: the weight is needed last
