@@ -6,17 +6,23 @@ per partition (about 8 KiB), and the next two chunks' loads are issued before th
 H is the free dimension, so every per-row statistic is a free-axis reduction and every per-row scale
 a per-partition scalar. LNC=2 (``kernel[2]``) gives each core a contiguous half of the rows.
 
-Forward (``y = w * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)``, HF's cast order):
-Scalar squares and sums each row (``activation_reduce``), then ``rstd`` in two Vector ``tensor_scalar``
-passes over the chunk's ``[P, NT]`` sums (so Scalar keeps one activation table); Vector forms
-``n = x * rstd`` (rounded to x's dtype) and ``y = n * w``
-(``w`` broadcast to every partition once). With a residual, Vector first adds ``s = x + residual``
-(stored: the new residual stream) and normalises ``s``. The forward splits rows wider than 16 KiB, and
-spreads a few rows (fewer than 64 per core), over ``f`` partitions each (:func:`split_factor`): it then
-works on the ``[N*f, H/f]`` sub-rows, one per partition, and each row's f partial sums of squares add
-up on the Tensor engine (a ``[P, P/f]`` 0/1 matrix as the stationary operand), which also sends ``rstd``
-back to the row's partitions. A Scalar square of one element first loads the activation table while
-the first rows load.
+Forward (``y = w * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)``, HF's cast order), rows of
+``WIDE`` elements or more: Scalar squares and sums each row (``activation_reduce``), then ``rstd`` in two
+Vector ``tensor_scalar`` passes over the chunk's ``[P, NT]`` sums (so Scalar keeps one activation table);
+Vector forms ``n = x * rstd`` (rounded to x's dtype) and ``y = n * w`` (``w`` broadcast to every partition
+once). With a residual, Vector first adds ``s = x + residual`` (stored: the new residual stream) and
+normalises ``s``. The forward splits rows wider than 16 KiB, and spreads a few rows (fewer than 64 per
+core), over ``f`` partitions each (:func:`split_factor`): it then works on the ``[N*f, H/f]`` sub-rows, one
+per partition, and each row's f partial sums of squares add up on the Tensor engine (a ``[P, P/f]`` 0/1
+matrix as the stationary operand), which also sends ``rstd`` back to the row's partitions. A Scalar
+square of one element first loads the activation table while the first rows load.
+
+Forward, narrower rows (Qwen3's q/k head norm, H = 128; :func:`_narrow_forward`): a per-row instruction
+would cost mostly its fixed time, so every pass covers a whole chunk. The Tensor engine transposes each
+slot of 128 rows into PSUM, Scalar squares a PSUM bank of slots per instruction, and a matmul against a
+``1/H`` column sums the squares over the partitions (H is there), one more adding eps; Vector takes the
+rsqrt into PSUM and forms ``n = x * rstd`` for the whole chunk in one instruction, reading rstd from PSUM
+broadcast along H (a PSUM operand: one pass over both inputs), then ``y = n * w``.
 
 Backward (``gw = (dy * w).to(x.dtype)``, ``dx = rstd * gw - x * rstd^3 * sum(gw * x) / H``,
 ``dw = sum_rows dy * n``): Vector forms ``gw``, ``n`` and ``prod = dy * n``; the row sum
@@ -217,20 +223,12 @@ def _normalise(n_t, src, rstd_t, NT, load):
 
 
 def _row_sums(dst, data, Pc, NT, H, op, load):
-    """``dst [Pc, NT] = sum_h op(data)`` per row (fp32): Scalar ``activation_reduce`` per wide row, else one
-    Scalar pass and a Vector reduction over the chunk (``load`` is charged)."""
-    if H >= WIDE:
-        junk = nl.ndarray((Pc, H), dtype=data.dtype, buffer=nl.sbuf)
-        for j in range(NT):
-            nisa.activation_reduce(dst=junk, op=op, data=data[:, j, :], reduce_op=nl.add,
-                                   reduce_res=dst[:, j:j + 1])
-        load[1] = load[1] + NT * (H + MIN_CYCLES) * SCALAR_NS
-    else:
-        tmp = nl.ndarray((Pc, NT, H), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=tmp, op=op, data=data)
-        nisa.tensor_reduce(dst=dst, op=nl.add, data=tmp, axis=2)
-        load[1] = load[1] + max(MIN_CYCLES, NT * H) * SCALAR_NS
-        load[0] = load[0] + max(MIN_CYCLES, NT * H) * VECTOR_NS
+    """``dst [Pc, NT] = sum_h op(data)`` per (wide) row, fp32: one Scalar ``activation_reduce`` per row
+    (``load`` is charged)."""
+    junk = nl.ndarray((Pc, H), dtype=data.dtype, buffer=nl.sbuf)
+    for j in range(NT):
+        nisa.activation_reduce(dst=junk, op=op, data=data[:, j, :], reduce_op=nl.add, reduce_res=dst[:, j:j + 1])
+    load[1] = load[1] + NT * (H + MIN_CYCLES) * SCALAR_NS
 
 
 def _warm_square_table():
@@ -243,8 +241,8 @@ def _warm_square_table():
 
 
 def _fwd_squares(x_t, r_t, s, chunk, out_dt, load):
-    """Stage A of a forward chunk: ``src = x (+ residual)`` (stored as ``s``) and the row sums of squares
-    (wide rows: complete, on Scalar; narrow rows: the squares, summed in stage B)."""
+    """Stage A of a (wide-row) forward chunk: ``src = x (+ residual)`` (stored as ``s``) and the row sums of
+    squares, on Scalar."""
     r0, Pc, NT = chunk
     H = x_t.shape[2]
     src = x_t
@@ -254,23 +252,9 @@ def _fwd_squares(x_t, r_t, s, chunk, out_dt, load):
         load[0] = load[0] + _tt_ns(NT * H, x_t.dtype)
         nisa.dma_copy(dst=_rows(s, r0, Pc, NT, H), src=src)
     ss = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    sq = None
-    if H >= WIDE:
-        _row_sums(ss, src, Pc, NT, H, nl.square, load)
-    else:
-        sq = nl.ndarray((Pc, NT, H), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(dst=sq, op=nl.square, data=src)
-        load[1] = load[1] + max(MIN_CYCLES, NT * H) * SCALAR_NS
+    _row_sums(ss, src, Pc, NT, H, nl.square, load)
     load[0] = load[0] + _tt_ns(NT * H, out_dt)  # stage C's y = n * w
-    return [src, ss, sq, None, chunk]
-
-
-def _fwd_sum(state, load):
-    """Stage B1 (narrow rows): the Vector sum of the squares."""
-    src, ss, sq, _, chunk = state
-    if sq != None:  # noqa: E711
-        nisa.tensor_reduce(dst=ss, op=nl.add, data=sq, axis=2)
-        load[0] = load[0] + max(MIN_CYCLES, chunk[2] * src.shape[2]) * VECTOR_NS
+    return [src, ss, None, None, chunk]
 
 
 def _fwd_rstd(state, eps, H, groups):
@@ -340,27 +324,32 @@ def _narrow_consts(H, eps):
     return inv_h, eps_row, ones_row
 
 
-def _mean_squares_group(ms, xt, group, inv_h):
-    """One group of transposed blocks into the row means: Scalar squares ``xt`` ``[hw, gn, Pc]`` (PSUM ->
-    SBUF fp32), then per row slot j the Tensor engine sums its column piece over the partitions:
-    ``ms[:, j] (+)= sq[:, g, :].T @ (1/H)`` (the first column piece opens column j, the next add to it)."""
+def _mean_squares_group(pending, consts):
+    """Finish one group of transposed blocks ``pending = (xt, group, ms, chunk, last)``: Scalar squares ``xt``
+    ``[hw, gn, Pc]`` (PSUM -> SBUF fp32), then per row slot j the Tensor engine sums its column piece over
+    the partitions, ``ms[:, j] (+)= sq[:, g, :].T @ (1/H)`` (the first column piece opens column j, the
+    next add to it); after a chunk's last group one more matmul adds eps to every row."""
+    inv_h, eps_row, ones_row = consts
+    xt, group, ms, chunk, last = pending
     h0, hw, j0, gn = group
-    Pc = xt.shape[2]
+    r0, Pc, NT = chunk
     sq = nl.ndarray((hw, gn, Pc), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=sq, op=nl.square, data=xt)
     for g in range(gn):
         nisa.nc_matmul(dst=ms[:, j0 + g:j0 + g + 1], stationary=sq[:, g, :], moving=inv_h[:hw, :],
                        accumulate=h0 > 0)
+    if last:
+        nisa.nc_matmul(dst=ms, stationary=eps_row[:, :Pc], moving=ones_row[:, :NT], accumulate=True)
 
 
-def _narrow_means(src, consts, chunk, H):
+def _narrow_means(src, consts, chunk, H, pending):
     """``mean(x^2) + eps`` ``[Pc, NT]`` fp32 in PSUM for rows narrower than ``WIDE``: the Tensor engine
     transposes each row slot's ``[Pc, <=128]`` column piece into PSUM (H on the partitions, a bank's worth
     of slots per group), Scalar squares a whole group per instruction, a matmul against a ``1/H`` column
     sums the squares over the partitions into column j (the products of a power-of-two 1/H are exact),
-    and one more matmul adds eps to every row. The transposes of group k+1 are issued before the sums of
-    group k, so the Tensor engine works while Scalar squares."""
-    inv_h, eps_row, ones_row = consts
+    and one more matmul adds eps to every row. Each group's squares and sums are issued after the next
+    group's transposes, across chunks too (``pending``: the group left to finish, or None), so the Tensor
+    engine works while Scalar squares. Returns ``(ms, the group left to finish)``."""
     r0, Pc, NT = chunk
     ms = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
     G = _bank_slots(Pc, NT, src.dtype)
@@ -368,26 +357,21 @@ def _narrow_means(src, consts, chunk, H):
     for h0 in range(0, H, P):
         for j0 in range(0, NT, G):
             groups.append((h0, min(P, H - h0), j0, min(G, NT - j0)))
-    pending = None
-    for k in range(len(groups) + 1):
-        cur = None
-        if k < len(groups):
-            h0, hw, j0, gn = groups[k]
-            xt = nl.ndarray((hw, gn, Pc), dtype=src.dtype, buffer=nl.psum)
-            for g in range(gn):
-                nisa.nc_transpose(dst=xt[:, g, :], data=src[:, j0 + g, h0:h0 + hw])
-            cur = (xt, groups[k])
+    for k in range(len(groups)):
+        h0, hw, j0, gn = groups[k]
+        xt = nl.ndarray((hw, gn, Pc), dtype=src.dtype, buffer=nl.psum)
+        for g in range(gn):
+            nisa.nc_transpose(dst=xt[:, g, :], data=src[:, j0 + g, h0:h0 + hw])
         if pending != None:  # noqa: E711
-            _mean_squares_group(ms, pending[0], pending[1], inv_h)
-        pending = cur
-    nisa.nc_matmul(dst=ms, stationary=eps_row[:, :Pc], moving=ones_row[:, :NT], accumulate=True)
-    return ms
+            _mean_squares_group(pending, consts)
+        pending = (xt, groups[k], ms, chunk, k == len(groups) - 1)
+    return ms, pending
 
 
 def _narrow_rstd(ms, chunk, rstd):
     """Narrow rows, ``rstd = rsqrt(mean + eps)`` ``[Pc, NT]`` on Vector, twice: into PSUM, where the
     normalisation reads it (:func:`_narrow_output`), and into SBUF, stored from there (DMA cannot read
-    PSUM) and the scale column of the rows Scalar normalises."""
+    PSUM; the second one also fills the dependent-instruction gap before the normalisation)."""
     r0, Pc, NT = chunk
     # rsqrt is a documented unary ALU op of tensor_scalar (NKI API reference, nki.api.shared "Supported
     # Math Operators"); an rsqrt activation would switch Scalar's table away from the squares' one.
@@ -396,57 +380,47 @@ def _narrow_rstd(ms, chunk, rstd):
     rstd_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rstd_t, data=ms, op0=nl.rsqrt, operand0=None)
     nisa.dma_copy(dst=_row_stats(rstd, r0, Pc, NT), src=rstd_t)
-    return rstd_t, rstd_ps
+    return rstd_ps
 
 
-def _scalar_slots(Pc, NT, H, dtype):
-    """Row slots of a chunk normalised on Scalar (one ``activation`` per slot, rstd as its scale column)
-    rather than in Vector's whole-chunk pass: as many as keep Scalar (the squares, one fixed ACTIVATE time
-    per instruction) below Vector (the normalisation and ``y``) on that chunk."""
-    groups = cdiv(NT, _bank_slots(Pc, NT, dtype)) * cdiv(H, P)
-    scalar_ns = groups * ACTIVATE_FIXED_NS + NT * H * SCALAR_NS
-    vector_ns = 1.5 * NT * H * VECTOR_NS
-    per_slot = H * VECTOR_NS + ACTIVATE_FIXED_NS + H * SCALAR_NS
-    return min(NT - 1, max(0, int((vector_ns - scalar_ns) / per_slot)))
-
-
-def _narrow_output(src, rstd, chunk, y, w_sb, out_dt, H):
-    """Narrow rows: ``n = src * rstd`` over the chunk's first slots in one Vector instruction (rstd read
-    from PSUM, broadcast along H: with one operand in PSUM Vector reads both in one pass; fp32 product,
-    one rounding to src's dtype), the last :func:`_scalar_slots` on Scalar (the same arithmetic), then
-    ``y = n * w`` and its store."""
-    rstd_t, rstd_ps = rstd
+def _narrow_output(src, rstd_ps, chunk, y, w_sb, out_dt, H):
+    """Narrow rows: ``n = src * rstd`` over the whole chunk in one Vector instruction (rstd read from PSUM,
+    broadcast along H: with one operand in PSUM Vector reads both in one pass; fp32 product, one rounding
+    to src's dtype), then ``y = n * w`` and its store."""
     r0, Pc, NT = chunk
-    k = _scalar_slots(Pc, NT, H, src.dtype)
-    nv = NT - k
     n_t = nl.ndarray((Pc, NT, H), dtype=src.dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=n_t[:, 0:nv, :], data1=src[:, 0:nv, :], data2=_per_row(rstd_ps, Pc, NT, H)[:, 0:nv, :],
-                       op=nl.multiply)
-    for j in range(nv, NT):
-        nisa.activation(dst=n_t[:, j, :], op=nl.copy, data=src[:, j, :], scale=rstd_t[:, j:j + 1])
+    nisa.tensor_tensor(dst=n_t, data1=src, data2=_per_row(rstd_ps, Pc, NT, H), op=nl.multiply)
     y_t = nl.ndarray((Pc, NT, H), dtype=out_dt, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=y_t, data1=n_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
     nisa.dma_copy(dst=_rows(y, r0, Pc, NT, H), src=y_t)
 
 
 def _ramp(slots, nt):
-    """Row slots per chunk (``nt`` per chunk in the middle): the first and last chunks ramp up from and down
-    to ``nt / 8``, so the engines of the later stages start early and the last store comes soon after
-    the last load."""
-    edge = []
-    for d in (8, 4, 2):
-        if nt // d >= 1:
-            edge.append(nt // d)
-    if slots < 2 * sum(edge) + nt:
-        edge = []
-    body = slots - 2 * sum(edge)
-    sizes = list(edge)
-    for _ in range(body // nt):
-        sizes.append(nt)
-    if body % nt:
-        sizes.append(body % nt)
-    for k in range(len(edge)):
-        sizes.append(edge[len(edge) - 1 - k])
+    """Row slots per chunk, at most ``nt``: the first chunk small (``nt / 8``), each next one at most a third
+    of the slots before it larger, so the Tensor / Scalar stage of a chunk ends before Vector runs out of
+    work (its per-slot time is about 4/3 of theirs), and the last chunks shrink back the same way, so the
+    last store comes soon after the last Vector instruction."""
+    first = max(1, nt // 8)
+    head = []
+    done = 0
+    while done < slots:
+        size = min(nt, first + done // 3, slots - done)
+        head.append(size)
+        done = done + size
+        if size == nt:
+            break
+    tail = []
+    left = slots - done
+    while left > 0:  # the tail mirrors the ramp: grows from its last chunk towards the middle
+        tail_done = 0
+        for k in range(len(tail)):
+            tail_done = tail_done + tail[k]
+        size = min(nt, first + tail_done // 3, left)
+        tail.append(size)
+        left = left - size
+    sizes = list(head)
+    for k in range(len(tail)):
+        sizes.append(tail[len(tail) - 1 - k])
     return sizes
 
 
@@ -477,14 +451,16 @@ def _narrow_forward(x, residual, s, y, rstd, w_sb, chunks, eps, out_dt):
     ahead = _prefetch(H, x.dtype)
     loads = []
     pipe = [None, None]  # chunk i-1 after its sums, chunk i-2 after its rstd
+    pending = None  # the last transposed group of chunk i-1, squared and summed after chunk i's first
     for i in range(len(chunks) + 2):
+        # loads first: where the DMA queue keeps program order they must not wait behind the stores
+        for k in range(len(loads), min(len(chunks), i + 1 + ahead)):
+            loads.append(_load_chunk([x, residual], chunks[k], H))
         b_in, c_in = pipe[0], pipe[1]
         if c_in != None:  # noqa: E711
             _narrow_output(c_in[0], c_in[1], c_in[2], y, w_sb, out_dt, H)
         cur = None
         if i < len(chunks):
-            for k in range(len(loads), min(len(chunks), i + 1 + ahead)):
-                loads.append(_load_chunk([x, residual], chunks[k], H))
             src = loads[i][0]
             if residual != None:  # noqa: E711
                 r0, Pc, NT = chunks[i]
@@ -492,7 +468,11 @@ def _narrow_forward(x, residual, s, y, rstd, w_sb, chunks, eps, out_dt):
                 nisa.tensor_tensor(dst=src, data1=loads[i][0], data2=loads[i][1], op=nl.add)
                 nisa.dma_copy(dst=_rows(s, r0, Pc, NT, H), src=src)
             loads[i] = None
-            cur = [src, _narrow_means(src, consts, chunks[i], H), chunks[i]]
+            ms, pending = _narrow_means(src, consts, chunks[i], H, pending)
+            cur = [src, ms, chunks[i]]
+        elif pending != None:  # noqa: E711
+            _mean_squares_group(pending, consts)
+            pending = None
         if b_in != None:  # noqa: E711
             b_in = [b_in[0], _narrow_rstd(b_in[1], b_in[2], rstd), b_in[2]]
         pipe = [cur, b_in]
@@ -536,13 +516,11 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     load = [0.0, 0.0]  # Vector / Scalar ns so far (row balancing of the n pass)
     # A software pipeline of four stages, chunk i in stage A while chunk i-1 is in B, i-2 in C and i-3 in
     # D, issued so that no engine's in-order queue waits on work issued in the same iteration: Vector
-    # sums chunk i-1's squares (B1) while Scalar squares chunk i (A), forms y of chunk i-3 (D) while
-    # Scalar normalises chunk i-2 (C), and the rsqrt of chunk i-1 (B2, Vector) comes last.
+    # forms y of chunk i-3 (D) while Scalar squares chunk i (A) and normalises chunk i-2 (C), and the
+    # rsqrt of chunk i-1 (B, Vector) comes last.
     pipe = [None, None, None]  # chunk i-1 after A, i-2 after B, i-3 after C
     for i in range(len(chunks) + 3):
         b_in, c_in, d_in = pipe[0], pipe[1], pipe[2]
-        if b_in != None:  # noqa: E711
-            _fwd_sum(b_in, load)
         cur = None
         if i < len(chunks):
             for k in range(len(loads), min(len(chunks), i + 1 + ahead)):
