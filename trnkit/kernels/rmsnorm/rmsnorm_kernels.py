@@ -59,6 +59,9 @@ PIECE = 512  # columns per PSUM bank (fp32)
 # store of the chunk before even where the DMA queue keeps program order; one for rows over ROW_BYTES
 PREFETCH = 2
 SPREAD_MIN = 512  # narrowest sub-row a spread of few rows over the partitions makes
+# bytes per partition of a full chunk of narrow rows in the forward (its passes cover whole chunks, so
+# fewer, larger chunks cost fewer fixed times; the first and last ones ramp, see _ramp)
+NARROW_ROW_BYTES = 12288
 
 
 def _out_dtype(x, w):
@@ -431,7 +434,7 @@ def _narrow_chunks(N, H, dtype, n_prog, pid):
     lo = min(N, pid * per)
     hi = min(N, lo + per)
     isz = 4 if dtype == nl.float32 else 2
-    sizes = _ramp((hi - lo) // P, max(1, ROW_BYTES // (H * isz)))
+    sizes = _ramp((hi - lo) // P, max(1, NARROW_ROW_BYTES // (H * isz)))
     out = []
     r0 = lo
     for k in range(len(sizes)):
