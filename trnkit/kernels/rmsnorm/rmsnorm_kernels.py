@@ -552,9 +552,9 @@ def _split(col, dtype, hi16=None):
     Pc, NT = col.shape
     if hi16 == None or hi16.dtype != dtype:  # noqa: E711
         hi16 = nl.ndarray((Pc, NT), dtype=dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=hi16, src=col, engine=nisa.gpsimd_engine)
+        nisa.tensor_copy(dst=hi16, src=col, engine=nisa.engine.gpsimd)
     lo = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=lo, data1=col, data2=hi16, op=nl.subtract, engine=nisa.gpsimd_engine)
+    nisa.tensor_tensor(dst=lo, data1=col, data2=hi16, op=nl.subtract, engine=nisa.engine.gpsimd)
     return col, lo
 
 
@@ -654,7 +654,7 @@ def _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, opens=False):
     averages out over the rows, far below dw's own rounding); the program's first row opens each column.
     Returns that rounded rstd."""
     r = nl.ndarray((Pc, NT), dtype=prod.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=r, src=rstd_t, engine=nisa.gpsimd_engine)
+    nisa.tensor_copy(dst=r, src=rstd_t, engine=nisa.engine.gpsimd)
     for j in range(NT):
         for c in range(NC):
             nisa.nc_matmul(dst=dw_ps[:, c:c + 1], stationary=prod[:, j, c * P:(c + 1) * P], moving=r[:, j:j + 1],
@@ -697,8 +697,8 @@ def _neg_c(rstd_t, d_t, H):
     """``-c = -rstd^3 * D / H`` per row ``[Pc, NT]``."""
     Pc, NT = rstd_t.shape
     r3 = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=r3, data1=rstd_t, data2=rstd_t, op=nl.multiply, engine=nisa.gpsimd_engine)
-    nisa.tensor_tensor(dst=r3, data1=r3, data2=rstd_t, op=nl.multiply, engine=nisa.gpsimd_engine)
+    nisa.tensor_tensor(dst=r3, data1=rstd_t, data2=rstd_t, op=nl.multiply, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=r3, data1=r3, data2=rstd_t, op=nl.multiply, engine=nisa.engine.gpsimd)
     negc = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=negc, data=d_t, op0=nl.multiply, operand0=-1.0 / H, op1=nl.multiply,
                               operand1=r3)
