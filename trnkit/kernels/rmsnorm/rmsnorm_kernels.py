@@ -386,6 +386,11 @@ def _narrow_rstd(ms, chunk, rstd):
     return rstd_ps
 
 
+def _per_row(t, Pc, NT, H):
+    """``[Pc, NT]`` per-row values broadcast along H: a ``[Pc, NT, H]`` view (step 0 on the last axis)."""
+    return t.ap(pattern=[[NT, Pc], [1, NT], [0, H]], offset=0)
+
+
 def _narrow_output(src, rstd_ps, chunk, y, w_sb, out_dt, H):
     """Narrow rows: ``n = src * rstd`` over the whole chunk in one Vector instruction (rstd read from PSUM,
     broadcast along H: with one operand in PSUM Vector reads both in one pass; fp32 product, one rounding
