@@ -130,8 +130,8 @@ def shard_on_h_golden(hidden_states: Any, expert_affinities_masked: Any, gate_up
 
 # moe_bwmm_shard_h_test_params rows run here: hidden, tokens, experts, block, top_k, intermediate, dtype, skip,
 # scaling, checkpoint activations (the kernel then also returns the activations; the test compares the output
-# only). Its other 14 rows are heavier (271 blocks of 512 tokens x H=7168, I=1024 or 2880 over up to 255
-# blocks, fp32 at I=336 or 1024, 383 blocks at k=4) and are not run here for CPU time.
+# only). Its other 8 rows are heavier (271 blocks of 512 tokens x H=7168, training at I=1024 over 143-255 blocks,
+# I=2880 over 191 blocks) and are not run here for CPU time and memory.
 _SHARD_H = [
     (5120, 8192, 16, 256, 1, 128, BF16, 2, "POST_SCALE", False),
     (5120, 8192, 16, 256, 1, 128, BF16, 0, "NO_SCALE", False),
@@ -149,6 +149,12 @@ _SHARD_H = [
     (5120, 8192, 128, 128, 2, 64, BF16, 0, "NO_SCALE", False),
     (5120, 8192, 128, 128, 2, 64, BF16, 0, "POST_SCALE", False),
     (5120, 8192, 128, 128, 2, 64, BF16, 0, "PRE_SCALE", False),
+    (6144, 4096, 16, 512, 4, 336, F32, 0, "POST_SCALE", False),
+    (5120, 8192, 128, 128, 4, 64, BF16, 0, "PRE_SCALE", False),
+    (5120, 8192, 128, 128, 4, 64, BF16, 0, "NO_SCALE", False),
+    (5120, 8192, 128, 128, 4, 64, BF16, 0, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 1024, BF16, 0, "POST_SCALE", False),
+    (6144, 4096, 16, 512, 4, 1024, F32, 0, "POST_SCALE", False),
 ]
 
 
@@ -178,9 +184,9 @@ def _bwd_inputs(h: int, t: int, e: int, b: int, k: int, i: int, skip: int, clamp
 
 
 # TEST_PARAMS rows of test_bwmm_bwd.py run here: hidden, tokens, experts, block, top_k, intermediate, skip,
-# clamp limits (gate upper, gate lower, up upper, up lower), bias, activation. All bf16, LNC 2. Its other 6
-# rows (I=1024 over 47-143 blocks, 159 blocks of 256 tokens, I=2880 at B=256/1024 and over 32 experts) are
-# not run here for CPU time.
+# clamp limits (gate upper, gate lower, up upper, up lower), bias, activation. All bf16, LNC 2. Its other 3
+# rows are not run here: I=1024 at k=4 over 47 blocks was killed for memory at 15.7 GB resident (the one over
+# 143 blocks is larger), I=2880 over 32 experts and 47 blocks of 1024 tokens.
 _NO_CLAMPS, _CLAMPS = (None, None, None, None), (7, -7, 7, -7)
 _BWD = [
     (6144, 4096, 1, 512, 1, 128, 0, _CLAMPS, False, "SiLU"),
@@ -190,6 +196,9 @@ _BWD = [
     (5120, 8192, 16, 512, 1, 256, 0, _NO_CLAMPS, False, "SiLU"),
     (2880, 4096, 2, 512, 2, 2880, 0, _CLAMPS, True, "Swish"),
     (2880, 4096, 2, 512, 2, 2880, 1, _CLAMPS, True, "Swish"),
+    (2880, 4096, 2, 1024, 2, 2880, 0, _CLAMPS, True, "Swish"),
+    (2880, 4096, 2, 256, 2, 2880, 1, _CLAMPS, True, "Swish"),
+    (5120, 8192, 128, 256, 1, 128, 0, _NO_CLAMPS, False, "SiLU"),
 ]
 _BWD_OUTPUTS = ("hidden_states_grad", "expert_affinities_masked_grad", "gate_up_proj_weight_grad",
                 "down_proj_weight_grad")
