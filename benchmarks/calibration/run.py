@@ -141,8 +141,9 @@ def _timeline_metric(p: Point, tr: trace.Trace, params: cost_params.ModelParams)
     instrs = list(tr)
     times = cost.timeline(instrs, p.device, params)
     dmas = [t for t in times if t.engine == "dma"]
-    if p.metric == "dma_engine":  # the first load on its engines: first to last byte
-        return dmas[0].end - dmas[0].first_byte
+    if p.metric == "dma_engine":  # the first load on one of its engines: first to last byte of its share
+        first = next(i for i in instrs if i.engine == "dma")
+        return cost.instr_cost(first, p.device, params).transfer_ns
     if p.metric.startswith("dma_issue:"):  # trigger to first byte of DMA k
         k = int(p.metric.split(":")[1])
         return dmas[k].first_byte - dmas[k].start

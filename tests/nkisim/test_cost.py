@@ -69,8 +69,9 @@ def test_matmul_cycle_formula_small_and_fp32_and_fp8():
 
 
 def _transfer_ns(nbytes: int, row: float, engines: int = 16, hbm_crossings: int = 1) -> float:
-    """First to last byte of a transfer on ``engines`` DMA engines (23 B/ns each, HBM share capped)."""
-    rate = min(23.0, TRN2.hbm_bytes_per_ns / 16 / hbm_crossings)
+    """First to last byte of a transfer on ``engines`` DMA engines (23 B/ns each, capped at the core's HBM
+    share over the engines it uses)."""
+    rate = min(23.0, TRN2.hbm_bytes_per_ns / engines / hbm_crossings)
     return nbytes / (engines * rate * row / (row + MID.dma_knee_bytes))
 
 
@@ -111,7 +112,10 @@ def test_a_transfer_uses_the_dma_engines_of_its_partitions(rows, engines):
     assert c.dma_engines == (0, engines)
     assert c.transfer_ns == pytest.approx(_transfer_ns(rows * 8192, 8192, engines))
     assert c.busy_ns == pytest.approx(c.transfer_ns * engines / 16)  # its share of the core's bandwidth
-    assert c.latency_ns == pytest.approx(MID.dma_fixed_ns + c.transfer_ns + MID.dma_wake_ns)
+    # completion: the last of its engines (started MID.dma_engine_stagger_ns apart) and every one of the 16
+    # engines' semaphore writes
+    span = max(c.transfer_ns + (engines - 1) * MID.dma_engine_stagger_ns, 15 * MID.dma_engine_stagger_ns)
+    assert c.latency_ns == pytest.approx(MID.dma_fixed_ns + span + MID.dma_wake_ns)
 
 
 def test_a_transfer_into_upper_partitions_uses_their_engines():
@@ -326,7 +330,8 @@ def test_interpreted_dma_copy_is_fixed_plus_bytes_over_bandwidth():
     rep = cost.estimate(tr, params=MID)
     n = x.nbytes
     payload = n / 16  # contiguous in HBM: each engine's 8 rows are one 32 KiB payload
-    one = MID.dma_fixed_ns + _transfer_ns(n, payload)
+    # trigger to completion: the fixed cost, the bytes, the 16 engines' staggered starts
+    one = MID.dma_fixed_ns + _transfer_ns(n, payload) + 15 * MID.dma_engine_stagger_ns
     assert rep.count == {DMA: 2} and rep.hbm_bytes == 2 * n
     assert rep.busy_ns[DMA] == pytest.approx(2 * _transfer_ns(n, payload))
     # the store is triggered once the load's completion semaphore has woken its queue
@@ -346,3 +351,22 @@ def test_core_barrier_is_a_fixed_synchronisation_not_a_data_pass():
     assert costs[0].busy_ns < 100.0
     assert costs[0].latency_ns == pytest.approx(costs[0].busy_ns + chip.dma.fixed_ns)
     assert chip.dma.fixed_ns == 1300.0
+
+
+def test_the_dma_rate_and_packet_size_range_ends():
+    """Optimistic: the DMA overview's 27.2 GB/s per engine (the bandwidth guide's 23 B/ns is mid); a [4, 4096]
+    load runs on one engine at that rate. Pessimistic: one packet per partition row, not per engine's rows."""
+    one = dma_load((4, 4096), contiguous_bytes=32768)
+    fast = cost.instr_cost(one, params=replace(MID, dma_engine_rate_factor=27.2 / 23.0))
+    assert fast.transfer_ns == pytest.approx(32768 / (27.2 * 32768 / (32768 + MID.dma_knee_bytes)))
+    rows = dma_load((128, 2048), contiguous_bytes=128 * 4096)  # [128, 4 KiB] of a contiguous HBM tensor
+    assert cost.instr_cost(rows).transfer_ns == pytest.approx(_transfer_ns(128 * 4096, 8 * 4096))
+    per_row = cost.instr_cost(rows, params=replace(MID, dma_merge_rows=False))
+    assert per_row.transfer_ns == pytest.approx(_transfer_ns(128 * 4096, 4096))
+
+
+def test_the_activate_fixed_time_range_applies_where_the_chip_has_one():
+    a = vec("activation", (128, 64), engine=SCALAR)
+    plus = replace(MID, act_fixed_offset_ns=10.0)
+    assert cost.instr_cost(a, params=plus).busy_ns == pytest.approx(cost.instr_cost(a).busy_ns + 10.0)
+    assert cost.instr_cost(a, "trn1", params=plus).busy_ns == cost.instr_cost(a, "trn1").busy_ns

@@ -64,7 +64,7 @@ import bisect
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from trnkit.nkisim import hardware
 from trnkit.nkisim.cost_params import MID, SETTINGS, ModelParams, one_at_a_time
@@ -300,7 +300,8 @@ def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
     first, last = _dma_engines(instr, nbytes, row, chip)
     engines = last - first
     contiguous = instr.attrs.get("contiguous_bytes")
-    if touches_hbm and contiguous and not (instr.attrs.get("transpose") and _transpose_friendly(instr)) \
+    if touches_hbm and contiguous and params.dma_merge_rows \
+            and not (instr.attrs.get("transpose") and _transpose_friendly(instr)) \
             and any(o.buffer in _ONCHIP for o in instr.operands):
         # the payload of one packet: the contiguous run in HBM, up to one engine's share (partition rows
         # adjacent in HBM merge: the DMA overview's [128, 128] load moves 2 KiB per engine in 97 ns);
@@ -310,10 +311,12 @@ def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
     if instr.attrs.get("transpose"):  # dma_transpose: a fraction of a copy's throughput (cost_params)
         factor = params.dma_transpose_factor
         eff *= factor if touches_hbm else min(factor, d.transpose_sbuf_factor)
-    # each engine moves its share at its own rate; HBM traffic is capped at the core's HBM share
-    rate = d.bytes_per_ns_per_engine * d.sustained_fraction
+    # each engine moves its share at its own rate (cost_params.dma_engine_rate_factor: the sources
+    # disagree); HBM traffic is capped at the core's HBM share over the engines the transfer uses (one
+    # engine alone is not held to a sixteenth of it)
+    rate = d.bytes_per_ns_per_engine * d.sustained_fraction * params.dma_engine_rate_factor
     if touches_hbm and hbm:  # HBM -> HBM crosses HBM twice per byte moved
-        rate = min(rate, chip.hbm_bytes_per_ns / d.engines * nbytes / hbm)
+        rate = min(rate, chip.hbm_bytes_per_ns / engines * nbytes / hbm)
     transfer = nbytes / (engines * rate * eff)
     # what the transfer takes of the core's whole DMA bandwidth (the engine-busy sum the report shows)
     busy = transfer * engines / d.engines
@@ -323,8 +326,8 @@ def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
         (math.ceil(nbytes / row) if row > 0 else 1)
     gpsimd = rows * params.swdge_cycles_per_row / chip.clocks.gpsimd if instr.attrs.get("indirect") else 0.0
     fixed = params.dma_fixed_ns
-    return InstrCost(DMA, busy, fixed + transfer + params.dma_wake_ns, fixed, gpsimd_ns=gpsimd,
-                     dma_engines=(first, last), transfer_ns=transfer)
+    c = InstrCost(DMA, busy, 0.0, fixed, gpsimd_ns=gpsimd, dma_engines=(first, last), transfer_ns=transfer)
+    return replace(c, latency_ns=fixed + _dma_span(c, chip, params) + params.dma_wake_ns)
 
 
 def _vector_perf_speedup(instr: Instr, chip: Chip) -> float:
@@ -457,7 +460,7 @@ def instr_cost(instr: Instr, chip: str | Chip = "trn2", params: ModelParams = MI
         # "a three-stage pipeline per partition: tensor-scalar operations, activation function, optional
         # reduction"; a tensor_scalar / tensor_copy on ScalarE is that pipeline with the activation
         # bypassed), so moving a copy to ScalarE does not dodge it.
-        busy += chip.act_fixed_ns
+        busy += chip.act_fixed_ns + (params.act_fixed_offset_ns if chip.act_fixed_ns else 0.0)
     return InstrCost(instr.engine, busy, busy + fixed / ghz, fixed / ghz, cycles)
 
 
@@ -678,11 +681,13 @@ class SbufPlan:
     peak_bytes: int  # the most bytes live at once with loads sunk to their first use
 
 
-def sbuf_plan(instrs: Sequence[Instr], capacity: int) -> SbufPlan:
-    """Per-instruction SBUF allocations and deaths, and the spills that sinking loads cannot avoid.
+def sbuf_plan(instrs: Sequence[Instr], capacity: int, program_order: bool = False) -> SbufPlan:
+    """Per-instruction SBUF allocations and deaths, and the spills the compiler inserts.
 
-    A tile filled only by DMAs from HBM is live from its first read (the compiler can issue the load just
-    before it); any other tile from its first write. Both end at the last access."""
+    ``program_order`` (cost_params.spill_in_program_order): every tile is live from its first to its last
+    access as the kernel orders them. Otherwise a tile filled only by DMAs from HBM is live from its first
+    read (the compiler can issue the load just before it) and any other from its first write, so only
+    the spills that sinking loads cannot avoid remain. Both end at the last access."""
     tiles = _sbuf_tiles(instrs)
     allocates: dict[int, int] = defaultdict(int)
     dies: dict[int, int] = defaultdict(int)
@@ -690,7 +695,7 @@ def sbuf_plan(instrs: Sequence[Instr], capacity: int) -> SbufPlan:
     for t in tiles.values():
         allocates[t.first] += t.nbytes
         dies[t.last] += t.nbytes
-        start = t.first_read if t.loaded and t.first_read >= 0 else t.first
+        start = t.first_read if t.loaded and t.first_read >= 0 and not program_order else t.first
         sunk[start] += t.nbytes
         sunk[t.last + 1] -= t.nbytes
     older_live: dict[int, int] = {}
@@ -709,6 +714,101 @@ def sbuf_plan(instrs: Sequence[Instr], capacity: int) -> SbufPlan:
         if live > capacity and live > before:
             spill[k] = live - max(before, capacity)
     return SbufPlan(dict(allocates), older_live, dict(dies), spill, peak)
+
+
+class _MaxTree:
+    """Range add / range max over per-instruction live bytes (a segment tree with lazy adds)."""
+
+    def __init__(self, values: Sequence[int]) -> None:
+        self.n = size = max(1, len(values))
+        self.top = [0] * (4 * size)
+        self.lazy = [0] * (4 * size)
+        self._build(1, 0, size - 1, values)
+
+    def _build(self, node: int, lo: int, hi: int, values: Sequence[int]) -> None:
+        if lo == hi:
+            self.top[node] = values[lo] if lo < len(values) else 0
+            return
+        mid = (lo + hi) // 2
+        self._build(2 * node, lo, mid, values)
+        self._build(2 * node + 1, mid + 1, hi, values)
+        self.top[node] = max(self.top[2 * node], self.top[2 * node + 1])
+
+    def add(self, a: int, b: int, v: int, node: int = 1, lo: int = 0, hi: int | None = None) -> None:
+        hi = self.n - 1 if hi is None else hi
+        if b < lo or hi < a:
+            return
+        if a <= lo and hi <= b:
+            self.top[node] += v
+            self.lazy[node] += v
+            return
+        mid = (lo + hi) // 2
+        self.add(a, b, v, 2 * node, lo, mid)
+        self.add(a, b, v, 2 * node + 1, mid + 1, hi)
+        self.top[node] = max(self.top[2 * node], self.top[2 * node + 1]) + self.lazy[node]
+
+    def max(self, a: int, b: int, node: int = 1, lo: int = 0, hi: int | None = None) -> int:
+        hi = self.n - 1 if hi is None else hi
+        if b < lo or hi < a:
+            return 0
+        if a <= lo and hi <= b:
+            return self.top[node]
+        mid = (lo + hi) // 2
+        return max(self.max(a, b, 2 * node, lo, mid), self.max(a, b, 2 * node + 1, mid + 1, hi)) + self.lazy[node]
+
+
+def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False) -> dict[int, int]:
+    """Loads the compiler can drop because the same HBM data is still in SBUF (``cost_params.reuse_loads``):
+    load index -> index of the earlier load whose data it reuses.
+
+    A load matches an earlier one of the same HBM range (unchanged since), shape, dtype and partitions. The
+    compiler keeps the earlier tile's data from its last access to the new load's first use when the tiles
+    live there (``sbuf_plan``'s liveness) plus the kept bytes fit ``capacity``; the kept bytes then count as
+    live there for later decisions. The fused-Mamba tutorial ([SDK] nki/guides/tutorials/fused_mamba,
+    "Minimizing data reloading"): the unrolled loops "load delta/u across all channels in the first state,
+    and then likely reload them again in the later states due to a large total memory size in delta and u
+    (16MB in this case)"; its profiler reports them reloaded "around 7 times" of 16."""
+    tiles = _sbuf_tiles(instrs)
+    n = len(instrs)
+    delta = [0] * (n + 1)
+    starts: dict[object, int] = {}
+    for key, t in tiles.items():
+        start = t.first_read if t.loaded and t.first_read >= 0 and not program_order else t.first
+        starts[key] = start
+        delta[start] += t.nbytes
+        delta[t.last + 1] -= t.nbytes
+    live, acc = [], 0
+    for d in delta[:n]:
+        acc += d
+        live.append(acc)
+    tree = _MaxTree(live)
+    version: dict[object, int] = defaultdict(int)  # writes seen per storage
+    resident: dict[tuple, tuple[int, int, int]] = {}  # load key -> (load holding the data, its last use, bytes)
+    out: dict[int, int] = {}
+    for k, ins in enumerate(instrs):
+        reads, writes = _boxes(ins)
+        dst = _role(ins, "dst")
+        loads = (ins.engine == DMA and dst is not None and dst.buffer == "sbuf" and len(writes) == 1
+                 and not ins.attrs.get("indirect") and reads
+                 and all(o.buffer in _HBM_BUFFERS for o in ins.operands if o.role != "dst"))
+        if loads and writes[0][0] in tiles:
+            w = writes[0]
+            key = (tuple((r, version[r[0]]) for r in reads), dst.shape, dst.dtype, w[1], w[2])
+            tile = tiles[w[0]]
+            hit = resident.get(key)
+            if hit is not None:
+                j, last, nbytes = hit
+                a, b = last + 1, starts[w[0]] - 1
+                if a > b or tree.max(a, b) + nbytes <= capacity:
+                    if a <= b:
+                        tree.add(a, b, nbytes)
+                    out[k] = j
+                    resident[key] = (j, max(last, tile.last), nbytes)
+            if k not in out:
+                resident[key] = (k, tile.last, tile.nbytes)
+        for b in writes:
+            version[b[0]] += 1
+    return out
 
 
 class _FreedSpace:
@@ -760,6 +860,7 @@ class Timing:
     first_byte: float = 0.0
     table_load: tuple[float, float] | None = None
     dropped: bool = False
+    spill: tuple[float, float] | None = None  # the spill store + reload the compiler put before it (DMA)
 
 
 # The engines whose sequencers trigger the compiler's DMA queues, in the order the model fills them: SyncE
@@ -779,6 +880,17 @@ def _dma_queue(ins: Instr, k: int, params: ModelParams) -> str:
         return GPSIMD
     n = min(len(_QUEUE_ENGINES), max(1, params.dma_queues))
     return _QUEUE_ENGINES[k % n]
+
+
+def _dma_span(c: InstrCost, chip: Chip, params: ModelParams) -> float:
+    """First byte to completion of a transfer: its engines start ``dma_engine_stagger_ns`` apart, so the
+    last of them ends (engines - 1) x stagger after its share's time, and every one of the chip's 16
+    engines writes the completion semaphore ([SDK] nki-dma-overview: "the remaining 15 DMA engines ...
+    also perform a small 4B semaphore update"; cost_params.dma_engine_stagger_ns), the last at least
+    15 x stagger after the first byte. The engines' occupancy is not staggered (throughput unchanged)."""
+    used = max(1, c.dma_engines[1] - c.dma_engines[0])
+    stagger = params.dma_engine_stagger_ns
+    return max((used - 1) * stagger + c.transfer_ns, (chip.dma.engines - 1) * stagger)
 
 
 def _fit_all(timelines: Sequence[_Timeline], earliest: float, dur: float) -> float:
@@ -824,14 +936,18 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     out: list[Timing] = []
     # the device's SBUF per partition: what the compiler allocates from (the interpreter's capacity check
     # keeps nki-library's smaller budget for kernels, hardware.Chip.sbuf_usable_bytes_per_partition)
-    plan = sbuf_plan(instrs, chip.sbuf_bytes_per_partition)
-    freed = _FreedSpace(chip.sbuf_bytes_per_partition)
+    capacity = chip.sbuf_usable_bytes_per_partition if params.sbuf_reserved else chip.sbuf_bytes_per_partition
+    plan = sbuf_plan(instrs, capacity, params.spill_in_program_order)
+    reused = reused_loads(instrs, capacity, params.spill_in_program_order) if params.reuse_loads else {}
+    load_finish: dict[int, float] = {}  # DMA index -> when its data is ready (for the loads reused later)
+    freed = _FreedSpace(capacity)
     spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * chip.dma.sustained_fraction,
                                         chip.hbm_bytes_per_ns / chip.dma.engines)
     for k, (ins, c) in enumerate(zip(instrs, costs)):
         reads, writes = _boxes(ins)
         matmul = ins.op == "nc_matmul"
         ready = deps.ready(reads, writes, matmul, ins.engine)
+        spill = None
         if params.hoist_bounded_by_sbuf and k in plan.allocates:  # the space it takes must be free by then
             ready = max(ready, freed.earliest(plan.older_live[k], plan.allocates[k]))
         if k in plan.spill:  # live tiles exceed SBUF even with loads sunk: spill, reload later
@@ -839,7 +955,17 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             t = _fit_all(engines, ready, dur)
             for e in engines:
                 e.place(t, 2 * dur)  # the store now, the reload later: both on the DMA engines
+            spill = (t, t + 2 * dur)
             ready = t + dur
+        if k in reused:  # the same HBM data is still in SBUF: the compiler drops the reload
+            finish = load_finish[k] = max(ready, load_finish[reused[k]])
+            deps.commit(reads, writes, finish)
+            if recompute is not None:
+                recompute.wrote(ins)
+            if k in plan.dies:
+                freed.add(finish, plan.dies[k])
+            out.append(Timing(k, ins.engine, finish, finish, finish, dropped=True, spill=spill))
+            continue
         key = recompute.key(ins) if recompute is not None else None
         if key is not None and key in recompute.seen:  # the compiler reuses the first result
             finish = max(ready, recompute.seen[key])
@@ -847,7 +973,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             deps.commit(reads, writes, finish, matmul)
             if k in plan.dies:
                 freed.add(finish, plan.dies[k])
-            out.append(Timing(k, ins.engine, finish, finish, finish, dropped=True))
+            out.append(Timing(k, ins.engine, finish, finish, finish, dropped=True, spill=spill))
             continue
         table_load = None
         if ins.engine == DMA:
@@ -875,8 +1001,9 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             t = _fit_all(used, start + c.fixed_ns, c.transfer_ns)
             for e in used:
                 e.place(t, c.transfer_ns)
-            end = t + c.transfer_ns
+            end = t + _dma_span(c, chip, params)
             finish = own = end + params.dma_wake_ns
+            load_finish[k] = finish
             out_first = t
         else:
             busy = c.busy_ns
@@ -919,7 +1046,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             writer[b[0]] = ins.engine
         if k in plan.dies:
             freed.add(end, plan.dies[k])
-        out.append(Timing(k, ins.engine, start, end, finish, out_first, table_load))
+        out.append(Timing(k, ins.engine, start, end, finish, out_first, table_load, spill=spill))
     return out
 
 
@@ -945,6 +1072,9 @@ def _active(times: Sequence[Timing]) -> dict[str, tuple[float, float, float]]:
     flight); wide, from its trigger to its completion semaphore's wake-up."""
     spans: dict[str, list[list[tuple[float, float]]]] = defaultdict(lambda: [[], [], []])
     for t in times:
+        if t.spill:  # spill traffic keeps the DMA engines active under every definition
+            for v in spans[DMA]:
+                v.append(t.spill)
         if t.dropped:
             continue
         s = spans[t.engine]

@@ -134,6 +134,53 @@ class ModelParams:
     # of their dependent VectorE instructions would rule out); off pessimistic.
     same_engine_streaming: bool = True
 
+    # Per-engine DMA rate as a multiple of hardware.DmaSpec.bytes_per_ns_per_engine. The public sources
+    # disagree: [SDK] nki/deep-dives/nki-dma-bandwidth-guide gives 23 B/ns per engine on trn2 (used), [SDK]
+    # nki/get-started/about/nki-dma-overview "a theoretical bandwidth of 27.2 GB/s" per engine for
+    # NeuronCore-v2 and -v3: 27.2 / 23 optimistic, 1.0 mid and pessimistic.
+    dma_engine_rate_factor: float = 1.0
+    # Whether a DMA engine reads the partition rows it serves that are adjacent in HBM as one packet: the
+    # DMA overview's Example 2 says each engine does "a single 2KiB read (8 rows x 128 elements x 2B)"
+    # (optimistic, mid); whether it also does so for the 4 - 32 KiB rows of its throughput figure is not
+    # said, and its guidance is per partition ("transfers maximizing the number of partitions with 4KiB or
+    # larger per partition"): one packet per partition row pessimistic (assumed).
+    dma_merge_rows: bool = True
+    # Time between one DMA engine's start on a transfer and the next engine's: [SDK] nki-dma-overview,
+    # Example 1 profile (nki-dma-intro-3.png), the 15 idle engines' 4-byte semaphore writes start one after
+    # another from E65 (~23,040 ns) to E79 (~23,270 ns), ~16 ns apart; the page: "the remaining 15 DMA
+    # engines ... also perform a small 4B semaphore update ... the NeuronCore [can] always monitor a
+    # semaphore increment of 16", so a transfer completes after the 16th engine's write, at least
+    # 15 x this after its first byte. 8 / 24 ns at the ends (reading precision of the profile, assumed).
+    dma_engine_stagger_ns: float = 16.0
+    # Offset on hardware.Chip.act_fixed_ns (ScalarE's fixed time per instruction, fitted on one profiled
+    # ACTIVATE): the bar's two ends are read off the profile to ~5 ns each, so the fixed time is known to
+    # ~+-10 ns (assumed from the reading, not fitted). Applied only where the chip has a fixed time.
+    act_fixed_offset_ns: float = 0.0
+    # How the compiler counts SBUF liveness when it decides to spill: [SDK] nki/get-started/about/
+    # memory-hierarchy-overview: "If the total size of the live data ... overflows the capacity of any
+    # on-chip memory, the Neuron compiler will insert the necessary spills or refills"; [SDK]
+    # nki/deep-dives/nki_perf_guide "Optimization Gotchas": "buffers sometimes need to be declared within
+    # the inner loop to avoid spilling", i.e. a tile is live as the kernel orders it, not from its latest
+    # possible load. True (mid, pessimistic): tiles live from first to last access in program order;
+    # False (optimistic): loads sunk to their first read, spills only what that cannot avoid.
+    spill_in_program_order: bool = True
+    # Whether the compiler keeps part of SBUF for itself, so tiles spill above the budget AWS's own kernels
+    # use ([LIB] nki-library budgets 224 KiB - 16 KiB - 264 B per partition, core/mlp/mlp_cte/
+    # mlp_cte_constants.py; hardware.Chip.sbuf_usable_bytes_per_partition, also the interpreter's capacity
+    # check) rather than above the device's 224 KiB ([SDK] trainium2_arch). True mid and pessimistic,
+    # False optimistic. trnkit's kernels pass the interpreter's check at that budget, so neither spills them.
+    sbuf_reserved: bool = True
+    # Whether the compiler drops a reload of HBM data still held in SBUF (cost.reused_loads: when keeping
+    # the earlier tile's data until the reload fits the SBUF the other live tiles leave). [SDK]
+    # nki/guides/tutorials/fused_mamba: the compiler unrolls the loops and would "load delta/u across all
+    # channels in the first state, and then likely reload them again in the later states due to a large
+    # total memory size in delta and u (16MB in this case)", and its profiler reports the reloads "around 7
+    # times" of 16; [SDK] nki_perf_guide "Input tensor reloading could be avoided if the same data stay in
+    # SBUF". But the matrix-multiplication tutorial's tiled kernel (trn1) is 17 % slower than its
+    # hoisted-loads version, which removing its lhsT reloads (16 KiB per partition, they would fit) would
+    # erase: the compiler does not always do it. True optimistic, False mid and pessimistic.
+    reuse_loads: bool = False
+
 
 MID = ModelParams()
 LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619.0, dma_wake_ns=250.0, dma_queues=5,
@@ -141,13 +188,17 @@ LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619
                   swdge_cycles_per_row=1.0, psum_single_pass=True, psum_access_cycles=0, access_init_cycles=0,
                   dependent_overhead_cycles=160,
                   matmul_extra_cycles=0, compiler_cse=True, compute_reorder=True,
-                  same_engine_streaming=True)
+                  same_engine_streaming=True, dma_engine_rate_factor=27.2 / 23.0, dma_merge_rows=True,
+                  dma_engine_stagger_ns=8.0, act_fixed_offset_ns=-10.0, spill_in_program_order=False,
+                  sbuf_reserved=False, reuse_loads=True)
 HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=1013.0, dma_wake_ns=375.0, dma_queues=1,
                    dma_hoist=False, hoist_bounded_by_sbuf=True, gpsimd_elems_per_cycle=0.25,
                    swdge_cycles_per_row=32.0, psum_single_pass=True, psum_access_cycles=120, access_init_cycles=100,
                    dependent_overhead_cycles=240,
                    matmul_extra_cycles=16, compiler_cse=False, compute_reorder=False,
-                   same_engine_streaming=False)
+                   same_engine_streaming=False, dma_engine_rate_factor=1.0, dma_merge_rows=False,
+                   dma_engine_stagger_ns=24.0, act_fixed_offset_ns=10.0, spill_in_program_order=True,
+                   sbuf_reserved=True, reuse_loads=False)
 SETTINGS: dict[str, ModelParams] = {"low": LOW, "mid": MID, "high": HIGH}
 
 PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(ModelParams))
