@@ -125,7 +125,8 @@ def _range(vals: list[float]) -> tuple[float, float, float]:
 def _per_transfer_ns(nbytes: int, params: cost_params.ModelParams) -> float:
     """Time per transfer of back-to-back [128, nbytes] loads from one queue (the difference of two stream
     lengths: cancels the first trigger and the last transfer's tail)."""
-    one_queue = replace(params, dma_queues=1)
+    # every load of the stream moves its bytes (the figure measures transfers): no reload is dropped
+    one_queue = replace(params, dma_queues=1, reuse_loads=False)
     p = Point("curve", "dma_curve", str(nbytes), "", {"bytes": nbytes})
     short, long_ = (cost.estimate_total(list(trace_of(kernel_call(p, None, n))), "trn2", one_queue) for n in STREAM)
     return (long_ - short) / (STREAM[1] - STREAM[0])
