@@ -93,7 +93,9 @@ def test_run_case_rows_match_an_independent_estimate():
     assert by[("nki", "est_time")].config == {"dtype": "bfloat16"} == torch_row.config
     table = markdown_table(rows)
     assert table.count("\n") == 2 and "| matmul_tiled | forward | M=N=K=512 |" in table
-    assert f"{est.p50:.1f} [{est.p20:.1f}-{est.p80:.1f}]" in table
+    def us(v: float) -> str:  # the table's rule: one decimal from 10 us up, two below
+        return f"{v:,.1f}" if v >= 10 else f"{v:.2f}"
+    assert f"{us(est.p50)} [{us(est.p20)}-{us(est.p80)}]" in table
 
 
 def test_unknown_or_missing_kernels_are_reported():
