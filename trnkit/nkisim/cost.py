@@ -23,7 +23,8 @@ Per instruction the model computes two numbers (constants in :mod:`trnkit.nkisim
 * **latency** — from issue to result: busy plus the fixed costs that do not occupy the engine
   (compute: the dependent-instruction overhead, + matmul pipeline fill; DMA: the ~1.3 us
   semaphore-to-start fixed cost, ~600 ns with hardware DGE, and the single transfer's own speed, which
-  uses only ``min(16, rows)`` DMA engines).
+  uses only the DMA engines of its partitions, started ``dma_engine_stagger_ns`` apart, completing after
+  all 16 engines' semaphore writes: :func:`_dma_span`).
 
 Engines run concurrently; the total uses one of two schedules, named in ``CostReport.model``:
 
@@ -678,7 +679,7 @@ class SbufPlan:
     older_live: dict[int, int]
     dies: dict[int, int]
     spill: dict[int, int]
-    peak_bytes: int  # the most bytes live at once with loads sunk to their first use
+    peak_bytes: int  # the most bytes live at once (in program order, or with loads sunk to their first use)
 
 
 def sbuf_plan(instrs: Sequence[Instr], capacity: int, program_order: bool = False) -> SbufPlan:
