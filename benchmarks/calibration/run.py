@@ -183,9 +183,12 @@ def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = 
         return _range(vals), {}
     tr = _kernel_trace(p, dims)
     if p.metric.startswith("active:"):  # the profiler's engine-active share, %
-        # the range spans the settings and the narrow / wide active definitions (cost.ACTIVE_DEFINITIONS)
+        # the range spans the narrow / wide active definitions (cost.ACTIVE_DEFINITIONS) under the three
+        # settings and under each parameter alone at each end: a share of the total does not move with
+        # the parameters monotonically, so the all-optimistic / all-pessimistic corners do not bound it
         engine = p.metric.removeprefix("active:")
         reports = [_report(p, dims, tr, k) for k in SETTINGS]
+        reports += [_report(p, dims, tr, f"{name}:{end}") for name in cost_params.PARAM_NAMES for end in (0, 1)]
         shares = [100 * r.active.get(engine, 0.0) for r in reports]
         ends = [100 * a / r.total_ns for r in reports for a in r.active_range_ns.get(engine, (0.0, 0.0))]
         return (min(shares + ends), shares[1], max(shares + ends)), {}
@@ -205,9 +208,14 @@ _REPORTS: dict[tuple, cost.CostReport] = {}  # (kernel, setting) -> report: the 
 def _report(p: Point, dims: dict | None, tr: trace.Trace, setting: str) -> cost.CostReport:
     key = (p.family, p.version, p.device, tuple(sorted({**p.dims, **(dims or {})}.items())), setting)
     if key not in _REPORTS:
-        if len(_REPORTS) >= 3 and all(k[:4] != key[:4] for k in _REPORTS):
+        if _REPORTS and all(k[:4] != key[:4] for k in _REPORTS):
             _REPORTS.clear()  # another kernel: keep one kernel's reports
-        _REPORTS[key] = cost.estimate(tr, p.device, params=cost_params.SETTINGS[setting])
+        if setting in cost_params.SETTINGS:
+            params = cost_params.SETTINGS[setting]
+        else:  # "<parameter>:<0|1>": that parameter alone at its optimistic (0) / pessimistic (1) value
+            name, end = setting.split(":")
+            params = cost_params.one_at_a_time(name)[int(end)]
+        _REPORTS[key] = cost.estimate(tr, p.device, params=params)
     return _REPORTS[key]
 
 

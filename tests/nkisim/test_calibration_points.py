@@ -52,9 +52,6 @@ SLICE_MISSES = {"kernel_opt v2": "one M-tile row: 16% fast (the full shape: 9.8%
 KNOWN_OUTSIDE_RANGE = {
     "mamba_v1 small VectorE active": "95% at most (reloads dropped): the rest is the kernel's first load and "
                                      "last store, which the profile's selection may leave out",
-    "kernel_opt v3 DMA active": "99.7% published, at most 99.0% modelled",
-    "kernel_opt v4 DMA active": "95.7% published, at most 90% modelled (with the program-order spills)",
-    "kernel_opt v5 DMA active": "21.5% published, at most 20.5% modelled (with the program-order spills)",
 }
 # Published version changes predicted in the right direction but not within half their size.
 KNOWN_SIZE_MISSES = {
