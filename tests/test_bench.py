@@ -328,13 +328,15 @@ def _reference_estimates() -> dict[tuple, dict[tuple[str, str], Row]]:
 
 def test_reference_bench_csv_carries_ordered_ranges():
     """The cost-model estimates of benchmarks/data/bench.csv: p20 / p50 / p80 = low / mid / high end of the
-    time, and the fraction of roofline = roofline / time at the other end; every estimate has its range."""
+    time, and the fraction of roofline = roofline / time at the other end; every estimate has its range.
+    The roofline counts the kernel's own HBM traffic; at the optimistic end the compiler may drop reloads of
+    unchanged HBM data (cost_params ``reuse_loads``), so only the mid and pessimistic ends are bounded by it."""
     groups = _reference_estimates()
     assert groups
     for key, g in groups.items():
         est, frac, roof = g[("nki", "est_time")], g[("nki", "fraction_of_roofline")], g[("roofline", "est_time")]
         assert "range" in est.details, f"estimate without its range: {key}"
-        assert 0 < roof.p50 <= est.p20 <= est.p50 <= est.p80, key
+        assert 0 < est.p20 <= est.p50 <= est.p80 and 0 < roof.p50 <= est.p50, key
         assert (frac.p20, frac.p50, frac.p80) == pytest.approx(
             (roof.p50 / est.p80, roof.p50 / est.p50, roof.p50 / est.p20), rel=1e-6), key
     assert any(k[0] == "rope_hf" for k in groups)
