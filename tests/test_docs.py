@@ -264,3 +264,17 @@ def test_docs_site_builds_with_strict(tmp_path: Path):
     assert "Quick start" in home and 'href="trainer/"' in home  # the README, its docs/ links made relative
     for page in ("trainer", "kernels", "interpreter", "benchmarks"):
         assert (site / page / "index.html").is_file()
+
+
+def test_cost_model_demo_block_is_what_the_demo_prints():
+    """docs/cost-model.md shows ``python -m trnkit demo``'s output; the estimate in it must be today's (the
+    wall time on its first line aside): a cost-model change that moves the demo's figures must re-run it."""
+    from trnkit.demo import format_result, run
+
+    text = (ROOT / "docs" / "cost-model.md").read_text()
+    block = re.search(r"```\n(trnkit demo: tiled matmul .*?)```", text, re.S)
+    assert block, "docs/cost-model.md lost its demo output block"
+    wall = re.compile(r"\(\d+\.\d+ s wall\)")
+    documented = wall.sub("(wall)", block.group(1)).strip().splitlines()
+    printed = wall.sub("(wall)", format_result(run())).strip().splitlines()
+    assert documented == printed
