@@ -682,6 +682,12 @@ class SbufPlan:
     peak_bytes: int  # the most bytes live at once (in program order, or with loads sunk to their first use)
 
 
+def _live_from(t: _Tile, program_order: bool) -> int:
+    """The program index an SBUF tile of :func:`_sbuf_tiles` is live from: its first access in program
+    order; otherwise, for a tile filled only by loads from HBM, its first read (the load sunk to its use)."""
+    return t.first_read if t.loaded and t.first_read >= 0 and not program_order else t.first
+
+
 def sbuf_plan(instrs: Sequence[Instr], capacity: int, program_order: bool = False) -> SbufPlan:
     """Per-instruction SBUF allocations and deaths, and the spills the compiler inserts.
 
@@ -696,7 +702,7 @@ def sbuf_plan(instrs: Sequence[Instr], capacity: int, program_order: bool = Fals
     for t in tiles.values():
         allocates[t.first] += t.nbytes
         dies[t.last] += t.nbytes
-        start = t.first_read if t.loaded and t.first_read >= 0 and not program_order else t.first
+        start = _live_from(t, program_order)
         sunk[start] += t.nbytes
         sunk[t.last + 1] -= t.nbytes
     older_live: dict[int, int] = {}
@@ -774,8 +780,7 @@ def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = F
     delta = [0] * (n + 1)
     starts: dict[object, int] = {}
     for key, t in tiles.items():
-        start = t.first_read if t.loaded and t.first_read >= 0 and not program_order else t.first
-        starts[key] = start
+        start = starts[key] = _live_from(t, program_order)
         delta[start] += t.nbytes
         delta[t.last + 1] -= t.nbytes
     live, acc = [], 0
