@@ -332,7 +332,6 @@ class Memory:
                 self.psum_reordered_banks), stacklevel=2)
         self.check_accumulation_groups()
 
-
     def check_psum_reordered(self) -> int:
         """Raise at the first instruction where the live PSUM tiles need more than eight banks in
         the reordered schedule (module doc, "PSUM and the compiler's reordering"): a tile is live from
