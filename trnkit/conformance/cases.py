@@ -26,6 +26,7 @@ from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
 from .cases_loss import loss_cases
 from .cases_mlp import mlp_cases
+from .cases_mlp_quant import mlp_quant_cases
 from .cases_moe_block import moe_block_cases
 from .cases_moe_experimental import moe_experimental_cases
 from .cases_moe_tkg import moe_tkg_cases
@@ -552,8 +553,8 @@ def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
     return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
-            + attention_cases() + attention_tkg_cases() + mlp_cases() + moe_block_cases() + loss_cases()
-            + moe_tkg_cases()
+            + attention_cases() + attention_tkg_cases() + mlp_cases() + mlp_quant_cases() + moe_block_cases()
+            + loss_cases() + moe_tkg_cases()
             + qkv_cases() + subkernel_cases() + utils_cases() + tensor_view_cases()
             + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases())
 
@@ -612,6 +613,9 @@ FAST = (
     "core/subkernels/indexed_flatten|f_len=128 rows=5 from 1|lnc2|T=4096 E=3",
     "experimental/collectives/topk_reduce|bf16 from 8 ranks|lnc1|T=4 K=4 H=2880",
     "core/rmsnorm/rmsnorm_quant|row fp8 rmsnorm lower_bound=0.5|lnc2|B=1 S=2 H=16384",
+    "core/rmsnorm/rmsnorm_quant|static fp8 rmsnorm|lnc2|B=1 S=2 H=16384",
+    "core/mlp/mlp_tkg|bf16 x fp8 static rms_norm gate_up_column_tiling|lnc2|B=4 S=5 H=1024 I=512",
+    "core/mlp/mlp_tkg|bf16 x fp8 row rms_norm down_w optimized layout|lnc2|B=4 S=1 H=8192 I=1024",
     "core/mlp/mlp_cte|bf16 x fp8 no_norm GELU skip_gate|lnc2|B=1 S=578 H=1408 I=352",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",
