@@ -603,6 +603,9 @@ FAST = (
     "core/attention/attention_bwd|packed bf16 seqs=128+128 causal wrong_dtype (must reject)|lnc1"
     "|b=1 heads=1/1 S=256 d=128",
     "core/output_projection/cte|bf16 bias|lnc2|B=1 S=128 H=3072 heads=17 d=10",
+    "core/output_projection/cte|bf16 x fp8 static bias|lnc2|B=1 S=128 H=3072 heads=8 d=32",
+    "core/output_projection/tkg|bf16 x fp8 static|lnc2|B=8 heads=8 S=1 d=128 H=8192",
+    "core/output_projection/tkg|bf16 x fp8 row TRANSPOSE_OUT|lnc2|B=16 heads=8 S=1 d=128 H=3072",
     "experimental/loss/cross_entropy_forward|switch_transformers_fast bfloat16 PB=1 CS=32128|lnc2|B=1 T=1 V=32128",
     "experimental/loss/cross_entropy_backward|switch_transformers_fast bfloat16 PB=1 CS=16384 mean|lnc2"
     "|B=1 T=1 V=32128",
