@@ -32,6 +32,7 @@ from .cases_moe_experimental import moe_experimental_cases
 from .cases_moe_tkg import moe_tkg_cases
 from .cases_projection import projection_cases
 from .cases_qkv import qkv_cases
+from .cases_qkv_quant import qkv_quant_cases
 from .cases_rmsnorm_quant import rmsnorm_quant_cases
 from .cases_subkernels import subkernel_cases
 from .cases_tensor_view import tensor_view_cases
@@ -555,7 +556,7 @@ def all_cases() -> list[Case]:
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
             + attention_cases() + attention_tkg_cases() + mlp_cases() + mlp_quant_cases() + moe_block_cases()
             + loss_cases() + moe_tkg_cases()
-            + qkv_cases() + subkernel_cases() + utils_cases() + tensor_view_cases()
+            + qkv_cases() + qkv_quant_cases() + subkernel_cases() + utils_cases() + tensor_view_cases()
             + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases())
 
 
@@ -612,6 +613,9 @@ FAST = (
     "core/moe/moe_tkg|all experts Swish post_scale clamp bias|lnc2|T=4 H=3072 I=192 E=4",
     "core/moe/moe_tkg|top-1 Swish post_scale clamp bias|lnc2|T=3 H=512 I=128 E=2",
     "core/qkv/qkv_cte|accuracy bf16 rms_norm BSD dma_transpose fused_add|lnc1|B=1 S=128 H=512 I=512",
+    "core/qkv/qkv_cte|static_quantization bf16 x fp8 no_norm BSD qkv_bias|lnc2|B=1 S=128 H=8192 heads=8/1 d=128",
+    "core/qkv/qkv_cte|block_kv_cache bf16 fp8 kv scale=1.67|lnc2|B=1 S=512 H=2048 heads=1/1 d=128 blocks=128x64",
+    "core/qkv/qkv_tkg|accuracy bf16 x fp8 row rms_norm BSD fused_add|lnc2|B=1 S=3 H=8192 heads=8/1 d=128",
     "core/subkernels/find_nonzero_indices|float32 chunk=10240 columns 120+8|lnc2|T=10240 E=128 top_k=4",
     "core/subkernels/indexed_flatten|f_len=128 rows=5 from 1|lnc2|T=4096 E=3",
     "experimental/collectives/topk_reduce|bf16 from 8 ranks|lnc1|T=4 K=4 H=2880",

@@ -32,7 +32,7 @@ import numpy as np
 
 from .harness import Case, first_output
 
-__all__ = ["qkv_cases", "qkv_golden"]
+__all__ = ["qkv_cases", "qkv_golden", "qkv_projection"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LIB = "nkilib_src.nkilib.core"
@@ -41,14 +41,15 @@ TESTS = "test/integration/nkilib/core/qkv"
 
 def _qkv_inputs(b: int, s: int, h: int, fused_dim: int, norm: str, dma_t: bool, fused_add: bool, norm_bias: bool,
                 layout: str, eps: float, hidden_actual: int | None, heads: tuple[int, int, int] | None,
-                rope: bool, qkv_bias: bool = False) -> Callable[[], dict[str, Any]]:
+                rope: bool, qkv_bias: bool = False, weight_dtype: np.dtype = BF16) -> Callable[[], dict[str, Any]]:
+    """``build_qkv_input``'s draws (see the module doc); ``weight_dtype``: fp8 for its quantized rows."""
     def make() -> dict[str, Any]:
         types = importlib.import_module(f"{LIB}.utils.common_types")
         qkv_types = importlib.import_module(f"{LIB}.qkv.qkv")
         rng = np.random.default_rng(0)
         draw = lambda shape: rng.normal(size=shape).astype(BF16)  # noqa: E731
         x = draw((b, s, h))
-        w = draw((h, fused_dim))
+        w = rng.normal(size=(h, fused_dim)).astype(weight_dtype)
         mlp_prev = draw((b, s, h)) if fused_add else None
         attn_prev = draw((b, s, h)) if fused_add else None
         gamma = draw((1, h)) if norm in ("RMS_NORM", "LAYER_NORM") else None
@@ -75,14 +76,26 @@ def _f32(t: Any) -> np.ndarray | None:
     return None if t is None else np.asarray(t.float().numpy() if hasattr(t, "float") else t, np.float32)
 
 
-def qkv_golden(input: Any, fused_qkv_weights: Any, output_layout: Any = None, bias: Any = None,
-               fused_residual_add: bool = False,
-               mlp_prev: Any = None, attention_prev: Any = None, fused_norm_type: Any = None,
-               gamma_norm_weights: Any = None, layer_norm_bias: Any = None, norm_eps: float = 1e-6,
-               hidden_actual: int | None = None, fused_rope: bool = False, cos_cache: Any = None,
-               sin_cache: Any = None, d_head: int | None = None, num_q_heads: int | None = None,
-               num_kv_heads: int | None = None, **_: Any) -> dict[str, np.ndarray]:
-    """The unquantized QKV golden of nki-library's QKV CTE test (see the module docstring)."""
+def qkv_golden(output_layout: Any = None, d_head: int | None = None, **kw: Any) -> dict[str, np.ndarray]:
+    """The QKV golden of nki-library's QKV CTE test (see the module docstring): :func:`qkv_projection`,
+    in the row's layout, rounded to bf16."""
+    out = qkv_projection(d_head=d_head, **kw)
+    if output_layout.name == "NBSd":
+        b, s, i = out.shape
+        out = out.reshape(b, s, i // d_head, d_head).transpose(2, 0, 1, 3)
+    return {"out": out.astype(BF16).astype(np.float32)}
+
+
+def qkv_projection(input: Any, fused_qkv_weights: Any, bias: Any = None, fused_residual_add: bool = False,
+                   mlp_prev: Any = None, attention_prev: Any = None, fused_norm_type: Any = None,
+                   gamma_norm_weights: Any = None, layer_norm_bias: Any = None, norm_eps: float = 1e-6,
+                   hidden_actual: int | None = None, fused_rope: bool = False, cos_cache: Any = None,
+                   sin_cache: Any = None, d_head: int | None = None, num_q_heads: int | None = None,
+                   num_kv_heads: int | None = None, quantization_type: Any = None, qkv_w_scale: Any = None,
+                   qkv_in_scale: Any = None, **_: Any) -> np.ndarray:
+    """The golden's fp32 [B, S, I] projection: residual add, norm, (quantized) ``x @ W``, bias, RoPE.
+    STATIC quantization (the test's ``norm_qkv_ref``): x / in_scale clipped to +-240 (not rounded to fp8),
+    the product times the q / k / v weight scale and the input scale; ROW: times each column's scale."""
     x = _f32(input)
     if fused_residual_add:
         x = x + _f32(mlp_prev) + _f32(attention_prev)
@@ -98,7 +111,18 @@ def qkv_golden(input: Any, fused_qkv_weights: Any, output_layout: Any = None, bi
         x = ((x - mean) * np.reciprocal(np.sqrt(var + norm_eps))).astype(np.float32)
         x = x * gamma if gamma is not None else x
         x = x + beta if beta is not None else x
+    quant = quantization_type.name if quantization_type is not None else "NONE"
+    if quant == "STATIC":
+        in_scale = _f32(qkv_in_scale)[0, 0]
+        x = np.clip(x / in_scale, -240.0, 240.0)
     out = x @ _f32(fused_qkv_weights)
+    if quant == "STATIC":
+        q_end, k_end = num_q_heads * d_head, (num_q_heads + num_kv_heads) * d_head
+        for part, w_scale in zip((slice(0, q_end), slice(q_end, k_end), slice(k_end, None)), _f32(qkv_w_scale)[0]):
+            out[..., part] *= w_scale
+        out *= in_scale
+    elif quant == "ROW":
+        out = out * _f32(qkv_w_scale)[0]
     if bias is not None:
         out = out + _f32(bias)
     if fused_rope:  # rotate-half RoPE on every q and k head; v unchanged
@@ -109,10 +133,7 @@ def qkv_golden(input: Any, fused_qkv_weights: Any, output_layout: Any = None, bi
         x1, x2 = qk[..., :half], qk[..., half:]
         rotated = np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(b, s, -1)
         out = np.concatenate([rotated, out[:, :, (num_q_heads + num_kv_heads) * d:]], axis=-1)
-    if output_layout.name == "NBSd":
-        b, s, i = out.shape
-        out = out.reshape(b, s, i // d_head, d_head).transpose(2, 0, 1, 3)
-    return {"out": out.astype(BF16).astype(np.float32)}
+    return out
 
 
 # vnc, batch, seqlen, hidden, fused dim or (q heads, kv heads, d_head), norm, DMA transpose, fused add,
