@@ -594,6 +594,8 @@ FAST = (
     "core/attention/gen_mask_tkg|block_len=16 active_mask batch 4 of 16|lnc2|bs=4 q_head=8 s_prior=4096 s_active=5",
     "core/attention/attention_tkg|bf16 tp_k_prior use_pos_id fuse_rope|lnc2"
     "|bs=4 q_head=2 s_active=7 s_prior=256/16384 d=128 block_len=0",
+    "core/attention/attention_tkg|fp8_kv tp_k_prior qk_in_sb k_out_in_sb out_in_sb no_strided_mm1|lnc2"
+    "|bs=4 q_head=8 s_active=7 s_prior=4096/10240 d=64 block_len=16",
     "core/qkv/qkv_tkg|accuracy bf16 rms_norm BSD qkv_bias|lnc2|B=8 S=5 H=3072 heads=8/1 d=64",
     "core/mlp/mlp_tkg|bf16 rms_norm gate_b up_b down_b gate_up_column_tiling down_column_tiling|lnc2"
     "|B=8 S=5 H=8192 I=512",

@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .harness import Case
@@ -26,6 +27,7 @@ from .harness import Case
 __all__ = ["attention_tkg_cases", "gen_mask_hbm_golden", "causal_active_mask", "swa_start_positions"]
 
 F32 = np.dtype(np.float32)
+FP8 = np.dtype(ml_dtypes.float8_e4m3)
 LIB = "nkilib_src.nkilib.core"
 TESTS = "test/integration/nkilib/core/attention"
 HERE = "trnkit.conformance.cases_attention_tkg"
@@ -390,13 +392,16 @@ def _block_table(bs: int, s_prior: int, s_active: int, pos: np.ndarray, block_le
 
 def _attn_inputs(cfg_args: tuple, cfg_kw: dict, dt_name: str, sink: bool, window: int, lnc: int
                  ) -> Callable[[], dict[str, Any]]:
+    """The test's ``input_generator``. ``fp8_kv`` rows: dtype bf16, q drawn as the others and cast to
+    fp8 e4m3; k / v active and prior from its ``np_random_sample_fp8()`` (which reseeds 0 on the same
+    global generator): ``random_sample * 480 - 240`` cast to fp8 (round-to-nearest-even, ml_dtypes)."""
     def make() -> dict[str, Any]:
         import nki.language as nl
         import torch
 
         utils = importlib.import_module(f"{LIB}.attention.attention_tkg_utils")
         cfg = utils.AttnTKGConfig(*cfg_args, **cfg_kw)
-        dt = {"bf16": nl.bfloat16, "fp32": nl.float32}[dt_name]
+        dt = {"bf16": nl.bfloat16, "fp32": nl.float32, "fp8_kv": nl.bfloat16}[dt_name]
         block = cfg.block_len != 0
         bsq = cfg.bs * cfg.q_head * cfg.s_active
         q_shape = (cfg.d_head, bsq) if cfg.qk_in_sb else (cfg.bs, cfg.q_head, cfg.s_active, cfg.d_head)
@@ -410,8 +415,13 @@ def _attn_inputs(cfg_args: tuple, cfg_kw: dict, dt_name: str, sink: bool, window
         pos = ((np.arange(cfg.bs) * 3 + cfg.curr_sprior // 4 * 3) % (cfg.curr_sprior - cfg.s_active))[:, None]
         np.random.seed(0)  # the test's np_random_sample(): random_sample per tensor, cast to the dtype
         draw = lambda shape, d=dt: np.random.random_sample(shape).astype(d)  # noqa: E731
-        out = {"q": draw(q_shape), "k_active": draw(k_shape), "v_active": draw((cfg.bs, 1, cfg.s_active, cfg.d_head)),
-               "k_prior": draw(k_prior_shape), "v_prior": draw(v_prior_shape)}
+        kv_draw = draw
+        out = {"q": draw(q_shape)}
+        if dt_name == "fp8_kv":
+            out["q"] = out["q"].astype(FP8)
+            kv_draw = lambda shape: (np.random.random_sample(shape) * 480.0 - 240.0).astype(FP8)  # noqa: E731
+        out.update(k_active=kv_draw(k_shape), v_active=kv_draw((cfg.bs, 1, cfg.s_active, cfg.d_head)),
+                   k_prior=kv_draw(k_prior_shape), v_prior=kv_draw(v_prior_shape))
         if cfg.use_pos_id:
             mask = causal_active_mask(cfg.bs, cfg.q_head, cfg.s_active)
         else:
@@ -461,7 +471,8 @@ _T = dict(tp_k_prior=True)
 _ROPE = dict(use_pos_id=True, fuse_rope=True)
 _SB = dict(qk_in_sb=True, k_out_in_sb=True, out_in_sb=True)
 _BLOCK = dict(tp_k_prior=True, strided_mm1=False, **_SB)
-# attention_tkg_fast_configs without the fp8 KV rows: (AttnTKGConfig args, kwargs, dtype, sink, sliding window)
+# attention_tkg_fast_configs: (AttnTKGConfig args, kwargs, dtype, sink, sliding window); "fp8_kv": bf16 with
+# fp8 q, k and v (the test's AttnTKGTestParams(fp8_kv=True))
 _ATTN_ROWS: list[tuple[tuple, dict, str, bool, int]] = [
     *[((4, 1, 5, s, 10240, 128, 0), {**_T, **_ROPE}, "bf16", False, 0)
       for s in (1024, 1536, 3072, 4608, 7168, 8704, 10240)],
@@ -516,6 +527,15 @@ _ATTN_ROWS: list[tuple[tuple, dict, str, bool, int]] = [
     ((4, 8, 7, 3072, 10240, 64, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 0),
     ((64, 8, 1, 2048, 2048, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", False, 0),
     ((4, 1, 5, 12288, 12288, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 0),
+    # fp8 KV cache (fuse_rope off, q / k in SBUF), flat and block
+    *[(args, dict(strided_mm1=False, **layout, **kw), "fp8_kv", False, 0) for layout in ({}, _T)
+      for args, kw in (((4, 1, 5, 1024, 10240, 128, 0), dict(qk_in_sb=True)),
+                       ((4, 1, 5, 8192, 8192, 128, 0), dict(qk_in_sb=True)), ((4, 2, 7, 4096, 16384, 128, 0), _SB))],
+    ((4, 1, 5, 8192, 8192, 128, 16), _BLOCK, "fp8_kv", False, 0),
+    ((4, 8, 7, 4096, 10240, 64, 16), _BLOCK, "fp8_kv", False, 0),
+    ((1, 2, 5, 26624, 36896, 128, 32), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True,
+                                            enable_fa_s_prior_tiling=False), "fp8_kv", False, 0),
+    ((128, 1, 1, 2048, 2048, 128, 16), _BLOCK, "fp8_kv", False, 0),
     # strided_mm1 off
     ((4, 1, 5, 1024, 10240, 128, 0), dict(tp_k_prior=True, strided_mm1=False, **_ROPE), "bf16", False, 0),
     ((4, 1, 5, 1536, 10240, 128, 0), dict(tp_k_prior=True, strided_mm1=False, **_ROPE), "bf16", False, 0),
@@ -533,6 +553,8 @@ _ATTN_ROWS: list[tuple[tuple, dict, str, bool, int]] = [
     ((4, 1, 5, 8192, 8192, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 256),
     ((4, 8, 7, 4096, 10240, 64, 16), dict(use_pos_id=True, **_BLOCK), "bf16", True, 128),
     ((4, 1, 5, 1024, 10240, 128, 0), {**_T, **_ROPE}, "bf16", True, 128),
+    ((4, 1, 5, 1024, 10240, 128, 0), dict(strided_mm1=False, use_pos_id=True, qk_in_sb=True), "fp8_kv", False, 128),
+    ((4, 1, 5, 8192, 8192, 128, 16), dict(use_pos_id=True, **_BLOCK), "fp8_kv", False, 128),
     ((4, 2, 7, 1024, 16384, 64, 0), {**_T, **_ROPE}, "bf16", False, 128),
     ((4, 8, 7, 3072, 10240, 64, 0), dict(tp_k_prior=True, use_pos_id=True, qk_in_sb=True, k_out_in_sb=True,
                                           out_in_sb=True), "bf16", True, 256),
@@ -548,7 +570,8 @@ def _attn_cases() -> list[Case]:
         bs, qh, sa, sp, spf, d, bl = args
         flags = [dt] + [f for f in _FLAG_NAMES if kw.get(f)] + ([] if kw.get("strided_mm1", True) else
                                                                 ["no_strided_mm1"]) \
-            + (["sink"] if sink else []) + ([f"sw={window}"] if window else [])
+            + (["sink"] if sink else []) + ([f"sw={window}"] if window else []) \
+            + ([] if kw.get("enable_fa_s_prior_tiling", True) else ["no_fa_tiling"])
         for lnc in (1, 2):
             cases.append(Case(
                 kernel="core/attention/attention_tkg", name=" ".join(flags),
@@ -556,7 +579,9 @@ def _attn_cases() -> list[Case]:
                 entry=f"{LIB}.attention.attention_tkg:attention_tkg", wrap_kernel=_attn_wrapper,
                 reference=f"{HERE}:attention_tkg_golden", inputs=_attn_inputs(args, kw, dt, sink, window, lnc),
                 ref_inputs=_with_lnc(lnc), outputs=("out", "k_out") if kw.get("fuse_rope") else ("out",),
-                lnc=lnc, rtol=1e-2, atol=1e-5, test_file=f"{TESTS}/test_attention_tkg.py"))
+                lnc=lnc, rtol=3e-2 if dt == "fp8_kv" else 1e-2, atol=3e-2 if dt == "fp8_kv" else 1e-5,
+                note="fp8 casts taken as round-to-nearest-even (ml_dtypes)" if dt == "fp8_kv" else "",
+                test_file=f"{TESTS}/test_attention_tkg.py"))
     return cases
 
 
