@@ -53,6 +53,10 @@ def scale_ref(x, out, factor):
 
 def off_by_one_ref(x, out, factor):
     return {"out": x * factor + 1.0}
+
+
+def failing_ref(x, out, factor):
+    raise ValueError("reference broke")
 '''
 
 
@@ -136,6 +140,34 @@ def test_compare_is_nkilibs_max_mode_rule():
     assert not harness.compare(np.array([1e30, 1.0]), inf, 1.0, 0.0)[0]  # finite vs inf
     assert not harness.compare(np.array([np.nan, 1.0]), np.array([0.0, 1.0]), 1.0, 1.0)[0]
     assert not harness.compare(np.zeros(3), np.zeros(4), 1.0, 1.0)[0]  # shapes differ
+
+
+def test_compare_in_chunks_gives_the_whole_array_result(monkeypatch):
+    """compare() takes its float64 differences a chunk at a time: the same (ok, error, allowed) as one
+    chunk, wherever the largest reference value, the worst error, an infinity or a NaN falls."""
+    rng = np.random.default_rng(0)
+    e = rng.normal(size=(7, 5)).astype(np.float32)
+    e[6, 4] = 9.0  # max|e| in the last chunk
+    a = e + np.float32(0.01)
+    a[0, 1] += 0.5  # the worst error in the first chunk
+    e[3, 0] = a[3, 0] = -np.inf
+    whole = harness.compare(a, e, 0.01, 0.1)
+    assert not whole[0] and whole[1] == pytest.approx(0.51) and whole[2] == pytest.approx(0.19)
+    monkeypatch.setattr(harness, "COMPARE_CHUNK", 3)
+    assert harness.compare(a, e, 0.01, 0.1) == whole
+    a[6, 4] = np.nan  # a NaN in the last chunk only
+    ok, err, _ = harness.compare(a, e, 0.01, 0.1)
+    assert not ok and np.isnan(err)
+    a[6, 4], a[3, 0] = e[6, 4], 1.0  # a finite value where the reference is infinite
+    assert not harness.compare(a, e, 1e6, 1e6)[0]
+
+
+def test_a_kernel_failure_decides_the_row_before_a_reference_failure(fake_checkout):
+    """The reference runs before the kernel (memory), but the row reports the kernel's failure first."""
+    row = harness.run_case(_case(entry="too_many_partitions", reference="failing_ref"), fake_checkout)
+    assert row.result == harness.REJECTED and "partition" in row.message
+    row = harness.run_case(_case(reference="failing_ref"), fake_checkout)
+    assert row.result == harness.ERROR and row.message == "reference failed: ValueError: reference broke"
 
 
 def test_cli_without_checkout_says_how_to_get_one(monkeypatch, capsys):

@@ -3,8 +3,8 @@
 A :class:`Case` names an nki-library kernel entry point and torch reference (dotted paths inside the
 checkout's ``src/``), a generator of the inputs nki-library's own test feeds it, the logical core
 count (LNC, run as a grid launch ``kernel[lnc]``) and nki-library's tolerances. :func:`run_case`
-resolves ``nki`` to the interpreter, imports the kernel, runs it, runs the reference on copies of the
-same inputs and compares every output the way nki-library's validator does (``maxAllClose`` in its
+resolves ``nki`` to the interpreter, runs the reference on copies of the inputs, then the kernel on
+copies of its own, and compares every output the way nki-library's validator does (``maxAllClose`` in its
 default "max" mode): ``|actual - expected| <= atol + rtol * max|expected|`` element-wise, and
 infinite/NaN positions must match. Each case gives one :class:`Row`: PASS, MISMATCH, MISSING API
 (the interpreter lacks a name the kernel uses), REJECTED (the interpreter refused the kernel:
@@ -365,34 +365,49 @@ def _resolve(path: str, root: Path | None = None) -> Any:
 
 
 # -- comparison ----------------------------------------------------------------------------------
+COMPARE_CHUNK = 1 << 22  # elements compared at once: float64 temporaries of ~32 MB each, whatever the size
+
+
 def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float
             ) -> tuple[bool, float, float]:
     """nki-library's acceptance rule ("max" mode): ``(ok, largest |a - e|, atol + rtol * max|e|)``.
 
     ``max|e|`` is over the finite reference values; equal infinities count as no difference; a
-    position finite in one array and not in the other fails; shapes must match.
+    position finite in one array and not in the other fails; shapes must match. The differences are
+    taken in float64, :data:`COMPARE_CHUNK` elements at a time (a whole MoE weight gradient upcast at
+    once would need several times its own size in temporaries).
     """
-    a = np.asarray(actual).astype(np.float64)
-    e = np.asarray(expected).astype(np.float64)
+    a, e = np.asarray(actual), np.asarray(expected)
     if a.shape != e.shape:
         return False, float("inf"), 0.0
-    finite_e = np.abs(e[np.isfinite(e)])
-    allowed = atol + rtol * (float(finite_e.max()) if finite_e.size else 0.0)
-    with np.errstate(invalid="ignore"):
-        diff = np.abs(a - e)
-    diff = np.where(np.isinf(a) & np.isinf(e) & (np.sign(a) == np.sign(e)), 0.0, diff)
-    finite_match = bool((np.isfinite(a) == np.isfinite(e)).all())
-    worst = float(np.nanmax(diff)) if diff.size and not np.isnan(diff).all() else 0.0
-    ok = finite_match and bool(np.all(diff <= allowed))  # (NaN differences fail here)
-    if np.isnan(diff).any():
-        worst = float("nan")
-    return ok, worst, allowed
+    a, e = a.reshape(-1), e.reshape(-1)
+    chunks = [slice(i, i + COMPARE_CHUNK) for i in range(0, e.size, COMPARE_CHUNK)]
+    e_max = 0.0
+    for c in chunks:
+        finite_e = np.abs(e[c].astype(np.float64))
+        finite_e = finite_e[np.isfinite(finite_e)]
+        if finite_e.size:
+            e_max = max(e_max, float(finite_e.max()))
+    allowed = atol + rtol * e_max
+    ok, worst, any_nan = True, 0.0, False
+    for c in chunks:
+        ac, ec = a[c].astype(np.float64), e[c].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(ac - ec)
+        diff[np.isinf(ac) & np.isinf(ec) & (np.sign(ac) == np.sign(ec))] = 0.0
+        ok &= bool((np.isfinite(ac) == np.isfinite(ec)).all()) and bool(np.all(diff <= allowed))  # (NaN fails)
+        nan = np.isnan(diff)
+        any_nan |= bool(nan.any())
+        if not nan.all():
+            worst = max(worst, float(np.nanmax(diff)))
+    return ok, float("nan") if any_nan else worst, allowed
 
 
 # -- running -------------------------------------------------------------------------------------
 def _to_torch(value: Any, keep_low_precision: bool) -> Any:
     """nki-library's reference-input convention: bf16/fp8 -> fp32 torch (bf16 kept as bf16 when
-    ``keep_low_precision``), fp16 -> fp32, uint32 -> int32."""
+    ``keep_low_precision``), fp16 -> fp32, uint32 -> int32; an array always comes back as a copy (the
+    reference may write its inputs)."""
     import torch
 
     if not isinstance(value, np.ndarray):
@@ -414,14 +429,14 @@ def _low_precision_dtype(inputs: dict[str, Any]) -> np.dtype | None:
     return None
 
 
-def reference_outputs(case: Case, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The torch reference's outputs (numpy), on copies of ``inputs``."""
+def reference_outputs(case: Case, inputs: dict[str, Any], root: Path | None = None) -> dict[str, np.ndarray]:
+    """The torch reference's outputs (numpy), on copies of ``inputs`` (``root``: the checkout, for a
+    reference defined in an nki-library test file)."""
     import torch
 
     ref_in = case.ref_inputs(inputs) if case.ref_inputs else inputs
-    kwargs = {k: _to_torch(v.copy() if isinstance(v, np.ndarray) else v, case.keep_low_precision)
-              for k, v in ref_in.items()}
-    result = _resolve(case.reference)(**kwargs)
+    kwargs = {k: _to_torch(v, case.keep_low_precision) for k, v in ref_in.items()}  # (each a copy)
+    result = _resolve(case.reference, root)(**kwargs)
     if isinstance(result, torch.Tensor):
         result = {"out": result}
     elif isinstance(result, (list, tuple)):
@@ -463,6 +478,15 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
                 for module in REPAIRED_MODULES:
                     _load_repaired(module)
                 inputs = case.inputs()
+            # the reference runs first: its float32 copies of the inputs are freed before the kernel's
+            # copies exist (the large MoE cases hold several GB of weights); a kernel failure still
+            # decides the row before a reference failure does
+            expected, ref_error = None, None
+            if not case.negative:
+                try:
+                    expected = reference_outputs(case, inputs, root)
+                except Exception as exc:  # noqa: BLE001
+                    ref_error = exc
             kernel = _resolve(case.entry, root)
             if case.wrap_kernel is not None:
                 kernel = case.wrap_kernel(kernel)
@@ -477,6 +501,7 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
                     warnings.simplefilter("always", memory.SbufSpillWarning)
                     warnings.simplefilter("always", memory.PsumReorderWarning)
                     result = _launch(case, kernel, kernel_in)
+                del kernel_in  # (what the kernel returned stays referenced by result)
                 spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
                 reorders = [w.message for w in caught if issubclass(w.category, memory.PsumReorderWarning)]
             finally:
@@ -492,12 +517,10 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
         if case.negative:
             row.result, row.message = ACCEPTED, "ran, but nki-library's test expects a rejection"
             return row
-        results = list(result) if isinstance(result, (list, tuple)) else [result]
-        try:
-            expected = reference_outputs(case, inputs)
-        except Exception as exc:  # noqa: BLE001
-            row.message = f"reference failed: {type(exc).__name__}: {exc}"
+        if ref_error is not None:
+            row.message = f"reference failed: {type(ref_error).__name__}: {ref_error}"
             return row
+        results = list(result) if isinstance(result, (list, tuple)) else [result]
     if len(results) != len(case.outputs):
         row.message = f"kernel returned {len(results)} outputs, the reference {len(case.outputs)}"
         return row
