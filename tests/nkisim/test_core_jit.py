@@ -300,3 +300,30 @@ def test_core_barrier_on_sbuf_data_and_rules():
     with pytest.raises(NkiValidationError, match=r"core_barrier: data must be in shared_hbm \(or "
                                                  r"SBUF\), got psum"):
         count[2](np.zeros(1, np.float32), nl.psum)
+
+
+def test_a_shared_hbm_buffer_is_held_by_the_programs_not_the_launch():
+    """The k-th shared_hbm allocation is one storage for both programs; once both have it, the launch lets go
+    of it, so a kernel that allocates a shared buffer per block does not keep every block's to the end."""
+    held = []
+
+    @nki.jit
+    def per_block(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        pid = nl.program_id(0)
+        for block in range(3):
+            scratch = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+            t = nl.ndarray((64, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=x[pid * 64:(pid + 1) * 64, :])
+            nisa.tensor_scalar(dst=t, data=t, op0=nl.add, operand0=float(block))
+            nisa.dma_copy(dst=scratch[pid * 64:(pid + 1) * 64, :], src=t)
+            nisa.core_barrier(scratch, (0, 1))  # each program reads the other's half
+            nisa.dma_copy(dst=t, src=scratch[(1 - pid) * 64:(2 - pid) * 64, :])
+            nisa.dma_copy(dst=out[pid * 64:(pid + 1) * 64, :], src=t)
+            nisa.core_barrier(scratch, (0, 1))
+        held.append(list(memory.current().launch.shared))
+        return out
+
+    x = np.arange(128 * 4, dtype=np.float32).reshape(128, 4)
+    np.testing.assert_array_equal(per_block[2](x), np.concatenate([x[64:], x[:64]]) + 2.0)
+    assert held == [[None] * 4, [None] * 4]  # out and the three scratch buffers: both programs had them

@@ -381,7 +381,9 @@ class LaunchContext:
     """State shared by all program instances of one launch: the grid, ``shared_hbm`` storage."""
 
     grid: tuple[int, ...] = ()
-    shared: list[Any] = field(default_factory=list)  # k-th shared_hbm allocation of the launch
+    # k-th shared_hbm allocation of the launch (None once every program has it) and how many programs have it
+    shared: list[Any] = field(default_factory=list)
+    shared_fetches: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     barrier: threading.Barrier | None = None  # for core_barrier / sendrecv style ops
     mailbox: dict = field(default_factory=dict)  # sendrecv: (pipe_id, from, to) -> data

@@ -1024,7 +1024,9 @@ def _filled(size: int, dtype: np.dtype, value: Any) -> np.ndarray:
 
 def _shared_allocation(ctx: Any, shape: tuple[int, ...], dtype: np.dtype, name: str,
                        fill: Any) -> NkiTensor:
-    """The k-th shared_hbm allocation of every program of a launch is the same storage."""
+    """The k-th shared_hbm allocation of every program of a launch is the same storage. The launch
+    lets go of it once every program has it (it then lives as long as their tensors do: a kernel that
+    allocates a shared buffer per block in a loop does not keep every block's buffer to the end)."""
     launch = ctx.launch
     k = ctx.shared_count
     ctx.shared_count += 1
@@ -1032,7 +1034,11 @@ def _shared_allocation(ctx: Any, shape: tuple[int, ...], dtype: np.dtype, name: 
         if k == len(launch.shared):
             data = _filled(math.prod(shape), dtype, _dt.sentinel(dtype) if fill is None else fill)
             launch.shared.append(Storage(data, shape, shared_hbm, name))
+            launch.shared_fetches.append(0)
         st = launch.shared[k]
+        launch.shared_fetches[k] += 1
+        if launch.shared_fetches[k] == launch.num_instances:
+            launch.shared[k] = None
     require(st.shape == shape and st.dtype == dtype, "nl.ndarray", "shared_hbm allocation #{k} differs "
             "between programs: {shape}/{dtype} vs {other_shape}/{other_dtype}", k=k, shape=shape,
             dtype=dtype, other_shape=st.shape, other_dtype=st.dtype)
