@@ -33,6 +33,7 @@ from .cases_moe_tkg import moe_tkg_cases
 from .cases_projection import projection_cases
 from .cases_qkv import qkv_cases
 from .cases_qkv_quant import qkv_quant_cases
+from .cases_qkv_sb2sb import qkv_sb2sb_cases
 from .cases_rmsnorm_quant import rmsnorm_quant_cases
 from .cases_subkernels import subkernel_cases
 from .cases_tensor_view import tensor_view_cases
@@ -556,7 +557,8 @@ def all_cases() -> list[Case]:
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
             + attention_cases() + attention_tkg_cases() + mlp_cases() + mlp_quant_cases() + moe_block_cases()
             + loss_cases() + moe_tkg_cases()
-            + qkv_cases() + qkv_quant_cases() + subkernel_cases() + utils_cases() + tensor_view_cases()
+            + qkv_cases() + qkv_quant_cases() + qkv_sb2sb_cases() + subkernel_cases() + utils_cases()
+            + tensor_view_cases()
             + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases())
 
 
@@ -618,6 +620,9 @@ FAST = (
     "core/qkv/qkv_cte|static_quantization bf16 x fp8 no_norm BSD qkv_bias|lnc2|B=1 S=128 H=8192 heads=8/1 d=128",
     "core/qkv/qkv_cte|block_kv_cache bf16 fp8 kv scale=1.67|lnc2|B=1 S=512 H=2048 heads=1/1 d=128 blocks=128x64",
     "core/qkv/qkv_tkg|accuracy bf16 x fp8 row rms_norm BSD fused_add|lnc2|B=1 S=3 H=8192 heads=8/1 d=128",
+    "core/qkv/qkv_tkg|sb2sb fp16 x fp8 static rms_norm BSD|lnc2|B=1 S=5 H=8192 heads=8/1 d=128",
+    "core/qkv/qkv_tkg|sb2sb fp16 no_norm NBSd|lnc2|B=1 S=1 H=8192 heads=2/2 d=128",
+    "core/mlp/mlp_cte|fp8 row input x fp8 no_norm SiLU|lnc2|B=1 S=256 H=16384 I=896",
     "core/subkernels/find_nonzero_indices|float32 chunk=10240 columns 120+8|lnc2|T=10240 E=128 top_k=4",
     "core/subkernels/indexed_flatten|f_len=128 rows=5 from 1|lnc2|T=4096 E=3",
     "experimental/collectives/topk_reduce|bf16 from 8 ranks|lnc1|T=4 K=4 H=2880",

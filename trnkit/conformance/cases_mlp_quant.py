@@ -13,8 +13,24 @@ weight scales and input scales; gamma from the builder's own ``default_rng(42)``
 The golden (``golden_quant_mlp(quantize_activation=True)`` in nki-library's test package) is
 :func:`mlp_quant_golden`, the same computation written from the test: the activations stay bf16 and each
 projection is ``bf16(x @ w_fp8) * w_scale`` (the scale's first S rows broadcast over the batch, the test's
-rule for B x S below 96). The test's fp8 and bf16 casts are ``neuron_dtypes.static_cast`` (not installable,
-its rounding not documented), taken here as round-to-nearest-even (ml_dtypes).
+rule for B x S below 96).
+
+``test_mlp_cte.py`` (``test_mlp_cte_unit``): the rows of ``MLP_CTE_UNIT_TEST_CASES_ROW_QUANT`` (rtol 4e-2, atol
+1e-5), whose input arrives quantized: hidden ``[B, S, H + 4]`` fp8, the last 4 bytes of each row one fp32
+dequantization scale. Drawn by the test's ``gaussian_tensor_generator(0, 10, modify_for_row_quant)`` (one
+``default_rng(0)``, std 10): hidden, gate, up, down weights as fp8; its modifier (a fresh ``default_rng(0)``
+per tensor) writes ``normal() * 0.001`` as the row scale bytes (redrawn while the 4 bytes are not finite fp8)
+and makes every weight scale ``[128, F]`` one row ``normal(size=(1, F)) * 0.001`` repeated. The golden
+(``golden_quant_mlp(quantize_activation=False)``) is :func:`mlp_cte_row_quant_golden`: each projection
+``bf16(bf16(x @ w) * w_scale) * row_scale`` (the test rounds to bf16 before each scaling), the intermediate
+row-quantized to fp8 (scale ``max(absmax / 240, 1e-5)``) before the down projection. The rows of
+``MLP_CTE_UNIT_TEST_CASES_STATIC_QUANT`` (rtol 3e-2): hidden ``[B, S, H]`` fp8, drawn with std 5
+(``modify_fp8_static_scale``: every weight and input scale ``[128, 1]`` the same ``normal() * 0.5`` of a fresh
+``default_rng(0)``); golden :func:`mlp_cte_static_quant_golden`: each projection ``bf16(x @ w) * w_scale *
+in_scale``, the intermediate ``bf16(x) / down_in_scale`` clipped to +-240 and cast to fp8.
+
+The test's fp8 and bf16 casts are ``neuron_dtypes.static_cast`` (not installable, its rounding not
+documented), taken here as round-to-nearest-even (ml_dtypes).
 """
 
 from __future__ import annotations
@@ -28,7 +44,8 @@ import numpy as np
 from .cases_mlp import LIB, MLP_REPAIR_NOTE, TESTS, _activation, _normalize, _np, _types, swap_down_layout
 from .harness import Case
 
-__all__ = ["mlp_quant_cases", "mlp_quant_golden"]
+__all__ = ["mlp_quant_cases", "mlp_quant_golden", "mlp_cte_row_quant_golden",
+           "mlp_cte_static_quant_golden"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3)
@@ -109,6 +126,85 @@ def mlp_quant_golden(hidden_tensor: Any, gate_proj_weights_tensor: Any, up_proj_
     return {"out": out.astype(BF16).astype(np.float32)}
 
 
+def _row_scale_bytes(b: int, s: int) -> np.ndarray:
+    """``modify_for_row_quant``'s hidden tail: ``normal() * 0.001`` (fresh ``default_rng(0)``) as the 4 fp8
+    bytes of an fp32, redrawn while any byte is not a finite fp8, repeated over [B, S]."""
+    rng = np.random.default_rng(0)
+    while True:
+        tail = (rng.normal(size=(1, 1, 1)) * 0.001).astype(np.float32).view(FP8)
+        if np.isfinite(tail.astype(np.float32)).all():
+            return np.repeat(np.repeat(tail, b, axis=0), s, axis=1)
+
+
+def _cte_quant_inputs(b: int, s: int, h: int, i: int, quant: str) -> Callable[[], dict]:
+    """``build_fused_norm_mlp(is_input_quantized=True)`` with the ROW / STATIC test's generator (see the
+    module doc)."""
+    def make() -> dict[str, Any]:
+        import nki.language as nl  # the interpreter, inside nki_is_interpreter
+
+        types = _types()
+        gen, std = np.random.default_rng(0), 10.0 if quant == "ROW" else 5.0
+        hidden = (gen.normal(size=(b, s, h + 4 if quant == "ROW" else h)) * std).astype(FP8)
+        gate_w, up_w, down_w = ((gen.normal(size=shape) * std).astype(FP8) for shape in ((h, i), (h, i), (i, h)))
+        if quant == "ROW":
+            hidden[:, :, -4:] = _row_scale_bytes(b, s)
+            w_scale = lambda f: np.repeat(np.random.default_rng(0).normal(size=(1, f)) * 0.001, 128,  # noqa: E731
+                                          axis=0).astype(F32)
+            scales = [w_scale(i), w_scale(i), w_scale(h), None, None]
+        else:
+            scales = [np.full((128, 1), np.random.default_rng(0).normal() * 0.5, F32) for _ in range(5)]
+        return {"hidden_tensor": hidden, "gate_proj_weights_tensor": gate_w, "up_proj_weights_tensor": up_w,
+                "down_proj_weights_tensor": down_w, "normalization_weights_tensor": None,
+                "gate_proj_bias_tensor": None, "up_proj_bias_tensor": None, "down_proj_bias_tensor": None,
+                "normalization_bias_tensor": None, "fused_add_tensor": None, "store_fused_add_result": False,
+                "activation_fn": types.ActFnType.SiLU, "normalization_type": types.NormType.NO_NORM,
+                "quantization_type": getattr(types.QuantizationType, quant), "gate_w_scale": scales[0],
+                "up_w_scale": scales[1], "down_w_scale": scales[2], "gate_up_in_scale": scales[3],
+                "down_in_scale": scales[4], "output_dtype": nl.bfloat16,
+                "store_output_in_sbuf": False, "eps": 1e-6, "skip_gate_proj": False}
+    return make
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return x.astype(BF16).astype(np.float32)
+
+
+def mlp_cte_row_quant_golden(hidden_tensor: Any, gate_proj_weights_tensor: Any, up_proj_weights_tensor: Any,
+                             down_proj_weights_tensor: Any, gate_w_scale: Any, up_w_scale: Any, down_w_scale: Any,
+                             **_: Any) -> dict[str, np.ndarray]:
+    """nki-library's CTE ROW golden for a quantized input (see the module doc); the reference gets the fp8
+    hidden bytes as fp32 values, so the row scale is read back from the values' fp8 bytes."""
+    values = _np(hidden_tensor)
+    x = values[..., :-4].astype(np.float64)
+    row_scale = np.ascontiguousarray(values[..., -4:].astype(FP8)).view(np.float32)  # [B, S, 1]
+
+    def project(t: np.ndarray, w: Any, w_scale: Any, in_scale: np.ndarray) -> np.ndarray:
+        return _bf16(_bf16(t @ _np(w)) * _np(w_scale)[0]) * in_scale
+
+    gate = project(x, gate_proj_weights_tensor, gate_w_scale, row_scale)
+    inter = _activation("SiLU", gate) * project(x, up_proj_weights_tensor, up_w_scale, row_scale)
+    inter_scale = np.maximum(np.abs(inter).max(axis=-1, keepdims=True) / 240.0, 1e-5)
+    inter_q = (inter / inter_scale).astype(FP8).astype(np.float32)
+    return {"out": _bf16(project(inter_q, down_proj_weights_tensor, down_w_scale, inter_scale))}
+
+
+def mlp_cte_static_quant_golden(hidden_tensor: Any, gate_proj_weights_tensor: Any, up_proj_weights_tensor: Any,
+                                down_proj_weights_tensor: Any, gate_w_scale: Any, up_w_scale: Any,
+                                down_w_scale: Any, gate_up_in_scale: Any, down_in_scale: Any,
+                                **_: Any) -> dict[str, np.ndarray]:
+    """nki-library's CTE STATIC golden for a quantized input (see the module doc)."""
+    x = _np(hidden_tensor).astype(np.float64)
+    in_scale, down_in = _np(gate_up_in_scale)[0, 0], _np(down_in_scale)[0, 0]
+
+    def project(t: np.ndarray, w: Any, w_scale: Any, scale_in: float) -> np.ndarray:
+        return _bf16(t @ _np(w)) * (_np(w_scale)[0, 0] * scale_in)
+
+    inter = _activation("SiLU", project(x, gate_proj_weights_tensor, gate_w_scale, in_scale)) \
+        * project(x, up_proj_weights_tensor, up_w_scale, in_scale)
+    inter_q = np.clip(_bf16(inter) * (1.0 / down_in), -240.0, 240.0).astype(FP8).astype(np.float32)
+    return {"out": _bf16(project(inter_q, down_proj_weights_tensor, down_w_scale, down_in))}
+
+
 # lnc, batch, seqlen, hidden, intermediate, quant, norm, gate/up/down biases, gate/up column tiling, down column
 # tiling, down weights in the optimized layout: the fp8 rows of test_mlp_tkg_unit's tables, in the test's order
 _ROWS = [
@@ -157,8 +253,25 @@ for _q in ("ROW", "STATIC"):
     ]
 
 
+# MLP_CTE_UNIT_TEST_CASES_ROW_QUANT: lnc, batch, seqlen, hidden, intermediate (NO_NORM, SiLU, no biases)
+_CTE_ROW = [(2, 1, 1024, 16384, 896), (2, 1, 512, 16384, 896), (2, 1, 256, 16384, 896), (2, 4, 1024, 16384, 896),
+            (2, 2, 1024, 16384, 896)]
+
+
+# MLP_CTE_UNIT_TEST_CASES_STATIC_QUANT: the same columns (I as the test aligns it: ceilalign(1600, 128) = 1664)
+_CTE_STATIC = [(2, 1, 10240, 8192, 7168), (2, 1, 10240, 8192, 3584), (2, 1, 10240, 8192, 1792),
+               (2, 1, 10240, 5120, 6400), (2, 1, 10240, 5120, 3200), (2, 1, 10240, 5120, 1664)]
+
+
 def mlp_quant_cases() -> list[Case]:
-    cases = []
+    cases = [Case(
+        kernel="core/mlp/mlp_cte", name=f"fp8 {quant.lower()} input x fp8 no_norm SiLU",
+        shapes=f"B={b} S={s} H={h} I={i}", entry=f"{LIB}.mlp.mlp:mlp",
+        reference=f"trnkit.conformance.cases_mlp_quant:mlp_cte_{quant.lower()}_quant_golden",
+        inputs=_cte_quant_inputs(b, s, h, i, quant), outputs=("out",), lnc=lnc, rtol=rtol, atol=1e-5,
+        note=f"{FP8_NOTE}; {MLP_REPAIR_NOTE}", test_file=f"{TESTS}/test_mlp_cte.py")
+        for quant, rows, rtol in (("ROW", _CTE_ROW, 4e-2), ("STATIC", _CTE_STATIC, 3e-2))
+        for lnc, b, s, h, i in rows]
     for lnc, b, s, h, i, quant, norm, biases, gate_col, down_col, swapped in _ROWS:
         on = {False: (False,) * 3, True: (True,) * 3, "gate_up": (True, True, False)}[biases]
         flags = [norm.lower()] + [n for n, o in zip(("gate_b", "up_b", "down_b"), on) if o] \

@@ -41,15 +41,17 @@ TESTS = "test/integration/nkilib/core/qkv"
 
 def _qkv_inputs(b: int, s: int, h: int, fused_dim: int, norm: str, dma_t: bool, fused_add: bool, norm_bias: bool,
                 layout: str, eps: float, hidden_actual: int | None, heads: tuple[int, int, int] | None,
-                rope: bool, qkv_bias: bool = False, weight_dtype: np.dtype = BF16) -> Callable[[], dict[str, Any]]:
-    """``build_qkv_input``'s draws (see the module doc); ``weight_dtype``: fp8 for its quantized rows."""
+                rope: bool, qkv_bias: bool = False, weight_dtype: np.dtype | None = None, dtype: np.dtype = BF16
+                ) -> Callable[[], dict[str, Any]]:
+    """``build_qkv_input``'s draws (see the module doc) in ``dtype``; ``weight_dtype``: fp8 for its quantized
+    rows (default ``dtype``)."""
     def make() -> dict[str, Any]:
         types = importlib.import_module(f"{LIB}.utils.common_types")
         qkv_types = importlib.import_module(f"{LIB}.qkv.qkv")
         rng = np.random.default_rng(0)
-        draw = lambda shape: rng.normal(size=shape).astype(BF16)  # noqa: E731
+        draw = lambda shape: rng.normal(size=shape).astype(dtype)  # noqa: E731
         x = draw((b, s, h))
-        w = rng.normal(size=(h, fused_dim)).astype(weight_dtype)
+        w = rng.normal(size=(h, fused_dim)).astype(weight_dtype or dtype)
         mlp_prev = draw((b, s, h)) if fused_add else None
         attn_prev = draw((b, s, h)) if fused_add else None
         gamma = draw((1, h)) if norm in ("RMS_NORM", "LAYER_NORM") else None

@@ -48,7 +48,7 @@ def _quantized(make: Callable[[], dict], quant: str) -> Callable[[], dict[str, A
         kw = make()
         w = kw["fused_qkv_weights"]
         if quant == "STATIC":
-            kw["input"] = np.clip(kw["input"], -1.0, 1.0).astype(BF16)
+            kw["input"] = np.clip(kw["input"], -1.0, 1.0).astype(kw["input"].dtype)
             w = np.clip(w, -1.0, 1.0).astype(FP8)
             np.random.seed(42)
             kw["qkv_w_scale"] = (1.0 / FP8_MAX) * np.random.uniform(0.995, 1.005, (128, 3)).astype(np.float32)
