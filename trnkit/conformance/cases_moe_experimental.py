@@ -1,13 +1,14 @@
 """Conformance cases of nki-library's experimental/moe kernels, written from their test files.
 
 ``test/integration/nkilib/experimental/moe/test_bwmm_bwd.py``: ``blockwise_mm_bwd`` (the MoE backward) at
-LNC 2, rtol 2e-2 / atol 1e-5, on rows of its table (see ``_BWD``). Its input builder (routing, weights,
-upstream gradient and the forward activations it checkpoints) and its golden live in the test's own
-module, ``test_bwmm_bwd_common.py``; the cases import that module from the checkout and call both.
+LNC 2, rtol 2e-2 / atol 1e-5, on rows of its table (``_BWD``; ``_BWD_REDUCED``: with fewer experts).
+Its input builder (routing, weights, upstream gradient and the forward activations it checkpoints) and its
+golden live in the test's own module, ``test_bwmm_bwd_common.py``; the cases import that module from the
+checkout and call both.
 
 ``test/integration/nkilib/experimental/moe/test_bwmm_shard_on_H.py``: ``blockwise_mm_baseline_shard_hidden``
-(blockwise MoE, each core takes half of the hidden dimension) at LNC 2, rtol 2e-2 / atol 1e-5, on rows of
-its table at their shapes (see ``_SHARD_H``). Routing as
+(blockwise MoE, each core takes half of the hidden dimension) at LNC 2, rtol 2e-2 / atol 1e-5, on every row
+of its table (``_SHARD_H`` at their shapes, ``_SHARD_H_REDUCED`` with fewer experts). Routing as
 the test's ``generate_token_position_to_id_and_experts`` (``np.random.seed(0)``, each token picks
 ``top_k`` distinct experts; experts get ceil(tokens / block) blocks in expert order, the padding blocks
 go to the last expert), then ``np.random.seed(0)`` again for the hidden states and affinities
@@ -130,8 +131,8 @@ def shard_on_h_golden(hidden_states: Any, expert_affinities_masked: Any, gate_up
 
 # moe_bwmm_shard_h_test_params rows run here: hidden, tokens, experts, block, top_k, intermediate, dtype, skip,
 # scaling, checkpoint activations (the kernel then also returns the activations; the test compares the output
-# only). Its other 8 rows are heavier (271 blocks of 512 tokens x H=7168, training at I=1024 over 143-255 blocks,
-# I=2880 over 191 blocks) and are not run here for CPU time and memory.
+# only). 27 of its 30 rows run at their shapes; its other 3 (E=128 at I=1,024 and I=2,880: 4-6.4 GB of bf16
+# weights) do not fit this machine's memory at their shapes (_SHARD_H_REDUCED: none yet).
 _SHARD_H = [
     (5120, 8192, 16, 256, 1, 128, BF16, 2, "POST_SCALE", False),
     (5120, 8192, 16, 256, 1, 128, BF16, 0, "NO_SCALE", False),
@@ -155,7 +156,15 @@ _SHARD_H = [
     (5120, 8192, 128, 128, 4, 64, BF16, 0, "POST_SCALE", False),
     (6144, 4096, 16, 512, 4, 1024, BF16, 0, "POST_SCALE", False),
     (6144, 4096, 16, 512, 4, 1024, F32, 0, "POST_SCALE", False),
+    (7168, 1024, 256, 512, 8, 32, BF16, 0, "POST_SCALE", False),
+    (7168, 1024, 256, 256, 8, 32, BF16, 0, "POST_SCALE", False),
+    (7168, 1024, 256, 256, 8, 32, BF16, 2, "POST_SCALE", False),
+    (5120, 8192, 16, 256, 4, 1024, BF16, 0, "POST_SCALE", True),
+    (5120, 8192, 16, 256, 4, 1024, F32, 0, "POST_SCALE", True),
 ]
+# (the test's row, the row run, why): the same kernel paths (block size, top-k, H, I, dtype, skip and scaling
+# modes, checkpointing) with fewer experts, hence fewer weights and blocks
+_SHARD_H_REDUCED: list[tuple[tuple, tuple, str]] = []
 
 
 # -- experimental/moe/bwd (test_bwmm_bwd.py): the backward kernel, inputs and golden from its test's module ----
@@ -184,9 +193,9 @@ def _bwd_inputs(h: int, t: int, e: int, b: int, k: int, i: int, skip: int, clamp
 
 
 # TEST_PARAMS rows of test_bwmm_bwd.py run here: hidden, tokens, experts, block, top_k, intermediate, skip,
-# clamp limits (gate upper, gate lower, up upper, up lower), bias, activation. All bf16, LNC 2. Its other 3
-# rows are not run here: I=1024 at k=4 over 47 blocks was killed for memory at 15.7 GB resident (the one over
-# 143 blocks is larger), I=2880 over 32 experts and 47 blocks of 1024 tokens.
+# clamp limits (gate upper, gate lower, up upper, up lower), bias, activation. All bf16, LNC 2. 12 of its 13 rows
+# run at their shapes; its I=2,880 row over 32 experts (1.6 GB of bf16 weights, held ~4 times over: ~11 GB)
+# does not fit this machine's memory at its shape (_BWD_REDUCED: none yet).
 _NO_CLAMPS, _CLAMPS = (None, None, None, None), (7, -7, 7, -7)
 _BWD = [
     (6144, 4096, 1, 512, 1, 128, 0, _CLAMPS, False, "SiLU"),
@@ -199,14 +208,19 @@ _BWD = [
     (2880, 4096, 2, 1024, 2, 2880, 0, _CLAMPS, True, "Swish"),
     (2880, 4096, 2, 256, 2, 2880, 1, _CLAMPS, True, "Swish"),
     (5120, 8192, 128, 256, 1, 128, 0, _NO_CLAMPS, False, "SiLU"),
+    (6144, 4096, 16, 512, 4, 1024, 0, _NO_CLAMPS, False, "SiLU"),
+    (5120, 8192, 16, 256, 4, 1024, 0, _NO_CLAMPS, False, "SiLU"),
 ]
+# (the test's row, the row run, why), as _SHARD_H_REDUCED
+_BWD_REDUCED: list[tuple[tuple, tuple, str]] = []
 _BWD_OUTPUTS = ("hidden_states_grad", "expert_affinities_masked_grad", "gate_up_proj_weight_grad",
                 "down_proj_weight_grad")
 
 
 def _bwd_cases() -> list[Case]:
     cases = []
-    for h, t, e, b, k, i, skip, clamps, bias, act in _BWD:
+    for row, note in [(r, "") for r in _BWD] + [(run, why) for _, run, why in _BWD_REDUCED]:
+        h, t, e, b, k, i, skip, clamps, bias, act = row
         flags = [f"skip={skip}", act] + ["clamp"] * (clamps[0] is not None) + ["bias"] * bias
         cases.append(Case(
             kernel="experimental/moe/bwd", name=" ".join(flags), shapes=f"T={t} H={h} E={e} B={b} k={k} I={i}",
@@ -214,13 +228,14 @@ def _bwd_cases() -> list[Case]:
             reference=f"{BWD_COMMON}:blockwise_mm_bwd_torch_ref", inputs=_bwd_inputs(h, t, e, b, k, i, skip, clamps,
                                                                                      bias, act),
             outputs=_BWD_OUTPUTS + ("gate_and_up_proj_bias_grad", "down_proj_bias_grad") * bias, lnc=2,
-            rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/test_bwmm_bwd.py"))
+            rtol=2e-2, atol=1e-5, note=note, test_file=f"{TESTS}/test_bwmm_bwd.py"))
     return cases
 
 
 def moe_experimental_cases() -> list[Case]:
     cases = _bwd_cases()
-    for h, t, e, b, k, i, dt, skip, mode, ckpt in _SHARD_H:
+    for row, note in [(r, "") for r in _SHARD_H] + [(run, why) for _, run, why in _SHARD_H_REDUCED]:
+        h, t, e, b, k, i, dt, skip, mode, ckpt = row
         flags = [_DT[dt], f"skip={skip}", mode] + ["checkpoint_activation"] * ckpt
         cases.append(Case(
             kernel="experimental/moe/bwmm_shard_on_H", name=" ".join(flags),
@@ -228,5 +243,5 @@ def moe_experimental_cases() -> list[Case]:
             entry=f"{EXP}.forward.bwmm_shard_on_H:blockwise_mm_baseline_shard_hidden",
             wrap_kernel=first_output if ckpt else None, reference=f"{HERE}:shard_on_h_golden",
             inputs=_shard_h_inputs(h, t, e, b, k, i, dt, skip, mode, ckpt), outputs=("output",), lnc=2,
-            rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/test_bwmm_shard_on_H.py"))
+            rtol=2e-2, atol=1e-5, note=note, test_file=f"{TESTS}/test_bwmm_shard_on_H.py"))
     return cases
