@@ -1,4 +1,5 @@
-"""Conformance cases of nki-library's core/mlp kernel in TKG mode with fp8 weights (ROW and STATIC quantization).
+"""Conformance cases of nki-library's core/mlp kernel with fp8 (ROW and STATIC quantization): TKG, fp8 weights; CTE,
+fp8 input and weights.
 
 ``test/integration/nkilib/core/mlp/test_mlp_tkg.py`` (``test_mlp_tkg_unit``): the fp8 rows of its tables
 (``..._vnc2_params``, ``..._row_quant_kernel_params``, ``..._row_quant_kernel_layout_swap_perms``,
