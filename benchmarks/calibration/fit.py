@@ -116,7 +116,8 @@ def trn1_dma_sustained_fraction(points: Iterable[Point] | None = None, iteration
     frac = chip.dma.sustained_fraction
     for _ in range(iterations):
         trial = replace(chip, dma=replace(chip.dma, sustained_fraction=frac))
-        logs = [math.log(cost.estimate_total(tr, trial, cost_params.MID) / target) for tr, target in traces]
+        logs = [math.log(cost.estimate_total(tr, trial, run.slice_params(p, cost_params.MID)) / target)
+                for p, (tr, target) in zip(pts, traces)]
         frac *= math.exp(sum(logs) / len(logs))
     return frac
 

@@ -173,14 +173,14 @@ BASE_POINTS: tuple[Point, ...] = (
 ACTIVE_POINTS: tuple[Point, ...] = (
     _mamba("mamba_v1 VectorE active", "v1", 4096, 512, 92.16,
            f"{MAMBA} (\"VectorE active duration has dropped to 92.16% during the core execution "
-           "period\")", "profiler's engine-active share", metric="active:vector", unit="%"),
+           "period\")", "profiler's engine-active share", metric="selection:vector", unit="%"),
     _mamba("mamba_v1 small VectorE active", "v1", 256, 512, 98.71, f"{MAMBA} (\"compared to 98.71% previously with "
            "the toy example\")", "profiler's engine-active share during the core execution period",
-           metric="active:vector", unit="%"),
+           metric="selection:vector", unit="%"),
     _mamba("mamba_v2 VectorE active", "v2", 4096, 512, 99.63, f"{MAMBA} (\"VectorE active duration is back up to "
-           "99.63%\")", "profiler's engine-active share", metric="active:vector", unit="%"),
+           "99.63%\")", "profiler's engine-active share", metric="selection:vector", unit="%"),
     _mamba("mamba_v3 VectorE active", "v3", 4096, 8192, 94.85, f"{MAMBA} (\"VectorE is now 94.85% active\")",
-           "profiler's engine-active share", metric="active:vector", unit="%"),
+           "profiler's engine-active share", metric="selection:vector", unit="%"),
     _kopt_active("v2", "tensor", 87.28, "the TensorE was only active 87.28% of the run"),
     _kopt_active("v2", "dma", 99.93, "the DMA engines were active 99.93% of the time"),
     _kopt_active("v3", "tensor", 99.85, "the TensorE is busy 99.85% of the time"),

@@ -126,7 +126,7 @@ def _per_transfer_ns(nbytes: int, params: cost_params.ModelParams) -> float:
     """Time per transfer of back-to-back [128, nbytes] loads from one queue (the difference of two stream
     lengths: cancels the first trigger and the last transfer's tail)."""
     # every load of the stream moves its bytes (the figure measures transfers): no reload is dropped
-    one_queue = replace(params, dma_queues=1, reuse_loads=False)
+    one_queue = replace(params, dma_queues=1, reuse_loads="none")
     p = Point("curve", "dma_curve", str(nbytes), "", {"bytes": nbytes})
     short, long_ = (cost.estimate_total(list(trace_of(kernel_call(p, None, n))), "trn2", one_queue) for n in STREAM)
     return (long_ - short) / (STREAM[1] - STREAM[0])
@@ -161,6 +161,26 @@ def _timeline_metric(p: Point, tr: trace.Trace, params: cost_params.ModelParams)
     raise ValueError(f"calibration: unknown metric {p.metric!r} of point {p.name!r}")
 
 
+def _selection_shares(times: list, instrs: list, engine: str) -> tuple[float, float]:
+    """(mid, wide definition) of ``engine``'s active share, %, over "the actual execution period" as the
+    fused-Mamba tutorial selects it in neuron-profile's Selection Summary: from the engine's first
+    instruction on loaded data (its first read of a tile a DMA wrote) to its last instruction's end. The
+    tutorial's toy profile (nki/img/mamba_v1_profile_zoomed.png: Start Time 16.92 us, End Time 167.84 us,
+    98.71 %) leaves out the NEFF's start-up, VectorE's instructions before the loaded data arrives and
+    the last stores."""
+    loaded = {key for i in instrs if i.engine == "dma" for key, _, _ in i.attrs["writes"]}
+    mine = [t for t in times if t.engine == engine and not t.dropped]
+    first = next((t for t in mine if any(key in loaded for key, _, _ in instrs[t.index].attrs["reads"])), None)
+    if first is None:
+        return 0.0, 0.0
+    lo, hi = first.start, max(t.end for t in mine)
+    mine = [t for t in mine if t.start >= lo]
+    busy = [(t.start, t.end) for t in mine] + [t.table_load for t in mine if t.table_load]
+    wide = busy + [(t.start, min(hi, max(t.end, t.ready))) for t in mine]
+    span = hi - lo
+    return 100 * cost._union(busy) / span, 100 * cost._union(wide) / span
+
+
 def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = False) -> tuple[
         tuple[float, float, float], dict[str, tuple[float, float]]]:
     """``((low, mid, high), sensitivity)`` of the point's published quantity, in ns.
@@ -192,6 +212,13 @@ def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = 
         shares = [100 * r.active.get(engine, 0.0) for r in reports]
         ends = [100 * a / r.total_ns for r in reports for a in r.active_range_ns.get(engine, (0.0, 0.0))]
         return (min(shares + ends), shares[1], max(shares + ends)), {}
+    if p.metric.startswith("selection:"):  # the engine's active share of its own first-to-last span, %
+        engine = p.metric.removeprefix("selection:")
+        settings = [cost_params.SETTINGS[k] for k in SETTINGS]
+        settings += [v for name in cost_params.PARAM_NAMES for v in cost_params.one_at_a_time(name)]
+        shares = [_selection_shares(cost.timeline(list(tr), p.device, s), list(tr), engine) for s in settings]
+        mids = [m for m, _ in shares]
+        return (min(mids + [w for _, w in shares]), mids[1], max(mids + [w for _, w in shares])), {}
     if p.metric != "total" and not p.metric.startswith("busy:"):
         vals = [_timeline_metric(p, tr, cost_params.SETTINGS[k]) for k in SETTINGS]
         return _range(vals), {}
@@ -205,6 +232,26 @@ def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = 
 _REPORTS: dict[tuple, cost.CostReport] = {}  # (kernel, setting) -> report: the points of one run share it
 
 
+# The points whose kernel, at its published shape, reloads data that does not stay resident at mid
+# (cost_params.reuse_loads "resident": all of it would have to fit in SBUF at once), so that no reload is
+# dropped there; tests/nkisim/test_calibration_points.py checks the full shapes. A slice of one (fewer
+# M-tiles or channel tiles: the tests, fit.py) reloads less, which could stay resident.
+RELOADS_NOT_RESIDENT = frozenset((
+    "mamba_v1", "mamba_v3 s2048", "mamba_v3 s4096", "mamba_v3", "matmul tiled", "matmul hoist_load",
+    "matmul block_free_dimension", "matmul fully_optimized", "kernel_opt v2", "kernel_opt v3", "kernel_opt v4",
+    "kernel_opt v5"))
+
+
+def slice_params(p: Point, params: cost_params.ModelParams) -> cost_params.ModelParams:
+    """The parameters a slice of point ``p``'s kernel is estimated with: its published shape's reload
+    decision, every reload kept at mid where that shape's reloaded data does not stay resident."""
+    name = next((q.name for q in POINTS if q.metric == "total" and (q.family, q.version, q.dims)
+                 == (p.family, p.version, p.dims)), p.name)
+    if name in RELOADS_NOT_RESIDENT and params.reuse_loads == "resident":
+        return replace(params, reuse_loads="none")
+    return params
+
+
 def _report(p: Point, dims: dict | None, tr: trace.Trace, setting: str) -> cost.CostReport:
     key = (p.family, p.version, p.device, tuple(sorted({**p.dims, **(dims or {})}.items())), setting)
     if key not in _REPORTS:
@@ -215,7 +262,7 @@ def _report(p: Point, dims: dict | None, tr: trace.Trace, setting: str) -> cost.
         else:  # "<parameter>:<0|1>": that parameter alone at its optimistic (0) / pessimistic (1) value
             name, end = setting.split(":")
             params = cost_params.one_at_a_time(name)[int(end)]
-        _REPORTS[key] = cost.estimate(tr, p.device, params=params)
+        _REPORTS[key] = cost.estimate(tr, p.device, params=slice_params(p, params) if dims else params)
     return _REPORTS[key]
 
 

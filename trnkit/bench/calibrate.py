@@ -28,10 +28,13 @@ from trnkit.nkisim.trace import Instr
 
 
 def candidates(name: str, steps: int = 5) -> list:
-    """Values tried for one parameter: both ends and evenly spaced values between (booleans: both)."""
+    """Values tried for one parameter: both ends and evenly spaced values between (booleans: both; named
+    rules: the three settings')."""
     lo, hi = getattr(cost_params.LOW, name), getattr(cost_params.HIGH, name)
     if isinstance(lo, bool):
         return [lo, hi]
+    if isinstance(lo, str):  # a named rule: its optimistic, mid and pessimistic choice
+        return list(dict.fromkeys((lo, getattr(cost_params.MID, name), hi)))
     vals = [lo + (hi - lo) * k / (steps - 1) for k in range(steps)]
     return [round(v) for v in vals] if isinstance(lo, int) else vals
 

@@ -112,7 +112,7 @@ class CostReport:
     compute_bound_ns: float
     memory_bound_ns: float
     flops: int
-    hbm_bytes: int
+    hbm_bytes: int  # HBM traffic at mid: the trace's, less the reloads the mid setting drops (resident)
     dma_bytes: int
     by_op: dict[str, tuple[int, float]] = field(default_factory=dict)  # op -> (count, busy ns summed)
     # total under the optimistic / mid / pessimistic parameter settings (cost_params); all three equal
@@ -581,8 +581,8 @@ _NOT_KEYED = frozenset(("reads", "writes", "read_boxes", "write_boxes", "name"))
 class _Recompute:
     """Finds compute instructions that recompute an earlier result from unchanged on-chip inputs (what the
     compiler's loop-invariant code motion / CSE removes; ``ModelParams.compiler_cse``). Reloads of
-    unchanged HBM data are not removed: the matrix-multiplication tutorial's tiled -> hoisted-loads gain
-    (trn1, 51.8 -> 42.96 ms) is the ratio of the bytes its loads move as written."""
+    unchanged HBM data are a separate rule (``ModelParams.reuse_loads``: :func:`resident_loads`,
+    :func:`reused_loads`)."""
 
     def __init__(self) -> None:
         self.version: dict[object, int] = defaultdict(int)  # writes seen per storage
@@ -764,6 +764,19 @@ class _MaxTree:
         return max(self.max(a, b, 2 * node, lo, mid), self.max(a, b, 2 * node + 1, mid + 1, hi)) + self.lazy[node]
 
 
+def _load_key(ins: Instr, version: dict) -> tuple | None:
+    """What makes two SBUF loads the same data: the HBM ranges read (unchanged since), the destination's
+    shape, dtype and partitions. None for anything but a plain (not indirect) HBM -> SBUF load."""
+    reads, writes = _boxes(ins)
+    dst = _role(ins, "dst")
+    if not (ins.engine == DMA and dst is not None and dst.buffer == "sbuf" and len(writes) == 1
+            and not ins.attrs.get("indirect") and reads
+            and all(o.buffer in _HBM_BUFFERS for o in ins.operands if o.role != "dst")):
+        return None
+    w = writes[0]
+    return (tuple((r, version[r[0]]) for r in reads), dst.shape, dst.dtype, w[1], w[2])
+
+
 def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False) -> dict[int, int]:
     """Loads the compiler can drop because the same HBM data is still in SBUF (``cost_params.reuse_loads``):
     load index -> index of the earlier load whose data it reuses.
@@ -792,14 +805,10 @@ def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = F
     resident: dict[tuple, tuple[int, int, int]] = {}  # load key -> (load holding the data, its last use, bytes)
     out: dict[int, int] = {}
     for k, ins in enumerate(instrs):
-        reads, writes = _boxes(ins)
-        dst = _role(ins, "dst")
-        loads = (ins.engine == DMA and dst is not None and dst.buffer == "sbuf" and len(writes) == 1
-                 and not ins.attrs.get("indirect") and reads
-                 and all(o.buffer in _HBM_BUFFERS for o in ins.operands if o.role != "dst"))
-        if loads and writes[0][0] in tiles:
+        writes = _boxes(ins)[1]
+        key = _load_key(ins, version)
+        if key is not None and writes[0][0] in tiles:
             w = writes[0]
-            key = (tuple((r, version[r[0]]) for r in reads), dst.shape, dst.dtype, w[1], w[2])
             tile = tiles[w[0]]
             hit = resident.get(key)
             if hit is not None:
@@ -814,6 +823,38 @@ def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = F
                 resident[key] = (k, tile.last, tile.nbytes)
         for b in writes:
             version[b[0]] += 1
+    return out
+
+
+def resident_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False) -> dict[int, int]:
+    """Reloads the compiler drops by keeping every reloaded input resident for the whole kernel
+    (``cost_params.reuse_loads == "resident"``): load index -> the first load of the same data, for every
+    reload, when the distinct data the kernel loads more than once (bytes per partition) fits in
+    ``capacity`` next to the kernel's peak of live tiles (``sbuf_plan``); else none.
+
+    The fused-Mamba tutorial ([SDK] nki/guides/tutorials/fused_mamba, "Minimizing data reloading"): v1 at
+    4,096 channels reloads delta/u "due to a large total memory size in delta and u (16MB in this case)";
+    reloading "could be inevitable when we don't have sufficient on-chip memory (SBUF) to allow full reuse
+    of the input data tensors". At its toy shape (256 channels, delta and u 1 MB) the same kernel reloads
+    nothing: the profile (nki/img/mamba_v1_profile_zoomed.png) shows DMA throughput only while the inputs
+    load at the start and for the final store."""
+    tiles = _sbuf_tiles(instrs)
+    version: dict[object, int] = defaultdict(int)  # writes seen per storage
+    first: dict[tuple, int] = {}  # load key -> the load that brings the data in
+    out: dict[int, int] = {}
+    for k, ins in enumerate(instrs):
+        writes = _boxes(ins)[1]
+        key = _load_key(ins, version)
+        if key is not None and writes[0][0] in tiles:
+            if key in first:
+                out[k] = first[key]
+            else:
+                first[key] = k
+        for b in writes:
+            version[b[0]] += 1
+    kept = sum(tiles[_boxes(instrs[j])[1][0][0]].nbytes for j in set(out.values()))
+    if not out or kept + sbuf_plan(instrs, capacity, program_order).peak_bytes > capacity:
+        return {}
     return out
 
 
@@ -944,7 +985,12 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     # keeps nki-library's smaller budget for kernels, hardware.Chip.sbuf_usable_bytes_per_partition)
     capacity = chip.sbuf_usable_bytes_per_partition if params.sbuf_reserved else chip.sbuf_bytes_per_partition
     plan = sbuf_plan(instrs, capacity, params.spill_in_program_order)
-    reused = reused_loads(instrs, capacity, params.spill_in_program_order) if params.reuse_loads else {}
+    if params.reuse_loads == "fits":
+        reused = reused_loads(instrs, capacity, params.spill_in_program_order)
+    elif params.reuse_loads == "resident":
+        reused = resident_loads(instrs, capacity, params.spill_in_program_order)
+    else:
+        reused = {}
     load_finish: dict[int, float] = {}  # DMA index -> when its data is ready (for the loads reused later)
     freed = _FreedSpace(capacity)
     spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * chip.dma.sustained_fraction,
@@ -1227,6 +1273,16 @@ def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str
     return sum(phase_total.values()), sum(phase_serial.values()), per_program, costs
 
 
+def _resident_reload_bytes(instrs: Sequence[Instr], chip: Chip) -> int:
+    """HBM bytes of the reloads the mid setting drops (``cost_params.reuse_loads == "resident"``: every
+    reloaded input stays in SBUF). The roofline counts the HBM traffic the kernel moves at mid, so a kernel
+    whose reloaded data fits is bounded by its distinct bytes, not by the reloads it asks for."""
+    if MID.reuse_loads != "resident" or not _has_deps(instrs):
+        return 0
+    capacity = chip.sbuf_usable_bytes_per_partition if MID.sbuf_reserved else chip.sbuf_bytes_per_partition
+    return sum(instrs[k].hbm_bytes for k in resident_loads(instrs, capacity, MID.spill_in_program_order))
+
+
 def estimate_total(instrs: Sequence[Instr], chip: str | Chip, params: ModelParams) -> float:
     """Estimated time in ns of a launch (its programs synchronised per phase) under ``params``."""
     chip = hardware.get_chip(chip)
@@ -1250,6 +1306,7 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
     busy: dict[str, float] = {}
     active: dict[str, tuple[float, float, float]] = {}
     compute_bound = memory_bound = 0.0
+    hbm_bytes = 0
     total, serial, per_program, costs = _launch(instrs, chip, setting, model) if instrs else (0.0, 0.0, [], {})
     for p_instrs, p_busy, p_active in per_program:
         for e, b in p_busy.items():
@@ -1257,7 +1314,9 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
         for e, b in p_active.items():
             active[e] = tuple(max(x, y) for x, y in zip(active.get(e, (0.0, 0.0, 0.0)), b))
         p_compute = sum(i.flops / chip.tensor_flops_per_ns(_matmul_dtype(i)) for i in p_instrs if i.flops)
-        p_memory = sum(i.hbm_bytes for i in p_instrs) / chip.hbm_bytes_per_ns
+        p_bytes = sum(i.hbm_bytes for i in p_instrs) - _resident_reload_bytes(p_instrs, chip)
+        hbm_bytes += p_bytes
+        p_memory = p_bytes / chip.hbm_bytes_per_ns
         compute_bound = max(compute_bound, p_compute)
         memory_bound = max(memory_bound, p_memory)
     if ranges and params is None and instrs:
@@ -1285,7 +1344,7 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
         compute_bound_ns=compute_bound,
         memory_bound_ns=memory_bound,
         flops=sum(i.flops for i in instrs),
-        hbm_bytes=sum(i.hbm_bytes for i in instrs),
+        hbm_bytes=hbm_bytes,
         dma_bytes=sum(i.dma_bytes for i in instrs),
         by_op={k: (v[0], v[1]) for k, v in by_op.items()},
         total_range_ns=total_range,

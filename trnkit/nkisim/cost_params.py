@@ -170,16 +170,21 @@ class ModelParams:
     # check) rather than above the device's 224 KiB ([SDK] trainium2_arch). True mid and pessimistic,
     # False optimistic. trnkit's kernels pass the interpreter's check at that budget, so neither spills them.
     sbuf_reserved: bool = True
-    # Whether the compiler drops a reload of HBM data still held in SBUF (cost.reused_loads: when keeping
-    # the earlier tile's data until the reload fits the SBUF the other live tiles leave). [SDK]
-    # nki/guides/tutorials/fused_mamba: the compiler unrolls the loops and would "load delta/u across all
-    # channels in the first state, and then likely reload them again in the later states due to a large
-    # total memory size in delta and u (16MB in this case)", and its profiler reports the reloads "around 7
-    # times" of 16; [SDK] nki_perf_guide "Input tensor reloading could be avoided if the same data stay in
-    # SBUF". But the matrix-multiplication tutorial's tiled kernel (trn1) is 17 % slower than its
-    # hoisted-loads version, which removing its lhsT reloads (16 KiB per partition, they would fit) would
-    # erase: the compiler does not always do it. True optimistic, False mid and pessimistic.
-    reuse_loads: bool = False
+    # Which reloads of unchanged HBM data the compiler drops. [SDK] nki/guides/tutorials/fused_mamba: the
+    # compiler unrolls the loops and would "load delta/u across all channels in the first state, and then
+    # likely reload them again in the later states due to a large total memory size in delta and u (16MB
+    # in this case)", reloading being "inevitable when we don't have sufficient on-chip memory (SBUF) to
+    # allow full reuse of the input data tensors"; its profiler reports them reloaded "around 7 times" of
+    # 16 at 4,096 channels, and its 256-channel toy profile (nki/img/mamba_v1_profile_zoomed.png) shows no
+    # reload at all (DMA throughput only while the inputs load and for the final store). [SDK]
+    # nki_perf_guide: "Input tensor reloading could be avoided if the same data stay in SBUF". But the
+    # matrix-multiplication tutorial's tiled kernel (trn1) is 17 % slower than its hoisted-loads version,
+    # which dropping its lhsT reloads (16 KiB per partition at a time, 512 KiB over the kernel) would
+    # erase. "resident" (mid): every reload is dropped when the distinct data the kernel reloads fits in
+    # SBUF next to its peak of live tiles, none otherwise ("full reuse", cost.resident_loads); "fits"
+    # (optimistic): each reload whose data can be kept until its use (cost.reused_loads); "none"
+    # (pessimistic): every load moves its bytes.
+    reuse_loads: str = "resident"
 
 
 MID = ModelParams()
@@ -190,7 +195,7 @@ LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619
                   matmul_extra_cycles=0, compiler_cse=True, compute_reorder=True,
                   same_engine_streaming=True, dma_engine_rate_factor=27.2 / 23.0, dma_merge_rows=True,
                   dma_engine_stagger_ns=8.0, act_fixed_offset_ns=-10.0, spill_in_program_order=False,
-                  sbuf_reserved=False, reuse_loads=True)
+                  sbuf_reserved=False, reuse_loads="fits")
 HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=1013.0, dma_wake_ns=375.0, dma_queues=1,
                    dma_hoist=False, hoist_bounded_by_sbuf=True, gpsimd_elems_per_cycle=0.25,
                    swdge_cycles_per_row=32.0, psum_single_pass=True, psum_access_cycles=120, access_init_cycles=100,
@@ -198,7 +203,7 @@ HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=10
                    matmul_extra_cycles=16, compiler_cse=False, compute_reorder=False,
                    same_engine_streaming=False, dma_engine_rate_factor=1.0, dma_merge_rows=False,
                    dma_engine_stagger_ns=24.0, act_fixed_offset_ns=10.0, spill_in_program_order=True,
-                   sbuf_reserved=True, reuse_loads=False)
+                   sbuf_reserved=True, reuse_loads="none")
 SETTINGS: dict[str, ModelParams] = {"low": LOW, "mid": MID, "high": HIGH}
 
 PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(ModelParams))
