@@ -240,6 +240,8 @@ def test_reloads_are_dropped_at_mid_only_when_every_reloaded_input_stays_residen
     device = TRN2.sbuf_bytes_per_partition  # 224 KiB = 7 x 32 KiB: x does not stay resident there
     assert cost.resident_loads(instrs, device, program_order=True) == {}
     assert cost.estimate(instrs, params=resident).busy_ns[DMA] == cost.estimate(instrs, params=none).busy_ns[DMA]
+    with pytest.raises(ValueError, match="reuse_loads must be one of .* got True"):
+        cost.estimate(instrs, params=replace(MID, reuse_loads=True))
 
 
 def test_matmul_tutorials_tiled_kernel_keeps_its_lhsT_reloads_at_mid():

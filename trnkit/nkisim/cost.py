@@ -764,6 +764,9 @@ class _MaxTree:
         return max(self.max(a, b, 2 * node, lo, mid), self.max(a, b, 2 * node + 1, mid + 1, hi)) + self.lazy[node]
 
 
+REUSE_RULES = ("fits", "resident", "none")  # cost_params.reuse_loads: which reloads the compiler drops
+
+
 def _load_key(ins: Instr, version: dict) -> tuple | None:
     """What makes two SBUF loads the same data: the HBM ranges read (unchanged since), the destination's
     shape, dtype and partitions. None for anything but a plain (not indirect) HBM -> SBUF load."""
@@ -985,6 +988,8 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     # keeps nki-library's smaller budget for kernels, hardware.Chip.sbuf_usable_bytes_per_partition)
     capacity = chip.sbuf_usable_bytes_per_partition if params.sbuf_reserved else chip.sbuf_bytes_per_partition
     plan = sbuf_plan(instrs, capacity, params.spill_in_program_order)
+    if params.reuse_loads not in REUSE_RULES:
+        raise ValueError(f"cost: reuse_loads must be one of {REUSE_RULES}, got {params.reuse_loads!r}")
     if params.reuse_loads == "fits":
         reused = reused_loads(instrs, capacity, params.spill_in_program_order)
     elif params.reuse_loads == "resident":
