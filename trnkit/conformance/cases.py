@@ -484,14 +484,14 @@ def _moe_ref_inputs(func: BWMMFunc, lnc: int, top_k: int) -> Callable[[dict], di
 
 
 # rows of test_moe_cte.py's BWMM_LNC2_TEST_CASES (func, H, T, E, B, top_k, I, skip, bias, training, activation,
-# clamps, expert_affinity_multiply_on_I): 32 of its 48 enabled rows at their shapes, covering each kernel path its
+# clamps, expert_affinity_multiply_on_I): 35 of its 48 enabled rows at their shapes, covering each kernel path its
 # table tests
 # (shard_on_block with token / weight skipping and I up to 3072, shard_on_I with bias, with activation
 # checkpointing and with the affinity multiplied on I, at I=2048 and I=3072, and the dropping kernel). Its
 # shard_on_I rows at I=3072 and its dropping rows fill more PSUM tiles than PSUM holds before reading any: they
 # run because each read may move up to its tile's last matmul (docs/interpreter.md, "Memory and hardware
-# rules"). 9 of its other rows run at a reduced shape (_MOE_REDUCED_ROWS); its fp8 row and 6 of its E=64 rows
-# (I=3072) are not run.
+# rules"). Its T=10240 shard_on_I and hybrid rows (83-87 blocks) take about two minutes each here. Its 12 E=64
+# rows run at a reduced shape (_MOE_REDUCED_ROWS); its fp8 row is not run.
 _CLAMP, _NO_CLAMP = (7, None, 8, -9), (None, None, None, None)
 _B, _I, _HW = BWMMFunc.SHARD_ON_BLOCK, BWMMFunc.SHARD_ON_INTERMEDIATE, BWMMFunc.SHARD_ON_INTERMEDIATE_HW
 _D = BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING
@@ -528,9 +528,11 @@ _MOE_ROWS = [
     (_D, 1536, 8192, 2, 4096, 2, 6144, 0, False, True, "SiLU", _NO_CLAMP, False),
     (_D, 2048, 2048, 2, 1024, 2, 8192, 0, False, True, "SiLU", _NO_CLAMP, False),
     (_D, 4096, 4096, 2, 2048, 8, 1536, 0, False, True, "SiLU", _NO_CLAMP, False),
+    (_I, 3072, 10240, 8, 512, 4, 1536, 1, True, False, "Swish", (7, None, 7, -7), False),
+    (_I, 4096, 10240, 4, 512, 8, 768, 1, False, False, "SiLU", _NO_CLAMP, False),
+    (_HW, 4096, 10240, 4, 512, 8, 768, 1, False, False, "SiLU", _NO_CLAMP, False),
 ]
-# one of the hybrid rows the test lists commented out (its enabled hybrid row, T=10240, took minutes here and runs
-# reduced in _MOE_REDUCED_ROWS)
+# one of the hybrid rows the test lists commented out (its enabled hybrid row, T=10240, is in _MOE_ROWS)
 _MOE_REDUCED = (_HW, 3072, 1024, 8, 512, 4, 2048, 0, False, False, "SiLU", _NO_CLAMP, False)
 _MOE_REDUCED_NOTE = ("reduced shape: the test's hybrid row (T=10240 H=4096 E=4 k=8 I=768) takes minutes here; "
                      "this is a hybrid row it lists commented out")
@@ -539,23 +541,12 @@ _MOE_REDUCED_NOTE = ("reduced shape: the test's hybrid row (T=10240 H=4096 E=4 k
 # The test's other enabled rows, at a reduced shape that takes the same kernel path (func, block size, top-k, H,
 # I, skip, bias, training, activation, clamps, multiply_on_I): its 12 E=64 top-8 rows hold 2.4-3.6 GB of bf16
 # weights (E x H x 3I), held again as the kernel's copy and twice over as the reference's float32 (8.8 GB and
-# more here), and loop over 79 blocks (its 6 at I=2048 run); its T=10240 shard_on_I rows (87 and 83 blocks) take
-# minutes each. Its one fp8-weight row (T=10240 I=1536 quantized) is not run.
+# more here), and loop over 79 blocks. Its one fp8-weight row (T=10240 I=1536 quantized) is not run.
 _MOE_E64_NOTE = ("reduced shape: the test's row has T=1024 E=64 (79 blocks, 2.4-3.6 GB of bf16 weights); run "
                  "with T=256 E=16 (19 blocks), keeping its top-8 and its ~128 tokens per expert")
-_MOE_T10240_NOTE = ("reduced shape: the test's row has T=10240 ({blocks} blocks, minutes here); run with T=2048 "
-                    "({run} blocks)")
-_MOE_REDUCED_ROWS = [
-    *[((_I, 3072, 256, 16, 512, 8, i_size, skip, bias, training, "SiLU", _NO_CLAMP, on_i), _MOE_E64_NOTE)
-      for bias, training, on_i in ((True, False, False), (False, True, True), (False, True, False))
-      for skip in (0, 1) for i_size in (2048,)],
-    ((_I, 3072, 2048, 8, 512, 4, 1536, 1, True, False, "Swish", (7, None, 7, -7), False),
-     _MOE_T10240_NOTE.format(blocks=87, run=23)),
-    ((_I, 4096, 2048, 4, 512, 8, 768, 1, False, False, "SiLU", _NO_CLAMP, False),
-     _MOE_T10240_NOTE.format(blocks=83, run=19)),
-    ((_HW, 4096, 2048, 4, 512, 8, 768, 1, False, False, "SiLU", _NO_CLAMP, False),
-     _MOE_T10240_NOTE.format(blocks=83, run=19)),
-]
+_MOE_REDUCED_ROWS = [((_I, 3072, 256, 16, 512, 8, i_size, skip, bias, training, "SiLU", _NO_CLAMP, on_i), _MOE_E64_NOTE)
+                     for bias, training, on_i in ((True, False, False), (False, True, True), (False, True, False))
+                     for skip in (0, 1) for i_size in (2048, 3072)]
 
 
 def _moe_cases() -> list[Case]:

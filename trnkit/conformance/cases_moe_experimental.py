@@ -1,7 +1,7 @@
 """Conformance cases of nki-library's experimental/moe kernels, written from their test files.
 
 ``test/integration/nkilib/experimental/moe/test_bwmm_bwd.py``: ``blockwise_mm_bwd`` (the MoE backward) at
-LNC 2, rtol 2e-2 / atol 1e-5, on rows of its table (``_BWD``; ``_BWD_REDUCED``: with fewer experts).
+LNC 2, rtol 2e-2 / atol 1e-5, on every row of its table (``_BWD``; one with fewer experts, ``_BWD_REDUCED``).
 Its input builder (routing, weights, upstream gradient and the forward activations it checkpoints) and its
 golden live in the test's own module, ``test_bwmm_bwd_common.py``; the cases import that module from the
 checkout and call both.
@@ -131,8 +131,8 @@ def shard_on_h_golden(hidden_states: Any, expert_affinities_masked: Any, gate_up
 
 # moe_bwmm_shard_h_test_params rows run here: hidden, tokens, experts, block, top_k, intermediate, dtype, skip,
 # scaling, checkpoint activations (the kernel then also returns the activations; the test compares the output
-# only). 27 of its 30 rows run at their shapes; its other 3 (E=128 at I=1,024 and I=2,880: 4-6.4 GB of bf16
-# weights) do not fit this machine's memory at their shapes (_SHARD_H_REDUCED: none yet).
+# only). Every row of its table runs, 27 at their shapes and 3 whose weights alone (E x H x 2I) do not fit this
+# machine's memory with fewer experts (_SHARD_H_REDUCED).
 _SHARD_H = [
     (5120, 8192, 16, 256, 1, 128, BF16, 2, "POST_SCALE", False),
     (5120, 8192, 16, 256, 1, 128, BF16, 0, "NO_SCALE", False),
@@ -164,7 +164,20 @@ _SHARD_H = [
 ]
 # (the test's row, the row run, why): the same kernel paths (block size, top-k, H, I, dtype, skip and scaling
 # modes, checkpointing) with fewer experts, hence fewer weights and blocks
-_SHARD_H_REDUCED: list[tuple[tuple, tuple, str]] = []
+_SHARD_H_REDUCED = [
+    ((5120, 8192, 128, 256, 4, 1024, BF16, 0, "POST_SCALE", True),
+     (5120, 8192, 32, 256, 4, 1024, BF16, 0, "POST_SCALE", True),
+     "reduced shape: the test's row has E=128 (255 blocks; 4 GB of bf16 weights, twice that as the reference's "
+     "float32 and again as the kernel's copy); run with E=32 (159 blocks)"),
+    ((2880, 8192, 128, 512, 4, 2880, BF16, 0, "POST_SCALE", True),
+     (2880, 2048, 16, 512, 4, 2880, BF16, 0, "POST_SCALE", True),
+     "reduced shape: the test's row has T=8192, E=128 (191 blocks; 6.4 GB of bf16 weights); run with T=2048, "
+     "E=16 (31 blocks)"),
+    ((2880, 8192, 128, 512, 4, 2880, BF16, 0, "POST_SCALE", False),
+     (2880, 2048, 16, 512, 4, 2880, BF16, 0, "POST_SCALE", False),
+     "reduced shape: the test's row has T=8192, E=128 (191 blocks; 6.4 GB of bf16 weights); run with T=2048, "
+     "E=16 (31 blocks)"),
+]
 
 
 # -- experimental/moe/bwd (test_bwmm_bwd.py): the backward kernel, inputs and golden from its test's module ----
@@ -193,9 +206,8 @@ def _bwd_inputs(h: int, t: int, e: int, b: int, k: int, i: int, skip: int, clamp
 
 
 # TEST_PARAMS rows of test_bwmm_bwd.py run here: hidden, tokens, experts, block, top_k, intermediate, skip,
-# clamp limits (gate upper, gate lower, up upper, up lower), bias, activation. All bf16, LNC 2. 12 of its 13 rows
-# run at their shapes; its I=2,880 row over 32 experts (1.6 GB of bf16 weights, held ~4 times over: ~11 GB)
-# does not fit this machine's memory at its shape (_BWD_REDUCED: none yet).
+# clamp limits (gate upper, gate lower, up upper, up lower), bias, activation. All bf16, LNC 2. Every row of
+# its table runs, 12 at their shapes and one with fewer experts (_BWD_REDUCED).
 _NO_CLAMPS, _CLAMPS = (None, None, None, None), (7, -7, 7, -7)
 _BWD = [
     (6144, 4096, 1, 512, 1, 128, 0, _CLAMPS, False, "SiLU"),
@@ -212,7 +224,13 @@ _BWD = [
     (5120, 8192, 16, 256, 4, 1024, 0, _NO_CLAMPS, False, "SiLU"),
 ]
 # (the test's row, the row run, why), as _SHARD_H_REDUCED
-_BWD_REDUCED: list[tuple[tuple, tuple, str]] = []
+_BWD_REDUCED = [
+    ((2880, 4096, 32, 1024, 4, 2880, 1, _CLAMPS, True, "Swish"),
+     (2880, 4096, 16, 1024, 4, 2880, 1, _CLAMPS, True, "Swish"),
+     "reduced shape: the test's row has E=32 (47 blocks; 1.6 GB of bf16 weights, held as the inputs, the "
+     "kernel's copy, the reference's float32 copy and its float32 gradients: ~11 GB); run with E=16 (31 "
+     "blocks)"),
+]
 _BWD_OUTPUTS = ("hidden_states_grad", "expert_affinities_masked_grad", "gate_up_proj_weight_grad",
                 "down_proj_weight_grad")
 
