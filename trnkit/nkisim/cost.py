@@ -780,6 +780,19 @@ def _load_key(ins: Instr, version: dict) -> tuple | None:
     return (tuple((r, version[r[0]]) for r in reads), dst.shape, dst.dtype, w[1], w[2])
 
 
+def _plain_loads(instrs: Sequence[Instr], tiles: dict[object, _Tile]) -> Iterable[tuple[int, tuple, object]]:
+    """``(index, load key, destination tile)`` of each plain HBM -> SBUF load into a tile of ``tiles``, in
+    program order (:func:`_load_key`: the key changes once the HBM data it reads is written)."""
+    version: dict[object, int] = defaultdict(int)  # writes seen per storage
+    for k, ins in enumerate(instrs):
+        writes = _boxes(ins)[1]
+        key = _load_key(ins, version)
+        if key is not None and writes[0][0] in tiles:
+            yield k, key, writes[0][0]
+        for b in writes:
+            version[b[0]] += 1
+
+
 def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False) -> dict[int, int]:
     """Loads the compiler can drop because the same HBM data is still in SBUF (``cost_params.reuse_loads``):
     load index -> index of the earlier load whose data it reuses.
@@ -804,32 +817,26 @@ def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = F
         acc += d
         live.append(acc)
     tree = _MaxTree(live)
-    version: dict[object, int] = defaultdict(int)  # writes seen per storage
     resident: dict[tuple, tuple[int, int, int]] = {}  # load key -> (load holding the data, its last use, bytes)
     out: dict[int, int] = {}
-    for k, ins in enumerate(instrs):
-        writes = _boxes(ins)[1]
-        key = _load_key(ins, version)
-        if key is not None and writes[0][0] in tiles:
-            w = writes[0]
-            tile = tiles[w[0]]
-            hit = resident.get(key)
-            if hit is not None:
-                j, last, nbytes = hit
-                a, b = last + 1, starts[w[0]] - 1
-                if a > b or tree.max(a, b) + nbytes <= capacity:
-                    if a <= b:
-                        tree.add(a, b, nbytes)
-                    out[k] = j
-                    resident[key] = (j, max(last, tile.last), nbytes)
-            if k not in out:
-                resident[key] = (k, tile.last, tile.nbytes)
-        for b in writes:
-            version[b[0]] += 1
+    for k, key, dst in _plain_loads(instrs, tiles):
+        tile = tiles[dst]
+        hit = resident.get(key)
+        if hit is not None:
+            j, last, nbytes = hit
+            a, b = last + 1, starts[dst] - 1
+            if a > b or tree.max(a, b) + nbytes <= capacity:
+                if a <= b:
+                    tree.add(a, b, nbytes)
+                out[k] = j
+                resident[key] = (j, max(last, tile.last), nbytes)
+        if k not in out:
+            resident[key] = (k, tile.last, tile.nbytes)
     return out
 
 
-def resident_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False) -> dict[int, int]:
+def resident_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False,
+                   peak_bytes: int | None = None) -> dict[int, int]:
     """Reloads the compiler drops by keeping every reloaded input resident for the whole kernel
     (``cost_params.reuse_loads == "resident"``): load index -> the first load of the same data, for every
     reload, when the distinct data the kernel loads more than once (bytes per partition) fits in
@@ -840,25 +847,26 @@ def resident_loads(instrs: Sequence[Instr], capacity: int, program_order: bool =
     reloading "could be inevitable when we don't have sufficient on-chip memory (SBUF) to allow full reuse
     of the input data tensors". At its toy shape (256 channels, delta and u 1 MB) the same kernel reloads
     nothing: the profile (nki/img/mamba_v1_profile_zoomed.png) shows DMA throughput only while the inputs
-    load at the start and for the final store."""
+    load at the start and for the final store. ``peak_bytes``: that peak when the caller has the plan."""
     tiles = _sbuf_tiles(instrs)
-    version: dict[object, int] = defaultdict(int)  # writes seen per storage
-    first: dict[tuple, int] = {}  # load key -> the load that brings the data in
+    first: dict[tuple, tuple[int, object]] = {}  # load key -> (the load that brings the data in, its tile)
     out: dict[int, int] = {}
-    for k, ins in enumerate(instrs):
-        writes = _boxes(ins)[1]
-        key = _load_key(ins, version)
-        if key is not None and writes[0][0] in tiles:
-            if key in first:
-                out[k] = first[key]
-            else:
-                first[key] = k
-        for b in writes:
-            version[b[0]] += 1
-    kept = sum(tiles[_boxes(instrs[j])[1][0][0]].nbytes for j in set(out.values()))
-    if not out or kept + sbuf_plan(instrs, capacity, program_order).peak_bytes > capacity:
+    reloaded: set[int] = set()  # the first loads of the data loaded more than once
+    kept = 0  # their bytes per partition
+    for k, key, dst in _plain_loads(instrs, tiles):
+        if key not in first:
+            first[key] = (k, dst)
+            continue
+        j, tile = first[key]
+        if j not in reloaded:
+            reloaded.add(j)
+            kept += tiles[tile].nbytes
+        out[k] = j
+    if not out:
         return {}
-    return out
+    if peak_bytes is None:
+        peak_bytes = sbuf_plan(instrs, capacity, program_order).peak_bytes
+    return out if kept + peak_bytes <= capacity else {}
 
 
 class _FreedSpace:
@@ -932,6 +940,11 @@ def _dma_queue(ins: Instr, k: int, params: ModelParams) -> str:
     return _QUEUE_ENGINES[k % n]
 
 
+def _sbuf_capacity(chip: Chip, params: ModelParams) -> int:
+    """SBUF bytes per partition the compiler allocates from under ``params`` (cost_params.sbuf_reserved)."""
+    return chip.sbuf_usable_bytes_per_partition if params.sbuf_reserved else chip.sbuf_bytes_per_partition
+
+
 def _dma_span(c: InstrCost, chip: Chip, params: ModelParams) -> float:
     """First byte to completion of a transfer: its engines start ``dma_engine_stagger_ns`` apart, so the
     last of them ends (engines - 1) x stagger after its share's time, and every one of the chip's 16
@@ -986,14 +999,14 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     out: list[Timing] = []
     # the device's SBUF per partition: what the compiler allocates from (the interpreter's capacity check
     # keeps nki-library's smaller budget for kernels, hardware.Chip.sbuf_usable_bytes_per_partition)
-    capacity = chip.sbuf_usable_bytes_per_partition if params.sbuf_reserved else chip.sbuf_bytes_per_partition
+    capacity = _sbuf_capacity(chip, params)
     plan = sbuf_plan(instrs, capacity, params.spill_in_program_order)
     if params.reuse_loads not in REUSE_RULES:
         raise ValueError(f"cost: reuse_loads must be one of {REUSE_RULES}, got {params.reuse_loads!r}")
     if params.reuse_loads == "fits":
         reused = reused_loads(instrs, capacity, params.spill_in_program_order)
     elif params.reuse_loads == "resident":
-        reused = resident_loads(instrs, capacity, params.spill_in_program_order)
+        reused = resident_loads(instrs, capacity, params.spill_in_program_order, plan.peak_bytes)
     else:
         reused = {}
     load_finish: dict[int, float] = {}  # DMA index -> when its data is ready (for the loads reused later)
@@ -1284,8 +1297,8 @@ def _resident_reload_bytes(instrs: Sequence[Instr], chip: Chip) -> int:
     whose reloaded data fits is bounded by its distinct bytes, not by the reloads it asks for."""
     if MID.reuse_loads != "resident" or not _has_deps(instrs):
         return 0
-    capacity = chip.sbuf_usable_bytes_per_partition if MID.sbuf_reserved else chip.sbuf_bytes_per_partition
-    return sum(instrs[k].hbm_bytes for k in resident_loads(instrs, capacity, MID.spill_in_program_order))
+    reloads = resident_loads(instrs, _sbuf_capacity(chip, MID), MID.spill_in_program_order)
+    return sum(instrs[k].hbm_bytes for k in reloads)
 
 
 def estimate_total(instrs: Sequence[Instr], chip: str | Chip, params: ModelParams) -> float:
