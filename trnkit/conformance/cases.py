@@ -26,7 +26,7 @@ from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
 from .cases_loss import loss_cases
 from .cases_mlp import mlp_cases
-from .cases_mlp_quant import mlp_quant_cases
+from .cases_mlp_quant import FP8, FP8_NOTE, mlp_quant_cases
 from .cases_moe_block import moe_block_cases
 from .cases_moe_experimental import moe_experimental_cases
 from .cases_moe_tkg import moe_tkg_cases
@@ -430,8 +430,11 @@ def _moe_dropping_dispatch(t: int, top_k: int, e: int, b: int) -> tuple[np.ndarr
 
 
 def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_size: int, skip: int,
-                bias: bool, training: bool, act: str, clamps: tuple, lnc: int, multiply_on_i: bool = False
-                ) -> Callable[[], dict[str, Any]]:
+                bias: bool, training: bool, act: str, clamps: tuple, lnc: int, multiply_on_i: bool = False,
+                fp8: bool = False) -> Callable[[], dict[str, Any]]:
+    """The test's ``build_bwmm_inputs`` draws. ``fp8``: its ``quantize=nl.float8_e4m3`` (scale strategy 6),
+    integer weights drawn in [-240, 240) and cast to fp8 e4m3, then fp32 dequantization scales per expert and
+    column ([E, 1, 2I] gate/up, [E, 1, H] down) uniform(-0.1, 0.1)."""
     def make() -> dict[str, Any]:
         skip_mode = _lib("moe.moe_cte.moe_cte_utils:SkipMode")(skip in (1, 3), skip in (2, 3))
         if func is BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING:
@@ -452,8 +455,14 @@ def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_si
             out["down_proj_bias"] = np.random.uniform(-1.632, 1.4375, size=[e, h]).astype(BF16)
             out["gate_and_up_proj_bias"] = np.random.uniform(-1, 1, size=[e, 2, i_size]).astype(BF16)
         i_padded = math.ceil(i_size / 16) * 16
-        down = np.random.uniform(-0.1, 0.1, size=[e, i_padded, h]).astype(BF16)
-        gate_up = np.random.uniform(-0.1, 0.1, size=[e, h, 2, i_size]).astype(BF16)
+        if fp8:
+            down = np.random.randint(-240, 240, size=[e, i_padded, h]).astype(FP8)
+            gate_up = np.random.randint(-240, 240, size=[e, h, 2, i_size]).astype(FP8)
+            out["gate_up_proj_scale"] = np.random.uniform(-0.1, 0.1, size=[e, 1, 2 * i_size]).astype(F32)
+            out["down_proj_scale"] = np.random.uniform(-0.1, 0.1, size=[e, 1, h]).astype(F32)
+        else:
+            down = np.random.uniform(-0.1, 0.1, size=[e, i_padded, h]).astype(BF16)
+            gate_up = np.random.uniform(-0.1, 0.1, size=[e, h, 2, i_size]).astype(BF16)
         common_types = "utils.common_types"
         out.update({
             "hidden_states": hidden, "expert_affinities_masked": affinities.reshape(-1, 1),
@@ -484,14 +493,14 @@ def _moe_ref_inputs(func: BWMMFunc, lnc: int, top_k: int) -> Callable[[dict], di
 
 
 # rows of test_moe_cte.py's BWMM_LNC2_TEST_CASES (func, H, T, E, B, top_k, I, skip, bias, training, activation,
-# clamps, expert_affinity_multiply_on_I): 35 of its 48 enabled rows at their shapes, covering each kernel path its
-# table tests
+# clamps, expert_affinity_multiply_on_I): 35 of its 48 enabled rows at their shapes (its fp8 row is
+# _MOE_FP8_ROW), covering each kernel path its table tests
 # (shard_on_block with token / weight skipping and I up to 3072, shard_on_I with bias, with activation
 # checkpointing and with the affinity multiplied on I, at I=2048 and I=3072, and the dropping kernel). Its
 # shard_on_I rows at I=3072 and its dropping rows fill more PSUM tiles than PSUM holds before reading any: they
 # run because each read may move up to its tile's last matmul (docs/interpreter.md, "Memory and hardware
 # rules"). Its T=10240 shard_on_I and hybrid rows (83-87 blocks) take about two minutes each here. Its 12 E=64
-# rows run at a reduced shape (_MOE_REDUCED_ROWS); its fp8 row is not run.
+# rows run at a reduced shape (_MOE_REDUCED_ROWS).
 _CLAMP, _NO_CLAMP = (7, None, 8, -9), (None, None, None, None)
 _B, _I, _HW = BWMMFunc.SHARD_ON_BLOCK, BWMMFunc.SHARD_ON_INTERMEDIATE, BWMMFunc.SHARD_ON_INTERMEDIATE_HW
 _D = BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING
@@ -541,29 +550,34 @@ _MOE_REDUCED_NOTE = ("reduced shape: the test's hybrid row (T=10240 H=4096 E=4 k
 # The test's other enabled rows, at a reduced shape that takes the same kernel path (func, block size, top-k, H,
 # I, skip, bias, training, activation, clamps, multiply_on_I): its 12 E=64 top-8 rows hold 2.4-3.6 GB of bf16
 # weights (E x H x 3I), held again as the kernel's copy and twice over as the reference's float32 (8.8 GB and
-# more here), and loop over 79 blocks. Its one fp8-weight row (T=10240 I=1536 quantized) is not run.
+# more here), and loop over 79 blocks.
 _MOE_E64_NOTE = ("reduced shape: the test's row has T=1024 E=64 (79 blocks, 2.4-3.6 GB of bf16 weights); run "
                  "with T=256 E=16 (19 blocks), keeping its top-8 and its ~128 tokens per expert")
 _MOE_REDUCED_ROWS = [((_I, 3072, 256, 16, 512, 8, i_size, skip, bias, training, "SiLU", _NO_CLAMP, on_i), _MOE_E64_NOTE)
                      for bias, training, on_i in ((True, False, False), (False, True, True), (False, True, False))
                      for skip in (0, 1) for i_size in (2048, 3072)]
+# The test's one fp8-weight row (quantize=nl.float8_e4m3, at its shape): the bf16 row before it in _MOE_ROWS with
+# quantized gate/up and down weights and their scales, at the test's quantized tolerance (rtol 5e-2).
+_MOE_FP8_ROW = (_I, 3072, 10240, 8, 512, 4, 1536, 1, True, False, "Swish", (7, None, 7, -7), False)
 
 
 def _moe_cases() -> list[Case]:
     cases = []
-    rows = [(r, "") for r in _MOE_ROWS]
-    rows = rows[:7] + [(_MOE_REDUCED, _MOE_REDUCED_NOTE)] + rows[7:] + _MOE_REDUCED_ROWS
-    for row, note in rows:
+    rows = [(r, "", False) for r in _MOE_ROWS]
+    rows = rows[:7] + [(_MOE_REDUCED, _MOE_REDUCED_NOTE, False)] + rows[7:] + [(_MOE_FP8_ROW, FP8_NOTE, True)] \
+        + [(r, note, False) for r, note in _MOE_REDUCED_ROWS]
+    for row, note, fp8 in rows:
         func, h, t, e, b, k, i_size, skip, bias, training, act, clamps, on_i = row
         outputs = ("output",) + (("gate_up_activations_T",) + ("down_activations",) * (not on_i)) * training
         flags = [f"skip={skip}"] + (["bias"] if bias else []) + (["training"] if training else []) \
-            + (["clamp"] if clamps != _NO_CLAMP else []) + (["multiply_on_I"] if on_i else [])
+            + (["clamp"] if clamps != _NO_CLAMP else []) + (["multiply_on_I"] if on_i else []) \
+            + (["fp8 weights"] if fp8 else [])
         cases.append(Case(
             kernel="core/moe/moe_cte", name=f"{func.name.lower()} {act} {' '.join(flags)}",
             shapes=f"T={t} H={h} E={e} B={b} k={k} I={i_size}", entry=f"{LIB}.{_MOE_ENTRY[func]}",
             reference=f"{LIB}.moe.moe_cte.moe_cte_torch:moe_cte_torch_ref",
-            inputs=_moe_inputs(func, t, h, e, b, k, i_size, skip, bias, training, act, clamps, 2, on_i),
-            ref_inputs=_moe_ref_inputs(func, 2, k), outputs=outputs, lnc=2, rtol=2e-2, atol=1e-5,
+            inputs=_moe_inputs(func, t, h, e, b, k, i_size, skip, bias, training, act, clamps, 2, on_i, fp8),
+            ref_inputs=_moe_ref_inputs(func, 2, k), outputs=outputs, lnc=2, rtol=5e-2 if fp8 else 2e-2, atol=1e-5,
             note=note, test_file=f"{TESTS}/moe/moe_cte/test_moe_cte.py"))
     return cases
 
