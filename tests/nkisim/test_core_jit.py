@@ -327,3 +327,43 @@ def test_a_shared_hbm_buffer_is_held_by_the_programs_not_the_launch():
     x = np.arange(128 * 4, dtype=np.float32).reshape(128, 4)
     np.testing.assert_array_equal(per_block[2](x), np.concatenate([x[64:], x[:64]]) + 2.0)
     assert held == [[None] * 4, [None] * 4]  # out and the three scratch buffers: both programs had them
+
+
+@nki.jit
+def _scaled_tile_in_sbuf(x, scale):
+    """A decorated sub-kernel returning an on-chip tile (nki-library's qkv with its output in SBUF)."""
+    t = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=out, data=t, op0=nl.multiply, operand0=scale)
+    return out, nl.program_id(0), nl.num_programs(0)
+
+
+@nki.jit
+def _calls_decorated_subkernel(x):
+    """Each program scales its half by (its program id + 2) through the decorated sub-kernel."""
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    pid, n = nl.program_id(0), nl.num_programs(0)
+    half = x.shape[0] // n
+    rows = slice(pid * half, (pid + 1) * half)
+    tile, sub_pid, sub_n = _scaled_tile_in_sbuf(x[rows, :], float(pid + 2))
+    assert (sub_pid, sub_n) == (pid, n)  # the sub-kernel runs in the caller's program
+    nisa.dma_copy(dst=out[rows, :], src=tile)
+    return out
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_decorated_subkernel_is_inlined_into_the_calling_program(lnc):
+    """A @nki.jit kernel called inside a kernel is inlined (the compiler inlines every call): it may
+    return an SBUF tile and sees the caller's program id and count (AWS's attention_block_tkg calls the
+    decorated qkv with its output in SBUF)."""
+    x = RNG.standard_normal((128, 32)).astype(np.float32)
+    out = nki.simulate(_calls_decorated_subkernel)[lnc](x)
+    half = 128 // lnc
+    expected = np.concatenate([x[p * half:(p + 1) * half] * (p + 2) for p in range(lnc)])
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_a_top_level_kernel_still_may_not_return_sbuf():
+    with pytest.raises(NkiValidationError, match="on-chip tensor"):
+        _scaled_tile_in_sbuf(RNG.standard_normal((128, 8)).astype(np.float32), 2.0)

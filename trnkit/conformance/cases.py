@@ -21,6 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from .cases_attention import attention_cases
+from .cases_attention_block import attention_block_cases
 from .cases_attention_tkg import attention_tkg_cases
 from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
@@ -590,7 +591,7 @@ def all_cases() -> list[Case]:
             + loss_cases() + moe_tkg_cases()
             + qkv_cases() + qkv_quant_cases() + qkv_sb2sb_cases() + subkernel_cases() + utils_cases()
             + tensor_view_cases()
-            + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases())
+            + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases() + attention_block_cases())
 
 
 def case_id(case: Case) -> str:

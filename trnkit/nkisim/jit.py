@@ -164,6 +164,14 @@ class Kernel:
         return Kernel(self.fn, tuple(int(n) for n in g), **self.options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.grid and _cf.current() is not None:
+            # Called inside a running kernel: the compiler inlines every call ("Specialization ... inlines
+            # every call", NKI language guide), so the body runs in the caller's program, with its
+            # program ids, memory and control flow, and returns what it returns (on-chip tiles
+            # included). The 0.2.0 migration guide says sub-kernels should not carry @nki.jit, but AWS's
+            # tested kernels call decorated ones (nki-library's attention_block_tkg calls qkv with
+            # its output in SBUF): the tested kernel wins.
+            return self.fn(*args, **kwargs)
         return _launch(self.fn, self.grid, args, kwargs, strict=self.options.get("strict", True))
 
     def __repr__(self) -> str:

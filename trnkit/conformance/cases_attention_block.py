@@ -1,0 +1,397 @@
+"""Conformance cases of nki-library's experimental/transformer attention block kernel (token generation).
+
+``test/integration/nkilib/experimental/transformer/test_attention_block_tkg.py``
+(``test_attn_blk_megakernel``; its table has no MX rows): ``attention_block_tkg`` (RMS norm, QKV projection,
+QK norms, RoPE, attention over the KV cache, cache update, output projection) through the test's kernel
+wrapper (SBUF input / output relayouts, written here from it) against ``AttentionBlockTkgTorchRef(lnc)``, whose
+outputs the test casts to the kernel's dtypes (bf16, fp8 for an fp8 KV cache), at rtol 0.015 / atol 1e-5
+(rtol 0.07 / atol 16 with fp8 KV cache or weights), LNC 2. The test's validator also asks for a cosine
+similarity of 0.99 and lets 1 % of an fp8-KV-cache output miss the tolerance; the run asks every element to
+pass. Inputs as its ``generate_kernel_inputs`` draws them from ``default_rng(0)``: X uniform in [-1, 1] (zero
+past ``H_actual``), gammas uniform in [0.5, 1.5], W_qkv normal with std 1/sqrt(H), biases uniform in
+[-0.1, 0.1], cos / sin and a bf16 KV cache uniform in [-1, 1], W_out normal with std 0.5; an fp8 KV cache
+``normal(0, 60)`` from ``np.random.seed(42)``, clipped to 240, with scales 240 / 2.3 (or the row's); STATIC
+fp8 weights from the test's ``np_random_sample_static_quantize_inp()`` (seed 0: ``random_sample`` in
+[-240, 240] as fp8, scales ``random_sample() / 256``). Cache lengths ``(3 b + 3 S_ctx / 4) mod (S_ctx -
+S_tkg)``, the mask from the library's ``build_full_attention_mask``, the block table distinct blocks drawn
+with ``np.random.choice`` (the global generator, seeded 0 by the quantization generator's creation), the
+last batch row's cache update skipped (index -1) with a block cache. The test's casts
+(``neuron_dtypes.static_cast``) are taken as round-to-nearest-even (ml_dtypes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .cases_moe_experimental import _checkout
+from .harness import Case, load_test_module
+
+__all__ = ["attention_block_cases", "attention_block_golden", "test_package_modules"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FP8 = np.dtype(ml_dtypes.float8_e4m3)
+F32 = np.dtype(np.float32)
+LIB = "nkilib_src.nkilib"
+TESTS = "test/integration/nkilib/experimental/transformer"
+HERE = "trnkit.conformance.cases_attention_block"
+FP8_NOTE = "fp8 casts taken as round-to-nearest-even (ml_dtypes)"
+KV_SCALE = 240.0 / 2.3  # the test's default fp8 KV-cache scale (K ~ N(0, 1/3) x 104 stays within 240)
+
+
+def _flags(**kw: Any) -> dict[str, Any]:
+    """A row of the test's ``AttnBlkTestConfig``: its defaults, overridden by ``kw``."""
+    cfg = dict(block_len=0, update_cache=True, K_cache_transposed=False, rmsnorm_X=True, skip_rope=False,
+               rope_contiguous_layout=True, qk_norm_pre_rope=False, qk_norm_pre_rope_gamma=False,
+               qk_norm_post_rope=False, qk_norm_post_rope_gamma=False, quantization_type="NONE", lnc=2,
+               transposed_out=False, test_bias=False, input_in_sb=False, output_in_sb=False, softmax_scale=None,
+               enable_fa_s_prior_tiling=True, kv_quant=False, kv_scale=None, KVDP=1)
+    unknown = set(kw) - set(cfg)
+    if unknown:
+        raise ValueError(f"attention_block_tkg row: unknown AttnBlkTestConfig fields {sorted(unknown)}")
+    return {**cfg, **kw}
+
+
+def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_max: int, s_tkg: int,
+            cfg: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    """The test's ``generate_kernel_inputs`` (see the module doc), keyed by the torch reference's names."""
+    def make() -> dict[str, Any]:
+        import torch
+
+        types = importlib.import_module(f"{LIB}.core.utils.common_types")
+        quant = getattr(types.QuantizationType, cfg["quantization_type"])
+        rng = np.random.default_rng(0)
+        np.random.seed(0)  # the quantized-weight generator's creation reseeds the global generator
+        uniform = lambda shape, lo=-1.0, hi=1.0: rng.uniform(lo, hi, shape).astype(F32).astype(BF16)  # noqa: E731
+        gaussian = lambda shape, std: rng.normal(0.0, std, shape).astype(F32).astype(BF16)  # noqa: E731
+        on = lambda flag, make_it: make_it() if cfg[flag] else None  # noqa: E731
+
+        def static_fp8(shape: tuple[int, ...]) -> tuple[np.ndarray, float, float]:
+            w = (np.random.random_sample(shape) * 480.0 - 240.0).astype(FP8)
+            return w, np.float32(np.random.random_sample() / 256.0), np.float32(np.random.random_sample() / 256.0)
+
+        x = uniform((b, s_tkg, h))
+        x[:, :, h_actual or h:] = 0
+        out: dict[str, Any] = {"X": x, "X_in_sb": cfg["input_in_sb"], "X_hidden_dim_actual": h_actual or h,
+                               "rmsnorm_X_enabled": cfg["rmsnorm_X"], "rmsnorm_X_eps": 1e-3,
+                               "rmsnorm_X_gamma": on("rmsnorm_X", lambda: uniform((1, h), 0.5, 1.5))}
+        n_qkv = (q + 2) * d
+        w_scale_qkv = in_scale_qkv = None
+        if quant == types.QuantizationType.NONE:
+            w_qkv = gaussian((h, n_qkv), 1.0 / np.sqrt(h))
+        else:
+            (w_q, s_q, in_scale), (w_k, s_k, _), (w_v, s_v, _) = (static_fp8((h, n * d)) for n in (q, 1, 1))
+            w_qkv = np.concatenate([w_q, w_k, w_v], axis=1)
+            w_scale_qkv = np.ascontiguousarray(np.broadcast_to(np.array([[s_q, s_k, s_v]], F32), (128, 3)))
+            in_scale_qkv = np.full((128, 1), in_scale, F32)
+        out.update(W_qkv=w_qkv, bias_qkv=on("test_bias", lambda: uniform((1, n_qkv), -0.1, 0.1)),
+                   quantization_type_qkv=quant, weight_dequant_scale_qkv=w_scale_qkv,
+                   input_dequant_scale_qkv=in_scale_qkv, rmsnorm_QK_enabled=cfg["qk_norm_pre_rope"],
+                   rmsnorm_QK_eps=1e-3)
+        out["W_rmsnorm_Q_pre_rope"] = on("qk_norm_pre_rope_gamma", lambda: uniform((1, d), 0.5, 1.5))
+        out["W_rmsnorm_K_pre_rope"] = on("qk_norm_pre_rope_gamma", lambda: uniform((1, d), 0.5, 1.5))
+        rope = not cfg["skip_rope"]
+        out.update(cos=uniform((d // 2, b, s_tkg)) if rope else None, sin=uniform((d // 2, b, s_tkg)) if rope else None,
+                   rope_contiguous_layout=cfg["rope_contiguous_layout"],
+                   rmsnorm_QK_post_rope_enabled=cfg["qk_norm_post_rope"], rmsnorm_QK_post_rope_eps=1e-3)
+        out["W_rmsnorm_Q_post_rope"] = on("qk_norm_post_rope_gamma", lambda: uniform((1, d), 0.5, 1.5))
+        out["W_rmsnorm_K_post_rope"] = on("qk_norm_post_rope_gamma", lambda: uniform((1, d), 0.5, 1.5))
+        bl = cfg["block_len"]
+        if bl:
+            k_shape = v_shape = (b * s_ctx // bl, bl, d)
+        else:
+            k_shape = (b, 1, d, s_max) if cfg["K_cache_transposed"] else (b, 1, s_max, d)
+            v_shape = (b, 1, s_max, d)
+        k_scale = v_scale = None
+        if cfg["kv_quant"]:
+            scale = cfg["kv_scale"] or KV_SCALE
+            k_scale, v_scale = np.full((1, 1), scale, F32), np.full((128, 1), scale, F32)
+            np.random.seed(42)
+            k_cache = np.clip(np.random.normal(0, 60.0, k_shape).astype(F32), -240, 240).astype(FP8)
+            v_cache = np.clip(np.random.normal(0, 60.0, v_shape).astype(F32), -240, 240).astype(FP8)
+        else:
+            k_cache, v_cache = uniform(k_shape), uniform(v_shape)
+        cache_len = ((np.arange(b) * 3 + (s_ctx // 4 * 3)) % (s_ctx - s_tkg))[:, None]
+        full_mask = importlib.import_module(f"{LIB}.core.attention.gen_mask_tkg_torch").build_full_attention_mask
+        with contextlib.redirect_stdout(io.StringIO()):
+            mask = full_mask(cache_lens=torch.from_numpy(cache_len.flatten()).to(torch.float32), batch=b,
+                             num_heads=q, s_active=s_tkg, s_ctx=s_ctx, lnc=cfg["lnc"], block_len=bl,
+                             include_active_mask=True, transposed=True,
+                             enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"], KVDP=cfg["KVDP"]).numpy()
+        table = _block_table(b, s_ctx, s_tkg, cache_len, bl) if bl else None
+        if bl:
+            update_idx = table[np.arange(b)[:, None], cache_len // bl].astype(np.int64) * bl + cache_len % bl
+            if b > 1:
+                update_idx[-1] = -1  # the last batch row is padding: no cache update
+            update_idx = update_idx.astype(np.uint32)
+        else:
+            update_idx = cache_len.astype(np.uint32)
+        out.update(skip_attention=False, K_cache_transposed=cfg["K_cache_transposed"], active_blocks_table=table,
+                   K_cache=k_cache, V_cache=v_cache, attention_mask=np.ascontiguousarray(mask).astype(np.uint8),
+                   sink=None, softmax_scale=cfg["softmax_scale"],
+                   enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"], k_scale=k_scale, v_scale=v_scale,
+                   update_cache=cfg["update_cache"], kv_cache_update_idx=update_idx)
+        w_scale_out = in_scale_out = None
+        if quant == types.QuantizationType.NONE:
+            w_out = gaussian((q * d, h), 0.5)
+        else:
+            w_out, w_s, in_s = static_fp8((q * d, h))
+            w_scale_out, in_scale_out = np.full((128, 1), w_s, F32), np.full((128, 1), in_s, F32)
+        out.update(W_out=w_out, bias_out=on("test_bias", lambda: uniform((1, h), -0.1, 0.1)),
+                   quantization_type_out=quant, weight_dequant_scale_out=w_scale_out,
+                   input_dequant_scale_out=in_scale_out, transposed_out=cfg["transposed_out"],
+                   out_in_sb=cfg["output_in_sb"], KVDP=cfg["KVDP"], KVDP_replica_group=None)
+        return out
+    return make
+
+
+def _block_table(b: int, s_ctx: int, s_tkg: int, cache_len: np.ndarray, block_len: int) -> np.ndarray:
+    """The test's ``gen_deterministic_active_block_table``: distinct blocks (``np.random.choice`` without
+    replacement from the global generator), zero past the blocks holding each row's context and new tokens."""
+    n = s_ctx // block_len
+    table = np.random.choice(b * n, size=b * n, replace=False).reshape(b, n).astype(np.uint32)
+    for row in range(b):
+        table[row, -(-(int(cache_len[row, 0]) + s_tkg) // block_len):] = 0
+    return table
+
+
+def _wrapper(attention_block_tkg: Callable[..., Any]) -> Callable[..., Any]:
+    """The test's ``attention_block_tkg_kernel_test_wrapper``: the reference's argument names mapped to
+    the kernel's; with ``X_in_sb`` X is first loaded into SBUF as ``[128, B*S, H/128]`` (each partition
+    taking ``H/128/lnc`` values from each of the ``lnc`` chunks of H); an SBUF output is stored back to
+    HBM in the output projection's layout (``[B*S, H]`` with each core's ``H/lnc`` columns, or
+    ``[128, lnc, H/lnc/128, B*S]`` transposed)."""
+    import nki.isa as nisa  # the interpreter, inside nki_is_interpreter
+    import nki.language as nl
+
+    kernel = getattr(attention_block_tkg, "fn", attention_block_tkg)  # its body runs in the launch's programs
+    helpers = importlib.import_module(f"{LIB}.core.utils.kernel_helpers")
+    tensor_view = importlib.import_module(f"{LIB}.core.utils.tensor_view").TensorView
+    renamed = {"rmsnorm_QK_enabled": "rmsnorm_QK_pre_rope_enabled", "rmsnorm_QK_eps": "rmsnorm_QK_pre_rope_eps",
+               "W_rmsnorm_Q_pre_rope": "rmsnorm_QK_pre_rope_W_Q", "W_rmsnorm_K_pre_rope": "rmsnorm_QK_pre_rope_W_K",
+               "W_rmsnorm_Q_post_rope": "rmsnorm_QK_post_rope_W_Q",
+               "W_rmsnorm_K_post_rope": "rmsnorm_QK_post_rope_W_K"}
+
+    def wrapper(X, X_in_sb, **kw):
+        b, s, h = X.shape
+        _, lnc, prg = helpers.get_program_sharding_info()
+        if X_in_sb:
+            x_sb = nl.ndarray((128, b * s, h // 128), X.dtype, nl.sbuf, name="X_sb")
+            x_hbm = X.reshape((b * s, lnc, 128, h // 128 // lnc))
+            nisa.dma_copy(dst=tensor_view(x_sb).reshape_dim(2, (lnc, -1)).get_view(),
+                          src=tensor_view(x_hbm).rearrange(("BS", "lnc", "H0", "H1"), ("H0", "BS", "lnc", "H1"))
+                          .get_view())
+            X = x_sb
+        kw["rmsnorm_QK_eps"] = kw["rmsnorm_QK_eps"] or 1e-5
+        out, k_out, v_out = kernel(X=X, **{renamed.get(k, k): v for k, v in kw.items()})
+        if not kw["out_in_sb"]:
+            return out, k_out, v_out
+        if kw["transposed_out"]:
+            h2 = h // lnc // 128
+            out_hbm = nl.ndarray((128, lnc, h2, b * s), out.dtype, nl.shared_hbm, name="kernel_output_hbm")
+            nisa.dma_copy(dst=out_hbm.ap(pattern=[[lnc * h2 * b * s, 128], [b * s, h2], [1, b * s]],
+                                         offset=prg * h2 * b * s), src=out)
+        else:
+            out_hbm = nl.ndarray((b * s, h), out.dtype, nl.shared_hbm, name="kernel_output_hbm")
+            nisa.dma_copy(out_hbm[:, nl.ds(prg * (h // lnc), h // lnc)], out)
+        return out_hbm, k_out, v_out
+    return wrapper
+
+
+@contextlib.contextmanager
+def test_package_modules(*rel_paths: str) -> Iterator[None]:
+    """nki-library test modules (``test/integration/...py``) importable by their package names inside the
+    block, for library references that import them (``qkv_tkg_torch`` imports the test package's
+    ``test_kernel_common``); loaded from the checkout with :func:`.harness.load_test_module`."""
+    loaded = {p.removesuffix(".py").replace("/", "."): load_test_module(_checkout(), p) for p in rel_paths}
+    saved = {name: sys.modules.get(name) for name in loaded}
+    sys.modules.update(loaded)
+    try:
+        yield
+    finally:
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
+
+
+KERNEL_COMMON = "test/integration/nkilib/utils/test_kernel_common.py"  # imported by the library's qkv_tkg_torch
+
+
+def attention_block_golden(lnc: int, **kw: Any) -> dict[str, np.ndarray]:
+    """``AttentionBlockTkgTorchRef(lnc)`` with its outputs cast to the kernel's dtypes, as the test does
+    (X_out in X's dtype, the K / V outputs in the cache's: bf16, or fp8 for an fp8 cache)."""
+    with test_package_modules(KERNEL_COMMON):
+        ref = importlib.import_module(f"{LIB}.experimental.transformer.attention_block_tkg_torch")
+    kv_dt = FP8 if kw.get("k_scale") is not None else BF16
+    out = ref.AttentionBlockTkgTorchRef(lnc)(**kw)
+    return {k: v.float().numpy().astype(BF16 if k == "X_out" else kv_dt) for k, v in out.items()}
+
+
+def _r(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_max: int, s_tkg: int, **kw: Any
+       ) -> tuple:
+    return (b, q, d, h, h_actual, s_ctx, s_max, s_tkg, _flags(**kw))
+
+
+# test_attn_blk_megakernel's rows: batch, q_heads, d_head, H, H_actual, S_ctx, S_max_ctx, S_tkg, fields
+_ROWS = [
+    # SBUF IO
+    _r(4, 8, 64, 6144, 2880, 11264, 11264, 1, output_in_sb=True),
+    _r(4, 8, 64, 6144, 2880, 11264, 11264, 1, transposed_out=True, output_in_sb=True),
+    _r(4, 8, 64, 6144, 2880, 11264, 11264, 2, update_cache=False, rmsnorm_X=False, skip_rope=True, input_in_sb=True,
+       output_in_sb=True),
+    # HBM IO
+    _r(4, 8, 64, 6144, 2880, 11264, 11264, 1),
+    _r(4, 8, 128, 6144, 2880, 11264, 11264, 1, qk_norm_pre_rope=True, qk_norm_post_rope=True,
+       qk_norm_post_rope_gamma=True, test_bias=True),
+    _r(4, 1, 128, 6144, 2880, 10240, 10240, 5, update_cache=False),
+    # GPT OSS
+    _r(8, 8, 64, 6144, 2880, 11264, 11264, 1, test_bias=True),
+    _r(8, 8, 64, 3072, 2880, 11264, 11264, 5, test_bias=True),
+    _r(8, 8, 64, 3072, 2880, 10240, 10240, 5, test_bias=True),
+    _r(4, 8, 64, 3072, None, 10240, 10240, 4, K_cache_transposed=True, test_bias=True),
+    _r(4, 8, 64, 3072, 2880, 10240, 10240, 4, K_cache_transposed=True, test_bias=True),
+    # Qwen3, Gemma3
+    _r(16, 1, 128, 4096, None, 10240, 10240, 1, qk_norm_pre_rope=True),
+    _r(16, 1, 128, 4096, None, 10240, 10240, 1, update_cache=False, qk_norm_pre_rope=True,
+       qk_norm_pre_rope_gamma=True),
+    _r(1, 1, 128, 5376, None, 1024, 1024, 1, update_cache=False, qk_norm_pre_rope=True, qk_norm_pre_rope_gamma=True),
+    _r(8, 4, 128, 5376, None, 10240, 10240, 3, update_cache=False, qk_norm_pre_rope=True,
+       qk_norm_pre_rope_gamma=True, test_bias=True),
+    _r(1, 1, 128, 5376, None, 1024, 1024, 1, block_len=16, update_cache=False, qk_norm_pre_rope=True,
+       qk_norm_pre_rope_gamma=True),
+    # new model, 2025-Jul
+    _r(32, 1, 64, 3072, None, 8192, 8192, 1, rmsnorm_X=False, test_bias=True),
+    _r(32, 1, 64, 3072, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, test_bias=True),
+    _r(64, 1, 64, 3072, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, test_bias=True),
+    _r(32, 1, 64, 3072, None, 128, 128, 1, rmsnorm_X=False, test_bias=True),
+    _r(32, 1, 64, 3072, None, 128, 128, 1, K_cache_transposed=True, rmsnorm_X=False, test_bias=True),
+    _r(64, 1, 64, 3072, None, 128, 128, 1, K_cache_transposed=True, rmsnorm_X=False, test_bias=True),
+    _r(1, 1, 64, 3072, None, 128, 128, 1, K_cache_transposed=True, rmsnorm_X=False, test_bias=True),
+    _r(4, 8, 64, 3072, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, test_bias=True),
+    _r(8, 8, 64, 3072, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, test_bias=True),
+    _r(16, 8, 64, 3072, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, test_bias=True),
+    _r(32, 1, 64, 3072, None, 8192, 8192, 3, K_cache_transposed=True, rmsnorm_X=False, transposed_out=True,
+       test_bias=True),
+    _r(4, 8, 64, 3072, None, 8192, 8192, 2, K_cache_transposed=True, rmsnorm_X=False, transposed_out=True,
+       test_bias=True),
+    _r(1, 1, 128, 7168, None, 256, 256, 1, K_cache_transposed=True, qk_norm_post_rope=True,
+       qk_norm_post_rope_gamma=True),
+    # llama
+    _r(1, 1, 128, 8192, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, qk_norm_post_rope=True),
+    _r(1, 1, 128, 8192, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, skip_rope=True),
+    _r(1, 1, 128, 8192, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False),
+    _r(1, 1, 128, 8192, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, rope_contiguous_layout=False),
+    _r(1, 1, 128, 5120, None, 8192, 8192, 1, K_cache_transposed=True, rope_contiguous_layout=False),
+    _r(1, 1, 128, 5120, None, 8192, 8192, 1, K_cache_transposed=True, skip_rope=True, rope_contiguous_layout=False),
+    _r(4, 1, 128, 8192, None, 10240, 16384, 5, K_cache_transposed=True),
+    _r(4, 1, 128, 8192, None, 10240, 10240, 5, K_cache_transposed=True),
+    _r(8, 2, 128, 16384, None, 2048, 2048, 7, K_cache_transposed=True),
+    _r(1, 16, 128, 16384, None, 4096, 8192, 7, rmsnorm_X=False),
+    _r(1, 16, 128, 16384, None, 4096, 8192, 7, rmsnorm_X=False, rope_contiguous_layout=False),
+    _r(8, 2, 128, 16384, None, 2048, 2048, 7, K_cache_transposed=True, transposed_out=True),
+    # block KV
+    _r(4, 1, 128, 8192, None, 256, 256, 5, block_len=16),
+    _r(4, 1, 128, 8192, None, 8192, 8192, 5, block_len=16),
+    _r(4, 1, 128, 8192, None, 12288, 12288, 5, block_len=16),
+    _r(4, 1, 128, 8192, None, 10240, 10240, 5, block_len=16),
+    # q_heads, d_head and H
+    _r(2, 1, 128, 2048, None, 10240, 16384, 5, K_cache_transposed=True),
+    _r(2, 1, 64, 2048, None, 10240, 16384, 5, K_cache_transposed=True),
+    _r(2, 2, 64, 3072, None, 10240, 16384, 5),
+    _r(2, 3, 64, 4096, None, 10240, 16384, 5, update_cache=False),
+    _r(2, 4, 128, 6144, None, 10240, 16384, 5, update_cache=False, K_cache_transposed=True),
+    _r(2, 3, 128, 20480, None, 10240, 16384, 5, K_cache_transposed=True),
+    _r(4, 1, 128, 8192, None, 10240, 10240, 5, K_cache_transposed=True),
+    # STATIC fp8 weights
+    _r(8, 1, 128, 8192, None, 2048, 2048, 5, K_cache_transposed=True, quantization_type="STATIC"),
+    # softmax_scale
+    _r(4, 8, 64, 3072, 2880, 10240, 10240, 4, K_cache_transposed=True, test_bias=True, softmax_scale=0.05),
+    _r(1, 1, 128, 7168, None, 256, 256, 1, K_cache_transposed=True, qk_norm_post_rope=True,
+       qk_norm_post_rope_gamma=True, softmax_scale=0.09),
+    _r(1, 1, 128, 5120, None, 8192, 8192, 1, K_cache_transposed=True, skip_rope=True, rope_contiguous_layout=False,
+       softmax_scale=0.13),
+    _r(4, 1, 128, 8192, None, 8192, 8192, 5, block_len=16, softmax_scale=0.17),
+    _r(4, 1, 128, 8192, None, 10240, 10240, 5, K_cache_transposed=True, softmax_scale=0.21),
+    # fp8 KV cache
+    _r(2, 1, 128, 8192, None, 8192, 8192, 1, rmsnorm_X=False, qk_norm_pre_rope=True, qk_norm_pre_rope_gamma=True,
+       kv_quant=True),
+    _r(37, 1, 128, 8192, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, kv_quant=True),
+    _r(96, 1, 128, 8192, None, 8192, 8192, 1, K_cache_transposed=True, rmsnorm_X=False, kv_quant=True),
+    _r(32, 1, 128, 8192, None, 4096, 4096, 1, rmsnorm_X=False, kv_quant=True),
+    _r(128, 1, 128, 8192, None, 2048, 2048, 1, rmsnorm_X=False, kv_quant=True),
+    _r(16, 1, 128, 8192, None, 2048, 2048, 1, block_len=16, rmsnorm_X=False, kv_quant=True),
+    _r(32, 1, 128, 8192, None, 2048, 2048, 1, block_len=16, rmsnorm_X=False, kv_quant=True),
+    _r(64, 1, 128, 8192, None, 2048, 2048, 1, block_len=16, rmsnorm_X=False, kv_quant=True),
+    _r(1, 2, 128, 8192, None, 26624, 36896, 5, block_len=32, kv_quant=True, kv_scale=1.0,
+       enable_fa_s_prior_tiling=False),
+    # long context
+    _r(8, 1, 64, 3072, 2880, 131072, 131072, 1, rmsnorm_X=False, test_bias=True),
+    _r(8, 1, 64, 3072, 2880, 524288, 524288, 1, rmsnorm_X=False, test_bias=True),
+    _r(8, 1, 64, 3072, 2880, 131072, 131072, 1, block_len=32, rmsnorm_X=False, test_bias=True),
+    _r(8, 1, 64, 3072, 2880, 524288, 524288, 1, block_len=32, rmsnorm_X=False, test_bias=True),
+    # small S_ctx, large batch, B=1 with FA tiling
+    _r(1, 1, 128, 5120, None, 128, 128, 1, block_len=32, rope_contiguous_layout=False, qk_norm_pre_rope=True,
+       qk_norm_pre_rope_gamma=True),
+    _r(256, 1, 128, 5120, None, 128, 128, 1, block_len=32, rope_contiguous_layout=False, qk_norm_pre_rope=True,
+       qk_norm_pre_rope_gamma=True),
+    _r(1, 1, 128, 5120, None, 32768, 32768, 1, block_len=128, rope_contiguous_layout=False, qk_norm_pre_rope=True,
+       qk_norm_pre_rope_gamma=True),
+    # B * S_tkg > 128
+    _r(255, 2, 128, 8192, None, 1024, 1024, 3, qk_norm_pre_rope=True, qk_norm_post_rope=True,
+       qk_norm_post_rope_gamma=True, test_bias=True),
+    _r(255, 2, 64, 8192, None, 1024, 1024, 3, K_cache_transposed=True),
+    _r(384, 3, 128, 5120, None, 2048, 2048, 1, qk_norm_post_rope=True, qk_norm_post_rope_gamma=True,
+       transposed_out=True),
+    _r(384, 3, 64, 5120, None, 2048, 2048, 1, K_cache_transposed=True, rmsnorm_X=False, kv_quant=True),
+    _r(255, 3, 128, 5120, None, 26624, 36896, 2, block_len=32, kv_quant=True, kv_scale=1.0),
+    _r(255, 2, 128, 8192, None, 1024, 1024, 1, block_len=32, quantization_type="STATIC"),
+    _r(255, 8, 64, 3072, None, 2048, 2048, 1, block_len=32),
+    _r(255, 3, 128, 5120, None, 10240, 12288, 1, block_len=32, skip_rope=True, update_cache=False,
+       transposed_out=True, test_bias=True, softmax_scale=0.05),
+    _r(128, 2, 128, 5120, None, 1024, 1024, 3, block_len=32),
+    _r(255, 1, 128, 5120, None, 1024, 1024, 1, block_len=32, qk_norm_post_rope=True, qk_norm_post_rope_gamma=True,
+       rmsnorm_X=False),
+    _r(255, 8, 64, 8192, None, 32768, 32768, 5, block_len=128, rope_contiguous_layout=False),
+    _r(1024, 2, 128, 5120, None, 1024, 1024, 1, block_len=32, qk_norm_pre_rope=True, qk_norm_pre_rope_gamma=True),
+    _r(1024, 2, 128, 5120, None, 1024, 1024, 1, block_len=32, rmsnorm_X=False, qk_norm_pre_rope=True,
+       qk_norm_pre_rope_gamma=True, quantization_type="STATIC"),
+]
+_FLAG_NAMES = ("update_cache", "K_cache_transposed", "rmsnorm_X", "skip_rope", "rope_contiguous_layout",
+               "qk_norm_pre_rope", "qk_norm_pre_rope_gamma", "qk_norm_post_rope", "qk_norm_post_rope_gamma",
+               "transposed_out", "test_bias", "input_in_sb", "output_in_sb", "enable_fa_s_prior_tiling", "kv_quant")
+_DEFAULTS = _flags()
+
+
+def _name(cfg: dict[str, Any]) -> str:
+    """The fields that differ from the config's defaults (a false default flag by its name, a true one
+    as ``no_<name>``)."""
+    parts = ["fp8 static" if cfg["quantization_type"] == "STATIC" else "bf16"]
+    parts += [f if cfg[f] else f"no_{f}" for f in _FLAG_NAMES if cfg[f] != _DEFAULTS[f]]
+    parts += [f"{k}={cfg[k]}" for k in ("block_len", "softmax_scale", "kv_scale") if cfg[k]]
+    return " ".join(parts)
+
+
+def attention_block_cases() -> list[Case]:
+    cases = []
+    for b, q, d, h, ha, s_ctx, s_max, s_tkg, cfg in _ROWS:
+        fp8 = cfg["kv_quant"] or cfg["quantization_type"] != "NONE"
+        lnc = cfg["lnc"]
+        cases.append(Case(
+            kernel="experimental/transformer/attention_block_tkg", name=_name(cfg),
+            shapes=f"B={b} q_heads={q} d={d} H={h}" + (f"/{ha}" if ha else "") + f" S_ctx={s_ctx}/{s_max} S={s_tkg}",
+            entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,
+            reference=f"{HERE}:attention_block_golden", inputs=_inputs(b, q, d, h, ha, s_ctx, s_max, s_tkg, cfg),
+            ref_inputs=lambda kw, lnc=lnc: {**kw, "lnc": lnc},
+            outputs=("X_out",) + (("K_cache_updated", "V_cache_updated") if cfg["update_cache"] else ("K_tkg", "V_tkg")),
+            lnc=lnc, rtol=0.07 if fp8 else 0.015, atol=16.0 if fp8 else 1e-5, note=FP8_NOTE if fp8 else "",
+            test_file=f"{TESTS}/test_attention_block_tkg.py"))
+    return cases
