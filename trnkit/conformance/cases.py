@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from .cases_attention import attention_cases
-from .cases_attention_block import attention_block_cases
+from .cases_transformer import attention_block_cases, transformer_tkg_cases
 from .cases_attention_tkg import attention_tkg_cases
 from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
@@ -591,7 +591,8 @@ def all_cases() -> list[Case]:
             + loss_cases() + moe_tkg_cases()
             + qkv_cases() + qkv_quant_cases() + qkv_sb2sb_cases() + subkernel_cases() + utils_cases()
             + tensor_view_cases()
-            + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases() + attention_block_cases())
+            + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases() + attention_block_cases()
+            + transformer_tkg_cases())
 
 
 def case_id(case: Case) -> str:
@@ -671,6 +672,10 @@ FAST = (
     "layout)|lnc1|[128,4,6]",
     "experimental/collectives/test_collectives|attn_q_batch_shard TP2DP2 dBnS input_rank|lnc2"
     "|ranks=4 G=2 heads=1 B=8 S=1 d=64",
+    "experimental/transformer/attention_block_tkg|bf16 K_cache_transposed no_rmsnorm_X test_bias|lnc2"
+    "|B=1 q_heads=1 d=64 H=3072 S_ctx=128/128 S=1",
+    "experimental/transformer/transformer_tkg|bf16 4 layers, layers 1-2 scaled|lnc2"
+    "|tp=32 B=4 S_ctx=1024 H=8192 I=28672 ranks=4",
 )
 # kernels whose every case is too slow for the fast tier (the fast tier covers all other kernels)
 SLOW_ONLY = {
