@@ -25,6 +25,7 @@ from .cases_transformer import attention_block_cases, transformer_tkg_cases
 from .cases_attention_tkg import attention_tkg_cases
 from .cases_collectives import collective_cases
 from .cases_conv import conv_cases
+from .cases_dynamic_shapes import dynamic_shapes_cases
 from .cases_loss import loss_cases
 from .cases_mlp import mlp_cases
 from .cases_mlp_quant import FP8, FP8_NOTE, mlp_quant_cases
@@ -36,6 +37,7 @@ from .cases_qkv import qkv_cases
 from .cases_qkv_quant import qkv_quant_cases
 from .cases_qkv_sb2sb import qkv_sb2sb_cases
 from .cases_rmsnorm_quant import rmsnorm_quant_cases
+from .cases_rope import rope_cases
 from .cases_subkernels import subkernel_cases
 from .cases_tensor_view import tensor_view_cases
 from .cases_utils import utils_cases
@@ -585,14 +587,14 @@ def _moe_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     """Every conformance case, kernel by kernel."""
-    return (_rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
+    return (_rope_cases() + rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
             + attention_cases() + attention_tkg_cases() + mlp_cases() + mlp_quant_cases() + moe_block_cases()
             + loss_cases() + moe_tkg_cases()
             + qkv_cases() + qkv_quant_cases() + qkv_sb2sb_cases() + subkernel_cases() + utils_cases()
             + tensor_view_cases()
             + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases() + attention_block_cases()
-            + transformer_tkg_cases())
+            + transformer_tkg_cases() + dynamic_shapes_cases())
 
 
 def case_id(case: Case) -> str:
@@ -607,6 +609,9 @@ FAST = (
     "core/embeddings/rope_hf|fwd cos/sin bf16|lnc2|q[1,32,256,128] k[1,8,256,128]",
     "core/embeddings/rope_hf|bwd packed cache fp32|lnc2|q[1,32,256,128] k[1,8,256,128]",
     "core/embeddings/rope_hf|fwd cos/sin fp32 (must reject)|lnc2|q[1,32,64,128] k[1,8,64,128]",
+    "core/embeddings/rope|fast interleaved|lnc2|x[128,8,8,128] bf16",
+    "core/embeddings/rope|sweep interleaved relayout_in_sbuf|lnc2|x[64,8,1,16] bf16",
+    "core/embeddings/rope|sweep boundary contiguous relayout_in_sbuf (must reject)|lnc2|x[64,1,1,15] bf16",
     "core/router_topk|softmax bias k=4|lnc2|x[4,3072] w[3072,128]",
     "core/router_topk|softmax bias k=4 use_indirect_dma_scatter x [T,H]|lnc2|x[640,3072] w[3072,128]",
     "core/router_topk|softmax k=4 shard_on_tokens output_in_sbuf|lnc2|x[32,512] w[512,128]",
@@ -667,6 +672,9 @@ FAST = (
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb bf16|lnc1|m=128 k=512 tp=8",
     "experimental/collectives/sb2sb_allgather|allgather_sb2sb_tiled bf16|lnc2|m=128 k=512 tp=4",
     "experimental/collectives/test_collectives|reduce_scatter add dim 0 fp32|lnc2|[256,512] ranks=2",
+    "experimental/dynamic_shapes/dynamic_elementwise_add|add bf16|lnc2|[256,1024]",
+    "experimental/dynamic_shapes/dynamic_elementwise_add|add(b, a) == a + b exactly|lnc2|[128,512]",
+    "experimental/benchmark/find_nonzero_indices_with_count|fp32 320 non-zero|lnc2|[1,2048]",
     "core/utils/tensor_view|dynamic_select reshape_dim(0,(128,2)) -> vector_select(0,)|lnc1|[256,8]",
     "core/utils/tensor_view|negative_chain permute((0,2,1),) -> reshape((128,24),) hbm (must reject: non-contiguous "
     "layout)|lnc1|[128,4,6]",

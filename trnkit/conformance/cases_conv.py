@@ -18,7 +18,7 @@ import numpy as np
 
 from .harness import Case
 
-__all__ = ["conv_cases", "depthwise_golden"]
+__all__ = ["conv_cases", "depthwise_golden", "gaussian"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -28,7 +28,7 @@ TESTS = "test/integration/nkilib/experimental/conv"
 _DT = {BF16: "bf16", F16: "fp16", F32: "fp32"}
 
 
-def _gaussian(*shapes: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:
+def gaussian(*shapes: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:
     """nki-library's ``gaussian_tensor_generator()`` (seed 0): one normal draw per shape, in order."""
     rng = np.random.default_rng(0)
     return [rng.normal(size=s).astype(dtype) for s in shapes]
@@ -79,7 +79,7 @@ def _conv1d_inputs(b, cin, cout, length, k, stride, pl, pr, dil, bias, act, lnc_
         import importlib
 
         shapes = [(b, cin, length), (k, cin, cout)] + ([(cout,)] if bias else [])
-        drawn = _gaussian(*shapes, dtype=dt)
+        drawn = gaussian(*shapes, dtype=dt)
         act_types = importlib.import_module("nkilib_src.nkilib.core.utils.common_types").ActFnType
         return {"x_in": drawn[0], "filters": drawn[1], "bias": drawn[2] if bias else None,
                 "stride": stride, "padding": (pl, pr), "dilation": dil,
@@ -159,7 +159,7 @@ def depthwise_golden(img_ref, filter_ref, padding, stride, **_: Any) -> dict[str
 def _depthwise_inputs(b: int, c: int, w: int, k: int, stride: tuple, padding: tuple, dt: np.dtype
                       ) -> Callable[[], dict]:
     def make() -> dict[str, Any]:
-        img, filt = _gaussian((b, c, 1, w), (c, 1, 1, k), dtype=dt)
+        img, filt = gaussian((b, c, 1, w), (c, 1, 1, k), dtype=dt)
         return {"img_ref": img, "filter_ref": filt, "padding": padding, "stride": stride,
                 "rhs_dilation": (1, 1), "lhs_dilation": (1, 1), "feature_group_count": c,
                 "batch_group_count": 1}

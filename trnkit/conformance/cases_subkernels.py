@@ -12,6 +12,12 @@ after ``np.random.seed(42)``) with their token id packed as an int32 in two bf16
 one permutation into a [ranks * T, H + 2] buffer of -1, reduced per token; rtol / atol 5e-2. The test
 imports ``nkilib.experimental.subkernels.topk_reduce``, which is ``experimental/collectives/topk_reduce.py``
 at d2ad3a5 (the test module does not import there); the cases run that file's kernel and reference.
+
+``test/integration/nkilib/experimental/benchmark/test_find_nonzero_indices_with_count.py``: a [1, T] float32
+input with ``int(T * pct_nonzero)`` values uniform in [0, 1) at distinct random positions (its
+``sparse_nonzero_tensor_generator``: ``default_rng(0)``, positions then values), under ``CompilerArgs`` for
+trn2 (LNC 2), compared exactly with the test's golden (``golden_output_validator``, written here as
+:func:`nonzero_with_count_golden`: the test module imports ``neuron_dtypes``, which is not installable).
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import numpy as np
 
 from .harness import Case
 
-__all__ = ["subkernel_cases"]
+__all__ = ["nonzero_with_count_golden", "subkernel_cases"]
 
 LIB = "nkilib_src.nkilib.core.subkernels"
 EXP = "nkilib_src.nkilib.experimental.collectives"
+BENCH = "nkilib_src.nkilib.experimental.benchmark"
+BENCH_TEST = "test/integration/nkilib/experimental/benchmark/test_find_nonzero_indices_with_count.py"
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TESTS = "test/integration/nkilib/core/subkernels"
 
@@ -46,6 +54,28 @@ def _nonzero_inputs(t: int, e: int, top_k: int, chunk: int, dtype: str, window: 
             out.update(col_start_id=np.array([window[0]], dtype=np.int32), n_cols=window[1])
         return out
     return make
+
+
+def _sparse_inputs(t: int, n_nonzero: int) -> Callable[[], dict[str, Any]]:
+    def make() -> dict[str, Any]:
+        rng = np.random.default_rng(0)
+        x = np.zeros(t, dtype=np.float32)
+        if n_nonzero:
+            at = rng.choice(t, size=n_nonzero, replace=False)
+            x[at] = rng.uniform(0.0, 1.0, size=n_nonzero).astype(np.float32)
+        return {"input_tensor": x.reshape(1, t)}
+    return make
+
+
+def nonzero_with_count_golden(input_tensor: Any) -> dict[str, np.ndarray]:
+    """The test's ``golden_output_validator``: [1, T + 1] int32, the indices of the non-zeros of row 0 in
+    order, -1 after them, their count last."""
+    row = np.asarray(input_tensor)[0]
+    found = np.flatnonzero(row)
+    out = np.full((1, row.size + 1), -1, dtype=np.int32)
+    out[0, :found.size] = found
+    out[0, -1] = found.size
+    return {"output": out}
 
 
 def _flatten_inputs(t: int, e: int, f_len: int, n: int, start: int | None) -> Callable[[], dict[str, Any]]:
@@ -80,6 +110,8 @@ _NONZERO = [(4096, 128, 8, 4096, "int32", None), (4096, 128, 8, 4096, "float32",
 _FLATTEN = [(4096, 1, 128, 1, None), (4096, 2, 256, 2, None), (4096, 3, 128, 3, None), (10240, 17, 128, 17, None),
             (65536, 4, 256, 4, None), (4096, 128, 128, 128, None), (4096, 2, 128, 4, 2), (4096, 3, 128, 5, 1),
             (10240, 8, 128, 16, 8)]
+# T, fraction non-zero (find_nonzero_indices_perms: every T for each fraction)
+_NONZERO_WITH_COUNT = [(t, pct) for pct in (0.0, 1 / 32, 5 / 32, 1.0) for t in (32, 64, 128, 256, 512, 1024, 2048)]
 
 
 def subkernel_cases() -> list[Case]:
@@ -103,4 +135,10 @@ def subkernel_cases() -> list[Case]:
         note="test module imports experimental.subkernels.topk_reduce; the kernel is in experimental/collectives",
         test_file="test/integration/nkilib/experimental/subkernels/test_topk_reduce.py")
         for lnc, ranks, t, k, h in _TOPK_REDUCE]
+    cases += [Case(
+        kernel="experimental/benchmark/find_nonzero_indices_with_count", name=f"fp32 {int(t * pct)} non-zero",
+        shapes=f"[1,{t}]", entry=f"{BENCH}.find_nonzero_indices_with_count:find_nonzero_indices_with_count",
+        reference=f"{__name__}:nonzero_with_count_golden",
+        inputs=_sparse_inputs(t, int(t * pct)), outputs=("output",), lnc=2, rtol=0.0, atol=0.0,
+        test_file=BENCH_TEST) for t, pct in _NONZERO_WITH_COUNT]
     return cases
