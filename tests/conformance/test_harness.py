@@ -428,3 +428,14 @@ def test_a_test_module_imports_its_sibling_test_modules_from_the_checkout(fake_c
     row = harness.run_case(case, fake_checkout)
     assert row.result == harness.PASS and row.max_abs_err == 0.0, row.message
     assert {k for k in sys.modules if k == "test" or k.startswith("test.")} == before
+
+
+def test_read_only_inputs_are_shared_views_and_a_write_to_one_fails(fake_checkout):
+    row = harness.run_case(_case(read_only=("x",)), fake_checkout)
+    assert row.result == harness.PASS and row.max_abs_err == 0.0, row.message
+    written = harness.run_case(_case(read_only=("out",)), fake_checkout)  # the kernel writes out
+    assert written.result == harness.ERROR and "read-only" in written.message, written.message
+    kw = {"w": np.ones((4, 4), np.float32), "cache": np.zeros((4, 4), np.float32)}
+    per_rank = harness._copies([kw, kw], read_only=("w",))
+    assert all(np.shares_memory(r["w"], kw["w"]) and not r["w"].flags.writeable for r in per_rank)
+    assert not any(np.shares_memory(r["cache"], kw["cache"]) for r in per_rank)

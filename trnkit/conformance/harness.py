@@ -78,6 +78,9 @@ class Case:
     # > 0: a collective kernel on that many devices (nki.collectives.run_ranks); inputs() returns
     # {"ranks": [kwargs of rank 0, ...]} and each output is compared stacked over the ranks
     ranks: int = 0
+    # inputs the kernel only reads: every rank gets a read-only view of the one array instead of a copy
+    # of its own (a write to one raises); for collective cases whose ranks share large weights
+    read_only: tuple[str, ...] = ()
 
 
 @dataclass
@@ -490,7 +493,8 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
             kernel = _resolve(case.entry, root)
             if case.wrap_kernel is not None:
                 kernel = case.wrap_kernel(kernel)
-            kernel_in = _copies(inputs["ranks"]) if case.ranks else _copies([inputs])[0]
+            kernel_in = _copies(inputs["ranks"], case.read_only) if case.ranks \
+                else _copies([inputs], case.read_only)[0]
             t0 = time.perf_counter()
             try:
                 # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles
@@ -557,8 +561,18 @@ def first_output(kernel: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _copies(kwargs_list: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v.copy() if isinstance(v, np.ndarray) else v for k, v in kw.items()} for kw in kwargs_list]
+def _copies(kwargs_list: list[dict[str, Any]], read_only: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """Each array argument copied (the kernel may write it in place), but those named in ``read_only``:
+    read-only views of the arrays themselves, so a kernel that writes one fails."""
+    def arg(k: str, v: Any) -> Any:
+        if not isinstance(v, np.ndarray):
+            return v
+        if k not in read_only:
+            return v.copy()
+        view = v.view()
+        view.flags.writeable = False
+        return view
+    return [{k: arg(k, v) for k, v in kw.items()} for kw in kwargs_list]
 
 
 def _launch(case: Case, kernel: Callable[..., Any], kernel_in: Any) -> Any:
