@@ -164,6 +164,25 @@ def test_constraints_name_the_rule_and_value() -> None:
         rmsnorm_bwd(wide, wide, torch.ones(9000).bfloat16(), torch.ones(2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_head_norm_chunk_ramp(dtype) -> None:
+    """The head norm (H = 128) over enough rows for several ramped chunks per core plus a short tail
+    (4,133 x 2 rows: 64 row slots of 128 and 74 rows at LNC=1, 32 slots and 37 rows per core at LNC=2):
+    forward and backward within the oracle rule; bf16 rows normalise with rstd rounded to bf16 (one
+    rounding of the exact rsqrt, the trace shows it), LNC=2 bit-identical to LNC=1."""
+    from trnkit.kernels.rmsnorm.rmsnorm_kernels import _ramp
+
+    assert _ramp(64, 32) == [8, 16, 16, 16, 8] and sum(_ramp(256, 32)) == 256 and _ramp(3, 32) == [3]
+    x, w, _, _, _ = _inputs((4133, 2, 128), dtype, seed=6)
+    with trace.record() as tr:
+        y1, r1 = rmsnorm(x, w, EPS, lnc=1)
+    copies = [i for i in tr if i.op == "tensor_copy" and i.engine == "gpsimd"]
+    assert len(copies) == (6 if dtype == torch.bfloat16 else 0)  # one per chunk: 5 ramped + the tail
+    y2, r2 = rmsnorm(x, w, EPS, lnc=2)
+    assert torch.equal(y1, y2) and torch.equal(r1, r2)
+    norm_case((4133, 2, 128), dtype, residual=False, seed=6)
+
+
 # Rows wider than 16 KiB split into 2^k pieces (one per partition); few rows spread over the partitions.
 WIDE_FWD = [((70, 16384), torch.bfloat16), ((9, 8192), torch.float32), ((5, 2, 12288), torch.bfloat16),
             ((33, 8192), torch.bfloat16), ((2, 2048), torch.float32)]

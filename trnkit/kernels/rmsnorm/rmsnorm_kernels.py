@@ -21,8 +21,9 @@ Forward, narrower rows (Qwen3's q/k head norm, H = 128; :func:`_narrow_forward`)
 would cost mostly its fixed time, so every pass covers a whole chunk. The Tensor engine transposes each
 slot of 128 rows into PSUM, Scalar squares a PSUM bank of slots per instruction, and a matmul against a
 ``1/H`` column sums the squares over the partitions (H is there), one more adding eps; Vector takes the
-rsqrt into PSUM and forms ``n = x * rstd`` for the whole chunk in one instruction, reading rstd from PSUM
-broadcast along H (a PSUM operand: one pass over both inputs), then ``y = n * w``.
+rsqrt, GpSimd rounds it to bf16 for bf16 rows, and Vector forms ``n = x * rstd`` (rstd broadcast along H)
+and ``y = n * w`` for the whole chunk, one instruction each, with only 2-byte SBUF operands (Vector's
+performance mode, half a cycle per element; fp32 rows read rstd from PSUM broadcast instead).
 
 Backward (``gw = (dy * w).to(x.dtype)``, ``dx = rstd * gw - x * rstd^3 * sum(gw * x) / H``,
 ``dw = sum_rows dy * n``): Vector forms ``gw``, ``n`` and ``prod = dy * n``; the row sum
@@ -61,7 +62,7 @@ PREFETCH = 2
 SPREAD_MIN = 512  # narrowest sub-row a spread of few rows over the partitions makes
 # bytes per partition of a full chunk of narrow rows in the forward (its passes cover whole chunks, so
 # fewer, larger chunks cost fewer fixed times; the first and last ones ramp, see _ramp)
-NARROW_ROW_BYTES = 12288
+NARROW_ROW_BYTES = 8192
 
 
 def _out_dtype(x, w):
@@ -371,19 +372,25 @@ def _narrow_means(src, consts, chunk, H, pending):
     return ms, pending
 
 
-def _narrow_rstd(ms, chunk, rstd):
-    """Narrow rows, ``rstd = rsqrt(mean + eps)`` ``[Pc, NT]`` on Vector, twice: into PSUM, where the
-    normalisation reads it (:func:`_narrow_output`), and into SBUF, stored from there (DMA cannot read
-    PSUM; the second one also fills the dependent-instruction gap before the normalisation)."""
+def _narrow_rstd(ms, chunk, rstd, src_dtype):
+    """Narrow rows, ``rstd = rsqrt(mean + eps)`` ``[Pc, NT]`` on Vector into SBUF fp32 and its store (DMA cannot
+    read PSUM), and the operand the normalisation reads: for 2-byte rows that rstd rounded once to their
+    dtype in SBUF, on the otherwise idle GpSimd (so the normalisation runs in Vector's 2-byte mode; a
+    relative error of at most 2^-9 for bf16, below the output's own rounding), for fp32 rows rstd in PSUM
+    (read broadcast along H in one pass)."""
     r0, Pc, NT = chunk
     # rsqrt is a documented unary ALU op of tensor_scalar (NKI API reference, nki.api.shared "Supported
     # Math Operators"); an rsqrt activation would switch Scalar's table away from the squares' one.
-    rstd_ps = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
-    nisa.tensor_scalar(dst=rstd_ps, data=ms, op0=nl.rsqrt, operand0=None)
     rstd_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(dst=rstd_t, data=ms, op0=nl.rsqrt, operand0=None)
     nisa.dma_copy(dst=_row_stats(rstd, r0, Pc, NT), src=rstd_t)
-    return rstd_ps
+    if src_dtype == nl.float32:
+        r = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
+        nisa.tensor_scalar(dst=r, data=ms, op0=nl.rsqrt, operand0=None)
+        return r
+    r = nl.ndarray((Pc, NT), dtype=src_dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r, src=rstd_t, engine=nisa.engine.gpsimd)
+    return r
 
 
 def _per_row(t, Pc, NT, H):
@@ -391,41 +398,36 @@ def _per_row(t, Pc, NT, H):
     return t.ap(pattern=[[NT, Pc], [1, NT], [0, H]], offset=0)
 
 
-def _narrow_output(src, rstd_ps, chunk, y, w_sb, out_dt, H):
-    """Narrow rows: ``n = src * rstd`` over the whole chunk in one Vector instruction (rstd read from PSUM,
-    broadcast along H: with one operand in PSUM Vector reads both in one pass; fp32 product, one rounding
-    to src's dtype), then ``y = n * w`` and its store."""
+def _narrow_output(src, rstd_r, chunk, y, w_sb, out_dt, H):
+    """Narrow rows: ``n = src * rstd`` over the whole chunk in one Vector instruction (rstd broadcast along
+    H; fp32 product, one rounding to src's dtype), then ``y = n * w`` and its store."""
     r0, Pc, NT = chunk
     n_t = nl.ndarray((Pc, NT, H), dtype=src.dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=n_t, data1=src, data2=_per_row(rstd_ps, Pc, NT, H), op=nl.multiply)
+    nisa.tensor_tensor(dst=n_t, data1=src, data2=_per_row(rstd_r, Pc, NT, H), op=nl.multiply)
     y_t = nl.ndarray((Pc, NT, H), dtype=out_dt, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=y_t, data1=n_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
     nisa.dma_copy(dst=_rows(y, r0, Pc, NT, H), src=y_t)
 
 
 def _ramp(slots, nt):
-    """Row slots per chunk, at most ``nt``: the first chunk small (``nt / 8``), each next one at most a third
-    of the slots before it larger, so the Tensor / Scalar stage of a chunk ends before Vector runs out of
-    work (its per-slot time is about 4/3 of theirs), and the last chunks shrink back the same way, so the
-    last store comes soon after the last Vector instruction."""
-    first = max(1, nt // 8)
+    """Row slots per chunk, at most ``nt``: small chunks at both ends (``nt / 4``) and each next one towards
+    the middle as large as all the slots before it at its end (taken from the head and the tail in
+    turn), so the first chunk's statistics are ready early and the last store comes soon after the
+    statistics end, while the few, large middle chunks keep the number of DMAs (each with its fixed
+    cost) low."""
+    first = max(1, nt // 4)
     head = []
-    done = 0
-    while done < slots:
-        size = min(nt, first + done // 3, slots - done)
-        head.append(size)
-        done = done + size
-        if size == nt:
-            break
     tail = []
-    left = slots - done
-    while left > 0:  # the tail mirrors the ramp: grows from its last chunk towards the middle
-        tail_done = 0
-        for k in range(len(tail)):
-            tail_done = tail_done + tail[k]
-        size = min(nt, first + tail_done // 3, left)
-        tail.append(size)
-        left = left - size
+    done = [0, 0]
+    side = 0
+    while done[0] + done[1] < slots:
+        size = min(nt, first + done[side], slots - done[0] - done[1])
+        if side == 0:
+            head.append(size)
+        else:
+            tail.append(size)
+        done[side] = done[side] + size
+        side = 1 - side
     sizes = list(head)
     for k in range(len(tail)):
         sizes.append(tail[len(tail) - 1 - k])
@@ -450,14 +452,19 @@ def _narrow_chunks(N, H, dtype, n_prog, pid):
     return out
 
 
-def _narrow_forward(x, residual, s, y, rstd, w_sb, chunks, eps, out_dt):
+def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
     """The forward pipeline for rows narrower than ``WIDE`` (the q/k head norm), three stages issued in this
-    order: chunk i-2's normalisation (mostly Vector), chunk i's loads, residual add and mean squares
-    (Tensor / Scalar), chunk i-1's rstd; no engine's queue waits on work of the same iteration."""
-    H = x.shape[1]
+    order: chunk i-2's normalisation (Vector), chunk i's loads, residual add and mean squares (Tensor /
+    Scalar), chunk i-1's rstd; no engine's queue waits on work of the same iteration. The weight's load
+    goes after the first chunks' (it is needed last)."""
+    N, H = x.shape
+    chunks = _narrow_chunks(N, H, x.dtype, n_prog, pid)
     consts = _narrow_consts(H, eps)
     ahead = _prefetch(H, x.dtype)
     loads = []
+    for k in range(min(len(chunks), 1 + ahead)):
+        loads.append(_load_chunk([x, residual], chunks[k], H))
+    w_sb = _weight_rows(w, H)
     pipe = [None, None]  # chunk i-1 after its sums, chunk i-2 after its rstd
     pending = None  # the last transposed group of chunk i-1, squared and summed after chunk i's first
     for i in range(len(chunks) + 2):
@@ -482,7 +489,7 @@ def _narrow_forward(x, residual, s, y, rstd, w_sb, chunks, eps, out_dt):
             _mean_squares_group(pending, consts)
             pending = None
         if b_in != None:  # noqa: E711
-            b_in = [b_in[0], _narrow_rstd(b_in[1], b_in[2], rstd), b_in[2]]
+            b_in = [b_in[0], _narrow_rstd(b_in[1], b_in[2], rstd, x.dtype), b_in[2]]
         pipe = [cur, b_in]
 
 
@@ -505,8 +512,7 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     Hf = H // f  # the kernel works on the [N*f, Hf] sub-rows
     if H < WIDE:  # narrow rows (never split)
         _warm_square_table()
-        _narrow_forward(x, residual, s, y, rstd, _weight_rows(w, H), _narrow_chunks(N, H, x.dtype, n_prog, pid),
-                        float(eps), out_dt)
+        _narrow_forward(x, residual, s, y, rstd, w, float(eps), out_dt, n_prog, pid)
         if residual != None:  # noqa: E711
             return y, s, rstd
         return y, rstd
