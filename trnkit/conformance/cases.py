@@ -434,10 +434,10 @@ def _moe_dropping_dispatch(t: int, top_k: int, e: int, b: int) -> tuple[np.ndarr
 
 def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_size: int, skip: int,
                 bias: bool, training: bool, act: str, clamps: tuple, lnc: int, multiply_on_i: bool = False,
-                fp8: bool = False) -> Callable[[], dict[str, Any]]:
+                fp8: bool = False, scaling: str = "POST_SCALE") -> Callable[[], dict[str, Any]]:
     """The test's ``build_bwmm_inputs`` draws. ``fp8``: its ``quantize=nl.float8_e4m3`` (scale strategy 6),
     integer weights drawn in [-240, 240) and cast to fp8 e4m3, then fp32 dequantization scales per expert and
-    column ([E, 1, 2I] gate/up, [E, 1, H] down) uniform(-0.1, 0.1)."""
+    column ([E, 1, 2I] gate/up, [E, 1, H] down) uniform(-0.1, 0.1). ``scaling``: the ExpertAffinityScaleMode."""
     def make() -> dict[str, Any]:
         skip_mode = _lib("moe.moe_cte.moe_cte_utils:SkipMode")(skip in (1, 3), skip in (2, 3))
         if func is BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING:
@@ -472,25 +472,63 @@ def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_si
             "gate_up_proj_weight": gate_up, "down_proj_weight": down,
             "token_position_to_id": token_of_slot, "block_to_expert": block_to_expert, "block_size": b,
             "skip_dma": skip_mode, "compute_dtype": BF16, "is_tensor_update_accumulating": top_k != 1,
-            "expert_affinities_scaling_mode": _lib(f"{common_types}:ExpertAffinityScaleMode").POST_SCALE,
+            "expert_affinities_scaling_mode": getattr(_lib(f"{common_types}:ExpertAffinityScaleMode"), scaling),
             "activation_function": getattr(_lib(f"{common_types}:ActFnType"), act)})
         for key, v in zip(("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit",
                            "up_clamp_lower_limit"), clamps):
             if v is not None:
                 out[key] = v
-        if func is BWMMFunc.SHARD_ON_INTERMEDIATE:
-            out.update(checkpoint_activation=training, expert_affinity_multiply_on_I=multiply_on_i)
-        if func is BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING:  # checkpoints always, takes no flag for it
-            out["expert_affinity_multiply_on_I"] = multiply_on_i
+        out.update(_moe_flags(func, training, multiply_on_i))
         if func is BWMMFunc.SHARD_ON_INTERMEDIATE_HW:
             out["conditions"] = conditions
         return out
     return make
 
 
-def _moe_ref_inputs(func: BWMMFunc, lnc: int, top_k: int) -> Callable[[dict], dict]:
+def _moe_flags(func: BWMMFunc, training: bool, multiply_on_i: bool) -> dict[str, bool]:
+    """The kernel's activation-checkpoint flags (shard_on_I kernels only)."""
+    if func is BWMMFunc.SHARD_ON_INTERMEDIATE:
+        return {"checkpoint_activation": training, "expert_affinity_multiply_on_I": multiply_on_i}
+    if func is BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING:  # checkpoints always, takes no flag for it
+        return {"expert_affinity_multiply_on_I": multiply_on_i}
+    return {}
+
+
+def _moe_unified_inputs(func: BWMMFunc, training: bool, multiply_on_i: bool,
+                        kernel_inputs: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """The unified entry point's arguments (test_moe_cte_unified.py's ``build_moe_cte_unified_inputs``: the same
+    draws as ``kernel_inputs``): the checkpoint flags go into the spec's ``ShardOnIConfig`` (default for the
+    hybrid kernel, as the test's), ``ShardOnBlockConfig()`` for shard_on_block (its rows are not quantized)."""
+    def make() -> dict[str, Any]:
+        inputs = kernel_inputs()
+        for key in _moe_flags(func, training, multiply_on_i):
+            del inputs[key]
+        module = "moe.moe_cte.moe_cte"
+        impl = {BWMMFunc.SHARD_ON_BLOCK: "shard_on_block", BWMMFunc.SHARD_ON_INTERMEDIATE: "shard_on_i",
+                BWMMFunc.SHARD_ON_INTERMEDIATE_HW: "shard_on_i_hybrid",
+                BWMMFunc.SHARD_ON_INTERMEDIATE_DROPPING: "shard_on_i_dropping"}[func]
+        config = {}
+        if func is BWMMFunc.SHARD_ON_BLOCK:
+            config["shard_on_block"] = _lib(f"{module}:ShardOnBlockConfig")()
+        elif func is BWMMFunc.SHARD_ON_INTERMEDIATE_HW:
+            config["shard_on_I"] = _lib(f"{module}:ShardOnIConfig")()
+        else:
+            config["shard_on_I"] = _lib(f"{module}:ShardOnIConfig")(
+                checkpoint_activation=training, expert_affinity_multiply_on_I=multiply_on_i)
+        inputs["spec"] = _lib(f"{module}:MoECTESpec")(
+            implementation=getattr(_lib(f"{module}:MoECTEImplementation"), impl), **config)
+        return inputs
+    return make
+
+
+def _moe_ref_inputs(func: BWMMFunc, lnc: int, top_k: int, unified_flags: dict[str, bool] | None = None
+                    ) -> Callable[[dict], dict]:
+    """``moe_cte_torch_ref``'s arguments; ``unified_flags``: the kernel's checkpoint flags, for the unified
+    entry point's arguments (its spec taken apart again)."""
     def ref_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
         _moe_test_enum()
+        if unified_flags is not None:
+            inputs = {k: v for k, v in inputs.items() if k != "spec"} | unified_flags
         return {**inputs, "bwmm_func": func, "lnc_degree": lnc, "top_k": top_k}
     return ref_inputs
 
@@ -544,7 +582,8 @@ _MOE_ROWS = [
     (_I, 4096, 10240, 4, 512, 8, 768, 1, False, False, "SiLU", _NO_CLAMP, False),
     (_HW, 4096, 10240, 4, 512, 8, 768, 1, False, False, "SiLU", _NO_CLAMP, False),
 ]
-# one of the hybrid rows the test lists commented out (its enabled hybrid row, T=10240, is in _MOE_ROWS)
+# one of the hybrid rows the test lists commented out, with its NO_SCALE (its enabled hybrid row, T=10240, is in
+# _MOE_ROWS)
 _MOE_REDUCED = (_HW, 3072, 1024, 8, 512, 4, 2048, 0, False, False, "SiLU", _NO_CLAMP, False)
 _MOE_REDUCED_NOTE = ("reduced shape: the test's hybrid row (T=10240 H=4096 E=4 k=8 I=768) takes minutes here; "
                      "this is a hybrid row it lists commented out")
@@ -564,25 +603,44 @@ _MOE_REDUCED_ROWS = [((_I, 3072, 256, 16, 512, 8, i_size, skip, bias, training, 
 _MOE_FP8_ROW = (_I, 3072, 10240, 8, 512, 4, 1536, 1, True, False, "Swish", (7, None, 7, -7), False)
 
 
+# test_moe_cte_unified.py's non-MX rows (moe_cte_test_params: func, H, T, E, B, top_k, I, skip, bias, training,
+# activation, clamps, multiply_on_I; and the ExpertAffinityScaleMode), through the moe_cte() entry point and its
+# MoECTESpec, all at their shapes. The test's golden (golden_bwmm, numpy) lives in its test package; these compare
+# with nki-library's torch reference of the same kernels, as test_moe_cte.py does. Its MX row needs trn3.
+_MOE_UNIFIED_ROWS = [
+    ((_HW, 3072, 1024, 8, 512, 4, 2048, 0, False, False, "SiLU", _NO_CLAMP, False), "NO_SCALE"),
+    ((_I, 3072, 1024, 8, 512, 4, 2048, 0, True, False, "SiLU", _NO_CLAMP, False), "POST_SCALE"),
+    ((_B, 3072, 1024, 8, 512, 4, 384, 1, True, False, "Swish", _CLAMP, False), "POST_SCALE"),
+    ((_D, 1536, 8192, 2, 4096, 2, 6144, 0, False, True, "SiLU", _NO_CLAMP, True), "POST_SCALE"),
+]
+
+
+def _moe_case(row: tuple, note: str = "", fp8: bool = False, scaling: str = "POST_SCALE",
+              unified: bool = False) -> Case:
+    """One moe_cte row (see _MOE_ROWS); ``unified``: through the moe_cte() entry point (test_moe_cte_unified.py)."""
+    func, h, t, e, b, k, i_size, skip, bias, training, act, clamps, on_i = row
+    outputs = ("output",) + (("gate_up_activations_T",) + ("down_activations",) * (not on_i)) * training
+    flags = [f"skip={skip}"] + (["bias"] if bias else []) + (["training"] if training else []) \
+        + (["clamp"] if clamps != _NO_CLAMP else []) + (["multiply_on_I"] if on_i else []) \
+        + (["fp8 weights"] if fp8 else []) + ([scaling.lower()] if scaling != "POST_SCALE" else [])
+    inputs = _moe_inputs(func, t, h, e, b, k, i_size, skip, bias, training, act, clamps, 2, on_i, fp8, scaling)
+    if unified:
+        inputs = _moe_unified_inputs(func, training, on_i, inputs)
+    return Case(
+        kernel="core/moe/moe_cte", name=f"{'moe_cte() ' * unified}{func.name.lower()} {act} {' '.join(flags)}",
+        shapes=f"T={t} H={h} E={e} B={b} k={k} I={i_size}",
+        entry=f"{LIB}.{'moe.moe_cte.moe_cte:moe_cte' if unified else _MOE_ENTRY[func]}",
+        reference=f"{LIB}.moe.moe_cte.moe_cte_torch:moe_cte_torch_ref", inputs=inputs,
+        ref_inputs=_moe_ref_inputs(func, 2, k, _moe_flags(func, training, on_i) if unified else None),
+        outputs=outputs, lnc=2, rtol=5e-2 if fp8 else 2e-2, atol=1e-5, note=note,
+        test_file=f"{TESTS}/moe/moe_cte/test_moe_cte{'_unified' * unified}.py")
+
+
 def _moe_cases() -> list[Case]:
-    cases = []
-    rows = [(r, "", False) for r in _MOE_ROWS]
-    rows = rows[:7] + [(_MOE_REDUCED, _MOE_REDUCED_NOTE, False)] + rows[7:] + [(_MOE_FP8_ROW, FP8_NOTE, True)] \
-        + [(r, note, False) for r, note in _MOE_REDUCED_ROWS]
-    for row, note, fp8 in rows:
-        func, h, t, e, b, k, i_size, skip, bias, training, act, clamps, on_i = row
-        outputs = ("output",) + (("gate_up_activations_T",) + ("down_activations",) * (not on_i)) * training
-        flags = [f"skip={skip}"] + (["bias"] if bias else []) + (["training"] if training else []) \
-            + (["clamp"] if clamps != _NO_CLAMP else []) + (["multiply_on_I"] if on_i else []) \
-            + (["fp8 weights"] if fp8 else [])
-        cases.append(Case(
-            kernel="core/moe/moe_cte", name=f"{func.name.lower()} {act} {' '.join(flags)}",
-            shapes=f"T={t} H={h} E={e} B={b} k={k} I={i_size}", entry=f"{LIB}.{_MOE_ENTRY[func]}",
-            reference=f"{LIB}.moe.moe_cte.moe_cte_torch:moe_cte_torch_ref",
-            inputs=_moe_inputs(func, t, h, e, b, k, i_size, skip, bias, training, act, clamps, 2, on_i, fp8),
-            ref_inputs=_moe_ref_inputs(func, 2, k), outputs=outputs, lnc=2, rtol=5e-2 if fp8 else 2e-2, atol=1e-5,
-            note=note, test_file=f"{TESTS}/moe/moe_cte/test_moe_cte.py"))
-    return cases
+    cases = [_moe_case(row) for row in _MOE_ROWS]
+    return (cases[:7] + [_moe_case(_MOE_REDUCED, _MOE_REDUCED_NOTE, scaling="NO_SCALE")] + cases[7:]
+            + [_moe_case(_MOE_FP8_ROW, FP8_NOTE, fp8=True)] + [_moe_case(row, note) for row, note in _MOE_REDUCED_ROWS]
+            + [_moe_case(row, scaling=scaling, unified=True) for row, scaling in _MOE_UNIFIED_ROWS])
 
 
 def all_cases() -> list[Case]:
