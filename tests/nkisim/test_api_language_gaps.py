@@ -27,6 +27,20 @@ def test_bool_and_dtype_type() -> None:
     assert annotated() == nl.bfloat16
 
 
+def test_nki_dtype_imports_as_a_module_of_the_dtypes() -> None:
+    """``import nki.dtype as nt`` (nki-library's qkv test helpers) gives nl's dtype objects."""
+    import importlib
+
+    with nki.nki_installed():
+        nt = importlib.import_module("nki.dtype")
+        assert nt is nki.dtype and importlib.import_module("neuronxcc.nki.dtype") is nt
+    assert nt.float8_e4m3 is nl.float8_e4m3 and nt.bfloat16 is nl.bfloat16 and nt.bool == nl.bool
+    scaled = (np.array([1.0, 300.0, -0.3]) / 1.25).astype(nt.float8_e4m3)  # as the test casts weights
+    assert scaled.dtype == nl.float8_e4m3 and float(scaled[1]) == 240.0  # fp8 e4m3's largest finite value
+    with pytest.raises(AttributeError):
+        nt.float64  # not an NKI dtype
+
+
 def test_isa_constants_module_is_the_same_enums() -> None:
     from trnkit.nkisim.isa import constants
     from trnkit.nkisim.isa.constants import dge_mode, oob_mode

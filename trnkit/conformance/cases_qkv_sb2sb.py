@@ -2,9 +2,10 @@
 
 ``test/integration/nkilib/core/qkv/test_qkv_tkg.py`` (``test_qkv_tkg_sb2sb_accuracy_unit``: every row, fp16
 activations; unquantized, STATIC and ROW fp8 weights) runs its own kernel, ``qkv_tkg_sb2sb_wrapper_kernel``, at
-rtol 2e-2 (quantized: 4e-2), atol 1e-5. That kernel lives in the test module, whose helpers import ``nki.dtype``
-as a module (the interpreter's ``nki.dtype`` is the dtype type), so :func:`_sb2sb_wrapper` is written here from
-its description. Inputs as ``build_qkv_input`` draws them (:mod:`.cases_qkv`, :mod:`.cases_qkv_quant`: one fresh
+rtol 2e-2 (quantized: 4e-2), atol 1e-5. That kernel lives in the test module, which cannot be imported here (its
+``tensor_generators`` helper does ``from neuron_dtypes import static_cast`` at import time, and AWS's
+``neuron_dtypes`` is not installable), so :func:`_sb2sb_wrapper` is written here from its description. Inputs
+as ``build_qkv_input`` draws them (:mod:`.cases_qkv`, :mod:`.cases_qkv_quant`: one fresh
 ``default_rng(0)``, the weights fp8 on the quantized rows). Its golden, the library's ``qkv_tkg_torch_ref``
 (which imports nki-library's test package), computes what :func:`.cases_qkv.qkv_golden` does (residual add,
 norm, the STATIC / ROW dequantization, bias, layout); the output is rounded to fp16 as the test's

@@ -33,17 +33,32 @@ from .errors import NkiValidationError
 from .jit import Kernel, jit, simulate
 from .tensor import NkiTensor
 
-# ``nki.dtype``: the type of every NKI dtype object (``nl.bfloat16`` is a numpy dtype here); AWS
-# kernels use it in annotations (``compute_dtype: nki.dtype = nl.bfloat16``, nki-library
-# experimental/loss/cross_entropy.py).
-dtype = _np.dtype
+
+
+class _DtypeModule(_types.ModuleType):
+    """``nki.dtype``: AWS's tested code both imports it as a module holding the dtypes
+    (``import nki.dtype as nt; x.astype(nt.float8_e4m3)``, nki-library test/.../qkv/test_qkv_common.py)
+    and annotates with it (``compute_dtype: nki.dtype = nl.bfloat16``, experimental/loss/cross_entropy.py).
+    Here it is a module whose attributes are ``nl``'s dtypes (numpy dtypes) and which answers
+    ``isinstance(nl.bfloat16, nki.dtype)``."""
+
+    def __instancecheck__(self, instance: object) -> bool:
+        return isinstance(instance, _np.dtype)
+
+
+dtype = _DtypeModule("nki.dtype", "NKI data types (the same objects as nki.language's)")
+for _name in dtypes.__all__:
+    if isinstance(getattr(dtypes, _name), _np.dtype):
+        setattr(dtype, _name, getattr(dtypes, _name))
+dtype.bool = dtypes.bool_
+del _name
 
 
 def _nki_modules() -> dict[str, _types.ModuleType]:
     """``sys.modules`` name -> interpreter module, for every name :func:`install_as_nki` binds."""
     package = _sys.modules[__name__]  # ``nki`` is this package
     public = {"": package, ".language": language, ".isa": isa, ".isa.constants": isa.constants,
-              ".collectives": collectives, ".typing": typing}
+              ".collectives": collectives, ".typing": typing, ".dtype": dtype}
     mapping = {f"nki{suffix}": mod for suffix, mod in public.items()}
     mapping.update({f"neuronxcc.nki{suffix}": mod for suffix, mod in public.items()})
     neuronxcc = _types.ModuleType("neuronxcc", "trnkit.nkisim standing in for the Neuron compiler "
