@@ -439,3 +439,74 @@ def test_read_only_inputs_are_shared_views_and_a_write_to_one_fails(fake_checkou
     per_rank = harness._copies([kw, kw], read_only=("w",))
     assert all(np.shares_memory(r["w"], kw["w"]) and not r["w"].flags.writeable for r in per_rank)
     assert not any(np.shares_memory(r["cache"], kw["cache"]) for r in per_rank)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_large_arrays_on_disk_give_the_same_row(fake_checkout, monkeypatch, lnc):
+    """Inputs, the reference's copies and outputs at or over LARGE_ARRAY_BYTES live in files: the row is
+    the same as with everything in memory, and the inputs the case built are not written."""
+    rows = [harness.run_case(_case(lnc=lnc), fake_checkout)]
+    built = {}
+
+    def keep(make):
+        def wrapped():
+            built.update(make())
+            return built
+        return wrapped
+    monkeypatch.setattr(harness, "LARGE_ARRAY_BYTES", 1024)  # x, out: 8 KiB each
+    case = _case(lnc=lnc)
+    rows.append(harness.run_case(Case(**{**case.__dict__, "inputs": keep(case.inputs)}), fake_checkout))
+    assert [(r.result, r.max_abs_err, r.allowed_err) for r in rows] == [(harness.PASS, 0.0, rows[0].allowed_err)] * 2
+    assert not built["out"].any()  # the kernel wrote its own copy
+
+
+def _in_a_file(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of a file (/proc/self/maps: a nonzero inode)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, _, _, _, inode = line.split()[:5]
+            lo, hi = (int(v, 16) for v in span.split("-"))
+            if lo <= address < hi:
+                return inode != "0"
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_disk_arrays_are_file_backed_copies(monkeypatch):
+    import ml_dtypes
+
+    monkeypatch.setattr(harness, "LARGE_ARRAY_BYTES", 1024)
+    monkeypatch.setattr(harness, "COMPARE_CHUNK", 100)  # copies in several chunks
+    x = np.random.default_rng(0).normal(size=(64, 9)).astype(ml_dtypes.bfloat16)
+    t = harness._to_torch(x, keep_low_precision=False)  # the reference's float32 copy, on disk
+    assert _in_a_file(t.data_ptr()) and np.array_equal(t.numpy(), x.astype(np.float32))
+    assert not _in_a_file(harness._to_torch(x[:8], keep_low_precision=False).data_ptr())  # small
+    moved = harness._to_disk(x)
+    assert harness._file_backed(moved) and moved is not x and np.array_equal(moved.view(np.uint16),
+                                                                             x.view(np.uint16))
+    assert harness._to_disk(moved) is moved  # already on disk: no second copy
+
+
+def test_chunked_uniform_draws_are_the_one_shot_draw(monkeypatch):
+    import ml_dtypes
+
+    np.random.seed(0)
+    whole = np.random.uniform(-0.1, 0.1, size=[3, 40, 2, 5]).astype(ml_dtypes.bfloat16)
+    for large in (1 << 40, 1024):  # in memory, then on disk
+        monkeypatch.setattr(harness, "LARGE_ARRAY_BYTES", large)
+        np.random.seed(0)
+        drawn = harness.uniform_array(-0.1, 0.1, [3, 40, 2, 5], ml_dtypes.bfloat16)
+        assert harness._file_backed(drawn) == (large == 1024)
+        assert np.array_equal(drawn.view(np.uint16), whole.view(np.uint16))
+        assert np.random.random_sample() == np.random.RandomState(0).random_sample(1201)[-1]  # same state after
+
+
+def test_outputs_that_widen_exactly_are_compared_as_they_are():
+    import ml_dtypes
+
+    e = np.linspace(-3, 3, 50, dtype=np.float32)
+    a = (e + np.float32(0.013)).astype(ml_dtypes.bfloat16)
+    assert harness._as_compared(a, e.dtype) is a
+    assert harness.compare(a, e, 0.01, 1e-5) == harness.compare(a.astype(np.float32), e, 0.01, 1e-5)
+    e16 = e.astype(ml_dtypes.bfloat16)  # a bf16 reference (keep_low_precision): a float32 output is cast
+    assert harness._as_compared(e, e16.dtype).dtype == e16.dtype

@@ -41,7 +41,7 @@ from .cases_rope import rope_cases
 from .cases_subkernels import subkernel_cases
 from .cases_tensor_view import tensor_view_cases
 from .cases_utils import utils_cases
-from .harness import Case
+from .harness import Case, uniform_array
 
 __all__ = ["all_cases", "case_id", "FAST", "SLOW_ONLY", "fast_cases"]
 
@@ -464,8 +464,8 @@ def _moe_inputs(func: BWMMFunc, t: int, h: int, e: int, b: int, top_k: int, i_si
             out["gate_up_proj_scale"] = np.random.uniform(-0.1, 0.1, size=[e, 1, 2 * i_size]).astype(F32)
             out["down_proj_scale"] = np.random.uniform(-0.1, 0.1, size=[e, 1, h]).astype(F32)
         else:
-            down = np.random.uniform(-0.1, 0.1, size=[e, i_padded, h]).astype(BF16)
-            gate_up = np.random.uniform(-0.1, 0.1, size=[e, h, 2, i_size]).astype(BF16)
+            down = uniform_array(-0.1, 0.1, [e, i_padded, h], BF16)
+            gate_up = uniform_array(-0.1, 0.1, [e, h, 2, i_size], BF16)
         common_types = "utils.common_types"
         out.update({
             "hidden_states": hidden, "expert_affinities_masked": affinities.reshape(-1, 1),

@@ -30,7 +30,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .harness import Case, first_output, load_test_module
+from .harness import Case, first_output, load_test_module, uniform_array
 
 __all__ = ["moe_experimental_cases", "shard_on_h_golden"]
 
@@ -83,8 +83,8 @@ def _shard_h_inputs(h: int, t: int, e: int, b: int, k: int, i: int, dt: np.dtype
             affinities[t] = 0
             hidden[t] = 0
         out = {"hidden_states": hidden, "expert_affinities_masked": affinities.reshape(-1, 1),
-               "gate_up_proj_weight": np.random.uniform(-0.1, 0.1, size=[e, h, 2, i]).astype(dt),
-               "down_proj_weight": np.random.uniform(-0.1, 0.1, size=[e, math.ceil(i / 16) * 16, h]).astype(dt),
+               "gate_up_proj_weight": uniform_array(-0.1, 0.1, [e, h, 2, i], dt),
+               "down_proj_weight": uniform_array(-0.1, 0.1, [e, math.ceil(i / 16) * 16, h], dt),
                "block_size": b, "token_position_to_id": token_of_slot,
                "block_to_expert": block_to_expert.reshape(-1, 1),
                "skip_dma": skip_mode, "compute_dtype": dt, "is_tensor_update_accumulating": k != 1,

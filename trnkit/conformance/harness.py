@@ -6,7 +6,11 @@ count (LNC, run as a grid launch ``kernel[lnc]``) and nki-library's tolerances. 
 resolves ``nki`` to the interpreter, runs the reference on copies of the inputs, then the kernel on
 copies of its own, and compares every output the way nki-library's validator does (``maxAllClose`` in its
 default "max" mode): ``|actual - expected| <= atol + rtol * max|expected|`` element-wise, and
-infinite/NaN positions must match. Each case gives one :class:`Row`: PASS, MISMATCH, MISSING API
+infinite/NaN positions must match. Arrays of :data:`LARGE_ARRAY_BYTES` or more (a MoE case's weights,
+their float32 copies for the reference, its reference outputs) are kept in files in the temp dir
+(:func:`disk_array`): the page cache holds them, and the system can write them back and drop them when
+memory runs short; the kernel takes such inputs as they are unless a postprocess reads the inputs after
+it. Each case gives one :class:`Row`: PASS, MISMATCH, MISSING API
 (the interpreter lacks a name the kernel uses), REJECTED (the interpreter refused the kernel:
 ``NkiValidationError``) or ERROR (anything else, with its type).
 
@@ -21,9 +25,11 @@ import contextlib
 import csv
 import importlib
 import io
+import mmap
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import types
 import warnings
@@ -35,8 +41,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nkilib_commit", "nkilib_tarball",
-           "extract_tarball", "compare", "run_case", "run_cases", "format_table", "write_csv", "PASS", "MISMATCH",
-           "MISSING", "REJECTED", "ERROR", "ACCEPTED"]
+           "extract_tarball", "compare", "disk_array", "uniform_array", "run_case", "run_cases", "format_table",
+           "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
@@ -406,22 +412,80 @@ def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float
     return ok, float("nan") if any_nan else worst, allowed
 
 
+# -- large arrays ----------------------------------------------------------------------------------
+# Arrays of this size or more (a MoE case's weights, their float32 copies for the reference, its weight
+# gradients) live in files in the temp dir instead of anonymous memory: the kernel, the reference and the
+# comparison read them through the page cache, which the system can write back and drop under pressure.
+LARGE_ARRAY_BYTES = 1 << 28
+
+
+def disk_array(shape: Sequence[int] | int, dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array backed by an unlinked file in the temp dir (``TMPDIR``):
+    its disk space goes when the array and every view of it do."""
+    dtype = np.dtype(dtype)
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    with tempfile.TemporaryFile(prefix="trnkit-conformance-") as f:  # the mapping outlives the file
+        f.truncate(nbytes)
+        return np.asarray(np.memmap(f, dtype=dtype, mode="r+", shape=shape))
+
+
+def uniform_array(low: float, high: float, shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """``np.random.uniform(low, high, size=shape).astype(dtype)`` from numpy's global generator, drawn
+    one index of the first axis at a time (the same numbers: the legacy generator draws them in order)
+    without the whole float64 draw; a large result is a :func:`disk_array`."""
+    dtype, shape = np.dtype(dtype), tuple(shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    out = disk_array(shape, dtype) if size * dtype.itemsize >= LARGE_ARRAY_BYTES else np.empty(shape, dtype)
+    for i in range(shape[0]):
+        out[i] = np.random.uniform(low, high, size=shape[1:]).astype(dtype)
+    return out
+
+
+def _file_backed(a: np.ndarray) -> bool:
+    """Whether ``a`` is a view of a memory-mapped file (a :func:`disk_array`, a ``np.memmap``)."""
+    base = a
+    while isinstance(base, np.ndarray) and not isinstance(base, np.memmap):
+        base = base.base
+    return isinstance(base, (np.memmap, mmap.mmap))
+
+
+def _copy(a: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """``a.astype(dtype)`` (default: its own), always a copy; a large one on disk (:func:`disk_array`),
+    converted :data:`COMPARE_CHUNK` elements at a time."""
+    dtype = a.dtype if dtype is None else np.dtype(dtype)
+    if a.size * max(a.dtype.itemsize, dtype.itemsize) < LARGE_ARRAY_BYTES:
+        return a.astype(dtype)  # (astype copies)
+    out = disk_array(a.shape, dtype)
+    src, dst = a.reshape(-1), out.reshape(-1)
+    for i in range(0, a.size, COMPARE_CHUNK):
+        dst[i:i + COMPARE_CHUNK] = src[i:i + COMPARE_CHUNK]
+    return out
+
+
+def _to_disk(value: Any) -> Any:
+    """A large array not yet file-backed, moved to a :func:`disk_array` (other values as they are)."""
+    if not isinstance(value, np.ndarray) or value.nbytes < LARGE_ARRAY_BYTES or _file_backed(value):
+        return value
+    return _copy(value)
+
+
 # -- running -------------------------------------------------------------------------------------
 def _to_torch(value: Any, keep_low_precision: bool) -> Any:
     """nki-library's reference-input convention: bf16/fp8 -> fp32 torch (bf16 kept as bf16 when
     ``keep_low_precision``), fp16 -> fp32, uint32 -> int32; an array always comes back as a copy (the
-    reference may write its inputs)."""
+    reference may write its inputs), a large one on disk."""
     import torch
 
     if not isinstance(value, np.ndarray):
         return value
     name = str(value.dtype)
     if value.dtype == np.uint32:
-        return torch.from_numpy(value.astype(np.int32))
+        return torch.from_numpy(_copy(value, np.int32))
     if "bfloat16" in name or "float8" in name:
-        t = torch.from_numpy(value.astype(np.float32))
+        t = torch.from_numpy(_copy(value, np.float32))
         return t.to(torch.bfloat16) if keep_low_precision and "bfloat16" in name else t
-    t = torch.from_numpy(value.copy())
+    t = torch.from_numpy(_copy(value))
     return t.float() if t.dtype == torch.float16 else t
 
 
@@ -451,7 +515,7 @@ def reference_outputs(case: Case, inputs: dict[str, Any], root: Path | None = No
             v = v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
             if cast_to is not None:
                 v = v.astype(cast_to)
-        out[k] = np.asarray(v)
+        out[k] = _to_disk(np.asarray(v))  # (held while the kernel runs)
     return out
 
 
@@ -480,7 +544,7 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
             with contextlib.redirect_stdout(io.StringIO()):  # nki-library's config helpers print too
                 for module in REPAIRED_MODULES:
                     _load_repaired(module)
-                inputs = case.inputs()
+                inputs = {k: _to_disk(v) for k, v in case.inputs().items()}
             # the reference runs first: its float32 copies of the inputs are freed before the kernel's
             # copies exist (the large MoE cases hold several GB of weights); a kernel failure still
             # decides the row before a reference failure does
@@ -493,8 +557,9 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
             kernel = _resolve(case.entry, root)
             if case.wrap_kernel is not None:
                 kernel = case.wrap_kernel(kernel)
-            kernel_in = _copies(inputs["ranks"], case.read_only) if case.ranks \
-                else _copies([inputs], case.read_only)[0]
+            keep = case.postprocess is not None or case.ranks > 0  # (ranks may share an array: each its copy)
+            kernel_in = _copies(inputs["ranks"], case.read_only, keep) if case.ranks \
+                else _copies([inputs], case.read_only, keep)[0]
             t0 = time.perf_counter()
             try:
                 # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles
@@ -528,9 +593,12 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
     if len(results) != len(case.outputs):
         row.message = f"kernel returned {len(results)} outputs, the reference {len(case.outputs)}"
         return row
-    actual = {n: np.asarray(r, dtype=expected[n].dtype) for n, r in zip(case.outputs, results)}
     if case.postprocess is not None:
+        actual = {n: np.asarray(r, dtype=expected[n].dtype) for n, r in zip(case.outputs, results)}
         actual, expected = case.postprocess(inputs, actual, expected)
+    else:  # compare() widens to float64 itself: no whole-array copy of an output that widens exactly
+        actual = {n: _as_compared(np.asarray(r), expected[n].dtype) for n, r in zip(case.outputs, results)}
+    del results, inputs
     ok_all, worst_ratio = True, -1.0
     for name in case.outputs:
         ok, err, allowed = compare(actual[name], expected[name], case.rtol, case.atol)
@@ -561,18 +629,27 @@ def first_output(kernel: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _copies(kwargs_list: list[dict[str, Any]], read_only: Sequence[str] = ()) -> list[dict[str, Any]]:
+def _copies(kwargs_list: list[dict[str, Any]], read_only: Sequence[str] = (), keep_inputs: bool = True
+            ) -> list[dict[str, Any]]:
     """Each array argument copied (the kernel may write it in place), but those named in ``read_only``:
-    read-only views of the arrays themselves, so a kernel that writes one fails."""
+    read-only views of the arrays themselves, so a kernel that writes one fails. A file-backed one (this
+    row's, made by its inputs() or moved to disk by the run) is handed over as it is unless ``keep_inputs``
+    (a postprocess reads the inputs after the kernel): the reference has had its own copies already."""
     def arg(k: str, v: Any) -> Any:
         if not isinstance(v, np.ndarray):
             return v
-        if k not in read_only:
-            return v.copy()
-        view = v.view()
-        view.flags.writeable = False
-        return view
+        if k in read_only:
+            view = v.view()
+            view.flags.writeable = False
+            return view
+        return v if not keep_inputs and _file_backed(v) else _copy(v)
     return [{k: arg(k, v) for k, v in kw.items()} for kw in kwargs_list]
+
+
+def _as_compared(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``a`` as :func:`compare` should see it against a reference of ``dtype``: unchanged when ``a``'s
+    dtype converts to ``dtype`` exactly (compare's float64 differences are then the same), else cast."""
+    return a if np.can_cast(a.dtype, dtype, "safe") else np.asarray(a, dtype=dtype)
 
 
 def _launch(case: Case, kernel: Callable[..., Any], kernel_in: Any) -> Any:
