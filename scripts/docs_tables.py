@@ -20,8 +20,10 @@ template with any numbers) occurs exactly once in the page; otherwise it warns.
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -285,13 +287,32 @@ def conformance() -> str:
     """python -m trnkit conformance --save-reference: AWS nki-library kernels on the interpreter."""
     rows = read_csv("conformance.csv")
     passed = sum(r["result"] == "PASS" for r in rows)
+    others = collections.Counter(r["result"] for r in rows if r["result"] != "PASS")
     commits = ", ".join(sorted({r["nkilib_commit"] for r in rows}))
     body = [[r["kernel"].removeprefix("core/"), r["case"], r["lnc"], r["shapes"], f"**{r['result']}**",
              f"{r['max_abs_err']} / {r['allowed_err']}" if r["max_abs_err"] else "", r["seconds"],
              re.sub(r"\S*/nkilib_src/nkilib/", "", r["message"]).replace("|", "/")[:160]] for r in rows]
     header = ["kernel (core/ unless named)", "case", "LNC", "shapes", "result", "max abs err / allowed",
               "interpreter s", "message"]
-    return f"{passed} of {len(rows)} cases pass (nki-library commit {commits}).\n\n" + _table(header, body)
+    rest = "".join(f", {n} {result}" for result, n in sorted(others.items()))
+    return f"{passed} of {len(rows)} cases pass{rest} (nki-library commit {commits}).\n\n" + _table(header, body)
+
+
+def conformance_model_config() -> str:
+    """The rows of the tests' model-config tables in conformance.csv, per kernel: how many ran and their results,
+    and the largest shape that passed (by the product of its sizes)."""
+    rows = [r for r in read_csv("conformance.csv") if re.search(r" model_config( \w+)?$", r["case"])]
+    body = []
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+        mine = [r for r in rows if r["kernel"] == kernel]
+        results = collections.Counter(r["result"] for r in mine)
+        size = lambda r: math.prod(int(v) for v in re.findall(r"=(\d+)", r["shapes"]))  # noqa: E731
+        passed = [r for r in mine if r["result"] == "PASS"]
+        largest = max(passed, key=size)["shapes"] if passed else "-"
+        paths = len({re.sub(r" model_config( \w+)?$", "", r["case"]) for r in mine})
+        body.append([kernel.removeprefix("core/"), str(len(mine)), ", ".join(f"{n} {k}" for k, n in
+                     sorted(results.items())), str(paths), largest])
+    return _table(["kernel", "rows run", "results", "case names (flag combinations)", "largest shape passed"], body)
 
 
 HEADLINE_CSV = "headline.csv"  # benchmarks/headline.py: one row per case, low / mid / high
@@ -578,7 +599,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak, "mlp_peak": mlp_peak,
     "cross_entropy_peak": cross_entropy_peak, "rmsnorm_peak": rmsnorm_peak, "loss_track": loss_track,
-    "conformance": conformance, "headline": headline, "headline_sensitivity": headline_sensitivity,
+    "conformance": conformance, "conformance_model_config": conformance_model_config,
+    "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),
     "step_estimate": step_estimate, "step_ops": step_ops,
@@ -721,6 +743,12 @@ QUOTES = (
     Quote("README.md", "it passes {} of their", "conformance.csv PASS rows",
           csv_count("conformance.csv", {"result": "PASS"})),
     Quote("README.md", "of their {} test cases", "conformance.csv rows", csv_count("conformance.csv", {})),
+    Quote("README.md", "{} are rejected because their inputs break", "conformance.csv REJECTED rows",
+          csv_count("conformance.csv", {"result": "REJECTED"})),
+    Quote("README.md", "{} are refused by the kernel's own SBUF planner", "conformance.csv ERROR rows",
+          csv_count("conformance.csv", {"result": "ERROR"})),
+    Quote("README.md", "and {} overflow float16", "conformance.csv MISMATCH rows",
+          csv_count("conformance.csv", {"result": "MISMATCH"})),
     Quote("README.md", "fp32 cache: fwd {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline.csv rope_fwd",
           _range("rope_fwd", "us") + _range("rope_fwd", "fraction")),
     Quote("README.md", "K=8: {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline.csv router_fwd",

@@ -15,6 +15,7 @@ import math
 import sys
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -29,6 +30,7 @@ from .cases_dynamic_shapes import dynamic_shapes_cases
 from .cases_loss import loss_cases
 from .cases_mlp import mlp_cases
 from .cases_mlp_quant import FP8, FP8_NOTE, mlp_quant_cases
+from .cases_model_config import model_config_cases
 from .cases_moe_block import moe_block_cases
 from .cases_moe_experimental import moe_experimental_cases
 from .cases_moe_tkg import moe_tkg_cases
@@ -41,6 +43,7 @@ from .cases_rope import rope_cases
 from .cases_subkernels import subkernel_cases
 from .cases_tensor_view import tensor_view_cases
 from .cases_utils import utils_cases
+from . import harness
 from .harness import Case, uniform_array
 
 __all__ = ["all_cases", "case_id", "FAST", "SLOW_ONLY", "fast_cases"]
@@ -647,8 +650,9 @@ def _moe_cases() -> list[Case]:
             + [_moe_case(row, scaling=scaling, unified=True) for row, scaling in _MOE_UNIFIED_ROWS])
 
 
-def all_cases() -> list[Case]:
-    """Every conformance case, kernel by kernel."""
+def all_cases(root: Path | None = None) -> list[Case]:
+    """Every conformance case, kernel by kernel, then the rows of the model-config tables of the checkout
+    ``root`` (default :func:`harness.nkilib_root`; none without one)."""
     return (_rope_cases() + rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
             + attention_cases() + attention_tkg_cases() + mlp_cases() + mlp_quant_cases() + moe_block_cases()
@@ -656,7 +660,8 @@ def all_cases() -> list[Case]:
             + qkv_cases() + qkv_quant_cases() + qkv_sb2sb_cases() + subkernel_cases() + utils_cases()
             + tensor_view_cases()
             + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases() + attention_block_cases()
-            + transformer_tkg_cases() + dynamic_shapes_cases())
+            + transformer_tkg_cases() + dynamic_shapes_cases()
+            + model_config_cases(root if root is not None else harness.nkilib_root()))
 
 
 def case_id(case: Case) -> str:

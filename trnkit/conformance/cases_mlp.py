@@ -25,7 +25,7 @@ import numpy as np
 
 from .harness import Case
 
-__all__ = ["mlp_cases", "mlp_golden", "swap_down_layout"]
+__all__ = ["mlp_cases", "mlp_golden", "swap_down_layout", "tkg_case"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3)
@@ -288,21 +288,27 @@ def _tkg_negative(lnc: int, b: int, s: int, h: int, down_col: bool) -> bool:
         or (not down_col and -(-h1_shard // (512 // t)) > 8)
 
 
-def _tkg_cases() -> list[Case]:
-    cases = []
-    for lnc, b, s, h, i, norm, fused, store, skip, gb, ub, db, gate_col, down_col in _TKG:
+def tkg_case(lnc: int, b: int, s: int, h: int, i: int, norm: str, fused: bool, store: bool, skip: bool, gb: bool,
+             ub: bool, db: bool, gate_col: bool, down_col: bool, negative: bool | None = None) -> Case:
+    """One unquantized row of ``test_mlp_tkg.py`` (SiLU, bf16 weights); ``negative``: the test's verdict
+    (default :func:`_tkg_negative`; its model-config rows are never negative)."""
+    if negative is None:
         negative = _tkg_negative(lnc, b, s, h, down_col)
-        flags = [norm.lower()] + ["fused_add"] * fused + ["store_add"] * (fused and store) + ["skip_gate"] * skip \
-            + [n for n, on in (("gate_b", gb), ("up_b", ub), ("down_b", db)) if on] \
-            + ["gate_up_column_tiling"] * gate_col + ["down_column_tiling"] * down_col
-        cases.append(Case(
-            kernel="core/mlp/mlp_tkg", name="bf16 " + " ".join(flags) + " (must reject)" * negative,
-            shapes=f"B={b} S={s} H={h} I={i}", entry=f"{LIB}.mlp.mlp:mlp",
-            reference="trnkit.conformance.cases_mlp:mlp_golden",
-            inputs=_mlp_inputs(b, s, h, i, norm, fused, store, skip, "SiLU", gb, ub, db, False, BF16,
-                               (gate_col, down_col)),
-            outputs=("out", "add_out") if fused and store else ("out",), lnc=lnc, rtol=2e-2, atol=1e-5,
-            negative=negative, note=MLP_REPAIR_NOTE, test_file=f"{TESTS}/test_mlp_tkg.py"))
+    flags = [norm.lower()] + ["fused_add"] * fused + ["store_add"] * (fused and store) + ["skip_gate"] * skip \
+        + [n for n, on in (("gate_b", gb), ("up_b", ub), ("down_b", db)) if on] \
+        + ["gate_up_column_tiling"] * gate_col + ["down_column_tiling"] * down_col
+    return Case(
+        kernel="core/mlp/mlp_tkg", name="bf16 " + " ".join(flags) + " (must reject)" * negative,
+        shapes=f"B={b} S={s} H={h} I={i}", entry=f"{LIB}.mlp.mlp:mlp",
+        reference="trnkit.conformance.cases_mlp:mlp_golden",
+        inputs=_mlp_inputs(b, s, h, i, norm, fused, store, skip, "SiLU", gb, ub, db, False, BF16,
+                           (gate_col, down_col)),
+        outputs=("out", "add_out") if fused and store else ("out",), lnc=lnc, rtol=2e-2, atol=1e-5,
+        negative=negative, note=MLP_REPAIR_NOTE, test_file=f"{TESTS}/test_mlp_tkg.py")
+
+
+def _tkg_cases() -> list[Case]:
+    cases = [tkg_case(*row) for row in _TKG]
     for lnc, b, s, h, i, norm in _TKG_SWAPPED:
         cases.append(Case(
             kernel="core/mlp/mlp_tkg", name=f"bf16 {norm.lower()} down_w optimized layout std=241",

@@ -46,7 +46,7 @@ from .cases_mlp import LIB, MLP_REPAIR_NOTE, TESTS, _activation, _normalize, _np
 from .harness import Case
 
 __all__ = ["mlp_quant_cases", "mlp_quant_golden", "mlp_cte_row_quant_golden",
-           "mlp_cte_static_quant_golden"]
+           "mlp_cte_static_quant_golden", "tkg_quant_case"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3)
@@ -273,18 +273,22 @@ def mlp_quant_cases() -> list[Case]:
         note=f"{FP8_NOTE}; {MLP_REPAIR_NOTE}", test_file=f"{TESTS}/test_mlp_cte.py")
         for quant, rows, rtol in (("ROW", _CTE_ROW, 4e-2), ("STATIC", _CTE_STATIC, 3e-2))
         for lnc, b, s, h, i in rows]
-    for lnc, b, s, h, i, quant, norm, biases, gate_col, down_col, swapped in _ROWS:
-        on = {False: (False,) * 3, True: (True,) * 3, "gate_up": (True, True, False)}[biases]
-        flags = [norm.lower()] + [n for n, o in zip(("gate_b", "up_b", "down_b"), on) if o] \
-            + ["gate_up_column_tiling"] * gate_col + ["down_column_tiling"] * down_col \
-            + ["down_w optimized layout"] * swapped
-        cases.append(Case(
-            kernel="core/mlp/mlp_tkg", name=f"bf16 x fp8 {quant.lower()} " + " ".join(flags),
-            shapes=f"B={b} S={s} H={h} I={i}", entry=f"{LIB}.mlp.mlp:mlp",
-            reference="trnkit.conformance.cases_mlp_quant:mlp_quant_golden",
-            inputs=_quant_inputs(lnc, b, s, h, i, quant, norm, on, (gate_col, down_col), swapped),
-            ref_inputs=lambda kw, lnc=lnc: {**kw, "swapped_down_lnc": lnc},
-            outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5, note=f"{FP8_NOTE}; {MLP_REPAIR_NOTE}",
-            test_file=f"{TESTS}/test_mlp_tkg.py"))
-    return cases
+    return cases + [tkg_quant_case(*row) for row in _ROWS]
 
+
+def tkg_quant_case(lnc: int, b: int, s: int, h: int, i: int, quant: str, norm: str, biases: bool | str,
+                   gate_col: bool, down_col: bool, swapped: bool) -> Case:
+    """One fp8-weight row of ``test_mlp_tkg.py`` (ROW or STATIC scales; ``biases``: all three, none, or
+    ``"gate_up"``)."""
+    on = {False: (False,) * 3, True: (True,) * 3, "gate_up": (True, True, False)}[biases]
+    flags = [norm.lower()] + [n for n, o in zip(("gate_b", "up_b", "down_b"), on) if o] \
+        + ["gate_up_column_tiling"] * gate_col + ["down_column_tiling"] * down_col \
+        + ["down_w optimized layout"] * swapped
+    return Case(
+        kernel="core/mlp/mlp_tkg", name=f"bf16 x fp8 {quant.lower()} " + " ".join(flags),
+        shapes=f"B={b} S={s} H={h} I={i}", entry=f"{LIB}.mlp.mlp:mlp",
+        reference="trnkit.conformance.cases_mlp_quant:mlp_quant_golden",
+        inputs=_quant_inputs(lnc, b, s, h, i, quant, norm, on, (gate_col, down_col), swapped),
+        ref_inputs=lambda kw, lnc=lnc: {**kw, "swapped_down_lnc": lnc},
+        outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5, note=f"{FP8_NOTE}; {MLP_REPAIR_NOTE}",
+        test_file=f"{TESTS}/test_mlp_tkg.py")

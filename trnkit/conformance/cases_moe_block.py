@@ -22,7 +22,7 @@ import numpy as np
 
 from .harness import Case
 
-__all__ = ["moe_block_cases"]
+__all__ = ["moe_block_case", "moe_block_cases"]
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -34,7 +34,7 @@ _DT = {F16: "fp16", BF16: "bf16", FP8: "fp8"}
 
 def _inputs(all_expert: bool, b: int, s: int, h: int, h_actual: int | None, i: int, e_global: int, e_local: int,
             k: int, act: str, w_dt: np.dtype, in_dt: np.dtype, bias: bool, clamp: bool, pre_norm: bool,
-            norm_topk: bool, router_dt: np.dtype) -> Callable[[], dict[str, Any]]:
+            norm_topk: bool, router_dt: np.dtype, router: str = "SOFTMAX") -> Callable[[], dict[str, Any]]:
     def make() -> dict[str, Any]:
         types = importlib.import_module(f"{LIB}.utils.common_types")
         np.random.seed(42)
@@ -50,7 +50,7 @@ def _inputs(all_expert: bool, b: int, s: int, h: int, h_actual: int | None, i: i
         out["expert_down_bias"] = rng.normal(size=(e_local, h)).astype(in_dt) if bias else None
         rank = np.random.RandomState(42).randint(0, e_global // e_local) if all_expert else None
         out.update(
-            top_k=k, router_act_fn=types.RouterActFnType.SOFTMAX, router_pre_norm=pre_norm,
+            top_k=k, router_act_fn=getattr(types.RouterActFnType, router), router_pre_norm=pre_norm,
             norm_topk_prob=norm_topk, expert_affinities_scaling_mode=types.ExpertAffinityScaleMode.POST_SCALE,
             hidden_act_fn=getattr(types.ActFnType, act), gate_clamp_upper_limit=7.0 if clamp else None,
             gate_clamp_lower_limit=None, up_clamp_upper_limit=8.0 if clamp else None,
@@ -85,18 +85,22 @@ _ROWS = [
 ]
 
 
+def moe_block_case(all_e: bool, b: int, s: int, h: int, ha: int | None, i: int, eg: int, el: int, k: int, act: str,
+                   w_dt: np.dtype, in_dt: np.dtype, bias: bool, clamp: bool, pre: bool, norm_topk: bool,
+                   r_dt: np.dtype, router: str = "SOFTMAX") -> Case:
+    """One row of ``test_moe_block_tkg.py`` without MX weights (post-scaling, router logits kept)."""
+    flags = ["all experts" if all_e else "selective", act, f"{_DT[w_dt]} weights", f"{_DT[in_dt]} input"] \
+        + [f"{router.lower()} router"] * (router != "SOFTMAX") + ["bias"] * bias + ["clamp"] * clamp \
+        + ["router_act_first"] * pre + ["norm_topk_prob"] * norm_topk + ([f"hidden_actual={ha}"] if ha else [])
+    return Case(
+        kernel="core/moe_block/moe_block_tkg", name=" ".join(flags),
+        shapes=f"B={b} S={s} H={h} I={i} E={eg}/{el} k={k}",
+        entry=f"{LIB}.moe_block.moe_block_tkg:moe_block_tkg",
+        reference=f"{LIB}.moe_block.moe_block_tkg_torch:moe_block_tkg_torch_ref",
+        inputs=_inputs(all_e, b, s, h, ha, i, eg, el, k, act, w_dt, in_dt, bias, clamp, pre, norm_topk, r_dt, router),
+        outputs=("out", "router_logits"), lnc=2, rtol=5e-2 if w_dt == FP8 else 1e-2, atol=1e-5,
+        test_file=f"{TESTS}/test_moe_block_tkg.py")
+
+
 def moe_block_cases() -> list[Case]:
-    cases = []
-    for row in _ROWS:
-        all_e, b, s, h, ha, i, eg, el, k, act, w_dt, in_dt, bias, clamp, pre, norm_topk, r_dt = row
-        flags = ["all experts" if all_e else "selective", act, f"{_DT[w_dt]} weights", f"{_DT[in_dt]} input"] \
-            + ["bias"] * bias + ["clamp"] * clamp + ["router_act_first"] * pre + ["norm_topk_prob"] * norm_topk \
-            + ([f"hidden_actual={ha}"] if ha else [])
-        cases.append(Case(
-            kernel="core/moe_block/moe_block_tkg", name=" ".join(flags),
-            shapes=f"B={b} S={s} H={h} I={i} E={eg}/{el} k={k}",
-            entry=f"{LIB}.moe_block.moe_block_tkg:moe_block_tkg",
-            reference=f"{LIB}.moe_block.moe_block_tkg_torch:moe_block_tkg_torch_ref",
-            inputs=_inputs(*row), outputs=("out", "router_logits"), lnc=2,
-            rtol=5e-2 if w_dt == FP8 else 1e-2, atol=1e-5, test_file=f"{TESTS}/test_moe_block_tkg.py"))
-    return cases
+    return [moe_block_case(*row) for row in _ROWS]

@@ -20,7 +20,7 @@ import numpy as np
 
 from .harness import Case
 
-__all__ = ["moe_tkg_cases"]
+__all__ = ["moe_tkg_case", "moe_tkg_cases"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -104,15 +104,19 @@ _ROWS = [
 ]
 
 
-def moe_tkg_cases() -> list[Case]:
-    cases, lnc = [], 2
-    for t, h, i, e, k, act, mode, all_e, rowq, clamp, bias in _ROWS:
+def moe_tkg_case(t: int, h: int, i: int, e: int, k: int | None, act: str, mode: str, all_e: bool, rowq: bool,
+                 clamp: bool, bias: bool, lnc: int = 2, negative: bool | None = None) -> Case:
+    """One fp16 row of ``test_moe_tkg.py``; ``negative``: the test's ``_is_negative_test`` by default."""
+    if negative is None:
         negative = (h // lnc % 128 != 0 or (h // 128) % lnc != 0) and (all_e or t == 1)
-        name = ("all experts" if all_e else f"top-{k}") + f" {act} {mode.lower()}" + " fp8 row" * rowq \
-            + " clamp" * clamp + " bias" * bias + " (must reject)" * negative
-        cases.append(Case(
-            kernel="core/moe/moe_tkg", name=name, shapes=f"T={t} H={h} I={i} E={e}",
-            entry=f"{LIB}.moe:moe_tkg", reference=f"{LIB}.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
-            inputs=_moe_tkg_inputs(t, h, i, e, k, act, mode, all_e, rowq, clamp, bias), outputs=("out",),
-            lnc=lnc, rtol=2e-2, atol=1e-5, negative=negative, test_file=f"{TESTS}/test_moe_tkg.py"))
-    return cases
+    name = ("all experts" if all_e else f"top-{k}") + f" {act} {mode.lower()}" + " fp8 row" * rowq \
+        + " clamp" * clamp + " bias" * bias + " (must reject)" * negative
+    return Case(
+        kernel="core/moe/moe_tkg", name=name, shapes=f"T={t} H={h} I={i} E={e}",
+        entry=f"{LIB}.moe:moe_tkg", reference=f"{LIB}.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
+        inputs=_moe_tkg_inputs(t, h, i, e, k, act, mode, all_e, rowq, clamp, bias), outputs=("out",),
+        lnc=lnc, rtol=2e-2, atol=1e-5, negative=negative, test_file=f"{TESTS}/test_moe_tkg.py")
+
+
+def moe_tkg_cases() -> list[Case]:
+    return [moe_tkg_case(*row) for row in _ROWS]

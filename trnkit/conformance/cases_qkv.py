@@ -32,7 +32,7 @@ import numpy as np
 
 from .harness import Case, first_output
 
-__all__ = ["qkv_cases", "qkv_golden", "qkv_projection"]
+__all__ = ["cte_case", "qkv_cases", "qkv_golden", "qkv_projection"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LIB = "nkilib_src.nkilib.core"
@@ -257,18 +257,21 @@ def _tkg_cases() -> list[Case]:
     return cases
 
 
+def cte_case(lnc: int, b: int, s: int, h: int, dim: int | tuple[int, int, int], norm: str, dma_t: bool, fused: bool,
+             nb: bool, layout: str, eps: float, actual: int | None, rope: bool, test: str) -> Case:
+    """One bf16 row of ``test_qkv_cte.py``; ``dim``: the fused QKV width or (q heads, kv heads, d_head)."""
+    heads = dim if isinstance(dim, tuple) else None
+    fused_dim = (heads[0] + 2 * heads[1]) * heads[2] if heads else dim
+    flags = [norm.lower(), layout] + ["dma_transpose"] * dma_t + ["fused_add"] * fused + ["norm_bias"] * nb \
+        + [f"eps={eps:g}"] * (eps != 1e-6) + [f"hidden_actual={actual}"] * bool(actual) + ["rope"] * rope
+    shapes = f"B={b} S={s} H={h} " + (f"heads={heads[0]}/{heads[1]} d={heads[2]}" if heads else f"I={fused_dim}")
+    return Case(
+        kernel="core/qkv/qkv_cte", name=f"{test} bf16 " + " ".join(flags), shapes=shapes,
+        entry=f"{LIB}.qkv.qkv:qkv", reference="trnkit.conformance.cases_qkv:qkv_golden",
+        inputs=_qkv_inputs(b, s, h, fused_dim, norm, dma_t, fused, nb, layout, eps, actual, heads, rope),
+        outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/test_qkv_cte.py",
+        note="" if rope else "inputs as the test draws them when it runs first (its generator is shared)")
+
+
 def qkv_cases() -> list[Case]:
-    cases = []
-    for lnc, b, s, h, dim, norm, dma_t, fused, nb, layout, eps, actual, rope, test in _ROWS:
-        heads = dim if isinstance(dim, tuple) else None
-        fused_dim = (heads[0] + 2 * heads[1]) * heads[2] if heads else dim
-        flags = [norm.lower(), layout] + ["dma_transpose"] * dma_t + ["fused_add"] * fused + ["norm_bias"] * nb \
-            + [f"eps={eps:g}"] * (eps != 1e-6) + [f"hidden_actual={actual}"] * bool(actual) + ["rope"] * rope
-        shapes = f"B={b} S={s} H={h} " + (f"heads={heads[0]}/{heads[1]} d={heads[2]}" if heads else f"I={fused_dim}")
-        cases.append(Case(
-            kernel="core/qkv/qkv_cte", name=f"{test} bf16 " + " ".join(flags), shapes=shapes,
-            entry=f"{LIB}.qkv.qkv:qkv", reference="trnkit.conformance.cases_qkv:qkv_golden",
-            inputs=_qkv_inputs(b, s, h, fused_dim, norm, dma_t, fused, nb, layout, eps, actual, heads, rope),
-            outputs=("out",), lnc=lnc, rtol=2e-2, atol=1e-5, test_file=f"{TESTS}/test_qkv_cte.py",
-            note="" if rope else "inputs as the test draws them when it runs first (its generator is shared)"))
-    return cases + _tkg_cases()
+    return [cte_case(*row) for row in _ROWS] + _tkg_cases()

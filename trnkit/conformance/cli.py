@@ -23,29 +23,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-reference", action="store_true",
                    help=f"write the rows to {REFERENCE_CSV.relative_to(REFERENCE_CSV.parents[2])} (the tracked "
                         "figures quoted in docs/interpreter.md; with -k, only the selected cases' rows "
-                        "change)")
+                        "change), each as it finishes")
+    p.add_argument("--tier", choices=("unit", harness.MODEL_CONFIG),
+                   help="only the cases of the tests' unit tables, or of their model-config tables (these need "
+                        "the checkout to be listed)")
     p.add_argument("--list", action="store_true", help="list the cases without running them")
 
 
 def run(args: argparse.Namespace) -> int:
     """Exit status 0 when every selected case passes, 1 otherwise, 2 without a checkout."""
-    selected = [c for c in _cases.all_cases()
-                if not args.filter or any(f in f"{c.kernel} {c.name} {c.shapes}" for f in args.filter)]
+    root = harness.nkilib_root(args.nkilib)
+    tier = {"unit": "", None: None}.get(args.tier, args.tier)
+    selected = [c for c in _cases.all_cases(root)
+                if (not args.filter or any(f in f"{c.kernel} {c.name} {c.shapes}" for f in args.filter))
+                and (tier is None or c.tier == tier)]
     if args.list:
         for c in selected:
             print(f"{c.kernel:<30} {c.name:<40} lnc{c.lnc} {c.shapes}  ({c.test_file})")
         return 0
-    root = harness.nkilib_root(args.nkilib)
     if root is None:
         print(f"conformance: no nki-library checkout found; {FETCH_HINT}", file=sys.stderr)
         return 2
     print(f"nki-library {harness.nkilib_commit(root)} at {root}; {len(selected)} cases", flush=True)
-    rows = harness.run_cases(selected, root, echo=lambda r: print(harness.format_row(r), flush=True))
+    order, done = _cases.all_cases(root), []
+
+    def echo(row: harness.Row) -> None:
+        print(harness.format_row(row), flush=True)
+        done.append(row)
+        if args.save_reference:  # row by row (an interrupted run keeps what ran); the other rows stay
+            harness.write_csv(done, REFERENCE_CSV, merge_order=order)
+
+    rows = harness.run_cases(selected, root, echo=echo)
     print(harness.format_table(rows).splitlines()[-1])
     if args.csv:
         harness.write_csv(rows, args.csv)
         print(f"wrote {args.csv}")
-    if args.save_reference:  # a filtered run replaces its own rows, keeps the others
-        harness.write_csv(rows, REFERENCE_CSV, merge_order=_cases.all_cases())
+    if args.save_reference:
         print(f"updated {REFERENCE_CSV}")
     return 0 if all(r.result == harness.PASS for r in rows) else 1

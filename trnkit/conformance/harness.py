@@ -42,7 +42,7 @@ import numpy as np
 
 __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nkilib_commit", "nkilib_tarball",
            "extract_tarball", "compare", "disk_array", "uniform_array", "run_case", "run_cases", "format_table",
-           "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED"]
+           "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED", "MODEL_CONFIG"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
@@ -87,6 +87,14 @@ class Case:
     # inputs the kernel only reads: every rank gets a read-only view of the one array instead of a copy
     # of its own (a write to one raises); for collective cases whose ranks share large weights
     read_only: tuple[str, ...] = ()
+    tier: str = ""  # "" for the tests' unit tables; MODEL_CONFIG for a row of a test's model-config table
+    xfail: str = ""  # nki-library's own xfail(strict=False) on the test that runs this row: its reason
+    # a documented hardware rule the kernel breaks on these inputs, or nki-library's own kernel check that refuses
+    # them: the row does not pass, and its message contains this text
+    rejected_by: str = ""
+
+
+MODEL_CONFIG = "model_config"  # Case.tier of the rows of nki-library's test_*_model_config.py tables
 
 
 @dataclass
@@ -308,8 +316,14 @@ class _TestInfraStandIn:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        if name.isupper():  # an enum member the test data names (ModelTestType.OPTIMAL): a named token
+            token = self.__dict__.setdefault("_members", {}).setdefault(name, _TestInfraStandIn(f"{self._name}.{name}"))
+            return token
         raise NotImplementedError(f"{self._name}.{name}: nki-library's test infrastructure is not part of "
                                   "the archive")
+
+    def __repr__(self) -> str:
+        return self._name
 
 
 # the package nki-library's tests import their orchestration from (absent from the archive)
@@ -717,18 +731,25 @@ def _row_key(r: dict[str, Any]) -> tuple[str, str, str, str]:
 def write_csv(rows: Sequence[Row], path: str | os.PathLike, merge_order: Sequence[Case] | None = None) -> None:
     """Write ``rows`` as CSV. ``merge_order``: keep the file's rows of the other cases listed there
     (a filtered run updates its own rows only) and write every row in that order."""
+    import fcntl
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     out = {_row_key(d): d for d in (r.csv_row() for r in rows)}
-    if merge_order is not None:
-        old = {}
-        if p.is_file():
-            with p.open(newline="") as f:
-                old = {_row_key(d): d for d in csv.DictReader(f)}
-        keys = [(c.kernel, c.name, str(c.lnc), c.shapes) for c in merge_order]
-        out = {k: out.get(k, old.get(k)) for k in keys if k in out or k in old}
-    with p.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, lineterminator="\n")
-        w.writeheader()
-        for d in out.values():
-            w.writerow(d)
+    # a merge reads and rewrites the file: one process at a time (runs that save row by row may overlap)
+    with open(p.with_name(p.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if merge_order is not None:
+            old = {}
+            if p.is_file():
+                with p.open(newline="") as f:
+                    old = {_row_key(d): d for d in csv.DictReader(f)}
+            keys = [(c.kernel, c.name, str(c.lnc), c.shapes) for c in merge_order]
+            out = {k: out.get(k, old.get(k)) for k in keys if k in out or k in old}
+        tmp = p.with_name(p.name + ".tmp")
+        with tmp.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_FIELDS, lineterminator="\n")
+            w.writeheader()
+            for d in out.values():
+                w.writerow(d)
+        tmp.replace(p)

@@ -247,6 +247,8 @@ def nc_transpose(dst: NkiTensor, data: NkiTensor, engine: engine = engine.unknow
                 "{p}x{f}", p=p, f=f)
     require(dst.shape[0] == f and dst.free_size == p, op, "dst must be [{f}, {p}] for data [{p}, "
             "{f}], got shape {shape}", f=f, p=p, shape=dst.shape)
+    # NKI ISA reference, nki.isa.nc_transpose, "Data types": "The output dst tile must have the same data type
+    # as that of data." (no cast on either engine, unlike nc_matmul's PSUM output)
     require(dst.dtype == data.dtype, op, "dst dtype {dst_dtype} must equal data dtype {data_dtype}",
             dst_dtype=dst.dtype, data_dtype=data.dtype)
     res = data.np().reshape(p, f).T

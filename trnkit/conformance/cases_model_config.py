@@ -1,0 +1,166 @@
+"""Conformance cases from nki-library's model-configuration tables (``test_*_model_config.py``).
+
+Each core kernel test may import a table of rows taken from real models (``gemma3_27b``, ``llama3_70b``,
+``qwen3_32b``, ``deepseek_v31``, ``gptoss_120b``, ...) from a sibling ``test_<kernel>_model_config.py``
+(``try: ... except ImportError: <table> = []``) and runs it through the same test body as its unit table:
+the same input builder, golden and tolerance. The tables are read from the checkout when the cases are
+built (``import nki`` resolved to the interpreter, whose dtypes they name; ``ModelTestType``, from
+nki-library's test infrastructure, a named token): nothing is copied, and every row becomes a case of
+tier :data:`~trnkit.conformance.harness.MODEL_CONFIG` built by its kernel's family builder, with the
+row's parameters as the test reads them and the model-test type (``OPTIMAL`` / ``GENERALITY``, the
+keys of the dict-shaped tables) in its name. Without a checkout there are no such cases.
+
+Tables and the tests that read them (nki-library d2ad3a5):
+
+- ``mlp/test_mlp_tkg_model_config.py``: ``test_mlp_tkg_unit`` (``create_mlp_tkg_test_config``: model
+  rows are never negative); the ``ROW_MX`` / ``STATIC_MX`` rows need trn3 and are not built.
+- ``qkv/test_qkv_cte_model_config.py``: ``test_qkv_cte_model_unit`` (``run_qkv_cte_test``, bf16).
+- ``moe/moe_tkg/test_moe_tkg_model_config.py``: ``test_moe_tkg_model`` (``xfail(strict=False)``, "Model
+  coverage test", asserting its rows are not negative), the unit test's builder and rtol 2e-2.
+- ``moe_block/test_moe_block_tkg_model_config.py``: ``test_moe_block_kernel_model`` (the unit test's
+  body; it skips the MX-weight rows off trn3 and does not read ``has_shared_expert``).
+- ``output_projection/test_output_proj_cte_model_config.py``: read only by
+  ``test_output_proj_cte_static_mxfp8_unit`` (excluded from trn1/trn2): no trn2 case.
+- ``mlp/test_mlp_cte_model_config.py``, ``attention/test_attention_cte_model_config.py``,
+  ``attention/test_attention_tkg_model_config.py``, ``moe/moe_cte/test_moe_cte_model_config.py``: empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import harness
+from .cases_mlp import tkg_case as mlp_tkg_case
+from .cases_mlp_quant import tkg_quant_case as mlp_tkg_quant_case
+from .cases_moe_block import moe_block_case
+from .cases_moe_tkg import moe_tkg_case
+from .cases_qkv import cte_case as qkv_cte_case
+from .harness import MODEL_CONFIG, Case
+
+__all__ = ["TABLES", "model_config_cases", "read_table"]
+
+TESTS = "test/integration/nkilib/core"
+TKG_BS_SEQLEN_THRESHOLD = 96  # mlp() runs mlp_tkg up to this many tokens, mlp_cte above (mlp_parameters.py)
+# nki.isa.nc_transpose: "The output dst tile must have the same data type as that of data."
+MLP_CTE_FP8_RULE = "nc_transpose: dst dtype float8_e4m3 must equal data dtype bfloat16"
+# (H, I) of the bf16-weight rows above 96 tokens whose SBUF plan nki-library's own allocator refuses
+# (core/utils/allocator.py, SbufManager.alloc_heap: kernel_assert "Heap out of memory"), found by running them
+MLP_CTE_BF16_HEAP_OOM = {(5120, 3200)}
+HEAP_OOM = "Heap out of memory"
+MLP_CTE_BF16_HEAP_NOTE = ("mlp_cte's SBUF plan for these bf16 weights does not fit: nki-library's allocator "
+                          "(SbufManager.alloc_heap) refuses it with its own kernel_assert")
+MLP_CTE_FP8_NOTE = ("B x S > 96 runs mlp_cte, whose fp8-weight path expects fp8 input; with this test's bf16 input "
+                    "its Tensor Engine transpose writes bf16 data into an fp8 PSUM tile, which nki.isa.nc_transpose "
+                    "forbids (dst dtype must equal data dtype)")
+MX = "MX"  # a row value naming an MX dtype (the x4-packed ones) or an MX quantization type
+
+
+def _mlp_tkg(r: list) -> Case | None:
+    (lnc, b, s, h, i, dtype, _qdt, quant, _cycles, norm, fused, store, act, skip, gb, ub, db, nb, gate_col,
+     down_col, swapped) = r
+    if MX in (quant, _qdt):
+        return None
+    _expect(r, dtype == np.dtype("bfloat16") and act == "SiLU" and not nb, "bf16, SiLU, no norm bias")
+    if quant == "NONE":
+        _expect(r, not swapped, "the optimized down layout only with fp8 weights")
+        case = mlp_tkg_case(lnc, b, s, h, i, norm, fused, store, skip, gb, ub, db, gate_col, down_col, negative=False)
+        if b * s <= TKG_BS_SEQLEN_THRESHOLD or (h, i) not in MLP_CTE_BF16_HEAP_OOM:
+            return case
+        return dataclasses.replace(case, rejected_by=HEAP_OOM, note=f"{case.note}; {MLP_CTE_BF16_HEAP_NOTE}")
+    _expect(r, not (fused or skip) and gb == ub == db, "no fused add or skip_gate, all or no biases")
+    case = mlp_tkg_quant_case(lnc, b, s, h, i, quant, norm, gb, gate_col, down_col, swapped)
+    if b * s <= TKG_BS_SEQLEN_THRESHOLD:
+        return case
+    # above the threshold mlp() runs mlp_cte, whose fp8 path takes its input already quantized to fp8
+    # (test_mlp_cte.py's ROW / STATIC tables); this test hands it bf16
+    return dataclasses.replace(case, rejected_by=MLP_CTE_FP8_RULE, note=f"{case.note}; {MLP_CTE_FP8_NOTE}")
+
+
+def _qkv_cte(r: list) -> Case | None:
+    lnc, b, s, h, q, kv, d, norm, dma_t, fused, qkv_bias, nb, layout, eps = r
+    _expect(r, not qkv_bias, "no QKV bias")
+    return qkv_cte_case(lnc, b, s, h, (q, kv, d), norm, dma_t, fused, nb, layout, eps, None, False, "model")
+
+
+def _moe_tkg(r: list) -> Case | None:
+    lnc, t, h, i, e, k, act, mode, all_e, qdt, quant, dtype, clamp, bias = r
+    if MX in (quant, qdt):
+        return None
+    _expect(r, dtype == np.dtype("float16") and quant in ("NONE", "ROW"), "fp16, unquantized or fp8 ROW")
+    return moe_tkg_case(t, h, i, e, k, act, mode, all_e, quant == "ROW", clamp, bias, lnc=lnc, negative=False)
+
+
+def _moe_block_tkg(r: list) -> Case | None:
+    (lnc, all_e, b, s, h, ha, i, eg, el, k, router, act, mode, w_dt, in_dt, _shared, bias, clamp, pre, norm_topk,
+     skip_logits, r_dt) = r
+    if w_dt == MX:
+        return None
+    _expect(r, lnc == 2 and mode == "POST_SCALE" and not skip_logits, "LNC 2, post-scaling, router logits kept")
+    return moe_block_case(all_e, b, s, h, ha, i, eg, el, k, act, w_dt, in_dt, bias, clamp, pre, norm_topk, r_dt,
+                          router)
+
+
+MOE_TKG_XFAIL = "nki-library runs this table as xfail(strict=False), 'Model coverage test'"
+
+# kernel: (table file, table name, row -> Case or None for an MX row, xfail reason of the test that reads it)
+TABLES: dict[str, tuple[str, str, Callable[[list], Case | None], str]] = {
+    "core/mlp/mlp_tkg": ("mlp/test_mlp_tkg_model_config.py", "mlp_tkg_model_configs", _mlp_tkg, ""),
+    "core/qkv/qkv_cte": ("qkv/test_qkv_cte_model_config.py", "qkv_cte_model_configs", _qkv_cte, ""),
+    "core/moe/moe_tkg": ("moe/moe_tkg/test_moe_tkg_model_config.py", "moe_tkg_model_configs", _moe_tkg,
+                         MOE_TKG_XFAIL),
+    "core/moe_block/moe_block_tkg": ("moe_block/test_moe_block_tkg_model_config.py", "moe_block_tkg_model_configs",
+                                     _moe_block_tkg, ""),
+}
+
+
+def _expect(row: list, ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"model-config row {row}: the family builder takes {what}")
+
+
+def _plain(value: Any, mx_dtypes: tuple) -> Any:
+    """A table value as the cases take it: enum members by name, MX dtypes as :data:`MX`."""
+    if isinstance(value, enum.Enum):
+        return MX if value.name.endswith("MX") else value.name
+    if isinstance(value, np.dtype) and value in mx_dtypes:
+        return MX
+    return value
+
+
+@functools.lru_cache(maxsize=8)
+def read_table(root: Path, rel_path: str, name: str) -> tuple[tuple[str, tuple], ...]:
+    """The rows of table ``name`` in ``test/integration/nkilib/core/<rel_path>``: (model-test type, row) pairs
+    in file order; the type is "" for a flat list, else the key (``OPTIMAL``, ``GENERALITY``, ``BROAD``)."""
+    with harness.nki_is_interpreter(root):
+        import nki.language as nl  # the interpreter
+
+        mx_dtypes = tuple(getattr(nl, n) for n in dir(nl) if n.endswith("_x4"))
+        table = getattr(harness.load_test_module(root, f"{TESTS}/{rel_path}"), name)
+        groups = [(repr(k).rpartition(".")[2], rows) for k, rows in table.items()] if isinstance(table, dict) \
+            else [("", table)]
+        return tuple((kind, tuple(_plain(v, mx_dtypes) for v in row)) for kind, rows in groups for row in rows)
+
+
+def model_config_cases(root: Path | None) -> list[Case]:
+    """Every non-MX row of the model-config tables under ``root`` (none without a checkout), kernel by kernel,
+    in table order; a row that repeats an earlier one of its kernel once."""
+    if root is None:
+        return []
+    cases: dict[str, Case] = {}
+    for rel_path, name, build, xfail in TABLES.values():
+        for kind, row in read_table(root, rel_path, name):
+            case = build(list(row))
+            if case is None:
+                continue
+            notes = [n for n in (case.note, xfail, f"row of {rel_path.rpartition('/')[2]}") if n]
+            case = dataclasses.replace(case, name=f"{case.name} {MODEL_CONFIG}" + f" {kind}" * bool(kind),
+                                       tier=MODEL_CONFIG, note="; ".join(notes), xfail=xfail)
+            cases.setdefault(f"{case.kernel}|{case.name}|lnc{case.lnc}|{case.shapes}", case)
+    return list(cases.values())
