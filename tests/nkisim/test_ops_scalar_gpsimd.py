@@ -79,14 +79,13 @@ def test_activation_softmax_pattern_reduce_res_in_one_call() -> None:
     np.testing.assert_array_equal(as_f32(e), ref_round(ex, BF16))
 
 
-@pytest.mark.parametrize("name,ref", [("add", np.sum), ("maximum", np.max), ("minimum", np.min)])
-def test_activation_reduce(name, ref) -> None:
+def test_activation_reduce() -> None:
     x = _rand((100, 3, 30))
     d, res = empty((100, 90), F32), empty((100, 1), F32)
-    scalar.activation_reduce(d, nl.square, tile(x), getattr(nl, name), res, scale=2.0)
+    scalar.activation_reduce(d, nl.square, tile(x), nl.add, res, scale=2.0)
     sq = np.square(x.reshape(100, -1) * np.float32(2.0))
     np.testing.assert_array_equal(as_f32(d), sq)
-    np.testing.assert_allclose(res.np()[:, 0], ref(sq, axis=1), rtol=1e-5)
+    np.testing.assert_allclose(res.np()[:, 0], np.sum(sq, axis=1), rtol=1e-5)
 
 
 def test_activation_trace() -> None:

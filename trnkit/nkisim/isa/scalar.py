@@ -101,9 +101,11 @@ def activation_reduce(dst: NkiTensor, op: Any, data: NkiTensor, reduce_op: Any,
     """``activation`` + a reduction over all free dims into ``reduce_res`` (registers reset first)."""
     OP = "activation_reduce"
     fr = get_op(OP, "reduce_op", reduce_op)
-    # NeuronCore-v2 allows only add; later cores also max/min (the accumulator ops of activate2).
-    require(fr.name in ("add", "maximum", "minimum"), OP,
-            "reduce_op must be nl.add, nl.maximum or nl.minimum, got {fr}", fr=fr)
+    # NKI 2.33 nki.isa.activation_reduce (Trn2, Trn3): "The reduce_op must be nl.add: the Scalar Engine
+    # reduction registers can only sum the activated data" (max / min: a separate tensor_reduce, or
+    # activate2 on NeuronCore-v4+). Every nki-library call passes nl.add.
+    require(fr.name == "add", OP, "reduce_op must be nl.add (the Scalar Engine reduction registers only sum; "
+            "NKI docs, nki.isa.activation_reduce), got {fr}", fr=fr)
     require(reduce_res is not None, OP, "reduce_res is required")
     common.check_tensor(OP, "data", data)
     check_column(OP, "reduce_res", reduce_res, data.shape[0], "scalar")
