@@ -51,8 +51,6 @@ SLICE_MISSES = {"kernel_opt v2": "one M-tile row: 16% fast (the full shape: 9.8%
 KNOWN_OUTSIDE_RANGE: dict[str, str] = {}
 # Published version changes predicted in the right direction but not within half their size.
 KNOWN_SIZE_MISSES = {
-    ("matmul tiled", "matmul hoist_load"): "-27% for -17% (the byte ratio): the model prices the tiled kernel's "
-                                           "256 B lhsT rows at half the engine rate, trn1 does not",
     ("kernel_opt v4", "kernel_opt v5"): "-0.17% for -0.4%: the profiles show v4's TensorE active 0.12 ms longer "
                                         "for the same matmuls, the model keeps its busy time equal",
 }

@@ -15,9 +15,10 @@ Per instruction the model computes two numbers (constants in :mod:`trnkit.nkisim
   cycles (x4 for fp32 inputs, /2 for fp8 ``double_row``), Vector/Scalar ``max(MIN_II, N)`` or
   ``max(MIN_II, 2N)``, GpSimd at its own rate (see :func:`_compute_cycles`). A DMA occupies the core's
   DMA bandwidth for ``bytes / (rate * eff)``, ``rate`` = 16 engines x 23 B/ns (trn2; trn1 16 x 17 B/ns
-  x its fitted sustained fraction 0.51, ``hardware.DmaSpec.sustained_fraction``), capped by the core's HBM
-  share when it touches HBM, ``eff = b / (b + knee)`` for ``b`` contiguous bytes per partition row (the
-  small-transfer penalty of the DMA bandwidth guide); a ``dma_transpose`` further scales it by the
+  x its fitted sustained fraction, ``hardware.DmaSpec.sustained_fraction``), capped by the core's HBM
+  share when it touches HBM, ``eff = b / (b + knee)`` for ``b`` contiguous bytes per packet (the
+  small-transfer penalty of the DMA bandwidth guide; trn1's knee x its sustained fraction: the per-packet
+  overhead is a fixed time, :func:`dma_efficiency`); a ``dma_transpose`` further scales it by the
   transpose factor; an indirect DMA first takes GpSimd time for its descriptors (software DGE). Knee,
   factor, GpSimd rate and descriptor cost are :mod:`cost_params` values.
 * **latency** — from issue to result: busy plus the fixed costs that do not occupy the engine
@@ -235,10 +236,17 @@ def _free_size(instr: Instr) -> int:
     return max((o.free_elems for o in instr.operands if o.buffer in _ONCHIP), default=1)
 
 
-def dma_efficiency(bytes_per_row: float, params: ModelParams = MID) -> float:
-    """Fraction of a DMA engine's rate reached with ``bytes_per_row`` contiguous bytes per partition row
-    (``b / (b + params.dma_knee_bytes)``)."""
-    knee = params.dma_knee_bytes
+def dma_efficiency(bytes_per_row: float, params: ModelParams = MID, sustained_fraction: float = 1.0) -> float:
+    """Fraction of a DMA engine's sustained rate reached with ``bytes_per_row`` contiguous bytes per packet
+    (``b / (b + params.dma_knee_bytes x sustained_fraction)``).
+
+    A packet's overhead is a fixed time, the knee's bytes at the documented per-engine rate ([SDK]
+    nki-dma-bandwidth-guide states its payload thresholds for TRN1 and TRN2 alike: "per-packet overhead",
+    the "DMA packet rate"; the Neuron Explorer DMA guide: "each packet pays a setup latency before its
+    bytes move"). A chip whose engines sustain only a fraction of that rate (trn1,
+    ``hardware.DmaSpec.sustained_fraction``) moves its bytes slower, not its packets: at the sustained
+    rate the same overhead is worth ``knee x fraction`` bytes. trn2 (fraction 1) is the plain knee."""
+    knee = params.dma_knee_bytes * sustained_fraction
     return bytes_per_row / (bytes_per_row + knee) if bytes_per_row > 0 else 1.0
 
 
@@ -308,7 +316,7 @@ def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
         # adjacent in HBM merge: the DMA overview's [128, 128] load moves 2 KiB per engine in 97 ns);
         # the bandwidth guide's "large contiguous payloads (>=4 KiB)" are HBM-side runs
         row = min(float(contiguous), nbytes / engines)
-    eff = dma_efficiency(row, params)
+    eff = dma_efficiency(row, params, d.sustained_fraction)
     if instr.attrs.get("transpose"):  # dma_transpose: a fraction of a copy's throughput (cost_params)
         factor = params.dma_transpose_factor
         eff *= factor if touches_hbm else min(factor, d.transpose_sbuf_factor)
