@@ -1,7 +1,8 @@
 """Flash attention kernels: fp64-oracle parity of the forward (output and log-sum-exp) and of the
 gradients (fp32 and bf16; S = 1, S not a multiple of 128, several 1024-key steps; Hq / Hk = 1, 2, 4, 8;
-head dims 16 to 128), agreement with the torch reference, LNC=2 (all three work splits), constraints,
-and the trace: no [S, S] tensor in HBM. Slow tier: Qwen3-4B and Qwen3-30B-A3B shapes.
+head dims 16 to 128; the log-sum-exp's store layouts), agreement with the torch reference, LNC=2 (all
+three work splits), constraints, and the trace: no [S, S] tensor in HBM. Slow tier: Qwen3-4B and
+Qwen3-30B-A3B shapes.
 
 The oracle is plain causal softmax attention in torch (scores, softmax, ``P @ V`` at one dtype,
 transformers' eager attention): at the test dtype it is torch's own result, in float64 the oracle
@@ -99,8 +100,9 @@ def test_oracle_parity(shape, dtype) -> None:
     attention_case(shape, dtype, backward=True)
 
 
-# LNC=2 work splits: query heads of a group (G even), (b, kv head) pairs, a padded duplicate unit
-LNC2 = [(1, 300, 4, 2, 64), (2, 130, 3, 1, 64), (1, 257, 3, 1, 32)]
+# LNC=2 work splits of the forward: query heads of a group (B * Hk odd, G even), (b, kv head) pairs, a
+# padded duplicate unit
+LNC2 = [(1, 300, 4, 1, 64), (2, 130, 3, 1, 64), (1, 257, 3, 1, 32)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -177,6 +179,15 @@ def test_forward_steps_past_one(monkeypatch, dtype) -> None:
     check_attention(q, k, v, o, lse, 64 ** -0.5)
     two = attention(q, k, v, lnc=2)
     assert torch.equal(two[0], o) and torch.equal(two[1], lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 256, 4, 2, 32), (1, 1100, 16, 1, 16)], ids=["whole-tiles", "two-blocks"])
+def test_forward_lse_store(shape, dtype) -> None:
+    """The log-sum-exp leaves the chip transposed (one row per query tile): S a multiple of 128 (one DMA
+    per block of tiles), and a unit of more than 128 tiles (two transposed blocks, a head's tiles split
+    between them, each head's short last tile stored on its own). Forward only, against the oracle."""
+    attention_case(shape, dtype)
 
 
 def test_no_square_tensor_in_hbm() -> None:

@@ -77,10 +77,20 @@ DMA_BLOCKS = 16  # most 128-key blocks per DMA transpose (P V starts on the firs
 KV_PIECES = 4  # DMAs per resident K^T / V load (the first tiles start on the first piece)
 PSUM_READ_CYCLES = 60  # VectorE's PSUM access setup per instruction (performance guide; a range in the model)
 SBUF_BUDGET = 160 * 1024  # bytes per partition the resident K / V and the pipelined step tiles may take
-# Trace-time engine rates for the P^T split (trn2): TensorE clock; a DMA transpose SBUF -> SBUF moves
-# bytes at half a copy's rate over the 16 DMA engines (23 B/ns each), about 86% packet efficiency.
+# Trace-time engine rates for the engine balancing (trn2): TensorE clock; DMA (:func:`_dma_ns`): 16
+# engines of 23 B/ns, a transpose at 0.7 of a copy's rate from HBM and 0.5 SBUF -> SBUF, each packet
+# at b / (b + 256) efficiency for b contiguous bytes (the DMA bandwidth guide's knee).
 TENSOR_GHZ = 2.4
-DMA_TRANSPOSE_BYTES_PER_NS = 16 * 23 * 0.5 * 0.86
+DMA_BYTES_PER_NS = 16 * 23
+DMA_KNEE = 256
+HBM_TRANSPOSE, SBUF_TRANSPOSE = 0.7, 0.5
+DMA_SHARE = 0.94
+
+
+def _dma_ns(nbytes, run, factor=1.0):
+    """Estimated DMA time of ``nbytes`` moved in contiguous runs of ``run`` bytes, at ``factor`` of a
+    copy's rate."""
+    return nbytes * (run + DMA_KNEE) / (run * DMA_BYTES_PER_NS * factor)
 
 
 def _itemsize(dtype):
@@ -158,7 +168,8 @@ def _load_chunk(st, q):
         n = min(QCHUNK * P, S - st["chunk_r0"])
         qT = nl.ndarray((D, QCHUNK * P), dtype=q.dtype, buffer=nl.sbuf)
         nisa.dma_transpose(dst=qT[:, 0:n], src=rows(q, st["b"], st["chunk_r0"], n, st["h"]))
-        st["load"][DMA] = st["load"][DMA] + n * D * _itemsize(q.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 1.4)
+        isz = _itemsize(q.dtype)
+        st["load"][DMA] = st["load"][DMA] + _dma_ns(n * D * isz, n * isz, HBM_TRANSPOSE)
         chunks[st["chunk"]] = (qT, nl.ndarray((P, QCHUNK, D), dtype=q.dtype, buffer=nl.sbuf))
     st["qT"], st["oc"] = chunks[st["chunk"]]
 
@@ -197,7 +208,7 @@ def _scores(st, q, kT, ident, mask, negm_all, load):
             # -scale * S and its row min (= -scale * max: the exp's bias needs no negation)
             nisa.tensor_scalar_reduce(dst=s_sb[:, pb0 - k0:pb0 - k0 + pw], data=p_ps, op0=nl.multiply,
                                       operand0=-scale, reduce_op=nl.minimum, reduce_res=bm[:, pi:pi + 1])
-            load[VEC] = load[VEC] + max(64, pw) / VECTOR_GHZ
+            load[VEC] = load[VEC] + (max(64, pw) + PSUM_READ_CYCLES) / VECTOR_GHZ
         pending = None
         if i < nb:
             pending = (i, kb0, wb, s_ps)
@@ -244,7 +255,7 @@ def _exp(st, load):
 def _pe_blocks(load, nfull, nq, itemsize):
     """How many of a step's ``nfull`` full 128-key blocks go to PE transposes (the rest: one DMA
     transpose): each block to whichever path's engines would finish it first given the work so far."""
-    dma_ns = P * nq * itemsize / DMA_TRANSPOSE_BYTES_PER_NS
+    dma_ns = _dma_ns(P * nq * itemsize, DMA_BLOCKS * nq * itemsize, SBUF_TRANSPOSE)  # (a full transfer's rate)
     pe_ns = max(64, nq) / TENSOR_GHZ
     copy_v = max(64, nq / 2 if itemsize == 2 else nq) / VECTOR_GHZ
     copy_s = nq / SCALAR_GHZ + ACT_FIXED_NS / 8
@@ -252,7 +263,7 @@ def _pe_blocks(load, nfull, nq, itemsize):
     n_pe = 0
     for _ in range(nfull):
         by_pe = max(t + pe_ns, min(v + copy_v, s + copy_s))
-        if by_pe < d + dma_ns:
+        if by_pe < (d + dma_ns) * DMA_SHARE:
             n_pe = n_pe + 1
             t = t + pe_ns
             if v + copy_v <= s + copy_s:
@@ -280,6 +291,9 @@ def _transpose(st, load):
     n_dma = nfull - n_pe
     for d0 in range(0, n_dma, DMA_BLOCKS):
         nd = min(DMA_BLOCKS, n_dma - d0)
+        # (_pe_blocks counted a full transfer's rate; a shorter one has shorter packets)
+        load[DMA] = load[DMA] + _dma_ns(nd * P * nq * itemsize, nd * nq * itemsize, SBUF_TRANSPOSE) \
+            - nd * _dma_ns(P * nq * itemsize, DMA_BLOCKS * nq * itemsize, SBUF_TRANSPOSE)
         nisa.dma_transpose(dst=pt.ap(pattern=[[nsub * nq, P], [1, 1], [nq, nd], [1, nq]], offset=d0 * nq),
                            src=p_sb.ap(pattern=[[w, nq], [1, 1], [P, nd], [1, P]], offset=d0 * P))
     per_tile = BANK * 4 // (P * itemsize)  # blocks per PSUM bank
@@ -383,27 +397,46 @@ def _finish(st, outs, load):
         if nfull < n:
             rem = o.shape[1] - c0 - nfull * P
             nisa.dma_copy(dst=rows(o, st["ob"], c0 + nfull * P, rem, st["h"]), src=st["oc"][0:rem, nfull, :])
-        load[DMA] = load[DMA] + n * P * o.shape[3] * _itemsize(o.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 2)
+        row = o.shape[3] * _itemsize(o.dtype)  # one head's row: the contiguous run in HBM
+        load[DMA] = load[DMA] + _dma_ns(n * P * row, row)
 
 
-def _store_lse(unit_heads, l_all, negm_all, lse, ob, S):
+def _store_lse(unit_heads, l_all, negm_all, lse, ob, S, load):
     """``lse = log(l) - (-m)`` of every tile of the unit (one ``log``: one activation-table switch per
-    unit), stored per head."""
+    unit), transposed on the PE (tiles on partitions, 128 rows of up to 128 tiles at a time) so that each
+    stored row is one tile's 128 contiguous fp32 values (a store from the query-on-partition layout would
+    write 4-byte runs). The unit's heads are consecutive, so with S a multiple of 128 each transposed
+    block is one DMA; otherwise each head's full tiles and its short last tile go separately."""
     lg = nl.ndarray(l_all.shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=lg, op=nl.log, data=l_all)
     lse_t = nl.ndarray(l_all.shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=lse_t, data1=lg, data2=negm_all, op=nl.subtract)
     nqt = cdiv(S, P)
-    nfull = S // P
-    for hi in range(len(unit_heads)):
-        base = (ob * lse.shape[1] + unit_heads[hi]) * S
-        if nfull > 0:
-            nisa.dma_copy(dst=lse.ap(pattern=[[1, P], [P, nfull]], offset=base),
-                          src=lse_t[:, hi * nqt:hi * nqt + nfull])
-        if nfull < nqt:
-            rem = S - nfull * P
-            nisa.dma_copy(dst=lse.ap(pattern=[[1, rem], [1, 1]], offset=base + nfull * P),
-                          src=lse_t[0:rem, hi * nqt + nfull:hi * nqt + nqt])
+    ncols = len(unit_heads) * nqt
+    base = (ob * lse.shape[1] + unit_heads[0]) * S
+    for c0 in range(0, ncols, P):
+        n = min(P, ncols - c0)
+        t_ps = nl.ndarray((n, P), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=t_ps, data=lse_t[:, c0:c0 + n])
+        t_sb = nl.ndarray((n, P), dtype=nl.float32, buffer=nl.sbuf)
+        if cheaper_engine(load, P, False, PSUM_READ_CYCLES) == 0:
+            nisa.tensor_copy(dst=t_sb, src=t_ps)
+        else:
+            nisa.activation(dst=t_sb, op=nl.copy, data=t_ps)
+        if S % P == 0:  # row r (head r // nqt, tile r % nqt) at base + r * P
+            nisa.dma_copy(dst=lse.ap(pattern=[[P, n], [1, P]], offset=base + c0 * P), src=t_sb)
+            continue
+        for hi in range(c0 // nqt, cdiv(c0 + n, nqt)):
+            r0 = max(c0, hi * nqt)
+            r1 = min(c0 + n, (hi + 1) * nqt)
+            full = min(r1, (hi + 1) * nqt - 1) - r0  # the head's last tile is the short one
+            if full > 0:
+                nisa.dma_copy(dst=lse.ap(pattern=[[P, full], [1, P]], offset=base + hi * S + (r0 - hi * nqt) * P),
+                              src=t_sb[r0 - c0:r0 - c0 + full, :])
+            if r1 == (hi + 1) * nqt:
+                rem = S - (nqt - 1) * P
+                nisa.dma_copy(dst=lse.ap(pattern=[[rem, 1], [1, rem]], offset=base + hi * S + (nqt - 1) * P),
+                              src=t_sb[r1 - 1 - c0:r1 - c0, 0:rem])
 
 
 def _at(steps, t):
@@ -423,7 +456,9 @@ def _open_unit(st, q, k, v):
     nqt = cdiv(S, P)
     _load_chunk(st, q)
     u["kT"] = load_kT(k, b, j, D, KV_PIECES)
-    st["load"][DMA] = st["load"][DMA] + 2 * S * D * _itemsize(q.dtype) / (DMA_TRANSPOSE_BYTES_PER_NS * 1.4)
+    isz = _itemsize(q.dtype)
+    per = cdiv(cdiv(S, P), KV_PIECES) * P  # keys per K^T piece: its bytes per partition
+    st["load"][DMA] = st["load"][DMA] + _dma_ns(S * D * isz, per * isz, HBM_TRANSPOSE) + _dma_ns(S * D * isz, D * isz)
     u["l_all"] = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=u["l_all"], value=1.0)  # (rows past S of a short last tile: log(1))
     u["negm_all"] = nl.ndarray((P, ng * nqt), dtype=nl.float32, buffer=nl.sbuf)
@@ -482,7 +517,7 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
             _finish(done, done["u"]["outs"], load)
         if done != None and done["unit_last"]:  # noqa: E711
             u = done["u"]
-            _store_lse(u["heads"], u["l_all"], u["negm_all"], u["outs"][1], u["ob"], S)
+            _store_lse(u["heads"], u["l_all"], u["negm_all"], u["outs"][1], u["ob"], S, load)
 
 
 def one_pipeline(S: int, itemsize: int, D: int) -> bool:
@@ -504,15 +539,18 @@ def attention_fwd_kernel(q, k, v, scale):
     o = nl.ndarray((B, S, Hq, D), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, S), dtype=nl.float32, buffer=nl.shared_hbm)
     n_prog, pid = program_split()
+    # LNC=2: whole (batch, kv head) units per core when they split evenly (each core loads only its own
+    # K and V), else the query heads of each group split between the cores
+    split = (B * Hk) % n_prog != 0
     scratch = None
-    if needs_scratch(B, Hk, G, n_prog, True):
+    if needs_scratch(B, Hk, G, n_prog, split):
         scratch = (nl.ndarray((1, S, Hq, D), dtype=q.dtype, buffer=nl.private_hbm),
                    nl.ndarray((1, Hq, S), dtype=nl.float32, buffer=nl.private_hbm))
     ident = identity(nl.bfloat16)
     mask = causal_mask(nl.bfloat16)
     ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones_col, value=1.0)
-    units = work_units(B, Hk, G, n_prog, pid, True)
+    units = work_units(B, Hk, G, n_prog, pid, split)
     outs_of = []
     for u in range(len(units)):
         outs_of.append((o, lse) if units[u][4] else scratch)
