@@ -30,21 +30,21 @@ tiles fit SBUF: one step per tile at S = 4,096):
 All steps of a launch form one software pipeline (:func:`_pipeline`; per unit when two units' K / V
 would not fit SBUF) in which each stage runs a fixed number of steps behind the scores, so that no
 engine's in-order queue waits on work issued in the same iteration; a head's tiles alternate shortest
-and longest (:func:`_tile_order`) so those distances stay about constant in time. LNC=2 (``kernel[2]``)
-splits the work units between the two cores with one control flow
-(:func:`~trnkit.kernels.attention.tiling.work_units`); every trace-time choice depends on shapes only,
-so both cores issue the same instructions.
+and longest (:func:`_tile_order`) so those distances stay about constant in time. The engine choices
+(PSUM copies, the P^T split) follow trace-time estimates of each engine's work written with the cost
+model's rates. The unit's ``lse`` is transposed on the PE and stored one row per query tile. LNC=2
+(``kernel[2]``) gives each core whole (batch, kv head) units when they split evenly, else splits the
+query heads of each group (:func:`~trnkit.kernels.attention.tiling.work_units`); every trace-time choice
+depends on shapes only, so both cores issue the same instructions.
 
-Why not 70% of TensorE's peak (trn2 cost model, per 128 x 512 block of bf16 scores at S = 4,096):
-TensorE needs 427 ns (``S`` and ``P V``, 512 cycles each at 2.4 GHz). Vector must read every fp32
-score from PSUM once for the row max (only Vector reduces with max, one bank per instruction):
-533 ns, plus about 30 ns of ``o = O / l``. Scalar's exp of every score: 427 ns, plus about 85 ns of
-fixed ACTIVATE time and row-sum read-out. The DMA queues' loads and stores: about 65 ns. ``P^T``
-(keys on partitions for ``P V``) costs per 128 x 128 block either a DMA transpose at half a copy's
-rate (about 209 ns of the 16 DMA engines) or a PE transpose (53 ns) plus its PSUM copy (67 ns Vector,
-107 ns + fixed Scalar). Spread over the four engines the block needs about 610 ns with every engine
-busy all the time (68% of peak, causal FLOPs counted once); fill, drain and the transposes' latency
-cost the schedule a further ~15%.
+Why not 70% of TensorE's peak (trn2 cost model, mid, bf16, S = 4,096): per 512-key bank of 128 query
+rows TensorE needs 427 ns (``S`` and ``P V``); Vector must read every fp32 score from PSUM once for the
+row max, one bank per instruction: 596 ns with its access set-up (GpSimd cannot read PSUM, Scalar's
+reduction only adds, DMA cannot read PSUM). Over a launch of 8 query heads at LNC=1 that is 635 us of
+Vector against the 621 us that 70% allows. With Scalar's exponentials (540 us), the loads and stores
+(105 us of DMA) and 4,224 ``P^T`` blocks (189 ns of DMA each, or a 53 ns PE transpose plus a 75 ns
+Vector / ~140 ns Scalar copy) the best balance with every engine always busy is about 690 us, 63% of
+peak (causal FLOPs counted once).
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ TENSOR_GHZ = 2.4
 DMA_BYTES_PER_NS = 16 * 23
 DMA_KNEE = 256
 HBM_TRANSPOSE, SBUF_TRANSPOSE = 0.7, 0.5
+# A P^T block goes to the PE path only if its engines would finish it before 94% of the DMA path's time:
+# the DMA queues take each transfer once its data is ready, while Vector and Scalar run in order and also
+# wait on dependencies, so the DMA side is planned slightly busier (chosen on the cost model at S = 4,096)
 DMA_SHARE = 0.94
 
 
@@ -254,7 +257,8 @@ def _exp(st, load):
 
 def _pe_blocks(load, nfull, nq, itemsize):
     """How many of a step's ``nfull`` full 128-key blocks go to PE transposes (the rest: one DMA
-    transpose): each block to whichever path's engines would finish it first given the work so far."""
+    transpose): each block to whichever path's engines would finish it first given the work so far
+    (the DMA side weighted by ``DMA_SHARE``)."""
     dma_ns = _dma_ns(P * nq * itemsize, DMA_BLOCKS * nq * itemsize, SBUF_TRANSPOSE)  # (a full transfer's rate)
     pe_ns = max(64, nq) / TENSOR_GHZ
     copy_v = max(64, nq / 2 if itemsize == 2 else nq) / VECTOR_GHZ
