@@ -29,6 +29,8 @@ pytestmark = pytest.mark.skipif(ROOT is None, reason=f"no nki-library checkout o
 def _param(case: harness.Case):
     cid = cases.case_id(case)
     marks = [] if cid in FAST else [pytest.mark.slow]
+    if case.tier == harness.MODEL_CONFIG:  # hours in all: deselect with -m "slow and not model_config"
+        marks.append(pytest.mark.model_config)
     if case.xfail:  # as nki-library's test marks it
         marks.append(pytest.mark.xfail(strict=False, reason=case.xfail))
     return pytest.param(case, id=cid, marks=marks)
