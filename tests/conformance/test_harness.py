@@ -510,3 +510,27 @@ def test_outputs_that_widen_exactly_are_compared_as_they_are():
     assert harness.compare(a, e, 0.01, 1e-5) == harness.compare(a.astype(np.float32), e, 0.01, 1e-5)
     e16 = e.astype(ml_dtypes.bfloat16)  # a bf16 reference (keep_low_precision): a float32 output is cast
     assert harness._as_compared(e, e16.dtype).dtype == e16.dtype
+
+
+def test_a_pass_rate_and_a_cosine_bound_are_the_tests_validator(fake_checkout):
+    """nki-library's maxAllClose(min_pass_rate) lets a share of an output miss the tolerance; a cosine
+    similarity bound can fail a row the tolerance passes."""
+    (fake_checkout / "src" / "nkilib_src" / "refs.py").write_text(textwrap.dedent(REFS) + textwrap.dedent('''
+        def one_off_ref(x, out, factor):
+            y = x * factor
+            y[0, 0] += 100.0
+            return {"out": y}
+
+
+        def flipped_ref(x, out, factor):
+            return {"out": -x * factor}
+        '''))
+    strict = harness.run_case(_case(reference="one_off_ref"), fake_checkout)
+    assert strict.result == harness.MISMATCH
+    loose = harness.run_case(_case(reference="one_off_ref", min_pass_rate=(("out", 0.99),)), fake_checkout)
+    assert loose.result == harness.PASS and "0.049% of its elements beyond" in loose.message, loose.message
+    too_loose = harness.run_case(_case(reference="one_off_ref", min_pass_rate=(("out", 0.9999),)), fake_checkout)
+    assert too_loose.result == harness.MISMATCH
+    flipped = Case(**{**_case(reference="flipped_ref").__dict__, "rtol": 1.0, "atol": 100.0, "min_cosine": 0.99})
+    row = harness.run_case(flipped, fake_checkout)
+    assert row.result == harness.MISMATCH and "cosine similarity -1.0000 < 0.99" in row.message, row.message
