@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.overrides.conftest import assert_swap_parity, hf_dense_model, hf_moe_model, native_model
-from tests.tolerances import assert_close
+from tests.tolerances import assert_close, check_oracle
 from trnkit.overrides import (
     DEFAULT_OPS,
     OverrideConfig,
@@ -41,7 +41,17 @@ def test_op_forward_and_gradients_match_transformers_math(impl, dtype, shape):
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     want = _hf_rmsnorm(x2, w2, 1e-6)
     assert y.dtype == want.dtype and y.shape == want.shape and rstd.shape == (x.numel() // shape[-1],)
-    assert_close(y, want, dtype)
+    if impl == "nki" and dtype == torch.bfloat16:
+        # The kernel's bf16 forward on narrow rows rounds rstd to bf16 before n = x * rstd (docs/kernels.md,
+        # RMSNorm numerics), an extra rounding HF's math does not make: held to the kernels' fp64-oracle rule
+        # (error <= 1.5 x that of HF's bf16 math), and every element within 2 x bf16's eps (relative) of HF's.
+        xd, wd = x.detach().double(), w.detach().double()
+        oracle = wd * xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
+        check_oracle("rmsnorm y", y.detach(), want.detach(), oracle)
+        close = 2 * torch.finfo(dtype).eps * want.detach().float().abs().clamp_min(1e-3)
+        assert torch.all((y.detach().float() - want.detach().float()).abs() <= close)
+    else:
+        assert_close(y, want, dtype)
     rows = x.detach().float().reshape(-1, shape[-1])
     assert_close(rstd, torch.rsqrt(rows.square().mean(-1) + 1e-6), torch.float32)
     gx, gw = torch.autograd.grad(y, (x, w), dy)
