@@ -50,7 +50,7 @@ import numpy as np
 
 from .cases_attention_tkg import _flat_compare
 from .cases_moe_experimental import _checkout
-from .harness import Case, load_test_module
+from .harness import Case, load_test_module, restore_modules
 
 __all__ = ["attention_block_cases", "attention_block_golden", "test_package_modules"]
 
@@ -234,11 +234,7 @@ def test_package_modules(*rel_paths: str) -> Iterator[None]:
     try:
         yield
     finally:
-        for name, mod in saved.items():
-            if mod is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = mod
+        restore_modules(saved)
 
 
 KERNEL_COMMON = "test/integration/nkilib/utils/test_kernel_common.py"  # imported by the library's qkv_tkg_torch

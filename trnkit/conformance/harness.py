@@ -375,12 +375,17 @@ def load_test_module(root: Path, rel_path: str) -> types.ModuleType:
             del sys.modules[name]
             raise
     finally:
-        for k, v in shadowed.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+        restore_modules(shadowed)
     return mod
+
+
+def restore_modules(saved: dict[str, types.ModuleType | None]) -> None:
+    """Put ``sys.modules`` entries back as ``saved`` holds them (``None``: the name was absent)."""
+    for name, module in saved.items():
+        if module is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = module
 
 
 def _resolve(path: str, root: Path | None = None) -> Any:
