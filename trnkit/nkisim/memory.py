@@ -22,8 +22,14 @@ Capacities (trn2 = NeuronCore-v3), per partition:
   compiler's reserved region (``nkilib core/mlp/mlp_cte/mlp_cte_constants.py``:
   ``224*1024 - 16384 - ...``; ``nki-facts.md`` section 3).
 * PSUM: 16 KiB = 8 banks x 2 KiB (512 fp32) per partition (trn2 arch guide; ``nl.tile_size.rst``
-  ``psum_bank_fmax``). A PSUM tile must fit inside one bank (a matmul accumulation group lives in one
-  bank; checked when the tile is allocated). At every instruction the live PSUM tiles must pack into
+  ``psum_bank_fmax``). A PSUM tile must fit inside one bank (checked when the tile is allocated):
+  ``nl.tile_size.psum_fmax`` is the "Maximum free dimension of a tile on PSUM buffer, in FP32 elements"
+  (512), the ``nki.compiler.psum.alloc`` reference says "In current release, fdim_size cannot exceed
+  2KiB" (one bank), a matmul accumulation group lives in one bank, and nki-library's tested kernels
+  size every PSUM tile to a bank (``core/attention/attention_tkg.py`` caps its score tile at
+  ``psum_fmax``). The architecture guide's "free dimension size can be up to ... 4K elements for PSUM"
+  per Vector / Scalar instruction is therefore not reachable from one NKI tile in fp32. At every
+  instruction the live PSUM tiles must pack into
   the 8 banks, each tile inside one bank (first-fit decreasing, several small tiles may share a bank),
   in program order or else in the reordered schedule below.
 

@@ -173,7 +173,7 @@ def test_forward_steps_past_one(monkeypatch, dtype) -> None:
     import importlib
     kf = importlib.import_module("trnkit.kernels.attention.flash_fwd")
     assert kf.step_keys(4096, 2, 128) == 4096 and kf.step_keys(32768, 2, 128) == 1024
-    monkeypatch.setattr(kf, "step_keys", lambda S, itemsize, D: 512)
+    monkeypatch.setattr(kf, "step_keys", lambda S, itemsize, D, ng=1: 512)
     q, k, v, _ = _inputs(1, 1100, 4, 2, 64, dtype, seed=3)
     o, lse = attention(q, k, v)
     check_attention(q, k, v, o, lse, 64 ** -0.5)

@@ -4,9 +4,11 @@ log-sum-exp saved for the backward; no ``[S, S]`` matrix anywhere but in on-chip
 Layout ``[B, S, H, D]`` (q ``Hq`` heads, k / v ``Hk``); query head ``h`` reads kv head ``h // G``,
 ``G = Hq / Hk``. A work unit is one kv head of one batch row with (some of) its G query heads: its
 ``K^T [D, S]`` (DMA transpose) and ``V [128, S/128, D]`` stay resident in SBUF while every query tile
-of those heads streams past them, so K and V are read from HBM once per unit. ``Q^T`` is loaded and
-the output stored in chunks of eight query tiles (one DMA each), the log-sum-exp of the whole unit
-at its end (one activation-table switch per unit for the ``log``).
+of those heads streams past them, so K and V are read from HBM once per unit. The unit's heads take
+their query tiles in turn (:func:`_steps`), so ``Q^T`` is loaded and the output stored per chunk of
+about eight head-tiles, every head of the unit in one DMA each (the output's HBM rows then hold
+``ng * D`` contiguous values, not one head's 256 bytes: fewer, longer DMA packets), the log-sum-exp of
+the whole unit at its end (one activation-table switch per unit for the ``log``).
 
 A query tile is 128 rows (partitions); its keys ``0 .. r0 + 127`` (causal: the tiles above the
 diagonal are skipped) go in steps of up to :func:`step_keys` keys (4,096 while K, V and the step's
@@ -39,12 +41,14 @@ depends on shapes only, so both cores issue the same instructions.
 
 Why not 70% of TensorE's peak (trn2 cost model, mid, bf16, S = 4,096): per 512-key bank of 128 query
 rows TensorE needs 427 ns (``S`` and ``P V``); Vector must read every fp32 score from PSUM once for the
-row max, one bank per instruction: 596 ns with its access set-up (GpSimd cannot read PSUM, Scalar's
-reduction only adds, DMA cannot read PSUM). Over a launch of 8 query heads at LNC=1 that is 635 us of
-Vector against the 621 us that 70% allows. With Scalar's exponentials (540 us), the loads and stores
-(105 us of DMA) and 4,224 ``P^T`` blocks (189 ns of DMA each, or a 53 ns PE transpose plus a 75 ns
-Vector / ~140 ns Scalar copy) the best balance with every engine always busy is about 690 us, 63% of
-peak (causal FLOPs counted once).
+row max, one bank per instruction (a PSUM tile is at most one bank: ``nl.tile_size.psum_fmax``, the
+``nki.compiler.psum.alloc`` reference's "fdim_size cannot exceed 2KiB"): 596 ns with its access set-up
+(GpSimd cannot read PSUM, Scalar's reduction only adds, DMA cannot read PSUM). Over a launch of 8 query
+heads at LNC=1 that is 635 us of Vector against the 621 us that 70% allows. With Scalar's exponentials
+(540 us), the loads and stores (87 us of DMA) and 4,224 ``P^T`` blocks (189 ns of DMA each, or a 53 ns
+PE transpose plus a 74 ns Vector / 144 ns Scalar copy) the best balance with every engine always busy
+is 687 us, 63% of peak (causal FLOPs counted once); docs/kernels.md "What bounds it" has the other
+routes and why each fails.
 """
 
 from __future__ import annotations
@@ -60,19 +64,17 @@ from trnkit.kernels.attention.tiling import (
     load_kT,
     load_v,
     needs_scratch,
-    rows,
-    tiles_view,
     work_units,
 )
 from trnkit.kernels.tiles import accumulate, identity, program_split, psum_tiles
 from trnkit.nki_api import nisa, nki, nl
 
 BANK = 512  # keys per PSUM bank of fp32 scores (gemm_moving_fmax)
-QCHUNK = 8  # query tiles per Q^T load and per output store
+QCHUNK = 8  # head-tiles (query tiles x heads of the unit) per Q^T load and per output store
 # Pipeline distances (in steps) of the exp, the P^T transposes, P V and o = O / l behind the scores:
 # P^T of a step arrives by DMA several microseconds after its exp, while two consecutive steps (a
 # short and a long tile) take about as long as one long tile's scores (chosen on the cost model)
-LAG_EXP, LAG_T, LAG_PV, LAG_FINISH = 2, 3, 6, 8
+LAG_EXP, LAG_T, LAG_PV, LAG_FINISH = 2, 4, 6, 8
 DMA_BLOCKS = 16  # most 128-key blocks per DMA transpose (P V starts on the first ones)
 KV_PIECES = 4  # DMAs per resident K^T / V load (the first tiles start on the first piece)
 PSUM_READ_CYCLES = 60  # VectorE's PSUM access setup per instruction (performance guide; a range in the model)
@@ -84,10 +86,10 @@ TENSOR_GHZ = 2.4
 DMA_BYTES_PER_NS = 16 * 23
 DMA_KNEE = 256
 HBM_TRANSPOSE, SBUF_TRANSPOSE = 0.7, 0.5
-# A P^T block goes to the PE path only if its engines would finish it before 94% of the DMA path's time:
+# A P^T block goes to the PE path only if its engines would finish it before 98% of the DMA path's time:
 # the DMA queues take each transfer once its data is ready, while Vector and Scalar run in order and also
 # wait on dependencies, so the DMA side is planned slightly busier (chosen on the cost model at S = 4,096)
-DMA_SHARE = 0.94
+DMA_SHARE = 0.98
 
 
 def _dma_ns(nbytes, run, factor=1.0):
@@ -101,20 +103,28 @@ def _itemsize(dtype):
     return 4 if dtype == nl.float32 else 2
 
 
-def _budget_used(S, itemsize, D, step):
-    """SBUF bytes per partition of one unit's resident ``K^T`` / ``V``, the Q / output chunks and the
-    pipelined tiles of ``step``-key steps (two fp32 score tiles, two of probabilities, three of ``P^T``
-    in flight)."""
+def chunk_tiles(ng):
+    """Query tiles per chunk of a unit of ``ng`` query heads: a chunk is those tiles of every head of the
+    unit (each head's Q^T of them one DMA, the output of all heads one store whose HBM rows are the
+    heads' consecutive ``ng * D`` values), about QCHUNK head-tiles in all."""
+    return max(1, QCHUNK // ng)
+
+
+def _budget_used(S, itemsize, D, step, ng=1):
+    """SBUF bytes per partition of one unit's resident ``K^T`` / ``V``, two open chunks (each head's Q^T
+    and output tiles) and the pipelined tiles of ``step``-key steps (two fp32 score tiles, two of
+    probabilities, three of ``P^T`` in flight)."""
     spad = cdiv(S, P) * P
-    resident = spad * itemsize + cdiv(S, P) * D * itemsize + 4 * QCHUNK * P * itemsize
+    chunks = 2 * ng * chunk_tiles(ng) * (P + D) * itemsize
+    resident = spad * itemsize + cdiv(S, P) * D * itemsize + chunks
     return resident + (2 * 4 + 5 * itemsize) * step
 
 
-def step_keys(S: int, itemsize: int, D: int) -> int:
+def step_keys(S: int, itemsize: int, D: int, ng: int = 1) -> int:
     """Keys per pipeline step: the largest of 4096 / 2048 / 1024 / 512 whose tiles fit
     (:func:`_budget_used` within ``SBUF_BUDGET``)."""
     for step in (4096, 2048, 1024):
-        if _budget_used(S, itemsize, D, step) <= SBUF_BUDGET:
+        if _budget_used(S, itemsize, D, step, ng) <= SBUF_BUDGET:
             return step
     return BANK
 
@@ -125,56 +135,66 @@ VEC, ACT, PE, DMA = 0, 1, 2, 3
 
 
 def _tile_order(nqt):
-    """Query tiles in the order a head visits them: shortest and longest alternating (0, n-1, 1, n-2,
+    """Query tiles in the order a head visits them: longest and shortest alternating (n-1, 0, n-2, 1,
     ...), so every two consecutive tiles hold about the same work and the pipeline's stages keep a
-    steady distance in time (in index order the work per step would ramp up along each head)."""
+    steady distance in time (in index order the work per step would ramp up along each head); the launch
+    ends on middle-length tiles (long-first measured 3 us shorter than short-first at S = 4,096)."""
     out = []
     for i in range(nqt // 2):
-        out.append(i)
         out.append(nqt - 1 - i)
+        out.append(i)
     if nqt % 2 == 1:
         out.append(nqt // 2)
     return out
 
 
 def _steps(S, g0, ng, j, G, step):
-    """The unit's pipeline steps: per query head and 128-row tile (:func:`_tile_order`), its causal keys
-    in ``step`` chunks. A chunk (eight consecutive tiles: one Q^T load, one output store) is loaded at
-    the first step of its first visited tile and stored after its last visited tile."""
+    """The unit's pipeline steps: its query tiles in pairs of :func:`_tile_order` (a short and a long
+    one), each pair for every head of the unit in turn, each tile's causal keys in ``step`` chunks. A
+    chunk (:func:`chunk_tiles` consecutive tiles of every head) loads a head's Q^T at that head's first
+    step in it and is stored, all heads in one DMA, after its last visited tile."""
     out = []
     nqt = cdiv(S, P)
     order = _tile_order(nqt)
-    for g in range(g0, g0 + ng):
-        seen = [0] * cdiv(nqt, QCHUNK)
-        for qt in order:
-            r0 = qt * P
-            nq = min(P, S - r0)
-            nkeys = r0 + nq
-            nsec = cdiv(nkeys, step)
-            ch = qt // QCHUNK
-            seen[ch] = seen[ch] + 1
-            ntiles = min(QCHUNK, nqt - ch * QCHUNK)
-            for s in range(nsec):
-                out.append({"h": j * G + g, "r0": r0, "nq": nq, "k0": s * step, "k1": min(nkeys, (s + 1) * step),
-                            "first": s == 0, "last": s == nsec - 1, "col": (g - g0) * nqt + qt, "ct": qt % QCHUNK,
-                            "chunk": f"{g}_{ch}", "chunk_r0": ch * QCHUNK * P, "chunk_tiles": ntiles,
-                            "chunk_first": seen[ch] == 1 and s == 0,
-                            "chunk_last": seen[ch] == ntiles and s == nsec - 1})
+    qc = chunk_tiles(ng)
+    seen = [0] * cdiv(nqt, qc)
+    for i0 in range(0, nqt, 2):
+        for g in range(g0, g0 + ng):
+            for qt in order[i0:i0 + 2]:
+                r0 = qt * P
+                nq = min(P, S - r0)
+                nkeys = r0 + nq
+                nsec = cdiv(nkeys, step)
+                ch = qt // qc
+                ntiles = min(qc, nqt - ch * qc)
+                seen[ch] = seen[ch] + 1
+                for s in range(nsec):
+                    out.append({"h": j * G + g, "gi": g - g0, "r0": r0, "nq": nq, "k0": s * step,
+                                "k1": min(nkeys, (s + 1) * step), "first": s == 0, "last": s == nsec - 1,
+                                "col": (g - g0) * nqt + qt, "ct": qt % qc, "chunk": ch,
+                                "chunk_r0": ch * qc * P, "chunk_tiles": ntiles,
+                                "chunk_last": seen[ch] == ntiles * ng and s == nsec - 1})
     return out
 
 
 def _load_chunk(st, q):
-    """The Q^T and output tiles of the step's chunk: loaded (one DMA transpose) at the chunk's first step."""
-    chunks = st["u"]["chunks"]
-    if st["chunk_first"] and st["chunk"] not in chunks:
-        S, D = q.shape[1], q.shape[3]
-        n = min(QCHUNK * P, S - st["chunk_r0"])
-        qT = nl.ndarray((D, QCHUNK * P), dtype=q.dtype, buffer=nl.sbuf)
-        nisa.dma_transpose(dst=qT[:, 0:n], src=rows(q, st["b"], st["chunk_r0"], n, st["h"]))
+    """The chunk's Q^T ``[D, ng, tiles * P]`` (every head of the unit: one DMA transpose) and output tile
+    ``[P, tiles, ng * D]``, at the chunk's first step."""
+    u = st["u"]
+    S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    ng = u["unit"][3]
+    qc = chunk_tiles(ng)
+    if st["chunk"] not in u["qT"]:
+        n = min(qc * P, S - st["chunk_r0"])
+        qT = nl.ndarray((D, ng, qc * P), dtype=q.dtype, buffer=nl.sbuf)
+        src = q.ap(pattern=[[Hq * D, n], [1, 1], [D, ng], [1, D]],
+                   offset=((st["b"] * S + st["chunk_r0"]) * Hq + u["heads"][0]) * D)
+        nisa.dma_transpose(dst=qT.ap(pattern=[[ng * qc * P, D], [1, 1], [qc * P, ng], [1, n]]), src=src)
         isz = _itemsize(q.dtype)
-        st["load"][DMA] = st["load"][DMA] + _dma_ns(n * D * isz, n * isz, HBM_TRANSPOSE)
-        chunks[st["chunk"]] = (qT, nl.ndarray((P, QCHUNK, D), dtype=q.dtype, buffer=nl.sbuf))
-    st["qT"], st["oc"] = chunks[st["chunk"]]
+        st["load"][DMA] = st["load"][DMA] + _dma_ns(n * ng * D * isz, n * ng * isz, HBM_TRANSPOSE)
+        u["qT"][st["chunk"]] = qT
+        u["oc"][st["chunk"]] = nl.ndarray((P, qc, ng * D), dtype=q.dtype, buffer=nl.sbuf)
+    st["qT"], st["oc"] = u["qT"][st["chunk"]][:, st["gi"], :], u["oc"][st["chunk"]]
 
 
 def _scores(st, q, kT, ident, mask, negm_all, load):
@@ -383,11 +403,12 @@ def _o_update(st, load):
 
 def _finish(st, outs, load):
     """Stage 6 (a tile's last step): ``o = O / l`` rounded once into the chunk's output tile; the
-    chunk's last tile stores it."""
+    chunk's last tile stores it, every head of the unit in one DMA (HBM rows of ``ng * D`` values)."""
     o = outs[0]
-    nq, ct, rl = st["nq"], st["ct"], st["rl"]
-    dst = st["oc"][0:nq, ct, :]
-    if cheaper_engine(load, o.shape[3], False, PSUM_READ_CYCLES) == 0:
+    S, Hq, D = o.shape[1], o.shape[2], o.shape[3]
+    nq, ct, rl, gi = st["nq"], st["ct"], st["rl"], st["gi"]
+    dst = st["oc"][0:nq, ct, gi * D:(gi + 1) * D]
+    if cheaper_engine(load, D, False, PSUM_READ_CYCLES) == 0:
         nisa.tensor_scalar(dst=dst, data=st["o"], op0=nl.multiply, operand0=rl)
     else:
         nisa.activation(dst=dst, op=nl.copy, data=st["o"], scale=rl)
@@ -395,13 +416,18 @@ def _finish(st, outs, load):
     if st["chunk_last"]:  # the chunk's full tiles in one DMA, a short last tile (S % 128) in another
         n = st["chunk_tiles"]
         c0 = st["chunk_r0"]
-        nfull = min(n, (o.shape[1] - c0) // P)
+        ng = st["u"]["unit"][3]
+        h0 = st["u"]["heads"][0]
+        nfull = min(n, (S - c0) // P)
+        base = ((st["ob"] * S + c0) * Hq + h0) * D
         if nfull > 0:
-            nisa.dma_copy(dst=tiles_view(o, st["ob"], c0, nfull, st["h"]), src=st["oc"][:, 0:nfull, :])
+            nisa.dma_copy(dst=o.ap(pattern=[[Hq * D, P], [P * Hq * D, nfull], [1, ng * D]], offset=base),
+                          src=st["oc"][:, 0:nfull, :])
         if nfull < n:
-            rem = o.shape[1] - c0 - nfull * P
-            nisa.dma_copy(dst=rows(o, st["ob"], c0 + nfull * P, rem, st["h"]), src=st["oc"][0:rem, nfull, :])
-        row = o.shape[3] * _itemsize(o.dtype)  # one head's row: the contiguous run in HBM
+            rem = S - c0 - nfull * P
+            nisa.dma_copy(dst=o.ap(pattern=[[Hq * D, rem], [1, ng * D]], offset=base + nfull * P * Hq * D),
+                          src=st["oc"][0:rem, nfull, :])
+        row = ng * D * _itemsize(o.dtype)  # the unit's heads of one row: the contiguous run in HBM
         load[DMA] = load[DMA] + _dma_ns(n * P * row, row)
 
 
@@ -480,7 +506,7 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
     """
     S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
     G = Hq // k.shape[2]
-    step = step_keys(S, _itemsize(q.dtype), D)
+    step = step_keys(S, _itemsize(q.dtype), D, units[0][3])
     steps = []
     for ui in range(len(units)):
         b, j, g0, ng, _ = units[ui]
@@ -488,7 +514,7 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
         heads = []
         for g in range(g0, g0 + ng):
             heads.append(j * G + g)
-        u = {"unit": units[ui], "outs": outs, "heads": heads, "chunks": {},
+        u = {"unit": units[ui], "outs": outs, "heads": heads, "qT": {}, "oc": {},
              "ob": b if outs[0].shape[0] > 1 else 0}  # (the scratch outputs hold one batch row)
         us = _steps(S, g0, ng, j, G, step)
         for i in range(len(us)):
@@ -524,12 +550,12 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
             _store_lse(u["heads"], u["l_all"], u["negm_all"], u["outs"][1], u["ob"], S, load)
 
 
-def one_pipeline(S: int, itemsize: int, D: int) -> bool:
+def one_pipeline(S: int, itemsize: int, D: int, ng: int = 1) -> bool:
     """Whether two units' resident ``K^T`` and ``V`` fit SBUF next to the step tiles, so that all units
     of a launch run as one pipeline (else each unit drains before the next one loads)."""
     spad = cdiv(S, P) * P
     resident = spad * itemsize + cdiv(S, P) * D * itemsize
-    return resident + _budget_used(S, itemsize, D, step_keys(S, itemsize, D)) <= SBUF_BUDGET
+    return resident + _budget_used(S, itemsize, D, step_keys(S, itemsize, D, ng), ng) <= SBUF_BUDGET
 
 
 @nki.jit
@@ -559,7 +585,7 @@ def attention_fwd_kernel(q, k, v, scale):
     for u in range(len(units)):
         outs_of.append((o, lse) if units[u][4] else scratch)
     load = [0.0, 0.0, 0.0, 0.0]
-    if one_pipeline(S, _itemsize(q.dtype), D):
+    if one_pipeline(S, _itemsize(q.dtype), D, units[0][3]):
         _pipeline(units, q, k, v, float(scale), outs_of, ident, mask, ones_col, load)
     else:
         for u in range(len(units)):
