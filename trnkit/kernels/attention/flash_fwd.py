@@ -22,7 +22,7 @@ tiles fit SBUF: one step per tile at S = 4,096):
 2. Scalar: ``P = exp(scale * S - m)`` of the whole step in ONE instruction from SBUF (its fixed time
    paid once per step, not per bank) with the fp32 row sum in the same pass; the correction
    ``exp(m_old - m)`` on later steps.
-3. ``P^T`` per 128 keys: most blocks by DMA transposes (SBUF -> SBUF, up to 16 blocks each), the rest
+3. ``P^T`` per 128 keys: most blocks by DMA transposes (SBUF -> SBUF, up to 32 blocks each), the rest
    by PE transposes copied out of PSUM by Vector or Scalar; the split follows trace-time estimates of
    each engine's work so far (:func:`_pe_blocks`). GpSimd: ``l = l * corr + rowsum`` and ``1 / l``.
 4. Tensor: ``O_step = P V`` accumulated over the step's keys in one PSUM bank; on a tile's later steps
@@ -45,9 +45,9 @@ row max, one bank per instruction (a PSUM tile is at most one bank: ``nl.tile_si
 ``nki.compiler.psum.alloc`` reference's "fdim_size cannot exceed 2KiB"): 596 ns with its access set-up
 (GpSimd cannot read PSUM, Scalar's reduction only adds, DMA cannot read PSUM). Over a launch of 8 query
 heads at LNC=1 that is 635 us of Vector against the 621 us that 70% allows. With Scalar's exponentials
-(540 us), the loads and stores (87 us of DMA) and 4,224 ``P^T`` blocks (189 ns of DMA each, or a 53 ns
+(540 us), the loads and stores (87 us of DMA) and 4,224 ``P^T`` blocks (184 ns of DMA each, or a 53 ns
 PE transpose plus a 74 ns Vector / 144 ns Scalar copy) the best balance with every engine always busy
-is 687 us, 63% of peak (causal FLOPs counted once); docs/kernels.md "What bounds it" has the other
+is 684 us, 64% of peak (causal FLOPs counted once); docs/kernels.md "What bounds it" has the other
 routes and why each fails.
 """
 
@@ -75,7 +75,7 @@ QCHUNK = 8  # head-tiles (query tiles x heads of the unit) per Q^T load and per 
 # P^T of a step arrives by DMA several microseconds after its exp, while two consecutive steps (a
 # short and a long tile) take about as long as one long tile's scores (chosen on the cost model)
 LAG_EXP, LAG_T, LAG_PV, LAG_FINISH = 2, 4, 6, 8
-DMA_BLOCKS = 16  # most 128-key blocks per DMA transpose (P V starts on the first ones)
+DMA_BLOCKS = 32  # most 128-key blocks per DMA transpose (8 KiB rows: 97% packet efficiency)
 KV_PIECES = 4  # DMAs per resident K^T / V load (the first tiles start on the first piece)
 PSUM_READ_CYCLES = 60  # VectorE's PSUM access setup per instruction (performance guide; a range in the model)
 SBUF_BUDGET = 160 * 1024  # bytes per partition the resident K / V and the pipelined step tiles may take
