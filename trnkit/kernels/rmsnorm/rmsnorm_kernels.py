@@ -63,6 +63,8 @@ SPREAD_MIN = 512  # narrowest sub-row a spread of few rows over the partitions m
 # bytes per partition of a full chunk of narrow rows in the forward (its passes cover whole chunks, so
 # fewer, larger chunks cost fewer fixed times; the first and last ones ramp, see _ramp)
 NARROW_ROW_BYTES = 8192
+# the same for the backward's narrow rows: its pipeline keeps about four chunks' tiles live
+BWD_NARROW_ROW_BYTES = 6144
 
 
 def _out_dtype(x, w):
@@ -434,14 +436,14 @@ def _ramp(slots, nt):
     return sizes
 
 
-def _narrow_chunks(N, H, dtype, n_prog, pid):
+def _narrow_chunks(N, H, dtype, n_prog, pid, row_bytes=NARROW_ROW_BYTES):
     """This program's chunks ``(r0, Pc, NT)`` of narrow rows: a contiguous share of the rows, 128 partitions x
     NT consecutive rows each (NT from :func:`_ramp`), a short tail on fewer partitions with NT = 1."""
     per = cdiv(N, n_prog)
     lo = min(N, pid * per)
     hi = min(N, lo + per)
     isz = 4 if dtype == nl.float32 else 2
-    sizes = _ramp((hi - lo) // P, max(1, NARROW_ROW_BYTES // (H * isz)))
+    sizes = _ramp((hi - lo) // P, max(1, row_bytes // (H * isz)))
     out = []
     r0 = lo
     for k in range(len(sizes)):
@@ -603,36 +605,6 @@ def _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, ident, Pc, NT, H, rstd16):
             nisa.activation(dst=dx_t[:, j, c0:c0 + cw], op=nl.copy, data=ps)
 
 
-def _dx_narrow_start(x_t, negc_t, Pc, NT, H, load):
-    """Narrow rows, first part of dx: ``u = -c * x`` in fp32, issued with the chunk's sums so that the rows
-    given to Scalar (the less loaded engine, row by row) run while Vector starts the next chunk; returns
-    ``(u, rows left to Vector)``."""
-    u = nl.ndarray((Pc, NT, H), dtype=nl.float32, buffer=nl.sbuf)
-    vector_rows = []
-    for j in range(NT):
-        if _on_scalar(H, load):
-            _scale_row(u[:, j, :], x_t[:, j, :], negc_t[:, j:j + 1], load, True)
-        else:
-            vector_rows.append(j)
-    return u, vector_rows
-
-
-def _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, u, vector_rows, load):
-    """Narrow rows: the rest of ``u = -c * x (+ grad_s)``, then ``dx = rstd * gw + u`` per row on Vector,
-    rounded once."""
-    NT, H = x_t.shape[1], x_t.shape[2]
-    for k in range(len(vector_rows)):
-        j = vector_rows[k]
-        _scale_row(u[:, j, :], x_t[:, j, :], negc_t[:, j:j + 1], load, False)
-    if gs_t != None:  # noqa: E711
-        nisa.tensor_tensor(dst=u, data1=u, data2=gs_t, op=nl.add)
-        load[0] = load[0] + _tt_ns(NT * H, nl.float32)
-    for j in range(NT):
-        nisa.scalar_tensor_tensor(dst=dx_t[:, j, :], data=gw_t[:, j, :], op0=nl.multiply,
-                                  operand0=rstd_t[:, j:j + 1], op1=nl.add, operand1=u[:, j, :])
-    load[0] = load[0] + NT * max(MIN_CYCLES, 2 * H) * VECTOR_NS
-
-
 def _store_dw(dw, dw_ps, n_prog, pid, NC):
     """The ``[P, NC]`` column sums (``dw[c*P + m]`` on partition m, column c) -> ``dw [NC*P]``; on LNC=2
     through a shared scratch and one barrier, each core summing half of the partitions."""
@@ -673,8 +645,19 @@ def _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, opens=False):
     return r
 
 
-def _bwd_sums(tiles, chunk, w_sb, dw_ps, out_dt, load, first=False):
-    """Stage 1 of a backward chunk: ``gw = dy * w``, the dw matmuls, ``D = sum(gw * x)`` per row."""
+def _load_bwd_chunk(dy, x, grad_s, rstd, chunk):
+    """SBUF ``[dy, x, grad_s (or None), rstd [Pc, NT] fp32]`` of a backward chunk."""
+    r0, Pc, NT = chunk
+    tiles = _load_chunk([dy, x, grad_s], chunk, x.shape[1])
+    r_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=r_t, src=_row_stats(rstd, r0, Pc, NT))
+    tiles.append(r_t)
+    return tiles
+
+
+def _bwd_sums(tiles, chunk, w_sb, dw_ps, out_dt, first=False):
+    """Stage 1 of a wide-row backward chunk: ``gw = dy * w``, the dw matmuls, ``D = sum(gw * x)`` per row
+    (Scalar row sums)."""
     dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
     r0, Pc, NT = chunk
     H = x_t.shape[2]
@@ -690,18 +673,9 @@ def _bwd_sums(tiles, chunk, w_sb, dw_ps, out_dt, load, first=False):
     rstd16 = _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first)
     t_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=t_t, data1=gw_t, data2=x_t, op=nl.multiply)
-    load[0] = load[0] + 2 * _tt_ns(NT * H, x_t.dtype) + _tt_ns(NT * H, out_dt)
     d_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    if H >= WIDE:
-        _row_sums(d_t, t_t, Pc, NT, H, nl.copy, [0.0, 0.0])
-        return (gw_t, x_t, gs_t, rstd_t, d_t, chunk, None, None, None, rstd16)
-    # narrow rows: the products are already in SBUF: one Vector reduction (2-byte input: half a cycle per
-    # element); then -c and the start of dx
-    nisa.tensor_reduce(dst=d_t, op=nl.add, data=t_t, axis=2)
-    load[0] = load[0] + _tt_ns(NT * H, x_t.dtype)
-    negc = _neg_c(rstd_t, d_t, H)
-    u, vector_rows = _dx_narrow_start(x_t, negc, Pc, NT, H, load)
-    return (gw_t, x_t, gs_t, rstd_t, d_t, chunk, negc, u, vector_rows, rstd16)
+    _row_sums(d_t, t_t, Pc, NT, H, nl.copy, [0.0, 0.0])
+    return (gw_t, x_t, gs_t, rstd_t, d_t, chunk, rstd16)
 
 
 def _neg_c(rstd_t, d_t, H):
@@ -716,17 +690,176 @@ def _neg_c(rstd_t, d_t, H):
     return negc
 
 
-def _bwd_dx(state, dx, ident, load):
-    """Stage 2 of a backward chunk: ``dx = rstd * gw - c * x (+ grad_s)`` (wide rows: ``-c`` here too)."""
-    gw_t, x_t, gs_t, rstd_t, d_t, chunk, negc, u, vector_rows, rstd16 = state
+def _bwd_dx(state, dx, ident):
+    """Stage 2 of a wide-row backward chunk: ``dx = rstd * gw - c * x (+ grad_s)``."""
+    gw_t, x_t, gs_t, rstd_t, d_t, chunk, rstd16 = state
     r0, Pc, NT = chunk
     H = x_t.shape[2]
     dx_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
-    if H >= WIDE:
-        _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, _neg_c(rstd_t, d_t, H), ident, Pc, NT, H, rstd16)
-    else:
-        _dx_narrow(dx_t, gw_t, x_t, gs_t, rstd_t, negc, u, vector_rows, load)
+    _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, _neg_c(rstd_t, d_t, H), ident, Pc, NT, H, rstd16)
     nisa.dma_copy(dst=_rows(dx, r0, Pc, NT, H), src=dx_t)
+
+
+# ------------------------------------------------------------------------------ narrow-row backward
+
+
+def _w_columns(w, H, dtype):
+    """``w [H]`` as columns ``[P, NC]`` in ``dtype``: ``w[c*P + h]`` on partition h of column c (zero past
+    H), the moving operand that sums a transposed ``[h, rows]`` block over H weighted by w."""
+    NC = cdiv(H, P)
+    raw = nl.ndarray((P, NC), dtype=w.dtype, buffer=nl.sbuf)
+    if H % P:
+        nisa.memset(dst=raw, value=0.0)
+    for c in range(NC):
+        hw = min(P, H - c * P)
+        nisa.dma_copy(dst=raw[0:hw, c:c + 1], src=w.ap(pattern=[[1, hw], [1, 1]], offset=c * P))
+    if w.dtype == dtype:
+        return raw
+    cols = nl.ndarray((P, NC), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=cols, src=raw, engine=nisa.engine.gpsimd)
+    return cols
+
+
+def _narrow_products(tiles, chunk, w_sb, out_dt):
+    """Stage A of a narrow-row backward chunk, on Vector: ``gw = dy * w`` (x's dtype, HF's rounding point)
+    and ``prod = dy * x`` (zero-padded to whole 128-column pieces)."""
+    dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
+    r0, Pc, NT = chunk
+    H = x_t.shape[2]
+    HP = cdiv(H, P) * P
+    gw_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=gw_t, data1=dy_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
+    prod = nl.ndarray((Pc, NT, HP), dtype=out_dt, buffer=nl.sbuf)
+    if HP > H:
+        nisa.memset(dst=prod[:, :, H:HP], value=0.0)
+    nisa.tensor_tensor(dst=prod[:, :, 0:H], data1=dy_t, data2=x_t, op=nl.multiply)
+    return (gw_t, x_t, gs_t, rstd_t, prod, chunk)
+
+
+def _narrow_transposes(state, dw_ps, first):
+    """Stage B: the Tensor engine adds ``rstd * prod`` into the dw column sums and transposes each
+    128-row slot of ``prod`` into PSUM (H on the partitions, a bank's worth of slots per group); Scalar
+    copies each group out to SBUF (exact: the same dtype), where a matmul can read it. Returns the groups
+    ``(pt, piece, first slot)`` for :func:`_narrow_d_sums`."""
+    gw_t, x_t, gs_t, rstd_t, prod, chunk = state
+    r0, Pc, NT = chunk
+    H = x_t.shape[2]
+    NC = cdiv(H, P)
+    _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first)
+    G = _bank_slots(Pc, NT, prod.dtype)
+    groups = []
+    for c in range(NC):
+        hw = min(P, H - c * P)
+        for j0 in range(0, NT, G):
+            gn = min(G, NT - j0)
+            pt = nl.ndarray((hw, gn, Pc), dtype=prod.dtype, buffer=nl.psum)
+            for g in range(gn):
+                nisa.nc_transpose(dst=pt[:, g, :], data=prod[:, j0 + g, c * P:c * P + hw])
+            ptc = nl.ndarray((hw, gn, Pc), dtype=prod.dtype, buffer=nl.sbuf)
+            nisa.activation(dst=ptc, op=nl.copy, data=pt)
+            groups.append((ptc, c, j0))
+    return (gw_t, x_t, gs_t, rstd_t, groups, chunk)
+
+
+def _narrow_d_sums(state, w_cols):
+    """Stage C: ``D = sum_h w * prod`` per row, fp32 in PSUM ``[Pc, NT]``: a matmul of each transposed slot
+    against the weight's column sums it over the partitions, each product exact (the first piece opens
+    column j); so ``D`` is ``sum(w * dy * x)`` with one rounding per term (``prod``'s)."""
+    gw_t, x_t, gs_t, rstd_t, groups, chunk = state
+    r0, Pc, NT = chunk
+    d_ps = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
+    for k in range(len(groups)):
+        ptc, c, j0 = groups[k]
+        hw, gn = ptc.shape[0], ptc.shape[1]
+        for g in range(gn):
+            nisa.nc_matmul(dst=d_ps[:, j0 + g:j0 + g + 1], stationary=ptc[:, g, :], moving=w_cols[0:hw, c:c + 1],
+                           accumulate=c > 0)
+    return (gw_t, x_t, gs_t, rstd_t, d_ps, chunk)
+
+
+def _narrow_coefs(state, H):
+    """Stage 2: ``b = -rstd^2 * D / H`` per row (so ``dx = rstd * (gw + b * x)``) and ``diag(b)`` for every
+    slot, ``[Pc, NT, Pc]`` in x's dtype (one GpSimd ``affine_select`` per part; 2-byte rows take b as a
+    hi + lo pair of bf16 parts, so ``b * x`` summed in PSUM is exact to fp32 rounding)."""
+    gw_t, x_t, gs_t, rstd_t, d_ps, chunk = state
+    r0, Pc, NT = chunk
+    dt = x_t.dtype
+    r2 = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=r2, data1=rstd_t, data2=rstd_t, op=nl.multiply, engine=nisa.engine.gpsimd)
+    b = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=b, data=d_ps, op0=nl.multiply, operand0=-1.0 / H, op1=nl.multiply,
+                              operand1=r2)
+    parts = [b]
+    if dt != nl.float32:
+        hi = nl.ndarray((Pc, NT), dtype=dt, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=hi, src=b, engine=nisa.engine.gpsimd)
+        lo = nl.ndarray((Pc, NT), dtype=dt, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=lo, data1=b, data2=hi, op=nl.subtract, engine=nisa.engine.gpsimd)
+        parts = [hi, lo]
+    diags = []
+    for k in range(len(parts)):
+        dg = nl.ndarray((Pc, NT, Pc), dtype=dt, buffer=nl.sbuf)
+        # dg[p, j, q] = part[p, j] where p == q (p - q == 0), else 0
+        nisa.affine_select(dst=dg, pattern=[[0, NT], [-1, Pc]], channel_multiplier=1,
+                           on_true_tile=_per_row(parts[k], Pc, NT, Pc), on_false_value=0.0, cmp_op=nl.equal)
+        diags.append(dg)
+    return (gw_t, x_t, gs_t, rstd_t, diags, chunk)
+
+
+def _narrow_dx(state, dx, ident):
+    """Stage 3: ``y = gw + b * x`` per slot on the Tensor engine (``I @ gw + diag(b) @ x``, fp32 PSUM, a
+    bank's worth of slots at a time), then one Vector pass per bank ``dx = rstd * y`` (fp32 product, rstd
+    broadcast along H, rounded once), ``+ grad_s`` (after the rounding, as autograd adds the two) and the
+    store."""
+    gw_t, x_t, gs_t, rstd_t, diags, chunk = state
+    r0, Pc, NT = chunk
+    H = x_t.shape[2]
+    dx_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
+    S = max(1, PIECE // H)  # slots per fp32 PSUM bank
+    for j0 in range(0, NT, S):
+        sn = min(S, NT - j0)
+        yb = nl.ndarray((Pc, sn, H), dtype=nl.float32, buffer=nl.psum)
+        for s in range(sn):
+            j = j0 + s
+            nisa.nc_matmul(dst=yb[:, s, :], stationary=ident[0:Pc, 0:Pc], moving=gw_t[:, j, :], accumulate=False)
+            for k in range(len(diags)):
+                nisa.nc_matmul(dst=yb[:, s, :], stationary=diags[k][:, j, :], moving=x_t[:, j, :], accumulate=True)
+        nisa.tensor_tensor(dst=dx_t[:, j0:j0 + sn, :], data1=yb,
+                           data2=rstd_t.ap(pattern=[[NT, Pc], [1, sn], [0, H]], offset=j0), op=nl.multiply)
+    if gs_t != None:  # noqa: E711
+        nisa.tensor_tensor(dst=dx_t, data1=dx_t, data2=gs_t, op=nl.add)
+    nisa.dma_copy(dst=_rows(dx, r0, Pc, NT, H), src=dx_t)
+
+
+def _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chunks):
+    """The backward pipeline for rows narrower than ``WIDE`` (the q/k head norm): five stages per chunk,
+    issued in an order in which no engine's in-order queue waits on work issued after it. Iteration i:
+    chunk i-3's coefficients (Vector, one ``[P, NT]`` instruction) and diagonals (GpSimd, while Vector
+    copies out chunk i-4's dx, which does not use the SBUF port GpSimd shares with Vector's 2-byte
+    mode), chunk i-4's dx (Tensor engine, Vector, store), chunk i-2's sums over H and chunk i-1's dw
+    matmuls and transposes (Tensor engine; Scalar copies the transposes out), chunk i's products
+    (Vector)."""
+    H = x.shape[1]
+    w_cols = _w_columns(w, H, out_dt)
+    ahead = _prefetch(H, x.dtype)
+    n = len(chunks)
+    loads = []
+    st = [None] * n  # each chunk's state between stages
+    for i in range(n + 4):
+        for k in range(len(loads), min(n, i + 1 + ahead)):
+            loads.append(_load_bwd_chunk(dy, x, grad_s, rstd, chunks[k]))
+        if 0 <= i - 3 < n:
+            st[i - 3] = _narrow_coefs(st[i - 3], H)
+        if 0 <= i - 4 < n:
+            _narrow_dx(st[i - 4], dx, ident)
+            st[i - 4] = None
+        if 0 <= i - 2 < n:
+            st[i - 2] = _narrow_d_sums(st[i - 2], w_cols)
+        if 0 <= i - 1 < n:
+            st[i - 1] = _narrow_transposes(st[i - 1], dw_ps, i == 1)
+        if i < n:
+            st[i] = _narrow_products(loads[i], chunks[i], w_sb, out_dt)
+            loads[i] = None
 
 
 @nki.jit
@@ -741,30 +874,30 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
     dx = nl.ndarray((N, H), dtype=x.dtype, buffer=nl.shared_hbm)
     dw = nl.ndarray((HP,), dtype=w.dtype, buffer=nl.shared_hbm)
     n_prog, pid = program_split()
-    chunks = _own_chunks(N, H, x.dtype, n_prog, pid)
+    if H < WIDE:
+        chunks = _narrow_chunks(N, H, x.dtype, n_prog, pid, BWD_NARROW_ROW_BYTES)
+    else:
+        chunks = _own_chunks(N, H, x.dtype, n_prog, pid)
     w_sb = _weight_rows(w, H)
     ident = identity(x.dtype)
     dw_ps = nl.ndarray((P, NC), dtype=nl.float32, buffer=nl.psum)
     if len(chunks) == 0:  # no rows here: zero partial sums
         nisa.memset(dst=dw_ps, value=0.0)
-    ahead = _prefetch(H, x.dtype)
-    loads = []
-    load = [0.0, 0.0]  # Vector / Scalar ns so far (narrow rows: balancing of the per-row passes)
-    pending = None  # the previous chunk: its dx is formed after this chunk's first stage
-    for i in range(len(chunks) + 1):
-        cur = None
-        if i < len(chunks):
-            for k in range(len(loads), min(len(chunks), i + 1 + ahead)):
-                r0k, Pk, NTk = chunks[k]
-                tl = _load_chunk([dy, x, grad_s], chunks[k], H)
-                r_k = nl.ndarray((Pk, NTk), dtype=nl.float32, buffer=nl.sbuf)
-                nisa.dma_copy(dst=r_k, src=_row_stats(rstd, r0k, Pk, NTk))
-                tl.append(r_k)
-                loads.append(tl)
-            cur = _bwd_sums(loads[i], chunks[i], w_sb, dw_ps, out_dt, load, i == 0)
-            loads[i] = None
-        if pending != None:  # noqa: E711
-            _bwd_dx(pending, dx, ident, load)
-        pending = cur
+    if H < WIDE:
+        _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chunks)
+    else:
+        ahead = _prefetch(H, x.dtype)
+        loads = []
+        pending = None  # the previous chunk: its dx is formed after this chunk's first stage
+        for i in range(len(chunks) + 1):
+            cur = None
+            if i < len(chunks):
+                for k in range(len(loads), min(len(chunks), i + 1 + ahead)):
+                    loads.append(_load_bwd_chunk(dy, x, grad_s, rstd, chunks[k]))
+                cur = _bwd_sums(loads[i], chunks[i], w_sb, dw_ps, out_dt, i == 0)
+                loads[i] = None
+            if pending != None:  # noqa: E711
+                _bwd_dx(pending, dx, ident)
+            pending = cur
     _store_dw(dw, dw_ps, n_prog, pid, NC)
     return dx, dw
