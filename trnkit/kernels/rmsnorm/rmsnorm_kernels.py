@@ -26,9 +26,9 @@ and ``y = n * w`` for the whole chunk, one instruction each, with only 2-byte SB
 performance mode, half a cycle per element; fp32 rows read rstd from PSUM broadcast instead).
 
 Backward (``gw = (dy * w).to(x.dtype)``, ``dx = rstd * gw - x * rstd^3 * sum(gw * x) / H``,
-``dw = sum_rows dy * n``): Vector forms ``gw``, ``n`` and ``prod = dy * n``; the row sum
-``D' = sum(gw * n)`` (= ``rstd * sum(gw * x)`` up to n's rounding) is a Vector product summed on Scalar.
-``dw``'s sum over rows is a sum over partitions, done on the Tensor engine: each 128-column piece c of
+``dw = sum_rows dy * n``): Vector forms ``gw`` and ``prod = dy * x``; for wide rows the row sum
+``D = sum(gw * x)`` is a Vector product summed on Scalar. ``dw = sum_rows rstd * prod``'s sum over
+rows is a sum over partitions, done on the Tensor engine: each 128-column piece c of
 a row of ``prod`` is the stationary operand of a matmul whose moving operand is the rows' ``rstd``
 column (rounded to prod's dtype), accumulating into column c of one ``[128, NC]`` fp32 PSUM tile across
 all chunks (one accumulation group for the whole kernel). The per-row statistics (``rstd^3``, the bf16
@@ -36,9 +36,13 @@ parts of the diagonal scalars) are tiny ``[P, NT]`` instructions, issued on the 
 engine so Vector's queue keeps to the passes over the rows. For wide rows (H >= 512) ``dx`` is summed
 on the Tensor engine too: ``dx = diag(rstd) @ gw + diag(-c) @ x (+ I @ grad_s)`` into an fp32 PSUM
 bank, the per-row scalars split into bf16 hi + lo parts for bf16 operands (so the sum is as exact as
-fp32 arithmetic), copied out by Scalar (the one rounding). Narrow rows (Qwen3's head norm, H = 128)
-keep NT rows per partition and use per-row Scalar / Vector passes instead (a diagonal matrix per row
-would cost more Vector time than the row itself). LNC=2: each core's partial ``dw`` goes to a shared
+fp32 arithmetic), copied out by Scalar (the one rounding). Narrow rows (Qwen3's head norm, H = 128;
+:func:`_narrow_backward`) keep NT rows per partition, so every pass covers a whole chunk: Vector forms
+``gw`` and ``prod = dy * x``; the Tensor engine transposes each 128-row slot of ``prod`` into PSUM, Scalar
+copies a bank of slots out, and a matmul against the weight column sums over H: ``D = sum(w * dy * x)``;
+GpSimd writes ``diag(b)`` (``b = -rstd^2 D / H`` as bf16 hi + lo parts) for the chunk's slots; the Tensor
+engine sums ``y = I @ gw + diag(b_hi) @ x + diag(b_lo) @ x`` in fp32 PSUM and one Vector pass per bank
+forms ``dx = rstd * y`` (rounded once). LNC=2: each core's partial ``dw`` goes to a shared
 HBM scratch, one ``core_barrier``, then each core sums half of the partitions.
 
 NaN: the Tensor engine multiplies, so a NaN in one row's ``gw`` / ``x`` makes every row of its chunk
