@@ -501,6 +501,33 @@ def test_chunked_uniform_draws_are_the_one_shot_draw(monkeypatch):
         assert np.random.random_sample() == np.random.RandomState(0).random_sample(1201)[-1]  # same state after
 
 
+def test_chunked_draws_are_the_one_shot_draw(monkeypatch):
+    import ml_dtypes
+
+    bf16, fp8 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3)
+    whole = np.random.default_rng(3).normal(0.0, 0.5, (6, 7, 5)).astype(np.float32).astype(bf16)
+    np.random.seed(42)
+    whole_fp8 = np.clip(np.random.normal(0, 60.0, (4, 33)).astype(np.float32), -240, 240).astype(fp8)
+    after = np.random.random_sample()
+    monkeypatch.setattr(harness, "COMPARE_CHUNK", 16)  # 210 values in 14 chunks, the last one short
+    for large in (1 << 40, 256):  # in memory, then on disk (420 bytes)
+        monkeypatch.setattr(harness, "LARGE_ARRAY_BYTES", large)
+        rng = np.random.default_rng(3)
+        drawn = harness.drawn_array(lambda n, rng=rng: rng.normal(0.0, 0.5, n), (6, 7, 5), bf16)
+        assert harness._file_backed(drawn) == (large == 256) and drawn.shape == (6, 7, 5)
+        assert np.array_equal(drawn.view(np.uint16), whole.view(np.uint16))
+        np.random.seed(42)
+        clipped = harness.drawn_array(lambda n: np.clip(np.random.normal(0, 60.0, n).astype(np.float32), -240, 240),
+                                      (4, 33), fp8, via=None)
+        assert np.array_equal(clipped.view(np.uint8), whole_fp8.view(np.uint8))
+        assert np.random.random_sample() == after  # the generator ends where the one-shot draw left it
+    monkeypatch.setattr(harness, "LARGE_ARRAY_BYTES", 1 << 40)
+    small = harness.drawn_array(lambda n: np.arange(n), (3, 4), np.float32, on_disk=True)
+    copied = harness._copy(small)  # a copy of a file-backed input stays on disk, whatever its size
+    assert harness._file_backed(small) and harness._file_backed(copied) and copied is not small
+    assert np.array_equal(copied, np.arange(12).reshape(3, 4)) and not harness._file_backed(harness._copy(whole))
+
+
 def test_outputs_that_widen_exactly_are_compared_as_they_are():
     import ml_dtypes
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from .cases_attention_tkg import _flat_compare
 from .cases_moe_experimental import _checkout
-from .harness import Case, load_test_module, restore_modules
+from .harness import Case, _file_backed, disk_array, drawn_array, load_test_module, restore_modules
 
 __all__ = ["attention_block_cases", "attention_block_golden", "test_package_modules"]
 
@@ -87,8 +87,9 @@ def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_
         quant = getattr(types.QuantizationType, cfg["quantization_type"])
         rng = np.random.default_rng(0)
         np.random.seed(0)  # the quantized-weight generator's creation reseeds the global generator
-        uniform = lambda shape, lo=-1.0, hi=1.0: rng.uniform(lo, hi, shape).astype(F32).astype(BF16)  # noqa: E731
-        gaussian = lambda shape, std: rng.normal(0.0, std, shape).astype(F32).astype(BF16)  # noqa: E731
+        # (drawn in chunks, a large one on disk: the same numbers as the test's one-shot draws)
+        uniform = lambda shape, lo=-1.0, hi=1.0: drawn_array(lambda n: rng.uniform(lo, hi, n), shape, BF16)  # noqa: E731
+        gaussian = lambda shape, std: drawn_array(lambda n: rng.normal(0.0, std, n), shape, BF16)  # noqa: E731
         on = lambda flag, make_it: make_it() if cfg[flag] else None  # noqa: E731
 
         def static_fp8(shape: tuple[int, ...]) -> tuple[np.ndarray, float, float]:
@@ -132,17 +133,24 @@ def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_
             scale = cfg["kv_scale"] or KV_SCALE
             k_scale, v_scale = np.full((1, 1), scale, F32), np.full((128, 1), scale, F32)
             np.random.seed(42)
-            k_cache = np.clip(np.random.normal(0, 60.0, k_shape).astype(F32), -240, 240).astype(FP8)
-            v_cache = np.clip(np.random.normal(0, 60.0, v_shape).astype(F32), -240, 240).astype(FP8)
+            fp8_normal = lambda n: np.clip(np.random.normal(0, 60.0, n).astype(F32), -240, 240)  # noqa: E731
+            k_cache = drawn_array(fp8_normal, k_shape, FP8, via=None)
+            v_cache = drawn_array(fp8_normal, v_shape, FP8, via=None)
         else:
             k_cache, v_cache = uniform(k_shape), uniform(v_shape)
         cache_len = ((np.arange(b) * 3 + (s_ctx // 4 * 3)) % (s_ctx - s_tkg))[:, None]
         full_mask = importlib.import_module(f"{LIB}.core.attention.gen_mask_tkg_torch").build_full_attention_mask
-        with contextlib.redirect_stdout(io.StringIO()):
-            mask = full_mask(cache_lens=torch.from_numpy(cache_len.flatten()).to(torch.float32), batch=b,
-                             num_heads=q, s_active=s_tkg, s_ctx=s_ctx, lnc=cfg["lnc"], block_len=bl,
-                             include_active_mask=True, transposed=True,
-                             enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"], KVDP=cfg["KVDP"]).numpy()
+        kvdp, step = cfg["KVDP"], _mask_chunk(b, q, s_tkg, s_ctx, cfg["KVDP"])
+        parts = []
+        for b0 in range(0, b, step):
+            with contextlib.redirect_stdout(io.StringIO()):
+                lens = torch.from_numpy(cache_len[b0:b0 + step].flatten()).to(torch.float32)
+                part = full_mask(cache_lens=lens, batch=min(step, b - b0), num_heads=q, s_active=s_tkg, s_ctx=s_ctx,
+                                 lnc=cfg["lnc"], block_len=bl, include_active_mask=True, transposed=True,
+                                 enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"], KVDP=kvdp)
+            parts.append(part.to(torch.uint8).numpy() if step < b else part.numpy())
+        mask = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        del parts
         table = _block_table(b, s_ctx, s_tkg, cache_len, bl) if bl else None
         if bl:
             update_idx = table[np.arange(b)[:, None], cache_len // bl].astype(np.int64) * bl + cache_len % bl
@@ -168,6 +176,22 @@ def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_
                    out_in_sb=cfg["output_in_sb"], KVDP=cfg["KVDP"], KVDP_replica_group=None)
         return out
     return make
+
+
+def _mask_chunk(b: int, q: int, s_tkg: int, s_ctx: int, kvdp: int) -> int:
+    """Batch rows the test's mask builder (``build_full_attention_mask``, float32 ``[B, heads, S, S_ctx]``
+    and a permuted copy) takes at once: all of them up to 256 MiB of float32 mask, else the largest multiple
+    of ``kvdp`` dividing ``b`` within that with which the builder's sharding choice (its ``B / KVDP`` and the
+    heads decide the batch-vs-S_prior sharding, and so the layout) is the whole batch's. Each batch row's mask
+    is its own (its cache length, the same layout), so the rows built in chunks are the same rows."""
+    if b * q * s_tkg * s_ctx * 4 <= 256 << 20:
+        return b
+    sharded = importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
+    whole = sharded(b // kvdp, q, s_tkg, s_ctx, 128)
+    for c in range(b - kvdp, 0, -kvdp):
+        if b % c == 0 and c * q * s_tkg * s_ctx * 4 <= 256 << 20 and sharded(c // kvdp, q, s_tkg, s_ctx, 128) == whole:
+            return c
+    return b
 
 
 def _block_table(b: int, s_ctx: int, s_tkg: int, cache_len: np.ndarray, block_len: int) -> np.ndarray:
@@ -240,14 +264,103 @@ def test_package_modules(*rel_paths: str) -> Iterator[None]:
 KERNEL_COMMON = "test/integration/nkilib/utils/test_kernel_common.py"  # imported by the library's qkv_tkg_torch
 
 
-def attention_block_golden(lnc: int, **kw: Any) -> dict[str, np.ndarray]:
+def attention_block_golden(lnc: int, batch_chunk: int = 0, cache_rows: tuple[int, int] | None = None,
+                           **kw: Any) -> dict[str, np.ndarray]:
     """``AttentionBlockTkgTorchRef(lnc)`` with its outputs cast to the kernel's dtypes, as the test does
-    (X_out in X's dtype, the K / V outputs in the cache's: bf16, or fp8 for an fp8 cache)."""
+    (X_out in X's dtype, the K / V outputs in the cache's: bf16, or fp8 for an fp8 cache); ``batch_chunk``
+    batch rows at a time when given (:func:`_golden_in_batch_chunks`, which ``cache_rows`` goes to)."""
     with test_package_modules(KERNEL_COMMON):
         ref = importlib.import_module(f"{LIB}.experimental.transformer.attention_block_tkg_torch")
     kv_dt = FP8 if kw.get("k_scale") is not None else BF16
+    if batch_chunk:
+        return _golden_in_batch_chunks(ref.AttentionBlockTkgTorchRef(lnc), batch_chunk, kv_dt, kw, cache_rows)
     out = ref.AttentionBlockTkgTorchRef(lnc)(**kw)
     return {k: v.float().numpy().astype(BF16 if k == "X_out" else kv_dt) for k, v in out.items()}
+
+
+def _golden_in_batch_chunks(ref: Callable[..., Any], chunk: int, kv_dt: np.dtype, kw: dict[str, Any],
+                            cache_rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    """The reference's outputs for the whole batch, computed ``chunk`` batch rows at a time, for rows whose
+    reference would hold several float32 copies of a 1-2 GiB KV cache at once (it gathers the block cache of
+    every row into a flat one, clones it, and its score matmul broadcasts K over the query heads).
+
+    Every step of the reference works on each batch row on its own: the RMS norms, the QKV projection (per
+    token; STATIC fp8 scales are per tensor), RoPE, the row's attention over its own cache positions (its mask
+    slice [:, rows]; the mask layout's block-length reduction depends on the batch only through the kernel's
+    batch-vs-S_prior sharding choice, which every chunk size used here keeps: the caller's ``chunk``), the
+    output projection and the row's cache update. So each chunk is the same computation on its rows; float32
+    sums may round differently in a smaller batch. A chunk gets its rows' inputs; with a block cache, the
+    blocks its table names and its updates write, in their order (so physically adjacent blocks stay adjacent
+    and an update that runs over a block's end lands in the same next block), its table and update indices
+    renumbered to them. The outputs are concatenated along their batch axis; the updated block cache is the
+    input cache with each chunk's written positions set from its reference (every other position is the
+    input's value, as in the reference's clone). ``cache_rows`` (a KV-data-parallel rank's rows, a whole number
+    of chunks): an updated flat cache of those batch rows only."""
+    import torch
+
+    from .harness import _copy
+
+    b_all, s_tkg = kw["X"].shape[0], kw["X"].shape[1]
+    s_ctx, q_heads = kw["attention_mask"].shape[0], kw["attention_mask"].shape[2]
+    sharded = importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
+    for n in {min(chunk, b_all - b0) for b0 in range(0, b_all, chunk)}:
+        if sharded(n, q_heads, s_tkg, s_ctx, 128) != sharded(b_all, q_heads, s_tkg, s_ctx, 128):
+            raise ValueError(f"attention_block_tkg golden: a chunk of {n} of the {b_all} batch rows changes the "
+                             "kernel's batch / S_prior sharding choice (the mask layout): choose another chunk")
+    table, bl = kw.get("active_blocks_table"), 0
+    if table is not None:
+        bl = kw["K_cache"].shape[1]
+    update = kw["update_cache"]
+    axes = {"X_out": 3 if kw["transposed_out"] else 0, "K_tkg": 1, "V_tkg": 0,
+            "K_cache_updated": 0, "V_cache_updated": 0}
+    parts: dict[str, list[np.ndarray]] = {}
+    cache_out = {}
+    if update and bl:  # the input cache in the cache's dtype (the reference's clone, cast as the test casts it)
+        cache_out = {n: _copy(kw[c].numpy(), kv_dt) for n, c in (("K_cache_updated", "K_cache"),
+                                                                   ("V_cache_updated", "V_cache"))}
+    for b0 in range(0, b_all, chunk):
+        rows = slice(b0, min(b_all, b0 + chunk))
+        sub = {**kw, "X": kw["X"][rows], "attention_mask": kw["attention_mask"][:, rows],
+               "kv_cache_update_idx": kw["kv_cache_update_idx"][rows]}
+        for name in ("cos", "sin"):
+            if kw.get(name) is not None:
+                sub[name] = kw[name][:, rows]
+        writes: list[tuple[int, int]] = []  # (position in the input cache, position in the chunk's), flat
+        if bl:
+            idx = kw["kv_cache_update_idx"][rows].reshape(-1).to(torch.int64)
+            valid = idx[(idx >= 0) & (idx != 0xFFFFFFFF)] if update else idx[:0]
+            written = [(int(i) + j) // bl for i in valid for j in range(s_tkg)]
+            used = np.unique(np.concatenate([table[rows].numpy().reshape(-1).astype(np.int64),
+                                             np.array(written, np.int64)]))
+            local = torch.from_numpy(np.searchsorted(used, np.arange(used[-1] + 1)).astype(np.int64))
+            pick = torch.from_numpy(used)
+            sub["K_cache"] = kw["K_cache"].index_select(0, pick)
+            sub["V_cache"] = kw["V_cache"].index_select(0, pick)
+            sub["active_blocks_table"] = local[table[rows].to(torch.int64)].to(table.dtype)
+            new_idx = kw["kv_cache_update_idx"][rows].clone()
+            ok = (new_idx >= 0) & (new_idx != 0xFFFFFFFF)
+            new_idx[ok] = (local[(new_idx[ok] // bl).to(torch.int64)] * bl + new_idx[ok] % bl).to(new_idx.dtype)
+            sub["kv_cache_update_idx"] = new_idx
+            for i in valid:
+                i = int(i)
+                li = int(local[i // bl]) * bl + i % bl
+                writes += [(i + j, li + j) for j in range(s_tkg)]
+        else:
+            sub["K_cache"], sub["V_cache"] = kw["K_cache"][rows], kw["V_cache"][rows]
+        out = ref(**sub)
+        for name, v in out.items():
+            v = v.float().numpy()
+            if name in cache_out:
+                flat_out, flat_in = cache_out[name].reshape(-1, v.shape[-1]), v.reshape(-1, v.shape[-1])
+                for src, dst in writes:  # (later rows last, as the reference writes them)
+                    flat_out[src] = flat_in[dst].astype(kv_dt)
+            elif name.endswith("_updated") and cache_rows and not cache_rows[0] <= rows.start < cache_rows[1]:
+                continue
+            else:
+                parts.setdefault(name, []).append(v.astype(BF16 if name == "X_out" else kv_dt))
+        del out, sub
+    result = {name: np.concatenate(p, axis=axes[name]) for name, p in parts.items()}
+    return {**result, **cache_out}
 
 
 # -- KV data parallelism (the test's _run_kvdp_test) --------------------------------------------------------
@@ -268,6 +381,7 @@ def _kvdp_inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: in
 
         def heads(w: np.ndarray | None, r: int) -> np.ndarray | None:  # rank r's Q columns, then K and V
             return None if w is None else np.concatenate([w[:, r * qd:(r + 1) * qd], w[:, kvd:]], axis=1)
+        chunk = _kvdp_golden_chunk(b, b_rank, q, s_tkg, s_ctx, d)
         ranks, golden = [], []
         for r in range(n):
             rows = slice(r * b_rank, (r + 1) * b_rank)
@@ -281,8 +395,10 @@ def _kvdp_inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: in
                 used = np.unique(table)
                 local = {int(g): i for i, g in enumerate(used)}
                 cache_shape = (b_rank * s_ctx // bl, bl, d)
-                for name in ("K_cache", "V_cache"):
-                    rank[name] = np.zeros(cache_shape, base[name].dtype)
+                for name in ("K_cache", "V_cache"):  # (zeros; on disk, with its copies, when the cache is)
+                    on_disk = _file_backed(base[name])
+                    rank[name] = disk_array(cache_shape, base[name].dtype) if on_disk \
+                        else np.zeros(cache_shape, base[name].dtype)
                     rank[name][:len(used)] = base[name][used]
                 rank["active_blocks_table"] = np.vectorize(local.get)(table).astype(np.uint32)
                 idx = base["kv_cache_update_idx"][rows].astype(np.int64)
@@ -296,11 +412,26 @@ def _kvdp_inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: in
             else:
                 rank.update(K_cache=base["K_cache"][rows], V_cache=base["V_cache"][rows],
                             kv_cache_update_idx=base["kv_cache_update_idx"][rows])
-            gold["rows"] = (rows.start, rows.stop)
+            gold["rows"], gold["batch_chunk"] = (rows.start, rows.stop), chunk
             ranks.append(rank)
             golden.append(gold)
         return {"ranks": ranks, "golden": golden}
     return make
+
+
+def _kvdp_golden_chunk(b: int, b_rank: int, q: int, s_tkg: int, s_ctx: int, d: int) -> int:
+    """Batch rows a KV-data-parallel rank's reference takes at once (0: the whole batch): for caches of more
+    than 256 MiB, the largest divisor of the rank's batch rows whose float32 K cache slice is at most 256 MiB
+    and with which every chunk keeps the kernel's batch / S_prior sharding choice (``is_s_prior_sharded``)
+    of the whole batch, on which the mask layout depends; 0 when none does."""
+    if 2 * b * s_ctx * d < 256 << 20:
+        return 0
+    sharded = importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
+    target = max(1, (256 << 20) // (s_ctx * d * 4))
+    for c in range(min(target, b_rank), 0, -1):
+        if b_rank % c == 0 and sharded(c, q, s_tkg, s_ctx, 128) == sharded(b, q, s_tkg, s_ctx, 128):
+            return c
+    return 0
 
 
 def attention_block_kvdp_golden(golden: list[dict[str, Any]], lnc: int, **_: Any) -> dict[str, np.ndarray]:
@@ -308,19 +439,32 @@ def attention_block_kvdp_golden(golden: list[dict[str, Any]], lnc: int, **_: Any
     compacted blocks, stacked over the ranks."""
     from .harness import _to_torch
 
-    per_rank = []
+    per_rank, converted = [], {}  # an array every rank's reference reads (the KV caches) converted once
     for gold in golden:
         gold = dict(gold)
         (r0, r1), used, shape = gold.pop("rows"), gold.pop("used_blocks", None), gold.pop("cache_shape", None)
-        out = attention_block_golden(lnc, **{k: _to_torch(v, False) for k, v in gold.items()})
+        chunk = gold.pop("batch_chunk", 0)
+        args = {}
+        for k, v in gold.items():
+            if isinstance(v, np.ndarray) and v.nbytes >= 1 << 20:  # (the reference reads its inputs only)
+                if id(v) not in converted:
+                    converted[id(v)] = (v, _to_torch(v, False))
+                args[k] = converted[id(v)][1]
+            else:
+                args[k] = _to_torch(v, False)
+        out = attention_block_golden(lnc, batch_chunk=chunk, cache_rows=(r0, r1) if chunk else None, **args)
+        del args
         for name in [k for k in out if k != "X_out"]:
             v = out[name]
             if name in ("K_cache_updated", "V_cache_updated") and used is not None:
                 out[name] = np.zeros(shape, v.dtype)
                 out[name][:len(used)] = v[used]
+            elif name in ("K_cache_updated", "V_cache_updated") and chunk:
+                out[name] = v  # (the rank's rows only)
             else:
-                out[name] = v[:, r0:r1] if name == "K_tkg" else v[r0:r1]
+                out[name] = np.ascontiguousarray(v[:, r0:r1] if name == "K_tkg" else v[r0:r1])
         per_rank.append(out)
+    converted.clear()
     return {k: np.stack([o[k] for o in per_rank]) for k in per_rank[0]}
 
 
@@ -453,20 +597,29 @@ _ROWS = [
     _r(1024, 2, 128, 5120, None, 1024, 1024, 1, block_len=32, rmsnorm_X=False, qk_norm_pre_rope=True,
        qk_norm_pre_rope_gamma=True, quantization_type="STATIC"),
 ]
-# the table's KV-data-parallel rows (KVDP ranks, q_heads per rank): the 8 whose KV caches fit this machine's
-# per-process memory (held as the inputs, the reference's float32 copy and the ranks' slices); not run: the
-# S_ctx = 512k and 1M rows (0.5-1 GiB fp8 caches at B = 8), B = 64 at 128k, B = 2048 at 10240 and B = 256 at
-# 10240 (bf16: 7.7 GB resident)
+# the table's 16 KV-data-parallel rows (KVDP ranks, q_heads per rank), in its order
+_GPT_OSS_KVDP = dict(rmsnorm_X=False, test_bias=True, KVDP=4, kv_quant=True)
 _KVDP_ROWS = [
     _r(8, 1, 64, 3072, 2880, 1024, 1024, 1, test_bias=True, KVDP=4, kv_quant=True),
     _r(8, 1, 64, 3072, 2880, 1024, 1024, 1, test_bias=True, KVDP=4, kv_quant=True, update_cache=False),
     _r(8, 2, 64, 3072, 2880, 1024, 1024, 1, test_bias=True, KVDP=4, kv_quant=True),
     _r(8, 1, 64, 3072, 2880, 1024, 1024, 1, block_len=32, rmsnorm_X=False, test_bias=True, KVDP=4, kv_quant=True),
     _r(32, 1, 64, 3072, 2880, 1024, 1024, 1, block_len=32, rmsnorm_X=False, test_bias=True, KVDP=4, kv_quant=True),
+    # long context (S_ctx = 512k and 1M, flat and block)
+    _r(8, 1, 64, 3072, 2880, 524288, 524288, 1, **_GPT_OSS_KVDP),
+    _r(8, 1, 64, 3072, 2880, 524288, 524288, 1, block_len=32, **_GPT_OSS_KVDP),
+    _r(8, 1, 64, 3072, 2880, 1048576, 1048576, 1, **_GPT_OSS_KVDP),
+    _r(8, 1, 64, 3072, 2880, 1048576, 1048576, 1, block_len=32, **_GPT_OSS_KVDP),
+    # B = 64
     _r(64, 1, 64, 3072, 2880, 1024, 1024, 1, block_len=32, rmsnorm_X=False, test_bias=True, KVDP=4, kv_quant=True),
+    _r(64, 1, 64, 3072, 2880, 131072, 131072, 1, block_len=32, **_GPT_OSS_KVDP),
+    _r(64, 1, 64, 3072, 2880, 131072, 131072, 1, **_GPT_OSS_KVDP),
+    # large batch
+    _r(256, 2, 64, 3072, 2880, 10240, 10240, 1, block_len=32, test_bias=True, KVDP=4),
     _r(288, 2, 128, 5120, 4096, 1024, 1024, 1, block_len=32, test_bias=True, KVDP=16),
     _r(512, 4, 128, 5120, None, 1024, 1024, 1, block_len=32, qk_norm_pre_rope=True, qk_norm_pre_rope_gamma=True,
        KVDP=4),
+    _r(2048, 8, 64, 3072, 2880, 10240, 10240, 1, block_len=128, KVDP=8, kv_quant=True),
 ]
 _FLAG_NAMES = ("update_cache", "K_cache_transposed", "rmsnorm_X", "skip_rope", "rope_contiguous_layout",
                "qk_norm_pre_rope", "qk_norm_pre_rope_gamma", "qk_norm_post_rope", "qk_norm_post_rope_gamma",
@@ -490,12 +643,11 @@ def _validator(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"min_cosine": 0.99, "min_pass_rate": (("X_out", 0.99),) if cfg["kv_quant"] else ()}
 
 
-# KV cache (K and V) a single-rank row may hold: it is held as the inputs, the reference's float32 copy (twice
-# the bytes of bf16) and the kernel's copy. The test's 5 rows above it (B = 8 at S_ctx = 524,288; B = 255 at
-# 10,240 to 32,768: 1.0-2.0 GiB) are not run.
-MAX_KV_CACHE_BYTES = 768 << 20
-# the test's two B = 1,024 rows (0.5 GiB of KV cache) reach 5.1 GB resident here: not run either
-MAX_BATCH = 512
+# Batch rows the reference of a single-rank row with a block KV cache of more than 1 GiB (the test's three
+# B = 255 rows at S_ctx = 10,240 to 32,768) takes at once (_golden_in_batch_chunks): its float32 gathers,
+# clones and head-broadcast K would take 10 GB and more for the whole batch. 17 divides 255 and keeps every
+# chunk odd, so the kernel's sharding choice (and so the mask layout) is the whole batch's.
+GOLDEN_BATCH_CHUNK = 17
 
 
 def _kv_cache_bytes(b: int, d: int, s_ctx: int, s_max: int, cfg: dict[str, Any]) -> int:
@@ -503,20 +655,19 @@ def _kv_cache_bytes(b: int, d: int, s_ctx: int, s_max: int, cfg: dict[str, Any])
 
 
 def attention_block_cases() -> list[Case]:
-    """One case per row of ``_ROWS`` (a row the test lists twice runs once) within :data:`MAX_KV_CACHE_BYTES`
-    and :data:`MAX_BATCH`, then the KV-data-parallel rows."""
+    """One case per row of ``_ROWS`` (a row the test lists twice runs once), then the KV-data-parallel rows."""
     cases = []
-    rows = {repr(r): r for r in _ROWS
-            if _kv_cache_bytes(r[0], r[2], r[5], r[6], r[8]) <= MAX_KV_CACHE_BYTES and r[0] <= MAX_BATCH}
+    rows = {repr(r): r for r in _ROWS}
     for b, q, d, h, ha, s_ctx, s_max, s_tkg, cfg in rows.values():
         fp8 = cfg["kv_quant"] or cfg["quantization_type"] != "NONE"
         lnc = cfg["lnc"]
+        chunk = GOLDEN_BATCH_CHUNK if cfg["block_len"] and _kv_cache_bytes(b, d, s_ctx, s_max, cfg) > 1 << 30 else 0
         cases.append(Case(
             kernel="experimental/transformer/attention_block_tkg", name=_name(cfg),
             shapes=f"B={b} q_heads={q} d={d} H={h}" + (f"/{ha}" if ha else "") + f" S_ctx={s_ctx}/{s_max} S={s_tkg}",
             entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,
             reference=f"{HERE}:attention_block_golden", inputs=_inputs(b, q, d, h, ha, s_ctx, s_max, s_tkg, cfg),
-            ref_inputs=lambda kw, lnc=lnc: {**kw, "lnc": lnc},
+            ref_inputs=lambda kw, lnc=lnc, chunk=chunk: {**kw, "lnc": lnc, "batch_chunk": chunk},
             outputs=("X_out",) + (("K_cache_updated", "V_cache_updated") if cfg["update_cache"]
                                   else ("K_tkg", "V_tkg")),
             postprocess=_flat_compare, lnc=lnc, rtol=0.07 if fp8 else 0.015, atol=16.0 if fp8 else 1e-5,
@@ -552,8 +703,9 @@ def _transformer_inputs(tp: int, b: int, s_ctx: int, ranks: int) -> Callable[[],
         q_heads, d, h, inter, s_tkg = 64 // tp, 128, 8192, 28672, 1
         fd = -(-inter // tp // 128) * 128  # the MLP takes I in multiples of 128
         rng = np.random.default_rng(42)
-        gaussian = lambda shape, std: rng.normal(0.0, std, shape).astype(F32).astype(BF16)  # noqa: E731
-        uniform = lambda shape, lo=-1.0, hi=1.0: rng.uniform(lo, hi, shape).astype(F32).astype(BF16)  # noqa: E731
+        gaussian = lambda shape, std: drawn_array(lambda n: rng.normal(0.0, std, n), shape, BF16)  # noqa: E731
+        uniform = lambda shape, lo=-1.0, hi=1.0, on_disk=None: drawn_array(  # noqa: E731
+            lambda n: rng.uniform(lo, hi, n), shape, BF16, on_disk=on_disk)
         per_layer = {
             "W_qkv": [gaussian((h, d * (q_heads + 2)), 1 / np.sqrt(h)) for _ in range(LAYERS)],
             "W_out": [gaussian((q_heads * d, h), 0.5) for _ in range(LAYERS)],
@@ -562,8 +714,9 @@ def _transformer_inputs(tp: int, b: int, s_ctx: int, ranks: int) -> Callable[[],
             "W_down": [gaussian((fd, h), 1 / np.sqrt(fd)) for _ in range(LAYERS)],
             "W_gamma_qkv": [uniform((1, h), 0.5, 1.5) for _ in range(LAYERS)],
             "W_gamma_mlp": [uniform((1, h), 0.5, 1.5) for _ in range(LAYERS)],
-            "K_cache": [uniform((b, 1, d, s_ctx)) for _ in range(LAYERS)],
-            "V_cache": [uniform((b, 1, s_ctx, d)) for _ in range(LAYERS)]}
+            # on disk, and so are the ranks' copies (harness._copy): 2 KiB per cached token over the 4 layers
+            "K_cache": [uniform((b, 1, d, s_ctx), on_disk=True) for _ in range(LAYERS)],
+            "V_cache": [uniform((b, 1, s_ctx, d), on_disk=True) for _ in range(LAYERS)]}
         scale_rng = np.random.default_rng(0)  # the first and last layers are not quantized
         per_layer.update({name: [None] * LAYERS for name in ("W_gate_scale", "W_up_scale", "W_down_scale")})
         for layer in range(1, LAYERS - 1):
@@ -595,9 +748,23 @@ def _transformer_wrapper(transformer_tkg: Callable[..., Any]) -> Callable[..., A
     return wrapper
 
 
+# batch rows the reference takes at once: at most this many cached tokens (see transformer_tkg_golden)
+GOLDEN_CHUNK_TOKENS = 16 * 10240
+
+
 def transformer_tkg_golden(ranks: list[dict[str, Any]], **_: Any) -> dict[str, np.ndarray]:
     """``llama3_transformer_fwd_tkg_torch`` on bf16 torch tensors, as the test calls it, rounded to bf16; the
-    same output on every rank."""
+    same output on every rank.
+
+    The batch goes through the reference :data:`GOLDEN_CHUNK_TOKENS` cached tokens at a time (the whole batch
+    when it holds fewer) and the outputs are concatenated: every step of the reference works on each batch row
+    on its own (RMS norm, QKV, RoPE, attention over the row's own cache, output projection, the MLP's per-token
+    row quantization; at B x S_tkg <= 96, as in every row of the test, its fp8 weight scales take the same
+    branch for any batch slice) and the test's cache mask is all ones at S_tkg = 1, so each batch slice of it
+    reads the same values whichever way the reference reshapes it. It is the same computation; the chunking
+    only bounds the reference's memory (it keeps a float32 clone of every layer's K and V caches, 8 bytes per
+    cached element over 4 layers, ~10 GB for the test's 64 x 36,864 row at once). The bf16 arrays are handed
+    to torch as views of the inputs (the reference reads them only)."""
     import torch
 
     ref = importlib.import_module(f"{LIB}.experimental.transformer.transformer_tkg_torch")
@@ -606,16 +773,31 @@ def transformer_tkg_golden(ranks: list[dict[str, Any]], **_: Any) -> dict[str, n
     def t(a: Any) -> Any:
         if a is None:
             return None
-        return torch.from_numpy(a.astype(F32)).to(torch.bfloat16) if a.dtype == BF16 else torch.from_numpy(a)
+        if a.dtype == BF16:  # the same bf16 values, no copy
+            return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.ascontiguousarray(a))
 
-    lists = {f"{name}s": [t(kw[f"{name}_{i}"]) for i in range(LAYERS)] for name in _PER_LAYER}
-    out = ref.llama3_transformer_fwd_tkg_torch(
-        X=t(kw["X"]), **lists, RoPE_cos=t(kw["RoPE_cos"]), RoPE_sin=t(kw["RoPE_sin"]),
-        mask_cache=t(kw["mask_cache"]), mask_active=t(kw["mask_active"]),
-        position_ids=t(kw["position_ids"].astype(np.int64)), num_layers=LAYERS,
-        replica_groups=kw["replica_groups"], eps=kw["eps"], mlp_down_proj_layout_enabled=False)
-    out = out.float().numpy().astype(BF16)
+    b, s_ctx = kw["X"].shape[0], kw["mask_cache"].shape[0]
+    step = max(1, GOLDEN_CHUNK_TOKENS // s_ctx)
+    outs = []
+    for b0 in range(0, b, step):
+        rows = slice(b0, min(b, b0 + step))
+        lists = {f"{name}s": [t(_batch_rows(name, kw[f"{name}_{i}"], rows)) for i in range(LAYERS)]
+                 for name in _PER_LAYER}
+        out = ref.llama3_transformer_fwd_tkg_torch(
+            X=t(kw["X"][rows]), **lists, RoPE_cos=t(kw["RoPE_cos"][:, rows]), RoPE_sin=t(kw["RoPE_sin"][:, rows]),
+            mask_cache=t(kw["mask_cache"][:, rows]), mask_active=t(kw["mask_active"][rows]),
+            position_ids=t(kw["position_ids"][rows].astype(np.int64)), num_layers=LAYERS,
+            replica_groups=kw["replica_groups"], eps=kw["eps"], mlp_down_proj_layout_enabled=False)
+        outs.append(out.float().numpy().astype(BF16))
+        del lists, out
+    out = np.concatenate(outs)
     return {"layer_output": np.stack([out] * len(ranks))}
+
+
+def _batch_rows(name: str, a: np.ndarray | None, rows: slice) -> np.ndarray | None:
+    """A per-layer argument of the batch rows ``rows``: the KV caches' (``[B, 1, ...]``); the weights whole."""
+    return a[rows] if a is not None and name in ("K_cache", "V_cache") else a
 
 
 def _transformer_rows() -> list[tuple[int, int, int]]:
@@ -626,11 +808,6 @@ def _transformer_rows() -> list[tuple[int, int, int]]:
             for s_ctx in (1024, 10240, 36864) if (tp, gb // (64 // tp), s_ctx) not in skipped]
 
 
-# Cached tokens (batch x S_ctx) a row may hold: its KV caches (2 KiB per token over the 4 layers) are held as
-# the inputs, the reference's copy and each of the 4 ranks' copies (up to ~2 GB at this bound, next to up to
-# 0.9 GB of weights). The test's 12 rows above it are not run: halving their batch until they fit gives a row
-# the table has already (same tp and S_ctx).
-MAX_CACHED_TOKENS = 16 * 10240
 _KEEP = tuple(f"{name}_{i}" for name in _PER_LAYER if name not in ("K_cache", "V_cache") for i in range(LAYERS)) \
     + ("X", "RoPE_cos", "RoPE_sin", "mask_cache", "mask_active", "position_ids")
 
@@ -643,4 +820,4 @@ def transformer_tkg_cases() -> list[Case]:
         reference=f"{HERE}:transformer_tkg_golden", inputs=_transformer_inputs(tp, b, s_ctx, min(tp, 4)),
         outputs=("layer_output",), lnc=2, rtol=0.025, atol=1e-2, ranks=min(tp, 4), read_only=_KEEP,
         test_file=f"{TESTS}/test_transformer_tkg.py")
-        for tp, b, s_ctx in _transformer_rows() if b * s_ctx <= MAX_CACHED_TOKENS]
+        for tp, b, s_ctx in _transformer_rows()]

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nkilib_commit", "nkilib_tarball",
-           "extract_tarball", "compare", "disk_array", "uniform_array", "run_case", "run_cases", "format_table",
-           "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED", "MODEL_CONFIG"]
+           "extract_tarball", "compare", "disk_array", "uniform_array", "drawn_array", "run_case", "run_cases",
+           "format_table", "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED", "MODEL_CONFIG"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
@@ -466,6 +466,25 @@ def uniform_array(low: float, high: float, shape: Sequence[int], dtype: Any) -> 
     return out
 
 
+def drawn_array(draw: Callable[[int], np.ndarray], shape: Sequence[int], dtype: Any,
+                via: Any = np.float32, on_disk: bool | None = None) -> np.ndarray:
+    """``draw(size).astype(via).astype(dtype).reshape(shape)`` drawn :data:`COMPARE_CHUNK` values at a time
+    (``draw(n)``: the next ``n`` values of a generator that draws element by element in order, e.g.
+    ``lambda n: rng.uniform(-1, 1, n)`` of a ``default_rng`` or the legacy global generator: the same
+    numbers and the same generator state after as the one-shot draw) without the whole float64 draw; a
+    large result (or any, ``on_disk=True``) is a :func:`disk_array`. ``via=None``: cast straight to ``dtype``."""
+    dtype, shape = np.dtype(dtype), tuple(shape)
+    size = int(np.prod(shape, dtype=np.int64))
+    if on_disk is None:
+        on_disk = size * dtype.itemsize >= LARGE_ARRAY_BYTES
+    out = disk_array(shape, dtype) if on_disk else np.empty(shape, dtype)
+    flat = out.reshape(-1)
+    for i in range(0, size, COMPARE_CHUNK):
+        chunk = np.asarray(draw(min(COMPARE_CHUNK, size - i)))
+        flat[i:i + chunk.size] = chunk.astype(via).astype(dtype) if via is not None else chunk.astype(dtype)
+    return out
+
+
 def _file_backed(a: np.ndarray) -> bool:
     """Whether ``a`` is a view of a memory-mapped file (a :func:`disk_array`, a ``np.memmap``)."""
     base = a
@@ -475,10 +494,11 @@ def _file_backed(a: np.ndarray) -> bool:
 
 
 def _copy(a: np.ndarray, dtype: Any = None) -> np.ndarray:
-    """``a.astype(dtype)`` (default: its own), always a copy; a large one on disk (:func:`disk_array`),
-    converted :data:`COMPARE_CHUNK` elements at a time."""
+    """``a.astype(dtype)`` (default: its own), always a copy; a large one, or a copy of a file-backed one (a
+    case that keeps an input on disk keeps its copies there), on disk (:func:`disk_array`), converted
+    :data:`COMPARE_CHUNK` elements at a time."""
     dtype = a.dtype if dtype is None else np.dtype(dtype)
-    if a.size * max(a.dtype.itemsize, dtype.itemsize) < LARGE_ARRAY_BYTES:
+    if a.size * max(a.dtype.itemsize, dtype.itemsize) < LARGE_ARRAY_BYTES and not _file_backed(a):
         return a.astype(dtype)  # (astype copies)
     out = disk_array(a.shape, dtype)
     src, dst = a.reshape(-1), out.reshape(-1)
