@@ -8,6 +8,10 @@ products rounded to ``x.dtype``; ``dx = rstd * gw - x * rstd^3 * D / H`` is fp32
 ``grad_weight = sum_rows rstd * (dy * x)`` with the product rounded to the output dtype and ``rstd``
 too (the Tensor engine's operands), summed in fp32 and rounded once to ``weight.dtype`` (autograd
 through the module sums ``dy * n`` with ``n`` rounded instead: the same value up to rounding).
+These are the wide-row kernels' rounding points; for rows under 512 elements (the q / k head norm) the
+kernel's forward multiplies by ``rstd`` rounded to bf16 for bf16 rows, its backward sums
+``D = sum(weight * (dy * x))`` with ``dy * x`` rounded to the output dtype and adds ``grad_s`` after
+``dx``'s rounding (docs/kernels.md, RMSNorm numerics).
 """
 
 from __future__ import annotations
