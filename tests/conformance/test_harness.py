@@ -561,3 +561,65 @@ def test_a_pass_rate_and_a_cosine_bound_are_the_tests_validator(fake_checkout):
     flipped = Case(**{**_case(reference="flipped_ref").__dict__, "rtol": 1.0, "atol": 100.0, "min_cosine": 0.99})
     row = harness.run_case(flipped, fake_checkout)
     assert row.result == harness.MISMATCH and "cosine similarity -1.0000 < 0.99" in row.message, row.message
+
+
+def test_an_xfail_mismatch_is_xfail_only_with_its_checked_cause(fake_checkout):
+    """XFAIL needs both the test's xfail mark and a cause the case's check confirms; otherwise MISMATCH."""
+    seen = []
+
+    def one_everywhere(inputs, actual, expected):  # the check sees the row's inputs, outputs and reference
+        seen.append((inputs["factor"], actual["out"] - inputs["x"] * 3.0, expected["out"] - inputs["x"] * 3.0))
+        return "every element off by 1" if np.allclose(expected["out"] - actual["out"], 1.0, atol=1e-5) else ""
+
+    row = harness.run_case(_case(reference="off_by_one_ref", xfail="known", xfail_check=one_everywhere),
+                           fake_checkout)
+    assert (row.result, row.verdict) == (harness.XFAIL, harness.MISMATCH)
+    assert row.message.startswith("xfail as nki-library marks it (known); checked: every element off by 1")
+    assert "out: max|err| 1 >" in row.message and row.max_abs_err == pytest.approx(1.0)
+    factor, kernel_off, ref_off = seen[0]
+    assert factor == 3.0 and np.abs(kernel_off).max() < 1e-5 and np.allclose(ref_off, 1.0)
+    # the same mismatch without the check's confirmation, or without the test's xfail, stays a mismatch
+    never = lambda inputs, actual, expected: ""  # noqa: E731
+    assert harness.run_case(_case(reference="off_by_one_ref", xfail="known", xfail_check=never),
+                            fake_checkout).result == harness.MISMATCH
+    assert harness.run_case(_case(reference="off_by_one_ref", xfail_check=one_everywhere),
+                            fake_checkout).result == harness.MISMATCH
+    # a row that passes is a pass, whatever the test's mark
+    assert harness.run_case(_case(xfail="known", xfail_check=one_everywhere), fake_checkout).result == harness.PASS
+
+
+def test_a_row_the_test_skips_runs_and_is_skipped_with_its_verdict(fake_checkout):
+    skip = "test_fake: pytest.skip('too big')"
+    passed = harness.run_case(_case(skipped_by=skip), fake_checkout)
+    assert (passed.result, passed.verdict) == (harness.SKIPPED, harness.PASS)
+    assert passed.message == f"run anyway: PASS; nki-library's test skips this row: {skip}"
+    case = _case(entry="too_many_partitions", skipped_by=skip, rejected_by="exceeds pmax")
+    rejected = harness.run_case(case, fake_checkout)
+    assert (rejected.result, rejected.verdict) == (harness.SKIPPED, harness.REJECTED)
+    assert rejected.message.startswith("run anyway: REJECTED: ") and "partition dim 256 exceeds pmax (128)" in \
+        rejected.message and rejected.message.endswith(skip)
+    assert harness.row_ok(case, rejected) and harness.row_ok(_case(skipped_by=skip), passed)
+    # judged by the verdict: a skipped row that ran wrong is still wrong
+    wrong = harness.run_case(_case(reference="off_by_one_ref", skipped_by=skip), fake_checkout)
+    assert (wrong.result, wrong.verdict) == (harness.SKIPPED, harness.MISMATCH)
+    assert not harness.row_ok(_case(reference="off_by_one_ref", skipped_by=skip), wrong)
+    assert not harness.row_ok(_case(skipped_by=skip, rejected_by="exceeds pmax"), passed)
+
+
+def test_row_ok_accepts_a_pass_a_checked_xfail_and_the_named_refusal_only():
+    row = lambda result, message="": harness.Row("k", "c", "s", 1, result, message=message)  # noqa: E731
+    plain, xfail = _case(), _case(xfail="known")
+    assert harness.row_ok(plain, row(harness.PASS)) and harness.row_ok(xfail, row(harness.XFAIL))
+    assert not harness.row_ok(plain, row(harness.XFAIL))  # XFAIL without the test's mark
+    for result in (harness.MISMATCH, harness.REJECTED, harness.ERROR, harness.MISSING, harness.ACCEPTED):
+        assert not harness.row_ok(plain, row(result, "rule x")) and not harness.row_ok(xfail, row(result))
+    named = _case(rejected_by="rule x")
+    assert harness.row_ok(named, row(harness.REJECTED, "nc_x: rule x broken"))
+    assert harness.row_ok(named, row(harness.ERROR, "AssertionError: rule x"))
+    assert not harness.row_ok(named, row(harness.REJECTED, "rule y")) and not harness.row_ok(named, row(harness.PASS))
+
+
+def test_the_summary_counts_xfail_and_skipped_rows_apart():
+    rows = [harness.Row("k", f"c{i}", "s", 1, r) for i, r in
+            enumerate((harness.PASS, harness.XFAIL, harness.XFAIL, harness.SKIPPED, harness.MISMATCH))]
+    assert harness.format_table(rows).splitlines()[-1] == "5 cases: 1 PASS, 2 XFAIL, 1 SKIPPED, 1 MISMATCH"

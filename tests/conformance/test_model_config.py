@@ -3,12 +3,14 @@ into cases by the kernels' family builders."""
 
 from __future__ import annotations
 
+import math
+import re
 import textwrap
 
 import numpy as np
 import pytest
 
-from trnkit.conformance import cases, cases_model_config, harness
+from trnkit.conformance import cases, cases_model_config, cases_moe_tkg, harness
 
 TABLE = '''
 import enum
@@ -103,9 +105,72 @@ def test_model_config_rows_carry_their_parameters_through_the_family_builders():
     fp8 = [c for c in cte if c.rejected_by == cases_model_config.MLP_CTE_FP8_RULE]
     assert len(fp8) == 83 and all("x fp8" in c.name for c in fp8)
     assert all("x fp8" not in c.name and c.rejected_by == cases_model_config.HEAP_OOM for c in cte if c not in fp8)
-    assert all(c.xfail == cases_model_config.MOE_TKG_XFAIL for c in model.values() if c.kernel == "core/moe/moe_tkg")
+    assert all(c.xfail == cases_model_config.MOE_TKG_XFAIL and c.xfail_check is not None
+               for c in model.values() if c.kernel == "core/moe/moe_tkg")
+    # test_mlp_tkg_unit skips every row above 96 tokens (pytest.skip before the kernel): 83 bf16, 83 fp8
+    mlp = [c for c in model.values() if c.kernel == "core/mlp/mlp_tkg"]
+    tokens = {c: math.prod(int(v) for v in re.findall(r"[BS]=(\d+)", c.shapes)) for c in mlp}
+    skipped = [c for c in mlp if c.skipped_by]
+    assert len(skipped) == 166 and all(tokens[c] > 96 for c in skipped) and set(cte) <= set(skipped)
+    assert all(c.skipped_by == f"test_mlp_tkg_unit: pytest.skip('TKG mode requires B*S <= 96, got {tokens[c]}')"
+               for c in skipped) and all(tokens[c] <= 96 for c in mlp if not c.skipped_by)
     qkv = model["core/qkv/qkv_cte|model bf16 no_norm BSD dma_transpose model_config|lnc2|B=1 S=1024 H=8192 "
                 "heads=16/2 d=128"]
     with harness.nki_is_interpreter(ROOT):
         kw = qkv.inputs()
     assert kw["fused_qkv_weights"].shape == (8192, (16 + 2 * 2) * 128) and kw["load_input_with_DMA_transpose"]
+
+
+def _overflow_row(weights_dtype=np.float16, all_expert=True):
+    """One token, H = 2, I = 1, two experts: expert 0's activation is silu(100) * 100 = 10,000 and its down
+    projection [100,000, 10] (the first past float16's 65,504), expert 1's [0.731, 0.731]; affinities 1/2 each."""
+    import types
+
+    gu = np.zeros((2, 2, 2, 1), weights_dtype)
+    gu[0, 0] = [[1.0], [1.0]]  # expert 0: g = u = x0 = 100
+    gu[1, 0] = [[0.01], [0.01]]  # expert 1: g = u = 1
+    wd = np.array([[[10.0, 0.001]], [[1.0, 1.0]]], weights_dtype)
+    inputs = {"hidden_input": np.array([[100.0, 0.0]], np.float16), "expert_gate_up_weights": gu,
+              "expert_down_weights": wd, "expert_affinities": np.array([[0.5, 0.5]], np.float32),
+              "is_all_expert": all_expert, "expert_affinities_scaling_mode": types.SimpleNamespace(name="POST_SCALE"),
+              "activation_fn": types.SimpleNamespace(name="SiLU"), "expert_gate_up_bias": None,
+              "expert_down_bias": None, "gate_clamp_upper_limit": None, "up_clamp_lower_limit": None,
+              "up_clamp_upper_limit": None}
+    silu1 = 1.0 / (1.0 + np.exp(-1.0))
+    final = np.array([[0.5 * 100_000.0 + 0.5 * silu1, 0.5 * 10.0 + 0.5 * silu1]], np.float32)
+    return inputs, final
+
+
+def test_the_fp16_overflow_check_confirms_inf_only_where_a_float16_value_overflows():
+    check = cases_moe_tkg.fp16_overflow_check(2e-2, 1e-5)
+    inputs, final = _overflow_row()
+    assert final[0, 0] == pytest.approx(50_000.37, rel=1e-6) and final[0, 1] == pytest.approx(5.37, rel=1e-3)
+    expected = {"out": final}
+    cause = check(inputs, {"out": np.array([[np.inf, final[0, 1]]], np.float16)}, expected)
+    assert cause.startswith("float16 overflow: all 1 output elements outside the tolerance are inf / NaN")
+    assert "expert output before the affinity up to 1e+05" in cause and "activation up to 1e+04" in cause
+    assert "past its range (65,504)" in cause
+    # NaN where the overflowing expert meets another: still the overflow
+    assert check(inputs, {"out": np.array([[np.nan, final[0, 1]]], np.float16)}, expected)
+    # inf where nothing overflows, a finite wrong value, or no mismatch at all: not this cause
+    assert check(inputs, {"out": np.array([[np.inf, np.inf]], np.float16)}, expected) == ""
+    assert check(inputs, {"out": np.array([[np.inf, 2000.0]], np.float16)}, expected) == ""  # (allowed: 1,000)
+    assert check(inputs, {"out": final.astype(np.float32)}, expected) == ""
+    # outside the checked path (bf16 weights, selective experts): never confirmed
+    import ml_dtypes
+
+    for other in (_overflow_row(np.dtype(ml_dtypes.bfloat16))[0], _overflow_row(all_expert=False)[0]):
+        assert check(other, {"out": np.array([[np.inf, final[0, 1]]], np.float16)}, expected) == ""
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
+def test_a_moe_tkg_model_row_is_xfail_with_the_overflow_checked():
+    """T=1 H=4096 I=768 E=4 (nki-library d2ad3a5): expert outputs before the affinity reach 3.47e5, the
+    reference's own output 1.46e5 (float32); the kernel's down_sbuf is float16."""
+    case = next(c for c in cases_model_config.model_config_cases(ROOT)
+                if c.kernel == "core/moe/moe_tkg" and c.shapes == "T=1 H=4096 I=768 E=4")
+    row = harness.run_case(case, ROOT)
+    assert (row.result, row.verdict) == (harness.XFAIL, harness.MISMATCH), harness.format_row(row)
+    assert "expert output before the affinity up to 3.47e+05" in row.message and harness.row_ok(case, row)

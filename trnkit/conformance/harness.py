@@ -12,7 +12,10 @@ their float32 copies for the reference, its reference outputs) are kept in files
 memory runs short; the kernel takes such inputs as they are unless a postprocess reads the inputs after
 it. Each case gives one :class:`Row`: PASS, MISMATCH, MISSING API
 (the interpreter lacks a name the kernel uses), REJECTED (the interpreter refused the kernel:
-``NkiValidationError``) or ERROR (anything else, with its type).
+``NkiValidationError``) or ERROR (anything else, with its type); two more carry nki-library's own expectation
+for the row: XFAIL (the test marks it ``xfail`` and the mismatch is the cause the case checks,
+``Case.xfail_check``) and SKIPPED (the test skips the row, ``Case.skipped_by``: it still runs here, and the
+message starts with the interpreter's own verdict, :attr:`Row.verdict`).
 
 The checkout is found through ``NKILIB_SRC`` (its root, or its ``src/``), else the archive
 ``nki-library-<commit>.tar.gz`` (``NKILIB_TARBALL``, or ``shared/thirdparty/`` next to or inside the
@@ -42,10 +45,14 @@ import numpy as np
 
 __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nkilib_commit", "nkilib_tarball",
            "extract_tarball", "compare", "disk_array", "uniform_array", "drawn_array", "run_case", "run_cases",
-           "format_table", "write_csv", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED", "MODEL_CONFIG"]
+           "format_table", "write_csv", "row_ok", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED",
+           "XFAIL", "SKIPPED", "MODEL_CONFIG"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
+# a case nki-library's test marks xfail whose mismatch is the cause its Case.xfail_check confirms
+XFAIL = "XFAIL"
+SKIPPED = "SKIPPED"  # a row nki-library's own test skips (Case.skipped_by); run anyway, Row.verdict says how it went
 CSV_FIELDS = ("kernel", "case", "shapes", "lnc", "result", "max_abs_err", "allowed_err", "rtol",
               "atol", "seconds", "message", "nkilib_commit")
 
@@ -89,6 +96,11 @@ class Case:
     read_only: tuple[str, ...] = ()
     tier: str = ""  # "" for the tests' unit tables; MODEL_CONFIG for a row of a test's model-config table
     xfail: str = ""  # nki-library's own xfail(strict=False) on the test that runs this row: its reason
+    # with ``xfail``: (inputs, actual, expected) of a MISMATCH -> the checked cause ("" when the mismatch is not that
+    # cause); the row is XFAIL only when it names one, any other mismatch stays MISMATCH
+    xfail_check: Callable[[dict, dict, dict], str] | None = None
+    # nki-library's own test skips this row (its pytest.skip reason): the row is SKIPPED, run anyway
+    skipped_by: str = ""
     # a documented hardware rule the kernel breaks on these inputs, or nki-library's own kernel check that refuses
     # them: the row does not pass, and its message contains this text
     rejected_by: str = ""
@@ -119,6 +131,7 @@ class Row:
     message: str = ""
     nkilib_commit: str = ""
     outputs: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (err, allowed)
+    verdict: str = ""  # the run's own result where ``result`` is nki-library's expectation (XFAIL, SKIPPED)
 
     def csv_row(self) -> dict[str, Any]:
         fmt = lambda v: "" if v is None else f"{v:.3g}"  # noqa: E731
@@ -591,7 +604,27 @@ def _classify(exc: BaseException) -> tuple[str, str]:
 
 
 def run_case(case: Case, root: Path, commit: str = "") -> Row:
-    """Run ``case`` on the interpreter and compare it with nki-library's reference."""
+    """Run ``case`` on the interpreter and compare it with nki-library's reference; a row nki-library's test
+    skips (``case.skipped_by``) runs too, and is SKIPPED with its verdict first in the message."""
+    row = _run_case(case, root, commit)
+    if case.skipped_by:
+        row.verdict, row.result = row.result, SKIPPED
+        row.message = f"run anyway: {row.verdict}" + f": {row.message}" * bool(row.message) + \
+            f"; nki-library's test skips this row: {case.skipped_by}"
+    return row
+
+
+def row_ok(case: Case, row: Row) -> bool:
+    """Whether ``row`` is what the conformance run accepts for ``case``: PASS (for a negative case: rejected as
+    nki-library expects), XFAIL (a checked cause), or the refusal the case names (``Case.rejected_by``);
+    a SKIPPED row is judged by its verdict."""
+    result = row.verdict if row.result == SKIPPED else row.result
+    if case.rejected_by:
+        return result in (REJECTED, ERROR) and case.rejected_by in row.message
+    return result == PASS or (result == XFAIL and bool(case.xfail))
+
+
+def _run_case(case: Case, root: Path, commit: str) -> Row:
     from trnkit.nkisim import memory
 
     row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
@@ -614,7 +647,8 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
             kernel = _resolve(case.entry, root)
             if case.wrap_kernel is not None:
                 kernel = case.wrap_kernel(kernel)
-            keep = case.postprocess is not None or case.ranks > 0  # (ranks may share an array: each its copy)
+            # (ranks may share an array: each its copy; an xfail check reads the inputs after the kernel)
+            keep = case.postprocess is not None or case.ranks > 0 or case.xfail_check is not None
             kernel_in = _copies(inputs["ranks"], case.read_only, keep) if case.ranks \
                 else _copies([inputs], case.read_only, keep)[0]
             t0 = time.perf_counter()
@@ -655,7 +689,9 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
         actual, expected = case.postprocess(inputs, actual, expected)
     else:  # compare() widens to float64 itself: no whole-array copy of an output that widens exactly
         actual = {n: _as_compared(np.asarray(r), expected[n].dtype) for n, r in zip(case.outputs, results)}
-    del results, inputs
+    del results
+    if case.xfail_check is None:
+        del inputs
     ok_all, worst_ratio, shares = True, -1.0, []
     pass_rates = dict(case.min_pass_rate)
     for name in case.outputs:
@@ -679,6 +715,10 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
     if not ok_all:
         row.message = "; ".join([f"{n}: max|err| {e:.3g} > {a:.3g}" for n, (e, a) in row.outputs.items()
                                  if not e <= a] + shares)
+        cause = case.xfail_check(inputs, actual, expected) if case.xfail and case.xfail_check else ""
+        if cause:  # the failure nki-library's xfail is about, checked: not a mismatch of the interpreter's
+            row.verdict, row.result = MISMATCH, XFAIL
+            row.message = f"xfail as nki-library marks it ({case.xfail}); checked: {cause}; {row.message}"
     return row
 
 
@@ -764,7 +804,7 @@ def run_cases(cases: Sequence[Case], root: Path, echo: Callable[[Row], None] | N
 # -- reporting -----------------------------------------------------------------------------------
 def format_row(row: Row) -> str:
     err = "" if row.max_abs_err is None else f"{row.max_abs_err:.2g} <= {row.allowed_err:.2g}"
-    if row.result == MISMATCH:
+    if MISMATCH in (row.result, row.verdict) and row.max_abs_err is not None:
         err = f"{row.max_abs_err:.2g} > {row.allowed_err:.2g}"
     secs = "" if row.seconds is None else f"{row.seconds:6.1f}s"
     line = f"{row.result:<11} {row.kernel:<28} {row.case:<34} lnc{row.lnc} {row.shapes:<34} {err:<20} {secs}"
@@ -772,7 +812,8 @@ def format_row(row: Row) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    counts = {r: sum(1 for x in rows if x.result == r) for r in (PASS, MISMATCH, MISSING, REJECTED, ERROR, ACCEPTED)}
+    counts = {r: sum(1 for x in rows if x.result == r)
+              for r in (PASS, XFAIL, SKIPPED, MISMATCH, MISSING, REJECTED, ERROR, ACCEPTED)}
     summary = ", ".join(f"{n} {r}" for r, n in counts.items() if n)
     return "\n".join([format_row(r) for r in rows] + [f"{len(rows)} cases: {summary}"])
 
