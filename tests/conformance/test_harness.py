@@ -623,3 +623,12 @@ def test_the_summary_counts_xfail_and_skipped_rows_apart():
     rows = [harness.Row("k", f"c{i}", "s", 1, r) for i, r in
             enumerate((harness.PASS, harness.XFAIL, harness.XFAIL, harness.SKIPPED, harness.MISMATCH))]
     assert harness.format_table(rows).splitlines()[-1] == "5 cases: 1 PASS, 2 XFAIL, 1 SKIPPED, 1 MISMATCH"
+
+
+def test_the_refusal_a_case_names_carries_the_cases_note(fake_checkout):
+    why = "the plan wants 256 partitions, its bound is 128"
+    row = harness.run_case(_case(entry="too_many_partitions", rejected_by="exceeds pmax", note=why), fake_checkout)
+    assert row.result == harness.REJECTED and row.message.endswith(f"exceeds pmax (128) ({why})")
+    # another failure, or a case that names none, keeps the interpreter's message alone
+    other = harness.run_case(_case(entry="too_many_partitions", rejected_by="heap", note=why), fake_checkout)
+    assert why not in other.message

@@ -607,6 +607,8 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
     """Run ``case`` on the interpreter and compare it with nki-library's reference; a row nki-library's test
     skips (``case.skipped_by``) runs too, and is SKIPPED with its verdict first in the message."""
     row = _run_case(case, root, commit)
+    if case.rejected_by and case.rejected_by in row.message and case.note:  # the refusal the case names: why
+        row.message = f"{row.message} ({case.note})"
     if case.skipped_by:
         row.verdict, row.result = row.result, SKIPPED
         row.message = f"run anyway: {row.verdict}" + f": {row.message}" * bool(row.message) + \
