@@ -299,20 +299,32 @@ def conformance() -> str:
 
 
 def conformance_model_config() -> str:
-    """The rows of the tests' model-config tables in conformance.csv, per kernel: how many ran and their results,
-    and the largest shape that passed (by the product of its sizes)."""
+    """The rows of the tests' model-config tables in conformance.csv, per kernel: how many ran and their results
+    (a SKIPPED row, which nki-library's test skips, with how it ran), and the largest shape that passed (by the
+    product of its sizes)."""
     rows = [r for r in read_csv("conformance.csv") if re.search(r" model_config( \w+)?$", r["case"])]
     body = []
     for kernel in dict.fromkeys(r["kernel"] for r in rows):
         mine = [r for r in rows if r["kernel"] == kernel]
         results = collections.Counter(r["result"] for r in mine)
+        verdicts = collections.Counter(_run_anyway(r) for r in mine if r["result"] == "SKIPPED")
         size = lambda r: math.prod(int(v) for v in re.findall(r"=(\d+)", r["shapes"]))  # noqa: E731
         passed = [r for r in mine if r["result"] == "PASS"]
         largest = max(passed, key=size)["shapes"] if passed else "-"
         paths = len({re.sub(r" model_config( \w+)?$", "", r["case"]) for r in mine})
-        body.append([kernel.removeprefix("core/"), str(len(mine)), ", ".join(f"{n} {k}" for k, n in
-                     sorted(results.items())), str(paths), largest])
+        counts = [f"{n} {k}" + (f" (run anyway: {', '.join(f'{m} {v}' for v, m in sorted(verdicts.items()))})"
+                                  if k == "SKIPPED" else "") for k, n in sorted(results.items())]
+        body.append([kernel.removeprefix("core/"), str(len(mine)), ", ".join(counts), str(paths), largest])
     return _table(["kernel", "rows run", "results", "case names (flag combinations)", "largest shape passed"], body)
+
+
+def _run_anyway(r: dict[str, str]) -> str:
+    """How a SKIPPED conformance row ran: the result its message starts with (``run anyway: PASS; ...``)."""
+    m = re.match(r"run anyway: ([A-Z]+( API)?)", r["message"])
+    if m is None:
+        raise ValueError(f"conformance.csv: SKIPPED row {r['kernel']} {r['case']} {r['shapes']} does not say how "
+                         "it ran")
+    return m.group(1)
 
 
 HEADLINE_CSV = "headline.csv"  # benchmarks/headline.py: one row per case, low / mid / high
@@ -648,6 +660,13 @@ def csv_count(name: str, where: dict[str, str]) -> Callable[[], str]:
     return value
 
 
+def skipped_count(verdict: str) -> Callable[[], str]:
+    """How many SKIPPED rows of conformance.csv ran anyway with ``verdict`` (PASS, REJECTED, ERROR, ...)."""
+    def value() -> str:
+        return str(sum(r["result"] == "SKIPPED" and _run_anyway(r) == verdict for r in read_csv("conformance.csv")))
+    return value
+
+
 def _step(flavor: str, dtype: str, seq: int = 512) -> dict[str, str]:
     """trnkit's row of a benchmarks/qwen3_step.py case (batch 2, deterministic algorithms off)."""
     return {"flavor": flavor, "dtype": dtype, "batch": "2", "seq": str(seq), "deterministic": "off", "impl": "trnkit"}
@@ -743,11 +762,17 @@ QUOTES = (
     Quote("README.md", "it passes {} of their", "conformance.csv PASS rows",
           csv_count("conformance.csv", {"result": "PASS"})),
     Quote("README.md", "of their {} test cases", "conformance.csv rows", csv_count("conformance.csv", {})),
-    Quote("README.md", "{} are rejected because their inputs break", "conformance.csv REJECTED rows",
-          csv_count("conformance.csv", {"result": "REJECTED"})),
-    Quote("README.md", "{} are refused by the kernel's own SBUF planner", "conformance.csv ERROR rows",
-          csv_count("conformance.csv", {"result": "ERROR"})),
-    Quote("README.md", "and {} overflow float16", "conformance.csv MISMATCH rows",
+    Quote("README.md", "{} are rows nki-library's own test skips", "conformance.csv SKIPPED rows",
+          csv_count("conformance.csv", {"result": "SKIPPED"})),
+    Quote("README.md", "(run anyway: {} pass,", "conformance.csv SKIPPED rows that ran PASS",
+          skipped_count("PASS")),
+    Quote("README.md", "{} are rejected because their inputs break", "conformance.csv SKIPPED rows rejected",
+          skipped_count("REJECTED")),
+    Quote("README.md", "{} are refused by the kernel's own SBUF planner", "conformance.csv SKIPPED rows: ERROR",
+          skipped_count("ERROR")),
+    Quote("README.md", "and {} overflow float16", "conformance.csv XFAIL rows",
+          csv_count("conformance.csv", {"result": "XFAIL"})),
+    Quote("README.md", "; {} rows mismatch", "conformance.csv MISMATCH rows",
           csv_count("conformance.csv", {"result": "MISMATCH"})),
     Quote("README.md", "fp32 cache: fwd {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline.csv rope_fwd",
           _range("rope_fwd", "us") + _range("rope_fwd", "fraction")),
