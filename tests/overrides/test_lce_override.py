@@ -94,3 +94,64 @@ def test_width_beyond_the_kernel_names_op_rule_and_value():
     with pytest.raises(OverrideConstraintError, match=r"linear_cross_entropy.*H <= 3072.*3073"):
         select("linear_cross_entropy", "nki", policy="strict", hidden=h, weight=w, labels=labels)
     assert select("linear_cross_entropy", "nki", hidden=h[:, :64], weight=w[:, :64], labels=labels).impl == "nki"
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_op_gradients_scale_by_the_loss_gradient(impl, dtype):
+    """``trnkit::linear_cross_entropy_fused`` computes the gradients in its forward; its backward multiplies
+    them by the loss gradient: the same loss and lse as the recompute op, gradients equal within the rounding
+    of dl (the fused op rounds dl at a loss gradient of 1, the recompute op at 0.37)."""
+    h, w, labels = _inputs(129, 40, 600, dtype, seed=4)
+    loss, lse, gh1, gw1 = ops.linear_cross_entropy_fused(h, w, labels, IGNORE, impl)
+    want_loss, want_lse = ops.linear_cross_entropy(h, w, labels, IGNORE, impl)
+    assert torch.equal(loss, want_loss) and torch.equal(lse, want_lse)
+    assert gh1.dtype == gw1.dtype == torch.float32
+    gh, gw = torch.autograd.grad(0.37 * loss, (h, w))
+    assert gh.dtype == gw.dtype == dtype
+    g = torch.tensor(0.37)
+    assert torch.equal(gh, (gh1 * g).to(dtype)) and torch.equal(gw, (gw1 * g).to(dtype))
+    wh, ww = torch.autograd.grad(0.37 * want_loss, (h, w))
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    for got, want in ((gh, wh), (gw, ww)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.float().abs().max()))
+
+
+def test_fused_opcheck_and_compile_fullgraph():
+    h, w, labels = _inputs(20, 16, 50, torch.float32, seed=2)
+    for impl in ("reference", "nki"):
+        torch.library.opcheck(torch.ops.trnkit.linear_cross_entropy_fused, (h, w, labels, IGNORE, impl))
+    fn = lambda a, b: ops.linear_cross_entropy_fused(a, b, labels, IGNORE, "nki")[0]  # noqa: E731
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(h, w)
+    got_g = torch.autograd.grad(got, (h, w))
+    want = fn(h, w)
+    want_g = torch.autograd.grad(want, (h, w))
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_g, want_g))
+
+
+def test_native_model_uses_the_fused_op_when_gradients_are_needed(monkeypatch):
+    """The swapped ``loss`` module runs the one-pass op under autograd and the forward-only op under no_grad;
+    ``schedule="recompute"`` keeps the backward that recomputes the logits; all give F.cross_entropy's loss."""
+    model = native_model(init_std=0.2)
+    apply_overrides(model, OverrideConfig(ops=["linear_cross_entropy"], impl="nki", seq_len=8))
+    calls = []
+    for name in ("linear_cross_entropy", "linear_cross_entropy_fused"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    h = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)) / 8
+    labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    want = F.cross_entropy((h @ weight.T).reshape(-1, 64), labels.reshape(-1), reduction="sum")
+    got_fused = model.loss(h, weight, labels)
+    got_recompute = model.loss(h, weight, labels, schedule="recompute")
+    with torch.no_grad():
+        got_nograd = model.loss(h, weight, labels)
+    assert calls == ["linear_cross_entropy_fused", "linear_cross_entropy", "linear_cross_entropy"]
+    for got in (got_fused, got_recompute, got_nograd):
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+    g1, = torch.autograd.grad(got_fused, h)
+    g2, = torch.autograd.grad(got_recompute, h)
+    assert_close(g1, g2, torch.float32)
+    with pytest.raises(ValueError, match=r"linear_cross_entropy: schedule must be one of \('fused', 'recompute'\), "
+                                         r"got 'once'"):
+        model.loss(h, weight, labels, schedule="once")

@@ -223,7 +223,9 @@ def _rmsnorm_constraints(x: Tensor, weight: Tensor, eps: float = 1e-6, **_: Any)
 # ------------------------------------------------------------------------------ linear cross-entropy
 
 
-def _lce_ref(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100):
+def _lce_ref(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, with_grad: bool = False):
+    if with_grad:  # (loss, lse, grad_hidden f32, grad_weight f32) at a loss gradient of 1
+        return _attr("cross_entropy", "linear_cross_entropy_fwd_bwd_ref")(hidden, weight, labels, ignore_index, "sum")
     return _attr("cross_entropy", "linear_cross_entropy_ref")(hidden, weight, labels, ignore_index, "sum")
 
 
@@ -233,7 +235,11 @@ def _lce_ref_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse: Tensor, gr
                                                                   ignore_index, "sum")
 
 
-def _lce_nki(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, lnc: int | None = None):
+def _lce_nki(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100, lnc: int | None = None,
+             with_grad: bool = False):
+    if with_grad:  # the one-pass kernel: (loss, lse, grad_hidden f32, grad_weight f32) at a loss gradient of 1
+        return _attr("cross_entropy", "linear_cross_entropy_fwd_bwd")(hidden, weight, labels, ignore_index, "sum",
+                                                                      lnc=lnc)
     return _attr("cross_entropy", "linear_cross_entropy")(hidden, weight, labels, ignore_index, "sum", lnc=lnc)
 
 

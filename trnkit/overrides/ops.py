@@ -25,6 +25,10 @@ registered on the functional ops with the impl's backward.
   ``promote(x.dtype, weight.dtype)``, ``rstd`` one fp32 value per row (saved for the backward).
 - ``trnkit::linear_cross_entropy(hidden, weight, labels, ignore_index, impl) -> (loss f32, lse f32)``: the
   lm_head fused with the cross-entropy summed over the labels that are not ``ignore_index``.
+- ``trnkit::linear_cross_entropy_fused(hidden, weight, labels, ignore_index, impl) -> (loss, lse, grad_hidden f32,
+  grad_weight f32)``: the same loss with its gradients at a loss gradient of 1, computed in the forward (an
+  impl whose ``fn`` takes ``with_grad=True``; otherwise its backward at 1); the backward multiplies them by the
+  loss gradient. The native model's loss module runs it when gradients are needed (``schedule="fused"``).
 - ``trnkit::attention(q, k, v, scale, impl) -> (o, lse f32)``: causal GQA attention in the ``[B, S, H, D]``
   layout (``lse [B, Hq, S]``, saved for the backward; it carries no gradient of its own).
 - ``trnkit::mlp(x, w_gate_up, w_down, impl) -> y``: the dense SwiGLU MLP ``(silu(x @ Wg) * (x @ Wu)) @ w_down``,
@@ -57,7 +61,8 @@ from trnkit.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from trnkit.overrides.registry import get_impl
 
 __all__ = ["attention", "attention_bwd", "grouped_mm", "grouped_mm_bwd", "linear_cross_entropy",
-           "linear_cross_entropy_bwd", "moe_experts", "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rope_hf",
+           "linear_cross_entropy_bwd", "linear_cross_entropy_fused",
+           "moe_experts", "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rope_hf",
            "rope_hf_apply", "router_topk", "router_topk_bwd", "mlp", "mlp_bwd"]
 
 _LAYOUTS = ("bhsd", "bshd")
@@ -517,6 +522,61 @@ def _lce_backward(ctx: Any, grad_loss: Tensor | None, grad_lse: Tensor | None):
 
 
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+@functools.cache
+def _takes_with_grad(fn: Any) -> bool:
+    return "with_grad" in inspect.signature(fn).parameters
+
+
+@torch.library.custom_op("trnkit::linear_cross_entropy_fused", mutates_args=())
+def linear_cross_entropy_fused(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
+                               impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, lse [T], grad_hidden [T, H] f32, grad_weight [V, H] f32)``: ``trnkit::linear_cross_entropy`` and
+    its gradients at a loss gradient of 1, computed in the forward (the one-pass schedule: no logits computed
+    twice). Its backward only multiplies the stored fp32 gradients by the loss gradient (a scalar: the loss
+    is a sum) and rounds them to the inputs' dtypes. An impl whose ``fn`` takes ``with_grad`` computes them
+    in one call (``fn(..., with_grad=True) -> (loss, lse, grad_hidden, grad_weight)``); for any other, its
+    backward runs at a loss gradient of 1."""
+    entry = get_impl("linear_cross_entropy", impl)
+    fn = entry.fn
+    args = (hidden.contiguous(), weight.contiguous(), labels.contiguous())
+    if _takes_with_grad(fn):
+        loss, lse, gh, gw = fn(*args, ignore_index=ignore_index, with_grad=True, **_lnc_kw(fn, lnc))
+    else:
+        loss, lse = fn(*args, ignore_index=ignore_index, **_lnc_kw(fn, lnc))
+        lse = lse.to(torch.float32).reshape(-1)
+        gh, gw = _run_backward("linear_cross_entropy", impl, *args, lse, torch.ones((), dtype=torch.float32),
+                               ignore_index=ignore_index, lnc=lnc)
+    return (loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1), gh.to(torch.float32),
+            gw.to(torch.float32))
+
+
+@linear_cross_entropy_fused.register_fake
+def _linear_cross_entropy_fused_fake(hidden, weight, labels, ignore_index=-100, impl="reference", lnc=0):
+    f32 = torch.float32
+    return (hidden.new_empty((), dtype=f32), hidden.new_empty((hidden.shape[0],), dtype=f32),
+            hidden.new_empty(hidden.shape, dtype=f32), weight.new_empty(weight.shape, dtype=f32))
+
+
+def _lce_fused_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    hidden, weight = inputs[0], inputs[1]
+    ctx.save_for_backward(output[2], output[3])
+    ctx.dtypes = (hidden.dtype, weight.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _lce_fused_backward(ctx: Any, grad_loss: Tensor | None, grad_lse: Tensor | None, grad_gh: Tensor | None,
+                        grad_gw: Tensor | None):
+    gh, gw = ctx.saved_tensors
+    if grad_loss is None:  # only lse (or the stored gradients) used downstream: they carry no gradient
+        return torch.zeros_like(gh, dtype=ctx.dtypes[0]), torch.zeros_like(gw, dtype=ctx.dtypes[1]), None, None, \
+            None, None
+    g = grad_loss.reshape(()).to(torch.float32)
+    return (gh * g).to(ctx.dtypes[0]), (gw * g).to(ctx.dtypes[1]), None, None, None, None
+
+
+linear_cross_entropy_fused.register_autograd(_lce_fused_backward, setup_context=_lce_fused_setup)
 
 
 # ----------------------------------------------------------------------------------------- attention

@@ -100,15 +100,27 @@ class LinearCrossEntropy(KernelSlot, nn.Module):
     as the lm_head would), fp32 out."""
 
     kernel_op = "linear_cross_entropy"
+    SCHEDULES = ("fused", "recompute")
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100) -> torch.Tensor:
+                chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100,
+                schedule: str = "fused") -> torch.Tensor:
+        """``schedule`` (the kernel's, when one is bound and gradients are needed): ``"fused"`` computes the
+        gradients in the forward (``trnkit::linear_cross_entropy_fused``: no logits computed twice; holds
+        fp32 gradients from forward to backward), ``"recompute"`` in the backward (recomputes the logits;
+        holds only the log-sum-exp)."""
+        if schedule not in self.SCHEDULES:
+            raise ValueError(f"linear_cross_entropy: schedule must be one of {self.SCHEDULES}, got {schedule!r}")
         if self.kernel is not None:
             dt = _compute_dtype(h, weight)
             hidden, w, lab = h.reshape(-1, h.shape[-1]).to(dt), weight.to(dt), labels.reshape(-1)
             impl = self.kernel.choose(hidden=hidden, weight=w, labels=lab, ignore_index=ignore_index)
             if impl is not None:
-                return _kernel_ops().linear_cross_entropy(hidden, w, lab, ignore_index, impl, lnc=self.kernel.lnc)[0]
+                ops = _kernel_ops()
+                grads = torch.is_grad_enabled() and (hidden.requires_grad or w.requires_grad)
+                if grads and schedule == "fused":
+                    return ops.linear_cross_entropy_fused(hidden, w, lab, ignore_index, impl, lnc=self.kernel.lnc)[0]
+                return ops.linear_cross_entropy(hidden, w, lab, ignore_index, impl, lnc=self.kernel.lnc)[0]
         weight, group, vocab_start = _vocab_shard(weight)
         return linear_cross_entropy(h, weight, labels, chunk_size=chunk_size, ignore_index=ignore_index,
                                     group=group, vocab_start=vocab_start)

@@ -20,8 +20,11 @@ from trnkit.kernels.cross_entropy import (
     linear_cross_entropy_bwd,
     linear_cross_entropy_bwd_ref,
     linear_cross_entropy_constraints,
+    linear_cross_entropy_fwd_bwd,
+    linear_cross_entropy_fwd_bwd_ref,
     linear_cross_entropy_ref,
 )
+from trnkit.kernels.cross_entropy.cross_entropy_fused import plan
 from trnkit.nkisim import trace
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -156,7 +159,97 @@ def test_labels_out_of_range_and_constraints():
         linear_cross_entropy_bwd(h, w, torch.zeros(4, dtype=torch.long), torch.zeros(3))
 
 
+def fused_case(T: int, H: int, V: int, dtype: torch.dtype, reduction: str = "mean", lnc: int = 1, seed: int = 0,
+               n_ignored: int = 1) -> None:
+    """The one-pass kernel: loss, lse and both gradients (fp32, at a loss gradient of 1) by the fp64-oracle
+    rule, the gradients compared after rounding to the inputs' dtype as the op's backward rounds them."""
+    h, w, labels = _inputs(T, H, V, dtype, seed, n_ignored)
+    loss, lse, gh, gw = linear_cross_entropy_fwd_bwd(h, w, labels, IGNORE, reduction, lnc=lnc)
+    assert gh.dtype == gw.dtype == torch.float32 and gh.shape == h.shape and gw.shape == w.shape
+    base_loss, base_g = _torch_ce(h, w, labels, dtype, reduction)
+    orc_loss, orc_g = _torch_ce(h, w, labels, F64, reduction)
+    check_oracle("lce fused loss", loss.reshape(1), base_loss.reshape(1), orc_loss.reshape(1))
+    check_oracle("lce fused lse", lse, torch.logsumexp(h.float() @ w.float().T, -1),
+                 torch.logsumexp(h.to(F64) @ w.to(F64).T, -1))
+    check_oracle("lce fused grad_hidden", gh.to(dtype), base_g[0], orc_g[0])
+    check_oracle("lce fused grad_weight", gw.to(dtype), base_g[1], orc_g[1])
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", FAST)
+def test_fused_oracle_fast(shape, dtype, lnc):
+    fused_case(*shape, dtype, lnc=lnc)
+
+
+@pytest.mark.parametrize("T, H, V, lnc, want", [
+    (1100, 2048, 130, 2, (5, 1)),  # two groups (640 + 460 tokens); one vocabulary tile, masked on program 1
+    (1100, 2560, 600, 1, (7, 2)),  # two groups (896 + 204 tokens), pass B over two column pieces of H
+    (300, 3072, 1030, 2, (3, 2)),  # pieces at LNC=2; the 6-row third tile masked on program 1
+])
+def test_fused_groups_pieces_and_masked_tiles(T, H, V, lnc, want):
+    """Token groups after the first add into grad_weight in HBM; pass B's column pieces; a vocabulary tile
+    another program computes again (its sum, dl and grad_weight kept out)."""
+    assert plan(T, H, V, 4, lnc) == want
+    fused_case(T, H, V, torch.float32, lnc=lnc)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_sum_reduction_and_many_ignored(dtype):
+    fused_case(150, 64, 300, dtype, reduction="sum", n_ignored=40)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_matches_its_reference(dtype):
+    """Against ``linear_cross_entropy_fwd_bwd_ref`` (dl rounded once to the dtype): the kernel rounds ``e`` to
+    the dtype as well (its HBM scratch), so bf16 agrees to about one bf16 rounding of dl."""
+    h, w, labels = _inputs(130, 72, 600, dtype, seed=3, n_ignored=5)
+    loss, lse, gh, gw = linear_cross_entropy_fwd_bwd(h, w, labels, IGNORE)
+    rloss, rlse, rgh, rgw = linear_cross_entropy_fwd_bwd_ref(h, w, labels, IGNORE)
+    torch.testing.assert_close(loss, rloss, rtol=2e-6, atol=0)
+    torch.testing.assert_close(lse, rlse, rtol=2e-6, atol=2e-6)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(gh, rgh, rtol=tol, atol=tol * float(rgh.abs().max()))
+    torch.testing.assert_close(gw, rgw, rtol=tol, atol=tol * float(rgw.abs().max()))
+    assert torch.all(gh[labels == IGNORE] == 0)
+
+
+def test_fused_hbm_holds_one_group_of_exp_values(monkeypatch):
+    """No [T, V] tensor: the largest HBM tensor the one-pass kernel allocates is its exp scratch of one token
+    group (1,024 tokens x V rounded up to 512-column tiles, in the operands' dtype), a third of T x V here;
+    no operand any instruction touches is T x V either."""
+    from trnkit.nki_api import nl
+
+    T, H, V = 3000, 64, 1100
+    h, w, labels = _inputs(T, H, V, torch.bfloat16)
+    sizes = []
+    real = nl.ndarray
+
+    def ndarray(shape, dtype, buffer=None, **kw):
+        if buffer is not None and "hbm" in str(getattr(buffer, "name", buffer)):
+            n = 1
+            for d in shape:
+                n *= d
+            sizes.append((tuple(shape), n))
+        return real(shape, dtype=dtype, buffer=buffer, **kw)
+
+    monkeypatch.setattr(nl, "ndarray", ndarray)
+    with trace.record() as tr:
+        linear_cross_entropy_fwd_bwd(h, w, labels)
+    biggest = max(n for _, n in sizes)
+    assert biggest == 1024 * 1536 < T * V
+    assert sorted(sizes, key=lambda s: -s[1])[0][0] == (1, 3, 128, 8, 512)  # [programs, tiles, 128, 8, 512]
+    hbm = {op.nbytes for i in tr for op in i.operands if op.buffer in ("hbm", "shared_hbm", "private_hbm")}
+    assert max(hbm) < T * V * 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_oracle_qwen3_vocabulary(dtype):
     ce_case(256, 256, 151936, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_oracle_qwen3_vocabulary(dtype):
+    fused_case(256, 256, 151936, dtype, lnc=2)

@@ -20,13 +20,15 @@ from trnkit.kernels.constraints import Violation, check
 from trnkit.kernels.cross_entropy.constraints import linear_cross_entropy_constraints
 from trnkit.kernels.cross_entropy.cross_entropy_torch import (
     linear_cross_entropy_bwd_ref,
+    linear_cross_entropy_fwd_bwd_ref,
     linear_cross_entropy_ref,
     token_scale,
 )
 from trnkit.kernels.lnc import launch, resolve_lnc
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_bwd",
-           "linear_cross_entropy_bwd_ref", "linear_cross_entropy_constraints", "linear_cross_entropy_ref"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_bwd_ref",
+           "linear_cross_entropy_constraints", "linear_cross_entropy_fwd_bwd", "linear_cross_entropy_fwd_bwd_ref",
+           "linear_cross_entropy_ref"]
 
 
 def _labels_f32(labels: torch.Tensor, V: int, ignore_index: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,3 +76,23 @@ def linear_cross_entropy_bwd(hidden: Any, weight: Any, labels: Any, lse: Any, gr
                                                        weight.T.contiguous(), weight.contiguous(), lab,
                                                        lse.contiguous(), scale)
     return gh.sum(0).to(hidden.dtype), gw.to(weight.dtype)  # grad_hidden: one partial per program
+
+
+def linear_cross_entropy_fwd_bwd(hidden: Any, weight: Any, labels: Any, ignore_index: int = -100,
+                                 reduction: str = "mean", lnc: int | None = None
+                                 ) -> tuple[Any, Any, Any, Any]:
+    """``(loss [] f32, lse [T] f32, grad_hidden [T, H] f32, grad_weight [V, H] f32)``: the loss of
+    :func:`linear_cross_entropy` and its gradients at a loss gradient of 1, in one launch with no logits
+    computed twice (the one-pass schedule, ``cross_entropy_fused``). The gradients stay fp32 so that a
+    backward only multiplies them by its loss gradient (and rounds them to the parameters' dtypes)."""
+    from trnkit.kernels.cross_entropy.cross_entropy_fused import lce_fused_kernel
+
+    name = "linear_cross_entropy_fwd_bwd"
+    check(linear_cross_entropy_constraints(hidden, weight, labels, ignore_index, reduction, name=name))
+    lab, valid = _labels_f32(labels, weight.shape[0], ignore_index, name)
+    scale = token_scale(labels, ignore_index, reduction, 1.0)
+    per_token, lse, gh, gw = launch(lce_fused_kernel, resolve_lnc(lnc))(
+        hidden.T.contiguous(), hidden.contiguous(), weight.T.contiguous(), weight.contiguous(), lab, scale)
+    per_token = torch.where(valid, per_token, 0.0)
+    loss = per_token.sum() / valid.sum() if reduction == "mean" else per_token.sum()
+    return loss, lse, gh.sum(0), gw  # grad_hidden: one partial per program

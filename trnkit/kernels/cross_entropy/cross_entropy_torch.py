@@ -53,4 +53,20 @@ def linear_cross_entropy_bwd_ref(hidden: torch.Tensor, weight: torch.Tensor, lab
     return (dl @ weight.float()).to(hidden.dtype), (dl.T @ hidden.float()).to(weight.dtype)
 
 
-__all__ = ["linear_cross_entropy_bwd_ref", "linear_cross_entropy_ref", "token_scale"]
+def linear_cross_entropy_fwd_bwd_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                     ignore_index: int = -100, reduction: str = "mean"
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, lse, grad_hidden f32, grad_weight f32)``: :func:`linear_cross_entropy_ref` and the fp32 sums of
+    :func:`linear_cross_entropy_bwd_ref` at a loss gradient of 1 (``dl`` rounded to the operands' dtype)."""
+    loss, lse = linear_cross_entropy_ref(hidden, weight, labels, ignore_index, reduction)
+    logits = hidden.float() @ weight.float().T
+    valid = labels != ignore_index
+    onehot = torch.zeros_like(logits)
+    onehot[valid.nonzero()[:, 0], labels[valid].long()] = 1.0
+    scale = token_scale(labels, ignore_index, reduction, 1.0)
+    dl = ((torch.exp(logits - lse[:, None]) - onehot) * scale[:, None]).to(hidden.dtype).float()
+    return loss, lse, dl @ weight.float(), dl.T @ hidden.float()
+
+
+__all__ = ["linear_cross_entropy_bwd_ref", "linear_cross_entropy_fwd_bwd_ref", "linear_cross_entropy_ref",
+           "token_scale"]
