@@ -155,3 +155,9 @@ def test_native_model_uses_the_fused_op_when_gradients_are_needed(monkeypatch):
     with pytest.raises(ValueError, match=r"linear_cross_entropy: schedule must be one of \('fused', 'recompute'\), "
                                          r"got 'once'"):
         model.loss(h, weight, labels, schedule="once")
+    # the model's forward passes its loss_schedule on
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))
+    calls.clear()
+    losses = [model(tokens, labels=tokens, loss_schedule=s) for s in ("fused", "recompute")]
+    assert calls == ["linear_cross_entropy_fused", "linear_cross_entropy"]
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)

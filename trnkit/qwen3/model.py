@@ -529,10 +529,12 @@ class Qwen3Model(_DropsForwardState, nn.Module):
         return self
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                loss_chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100) -> torch.Tensor:
+                loss_chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100,
+                loss_schedule: str = "fused") -> torch.Tensor:
         """``tokens [B,S]`` -> logits [B,S,V]; with ``labels [B,S]``: the summed cross-entropy (fp32 scalar)
         over labels != ``ignore_index``, from the chunked linear cross-entropy (``loss_chunk_size``
         tokens per chunk; 0 = full logits + ``F.cross_entropy``), so [B*S, V] logits never exist.
+        ``loss_schedule``: the swapped-in loss kernel's schedule (:class:`LinearCrossEntropy`).
 
         The loss is computed here, inside ``forward``, so FSDP2's forward hooks have gathered the
         lm_head weight. Under tensor parallelism with a vocab-sharded lm_head (a ``Shard(0)`` DTensor
@@ -559,7 +561,7 @@ class Qwen3Model(_DropsForwardState, nn.Module):
             logits = self.lm_head(h).float()
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index,
                                    reduction="sum")
-        return self.loss(h, self.lm_head.weight, labels, loss_chunk_size, ignore_index)
+        return self.loss(h, self.lm_head.weight, labels, loss_chunk_size, ignore_index, schedule=loss_schedule)
 
     def router_stats(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """``(selections per expert [E], router probabilities summed per expert [E], rows)`` over all MoE

@@ -249,11 +249,34 @@ def _gw_dst(grad_w, gw_scr, r0, rows, c0, cw, masked):
     return grad_w[r0:r0 + rows, c0:c0 + cw]
 
 
+def _form_dl(eb, c, k, vt, sc, zero, lab, col0, subs, dt):
+    """``dl [P, n, 512] = e * c - scale * onehot`` of vocabulary tile ``k`` for the group's token tiles,
+    rounded to ``dt`` (a masked tile: scale 0 and c 0, so dl = 0)."""
+    (v0, vw), masked = vt[k]
+    n = len(subs)
+    vid = nl.ndarray((P, vw), dtype=nl.float32, buffer=nl.sbuf)  # vocabulary index of each column
+    nisa.iota(dst=vid, pattern=[[1, vw]], offset=v0, channel_multiplier=0)
+    gsc = zero if masked else sc  # a masked tile (another program's): no onehot term either
+    dl = nl.ndarray((P, n, WIDE), dtype=dt, buffer=nl.sbuf)
+    for j in range(n):
+        tw = subs[j][1]
+        col = col0 + j
+        hs = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)  # scale * onehot
+        nisa.tensor_scalar(dst=hs, data=vid[0:tw, :], op0=nl.equal, operand0=lab[0:tw, col:col + 1],
+                           op1=nl.multiply, operand1=gsc[0:tw, col:col + 1])
+        nisa.scalar_tensor_tensor(dst=dl[0:tw, j, 0:vw], data=eb[0:tw, j, 0:vw], op0=nl.multiply,
+                                  operand0=c[0:tw, j, k:k + 1], op1=nl.subtract, operand1=hs)
+    return dl
+
+
 def _pass_b(h, w, e_scr, c, sc, zero, lab, vt, gh_part, grad_w, gw_scr, gi, t0, col0, subs, pieces, pid, dt,
             next_group):
-    """Pass B of a group: both gradients from the stored ``e`` (see the module doc). Each step's loads are
-    issued one step ahead, before this step's stores, and the next group's first operands (``next_group =
-    (hT, wT, (t0, size))``, None after the last group) with the last step's; returns those."""
+    """Pass B of a group: both gradients from the stored ``e`` (see the module doc). Written in the order the
+    engines should run it, since each runs its instructions in program order: each step's loads one step
+    ahead (before this step's stores), and the next group's first operands (``next_group = (hT, wT, (t0,
+    size))``, None after the last group) with the last step's, which this returns; the next step's ``dl``
+    formed (Vector) before this step's grad_weight sums leave PSUM; each token tile's transposes one tile
+    ahead of its grad_hidden matmuls (TensorE never waits on the Scalar engine's copy out of PSUM)."""
     n, nv = len(subs), len(vt)
     inner = []
     for j in range(n):
@@ -263,11 +286,13 @@ def _pass_b(h, w, e_scr, c, sc, zero, lab, vt, gh_part, grad_w, gw_scr, gi, t0, 
         for k in range(nv):
             items.append((c0, cw, k, k == 0))
     nxt = _b_loads(h, w, e_scr, grad_w, gw_scr, vt, items[0], gi, t0, subs, pid, dt)
+    dl_next = _form_dl(nxt[1], c, 0, vt, sc, zero, lab, col0, subs, dt)
     ahead = None
     for it in range(len(items)):
         c0, cw, k, first = items[it]
         (v0, vw), masked = vt[k]
         w_rows, eb, xk = nxt
+        dl = dl_next
         vsubs = _tiles(vw, P)
         old = _gw_rows(grad_w, gw_scr, v0, vsubs[0][0], vsubs[0][1], c0, cw, masked, gi)
         if first:
@@ -278,27 +303,20 @@ def _pass_b(h, w, e_scr, c, sc, zero, lab, vt, gh_part, grad_w, gw_scr, gi, t0, 
         elif next_group != None:  # noqa: E711 (the NKI compiler rejects `is`)
             hT, wT, (g0, gw) = next_group
             ahead = _first_operands(hT, wT, vt, g0, gw, dt)
-        vid = nl.ndarray((P, vw), dtype=nl.float32, buffer=nl.sbuf)  # vocabulary index of each column
-        nisa.iota(dst=vid, pattern=[[1, vw]], offset=v0, channel_multiplier=0)
-        gsc = zero if masked else sc  # a masked tile (another program's): no onehot term either
-        dl = nl.ndarray((P, n, WIDE), dtype=dt, buffer=nl.sbuf)
-        for j in range(n):
-            tw = subs[j][1]
-            col = col0 + j
-            hs = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.sbuf)  # scale * onehot
-            nisa.tensor_scalar(dst=hs, data=vid[0:tw, :], op0=nl.equal, operand0=lab[0:tw, col:col + 1],
-                               op1=nl.multiply, operand1=gsc[0:tw, col:col + 1])
-            nisa.scalar_tensor_tensor(dst=dl[0:tw, j, 0:vw], data=eb[0:tw, j, 0:vw], op0=nl.multiply,
-                                      operand0=c[0:tw, j, k:k + 1], op1=nl.subtract, operand1=hs)
         vtiles = []
         for si in range(len(vsubs)):
             vtiles.append((si, vsubs[si][1]))
+        dlT_next = _transposed(dl, 0, subs[0][1], vsubs, dt)
         for j in range(n):
             tw = subs[j][1]
-            dlT = _transposed(dl, j, tw, vsubs, dt)
+            dlT = dlT_next
+            if j + 1 < n:
+                dlT_next = _transposed(dl, j + 1, subs[j + 1][1], vsubs, dt)
             banks = _banks(tw, cw)
             _sum_products(banks, dlT, 0, tw, w_rows, vtiles)
             _leave_psum(acc[0:tw, j, :], banks, k > 0)
+        if it + 1 < len(items):
+            dl_next = _form_dl(nxt[1], c, items[it + 1][2], vt, sc, zero, lab, col0, subs, dt)
         for si in range(len(vsubs)):
             s0, sw = vsubs[si]
             banks = _banks(sw, cw)
