@@ -3,16 +3,21 @@
 
 The two do different amounts of work, and the table says which:
 
-- trnkit ``linear_cross_entropy`` takes hidden ``[N, H]`` and the lm_head ``[V, H]``: the forward computes the
-  logits on TensorE (``2 N H V`` FLOPs), their log-sum-exp and the loss, and writes only the loss and the lse;
-  the backward recomputes the logits once and produces grad_hidden and grad_weight from each logits tile
-  (three matmul passes over ``N x V x H``: ``6 N H V`` FLOPs), fp32 accumulation throughout. No ``[N, V]`` tensor
-  in HBM.
+- trnkit's fused kernels take hidden ``[N, H]`` and the lm_head ``[V, H]``, in two schedules (``--schedules``):
+  ``fused`` (the trainer's default): the forward, ``linear_cross_entropy_fwd_bwd``, computes the logits once
+  and from them the loss, the lse and both gradients (``6 N H V`` FLOPs; each token group's exp values go
+  through an HBM scratch of at most 1,024 x V between its two passes), and the backward only scales the stored
+  fp32 gradients into bf16 (a torch elementwise op, counted at its HBM bound); ``recompute``: the forward
+  ``linear_cross_entropy`` computes the logits, their log-sum-exp and the loss (``2 N H V``), and the backward
+  ``linear_cross_entropy_bwd`` recomputes the logits and produces both gradients (``6 N H V``). fp32
+  accumulation throughout; no ``[N, V]`` tensor in HBM.
 - nki-library's kernels take the logits ``[N, V]`` from HBM: the forward computes lse and loss (internal dtype
   bf16, as its tests run it), the backward ``grad_logits`` (written over the logits). The lm_head matmul before
   it and the two gradient matmuls after it are someone else's job, and the ``[N, V]`` logits live in HBM.
 
-So each nki-library row is shown twice: its kernel alone, and "the same job": its kernel plus the lm_head
+With the fused schedule the forward does the backward's matmuls, so only forward + backward together compare
+like with like (the table adds that row per schedule). Each nki-library row is shown twice: its kernel alone, and
+"the same job": its kernel plus the lm_head
 matmul(s) at their lower bound (the larger of TensorE's bf16 peak time for ``2 N H V`` FLOPs forward,
 ``4 N H V`` backward, and the HBM time of their operands and the logits), the most any matmul kernel could
 give it. The ratio against the same job is the fair one; the ratio against the kernel alone is a floor.
@@ -28,8 +33,9 @@ instead of the test's 65,535: two 65,535-wide bf16 tiles are live at once, 262,1
 than SBUF holds).
 
 Usage: ``python benchmarks/cross_entropy_peak.py [--cases Qwen3-4B ...] [--modes forward backward]
-[--no-nkilib | --nkilib-from-csv] [--save]``; ``--save`` writes ``benchmarks/data/cross_entropy_peak.csv``, each
-(case, pass) row replacing its earlier one as soon as it is estimated. ``--nkilib-from-csv`` traces trnkit's side
+[--schedules fused recompute] [--no-nkilib | --nkilib-from-csv] [--save]``; ``--save`` writes
+``benchmarks/data/cross_entropy_peak.csv``, each (case, schedule, pass) row replacing its earlier one as soon as
+it is estimated. ``--nkilib-from-csv`` traces trnkit's side
 only and carries nki-library's figures over from that CSV (same position batch and chunk), for when only trnkit's
 kernel changed.
 """
@@ -60,8 +66,11 @@ SHAPES = [
 MODES = ("forward", "backward")
 
 
-def _trnkit(N: int, H: int, V: int, mode: str) -> Estimate:
-    e = estimate_op(loss_op(N, H, V, mode, LNC, full=False), "trn2", {})
+SCHEDULES = ("fused", "recompute")
+
+
+def _trnkit(N: int, H: int, V: int, mode: str, schedule: str) -> Estimate:
+    e = estimate_op(loss_op(N, H, V, mode, LNC, full=False, schedule=schedule), "trn2", {})
     return Estimate(e.low_ns, e.mid_ns, e.high_ns, e.trace_s)
 
 
@@ -127,17 +136,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     add_side_args(p, "kernels", CSV.name)
     args = p.parse_args()
     for case, N, H, V, fwd_cfg, bwd_cfg in SHAPES:
         if case not in args.cases:
             continue
-        for mode, (pb, cs) in zip(MODES, (fwd_cfg, bwd_cfg)):
+        for schedule, (mode, (pb, cs)) in ((s, m) for s in args.schedules for m in zip(MODES, (fwd_cfg, bwd_cfg))):
             if mode not in args.modes:
                 continue
-            tk = _trnkit(N, H, V, mode)
-            print(f"{case:14s} {mode:8s} trnkit fused      {_fmt(tk)}", flush=True)
-            row = {"case": case, "mode": mode, "N": N, "H": H, "V": V, "lnc": LNC,
+            tk = _trnkit(N, H, V, mode, schedule)
+            print(f"{case:14s} {mode:8s} trnkit {schedule:9s} {_fmt(tk)}", flush=True)
+            row = {"case": case, "schedule": schedule, "mode": mode, "N": N, "H": H, "V": V, "lnc": LNC,
                    "trnkit_us_mid": round(tk.mid / 1e3, 1), "trnkit_us_low": round(tk.low / 1e3, 1),
                    "trnkit_us_high": round(tk.high / 1e3, 1), "nkilib_pb": pb, "nkilib_cs": cs}
             if args.nkilib_from_csv:
@@ -154,7 +164,7 @@ def main() -> None:
                 row.update(nkilib_us_mid=round(aws.mid / 1e3, 1), nkilib_us_low=round(aws.low / 1e3, 1),
                            nkilib_us_high=round(aws.high / 1e3, 1), matmul_bound_us=round(mm / 1e3, 1))
             if args.save:
-                write_csv([row], CSV, replace=("case", "mode"))
+                write_csv([row], CSV, replace=("case", "schedule", "mode"))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,13 @@ busy time. The ops of a layer (``T = batch x seq`` tokens):
   (:func:`~trnkit.kernels.moe.moe_experts`, balanced routing: every expert gets ``T x top_k / E`` slots);
   dense layers: ``mlp`` (:func:`~trnkit.kernels.mlp.mlp` / ``mlp_bwd``, the fused SwiGLU MLP).
 
-Once per step: the final norm and the fused lm_head + loss
-(:func:`~trnkit.kernels.cross_entropy.linear_cross_entropy`). Not counted (no trnkit kernel): the
+Once per step: the final norm and the fused lm_head + loss in the trainer's default one-pass schedule
+(:func:`~trnkit.kernels.cross_entropy.linear_cross_entropy_fwd_bwd`: the loss and both gradients in the
+forward), whose backward only multiplies the stored fp32 gradients by the loss gradient and rounds them to
+bf16 (a torch elementwise op, counted at its HBM bound: no kernel is traced for it);
+``loss_op(..., schedule="recompute")`` gives the forward / backward kernel pair that recomputes the logits in
+the backward (:func:`~trnkit.kernels.cross_entropy.linear_cross_entropy` / ``_bwd``). Not counted (no trnkit
+kernel): the
 embedding lookup and its gradient, the optimizer step, gradient reductions across devices, and the sums
 of the partial input gradients of a matmul launched in column slices.
 
@@ -84,6 +89,8 @@ class StepOp:
     traced: str = ""  # what was traced when not the whole op (a line fit: what its units are, "vocabulary rows")
     key: tuple = ()  # identical launches share one trace
     check: Callable[[int], list] = lambda u: []  # the kernel's declared constraints at ``u`` units (meta tensors)
+    # an op with no kernel (torch elementwise work): estimated at this HBM bound (ns, every end), not traced
+    bound_ns: float = 0.0
 
 
 @dataclass
@@ -372,11 +379,38 @@ def mlp_op(part: str, T: int, H: int, inter: int, mode: str, lnc: int) -> StepOp
 # --------------------------------------------------------------------------------------- loss
 
 
-def loss_op(T: int, H: int, V: int, mode: str, lnc: int, full: bool) -> StepOp:
+HBM_BYTES_PER_NS = 362.5  # HBM bandwidth per physical core (trn2), the cost model's
+
+
+def loss_op(T: int, H: int, V: int, mode: str, lnc: int, full: bool, schedule: str = "fused") -> StepOp:
+    """The lm_head + loss of one step, pass ``mode``: ``schedule="fused"`` (the trainer's default) is the
+    one-pass kernel forward (all ``6 T H V`` model FLOPs) and, backward, the scaling of its stored fp32
+    gradients by the loss gradient into bf16 (read ``lnc`` fp32 grad_hidden partials and the fp32 grad_weight,
+    write both in bf16; its HBM bound over ``lnc`` cores); ``"recompute"`` the forward kernel and the
+    backward kernel that recomputes the logits."""
     from trnkit.kernels import cross_entropy as mod
 
+    if schedule not in ("fused", "recompute"):
+        raise ValueError(f"step: loss schedule must be 'fused' or 'recompute', got {schedule!r}")
     traced_units = (V,) if full or V <= 2 * VOCAB_TRACED else (VOCAB_TRACED, 2 * VOCAB_TRACED)
     bwd = mode == "backward"
+    isz = torch.finfo(DTYPE).bits // 8
+    if schedule == "fused" and bwd:
+        nbytes = (lnc * T * H + V * H) * 4 + (T * H + V * H) * isz
+        return StepOp("lm_head_loss", "grad scale (torch)", mode, "head", f"[{T}, {H}] + [{V}, {H}] fp32",
+                      0, lambda u: None, key=("lce_grad_scale", T, H, V, lnc),
+                      bound_ns=nbytes / (HBM_BYTES_PER_NS * lnc))
+    if schedule == "fused":
+        def make_fused(v: int, g: torch.Generator | None) -> tuple:
+            labels = torch.randint(0, v, (T,), generator=g) if g is not None else torch.empty(
+                T, dtype=torch.int64, device="meta")
+            return (_t(T, H, g=g), _t(v, H, g=g), labels)
+
+        return _op("lm_head_loss", "linear_cross_entropy_fwd_bwd", mode, "head", f"[{T}, {H}] x [{V}, {H}]",
+                   6 * T * H * V, make_fused, lambda *a: mod.linear_cross_entropy_fwd_bwd(*a, lnc=lnc),
+                   lambda h, w, labels: mod.linear_cross_entropy_constraints(h, w, labels), V, traced_units,
+                   "vocabulary rows" if len(traced_units) == 2 else "",
+                   ("linear_cross_entropy_fwd_bwd", T, H, lnc))
 
     def make(v: int, g: torch.Generator | None) -> tuple:
         labels = torch.randint(0, v, (T,), generator=g) if g is not None else torch.empty(T, dtype=torch.int64,
@@ -477,6 +511,8 @@ def _at(units: int, points: list[tuple[int, float]]) -> float:
 
 def estimate_op(op: StepOp, chip: str, cache: dict) -> OpEstimate:
     """Trace ``op`` (or reuse an identical launch's trace) and estimate it on ``chip``."""
+    if op.bound_ns:
+        return OpEstimate(op, op.bound_ns, op.bound_ns, op.bound_ns, {"dma": op.bound_ns}, 0.0, "HBM bound")
     key = (op.key, op.traced_units)
     secs = 0.0
     if key not in cache:
