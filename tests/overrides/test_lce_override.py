@@ -129,9 +129,9 @@ def test_fused_opcheck_and_compile_fullgraph():
     assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_g, want_g))
 
 
-def test_native_model_uses_the_fused_op_when_gradients_are_needed(monkeypatch):
-    """The swapped ``loss`` module runs the one-pass op under autograd and the forward-only op under no_grad;
-    ``schedule="recompute"`` keeps the backward that recomputes the logits; all give F.cross_entropy's loss."""
+def test_native_model_runs_the_fused_op_when_asked_and_gradients_are_needed(monkeypatch):
+    """The swapped ``loss`` module runs the recompute pair by default, the one-pass op under autograd with
+    ``schedule="fused"`` and the forward-only op under no_grad; all give F.cross_entropy's loss."""
     model = native_model(init_std=0.2)
     apply_overrides(model, OverrideConfig(ops=["linear_cross_entropy"], impl="nki", seq_len=8))
     calls = []
@@ -142,10 +142,10 @@ def test_native_model_uses_the_fused_op_when_gradients_are_needed(monkeypatch):
     weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(2)) / 8
     labels = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
     want = F.cross_entropy((h @ weight.T).reshape(-1, 64), labels.reshape(-1), reduction="sum")
-    got_fused = model.loss(h, weight, labels)
-    got_recompute = model.loss(h, weight, labels, schedule="recompute")
+    got_fused = model.loss(h, weight, labels, schedule="fused")
+    got_recompute = model.loss(h, weight, labels)
     with torch.no_grad():
-        got_nograd = model.loss(h, weight, labels)
+        got_nograd = model.loss(h, weight, labels, schedule="fused")
     assert calls == ["linear_cross_entropy_fused", "linear_cross_entropy", "linear_cross_entropy"]
     for got in (got_fused, got_recompute, got_nograd):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
@@ -158,6 +158,6 @@ def test_native_model_uses_the_fused_op_when_gradients_are_needed(monkeypatch):
     # the model's forward passes its loss_schedule on
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))
     calls.clear()
-    losses = [model(tokens, labels=tokens, loss_schedule=s) for s in ("fused", "recompute")]
+    losses = [model(tokens, labels=tokens, loss_schedule="fused"), model(tokens, labels=tokens)]
     assert calls == ["linear_cross_entropy_fused", "linear_cross_entropy"]
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)

@@ -19,12 +19,13 @@ busy time. The ops of a layer (``T = batch x seq`` tokens):
   (:func:`~trnkit.kernels.moe.moe_experts`, balanced routing: every expert gets ``T x top_k / E`` slots);
   dense layers: ``mlp`` (:func:`~trnkit.kernels.mlp.mlp` / ``mlp_bwd``, the fused SwiGLU MLP).
 
-Once per step: the final norm and the fused lm_head + loss in the trainer's default one-pass schedule
+Once per step: the final norm and the fused lm_head + loss in the trainer's default schedule, the forward /
+backward kernel pair that recomputes the logits in the backward
+(:func:`~trnkit.kernels.cross_entropy.linear_cross_entropy` / ``_bwd``); ``loss_schedule="fused"`` (CLI
+``--loss-schedule fused``) takes the opt-in one-pass kernel instead
 (:func:`~trnkit.kernels.cross_entropy.linear_cross_entropy_fwd_bwd`: the loss and both gradients in the
 forward), whose backward only multiplies the stored fp32 gradients by the loss gradient and rounds them to
-bf16 (a torch elementwise op, counted at its HBM bound: no kernel is traced for it);
-``loss_op(..., schedule="recompute")`` gives the forward / backward kernel pair that recomputes the logits in
-the backward (:func:`~trnkit.kernels.cross_entropy.linear_cross_entropy` / ``_bwd``). Not counted (no trnkit
+bf16 (a torch elementwise op, counted at its HBM bound: no kernel is traced for it). Not counted (no trnkit
 kernel): the
 embedding lookup and its gradient, the optimizer step, gradient reductions across devices, and the sums
 of the partial input gradients of a matmul launched in column slices.
@@ -382,12 +383,12 @@ def mlp_op(part: str, T: int, H: int, inter: int, mode: str, lnc: int) -> StepOp
 HBM_BYTES_PER_NS = 362.5  # HBM bandwidth per physical core (trn2), the cost model's
 
 
-def loss_op(T: int, H: int, V: int, mode: str, lnc: int, full: bool, schedule: str = "fused") -> StepOp:
-    """The lm_head + loss of one step, pass ``mode``: ``schedule="fused"`` (the trainer's default) is the
+def loss_op(T: int, H: int, V: int, mode: str, lnc: int, full: bool, schedule: str = "recompute") -> StepOp:
+    """The lm_head + loss of one step, pass ``mode``: ``schedule="fused"`` (opt-in) is the
     one-pass kernel forward (all ``6 T H V`` model FLOPs) and, backward, the scaling of its stored fp32
     gradients by the loss gradient into bf16 (read ``lnc`` fp32 grad_hidden partials and the fp32 grad_weight,
     write both in bf16; its HBM bound over ``lnc`` cores); ``"recompute"`` the forward kernel and the
-    backward kernel that recomputes the logits."""
+    backward kernel that recomputes the logits (the trainer's default)."""
     from trnkit.kernels import cross_entropy as mod
 
     if schedule not in ("fused", "recompute"):
@@ -458,9 +459,10 @@ def _layer_ops(cfg, part: str, moe_layer: bool, B: int, S: int, lnc: int, full: 
     return ops("forward") + ops("backward")[::-1]
 
 
-def step_ops(cfg, batch: int, seq: int, lnc: int, full: bool = False) -> tuple[list[StepOp], dict[str, int]]:
+def step_ops(cfg, batch: int, seq: int, lnc: int, full: bool = False,
+             loss_schedule: str = "recompute") -> tuple[list[StepOp], dict[str, int]]:
     """Every op of one train step of ``cfg`` (a :class:`~trnkit.qwen3.config.Qwen3Config`) and the number
-    of layers of each kind."""
+    of layers of each kind; ``loss_schedule``: the lm_head + loss schedule (:func:`loss_op`)."""
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) if cfg.is_moe else 0
     layers = {k: n for k, n in (("dense layer", cfg.n_layers - n_moe), ("moe layer", n_moe)) if n}
     ops: list[StepOp] = []
@@ -468,8 +470,8 @@ def step_ops(cfg, batch: int, seq: int, lnc: int, full: bool = False) -> tuple[l
         ops += _layer_ops(cfg, kind, kind == "moe layer", batch, seq, lnc, full)
     T = batch * seq
     ops += [norm_op("final_norm", "head", T, cfg.dim, "forward", lnc, residual=True),
-            loss_op(T, cfg.dim, cfg.vocab_size, "forward", lnc, full),
-            loss_op(T, cfg.dim, cfg.vocab_size, "backward", lnc, full),
+            loss_op(T, cfg.dim, cfg.vocab_size, "forward", lnc, full, loss_schedule),
+            loss_op(T, cfg.dim, cfg.vocab_size, "backward", lnc, full, loss_schedule),
             norm_op("final_norm", "head", T, cfg.dim, "backward", lnc, residual=True)]
     return ops, layers
 
@@ -539,8 +541,10 @@ def estimate_op(op: StepOp, chip: str, cache: dict) -> OpEstimate:
 
 
 def estimate_step(flavor: str, seq: int, batch: int = 1, lnc: int = 2, chip: str = "trn2", full: bool = False,
-                  log: Callable[[str], None] | None = None, config=None) -> StepEstimate:
-    """The step estimate of a registry flavor (or of ``config``, a Qwen3Config, named ``flavor``)."""
+                  log: Callable[[str], None] | None = None, config=None,
+                  loss_schedule: str = "recompute") -> StepEstimate:
+    """The step estimate of a registry flavor (or of ``config``, a Qwen3Config, named ``flavor``), with the
+    lm_head + loss in ``loss_schedule`` (:func:`loss_op`)."""
     from trnkit.nkisim import hardware
     from trnkit.qwen3 import model_registry
 
@@ -554,7 +558,7 @@ def estimate_step(flavor: str, seq: int, batch: int = 1, lnc: int = 2, chip: str
             config = model_registry(flavor).config
         except KeyError as exc:
             raise ValueError(f"step: flavor: {exc.args[0]}") from None
-    ops, layers = step_ops(config, batch, seq, lnc, full)
+    ops, layers = step_ops(config, batch, seq, lnc, full, loss_schedule)
     for op in ops:  # every kernel's declared constraints first: a bad shape fails before minutes of tracing
         bad = [v for u in op.traced_units for v in op.check(u)]
         if bad:
@@ -661,7 +665,7 @@ def report(st: StepEstimate) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m trnkit.bench step --flavor F --seq N [--batch B] [--lnc 2] [--full]
-    [--save-reference | --out DIR]``."""
+    [--loss-schedule recompute|fused] [--save-reference | --out DIR]``."""
     import argparse
 
     from trnkit.bench.paths import add_output_args, output_dir
@@ -675,11 +679,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chip", default="trn2", choices=("trn2", "trn1"))
     p.add_argument("--full", action="store_true",
                    help="trace every kv head, expert and vocabulary row (slow at real sizes)")
+    p.add_argument("--loss-schedule", default="recompute", choices=("recompute", "fused"),
+                   help="lm_head + loss: the trainer's default 'recompute' pair or the opt-in one-pass 'fused'")
     add_output_args(p, "step.csv")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        st = estimate_step(args.flavor, args.seq, args.batch, args.lnc, args.chip, args.full, log=print)
+        st = estimate_step(args.flavor, args.seq, args.batch, args.lnc, args.chip, args.full, log=print,
+                           loss_schedule=args.loss_schedule)
     except ValueError as exc:
         p.error(str(exc))
     print(report(st))

@@ -28,7 +28,7 @@ registered on the functional ops with the impl's backward.
 - ``trnkit::linear_cross_entropy_fused(hidden, weight, labels, ignore_index, impl) -> (loss, lse, grad_hidden f32,
   grad_weight f32)``: the same loss with its gradients at a loss gradient of 1, computed in the forward (an
   impl whose ``fn`` takes ``with_grad=True``; otherwise its backward at 1); the backward multiplies them by the
-  loss gradient. The native model's loss module runs it when gradients are needed (``schedule="fused"``).
+  loss gradient. The native model's loss module runs it when gradients are needed and ``schedule="fused"`` (opt-in).
 - ``trnkit::attention(q, k, v, scale, impl) -> (o, lse f32)``: causal GQA attention in the ``[B, S, H, D]``
   layout (``lse [B, Hq, S]``, saved for the backward; it carries no gradient of its own).
 - ``trnkit::mlp(x, w_gate_up, w_down, impl) -> y``: the dense SwiGLU MLP ``(silu(x @ Wg) * (x @ Wu)) @ w_down``,

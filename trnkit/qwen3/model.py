@@ -104,11 +104,13 @@ class LinearCrossEntropy(KernelSlot, nn.Module):
 
     def forward(self, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100,
-                schedule: str = "fused") -> torch.Tensor:
-        """``schedule`` (the kernel's, when one is bound and gradients are needed): ``"fused"`` computes the
-        gradients in the forward (``trnkit::linear_cross_entropy_fused``: no logits computed twice; holds
-        fp32 gradients from forward to backward), ``"recompute"`` in the backward (recomputes the logits;
-        holds only the log-sum-exp)."""
+                schedule: str = "recompute") -> torch.Tensor:
+        """``schedule`` (the kernel's, when one is bound and gradients are needed): ``"recompute"`` (default)
+        computes the gradients in the backward (recomputes the logits; holds only the log-sum-exp, and nothing
+        of the logits ever reaches HBM); ``"fused"`` computes them in the forward
+        (``trnkit::linear_cross_entropy_fused``: no logits computed twice, a quarter fewer matmul FLOPs, but it
+        holds fp32 gradients from forward to backward and passes one token group's exponentials, up to
+        ``1,024 x V`` values, through an HBM scratch; opt-in)."""
         if schedule not in self.SCHEDULES:
             raise ValueError(f"linear_cross_entropy: schedule must be one of {self.SCHEDULES}, got {schedule!r}")
         if self.kernel is not None:
@@ -530,7 +532,7 @@ class Qwen3Model(_DropsForwardState, nn.Module):
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
                 loss_chunk_size: int = DEFAULT_CHUNK_SIZE, ignore_index: int = -100,
-                loss_schedule: str = "fused") -> torch.Tensor:
+                loss_schedule: str = "recompute") -> torch.Tensor:
         """``tokens [B,S]`` -> logits [B,S,V]; with ``labels [B,S]``: the summed cross-entropy (fp32 scalar)
         over labels != ``ignore_index``, from the chunked linear cross-entropy (``loss_chunk_size``
         tokens per chunk; 0 = full logits + ``F.cross_entropy``), so [B*S, V] logits never exist.
