@@ -98,21 +98,27 @@ def dependent_overhead_cycles(points: Iterable[Point] | None = None) -> float:
     return sum(_ns(p) * chip.clocks.scalar - chip.min_ii_cycles for p in pts) / len(pts)
 
 
-def trn1_dma_sustained_fraction(points: Iterable[Point] | None = None, iterations: int = 4) -> float:
-    """trn1's sustained fraction of the documented DMA rate: the value at which the model's time of the
-    DMA-bound fit kernels at their published shapes matches their published times (geometric mean).
-    Their time scales about as 1 / fraction, so each step multiplies by the remaining ratio. (A slice of
-    each kernel is not the same fit: one M-tile row reloads less and starts with empty DMA queues; at
-    the fitted value the slices come out ~4 % off the full shapes.)"""
+def trn1_dma_sustained_fraction(points: Iterable[Point] | None = None, iterations: int = 4,
+                                form: str = "fixed") -> float:
+    """trn1's sustained fraction of the documented DMA rate under packet-overhead form ``form``
+    (cost_params.dma_overhead_form): the value at which the model's time of the DMA-bound fit kernels at
+    their published shapes matches their published times (geometric mean). Their time scales about as
+    1 / fraction, so each step multiplies by the remaining ratio. (A slice of each kernel is not the same
+    fit: one M-tile row reloads less and starts with empty DMA queues; at the fitted value the slices
+    come out ~4 % off the full shapes.)"""
     import run  # runs the interpreter; only this fit needs it
 
     pts = require_fit(points if points is not None else fit_points("sustained_fraction"))
     traces = [(list(run.trace_of(run.kernel_call(p))), _ns(p)) for p in pts]
     chip = hardware.TRN1
-    frac = chip.dma.sustained_fraction
+    params = replace(cost_params.MID, dma_overhead_form=form)
+    frac = chip.dma.sustained(form)
     for _ in range(iterations):
-        trial = replace(chip, dma=replace(chip.dma, sustained_fraction=frac))
-        logs = [math.log(cost.estimate_total(tr, trial, cost_params.MID) / target) for tr, target in traces]
+        if form == "fixed":
+            dma = replace(chip.dma, sustained_fraction=frac)
+        else:
+            dma = replace(chip.dma, sustained_fraction_by_form=((form, frac),))
+        logs = [math.log(cost.estimate_total(tr, replace(chip, dma=dma), params) / target) for tr, target in traces]
         frac *= math.exp(sum(logs) / len(logs))
     return frac
 

@@ -144,6 +144,58 @@ def test_trn1_packet_overhead_is_a_fixed_time_its_sustained_fraction_slows_the_b
         assert cost.instr_cost(rows[b], trn1, MID).transfer_ns == pytest.approx(bytes_ns + 8 * knee / 17.0)
 
 
+def _row_load(b: int) -> trace.Instr:
+    """A [128, b / 4] fp32 load cut from rows twice as wide: one b-byte packet per partition row."""
+    x = np.zeros((128, 2 * b), np.float32)
+
+    @nki.jit
+    def load(x):
+        t = nl.ndarray((128, b // 4), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[:, 0:b // 4])
+        out = nl.ndarray((128, b // 4), dtype=x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    with trace.record() as tr:
+        load(x)
+    return list(tr)[0]
+
+
+def test_packet_overhead_form_is_a_range_parameter_with_its_own_trn1_fraction():
+    """cost_params.dma_overhead_form: "fixed" (mid) knee x f on top of the slower bytes, "scaled" the knee
+    slowed with the bytes, "hidden" the slower of bytes at f and bytes + knee at the documented rate; each
+    with trn1's fraction refitted under it (0.44 / 0.51 / 0.38). The ends take the fastest / slowest of the
+    three per transfer. trn2 (f = 1): every choice gives the same time."""
+    trn1, trn2 = hardware.TRN1, hardware.TRN2
+    assert [trn1.dma.sustained(f) for f in ("scaled", "fixed", "hidden")] == [0.51, 0.44, 0.38]
+    assert MID.dma_overhead_form == "fixed" and trn1.dma.sustained("fixed") == trn1.dma.sustained_fraction
+    # the ends stay "fixed" until the trn1 calibration rows are re-run with "fastest" / "slowest"
+    assert cost_params.LOW.dma_overhead_form == cost_params.HIGH.dma_overhead_form == "fixed"
+    for knee in (256, 512):
+        for b in (256, 1024, 4096):
+            ins = _row_load(b)
+            per_engine = 8 * b  # each engine's 8 packets of b bytes
+            want = {"fixed": per_engine / (17.0 * 0.44) + 8 * knee / 17.0,
+                    "scaled": (per_engine + 8 * knee) / (17.0 * 0.51),
+                    "hidden": max(per_engine / (17.0 * 0.38), (per_engine + 8 * knee) / 17.0)}
+            want["fastest"], want["slowest"] = min(want.values()), max(want.values())
+            for form, ns in want.items():
+                params = replace(MID, dma_knee_bytes=knee, dma_overhead_form=form)
+                assert cost.instr_cost(ins, trn1, params).transfer_ns == pytest.approx(ns), (knee, b, form)
+            trn2_ns = {cost.instr_cost(ins, trn2, replace(MID, dma_knee_bytes=knee, dma_overhead_form=form)
+                                       ).transfer_ns for form in want}
+            assert len(trn2_ns) == 1
+            assert trn2_ns.pop() == pytest.approx(per_engine / min(23.0, trn2.hbm_bytes_per_ns / 16) * (b + knee) / b)
+    # which form is slowest depends on the row: at the pessimistic knee 512, 1 KiB rows are slowest scaled
+    # (0.51 x 1024 / 1536 = 0.34 of 17 B/ns), 4 KiB rows hidden (0.38)
+    assert cost.dma_efficiency(1024, replace(MID, dma_knee_bytes=512, dma_overhead_form="hidden"), 0.38) == 1.0
+    assert cost.dma_efficiency(256, replace(MID, dma_overhead_form="scaled"), 0.51) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="dma_overhead_form must be one of .*'sustained'"):
+        cost.dma_efficiency(256, replace(MID, dma_overhead_form="sustained"), 0.44)
+    with pytest.raises(ValueError, match="dma_overhead_form must be one of .*'sustained'"):
+        cost.instr_cost(_row_load(256), trn1, replace(MID, dma_overhead_form="sustained"))
+
+
 def test_dependent_overhead_mid_is_the_perf_guides_measured_interval():
     # 264 ScalarE cycles between dependent one-element instructions on NC-v2 = MIN_II 64 + overhead
     assert hardware.TRN1.min_ii_cycles + MID.dependent_overhead_cycles == 264

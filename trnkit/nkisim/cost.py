@@ -236,18 +236,53 @@ def _free_size(instr: Instr) -> int:
     return max((o.free_elems for o in instr.operands if o.buffer in _ONCHIP), default=1)
 
 
-def dma_efficiency(bytes_per_row: float, params: ModelParams = MID, sustained_fraction: float = 1.0) -> float:
-    """Fraction of a DMA engine's sustained rate reached with ``bytes_per_row`` contiguous bytes per packet
-    (``b / (b + params.dma_knee_bytes x sustained_fraction)``).
+# How a packet's overhead combines with a sustained fraction below 1 (cost_params.dma_overhead_form): the
+# three forms, and the two range ends that take, per transfer, the fastest or the slowest of them
+DMA_OVERHEAD_FORMS = ("scaled", "fixed", "hidden")
+DMA_OVERHEAD_ENDS = ("fastest", "slowest")
 
-    A packet's overhead is a fixed time, the knee's bytes at the documented per-engine rate ([SDK]
+
+def dma_efficiency(bytes_per_row: float, params: ModelParams = MID, sustained_fraction: float = 1.0) -> float:
+    """Fraction of a DMA engine's sustained rate reached with ``bytes_per_row`` contiguous bytes per packet.
+
+    A packet's overhead is ``params.dma_knee_bytes`` at the documented per-engine rate ([SDK]
     nki-dma-bandwidth-guide states its payload thresholds for TRN1 and TRN2 alike: "per-packet overhead",
     the "DMA packet rate"; the Neuron Explorer DMA guide: "each packet pays a setup latency before its
-    bytes move"). A chip whose engines sustain only a fraction of that rate (trn1,
-    ``hardware.DmaSpec.sustained_fraction``) moves its bytes slower, not its packets: at the sustained
-    rate the same overhead is worth ``knee x fraction`` bytes. trn2 (fraction 1) is the plain knee."""
-    knee = params.dma_knee_bytes * sustained_fraction
-    return bytes_per_row / (bytes_per_row + knee) if bytes_per_row > 0 else 1.0
+    bytes move"). How it combines with a chip whose engines sustain only ``sustained_fraction`` of that
+    rate (trn1, ``hardware.DmaSpec``) is ``params.dma_overhead_form`` (one of :data:`DMA_OVERHEAD_FORMS`):
+    "fixed" (mid), a fixed time on top of the slower bytes, worth ``knee x fraction`` bytes at the
+    sustained rate (``b / (b + knee x f)``); "scaled", slowed with the bytes (``b / (b + knee)``);
+    "hidden", behind the sustained limit, the slower of the two (``min(1, b / (f (b + knee)))``). At
+    fraction 1 (trn2) the three agree. (The range ends "fastest" / "slowest" pick a form per transfer,
+    :func:`_dma_cost`.)"""
+    if bytes_per_row <= 0:
+        return 1.0
+    form, knee, f = params.dma_overhead_form, params.dma_knee_bytes, sustained_fraction
+    if form == "fixed":
+        return bytes_per_row / (bytes_per_row + knee * f)
+    if form == "scaled":
+        return bytes_per_row / (bytes_per_row + knee)
+    if form == "hidden":
+        return min(1.0, bytes_per_row / (f * (bytes_per_row + knee)))
+    raise ValueError(f"cost: dma_overhead_form must be one of {DMA_OVERHEAD_FORMS} for one transfer's "
+                     f"efficiency, got {form!r}")
+
+
+def _overhead_forms(params: ModelParams) -> tuple[str, ...]:
+    """The forms a transfer is priced under: one, or all three at a range end (it then takes the fastest
+    or the slowest)."""
+    form = params.dma_overhead_form
+    if form in DMA_OVERHEAD_ENDS:
+        return DMA_OVERHEAD_FORMS
+    if form in DMA_OVERHEAD_FORMS:
+        return (form,)
+    raise ValueError(f"cost: dma_overhead_form must be one of {DMA_OVERHEAD_FORMS + DMA_OVERHEAD_ENDS}, "
+                     f"got {form!r}")
+
+
+def _pick(params: ModelParams, times: Iterable[float]) -> float:
+    """The time a range end takes of a transfer's times under the three forms (one form: its time)."""
+    return max(times) if params.dma_overhead_form == "slowest" else min(times)
 
 
 def _dma_geometry(instr: Instr) -> tuple[int, int, float, bool]:
@@ -316,17 +351,24 @@ def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
         # adjacent in HBM merge: the DMA overview's [128, 128] load moves 2 KiB per engine in 97 ns);
         # the bandwidth guide's "large contiguous payloads (>=4 KiB)" are HBM-side runs
         row = min(float(contiguous), nbytes / engines)
-    eff = dma_efficiency(row, params, d.sustained_fraction)
+    factor = 1.0
     if instr.attrs.get("transpose"):  # dma_transpose: a fraction of a copy's throughput (cost_params)
-        factor = params.dma_transpose_factor
-        eff *= factor if touches_hbm else min(factor, d.transpose_sbuf_factor)
-    # each engine moves its share at its own rate (cost_params.dma_engine_rate_factor: the sources
-    # disagree); HBM traffic is capped at the core's HBM share over the engines the transfer uses (one
-    # engine alone is not held to a sixteenth of it)
-    rate = d.bytes_per_ns_per_engine * d.sustained_fraction * params.dma_engine_rate_factor
-    if touches_hbm and hbm:  # HBM -> HBM crosses HBM twice per byte moved
-        rate = min(rate, chip.hbm_bytes_per_ns / engines * nbytes / hbm)
-    transfer = nbytes / (engines * rate * eff)
+        factor = params.dma_transpose_factor if touches_hbm else min(params.dma_transpose_factor,
+                                                                      d.transpose_sbuf_factor)
+
+    def transfer_ns(form: str) -> float:
+        sustained = d.sustained(form)
+        p = params if form == params.dma_overhead_form else replace(params, dma_overhead_form=form)
+        eff = dma_efficiency(row, p, sustained) * factor
+        # each engine moves its share at its own rate (cost_params.dma_engine_rate_factor: the sources
+        # disagree); HBM traffic is capped at the core's HBM share over the engines the transfer uses (one
+        # engine alone is not held to a sixteenth of it)
+        rate = d.bytes_per_ns_per_engine * sustained * params.dma_engine_rate_factor
+        if touches_hbm and hbm:  # HBM -> HBM crosses HBM twice per byte moved
+            rate = min(rate, chip.hbm_bytes_per_ns / engines * nbytes / hbm)
+        return nbytes / (engines * rate * eff)
+
+    transfer = _pick(params, (transfer_ns(f) for f in _overhead_forms(params)))
     # what the transfer takes of the core's whole DMA bandwidth (the engine-busy sum the report shows)
     busy = transfer * engines / d.engines
     # Indirect (gather / scatter) DMAs have no hardware DGE ([SDK] trainium2_arch "DGE"): GpSimd writes
@@ -1019,7 +1061,10 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
         reused = {}
     load_finish: dict[int, float] = {}  # DMA index -> when its data is ready (for the loads reused later)
     freed = _FreedSpace(capacity)
-    spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * chip.dma.sustained_fraction,
+    # spills move whole tiles (no packet penalty): the range ends take the fastest / slowest fraction
+    fractions = [chip.dma.sustained(f) for f in _overhead_forms(params)]
+    sustained = min(fractions) if params.dma_overhead_form == "slowest" else max(fractions)
+    spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * sustained,
                                         chip.hbm_bytes_per_ns / chip.dma.engines)
     for k, (ins, c) in enumerate(zip(instrs, costs)):
         reads, writes = _boxes(ins)

@@ -56,6 +56,13 @@ class DmaSpec:
     # Fraction of ``engines * bytes_per_ns_per_engine`` the DMA queues sustain on HBM <-> SBUF copies
     # (on top of the small-row efficiency): 1.0 = the documented rate.
     sustained_fraction: float = 1.0
+    # The fraction refitted under the other forms of cost_params.dma_overhead_form ((form, fraction)
+    # pairs); "fixed" and any form not listed use ``sustained_fraction``.
+    sustained_fraction_by_form: tuple[tuple[str, float], ...] = ()
+
+    def sustained(self, form: str) -> float:
+        """The sustained fraction fitted under packet-overhead form ``form``."""
+        return dict(self.sustained_fraction_by_form).get(form, self.sustained_fraction)
 
     @property
     def peak_bytes_per_ns(self) -> float:
@@ -226,6 +233,10 @@ TRN1 = Chip(
         # cause is not documented (the compiler's DMA queue use is one candidate); trn2's profiles agree
         # with the documented rate (kernel-optimization v2/v3, the DMA overview's engine times).
         sustained_fraction=0.44,
+        # refitted the same way under the two other forms of cost_params.dma_overhead_form
+        # (fit.trn1_dma_sustained_fraction(form=...)): overhead slowed with the bytes 0.51 (0.509),
+        # hidden behind the sustained limit 0.38
+        sustained_fraction_by_form=(("scaled", 0.51), ("hidden", 0.38)),
     ),
     # [SDK] nki/guides/architecture/trainium_inferentia2_arch: SBUF 24 MiB = 128 x 192 KiB; PSUM 2 MiB.
     sbuf_partitions=128,
