@@ -80,11 +80,12 @@ needs_checkout = pytest.mark.skipif(ROOT is None, reason="no nki-library checkou
 @needs_checkout
 def test_every_non_mx_row_of_the_trn2_tables_becomes_one_slow_case():
     """nki-library d2ad3a5: mlp_tkg 513 rows (171 MX), qkv_cte 81, moe_tkg 308, moe_block_tkg 818 (498 with MX
-    weights); output_proj_cte's table is read only by a trn3 test, mlp_cte / attention / moe_cte's are empty."""
+    weights), experimental attention_block_tkg 2,724 (none MX, all distinct); output_proj_cte's table is read only
+    by a trn3 test, mlp_cte / attention / moe_cte's are empty."""
     model = [c for c in cases.all_cases(ROOT) if c.tier == harness.MODEL_CONFIG]
     counts = {k: sum(c.kernel == k for c in model) for k in cases_model_config.TABLES}
     assert counts == {"core/mlp/mlp_tkg": 342, "core/qkv/qkv_cte": 81, "core/moe/moe_tkg": 308,
-                      "core/moe_block/moe_block_tkg": 320}
+                      "core/moe_block/moe_block_tkg": 320, "experimental/transformer/attention_block_tkg": 2724}
     assert not {cases.case_id(c) for c in model} & set(cases.FAST)
     assert all(" model_config" in c.name and not c.negative for c in model)
 
@@ -114,6 +115,20 @@ def test_model_config_rows_carry_their_parameters_through_the_family_builders():
     assert len(skipped) == 166 and all(tokens[c] > 96 for c in skipped) and set(cte) <= set(skipped)
     assert all(c.skipped_by == f"test_mlp_tkg_unit: pytest.skip('TKG mode requires B*S <= 96, got {tokens[c]}')"
                for c in skipped) and all(tokens[c] <= 96 for c in mlp if not c.skipped_by)
+    # attention_block_tkg's rows are AttnBlkTestConfig objects: gemma3_27b's first OPTIMAL row, ROW fp8 weights
+    # (the test draws them as for STATIC: per-tensor scales) and an fp8 KV cache at the test's default scale
+    attn = model["experimental/transformer/attention_block_tkg|fp8 row qk_norm_pre_rope qk_norm_pre_rope_gamma "
+                 "transposed_out kv_quant block_len=32 model_config OPTIMAL|lnc2|B=16 q_heads=1 d=128 H=5376 "
+                 "S_ctx=1024/1024 S=1"]
+    assert (attn.rtol, attn.atol, attn.ranks, attn.min_cosine, attn.min_pass_rate) == (0.07, 16.0, 0, 0.99,
+                                                                                      (("X_out", 0.99),))
+    with harness.nki_is_interpreter(ROOT):
+        kw = attn.inputs()
+    assert kw["quantization_type_qkv"].name == "ROW" and kw["W_qkv"].shape == (5376, 3 * 128)
+    assert kw["K_cache"].shape == (16 * 1024 // 32, 32, 128) and str(kw["K_cache"].dtype) == "float8_e4m3"
+    assert kw["k_scale"][0, 0] == np.float32(240.0 / 2.3) and kw["transposed_out"]
+    kvdp = [c for c in model.values() if c.kernel.endswith("attention_block_tkg") and c.ranks]
+    assert len(kvdp) == 1510 and {c.ranks for c in kvdp} == {2, 4, 8, 16, 32}
     qkv = model["core/qkv/qkv_cte|model bf16 no_norm BSD dma_transpose model_config|lnc2|B=1 S=1024 H=8192 "
                 "heads=16/2 d=128"]
     with harness.nki_is_interpreter(ROOT):

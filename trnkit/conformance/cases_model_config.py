@@ -22,6 +22,10 @@ Tables and the tests that read them (nki-library d2ad3a5):
   XFAIL only when :func:`~trnkit.conformance.cases_moe_tkg.fp16_overflow_check` confirms the float16 overflow.
 - ``moe_block/test_moe_block_tkg_model_config.py``: ``test_moe_block_kernel_model`` (the unit test's
   body; it skips the MX-weight rows off trn3 and does not read ``has_shared_expert``).
+- ``experimental/transformer/test_attention_block_tkg_model_config.py``: ``test_attn_blk_model`` (the unit
+  test's ``_run_attention_block_test``: single-rank or KV-data-parallel by the row's ``KVDP``); its rows are
+  ``AttnBlkTestConfig`` objects, read field by field, and built by
+  :func:`~trnkit.conformance.cases_transformer.attention_block_case`.
 - ``output_projection/test_output_proj_cte_model_config.py``: read only by
   ``test_output_proj_cte_static_mxfp8_unit`` (excluded from trn1/trn2): no trn2 case.
 - ``mlp/test_mlp_cte_model_config.py``, ``attention/test_attention_cte_model_config.py``,
@@ -33,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import posixpath
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,11 +50,13 @@ from .cases_mlp_quant import tkg_quant_case as mlp_tkg_quant_case
 from .cases_moe_block import moe_block_case
 from .cases_moe_tkg import fp16_overflow_check, moe_tkg_case
 from .cases_qkv import cte_case as qkv_cte_case
+from .cases_transformer import attention_block_case
 from .harness import MODEL_CONFIG, Case
 
 __all__ = ["TABLES", "model_config_cases", "read_table"]
 
 TESTS = "test/integration/nkilib/core"
+EXPERIMENTAL = "../experimental"  # (table paths are relative to TESTS)
 TKG_BS_SEQLEN_THRESHOLD = 96  # mlp() runs mlp_tkg up to this many tokens, mlp_cte above (mlp_parameters.py)
 # nki.isa.nc_transpose: "The output dst tile must have the same data type as that of data."
 MLP_CTE_FP8_RULE = "nc_transpose: dst dtype float8_e4m3 must equal data dtype bfloat16"
@@ -112,6 +119,22 @@ def _moe_tkg(r: list) -> Case | None:
     return dataclasses.replace(case, xfail_check=fp16_overflow_check(case.rtol, case.atol))
 
 
+# AttnBlkTestConfig's fields that give the row's sizes, in the builder's order; the rest are its flags
+ATTN_SIZES = ("batch", "q_heads", "d_head", "H", "H_actual", "S_ctx", "S_max_ctx", "S_tkg")
+
+
+def _attention_block_tkg(r: list) -> Case | None:
+    fields = dict(r)  # (field, value) pairs of an AttnBlkTestConfig
+    dtype, skip_out, dcp, skip_attn = (fields.pop(k) for k in ("dtype", "skip_output_projection", "DCP",
+                                                                "skip_attention"))
+    _expect(r, dtype == np.dtype("bfloat16") and not skip_out and dcp == 1 and not skip_attn,
+            "bf16, with the output projection and attention, no DCP")
+    if fields["kv_scale"] == "DEFAULT":  # KVScaleTest.DEFAULT: the test's standard scale, 240 / 2.3
+        fields["kv_scale"] = None
+    sizes = [fields.pop(k) for k in ATTN_SIZES]
+    return attention_block_case(*sizes, **fields)
+
+
 def _moe_block_tkg(r: list) -> Case | None:
     (lnc, all_e, b, s, h, ha, i, eg, el, k, router, act, mode, w_dt, in_dt, _shared, bias, clamp, pre, norm_topk,
      skip_logits, r_dt) = r
@@ -132,12 +155,22 @@ TABLES: dict[str, tuple[str, str, Callable[[list], Case | None], str]] = {
                          MOE_TKG_XFAIL),
     "core/moe_block/moe_block_tkg": ("moe_block/test_moe_block_tkg_model_config.py", "moe_block_tkg_model_configs",
                                      _moe_block_tkg, ""),
+    "experimental/transformer/attention_block_tkg": (
+        f"{EXPERIMENTAL}/transformer/test_attention_block_tkg_model_config.py", "attention_block_tkg_model_configs",
+        _attention_block_tkg, ""),
 }
 
 
 def _expect(row: list, ok: bool, what: str) -> None:
     if not ok:
         raise ValueError(f"model-config row {row}: the family builder takes {what}")
+
+
+def _row(row: Any, mx_dtypes: tuple) -> tuple:
+    """A table row as the builders take it: a list's values, or a config object's (field, value) pairs."""
+    if dataclasses.is_dataclass(row):
+        return tuple((f.name, _plain(getattr(row, f.name), mx_dtypes)) for f in dataclasses.fields(row))
+    return tuple(_plain(v, mx_dtypes) for v in row)
 
 
 def _plain(value: Any, mx_dtypes: tuple) -> Any:
@@ -157,10 +190,10 @@ def read_table(root: Path, rel_path: str, name: str) -> tuple[tuple[str, tuple],
         import nki.language as nl  # the interpreter
 
         mx_dtypes = tuple(getattr(nl, n) for n in dir(nl) if n.endswith("_x4"))
-        table = getattr(harness.load_test_module(root, f"{TESTS}/{rel_path}"), name)
+        table = getattr(harness.load_test_module(root, posixpath.normpath(f"{TESTS}/{rel_path}")), name)
         groups = [(repr(k).rpartition(".")[2], rows) for k, rows in table.items()] if isinstance(table, dict) \
             else [("", table)]
-        return tuple((kind, tuple(_plain(v, mx_dtypes) for v in row)) for kind, rows in groups for row in rows)
+        return tuple((kind, _row(row, mx_dtypes)) for kind, rows in groups for row in rows)
 
 
 def model_config_cases(root: Path | None) -> list[Case]:

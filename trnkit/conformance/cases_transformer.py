@@ -52,7 +52,7 @@ from .cases_attention_tkg import _flat_compare
 from .cases_moe_experimental import _checkout
 from .harness import Case, _file_backed, disk_array, drawn_array, load_test_module, restore_modules
 
-__all__ = ["attention_block_cases", "attention_block_golden", "test_package_modules"]
+__all__ = ["attention_block_case", "attention_block_cases", "attention_block_golden", "test_package_modules"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3)
@@ -630,7 +630,7 @@ _DEFAULTS = _flags()
 def _name(cfg: dict[str, Any]) -> str:
     """The fields that differ from the config's defaults (a false default flag by its name, a true one
     as ``no_<name>``)."""
-    parts = ["fp8 static" if cfg["quantization_type"] == "STATIC" else "bf16"]
+    parts = [{"STATIC": "fp8 static", "ROW": "fp8 row"}.get(cfg["quantization_type"], "bf16")]
     parts += [f if cfg[f] else f"no_{f}" for f in _FLAG_NAMES if cfg[f] != _DEFAULTS[f]]
     parts += [f"{k}={cfg[k]}" for k in ("block_len", "softmax_scale", "kv_scale") if cfg[k]]
     parts += [f"KVDP={cfg['KVDP']}"] * (cfg["KVDP"] > 1)
@@ -654,41 +654,39 @@ def _kv_cache_bytes(b: int, d: int, s_ctx: int, s_max: int, cfg: dict[str, Any])
     return 2 * b * (s_ctx if cfg["block_len"] else s_max) * d * (1 if cfg["kv_quant"] else 2)
 
 
+def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_max: int, s_tkg: int,
+                         **fields: Any) -> Case:
+    """The case of one ``AttnBlkTestConfig`` row (its sizes, then its other fields): single-rank, or on ``KVDP``
+    simulated devices as the test's ``_run_attention_block_test`` runs it."""
+    cfg = _flags(**fields)
+    lnc, ranks = cfg["lnc"], cfg["KVDP"]
+    if ranks > 1:
+        fp8 = cfg["kv_quant"]
+        shapes = f"B={b} q_heads={q}/rank d={d} H={h}" + (f"/{h_actual}" if h_actual else "") \
+            + f" S_ctx={s_ctx}/{s_max} S={s_tkg} ranks={ranks}"
+        reference, make = f"{HERE}:attention_block_kvdp_golden", _kvdp_inputs
+        ref_inputs = lambda kw, lnc=lnc: {**kw, "lnc": lnc}  # noqa: E731
+    else:
+        fp8 = cfg["kv_quant"] or cfg["quantization_type"] != "NONE"
+        shapes = f"B={b} q_heads={q} d={d} H={h}" + (f"/{h_actual}" if h_actual else "") \
+            + f" S_ctx={s_ctx}/{s_max} S={s_tkg}"
+        reference, make = f"{HERE}:attention_block_golden", _inputs
+        chunk = GOLDEN_BATCH_CHUNK if cfg["block_len"] and _kv_cache_bytes(b, d, s_ctx, s_max, cfg) > 1 << 30 else 0
+        ref_inputs = lambda kw, lnc=lnc, chunk=chunk: {**kw, "lnc": lnc, "batch_chunk": chunk}  # noqa: E731
+    return Case(
+        kernel="experimental/transformer/attention_block_tkg", name=_name(cfg), shapes=shapes,
+        entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,
+        reference=reference, inputs=make(b, q, d, h, h_actual, s_ctx, s_max, s_tkg, cfg), ref_inputs=ref_inputs,
+        outputs=("X_out",) + (("K_cache_updated", "V_cache_updated") if cfg["update_cache"] else ("K_tkg", "V_tkg")),
+        postprocess=_flat_compare, lnc=lnc, ranks=ranks if ranks > 1 else 0, rtol=0.07 if fp8 else 0.015,
+        atol=16.0 if fp8 else 1e-5, note=FP8_NOTE if fp8 else "", **_validator(cfg),
+        test_file=f"{TESTS}/test_attention_block_tkg.py")
+
+
 def attention_block_cases() -> list[Case]:
     """One case per row of ``_ROWS`` (a row the test lists twice runs once), then the KV-data-parallel rows."""
-    cases = []
     rows = {repr(r): r for r in _ROWS}
-    for b, q, d, h, ha, s_ctx, s_max, s_tkg, cfg in rows.values():
-        fp8 = cfg["kv_quant"] or cfg["quantization_type"] != "NONE"
-        lnc = cfg["lnc"]
-        chunk = GOLDEN_BATCH_CHUNK if cfg["block_len"] and _kv_cache_bytes(b, d, s_ctx, s_max, cfg) > 1 << 30 else 0
-        cases.append(Case(
-            kernel="experimental/transformer/attention_block_tkg", name=_name(cfg),
-            shapes=f"B={b} q_heads={q} d={d} H={h}" + (f"/{ha}" if ha else "") + f" S_ctx={s_ctx}/{s_max} S={s_tkg}",
-            entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,
-            reference=f"{HERE}:attention_block_golden", inputs=_inputs(b, q, d, h, ha, s_ctx, s_max, s_tkg, cfg),
-            ref_inputs=lambda kw, lnc=lnc, chunk=chunk: {**kw, "lnc": lnc, "batch_chunk": chunk},
-            outputs=("X_out",) + (("K_cache_updated", "V_cache_updated") if cfg["update_cache"]
-                                  else ("K_tkg", "V_tkg")),
-            postprocess=_flat_compare, lnc=lnc, rtol=0.07 if fp8 else 0.015, atol=16.0 if fp8 else 1e-5,
-            note=FP8_NOTE if fp8 else "", **_validator(cfg),
-            test_file=f"{TESTS}/test_attention_block_tkg.py"))
-    for b, q, d, h, ha, s_ctx, s_max, s_tkg, cfg in _KVDP_ROWS:
-        fp8 = cfg["kv_quant"]
-        cases.append(Case(
-            kernel="experimental/transformer/attention_block_tkg", name=_name(cfg),
-            shapes=f"B={b} q_heads={q}/rank d={d} H={h}" + (f"/{ha}" if ha else "")
-            + f" S_ctx={s_ctx}/{s_max} S={s_tkg} ranks={cfg['KVDP']}",
-            entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,
-            reference=f"{HERE}:attention_block_kvdp_golden",
-            inputs=_kvdp_inputs(b, q, d, h, ha, s_ctx, s_max, s_tkg, cfg),
-            ref_inputs=lambda kw, lnc=cfg["lnc"]: {**kw, "lnc": lnc},
-            outputs=("X_out",) + (("K_cache_updated", "V_cache_updated") if cfg["update_cache"]
-                                  else ("K_tkg", "V_tkg")),
-            postprocess=_flat_compare, lnc=cfg["lnc"], ranks=cfg["KVDP"], rtol=0.07 if fp8 else 0.015,
-            atol=16.0 if fp8 else 1e-5, note=FP8_NOTE if fp8 else "", **_validator(cfg),
-            test_file=f"{TESTS}/test_attention_block_tkg.py"))
-    return cases
+    return [attention_block_case(*r[:8], **r[8]) for r in [*rows.values(), *_KVDP_ROWS]]
 
 
 # -- transformer_tkg (test_transformer_tkg.py) -------------------------------------------------------------

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "figures quoted in docs/interpreter.md; with -k, only the selected cases' rows "
                         "change), each as it finishes")
     p.add_argument("--tier", choices=("unit", harness.MODEL_CONFIG, "all"), default="unit",
-                   help="the cases of the tests' unit tables (default), of their model-config tables (1051 rows, "
+                   help="the cases of the tests' unit tables (default), of their model-config tables (3775 rows, "
                         "hours of CPU; listed only with a checkout), or both")
     p.add_argument("--list", action="store_true", help="list the cases without running them")
 
