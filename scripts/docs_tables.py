@@ -786,6 +786,8 @@ QUOTES = (
           skipped_count("ERROR")),
     Quote("README.md", "and {} overflow float16", "conformance.csv XFAIL rows",
           csv_count("conformance.csv", {"result": "XFAIL"})),
+    Quote("README.md", "; {} attention-block rows are refused by nki-library's own check", "conformance.csv ERROR rows",
+          csv_count("conformance.csv", {"result": "ERROR"})),
     Quote("README.md", "; {} rows mismatch", "conformance.csv MISMATCH rows",
           csv_count("conformance.csv", {"result": "MISMATCH"})),
     Quote("README.md", "fp32 cache: fwd {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline.csv rope_fwd",

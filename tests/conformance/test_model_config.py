@@ -127,6 +127,11 @@ def test_model_config_rows_carry_their_parameters_through_the_family_builders():
     assert kw["quantization_type_qkv"].name == "ROW" and kw["W_qkv"].shape == (5376, 3 * 128)
     assert kw["K_cache"].shape == (16 * 1024 // 32, 32, 128) and str(kw["K_cache"].dtype) == "float8_e4m3"
     assert kw["k_scale"][0, 0] == np.float32(240.0 / 2.3) and kw["transposed_out"]
+    # the test hands ROW rows per-tensor scales, which qkv_tkg refuses for ROW: nki-library's own check, named
+    assert kw["weight_dequant_scale_qkv"].shape == (128, 3) and attn.rejected_by == cases_model_config.ATTN_ROW_SCALE
+    rows = [c for c in model.values() if c.kernel.endswith("attention_block_tkg")]
+    assert sum(c.rejected_by == cases_model_config.ATTN_ROW_SCALE for c in rows) == 537
+    assert all(bool(c.rejected_by) == c.name.startswith("fp8 row") for c in rows)
     kvdp = [c for c in model.values() if c.kernel.endswith("attention_block_tkg") and c.ranks]
     assert len(kvdp) == 1510 and {c.ranks for c in kvdp} == {2, 4, 8, 16, 32}
     qkv = model["core/qkv/qkv_cte|model bf16 no_norm BSD dma_transpose model_config|lnc2|B=1 S=1024 H=8192 "

@@ -119,6 +119,13 @@ def _moe_tkg(r: list) -> Case | None:
     return dataclasses.replace(case, xfail_check=fp16_overflow_check(case.rtol, case.atol))
 
 
+# nki-library's own check (core/qkv/qkv_tkg.py, kernel_assert) refuses the ROW rows' weight scales: the test draws
+# ROW weights as it draws STATIC ones, with per-tensor scales broadcast to [128, 3], and qkv_tkg asserts a ROW
+# scale of [1, I] or [128, I] (I = (q_heads + 2) x d_head): trace-time Python, the same on a device
+ATTN_ROW_SCALE = "Incorrect shape for qkv weight scale for row quantization"
+ATTN_ROW_NOTE = ("the test's generate_kernel_inputs draws ROW weights as STATIC ones, scales [128, 3] (one per Q / "
+                 "K / V tensor), and qkv_tkg's kernel_assert wants [128, I] for ROW: nki-library's own check refuses "
+                 "the test's inputs")
 # AttnBlkTestConfig's fields that give the row's sizes, in the builder's order; the rest are its flags
 ATTN_SIZES = ("batch", "q_heads", "d_head", "H", "H_actual", "S_ctx", "S_max_ctx", "S_tkg")
 
@@ -132,7 +139,11 @@ def _attention_block_tkg(r: list) -> Case | None:
     if fields["kv_scale"] == "DEFAULT":  # KVScaleTest.DEFAULT: the test's standard scale, 240 / 2.3
         fields["kv_scale"] = None
     sizes = [fields.pop(k) for k in ATTN_SIZES]
-    return attention_block_case(*sizes, **fields)
+    case = attention_block_case(*sizes, **fields)
+    if fields["quantization_type"] != "ROW":
+        return case
+    return dataclasses.replace(case, rejected_by=ATTN_ROW_SCALE, note="; ".join(n for n in (case.note, ATTN_ROW_NOTE)
+                                                                                 if n))
 
 
 def _moe_block_tkg(r: list) -> Case | None:
