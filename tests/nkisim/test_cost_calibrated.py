@@ -116,21 +116,7 @@ def test_trn1_packet_overhead_is_a_fixed_time_its_sustained_fraction_slows_the_b
     """Per byte, trn1's 256 B rows cost ~1.2x its 1 KiB rows (the matrix-multiplication tutorial's tiled
     kernel moves its 256 B lhsT rows at about the 1 KiB rows' cost per byte), trn2's 1.6x (the knee)."""
     trn1, trn2 = hardware.TRN1, hardware.TRN2
-    rows = {}
-    for b in (256, 1024):
-        x = np.zeros((128, 2 * b), np.float32)  # a [128, b / 4] fp32 tile cut from wider rows: b per packet
-
-        @nki.jit
-        def load(x):
-            t = nl.ndarray((128, b // 4), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=t, src=x[:, 0:b // 4])
-            out = nl.ndarray((128, b // 4), dtype=x.dtype, buffer=nl.shared_hbm)
-            nisa.dma_copy(dst=out, src=t)
-            return out
-
-        with trace.record() as tr:
-            load(x)
-        rows[b] = list(tr)[0]
+    rows = {b: _row_load(b) for b in (256, 1024)}  # b bytes per packet
     per_byte = {chip.name: [cost.instr_cost(rows[b], chip, MID).busy_ns / b for b in (256, 1024)]
                 for chip in (trn1, trn2)}
     knee = MID.dma_knee_bytes

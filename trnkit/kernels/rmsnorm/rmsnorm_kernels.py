@@ -662,19 +662,11 @@ def _load_bwd_chunk(dy, x, grad_s, rstd, chunk):
 def _bwd_sums(tiles, chunk, w_sb, dw_ps, out_dt, first=False):
     """Stage 1 of a wide-row backward chunk: ``gw = dy * w``, the dw matmuls, ``D = sum(gw * x)`` per row
     (Scalar row sums)."""
-    dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
+    gw_t, x_t, gs_t, rstd_t, prod, _ = _dy_products(tiles, chunk, w_sb, out_dt)
     r0, Pc, NT = chunk
     H = x_t.shape[2]
-    NC = cdiv(H, P)
-    HP = NC * P
-    gw_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=gw_t, data1=dy_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
     # dw: sum over rows of rstd * (dy * x), the row sums on the Tensor engine
-    prod = nl.ndarray((Pc, NT, HP), dtype=out_dt, buffer=nl.sbuf)
-    if HP > H:
-        nisa.memset(dst=prod[:, :, H:HP], value=0.0)
-    nisa.tensor_tensor(dst=prod[:, :, 0:H], data1=dy_t, data2=x_t, op=nl.multiply)
-    rstd16 = _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first)
+    rstd16 = _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, cdiv(H, P), first)
     t_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=t_t, data1=gw_t, data2=x_t, op=nl.multiply)
     d_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
@@ -724,9 +716,10 @@ def _w_columns(w, H, dtype):
     return cols
 
 
-def _narrow_products(tiles, chunk, w_sb, out_dt):
-    """Stage A of a narrow-row backward chunk, on Vector: ``gw = dy * w`` (x's dtype, HF's rounding point)
-    and ``prod = dy * x`` (zero-padded to whole 128-column pieces)."""
+def _dy_products(tiles, chunk, w_sb, out_dt):
+    """Stage A of a backward chunk (the narrow rows' whole stage, the wide rows' first step), on Vector:
+    ``gw = dy * w`` (x's dtype, HF's rounding point) and ``prod = dy * x`` (zero-padded to whole 128-column
+    pieces)."""
     dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
     r0, Pc, NT = chunk
     H = x_t.shape[2]
@@ -862,7 +855,7 @@ def _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chu
         if 0 <= i - 1 < n:
             st[i - 1] = _narrow_transposes(st[i - 1], dw_ps, i == 1)
         if i < n:
-            st[i] = _narrow_products(loads[i], chunks[i], w_sb, out_dt)
+            st[i] = _dy_products(loads[i], chunks[i], w_sb, out_dt)
             loads[i] = None
 
 
