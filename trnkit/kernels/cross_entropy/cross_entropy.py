@@ -173,6 +173,16 @@ def _target_products(h, w, t0, tw, lab, dt):
     return prod
 
 
+def _max_exp(ps, e, negm_row, es_col, k):
+    """One logits tile ``ps`` of vocabulary tile ``k``: ``negm_row[:, k]`` = ``-max`` of its rows, running over
+    tiles ``0..k`` (``negm_row[:, k - 1]`` the previous), and ``e = exp(ps - m_k)`` with its row sum into ``es_col``."""
+    col = negm_row[:, k:k + 1]
+    nisa.tensor_reduce(dst=col, op=nl.maximum, data=ps, axis=1, negate=True)
+    if k > 0:
+        nisa.tensor_tensor(dst=col, data1=col, data2=negm_row[:, k - 1:k], op=nl.minimum)
+    nisa.activation_reduce(dst=e, op=nl.exp, data=ps, reduce_op=nl.add, reduce_res=es_col, bias=col)
+
+
 def _fwd_finish(out, negm_cols, es_cols, prod):
     """``out [tw, 2] = [lse | loss]`` of a token tile from its per-vocabulary-tile columns ``negm_cols``
     (``-m_k``, the running max negated) and ``es_cols`` (``sum exp(logits - m_k)``) and its target products."""
@@ -241,13 +251,8 @@ def lce_fwd_kernel(hT, h, wT, w, labels):
                 s0, tw = subs[j]
                 ps = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.psum)
                 _logits(ps, x_sb, s0, tw, w_sb, 0, vw, H)
-                col = negm[0:tw, j, k:k + 1]
-                nisa.tensor_reduce(dst=col, op=nl.maximum, data=ps, axis=1, negate=True)
-                if k > 0:
-                    nisa.tensor_tensor(dst=col, data1=col, data2=negm[0:tw, j, k - 1:k], op=nl.minimum)
                 e = nl.ndarray((tw, vw), dtype=dt, buffer=nl.sbuf)  # only its row sum is kept
-                nisa.activation_reduce(dst=e, op=nl.exp, data=ps, reduce_op=nl.add, reduce_res=es[0:tw, j, k:k + 1],
-                                       bias=col)
+                _max_exp(ps, e, negm[0:tw, j, :], es[0:tw, j, k:k + 1], k)
             for j in range(k, len(subs), len(vt)):  # spread over the loop: GpSimd (and its DMA queue) never long busy
                 s0, tw = subs[j]
                 tgt[j] = _target_products(h, w, t0 + s0, tw, _column(labels, t0 + s0, tw), dt)

@@ -40,6 +40,7 @@ from trnkit.kernels.cross_entropy.cross_entropy import (
     _cols,
     _leave_psum,
     _logits,
+    _max_exp,
     _share,
     _stat_cols,
     _store_stats,
@@ -120,13 +121,9 @@ def _pass_a(hT, h, wT, w, labels, e_scr, vt, any_masked, t0, subs, first, pid, d
             s0, tw = subs[j]
             ps = nl.ndarray((tw, vw), dtype=nl.float32, buffer=nl.psum)
             _logits(ps, x_sb, s0, tw, w_sb, 0, vw, H)
-            col = negm[0:tw, j, k:k + 1]
-            nisa.tensor_reduce(dst=col, op=nl.maximum, data=ps, axis=1, negate=True)
-            if k > 0:
-                nisa.tensor_tensor(dst=col, data1=col, data2=negm[0:tw, j, k - 1:k], op=nl.minimum)
             e = nl.ndarray((tw, vw), dtype=dt, buffer=nl.sbuf)
             esc = es[0:tw, j, k:k + 1]
-            nisa.activation_reduce(dst=e, op=nl.exp, data=ps, reduce_op=nl.add, reduce_res=esc, bias=col)
+            _max_exp(ps, e, negm[0:tw, j, :], esc, k)
             if any_masked[k]:  # another program's tile computed again: it adds nothing to this one's sum
                 nisa.tensor_scalar(dst=esc, data=esc, op0=nl.multiply, operand0=0.0 if masked else 1.0)
             nisa.dma_copy(dst=e_scr[pid, k, 0:tw, j, 0:vw], src=e)
