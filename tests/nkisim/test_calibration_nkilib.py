@@ -1,0 +1,53 @@
+"""nki-library's recorded device times (tpbSgCyclesSum) as calibration points: the frozen table and its split.
+
+benchmarks/calibration/nkilib_points.csv is read from nki-library's test files (nkilib_rows.py); every row with a
+figure is a check point (or context, where its value is another configuration's), fixed in split.csv before any
+estimate.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks" / "calibration"))
+
+import nkilib_rows  # noqa: E402
+from points import SPLIT  # noqa: E402
+
+
+def test_points_csv_is_the_test_tables_as_read_now():
+    from trnkit.conformance import harness
+
+    root = harness.nkilib_root()
+    if root is None:
+        pytest.skip("no nki-library checkout or archive (NKILIB_SRC)")
+    frozen = nkilib_rows.read_points()
+    fresh = nkilib_rows.point_rows(root)
+    assert [(r["point"], r["role"], r["published_us"]) for r in frozen] == \
+        [(r["point"], r["role"], r["published_us"]) for r in fresh]
+
+
+def test_every_nkilib_point_is_in_the_split_and_nothing_is_fitted_to_them():
+    pts = nkilib_rows.read_points()
+    split = {n: r for n, r in SPLIT.items() if n.startswith("nkilib ")}
+    assert {r["point"]: r for r in nkilib_rows.split_rows(pts)} == split
+    assert {r["role"] for r in split.values()} == {"check", "context"}
+    assert all(r["fits"] == "" for r in split.values())
+    roles = [p["role"] for p in pts]
+    # the counts docs/cost-model.md gives
+    assert (len(pts), roles.count("check"), roles.count("context"), roles.count("none")) == (978, 334, 50, 594)
+
+
+def test_the_written_rule_on_made_up_rows():
+    mk = lambda line, v, **f: nkilib_rows.Row("core/mlp/test_mlp_cte.py", line, "t", "test", {"a": 1, **f,  # noqa: E731
+                                                                                             "tpbSgCyclesSum": v}, v)
+    got = [(role, why.split(":")[0]) for _, role, why in nkilib_rows.classify([
+        mk(1, 80_453_957), mk(2, 80_453_957), mk(3, 80_453_957, b=2), mk(4, None), mk(5, 0), mk(6, 520e6),
+        mk(7, 520e6, b=3)])]
+    assert [g[0] for g in got] == ["check", "none", "context", "none", "none", "check", "check"]
+    assert got[5][1].startswith("written to 2 significant digits")
+    assert nkilib_rows.significant_digits(89_102_777) == 8 and nkilib_rows.significant_digits(125e7) == 3
