@@ -77,8 +77,11 @@ class ModelSpec(Protocol):
         """Tensor parallelism over ``tp_mesh`` in place (routed experts ``"replicate"`` or ``"shard_i"``);
         returns what was sharded, for the log."""
 
-    def loss_sum(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        """Summed next-token cross-entropy (fp32) over the labels that are not :data:`IGNORE_INDEX`."""
+    def loss_sum(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                 schedule: str = "recompute") -> torch.Tensor:
+        """Summed next-token cross-entropy (fp32) over the labels that are not :data:`IGNORE_INDEX`;
+        ``chunk_size`` and ``schedule`` are ``training.loss_chunk_size`` / ``training.loss_schedule`` (a family
+        that cannot run a schedule raises a ConfigError naming the key)."""
 
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """``[B, S, V]`` logits of a forward."""

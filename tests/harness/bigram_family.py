@@ -86,7 +86,11 @@ class BigramSpec:
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)
 
-    def loss_sum(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    def loss_sum(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                 schedule: str = "recompute") -> torch.Tensor:
+        if schedule != "recompute":  # a family of its own decides what it runs; this one has one loss
+            raise ConfigError(f"config training.loss_schedule: the bigram family has one loss (full logits), got "
+                              f"{schedule!r}")
         return F.cross_entropy(model(tokens).float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")
 

@@ -87,6 +87,37 @@ def test_config_errors_are_clear(tmp_path: Path, text: str, cli: list[str], matc
         load_config(_write(tmp_path, text), cli)
 
 
+@pytest.mark.parametrize("cli, match", [
+    (["--training.loss_schedule", "once"],
+     r"^config training\.loss_schedule: must be one of \['recompute', 'fused'\], got 'once'$"),
+    (["--training.loss_schedule", "fused"],  # the default [overrides] swaps nothing
+     r"^config training\.loss_schedule: 'fused' is a schedule of the linear_cross_entropy kernel and needs it swapped "
+     r"in \(overrides\.ops including 'linear_cross_entropy' and overrides\.policy not 'off'; now ops = \[\], "
+     r"policy = 'off'\); without it the chunked torch loss runs, which has one schedule; got 'fused'$"),
+    (["--training.loss_schedule", "fused", "--overrides.ops", "rmsnorm", "--overrides.policy", "strict"],
+     r"needs it swapped in .*now ops = \['rmsnorm'\], policy = 'strict'\).*got 'fused'$"),
+    (["--training.loss_schedule", "fused", "--overrides.ops", "linear_cross_entropy", "--overrides.policy", "strict",
+      "--training.loss_chunk_size", "0"],
+     r"^config training\.loss_schedule: 'fused' needs the chunked loss \(training\.loss_chunk_size > 0; 0 computes "
+     r"full logits and no loss kernel runs\), got 'fused'$"),
+    (["--training.loss_schedule", "fused", "--model.spec", "hf:configs/hf/qwen3-moe-debug"],
+     r"^config training\.loss_schedule: 'fused' is a schedule of trnkit's linear_cross_entropy kernel, which "
+     r"transformers models do not run \(model\.spec 'hf:configs/hf/qwen3-moe-debug' computes full logits and "
+     r"F\.cross_entropy outside any module\); use 'recompute', got 'fused'$"),
+])
+def test_loss_schedule_errors_name_the_key_rule_and_value(cli: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, cli)
+
+
+def test_loss_schedule_default_and_accepted_values(tmp_path: Path) -> None:
+    assert load_config(None, []).training.loss_schedule == "recompute"
+    cfg = load_config(_write(tmp_path, '[training]\nloss_schedule = "fused"\n[overrides]\n'
+                                       'ops = ["linear_cross_entropy"]\npolicy = "strict"\n'))
+    assert cfg.training.loss_schedule == "fused"
+    assert load_config(_write(tmp_path, to_toml(cfg))) == cfg  # the resolved config.toml keeps it
+
+
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="file not found: /nonexistent.toml"):
         load_config("/nonexistent.toml")

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from trnkit.bench.paths import load_script
 from trnkit.harness.train import run
@@ -83,3 +84,38 @@ def test_shipped_config_tracks_reference_over_20_steps(tmp_path: Path, config: s
     rows = tr.rows(steps)
     assert all(r["within"] for r in rows), [(r["step"], r["rel_diff"]) for r in rows if not r["within"]]
     assert tr.nki[steps] < tr.nki[1] - 1.0  # it trains
+
+
+def test_loss_schedule_key_runs_its_kernel_and_both_train_alike(tmp_path: Path, tiny_tokenizer: str,
+                                                                corpus_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """``training.loss_schedule``: "recompute" (default) runs the forward op and its backward kernel, "fused" the
+    one-pass op, in a 2-step run with the loss kernel swapped in (strict); both give the torch loss's losses."""
+    from trnkit.overrides import ops
+
+    calls: Counter = Counter()
+    for name in ("linear_cross_entropy", "linear_cross_entropy_fused"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _r=real, _n=name, **k: calls.update([_n]) or _r(*a, **k))
+    common = {"model": {"spec": "qwen3:debug", "config": dict(TINY_DENSE)}}
+    kernel = {"ops": ["linear_cross_entropy"], "policy": "strict", "impl": "nki"}
+    torch_loss = run(tiny_config(tmp_path / "torch", tiny_tokenizer, corpus_dir, **common, training={"steps": 2}))
+    assert not calls
+    runs = {}
+    for schedule in ("recompute", "fused"):
+        calls.clear()
+        runs[schedule] = run(tiny_config(tmp_path / schedule, tiny_tokenizer, corpus_dir, **common, overrides=kernel,
+                                         training={"steps": 2, "loss_schedule": schedule}))
+        # one call per training forward (2 steps); the override validation's dry run (no grad) the forward op
+        want = {"linear_cross_entropy": 3} if schedule == "recompute" else {"linear_cross_entropy": 1,
+                                                                            "linear_cross_entropy_fused": 2}
+        assert calls == Counter(want), (schedule, calls)
+    assert runs["recompute"].losses.keys() == runs["fused"].losses.keys() == {1, 2}
+    for s in (1, 2):  # the gradients' scale (grad_output = dp / global tokens) shows in the norm
+        for key in ("losses", "grad_norms"):
+            got, want, torch_ref = (getattr(r, key)[s] for r in (runs["fused"], runs["recompute"], torch_loss))
+            assert got == pytest.approx(want, rel=1e-5) and got == pytest.approx(torch_ref, rel=1e-5), (key, s)
+    assert runs["fused"].losses[2] < runs["fused"].losses[1]
+    recompute = dict(runs["recompute"].model.named_parameters())
+    for name, p in runs["fused"].model.named_parameters():  # the same 2 updates (weights ~0.07, lr 1e-2)
+        torch.testing.assert_close(p, recompute[name], rtol=0, atol=2e-6, msg=name)

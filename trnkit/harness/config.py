@@ -93,6 +93,12 @@ class TrainingConfig:
     # (trnkit.qwen3.loss), never holding [tokens, vocab] logits; vocab-parallel under TP. 0 = full
     # logits then F.cross_entropy (hf: models always use full logits).
     loss_chunk_size: int = 256
+    # qwen3: models with the linear_cross_entropy kernel swapped in ([overrides] ops): the kernel's schedule.
+    # "recompute" = the forward keeps only the log-sum-exp and the backward kernel recomputes the logits;
+    # "fused" = one pass computes the loss and both gradients in the forward (a quarter fewer matmul FLOPs;
+    # holds fp32 gradients until the backward and passes up to 1,024 x vocab exponentials through an HBM
+    # scratch). Other models and runs without that kernel accept only "recompute".
+    loss_schedule: Literal["recompute", "fused"] = "recompute"
 
 
 @dataclass
@@ -395,6 +401,8 @@ def _validate(cfg: TrainerConfig) -> None:
     for name in ("steps", "local_batch_size", "seq_len", "gradient_accumulation_steps"):
         req(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
     req(t.loss_chunk_size >= 0, "training.loss_chunk_size", "must be >= 0 (0 = full logits)", t.loss_chunk_size)
+    if t.loss_schedule != "recompute":
+        _check_loss_schedule(cfg)
     req(t.moe_aux_loss_coef is None or t.moe_aux_loss_coef >= 0, "training.moe_aux_loss_coef",
         "must be >= 0", t.moe_aux_loss_coef)
     o = cfg.optimizer
@@ -442,6 +450,31 @@ def _validate(cfg: TrainerConfig) -> None:
 
 
 SEED_MAX = 2**63 - 1
+
+
+def _check_loss_schedule(cfg: TrainerConfig) -> None:
+    """``training.loss_schedule = "fused"`` is a schedule of trnkit's linear_cross_entropy kernel: it needs a model
+    that runs that kernel (the native ``qwen3:`` family; transformers models compute their loss from full
+    logits outside any module), the kernel swapped in, and the chunked loss (``loss_chunk_size`` > 0, else the
+    model computes full logits and no loss kernel runs). A family of your own receives the schedule in
+    ``ModelSpec.loss_sum`` and decides there."""
+    t, o = cfg.training, cfg.overrides
+    key, value = "training.loss_schedule", t.loss_schedule
+    family, _ = spec_family(cfg.model.spec)
+    if family == "hf":
+        raise ConfigError(f"config {key}: {value!r} is a schedule of trnkit's linear_cross_entropy kernel, which "
+                          f"transformers models do not run (model.spec {cfg.model.spec!r} computes full logits and "
+                          f"F.cross_entropy outside any module); use 'recompute', got {value!r}")
+    if family != "qwen3":
+        return
+    if o.policy == "off" or "linear_cross_entropy" not in o.ops:
+        raise ConfigError(f"config {key}: {value!r} is a schedule of the linear_cross_entropy kernel and needs it "
+                          f"swapped in (overrides.ops including 'linear_cross_entropy' and overrides.policy not "
+                          f"'off'; now ops = {list(o.ops)}, policy = {o.policy!r}); without it the chunked torch "
+                          f"loss runs, which has one schedule; got {value!r}")
+    if t.loss_chunk_size == 0:
+        raise ConfigError(f"config {key}: {value!r} needs the chunked loss (training.loss_chunk_size > 0; 0 computes "
+                          f"full logits and no loss kernel runs), got {value!r}")
 
 
 def _require_finite(cfg: TrainerConfig) -> None:

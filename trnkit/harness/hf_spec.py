@@ -126,8 +126,13 @@ class HFSpec:
         self._last["router_logits"] = getattr(out, "router_logits", None)
         return out.logits
 
-    def loss_sum(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        """Full logits, then ``F.cross_entropy`` (``chunk_size`` is not used)."""
+    def loss_sum(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                 schedule: str = "recompute") -> torch.Tensor:
+        """Full logits, then ``F.cross_entropy`` (``chunk_size`` is not used; no loss kernel runs, so the only
+        ``schedule`` is ``"recompute"``, which the config check also enforces)."""
+        if schedule != "recompute":
+            raise ConfigError(f"config training.loss_schedule: transformers models compute their loss from full "
+                              f"logits, with no loss kernel to schedule; use 'recompute', got {schedule!r}")
         logits = self.logits(model, tokens)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                reduction="sum")

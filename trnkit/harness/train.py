@@ -458,8 +458,9 @@ class Trainer:
         device = self.env.device
         amp = torch.autocast(device.type, dtype=torch.bfloat16) if self.use_autocast else nullcontext()
         with amp:
-            return self.spec.loss_sum(self.model, tokens.to(device), labels.to(device),
-                                        self.cfg.training.loss_chunk_size)
+            t = self.cfg.training
+            return self.spec.loss_sum(self.model, tokens.to(device), labels.to(device), t.loss_chunk_size,
+                                      schedule=t.loss_schedule)
 
     def forward_backward_step(self, batch: Any, global_tokens: torch.Tensor) -> torch.Tensor:
         """One microbatch: forward, its share of the step's loss (summed CE over the global token count,

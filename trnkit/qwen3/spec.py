@@ -78,10 +78,13 @@ class Qwen3Spec:
     def parallelize(self, model: nn.Module, tp_mesh: Any, experts: str) -> str:
         return parallelize_qwen3(model, tp_mesh, experts)
 
-    def loss_sum(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    def loss_sum(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, chunk_size: int,
+                 schedule: str = "recompute") -> torch.Tensor:
         """Computed inside the model's forward by the chunked linear cross-entropy (``chunk_size`` tokens per
-        chunk, 0 = full logits), vocab-parallel under TP."""
-        return model(tokens, labels=labels, loss_chunk_size=chunk_size, ignore_index=IGNORE_INDEX)
+        chunk, 0 = full logits), vocab-parallel under TP; ``schedule``: the swapped-in loss kernel's
+        (``Qwen3Model.forward``'s ``loss_schedule``)."""
+        return model(tokens, labels=labels, loss_chunk_size=chunk_size, ignore_index=IGNORE_INDEX,
+                     loss_schedule=schedule)
 
     def logits(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens)
