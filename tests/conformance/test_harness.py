@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import textwrap
 
@@ -632,3 +633,34 @@ def test_the_refusal_a_case_names_carries_the_cases_note(fake_checkout):
     # another failure, or a case that names none, keeps the interpreter's message alone
     other = harness.run_case(_case(entry="too_many_partitions", rejected_by="heap", note=why), fake_checkout)
     assert why not in other.message
+
+
+def test_the_references_repeated_notes_are_dropped_and_other_output_kept(fake_checkout, capsys):
+    """nki-library's attention reference prints a block-length resize note and its DMA advice per call (per
+    batch chunk of a golden); the harness drops exactly those lines, and a reference's other output (another
+    warning), a partial last line and its exception still come out."""
+    (fake_checkout / "src" / "nkilib_src" / "chatty.py").write_text(textwrap.dedent('''
+        def noted_ref(x, out, factor):
+            for _ in range(3):
+                print("Token-gen bucket length of 1024:", "reducing block length by 2x,", "cache block length "
+                      "reduced from 32 to 16.")
+                print("WARNING: Smaller block length (<8) results in lower DMA bandwidth utilization. Consider "
+                      "increasing curr_sprior to at least 4096.")
+            print("WARNING: the reference saw something else")
+            print("partial", end="")
+            return {"out": x * factor}
+
+
+        def failing_noted_ref(x, out, factor):
+            print("Token-gen bucket length of 1024: reducing block length by 2x,")
+            print("reference says why")
+            raise ValueError("reference broke")
+    '''))
+    row = harness.run_case(dataclasses.replace(_case(), reference="nkilib_src.chatty:noted_ref"), fake_checkout)
+    assert row.result == harness.PASS, row.message
+    out = capsys.readouterr().out
+    assert out == "WARNING: the reference saw something else\npartial"
+    row = harness.run_case(dataclasses.replace(_case(), reference="nkilib_src.chatty:failing_noted_ref"),
+                           fake_checkout)
+    assert row.result == harness.ERROR and row.message == "reference failed: ValueError: reference broke"
+    assert capsys.readouterr().out == "reference says why\n"

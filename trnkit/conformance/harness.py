@@ -566,6 +566,44 @@ def _low_precision_dtype(inputs: dict[str, Any]) -> np.dtype | None:
     return None
 
 
+# Lines nki-library's reference code prints on every call that say nothing about the row (the start of each
+# line): a golden computed in batch chunks (cases_transformer._golden_in_batch_chunks) printed them per chunk.
+REFERENCE_NOTES = (
+    # core/attention/attention_tkg_utils.py, resize_cache_block_len_for_attention_tkg_kernel, which the
+    # attention_block_tkg reference calls to lay out a block KV cache as the kernel will: the resize itself
+    # and its advice on the device's DMA bandwidth at blocks under 8 tokens (the row's layout is the test's)
+    "Token-gen bucket length of ",
+    "WARNING: Smaller block length (<8) results in lower DMA bandwidth utilization.",
+    "WARNING: This also requires increasing full_sprior to at least ",
+)
+
+
+class _Without(io.TextIOBase):
+    """A text stream passing whole lines on to ``out`` except those starting with one of ``prefixes``; any
+    other output (a warning, an error message) still reaches ``out``, as each line is completed (a last
+    partial line at close)."""
+
+    def __init__(self, out: Any, prefixes: tuple[str, ...]) -> None:
+        self.out, self.prefixes, self.pending = out, prefixes, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        self.out.write("".join(f"{line}\n" for line in lines if not line.startswith(self.prefixes)))
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.pending and not self.pending.startswith(self.prefixes):
+            self.out.write(self.pending)
+        self.pending = ""
+        super().close()
+
+
 def reference_outputs(case: Case, inputs: dict[str, Any], root: Path | None = None) -> dict[str, np.ndarray]:
     """The torch reference's outputs (numpy), on copies of ``inputs`` (``root``: the checkout, for a
     reference defined in an nki-library test file)."""
@@ -573,7 +611,8 @@ def reference_outputs(case: Case, inputs: dict[str, Any], root: Path | None = No
 
     ref_in = case.ref_inputs(inputs) if case.ref_inputs else inputs
     kwargs = {k: _to_torch(v, case.keep_low_precision) for k, v in ref_in.items()}  # (each a copy)
-    result = _resolve(case.reference, root)(**kwargs)
+    with contextlib.closing(_Without(sys.stdout, REFERENCE_NOTES)) as out, contextlib.redirect_stdout(out):
+        result = _resolve(case.reference, root)(**kwargs)
     if isinstance(result, torch.Tensor):
         result = {"out": result}
     elif isinstance(result, (list, tuple)):
