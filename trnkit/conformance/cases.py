@@ -146,15 +146,30 @@ def _norm_inputs(b: int, s: int, h: int, extra: dict[str, Any], beta: bool) -> C
     return make
 
 
+# lnc, batch, seqlen, hidden, hidden_actual, hidden_dim_tp, shard_on_h: all 27 rows of RMSNORM_TKG_TEST_CASES (fp16)
+_RMSNORM_TKG = [
+    (1, 1, 1, 8192, None, False, False), (1, 1, 8, 8192, None, False, False), (1, 1, 1, 4096, 3072, False, False),
+    (1, 1, 4, 2048, 2048, False, False), (1, 1, 4, 2048, 1920, False, False), (2, 1, 1, 5120, None, False, False),
+    (2, 1, 1, 8192, None, False, False), (2, 2, 8, 8192, None, False, False), (2, 4, 8, 8192, None, False, False),
+    (2, 128, 1, 8192, None, False, False), (2, 4, 1, 5120, None, False, False), (2, 128, 5, 3072, None, False, False),
+    (2, 256, 5, 3072, None, False, False), (2, 63, 32, 3072, None, False, False),
+    (2, 1, 1, 16384, None, False, False), (2, 1, 1, 4096, 3072, False, False), (2, 2, 8, 16384, None, False, False),
+    (2, 2, 8, 3072, 2880, False, False), (1, 1, 1, 4096, 3072, True, False), (2, 1, 1, 5120, None, True, False),
+    (2, 128, 1, 8192, None, True, False), (2, 2, 8, 3072, 2880, True, False), (2, 1, 1, 8192, None, False, True),
+    (2, 2, 8, 8192, None, False, True), (2, 1, 1, 5120, None, False, True), (2, 4, 1, 3072, None, False, True),
+    (2, 1, 1, 16384, None, False, True)]
+# lnc, batch, seqlen, hidden, shard_on_h: all 19 rows of LAYERNORM_TKG_TEST_CASES (fp16)
+_LAYERNORM_TKG = [
+    (1, 1, 1, 8192, False), (1, 1, 8, 8192, False), (2, 1, 1, 5120, False), (2, 1, 1, 8192, False),
+    (2, 2, 8, 8192, False), (2, 4, 8, 8192, False), (2, 128, 1, 8192, False), (2, 128, 1, 8192, True),
+    (2, 4, 1, 5120, False), (2, 128, 5, 3072, False), (2, 256, 5, 3072, False), (2, 63, 32, 3072, False),
+    (2, 1, 1, 16384, False), (2, 2, 5, 16384, False), (2, 1, 1, 8192, True), (2, 2, 8, 8192, True),
+    (2, 1, 1, 5120, True), (2, 4, 1, 3072, True), (2, 1, 1, 16384, True)]
+
+
 def _rmsnorm_cases() -> list[Case]:
     cases = []
-    for lnc, b, s, h, actual, tp, shard in [
-            (1, 1, 1, 8192, None, False, False), (1, 1, 4, 2048, 1920, False, False),
-            (2, 1, 1, 5120, None, False, False), (2, 4, 8, 8192, None, False, False),
-            (2, 128, 5, 3072, None, False, False), (2, 63, 32, 3072, None, False, False),
-            (2, 2, 8, 3072, 2880, False, False), (2, 2, 8, 3072, 2880, True, False),
-            (1, 1, 1, 4096, 3072, True, False), (2, 2, 8, 8192, None, False, True),
-            (2, 4, 1, 3072, None, False, True)]:
+    for lnc, b, s, h, actual, tp, shard in _RMSNORM_TKG:
         ref = "rmsnorm_tkg_torch_ref" if lnc == 2 and not tp else "rmsnorm_tkg_torch_ref_lnc1"
         name = "rmsnorm" + (f" hidden_actual={actual}" if actual else "") + (" hidden_dim_tp" if tp else "") \
             + (" shard_on_h" if shard else "")
@@ -171,10 +186,7 @@ def _rmsnorm_cases() -> list[Case]:
 
 def _layernorm_cases() -> list[Case]:
     cases = []
-    for lnc, b, s, h, shard in [(1, 1, 8, 8192, False), (2, 1, 1, 5120, False), (2, 4, 8, 8192, False),
-                                (2, 128, 1, 8192, True), (2, 128, 5, 3072, False),
-                                (2, 63, 32, 3072, False), (2, 2, 5, 16384, False),
-                                (2, 4, 1, 3072, True)]:
+    for lnc, b, s, h, shard in _LAYERNORM_TKG:
         ref = "layernorm_tkg_torch_ref" if lnc == 2 or shard else "layernorm_tkg_torch_ref_lnc1"
         cases.append(Case(
             kernel="core/subkernels/layernorm_tkg", name="layernorm" + (" shard_on_h" if shard else ""),
@@ -187,11 +199,18 @@ def _layernorm_cases() -> list[Case]:
 
 
 # -- core/max/cascaded_max (test_cascaded_max.py, test_cascaded_max_unit) -----------------------
+# lnc, batch, seqlen, vocab: all 28 rows of cascaded_max_unit_perms (fp32)
+_CASCADED_MAX = [
+    (1, 8, 5, 4058), (2, 8, 5, 4058), (1, 4, 5, 4058), (2, 5, 5, 4058), (1, 4, 5, 8192), (1, 8, 5, 8192),
+    (2, 8, 5, 8192), (2, 5, 5, 8192), (1, 1, 1, 3168), (2, 1, 1, 3168), (2, 1, 1, 256), (2, 1, 1, 16000),
+    (2, 3, 1, 3168), (2, 7, 1, 3168), (2, 8, 1, 3168), (2, 10, 1, 3168), (2, 16, 1, 3168), (2, 32, 1, 3168),
+    (2, 63, 1, 3168), (2, 65, 1, 3168), (2, 99, 1, 3168), (2, 128, 1, 3168), (2, 256, 1, 3168), (2, 1, 1, 3168),
+    (1, 1, 7, 3999), (1, 1, 63, 3999), (2, 1, 127, 3999), (1, 1, 127, 3999)]
+
+
 def _cascaded_max_cases() -> list[Case]:
     cases = []
-    for lnc, b, s, v in [(1, 8, 5, 4058), (2, 8, 5, 4058), (2, 5, 5, 8192), (2, 1, 1, 3168),
-                         (2, 1, 1, 256), (2, 1, 1, 16000), (2, 65, 1, 3168), (2, 256, 1, 3168),
-                         (1, 1, 127, 3999), (2, 1, 127, 3999)]:
+    for lnc, b, s, v in dict.fromkeys(_CASCADED_MAX):  # the table lists [2, 1, 1, 3168] twice: it runs once
         cases.append(Case(
             kernel="core/max/cascaded_max", name="max fp32", shapes=f"x[{b},{s},{v}]",
             entry=f"{LIB}.max.cascaded_max:cascaded_max",
@@ -228,13 +247,29 @@ def _topk_compare(inputs: dict, actual: dict, expected: dict) -> tuple[dict, dic
             {"topk_values": ref_sorted, "topk_indices": ref_sorted})
 
 
+# lnc, batch, seqlen, vocab, K, dtype, sorted: all 45 rows of topk_unit_perms and the 3 of large_batch_perms
+# (test_topk_unit runs both), then the 3 of topk_unsorted_perms
+_TOPK = [(lnc, b, s, v, k, dt, True) for lnc, b, s, v, k, dt in (
+    (2, 8, 5, 4058, 256, F32), (2, 5, 5, 4058, 256, F32), (1, 4, 5, 8192, 256, F32), (1, 8, 5, 8192, 256, F32),
+    (2, 8, 5, 8192, 256, F32), (2, 5, 5, 8192, 256, F32), (2, 1, 1, 3168, 256, F32), (2, 1, 1, 16000, 256, F32),
+    (2, 3, 1, 3168, 256, F32), (2, 7, 1, 3168, 256, F32), (2, 8, 1, 3168, 256, F32), (2, 10, 1, 3168, 256, F32),
+    (2, 16, 1, 3168, 256, F32), (2, 32, 1, 3168, 256, F32), (2, 63, 1, 3168, 256, F32),
+    (2, 65, 1, 3168, 256, F32), (2, 99, 1, 3168, 256, F32), (2, 128, 1, 3168, 256, F32),
+    (2, 256, 1, 3168, 256, F32), (2, 1, 1, 3168, 8, F32), (2, 1, 1, 3168, 64, F32), (2, 1, 1, 3168, 192, F32),
+    (2, 1, 1, 3168, 1, F32), (2, 1, 1, 3168, 7, F32), (2, 1, 1, 3168, 60, F32), (2, 1, 1, 3168, 99, F32),
+    (1, 1, 7, 3999, 256, F32), (1, 1, 63, 3999, 20, F32), (2, 1, 127, 3999, 256, F32), (2, 1, 127, 3999, 1, F32),
+    (1, 1, 127, 3999, 20, F32), (2, 1, 1, 3168, 256, BF16), (2, 8, 5, 4058, 256, BF16),
+    (2, 1, 1, 16000, 256, BF16), (2, 32, 1, 3168, 256, BF16), (2, 1, 1, 25600, 256, F32),
+    (2, 8, 1, 25600, 256, F32), (2, 1, 1, 2048, 256, F32), (2, 1, 1, 8192, 2048, F32), (2, 8, 1, 8192, 2048, F32),
+    (1, 4, 5, 8192, 2048, F32), (2, 1, 1, 25600, 2048, F32), (2, 2, 1, 151936, 256, F32),
+    (2, 1024, 1, 8192, 2048, F32), (2, 1024, 1, 3568, 2048, F32),
+    (2, 150, 1, 1000, 50, F32), (2, 200, 1, 2000, 64, F32), (2, 1024, 1, 5000, 128, F32))] \
+    + [(2, 1, 1, 25136, 256, F32, False), (2, 8, 5, 4058, 256, F32, False), (2, 5, 5, 4058, 256, F32, False)]
+
+
 def _topk_cases() -> list[Case]:
     cases = []
-    for lnc, b, s, v, k, dt, srt in [(2, 8, 5, 4058, 256, F32, True), (1, 4, 5, 8192, 256, F32, True),
-                                     (2, 1, 1, 3168, 256, F32, True), (2, 65, 1, 3168, 256, F32, True),
-                                     (2, 1, 1, 3168, 7, F32, True), (2, 1, 1, 3168, 1, F32, True),
-                                     (1, 1, 63, 3999, 20, F32, True), (2, 1, 1, 3168, 256, BF16, True),
-                                     (2, 1, 1, 8192, 2048, F32, True), (2, 8, 5, 4058, 256, F32, False)]:
+    for lnc, b, s, v, k, dt, srt in _TOPK:
         cases.append(Case(
             kernel="core/topk", name=f"rotational k={k} {_dt_name(dt)}" + ("" if srt else " unsorted"),
             shapes=f"x[{b}x{s},{v}]", entry=f"{LIB}.topk.rotational_topk:rotational_topk",

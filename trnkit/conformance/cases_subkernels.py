@@ -99,17 +99,23 @@ def _topk_reduce_inputs(t: int, k: int, h: int, ranks: int) -> Callable[[], dict
     return make
 
 
-# lnc, source ranks, T, K, H (TOPK_REDUCE_PARAMS)
-_TOPK_REDUCE = [(1, 8, 4, 4, 2880), (2, 8, 4, 8, 4096), (2, 8, 128, 4, 2880), (2, 128, 4, 4, 2880),
+# lnc, source ranks, T, K, H (all 9 rows of TOPK_REDUCE_PARAMS)
+_TOPK_REDUCE = [(1, 8, 4, 4, 2880), (2, 8, 4, 4, 2880), (2, 8, 4, 8, 4096), (2, 8, 128, 4, 2880),
+                (2, 8, 128, 8, 4096), (2, 128, 4, 4, 2880), (2, 128, 4, 8, 4096), (2, 128, 128, 4, 2880),
                 (2, 128, 128, 8, 4096)]
-# T, E, top_k, chunk_size, dtype, (E_offset, E_local) or None
-_NONZERO = [(4096, 128, 8, 4096, "int32", None), (4096, 128, 8, 4096, "float32", None),
-            (10240, 128, 4, 10240, "int32", None), (4096, 128, 8, 4096, "int32", (0, 4)),
-            (10240, 128, 4, 10240, "float32", (16, 16)), (10240, 128, 4, 10240, "float32", (120, 8))]
-# T, E, f_len, rows N (= E without row_offsets_start), row_offsets_start
-_FLATTEN = [(4096, 1, 128, 1, None), (4096, 2, 256, 2, None), (4096, 3, 128, 3, None), (10240, 17, 128, 17, None),
-            (65536, 4, 256, 4, None), (4096, 128, 128, 128, None), (4096, 2, 128, 4, 2), (4096, 3, 128, 5, 1),
-            (10240, 8, 128, 16, 8)]
+# T, E, top_k, chunk_size, dtype, (E_offset, E_local) or None: all 6 rows of FULL_TEST_PARAMS, all 7 of
+# SUBSET_TEST_PARAMS
+_NONZERO = [(t, 128, k, chunk, dt, None) for t, k, chunk in ((4096, 8, 4096), (10240, 4, 10240), (65536, 4, 16384))
+            for dt in ("int32", "float32")] \
+    + [(t, 128, k, chunk, dt, w) for t, k, w, chunk in ((4096, 8, (0, 4), 4096), (10240, 4, (16, 16), 10240),
+                                                     (65536, 4, (32, 16), 16384)) for dt in ("int32", "float32")] \
+    + [(10240, 128, 4, 10240, "float32", (120, 8))]
+# T, E, f_len, rows N (= E without row_offsets_start), row_offsets_start: all 11 rows of FAST_TEST_PARAMS, all 3
+# of ROW_OFFSET_TEST_PARAMS
+_FLATTEN = [(t, e, f, e, None) for t, e, f in ((4096, 1, 128), (4096, 2, 128), (4096, 2, 256), (4096, 3, 128),
+                                               (10240, 16, 128), (10240, 17, 128), (65536, 4, 128), (65536, 4, 256),
+                                               (4096, 64, 128), (4096, 128, 128), (4096, 256, 128))] \
+    + [(4096, 2, 128, 4, 2), (4096, 3, 128, 5, 1), (10240, 8, 128, 16, 8)]
 # T, fraction non-zero (find_nonzero_indices_perms: every T for each fraction)
 _NONZERO_WITH_COUNT = [(t, pct) for pct in (0.0, 1 / 32, 5 / 32, 1.0) for t in (32, 64, 128, 256, 512, 1024, 2048)]
 
