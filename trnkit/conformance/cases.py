@@ -342,33 +342,52 @@ def _router_ref_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in inputs.items() if k != "output_in_sbuf"}
 
 
+# base_configs of test_router_topk.py (all 50; the gptoss_120b row repeats the T=32 basic row and runs once):
+# T, H, E, k, act, bias, the flags set
+_ROUTER_BASE = [
+    *[(t, 3072, 128, 4, "SOFTMAX", True, ()) for t in (4, 16, 32, 64, 128)],
+    (4, 3072, 128, 4, "SOFTMAX", False, ()), (4, 3072, 128, 4, "SOFTMAX", True, ("use_PE_broadcast_w_bias",)),
+    (4, 3072, 256, 4, "SOFTMAX", True, ()),
+    *[(t, 3072, 128, 4, "SOFTMAX", True, ()) for t in (640, 1024, 320)],
+    *[(t, 3072, 128, 4, "SOFTMAX", True, ("shard_on_tokens",)) for t in (48, 80, 96, 160, 192, 320, 640)],
+    (16, 3072, 128, 4, "SOFTMAX", True, ("use_column_tiling",)),
+    *[(t, 3072, 128, 4, "SOFTMAX", True, ("use_indirect_dma_scatter",)) for t in (4, 640)],
+    (8, 8192, 128, 8, "SIGMOID", True, ("use_indirect_dma_scatter",)),
+    *[(t, 8192, 128, 8, "SOFTMAX", True, ("router_pre_norm", "use_indirect_dma_scatter")) for t in (8, 640, 1024)],
+    (8, 8192, 128, 8, "SIGMOID", True, ("router_pre_norm", "use_indirect_dma_scatter")),
+    *[(8, 8192, 128, 8, act, True, ("router_pre_norm", "norm_topk_prob", "use_indirect_dma_scatter"))
+      for act in ("SOFTMAX", "SIGMOID")],
+    *[(t, 3072, 128, 4, "SOFTMAX", True, ("router_pre_norm",)) for t in (8, 32, 64)],
+    *[(t, 3072, 128, 4, "SOFTMAX", True, ("router_pre_norm", "norm_topk_prob")) for t in (8, 32)],
+    (4, 3072, 128, 1, "SOFTMAX", False, ()),
+    (32, 3072, 128, 4, "SOFTMAX", True, ()), (32, 3072, 128, 4, "SOFTMAX", True, ("router_pre_norm",
+                                                                                 "use_indirect_dma_scatter")),
+    *[(2, h, e, k, "SOFTMAX", False, flags) for h, e, k in ((4096, 128, 8), (5120, 128, 1), (5120, 16, 1))
+      for flags in ((), ("router_pre_norm", "use_indirect_dma_scatter"))],
+    (32, 256, 128, 4, "SIGMOID", True, ("use_column_tiling", "use_indirect_dma_scatter")),
+    *[(t, 512, 128, 4, "SOFTMAX", False, ("shard_on_tokens", "output_in_sbuf")) for t in (2, 4, 5, 8, 32, 64, 128)],
+]
+
+
+def _router_rows() -> list[tuple]:
+    """Each base config under the layouts test_router_topk runs (x in HBM as [H, T] or [T, H]; x in SBUF in
+    each of the three SBUF layouts) but the ones it skips: T per core above 128 and not a multiple of 128
+    with the indirect-DMA scatter, output in SBUF with T above 128."""
+    rows = []
+    for t, h, e, k, act, bias, flags in dict.fromkeys(_ROUTER_BASE):
+        t_local = t // 2 if "shard_on_tokens" in flags else t
+        if (t_local > 128 and t_local % 128 and "use_indirect_dma_scatter" in flags) \
+                or ("output_in_sbuf" in flags and t > 128):
+            continue
+        opts = dict.fromkeys(flags, True)
+        rows += [(t, h, e, k, act, bias, opts, False, 0, xhbm) for xhbm in (0, 1)]
+        rows += [(t, h, e, k, act, bias, opts, True, xsbl, 0) for xsbl in (0, 1, 2)]
+    return rows
+
+
 def _router_cases() -> list[Case]:
     cases = []
-    #       T,    H,   E,  k, act,      bias, options
-    for t, h, e, k, act, bias, opts, x_in_sb, xsbl, xhbm in [
-            (4, 3072, 128, 4, "SOFTMAX", True, {}, False, 0, 0),
-            (128, 3072, 128, 4, "SOFTMAX", True, {}, False, 0, 0),
-            (4, 3072, 128, 4, "SOFTMAX", False, {}, False, 0, 0),
-            (4, 3072, 128, 4, "SOFTMAX", True, {"use_PE_broadcast_w_bias": True}, False, 0, 0),
-            (4, 3072, 256, 4, "SOFTMAX", True, {}, False, 0, 0),
-            (640, 3072, 128, 4, "SOFTMAX", True, {}, False, 0, 0),
-            (48, 3072, 128, 4, "SOFTMAX", True, {"shard_on_tokens": True}, False, 0, 0),
-            (320, 3072, 128, 4, "SOFTMAX", True, {"shard_on_tokens": True}, False, 0, 0),
-            (16, 3072, 128, 4, "SOFTMAX", True, {"use_column_tiling": True}, False, 0, 0),
-            (4, 3072, 128, 4, "SOFTMAX", True, {"use_indirect_dma_scatter": True}, False, 0, 0),
-            (640, 3072, 128, 4, "SOFTMAX", True, {"use_indirect_dma_scatter": True}, False, 0, 0),
-            (8, 8192, 128, 8, "SIGMOID", True, {"use_indirect_dma_scatter": True}, False, 0, 0),
-            (8, 8192, 128, 8, "SIGMOID", True, {"router_pre_norm": True, "norm_topk_prob": True,
-                                                 "use_indirect_dma_scatter": True}, False, 0, 0),
-            (32, 3072, 128, 4, "SOFTMAX", True, {"router_pre_norm": True}, False, 0, 0),
-            (32, 256, 128, 4, "SIGMOID", True, {"use_column_tiling": True,
-                                                "use_indirect_dma_scatter": True}, False, 0, 0),
-            (32, 512, 128, 4, "SOFTMAX", False, {"shard_on_tokens": True, "output_in_sbuf": True}, False, 0, 0),
-            (128, 512, 128, 4, "SOFTMAX", False, {"shard_on_tokens": True, "output_in_sbuf": True}, False, 0, 0),
-            (32, 3072, 128, 4, "SOFTMAX", True, {}, True, 1, 0),
-            (32, 3072, 128, 4, "SOFTMAX", True, {}, True, 2, 0),
-            (4, 3072, 128, 4, "SOFTMAX", True, {}, False, 0, 1),
-            (640, 3072, 128, 4, "SOFTMAX", True, {"use_indirect_dma_scatter": True}, False, 0, 1)]:
+    for t, h, e, k, act, bias, opts, x_in_sb, xsbl, xhbm in _router_rows():
         flags = [n for n, v in opts.items() if v] + ([f"x in SBUF layout {xsbl}"] if x_in_sb else []) \
             + (["x [T,H]"] if xhbm else [])
         name = f"{act.lower()}{' bias' if bias else ''} k={k}" + (f" {' '.join(flags)}" if flags else "")
