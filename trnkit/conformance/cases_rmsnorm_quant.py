@@ -1,7 +1,9 @@
 """Conformance cases of nki-library's core/rmsnorm rmsnorm_quant kernel, written from its test file.
 
 ``test/integration/nkilib/core/rmsnorm/test_rmsnorm_quant.py`` (``test_rmsnorm_quant_lnc_unit``: every row,
-ROW and STATIC quantization), bf16, B = 1, H = 16384, LNC 2. The rows draw hidden [B, S, H] then gamma
+ROW and STATIC quantization), bf16, B = 1, H = 16384, LNC 2; and every row of ``test_rmsnorm_quant_vnc_unit``
+(fp16, ROW, RMS norm, LNC 1 and 2, H 8192 / 16384, S up to 32,768; hidden then gamma drawn uniform in [0, 10)
+from one ``default_rng(0)``; gamma [H] at LNC 1). The rows draw hidden [B, S, H] then gamma
 [1, H] from one of the test's generators, each fresh per row: ``gaussian_tensor_generator()`` (one normal
 generator, seed 0), ``duplicate_row_rmsnorm_inp_generator()`` (one normal row [B, 1, H] from a seed-0
 generator, repeated over S and divided by 100 in bf16; gamma ``np.random.seed(0)`` then ``random_sample``)
@@ -36,10 +38,16 @@ TESTS = "test/integration/nkilib/core/rmsnorm"
 FP8_RANGE = 240.0
 VALUES_RTOL, SCALE_RTOL = 0.072, 0.007
 GAUSSIAN, DUPLICATE, ONES = "gaussian", "duplicate rows", "all ones"  # the test's tensor generators
+UNIFORM = "uniform 0-10"  # test_rmsnorm_quant_vnc_unit's quant_input_tensor_generator()
+F16 = np.dtype(np.float16)
 
 
-def _hidden_gamma(gen: str, b: int, s: int, h: int) -> tuple[np.ndarray, np.ndarray]:
-    """hidden [b, s, h] and gamma [1, h] (LNC 2) as the test's generator ``gen`` draws them."""
+def _hidden_gamma(gen: str, b: int, s: int, h: int, lnc: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """hidden [b, s, h] and gamma ([1, h] at LNC 2, [h] at LNC 1) as the test's generator ``gen`` draws them."""
+    if gen == UNIFORM:  # one default_rng(0), uniform in [0, 10), fp16
+        rng = np.random.default_rng(0)
+        return (rng.uniform(0, 10, (b, s, h)).astype(F16),
+                rng.uniform(0, 10, (1, h) if lnc > 1 else (h,)).astype(F16))
     if gen == ONES:
         return np.ones((b, s, h), BF16), np.ones((1, h), BF16)
     rng = np.random.default_rng(0)
@@ -51,11 +59,12 @@ def _hidden_gamma(gen: str, b: int, s: int, h: int) -> tuple[np.ndarray, np.ndar
     return hidden, np.random.random_sample((1, h)).astype(BF16)
 
 
-def _inputs(s: int, quant_only: bool, lower_bound: float, static: bool, gen: str) -> Callable[[], dict[str, Any]]:
+def _inputs(s: int, quant_only: bool, lower_bound: float, static: bool, gen: str, h: int = 16384, lnc: int = 2
+            ) -> Callable[[], dict[str, Any]]:
     def make() -> dict[str, Any]:
         types = importlib.import_module(f"{LIB}.utils.common_types")
         kargs_cls = importlib.import_module(f"{LIB}.rmsnorm.rmsnorm_quant").RmsNormQuantKernelArgs
-        hidden, gamma = _hidden_gamma(gen, 1, s, 16384)
+        hidden, gamma = _hidden_gamma(gen, 1, s, h, lnc)
         scale = None
         if static:
             scale = np.full((128, 1), np.random.default_rng(0).normal(loc=0.5, scale=0.1), np.float32)
@@ -114,6 +123,11 @@ _ROWS = [(2, True, 0.0, False, GAUSSIAN), (2, True, 0.5, False, GAUSSIAN), (2, F
          (2, True, 0.0, True, GAUSSIAN), (2, False, 0.0, True, GAUSSIAN), (2048, False, 0.0, True, GAUSSIAN),
          (160, False, 0.0, True, GAUSSIAN), (160, False, 0.0, True, DUPLICATE), (160, False, 0.0, True, ONES),
          (160, True, 0.0, True, GAUSSIAN)]
+# seqlen, lower_bound, lnc, hidden: the 9 rows of test_rmsnorm_quant_vnc_unit (fp16, uniform [0, 10) inputs, ROW,
+# RMS norm; its intermediate column is not used by the test)
+_VNC_ROWS = [(128, 0.0, 1, 16384), (128, 0.5, 1, 16384), (128, 0.0, 2, 16384), (128, 0.5, 2, 16384),
+             (256, 0.0, 2, 8192), (2048, 0.0, 2, 8192), (2048, 0.0, 2, 16384), (32768, 0.0, 2, 8192),
+             (32768, 0.0, 2, 16384)]
 
 
 def _name(quant_only: bool, lower_bound: float, static: bool, gen: str) -> str:
@@ -122,10 +136,16 @@ def _name(quant_only: bool, lower_bound: float, static: bool, gen: str) -> str:
 
 
 def rmsnorm_quant_cases() -> list[Case]:
+    vnc = [Case(
+        kernel="core/rmsnorm/rmsnorm_quant", name="fp16 " + _name(False, lb, False, UNIFORM), shapes=f"B=1 S={s} H={h}",
+        entry=f"{LIB}.rmsnorm.rmsnorm_quant:rmsnorm_quant_kernel",
+        reference="trnkit.conformance.cases_rmsnorm_quant:rmsnorm_quant_golden",
+        inputs=_inputs(s, False, lb, False, UNIFORM, h, lnc), outputs=("values",), lnc=lnc, rtol=VALUES_RTOL,
+        atol=1e-8, postprocess=_compare, test_file=f"{TESTS}/test_rmsnorm_quant.py") for s, lb, lnc, h in _VNC_ROWS]
     return [Case(
         kernel="core/rmsnorm/rmsnorm_quant", name=_name(qo, lb, st, gen), shapes=f"B=1 S={s} H=16384",
         entry=f"{LIB}.rmsnorm.rmsnorm_quant:rmsnorm_quant_kernel",
         reference="trnkit.conformance.cases_rmsnorm_quant:rmsnorm_quant_golden", inputs=_inputs(s, qo, lb, st, gen),
         outputs=("values",), lnc=2, rtol=VALUES_RTOL, atol=1e-8, postprocess=_compare,
         note="fp8 casts taken as round-to-nearest-even (ml_dtypes)" if st or gen != GAUSSIAN else "",
-        test_file=f"{TESTS}/test_rmsnorm_quant.py") for s, qo, lb, st, gen in _ROWS]
+        test_file=f"{TESTS}/test_rmsnorm_quant.py") for s, qo, lb, st, gen in _ROWS] + vnc
