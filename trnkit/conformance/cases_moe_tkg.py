@@ -1,6 +1,6 @@
 """Conformance cases of nki-library's core/moe/moe_tkg kernel, written from its test files.
 
-``test/integration/nkilib/core/moe/moe_tkg/test_moe_tkg.py`` (``test_moe_tkg_bfloat16``: rows of
+``test/integration/nkilib/core/moe/moe_tkg/test_moe_tkg.py`` (``test_moe_tkg_bfloat16``: all 49 rows of
 ``MOE_TKG_TEST_PARAMS``, unquantized and fp8 ROW) against ``moe_tkg_torch_ref`` at rtol 2e-2 / atol
 1e-5, ``CompilerArgs(logical_nc_config=vnc)``. Inputs as ``test_moe_tkg_utils.build_moe_tkg`` builds
 them: ``np.random.seed(0)`` then the expert indices (all-expert: a permutation per token from
@@ -70,36 +70,60 @@ def _moe_tkg_inputs(t: int, h: int, i: int, e: int, top_k: int | None, act: str,
     return make
 
 
-# tokens, hidden, intermediate, experts, top_k (None: all), act, scaling, all_expert, fp8 ROW, clamp, bias
-# (every row: vnc 2, fp16, clamp on)
+# tokens, hidden, intermediate, experts, top_k (None: all), act, scaling, all_expert, fp8 ROW, clamp, bias: all 49
+# rows of MOE_TKG_TEST_PARAMS, in its order (every row: vnc 2, fp16, clamp on)
 _ROWS = [
     # all experts
+    (4, 32768, 256, 4, None, "SiLU", "POST_SCALE", True, False, True, False),
     (32, 3072, 512, 1, None, "SiLU", "NO_SCALE", True, False, True, False),
     (4, 3072, 64, 4, None, "Swish", "POST_SCALE", True, False, True, True),
     (4, 3072, 192, 4, None, "Swish", "POST_SCALE", True, False, True, True),
     (32, 3072, 768, 8, None, "SiLU", "POST_SCALE", True, False, True, True),
+    (32, 3072, 768, 128, None, "SiLU", "POST_SCALE", True, False, True, True),
+    (32, 3072, 1536, 4, None, "SiLU", "POST_SCALE", True, False, True, True),
     (32, 3072, 384, 8, None, "SiLU", "POST_SCALE", True, False, True, True),
     (2, 4096, 192, 8, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (2, 5120, 128, 128, None, "SiLU", "POST_SCALE", True, False, True, False),
     (2, 5120, 128, 16, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (4, 3072, 384, 4, None, "Swish", "POST_SCALE", True, False, True, True),
     (128, 256, 128, 2, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (256, 256, 128, 2, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (512, 256, 128, 2, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (1024, 256, 128, 2, None, "SiLU", "POST_SCALE", True, False, True, False),
     (300, 256, 128, 2, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (256, 5120, 128, 16, None, "SiLU", "POST_SCALE", True, False, True, False),
     (512, 3072, 384, 8, None, "SiLU", "POST_SCALE", True, False, True, True),
+    (512, 4096, 192, 8, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (512, 5120, 128, 128, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (512, 5120, 128, 16, None, "SiLU", "POST_SCALE", True, False, True, False),
+    (1024, 3072, 3072, 8, None, "SiLU", "POST_SCALE", True, False, True, True),
+    (1024, 4096, 1536, 8, None, "SiLU", "POST_SCALE", True, False, True, False),
     (4, 384, 128, 4, None, "SiLU", "POST_SCALE", True, False, True, False),  # negative: H/LNC not x128
     (4, 378, 128, 4, None, "SiLU", "POST_SCALE", True, False, True, False),  # negative
     # selective experts
     (2, 512, 128, 2, 1, "SiLU", "POST_SCALE", False, False, True, False),
     (2, 512, 64, 2, 1, "Swish", "POST_SCALE", False, False, True, True),
+    (4, 512, 128, 2, 1, "Swish", "POST_SCALE", False, False, True, True),
     (3, 512, 128, 2, 1, "Swish", "POST_SCALE", False, False, True, True),
+    (5, 512, 128, 4, 2, "Swish", "POST_SCALE", False, False, True, True),
     (7, 512, 128, 4, 2, "Swish", "POST_SCALE", False, False, True, True),
     (4, 3072, 192, 128, 4, "Swish", "POST_SCALE", False, False, True, True),
     (1, 3072, 384, 128, 4, "Swish", "POST_SCALE", False, False, True, True),
+    (4, 3072, 384, 128, 4, "Swish", "POST_SCALE", False, False, True, True),
+    (16, 3072, 512, 128, 4, "Swish", "POST_SCALE", False, False, True, True),
+    (32, 3072, 1024, 128, 4, "Swish", "POST_SCALE", False, False, True, True),
+    (32, 3072, 1536, 128, 4, "Swish", "POST_SCALE", False, False, True, True),
     (32, 3072, 384, 8, 4, "Swish", "POST_SCALE", False, False, True, True),
     (2, 4096, 192, 8, 8, "Swish", "POST_SCALE", False, False, True, False),
+    (2, 5120, 128, 128, 1, "Swish", "POST_SCALE", False, False, True, False),
+    (2, 5120, 128, 16, 1, "Swish", "POST_SCALE", False, False, True, False),
     (4, 384, 128, 4, 2, "Swish", "POST_SCALE", False, False, True, False),
     # fp8 ROW quantization
     (4, 512, 64, 2, None, "SiLU", "POST_SCALE", True, True, True, True),
     (4, 1024, 128, 4, None, "SiLU", "POST_SCALE", True, True, True, True),
+    (32, 3072, 192, 4, None, "SiLU", "POST_SCALE", True, True, True, True),
     (4, 512, 64, 4, 2, "Swish", "POST_SCALE", False, True, True, True),
+    (4, 3072, 128, 8, 4, "Swish", "POST_SCALE", False, True, True, True),
     (32, 3072, 192, 8, 4, "Swish", "POST_SCALE", False, True, True, True),
 ]
 
