@@ -100,10 +100,8 @@ def _rope_cases() -> list[Case]:
     cases = []
     variants = [("cos/sin", False, 1), ("cos/sin", False, 2), ("packed cache", True, 2)]
     for b, h, kv, s, d, dt, bwd in _ROPE_SHAPES + [(1, 32, 8, 64, 128, F32, False)]:
-        negative = s % 128 != 0  # the test's negative case: seq_len < 128 * LNC
-        for fmt, packed, lnc in variants:
-            if negative and packed:
-                continue
+        for fmt, packed, lnc in variants:  # test_rope_hf_lnc at LNC 1 and 2, test_rope_hf_cache at LNC 2
+            negative = s % (128 * lnc) != 0  # the test's negative case: seq_len not a multiple of 128 * LNC
             name = f"{'bwd' if bwd else 'fwd'} {fmt} {_dt_name(dt)}" + (" (must reject)" if negative else "")
             cases.append(Case(
                 kernel="core/embeddings/rope_hf", name=name,

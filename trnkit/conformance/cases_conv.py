@@ -117,6 +117,7 @@ _DEPTHWISE = [
     (1, 256, 1024, 512, (1, 1), ((0, 0), (0, 0)), BF16),
     (1, 1024, 1024, 128, (1, 1), ((0, 0), (0, 0)), BF16),
     (1, 256, 2048, 128, (1, 1), ((0, 0), (0, 0)), BF16),
+    (1, 256, 4096, 256, (1, 1), ((0, 0), (0, 0)), BF16),
     (2, 256, 512, 64, (1, 1), ((0, 0), (0, 0)), BF16),
     (4, 256, 512, 128, (1, 1), ((0, 0), (0, 0)), BF16),
     (1, 2, 512, 64, (1, 1), ((0, 0), (0, 0)), BF16),
@@ -127,6 +128,7 @@ _DEPTHWISE = [
     (1, 16, 512, 3, (1, 1), ((0, 0), (1, 1)), BF16),
     (1, 16, 512, 7, (1, 1), ((0, 0), (3, 3)), BF16),
     (1, 16, 512, 200, (1, 1), ((0, 0), (10, 10)), BF16),
+    (1, 1024, 1024, 128, (1, 1), ((0, 0), (5, 5)), BF16),  # the test skips it (SKIPPED here, run anyway)
     (1, 256, 2048, 128, (1, 1), ((0, 0), (10, 10)), BF16),
     (2, 256, 512, 64, (1, 1), ((0, 0), (5, 5)), BF16),
     (1, 256, 128, 128, (1, 1), ((0, 0), (1, 1)), BF16),
@@ -166,6 +168,10 @@ def _depthwise_inputs(b: int, c: int, w: int, k: int, stride: tuple, padding: tu
     return make
 
 
+# test_depthwise_conv1d_all's pytest.param mark for its [1, 1024, 1024, 128] row with padding 5
+DEPTHWISE_SKIP = "Skipped: neuron-profile view OOM on 128GB TRN instance during JSON generation"
+
+
 def _depthwise_cases() -> list[Case]:
     cases = []
     for b, c, w, k, stride, padding, dt in _DEPTHWISE:
@@ -177,7 +183,8 @@ def _depthwise_cases() -> list[Case]:
             entry=f"{EXP}.conv.depthwise_conv1d:depthwise_conv1d_implicit_gemm",
             reference="trnkit.conformance.cases_conv:depthwise_golden",
             inputs=_depthwise_inputs(b, c, w, k, stride, padding, dt), outputs=("output",), lnc=2,
-            rtol=1e-2, atol=1e-2, keep_low_precision=True, test_file=f"{TESTS}/test_depthwise_conv1d.py"))
+            rtol=1e-2, atol=1e-2, keep_low_precision=True, test_file=f"{TESTS}/test_depthwise_conv1d.py",
+            skipped_by=DEPTHWISE_SKIP if (c, w, k, pad) == (1024, 1024, 128, (5, 5)) else ""))
     return cases
 
 
