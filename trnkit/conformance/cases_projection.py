@@ -122,13 +122,24 @@ def _tkg_cases() -> list[Case]:
 
 
 # -- output_projection_cte (test_output_proj_cte.py, test_output_proj_cte_bf16_unit) ----------------
-# batch, seqlen, hidden, n_head, d_head, test_bias (rows of OUTPUT_PROJ_CTE_UNIT_CASES)
+# batch, seqlen, hidden, n_head, d_head, test_bias: all 46 rows of OUTPUT_PROJ_CTE_UNIT_CASES, in its order
 _CTE = [
     (1, 16, 5120, 10, 128, True), (1, 128, 3072, 16, 64, True), (1, 1024, 3072, 16, 64, True),
-    (1, 2048, 3072, 16, 64, True), (1, 128, 3072, 16, 10, True), (1, 128, 3072, 17, 10, True),
-    (1, 128, 3072, 8, 32, True), (1, 128, 8192, 1, 128, False), (1, 512, 8192, 2, 128, False),
-    (1, 2048, 8192, 1, 128, False), (1, 1024, 1024, 1, 64, False), (1, 1024, 8192, 1, 64, False),
-    (1, 1024, 20480, 3, 128, False), (1, 10240, 3072, 8, 64, True),
+    (1, 2048, 3072, 16, 64, True), (1, 10240, 3072, 8, 64, True), (1, 128, 3072, 16, 10, True),
+    (1, 128, 3072, 17, 10, True), (1, 128, 3072, 8, 32, True), (1, 128, 8192, 1, 128, False),
+    (1, 256, 8192, 1, 128, False), (1, 512, 8192, 1, 128, False), (1, 2048, 8192, 1, 128, False),
+    (1, 4096, 8192, 1, 128, False), (1, 8192, 8192, 1, 128, False), (1, 16384, 8192, 1, 128, False),
+    (1, 512, 8192, 2, 128, False), (1, 1024, 8192, 2, 128, False), (1, 2048, 8192, 2, 128, False),
+    (1, 4096, 8192, 2, 128, False), (1, 8192, 8192, 2, 128, False), (1, 10240, 8192, 2, 128, False),
+    (1, 16384, 8192, 2, 128, False), (1, 512, 16384, 1, 128, False), (1, 1024, 16384, 1, 128, False),
+    (1, 2048, 16384, 1, 128, False), (1, 4096, 16384, 1, 128, False), (1, 8192, 16384, 1, 128, False),
+    (1, 10240, 16384, 1, 128, False), (1, 16384, 16384, 1, 128, False), (1, 1024, 1024, 1, 64, False),
+    (1, 1024, 2048, 1, 64, False), (1, 1024, 3072, 1, 64, False), (1, 1024, 8192, 1, 64, False),
+    (1, 1024, 20480, 3, 128, False), (4, 256, 7168, 4, 128, False), (4, 256, 7168, 1, 128, False),
+    (1, 256, 7168, 1, 128, False), (1, 192, 1024, 1, 128, False), (1, 320, 2048, 2, 128, False),
+    (1, 576, 3072, 3, 128, False), (1, 1088, 7168, 4, 128, False), (1, 2168, 8192, 5, 128, False),
+    (1, 5096, 16384, 6, 128, False), (1, 9312, 16384, 7, 128, False), (1, 11474, 16384, 8, 128, False),
+    (1, 20705, 16384, 9, 128, False),
 ]
 
 
@@ -157,7 +168,7 @@ def _cte_inputs(b: int, s: int, h: int, n: int, d: int, bias: bool, static_fp8: 
 
 
 def _cte_cases() -> list[Case]:
-    """The 14 rows of ``_CTE`` from ``test_output_proj_cte_bf16_unit`` (rtol 2e-2) and from
+    """The 46 rows of ``_CTE`` from ``test_output_proj_cte_bf16_unit`` (rtol 2e-2) and from
     ``test_output_proj_cte_static_fp8_unit`` (the same table, STATIC fp8 weights, rtol 0.036)."""
     module = f"{LIB}.output_projection.output_projection_cte"
     return [Case(
