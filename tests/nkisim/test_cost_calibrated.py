@@ -229,3 +229,79 @@ def test_trn2_vector_perf_mode_follows_the_architecture_guides_conditions():
     assert cycles == [128, 256, 256, 256, 512]
     # trn1 has no perf mode
     assert [cost.instr_cost(i, "trn1", MID).cycles - MID.access_init_cycles for i in vec[:5]] == [512] * 5
+
+
+def _work_by(limit, t_end: float, dt: float = 0.05) -> float:
+    """Full-rate work done by t_end under a utilization limit ``limit(t)`` (midpoint sum, dt ns)."""
+    n = int(round(t_end / dt))
+    return sum(limit((j + 0.5) * dt) for j in range(n)) * dt
+
+
+def _time_for(limit, work: float, dt: float = 0.05) -> float:
+    """First time the work done under ``limit`` reaches ``work`` (stepping dt ns)."""
+    done, t = 0.0, 0.0
+    while done < work:
+        done += limit(t + 0.5 * dt) * dt
+        t += dt
+    return t - (done - work) / limit(t - 0.5 * dt)
+
+
+def test_didt_throttle_follows_the_documented_ramp_and_window():
+    """hardware.Chip.didt_*: TensorE starts at 50 % of its maximum and ramps to full over ~3 us after work
+    begins, and re-engages after a ~3 us window below 50 % (Neuron Explorer, "Understanding throttling").
+    The instruction times are checked against the limit integrated numerically."""
+    chip = hardware.TRN2
+    assert (chip.didt_threshold, chip.didt_start_limit, chip.didt_ramp_ns) == (0.5, 0.5, 3000.0)
+    assert hardware.TRN1.didt_threshold == 0.0  # the page names Trn2 and Trn3
+
+    def ramp_from(r):
+        return lambda t: 1.0 if t - r >= 3000.0 else 0.5 + 0.5 * (t - r) / 3000.0
+
+    d = cost._Didt(0.5, 0.5, 3000.0)
+    assert d.engages(0.0)  # the kernel's first TensorE instruction
+    first = d.duration(0.0, 853.3)
+    assert first == pytest.approx(_time_for(ramp_from(0.0), 853.3), abs=0.1)
+    d.place(0.0, first, 853.3)
+    # back to back: the ramp goes on; an instruction that crosses the ramp's end finishes at full rate
+    second = d.duration(first, 2000.0)
+    assert second == pytest.approx(_time_for(lambda t: ramp_from(0.0)(t + first), 2000.0), abs=0.1)
+    d.place(first, second, 2000.0)
+    end = first + second
+    assert end > 3000.0
+    # after the ramp: full rate
+    assert d.duration(end, 5000.0) == 5000.0
+    d.place(end, 5000.0, 5000.0)
+    end += 5000.0
+    # a gap of 1.4 us after full-rate work leaves the 3 us window above 50 %, 1.6 us does not
+    assert not d.engages(end + 1400.0)
+    assert d.duration(end + 1400.0, 853.3) == pytest.approx(853.3)
+    assert d.engages(end + 1600.0)
+    assert d.duration(end + 1600.0, 853.3) == pytest.approx(_time_for(ramp_from(0.0), 853.3), abs=0.1)
+    # utilization counts work: a ramp held busy (2.25 us of work in 3 us) then a 0.5 us gap stays above
+    # 50 % over the window (1,875 ns of work in [0.5, 3.5] us), a 1.1 us gap does not
+    d2 = cost._Didt(0.5, 0.5, 3000.0)
+    d2.place(0.0, 3000.0, 2250.0)
+    assert not d2.engages(3500.0)
+    assert d2.engages(4100.0)  # 2250 x 1900 / 3000 = 1,425 ns of work in [1.1, 4.1] us
+    # the lost time of one whole ramp: (1 - 0.5) / 2 x 3 us = 750 ns, integrated
+    assert 3000.0 - _work_by(ramp_from(0.0), 3000.0) == pytest.approx(750.0, abs=0.01)
+
+
+def test_didt_throttle_is_a_parameter_off_at_every_setting_that_costs_a_ramp_per_burst():
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((128, 128)).astype(np.float32)
+    b = rng.standard_normal((128, 512)).astype(np.float32)
+    with trace.record() as tr:
+        _accumulate(a, b, 8)
+    instrs = list(tr)
+    on = replace(MID, didt_throttle=True)
+    assert not any(s.didt_throttle for s in cost_params.SETTINGS.values())
+    off_ns = cost.estimate_total(instrs, "trn2", MID)
+    # 8 fp32 matmuls back to back (6.8 us of work) on TensorE's critical path: one ramp, 750 ns lost
+    assert cost.estimate_total(instrs, "trn2", on) - off_ns == pytest.approx(750.0, abs=0.5)
+    times = cost.timeline(instrs, "trn2", on)
+    assert sum(t.throttled_ns for t in times) == pytest.approx(750.0, abs=0.5)
+    rep = cost.estimate(instrs, "trn2", params=on)
+    assert rep.busy_ns["tensor"] == pytest.approx(8 * 4 * 512 / 2.4 + 750.0, abs=0.5)
+    # trn1 has no such throttle
+    assert cost.estimate_total(instrs, "trn1", on) == cost.estimate_total(instrs, "trn1", MID)

@@ -951,6 +951,67 @@ class _FreedSpace:
         return 0.0
 
 
+class _Didt:
+    """TensorE's dI/dt throttle on one core (hardware.Chip.didt_threshold; [SDK] tools/neuron-explorer/
+    overview-summary-page, "Understanding throttling"): the engine "starts at roughly 50% utilization of
+    maximum utilization and ramps to full over about the first ~3 microseconds after work begins. If
+    utilization drops below 50% over any ~3 microsecond window — for example during an idle gap — the
+    limit re-engages, so the next burst again runs at roughly 50%".
+
+    The limit is ``start + (1 - start) x (t - r) / ramp`` from a ramp that began at ``r``, 1 after it
+    (linear: "ramps to full"). A TensorE instruction that starts after an idle gap re-engages it (the
+    ramp begins at its start) when TensorE's work over the ``ramp`` before its start is below the
+    threshold; the kernel's first one always does ("after work begins"). An instruction's work (its busy
+    time at full rate) is done at the limit, so a throttled instruction holds the engine longer.
+    Utilization counts work, not time held: an engine held at the 50 % limit is at 50 %, not below."""
+
+    def __init__(self, threshold: float, start: float, ramp_ns: float) -> None:
+        self.threshold, self.start, self.ramp = threshold, start, ramp_ns
+        self.ramp_from = -math.inf  # when the ramp in effect began
+        self.spans: list[tuple[float, float, float]] = []  # (start, end, work) of TensorE instructions
+        self.last_end = -math.inf
+
+    def _work(self, lo: float, hi: float) -> float:
+        """TensorE work (full-rate ns) done in [lo, hi], each instruction's spread evenly over its span."""
+        out = 0.0
+        for s, e, w in reversed(self.spans):
+            if e <= lo:
+                break
+            if e > s:
+                out += w * (min(e, hi) - max(s, lo)) / (e - s) if min(e, hi) > max(s, lo) else 0.0
+        return out
+
+    def engages(self, t: float) -> bool:
+        """Whether an instruction starting at ``t`` re-engages the limit: the first one, or one after an
+        idle gap with the window before ``t`` below the threshold."""
+        if not self.spans:
+            return True
+        if t <= self.last_end + 1e-9:
+            return False
+        return self._work(t - self.ramp, t) < self.threshold * self.ramp - 1e-6
+
+    def duration(self, t: float, work: float) -> float:
+        """How long an instruction of ``work`` ns at full rate holds TensorE when it starts at ``t``."""
+        r = t if self.engages(t) else self.ramp_from
+        x = t - r  # time into the ramp
+        if x >= self.ramp or work <= 0:
+            return work
+        slope = (1.0 - self.start) / self.ramp
+        rate = self.start + slope * x
+        rest = (self.ramp - x) * (rate + 1.0) / 2  # work the ramp still allows before it ends
+        if work >= rest:
+            return (self.ramp - x) + (work - rest)
+        return (-rate + math.sqrt(rate * rate + 2 * slope * work)) / slope
+
+    def place(self, t: float, dur: float, work: float) -> None:
+        if self.engages(t):
+            self.ramp_from = t
+        self.spans.append((t, t + dur, work))
+        self.last_end = max(self.last_end, t + dur)
+        if len(self.spans) > 4096:
+            del self.spans[:2048]
+
+
 @dataclass(frozen=True)
 class Timing:
     """When one instruction ran in a list schedule (ns from the kernel's first instruction).
@@ -969,6 +1030,7 @@ class Timing:
     table_load: tuple[float, float] | None = None
     dropped: bool = False
     spill: tuple[float, float] | None = None  # the spill store + reload the compiler put before it (DMA)
+    throttled_ns: float = 0.0  # how much longer TensorE's dI/dt limit held it than its busy time
 
 
 # The engines whose sequencers trigger the compiler's DMA queues, in the order the model fills them: SyncE
@@ -1061,6 +1123,8 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
         reused = {}
     load_finish: dict[int, float] = {}  # DMA index -> when its data is ready (for the loads reused later)
     freed = _FreedSpace(capacity)
+    didt = (_Didt(chip.didt_threshold, chip.didt_start_limit, chip.didt_ramp_ns)
+            if params.didt_throttle and chip.didt_threshold > 0 else None)
     # spills move whole tiles (no packet penalty): the range ends take the fastest / slowest fraction
     fractions = [chip.dma.sustained(f) for f in _overhead_forms(params)]
     sustained = min(fractions) if params.dma_overhead_form == "slowest" else max(fractions)
@@ -1140,12 +1204,20 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             t = ready if params.compute_reorder else max(ready, engine_free[ins.engine])
             res = [shared[r] for r in _resources(ins, c, chip)]
             mine = engine_time[ins.engine]
+            throttle = didt if ins.engine == TENSOR else None
+            work = busy
+            tries = 0
             while True:  # the first time the engine and every shared resource are free for it
+                if throttle is not None:  # held at the dI/dt limit in effect when it starts
+                    busy = throttle.duration(t, work)
                 t = mine.fit(t, pre + busy)
                 t2 = max((r.fit(t + pre, busy) - pre for r in res), default=t)
-                if t2 == t:
+                tries += 1
+                if t2 == t and (throttle is None or throttle.duration(t, work) == busy or tries > 16):
                     break
                 t = t2
+            if throttle is not None:
+                throttle.place(t, busy, work)
             mine.place(t, pre + busy)
             for r in res:
                 r.place(t + pre, busy)
@@ -1154,7 +1226,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             start = t + pre
             end = start + busy
             engine_free[ins.engine] = max(engine_free[ins.engine], end)
-            finish = start + c.latency_ns
+            finish = start + c.latency_ns + (busy - work)
             # the next instruction of the same engine may start once this one's data streams out: not
             # before its end, nor before its dependent-instruction interval (MIN_II + fixed latency, the
             # perf guide's measured 264 cycles for one-element instructions) has passed
@@ -1169,7 +1241,8 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             writer[b[0]] = ins.engine
         if k in plan.dies:
             freed.add(end, plan.dies[k])
-        out.append(Timing(k, ins.engine, start, end, finish, out_first, table_load, spill=spill))
+        out.append(Timing(k, ins.engine, start, end, finish, out_first, table_load, spill=spill,
+                          throttled_ns=0.0 if ins.engine == DMA else busy - work))
     return out
 
 
@@ -1277,14 +1350,17 @@ def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -
     costs = [instr_cost(i, chip, params) for i in instrs]
     dropped: set[int] = set()
     active: dict[str, tuple[float, float, float]] = {}
+    busy: dict[str, float] = defaultdict(float)
     if model == "list-schedule":
         times = _list_schedule(instrs, costs, chip, params)
         total = _schedule_end(times, instrs)
         dropped = {t.index for t in times if t.dropped}
         active = _active(times)
+        for t in times:  # TensorE held longer at its dI/dt limit
+            if t.throttled_ns:
+                busy[t.engine] += t.throttled_ns
     else:
         total = _overlap_bound(instrs, costs)
-    busy: dict[str, float] = defaultdict(float)
     serial = 0.0
     for k, (i, c) in enumerate(zip(instrs, costs)):
         if k in dropped:

@@ -106,6 +106,17 @@ class Chip:
     # and ScalarE accessing PSUM at the same time (v3: yes, unless both touch the same PSUM bank).
     vector_gpsimd_sbuf_parallel: bool = False
     vector_scalar_psum_parallel: bool = False
+    # TensorE delta-current (dI/dt) throttling ([SDK] tools/neuron-explorer/overview-summary-page,
+    # "Understanding throttling", and tools/neuron-explorer/glossary, "dI/dt (delta current) throttling"):
+    # "On Trn2 and Trn3 the Tensor Engine starts at roughly 50% utilization of maximum utilization and
+    # ramps to full over about the first ~3 microseconds after work begins. If utilization drops below
+    # 50% over any ~3 microsecond window ... the limit re-engages". ``didt_threshold``: the utilization
+    # below which it re-engages (0: no such throttle; trn1, the page names Trn2 and Trn3);
+    # ``didt_start_limit``: the limit it starts at; ``didt_ramp_ns``: the ramp to full, also the window
+    # the utilization is measured over. Applied when cost_params.didt_throttle is on.
+    didt_threshold: float = 0.0
+    didt_start_limit: float = 1.0
+    didt_ramp_ns: float = 0.0
     notes: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -193,6 +204,12 @@ TRN2 = Chip(
     vector_fast_tensor_tensor=2.0,
     vector_gpsimd_sbuf_parallel=True,  # [SDK] trainium2_arch (perf-mode VectorE still shares GpSimdE's bus)
     vector_scalar_psum_parallel=True,  # [SDK] trainium2_arch (per PSUM bank)
+    # [SDK] tools/neuron-explorer/overview-summary-page ("Understanding throttling"), Trn2 and Trn3:
+    # "starts at roughly 50% utilization ... ramps to full over about the first ~3 microseconds";
+    # "If utilization drops below 50% over any ~3 microsecond window ... the limit re-engages".
+    didt_threshold=0.5,
+    didt_start_limit=0.5,
+    didt_ramp_ns=3000.0,
     notes={
         "lnc": "LNC=2 (default on trn2) pairs two physical cores: a kernel[2] launch gets 2x HBM/DMA/FLOPs "
                "([SDK] about-neuron/arch/neuron-features/logical-neuroncore-config)",
