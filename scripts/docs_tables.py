@@ -25,6 +25,7 @@ import csv
 import json
 import math
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -551,6 +552,118 @@ def calibration_summary() -> str:
                    "largest error (mid)"], body)
 
 
+NKILIB_CSV = CALIBRATION_CSV.parent / "nkilib_calibration.csv"
+
+
+def _nkilib_rows() -> list[dict[str, str]]:
+    """benchmarks/calibration/nkilib_calibration.csv (nkilib_run.py), in nkilib_points.csv's order."""
+    if not NKILIB_CSV.exists():
+        return []
+    with open(NKILIB_CSV, newline="") as f:
+        got = {r["point"]: r for r in csv.DictReader(f)}
+    with open(CALIBRATION_CSV.parent / "nkilib_points.csv", newline="") as f:
+        return [got[r["point"]] for r in csv.DictReader(f) if r["point"] in got]
+
+
+def calibration_nkilib_summary() -> str:
+    """nki-library's recorded device times vs the cost model, per family and LNC: the check points estimated, the
+    median and mean |error| of the mid estimate, how many within +-20 % and inside low..high."""
+    with open(CALIBRATION_CSV.parent / "nkilib_points.csv", newline="") as f:
+        points = [r for r in csv.DictReader(f) if r["role"] == "check"]
+    fields = {r["point"]: json.loads(r["fields"]) for r in points}
+    lnc = {p: str(f.get("vnc_degree") or f.get("lnc_degree") or 2) for p, f in fields.items()}
+    ran = {r["point"]: r for r in _nkilib_rows() if r["role"] == "check" and r["status"] == "ok"}
+    body = []
+    for fam in dict.fromkeys(r["family"] for r in points):
+        for n in sorted({lnc[r["point"]] for r in points if r["family"] == fam}):
+            pts = [r["point"] for r in points if r["family"] == fam and lnc[r["point"]] == n]
+            rs = [ran[p] for p in pts if p in ran]
+            if not rs:
+                body.append([fam, n, f"0 / {len(pts)}", "—", "—", "—", "—", "—"])
+                continue
+            errs = [float(r["error_mid"]) for r in rs]
+            med = statistics.median(errs)
+            dmed = statistics.median(float(r["published_us"]) - float(r["mid_us"]) for r in rs)
+            worst = max(rs, key=lambda r: abs(float(r["error_mid"])))
+            body.append([fam, n, f"{len(rs)} / {len(pts)}", f"{med:+.1%}", f"{dmed:+.1f}",
+                         f"{sum(abs(e) for e in errs) / len(errs):.1%}",
+                         f"{sum(abs(e) <= 0.2 for e in errs)} / {len(rs)}",
+                         f"{sum(r['inside'] == 'yes' for r in rs)} / {len(rs)}",
+                         f"{float(worst['error_mid']):+.1%} ({worst['point'].removeprefix('nkilib ')})"])
+    return _table(["family", "LNC", "check points estimated", "median error (mid)", "median published - mid (us)",
+                   "mean abs error", "within +-20 %", "published inside low..high", "largest error"],
+                  [r if len(r) == 9 else r + ["—"] for r in body])
+
+
+NKILIB_BINS = ((0, 60), (60, 100), (100, 200), (200, 500), (500, 2000), (2000, math.inf))  # recorded time, us
+
+
+def calibration_nkilib_by_time() -> str:
+    """The estimated nki-library check points per family, LNC and recorded time: the median error of the mid
+    estimate and the median of recorded time minus mid, to tell a fixed offset from a proportional one."""
+    rows = [r for r in _nkilib_rows() if r["role"] == "check" and r["status"] == "ok"]
+    body = []
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        for n in sorted({r["lnc"] for r in rows if r["family"] == fam}):
+            for lo, hi in NKILIB_BINS:
+                rs = [r for r in rows if r["family"] == fam and r["lnc"] == n and lo <= float(r["published_us"]) < hi]
+                if not rs:
+                    continue
+                errs = [float(r["error_mid"]) for r in rs]
+                diff = statistics.median(float(r["published_us"]) - float(r["mid_us"]) for r in rs)
+                span = f"{lo:,} - {hi:,}" if hi != math.inf else f">= {lo:,}"
+                body.append([fam, n, span, str(len(rs)), f"{statistics.median(errs):+.1%}", f"{diff:+.1f}",
+                             f"{sum(abs(e) <= 0.2 for e in errs)} / {len(rs)}",
+                             f"{sum(r['inside'] == 'yes' for r in rs)} / {len(rs)}"])
+    return _table(["family", "LNC", "recorded time (us)", "points", "median error (mid)",
+                   "median recorded - mid (us)", "within +-20 %", "inside low..high"], body)
+
+
+def calibration_nkilib_lnc_pairs() -> str:
+    """nki-library's rows recorded at LNC 1 and at LNC 2 with every other field equal: the recorded LNC 2 time
+    minus half the LNC 1 time (what LNC 2 adds to a perfect split), and the model's mid for the same rows."""
+    with open(CALIBRATION_CSV.parent / "nkilib_points.csv", newline="") as f:
+        points = [r for r in csv.DictReader(f) if r["role"] == "check"]
+    est = {r["point"]: r for r in _nkilib_rows() if r["status"] == "ok"}
+    pairs: dict[tuple, dict] = {}
+    for r in points:
+        fields = json.loads(r["fields"])
+        lnc = fields.pop("vnc_degree", None)
+        if lnc in (1, 2):
+            pairs.setdefault((r["family"], json.dumps(fields, sort_keys=True)), {})[lnc] = r
+    body = []
+    for (fam, key), by in pairs.items():
+        if set(by) != {1, 2}:
+            continue
+        f = json.loads(key)
+        shape = " ".join(f"{k}={f[k]}" for k in ("batch", "bs", "bs_kv", "seqlen", "seqlen_q", "seqlen_kv", "hidden",
+                                                 "intermediate", "d") if k in f)
+        one, two = (float(by[n]["published_us"]) for n in (1, 2))
+        model = "—"
+        if by[1]["point"] in est and by[2]["point"] in est:
+            m1, m2 = (float(est[by[n]["point"]]["mid_us"]) for n in (1, 2))
+            model = f"{m1:.1f} / {m2:.1f} / {m2 - m1 / 2:+.1f}"
+        body.append([fam, f"{by[1]['point'].removeprefix('nkilib ')}, {by[2]['line']}", shape, f"{one:.1f}",
+                     f"{two:.1f}", f"{two / one:.2f}", f"{two - one / 2:+.1f}", model])
+    return _table(["family", "rows (LNC 1, LNC 2)", "shape", "recorded LNC 1 (us)", "recorded LNC 2 (us)",
+                   "LNC 2 / LNC 1", "LNC 2 - LNC 1 / 2 (us)", "model mid LNC 1 / LNC 2 / LNC 2 - LNC 1 / 2"], body)
+
+
+def calibration_nkilib() -> str:
+    """Every estimated nki-library row (benchmarks/calibration/nkilib_calibration.csv): published (tpbSgCyclesSum
+    read as ps) vs the model's low / mid / high."""
+    body = []
+    for r in _nkilib_rows():
+        est = "—" if r["status"] != "ok" else f"{float(r['low_us']):.1f} / {float(r['mid_us']):.1f} / " \
+            f"{float(r['high_us']):.1f}"
+        err = "—" if r["status"] != "ok" else f"{float(r['error_mid']):+.1%}"
+        body.append([r["point"].removeprefix("nkilib "), r["role"], r["shape"].replace("|", "/"), r["lnc"],
+                     f"{float(r['published_us']):.1f}", est, err, r["inside"] or "—",
+                     "" if r["status"] == "ok" else r["status"].replace("|", "/")])
+    return _table(["row (test file:line)", "role", "configuration", "LNC", "published (us)",
+                   "estimate low / mid / high (us)", "error (mid)", "inside", "not estimated"], body)
+
+
 def _step_span(r: dict[str, str], scale: float = 1.0, fmt: str = "{:,.1f}") -> str:
     """``mid (low..high)`` of a step.csv row's estimate (us, times ``scale``)."""
     lo, mid, hi = (float(r[c]) * scale for c in ("est_low_us", "est_mid_us", "est_high_us"))
@@ -622,6 +735,9 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "plan_check": plan_check, "plan_layouts": plan_layouts,
     "calibration": calibration, "calibration_changes": calibration_changes,
     "calibration_summary": calibration_summary,
+    "calibration_nkilib_summary": calibration_nkilib_summary, "calibration_nkilib": calibration_nkilib,
+    "calibration_nkilib_by_time": calibration_nkilib_by_time,
+    "calibration_nkilib_lnc_pairs": calibration_nkilib_lnc_pairs,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak, "mlp_peak": mlp_peak,
     "cross_entropy_peak": cross_entropy_peak, "rmsnorm_peak": rmsnorm_peak, "loss_track": loss_track,

@@ -97,7 +97,8 @@ class Row:
 
 
 def _value(node: ast.AST) -> Any:
-    """A literal, arithmetic on literals (``128 // 64``, ``1/32``, ``16 * 1024 + 16``), a tuple of those, or
+    """A literal, arithmetic on literals (``128 // 64``, ``1/32``, ``16 * 1024 + 16``, ``ceilalign(1600, 128)``), a
+    tuple of those, or
     else the node's source text (``nl.bfloat16``, ``NormType.RMS_NORM``, ``gaussian_tensor_generator()``)."""
     if isinstance(node, ast.Constant):
         return node.value
@@ -112,6 +113,10 @@ def _value(node: ast.AST) -> Any:
                ast.FloorDiv: lambda: a // b}
         if isinstance(a, (int, float)) and isinstance(b, (int, float)) and type(node.op) in ops:
             return ops[type(node.op)]()
+    if isinstance(node, ast.Call) and ast.unparse(node.func) == "ceilalign" and len(node.args) == 2:
+        n, a = (_value(x) for x in node.args)  # test_mlp_cte.py's ceilalign(n, a): n rounded up to a multiple of a
+        if isinstance(n, int) and isinstance(a, int):
+            return -(-n // a) * a
     return ast.unparse(node)
 
 

@@ -51,3 +51,44 @@ def test_the_written_rule_on_made_up_rows():
     assert [g[0] for g in got] == ["check", "none", "context", "none", "none", "check", "check"]
     assert got[5][1].startswith("written to 2 significant digits")
     assert nkilib_rows.significant_digits(89_102_777) == 8 and nkilib_rows.significant_digits(125e7) == 3
+
+
+def test_recorded_estimates_cover_the_points_and_compute_their_errors():
+    import nkilib_run
+
+    pts = {p["point"]: p for p in nkilib_rows.read_points()}
+    for r in nkilib_run.read_out().values():
+        p = pts[r["point"]]
+        assert r["role"] == p["role"] in ("check", "context") and r["published_us"] == p["published_us"]
+        assert float(p["published_us"]) == pytest.approx(float(p["value"]) / 1e6)  # the value read as ps
+        if r["status"] == "ok":
+            low, mid, high = (float(r[k]) for k in ("low_us", "mid_us", "high_us"))
+            assert low <= mid <= high
+            # (mid is written to 0.01 us)
+            assert float(r["error_mid"]) == pytest.approx(mid / float(p["published_us"]) - 1, abs=1e-3)
+            assert (r["inside"] == "yes") == (low <= float(p["published_us"]) <= high)
+        else:
+            assert r["status"].startswith(("not run: ", "error: ")) and not r["mid_us"]
+
+
+def test_a_row_traced_as_the_conformance_harness_builds_it():
+    """nki-library's rmsnorm_quant at S = 2 (test_rmsnorm_quant.py:290, 89.10 us recorded): the runner's case is
+    the conformance case of that row, and its estimate is the cost model's of that trace."""
+    from trnkit.conformance import harness
+    from trnkit.conformance.cases_rmsnorm_quant import rmsnorm_quant_cases
+
+    import nkilib_run
+
+    root = harness.nkilib_root()
+    if root is None:
+        pytest.skip("no nki-library checkout or archive (NKILIB_SRC)")
+    p = next(p for p in nkilib_rows.read_points() if p["point"] == "nkilib test_rmsnorm_quant:290")
+    case = nkilib_run.case_of(p)
+    assert (case.name, case.shapes, case.entry, case.lnc) in {(c.name, c.shapes, c.entry, c.lnc)
+                                                              for c in rmsnorm_quant_cases()}
+    assert (case.name, case.shapes, case.lnc) == ("row fp8 rmsnorm", "B=1 S=2 H=16384", 2)
+    row = nkilib_run.run_point(p, root)
+    assert row["status"] == "ok" and row["published_us"] == "89.102777"
+    low, mid, high = nkilib_run.estimate_case(case, root)
+    assert float(row["mid_us"]) == pytest.approx(mid / 1e3, abs=0.01)
+    assert low <= mid <= high
