@@ -55,7 +55,6 @@ def _listed(kernel: str) -> int:
             ["TOPK_REDUCE_PARAMS"],
             1,
         ),
-        ("core/moe/moe_tkg", "core/moe/moe_tkg/test_moe_tkg.py", ["MOE_TKG_TEST_PARAMS"], 1),
         # the same table in test_output_proj_cte_bf16_unit and test_output_proj_cte_static_fp8_unit
         (
             "core/output_projection/cte",
@@ -129,3 +128,28 @@ def test_router_topk_rows():
         runs[ast.unparse(row)] += 5
     assert (len(base), sum(runs.values()), len(runs) * 5) == (50, 250, 245)
     assert _listed("core/router_topk") == len(runs) * 5
+
+
+def test_moe_tkg_sweep_rows():
+    """MOE_TKG_SWEEP_PARAMS as nki-library's test module builds it: its generator functions and tables run from
+    the checkout's source (the enums stand in as their member names); one sweep row repeats a unit-table row."""
+
+    class Names:
+        def __getattr__(self, name: str) -> str:
+            return name
+
+    tree = ast.parse(Path(ROOT, TESTS, "core/moe/moe_tkg/test_moe_tkg.py").read_text())
+    wanted = {"_po2", "_make_sweep_params", "_ALL_BASIC", "_ALL_FULL", "_SEL_BASIC", "_SEL_FULL", "_STD_CONFIGS"}
+    body = [
+        n
+        for n in tree.body
+        if (isinstance(n, ast.FunctionDef) and n.name in wanted)
+        or (isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) in wanted | {"MOE_TKG_SWEEP_PARAMS"})
+    ]
+    namespace = {"ActFnType": Names(), "ExpertAffinityScaleMode": Names(), "nl": Names()}
+    # nki-library's own generator code (the checkout under test), not input from elsewhere
+    exec(compile(ast.Module(body=body, type_ignores=[]), "test_moe_tkg.py", "exec"), namespace)  # noqa: S102
+    sweep = namespace["MOE_TKG_SWEEP_PARAMS"]
+    unit = _table("core/moe/moe_tkg/test_moe_tkg.py", "MOE_TKG_TEST_PARAMS")
+    assert (len(sweep), len(unit)) == (304, 49)
+    assert _listed("core/moe/moe_tkg") == len(unit) + len(sweep) - 1
