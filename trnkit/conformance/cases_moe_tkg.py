@@ -1,13 +1,13 @@
 """Conformance cases of nki-library's core/moe/moe_tkg kernel, written from its test files.
 
 ``test/integration/nkilib/core/moe/moe_tkg/test_moe_tkg.py`` (``test_moe_tkg_bfloat16``: all 49 rows of
-``MOE_TKG_TEST_PARAMS``, unquantized and fp8 ROW; ``test_moe_tkg_sweep``: every row of ``MOE_TKG_SWEEP_PARAMS``, fp16
-and bf16 (rtol 3e-2), its selective I = 960 top-4 rows, which it ``pytest.xfail``s before they run, SKIPPED) against ``moe_tkg_torch_ref`` at rtol 2e-2 / atol
-1e-5, ``CompilerArgs(logical_nc_config=vnc)``. Inputs as ``test_moe_tkg_utils.build_moe_tkg`` builds
-them: ``np.random.seed(0)`` then the expert indices (all-expert: a permutation per token from
-``np.random.choice``; selective: ``randint``), every normal tensor from a fresh ``default_rng(0)``
-(hidden states, weights, biases, scales), the affinities from the global state (``rand``, normalized
-per token, placed at the chosen experts), the gate / up clamps 7 / 8 / -6 when the row clamps.
+``MOE_TKG_TEST_PARAMS``, unquantized and fp8 ROW; ``test_moe_tkg_sweep``: every row of ``MOE_TKG_SWEEP_PARAMS``,
+fp16 and bf16 (rtol 3e-2), its selective I = 960 top-4 rows, which it ``pytest.xfail``s before they run, SKIPPED)
+against ``moe_tkg_torch_ref`` at rtol 2e-2 / atol 1e-5, ``CompilerArgs(logical_nc_config=vnc)``. Inputs as
+``test_moe_tkg_utils.build_moe_tkg`` builds them: ``np.random.seed(0)`` then the expert indices (all-expert: a
+permutation per token from ``np.random.choice``; selective: ``randint``), every normal tensor from a fresh
+``default_rng(0)`` (hidden states, weights, biases, scales), the affinities from the global state (``rand``,
+normalized per token, placed at the chosen experts), the gate / up clamps 7 / 8 / -6 when the row clamps.
 """
 
 from __future__ import annotations
