@@ -716,7 +716,7 @@ def all_cases(root: Path | None = None) -> list[Case]:
     ``root`` (default :func:`harness.nkilib_root`; none without one)."""
     return (_rope_cases() + rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
-            + attention_cases() + attention_tkg_cases() + mlp_cases() + mlp_quant_cases() + moe_block_cases()
+            + attention_cases(root) + attention_tkg_cases() + mlp_cases() + mlp_quant_cases() + moe_block_cases()
             + loss_cases() + moe_tkg_cases()
             + qkv_cases() + qkv_quant_cases() + qkv_sb2sb_cases() + subkernel_cases() + utils_cases()
             + tensor_view_cases()
