@@ -58,6 +58,14 @@ def off_by_one_ref(x, out, factor):
 
 def failing_ref(x, out, factor):
     raise ValueError("reference broke")
+
+
+def trailing_one_ref(x, out, factor):
+    return {"out": (x * factor).reshape(*x.shape, 1)}
+
+
+def half_ref(x, out, factor):
+    return {"out": (x * factor)[:, : x.shape[1] // 2]}
 '''
 
 
@@ -96,6 +104,16 @@ def test_wrong_result_is_a_mismatch_with_the_error(fake_checkout):
     row = harness.run_case(_case(reference="off_by_one_ref"), fake_checkout)
     assert row.result == harness.MISMATCH
     assert row.max_abs_err == pytest.approx(1.0) and "out: max|err| 1 >" in row.message
+
+
+def test_an_output_is_compared_in_its_references_shape_as_nkilibs_validator_reads_it(fake_checkout):
+    """nki-library reads each output back with its golden's shape (np.fromfile(...).reshape(golden.shape)): the same
+    elements in another shape pass, and the row says so; a different element count is still a mismatch."""
+    row = harness.run_case(_case(reference="trailing_one_ref"), fake_checkout)
+    assert row.result == harness.PASS and row.max_abs_err == 0.0
+    assert "out (256, 8) compared in its reference's shape (256, 8, 1)" in row.message
+    row = harness.run_case(_case(reference="half_ref"), fake_checkout)
+    assert row.result == harness.MISMATCH and row.max_abs_err == float("inf")
 
 
 def test_missing_api_and_rejection_are_reported_as_such(fake_checkout):
