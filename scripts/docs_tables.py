@@ -333,6 +333,42 @@ def conformance_model_config() -> str:
     return _table(["kernel", "rows run", "results", "case names (flag combinations)", "largest shape passed"], body)
 
 
+# the case-name label of each table of test_attention_cte.py / test_attention_bwd.py (cases_attention) and its rows
+# at nki-library d2ad3a5 (tests/conformance/test_attention_cases.py checks them against the checkout)
+ATTENTION_TABLES = {
+    "core/attention/attention_cte": {
+        "no_cp": ("test_attention_cte_no_cp_unit", 17), "apc": ("..._no_cp_vnc_apc_klr_unit (prefix caching)", 40),
+        "vnc": ("..._no_cp_vnc_unit (45 cases: a row repeats another)", 46), "gqa": ("..._no_cp_vnc_gqa_unit", 22),
+        "barometer": ("..._no_cp_vnc_barometer_unit", 8), "cp_apc": ("..._cp_apc_klr_unit x 2 Q slicings", 26),
+        "cp_bk": ("..._cp_bk_klr_unit x 2", 42), "cp_gqa": ("..._cp_gqa_klr_unit x 2", 34),
+        "cp_barometer": ("..._cp_barometer_klr_unit x 2", 10),
+        "sweep_nocp_manual": ("test_ranged_attn_cte_sweep_nocp_manual", 12),
+        "sweep_cp_manual": ("test_ranged_attn_cte_sweep_cp_manual x LNC 2 x slicing 2 x cache 2", 72),
+        "seq_pack": ("test_attention_cte_seq_pack_unit", 15)},
+    "core/attention/attention_bwd": {
+        "fast": ("test_attention_bwd_fast (32 base, 4 negative)", 36),
+        "full": ("test_attention_bwd (model configs)", 27),
+        "packed": ("test_attention_bwd_sequence_packing", 24)},
+}
+
+
+def conformance_attention() -> str:
+    """attention_cte's and attention_bwd's test tables: rows, cases recorded in conformance.csv and their results, the
+    longest interpreter time among them."""
+    rows = read_csv("conformance.csv")
+    body = []
+    for kernel, tables in ATTENTION_TABLES.items():
+        for label, (test, n) in tables.items():
+            mine = [r for r in rows if r["kernel"] == kernel and r["case"].split(" ")[0] == label]
+            results = collections.Counter(r["result"] for r in mine)
+            slowest = max(mine, key=lambda r: float(r["seconds"] or 0), default=None)
+            body.append([kernel.removeprefix("core/attention/"), f"`{label}`", test, str(n), str(len(mine)),
+                         ", ".join(f"{k} {v}" for k, v in sorted(results.items())) or "-",
+                         f"{float(slowest['seconds']):.0f} s ({slowest['shapes']})" if slowest else "-"])
+    return _table(["kernel", "case label", "test (table)", "rows", "recorded", "results", "longest (interpreter)"],
+                  body)
+
+
 def _run_anyway(r: dict[str, str]) -> str:
     """How a SKIPPED conformance row ran: the result its message starts with (``run anyway: PASS; ...``)."""
     m = re.match(r"run anyway: ([A-Z]+( API)?)", r["message"])
@@ -742,6 +778,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak, "mlp_peak": mlp_peak,
     "cross_entropy_peak": cross_entropy_peak, "rmsnorm_peak": rmsnorm_peak, "loss_track": loss_track,
     "conformance": conformance, "conformance_model_config": conformance_model_config,
+    "conformance_attention": conformance_attention,
     "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),
