@@ -685,6 +685,27 @@ def calibration_nkilib_lnc_pairs() -> str:
                    "LNC 2 / LNC 1", "LNC 2 - LNC 1 / 2 (us)", "model mid LNC 1 / LNC 2 / LNC 2 - LNC 1 / 2"], body)
 
 
+def calibration_nkilib_whatif() -> str:
+    """A what-if, not the check: rows re-estimated at another LNC than the check's (nkilib_run.py --lnc N --out
+    benchmarks/calibration/nkilib_whatif_lnc1.csv), next to the check's estimate at the row's own LNC."""
+    path = NKILIB_CSV.parent / "nkilib_whatif_lnc1.csv"
+    if not path.exists():
+        return ""
+    check = {r["point"]: r for r in _nkilib_rows()}
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    body = []
+    for r in rows:
+        c = check.get(r["point"])
+        at = "—" if c is None or c["status"] != "ok" else f"{float(c['mid_us']):.1f} ({float(c['error_mid']):+.1%})"
+        body.append([r["point"].removeprefix("nkilib "), r["shape"], f"{float(r['published_us']):.1f}",
+                     f"LNC {c['lnc']}: {at}" if c else "—",
+                     f"{float(r['low_us']):.1f} / {float(r['mid_us']):.1f} / {float(r['high_us']):.1f}",
+                     f"{float(r['error_mid']):+.1%}", r["inside"]])
+    return _table(["row", "configuration", "recorded (us)", "the check: mid (error)",
+                   f"what-if LNC {rows[0]['lnc']}: low / mid / high (us)", "error (mid)", "inside"], body)
+
+
 def calibration_nkilib() -> str:
     """Every estimated nki-library row (benchmarks/calibration/nkilib_calibration.csv): published (tpbSgCyclesSum
     read as ps) vs the model's low / mid / high."""
@@ -774,6 +795,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "calibration_nkilib_summary": calibration_nkilib_summary, "calibration_nkilib": calibration_nkilib,
     "calibration_nkilib_by_time": calibration_nkilib_by_time,
     "calibration_nkilib_lnc_pairs": calibration_nkilib_lnc_pairs,
+    "calibration_nkilib_whatif": calibration_nkilib_whatif,
     "interp_speed": interp_speed, "qwen3_step": qwen3_step, "bench_headline": bench_headline,
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak, "mlp_peak": mlp_peak,
     "cross_entropy_peak": cross_entropy_peak, "rmsnorm_peak": rmsnorm_peak, "loss_track": loss_track,

@@ -1,6 +1,7 @@
 """Estimate nki-library's recorded device times (nkilib_points.csv) with its kernels traced on the interpreter.
 
-``python benchmarks/calibration/nkilib_run.py [--family F ...] [--max-size N] [--points NAME ...] [--list] [--out CSV]``
+``python benchmarks/calibration/nkilib_run.py [--family F] [--table T] [--max-size N] [--points NAME ...] [--list]
+[--out CSV] [--lnc N]``
 traces each check / context point's kernel the way the conformance harness runs nki-library's test row (its
 inputs, LNC, entry point; trace only: large matmuls skip their arithmetic) and appends ``low / mid / high`` of
 the cost model's estimate to ``nkilib_calibration.csv`` (one row per point, the newest kept). Points already
@@ -57,9 +58,9 @@ def size(p: dict) -> float:
 
 def lnc_of(p: dict) -> int:
     """The row's logical-core count: its ``vnc_degree`` / ``lnc_degree``; attention_cte's no-cp table passes
-    ``CompilerArgs()``, LNC 2 on trn2 (as the conformance harness runs it)."""
+    ``CompilerArgs()``, LNC 2 on trn2 (as the conformance harness runs it); ``p["lnc"]`` (a what-if) overrides."""
     f = p["fields"]
-    return int(f.get("vnc_degree") or f.get("lnc_degree") or 2)
+    return int(p.get("lnc") or f.get("vnc_degree") or f.get("lnc_degree") or 2)
 
 
 def case_of(p: dict) -> Any:
@@ -68,8 +69,11 @@ def case_of(p: dict) -> Any:
     from trnkit.conformance import cases_attention, cases_mlp, cases_mlp_quant, cases_rmsnorm_quant
     from trnkit.conformance.harness import Case
 
-    f, fam, lnc = p["fields"], p["family"], lnc_of(p)
+    fam, lnc = p["family"], lnc_of(p)
+    f = {**p["fields"], "vnc_degree": lnc} if "vnc_degree" in p["fields"] else p["fields"]
     if fam == "rmsnorm_quant":
+        if lnc != 2:
+            return f"the conformance cases of rmsnorm_quant's LNC table run at LNC 2, not {lnc}"
         gen = {"gaussian_tensor_generator()": cases_rmsnorm_quant.GAUSSIAN,
                "duplicate_row_rmsnorm_inp_generator()": cases_rmsnorm_quant.DUPLICATE,
                "duplicate_row_rmsnorm_inp_generator(all_ones=True)": cases_rmsnorm_quant.ONES}[f["tensor_gen"]]
@@ -181,6 +185,9 @@ def run_point(p: dict, root: Path) -> dict:
     t0 = time.perf_counter()
     try:
         low, mid, high = (v / 1e3 for v in estimate_case(case, root))
+    except MemoryError:  # the run's own memory limit (ulimit -v on a shared machine): not a result of the row
+        row["status"] = "not run: out of memory under the run's limit"
+        return row
     except Exception as exc:  # noqa: BLE001 - a row the interpreter refuses is a result, reported with its message
         row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         row["trace_s"] = f"{time.perf_counter() - t0:.1f}"
@@ -197,16 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", action="append", help="only these families (rmsnorm_quant, mlp_cte, ...)")
     ap.add_argument("--points", nargs="*", default=[], help="(re)run these points")
+    ap.add_argument("--table", action="append", help="only the rows of these nki-library tables (variable names)")
     ap.add_argument("--max-size", type=float, default=float("inf"), help="skip rows whose size() is larger")
     ap.add_argument("--list", action="store_true", help="list the points in run order with their size")
     ap.add_argument("--out", type=Path, default=OUT_CSV, help=f"the CSV to append to (default {OUT_CSV.name} here)")
+    ap.add_argument("--lnc", type=int, choices=(1, 2), help="a what-if: every row at this LNC (needs another --out)")
     args = ap.parse_args(argv)
+    if args.lnc and args.out.resolve() == OUT_CSV.resolve():
+        ap.error(f"--lnc {args.lnc} is a what-if: give it its own --out, not {OUT_CSV.name} (the rows' own LNC)")
     root = harness.nkilib_root()
     if root is None:
         ap.error("no nki-library checkout (NKILIB_SRC) or archive")
-    pts = [p for p in nkilib_rows.read_points() if p["role"] in ("check", "context")]
+    pts = [{**p, "lnc": args.lnc} for p in nkilib_rows.read_points() if p["role"] in ("check", "context")]
     if args.family:
         pts = [p for p in pts if p["family"] in args.family]
+    if args.table:
+        pts = [p for p in pts if p["table"] in args.table]
     if args.points:
         pts = [p for p in pts if p["point"] in args.points]
     else:

@@ -92,3 +92,29 @@ def test_a_row_traced_as_the_conformance_harness_builds_it():
     low, mid, high = nkilib_run.estimate_case(case, root)
     assert float(row["mid_us"]) == pytest.approx(mid / 1e3, abs=0.01)
     assert low <= mid <= high
+
+
+def test_an_lnc_what_if_never_writes_the_rows_own_csv():
+    import nkilib_run
+
+    with pytest.raises(SystemExit):
+        nkilib_run.main(["--lnc", "1", "--list"])
+    p = next(p for p in nkilib_rows.read_points() if p["point"] == "nkilib test_mlp_tkg:271")
+    assert p["fields"]["vnc_degree"] == 2 and nkilib_run.case_of(p).lnc == 2
+    assert nkilib_run.case_of({**p, "lnc": 1}).lnc == 1
+    rms = next(p for p in nkilib_rows.read_points() if p["family"] == "rmsnorm_quant" and p["role"] == "check")
+    assert "LNC 2, not 1" in nkilib_run.case_of({**rms, "lnc": 1})
+
+
+def test_the_lnc_1_what_if_is_apart_from_the_check():
+    import nkilib_run
+
+    whatif = nkilib_run.read_out(nkilib_run.HERE / "nkilib_whatif_lnc1.csv")
+    check = nkilib_run.read_out()
+    pts = {p["point"]: p for p in nkilib_rows.read_points()}
+    assert whatif and all(r["lnc"] == "1" and r["status"] == "ok" for r in whatif.values())
+    for name, r in whatif.items():
+        assert pts[name]["table"] == "attention_cte_no_cp_unit_perms" and r["published_us"] == pts[name]["published_us"]
+        assert check[name]["lnc"] == "2"  # the check keeps the table's CompilerArgs() default
+        mid = float(r["mid_us"])
+        assert float(r["error_mid"]) == pytest.approx(mid / float(r["published_us"]) - 1, abs=1e-3)
