@@ -379,6 +379,7 @@ def test_neuron_dtypes_imports_inside_the_run_and_every_use_names_it(fake_checko
 
 TEST_FILE = '''
 from test.utils.common_dataclasses import KernelArgs, ValidationArgs
+from test.utils.pytest_parametrize import pytest_parametrize
 from test.utils.pytest_test_metadata import pytest_test_metadata
 
 import nki
@@ -398,6 +399,7 @@ def triple(x):
 
 @pytest_test_metadata(name="Stand-in", pytest_marks=["fast"])
 class TestTriple:
+    @pytest_parametrize("factor", [(3,)], abbrevs={"factor": "f"})
     def test_triple(self, test_manager):
         validate = KernelArgs(kernel_func=triple, validation_args=ValidationArgs()).validation_args
         test_manager.execute(validate)
@@ -420,7 +422,8 @@ def test_kernels_defined_in_a_test_file_run_with_stand_ins_for_its_infrastructur
     assert not [k for k in sys.modules if k.startswith(harness.TEST_MODULE_PREFIX)]
     with harness.nki_is_interpreter(fake_checkout):
         mod = harness.load_test_module(fake_checkout, rel)
-        assert mod.TestTriple.__name__ == "TestTriple"  # the decorator stand-in returns the class
+        assert mod.TestTriple.__name__ == "TestTriple"  # the decorator stand-ins return the class and the method
+        assert mod.TestTriple.test_triple.__name__ == "test_triple"
         with pytest.raises(NotImplementedError, match=r"KernelArgs\(\.\.\.\)\.validation_args: "
                                                       r"nki-library's test infrastructure is not part"):
             mod.TestTriple().test_triple(test_manager=None)

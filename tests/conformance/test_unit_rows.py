@@ -48,6 +48,12 @@ def _listed(kernel: str) -> int:
             1,
         ),
         ("core/max/cascaded_max", "core/max/test_cascaded_max.py", ["cascaded_max_unit_perms"], 1),
+        (
+            "core/max/cascaded_max_utils",
+            "core/max/test_cascaded_max_utils.py",
+            ["full_batch_perms", "partial_batch_perms", "dst_batch_perms", "oversized_sb_perms"],
+            1,
+        ),
         ("core/topk", "core/topk/test_topk.py", ["topk_unit_perms", "large_batch_perms", "topk_unsorted_perms"], 1),
         (
             "experimental/collectives/topk_reduce",
@@ -151,5 +157,6 @@ def test_moe_tkg_sweep_rows():
     exec(compile(ast.Module(body=body, type_ignores=[]), "test_moe_tkg.py", "exec"), namespace)  # noqa: S102
     sweep = namespace["MOE_TKG_SWEEP_PARAMS"]
     unit = _table("core/moe/moe_tkg/test_moe_tkg.py", "MOE_TKG_TEST_PARAMS")
-    assert (len(sweep), len(unit)) == (304, 49)
-    assert _listed("core/moe/moe_tkg") == len(unit) + len(sweep) - 1
+    sbuf_io = _table("core/moe/moe_tkg/test_moe_tkg.py", "MOE_TKG_SBUF_IO_PARAMS")
+    assert (len(sweep), len(unit), len(sbuf_io)) == (304, 49, 10)
+    assert _listed("core/moe/moe_tkg") == len(unit) + len(sweep) - 1 + len(sbuf_io)

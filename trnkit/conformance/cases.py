@@ -33,6 +33,7 @@ from .cases_mlp_quant import FP8, FP8_NOTE, mlp_quant_cases
 from .cases_model_config import model_config_cases
 from .cases_moe_block import moe_block_cases
 from .cases_moe_experimental import moe_experimental_cases
+from .cases_max_utils import max_utils_cases
 from .cases_moe_tkg import moe_tkg_cases
 from .cases_projection import projection_cases
 from .cases_qkv import qkv_cases
@@ -715,7 +716,8 @@ def all_cases(root: Path | None = None) -> list[Case]:
     """Every conformance case, kernel by kernel, then the rows of the model-config tables of the checkout
     ``root`` (default :func:`harness.nkilib_root`; none without one)."""
     return (_rope_cases() + rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
-            + _topk_cases() + _cascaded_max_cases() + _moe_cases() + conv_cases() + projection_cases()
+            + _topk_cases() + _cascaded_max_cases() + max_utils_cases() + _moe_cases() + conv_cases()
+            + projection_cases()
             + attention_cases(root) + attention_tkg_cases() + mlp_cases() + mlp_quant_cases() + moe_block_cases()
             + loss_cases() + moe_tkg_cases()
             + qkv_cases() + qkv_quant_cases() + qkv_sb2sb_cases() + subkernel_cases() + utils_cases()
@@ -741,6 +743,7 @@ FAST = (
     "core/embeddings/rope|sweep interleaved relayout_in_sbuf|lnc2|x[64,8,1,16] bf16",
     "core/embeddings/rope|sweep boundary contiguous relayout_in_sbuf (must reject)|lnc2|x[64,1,1,15] bf16",
     "core/router_topk|softmax bias k=4|lnc2|x[4,3072] w[3072,128]",
+    "core/max/cascaded_max_utils|partial_batch fold=2 rows 0:7|lnc2|x[16,256]",
     "core/router_topk|softmax bias k=4 use_indirect_dma_scatter x [T,H]|lnc2|x[640,3072] w[3072,128]",
     "core/router_topk|softmax k=4 shard_on_tokens output_in_sbuf|lnc2|x[32,512] w[512,128]",
     "core/cumsum|3-D bf16|lnc2|x[64,4,1024]",

@@ -2,8 +2,9 @@
 
 ``test/integration/nkilib/core/moe/moe_tkg/test_moe_tkg.py`` (``test_moe_tkg_bfloat16``: all 49 rows of
 ``MOE_TKG_TEST_PARAMS``, unquantized and fp8 ROW; ``test_moe_tkg_sweep``: every row of ``MOE_TKG_SWEEP_PARAMS``,
-fp16 and bf16 (rtol 3e-2), its selective I = 960 top-4 rows, which it ``pytest.xfail``s before they run, SKIPPED)
-against ``moe_tkg_torch_ref`` at rtol 2e-2 / atol 1e-5, ``CompilerArgs(logical_nc_config=vnc)``. Inputs as
+fp16 and bf16 (rtol 3e-2), its selective I = 960 top-4 rows, which it ``pytest.xfail``s before they run, SKIPPED;
+``test_moe_tkg_sbuf_io``: its 10 rows through the test's own ``moe_tkg_sbuf_io_wrapper``) against
+``moe_tkg_torch_ref`` at rtol 2e-2 / atol 1e-5, ``CompilerArgs(logical_nc_config=vnc)``. Inputs as
 ``test_moe_tkg_utils.build_moe_tkg`` builds them: ``np.random.seed(0)`` then the expert indices (all-expert: a
 permutation per token from ``np.random.choice``; selective: ``randint``), every normal tensor from a fresh
 ``default_rng(0)`` (hidden states, weights, biases, scales), the affinities from the global state (``rand``,
@@ -250,6 +251,63 @@ def _sweep_rows() -> list[tuple]:
     return list(dict.fromkeys(rows))
 
 
+# test_moe_tkg_sbuf_io (MOE_TKG_SBUF_IO_PARAMS, all 10 rows; vnc 2, POST_SCALE): T, H, I, E, top_k (None: all), act,
+# all_expert, dtype, clamp, bias
+_SBUF_IO = [
+    (4, 3072, 128, 2, None, "SiLU", True, BF16, True, True),
+    (4, 3072, 128, 2, None, "SiLU", True, BF16, False, False),
+    (4, 3072, 128, 2, None, "Swish", True, BF16, True, True),
+    (512, 3072, 384, 8, None, "SiLU", True, F16, True, True),
+    (512, 4096, 192, 8, None, "SiLU", True, F16, True, False),
+    (512, 5120, 128, 16, None, "SiLU", True, F16, True, False),
+    (512, 5120, 128, 128, None, "SiLU", True, F16, True, False),
+    (300, 3072, 128, 2, None, "SiLU", True, F16, True, False),
+    (4, 3072, 128, 4, 2, "SiLU", False, BF16, False, False),
+    (4, 3072, 128, 4, 2, "Swish", False, BF16, True, True),
+]
+# the test's moe_tkg_sbuf_io_wrapper (hidden states loaded to SBUF per H shard, output in SBUF copied back), imported
+# from its file, takes these names for moe_tkg's
+SBUF_IO_WRAPPER = f"{TESTS}/test_moe_tkg_wrapper.py:moe_tkg_sbuf_io_wrapper"
+_WRAPPER_NAMES = {"expert_gate_up_weights": "gate_up_weights", "expert_down_weights": "down_weights",
+                  "expert_gate_up_bias": "gate_up_weights_bias", "expert_down_bias": "down_weights_bias"}
+_WRAPPER_ARGS = ("hidden_input", "gate_up_weights", "down_weights", "expert_affinities", "expert_index",
+                 "is_all_expert", "rank_id", "gate_up_weights_bias", "down_weights_bias",
+                 "expert_affinities_scaling_mode", "activation_fn", "gate_clamp_upper_limit", "gate_clamp_lower_limit",
+                 "up_clamp_upper_limit", "up_clamp_lower_limit", "mask_unselected_experts")
+
+
+def _sbuf_io_inputs(make: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """The test's ``transform_input``: the kernel's inputs under the wrapper's names (no scales, no output dtype)."""
+    def inputs() -> dict[str, Any]:
+        kw = {_WRAPPER_NAMES.get(k, k): v for k, v in make().items()}
+        return {k: kw[k] for k in _WRAPPER_ARGS}
+    return inputs
+
+
+def _sbuf_io_ref_inputs(kw: dict[str, Any]) -> dict[str, Any]:
+    """The test's ``sbuf_wrapper_ref``: moe_tkg's reference under its own names; it passes no gate lower clamp."""
+    back = {v: k for k, v in _WRAPPER_NAMES.items()}
+    return {back.get(k, k): v for k, v in kw.items() if k != "gate_clamp_lower_limit"}
+
+
+def _sbuf_io_cases() -> list[Case]:
+    cases = []
+    for t, h, i, e, k, act, all_e, dt, clamp, bias in _SBUF_IO:
+        name = ("all experts" if all_e else f"top-{k}") + f" {act} post_scale {_DT_NAME[dt]}" + " clamp" * clamp \
+            + " bias" * bias + " SBUF in / out"
+        cases.append(Case(
+            kernel="core/moe/moe_tkg", name=name, shapes=f"T={t} H={h} I={i} E={e}", entry=SBUF_IO_WRAPPER,
+            reference=f"{LIB}.moe.moe_tkg.moe_tkg_torch:moe_tkg_torch_ref",
+            inputs=_sbuf_io_inputs(_moe_tkg_inputs(t, h, i, e, k, act, "POST_SCALE", all_e, False, clamp, bias, dt)),
+            ref_inputs=_sbuf_io_ref_inputs, outputs=("out",), lnc=2, rtol=2e-2, atol=1e-5,
+            note="the test's moe_tkg_sbuf_io_wrapper, imported from test_moe_tkg_wrapper.py",
+            test_file=f"{TESTS}/test_moe_tkg.py"))
+    return cases
+
+
+_DT_NAME = {F16: "fp16", BF16: "bf16"}
+
+
 SWEEP_XFAIL = "test_moe_tkg_sweep: pytest.xfail('failing determinism check') (selective experts, I = 960, top-4)"
 
 
@@ -263,4 +321,4 @@ def moe_tkg_cases() -> list[Case]:
         if (case.name, case.shapes) not in ids:  # a sweep row the unit table lists too runs once
             ids.add((case.name, case.shapes))
             cases.append(case)
-    return cases
+    return cases + _sbuf_io_cases()

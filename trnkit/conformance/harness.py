@@ -318,24 +318,28 @@ def _load_repaired(module: str) -> None:
 class _TestInfraStandIn:
     """Stands in for a name of nki-library's test infrastructure (``test.utils``: not in the archive).
 
-    Used as a decorator (``@pytest_test_metadata(...)``) it returns what it decorates; any other use
-    (the test methods' orchestration, which the conformance run replaces) raises, naming it."""
+    Used as a decorator, with or without its parameters (``@pytest_test_metadata(...)``,
+    ``@pytest_parametrize(names, rows)``), it returns what it decorates; a call returns a stand-in for its result,
+    and any use of that (an attribute: the test methods' orchestration, which the conformance run replaces)
+    raises, naming it."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, member: bool = False) -> None:
         self._name = name
+        self._member = member  # an enum member the test data names: a token, not callable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._member:
+            raise NotImplementedError(f"{self._name}: nki-library's test infrastructure is not part of the archive")
         if len(args) == 1 and not kwargs and isinstance(args[0], type | types.FunctionType):
             return args[0]
-        if not args:
-            return _TestInfraStandIn(f"{self._name}(...)")
-        raise NotImplementedError(f"{self._name}: nki-library's test infrastructure is not part of the archive")
+        return _TestInfraStandIn(f"{self._name}(...)")
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         if name.isupper():  # an enum member the test data names (ModelTestType.OPTIMAL): a named token
-            token = self.__dict__.setdefault("_members", {}).setdefault(name, _TestInfraStandIn(f"{self._name}.{name}"))
+            token = self.__dict__.setdefault("_members", {}).setdefault(
+                name, _TestInfraStandIn(f"{self._name}.{name}", member=True))
             return token
         raise NotImplementedError(f"{self._name}.{name}: nki-library's test infrastructure is not part of "
                                   "the archive")
@@ -757,7 +761,7 @@ def _run_case(case: Case, root: Path, commit: str) -> Row:
                             if m)
     if not ok_all:
         row.message = "; ".join([f"{n}: max|err| {e:.3g} > {a:.3g}" for n, (e, a) in row.outputs.items()
-                                 if not e <= a] + shares)
+                                 if not e <= a] + shares + ([case.note] if case.note else []))
         cause = case.xfail_check(inputs, actual, expected) if case.xfail and case.xfail_check else ""
         if cause:  # the failure nki-library's xfail is about, checked: not a mismatch of the interpreter's
             row.verdict, row.result = MISMATCH, XFAIL
