@@ -6,6 +6,7 @@ import dataclasses
 import sys
 import textwrap
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -42,6 +43,18 @@ def too_many_partitions(x, out, factor):
 def checks_factor(x, out, factor):
     assert factor > 0, "factor must be positive"
     return scale(x, out, factor)
+
+
+def scale_via_bf16(x, out, factor):
+    """out = x * factor, the product written into a bf16 tile (rounded to nearest even) on its way."""
+    for r0 in range(0, x.shape[0], 128):
+        t = nl.ndarray((128, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+        b = nl.ndarray((128, x.shape[1]), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[r0:r0 + 128, :])
+        nisa.tensor_scalar(dst=b, data=t, op0=nl.multiply, operand0=factor)
+        nisa.tensor_copy(dst=t, src=b)
+        nisa.dma_copy(dst=out[r0:r0 + 128, :], src=t)
+    return out
 '''
 
 REFS = '''
@@ -66,6 +79,12 @@ def trailing_one_ref(x, out, factor):
 
 def half_ref(x, out, factor):
     return {"out": (x * factor)[:, : x.shape[1] // 2]}
+
+
+def float32_ref(x, out, factor, rounded=False, shift=0.0):
+    """x * factor in float32 (+ shift); rounded: the product rounded to bf16 first, as scale_via_bf16's tile."""
+    y = x * factor
+    return {"out": (y.to(torch.bfloat16).float() if rounded else y) + shift}
 '''
 
 
@@ -686,3 +705,38 @@ def test_the_references_repeated_notes_are_dropped_and_other_output_kept(fake_ch
                            fake_checkout)
     assert row.result == harness.ERROR and row.message == "reference failed: ValueError: reference broke"
     assert capsys.readouterr().out == "reference says why\n"
+
+
+def _rounded(case):
+    return Case(**{**case.__dict__, "rounded_reference": ("bf16 rounding of the product",
+                                                          lambda kw: {**kw, "rounded": True})})
+
+
+def test_a_mismatch_is_golden_gap_only_when_the_rounded_reference_misses_too_and_the_kernel_is_near_it(fake_checkout):
+    """The kernel writes x * 3 through a bf16 tile; the golden keeps float32 (off by up to half a bf16 step, beyond
+    rtol = atol = 1e-6). nki-library's reference with the bf16 rounding misses the golden by as much, and the kernel
+    equals it: GOLDEN_GAP, with both distances in the message."""
+    np.random.seed(0)
+    x = np.random.randn(256, 8).astype(np.float32)
+    y = x * np.float32(3.0)
+    gap = float(np.abs(y.astype(ml_dtypes.bfloat16).astype(np.float32) - y).max())  # the bf16 tile's rounding
+    assert 1e-3 < gap < 0.05
+    plain = _case(entry="scale_via_bf16", reference="float32_ref")
+    assert harness.run_case(plain, fake_checkout).result == harness.MISMATCH  # no rounded reference: a mismatch
+    row = harness.run_case(_rounded(plain), fake_checkout)
+    assert (row.result, row.verdict) == (harness.GOLDEN_GAP, harness.MISMATCH), row.message
+    assert row.max_abs_err == pytest.approx(gap, rel=1e-6) and harness.row_ok(_rounded(plain), row)
+    assert row.message.startswith("nki-library's golden is out of reach of bf16 rounding of the product: out: the "
+                                  f"rounded reference's max|err| {gap:.3g} against the golden fails the test too, "
+                                  "the kernel's max|err| 0 from the rounded reference is within the golden's "
+                                  f"max|err| {gap:.3g}"), row.message
+    assert not harness.row_ok(plain, row)  # GOLDEN_GAP is accepted only from a case that names its rounding
+    # the kernel further from the rounded reference than the golden is (a kernel error on top of the rounding)
+    shifted = Case(**{**plain.__dict__, "ref_inputs": lambda kw: {**kw, "shift": 0.25}, "rounded_reference": (
+        "bf16 rounding of the product", lambda kw: {**kw, "rounded": True, "shift": 0.25})})
+    assert harness.run_case(shifted, fake_checkout).result == harness.MISMATCH
+    # a rounding that meets the golden (here none: the "rounded" reference is the golden): the miss is the kernel's
+    none = Case(**{**plain.__dict__, "rounded_reference": ("nothing", lambda kw: dict(kw))})
+    assert harness.run_case(none, fake_checkout).result == harness.MISMATCH
+    # a kernel that matches the golden passes, whatever the case says about rounding
+    assert harness.run_case(_rounded(_case(reference="float32_ref")), fake_checkout).result == harness.PASS

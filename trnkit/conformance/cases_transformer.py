@@ -22,7 +22,11 @@ with ``np.random.choice`` (the global generator, seeded 0 by the quantization ge
 last batch row's cache update skipped (index -1) with a block cache. The test's casts
 (``neuron_dtypes.static_cast``) are taken as round-to-nearest-even (ml_dtypes). Its golden imports the
 library's ``qkv_tkg_torch``, which imports nki-library's test package (``test_kernel_common``): that module is
-loaded from the checkout (:func:`test_package_modules`).
+loaded from the checkout (:func:`test_package_modules`). A row with STATIC fp8 weights or an fp8 KV cache names
+its golden's gap (``Case.rounded_reference``): the reference keeps in float32 three values the kernel holds in fp8
+tiles (clipped to +-240, not rounded) and the softmax-scaled Q it holds in bf16 (:data:`TILE_ROUNDING`); a
+mismatch of such a row is checked against the reference with those values rounded (:func:`tile_rounded_reference`,
+``harness.golden_gap``).
 
 transformer_tkg, ``test_transformer_tkg.py`` (``test_transformer_tkg``): four Llama-3-70B layers (H 8192, I
 28672, 64 query heads, one KV head, d 128) sharded over ``tp`` ranks, the batch ``global_batch / (64 / tp)``,
@@ -265,17 +269,90 @@ KERNEL_COMMON = "test/integration/nkilib/utils/test_kernel_common.py"  # importe
 
 
 def attention_block_golden(lnc: int, batch_chunk: int = 0, cache_rows: tuple[int, int] | None = None,
-                           **kw: Any) -> dict[str, np.ndarray]:
+                           tile_rounding: bool = False, **kw: Any) -> dict[str, np.ndarray]:
     """``AttentionBlockTkgTorchRef(lnc)`` with its outputs cast to the kernel's dtypes, as the test does
     (X_out in X's dtype, the K / V outputs in the cache's: bf16, or fp8 for an fp8 cache); ``batch_chunk``
-    batch rows at a time when given (:func:`_golden_in_batch_chunks`, which ``cache_rows`` goes to)."""
+    batch rows at a time when given (:func:`_golden_in_batch_chunks`, which ``cache_rows`` goes to);
+    ``tile_rounding``: with the values rounded where the kernel's tiles are narrower
+    (:func:`tile_rounded_reference`)."""
     with test_package_modules(KERNEL_COMMON):
         ref = importlib.import_module(f"{LIB}.experimental.transformer.attention_block_tkg_torch")
     kv_dt = FP8 if kw.get("k_scale") is not None else BF16
-    if batch_chunk:
-        return _golden_in_batch_chunks(ref.AttentionBlockTkgTorchRef(lnc), batch_chunk, kv_dt, kw, cache_rows)
-    out = ref.AttentionBlockTkgTorchRef(lnc)(**kw)
+    with tile_rounded_reference(ref) if tile_rounding else contextlib.nullcontext():
+        if batch_chunk:
+            return _golden_in_batch_chunks(ref.AttentionBlockTkgTorchRef(lnc), batch_chunk, kv_dt, kw, cache_rows)
+        out = ref.AttentionBlockTkgTorchRef(lnc)(**kw)
     return {k: v.float().numpy().astype(BF16 if k == "X_out" else kv_dt) for k, v in out.items()}
+
+
+# Where AttentionBlockTkgTorchRef keeps float32 values the kernel holds in narrower tiles. fp8 (each clipped to
+# fp8's range, +-240 the max of nl.float8_e4m3, and not rounded): (1) qkv_tkg_torch_ref's STATIC input, hidden /
+# in_scale clipped (the kernel's qkv_tkg writes it into an fp8 tile, hidden_sb_quantized, the QKV matmul's input);
+# (2) the new token's K and V, _quantize_kv_to_fp8 (the kernel's _quantize_to_fp8: an fp8 tile that attention reads
+# and the cache update writes); (3) output_projection_tkg_torch_ref's STATIC input, attention / in_scale clipped (an
+# fp8 tile, the output projection's matmul input). bf16 (the kernel's io dtype, X's): (4) the softmax-scaled Q the
+# attention reads (the kernel's Q tile, multiplied by the scale in place; the reference's q / sqrt(d) in float32).
+TILE_ROUNDING = ("the kernel's tile dtypes (nki-library's reference keeps float32 where the kernel rounds to fp8: "
+                 "the QKV and output projections' quantized inputs, the new K / V; to bf16: the softmax-scaled Q)")
+
+
+@contextlib.contextmanager
+def tile_rounded_reference(ref: Any) -> Iterator[None]:
+    """Inside the block the reference module ``ref`` rounds at the four places listed at :data:`TILE_ROUNDING`, to
+    nearest even as the interpreter casts (:func:`trnkit.nkisim.dtypes.cast`; fp8 is ``nl.float8_e4m3``). The two
+    projections' inputs go in as a tensor whose ``clip`` / ``clamp`` result comes back rounded to fp8, and each must
+    clip exactly once with STATIC weights (a reference that no longer clips where this expects raises);
+    ``_quantize_kv_to_fp8``'s results are rounded to fp8; the ``q`` handed to ``attention_tkg_torch_ref`` to bf16."""
+    import torch
+
+    from trnkit.nkisim.dtypes import cast
+
+    clips = [0]
+
+    def rounded_to(t: Any, dtype: np.dtype) -> Any:
+        return torch.from_numpy(cast(t.as_subclass(torch.Tensor).detach().numpy(), dtype).astype(np.float32))
+
+    class RoundsAtClip(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            out = super().__torch_function__(func, types, args, kwargs or {})
+            if func in (torch.Tensor.clip, torch.clip, torch.Tensor.clamp, torch.clamp):
+                clips[0] += 1
+                return rounded_to(out, FP8)
+            return out
+
+    qkv, out_proj, attention = ref.qkv_tkg_torch_ref, ref.output_projection_tkg_torch_ref, ref.attention_tkg_torch_ref
+    kv = ref.AttentionBlockTkgTorchRef._quantize_kv_to_fp8
+
+    def rounded(fn: Callable[..., Any], arg: str) -> Callable[..., Any]:
+        def call(**a: Any) -> Any:
+            static = int(getattr(a.get("quantization_type"), "name", "") == "STATIC")
+            if static:
+                a[arg] = a[arg].as_subclass(RoundsAtClip)
+            before = clips[0]
+            result = fn(**a)
+            if clips[0] - before != static:
+                raise RuntimeError(f"attention_block_tkg tile-rounded reference: {fn.__name__} clipped its {arg} "
+                                   f"{clips[0] - before} times, expected {static}")
+            return result
+        return call
+
+    class BF16Q:  # attention_tkg_torch_ref[lnc](q=..., ...) with q rounded to bf16
+        def __getitem__(self, lnc: int) -> Callable[..., Any]:
+            return lambda q, **a: attention[lnc](q=rounded_to(q, BF16), **a)
+
+    def kv_rounded(self: Any, *a: Any) -> tuple[Any, Any]:
+        return tuple(rounded_to(t, FP8) for t in kv(self, *a))
+
+    ref.qkv_tkg_torch_ref = rounded(qkv, "hidden")
+    ref.output_projection_tkg_torch_ref = rounded(out_proj, "attention")
+    ref.attention_tkg_torch_ref = BF16Q()
+    ref.AttentionBlockTkgTorchRef._quantize_kv_to_fp8 = kv_rounded
+    try:
+        yield
+    finally:
+        ref.qkv_tkg_torch_ref, ref.output_projection_tkg_torch_ref = qkv, out_proj
+        ref.attention_tkg_torch_ref, ref.AttentionBlockTkgTorchRef._quantize_kv_to_fp8 = attention, kv
 
 
 def _golden_in_batch_chunks(ref: Callable[..., Any], chunk: int, kv_dt: np.dtype, kw: dict[str, Any],
@@ -434,9 +511,10 @@ def _kvdp_golden_chunk(b: int, b_rank: int, q: int, s_tkg: int, s_ctx: int, d: i
     return 0
 
 
-def attention_block_kvdp_golden(golden: list[dict[str, Any]], lnc: int, **_: Any) -> dict[str, np.ndarray]:
+def attention_block_kvdp_golden(golden: list[dict[str, Any]], lnc: int, tile_rounding: bool = False, **_: Any
+                                ) -> dict[str, np.ndarray]:
     """Each rank's reference (full batch, single rank), its K / V outputs cut to the rank's batch rows or
-    compacted blocks, stacked over the ranks."""
+    compacted blocks, stacked over the ranks (``tile_rounding``: as :func:`attention_block_golden`'s)."""
     from .harness import _to_torch
 
     per_rank, converted = [], {}  # an array every rank's reference reads (the KV caches) converted once
@@ -452,7 +530,8 @@ def attention_block_kvdp_golden(golden: list[dict[str, Any]], lnc: int, **_: Any
                 args[k] = converted[id(v)][1]
             else:
                 args[k] = _to_torch(v, False)
-        out = attention_block_golden(lnc, batch_chunk=chunk, cache_rows=(r0, r1) if chunk else None, **args)
+        out = attention_block_golden(lnc, batch_chunk=chunk, cache_rows=(r0, r1) if chunk else None,
+                                     tile_rounding=tile_rounding, **args)
         del args
         for name in [k for k in out if k != "X_out"]:
             v = out[name]
@@ -673,13 +752,18 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
         reference, make = f"{HERE}:attention_block_golden", _inputs
         chunk = GOLDEN_BATCH_CHUNK if cfg["block_len"] and _kv_cache_bytes(b, d, s_ctx, s_max, cfg) > 1 << 30 else 0
         ref_inputs = lambda kw, lnc=lnc, chunk=chunk: {**kw, "lnc": lnc, "batch_chunk": chunk}  # noqa: E731
+    # rows with an fp8 step (STATIC weights, an fp8 KV cache): a mismatch is checked against the reference rounded
+    # where the kernel's tiles are narrower than its float32 (harness.golden_gap)
+    rounded = None
+    if cfg["kv_quant"] or cfg["quantization_type"] == "STATIC":
+        rounded = (TILE_ROUNDING, lambda kw, plain=ref_inputs: {**plain(kw), "tile_rounding": True})
     return Case(
         kernel="experimental/transformer/attention_block_tkg", name=_name(cfg), shapes=shapes,
         entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,
         reference=reference, inputs=make(b, q, d, h, h_actual, s_ctx, s_max, s_tkg, cfg), ref_inputs=ref_inputs,
         outputs=("X_out",) + (("K_cache_updated", "V_cache_updated") if cfg["update_cache"] else ("K_tkg", "V_tkg")),
         postprocess=_flat_compare, lnc=lnc, ranks=ranks if ranks > 1 else 0, rtol=0.07 if fp8 else 0.015,
-        atol=16.0 if fp8 else 1e-5, note=FP8_NOTE if fp8 else "", **_validator(cfg),
+        atol=16.0 if fp8 else 1e-5, note=FP8_NOTE if fp8 else "", **_validator(cfg), rounded_reference=rounded,
         test_file=f"{TESTS}/test_attention_block_tkg.py")
 
 

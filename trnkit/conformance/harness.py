@@ -15,7 +15,10 @@ it. Each case gives one :class:`Row`: PASS, MISMATCH, MISSING API
 ``NkiValidationError``) or ERROR (anything else, with its type); two more carry nki-library's own expectation
 for the row: XFAIL (the test marks it ``xfail`` and the mismatch is the cause the case checks,
 ``Case.xfail_check``) and SKIPPED (the test skips the row, ``Case.skipped_by``: it still runs here, and the
-message starts with the interpreter's own verdict, :attr:`Row.verdict`).
+message starts with the interpreter's own verdict, :attr:`Row.verdict`). GOLDEN_GAP: a mismatch whose cause is
+nki-library's golden, checked per row (:func:`golden_gap`): the same reference, with its values rounded where the
+kernel's tiles hold a narrower dtype than it computes in (``Case.rounded_reference``), fails the test's own
+validator against the golden, and the kernel is no further from that rounded reference than the golden is.
 
 The checkout is found through ``NKILIB_SRC`` (its root, or its ``src/``), else the archive
 ``nki-library-<commit>.tar.gz`` (``NKILIB_TARBALL``, or ``shared/thirdparty/`` next to or inside the
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import importlib
 import io
 import mmap
@@ -46,12 +50,15 @@ import numpy as np
 __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nkilib_commit", "nkilib_tarball",
            "extract_tarball", "compare", "disk_array", "uniform_array", "drawn_array", "run_case", "run_cases",
            "format_table", "write_csv", "row_ok", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED",
-           "XFAIL", "SKIPPED", "MODEL_CONFIG"]
+           "XFAIL", "SKIPPED", "GOLDEN_GAP", "golden_gap", "MODEL_CONFIG"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
 # a case nki-library's test marks xfail whose mismatch is the cause its Case.xfail_check confirms
 XFAIL = "XFAIL"
+# a mismatch whose cause is nki-library's golden: its reference rounded as the kernel's tiles are
+# (Case.rounded_reference) fails the test's validator too, and the kernel is no further from it (golden_gap)
+GOLDEN_GAP = "GOLDEN_GAP"
 SKIPPED = "SKIPPED"  # a row nki-library's own test skips (Case.skipped_by); run anyway, Row.verdict says how it went
 CSV_FIELDS = ("kernel", "case", "shapes", "lnc", "result", "max_abs_err", "allowed_err", "rtol",
               "atol", "seconds", "message", "nkilib_commit")
@@ -109,6 +116,10 @@ class Case:
     # cosine similarity of every output with the reference, where the test asks for one
     min_pass_rate: tuple[tuple[str, float], ...] = ()
     min_cosine: float = 0.0
+    # (what it rounds, ref_inputs): nki-library's reference with its values rounded where the kernel's tiles hold a
+    # narrower dtype than the reference computes in (e.g. fp8 tiles where it keeps float32 clipped to fp8's range);
+    # a MISMATCH is GOLDEN_GAP when golden_gap finds the golden out of reach of that rounding, else it stays MISMATCH
+    rounded_reference: tuple[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None
 
 
 MODEL_CONFIG = "model_config"  # Case.tier of the rows of nki-library's test_*_model_config.py tables
@@ -661,71 +672,77 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
 
 def row_ok(case: Case, row: Row) -> bool:
     """Whether ``row`` is what the conformance run accepts for ``case``: PASS (for a negative case: rejected as
-    nki-library expects), XFAIL (a checked cause), or the refusal the case names (``Case.rejected_by``);
-    a SKIPPED row is judged by its verdict."""
+    nki-library expects), XFAIL (a checked cause), GOLDEN_GAP (checked per row by :func:`golden_gap`), or the
+    refusal the case names (``Case.rejected_by``); a SKIPPED row is judged by its verdict."""
     result = row.verdict if row.result == SKIPPED else row.result
     if case.rejected_by:
         return result in (REJECTED, ERROR) and case.rejected_by in row.message
-    return result == PASS or (result == XFAIL and bool(case.xfail))
+    return result == PASS or (result == XFAIL and bool(case.xfail)) or \
+        (result == GOLDEN_GAP and case.rounded_reference is not None)
 
 
 def _run_case(case: Case, root: Path, commit: str) -> Row:
+    with nki_is_interpreter(root):  # (to the end: a mismatch's golden_gap runs the reference again, same modules)
+        return _run_case_as_nki(case, root, commit)
+
+
+def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
     from trnkit.nkisim import memory
 
     row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
               nkilib_commit=commit)
-    with nki_is_interpreter(root):
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):  # nki-library's config helpers print too
-                for module in REPAIRED_MODULES:
-                    _load_repaired(module)
-                inputs = {k: _to_disk(v) for k, v in case.inputs().items()}
-            # the reference runs first: its float32 copies of the inputs are freed before the kernel's
-            # copies exist (the large MoE cases hold several GB of weights); a kernel failure still
-            # decides the row before a reference failure does
-            expected, ref_error = None, None
-            if not case.negative:
-                try:
-                    expected = reference_outputs(case, inputs, root)
-                except Exception as exc:  # noqa: BLE001
-                    ref_error = exc
-            kernel = _resolve(case.entry, root)
-            if case.wrap_kernel is not None:
-                kernel = case.wrap_kernel(kernel)
-            # (ranks may share an array: each its copy; an xfail check reads the inputs after the kernel)
-            keep = case.postprocess is not None or case.ranks > 0 or case.xfail_check is not None
-            kernel_in = _copies(inputs["ranks"], case.read_only, keep) if case.ranks \
-                else _copies([inputs], case.read_only, keep)[0]
-            t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # nki-library's config helpers print too
+            for module in REPAIRED_MODULES:
+                _load_repaired(module)
+            inputs = {k: _to_disk(v) for k, v in case.inputs().items()}
+        # the reference runs first: its float32 copies of the inputs are freed before the kernel's
+        # copies exist (the large MoE cases hold several GB of weights); a kernel failure still
+        # decides the row before a reference failure does
+        expected, ref_error = None, None
+        if not case.negative:
             try:
-                # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles
-                # with the default allocator (spilled to the HBM scratchpad: memory.sbuf_spills);
-                # PSUM beyond it in program order may fit in the compiler's order (PsumReorderWarning)
-                with contextlib.redirect_stdout(io.StringIO()), memory.sbuf_spills(), \
-                        warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always", memory.SbufSpillWarning)
-                    warnings.simplefilter("always", memory.PsumReorderWarning)
-                    result = _launch(case, kernel, kernel_in)
-                del kernel_in  # (what the kernel returned stays referenced by result)
-                spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
-                reorders = [w.message for w in caught if issubclass(w.category, memory.PsumReorderWarning)]
-            finally:
-                row.seconds = time.perf_counter() - t0
-                if case.cleanup:
-                    _resolve(case.cleanup)()
-        except Exception as exc:  # noqa: BLE001  (every failure becomes a row)
-            row.result, row.message = _classify(exc)
-            row.message = row.message.replace(f"{root / 'src'}{os.sep}", "")  # checkout-relative paths
-            if case.negative and isinstance(exc, AssertionError):  # kernel_assert / a hardware rule
-                row.result, row.message = PASS, f"rejected as nki-library expects: {row.message}"
-            return row
-        if case.negative:
-            row.result, row.message = ACCEPTED, "ran, but nki-library's test expects a rejection"
-            return row
-        if ref_error is not None:
-            row.message = f"reference failed: {type(ref_error).__name__}: {ref_error}"
-            return row
-        results = list(result) if isinstance(result, (list, tuple)) else [result]
+                expected = reference_outputs(case, inputs, root)
+            except Exception as exc:  # noqa: BLE001
+                ref_error = exc
+        kernel = _resolve(case.entry, root)
+        if case.wrap_kernel is not None:
+            kernel = case.wrap_kernel(kernel)
+        # (ranks may share an array: each its copy; an xfail check reads the inputs after the kernel)
+        keep = case.postprocess is not None or case.ranks > 0 or case.xfail_check is not None \
+            or case.rounded_reference is not None
+        kernel_in = _copies(inputs["ranks"], case.read_only, keep) if case.ranks \
+            else _copies([inputs], case.read_only, keep)[0]
+        t0 = time.perf_counter()
+        try:
+            # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles
+            # with the default allocator (spilled to the HBM scratchpad: memory.sbuf_spills);
+            # PSUM beyond it in program order may fit in the compiler's order (PsumReorderWarning)
+            with contextlib.redirect_stdout(io.StringIO()), memory.sbuf_spills(), \
+                    warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", memory.SbufSpillWarning)
+                warnings.simplefilter("always", memory.PsumReorderWarning)
+                result = _launch(case, kernel, kernel_in)
+            del kernel_in  # (what the kernel returned stays referenced by result)
+            spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
+            reorders = [w.message for w in caught if issubclass(w.category, memory.PsumReorderWarning)]
+        finally:
+            row.seconds = time.perf_counter() - t0
+            if case.cleanup:
+                _resolve(case.cleanup)()
+    except Exception as exc:  # noqa: BLE001  (every failure becomes a row)
+        row.result, row.message = _classify(exc)
+        row.message = row.message.replace(f"{root / 'src'}{os.sep}", "")  # checkout-relative paths
+        if case.negative and isinstance(exc, AssertionError):  # kernel_assert / a hardware rule
+            row.result, row.message = PASS, f"rejected as nki-library expects: {row.message}"
+        return row
+    if case.negative:
+        row.result, row.message = ACCEPTED, "ran, but nki-library's test expects a rejection"
+        return row
+    if ref_error is not None:
+        row.message = f"reference failed: {type(ref_error).__name__}: {ref_error}"
+        return row
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
     if len(results) != len(case.outputs):
         row.message = f"kernel returned {len(results)} outputs, the reference {len(case.outputs)}"
         return row
@@ -736,22 +753,16 @@ def _run_case(case: Case, root: Path, commit: str) -> Row:
         actual = {n: _as_compared(np.asarray(r), expected[n].dtype) for n, r in zip(case.outputs, results)}
     reshaped = _in_golden_shape(actual, expected)
     del results
-    if case.xfail_check is None:
+    if case.xfail_check is None and case.rounded_reference is None:
         del inputs
-    ok_all, worst_ratio, shares = True, -1.0, []
-    pass_rates = dict(case.min_pass_rate)
+    ok_all, worst_ratio, shares, failing = True, -1.0, [], {}
     for name in case.outputs:
-        ok, err, allowed = compare(actual[name], expected[name], case.rtol, case.atol)
+        judged = judge(case, name, actual[name], expected[name])
+        ok, err, allowed = judged.ok, judged.err, judged.allowed
         row.outputs[name] = (err, allowed)
-        if (not ok and name in pass_rates and np.isfinite(err)) or case.min_cosine:  # (not with non-finite misses)
-            share, cosine = within_share(actual[name], expected[name], allowed)
-            if not ok and name in pass_rates and np.isfinite(err) and share >= pass_rates[name]:
-                ok = True
-                shares.append(f"{name}: {1 - share:.3%} of its elements beyond the tolerance (the test allows "
-                              f"{1 - pass_rates[name]:.0%})")
-            if cosine < case.min_cosine:
-                ok = False
-                shares.append(f"{name}: cosine similarity {cosine:.4f} < {case.min_cosine}")
+        shares += judged.notes
+        if not ok:
+            failing[name] = judged
         ok_all &= ok
         ratio = err / allowed if allowed > 0 else (0.0 if err == 0 else float("inf"))
         if not ratio <= worst_ratio:  # (NaN: worst)
@@ -766,6 +777,11 @@ def _run_case(case: Case, root: Path, commit: str) -> Row:
         if cause:  # the failure nki-library's xfail is about, checked: not a mismatch of the interpreter's
             row.verdict, row.result = MISMATCH, XFAIL
             row.message = f"xfail as nki-library marks it ({case.xfail}); checked: {cause}; {row.message}"
+        elif case.rounded_reference is not None:
+            cause = golden_gap(case, root, inputs, actual, expected, failing)
+            if cause:  # the test's golden, not the kernel's arithmetic on the interpreter: checked per output
+                row.verdict, row.result = MISMATCH, GOLDEN_GAP
+                row.message = f"{cause}; {row.message}"
     return row
 
 
@@ -781,6 +797,86 @@ def _in_golden_shape(actual: dict[str, np.ndarray], expected: dict[str, np.ndarr
             notes.append(f"{name} {tuple(a.shape)} compared in its reference's shape {tuple(e.shape)}")
             actual[name] = a.reshape(e.shape)
     return "; ".join(notes) + " (nki-library's validator reads outputs in the golden's shape)" * bool(notes)
+
+
+@dataclass
+class Judged:
+    """One output against its reference under the test's validator (:func:`judge`)."""
+
+    ok: bool
+    err: float  # largest |actual - expected|
+    allowed: float  # atol + rtol * max|expected|
+    notes: list[str]  # the pass-rate and cosine lines of the row's message
+    failed: tuple[str, ...]  # the criteria it fails: "tolerance" (or its pass rate), "cosine"
+
+
+def judge(case: Case, name: str, actual: np.ndarray, expected: np.ndarray) -> Judged:
+    """``actual`` against ``expected`` as the test's validator takes output ``name``: nki-library's tolerance
+    (:func:`compare`), met by a share of the elements where the test has a pass rate (``Case.min_pass_rate``), and
+    a least cosine similarity (``Case.min_cosine``)."""
+    ok, err, allowed = compare(actual, expected, case.rtol, case.atol)
+    pass_rates, notes, failed = dict(case.min_pass_rate), [], []
+    if (not ok and name in pass_rates and np.isfinite(err)) or case.min_cosine:  # (not with non-finite misses)
+        share, cosine = within_share(actual, expected, allowed)
+        if not ok and name in pass_rates and np.isfinite(err) and share >= pass_rates[name]:
+            ok = True
+            notes.append(f"{name}: {1 - share:.3%} of its elements beyond the tolerance (the test allows "
+                         f"{1 - pass_rates[name]:.0%})")
+        if not ok:
+            failed.append("tolerance")
+        if cosine < case.min_cosine:
+            ok = False
+            failed.append("cosine")
+            notes.append(f"{name}: cosine similarity {cosine:.4f} < {case.min_cosine}")
+    elif not ok:
+        failed.append("tolerance")
+    return Judged(ok, err, allowed, notes, tuple(failed))
+
+
+def _distance(case: Case, name: str, a: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    """How far ``a`` is from ``b`` in each of the validator's criteria: "tolerance" (the share of elements beyond it
+    where the test has a pass rate for ``name``, else the largest difference) and "cosine" (1 - cosine similarity)."""
+    _, err, allowed = compare(a, b, case.rtol, case.atol)
+    share, cosine = within_share(a, b, allowed)
+    return {"tolerance": 1 - share if name in dict(case.min_pass_rate) else err, "cosine": 1 - cosine}
+
+
+def _measure(criterion: str, name: str, case: Case, value: float) -> str:
+    if criterion == "cosine":
+        return f"cosine {1 - value:.4f}"
+    return f"{value:.3%} beyond the tolerance" if name in dict(case.min_pass_rate) else f"max|err| {value:.3g}"
+
+
+def golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: dict[str, np.ndarray],
+               expected: dict[str, np.ndarray], failing: dict[str, Judged]) -> str:
+    """Why a mismatch is nki-library's golden's, or "" when it is not shown: ``case.rounded_reference``'s reference
+    (nki-library's, with its values rounded where the kernel's tiles hold a narrower dtype) is computed from the
+    row's ``inputs``, and for every output in ``failing`` (the kernel's outputs the test's validator fails against
+    the golden ``expected``) (1) that rounded reference fails the test's validator against the golden as well: no
+    computation that rounds where the kernel's declared tiles must can be expected to meet the test, on a device
+    either; and (2) on each criterion the kernel fails, the kernel is no further from the rounded reference than
+    the golden is: its own error is within the rounding's reach."""
+    what, rounded_inputs = case.rounded_reference
+    with contextlib.redirect_stdout(io.StringIO()):  # (nki-library's references print; run inside the row's
+        # nki_is_interpreter: the inputs' enums are the same modules' as the reference's)
+        rounded = reference_outputs(dataclasses.replace(case, ref_inputs=rounded_inputs), inputs, root)
+    if case.postprocess is not None:  # (as the golden went through it)
+        rounded = case.postprocess(inputs, actual, rounded)[1]
+    parts = []
+    for name, kernel in failing.items():
+        ref = judge(case, name, rounded[name], expected[name])
+        if ref.ok:
+            return ""  # the rounding alone meets the test: the kernel's miss is something else
+        near, gold = _distance(case, name, actual[name], rounded[name]), _distance(case, name, expected[name],
+                                                                                   rounded[name])
+        if any(not near[c] <= gold[c] for c in kernel.failed):
+            return ""
+        ref_miss = _distance(case, name, rounded[name], expected[name])
+        parts.append(f"{name}: " + ", ".join(
+            f"the rounded reference's {_measure(c, name, case, ref_miss[c])} against the golden fails the test too, "
+            f"the kernel's {_measure(c, name, case, near[c])} from the rounded reference is within the golden's "
+            f"{_measure(c, name, case, gold[c])}" for c in kernel.failed))
+    return f"nki-library's golden is out of reach of {what}: " + "; ".join(parts) if parts else ""
 
 
 def first_output(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -874,7 +970,7 @@ def format_row(row: Row) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     counts = {r: sum(1 for x in rows if x.result == r)
-              for r in (PASS, XFAIL, SKIPPED, MISMATCH, MISSING, REJECTED, ERROR, ACCEPTED)}
+              for r in (PASS, XFAIL, GOLDEN_GAP, SKIPPED, MISMATCH, MISSING, REJECTED, ERROR, ACCEPTED)}
     summary = ", ".join(f"{n} {r}" for r, n in counts.items() if n)
     return "\n".join([format_row(r) for r in rows] + [f"{len(rows)} cases: {summary}"])
 

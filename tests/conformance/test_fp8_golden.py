@@ -1,0 +1,187 @@
+"""attention_block_tkg's reference rounded as the kernel's tiles are (``cases_transformer.tile_rounded_reference``)
+and the GOLDEN_GAP verdict of its STATIC-fp8-weight x fp8-KV-cache model-config rows (``harness.golden_gap``)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import types
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from trnkit.conformance import cases_model_config, cases_transformer, harness
+
+ROOT = harness.nkilib_root()
+needs_checkout = pytest.mark.skipif(ROOT is None, reason="no nki-library checkout or archive")
+FP8 = np.dtype(ml_dtypes.float8_e4m3)
+STATIC, NONE = types.SimpleNamespace(name="STATIC"), types.SimpleNamespace(name="NONE")
+
+
+def _reference_module(qkv_clips: bool = True) -> types.SimpleNamespace:
+    """A stand-in of attention_block_tkg_torch's four rounding places: hidden / 0.1 and attention / 1 clipped to
+    +-240 for STATIC (as qkv_tkg_torch_ref / output_projection_tkg_torch_ref), K * k_scale, V * v_scale clamped,
+    and attention_tkg_torch_ref[lnc](q=...) (here returning its q)."""
+
+    def qkv_tkg_torch_ref(hidden, quantization_type, **_):
+        h = hidden.float() / 0.1
+        if quantization_type.name == "STATIC" and qkv_clips:
+            h = h.clip(-240, 240)
+        return {"out": h}
+
+    def output_projection_tkg_torch_ref(attention, quantization_type, **_):
+        a = attention.float() / 1.0
+        return {"out": torch.clamp(a, -240, 240) if quantization_type.name == "STATIC" else a}
+
+    class AttentionBlockTkgTorchRef:
+        def _quantize_kv_to_fp8(self, K, V, k_scale, v_scale):
+            return torch.clamp(K * k_scale, -240, 240), torch.clamp(V * v_scale, -240, 240)
+
+    return types.SimpleNamespace(
+        qkv_tkg_torch_ref=qkv_tkg_torch_ref,
+        AttentionBlockTkgTorchRef=AttentionBlockTkgTorchRef,
+        output_projection_tkg_torch_ref=output_projection_tkg_torch_ref,
+        attention_tkg_torch_ref={2: lambda q, **_: q},
+    )
+
+
+def test_the_tile_rounded_reference_rounds_where_the_kernels_tiles_are_narrower_and_nowhere_else():
+    ref = _reference_module()
+    originals = (
+        ref.qkv_tkg_torch_ref,
+        ref.output_projection_tkg_torch_ref,
+        ref.AttentionBlockTkgTorchRef._quantize_kv_to_fp8,
+        ref.attention_tkg_torch_ref,
+    )
+    hidden = torch.tensor([1.03, 2.47, 30.0])  # / 0.1: 10.3, 24.7, 300 -> clipped 240
+    with cases_transformer.tile_rounded_reference(ref):
+        # fp8 e4m3 steps: 1 in [8, 16), 2 in [16, 32), 8 in [64, 128); round to nearest even
+        assert ref.qkv_tkg_torch_ref(hidden=hidden, quantization_type=STATIC)["out"].tolist() == [10.0, 24.0, 240.0]
+        assert ref.output_projection_tkg_torch_ref(
+            attention=torch.tensor([-10.5, 107.0, -999.0]), quantization_type=STATIC
+        )["out"].tolist() == [-10.0, 104.0, -240.0]
+        k, v = ref.AttentionBlockTkgTorchRef()._quantize_kv_to_fp8(
+            torch.tensor([1.07]), torch.tensor([-3.3]), 100.0, 100.0
+        )
+        assert (k.tolist(), v.tolist()) == ([104.0], [-240.0])
+        # the softmax-scaled q to bf16: 0.1234567 lies in [2^-4, 2^-3), step 2^-11: 252.84 steps -> 253
+        assert ref.attention_tkg_torch_ref[2](q=torch.tensor([0.1234567])).tolist() == [253 * 2.0**-11]
+        # without STATIC weights nothing is clipped there, and nothing is rounded
+        plain = ref.qkv_tkg_torch_ref(hidden=hidden, quantization_type=NONE)["out"]
+        assert np.allclose(plain.numpy(), [10.3, 24.7, 300.0], rtol=1e-6)
+    assert (
+        ref.qkv_tkg_torch_ref,
+        ref.output_projection_tkg_torch_ref,
+        ref.AttentionBlockTkgTorchRef._quantize_kv_to_fp8,
+        ref.attention_tkg_torch_ref,
+    ) == originals  # (restored)
+
+
+def test_a_reference_that_no_longer_clips_where_expected_raises():
+    ref = _reference_module(qkv_clips=False)
+    with (
+        cases_transformer.tile_rounded_reference(ref),
+        pytest.raises(RuntimeError, match="qkv_tkg_torch_ref clipped its hidden 0 times, expected 1"),
+    ):
+        ref.qkv_tkg_torch_ref(hidden=torch.tensor([1.0]), quantization_type=STATIC)
+
+
+ROW = (
+    "fp8 static transposed_out kv_quant block_len=32 model_config OPTIMAL",
+    "B=1 q_heads=1 d=128 H=8192 S_ctx=1024/1024 S=1",
+)
+
+
+def _row() -> harness.Case:
+    return next(c for c in cases_model_config.model_config_cases(ROOT) if (c.name, c.shapes) == ROW)
+
+
+def _new_k(inputs: dict, fp8_input: bool) -> np.ndarray:
+    """The new token's K cache entry of the row, in float64 from its inputs, written from the reference's steps
+    (RMS norm, STATIC quantization of the input, K projection, contiguous RoPE, x k_scale, clip, fp8); with
+    ``fp8_input`` the quantized input rounded to fp8 as the kernel's matmul input tile holds it."""
+    f = lambda name: np.asarray(inputs[name], np.float64)  # noqa: E731
+    x, gamma = f("X")[0, 0], f("rmsnorm_X_gamma")[0]
+    h = x / np.sqrt(np.mean(x * x) + inputs["rmsnorm_X_eps"]) * gamma
+    in_scale, w_scale_k, k_scale = (
+        f("input_dequant_scale_qkv")[0, 0],
+        f("weight_dequant_scale_qkv")[0, 1],
+        f("k_scale")[0, 0],
+    )
+    h = np.clip(h / in_scale, -240, 240)
+    if fp8_input:
+        h = h.astype(FP8).astype(np.float64)
+    k = h @ f("W_qkv")[:, 128:256] * w_scale_k * in_scale
+    cos, sin = f("cos")[:, 0, 0], f("sin")[:, 0, 0]
+    k = np.concatenate([k[:64] * cos - k[64:] * sin, k[64:] * cos + k[:64] * sin])
+    return np.clip(k * k_scale, -240, 240).astype(FP8).astype(np.float32)
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
+def test_the_b1_h8192_row_misses_because_its_golden_keeps_the_quantized_input_in_float32():
+    """nki-library d2ad3a5. The golden's new K entry is the float64 computation from the row's inputs with the
+    quantized QKV input in float32 (as the reference keeps it); the fp8-rounded reference's is the same computation
+    with that input rounded to fp8. They differ in 15 of 128 elements (element 7: -80 against -144) by up to 64,
+    twice the test's 32.8."""
+    case = _row()
+    with harness.nki_is_interpreter(ROOT), contextlib.redirect_stdout(io.StringIO()):
+        inputs = case.inputs()
+        golden = harness.reference_outputs(case, inputs, ROOT)
+        rounded = harness.reference_outputs(
+            dataclasses.replace(case, ref_inputs=case.rounded_reference[1]), inputs, ROOT
+        )
+        slot = int(inputs["kv_cache_update_idx"][0, 0])
+    assert slot == 32
+    gold_k, rounded_k = (np.asarray(o["K_cache_updated"], np.float32)[1, 0] for o in (golden, rounded))
+    assert np.array_equal(gold_k, _new_k(inputs, fp8_input=False))
+    assert np.array_equal(rounded_k, _new_k(inputs, fp8_input=True))
+    assert (gold_k[7], rounded_k[7]) == (-80.0, -144.0) and np.abs(gold_k - rounded_k).max() == 64.0
+    assert np.count_nonzero(gold_k != rounded_k) == 15
+    row = harness.run_case(case, ROOT)
+    assert (row.result, row.verdict) == (harness.GOLDEN_GAP, harness.MISMATCH), harness.format_row(row)
+    assert (
+        "K_cache_updated: the rounded reference's max|err| 64 against the golden fails the test too, the "
+        "kernel's max|err| 32 from the rounded reference is within the golden's max|err| 64" in row.message
+    )
+    assert harness.row_ok(case, row)
+
+
+def _overwrites_new_k(wrap):
+    """The row's kernel, then element 7 of the new token's K entry (block 1, row 0) overwritten with 96."""
+
+    def wrapped(kernel):
+        inner = wrap(kernel)
+
+        def run(**kw):
+            import nki.isa as nisa
+            import nki.language as nl
+
+            out, k_cache, v_cache = inner(**kw)
+            t = nl.ndarray((1, 1), dtype=k_cache.dtype, buffer=nl.sbuf)
+            nisa.memset(t, 96.0)
+            nisa.dma_copy(dst=k_cache[1, 0:1, 7:8], src=t)
+            return out, k_cache, v_cache
+
+        return run
+
+    return wrapped
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
+def test_a_kernel_error_beyond_the_fp8_rounding_stays_a_mismatch():
+    """The same row with one K value the kernel did not compute: 176 from the golden, 240 from the fp8-rounded
+    reference (its -144), further than the golden's 64: MISMATCH."""
+    case = _row()
+    broken = dataclasses.replace(case, wrap_kernel=_overwrites_new_k(case.wrap_kernel))
+    row = harness.run_case(broken, ROOT)
+    assert row.result == harness.MISMATCH and "K_cache_updated: max|err| 176 > 32.8" in row.message, harness.format_row(
+        row
+    )
+    assert not harness.row_ok(broken, row)
