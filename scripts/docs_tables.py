@@ -963,6 +963,8 @@ QUOTES = (
           csv_count("conformance.csv", {"result": "XFAIL"})),
     Quote("README.md", "; {} attention-block rows are refused by nki-library's own check", "conformance.csv ERROR rows",
           csv_count("conformance.csv", {"result": "ERROR"})),
+    Quote("README.md", "; {} attention-block rows with STATIC", "conformance.csv GOLDEN_GAP rows",
+          csv_count("conformance.csv", {"result": "GOLDEN_GAP"})),
     Quote("README.md", "; {} rows mismatch", "conformance.csv MISMATCH rows",
           csv_count("conformance.csv", {"result": "MISMATCH"})),
     Quote("README.md", "fp32 cache: fwd {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline.csv rope_fwd",
