@@ -160,3 +160,11 @@ def test_moe_tkg_sweep_rows():
     sbuf_io = _table("core/moe/moe_tkg/test_moe_tkg.py", "MOE_TKG_SBUF_IO_PARAMS")
     assert (len(sweep), len(unit), len(sbuf_io)) == (304, 49, 10)
     assert _listed("core/moe/moe_tkg") == len(unit) + len(sweep) - 1 + len(sbuf_io)
+
+
+def test_attention_tkg_rows():
+    """test_attn_tkg_fast runs its table at LNC 1 and 2, test_attn_tkg_slow its own at the platform's (2)."""
+    rel = "core/attention/test_attention_tkg.py"
+    fast, slow = _table(rel, "attention_tkg_fast_configs"), _table(rel, "attention_tkg_slow_configs")
+    assert (len(fast), len(slow)) == (107, 44)
+    assert _listed("core/attention/attention_tkg") == 2 * len(set(fast)) + len(set(slow) - set(fast))

@@ -561,18 +561,98 @@ _ATTN_ROWS: list[tuple[tuple, dict, str, bool, int]] = [
     ((4, 1, 5, 10240, 10240, 128, 0), {**_T, **_ROPE}, "bf16", False, 256),
     ((4, 1, 5, 10240, 10240, 128, 16), dict(use_pos_id=True, **_BLOCK), "bf16", False, 256),
 ]
+# attention_tkg_slow_configs (test_attn_tkg_slow: CompilerArgs(), LNC 2 on trn2), all 44 rows, in the same form;
+# S_prior up to 524,288, batch x q heads x s_active up to 4,096
+_ATTN_SLOW_ROWS: list[tuple[tuple, dict, str, bool, int]] = [
+    ((4, 1, 5, 16640, 16640, 128, 0), dict(use_pos_id=True, fuse_rope=True), "bf16", False, 0),
+    ((4, 1, 5, 20480, 20480, 128, 0), dict(strided_mm1=False, use_pos_id=True, fuse_rope=True), "bf16", False, 0),
+    ((4, 1, 5, 20480, 20480, 128, 0), dict(use_pos_id=True, fuse_rope=True), "bf16", False, 0),
+    ((4, 1, 5, 82432, 82432, 128, 0), dict(use_pos_id=True, fuse_rope=True), "bf16", True, 0),
+    ((4, 1, 5, 82432, 82432, 128, 0), dict(use_pos_id=True, fuse_rope=True), "bf16", False, 0),
+    ((4, 1, 5, 82432, 82432, 128, 0), dict(use_pos_id=True, qk_in_sb=True), "fp8_kv", False, 0),
+    ((4, 1, 5, 262144, 262144, 128, 0), dict(tp_k_prior=True, qk_in_sb=True), "fp8_kv", False, 0),
+    ((8, 8, 5, 16384, 16384, 128, 0), dict(strided_mm1=False, qk_in_sb=True, k_out_in_sb=True, out_in_sb=True),
+     "bf16", False, 0),
+    ((8, 8, 5, 16384, 16384, 128, 0), dict(qk_in_sb=True, k_out_in_sb=True, out_in_sb=True), "fp8_kv", False, 0),
+    ((8, 8, 5, 16640, 16640, 128, 0), dict(strided_mm1=False, qk_in_sb=True, k_out_in_sb=True, out_in_sb=True),
+     "bf16", False, 0),
+    ((8, 8, 5, 82432, 82432, 128, 0), dict(qk_in_sb=True, k_out_in_sb=True, out_in_sb=True), "bf16", False, 0),
+    ((8, 8, 5, 82432, 82432, 128, 0), dict(qk_in_sb=True, k_out_in_sb=True, out_in_sb=True), "bf16", True, 0),
+    ((8, 8, 5, 262144, 262144, 128, 0), dict(tp_k_prior=True, use_pos_id=True, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "bf16", False, 0),
+    ((4, 1, 5, 16640, 16640, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "bf16", True, 0),
+    ((4, 1, 5, 20480, 20480, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "bf16", True, 0),
+    ((4, 1, 5, 82432, 82432, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True), "bf16", True, 0),
+    ((4, 1, 5, 82432, 82432, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "fp8_kv", True, 0),
+    ((4, 1, 5, 82432, 82432, 128, 16), dict(tp_k_prior=True, strided_mm1=False, use_pos_id=True, fuse_rope=True,
+     qk_in_sb=True, k_out_in_sb=True, out_in_sb=True), "bf16", True, 0),
+    ((4, 1, 5, 524288, 524288, 128, 16), dict(tp_k_prior=True, strided_mm1=False, use_pos_id=True, qk_in_sb=True,
+     k_out_in_sb=True, out_in_sb=True), "fp8_kv", True, 0),
+    ((8, 8, 5, 16640, 16640, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "fp8_kv", True, 0),
+    ((8, 8, 5, 20480, 20480, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "bf16", True, 0),
+    ((8, 8, 5, 82432, 82432, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "fp8_kv", True, 0),
+    ((8, 8, 5, 82432, 82432, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "bf16", True, 0),
+    ((8, 8, 5, 262144, 262144, 128, 16), dict(tp_k_prior=True, strided_mm1=False, use_pos_id=True, qk_in_sb=True,
+     k_out_in_sb=True, out_in_sb=True), "bf16", True, 0),
+    ((4, 8, 7, 102400, 131072, 64, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "bf16", True, 0),
+    ((4, 8, 7, 128, 131072, 64, 0), dict(tp_k_prior=True, qk_in_sb=True, k_out_in_sb=True, out_in_sb=True), "bf16",
+     True, 0),
+    ((4, 2, 7, 102400, 131072, 128, 0), dict(tp_k_prior=True, use_pos_id=True, fuse_rope=True), "bf16", False, 0),
+    ((128, 4, 1, 8192, 8192, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "fp8_kv", False, 0),
+    ((1024, 4, 1, 8192, 16384, 64, 16), dict(tp_k_prior=True, strided_mm1=False, use_pos_id=True, qk_in_sb=True,
+     k_out_in_sb=True, out_in_sb=True), "fp8_kv", False, 0),
+    ((4, 128, 2, 8192, 8192, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "bf16", True, 0),
+    ((7, 128, 2, 8448, 8448, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True), "fp8_kv", False, 0),
+    ((3, 59, 7, 4096, 4096, 64, 16), dict(tp_k_prior=True, strided_mm1=False, use_pos_id=True, qk_in_sb=True,
+     k_out_in_sb=True, out_in_sb=True), "bf16", True, 0),
+    ((256, 4, 1, 16640, 16640, 128, 16), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "bf16", True, 0),
+    ((128, 4, 1, 8192, 8192, 64, 0), dict(tp_k_prior=True, qk_in_sb=True, k_out_in_sb=True, out_in_sb=True),
+     "fp8_kv", False, 0),
+    ((1024, 4, 1, 8192, 16384, 128, 0), dict(strided_mm1=False, use_pos_id=True, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "fp8_kv", False, 0),
+    ((4, 128, 2, 8192, 8192, 128, 0), dict(tp_k_prior=True, qk_in_sb=True, k_out_in_sb=True, out_in_sb=True),
+     "bf16", True, 0),
+    ((7, 128, 2, 8448, 8448, 128, 0), dict(strided_mm1=False, qk_in_sb=True), "fp8_kv", False, 0),
+    ((3, 59, 7, 4096, 4096, 128, 0), dict(use_pos_id=True, qk_in_sb=True, k_out_in_sb=True, out_in_sb=True), "bf16",
+     True, 0),
+    ((256, 4, 1, 16640, 16640, 64, 0), dict(tp_k_prior=True, strided_mm1=False, qk_in_sb=True, k_out_in_sb=True,
+     out_in_sb=True), "bf16", True, 0),
+    ((128, 4, 1, 8192, 8192, 128, 16), dict(tp_k_prior=True, strided_mm1=False, use_pos_id=True, qk_in_sb=True,
+     k_out_in_sb=True, out_in_sb=True), "bf16", False, 128),
+    ((4, 128, 2, 8192, 8192, 128, 0), dict(tp_k_prior=True, strided_mm1=False, use_pos_id=True, qk_in_sb=True,
+     k_out_in_sb=True, out_in_sb=True), "bf16", False, 256),
+    ((7, 128, 2, 8448, 8448, 128, 16), dict(tp_k_prior=True, strided_mm1=False, use_pos_id=True, qk_in_sb=True),
+     "fp8_kv", False, 128),
+    ((3, 59, 7, 4096, 4096, 128, 0), dict(use_pos_id=True, qk_in_sb=True, k_out_in_sb=True, out_in_sb=True), "bf16",
+     True, 256),
+    ((256, 4, 1, 16640, 16640, 128, 16), dict(tp_k_prior=True, strided_mm1=False, use_pos_id=True, qk_in_sb=True,
+     k_out_in_sb=True, out_in_sb=True), "bf16", True, 128),
+]
 _FLAG_NAMES = ("tp_k_prior", "use_pos_id", "fuse_rope", "qk_in_sb", "k_out_in_sb", "out_in_sb")
 
 
 def _attn_cases() -> list[Case]:
     cases = []
-    for args, kw, dt, sink, window in _ATTN_ROWS:
+    fast = {repr(row) for row in _ATTN_ROWS}
+    slow = [(row, (2,)) for row in _ATTN_SLOW_ROWS if repr(row) not in fast]  # a slow row the fast table has too
+    for (args, kw, dt, sink, window), lncs in [(row, (1, 2)) for row in _ATTN_ROWS] + slow:
         bs, qh, sa, sp, spf, d, bl = args
         flags = [dt] + [f for f in _FLAG_NAMES if kw.get(f)] + ([] if kw.get("strided_mm1", True) else
                                                                 ["no_strided_mm1"]) \
             + (["sink"] if sink else []) + ([f"sw={window}"] if window else []) \
             + ([] if kw.get("enable_fa_s_prior_tiling", True) else ["no_fa_tiling"])
-        for lnc in (1, 2):
+        for lnc in lncs:
             cases.append(Case(
                 kernel="core/attention/attention_tkg", name=" ".join(flags),
                 shapes=f"bs={bs} q_head={qh} s_active={sa} s_prior={sp}/{spf} d={d} block_len={bl}",
