@@ -6,10 +6,12 @@ archive in ``shared/thirdparty``; nothing of nki-library is copied into trnkit).
 FLOPs: causal counted once, ``4 * Hq * D * S^2 / 2`` forward (``Q K^T`` and ``P V``), 2.5 times that
 backward (``S`` recomputed, ``dP``, ``dV``, ``dK``, ``dQ``). The peak is 79 TFLOPS bf16 per physical core
 (LNC=2: two cores). Both kernels get the same shapes, bf16, one batch row, a Qwen3-4B-like group of
-4 query heads per kv head (per-head work is the same at any head count), trace-only interpreter runs.
+4 query heads per kv head by default, and Qwen3-4B's (32 / 8) and Qwen3-30B-A3B's (32 / 4) head counts and
+nki-library's test shapes with ``--shapes``; trace-only interpreter runs.
 
-Usage: ``python benchmarks/attention_peak.py [--seq 4096] [--heads 8 2] [--lnc 1 2] [--no-nkilib] [--save]``;
-``--save`` writes ``benchmarks/data/attention_peak.csv``.
+Usage: ``python benchmarks/attention_peak.py [--shapes S:HQ:HK ...] [--lnc 1 2] [--no-nkilib] [--save]``
+(default ``4096:8:2``); ``--save`` writes its rows to ``benchmarks/data/attention_peak.csv``, replacing the
+rows of the same kernel, pass, shape and LNC and keeping the others.
 """
 
 from __future__ import annotations
@@ -64,38 +66,55 @@ def _nkilib(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, Estimate] | None:
     return out
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        S, Hq, Hk = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes: expected S:HQ:HK (three integers), got {text!r}") from None
+    if S < 1 or Hk < 1 or Hq % Hk:
+        raise argparse.ArgumentTypeError(f"--shapes: S >= 1 and HQ a multiple of HK >= 1, got {text!r}")
+    return S, Hq, Hk
+
+
+def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool) -> list[dict]:
+    flops = {"forward": 4 * Hq * D * S * S / 2, "backward": 2.5 * 4 * Hq * D * S * S / 2}
+    results = {"trnkit": _trnkit(S, Hq, Hk, lnc)}
+    if with_nkilib:
+        results["nki-library"] = _nkilib(S, Hq, Hk, lnc)
+    rows = []
+    for mode in ("forward", "backward"):
+        for who, res in results.items():
+            if res is None:
+                continue
+            low, mid, high, secs = res[mode]
+            frac = [flops[mode] / (t * 1e-9) / (PEAK * lnc) for t in (high, mid, low)]
+            rows.append({"kernel": who, "mode": mode, "S": S, "Hq": Hq, "Hk": Hk, "D": D, "lnc": lnc,
+                         "est_us_mid": round(mid / 1e3, 1), "est_us_low": round(low / 1e3, 1),
+                         "est_us_high": round(high / 1e3, 1), "peak_frac_mid": round(frac[1], 3),
+                         "peak_frac_pessimistic": round(frac[0], 3), "trace_s": round(secs, 1)})
+            print(f"S={S} Hq={Hq} Hk={Hk} LNC={lnc} {mode:8s} {who:11s} {mid / 1e3:9.1f} us "
+                  f"[{low / 1e3:.1f}-{high / 1e3:.1f}]  {100 * frac[1]:5.1f}% of bf16 peak "
+                  f"(pessimistic {100 * frac[0]:.1f}%)")
+        if results.get("nki-library") is not None:
+            print_ratio(f"S={S} Hq={Hq} Hk={Hk} LNC={lnc} {mode:8s}", results["trnkit"][mode],
+                        results["nki-library"][mode])
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--heads", type=int, nargs=2, default=[8, 2], metavar=("HQ", "HK"))
+    p.add_argument("--shapes", type=_shape, nargs="+", default=[(4096, 8, 2)], metavar="S:HQ:HK",
+                   help="sequence length, query heads, kv heads (default 4096:8:2)")
     p.add_argument("--lnc", type=int, nargs="+", default=[1, 2], choices=(1, 2))
     p.add_argument("--no-nkilib", action="store_true", help="trnkit's kernels only")
-    p.add_argument("--save", action="store_true", help="write benchmarks/data/attention_peak.csv")
+    p.add_argument("--save", action="store_true", help="write the rows to benchmarks/data/attention_peak.csv")
     args = p.parse_args()
-    S, (Hq, Hk) = args.seq, args.heads
-    flops = {"forward": 4 * Hq * D * S * S / 2, "backward": 2.5 * 4 * Hq * D * S * S / 2}
     rows = []
-    for lnc in args.lnc:
-        results = {"trnkit": _trnkit(S, Hq, Hk, lnc)}
-        if not args.no_nkilib:
-            results["nki-library"] = _nkilib(S, Hq, Hk, lnc)
-        for mode in ("forward", "backward"):
-            for who, res in results.items():
-                if res is None:
-                    continue
-                low, mid, high, secs = res[mode]
-                frac = [flops[mode] / (t * 1e-9) / (PEAK * lnc) for t in (high, mid, low)]
-                row = {"kernel": who, "mode": mode, "S": S, "Hq": Hq, "Hk": Hk, "D": D, "lnc": lnc,
-                       "est_us_mid": round(mid / 1e3, 1), "est_us_low": round(low / 1e3, 1),
-                       "est_us_high": round(high / 1e3, 1), "peak_frac_mid": round(frac[1], 3),
-                       "peak_frac_pessimistic": round(frac[0], 3), "trace_s": round(secs, 1)}
-                rows.append(row)
-                print(f"LNC={lnc} {mode:8s} {who:11s} {mid / 1e3:9.1f} us [{low / 1e3:.1f}-{high / 1e3:.1f}]  "
-                      f"{100 * frac[1]:5.1f}% of bf16 peak (pessimistic {100 * frac[0]:.1f}%)")
-            if results.get("nki-library") is not None:
-                print_ratio(f"LNC={lnc} {mode:8s}", results["trnkit"][mode], results["nki-library"][mode])
-    if args.save:
-        write_csv(rows, CSV)
+    for S, Hq, Hk in args.shapes:
+        for lnc in args.lnc:
+            rows += _rows(S, Hq, Hk, lnc, not args.no_nkilib)
+            if args.save:  # each shape's rows as soon as they are estimated
+                write_csv(rows, CSV, replace=("kernel", "mode", "S", "Hq", "Hk", "lnc"))
 
 
 if __name__ == "__main__":

@@ -152,10 +152,10 @@ def blockwise_moe() -> str:
 
 def attention_peak() -> str:
     """benchmarks/attention_peak.py: trnkit's flash attention vs nki-library's attention_cte / attention_bwd."""
-    by = {(r["kernel"], r["mode"], r["lnc"]): r for r in read_csv("attention_peak.csv")}
+    by = {(r["kernel"], r["mode"], r["S"], r["Hq"], r["Hk"], r["lnc"]): r for r in read_csv("attention_peak.csv")}
     rows = []
-    for (kernel, mode, lnc), tk in by.items():
-        aws = by.get(("nki-library", mode, lnc))
+    for (kernel, mode, S, Hq, Hk, lnc), tk in by.items():
+        aws = by.get(("nki-library", mode, S, Hq, Hk, lnc))
         if kernel != "trnkit" or aws is None:
             continue
         cells = []
@@ -164,9 +164,10 @@ def attention_peak() -> str:
                       f"({float(r['est_us_low']):,.1f}–{float(r['est_us_high']):,.1f})",
                       f"{float(r['peak_frac_mid']):.1%} / {float(r['peak_frac_pessimistic']):.1%}"]
         ratio = [float(tk[c]) / float(aws[c]) for c in ("est_us_mid", "est_us_high")]
-        rows.append([lnc, mode, *cells, f"{ratio[0]:.2f}x / {ratio[1]:.2f}x"])
-    header = ["LNC", "pass", "trnkit (mid, range)", "of peak (mid / pessimistic)", "nki-library (mid, range)",
-              "of peak (mid / pessimistic)", "trnkit / nki-library time (mid / pessimistic)"]
+        rows.append([f"{int(S):,}", f"{Hq} / {Hk}", lnc, mode, *cells, f"{ratio[0]:.2f}x / {ratio[1]:.2f}x"])
+    header = ["S", "query / kv heads", "LNC", "pass", "trnkit (mid, range)", "of peak (mid / pessimistic)",
+              "nki-library (mid, range)", "of peak (mid / pessimistic)",
+              "trnkit / nki-library time (mid / pessimistic)"]
     return _table(header, rows)
 
 

@@ -36,6 +36,9 @@ PY = sys.executable
 SWEEP_KERNELS = ("rope_hf", "router_topk", "rmsnorm", "attention", "cross_entropy", "mlp", "matmul_tiled",
                  "moe_experts", "grouped_mm")
 NO_SENSITIVITY = ("moe_bwd",)  # headline cases run without their sensitivity table
+# benchmarks/data/attention_peak.csv at LNC=2 besides 4096:8:2: Qwen3-4B's and 30B-A3B's heads, nki-library's
+# attention_cte test shapes (causal bf16, head_dim 128; batch x heads folded)
+ATTENTION_SHAPES = ("4096:32:8", "4096:32:4", "1024:2:2", "8192:3:3")
 STEP_FLAVORS = ("0.6B", "4B", "30B-A3B")  # benchmarks/data/step.csv: seq 4096, batch 1, LNC=2
 
 
@@ -65,8 +68,10 @@ def jobs() -> list[Job]:
                                              str(SCRATCH / "headline" / case)),)))
     out.append(Job("step", tuple((PY, "-m", "trnkit.bench", "step", "--flavor", f, "--seq", "4096", "--batch", "1",
                                   "--lnc", "2", "--save-reference") for f in STEP_FLAVORS)))
-    out.append(Job("attention_peak", ((PY, "benchmarks/attention_peak.py", "--seq", "4096", "--heads", "8", "2",
-                                       "--lnc", "1", "2", "--save"),)))
+    out.append(Job("attention_peak", ((PY, "benchmarks/attention_peak.py", "--shapes", "4096:8:2", "--lnc", "1", "2",
+                                       "--save"),
+                                      (PY, "benchmarks/attention_peak.py", "--shapes", *ATTENTION_SHAPES, "--lnc", "2",
+                                       "--save"))))
     for script in ("mlp_peak", "rmsnorm_peak", "cross_entropy_peak", "blockwise_moe"):
         out.append(Job(script, ((PY, f"benchmarks/{script}.py", "--save"),)))
     return out
