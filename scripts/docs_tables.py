@@ -370,6 +370,19 @@ def conformance_attention() -> str:
                   body)
 
 
+def conformance_unit_by_kernel() -> str:
+    """The unit tier's rows recorded in conformance.csv per kernel (the rows of model-config tables apart) and their
+    results: set against the cases each family has (docs/interpreter.md's table above it), the rows not yet run."""
+    rows = [r for r in read_csv("conformance.csv") if not re.search(r" model_config( \w+)?$", r["case"])]
+    by_kernel: dict[str, list[dict[str, str]]] = collections.defaultdict(list)
+    for r in rows:
+        by_kernel[r["kernel"]].append(r)
+    body = [[kernel.removeprefix("core/"), str(len(mine)),
+             ", ".join(f"{k} {v}" for k, v in sorted(collections.Counter(r["result"] for r in mine).items()))]
+            for kernel, mine in by_kernel.items()]
+    return _table(["kernel (core/ unless named)", "rows recorded", "results"], body)
+
+
 def _run_anyway(r: dict[str, str]) -> str:
     """How a SKIPPED conformance row ran: the result its message starts with (``run anyway: PASS; ...``)."""
     m = re.match(r"run anyway: ([A-Z]+( API)?)", r["message"])
@@ -801,7 +814,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "moe_lnc": moe_lnc, "blockwise_moe": blockwise_moe, "attention_peak": attention_peak, "mlp_peak": mlp_peak,
     "cross_entropy_peak": cross_entropy_peak, "rmsnorm_peak": rmsnorm_peak, "loss_track": loss_track,
     "conformance": conformance, "conformance_model_config": conformance_model_config,
-    "conformance_attention": conformance_attention,
+    "conformance_attention": conformance_attention, "conformance_unit_by_kernel": conformance_unit_by_kernel,
     "headline": headline, "headline_sensitivity": headline_sensitivity,
     "headline_targets": headline_targets, "headline_rope_router": headline_for("rope_hf", "router_topk"),
     "headline_moe": headline_for("moe_experts"),
