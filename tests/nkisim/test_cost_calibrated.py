@@ -155,8 +155,8 @@ def test_packet_overhead_form_is_a_range_parameter_with_its_own_trn1_fraction():
     trn1, trn2 = hardware.TRN1, hardware.TRN2
     assert [trn1.dma.sustained(f) for f in ("scaled", "fixed", "hidden")] == [0.51, 0.44, 0.38]
     assert MID.dma_overhead_form == "fixed" and trn1.dma.sustained("fixed") == trn1.dma.sustained_fraction
-    # the ends stay "fixed" until the trn1 calibration rows are re-run with "fastest" / "slowest"
-    assert cost_params.LOW.dma_overhead_form == cost_params.HIGH.dma_overhead_form == "fixed"
+    # the range ends take the fastest / slowest form per transfer
+    assert (cost_params.LOW.dma_overhead_form, cost_params.HIGH.dma_overhead_form) == ("fastest", "slowest")
     for knee in (256, 512):
         for b in (256, 1024, 4096):
             ins = _row_load(b)

@@ -194,8 +194,7 @@ class ModelParams:
     # fixed time on top of the slower bytes; mid), "scaled" (slowed with the bytes), "hidden" (behind the
     # sustained limit). Which is faster depends on the row size and the knee, so the ends take, per
     # transfer, the fastest ("fastest", optimistic) or the slowest ("slowest", pessimistic) of the three.
-    # LOW and HIGH keep "fixed" until the trn1 calibration rows are re-run with those ends (trn2 does not
-    # move: every choice is the same number at its fraction 1); docs/cost-model.md says what they change.
+    # trn2 does not move under any choice (every form is the same number at its fraction 1).
     dma_overhead_form: str = "fixed"
     # TensorE dI/dt throttling (trn2; hardware.Chip.didt_*): [SDK] tools/neuron-explorer/
     # overview-summary-page, "Understanding throttling": TensorE "starts at roughly 50% utilization of
@@ -216,7 +215,7 @@ LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619
                   matmul_extra_cycles=0, compiler_cse=True, compute_reorder=True,
                   same_engine_streaming=True, dma_engine_rate_factor=27.2 / 23.0, dma_merge_rows=True,
                   dma_engine_stagger_ns=8.0, act_fixed_offset_ns=-10.0, spill_in_program_order=False,
-                  sbuf_reserved=False, reuse_loads="fits", dma_overhead_form="fixed", didt_throttle=False)
+                  sbuf_reserved=False, reuse_loads="fits", dma_overhead_form="fastest", didt_throttle=False)
 HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=1013.0, dma_wake_ns=375.0, dma_queues=1,
                    dma_hoist=False, hoist_bounded_by_sbuf=True, gpsimd_elems_per_cycle=0.25,
                    swdge_cycles_per_row=32.0, psum_single_pass=True, psum_access_cycles=120, access_init_cycles=100,
@@ -224,7 +223,7 @@ HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=10
                    matmul_extra_cycles=16, compiler_cse=False, compute_reorder=False,
                    same_engine_streaming=False, dma_engine_rate_factor=1.0, dma_merge_rows=False,
                    dma_engine_stagger_ns=24.0, act_fixed_offset_ns=10.0, spill_in_program_order=True,
-                   sbuf_reserved=True, reuse_loads="none", dma_overhead_form="fixed", didt_throttle=False)
+                   sbuf_reserved=True, reuse_loads="none", dma_overhead_form="slowest", didt_throttle=False)
 SETTINGS: dict[str, ModelParams] = {"low": LOW, "mid": MID, "high": HIGH}
 
 PARAM_NAMES: tuple[str, ...] = tuple(f.name for f in fields(ModelParams))
