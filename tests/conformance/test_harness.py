@@ -734,9 +734,14 @@ def test_a_mismatch_is_golden_gap_only_when_the_rounded_reference_misses_too_and
     # the kernel further from the rounded reference than the golden is (a kernel error on top of the rounding)
     shifted = Case(**{**plain.__dict__, "ref_inputs": lambda kw: {**kw, "shift": 0.25}, "rounded_reference": (
         "bf16 rounding of the product", lambda kw: {**kw, "rounded": True, "shift": 0.25})})
-    assert harness.run_case(shifted, fake_checkout).result == harness.MISMATCH
+    row = harness.run_case(shifted, fake_checkout)
+    assert row.result == harness.MISMATCH and row.message.startswith(f"out: max|err| {0.25 + gap:.3g} > ") and \
+        "; not GOLDEN_GAP: out: the kernel's max|err| 0.25 from the rounded reference is beyond the golden's " \
+        "max|err| " in row.message, row.message
     # a rounding that meets the golden (here none: the "rounded" reference is the golden): the miss is the kernel's
     none = Case(**{**plain.__dict__, "rounded_reference": ("nothing", lambda kw: dict(kw))})
-    assert harness.run_case(none, fake_checkout).result == harness.MISMATCH
+    row = harness.run_case(none, fake_checkout)
+    assert row.result == harness.MISMATCH and row.message.endswith(
+        "; not GOLDEN_GAP: out: the rounded reference's max|err| 0 against the golden meets the test"), row.message
     # a kernel that matches the golden passes, whatever the case says about rounding
     assert harness.run_case(_rounded(_case(reference="float32_ref")), fake_checkout).result == harness.PASS

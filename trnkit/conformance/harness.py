@@ -778,10 +778,12 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
             row.verdict, row.result = MISMATCH, XFAIL
             row.message = f"xfail as nki-library marks it ({case.xfail}); checked: {cause}; {row.message}"
         elif case.rounded_reference is not None:
-            cause = golden_gap(case, root, inputs, actual, expected, failing)
-            if cause:  # the test's golden, not the kernel's arithmetic on the interpreter: checked per output
+            shown, why = golden_gap(case, root, inputs, actual, expected, failing)
+            if shown:  # the test's golden, not the kernel's arithmetic on the interpreter: checked per output
                 row.verdict, row.result = MISMATCH, GOLDEN_GAP
-                row.message = f"{cause}; {row.message}"
+                row.message = f"{why}; {row.message}"
+            else:  # (the rounding the case names does not account for it: said, the row stays a mismatch)
+                row.message = f"{row.message}; not GOLDEN_GAP: {why}"
     return row
 
 
@@ -848,14 +850,15 @@ def _measure(criterion: str, name: str, case: Case, value: float) -> str:
 
 
 def golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: dict[str, np.ndarray],
-               expected: dict[str, np.ndarray], failing: dict[str, Judged]) -> str:
-    """Why a mismatch is nki-library's golden's, or "" when it is not shown: ``case.rounded_reference``'s reference
-    (nki-library's, with its values rounded where the kernel's tiles hold a narrower dtype) is computed from the
-    row's ``inputs``, and for every output in ``failing`` (the kernel's outputs the test's validator fails against
-    the golden ``expected``) (1) that rounded reference fails the test's validator against the golden as well: no
-    computation that rounds where the kernel's declared tiles must can be expected to meet the test, on a device
-    either; and (2) on each criterion the kernel fails, the kernel is no further from the rounded reference than
-    the golden is: its own error is within the rounding's reach."""
+               expected: dict[str, np.ndarray], failing: dict[str, Judged]) -> tuple[bool, str]:
+    """Whether a mismatch is shown to be nki-library's golden's, and why (or why not: the first output that does not
+    show it). ``case.rounded_reference``'s reference (nki-library's, with its values rounded where the kernel's
+    tiles hold a narrower dtype) is computed from the row's ``inputs``, and for every output in ``failing`` (the
+    kernel's outputs the test's validator fails against the golden ``expected``) (1) that rounded reference fails
+    the test's validator against the golden as well: no computation that rounds where the kernel's declared tiles
+    must can be expected to meet the test, on a device either; and (2) on each criterion the kernel fails, the
+    kernel is no further from the rounded reference than the golden is: its own error is within the rounding's
+    reach."""
     what, rounded_inputs = case.rounded_reference
     # (inside the row's nki_is_interpreter: the inputs' enums are the same modules' as the reference's)
     rounded = reference_outputs(dataclasses.replace(case, ref_inputs=rounded_inputs), inputs, root)
@@ -863,19 +866,22 @@ def golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: dict[str,
         rounded = case.postprocess(inputs, actual, rounded)[1]
     parts = []
     for name, kernel in failing.items():
-        ref = judge(case, name, rounded[name], expected[name])
-        if ref.ok:
-            return ""  # the rounding alone meets the test: the kernel's miss is something else
+        ref_miss = _distance(case, name, rounded[name], expected[name])
+        if judge(case, name, rounded[name], expected[name]).ok:  # the rounding alone meets the test
+            return False, (f"{name}: the rounded reference's " + ", ".join(
+                _measure(c, name, case, ref_miss[c]) for c in kernel.failed) + " against the golden meets the test")
         near, gold = _distance(case, name, actual[name], rounded[name]), _distance(case, name, expected[name],
                                                                                    rounded[name])
-        if any(not near[c] <= gold[c] for c in kernel.failed):
-            return ""
-        ref_miss = _distance(case, name, rounded[name], expected[name])
+        beyond = [c for c in kernel.failed if not near[c] <= gold[c]]
+        if beyond:  # the kernel's own error is larger than the rounding's
+            return False, f"{name}: the kernel's " + ", ".join(
+                f"{_measure(c, name, case, near[c])} from the rounded reference is beyond the golden's "
+                f"{_measure(c, name, case, gold[c])}" for c in beyond)
         parts.append(f"{name}: " + ", ".join(
             f"the rounded reference's {_measure(c, name, case, ref_miss[c])} against the golden fails the test too, "
             f"the kernel's {_measure(c, name, case, near[c])} from the rounded reference is within the golden's "
             f"{_measure(c, name, case, gold[c])}" for c in kernel.failed))
-    return f"nki-library's golden is out of reach of {what}: " + "; ".join(parts) if parts else ""
+    return bool(parts), f"nki-library's golden is out of reach of {what}: " + "; ".join(parts)
 
 
 def first_output(kernel: Callable[..., Any]) -> Callable[..., Any]:
