@@ -282,3 +282,36 @@ def test_spills_follow_program_order_liveness_unless_loads_are_sunk():
     spill_ns = 128 * 32768 / TRN2.hbm_bytes_per_ns
     assert po.active_ns[DMA] >= sunk.active_ns[DMA] + spill_ns
     assert po.total_ns >= sunk.total_ns
+
+
+def test_a_transfer_named_to_an_engine_goes_to_that_engines_queue():
+    """``dma_copy(..., dge_mode=hwdge, engine=...)`` records its trigger engine, and the model puts the
+    transfer in that engine's queue: two independent loads named to ScalarE and SyncE both trigger at once
+    even where the compiler's transfers share one queue (dma_queues=1), while unnamed they go one fixed
+    cost apart."""
+    import torch
+    a = torch.ones(128, 512, dtype=torch.bfloat16)
+
+    def loads(named):
+        @nki.jit
+        def two_loads(a):
+            out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+            t = nl.ndarray((128, 256), dtype=a.dtype, buffer=nl.sbuf)
+            u = nl.ndarray((128, 256), dtype=a.dtype, buffer=nl.sbuf)
+            if named:
+                nisa.dma_copy(dst=t, src=a[:, 0:256], dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
+                nisa.dma_copy(dst=u, src=a[:, 256:512], dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+            else:
+                nisa.dma_copy(dst=t, src=a[:, 0:256])
+                nisa.dma_copy(dst=u, src=a[:, 256:512])
+            return out
+
+        return _trace(two_loads, a)[0]
+
+    one_queue = replace(MID, dma_queues=1)
+    named = loads(True)
+    assert [i.attrs.get("engine") for i in named] == ["scalar", "sync"]
+    first, second = cost.timeline(named, params=one_queue)
+    assert first.start == second.start == 0.0
+    first, second = cost.timeline(loads(False), params=one_queue)
+    assert second.start == pytest.approx(MID.dma_fixed_ns)

@@ -179,18 +179,33 @@ def test_constraints_name_the_rule_and_value() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_head_norm_chunk_ramp(dtype) -> None:
-    """The head norm (H = 128) over enough rows for several ramped chunks per core plus a short tail
-    (4,133 x 2 rows: 64 row slots of 128 and 74 rows at LNC=1, 32 slots and 37 rows per core at LNC=2):
-    forward and backward within the oracle rule; bf16 rows normalise with rstd rounded to bf16 (one
-    rounding of the exact rsqrt, the trace shows it), LNC=2 bit-identical to LNC=1."""
-    from trnkit.kernels.rmsnorm.rmsnorm_kernels import _ramp
+    """The head norm (H = 128) over enough rows for several chunks per core plus a short tail (4,133 x 2
+    rows: 64 row slots of 128 and 74 rows at LNC=1, 32 slots and 37 rows per core at LNC=2): forward and
+    backward within the oracle rule; per chunk one Vector rsqrt of its sums straight into the operand the
+    normalisation reads (bf16 rows: rounded once to bf16, so n runs in Vector's 2-byte mode; fp32 rows: in
+    PSUM), no GpSimd work; loads triggered from Scalar's DMA queue (the second chunk's from Sync's, which
+    is idle at the start), every store from Sync's, except the last runs' rstd, which Scalar forms and
+    stores itself; LNC=2 bit-identical to LNC=1."""
+    from trnkit.kernels.rmsnorm.rmsnorm_kernels import _narrow_sizes
 
-    assert _ramp(64, 32) == [8, 16, 16, 16, 8] and sum(_ramp(256, 32)) == 256 and _ramp(3, 32) == [3]
+    assert _narrow_sizes(128, 16) == [4, 8, 16, 16, 16, 16, 16, 16, 12, 8]
+    assert _narrow_sizes(64, 16) == [4, 8, 16, 16, 12, 8] and sum(_narrow_sizes(257, 16)) == 257
+    assert _narrow_sizes(64, 8) == [2, 4, 8, 8, 8, 8, 8, 8, 6, 4] and _narrow_sizes(3, 16) == [3]
     x, w, _, _, _ = _inputs((4133, 2, 128), dtype, seed=6)
     with trace.record() as tr:
         y1, r1 = rmsnorm(x, w, EPS, lnc=1)
-    copies = [i for i in tr if i.op == "tensor_copy" and i.engine == "gpsimd"]
-    assert len(copies) == (6 if dtype == torch.bfloat16 else 0)  # one per chunk: 5 ramped + the tail
+    chunks = len(_narrow_sizes(64, 16 if dtype == torch.bfloat16 else 8)) + 1  # + the 74-row tail
+    operand = ("bfloat16", "sbuf") if dtype == torch.bfloat16 else ("float32", "psum")
+    rsqrts = [i for i in tr if i.op == "tensor_scalar" and i.attrs.get("op") == "rsqrt"
+              and (i.operands[0].dtype, i.operands[0].buffer) == operand]
+    assert len(rsqrts) == chunks
+    assert tr.by_engine().get("gpsimd", 0) == 0
+    dmas = [i for i in tr if i.engine == "dma"]
+    loads = [i for i in dmas if i.operands[0].buffer == "sbuf"]
+    stores = [i for i in dmas if i.operands[0].buffer != "sbuf"]
+    assert [i.attrs["engine"] for i in loads].count("sync") == 2  # the weight and the second chunk
+    queues = [i.attrs["engine"] for i in stores]  # the last three chunks' runs: Scalar's rstd
+    assert queues.count("scalar") == 3 and queues.count("sync") == len(stores) - 3
     y2, r2 = rmsnorm(x, w, EPS, lnc=2)
     assert torch.equal(y1, y2) and torch.equal(r1, r2)
     norm_case((4133, 2, 128), dtype, residual=False, seed=6)

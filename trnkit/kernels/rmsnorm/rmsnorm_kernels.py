@@ -18,12 +18,15 @@ matrix as the stationary operand), which also sends ``rstd`` back to the row's p
 square of one element first loads the activation table while the first rows load.
 
 Forward, narrower rows (Qwen3's q/k head norm, H = 128; :func:`_narrow_forward`): a per-row instruction
-would cost mostly its fixed time, so every pass covers a whole chunk. The Tensor engine transposes each
-slot of 128 rows into PSUM, Scalar squares a PSUM bank of slots per instruction, and a matmul against a
-``1/H`` column sums the squares over the partitions (H is there), one more adding eps; Vector takes the
-rsqrt, GpSimd rounds it to bf16 for bf16 rows, and Vector forms ``n = x * rstd`` (rstd broadcast along H)
-and ``y = n * w`` for the whole chunk, one instruction each, with only 2-byte SBUF operands (Vector's
-performance mode, half a cycle per element; fp32 rows read rstd from PSUM broadcast instead).
+would cost mostly its fixed time, so every pass covers a whole chunk (4 KiB per partition; the first two and
+the last two smaller). The Tensor engine transposes each slot of 128 rows into PSUM, Scalar squares a PSUM
+bank of slots per instruction, and per slot a matmul against a ``1/H`` column adds the squares over the
+partitions into a PSUM tile of sums that a matmul opened with eps (one tile per run of up to three equal
+chunks). Vector takes the chunk's rsqrt straight into x's dtype (so ``n = x * rstd``, rstd broadcast along
+H, and ``y = n * w`` run in Vector's 2-byte mode; fp32 rows read an fp32 rsqrt in PSUM), in the order rsqrt
+of chunk i, y of chunk i-1, n of chunk i; the stored fp32 rstd is one more rsqrt per run (the last runs' on
+Scalar, after its last square). Loads go through the Scalar engine's DMA queue, stores through the Sync
+engine's.
 
 Backward (``gw = (dy * w).to(x.dtype)``, ``dx = rstd * gw - x * rstd^3 * sum(gw * x) / H``,
 ``dw = sum_rows dy * n``): Vector forms ``gw`` and ``prod = dy * x``; for wide rows the row sum
@@ -64,9 +67,10 @@ PIECE = 512  # columns per PSUM bank (fp32)
 # store of the chunk before even where the DMA queue keeps program order; one for rows over ROW_BYTES
 PREFETCH = 2
 SPREAD_MIN = 512  # narrowest sub-row a spread of few rows over the partitions makes
-# bytes per partition of a full chunk of narrow rows in the forward (its passes cover whole chunks, so
-# fewer, larger chunks cost fewer fixed times; the first and last ones ramp, see _ramp)
-NARROW_ROW_BYTES = 8192
+# bytes per partition of a full chunk of narrow rows in the forward: its statistics, normalisation passes and
+# DMAs cover whole chunks, and the next chunk's normalisation waits for all of a chunk's statistics, so a
+# full chunk is a trade of fixed costs against that lag (the first and last ones are smaller, _narrow_sizes)
+NARROW_ROW_BYTES = 4096
 # the same for the backward's narrow rows: its pipeline keeps about four chunks' tiles live
 BWD_NARROW_ROW_BYTES = 6144
 
@@ -323,96 +327,21 @@ def _bank_slots(Pc, NT, dtype):
 
 
 def _narrow_consts(H, eps):
-    """``(inv_h [P, 1], eps_row [1, P], ones_row [1, P])`` fp32: the moving column ``1/H`` that turns a matmul
-    sum of squares into the mean, and the operands of the matmul adding eps to every row's mean."""
+    """``(inv_h [P, 1], eps_row [1, P], ones_row [1, PIECE])`` fp32: the moving column ``1/H`` that turns a
+    matmul sum of squares into the mean, and the operands of the matmul that opens each run's PSUM sums with
+    eps (one column per row slot, up to a bank of them)."""
     inv_h = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=inv_h, value=1.0 / H)
     eps_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=eps_row, value=eps)
-    ones_row = nl.ndarray((1, P), dtype=nl.float32, buffer=nl.sbuf)
+    ones_row = nl.ndarray((1, PIECE), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones_row, value=1.0)
     return inv_h, eps_row, ones_row
-
-
-def _mean_squares_group(pending, consts):
-    """Finish one group of transposed blocks ``pending = (xt, group, ms, chunk, last)``: Scalar squares ``xt``
-    ``[hw, gn, Pc]`` (PSUM -> SBUF fp32), then per row slot j the Tensor engine sums its column piece over
-    the partitions, ``ms[:, j] (+)= sq[:, g, :].T @ (1/H)`` (the first column piece opens column j, the
-    next add to it); after a chunk's last group one more matmul adds eps to every row."""
-    inv_h, eps_row, ones_row = consts
-    xt, group, ms, chunk, last = pending
-    h0, hw, j0, gn = group
-    r0, Pc, NT = chunk
-    sq = nl.ndarray((hw, gn, Pc), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(dst=sq, op=nl.square, data=xt)
-    for g in range(gn):
-        nisa.nc_matmul(dst=ms[:, j0 + g:j0 + g + 1], stationary=sq[:, g, :], moving=inv_h[:hw, :],
-                       accumulate=h0 > 0)
-    if last:
-        nisa.nc_matmul(dst=ms, stationary=eps_row[:, :Pc], moving=ones_row[:, :NT], accumulate=True)
-
-
-def _narrow_means(src, consts, chunk, H, pending):
-    """``mean(x^2) + eps`` ``[Pc, NT]`` fp32 in PSUM for rows narrower than ``WIDE``: the Tensor engine
-    transposes each row slot's ``[Pc, <=128]`` column piece into PSUM (H on the partitions, a bank's worth
-    of slots per group), Scalar squares a whole group per instruction, a matmul against a ``1/H`` column
-    sums the squares over the partitions into column j (the products of a power-of-two 1/H are exact),
-    and one more matmul adds eps to every row. Each group's squares and sums are issued after the next
-    group's transposes, across chunks too (``pending``: the group left to finish, or None), so the Tensor
-    engine works while Scalar squares. Returns ``(ms, the group left to finish)``."""
-    r0, Pc, NT = chunk
-    ms = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
-    G = _bank_slots(Pc, NT, src.dtype)
-    groups = []  # (first column, width, first row slot, slots)
-    for h0 in range(0, H, P):
-        for j0 in range(0, NT, G):
-            groups.append((h0, min(P, H - h0), j0, min(G, NT - j0)))
-    for k in range(len(groups)):
-        h0, hw, j0, gn = groups[k]
-        xt = nl.ndarray((hw, gn, Pc), dtype=src.dtype, buffer=nl.psum)
-        for g in range(gn):
-            nisa.nc_transpose(dst=xt[:, g, :], data=src[:, j0 + g, h0:h0 + hw])
-        if pending != None:  # noqa: E711
-            _mean_squares_group(pending, consts)
-        pending = (xt, groups[k], ms, chunk, k == len(groups) - 1)
-    return ms, pending
-
-
-def _narrow_rstd(ms, chunk, rstd, src_dtype):
-    """Narrow rows, ``rstd = rsqrt(mean + eps)`` ``[Pc, NT]`` on Vector into SBUF fp32 and its store (DMA cannot
-    read PSUM), and the operand the normalisation reads: for 2-byte rows that rstd rounded once to their
-    dtype in SBUF, on the otherwise idle GpSimd (so the normalisation runs in Vector's 2-byte mode; a
-    relative error of at most 2^-9 for bf16, below the output's own rounding), for fp32 rows rstd in PSUM
-    (read broadcast along H in one pass)."""
-    r0, Pc, NT = chunk
-    # rsqrt is a documented unary ALU op of tensor_scalar (NKI API reference, nki.api.shared "Supported
-    # Math Operators"); an rsqrt activation would switch Scalar's table away from the squares' one.
-    rstd_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=rstd_t, data=ms, op0=nl.rsqrt, operand0=None)
-    nisa.dma_copy(dst=_row_stats(rstd, r0, Pc, NT), src=rstd_t)
-    if src_dtype == nl.float32:
-        r = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
-        nisa.tensor_scalar(dst=r, data=ms, op0=nl.rsqrt, operand0=None)
-        return r
-    r = nl.ndarray((Pc, NT), dtype=src_dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=r, src=rstd_t, engine=nisa.engine.gpsimd)
-    return r
 
 
 def _per_row(t, Pc, NT, H):
     """``[Pc, NT]`` per-row values broadcast along H: a ``[Pc, NT, H]`` view (step 0 on the last axis)."""
     return t.ap(pattern=[[NT, Pc], [1, NT], [0, H]], offset=0)
-
-
-def _narrow_output(src, rstd_r, chunk, y, w_sb, out_dt, H):
-    """Narrow rows: ``n = src * rstd`` over the whole chunk in one Vector instruction (rstd broadcast along
-    H; fp32 product, one rounding to src's dtype), then ``y = n * w`` and its store."""
-    r0, Pc, NT = chunk
-    n_t = nl.ndarray((Pc, NT, H), dtype=src.dtype, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=n_t, data1=src, data2=_per_row(rstd_r, Pc, NT, H), op=nl.multiply)
-    y_t = nl.ndarray((Pc, NT, H), dtype=out_dt, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=y_t, data1=n_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
-    nisa.dma_copy(dst=_rows(y, r0, Pc, NT, H), src=y_t)
 
 
 def _ramp(slots, nt):
@@ -440,7 +369,7 @@ def _ramp(slots, nt):
     return sizes
 
 
-def _narrow_chunks(N, H, dtype, n_prog, pid, row_bytes=NARROW_ROW_BYTES):
+def _narrow_chunks(N, H, dtype, n_prog, pid, row_bytes):
     """This program's chunks ``(r0, Pc, NT)`` of narrow rows: a contiguous share of the rows, 128 partitions x
     NT consecutive rows each (NT from :func:`_ramp`), a short tail on fewer partitions with NT = 1."""
     per = cdiv(N, n_prog)
@@ -458,45 +387,237 @@ def _narrow_chunks(N, H, dtype, n_prog, pid, row_bytes=NARROW_ROW_BYTES):
     return out
 
 
+# Forward, narrow rows (the q / k head norm). DMA queues: nisa.dma_copy's hardware DGE mode, "Sync Engine or
+# Scalar Engine sequencers invoke DGE hardware block to generate DMA descriptors as part of the
+# nisa.dma_copy instruction" (NKI API reference, nki.isa.dma_copy), and "DMA transfers within a queue on the
+# same DMA engine are executed in order" (NKI DMA overview). Loads, which wait on nothing, are triggered
+# from the Scalar engine's queue; stores, which wait on Vector's results, from the otherwise idle Sync
+# engine's, so a store waiting for its data never holds up a load (nor Scalar's instruction stream).
+LOAD_QUEUE = nisa.engine.scalar
+STORE_QUEUE = nisa.engine.sync
+NARROW_AHEAD = 4  # chunks whose loads are issued ahead of the one whose statistics are formed
+NARROW_SPLIT = 3  # the first chunks' loads alternate between both queues (no store is pending yet)
+NARROW_DEPTH = 2  # transposed groups issued ahead of their squares and sums (PSUM banks in flight)
+NARROW_RUN = 3  # chunks at most per run: one PSUM tile of sums, one fp32 rstd instruction and one store
+NARROW_TAIL = 3  # runs ending in the last chunks get their fp32 rstd on Scalar after its last square
+
+
+def _hwdge(dst, src, queue):
+    """``dma_copy`` through the hardware DGE of ``queue``'s sequencer (equal dtypes, as hwdge needs)."""
+    nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=queue)
+
+
+def _narrow_sizes(R, nt):
+    """Row slots per chunk for ``R`` slots per partition and full chunks of ``nt``: a quarter and a half chunk
+    first (the first statistics start early), full chunks (and the remainder as one more), three quarters
+    and a half last (the last normalisation and store follow the statistics closely); few slots: the
+    ramp of :func:`_ramp`."""
+    q = max(1, nt // 4)
+    head = [q, 2 * q]
+    tail = [3 * q, 2 * q]
+    if R < sum(head) + sum(tail) + nt:
+        return _ramp(R, nt)
+    mid = R - sum(head) - sum(tail)
+    sizes = list(head)
+    for _ in range(mid // nt):
+        sizes.append(nt)
+    if mid % nt:
+        sizes.append(mid % nt)
+    return sizes + tail
+
+
+def _narrow_fwd_chunks(N, H, dtype, n_prog, pid):
+    """This program's forward chunks ``(r0, Pc, NT)``: a contiguous share of the rows, 128 partitions x NT
+    consecutive rows each (NT from :func:`_narrow_sizes`), a short tail on fewer partitions with NT = 1."""
+    per = cdiv(N, n_prog)
+    lo = min(N, pid * per)
+    hi = min(N, lo + per)
+    isz = 4 if dtype == nl.float32 else 2
+    sizes = _narrow_sizes((hi - lo) // P, max(1, NARROW_ROW_BYTES // (H * isz)))
+    out = []
+    r0 = lo
+    for k in range(len(sizes)):
+        out.append((r0, P, sizes[k]))
+        r0 = r0 + P * sizes[k]
+    if r0 < hi:
+        out.append((r0, hi - r0, 1))
+    return out
+
+
+def _runs(chunks):
+    """``(first chunk, count)``: runs of up to :data:`NARROW_RUN` consecutive chunks of one shape. A run's rows
+    ``r0 + c*Pc*NT + p*NT + j`` are column ``c*NT + j`` of partition p in one PSUM tile of sums, so one
+    instruction forms their fp32 rstd and one DMA stores it."""
+    out = []
+    k = 0
+    while k < len(chunks):
+        n = 1
+        while (k + n < len(chunks) and n < NARROW_RUN and chunks[k + n][1] == chunks[k][1]
+               and chunks[k + n][2] == chunks[k][2] and (n + 1) * chunks[k][2] <= PIECE):
+            n = n + 1
+        out.append((k, n))
+        k = k + n
+    return out
+
+
+def _fwd_transposes(src, ms, col0, consts, pending, tag):
+    """The Tensor engine transposes each row slot's ``[Pc, <=128]`` column piece of ``src`` into PSUM (H on the
+    partitions, a bank's worth of slots per group); each group's squares and sums (:func:`_fwd_sums`) are
+    issued once :data:`NARROW_DEPTH` later groups are transposed, across chunks too, so the Tensor engine
+    transposes while Scalar squares. ``pending``: the groups transposed and not yet summed, ``(xt, first
+    column piece, slot count, first ms column, chunk)``; returns it."""
+    Pc, NT, H = src.shape
+    G = _bank_slots(Pc, NT, src.dtype)
+    for h0 in range(0, H, P):
+        hw = min(P, H - h0)
+        for j0 in range(0, NT, G):
+            gn = min(G, NT - j0)
+            xt = nl.ndarray((hw, gn, Pc), dtype=src.dtype, buffer=nl.psum)
+            for g in range(gn):
+                nisa.nc_transpose(dst=xt[:, g, :], data=src[:, j0 + g, h0:h0 + hw])
+            if len(pending) >= NARROW_DEPTH:
+                _fwd_sums(pending[0], consts)
+                pending = pending[1:]
+            pending = pending + [(xt, h0, gn, col0 + j0, ms, tag)]
+    return pending
+
+
+def _fwd_sums(group, consts):
+    """Scalar squares a transposed group (PSUM -> SBUF fp32), then per row slot a matmul against the ``1/H``
+    column adds its squares over the partitions into the slot's column of the run's sums (opened with eps,
+    :func:`_narrow_forward`; the products of a power-of-two 1/H are exact)."""
+    inv_h = consts[0]
+    xt, h0, gn, c0, ms, _ = group
+    hw, _, Pc = xt.shape
+    sq = nl.ndarray((hw, gn, Pc), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(dst=sq, op=nl.square, data=xt)
+    for g in range(gn):
+        nisa.nc_matmul(dst=ms[:, c0 + g:c0 + g + 1], stationary=sq[:, g, :], moving=inv_h[:hw, :], accumulate=True)
+
+
+def _finish_sums(pending, consts, last_tag):
+    """Issue the squares and sums of every pending group of chunks up to ``last_tag``; returns the rest."""
+    keep = []
+    for k in range(len(pending)):
+        if pending[k][5] <= last_tag:
+            _fwd_sums(pending[k], consts)
+        else:
+            keep.append(pending[k])
+    return keep
+
+
+def _store_run_rstd(rstd, chunks, run, rs, queue):
+    """The fp32 rstd ``[Pc, n, NT]`` of a run (chunk c's row slot j of partition p) -> ``rstd``."""
+    k0, n = run
+    r0, Pc, NT = chunks[k0]
+    _hwdge(rstd.ap(pattern=[[NT, Pc], [Pc * NT, n], [1, NT]], offset=r0), rs, queue)
+
+
 def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
-    """The forward pipeline for rows narrower than ``WIDE`` (the q/k head norm), three stages issued in this
-    order: chunk i-2's normalisation (Vector), chunk i's loads, residual add and mean squares (Tensor /
-    Scalar), chunk i-1's rstd; no engine's queue waits on work of the same iteration. The weight's load
-    goes after the first chunks' (it is needed last)."""
+    """The forward for rows narrower than ``WIDE`` (the q/k head norm). Per chunk: loads (Scalar's DMA queue,
+    :data:`NARROW_AHEAD` chunks ahead), statistics (Tensor transposes, Scalar squares, Tensor sums into the
+    run's PSUM tile, which a matmul opened with eps), Vector's ``rsqrt`` of the chunk's sums straight into
+    x's dtype (the normalisation's operand; fp32 rows: into PSUM), ``n = x * rstd`` and ``y = n * w`` over the
+    whole chunk, and the store (Sync's queue). Vector's order per step is rsqrt of chunk i, y of chunk i-1,
+    n of chunk i, so each instruction's input was produced an instruction earlier or more. A run's fp32
+    rstd (the stored one) is one more Vector ``rsqrt`` after its last chunk's n, or for the last runs one
+    Scalar ``rsqrt`` activation after the last square (one activation-table switch, when Scalar is idle)."""
     N, H = x.shape
-    chunks = _narrow_chunks(N, H, x.dtype, n_prog, pid)
+    chunks = _narrow_fwd_chunks(N, H, x.dtype, n_prog, pid)
+    L = len(chunks)
+    runs = _runs(chunks)
+    run_of = []  # per chunk: (its run, its position in the run)
+    late = []  # per run: fp32 rstd on Scalar at the end
+    for r in range(len(runs)):
+        for c in range(runs[r][1]):
+            run_of.append((r, c))
+        late.append(runs[r][0] + runs[r][1] > L - NARROW_TAIL)
     consts = _narrow_consts(H, eps)
-    ahead = _prefetch(H, x.dtype)
-    loads = []
-    for k in range(min(len(chunks), 1 + ahead)):
-        loads.append(_load_chunk([x, residual], chunks[k], H))
-    w_sb = _weight_rows(w, H)
-    pipe = [None, None]  # chunk i-1 after its sums, chunk i-2 after its rstd
-    pending = None  # the last transposed group of chunk i-1, squared and summed after chunk i's first
-    for i in range(len(chunks) + 2):
-        # loads first: where the DMA queue keeps program order they must not wait behind the stores
-        for k in range(len(loads), min(len(chunks), i + 1 + ahead)):
-            loads.append(_load_chunk([x, residual], chunks[k], H))
-        b_in, c_in = pipe[0], pipe[1]
-        if c_in != None:  # noqa: E711
-            _narrow_output(c_in[0], c_in[1], c_in[2], y, w_sb, out_dt, H)
-        cur = None
-        if i < len(chunks):
-            src = loads[i][0]
+    ms = [None] * len(runs)
+    srcs = []
+
+    def load(k):
+        r0, Pc, NT = chunks[k]
+        queue = LOAD_QUEUE
+        if k < NARROW_SPLIT and k % 2 == 1:
+            queue = STORE_QUEUE
+        tiles = []
+        for t in (x, residual):
+            tt = None
+            if t != None:  # noqa: E711
+                tt = nl.ndarray((Pc, NT, H), dtype=t.dtype, buffer=nl.sbuf)
+                _hwdge(tt, _rows(t, r0, Pc, NT, H), queue)
+            tiles.append(tt)
+        srcs.append(tiles)
+
+    for k in range(min(L, NARROW_AHEAD)):
+        load(k)
+    w_sb = nl.ndarray((P, H), dtype=w.dtype, buffer=nl.sbuf)  # the weight on every partition, needed last
+    _hwdge(w_sb, w.ap(pattern=[[0, P], [1, H]], offset=0), STORE_QUEUE)
+    pending = []
+    normed = None  # (chunk i-2, its n)
+    for u in range(L + 1):
+        if u < L:
+            for k in range(len(srcs), min(L, u + 1 + NARROW_AHEAD)):
+                load(k)
+            r0, Pc, NT = chunks[u]
+            ri, ci = run_of[u]
+            if ci == 0:  # the run's sums, opened with eps (one column per row slot)
+                cols = runs[ri][1] * NT
+                ms[ri] = nl.ndarray((Pc, cols), dtype=nl.float32, buffer=nl.psum)
+                nisa.nc_matmul(dst=ms[ri], stationary=consts[1][:, :Pc], moving=consts[2][:, :cols], accumulate=False)
             if residual != None:  # noqa: E711
-                r0, Pc, NT = chunks[i]
                 src = nl.ndarray((Pc, NT, H), dtype=x.dtype, buffer=nl.sbuf)
-                nisa.tensor_tensor(dst=src, data1=loads[i][0], data2=loads[i][1], op=nl.add)
-                nisa.dma_copy(dst=_rows(s, r0, Pc, NT, H), src=src)
-            loads[i] = None
-            ms, pending = _narrow_means(src, consts, chunks[i], H, pending)
-            cur = [src, ms, chunks[i]]
-        elif pending != None:  # noqa: E711
-            _mean_squares_group(pending, consts)
-            pending = None
-        if b_in != None:  # noqa: E711
-            b_in = [b_in[0], _narrow_rstd(b_in[1], b_in[2], rstd, x.dtype), b_in[2]]
-        pipe = [cur, b_in]
+                nisa.tensor_tensor(dst=src, data1=srcs[u][0], data2=srcs[u][1], op=nl.add)
+                _hwdge(_rows(s, r0, Pc, NT, H), src, STORE_QUEUE)
+                srcs[u] = [src, None]
+            if u == 1:  # the first chunk's sums go before the second's transposes (it arrives alone)
+                pending = _finish_sums(pending, consts, 0)
+            pending = _fwd_transposes(srcs[u][0], ms[ri], ci * NT, consts, pending, u)
+        else:
+            pending = _finish_sums(pending, consts, L)
+            for ri in range(len(runs)):
+                if late[ri]:
+                    k0, n = runs[ri]
+                    rs = nl.ndarray((chunks[k0][1], n, chunks[k0][2]), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.activation(dst=rs, op=nl.rsqrt, data=ms[ri])
+                    _store_run_rstd(rstd, chunks, runs[ri], rs, LOAD_QUEUE)
+        if u == 0:
+            continue
+        i = u - 1  # the chunk whose sums are now all issued
+        pending = _finish_sums(pending, consts, i)
+        r0, Pc, NT = chunks[i]
+        ri, ci = run_of[i]
+        # rsqrt is a documented unary ALU op of tensor_scalar (NKI API reference, nki.api.shared "Supported
+        # Math Operators"); an rsqrt activation here would switch Scalar's table away from the squares'.
+        if x.dtype == nl.float32:
+            r_i = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
+        else:  # rounded once to x's dtype: the normalisation runs in Vector's 2-byte mode
+            r_i = nl.ndarray((Pc, NT), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=r_i, data=ms[ri][:, ci * NT:(ci + 1) * NT], op0=nl.rsqrt, operand0=None)
+        if normed != None:  # noqa: E711
+            _narrow_y(normed, chunks, y, w_sb, out_dt)
+        n_t = nl.ndarray((Pc, NT, H), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=n_t, data1=srcs[i][0], data2=_per_row(r_i, Pc, NT, H), op=nl.multiply)
+        srcs[i] = None
+        normed = (i, n_t)
+        if ci == runs[ri][1] - 1 and not late[ri]:
+            k0, n = runs[ri]
+            rs = nl.ndarray((Pc, n, NT), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_scalar(dst=rs, data=ms[ri], op0=nl.rsqrt, operand0=None)
+            _store_run_rstd(rstd, chunks, runs[ri], rs, STORE_QUEUE)
+    if normed != None:  # noqa: E711
+        _narrow_y(normed, chunks, y, w_sb, out_dt)
+
+
+def _narrow_y(normed, chunks, y, w_sb, out_dt):
+    """``y = n * w`` over a whole chunk (the weight broadcast along the rows) and its store."""
+    i, n_t = normed
+    r0, Pc, NT = chunks[i]
+    H = n_t.shape[2]
+    y_t = nl.ndarray((Pc, NT, H), dtype=out_dt, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=y_t, data1=n_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
+    _hwdge(_rows(y, r0, Pc, NT, H), y_t, STORE_QUEUE)
 
 
 @nki.jit

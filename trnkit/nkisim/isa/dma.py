@@ -145,8 +145,10 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
         return
     if trace_only:
         moved = n_dst
-    _emit_dma(op, dst, src, moved, {"dge_mode": dge_mode.name,
-                                    "indirect": src_vec is not None or dst_vec is not None, "name": name})
+    attrs = {"dge_mode": dge_mode.name, "indirect": src_vec is not None or dst_vec is not None, "name": name}
+    if engine is not common.engine.unknown:  # the trigger engine, whose queue the cost model puts it in
+        attrs["engine"] = engine.name
+    _emit_dma(op, dst, src, moved, attrs)
 
 
 _INDIRECT_DGE = (dge_mode.unknown, dge_mode.swdge)
