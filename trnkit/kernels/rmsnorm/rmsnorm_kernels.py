@@ -71,6 +71,9 @@ SPREAD_MIN = 512  # narrowest sub-row a spread of few rows over the partitions m
 # DMAs cover whole chunks, and the next chunk's normalisation waits for all of a chunk's statistics, so a
 # full chunk is a trade of fixed costs against that lag (the first and last ones are smaller, _narrow_sizes)
 NARROW_ROW_BYTES = 4096
+# bytes per partition of a core's narrow rows above which full forward chunks are twice as large: with many
+# chunks the DMA's per-packet efficiency (4 KiB runs per partition against 8 KiB) outweighs the ends' lag
+NARROW_LONG_FROM = 65536
 # the same for the backward's narrow rows: its pipeline keeps about four chunks' tiles live
 BWD_NARROW_ROW_BYTES = 6144
 
@@ -428,12 +431,17 @@ def _narrow_sizes(R, nt):
 
 def _narrow_fwd_chunks(N, H, dtype, n_prog, pid):
     """This program's forward chunks ``(r0, Pc, NT)``: a contiguous share of the rows, 128 partitions x NT
-    consecutive rows each (NT from :func:`_narrow_sizes`), a short tail on fewer partitions with NT = 1."""
+    consecutive rows each (NT from :func:`_narrow_sizes`, full chunks of :data:`NARROW_ROW_BYTES` per partition,
+    twice that past :data:`NARROW_LONG_FROM` of rows), a short tail on fewer partitions with NT = 1."""
     per = cdiv(N, n_prog)
     lo = min(N, pid * per)
     hi = min(N, lo + per)
     isz = 4 if dtype == nl.float32 else 2
-    sizes = _narrow_sizes((hi - lo) // P, max(1, NARROW_ROW_BYTES // (H * isz)))
+    R = (hi - lo) // P
+    row_bytes = NARROW_ROW_BYTES
+    if R * H * isz > NARROW_LONG_FROM:  # many chunks: the DMA's packet efficiency outweighs the ends' lag
+        row_bytes = 2 * NARROW_ROW_BYTES
+    sizes = _narrow_sizes(R, max(1, row_bytes // (H * isz)))
     out = []
     r0 = lo
     for k in range(len(sizes)):
