@@ -17,16 +17,16 @@ per partition, and each row's f partial sums of squares add up on the Tensor eng
 matrix as the stationary operand), which also sends ``rstd`` back to the row's partitions. A Scalar
 square of one element first loads the activation table while the first rows load.
 
-Forward, narrower rows (Qwen3's q/k head norm, H = 128; :func:`_narrow_forward`): a per-row instruction
-would cost mostly its fixed time, so every pass covers a whole chunk (4 KiB per partition; the first two and
-the last two smaller). The Tensor engine transposes each slot of 128 rows into PSUM, Scalar squares a PSUM
-bank of slots per instruction, and per slot a matmul against a ``1/H`` column adds the squares over the
-partitions into a PSUM tile of sums that a matmul opened with eps (one tile per run of up to three equal
-chunks). Vector takes the chunk's rsqrt straight into x's dtype (so ``n = x * rstd``, rstd broadcast along
-H, and ``y = n * w`` run in Vector's 2-byte mode; fp32 rows read an fp32 rsqrt in PSUM), in the order rsqrt
-of chunk i, y of chunk i-1, n of chunk i; the stored fp32 rstd is one more rsqrt per run (the last runs' on
-Scalar, after its last square). Loads go through the Scalar engine's DMA queue, stores through the Sync
-engine's.
+Forward, narrower rows (Qwen3's q/k head norm, H = 128; :func:`_narrow_forward`): a per-row instruction would
+cost mostly its fixed time, so every pass covers a whole chunk (4 KiB per partition, 8 KiB past 64 KiB of a
+core's rows; the first two and the last two smaller). The Tensor engine transposes each slot of 128 rows into
+PSUM, Scalar squares a PSUM bank of slots per instruction, and per slot a matmul against a ``1/H`` column adds
+the squares over the partitions into a PSUM tile of sums that a matmul opened with eps (one tile per run of up
+to three equal chunks). Vector takes the chunk's rsqrt straight into x's dtype (so ``n = x * rstd``, rstd
+broadcast along H, and ``y = n * w`` run in Vector's 2-byte mode; fp32 rows read an fp32 rsqrt in PSUM), in
+the order rsqrt of chunk i, y of chunk i-1, n of chunk i; the stored fp32 rstd is one more rsqrt per run (the
+last runs' on Scalar, after its last square). Loads go through the Scalar engine's DMA queue, stores through
+the Sync engine's.
 
 Backward (``gw = (dy * w).to(x.dtype)``, ``dx = rstd * gw - x * rstd^3 * sum(gw * x) / H``,
 ``dw = sum_rows dy * n``): Vector forms ``gw`` and ``prod = dy * x``; for wide rows the row sum
