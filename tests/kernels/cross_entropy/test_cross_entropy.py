@@ -194,6 +194,28 @@ def test_fused_groups_pieces_and_masked_tiles(T, H, V, lnc, want):
     fused_case(T, H, V, torch.float32, lnc=lnc)
 
 
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_label_terms_at_tile_edges_and_shared_labels(dtype, lnc):
+    """The label part of the gradient (``-scale`` at each token's label): labels at both ends of each
+    vocabulary tile (0, 511, 512, 1023, 1024 and V - 1 in the short last tile; at LNC=2 on program 0 or 1,
+    program 1 computing the last tile again masked), many tokens sharing a label, ignored tokens in between;
+    against the fp64 oracle, and the labels' grad_weight rows (where a missing or doubled label term is off
+    by the tokens' summed scale) against it directly."""
+    T, H, V = 260, 64, 1100
+    h, w, _ = _inputs(T, H, V, dtype)
+    edges = torch.tensor([0, 511, 512, 1023, 1024, V - 1, 7, 7, IGNORE, 7])
+    labels = edges.repeat(T // len(edges))
+    loss, lse, gh, gw = linear_cross_entropy_fwd_bwd(h, w, labels, IGNORE, lnc=lnc)
+    base_loss, base_g = _torch_ce(h, w, labels, dtype, "mean")
+    orc_loss, orc_g = _torch_ce(h, w, labels, F64, "mean")
+    check_oracle("lce fused edges loss", loss.reshape(1), base_loss.reshape(1), orc_loss.reshape(1))
+    check_oracle("lce fused edges grad_hidden", gh.to(dtype), base_g[0], orc_g[0])
+    check_oracle("lce fused edges grad_weight", gw.to(dtype), base_g[1], orc_g[1])
+    rows = edges[edges != IGNORE].unique()
+    torch.testing.assert_close(gw[rows].double(), orc_g[1][rows], rtol=0.02, atol=1e-3 * float(orc_g[1].abs().max()))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_sum_reduction_and_many_ignored(dtype):
     fused_case(150, 64, 300, dtype, reduction="sum", n_ignored=40)
