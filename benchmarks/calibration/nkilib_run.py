@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import gc
 import io
+import os
 import sys
 import time
 import warnings
@@ -166,12 +168,16 @@ def read_out(path: Path = OUT_CSV) -> dict[str, dict]:
 
 
 def write_row(row: dict, path: Path = OUT_CSV) -> None:
+    """``row`` into the CSV at ``path``, replacing the point's earlier row; written to a temporary file and moved
+    over the CSV, so a run that dies while writing (a memory limit) leaves the previous CSV whole."""
     rows = read_out(path)
     rows[row["point"]] = row
-    with path.open("w", newline="") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS, lineterminator="\n")
         w.writeheader()
         w.writerows(rows.values())
+    os.replace(tmp, path)
 
 
 def run_point(p: dict, root: Path) -> dict:
@@ -186,6 +192,7 @@ def run_point(p: dict, root: Path) -> dict:
     try:
         low, mid, high = (v / 1e3 for v in estimate_case(case, root))
     except MemoryError:  # the run's own memory limit (ulimit -v on a shared machine): not a result of the row
+        gc.collect()  # (the trace is gone with the frame: room to write the row)
         row["status"] = "not run: out of memory under the run's limit"
         return row
     except Exception as exc:  # noqa: BLE001 - a row the interpreter refuses is a result, reported with its message

@@ -118,3 +118,15 @@ def test_the_lnc_1_what_if_is_apart_from_the_check():
         assert check[name]["lnc"] == "2"  # the check keeps the table's CompilerArgs() default
         mid = float(r["mid_us"])
         assert float(r["error_mid"]) == pytest.approx(mid / float(r["published_us"]) - 1, abs=1e-3)
+
+
+def test_a_row_replaces_its_earlier_row_and_leaves_no_partial_file(tmp_path):
+    import nkilib_run
+
+    out = tmp_path / "rows.csv"
+    blank = dict.fromkeys(nkilib_run.FIELDS, "")
+    nkilib_run.write_row({**blank, "point": "a", "mid_us": "1.00"}, out)
+    nkilib_run.write_row({**blank, "point": "b", "mid_us": "2.00"}, out)
+    nkilib_run.write_row({**blank, "point": "a", "mid_us": "3.00"}, out)
+    assert {k: r["mid_us"] for k, r in nkilib_run.read_out(out).items()} == {"a": "3.00", "b": "2.00"}
+    assert [p.name for p in tmp_path.iterdir()] == ["rows.csv"]
