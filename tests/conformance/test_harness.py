@@ -55,6 +55,27 @@ def scale_via_bf16(x, out, factor):
         nisa.tensor_copy(dst=t, src=b)
         nisa.dma_copy(dst=out[r0:r0 + 128, :], src=t)
     return out
+
+
+def _bf16_product(t, factor):
+    """t * factor in a bf16 tile: two halves, each rounded to bf16, added into it (a bf16 accumulation)."""
+    half = nl.ndarray(t.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+    total = nl.ndarray(t.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=half, data=t, op0=nl.multiply, operand0=factor / 2)
+    nisa.tensor_tensor(dst=total, data1=half, data2=half, op=nl.add)
+    return total
+
+
+def scale_tapped(x, out, factor, gain=1.0, bump=0.0):
+    """out = _bf16_product(x, factor * gain) + bump: gain is an error before the tapped tile, bump one after."""
+    n = x.shape[0] // nl.num_programs()
+    for r0 in range(nl.program_id(0) * n, (nl.program_id(0) + 1) * n, 128):
+        t = nl.ndarray((128, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[r0:r0 + 128, :])
+        b = _bf16_product(t, factor * gain)
+        nisa.tensor_scalar(dst=t, data=b, op0=nl.add, operand0=bump)
+        nisa.dma_copy(dst=out[r0:r0 + 128, :], src=t)
+    return out
 '''
 
 REFS = '''
@@ -85,6 +106,12 @@ def float32_ref(x, out, factor, rounded=False, shift=0.0):
     """x * factor in float32 (+ shift); rounded: the product rounded to bf16 first, as scale_via_bf16's tile."""
     y = x * factor
     return {"out": (y.to(torch.bfloat16).float() if rounded else y) + shift}
+
+
+def tapped_ref(x, out, factor, gain=1.0, bump=0.0, tile=None, shift=0.0):
+    """x * factor in float32 (+ shift); tile: the product fed in (the kernel's tapped tile), the rest (nothing)
+    on it."""
+    return {"out": (x * factor if tile is None else tile) + shift}
 '''
 
 
@@ -745,3 +772,111 @@ def test_a_mismatch_is_golden_gap_only_when_the_rounded_reference_misses_too_and
         "; not GOLDEN_GAP: out: the rounded reference's max|err| 0 against the golden meets the test"), row.message
     # a kernel that matches the golden passes, whatever the case says about rounding
     assert harness.run_case(_rounded(_case(reference="float32_ref")), fake_checkout).result == harness.PASS
+
+
+TAP = "nkilib_src.kernels:_bf16_product"
+
+
+def _tapped_case(gain=1.0, bump=0.0, shift=0.0, atol=1e-6, lnc=1):
+    """scale_tapped with its bf16 product tapped: stage (a) checks the tile against x * factor in float64 (two
+    roundings: the halves, their sum), (b) / (c) feed it to tapped_ref."""
+    def make():
+        np.random.seed(0)
+        x = np.random.randn(256, 8).astype(np.float32)
+        return {"x": x, "out": np.zeros_like(x), "factor": 3.0, "gain": gain, "bump": bump}
+
+    def tiles(tapped):
+        return np.concatenate([v for _, _, v in sorted(tapped[TAP], key=lambda c: c[1])])  # (core by core, in order)
+
+    def projection(inputs, tapped, run):
+        return [("product", tiles(tapped), inputs["x"].astype(np.float64) * 3.0, 2, False)]
+
+    spec = harness.TappedReference("bf16 product", (TAP,), projection,
+                                   lambda kw, tapped: {**kw, "tile": tiles(tapped)})
+    return Case(kernel="fake", name="scale_tapped", shapes="x[256,8]", entry="nkilib_src.kernels:scale_tapped",
+                reference="nkilib_src.refs:tapped_ref", inputs=make, outputs=("out",), lnc=lnc, rtol=0.0, atol=atol,
+                ref_inputs=lambda kw: {**kw, "shift": shift}, tapped_reference=spec)
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_a_mismatch_is_golden_gap_on_tapped_tiles_only_when_all_three_conditions_hold(fake_checkout, lnc):
+    """The kernel's product goes through a bf16 tile (tapped); the golden keeps float32, 1e-6 of atol misses it.
+    (a) the tile is x * 3 within two bf16 roundings, (b) the reference fed it reproduces the kernel, (c) the golden
+    fails the test against that: GOLDEN_GAP. Each condition broken by a kernel or golden of its own: MISMATCH."""
+    case = _tapped_case(lnc=lnc)
+    row = harness.run_case(case, fake_checkout)
+    assert (row.result, row.verdict) == (harness.GOLDEN_GAP, harness.MISMATCH), row.message
+    assert harness.row_ok(case, row)
+    np.random.seed(0)
+    y = np.random.randn(256, 8).astype(np.float64) * 3.0
+    one = np.sqrt(np.mean((y.astype(ml_dtypes.bfloat16).astype(np.float64) - y) ** 2))
+    got = np.float32(y / 3.0).astype(np.float64)  # (x in float32, as the kernel reads it)
+    tile = (got * 1.5).astype(ml_dtypes.bfloat16).astype(np.float64) * 2  # (the halves' sum is exact: 2 * half)
+    ratio = np.sqrt(np.mean((tile - y) ** 2)) / one
+    assert row.message.startswith("nki-library's golden is out of reach of the kernel's own bf16 product: product: "
+                                  "1 tile(s) within their bound, the nearest to it product max|err| "), row.message
+    assert f"rms {ratio:.2f} x one bf16 rounding's" in row.message, row.message
+    assert "out: the kernel is at cosine 1.00000 (>= 0.9999) from the reference fed them, the golden fails the test " \
+        "against it (max|err| " in row.message
+    # (a) broken: the tile is 3 % off x * 3 before the tap (the reference fed it reproduces the kernel exactly)
+    assert harness.run_case(_tapped_case(gain=1.03, lnc=lnc), fake_checkout).result == harness.MISMATCH
+    # (b) broken: the kernel adds 0.25 after the tapped tile, which the reference fed it does not
+    assert harness.run_case(_tapped_case(bump=0.25, lnc=lnc), fake_checkout).result == harness.MISMATCH
+    # (c) broken: the kernel 0.07 above the fed reference, the golden 0.07 below it, atol 0.1: the kernel misses the
+    # golden, but the golden meets the test against the fed reference (a miss between the two, not the golden's)
+    wide = _tapped_case(bump=0.07, shift=-0.07, atol=0.1, lnc=lnc)
+    row = harness.run_case(wide, fake_checkout)
+    assert row.result == harness.MISMATCH and row.max_abs_err > 0.1, row.message
+    # without a tapped reference the same bf16 kernel is a plain MISMATCH, and GOLDEN_GAP is not accepted from it
+    plain = dataclasses.replace(case, tapped_reference=None)
+    assert harness.run_case(plain, fake_checkout).result == harness.MISMATCH
+    assert not harness.row_ok(plain, dataclasses.replace(row, result=harness.GOLDEN_GAP))
+
+
+def test_a_tap_records_each_call_and_changes_nothing(fake_checkout):
+    """The tap records the tile each call returns (per program, a copy), and the run computes and traces the same
+    instructions with and without it."""
+    from trnkit import nkisim
+    from trnkit.nkisim import trace
+
+    case = _tapped_case(lnc=2)
+    with harness.nki_is_interpreter(fake_checkout):
+        kernel = harness._resolve(case.entry, fake_checkout)
+        runs = []
+        for specs in ((), (TAP,)):
+            kw = case.inputs()
+            with trace.record() as tr, harness.tap(specs, fake_checkout) as tapped:
+                out = np.array(nkisim.simulate(kernel)[2](**kw))
+            # (each program's instructions in its order; the programs' threads interleave as they run)
+            runs.append((out, sorted([(i.program_id, n, i.op, i.engine, i.operands)
+                                      for n, i in enumerate(i for i in tr if i.program_id == p)]
+                                     for p in (0, 1)), tapped))
+    (out0, tr0, none), (out1, tr1, tapped) = runs
+    assert none == {} and np.array_equal(out0, out1) and tr0 == tr1
+    assert sorted((r, p) for r, p, _ in tapped[TAP]) == [(0, 0), (0, 1)]  # (one 128-row tile per core)
+    np.random.seed(0)
+    x = np.random.randn(256, 8).astype(np.float32)
+    values = np.concatenate([v for _, _, v in sorted(tapped[TAP], key=lambda c: c[1])])
+    assert values.dtype == ml_dtypes.bfloat16 and np.array_equal(values.astype(np.float32), out1)
+    assert np.array_equal(values, (x * np.float32(1.5)).astype(ml_dtypes.bfloat16) * 2)
+
+
+def test_within_roundings_is_the_stated_bound():
+    """n bf16 roundings of the row's largest value per element and sqrt(n) times one rounding's rms; an fp8 tile:
+    within n bf16 roundings and half an fp8 step."""
+    np.random.seed(1)
+    x = np.random.randn(64, 32) * 4.0
+    once = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert harness.within_roundings(once, x, 1)[0]
+    row_max = np.abs(x).max(axis=1, keepdims=True)
+    off = x.copy()
+    off[3, 5] += 2.5 * 2.0 ** -8 * row_max[3, 0]  # one element beyond 2 roundings of its row's largest value
+    assert harness.within_roundings(off, x, 3)[0] and not harness.within_roundings(off, x, 2)[0]
+    noisy = x + np.sign(np.random.randn(*x.shape)) * 0.9 * 2.0 ** -8 * row_max  # each near one rounding of max
+    ok, _, figures = harness.within_roundings(noisy, x, 1)
+    assert not ok and "rms" in figures  # within the elementwise bound, but the rms is far above one rounding's
+    fp8 = np.clip(x * 30, -240, 240).astype(ml_dtypes.float8_e4m3).astype(np.float64)
+    assert harness.within_roundings(fp8, x * 30, 1, fp8=True)[0]
+    wrong = fp8.copy()
+    wrong[0, 0] += 64.0  # beyond half a step (<= 16 up to 240) plus a bf16 rounding of its row's largest value
+    assert not harness.within_roundings(wrong, x * 30, 1, fp8=True)[0]

@@ -54,7 +54,7 @@ import numpy as np
 
 from .cases_attention_tkg import _flat_compare
 from .cases_moe_experimental import _checkout
-from .harness import Case, _file_backed, disk_array, drawn_array, load_test_module, restore_modules
+from .harness import Case, TappedReference, _file_backed, disk_array, drawn_array, load_test_module, restore_modules
 
 __all__ = ["attention_block_case", "attention_block_cases", "attention_block_golden", "test_package_modules"]
 
@@ -269,17 +269,25 @@ KERNEL_COMMON = "test/integration/nkilib/utils/test_kernel_common.py"  # importe
 
 
 def attention_block_golden(lnc: int, batch_chunk: int = 0, cache_rows: tuple[int, int] | None = None,
-                           tile_rounding: bool = False, **kw: Any) -> dict[str, np.ndarray]:
+                           tile_rounding: bool = False, qkv_out: Any = None, attention_in: Any = None,
+                           capture: dict[str, np.ndarray] | None = None, **kw: Any) -> dict[str, np.ndarray]:
     """``AttentionBlockTkgTorchRef(lnc)`` with its outputs cast to the kernel's dtypes, as the test does
     (X_out in X's dtype, the K / V outputs in the cache's: bf16, or fp8 for an fp8 cache); ``batch_chunk``
     batch rows at a time when given (:func:`_golden_in_batch_chunks`, which ``cache_rows`` goes to);
     ``tile_rounding``: with the values rounded where the kernel's tiles are narrower
-    (:func:`tile_rounded_reference`)."""
+    (:func:`tile_rounded_reference`); ``qkv_out``: the QKV projection's output ``[B*S, I]`` to use in place of
+    the reference's own, ``attention_in``: the (unscaled Q, fp8 K, fp8 V) attention reads in place of the
+    reference's, ``capture``: filled with the Q, K, V the reference's attention reads (Q unscaled; K, V as
+    ``_quantize_kv_to_fp8`` returns them, unrounded without ``tile_rounding``) (the kernel's tapped tiles,
+    :class:`.harness.TappedReference`: :func:`_tapped_projection`)."""
     with test_package_modules(KERNEL_COMMON):
         ref = importlib.import_module(f"{LIB}.experimental.transformer.attention_block_tkg_torch")
     kv_dt = FP8 if kw.get("k_scale") is not None else BF16
-    with tile_rounded_reference(ref) if tile_rounding else contextlib.nullcontext():
+    with tile_rounded_reference(ref) if tile_rounding else contextlib.nullcontext(), \
+            _qkv_replaced(ref, qkv_out), _attention_inputs(ref, attention_in, capture):
         if batch_chunk:
+            if qkv_out is not None or attention_in is not None or capture is not None:
+                raise NotImplementedError("attention_block_golden: a fed qkv_out with batch_chunk")
             return _golden_in_batch_chunks(ref.AttentionBlockTkgTorchRef(lnc), batch_chunk, kv_dt, kw, cache_rows)
         out = ref.AttentionBlockTkgTorchRef(lnc)(**kw)
     return {k: v.float().numpy().astype(BF16 if k == "X_out" else kv_dt) for k, v in out.items()}
@@ -729,6 +737,157 @@ def _validator(cfg: dict[str, Any]) -> dict[str, Any]:
 GOLDEN_BATCH_CHUNK = 17
 
 
+@contextlib.contextmanager
+def _qkv_replaced(ref: Any, qkv_out: Any) -> Iterator[None]:
+    """Inside the block ``ref.qkv_tkg_torch_ref`` returns ``qkv_out`` (``[B*S, I]``) in the layout it is asked for
+    (``[B, S, I]``, or ``[N, B, S, d]`` for NBSd, as the reference permutes its own) instead of computing it
+    (nothing changes when ``qkv_out`` is None)."""
+    if qkv_out is None:
+        yield
+        return
+    own = ref.qkv_tkg_torch_ref
+
+    def fed(**a: Any) -> dict[str, Any]:
+        b, s = a["hidden"].shape[:2]
+        out = qkv_out.float().reshape(b, s, -1).clone()
+        layout = getattr(a.get("output_layout"), "name", "BSD")
+        if layout == "NBSd":
+            return {"out": out.reshape(b, s, -1, a["d_head"]).permute(2, 0, 1, 3)}
+        if layout != "BSD":
+            raise NotImplementedError(f"attention_block_golden: a fed qkv_out in layout {layout}")
+        return {"out": out}
+
+    ref.qkv_tkg_torch_ref = fed
+    try:
+        yield
+    finally:
+        ref.qkv_tkg_torch_ref = own
+
+
+@contextlib.contextmanager
+def _attention_inputs(ref: Any, fed: Any, capture: dict[str, np.ndarray] | None) -> Iterator[None]:
+    """Inside the block the reference's attention reads ``fed`` = (Q ``[d, B*N*S]`` unscaled, K ``[d, B*S]``,
+    V ``[B*S, d]``: the kernel's tiles) in its layouts (Q ``[d, B, N, S]``, K ``[d, B, S]``, V ``[B, S, d]``), K / V
+    also going to the cache update (they replace ``_quantize_kv_to_fp8``'s result); ``capture`` gets the Q, K, V it
+    reads. Nothing changes when both are None."""
+    import torch
+
+    if fed is None and capture is None:
+        yield
+        return
+    cls = ref.AttentionBlockTkgTorchRef
+    run, quantize = cls._run_attention, cls._quantize_kv_to_fp8
+    as_f32 = lambda t: torch.from_numpy(np.asarray(t, np.float32).copy())  # noqa: E731
+
+    def quantized(self: Any, k: Any, v: Any, *a: Any) -> tuple[Any, Any]:
+        k, v = quantize(self, k, v, *a)
+        if fed is not None:
+            k, v = as_f32(fed[1]).reshape(k.shape), as_f32(fed[2]).reshape(v.shape)
+        return k, v
+
+    def attention(self: Any, q: Any, k: Any, v: Any, *a: Any, **kw: Any) -> Any:
+        if fed is not None:
+            q = as_f32(fed[0]).reshape(q.shape)
+        if capture is not None:
+            capture.update(Q=q.detach().numpy().copy(), K=k.detach().numpy().copy(), V=v.detach().numpy().copy())
+        return run(self, q, k, v, *a, **kw)
+
+    cls._run_attention, cls._quantize_kv_to_fp8 = attention, quantized
+    try:
+        yield
+    finally:
+        cls._run_attention, cls._quantize_kv_to_fp8 = run, quantize
+
+
+# the kernel's tiles tapped for harness.tapped_golden_gap: qkv()'s output in attention_block_tkg (QKV_out, the bf16
+# [B*S, I] tile of the projection that Q, K and V are cut from; unnamed in nki-library: alloc_heap without a name)
+# and qkv_tkg's fp8 quantized input (hidden_sb_quantized, [128, B*S, H/128/lnc] per core, returned by
+# _fused_norm_and_load as a TensorView)
+QKV_TAP = f"{LIB}.experimental.transformer.attention_block_tkg:qkv"
+QUANTIZED_INPUT_TAP = f"{LIB}.core.qkv.qkv_tkg:_fused_norm_and_load"
+# and the Q, K, V attention reads: _QKV_processing's (Q [d, B*N*S] bf16 before the softmax scale, K [d, B*S] and V
+# [B, 1, S, d] fp8 with a quantized KV cache, V's SBUF copy)
+PROCESSED_TAP = f"{LIB}.experimental.transformer.attention_block_tkg:_QKV_processing"
+
+
+def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
+    """For :class:`.harness.TappedReference`, per rank, two stages, each tapped tile against a computation of it
+    from the kernel's own tapped input to that stage:
+    (1) each core's QKV tile against the float64 STATIC projection of the rank's tapped fp8 input (the cores'
+    ``[128, B*S, H/128/lnc]`` tiles in order: core ``c``'s partition ``p``, column ``j`` is hidden index
+    ``c * H / lnc + p * H/128/lnc + j``), dequantized as ``qkv_tkg_torch_ref`` does (Q / K / V columns by their
+    weight scale, all by the input scale, then the bias). bf16 roundings per element, at most: one per 128-row
+    partial sum each core adds into the tile (``H / 128 / lnc``), one per core's half (``lnc``), one for the
+    dequantization, one for the bias;
+    (2) the Q, K, V that attention reads (``_QKV_processing``'s tiles: Q bf16, K / V fp8) against nki-library's
+    reference (float32) fed the rank's core-0 QKV tile: its Q / K / V norms, RoPE and KV scaling, unrounded.
+    Q's roundings: one for the pre-RoPE norm's bf16 tile, three for RoPE's two products and their sum, one for the
+    post-RoPE norm, one for the copy out of the fp32 norm; K / V are fp8 tiles (within one fp8 step of it)."""
+    def projection(inputs: dict[str, Any], tapped: dict[str, list], run: Callable[..., dict]) -> list:
+        out = []
+        ranks = inputs["ranks"] if "ranks" in inputs else [inputs]
+        captured = [{} for _ in ranks]
+        for rank, kw in enumerate(ranks):
+            quant = sorted((p, v) for r, p, v in tapped[QUANTIZED_INPUT_TAP] if r == rank)
+            qkv = sorted((p, v) for r, p, v in tapped[QKV_TAP] if r == rank)
+            processed = sorted((p, v) for r, p, v in tapped[PROCESSED_TAP] if r == rank)
+            w = np.asarray(kw["W_qkv"], np.float64)
+            h, i = w.shape
+            if len(quant) != lnc or not qkv or not processed:
+                return [(f"rank {rank}: {len(quant)} quantized inputs, {len(qkv)} QKV tiles, {len(processed)} "
+                         "Q/K/V", np.zeros(1), np.ones(1), 1, False)]
+            bxs = quant[0][1].shape[1]
+            x = np.concatenate([np.asarray(v, np.float64).transpose(1, 0, 2).reshape(bxs, -1) for _, v in quant],
+                               axis=1)
+            exact = x @ w
+            q = i // d - 2
+            scale = np.asarray(kw["weight_dequant_scale_qkv"], np.float64)[0]
+            exact[:, :q * d] *= scale[0]
+            exact[:, q * d:(q + 1) * d] *= scale[1]
+            exact[:, (q + 1) * d:] *= scale[2]
+            exact *= float(np.asarray(kw["input_dequant_scale_qkv"], np.float64)[0, 0])
+            if kw.get("bias_qkv") is not None:
+                exact += np.asarray(kw["bias_qkv"], np.float64).reshape(1, -1)
+            for program, value in qkv:
+                out.append((f"rank {rank} core {program} QKV", np.asarray(value).reshape(bxs, i), exact,
+                            h // 128 // lnc + lnc + 2, False))
+        run(lambda kw: _fed(kw, tapped, qkv=True, capture=captured))
+        for rank, cap in enumerate(captured):
+            for program, (q_t, k_t, v_t, _) in sorted((p, v) for r, p, v in tapped[PROCESSED_TAP] if r == rank):
+                last = lambda a: np.moveaxis(a, 0, -1)  # noqa: E731  (d last: a row is one head's vector)
+                out.append((f"rank {rank} core {program} Q", last(np.asarray(q_t).reshape(cap["Q"].shape)),
+                            last(cap["Q"]), 6, False))
+                out.append((f"rank {rank} core {program} K", last(np.asarray(k_t).reshape(cap["K"].shape)),
+                            last(cap["K"]), 6, True))
+                out.append((f"rank {rank} core {program} V", np.asarray(v_t).reshape(cap["V"].shape), cap["V"], 1,
+                            True))
+        return out
+    return projection
+
+
+def _fed(kw: dict[str, Any], tapped: dict[str, list], qkv: bool = False,
+         capture: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
+    """The reference's inputs with each rank's core-0 tapped tiles fed in: its QKV tile (``qkv``, unrounded, the
+    Q / K / V attention reads ``capture``d per rank), else the Q, K, V attention reads, rounded as the kernel's
+    other tiles are (``tile_rounding``)."""
+    def first(spec: str) -> dict[int, Any]:
+        return {r: v for r, p, v in sorted(tapped[spec], key=lambda c: (c[0], -c[1]))}
+
+    qkv_tiles, processed = first(QKV_TAP), first(PROCESSED_TAP)
+
+    def one(g: dict[str, Any], r: int) -> dict[str, Any]:
+        return {**g, "qkv_out": qkv_tiles[r], "capture": capture[r]} if qkv else \
+            {**g, "attention_in": processed[r][:3]}
+    rounding = {} if qkv else {"tile_rounding": True}
+    if "golden" in kw:  # (KV-data-parallel: each rank's reference its own tiles; the rounding for all of them)
+        return {**kw, **rounding, "golden": [one(g, r) for r, g in enumerate(kw["golden"])]}
+    return {**one(kw, 0), **rounding}
+
+
+TAPPED_QKV = ("QKV projection and Q / K / V (qkv()'s bf16 tile and _QKV_processing's tiles, tapped in the run; the "
+              "Q / K / V fed to nki-library's reference)")
+
+
 def _kv_cache_bytes(b: int, d: int, s_ctx: int, s_max: int, cfg: dict[str, Any]) -> int:
     return 2 * b * (s_ctx if cfg["block_len"] else s_max) * d * (1 if cfg["kv_quant"] else 2)
 
@@ -757,6 +916,12 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
     rounded = None
     if cfg["kv_quant"] or cfg["quantization_type"] == "STATIC":
         rounded = (TILE_ROUNDING, lambda kw, plain=ref_inputs: {**plain(kw), "tile_rounding": True})
+    # rows with STATIC fp8 weights: a mismatch golden_gap leaves is checked on the kernel's own QKV projection
+    # (harness.tapped_golden_gap)
+    tapped = None
+    if cfg["quantization_type"] == "STATIC" and cfg["kv_quant"]:
+        tapped = TappedReference(TAPPED_QKV, (QKV_TAP, QUANTIZED_INPUT_TAP, PROCESSED_TAP),
+                                 _tapped_projection(lnc, d), _fed)
     return Case(
         kernel="experimental/transformer/attention_block_tkg", name=_name(cfg), shapes=shapes,
         entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,
@@ -764,7 +929,7 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
         outputs=("X_out",) + (("K_cache_updated", "V_cache_updated") if cfg["update_cache"] else ("K_tkg", "V_tkg")),
         postprocess=_flat_compare, lnc=lnc, ranks=ranks if ranks > 1 else 0, rtol=0.07 if fp8 else 0.015,
         atol=16.0 if fp8 else 1e-5, note=FP8_NOTE if fp8 else "", **_validator(cfg), rounded_reference=rounded,
-        test_file=f"{TESTS}/test_attention_block_tkg.py")
+        tapped_reference=tapped, test_file=f"{TESTS}/test_attention_block_tkg.py")
 
 
 def attention_block_cases() -> list[Case]:

@@ -50,7 +50,8 @@ import numpy as np
 __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nkilib_commit", "nkilib_tarball",
            "extract_tarball", "compare", "disk_array", "uniform_array", "drawn_array", "run_case", "run_cases",
            "format_table", "write_csv", "row_ok", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED",
-           "XFAIL", "SKIPPED", "GOLDEN_GAP", "golden_gap", "MODEL_CONFIG"]
+           "XFAIL", "SKIPPED", "GOLDEN_GAP", "golden_gap", "MODEL_CONFIG", "TappedReference", "tap",
+           "tapped_golden_gap", "within_roundings"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
@@ -120,6 +121,30 @@ class Case:
     # narrower dtype than the reference computes in (e.g. fp8 tiles where it keeps float32 clipped to fp8's range);
     # a MISMATCH is GOLDEN_GAP when golden_gap finds the golden out of reach of that rounding, else it stays MISMATCH
     rounded_reference: tuple[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None
+    # the kernel's own intermediate tiles recorded during the run (:class:`TappedReference`): a MISMATCH that
+    # golden_gap leaves is GOLDEN_GAP when tapped_golden_gap's three conditions hold, else it stays MISMATCH
+    tapped_reference: TappedReference | None = None
+
+
+@dataclass(frozen=True)
+class TappedReference:
+    """How :func:`tapped_golden_gap` checks a row on the kernel's own intermediate tiles.
+
+    ``taps``: ``"module:function"`` (resolved in the checkout) of kernel-side functions whose returned tile is
+    recorded on every call during the kernel's run (:func:`tap`: read-only, a copy of the value; the kernel gets
+    the same object back). ``projection(inputs, taps, run)`` -> ``[(label, tapped, exact, roundings, fp8), ...]``:
+    tapped tiles and a computation of the same values (float64, or nki-library's float32 reference, which
+    ``run(fn)`` runs with its inputs mapped by ``fn``) from the kernel's own tapped inputs to them, with the number
+    of bf16 roundings each element can go through and whether the tile is fp8 (:func:`within_roundings`).
+    ``ref_inputs(kw, taps)``: the reference's inputs (the case's ``ref_inputs`` already applied) with the tapped
+    tiles fed in; ``what`` says which. ``min_cosine``: how near (cosine similarity, every output the kernel fails)
+    the kernel must be to that reference."""
+
+    what: str
+    taps: tuple[str, ...]
+    projection: Callable[..., list[tuple[str, np.ndarray, np.ndarray, int, bool]]]
+    ref_inputs: Callable[[dict[str, Any], dict[str, list]], dict[str, Any]]
+    min_cosine: float = 0.9999
 
 
 MODEL_CONFIG = "model_config"  # Case.tier of the rows of nki-library's test_*_model_config.py tables
@@ -678,7 +703,7 @@ def row_ok(case: Case, row: Row) -> bool:
     if case.rejected_by:
         return result in (REJECTED, ERROR) and case.rejected_by in row.message
     return result == PASS or (result == XFAIL and bool(case.xfail)) or \
-        (result == GOLDEN_GAP and case.rounded_reference is not None)
+        (result == GOLDEN_GAP and (case.rounded_reference is not None or case.tapped_reference is not None))
 
 
 def _run_case(case: Case, root: Path, commit: str) -> Row:
@@ -710,7 +735,7 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
             kernel = case.wrap_kernel(kernel)
         # (ranks may share an array: each its copy; an xfail check reads the inputs after the kernel)
         keep = case.postprocess is not None or case.ranks > 0 or case.xfail_check is not None \
-            or case.rounded_reference is not None
+            or case.rounded_reference is not None or case.tapped_reference is not None
         kernel_in = _copies(inputs["ranks"], case.read_only, keep) if case.ranks \
             else _copies([inputs], case.read_only, keep)[0]
         t0 = time.perf_counter()
@@ -722,7 +747,8 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
                     warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", memory.SbufSpillWarning)
                 warnings.simplefilter("always", memory.PsumReorderWarning)
-                result = _launch(case, kernel, kernel_in)
+                with tap(case.tapped_reference.taps if case.tapped_reference else (), root) as tapped:
+                    result = _launch(case, kernel, kernel_in)
             del kernel_in  # (what the kernel returned stays referenced by result)
             spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
             reorders = [w.message for w in caught if issubclass(w.category, memory.PsumReorderWarning)]
@@ -753,7 +779,7 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
         actual = {n: _as_compared(np.asarray(r), expected[n].dtype) for n, r in zip(case.outputs, results)}
     reshaped = _in_golden_shape(actual, expected)
     del results
-    if case.xfail_check is None and case.rounded_reference is None:
+    if case.xfail_check is None and case.rounded_reference is None and case.tapped_reference is None:
         del inputs
     ok_all, worst_ratio, shares, failing = True, -1.0, [], {}
     for name in case.outputs:
@@ -777,8 +803,15 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
         if cause:  # the failure nki-library's xfail is about, checked: not a mismatch of the interpreter's
             row.verdict, row.result = MISMATCH, XFAIL
             row.message = f"xfail as nki-library marks it ({case.xfail}); checked: {cause}; {row.message}"
-        elif case.rounded_reference is not None:
-            shown, why = golden_gap(case, root, inputs, actual, expected, failing)
+        elif case.rounded_reference is not None or case.tapped_reference is not None:
+            shown, why = golden_gap(case, root, inputs, actual, expected, failing) \
+                if case.rounded_reference is not None else (False, "")
+            if not shown and case.tapped_reference is not None:
+                try:
+                    shown, tapped_why = tapped_golden_gap(case, root, inputs, actual, expected, failing, tapped)
+                except Exception as exc:  # noqa: BLE001  (the row stays MISMATCH and says why it was not checked)
+                    tapped_why = f"the tapped check failed: {type(exc).__name__}: {exc}"
+                why = tapped_why if shown else "; ".join(w for w in (why, tapped_why) if w)
             if shown:  # the test's golden, not the kernel's arithmetic on the interpreter: checked per output
                 row.verdict, row.result = MISMATCH, GOLDEN_GAP
                 row.message = f"{why}; {row.message}"
@@ -882,6 +915,155 @@ def golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: dict[str,
             f"the kernel's {_measure(c, name, case, near[c])} from the rounded reference is within the golden's "
             f"{_measure(c, name, case, gold[c])}" for c in kernel.failed))
     return bool(parts), f"nki-library's golden is out of reach of {what}: " + "; ".join(parts)
+
+
+@contextlib.contextmanager
+def tap(specs: Sequence[str], root: Path | None = None) -> Iterator[dict[str, list[tuple[int, int, Any]]]]:
+    """Inside the block every call of each ``"module:function"`` in ``specs`` (a kernel-side function, resolved
+    in the checkout) has the tile it returns recorded: ``{spec: [(rank, program, value), ...]}`` in call order,
+    ``value`` a copy read with ``NkiTensor.peek``, a tuple of them for a function returning a tuple of tiles (no
+    access recorded: results, checks and costs are those of a run without taps); a ``TensorView``-like result
+    (``get_view()``) is read through its view. The function returns what it returned. No specs (the default):
+    nothing is wrapped."""
+    from trnkit.nkisim import memory
+
+    recorded: dict[str, list[tuple[int, int, np.ndarray]]] = {spec: [] for spec in specs}
+    saved = []
+    for spec in specs:
+        module_name, _, attr = spec.partition(":")
+        module = importlib.import_module(module_name)
+        fn = getattr(module, attr)
+
+        def wrapped(*a: Any, _fn: Callable[..., Any] = fn, _spec: str = spec, **k: Any) -> Any:
+            out = _fn(*a, **k)
+            ctx = memory.current()
+            rank = ctx.launch.rank.rank if ctx.launch is not None and ctx.launch.rank is not None else 0
+            value = tuple(_peek(t) for t in out) if isinstance(out, tuple) else _peek(out)
+            recorded[_spec].append((rank, ctx.flat_program_id, value))
+            return out
+
+        saved.append((module, attr, fn))
+        setattr(module, attr, wrapped)
+    try:
+        yield recorded
+    finally:
+        for module, attr, fn in reversed(saved):
+            setattr(module, attr, fn)
+
+
+def _peek(tile: Any) -> np.ndarray | None:
+    """A tapped tile's value (a ``TensorView``-like one through its ``get_view()``; None stays None)."""
+    if tile is None:
+        return None
+    return (tile.get_view() if hasattr(tile, "get_view") else tile).peek()
+
+
+BF16_UNIT = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, a round to nearest is off by at most 2^-8 relative
+
+
+def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: int, fp8: bool = False
+                     ) -> tuple[bool, float, str]:
+    """Whether ``tapped`` (a bf16 tile, last axis its features, rows its tokens) is ``exact`` (float64) after at
+    most ``roundings`` bf16 roundings per element, and the measured figures.
+
+    The bound: a value built by adding ``n`` partial sums into a bf16 tile one by one (fp32 add, round to nearest
+    even) is ``s_k = (s_{k-1} + p_k)(1 + d_k)`` with ``|d_k| <= u = 2^-8``, so its error is at most
+    ``u * sum_k |s_k|`` to first order. The running sums are not recorded; taking each ``|s_k|`` at most the largest
+    ``|exact|`` of its row, the element is within ``roundings * u * max_row|exact|`` (1). A running sum larger than
+    that only makes the check fail: the bound never puts a row on the golden that a wider one would not. And, as
+    the roundings of independent partial sums add as a random walk, the root mean square of the error is within
+    ``sqrt(roundings)`` times that of one bf16 rounding of ``exact`` (2). Both must hold.
+
+    ``fp8``: ``tapped`` is an fp8 (e4m3) tile quantized (clipped to +-240, rounded to nearest) from such a value
+    ``y``, ``|y - exact| <= e = roundings * u * max_row|exact|`` as in (1): clipping moves no two values further
+    apart and a round to nearest moves ``y`` by at most half an fp8 step at ``|y|``, so each element is within
+    ``e + step(|exact| + e) / 2`` of ``exact`` (``step(v)``: e4m3's spacing at ``v``, 3 mantissa bits, subnormal
+    below 2^-6); the share that is not ``exact``'s nearest fp8 value is reported.
+
+    Returns ``(ok, worst, figures)``: ``worst`` the largest error as a share of its element's bound."""
+    t, x = np.asarray(tapped, np.float64), np.asarray(exact, np.float64)
+    if t.shape != x.shape or not np.all(np.isfinite(t)):
+        return False, float("inf"), f"shape {t.shape} vs {x.shape}" if t.shape != x.shape else "non-finite values"
+    err = np.abs(t - x)
+    if fp8:
+        import ml_dtypes
+
+        x = np.clip(x, -240, 240)  # (fp8's range, as the kernel clips: the bound holds for the clipped value)
+        err = np.abs(t - x)
+        nearest = x.astype(np.float32).astype(ml_dtypes.float8_e4m3).astype(np.float64)
+        row_max = np.abs(x).reshape(-1, x.shape[-1]).max(axis=1).reshape(x.shape[:-1] + (1,))
+        e = roundings * BF16_UNIT * row_max
+        step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(x) + e, 2.0 ** -6))) - 3)  # e4m3: 3 mantissa bits
+        bound = e + step / 2
+        worst = float(np.max(err / bound)) if err.size else 0.0
+        return worst <= 1.0, worst, (f"fp8: {np.mean(t != nearest):.2%} not the nearest fp8 value, max|err| "
+                                     f"{worst:.2f} of the bound ({roundings} bf16 roundings and half an fp8 step)")
+    row_max = np.abs(x).reshape(-1, x.shape[-1]).max(axis=1).reshape(x.shape[:-1] + (1,))
+    bound = roundings * BF16_UNIT * row_max
+    worst = float(np.max(err / np.where(bound > 0, bound, np.inf))) if err.size else 0.0
+    one = np.sqrt(np.mean((cast_bf16(x) - x) ** 2))
+    rms = float(np.sqrt(np.mean(err ** 2)))
+    ratio = rms / one if one > 0 else (0.0 if rms == 0 else float("inf"))
+    ok = bool(np.all(err <= bound)) and ratio <= np.sqrt(roundings)
+    return ok, worst, (f"max|err| {worst:.2f} of the {roundings}-rounding bound, rms {ratio:.2f} x one bf16 rounding's "
+                f"(<= sqrt({roundings}) = {np.sqrt(roundings):.2f})")
+
+
+def cast_bf16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to bf16 (to nearest even, as the interpreter casts), back in float64."""
+    import ml_dtypes
+
+    from trnkit.nkisim.dtypes import cast
+
+    return cast(np.asarray(x, np.float64), np.dtype(ml_dtypes.bfloat16)).astype(np.float64)
+
+
+def tapped_golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: dict[str, np.ndarray],
+                      expected: dict[str, np.ndarray], failing: dict[str, Judged],
+                      tapped: dict[str, list[tuple[int, int, Any]]]) -> tuple[bool, str]:
+    """Whether a mismatch is shown to be nki-library's golden's on the kernel's own tiles, and why (or why not: the
+    first condition that fails) (``case.tapped_reference``, the tiles recorded during the row's run by
+    :func:`tap`). All three must hold: (a) every tapped tile is its computation from the kernel's own tapped
+    inputs (float64, or the float32 reference) within its stated
+    number of bf16 roundings (:func:`within_roundings`): the kernel's arithmetic up to that tile is right;
+    (b) nki-library's reference fed those tiles (with the case's other roundings) reproduces every output the
+    kernel fails: the test's validator passes the kernel against it and their cosine similarity is at least
+    ``min_cosine``: the rest of the kernel is right given those tiles; (c) on each such output the golden fails
+    the test's validator against that reference too: the golden is out of reach of the kernel's legitimate
+    roundings up to the tapped tiles, not the kernel out of reach of the golden."""
+    spec = case.tapped_reference
+    if any(not calls for calls in tapped.values()) or not tapped:
+        return False, "tapped: no tile recorded for " + ", ".join(k for k, v in tapped.items() if not v)
+    def run(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, np.ndarray]:
+        return reference_outputs(dataclasses.replace(
+            case, ref_inputs=lambda kw: fn(case.ref_inputs(kw) if case.ref_inputs else kw)), inputs, root)
+
+    stages: dict[str, list[tuple[float, str, str]]] = {}  # per stage (a label's last word): its tiles' figures
+    for label, got, exact, roundings, fp8 in spec.projection(inputs, tapped, run):
+        ok, worst, figures = within_roundings(got, exact, roundings, fp8)
+        if not ok:  # (a): the kernel's tile is not its computation from its own inputs
+            return False, f"tapped {label}: {figures}, beyond its bound"
+        stages.setdefault(label.split()[-1], []).append((worst, label, figures))
+    parts = [f"{stage}: {len(tiles)} tile(s) within their bound, the nearest to it {max(tiles)[1]} {max(tiles)[2]}"
+             for stage, tiles in stages.items()]
+    fed = run(lambda kw: spec.ref_inputs(kw, tapped))
+    if case.postprocess is not None:
+        fed = case.postprocess(inputs, actual, fed)[1]
+    for name in failing:
+        kernel = judge(case, name, actual[name], fed[name])
+        cosine = within_share(actual[name], fed[name], 0.0)[1]
+        if not kernel.ok or not cosine >= spec.min_cosine:  # (b): the rest of the kernel is not the reference's
+            return False, (f"{name}: the kernel is at cosine {cosine:.5f} from the reference fed the tapped tiles"
+                           + (f" (< {spec.min_cosine})" if kernel.ok else f", max|err| {kernel.err:.3g} > "
+                              f"{kernel.allowed:.3g}"))
+        gold = judge(case, name, expected[name], fed[name])
+        if gold.ok:  # (c): the golden meets the test against it: the kernel's miss is its own
+            return False, f"{name}: the golden meets the test against the reference fed the tapped tiles"
+        miss = _distance(case, name, expected[name], fed[name])
+        parts.append(f"{name}: the kernel is at cosine {cosine:.5f} (>= {spec.min_cosine}) from the reference fed "
+                     f"them, the golden fails the test against it ("
+                     + ", ".join(_measure(c, name, case, miss[c]) for c in gold.failed) + ")")
+    return True, f"nki-library's golden is out of reach of the kernel's own {spec.what}: " + "; ".join(parts)
 
 
 def first_output(kernel: Callable[..., Any]) -> Callable[..., Any]:

@@ -358,6 +358,19 @@ class NkiTensor:
             self._np = a
         return a
 
+    def peek(self) -> np.ndarray:
+        """A copy of the tensor's value now, for a test harness's tap (``trnkit.conformance.harness.tap``): read
+        without recording an access (no liveness touch, no HBM pin, nothing traced), so a run with taps computes,
+        checks and costs exactly what one without them does. Direct views only."""
+        if self._vec is not None or self._dyn is not None:
+            fail("peek", "tensor {name!r} is an indirect or dynamic view: a tap reads direct views only",
+                 name=self.name)
+        if self._unchecked is not None:
+            self._checked()
+        isz = self.dtype.itemsize
+        return np.array(np.ndarray(self.shape, self.dtype, buffer=self._st.flat(self.dtype), offset=self.offset * isz,
+                                   strides=tuple(s * isz for s in self.strides)))
+
     def resolve_offset(self, op: str) -> int:
         """The view's start element now (reads a dynamic ``scalar_offset``), bounds-checked."""
         if self._dyn is None:
