@@ -132,11 +132,13 @@ def test_sbuf_tile_larger_than_capacity_rejected_at_allocation(ctx):
         nl.ndarray((128, 212 * KIB // 4), nl.float32, buffer=nl.sbuf, name="huge")
 
 
-def test_psum_tile_must_fit_one_bank(ctx):
-    nl.ndarray((128, 512), nl.float32, buffer=nl.psum)
-    with pytest.raises(NkiValidationError, match=r"PSUM tile 'big' needs 2052 bytes per partition, more "
-                                                 r"than one PSUM bank \(2048 bytes"):
-        nl.ndarray((128, 513), nl.float32, buffer=nl.psum, name="big")
+def test_psum_tile_up_to_the_eight_banks(ctx):
+    # over one bank is allowed (whole banks of its own; tests/nkisim/test_psum_multibank.py), over 16 KiB is not
+    assert nl.ndarray((128, 513), nl.float32, buffer=nl.psum, name="big").shape == (128, 513)
+    nl.ndarray((128, 4096), nl.float32, buffer=nl.psum)
+    with pytest.raises(NkiValidationError, match=r"PSUM tile 'huge' needs 16388 bytes per partition, more "
+                                                 r"than the whole PSUM \(8 banks x 2048 bytes"):
+        nl.ndarray((128, 4097), nl.float32, buffer=nl.psum, name="huge")
 
 
 def _psum_banks_scenario(extra: bool) -> memory.Memory:

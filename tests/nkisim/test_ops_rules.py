@@ -109,7 +109,7 @@ def test_psum_free_size_limit_counts_accessed_elements_not_broadcast_repeats() -
     vector.tensor_tensor(out, tile(x), mean.expand_dim(2).broadcast(2, 3072), nl.subtract)
     np.testing.assert_array_equal(out.np(), x - mean.np()[:, :, None])
     # A PSUM operand really accessing more than 4K elements per partition is rejected. (No PSUM
-    # allocation reaches that size, one 2 KiB bank each, so the view is bound to raw storage here.)
+    # allocation reaches 4097 fp32, 16 KiB at most, so the view is bound to raw storage here.)
     st = Storage(np.zeros(2 * 4097, np.float32), (2, 4097), psum, "wide_psum")
     wide = NkiTensor((2, 4097), np.float32, storage=st)
     with _raises(r"tensor_copy: src accesses 4097 elements per partition, over the vector engine "

@@ -22,16 +22,27 @@ Capacities (trn2 = NeuronCore-v3), per partition:
   compiler's reserved region (``nkilib core/mlp/mlp_cte/mlp_cte_constants.py``:
   ``224*1024 - 16384 - ...``; ``nki-facts.md`` section 3).
 * PSUM: 16 KiB = 8 banks x 2 KiB (512 fp32) per partition (trn2 arch guide; ``nl.tile_size.rst``
-  ``psum_bank_fmax``). A PSUM tile must fit inside one bank (checked when the tile is allocated):
-  ``nl.tile_size.psum_fmax`` is the "Maximum free dimension of a tile on PSUM buffer, in FP32 elements"
-  (512), the ``nki.compiler.psum.alloc`` reference says "In current release, fdim_size cannot exceed
-  2KiB" (one bank), a matmul accumulation group lives in one bank, and nki-library's tested kernels
-  size every PSUM tile to a bank (``core/attention/attention_tkg.py`` caps its score tile at
-  ``psum_fmax``). The architecture guide's "free dimension size can be up to ... 4K elements for PSUM"
-  per Vector / Scalar instruction is therefore not reachable from one NKI tile in fp32. At every
-  instruction the live PSUM tiles must pack into
-  the 8 banks, each tile inside one bank (first-fit decreasing, several small tiles may share a bank),
-  in program order or else in the reordered schedule below.
+  ``psum_bank_fmax``, ``psum_num_banks``). A PSUM tile may span up to all 8 banks (16 KiB per partition,
+  checked when the tile is allocated); a tile over one bank occupies whole, consecutive banks that no other
+  tile shares (``ceil(bytes / 2 KiB)`` banks, its start on a bank boundary, as the manual-placement API's
+  ``address=(0, bank_id * 2048)`` puts it), while tiles of at most one bank each sit inside one bank
+  (first-fit decreasing, several small tiles may share a bank). Only the number of banks is checked: the
+  compiler places the tiles after tracing and the interpreter does not model which consecutive banks are
+  free. Sources: Neuron SDK 2.33's ``nki.language.tile_size`` page calls ``psum_fmax`` (512) the "Maximum
+  free dimension per PSUM bank per partition ... Deprecated since version 0.4.0: Despite the name, this does
+  not represent the free-dim size per partition. Use psum_bank_fmax instead." (up to 2.30 it read "Maximum
+  free dimension of a tile on PSUM buffer"; the tested kernel wins over that wording: nki-library's
+  ``core/topk/rotational_topk.py`` ``_topk_rotated_core`` at k = 2,048 allocates [P, 1024] fp32 PSUM tiles,
+  two banks, each written by two 512-column matmuls, one per bank); the architecture guide's "free dimension
+  size can be up to ... 4K elements for PSUM" per Vector / Scalar instruction (``isa/vector.py``) lets one
+  instruction read two fp32 banks. The ``nki.compiler.psum.alloc`` reference's "In current release,
+  fdim_size cannot exceed 2KiB" is about that manual-placement API, which the interpreter does not
+  implement. What stays inside one bank is one TensorE write: a matmul (or TensorE transpose) whose output
+  range crosses a bank boundary of a multi-bank tile is rejected (``isa/tensor_engine.py``; accumulation
+  groups below: "the first one writing to a PSUM bank and more subsequent instructions accumulating into the
+  same PSUM bank", and ``nc_matmul``'s output is at most ``psum_bank_fmax`` = ``gemm_moving_fmax`` = 512
+  fp32). At every instruction the live PSUM tiles must pack into the 8 banks, in program order or else in
+  the reordered schedule below.
 
 PSUM and the compiler's reordering. The order of the trace is not the order the hardware runs:
 neuronx-cc "makes both decisions [where each tensor goes in SBUF, PSUM and HBM, and the order in which
@@ -64,8 +75,9 @@ accumulating into the same PSUM bank data is called a matmul accumulation group 
 per partition, TensorE can have up to eight outstanding matmul accumulation groups"
 (``nki/guides/architecture/trainium_inferentia2_arch.rst``, "PSUM accumulation"). A group is
 outstanding from its first matmul to its last one; after that its result is plain PSUM data (bounded
-by the PSUM capacity, not by this rule). Each PSUM tile lives in one bank, so a tile carries one group
-at a time: matmuls into any of its views extend the tile's current group, and a matmul that starts a
+by the PSUM capacity, not by this rule). Groups are counted per bank of a tile: a tile of at most one bank
+carries one group at a time, a multi-bank tile one per bank (each matmul's output lies inside one bank).
+Matmuls into any view of a tile's bank extend that bank's current group, and a matmul that starts a
 fresh accumulation after another instruction read or wrote the tile opens a new group. At no
 instruction may more than eight groups be outstanding. AWS's tested kernels rely on exactly this:
 sequential and single-matmul groups into many PSUM tiles kept in lists (attention_tkg,
@@ -122,7 +134,8 @@ class Allocation:
         self.memory = memory
         self.first = -1  # instruction numbers (Memory.clock) of the first / last access; -1: none
         self.last = -1
-        self.groups: list[list[int]] = []  # PSUM: [first, last] matmul of each accumulation group
+        # PSUM: bank of the tile -> [first, last] matmul of each accumulation group in that bank
+        self.groups: dict[int, list[list[int]]] = {}
         self.reach: tuple[int, int, int] | None = None  # slot of its last access in the reordered schedule
 
     def touch(self) -> None:
@@ -152,10 +165,24 @@ def _user_site() -> str:
     return f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
+def _whole_banks(nbytes: int) -> int:
+    """Banks a PSUM tile takes to itself: ``ceil(nbytes / 2 KiB)`` over one bank, else 0 (it may share)."""
+    return -(-nbytes // PSUM_BANK_BYTES) if nbytes > PSUM_BANK_BYTES else 0
+
+
+def _bank_bound(nbytes: int) -> int:
+    """Most banks a PSUM tile can add to a packing (1 for a tile of at most one bank)."""
+    return max(1, _whole_banks(nbytes))
+
+
 def _pack_banks(sizes: list[int]) -> list[int]:
-    """Bytes used per bank after placing ``sizes`` first-fit decreasing, each inside one bank."""
+    """Bytes used per bank after placing ``sizes``: a tile over one bank fills ``ceil(n / 2 KiB)`` whole
+    banks of its own (module doc), the others go first-fit decreasing, each inside one bank."""
     banks: list[int] = []
-    for n in sorted(sizes, reverse=True):
+    for n in sizes:
+        if n > PSUM_BANK_BYTES:
+            banks += [PSUM_BANK_BYTES] * _whole_banks(n)
+    for n in sorted((n for n in sizes if n <= PSUM_BANK_BYTES), reverse=True):
         for i, used in enumerate(banks):
             if used + n <= PSUM_BANK_BYTES:
                 banks[i] = used + n
@@ -189,10 +216,11 @@ class Memory:
 
     def allocate(self, buffer: str, nbytes: int, name: str) -> Allocation | None:
         """Register an SBUF/PSUM allocation of ``nbytes`` per partition (None when not tracking)."""
-        if buffer == "psum" and nbytes > PSUM_BANK_BYTES:
+        if buffer == "psum" and nbytes > PSUM_PARTITION_BYTES:
             fail("nl.ndarray", "PSUM tile {name!r} needs {requested} bytes per partition, more "
-                 "than one PSUM bank ({bank} bytes = 512 fp32)",
-                 name=name, requested=nbytes, bank=PSUM_BANK_BYTES)
+                 "than the whole PSUM ({banks} banks x {bank} bytes = {capacity} bytes; "
+                 "nl.tile_size.psum_num_banks x psum_bank_fmax_bytes)", name=name, requested=nbytes,
+                 banks=PSUM_BANKS, bank=PSUM_BANK_BYTES, capacity=PSUM_PARTITION_BYTES)
         if buffer not in ("sbuf", "psum"):
             return None
         if buffer == "sbuf" and nbytes > self.sbuf_capacity:  # can never fit: say so at once
@@ -206,14 +234,15 @@ class Memory:
             self.allocations.append(a)
         return a
 
-    def matmul_write(self, alloc: Allocation | None, starts: bool) -> None:
-        """A matmul running now writes PSUM ``alloc``; ``starts``: it overwrites rather than
-        accumulates. Call before the instruction touches ``alloc`` (see the module doc)."""
+    def matmul_write(self, alloc: Allocation | None, starts: bool, bank: int = 0) -> None:
+        """A matmul running now writes bank ``bank`` (counted from the tile's start) of PSUM
+        ``alloc``; ``starts``: it overwrites rather than accumulates. Call before the instruction
+        touches ``alloc`` (see the module doc)."""
         if alloc is None:
             return
         self.pinned = True  # a matmul stays in its accumulation group's order
         t = self.clock
-        groups = alloc.groups
+        groups = alloc.groups.setdefault(bank, [])
         if groups and (not starts or alloc.last <= groups[-1][1]):
             groups[-1][1] = t  # accumulates, or nothing else used the tile since: the same group
         else:
@@ -222,7 +251,8 @@ class Memory:
     def check_accumulation_groups(self) -> None:
         """Raise at the first instruction where more than eight matmul accumulation groups are
         outstanding (from their first to their last matmul)."""
-        events = sorted((g[0], 1, g[1], a.name) for a in self.allocations for g in a.groups)
+        events = sorted((g[0], 1, g[1], a.name if len(a.groups) == 1 and b == 0 else f"{a.name}[bank {b}]")
+                        for a in self.allocations for b, gs in a.groups.items() for g in gs)
         ends: list[tuple[int, str, int]] = []  # (last, name, first) of the open groups
         for first, _, last, name in events:
             ends = [e for e in ends if e[0] >= first]
@@ -295,7 +325,7 @@ class Memory:
         events.sort()
         sbuf_live: dict[int, Allocation] = {}
         psum_live: dict[int, Allocation] = {}
-        sbuf_bytes = 0
+        sbuf_bytes = psum_bound = 0  # psum_bound: sum of _bank_bound over the live PSUM tiles
         self.sbuf_peak = self.psum_peak_banks = self.sbuf_spill = self.psum_reordered_banks = 0
         for t, born, i, a in events:
             live = sbuf_live if a.buffer == "sbuf" else psum_live
@@ -303,6 +333,8 @@ class Memory:
                 del live[i]
                 if a.buffer == "sbuf":
                     sbuf_bytes -= a.nbytes
+                else:
+                    psum_bound -= _bank_bound(a.nbytes)
                 continue
             live[i] = a
             if a.buffer == "sbuf":
@@ -317,7 +349,8 @@ class Memory:
                          "{live}", used=sbuf_bytes, t=t, op=self._op_at(t),
                          capacity=self.sbuf_capacity, new=a.describe(), live=_listing(sbuf_live))
                 continue
-            if len(psum_live) <= self.psum_peak_banks:  # each tile fits a bank: no more banks
+            psum_bound += _bank_bound(a.nbytes)
+            if psum_bound <= self.psum_peak_banks:  # cannot need more banks than the peak so far
                 continue
             banks = _pack_banks([x.nbytes for x in psum_live.values()])
             self.psum_peak_banks = max(self.psum_peak_banks, len(banks))
@@ -350,13 +383,15 @@ class Memory:
                 events.append((ends, 1, i, a))
         events.sort(key=lambda e: e[:3])
         live: dict[int, Allocation] = {}
-        peak = 0
+        peak = bound = 0  # bound: sum of _bank_bound over the live tiles
         for slot, dies, i, a in events:
             if dies:
                 del live[i]
+                bound -= _bank_bound(a.nbytes)
                 continue
             live[i] = a
-            if len(live) <= peak:
+            bound += _bank_bound(a.nbytes)
+            if bound <= peak:
                 continue
             banks = _pack_banks([x.nbytes for x in live.values()])
             peak = max(peak, len(banks))
@@ -368,7 +403,7 @@ class Memory:
                      "instruction it depends on (nki.language.no_reorder: without it \"the compiler "
                      "scheduler is free to reorder independent operations\"); becoming live: {new}; "
                      "live allocations: {live}",
-                     n=len(live), used=sum(banks), need=len(banks), bank=PSUM_BANK_BYTES, t=t,
+                     n=len(live), used=sum(x.nbytes for x in live.values()), need=len(banks), bank=PSUM_BANK_BYTES, t=t,
                      op=self._op_at(t), banks=PSUM_BANKS, new=a.describe(True),
                      live=_listing(live, reordered=True))
         return peak

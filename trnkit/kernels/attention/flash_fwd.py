@@ -41,9 +41,9 @@ depends on shapes only, so both cores issue the same instructions.
 
 Why not 70% of TensorE's peak (trn2 cost model, mid, bf16, S = 4,096): per 512-key bank of 128 query
 rows TensorE needs 427 ns (``S`` and ``P V``); Vector must read every fp32 score from PSUM once for the
-row max, one bank per instruction (a PSUM tile is at most one bank: ``nl.tile_size.psum_fmax``, the
-``nki.compiler.psum.alloc`` reference's "fdim_size cannot exceed 2KiB"): 596 ns with its access set-up
-(GpSimd cannot read PSUM, Scalar's reduction only adds, DMA cannot read PSUM). Over a launch of 8 query
+row max, one bank per instruction (each score tile is one bank; multi-bank PSUM tiles and reads are
+allowed, docs/interpreter.md, but not used here yet): 596 ns with its access set-up (GpSimd cannot read
+PSUM, Scalar's reduction only adds, DMA cannot read PSUM). Over a launch of 8 query
 heads at LNC=1 that is 635 us of Vector against the 621 us that 70% allows. With Scalar's exponentials
 (540 us), the loads and stores (87 us of DMA) and 4,224 ``P^T`` blocks (184 ns of DMA each, or a 53 ns
 PE transpose plus a 74 ns Vector / 144 ns Scalar copy) the best balance with every engine always busy

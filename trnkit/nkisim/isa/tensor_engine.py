@@ -42,6 +42,32 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a.astype(np.float64).T @ b.astype(np.float64)).astype(np.float32)
 
 
+def _psum_bank(op: str, dst: NkiTensor) -> int:
+    """Bank (counted from the tile's start) that a TensorE write to PSUM view ``dst`` lies in; raise if
+    its range in a partition crosses a bank boundary of a multi-bank tile (``memory.py`` module doc)."""
+    st = dst.storage
+    if st.buffer.name != "psum" or st.free_bytes <= _mem.PSUM_BANK_BYTES:
+        return 0  # a tile of at most one bank lies inside one bank
+    isz = dst.dtype.itemsize
+    lo = hi = dst.resolve_offset(op) % dst.partition_stride  # elements into the partition
+    for n, stride in zip(dst.shape[1:], dst.strides[1:]):
+        if n == 0:
+            return 0
+        lo += min(0, (n - 1) * stride)
+        hi += max(0, (n - 1) * stride)
+    first, last = lo * isz, (hi + 1) * isz - 1
+    bank = first // _mem.PSUM_BANK_BYTES
+    if last // _mem.PSUM_BANK_BYTES != bank:
+        fail(op, "dst {name!r} covers bytes {first}..{last} of each partition of its {nbytes}-byte PSUM "
+             "tile, across the bank boundary at byte {boundary}: one TensorE write lies inside one "
+             "{bank_bytes}-byte PSUM bank (trainium_inferentia2_arch.rst, PSUM accumulation: \"the first "
+             "one writing to a PSUM bank and more subsequent instructions accumulating into the same PSUM "
+             "bank\"; nl.tile_size.psum_bank_fmax: \"Maximum free dimension per PSUM bank per partition\", "
+             "512 fp32)", name=dst.name, first=first, last=last, nbytes=st.free_bytes,
+             boundary=(bank + 1) * _mem.PSUM_BANK_BYTES, bank_bytes=_mem.PSUM_BANK_BYTES)
+    return bank
+
+
 def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
               is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
               is_transpose: bool = False, accumulate: bool | None = None,
@@ -102,6 +128,7 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
              "{moving_dtype}", stationary_dtype=stationary.dtype.name, moving_dtype=moving.dtype.name)
     if accumulate is not None and accumulate is not True and accumulate is not False:
         fail(op, "accumulate must be None, True or False, got {accumulate!r}", accumulate=accumulate)
+    bank = _psum_bank(op, dst)
     if is_transpose:
         require(not double, op, "is_transpose=True cannot use perf_mode=double_row")
         _transpose_mode(op, dst, stationary, moving, k, m)
@@ -119,7 +146,7 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
     if accumulate is not False and not all_written:
         _check_accumulation_start(op, dst, flags, accumulate)
     # at most 8 outstanding accumulation groups: memory.py tracks them, checked at the kernel's end
-    _mem.current().memory.matmul_write(dst.storage.alloc, starts=accumulate is False or not any_written)
+    _mem.current().memory.matmul_write(dst.storage.alloc, starts=accumulate is False or not any_written, bank=bank)
     out = dst.np()
     tr = trace.active()  # (not trace.trace_only(): an empty Trace is falsy there)
     if tr is not None and tr.trace_only and k * m * n >= _TRACE_ONLY_MIN_MACS:
@@ -240,6 +267,7 @@ def nc_transpose(dst: NkiTensor, data: NkiTensor, engine: engine = engine.unknow
         common.check_on_chip(op, "dst", dst, common.PSUM)
         require(p <= 128 and f <= 128, op, "Tensor Engine transpose supports up to 128x128, data is "
                 "{p}x{f}", p=p, f=f)
+        _psum_bank(op, dst)
     else:
         common.check_on_chip(op, "data", data)
         common.check_on_chip(op, "dst", dst)
