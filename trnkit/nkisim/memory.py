@@ -35,9 +35,9 @@ Capacities (trn2 = NeuronCore-v3), per partition:
   ``core/topk/rotational_topk.py`` ``_topk_rotated_core`` at k = 2,048 allocates [P, 1024] fp32 PSUM tiles,
   two banks, each written by two 512-column matmuls, one per bank); the architecture guide's "free dimension
   size can be up to ... 4K elements for PSUM" per Vector / Scalar instruction (``isa/vector.py``) lets one
-  instruction read two fp32 banks. The ``nki.compiler.psum.alloc`` reference's "In current release,
-  fdim_size cannot exceed 2KiB" is about that manual-placement API, which the interpreter does not
-  implement. What stays inside one bank is one TensorE write: a matmul (or TensorE transpose) whose output
+  instruction read several banks (4,096 fp32 are all 8). The ``nki.compiler.psum.alloc`` reference's "In
+  current release, fdim_size cannot exceed 2KiB" is about that manual-placement API, which the interpreter
+  does not implement. What stays inside one bank is one TensorE write: a matmul (or TensorE transpose) whose output
   range crosses a bank boundary of a multi-bank tile is rejected (``isa/tensor_engine.py``; accumulation
   groups below: "the first one writing to a PSUM bank and more subsequent instructions accumulating into the
   same PSUM bank", and ``nc_matmul``'s output is at most ``psum_bank_fmax`` = ``gemm_moving_fmax`` = 512
@@ -251,7 +251,7 @@ class Memory:
     def check_accumulation_groups(self) -> None:
         """Raise at the first instruction where more than eight matmul accumulation groups are
         outstanding (from their first to their last matmul)."""
-        events = sorted((g[0], 1, g[1], a.name if len(a.groups) == 1 and b == 0 else f"{a.name}[bank {b}]")
+        events = sorted((g[0], 1, g[1], a.name if a.nbytes <= PSUM_BANK_BYTES else f"{a.name}[bank {b}]")
                         for a in self.allocations for b, gs in a.groups.items() for g in gs)
         ends: list[tuple[int, str, int]] = []  # (last, name, first) of the open groups
         for first, _, last, name in events:
