@@ -418,9 +418,9 @@ def _narrow_sizes(R, nt):
     q = max(1, nt // 4)
     head = [q, 2 * q]
     tail = [3 * q, 2 * q]
-    if R < sum(head) + sum(tail) + nt:
+    if R < 3 * q + 5 * q + nt:  # the head's and the tail's slots and one full chunk
         return _ramp(R, nt)
-    mid = R - sum(head) - sum(tail)
+    mid = R - 3 * q - 5 * q
     sizes = list(head)
     for _ in range(mid // nt):
         sizes.append(nt)
@@ -521,6 +521,24 @@ def _store_run_rstd(rstd, chunks, run, rs, queue):
     _hwdge(rstd.ap(pattern=[[NT, Pc], [Pc * NT, n], [1, NT]], offset=r0), rs, queue)
 
 
+def _narrow_load(x, residual, chunks, k):
+    """Chunk ``k``'s ``x`` (and ``residual``) tiles, loaded on Scalar's DMA queue (the first chunks alternate
+    with Sync's, so the pipeline's first loads run side by side)."""
+    r0, Pc, NT = chunks[k]
+    H = x.shape[1]
+    queue = LOAD_QUEUE
+    if k < NARROW_SPLIT and k % 2 == 1:
+        queue = STORE_QUEUE
+    tiles = []
+    for t in (x, residual):
+        tt = None
+        if t != None:  # noqa: E711
+            tt = nl.ndarray((Pc, NT, H), dtype=t.dtype, buffer=nl.sbuf)
+            _hwdge(tt, _rows(t, r0, Pc, NT, H), queue)
+        tiles.append(tt)
+    return tiles
+
+
 def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
     """The forward for rows narrower than ``WIDE`` (the q/k head norm). Per chunk: loads (Scalar's DMA queue,
     :data:`NARROW_AHEAD` chunks ahead), statistics (Tensor transposes, Scalar squares, Tensor sums into the
@@ -544,22 +562,8 @@ def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
     ms = [None] * len(runs)
     srcs = []
 
-    def load(k):
-        r0, Pc, NT = chunks[k]
-        queue = LOAD_QUEUE
-        if k < NARROW_SPLIT and k % 2 == 1:
-            queue = STORE_QUEUE
-        tiles = []
-        for t in (x, residual):
-            tt = None
-            if t != None:  # noqa: E711
-                tt = nl.ndarray((Pc, NT, H), dtype=t.dtype, buffer=nl.sbuf)
-                _hwdge(tt, _rows(t, r0, Pc, NT, H), queue)
-            tiles.append(tt)
-        srcs.append(tiles)
-
     for k in range(min(L, NARROW_AHEAD)):
-        load(k)
+        srcs.append(_narrow_load(x, residual, chunks, k))
     w_sb = nl.ndarray((P, H), dtype=w.dtype, buffer=nl.sbuf)  # the weight on every partition, needed last
     _hwdge(w_sb, w.ap(pattern=[[0, P], [1, H]], offset=0), STORE_QUEUE)
     pending = []
@@ -567,7 +571,7 @@ def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
     for u in range(L + 1):
         if u < L:
             for k in range(len(srcs), min(L, u + 1 + NARROW_AHEAD)):
-                load(k)
+                srcs.append(_narrow_load(x, residual, chunks, k))
             r0, Pc, NT = chunks[u]
             ri, ci = run_of[u]
             if ci == 0:  # the run's sums, opened with eps (one column per row slot)
