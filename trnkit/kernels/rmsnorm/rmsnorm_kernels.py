@@ -372,14 +372,9 @@ def _ramp(slots, nt):
     return sizes
 
 
-def _narrow_chunks(N, H, dtype, n_prog, pid, row_bytes):
-    """This program's chunks ``(r0, Pc, NT)`` of narrow rows: a contiguous share of the rows, 128 partitions x
-    NT consecutive rows each (NT from :func:`_ramp`), a short tail on fewer partitions with NT = 1."""
-    per = cdiv(N, n_prog)
-    lo = min(N, pid * per)
-    hi = min(N, lo + per)
-    isz = 4 if dtype == nl.float32 else 2
-    sizes = _ramp((hi - lo) // P, max(1, row_bytes // (H * isz)))
+def _chunk_list(lo, hi, sizes):
+    """Chunks ``(r0, Pc, NT)`` of rows ``lo .. hi``: 128 partitions x ``sizes[k]`` consecutive rows each, then
+    the rows left on fewer partitions with NT = 1."""
     out = []
     r0 = lo
     for k in range(len(sizes)):
@@ -388,6 +383,17 @@ def _narrow_chunks(N, H, dtype, n_prog, pid, row_bytes):
     if r0 < hi:
         out.append((r0, hi - r0, 1))
     return out
+
+
+def _narrow_chunks(N, H, dtype, n_prog, pid, row_bytes):
+    """This program's chunks ``(r0, Pc, NT)`` of narrow rows: a contiguous share of the rows, 128 partitions x
+    NT consecutive rows each (NT from :func:`_ramp`), a short tail on fewer partitions with NT = 1."""
+    per = cdiv(N, n_prog)
+    lo = min(N, pid * per)
+    hi = min(N, lo + per)
+    isz = 4 if dtype == nl.float32 else 2
+    sizes = _ramp((hi - lo) // P, max(1, row_bytes // (H * isz)))
+    return _chunk_list(lo, hi, sizes)
 
 
 # Forward, narrow rows (the q / k head norm). DMA queues: nisa.dma_copy's hardware DGE mode, "Sync Engine or
@@ -442,14 +448,7 @@ def _narrow_fwd_chunks(N, H, dtype, n_prog, pid):
     if R * H * isz > NARROW_LONG_FROM:  # many chunks: the DMA's packet efficiency outweighs the ends' lag
         row_bytes = 2 * NARROW_ROW_BYTES
     sizes = _narrow_sizes(R, max(1, row_bytes // (H * isz)))
-    out = []
-    r0 = lo
-    for k in range(len(sizes)):
-        out.append((r0, P, sizes[k]))
-        r0 = r0 + P * sizes[k]
-    if r0 < hi:
-        out.append((r0, hi - r0, 1))
-    return out
+    return _chunk_list(lo, hi, sizes)
 
 
 def _runs(chunks):
