@@ -80,6 +80,11 @@ def _ref_kwargs(case: harness.Case) -> dict:
         if case.ref_inputs else {k: harness._to_torch(v, case.keep_low_precision) for k, v in inputs.items()}
 
 
+def _cloned(kw: dict) -> dict:
+    """The keyword arguments with every tensor copied (a golden may write into its inputs)."""
+    return {k: (v.clone() if hasattr(v, "clone") else v) for k, v in kw.items()}
+
+
 def _assert_same(whole: dict, pieces: dict) -> None:
     assert whole.keys() == pieces.keys()
     for name in whole:
@@ -104,8 +109,7 @@ def test_the_cte_golden_in_pieces_is_the_whole_call(cid):
     case = _cases(CTE)[f"{CTE}|{cid}"]
     with harness.nki_is_interpreter(ROOT):
         kw = _ref_kwargs(case)
-        whole = cases_attention.attention_cte_golden(**{k: (v.clone() if hasattr(v, "clone") else v)
-                                                        for k, v in kw.items()})
+        whole = cases_attention.attention_cte_golden(**_cloned(kw))
         keys = kw["v"].shape[1] + (int(kw["prior_used_len"].item()) if kw["k_prior"] is not None else 0)
         pieces = cases_attention.attention_cte_golden(chunk_bytes=128 * keys * 4, **kw)  # 128 query rows a call
     _assert_same(whole, pieces)
@@ -121,8 +125,7 @@ def test_the_bwd_golden_in_pieces_is_the_whole_call(cid):
     case = _cases(BWD)[f"{BWD}|{cid}"]
     with harness.nki_is_interpreter(ROOT):
         kw = _ref_kwargs(case)
-        whole = cases_attention.attention_bwd_golden(**{k: (v.clone() if hasattr(v, "clone") else v)
-                                                        for k, v in kw.items()})
+        whole = cases_attention.attention_bwd_golden(**_cloned(kw))
         pieces = cases_attention.attention_bwd_golden(chunk_bytes=1, **kw)  # one query head a call
     _assert_same(whole, pieces)
 
