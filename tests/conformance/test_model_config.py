@@ -161,6 +161,44 @@ def _overflow_row(weights_dtype=np.float16, all_expert=True):
     return inputs, final
 
 
+@needs_checkout
+def test_attention_block_rows_over_the_tests_memory_limit_are_skipped_with_the_tests_reason():
+    """_run_attention_block_test skips a row whose memory estimate (its own estimate_test_memory_bytes) exceeds
+    _DEFAULT_MAX_MEMORY_GB (20 GiB) before anything runs: 185 of the 2,724 model rows at d2ad3a5. The same rows
+    come out of nki-library's own AttnBlkTestConfig objects with its real QuantizationType (the cases' rows carry
+    enum members by name), with the same sizes; one row's KV caches alone, worked out by hand, reach the limit."""
+    import ast
+
+    _, limit = cases_model_config.attention_block_memory_estimate(ROOT)
+    assert limit == 20 * 1024**3
+    model = [c for c in cases_model_config.model_config_cases(ROOT) if c.kernel.endswith("attention_block_tkg")]
+    skipped = {(c.name, c.shapes) for c in model if c.skipped_by}
+    assert len(model) == 2724 and len(skipped) == 185
+    row = next(c for c in model if (c.name, c.shapes) == (
+        "bf16 block_len=32 KVDP=8 model_config OPTIMAL",
+        "B=2048 q_heads=8/rank d=128 H=8192 S_ctx=10240/10240 S=1 ranks=8"))
+    assert row.skipped_by.startswith("test_attn_blk_model: pytest.skip('Estimated memory 33.6 GiB exceeds limit "
+                                     "20.0 GiB")
+    kv_cache = 2 * 2048 * 10240 * 128 * 2  # K and V block caches, bf16: the inputs' and the ranks' copies
+    assert 2 * kv_cache == 20 * 1024**3  # (the rest of the estimate lifts it past the limit)
+    # independently: the table's own objects, the test file's function bound to the real enum
+    path = ROOT / "test/integration/nkilib/experimental/transformer/test_attention_block_tkg.py"
+    fn = [n for n in ast.parse(path.read_text()).body
+          if isinstance(n, ast.FunctionDef) and n.name == "estimate_test_memory_bytes"]
+    with harness.nki_is_interpreter(ROOT):
+        from nkilib_src.nkilib.core.utils.common_types import QuantizationType
+
+        scope = {"QuantizationType": QuantizationType}
+        exec(compile(ast.Module(body=fn, type_ignores=[]), str(path), "exec"), scope)  # noqa: S102
+        table = harness.load_test_module(
+            ROOT, "test/integration/nkilib/experimental/transformer/test_attention_block_tkg_model_config.py")
+        objects = [c for rows in table.attention_block_tkg_model_configs.values() for c in rows]
+        over = [c for c in objects if scope["estimate_test_memory_bytes"](c) > limit]
+    assert len(objects) == 2724 and len(over) == 185
+    sizes = sorted(f"{scope['estimate_test_memory_bytes'](c) / 1024**3:.1f}" for c in over)  # (as the skip prints)
+    assert sizes == sorted(re.search(r"memory ([0-9.]+) GiB", c.skipped_by).group(1) for c in model if c.skipped_by)
+
+
 def test_the_fp16_overflow_check_confirms_inf_only_where_a_float16_value_overflows():
     check = cases_moe_tkg.fp16_overflow_check(2e-2, 1e-5)
     inputs, final = _overflow_row()

@@ -34,10 +34,12 @@ Tables and the tests that read them (nki-library d2ad3a5):
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import enum
 import functools
 import posixpath
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -146,6 +148,49 @@ def _attention_block_tkg(r: list) -> Case | None:
                                                                                  if n))
 
 
+# _run_attention_block_test (which test_attn_blk_model runs) skips a row before anything else when the test's
+# estimate of what it allocates exceeds its limit (test_attention_block_tkg.py, d2ad3a5):
+#   if estimated_bytes > _MAX_MEMORY_BYTES: pytest.skip(f"Estimated memory ... GiB exceeds limit ... GiB (set
+#   TEST_ATTN_BLK_TKG_MAX_MEMORY_GB to override)"), _MAX_MEMORY_BYTES = TEST_ATTN_BLK_TKG_MAX_MEMORY_GB or
+#   _DEFAULT_MAX_MEMORY_GB (20) GiB.
+# The cases apply the test's default limit; the estimate is the test file's own function, evaluated from the checkout
+ATTN_TEST = f"{EXPERIMENTAL}/transformer/test_attention_block_tkg.py"
+ATTN_MEMORY_SKIP = ("test_attn_blk_model: pytest.skip('Estimated memory {:.1f} GiB exceeds limit {:.1f} GiB (set "
+                    "TEST_ATTN_BLK_TKG_MAX_MEMORY_GB to override)'), at the test's default limit")
+
+
+@functools.lru_cache(maxsize=4)
+def attention_block_memory_estimate(root: Path) -> tuple[Callable[[Any], int], int]:
+    """nki-library's ``estimate_test_memory_bytes(cfg)`` and its default limit in bytes
+    (``_DEFAULT_MAX_MEMORY_GB * 1024**3``), both read from ``test_attention_block_tkg.py`` in the checkout
+    ``root``: the function's definition and the constant's expression are evaluated on their own (the test
+    module itself is not imported: it needs AWS's neuron_dtypes); the function is given a
+    ``QuantizationType`` whose members are their names, as the cases' rows carry them."""
+    rel = posixpath.normpath(f"{TESTS}/{ATTN_TEST}")
+    tree = ast.parse((root / rel).read_text())
+    fn = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "estimate_test_memory_bytes"]
+    gb = [n.value for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
+          and isinstance(n.targets[0], ast.Name) and n.targets[0].id == "_DEFAULT_MAX_MEMORY_GB"]
+    if len(fn) != 1 or len(gb) != 1:
+        raise ValueError(f"{rel}: expected one estimate_test_memory_bytes and one _DEFAULT_MAX_MEMORY_GB, found "
+                         f"{len(fn)} and {len(gb)}")
+    quant = types.SimpleNamespace(NONE="NONE", STATIC="STATIC", ROW="ROW")
+    scope: dict[str, Any] = {"QuantizationType": quant, "__builtins__": {}}
+    exec(compile(ast.Module(body=fn, type_ignores=[]), rel, "exec"), scope)  # noqa: S102  (the checkout's code)
+    limit = eval(compile(ast.Expression(gb[0]), rel, "eval"), {"__builtins__": {}}) * 1024**3
+    return scope["estimate_test_memory_bytes"], int(limit)
+
+
+def _attention_block_memory_skip(root: Path, row: list, case: Case) -> Case:
+    """``case`` SKIPPED (``Case.skipped_by``, the test's own reason) when nki-library's test skips ``row`` for its
+    memory estimate at the default limit."""
+    estimate, limit = attention_block_memory_estimate(root)
+    need = estimate(types.SimpleNamespace(**dict(row)))
+    if need <= limit:
+        return case
+    return dataclasses.replace(case, skipped_by=ATTN_MEMORY_SKIP.format(need / 1024**3, limit / 1024**3))
+
+
 def _moe_block_tkg(r: list) -> Case | None:
     (lnc, all_e, b, s, h, ha, i, eg, el, k, router, act, mode, w_dt, in_dt, _shared, bias, clamp, pre, norm_topk,
      skip_logits, r_dt) = r
@@ -218,6 +263,8 @@ def model_config_cases(root: Path | None) -> list[Case]:
             case = build(list(row))
             if case is None:
                 continue
+            if case.kernel == "experimental/transformer/attention_block_tkg":
+                case = _attention_block_memory_skip(root, list(row), case)
             notes = [n for n in (case.note, xfail, f"row of {rel_path.rpartition('/')[2]}") if n]
             case = dataclasses.replace(case, name=f"{case.name} {MODEL_CONFIG}" + f" {kind}" * bool(kind),
                                        tier=MODEL_CONFIG, note="; ".join(notes), xfail=xfail)
