@@ -582,8 +582,6 @@ def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
                 nisa.tensor_tensor(dst=src, data1=srcs[u][0], data2=srcs[u][1], op=nl.add)
                 _hwdge(_rows(s, r0, Pc, NT, H), src, STORE_QUEUE)
                 srcs[u] = [src, None]
-            if u == 1:  # the first chunk's sums go before the second's transposes (it arrives alone)
-                pending = _finish_sums(pending, consts, 0)
             pending = _fwd_transposes(srcs[u][0], ms[ri], ci * NT, consts, pending, u)
         else:
             pending = _finish_sums(pending, consts, L)
