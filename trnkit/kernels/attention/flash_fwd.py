@@ -77,6 +77,10 @@ QCHUNK = 8  # head-tiles (query tiles x heads of the unit) per Q^T load and per 
 LAG_EXP, LAG_T, LAG_PV, LAG_FINISH = 2, 4, 6, 8
 DMA_BLOCKS = 32  # most 128-key blocks per DMA transpose (8 KiB rows: 97% packet efficiency)
 KV_PIECES = 4  # DMAs per resident K^T / V load (the first tiles start on the first piece)
+# Score banks per PSUM tile and Vector read (one access set-up per group, not per bank: the architecture
+# guide's "up to ... 4K elements for PSUM" per instruction allows 8 fp32 banks), and the most banks two
+# consecutive groups hold (the rest of the 8 banks: the P V tiles waiting for o = O / l)
+GROUP_BANKS, LIVE_SCORE_BANKS = 4, 7
 PSUM_READ_CYCLES = 60  # VectorE's PSUM access setup per instruction (performance guide; a range in the model)
 SBUF_BUDGET = 160 * 1024  # bytes per partition the resident K / V and the pipelined step tiles may take
 # Trace-time engine rates for the engine balancing (trn2): TensorE clock; DMA (:func:`_dma_ns`): 16
@@ -197,6 +201,21 @@ def _load_chunk(st, q):
     st["qT"], st["oc"] = u["qT"][st["chunk"]][:, st["gi"], :], u["oc"][st["chunk"]]
 
 
+def _bank_groups(nb):
+    """The step's ``nb`` score banks in groups ``(first bank, banks)``, one PSUM tile and one Vector read
+    each: at most GROUP_BANKS banks, and two consecutive groups (the one Vector reads while TensorE
+    writes the next) at most LIVE_SCORE_BANKS together."""
+    out = []
+    b = 0
+    prev = 0
+    while b < nb:
+        n = min(GROUP_BANKS, LIVE_SCORE_BANKS - prev, nb - b)
+        out.append((b, n))
+        b = b + n
+        prev = n
+    return out
+
+
 def _scores(st, q, kT, ident, mask, negm_all, load):
     """Stage 1: Q^T (first step of a chunk), the score banks and the causal mask (Tensor); each bank
     emptied into ``scale * S`` (fp32, SBUF) with its row max (Vector), then the step's ``-max``."""
@@ -210,33 +229,41 @@ def _scores(st, q, kT, ident, mask, negm_all, load):
     nm = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
     if st["first"] and st["last"]:  # the tile's only step: its -max is final
         nm = negm_all[0:nq, st["col"]:st["col"] + 1]
+    groups = _bank_groups(nb)
+    ng = len(groups)
     bm = nm
-    if nb > 1:
-        bm = nl.ndarray((nq, nb), dtype=nl.float32, buffer=nl.sbuf)
+    if ng > 1:
+        bm = nl.ndarray((nq, ng), dtype=nl.float32, buffer=nl.sbuf)
     pending = None
-    for i in range(nb + 1):
-        if i < nb:
-            kb0 = k0 + i * BANK
-            wb = min(BANK, k1 - kb0)
-            s_ps = nl.ndarray((nq, wb), dtype=nl.float32, buffer=nl.psum)
-            nisa.nc_matmul(dst=s_ps, stationary=st["qT"][:, c0:c0 + nq], moving=kT[0:D, kb0:kb0 + wb],
-                           accumulate=False)
-            load[PE] = load[PE] + max(64, wb) / TENSOR_GHZ
-            if kb0 <= r0 and r0 < kb0 + wb:  # the diagonal block: add the causal mask
-                nisa.nc_matmul(dst=s_ps[:, r0 - kb0:r0 - kb0 + nq], stationary=ident[0:nq, 0:nq],
-                               moving=mask[0:nq, 0:nq], accumulate=True)
-                load[PE] = load[PE] + max(64, nq) / TENSOR_GHZ
-        if pending != None:  # noqa: E711 (NKI rejects `is`); the previous bank, while this one is formed
-            pi, pb0, pw, p_ps = pending
-            # -scale * S and its row min (= -scale * max: the exp's bias needs no negation)
-            nisa.tensor_scalar_reduce(dst=s_sb[:, pb0 - k0:pb0 - k0 + pw], data=p_ps, op0=nl.multiply,
+    for i in range(ng + 1):
+        if i < ng:
+            b0, nbg = groups[i]
+            g0 = k0 + b0 * BANK
+            gw = min(nbg * BANK, k1 - g0)
+            s_ps = nl.ndarray((nq, gw), dtype=nl.float32, buffer=nl.psum)
+            for bi in range(nbg):  # one matmul per bank of the group's tile
+                kb0 = g0 + bi * BANK
+                wb = min(BANK, k1 - kb0)
+                c = bi * BANK
+                nisa.nc_matmul(dst=s_ps[:, c:c + wb], stationary=st["qT"][:, c0:c0 + nq],
+                               moving=kT[0:D, kb0:kb0 + wb], accumulate=False)
+                load[PE] = load[PE] + max(64, wb) / TENSOR_GHZ
+                if kb0 <= r0 and r0 < kb0 + wb:  # the diagonal block: add the causal mask
+                    nisa.nc_matmul(dst=s_ps[:, c + r0 - kb0:c + r0 - kb0 + nq], stationary=ident[0:nq, 0:nq],
+                                   moving=mask[0:nq, 0:nq], accumulate=True)
+                    load[PE] = load[PE] + max(64, nq) / TENSOR_GHZ
+        if pending != None:  # noqa: E711 (NKI rejects `is`); the previous group, while this one is formed
+            pi, pg0, pw, p_ps = pending
+            # -scale * S and its row min (= -scale * max: the exp's bias needs no negation), all of the
+            # group's banks in one instruction
+            nisa.tensor_scalar_reduce(dst=s_sb[:, pg0 - k0:pg0 - k0 + pw], data=p_ps, op0=nl.multiply,
                                       operand0=-scale, reduce_op=nl.minimum, reduce_res=bm[:, pi:pi + 1])
             load[VEC] = load[VEC] + (max(64, pw) + PSUM_READ_CYCLES) / VECTOR_GHZ
         pending = None
-        if i < nb:
-            pending = (i, kb0, wb, s_ps)
-    n = nb
-    while n > 1:  # the banks' minima pairwise on GpSimd (small SBUF columns), the last pair into nm
+        if i < ng:
+            pending = (i, g0, gw, s_ps)
+    n = ng
+    while n > 1:  # the groups' minima pairwise on GpSimd (small SBUF columns), the last pair into nm
         h = n // 2
         dst = nm if n == 2 else bm[:, 0:h]
         nisa.tensor_tensor(dst=dst, data1=bm[:, 0:h], data2=bm[:, n - h:n], op=nl.minimum, engine=nisa.engine.gpsimd)
