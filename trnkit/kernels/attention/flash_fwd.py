@@ -81,6 +81,7 @@ KV_PIECES = 4  # DMAs per resident K^T / V load (the first tiles start on the fi
 # guide's "up to ... 4K elements for PSUM" per instruction allows 8 fp32 banks), and the most banks two
 # consecutive groups hold (the rest of the 8 banks: the P V tiles waiting for o = O / l)
 GROUP_BANKS, LIVE_SCORE_BANKS = 4, 7
+SHORT_STEP_BANKS = 2  # steps of at most this many banks are read bank by bank (:func:`_bank_groups`)
 PSUM_READ_CYCLES = 60  # VectorE's PSUM access setup per instruction (performance guide; a range in the model)
 SBUF_BUDGET = 160 * 1024  # bytes per partition the resident K / V and the pipelined step tiles may take
 # Trace-time engine rates for the engine balancing (trn2): TensorE clock; DMA (:func:`_dma_ns`): 16
@@ -204,12 +205,16 @@ def _load_chunk(st, q):
 def _bank_groups(nb):
     """The step's ``nb`` score banks in groups ``(first bank, banks)``, one PSUM tile and one Vector read
     each: at most GROUP_BANKS banks, and two consecutive groups (the one Vector reads while TensorE
-    writes the next) at most LIVE_SCORE_BANKS together."""
+    writes the next) at most LIVE_SCORE_BANKS together. A step of at most SHORT_STEP_BANKS banks goes
+    bank by bank (Vector starts on its first bank while TensorE forms the next: a short launch, where
+    such steps are most of the work, is bound by that latency, not by Vector's set-ups)."""
     out = []
     b = 0
     prev = 0
     while b < nb:
         n = min(GROUP_BANKS, LIVE_SCORE_BANKS - prev, nb - b)
+        if nb <= SHORT_STEP_BANKS:
+            n = 1
         out.append((b, n))
         b = b + n
         prev = n
