@@ -14,11 +14,12 @@ A query tile is 128 rows (partitions); its keys ``0 .. r0 + 127`` (causal: the t
 diagonal are skipped) go in steps of up to :func:`step_keys` keys (4,096 while K, V and the step's
 tiles fit SBUF: one step per tile at S = 4,096):
 
-1. Tensor: ``S = Q K^T`` per 512-key PSUM bank (``Q^T`` stationary, ``K^T`` moving); on the diagonal
-   bank a second matmul adds the causal mask into the same PSUM (``I @ mask``). Vector empties each
-   bank as soon as it is written: ``-scale * S`` into the step's fp32 SBUF tile and its row minimum
-   (``-scale * max``) in the same pass (``tensor_scalar_reduce``). GpSimd: the banks' minima pairwise,
-   and the running ``-m`` over the tile's steps (small SBUF columns).
+1. Tensor: ``S = Q K^T`` in PSUM tiles of up to 4 banks (:func:`_bank_groups`), one matmul per 512-key
+   bank (``Q^T`` stationary, ``K^T`` moving); on the diagonal bank a second matmul adds the causal
+   mask into the same PSUM (``I @ mask``). Vector empties each tile in ONE instruction while the next
+   is written (one PSUM access set-up per up to 2,048 scores): ``-scale * S`` into the step's fp32
+   SBUF tile and its row minimum (``-scale * max``) in the same pass (``tensor_scalar_reduce``).
+   GpSimd: the tiles' minima pairwise, and the running ``-m`` over the tile's steps (small SBUF columns).
 2. Scalar: ``P = exp(scale * S - m)`` of the whole step in ONE instruction from SBUF (its fixed time
    paid once per step, not per bank) with the fp32 row sum in the same pass; the correction
    ``exp(m_old - m)`` on later steps.
@@ -39,16 +40,16 @@ model's rates. The unit's ``lse`` is transposed on the PE and stored one row per
 query heads of each group (:func:`~trnkit.kernels.attention.tiling.work_units`); every trace-time choice
 depends on shapes only, so both cores issue the same instructions.
 
-Why not 70% of TensorE's peak (trn2 cost model, mid, bf16, S = 4,096): per 512-key bank of 128 query
-rows TensorE needs 427 ns (``S`` and ``P V``); Vector must read every fp32 score from PSUM once for the
-row max, one bank per instruction (each score tile is one bank; multi-bank PSUM tiles and reads are
-allowed, docs/interpreter.md, but not used here yet): 596 ns with its access set-up (GpSimd cannot read
-PSUM, Scalar's reduction only adds, DMA cannot read PSUM). Over a launch of 8 query
-heads at LNC=1 that is 635 us of Vector against the 621 us that 70% allows. With Scalar's exponentials
-(540 us), the loads and stores (87 us of DMA) and 4,224 ``P^T`` blocks (184 ns of DMA each, or a 53 ns
-PE transpose plus a 74 ns Vector / 144 ns Scalar copy) the best balance with every engine always busy
-is 684 us, 64% of peak (causal FLOPs counted once); docs/kernels.md "What bounds it" has the other
-routes and why each fails.
+Why not 70% of TensorE's peak (trn2 cost model, mid, bf16, S = 4,096, 8 / 2 heads, LNC=1): Vector must
+read every fp32 score from PSUM once for the row max (GpSimd and DMA cannot read PSUM, Scalar's
+reduction only adds): 563 us of streaming plus its access set-ups, 591 us with these 4-bank reads, 579
+us at the 8 banks one instruction may read, against the 621 us that 70% allows; Scalar's exponentials
+take 540 us. The 4,224 ``P^T`` blocks (184 ns of DMA each, or a 53 ns PE transpose plus a 69 ns Vector /
+116 ns Scalar copy at best) and the 256 output tiles do not fit the time the engines have left: the best
+balance is 646.8 us (67.2%). Only forming ``S^T`` a second time on TensorE (the shift added there, so
+Scalar's exp writes ``P^T`` itself) gets the balance under 621 us, to 609.5 us, with every engine busy
+98% of the time; tried, it did not pay (docs/kernels.md "What bounds it": the arithmetic, that trial and
+the other routes).
 """
 
 from __future__ import annotations
