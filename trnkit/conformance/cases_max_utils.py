@@ -48,8 +48,8 @@ def _inputs(b: int, n: int, **scalars: int) -> Callable[[], dict[str, Any]]:
 # folded_load_store_dst_kernel zero-fills the whole output from each core, then each core writes its share of the
 # rows, with no barrier between: which core's zeros land after the other's rows is timing, not a documented order
 DST_RACE_NOTE = ("the test's kernel zero-fills the whole output on each core, with no barrier before the cores write "
-                 "their rows: run core after core, core 1's zero fill erases core 0's rows; on a device the result "
-                 "depends on the cores' timing")
+                 "their rows: a race; the programs run in lockstep, as two cores started together, so both zero "
+                 "fills land before either core's rows; on a device the result depends on the cores' timing")
 
 
 def _case(test: str, kernel: str, lnc: int, b: int, n: int, name: str, **scalars: int) -> Case:

@@ -171,9 +171,12 @@ def _exchange(op: str, payload: Any) -> dict[tuple[int, int], Any]:
     with world.lock:
         world.mailbox.setdefault(key, {})[(me.rank, ctx.flat_program_id)] = payload
     try:
-        world.barrier.wait()
+        with _cf.parked():  # this launch's other programs take their turns meanwhile
+            world.barrier.wait()
         got = dict(world.mailbox[key])
-        if world.barrier.wait() == 0:  # everyone has read it
+        with _cf.parked():
+            last = world.barrier.wait() == 0
+        if last:  # everyone has read it
             del world.mailbox[key]
     except threading.BrokenBarrierError:
         raise PeerFailed(f"{op}: collective #{key[0]} did not complete: a peer failed or did "

@@ -22,6 +22,7 @@ returns nothing), :func:`compare` (LNC=2 programs take the same runtime control 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -38,7 +39,8 @@ from .tensor import NkiTensor, VirtualRegister
 
 __all__ = ["Frame", "Program", "Register", "current", "running", "undefined", "loop", "sync_event",
            "check_register_read", "write_register", "allocated", "loop_body_result", "compare",
-           "instruction", "Rendezvous", "UndefinedBehaviourWarning", "MIGRATION_LOOP_RULES", "LNC_DOC"]
+           "instruction", "Rendezvous", "Turnstile", "parked", "UndefinedBehaviourWarning",
+           "MIGRATION_LOOP_RULES", "LNC_DOC"]
 
 # The migration guide's list for the runtime loops of NKI 0.6 (aws-neuron-sdk nki/migration/index.rst,
 # "Migrating from NKI 0.5.0 to NKI 0.6.0", "Rules for migrated loops").
@@ -101,6 +103,8 @@ class Program:
         self.counts: Counter = Counter()  # instructions issued, per op
         self.scoped: dict[int, tuple] = {}  # storage key -> position, tensors allocated in loop bodies
         self.no_reorder = 0  # depth of nl.no_reorder() blocks
+        self.turnstile: Turnstile | None = None  # the launch's lockstep, with several programs
+        self.slot = program_id  # this program's place in it
 
     def position(self) -> tuple:
         return tuple((f, f.iteration) for f in self.frames)
@@ -345,11 +349,135 @@ def compare(programs: list[Program]) -> None:
         return
 
 
+class Turnstile:
+    """The programs of one grid launch issue their instructions in lockstep: round-robin, one
+    instruction each in turn (``quantum`` instructions with another quantum), so two programs with
+    the same control flow issue their k-th instructions together, as two cores started together run
+    them. The LNC guide launches an LNC=2 kernel "on multiple cores at the same time"
+    (nki/get-started/about/lnc.rst, NKI 0.3 / Neuron SDK 2.28); core_barrier's docs give the one
+    documented order between the cores' writes (a barrier after both have written).
+
+    Exactly one program runs at a time (the *holder*; each program's thread waits at its own gate
+    otherwise), so a launch is deterministic: the same launch always interleaves the same way. A
+    program that waits at a synchronisation (:meth:`parked`: a ``core_barrier``, ``sendrecv``, a
+    collective) leaves the rotation; when every program has come back from it the rotation restarts
+    at program 0, so the programs' first instructions after a barrier are issued together too. A
+    program that returns or raises leaves for good (:meth:`finish`); after a failure the others stop
+    at their next instruction (``threading.BrokenBarrierError``, not reported: the failure is)."""
+
+    def __init__(self, n: int, quantum: int = 1) -> None:
+        if quantum < 1:
+            fail("nki.jit", "the lockstep quantum must be a positive number of instructions, got {quantum}",
+                 quantum=quantum)
+        self.quantum = quantum
+        self._mu = threading.Lock()
+        self._gates = [threading.Lock() for _ in range(n)]  # locked: that program waits for its turn
+        for g in self._gates:
+            g.acquire()
+        self._active = list(range(n))  # programs in the rotation, in id order
+        self._parked: set[int] = set()  # waiting at a synchronisation
+        self._pending: list[int] = []  # back from one, waiting for the others to come back too
+        self._holder: int | None = 0
+        self._issued = 0  # instructions the holder has issued in its quantum
+        self.failed = False
+        self._gates[0].release()
+
+    def start(self, i: int) -> None:
+        """Program ``i``'s thread begins: wait for its first turn."""
+        self._gates[i].acquire()
+        self._issued = 0
+
+    def step(self, i: int) -> None:
+        """Program ``i`` (the holder) is about to issue an instruction: after its quantum, pass the turn."""
+        if self.failed:
+            raise threading.BrokenBarrierError  # a peer failed: stop here (as at a broken barrier)
+        self._issued += 1
+        if self._issued <= self.quantum:
+            return
+        with self._mu:
+            nxt = self._next(i)
+            if nxt == i:  # alone in the rotation
+                self._issued = 1
+                return
+            self._holder = nxt
+            self._gates[nxt].release()
+        self._gates[i].acquire()
+        self._issued = 1
+        if self.failed:
+            raise threading.BrokenBarrierError
+
+    @contextlib.contextmanager
+    def parked(self, i: int) -> Iterator[None]:
+        """Program ``i`` blocks inside (a barrier, a collective's exchange): the others take turns
+        meanwhile. Back from it normally, it waits until every parked program is back (the rotation
+        then restarts at the lowest id); back with an exception, it takes the next turn at once."""
+        with self._mu:
+            self._active.remove(i)
+            self._parked.add(i)
+            self._pass_turn(i)
+        try:
+            yield
+        except BaseException:
+            self._rejoin(i, regroup=False)
+            raise
+        self._rejoin(i, regroup=True)
+
+    def finish(self, i: int, failed: bool = False) -> None:
+        """Program ``i`` returned (or raised: ``failed``, and the others stop)."""
+        with self._mu:
+            self.failed = self.failed or failed
+            if i in self._active:
+                self._active.remove(i)
+            self._parked.discard(i)
+            if self._holder == i:
+                self._pass_turn(i)
+
+    def _next(self, i: int) -> int:
+        later = [p for p in self._active if p > i]
+        return later[0] if later else self._active[0]
+
+    def _pass_turn(self, i: int) -> None:  # under _mu; ``i`` has left the rotation
+        if not self._active and self._pending and not self._parked:
+            self._active, self._pending = sorted(self._pending), []
+        if self._active:
+            self._holder = self._next(i)
+            self._gates[self._holder].release()
+        else:
+            self._holder = None
+
+    def _rejoin(self, i: int, regroup: bool) -> None:
+        with self._mu:
+            self._parked.discard(i)
+            if self._holder is not None:  # the others are running: join the rotation
+                self._active = sorted(self._active + [i])
+            else:
+                self._pending.append(i)
+                if not (regroup and self._parked):  # every program is back (or this one failed)
+                    self._active, self._pending = sorted(self._active + self._pending), []
+                    self._holder = self._active[0]
+                    self._gates[self._holder].release()
+        self._gates[i].acquire()
+        self._issued = 0
+
+
+@contextlib.contextmanager
+def parked() -> Iterator[None]:
+    """The running program blocks inside (a synchronisation): its launch's other programs take
+    turns meanwhile (:class:`Turnstile`). No-op outside a multi-program launch."""
+    program = current()
+    turnstile = program.turnstile if program is not None else None
+    if turnstile is None:
+        yield
+    else:
+        with turnstile.parked(program.slot):
+            yield
+
+
 class Rendezvous:
     """The barrier of a launch's programs (``core_barrier``, ``sendrecv``): ``threading.Barrier``'s
     ``wait`` / ``abort``, plus :meth:`finish` (a program returned), which breaks the barrier for a
     program waiting on one its peer never reaches instead of leaving it blocked; :func:`compare` then
-    names the difference."""
+    names the difference. A program waiting here leaves its launch's :class:`Turnstile` rotation."""
 
     def __init__(self, parties: int) -> None:
         self.parties = parties
@@ -360,6 +488,13 @@ class Rendezvous:
         self._finished = 0
 
     def wait(self) -> None:
+        with self._cond:
+            if self._broken or self._finished:
+                raise threading.BrokenBarrierError
+        with parked():
+            self._wait()
+
+    def _wait(self) -> None:
         with self._cond:
             if self._broken or self._finished:
                 raise threading.BrokenBarrierError
@@ -400,6 +535,8 @@ def instruction(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         program = getattr(_tls, "program", None)
         if program is not None:
+            if program.turnstile is not None:  # several programs: issue in lockstep
+                program.turnstile.step(program.slot)
             program.counts[name] += 1
             if program.scoped:
                 program.check_operands(name, args, kwargs)

@@ -193,8 +193,14 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
     errors: list[BaseException | None] = [None] * n
     outer = _cf.current()  # a @nki.jit helper called inside a kernel is part of that program
     programs = [outer if outer is not None and n == 1 else _cf.Program(i, strict) for i in range(n)]
+    # several programs run as concurrent cores do: in lockstep, one instruction each in turn
+    turnstile = _cf.Turnstile(n) if n > 1 else None
+    for p in programs if turnstile is not None else ():
+        p.turnstile = turnstile
 
     def run(i: int) -> None:
+        if turnstile is not None:
+            turnstile.start(i)
         ctx = _mem.KernelContext(program_id=ids[i], launch=launch, flat_program_id=i)
         _mem.push_context(ctx)
         try:
@@ -209,6 +215,9 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
             _mem.pop_context()
             if launch.barrier is not None:  # nor waiting at a barrier this program never reaches
                 launch.barrier.finish()  # (different control flow: reported by _cf.compare below)
+            if turnstile is not None:  # the next program's turn; after a failure the others stop
+                turnstile.finish(i, failed=errors[i] is not None
+                                 and not isinstance(errors[i], threading.BrokenBarrierError))
 
     with _blas.launch_threads():  # small matmuls: one BLAS thread (see blas.py)
         if n == 1:
