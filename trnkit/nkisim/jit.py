@@ -8,7 +8,8 @@ outputs work. Returned tensors come back as numpy arrays, or torch tensors when 
 torch tensor; a returned argument comes back as the caller's own object. Each program instance runs
 with a fresh :class:`~trnkit.nkisim.memory.KernelContext` (empty SBUF/PSUM); a grid launch runs one
 Python thread per instance, all sharing the arguments and the launch's ``shared_hbm`` allocations,
-like the official simulator's LNC=2 mode.
+like the official simulator's LNC=2 mode; the threads take turns, one instruction each, as cores
+started together issue them (:class:`~trnkit.nkisim.controlflow.Turnstile`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Cross-core instructions of LNC=2 launches: ``core_barrier`` and ``sendrecv``.
 
-A grid launch runs its programs as threads (see :mod:`trnkit.nkisim.jit`); these instructions
-synchronise them with the launch's ``threading.Barrier``, as the official simulator does with
-"thread-safe primitives". Both need exactly two programs (``kernel[2]``), per the NKI 0.6 docs
+A grid launch runs its programs as threads in lockstep (see :mod:`trnkit.nkisim.jit`); these
+instructions synchronise them with the launch's barrier (``controlflow.Rendezvous``, which takes the
+waiting program out of the lockstep rotation), as the official simulator does with "thread-safe
+primitives". Both need exactly two programs (``kernel[2]``), per the NKI 0.6 docs
 ("Currently only cores=(0, 1) is supported"; ranks "must be either 0 or 1").
 """
 
