@@ -311,7 +311,7 @@ def _exp(st, load):
 def _pe_blocks(load, nfull, nq, itemsize):
     """How many of a step's ``nfull`` full 128-key blocks go to PE transposes (the rest: one DMA
     transpose): each block to whichever path's engines would finish it first given the work so far
-    (the DMA side weighted by ``DMA_SHARE``)."""
+    (the DMA side weighted by ``DMA_SHARE``), the count then rounded to whole PSUM banks."""
     dma_ns = _dma_ns(P * nq * itemsize, DMA_BLOCKS * nq * itemsize, SBUF_TRANSPOSE)  # (a full transfer's rate)
     pe_ns = max(64, nq) / TENSOR_GHZ
     copy_v = max(64, nq / 2 if itemsize == 2 else nq) / VECTOR_GHZ
@@ -329,8 +329,14 @@ def _pe_blocks(load, nfull, nq, itemsize):
                 s = s + copy_s
         else:
             d = d + dma_ns
-    load[DMA] = d
-    return n_pe
+    # whole PSUM banks of PE blocks (8 bf16 / 4 fp32), rounded to the nearer: each copy out of PSUM pays
+    # its fixed time (Scalar's ACTIVATE, Vector's access set-up) for a full bank, not for a few blocks
+    per_bank = BANK * 4 // (P * itemsize)
+    whole = n_pe // per_bank * per_bank
+    if n_pe - whole >= per_bank // 2 and whole + per_bank <= nfull:
+        whole = whole + per_bank
+    load[DMA] = d + (n_pe - whole) * dma_ns
+    return whole
 
 
 def _transpose(st, load):
