@@ -238,9 +238,10 @@ def test_narrow_backward_cancelling_gradient(shape, dtype) -> None:
 
 def test_narrow_backward_engines() -> None:
     """The head-norm backward (bf16, H = 128) on whole chunks: per chunk two GpSimd diagonals (b's hi and
-    lo parts), one Scalar copy per PSUM bank of transposed slots, three Vector instructions plus one per
-    PSUM bank of dx, and on the Tensor engine per 128-row slot one dw matmul, one transpose, one sum over
-    H and three dx matmuls (trace)."""
+    lo parts) and nothing else on GpSimd, one Scalar copy per PSUM bank of transposed slots, seven Vector
+    instructions (gw, dy * x, b and the per-row statistics, each of those with an fp32 operand, so off the
+    SBUF port GpSimd shares with Vector's 2-byte mode) plus one per PSUM bank of dx, and on the Tensor
+    engine per 128-row slot one dw matmul, one transpose, one sum over H and three dx matmuls (trace)."""
     x, w, _, gy, _ = _inputs((4096, 128), torch.bfloat16, seed=9)
     _, rstd = rmsnorm(x, w, EPS)
     with trace.record() as tr:
@@ -255,9 +256,15 @@ def test_narrow_backward_engines() -> None:
     assert by["nc_matmul"] == 5 * slots  # dw, the sum over H, I @ gw, diag(b_hi) @ x, diag(b_lo) @ x
     nts = [i.operands[0].shape[1] for i in diags[::2]]  # each chunk's slots
     assert sum(1 for i in tr if i.engine == "scalar") == sum((nt + 7) // 8 for nt in nts)  # 8 bf16 slots a bank
-    # per chunk: gw, dy * x, b, and dx = rstd * y per bank of 4 slots (no per-row instruction)
+    # per chunk: gw, dy * x, b, rstd^2, b's bf16 parts, rstd rounded for the dw matmuls, and dx = rstd * y
+    # per bank of 4 slots (no per-row instruction)
     vector = [i for i in tr if i.engine == "vector"]
-    assert len(vector) <= 3 * chunks + sum((nt + 3) // 4 for nt in nts) + 4
+    assert len(vector) <= 7 * chunks + sum((nt + 3) // 4 for nt in nts) + 4
+    stats = [i for i in vector if len(i.operands[0].shape) == 2 and i.operands[0].shape[1] in nts]
+    assert len(stats) == 5 * chunks  # b, rstd^2, hi, lo, rstd for dw: [P, NT] each
+    assert all(any(o.dtype == "float32" for o in i.operands) for i in stats)
+    gpsimd = [i for i in tr if i.engine == "gpsimd"]
+    assert all(i.op == "affine_select" for i in gpsimd) and len(gpsimd) == len(diags) + 1  # + the identity
 
 
 # Rows wider than 16 KiB split into 2^k pieces (one per partition); few rows spread over the partitions.

@@ -36,9 +36,10 @@ a row of ``prod`` is the stationary operand of a matmul whose moving operand is 
 column (rounded to prod's dtype), accumulating into column c of one ``[128, NC]`` fp32 PSUM tile across
 all chunks (one accumulation group for the whole kernel). The per-row statistics (``rstd^3``, the bf16
 parts of the diagonal scalars) are tiny ``[P, NT]`` instructions, issued on the otherwise idle GpSimd
-engine so Vector's queue keeps to the passes over the rows. For wide rows (H >= 512) ``dx`` is summed
-on the Tensor engine too: ``dx = diag(rstd) @ gw + diag(-c) @ x (+ I @ grad_s)`` into an fp32 PSUM
-bank, the per-row scalars split into bf16 hi + lo parts for bf16 operands (so the sum is as exact as
+engine so Vector's queue keeps to the passes over the rows (the head norm's 2-byte rows: on Vector, where
+with an fp32 operand they leave GpSimd's SBUF port to its diagonals, :func:`_stats_engine`). For wide rows
+(H >= 512) ``dx`` is summed on the Tensor engine too: ``dx = diag(rstd) @ gw + diag(-c) @ x (+ I @ grad_s)``
+into an fp32 PSUM bank, the per-row scalars split into bf16 hi + lo parts for bf16 operands (so the sum is as exact as
 fp32 arithmetic), copied out by Scalar (the one rounding). Narrow rows (Qwen3's head norm, H = 128;
 :func:`_narrow_backward`) keep NT rows per partition, so every pass covers a whole chunk: Vector forms
 ``gw`` and ``prod = dy * x``; the Tensor engine transposes each 128-row slot of ``prod`` into PSUM, Scalar
@@ -764,14 +765,14 @@ def _store_dw(dw, dw_ps, n_prog, pid, NC):
     nisa.dma_copy(dst=dw.ap(pattern=[[1, half], [P, NC]], offset=pid * half), src=out)
 
 
-def _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, opens=False):
+def _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, opens=False, engine=nisa.engine.gpsimd):
     """The chunk's rows into the dw column sums: ``dw_ps[m, c] += sum_p prod[p, j, c*P + m] * rstd[p, j]``
     for every row j and 128-column piece c (its own column of the PSUM tile). The moving operand is rstd's
     column j itself, rounded to prod's dtype once for the whole chunk (an error of each row's weight that
-    averages out over the rows, far below dw's own rounding); the program's first row opens each column.
-    Returns that rounded rstd."""
+    averages out over the rows, far below dw's own rounding); the program's first row opens each column;
+    ``engine`` rounds rstd. Returns that rounded rstd."""
     r = nl.ndarray((Pc, NT), dtype=prod.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=r, src=rstd_t, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy(dst=r, src=rstd_t, engine=engine)
     for j in range(NT):
         for c in range(NC):
             nisa.nc_matmul(dst=dw_ps[:, c:c + 1], stationary=prod[:, j, c * P:(c + 1) * P], moving=r[:, j:j + 1],
@@ -863,6 +864,17 @@ def _dy_products(tiles, chunk, w_sb, out_dt):
     return (gw_t, x_t, gs_t, rstd_t, prod, chunk)
 
 
+def _stats_engine(dtype):
+    """The engine of the narrow backward's per-row statistics (``[P, NT]`` instructions: rstd², the bf16 parts
+    of b, rstd rounded for the dw matmuls). For 2-byte rows, Vector: with an fp32 operand they do not run in
+    Vector's 2-byte mode, so they leave free the SBUF port that GpSimd's diagonals share with Vector's 2-byte
+    passes (trn2 arch guide "memory hierarchy", docs/cost-model.md), which bounds this kernel. For fp32 rows
+    (no 2-byte passes, no bf16 parts), GpSimd, which is otherwise idle there while Vector is not."""
+    if dtype == nl.float32:
+        return nisa.engine.gpsimd
+    return nisa.engine.vector
+
+
 def _narrow_transposes(state, dw_ps, first):
     """Stage B: the Tensor engine adds ``rstd * prod`` into the dw column sums and transposes each
     128-row slot of ``prod`` into PSUM (H on the partitions, a bank's worth of slots per group); Scalar
@@ -872,7 +884,7 @@ def _narrow_transposes(state, dw_ps, first):
     r0, Pc, NT = chunk
     H = x_t.shape[2]
     NC = cdiv(H, P)
-    _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first)
+    _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first, _stats_engine(x_t.dtype))
     G = _bank_slots(Pc, NT, prod.dtype)
     groups = []
     for c in range(NC):
@@ -911,17 +923,18 @@ def _narrow_coefs(state, H):
     gw_t, x_t, gs_t, rstd_t, d_ps, chunk = state
     r0, Pc, NT = chunk
     dt = x_t.dtype
+    eng = _stats_engine(dt)
     r2 = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=r2, data1=rstd_t, data2=rstd_t, op=nl.multiply, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(dst=r2, data1=rstd_t, data2=rstd_t, op=nl.multiply, engine=eng)
     b = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=b, data=d_ps, op0=nl.multiply, operand0=-1.0 / H, op1=nl.multiply,
                               operand1=r2)
     parts = [b]
     if dt != nl.float32:
         hi = nl.ndarray((Pc, NT), dtype=dt, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=hi, src=b, engine=nisa.engine.gpsimd)
+        nisa.tensor_copy(dst=hi, src=b, engine=eng)
         lo = nl.ndarray((Pc, NT), dtype=dt, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=lo, data1=b, data2=hi, op=nl.subtract, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=lo, data1=b, data2=hi, op=nl.subtract, engine=eng)
         parts = [hi, lo]
     diags = []
     for k in range(len(parts)):
