@@ -879,12 +879,16 @@ def _narrow_transposes(state, dw_ps, first):
     """Stage B: the Tensor engine adds ``rstd * prod`` into the dw column sums and transposes each
     128-row slot of ``prod`` into PSUM (H on the partitions, a bank's worth of slots per group); Scalar
     copies each group out to SBUF (exact: the same dtype), where a matmul can read it. Returns the groups
-    ``(pt, piece, first slot)`` for :func:`_narrow_d_sums`."""
+    ``(pt, piece, first slot)`` for :func:`_narrow_d_sums`, and ``rstd^2`` (fp32) for :func:`_narrow_coefs`,
+    formed here, two stages ahead, so that stage's chain from the sums over H to the first diagonal is short."""
     gw_t, x_t, gs_t, rstd_t, prod, chunk = state
     r0, Pc, NT = chunk
     H = x_t.shape[2]
     NC = cdiv(H, P)
-    _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first, _stats_engine(x_t.dtype))
+    eng = _stats_engine(x_t.dtype)
+    _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first, eng)
+    r2 = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=r2, data1=rstd_t, data2=rstd_t, op=nl.multiply, engine=eng)
     G = _bank_slots(Pc, NT, prod.dtype)
     groups = []
     for c in range(NC):
@@ -897,14 +901,14 @@ def _narrow_transposes(state, dw_ps, first):
             ptc = nl.ndarray((hw, gn, Pc), dtype=prod.dtype, buffer=nl.sbuf)
             nisa.activation(dst=ptc, op=nl.copy, data=pt)
             groups.append((ptc, c, j0))
-    return (gw_t, x_t, gs_t, rstd_t, groups, chunk)
+    return (gw_t, x_t, gs_t, rstd_t, groups, chunk, r2)
 
 
 def _narrow_d_sums(state, w_cols):
     """Stage C: ``D = sum_h w * prod`` per row, fp32 in PSUM ``[Pc, NT]``: a matmul of each transposed slot
     against the weight's column sums it over the partitions, each product exact (the first piece opens
     column j); so ``D`` is ``sum(w * dy * x)`` with one rounding per term (``prod``'s)."""
-    gw_t, x_t, gs_t, rstd_t, groups, chunk = state
+    gw_t, x_t, gs_t, rstd_t, groups, chunk, r2 = state
     r0, Pc, NT = chunk
     d_ps = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.psum)
     for k in range(len(groups)):
@@ -913,26 +917,29 @@ def _narrow_d_sums(state, w_cols):
         for g in range(gn):
             nisa.nc_matmul(dst=d_ps[:, j0 + g:j0 + g + 1], stationary=ptc[:, g, :], moving=w_cols[0:hw, c:c + 1],
                            accumulate=c > 0)
-    return (gw_t, x_t, gs_t, rstd_t, d_ps, chunk)
+    return (gw_t, x_t, gs_t, rstd_t, d_ps, chunk, r2)
 
 
 def _narrow_coefs(state, H):
     """Stage 2: ``b = -rstd^2 * D / H`` per row (so ``dx = rstd * (gw + b * x)``) and ``diag(b)`` for every
     slot, ``[Pc, NT, Pc]`` in x's dtype (one GpSimd ``affine_select`` per part; 2-byte rows take b as a
-    hi + lo pair of bf16 parts, so ``b * x`` summed in PSUM is exact to fp32 rounding)."""
-    gw_t, x_t, gs_t, rstd_t, d_ps, chunk = state
+    hi + lo pair of bf16 parts, so ``b * x`` summed in PSUM is exact to fp32 rounding). The hi part is formed
+    first, straight from the sums (the same fp32 product rounded once to x's dtype, as rounding b), so GpSimd's
+    first diagonal waits on one instruction after the sums."""
+    gw_t, x_t, gs_t, rstd_t, d_ps, chunk, r2 = state
     r0, Pc, NT = chunk
     dt = x_t.dtype
     eng = _stats_engine(dt)
-    r2 = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=r2, data1=rstd_t, data2=rstd_t, op=nl.multiply, engine=eng)
+    hi = None
+    if dt != nl.float32:
+        hi = nl.ndarray((Pc, NT), dtype=dt, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=hi, data=d_ps, op0=nl.multiply, operand0=-1.0 / H, op1=nl.multiply,
+                                  operand1=r2)
     b = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(dst=b, data=d_ps, op0=nl.multiply, operand0=-1.0 / H, op1=nl.multiply,
                               operand1=r2)
     parts = [b]
     if dt != nl.float32:
-        hi = nl.ndarray((Pc, NT), dtype=dt, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=hi, src=b, engine=eng)
         lo = nl.ndarray((Pc, NT), dtype=dt, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=lo, data1=b, data2=hi, op=nl.subtract, engine=eng)
         parts = [hi, lo]
