@@ -409,6 +409,7 @@ NARROW_AHEAD = 4  # chunks whose loads are issued ahead of the one whose statist
 NARROW_SPLIT = 3  # the first chunks' loads alternate between both queues (no store is pending yet)
 NARROW_DEPTH = 2  # transposed groups issued ahead of their squares and sums (PSUM banks in flight)
 NARROW_RUN = 3  # chunks at most per run: one PSUM tile of sums, one fp32 rstd instruction and one store
+NARROW_BWD_SPLIT = 3  # the backward's first chunks' loads on both hardware-DGE queues (_load_narrow_bwd_chunk)
 NARROW_TAIL = 3  # runs ending in the last chunks get their fp32 rstd on Scalar after its last square
 
 
@@ -780,6 +781,29 @@ def _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, opens=False, engine=nisa.engine
     return r
 
 
+def _load_narrow_bwd_chunk(dy, x, grad_s, rstd, chunks, k):
+    """Chunk ``k``'s backward tiles (:func:`_load_bwd_chunk`). The first :data:`NARROW_BWD_SPLIT` chunks' loads
+    name the two hardware-DGE queues (``dy`` on the Sync engine's, the others on the Scalar engine's), so they
+    land side by side instead of each behind the previous one's fixed cost on one queue; no store is pending
+    yet that they could wait behind. Later loads and the stores go where the compiler puts them."""
+    if k >= NARROW_BWD_SPLIT:
+        return _load_bwd_chunk(dy, x, grad_s, rstd, chunks[k])
+    r0, Pc, NT = chunks[k]
+    H = x.shape[1]
+    tiles = []
+    srcs = [dy, x, grad_s]
+    for i in range(len(srcs)):
+        t = None
+        if srcs[i] != None:  # noqa: E711 (NKI rejects `is`)
+            t = nl.ndarray((Pc, NT, H), dtype=srcs[i].dtype, buffer=nl.sbuf)
+            _hwdge(t, _rows(srcs[i], r0, Pc, NT, H), STORE_QUEUE if i == 0 else LOAD_QUEUE)
+        tiles.append(t)
+    r_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
+    _hwdge(r_t, _row_stats(rstd, r0, Pc, NT), LOAD_QUEUE)
+    tiles.append(r_t)
+    return tiles
+
+
 def _load_bwd_chunk(dy, x, grad_s, rstd, chunk):
     """SBUF ``[dy, x, grad_s (or None), rstd [Pc, NT] fp32]`` of a backward chunk."""
     r0, Pc, NT = chunk
@@ -994,7 +1018,7 @@ def _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chu
     st = [None] * n  # each chunk's state between stages
     for i in range(n + 4):
         for k in range(len(loads), min(n, i + 1 + ahead)):
-            loads.append(_load_bwd_chunk(dy, x, grad_s, rstd, chunks[k]))
+            loads.append(_load_narrow_bwd_chunk(dy, x, grad_s, rstd, chunks, k))
         if 0 <= i - 3 < n:
             st[i - 3] = _narrow_coefs(st[i - 3], H)
         if 0 <= i - 4 < n:
