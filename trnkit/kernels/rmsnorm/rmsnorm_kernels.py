@@ -393,8 +393,33 @@ def _narrow_chunks(N, H, dtype, n_prog, pid, row_bytes):
     lo = min(N, pid * per)
     hi = min(N, lo + per)
     isz = 4 if dtype == nl.float32 else 2
-    sizes = _ramp((hi - lo) // P, max(1, row_bytes // (H * isz)))
+    nt = max(1, row_bytes // (H * isz))
+    sizes = _ramp_down(_ramp((hi - lo) // P, nt), nt)
     return _chunk_list(lo, hi, sizes)
+
+
+def _ramp_down(sizes, nt):
+    """:func:`_ramp`'s chunks with the partial ones after the full ones, largest first: the rising head, every
+    full chunk, then the rest in decreasing size (the ramp leaves its remainder between head and tail, where a
+    small chunk makes the backward's pipeline stall mid-way and a large one follows the tail's small ones)."""
+    out = []
+    k = 0
+    while k < len(sizes) and sizes[k] < nt and (len(out) == 0 or sizes[k] > out[len(out) - 1]):
+        out.append(sizes[k])
+        k = k + 1
+    rest = []
+    for j in range(k, len(sizes)):
+        if sizes[j] == nt:
+            out.append(sizes[j])
+        else:
+            rest.append(sizes[j])
+    while len(rest) > 0:
+        m = 0
+        for j in range(1, len(rest)):
+            if rest[j] > rest[m]:
+                m = j
+        out.append(rest.pop(m))
+    return out
 
 
 # Forward, narrow rows (the q / k head norm). DMA queues: nisa.dma_copy's hardware DGE mode, "Sync Engine or
