@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import TRN2, matmul, opnd
 from trnkit.nkisim import cost, hardware
-from trnkit.nkisim.cost_params import MID
+from trnkit.nkisim.cost_params import LOW, MID
 from trnkit.nkisim.trace import DMA, SCALAR, TENSOR, VECTOR, Instr
 
 
@@ -219,6 +219,38 @@ def test_tiled_matmul_lies_between_roofline_and_serialized_sum(deps):
     assert d["total_ns"] == rep.total_ns and d["busy_ns"][TENSOR] == rep.busy_ns[TENSOR]
     text = str(rep)
     assert "tensor" in text and "roofline" in text and "serialized" in text
+
+
+def _group_closed_by_a_ready_matmul() -> list[Instr]:
+    """A PSUM accumulation group whose last matmul (covering the whole tile) has its inputs at once while
+    the first waits for a long VectorE result, then a ScalarE read of the sums (the head-norm forward's
+    ``eps`` matmul closing each chunk's group)."""
+    full = [("p", 0, 1 << 16)]
+    v0 = vec("tensor_copy", (128, 4096), reads=[("x", 0, 1)], writes=[("a", 0, 1)])
+    mm1 = matmul(128, 128, 512, deps={"reads": [("a", 0, 1), ("w", 0, 1)], "writes": full})
+    mm2 = matmul(128, 128, 512, deps={"reads": [("e", 0, 1), ("w", 0, 1)], "writes": full})
+    rd = vec("tensor_copy", (128, 512), engine=SCALAR, src_buf="psum", reads=full, writes=[("s", 0, 1)])
+    return [v0, mm1, mm2, rd]
+
+
+def test_a_reader_of_an_accumulation_group_waits_for_every_matmul_even_one_moved_after_the_last():
+    # By hand at the optimistic setting (trn2; LOW: access_init 0, dependent overhead 160 cycles,
+    # compute_reorder on, same_engine_streaming on):
+    #   v0  VectorE fp32 copy, 4,096 elements: busy 4096 / 0.96 GHz, result + 160 / 0.96 -> 4,433.33 ns
+    #   mm1 waits for v0: starts 4,433.33, busy 512 / 2.4 = 213.33, result + (160 + 64) / 2.4 -> 4,740 ns
+    #   mm2 waits for no one (an accumulating matmul does not wait for its group's earlier results) and
+    #       takes TensorE's first gap: [0, 213.33], result 306.67 ns
+    #   rd  reads the tile: its sums exist when mm1's result does, 4,740 ns (not mm2's 306.67)
+    times = cost.timeline(_group_closed_by_a_ready_matmul(), "trn2", LOW)
+    v0, mm1, mm2, rd = times
+    assert v0.ready == pytest.approx(4096 / 0.96 + 160 / 0.96)
+    assert mm2.start == pytest.approx(0.0) and mm2.ready == pytest.approx(512 / 2.4 + 224 / 2.4)
+    assert mm1.start == pytest.approx(v0.ready)
+    assert mm1.ready == pytest.approx(4740.0)
+    assert rd.start == pytest.approx(4740.0)
+    # in program order (mid) the same trace already had the reader after both matmuls
+    mid = cost.timeline(_group_closed_by_a_ready_matmul(), "trn2", MID)
+    assert mid[3].start == pytest.approx(max(mid[1].ready, mid[2].ready))
 
 
 def test_list_schedule_follows_dependencies_and_engine_queues():

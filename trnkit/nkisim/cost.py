@@ -565,12 +565,16 @@ class _DepTracker:
         same engine may (``same_engine_streaming``), default ``finish``."""
         own = finish if own is None else own
         for key, p0, p1, lo, hi in writes:
-            # accesses fully covered by this write can never be waited on again (this write waited for
-            # them, or, for an accumulating matmul, finishes after them on the in-order TensorE)
+            # an access fully covered by this write that is done by the time this one is can never be the
+            # one a later access waits for (it overlaps this write, which finishes no earlier). One that
+            # finishes later stays: an accumulating matmul does not wait for its group's earlier matmuls,
+            # so with ``compute_reorder`` it may run before them, and a reader of the tile still needs
+            # their sums
             for table in (self.writes, self.reads):
                 if key in table:
                     table[key] = [e for e in table[key]
-                                  if not (p0 <= e[0] and e[1] <= p1 and lo <= e[2] and e[3] <= hi)]
+                                  if not (p0 <= e[0] and e[1] <= p1 and lo <= e[2] and e[3] <= hi
+                                          and e[4] <= finish and e[7] <= own)]
             self.writes[key].append((p0, p1, lo, hi, finish, matmul, engine, own))
         for key, p0, p1, lo, hi in reads:
             self.reads[key].append((p0, p1, lo, hi, finish, False, engine, own))
