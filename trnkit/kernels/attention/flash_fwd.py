@@ -308,10 +308,11 @@ def _exp(st, load):
     st["s_sb"], st["p"], st["rs"] = None, p_sb, rs
 
 
-def _pe_blocks(load, nfull, nq, itemsize):
+def _pe_blocks(load, nfull, nq, itemsize, step):
     """How many of a step's ``nfull`` full 128-key blocks go to PE transposes (the rest: one DMA
     transpose): each block to whichever path's engines would finish it first given the work so far
-    (the DMA side weighted by ``DMA_SHARE``), the count then rounded to whole PSUM banks."""
+    (the DMA side weighted by ``DMA_SHARE``), the count then rounded to whole PSUM banks where the
+    launch's steps (``step`` keys, at most S) span two banks or more."""
     dma_ns = _dma_ns(P * nq * itemsize, DMA_BLOCKS * nq * itemsize, SBUF_TRANSPOSE)  # (a full transfer's rate)
     pe_ns = max(64, nq) / TENSOR_GHZ
     copy_v = max(64, nq / 2 if itemsize == 2 else nq) / VECTOR_GHZ
@@ -332,6 +333,9 @@ def _pe_blocks(load, nfull, nq, itemsize):
     # whole PSUM banks of PE blocks (8 bf16 / 4 fp32), rounded to the nearer: each copy out of PSUM pays
     # its fixed time (Scalar's ACTIVATE, Vector's access set-up) for a full bank, not for a few blocks
     per_bank = BANK * 4 // (P * itemsize)
+    if step < 2 * per_bank * P:  # short steps (S <= 1,024): too few blocks to fill banks; a short
+        load[DMA] = d  # launch is latency-bound and the rounding would move its blocks to the DMA queues
+        return n_pe
     whole = n_pe // per_bank * per_bank
     if n_pe - whole >= per_bank // 2 and whole + per_bank <= nfull:
         whole = whole + per_bank
@@ -350,7 +354,7 @@ def _transpose(st, load):
     two_byte = pdt != nl.float32
     itemsize = 2 if two_byte else 4
     pt = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.sbuf)
-    n_pe = _pe_blocks(load, nfull, nq, itemsize)
+    n_pe = _pe_blocks(load, nfull, nq, itemsize, st["step_keys"])
     n_dma = nfull - n_pe
     for d0 in range(0, n_dma, DMA_BLOCKS):
         nd = min(DMA_BLOCKS, n_dma - d0)
@@ -558,7 +562,7 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
         us = _steps(S, g0, ng, j, G, step)
         for i in range(len(us)):
             us[i]["u"], us[i]["b"], us[i]["ob"], us[i]["scale"], us[i]["pdt"] = u, b, u["ob"], scale, q.dtype
-            us[i]["load"] = load
+            us[i]["load"], us[i]["step_keys"] = load, min(step, S)
             us[i]["prev"] = None if us[i]["first"] else us[i - 1]
             us[i]["unit_first"], us[i]["unit_last"] = i == 0, i == len(us) - 1
             us[i]["load_v"] = i == min(1, len(us) - 1)
