@@ -146,15 +146,24 @@ def _row_stats(t, r0, Pc, NT):
     return t.ap(pattern=[[NT, Pc], [1, NT]], offset=r0)
 
 
-def _load_chunk(srcs, chunk, H):
-    """SBUF copies ``[Pc, NT, H]`` of the chunk's rows of each HBM tensor in ``srcs`` (None stays None)."""
+def _dma_in(dst, src, queue=None):
+    """``dma_copy`` into SBUF: through ``queue``'s hardware DGE when named, else where the compiler puts it."""
+    if queue != None:  # noqa: E711 (NKI rejects `is`)
+        _hwdge(dst, src, queue)
+    else:
+        nisa.dma_copy(dst=dst, src=src)
+
+
+def _load_chunk(srcs, chunk, H, queues=None):
+    """SBUF copies ``[Pc, NT, H]`` of the chunk's rows of each HBM tensor in ``srcs`` (None stays None), each
+    on its entry of ``queues`` (:func:`_dma_in`; default: the compiler's queues)."""
     r0, Pc, NT = chunk
     out = []
     for i in range(len(srcs)):
         t = None
         if srcs[i] != None:  # noqa: E711 (NKI rejects `is`)
             t = nl.ndarray((Pc, NT, H), dtype=srcs[i].dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=t, src=_rows(srcs[i], r0, Pc, NT, H))
+            _dma_in(t, _rows(srcs[i], r0, Pc, NT, H), None if queues == None else queues[i])  # noqa: E711
         out.append(t)
     return out
 
@@ -550,19 +559,10 @@ def _store_run_rstd(rstd, chunks, run, rs, queue):
 def _narrow_load(x, residual, chunks, k):
     """Chunk ``k``'s ``x`` (and ``residual``) tiles, loaded on Scalar's DMA queue (the first chunks alternate
     with Sync's, so the pipeline's first loads run side by side)."""
-    r0, Pc, NT = chunks[k]
-    H = x.shape[1]
     queue = LOAD_QUEUE
     if k < NARROW_SPLIT and k % 2 == 1:
         queue = STORE_QUEUE
-    tiles = []
-    for t in (x, residual):
-        tt = None
-        if t != None:  # noqa: E711
-            tt = nl.ndarray((Pc, NT, H), dtype=t.dtype, buffer=nl.sbuf)
-            _hwdge(tt, _rows(t, r0, Pc, NT, H), queue)
-        tiles.append(tt)
-    return tiles
+    return _load_chunk([x, residual], chunks[k], x.shape[1], [queue, queue])
 
 
 def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
@@ -811,30 +811,21 @@ def _load_narrow_bwd_chunk(dy, x, grad_s, rstd, chunks, k):
     name the two hardware-DGE queues (``dy`` on the Sync engine's, the others on the Scalar engine's), so they
     land side by side instead of each behind the previous one's fixed cost on one queue; no store is pending
     yet that they could wait behind. Later loads and the stores go where the compiler puts them."""
-    if k >= NARROW_BWD_SPLIT:
-        return _load_bwd_chunk(dy, x, grad_s, rstd, chunks[k])
-    r0, Pc, NT = chunks[k]
-    H = x.shape[1]
-    tiles = []
-    srcs = [dy, x, grad_s]
-    for i in range(len(srcs)):
-        t = None
-        if srcs[i] != None:  # noqa: E711 (NKI rejects `is`)
-            t = nl.ndarray((Pc, NT, H), dtype=srcs[i].dtype, buffer=nl.sbuf)
-            _hwdge(t, _rows(srcs[i], r0, Pc, NT, H), STORE_QUEUE if i == 0 else LOAD_QUEUE)
-        tiles.append(t)
-    r_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    _hwdge(r_t, _row_stats(rstd, r0, Pc, NT), LOAD_QUEUE)
-    tiles.append(r_t)
-    return tiles
+    queues = None
+    if k < NARROW_BWD_SPLIT:
+        queues = [STORE_QUEUE, LOAD_QUEUE, LOAD_QUEUE, LOAD_QUEUE]
+    return _load_bwd_chunk(dy, x, grad_s, rstd, chunks[k], queues)
 
 
-def _load_bwd_chunk(dy, x, grad_s, rstd, chunk):
-    """SBUF ``[dy, x, grad_s (or None), rstd [Pc, NT] fp32]`` of a backward chunk."""
+def _load_bwd_chunk(dy, x, grad_s, rstd, chunk, queues=None):
+    """SBUF ``[dy, x, grad_s (or None), rstd [Pc, NT] fp32]`` of a backward chunk, each load on its entry of
+    ``queues`` (:func:`_dma_in`; default: the compiler's queues)."""
     r0, Pc, NT = chunk
-    tiles = _load_chunk([dy, x, grad_s], chunk, x.shape[1])
+    if queues == None:  # noqa: E711 (NKI rejects `is`)
+        queues = [None, None, None, None]
+    tiles = _load_chunk([dy, x, grad_s], chunk, x.shape[1], queues)
     r_t = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=r_t, src=_row_stats(rstd, r0, Pc, NT))
+    _dma_in(r_t, _row_stats(rstd, r0, Pc, NT), queues[3])
     tiles.append(r_t)
     return tiles
 
