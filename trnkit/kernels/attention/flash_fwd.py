@@ -209,13 +209,14 @@ def _bank_groups(nb):
     writes the next) at most LIVE_SCORE_BANKS together. A step of at most SHORT_STEP_BANKS banks goes
     bank by bank (Vector starts on its first bank while TensorE forms the next: a short launch, where
     such steps are most of the work, is bound by that latency, not by Vector's set-ups)."""
+    cap = GROUP_BANKS
+    if nb <= SHORT_STEP_BANKS:
+        cap = 1
     out = []
     b = 0
     prev = 0
     while b < nb:
-        n = min(GROUP_BANKS, LIVE_SCORE_BANKS - prev, nb - b)
-        if nb <= SHORT_STEP_BANKS:
-            n = 1
+        n = min(cap, LIVE_SCORE_BANKS - prev, nb - b)
         out.append((b, n))
         b = b + n
         prev = n
@@ -308,6 +309,11 @@ def _exp(st, load):
     st["s_sb"], st["p"], st["rs"] = None, p_sb, rs
 
 
+def _blocks_per_bank(itemsize):
+    """128-key ``P^T`` blocks of ``itemsize``-byte elements per PSUM bank (2 KiB per partition)."""
+    return BANK * 4 // (P * itemsize)
+
+
 def _pe_blocks(load, nfull, nq, itemsize, step):
     """How many of a step's ``nfull`` full 128-key blocks go to PE transposes (the rest: one DMA
     transpose): each block to whichever path's engines would finish it first given the work so far
@@ -332,7 +338,7 @@ def _pe_blocks(load, nfull, nq, itemsize, step):
             d = d + dma_ns
     # whole PSUM banks of PE blocks (8 bf16 / 4 fp32), rounded to the nearer: each copy out of PSUM pays
     # its fixed time (Scalar's ACTIVATE, Vector's access set-up) for a full bank, not for a few blocks
-    per_bank = BANK * 4 // (P * itemsize)
+    per_bank = _blocks_per_bank(itemsize)
     if step < 2 * per_bank * P:  # short steps (S <= 1,024): too few blocks to fill banks; a short
         load[DMA] = d  # launch is latency-bound and the rounding would move its blocks to the DMA queues
         return n_pe
@@ -363,7 +369,7 @@ def _transpose(st, load):
             - nd * _dma_ns(P * nq * itemsize, DMA_BLOCKS * nq * itemsize, SBUF_TRANSPOSE)
         nisa.dma_transpose(dst=pt.ap(pattern=[[nsub * nq, P], [1, 1], [nq, nd], [1, nq]], offset=d0 * nq),
                            src=p_sb.ap(pattern=[[w, nq], [1, 1], [P, nd], [1, P]], offset=d0 * P))
-    per_tile = BANK * 4 // (P * itemsize)  # blocks per PSUM bank
+    per_tile = _blocks_per_bank(itemsize)
     for c0 in range(n_dma, nsub, per_tile):
         n = min(per_tile, nsub - c0)
         pt_ps = nl.ndarray((P, n, nq), dtype=pdt, buffer=nl.psum)
