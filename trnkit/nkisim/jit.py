@@ -195,9 +195,11 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
     outer = _cf.current()  # a @nki.jit helper called inside a kernel is part of that program
     programs = [outer if outer is not None and n == 1 else _cf.Program(i, strict) for i in range(n)]
     # several programs run as concurrent cores do: in lockstep, one instruction each in turn
-    turnstile = _cf.Turnstile(n) if n > 1 else None
-    for p in programs if turnstile is not None else ():
-        p.turnstile = turnstile
+    turnstile = None
+    if n > 1:
+        turnstile = _cf.Turnstile(n)
+        for p in programs:
+            p.turnstile = turnstile
 
     def run(i: int) -> None:
         if turnstile is not None:
