@@ -11,7 +11,7 @@ import pytest
 
 from trnkit.nki_api import nisa, nki, nl
 from trnkit.nkisim import cost, hardware, memory, trace
-from trnkit.nkisim.cost_params import MID
+from trnkit.nkisim.cost_params import LOW, MID
 from trnkit.nkisim.trace import DMA, SCALAR
 
 TRN2 = hardware.TRN2
@@ -315,3 +315,79 @@ def test_a_transfer_named_to_an_engine_goes_to_that_engines_queue():
     assert first.start == second.start == 0.0
     first, second = cost.timeline(loads(False), params=one_queue)
     assert second.start == pytest.approx(MID.dma_fixed_ns)
+
+
+def _named_store_kernel(named: bool, then_load: bool = False):
+    """[4, 4096] bf16: load, exp on ScalarE, the exp's store (triggered from ScalarE when ``named``), a
+    second exp of the loaded tile; with ``then_load`` a named ScalarE load of an independent HBM tensor
+    takes the store's place in program order."""
+
+    @nki.jit
+    def kernel(a, b):
+        out = nl.ndarray((8, 4096), dtype=a.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        u = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        y = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        z = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=a)
+        nisa.activation(dst=y, op=nl.exp, data=t)
+        if then_load:
+            nisa.dma_copy(dst=u, src=b, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
+        elif named:
+            nisa.dma_copy(dst=out[0:4, :], src=y, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
+        else:
+            nisa.dma_copy(dst=out[0:4, :], src=y)
+        nisa.activation(dst=z, op=nl.exp, data=t)
+        nisa.dma_copy(dst=out[4:8, :], src=z)
+        return out
+
+    import torch
+    a = torch.ones(4, 4096, dtype=torch.bfloat16)
+    return _trace(kernel, a, a.clone())[0]
+
+
+def test_a_named_trigger_holds_its_engines_instruction_stream():
+    """A transfer named to ScalarE is an instruction of ScalarE's in-order stream (DMA overview: "The
+    sequencer instruction to trigger the transfer may wait on any semaphore condition"; trainium2_arch:
+    a DGE instruction "takes about 600 ns to execute"): the store of an exp triggers when the exp's result
+    is ready, and the next exp (independent of it) waits until the trigger has waited and executed; the
+    same store on the compiler's queue costs ScalarE nothing, and with compute_reorder (LOW) the compiler
+    moves the next exp ahead of it."""
+    named = _named_store_kernel(True)
+    load, act1, store, act2, _ = cost.timeline(named, params=MID)
+    # hand-computed: the load on one DMA engine (32 KiB at 23 B/ns x b/(b + knee)), its completion semaphore,
+    # exp's table load, exp (N / 1.2 GHz + fixed), exp's result latency
+    one_engine = 32768 / (23.0 * 32768 / (32768 + MID.dma_knee_bytes))
+    loaded = MID.dma_fixed_ns + one_engine + MID.dma_wake_ns
+    exp_ns = 4096 / 1.2 + TRN2.act_fixed_ns
+    assert act1.table_load == pytest.approx((loaded, loaded + TRN2.act_table_load_ns))
+    assert act1.end == pytest.approx(loaded + TRN2.act_table_load_ns + exp_ns)
+    exp_ready = act1.start + cost.instr_cost(named[1], params=MID).latency_ns
+    assert act1.ready == pytest.approx(exp_ready) and exp_ready > act1.end
+    # the trigger waits for the exp's result (same engine: no cross-engine semaphore); ScalarE's next
+    # instruction waits for the trigger to issue and execute (600 ns), not just for the first exp's end
+    assert store.start == pytest.approx(exp_ready)
+    assert act2.start == pytest.approx(exp_ready + 600.0)
+    # the compiler's queue: nothing in ScalarE's stream, the second exp follows the first
+    _, act1_u, _, act2_u, _ = cost.timeline(_named_store_kernel(False), params=MID)
+    assert act2_u.start == pytest.approx(act1_u.end) == pytest.approx(act1.end)
+    # compute_reorder: the compiler places the trigger where its data is ready and ScalarE's pipeline runs on
+    _, act1_low, store_low, act2_low, _ = cost.timeline(named, params=LOW)
+    assert act2_low.start == pytest.approx(act1_low.end)
+    assert store_low.start == pytest.approx(act1_low.ready)
+
+
+def test_a_named_trigger_is_not_issued_before_its_engines_earlier_instructions():
+    """A load named to ScalarE after an exp in program order waits until ScalarE's sequencer has taken the
+    exp (its table load starts when the first load's data is in), though its own data is in HBM at 0;
+    ScalarE's next exp waits for the load's trigger to execute (600 ns) after that, and the exp that
+    started first is not delayed (the DGE instruction "could be hidden behind earlier compute
+    instructions", trainium2_arch)."""
+    instrs = _named_store_kernel(True, then_load=True)
+    load, act1, named_load, act2, _ = cost.timeline(instrs, params=MID)
+    loaded = load.end + MID.dma_wake_ns
+    assert act1.table_load[0] == pytest.approx(loaded)
+    assert named_load.start == pytest.approx(loaded)
+    assert act2.start == pytest.approx(max(act1.end, loaded + 600.0)) == pytest.approx(act1.end)
+    _, _, named_low, _, _ = cost.timeline(instrs, params=LOW)
+    assert named_low.start == 0.0

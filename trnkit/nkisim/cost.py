@@ -1042,6 +1042,12 @@ class Timing:
 # sequencers ("DMA transfers can be triggered by any engine sequencer", [SDK] nki-dma-overview).
 _QUEUE_ENGINES = ("sync", SCALAR, TENSOR, VECTOR, GPSIMD)
 
+# How long a hardware-DGE DMA instruction holds the sequencer that triggers it: "Each DGE-based DMA
+# instruction takes about 600 ns to execute on NeuronCore-v3" ([SDK] trainium2_arch "DGE"; nki-dge: "Each
+# hardware-DGE DMA instruction takes approximately 600 ns to execute"). Only transfers that name their
+# trigger engine (``engine=``, hardware DGE only) are charged to that engine's instruction stream.
+_HWDGE_INSTR_NS = 600.0
+
 
 def _dma_queue(ins: Instr, k: int, params: ModelParams) -> str:
     """The engine whose DMA queue a transfer goes to: the trigger engine named in the kernel
@@ -1109,6 +1115,9 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     recompute = _Recompute() if params.compiler_cse else None
     engine_free: dict[str, float] = defaultdict(float)  # the end of each engine's last instruction
     engine_time: dict[str, _Timeline] = defaultdict(_Timeline)  # each compute engine's busy intervals
+    # when each engine's sequencer can take its next instruction in program order (no compute_reorder):
+    # after its last compute instruction started, and after a DMA trigger it runs has issued and executed
+    sequencer_free: dict[str, float] = defaultdict(float)
     writer: dict[object, str] = {}  # storage key -> engine of its last writer
     table = ""  # the activation table loaded on ScalarE
     n_dma = 0
@@ -1184,9 +1193,22 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
                 ready += params.dma_wake_ns
             # the queue holds each transfer from its trigger to its first byte; hoisted: the first gap
             # after the data is ready, program order: not before the queue's previous trigger
+            # a transfer that names its trigger engine is an instruction of that engine's in-order stream
+            # ("The sequencer instruction to trigger the transfer may wait on any semaphore condition",
+            # DMA overview): not issued before the engine's earlier instructions have started (a DGE
+            # instruction "could be hidden behind earlier compute instructions ... in program order",
+            # trainium2_arch "DGE"), and the engine's later instructions wait while it waits for its data
+            # and its queue, then for its execution (_HWDGE_INSTR_NS). With compute_reorder the compiler
+            # places it, like a compute instruction, where its data is ready, and the engine's compute
+            # pipeline is not held ("DGE and the compute pipeline of ScalarE are independent").
+            in_stream = not params.compute_reorder and _attr_name(ins.attrs.get("engine")).lower() == q
+            if in_stream:
+                ready = max(ready, sequencer_free[q])
             earliest = ready if params.dma_hoist else max(ready, queue_last[q])
             start = queues[q].place(earliest, c.fixed_ns)
             queue_last[q] = max(queue_last[q], start)
+            if in_stream:
+                sequencer_free[q] = start + _HWDGE_INSTR_NS
             first, last = c.dma_engines
             used = (engines[first:last] if per_engine else engines) or engines[:1]
             t = _fit_all(used, start + c.fixed_ns, c.transfer_ns)
@@ -1205,7 +1227,8 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
                     pre, table = chip.act_table_load_ns, fn
             # in program order on its engine, or (compute_reorder) in the first gap of the engine after
             # its inputs are ready: the compiler's scheduler moves an independent instruction ahead
-            t = ready if params.compute_reorder else max(ready, engine_free[ins.engine])
+            t = ready if params.compute_reorder else max(ready, engine_free[ins.engine],
+                                                         sequencer_free[ins.engine])
             res = [shared[r] for r in _resources(ins, c, chip)]
             mine = engine_time[ins.engine]
             throttle = didt if ins.engine == TENSOR else None
@@ -1230,6 +1253,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             start = t + pre
             end = start + busy
             engine_free[ins.engine] = max(engine_free[ins.engine], end)
+            sequencer_free[ins.engine] = max(sequencer_free[ins.engine], t)
             finish = start + c.latency_ns + (busy - work)
             # the next instruction of the same engine may start once this one's data streams out: not
             # before its end, nor before its dependent-instruction interval (MIN_II + fixed latency, the
