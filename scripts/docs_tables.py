@@ -645,6 +645,31 @@ def calibration_nkilib_summary() -> str:
                   [r if len(r) == 9 else r + ["—"] for r in body])
 
 
+def calibration_nkilib_launch() -> str:
+    """The estimated nki-library check points per family and LNC, the kernel's own estimate (kernel_*_us: what it
+    costs inside a larger graph) against the standalone launch the figure is of (low / mid / high_us: with
+    cost_params.STANDALONE_LAUNCH): median error of the mid, within +-20 %, published inside low..high."""
+    rows = [r for r in _nkilib_rows() if r["role"] == "check" and r["status"] == "ok"]
+
+    def stats(rs: list[dict], prefix: str) -> list[str]:
+        pub = [float(r["published_us"]) for r in rs]
+        lo, mid, hi = ([float(r[f"{prefix}{k}_us"]) for r in rs] for k in ("low", "mid", "high"))
+        errs = [m / p - 1 for m, p in zip(mid, pub)]
+        return [f"{statistics.median(errs):+.1%}", f"{sum(abs(e) <= 0.2 for e in errs)}",
+                f"{sum(a <= p <= b for a, p, b in zip(lo, pub, hi))}"]
+
+    body = []
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        for n in sorted({r["lnc"] for r in rows if r["family"] == fam}):
+            rs = [r for r in rows if r["family"] == fam and r["lnc"] == n]
+            body.append([fam, n, str(len(rs)), *stats(rs, "kernel_"), *stats(rs, "")])
+    if rows:
+        body.append(["all", "1, 2", str(len(rows)), *stats(rows, "kernel_"), *stats(rows, "")])
+    return _table(["family", "LNC", "check points", "kernel only: median error (mid)", "within +-20 %",
+                   "inside low..high", "standalone launch: median error (mid)", "within +-20 %",
+                   "inside low..high"], body)
+
+
 NKILIB_BINS = ((0, 60), (60, 100), (100, 200), (200, 500), (500, 2000), (2000, math.inf))  # recorded time, us
 
 
@@ -807,6 +832,7 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "calibration": calibration, "calibration_changes": calibration_changes,
     "calibration_summary": calibration_summary,
     "calibration_nkilib_summary": calibration_nkilib_summary, "calibration_nkilib": calibration_nkilib,
+    "calibration_nkilib_launch": calibration_nkilib_launch,
     "calibration_nkilib_by_time": calibration_nkilib_by_time,
     "calibration_nkilib_lnc_pairs": calibration_nkilib_lnc_pairs,
     "calibration_nkilib_whatif": calibration_nkilib_whatif,

@@ -4,7 +4,10 @@
 [--out CSV] [--lnc N]``
 traces each check / context point's kernel the way the conformance harness runs nki-library's test row (its
 inputs, LNC, entry point; trace only: large matmuls skip their arithmetic) and appends ``low / mid / high`` of
-the cost model's estimate to ``nkilib_calibration.csv`` (one row per point, the newest kept). Points already
+the cost model's estimate of a standalone launch (each test row runs its kernel as its own NEFF:
+``cost.estimate(..., launch=cost_params.STANDALONE_LAUNCH)``) to ``nkilib_calibration.csv`` (one row per
+point, the newest kept), with its two parts: the kernel's own instructions (``kernel_*_us``, what the kernel
+costs inside a larger graph) and the launch's start-up / tear-down and LNC 2 core skew (``launch_*_us``). Points already
 in the CSV are skipped unless named; rows run smallest first (``--max-size``: skip rows whose work measure,
 :func:`size`, is larger). Nothing here is fitted: these are check points (split.csv). Run it under
 ``nice -n 15``: the larger rows trace for minutes.
@@ -21,6 +24,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,8 @@ import nkilib_rows  # noqa: E402
 
 OUT_CSV = HERE / "nkilib_calibration.csv"
 FIELDS = ("point", "family", "shape", "lnc", "published_us", "low_us", "mid_us", "high_us", "error_mid", "inside",
-          "role", "status", "trace_s")
+          "role", "status", "trace_s", "kernel_low_us", "kernel_mid_us", "kernel_high_us", "launch_low_us",
+          "launch_mid_us", "launch_high_us")
 
 
 def _dtype(text: str) -> Any:
@@ -132,9 +137,10 @@ def case_of(p: dict) -> Any:
     return f"no conformance inputs for family {fam}"
 
 
-def estimate_case(case: Any, root: Path) -> tuple[float, float, float]:
-    """``(low, mid, high)`` ns of the case's kernel, traced (trace only) the way the harness launches it; SBUF
-    beyond capacity in program order is allowed (the compiler's allocator spills), as in the conformance run."""
+def estimate_case(case: Any, root: Path) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """``((low, mid, high), (launch low, mid, high))`` ns of the case's kernel run as a standalone launch
+    (the first includes the second), traced (trace only) the way the harness launches it; SBUF beyond
+    capacity in program order is allowed (the compiler's allocator spills), as in the conformance run."""
     from trnkit import nkisim
     from trnkit.conformance import harness
     from trnkit.nkisim import cost, memory, trace
@@ -151,7 +157,10 @@ def estimate_case(case: Any, root: Path) -> tuple[float, float, float]:
             warnings.simplefilter("ignore")
             with trace.record(trace_only=True) as tr:
                 nkisim.simulate(kernel)[case.lnc](**inputs)
-    return cost.estimate(tr, "trn2").total_range_ns
+    from trnkit.nkisim.cost_params import STANDALONE_LAUNCH
+
+    rep = cost.estimate(tr, "trn2", launch=STANDALONE_LAUNCH)
+    return rep.total_range_ns, rep.launch_ns
 
 
 def shape_of(p: dict) -> str:
@@ -183,14 +192,16 @@ def write_row(row: dict, path: Path = OUT_CSV) -> None:
 def run_point(p: dict, root: Path) -> dict:
     row = {"point": p["point"], "family": p["family"], "shape": shape_of(p), "lnc": lnc_of(p),
            "published_us": p["published_us"], "low_us": "", "mid_us": "", "high_us": "", "error_mid": "",
-           "inside": "", "role": p["role"], "status": "", "trace_s": ""}
+           "inside": "", "role": p["role"], "status": "", "trace_s": "", **{f"{part}_{k}_us": "" for part in
+                                                                              ("kernel", "launch")
+                                                                              for k in ("low", "mid", "high")}}
     case = case_of(p)
     if isinstance(case, str):
         row["status"] = f"not run: {case}"
         return row
     t0 = time.perf_counter()
     try:
-        low, mid, high = (v / 1e3 for v in estimate_case(case, root))
+        total, launch = estimate_case(case, root)
     except MemoryError:  # the run's own memory limit (ulimit -v on a shared machine): not a result of the row
         gc.collect()  # (the trace is gone with the frame: room to write the row)
         row["status"] = "not run: out of memory under the run's limit"
@@ -199,9 +210,20 @@ def run_point(p: dict, root: Path) -> dict:
         row["status"] = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         row["trace_s"] = f"{time.perf_counter() - t0:.1f}"
         return row
-    pub = float(p["published_us"])
-    row.update(low_us=f"{low:.2f}", mid_us=f"{mid:.2f}", high_us=f"{high:.2f}", error_mid=f"{mid / pub - 1:.4f}",
-               inside="yes" if low <= pub <= high else "no", status="ok", trace_s=f"{time.perf_counter() - t0:.1f}")
+    row.update(status="ok", trace_s=f"{time.perf_counter() - t0:.1f}")
+    return with_estimate(row, [t - x for t, x in zip(total, launch)], launch)
+
+
+def with_estimate(row: dict, kernel_ns: Sequence[float], launch_ns: Sequence[float]) -> dict:
+    """``row`` with its estimate columns filled from the kernel's own (low, mid, high) and the launch's, ns:
+    ``low_us`` / ``mid_us`` / ``high_us`` are their sums (the standalone launch the recorded figure is of),
+    rounded to 0.01 us after adding."""
+    pub = float(row["published_us"])
+    low, mid, high = ((k + x) / 1e3 for k, x in zip(kernel_ns, launch_ns))
+    row = {**row, "low_us": f"{low:.2f}", "mid_us": f"{mid:.2f}", "high_us": f"{high:.2f}",
+           "error_mid": f"{mid / pub - 1:.4f}", "inside": "yes" if low <= pub <= high else "no"}
+    for part, vals in (("kernel", kernel_ns), ("launch", launch_ns)):
+        row.update({f"{part}_{k}_us": f"{v / 1e3:.2f}" for k, v in zip(("low", "mid", "high"), vals)})
     return row
 
 

@@ -64,6 +64,12 @@ def test_recorded_estimates_cover_the_points_and_compute_their_errors():
         if r["status"] == "ok":
             low, mid, high = (float(r[k]) for k in ("low_us", "mid_us", "high_us"))
             assert low <= mid <= high
+            # a standalone launch: the kernel's own estimate plus the launch's (cost_params.STANDALONE_LAUNCH),
+            # by hand: start-up 0 / 16.9 / 37.7 us, and at LNC 2 a core skew of 0 / 0 / 33.3 us
+            launch = (0.0, 16.9, 37.7 + (33.3 if r["lnc"] == "2" else 0.0))
+            assert [float(r[f"launch_{k}_us"]) for k in ("low", "mid", "high")] == pytest.approx(launch)
+            for k, total in zip(("low", "mid", "high"), (low, mid, high)):
+                assert float(r[f"kernel_{k}_us"]) + float(r[f"launch_{k}_us"]) == pytest.approx(total, abs=0.011)
             # (mid is written to 0.01 us)
             assert float(r["error_mid"]) == pytest.approx(mid / float(p["published_us"]) - 1, abs=1e-3)
             assert (r["inside"] == "yes") == (low <= float(p["published_us"]) <= high)
@@ -89,8 +95,10 @@ def test_a_row_traced_as_the_conformance_harness_builds_it():
     assert (case.name, case.shapes, case.lnc) == ("row fp8 rmsnorm", "B=1 S=2 H=16384", 2)
     row = nkilib_run.run_point(p, root)
     assert row["status"] == "ok" and row["published_us"] == "89.102777"
-    low, mid, high = nkilib_run.estimate_case(case, root)
+    (low, mid, high), launch = nkilib_run.estimate_case(case, root)
+    assert launch == (0.0, 16_900.0, 37_700.0 + 33_300.0)  # LNC 2: start-up and core skew
     assert float(row["mid_us"]) == pytest.approx(mid / 1e3, abs=0.01)
+    assert float(row["kernel_mid_us"]) == pytest.approx((mid - 16_900.0) / 1e3, abs=0.01)
     assert low <= mid <= high
 
 

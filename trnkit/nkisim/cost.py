@@ -69,7 +69,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from trnkit.nkisim import hardware
-from trnkit.nkisim.cost_params import MID, SETTINGS, ModelParams, one_at_a_time
+from trnkit.nkisim.cost_params import MID, SETTINGS, LaunchParams, LaunchRange, ModelParams, one_at_a_time
 from trnkit.nkisim.hardware import Chip
 from trnkit.nkisim.trace import DMA, ENGINES, GPSIMD, SCALAR, TENSOR, VECTOR, Instr, Operand, Trace
 
@@ -125,6 +125,9 @@ class CostReport:
     active_ns: dict[str, float] = field(default_factory=dict)
     # per engine, the active time under the narrow and the wide definition (ACTIVE_DEFINITIONS)
     active_range_ns: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # the standalone launch's cost (cost_params.LaunchParams) at the (low, mid, high) setting, included in
+    # total_ns and total_range_ns; all zero for a kernel inside a larger graph (estimate()'s default)
+    launch_ns: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @property
     def fraction_range(self) -> tuple[float, float, float]:
@@ -168,6 +171,7 @@ class CostReport:
             "memory_bound_ns": self.memory_bound_ns,
             "fraction_of_roofline": self.fraction_of_roofline,
             "total_range_ns": list(self.total_range_ns),
+            "launch_ns": list(self.launch_ns),
             "fraction_range": list(self.fraction_range),
             "flops": self.flops,
             "hbm_bytes": self.hbm_bytes,
@@ -186,8 +190,12 @@ class CostReport:
             f"{self.n_programs} program instance{'s' if self.n_programs != 1 else ''})",
             f"range (optimistic .. pessimistic parameters): {_fmt_ns(self.total_range_ns[0])} .. "
             f"{_fmt_ns(self.total_range_ns[2])}",
-            f"{'engine':<8} {'instrs':>7} {'busy':>11} {'util':>6} {'active':>7}",
         ]
+        if any(self.launch_ns):
+            lines.append(f"standalone launch (NEFF start-up / tear-down, LNC 2 core skew) included: "
+                         f"{_fmt_ns(self.launch_ns[1])} (range {_fmt_ns(self.launch_ns[0])} .. "
+                         f"{_fmt_ns(self.launch_ns[2])})")
+        lines.append(f"{'engine':<8} {'instrs':>7} {'busy':>11} {'util':>6} {'active':>7}")
         for e in ENGINES:
             if self.count.get(e):
                 lines.append(f"{e:<8} {self.count[e]:>7} {_fmt_ns(self.busy_ns.get(e, 0.0)):>11} "
@@ -1466,13 +1474,39 @@ def estimate_total(instrs: Sequence[Instr], chip: str | Chip, params: ModelParam
     return _launch(instrs, chip, params, model)[0] if instrs else 0.0
 
 
+def launch_overhead_ns(programs_per_launch: Sequence[int], launch: LaunchParams) -> float:
+    """What the trace's launches cost beyond their instructions when each is its own NEFF execution: per
+    launch, ``launch.startup_ns``, plus ``launch.core_skew_ns`` when it runs more than one program (LNC 2)."""
+    return sum(launch.startup_ns + (launch.core_skew_ns if n > 1 else 0.0) for n in programs_per_launch)
+
+
+def programs_per_launch(instrs: Sequence[Instr]) -> list[int]:
+    """The number of programs of each launch in the trace (instructions' ``launch`` attr; one launch when
+    none is set)."""
+    programs: dict[object, set] = defaultdict(set)
+    for i in instrs:
+        programs[i.attrs.get("launch")].add(i.program_id)
+    return [len(p) for p in programs.values()]
+
+
 def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: ModelParams | None = None,
-             ranges: bool = True) -> CostReport:
+             ranges: bool = True, launch: LaunchParams | LaunchRange | None = None) -> CostReport:
     """Estimate the run time of a recorded instruction trace on ``chip`` ("trn2" or "trn1").
 
     Everything in the report is for ``params`` (default: the mid values of :mod:`cost_params`); with
     ``ranges`` (and no explicit ``params``) ``total_range_ns`` also holds the totals under the optimistic
-    and pessimistic settings: ``(low, mid, high)``."""
+    and pessimistic settings: ``(low, mid, high)``.
+
+    ``launch``: ``None`` (default) prices the kernel as it runs inside a larger compiled graph, its own
+    instructions only. For a standalone launch (each of the trace's launches its own NEFF execution, as
+    nki-library's tests and the tutorials measure them) pass :data:`cost_params.STANDALONE_LAUNCH` (a
+    :class:`~cost_params.LaunchRange`: each setting's own value, added to that setting's total) or one
+    :class:`~cost_params.LaunchParams` (the same value at every setting; needed with explicit ``params``).
+    ``report.launch_ns`` holds what was added."""
+    if isinstance(launch, LaunchRange) and params is not None:
+        raise ValueError("cost.estimate: launch=LaunchRange gives a value per setting (low / mid / high), but "
+                         "params= names one setting: pass launch=LaunchParams (e.g. STANDALONE_LAUNCH.mid) "
+                         "with explicit params")
     chip = hardware.get_chip(chip)
     instrs = list(trace)
     setting = params or MID
@@ -1499,6 +1533,17 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
                        estimate_total(instrs, chip, SETTINGS["high"]))
     else:
         total_range = (total, total, total)
+    launch_ns = (0.0, 0.0, 0.0)
+    if launch is not None and instrs:
+        per_launch = programs_per_launch(instrs)
+        if isinstance(launch, LaunchRange):
+            launch_ns = tuple(launch_overhead_ns(per_launch, launch.setting(k)) for k in ("low", "mid", "high"))
+        else:
+            launch_ns = (launch_overhead_ns(per_launch, launch),) * 3
+        if not (ranges and params is None):  # one setting: its own launch value at every position
+            launch_ns = (launch_ns[1],) * 3
+        total += launch_ns[1]
+        total_range = tuple(t + x for t, x in zip(total_range, launch_ns))
 
     count: dict[str, int] = defaultdict(int)
     by_op: dict[str, list] = {}
@@ -1525,6 +1570,7 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
         total_range_ns=total_range,
         active_ns={e: active[e][1] for e in ENGINES if e in active},
         active_range_ns={e: (active[e][0], active[e][2]) for e in ENGINES if e in active},
+        launch_ns=launch_ns,
     )
 
 

@@ -234,3 +234,58 @@ def one_at_a_time(name: str) -> tuple[ModelParams, ModelParams]:
     if name not in PARAM_NAMES:
         raise ValueError(f"cost_params: unknown parameter {name!r} (known: {', '.join(PARAM_NAMES)})")
     return replace(MID, **{name: getattr(LOW, name)}), replace(MID, **{name: getattr(HIGH, name)})
+
+
+@dataclass(frozen=True)
+class LaunchParams:
+    """What a standalone launch (one NEFF execution holding only the kernel: nki-library's tests, the SDK
+    tutorials' ``nki.benchmark`` / ``nki.profile``) costs beyond the kernel's own instructions, ns. A kernel
+    inside a larger compiled graph (torch-neuronx, the training step) shares its graph's one execution with
+    every other op, so it pays none of it: :func:`trnkit.nkisim.cost.estimate` adds it only when asked
+    (``launch=``).
+
+    ``startup_ns``: the execution's start-up and tear-down around the kernel, once per launch. [SDK]
+    nki/guides/tutorials/fused_mamba: "every NEFF execution involves certain start-up and tear-down
+    overhead"; [SDK] tools/neuron-explorer/profile-schema-reference, Summary: ``total_time`` is "from
+    explicit TPB start/stop notifications ... including any idle gaps", ``total_exec_time`` leaves out the
+    "setup/teardown opcodes (NOP, SET_ORDERING_MODE, EVENT_SEMAPHORE, ..., TENSOR_LOAD, MODIFY_POOL_CONFIG)".
+    ``core_skew_ns``: at LNC 2, how far the second physical core's start trails the first's, which the
+    first waits out at the kernel's first cross-core synchronisation and which nki-library's figure (the
+    larger of the two cores' counts) holds in full; not documented (the ranges in :data:`STANDALONE_LAUNCH`).
+    """
+
+    startup_ns: float = 0.0
+    core_skew_ns: float = 0.0
+
+
+@dataclass(frozen=True)
+class LaunchRange:
+    """A :class:`LaunchParams` per setting: ``estimate(..., launch=LaunchRange)`` adds ``low`` to the
+    optimistic total, ``mid`` to the mid and ``high`` to the pessimistic one."""
+
+    low: LaunchParams
+    mid: LaunchParams
+    high: LaunchParams
+
+    def setting(self, name: str) -> LaunchParams:
+        if name not in SETTINGS:
+            raise ValueError(f"LaunchRange.setting: unknown setting {name!r} (known: {', '.join(SETTINGS)})")
+        return getattr(self, name)
+
+
+# The standalone launch's range. startup_ns: low 0: the [SDK] nrtpy tutorial (neuron-runtime/nrtpy/
+# tutorial-validate-benchmark, "Device-side benchmark (NeuronCore execution only)") times a [4, 3] fp16
+# add kernel's NEFF at 3.2 us mean (3.0 min), which the model's mid estimate of that kernel (two loads, a
+# tensor_tensor, a store: 3.19 us) already fills. Mid 16.9 us: read off the one published profile of a
+# whole standalone NKI execution, the fused-Mamba toy's (nki/img/mamba_v1_profile.png, trn1, SDK 2.20,
+# 172.93 us): the first DMA trigger (Pending DMA Count rising) at 12.44 us, the last transfer's end at
+# 168.50 us, so 172.93 - (168.50 - 12.44) = 16.87 us around the kernel (read off the image at 8.6 px/us,
+# +-0.2 us; not fitted to any point, and a trn1 figure: no trn2 profile shows a whole standalone run).
+# High 37.7 us: the DMA overview's trn2 profiles (nki/img/overviews/nki-dma-intro-3/-5.png) start the
+# kernel's first DMA 22.3 / 33.3 us into the profile: 33.3 us of start-up (those NEFFs are torch-xla
+# graphs around the kernel, so the span may hold more than a launch) plus the Mamba profile's 4.4 us
+# tear-down. core_skew_ns: no published figure: 0 low and mid; high 33.3 us, a second core being at most
+# one such start-up behind the first (argued, not documented).
+STANDALONE_LAUNCH = LaunchRange(low=LaunchParams(startup_ns=0.0, core_skew_ns=0.0),
+                                mid=LaunchParams(startup_ns=16_900.0, core_skew_ns=0.0),
+                                high=LaunchParams(startup_ns=37_700.0, core_skew_ns=33_300.0))
