@@ -314,13 +314,20 @@ def conformance() -> str:
     return f"{passed} of {len(rows)} cases pass{rest} (nki-library commit {commits}).\n\n" + _table(header, body)
 
 
+# the model-config tier at nki-library d2ad3a5 per kernel: its cases and its flag combinations (case names without
+# " model_config <type>") (tests/conformance/test_model_config.py checks them against the checkout)
+MODEL_CONFIG_TABLES = {"core/mlp/mlp_tkg": (342, 3), "core/qkv/qkv_cte": (81, 1), "core/moe/moe_tkg": (308, 1),
+                       "core/moe_block/moe_block_tkg": (320, 4),
+                       "experimental/transformer/attention_block_tkg": (2724, 88)}
+
+
 def conformance_model_config() -> str:
-    """The rows of the tests' model-config tables in conformance.csv, per kernel: how many ran and their results
-    (a SKIPPED row, which nki-library's test skips, with how it ran), and the largest shape that passed (by the
-    product of its sizes)."""
+    """The rows of the tests' model-config tables in conformance.csv, per kernel: how many ran of the tier's cases and
+    their results (a SKIPPED row, which nki-library's test skips, with how it ran), the flag combinations with a row
+    recorded, and the largest shape that passed (by the product of its sizes)."""
     rows = [r for r in read_csv("conformance.csv") if re.search(r" model_config( \w+)?$", r["case"])]
     body = []
-    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+    for kernel, (n_cases, n_paths) in MODEL_CONFIG_TABLES.items():
         mine = [r for r in rows if r["kernel"] == kernel]
         results = collections.Counter(r["result"] for r in mine)
         verdicts = collections.Counter(_run_anyway(r) for r in mine if r["result"] == "SKIPPED")
@@ -330,8 +337,13 @@ def conformance_model_config() -> str:
         paths = len({re.sub(r" model_config( \w+)?$", "", r["case"]) for r in mine})
         counts = [f"{n} {k}" + (f" (run anyway: {', '.join(f'{m} {v}' for v, m in sorted(verdicts.items()))})"
                                   if k == "SKIPPED" else "") for k, n in sorted(results.items())]
-        body.append([kernel.removeprefix("core/"), str(len(mine)), ", ".join(counts), str(paths), largest])
-    return _table(["kernel", "rows run", "results", "case names (flag combinations)", "largest shape passed"], body)
+        body.append([kernel.removeprefix("core/"), f"{len(mine)} of {n_cases}", ", ".join(counts) or "-",
+                     f"{paths} of {n_paths}", largest])
+    unknown = {r["kernel"] for r in rows} - set(MODEL_CONFIG_TABLES)
+    if unknown:
+        raise ValueError(f"conformance.csv: model-config rows of kernels not in MODEL_CONFIG_TABLES: {sorted(unknown)}")
+    return _table(["kernel", "rows run (of the tier's cases)", "results", "flag combinations run",
+                   "largest shape passed"], body)
 
 
 # the case-name label of each table of test_attention_cte.py / test_attention_bwd.py (cases_attention) and its rows
@@ -896,6 +908,27 @@ def skipped_count(verdict: str) -> Callable[[], str]:
     return value
 
 
+def model_config_count(kernel: str, test: Callable[[dict[str, str]], bool]) -> Callable[[], str]:
+    """How many model-config rows of ``kernel`` in conformance.csv satisfy ``test``."""
+    def value() -> str:
+        return str(sum(r["kernel"] == kernel and bool(re.search(r" model_config( \w+)?$", r["case"])) and test(r)
+                       for r in read_csv("conformance.csv")))
+    return value
+
+
+ATTN_BLOCK = "experimental/transformer/attention_block_tkg"
+
+
+def _static_fp8_kv(r: dict[str, str]) -> bool:
+    """An attention_block_tkg row with STATIC fp8 weights and an fp8 KV cache."""
+    return r["case"].startswith("fp8 static") and " kv_quant" in r["case"]
+
+
+def _mlp_bf16_skipped(r: dict[str, str]) -> bool:
+    """An mlp_tkg model row with bf16 weights that its test skips and that no documented rule refuses here."""
+    return r["case"].startswith("bf16 rms_norm") and r["result"] == "SKIPPED" and _run_anyway(r) != "ERROR"
+
+
 def _step(flavor: str, dtype: str, seq: int = 512) -> dict[str, str]:
     """trnkit's row of a benchmarks/qwen3_step.py case (batch 2, deterministic algorithms off)."""
     return {"flavor": flavor, "dtype": dtype, "batch": "2", "seq": str(seq), "deterministic": "off", "impl": "trnkit"}
@@ -1071,6 +1104,19 @@ QUOTES = (
               _bench_frac("cross_entropy", "forward", "T (LNC=2)", "2048", "p50"),
               _bench_frac("cross_entropy", "backward", "T (LNC=2)", "2048"),
               _bench_frac("cross_entropy", "backward", "T (LNC=2)", "2048", "p50"))),
+    Quote("docs/interpreter.md", "of the {} run, {} pass and {} are GOLDEN_GAP ({} by the rounded reference, {} on "
+          "the kernel's tapped tiles)", "conformance.csv attention_block_tkg model rows, STATIC fp8 weights, fp8 KV "
+          "cache", (model_config_count(ATTN_BLOCK, _static_fp8_kv),
+                    model_config_count(ATTN_BLOCK, lambda r: _static_fp8_kv(r) and r["result"] == "PASS"),
+                    model_config_count(ATTN_BLOCK, lambda r: _static_fp8_kv(r) and r["result"] == "GOLDEN_GAP"),
+                    model_config_count(ATTN_BLOCK, lambda r: _static_fp8_kv(r) and r["result"] == "GOLDEN_GAP"
+                                       and "out of reach of the kernel's tile dtypes" in r["message"]),
+                    model_config_count(ATTN_BLOCK, lambda r: _static_fp8_kv(r) and r["result"] == "GOLDEN_GAP"
+                                       and "out of reach of the kernel's own QKV projection" in r["message"]))),
+    Quote("docs/interpreter.md", "of the other 80 (bf16 weights), {} ran here and {} of them pass",
+          "conformance.csv mlp_tkg SKIPPED model rows with bf16 weights not refused by the SBUF planner",
+          (model_config_count("core/mlp/mlp_tkg", _mlp_bf16_skipped),
+           model_config_count("core/mlp/mlp_tkg", lambda r: _mlp_bf16_skipped(r) and _run_anyway(r) == "PASS"))),
 )
 
 

@@ -232,3 +232,19 @@ def test_a_moe_tkg_model_row_is_xfail_with_the_overflow_checked():
     row = harness.run_case(case, ROOT)
     assert (row.result, row.verdict) == (harness.XFAIL, harness.MISMATCH), harness.format_row(row)
     assert "expert output before the affinity up to 3.47e+05" in row.message and harness.row_ok(case, row)
+
+
+@needs_checkout
+def test_the_docs_model_config_table_counts_the_tiers_cases_and_flag_combinations():
+    """scripts/docs_tables.py's MODEL_CONFIG_TABLES (the "of N" figures of docs/interpreter.md's model-config
+    results table): per kernel, the tier's cases and its case names without " model_config <type>", as built."""
+    from pathlib import Path
+
+    from trnkit.bench.paths import load_script
+
+    docs_tables = load_script(Path(__file__).resolve().parents[2] / "scripts" / "docs_tables.py", "docs_tables")
+    model = [c for c in cases_model_config.model_config_cases(ROOT)]
+    built = {k: (sum(c.kernel == k for c in model),
+                 len({re.sub(r" model_config( \w+)?$", "", c.name) for c in model if c.kernel == k}))
+             for k in cases_model_config.TABLES}
+    assert docs_tables.MODEL_CONFIG_TABLES == built
