@@ -1117,6 +1117,20 @@ QUOTES = (
           "conformance.csv mlp_tkg SKIPPED model rows with bf16 weights not refused by the SBUF planner",
           (model_config_count("core/mlp/mlp_tkg", _mlp_bf16_skipped),
            model_config_count("core/mlp/mlp_tkg", lambda r: _mlp_bf16_skipped(r) and _run_anyway(r) == "PASS"))),
+    Quote("docs/interpreter.md", "**ERROR, {} rows** (all `attention_block_tkg` model-config rows with ROW fp8 weights",
+          "conformance.csv ERROR rows", csv_count("conformance.csv", {"result": "ERROR"})),
+    Quote("docs/interpreter.md", "**SKIPPED, {} rows**, each skipped by nki-library's own test",
+          "conformance.csv SKIPPED rows", csv_count("conformance.csv", {"result": "SKIPPED"})),
+    Quote("docs/interpreter.md", "run anyway: {} `mlp_tkg` model rows", "conformance.csv mlp_tkg SKIPPED rows",
+          model_config_count("core/mlp/mlp_tkg", lambda r: r["result"] == "SKIPPED")),
+    Quote("docs/interpreter.md", "run anyway {} PASS, {} REJECTED by the `nc_transpose` dtype rule and {} refused by "
+          "nki-library's SBUF planner", "conformance.csv mlp_tkg SKIPPED rows by how they ran", tuple(
+              model_config_count("core/mlp/mlp_tkg", lambda r, v=v: r["result"] == "SKIPPED" and _run_anyway(r) == v)
+              for v in ("PASS", "REJECTED", "ERROR"))),
+    Quote("docs/interpreter.md", "**XFAIL, {} rows** (all `moe_tkg` model rows)", "conformance.csv XFAIL rows",
+          csv_count("conformance.csv", {"result": "XFAIL"})),
+    Quote("docs/interpreter.md", "**GOLDEN_GAP, {} rows**: nki-library's golden, checked per row",
+          "conformance.csv GOLDEN_GAP rows", csv_count("conformance.csv", {"result": "GOLDEN_GAP"})),
 )
 
 
