@@ -131,7 +131,7 @@ def test_model_config_rows_carry_their_parameters_through_the_family_builders():
     assert kw["weight_dequant_scale_qkv"].shape == (128, 3) and attn.rejected_by == cases_model_config.ATTN_ROW_SCALE
     rows = [c for c in model.values() if c.kernel.endswith("attention_block_tkg")]
     assert sum(c.rejected_by == cases_model_config.ATTN_ROW_SCALE for c in rows) == 537
-    assert all(bool(c.rejected_by) == c.name.startswith("fp8 row") for c in rows)
+    assert all((c.rejected_by == cases_model_config.ATTN_ROW_SCALE) == c.name.startswith("fp8 row") for c in rows)
     kvdp = [c for c in model.values() if c.kernel.endswith("attention_block_tkg") and c.ranks]
     assert len(kvdp) == 1510 and {c.ranks for c in kvdp} == {2, 4, 8, 16, 32}
     qkv = model["core/qkv/qkv_cte|model bf16 no_norm BSD dma_transpose model_config|lnc2|B=1 S=1024 H=8192 "
@@ -248,3 +248,28 @@ def test_the_docs_model_config_table_counts_the_tiers_cases_and_flag_combination
                  len({re.sub(r" model_config( \w+)?$", "", c.name) for c in model if c.kernel == k}))
              for k in cases_model_config.TABLES}
     assert docs_tables.MODEL_CONFIG_TABLES == built
+
+
+@needs_checkout
+def test_attention_block_rows_whose_qk_norm_matmul_passes_512_columns_carry_that_refusal():
+    """attention_block_tkg's _rms_norm_inplace runs one nc_matmul over a batch tile's whole Q tile, [d_head,
+    B_tile * q_heads * S_tkg] with B_tile * S_tkg = min(B * S_tkg, 128 // S_tkg * S_tkg): past 512 columns (the
+    documented gemm_moving_fmax) in 223 model rows with a QK norm (164 not skipped by the test's memory limit; 50
+    on one device), in no unit row. Worked by hand: B = 128, 8 q heads a rank, S_tkg = 1 -> 128 x 8 = 1,024;
+    B = 512, 4 a rank -> 512 (allowed: the unit KVDP=4 row passes); B = 255, 2 heads, S_tkg = 3 -> 126 x 2."""
+    assert cases_model_config.attention_block_norm_columns(128, 8, 1, True) == 1024
+    assert cases_model_config.attention_block_norm_columns(512, 4, 1, True) == 512
+    assert cases_model_config.attention_block_norm_columns(255, 2, 3, True) == 252
+    assert cases_model_config.attention_block_norm_columns(128, 8, 1, False) == 0
+    every = [c for c in cases.all_cases(ROOT) if c.kernel.endswith("attention_block_tkg")]
+    norm = [c for c in every if c.rejected_by.startswith("nc_matmul: moving free size")]
+    assert not [c for c in norm if c.tier != harness.MODEL_CONFIG]
+    assert len(norm) == 223 and sum(not c.skipped_by for c in norm) == 164
+    assert sum(not c.skipped_by and not c.ranks for c in norm) == 50
+    assert all({"qk_norm_pre_rope", "qk_norm_post_rope"} & set(c.name.split()) for c in norm)
+    row = next(c for c in norm if c.shapes == "B=128 q_heads=8/rank d=128 H=4096 S_ctx=1024/1024 S=1 ranks=16"
+               and c.name.startswith("bf16"))
+    assert row.rejected_by == "nc_matmul: moving free size 1024 exceeds gemm_moving_fmax (512)"
+    assert "1024 columns" in row.note
+    # rows at or under 512 columns keep no refusal (ROW rows keep theirs: qkv_tkg's check comes first)
+    assert all(not c.rejected_by for c in every if not c.name.startswith("fp8 row") and c not in norm)

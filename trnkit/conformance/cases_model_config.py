@@ -128,6 +128,23 @@ ATTN_ROW_SCALE = "Incorrect shape for qkv weight scale for row quantization"
 ATTN_ROW_NOTE = ("the test's generate_kernel_inputs draws ROW weights as STATIC ones, scales [128, 3] (one per Q / "
                  "K / V tensor), and qkv_tkg's kernel_assert wants [128, I] for ROW: nki-library's own check refuses "
                  "the test's inputs")
+# attention_block_tkg's _rms_norm_inplace (the QK norms, before and after RoPE) sums x^2 over d_head with one nc_matmul
+# whose moving operand is the whole [d_head, B_tile * heads * S_tkg] tile of a batch tile (B_tile * S_tkg =
+# min(B * S_tkg, pmax // S_tkg * S_tkg), _QKV_processing's bxs_tile); for Q (heads = q_heads, a rank's with KVDP) that
+# passes 512 columns in 164 runnable model rows (no unit row), which nki.isa.nc_matmul forbids: "the free axis sizes of
+# stationary and moving tiles must be <= 128 and <= 512, respectively" (nl.tile_size.gemm_moving_fmax = 512)
+ATTN_NORM_MOVING = "nc_matmul: moving free size {} exceeds gemm_moving_fmax (512)"
+ATTN_NORM_MOVING_NOTE = ("attention_block_tkg's _rms_norm_inplace sums Q^2 over d_head with one nc_matmul over the "
+                         "whole [d_head, B_tile x q_heads x S_tkg] Q tile ({} columns), past the 512 nki.isa.nc_matmul "
+                         "allows a moving tile: the kernel, not the test's inputs; no unit row reaches it")
+
+
+def attention_block_norm_columns(b: int, q_heads: int, s_tkg: int, norm: bool) -> int:
+    """The free size of the moving tile of attention_block_tkg's QK-norm matmul for Q (0 without a QK norm)."""
+    pmax = 128
+    return min(b * s_tkg, pmax // s_tkg * s_tkg) * q_heads if norm else 0
+
+
 # AttnBlkTestConfig's fields that give the row's sizes, in the builder's order; the rest are its flags
 ATTN_SIZES = ("batch", "q_heads", "d_head", "H", "H_actual", "S_ctx", "S_max_ctx", "S_tkg")
 
@@ -142,8 +159,13 @@ def _attention_block_tkg(r: list) -> Case | None:
         fields["kv_scale"] = None
     sizes = [fields.pop(k) for k in ATTN_SIZES]
     case = attention_block_case(*sizes, **fields)
-    if fields["quantization_type"] != "ROW":
-        return case
+    if fields["quantization_type"] != "ROW":  # (ROW rows fail first: qkv_tkg's check comes before the QK norms)
+        n = attention_block_norm_columns(sizes[0], sizes[1], sizes[7],
+                                         fields["qk_norm_pre_rope"] or fields["qk_norm_post_rope"])
+        if n <= 512:
+            return case
+        return dataclasses.replace(case, rejected_by=ATTN_NORM_MOVING.format(n),
+                                   note="; ".join(x for x in (case.note, ATTN_NORM_MOVING_NOTE.format(n)) if x))
     return dataclasses.replace(case, rejected_by=ATTN_ROW_SCALE, note="; ".join(n for n in (case.note, ATTN_ROW_NOTE)
                                                                                  if n))
 
