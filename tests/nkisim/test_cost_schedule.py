@@ -391,3 +391,24 @@ def test_a_named_trigger_is_not_issued_before_its_engines_earlier_instructions()
     assert act2.start == pytest.approx(max(act1.end, loaded + 600.0)) == pytest.approx(act1.end)
     _, _, named_low, _, _ = cost.timeline(instrs, params=LOW)
     assert named_low.start == 0.0
+
+
+def test_a_start_that_rounding_moves_back_by_one_ulp_ends_the_search():
+    """The search for the first time the engine and its shared resources are free compared ``t2 == t``;
+    a resource's answer ``(t + pre) - pre`` can be one ulp below ``t`` (an activation with a table load,
+    pre = 1,283 ns), and the search then never ended (the q/k head norm with a residual, 16 heads x 2,048
+    rows, LNC=2, hung in ``cost.estimate``). It ends now, at the time every timeline is free."""
+    import torch
+
+    from trnkit.kernels.rmsnorm import rmsnorm_residual
+
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(32768, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    with trace.record() as tr:
+        rmsnorm_residual(x, r, torch.ones(128, dtype=torch.bfloat16), lnc=2)
+    instrs = [i for i in tr if i.program_id == 0]
+    times = cost.timeline(instrs, params=MID)
+    loads = [t for t in times if t.table_load is not None]
+    assert loads and all(t.start - t.table_load[0] == pytest.approx(TRN2.act_table_load_ns) for t in loads)
+    low, mid, high = cost.estimate(list(tr)).total_range_ns
+    assert low <= mid <= high

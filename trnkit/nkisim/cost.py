@@ -1248,7 +1248,8 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
                 t = mine.fit(t, pre + busy)
                 t2 = max((r.fit(t + pre, busy) - pre for r in res), default=t)
                 tries += 1
-                if t2 == t and (throttle is None or throttle.duration(t, work) == busy or tries > 16):
+                # t2 < t only by rounding ((t + pre) - pre): the engine and resources are free at t
+                if t2 <= t and (throttle is None or throttle.duration(t, work) == busy or tries > 16):
                     break
                 t = t2
             if throttle is not None:
