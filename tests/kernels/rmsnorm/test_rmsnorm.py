@@ -183,9 +183,10 @@ def test_head_norm_chunk_ramp(dtype) -> None:
     rows: 64 row slots of 128 and 74 rows at LNC=1, 32 slots and 37 rows per core at LNC=2): forward and
     backward within the oracle rule; per chunk one Vector rsqrt of its sums straight into the operand the
     normalisation reads (bf16 rows: rounded once to bf16, so n runs in Vector's 2-byte mode; fp32 rows: in
-    PSUM), no GpSimd work; loads triggered from Scalar's DMA queue (the second chunk's from Sync's, which
-    is idle at the start), every store from Sync's, except the last runs' rstd, which Scalar forms and
-    stores itself; LNC=2 bit-identical to LNC=1."""
+    PSUM), no GpSimd work; loads triggered from Scalar's DMA queue but the first five chunks' (except the
+    second's) from Sync's, which is idle at the start (Scalar's sequencer would wait for its queue before
+    its first squares), every store from Sync's, except the last runs' rstd, which Scalar forms and stores
+    itself; LNC=2 bit-identical to LNC=1."""
     from trnkit.kernels.rmsnorm.rmsnorm_kernels import _narrow_sizes
 
     assert _narrow_sizes(128, 16) == [4, 8, 16, 16, 16, 16, 16, 16, 12, 8]
@@ -203,7 +204,10 @@ def test_head_norm_chunk_ramp(dtype) -> None:
     dmas = [i for i in tr if i.engine == "dma"]
     loads = [i for i in dmas if i.operands[0].buffer == "sbuf"]
     stores = [i for i in dmas if i.operands[0].buffer != "sbuf"]
-    assert [i.attrs["engine"] for i in loads].count("sync") == 2  # the weight and the second chunk
+    assert len(loads) == chunks + 1  # one per chunk and the weight
+    # the weight and chunks 0, 2, 3, 4 (in program order: chunks 0-3, the weight, chunk 4)
+    assert [i.attrs["engine"] for i in loads][:6] == ["sync", "scalar", "sync", "sync", "sync", "sync"]
+    assert [i.attrs["engine"] for i in loads].count("sync") == 5
     queues = [i.attrs["engine"] for i in stores]  # the last three chunks' runs: Scalar's rstd
     assert queues.count("scalar") == 3 and queues.count("sync") == len(stores) - 3
     y2, r2 = rmsnorm(x, w, EPS, lnc=2)

@@ -436,11 +436,12 @@ def _ramp_down(sizes, nt):
 # nisa.dma_copy instruction" (NKI API reference, nki.isa.dma_copy), and "DMA transfers within a queue on the
 # same DMA engine are executed in order" (NKI DMA overview). Loads, which wait on nothing, are triggered
 # from the Scalar engine's queue; stores, which wait on Vector's results, from the otherwise idle Sync
-# engine's, so a store waiting for its data never holds up a load (nor Scalar's instruction stream).
+# engine's, so a store waiting for its data never holds up a load (nor Scalar's instruction stream: "The
+# sequencer instruction to trigger the transfer may wait on any semaphore condition", NKI DMA overview).
 LOAD_QUEUE = nisa.engine.scalar
 STORE_QUEUE = nisa.engine.sync
 NARROW_AHEAD = 4  # chunks whose loads are issued ahead of the one whose statistics are formed
-NARROW_SPLIT = 3  # the first chunks' loads alternate between both queues (no store is pending yet)
+NARROW_SPLIT = 5  # the loads issued before Scalar's first squares: on Sync's queue but chunk 1's (_narrow_load)
 NARROW_DEPTH = 2  # transposed groups issued ahead of their squares and sums (PSUM banks in flight)
 NARROW_RUN = 3  # chunks at most per run: one PSUM tile of sums, one fp32 rstd instruction and one store
 NARROW_BWD_SPLIT = 3  # the backward's first chunks' loads on both hardware-DGE queues (_load_narrow_bwd_chunk)
@@ -557,10 +558,13 @@ def _store_run_rstd(rstd, chunks, run, rs, queue):
 
 
 def _narrow_load(x, residual, chunks, k):
-    """Chunk ``k``'s ``x`` (and ``residual``) tiles, loaded on Scalar's DMA queue (the first chunks alternate
-    with Sync's, so the pipeline's first loads run side by side)."""
+    """Chunk ``k``'s ``x`` (and ``residual``) tiles, loaded on Scalar's DMA queue; the first
+    :data:`NARROW_SPLIT` chunks' loads but chunk 1's on Sync's (no store is pending yet). A named trigger is
+    an instruction of its engine's in-order stream that waits for its queue, so those loads, all issued
+    before Scalar's first squares, would hold Scalar one queue slot each; two queues still take the first
+    two chunks side by side."""
     queue = LOAD_QUEUE
-    if k < NARROW_SPLIT and k % 2 == 1:
+    if k < NARROW_SPLIT and k != 1:
         queue = STORE_QUEUE
     return _load_chunk([x, residual], chunks[k], x.shape[1], [queue, queue])
 
