@@ -47,6 +47,7 @@ from .tensor import (  # noqa: F401  (re-exported)
     VirtualRegister,
     allocate,
     hbm,
+    place,
     private_hbm,
     psum,
     sbuf,
@@ -146,7 +147,7 @@ class _TileSize:
     gemm_moving_fmax = 512  # free size of nc_matmul's moving operand
     bn_stats_fmax = 512
     psum_min_align = 4  # bytes (fp32 PSUM words)
-    sbuf_min_align = 2  # bytes
+    sbuf_min_align = _mem.SBUF_MIN_ALIGN  # bytes
     psum_num_banks = _mem.PSUM_BANKS
     total_available_sbuf_size = _mem.SBUF_USABLE_BYTES  # bytes per partition (deprecated name)
     sbuf_fmax_bytes = _mem.SBUF_USABLE_BYTES
@@ -168,9 +169,17 @@ def _buffer(buffer: Any, op: str) -> MemoryRegion:
 
 def ndarray(shape: Sequence[int], dtype: Any, buffer: MemoryRegion = sbuf, name: str = "",
             address: Any = None) -> NkiTensor:
-    """Allocate a tensor. Memory is NOT initialised: it holds NaN (floats) / 4 (ints) sentinels."""
+    """Allocate a tensor. Memory is NOT initialised: it holds NaN (floats) / 4 (ints) sentinels.
+
+    ``address=(partition, byte)`` on SBUF places the tile on those bytes of this kernel instance's SBUF
+    (tensor.py, "manual placement"): tiles placed on the same bytes share them, and a placed tile reads what
+    its bytes hold (the sentinel only where no placed tile has been before). On PSUM and HBM ``address`` is
+    accepted and not modelled (each tile gets storage of its own; docs/interpreter.md)."""
     buf = _buffer(buffer, "nl.ndarray")
-    return _cf.allocated(allocate(tuple(shape), _dt.resolve(dtype, "nl.ndarray"), buf, name))
+    dt = _dt.resolve(dtype, "nl.ndarray")
+    if address is not None and buf is sbuf:
+        return _cf.allocated(place(tuple(shape), dt, buf, name, address))
+    return _cf.allocated(allocate(tuple(shape), dt, buf, name))
 
 
 def _filled(shape: Sequence[int], dtype: Any, buffer: Any, name: str, value: Any, op: str) -> NkiTensor:

@@ -113,6 +113,8 @@ __all__ = [
 NUM_PARTITIONS = 128
 SBUF_PARTITION_BYTES = 224 * 1024  # trn2 physical SBUF per partition
 SBUF_USABLE_BYTES = 208 * 1024  # what a kernel may allocate (nki-library budget, see module doc)
+SBUF_MIN_ALIGN = 2  # bytes: nl.tile_size.sbuf_min_align, "Minimum byte alignment requirement for SBUF free
+# dimension address"
 PSUM_BANKS = 8
 PSUM_BANK_BYTES = 2048
 PSUM_PARTITION_BYTES = PSUM_BANKS * PSUM_BANK_BYTES
@@ -124,7 +126,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 class Allocation:
     """One SBUF/PSUM allocation: its size and the instructions that first and last touched it."""
 
-    __slots__ = ("name", "buffer", "nbytes", "site", "memory", "first", "last", "groups", "reach")
+    __slots__ = ("name", "buffer", "nbytes", "site", "memory", "first", "last", "groups", "reach", "span")
 
     def __init__(self, name: str, buffer: str, nbytes: int, site: str, memory: Memory) -> None:
         self.name = name
@@ -137,6 +139,7 @@ class Allocation:
         # PSUM: bank of the tile -> [first, last] matmul of each accumulation group in that bank
         self.groups: dict[int, list[list[int]]] = {}
         self.reach: tuple[int, int, int] | None = None  # slot of its last access in the reordered schedule
+        self.span: tuple[int, int] | None = None  # manually placed SBUF: its bytes [start, stop) per partition
 
     def touch(self) -> None:
         """An instruction running now reads or writes this allocation."""
@@ -200,6 +203,7 @@ class Memory:
         self.track = track
         self.clock = 0  # number of the instruction running now
         self.allocations: list[Allocation] = []
+        self.slots: dict[tuple, Allocation] = {}  # placed SBUF slots (place())
         self.ops: list[str] = []  # ops[t]: name of instruction t (for the overflow message)
         self.running = "access"  # name of the instruction running now (for access errors)
         self.sbuf_peak = 0  # set by check(): most SBUF bytes per partition live at once
@@ -232,6 +236,22 @@ class Memory:
         a = Allocation(name, buffer, nbytes, _user_site(), self)
         with self._lock:
             self.allocations.append(a)
+        return a
+
+    def place(self, buffer: str, p0: int, nparts: int, byte0: int, nbytes: int, name: str) -> Allocation | None:
+        """The liveness record of the placed slot ``[p0, p0 + nparts) x [byte0, byte0 + nbytes)`` (None when
+        not tracking): one per slot, shared by every tile placed there, so the slot is live from the first
+        access through any of them to the last, and the capacity check counts its bytes once (module doc)."""
+        if not self.track:
+            return None
+        key = (buffer, p0, nparts, byte0, nbytes)
+        a = self.slots.get(key)
+        if a is None:
+            a = Allocation(f"{name}@({p0}, {byte0})", buffer, nbytes, _user_site(), self)
+            a.span = (byte0, byte0 + nbytes)
+            with self._lock:
+                self.slots[key] = a
+                self.allocations.append(a)
         return a
 
     def matmul_write(self, alloc: Allocation | None, starts: bool, bank: int = 0) -> None:
@@ -325,20 +345,29 @@ class Memory:
         events.sort()
         sbuf_live: dict[int, Allocation] = {}
         psum_live: dict[int, Allocation] = {}
-        sbuf_bytes = psum_bound = 0  # psum_bound: sum of _bank_bound over the live PSUM tiles
+        placed: dict[int, tuple[int, int]] = {}  # live placed slots' byte spans: counted as their union
+        auto_bytes = placed_bytes = psum_bound = 0  # psum_bound: sum of _bank_bound over the live PSUM tiles
         self.sbuf_peak = self.psum_peak_banks = self.sbuf_spill = self.psum_reordered_banks = 0
         for t, born, i, a in events:
             live = sbuf_live if a.buffer == "sbuf" else psum_live
             if not born:
                 del live[i]
-                if a.buffer == "sbuf":
-                    sbuf_bytes -= a.nbytes
+                if a.span is not None:
+                    del placed[i]
+                    placed_bytes = _union_bytes(placed.values())
+                elif a.buffer == "sbuf":
+                    auto_bytes -= a.nbytes
                 else:
                     psum_bound -= _bank_bound(a.nbytes)
                 continue
             live[i] = a
             if a.buffer == "sbuf":
-                sbuf_bytes += a.nbytes
+                if a.span is not None:
+                    placed[i] = a.span
+                    placed_bytes = _union_bytes(placed.values())
+                else:
+                    auto_bytes += a.nbytes
+                sbuf_bytes = auto_bytes + placed_bytes
                 self.sbuf_peak = max(self.sbuf_peak, sbuf_bytes)
                 if strict and sbuf_bytes > self.sbuf_capacity and _sbuf_spills:
                     if sbuf_bytes - self.sbuf_capacity > self.sbuf_spill:
@@ -409,6 +438,16 @@ class Memory:
         return peak
 
 
+def _union_bytes(spans: Any) -> int:
+    """Bytes per partition covered by the byte ranges ``spans`` (placed slots that overlap count once)."""
+    total = end = 0
+    for lo, hi in sorted(spans):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
 def _listing(live: dict[int, Allocation], reordered: bool = False) -> str:
     items = sorted(live.values(), key=lambda a: -a.nbytes)
     return "; ".join(a.describe(reordered) for a in items)
@@ -448,6 +487,7 @@ class KernelContext:
     launch: LaunchContext = field(default_factory=LaunchContext)
     memory: Memory = field(default_factory=Memory)
     shared_count: int = 0  # shared_hbm allocations made so far by this instance
+    placed: dict = field(default_factory=dict)  # buffer name -> tensor.PlacementSpace (manual placement)
     collective_seq: int = 0  # nki.collectives calls made so far by this instance
     flat_program_id: int = 0
 

@@ -34,7 +34,8 @@ from .errors import NkiValidationError, fail, require
 
 __all__ = [
     "MemoryRegion", "sbuf", "psum", "hbm", "shared_hbm", "private_hbm", "BUFFERS",
-    "Storage", "NkiTensor", "VirtualRegister", "allocate", "from_array",
+    "Storage", "NkiTensor", "VirtualRegister", "allocate", "from_array", "place", "PlacementSpace",
+    "PlacedStorage",
 ]
 
 
@@ -130,6 +131,15 @@ class Storage:
         if self.mm is None:
             self.mm = np.zeros(self.data.size, dtype=np.bool_)
         return self.mm
+
+    base_partition = 0  # physical partition of the storage's partition 0 (PlacedStorage: its placement)
+    stable = True  # arrays from array() stay valid for the storage's life (so views may cache them)
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype, offset: int, strides: tuple[int, ...]) -> np.ndarray:
+        """The numpy array of a view: element ``i`` at ``offset + sum(strides * i)`` (elements of ``dtype``)."""
+        isz = dtype.itemsize
+        return np.ndarray(shape, dtype, buffer=self.flat(dtype), offset=offset * isz,
+                          strides=tuple(s * isz for s in strides))
 
 
 _C_STRIDES: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -245,10 +255,11 @@ class NkiTensor:
 
     @property
     def partition_start(self) -> int:
-        """First partition an on-chip view touches (0 for HBM)."""
+        """First physical partition an on-chip view touches (a placed tile's partition offset included;
+        0 for HBM)."""
         if not self._st.buffer.on_chip:
             return 0
-        return self.offset // self.partition_stride
+        return self._st.base_partition + self.offset // self.partition_stride
 
     @property
     def free_size(self) -> int:
@@ -345,16 +356,14 @@ class NkiTensor:
         if self._vec is not None:
             fail("np", "tensor {name!r} is an indirect (vector_offset) view; only nisa.dma_copy "
                  "can read or write it", name=self.name)
-        isz = self.dtype.itemsize
         if self._dyn is None:
             if self._unchecked is not None:
                 self._checked()
             off = self.offset
         else:
             off = self.resolve_offset(_memory.current().memory.running)
-        a = np.ndarray(self.shape, self.dtype, buffer=self._st.flat(self.dtype), offset=off * isz,
-                       strides=tuple(s * isz for s in self.strides))
-        if self._dyn is None:
+        a = self._st.array(self.shape, self.dtype, off, self.strides)
+        if self._dyn is None and self._st.stable:
             self._np = a
         return a
 
@@ -367,9 +376,7 @@ class NkiTensor:
                  name=self.name)
         if self._unchecked is not None:
             self._checked()
-        isz = self.dtype.itemsize
-        return np.array(np.ndarray(self.shape, self.dtype, buffer=self._st.flat(self.dtype), offset=self.offset * isz,
-                                   strides=tuple(s * isz for s in self.strides)))
+        return np.array(self._st.array(self.shape, self.dtype, self.offset, self.strides))
 
     def resolve_offset(self, op: str) -> int:
         """The view's start element now (reads a dynamic ``scalar_offset``), bounds-checked."""
@@ -984,13 +991,8 @@ def _nocopy_strides(shape: Sequence[int], strides: Sequence[int],
 
 
 # -- allocation ----------------------------------------------------------------------------------
-def allocate(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: str = "",
-             fill: Any = None) -> NkiTensor:
-    """A fresh allocation (sentinel-filled unless ``fill`` is given), accounted in the current kernel."""
-    op = "nl.ndarray"
+def _checked_shape(op: str, shape: Sequence[int], name: str) -> tuple[int, ...]:
     shape = tuple(shape)
-    if not name:
-        name = f"{buffer.name}_{next(_names)}"
     if not shape:
         fail(op, "tensor {name!r}: shape must have at least one dim, got {shape}", name=name,
              shape=shape)
@@ -998,7 +1000,16 @@ def allocate(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: 
         is_int = type(s) is int or (isinstance(s, (int, np.integer)) and not isinstance(s, bool))
         if not is_int or s <= 0:
             fail(op, "tensor {name!r}: shape {shape} must be positive ints", name=name, shape=shape)
-    shape = tuple(int(s) for s in shape)
+    return tuple(int(s) for s in shape)
+
+
+def allocate(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: str = "",
+             fill: Any = None) -> NkiTensor:
+    """A fresh allocation (sentinel-filled unless ``fill`` is given), accounted in the current kernel."""
+    op = "nl.ndarray"
+    if not name:
+        name = f"{buffer.name}_{next(_names)}"
+    shape = _checked_shape(op, shape, name)
     size = math.prod(shape)
     ctx = _memory.current()
     if buffer is shared_hbm and ctx.launch.num_instances > 1:
@@ -1010,6 +1021,145 @@ def allocate(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: 
             fail(op, "tensor {name!r}: partition dim {p} exceeds pmax ({pmax})", name=name,
                  p=shape[0], pmax=_memory.NUM_PARTITIONS)
         st.alloc = ctx.memory.allocate(buffer.name, st.free_bytes, name)
+    return NkiTensor._make(st, shape, _c_strides(shape), 0, dtype, name)
+
+
+# -- manual placement (nl.ndarray(..., address=(partition, byte))) ---------------------------------
+# Sources (NKI docs, aws-neuron-sdk 81ce03ae):
+# * nki/get-started/about/data-representation-overview.rst: "for SBUF and PSUM tensors there are two offsets
+#   and two sizes because those memories are two-dimensional. The two offsets and sizes describe a rectangle in
+#   the underlying memory within which the tensor data will live ... the second offset and size could be, for
+#   instance, 1024 and 128, indicating that each matrix row start 1024 bytes from the beginning of each
+#   partition, and consumes 128 bytes (2 bytes for each 16-bit float), within each partition."
+# * nki/migration/index.rst, "Improved allocation API": "``address`` argument to ``nl.ndarray`` that allows the
+#   offset of each tensor to be specified: ``(partition_offset, free_offset)`` ... the partition offset
+#   corresponds to a physical partition lane on the hardware". The same paragraph calls the free offset "the
+#   element offset within each partition", but its own examples (``sca + (i % n) * n_k * 2`` for bf16 tiles,
+#   ``bank_id * PSUM_BANK_SIZE``) and every tested nki-library kernel (core/utils/modular_allocator.py,
+#   allocator.py ``SbufManager``: addresses advance by ``tile_size_bytes``) count bytes, as the data
+#   representation page does: the tested kernels win, the free offset is a byte offset.
+# * nki.language.tile_size: ``sbuf_min_align`` "Minimum byte alignment requirement for SBUF free dimension
+#   address" (2 bytes here, language.py).
+# A placed tile's bytes are the rectangle [partition, partition + P) x [byte, byte + F) of its kernel instance's
+# SBUF (F: the tile's free bytes); every tile placed on overlapping bytes sees the same bytes, reinterpreted with
+# its own dtype. Each kernel instance (each program of an LNC=2 or grid launch) has its own SBUF.
+class PlacementSpace:
+    """The bytes of one kernel instance's SBUF that manually placed tiles live in: ``data[p, b]`` is byte ``b``
+    of partition ``p``. Grown on demand to the widest placement so far (a kernel placing a few KiB per
+    partition holds a few KiB x 128, not 224 KiB x 128); growing copies the bytes into a wider array, so
+    arrays of placed tiles are built per access (:attr:`PlacedStorage.stable` is False). ``claimed`` marks the
+    bytes some placed tile has covered: bytes never covered get the first covering tile's dtype sentinel (NaN
+    for floats, 4 for ints, as any fresh allocation), bytes already covered keep what they hold (a device's
+    SBUF keeps its bytes; a new tile on an old slot reads the old tile's data until something writes it)."""
+
+    _STEP = 4096  # width granularity in bytes
+
+    def __init__(self, buffer: MemoryRegion, row_bytes: int) -> None:
+        self.buffer = buffer
+        self.row_bytes = row_bytes  # the physical partition size: no placement reaches past it
+        self.data = np.empty((_memory.NUM_PARTITIONS, 0), np.uint8)
+        self.claimed = np.zeros((_memory.NUM_PARTITIONS, 0), np.bool_)
+
+    def claim(self, p0: int, nparts: int, byte0: int, nbytes: int, dtype: np.dtype) -> None:
+        stop = byte0 + nbytes
+        width = self.data.shape[1]
+        if stop > width:
+            new = min(self.row_bytes, -(-max(stop, 2 * width) // self._STEP) * self._STEP)
+            data = np.empty((_memory.NUM_PARTITIONS, new), np.uint8)
+            data[:, :width] = self.data
+            claimed = np.zeros((_memory.NUM_PARTITIONS, new), np.bool_)
+            claimed[:, :width] = self.claimed
+            self.data, self.claimed = data, claimed
+        done = self.claimed[p0:p0 + nparts, byte0:stop]
+        if done.all():
+            return
+        fill = _filled(nparts * (nbytes // dtype.itemsize), dtype, _dt.sentinel(dtype))
+        np.copyto(self.data[p0:p0 + nparts, byte0:stop], fill.view(np.uint8).reshape(nparts, nbytes),
+                  where=~done)
+        done[...] = True
+
+
+class PlacedStorage(Storage):
+    """The storage of a placed tile: the rectangle ``[base_partition, +P) x [byte0, +free_bytes)`` of a
+    :class:`PlacementSpace`. Views address it in the tile's own terms (partition stride = its free elements,
+    as for any allocation); :meth:`array` maps them onto the space's rows."""
+
+    __slots__ = ("space", "base_partition", "byte0")
+    stable = False
+
+    def __init__(self, space: PlacementSpace, p0: int, byte0: int, shape: tuple[int, ...], dtype: np.dtype,
+                 name: str) -> None:  # (no Storage.__init__: the bytes are the space's)
+        self.space = space
+        self.base_partition = p0
+        self.byte0 = byte0
+        self.dtype = dtype
+        self.shape = shape
+        self.buffer = space.buffer
+        self.name = name
+        self.free_bytes = (math.prod(shape[1:]) if len(shape) > 1 else 1) * dtype.itemsize
+        self.mm = None
+        self._flats = {}
+        self.key = next(_STORAGE_KEYS)
+        self.alloc = None
+
+    @property
+    def data(self) -> np.ndarray:  # type: ignore[override]  (the tile's rows as one byte range)
+        row = self.space.data.shape[1]
+        start = self.base_partition * row + self.byte0
+        return self.space.data.reshape(-1)[start:start + (self.shape[0] - 1) * row + self.free_bytes]
+
+    def flat(self, dtype: np.dtype) -> np.ndarray:
+        fail("nl.ndarray", "placed tile {name!r}: its partitions are not one flat range of the space; read it "
+             "through a view", name=self.name)
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype, offset: int, strides: tuple[int, ...]) -> np.ndarray:
+        isz = dtype.itemsize
+        p, col = divmod(offset, self.free_bytes // isz)  # views stay inside their partitions (bounds checks)
+        mem = self.space.data
+        row = mem.shape[1]
+        return np.ndarray(shape, dtype, buffer=mem, offset=(self.base_partition + p) * row + self.byte0 + col * isz,
+                          strides=(row,) + tuple(s * isz for s in strides[1:]))
+
+
+def place(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: str, address: Any) -> NkiTensor:
+    """``nl.ndarray(shape, dtype, buffer=nl.sbuf, address=(partition, byte))``: a tile on fixed SBUF bytes of
+    the current kernel instance (see the sources above). Not initialised: it reads what those bytes hold."""
+    op = "nl.ndarray"
+    if not name:
+        name = f"{buffer.name}_{next(_names)}"
+    shape = _checked_shape(op, shape, name)
+    ok = isinstance(address, (tuple, list)) and len(address) == 2 and all(
+        isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in address)
+    if not ok:
+        fail(op, "tensor {name!r}: address must be a (partition_offset, free_offset) pair of ints, got "
+             "{address!r} (nki.language.ndarray: \"address - optional memory address (partition_offset, "
+             "free_offset)\")", name=name, address=address)
+    p0, byte0 = int(address[0]), int(address[1])
+    nparts = shape[0]
+    nbytes = (math.prod(shape[1:]) if len(shape) > 1 else 1) * dtype.itemsize
+    doc = "migration guide, Improved allocation API: the partition offset is a physical partition lane"
+    if p0 < 0 or p0 + nparts > _memory.NUM_PARTITIONS:
+        fail(op, "tensor {name!r} placed at address=({p0}, {byte0}) spans partitions [{p0}, {stop}); SBUF has "
+             "partitions [0, {pmax}) ({doc})", name=name, p0=p0, byte0=byte0, stop=p0 + nparts,
+             pmax=_memory.NUM_PARTITIONS, doc=doc)
+    align = _memory.SBUF_MIN_ALIGN
+    if byte0 < 0 or byte0 % align:
+        fail(op, "tensor {name!r} placed at address=({p0}, {byte0}): the free offset must be a non-negative "
+             "multiple of {align} bytes (nki.language.tile_size.sbuf_min_align: \"Minimum byte alignment "
+             "requirement for SBUF free dimension address\")", name=name, p0=p0, byte0=byte0, align=align)
+    if byte0 + nbytes > _memory.SBUF_PARTITION_BYTES:
+        fail(op, "tensor {name!r} placed at address=({p0}, {byte0}) needs bytes [{byte0}, {stop}) of each "
+             "partition; an SBUF partition has {cap} bytes (trainium2_arch.rst: \"NeuronCore-v3 SBUF capacity is "
+             "28MiB (or, 128 partitions of 224KiB)\"; data-representation-overview.rst: the free offset counts "
+             "bytes from the beginning of each partition)", name=name, p0=p0, byte0=byte0, stop=byte0 + nbytes,
+             cap=_memory.SBUF_PARTITION_BYTES)
+    ctx = _memory.current()
+    space = ctx.placed.get(buffer.name)
+    if space is None:
+        space = ctx.placed[buffer.name] = PlacementSpace(buffer, _memory.SBUF_PARTITION_BYTES)
+    space.claim(p0, nparts, byte0, nbytes, dtype)
+    st = PlacedStorage(space, p0, byte0, shape, dtype, name)
+    st.alloc = ctx.memory.place(buffer.name, p0, nparts, byte0, nbytes, name)
     return NkiTensor._make(st, shape, _c_strides(shape), 0, dtype, name)
 
 

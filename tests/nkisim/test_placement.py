@@ -1,0 +1,251 @@
+"""Manual SBUF placement, ``nl.ndarray(..., address=(partition, byte))``: placed tiles are views of their kernel
+instance's SBUF bytes (tensor.py, "manual placement"), so tiles on the same bytes alias, a stale read sees the
+later write, the memory a run holds follows the slots, not the tile objects, and each LNC=2 program has its own
+SBUF. Expected values are computed by hand from the byte layout."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from trnkit import nkisim as nki
+from trnkit.nkisim import isa as nisa
+from trnkit.nkisim import language as nl
+from trnkit.nkisim import memory
+from trnkit.nkisim.errors import NkiValidationError
+
+
+@pytest.fixture
+def ctx():
+    c = memory.KernelContext()
+    memory.push_context(c)
+    yield c
+    memory.pop_context()
+
+
+def _f32(rows: int, cols: int, start: float = 0.0) -> np.ndarray:
+    return (start + np.arange(rows * cols, dtype=np.float32)).reshape(rows, cols)
+
+
+@nki.jit
+def write_a_read_b(x):
+    """DMA x into A at (0, 1024); read it back through B, another tile object on the same address."""
+    a = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf, address=(0, 1024))
+    b = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf, address=(0, 1024))
+    nisa.dma_copy(dst=a, src=x)
+    out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=b)
+    return out
+
+
+def test_two_tiles_on_one_address_share_their_bytes():
+    x = _f32(4, 8, 1.0)
+    np.testing.assert_array_equal(write_a_read_b(x), x)
+
+
+@nki.jit
+def write_f32_read_bf16(x):
+    """Write fp32 through A, read the same bytes as bf16 through B ([P, 2F]: two bf16 per fp32)."""
+    p, f = x.shape
+    a = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf, address=(0, 64))
+    b = nl.ndarray((p, 2 * f), nl.bfloat16, buffer=nl.sbuf, address=(0, 64))
+    nisa.dma_copy(dst=a, src=x)
+    out = nl.ndarray((p, 2 * f), nl.bfloat16, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=b)
+    return out
+
+
+def test_a_placed_tile_reads_the_bytes_with_its_own_dtype():
+    # fp32 1.0 = 0x3F800000, little-endian: bf16 words 0x0000 (low half, 0.0) then 0x3F80 (1.0); fp32 -2.5 =
+    # 0xC0200000: 0x0000 then 0xC020 (-2.5 in bf16, same sign/exponent/top mantissa bits)
+    x = np.array([[1.0, -2.5]] * 2, dtype=np.float32)
+    out = np.asarray(write_f32_read_bf16(x)).astype(np.float32)
+    np.testing.assert_array_equal(out, [[0.0, 1.0, 0.0, -2.5]] * 2)
+
+
+@nki.jit
+def stale_read(x, y):
+    """A and B on one slot: write x through A, then y through B, then read A (what a device returns: y)."""
+    a = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf, address=(0, 0))
+    nisa.dma_copy(dst=a, src=x)
+    b = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf, address=(0, 0))
+    nisa.dma_copy(dst=b, src=y)
+    out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=a)
+    return out
+
+
+def test_reading_a_tile_after_a_later_tile_on_its_slot_overwrote_it_sees_the_new_data():
+    x = np.ones((128, 16), np.float32)
+    y = np.full((128, 16), 2.0, np.float32)
+    np.testing.assert_array_equal(stale_read(x, y), y)
+
+
+@nki.jit
+def overlapping(x):
+    """A [4, 8] fp32 at (0, 0); B [4, 4] fp32 at (0, 16) = A's columns 4..7; C [2, 8] at (2, 0) = A's rows 2, 3;
+    D [4, 2] fp32 at (0, 8) read through a column slice and computed on (x 10) then read back through A."""
+    a = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf, address=(0, 0))
+    b = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf, address=(0, 16))
+    c = nl.ndarray((2, 8), nl.float32, buffer=nl.sbuf, address=(2, 0))
+    d = nl.ndarray((4, 2), nl.float32, buffer=nl.sbuf, address=(0, 8))
+    nisa.dma_copy(dst=a, src=x)
+    ob = nl.ndarray((4, 4), nl.float32, buffer=nl.shared_hbm)
+    oc = nl.ndarray((2, 8), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=ob, src=b)
+    nisa.dma_copy(dst=oc, src=c)
+    nisa.tensor_scalar(dst=d[:, 1:2], data=d[:, 1:2], op0=nl.multiply, operand0=10.0)
+    oa = nl.ndarray((4, 8), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=oa, src=a)
+    return ob, oc, oa
+
+
+def test_partly_overlapping_placements_address_the_same_bytes():
+    x = _f32(4, 8)  # x[p, j] = 8p + j
+    ob, oc, oa = overlapping(x)
+    np.testing.assert_array_equal(ob, x[:, 4:8])  # byte 16 = fp32 column 4
+    np.testing.assert_array_equal(oc, x[2:4])  # partition 2
+    want = x.copy()
+    want[:, 3] *= 10  # D starts at byte 8 (column 2); its column 1 is A's column 3
+    np.testing.assert_array_equal(oa, want)
+
+
+def test_fresh_placed_bytes_hold_the_dtype_sentinel_and_keep_what_a_tile_wrote(ctx):
+    a = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf, address=(0, 0))
+    assert np.isnan(a.np()).all()
+    i = nl.ndarray((2, 4), nl.int32, buffer=nl.sbuf, address=(0, 64))  # fresh bytes: the int sentinel 4
+    assert (i.np() == 4).all()
+    nisa.memset(dst=a, value=3.0)
+    again = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf, address=(0, 0))  # no new sentinel over a's bytes
+    np.testing.assert_array_equal(again.np(), np.full((2, 4), 3.0, np.float32))
+    wider = nl.ndarray((2, 8), nl.float32, buffer=nl.sbuf, address=(0, 0))  # half old bytes, half fresh
+    got = wider.np()
+    np.testing.assert_array_equal(got[:, :4], 3.0)
+    assert np.isnan(got[:, 4:]).all()
+
+
+def test_an_automatic_tile_never_aliases_a_placed_one(ctx):
+    placed = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf, address=(0, 0))
+    auto = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=placed, value=1.0)
+    nisa.memset(dst=auto, value=2.0)
+    np.testing.assert_array_equal(placed.np(), 1.0)
+
+
+def test_views_and_partition_offsets_of_a_placed_tile(ctx):
+    t = nl.ndarray((32, 16), nl.float32, buffer=nl.sbuf, address=(32, 128))
+    assert t.partition_start == 32 and t[4:8, :].partition_start == 36
+    nisa.memset(dst=t, value=0.0)
+    nisa.memset(dst=t.ap([[16, 32], [2, 4]], offset=1), value=5.0)  # columns 1, 3, 5, 7 of every partition
+    row = np.zeros(16, np.float32)
+    row[[1, 3, 5, 7]] = 5.0
+    alias = nl.ndarray((1, 16), nl.float32, buffer=nl.sbuf, address=(40, 128))  # physical partition 40 = t[8]
+    np.testing.assert_array_equal(alias.np()[0], row)
+    wide = nl.ndarray((64, 16), nl.float32, buffer=nl.sbuf, address=(32, 128))
+    with pytest.raises(NkiValidationError, match="starts at partition 32 with 64 partitions"):
+        nisa.memset(dst=wide, value=1.0)  # 33..64 partitions start at 0 or 64 (arch guide)
+
+
+@pytest.mark.parametrize(
+    "address, shape, match",
+    [
+        ((100, 0), (64, 4), r"spans partitions \[100, 164\); SBUF has partitions \[0, 128\)"),
+        ((-1, 0), (4, 4), r"spans partitions \[-1, 3\)"),
+        (
+            (0, 3),
+            (4, 4),
+            r"address=\(0, 3\): the free offset must be a non-negative multiple of 2 bytes "
+            r"\(nki.language.tile_size.sbuf_min_align",
+        ),
+        (
+            (0, 229370),
+            (4, 4),
+            r"needs bytes \[229370, 229386\) of each partition; an SBUF partition has 229376 "
+            r"bytes \(trainium2_arch.rst",
+        ),
+        ((0,), (4, 4), r"address must be a \(partition_offset, free_offset\) pair of ints, got \(0,\)"),
+        ((0, 1.5), (4, 4), r"pair of ints, got \(0, 1.5\)"),
+    ],
+)
+def test_placements_outside_the_sbuf_are_rejected(ctx, address, shape, match):
+    with pytest.raises(NkiValidationError, match=match) as e:
+        nl.ndarray(shape, nl.float32, buffer=nl.sbuf, name="t", address=address)
+    assert str(e.value).startswith("nl.ndarray") and "'t'" in str(e.value)
+
+
+def test_the_last_bytes_of_a_partition_can_be_placed(ctx):
+    t = nl.ndarray((128, 4), nl.float32, buffer=nl.sbuf, address=(0, 224 * 1024 - 16))
+    nisa.memset(dst=t, value=7.0)
+    np.testing.assert_array_equal(t.np(), 7.0)
+
+
+def test_a_slot_counts_once_and_overlaps_count_their_union(ctx):
+    a = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf, address=(0, 0))  # 2 KiB per partition
+    b = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf, address=(0, 0))
+    c = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf, address=(0, 1024))  # overlaps a's second KiB
+    for t in (a, b, c, a, b, c):
+        nisa.memset(dst=t, value=1.0)
+    ctx.memory.check()
+    assert ctx.memory.sbuf_peak == 3 * 1024  # [0, 2 KiB) and [1, 3 KiB) cover 3 KiB, not 6 KiB
+    assert sum(al.span is not None for al in ctx.memory.allocations) == 2  # (0, 0) and (0, 1024): 2 slots
+
+
+def _many_tiles(n: int, slots: int) -> list:
+    kept = []
+    for i in range(n):  # nki-library's ModularAllocator: logical tile i on slot i % slots
+        t = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf, address=(0, (i % slots) * 2048))
+        nisa.memset(dst=t, value=float(i))
+        kept.append(t)
+    return kept
+
+
+def test_ten_thousand_placed_tiles_on_four_slots_hold_four_slots_of_memory(ctx):
+    _many_tiles(8, 4)  # warm-up: the space is as wide as the four slots need
+    tracemalloc.start()
+    kept = _many_tiles(10_000, 4)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    ctx.memory.check()
+    assert ctx.memory.sbuf_peak == 4 * 2048  # the four slots, not 10,000 x 2 KiB
+    assert len(ctx.memory.allocations) == 4
+    # each kept tile's own storage would be 10,000 x 128 x 2 KiB = 2.6 GB; what remains is the Python objects
+    # (a tile and its storage record, ~0.5 KiB each) and the one 128 x 8 KiB space
+    assert peak < 16 * 2**20, peak
+    # the last tile written on each slot is what every tile on that slot reads
+    np.testing.assert_array_equal(kept[0].np(), 9996.0)
+    np.testing.assert_array_equal(kept[3].np(), 9999.0)
+
+
+@nki.jit
+def per_core_slot(x):
+    """Both programs place a tile at (0, 0) and write their program id into it; in lockstep program 1's write
+    lands between program 0's write and read, so program 0 reads 1 if the two shared one SBUF."""
+    pid = nl.program_id(0)
+    t = nl.ndarray((1, 8), nl.float32, buffer=nl.sbuf, address=(0, 0))
+    nisa.memset(dst=t, value=float(pid))
+    out = nl.ndarray((2, 8), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out[pid : pid + 1, :], src=t)
+    return out
+
+
+def test_each_lnc2_program_places_into_its_own_sbuf():
+    out = per_core_slot[2](np.zeros(1, np.float32))
+    np.testing.assert_array_equal(out, [[0.0] * 8, [1.0] * 8])
+
+
+def test_psum_and_hbm_addresses_are_still_storage_of_their_own(ctx):
+    a = nl.ndarray((2, 4), nl.float32, buffer=nl.psum, address=(0, 0))
+    b = nl.ndarray((2, 4), nl.float32, buffer=nl.psum, address=(0, 0))
+    nisa.memset(dst=a, value=1.0)
+    assert np.isnan(b.np()).all()
+
+
+def test_bf16_reinterpretation_matches_numpy_bytes(ctx):
+    t = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf, address=(0, 0))
+    v = nl.ndarray((2, 8), nl.bfloat16, buffer=nl.sbuf, address=(0, 0))
+    nisa.memset(dst=t, value=3.0)  # 0x40400000: bf16 0x0000, 0x4040 = 3.0
+    np.testing.assert_array_equal(v.np().view(np.uint16), np.tile(np.array([0, 0x4040], np.uint16), (2, 4)))
+    assert v.np().dtype == ml_dtypes.bfloat16
