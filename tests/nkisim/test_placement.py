@@ -154,12 +154,7 @@ def test_views_and_partition_offsets_of_a_placed_tile(ctx):
     [
         ((100, 0), (64, 4), r"spans partitions \[100, 164\); SBUF has partitions \[0, 128\)"),
         ((-1, 0), (4, 4), r"spans partitions \[-1, 3\)"),
-        (
-            (0, 3),
-            (4, 4),
-            r"address=\(0, 3\): the free offset must be a non-negative multiple of 2 bytes "
-            r"\(nki.language.tile_size.sbuf_min_align",
-        ),
+        ((0, -2), (4, 4), r"address=\(0, -2\): the free offset must be >= 0"),
         (
             (0, 229370),
             (4, 4),
@@ -174,6 +169,17 @@ def test_placements_outside_the_sbuf_are_rejected(ctx, address, shape, match):
     with pytest.raises(NkiValidationError, match=match) as e:
         nl.ndarray(shape, nl.float32, buffer=nl.sbuf, name="t", address=address)
     assert str(e.value).startswith("nl.ndarray") and "'t'" in str(e.value)
+
+
+def test_odd_byte_offsets_are_accepted_as_the_tested_qkv_cte_places_them(ctx):
+    # nki-library core/qkv/qkv_cte.py (fp8 static quantization): SbufManager.alloc_stack without align puts a
+    # [128, 1] fp8 tile at byte 0 and the next one at byte 1, although nl.tile_size.sbuf_min_align is 2
+    first = nl.ndarray((4, 1), nl.float8_e4m3, buffer=nl.sbuf, address=(0, 0))
+    second = nl.ndarray((4, 2), nl.bfloat16, buffer=nl.sbuf, address=(0, 1))
+    nisa.memset(dst=second, value=1.0)  # bf16 1.0 = 0x3F80: bytes 0x80, 0x3F little-endian, from byte 1
+    nisa.memset(dst=first, value=0.0)
+    both = nl.ndarray((4, 5), nl.uint8, buffer=nl.sbuf, address=(0, 0))
+    np.testing.assert_array_equal(both.np(), [[0x00, 0x80, 0x3F, 0x80, 0x3F]] * 4)
 
 
 def test_the_last_bytes_of_a_partition_can_be_placed(ctx):

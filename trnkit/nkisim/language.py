@@ -147,7 +147,7 @@ class _TileSize:
     gemm_moving_fmax = 512  # free size of nc_matmul's moving operand
     bn_stats_fmax = 512
     psum_min_align = 4  # bytes (fp32 PSUM words)
-    sbuf_min_align = _mem.SBUF_MIN_ALIGN  # bytes
+    sbuf_min_align = 2  # bytes
     psum_num_banks = _mem.PSUM_BANKS
     total_available_sbuf_size = _mem.SBUF_USABLE_BYTES  # bytes per partition (deprecated name)
     sbuf_fmax_bytes = _mem.SBUF_USABLE_BYTES

@@ -113,8 +113,6 @@ __all__ = [
 NUM_PARTITIONS = 128
 SBUF_PARTITION_BYTES = 224 * 1024  # trn2 physical SBUF per partition
 SBUF_USABLE_BYTES = 208 * 1024  # what a kernel may allocate (nki-library budget, see module doc)
-SBUF_MIN_ALIGN = 2  # bytes: nl.tile_size.sbuf_min_align, "Minimum byte alignment requirement for SBUF free
-# dimension address"
 PSUM_BANKS = 8
 PSUM_BANK_BYTES = 2048
 PSUM_PARTITION_BYTES = PSUM_BANKS * PSUM_BANK_BYTES

@@ -1038,8 +1038,10 @@ def allocate(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: 
 #   ``bank_id * PSUM_BANK_SIZE``) and every tested nki-library kernel (core/utils/modular_allocator.py,
 #   allocator.py ``SbufManager``: addresses advance by ``tile_size_bytes``) count bytes, as the data
 #   representation page does: the tested kernels win, the free offset is a byte offset.
-# * nki.language.tile_size: ``sbuf_min_align`` "Minimum byte alignment requirement for SBUF free dimension
-#   address" (2 bytes here, language.py).
+# * nki.language.tile_size: ``sbuf_min_align`` is the "Minimum byte alignment requirement for SBUF free dimension
+#   address" (2 bytes, language.py), but a tested nki-library kernel places SBUF tiles at odd bytes (core/qkv/
+#   qkv_cte.py with fp8 static quantization: ``SbufManager.alloc_stack`` without ``align`` puts a [128, 1] fp8
+#   tile at byte 0 and the next at byte 1): the tested kernel wins, any non-negative byte offset is accepted.
 # A placed tile's bytes are the rectangle [partition, partition + P) x [byte, byte + F) of its kernel instance's
 # SBUF (F: the tile's free bytes); every tile placed on overlapping bytes sees the same bytes, reinterpreted with
 # its own dtype. Each kernel instance (each program of an LNC=2 or grid launch) has its own SBUF.
@@ -1142,11 +1144,9 @@ def place(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: str
         fail(op, "tensor {name!r} placed at address=({p0}, {byte0}) spans partitions [{p0}, {stop}); SBUF has "
              "partitions [0, {pmax}) ({doc})", name=name, p0=p0, byte0=byte0, stop=p0 + nparts,
              pmax=_memory.NUM_PARTITIONS, doc=doc)
-    align = _memory.SBUF_MIN_ALIGN
-    if byte0 < 0 or byte0 % align:
-        fail(op, "tensor {name!r} placed at address=({p0}, {byte0}): the free offset must be a non-negative "
-             "multiple of {align} bytes (nki.language.tile_size.sbuf_min_align: \"Minimum byte alignment "
-             "requirement for SBUF free dimension address\")", name=name, p0=p0, byte0=byte0, align=align)
+    if byte0 < 0:
+        fail(op, "tensor {name!r} placed at address=({p0}, {byte0}): the free offset must be >= 0 (bytes from "
+             "the beginning of each partition, data-representation-overview.rst)", name=name, p0=p0, byte0=byte0)
     if byte0 + nbytes > _memory.SBUF_PARTITION_BYTES:
         fail(op, "tensor {name!r} placed at address=({p0}, {byte0}) needs bytes [{byte0}, {stop}) of each "
              "partition; an SBUF partition has {cap} bytes (trainium2_arch.rst: \"NeuronCore-v3 SBUF capacity is "
