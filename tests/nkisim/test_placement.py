@@ -255,3 +255,25 @@ def test_bf16_reinterpretation_matches_numpy_bytes(ctx):
     nisa.memset(dst=t, value=3.0)  # 0x40400000: bf16 0x0000, 0x4040 = 3.0
     np.testing.assert_array_equal(v.np().view(np.uint16), np.tile(np.array([0, 0x4040], np.uint16), (2, 4)))
     assert v.np().dtype == ml_dtypes.bfloat16
+
+
+@nki.jit
+def placed_reader(out):
+    """A @nki.jit helper: reads the slot (0, 0) into out."""
+    t = nl.ndarray(out.shape, nl.float32, buffer=nl.sbuf, address=(0, 0))
+    nisa.dma_copy(dst=out, src=t)
+
+
+@nki.jit
+def caller(x):
+    """Writes x at slot (0, 0), then a nested @nki.jit helper reads that slot: one program, one SBUF."""
+    t = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf, address=(0, 0))
+    nisa.dma_copy(dst=t, src=x)
+    out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+    placed_reader(out)
+    return out
+
+
+def test_a_nested_jit_helper_places_into_its_callers_sbuf():
+    x = _f32(2, 4, 5.0)
+    np.testing.assert_array_equal(caller(x), x)
