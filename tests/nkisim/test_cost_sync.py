@@ -1,4 +1,5 @@
-"""Cost model: the programs of an LNC=2 grid synchronise at core_barrier and at launch boundaries."""
+"""Cost model: the programs of an LNC=2 grid synchronise at core_barrier and at launch boundaries; a sendrecv's
+readers wait for the other core's transfer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from tests.helpers import TRN2, matmul
 from trnkit.nki_api import nisa, nki, nl
 from trnkit.nkisim import cost, trace
-from trnkit.nkisim.trace import GPSIMD, Instr, Operand
+from trnkit.nkisim.cost_params import MID
+from trnkit.nkisim.trace import DMA, GPSIMD, VECTOR, Instr, Operand
 
 
 def _barrier(program_id: int, launch: int, n_rows: int) -> Instr:
@@ -83,3 +85,69 @@ def test_interpreter_traces_carry_the_launch_and_the_barrier():
     assert rep.n_programs == 2
     # 2 launches x 2 phases, each at least one DMA fixed cost
     assert rep.total_ns > 4 * TRN2.dma.fixed_ns
+
+
+def _tile(name: str, shape: tuple[int, int]) -> Operand:
+    return Operand(name, "sbuf", shape, "float32", shape[0], shape[1], shape[0] * shape[1] * 4)
+
+
+def _vcopy(program_id: int, cols: int, src: str, dst: str) -> Instr:
+    """A VectorE fp32 copy of a [128, cols] tile: reads ``src``, writes ``dst``."""
+    ops = (_tile("dst", (128, cols)), _tile("data1", (128, cols)))
+    return Instr("tensor_copy", VECTOR, ops, elems_per_partition=cols, partitions=128, program_id=program_id,
+                 attrs={"launch": 0, "reads": [(src, 0, 1)], "writes": [(dst, 0, 1)]})
+
+
+def _sr(program_id: int, src: str, dst: str) -> Instr:
+    """sendrecv of a [128, 64] fp32 tile on pipe 0: sends ``src``, receives into ``dst``."""
+    ops = (_tile("dst", (128, 64)), _tile("src", (128, 64)))
+    return Instr("sendrecv", DMA, ops, dma_bytes=128 * 64 * 4, partitions=128, elems_per_partition=64,
+                 program_id=program_id, attrs={"launch": 0, "pipe_id": 0, "reads": [(src, 0, 1)],
+                                               "writes": [(dst, 0, 1)]})
+
+
+def _mm_free(program_id: int, k: int) -> Instr:
+    return replace(matmul(128, 128, 512, deps={"reads": [(f"w{k}", 0, 1)], "writes": [(f"p{k}", 0, 1)]}),
+                   program_id=program_id, attrs={"launch": 0, "reads": [(f"w{k}", 0, 1)],
+                                                 "writes": [(f"p{k}", 0, 1)]})
+
+
+def test_a_sendrecv_reader_waits_for_the_other_cores_send_and_nothing_else_does():
+    """nki.isa.sendrecv: "Operations with the same pipe_id form a logical group where all operations in the
+    group must complete before any can proceed". Core 0 sends a tile it first computes (a [128, 4096] VectorE
+    copy), core 1 one it has at once; each then reads what it received (core 0 a [128, 512], core 1 a [128, 2048]
+    VectorE copy).
+
+    By hand from the two programs' own schedules (mid): core 0's transfer completes at G = its timeline's
+    ready time (the copy's result, the wake-up, the transfer); core 1's alone completes long before. Core 1's
+    reader waits for G, so the kernel ends at G + that reader's latency, not at core 1's own send + latency
+    (each core scheduled alone) nor at core 0's G + its shorter reader."""
+    p0 = [_vcopy(0, 4096, "x", "a"), _sr(0, "a", "r"), _vcopy(0, 512, "r", "o")]
+    p1 = [_sr(1, "b", "r"), _vcopy(1, 2048, "r", "o")]
+    t0 = cost.timeline([replace(i, attrs=dict(i.attrs)) for i in p0], "trn2", MID)
+    g = t0[1].ready  # core 0's transfer: its last byte + the completion wake-up
+    assert g == pytest.approx(t0[1].end + MID.dma_wake_ns)
+    t1 = cost.timeline([replace(i, program_id=0) for i in p1], "trn2", MID)
+    assert t1[0].ready < g / 2  # core 1 alone: its transfer done well before core 0 has sent
+    lat = cost.instr_cost(p1[1]).latency_ns
+    rep = cost.estimate(p0 + p1)
+    assert rep.total_ns == pytest.approx(g + lat)
+    assert t0[2].start == pytest.approx(g)  # core 0's reader: its own transfer is the group's last
+    assert t0[2].ready < g + lat and t1[1].ready < g + lat  # neither core alone reaches it
+
+    # core 1's independent work (60 matmuls on TensorE after its sendrecv in program order) is not held:
+    # the kernel ends when that chain does, as it would on core 1 alone; a phase boundary at the sendrecv
+    # (everything after it waiting for both cores) would have ended at about g + the chain
+    chain = [_mm_free(1, k) for k in range(60)]
+    alone = cost.estimate([replace(i, program_id=0) for i in chain]).total_ns
+    assert alone > g + lat
+    rep2 = cost.estimate(p0 + [p1[0], *chain, p1[1]])
+    assert rep2.total_ns == pytest.approx(alone)
+    assert rep2.total_ns < g + alone - 1_000
+
+
+def test_a_sendrecv_group_is_the_nth_transfer_of_each_core_on_its_pipe():
+    segs = [[_sr(0, "a", "r"), _vcopy(0, 64, "r", "o"), _sr(0, "o", "s")],
+            [_sr(1, "b", "r"), _sr(1, "c", "s")],
+            [_vcopy(2, 64, "x", "y")]]
+    assert cost._sendrecv_groups(segs) == [[(0, 0), (1, 0)], [(0, 2), (1, 1)]]

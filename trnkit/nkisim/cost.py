@@ -65,7 +65,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from trnkit.nkisim import hardware
@@ -1110,8 +1110,10 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Chip,
-                   params: ModelParams = MID) -> list[Timing]:
-    """Each instruction's :class:`Timing` in the list schedule (recomputed ones ``dropped``)."""
+                   params: ModelParams = MID, floors: Mapping[int, float] | None = None) -> list[Timing]:
+    """Each instruction's :class:`Timing` in the list schedule (recomputed ones ``dropped``). ``floors``:
+    instruction index -> the earliest its result may be read (a ``sendrecv``'s received tile: its group's
+    completion, :func:`_phase_runs`); the instruction's engine and queue are not held until then."""
     deps = _DepTracker(params.same_engine_streaming)
     # the 16 DMA engines' busy intervals; one timeline for all when every transfer uses all of them
     per_engine = any(c.dma_engines[1] - c.dma_engines[0] not in (0, chip.dma.engines)
@@ -1224,6 +1226,8 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
                 e.place(t, c.transfer_ns)
             end = t + _dma_span(c, chip, params)
             finish = own = end + params.dma_wake_ns
+            if floors and k in floors:  # the received tile: when the other core's transfer has landed
+                finish = max(finish, floors[k])
             load_finish[k] = finish
             out_first = t
         else:
@@ -1383,13 +1387,17 @@ class _Run:
     active: dict[str, tuple[float, float, float]]  # per engine, active time (narrow, mid, wide definition)
 
 
-def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -> tuple[_Run, list[InstrCost]]:
+def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str,
+         floors: Mapping[int, float] | None = None) -> tuple[_Run, list[InstrCost], list[Timing]]:
+    """One program's schedule: its run, each instruction's cost and (list schedule) its timings. ``floors``:
+    instruction index -> the earliest its result may be read (a ``sendrecv``'s group completion)."""
     costs = [instr_cost(i, chip, params) for i in instrs]
     dropped: set[int] = set()
     active: dict[str, tuple[float, float, float]] = {}
     busy: dict[str, float] = defaultdict(float)
+    times: list[Timing] = []
     if model == "list-schedule":
-        times = _list_schedule(instrs, costs, chip, params)
+        times = _list_schedule(instrs, costs, chip, params, floors)
         total = _schedule_end(times, instrs)
         dropped = {t.index for t in times if t.dropped}
         active = _active(times)
@@ -1406,7 +1414,7 @@ def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -
         if c.gpsimd_ns:
             busy[GPSIMD] += c.gpsimd_ns
         serial += c.latency_ns + c.gpsimd_ns
-    return _Run(total, serial, dict(busy), active), costs
+    return _Run(total, serial, dict(busy), active), costs, times
 
 
 def timeline(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: ModelParams = MID) -> list[Timing]:
@@ -1428,33 +1436,75 @@ def _programs(instrs: Sequence[Instr]) -> list[list[Instr]]:
     return list(programs.values())
 
 
+def _sendrecv_groups(segments: Sequence[Sequence[Instr]]) -> list[list[tuple[int, int]]]:
+    """The ``sendrecv`` groups of one sync phase: the n-th ``sendrecv`` on a ``pipe_id`` of each program, as
+    ``(program, index in its segment)`` pairs; only groups with more than one program."""
+    groups: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for p, seg in enumerate(segments):
+        seen: dict[object, int] = defaultdict(int)
+        for k, i in enumerate(seg):
+            if i.op == "sendrecv":
+                pipe = i.attrs.get("pipe_id")
+                groups[(pipe, seen[pipe])].append((p, k))
+                seen[pipe] += 1
+    return [g for g in groups.values() if len({p for p, _ in g}) > 1]
+
+
+def _phase_runs(segments: Sequence[Sequence[Instr]], chip: Chip, params: ModelParams,
+                model: str) -> list[tuple[_Run, list[InstrCost]]]:
+    """Schedule one sync phase's segment of every program (all start together at the phase's start).
+
+    A ``sendrecv``'s received tile exists only once every transfer of its group has completed
+    (``nki.isa.sendrecv``: "Operations with the same pipe_id form a logical group where all operations in the
+    group must complete before any can proceed"): its readers on each core wait for the group's last
+    transfer (the other core's send), while the rest of each core's instructions go on. The programs are
+    scheduled with each group's completion as a floor on its transfers' results, again until the floors no
+    longer change (a later group can only move later)."""
+    groups = _sendrecv_groups(segments) if model == "list-schedule" else []
+    floors: list[dict[int, float]] = [{} for _ in segments]
+    for _ in range(len(groups) + 2):
+        runs = [_run(seg, chip, params, model, floors[p] or None) for p, seg in enumerate(segments)]
+        if not groups:
+            break
+        new: list[dict[int, float]] = [{} for _ in segments]
+        for g in groups:  # each transfer's own completion: its last byte + the semaphore wake-up
+            done = max(runs[p][2][k].end + params.dma_wake_ns for p, k in g)
+            for p, k in g:
+                new[p][k] = done
+        if new == floors:
+            break
+        floors = new
+    return [(run, costs) for run, costs, _ in runs]
+
+
 def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -> tuple[
         float, float, list[tuple[list[Instr], dict[str, float], dict[str, float]]], dict[int, InstrCost]]:
     """Schedule a launch: (total, serialized sum, (program, its busy, its active time per engine) triples,
     cost per instr id).
 
     Each program runs on its own core; programs synchronise at every sync phase (:func:`_sync_phases`),
-    so a phase takes as long as its slowest program and the phases add up."""
+    so a phase takes as long as its slowest program and the phases add up; within a phase a ``sendrecv``'s
+    readers wait for the other core's transfer (:func:`_phase_runs`)."""
     programs = _programs(instrs)
-    phase_total: dict[tuple, float] = defaultdict(float)
-    phase_serial: dict[tuple, float] = defaultdict(float)
-    per_program = []
+    phases = [_sync_phases(p_instrs, len(programs)) for p_instrs in programs]
+    busy: list[dict[str, float]] = [defaultdict(float) for _ in programs]
+    active: list[dict[str, tuple]] = [defaultdict(lambda: (0.0, 0.0, 0.0)) for _ in programs]
+    total = serial = 0.0
     costs: dict[int, InstrCost] = {}
-    for p_instrs in programs:
-        p_busy: dict[str, float] = defaultdict(float)
-        p_active: dict[str, tuple] = defaultdict(lambda: (0.0, 0.0, 0.0))
-        for phase, seg in _sync_phases(p_instrs, len(programs)).items():
-            s_instrs = [p_instrs[k] for k in seg]
-            run, s_costs = _run(s_instrs, chip, params, model)
-            costs.update((id(i), c) for i, c in zip(s_instrs, s_costs))
-            phase_total[phase] = max(phase_total[phase], run.total)
-            phase_serial[phase] = max(phase_serial[phase], run.serial)
+    for phase in dict.fromkeys(ph for p_phases in phases for ph in p_phases):
+        members = [p for p, p_phases in enumerate(phases) if phase in p_phases]
+        segments = [[programs[p][k] for k in phases[p][phase]] for p in members]
+        runs = _phase_runs(segments, chip, params, model)
+        total += max(run.total for run, _ in runs)
+        serial += max(run.serial for run, _ in runs)
+        for p, seg, (run, s_costs) in zip(members, segments, runs):
+            costs.update((id(i), c) for i, c in zip(seg, s_costs))
             for e, b in run.busy.items():
-                p_busy[e] += b
+                busy[p][e] += b
             for e, b in run.active.items():
-                p_active[e] = tuple(x + y for x, y in zip(p_active[e], b))
-        per_program.append((p_instrs, dict(p_busy), dict(p_active)))
-    return sum(phase_total.values()), sum(phase_serial.values()), per_program, costs
+                active[p][e] = tuple(x + y for x, y in zip(active[p][e], b))
+    per_program = [(p_instrs, dict(busy[p]), dict(active[p])) for p, p_instrs in enumerate(programs)]
+    return total, serial, per_program, costs
 
 
 def _resident_reload_bytes(instrs: Sequence[Instr], chip: Chip) -> int:
