@@ -158,8 +158,8 @@ def test_views_and_partition_offsets_of_a_placed_tile(ctx):
         (
             (0, 229370),
             (4, 4),
-            r"needs bytes \[229370, 229386\) of each partition; an SBUF partition has 229376 "
-            r"bytes \(trainium2_arch.rst",
+            r"needs bytes \[229370, 229386\) of each partition; SBUF has 229376 bytes per partition "
+            r"\(trainium2_arch.rst",
         ),
         ((0,), (4, 4), r"address must be a \(partition_offset, free_offset\) pair of ints, got \(0,\)"),
         ((0, 1.5), (4, 4), r"pair of ints, got \(0, 1.5\)"),
@@ -242,11 +242,92 @@ def test_each_lnc2_program_places_into_its_own_sbuf():
     np.testing.assert_array_equal(out, [[0.0] * 8, [1.0] * 8])
 
 
-def test_psum_and_hbm_addresses_are_still_storage_of_their_own(ctx):
-    a = nl.ndarray((2, 4), nl.float32, buffer=nl.psum, address=(0, 0))
-    b = nl.ndarray((2, 4), nl.float32, buffer=nl.psum, address=(0, 0))
-    nisa.memset(dst=a, value=1.0)
+def test_hbm_addresses_are_still_storage_of_their_own(ctx):
+    a = nl.ndarray((2, 4), nl.float32, buffer=nl.shared_hbm, address=(0, 0))
+    b = nl.ndarray((2, 4), nl.float32, buffer=nl.shared_hbm, address=(0, 0))
+    src = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=src, value=1.0)
+    nisa.dma_copy(dst=a, src=src)
     assert np.isnan(b.np()).all()
+
+
+def _psum_tile(name: str, bank: int, shape=(2, 4)):
+    return nl.ndarray(shape, nl.float32, buffer=nl.psum, name=name, address=(0, bank * 2048))
+
+
+def _operands(k: int = 3, m: int = 2, n: int = 4):
+    """stationary [k, m] = 1, moving [k, n] = j + 1 in column j: every output element (s.T @ mv)[i, j] = k(j + 1)."""
+    s = nl.ndarray((k, m), nl.float32, buffer=nl.sbuf)
+    mv = nl.ndarray((k, n), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=s, value=1.0)
+    for j in range(n):
+        nisa.memset(dst=mv[:, j : j + 1], value=float(j + 1))
+    return s, mv
+
+
+def test_psum_tiles_on_one_bank_share_it(ctx):
+    s, mv = _operands()
+    a = _psum_tile("a", 3)
+    nisa.nc_matmul(dst=a, stationary=s, moving=mv)
+    b = _psum_tile("b", 3)  # the same bank: reads a's sums
+    np.testing.assert_array_equal(b.np(), [[3.0, 6.0, 9.0, 12.0]] * 2)
+    other = _psum_tile("other", 4)  # the next bank: fresh
+    assert np.isnan(other.np()).all()
+
+
+def test_accumulate_none_starts_fresh_per_tile_and_the_bank_keeps_the_last_write(ctx):
+    # nc_matmul docs: accumulate=None "The compiler automatically infers the correct flag - first write
+    # overwrites, subsequent writes accumulate": inferred per tensor, so b's first matmul overwrites a's sums
+    s, mv = _operands()
+    a = _psum_tile("a", 0)
+    nisa.nc_matmul(dst=a, stationary=s, moving=mv)
+    nisa.nc_matmul(dst=a, stationary=s, moving=mv)  # a's second write accumulates: 2 x 3(j + 1)
+    np.testing.assert_array_equal(a.np(), [[6.0, 12.0, 18.0, 24.0]] * 2)
+    b = _psum_tile("b", 0)
+    nisa.nc_matmul(dst=b, stationary=s, moving=mv)  # b's first write overwrites the bank
+    np.testing.assert_array_equal(a.np(), [[3.0, 6.0, 9.0, 12.0]] * 2)  # a reads the bank: b's sums
+
+
+def test_accumulation_groups_follow_the_bank_not_the_tile_object(ctx):
+    # nine tile objects on bank 0, each written twice in turn: one accumulation group in bank 0, not nine
+    # outstanding ones (trainium_inferentia2_arch.rst: up to eight, one per PSUM bank). Round 1 overwrites
+    # nine times (each tile's first write); round 2 adds nine times: 10 x 3(j + 1)
+    s, mv = _operands()
+    tiles = [_psum_tile(f"t{i}", 0) for i in range(9)]
+    for accumulate in (None, True):
+        for t in tiles:
+            nisa.nc_matmul(dst=t, stationary=s, moving=mv, accumulate=accumulate)
+    ctx.memory.check()
+    np.testing.assert_array_equal(tiles[0].np(), [[30.0, 60.0, 90.0, 120.0]] * 2)
+    assert ctx.memory.psum_peak_banks == 1
+
+
+def test_nine_banks_of_separate_tiles_still_count_nine_groups(ctx):
+    s, mv = _operands()
+    tiles = [nl.ndarray((2, 4), nl.float32, buffer=nl.psum, name=f"t{i}") for i in range(9)]  # automatic
+    for accumulate in (None, True):
+        for t in tiles:
+            nisa.nc_matmul(dst=t, stationary=s, moving=mv, accumulate=accumulate)
+    with pytest.raises(NkiValidationError, match="would be the 9th outstanding one"):
+        ctx.memory.check()
+
+
+@pytest.mark.parametrize(
+    "address, shape, match",
+    [
+        ((0, 1024), (2, 4), r"address=\(0, 1024\): the free offset must be a bank boundary, a multiple of 2048 bytes"),
+        (
+            (0, 7 * 2048),
+            (2, 1024),
+            r"needs bytes \[14336, 18432\) of each partition; PSUM has 16384 bytes per partition",
+        ),
+        ((127, 0), (2, 4), r"spans partitions \[127, 129\); PSUM has partitions \[0, 128\)"),
+    ],
+)
+def test_psum_placements_off_a_bank_or_outside_the_psum_are_rejected(ctx, address, shape, match):
+    with pytest.raises(NkiValidationError, match=match) as e:
+        nl.ndarray(shape, nl.float32, buffer=nl.psum, name="p", address=address)
+    assert str(e.value).startswith("nl.ndarray") and "'p'" in str(e.value)
 
 
 def test_bf16_reinterpretation_matches_numpy_bytes(ctx):

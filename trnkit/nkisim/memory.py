@@ -242,14 +242,19 @@ class Memory:
         access through any of them to the last, and the capacity check counts its bytes once (module doc)."""
         if not self.track:
             return None
-        key = (buffer, p0, nparts, byte0, nbytes)
+        if buffer == "psum":  # the banks it covers: accumulation groups and liveness follow the bank (module doc)
+            key = (buffer, byte0 // PSUM_BANK_BYTES, -(-(byte0 + nbytes) // PSUM_BANK_BYTES))
+        else:
+            key = (buffer, p0, nparts, byte0, nbytes)
         a = self.slots.get(key)
         if a is None:
             a = Allocation(f"{name}@({p0}, {byte0})", buffer, nbytes, _user_site(), self)
-            a.span = (byte0, byte0 + nbytes)
+            if buffer == "sbuf":
+                a.span = (byte0, byte0 + nbytes)
             with self._lock:
                 self.slots[key] = a
                 self.allocations.append(a)
+        a.nbytes = max(a.nbytes, nbytes)
         return a
 
     def matmul_write(self, alloc: Allocation | None, starts: bool, bank: int = 0) -> None:

@@ -127,9 +127,14 @@ class Storage:
             f = self._flats[dtype] = self.data.view(dtype)
         return f
 
+    @property
+    def elements(self) -> int:
+        """Elements of the storage's dtype it holds (the size of its per-element flag arrays)."""
+        return self.data.size
+
     def matmul_flags(self) -> np.ndarray:
         if self.mm is None:
-            self.mm = np.zeros(self.data.size, dtype=np.bool_)
+            self.mm = np.zeros(self.elements, dtype=np.bool_)
         return self.mm
 
     base_partition = 0  # physical partition of the storage's partition 0 (PlacedStorage: its placement)
@@ -1105,6 +1110,10 @@ class PlacedStorage(Storage):
         self.alloc = None
 
     @property
+    def elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
     def data(self) -> np.ndarray:  # type: ignore[override]  (the tile's rows as one byte range)
         row = self.space.data.shape[1]
         start = self.base_partition * row + self.byte0
@@ -1124,8 +1133,9 @@ class PlacedStorage(Storage):
 
 
 def place(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: str, address: Any) -> NkiTensor:
-    """``nl.ndarray(shape, dtype, buffer=nl.sbuf, address=(partition, byte))``: a tile on fixed SBUF bytes of
-    the current kernel instance (see the sources above). Not initialised: it reads what those bytes hold."""
+    """``nl.ndarray(shape, dtype, buffer=nl.sbuf | nl.psum, address=(partition, byte))``: a tile on fixed SBUF /
+    PSUM bytes of the current kernel instance (see the sources above). Not initialised: it reads what those
+    bytes hold."""
     op = "nl.ndarray"
     if not name:
         name = f"{buffer.name}_{next(_names)}"
@@ -1140,23 +1150,37 @@ def place(shape: Sequence[int], dtype: np.dtype, buffer: MemoryRegion, name: str
     nparts = shape[0]
     nbytes = (math.prod(shape[1:]) if len(shape) > 1 else 1) * dtype.itemsize
     doc = "migration guide, Improved allocation API: the partition offset is a physical partition lane"
+    what = buffer.name.upper()
     if p0 < 0 or p0 + nparts > _memory.NUM_PARTITIONS:
-        fail(op, "tensor {name!r} placed at address=({p0}, {byte0}) spans partitions [{p0}, {stop}); SBUF has "
-             "partitions [0, {pmax}) ({doc})", name=name, p0=p0, byte0=byte0, stop=p0 + nparts,
+        fail(op, "tensor {name!r} placed at address=({p0}, {byte0}) spans partitions [{p0}, {stop}); {what} has "
+             "partitions [0, {pmax}) ({doc})", name=name, p0=p0, byte0=byte0, stop=p0 + nparts, what=what,
              pmax=_memory.NUM_PARTITIONS, doc=doc)
-    if byte0 < 0:
-        fail(op, "tensor {name!r} placed at address=({p0}, {byte0}): the free offset must be >= 0 (bytes from "
-             "the beginning of each partition, data-representation-overview.rst)", name=name, p0=p0, byte0=byte0)
-    if byte0 + nbytes > _memory.SBUF_PARTITION_BYTES:
+    if buffer is psum:
+        cap, bank = _memory.PSUM_PARTITION_BYTES, _memory.PSUM_BANK_BYTES
+        if byte0 < 0 or byte0 % bank:
+            fail(op, "PSUM tensor {name!r} placed at address=({p0}, {byte0}): the free offset must be a bank "
+                 "boundary, a multiple of {bank} bytes (migration guide, Improved allocation API: \"The "
+                 "allocation for PSUM tensors must start at the beginning of each bank\")", name=name, p0=p0,
+                 byte0=byte0, bank=bank)
+        size_doc = ("migration guide, Improved allocation API: \"PSUM ... is organized into 128 partitions, each "
+                    "consisting of 16KB of memory ... 8 PSUM banks, with each bank holding up to 2KB\"")
+    else:
+        cap = _memory.SBUF_PARTITION_BYTES
+        if byte0 < 0:
+            fail(op, "tensor {name!r} placed at address=({p0}, {byte0}): the free offset must be >= 0 (bytes "
+                 "from the beginning of each partition, data-representation-overview.rst)", name=name, p0=p0,
+                 byte0=byte0)
+        size_doc = ("trainium2_arch.rst: \"NeuronCore-v3 SBUF capacity is 28MiB (or, 128 partitions of "
+                    "224KiB)\"; data-representation-overview.rst: the free offset counts bytes from the "
+                    "beginning of each partition")
+    if byte0 + nbytes > cap:
         fail(op, "tensor {name!r} placed at address=({p0}, {byte0}) needs bytes [{byte0}, {stop}) of each "
-             "partition; an SBUF partition has {cap} bytes (trainium2_arch.rst: \"NeuronCore-v3 SBUF capacity is "
-             "28MiB (or, 128 partitions of 224KiB)\"; data-representation-overview.rst: the free offset counts "
-             "bytes from the beginning of each partition)", name=name, p0=p0, byte0=byte0, stop=byte0 + nbytes,
-             cap=_memory.SBUF_PARTITION_BYTES)
+             "partition; {what} has {cap} bytes per partition ({doc})", name=name, p0=p0, byte0=byte0,
+             stop=byte0 + nbytes, what=what, cap=cap, doc=size_doc)
     ctx = _memory.current()
     space = ctx.placed.get(buffer.name)
     if space is None:
-        space = ctx.placed[buffer.name] = PlacementSpace(buffer, _memory.SBUF_PARTITION_BYTES)
+        space = ctx.placed[buffer.name] = PlacementSpace(buffer, cap)
     space.claim(p0, nparts, byte0, nbytes, dtype)
     st = PlacedStorage(space, p0, byte0, shape, dtype, name)
     st.alloc = ctx.memory.place(buffer.name, p0, nparts, byte0, nbytes, name)

@@ -248,7 +248,7 @@ def value_initialised(t: NkiTensor) -> np.ndarray | None:
         return None
     flags = _value_init.get(st)
     if flags is None:
-        flags = _value_init[st] = np.zeros(st.data.size, dtype=np.bool_)
+        flags = _value_init[st] = np.zeros(st.elements, dtype=np.bool_)
     return np.ndarray(t.shape, np.bool_, buffer=flags, offset=t.resolve_offset("psum"),
                       strides=t.strides)
 
