@@ -1038,7 +1038,7 @@ QUOTES = (
           csv_count("conformance.csv", {"result": "ERROR"})),
     Quote("README.md", "; {} attention-block rows with STATIC", "conformance.csv GOLDEN_GAP rows",
           csv_count("conformance.csv", {"result": "GOLDEN_GAP"})),
-    Quote("README.md", "; {} rows mismatch", "conformance.csv MISMATCH rows",
+    Quote("README.md", "; rows that mismatch: {} (", "conformance.csv MISMATCH rows",
           csv_count("conformance.csv", {"result": "MISMATCH"})),
     Quote("README.md", "fp32 cache: fwd {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline.csv rope_fwd",
           _range("rope_fwd", "us") + _range("rope_fwd", "fraction")),
@@ -1136,6 +1136,8 @@ QUOTES = (
           "conformance.csv REJECTED rows", csv_count("conformance.csv", {"result": "REJECTED"})),
     Quote("README.md", "; {} attention-block rows break `nc_matmul`'s documented 512-column limit",
           "conformance.csv REJECTED rows", csv_count("conformance.csv", {"result": "REJECTED"})),
+    Quote("docs/interpreter.md", "**MISMATCH, {} row(s)** (`attention_block_tkg` model rows with STATIC fp8 weights",
+          "conformance.csv MISMATCH rows", csv_count("conformance.csv", {"result": "MISMATCH"})),
 )
 
 
