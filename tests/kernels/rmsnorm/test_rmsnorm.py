@@ -242,7 +242,8 @@ def test_narrow_backward_cancelling_gradient(shape, dtype) -> None:
 
 def test_narrow_backward_engines() -> None:
     """The head-norm backward (bf16, H = 128) on whole chunks: per chunk two GpSimd diagonals (b's hi and
-    lo parts) and nothing else on GpSimd, one Scalar copy per PSUM bank of transposed slots, seven Vector
+    lo parts) and nothing else on GpSimd, one Scalar copy per PSUM bank of transposed slots and one of the dw
+    column sums out of PSUM (issued right after the last dw matmuls; fp32, exact), seven Vector
     instructions (gw, dy * x, b and the per-row statistics, each of those with an fp32 operand, so off the
     SBUF port GpSimd shares with Vector's 2-byte mode) plus one per PSUM bank of dx, and on the Tensor
     engine per 128-row slot one dw matmul, one transpose, one sum over H and three dx matmuls (trace)."""
@@ -259,7 +260,13 @@ def test_narrow_backward_engines() -> None:
     assert by["nc_transpose"] == slots
     assert by["nc_matmul"] == 5 * slots  # dw, the sum over H, I @ gw, diag(b_hi) @ x, diag(b_lo) @ x
     nts = [i.operands[0].shape[1] for i in diags[::2]]  # each chunk's slots
-    assert sum(1 for i in tr if i.engine == "scalar") == sum((nt + 7) // 8 for nt in nts)  # 8 bf16 slots a bank
+    scalar = [i for i in tr if i.engine == "scalar"]
+    assert len(scalar) == sum((nt + 7) // 8 for nt in nts) + 1  # 8 bf16 slots a bank, + the dw sums
+    dw_copy = scalar[-1]
+    assert dw_copy.op == "tensor_copy" and [o.buffer for o in dw_copy.operands] == ["sbuf", "psum"]
+    assert dw_copy.operands[0].dtype == "float32"
+    # issued before the last chunk's dx (its last Tensor engine matmuls come after it)
+    assert tr.instrs.index(dw_copy) < max(k for k, i in enumerate(tr.instrs) if i.op == "nc_matmul")
     # per chunk: gw, dy * x, b, rstd^2, b's bf16 parts, rstd rounded for the dw matmuls, and dx = rstd * y
     # per bank of 4 slots (no per-row instruction)
     vector = [i for i in tr if i.engine == "vector"]

@@ -147,7 +147,8 @@ def _row_stats(t, r0, Pc, NT):
 
 
 def _dma_in(dst, src, queue=None):
-    """``dma_copy`` into SBUF: through ``queue``'s hardware DGE when named, else where the compiler puts it."""
+    """``dma_copy`` (into SBUF, or a store): through ``queue``'s hardware DGE when named, else where the
+    compiler puts it."""
     if queue != None:  # noqa: E711 (NKI rejects `is`)
         _hwdge(dst, src, queue)
     else:
@@ -770,29 +771,53 @@ def _dx_wide(dx_t, gw_t, x_t, gs_t, rstd_t, negc_t, ident, Pc, NT, H, rstd16):
             nisa.activation(dst=dx_t[:, j, c0:c0 + cw], op=nl.copy, data=ps)
 
 
-def _store_dw(dw, dw_ps, n_prog, pid, NC):
-    """The ``[P, NC]`` column sums (``dw[c*P + m]`` on partition m, column c) -> ``dw [NC*P]``; on LNC=2
-    through a shared scratch and one barrier, each core summing half of the partitions."""
+def _dw_partial(dw_ps, n_prog, pid, NC, named=False):
+    """This core's ``[P, NC]`` column sums out of PSUM (fp32): the SBUF copy on LNC=1; on LNC=2 also stored to
+    the shared scratch that :func:`_store_dw` combines, which is returned. ``named`` (the narrow backward,
+    which issues this right after its last dw matmuls, while the Tensor engine, Vector and GpSimd still work
+    on the last chunks' dx): the copy on the Scalar engine, idle by then (an fp32 copy, exact), and its store
+    triggered from Scalar's own DMA queue, so it waits on no other engine and on no dx store."""
     part = nl.ndarray((P, NC), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=part, src=dw_ps)
+    queue = None
+    if named:
+        queue = LOAD_QUEUE
+        nisa.tensor_copy(dst=part, src=dw_ps, engine=nisa.engine.scalar)
+    else:
+        nisa.tensor_copy(dst=part, src=dw_ps)
+    if n_prog == 1:
+        return part
+    scratch = nl.ndarray((n_prog, P, NC), dtype=nl.float32, buffer=nl.shared_hbm)
+    _dma_in(scratch.ap(pattern=[[NC, P], [1, NC]], offset=pid * P * NC), part, queue)
+    return scratch
+
+
+def _store_dw(dw, dw_ps, n_prog, pid, NC, partial=None):
+    """The ``[P, NC]`` column sums (``dw[c*P + m]`` on partition m, column c) -> ``dw [NC*P]``; on LNC=2
+    through a shared scratch and one barrier, each core summing half of the partitions. ``partial``: what
+    :func:`_dw_partial` returned when the kernel issued it earlier (named queues); then the two halves load
+    on the Sync and Scalar engines' queues side by side and the result is stored from Sync's, instead of one
+    after another on the compiler's queues behind the last dx stores."""
+    queues = [None, None, None]
+    if partial == None:  # noqa: E711
+        partial = _dw_partial(dw_ps, n_prog, pid, NC)
+    else:
+        queues = [STORE_QUEUE, LOAD_QUEUE, STORE_QUEUE]
     if n_prog == 1:
         out = nl.ndarray((P, NC), dtype=dw.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(dst=out, src=part)
-        nisa.dma_copy(dst=dw.ap(pattern=[[1, P], [P, NC]], offset=0), src=out)
+        nisa.tensor_copy(dst=out, src=partial)
+        _dma_in(dw.ap(pattern=[[1, P], [P, NC]], offset=0), out, queues[2])
         return
-    scratch = nl.ndarray((n_prog, P, NC), dtype=nl.float32, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=scratch.ap(pattern=[[NC, P], [1, NC]], offset=pid * P * NC), src=part)
-    nisa.core_barrier(scratch, (0, 1))
+    nisa.core_barrier(partial, (0, 1))
     half = P // n_prog
     acc = nl.ndarray((half, NC), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=acc, src=scratch.ap(pattern=[[NC, half], [1, NC]], offset=pid * half * NC))
+    _dma_in(acc, partial.ap(pattern=[[NC, half], [1, NC]], offset=pid * half * NC), queues[0])
     for q in range(1, n_prog):
         other = nl.ndarray((half, NC), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(dst=other, src=scratch.ap(pattern=[[NC, half], [1, NC]], offset=(q * P + pid * half) * NC))
+        _dma_in(other, partial.ap(pattern=[[NC, half], [1, NC]], offset=(q * P + pid * half) * NC), queues[1])
         nisa.tensor_tensor(dst=acc, data1=acc, data2=other, op=nl.add)
     out = nl.ndarray((half, NC), dtype=dw.dtype, buffer=nl.sbuf)
     nisa.tensor_copy(dst=out, src=acc)
-    nisa.dma_copy(dst=dw.ap(pattern=[[1, half], [P, NC]], offset=pid * half), src=out)
+    _dma_in(dw.ap(pattern=[[1, half], [P, NC]], offset=pid * half), out, queues[2])
 
 
 def _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, opens=False, engine=nisa.engine.gpsimd):
@@ -1022,21 +1047,26 @@ def _narrow_dx(state, dx, ident):
     nisa.dma_copy(dst=_rows(dx, r0, Pc, NT, H), src=dx_t)
 
 
-def _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chunks):
+def _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chunks, n_prog=1, pid=0):
     """The backward pipeline for rows narrower than ``WIDE`` (the q/k head norm): five stages per chunk,
     issued in an order in which no engine's in-order queue waits on work issued after it. Iteration i:
     chunk i-3's coefficients (Vector, one ``[P, NT]`` instruction) and diagonals (GpSimd, while Vector
     copies out chunk i-4's dx, which does not use the SBUF port GpSimd shares with Vector's 2-byte
     mode), chunk i-4's dx (Tensor engine, Vector, store), chunk i-2's sums over H and chunk i-1's dw
     matmuls and transposes (Tensor engine; Scalar copies the transposes out), chunk i's products
-    (Vector)."""
+    (Vector). Once the last chunk's dw matmuls are issued, this core's dw column sums go out of PSUM and, on
+    LNC=2, to the shared scratch (:func:`_dw_partial`) while the last chunks' dx are formed; returns that
+    for :func:`_store_dw`."""
     H = x.shape[1]
     w_cols = _w_columns(w, H, out_dt)
     ahead = _prefetch(H, x.dtype)
     n = len(chunks)
     loads = []
     st = [None] * n  # each chunk's state between stages
+    partial = None
     for i in range(n + 4):
+        if i == n + 1:  # the last chunk's dw matmuls were issued in iteration n
+            partial = _dw_partial(dw_ps, n_prog, pid, cdiv(H, P), True)
         for k in range(len(loads), min(n, i + 1 + ahead)):
             loads.append(_load_narrow_bwd_chunk(dy, x, grad_s, rstd, chunks, k))
         if 0 <= i - 3 < n:
@@ -1051,6 +1081,7 @@ def _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chu
         if i < n:
             st[i] = _dy_products(loads[i], chunks[i], w_sb, out_dt)
             loads[i] = None
+    return partial
 
 
 @nki.jit
@@ -1074,8 +1105,9 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
     dw_ps = nl.ndarray((P, NC), dtype=nl.float32, buffer=nl.psum)
     if len(chunks) == 0:  # no rows here: zero partial sums
         nisa.memset(dst=dw_ps, value=0.0)
+    partial = None
     if H < WIDE:
-        _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chunks)
+        partial = _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chunks, n_prog, pid)
     else:
         ahead = _prefetch(H, x.dtype)
         loads = []
@@ -1090,5 +1122,5 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
             if pending != None:  # noqa: E711
                 _bwd_dx(pending, dx, ident)
             pending = cur
-    _store_dw(dw, dw_ps, n_prog, pid, NC)
+    _store_dw(dw, dw_ps, n_prog, pid, NC, partial)
     return dx, dw
