@@ -30,6 +30,22 @@ def scale(x, out, factor):
     return out
 
 
+def scale_on_one_slot(x, out, factor, wrong=False):
+    """out = x * factor through two tiles placed on one SBUF slot per 128 rows, each read before the other is
+    written; wrong: both written first, so the product of the first read is the second's data (a stale read)."""
+    for r0 in range(0, x.shape[0], 128):
+        a = nl.ndarray((128, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf, address=(0, 0))
+        b = nl.ndarray((128, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf, address=(0, 0))
+        nisa.dma_copy(dst=a, src=x[r0:r0 + 128, :])
+        if wrong:
+            nisa.memset(dst=b, value=0.0)
+        nisa.tensor_scalar(dst=a, data=a, op0=nl.multiply, operand0=factor)
+        nisa.dma_copy(dst=out[r0:r0 + 128, :], src=a)
+        if not wrong:
+            nisa.memset(dst=b, value=0.0)
+    return out
+
+
 def uses_missing_api(x, out, factor):
     nisa.no_such_instruction(dst=out, src=x)
     return out
@@ -84,6 +100,14 @@ import torch
 
 def scale_ref(x, out, factor):
     return {"out": x * factor}
+
+
+def scale_ref_any(x, out, factor, **kw):
+    return {"out": x * factor}
+
+
+def off_by_one_ref_any(x, out, factor, **kw):
+    return {"out": x * factor + 1.0}
 
 
 def off_by_one_ref(x, out, factor):
@@ -880,3 +904,27 @@ def test_within_roundings_is_the_stated_bound():
     wrong = fp8.copy()
     wrong[0, 0] += 64.0  # beyond half a step (<= 16 up to 240) plus a bf16 rounding of its row's largest value
     assert not harness.within_roundings(wrong, x * 30, 1, fp8=True)[0]
+
+
+def test_a_mismatch_from_reading_overwritten_placed_tiles_is_stale_read_when_it_passes_unplaced(fake_checkout):
+    """scale_on_one_slot(wrong=True) zeroes B, placed on A's bytes, between A's load and its product: the product
+    reads B's zeros (a device does the same) and the row mismatches; run with every placed tile on storage of its
+    own it passes, so the row is STALE_READ, accepted, and says so. The same kernel used in turn passes; a
+    mismatch that stays without placement (a wrong reference) stays MISMATCH."""
+    right = _case(entry="scale_on_one_slot")
+    assert harness.run_case(right, fake_checkout).result == harness.PASS
+    wrong = dataclasses.replace(right, inputs=lambda: {**_case().inputs(), "wrong": True},
+                                reference="nkilib_src.refs:scale_ref_any")
+    row = harness.run_case(wrong, fake_checkout)
+    assert (row.result, row.verdict) == (harness.STALE_READ, harness.MISMATCH), row.message
+    assert harness.row_ok(wrong, row)
+    assert row.max_abs_err == pytest.approx(float(np.abs(_case().inputs()["x"] * 3.0).max()), rel=1e-6)
+    assert row.message.startswith("the kernel's placement: it reads placed tiles another placed tile overwrote "
+                                  "(2 reads; first: tensor_scalar reads placed tile "), row.message
+    assert "; with every placed tile on storage of its own it passes (max|err| 0 <= " in row.message, row.message
+    # the same stale reads with a reference the kernel misses anyway: not its placement, a mismatch
+    off = dataclasses.replace(wrong, reference="nkilib_src.refs:off_by_one_ref_any")
+    row = harness.run_case(off, fake_checkout)
+    assert row.result == harness.MISMATCH and not harness.row_ok(off, row)
+    assert row.message.startswith("reads placed tiles another placed tile overwrote (2 reads; first: ") and \
+        ", but with every placed tile on storage of its own the row is MISMATCH too" in row.message, row.message

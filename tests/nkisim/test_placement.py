@@ -6,6 +6,7 @@ SBUF. Expected values are computed by hand from the byte layout."""
 from __future__ import annotations
 
 import tracemalloc
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -81,7 +82,8 @@ def stale_read(x, y):
 def test_reading_a_tile_after_a_later_tile_on_its_slot_overwrote_it_sees_the_new_data():
     x = np.ones((128, 16), np.float32)
     y = np.full((128, 16), 2.0, np.float32)
-    np.testing.assert_array_equal(stale_read(x, y), y)
+    with pytest.warns(memory.PlacedTileOverwrittenWarning):
+        np.testing.assert_array_equal(stale_read(x, y), y)
 
 
 @nki.jit
@@ -105,7 +107,8 @@ def overlapping(x):
 
 def test_partly_overlapping_placements_address_the_same_bytes():
     x = _f32(4, 8)  # x[p, j] = 8p + j
-    ob, oc, oa = overlapping(x)
+    with pytest.warns(memory.PlacedTileOverwrittenWarning, match="reads placed tile .* after tensor_scalar wrote"):
+        ob, oc, oa = overlapping(x)  # (A read after D wrote over part of it)
     np.testing.assert_array_equal(ob, x[:, 4:8])  # byte 16 = fp32 column 4
     np.testing.assert_array_equal(oc, x[2:4])  # partition 2
     want = x.copy()
@@ -358,3 +361,68 @@ def caller(x):
 def test_a_nested_jit_helper_places_into_its_callers_sbuf():
     x = _f32(2, 4, 5.0)
     np.testing.assert_array_equal(caller(x), x)
+
+
+def test_a_read_of_an_overwritten_placed_tile_is_reported_once_per_overwrite():
+    x = np.ones((128, 16), np.float32)
+    y = np.full((128, 16), 2.0, np.float32)
+    with pytest.warns(memory.PlacedTileOverwrittenWarning) as caught:
+        out = stale_read(x, y)
+    np.testing.assert_array_equal(out, y)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, memory.PlacedTileOverwrittenWarning)]
+    assert len(msgs) == 1, msgs
+    assert msgs[0].startswith("dma_copy reads placed tile ") and "(sbuf partitions [0, 128), bytes [0, 64)) after " \
+        "dma_copy wrote tile " in msgs[0] and "as a device does" in msgs[0], msgs[0]
+
+
+@nki.jit
+def reuse_in_turn(x, y):
+    """A and B on one slot used one after the other (A written and read, then B written and read), then A written
+    again and read: every read sees its own tile's data, nothing to report."""
+    out = nl.ndarray((3, 128, 16), nl.float32, buffer=nl.shared_hbm)
+    a = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf, address=(0, 0))
+    b = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf, address=(0, 0))
+    nisa.dma_copy(dst=a, src=x)
+    nisa.dma_copy(dst=out[0], src=a)
+    nisa.dma_copy(dst=b, src=y)
+    nisa.dma_copy(dst=out[1], src=b)
+    nisa.tensor_scalar(dst=a, data=b, op0=nl.multiply, operand0=3.0)  # reads B (its own data), rewrites A
+    nisa.dma_copy(dst=out[2], src=a)
+    return out
+
+
+def test_tiles_that_take_turns_on_a_slot_are_not_reported():
+    x = np.ones((128, 16), np.float32)
+    y = np.full((128, 16), 2.0, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memory.PlacedTileOverwrittenWarning)
+        out = np.asarray(reuse_in_turn(x, y))
+    np.testing.assert_array_equal(out, np.stack([x, y, 3.0 * y]))
+
+
+def test_a_write_to_disjoint_bytes_does_not_take_a_tiles_bytes(ctx):
+    # A [4, 8] fp32 = bytes [0, 32); B [4, 4] at byte 32 (next to it); C [4, 4] at byte 16 (A's columns 4..7)
+    a = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf, address=(0, 0))
+    b = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf, address=(0, 32))
+    c = nl.ndarray((4, 4), nl.float32, buffer=nl.sbuf, address=(0, 16))
+    o = nl.ndarray((4, 8), nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=a, value=1.0)
+    nisa.memset(dst=b, value=2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memory.PlacedTileOverwrittenWarning)
+        nisa.tensor_copy(dst=o, src=a)  # B's bytes are beside A's: A still holds its own
+    nisa.memset(dst=c, value=3.0)
+    with pytest.warns(memory.PlacedTileOverwrittenWarning, match="tensor_copy reads placed tile .* after memset "
+                      "wrote tile"):
+        nisa.tensor_copy(dst=o, src=a)
+    np.testing.assert_array_equal(o.np(), [[1.0] * 4 + [3.0] * 4] * 4)
+
+
+def test_placement_off_gives_each_placed_tile_its_own_storage():
+    x = np.ones((128, 16), np.float32)
+    y = np.full((128, 16), 2.0, np.float32)
+    with memory.placement_off(), warnings.catch_warnings():
+        warnings.simplefilter("error", memory.PlacedTileOverwrittenWarning)
+        out = stale_read(x, y)
+    np.testing.assert_array_equal(out, x)  # A kept x: the unplaced reading, not a device's
+    assert memory.placement_modelled()

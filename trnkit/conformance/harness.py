@@ -19,6 +19,10 @@ message starts with the interpreter's own verdict, :attr:`Row.verdict`). GOLDEN_
 nki-library's golden, checked per row (:func:`golden_gap`): the same reference, with its values rounded where the
 kernel's tiles hold a narrower dtype than it computes in (``Case.rounded_reference``), fails the test's own
 validator against the golden, and the kernel is no further from that rounded reference than the golden is.
+STALE_READ: a mismatch whose cause is the kernel's own placement, checked per row: it read manually placed tiles
+after another tile placed on their bytes overwrote them (``memory.PlacedTileOverwrittenWarning``: a device reads
+the same overwritten bytes), and run again with every placed tile on storage of its own
+(``memory.placement_off``) it passes.
 
 The checkout is found through ``NKILIB_SRC`` (its root, or its ``src/``), else the archive
 ``nki-library-<commit>.tar.gz`` (``NKILIB_TARBALL``, or ``shared/thirdparty/`` next to or inside the
@@ -50,7 +54,7 @@ import numpy as np
 __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nkilib_commit", "nkilib_tarball",
            "extract_tarball", "compare", "disk_array", "uniform_array", "drawn_array", "run_case", "run_cases",
            "format_table", "write_csv", "row_ok", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED",
-           "XFAIL", "SKIPPED", "GOLDEN_GAP", "golden_gap", "MODEL_CONFIG", "TappedReference", "tap",
+           "XFAIL", "SKIPPED", "GOLDEN_GAP", "STALE_READ", "golden_gap", "MODEL_CONFIG", "TappedReference", "tap",
            "tapped_golden_gap", "within_roundings"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
@@ -60,6 +64,9 @@ XFAIL = "XFAIL"
 # a mismatch whose cause is nki-library's golden: its reference rounded as the kernel's tiles are
 # (Case.rounded_reference) fails the test's validator too, and the kernel is no further from it (golden_gap)
 GOLDEN_GAP = "GOLDEN_GAP"
+# a mismatch that comes from the kernel reading placed tiles another placed tile overwrote: with each placed tile on
+# storage of its own (memory.placement_off) the row passes (_stale_read)
+STALE_READ = "STALE_READ"
 SKIPPED = "SKIPPED"  # a row nki-library's own test skips (Case.skipped_by); run anyway, Row.verdict says how it went
 CSV_FIELDS = ("kernel", "case", "shapes", "lnc", "result", "max_abs_err", "allowed_err", "rtol",
               "atol", "seconds", "message", "nkilib_commit")
@@ -697,12 +704,13 @@ def run_case(case: Case, root: Path, commit: str = "") -> Row:
 
 def row_ok(case: Case, row: Row) -> bool:
     """Whether ``row`` is what the conformance run accepts for ``case``: PASS (for a negative case: rejected as
-    nki-library expects), XFAIL (a checked cause), GOLDEN_GAP (checked per row by :func:`golden_gap`), or the
-    refusal the case names (``Case.rejected_by``); a SKIPPED row is judged by its verdict."""
+    nki-library expects), XFAIL (a checked cause), GOLDEN_GAP (checked per row by :func:`golden_gap`), STALE_READ
+    (checked per row by :func:`_stale_read`), or the refusal the case names (``Case.rejected_by``); a SKIPPED row
+    is judged by its verdict."""
     result = row.verdict if row.result == SKIPPED else row.result
     if case.rejected_by:
         return result in (REJECTED, ERROR) and case.rejected_by in row.message
-    return result == PASS or (result == XFAIL and bool(case.xfail)) or \
+    return result in (PASS, STALE_READ) or (result == XFAIL and bool(case.xfail)) or \
         (result == GOLDEN_GAP and (case.rounded_reference is not None or case.tapped_reference is not None))
 
 
@@ -747,11 +755,14 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
                     warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", memory.SbufSpillWarning)
                 warnings.simplefilter("always", memory.PsumReorderWarning)
+                warnings.simplefilter("always", memory.PlacedTileOverwrittenWarning)
                 with tap(case.tapped_reference.taps if case.tapped_reference else (), root) as tapped:
                     result = _launch(case, kernel, kernel_in)
             del kernel_in  # (what the kernel returned stays referenced by result)
             spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
             reorders = [w.message for w in caught if issubclass(w.category, memory.PsumReorderWarning)]
+            overwritten = [str(w.message) for w in caught
+                           if issubclass(w.category, memory.PlacedTileOverwrittenWarning)]
         finally:
             row.seconds = time.perf_counter() - t0
             if case.cleanup:
@@ -803,6 +814,11 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
         if cause:  # the failure nki-library's xfail is about, checked: not a mismatch of the interpreter's
             row.verdict, row.result = MISMATCH, XFAIL
             row.message = f"xfail as nki-library marks it ({case.xfail}); checked: {cause}; {row.message}"
+        elif overwritten:
+            shown, why = _stale_read(case, root, commit, overwritten)
+            if shown:
+                row.verdict, row.result = MISMATCH, STALE_READ
+            row.message = f"{why}; {row.message}"
         elif case.rounded_reference is not None or case.tapped_reference is not None:
             shown, why = golden_gap(case, root, inputs, actual, expected, failing) \
                 if case.rounded_reference is not None else (False, "")
@@ -818,6 +834,21 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
             else:  # (the rounding the case names does not account for it: said, the row stays a mismatch)
                 row.message = f"{row.message}; not GOLDEN_GAP: {why}"
     return row
+
+
+def _stale_read(case: Case, root: Path, commit: str, overwritten: list[str]) -> tuple[bool, str]:
+    """Whether a mismatch of a kernel that read overwritten placed tiles comes from those reads: the case run again
+    with every placed tile on storage of its own (``memory.placement_off``) passes; and what was found."""
+    from trnkit.nkisim import memory
+
+    with memory.placement_off():
+        unplaced = _run_case_as_nki(case, root, commit)
+    reads = f"reads placed tiles another placed tile overwrote ({len(overwritten)} reads; first: {overwritten[0]})"
+    if unplaced.result != PASS:
+        return False, f"{reads}, but with every placed tile on storage of its own the row is {unplaced.result} too"
+    return True, (f"the kernel's placement: it {reads}; with every placed tile on storage of its own it passes "
+                  f"(max|err| {unplaced.max_abs_err:.3g} <= {unplaced.allowed_err:.3g}), and a device reads the "
+                  "overwritten bytes as the interpreter does")
 
 
 def _in_golden_shape(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> str:
@@ -1157,7 +1188,7 @@ def format_row(row: Row) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     counts = {r: sum(1 for x in rows if x.result == r)
-              for r in (PASS, XFAIL, GOLDEN_GAP, SKIPPED, MISMATCH, MISSING, REJECTED, ERROR, ACCEPTED)}
+              for r in (PASS, XFAIL, GOLDEN_GAP, STALE_READ, SKIPPED, MISMATCH, MISSING, REJECTED, ERROR, ACCEPTED)}
     summary = ", ".join(f"{n} {r}" for r, n in counts.items() if n)
     return "\n".join([format_row(r) for r in rows] + [f"{len(rows)} cases: {summary}"])
 

@@ -177,7 +177,7 @@ def ndarray(shape: Sequence[int], dtype: Any, buffer: MemoryRegion = sbuf, name:
     accepted and not modelled (each tile gets storage of its own; docs/interpreter.md)."""
     buf = _buffer(buffer, "nl.ndarray")
     dt = _dt.resolve(dtype, "nl.ndarray")
-    if address is not None and buf.on_chip:
+    if address is not None and buf.on_chip and _mem.placement_modelled():
         return _cf.allocated(place(tuple(shape), dt, buf, name, address))
     return _cf.allocated(allocate(tuple(shape), dt, buf, name))
 

@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import os
 import sys
@@ -598,19 +599,86 @@ def tick(op: str) -> None:
     current().memory.tick(op)
 
 
+class PlacedTileOverwrittenWarning(RuntimeWarning):
+    """An instruction read a manually placed tile (``nl.ndarray(..., address=)``) after another tile placed on
+    overlapping bytes was written: the bytes are shared, so it read the other tile's data, as a device does.
+    Not an error: no NKI doc calls it invalid, and a kernel may mean it; it is almost always an allocation that
+    gave two live tiles one slot. Once per tile and overwrite."""
+
+
+# the parameters through which an nki.isa instruction writes (every other tensor argument is read)
+_WRITTEN_PARAMS = frozenset(("dst", "dst_idx", "reduce_res"))
+
+
+def _placed_operands(params: tuple[str, ...], args: tuple, kwargs: dict) -> tuple[list, list]:
+    """The storages of the placed tiles an instruction reads and writes (tensor.PlacedStorage: those with a
+    ``space``), from its arguments by parameter name; lists and tuples of tensors are read."""
+    reads, writes = [], []
+    for key, value in itertools.chain(zip(params, args), kwargs.items()):
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            st = getattr(v, "_st", None)
+            if getattr(st, "space", None) is not None:
+                (writes if key in _WRITTEN_PARAMS else reads).append(st)
+    return reads, writes
+
+
+def _report_overwritten(reads: list, instr: str) -> None:
+    for st in reads:
+        if st.overwritten is not None and st.overwritten[0] is not None:
+            tile, by = st.overwritten
+            p0, p1, b0, b1 = st.rect
+            warnings.warn(PlacedTileOverwrittenWarning(
+                f"{instr} reads placed tile {st.name!r} ({st.buffer.name} partitions [{p0}, {p1}), bytes [{b0}, "
+                f"{b1})) after {by} wrote tile {tile!r} over its bytes: placed tiles share their bytes "
+                "(nl.ndarray address=), so it reads that tile's data, as a device does"), stacklevel=4)
+            st.overwritten = (None, by)  # reported: once per overwrite
+
+
 def instruction(fn: Any) -> Any:
     """Make ``fn`` (a public ``nki.isa`` function) one instruction for liveness: the clock advances
-    when it returns or raises, whatever path it took (traced or not, skipped DMA, ...)."""
+    when it returns or raises, whatever path it took (traced or not, skipped DMA, ...). In a kernel
+    instance that places tiles, it also reports reads of placed tiles another tile overwrote
+    (:class:`PlacedTileOverwrittenWarning`) and records its writes of placed tiles."""
     name = fn.__name__
+    params = tuple(inspect.signature(fn).parameters)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        mem = current().memory
+        ctx = current()
+        mem = ctx.memory
         mem.running = name
+        placed = _placed_operands(params, args, kwargs) if ctx.placed else None
+        if placed:
+            _report_overwritten(placed[0], name)
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
             mem = current().memory  # (the same unless fn pushed a context)
             mem.running = "access"
             mem.tick(name)
+        for st in placed[1] if placed else ():
+            st.space.written(st, name)
+        return out
     return run
+
+
+_placement_modelled = True  # module-wide, not per thread: a grid launch runs its programs on threads
+
+
+@contextlib.contextmanager
+def placement_off() -> Iterator[None]:
+    """Kernels called inside give each ``nl.ndarray(..., address=)`` tile storage of its own, as if unplaced.
+
+    A trnkit diagnostic, not a model of anything: the conformance run uses it to check that a mismatch of a
+    kernel that read overwritten placed tiles (:class:`PlacedTileOverwrittenWarning`) comes from those reads."""
+    global _placement_modelled  # noqa: PLW0603 - restored on exit
+    saved, _placement_modelled = _placement_modelled, False
+    try:
+        yield
+    finally:
+        _placement_modelled = saved
+
+
+def placement_modelled() -> bool:
+    """False inside :func:`placement_off`."""
+    return _placement_modelled

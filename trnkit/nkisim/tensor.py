@@ -1066,6 +1066,25 @@ class PlacementSpace:
         self.row_bytes = row_bytes  # the physical partition size: no placement reaches past it
         self.data = np.empty((_memory.NUM_PARTITIONS, 0), np.uint8)
         self.claimed = np.zeros((_memory.NUM_PARTITIONS, 0), np.bool_)
+        # the tiles whose last write is still what their bytes hold, by rectangle (p0, p1, byte0, byte1):
+        # a write to overlapping bytes by another tile takes them from it (:meth:`written`)
+        self.holders: dict[tuple[int, int, int, int], list[PlacedStorage]] = {}
+
+    def written(self, st: PlacedStorage, instr: str) -> None:
+        """``instr`` wrote tile ``st``: every other placed tile on overlapping bytes no longer holds its own data
+        (a later read of it is reported by :func:`memory.instruction`), and ``st`` holds its bytes again."""
+        p0, p1, b0, b1 = rect = st.rect
+        for r in [r for r in self.holders if r[0] < p1 and p0 < r[1] and r[2] < b1 and b0 < r[3]]:
+            tiles = self.holders[r]
+            for other in tiles:
+                if other is not st:
+                    other.overwritten = (st.name, instr)
+            if st in tiles:
+                self.holders[r] = [st]
+            else:
+                del self.holders[r]
+        st.overwritten = None
+        self.holders.setdefault(rect, [st])
 
     def claim(self, p0: int, nparts: int, byte0: int, nbytes: int, dtype: np.dtype) -> None:
         stop = byte0 + nbytes
@@ -1091,7 +1110,7 @@ class PlacedStorage(Storage):
     :class:`PlacementSpace`. Views address it in the tile's own terms (partition stride = its free elements,
     as for any allocation); :meth:`array` maps them onto the space's rows."""
 
-    __slots__ = ("space", "base_partition", "byte0")
+    __slots__ = ("space", "base_partition", "byte0", "rect", "overwritten")
     stable = False
 
     def __init__(self, space: PlacementSpace, p0: int, byte0: int, shape: tuple[int, ...], dtype: np.dtype,
@@ -1108,6 +1127,10 @@ class PlacedStorage(Storage):
         self._flats = {}
         self.key = next(_STORAGE_KEYS)
         self.alloc = None
+        self.rect = (p0, p0 + shape[0], byte0, byte0 + self.free_bytes)
+        # (tile, instruction) of the last write by another tile over these bytes since this tile's own last
+        # write (PlacementSpace.written); None while the bytes hold this tile's data
+        self.overwritten: tuple[str, str] | None = None
 
     @property
     def elements(self) -> int:
