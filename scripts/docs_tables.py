@@ -1139,6 +1139,10 @@ QUOTES = (
           "conformance.csv REJECTED rows", csv_count("conformance.csv", {"result": "REJECTED"})),
     Quote("docs/interpreter.md", "**MISMATCH, {} row(s)** (`attention_block_tkg` model rows with STATIC fp8 weights",
           "conformance.csv MISMATCH rows", csv_count("conformance.csv", {"result": "MISMATCH"})),
+    Quote("docs/interpreter.md", "**STALE_READ, {} rows** (`attention_cte` sweep rows",
+          "conformance.csv STALE_READ rows", csv_count("conformance.csv", {"result": "STALE_READ"})),
+    Quote("README.md", "; {} attention_cte rows read SBUF bytes the kernel's own", "conformance.csv STALE_READ rows",
+          csv_count("conformance.csv", {"result": "STALE_READ"})),
 )
 
 
