@@ -153,24 +153,25 @@ def test_views_and_partition_offsets_of_a_placed_tile(ctx):
 
 
 @pytest.mark.parametrize(
-    "address, shape, match",
+    "buffer, address, shape, match",
     [
-        ((100, 0), (64, 4), r"spans partitions \[100, 164\); SBUF has partitions \[0, 128\)"),
-        ((-1, 0), (4, 4), r"spans partitions \[-1, 3\)"),
-        ((0, -2), (4, 4), r"address=\(0, -2\): the free offset must be >= 0"),
-        (
-            (0, 229370),
-            (4, 4),
-            r"needs bytes \[229370, 229386\) of each partition; SBUF has 229376 bytes per partition "
-            r"\(trainium2_arch.rst",
-        ),
-        ((0,), (4, 4), r"address must be a \(partition_offset, free_offset\) pair of ints, got \(0,\)"),
-        ((0, 1.5), (4, 4), r"pair of ints, got \(0, 1.5\)"),
+        (nl.sbuf, (100, 0), (64, 4), r"spans partitions \[100, 164\); SBUF has partitions \[0, 128\)"),
+        (nl.sbuf, (-1, 0), (4, 4), r"spans partitions \[-1, 3\)"),
+        (nl.sbuf, (0, -2), (4, 4), r"address=\(0, -2\): the free offset must be >= 0"),
+        (nl.sbuf, (0, 229370), (4, 4), r"needs bytes \[229370, 229386\) of each partition; SBUF has 229376 "
+         r"bytes per partition \(trainium2_arch.rst"),
+        (nl.sbuf, (0,), (4, 4), r"address must be a \(partition_offset, free_offset\) pair of ints, got \(0,\)"),
+        (nl.sbuf, (0, 1.5), (4, 4), r"pair of ints, got \(0, 1.5\)"),
+        (nl.psum, (0, 1024), (2, 4), r"address=\(0, 1024\): the free offset must be a bank boundary, a multiple "
+         r"of 2048 bytes"),
+        (nl.psum, (0, 7 * 2048), (2, 1024), r"needs bytes \[14336, 18432\) of each partition; PSUM has 16384 "
+         r"bytes per partition"),
+        (nl.psum, (127, 0), (2, 4), r"spans partitions \[127, 129\); PSUM has partitions \[0, 128\)"),
     ],
 )
-def test_placements_outside_the_sbuf_are_rejected(ctx, address, shape, match):
+def test_placements_outside_the_sbuf_or_psum_or_off_a_bank_are_rejected(ctx, buffer, address, shape, match):
     with pytest.raises(NkiValidationError, match=match) as e:
-        nl.ndarray(shape, nl.float32, buffer=nl.sbuf, name="t", address=address)
+        nl.ndarray(shape, nl.float32, buffer=buffer, name="t", address=address)
     assert str(e.value).startswith("nl.ndarray") and "'t'" in str(e.value)
 
 
@@ -313,24 +314,6 @@ def test_nine_banks_of_separate_tiles_still_count_nine_groups(ctx):
             nisa.nc_matmul(dst=t, stationary=s, moving=mv, accumulate=accumulate)
     with pytest.raises(NkiValidationError, match="would be the 9th outstanding one"):
         ctx.memory.check()
-
-
-@pytest.mark.parametrize(
-    "address, shape, match",
-    [
-        ((0, 1024), (2, 4), r"address=\(0, 1024\): the free offset must be a bank boundary, a multiple of 2048 bytes"),
-        (
-            (0, 7 * 2048),
-            (2, 1024),
-            r"needs bytes \[14336, 18432\) of each partition; PSUM has 16384 bytes per partition",
-        ),
-        ((127, 0), (2, 4), r"spans partitions \[127, 129\); PSUM has partitions \[0, 128\)"),
-    ],
-)
-def test_psum_placements_off_a_bank_or_outside_the_psum_are_rejected(ctx, address, shape, match):
-    with pytest.raises(NkiValidationError, match=match) as e:
-        nl.ndarray(shape, nl.float32, buffer=nl.psum, name="p", address=address)
-    assert str(e.value).startswith("nl.ndarray") and "'p'" in str(e.value)
 
 
 def test_bf16_reinterpretation_matches_numpy_bytes(ctx):

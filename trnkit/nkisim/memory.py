@@ -373,7 +373,7 @@ class Memory:
                     auto_bytes += a.nbytes
                 sbuf_bytes = auto_bytes + placed_bytes
                 self.sbuf_peak = max(self.sbuf_peak, sbuf_bytes)
-                if strict and sbuf_bytes > self.sbuf_capacity and _sbuf_spills:
+                if strict and sbuf_bytes > self.sbuf_capacity and _SBUF_SPILLS.value:
                     if sbuf_bytes - self.sbuf_capacity > self.sbuf_spill:
                         self.sbuf_spill, self.sbuf_spill_at = sbuf_bytes - self.sbuf_capacity, t
                 elif strict and sbuf_bytes > self.sbuf_capacity:
@@ -497,22 +497,34 @@ class KernelContext:
 
 
 _tls = threading.local()
-_capacity_checked = True  # module-wide, not per thread: a grid launch runs its programs on threads
+class _Setting:
+    """A module-wide interpreter setting (not per thread: a grid launch runs its programs on threads) that a
+    context manager changes for the kernels called inside and restores on exit."""
+
+    def __init__(self, value: bool) -> None:
+        self.value = value
+
+    @contextlib.contextmanager
+    def set(self, value: bool) -> Iterator[None]:
+        saved, self.value = self.value, value
+        try:
+            yield
+        finally:
+            self.value = saved
 
 
-@contextlib.contextmanager
-def capacity_check_off() -> Iterator[None]:
+_CAPACITY_CHECKED = _Setting(True)
+_SBUF_SPILLS = _Setting(False)
+_PLACEMENT_MODELLED = _Setting(True)
+
+
+def capacity_check_off() -> contextlib.AbstractContextManager[None]:
     """Kernels called inside do not raise on SBUF/PSUM overflow (the peaks are still recorded).
 
     A trnkit extension for published kernels that compile on Trainium although their tiles overflow
     in program order (the compiler schedules or spills them; the liveness model above does not): the
     calibration's ports of the kernel-optimization tutorial. trnkit's own kernels never use it."""
-    global _capacity_checked  # noqa: PLW0603 - restored on exit
-    saved, _capacity_checked = _capacity_checked, False
-    try:
-        yield
-    finally:
-        _capacity_checked = saved
+    return _CAPACITY_CHECKED.set(False)
 
 
 class PsumReorderWarning(RuntimeWarning):
@@ -535,11 +547,7 @@ class SbufSpillWarning(RuntimeWarning):
         self.excess = excess
 
 
-_sbuf_spills = False  # module-wide like _capacity_checked (grid programs run on threads)
-
-
-@contextlib.contextmanager
-def sbuf_spills() -> Iterator[None]:
+def sbuf_spills() -> contextlib.AbstractContextManager[None]:
     """Kernels called inside may hold more SBUF in program order than the capacity: the excess is
     recorded (:attr:`Memory.sbuf_spill`) and warned about (:class:`SbufSpillWarning`), not raised.
 
@@ -554,17 +562,12 @@ def sbuf_spills() -> Iterator[None]:
     (``Allocation.LINEAR``) fails "out of memory" instead. The conformance run uses this mode for
     AWS's kernels; trnkit's kernels are held to the stricter rule (no spill) by default. PSUM cannot
     spill (matmuls write only PSUM) and stays checked."""
-    global _sbuf_spills  # noqa: PLW0603 - restored on exit
-    saved, _sbuf_spills = _sbuf_spills, True
-    try:
-        yield
-    finally:
-        _sbuf_spills = saved
+    return _SBUF_SPILLS.set(True)
 
 
 def capacity_checked() -> bool:
     """False inside :func:`capacity_check_off`."""
-    return _capacity_checked
+    return _CAPACITY_CHECKED.value
 
 
 def current() -> KernelContext:
@@ -662,23 +665,14 @@ def instruction(fn: Any) -> Any:
     return run
 
 
-_placement_modelled = True  # module-wide, not per thread: a grid launch runs its programs on threads
-
-
-@contextlib.contextmanager
-def placement_off() -> Iterator[None]:
+def placement_off() -> contextlib.AbstractContextManager[None]:
     """Kernels called inside give each ``nl.ndarray(..., address=)`` tile storage of its own, as if unplaced.
 
     A trnkit diagnostic, not a model of anything: the conformance run uses it to check that a mismatch of a
     kernel that read overwritten placed tiles (:class:`PlacedTileOverwrittenWarning`) comes from those reads."""
-    global _placement_modelled  # noqa: PLW0603 - restored on exit
-    saved, _placement_modelled = _placement_modelled, False
-    try:
-        yield
-    finally:
-        _placement_modelled = saved
+    return _PLACEMENT_MODELLED.set(False)
 
 
 def placement_modelled() -> bool:
     """False inside :func:`placement_off`."""
-    return _placement_modelled
+    return _PLACEMENT_MODELLED.value
