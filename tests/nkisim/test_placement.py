@@ -32,12 +32,15 @@ def _f32(rows: int, cols: int, start: float = 0.0) -> np.ndarray:
 
 
 @nki.jit
-def write_a_read_b(x):
-    """DMA x into A at (0, 1024); read it back through B, another tile object on the same address."""
-    a = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf, address=(0, 1024))
-    b = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf, address=(0, 1024))
+def write_a_read_b(x, as_bf16=False):
+    """DMA x (fp32) into A at (0, 64); read the same bytes back through B, another tile object on that address:
+    fp32 [P, F] like A, or (as_bf16) bf16 [P, 2F], two bf16 per fp32."""
+    p, f = x.shape
+    shape, dtype = ((p, 2 * f), nl.bfloat16) if as_bf16 else ((p, f), nl.float32)
+    a = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf, address=(0, 64))
+    b = nl.ndarray(shape, dtype, buffer=nl.sbuf, address=(0, 64))
     nisa.dma_copy(dst=a, src=x)
-    out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+    out = nl.ndarray(shape, dtype, buffer=nl.shared_hbm)
     nisa.dma_copy(dst=out, src=b)
     return out
 
@@ -47,23 +50,11 @@ def test_two_tiles_on_one_address_share_their_bytes():
     np.testing.assert_array_equal(write_a_read_b(x), x)
 
 
-@nki.jit
-def write_f32_read_bf16(x):
-    """Write fp32 through A, read the same bytes as bf16 through B ([P, 2F]: two bf16 per fp32)."""
-    p, f = x.shape
-    a = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf, address=(0, 64))
-    b = nl.ndarray((p, 2 * f), nl.bfloat16, buffer=nl.sbuf, address=(0, 64))
-    nisa.dma_copy(dst=a, src=x)
-    out = nl.ndarray((p, 2 * f), nl.bfloat16, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=b)
-    return out
-
-
 def test_a_placed_tile_reads_the_bytes_with_its_own_dtype():
     # fp32 1.0 = 0x3F800000, little-endian: bf16 words 0x0000 (low half, 0.0) then 0x3F80 (1.0); fp32 -2.5 =
     # 0xC0200000: 0x0000 then 0xC020 (-2.5 in bf16, same sign/exponent/top mantissa bits)
     x = np.array([[1.0, -2.5]] * 2, dtype=np.float32)
-    out = np.asarray(write_f32_read_bf16(x)).astype(np.float32)
+    out = np.asarray(write_a_read_b(x, as_bf16=True)).astype(np.float32)
     np.testing.assert_array_equal(out, [[0.0, 1.0, 0.0, -2.5]] * 2)
 
 

@@ -627,14 +627,14 @@ def _placed_operands(params: tuple[str, ...], args: tuple, kwargs: dict) -> tupl
 
 def _report_overwritten(reads: list, instr: str) -> None:
     for st in reads:
-        if st.overwritten is not None and st.overwritten[0] is not None:
+        if st.overwritten is not None:
             tile, by = st.overwritten
             p0, p1, b0, b1 = st.rect
             warnings.warn(PlacedTileOverwrittenWarning(
                 f"{instr} reads placed tile {st.name!r} ({st.buffer.name} partitions [{p0}, {p1}), bytes [{b0}, "
                 f"{b1})) after {by} wrote tile {tile!r} over its bytes: placed tiles share their bytes "
                 "(nl.ndarray address=), so it reads that tile's data, as a device does"), stacklevel=4)
-            st.overwritten = (None, by)  # reported: once per overwrite
+            st.overwritten = None  # reported: once per overwrite (PlacementSpace.written sets it again)
 
 
 def instruction(fn: Any) -> Any:

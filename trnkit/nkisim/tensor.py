@@ -1129,7 +1129,7 @@ class PlacedStorage(Storage):
         self.alloc = None
         self.rect = (p0, p0 + shape[0], byte0, byte0 + self.free_bytes)
         # (tile, instruction) of the last write by another tile over these bytes since this tile's own last
-        # write (PlacementSpace.written); None while the bytes hold this tile's data
+        # write (PlacementSpace.written); None while the bytes hold this tile's data, or once a read reported it
         self.overwritten: tuple[str, str] | None = None
 
     @property
