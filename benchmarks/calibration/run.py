@@ -122,29 +122,41 @@ def _range(vals: list[float]) -> tuple[float, float, float]:
     return min(vals), vals[1], max(vals)
 
 
-def _per_transfer_ns(nbytes: int, params: cost_params.ModelParams) -> float:
+def standalone_hbm(setting: str) -> cost_params.LaunchParams:
+    """The standalone launch's HBM condition at ``setting`` ("low" / "mid" / "high"; any other setting, a
+    parameter alone at one end, takes mid's), without its start-up and core skew. Every published figure here
+    is of a kernel run on its own (the tutorials' profiles and ``nki.benchmark``, the DMA overview's one-core
+    examples), so an LNC 1 kernel has its HBM stack to itself (cost.hbm_per_core); the start-up is added only to
+    the points whose figure is a whole execution (``Point.standalone``, :func:`estimate_point`)."""
+    lp = cost_params.STANDALONE_LAUNCH.setting(setting if setting in SETTINGS else "mid")
+    return replace(lp, startup_ns=0.0, core_skew_ns=0.0)
+
+
+def _per_transfer_ns(nbytes: int, params: cost_params.ModelParams, launch: cost_params.LaunchParams) -> float:
     """Time per transfer of back-to-back [128, nbytes] loads from one queue (the difference of two stream
     lengths: cancels the first trigger and the last transfer's tail)."""
     # every load of the stream moves its bytes (the figure measures transfers): no reload is dropped
     one_queue = replace(params, dma_queues=1, reuse_loads="none")
     p = Point("curve", "dma_curve", str(nbytes), "", {"bytes": nbytes})
-    short, long_ = (cost.estimate_total(list(trace_of(kernel_call(p, None, n))), "trn2", one_queue) for n in STREAM)
+    short, long_ = (cost.estimate_total(list(trace_of(kernel_call(p, None, n))), "trn2", one_queue, launch)
+                    for n in STREAM)
     return (long_ - short) / (STREAM[1] - STREAM[0])
 
 
-def _relative_throughput(nbytes: int, params: cost_params.ModelParams) -> float:
+def _relative_throughput(nbytes: int, params: cost_params.ModelParams, launch: cost_params.LaunchParams) -> float:
     """Throughput of back-to-back loads of ``nbytes`` per partition over that of 32 KiB per partition."""
-    return (nbytes / _per_transfer_ns(nbytes, params)) / (32768 / _per_transfer_ns(32768, params))
+    return (nbytes / _per_transfer_ns(nbytes, params, launch)) / (32768 / _per_transfer_ns(32768, params, launch))
 
 
-def _timeline_metric(p: Point, tr: trace.Trace, params: cost_params.ModelParams) -> float:
+def _timeline_metric(p: Point, tr: trace.Trace, params: cost_params.ModelParams,
+                     launch: cost_params.LaunchParams) -> float:
     """One instruction's time in the list schedule, as the point's profile shows it (ns)."""
     instrs = list(tr)
-    times = cost.timeline(instrs, p.device, params)
+    times = cost.timeline(instrs, p.device, params, launch)
     dmas = [t for t in times if t.engine == "dma"]
     if p.metric == "dma_engine":  # the first load on one of its engines: first to last byte of its share
         first = next(i for i in instrs if i.engine == "dma")
-        return cost.instr_cost(first, p.device, params).transfer_ns
+        return cost.instr_cost(first, p.device, params, cost.hbm_per_core(p.device, launch, 1)).transfer_ns
     if p.metric.startswith("dma_issue:"):  # trigger to first byte of DMA k
         k = int(p.metric.split(":")[1])
         return dmas[k].first_byte - dmas[k].start
@@ -199,7 +211,7 @@ def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = 
             sens = {k: ((sl[k][0] - ss[k][0]) / span, (sl[k][1] - ss[k][1]) / span) for k in sl}
         return rng, sens
     if p.family == "dma_curve":
-        vals = [_relative_throughput(int(p.version), cost_params.SETTINGS[k]) for k in SETTINGS]
+        vals = [_relative_throughput(int(p.version), cost_params.SETTINGS[k], standalone_hbm(k)) for k in SETTINGS]
         return _range(vals), {}
     tr = _kernel_trace(p, dims)
     if p.metric.startswith("active:"):  # the profiler's engine-active share, %
@@ -220,13 +232,13 @@ def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = 
         mids = [m for m, _ in shares]
         return (min(mids + [w for _, w in shares]), mids[1], max(mids + [w for _, w in shares])), {}
     if p.metric != "total" and not p.metric.startswith("busy:"):
-        vals = [_timeline_metric(p, tr, cost_params.SETTINGS[k]) for k in SETTINGS]
+        vals = [_timeline_metric(p, tr, cost_params.SETTINGS[k], standalone_hbm(k)) for k in SETTINGS]
         return _range(vals), {}
     if p.metric.startswith("busy:"):  # one engine's summed instruction time under each setting
         engine = p.metric.removeprefix("busy:")
         return _range([_report(p, dims, tr, k).busy_ns.get(engine, 0.0) for k in SETTINGS]), {}
     rng = tuple(_report(p, dims, tr, k).total_ns for k in SETTINGS)  # = estimate(tr).total_range_ns
-    sens = cost.sensitivity(tr, p.device) if with_sensitivity else {}
+    sens = cost.sensitivity(tr, p.device, standalone_hbm("mid")) if with_sensitivity else {}
     if p.standalone and not dims:  # the published figure holds the launch; a slice (dims) is the kernel alone
         per_launch = cost.programs_per_launch(list(tr))
         launch = [cost.launch_overhead_ns(per_launch, cost_params.STANDALONE_LAUNCH.setting(k)) for k in SETTINGS]
@@ -268,7 +280,8 @@ def _report(p: Point, dims: dict | None, tr: trace.Trace, setting: str) -> cost.
         else:  # "<parameter>:<0|1>": that parameter alone at its optimistic (0) / pessimistic (1) value
             name, end = setting.split(":")
             params = cost_params.one_at_a_time(name)[int(end)]
-        _REPORTS[key] = cost.estimate(tr, p.device, params=slice_params(p, params) if dims else params)
+        _REPORTS[key] = cost.estimate(tr, p.device, params=slice_params(p, params) if dims else params,
+                                      launch=standalone_hbm(setting))
     return _REPORTS[key]
 
 

@@ -23,7 +23,10 @@ def test_the_standalone_range_is_the_documented_one():
     assert STANDALONE_LAUNCH.low == LaunchParams(0.0, 0.0)
     assert 172_930.0 - (168_500.0 - 12_440.0) == pytest.approx(16_870.0)
     assert STANDALONE_LAUNCH.mid == LaunchParams(startup_ns=16_900.0, core_skew_ns=0.0)
-    assert STANDALONE_LAUNCH.high == LaunchParams(startup_ns=33_300.0 + 4_400.0, core_skew_ns=33_300.0)
+    assert STANDALONE_LAUNCH.high == LaunchParams(startup_ns=33_300.0 + 4_400.0, core_skew_ns=33_300.0,
+                                                  hbm_stack_cores=2)
+    # HBM: low and mid the launch's own programs on their stack, high the partner core streaming too
+    assert STANDALONE_LAUNCH.low.hbm_stack_cores is None and STANDALONE_LAUNCH.mid.hbm_stack_cores is None
 
 
 def test_overhead_per_launch_and_skew_only_with_two_programs():

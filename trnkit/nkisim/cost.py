@@ -346,7 +346,7 @@ def _dma_engines(instr: Instr, nbytes: int, row: float, chip: Chip) -> tuple[int
     return 0, max(1, min(d.engines, rows))
 
 
-def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
+def _dma_cost(instr: Instr, chip: Chip, params: ModelParams, hbm_per_core: float) -> InstrCost:
     d = chip.dma
     nbytes, hbm, row, touches_hbm = _dma_geometry(instr)
     first, last = _dma_engines(instr, nbytes, row, chip)
@@ -369,11 +369,12 @@ def _dma_cost(instr: Instr, chip: Chip, params: ModelParams) -> InstrCost:
         p = params if form == params.dma_overhead_form else replace(params, dma_overhead_form=form)
         eff = dma_efficiency(row, p, sustained) * factor
         # each engine moves its share at its own rate (cost_params.dma_engine_rate_factor: the sources
-        # disagree); HBM traffic is capped at the core's HBM share over the engines the transfer uses (one
+        # disagree); HBM traffic is capped at the HBM bandwidth the core has (``hbm_per_core``: its share of
+        # its stack, hardware.Chip.hbm_bytes_per_ns_streaming) over the engines the transfer uses (one
         # engine alone is not held to a sixteenth of it)
         rate = d.bytes_per_ns_per_engine * sustained * params.dma_engine_rate_factor
         if touches_hbm and hbm:  # HBM -> HBM crosses HBM twice per byte moved
-            rate = min(rate, chip.hbm_bytes_per_ns / engines * nbytes / hbm)
+            rate = min(rate, hbm_per_core / engines * nbytes / hbm)
         return nbytes / (engines * rate * eff)
 
     transfer = _pick(params, (transfer_ns(f) for f in _overhead_forms(params)))
@@ -487,11 +488,14 @@ def _compute_cycles(instr: Instr, chip: Chip, params: ModelParams = MID) -> floa
     return float(max(min_ii, n))
 
 
-def instr_cost(instr: Instr, chip: str | Chip = "trn2", params: ModelParams = MID) -> InstrCost:
-    """Busy time and latency of one instruction on ``chip`` under ``params`` (default: the mid values)."""
+def instr_cost(instr: Instr, chip: str | Chip = "trn2", params: ModelParams = MID,
+               hbm_per_core: float | None = None) -> InstrCost:
+    """Busy time and latency of one instruction on ``chip`` under ``params`` (default: the mid values).
+    ``hbm_per_core``: the HBM bandwidth (B/ns) its core has; default ``chip.hbm_bytes_per_ns``, every core of
+    the chip streaming (a kernel inside a graph; see :func:`hbm_per_core`)."""
     chip = hardware.get_chip(chip)
     if instr.engine == DMA:
-        return _dma_cost(instr, chip, params)
+        return _dma_cost(instr, chip, params, chip.hbm_bytes_per_ns if hbm_per_core is None else hbm_per_core)
     if instr.engine not in (TENSOR, VECTOR, SCALAR, GPSIMD):
         raise ValueError(f"cost: instruction {instr.op!r} has unknown engine {instr.engine!r} "
                          f"(expected one of {ENGINES})")
@@ -1110,10 +1114,12 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Chip,
-                   params: ModelParams = MID, floors: Mapping[int, float] | None = None) -> list[Timing]:
+                   params: ModelParams = MID, floors: Mapping[int, float] | None = None,
+                   hbm_per_core: float | None = None) -> list[Timing]:
     """Each instruction's :class:`Timing` in the list schedule (recomputed ones ``dropped``). ``floors``:
     instruction index -> the earliest its result may be read (a ``sendrecv``'s received tile: its group's
-    completion, :func:`_phase_runs`); the instruction's engine and queue are not held until then."""
+    completion, :func:`_phase_runs`); the instruction's engine and queue are not held until then.
+    ``hbm_per_core``: the core's HBM bandwidth for spill traffic (default ``chip.hbm_bytes_per_ns``)."""
     deps = _DepTracker(params.same_engine_streaming)
     # the 16 DMA engines' busy intervals; one timeline for all when every transfer uses all of them
     per_engine = any(c.dma_engines[1] - c.dma_engines[0] not in (0, chip.dma.engines)
@@ -1151,8 +1157,8 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     # spills move whole tiles (no packet penalty): the range ends take the fastest / slowest fraction
     fractions = [chip.dma.sustained(f) for f in _overhead_forms(params)]
     sustained = min(fractions) if params.dma_overhead_form == "slowest" else max(fractions)
-    spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * sustained,
-                                        chip.hbm_bytes_per_ns / chip.dma.engines)
+    hbm = chip.hbm_bytes_per_ns if hbm_per_core is None else hbm_per_core
+    spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * sustained, hbm / chip.dma.engines)
     for k, (ins, c) in enumerate(zip(instrs, costs)):
         reads, writes = _boxes(ins)
         matmul = ins.op == "nc_matmul"
@@ -1388,16 +1394,18 @@ class _Run:
 
 
 def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str,
-         floors: Mapping[int, float] | None = None) -> tuple[_Run, list[InstrCost], list[Timing]]:
+         floors: Mapping[int, float] | None = None,
+         hbm_per_core: float | None = None) -> tuple[_Run, list[InstrCost], list[Timing]]:
     """One program's schedule: its run, each instruction's cost and (list schedule) its timings. ``floors``:
-    instruction index -> the earliest its result may be read (a ``sendrecv``'s group completion)."""
-    costs = [instr_cost(i, chip, params) for i in instrs]
+    instruction index -> the earliest its result may be read (a ``sendrecv``'s group completion);
+    ``hbm_per_core``: its core's HBM bandwidth (:func:`hbm_per_core`)."""
+    costs = [instr_cost(i, chip, params, hbm_per_core) for i in instrs]
     dropped: set[int] = set()
     active: dict[str, tuple[float, float, float]] = {}
     busy: dict[str, float] = defaultdict(float)
     times: list[Timing] = []
     if model == "list-schedule":
-        times = _list_schedule(instrs, costs, chip, params, floors)
+        times = _list_schedule(instrs, costs, chip, params, floors, hbm_per_core)
         total = _schedule_end(times, instrs)
         dropped = {t.index for t in times if t.dropped}
         active = _active(times)
@@ -1417,16 +1425,19 @@ def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str,
     return _Run(total, serial, dict(busy), active), costs, times
 
 
-def timeline(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: ModelParams = MID) -> list[Timing]:
+def timeline(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: ModelParams = MID,
+             launch: LaunchParams | None = None) -> list[Timing]:
     """The list schedule of a one-program trace: one :class:`Timing` per instruction, in program order
-    (what a profile's timeline shows; the calibration reads single instructions' times from it)."""
+    (what a profile's timeline shows; the calibration reads single instructions' times from it).
+    ``launch``: as in :func:`estimate_total` (a standalone launch's HBM condition; no start-up)."""
     chip = hardware.get_chip(chip)
     instrs = list(trace)
     if len(_programs(instrs)) > 1 or not _has_deps(instrs):
         raise ValueError("cost.timeline: needs a one-program trace with data dependencies "
                          f"({len(_programs(instrs))} programs)")
-    costs = [instr_cost(i, chip, params) for i in instrs]
-    return _list_schedule(instrs, costs, chip, params)
+    hbm = hbm_per_core(chip, launch, 1)
+    costs = [instr_cost(i, chip, params, hbm) for i in instrs]
+    return _list_schedule(instrs, costs, chip, params, hbm_per_core=hbm)
 
 
 def _programs(instrs: Sequence[Instr]) -> list[list[Instr]]:
@@ -1451,7 +1462,7 @@ def _sendrecv_groups(segments: Sequence[Sequence[Instr]]) -> list[list[tuple[int
 
 
 def _phase_runs(segments: Sequence[Sequence[Instr]], chip: Chip, params: ModelParams,
-                model: str) -> list[tuple[_Run, list[InstrCost]]]:
+                model: str, hbm_per_core: float | None = None) -> list[tuple[_Run, list[InstrCost]]]:
     """Schedule one sync phase's segment of every program (all start together at the phase's start).
 
     A ``sendrecv``'s received tile exists only once every transfer of its group has completed
@@ -1463,7 +1474,7 @@ def _phase_runs(segments: Sequence[Sequence[Instr]], chip: Chip, params: ModelPa
     groups = _sendrecv_groups(segments) if model == "list-schedule" else []
     floors: list[dict[int, float]] = [{} for _ in segments]
     for _ in range(len(groups) + 2):
-        runs = [_run(seg, chip, params, model, floors[p] or None) for p, seg in enumerate(segments)]
+        runs = [_run(seg, chip, params, model, floors[p] or None, hbm_per_core) for p, seg in enumerate(segments)]
         if not groups:
             break
         new: list[dict[int, float]] = [{} for _ in segments]
@@ -1477,15 +1488,35 @@ def _phase_runs(segments: Sequence[Sequence[Instr]], chip: Chip, params: ModelPa
     return [(run, costs) for run, costs, _ in runs]
 
 
-def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str) -> tuple[
+def hbm_per_core(chip: str | Chip, launch: LaunchParams | None, programs: int) -> float:
+    """HBM bandwidth (B/ns) each physical core of a launch of ``programs`` programs has.
+
+    ``launch=None`` (a kernel inside a compiled graph): every core of the chip streams, each with its even
+    share (``chip.hbm_bytes_per_ns``, trn2 362.5 GB/s). A standalone launch: HBM is a per-stack resource
+    (hardware.TRN2's sources), so each core has its stack's bandwidth over the stack's cores streaming at
+    once, ``launch.hbm_stack_cores`` or else the launch's own programs: trn2 725 GB/s at LNC 1 with the
+    partner core idle, 362.5 GB/s at LNC 2 (the pair shares one stack); trn1 410 GB/s either way (one core
+    a stack)."""
+    chip = hardware.get_chip(chip)
+    if launch is None:
+        return chip.hbm_bytes_per_ns
+    cores = programs if launch.hbm_stack_cores is None else max(programs, launch.hbm_stack_cores)
+    return chip.hbm_bytes_per_ns_streaming(cores)
+
+
+def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str,
+            launch: LaunchParams | None = None) -> tuple[
         float, float, list[tuple[list[Instr], dict[str, float], dict[str, float]]], dict[int, InstrCost]]:
     """Schedule a launch: (total, serialized sum, (program, its busy, its active time per engine) triples,
     cost per instr id).
 
     Each program runs on its own core; programs synchronise at every sync phase (:func:`_sync_phases`),
     so a phase takes as long as its slowest program and the phases add up; within a phase a ``sendrecv``'s
-    readers wait for the other core's transfer (:func:`_phase_runs`)."""
+    readers wait for the other core's transfer (:func:`_phase_runs`). ``launch``: ``None`` in a graph, or the
+    standalone launch's :class:`~cost_params.LaunchParams`, which set each core's HBM bandwidth
+    (:func:`hbm_per_core`, from the programs of the phase's launch)."""
     programs = _programs(instrs)
+    per_launch = _programs_by_launch(instrs)
     phases = [_sync_phases(p_instrs, len(programs)) for p_instrs in programs]
     busy: list[dict[str, float]] = [defaultdict(float) for _ in programs]
     active: list[dict[str, tuple]] = [defaultdict(lambda: (0.0, 0.0, 0.0)) for _ in programs]
@@ -1494,7 +1525,9 @@ def _launch(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str
     for phase in dict.fromkeys(ph for p_phases in phases for ph in p_phases):
         members = [p for p, p_phases in enumerate(phases) if phase in p_phases]
         segments = [[programs[p][k] for k in phases[p][phase]] for p in members]
-        runs = _phase_runs(segments, chip, params, model)
+        # one program: one phase over all its launches, each of one program; else phase = (launch, barriers)
+        n = 1 if len(programs) == 1 else per_launch[phase[0]]
+        runs = _phase_runs(segments, chip, params, model, hbm_per_core(chip, launch, n))
         total += max(run.total for run, _ in runs)
         serial += max(run.serial for run, _ in runs)
         for p, seg, (run, s_costs) in zip(members, segments, runs):
@@ -1517,12 +1550,15 @@ def _resident_reload_bytes(instrs: Sequence[Instr], chip: Chip) -> int:
     return sum(instrs[k].hbm_bytes for k in reloads)
 
 
-def estimate_total(instrs: Sequence[Instr], chip: str | Chip, params: ModelParams) -> float:
-    """Estimated time in ns of a launch (its programs synchronised per phase) under ``params``."""
+def estimate_total(instrs: Sequence[Instr], chip: str | Chip, params: ModelParams,
+                   launch: LaunchParams | None = None) -> float:
+    """Estimated time in ns of a launch's instructions (its programs synchronised per phase) under
+    ``params``; ``launch`` (a standalone launch's :class:`~cost_params.LaunchParams`) sets only each core's
+    HBM bandwidth (:func:`hbm_per_core`), its start-up is not included (:func:`launch_overhead_ns`)."""
     chip = hardware.get_chip(chip)
     instrs = list(instrs)
     model = "list-schedule" if _has_deps(instrs) else "overlap-bound"
-    return _launch(instrs, chip, params, model)[0] if instrs else 0.0
+    return _launch(instrs, chip, params, model, launch)[0] if instrs else 0.0
 
 
 def launch_overhead_ns(programs_per_launch: Sequence[int], launch: LaunchParams) -> float:
@@ -1531,13 +1567,18 @@ def launch_overhead_ns(programs_per_launch: Sequence[int], launch: LaunchParams)
     return sum(launch.startup_ns + (launch.core_skew_ns if n > 1 else 0.0) for n in programs_per_launch)
 
 
-def programs_per_launch(instrs: Sequence[Instr]) -> list[int]:
-    """The number of programs of each launch in the trace (instructions' ``launch`` attr; one launch when
-    none is set)."""
+def _programs_by_launch(instrs: Sequence[Instr]) -> dict[object, int]:
+    """Launch (instructions' ``launch`` attr; ``None`` when none is set) -> the number of its programs."""
     programs: dict[object, set] = defaultdict(set)
     for i in instrs:
         programs[i.attrs.get("launch")].add(i.program_id)
-    return [len(p) for p in programs.values()]
+    return {k: len(p) for k, p in programs.items()}
+
+
+def programs_per_launch(instrs: Sequence[Instr]) -> list[int]:
+    """The number of programs of each launch in the trace (instructions' ``launch`` attr; one launch when
+    none is set)."""
+    return list(_programs_by_launch(instrs).values())
 
 
 def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: ModelParams | None = None,
@@ -1553,7 +1594,9 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
     nki-library's tests and the tutorials measure them) pass :data:`cost_params.STANDALONE_LAUNCH` (a
     :class:`~cost_params.LaunchRange`: each setting's own value, added to that setting's total) or one
     :class:`~cost_params.LaunchParams` (the same value at every setting; needed with explicit ``params``).
-    ``report.launch_ns`` holds what was added."""
+    ``report.launch_ns`` holds what was added. A standalone launch also sets each core's HBM bandwidth
+    (:func:`hbm_per_core`: its stack's, over the stack's cores streaming at once), which moves the DMA
+    transfers and the roofline's HBM bound of an LNC 1 kernel on trn2; in a graph every core streams."""
     if isinstance(launch, LaunchRange) and params is not None:
         raise ValueError("cost.estimate: launch=LaunchRange gives a value per setting (low / mid / high), but "
                          "params= names one setting: pass launch=LaunchParams (e.g. STANDALONE_LAUNCH.mid) "
@@ -1562,12 +1605,18 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
     instrs = list(trace)
     setting = params or MID
     model = "empty" if not instrs else ("list-schedule" if _has_deps(instrs) else "overlap-bound")
+    # the launch's parameters at each setting (None: in a graph)
+    by_setting = {k: (launch.setting(k) if isinstance(launch, LaunchRange) else launch) for k in SETTINGS}
 
     busy: dict[str, float] = {}
     active: dict[str, tuple[float, float, float]] = {}
     compute_bound = memory_bound = 0.0
     hbm_bytes = 0
-    total, serial, per_program, costs = _launch(instrs, chip, setting, model) if instrs else (0.0, 0.0, [], {})
+    total, serial, per_program, costs = (_launch(instrs, chip, setting, model, by_setting["mid"]) if instrs
+                                         else (0.0, 0.0, [], {}))
+    # the roofline's HBM bound: the most HBM bandwidth a core has at any setting (a bound for every end)
+    n_by_launch = _programs_by_launch(instrs)
+    roof_hbm = max(hbm_per_core(chip, lp, min(n_by_launch.values(), default=1)) for lp in by_setting.values())
     for p_instrs, p_busy, p_active in per_program:
         for e, b in p_busy.items():
             busy[e] = max(busy.get(e, 0.0), b)
@@ -1576,12 +1625,12 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
         p_compute = sum(i.flops / chip.tensor_flops_per_ns(_matmul_dtype(i)) for i in p_instrs if i.flops)
         p_bytes = sum(i.hbm_bytes for i in p_instrs) - _resident_reload_bytes(p_instrs, chip)
         hbm_bytes += p_bytes
-        p_memory = p_bytes / chip.hbm_bytes_per_ns
+        p_memory = p_bytes / roof_hbm
         compute_bound = max(compute_bound, p_compute)
         memory_bound = max(memory_bound, p_memory)
     if ranges and params is None and instrs:
-        total_range = (estimate_total(instrs, chip, SETTINGS["low"]), total,
-                       estimate_total(instrs, chip, SETTINGS["high"]))
+        total_range = (estimate_total(instrs, chip, SETTINGS["low"], by_setting["low"]), total,
+                       estimate_total(instrs, chip, SETTINGS["high"], by_setting["high"]))
     else:
         total_range = (total, total, total)
     launch_ns = (0.0, 0.0, 0.0)
@@ -1625,9 +1674,10 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
     )
 
 
-def sensitivity(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2") -> dict[str, tuple[float, float]]:
+def sensitivity(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2",
+                launch: LaunchParams | None = None) -> dict[str, tuple[float, float]]:
     """Per uncertain parameter: the total with only it at its optimistic and at its pessimistic value
-    (every other parameter at mid), largest swing first."""
+    (every other parameter at mid), largest swing first; ``launch`` as in :func:`estimate_total`."""
     from trnkit.nkisim.cost_params import PARAM_NAMES
 
     chip = hardware.get_chip(chip)
@@ -1635,7 +1685,7 @@ def sensitivity(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2") -> di
     out = {}
     for name in PARAM_NAMES:
         lo, hi = one_at_a_time(name)
-        out[name] = (estimate_total(instrs, chip, lo), estimate_total(instrs, chip, hi))
+        out[name] = (estimate_total(instrs, chip, lo, launch), estimate_total(instrs, chip, hi, launch))
     return dict(sorted(out.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0])))
 
 

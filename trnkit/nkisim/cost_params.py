@@ -252,10 +252,22 @@ class LaunchParams:
     ``core_skew_ns``: at LNC 2, how far the second physical core's start trails the first's, which the
     first waits out at the kernel's first cross-core synchronisation and which nki-library's figure (the
     larger of the two cores' counts) holds in full; not documented (the ranges in :data:`STANDALONE_LAUNCH`).
+    ``hbm_stack_cores``: how many physical cores stream from the kernel's HBM stack at once, which sets each
+    core's HBM bandwidth (:meth:`trnkit.nkisim.hardware.Chip.hbm_bytes_per_ns_streaming`: HBM is a per-stack
+    resource shared by the two cores of an LNC 2 pair). ``None``: the launch's own programs, so an LNC 1
+    kernel has its stack to itself (its partner core idle) and an LNC 2 kernel shares it between its two
+    cores; ``2``: the partner core streams too. Inside a graph (``launch=None``) every core of the chip
+    streams and each has its even share of the chip's bandwidth.
     """
 
     startup_ns: float = 0.0
     core_skew_ns: float = 0.0
+    hbm_stack_cores: int | None = None
+
+    def __post_init__(self):
+        if self.hbm_stack_cores is not None and self.hbm_stack_cores < 1:
+            raise ValueError(f"LaunchParams: hbm_stack_cores must be None (the launch's own programs) or at "
+                             f"least 1 streaming core, got {self.hbm_stack_cores!r}")
 
 
 @dataclass(frozen=True)
@@ -285,7 +297,12 @@ class LaunchRange:
 # kernel's first DMA 22.3 / 33.3 us into the profile: 33.3 us of start-up (those NEFFs are torch-xla
 # graphs around the kernel, so the span may hold more than a launch) plus the Mamba profile's 4.4 us
 # tear-down. core_skew_ns: no published figure: 0 low and mid; high 33.3 us, a second core being at most
-# one such start-up behind the first (argued, not documented).
+# one such start-up behind the first (argued, not documented). hbm_stack_cores: low and mid None (a
+# standalone launch is one NEFF execution on its own cores, as the tutorials' profiles run it: at LNC 1 the
+# stack's other core is idle); high 2: nki-library's harness runs tests in parallel on the other physical
+# cores of the host, locking cores one by one ([LIB] test/utils/core_lock_manager.py, host_management.py
+# __allocate_cores__), so an LNC 1 row's partner core may be streaming another test's data at the time.
 STANDALONE_LAUNCH = LaunchRange(low=LaunchParams(startup_ns=0.0, core_skew_ns=0.0),
                                 mid=LaunchParams(startup_ns=16_900.0, core_skew_ns=0.0),
-                                high=LaunchParams(startup_ns=37_700.0, core_skew_ns=33_300.0))
+                                high=LaunchParams(startup_ns=37_700.0, core_skew_ns=33_300.0,
+                                                  hbm_stack_cores=2))

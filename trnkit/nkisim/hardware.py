@@ -84,6 +84,7 @@ class Chip:
     fp32_slowdown: float  # fp32 matmul inputs run this many times slower
     hbm_bytes_per_ns_chip: float  # HBM bandwidth of the whole chip, GB/s
     hbm_bytes_chip: int
+    hbm_stacks: int  # HBM stacks per chip; each serves cores_per_chip / hbm_stacks physical cores
     dma: DmaSpec
     sbuf_partitions: int
     sbuf_bytes_per_partition: int
@@ -121,8 +122,23 @@ class Chip:
 
     @property
     def hbm_bytes_per_ns(self) -> float:
-        """HBM bandwidth available to one physical core (the chip's, split evenly)."""
+        """HBM bandwidth available to one physical core when every core of the chip streams at once (a
+        kernel inside a compiled graph that runs on all cores): the chip's, split evenly."""
         return self.hbm_bytes_per_ns_chip / self.cores_per_chip
+
+    @property
+    def cores_per_hbm_stack(self) -> int:
+        """Physical cores that share one HBM stack (trn2: 2, trn1: 1)."""
+        return max(1, self.cores_per_chip // self.hbm_stacks)
+
+    def hbm_bytes_per_ns_streaming(self, cores: int) -> float:
+        """HBM bandwidth available to one physical core when ``cores`` of its stack's cores stream at once
+        (its stack's bandwidth split among them; at most the stack's cores). HBM is a per-stack resource:
+        a core reads and writes the stack it shares with its LNC partner, so a core whose partner is idle
+        may use the whole stack (:data:`TRN2`'s comment gives the sources)."""
+        if cores < 1:
+            raise ValueError(f"hardware: hbm_bytes_per_ns_streaming needs at least 1 streaming core, got {cores}")
+        return self.hbm_bytes_per_ns_chip / self.hbm_stacks / min(cores, self.cores_per_hbm_stack)
 
     @property
     def tensor_flops_per_ns_bf16(self) -> float:
@@ -163,6 +179,16 @@ TRN2 = Chip(
     # [SDK] nki/guides/architecture/trainium2_arch says 3 TB/s. 2.9 TB/s is used: 362.5 GB/s per core.
     hbm_bytes_per_ns_chip=2900.0,
     hbm_bytes_chip=96 * 1024**3,
+    # HBM is per stack, two cores to a stack: [SDK] nki/guides/architecture/trainium2_arch: "4 HBM stacks
+    # with a total device memory capacity of 96GiB and bandwidth of 2.9TB/s" (725 GB/s a stack, the stacks
+    # taken as equal); [SDK] about-neuron/arch/neuron-features/logical-neuroncore-config: "Trainium2 devices
+    # contain four 24GB HBM banks. Each bank is shared by two physical NeuronCore-v3"; [SDK] nki.isa
+    # core_barrier: LNC 2 synchronises "exactly two NeuronCores that share the same HBM stack"; [SDK]
+    # tools/neuron-explorer/profile-schema-reference: the profiler's hbm_max_bandwidth "is the maximum HBM
+    # bandwidth of a HBM stack. For LNC1 and LNC2, the hbm_max_bandwidth is the same". So 362.5 GB/s a core
+    # when both cores of a stack stream (hbm_bytes_per_ns), 725 GB/s for a core whose partner is idle
+    # (hbm_bytes_per_ns_streaming(1); cost_params.LaunchParams.hbm_stack_cores).
+    hbm_stacks=4,
     dma=DmaSpec(
         # [SDK] nki/about/nki-dma-overview: "Each NeuronCore (v2-v4) is paired with 16 DMA engines".
         engines=16,
@@ -236,6 +262,9 @@ TRN1 = Chip(
     # DISAGREE: [SDK] about-neuron/arch/neuron-hardware/trainium writes "820 GiB/sec"; 820 GB/s is used.
     hbm_bytes_per_ns_chip=820.0,
     hbm_bytes_chip=32 * 1024**3,
+    # [SDK] trainium_inferentia2_arch: "2 HBM stacks" for 2 NeuronCores: one core a stack, so a core's HBM
+    # bandwidth does not depend on what the other core does.
+    hbm_stacks=2,
     dma=DmaSpec(
         engines=16,  # [SDK] nki/about/nki-dma-overview
         # [SDK] nki/deep-dives/nki-dma-bandwidth-guide: 17 B/ns per engine on trn1. DISAGREE: arch guide
