@@ -92,6 +92,17 @@ def scale_tapped(x, out, factor, gain=1.0, bump=0.0):
         nisa.tensor_scalar(dst=t, data=b, op0=nl.add, operand0=bump)
         nisa.dma_copy(dst=out[r0:r0 + 128, :], src=t)
     return out
+
+
+def every_other_column(x, out):
+    """out = x[:, 1::2] ([128, 16] -> [128, 8]) through SBUF: a tensor_copy reads a strided view of the loaded tile
+    (the operand an operand tap records)."""
+    t = nl.ndarray((128, 16), dtype=x.dtype, buffer=nl.sbuf)
+    o = nl.ndarray((128, 8), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    nisa.tensor_copy(dst=o, src=t.ap(pattern=[[16, 128], [2, 8]], offset=1))
+    nisa.dma_copy(dst=out, src=o)
+    return out
 '''
 
 REFS = '''
@@ -883,6 +894,59 @@ def test_a_tap_records_each_call_and_changes_nothing(fake_checkout):
     values = np.concatenate([v for _, _, v in sorted(tapped[TAP], key=lambda c: c[1])])
     assert values.dtype == ml_dtypes.bfloat16 and np.array_equal(values.astype(np.float32), out1)
     assert np.array_equal(values, (x * np.float32(1.5)).astype(ml_dtypes.bfloat16) * 2)
+
+
+def test_an_operand_tap_records_what_the_instruction_reads_and_changes_nothing(fake_checkout):
+    """"module:nisa.tensor_copy(src)" records each tensor_copy's src as it reads it: the values x[:, 1::2] and, for
+    each, its (partition, column) in the loaded [128, 16] tile (partition p, column 1 + 2 j); the run computes and
+    traces the same instructions with and without it, and the module's nisa is its own again after the block."""
+    from trnkit import nkisim
+    from trnkit.nkisim import trace
+
+    spec = "nkilib_src.kernels:nisa.tensor_copy(src)"
+    np.random.seed(0)
+    x = np.random.randn(128, 16).astype(np.float32)
+    with harness.nki_is_interpreter(fake_checkout):
+        kernel = harness._resolve("nkilib_src.kernels:every_other_column", fake_checkout)
+        module = sys.modules["nkilib_src.kernels"]
+        real = module.nisa
+        runs = []
+        for specs in ((), (spec,)):
+            with trace.record() as tr, harness.tap(specs, fake_checkout) as tapped:
+                out = np.array(nkisim.simulate(kernel)(x=x.copy(), out=np.zeros((128, 8), np.float32)))
+            runs.append((out, [(i.op, i.engine, i.operands) for i in tr], tapped))
+        assert module.nisa is real
+    (out0, tr0, none), (out1, tr1, tapped) = runs
+    assert none == {} and np.array_equal(out0, x[:, 1::2]) and np.array_equal(out1, out0) and tr0 == tr1
+    [(rank, program, op)] = tapped[spec]
+    assert (rank, program) == (0, 0) and isinstance(op, harness.Operand)
+    assert np.array_equal(op.value, x[:, 1::2]) and (op.offset, op.strides, op.row) == (1, (16, 2), 16)
+    where = op.columns()
+    assert where.shape == (128, 8, 2)
+    assert np.array_equal(where[..., 0], np.repeat(np.arange(128)[:, None], 8, axis=1))
+    assert np.array_equal(where[..., 1], np.repeat(1 + 2 * np.arange(8)[None, :], 128, axis=0))
+
+
+@pytest.mark.parametrize("route, taken", [
+    (("nisa.tensor_tensor(data1)", "nisa.nc_matmul(stationary)"), 1),  # (_bf16_product adds; nothing multiplies)
+    (("nisa.tensor_tensor(data1)", "nisa.dma_copy(src)"), 2),
+    (("nisa.nc_matmul(stationary)", "nisa.nc_transpose(data)"), 0),
+])
+def test_of_alternative_taps_exactly_one_must_record(fake_checkout, route, taken):
+    """TappedReference.routes: a group of taps of which exactly one records on the kernel's path (as qkv_tkg's or
+    qkv_cte's quantized input); scale_tapped with such a group beside its product tap is GOLDEN_GAP when one of
+    the group records, MISMATCH naming the group when none or both do."""
+    group = tuple(f"nkilib_src.kernels:{t}" for t in route)
+    base = _tapped_case()
+    case = dataclasses.replace(base, tapped_reference=dataclasses.replace(
+        base.tapped_reference, taps=base.tapped_reference.taps + group, routes=(group,)))
+    row = harness.run_case(case, fake_checkout)
+    if taken == 1:
+        assert (row.result, row.verdict) == (harness.GOLDEN_GAP, harness.MISMATCH), row.message
+        return
+    assert row.result == harness.MISMATCH and not harness.row_ok(case, row), row.message
+    assert row.message.endswith(f"not GOLDEN_GAP: tapped: {taken} of the alternative taps {', '.join(group)} "
+                                "recorded a tile (exactly one must)"), row.message
 
 
 def test_within_roundings_is_the_stated_bound():

@@ -800,25 +800,76 @@ def _attention_inputs(ref: Any, fed: Any, capture: dict[str, np.ndarray] | None)
 
 
 # the kernel's tiles tapped for harness.tapped_golden_gap: qkv()'s output in attention_block_tkg (QKV_out, the bf16
-# [B*S, I] tile of the projection that Q, K and V are cut from; unnamed in nki-library: alloc_heap without a name)
-# and qkv_tkg's fp8 quantized input (hidden_sb_quantized, [128, B*S, H/128/lnc] per core, returned by
-# _fused_norm_and_load as a TensorView)
+# [B*S, I] tile of the projection that Q, K and V are cut from; unnamed in nki-library: alloc_heap without a name, or
+# qkv_cte's HBM output) and the projection's fp8 quantized input, on the route qkv() takes: up to 128 tokens
+# (B * S_tkg) qkv_tkg's (hidden_sb_quantized, [128, B*S, H/128/lnc] per core, returned by _fused_norm_and_load as a
+# TensorView); above ("Large batch: qkv_tkg requires B*S <= pmax for SBUF output", core/qkv/qkv.py) qkv_cte's
+# (input_quantized_sb, a local of _qkv_cte_impl it never returns: the stationary operand of its double-row
+# nc_matmuls, recorded as the Tensor Engine reads it)
 QKV_TAP = f"{LIB}.experimental.transformer.attention_block_tkg:qkv"
 QUANTIZED_INPUT_TAP = f"{LIB}.core.qkv.qkv_tkg:_fused_norm_and_load"
+QKV_CTE_INPUT_TAP = f"{LIB}.core.qkv.qkv_cte:nisa.nc_matmul(stationary)"
 # and the Q, K, V attention reads: _QKV_processing's (Q [d, B*N*S] bf16 before the softmax scale, K [d, B*S] and V
 # [B, 1, S, d] fp8 with a quantized KV cache, V's SBUF copy)
 PROCESSED_TAP = f"{LIB}.experimental.transformer.attention_block_tkg:_QKV_processing"
+F32_IN_BF16 = 2.0 ** -16  # one float32 rounding (2^-24 relative) in units of one bf16 rounding (2^-8)
+
+
+def _qkv_tkg_input(quant: list, lnc: int) -> tuple[np.ndarray | None, str]:
+    """qkv_tkg's fp8 input of one rank, ``[B*S, H]`` float64, from the cores' tapped ``[128, B*S, H/128/lnc]`` tiles
+    in program order (core ``c``'s partition ``p``, column ``j`` is hidden index ``c * H / lnc + p * H/128/lnc + j``),
+    or None and why not."""
+    if len(quant) != lnc:
+        return None, f"{len(quant)} qkv_tkg quantized inputs for {lnc} cores"
+    bxs = quant[0][1].shape[1]
+    return np.concatenate([np.asarray(v, np.float64).transpose(1, 0, 2).reshape(bxs, -1) for _, v in quant],
+                          axis=1), ""
+
+
+def _qkv_cte_input(operands: list, h: int) -> tuple[np.ndarray | None, str]:
+    """qkv_cte's fp8 input of one rank, ``[B*S, H]`` float64, from the stationary operands of its double-row
+    ``nc_matmul``s (``(program, harness.Operand)`` in program order), or None and why not. Each operand is
+    ``[128, 2, s]`` of one 128-token tile ``input_quantized_sb`` (``[128, H]``, transposed in place: column
+    ``t * 128 + j`` holds hidden index ``t * 128 + partition`` of the tile's token ``j``); a core's tiles (one
+    allocation each) in the order it first reads them are its consecutive tokens, and the cores' shards follow
+    each other (``qkv_cte`` folds B and S into one axis of B*S tokens for S below 640 * LNC and gives core ``c``
+    the tokens from ``c * (B*S // LNC)``). Every hidden index of every token must be read, each time the same
+    value; a wrong token order only makes the projection check fail."""
+    tiles: dict[tuple[int, int], np.ndarray] = {}
+    for program, op in operands:
+        if op.value.dtype != FP8 or op.value.ndim != 3 or op.value.shape[1] != 2:
+            continue  # (not the projection's fp8 double-row read)
+        where = op.columns()
+        token, hidden = where[..., 1] % 128, where[..., 1] // 128 * 128 + where[..., 0]
+        tile = tiles.setdefault((program, op.storage), np.full((op.value.shape[-1], h), np.nan))
+        if token.max() >= tile.shape[0] or hidden.max() >= h:
+            return None, f"a stationary read outside its {tile.shape[0]} tokens x {h} hidden values"
+        value = np.asarray(op.value, np.float64)
+        seen = tile[token, hidden]
+        if np.any(~np.isnan(seen) & (seen != value)):
+            return None, "a quantized input value read twice with two values"
+        tile[token, hidden] = value
+    if not tiles:
+        return None, "no qkv_cte double-row matmul read"
+    x = np.concatenate([tiles[k] for k in sorted(tiles, key=lambda k: (k[0], list(tiles).index(k)))])
+    missing = int(np.isnan(x).sum())
+    if missing:
+        return None, f"{missing} of {x.size} quantized input values never read by its matmuls"
+    return x, ""
 
 
 def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
     """For :class:`.harness.TappedReference`, per rank, two stages, each tapped tile against a computation of it
     from the kernel's own tapped input to that stage:
-    (1) each core's QKV tile against the float64 STATIC projection of the rank's tapped fp8 input (the cores'
-    ``[128, B*S, H/128/lnc]`` tiles in order: core ``c``'s partition ``p``, column ``j`` is hidden index
-    ``c * H / lnc + p * H/128/lnc + j``), dequantized as ``qkv_tkg_torch_ref`` does (Q / K / V columns by their
-    weight scale, all by the input scale, then the bias). bf16 roundings per element, at most: one per 128-row
-    partial sum each core adds into the tile (``H / 128 / lnc``), one per core's half (``lnc``), one for the
-    dequantization, one for the bias;
+    (1) each core's QKV tile against the float64 STATIC projection of the rank's tapped fp8 input
+    (:func:`_qkv_tkg_input` or :func:`_qkv_cte_input`, on the route the kernel took), dequantized as
+    ``qkv_tkg_torch_ref`` does (Q / K / V columns by their weight scale, all by the input scale, then the bias).
+    bf16 roundings per element, at most: on ``qkv_tkg`` one per 128-row partial sum each core adds into the bf16
+    tile (``H / 128 / lnc``), one per core's half (``lnc``), one for the dequantization, one for the bias; on
+    ``qkv_cte`` (each core its own tokens, the whole H accumulated in one float32 PSUM group, 256 rows a double-row
+    matmul) one for the PSUM -> bf16 copy and one for the dequantization (with the bias, one instruction), plus the
+    float32 roundings, each 2^-16 of a bf16 one: the H products' accumulation and the fused scale (w * in) and its
+    product (``(H + 2) * 2^-16``; 0.13 at H = 8,192);
     (2) the Q, K, V that attention reads (``_QKV_processing``'s tiles: Q bf16, K / V fp8) against nki-library's
     reference (float32) fed the rank's core-0 QKV tile: its Q / K / V norms, RoPE and KV scaling, unrounded.
     Q's roundings: one for the pre-RoPE norm's bf16 tile, three for RoPE's two products and their sum, one for the
@@ -829,16 +880,15 @@ def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
         captured = [{} for _ in ranks]
         for rank, kw in enumerate(ranks):
             quant = sorted((p, v) for r, p, v in tapped[QUANTIZED_INPUT_TAP] if r == rank)
+            cte = [(p, v) for r, p, v in tapped.get(QKV_CTE_INPUT_TAP, ()) if r == rank]
             qkv = sorted((p, v) for r, p, v in tapped[QKV_TAP] if r == rank)
             processed = sorted((p, v) for r, p, v in tapped[PROCESSED_TAP] if r == rank)
             w = np.asarray(kw["W_qkv"], np.float64)
             h, i = w.shape
-            if len(quant) != lnc or not qkv or not processed:
-                return [(f"rank {rank}: {len(quant)} quantized inputs, {len(qkv)} QKV tiles, {len(processed)} "
+            x, why = _qkv_tkg_input(quant, lnc) if quant else _qkv_cte_input(cte, h)
+            if x is None or not qkv or not processed:
+                return [(f"rank {rank}: {why or 'quantized input read'}, {len(qkv)} QKV tiles, {len(processed)} "
                          "Q/K/V", np.zeros(1), np.ones(1), 1, False)]
-            bxs = quant[0][1].shape[1]
-            x = np.concatenate([np.asarray(v, np.float64).transpose(1, 0, 2).reshape(bxs, -1) for _, v in quant],
-                               axis=1)
             exact = x @ w
             q = i // d - 2
             scale = np.asarray(kw["weight_dequant_scale_qkv"], np.float64)[0]
@@ -848,9 +898,10 @@ def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
             exact *= float(np.asarray(kw["input_dequant_scale_qkv"], np.float64)[0, 0])
             if kw.get("bias_qkv") is not None:
                 exact += np.asarray(kw["bias_qkv"], np.float64).reshape(1, -1)
+            roundings = h // 128 // lnc + lnc + 2 if quant else 2 + (h + 2) * F32_IN_BF16
             for program, value in qkv:
-                out.append((f"rank {rank} core {program} QKV", np.asarray(value).reshape(bxs, i), exact,
-                            h // 128 // lnc + lnc + 2, False))
+                out.append((f"rank {rank} core {program} QKV", np.asarray(value).reshape(exact.shape), exact,
+                            roundings, False))
         run(lambda kw: _fed(kw, tapped, qkv=True, capture=captured))
         for rank, cap in enumerate(captured):
             for program, (q_t, k_t, v_t, _) in sorted((p, v) for r, p, v in tapped[PROCESSED_TAP] if r == rank):
@@ -920,8 +971,9 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
     # (harness.tapped_golden_gap)
     tapped = None
     if cfg["quantization_type"] == "STATIC" and cfg["kv_quant"]:
-        tapped = TappedReference(TAPPED_QKV, (QKV_TAP, QUANTIZED_INPUT_TAP, PROCESSED_TAP),
-                                 _tapped_projection(lnc, d), _fed)
+        tapped = TappedReference(TAPPED_QKV, (QKV_TAP, QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP, PROCESSED_TAP),
+                                 _tapped_projection(lnc, d), _fed,
+                                 routes=((QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP),))
     return Case(
         kernel="experimental/transformer/attention_block_tkg", name=_name(cfg), shapes=shapes,
         entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,

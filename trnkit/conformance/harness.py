@@ -38,6 +38,7 @@ import importlib
 import io
 import mmap
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,7 @@ __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nk
            "extract_tarball", "compare", "disk_array", "uniform_array", "drawn_array", "run_case", "run_cases",
            "format_table", "write_csv", "row_ok", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED",
            "XFAIL", "SKIPPED", "GOLDEN_GAP", "STALE_READ", "golden_gap", "MODEL_CONFIG", "TappedReference", "tap",
-           "tapped_golden_gap", "within_roundings"]
+           "tapped_golden_gap", "within_roundings", "Operand"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
@@ -145,13 +146,16 @@ class TappedReference:
     of bf16 roundings each element can go through and whether the tile is fp8 (:func:`within_roundings`).
     ``ref_inputs(kw, taps)``: the reference's inputs (the case's ``ref_inputs`` already applied) with the tapped
     tiles fed in; ``what`` says which. ``min_cosine``: how near (cosine similarity, every output the kernel fails)
-    the kernel must be to that reference."""
+    the kernel must be to that reference. ``routes``: groups of taps of which exactly one records a tile in a run
+    (the same tile on the kernel's alternative code paths, e.g. a projection's quantized input in ``qkv_tkg`` or
+    ``qkv_cte``); every other tap must record one."""
 
     what: str
     taps: tuple[str, ...]
-    projection: Callable[..., list[tuple[str, np.ndarray, np.ndarray, int, bool]]]
+    projection: Callable[..., list[tuple[str, np.ndarray, np.ndarray, float, bool]]]
     ref_inputs: Callable[[dict[str, Any], dict[str, list]], dict[str, Any]]
     min_cosine: float = 0.9999
+    routes: tuple[tuple[str, ...], ...] = ()
 
 
 MODEL_CONFIG = "model_config"  # Case.tier of the rows of nki-library's test_*_model_config.py tables
@@ -948,29 +952,79 @@ def golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: dict[str,
     return bool(parts), f"nki-library's golden is out of reach of {what}: " + "; ".join(parts)
 
 
+@dataclass(frozen=True)
+class Operand:
+    """One instruction operand recorded by :func:`tap` (an ``"module:global.instruction(operand)"`` spec): its value
+    (a copy, as the instruction read it) and where it lies in its allocation: ``storage`` (a key unique in the
+    process per allocation), ``offset`` / ``strides`` (elements of its dtype; element ``i`` at ``offset + sum(strides
+    * i)``) and ``row`` (the allocation's elements per partition), so ``divmod(flat, row)`` is (partition, column)."""
+
+    value: np.ndarray
+    storage: int
+    offset: int
+    strides: tuple[int, ...]
+    row: int
+
+    def columns(self) -> np.ndarray:
+        """Each element's (partition, column) in its allocation: an int array ``value.shape + (2,)``."""
+        flat = self.offset + sum(np.arange(n).reshape((-1,) + (1,) * (len(self.strides) - 1 - k)) * s
+                                 for k, (n, s) in enumerate(zip(self.value.shape, self.strides)))
+        return np.stack(np.divmod(np.broadcast_to(flat, self.value.shape), self.row), axis=-1)
+
+
+_OPERAND_SPEC = re.compile(r"^(?P<glob>\w+)\.(?P<fn>\w+)\((?P<operand>\w+)\)$")
+
+
 @contextlib.contextmanager
 def tap(specs: Sequence[str], root: Path | None = None) -> Iterator[dict[str, list[tuple[int, int, Any]]]]:
     """Inside the block every call of each ``"module:function"`` in ``specs`` (a kernel-side function, resolved
     in the checkout) has the tile it returns recorded: ``{spec: [(rank, program, value), ...]}`` in call order,
     ``value`` a copy read with ``NkiTensor.peek``, a tuple of them for a function returning a tuple of tiles (no
     access recorded: results, checks and costs are those of a run without taps); a ``TensorView``-like result
-    (``get_view()``) is read through its view. The function returns what it returned. No specs (the default):
-    nothing is wrapped."""
+    (``get_view()``) is read through its view. The function returns what it returned.
+
+    ``"module:global.instruction(operand)"`` (e.g. ``"pkg.kernel:nisa.nc_matmul(stationary)"``) records an
+    instruction's operand instead, for a tile the kernel never returns: the module's global (the ``nisa`` it
+    imported) is, inside the block and for that module only, a stand-in whose ``instruction`` records the keyword
+    ``operand`` of each call as an :class:`Operand` (read before the instruction runs, as it reads it), then runs
+    it; every other name is the global's own. No specs (the default): nothing is wrapped."""
     from trnkit.nkisim import memory
 
-    recorded: dict[str, list[tuple[int, int, np.ndarray]]] = {spec: [] for spec in specs}
+    def where() -> tuple[int, int]:
+        ctx = memory.current()
+        return (ctx.launch.rank.rank if ctx.launch is not None and ctx.launch.rank is not None else 0,
+                ctx.flat_program_id)
+
+    recorded: dict[str, list[tuple[int, int, Any]]] = {spec: [] for spec in specs}
     saved = []
     for spec in specs:
         module_name, _, attr = spec.partition(":")
         module = importlib.import_module(module_name)
+        operand = _OPERAND_SPEC.match(attr)
+        if operand is not None:
+            glob, fn_name, arg = operand.group("glob", "fn", "operand")
+            real = getattr(module, glob)
+            fn = getattr(real, fn_name)
+
+            def instruction(*a: Any, _fn: Callable[..., Any] = fn, _spec: str = spec, _arg: str = arg,
+                            **k: Any) -> Any:
+                t = k.get(_arg)
+                if t is not None:
+                    recorded[_spec].append((*where(), Operand(t.peek(), t.storage.key, t.offset, tuple(t.strides),
+                                                              t.partition_stride)))
+                return _fn(*a, **k)
+
+            stand_in = types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
+            setattr(stand_in, fn_name, instruction)
+            saved.append((module, glob, real))
+            setattr(module, glob, stand_in)
+            continue
         fn = getattr(module, attr)
 
         def wrapped(*a: Any, _fn: Callable[..., Any] = fn, _spec: str = spec, **k: Any) -> Any:
             out = _fn(*a, **k)
-            ctx = memory.current()
-            rank = ctx.launch.rank.rank if ctx.launch is not None and ctx.launch.rank is not None else 0
             value = tuple(_peek(t) for t in out) if isinstance(out, tuple) else _peek(out)
-            recorded[_spec].append((rank, ctx.flat_program_id, value))
+            recorded[_spec].append((*where(), value))
             return out
 
         saved.append((module, attr, fn))
@@ -992,7 +1046,7 @@ def _peek(tile: Any) -> np.ndarray | None:
 BF16_UNIT = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, a round to nearest is off by at most 2^-8 relative
 
 
-def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: int, fp8: bool = False
+def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp8: bool = False
                      ) -> tuple[bool, float, str]:
     """Whether ``tapped`` (a bf16 tile, last axis its features, rows its tokens) is ``exact`` (float64) after at
     most ``roundings`` bf16 roundings per element, and the measured figures.
@@ -1011,6 +1065,9 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: int, fp8:
     ``e + step(|exact| + e) / 2`` of ``exact`` (``step(v)``: e4m3's spacing at ``v``, 3 mantissa bits, subnormal
     below 2^-6); the share that is not ``exact``'s nearest fp8 value is reported.
 
+    ``roundings`` may have a fraction: float32 roundings on the way, each ``2^-24`` relative, count ``2^-16`` of a
+    bf16 one.
+
     Returns ``(ok, worst, figures)``: ``worst`` the largest error as a share of its element's bound."""
     t, x = np.asarray(tapped, np.float64), np.asarray(exact, np.float64)
     if t.shape != x.shape or not np.all(np.isfinite(t)):
@@ -1028,7 +1085,7 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: int, fp8:
         bound = e + step / 2
         worst = float(np.max(err / bound)) if err.size else 0.0
         return worst <= 1.0, worst, (f"fp8: {np.mean(t != nearest):.2%} not the nearest fp8 value, max|err| "
-                                     f"{worst:.2f} of the bound ({roundings} bf16 roundings and half an fp8 step)")
+                                     f"{worst:.2f} of the bound ({roundings:g} bf16 roundings and half an fp8 step)")
     row_max = np.abs(x).reshape(-1, x.shape[-1]).max(axis=1).reshape(x.shape[:-1] + (1,))
     bound = roundings * BF16_UNIT * row_max
     worst = float(np.max(err / np.where(bound > 0, bound, np.inf))) if err.size else 0.0
@@ -1036,8 +1093,8 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: int, fp8:
     rms = float(np.sqrt(np.mean(err ** 2)))
     ratio = rms / one if one > 0 else (0.0 if rms == 0 else float("inf"))
     ok = bool(np.all(err <= bound)) and ratio <= np.sqrt(roundings)
-    return ok, worst, (f"max|err| {worst:.2f} of the {roundings}-rounding bound, rms {ratio:.2f} x one bf16 rounding's "
-                f"(<= sqrt({roundings}) = {np.sqrt(roundings):.2f})")
+    return ok, worst, (f"max|err| {worst:.2f} of the {roundings:g}-rounding bound, rms {ratio:.2f} x one bf16 "
+                       f"rounding's (<= sqrt({roundings:g}) = {np.sqrt(roundings):.2f})")
 
 
 def cast_bf16(x: np.ndarray) -> np.ndarray:
@@ -1063,8 +1120,15 @@ def tapped_golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: di
     the test's validator against that reference too: the golden is out of reach of the kernel's legitimate
     roundings up to the tapped tiles, not the kernel out of reach of the golden."""
     spec = case.tapped_reference
-    if any(not calls for calls in tapped.values()) or not tapped:
-        return False, "tapped: no tile recorded for " + ", ".join(k for k, v in tapped.items() if not v)
+    routed = {t for group in spec.routes for t in group}
+    if not tapped or any(not calls for t, calls in tapped.items() if t not in routed):
+        return False, "tapped: no tile recorded for " + ", ".join(k for k, v in tapped.items()
+                                                                    if not v and k not in routed)
+    for group in spec.routes:
+        taken = [t for t in group if tapped.get(t)]
+        if len(taken) != 1:
+            return False, (f"tapped: {len(taken)} of the alternative taps " + ", ".join(group)
+                           + " recorded a tile (exactly one must)")
     def run(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, np.ndarray]:
         return reference_outputs(dataclasses.replace(
             case, ref_inputs=lambda kw: fn(case.ref_inputs(kw) if case.ref_inputs else kw)), inputs, root)
