@@ -143,7 +143,7 @@ def estimate_case(case: Any, root: Path) -> tuple[tuple[float, float, float], tu
     capacity in program order is allowed (the compiler's allocator spills), as in the conformance run."""
     from trnkit import nkisim
     from trnkit.conformance import harness
-    from trnkit.nkisim import cost, memory, trace
+    from trnkit.nkisim import cost, trace
 
     with harness.nki_is_interpreter(root):
         with contextlib.redirect_stdout(io.StringIO()):
@@ -153,10 +153,10 @@ def estimate_case(case: Any, root: Path) -> tuple[tuple[float, float, float], tu
         kernel = harness._resolve(case.entry, root)
         if case.wrap_kernel is not None:
             kernel = case.wrap_kernel(kernel)
-        with contextlib.redirect_stdout(io.StringIO()), memory.sbuf_spills(), warnings.catch_warnings():
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with trace.record(trace_only=True) as tr:
-                nkisim.simulate(kernel)[case.lnc](**inputs)
+                nkisim.simulate(kernel, capacity="sbuf_spills")[case.lnc](**inputs)
     from trnkit.nkisim.cost_params import STANDALONE_LAUNCH
 
     rep = cost.estimate(tr, "trn2", launch=STANDALONE_LAUNCH)

@@ -31,7 +31,8 @@ import matmul_kernels  # noqa: E402
 import micro_kernels  # noqa: E402
 from points import POINTS, Point  # noqa: E402
 
-from trnkit.nkisim import cost, cost_params, memory, trace  # noqa: E402
+from trnkit import nkisim  # noqa: E402
+from trnkit.nkisim import cost, cost_params, trace  # noqa: E402
 
 FIELDS = ("name", "kernel", "shape", "device", "unit", "published", "low", "mid", "high", "error_mid", "role",
           "tolerance", "source", "note", "constrains", "sensitivity")
@@ -68,11 +69,8 @@ def _matmul_call(p: Point, d: dict) -> Callable[[], object]:
         lhsT, rhs = np.zeros((d["K"], d["M"]), np.float32), np.zeros((d["K"], d["N"]), np.float32)
     if (p.family, p.version) not in OVER_CAPACITY_AS_WRITTEN:
         return lambda: kernels[p.version](lhsT, rhs)
-
-    def unchecked() -> object:
-        with memory.capacity_check_off():
-            return kernels[p.version](lhsT, rhs)
-    return unchecked
+    unchecked = nkisim.simulate(kernels[p.version], capacity="unchecked")
+    return lambda: unchecked(lhsT, rhs)
 
 
 def kernel_call(p: Point, dims: dict | None = None, n_chain: int = CHAIN[1]) -> Callable[[], object]:
@@ -91,11 +89,8 @@ def kernel_call(p: Point, dims: dict | None = None, n_chain: int = CHAIN[1]) -> 
         return lambda: micro_kernels.dma_exp_roundtrip(a)
     if p.family == "dma_curve":  # each load into its own tile, as a stream of independent transfers
         a = torch.ones(128, d["bytes"] // 2, dtype=torch.bfloat16)
-
-        def stream() -> object:
-            with memory.capacity_check_off():
-                return micro_kernels.dma_load_stream(a, n_chain)
-        return stream
+        stream = nkisim.simulate(micro_kernels.dma_load_stream, capacity="unchecked")
+        return lambda: stream(a, n_chain)
     raise ValueError(f"calibration: unknown family {p.family!r} of point {p.name!r}")
 
 

@@ -348,7 +348,7 @@ def spill(x, out, factor):
 
 def test_sbuf_beyond_capacity_compiles_with_a_spill_note(fake_checkout):
     """AWS's kernels run as neuronx-cc's default allocator compiles them: SBUF beyond capacity in
-    program order is spilled (memory.sbuf_spills), reported in the row, not rejected."""
+    program order is spilled (capacity="sbuf_spills"), reported in the row, not rejected."""
     (fake_checkout / "src" / "nkilib_src" / "spilling.py").write_text(textwrap.dedent(SPILLING))
     case = _case()
     case = harness.Case(**{**case.__dict__, "entry": "nkilib_src.spilling:spill"})

@@ -331,7 +331,7 @@ def test_every_isa_call_is_one_instruction_untraced_dma_included(ctx):
     assert ctx.memory.sbuf_peak == 20 * KIB
 
 
-def test_capacity_check_off_measures_instead_of_raising():
+def test_capacity_unchecked_measures_instead_of_raising():
     contexts = []
 
     @nki.jit
@@ -346,7 +346,7 @@ def test_capacity_check_off_measures_instead_of_raising():
 
     with pytest.raises(NkiValidationError, match="SBUF overflow: 245760 bytes"):
         two_big(np.zeros(4, np.float32))
-    with memory.capacity_check_off():
-        two_big(np.zeros(4, np.float32))
-    assert memory.capacity_checked()  # restored on exit
+    nki.simulate(two_big, capacity="unchecked")(np.zeros(4, np.float32))
     assert contexts[-1].memory.sbuf_peak == 240 * 1024
+    with pytest.raises(NkiValidationError, match="SBUF overflow: 245760 bytes"):  # the kernel itself: checked
+        two_big(np.zeros(4, np.float32))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from trnkit.nki_api import nisa, nki, nl
-from trnkit.nkisim import cost, hardware, memory, trace
+from trnkit.nkisim import cost, hardware, trace
 from trnkit.nkisim.cost_params import LOW, MID
 from trnkit.nkisim.trace import DMA, SCALAR
 
@@ -163,8 +163,7 @@ def _all_live(x, n: int):
 
 def test_computed_tiles_that_overflow_sbuf_are_spilled_and_reloaded():
     x = np.zeros((128, 8192), np.float32)
-    with memory.capacity_check_off():
-        instrs, out = _trace(_all_live, x, 8)
+    instrs, out = _trace(nki.simulate(_all_live, capacity="unchecked"), x, 8)
     np.testing.assert_array_equal(np.asarray(out), np.arange(8, dtype=np.float32)[:, None, None] + x)
     plan = cost.sbuf_plan(instrs, TRN2.sbuf_bytes_per_partition)
     # the source and 8 computed tiles of 32 KiB, all live at the last tensor_scalar: 288 KiB, 224 KiB fit
@@ -203,8 +202,7 @@ def _reload_after_others(x, y):
 def _reload_trace(n: int) -> list:
     x = np.ones((128, 8192), np.float32)  # 32 KiB per partition per tile
     y = np.arange(n, dtype=np.float32)[:, None, None] + np.zeros((n, 128, 8192), np.float32)
-    with memory.capacity_check_off():
-        instrs, out = _trace(_reload_after_others, x, y)
+    instrs, out = _trace(nki.simulate(_reload_after_others, capacity="unchecked"), x, y)
     np.testing.assert_array_equal(np.asarray(out)[1], x)
     np.testing.assert_array_equal(np.asarray(out)[2:], y)
     return instrs

@@ -1,5 +1,6 @@
 """SBUF beyond capacity in program order: an error by default (trnkit's kernels must fit), a recorded
-spill under ``memory.sbuf_spills()`` (how neuronx-cc's default allocator compiles AWS's kernels)."""
+spill when launched with ``nki.simulate(kernel, capacity="sbuf_spills")`` (how neuronx-cc's default allocator
+compiles AWS's kernels)."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def test_overflow_raises_by_default_naming_the_tiles():
 
 def test_under_sbuf_spills_it_runs_and_records_the_excess():
     x = np.random.default_rng(0).standard_normal((64, 32768)).astype(np.float32)
-    with memory.sbuf_spills(), warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", memory.SbufSpillWarning)
-        out = two_big_tiles(x, 32768)
+        out = nki.simulate(two_big_tiles, capacity="sbuf_spills")(x, 32768)
     np.testing.assert_allclose(out[:, 0], 2 * x.astype(np.float64).sum(axis=1), rtol=1e-4, atol=1e-2)
     spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
     assert len(spills) == 1 and spills[0].excess == 262144 - 212992
@@ -50,9 +51,10 @@ def test_under_sbuf_spills_it_runs_and_records_the_excess():
 
 def test_fitting_kernels_do_not_warn_and_psum_still_cannot_spill():
     x = np.ones((64, 8192), np.float32)
-    with memory.sbuf_spills(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("error", memory.SbufSpillWarning)
-        np.testing.assert_array_equal(two_big_tiles(x, 8192)[:, 0], np.full(64, 16384.0))
+        np.testing.assert_array_equal(nki.simulate(two_big_tiles, capacity="sbuf_spills")(x, 8192)[:, 0],
+                                      np.full(64, 16384.0))
 
     @nki.jit
     def nine_banks(a):
@@ -67,8 +69,8 @@ def test_fitting_kernels_do_not_warn_and_psum_still_cannot_spill():
             nisa.tensor_copy(dst=rhs, src=acc[0:4, :])
         return a
 
-    with memory.sbuf_spills(), pytest.raises(NkiValidationError, match="PSUM overflow"):
-        nine_banks(np.ones((4, 128), np.float32))
+    with pytest.raises(NkiValidationError, match="PSUM overflow"):
+        nki.simulate(nine_banks, capacity="sbuf_spills")(np.ones((4, 128), np.float32))
 
 
 @nki.jit
@@ -116,7 +118,6 @@ def test_psum_reads_move_up_to_the_instructions_they_depend_on():
     np.testing.assert_allclose(gate_up_tiles(x, w, True), want, rtol=1e-4, atol=1e-3)
     with pytest.warns(memory.PsumReorderWarning, match="9 banks live at once in program order, 1 with"):
         np.testing.assert_allclose(gate_up_tiles(x, w, False), want, rtol=1e-4, atol=1e-3)
-    with memory.sbuf_spills(), pytest.raises(NkiValidationError, match=r"PSUM overflow: 9 live PSUM tiles "
-                                             r"\(18432 bytes per partition\) need 9 banks .* also with every "
-                                             r"instruction that reads PSUM moved up"):
-        gate_up_tiles(x, w, False, read_after_all=True)
+    with pytest.raises(NkiValidationError, match=r"PSUM overflow: 9 live PSUM tiles \(18432 bytes per partition\) "
+                       r"need 9 banks .* also with every instruction that reads PSUM moved up"):
+        nki.simulate(gate_up_tiles, capacity="sbuf_spills")(x, w, False, read_after_all=True)

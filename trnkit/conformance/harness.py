@@ -22,7 +22,7 @@ validator against the golden, and the kernel is no further from that rounded ref
 STALE_READ: a mismatch whose cause is the kernel's own placement, checked per row: it read manually placed tiles
 after another tile placed on their bytes overwrote them (``memory.PlacedTileOverwrittenWarning``: a device reads
 the same overwritten bytes), and run again with every placed tile on storage of its own
-(``memory.placement_off``) it passes.
+(a launch with ``placement=False``) it passes.
 
 The checkout is found through ``NKILIB_SRC`` (its root, or its ``src/``), else the archive
 ``nki-library-<commit>.tar.gz`` (``NKILIB_TARBALL``, or ``shared/thirdparty/`` next to or inside the
@@ -66,7 +66,7 @@ XFAIL = "XFAIL"
 # (Case.rounded_reference) fails the test's validator too, and the kernel is no further from it (golden_gap)
 GOLDEN_GAP = "GOLDEN_GAP"
 # a mismatch that comes from the kernel reading placed tiles another placed tile overwrote: with each placed tile on
-# storage of its own (memory.placement_off) the row passes (_stale_read)
+# storage of its own (launched with placement=False) the row passes (_stale_read)
 STALE_READ = "STALE_READ"
 SKIPPED = "SKIPPED"  # a row nki-library's own test skips (Case.skipped_by); run anyway, Row.verdict says how it went
 CSV_FIELDS = ("kernel", "case", "shapes", "lnc", "result", "max_abs_err", "allowed_err", "rtol",
@@ -723,7 +723,7 @@ def _run_case(case: Case, root: Path, commit: str) -> Row:
         return _run_case_as_nki(case, root, commit)
 
 
-def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
+def _run_case_as_nki(case: Case, root: Path, commit: str, placement: bool = True) -> Row:
     from trnkit.nkisim import memory
 
     row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
@@ -752,16 +752,15 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
             else _copies([inputs], case.read_only, keep)[0]
         t0 = time.perf_counter()
         try:
-            # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles
-            # with the default allocator (spilled to the HBM scratchpad: memory.sbuf_spills);
+            # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles with the
+            # default allocator (spilled to the HBM scratchpad: _launch's capacity="sbuf_spills");
             # PSUM beyond it in program order may fit in the compiler's order (PsumReorderWarning)
-            with contextlib.redirect_stdout(io.StringIO()), memory.sbuf_spills(), \
-                    warnings.catch_warnings(record=True) as caught:
+            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", memory.SbufSpillWarning)
                 warnings.simplefilter("always", memory.PsumReorderWarning)
                 warnings.simplefilter("always", memory.PlacedTileOverwrittenWarning)
                 with tap(case.tapped_reference.taps if case.tapped_reference else (), root) as tapped:
-                    result = _launch(case, kernel, kernel_in)
+                    result = _launch(case, kernel, kernel_in, placement)
             del kernel_in  # (what the kernel returned stays referenced by result)
             spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
             reorders = [w.message for w in caught if issubclass(w.category, memory.PsumReorderWarning)]
@@ -842,11 +841,8 @@ def _run_case_as_nki(case: Case, root: Path, commit: str) -> Row:
 
 def _stale_read(case: Case, root: Path, commit: str, overwritten: list[str]) -> tuple[bool, str]:
     """Whether a mismatch of a kernel that read overwritten placed tiles comes from those reads: the case run again
-    with every placed tile on storage of its own (``memory.placement_off``) passes; and what was found."""
-    from trnkit.nkisim import memory
-
-    with memory.placement_off():
-        unplaced = _run_case_as_nki(case, root, commit)
+    with every placed tile on storage of its own (launched with ``placement=False``) passes; and what was found."""
+    unplaced = _run_case_as_nki(case, root, commit, placement=False)
     reads = f"reads placed tiles another placed tile overwrote ({len(overwritten)} reads; first: {overwritten[0]})"
     if unplaced.result != PASS:
         return False, f"{reads}, but with every placed tile on storage of its own the row is {unplaced.result} too"
@@ -1198,14 +1194,17 @@ def _as_compared(a: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return a if np.can_cast(a.dtype, dtype, "safe") else np.asarray(a, dtype=dtype)
 
 
-def _launch(case: Case, kernel: Callable[..., Any], kernel_in: Any) -> Any:
+def _launch(case: Case, kernel: Callable[..., Any], kernel_in: Any, placement: bool = True) -> Any:
     """Run the kernel as the case says: one device (a ``kernel[lnc]`` grid launch) or ``case.ranks``
-    devices, whose results come back stacked per output (rank-major)."""
+    devices, whose results come back stacked per output (rank-major). SBUF beyond capacity in program order
+    is spilled, as neuronx-cc's default allocator compiles AWS's kernels (``capacity="sbuf_spills"``);
+    ``placement=False``: every placed tile on storage of its own (:func:`_stale_read`)."""
     from trnkit import nkisim
     from trnkit.nkisim import collectives
 
+    kernel = nkisim.simulate(kernel, capacity="sbuf_spills", placement=placement)
     if not case.ranks:
-        return nkisim.simulate(kernel)[case.lnc](**kernel_in)
+        return kernel[case.lnc](**kernel_in)
     per_rank = collectives.run_ranks(kernel, case.ranks, lambda r: kernel_in[r], grid=case.lnc)
     per_rank = [list(r) if isinstance(r, (list, tuple)) else [r] for r in per_rank]
     return [np.stack([np.asarray(r[i]) for r in per_rank]) for i in range(len(per_rank[0]))]

@@ -119,13 +119,16 @@ class _Rank:
 def run_ranks(kernel: Any, n_ranks: int, make_inputs: Callable[[int], dict[str, Any]],
               grid: int | tuple[int, ...] = ()) -> list[Any]:
     """Run ``kernel`` on ``n_ranks`` devices at once, rank ``r`` with ``make_inputs(r)`` as keyword
-    arguments and ``grid`` programs (e.g. 2 for LNC=2); returns each rank's result, in rank order."""
-    from .jit import simulate
+    arguments and ``grid`` programs (e.g. 2 for LNC=2); returns each rank's result, in rank order. Every
+    rank runs under the kernel's launch rules (``nki.simulate(kernel, capacity=...)``; a plain function or
+    ``@nki.jit`` kernel: the defaults)."""
+    from .jit import Kernel, simulate
 
     g = grid if isinstance(grid, tuple) else (grid,)
     programs = math.prod(g) if g else 1
     world = _World(n_ranks, programs, threading.Barrier(n_ranks * programs, timeout=TIMEOUT_S))
-    launch = simulate(kernel)[g] if g else simulate(kernel)
+    kernel = kernel if isinstance(kernel, Kernel) else simulate(kernel)
+    launch = kernel[g] if g else kernel
     inputs = [make_inputs(r) for r in range(n_ranks)]
     results: list[Any] = [None] * n_ranks
     errors: list[BaseException | None] = [None] * n_ranks

@@ -149,11 +149,15 @@ class _Args:
 
 
 class Kernel:
-    """A ``@nki.jit`` kernel: call it directly, or ``kernel[grid](...)`` for an SPMD launch."""
+    """A ``@nki.jit`` kernel: call it directly, or ``kernel[grid](...)`` for an SPMD launch. ``rules``: what its
+    launches run under (:class:`~trnkit.nkisim.memory.LaunchRules`, set by :func:`simulate`); ``options``: the
+    ``@nki.jit(...)`` options (accepted, unused)."""
 
-    def __init__(self, fn: Callable[..., Any], grid: tuple[int, ...] = (), **options: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], grid: tuple[int, ...] = (), rules: _mem.LaunchRules | None = None,
+                 **options: Any) -> None:
         self.fn = fn
         self.grid = grid
+        self.rules = rules if rules is not None else _mem.LaunchRules()
         self.options = options
         functools.update_wrapper(self, fn)
 
@@ -162,27 +166,30 @@ class Kernel:
         for n in g:
             require(isinstance(n, (int, np.integer)) and n >= 1, "nki.jit", "grid dims must be "
                     "positive ints, got {grid}", grid=grid)
-        return Kernel(self.fn, tuple(int(n) for n in g), **self.options)
+        return Kernel(self.fn, tuple(int(n) for n in g), self.rules, **self.options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.grid and _cf.current() is not None:
             # Called inside a running kernel: the compiler inlines every call ("Specialization ... inlines
             # every call", NKI language guide), so the body runs in the caller's program, with its
-            # program ids, memory and control flow, and returns what it returns (on-chip tiles
+            # program ids, memory, rules and control flow, and returns what it returns (on-chip tiles
             # included). The 0.2.0 migration guide says sub-kernels should not carry @nki.jit, but AWS's
             # tested kernels call decorated ones (nki-library's attention_block_tkg calls qkv with
             # its output in SBUF): the tested kernel wins.
             return self.fn(*args, **kwargs)
-        return _launch(self.fn, self.grid, args, kwargs, strict=self.options.get("strict", True))
+        return _launch(self.fn, self.grid, args, kwargs, self.rules)
 
     def __repr__(self) -> str:
         return f"<nki.jit kernel {self.fn.__name__} grid={self.grid}>"
 
 
 def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: dict,
-            strict: bool = True) -> Any:
-    """Run ``fn`` as one program per grid point. ``strict``: undefined behaviour on the hardware
-    (LNC=2 programs taking different runtime control flow, ...) raises; False: it warns."""
+            rules: _mem.LaunchRules = _mem.LaunchRules()) -> Any:
+    """Run ``fn`` as one program per grid point, each under ``rules`` (:class:`~trnkit.nkisim.memory.LaunchRules`);
+    a launch made inside a running kernel is part of that kernel and runs under its rules instead."""
+    caller = _mem.running()
+    if caller is not None:
+        rules = caller.rules
     n = math.prod(grid) if grid else 1
     conv = _Args(shared_hbm if n > 1 else hbm)
     names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
@@ -193,7 +200,7 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
     outer = _cf.current()  # a @nki.jit helper called inside a kernel is part of that program
-    programs = [outer if outer is not None and n == 1 else _cf.Program(i, strict) for i in range(n)]
+    programs = [outer if outer is not None and n == 1 else _cf.Program(i, rules.strict) for i in range(n)]
     # several programs run as concurrent cores do: in lockstep, one instruction each in turn
     turnstile = None
     if n > 1:
@@ -204,12 +211,12 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
     def run(i: int) -> None:
         if turnstile is not None:
             turnstile.start(i)
-        ctx = _mem.KernelContext(program_id=ids[i], launch=launch, flat_program_id=i)
+        ctx = _mem.KernelContext(program_id=ids[i], launch=launch, flat_program_id=i, rules=rules)
         _mem.push_context(ctx)
         try:
             with _ops.fp_errors_ignored(), _cf.running(programs[i]):  # the hardware's inf/nan are silent
                 results[i] = fn(*wargs, **wkwargs)
-            ctx.memory.check(strict=_mem.capacity_checked())  # SBUF/PSUM capacity over data liveness
+            ctx.memory.check(rules.capacity)  # SBUF/PSUM capacity over data liveness
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
             errors[i] = exc
             if launch.barrier is not None:
@@ -254,14 +261,19 @@ def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     return Kernel(fn, **options)
 
 
-def simulate(kernel: Any, strict: bool = True) -> Callable[..., Any]:
+def simulate(kernel: Any, strict: bool = True, capacity: str = "checked", placement: bool = True) -> Kernel:
     """``nki.simulate(kernel)(*args)``: run ``kernel`` (jit, grid-indexed, or plain function) here.
 
-    ``strict=False`` (a trnkit extension, for exploring kernels) reports undefined behaviour on the
-    hardware as :class:`~trnkit.nkisim.controlflow.UndefinedBehaviourWarning` instead of raising;
-    invalid uses still raise."""
+    The other arguments are trnkit extensions, the rules every launch of the returned kernel runs under
+    (:class:`~trnkit.nkisim.memory.LaunchRules` says why each exists): ``strict=False`` reports undefined
+    behaviour on the hardware as :class:`~trnkit.nkisim.controlflow.UndefinedBehaviourWarning` instead of
+    raising (invalid uses still raise); ``capacity`` is ``"checked"`` (SBUF or PSUM overflow raises),
+    ``"sbuf_spills"`` (SBUF beyond capacity is warned about, :class:`~trnkit.nkisim.memory.SbufSpillWarning`,
+    as neuronx-cc's allocator spills it; PSUM stays checked) or ``"unchecked"`` (the peaks are only measured);
+    ``placement=False`` gives each ``nl.ndarray(..., address=)`` tile storage of its own (a diagnostic)."""
+    rules = _mem.LaunchRules(strict, capacity, placement)
     if isinstance(kernel, Kernel):
-        return kernel if strict else Kernel(kernel.fn, kernel.grid, **{**kernel.options, "strict": False})
+        return Kernel(kernel.fn, kernel.grid, rules, **kernel.options)
     if callable(kernel):
-        return Kernel(kernel, strict=strict)
+        return Kernel(kernel, rules=rules)
     fail("nki.simulate", "expected a kernel function, got {type}", type=type(kernel).__name__)

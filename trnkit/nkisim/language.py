@@ -174,10 +174,11 @@ def ndarray(shape: Sequence[int], dtype: Any, buffer: MemoryRegion = sbuf, name:
     ``address=(partition, byte)`` on SBUF places the tile on those bytes of this kernel instance's SBUF
     (tensor.py, "manual placement"): tiles placed on the same bytes share them, and a placed tile reads what
     its bytes hold (the sentinel only where no placed tile has been before). On PSUM and HBM ``address`` is
-    accepted and not modelled (each tile gets storage of its own; docs/interpreter.md)."""
+    accepted and not modelled (each tile gets storage of its own; docs/interpreter.md). A launch with
+    ``placement=False`` (``nki.simulate``, memory.LaunchRules) gives every placed tile storage of its own."""
     buf = _buffer(buffer, "nl.ndarray")
     dt = _dt.resolve(dtype, "nl.ndarray")
-    if address is not None and buf.on_chip and _mem.placement_modelled():
+    if address is not None and buf.on_chip and _mem.current().rules.placement:
         return _cf.allocated(place(tuple(shape), dt, buf, name, address))
     return _cf.allocated(allocate(tuple(shape), dt, buf, name))
 

@@ -90,7 +90,6 @@ accumulate records. Push a :class:`KernelContext` and call :meth:`Memory.check` 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import itertools
@@ -98,17 +97,17 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import fail
+from .errors import fail, require
 
 __all__ = [
     "SBUF_PARTITION_BYTES", "SBUF_USABLE_BYTES", "PSUM_BANKS", "PSUM_BANK_BYTES",
     "PSUM_PARTITION_BYTES", "NUM_PARTITIONS", "Allocation", "Memory", "KernelContext",
     "LaunchContext", "current", "push_context", "pop_context", "tick", "instruction",
-    "MAX_ACCUMULATION_GROUPS", "SbufSpillWarning", "PsumReorderWarning", "sbuf_spills",
+    "MAX_ACCUMULATION_GROUPS", "SbufSpillWarning", "PsumReorderWarning", "LaunchRules", "CAPACITY_MODES",
+    "running",
 ]
 
 NUM_PARTITIONS = 128
@@ -207,7 +206,7 @@ class Memory:
         self.running = "access"  # name of the instruction running now (for access errors)
         self.sbuf_peak = 0  # set by check(): most SBUF bytes per partition live at once
         self.psum_peak_banks = 0  # set by check(): most PSUM banks needed at once
-        self.sbuf_spill = 0  # set by check() under sbuf_spills(): most bytes over capacity
+        self.sbuf_spill = 0  # set by check("sbuf_spills"): most bytes over capacity
         self.sbuf_spill_at = -1  # ... and the instruction where that excess is live
         self.psum_reordered_banks = 0  # set by check(): banks needed with PSUM reads moved up; 0: in order
         # the reordered schedule (module doc, "PSUM and the compiler's reordering"), built as it runs:
@@ -331,9 +330,10 @@ class Memory:
     def _op_at(self, t: int) -> str:
         return self.ops[t] if t < len(self.ops) else "the kernel's return"
 
-    def check(self, strict: bool = True) -> None:
-        """Raise at the first instruction where the live SBUF bytes or PSUM banks exceed capacity
-        (``strict=False``: only measure); then the matmul accumulation groups (always strict).
+    def check(self, capacity: str = "checked") -> None:
+        """Raise at the first instruction where the live SBUF bytes or PSUM banks exceed capacity; then
+        check the matmul accumulation groups (always). ``capacity`` (:class:`LaunchRules`): "sbuf_spills"
+        records and warns about SBUF beyond capacity instead (PSUM stays checked), "unchecked" only measures.
 
         Also sets :attr:`sbuf_peak`, :attr:`psum_peak_banks` (in program order) and
         :attr:`psum_reordered_banks`. Never-accessed allocations take no space (the compiler drops
@@ -341,6 +341,8 @@ class Memory:
         PSUM that overflows in program order is judged on the reordered schedule
         (:meth:`check_psum_reordered`).
         """
+        _require_capacity("Memory.check", "capacity", capacity)
+        strict, spills = capacity != "unchecked", capacity == "sbuf_spills"
         events = []  # (time, 0 = dies / 1 = becomes live, index, allocation); deaths first
         for i, a in enumerate(self.allocations):
             if a.first >= 0:
@@ -373,7 +375,7 @@ class Memory:
                     auto_bytes += a.nbytes
                 sbuf_bytes = auto_bytes + placed_bytes
                 self.sbuf_peak = max(self.sbuf_peak, sbuf_bytes)
-                if strict and sbuf_bytes > self.sbuf_capacity and _SBUF_SPILLS.value:
+                if strict and sbuf_bytes > self.sbuf_capacity and spills:
                     if sbuf_bytes - self.sbuf_capacity > self.sbuf_spill:
                         self.sbuf_spill, self.sbuf_spill_at = sbuf_bytes - self.sbuf_capacity, t
                 elif strict and sbuf_bytes > self.sbuf_capacity:
@@ -394,7 +396,7 @@ class Memory:
                 f"SBUF spill: {self.sbuf_peak} bytes per partition live at the peak, "
                 f"{self.sbuf_spill} more than the capacity {self.sbuf_capacity} (at instruction "
                 f"{self.sbuf_spill_at}, {self._op_at(self.sbuf_spill_at)}); compiled with neuronx-cc's "
-                "default allocation the excess goes to the HBM scratchpad (memory.sbuf_spills)", self.sbuf_spill),
+                "default allocation the excess goes to the HBM scratchpad (capacity='sbuf_spills')", self.sbuf_spill),
                 stacklevel=2)
         if self.psum_reordered_banks:
             warnings.warn(PsumReorderWarning(
@@ -483,9 +485,70 @@ class LaunchContext:
         return n
 
 
+CAPACITY_MODES = ("checked", "sbuf_spills", "unchecked")  # LaunchRules.capacity
+
+
+@dataclass(frozen=True)
+class LaunchRules:
+    """The rules a launch's kernel instances run under: the launch arguments of
+    ``nki.simulate(kernel, strict=, capacity=, placement=)`` (:func:`trnkit.nkisim.jit.simulate`), which the
+    returned kernel carries to every launch. Each kernel instance holds them in its :class:`KernelContext`
+    (:attr:`KernelContext.rules`), where :meth:`Memory.check` and ``nl.ndarray`` read them. A launch made inside
+    a running kernel (a grid launch of another jit kernel) is part of its caller and runs under the caller's
+    rules; ``nki.collectives.run_ranks`` launches every rank under the rules of the kernel it is given.
+
+    ``strict`` (default True): undefined behaviour on the hardware (LNC=2 programs taking different runtime
+    control flow, ...) raises; False reports it as
+    :class:`~trnkit.nkisim.controlflow.UndefinedBehaviourWarning` (a trnkit extension, for exploring kernels).
+    Invalid uses raise either way.
+
+    ``capacity``: what :meth:`Memory.check` does when a kernel instance's live tiles exceed SBUF or PSUM in
+    program order.
+
+    * ``"checked"`` (default): an SBUF overflow raises, and so does PSUM that overflows in program order and in
+      the reordered schedule (module doc). trnkit's own kernels are held to this.
+    * ``"sbuf_spills"``: SBUF beyond capacity is recorded (:attr:`Memory.sbuf_spill`) and warned about
+      (:class:`SbufSpillWarning`), not raised; PSUM stays checked. How the compiler handles it: by default
+      neuronx-cc, not NKI, allocates SBUF/PSUM and orders the instructions after NKI traces the kernel
+      (``nki/deep-dives/nki-compile-config.rst``, Overview: "By default, neuronx-cc makes both decisions after
+      NKI traces the kernel"; ``nki.compiler.Allocation.COLORING``: "allocates the tiles with graph coloring
+      after it traces the kernel"), and the runtime gives every program an HBM scratchpad, "additional space
+      used to store intermediary SBUF" (``neuron-runtime/explore/device-memory.rst``). A kernel whose live
+      tiles exceed SBUF in program order therefore compiles: the allocator reorders or spills to the
+      scratchpad (extra DMA the cost model does not price). Only NKI's own allocator (``Allocation.LINEAR``)
+      fails "out of memory" instead. The conformance run launches AWS's kernels this way. PSUM cannot spill
+      (matmuls write only PSUM).
+    * ``"unchecked"``: neither SBUF nor PSUM overflow raises; the peaks are still recorded (the accumulation
+      groups stay checked). For published kernels that compile on Trainium although their tiles overflow in
+      program order (the compiler schedules or spills them; the liveness model does not): the calibration's
+      ports of the kernel-optimization tutorial. trnkit's own kernels never use it.
+
+    ``placement`` (default True): ``nl.ndarray(..., address=)`` on SBUF / PSUM places the tile on those bytes of
+    the kernel instance's memory (tensor.py, "manual placement"). False gives each placed tile storage of its
+    own, as if unplaced: a trnkit diagnostic, not a model of anything; the conformance run uses it to check that
+    a mismatch of a kernel that read overwritten placed tiles (:class:`PlacedTileOverwrittenWarning`) comes
+    from those reads."""
+
+    strict: bool = True
+    capacity: str = "checked"
+    placement: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("strict", "placement"):
+            value = getattr(self, name)
+            require(isinstance(value, bool), "nki.simulate", "argument {name} must be True or False, got "
+                    "{value!r}", name=name, value=value)
+        _require_capacity("nki.simulate", "argument capacity", self.capacity)
+
+
+def _require_capacity(op: str, name: str, value: Any) -> None:
+    require(value in CAPACITY_MODES, op, "{name} must be one of {allowed}, got {value!r}", name=name,
+            allowed=", ".join(map(repr, CAPACITY_MODES)), value=value)
+
+
 @dataclass
 class KernelContext:
-    """One kernel instance: its program id, its on-chip memory, its launch."""
+    """One kernel instance: its program id, its on-chip memory, its launch and the rules it runs under."""
 
     program_id: tuple[int, ...] = ()
     launch: LaunchContext = field(default_factory=LaunchContext)
@@ -494,37 +557,10 @@ class KernelContext:
     placed: dict = field(default_factory=dict)  # buffer name -> tensor.PlacementSpace (manual placement)
     collective_seq: int = 0  # nki.collectives calls made so far by this instance
     flat_program_id: int = 0
+    rules: LaunchRules = field(default_factory=LaunchRules)  # its launch's (jit.simulate's arguments)
 
 
 _tls = threading.local()
-class _Setting:
-    """A module-wide interpreter setting (not per thread: a grid launch runs its programs on threads) that a
-    context manager changes for the kernels called inside and restores on exit."""
-
-    def __init__(self, value: bool) -> None:
-        self.value = value
-
-    @contextlib.contextmanager
-    def set(self, value: bool) -> Iterator[None]:
-        saved, self.value = self.value, value
-        try:
-            yield
-        finally:
-            self.value = saved
-
-
-_CAPACITY_CHECKED = _Setting(True)
-_SBUF_SPILLS = _Setting(False)
-_PLACEMENT_MODELLED = _Setting(True)
-
-
-def capacity_check_off() -> contextlib.AbstractContextManager[None]:
-    """Kernels called inside do not raise on SBUF/PSUM overflow (the peaks are still recorded).
-
-    A trnkit extension for published kernels that compile on Trainium although their tiles overflow
-    in program order (the compiler schedules or spills them; the liveness model above does not): the
-    calibration's ports of the kernel-optimization tutorial. trnkit's own kernels never use it."""
-    return _CAPACITY_CHECKED.set(False)
 
 
 class PsumReorderWarning(RuntimeWarning):
@@ -539,42 +575,25 @@ class PsumReorderWarning(RuntimeWarning):
 
 
 class SbufSpillWarning(RuntimeWarning):
-    """A kernel instance needed more SBUF in program order than the capacity (see :func:`sbuf_spills`);
-    ``excess``: the most bytes per partition over the capacity."""
+    """A kernel instance launched with ``capacity="sbuf_spills"`` (:class:`LaunchRules`) needed more SBUF in
+    program order than the capacity; ``excess``: the most bytes per partition over the capacity."""
 
     def __init__(self, message: str, excess: int = 0) -> None:
         super().__init__(message)
         self.excess = excess
 
 
-def sbuf_spills() -> contextlib.AbstractContextManager[None]:
-    """Kernels called inside may hold more SBUF in program order than the capacity: the excess is
-    recorded (:attr:`Memory.sbuf_spill`) and warned about (:class:`SbufSpillWarning`), not raised.
-
-    How the compiler handles it: by default neuronx-cc, not NKI, allocates SBUF/PSUM and orders the
-    instructions after NKI traces the kernel (``nki/deep-dives/nki-compile-config.rst``, Overview:
-    "By default, neuronx-cc makes both decisions after NKI traces the kernel";
-    ``nki.compiler.Allocation.COLORING``: "allocates the tiles with graph coloring after it traces
-    the kernel"), and the runtime gives every program an HBM scratchpad, "additional space used to
-    store intermediary SBUF" (``neuron-runtime/explore/device-memory.rst``). A kernel whose live
-    tiles exceed SBUF in program order therefore compiles: the allocator reorders or spills to the
-    scratchpad (extra DMA the cost model does not price). Only NKI's own allocator
-    (``Allocation.LINEAR``) fails "out of memory" instead. The conformance run uses this mode for
-    AWS's kernels; trnkit's kernels are held to the stricter rule (no spill) by default. PSUM cannot
-    spill (matmuls write only PSUM) and stays checked."""
-    return _SBUF_SPILLS.set(True)
-
-
-def capacity_checked() -> bool:
-    """False inside :func:`capacity_check_off`."""
-    return _CAPACITY_CHECKED.value
+def running() -> KernelContext | None:
+    """The kernel instance running on this thread; None outside any kernel."""
+    stack = getattr(_tls, "stack", None)
+    return stack[-1] if stack else None
 
 
 def current() -> KernelContext:
     """The kernel instance running on this thread (a per-thread default outside any kernel)."""
-    stack = getattr(_tls, "stack", None)
-    if stack:
-        return stack[-1]
+    ctx = running()
+    if ctx is not None:
+        return ctx
     default = getattr(_tls, "default", None)
     if default is None:  # outside any kernel: no liveness records (see the module doc)
         default = _tls.default = KernelContext(memory=Memory(track=False))
@@ -663,16 +682,3 @@ def instruction(fn: Any) -> Any:
             st.space.written(st, name)
         return out
     return run
-
-
-def placement_off() -> contextlib.AbstractContextManager[None]:
-    """Kernels called inside give each ``nl.ndarray(..., address=)`` tile storage of its own, as if unplaced.
-
-    A trnkit diagnostic, not a model of anything: the conformance run uses it to check that a mismatch of a
-    kernel that read overwritten placed tiles (:class:`PlacedTileOverwrittenWarning`) comes from those reads."""
-    return _PLACEMENT_MODELLED.set(False)
-
-
-def placement_modelled() -> bool:
-    """False inside :func:`placement_off`."""
-    return _PLACEMENT_MODELLED.value
