@@ -122,26 +122,22 @@ def run_ranks(kernel: Any, n_ranks: int, make_inputs: Callable[[int], dict[str, 
     arguments and ``grid`` programs (e.g. 2 for LNC=2); returns each rank's result, in rank order. Every
     rank runs under the kernel's launch rules (``nki.simulate(kernel, capacity=...)``; a plain function or
     ``@nki.jit`` kernel: the defaults)."""
-    from .jit import Kernel, simulate
+    from .jit import Kernel, _launch, simulate
 
-    g = grid if isinstance(grid, tuple) else (grid,)
+    kernel = kernel if isinstance(kernel, Kernel) else simulate(kernel)
+    g = (grid if isinstance(grid, tuple) else (grid,)) or kernel.grid
     programs = math.prod(g) if g else 1
     world = _World(n_ranks, programs, threading.Barrier(n_ranks * programs, timeout=TIMEOUT_S))
-    kernel = kernel if isinstance(kernel, Kernel) else simulate(kernel)
-    launch = kernel[g] if g else kernel
     inputs = [make_inputs(r) for r in range(n_ranks)]
     results: list[Any] = [None] * n_ranks
     errors: list[BaseException | None] = [None] * n_ranks
 
     def run(r: int) -> None:
-        _mem.set_rank(_Rank(r, world))
         try:
-            results[r] = launch(**inputs[r])
+            results[r] = _launch(kernel.fn, g, (), inputs[r], kernel.rules, rank=_Rank(r, world))
         except BaseException as exc:  # noqa: BLE001  (re-raised below)
             errors[r] = exc
             world.barrier.abort()  # peers waiting at a collective stop too
-        finally:
-            _mem.set_rank(None)
 
     threads = [threading.Thread(target=run, args=(r,), name=f"nki-rank-{r}") for r in range(n_ranks)]
     for t in threads:

@@ -184,18 +184,19 @@ class Kernel:
 
 
 def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: dict,
-            rules: _mem.LaunchRules = _mem.LaunchRules()) -> Any:
-    """Run ``fn`` as one program per grid point, each under ``rules`` (:class:`~trnkit.nkisim.memory.LaunchRules`);
-    a launch made inside a running kernel is part of that kernel and runs under its rules instead."""
+            rules: _mem.LaunchRules = _mem.LaunchRules(), rank: Any = None) -> Any:
+    """Run ``fn`` as one program per grid point, each under ``rules`` (:class:`~trnkit.nkisim.memory.LaunchRules`),
+    on device ``rank`` of a multi-rank run (``collectives.run_ranks``; None: a lone device). A launch made inside
+    a running kernel is part of that kernel and runs under its rules, on its device, instead."""
     caller = _mem.running()
     if caller is not None:
-        rules = caller.rules
+        rules, rank = caller.rules, caller.launch.rank
     n = math.prod(grid) if grid else 1
     conv = _Args(shared_hbm if n > 1 else hbm)
     names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
     wargs = tuple(conv.wrap(a, names[i] if i < len(names) else f"arg{i}") for i, a in enumerate(args))
     wkwargs = {k: conv.wrap(v, k) for k, v in kwargs.items()}
-    launch = _mem.LaunchContext(grid=grid, barrier=_cf.Rendezvous(n) if n > 1 else None)
+    launch = _mem.LaunchContext(grid=grid, barrier=_cf.Rendezvous(n) if n > 1 else None, rank=rank)
     ids = list(itertools.product(*(range(g) for g in grid))) if grid else [()]
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n

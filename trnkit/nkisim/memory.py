@@ -475,7 +475,7 @@ class LaunchContext:
     mailbox: dict = field(default_factory=dict)  # sendrecv: (pipe_id, from, to) -> data
     seq: int = field(default_factory=_launch_counter.__next__)  # launch order, for the cost model
     # the device this launch runs on in a multi-rank run (collectives.run_ranks); None: a lone device
-    rank: Any = field(default_factory=lambda: getattr(_tls, "rank", None))
+    rank: Any = None
 
     @property
     def num_instances(self) -> int:
@@ -598,11 +598,6 @@ def current() -> KernelContext:
     if default is None:  # outside any kernel: no liveness records (see the module doc)
         default = _tls.default = KernelContext(memory=Memory(track=False))
     return default
-
-
-def set_rank(rank: Any) -> None:
-    """Launches made from this thread run as device ``rank`` (``collectives.run_ranks``; None: alone)."""
-    _tls.rank = rank
 
 
 def push_context(ctx: KernelContext) -> None:
