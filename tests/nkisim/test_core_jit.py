@@ -367,3 +367,43 @@ def test_decorated_subkernel_is_inlined_into_the_calling_program(lnc):
 def test_a_top_level_kernel_still_may_not_return_sbuf():
     with pytest.raises(NkiValidationError, match="on-chip tensor"):
         _scaled_tile_in_sbuf(RNG.standard_normal((128, 8)).astype(np.float32), 2.0)
+
+
+@pytest.mark.parametrize("lnc, fails", [(1, False), (2, False), (2, True)])
+def test_a_launch_keeps_none_of_its_memory_once_it_returns(lnc, fails):
+    """The held-out calibration traces hundreds of nki-library rows in one process: once a launch has returned
+    (or raised, and its exception is gone), nothing of its kernel instances is alive, even while the trace it
+    recorded is: their contexts, liveness records, placed SBUF bytes and tiles' data are freed (the trace
+    holds numbers and storage keys only)."""
+    import gc
+    import weakref
+
+    refs = []
+
+    @nki.jit
+    def kernel(x, fail):
+        ctx = memory.current()
+        a = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf, address=(0, 0))  # the instance's placed bytes
+        b = nl.ndarray((128, 512), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=a, src=x)
+        nisa.tensor_copy(dst=b, src=a)
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=b)
+        refs.extend(weakref.ref(o) for o in (ctx, ctx.memory, ctx.launch, *ctx.placed.values(), a.storage.data,
+                                             b.storage.data, out.storage.data))
+        if fail:
+            raise ValueError("the kernel stops here")
+        return out
+
+    x = RNG.standard_normal((128, 512)).astype(np.float32)
+    with trace.record() as tr:
+        if fails:
+            with pytest.raises(ValueError, match="the kernel stops here"):
+                kernel[lnc](x, fails)
+        else:
+            np.testing.assert_array_equal(kernel[lnc](x, fails), x)
+    gc.collect()
+    # (a failing program stops the other at its next instruction: it may not reach the end)
+    assert len(refs) == 7 * lnc if not fails else len(refs) in (7, 14)
+    assert len(tr) >= 3 * (len(refs) // 7)
+    assert [r for r in refs if r() is not None] == []
