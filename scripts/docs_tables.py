@@ -658,8 +658,9 @@ def calibration_nkilib_summary() -> str:
 
 
 def calibration_nkilib_launch() -> str:
-    """The estimated nki-library check points per family and LNC, the kernel's own estimate (kernel_*_us: what it
-    costs inside a larger graph) against the standalone launch the figure is of (low / mid / high_us: with
+    """The estimated nki-library check points per family and LNC, the kernel's own estimate (kernel_*_us: its
+    instructions in the standalone launch's HBM condition, without the start-up) against the standalone launch the
+    figure is of (low / mid / high_us: with
     cost_params.STANDALONE_LAUNCH): median error of the mid, within +-20 %, published inside low..high."""
     rows = [r for r in _nkilib_rows() if r["role"] == "check" and r["status"] == "ok"]
 

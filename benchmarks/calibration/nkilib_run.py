@@ -6,8 +6,10 @@ traces each check / context point's kernel the way the conformance harness runs 
 inputs, LNC, entry point; trace only: large matmuls skip their arithmetic) and appends ``low / mid / high`` of
 the cost model's estimate of a standalone launch (each test row runs its kernel as its own NEFF:
 ``cost.estimate(..., launch=cost_params.STANDALONE_LAUNCH)``) to ``nkilib_calibration.csv`` (one row per
-point, the newest kept), with its two parts: the kernel's own instructions (``kernel_*_us``, what the kernel
-costs inside a larger graph) and the launch's start-up / tear-down and LNC 2 core skew (``launch_*_us``). Points already
+point, the newest kept), with its two parts: the kernel's own instructions (``kernel_*_us``, in the standalone
+launch's HBM condition: what the kernel costs inside a larger graph at LNC 2; at LNC 1 its core has its HBM stack
+to itself at low / mid, ``cost.hbm_per_core``) and the launch's start-up / tear-down and LNC 2 core skew
+(``launch_*_us``). Points already
 in the CSV are skipped unless named; rows run smallest first (``--max-size``: skip rows whose work measure,
 :func:`size`, is larger). Nothing here is fitted: these are check points (split.csv). Run it under
 ``nice -n 15``: the larger rows trace for minutes.

@@ -48,7 +48,11 @@ KNOWN_MISSES = {
 # Slices that miss where the full shape does not (the full shapes are in calibration.csv).
 SLICE_MISSES = {"kernel_opt v2": "one M-tile row: 16% fast (the full shape: 9.8%); its DMA queues start empty"}
 # Check points whose published figure lies outside the model's low..high range, and why.
-KNOWN_OUTSIDE_RANGE: dict[str, str] = {}
+KNOWN_OUTSIDE_RANGE: dict[str, str] = {
+    "dma_curve 32": "0.016 published, 0.0113 / 0.0129 / 0.0152: since HBM is per stack (a one-core run has its "
+                    "stack to itself) the optimistic end's 27.2 B/ns engines speed up the 32 KiB reference, so the "
+                    "ratio's optimistic corner drops from 0.0183; a ratio's range is taken at the three corners",
+}
 # Published version changes predicted in the right direction but not within half their size.
 KNOWN_SIZE_MISSES = {
     ("kernel_opt v4", "kernel_opt v5"): "-0.17% for -0.4%: the profiles show v4's TensorE active 0.12 ms longer "
