@@ -53,6 +53,12 @@ def test_the_written_rule_on_made_up_rows():
     assert nkilib_rows.significant_digits(89_102_777) == 8 and nkilib_rows.significant_digits(125e7) == 3
 
 
+# "LNC 2" rows whose kernel issues every instruction on program 0 (checked: one program in the trace), so the
+# launch has no second core to wait for
+ONE_PROGRAM_AT_LNC2 = {"nkilib test_attention_cte:598", "nkilib test_attention_cte:692",
+                       "nkilib test_attention_cte:693"}
+
+
 def test_recorded_estimates_cover_the_points_and_compute_their_errors():
     import nkilib_run
 
@@ -65,8 +71,10 @@ def test_recorded_estimates_cover_the_points_and_compute_their_errors():
             low, mid, high = (float(r[k]) for k in ("low_us", "mid_us", "high_us"))
             assert low <= mid <= high
             # a standalone launch: the kernel's own estimate plus the launch's (cost_params.STANDALONE_LAUNCH),
-            # by hand: start-up 0 / 16.9 / 37.7 us, and at LNC 2 a core skew of 0 / 0 / 33.3 us
-            launch = (0.0, 16.9, 37.7 + (33.3 if r["lnc"] == "2" else 0.0))
+            # by hand: start-up 0 / 16.9 / 37.7 us, and at LNC 2 a core skew of 0 / 0 / 33.3 us when the trace
+            # has two programs (a few small attention_cte rows give the second core no work)
+            two = r["lnc"] == "2" and r["point"] not in ONE_PROGRAM_AT_LNC2
+            launch = (0.0, 16.9, 37.7 + (33.3 if two else 0.0))
             assert [float(r[f"launch_{k}_us"]) for k in ("low", "mid", "high")] == pytest.approx(launch)
             for k, total in zip(("low", "mid", "high"), (low, mid, high)):
                 assert float(r[f"kernel_{k}_us"]) + float(r[f"launch_{k}_us"]) == pytest.approx(total, abs=0.011)
