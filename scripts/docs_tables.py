@@ -925,6 +925,20 @@ def _static_fp8_kv(r: dict[str, str]) -> bool:
     return r["case"].startswith("fp8 static") and " kv_quant" in r["case"]
 
 
+def _qkv_cte_route(r: dict[str, str]) -> bool:
+    """A STATIC-fp8 x fp8-KV attention_block_tkg row above 128 tokens (B * S_tkg), whose qkv() runs qkv_cte, that
+    ran (not refused at the QK norm, not skipped by the test's memory limit)."""
+    sizes = dict(re.findall(r"\b(B|S)=(\d+)\b", r["shapes"]))
+    return _static_fp8_kv(r) and int(sizes["B"]) * int(sizes["S"]) > 128 and r["result"] not in ("REJECTED", "SKIPPED")
+
+
+def _qkv_cte_combinations() -> str:
+    """How many flag combinations (a case name without OPTIMAL / GENERALITY) the qkv_cte-route rows run cover."""
+    return str(len({re.sub(r" (OPTIMAL|GENERALITY)$", "", r["case"]) for r in read_csv("conformance.csv")
+                    if r["kernel"] == ATTN_BLOCK and re.search(r" model_config( \w+)?$", r["case"])
+                    and _qkv_cte_route(r)}))
+
+
 def _mlp_bf16_skipped(r: dict[str, str]) -> bool:
     """An mlp_tkg model row with bf16 weights that its test skips and that no documented rule refuses here."""
     return r["case"].startswith("bf16 rms_norm") and r["result"] == "SKIPPED" and _run_anyway(r) != "ERROR"
@@ -1116,6 +1130,17 @@ QUOTES = (
               model_config_count(ATTN_BLOCK, lambda r: _static_fp8_kv(r) and r["result"] == "GOLDEN_GAP"
                                  and "out of reach of the kernel's own QKV projection" in r["message"]),
               model_config_count(ATTN_BLOCK, lambda r: _static_fp8_kv(r) and r["result"] == "MISMATCH"))),
+    Quote("docs/interpreter.md", "past the {} run ({} of the 11 flag combinations with a row neither refused at the "
+          "QK norm nor skipped by the test's memory limit, cheapest rows first: {} PASS, {} GOLDEN_GAP by the rounded "
+          "reference, {} on the tapped tiles, {} MISMATCH",
+          "conformance.csv attention_block_tkg model rows on the qkv_cte route (STATIC fp8, fp8 KV, B * S > 128)", (
+              model_config_count(ATTN_BLOCK, _qkv_cte_route), _qkv_cte_combinations,
+              model_config_count(ATTN_BLOCK, lambda r: _qkv_cte_route(r) and r["result"] == "PASS"),
+              model_config_count(ATTN_BLOCK, lambda r: _qkv_cte_route(r) and r["result"] == "GOLDEN_GAP"
+                                 and "out of reach of the kernel's tile dtypes" in r["message"]),
+              model_config_count(ATTN_BLOCK, lambda r: _qkv_cte_route(r) and r["result"] == "GOLDEN_GAP"
+                                 and "out of reach of the kernel's own QKV projection" in r["message"]),
+              model_config_count(ATTN_BLOCK, lambda r: _qkv_cte_route(r) and r["result"] == "MISMATCH"))),
     Quote("docs/interpreter.md", "of the other 80 (bf16 weights), {} ran here and {} of them pass",
           "conformance.csv mlp_tkg SKIPPED model rows with bf16 weights not refused by the SBUF planner",
           (model_config_count("core/mlp/mlp_tkg", _mlp_bf16_skipped),
