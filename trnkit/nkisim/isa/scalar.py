@@ -4,12 +4,12 @@
 scalar or a ``[P, 1]`` fp32 tile; ``bias`` a scalar (NeuronCore-v3+) or a ``[P, 1]`` tile. The optional
 free-axis reduction goes into 128 per-lane ``reduce_regs`` controlled by ``reduce_cmd``
 (idle / reset / reduce / reset_reduce) and is read out into ``reduce_res`` when one is passed; the
-registers persist across instructions of the same kernel instance (one set per SPMD thread).
+registers persist across instructions of the same kernel instance (one set per kernel instance,
+``memory.KernelContext.accumulators``; see ``vector.registers``).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -28,13 +28,13 @@ from .vector import (
     get_op,
     is_tile,
     read,
+    registers,
     scalar_or_column,
     write,
 )
 
 __all__ = ["activation", "activation_reduce"]
 
-_scalar_regs = threading.local()
 _F32 = np.float32
 
 # "Supported Activation Functions for NKI ISA" (aws-neuron-sdk nki/api/nki.api.shared.rst, the table
@@ -88,9 +88,9 @@ def activation(dst: NkiTensor, op: Any, data: NkiTensor, bias: Any = None, scale
     _, out = _activate(OP, dst, op, data, bias, scale)
     P = data.shape[0]
     part = _ops.add.reduce(out, (1,), keepdims=True) if fr is not None else np.zeros((P, 1), _F32)
-    regs = _accumulate(_scalar_regs, OP, _ops.add, cmd, part)
-    if reduce_res is not None:
-        write(reduce_res, regs)
+    regs = _accumulate("scalar", OP, _ops.add, cmd, part)
+    if reduce_res is not None:  # idle reads the registers as they are (AccumulatorNotSetWarning if never set)
+        write(reduce_res, registers("scalar").read(OP, cmd, P, 0.0) if cmd == "idle" else regs)
     emit(OP, "scalar", {"dst": dst, "data": data, "bias": bias, "scale": scale, "reduce_res": reduce_res},
          op=_ops.resolve(op).name, reduce_cmd=cmd, reduce_res=reduce_res is not None)
 
@@ -111,6 +111,6 @@ def activation_reduce(dst: NkiTensor, op: Any, data: NkiTensor, reduce_op: Any,
     check_column(OP, "reduce_res", reduce_res, data.shape[0], "scalar")
     _, out = _activate(OP, dst, op, data, bias, scale)
     part = fr.reduce(out, (1,), keepdims=True)
-    write(reduce_res, _accumulate(_scalar_regs, OP, fr, "reset_reduce", part))
+    write(reduce_res, _accumulate("scalar", OP, fr, "reset_reduce", part))
     emit(OP, "scalar", {"dst": dst, "data": data, "bias": bias, "scale": scale, "reduce_res": reduce_res},
          op=_ops.resolve(op).name, reduce_op=fr.name, reduce_res=True)

@@ -16,12 +16,14 @@ PSUM, bitvec operators only on integer dtypes.
 from __future__ import annotations
 
 import math
-import threading
+import warnings
 from typing import Any
 
 import numpy as np
 
+from .. import controlflow as _cf
 from .. import dtypes, trace
+from .. import memory as _mem
 from .. import ops as _ops
 from ..errors import fail, require
 from ..tensor import NkiTensor
@@ -557,30 +559,94 @@ def nc_match_replace8(dst: NkiTensor, data: NkiTensor, vals: NkiTensor, imm: flo
 
 
 # ---------------------------------------------------------------------------------------------
-# Vector Engine accumulator registers (tensor_scalar_reduce); one set per kernel-instance thread
+# accumulation registers (reduce_cmd): one set per engine per kernel instance
 # ---------------------------------------------------------------------------------------------
 
-_vector_regs = threading.local()
+# What the NKI docs say about the registers' value before a kernel sets them: nothing. nki.isa.reduce_cmd:
+# "reset: Resets the accumulator registers to its initial state", "reduce: Keeps accumulating over the
+# current value of the accumulator registers"; nki.isa.activation: "nisa.reduce_cmd.idle: Do not modify
+# reduce_regs"; tensor_scalar_cumulative's pseudocode: "elif reduce_cmd == reduce: reg = reg". No sentence
+# gives their value at kernel start or calls it undefined, so a read before any set is a warning
+# (AccumulatorNotSetWarning), not an undefined-behaviour error.
+REDUCE_CMD_DOC = ('nki.isa.reduce_cmd: "reduce: Keeps accumulating over the current value of the accumulator '
+                  'registers"; no NKI doc gives their value at kernel start')
 
 
-def _accumulate(regs: threading.local, op: str, f: _ops.NkiOp, cmd: str, part: np.ndarray,
+class AccumulatorNotSetWarning(RuntimeWarning):
+    """An instruction read an engine's ``reduce_cmd`` accumulation registers on partitions that nothing in
+    its kernel instance had set (``reset`` / ``reset_reduce`` / ``load_reduce`` / an earlier ``reduce``):
+    a device's registers hold whatever the core left there, and the NKI docs say nothing of their value at
+    kernel start. The interpreter reads the reduce operator's identity there. A warning, in ``strict`` mode
+    too: no doc calls it undefined. ``op``, ``engine``, ``partitions`` (the unset ones)."""
+
+    def __init__(self, message: str, op: str = "", engine: str = "", partitions: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.op = op
+        self.engine = engine
+        self.partitions = partitions
+
+
+class Accumulators:
+    """One engine's 128 per-partition fp32 accumulation registers in one kernel instance
+    (``memory.KernelContext.accumulators``; see :func:`registers`) and which partitions it has set."""
+
+    __slots__ = ("engine", "value", "is_set")
+
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.value = np.zeros((PMAX, 1), dtype=_F32)
+        self.is_set = np.zeros(PMAX, dtype=bool)
+
+    def read(self, op: str, cmd: str, P: int, unset: float) -> np.ndarray:
+        """Registers ``[:P]`` as ``op`` (``reduce_cmd=cmd``) reads them; partitions never set read as
+        ``unset`` and raise :class:`AccumulatorNotSetWarning`."""
+        missing = ~self.is_set[:P]
+        if missing.any():
+            lanes = tuple(int(i) for i in np.flatnonzero(missing))
+            shown = f"[{lanes[0]}, {lanes[-1] + 1})" if len(lanes) == lanes[-1] + 1 - lanes[0] else str(list(lanes))
+            warnings.warn(AccumulatorNotSetWarning(
+                f"{op} at {_cf.user_site()}: reduce_cmd={cmd} reads the {self.engine.capitalize()} Engine "
+                f"accumulation registers of partitions {shown} before anything in this kernel instance set "
+                f"them (reduce_cmd reset / reset_reduce / load_reduce); they hold what the core left there "
+                f"({REDUCE_CMD_DOC}); the interpreter reads {float(unset)!r}, the reduce operator's identity",
+                op=op, engine=self.engine, partitions=lanes), stacklevel=4)
+            self.value[:P][missing] = _F32(unset)
+        return self.value[:P]
+
+    def store(self, P: int, value: np.ndarray) -> None:
+        self.value[:P] = value
+        self.is_set[:P] = True
+
+
+def registers(engine: str) -> Accumulators:
+    """The running kernel instance's accumulation registers of ``engine`` ("vector" / "scalar"): created
+    fresh, none set, the first time the instance uses them, so every program of a launch (each LNC=2 core,
+    each grid point) has its own and a launch sees nothing of an earlier one. Outside any kernel: this
+    thread's default context's."""
+    regs = _mem.current().accumulators
+    acc = regs.get(engine)
+    if acc is None:
+        acc = regs[engine] = Accumulators(engine)
+    return acc
+
+
+def _accumulate(engine: str, op: str, f: _ops.NkiOp, cmd: str, part: np.ndarray,
                 init: Any = None) -> np.ndarray:
-    """Apply ``reduce_cmd`` semantics to the per-partition registers and return their new value."""
+    """Apply ``reduce_cmd`` semantics to ``engine``'s per-partition registers and return their new value."""
     P = part.shape[0]
-    state = getattr(regs, "value", None)
-    if state is None or state.shape[0] < PMAX:
-        state = np.zeros((PMAX, 1), dtype=_F32)
+    regs = registers(engine)
     ident = _F32(f.reduce_identity)
     if cmd in ("reset", "reset_reduce"):
-        state[:P] = ident
+        regs.store(P, ident)
     elif cmd == "load_reduce":
-        state[:P] = init
-    if cmd in ("reduce", "reset_reduce", "load_reduce"):
-        state[:P] = f.apply(state[:P], part)
+        regs.store(P, init)
+    if cmd == "reduce":
+        regs.store(P, f.apply(regs.read(op, cmd, P, ident), part))
+    elif cmd in ("reset_reduce", "load_reduce"):
+        regs.store(P, f.apply(regs.value[:P], part))
     elif cmd not in ("idle", "reset"):
         fail(op, "unknown reduce_cmd {cmd}", cmd=cmd)
-    regs.value = state
-    return state[:P]
+    return regs.value[:P]
 
 
 def tensor_scalar_reduce(dst: NkiTensor, data: NkiTensor, op0: Any, operand0: Any, reduce_op: Any,
@@ -612,7 +678,7 @@ def tensor_scalar_reduce(dst: NkiTensor, data: NkiTensor, op0: Any, operand0: An
         init = scalar_or_column(OP, "reduce_init", reduce_init, P, "vector", fp32=True)
     part = fr.reduce(x, (1,), keepdims=True)
     write(dst, x)
-    write(reduce_res, _accumulate(_vector_regs, OP, fr, cmd, part, init))
+    write(reduce_res, _accumulate("vector", OP, fr, cmd, part, init))
     emit(OP, "vector", {"dst": dst, "data": data, "operand0": operand0, "reduce_res": reduce_res},
          op=f0.name, reduce_op=fr.name)
 
@@ -647,18 +713,16 @@ def tensor_scalar_cumulative(dst: NkiTensor, src: NkiTensor, op0: Any, op1: Any,
                 dtype=t.dtype.name)
     P = src.shape[0]
     y = f0.apply(read(src), scalar_or_column(OP, "imm0", imm0, P, "vector", fp32=True))
-    state = getattr(_vector_regs, "value", None)
-    if cmd == "reset_reduce" or state is None:
+    regs = registers("vector")
+    if cmd == "reset_reduce":
         init = np.full((P, 1), f1.reduce_identity, dtype=_F32)
     elif cmd == "load_reduce":
         init = np.broadcast_to(scalar_or_column(OP, "imm1", imm1, P, "vector", fp32=True), (P, 1))
     else:
-        init = state[:P]
+        init = regs.read(OP, cmd, P, f1.reduce_identity).copy()
     with np.errstate(all="ignore"):
         scan = f1.reduce_ufunc.accumulate(np.concatenate([init.astype(_F32), y], axis=1), axis=1)[:, 1:]
-    regs = state if state is not None else np.zeros((PMAX, 1), dtype=_F32)
-    regs[:P] = scan[:, -1:]
-    _vector_regs.value = regs
+    regs.store(P, scan[:, -1:])
     write(dst, scan)
     emit(OP, "vector", {"dst": dst, "src": src, "imm0": imm0, "imm1": imm1}, op=f1.name, op0=f0.name)
 
@@ -760,11 +824,9 @@ def _max_into_registers(op: str, fr: _ops.NkiOp, cmd: str, values: np.ndarray,
                         reduce_res: NkiTensor | None) -> None:
     """Shared tail of the select instructions: max-reduce into the Vector accumulator, read out."""
     if cmd != "idle":
-        _accumulate(_vector_regs, op, fr, cmd, fr.reduce(values, (1,), keepdims=True))
+        _accumulate("vector", op, fr, cmd, fr.reduce(values, (1,), keepdims=True))
     if reduce_res is not None:
-        state = getattr(_vector_regs, "value", None)
-        P = values.shape[0]
-        write(reduce_res, state[:P] if state is not None else np.full((P, 1), -np.inf, _F32))
+        write(reduce_res, registers("vector").read(op, cmd, values.shape[0], fr.reduce_identity))
 
 
 def _check_select_reduce_args(op: str, reduce_op: Any, reduce_cmd: Any, reduce_res: Any, partitions: int,
