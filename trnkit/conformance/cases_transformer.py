@@ -769,21 +769,39 @@ def _attention_inputs(ref: Any, fed: Any, capture: dict[str, np.ndarray] | None)
     """Inside the block the reference's attention reads ``fed`` = (Q ``[d, B*N*S]`` unscaled, K ``[d, B*S]``,
     V ``[B*S, d]``: the kernel's tiles) in its layouts (Q ``[d, B, N, S]``, K ``[d, B, S]``, V ``[B, S, d]``), K / V
     also going to the cache update (they replace ``_quantize_kv_to_fp8``'s result); ``capture`` gets the Q, K, V it
-    reads. Nothing changes when both are None."""
+    reads and, where RoPE runs and no norm follows it, ``K_products``: each K element's RoPE products' magnitudes
+    ``|x_r cos| + |x_i sin|`` times ``|k_scale|`` (``[D, B, S]`` as K). Nothing changes when both are None."""
     import torch
 
     if fed is None and capture is None:
         yield
         return
     cls = ref.AttentionBlockTkgTorchRef
-    run, quantize = cls._run_attention, cls._quantize_kv_to_fp8
+    run, quantize, rope, post = cls._run_attention, cls._quantize_kv_to_fp8, cls._apply_rope_to_qk, \
+        cls._qk_norm_post_rope
     as_f32 = lambda t: torch.from_numpy(np.asarray(t, np.float32).copy())  # noqa: E731
 
-    def quantized(self: Any, k: Any, v: Any, *a: Any) -> tuple[Any, Any]:
-        k, v = quantize(self, k, v, *a)
+    def quantized(self: Any, k: Any, v: Any, k_scale: Any, *a: Any) -> tuple[Any, Any]:
+        if capture is not None and "K_products" in capture:  # (in K's scaled units, as the kernel's fp8 K holds it)
+            capture["K_products"] = capture["K_products"] * abs(float(k_scale[0, 0]))
+        k, v = quantize(self, k, v, k_scale, *a)
         if fed is not None:
             k, v = as_f32(fed[1]).reshape(k.shape), as_f32(fed[2]).reshape(v.shape)
         return k, v
+
+    def roped(self: Any, qkv: Any, cos: Any, sin: Any, *a: Any) -> tuple[Any, Any]:
+        if capture is not None and cos is not None and sin is not None:
+            # each K element's two RoPE products' magnitudes, |x_r cos| + |x_i sin| (the reference's own RoPE on
+            # |x| with one table zeroed at a time: the cosine terms, then the sine terms, each |.|)
+            x, c, s = qkv.abs(), cos.abs(), sin.abs()
+            k_cos, k_sin = rope(self, x, c, s * 0, *a)[1], rope(self, x, c * 0, s, *a)[1]
+            capture["K_products"] = (k_cos.abs() + k_sin.abs()).detach().numpy().copy()
+        return rope(self, qkv, cos, sin, *a)
+
+    def normed(self: Any, q: Any, k: Any, d_head: int, enabled: bool, *a: Any) -> tuple[Any, Any]:
+        if capture is not None and enabled:  # (a norm after RoPE rescales the products' errors: no magnitude)
+            capture.pop("K_products", None)
+        return post(self, q, k, d_head, enabled, *a)
 
     def attention(self: Any, q: Any, k: Any, v: Any, *a: Any, **kw: Any) -> Any:
         if fed is not None:
@@ -792,11 +810,13 @@ def _attention_inputs(ref: Any, fed: Any, capture: dict[str, np.ndarray] | None)
             capture.update(Q=q.detach().numpy().copy(), K=k.detach().numpy().copy(), V=v.detach().numpy().copy())
         return run(self, q, k, v, *a, **kw)
 
-    cls._run_attention, cls._quantize_kv_to_fp8 = attention, quantized
+    cls._run_attention, cls._quantize_kv_to_fp8, cls._apply_rope_to_qk, cls._qk_norm_post_rope = \
+        attention, quantized, roped, normed
     try:
         yield
     finally:
-        cls._run_attention, cls._quantize_kv_to_fp8 = run, quantize
+        cls._run_attention, cls._quantize_kv_to_fp8, cls._apply_rope_to_qk, cls._qk_norm_post_rope = \
+            run, quantize, rope, post
 
 
 # the kernel's tiles tapped for harness.tapped_golden_gap: qkv()'s output in attention_block_tkg (QKV_out, the bf16
@@ -873,7 +893,14 @@ def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
     (2) the Q, K, V that attention reads (``_QKV_processing``'s tiles: Q bf16, K / V fp8) against nki-library's
     reference (float32) fed the rank's core-0 QKV tile: its Q / K / V norms, RoPE and KV scaling, unrounded.
     Q's roundings: one for the pre-RoPE norm's bf16 tile, three for RoPE's two products and their sum, one for the
-    post-RoPE norm, one for the copy out of the fp32 norm; K / V are fp8 tiles (within one fp8 step of it)."""
+    post-RoPE norm, one for the copy out of the fp32 norm; K / V are fp8 tiles (within one fp8 step of it). K's
+    roundings are Q's, at the magnitude of what they round: for an output ``y = x_r cos - x_i sin`` (or ``x_r sin +
+    x_i cos``) with ``P = |x_r cos| + |x_i sin|``, the pre-RoPE norm tile's rounding reaches ``y`` as at most ``u P``,
+    the two products round at ``|x_r cos|`` and ``|x_i sin|`` (together ``u P``), their sum and the copies after
+    at ``|y| <= P``, all before the x ``k_scale`` and the clip to +-240 (which moves no two values further apart);
+    so each element's six roundings are taken at ``k_scale P`` (the reference's ``K_products``) where that is
+    larger than its row's largest K after the clip (240 at most, where RoPE's products reach ~2,000 scaled).
+    Without RoPE, or with a norm after it (which rescales those errors), the row's largest K alone, as for Q."""
     def projection(inputs: dict[str, Any], tapped: dict[str, list], run: Callable[..., dict]) -> list:
         out = []
         ranks = inputs["ranks"] if "ranks" in inputs else [inputs]
@@ -908,8 +935,9 @@ def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
                 last = lambda a: np.moveaxis(a, 0, -1)  # noqa: E731  (d last: a row is one head's vector)
                 out.append((f"rank {rank} core {program} Q", last(np.asarray(q_t).reshape(cap["Q"].shape)),
                             last(cap["Q"]), 6, False))
+                products = cap.get("K_products")
                 out.append((f"rank {rank} core {program} K", last(np.asarray(k_t).reshape(cap["K"].shape)),
-                            last(cap["K"]), 6, True))
+                            last(cap["K"]), 6, True, None if products is None else last(products)))
                 out.append((f"rank {rank} core {program} V", np.asarray(v_t).reshape(cap["V"].shape), cap["V"], 1,
                             True))
         return out

@@ -18,7 +18,8 @@ for the row: XFAIL (the test marks it ``xfail`` and the mismatch is the cause th
 message starts with the interpreter's own verdict, :attr:`Row.verdict`). GOLDEN_GAP: a mismatch whose cause is
 nki-library's golden, checked per row (:func:`golden_gap`): the same reference, with its values rounded where the
 kernel's tiles hold a narrower dtype than it computes in (``Case.rounded_reference``), fails the test's own
-validator against the golden, and the kernel is no further from that rounded reference than the golden is.
+validator against the golden, and the kernel meets that validator against the rounded reference; a case with the
+kernel's own tiles tapped (``Case.tapped_reference``) is GOLDEN_GAP only by that check (:func:`tapped_golden_gap`).
 STALE_READ: a mismatch whose cause is the kernel's own placement, checked per row: it read manually placed tiles
 after another tile placed on their bytes overwrote them (``memory.PlacedTileOverwrittenWarning``: a device reads
 the same overwritten bytes), and run again with every placed tile on storage of its own
@@ -63,7 +64,8 @@ ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that 
 # a case nki-library's test marks xfail whose mismatch is the cause its Case.xfail_check confirms
 XFAIL = "XFAIL"
 # a mismatch whose cause is nki-library's golden: its reference rounded as the kernel's tiles are
-# (Case.rounded_reference) fails the test's validator too, and the kernel is no further from it (golden_gap)
+# (Case.rounded_reference) fails the test's validator too, and the kernel meets the validator against it
+# (golden_gap); for a case with a Case.tapped_reference, only its tapped check (tapped_golden_gap)
 GOLDEN_GAP = "GOLDEN_GAP"
 # a mismatch that comes from the kernel reading placed tiles another placed tile overwrote: with each placed tile on
 # storage of its own (launched with placement=False) the row passes (_stale_read)
@@ -128,9 +130,10 @@ class Case:
     # (what it rounds, ref_inputs): nki-library's reference with its values rounded where the kernel's tiles hold a
     # narrower dtype than the reference computes in (e.g. fp8 tiles where it keeps float32 clipped to fp8's range);
     # a MISMATCH is GOLDEN_GAP when golden_gap finds the golden out of reach of that rounding, else it stays MISMATCH
+    # (not used for a case with a tapped_reference: the tapped check alone decides it)
     rounded_reference: tuple[str, Callable[[dict[str, Any]], dict[str, Any]]] | None = None
-    # the kernel's own intermediate tiles recorded during the run (:class:`TappedReference`): a MISMATCH that
-    # golden_gap leaves is GOLDEN_GAP when tapped_golden_gap's three conditions hold, else it stays MISMATCH
+    # the kernel's own intermediate tiles recorded during the run (:class:`TappedReference`): a MISMATCH is
+    # GOLDEN_GAP only when tapped_golden_gap's three conditions hold, else it stays MISMATCH
     tapped_reference: TappedReference | None = None
 
 
@@ -143,7 +146,8 @@ class TappedReference:
     the same object back). ``projection(inputs, taps, run)`` -> ``[(label, tapped, exact, roundings, fp8), ...]``:
     tapped tiles and a computation of the same values (float64, or nki-library's float32 reference, which
     ``run(fn)`` runs with its inputs mapped by ``fn``) from the kernel's own tapped inputs to them, with the number
-    of bf16 roundings each element can go through and whether the tile is fp8 (:func:`within_roundings`).
+    of bf16 roundings each element can go through and whether the tile is fp8 (:func:`within_roundings`), and
+    optionally (a sixth item) the magnitude those roundings act on (``within_roundings``' ``magnitude``).
     ``ref_inputs(kw, taps)``: the reference's inputs (the case's ``ref_inputs`` already applied) with the tapped
     tiles fed in; ``what`` says which. ``min_cosine``: how near (cosine similarity, every output the kernel fails)
     the kernel must be to that reference. ``routes``: groups of taps of which exactly one records a tile in a run
@@ -823,14 +827,15 @@ def _run_case_as_nki(case: Case, root: Path, commit: str, placement: bool = True
                 row.verdict, row.result = MISMATCH, STALE_READ
             row.message = f"{why}; {row.message}"
         elif case.rounded_reference is not None or case.tapped_reference is not None:
-            shown, why = golden_gap(case, root, inputs, actual, expected, failing) \
-                if case.rounded_reference is not None else (False, "")
-            if not shown and case.tapped_reference is not None:
+            # a case with a tapped reference is GOLDEN_GAP only where the tapped check confirms it: the rounded
+            # reference alone cannot tell a 3 % kernel error from the golden's gap where that gap is wide
+            if case.tapped_reference is not None:
                 try:
-                    shown, tapped_why = tapped_golden_gap(case, root, inputs, actual, expected, failing, tapped)
+                    shown, why = tapped_golden_gap(case, root, inputs, actual, expected, failing, tapped)
                 except Exception as exc:  # noqa: BLE001  (the row stays MISMATCH and says why it was not checked)
-                    tapped_why = f"the tapped check failed: {type(exc).__name__}: {exc}"
-                why = tapped_why if shown else "; ".join(w for w in (why, tapped_why) if w)
+                    shown, why = False, f"the tapped check failed: {type(exc).__name__}: {exc}"
+            else:
+                shown, why = golden_gap(case, root, inputs, actual, expected, failing)
             if shown:  # the test's golden, not the kernel's arithmetic on the interpreter: checked per output
                 row.verdict, row.result = MISMATCH, GOLDEN_GAP
                 row.message = f"{why}; {row.message}"
@@ -920,9 +925,12 @@ def golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: dict[str,
     tiles hold a narrower dtype) is computed from the row's ``inputs``, and for every output in ``failing`` (the
     kernel's outputs the test's validator fails against the golden ``expected``) (1) that rounded reference fails
     the test's validator against the golden as well: no computation that rounds where the kernel's declared tiles
-    must can be expected to meet the test, on a device either; and (2) on each criterion the kernel fails, the
-    kernel is no further from the rounded reference than the golden is: its own error is within the rounding's
-    reach."""
+    must can be expected to meet the test, on a device either; and (2) the kernel meets the test's validator (its
+    tolerance, pass rate and cosine) against the rounded reference: its own error is no larger than the test
+    allows an implementation of that reference. (2) does not compare with the golden's distance from the rounded
+    reference: where that gap is wide it would take a kernel error as large as the gap (a QKV tile 3 % off passed
+    it on attention_block_tkg's qkv_cte row). Only for a case without a ``tapped_reference``: a case with one is
+    GOLDEN_GAP only by :func:`tapped_golden_gap`."""
     what, rounded_inputs = case.rounded_reference
     # (inside the row's nki_is_interpreter: the inputs' enums are the same modules' as the reference's)
     rounded = reference_outputs(dataclasses.replace(case, ref_inputs=rounded_inputs), inputs, root)
@@ -934,17 +942,15 @@ def golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: dict[str,
         if judge(case, name, rounded[name], expected[name]).ok:  # the rounding alone meets the test
             return False, (f"{name}: the rounded reference's " + ", ".join(
                 _measure(c, name, case, ref_miss[c]) for c in kernel.failed) + " against the golden meets the test")
-        near, gold = _distance(case, name, actual[name], rounded[name]), _distance(case, name, expected[name],
-                                                                                   rounded[name])
-        beyond = [c for c in kernel.failed if not near[c] <= gold[c]]
-        if beyond:  # the kernel's own error is larger than the rounding's
-            return False, f"{name}: the kernel's " + ", ".join(
-                f"{_measure(c, name, case, near[c])} from the rounded reference is beyond the golden's "
-                f"{_measure(c, name, case, gold[c])}" for c in beyond)
+        near, to_rounded = judge(case, name, actual[name], rounded[name]), _distance(case, name, actual[name],
+                                                                                      rounded[name])
+        if not near.ok:  # the kernel's own error is beyond what the test allows an implementation of the rounding
+            return False, f"{name}: the kernel fails the test against the rounded reference (" + ", ".join(
+                _measure(c, name, case, to_rounded[c]) for c in near.failed) + ")"
         parts.append(f"{name}: " + ", ".join(
-            f"the rounded reference's {_measure(c, name, case, ref_miss[c])} against the golden fails the test too, "
-            f"the kernel's {_measure(c, name, case, near[c])} from the rounded reference is within the golden's "
-            f"{_measure(c, name, case, gold[c])}" for c in kernel.failed))
+            f"the rounded reference's {_measure(c, name, case, ref_miss[c])} against the golden fails the test too"
+            for c in kernel.failed) + ", the kernel meets the test against the rounded reference (" + ", ".join(
+            _measure(c, name, case, to_rounded[c]) for c in ("tolerance", "cosine")) + ")")
     return bool(parts), f"nki-library's golden is out of reach of {what}: " + "; ".join(parts)
 
 
@@ -1042,8 +1048,8 @@ def _peek(tile: Any) -> np.ndarray | None:
 BF16_UNIT = 2.0 ** -8  # bf16's unit roundoff: 8 significant bits, a round to nearest is off by at most 2^-8 relative
 
 
-def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp8: bool = False
-                     ) -> tuple[bool, float, str]:
+def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp8: bool = False,
+                     magnitude: np.ndarray | None = None) -> tuple[bool, float, str]:
     """Whether ``tapped`` (a bf16 tile, last axis its features, rows its tokens) is ``exact`` (float64) after at
     most ``roundings`` bf16 roundings per element, and the measured figures.
 
@@ -1064,6 +1070,11 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp
     ``roundings`` may have a fraction: float32 roundings on the way, each ``2^-24`` relative, count ``2^-16`` of a
     bf16 one.
 
+    ``magnitude`` (fp8 only; ``exact``'s shape, >= 0): per element, a bound of the values its roundings act on where
+    they can be larger than ``exact``'s row (e.g. a RoPE output ``x_r cos - x_i sin``: its products round at
+    ``|x_r cos|`` and ``|x_i sin|``, before a scale and the clip to +-240): the element's ``e`` is then
+    ``roundings * u * max(max_row|exact|, magnitude)``, never less than without it.
+
     Returns ``(ok, worst, figures)``: ``worst`` the largest error as a share of its element's bound."""
     t, x = np.asarray(tapped, np.float64), np.asarray(exact, np.float64)
     if t.shape != x.shape or not np.all(np.isfinite(t)):
@@ -1076,12 +1087,16 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp
         err = np.abs(t - x)
         nearest = x.astype(np.float32).astype(ml_dtypes.float8_e4m3).astype(np.float64)
         row_max = np.abs(x).reshape(-1, x.shape[-1]).max(axis=1).reshape(x.shape[:-1] + (1,))
+        if magnitude is not None:
+            row_max = np.maximum(row_max, np.asarray(magnitude, np.float64))
         e = roundings * BF16_UNIT * row_max
         step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(x) + e, 2.0 ** -6))) - 3)  # e4m3: 3 mantissa bits
         bound = e + step / 2
         worst = float(np.max(err / bound)) if err.size else 0.0
+        at_what = "" if magnitude is None else " at the products' magnitude"
         return worst <= 1.0, worst, (f"fp8: {np.mean(t != nearest):.2%} not the nearest fp8 value, max|err| "
-                                     f"{worst:.2f} of the bound ({roundings:g} bf16 roundings and half an fp8 step)")
+                                     f"{worst:.2f} of the bound ({roundings:g} bf16 roundings{at_what} and half an "
+                                     "fp8 step)")
     row_max = np.abs(x).reshape(-1, x.shape[-1]).max(axis=1).reshape(x.shape[:-1] + (1,))
     bound = roundings * BF16_UNIT * row_max
     worst = float(np.max(err / np.where(bound > 0, bound, np.inf))) if err.size else 0.0
@@ -1130,8 +1145,8 @@ def tapped_golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: di
             case, ref_inputs=lambda kw: fn(case.ref_inputs(kw) if case.ref_inputs else kw)), inputs, root)
 
     stages: dict[str, list[tuple[float, str, str]]] = {}  # per stage (a label's last word): its tiles' figures
-    for label, got, exact, roundings, fp8 in spec.projection(inputs, tapped, run):
-        ok, worst, figures = within_roundings(got, exact, roundings, fp8)
+    for label, got, exact, roundings, fp8, *magnitude in spec.projection(inputs, tapped, run):
+        ok, worst, figures = within_roundings(got, exact, roundings, fp8, *magnitude)
         if not ok:  # (a): the kernel's tile is not its computation from its own inputs
             return False, f"tapped {label}: {figures}, beyond its bound"
         stages.setdefault(label.split()[-1], []).append((worst, label, figures))
