@@ -1059,3 +1059,36 @@ def test_a_mismatch_from_reading_overwritten_placed_tiles_is_stale_read_when_it_
     assert row.result == harness.MISMATCH and not harness.row_ok(off, row)
     assert row.message.startswith("reads placed tiles another placed tile overwrote (2 reads; first: ") and \
         ", but with every placed tile on storage of its own the row is MISMATCH too" in row.message, row.message
+
+
+UNSET_READ = '''
+import nki.isa as nisa
+import nki.language as nl
+
+
+def scale_and_read_unset(x, out, factor):
+    """x * factor, plus one Scalar-engine accumulate that reads registers nothing in the kernel had set."""
+    t = nl.ndarray((128, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+    res = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+    for r0 in range(0, x.shape[0], 128):
+        nisa.dma_copy(dst=t, src=x[r0:r0 + 128, :])
+        nisa.activation(dst=t, op=nl.copy, data=t, scale=factor, reduce_op=nl.add, reduce_res=res,
+                        reduce_cmd=nisa.reduce_cmd.reduce)
+        nisa.dma_copy(dst=out[r0:r0 + 128, :], src=t)
+    return out
+'''
+
+
+def test_a_read_of_unset_accumulation_registers_is_named_in_the_row(fake_checkout):
+    """A kernel that reads reduce_cmd registers nothing in its instance had set (isa.vector.AccumulatorNotSetWarning)
+    still passes on its outputs, and its row says so: the first program's first read (later reads of the same
+    partitions find them set by that one)."""
+    (fake_checkout / "src" / "nkilib_src" / "unset_read.py").write_text(textwrap.dedent(UNSET_READ))
+    case = _case()
+    case = harness.Case(**{**case.__dict__, "entry": "nkilib_src.unset_read:scale_and_read_unset"})
+    row = harness.run_case(case, fake_checkout)
+    assert row.result == harness.PASS, row.message
+    assert "1 read(s) of accumulation registers nothing had set; first: " in row.message
+    assert "activation" in row.message and "Scalar" in row.message
+    plain = harness.run_case(_case(), fake_checkout)  # the same job with no register read: no such note
+    assert plain.result == harness.PASS and "accumulation registers" not in plain.message

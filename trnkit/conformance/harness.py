@@ -729,6 +729,7 @@ def _run_case(case: Case, root: Path, commit: str) -> Row:
 
 def _run_case_as_nki(case: Case, root: Path, commit: str, placement: bool = True) -> Row:
     from trnkit.nkisim import memory
+    from trnkit.nkisim.isa.vector import AccumulatorNotSetWarning
 
     row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
               nkilib_commit=commit)
@@ -763,6 +764,7 @@ def _run_case_as_nki(case: Case, root: Path, commit: str, placement: bool = True
                 warnings.simplefilter("always", memory.SbufSpillWarning)
                 warnings.simplefilter("always", memory.PsumReorderWarning)
                 warnings.simplefilter("always", memory.PlacedTileOverwrittenWarning)
+                warnings.simplefilter("always", AccumulatorNotSetWarning)
                 with tap(case.tapped_reference.taps if case.tapped_reference else (), root) as tapped:
                     result = _launch(case, kernel, kernel_in, placement)
             del kernel_in  # (what the kernel returned stays referenced by result)
@@ -770,6 +772,7 @@ def _run_case_as_nki(case: Case, root: Path, commit: str, placement: bool = True
             reorders = [w.message for w in caught if issubclass(w.category, memory.PsumReorderWarning)]
             overwritten = [str(w.message) for w in caught
                            if issubclass(w.category, memory.PlacedTileOverwrittenWarning)]
+            unset = [str(w.message) for w in caught if issubclass(w.category, AccumulatorNotSetWarning)]
         finally:
             row.seconds = time.perf_counter() - t0
             if case.cleanup:
@@ -812,8 +815,8 @@ def _run_case_as_nki(case: Case, root: Path, commit: str, placement: bool = True
         if not ratio <= worst_ratio:  # (NaN: worst)
             worst_ratio, row.max_abs_err, row.allowed_err = ratio, err, allowed
     row.result = PASS if ok_all else MISMATCH
-    row.message = "; ".join(m for m in (case.note, *shares, reshaped, _reorder_note(reorders), _spill_note(spills))
-                            if m)
+    row.message = "; ".join(m for m in (case.note, *shares, reshaped, _reorder_note(reorders), _spill_note(spills),
+                                          _unset_note(unset)) if m)
     if not ok_all:
         row.message = "; ".join([f"{n}: max|err| {e:.3g} > {a:.3g}" for n, (e, a) in row.outputs.items()
                                  if not e <= a] + shares + ([case.note] if case.note else []))
@@ -1231,6 +1234,12 @@ def _spill_note(spills: list) -> str:
         return ""
     worst = max(spills, key=lambda w: w.excess)
     return f"{len(spills)} program(s) exceed SBUF in program order: {worst}"
+
+
+def _unset_note(unset: list[str]) -> str:
+    """One line for the reads of accumulation registers nothing in the kernel instance had set (a device's
+    registers hold what the core left there: ``AccumulatorNotSetWarning``); "" without any."""
+    return f"{len(unset)} read(s) of accumulation registers nothing had set; first: {unset[0]}" if unset else ""
 
 
 def _reorder_note(reorders: list) -> str:
