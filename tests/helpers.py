@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch._library import custom_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trnkit.nki_api import nisa, nki, nl
 from trnkit.nkisim import hardware
 from trnkit.nkisim.trace import TENSOR, Instr, Operand
 
@@ -228,3 +229,14 @@ def host_reads() -> Iterator[HostReads]:
     finally:
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
+
+
+# ------------------------------------------------------------------------- cost model: a DMA-only kernel
+@nki.jit
+def dma_round_trip(x):
+    """``x`` HBM -> SBUF -> HBM in two whole-tile ``dma_copy``s (x: [<= 128, n]): a kernel of one load and one store."""
+    t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=t)
+    return out

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tests.helpers import TRN2, matmul, opnd
+from tests.helpers import TRN2, dma_round_trip, matmul, opnd
 from trnkit.nkisim import cost, hardware
 from trnkit.nkisim.cost_params import LOW, MID
 from trnkit.nkisim.trace import DMA, SCALAR, TENSOR, VECTOR, Instr
@@ -349,20 +349,11 @@ def test_hbm_to_hbm_dma_spreads_rows_over_all_engines():
 
 def test_interpreted_dma_copy_is_fixed_plus_bytes_over_bandwidth():
     # one HBM -> SBUF -> HBM round trip through the interpreter: the trace's own fields drive the figures
-    from trnkit.nki_api import nisa, nki, nl
     from trnkit.nkisim import trace
-
-    @nki.jit
-    def copy_kernel(x):
-        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
-        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=x)
-        nisa.dma_copy(dst=out, src=t)
-        return out
 
     x = np.random.default_rng(0).standard_normal((128, 1024)).astype(np.float32)
     with trace.record() as tr:
-        out = copy_kernel(x)
+        out = dma_round_trip(x)
     np.testing.assert_array_equal(np.asarray(out), x)
     rep = cost.estimate(tr, params=MID)
     n = x.nbytes

@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from tests.helpers import dma_round_trip
 from trnkit.nki_api import nisa, nki, nl
 from trnkit.nkisim import cost, cost_params, hardware, trace
 from trnkit.nkisim.trace import TENSOR
@@ -90,16 +91,8 @@ def test_trn1_dma_runs_at_its_fitted_sustained_fraction_trn2_at_the_documented_r
     assert 0.3 < trn1.dma.sustained_fraction < 0.7
     x = np.zeros((128, 1024), np.float32)  # 4 KiB per partition row
 
-    @nki.jit
-    def load(x):
-        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(dst=t, src=x)
-        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
-        nisa.dma_copy(dst=out, src=t)
-        return out
-
     with trace.record() as tr:
-        load(x)
+        dma_round_trip(x)
     payload = 512 * 1024 / 16  # contiguous in HBM: one engine's 8 rows of 4 KiB
     for chip, rate in ((trn1, 16 * 17.0 * trn1.dma.sustained_fraction), (trn2, 16 * 23.0)):
         # the packet overhead is a fixed time: at trn1's sustained rate it is worth knee x fraction bytes

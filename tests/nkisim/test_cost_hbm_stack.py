@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trnkit.nki_api import nki, nisa, nl
+from tests.helpers import dma_round_trip
 from trnkit.nkisim import cost, hardware, trace
 from trnkit.nkisim.cost_params import HIGH, LOW, MID, STANDALONE_LAUNCH, LaunchParams
 from trnkit.nkisim.trace import DMA
@@ -43,20 +43,11 @@ def test_hbm_per_core_by_launch():
         LaunchParams(hbm_stack_cores=0)
 
 
-@nki.jit
-def _copy(x):
-    """[128, 2048] fp32 HBM -> SBUF -> HBM: 1 MiB each way, contiguous (one 64 KiB packet per engine)."""
-    t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=t, src=x)
-    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(dst=out, src=t)
-    return out
-
-
 def _trace(grid: int = 1) -> list:
+    """[128, 2048] fp32 HBM -> SBUF -> HBM: 1 MiB each way, contiguous (one 64 KiB packet per engine)."""
     x = np.zeros((128, 2048), np.float32)
     with trace.record() as tr:
-        _copy[grid](x) if grid > 1 else _copy(x)
+        dma_round_trip[grid](x) if grid > 1 else dma_round_trip(x)
     return list(tr)
 
 
