@@ -760,19 +760,16 @@ def _run_case_as_nki(case: Case, root: Path, commit: str, placement: bool = True
             # nki-library's own [INFO] prints; SBUF beyond capacity in program order compiles with the
             # default allocator (spilled to the HBM scratchpad: _launch's capacity="sbuf_spills");
             # PSUM beyond it in program order may fit in the compiler's order (PsumReorderWarning)
+            noted = (memory.SbufSpillWarning, memory.PsumReorderWarning, memory.PlacedTileOverwrittenWarning,
+                     AccumulatorNotSetWarning)  # each shown every time, collected below for the row's message
             with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", memory.SbufSpillWarning)
-                warnings.simplefilter("always", memory.PsumReorderWarning)
-                warnings.simplefilter("always", memory.PlacedTileOverwrittenWarning)
-                warnings.simplefilter("always", AccumulatorNotSetWarning)
+                for category in noted:
+                    warnings.simplefilter("always", category)
                 with tap(case.tapped_reference.taps if case.tapped_reference else (), root) as tapped:
                     result = _launch(case, kernel, kernel_in, placement)
             del kernel_in  # (what the kernel returned stays referenced by result)
-            spills = [w.message for w in caught if issubclass(w.category, memory.SbufSpillWarning)]
-            reorders = [w.message for w in caught if issubclass(w.category, memory.PsumReorderWarning)]
-            overwritten = [str(w.message) for w in caught
-                           if issubclass(w.category, memory.PlacedTileOverwrittenWarning)]
-            unset = [str(w.message) for w in caught if issubclass(w.category, AccumulatorNotSetWarning)]
+            spills, reorders, overwritten, unset = ([w.message for w in caught if issubclass(w.category, c)]
+                                                    for c in noted)
         finally:
             row.seconds = time.perf_counter() - t0
             if case.cleanup:
@@ -847,7 +844,7 @@ def _run_case_as_nki(case: Case, root: Path, commit: str, placement: bool = True
     return row
 
 
-def _stale_read(case: Case, root: Path, commit: str, overwritten: list[str]) -> tuple[bool, str]:
+def _stale_read(case: Case, root: Path, commit: str, overwritten: list[Warning]) -> tuple[bool, str]:
     """Whether a mismatch of a kernel that read overwritten placed tiles comes from those reads: the case run again
     with every placed tile on storage of its own (launched with ``placement=False``) passes; and what was found."""
     unplaced = _run_case_as_nki(case, root, commit, placement=False)
@@ -1236,7 +1233,7 @@ def _spill_note(spills: list) -> str:
     return f"{len(spills)} program(s) exceed SBUF in program order: {worst}"
 
 
-def _unset_note(unset: list[str]) -> str:
+def _unset_note(unset: list[Warning]) -> str:
     """One line for the reads of accumulation registers nothing in the kernel instance had set (a device's
     registers hold what the core left there: ``AccumulatorNotSetWarning``); "" without any."""
     return f"{len(unset)} read(s) of accumulation registers nothing had set; first: {unset[0]}" if unset else ""
