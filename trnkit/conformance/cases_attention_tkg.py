@@ -13,6 +13,7 @@ s_active]``; the test framework compares them element by element in that order, 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import io
 import math
@@ -22,7 +23,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .harness import Case
+from .harness import Case, drawn_array
 
 __all__ = ["attention_tkg_cases", "gen_mask_hbm_golden", "causal_active_mask", "swa_start_positions"]
 
@@ -415,11 +416,14 @@ def _attn_inputs(cfg_args: tuple, cfg_kw: dict, dt_name: str, sink: bool, window
         pos = ((np.arange(cfg.bs) * 3 + cfg.curr_sprior // 4 * 3) % (cfg.curr_sprior - cfg.s_active))[:, None]
         np.random.seed(0)  # the test's np_random_sample(): random_sample per tensor, cast to the dtype
         draw = lambda shape, d=dt: np.random.random_sample(shape).astype(d)  # noqa: E731
-        kv_draw = draw
+        # K and V drawn a chunk at a time straight into their dtype (the same values and generator state as the
+        # one-shot draw: the largest caches' float64 draw alone is 2-16 GiB; a large one lands on disk)
+        kv_draw = lambda shape: drawn_array(np.random.random_sample, shape, dt, via=None)  # noqa: E731
         out = {"q": draw(q_shape)}
         if dt_name == "fp8_kv":
             out["q"] = out["q"].astype(FP8)
-            kv_draw = lambda shape: (np.random.random_sample(shape) * 480.0 - 240.0).astype(FP8)  # noqa: E731
+            kv_draw = lambda shape: drawn_array(lambda n: np.random.random_sample(n) * 480.0 - 240.0,  # noqa: E731
+                                                shape, FP8, via=None)
         out.update(k_active=kv_draw(k_shape), v_active=kv_draw((cfg.bs, 1, cfg.s_active, cfg.d_head)),
                    k_prior=kv_draw(k_prior_shape), v_prior=kv_draw(v_prior_shape))
         if cfg.use_pos_id:
@@ -450,21 +454,105 @@ def _attn_inputs(cfg_args: tuple, cfg_kw: dict, dt_name: str, sink: bool, window
     return make
 
 
-def attention_tkg_golden(lnc: int, attn_out_shape: tuple, k_out_shape: tuple, dtype: Any, **kw: Any
-                         ) -> dict[str, Any]:
-    """``attention_tkg_torch_ref[lnc]`` into fp32 outputs, rounded to the test dtype (the test's golden)."""
+# The reference's float32 working set per call above which it runs on a few batch rows at a time
+REF_CHUNK_BYTES = 1 << 30
+
+
+def _ref_bytes_per_row(cfg: Any) -> int:
+    """The float32 bytes nki-library's reference holds per batch row at its peak: its score matmul broadcasts the
+    row's K over the query heads (``q_head`` copies of ``[s_prior, d]``, the probability matmul V likewise), a block
+    cache is first gathered into a flat ``[full_sprior, d]`` K and V, and both caches are cloned."""
+    return 4 * cfg.d_head * (2 * cfg.q_head * cfg.curr_sprior + 4 * cfg.full_sprior)
+
+
+def attention_tkg_golden(lnc: int, attn_out_shape: tuple, k_out_shape: tuple, dtype: Any,
+                         chunk_bytes: int = REF_CHUNK_BYTES, **kw: Any) -> dict[str, Any]:
+    """``attention_tkg_torch_ref[lnc]`` into fp32 outputs, rounded to the test dtype (the test's golden). Where its
+    working set (:func:`_ref_bytes_per_row` x batch) passes ``chunk_bytes``, from calls on a few batch rows at a
+    time (:func:`_golden_rows`)."""
     import torch
 
     ref = importlib.import_module(f"{LIB}.attention.attention_tkg_torch").attention_tkg_torch_ref
     cfg = kw["cfg"]
-    out = torch.zeros(attn_out_shape, dtype=torch.float32)
-    k_out = torch.zeros(k_out_shape, dtype=torch.float32) if cfg.fuse_rope else None
-    with contextlib.redirect_stdout(io.StringIO()):
-        out, k_out = ref[lnc](out=out, k_out=k_out, sbm=None, DBG_TENSORS=None, **kw)
+    rows = _chunk_rows(cfg, lnc, chunk_bytes)
+    if rows < cfg.bs:
+        out, k_out = _golden_rows(ref[lnc], rows, attn_out_shape, k_out_shape, kw)
+    else:
+        out = torch.zeros(attn_out_shape, dtype=torch.float32)
+        k_out = torch.zeros(k_out_shape, dtype=torch.float32) if cfg.fuse_rope else None
+        with contextlib.redirect_stdout(io.StringIO()):
+            out, k_out = ref[lnc](out=out, k_out=k_out, sbm=None, DBG_TENSORS=None, **kw)
     result = {"out": out.numpy().astype(dtype)}
     if cfg.fuse_rope:
         result["k_out"] = k_out.numpy().astype(dtype)
     return result
+
+
+def _chunk_rows(cfg: Any, lnc: int, chunk_bytes: int) -> int:
+    """Batch rows per reference call: as many as fit ``chunk_bytes`` (at least one). A block cache's mask, when
+    loaded rather than generated (``use_pos_id`` off), is laid out with the block length
+    ``resize_cache_block_len_for_attention_tkg_kernel`` reduces it to, which depends on the batch through the
+    kernel's batch / S_prior sharding choice: the chunk is widened until it makes the whole batch's choice."""
+    rows = max(1, min(cfg.bs, chunk_bytes // _ref_bytes_per_row(cfg)))
+    if rows >= cfg.bs or not cfg.block_len or cfg.use_pos_id:
+        return rows
+    utils = importlib.import_module(f"{LIB}.attention.attention_tkg_utils")
+
+    def reduced(bs: int) -> tuple[int, int]:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return utils.resize_cache_block_len_for_attention_tkg_kernel(
+                cfg.curr_sprior // cfg.block_len, cfg.block_len, lnc, 128, bs, cfg.q_head, cfg.s_active,
+                full_sprior=cfg.full_sprior, enable_fa_s_prior_tiling=cfg.enable_fa_s_prior_tiling)
+    whole = reduced(cfg.bs)
+    while rows < cfg.bs and not all(reduced(min(rows, cfg.bs - b0)) == whole for b0 in range(0, cfg.bs, rows)):
+        rows += 1
+    return rows
+
+
+def _golden_rows(ref: Callable[..., Any], rows: int, attn_out_shape: tuple, k_out_shape: tuple,
+                 kw: dict[str, Any]) -> tuple[Any, Any]:
+    """The reference's ``(out, k_out)`` for the whole batch from one call per ``rows`` batch rows. Every step of
+    it works on each batch row alone (the row's Q and active K / V, its cache or the blocks its table names, its
+    mask slice or the mask built from its position ids, RoPE at its positions; the sink and RoPE frequencies are
+    per head), so a call on rows ``b0:b1`` takes those rows of every batched input (a block cache whole: the
+    chunk's table rows pick its blocks) and a config with ``bs = b1 - b0``; the outputs are put together along
+    their batch axis (the SBUF layouts' columns are batch-major)."""
+    import torch
+
+    cfg = kw["cfg"]
+    sa, qh = cfg.s_active, cfg.q_head
+    out = torch.zeros(attn_out_shape, dtype=torch.float32)
+    k_out = torch.zeros(k_out_shape, dtype=torch.float32) if cfg.fuse_rope else None
+
+    def part(t: Any, b0: int, b1: int, columns: int, in_sb: bool) -> Any:
+        """Rows b0:b1 of a batched tensor: ``columns`` columns per row of an SBUF layout, else its first axis."""
+        return t[:, b0 * columns:b1 * columns] if in_sb else t[b0:b1]
+
+    for b0 in range(0, cfg.bs, rows):
+        b1 = min(cfg.bs, b0 + rows)
+        sub_cfg = copy.copy(cfg)
+        sub_cfg.bs = b1 - b0
+        sub = {**kw, "cfg": sub_cfg,
+               "q": part(kw["q"], b0, b1, qh * sa, cfg.qk_in_sb), "k_active": part(kw["k_active"], b0, b1, sa,
+                                                                                     cfg.qk_in_sb),
+               "v_active": kw["v_active"][b0:b1], "mask": kw["mask"][:, b0:b1]}
+        for name in ("rope_pos_ids", "start_pos_ids"):
+            if kw.get(name) is not None:
+                sub[name] = kw[name][b0:b1]
+        if kw.get("active_blocks_table") is not None:
+            sub["active_blocks_table"] = kw["active_blocks_table"][b0:b1]
+        else:
+            sub["k_prior"], sub["v_prior"] = kw["k_prior"][b0:b1], kw["v_prior"][b0:b1]
+        o = torch.zeros(part(out, b0, b1, qh * sa, cfg.out_in_sb).shape, dtype=torch.float32)
+        ko = torch.zeros(part(k_out, b0, b1, sa, cfg.k_out_in_sb).shape, dtype=torch.float32) \
+            if cfg.fuse_rope else None
+        with contextlib.redirect_stdout(io.StringIO()):
+            o, ko = ref(out=o, k_out=ko, sbm=None, DBG_TENSORS=None, **sub)
+        part(out, b0, b1, qh * sa, cfg.out_in_sb).copy_(o)
+        if cfg.fuse_rope:
+            part(k_out, b0, b1, sa, cfg.k_out_in_sb).copy_(ko)
+        del sub, o, ko
+    return out, k_out
 
 
 _T = dict(tp_k_prior=True)
