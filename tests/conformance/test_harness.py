@@ -1092,3 +1092,94 @@ def test_a_read_of_unset_accumulation_registers_is_named_in_the_row(fake_checkou
     assert "activation" in row.message and "Scalar" in row.message
     plain = harness.run_case(_case(), fake_checkout)  # the same job with no register read: no such note
     assert plain.result == harness.PASS and "accumulation registers" not in plain.message
+
+
+def _unseeded_case(name="unseeded", **kw):
+    """A case whose inputs draw from numpy's global generator, torch's and Python's ``random`` without seeding
+    them; every build is recorded in ``built`` (the case's ``inputs.built``)."""
+    import random
+
+    import torch
+
+    built = []
+
+    def make():
+        x = (np.random.randn(256, 8) + torch.rand(256, 8, dtype=torch.float64).numpy() + random.random())
+        built.append(x.astype(np.float32))
+        return {"x": built[-1], "out": np.zeros((256, 8), np.float32), "factor": 3.0}
+    make.built = built
+    return Case(kernel="fake", name=name, shapes="x[256,8]", entry="nkilib_src.kernels:scale",
+                reference="nkilib_src.refs:scale_ref", inputs=make, outputs=("out",), rtol=1e-6, atol=1e-6, **kw)
+
+
+def test_a_cases_inputs_are_the_same_alone_and_after_other_cases(fake_checkout):
+    """A row's inputs are a function of the case alone: run_case seeds numpy's global generator, torch's and
+    Python's random with harness.case_seed (CRC-32 of the case id) before inputs(), so a draw the builder makes
+    unseeded gives the same values whether the case runs first, after other cases, or in a child forked from a
+    process in any state (fails on a harness that calls inputs() as it finds the generators)."""
+    import hashlib
+    import random
+    import zlib
+
+    import torch
+
+    def digest(a):
+        return hashlib.sha256(a.tobytes()).hexdigest()
+
+    case = _unseeded_case()
+    for seed in (1, 2):  # the state the process happens to be in
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        assert harness.run_case(case, fake_checkout).result == harness.PASS
+    other = _unseeded_case("another")
+    harness.run_case(other, fake_checkout)
+    np.random.randn(1000)  # (more draws, as a case that draws and does not seed)
+    assert harness.run_case(case, fake_checkout).result == harness.PASS
+    built = case.inputs.built
+    assert len(built) == 3 and len({digest(a) for a in built}) == 1
+    assert digest(other.inputs.built[0]) != digest(built[0])  # (each case its own seed)
+    # the documented seed: the CRC-32 of kernel|case|lncN|shapes
+    seed = zlib.crc32(b"fake|unseeded|lnc1|x[256,8]")
+    assert harness.case_seed(case) == seed and harness.case_id(case) == "fake|unseeded|lnc1|x[256,8]"
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    expected = (np.random.randn(256, 8) + torch.rand(256, 8, dtype=torch.float64).numpy() + random.random())
+    np.testing.assert_array_equal(built[0], expected.astype(np.float32))
+
+
+def test_a_refusal_the_case_names_is_decided_on_its_zero_inputs_without_inputs_or_reference(fake_checkout):
+    """Case.zero_inputs: with rejected_by, the kernel runs on them first; when it refuses them with that refusal the
+    row is decided (REJECTED, the kernel's message after harness.ZERO_INPUTS_NOTE, accepted by row_ok) and neither
+    inputs() nor the reference is built."""
+    def never():
+        raise AssertionError("inputs() built")
+    zero = {"x": np.zeros((256, 8), np.float32), "out": np.zeros((256, 8), np.float32), "factor": 3.0}
+    case = _case(entry="too_many_partitions", reference="failing_ref", rejected_by="exceeds pmax (128)",
+                 zero_inputs=lambda: dict(zero))
+    case = dataclasses.replace(case, inputs=never)
+    row = harness.run_case(case, fake_checkout)
+    assert row.result == harness.REJECTED and harness.row_ok(case, row), row.message
+    assert row.message.startswith(f"{harness.ZERO_INPUTS_NOTE}: ") and "partition dim 256 exceeds pmax (128)" in \
+        row.message, row.message
+    # the kernel gets read-only views of the zero arrays (no copies): nothing is written before the refusal
+    assert not zero["out"].any()
+
+
+def test_zero_inputs_the_kernel_does_not_refuse_leave_the_row_to_its_inputs(fake_checkout):
+    """A kernel that runs on the zero inputs (or refuses them otherwise) does not decide the row: it runs on its
+    inputs and reference as before, refused or not, and says nothing of zero inputs."""
+    zero = lambda: {**_case().inputs(), "factor": 1.0}  # noqa: E731  (checks_factor accepts it)
+    refused = _case(entry="checks_factor", factor=-1.0, rejected_by="factor must be positive", zero_inputs=zero)
+    row = harness.run_case(refused, fake_checkout)
+    assert row.result == harness.ERROR and harness.row_ok(refused, row), row.message
+    assert "factor must be positive" in row.message and harness.ZERO_INPUTS_NOTE not in row.message
+    # a refusal the case names that its inputs do not bring: the row passes, and row_ok says it is not the refusal
+    ran = dataclasses.replace(refused, inputs=lambda: {**_case().inputs(), "factor": 2.0})
+    row = harness.run_case(ran, fake_checkout)
+    assert row.result == harness.PASS and not harness.row_ok(ran, row)
+    # a kernel that writes an argument before it would refuse: the write to the read-only view fails, the row runs
+    writes = dataclasses.replace(_case(entry="scale", rejected_by="partition dim", zero_inputs=zero))
+    row = harness.run_case(writes, fake_checkout)
+    assert row.result == harness.PASS and harness.ZERO_INPUTS_NOTE not in row.message

@@ -45,7 +45,7 @@ from .cases_subkernels import subkernel_cases
 from .cases_tensor_view import tensor_view_cases
 from .cases_utils import utils_cases
 from . import harness
-from .harness import Case, uniform_array
+from .harness import Case, case_id, uniform_array
 
 __all__ = ["all_cases", "case_id", "FAST", "SLOW_ONLY", "fast_cases"]
 
@@ -718,11 +718,6 @@ def all_cases(root: Path | None = None) -> list[Case]:
             + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases() + attention_block_cases()
             + transformer_tkg_cases() + dynamic_shapes_cases()
             + model_config_cases(root if root is not None else harness.nkilib_root()))
-
-
-def case_id(case: Case) -> str:
-    """``kernel|case|lncN|shapes``: unique per case (the pytest id)."""
-    return f"{case.kernel}|{case.name}|lnc{case.lnc}|{case.shapes}"
 
 
 # The fast tier (CI's `-m "not slow"` run): at least one case of every kernel, each a few seconds at

@@ -82,8 +82,11 @@ def _flags(**kw: Any) -> dict[str, Any]:
 
 
 def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_max: int, s_tkg: int,
-            cfg: dict[str, Any]) -> Callable[[], dict[str, Any]]:
-    """The test's ``generate_kernel_inputs`` (see the module doc), keyed by the torch reference's names."""
+            cfg: dict[str, Any], zeros: bool = False) -> Callable[[], dict[str, Any]]:
+    """The test's ``generate_kernel_inputs`` (see the module doc), keyed by the torch reference's names.
+    ``zeros``: the same arguments with every drawn array zero (``np.zeros``: pages the kernel never reads stay
+    unallocated) and the fp8 scales 1/256, the mask built for its first batch chunk only, for
+    ``Case.zero_inputs``; the other values (cache lengths, block table, update indices) as drawn."""
     def make() -> dict[str, Any]:
         import torch
 
@@ -94,9 +97,14 @@ def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_
         # (drawn in chunks, a large one on disk: the same numbers as the test's one-shot draws)
         uniform = lambda shape, lo=-1.0, hi=1.0: drawn_array(lambda n: rng.uniform(lo, hi, n), shape, BF16)  # noqa: E731
         gaussian = lambda shape, std: drawn_array(lambda n: rng.normal(0.0, std, n), shape, BF16)  # noqa: E731
+        if zeros:
+            uniform = lambda shape, lo=-1.0, hi=1.0: np.zeros(shape, BF16)  # noqa: E731
+            gaussian = lambda shape, std: np.zeros(shape, BF16)  # noqa: E731
         on = lambda flag, make_it: make_it() if cfg[flag] else None  # noqa: E731
 
         def static_fp8(shape: tuple[int, ...]) -> tuple[np.ndarray, float, float]:
+            if zeros:
+                return np.zeros(shape, FP8), np.float32(1 / 256), np.float32(1 / 256)
             w = (np.random.random_sample(shape) * 480.0 - 240.0).astype(FP8)
             return w, np.float32(np.random.random_sample() / 256.0), np.float32(np.random.random_sample() / 256.0)
 
@@ -138,8 +146,8 @@ def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_
             k_scale, v_scale = np.full((1, 1), scale, F32), np.full((128, 1), scale, F32)
             np.random.seed(42)
             fp8_normal = lambda n: np.clip(np.random.normal(0, 60.0, n).astype(F32), -240, 240)  # noqa: E731
-            k_cache = drawn_array(fp8_normal, k_shape, FP8, via=None)
-            v_cache = drawn_array(fp8_normal, v_shape, FP8, via=None)
+            k_cache = np.zeros(k_shape, FP8) if zeros else drawn_array(fp8_normal, k_shape, FP8, via=None)
+            v_cache = np.zeros(v_shape, FP8) if zeros else drawn_array(fp8_normal, v_shape, FP8, via=None)
         else:
             k_cache, v_cache = uniform(k_shape), uniform(v_shape)
         cache_len = ((np.arange(b) * 3 + (s_ctx // 4 * 3)) % (s_ctx - s_tkg))[:, None]
@@ -153,6 +161,9 @@ def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_
                                  lnc=cfg["lnc"], block_len=bl, include_active_mask=True, transposed=True,
                                  enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"], KVDP=kvdp)
             parts.append(part.to(torch.uint8).numpy() if step < b else part.numpy())
+            if zeros and step < b:  # (the whole mask's shape: the chunks are concatenated on the batch axis)
+                parts = [np.zeros((parts[0].shape[0], b, *parts[0].shape[2:]), np.uint8)]
+                break
         mask = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         del parts
         table = _block_table(b, s_ctx, s_tkg, cache_len, bl) if bl else None
@@ -164,7 +175,8 @@ def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_
         else:
             update_idx = cache_len.astype(np.uint32)
         out.update(skip_attention=False, K_cache_transposed=cfg["K_cache_transposed"], active_blocks_table=table,
-                   K_cache=k_cache, V_cache=v_cache, attention_mask=np.ascontiguousarray(mask).astype(np.uint8),
+                   K_cache=k_cache, V_cache=v_cache,
+                   attention_mask=np.ascontiguousarray(mask).astype(np.uint8, copy=not zeros),
                    sink=None, softmax_scale=cfg["softmax_scale"],
                    enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"], k_scale=k_scale, v_scale=v_scale,
                    update_cache=cfg["update_cache"], kv_cache_update_idx=update_idx)
@@ -450,13 +462,14 @@ def _golden_in_batch_chunks(ref: Callable[..., Any], chunk: int, kv_dt: np.dtype
 
 # -- KV data parallelism (the test's _run_kvdp_test) --------------------------------------------------------
 def _kvdp_inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_max: int, s_tkg: int,
-                 cfg: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+                 cfg: dict[str, Any], zeros: bool = False) -> Callable[[], dict[str, Any]]:
     """The test's KVDP inputs: drawn once for ``KVDP x q`` heads, then per rank its heads' slice of W_q, bias
     and W_out (W_k, W_v whole: one KV head), its ``B / KVDP`` batch rows of the mask and the KV cache (a block
     cache compacted to the rank's own blocks, its table and update indices renumbered), and the replica group
     of all ranks. ``golden``: per rank, the reference's inputs (full batch, the first ``q`` heads of the mask,
-    the rank's weights; with a block cache the other ranks' cache updates skipped)."""
-    full = _inputs(b, cfg["KVDP"] * q, d, h, h_actual, s_ctx, s_max, s_tkg, cfg)
+    the rank's weights; with a block cache the other ranks' cache updates skipped). ``zeros``: the ranks' arguments
+    from :func:`_inputs`' zero arrays (a block cache's rank caches zero, not gathered), no ``golden``."""
+    full = _inputs(b, cfg["KVDP"] * q, d, h, h_actual, s_ctx, s_max, s_tkg, cfg, zeros)
 
     def make() -> dict[str, Any]:
         group = importlib.import_module("nki.collectives").ReplicaGroup([list(range(cfg["KVDP"]))])
@@ -484,7 +497,8 @@ def _kvdp_inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: in
                     on_disk = _file_backed(base[name])
                     rank[name] = disk_array(cache_shape, base[name].dtype) if on_disk \
                         else np.zeros(cache_shape, base[name].dtype)
-                    rank[name][:len(used)] = base[name][used]
+                    if not zeros:
+                        rank[name][:len(used)] = base[name][used]
                 rank["active_blocks_table"] = np.vectorize(local.get)(table).astype(np.uint32)
                 idx = base["kv_cache_update_idx"][rows].astype(np.int64)
                 skip = idx == np.iinfo(np.uint32).max
@@ -500,7 +514,7 @@ def _kvdp_inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: in
             gold["rows"], gold["batch_chunk"] = (rows.start, rows.stop), chunk
             ranks.append(rank)
             golden.append(gold)
-        return {"ranks": ranks, "golden": golden}
+        return {"ranks": ranks} if zeros else {"ranks": ranks, "golden": golden}
     return make
 
 
@@ -1006,6 +1020,7 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
         kernel="experimental/transformer/attention_block_tkg", name=_name(cfg), shapes=shapes,
         entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,
         reference=reference, inputs=make(b, q, d, h, h_actual, s_ctx, s_max, s_tkg, cfg), ref_inputs=ref_inputs,
+        zero_inputs=make(b, q, d, h, h_actual, s_ctx, s_max, s_tkg, cfg, zeros=True),
         outputs=("X_out",) + (("K_cache_updated", "V_cache_updated") if cfg["update_cache"] else ("K_tkg", "V_tkg")),
         postprocess=_flat_compare, lnc=lnc, ranks=ranks if ranks > 1 else 0, rtol=0.07 if fp8 else 0.015,
         atol=16.0 if fp8 else 1e-5, note=FP8_NOTE if fp8 else "", **_validator(cfg), rounded_reference=rounded,

@@ -46,6 +46,7 @@ import tempfile
 import time
 import types
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +58,7 @@ __all__ = ["Case", "Row", "first_output", "load_test_module", "nkilib_root", "nk
            "extract_tarball", "compare", "disk_array", "uniform_array", "drawn_array", "run_case", "run_cases",
            "format_table", "write_csv", "row_ok", "PASS", "MISMATCH", "MISSING", "REJECTED", "ERROR", "ACCEPTED",
            "XFAIL", "SKIPPED", "GOLDEN_GAP", "STALE_READ", "golden_gap", "MODEL_CONFIG", "TappedReference", "tap",
-           "tapped_golden_gap", "within_roundings", "Operand"]
+           "tapped_golden_gap", "within_roundings", "Operand", "case_id", "case_seed", "case_inputs"]
 
 PASS, MISMATCH, MISSING, REJECTED, ERROR = "PASS", "MISMATCH", "MISSING API", "REJECTED", "ERROR"
 ACCEPTED = "ACCEPTED"  # a negative case (nki-library expects a rejection) that ran
@@ -135,6 +136,11 @@ class Case:
     # the kernel's own intermediate tiles recorded during the run (:class:`TappedReference`): a MISMATCH is
     # GOLDEN_GAP only when tapped_golden_gap's three conditions hold, else it stays MISMATCH
     tapped_reference: TappedReference | None = None
+    # with ``rejected_by``, a refusal that follows from the row's sizes alone: the kernel's keyword arguments with
+    # the shapes, dtypes and other values ``inputs()`` gives, every drawn array zero (allocated, never filled), built
+    # in a fraction of the time and memory. :func:`run_case` runs the kernel on them first, without the reference:
+    # when it refuses with ``rejected_by`` that is the row; anything else, and the row runs on ``inputs()`` as usual
+    zero_inputs: Callable[[], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +169,33 @@ class TappedReference:
 
 
 MODEL_CONFIG = "model_config"  # Case.tier of the rows of nki-library's test_*_model_config.py tables
+
+
+def case_id(case: Case) -> str:
+    """``kernel|case|lncN|shapes``: unique per case (the pytest id)."""
+    return f"{case.kernel}|{case.name}|lnc{case.lnc}|{case.shapes}"
+
+
+def case_seed(case: Case) -> int:
+    """The seed a case's inputs start from: the CRC-32 of :func:`case_id` (a 32-bit value numpy, torch and
+    Python's ``random`` all take)."""
+    return zlib.crc32(case_id(case).encode())
+
+
+def case_inputs(case: Case, build: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """``case.inputs()`` (or ``build()``, e.g. its ``zero_inputs``) after seeding numpy's global generator,
+    torch's and Python's ``random`` with :func:`case_seed`, so that the inputs are a function of the case alone:
+    a draw the builder makes before seeding (nki-library's tests seed where they seed; the cases keep those seeds)
+    does not depend on the cases run before it in the process, or on the state a forked child inherits."""
+    import random
+
+    import torch
+
+    seed = case_seed(case)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    return (build or case.inputs)()
 
 
 @dataclass
@@ -727,17 +760,61 @@ def _run_case(case: Case, root: Path, commit: str) -> Row:
         return _run_case_as_nki(case, root, commit)
 
 
+# a row decided by _refused_on_zeros: its message starts with this
+ZERO_INPUTS_NOTE = "refused on zero inputs of the row's shapes (Case.zero_inputs; its inputs and reference not built)"
+
+
+def _refused_on_zeros(case: Case, root: Path, commit: str) -> Row | None:
+    """The row of a case whose kernel, run on its ``zero_inputs``, refuses them with ``case.rejected_by`` (as
+    :func:`row_ok` accepts: REJECTED or ERROR with that text): the kernel's own message and :data:`ZERO_INPUTS_NOTE`;
+    the reference is not built. None when the kernel does anything else on them: the row then runs on its inputs.
+    Every array goes to the kernel as a read-only view (no copy): a kernel that writes one before it refuses fails
+    on that write instead, and the row runs in full."""
+    row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
+              nkilib_commit=commit)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            for module in REPAIRED_MODULES:
+                _load_repaired(module)
+            inputs = case_inputs(case, case.zero_inputs)
+        kernel = _resolve(case.entry, root)
+        if case.wrap_kernel is not None:
+            kernel = case.wrap_kernel(kernel)
+        views = [_copies([kw], [k for k, v in kw.items() if isinstance(v, np.ndarray)])[0]
+                 for kw in (inputs["ranks"] if case.ranks else [inputs])]
+        del inputs
+        t0 = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(record=True):
+                _launch(case, kernel, views if case.ranks else views[0])
+        finally:
+            row.seconds = time.perf_counter() - t0
+            if case.cleanup:
+                _resolve(case.cleanup)()
+    except Exception as exc:  # noqa: BLE001  (the refusal, or anything else: then the full row decides)
+        result, message = _classify(exc)
+        message = message.replace(f"{root / 'src'}{os.sep}", "")
+        if result in (REJECTED, ERROR) and case.rejected_by in message:
+            row.result, row.message = result, f"{ZERO_INPUTS_NOTE}: {message}"
+            return row
+    return None
+
+
 def _run_case_as_nki(case: Case, root: Path, commit: str, placement: bool = True) -> Row:
     from trnkit.nkisim import memory
     from trnkit.nkisim.isa.vector import AccumulatorNotSetWarning
 
+    if case.rejected_by and case.zero_inputs is not None and not case.negative:
+        early = _refused_on_zeros(case, root, commit)
+        if early is not None:
+            return early
     row = Row(case.kernel, case.name, case.shapes, case.lnc, ERROR, rtol=case.rtol, atol=case.atol,
               nkilib_commit=commit)
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # nki-library's config helpers print too
             for module in REPAIRED_MODULES:
                 _load_repaired(module)
-            inputs = {k: _to_disk(v) for k, v in case.inputs().items()}
+            inputs = {k: _to_disk(v) for k, v in case_inputs(case).items()}
         # the reference runs first: its float32 copies of the inputs are freed before the kernel's
         # copies exist (the large MoE cases hold several GB of weights); a kernel failure still
         # decides the row before a reference failure does

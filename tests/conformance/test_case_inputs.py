@@ -1,0 +1,134 @@
+"""A conformance row's inputs are a function of its case alone (harness.case_inputs), and the zero inputs a case
+decides its refusal on (Case.zero_inputs) have its inputs' shapes and dtypes."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from trnkit.conformance import cases, cases_model_config, cases_transformer, harness
+
+ROOT = harness.nkilib_root()
+needs_checkout = pytest.mark.skipif(ROOT is None, reason="no nki-library checkout or archive")
+
+# cheap cases of builders that draw from numpy's global generator after seeding it (moe_tkg's expert indices and
+# affinities, attention_tkg's, attention_block_tkg's block tables), from fresh generators (qkv), with a KVDP split
+REAL = (
+    "core/moe/moe_tkg|all experts Swish post_scale clamp bias|lnc2|T=4 H=3072 I=64 E=4",
+    "core/attention/attention_tkg|bf16 tp_k_prior qk_in_sb k_out_in_sb out_in_sb no_strided_mm1 sink|lnc1|bs=4 "
+    "q_head=1 s_active=5 s_prior=8192/8192 d=128 block_len=16",
+    "core/qkv/qkv_cte|no_dma_transpose bf16 no_norm BSD|lnc2|B=1 S=128 H=8192 heads=1/1 d=128",
+    "experimental/transformer/attention_block_tkg|bf16 no_rmsnorm_X test_bias kv_quant block_len=32 KVDP=4|lnc2|"
+    "B=8 q_heads=1/rank d=64 H=3072/2880 S_ctx=1024/1024 S=1 ranks=4",
+)
+
+
+def _digest(value, m=None):
+    m = m or hashlib.sha256()
+    if isinstance(value, np.ndarray):
+        m.update(f"{value.dtype}{value.shape}".encode())
+        m.update(np.ascontiguousarray(value).view(np.uint8).tobytes())
+    elif isinstance(value, dict):
+        for k in sorted(value):
+            m.update(k.encode())
+            _digest(value[k], m)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _digest(v, m)
+    elif isinstance(value, (int, float, str, bool, type(None), np.generic, enum.Enum)):
+        m.update(repr(value).encode())
+    else:  # (a config object, a replica group: its type)
+        m.update(type(value).__name__.encode())
+    return m.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def by_id():
+    return {cases.case_id(c): c for c in cases.all_cases(ROOT)}
+
+
+@needs_checkout
+def test_real_cases_build_the_same_inputs_alone_and_after_other_cases(by_id):
+    """Each case's inputs, built first in a state seeded one way, then after the other cases (each of which leaves
+    the generators where its draws end) in a state seeded another way, hash the same."""
+    def state(seed):
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        random.seed(seed)
+
+    with harness.nki_is_interpreter(ROOT):
+        alone = {}
+        for i in REAL:
+            state(1)
+            alone[i] = _digest(harness.case_inputs(by_id[i]))
+        state(2)
+        after = {i: _digest(harness.case_inputs(by_id[i])) for i in reversed(REAL)}
+    assert after == alone
+
+
+def _same_arguments(zero, real, path=""):
+    """``zero`` has ``real``'s keys, array shapes and dtypes and non-array values (objects: their type)."""
+    if isinstance(real, dict):
+        assert sorted(zero) == sorted(real), path
+        for k in real:
+            _same_arguments(zero[k], real[k], f"{path}.{k}")
+    elif isinstance(real, (list, tuple)):
+        assert len(zero) == len(real), path
+        for n, (z, r) in enumerate(zip(zero, real)):
+            _same_arguments(z, r, f"{path}[{n}]")
+    elif isinstance(real, np.ndarray):
+        assert isinstance(zero, np.ndarray) and (zero.shape, zero.dtype) == (real.shape, real.dtype), path
+    elif isinstance(real, (int, bool, str, type(None), enum.Enum)) or type(real).__name__ == "QuantizationType":
+        assert zero == real, path
+    else:  # (fp8 scales drawn as numbers, a replica group, the config: same type)
+        assert type(zero) is type(real), path
+
+
+@needs_checkout
+@pytest.mark.parametrize(("case_id", "chunked"), [
+    ("experimental/transformer/attention_block_tkg|bf16 K_cache_transposed no_rmsnorm_X test_bias|lnc2|B=1 q_heads=1 "
+     "d=64 H=3072 S_ctx=128/128 S=1", False),
+    ("experimental/transformer/attention_block_tkg|fp8 static block_len=32|lnc2|B=255 q_heads=2 d=128 H=8192 "
+     "S_ctx=1024/1024 S=1", False),
+    (REAL[-1], False), (REAL[-1], True),
+])
+def test_attention_block_zero_inputs_have_the_inputs_shapes_and_dtypes(by_id, monkeypatch, case_id, chunked):
+    """The kernel's arguments of attention_block_tkg's zero inputs are its inputs' (every key, shape, dtype, flag and
+    enum; per rank on KV-data-parallel rows), their weights and caches zero; ``chunked``: the mask built in batch
+    chunks (the first chunk only for the zero inputs)."""
+    case = by_id[case_id]
+    if chunked:
+        monkeypatch.setattr(cases_transformer, "_mask_chunk",
+                            lambda b, q, s_tkg, s_ctx, kvdp: max(kvdp, b // 4 // kvdp * kvdp))
+    with harness.nki_is_interpreter(ROOT):
+        real = harness.case_inputs(case)
+        zero = harness.case_inputs(case, case.zero_inputs)
+    real = real["ranks"] if case.ranks else [real]
+    zero = zero["ranks"] if case.ranks else [zero]
+    _same_arguments(zero, real)
+    for kw in zero:
+        assert not any(kw[k].astype(np.float32).any() for k in ("X", "W_qkv", "W_out", "K_cache", "V_cache"))
+
+
+@needs_checkout
+def test_a_qk_norm_row_is_refused_on_its_zero_inputs(by_id):
+    """A model-config row refused at the QK norm (ATTN_NORM_MOVING): the kernel refuses its zero inputs, so the row
+    is REJECTED with the kernel's own message, without building its inputs or reference."""
+    case = by_id["experimental/transformer/attention_block_tkg|bf16 no_rmsnorm_X qk_norm_pre_rope "
+                 "qk_norm_pre_rope_gamma block_len=32 model_config OPTIMAL|lnc2|B=128 q_heads=8 d=128 H=5120 "
+                 "S_ctx=1024/1024 S=1"]
+    assert case.rejected_by == cases_model_config.ATTN_NORM_MOVING.format(1024)
+
+    def never():
+        raise AssertionError("inputs() built")
+    row = harness.run_case(dataclasses.replace(case, inputs=never), ROOT)
+    assert row.result == harness.REJECTED and harness.row_ok(case, row), row.message
+    assert row.message.startswith(f"{harness.ZERO_INPUTS_NOTE}: nc_matmul: moving free size 1024 exceeds "
+                                  "gemm_moving_fmax (512)"), row.message
+    assert row.message.endswith(f"({case.note})")
