@@ -1114,12 +1114,12 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Chip,
-                   params: ModelParams = MID, floors: Mapping[int, float] | None = None,
-                   hbm_per_core: float | None = None) -> list[Timing]:
+                   params: ModelParams = MID, floors: Mapping[int, float] | None = None, *,
+                   hbm_per_core: float) -> list[Timing]:
     """Each instruction's :class:`Timing` in the list schedule (recomputed ones ``dropped``). ``floors``:
     instruction index -> the earliest its result may be read (a ``sendrecv``'s received tile: its group's
     completion, :func:`_phase_runs`); the instruction's engine and queue are not held until then.
-    ``hbm_per_core``: the core's HBM bandwidth for spill traffic (default ``chip.hbm_bytes_per_ns``)."""
+    ``hbm_per_core``: the core's HBM bandwidth for spill traffic (:func:`hbm_per_core`)."""
     deps = _DepTracker(params.same_engine_streaming)
     # the 16 DMA engines' busy intervals; one timeline for all when every transfer uses all of them
     per_engine = any(c.dma_engines[1] - c.dma_engines[0] not in (0, chip.dma.engines)
@@ -1157,8 +1157,8 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     # spills move whole tiles (no packet penalty): the range ends take the fastest / slowest fraction
     fractions = [chip.dma.sustained(f) for f in _overhead_forms(params)]
     sustained = min(fractions) if params.dma_overhead_form == "slowest" else max(fractions)
-    hbm = chip.hbm_bytes_per_ns if hbm_per_core is None else hbm_per_core
-    spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * sustained, hbm / chip.dma.engines)
+    spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * sustained,
+                                        hbm_per_core / chip.dma.engines)
     for k, (ins, c) in enumerate(zip(instrs, costs)):
         reads, writes = _boxes(ins)
         matmul = ins.op == "nc_matmul"
@@ -1394,8 +1394,7 @@ class _Run:
 
 
 def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str,
-         floors: Mapping[int, float] | None = None,
-         hbm_per_core: float | None = None) -> tuple[_Run, list[InstrCost], list[Timing]]:
+         floors: Mapping[int, float] | None, hbm_per_core: float) -> tuple[_Run, list[InstrCost], list[Timing]]:
     """One program's schedule: its run, each instruction's cost and (list schedule) its timings. ``floors``:
     instruction index -> the earliest its result may be read (a ``sendrecv``'s group completion);
     ``hbm_per_core``: its core's HBM bandwidth (:func:`hbm_per_core`)."""
@@ -1405,7 +1404,7 @@ def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str,
     busy: dict[str, float] = defaultdict(float)
     times: list[Timing] = []
     if model == "list-schedule":
-        times = _list_schedule(instrs, costs, chip, params, floors, hbm_per_core)
+        times = _list_schedule(instrs, costs, chip, params, floors, hbm_per_core=hbm_per_core)
         total = _schedule_end(times, instrs)
         dropped = {t.index for t in times if t.dropped}
         active = _active(times)
@@ -1462,7 +1461,7 @@ def _sendrecv_groups(segments: Sequence[Sequence[Instr]]) -> list[list[tuple[int
 
 
 def _phase_runs(segments: Sequence[Sequence[Instr]], chip: Chip, params: ModelParams,
-                model: str, hbm_per_core: float | None = None) -> list[tuple[_Run, list[InstrCost]]]:
+                model: str, hbm_per_core: float) -> list[tuple[_Run, list[InstrCost]]]:
     """Schedule one sync phase's segment of every program (all start together at the phase's start).
 
     A ``sendrecv``'s received tile exists only once every transfer of its group has completed
