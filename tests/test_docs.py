@@ -1,5 +1,6 @@
-"""README.md and docs/: every relative link resolves inside the repository, and the tables generated from
-benchmark outputs are current (scripts/docs_tables.py)."""
+"""README.md and docs/: every relative link resolves inside the repository, the tables generated from
+benchmark outputs are current (scripts/docs_tables.py), every Python block runs and every bash command parses
+as written."""
 
 from __future__ import annotations
 
@@ -278,3 +279,209 @@ def test_cost_model_demo_block_is_what_the_demo_prints():
     documented = wall.sub("(wall)", block.group(1)).strip().splitlines()
     printed = wall.sub("(wall)", format_result(run())).strip().splitlines()
     assert documented == printed
+
+
+# ------------------------------------------------------------------------------------------ commands that parse
+# Every command of a ```bash block is checked as written, short of running it (most train or sweep for minutes):
+# its program is one this repository provides and its arguments are ones that program accepts. Python entry
+# points run in this process up to their argument parser's return (``argparse``: the parse as written, errors
+# included; the trainer: its config parser with the file and every ``--section.key value``); pytest commands
+# name test paths that exist, plugins that import and registered markers; ``bash scripts/run.sh X`` has an X
+# branch and is checked as the command that branch runs. Commands of other programs are listed in EXTERNAL.
+BASH_BLOCK = re.compile(r"^([ \t]*)```(?:bash|sh|shell)\n(.*?)^\1```", re.S | re.M)
+EXTERNAL = {  # (program, first argument): not this repository's; the docs name what they need
+    ("git", "clone"),  # the nki-library checkout of the conformance run (docs/interpreter.md)
+    ("export", "NKILIB_SRC=/path/to/nki-library"),
+}
+RUN_SH = {  # scripts/run.sh's branches, as the commands they run (the argv after `python`)
+    "train": ["-m", "trnkit.harness.train", "--config", "configs/debug_moe_nki.toml"],
+    "test": ["-m", "pytest", "-m", "not slow", "-n", "2", "-q"],
+    "demo": ["-m", "trnkit", "demo"],
+}
+
+
+def shell_commands(path: Path) -> list[tuple[int, list[str]]]:
+    """(line number, words) of every command of a page's ```bash blocks: continuation lines joined,
+    comments dropped, split as the shell does (shlex)."""
+    import shlex
+
+    text = path.read_text()
+    out = []
+    for m in BASH_BLOCK.finditer(text):
+        first = text[:m.start()].count("\n") + 2
+        lines = m.group(2).splitlines()
+        k = 0
+        while k < len(lines):
+            start, line = k, lines[k]
+            while line.rstrip().endswith("\\") and k + 1 < len(lines):
+                k += 1
+                line = line.rstrip()[:-1] + " " + lines[k]
+            k += 1
+            words = shlex.split(line, comments=True)
+            if words:
+                out.append((first + start, words))
+    return out
+
+
+class _Parsed(Exception):
+    """Raised once an entry point's argument parser returned: the command parsed as written."""
+
+
+def _python_argv(words: list[str]) -> list[str] | None:
+    """The argv after `python` of a command that runs Python (env assignments, `nice -n N`, `torchrun
+    [--opt value]` and a venv's python allowed in front), or None for any other program."""
+    while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # PYTHONPATH=$PWD ...
+        words = words[1:]
+    if words[:2] == ["nice", "-n"]:
+        words = words[3:]
+    if words[:1] == ["torchrun"]:
+        rest = words[1:]
+        while rest and rest[0].startswith("--") and rest[0] != "-m":
+            assert rest[0] in ("--nproc_per_node", "--nnodes", "--standalone"), f"torchrun option {rest[0]}"
+            rest = rest[1:] if rest[0] == "--standalone" else rest[2:]
+        return rest
+    if words and (words[0] == "python" or words[0].endswith("/bin/python")):
+        return words[1:]
+    return None
+
+
+def _pytest_problems(args: list[str]) -> list[str]:
+    """What a `python -m pytest ARGS` command names that is not there: a path, a plugin, a marker."""
+    import importlib
+    import tomllib
+
+    markers = {m.split(":")[0] for m in tomllib.loads((ROOT / "pyproject.toml").read_text())
+               ["tool"]["pytest"]["ini_options"]["markers"]}
+    problems, k = [], 0
+    while k < len(args):
+        a = args[k]
+        if a in ("-m", "-p", "-n", "-k"):
+            value, k = args[k + 1], k + 2
+            if a == "-m":
+                unknown = set(re.findall(r"\w+", value)) - {"and", "or", "not"} - markers
+                problems += [f"-m {value!r}: marker {u!r} is not registered in pyproject.toml" for u in unknown]
+            elif a == "-p":
+                try:
+                    importlib.import_module(value)
+                except ImportError as e:
+                    problems.append(f"-p {value}: {e}")
+            elif a == "-n":
+                try:
+                    importlib.import_module("xdist")
+                except ImportError:
+                    problems.append("-n needs pytest-xdist, which is not installed")
+            continue
+        k += 1
+        if a in ("-q", "-v", "-x", "-ra"):
+            continue
+        if a.startswith("-"):
+            problems.append(f"option {a}: not one this check knows (add it to _pytest_problems)")
+        elif not (ROOT / a.split("::")[0]).exists():
+            problems.append(f"{a}: no such test path")
+    return problems
+
+
+def _entry_point_problem(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """Run ``python ARGV`` in this process up to its argument parse; the parser's complaint, or None."""
+    import argparse
+    import contextlib
+    import importlib.util
+    import io
+    import runpy
+
+    if argv[:2] == ["-m", "pytest"]:
+        return "; ".join(_pytest_problems(argv[2:])) or None
+    if argv[:2] == ["-m", "trnkit.harness.train"]:  # not argparse: its config parser, file and overrides
+        from trnkit.harness.config import ConfigError, parse_args
+
+        try:
+            parse_args(argv[2:])
+        except (ConfigError, SystemExit, OSError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        original(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    if argv[0] == "-m":
+        monkeypatch.setattr(sys, "argv", [argv[1], *argv[2:]])
+        spec = importlib.util.find_spec(argv[1])
+        if spec is None:
+            return f"-m {argv[1]}: no such module"
+        # the module that runs as __main__ (a package's __main__) runs afresh, as under python -m
+        monkeypatch.delitem(sys.modules, argv[1] + ".__main__" if spec.submodule_search_locations else argv[1],
+                            raising=False)
+        run = lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)  # noqa: E731
+    else:
+        script = ROOT / argv[0]
+        if not script.is_file():
+            return f"{argv[0]}: no such script"
+        monkeypatch.setattr(sys, "argv", [str(script), *argv[1:]])
+        monkeypatch.syspath_prepend(str(script.parent))
+        run = lambda: runpy.run_path(str(script), run_name="__main__")  # noqa: E731
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            run()
+    except _Parsed:
+        return None
+    except SystemExit as e:
+        return f"exit {e.code}: {err.getvalue().strip()[-500:]}"
+    return "returned without parsing arguments with argparse: this check cannot tell what it accepts"
+
+
+def command_problem(words: list[str], monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """None when the command ``words`` runs as written (module comment above), else what is wrong."""
+    if words[:2] == ["bash", "scripts/run.sh"]:
+        branch = words[2] if len(words) > 2 else "test"
+        script = (ROOT / "scripts" / "run.sh").read_text()
+        if branch not in RUN_SH or not re.search(rf"^\s*{re.escape(branch)}\)", script, re.M):
+            return f"scripts/run.sh has no branch {branch!r}"
+        return _entry_point_problem(RUN_SH[branch] + words[3:], monkeypatch)
+    argv = _python_argv(words)
+    if argv is None:
+        return None if tuple(words[:2]) in EXTERNAL else f"{words[0]}: not a program this check knows"
+    return _entry_point_problem(argv, monkeypatch)
+
+
+COMMANDS = [(p, line, words) for p in DOC_FILES for line, words in shell_commands(p)]
+
+
+@pytest.mark.parametrize("path, line, words", COMMANDS,
+                         ids=[f"{p.relative_to(ROOT).as_posix()}:{n}" for p, n, _ in COMMANDS])
+def test_bash_commands_parse_as_written(path: Path, line: int, words: list[str], monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(ROOT)
+    problem = command_problem(words, monkeypatch)
+    assert problem is None, f"{path.relative_to(ROOT)}:{line}: `{' '.join(words)}`: {problem}"
+
+
+def test_command_finder_sees_every_bash_command():
+    by_page = {p.relative_to(ROOT).as_posix(): len(shell_commands(p)) for p in DOC_FILES}
+    assert by_page["README.md"] == 2 and by_page["docs/benchmarks.md"] == 21 and by_page["docs/trainer.md"] == 3
+    assert by_page["docs/interpreter.md"] == 9 and sum(by_page.values()) == len(COMMANDS) >= 39
+    torchrun = next(w for _, _, w in COMMANDS if w[0] == "torchrun")  # a command continued over two lines
+    assert torchrun[-2:] == ["--training.local_batch_size", "1"]
+    assert not any("#" in w for _, _, w in COMMANDS for w in w)  # comments dropped
+
+
+@pytest.mark.parametrize("command, problem", [
+    ("python -m trnkit.bench step --flavor 0.6B --seq 4096 --lcn 2", "unrecognized arguments: --lcn 2"),
+    ("python -m trnkit.bench --mode sideways", "invalid choice: 'sideways'"),
+    ("python benchmarks/headline.py --lst", "unrecognized arguments: --lst"),
+    ("python benchmarks/no_such_script.py", "no such script"),
+    ("python -m trnkit.no_such_module", "no such module"),
+    ("python -m trnkit.harness.train --config configs/debug_moe_nki.toml --training.stpes 20", "unknown key"),
+    ("bash scripts/run.sh deploy", "scripts/run.sh has no branch 'deploy'"),
+    ("bash scripts/run.sh test tests/no_such_folder", "tests/no_such_folder: no such test path"),
+    ("python -m pytest -m 'slow and nightly' tests", "marker 'nightly' is not registered"),
+    ("curl https://example.com", "curl: not a program this check knows"),
+])
+def test_a_command_that_would_not_run_is_caught(command: str, problem: str, monkeypatch: pytest.MonkeyPatch):
+    import shlex
+
+    monkeypatch.chdir(ROOT)
+    found = command_problem(shlex.split(command), monkeypatch)
+    assert found is not None and problem in found, found
