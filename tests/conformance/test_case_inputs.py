@@ -101,7 +101,7 @@ def _same_arguments(zero, real, path=""):
 def test_attention_block_zero_inputs_have_the_inputs_shapes_and_dtypes(by_id, monkeypatch, case_id, chunked):
     """The kernel's arguments of attention_block_tkg's zero inputs are its inputs' (every key, shape, dtype, flag and
     enum; per rank on KV-data-parallel rows), their weights and caches zero; ``chunked``: the mask built in batch
-    chunks (the first chunk only for the zero inputs)."""
+    chunks (the zero inputs: not built, its documented shape)."""
     case = by_id[case_id]
     if chunked:
         monkeypatch.setattr(cases_transformer, "_mask_chunk",

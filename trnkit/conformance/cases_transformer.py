@@ -85,8 +85,8 @@ def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_
             cfg: dict[str, Any], zeros: bool = False) -> Callable[[], dict[str, Any]]:
     """The test's ``generate_kernel_inputs`` (see the module doc), keyed by the torch reference's names.
     ``zeros``: the same arguments with every drawn array zero (``np.zeros``: pages the kernel never reads stay
-    unallocated) and the fp8 scales 1/256, the mask built for its first batch chunk only, for
-    ``Case.zero_inputs``; the other values (cache lengths, block table, update indices) as drawn."""
+    unallocated), the mask too (not built), the fp8 scales 1/256, for ``Case.zero_inputs``; the other values (cache
+    lengths, block table, update indices) as drawn."""
     def make() -> dict[str, Any]:
         import torch
 
@@ -154,17 +154,16 @@ def _inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: int, s_
         full_mask = importlib.import_module(f"{LIB}.core.attention.gen_mask_tkg_torch").build_full_attention_mask
         kvdp, step = cfg["KVDP"], _mask_chunk(b, q, s_tkg, s_ctx, cfg["KVDP"])
         parts = []
-        for b0 in range(0, b, step):
+        # (zeros: the shape build_full_attention_mask documents, "transposed [s_ctx, batch, num_heads, s_active]")
+        for b0 in range(0, 0 if zeros else b, step):
             with contextlib.redirect_stdout(io.StringIO()):
                 lens = torch.from_numpy(cache_len[b0:b0 + step].flatten()).to(torch.float32)
                 part = full_mask(cache_lens=lens, batch=min(step, b - b0), num_heads=q, s_active=s_tkg, s_ctx=s_ctx,
                                  lnc=cfg["lnc"], block_len=bl, include_active_mask=True, transposed=True,
                                  enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"], KVDP=kvdp)
             parts.append(part.to(torch.uint8).numpy() if step < b else part.numpy())
-            if zeros and step < b:  # (the whole mask's shape: the chunks are concatenated on the batch axis)
-                parts = [np.zeros((parts[0].shape[0], b, *parts[0].shape[2:]), np.uint8)]
-                break
-        mask = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        mask = np.zeros((s_ctx, b, q, s_tkg), np.uint8) if zeros else parts[0] if len(parts) == 1 \
+            else np.concatenate(parts, axis=1)
         del parts
         table = _block_table(b, s_ctx, s_tkg, cache_len, bl) if bl else None
         if bl:
