@@ -119,3 +119,29 @@ def test_a_loaded_block_mask_keeps_the_whole_batchs_sharding_choice():
         assert cases_attention_tkg._chunk_rows(cfg, 2, 1 << 40) == 64  # all fit: one call
         cfg.use_pos_id = True
         assert cases_attention_tkg._chunk_rows(cfg, 2, 1) == 1
+
+
+@pytest.mark.parametrize("cid", [
+    "fp8_kv qk_in_sb no_strided_mm1|lnc2|bs=4 q_head=1 s_active=5 s_prior=1024/10240 d=128 block_len=0",  # [B, 1, d, S]
+    "bf16 tp_k_prior use_pos_id fuse_rope|lnc2|bs=4 q_head=1 s_active=5 s_prior=1024/10240 d=128 block_len=0",
+])
+def test_a_flat_cache_read_in_chunks_is_never_copied_whole(cid, monkeypatch):
+    """Where the reference runs in chunks, a flat K / V cache goes to it as the case drew it (no float32 copy of the
+    whole, the harness's conversion) and each chunk's rows are converted on their own: the same golden, bit for bit."""
+    case = _case(cid)
+    with harness.nki_is_interpreter(ROOT):
+        whole = _golden(case)
+        inputs = case.inputs()
+        assert not isinstance(case.ref_inputs(inputs)["k_prior"], cases_attention_tkg._CacheRows)  # fits: as before
+        monkeypatch.setattr(cases_attention_tkg, "REF_CHUNK_BYTES", 1)
+        ref_in = case.ref_inputs(inputs)
+        held = ref_in["k_prior"], ref_in["v_prior"]
+        assert all(isinstance(h, cases_attention_tkg._CacheRows) for h in held)
+        assert held[0].array is inputs["k_prior"] and held[1].array is inputs["v_prior"]
+        kw = {k: harness._to_torch(v, case.keep_low_precision) for k, v in ref_in.items()}
+        assert kw["k_prior"] is held[0]  # (the harness hands a non-array through as it is)
+        pieces = cases_attention_tkg.attention_tkg_golden(chunk_bytes=1, **kw)
+        again = cases_attention_tkg.attention_tkg_golden(chunk_bytes=1 << 40, **kw)  # held, but one call: whole
+    for name in whole:
+        assert np.array_equal(whole[name].view(np.uint8), pieces[name].view(np.uint8)), name
+        assert np.array_equal(whole[name].view(np.uint8), again[name].view(np.uint8)), name

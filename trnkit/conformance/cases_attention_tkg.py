@@ -465,6 +465,34 @@ def _ref_bytes_per_row(cfg: Any) -> int:
     return 4 * cfg.d_head * (2 * cfg.q_head * cfg.curr_sprior + 4 * cfg.full_sprior)
 
 
+class _CacheRows:
+    """A flat K or V cache ``[bs, 1, ...]`` handed to the reference as the case drew it (bf16 / fp8, a large one on
+    disk) instead of the harness's float32 copy of the whole: indexing batch rows gives those rows as float32 torch
+    (every bf16 / fp8 value is exact in float32, as in the harness's copy). The chunked golden (:func:`_golden_rows`)
+    reads one chunk's rows at a time."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    def __getitem__(self, rows: Any) -> Any:
+        import torch
+
+        return torch.from_numpy(np.asarray(self.array[rows], dtype=np.float32))
+
+
+def _attn_ref_inputs(lnc: int) -> Callable[[dict], dict]:
+    """The reference's inputs: the case's and ``lnc``; a flat cache the reference reads a few batch rows at a time
+    (:func:`_chunk_rows` below the batch at :data:`REF_CHUNK_BYTES`) as :class:`_CacheRows`, so no float32 copy of
+    the whole cache is made (the largest, bs = 1,024 at S = 16,384 in fp8, would be two 8 GiB files)."""
+    def ref_inputs(inputs: dict) -> dict:
+        out = {**inputs, "lnc": lnc}
+        cfg = inputs["cfg"]
+        if not cfg.block_len and _chunk_rows(cfg, lnc, REF_CHUNK_BYTES) < cfg.bs:
+            out.update(k_prior=_CacheRows(inputs["k_prior"]), v_prior=_CacheRows(inputs["v_prior"]))
+        return out
+    return ref_inputs
+
+
 def attention_tkg_golden(lnc: int, attn_out_shape: tuple, k_out_shape: tuple, dtype: Any,
                          chunk_bytes: int = REF_CHUNK_BYTES, **kw: Any) -> dict[str, Any]:
     """``attention_tkg_torch_ref[lnc]`` into fp32 outputs, rounded to the test dtype (the test's golden). Where its
@@ -478,6 +506,7 @@ def attention_tkg_golden(lnc: int, attn_out_shape: tuple, k_out_shape: tuple, dt
     if rows < cfg.bs:
         out, k_out = _golden_rows(ref[lnc], rows, attn_out_shape, k_out_shape, kw)
     else:
+        kw = {k: v[:] if isinstance(v, _CacheRows) else v for k, v in kw.items()}  # (a larger chunk_bytes: whole)
         out = torch.zeros(attn_out_shape, dtype=torch.float32)
         k_out = torch.zeros(k_out_shape, dtype=torch.float32) if cfg.fuse_rope else None
         with contextlib.redirect_stdout(io.StringIO()):
@@ -746,7 +775,7 @@ def _attn_cases() -> list[Case]:
                 shapes=f"bs={bs} q_head={qh} s_active={sa} s_prior={sp}/{spf} d={d} block_len={bl}",
                 entry=f"{LIB}.attention.attention_tkg:attention_tkg", wrap_kernel=_attn_wrapper,
                 reference=f"{HERE}:attention_tkg_golden", inputs=_attn_inputs(args, kw, dt, sink, window, lnc),
-                ref_inputs=_with_lnc(lnc), outputs=("out", "k_out") if kw.get("fuse_rope") else ("out",),
+                ref_inputs=_attn_ref_inputs(lnc), outputs=("out", "k_out") if kw.get("fuse_rope") else ("out",),
                 lnc=lnc, rtol=3e-2 if dt == "fp8_kv" else 1e-2, atol=3e-2 if dt == "fp8_kv" else 1e-5,
                 note="fp8 casts taken as round-to-nearest-even (ml_dtypes)" if dt == "fp8_kv" else "",
                 test_file=f"{TESTS}/test_attention_tkg.py"))
