@@ -1,13 +1,18 @@
-"""Trace-only mode (large matmuls not computed) on kernels whose DMA addresses depend on computed
-values: router_topk-style top-k indices used as scatter addresses (nki-library core/router_topk)."""
+"""Trace-only launches (large matmuls not computed): a launch argument (``memory.LaunchRules.trace_only``, set by
+``nki.simulate(kernel, trace_only=True)`` or for the launches inside ``trace.record(trace_only=True)``), never a
+module-wide switch; and kernels whose DMA addresses depend on computed values: router_topk-style top-k indices
+used as scatter addresses (nki-library core/router_topk)."""
 
 from __future__ import annotations
+
+import threading
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import trnkit.nkisim as nki
+from trnkit.nkisim import collectives as ncc
 from trnkit.nkisim import isa as nisa
 from trnkit.nkisim import language as nl
 from trnkit.nkisim import memory
@@ -116,3 +121,114 @@ def test_trace_only_matmul_still_reads_its_operands_for_liveness() -> None:
     # xs, ws and big are live together at the matmul (res is allocated after xs / ws are dead)
     assert peaks[0] == (T * 2 + E * 2 + 4096 * 4)
     assert peaks == [peaks[0], peaks[0]]
+
+
+# -------------------------------------------------------------------------------- the launch argument
+
+started, done = threading.Event(), threading.Event()
+rules_seen: list[memory.LaunchRules] = []
+
+
+@nki.jit
+def _matmul(xT, w, park=False):
+    """out = x @ w, one 128^3 matmul (at the skip threshold); ``park``: wait inside the kernel, after the
+    matmul, until the test lets it go (so another launch runs while this one is in progress)."""
+    rules_seen.append(memory.current().rules)
+    xs = nl.ndarray((H, T), nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_copy(dst=xs, src=xT)
+    ws = nl.ndarray((H, E), nl.bfloat16, buffer=nl.sbuf)
+    nisa.dma_copy(dst=ws, src=w)
+    acc = nl.ndarray((T, E), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=acc, stationary=xs, moving=ws)
+    res = nl.ndarray((T, E), nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=res, src=acc)
+    out = nl.ndarray((T, E), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=res)
+    if park:
+        started.set()
+        assert done.wait(timeout=60)
+    return out
+
+
+def _operands() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x^T, w (small integers: every product and sum exact in fp32) and x @ w by numpy."""
+    x = RNG.integers(-3, 4, (T, H)).astype(np.float32)
+    w = RNG.integers(-3, 4, (H, E)).astype(np.float32)
+    want = x @ w
+    assert np.abs(want).max() > 10  # not all zeros: a skipped matmul (zeros) differs from it
+    return np.ascontiguousarray(x.T).astype(ml_dtypes.bfloat16), w.astype(ml_dtypes.bfloat16), want
+
+
+def test_a_launch_outside_the_trace_only_block_computes_in_full_while_one_inside_runs():
+    """A thread's launch inside ``trace.record(trace_only=True)`` is in progress (parked inside its kernel after
+    its matmul) while this thread launches the same kernel outside any block: this one computes x @ w in full
+    and is not recorded in the other's trace; the other's matmul was skipped (zeros). (The module-wide switch
+    this replaced made the second launch trace-only too, and recorded it in the first one's trace.)"""
+    xT, w, want = _operands()
+    with trace.record() as one:  # one launch's trace, for the count
+        _matmul(xT, w)
+    started.clear()
+    done.clear()
+    got: dict = {}
+
+    def fast() -> None:
+        with trace.record(trace_only=True) as tr:
+            got["fast"] = _matmul(xT, w, True)
+        got["trace"] = tr
+
+    thread = threading.Thread(target=fast)
+    thread.start()
+    try:
+        assert started.wait(timeout=60)
+        rules_seen.clear()
+        full = _matmul(xT, w)
+        assert rules_seen == [memory.LaunchRules(trace_only=False)]
+    finally:
+        done.set()
+        thread.join()
+    np.testing.assert_array_equal(full, want)
+    np.testing.assert_array_equal(got["fast"], np.zeros((T, E), np.float32))
+    assert len(got["trace"]) == len(one) == 5  # 2 loads, matmul, copy, store: of its own launch only
+    assert got["trace"].by_op() == one.by_op()
+
+
+def test_trace_only_is_a_launch_argument_of_nki_simulate():
+    """``nki.simulate(kernel, trace_only=True)``: every launch of the returned kernel skips the matmul, recorded
+    or not; the kernel itself, launched plainly meanwhile, computes; the instance's rules say which."""
+    xT, w, want = _operands()
+    fast = nki.simulate(_matmul, trace_only=True)
+    assert fast.rules == memory.LaunchRules(trace_only=True)
+    rules_seen.clear()
+    np.testing.assert_array_equal(fast(xT, w), np.zeros((T, E), np.float32))
+    np.testing.assert_array_equal(_matmul(xT, w), want)
+    with trace.record() as tr:
+        np.testing.assert_array_equal(fast(xT, w), np.zeros((T, E), np.float32))
+    assert [r.trace_only for r in rules_seen] == [True, False, True]
+    assert tr.by_op()["nc_matmul"] == 1
+    # a block asking for trace-only makes a plain launch trace-only, never the reverse
+    with trace.record(trace_only=True):
+        np.testing.assert_array_equal(_matmul(xT, w), np.zeros((T, E), np.float32))
+
+
+def test_every_rank_of_run_ranks_runs_under_the_callers_trace_only_block():
+    """``run_ranks`` launches each rank on a thread of its own: each still belongs to the caller's block
+    (recorded, trace-only), and outside a block each computes in full."""
+    xT, w, want = _operands()
+    with trace.record(trace_only=True) as tr:
+        outs = ncc.run_ranks(_matmul, 2, lambda r: {"xT": xT, "w": w}, grid=2)
+    assert [o.tolist() for o in outs] == [np.zeros((T, E), np.float32).tolist()] * 2
+    assert tr.by_op()["nc_matmul"] == 4  # 2 ranks x 2 programs
+    outs = ncc.run_ranks(_matmul, 2, lambda r: {"xT": xT, "w": w})
+    for o in outs:
+        np.testing.assert_array_equal(o, want)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: nki.simulate(_matmul, trace_only="yes"),
+     "^nki.simulate: argument trace_only must be True or False, got 'yes'$"),
+    (lambda: trace.record(trace_only=1).__enter__(),
+     "^trace.record: argument trace_only must be True or False, got 1$"),
+])
+def test_a_bad_trace_only_names_the_argument_the_allowed_values_and_the_value(call, message):
+    with pytest.raises(NkiValidationError, match=message):
+        call()

@@ -123,6 +123,7 @@ def run_ranks(kernel: Any, n_ranks: int, make_inputs: Callable[[int], dict[str, 
     rank runs under the kernel's launch rules (``nki.simulate(kernel, capacity=...)``; a plain function or
     ``@nki.jit`` kernel: the defaults)."""
     from .jit import Kernel, _launch, simulate
+    from .trace import recording
 
     kernel = kernel if isinstance(kernel, Kernel) else simulate(kernel)
     g = (grid if isinstance(grid, tuple) else (grid,)) or kernel.grid
@@ -131,10 +132,11 @@ def run_ranks(kernel: Any, n_ranks: int, make_inputs: Callable[[int], dict[str, 
     inputs = [make_inputs(r) for r in range(n_ranks)]
     results: list[Any] = [None] * n_ranks
     errors: list[BaseException | None] = [None] * n_ranks
+    tr = recording()  # the caller's trace.record block: the rank threads start without it
 
     def run(r: int) -> None:
         try:
-            results[r] = _launch(kernel.fn, g, (), inputs[r], kernel.rules, rank=_Rank(r, world))
+            results[r] = _launch(kernel.fn, g, (), inputs[r], kernel.rules, rank=_Rank(r, world), recording=tr)
         except BaseException as exc:  # noqa: BLE001  (re-raised below)
             errors[r] = exc
             world.barrier.abort()  # peers waiting at a collective stop too

@@ -14,6 +14,7 @@ started together issue them (:class:`~trnkit.nkisim.controlflow.Turnstile`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -28,6 +29,7 @@ from . import controlflow as _cf
 from . import dtypes as _dt
 from . import memory as _mem
 from . import ops as _ops
+from . import trace as _trace
 from .errors import fail, require
 from .tensor import NkiTensor, from_array, hbm, shared_hbm
 
@@ -177,26 +179,32 @@ class Kernel:
             # tested kernels call decorated ones (nki-library's attention_block_tkg calls qkv with
             # its output in SBUF): the tested kernel wins.
             return self.fn(*args, **kwargs)
-        return _launch(self.fn, self.grid, args, kwargs, self.rules)
+        return _launch(self.fn, self.grid, args, kwargs, self.rules, recording=_trace.recording())
 
     def __repr__(self) -> str:
         return f"<nki.jit kernel {self.fn.__name__} grid={self.grid}>"
 
 
 def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: dict,
-            rules: _mem.LaunchRules = _mem.LaunchRules(), rank: Any = None) -> Any:
+            rules: _mem.LaunchRules = _mem.LaunchRules(), rank: Any = None,
+            recording: _trace.Trace | None = None) -> Any:
     """Run ``fn`` as one program per grid point, each under ``rules`` (:class:`~trnkit.nkisim.memory.LaunchRules`),
-    on device ``rank`` of a multi-rank run (``collectives.run_ranks``; None: a lone device). A launch made inside
-    a running kernel is part of that kernel and runs under its rules, on its device, instead."""
+    on device ``rank`` of a multi-rank run (``collectives.run_ranks``; None: a lone device), its instructions
+    recorded in ``recording`` (the ``trace.record`` block open where the launch was made; one opened with
+    ``trace_only=True`` makes the launch trace-only). A launch made inside a running kernel is part of that
+    kernel and runs under its rules, on its device, recorded in its trace, instead."""
     caller = _mem.running()
     if caller is not None:
-        rules, rank = caller.rules, caller.launch.rank
+        rules, rank, recording = caller.rules, caller.launch.rank, caller.launch.trace
+    elif recording is not None and recording.trace_only and not rules.trace_only:
+        rules = dataclasses.replace(rules, trace_only=True)
     n = math.prod(grid) if grid else 1
     conv = _Args(shared_hbm if n > 1 else hbm)
     names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
     wargs = tuple(conv.wrap(a, names[i] if i < len(names) else f"arg{i}") for i, a in enumerate(args))
     wkwargs = {k: conv.wrap(v, k) for k, v in kwargs.items()}
-    launch = _mem.LaunchContext(grid=grid, barrier=_cf.Rendezvous(n) if n > 1 else None, rank=rank)
+    launch = _mem.LaunchContext(grid=grid, barrier=_cf.Rendezvous(n) if n > 1 else None, rank=rank,
+                                trace=recording)
     ids = list(itertools.product(*(range(g) for g in grid))) if grid else [()]
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
@@ -262,7 +270,8 @@ def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     return Kernel(fn, **options)
 
 
-def simulate(kernel: Any, strict: bool = True, capacity: str = "checked", placement: bool = True) -> Kernel:
+def simulate(kernel: Any, strict: bool = True, capacity: str = "checked", placement: bool = True,
+             trace_only: bool = False) -> Kernel:
     """``nki.simulate(kernel)(*args)``: run ``kernel`` (jit, grid-indexed, or plain function) here.
 
     The other arguments are trnkit extensions, the rules every launch of the returned kernel runs under
@@ -271,8 +280,10 @@ def simulate(kernel: Any, strict: bool = True, capacity: str = "checked", placem
     raising (invalid uses still raise); ``capacity`` is ``"checked"`` (SBUF or PSUM overflow raises),
     ``"sbuf_spills"`` (SBUF beyond capacity is warned about, :class:`~trnkit.nkisim.memory.SbufSpillWarning`,
     as neuronx-cc's allocator spills it; PSUM stays checked) or ``"unchecked"`` (the peaks are only measured);
-    ``placement=False`` gives each ``nl.ndarray(..., address=)`` tile storage of its own (a diagnostic)."""
-    rules = _mem.LaunchRules(strict, capacity, placement)
+    ``placement=False`` gives each ``nl.ndarray(..., address=)`` tile storage of its own (a diagnostic);
+    ``trace_only=True`` skips the arithmetic of large matmuls (a launch for the cost model's trace, its outputs
+    not meaningful)."""
+    rules = _mem.LaunchRules(strict, capacity, placement, trace_only)
     if isinstance(kernel, Kernel):
         return Kernel(kernel.fn, kernel.grid, rules, **kernel.options)
     if callable(kernel):

@@ -476,6 +476,9 @@ class LaunchContext:
     seq: int = field(default_factory=_launch_counter.__next__)  # launch order, for the cost model
     # the device this launch runs on in a multi-rank run (collectives.run_ranks); None: a lone device
     rank: Any = None
+    # the trace.Trace its instructions are recorded in: the recording open where the launch was made
+    # (trace.record; a nested launch: its caller's); None: nothing records
+    trace: Any = None
 
     @property
     def num_instances(self) -> int:
@@ -527,14 +530,24 @@ class LaunchRules:
     the kernel instance's memory (tensor.py, "manual placement"). False gives each placed tile storage of its
     own, as if unplaced: a trnkit diagnostic, not a model of anything; the conformance run uses it to check that
     a mismatch of a kernel that read overwritten placed tiles (:class:`PlacedTileOverwrittenWarning`) comes
-    from those reads."""
+    from those reads.
+
+    ``trace_only`` (default False): a launch for the cost model, which needs the instruction trace and not the
+    results. ``nc_matmul`` calls of 128 x 128 x 128 multiply-adds or more skip their arithmetic (a fresh
+    accumulation reads as zeros; shapes, rules, operand reads and the trace are as in a full run), and a DMA
+    whose computed address (from such results) falls out of bounds is skipped instead of raising, traced at its
+    full size. The launch's outputs are not meaningful. ``trace.record(trace_only=True)`` sets it for the
+    launches made inside its block (the cost-model callers: ``trnkit.bench`` and the calibration); the
+    trace is identical to a full run's wherever the skipped values do not steer the kernel
+    (``tests/nkisim/test_trace_only.py``, ``tests/test_bench.py``)."""
 
     strict: bool = True
     capacity: str = "checked"
     placement: bool = True
+    trace_only: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("strict", "placement"):
+        for name in ("strict", "placement", "trace_only"):
             value = getattr(self, name)
             require(isinstance(value, bool), "nki.simulate", "argument {name} must be True or False, got "
                     "{value!r}", name=name, value=value)

@@ -11,17 +11,30 @@ Usage::
         kernel(a, b)
     print(len(tr), tr.by_op())
 
-``trace.record(trace_only=True)`` also tells the interpreter to skip the arithmetic of large
-``nc_matmul`` calls (shapes, checks and bookkeeping still run), so big shapes estimate quickly.
+A recording belongs to the code that opens it: it records the launches made inside the block on this
+thread (their programs, nested launches and ``nki.collectives.run_ranks``' ranks included), never a launch
+another thread makes meanwhile. Each launch takes the recording when it starts and keeps it in its
+:class:`~trnkit.nkisim.memory.LaunchContext`, where its instructions find it.
+
+``trace.record(trace_only=True)`` makes those launches *trace-only* launches: each carries
+``trace_only=True`` in its :class:`~trnkit.nkisim.memory.LaunchRules` (as ``nki.simulate(kernel,
+trace_only=True)`` does), so large ``nc_matmul`` calls skip their arithmetic (shapes, checks and
+bookkeeping still run) and big shapes estimate quickly; the outputs of such a launch are not meaningful.
+The instructions read the setting from their kernel instance's rules, never from module state, so a launch
+outside the block computes in full while one inside it is trace-only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from . import memory as _mem
+from .errors import require
 
 # Engine names, as the NKI ISA enum spells them (nki.isa.engine: tensor, vector, scalar, gpsimd, dma).
 TENSOR = "tensor"
@@ -94,18 +107,30 @@ class Trace:
         return sum(i.hbm_bytes for i in self.instrs)
 
 
-_state = threading.local()
-_global: list[Trace] = []  # stack of active traces, shared by SPMD threads of one launch
+# the recording the code running in this context opened (contextvars: a thread starts with none)
+_recording: contextvars.ContextVar[Trace | None] = contextvars.ContextVar("trnkit_nkisim_recording", default=None)
+
+
+def recording() -> Trace | None:
+    """The innermost :func:`record` block open in the calling code (this thread's context), or None. A launch
+    takes it when it starts (``jit._launch``)."""
+    return _recording.get()
 
 
 def active() -> Trace | None:
-    """The innermost active trace, or None when nothing is recording."""
-    return _global[-1] if _global else None
+    """The trace the running instruction is recorded in: its launch's, or outside any kernel the calling
+    code's open :func:`record` block; None when nothing records."""
+    ctx = _mem.running()
+    return ctx.launch.trace if ctx is not None else _recording.get()
 
 
 def trace_only() -> bool:
-    """True when the active trace asked to skip large-matmul arithmetic."""
-    tr = active()
+    """True when the running kernel instance's launch is trace-only (``LaunchRules.trace_only``); outside any
+    kernel, when the calling code's open :func:`record` block asked for it."""
+    ctx = _mem.running()
+    if ctx is not None:
+        return ctx.rules.trace_only
+    tr = _recording.get()
     return tr is not None and tr.trace_only  # an empty Trace is falsy (__len__)
 
 
@@ -118,10 +143,13 @@ def emit(instr: Instr) -> None:
 
 @contextlib.contextmanager
 def record(trace_only: bool = False) -> Iterator[Trace]:
-    """Record every ISA instruction executed inside the block."""
+    """Record every ISA instruction of the launches made inside the block by this thread (module doc);
+    ``trace_only=True`` makes those launches trace-only."""
+    require(isinstance(trace_only, bool), "trace.record", "argument trace_only must be True or False, got "
+            "{value!r}", value=trace_only)
     tr = Trace(trace_only=trace_only)
-    _global.append(tr)
+    token = _recording.set(tr)
     try:
         yield tr
     finally:
-        _global.remove(tr)
+        _recording.reset(token)

@@ -109,9 +109,9 @@ def dma_copy(dst: NkiTensor, src: NkiTensor, priority: int | None = None,
                  ".view() to reinterpret)", dst_dtype=dst.dtype, src_dtype=src.dtype)
     elif engine is not common.engine.unknown:
         fail(op, "engine= is only valid with dge_mode=hwdge, got {engine}", engine=engine)
-    # Trace-only mode does not compute large matmuls, so addresses derived from their results
-    # (router_topk's scatter indices) are not meaningful: an out-of-bounds dynamic address is
-    # skipped instead of raising, and the transfer is still traced at its full size.
+    # A trace-only launch (memory.LaunchRules.trace_only) does not compute large matmuls, so addresses
+    # derived from their results (router_topk's scatter indices) are not meaningful: an out-of-bounds
+    # dynamic address is skipped instead of raising, and the transfer is still traced at its full size.
     trace_only = trace.trace_only()
     skip = oob_mode is common.oob_mode.skip or trace_only
     src_vec, dst_vec = src.indirect_info, dst.indirect_info

@@ -28,7 +28,7 @@ __all__ = ["nc_matmul", "nc_transpose", "matmul_perf_mode"]
 _MM_IN = frozenset({_dt.float8_e4m3, _dt.float8_e5m2, _dt.bfloat16, _dt.float16, _dt.float32})
 _FP8 = frozenset({_dt.float8_e4m3, _dt.float8_e5m2})
 _PE_TILE_SIZES = (32, 64, 128)  # row / column tiles of the 128x128 PE array (32 needs v3+)
-_TRACE_ONLY_MIN_MACS = 128 * 128 * 128  # trace-only mode skips the arithmetic from this size up
+_TRACE_ONLY_MIN_MACS = 128 * 128 * 128  # a trace-only launch skips the arithmetic from this size up
 
 def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``a.T @ b`` for fp32 ``a [K, M]``, ``b [K, N]``: the exact products summed in fp64, rounded once to fp32.
@@ -148,12 +148,13 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
     # at most 8 outstanding accumulation groups: memory.py tracks them, checked at the kernel's end
     _mem.current().memory.matmul_write(dst.storage.alloc, starts=accumulate is False or not any_written, bank=bank)
     out = dst.np()
-    tr = trace.active()  # (not trace.trace_only(): an empty Trace is falsy there)
-    if tr is not None and tr.trace_only and k * m * n >= _TRACE_ONLY_MIN_MACS:
-        # Trace-only mode skips the arithmetic (shapes, checks and bookkeeping still run). A fresh
-        # accumulation reads as zeros, not the allocation's NaN sentinel, so values later derived
-        # from it (top-k indices used as DMA addresses) stay finite and in range. The operands are
-        # still read (np() records the access), so on-chip liveness and the memory check stay exact.
+    tr = trace.active()
+    if k * m * n >= _TRACE_ONLY_MIN_MACS and trace.trace_only():
+        # A trace-only launch (memory.LaunchRules.trace_only) skips the arithmetic (shapes, checks and
+        # bookkeeping still run). A fresh accumulation reads as zeros, not the allocation's NaN sentinel,
+        # so values later derived from it (top-k indices used as DMA addresses) stay finite and in range.
+        # The operands are still read (np() records the access), so on-chip liveness and the memory
+        # check stay exact.
         stationary.np()
         moving.np()
         if accumulate is False or (accumulate is None and not any_written):
