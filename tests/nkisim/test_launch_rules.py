@@ -15,6 +15,7 @@ import pytest
 
 from trnkit import nkisim as nki
 from trnkit.nkisim import collectives as ncc
+from trnkit.nkisim import controlflow
 from trnkit.nkisim import isa as nisa
 from trnkit.nkisim import language as nl
 from trnkit.nkisim import memory
@@ -105,6 +106,31 @@ def test_a_launch_inside_a_running_kernel_runs_under_its_callers_rules(how):
     programs = 2 if how == "grid 2" else 1
     assert _spills(caught) == [32768] * programs
     assert [c.rules.capacity for c in contexts] == ["sbuf_spills"] * programs
+
+
+@pytest.mark.parametrize("how", ["inline", "grid 1", "grid 2"])
+def test_a_one_program_launch_inside_a_kernel_is_part_of_its_callers_program(how):
+    """Each kernel instance holds its control-flow record (``KernelContext.program``, the one
+    ``controlflow.current()`` gives while it runs): an inlined call and a grid-1 launch inside a kernel count
+    their instructions in the caller's record, a grid-2 launch runs two records of its own."""
+    callers = []
+
+    @nki.jit
+    def records_and_calls(x, how):
+        callers.append((memory.current(), controlflow.current()))
+        return calls_two_big(x, how)
+
+    del contexts[:]
+    nki.simulate(records_and_calls, capacity="unchecked")(_x(), how)
+    (caller, running), = callers
+    assert caller.program is running and running is not None
+    inner = [c.program for c in contexts]
+    if how == "grid 2":
+        assert len(inner) == 2 and inner[0] is not inner[1] and caller.program not in inner
+        assert caller.program.counts["memset"] == 0 and [p.counts["memset"] for p in inner] == [2, 2]
+    else:
+        assert inner == [caller.program]
+        assert caller.program.counts["memset"] == 2
 
 
 def test_the_caller_rules_win_over_the_inner_kernels_own():

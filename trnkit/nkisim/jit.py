@@ -171,7 +171,7 @@ class Kernel:
         return Kernel(self.fn, tuple(int(n) for n in g), self.rules, **self.options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.grid and _cf.current() is not None:
+        if not self.grid and _mem.running() is not None:
             # Called inside a running kernel: the compiler inlines every call ("Specialization ... inlines
             # every call", NKI language guide), so the body runs in the caller's program, with its
             # program ids, memory, rules and control flow, and returns what it returns (on-chip tiles
@@ -208,7 +208,8 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
     ids = list(itertools.product(*(range(g) for g in grid))) if grid else [()]
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
-    outer = _cf.current()  # a @nki.jit helper called inside a kernel is part of that program
+    # a one-program launch inside a kernel is part of its caller's program (control-flow record)
+    outer = caller.program if caller is not None else None
     programs = [outer if outer is not None and n == 1 else _cf.Program(i, rules.strict) for i in range(n)]
     # several programs run as concurrent cores do: in lockstep, one instruction each in turn
     turnstile = None
@@ -220,7 +221,8 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
     def run(i: int) -> None:
         if turnstile is not None:
             turnstile.start(i)
-        ctx = _mem.KernelContext(program_id=ids[i], launch=launch, flat_program_id=i, rules=rules)
+        ctx = _mem.KernelContext(program_id=ids[i], launch=launch, flat_program_id=i, rules=rules,
+                                 program=programs[i])
         _mem.push_context(ctx)
         try:
             with _ops.fp_errors_ignored(), _cf.running(programs[i]):  # the hardware's inf/nan are silent

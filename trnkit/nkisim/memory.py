@@ -571,6 +571,7 @@ class KernelContext:
     collective_seq: int = 0  # nki.collectives calls made so far by this instance
     flat_program_id: int = 0
     rules: LaunchRules = field(default_factory=LaunchRules)  # its launch's (jit.simulate's arguments)
+    program: Any = None  # its controlflow.Program (runtime control-flow record); None: not launched by jit
     # engine name -> isa.vector.Accumulators: the reduce_cmd accumulation registers of this instance's
     # Vector / Scalar Engine (each core has its own; a launch starts with none set)
     accumulators: dict = field(default_factory=dict)
