@@ -37,7 +37,7 @@ from . import memory as _memory
 from .errors import NkiValidationError, fail
 from .tensor import NkiTensor, VirtualRegister
 
-__all__ = ["Frame", "Program", "Register", "current", "running", "undefined", "loop", "sync_event",
+__all__ = ["Frame", "Program", "Register", "current", "undefined", "loop", "sync_event",
            "check_register_read", "write_register", "allocated", "loop_body_result", "compare",
            "instruction", "Rendezvous", "Turnstile", "parked", "UndefinedBehaviourWarning",
            "MIGRATION_LOOP_RULES", "LNC_DOC"]
@@ -52,7 +52,6 @@ LNC_DOC = ('NKI LNC guide (nki/get-started/about/lnc.rst, "Final Notes"): "if yo
            'cores may deadlock or produce incorrect results"')
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_tls = threading.local()
 
 
 class UndefinedBehaviourWarning(RuntimeWarning):
@@ -139,38 +138,28 @@ class Program:
 
 
 def current() -> Program | None:
-    """The program record of the kernel running on this thread (None outside any kernel)."""
-    return getattr(_tls, "program", None)
-
-
-class running:  # noqa: N801 - used as `with running(program):`
-    """``with running(program):`` makes ``program`` this thread's record (nested launches of one
-    program, e.g. a ``@nki.jit`` helper called inside a kernel, keep the outer record)."""
-
-    def __init__(self, program: Program) -> None:
-        self.program = program
-        self.saved: Program | None = None
-
-    def __enter__(self) -> Program:
-        self.saved = current()
-        _tls.program = self.program
-        return self.program
-
-    def __exit__(self, *exc: Any) -> None:
-        _tls.program = self.saved
+    """The program record of the kernel instance running on this thread (``memory.KernelContext.program``;
+    None outside any kernel)."""
+    ctx = _memory.running()
+    return None if ctx is None else ctx.program
 
 
 def undefined(op: str, rule: str, /, **values: Any) -> None:
     """Undefined behaviour on the hardware: raise :class:`NkiValidationError` (default), or warn
     when the launch runs with ``strict=False``."""
     program = current()
-    if program is None or program.strict:
+    _undefined(program is None or program.strict, 4, op, rule, **values)
+
+
+def _undefined(strict: bool, stacklevel: int, op: str, rule: str, /, **values: Any) -> None:
+    """:func:`undefined` under ``strict`` (the program's), the warning at ``stacklevel`` from here."""
+    if strict:
         fail(op, rule, **values)
     try:
         fail(op, rule, **values)
     except NkiValidationError as exc:
         warnings.warn(f"{exc} [undefined behaviour, strict=False]", UndefinedBehaviourWarning,
-                      stacklevel=3)
+                      stacklevel=stacklevel)
 
 
 def user_site() -> str:
@@ -339,13 +328,13 @@ def compare(programs: list[Program]) -> None:
         eb = b.events[i] if i < len(b.events) else None
         if ea is not None and eb is not None and (ea.what, ea.site, ea.detail) == (eb.what, eb.site, eb.detail):
             continue
-        with running(a):  # strict / warning as the launch asked
-            undefined("LNC=2 divergence", "the two programs take different runtime control flow at "
-                      "control-flow step {step}: program 0 runs {first}, program 1 runs {second} "
-                      "(instructions issued by program 0: {counts0}; by program 1: {counts1}). {doc}",
-                      step=i, first=ea.describe() if ea else "no further runtime loop or barrier",
-                      second=eb.describe() if eb else "no further runtime loop or barrier",
-                      counts0=_counts(a), counts1=_counts(b), doc=LNC_DOC)
+        # raises, or warns under the launch's strict=False
+        _undefined(a.strict, 3, "LNC=2 divergence", "the two programs take different runtime control flow "
+                   "at control-flow step {step}: program 0 runs {first}, program 1 runs {second} "
+                   "(instructions issued by program 0: {counts0}; by program 1: {counts1}). {doc}",
+                   step=i, first=ea.describe() if ea else "no further runtime loop or barrier",
+                   second=eb.describe() if eb else "no further runtime loop or barrier",
+                   counts0=_counts(a), counts1=_counts(b), doc=LNC_DOC)
         return
 
 
@@ -533,7 +522,7 @@ def instruction(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        program = getattr(_tls, "program", None)
+        program = current()
         if program is not None:
             if program.turnstile is not None:  # several programs: issue in lockstep
                 program.turnstile.step(program.slot)

@@ -225,7 +225,7 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
                                  program=programs[i])
         _mem.push_context(ctx)
         try:
-            with _ops.fp_errors_ignored(), _cf.running(programs[i]):  # the hardware's inf/nan are silent
+            with _ops.fp_errors_ignored():  # the hardware's inf/nan are silent
                 results[i] = fn(*wargs, **wkwargs)
             ctx.memory.check(rules.capacity)  # SBUF/PSUM capacity over data liveness
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
