@@ -1,6 +1,6 @@
 """README.md and docs/: every relative link resolves inside the repository, the tables generated from
-benchmark outputs are current (scripts/docs_tables.py), every Python block runs and every bash command parses
-as written."""
+benchmark outputs are current (scripts/docs_tables.py), every Python block runs, every bash command parses
+and every toml block loads as a trainer config as written."""
 
 from __future__ import annotations
 
@@ -485,3 +485,61 @@ def test_a_command_that_would_not_run_is_caught(command: str, problem: str, monk
     monkeypatch.chdir(ROOT)
     found = command_problem(shlex.split(command), monkeypatch)
     assert found is not None and problem in found, found
+
+
+# ------------------------------------------------------------------------------------------ config snippets
+TOML_BLOCK = re.compile(r"^([ \t]*)```toml\n(.*?)^\1```", re.S | re.M)
+
+
+def toml_snippets(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of every ```toml block of a page, indented ones dedented."""
+    import textwrap
+
+    text = path.read_text()
+    return [(text[:m.start()].count("\n") + 2, textwrap.dedent(m.group(2))) for m in TOML_BLOCK.finditer(text)]
+
+
+def toml_problem(text: str) -> str | None:
+    """None when ``text`` is a trainer config fragment that loads as written: TOML, applied onto the defaults
+    by the trainer's own loader and validated (plugins imported, impls registered); else the error."""
+    import tomllib
+
+    from trnkit.harness.config import ConfigError, from_dict
+
+    try:
+        from_dict(tomllib.loads(text)).validate()
+    except (tomllib.TOMLDecodeError, ConfigError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+TOML_SNIPPETS = [(p, line, text) for p in DOC_FILES for line, text in toml_snippets(p)]
+
+
+@pytest.mark.parametrize("path, line, text", TOML_SNIPPETS,
+                         ids=[f"{p.relative_to(ROOT).as_posix()}:{n}" for p, n, _ in TOML_SNIPPETS])
+def test_toml_snippets_are_trainer_configs_that_load_as_written(path: Path, line: int, text: str,
+                                                                 monkeypatch: pytest.MonkeyPatch):
+    import copy
+
+    from trnkit.overrides import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", copy.deepcopy(registry._REGISTRY))  # plugins register impls
+    monkeypatch.chdir(ROOT)  # plugins = ["examples.my_kernels"]: the repository's examples package
+    monkeypatch.syspath_prepend(str(ROOT))
+    before = set(sys.modules)
+    try:
+        problem = toml_problem(text)
+    finally:  # a plugin imported here registers again where a later test imports it (into the real registry)
+        for name in set(sys.modules) - before:
+            if name.startswith("examples"):
+                del sys.modules[name]
+    assert problem is None, f"{path.relative_to(ROOT)}:{line}: {problem}"
+
+
+def test_toml_finder_sees_every_block_and_a_bad_one_is_caught():
+    assert len(toml_snippets(ROOT / "docs" / "trainer.md")) >= 3  # one indented (in a list)
+    assert any('loss_schedule = "fused"' in text for _, _, text in TOML_SNIPPETS)  # the indented one
+    assert "unknown key training.stpes" in toml_problem("[training]\nstpes = 20\n")
+    assert "TOMLDecodeError" in toml_problem("[training\nsteps = 20\n")
+    assert "policy" in toml_problem('[overrides]\nops = ["rope_hf"]\npolicy = "sometimes"\n')
