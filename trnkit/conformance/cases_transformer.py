@@ -54,6 +54,7 @@ import numpy as np
 
 from .cases_attention_tkg import _flat_compare
 from .cases_moe_experimental import _checkout
+from . import harness
 from .harness import Case, TappedReference, _file_backed, disk_array, drawn_array, load_test_module, restore_modules
 
 __all__ = ["attention_block_case", "attention_block_cases", "attention_block_golden", "test_package_modules"]
@@ -842,10 +843,12 @@ def _attention_inputs(ref: Any, fed: Any, capture: dict[str, np.ndarray] | None)
 QKV_TAP = f"{LIB}.experimental.transformer.attention_block_tkg:qkv"
 QUANTIZED_INPUT_TAP = f"{LIB}.core.qkv.qkv_tkg:_fused_norm_and_load"
 QKV_CTE_INPUT_TAP = f"{LIB}.core.qkv.qkv_cte:nisa.nc_matmul(stationary)"
+# and, on qkv_cte, the float32 projection as it leaves PSUM: the source of its PSUM -> bf16 copies (tensor_copy out of
+# each 512-column PSUM bank into the bf16 output tile, before the dequantization; _qkv_cte_impl, step 5)
+QKV_CTE_PSUM_TAP = f"{LIB}.core.qkv.qkv_cte:nisa.tensor_copy(src)"
 # and the Q, K, V attention reads: _QKV_processing's (Q [d, B*N*S] bf16 before the softmax scale, K [d, B*S] and V
 # [B, 1, S, d] fp8 with a quantized KV cache, V's SBUF copy)
 PROCESSED_TAP = f"{LIB}.experimental.transformer.attention_block_tkg:_QKV_processing"
-F32_IN_BF16 = 2.0 ** -16  # one float32 rounding (2^-24 relative) in units of one bf16 rounding (2^-8)
 
 
 def _qkv_tkg_input(quant: list, lnc: int) -> tuple[np.ndarray | None, str]:
@@ -891,18 +894,95 @@ def _qkv_cte_input(operands: list, h: int) -> tuple[np.ndarray | None, str]:
     return x, ""
 
 
+def _qkv_cte_psum(copies: list, bxs: int, i: int) -> tuple[np.ndarray | None, str]:
+    """qkv_cte's float32 projection of one rank, ``[B*S, I]`` float64, from the sources of its PSUM -> bf16 copies
+    (``(program, harness.Operand)`` in call order), or None and why not. For each 128-token tile a core copies its
+    ``I`` columns out of PSUM one 512-column bank at a time, in bank order (``[s, min(512, I - 512 k)]`` from the
+    bank's partition 0, column 0), its tiles in token order; the cores' shards follow each other (as in
+    :func:`_qkv_cte_input`). Only float32 sources count: the projection's banks (``nc_matmul`` writes float32 PSUM
+    on trn2); the input transposes' PSUM tiles, which the same instruction copies on a route without a fused norm,
+    are bf16 (``psum_transpose_dtype``). A copy of another shape or place, or a count that is not whole tiles of
+    ``B*S`` tokens, gives None: a wrong order only makes the checks fail."""
+    banks = -(-i // 512)
+    per_core: dict[int, list] = {}
+    for program, op in copies:
+        if op.value.dtype == np.float32:
+            per_core.setdefault(program, []).append(op)
+    if not per_core:
+        return None, "no float32 PSUM -> bf16 copy in qkv_cte"
+    parts = []
+    for program in sorted(per_core):
+        ops = per_core[program]
+        if len(ops) % banks:
+            return None, f"core {program}: {len(ops)} PSUM -> bf16 copies, not whole tiles of {banks} banks"
+        for t in range(0, len(ops), banks):
+            tile, rows = ops[t:t + banks], ops[t].value.shape[0]
+            for k, op in enumerate(tile):
+                width, where = min(512, i - 512 * k), op.columns()
+                if op.value.shape != (rows, width) or not (np.array_equal(where[..., 0], np.broadcast_to(
+                        np.arange(rows)[:, None], (rows, width))) and np.array_equal(where[..., 1], np.broadcast_to(
+                        np.arange(width), (rows, width)))):
+                    return None, (f"core {program}: PSUM copy {t + k} reads {op.value.shape} not at [0:{rows}, "
+                                  f"0:{width}] of its bank")
+            parts.append(np.concatenate([op.value for op in tile], axis=1).astype(np.float64))
+    psum = np.concatenate(parts)
+    if psum.shape[0] != bxs:
+        return None, f"{psum.shape[0]} tokens copied out of PSUM for {bxs}"
+    return psum, ""
+
+
+def _qkv_cte_checks(rank: int, x: np.ndarray, w: np.ndarray, kw: dict[str, Any], copies: list, qkv: list,
+                    d: int) -> list:
+    """qkv_cte's QKV projection of one rank, checked exactly (:class:`.harness.TileCheck` s):
+    (ii) the float32 PSUM values (:func:`_qkv_cte_psum`) against the exact product of the kernel's own tapped fp8
+    input ``x`` and its fp8 weights ``w`` (float64: every fp8 x fp8 product is exact, and their sum too, multiples of
+    2^-18 below 2^31), within the float32 accumulation bound (``harness.within_accumulation``): a product goes
+    through at most 255 additions inside its double-row ``nc_matmul`` (256 contraction rows) and one PSUM
+    accumulation per later matmul of its group (``ceil(H / 256) - 1``);
+    (i) each core's bf16 QKV tile equal, element for element, to the kernel's own arithmetic on those PSUM values:
+    the copy to bf16 (round to nearest even), then the dequantization ``tensor_scalar`` (multiply by Q's, K's or V's
+    fused scale ``float32(w_scale * in_scale)``, the ``activation`` it was formed by, in float32, written as bf16):
+    Vector and Scalar arithmetic is "performed in float32 math. The float32 results are cast to dst.dtype"
+    (``nki.isa.tensor_tensor``; ``tensor_scalar`` likewise), rounding to nearest even (rounding-modes.rst).
+    A bias (added by qkv_cte in the dequantization from a tile of its fp8 compute dtype) is not modelled: a row with
+    one fails (i), with that reason."""
+    copy_rows, how = _qkv_cte_psum(copies, x.shape[0], w.shape[1])
+    if copy_rows is None:
+        return [harness.TileCheck(f"rank {rank} PSUM", False, float("inf"), how)]
+    depth = 255 + -(-w.shape[0] // 256) - 1
+    out = [harness.TileCheck(f"rank {rank} PSUM", *harness.within_accumulation(copy_rows, x @ w, np.abs(x) @ np.abs(w),
+                                                                              depth))]
+    if kw.get("bias_qkv") is not None:
+        return out + [harness.TileCheck(f"rank {rank} QKV", False, float("inf"), "a bias on the qkv_cte route is not "
+                                        "modelled (qkv_cte adds it from a tile of its fp8 compute dtype)")]
+    w_scale = np.asarray(kw["weight_dequant_scale_qkv"], np.float32).reshape(-1, 3)
+    in_scale = np.asarray(kw["input_dequant_scale_qkv"], np.float32).reshape(-1)
+    if np.any(w_scale != w_scale[:1]) or np.any(in_scale != in_scale[0]):
+        return out + [harness.TileCheck(f"rank {rank} QKV", False, float("inf"), "scales that differ between "
+                                        "partitions are not modelled")]
+    fused = w_scale[0] * in_scale[0]  # (float32 x float32, rounded to float32: the activation's own product)
+    q = w.shape[1] // d - 2
+    scale = np.concatenate([np.full(q * d, fused[0]), np.full(d, fused[1]), np.full(d, fused[2])]).astype(np.float32)
+    copied = harness.cast_bf16(copy_rows).astype(np.float32)
+    expected = harness.cast_bf16((copied * scale).astype(np.float64))
+    what = "bf16(float32(bf16(PSUM) x float32(w_scale x in_scale)))"
+    for program, value in qkv:
+        out.append(harness.TileCheck(f"rank {rank} core {program} QKV", *harness.rounded_exactly(
+            np.asarray(value, np.float64).reshape(expected.shape), expected, what)))
+    return out
+
+
 def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
     """For :class:`.harness.TappedReference`, per rank, two stages, each tapped tile against a computation of it
     from the kernel's own tapped input to that stage:
-    (1) each core's QKV tile against the float64 STATIC projection of the rank's tapped fp8 input
-    (:func:`_qkv_tkg_input` or :func:`_qkv_cte_input`, on the route the kernel took), dequantized as
-    ``qkv_tkg_torch_ref`` does (Q / K / V columns by their weight scale, all by the input scale, then the bias).
-    bf16 roundings per element, at most: on ``qkv_tkg`` one per 128-row partial sum each core adds into the bf16
-    tile (``H / 128 / lnc``), one per core's half (``lnc``), one for the dequantization, one for the bias; on
-    ``qkv_cte`` (each core its own tokens, the whole H accumulated in one float32 PSUM group, 256 rows a double-row
-    matmul) one for the PSUM -> bf16 copy and one for the dequantization (with the bias, one instruction), plus the
-    float32 roundings, each 2^-16 of a bf16 one: the H products' accumulation and the fused scale (w * in) and its
-    product (``(H + 2) * 2^-16``; 0.13 at H = 8,192);
+    (1) on ``qkv_tkg``, each core's QKV tile against the float64 STATIC projection of the rank's tapped fp8 input
+    (:func:`_qkv_tkg_input`), dequantized as ``qkv_tkg_torch_ref`` does (Q / K / V columns by their weight scale,
+    all by the input scale, then the bias), within its bf16 roundings per element: one per 128-row partial sum
+    each core adds into the bf16 tile (``H / 128 / lnc``), one per core's half (``lnc``), one for the
+    dequantization, one for the bias; on ``qkv_cte`` (each core its own tokens, the whole H accumulated in one
+    float32 PSUM group, then one PSUM -> bf16 copy and one dequantization), exactly: the PSUM values it copies out
+    against the exact product of its tapped input (:func:`_qkv_cte_input`) within the float32 accumulation bound,
+    and each QKV tile equal to the kernel's own rounding of those values (:func:`_qkv_cte_checks`);
     (2) the Q, K, V that attention reads (``_QKV_processing``'s tiles: Q bf16, K / V fp8) against nki-library's
     reference (float32) fed the rank's core-0 QKV tile: its Q / K / V norms, RoPE and KV scaling, unrounded.
     Q's roundings: one for the pre-RoPE norm's bf16 tile, three for RoPE's two products and their sum, one for the
@@ -921,6 +1001,7 @@ def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
         for rank, kw in enumerate(ranks):
             quant = sorted((p, v) for r, p, v in tapped[QUANTIZED_INPUT_TAP] if r == rank)
             cte = [(p, v) for r, p, v in tapped.get(QKV_CTE_INPUT_TAP, ()) if r == rank]
+            copies = [(p, v) for r, p, v in tapped.get(QKV_CTE_PSUM_TAP, ()) if r == rank]
             qkv = sorted((p, v) for r, p, v in tapped[QKV_TAP] if r == rank)
             processed = sorted((p, v) for r, p, v in tapped[PROCESSED_TAP] if r == rank)
             w = np.asarray(kw["W_qkv"], np.float64)
@@ -929,6 +1010,9 @@ def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
             if x is None or not qkv or not processed:
                 return [(f"rank {rank}: {why or 'quantized input read'}, {len(qkv)} QKV tiles, {len(processed)} "
                          "Q/K/V", np.zeros(1), np.ones(1), 1, False)]
+            if not quant:  # (qkv_cte: checked exactly, from the PSUM values it copies out)
+                out += _qkv_cte_checks(rank, x, w, kw, copies, qkv, d)
+                continue
             exact = x @ w
             q = i // d - 2
             scale = np.asarray(kw["weight_dequant_scale_qkv"], np.float64)[0]
@@ -938,7 +1022,7 @@ def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
             exact *= float(np.asarray(kw["input_dequant_scale_qkv"], np.float64)[0, 0])
             if kw.get("bias_qkv") is not None:
                 exact += np.asarray(kw["bias_qkv"], np.float64).reshape(1, -1)
-            roundings = h // 128 // lnc + lnc + 2 if quant else 2 + (h + 2) * F32_IN_BF16
+            roundings = h // 128 // lnc + lnc + 2
             for program, value in qkv:
                 out.append((f"rank {rank} core {program} QKV", np.asarray(value).reshape(exact.shape), exact,
                             roundings, False))
@@ -1012,9 +1096,11 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
     # (harness.tapped_golden_gap)
     tapped = None
     if cfg["quantization_type"] == "STATIC" and cfg["kv_quant"]:
-        tapped = TappedReference(TAPPED_QKV, (QKV_TAP, QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP, PROCESSED_TAP),
+        tapped = TappedReference(TAPPED_QKV, (QKV_TAP, QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP, QKV_CTE_PSUM_TAP,
+                                              PROCESSED_TAP),
                                  _tapped_projection(lnc, d), _fed,
-                                 routes=((QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP),))
+                                 routes=((QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP),
+                                         (QUANTIZED_INPUT_TAP, QKV_CTE_PSUM_TAP)))
     return Case(
         kernel="experimental/transformer/attention_block_tkg", name=_name(cfg), shapes=shapes,
         entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,

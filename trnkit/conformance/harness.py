@@ -153,7 +153,8 @@ class TappedReference:
     tapped tiles and a computation of the same values (float64, or nki-library's float32 reference, which
     ``run(fn)`` runs with its inputs mapped by ``fn``) from the kernel's own tapped inputs to them, with the number
     of bf16 roundings each element can go through and whether the tile is fp8 (:func:`within_roundings`), and
-    optionally (a sixth item) the magnitude those roundings act on (``within_roundings``' ``magnitude``).
+    optionally (a sixth item) the magnitude those roundings act on (``within_roundings``' ``magnitude``); or a
+    :class:`TileCheck`, a tile the projection judged itself (an exact check, or a bound it derives).
     ``ref_inputs(kw, taps)``: the reference's inputs (the case's ``ref_inputs`` already applied) with the tapped
     tiles fed in; ``what`` says which. ``min_cosine``: how near (cosine similarity, every output the kernel fails)
     the kernel must be to that reference. ``routes``: groups of taps of which exactly one records a tile in a run
@@ -162,7 +163,7 @@ class TappedReference:
 
     what: str
     taps: tuple[str, ...]
-    projection: Callable[..., list[tuple[str, np.ndarray, np.ndarray, float, bool]]]
+    projection: Callable[..., list[tuple[str, np.ndarray, np.ndarray, float, bool] | TileCheck]]
     ref_inputs: Callable[[dict[str, Any], dict[str, list]], dict[str, Any]]
     min_cosine: float = 0.9999
     routes: tuple[tuple[str, ...], ...] = ()
@@ -1185,6 +1186,57 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp
                        f"rounding's (<= sqrt({roundings:g}) = {np.sqrt(roundings):.2f})")
 
 
+FP32_UNIT = 2.0 ** -24  # float32's unit roundoff (24 significant bits, round to nearest)
+
+
+@dataclass(frozen=True)
+class TileCheck:
+    """A tapped tile its projection judged itself (:func:`rounded_exactly`, :func:`within_accumulation`), for
+    :func:`tapped_golden_gap`: whether it holds, ``worst`` (its largest error as a share of its bound; 0 for an exact
+    match) and the figures."""
+
+    label: str
+    ok: bool
+    worst: float
+    figures: str
+
+
+def rounded_exactly(tapped: np.ndarray, expected: np.ndarray, what: str) -> tuple[bool, float, str]:
+    """Whether ``tapped`` is ``expected`` (the same values rounded where and as the kernel rounds them, ``what``
+    says how) element for element, exactly; an exact check, with no tolerance: ``(ok, worst, figures)``, ``worst``
+    0 when every value is equal, else infinite."""
+    t, x = np.asarray(tapped, np.float64), np.asarray(expected, np.float64)
+    if t.shape != x.shape:
+        return False, float("inf"), f"shape {t.shape} vs {x.shape}"
+    differ = ~(t == x)  # (a NaN on either side differs)
+    n = int(differ.sum())
+    if n == 0:
+        return True, 0.0, f"all {t.size} values exactly {what}"
+    first = tuple(int(k) for k in np.unravel_index(int(np.argmax(differ)), t.shape))
+    return False, float("inf"), (f"{n} of {t.size} values not {what} (the first at {first}: {t[first]!r} for "
+                                 f"{x[first]!r})")
+
+
+def within_accumulation(tapped: np.ndarray, exact: np.ndarray, abs_sum: np.ndarray, depth: int
+                        ) -> tuple[bool, float, str]:
+    """Whether ``tapped`` (float32 sums of exact terms, e.g. a matmul's fp8 products accumulated in PSUM) is within
+    the float32 accumulation bound of ``exact`` (their exact value, float64), each term going through at most
+    ``depth`` float32 additions: a sum in which term ``i`` goes through ``t_i`` roundings (round to nearest, unit
+    ``u = 2^-24``) is ``sum_i x_i (1 + theta_i)`` with ``|theta_i| <= gamma_{t_i} = t_i u / (1 - t_i u)``, in any
+    order of the additions (Higham, Accuracy and Stability of Numerical Algorithms, Lemma 3.1 and section 4.1), so
+    ``|tapped - exact| <= gamma_depth * sum_i |x_i|`` (``abs_sum``, per element): a bound, not an expectation.
+    ``(ok, worst, figures)``: ``worst`` the largest error as a share of its element's bound."""
+    t, x, a = (np.asarray(v, np.float64) for v in (tapped, exact, abs_sum))
+    if t.shape != x.shape or not np.all(np.isfinite(t)):
+        return False, float("inf"), f"shape {t.shape} vs {x.shape}" if t.shape != x.shape else "non-finite values"
+    gamma = depth * FP32_UNIT / (1 - depth * FP32_UNIT)
+    err, bound = np.abs(t - x), gamma * a
+    share = np.divide(err, bound, out=np.where(err > 0, np.inf, 0.0), where=bound > 0)
+    worst = float(share.max()) if share.size else 0.0
+    return worst <= 1.0, worst, (f"max|err| {worst:.2g} of the float32 accumulation bound (gamma_{depth} = "
+                                 f"{gamma:.3g} x the sum of |terms|)")
+
+
 def cast_bf16(x: np.ndarray) -> np.ndarray:
     """``x`` rounded to bf16 (to nearest even, as the interpreter casts), back in float64."""
     import ml_dtypes
@@ -1222,8 +1274,12 @@ def tapped_golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: di
             case, ref_inputs=lambda kw: fn(case.ref_inputs(kw) if case.ref_inputs else kw)), inputs, root)
 
     stages: dict[str, list[tuple[float, str, str]]] = {}  # per stage (a label's last word): its tiles' figures
-    for label, got, exact, roundings, fp8, *magnitude in spec.projection(inputs, tapped, run):
-        ok, worst, figures = within_roundings(got, exact, roundings, fp8, *magnitude)
+    for item in spec.projection(inputs, tapped, run):
+        if isinstance(item, TileCheck):  # (judged by the projection itself: an exact check or a derived bound)
+            label, ok, worst, figures = item.label, item.ok, item.worst, item.figures
+        else:
+            label, got, exact, roundings, fp8, *magnitude = item
+            ok, worst, figures = within_roundings(got, exact, roundings, fp8, *magnitude)
         if not ok:  # (a): the kernel's tile is not its computation from its own inputs
             return False, f"tapped {label}: {figures}, beyond its bound"
         stages.setdefault(label.split()[-1], []).append((worst, label, figures))
