@@ -1015,6 +1015,70 @@ def test_within_roundings_is_the_stated_bound():
     assert not harness.within_roundings(wrong, x * 30, 1, fp8=True)[0]
 
 
+def test_within_accumulation_is_the_float32_summation_bound():
+    """1 + 2^-24 + 2^-24 added in float32 one term at a time: each add is a tie that rounds to even, 1.0, so the sum
+    is 2^-23 short of 1 + 2^-23; each term goes through at most 2 roundings, and gamma_2 x (1 + 2^-23) is just above
+    that error (a share of 1 - 2^-23 or so), gamma_1's half of it is not. The bound is per element."""
+    u = 2.0 ** -24
+    total = np.float32(1.0)
+    for term in (np.float32(u), np.float32(u)):
+        total = np.float32(total + term)
+    assert total == 1.0
+    exact, abs_sum = 1.0 + 2 * u, 1.0 + 2 * u
+    ok, worst, figures = harness.within_accumulation(np.array([total]), np.array([exact]), np.array([abs_sum]), 2)
+    assert ok and worst == pytest.approx((2 * u) / (2 * u / (1 - 2 * u) * abs_sum)), figures
+    assert figures.startswith("max|err| 1 of the float32 accumulation bound (gamma_2 = 1.19e-07 x the sum of |terms|)")
+    ok, worst, _ = harness.within_accumulation(np.array([total]), np.array([exact]), np.array([abs_sum]), 1)
+    assert not ok and worst == pytest.approx(2.0, rel=1e-6)
+    # an element whose terms are all zero must be exactly zero (no bound to share)
+    assert harness.within_accumulation(np.array([0.0, 1.0]), np.array([0.0, 1.0]), np.array([0.0, 1.0]), 5)[0]
+    assert not harness.within_accumulation(np.array([1e-30]), np.array([0.0]), np.array([0.0]), 5)[0]
+
+
+def test_rounded_exactly_has_no_tolerance():
+    """Equal values pass; one value one bf16 step off fails and is named; a NaN never equals."""
+    x = np.arange(12, dtype=np.float64).reshape(3, 4) / 7
+    want = harness.cast_bf16(x)
+    assert harness.rounded_exactly(want, want, "bf16(x)") == (True, 0.0, "all 12 values exactly bf16(x)")
+    off = want.copy()
+    off[2, 1] = float(np.nextafter(np.array(want[2, 1], ml_dtypes.bfloat16), np.array(np.inf, ml_dtypes.bfloat16)))
+    ok, worst, figures = harness.rounded_exactly(off, want, "bf16(x)")
+    assert not ok and worst == np.inf and figures == f"1 of 12 values not bf16(x) (the first at (2, 1): " \
+        f"{off[2, 1]!r} for {want[2, 1]!r})"
+    nan = want.copy()
+    nan[0, 0] = np.nan
+    assert not harness.rounded_exactly(nan, nan, "bf16(x)")[0]
+
+
+def test_a_projection_may_judge_its_tiles_exactly(fake_checkout):
+    """A projection may return harness.TileCheck s instead of tiles to bound: here the tapped product checked
+    exactly against the kernel's own rounding, 2 x bf16(float32(x) x 1.5) (its two bf16 halves added). The kernel as
+    written: GOLDEN_GAP, the stage naming the exact check; the same kernel 0.1 % off before the tap (gain 1.001,
+    within 2 bf16 roundings of x * 3 everywhere): MISMATCH on the exact check, with the count and the first value."""
+    def exact(gain):
+        base = _tapped_case(gain=gain)
+
+        def projection(inputs, tapped, run):
+            tile = np.concatenate([v for _, _, v in sorted(tapped[TAP], key=lambda c: c[1])])
+            want = 2 * harness.cast_bf16((inputs["x"].astype(np.float32) * np.float32(1.5)).astype(np.float64))
+            return [harness.TileCheck("product", *harness.rounded_exactly(tile, want, "2 bf16(x * 1.5)"))]
+        return dataclasses.replace(base, tapped_reference=dataclasses.replace(base.tapped_reference,
+                                                                              projection=projection))
+
+    row = harness.run_case(exact(1.0), fake_checkout)
+    assert (row.result, row.verdict) == (harness.GOLDEN_GAP, harness.MISMATCH), row.message
+    assert row.message.startswith("nki-library's golden is out of reach of the kernel's own bf16 product: product: 1 "
+                                  "tile(s) within their bound, the nearest to it product all 2048 values exactly 2 "
+                                  "bf16(x * 1.5); "), row.message
+    row = harness.run_case(exact(1.001), fake_checkout)
+    assert row.result == harness.MISMATCH, row.message
+    assert "; not GOLDEN_GAP: tapped product: " in row.message and " of 2048 values not 2 bf16(x * 1.5) (the first " \
+        "at (" in row.message and row.message.endswith(", beyond its bound"), row.message
+    np.random.seed(0)
+    x = np.random.randn(256, 8).astype(np.float32).astype(np.float64)
+    assert np.all(np.abs(x * 3.0 * 1.001 - x * 3.0) <= 2 * 2.0 ** -8 * np.abs(x * 3.0).max(axis=1, keepdims=True))
+
+
 def test_an_fp8_tiles_roundings_taken_at_a_larger_magnitude():
     """``magnitude``: element (0, 0) is a RoPE-like difference of two products of 2,000 clipped to 240; 6 roundings
     at its row's largest value (240) allow 5.6 + half a step at 245.6 (8), at the products' 2,000 46.9 + half a step
