@@ -545,13 +545,13 @@ def test_the_rms_row_is_golden_gap_and_a_perturbed_psum_copy_is_not(monkeypatch,
     off): MISMATCH, on the exact check of rank 0's first QKV tile."""
     case = _tapped_row(QKV_CTE_RMS_ROW)
     if copy == "nudged":
-        module = importlib.import_module(cases_transformer.QKV_CTE_PSUM_TAP.partition(":")[0])
         real = harness.tap
 
         @contextlib.contextmanager
         def tap_after_the_copy(specs, root=None):  # (inside the row's run: its modules)
             import nki.language as nl
 
+            module = importlib.import_module(cases_transformer.QKV_CTE_PSUM_TAP.partition(":")[0])
             nisa = module.nisa
 
             def nudged(dst, src, **kw):
