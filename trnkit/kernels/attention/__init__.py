@@ -26,15 +26,23 @@ def _scale(q: Any, scale: float | None) -> float:
     return float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
 
 
-def attention(q: Any, k: Any, v: Any, scale: float | None = None, lnc: int | None = None) -> tuple[Any, Any]:
+def attention(q: Any, k: Any, v: Any, scale: float | None = None, lnc: int | None = None,
+              fixed_shift: bool = False) -> tuple[Any, Any]:
     """``(o [B, S, Hq, D] q.dtype, lse [B, Hq, S] fp32)``: causal GQA attention (NKI kernel).
 
+    ``fixed_shift``: the forward with a fixed softmax shift per row and a per-launch fallback to the exact
+    one (:mod:`trnkit.kernels.attention.flash_fwd_shift`; the same results to fp32 precision, faster).
     Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
     """
-    from trnkit.kernels.attention.flash_fwd import attention_fwd_kernel
+    if not isinstance(fixed_shift, bool):
+        raise TypeError(f"attention: argument fixed_shift must be a bool, got {fixed_shift!r}")
+    if fixed_shift:
+        from trnkit.kernels.attention.flash_fwd_shift import attention_fwd_shift_kernel as kernel
+    else:
+        from trnkit.kernels.attention.flash_fwd import attention_fwd_kernel as kernel
 
     check(attention_constraints(q, k, v, scale))
-    return launch(attention_fwd_kernel, resolve_lnc(lnc))(dense(q), dense(k), dense(v), _scale(q, scale))
+    return launch(kernel, resolve_lnc(lnc))(dense(q), dense(k), dense(v), _scale(q, scale))
 
 
 def attention_bwd(q: Any, k: Any, v: Any, o: Any, lse: Any, grad_o: Any, scale: float | None = None,
