@@ -155,7 +155,7 @@ def attention_peak() -> str:
     by = {(r["kernel"], r["mode"], r["S"], r["Hq"], r["Hk"], r["lnc"]): r for r in read_csv("attention_peak.csv")}
     rows = []
     for (kernel, mode, S, Hq, Hk, lnc), tk in by.items():
-        aws = by.get(("nki-library", mode, S, Hq, Hk, lnc))
+        aws = by.get(("nki-library", mode.split(",")[0], S, Hq, Hk, lnc))  # ("forward, fixed shift": forward)
         if kernel != "trnkit" or aws is None:
             continue
         cells = []
