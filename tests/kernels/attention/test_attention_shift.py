@@ -168,3 +168,13 @@ def test_lnc2_cores_without_the_exchange_diverge(monkeypatch) -> None:
     calm = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)) * 0.1
     with pytest.raises(NkiValidationError, match="LNC=2 divergence"):
         attention(torch.cat([calm, q], dim=2), k, v, scale=scale, lnc=2, fixed_shift=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_fast_pass_production_shape(dtype) -> None:
+    """Qwen3-4B's heads at S = 2,048 (LNC=2): the fast pass holds, fwd + grads against the oracle."""
+    q, k, v, go = _inputs(1, 2048, 32, 8, 128, dtype, seed=0)
+    o, lse, fell_back = _run(q, k, v, lnc=2)
+    assert not fell_back
+    check_attention(q, k, v, o, lse, 128 ** -0.5, attention_bwd(q, k, v, o, lse, go, lnc=2), go)
