@@ -13,16 +13,18 @@ at most 7, up in [-6, 8].
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from .harness import Case
+from .harness import BF16_UNIT, Case, TappedReference, TileCheck, _resolve
 
-__all__ = ["moe_block_case", "moe_block_cases"]
+__all__ = ["moe_block_case", "moe_block_cases", "routed_as_kernel", "routing_projection"]
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -99,7 +101,128 @@ def moe_block_case(all_e: bool, b: int, s: int, h: int, ha: int | None, i: int, 
         reference=f"{LIB}.moe_block.moe_block_tkg_torch:moe_block_tkg_torch_ref",
         inputs=_inputs(all_e, b, s, h, ha, i, eg, el, k, act, w_dt, in_dt, bias, clamp, pre, norm_topk, r_dt, router),
         outputs=("out", "router_logits"), lnc=2, rtol=5e-2 if w_dt == FP8 else 1e-2, atol=1e-5,
-        test_file=f"{TESTS}/test_moe_block_tkg.py")
+        test_file=f"{TESTS}/test_moe_block_tkg.py",
+        tapped_reference=ROUTING if not all_e and in_dt == BF16 and r_dt == BF16 else None)
+
+
+ROUTER_TAP = f"{LIB}.moe_block.moe_block_tkg:_router_topk"  # (router_logits, expert_index [T, K], affinities, ...)
+REFERENCE = f"{LIB}.moe_block.moe_block_tkg_torch:moe_block_tkg_torch_ref"
+
+
+def _router_tiles(taps: dict[str, list]) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel's router logits (bf16 [T, E]) and chosen experts ([T, K]) from the router tap: every program
+    records the same (both LNC 2 programs hold every token's), else ValueError."""
+    calls = taps[ROUTER_TAP]
+    logits, index = (np.asarray(calls[0][2][0], np.float64), np.asarray(calls[0][2][1], np.int64))
+    for rank, program, value in calls[1:]:
+        if not (np.array_equal(np.asarray(value[0], np.float64), logits)
+                and np.array_equal(np.asarray(value[1], np.int64), index)):
+            raise ValueError(f"moe_block_tkg router tap: program {program} of rank {rank} holds other logits or "
+                             "expert indices than program 0")
+    return logits, index
+
+
+def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Callable[..., dict]) -> list:
+    """The kernel's router logits against the exact logits of its own inputs, and its routing against the golden's.
+
+    Exact logits (float64): RMS norm of ``inp`` over ``hidden_actual`` (eps 1e-6, as the kernel's default) times
+    ``gamma``, times ``router_weights``, plus ``router_bias``. The kernel rounds the normalized input to a bf16 tile
+    (the router's matmul input, ``router_mm_dtype`` bf16) and the logits to bf16 (its ``router_logits`` tile has
+    the input's dtype), accumulating over H in float32 PSUM and adding the bias in float32: 2 bf16 roundings +
+    (H + 1) float32 ones (2^-16 of a bf16 one each; :func:`~trnkit.conformance.harness.within_roundings`).
+
+    The routing (a :class:`TileCheck`): each token's chosen experts are K distinct experts and a top-K of the
+    kernel's own logits (none unchosen above a chosen one); where the chosen set differs from the golden's
+    (top-K of nki-library's float32 logits), every expert in the difference has an exact logit within the logits'
+    bound (``roundings * 2^-8 * max|exact|`` of its token) of the token's K-th largest exact logit: a near tie
+    the kernel's roundings can decide either way. Every other token is routed as the golden routes."""
+    x = np.asarray(inputs["inp"], np.float64)
+    t, h = x.shape[0] * x.shape[1], x.shape[2]
+    x = x.reshape(t, h)
+    h_actual = inputs.get("hidden_actual") or h
+    rms = np.sqrt((x ** 2).sum(axis=1, keepdims=True) / h_actual + 1e-6)
+    norm = x / rms * np.asarray(inputs["gamma"], np.float64).reshape(1, h)
+    exact = norm @ np.asarray(inputs["router_weights"], np.float64)
+    if inputs.get("router_bias") is not None:
+        exact = exact + np.asarray(inputs["router_bias"], np.float64).reshape(1, -1)
+    roundings = 2 + (h + 1) * 2.0 ** -16
+    logits, index = _router_tiles(taps)
+    k = index.shape[1]
+    golden = np.asarray(run(lambda kw: kw)["router_logits"], np.float64).reshape(t, -1)
+    gold_sel = np.argsort(-golden, axis=1, kind="stable")[:, :k]
+    bound = roundings * BF16_UNIT * np.abs(exact).max(axis=1)
+    kth = -np.sort(-exact, axis=1)[:, k - 1]
+    worst, differ = 0.0, []
+    for tok in range(t):
+        chosen = set(index[tok].tolist())
+        if len(chosen) != k or not all(0 <= e < logits.shape[1] for e in chosen):
+            return [("router logits", logits, exact, roundings, False),
+                    TileCheck("routing", False, float("inf"), f"token {tok}: chosen experts {index[tok].tolist()} "
+                              f"are not {k} distinct experts of {logits.shape[1]}")]
+        rest = np.setdiff1d(np.arange(logits.shape[1]), index[tok])
+        if logits[tok, index[tok]].min() < logits[tok, rest].max():
+            return [("router logits", logits, exact, roundings, False),
+                    TileCheck("routing", False, float("inf"), f"token {tok}: the kernel's experts "
+                              f"{index[tok].tolist()} are not a top-{k} of its own router logits (chosen min "
+                              f"{logits[tok, index[tok]].min():.5g} < unchosen max {logits[tok, rest].max():.5g})")]
+        swapped = sorted(chosen ^ set(gold_sel[tok].tolist()))
+        if swapped:
+            gaps = {e: abs(exact[tok, e] - kth[tok]) for e in swapped}
+            share = max(gaps.values()) / bound[tok]
+            worst = max(worst, share)
+            differ.append(f"token {tok}: golden {sorted(set(gold_sel[tok].tolist()) - chosen)} -> kernel "
+                          f"{sorted(chosen - set(gold_sel[tok].tolist()))}, exact logits "
+                          + ", ".join(f"{exact[tok, e]:.5f}" for e in swapped) + f" against the K-th {kth[tok]:.5f}"
+                          f" ({share:.2f} of the bound {bound[tok]:.2g})")
+            if share > 1:
+                return [("router logits", logits, exact, roundings, False),
+                        TileCheck("routing", False, share, "not a near tie: " + differ[-1])]
+    figures = (f"{len(differ)} of {t} tokens routed otherwise than the golden, each a near tie: " + "; ".join(differ)
+               if differ else f"all {t} tokens routed as the golden")
+    return [("router logits", logits, exact, roundings, False), TileCheck("routing", True, worst, figures)]
+
+
+@contextlib.contextmanager
+def routed_as_kernel(root: Path, taps: dict[str, list]) -> Iterator[None]:
+    """Inside the block nki-library's router reference (``router_topk_torch_ref``, as ``moe_block_tkg_torch_ref``
+    calls it) takes each token's experts as the kernel chose them: its one ``torch.argsort`` of the logits returns,
+    per token, the kernel's K experts first (in the kernel's order), then the others in the reference's own order.
+    Everything after the selection (the affinities from the float32 logits, the experts' MLPs) is the reference's
+    own arithmetic: exact for any token and any number of tokens, where nudging a shared router bias would move
+    other tokens' logits too."""
+    import torch
+
+    router = _resolve(REFERENCE, root).__globals__["router_topk_torch_ref"]
+    module = router.__globals__
+    _, index = _router_tiles(taps)
+
+    class Routed:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        @staticmethod
+        def argsort(values: Any, dim: int = -1, **kw: Any) -> Any:
+            order = torch.argsort(values, dim=dim, **kw)
+            if dim not in (-1, 1) or tuple(order.shape) != (index.shape[0], order.shape[-1]):
+                raise ValueError(f"moe_block_tkg routed reference: argsort of shape {tuple(order.shape)} on dim "
+                                 f"{dim}, expected [{index.shape[0]}, E] on the experts' axis")
+            rows = []
+            for tok, first in enumerate(index.tolist()):
+                rest = [e for e in order[tok].tolist() if e not in first]
+                rows.append(first + rest)
+            return torch.tensor(rows, dtype=order.dtype)
+
+    saved = module["torch"]
+    module["torch"] = Routed()
+    try:
+        yield
+    finally:
+        module["torch"] = saved
+
+
+ROUTING = TappedReference(
+    what="router logits and routing (the reference routed each token as the kernel routes it)",
+    taps=(ROUTER_TAP,), projection=routing_projection, ref_inputs=lambda kw, taps: kw, during=routed_as_kernel)
 
 
 def moe_block_cases() -> list[Case]:

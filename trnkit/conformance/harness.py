@@ -167,6 +167,9 @@ class TappedReference:
     ref_inputs: Callable[[dict[str, Any], dict[str, list]], dict[str, Any]]
     min_cosine: float = 0.9999
     routes: tuple[tuple[str, ...], ...] = ()
+    # (root, taps) -> a context manager inside which the reference fed the taps runs (e.g. routed as the kernel
+    # routes: :func:`trnkit.conformance.cases_moe_block.routed_as_kernel`); None: the reference as it is
+    during: Callable[[Path, dict[str, list]], contextlib.AbstractContextManager] | None = None
 
 
 MODEL_CONFIG = "model_config"  # Case.tier of the rows of nki-library's test_*_model_config.py tables
@@ -1103,7 +1106,7 @@ def tap(specs: Sequence[str], root: Path | None = None) -> Iterator[dict[str, li
 
         def wrapped(*a: Any, _fn: Callable[..., Any] = fn, _spec: str = spec, **k: Any) -> Any:
             out = _fn(*a, **k)
-            value = tuple(_peek(t) for t in out) if isinstance(out, tuple) else _peek(out)
+            value = tuple(_peek(t) for t in out) if isinstance(out, (tuple, list)) else _peek(out)
             recorded[_spec].append((*where(), value))
             return out
 
@@ -1285,7 +1288,8 @@ def tapped_golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: di
         stages.setdefault(label.split()[-1], []).append((worst, label, figures))
     parts = [f"{stage}: {len(tiles)} tile(s) within their bound, the nearest to it {max(tiles)[1]} {max(tiles)[2]}"
              for stage, tiles in stages.items()]
-    fed = run(lambda kw: spec.ref_inputs(kw, tapped))
+    with spec.during(root, tapped) if spec.during is not None else contextlib.nullcontext():
+        fed = run(lambda kw: spec.ref_inputs(kw, tapped))
     if case.postprocess is not None:
         fed = case.postprocess(inputs, actual, fed)[1]
     for name in failing:
