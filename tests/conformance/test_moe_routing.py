@@ -17,13 +17,13 @@ from trnkit.conformance.cases_moe_block import BF16, ROUTER_TAP, moe_block_case,
 
 ROOT = harness.nkilib_root()
 needs_checkout = pytest.mark.skipif(ROOT is None, reason="no nki-library checkout or archive")
-T, H, I, E, K = 2, 64, 8, 16, 4
+T, H, INTER, E, K = 2, 64, 8, 16, 4
 
 
 def _row(gap: float) -> tuple:
     """Inputs of a 2-token row whose token 0 has its 4th and 5th exact logits ``gap`` apart (bias moved), its
     float64 exact logits, and the 4th / 5th experts of token 0."""
-    case = moe_block_case(False, 1, T, H, None, I, E, E, K, "Swish", BF16, BF16, True, True, False, False, BF16)
+    case = moe_block_case(False, 1, T, H, None, INTER, E, E, K, "Swish", BF16, BF16, True, True, False, False, BF16)
     rng = np.random.default_rng(7)
     kw = dict(case.inputs())  # (the case's generator at these shapes, then the bias moved)
     x = kw["inp"].astype(np.float64).reshape(T, H)
