@@ -73,14 +73,18 @@ def dma_fixed_range_ns(points: Iterable[Point] | None = None) -> tuple[float, fl
 def dma_fixed_mid_ns(points: Iterable[Point] | None = None) -> float:
     """The per-transfer time of back-to-back loads from one queue in the overhead-bound part of the DMA
     overview's throughput curve: a transfer of ``b`` bytes per partition at relative throughput ``r`` takes
-    ``128 b / (r * BW)``, BW the 32 KiB-per-partition throughput (16 engines at the core's HBM share, the
-    payloads' efficiency at 32 KiB per partition). One transfer per fixed cost: the queue's trigger-to-first-byte
-    time."""
+    ``128 b / (r * BW)``, BW the 32 KiB-per-partition throughput (16 engines at the HBM bandwidth the core
+    has, the payloads' efficiency at 32 KiB per partition). One transfer per fixed cost: the queue's
+    trigger-to-first-byte time. The curve is a one-core run (the overview's examples ran "on a single
+    NeuronCore-v3"), so the core has its HBM stack to itself, as every standalone trn2 calibration point is
+    estimated (``run.standalone_hbm``, ``cost.hbm_per_core`` at ``STANDALONE_LAUNCH``'s mid): the 16 engines'
+    16 x 23 B/ns bind, not HBM."""
     pts = require_fit(points if points is not None else
                       [p for p in fit_points("dma_fixed_ns") if p.metric == "rel_throughput"])
     chip, knee = hardware.TRN2, cost_params.MID.dma_knee_bytes
     payload = 32768 * chip.dma.partitions_per_engine  # one engine's contiguous share of a [128, 32 KiB] load
-    bw = min(chip.dma.peak_bytes_per_ns, chip.hbm_bytes_per_ns) * payload / (payload + knee)
+    hbm = cost.hbm_per_core(chip, cost_params.STANDALONE_LAUNCH.mid, 1)
+    bw = min(chip.dma.peak_bytes_per_ns, hbm) * payload / (payload + knee)
     return sum(128 * p.dims["bytes"] / (p.published * bw) for p in pts) / len(pts)
 
 

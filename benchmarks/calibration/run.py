@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -132,15 +134,46 @@ def _per_transfer_ns(nbytes: int, params: cost_params.ModelParams, launch: cost_
     lengths: cancels the first trigger and the last transfer's tail)."""
     # every load of the stream moves its bytes (the figure measures transfers): no reload is dropped
     one_queue = replace(params, dma_queues=1, reuse_loads="none")
-    p = Point("curve", "dma_curve", str(nbytes), "", {"bytes": nbytes})
-    short, long_ = (cost.estimate_total(list(trace_of(kernel_call(p, None, n))), "trn2", one_queue, launch)
-                    for n in STREAM)
+    short, long_ = (cost.estimate_total(list(_stream_trace(nbytes, n)), "trn2", one_queue, launch) for n in STREAM)
     return (long_ - short) / (STREAM[1] - STREAM[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _stream_trace(nbytes: int, n: int) -> tuple:
+    """The instructions of a stream of ``n`` [128, nbytes] loads (traced once, estimated under many settings)."""
+    p = Point("curve", "dma_curve", str(nbytes), "", {"bytes": nbytes})
+    return tuple(trace_of(kernel_call(p, None, n)))
 
 
 def _relative_throughput(nbytes: int, params: cost_params.ModelParams, launch: cost_params.LaunchParams) -> float:
     """Throughput of back-to-back loads of ``nbytes`` per partition over that of 32 KiB per partition."""
     return (nbytes / _per_transfer_ns(nbytes, params, launch)) / (32768 / _per_transfer_ns(32768, params, launch))
+
+
+def _curve_range(nbytes: int) -> tuple[float, float, float]:
+    """(lowest, mid, highest) relative throughput of ``nbytes`` over the parameters' ends.
+
+    A ratio of two estimated times need not move with the parameters the way either time does (a faster
+    engine speeds up the 32 KiB reference more than a small transfer), so the three settings do not bound
+    it. Its range is taken over every combination of the optimistic and pessimistic ends of the
+    parameters that move either time (a parameter moves it if either end alone changes the small or the
+    32 KiB transfer's time; the standalone launch's HBM condition counts as one more two-ended parameter);
+    the mid is the all-mid value (docs/cost-model.md, "Calibration")."""
+    mid_p, launches = cost_params.MID, (standalone_hbm("low"), standalone_hbm("high"))
+
+    def times(params: cost_params.ModelParams, launch: cost_params.LaunchParams) -> tuple[float, float]:
+        return _per_transfer_ns(nbytes, params, launch), _per_transfer_ns(32768, params, launch)
+
+    base = times(mid_p, standalone_hbm("mid"))
+    moving = [name for name in cost_params.PARAM_NAMES
+              if any(times(p, standalone_hbm("mid")) != base for p in cost_params.one_at_a_time(name))]
+    hbm_moves = any(times(mid_p, lp) != base for lp in launches)
+    values = [_relative_throughput(nbytes, mid_p, standalone_hbm("mid"))]
+    for ends in itertools.product((cost_params.LOW, cost_params.HIGH), repeat=len(moving)):
+        params = replace(mid_p, **{name: getattr(end, name) for name, end in zip(moving, ends)})
+        for lp in launches if hbm_moves else (standalone_hbm("mid"),):
+            values.append(_relative_throughput(nbytes, params, lp))
+    return min(values), values[0], max(values)
 
 
 def _timeline_metric(p: Point, tr: trace.Trace, params: cost_params.ModelParams,
@@ -205,9 +238,8 @@ def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = 
             ss, sl = cost.sensitivity(short, p.device), cost.sensitivity(long_, p.device)
             sens = {k: ((sl[k][0] - ss[k][0]) / span, (sl[k][1] - ss[k][1]) / span) for k in sl}
         return rng, sens
-    if p.family == "dma_curve":
-        vals = [_relative_throughput(int(p.version), cost_params.SETTINGS[k], standalone_hbm(k)) for k in SETTINGS]
-        return _range(vals), {}
+    if p.family == "dma_curve":  # a ratio: its range over the parameters' ends, not the three settings
+        return _curve_range(int(p.version)), {}
     tr = _kernel_trace(p, dims)
     if p.metric.startswith("active:"):  # the profiler's engine-active share, %
         # the range spans the narrow / wide active definitions (cost.ACTIVE_DEFINITIONS) under the three

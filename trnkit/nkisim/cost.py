@@ -789,6 +789,95 @@ def sbuf_plan(instrs: Sequence[Instr], capacity: int, program_order: bool = Fals
     return SbufPlan(dict(allocates), older_live, dict(dies), spill, peak)
 
 
+PSUM_BANK_RULES = ("unbounded", "rotate", "lowest")  # cost_params.psum_banks: how the compiler picks banks
+
+
+def _psum_tiles(instrs: Sequence[Instr]) -> dict[object, list]:
+    """PSUM storage key -> [bytes per partition, first access, last access, item size] in program order.
+
+    A key is a PSUM tile's when a TensorE instruction writes it (its first write box is its ``dst`` operand,
+    in PSUM): an instruction's boxes do not follow its operands' order (``range_select`` lists its
+    ``reduce_res`` among the writes), so other accesses are found by key. A box's free range counts the
+    tile's elements, so its bytes are that range x the item size of the TensorE write's ``dst``."""
+    tiles: dict[object, list] = {}
+    for ins in instrs:
+        if ins.engine != TENSOR or not ins.attrs.get("write_boxes"):
+            continue
+        dst = ins.operands[0] if ins.operands else None
+        if dst is None or dst.role != "dst" or dst.buffer != "psum" or not dst.partitions or not dst.free_elems:
+            continue
+        key = ins.attrs["write_boxes"][0][0]
+        tiles.setdefault(key, [0, -1, -1, dst.nbytes / (dst.partitions * dst.free_elems)])
+    for k, ins in enumerate(instrs):
+        for box in (*ins.attrs.get("write_boxes", ()), *ins.attrs.get("read_boxes", ())):
+            t = tiles.get(box[0]) if len(box) == 5 else None
+            if t is not None:
+                t[0] = max(t[0], int(box[4] * t[3]))
+                t[1] = k if t[1] < 0 else t[1]
+                t[2] = k
+    return {key: t for key, t in tiles.items() if t[1] >= 0}
+
+
+def psum_bank_plan(instrs: Sequence[Instr], chip: Chip, rule: str) -> dict[object, tuple[int, float]]:
+    """PSUM storage key -> (byte offset per partition of the first of the contiguous banks the compiler gives
+    the tile, the tile's item size) for one program.
+
+    Each tile is live from its first to its last access in program order and takes ceil(bytes per partition /
+    bank) contiguous banks of ``chip.psum_banks`` (trn2: 8 of 2 KiB) while live. ``rule`` (cost_params.psum_banks):
+    ``"rotate"``, the first free banks at or after the ones given last, wrapping; ``"lowest"``, the lowest free
+    banks; ``"unbounded"``, none (each tile its own storage). A tile for which no banks are free in program
+    order (the kernel's live PSUM exceeds the banks) keeps its own storage."""
+    if rule not in PSUM_BANK_RULES:
+        raise ValueError(f"cost: psum_banks must be one of {PSUM_BANK_RULES}, got {rule!r}")
+    if rule == "unbounded" or not chip.psum_banks:
+        return {}
+    bank = chip.psum_bytes_per_partition // chip.psum_banks
+    tiles = _psum_tiles(instrs)
+    starts: dict[int, list[object]] = defaultdict(list)
+    ends: dict[int, list[object]] = defaultdict(list)
+    for key, (_, first, last, _) in tiles.items():
+        starts[first].append(key)
+        ends[last].append(key)
+    free = [True] * chip.psum_banks
+    held: dict[object, tuple[int, int]] = {}
+    plan: dict[object, tuple[int, float]] = {}
+    nxt = 0  # "rotate": where the search for the next tile's banks starts
+    for k in sorted(set(starts) | set(ends)):
+        for key in starts.get(k, ()):
+            n = -(-tiles[key][0] // bank) or 1
+            order = [(nxt + j) % chip.psum_banks for j in range(chip.psum_banks)] if rule == "rotate" \
+                else range(chip.psum_banks)
+            first = next((b for b in order if b + n <= chip.psum_banks and all(free[b:b + n])), None)
+            if first is None:
+                continue
+            free[first:first + n] = [False] * n
+            held[key] = (first, n)
+            plan[key] = (first * bank, tiles[key][3])
+            nxt = (first + n) % chip.psum_banks
+        for key in ends.get(k, ()):
+            if key in held:
+                first, n = held.pop(key)
+                free[first:first + n] = [True] * n
+    return plan
+
+
+def _bank_boxes(boxes: Sequence, plan: Mapping[object, tuple[int, float]]) -> tuple:
+    """``boxes`` with each access to a planned PSUM tile moved onto the core's PSUM banks: one storage
+    ("psum banks"), the access's bytes per partition from its tile's first bank on, so tiles that share a
+    bank overlap there and a later one waits for the earlier one's accesses (WAR / WAW / RAW)."""
+    out = []
+    for box in boxes:
+        if len(box) == 5 and box[0] in plan:
+            base, item = plan[box[0]]
+            out.append((_PSUM_BANKS, box[1], box[2], base + int(box[3] * item), base + int(box[4] * item)))
+        else:
+            out.append(box)
+    return tuple(out)
+
+
+_PSUM_BANKS = ("psum banks",)  # the storage key of a core's PSUM banks in the dependency tracker
+
+
 class _MaxTree:
     """Range add / range max over per-instruction live bytes (a segment tree with lazy adds)."""
 
@@ -1159,8 +1248,11 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     sustained = min(fractions) if params.dma_overhead_form == "slowest" else max(fractions)
     spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * sustained,
                                         hbm_per_core / chip.dma.engines)
+    banks = psum_bank_plan(instrs, chip, params.psum_banks)  # the PSUM banks each tile takes
     for k, (ins, c) in enumerate(zip(instrs, costs)):
         reads, writes = _boxes(ins)
+        if banks and any(o.buffer == "psum" for o in ins.operands):
+            reads, writes = _bank_boxes(reads, banks), _bank_boxes(writes, banks)
         matmul = ins.op == "nc_matmul"
         ready = deps.ready(reads, writes, matmul, ins.engine)
         spill = None
