@@ -223,13 +223,32 @@ def _bank_groups(nb):
     return out
 
 
+def score_group(st, kT, ident, mask, D, g0, nbg, gw, load):
+    """One PSUM score group of a step (Tensor): a matmul per bank of the tile's ``Q^T`` against ``K^T``
+    columns ``g0 .. g0 + gw``, and the causal mask added on the diagonal bank. Returns the group's PSUM tile."""
+    r0, nq, k1 = st["r0"], st["nq"], st["k1"]
+    c0 = st["ct"] * P
+    s_ps = nl.ndarray((nq, gw), dtype=nl.float32, buffer=nl.psum)
+    for bi in range(nbg):  # one matmul per bank of the group's tile
+        kb0 = g0 + bi * BANK
+        wb = min(BANK, k1 - kb0)
+        c = bi * BANK
+        nisa.nc_matmul(dst=s_ps[:, c:c + wb], stationary=st["qT"][:, c0:c0 + nq],
+                       moving=kT[0:D, kb0:kb0 + wb], accumulate=False)
+        load[PE] = load[PE] + max(64, wb) / TENSOR_GHZ
+        if kb0 <= r0 and r0 < kb0 + wb:  # the diagonal block: add the causal mask
+            nisa.nc_matmul(dst=s_ps[:, c + r0 - kb0:c + r0 - kb0 + nq], stationary=ident[0:nq, 0:nq],
+                           moving=mask[0:nq, 0:nq], accumulate=True)
+            load[PE] = load[PE] + max(64, nq) / TENSOR_GHZ
+    return s_ps
+
+
 def _scores(st, q, kT, ident, mask, negm_all, load):
     """Stage 1: Q^T (first step of a chunk), the score banks and the causal mask (Tensor); each bank
     emptied into ``scale * S`` (fp32, SBUF) with its row max (Vector), then the step's ``-max``."""
-    r0, nq, k0, k1, scale = st["r0"], st["nq"], st["k0"], st["k1"], st["scale"]
+    nq, k0, k1, scale = st["nq"], st["k0"], st["k1"], st["scale"]
     D = q.shape[3]
     _load_chunk(st, q)
-    c0 = st["ct"] * P
     w = k1 - k0
     nb = cdiv(w, BANK)
     s_sb = nl.ndarray((nq, w), dtype=nl.float32, buffer=nl.sbuf)
@@ -247,18 +266,7 @@ def _scores(st, q, kT, ident, mask, negm_all, load):
             b0, nbg = groups[i]
             g0 = k0 + b0 * BANK
             gw = min(nbg * BANK, k1 - g0)
-            s_ps = nl.ndarray((nq, gw), dtype=nl.float32, buffer=nl.psum)
-            for bi in range(nbg):  # one matmul per bank of the group's tile
-                kb0 = g0 + bi * BANK
-                wb = min(BANK, k1 - kb0)
-                c = bi * BANK
-                nisa.nc_matmul(dst=s_ps[:, c:c + wb], stationary=st["qT"][:, c0:c0 + nq],
-                               moving=kT[0:D, kb0:kb0 + wb], accumulate=False)
-                load[PE] = load[PE] + max(64, wb) / TENSOR_GHZ
-                if kb0 <= r0 and r0 < kb0 + wb:  # the diagonal block: add the causal mask
-                    nisa.nc_matmul(dst=s_ps[:, c + r0 - kb0:c + r0 - kb0 + nq], stationary=ident[0:nq, 0:nq],
-                                   moving=mask[0:nq, 0:nq], accumulate=True)
-                    load[PE] = load[PE] + max(64, nq) / TENSOR_GHZ
+            s_ps = score_group(st, kT, ident, mask, D, g0, nbg, gw, load)
         if pending != None:  # noqa: E711 (NKI rejects `is`); the previous group, while this one is formed
             pi, pg0, pw, p_ps = pending
             # -scale * S and its row min (= -scale * max: the exp's bias needs no negation), all of the

@@ -93,10 +93,9 @@ def _scores_exp(st, q, kT, ident, mask, negm_all, load):
     tile's first step ``-scale * c`` from the first bank (Vector, into the tile's column of ``negm_all``);
     each group's ``P = exp(scale * S - scale * c)`` straight from PSUM with its row sum (Scalar), issued
     after the next group's matmuls (TensorE fills one group while Scalar reads the other)."""
-    r0, nq, k0, k1, scale = st["r0"], st["nq"], st["k0"], st["k1"], st["scale"]
+    nq, k0, k1, scale = st["nq"], st["k0"], st["k1"], st["scale"]
     D = q.shape[3]
     F._load_chunk(st, q)
-    c0 = st["ct"] * P
     w = k1 - k0
     groups = st["groups"]
     ng = len(groups)
@@ -109,18 +108,7 @@ def _scores_exp(st, q, kT, ident, mask, negm_all, load):
             b0, nbg = groups[i]
             g0 = k0 + b0 * BANK
             gw = min(nbg * BANK, k1 - g0)
-            s_ps = nl.ndarray((nq, gw), dtype=nl.float32, buffer=nl.psum)
-            for bi in range(nbg):  # one matmul per bank of the group's tile
-                kb0 = g0 + bi * BANK
-                wb = min(BANK, k1 - kb0)
-                c = bi * BANK
-                nisa.nc_matmul(dst=s_ps[:, c:c + wb], stationary=st["qT"][:, c0:c0 + nq],
-                               moving=kT[0:D, kb0:kb0 + wb], accumulate=False)
-                load[F.PE] = load[F.PE] + max(64, wb) / F.TENSOR_GHZ
-                if kb0 <= r0 and r0 < kb0 + wb:  # the diagonal block: add the causal mask
-                    nisa.nc_matmul(dst=s_ps[:, c + r0 - kb0:c + r0 - kb0 + nq], stationary=ident[0:nq, 0:nq],
-                                   moving=mask[0:nq, 0:nq], accumulate=True)
-                    load[F.PE] = load[F.PE] + max(64, nq) / F.TENSOR_GHZ
+            s_ps = F.score_group(st, kT, ident, mask, D, g0, nbg, gw, load)
             if i == 0 and st["first"]:  # the shift: -scale * (max over the tile's first 512 keys)
                 wb = min(BANK, gw)
                 scaled = nl.ndarray((nq, wb), dtype=nl.float32, buffer=nl.sbuf)
