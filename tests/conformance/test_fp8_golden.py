@@ -85,8 +85,8 @@ def test_the_tile_rounded_reference_rounds_where_the_kernels_tiles_are_narrower_
 def test_the_k_products_captured_are_ropes_product_magnitudes_times_k_scale():
     """nki-library's reference's own RoPE (contiguous layout: K's first half x_r, second half x_i) run inside
     ``_attention_inputs`` with a capture: ``K_products`` is ``|x_r cos| + |x_i sin|`` (first half) and ``|x_r sin|
-    + |x_i cos|`` (second half) times ``|k_scale|``, in K's ``[D, B, S]``; RoPE's own output is unchanged; a norm
-    after RoPE drops it."""
+    + |x_i cos|`` (second half) times ``|k_scale|``, in K's ``[D, B, S]``; ``Q_products`` the same of Q, unscaled,
+    in Q's ``[D, B, N, S]``; RoPE's own output is unchanged; a norm after RoPE drops both and says so."""
     import importlib
 
     with harness.nki_is_interpreter(ROOT), cases_transformer.test_package_modules(cases_transformer.KERNEL_COMMON):
@@ -109,11 +109,16 @@ def test_the_k_products_captured_are_ropes_product_magnitudes_times_k_scale():
     assert cap["K_products"].shape == (d, 2, 1)
     assert np.allclose(cap["K_products"][:, :, 0].T, expected, rtol=1e-6)
     assert np.all(cap["K_products"][:, :, 0].T >= 4 * np.abs(k0[:, :, 0].T.numpy()) * (1 - 1e-6))
+    xq = qkv[0, :, 0, :].double().numpy()  # (Q's products likewise, unscaled, in Q's [D, B, N, S])
+    qr, qi = xq[:, :d // 2], xq[:, d // 2:]
+    expected = np.concatenate([np.abs(qr * c) + np.abs(qi * s), np.abs(qr * s) + np.abs(qi * c)], axis=1)
+    assert cap["Q_products"].shape == (d, 2, 1, 1) and "post_norm" not in cap
+    assert np.allclose(cap["Q_products"][:, :, 0, 0].T, expected, rtol=1e-6)
     cap = {}
     with cases_transformer._attention_inputs(ref, None, cap):
         q, k = blk._apply_rope_to_qk(qkv, cos, sin, 1, d, True)
         blk._qk_norm_post_rope(q, k, d, True, 1e-3, torch.ones(1, d), torch.ones(1, d))
-    assert "K_products" not in cap
+    assert "K_products" not in cap and "Q_products" not in cap and cap["post_norm"]
     assert ref.AttentionBlockTkgTorchRef._apply_rope_to_qk is not None and "roped" not in repr(
         ref.AttentionBlockTkgTorchRef._apply_rope_to_qk)  # (restored)
 
@@ -691,6 +696,66 @@ def test_a_qkv_tile_off_its_projection_stays_a_mismatch(monkeypatch, which, path
     else:  # (qkv_cte: the QKV tile checked exactly against the kernel's rounding of its PSUM values)
         assert "not GOLDEN_GAP: tapped rank 0 core 0 QKV: " in row.message and " of 327680 values not bf16(float32(" \
             "bf16(PSUM) x float32(w_scale x in_scale))) (the first at (" in row.message, row.message
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
+def test_a_q_tile_off_its_reference_stays_a_mismatch_without_the_rms_test(monkeypatch):
+    """The qkv_tkg row with the Q tile _QKV_processing returns scaled by 1.03 (a kernel error after the QKV tile):
+    its QKV tile is still exact, but Q is beyond its derived bound (6 bf16 roundings at its RoPE products'
+    magnitude, no rms test), so the row stays MISMATCH, naming the Q tile and the bound."""
+    case = _tapped_row()
+    module, _, attr = cases_transformer.PROCESSED_TAP.partition(":")
+    real = harness.tap
+
+    @contextlib.contextmanager
+    def tap_after_the_error(specs, root=None):  # (inside the row's run: its modules)
+        import nki.isa as nisa
+        import nki.language as nl
+
+        mod = importlib.import_module(module)
+        processing = getattr(mod, attr)
+
+        def off(*a, **kw):
+            q, *rest = processing(*a, **kw)
+            nisa.tensor_scalar(dst=q, data=q, op0=nl.multiply, operand0=1.03)
+            return (q, *rest)
+
+        setattr(mod, attr, off)
+        try:
+            with real(specs, root) as tapped:
+                yield tapped
+        finally:
+            setattr(mod, attr, processing)
+
+    monkeypatch.setattr(harness, "tap", tap_after_the_error)
+    row = harness.run_case(case, ROOT)
+    assert row.result == harness.MISMATCH and not harness.row_ok(case, row), harness.format_row(row)
+    assert "not GOLDEN_GAP: tapped rank 0 core 0 Q: max|err| " in row.message and " of the 6-rounding bound at the " \
+        "products' magnitude (derived: no rms test), beyond its bound" in row.message, row.message
+
+
+def test_a_derived_bound_has_no_rms_test():
+    """within_roundings with a magnitude on a bf16 tile: the elementwise bound at max(row's largest, magnitude)
+    alone. RoPE outputs y = x_r cos - x_i sin against P = |x_r cos| + |x_i sin|: the kernel's three roundings
+    (two products, their sum, each to bf16) pass 6 roundings with no rms test; y x 1.03 fails at the row's largest
+    element (3 % > 6 x 2^-8 = 2.3 % of its P); the row-max check with the rms test, given the same tile, applies
+    the rms test (its figures say so)."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 3, (64, 2, 64))
+    c, s = np.cos(rng.uniform(0, 6.3, (64, 64))), np.sin(rng.uniform(0, 6.3, (64, 64)))
+    y = x[:, 0] * c - x[:, 1] * s
+    p = np.abs(x[:, 0] * c) + np.abs(x[:, 1] * s)
+    kernel = _bf16(_bf16(x[:, 0] * c).astype(np.float32) - _bf16(x[:, 1] * s).astype(np.float32))
+    ok, worst, figures = harness.within_roundings(kernel, y, 6, magnitude=p)
+    assert ok and 0 < worst < 0.5 and figures.endswith("of the 6-rounding bound at the products' magnitude "
+                                                       "(derived: no rms test)"), figures
+    ok, worst, figures = harness.within_roundings(kernel * 1.03, y, 6, magnitude=p)
+    assert not ok and worst > 1, figures
+    ok, _, figures = harness.within_roundings(kernel, y, 6, magnitude=np.zeros_like(y))
+    assert ok and figures.endswith("of the 6-rounding bound (derived: no rms test)"), figures
+    assert "rms " in harness.within_roundings(kernel, y, 6)[2]
 
 
 # the rows the old qkv_cte check left MISMATCH on its rms test alone (every element within its bound)

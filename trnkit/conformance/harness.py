@@ -1171,10 +1171,12 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp
     ``roundings`` may have a fraction: float32 roundings on the way, each ``2^-24`` relative, count ``2^-16`` of a
     bf16 one.
 
-    ``magnitude`` (fp8 only; ``exact``'s shape, >= 0): per element, a bound of the values its roundings act on where
-    they can be larger than ``exact``'s row (e.g. a RoPE output ``x_r cos - x_i sin``: its products round at
-    ``|x_r cos|`` and ``|x_i sin|``, before a scale and the clip to +-240): the element's ``e`` is then
-    ``roundings * u * max(max_row|exact|, magnitude)``, never less than without it.
+    ``magnitude`` (``exact``'s shape, >= 0): per element, a bound of the values its roundings act on where they can
+    be larger than ``exact``'s row (e.g. a RoPE output ``x_r cos - x_i sin``: its products round at ``|x_r cos|``
+    and ``|x_i sin|``, before a scale and the clip to +-240): the element's ``e`` is then ``roundings * u *
+    max(max_row|exact|, magnitude)``, never less than without it. On a bf16 tile a ``magnitude`` says the caller
+    derived that every rounding acts on a value within it (zeros: within the row's largest value), so (1) is a
+    derived bound and is the whole check: the rms expectation (2), a statistical test, is not applied.
 
     Returns ``(ok, worst, figures)``: ``worst`` the largest error as a share of its element's bound."""
     t, x = np.asarray(tapped, np.float64), np.asarray(exact, np.float64)
@@ -1199,6 +1201,13 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp
                                      f"{worst:.2f} of the bound ({roundings:g} bf16 roundings{at_what} and half an "
                                      "fp8 step)")
     row_max = np.abs(x).reshape(-1, x.shape[-1]).max(axis=1).reshape(x.shape[:-1] + (1,))
+    if magnitude is not None:  # (a derived bound: (1) alone)
+        bound = roundings * BF16_UNIT * np.maximum(row_max, np.asarray(magnitude, np.float64))
+        share = np.divide(err, bound, out=np.where(err > 0, np.inf, 0.0), where=bound > 0)
+        worst = float(share.max()) if share.size else 0.0
+        at_what = " at the products' magnitude" if np.any(np.asarray(magnitude) > 0) else ""
+        return worst <= 1.0, worst, (f"max|err| {worst:.2f} of the {roundings:g}-rounding bound{at_what} (derived: "
+                                     "no rms test)")
     bound = roundings * BF16_UNIT * row_max
     worst = float(np.max(err / np.where(bound > 0, bound, np.inf))) if err.size else 0.0
     one = np.sqrt(np.mean((cast_bf16(x) - x) ** 2))
