@@ -321,14 +321,23 @@ MODEL_CONFIG_TABLES = {"core/mlp/mlp_tkg": (342, 3), "core/qkv/qkv_cte": (81, 1)
                        "experimental/transformer/attention_block_tkg": (2724, 88)}
 
 
+def _reduced(r: dict[str, str]) -> bool:
+    """A reduced model-config row (trnkit.conformance.reduce: token counts reduced for CPU time, both shapes in its
+    shapes): counted apart from the tier's full rows."""
+    return " reduced model_config" in r["case"]
+
+
 def conformance_model_config() -> str:
     """The rows of the tests' model-config tables in conformance.csv, per kernel: how many ran of the tier's cases and
     their results (a SKIPPED row, which nki-library's test skips, with how it ran), the flag combinations with a row
-    recorded, and the largest shape that passed (by the product of its sizes)."""
-    rows = [r for r in read_csv("conformance.csv") if re.search(r" model_config( \w+)?$", r["case"])]
+    recorded, and the largest shape that passed (by the product of its sizes); then the reduced rows run (token counts
+    reduced for CPU time) and their results, apart."""
+    every = [r for r in read_csv("conformance.csv") if re.search(r" model_config( \w+)?$", r["case"])]
+    rows = [r for r in every if not _reduced(r)]
     body = []
     for kernel, (n_cases, n_paths) in MODEL_CONFIG_TABLES.items():
         mine = [r for r in rows if r["kernel"] == kernel]
+        red = collections.Counter(r["result"] for r in every if r["kernel"] == kernel and _reduced(r))
         results = collections.Counter(r["result"] for r in mine)
         verdicts = collections.Counter(_run_anyway(r) for r in mine if r["result"] == "SKIPPED")
         size = lambda r: math.prod(int(v) for v in re.findall(r"=(\d+)", r["shapes"]))  # noqa: E731
@@ -338,12 +347,13 @@ def conformance_model_config() -> str:
         counts = [f"{n} {k}" + (f" (run anyway: {', '.join(f'{m} {v}' for v, m in sorted(verdicts.items()))})"
                                   if k == "SKIPPED" else "") for k, n in sorted(results.items())]
         body.append([kernel.removeprefix("core/"), f"{len(mine)} of {n_cases}", ", ".join(counts) or "-",
-                     f"{paths} of {n_paths}", largest])
-    unknown = {r["kernel"] for r in rows} - set(MODEL_CONFIG_TABLES)
+                     f"{paths} of {n_paths}", largest,
+                     f"{sum(red.values())}: " + ", ".join(f"{n} {k}" for k, n in sorted(red.items())) if red else "-"])
+    unknown = {r["kernel"] for r in every} - set(MODEL_CONFIG_TABLES)
     if unknown:
         raise ValueError(f"conformance.csv: model-config rows of kernels not in MODEL_CONFIG_TABLES: {sorted(unknown)}")
     return _table(["kernel", "rows run (of the tier's cases)", "results", "flag combinations run",
-                   "largest shape passed"], body)
+                   "largest shape passed", "reduced rows run (apart)"], body)
 
 
 # the case-name label of each table of test_attention_cte.py / test_attention_bwd.py (cases_attention) and its rows
@@ -912,8 +922,8 @@ def skipped_count(verdict: str) -> Callable[[], str]:
 def model_config_count(kernel: str, test: Callable[[dict[str, str]], bool]) -> Callable[[], str]:
     """How many model-config rows of ``kernel`` in conformance.csv satisfy ``test``."""
     def value() -> str:
-        return str(sum(r["kernel"] == kernel and bool(re.search(r" model_config( \w+)?$", r["case"])) and test(r)
-                       for r in read_csv("conformance.csv")))
+        return str(sum(r["kernel"] == kernel and bool(re.search(r" model_config( \w+)?$", r["case"]))
+                       and not _reduced(r) and test(r) for r in read_csv("conformance.csv")))
     return value
 
 
@@ -936,7 +946,7 @@ def _qkv_cte_combinations() -> str:
     """How many flag combinations (a case name without OPTIMAL / GENERALITY) the qkv_cte-route rows run cover."""
     return str(len({re.sub(r" (OPTIMAL|GENERALITY)$", "", r["case"]) for r in read_csv("conformance.csv")
                     if r["kernel"] == ATTN_BLOCK and re.search(r" model_config( \w+)?$", r["case"])
-                    and _qkv_cte_route(r)}))
+                    and not _reduced(r) and _qkv_cte_route(r)}))
 
 
 def _mlp_bf16_skipped(r: dict[str, str]) -> bool:

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(ROOT is None, reason=f"no nki-library checkout o
 def _param(case: harness.Case):
     cid = cases.case_id(case)
     marks = [] if cid in FAST else [pytest.mark.slow]
-    if case.tier == harness.MODEL_CONFIG:  # hours in all: deselect with -m "slow and not model_config"
+    if case.tier in (harness.MODEL_CONFIG, harness.REDUCED):  # hours: deselect with -m "slow and not model_config"
         marks.append(pytest.mark.model_config)
     return pytest.param(case, id=cid, marks=marks)
 

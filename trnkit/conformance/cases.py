@@ -30,7 +30,7 @@ from .cases_dynamic_shapes import dynamic_shapes_cases
 from .cases_loss import loss_cases
 from .cases_mlp import mlp_cases
 from .cases_mlp_quant import FP8, FP8_NOTE, mlp_quant_cases
-from .cases_model_config import model_config_cases
+from .cases_model_config import model_config_cases, reduced_cases
 from .cases_moe_block import moe_block_cases
 from .cases_moe_experimental import moe_experimental_cases
 from .cases_max_utils import max_utils_cases
@@ -707,7 +707,8 @@ def _moe_cases() -> list[Case]:
 
 def all_cases(root: Path | None = None) -> list[Case]:
     """Every conformance case, kernel by kernel, then the rows of the model-config tables of the checkout
-    ``root`` (default :func:`harness.nkilib_root`; none without one)."""
+    ``root`` (default :func:`harness.nkilib_root`; none without one), then the reduced ones (tier ``reduced``,
+    :mod:`trnkit.conformance.reduce`)."""
     return (_rope_cases() + rope_cases() + _router_cases() + _cumsum_cases() + _rmsnorm_cases() + _layernorm_cases()
             + _topk_cases() + _cascaded_max_cases() + max_utils_cases() + _moe_cases() + conv_cases()
             + projection_cases()
@@ -717,7 +718,8 @@ def all_cases(root: Path | None = None) -> list[Case]:
             + tensor_view_cases()
             + rmsnorm_quant_cases() + collective_cases() + moe_experimental_cases() + attention_block_cases()
             + transformer_tkg_cases() + dynamic_shapes_cases()
-            + model_config_cases(root if root is not None else harness.nkilib_root()))
+            + model_config_cases(root if root is not None else harness.nkilib_root())
+            + reduced_cases(root if root is not None else harness.nkilib_root()))
 
 
 # The fast tier (CI's `-m "not slow"` run): at least one case of every kernel, each a few seconds at

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from . import harness
+from . import harness, reduce
 from .cases_mlp import tkg_case as mlp_tkg_case
 from .cases_mlp_quant import tkg_quant_case as mlp_tkg_quant_case
 from .cases_moe_block import moe_block_case
@@ -55,7 +55,7 @@ from .cases_qkv import cte_case as qkv_cte_case
 from .cases_transformer import attention_block_case
 from .harness import MODEL_CONFIG, Case
 
-__all__ = ["TABLES", "model_config_cases", "read_table"]
+__all__ = ["TABLES", "model_config_cases", "read_table", "reduced_cases"]
 
 TESTS = "test/integration/nkilib/core"
 EXPERIMENTAL = "../experimental"  # (table paths are relative to TESTS)
@@ -279,16 +279,49 @@ def model_config_cases(root: Path | None) -> list[Case]:
     in table order; a row that repeats an earlier one of its kernel once."""
     if root is None:
         return []
-    cases: dict[str, Case] = {}
+    return [case for case, _ in _cases_and_rows(root)]
+
+
+def _build(root: Path, rel_path: str, build: Callable[[list], Case | None], xfail: str, kind: str,
+           row: tuple) -> Case | None:
+    """The case of one table row, as :func:`model_config_cases` lists it."""
+    case = build(list(row))
+    if case is None:
+        return None
+    if case.kernel == "experimental/transformer/attention_block_tkg":
+        case = _attention_block_memory_skip(root, list(row), case)
+    notes = [n for n in (case.note, xfail, f"row of {rel_path.rpartition('/')[2]}") if n]
+    return dataclasses.replace(case, name=f"{case.name} {MODEL_CONFIG}" + f" {kind}" * bool(kind),
+                               tier=MODEL_CONFIG, note="; ".join(notes), xfail=xfail)
+
+
+def _cases_and_rows(root: Path | None) -> list[tuple[Case, tuple[str, str, Callable, str, str, tuple]]]:
+    """Each model-config case with what built it (table file, table, builder, xfail reason, type, row)."""
+    if root is None:
+        return []
+    cases: dict[str, tuple[Case, tuple]] = {}
     for rel_path, name, build, xfail in TABLES.values():
         for kind, row in read_table(root, rel_path, name):
-            case = build(list(row))
-            if case is None:
-                continue
-            if case.kernel == "experimental/transformer/attention_block_tkg":
-                case = _attention_block_memory_skip(root, list(row), case)
-            notes = [n for n in (case.note, xfail, f"row of {rel_path.rpartition('/')[2]}") if n]
-            case = dataclasses.replace(case, name=f"{case.name} {MODEL_CONFIG}" + f" {kind}" * bool(kind),
-                                       tier=MODEL_CONFIG, note="; ".join(notes), xfail=xfail)
-            cases.setdefault(f"{case.kernel}|{case.name}|lnc{case.lnc}|{case.shapes}", case)
+            case = _build(root, rel_path, build, xfail, kind, row)
+            if case is not None:
+                cases.setdefault(f"{case.kernel}|{case.name}|lnc{case.lnc}|{case.shapes}",
+                                 (case, (rel_path, name, build, xfail, kind, row)))
     return list(cases.values())
+
+
+def reduced_cases(root: Path | None, cap_s: float = reduce.CAP_S) -> list[Case]:
+    """The reduced model-config cases (:mod:`trnkit.conformance.reduce`): one for each case of
+    :func:`model_config_cases` that runs (neither skipped by its test nor refused by a named rule) whose estimate
+    exceeds ``cap_s`` and that a route-keeping reduction brings within it, in the same order."""
+    out = []
+    for case, (rel_path, _name, build, xfail, kind, row) in _cases_and_rows(root):
+        if case.skipped_by or case.rejected_by:
+            continue
+        red = reduce.reduction(case.kernel, case.name, case.shapes, row, cap_s)
+        if not red.reduced:
+            continue
+        built = _build(root, rel_path, build, xfail, kind, reduce.reduced_row(row, red.sizes))
+        if built is None or built.skipped_by or built.rejected_by:
+            continue
+        out.append(reduce.reduced_case(case, built, red, cap_s))
+    return out

@@ -24,9 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"write the rows to {REFERENCE_CSV.relative_to(REFERENCE_CSV.parents[2])} (the tracked "
                         "figures quoted in docs/interpreter.md; with -k, only the selected cases' rows "
                         "change), each as it finishes")
-    p.add_argument("--tier", choices=("unit", harness.MODEL_CONFIG, "all"), default="unit",
+    p.add_argument("--tier", choices=("unit", harness.MODEL_CONFIG, harness.REDUCED, "all"), default="unit",
                    help="the cases of the tests' unit tables (default), of their model-config tables (3775 rows, "
-                        "hours of CPU; listed only with a checkout), or both")
+                        "hours of CPU; listed only with a checkout), the model-config rows run with token counts "
+                        "reduced for CPU time (trnkit.conformance.reduce), or all")
     p.add_argument("--list", action="store_true", help="list the cases without running them")
 
 
