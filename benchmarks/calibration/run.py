@@ -125,8 +125,14 @@ def standalone_hbm(setting: str) -> cost_params.LaunchParams:
     is of a kernel run on its own (the tutorials' profiles and ``nki.benchmark``, the DMA overview's one-core
     examples), so an LNC 1 kernel has its HBM stack to itself (cost.hbm_per_core); the start-up is added only to
     the points whose figure is a whole execution (``Point.standalone``, :func:`estimate_point`)."""
+    setting = HBM_ALONE.get(setting, setting)
     lp = cost_params.STANDALONE_LAUNCH.setting(setting if setting in SETTINGS else "mid")
     return replace(lp, startup_ns=0.0, core_skew_ns=0.0)
+
+
+# The launch's HBM condition alone at its optimistic / pessimistic end (the parameters at mid): one more
+# one-at-a-time "parameter" of a share's range (:func:`estimate_point`), as the curve's range counts it
+HBM_ALONE = {"hbm:0": "low", "hbm:1": "high"}
 
 
 def _per_transfer_ns(nbytes: int, params: cost_params.ModelParams, launch: cost_params.LaunchParams) -> float:
@@ -243,11 +249,13 @@ def estimate_point(p: Point, dims: dict | None = None, with_sensitivity: bool = 
     tr = _kernel_trace(p, dims)
     if p.metric.startswith("active:"):  # the profiler's engine-active share, %
         # the range spans the narrow / wide active definitions (cost.ACTIVE_DEFINITIONS) under the three
-        # settings and under each parameter alone at each end: a share of the total does not move with
-        # the parameters monotonically, so the all-optimistic / all-pessimistic corners do not bound it
+        # settings and under each parameter alone at each end, the launch's HBM condition counted as one
+        # more parameter (HBM_ALONE): a share of the total does not move with the parameters
+        # monotonically, so the all-optimistic / all-pessimistic corners do not bound it
         engine = p.metric.removeprefix("active:")
         reports = [_report(p, dims, tr, k) for k in SETTINGS]
         reports += [_report(p, dims, tr, f"{name}:{end}") for name in cost_params.PARAM_NAMES for end in (0, 1)]
+        reports += [_report(p, dims, tr, k) for k in HBM_ALONE if standalone_hbm(k) != standalone_hbm("mid")]
         shares = [100 * r.active.get(engine, 0.0) for r in reports]
         ends = [100 * a / r.total_ns for r in reports for a in r.active_range_ns.get(engine, (0.0, 0.0))]
         return (min(shares + ends), shares[1], max(shares + ends)), {}
@@ -304,6 +312,8 @@ def _report(p: Point, dims: dict | None, tr: trace.Trace, setting: str) -> cost.
             _REPORTS.clear()  # another kernel: keep one kernel's reports
         if setting in cost_params.SETTINGS:
             params = cost_params.SETTINGS[setting]
+        elif setting in HBM_ALONE:  # the HBM condition alone at one end (standalone_hbm), parameters at mid
+            params = cost_params.MID
         else:  # "<parameter>:<0|1>": that parameter alone at its optimistic (0) / pessimistic (1) value
             name, end = setting.split(":")
             params = cost_params.one_at_a_time(name)[int(end)]

@@ -549,7 +549,8 @@ class _DepTracker:
     tile, issue "roughly every 64 cycles", not every dependent-instruction latency)."""
 
     def __init__(self, same_engine_streaming: bool = False) -> None:
-        # per storage key: (p0, p1, lo, hi, finish, written by nc_matmul, engine, finish for its own engine)
+        # per storage key: (p0, p1, lo, hi, finish, written by nc_matmul, engine, finish for its own engine,
+        # finish for another compute engine)
         self.writes: dict[object, list[tuple]] = defaultdict(list)
         self.reads: dict[object, list[tuple]] = defaultdict(list)
         self.streaming = same_engine_streaming
@@ -559,7 +560,10 @@ class _DepTracker:
         t = 0.0
         for e in entries:
             if e[0] < p1 and p0 < e[1] and e[2] < hi and lo < e[3] and not (skip_matmul and e[5]):
-                t = max(t, e[7] if self.streaming and e[6] == engine else e[4])
+                if e[6] == engine:
+                    t = max(t, e[7] if self.streaming else e[4])
+                else:  # another engine's access: a compute consumer of a compute result waits its semaphore
+                    t = max(t, e[8] if engine != DMA else e[4])
         return t
 
     def ready(self, reads: Iterable, writes: Iterable, matmul: bool = False, engine: str = "") -> float:
@@ -572,10 +576,12 @@ class _DepTracker:
         return t
 
     def commit(self, reads: Iterable, writes: Iterable, finish: float, matmul: bool = False, engine: str = "",
-               own: float | None = None) -> None:
+               own: float | None = None, cross: float | None = None) -> None:
         """``finish``: when another engine may use the result; ``own``: when the next instruction of the
-        same engine may (``same_engine_streaming``), default ``finish``."""
+        same engine may (``same_engine_streaming``), default ``finish``; ``cross``: when an instruction of
+        another compute engine may (``compute_semaphores``), default ``finish``."""
         own = finish if own is None else own
+        cross = finish if cross is None else max(cross, finish)
         for key, p0, p1, lo, hi in writes:
             # an access fully covered by this write that is done by the time this one is can never be the
             # one a later access waits for (it overlaps this write, which finishes no earlier). One that
@@ -587,9 +593,9 @@ class _DepTracker:
                     table[key] = [e for e in table[key]
                                   if not (p0 <= e[0] and e[1] <= p1 and lo <= e[2] and e[3] <= hi
                                           and e[4] <= finish and e[7] <= own)]
-            self.writes[key].append((p0, p1, lo, hi, finish, matmul, engine, own))
+            self.writes[key].append((p0, p1, lo, hi, finish, matmul, engine, own, cross))
         for key, p0, p1, lo, hi in reads:
-            self.reads[key].append((p0, p1, lo, hi, finish, False, engine, own))
+            self.reads[key].append((p0, p1, lo, hi, finish, False, engine, own, cross))
 
 
 def _boxes(ins: Instr) -> tuple[Sequence, Sequence]:
@@ -678,8 +684,7 @@ def _resources(ins: Instr, c: InstrCost, chip: Chip) -> list[object]:
                                                           or _vector_perf_mode(ins, chip))):
         res.append("sbuf:vector+gpsimd")
     if ins.engine in (VECTOR, SCALAR):
-        keys = [*ins.attrs["writes"], *ins.attrs["reads"]]
-        banks = {k[0] for o, k in zip(ins.operands, keys) if o.buffer == "psum"}
+        banks = {k[0] for o, k, _ in _paired(ins, ins.attrs["writes"], ins.attrs["reads"]) if o.buffer == "psum"}
         if banks:
             res.extend(["psum:vector+scalar"] if not chip.vector_scalar_psum_parallel
                        else [("psum", b) for b in sorted(banks, key=repr)])
@@ -698,15 +703,34 @@ class _Tile:
     loaded: bool = True  # every write is a DMA from HBM (the compiler can sink the load to its use)
 
 
+# Operand roles the interpreter records as writes (isa/vector.py ``emit``: "every output role (dst, dst_idx,
+# reduce_res) is a write"; every other emitter writes only its ``dst``).
+_WRITE_ROLES = frozenset(("dst", "dst_idx", "reduce_res"))
+
+
+def _paired(ins: Instr, writes: Sequence, reads: Sequence) -> list[tuple[Operand, tuple, bool]]:
+    """``(operand, its box or span, written?)`` of each operand of ``ins``. The interpreter lists an
+    instruction's writes, then its reads, each in its operands' order, while ``ins.operands`` is dst first,
+    then the others in their order (a ``reduce_res`` or ``dst_idx`` may come after sources): so an operand
+    is paired with the next box of its side (written iff its role is a write role), not by position."""
+    out = []
+    sides = {True: iter(writes), False: iter(reads)}
+    for o in ins.operands:
+        written = o.role in _WRITE_ROLES
+        box = next(sides[written], None)
+        if box is not None:
+            out.append((o, box, written))
+    return out
+
+
 def _accesses(ins: Instr) -> list[tuple[object, int, bool]]:
     """(storage key, bytes per partition up to the access's end, written?) of the instruction's SBUF
-    operands (the interpreter lists dst first, then the sources, in operand order). Traces without
-    partition boxes (flat ranges only) give none: their per-partition sizes are unknown."""
+    operands, each operand with its own box (:func:`_paired`). Traces without partition boxes (flat
+    ranges only) give none: their per-partition sizes are unknown."""
     if "read_boxes" not in ins.attrs or "write_boxes" not in ins.attrs:
         return []
-    reads, writes = ins.attrs["read_boxes"], ins.attrs["write_boxes"]
     out = []
-    for box, o, written in zip((*writes, *reads), ins.operands, [True] * len(writes) + [False] * len(reads)):
+    for o, box, written in _paired(ins, ins.attrs["write_boxes"], ins.attrs["read_boxes"]):
         if o.buffer != "sbuf" or len(box) != 5 or not o.partitions or not o.free_elems:
             continue
         item = o.nbytes / (o.partitions * o.free_elems)
@@ -1284,6 +1308,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             out.append(Timing(k, ins.engine, finish, finish, finish, dropped=True, spill=spill))
             continue
         table_load = None
+        cross = None  # when another compute engine may use this result (compute_semaphores)
         if ins.engine == DMA:
             if c.gpsimd_ns:  # software DGE: descriptors written on GpSimd first
                 g0 = ready if params.compute_reorder else max(ready, engine_free[GPSIMD])
@@ -1370,12 +1395,18 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             # before its end, nor before its dependent-instruction interval (MIN_II + fixed latency, the
             # perf guide's measured 264 cycles for one-element instructions) has passed
             own = start + max(busy, chip.min_ii_cycles / chip.clocks.ghz(ins.engine) + c.fixed_ns)
+            # an instruction of another compute engine that reads (or overwrites) this result waits on this
+            # engine's semaphore ([SDK] nki_perf_guide Opt #3: "These semaphores are associated with
+            # instruction completion on the corresponding compute engine"), which wakes it dma_wake_ns after
+            # this one ends, as a DMA's completion wakes its consumer (ModelParams.compute_semaphores)
+            if params.compute_semaphores:
+                cross = end + params.dma_wake_ns
             out_first = 0.0
         if recompute is not None:
             if key is not None:
                 recompute.seen[key] = finish
             recompute.wrote(ins)
-        deps.commit(reads, writes, finish, matmul, ins.engine, own)
+        deps.commit(reads, writes, finish, matmul, ins.engine, own, cross)
         for b in writes:
             writer[b[0]] = ins.engine
         if k in plan.dies:

@@ -220,6 +220,17 @@ class ModelParams:
     # points inside +-20 % but sent the kernel-optimization v4 -> v5 change the wrong way and moved every
     # in-graph figure (docs/cost-model.md, "PSUM banks"); the others are what-ifs.
     psum_banks: str = "unbounded"
+    # Whether a dependency between two compute engines costs a semaphore wake-up. An instruction waiting for
+    # another compute engine waits on a semaphore: "These semaphores are associated with instruction
+    # completion on the corresponding compute engine" ([SDK] nki_perf_guide, Opt #3; nki-dma-overview: an
+    # instruction "may wait on any semaphore condition which is signaled by other compute engines"), and the
+    # one profiled wake-up is a DMA completion's: 312 ns to the waiting ScalarE instruction (dma_wake_ns, fit
+    # point dma_intro ex1 wake). On: an instruction that reads (or overwrites) another compute engine's result
+    # starts no earlier than that instruction's end + dma_wake_ns (or its dependent-instruction latency, if
+    # later; that latency was measured on a same-engine chain, perf guide, where no semaphore is involved).
+    # Off: the dependent-instruction latency only (a forward without a semaphore round trip). Same-engine and
+    # DMA edges are not affected (docs/cost-model.md, "Semaphores").
+    compute_semaphores: bool = False
 
 
 MID = ModelParams()
