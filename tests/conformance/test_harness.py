@@ -103,6 +103,24 @@ def every_other_column(x, out):
     nisa.tensor_copy(dst=o, src=t.ap(pattern=[[16, 128], [2, 8]], offset=1))
     nisa.dma_copy(dst=out, src=o)
     return out
+
+
+def every_other_column_added(x, out, positional=False):
+    """out = x[:, 1::2] + x[:, 0::2] through SBUF and a float32 PSUM tile: the even columns copied into PSUM, then
+    one tensor_tensor adds the odd columns' strided view and the PSUM tile, its arguments passed by position (as
+    qkv_tkg's partial-sum adds) or by keyword."""
+    t = nl.ndarray((128, 16), dtype=x.dtype, buffer=nl.sbuf)
+    p = nl.ndarray((128, 8), dtype=nl.float32, buffer=nl.psum)
+    o = nl.ndarray((128, 8), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=x)
+    nisa.tensor_copy(dst=p, src=t.ap(pattern=[[16, 128], [2, 8]], offset=0))
+    odd = t.ap(pattern=[[16, 128], [2, 8]], offset=1)
+    if positional:
+        nisa.tensor_tensor(o, odd, p, nl.add)
+    else:
+        nisa.tensor_tensor(dst=o, data1=odd, data2=p, op=nl.add)
+    nisa.dma_copy(dst=out, src=o)
+    return out
 '''
 
 REFS = '''
@@ -970,6 +988,43 @@ def test_an_operand_tap_records_what_the_instruction_reads_and_changes_nothing(f
     assert where.shape == (128, 8, 2)
     assert np.array_equal(where[..., 0], np.repeat(np.arange(128)[:, None], 8, axis=1))
     assert np.array_equal(where[..., 1], np.repeat(1 + 2 * np.arange(8)[None, :], 128, axis=0))
+
+
+def test_an_operand_tap_binds_positional_arguments_as_their_keyword_form(fake_checkout):
+    """An instruction called with positional arguments (``nisa.tensor_tensor(o, odd, p, nl.add)``) has its operands
+    recorded through the instruction's signature: the same values, places and buffers as the keyword call's
+    (data1 the odd columns' strided SBUF view, data2 the float32 PSUM tile of the even columns); a ``:where`` spec
+    records the same place and buffer without a copy of the value; the outputs are the same with and without taps."""
+    from trnkit import nkisim
+
+    specs = tuple(f"nkilib_src.kernels:nisa.tensor_tensor({a})" for a in ("data1", "data2", "dst:where"))
+    np.random.seed(0)
+    x = np.random.randn(128, 16).astype(np.float32)
+    with harness.nki_is_interpreter(fake_checkout):
+        kernel = harness._resolve("nkilib_src.kernels:every_other_column_added", fake_checkout)
+        runs = {}
+        for positional in (False, True):
+            for tapped_specs in ((), specs):
+                with harness.tap(tapped_specs, fake_checkout) as tapped:
+                    out = np.array(nkisim.simulate(kernel)(x=x.copy(), out=np.zeros((128, 8), np.float32),
+                                                           positional=positional))
+                runs[positional, bool(tapped_specs)] = (out, tapped)
+    expected = x[:, 1::2] + x[:, 0::2]
+    for (positional, _), (out, _) in runs.items():
+        assert np.array_equal(out, expected), positional
+    keyword, positional = runs[False, True][1], runs[True, True][1]
+    for spec in specs:
+        [(r, p, k_op)], [(r2, p2, p_op)] = keyword[spec], positional[spec]
+        assert (r, p) == (r2, p2) == (0, 0)
+        assert (k_op.offset, k_op.strides, k_op.row, k_op.buffer) == (p_op.offset, p_op.strides, p_op.row,
+                                                                      p_op.buffer)
+        assert k_op.value.dtype == p_op.value.dtype and np.array_equal(k_op.value, p_op.value)
+    [(_, _, d1)], [(_, _, d2)], [(_, _, dst)] = (positional[s] for s in specs)
+    assert np.array_equal(d1.value, x[:, 1::2]) and (d1.offset, d1.strides, d1.buffer) == (1, (16, 2), "sbuf")
+    assert d2.value.dtype == np.float32 and np.array_equal(d2.value, x[:, 0::2]) and d2.buffer == "psum"
+    assert dst.buffer == "sbuf" and dst.value.shape == (128, 8) and not dst.value.any() \
+        and dst.value.strides == (0, 0)  # (where only: no copy)
+    assert np.array_equal(dst.columns()[..., 1], np.broadcast_to(np.arange(8), (128, 8)))
 
 
 @pytest.mark.parametrize("route, taken", [

@@ -783,8 +783,9 @@ def _attention_inputs(ref: Any, fed: Any, capture: dict[str, np.ndarray] | None)
     """Inside the block the reference's attention reads ``fed`` = (Q ``[d, B*N*S]`` unscaled, K ``[d, B*S]``,
     V ``[B*S, d]``: the kernel's tiles) in its layouts (Q ``[d, B, N, S]``, K ``[d, B, S]``, V ``[B, S, d]``), K / V
     also going to the cache update (they replace ``_quantize_kv_to_fp8``'s result); ``capture`` gets the Q, K, V it
-    reads and, where RoPE runs and no norm follows it, ``K_products``: each K element's RoPE products' magnitudes
-    ``|x_r cos| + |x_i sin|`` times ``|k_scale|`` (``[D, B, S]`` as K). Nothing changes when both are None."""
+    reads and, where RoPE runs and no norm follows it, ``Q_products`` / ``K_products``: each Q / K element's RoPE
+    products' magnitudes ``|x_r cos| + |x_i sin|`` (``[D, B, N, S]`` as Q; K's times ``|k_scale|``, ``[D, B, S]``
+    as K), and ``post_norm`` where a norm follows RoPE. Nothing changes when both are None."""
     import torch
 
     if fed is None and capture is None:
@@ -808,13 +809,16 @@ def _attention_inputs(ref: Any, fed: Any, capture: dict[str, np.ndarray] | None)
             # each K element's two RoPE products' magnitudes, |x_r cos| + |x_i sin| (the reference's own RoPE on
             # |x| with one table zeroed at a time: the cosine terms, then the sine terms, each |.|)
             x, c, s = qkv.abs(), cos.abs(), sin.abs()
-            k_cos, k_sin = rope(self, x, c, s * 0, *a)[1], rope(self, x, c * 0, s, *a)[1]
+            (q_cos, k_cos), (q_sin, k_sin) = rope(self, x, c, s * 0, *a), rope(self, x, c * 0, s, *a)
+            capture["Q_products"] = (q_cos.abs() + q_sin.abs()).detach().numpy().copy()
             capture["K_products"] = (k_cos.abs() + k_sin.abs()).detach().numpy().copy()
         return rope(self, qkv, cos, sin, *a)
 
     def normed(self: Any, q: Any, k: Any, d_head: int, enabled: bool, *a: Any) -> tuple[Any, Any]:
         if capture is not None and enabled:  # (a norm after RoPE rescales the products' errors: no magnitude)
+            capture.pop("Q_products", None)
             capture.pop("K_products", None)
+            capture["post_norm"] = True
         return post(self, q, k, d_head, enabled, *a)
 
     def attention(self: Any, q: Any, k: Any, v: Any, *a: Any, **kw: Any) -> Any:
@@ -846,6 +850,14 @@ QKV_CTE_INPUT_TAP = f"{LIB}.core.qkv.qkv_cte:nisa.nc_matmul(stationary)"
 # and, on qkv_cte, the float32 projection as it leaves PSUM: the source of its PSUM -> bf16 copies (tensor_copy out of
 # each 512-column PSUM bank into the bf16 output tile, before the dequantization; _qkv_cte_impl, step 5)
 QKV_CTE_PSUM_TAP = f"{LIB}.core.qkv.qkv_cte:nisa.tensor_copy(src)"
+# and, on qkv_tkg, its own arithmetic, for an exact check (_qkv_tkg_checks): each nc_matmul's PSUM destination (where
+# it lies only), stationary (an fp8 [128, B*S] column of the quantized input) and moving (an fp8 [128, <= 512] weight
+# tile) operands (_process_h_block), and each tensor_tensor's data1 and data2: the partial-sum adds into the bf16
+# output (_accumulate_psum_to_output: data2 a float32 PSUM tile, its arguments positional), the bias add
+# (_apply_bias, core 0) and the add of the other core's tile after the sendrecv (_compute_qkv_i_block, positional)
+_QKV_TKG = f"{LIB}.core.qkv.qkv_tkg:nisa."
+QKV_TKG_MATMUL_TAPS = tuple(f"{_QKV_TKG}nc_matmul({a})" for a in ("dst:where", "stationary", "moving"))
+QKV_TKG_ADD_TAPS = tuple(f"{_QKV_TKG}tensor_tensor({a})" for a in ("data1", "data2"))
 # and the Q, K, V attention reads: _QKV_processing's (Q [d, B*N*S] bf16 before the softmax scale, K [d, B*S] and V
 # [B, 1, S, d] fp8 with a quantized KV cache, V's SBUF copy)
 PROCESSED_TAP = f"{LIB}.experimental.transformer.attention_block_tkg:_QKV_processing"
@@ -972,28 +984,177 @@ def _qkv_cte_checks(rank: int, x: np.ndarray, w: np.ndarray, kw: dict[str, Any],
     return out
 
 
+def _static_scale(kw: dict[str, Any], bxs: int, i: int, d: int) -> np.ndarray:
+    """qkv_tkg's STATIC dequantization scale of each output element, ``[B*S, I]`` float32: the fused scale
+    ``float32(w_scale x in_scale)`` it forms with one ``activation`` (Q's, K's or V's column of it by the element's
+    column, its token's partition row, or row 0 broadcast when the scales have one row)."""
+    w_scale = np.asarray(kw["weight_dequant_scale_qkv"], np.float32)
+    in_scale = np.asarray(kw["input_dequant_scale_qkv"], np.float32).reshape(w_scale.shape[0], -1)[:, :1]
+    rows = np.arange(bxs) if w_scale.shape[0] > 1 else np.zeros(bxs, int)
+    fused = (w_scale[rows] * in_scale[np.minimum(rows, in_scale.shape[0] - 1)]).astype(np.float32)  # [B*S, 3]
+    q = i // d - 2
+    which = np.concatenate([np.zeros(q * d, int), np.ones(d, int), np.full(i - (q + 1) * d, 2)])
+    return fused[:, which]
+
+
+def _plus(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``bf16(float32(a) + float32(b))``: a Vector Engine add into a bf16 tile ("performed in float32 math. The
+    float32 results are cast to dst.dtype", ``nki.isa.tensor_tensor``; round to nearest even)."""
+    return harness.cast_bf16((np.asarray(a, np.float32) + np.asarray(b, np.float32)).astype(np.float64))
+
+
+def _qkv_tkg_checks(rank: int, quant: list, w: np.ndarray, kw: dict[str, Any], matmuls: dict, adds: dict,
+                    qkv: list, lnc: int, d: int) -> list:
+    """qkv_tkg's QKV projection of one rank, checked exactly (:class:`.harness.TileCheck` s), per core ``c`` (its
+    H shard ``c * H / lnc ...``, every token, every column; ``quant``: ``(program, [128, B*S, H/128/lnc] fp8
+    tile)``, ``matmuls`` / ``adds``: per program its ``(dst, stationary, moving)`` / ``(data1, data2)``
+    :class:`.harness.Operand` s in call order):
+
+    - ``products``: the matmuls' exact products (float64: every fp8 x fp8 product is exact, and their sums too,
+      multiples of 2^-18 below 2^31), summed per PSUM accumulation group (a destination: PSUM tile and first
+      row) and placed at the columns of the add that reads the group, equal the exact product of the core's
+      tapped input and its weight rows ``W[c * H / lnc ...]`` (``x_c @ W_c``): the kernel multiplied the right
+      values, each once;
+    - ``PSUM`` (ii): each group's float32 value, as its partial-sum add reads it, within the float32 accumulation
+      bound of that group's exact sum (``harness.within_accumulation``; a product goes through at most ``K - 1``
+      additions inside its matmul of ``K`` contraction rows and one PSUM accumulation per later matmul of its
+      group: ``d = K - 1 + n - 1`` for ``n`` matmuls, counted from the taps);
+    - ``QKV`` (i), exactly, no tolerance, each rounding step reproduced from the tapped PSUM values: the bf16
+      output starts at zero (``memset``) and each partial-sum add (``data2`` in PSUM) makes it
+      ``bf16(float32(out) + float32(PSUM))`` (each add's ``data1`` must be the running value); then the STATIC
+      dequantization ``bf16(float32(out) x float32(w_scale x in_scale))`` (``tensor_scalar`` for Q, ``activation``
+      for K and V: float32 math cast to the bf16 tile, round to nearest even); core 0 then adds the bias
+      ``bf16(float32(out) + float32(bias))``; with two cores each adds the other's tile after the ``sendrecv``
+      (``data1`` its own, ``data2`` the other's, both checked: float32 addition commutes, so both cores hold the
+      same sum); the tile ``qkv()`` returns is that sum. The first step that differs fails, naming it."""
+    h, i = w.shape
+    hs = h // lnc
+    out: list = []
+    before: dict[int, np.ndarray] = {}  # per program: its tile before the other core's is added
+    rest: dict[int, list] = {}
+    for program, tile in quant:
+        label = f"rank {rank} core {program}"
+        tile = np.asarray(tile, np.float64)
+        bxs = tile.shape[1]
+        groups: dict[tuple[int, int], list] = {}  # per (PSUM storage, offset): exact, sum |terms|, matmuls, K
+        for dst, stat, mov in matmuls.get(program, ()):
+            s, m = np.asarray(stat.value, np.float64), np.asarray(mov.value, np.float64)
+            g = groups.setdefault((dst.storage, dst.offset), [0.0, 0.0, 0, 0])
+            g[0], g[1] = g[0] + s.T @ m, g[1] + np.abs(s).T @ np.abs(m)
+            g[2], g[3] = g[2] + 1, max(g[3], s.shape[0])
+        calls = adds.get(program, [])
+        partial = [(a, b) for a, b in calls if b.buffer == "psum"]
+        rest[program] = [(a, b) for a, b in calls if b.buffer != "psum"]
+        if not partial or any(b.buffer != "psum" for _, b in calls[:len(partial)]):
+            return out + [harness.TileCheck(f"{label} QKV", False, float("inf"), (
+                f"{len(partial)} partial-sum adds of PSUM tiles of {len(calls)} tensor_tensor calls, not all first"))]
+        running, placed = np.zeros((bxs, i)), np.zeros((bxs, i))
+        worst: tuple[float, str] = (-1.0, "")
+        storage = partial[0][0].storage
+        for k, (d1, d2) in enumerate(partial):
+            g = groups.pop((d2.storage, d2.offset), None)
+            cols = d1.columns()
+            c0, width = int(cols[0, 0, 1]), d1.value.shape[1]
+            if g is None or d1.storage != storage or d1.value.shape != (bxs, width) or not np.array_equal(
+                    cols[..., 1], np.broadcast_to(c0 + np.arange(width), (bxs, width))) or c0 + width > i:
+                where = "a PSUM place no matmul of this core wrote (or one read before)" if g is None else \
+                    f"{d1.value.shape} at column {c0} of its output"
+                return out + [harness.TileCheck(f"{label} QKV", False, float("inf"), (
+                    f"partial-sum add {k} reads {where}, not a [{bxs}, <= 512] column block of one [{bxs}, {i}] "
+                    "output tile"))]
+            ok, _, figures = harness.rounded_exactly(d1.value, running[:, c0:c0 + width], (
+                f"the running sum before partial-sum add {k} (from zero, each earlier add bf16(float32(out) + "
+                "float32(PSUM)))"))
+            if not ok:
+                return out + [harness.TileCheck(f"{label} QKV", False, float("inf"), figures)]
+            psum = np.asarray(d2.value, np.float32)
+            ok, share, figures = harness.within_accumulation(psum, g[0], g[1], g[3] - 1 + g[2] - 1)
+            if not ok:
+                return out + [harness.TileCheck(f"{label} PSUM", False, share, f"partial-sum add {k}'s PSUM "
+                                                f"({g[2]} matmuls of {g[3]} rows): {figures}")]
+            worst = max(worst, (share, f"{len(partial)} partial sums, the nearest {figures}"))
+            placed[:, c0:c0 + width] += g[0]
+            running[:, c0:c0 + width] = _plus(running[:, c0:c0 + width], psum)
+        x_c = tile.transpose(1, 0, 2).reshape(bxs, -1)  # (hidden c * hs + p * H1s + j: _qkv_tkg_input's order)
+        ok, _, figures = harness.rounded_exactly(placed, x_c @ w[program * hs:(program + 1) * hs], (
+            "the exact product of the core's tapped input and weight rows"))
+        out.append(harness.TileCheck(f"{label} products", ok and not groups, 0.0 if ok and not groups else float(
+            "inf"), figures if not groups else f"{len(groups)} PSUM accumulation groups never added to the output"))
+        out.append(harness.TileCheck(f"{label} PSUM", True, worst[0], worst[1]))
+        if not (ok and not groups):
+            return out
+        before[program] = harness.cast_bf16((running.astype(np.float32) * _static_scale(kw, bxs, i, d)).astype(
+            np.float64))
+    what = "bf16(float32(bf16(float32(out) + float32(PSUM)) ...) x float32(w_scale x in_scale))"
+    bias = kw.get("bias_qkv")
+    for program in sorted(before):  # (core 0's bias first: the other core adds the tile core 0 sends)
+        label, steps = f"rank {rank} core {program}", rest[program]
+        want = int(bias is not None and program == 0) + int(lnc > 1)
+        if len(steps) != want:
+            return out + [harness.TileCheck(f"{label} QKV", False, float("inf"), (
+                f"{len(steps)} tensor_tensor calls after the partial sums, for {want} (the bias on core 0, the "
+                "other core's tile)"))]
+        if bias is not None and program == 0:
+            (d1, d2), steps = steps[0], steps[1:]
+            b = np.broadcast_to(np.asarray(bias, np.float64).reshape(1, -1), before[program].shape)
+            for value, expected, rule in ((d1.value, before[program], what), (d2.value, b, "the bias")):
+                ok, _, figures = harness.rounded_exactly(value, expected, f"{rule} (the bias add's operand)")
+                if not ok:
+                    return out + [harness.TileCheck(f"{label} QKV", False, float("inf"), figures)]
+            before[program] = _plus(before[program], b)
+            what = f"{what} + bias on core 0"
+        rest[program] = steps
+    final = {}
+    for program in sorted(before):
+        label = f"rank {rank} core {program}"
+        if lnc > 1:
+            (d1, d2), = rest[program]
+            other = before.get(1 - program)
+            if other is None:
+                return out + [harness.TileCheck(f"{label} QKV", False, float("inf"), "no tile of the other core")]
+            for value, expected, whose in ((d1.value, before[program], "its own"), (d2.value, other, "the other's")):
+                ok, _, figures = harness.rounded_exactly(value, expected, f"{what} ({whose} in the add after the "
+                                                         "sendrecv)")
+                if not ok:
+                    return out + [harness.TileCheck(f"{label} QKV", False, float("inf"), figures)]
+            final[program] = _plus(before[program], other)
+        else:
+            final[program] = before[program]
+    rule = f"{what}" + (" + the other core's" if lnc > 1 else "")
+    for program, value in qkv:
+        expected = final.get(program)
+        if expected is None:
+            out.append(harness.TileCheck(f"rank {rank} core {program} QKV", False, float("inf"), "no projection"))
+            continue
+        out.append(harness.TileCheck(f"rank {rank} core {program} QKV", *harness.rounded_exactly(
+            np.asarray(value, np.float64).reshape(expected.shape), expected, rule)))
+    return out
+
+
 def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
     """For :class:`.harness.TappedReference`, per rank, two stages, each tapped tile against a computation of it
     from the kernel's own tapped input to that stage:
-    (1) on ``qkv_tkg``, each core's QKV tile against the float64 STATIC projection of the rank's tapped fp8 input
-    (:func:`_qkv_tkg_input`), dequantized as ``qkv_tkg_torch_ref`` does (Q / K / V columns by their weight scale,
-    all by the input scale, then the bias), within its bf16 roundings per element: one per 128-row partial sum
-    each core adds into the bf16 tile (``H / 128 / lnc``), one per core's half (``lnc``), one for the
-    dequantization, one for the bias; on ``qkv_cte`` (each core its own tokens, the whole H accumulated in one
-    float32 PSUM group, then one PSUM -> bf16 copy and one dequantization), exactly: the PSUM values it copies out
-    against the exact product of its tapped input (:func:`_qkv_cte_input`) within the float32 accumulation bound,
-    and each QKV tile equal to the kernel's own rounding of those values (:func:`_qkv_cte_checks`);
+    (1) the QKV tile, exactly, on either route: on ``qkv_tkg`` (each core half of H for every token, 128-row
+    matmuls accumulated in array-tiled PSUM groups, the groups added into a bf16 tile, then the dequantization, the
+    bias, the other core's half) from its matmuls' operands and its adds' (:func:`_qkv_tkg_checks`); on
+    ``qkv_cte`` (each core its own tokens, the whole H accumulated in one float32 PSUM group, then one PSUM -> bf16
+    copy and one dequantization) from the PSUM values it copies out (:func:`_qkv_cte_checks`): on both, the PSUM
+    values against the exact product of the tapped input within the float32 accumulation bound, and each QKV tile
+    equal to the kernel's own rounding of those values;
     (2) the Q, K, V that attention reads (``_QKV_processing``'s tiles: Q bf16, K / V fp8) against nki-library's
     reference (float32) fed the rank's core-0 QKV tile: its Q / K / V norms, RoPE and KV scaling, unrounded.
     Q's roundings: one for the pre-RoPE norm's bf16 tile, three for RoPE's two products and their sum, one for the
-    post-RoPE norm, one for the copy out of the fp32 norm; K / V are fp8 tiles (within one fp8 step of it). K's
-    roundings are Q's, at the magnitude of what they round: for an output ``y = x_r cos - x_i sin`` (or ``x_r sin +
-    x_i cos``) with ``P = |x_r cos| + |x_i sin|``, the pre-RoPE norm tile's rounding reaches ``y`` as at most ``u P``,
-    the two products round at ``|x_r cos|`` and ``|x_i sin|`` (together ``u P``), their sum and the copies after
-    at ``|y| <= P``, all before the x ``k_scale`` and the clip to +-240 (which moves no two values further apart);
-    so each element's six roundings are taken at ``k_scale P`` (the reference's ``K_products``) where that is
-    larger than its row's largest K after the clip (240 at most, where RoPE's products reach ~2,000 scaled).
-    Without RoPE, or with a norm after it (which rescales those errors), the row's largest K alone, as for Q."""
+    post-RoPE norm, one for the copy out of the fp32 norm; K / V are fp8 tiles (within one fp8 step of it). The
+    roundings are taken at the magnitude of what they round: for an output ``y = x_r cos - x_i sin`` (or ``x_r
+    sin + x_i cos``) with ``P = |x_r cos| + |x_i sin|``, the pre-RoPE norm tile's rounding reaches ``y`` as at most
+    ``u P``, the two products round at ``|x_r cos|`` and ``|x_i sin|`` (together ``u P``), their sum and the
+    copies after at ``|y| <= P``; so each element's six roundings are taken at ``P`` (the reference's
+    ``Q_products``; for K ``k_scale P``, ``K_products``, before the x ``k_scale`` and the clip to +-240, which moves
+    no two values further apart) where that is larger than its row's largest value (for K after the clip: 240 at
+    most, where RoPE's products reach ~2,000 scaled): a derived bound, so Q's tile has no rms test. Without RoPE
+    each rounding acts on a value within the row's largest (also derived). With a norm after RoPE, which rescales
+    the errors before it by a factor the check does not derive, the row's largest value alone, and for Q (bf16)
+    the rms test with it (``harness.within_roundings``; the one place on this kernel it stays)."""
     def projection(inputs: dict[str, Any], tapped: dict[str, list], run: Callable[..., dict]) -> list:
         out = []
         ranks = inputs["ranks"] if "ranks" in inputs else [inputs]
@@ -1013,25 +1174,22 @@ def _tapped_projection(lnc: int, d: int) -> Callable[..., list]:
             if not quant:  # (qkv_cte: checked exactly, from the PSUM values it copies out)
                 out += _qkv_cte_checks(rank, x, w, kw, copies, qkv, d)
                 continue
-            exact = x @ w
-            q = i // d - 2
-            scale = np.asarray(kw["weight_dequant_scale_qkv"], np.float64)[0]
-            exact[:, :q * d] *= scale[0]
-            exact[:, q * d:(q + 1) * d] *= scale[1]
-            exact[:, (q + 1) * d:] *= scale[2]
-            exact *= float(np.asarray(kw["input_dequant_scale_qkv"], np.float64)[0, 0])
-            if kw.get("bias_qkv") is not None:
-                exact += np.asarray(kw["bias_qkv"], np.float64).reshape(1, -1)
-            roundings = h // 128 // lnc + lnc + 2
-            for program, value in qkv:
-                out.append((f"rank {rank} core {program} QKV", np.asarray(value).reshape(exact.shape), exact,
-                            roundings, False))
+            def mine(specs: tuple[str, ...], program: int, rank: int = rank) -> list:
+                """Per call of the core's instruction, its tapped operands (``specs``, in that order)."""
+                return list(zip(*([v for r, p, v in tapped.get(t, ()) if (r, p) == (rank, program)]
+                                  for t in specs)))
+            matmuls = {program: mine(QKV_TKG_MATMUL_TAPS, program) for program, _ in quant}
+            adds = {program: mine(QKV_TKG_ADD_TAPS, program) for program, _ in quant}
+            out += _qkv_tkg_checks(rank, quant, w, kw, matmuls, adds, qkv, lnc, d)
         run(lambda kw: _fed(kw, tapped, qkv=True, capture=captured))
         for rank, cap in enumerate(captured):
             for program, (q_t, k_t, v_t, _) in sorted((p, v) for r, p, v in tapped[PROCESSED_TAP] if r == rank):
                 last = lambda a: np.moveaxis(a, 0, -1)  # noqa: E731  (d last: a row is one head's vector)
+                # (Q: a derived bound at its products' magnitude, or at its row's largest value without RoPE; the
+                # rms test only where a norm follows RoPE)
+                q_mag = cap.get("Q_products", None if cap.get("post_norm") else np.zeros(cap["Q"].shape))
                 out.append((f"rank {rank} core {program} Q", last(np.asarray(q_t).reshape(cap["Q"].shape)),
-                            last(cap["Q"]), 6, False))
+                            last(cap["Q"]), 6, False, None if q_mag is None else last(q_mag)))
                 products = cap.get("K_products")
                 out.append((f"rank {rank} core {program} K", last(np.asarray(k_t).reshape(cap["K"].shape)),
                             last(cap["K"]), 6, True, None if products is None else last(products)))
@@ -1096,11 +1254,13 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
     # (harness.tapped_golden_gap)
     tapped = None
     if cfg["quantization_type"] == "STATIC" and cfg["kv_quant"]:
+        tkg = QKV_TKG_MATMUL_TAPS + QKV_TKG_ADD_TAPS
         tapped = TappedReference(TAPPED_QKV, (QKV_TAP, QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP, QKV_CTE_PSUM_TAP,
-                                              PROCESSED_TAP),
+                                              PROCESSED_TAP) + tkg,
                                  _tapped_projection(lnc, d), _fed,
                                  routes=((QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP),
-                                         (QUANTIZED_INPUT_TAP, QKV_CTE_PSUM_TAP)))
+                                         (QUANTIZED_INPUT_TAP, QKV_CTE_PSUM_TAP))
+                                 + tuple((t, QKV_CTE_INPUT_TAP) for t in tkg))
     return Case(
         kernel="experimental/transformer/attention_block_tkg", name=_name(cfg), shapes=shapes,
         entry=f"{LIB}.experimental.transformer.attention_block_tkg:attention_block_tkg", wrap_kernel=_wrapper,

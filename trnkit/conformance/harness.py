@@ -36,6 +36,7 @@ import contextlib
 import csv
 import dataclasses
 import importlib
+import inspect
 import io
 import mmap
 import os
@@ -1041,13 +1042,16 @@ class Operand:
     """One instruction operand recorded by :func:`tap` (an ``"module:global.instruction(operand)"`` spec): its value
     (a copy, as the instruction read it) and where it lies in its allocation: ``storage`` (a key unique in the
     process per allocation), ``offset`` / ``strides`` (elements of its dtype; element ``i`` at ``offset + sum(strides
-    * i)``) and ``row`` (the allocation's elements per partition), so ``divmod(flat, row)`` is (partition, column)."""
+    * i)``) and ``row`` (the allocation's elements per partition), so ``divmod(flat, row)`` is (partition, column);
+    ``buffer``: the allocation's memory (``"sbuf"``, ``"psum"``, ``"hbm"``, ...). A ``"(operand:where)"`` spec records
+    where it lies only: ``value`` is then zeros of its shape and dtype (a read-only view of one element)."""
 
     value: np.ndarray
     storage: int
     offset: int
     strides: tuple[int, ...]
     row: int
+    buffer: str = ""
 
     def columns(self) -> np.ndarray:
         """Each element's (partition, column) in its allocation: an int array ``value.shape + (2,)``."""
@@ -1056,7 +1060,7 @@ class Operand:
         return np.stack(np.divmod(np.broadcast_to(flat, self.value.shape), self.row), axis=-1)
 
 
-_OPERAND_SPEC = re.compile(r"^(?P<glob>\w+)\.(?P<fn>\w+)\((?P<operand>\w+)\)$")
+_OPERAND_SPEC = re.compile(r"^(?P<glob>\w+)\.(?P<fn>\w+)\((?P<operand>\w+)(?P<where>:where)?\)$")
 
 
 @contextlib.contextmanager
@@ -1069,9 +1073,13 @@ def tap(specs: Sequence[str], root: Path | None = None) -> Iterator[dict[str, li
 
     ``"module:global.instruction(operand)"`` (e.g. ``"pkg.kernel:nisa.nc_matmul(stationary)"``) records an
     instruction's operand instead, for a tile the kernel never returns: the module's global (the ``nisa`` it
-    imported) is, inside the block and for that module only, a stand-in whose ``instruction`` records the keyword
+    imported) is, inside the block and for that module only, a stand-in whose ``instruction`` records the argument
     ``operand`` of each call as an :class:`Operand` (read before the instruction runs, as it reads it), then runs
-    it; every other name is the global's own. No specs (the default): nothing is wrapped."""
+    it; every other name is the global's own. The argument is found by binding the call to the instruction's
+    signature, so a positional one (``nisa.tensor_tensor(out, out, psum, op=nl.add)``'s ``data2``) is recorded as
+    its keyword form is (a call that does not bind is run as it is: the instruction raises its own error).
+    ``"module:global.instruction(operand:where)"`` records where the operand lies only (no copy of its value: e.g.
+    each matmul's PSUM destination). No specs (the default): nothing is wrapped."""
     from trnkit.nkisim import memory
 
     def where() -> tuple[int, int]:
@@ -1089,15 +1097,27 @@ def tap(specs: Sequence[str], root: Path | None = None) -> Iterator[dict[str, li
             glob, fn_name, arg = operand.group("glob", "fn", "operand")
             real = getattr(module, glob)
             fn = getattr(real, fn_name)
+            try:
+                signature: inspect.Signature | None = inspect.signature(fn)
+            except (TypeError, ValueError):  # (no signature to bind: the keyword form only)
+                signature = None
 
             def instruction(*a: Any, _fn: Callable[..., Any] = fn, _spec: str = spec, _arg: str = arg,
+                            _sig: inspect.Signature | None = signature, _where: bool = bool(operand.group("where")),
                             **k: Any) -> Any:
                 t = k.get(_arg)
-                if t is not None:
-                    recorded[_spec].append((*where(), Operand(t.peek(), t.storage.key, t.offset, tuple(t.strides),
-                                                              t.partition_stride)))
+                if t is None and _sig is not None:
+                    try:
+                        t = _sig.bind(*a, **k).arguments.get(_arg)
+                    except TypeError:  # (the instruction raises its own error for a call that does not bind)
+                        t = None
+                if t is not None and hasattr(t, "storage"):
+                    value = np.broadcast_to(np.zeros((), t.dtype), t.shape) if _where else t.peek()
+                    recorded[_spec].append((*where(), Operand(value, t.storage.key, t.offset, tuple(t.strides),
+                                                              t.partition_stride, t.buffer.name)))
                 return _fn(*a, **k)
 
+            instruction.__wrapped__ = fn  # (its signature: a second tap of the same instruction binds through it)
             stand_in = types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
             setattr(stand_in, fn_name, instruction)
             saved.append((module, glob, real))
@@ -1152,10 +1172,12 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp
     ``roundings`` may have a fraction: float32 roundings on the way, each ``2^-24`` relative, count ``2^-16`` of a
     bf16 one.
 
-    ``magnitude`` (fp8 only; ``exact``'s shape, >= 0): per element, a bound of the values its roundings act on where
-    they can be larger than ``exact``'s row (e.g. a RoPE output ``x_r cos - x_i sin``: its products round at
-    ``|x_r cos|`` and ``|x_i sin|``, before a scale and the clip to +-240): the element's ``e`` is then
-    ``roundings * u * max(max_row|exact|, magnitude)``, never less than without it.
+    ``magnitude`` (``exact``'s shape, >= 0): per element, a bound of the values its roundings act on where they can
+    be larger than ``exact``'s row (e.g. a RoPE output ``x_r cos - x_i sin``: its products round at ``|x_r cos|``
+    and ``|x_i sin|``, before a scale and the clip to +-240): the element's ``e`` is then ``roundings * u *
+    max(max_row|exact|, magnitude)``, never less than without it. On a bf16 tile a ``magnitude`` says the caller
+    derived that every rounding acts on a value within it (zeros: within the row's largest value), so (1) is a
+    derived bound and is the whole check: the rms expectation (2), a statistical test, is not applied.
 
     Returns ``(ok, worst, figures)``: ``worst`` the largest error as a share of its element's bound."""
     t, x = np.asarray(tapped, np.float64), np.asarray(exact, np.float64)
@@ -1180,6 +1202,13 @@ def within_roundings(tapped: np.ndarray, exact: np.ndarray, roundings: float, fp
                                      f"{worst:.2f} of the bound ({roundings:g} bf16 roundings{at_what} and half an "
                                      "fp8 step)")
     row_max = np.abs(x).reshape(-1, x.shape[-1]).max(axis=1).reshape(x.shape[:-1] + (1,))
+    if magnitude is not None:  # (a derived bound: (1) alone)
+        bound = roundings * BF16_UNIT * np.maximum(row_max, np.asarray(magnitude, np.float64))
+        share = np.divide(err, bound, out=np.where(err > 0, np.inf, 0.0), where=bound > 0)
+        worst = float(share.max()) if share.size else 0.0
+        at_what = " at the products' magnitude" if np.any(np.asarray(magnitude) > 0) else ""
+        return worst <= 1.0, worst, (f"max|err| {worst:.2f} of the {roundings:g}-rounding bound{at_what} (derived: "
+                                     "no rms test)")
     bound = roundings * BF16_UNIT * row_max
     worst = float(np.max(err / np.where(bound > 0, bound, np.inf))) if err.size else 0.0
     one = np.sqrt(np.mean((cast_bf16(x) - x) ** 2))
