@@ -8,11 +8,11 @@
     print(report.table())
     revert(model)
 
-Each op argument is ``True`` (the entry point's ``impl`` / ``policy`` / ``block_size`` / ``lnc``), an
-impl name, a :class:`~trnkit.overrides.KernelChoice` of its own, or ``False`` (the module keeps its
-code). The swap is validated on the model's real shapes (a dry run on fake tensors of ``[batch_size,
-seq_len]`` tokens) and reported per module; :func:`revert` undoes it. trnkit's native Qwen3 needs none
-of this: it takes its kernels from its config (``Qwen3Config.kernels``).
+Each op argument is ``True`` (the entry point's ``impl`` / ``policy`` / ``block_size`` / ``lnc``, and for
+``attention`` its ``fixed_shift``), an impl name, a :class:`~trnkit.overrides.KernelChoice` of its own, or
+``False`` (the module keeps its code). The swap is validated on the model's real shapes (a dry run on fake
+tensors of ``[batch_size, seq_len]`` tokens) and reported per module; :func:`revert` undoes it. trnkit's
+native Qwen3 needs none of this: it takes its kernels from its config (``Qwen3Config.kernels``).
 """
 
 from __future__ import annotations
@@ -33,20 +33,22 @@ SUPPORTED = {"apply_trnkit_to_qwen3": ("qwen3",), "apply_trnkit_to_qwen3_moe": (
              "apply_trnkit_to_gpt_oss": ("gpt_oss",)}
 
 
-def _choice(arg: OpArg, impl: str, policy: str, block_size: int, lnc: int | None) -> KernelChoice | None:
+def _choice(arg: OpArg, impl: str, policy: str, block_size: int, lnc: int | None,
+            fixed_shift: bool = False) -> KernelChoice | None:
     if arg is False or arg is None:
         return None
     if isinstance(arg, KernelChoice):
         return arg
     if isinstance(arg, str):
-        return KernelChoice(arg, policy, block_size, lnc or 0)
+        return KernelChoice(arg, policy, block_size, lnc or 0, fixed_shift)
     if arg is True:
-        return KernelChoice(impl, policy, block_size, lnc or 0)
+        return KernelChoice(impl, policy, block_size, lnc or 0, fixed_shift)
     raise TypeError(f"expected True / False, an impl name or a KernelChoice, got {type(arg).__name__} {arg!r}")
 
 
 def _apply(entry: str, model: nn.Module, ops: dict[str, OpArg], impl: str, policy: str, block_size: int,
-           lnc: int | None, seq_len: int | None, batch_size: int, dry_run: bool) -> OverrideReport:
+           lnc: int | None, seq_len: int | None, batch_size: int, dry_run: bool,
+           fixed_shift: bool = False) -> OverrideReport:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED[entry]:
         others = [name for name, types in SUPPORTED.items() if model_type in types]
@@ -55,33 +57,43 @@ def _apply(entry: str, model: nn.Module, ops: dict[str, OpArg], impl: str, polic
                          f"{type(model).__name__} (model_type {model_type!r}){hint}")
     config = OverrideConfig(ops=[], impl=impl, policy=policy, block_size=block_size, lnc=lnc, seq_len=seq_len,
                             batch_size=batch_size, dry_run=dry_run)
-    choices = {op: c for op, arg in ops.items() if (c := _choice(arg, impl, policy, block_size, lnc)) is not None}
+    if fixed_shift is not False and not (fixed_shift is True and ops.get("attention") is True):
+        why = ("must be true or false" if not isinstance(fixed_shift, bool) else
+               "applies to attention=True (an attention impl name or KernelChoice carries its own)")
+        raise ValueError(f"trnkit.hf.{entry}: fixed_shift {why}, got fixed_shift={fixed_shift!r} with "
+                         f"attention={ops.get('attention')!r}")
+    choices = {op: c for op, arg in ops.items()
+               if (c := _choice(arg, impl, policy, block_size, lnc, fixed_shift and op == "attention")) is not None}
     return apply_overrides(model, config, choices=choices)
 
 
 def apply_trnkit_to_qwen3(model: nn.Module, *, rope: OpArg = True, rmsnorm: OpArg = False, mlp: OpArg = False,
                           attention: OpArg = False, impl: str = "nki", policy: str = "strict", lnc: int | None = None,
-                          seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True) -> OverrideReport:
+                          seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
+                          fixed_shift: bool = False) -> OverrideReport:
     """trnkit's kernels in a transformers v5 dense Qwen3 (``Qwen3ForCausalLM`` / ``Qwen3Model``): ``rope``
     (``rope_hf`` in every attention), ``rmsnorm`` (every norm), ``mlp`` (every SwiGLU MLP), ``attention``
-    (the attention function); returns the per-module report."""
+    (the attention function; ``fixed_shift=True`` with ``attention=True``: its forward with a fixed softmax
+    shift per row); returns the per-module report."""
     ops = {"rope_hf": rope, "rmsnorm": rmsnorm, "mlp": mlp, "attention": attention}
-    return _apply("apply_trnkit_to_qwen3", model, ops, impl, policy, 0, lnc, seq_len, batch_size, dry_run)
+    return _apply("apply_trnkit_to_qwen3", model, ops, impl, policy, 0, lnc, seq_len, batch_size, dry_run,
+                  fixed_shift)
 
 
 def apply_trnkit_to_qwen3_moe(model: nn.Module, *, rope: OpArg = True, router: OpArg = True, experts: OpArg = True,
                               rmsnorm: OpArg = False, mlp: OpArg = False, attention: OpArg = False, impl: str = "nki",
                               policy: str = "strict", block_size: int = 0, lnc: int | None = None,
                               seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
-                              ) -> OverrideReport:
+                              fixed_shift: bool = False) -> OverrideReport:
     """trnkit's kernels in a transformers v5 Qwen3-MoE (``Qwen3MoeForCausalLM`` / ``Qwen3MoeModel``): ``rope``,
     ``router`` (``router_topk`` in every ``mlp.gate``), ``experts`` (``moe_experts`` in every
     ``mlp.experts``; ``block_size`` 0 = the kernel's tuned sizes), ``rmsnorm``, ``mlp`` (the dense MLPs of
-    ``mlp_only_layers``), ``attention``; returns the per-module report."""
+    ``mlp_only_layers``), ``attention`` (``fixed_shift`` as in :func:`apply_trnkit_to_qwen3`); returns the
+    per-module report."""
     ops = {"rope_hf": rope, "router_topk": router, "moe_experts": experts, "rmsnorm": rmsnorm, "mlp": mlp,
            "attention": attention}
     return _apply("apply_trnkit_to_qwen3_moe", model, ops, impl, policy, block_size, lnc, seq_len, batch_size,
-                  dry_run)
+                  dry_run, fixed_shift)
 
 
 def apply_trnkit_to_deepseek_v3(model: nn.Module, *, router: OpArg = True, experts: OpArg = True, impl: str = "nki",

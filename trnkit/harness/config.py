@@ -170,7 +170,7 @@ class ValidationConfig:
 
 
 def _no_overrides() -> OverrideConfig:
-    """``[overrides]``: trnkit.overrides' own config (ops, impl, policy, block_size, lnc, plugins); the
+    """``[overrides]``: trnkit.overrides' own config (ops, impl, policy, block_size, lnc, fixed_shift, plugins); the
     trainer's default swaps nothing. seq_len / batch_size are set from [training] when it is applied."""
     from trnkit.overrides.config import OverrideConfig
 
@@ -442,8 +442,12 @@ def _validate(cfg: TrainerConfig) -> None:
     req(cfg.overrides.lnc in (0, 1, 2, None), "overrides.lnc", "must be 0 (detected device), 1 or 2", cfg.overrides.lnc)
     from trnkit.overrides.config import choice_problems  # the kernels load only when a config is checked
 
-    for name, problem in choice_problems(cfg.overrides.policy, cfg.overrides.block_size, cfg.overrides.lnc):
+    for name, problem in choice_problems(cfg.overrides.policy, cfg.overrides.block_size, cfg.overrides.lnc,
+                                         cfg.overrides.fixed_shift):
         raise ConfigError(f"config overrides.{name}: {problem}")
+    problem = cfg.overrides.fixed_shift_problem()
+    if problem:
+        raise ConfigError(f"config overrides.fixed_shift = true {problem}")
     if cfg.overrides.policy != "off":
         req(len(cfg.overrides.ops) > 0, "overrides.ops", f"must name at least one op when policy is "
             f"{cfg.overrides.policy!r}", cfg.overrides.ops)

@@ -259,8 +259,9 @@ def _attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tenso
     return _attr("attention", "attention_ref")(q, k, v, scale)
 
 
-def _attention_nki(q: Tensor, k: Tensor, v: Tensor, scale: float, lnc: int | None = None) -> tuple[Tensor, Tensor]:
-    return _attr("attention", "attention")(q, k, v, scale, lnc=lnc)
+def _attention_nki(q: Tensor, k: Tensor, v: Tensor, scale: float, lnc: int | None = None,
+                   fixed_shift: bool = False) -> tuple[Tensor, Tensor]:
+    return _attr("attention", "attention")(q, k, v, scale, lnc=lnc, fixed_shift=fixed_shift)
 
 
 def _attention_ref_bwd(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, grad_o: Tensor, scale: float):

@@ -1,4 +1,5 @@
-"""Kernel choices as configuration: :class:`KernelChoice` (one op: impl, policy, MoE block size, LNC) and
+"""Kernel choices as configuration: :class:`KernelChoice` (one op: impl, policy, MoE block size, LNC, the
+attention forward's fixed shift) and
 :class:`OverrideConfig` (which ops, and their choices; the library's config and the trainer's
 ``[overrides]`` section).
 
@@ -6,12 +7,13 @@ A choice is plain data, checked when it is made. trnkit's native Qwen3 takes one
 (``Qwen3Config.kernels``); :func:`~trnkit.overrides.apply.apply_overrides` and the transformers entry
 points (:mod:`trnkit.hf`) build them from an :class:`~trnkit.overrides.apply.OverrideConfig`. Each swap
 point holds its choice bound to its module path (:class:`~trnkit.overrides.guard.BoundKernel`), which
-passes ``impl``, ``block_size`` and ``lnc`` to the ``trnkit::`` op as arguments.
+passes ``impl``, ``block_size``, ``lnc`` and ``fixed_shift`` to the ``trnkit::`` op as arguments.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -20,13 +22,16 @@ from trnkit.kernels.lnc import LNC_VALUES
 from trnkit.kernels.moe.constraints import BLOCK_SIZES
 from trnkit.overrides.registry import POLICIES, get_impl
 
-__all__ = ["DEFAULT_OPS", "SWAPPABLE_OPS", "KernelChoice", "OverrideConfig", "choice_problems"]
+__all__ = ["DEFAULT_OPS", "FIXED_SHIFT_OP", "SWAPPABLE_OPS", "KernelChoice", "OverrideConfig", "choice_problems",
+           "fixed_shift_problem"]
 
 SWAPPABLE_OPS = ("rope_hf", "router_topk", "moe_experts", "rmsnorm", "linear_cross_entropy", "attention", "mlp")
 DEFAULT_OPS = ("rope_hf", "router_topk", "moe_experts")  # OverrideConfig's default selection
+FIXED_SHIFT_OP = "attention"  # the one op whose impls may take ``fixed_shift``
 
 
-def choice_problems(policy: str, block_size: int, lnc: int | None) -> list[tuple[str, str]]:
+def choice_problems(policy: str, block_size: int, lnc: int | None,
+                    fixed_shift: bool = False) -> list[tuple[str, str]]:
     """``(field, "<rule>, got <value>")`` for each setting outside its range; shared by
     :class:`KernelChoice`, :class:`~trnkit.overrides.apply.OverrideConfig` and the trainer's config check,
     which put the field's name in front."""
@@ -38,7 +43,22 @@ def choice_problems(policy: str, block_size: int, lnc: int | None) -> list[tuple
                                   "sizes, forward 512 and backward 128)"))
     if lnc is not None and (isinstance(lnc, bool) or lnc not in (0, *LNC_VALUES)):
         out.append(("lnc", f"must be one of {LNC_VALUES} or None, got {lnc!r} (None or 0: the device default)"))
+    if not isinstance(fixed_shift, bool):
+        out.append(("fixed_shift", f"must be true or false, got {fixed_shift!r} (true: the attention forward with a "
+                                   "fixed softmax shift per row, docs/kernels.md)"))
     return out
+
+
+def fixed_shift_problem(op: str, impl: str) -> str | None:
+    """Why ``fixed_shift=True`` cannot go with ``impl`` of ``op`` ("<rule>, got <value>"), or None: it is an
+    option of the attention forward, and the impl's function must declare a ``fixed_shift`` parameter (the
+    built-in ``nki`` impl does; ``reference`` computes the exact softmax and has none)."""
+    if op != FIXED_SHIFT_OP:
+        return f"applies to the {FIXED_SHIFT_OP!r} op only, got it for op {op!r}"
+    if "fixed_shift" not in inspect.signature(get_impl(op, impl).fn).parameters:
+        return (f"needs an {op} impl whose function takes fixed_shift (the built-in 'nki'), got impl {impl!r}, "
+                "which does not")
+    return None
 
 
 @dataclass(frozen=True)
@@ -49,24 +69,32 @@ class KernelChoice:
     raises on inputs the impl cannot serve, ``"fallback"`` runs the module's own code for them (warned
     once per reason). ``block_size``: ``moe_experts`` slots per expert block, 0 = the kernel's tuned
     sizes (forward 512, backward 128). ``lnc``: physical cores per launch (1 or 2), 0 = the device
-    default (:func:`trnkit.kernels.lnc.default_lnc`).
+    default (:func:`trnkit.kernels.lnc.default_lnc`). ``fixed_shift``: ``attention`` only, its forward
+    with a fixed softmax shift per row and a per-launch fallback to the exact forward
+    (:mod:`trnkit.kernels.attention.flash_fwd_shift`; same results to fp32 precision); needs an impl that
+    takes it (``nki``), checked by :meth:`check_impl`.
     """
 
     impl: str = "nki"
     policy: str = "strict"
     block_size: int = 0
     lnc: int = 0
+    fixed_shift: bool = False
 
     def __post_init__(self) -> None:
         if self.policy == "off":
             raise ValueError("KernelChoice.policy must be 'strict' or 'fallback' (no choice = the module's own code)")
-        bad = choice_problems(self.policy, self.block_size, self.lnc)
+        bad = choice_problems(self.policy, self.block_size, self.lnc, self.fixed_shift)
         if bad:
             raise ValueError(f"KernelChoice.{bad[0][0]} {bad[0][1]}")
 
     def check_impl(self, op: str) -> None:
-        """Unknown impl names fail here, listing the registered ones."""
+        """Unknown impl names fail here, listing the registered ones; so does ``fixed_shift=True`` for an op
+        or impl without that option (:func:`fixed_shift_problem`)."""
         get_impl(op, self.impl)
+        problem = fixed_shift_problem(op, self.impl) if self.fixed_shift else None
+        if problem:
+            raise ValueError(f"KernelChoice.fixed_shift=True {problem}")
 
 
 @dataclass
@@ -81,8 +109,10 @@ class OverrideConfig:
     ``lnc``: physical cores per kernel launch (1, or 2 = a trn2 logical core), passed by each swap point
     to its op; None (or 0): the device default (:func:`trnkit.kernels.lnc.default_lnc`: 2 on a trn2
     logical core, 1 on the interpreter). Both belong to the swap points' :class:`KernelChoice`
-    (:meth:`choice`): no process-wide setting is left behind. ``plugins``: modules imported first (they
-    register their own impls with :func:`trnkit.overrides.register`).
+    (:meth:`choice`): no process-wide setting is left behind. ``fixed_shift``: the ``attention`` op's
+    forward with a fixed softmax shift per row (:class:`KernelChoice`; default off); needs ``"attention"``
+    in ``ops`` with an impl that takes it (``nki``). ``plugins``: modules imported first (they register
+    their own impls with :func:`trnkit.overrides.register`).
     """
 
     ops: list[str] = field(default_factory=lambda: list(DEFAULT_OPS))
@@ -93,14 +123,15 @@ class OverrideConfig:
     dry_run: bool = True
     block_size: int = 0
     lnc: int | None = None
+    fixed_shift: bool = False
     plugins: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.ops = list(self.ops)
         for name in self.plugins:  # user modules that register impls, before the impl names are checked
             importlib.import_module(name)
-        problems = dict(choice_problems(self.policy, self.block_size, self.lnc))
-        for name in ("lnc", "block_size", "policy"):  # the order of the checks' messages
+        problems = dict(choice_problems(self.policy, self.block_size, self.lnc, self.fixed_shift))
+        for name in ("lnc", "block_size", "policy", "fixed_shift"):  # the order of the checks' messages
             if name in problems:
                 raise ValueError(f"OverrideConfig.{name} {problems[name]}")
         bad = [op for op in self.ops if op not in SWAPPABLE_OPS]
@@ -116,13 +147,25 @@ class OverrideConfig:
                 raise ValueError(f"OverrideConfig.impl names ops that are not in ops: {extra}")
         for op in self.ops:
             get_impl(op, self.impl_for(op))  # unknown impl names fail here, with the registered ones
+        problem = self.fixed_shift_problem()
+        if problem:
+            raise ValueError(f"OverrideConfig.fixed_shift=True {problem}")
+
+    def fixed_shift_problem(self) -> str | None:
+        """Why ``fixed_shift`` cannot apply to this config's ops ("<rule>, got <value>"), or None."""
+        if self.fixed_shift is not True or self.policy == "off":
+            return None
+        if FIXED_SHIFT_OP not in self.ops:
+            return f"applies to the {FIXED_SHIFT_OP!r} op, which must be in ops, got ops {self.ops}"
+        return fixed_shift_problem(FIXED_SHIFT_OP, self.impl_for(FIXED_SHIFT_OP))
 
     def impl_for(self, op: str) -> str:
         return self.impl if isinstance(self.impl, str) else self.impl.get(op, "nki")
 
     def choice(self, op: str) -> KernelChoice:
         """``op``'s :class:`KernelChoice` under this config (policy ``off`` has none)."""
-        return KernelChoice(self.impl_for(op), self.policy, self.block_size, self.lnc or 0)
+        return KernelChoice(self.impl_for(op), self.policy, self.block_size, self.lnc or 0,
+                            self.fixed_shift and op == FIXED_SHIFT_OP)
 
     def kernels(self) -> dict[str, KernelChoice]:
         """``{op: KernelChoice}`` for every op of ``ops`` (empty under policy ``off``): the value of

@@ -43,7 +43,8 @@ class Probe:
 class BoundKernel:
     """One swap point's :class:`KernelChoice`, bound to its module path: the call-time decision
     (:meth:`choose`: the impl to run, or None for the module's own code) and the options the swap
-    point passes to its op (``lnc``: 0 = the device default; ``block_size``: 0 = the kernel's tuned sizes)."""
+    point passes to its op (``lnc``: 0 = the device default; ``block_size``: 0 = the kernel's tuned sizes;
+    ``fixed_shift``: the attention forward's fixed softmax shift)."""
 
     def __init__(self, op: str, choice: KernelChoice, path: str, static: Sequence[Violation] = (),
                  probe_only: bool = False) -> None:
@@ -51,7 +52,7 @@ class BoundKernel:
         self.probe_only = probe_only  # a shape-only stand-in used during the dry run
         self.probe: Probe | None = None  # set while a validation dry run collects what this swap point sees
         self.impl, self.policy = choice.impl, choice.policy
-        self.lnc, self.block_size = choice.lnc or 0, choice.block_size
+        self.lnc, self.block_size, self.fixed_shift = choice.lnc or 0, choice.block_size, choice.fixed_shift
 
     def __repr__(self) -> str:
         return f"BoundKernel({self.op!r}, {self.choice!r}, path={self.path!r})"

@@ -115,20 +115,21 @@ def _attention_forward(name: str) -> Any:
             fallback = _fallback_forward(module, module.__dict__.get(_ATTN_FALLBACK, "sdpa"))
             return fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                             sliding_window=sliding_window, **kwargs)
-        return ops.attention(q, k, v, scale, impl, lnc=guard.lnc)[0], None
+        return ops.attention(q, k, v, scale, impl, lnc=guard.lnc, fixed_shift=guard.fixed_shift)[0], None
 
     trnkit_attention_forward.__qualname__ = f"trnkit_attention_forward[{name}]"
     return trnkit_attention_forward
 
 
 def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str = "fallback",
-                          lnc: int | None = None) -> str:
+                          lnc: int | None = None, fixed_shift: bool = False) -> str:
     """Register ``name`` in transformers' ``AttentionInterface`` (and sdpa's causal mask under the same
     name, so pad-free causal batches pass no mask); returns ``name``. Then
     ``from_pretrained(..., attn_implementation="trnkit")`` runs every attention through ``trnkit::attention``
     with ``impl``; a call it cannot serve (a padding mask, dropout, a sliding window, a constraint)
     raises under ``strict`` or falls back to sdpa with a warning under ``fallback``. ``lnc``: physical
-    cores per launch (None: the device default)."""
+    cores per launch (None: the device default). ``fixed_shift``: the forward with a fixed softmax shift
+    per row (:class:`~trnkit.overrides.KernelChoice`; needs an impl that takes it, ``nki``)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -137,7 +138,9 @@ def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str =
     get_impl("attention", impl)  # unknown impl names fail now, listing the registered ones
     check(lnc_violations(lnc))
     resolve_dtensor()
-    _interface[name] = KernelChoice(impl, policy, lnc=lnc or 0)
+    choice = KernelChoice(impl, policy, lnc=lnc or 0, fixed_shift=fixed_shift)
+    choice.check_impl("attention")
+    _interface[name] = choice
     ALL_ATTENTION_FUNCTIONS.register(name, _attention_forward(name))
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
     return name

@@ -29,8 +29,10 @@ registered on the functional ops with the impl's backward.
   grad_weight f32)``: the same loss with its gradients at a loss gradient of 1, computed in the forward (an
   impl whose ``fn`` takes ``with_grad=True``; otherwise its backward at 1); the backward multiplies them by the
   loss gradient. The native model's loss module runs it when gradients are needed and ``schedule="fused"`` (opt-in).
-- ``trnkit::attention(q, k, v, scale, impl) -> (o, lse f32)``: causal GQA attention in the ``[B, S, H, D]``
-  layout (``lse [B, Hq, S]``, saved for the backward; it carries no gradient of its own).
+- ``trnkit::attention(q, k, v, scale, impl, lnc, fixed_shift) -> (o, lse f32)``: causal GQA attention in the
+  ``[B, S, H, D]`` layout (``lse [B, Hq, S]``, saved for the backward; it carries no gradient of its own);
+  ``fixed_shift=True`` reaches the impl as the keyword ``fixed_shift=True`` (the ``nki`` forward with a fixed
+  softmax shift per row); an impl without that parameter is refused. The backward is the same either way.
 - ``trnkit::mlp(x, w_gate_up, w_down, impl) -> y``: the dense SwiGLU MLP ``(silu(x @ Wg) * (x @ Wu)) @ w_down``,
   ``x [..., H]``, ``w_gate_up [H, 2I]`` (gate columns first), ``w_down [I, H]``, ``y`` in x's dtype.
 - ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``, ``trnkit::rmsnorm_bwd``,
@@ -582,24 +584,36 @@ linear_cross_entropy_fused.register_autograd(_lce_fused_backward, setup_context=
 # ----------------------------------------------------------------------------------------- attention
 
 
+def _fixed_shift_kw(fn: Any, impl: str, fixed_shift: bool) -> dict[str, bool]:
+    """``fixed_shift`` as the attention impl's keyword argument: passed when set; an impl that does not declare
+    it cannot honour it, so the op refuses (a :class:`~trnkit.overrides.KernelChoice` is checked earlier)."""
+    if not fixed_shift:
+        return {}
+    if "fixed_shift" not in inspect.signature(fn).parameters:
+        raise ValueError(f"trnkit::attention: fixed_shift=True needs an impl whose function takes fixed_shift (the "
+                         f"built-in 'nki'), got impl {impl!r}, which does not")
+    return {"fixed_shift": True}
+
+
 @torch.library.custom_op("trnkit::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference",
-              lnc: int = 0) -> tuple[Tensor, Tensor]:
+              lnc: int = 0, fixed_shift: bool = False) -> tuple[Tensor, Tensor]:
     """Causal GQA attention ``(o [B, S, Hq, D], lse [B, Hq, S] f32)`` of ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]``."""
     B, S, H, _ = q.shape
     fn = get_impl("attention", impl).fn
-    o, lse = fn(q.contiguous(), k.contiguous(), v.contiguous(), scale, **_lnc_kw(fn, lnc))
+    o, lse = fn(q.contiguous(), k.contiguous(), v.contiguous(), scale, **_lnc_kw(fn, lnc),
+                **_fixed_shift_kw(fn, impl, fixed_shift))
     return o.to(q.dtype).reshape(q.shape).contiguous(), lse.to(torch.float32).reshape(B, H, S).contiguous()
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, scale, impl="reference", lnc=0):
+def _attention_fake(q, k, v, scale, impl="reference", lnc=0, fixed_shift=False):
     B, S, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 def _attention_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    q, k, v, scale, impl, lnc = inputs
+    q, k, v, scale, impl, lnc, _ = inputs  # (fixed_shift: the backward is the same)
     ctx.save_for_backward(q, k, v, *output)
     ctx.scale, ctx.impl, ctx.lnc = scale, impl, lnc
 
@@ -624,9 +638,9 @@ def _attention_bwd_fake(q, k, v, o, lse, grad_o, scale, impl="reference", lnc=0)
 def _attention_backward(ctx: Any, grad_o: Tensor | None, grad_lse: Tensor | None):
     q, k, v, o, lse = ctx.saved_tensors
     if grad_o is None:  # only lse was used downstream: it carries no gradient
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None, None, None
     dq, dk, dv = attention_bwd(q, k, v, o, lse, grad_o, ctx.scale, ctx.impl, ctx.lnc)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 attention.register_autograd(_attention_backward, setup_context=_attention_setup)

@@ -171,7 +171,8 @@ class CausalAttention(KernelSlot, nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         impl = self._choose(q=q, k=k, v=v, scale=self.scale)
         if impl is not None:
-            return _kernel_ops().attention(q, k, v, float(self.scale), impl, lnc=self.kernel.lnc)[0]
+            return _kernel_ops().attention(q, k, v, float(self.scale), impl, lnc=self.kernel.lnc,
+                                           fixed_shift=self.kernel.fixed_shift)[0]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale,
             enable_gqa=q.shape[2] != k.shape[2])

@@ -178,3 +178,25 @@ def test_fast_pass_production_shape(dtype) -> None:
     o, lse, fell_back = _run(q, k, v, lnc=2)
     assert not fell_back
     check_attention(q, k, v, o, lse, 128 ** -0.5, attention_bwd(q, k, v, o, lse, go, lnc=2), go)
+
+
+def test_torch_certificate_predicts_the_fallback() -> None:
+    """``fixed_shift_failures`` (torch) names the rows that make a launch fall back: none on random scores,
+    only the last row just past the boundary (not just under it), some rows past 512 keys with scores in
+    the hundreds; each
+    time the kernel's decision (read from its trace) agrees, and its defaults are the kernel's constants."""
+    from trnkit.kernels.attention import fixed_shift_failures
+
+    assert (512, 4.0) == (fs.BANK, fs.L_FACTOR)
+    q, k, v, _ = _inputs(1, 600, 2, 1, 32, torch.float32, seed=7)
+    assert not fixed_shift_failures(q, k).any() and not _run(q, k, v)[2]
+    S = 700
+    limit = math.log(fs.L_FACTOR * S - 1)
+    for delta, expect in ((limit - 0.05, False), (limit + 0.05, True)):
+        q, k, v, scale = _one_row(S, delta)
+        bad = fixed_shift_failures(q, k, scale)
+        assert bad.sum().item() == int(expect) and bad[0, 0, -1].item() == expect
+        assert _run(q, k, v, scale=scale)[2] == expect
+    q, k, v, _ = _inputs(1, 600, 2, 1, 64, torch.float32, seed=3, scale=6.0)
+    bad = fixed_shift_failures(q, k, 0.3)
+    assert bad[:, :, 512:].any() and not bad[:, :, :512].any() and _run(q, k, v, scale=0.3)[2]

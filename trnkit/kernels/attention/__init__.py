@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from trnkit.kernels._common import dense
-from trnkit.kernels.attention.attention_torch import attention_bwd_ref, attention_ref
+from trnkit.kernels.attention.attention_torch import attention_bwd_ref, attention_ref, fixed_shift_failures
 from trnkit.kernels.attention.constraints import attention_bwd_constraints, attention_constraints
 from trnkit.kernels.constraints import check
 from trnkit.kernels.lnc import launch, resolve_lnc
 
 __all__ = ["attention", "attention_bwd", "attention_bwd_constraints", "attention_bwd_ref", "attention_constraints",
-           "attention_ref"]
+           "attention_ref", "fixed_shift_failures"]
 
 
 def _scale(q: Any, scale: float | None) -> float:
@@ -31,7 +31,8 @@ def attention(q: Any, k: Any, v: Any, scale: float | None = None, lnc: int | Non
     """``(o [B, S, Hq, D] q.dtype, lse [B, Hq, S] fp32)``: causal GQA attention (NKI kernel).
 
     ``fixed_shift``: the forward with a fixed softmax shift per row and a per-launch fallback to the exact
-    one (:mod:`trnkit.kernels.attention.flash_fwd_shift`; the same results to fp32 precision, faster).
+    one (:mod:`trnkit.kernels.attention.flash_fwd_shift`; the same results to fp32 precision, faster);
+    :func:`fixed_shift_failures` says in torch which rows of given inputs would make a launch fall back.
     Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
     """
     if not isinstance(fixed_shift, bool):

@@ -73,4 +73,29 @@ def attention_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
     return dq.transpose(1, 2).to(dt), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
-__all__ = ["attention_bwd_ref", "attention_ref"]
+def fixed_shift_failures(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, shift_keys: int = 512,
+                         factor: float = 4.0, rows: int = 256) -> torch.Tensor:
+    """``[B, Hq, S]`` bool: the rows that fail the fixed-shift forward's certificate
+    (:mod:`trnkit.kernels.attention.flash_fwd_shift`), computed in torch (fp32 scores, ``rows`` query rows at
+    a time): row ``i``'s shift is ``c_i = max_{j <= min(i, shift_keys - 1)} scale * q_i . k_j`` and it fails
+    when ``l_i = sum_{j <= i} exp(scale * q_i . k_j - c_i) > factor * S`` (an ``inf`` fails too). ``1 / l_i``
+    is the largest softmax probability among the row's first ``shift_keys`` keys, so a row fails exactly
+    when each of those keys gets less than ``1 / (factor * S)`` of its attention. A launch of the kernel
+    falls back to the exact forward when any of its rows fails (up to the rounding of ``l_i`` near the
+    bound: the kernel sums its exponentials in another order)."""
+    B, S, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    kf = _heads(k, G)
+    out = torch.zeros(B, Hq, S, dtype=torch.bool)
+    for r0 in range(0, S, rows):
+        r1 = min(S, r0 + rows)
+        s = torch.einsum("bhid,bhjd->bhij", q[:, r0:r1].float().transpose(1, 2), kf[:, :, :r1]) * scale
+        s = s.masked_fill(~_causal(r1)[r0:r1], float("-inf"))
+        c = s[..., :shift_keys].amax(-1, keepdim=True)
+        lsum = torch.exp(s - c).sum(-1)
+        out[:, :, r0:r1] = ~(lsum <= factor * S) & ~lsum.isnan()
+    return out
+
+
+__all__ = ["attention_bwd_ref", "attention_ref", "fixed_shift_failures"]
