@@ -360,7 +360,8 @@ def _pe_blocks(load, nfull, nq, itemsize, step):
 def _transpose(st, load):
     """Stage 3: ``P^T [keys, nsub, q]`` per 128-key block: the first blocks by one DMA transpose
     (SBUF -> SBUF), the others (and a short last block) by PE transposes into PSUM tiles of up to a
-    bank, each copied out by Vector or Scalar, whichever has less work."""
+    bank, each copied out by Vector or Scalar, whichever has less work (every block by the PE on a step
+    marked ``all_pe``: the fixed-shift forward's drain)."""
     nq, pdt, p_sb = st["nq"], st["pdt"], st["p"]
     w = st["k1"] - st["k0"]
     nsub = cdiv(w, P)
@@ -368,7 +369,7 @@ def _transpose(st, load):
     two_byte = pdt != nl.float32
     itemsize = 2 if two_byte else 4
     pt = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.sbuf)
-    n_pe = _pe_blocks(load, nfull, nq, itemsize, st["step_keys"])
+    n_pe = nfull if st.get("all_pe") else _pe_blocks(load, nfull, nq, itemsize, st["step_keys"])
     n_dma = nfull - n_pe
     for d0 in range(0, n_dma, DMA_BLOCKS):
         nd = min(DMA_BLOCKS, n_dma - d0)

@@ -21,17 +21,18 @@ whose ``l_i`` exceeds it, or is ``inf`` (an overflow), fails; a ``NaN`` ``l_i`` 
 inputs, which the exact path turns into ``NaN`` too) does not. If any row of the launch fails, the whole
 launch runs the exact kernel's pipeline again (:func:`~trnkit.kernels.attention.flash_fwd._pipeline`,
 overwriting ``o`` and ``lse``): one runtime decision per launch, a ``nl.fori_loop`` of 0 or 1 iterations
-whose trip count is the failing-row count, clipped to 1. On LNC=2 each core counts its own rows, writes
-the count into a shared HBM pair, and after a ``core_barrier`` both read the pair and add it, so both
-cores take the same runtime control flow (the LNC guide: control flow that differs between the cores is
-undefined). The fallback costs a whole second pass; the fast pass is wasted.
+whose trip count is 1 when any row failed. On LNC=2 each core flags its own rows and the two cores swap
+their flags with one ``sendrecv`` group and add them, so both cores take the same runtime control flow
+(the LNC guide: control flow that differs between the cores is undefined). The fallback costs a whole
+second pass; the fast pass is wasted.
 
 **Schedule.** Per step, TensorE forms the scores in PSUM groups of at most 4 banks (:func:`_groups`:
 two consecutive groups hold at most 7 of the 8 banks, the 8th the ``P V`` tiles, so TensorE writes one
 group while Scalar reads the previous one); on the tile's first step Vector reads the first bank for
 ``-c_i`` (``tensor_scalar_reduce``: ``-scale * S`` and its row minimum) and Scalar then takes each group
 in one ``exp(scale * S - scale * c_i)`` with its row sum. ``P^T`` (DMA and PE transposes), ``P V`` and
-``o = O / l`` follow the exact kernel's stages a fixed number of steps behind. A step's groups
+``o = O / l`` follow the exact kernel's stages a fixed number of steps behind (the launch's last
+``PE_DRAIN_STEPS`` steps with every ``P^T`` block on the PE). A step's groups
 depend only on its tile and its place in the head's visit order (:func:`_assign_groups`), so LNC=1
 and LNC=2 run the same instructions per tile and give bit-identical results. One ``exp`` on a
 constant before the first DMA completes loads Scalar's activation table off the critical path.
@@ -53,6 +54,10 @@ L_FACTOR = 4.0  # the certificate: every row's l <= L_FACTOR * S
 # Pipeline distances (in steps) of the P^T transposes, P V and o = O / l behind the scores + exp (chosen on
 # the cost model at S = 4,096, 8 / 2 heads: 614.5 us at mid; 1 / 3 / 5 gives 827 us, 3 / 5 / 7 617.7 us)
 LAG_T, LAG_PV, LAG_FINISH = 2, 4, 6
+# The launch's last PE_DRAIN_STEPS steps make all their P^T blocks by PE transposes: after the last exp
+# TensorE has room, and the DMA queues (about 90% busy) would hold the drain's P V back (LNC=2, 8 / 2 heads:
+# 311.0 -> 310.3 us at mid; 1 to 4 steps give the same mid, 2 the best pessimistic end)
+PE_DRAIN_STEPS = 2
 
 
 def _groups(nb, prev):
@@ -201,6 +206,8 @@ def _fast_pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load, 
             us[i]["load_v"] = i == min(1, len(us) - 1)
             steps.append(us[i])
     _assign_groups(steps)
+    for st in steps[max(0, len(steps) - PE_DRAIN_STEPS):]:
+        st["all_pe"] = True
     for t in range(len(steps) + LAG_FINISH):
         cur = F._at(steps, t)
         if cur != None:  # noqa: E711
@@ -232,15 +239,20 @@ def _fast_pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load, 
 
 
 def _failing_rows(bad, ones_col, n_prog, pid):
-    """``[1, 1]`` int32: 1 if a row of the launch failed its certificate (either core's), else 0. The rows
-    of ``bad`` summed on the PE; on LNC=2 the two cores swap their counts (``sendrecv``, one group: each
-    core's sum is complete only once both transfers are) and add them, so both hold the same value."""
-    worst = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(dst=worst, op=nl.maximum, data=bad, axis=1)
-    cnt_ps = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dst=cnt_ps, stationary=worst, moving=ones_col, accumulate=False)
-    cnt = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=cnt, src=cnt_ps)
+    """``[1, 1]`` int32: 1 if a row of the launch failed its certificate (either core's), else 0. The
+    flags of ``bad`` reduced on GpSimd, over partitions (``tensor_partition_reduce``, max) and then over
+    the core's units, so that the decision waits in no TensorE or Vector queue (they still hold the
+    drain's ``P V`` and ``o = O / l``); on LNC=2 the two cores swap their flags (``sendrecv``, one group:
+    each core's value is complete only once both transfers are) and add them, so both hold the same
+    value."""
+    cols = nl.ndarray((1, bad.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_partition_reduce(dst=cols, op=nl.maximum, data=bad)
+    cnt = cols[0:1, 0:1]
+    for c in range(1, bad.shape[1]):  # (the core's units: a few [1, 1] maxima)
+        folded = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=folded, data1=cnt, data2=cols[0:1, c:c + 1], op=nl.maximum,
+                           engine=nisa.engine.gpsimd)
+        cnt = folded
     if n_prog > 1:  # each core sends its count to the other and receives the other's (one group)
         other = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.sendrecv(src=cnt, dst=other, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
