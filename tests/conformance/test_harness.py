@@ -1302,3 +1302,79 @@ def test_zero_inputs_the_kernel_does_not_refuse_leave_the_row_to_its_inputs(fake
     writes = dataclasses.replace(_case(entry="scale", rejected_by="partition dim", zero_inputs=zero))
     row = harness.run_case(writes, fake_checkout)
     assert row.result == harness.PASS and harness.ZERO_INPUTS_NOTE not in row.message
+
+
+def _compare_all_float64(actual, expected, rtol, atol):
+    """compare()'s rule written out plainly: every element widened to float64, no chunks (the reference)."""
+    a, e = np.asarray(actual).reshape(-1).astype(np.float64), np.asarray(expected).reshape(-1).astype(np.float64)
+    if np.asarray(actual).shape != np.asarray(expected).shape:
+        return False, float("inf"), 0.0
+    finite = np.abs(e)[np.isfinite(e)]
+    allowed = atol + rtol * (float(finite.max()) if finite.size else 0.0)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(a - e)
+    diff[np.isinf(a) & np.isinf(e) & (np.sign(a) == np.sign(e))] = 0.0
+    ok = bool((np.isfinite(a) == np.isfinite(e)).all()) and bool(np.all(diff <= allowed))
+    if np.isnan(diff).any():
+        return ok, float("nan"), allowed
+    return ok, float(diff.max()) if diff.size else 0.0, allowed
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3,
+                                   ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2, np.int32])
+def test_compare_skips_equal_bit_patterns_with_the_same_result(monkeypatch, dtype):
+    """compare() reads equal bit patterns of two same-dtype arrays as a difference of 0 and takes max|e| from the
+    bit patterns: the same (ok, error, allowed), bit for bit, as widening every element to float64, for arrays
+    mostly equal (a KV cache), all different, or with NaN / infinities / -0.0 / subnormals anywhere, in chunks."""
+    dtype = np.dtype(dtype)
+    rng = np.random.default_rng(int(dtype.num))
+    monkeypatch.setattr(harness, "COMPARE_CHUNK", 64)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -3e-8, 65504.0, 1e30] if dtype.kind != "i" else [0]
+    for trial in range(60):
+        n = int(rng.integers(0, 300))
+        e = (rng.normal(size=n) * 10.0 ** rng.integers(-3, 4)).astype(dtype)
+        a = e.copy()
+        share = rng.choice([0.0, 0.02, 0.5, 1.0])
+        for arr, k in ((a, int(share * n)), (e, int(rng.integers(0, 3)))):
+            where = rng.integers(0, max(n, 1), size=k) if n else []
+            arr[where] = (rng.normal(size=len(where)) * 2).astype(dtype)
+        for arr in (a, e):
+            if n and trial % 3 == 0:
+                with np.errstate(all="ignore"):
+                    arr[rng.integers(0, n, size=3)] = np.array(rng.choice(special, size=3)).astype(dtype)
+        if n and trial % 5 == 0:  # a NaN or an infinity at the same position in both
+            with np.errstate(all="ignore"):
+                a[n // 2] = e[n // 2] = np.array(rng.choice(special)).astype(dtype)
+        rtol, atol = float(rng.choice([0.0, 0.01, 0.5])), float(rng.choice([0.0, 1e-5, 1.0, -1.0]))
+        got, want = harness.compare(a, e, rtol, atol), _compare_all_float64(a, e, rtol, atol)
+        assert got[0] == want[0] and got[2] == want[2], (trial, got, want)
+        assert got[1] == want[1] or (np.isnan(got[1]) and np.isnan(want[1])), (trial, got, want)
+        assert type(got[1]) is float and type(got[2]) is float
+    mixed = np.arange(5, dtype=np.float32)  # different dtypes: widened, as before
+    assert harness.compare(mixed.astype(ml_dtypes.bfloat16), mixed, 0.0, 0.0) == (True, 0.0, 0.0)
+
+
+def test_within_share_is_the_chunked_float64_sums(monkeypatch):
+    """within_share() widens each chunk into reused float64 buffers: the same share and cosine, bit for bit, as the
+    chunks widened into new arrays (its dot products are summed per chunk, so the chunks are the reference's too)."""
+    def fresh_arrays(actual, expected, allowed):
+        a, e = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
+        inside, dot, aa, ee = 0, 0.0, 0.0, 0.0
+        for i in range(0, e.size, harness.COMPARE_CHUNK):
+            ac = a[i:i + harness.COMPARE_CHUNK].astype(np.float64)
+            ec = e[i:i + harness.COMPARE_CHUNK].astype(np.float64)
+            with np.errstate(invalid="ignore"):
+                inside += int(np.count_nonzero(np.abs(ac - ec) <= allowed))
+            dot, aa, ee = dot + float(ac @ ec), aa + float(ac @ ac), ee + float(ec @ ec)
+        return inside / max(e.size, 1), dot / (np.sqrt(aa * ee) + 1e-12)
+
+    rng = np.random.default_rng(7)
+    monkeypatch.setattr(harness, "COMPARE_CHUNK", 50)
+    for dtype in (np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3):
+        for n in (0, 1, 49, 50, 51, 333):
+            e = rng.normal(size=n).astype(dtype)
+            a = (e.astype(np.float32) + rng.normal(size=n).astype(np.float32) * 0.01).astype(dtype)
+            if n > 3:
+                a[3] = np.nan
+            got, want = harness.within_share(a, e, 0.005), fresh_arrays(a, e, 0.005)
+            assert got[0] == want[0] and (got[1] == want[1] or np.isnan(got[1]) and np.isnan(want[1])), (dtype, n)

@@ -508,6 +508,98 @@ def _resolve(path: str, root: Path | None = None) -> Any:
 COMPARE_CHUNK = 1 << 22  # elements compared at once: float64 temporaries of ~32 MB each, whatever the size
 
 
+def _float_bits(dtype: np.dtype) -> tuple[np.dtype, Callable[[np.ndarray], np.ndarray],
+                                          Callable[[np.ndarray], np.ndarray]] | None:
+    """For a floating dtype whose values :func:`compare` can read from their bit patterns: ``(unsigned integer
+    dtype of its size, finite magnitude, is NaN)``. ``finite magnitude`` maps bit patterns to an integer that
+    orders like ``|x|`` over finite ``x`` (0 for a non-finite ``x``, as for zero), ``is NaN`` to booleans.
+    float32 / float64 by their IEEE 754 fields; a 1- or 2-byte float (bf16, fp16, the fp8s) by a table of all
+    its bit patterns built with the dtype's own conversion to float64. None for anything else."""
+    if dtype in _FLOAT_BITS:
+        return _FLOAT_BITS[dtype]
+    info = None
+    if dtype in (np.dtype(np.float32), np.dtype(np.float64)):
+        u = np.dtype(f"u{dtype.itemsize}")
+        bits = 8 * dtype.itemsize
+        exp = u.type({32: 0x7F800000, 64: 0x7FF0000000000000}[bits])
+        absmask = u.type((1 << (bits - 1)) - 1)
+
+        def magnitude(b: np.ndarray) -> np.ndarray:
+            m = b & absmask
+            m[m >= exp] = 0  # inf / NaN
+            return m
+
+        def is_nan(b: np.ndarray) -> np.ndarray:
+            return (b & absmask) > exp
+
+        info = (u, magnitude, is_nan)
+    elif dtype.itemsize in (1, 2) and (dtype.kind == "f" or "float" in dtype.name) and _zero_first(dtype):
+        u = np.dtype(f"u{dtype.itemsize}")
+        with np.errstate(invalid="ignore"):
+            values = np.arange(1 << (8 * dtype.itemsize), dtype=np.uint64).astype(u).view(dtype).astype(np.float64)
+        mags = np.where(np.isfinite(values), np.abs(values), 0.0)
+        order = np.unique(mags)  # (sorted)
+        rank = np.searchsorted(order, mags).astype(u)  # |x| order, 0 for zero and non-finite
+        nan = np.isnan(values)
+        info = (u, rank.__getitem__, nan.__getitem__)
+        _FLOAT_VALUES[dtype] = order
+    _FLOAT_BITS[dtype] = info
+    return info
+
+
+def _zero_first(dtype: np.dtype) -> bool:
+    """Whether bit pattern 0 of a 1- or 2-byte float is +0.0 (every float format with a zero)."""
+    return float(np.zeros(1, f"u{dtype.itemsize}").view(dtype).astype(np.float64)[0]) == 0.0
+
+
+_FLOAT_BITS: dict[np.dtype, Any] = {}
+_FLOAT_VALUES: dict[np.dtype, np.ndarray] = {}  # a 1- / 2-byte float's magnitudes in rank order
+
+
+def _max_finite_abs(e: np.ndarray, chunks: list[slice]) -> float:
+    """``max |e|`` over the finite values of a flat ``e`` (0.0 when none), in float64."""
+    fb = _float_bits(e.dtype)
+    if fb is None:
+        e_max = 0.0
+        for c in chunks:
+            finite_e = np.abs(e[c].astype(np.float64))
+            finite_e = finite_e[np.isfinite(finite_e)]
+            if finite_e.size:
+                e_max = max(e_max, float(finite_e.max()))
+        return e_max
+    u, magnitude, _ = fb
+    bits, top = e.view(u), 0
+    for c in chunks:
+        if bits[c].size:
+            top = max(top, int(magnitude(bits[c]).max()))
+    if e.dtype in _FLOAT_VALUES:
+        return float(_FLOAT_VALUES[e.dtype][top])
+    return float(np.array(top, u).view(e.dtype))
+
+
+def _differing(a: np.ndarray, e: np.ndarray) -> np.ndarray | None:
+    """The positions of two flat same-dtype chunks where ``|a - e|`` can be other than 0 with equal finiteness:
+    different bit patterns, or NaN in ``a`` (equal bit patterns otherwise are equal values, finite or the same
+    infinity: a difference of 0). None where :func:`_float_bits` cannot read the dtype."""
+    fb = _float_bits(a.dtype)
+    if fb is None:
+        return None
+    u, _, is_nan = fb
+    ab = a.view(u)
+    return (ab != e.view(u)) | is_nan(ab)
+
+
+def _compare_chunk(ac: np.ndarray, ec: np.ndarray, allowed: float) -> tuple[bool, float, bool]:
+    """``(ok, largest |a - e| over the non-NaN differences (0.0 when none), any NaN)`` of two float64 chunks."""
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(ac - ec)
+    diff[np.isinf(ac) & np.isinf(ec) & (np.sign(ac) == np.sign(ec))] = 0.0
+    ok = bool((np.isfinite(ac) == np.isfinite(ec)).all()) and bool(np.all(diff <= allowed))  # (NaN fails)
+    nan = np.isnan(diff)
+    worst = float(np.nanmax(diff)) if not nan.all() else 0.0
+    return ok, worst, bool(nan.any())
+
+
 def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float
             ) -> tuple[bool, float, float]:
     """nki-library's acceptance rule ("max" mode): ``(ok, largest |a - e|, atol + rtol * max|e|)``.
@@ -515,31 +607,28 @@ def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float
     ``max|e|`` is over the finite reference values; equal infinities count as no difference; a
     position finite in one array and not in the other fails; shapes must match. The differences are
     taken in float64, :data:`COMPARE_CHUNK` elements at a time (a whole MoE weight gradient upcast at
-    once would need several times its own size in temporaries).
+    once would need several times its own size in temporaries). Where both arrays have the same float
+    dtype (:func:`_float_bits`), elements with equal bit patterns (an updated KV cache's untouched
+    positions) are equal values and skip the float64 arithmetic: the result is the same.
     """
     a, e = np.asarray(actual), np.asarray(expected)
     if a.shape != e.shape:
         return False, float("inf"), 0.0
     a, e = a.reshape(-1), e.reshape(-1)
     chunks = [slice(i, i + COMPARE_CHUNK) for i in range(0, e.size, COMPARE_CHUNK)]
-    e_max = 0.0
-    for c in chunks:
-        finite_e = np.abs(e[c].astype(np.float64))
-        finite_e = finite_e[np.isfinite(finite_e)]
-        if finite_e.size:
-            e_max = max(e_max, float(finite_e.max()))
-    allowed = atol + rtol * e_max
+    allowed = atol + rtol * _max_finite_abs(e, chunks)
+    same = a.dtype == e.dtype
     ok, worst, any_nan = True, 0.0, False
     for c in chunks:
-        ac, ec = a[c].astype(np.float64), e[c].astype(np.float64)
-        with np.errstate(invalid="ignore"):
-            diff = np.abs(ac - ec)
-        diff[np.isinf(ac) & np.isinf(ec) & (np.sign(ac) == np.sign(ec))] = 0.0
-        ok &= bool((np.isfinite(ac) == np.isfinite(ec)).all()) and bool(np.all(diff <= allowed))  # (NaN fails)
-        nan = np.isnan(diff)
-        any_nan |= bool(nan.any())
-        if not nan.all():
-            worst = max(worst, float(np.nanmax(diff)))
+        ac, ec = a[c], e[c]
+        sel = _differing(ac, ec) if same else None
+        if sel is not None and sel.size and not sel.all():
+            ok &= 0.0 <= allowed  # (the equal elements' difference: 0)
+            ac, ec = ac[sel], ec[sel]
+        ok_c, worst_c, nan_c = _compare_chunk(ac.astype(np.float64), ec.astype(np.float64), allowed)
+        ok &= ok_c
+        any_nan |= nan_c
+        worst = max(worst, worst_c)
     return ok, float("nan") if any_nan else worst, allowed
 
 
@@ -623,13 +712,21 @@ def _to_disk(value: Any) -> Any:
 
 def within_share(actual: np.ndarray, expected: np.ndarray, allowed: float) -> tuple[float, float]:
     """``(fraction of elements with |a - e| <= allowed, cosine similarity)`` of two same-shape arrays
-    (chunked as :func:`compare`); positions finite in one array only count as outside."""
+    (chunked as :func:`compare`; each chunk widened into the same float64 buffers, not new arrays: the same
+    numbers, without mapping fresh memory per chunk); positions finite in one array only count as outside."""
     a, e = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
     inside, dot, aa, ee = 0, 0.0, 0.0, 0.0
+    n = min(COMPARE_CHUNK, e.size)
+    buf_a, buf_e, diff, near = np.empty(n), np.empty(n), np.empty(n), np.empty(n, bool)
     for i in range(0, e.size, COMPARE_CHUNK):
-        ac, ec = a[i:i + COMPARE_CHUNK].astype(np.float64), e[i:i + COMPARE_CHUNK].astype(np.float64)
+        k = min(COMPARE_CHUNK, e.size - i)
+        ac, ec, d, m = buf_a[:k], buf_e[:k], diff[:k], near[:k]
+        np.copyto(ac, a[i:i + k], casting="unsafe")
+        np.copyto(ec, e[i:i + k], casting="unsafe")
         with np.errstate(invalid="ignore"):
-            inside += int(np.count_nonzero(np.abs(ac - ec) <= allowed))
+            np.subtract(ac, ec, out=d)
+            np.abs(d, out=d)
+            inside += int(np.count_nonzero(np.less_equal(d, allowed, out=m)))
         dot, aa, ee = dot + float(ac @ ec), aa + float(ac @ ac), ee + float(ec @ ec)
     return inside / max(e.size, 1), dot / (np.sqrt(aa * ee) + 1e-12)
 
