@@ -701,6 +701,46 @@ def test_a_qkv_tile_off_its_projection_stays_a_mismatch(monkeypatch, which, path
 @needs_checkout
 @pytest.mark.slow
 @pytest.mark.model_config
+def test_a_qkv_tkg_row_whose_partial_sum_adds_are_nudged_is_a_mismatch(monkeypatch):
+    """The B = 8, 8-head qkv_tkg row (GOLDEN_GAP as the kernel is) with qkv_tkg's partial-sum adds taking PSUM x
+    (1 + 2^-10) instead of the PSUM value they read (each sum at most about one bf16 step off): MISMATCH on the
+    exact check of rank 0 core 0's QKV, at the running sum before its second partial-sum add."""
+    case = _tapped_row()
+    real = harness.tap
+
+    @contextlib.contextmanager
+    def tap_around_the_nudge(specs, root=None):  # (inside the row's run: its modules)
+        import nki.language as nl
+
+        module = importlib.import_module(cases_transformer.QKV_TKG_ADD_TAPS[0].partition(":")[0])
+        nisa = module.nisa
+
+        def nudged(dst, data1, data2, op, **kw):
+            if data2.buffer == nl.psum:
+                tmp = nl.ndarray(data2.shape, dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar(dst=tmp, data=data2, op0=nl.multiply, operand0=1 + 2.0 ** -10)
+                data2 = tmp
+            return nisa.tensor_tensor(dst, data1, data2, op=op, **kw)
+
+        module.nisa = types.SimpleNamespace(**{n: getattr(nisa, n) for n in dir(nisa) if not n.startswith("__")})
+        module.nisa.tensor_tensor = nudged
+        try:
+            with real(specs, root) as tapped:
+                yield tapped
+        finally:
+            module.nisa = nisa
+
+    monkeypatch.setattr(harness, "tap", tap_around_the_nudge)
+    row = harness.run_case(case, ROOT)
+    assert row.result == harness.MISMATCH and not harness.row_ok(case, row), harness.format_row(row)
+    assert "not GOLDEN_GAP: tapped rank 0 core 0 QKV: " in row.message and " values not the running sum before " \
+        "partial-sum add 1 (from zero, each earlier add bf16(float32(out) + float32(PSUM))) (the first at (" \
+        in row.message and "beyond its bound" in row.message, row.message
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
 def test_a_q_tile_off_its_reference_stays_a_mismatch_without_the_rms_test(monkeypatch):
     """The qkv_tkg row with the Q tile _QKV_processing returns scaled by 1.03 (a kernel error after the QKV tile):
     its QKV tile is still exact, but Q is beyond its derived bound (6 bf16 roundings at its RoPE products'
