@@ -132,3 +132,30 @@ def test_a_qk_norm_row_is_refused_on_its_zero_inputs(by_id):
     assert row.message.startswith(f"{harness.ZERO_INPUTS_NOTE}: nc_matmul: moving free size 1024 exceeds "
                                   "gemm_moving_fmax (512)"), row.message
     assert row.message.endswith(f"({case.note})")
+
+
+@needs_checkout
+def test_moe_weights_drawn_in_chunks_are_the_one_shot_draws(by_id, monkeypatch):
+    """moe_tkg's and moe_block_tkg's expert weights and biases, drawn a chunk at a time (harness.drawn_array), are
+    the values of the builders' one-shot draws (``default_rng(seed).normal(size=shape).astype(dtype)``, in order on
+    one generator for moe_block_tkg), chunk boundaries anywhere."""
+    monkeypatch.setattr(harness, "COMPARE_CHUNK", 1000)
+    same = lambda a, b: a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()  # noqa: E731
+    with harness.nki_is_interpreter(ROOT):
+        got = harness.case_inputs(by_id[REAL[0]])
+    fresh = lambda shape: np.random.default_rng(0).normal(size=shape).astype(np.float16)  # noqa: E731
+    assert same(got["hidden_input"], fresh((4, 3072)))
+    assert same(got["expert_gate_up_weights"], fresh((4, 3072, 2, 64)))
+    assert same(got["expert_down_weights"], fresh((4, 64, 3072)))
+    assert same(got["expert_gate_up_bias"], fresh((4, 2, 64))) and same(got["expert_down_bias"], fresh((4, 3072)))
+    case = by_id["core/moe_block/moe_block_tkg|all experts Swish fp16 weights fp16 input bias clamp|lnc2|B=19 S=1 "
+                 "H=3072 I=128 E=128/1 k=4"]
+    with harness.nki_is_interpreter(ROOT):
+        got = harness.case_inputs(case)
+    rng = np.random.default_rng(42)
+    for name, shape in (("inp", (19, 1, 3072)), ("gamma", (1, 3072)), ("router_weights", (3072, 128))):
+        assert same(got[name], rng.uniform(-0.1, 0.1, size=shape).astype(got[name].dtype)), name
+    assert same(got["expert_gate_up_weights"], rng.normal(size=(1, 3072, 2, 128)).astype(np.float16))
+    assert same(got["expert_down_weights"], rng.normal(size=(1, 128, 3072)).astype(np.float16))
+    assert same(got["router_bias"], rng.uniform(-0.1, 0.1, size=(1, 128)).astype(got["router_bias"].dtype))
+    assert same(got["expert_gate_up_bias"], rng.normal(size=(1, 2, 128)).astype(np.float16))  # (state after: same)

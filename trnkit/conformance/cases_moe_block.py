@@ -22,7 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .harness import BF16_UNIT, Case, TappedReference, TileCheck, _resolve
+from .harness import BF16_UNIT, Case, TappedReference, TileCheck, _resolve, drawn_array
 
 __all__ = ["moe_block_case", "moe_block_cases", "routed_as_kernel", "routing_projection"]
 
@@ -44,8 +44,9 @@ def _inputs(all_expert: bool, b: int, s: int, h: int, h_actual: int | None, i: i
         uniform = lambda shape, dt: rng.uniform(low=-0.1, high=0.1, size=shape).astype(dt)  # noqa: E731
         out: dict[str, Any] = {"inp": uniform((b, s, h), in_dt), "gamma": uniform((1, h), in_dt),
                                "router_weights": uniform((h, e_global), router_dt)}
-        out["expert_gate_up_weights"] = rng.normal(size=(e_local, h, 2, i)).astype(w_dt)
-        out["expert_down_weights"] = rng.normal(size=(e_local, i, h)).astype(w_dt)
+        # (drawn a chunk at a time: the same values and generator state as the one-shot draw, without its float64)
+        out["expert_gate_up_weights"] = drawn_array(lambda n: rng.normal(size=n), (e_local, h, 2, i), w_dt, via=None)
+        out["expert_down_weights"] = drawn_array(lambda n: rng.normal(size=n), (e_local, i, h), w_dt, via=None)
         out["expert_gate_up_weights_scale"] = out["expert_down_weights_scale"] = None
         out["router_bias"] = uniform((1, e_global), router_dt) if bias else None
         out["expert_gate_up_bias"] = rng.normal(size=(e_local, 2, i)).astype(in_dt) if bias else None

@@ -20,7 +20,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .harness import Case
+from .harness import Case, drawn_array
 
 __all__ = ["fp16_overflow_check", "moe_tkg_case", "moe_tkg_cases"]
 
@@ -45,7 +45,9 @@ def _moe_tkg_inputs(t: int, h: int, i: int, e: int, top_k: int | None, act: str,
             idx = np.stack([np.random.choice(e, size=k, replace=False) for _ in range(t)]).astype(np.int32)
         else:
             idx = np.random.randint(0, e, size=(t, k)).astype(np.int32)
-        normal = lambda shape, dt: np.random.default_rng(0).normal(size=shape).astype(dt)  # noqa: E731
+        # (each from a fresh default_rng(0), drawn a chunk at a time: the same values without the float64 draw)
+        normal = lambda shape, dt: drawn_array(  # noqa: E731
+            lambda n, g=np.random.default_rng(0): g.normal(size=n), shape, dt, via=None)
         hidden = normal((t, h), dtype)
         weights = np.random.rand(t, k)
         weights = weights / weights.sum(axis=1, keepdims=True)
