@@ -63,18 +63,23 @@ def test_s_ctx_is_reduced_to_the_largest_that_keeps_three_flash_attention_tiles_
     assert reduce.attention_route(8, 8, 49152, 1, 1, 2, 32) == route
 
 
-def test_b_is_reduced_after_s_ctx_when_s_ctx_alone_cannot_reach_the_cap():
+def test_b_is_reduced_when_no_smaller_s_ctx_keeps_the_route():
     """B = 512, 4 q heads, one rank, LNC 2, S_ctx = 10,240, block 32. B x q = 2,048 > 128 and B even: batch-sharded,
     s_prior = 10,240: 2 flash-attention tiles, the last partial (2,048); the block cache is read at a block length
-    of 16 (10,240 / 128 = 80 blocks of 128, gcd(80, 64, 16) = 16). The only smaller S_ctx with 2 tiles, a partial
-    last one and a resized block length of 8 or more is 9,216 (gcd(72, 64, 8) = 8; 9,472 gives 2, below 8).
-    Estimate B x S_ctx / 40,000: 118 s at 9,216, still over 60 s. Then B: B x S_tkg stays a multiple of 128 above
-    it (bxs tiles whole), each core's 256 batch rows stay whole batch tiles of 64 (16 MiB / (8 x 4 x 8,192)), and
-    the cache update's batch tiles of 128 whole: B in {256, 384}; 384 gives 88 s, 256 gives 59 s."""
+    of 16 (10,240 / 128 = 80 blocks of 128, gcd(80, 64, 16) = 16): two K transpose groups of 8. Every smaller S_ctx
+    with 2 tiles and a partial last one reads a shorter block (9,216: gcd(72, 64, 8) = 8, one transpose group; 9,472:
+    2), so S_ctx stays. Then B: B x S_tkg stays a multiple of 128 above it (bxs tiles whole), each core's 256 batch
+    rows stay whole batch tiles of 64 (16 MiB / (8 x 4 x 8,192)), and the cache update's batch tiles of 128 whole:
+    B in {256, 384}. Estimate B x S_ctx / 50,000: 384 gives 79 s, 256 gives 52 s."""
     red = reduce.reduction(KERNEL, "bf16 model_config", _shapes(512, 4, 10240), _row(512, 4, 10240), 60.0,
-                           _by_tokens(40000))
-    assert red.sizes == {"S_ctx": (10240, 9216), "B": (512, 256)}
-    assert red.reduced_estimate_s == pytest.approx(256 * 9216 / 40000)
+                           _by_tokens(50000))
+    assert red.sizes == {"B": (512, 256)} and not red.why
+    assert red.reduced_estimate_s == pytest.approx(256 * 10240 / 50000)
+    assert reduce.attention_route(512, 4, 9216, 1, 1, 2, 32) != reduce.attention_route(512, 4, 10240, 1, 1, 2, 32)
+    # S_ctx first where it keeps the route: 131,072 -> 49,152 (test above), then B on top of it
+    red = reduce.reduction(KERNEL, "bf16 model_config", _shapes(8, 8, 131072), _row(8, 8, 131072), 60.0,
+                           _by_tokens(8000))
+    assert red.sizes == {"S_ctx": (131072, 49152)}
 
 
 def test_a_row_no_smaller_shape_keeps_on_its_route_is_not_reduced_and_says_why():

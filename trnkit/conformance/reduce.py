@@ -146,7 +146,11 @@ def attention_route(b: int, q: int, s_ctx: int, s_tkg: int, ranks: int, lnc: int
     if block_len:  # resize_cache_block_len_for_attention_tkg_kernel: the block length the kernel reads with
         blk = _resized_block_len(block_len, s_ctx, sp_n, use_fa)
         route += [("block cache resized", blk != block_len), ("resized block < 8 (no DMA transpose)", blk < 8),
-                  ("blocks a batch % pmax", (s_ctx // blk) % (sp_n * P_MAX))]
+                  ("blocks a batch % pmax", (s_ctx // blk) % (sp_n * P_MAX)),
+                  # _compute_qk_matmul's PE-transpose path (no DMA transpose): block_len // min(8, block_len)
+                  # transpose groups, the odd ones copied on Scalar; the active tokens' last block partly covered
+                  ("K transpose groups (1, >= 2)", min(blk // min(8, blk), 2) if blk else 0),
+                  ("last active block partly covered", blk > 0 and -(-s_tkg // blk) * blk > s_tkg)]
     return tuple(route)
 
 
