@@ -1355,8 +1355,9 @@ def test_compare_skips_equal_bit_patterns_with_the_same_result(monkeypatch, dtyp
 
 
 def test_within_share_is_the_chunked_float64_sums(monkeypatch):
-    """within_share() widens each chunk into reused float64 buffers: the same share and cosine, bit for bit, as the
-    chunks widened into new arrays (its dot products are summed per chunk, so the chunks are the reference's too)."""
+    """within_share() widens each chunk into reused float64 buffers and counts equal bit patterns as inside: the same
+    share and cosine, bit for bit, as the chunks widened into new arrays (its dot products are summed per chunk, so
+    the chunks are the reference's too), for arrays all different or equal but a few, NaN in one or both."""
     def fresh_arrays(actual, expected, allowed):
         a, e = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
         inside, dot, aa, ee = 0, 0.0, 0.0, 0.0
@@ -1373,8 +1374,14 @@ def test_within_share_is_the_chunked_float64_sums(monkeypatch):
     for dtype in (np.float32, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3):
         for n in (0, 1, 49, 50, 51, 333):
             e = rng.normal(size=n).astype(dtype)
-            a = (e.astype(np.float32) + rng.normal(size=n).astype(np.float32) * 0.01).astype(dtype)
+            near = (e.astype(np.float32) + rng.normal(size=n).astype(np.float32) * 0.01).astype(dtype)
+            few = e.copy()  # equal bit patterns but a few (an updated cache), one of them a NaN in both
+            few[::17] = near[::17]
             if n > 3:
-                a[3] = np.nan
-            got, want = harness.within_share(a, e, 0.005), fresh_arrays(a, e, 0.005)
-            assert got[0] == want[0] and (got[1] == want[1] or np.isnan(got[1]) and np.isnan(want[1])), (dtype, n)
+                near[3] = np.nan
+                few[2] = e[2] = np.nan
+            for a in (near, few):
+                for allowed in (0.005, 0.0, -1.0):
+                    got, want = harness.within_share(a, e, allowed), fresh_arrays(a, e, allowed)
+                    assert got[0] == want[0], (dtype, n, allowed)
+                    assert got[1] == want[1] or np.isnan(got[1]) and np.isnan(want[1]), (dtype, n, allowed)

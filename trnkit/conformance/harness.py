@@ -713,20 +713,25 @@ def _to_disk(value: Any) -> Any:
 def within_share(actual: np.ndarray, expected: np.ndarray, allowed: float) -> tuple[float, float]:
     """``(fraction of elements with |a - e| <= allowed, cosine similarity)`` of two same-shape arrays
     (chunked as :func:`compare`; each chunk widened into the same float64 buffers, not new arrays: the same
-    numbers, without mapping fresh memory per chunk); positions finite in one array only count as outside."""
+    numbers, without mapping fresh memory per chunk; the share counts elements with equal bit patterns as
+    :func:`compare` reads them, a difference of 0); positions finite in one array only count as outside."""
     a, e = np.asarray(actual).reshape(-1), np.asarray(expected).reshape(-1)
     inside, dot, aa, ee = 0, 0.0, 0.0, 0.0
     n = min(COMPARE_CHUNK, e.size)
-    buf_a, buf_e, diff, near = np.empty(n), np.empty(n), np.empty(n), np.empty(n, bool)
+    buf_a, buf_e = np.empty(n), np.empty(n)
+    same = a.dtype == e.dtype
     for i in range(0, e.size, COMPARE_CHUNK):
         k = min(COMPARE_CHUNK, e.size - i)
-        ac, ec, d, m = buf_a[:k], buf_e[:k], diff[:k], near[:k]
+        ac, ec = buf_a[:k], buf_e[:k]
         np.copyto(ac, a[i:i + k], casting="unsafe")
         np.copyto(ec, e[i:i + k], casting="unsafe")
+        sel = _differing(a[i:i + k], e[i:i + k]) if same else None
         with np.errstate(invalid="ignore"):
-            np.subtract(ac, ec, out=d)
-            np.abs(d, out=d)
-            inside += int(np.count_nonzero(np.less_equal(d, allowed, out=m)))
+            if sel is not None and not sel.all():
+                inside += (k - int(np.count_nonzero(sel))) * bool(0.0 <= allowed)
+                inside += int(np.count_nonzero(np.abs(ac[sel] - ec[sel]) <= allowed))
+            else:
+                inside += int(np.count_nonzero(np.abs(ac - ec) <= allowed))
         dot, aa, ee = dot + float(ac @ ec), aa + float(ac @ ac), ee + float(ec @ ec)
     return inside / max(e.size, 1), dot / (np.sqrt(aa * ee) + 1e-12)
 
