@@ -11,9 +11,10 @@ nki-library's test shapes with ``--shapes``; trace-only interpreter runs.
 
 trnkit's forward is traced twice: as shipped, and with ``fixed_shift=True`` (pass ``"forward, fixed shift"``).
 
-Usage: ``python benchmarks/attention_peak.py [--shapes S:HQ:HK ...] [--lnc 1 2] [--no-nkilib] [--save]``
-(default ``4096:8:2``); ``--save`` writes its rows to ``benchmarks/data/attention_peak.csv``, replacing the
-rows of the same kernel, pass, shape and LNC and keeping the others.
+Usage: ``python benchmarks/attention_peak.py [--shapes S:HQ:HK ...] [--lnc 1 2] [--no-nkilib] [--fixed-shift-only]
+[--save]`` (default ``4096:8:2``; ``--fixed-shift-only``: trnkit's fixed-shift forward alone, no nki-library);
+``--save`` writes its rows to ``benchmarks/data/attention_peak.csv``, replacing the rows of the same kernel,
+pass, shape and LNC and keeping the others.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ D = 128
 FIXED = "forward, fixed shift"
 
 
-def _trnkit(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, Estimate]:
+def _trnkit(S: int, Hq: int, Hk: int, lnc: int, fixed_only: bool = False) -> dict[str, Estimate]:
     g = torch.Generator().manual_seed(0)
     q, k, v, go = (torch.randn(1, S, h, D, generator=g).bfloat16() for h in (Hq, Hk, Hk, Hq))
+    if fixed_only:
+        return {FIXED: estimate(lambda: attention(q, k, v, lnc=lnc, fixed_shift=True))}
     o, lse = attention_ref(q, k, v)
     return {"forward": estimate(lambda: attention(q, k, v, lnc=lnc)),
             FIXED: estimate(lambda: attention(q, k, v, lnc=lnc, fixed_shift=True)),
@@ -83,9 +86,9 @@ def _shape(text: str) -> tuple[int, int, int]:
     return S, Hq, Hk
 
 
-def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool) -> list[dict]:
+def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool, fixed_only: bool = False) -> list[dict]:
     flops = {"forward": 4 * Hq * D * S * S / 2, FIXED: 4 * Hq * D * S * S / 2, "backward": 2.5 * 4 * Hq * D * S * S / 2}
-    results = {"trnkit": _trnkit(S, Hq, Hk, lnc)}
+    results = {"trnkit": _trnkit(S, Hq, Hk, lnc, fixed_only)}
     if with_nkilib:
         results["nki-library"] = _nkilib(S, Hq, Hk, lnc)
     rows = []
@@ -102,7 +105,7 @@ def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool) -> list[dict]:
             print(f"S={S} Hq={Hq} Hk={Hk} LNC={lnc} {mode:8s} {who:11s} {mid / 1e3:9.1f} us "
                   f"[{low / 1e3:.1f}-{high / 1e3:.1f}]  {100 * frac[1]:5.1f}% of bf16 peak "
                   f"(pessimistic {100 * frac[0]:.1f}%)")
-        if results.get("nki-library") is not None:
+        if results.get("nki-library") is not None and mode in results["trnkit"]:
             print_ratio(f"S={S} Hq={Hq} Hk={Hk} LNC={lnc} {mode:8s}", results["trnkit"][mode],
                         results["nki-library"][mode.split(",")[0]])
     return rows
@@ -114,12 +117,14 @@ def main() -> None:
                    help="sequence length, query heads, kv heads (default 4096:8:2)")
     p.add_argument("--lnc", type=int, nargs="+", default=[1, 2], choices=(1, 2))
     p.add_argument("--no-nkilib", action="store_true", help="trnkit's kernels only")
+    p.add_argument("--fixed-shift-only", action="store_true",
+                   help="trnkit's fixed-shift forward only (the CSV's other rows are kept)")
     p.add_argument("--save", action="store_true", help="write the rows to benchmarks/data/attention_peak.csv")
     args = p.parse_args()
     rows = []
     for S, Hq, Hk in args.shapes:
         for lnc in args.lnc:
-            rows += _rows(S, Hq, Hk, lnc, not args.no_nkilib)
+            rows += _rows(S, Hq, Hk, lnc, not (args.no_nkilib or args.fixed_shift_only), args.fixed_shift_only)
             if args.save:  # each shape's rows as soon as they are estimated
                 write_csv(rows, CSV, replace=("kernel", "mode", "S", "Hq", "Hk", "lnc"))
 

@@ -183,8 +183,8 @@ def test_fast_pass_production_shape(dtype) -> None:
 def test_torch_certificate_predicts_the_fallback() -> None:
     """``fixed_shift_failures`` (torch) names the rows that make a launch fall back: none on random scores,
     only the last row just past the boundary (not just under it), some rows past 512 keys with scores in
-    the hundreds; each
-    time the kernel's decision (read from its trace) agrees, and its defaults are the kernel's constants."""
+    the hundreds; each time the kernel's decision (read from its trace) agrees, and its defaults are the
+    kernel's constants."""
     from trnkit.kernels.attention import fixed_shift_failures
 
     assert (512, 4.0) == (fs.BANK, fs.L_FACTOR)
