@@ -91,7 +91,11 @@ _ROWS = [
 def moe_block_case(all_e: bool, b: int, s: int, h: int, ha: int | None, i: int, eg: int, el: int, k: int, act: str,
                    w_dt: np.dtype, in_dt: np.dtype, bias: bool, clamp: bool, pre: bool, norm_topk: bool,
                    r_dt: np.dtype, router: str = "SOFTMAX") -> Case:
-    """One row of ``test_moe_block_tkg.py`` without MX weights (post-scaling, router logits kept)."""
+    """One row of ``test_moe_block_tkg.py`` without MX weights (post-scaling, router logits kept).
+
+    A row with a bf16 input and router has the routing check (:data:`ROUTING`), selective or all experts; not an
+    all-experts row without ``router_act_first``: there the kernel keeps no chosen-experts tile (``_router_topk``'s
+    ``skip_store_expert_index``, as ``moe_block_tkg`` sets it for all experts without ``router_pre_norm``)."""
     flags = ["all experts" if all_e else "selective", act, f"{_DT[w_dt]} weights", f"{_DT[in_dt]} input"] \
         + [f"{router.lower()} router"] * (router != "SOFTMAX") + ["bias"] * bias + ["clamp"] * clamp \
         + ["router_act_first"] * pre + ["norm_topk_prob"] * norm_topk + ([f"hidden_actual={ha}"] if ha else [])
@@ -103,7 +107,7 @@ def moe_block_case(all_e: bool, b: int, s: int, h: int, ha: int | None, i: int, 
         inputs=_inputs(all_e, b, s, h, ha, i, eg, el, k, act, w_dt, in_dt, bias, clamp, pre, norm_topk, r_dt, router),
         outputs=("out", "router_logits"), lnc=2, rtol=5e-2 if w_dt == FP8 else 1e-2, atol=1e-5,
         test_file=f"{TESTS}/test_moe_block_tkg.py",
-        tapped_reference=ROUTING if not all_e and in_dt == BF16 and r_dt == BF16 else None)
+        tapped_reference=ROUTING if in_dt == BF16 and r_dt == BF16 and (pre or not all_e) else None)
 
 
 ROUTER_TAP = f"{LIB}.moe_block.moe_block_tkg:_router_topk"  # (router_logits, expert_index [T, K], affinities, ...)
@@ -112,14 +116,24 @@ REFERENCE = f"{LIB}.moe_block.moe_block_tkg_torch:moe_block_tkg_torch_ref"
 
 def _router_tiles(taps: dict[str, list]) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's router logits (bf16 [T, E]) and chosen experts ([T, K]) from the router tap: every program
-    records the same (both LNC 2 programs hold every token's), else ValueError."""
+    records the same (both LNC 2 programs hold every token's), else ValueError. Past 128 tokens (all experts) the
+    chosen experts' SBUF tile is folded, [128, T/128, K], token ``n * 128 + p`` at ``[p, n]`` (``moe_block_tkg``'s
+    ``get_sbuf_tensor_shape``; ``router_topk`` stores it to HBM through that view): unfolded here."""
     calls = taps[ROUTER_TAP]
-    logits, index = (np.asarray(calls[0][2][0], np.float64), np.asarray(calls[0][2][1], np.int64))
+
+    def unfold(index: Any) -> np.ndarray:
+        index = np.asarray(index, np.int64)
+        return index.transpose(1, 0, 2).reshape(-1, index.shape[2]) if index.ndim == 3 else index
+
+    logits, index = np.asarray(calls[0][2][0], np.float64), unfold(calls[0][2][1])
     for rank, program, value in calls[1:]:
         if not (np.array_equal(np.asarray(value[0], np.float64), logits)
-                and np.array_equal(np.asarray(value[1], np.int64), index)):
+                and np.array_equal(unfold(value[1]), index)):
             raise ValueError(f"moe_block_tkg router tap: program {program} of rank {rank} holds other logits or "
                              "expert indices than program 0")
+    if index.shape[0] != logits.shape[0]:
+        raise ValueError(f"moe_block_tkg router tap: chosen experts of {index.shape[0]} tokens, logits of "
+                         f"{logits.shape[0]}")
     return logits, index
 
 
@@ -136,7 +150,12 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
     kernel's own logits (none unchosen above a chosen one); where the chosen set differs from the golden's
     (top-K of nki-library's float32 logits), every expert in the difference has an exact logit within the logits'
     bound (``roundings * 2^-8 * max|exact|`` of its token) of the token's K-th largest exact logit: a near tie
-    the kernel's roundings can decide either way. Every other token is routed as the golden routes."""
+    the kernel's roundings can decide either way. Every other token is routed as the golden routes.
+
+    All experts (``is_all_expert``): the same conditions on every token and expert, the rank's own or not (a swap
+    between two other ranks' experts changes only the top-K normalization of the rank's affinities); each differing
+    token's message names the experts of the difference that are the rank's own, the ones whose MLPs change its
+    ``out``."""
     x = np.asarray(inputs["inp"], np.float64)
     t, h = x.shape[0] * x.shape[1], x.shape[2]
     x = x.reshape(t, h)
@@ -154,6 +173,11 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
     bound = roundings * BF16_UNIT * np.abs(exact).max(axis=1)
     kth = -np.sort(-exact, axis=1)[:, k - 1]
     worst, differ = 0.0, []
+    local = range(0)  # all experts: the rank's own experts, the only ones whose MLPs add to its out
+    if inputs.get("is_all_expert"):
+        e_local = np.asarray(inputs["expert_gate_up_weights"]).shape[0]
+        rank = int(np.asarray(inputs["rank_id"]).reshape(-1)[0])
+        local = range(rank * e_local, (rank + 1) * e_local)
     for tok in range(t):
         chosen = set(index[tok].tolist())
         if len(chosen) != k or not all(0 <= e < logits.shape[1] for e in chosen):
@@ -174,7 +198,8 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
             differ.append(f"token {tok}: golden {sorted(set(gold_sel[tok].tolist()) - chosen)} -> kernel "
                           f"{sorted(chosen - set(gold_sel[tok].tolist()))}, exact logits "
                           + ", ".join(f"{exact[tok, e]:.5f}" for e in swapped) + f" against the K-th {kth[tok]:.5f}"
-                          f" ({share:.2f} of the bound {bound[tok]:.2g})")
+                          f" ({share:.2f} of the bound {bound[tok]:.2g})"
+                          + (f", of them on this rank {[e for e in swapped if e in local]}" if local else ""))
             if share > 1:
                 return [("router logits", logits, exact, roundings, False),
                         TileCheck("routing", False, share, "not a near tie: " + differ[-1])]
