@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from trnkit.conformance import harness
-from trnkit.conformance.cases_moe_block import BF16, FP8, ROUTER_TAP, _router_tiles, moe_block_case, routing_projection
+from trnkit.conformance.cases_moe_block import (BF16, FP8, ROUTER_TAP, ROUTING, ROUTING_BY_AFFINITIES, _router_tiles,
+                                               moe_block_case, routing_projection)
 
 ROOT = harness.nkilib_root()
 needs_checkout = pytest.mark.skipif(ROOT is None, reason="no nki-library checkout or archive")
@@ -133,13 +134,15 @@ E_LOCAL = 4  # 16 experts on 4 ranks: the case's rank (RandomState(42)) holds 4 
 T_ALL = 8  # (tokens: the logits' rms test needs more than 2 tokens' 32 values to be a test)
 
 
-def _all_experts_row(gap: float, local: bool) -> tuple:
+def _all_experts_row(gap: float, local: bool, act_first: bool = True) -> tuple:
     """Inputs of an 8-token all-experts row (SiLU, router_act_first, norm_topk_prob, as the SiLU fp8 model rows,
     with bf16 weights and a router bias to move) whose token 0 has an expert ``b`` ``gap`` below its K-th exact
     logit (expert ``a``, another rank's): ``b`` one of the rank's own experts (``local``) or another rank's too.
-    Returns the case, its inputs, the exact logits, a, b and the rank's experts."""
-    case = moe_block_case(True, 1, T_ALL, H, None, INTER, E, E_LOCAL, K, "SiLU", BF16, BF16, True, False, True,
-                          True, BF16)
+    Returns the case, its inputs, the exact logits, a, b and the rank's experts. ``act_first=False``: Swish,
+    clamp, neither router_act_first nor norm_topk_prob, as the all-experts Swish bf16 model rows."""
+    case = moe_block_case(True, 1, T_ALL, H, None, INTER, E, E_LOCAL, K, *(
+        ("SiLU", BF16, BF16, True, False, True, True) if act_first else
+        ("Swish", BF16, BF16, True, True, False, False)), BF16)
     kw = dict(case.inputs())
     rank = int(kw["rank_id"][0, 0])
     own = range(rank * E_LOCAL, (rank + 1) * E_LOCAL)
@@ -229,14 +232,61 @@ def test_all_experts_a_swap_onto_the_ranks_own_expert_beyond_the_bound_stays_mis
         assert 1.4 < check.worst < 1.6 and f"of them on this rank [{b}]" in check.figures, check
 
 
+def _affinity_taps(logits: np.ndarray, index: np.ndarray) -> dict:
+    """The router tap of an all-experts kernel without router_act_first: its chosen-experts tile unwritten (zeros
+    here), its affinities the softmax of each token's chosen logits scattered into zeros."""
+    aff = np.zeros(logits.shape, np.float32)
+    for tok, chosen in enumerate(index):
+        top = np.exp(logits[tok, chosen] - logits[tok, chosen].max())
+        aff[tok, chosen] = top / top.sum()
+    return {ROUTER_TAP: [(0, p, (logits.astype(ml_dtypes.bfloat16), np.zeros(index.shape, np.uint32), aff))
+                         for p in (0, 1)]}
+
+
+@needs_checkout
+def test_all_experts_without_router_act_first_reads_the_kernels_choice_off_its_affinities():
+    """The kernel writes no chosen-experts tile there: the check reads each token's K nonzero affinities. A near
+    tie onto the rank's own expert is GOLDEN_GAP, that token 3 % off is not; a token with K + 1 nonzero affinities
+    is refused."""
+    with harness.nki_is_interpreter(ROOT):
+        case, kw, exact, a, b, own = _all_experts_row(gap=2e-4, local=True, act_first=False)
+        assert case.tapped_reference is ROUTING_BY_AFFINITIES
+        logits, index = _tied(exact, a, b)
+        taps = _affinity_taps(logits, index)
+        run = _run(case, kw)
+        golden = run(lambda k: k)
+        with case.tapped_reference.during(ROOT, taps):
+            routed = run(lambda k: k)
+        assert not np.allclose(routed["out"][0], golden["out"][0], rtol=1e-2, atol=1e-5)
+        np.testing.assert_array_equal(routed["out"][1:], golden["out"][1:])
+        actual = {"out": routed["out"].astype(np.float64), "router_logits": logits}
+        failing = {n: j for n in case.outputs if not (j := harness.judge(case, n, actual[n], golden[n])).ok}
+        assert list(failing) == ["out"]
+        ok, why = harness.tapped_golden_gap(case, ROOT, kw, actual, golden, failing, taps)
+        assert ok, why
+        assert "read off its nonzero affinities" in why and f"token 0: golden [{a}] -> kernel [{b}]" in why, why
+        perturbed = dict(actual, out=actual["out"].copy())
+        perturbed["out"][0] *= 1.03
+        ok, why = harness.tapped_golden_gap(case, ROOT, kw, perturbed, golden, failing, taps)
+        assert not ok and why.startswith("out: the kernel is at cosine"), why
+        # the same taps read as a chosen-experts tile: all zeros, not K distinct experts
+        check = routing_projection(kw, taps, run)[1]
+        assert not check.ok and "are not 4 distinct experts" in check.figures, check
+        wide = {ROUTER_TAP: [(r, p, (v[0], v[1], v[2].copy())) for r, p, v in taps[ROUTER_TAP]]}
+        for _, _, v in wide[ROUTER_TAP]:
+            v[2][3, int(np.argmin(v[2][3]))] = 1e-3
+        with pytest.raises(ValueError, match="token 3 has 5 nonzero affinities, not top_k = 4"):
+            _router_tiles(wide, by_affinities=True)
+
+
 def test_which_rows_have_the_routing_check():
-    """bf16 input and router, selective or all experts with router_act_first; not all experts without it (the
-    kernel keeps no chosen-experts tile: router_topk's skip_store_expert_index), not fp16."""
+    """bf16 input and router, selective or all experts; all experts without router_act_first read the kernel's
+    choice off its affinities (no chosen-experts tile: router_topk's skip_store_expert_index); not fp16."""
     row = (1, 4, 4096, None, 192, 128, 16, 8, "SiLU", BF16, BF16, False, False)
-    assert moe_block_case(True, *row, True, True, BF16).tapped_reference is not None
-    assert moe_block_case(False, *row, True, True, BF16).tapped_reference is not None
-    assert moe_block_case(False, *row, False, False, BF16).tapped_reference is not None
-    assert moe_block_case(True, *row, False, False, BF16).tapped_reference is None
+    assert moe_block_case(True, *row, True, True, BF16).tapped_reference is ROUTING
+    assert moe_block_case(False, *row, True, True, BF16).tapped_reference is ROUTING
+    assert moe_block_case(False, *row, False, False, BF16).tapped_reference is ROUTING
+    assert moe_block_case(True, *row, False, False, BF16).tapped_reference is ROUTING_BY_AFFINITIES
     f16 = np.dtype(np.float16)
     assert moe_block_case(True, *row[:9], BF16, f16, False, False, True, True, f16).tapped_reference is None
 

@@ -14,6 +14,7 @@ at most 7, up in [-6, 8].
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -93,8 +94,9 @@ def moe_block_case(all_e: bool, b: int, s: int, h: int, ha: int | None, i: int, 
                    r_dt: np.dtype, router: str = "SOFTMAX") -> Case:
     """One row of ``test_moe_block_tkg.py`` without MX weights (post-scaling, router logits kept).
 
-    A row with a bf16 input and router has the routing check (:data:`ROUTING`), selective or all experts; not an
-    all-experts row without ``router_act_first``: there the kernel keeps no chosen-experts tile (``_router_topk``'s
+    A row with a bf16 input and router has the routing check (:data:`ROUTING`), selective or all experts; an
+    all-experts row without ``router_act_first`` reads the kernel's chosen experts off its nonzero affinities
+    (:data:`ROUTING_BY_AFFINITIES`): there the kernel writes no chosen-experts tile (``_router_topk``'s
     ``skip_store_expert_index``, as ``moe_block_tkg`` sets it for all experts without ``router_pre_norm``)."""
     flags = ["all experts" if all_e else "selective", act, f"{_DT[w_dt]} weights", f"{_DT[in_dt]} input"] \
         + [f"{router.lower()} router"] * (router != "SOFTMAX") + ["bias"] * bias + ["clamp"] * clamp \
@@ -107,28 +109,44 @@ def moe_block_case(all_e: bool, b: int, s: int, h: int, ha: int | None, i: int, 
         inputs=_inputs(all_e, b, s, h, ha, i, eg, el, k, act, w_dt, in_dt, bias, clamp, pre, norm_topk, r_dt, router),
         outputs=("out", "router_logits"), lnc=2, rtol=5e-2 if w_dt == FP8 else 1e-2, atol=1e-5,
         test_file=f"{TESTS}/test_moe_block_tkg.py",
-        tapped_reference=ROUTING if in_dt == BF16 and r_dt == BF16 and (pre or not all_e) else None)
+        tapped_reference=None if in_dt != BF16 or r_dt != BF16 else ROUTING if pre or not all_e
+        else ROUTING_BY_AFFINITIES)
 
 
 ROUTER_TAP = f"{LIB}.moe_block.moe_block_tkg:_router_topk"  # (router_logits, expert_index [T, K], affinities, ...)
 REFERENCE = f"{LIB}.moe_block.moe_block_tkg_torch:moe_block_tkg_torch_ref"
 
 
-def _router_tiles(taps: dict[str, list]) -> tuple[np.ndarray, np.ndarray]:
+def _router_tiles(taps: dict[str, list], by_affinities: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's router logits (bf16 [T, E]) and chosen experts ([T, K]) from the router tap: every program
     records the same (both LNC 2 programs hold every token's), else ValueError. Past 128 tokens (all experts) the
     chosen experts' SBUF tile is folded, [128, T/128, K], token ``n * 128 + p`` at ``[p, n]`` (``moe_block_tkg``'s
-    ``get_sbuf_tensor_shape``; ``router_topk`` stores it to HBM through that view): unfolded here."""
+    ``get_sbuf_tensor_shape``; ``router_topk`` stores it to HBM through that view): unfolded here.
+
+    ``by_affinities`` (all experts without ``router_pre_norm``, where ``router_topk`` leaves that tile unwritten,
+    ``skip_store_expert_index``): each token's chosen experts are those with a nonzero affinity in the kernel's
+    affinities ([T, E] float32 in HBM: its top-K values' softmax scattered into zeros), largest first; exactly K
+    of them, else ValueError naming the token (K: the unwritten tile's last axis)."""
     calls = taps[ROUTER_TAP]
 
-    def unfold(index: Any) -> np.ndarray:
-        index = np.asarray(index, np.int64)
+    def unfold(value: Any) -> np.ndarray:
+        index = np.asarray(value[1], np.int64)
+        if by_affinities:
+            k, aff = index.shape[-1], np.asarray(value[2], np.float64)
+            rows = []
+            for tok, row in enumerate(aff):
+                nonzero = np.flatnonzero(row)
+                if len(nonzero) != k:
+                    raise ValueError(f"moe_block_tkg router tap: token {tok} has {len(nonzero)} nonzero affinities, "
+                                     f"not top_k = {k}: its chosen experts cannot be read off them")
+                rows.append(nonzero[np.argsort(-row[nonzero], kind="stable")])
+            return np.array(rows, np.int64).reshape(-1, k)
         return index.transpose(1, 0, 2).reshape(-1, index.shape[2]) if index.ndim == 3 else index
 
-    logits, index = np.asarray(calls[0][2][0], np.float64), unfold(calls[0][2][1])
+    logits, index = np.asarray(calls[0][2][0], np.float64), unfold(calls[0][2])
     for rank, program, value in calls[1:]:
         if not (np.array_equal(np.asarray(value[0], np.float64), logits)
-                and np.array_equal(unfold(value[1]), index)):
+                and np.array_equal(unfold(value), index)):
             raise ValueError(f"moe_block_tkg router tap: program {program} of rank {rank} holds other logits or "
                              "expert indices than program 0")
     if index.shape[0] != logits.shape[0]:
@@ -137,7 +155,8 @@ def _router_tiles(taps: dict[str, list]) -> tuple[np.ndarray, np.ndarray]:
     return logits, index
 
 
-def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Callable[..., dict]) -> list:
+def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Callable[..., dict],
+                       by_affinities: bool = False) -> list:
     """The kernel's router logits against the exact logits of its own inputs, and its routing against the golden's.
 
     Exact logits (float64): RMS norm of ``inp`` over ``hidden_actual`` (eps 1e-6, as the kernel's default) times
@@ -155,7 +174,8 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
     All experts (``is_all_expert``): the same conditions on every token and expert, the rank's own or not (a swap
     between two other ranks' experts changes only the top-K normalization of the rank's affinities); each differing
     token's message names the experts of the difference that are the rank's own, the ones whose MLPs change its
-    ``out``."""
+    ``out``. ``by_affinities``: the chosen experts read off the kernel's nonzero affinities (:func:`_router_tiles`).
+    """
     x = np.asarray(inputs["inp"], np.float64)
     t, h = x.shape[0] * x.shape[1], x.shape[2]
     x = x.reshape(t, h)
@@ -166,7 +186,7 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
     if inputs.get("router_bias") is not None:
         exact = exact + np.asarray(inputs["router_bias"], np.float64).reshape(1, -1)
     roundings = 2 + (h + 1) * 2.0 ** -16
-    logits, index = _router_tiles(taps)
+    logits, index = _router_tiles(taps, by_affinities)
     k = index.shape[1]
     golden = np.asarray(run(lambda kw: kw)["router_logits"], np.float64).reshape(t, -1)
     gold_sel = np.argsort(-golden, axis=1, kind="stable")[:, :k]
@@ -209,7 +229,7 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
 
 
 @contextlib.contextmanager
-def routed_as_kernel(root: Path, taps: dict[str, list]) -> Iterator[None]:
+def routed_as_kernel(root: Path, taps: dict[str, list], by_affinities: bool = False) -> Iterator[None]:
     """Inside the block nki-library's router reference (``router_topk_torch_ref``, as ``moe_block_tkg_torch_ref``
     calls it) takes each token's experts as the kernel chose them: its one ``torch.argsort`` of the logits returns,
     per token, the kernel's K experts first (in the kernel's order), then the others in the reference's own order.
@@ -220,7 +240,7 @@ def routed_as_kernel(root: Path, taps: dict[str, list]) -> Iterator[None]:
 
     router = _resolve(REFERENCE, root).__globals__["router_topk_torch_ref"]
     module = router.__globals__
-    _, index = _router_tiles(taps)
+    _, index = _router_tiles(taps, by_affinities)
 
     class Routed:
         def __getattr__(self, name: str) -> Any:
@@ -249,6 +269,12 @@ def routed_as_kernel(root: Path, taps: dict[str, list]) -> Iterator[None]:
 ROUTING = TappedReference(
     what="router logits and routing (the reference routed each token as the kernel routes it)",
     taps=(ROUTER_TAP,), projection=routing_projection, ref_inputs=lambda kw, taps: kw, during=routed_as_kernel)
+# all experts without router_act_first: the kernel's chosen experts read off its nonzero affinities
+ROUTING_BY_AFFINITIES = TappedReference(
+    what="router logits and routing (the kernel's chosen experts read off its nonzero affinities; the reference "
+         "routed each token as the kernel routes it)",
+    taps=(ROUTER_TAP,), projection=functools.partial(routing_projection, by_affinities=True),
+    ref_inputs=lambda kw, taps: kw, during=functools.partial(routed_as_kernel, by_affinities=True))
 
 
 def moe_block_cases() -> list[Case]:
