@@ -322,3 +322,17 @@ def test_the_all_experts_fp8_row_of_128_tokens_is_golden_gap_on_the_kernels_rout
     assert row.result == harness.GOLDEN_GAP and harness.row_ok(case, row), harness.format_row(row)
     assert "4 of 128 tokens routed otherwise than the golden, each a near tie: token 23: golden [120] -> kernel " \
         "[97]" in row.message and "of them on this rank [97]" in row.message, row.message
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
+def test_an_all_experts_row_without_router_act_first_is_golden_gap_on_the_routing_read_off_its_affinities():
+    """All experts Swish bf16, B=64 S=4 (256 tokens), 16 experts on rank 6: token 36's golden expert 106 (the rank's
+    own) and the kernel's 35 at exact logits 0.34981 / 0.34958, 0.05 of the bound apart (out 109 off the golden)."""
+    case = moe_block_case(True, 64, 4, 3072, 2880, 360, 128, 16, 4, "Swish", BF16, BF16, True, True, False, False,
+                          BF16)
+    row = harness.run_case(case, ROOT)
+    assert row.result == harness.GOLDEN_GAP and harness.row_ok(case, row), harness.format_row(row)
+    assert "read off its nonzero affinities" in row.message and "2 of 256 tokens routed otherwise than the golden, " \
+        "each a near tie: token 36: golden [106] -> kernel [35]" in row.message, row.message
