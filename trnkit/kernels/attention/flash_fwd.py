@@ -179,7 +179,8 @@ def _steps(S, g0, ng, j, G, step):
                                 "k1": min(nkeys, (s + 1) * step), "first": s == 0, "last": s == nsec - 1,
                                 "col": (g - g0) * nqt + qt, "ct": qt % qc, "chunk": ch,
                                 "chunk_r0": ch * qc * P, "chunk_tiles": ntiles,
-                                "chunk_last": seen[ch] == ntiles * ng and s == nsec - 1})
+                                "chunk_last": seen[ch] == ntiles * ng and s == nsec - 1,
+                                "all_pe": False})  # (the fixed-shift forward sets it on its last steps)
     return out
 
 
@@ -369,7 +370,7 @@ def _transpose(st, load):
     two_byte = pdt != nl.float32
     itemsize = 2 if two_byte else 4
     pt = nl.ndarray((P, nsub, nq), dtype=pdt, buffer=nl.sbuf)
-    n_pe = nfull if st.get("all_pe") else _pe_blocks(load, nfull, nq, itemsize, st["step_keys"])
+    n_pe = nfull if st["all_pe"] else _pe_blocks(load, nfull, nq, itemsize, st["step_keys"])
     n_dma = nfull - n_pe
     for d0 in range(0, n_dma, DMA_BLOCKS):
         nd = min(DMA_BLOCKS, n_dma - d0)
