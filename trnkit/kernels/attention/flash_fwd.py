@@ -554,15 +554,10 @@ def _open_unit(st, q, k, v):
     nisa.memset(dst=u["negm_all"], value=0.0)
 
 
-def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
-    """The software-pipelined steps of one or more work units (one continuous pipeline: the next unit's
-    first steps overlap the last ones' drain).
-
-    Iteration t issues, per engine in this order, so that each instruction's inputs were produced at
-    least one stage earlier: Tensor S(t), P^T(t-2), PV(t-LAG_PV); Vector the banks of S(t), P^T copies
-    (t-2), O (t-LAG_PV-1), o = O / l (t-LAG_FINISH); GpSimd -m (t), l (t-2); Scalar exp (t-1), P^T
-    copies (t-2); DMA P^T (t-2).
-    """
+def pipeline_steps(units, q, k, scale, outs_of, load, unit0=0):
+    """Every step of one software pipeline over ``units``, in issue order: each carries its unit (``u``: the
+    unit, its outputs, its query heads, its column ``bad_col = unit0 + i`` of the fixed-shift forward's
+    certificate tile), the step before it in its tile and its place in the unit. Shared by both forwards."""
     S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
     G = Hq // k.shape[2]
     step = step_keys(S, _itemsize(q.dtype), D, units[0][3])
@@ -573,7 +568,7 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
         heads = []
         for g in range(g0, g0 + ng):
             heads.append(j * G + g)
-        u = {"unit": units[ui], "outs": outs, "heads": heads, "qT": {}, "oc": {},
+        u = {"unit": units[ui], "outs": outs, "heads": heads, "qT": {}, "oc": {}, "bad_col": unit0 + ui,
              "ob": b if outs[0].shape[0] > 1 else 0}  # (the scratch outputs hold one batch row)
         us = _steps(S, g0, ng, j, G, step)
         for i in range(len(us)):
@@ -583,6 +578,20 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
             us[i]["unit_first"], us[i]["unit_last"] = i == 0, i == len(us) - 1
             us[i]["load_v"] = i == min(1, len(us) - 1)
             steps.append(us[i])
+    return steps
+
+
+def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
+    """The software-pipelined steps of one or more work units (one continuous pipeline: the next unit's
+    first steps overlap the last ones' drain).
+
+    Iteration t issues, per engine in this order, so that each instruction's inputs were produced at
+    least one stage earlier: Tensor S(t), P^T(t-2), PV(t-LAG_PV); Vector the banks of S(t), P^T copies
+    (t-2), O (t-LAG_PV-1), o = O / l (t-LAG_FINISH); GpSimd -m (t), l (t-2); Scalar exp (t-1), P^T
+    copies (t-2); DMA P^T (t-2).
+    """
+    S = q.shape[1]
+    steps = pipeline_steps(units, q, k, scale, outs_of, load)
     for t in range(len(steps) + LAG_FINISH):
         cur = _at(steps, t)
         if cur != None:  # noqa: E711

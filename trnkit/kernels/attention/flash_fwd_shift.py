@@ -185,26 +185,8 @@ def _fast_pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load, 
     """The fast pass over ``units`` (one software pipeline), each unit's certificate into ``bad[:, unit0
     + i]`` once its last row sum is formed; with ``decide`` (the launch's last pipeline) the launch's
     decision (:func:`_failing_rows`) right after the last certificate, as ``decide["redo"]``."""
-    S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
-    G = Hq // k.shape[2]
-    step = F.step_keys(S, F._itemsize(q.dtype), D, units[0][3])
-    steps = []
-    for ui in range(len(units)):
-        b, j, g0, ng, _ = units[ui]
-        outs = outs_of[ui]
-        heads = []
-        for g in range(g0, g0 + ng):
-            heads.append(j * G + g)
-        u = {"unit": units[ui], "outs": outs, "heads": heads, "qT": {}, "oc": {}, "bad_col": unit0 + ui,
-             "ob": b if outs[0].shape[0] > 1 else 0}  # (the scratch outputs hold one batch row)
-        us = F._steps(S, g0, ng, j, G, step)
-        for i in range(len(us)):
-            us[i]["u"], us[i]["b"], us[i]["ob"], us[i]["scale"], us[i]["pdt"] = u, b, u["ob"], scale, q.dtype
-            us[i]["load"], us[i]["step_keys"] = load, min(step, S)
-            us[i]["prev"] = None if us[i]["first"] else us[i - 1]
-            us[i]["unit_first"], us[i]["unit_last"] = i == 0, i == len(us) - 1
-            us[i]["load_v"] = i == min(1, len(us) - 1)
-            steps.append(us[i])
+    S = q.shape[1]
+    steps = F.pipeline_steps(units, q, k, scale, outs_of, load, unit0)
     _assign_groups(steps)
     for st in steps[max(0, len(steps) - PE_DRAIN_STEPS):]:
         st["all_pe"] = True
