@@ -626,11 +626,10 @@ def one_pipeline(S: int, itemsize: int, D: int, ng: int = 1) -> bool:
     return resident + _budget_used(S, itemsize, D, step_keys(S, itemsize, D, ng), ng) <= SBUF_BUDGET
 
 
-@nki.jit
-def attention_fwd_kernel(q, k, v, scale):
-    """``(o [B, S, Hq, D] q.dtype, lse [B, Hq, S] fp32)``: causal attention of ``q [B, S, Hq, D]`` over
-    ``k, v [B, S, Hk, D]`` (fp32 or bf16, one dtype), ``o_i = sum_j softmax_j(scale * q_i . k_j) v_j``
-    over ``j <= i``, ``lse_i = log(sum_j exp(scale * q_i . k_j))``."""
+def launch_outputs(q, k):
+    """A forward launch's outputs and work: ``(o, lse, units, outs_of, (n_prog, pid))``, where ``units``
+    are this program's work units and ``outs_of[u]`` the ``(o, lse)`` pair unit ``u`` writes (the
+    scratch pair for an LNC=2 padding unit). Shared by both forwards."""
     B, S, Hq, D = q.shape
     Hk = k.shape[2]
     G = Hq // Hk
@@ -644,14 +643,24 @@ def attention_fwd_kernel(q, k, v, scale):
     if needs_scratch(B, Hk, G, n_prog, split):
         scratch = (nl.ndarray((1, S, Hq, D), dtype=q.dtype, buffer=nl.private_hbm),
                    nl.ndarray((1, Hq, S), dtype=nl.float32, buffer=nl.private_hbm))
-    ident = identity(nl.bfloat16)
-    mask = causal_mask(nl.bfloat16)
-    ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones_col, value=1.0)
     units = work_units(B, Hk, G, n_prog, pid, split)
     outs_of = []
     for u in range(len(units)):
         outs_of.append((o, lse) if units[u][4] else scratch)
+    return o, lse, units, outs_of, (n_prog, pid)
+
+
+@nki.jit
+def attention_fwd_kernel(q, k, v, scale):
+    """``(o [B, S, Hq, D] q.dtype, lse [B, Hq, S] fp32)``: causal attention of ``q [B, S, Hq, D]`` over
+    ``k, v [B, S, Hk, D]`` (fp32 or bf16, one dtype), ``o_i = sum_j softmax_j(scale * q_i . k_j) v_j``
+    over ``j <= i``, ``lse_i = log(sum_j exp(scale * q_i . k_j))``."""
+    o, lse, units, outs_of, _ = launch_outputs(q, k)
+    S, D = q.shape[1], q.shape[3]
+    ident = identity(nl.bfloat16)
+    mask = causal_mask(nl.bfloat16)
+    ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones_col, value=1.0)
     load = [0.0, 0.0, 0.0, 0.0]
     if one_pipeline(S, _itemsize(q.dtype), D, units[0][3]):
         _pipeline(units, q, k, v, float(scale), outs_of, ident, mask, ones_col, load)

@@ -42,9 +42,8 @@ from __future__ import annotations
 
 from trnkit.kernels._common import cdiv
 from trnkit.kernels.attention import flash_fwd as F
-from trnkit.kernels.attention.tiling import (ACT_FIXED_NS, SCALAR_GHZ, VECTOR_GHZ, P, causal_mask, load_v,
-                                             needs_scratch, work_units)
-from trnkit.kernels.tiles import identity, program_split
+from trnkit.kernels.attention.tiling import (ACT_FIXED_NS, SCALAR_GHZ, VECTOR_GHZ, P, causal_mask, load_v)
+from trnkit.kernels.tiles import identity
 from trnkit.nki_api import nisa, nki, nl
 
 BANK = F.BANK
@@ -253,27 +252,14 @@ def attention_fwd_shift_kernel(q, k, v, scale):
     :func:`~trnkit.kernels.attention.flash_fwd.attention_fwd_kernel` computes them: the fast pass with a
     fixed shift per row, and the exact kernel's pass again if any row of the launch fails the
     certificate (module docstring)."""
-    B, S, Hq, D = q.shape
-    Hk = k.shape[2]
-    G = Hq // Hk
-    o = nl.ndarray((B, S, Hq, D), dtype=q.dtype, buffer=nl.shared_hbm)
-    lse = nl.ndarray((B, Hq, S), dtype=nl.float32, buffer=nl.shared_hbm)
-    n_prog, pid = program_split()
-    split = (B * Hk) % n_prog != 0
-    scratch = None
-    if needs_scratch(B, Hk, G, n_prog, split):
-        scratch = (nl.ndarray((1, S, Hq, D), dtype=q.dtype, buffer=nl.private_hbm),
-                   nl.ndarray((1, Hq, S), dtype=nl.float32, buffer=nl.private_hbm))
+    o, lse, units, outs_of, (n_prog, pid) = F.launch_outputs(q, k)
+    S, D = q.shape[1], q.shape[3]
     ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=ones_col, value=1.0)
     warm = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)  # loads the exp table while DMAs run
     nisa.activation(dst=warm, op=nl.exp, data=ones_col)
     ident = identity(nl.bfloat16)
     mask = causal_mask(nl.bfloat16)
-    units = work_units(B, Hk, G, n_prog, pid, split)
-    outs_of = []
-    for u in range(len(units)):
-        outs_of.append((o, lse) if units[u][4] else scratch)
     bad = nl.ndarray((P, len(units)), dtype=nl.float32, buffer=nl.sbuf)
     load = [0.0, 0.0, 0.0, 0.0]
     one = F.one_pipeline(S, F._itemsize(q.dtype), D, units[0][3])
