@@ -159,3 +159,50 @@ def test_moe_weights_drawn_in_chunks_are_the_one_shot_draws(by_id, monkeypatch):
     assert same(got["expert_down_weights"], rng.normal(size=(1, 128, 3072)).astype(np.float16))
     assert same(got["router_bias"], rng.uniform(-0.1, 0.1, size=(1, 128)).astype(got["router_bias"].dtype))
     assert same(got["expert_gate_up_bias"], rng.normal(size=(1, 2, 128)).astype(np.float16))  # (state after: same)
+
+
+def _batch_sharded(n: int, q: int, s: int, s_ctx: int) -> bool:
+    """attention_tkg's LNC-2 choice as its docstring states it: shard the batch when it is even and holds more than
+    128 query rows (or S_prior is under 256), else S_prior when S_prior is at least 256."""
+    return n % 2 == 0 and (n * q * s > 128 or s_ctx < 256)
+
+
+@needs_checkout
+@pytest.mark.parametrize(("b", "q", "s_ctx", "chunk"), [
+    (255, 2, 32768, 17),   # the test's B = 255 block rows: 15 odd chunks of 17, S_prior sharded like the batch
+    (256, 4, 24576, 44),   # batch-sharded: 34 leaves 18 (72 query rows), 36 / 38 / 40 / 42 leave 4 / 28 / 16 / 4
+    (256, 2, 24576, 86),   # more than 64 rows a chunk: 66 leaves 58, ... 86 leaves 84 (168 query rows)
+    (768, 2, 10240, 70),   # 66 / 68 leave 42 / 20; 70 leaves 68 (136 query rows)
+    (64, 4, 10240, 0),     # no chunk of 17 to 63 keeps the whole batch's choice: the whole batch at once
+])
+def test_a_block_rows_golden_chunk_keeps_the_whole_batchs_sharding_choice(b, q, s_ctx, chunk):
+    with harness.nki_is_interpreter(ROOT):
+        assert cases_transformer._block_golden_chunk(b, q, 1, s_ctx) == chunk
+    if chunk:
+        sizes = {chunk, b % chunk} - {0}
+        assert all(_batch_sharded(n, q, 1, s_ctx) == _batch_sharded(b, q, 1, s_ctx) for n in sizes)
+        assert not any(all(_batch_sharded(n, q, 1, s_ctx) == _batch_sharded(b, q, 1, s_ctx) for n in {c, b % c} - {0})
+                       for c in range(17, chunk))
+
+
+@needs_checkout
+def test_a_block_rows_golden_in_widened_chunks_is_the_whole_call():
+    """An even batch of a block-cache row (B = 80, 4 q heads: batch-sharded), whose chunk of 17 the golden refuses
+    (odd chunks shard S_prior), in the widened chunks of 40: the same outputs as one call on the whole batch."""
+    case = cases_transformer.attention_block_case(80, 4, 64, 256, None, 512, 512, 1, block_len=16)
+    with harness.nki_is_interpreter(ROOT):
+        chunk = cases_transformer._block_golden_chunk(80, 4, 1, 512)
+        assert chunk == 40
+        inputs = case.inputs()
+        kw = {k: harness._to_torch(v, case.keep_low_precision) for k, v in case.ref_inputs(inputs).items()}
+        kw.pop("batch_chunk")
+        whole = cases_transformer.attention_block_golden(**kw)
+        pieces = cases_transformer.attention_block_golden(**kw, batch_chunk=chunk)
+        with pytest.raises(ValueError, match="a chunk of 17 of the 80 batch rows changes the kernel's batch / "
+                                             "S_prior sharding choice"):
+            cases_transformer.attention_block_golden(**kw, batch_chunk=17)
+    assert whole.keys() == pieces.keys() == set(case.outputs)
+    for name in whole:
+        assert whole[name].dtype == pieces[name].dtype and whole[name].shape == pieces[name].shape, name
+        a, p = whole[name].astype(np.float32), pieces[name].astype(np.float32)
+        assert np.array_equal(a, p), (name, float(np.abs(a - p).max()))

@@ -747,8 +747,24 @@ def _validator(cfg: dict[str, Any]) -> dict[str, Any]:
 # Batch rows the reference of a single-rank row with a block KV cache of more than 1 GiB (the test's three
 # B = 255 rows at S_ctx = 10,240 to 32,768) takes at once (_golden_in_batch_chunks): its float32 gathers,
 # clones and head-broadcast K would take 10 GB and more for the whole batch. 17 divides 255 and keeps every
-# chunk odd, so the kernel's sharding choice (and so the mask layout) is the whole batch's.
+# chunk odd, so the kernel's sharding choice (and so the mask layout) is the whole batch's. Other batches widen
+# it where it does not (_block_golden_chunk).
 GOLDEN_BATCH_CHUNK = 17
+
+
+def _block_golden_chunk(b: int, q: int, s_tkg: int, s_ctx: int) -> int:
+    """The batch chunk of a single-rank block-cache row's reference (:data:`GOLDEN_BATCH_CHUNK` widened): the
+    smallest chunk of at least 17 rows with which every chunk, the last partial one included, makes the kernel's
+    batch / S_prior sharding choice (``is_s_prior_sharded``, on which the mask layout depends) the whole batch's;
+    0 (the whole batch at once) when none below ``b`` does. A batch-sharded batch (even, more than 128 query rows)
+    needs even chunks of more than ``128 / (q * S_tkg)`` rows and an even last chunk as large: B = 256 at 4 q heads
+    takes 44 (5 x 44 + 36; 34 would leave 18: 72 query rows), as confrun7 widened attention_tkg's chunk."""
+    sharded = importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
+    whole = sharded(b, q, s_tkg, s_ctx, 128)
+    for c in range(GOLDEN_BATCH_CHUNK, b):
+        if all(sharded(n, q, s_tkg, s_ctx, 128) == whole for n in {c, b % c} if n):
+            return c
+    return 0
 
 
 @contextlib.contextmanager
@@ -1243,8 +1259,9 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
         shapes = f"B={b} q_heads={q} d={d} H={h}" + (f"/{h_actual}" if h_actual else "") \
             + f" S_ctx={s_ctx}/{s_max} S={s_tkg}"
         reference, make = f"{HERE}:attention_block_golden", _inputs
-        chunk = GOLDEN_BATCH_CHUNK if cfg["block_len"] and _kv_cache_bytes(b, d, s_ctx, s_max, cfg) > 1 << 30 else 0
-        ref_inputs = lambda kw, lnc=lnc, chunk=chunk: {**kw, "lnc": lnc, "batch_chunk": chunk}  # noqa: E731
+        chunked = bool(cfg["block_len"]) and _kv_cache_bytes(b, d, s_ctx, s_max, cfg) > 1 << 30
+        ref_inputs = lambda kw, lnc=lnc, sizes=(b, q, s_tkg, s_ctx) if chunked else None: {  # noqa: E731
+            **kw, "lnc": lnc, "batch_chunk": _block_golden_chunk(*sizes) if sizes else 0}  # (nki-library's rule)
     # rows with an fp8 step (STATIC weights, an fp8 KV cache): a mismatch is checked against the reference rounded
     # where the kernel's tiles are narrower than its float32 (harness.golden_gap)
     rounded = None
