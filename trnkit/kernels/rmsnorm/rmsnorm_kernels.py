@@ -489,16 +489,17 @@ def _narrow_fwd_chunks(N, H, dtype, n_prog, pid):
     return _chunk_list(lo, hi, sizes)
 
 
-def _runs(chunks):
-    """``(first chunk, count)``: runs of up to :data:`NARROW_RUN` consecutive chunks of one shape. A run's rows
-    ``r0 + c*Pc*NT + p*NT + j`` are column ``c*NT + j`` of partition p in one PSUM tile of sums, so one
-    instruction forms their fp32 rstd and one DMA stores it."""
+def _runs(chunks, segs):
+    """``(first chunk, count)``: runs of up to :data:`NARROW_RUN` consecutive chunks of one shape and one
+    segment (``segs[k]``: chunk k's tensor). A run's rows ``r0 + c*Pc*NT + p*NT + j`` are column ``c*NT + j``
+    of partition p in one PSUM tile of sums, so one instruction forms their fp32 rstd and one DMA stores it."""
     out = []
     k = 0
     while k < len(chunks):
         n = 1
         while (k + n < len(chunks) and n < NARROW_RUN and chunks[k + n][1] == chunks[k][1]
-               and chunks[k + n][2] == chunks[k][2] and (n + 1) * chunks[k][2] <= PIECE):
+               and chunks[k + n][2] == chunks[k][2] and segs[k + n] == segs[k]
+               and (n + 1) * chunks[k][2] <= PIECE):
             n = n + 1
         out.append((k, n))
         k = k + n
@@ -570,7 +571,21 @@ def _narrow_load(x, residual, chunks, k):
     return _load_chunk([x, residual], chunks[k], x.shape[1], [queue, queue])
 
 
-def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
+def _segment_chunks(xs, n_prog, pid, chunks_of):
+    """The chunks of every segment (tensor) of a launch, one segment after the other, and each chunk's
+    segment: ``chunks_of(N, H, dtype, n_prog, pid)`` of each ``xs[g] [N_g, H]``, so each segment's chunks (and
+    every row's arithmetic, the backward's dw sums included) are those of a launch on that tensor alone."""
+    chunks = []
+    segs = []
+    for g in range(len(xs)):
+        own = chunks_of(xs[g].shape[0], xs[g].shape[1], xs[g].dtype, n_prog, pid)
+        for k in range(len(own)):
+            chunks.append(own[k])
+            segs.append(g)
+    return chunks, segs
+
+
+def _narrow_forward(xs, residual, s, ys, rstds, ws, eps, out_dt, n_prog, pid):
     """The forward for rows narrower than ``WIDE`` (the q/k head norm). Per chunk: loads (Scalar's DMA queue,
     :data:`NARROW_AHEAD` chunks ahead), statistics (Tensor transposes, Scalar squares, Tensor sums into the
     run's PSUM tile, which a matmul opened with eps), Vector's ``rsqrt`` of the chunk's sums straight into
@@ -578,11 +593,15 @@ def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
     whole chunk, and the store (Sync's queue). Vector's order per step is rsqrt of chunk i, y of chunk i-1,
     n of chunk i, so each instruction's input was produced an instruction earlier or more. A run's fp32
     rstd (the stored one) is one more Vector ``rsqrt`` after its last chunk's n, or for the last runs one
-    Scalar ``rsqrt`` activation after the last square (one activation-table switch, when Scalar is idle)."""
-    N, H = x.shape
-    chunks = _narrow_fwd_chunks(N, H, x.dtype, n_prog, pid)
+    Scalar ``rsqrt`` activation after the last square (one activation-table switch, when Scalar is idle).
+    ``xs``, ``ys``, ``rstds``, ``ws``: one entry per segment (the q and k head norms of one launch: each
+    segment's rows normalised with its own weight, its chunks those of a launch on it alone,
+    :func:`_segment_chunks`); ``residual`` only with one segment."""
+    x = xs[0]
+    H = x.shape[1]
+    chunks, segs = _segment_chunks(xs, n_prog, pid, _narrow_fwd_chunks)
     L = len(chunks)
-    runs = _runs(chunks)
+    runs = _runs(chunks, segs)
     run_of = []  # per chunk: (its run, its position in the run)
     late = []  # per run: fp32 rstd on Scalar at the end
     for r in range(len(runs)):
@@ -594,15 +613,18 @@ def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
     srcs = []
 
     for k in range(min(L, NARROW_AHEAD)):
-        srcs.append(_narrow_load(x, residual, chunks, k))
-    w_sb = nl.ndarray((P, H), dtype=w.dtype, buffer=nl.sbuf)  # the weight on every partition, needed last
-    _hwdge(w_sb, w.ap(pattern=[[0, P], [1, H]], offset=0), STORE_QUEUE)
+        srcs.append(_narrow_load(xs[segs[k]], residual, chunks, k))
+    w_sbs = []  # each weight on every partition, needed last
+    for g in range(len(ws)):
+        w_sb = nl.ndarray((P, H), dtype=ws[g].dtype, buffer=nl.sbuf)
+        _hwdge(w_sb, ws[g].ap(pattern=[[0, P], [1, H]], offset=0), STORE_QUEUE)
+        w_sbs.append(w_sb)
     pending = []
     normed = None  # (chunk i-2, its n)
     for u in range(L + 1):
         if u < L:
             for k in range(len(srcs), min(L, u + 1 + NARROW_AHEAD)):
-                srcs.append(_narrow_load(x, residual, chunks, k))
+                srcs.append(_narrow_load(xs[segs[k]], residual, chunks, k))
             r0, Pc, NT = chunks[u]
             ri, ci = run_of[u]
             if ci == 0:  # the run's sums, opened with eps (one column per row slot)
@@ -622,7 +644,7 @@ def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
                     k0, n = runs[ri]
                     rs = nl.ndarray((chunks[k0][1], n, chunks[k0][2]), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.activation(dst=rs, op=nl.rsqrt, data=ms[ri])
-                    _store_run_rstd(rstd, chunks, runs[ri], rs, LOAD_QUEUE)
+                    _store_run_rstd(rstds[segs[k0]], chunks, runs[ri], rs, LOAD_QUEUE)
         if u == 0:
             continue
         i = u - 1  # the chunk whose sums are now all issued
@@ -637,7 +659,7 @@ def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
             r_i = nl.ndarray((Pc, NT), dtype=x.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=r_i, data=ms[ri][:, ci * NT:(ci + 1) * NT], op0=nl.rsqrt, operand0=None)
         if normed != None:  # noqa: E711
-            _narrow_y(normed, chunks, y, w_sb, out_dt)
+            _narrow_y(normed, chunks, ys[segs[normed[0]]], w_sbs[segs[normed[0]]], out_dt)
         n_t = nl.ndarray((Pc, NT, H), dtype=x.dtype, buffer=nl.sbuf)
         nisa.tensor_tensor(dst=n_t, data1=srcs[i][0], data2=_per_row(r_i, Pc, NT, H), op=nl.multiply)
         srcs[i] = None
@@ -646,9 +668,9 @@ def _narrow_forward(x, residual, s, y, rstd, w, eps, out_dt, n_prog, pid):
             k0, n = runs[ri]
             rs = nl.ndarray((Pc, n, NT), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_scalar(dst=rs, data=ms[ri], op0=nl.rsqrt, operand0=None)
-            _store_run_rstd(rstd, chunks, runs[ri], rs, STORE_QUEUE)
+            _store_run_rstd(rstds[segs[k0]], chunks, runs[ri], rs, STORE_QUEUE)
     if normed != None:  # noqa: E711
-        _narrow_y(normed, chunks, y, w_sb, out_dt)
+        _narrow_y(normed, chunks, ys[segs[normed[0]]], w_sbs[segs[normed[0]]], out_dt)
 
 
 def _narrow_y(normed, chunks, y, w_sb, out_dt):
@@ -680,7 +702,7 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     Hf = H // f  # the kernel works on the [N*f, Hf] sub-rows
     if H < WIDE:  # narrow rows (never split)
         _warm_square_table()
-        _narrow_forward(x, residual, s, y, rstd, w, float(eps), out_dt, n_prog, pid)
+        _narrow_forward([x], residual, s, [y], [rstd], [w], float(eps), out_dt, n_prog, pid)
         if residual != None:  # noqa: E711
             return y, s, rstd
         return y, rstd
@@ -719,6 +741,26 @@ def rmsnorm_fwd_kernel(x, w, eps, residual=None):
     if residual != None:  # noqa: E711
         return y, s, rstd
     return y, rstd
+
+
+@nki.jit
+def rmsnorm_qk_fwd_kernel(xq, xk, wq, wk, eps):
+    """``(yq [Nq, H], yk [Nk, H], rstd_q [Nq] fp32, rstd_k [Nk] fp32)``: the q and k head norms in one launch,
+    ``xq`` normalised with ``wq`` and ``xk`` with ``wk`` (H < ``WIDE``; xq, xk of one dtype, wq, wk of one
+    dtype). One pipeline over q's chunks then k's (:func:`_narrow_forward`), each row's arithmetic and each
+    tensor's chunks those of :func:`rmsnorm_fwd_kernel` on it alone, so the outputs are bit-identical to two
+    launches; the launch's fixed costs and its pipeline's ends are paid once."""
+    H = xq.shape[1]
+    out_dt = _out_dtype(xq, wq)
+    ys = []
+    rstds = []
+    for x in [xq, xk]:
+        ys.append(nl.ndarray((x.shape[0], H), dtype=out_dt, buffer=nl.shared_hbm))
+        rstds.append(nl.ndarray((x.shape[0],), dtype=nl.float32, buffer=nl.shared_hbm))
+    n_prog, pid = program_split()
+    _warm_square_table()
+    _narrow_forward([xq, xk], None, None, ys, rstds, [wq, wk], float(eps), out_dt, n_prog, pid)
+    return ys[0], ys[1], rstds[0], rstds[1]
 
 
 def _split(col, dtype, hi16=None):
@@ -1047,7 +1089,7 @@ def _narrow_dx(state, dx, ident):
     nisa.dma_copy(dst=_rows(dx, r0, Pc, NT, H), src=dx_t)
 
 
-def _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chunks, n_prog=1, pid=0):
+def _narrow_backward(dys, xs, ws, rstds, grad_ss, dxs, dw_ps, w_sbs, ident, out_dt, chunks, segs, n_prog=1, pid=0):
     """The backward pipeline for rows narrower than ``WIDE`` (the q/k head norm): five stages per chunk,
     issued in an order in which no engine's in-order queue waits on work issued after it. Iteration i:
     chunk i-3's coefficients (Vector, one ``[P, NT]`` instruction) and diagonals (GpSimd, while Vector
@@ -1056,30 +1098,39 @@ def _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chu
     matmuls and transposes (Tensor engine; Scalar copies the transposes out), chunk i's products
     (Vector). Once the last chunk's dw matmuls are issued, this core's dw column sums go out of PSUM and, on
     LNC=2, to the shared scratch (:func:`_dw_partial`) while the last chunks' dx are formed; returns that
-    for :func:`_store_dw`."""
-    H = x.shape[1]
-    w_cols = _w_columns(w, H, out_dt)
-    ahead = _prefetch(H, x.dtype)
+    for :func:`_store_dw`. ``dys``, ``xs``, ``ws``, ``rstds``, ``grad_ss``, ``dxs``, ``w_sbs``: one entry per
+    segment (the q and k head norms of one launch), ``segs[k]`` chunk k's; segment g's dw sums go to columns
+    ``g*NC ..`` of ``dw_ps`` (opened by its first chunk), so each segment's dw adds the same slots in the same
+    order as a launch on it alone."""
+    H = xs[0].shape[1]
+    NC = cdiv(H, P)
+    w_cols = []
+    for g in range(len(ws)):
+        w_cols.append(_w_columns(ws[g], H, out_dt))
+    ahead = _prefetch(H, xs[0].dtype)
     n = len(chunks)
     loads = []
     st = [None] * n  # each chunk's state between stages
     partial = None
     for i in range(n + 4):
         if i == n + 1:  # the last chunk's dw matmuls were issued in iteration n
-            partial = _dw_partial(dw_ps, n_prog, pid, cdiv(H, P), True)
+            partial = _dw_partial(dw_ps, n_prog, pid, NC * len(xs), True)
         for k in range(len(loads), min(n, i + 1 + ahead)):
-            loads.append(_load_narrow_bwd_chunk(dy, x, grad_s, rstd, chunks, k))
+            g = segs[k]
+            loads.append(_load_narrow_bwd_chunk(dys[g], xs[g], grad_ss[g], rstds[g], chunks, k))
         if 0 <= i - 3 < n:
             st[i - 3] = _narrow_coefs(st[i - 3], H)
         if 0 <= i - 4 < n:
-            _narrow_dx(st[i - 4], dx, ident)
+            _narrow_dx(st[i - 4], dxs[segs[i - 4]], ident)
             st[i - 4] = None
         if 0 <= i - 2 < n:
-            st[i - 2] = _narrow_d_sums(st[i - 2], w_cols)
+            st[i - 2] = _narrow_d_sums(st[i - 2], w_cols[segs[i - 2]])
         if 0 <= i - 1 < n:
-            st[i - 1] = _narrow_transposes(st[i - 1], dw_ps, i == 1)
+            g = segs[i - 1]
+            opens = i == 1 or segs[i - 2] != g
+            st[i - 1] = _narrow_transposes(st[i - 1], dw_ps[:, g * NC:(g + 1) * NC], opens)
         if i < n:
-            st[i] = _dy_products(loads[i], chunks[i], w_sb, out_dt)
+            st[i] = _dy_products(loads[i], chunks[i], w_sbs[segs[i]], out_dt)
             loads[i] = None
     return partial
 
@@ -1107,7 +1158,8 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
         nisa.memset(dst=dw_ps, value=0.0)
     partial = None
     if H < WIDE:
-        partial = _narrow_backward(dy, x, w, rstd, grad_s, dx, dw_ps, w_sb, ident, out_dt, chunks, n_prog, pid)
+        partial = _narrow_backward([dy], [x], [w], [rstd], [grad_s], [dx], dw_ps, [w_sb], ident, out_dt, chunks,
+                                   [0] * len(chunks), n_prog, pid)
     else:
         ahead = _prefetch(H, x.dtype)
         loads = []
@@ -1124,3 +1176,40 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
             pending = cur
     _store_dw(dw, dw_ps, n_prog, pid, NC, partial)
     return dx, dw
+
+
+def _narrow_bwd_chunks(N, H, dtype, n_prog, pid):
+    """The narrow backward's chunks of one tensor (:func:`_narrow_chunks` at :data:`BWD_NARROW_ROW_BYTES`)."""
+    return _narrow_chunks(N, H, dtype, n_prog, pid, BWD_NARROW_ROW_BYTES)
+
+
+@nki.jit
+def rmsnorm_qk_bwd_kernel(dyq, dyk, xq, xk, wq, wk, rstd_q, rstd_k):
+    """``(dxq, dxk, dw [2*ceil(H/128)*128])`` of :func:`rmsnorm_qk_fwd_kernel`: ``dw``'s first ``ceil(H/128)*128``
+    entries are ``wq``'s gradient, the next ones ``wk``'s (each: the first H entries, zero padding). One
+    pipeline over q's chunks then k's (:func:`_narrow_backward`), each tensor's chunks and dw sums those of
+    :func:`rmsnorm_bwd_kernel` on it alone (bit-identical results); the LNC=2 dw combine of both weights is
+    one."""
+    H = xq.shape[1]
+    NC = cdiv(H, P)
+    out_dt = _out_dtype(xq, wq)
+    dxs = []
+    for x in [xq, xk]:
+        dxs.append(nl.ndarray((x.shape[0], H), dtype=x.dtype, buffer=nl.shared_hbm))
+    dw = nl.ndarray((2 * NC * P,), dtype=wq.dtype, buffer=nl.shared_hbm)
+    n_prog, pid = program_split()
+    chunks, segs = _segment_chunks([xq, xk], n_prog, pid, _narrow_bwd_chunks)
+    w_sbs = [_weight_rows(wq, H), _weight_rows(wk, H)]
+    ident = identity(xq.dtype)
+    dw_ps = nl.ndarray((P, 2 * NC), dtype=nl.float32, buffer=nl.psum)
+    for g in range(2):
+        rows_here = 0
+        for k in range(len(segs)):
+            if segs[k] == g:
+                rows_here = rows_here + 1
+        if rows_here == 0:  # no rows of this tensor here: zero partial sums
+            nisa.memset(dst=dw_ps[:, g * NC:(g + 1) * NC], value=0.0)
+    partial = _narrow_backward([dyq, dyk], [xq, xk], [wq, wk], [rstd_q, rstd_k], [None, None], dxs, dw_ps, w_sbs,
+                               ident, out_dt, chunks, segs, n_prog, pid)
+    _store_dw(dw, dw_ps, n_prog, pid, 2 * NC, partial)
+    return dxs[0], dxs[1], dw
