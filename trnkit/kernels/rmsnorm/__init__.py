@@ -4,7 +4,9 @@ residual add, and the backward with the weight gradient.
 ``rmsnorm(x, weight, eps)`` -> ``(y, rstd)``; ``rmsnorm_residual(x, residual, weight, eps)`` ->
 ``(y, s, rstd)`` with ``s = x + residual`` normalised; ``rmsnorm_bwd(grad_y, x, weight, rstd, grad_s)``
 -> ``(grad_x, grad_weight)``. ``x [..., H]`` (any leading shape; rows = tokens, or (token, head) for the
-head norm), ``weight [H]``, ``rstd [rows]`` fp32. The torch references of the same signatures are in
+head norm), ``weight [H]``, ``rstd [rows]`` fp32. ``rmsnorm_qk(q, k, weight_q, weight_k, eps)`` ->
+``(y_q, y_k, rstd_q, rstd_k)`` and ``rmsnorm_qk_bwd`` -> ``(grad_q, grad_k, grad_weight_q, grad_weight_k)``: the
+q and k head norms (H < 512) in one launch, bit-identical to two. The torch references of the same signatures are in
 :mod:`trnkit.kernels.rmsnorm.rmsnorm_torch`; the kernels and their design in
 :mod:`trnkit.kernels.rmsnorm.rmsnorm_kernels` (imported, with the NKI backend, on the first call).
 """
@@ -16,11 +18,14 @@ from typing import Any
 from trnkit.kernels._common import dense
 from trnkit.kernels.constraints import check
 from trnkit.kernels.lnc import launch, resolve_lnc
-from trnkit.kernels.rmsnorm.constraints import rmsnorm_bwd_constraints, rmsnorm_constraints
-from trnkit.kernels.rmsnorm.rmsnorm_torch import rmsnorm_bwd_ref, rmsnorm_ref, rmsnorm_residual_ref
+from trnkit.kernels.rmsnorm.constraints import (rmsnorm_bwd_constraints, rmsnorm_constraints,
+                                                rmsnorm_qk_bwd_constraints, rmsnorm_qk_constraints)
+from trnkit.kernels.rmsnorm.rmsnorm_torch import (rmsnorm_bwd_ref, rmsnorm_qk_bwd_ref, rmsnorm_qk_ref, rmsnorm_ref,
+                                                  rmsnorm_residual_ref)
 
 __all__ = ["rmsnorm", "rmsnorm_bwd", "rmsnorm_bwd_constraints", "rmsnorm_bwd_ref", "rmsnorm_constraints",
-           "rmsnorm_ref", "rmsnorm_residual", "rmsnorm_residual_ref"]
+           "rmsnorm_qk", "rmsnorm_qk_bwd", "rmsnorm_qk_bwd_constraints", "rmsnorm_qk_bwd_ref",
+           "rmsnorm_qk_constraints", "rmsnorm_qk_ref", "rmsnorm_ref", "rmsnorm_residual", "rmsnorm_residual_ref"]
 
 
 def _rows(t: Any) -> Any:
@@ -61,3 +66,31 @@ def rmsnorm_bwd(grad_y: Any, x: Any, weight: Any, rstd: Any, grad_s: Any = None,
     gs = None if grad_s is None else _rows(grad_s)
     dx, dw = launch(rmsnorm_bwd_kernel, resolve_lnc(lnc))(_rows(grad_y), _rows(x), dense(weight), dense(rstd), gs)
     return dx.reshape(x.shape), dw[: x.shape[-1]]
+
+
+def rmsnorm_qk(q: Any, k: Any, weight_q: Any, weight_k: Any, eps: float = 1e-6, lnc: int | None = None
+               ) -> tuple[Any, Any, Any, Any]:
+    """``(y_q [q.shape], y_k [k.shape], rstd_q [q rows] fp32, rstd_k [k rows] fp32)``: :func:`rmsnorm` of ``q``
+    with ``weight_q`` and of ``k`` with ``weight_k`` (the q and k head norms, H = head_dim < 512) in one
+    launch, each output bit-identical to its own :func:`rmsnorm` launch (NKI kernel)."""
+    from trnkit.kernels.rmsnorm.rmsnorm_kernels import rmsnorm_qk_fwd_kernel
+
+    check(rmsnorm_qk_constraints(q, k, weight_q, weight_k, eps))
+    yq, yk, rq, rk = launch(rmsnorm_qk_fwd_kernel, resolve_lnc(lnc))(_rows(q), _rows(k), dense(weight_q),
+                                                                      dense(weight_k), float(eps))
+    return yq.reshape(q.shape), yk.reshape(k.shape), rq, rk
+
+
+def rmsnorm_qk_bwd(grad_yq: Any, grad_yk: Any, q: Any, k: Any, weight_q: Any, weight_k: Any, rstd_q: Any,
+                   rstd_k: Any, lnc: int | None = None) -> tuple[Any, Any, Any, Any]:
+    """``(grad_q, grad_k, grad_weight_q, grad_weight_k)`` of :func:`rmsnorm_qk` with the forward's ``rstd_q``,
+    ``rstd_k``, in one launch, each bit-identical to its own :func:`rmsnorm_bwd` launch (NKI kernel)."""
+    from trnkit.kernels.rmsnorm.rmsnorm_kernels import rmsnorm_qk_bwd_kernel
+
+    check(rmsnorm_qk_bwd_constraints(grad_yq, grad_yk, q, k, weight_q, weight_k, rstd_q, rstd_k))
+    H = q.shape[-1]
+    HP = -(-H // 128) * 128
+    gq, gk, dw = launch(rmsnorm_qk_bwd_kernel, resolve_lnc(lnc))(
+        _rows(grad_yq), _rows(grad_yk), _rows(q), _rows(k), dense(weight_q), dense(weight_k), dense(rstd_q),
+        dense(rstd_k))
+    return gq.reshape(q.shape), gk.reshape(k.shape), dw[:H], dw[HP:HP + H]

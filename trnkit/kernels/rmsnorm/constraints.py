@@ -113,5 +113,64 @@ def rmsnorm_bwd_constraints(grad_y: Any, x: Any, weight: Any, rstd: Any, grad_s:
     return v
 
 
-__all__ = ["DTYPES", "FWD_H_MAX", "H_MAX", "ROW_MAX_BYTES", "out_dtype", "row_pieces", "rmsnorm_bwd_constraints",
-           "rmsnorm_constraints"]
+# rows narrower than this take the narrow-row path (rmsnorm_kernels.WIDE), the only one the q / k pair has
+QK_H_LIMIT = 512
+
+
+def _qk_pair(name: str, q: Any, k: Any, weight_q: Any, weight_k: Any, bad: Any) -> None:
+    """What the q / k pair adds to each tensor's own rules: one H under the narrow-row limit, one dtype for
+    q and k, one for the two weights."""
+    qs, ks = shape(q), shape(k)
+    if qs[-1:] != ks[-1:]:
+        bad("q and k have one H (q.shape[-1] == k.shape[-1])", (qs, ks))
+    elif qs and qs[-1] >= QK_H_LIMIT:
+        bad(f"H < {QK_H_LIMIT} (the narrow-row path: head_dim)", qs[-1],
+            "one launch runs the narrow-row pipeline over both tensors")
+    if dtype_name(q) != dtype_name(k):
+        bad("q.dtype == k.dtype", (dtype_name(q), dtype_name(k)))
+    if dtype_name(weight_q) != dtype_name(weight_k):
+        bad("weight_q.dtype == weight_k.dtype", (dtype_name(weight_q), dtype_name(weight_k)))
+
+
+def _renamed(name: str, found: list[Violation], which: str) -> list[Violation]:
+    """One tensor's violations under the pair's kernel name, the tensor named in the rule."""
+    return [Violation(name, f"{which}: {v.constraint}", v.value, v.reason) for v in found]
+
+
+def rmsnorm_qk_constraints(q: Any, k: Any, weight_q: Any, weight_k: Any, eps: float = 1e-6,
+                           backward: bool = False) -> list[Violation]:
+    """Violated constraints of :func:`trnkit.kernels.rmsnorm.rmsnorm_qk`: each head norm's own
+    (:func:`rmsnorm_constraints`, the tensor named in the rule) and the pair's (one H below 512, q and k of one
+    dtype, the weights of one dtype); with ``backward`` also the backward's, under ``rmsnorm_qk_bwd``."""
+    v: list[Violation] = []
+
+    def bad(rule: str, value: Any, reason: str = "") -> None:
+        v.append(Violation("rmsnorm_qk", rule, value, reason))
+
+    for which, x, w in (("q", q, weight_q), ("k", k, weight_k)):
+        for u in rmsnorm_constraints(x, w, eps, backward=backward):
+            name = "rmsnorm_qk_bwd" if u.kernel == "rmsnorm_bwd" else "rmsnorm_qk"
+            v.extend(_renamed(name, [u], which))
+    if not v:
+        _qk_pair("rmsnorm_qk", q, k, weight_q, weight_k, bad)
+    return v
+
+
+def rmsnorm_qk_bwd_constraints(grad_yq: Any, grad_yk: Any, q: Any, k: Any, weight_q: Any, weight_k: Any,
+                               rstd_q: Any, rstd_k: Any) -> list[Violation]:
+    """Violated constraints of :func:`trnkit.kernels.rmsnorm.rmsnorm_qk_bwd`: each head norm's
+    (:func:`rmsnorm_bwd_constraints`, the tensor named in the rule) and the pair's."""
+    v: list[Violation] = []
+
+    def bad(rule: str, value: Any, reason: str = "") -> None:
+        v.append(Violation("rmsnorm_qk_bwd", rule, value, reason))
+
+    for which, gy, x, w, r in (("q", grad_yq, q, weight_q, rstd_q), ("k", grad_yk, k, weight_k, rstd_k)):
+        v.extend(_renamed("rmsnorm_qk_bwd", rmsnorm_bwd_constraints(gy, x, w, r), which))
+    if not v:
+        _qk_pair("rmsnorm_qk_bwd", q, k, weight_q, weight_k, bad)
+    return v
+
+
+__all__ = ["DTYPES", "FWD_H_MAX", "H_MAX", "QK_H_LIMIT", "ROW_MAX_BYTES", "out_dtype", "row_pieces",
+           "rmsnorm_bwd_constraints", "rmsnorm_constraints", "rmsnorm_qk_bwd_constraints", "rmsnorm_qk_constraints"]

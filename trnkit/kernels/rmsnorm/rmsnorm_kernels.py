@@ -571,14 +571,19 @@ def _narrow_load(x, residual, chunks, k):
     return _load_chunk([x, residual], chunks[k], x.shape[1], [queue, queue])
 
 
-def _segment_chunks(xs, n_prog, pid, chunks_of):
+def _segment_chunks(xs, n_prog, pid, backward):
     """The chunks of every segment (tensor) of a launch, one segment after the other, and each chunk's
-    segment: ``chunks_of(N, H, dtype, n_prog, pid)`` of each ``xs[g] [N_g, H]``, so each segment's chunks (and
-    every row's arithmetic, the backward's dw sums included) are those of a launch on that tensor alone."""
+    segment: the forward's (:func:`_narrow_fwd_chunks`) or the backward's chunks of each ``xs[g] [N_g, H]``, so
+    each segment's chunks (and every row's arithmetic, the backward's dw sums included) are those of a launch
+    on that tensor alone."""
     chunks = []
     segs = []
     for g in range(len(xs)):
-        own = chunks_of(xs[g].shape[0], xs[g].shape[1], xs[g].dtype, n_prog, pid)
+        N, H = xs[g].shape
+        if backward:
+            own = _narrow_chunks(N, H, xs[g].dtype, n_prog, pid, BWD_NARROW_ROW_BYTES)
+        else:
+            own = _narrow_fwd_chunks(N, H, xs[g].dtype, n_prog, pid)
         for k in range(len(own)):
             chunks.append(own[k])
             segs.append(g)
@@ -599,7 +604,7 @@ def _narrow_forward(xs, residual, s, ys, rstds, ws, eps, out_dt, n_prog, pid):
     :func:`_segment_chunks`); ``residual`` only with one segment."""
     x = xs[0]
     H = x.shape[1]
-    chunks, segs = _segment_chunks(xs, n_prog, pid, _narrow_fwd_chunks)
+    chunks, segs = _segment_chunks(xs, n_prog, pid, False)
     L = len(chunks)
     runs = _runs(chunks, segs)
     run_of = []  # per chunk: (its run, its position in the run)
@@ -1178,11 +1183,6 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
     return dx, dw
 
 
-def _narrow_bwd_chunks(N, H, dtype, n_prog, pid):
-    """The narrow backward's chunks of one tensor (:func:`_narrow_chunks` at :data:`BWD_NARROW_ROW_BYTES`)."""
-    return _narrow_chunks(N, H, dtype, n_prog, pid, BWD_NARROW_ROW_BYTES)
-
-
 @nki.jit
 def rmsnorm_qk_bwd_kernel(dyq, dyk, xq, xk, wq, wk, rstd_q, rstd_k):
     """``(dxq, dxk, dw [2*ceil(H/128)*128])`` of :func:`rmsnorm_qk_fwd_kernel`: ``dw``'s first ``ceil(H/128)*128``
@@ -1198,7 +1198,7 @@ def rmsnorm_qk_bwd_kernel(dyq, dyk, xq, xk, wq, wk, rstd_q, rstd_k):
         dxs.append(nl.ndarray((x.shape[0], H), dtype=x.dtype, buffer=nl.shared_hbm))
     dw = nl.ndarray((2 * NC * P,), dtype=wq.dtype, buffer=nl.shared_hbm)
     n_prog, pid = program_split()
-    chunks, segs = _segment_chunks([xq, xk], n_prog, pid, _narrow_bwd_chunks)
+    chunks, segs = _segment_chunks([xq, xk], n_prog, pid, True)
     w_sbs = [_weight_rows(wq, H), _weight_rows(wk, H)]
     ident = identity(xq.dtype)
     dw_ps = nl.ndarray((P, 2 * NC), dtype=nl.float32, buffer=nl.psum)

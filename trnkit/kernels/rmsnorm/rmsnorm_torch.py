@@ -61,4 +61,23 @@ def rmsnorm_bwd_ref(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return dx.to(x.dtype).view(x.shape), grad_w
 
 
-__all__ = ["rmsnorm_bwd_ref", "rmsnorm_ref", "rmsnorm_residual_ref"]
+def rmsnorm_qk_ref(q: torch.Tensor, k: torch.Tensor, weight_q: torch.Tensor, weight_k: torch.Tensor,
+                   eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y_q, y_k, rstd_q, rstd_k)``: the q and k head norms, :func:`rmsnorm_ref` of ``q`` with ``weight_q`` and
+    of ``k`` with ``weight_k``."""
+    y_q, rstd_q = rmsnorm_ref(q, weight_q, eps)
+    y_k, rstd_k = rmsnorm_ref(k, weight_k, eps)
+    return y_q, y_k, rstd_q, rstd_k
+
+
+def rmsnorm_qk_bwd_ref(grad_yq: torch.Tensor, grad_yk: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                       weight_q: torch.Tensor, weight_k: torch.Tensor, rstd_q: torch.Tensor, rstd_k: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_q, grad_k, grad_weight_q, grad_weight_k)`` of :func:`rmsnorm_qk_ref`: :func:`rmsnorm_bwd_ref` of
+    each head norm."""
+    grad_q, grad_wq = rmsnorm_bwd_ref(grad_yq, q, weight_q, rstd_q)
+    grad_k, grad_wk = rmsnorm_bwd_ref(grad_yk, k, weight_k, rstd_k)
+    return grad_q, grad_k, grad_wq, grad_wk
+
+
+__all__ = ["rmsnorm_bwd_ref", "rmsnorm_qk_bwd_ref", "rmsnorm_qk_ref", "rmsnorm_ref", "rmsnorm_residual_ref"]
