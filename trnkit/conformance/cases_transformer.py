@@ -518,14 +518,23 @@ def _kvdp_inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: in
     return make
 
 
-def _kvdp_golden_chunk(b: int, b_rank: int, q: int, s_tkg: int, s_ctx: int, d: int) -> int:
+def _s_prior_sharded() -> Callable[..., bool]:
+    """nki-library's ``is_s_prior_sharded(bs, q_head, s_active, curr_sprior, p_max)`` (under the interpreter's
+    modules)."""
+    return importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
+
+
+def _kvdp_golden_chunk(b: int, b_rank: int, q: int, s_tkg: int, s_ctx: int, d: int,
+                       sharded: Callable[..., bool] | None = None) -> int:
     """Batch rows a KV-data-parallel rank's reference takes at once (0: the whole batch): for caches of more
     than 256 MiB, the largest divisor of the rank's batch rows whose float32 K cache slice is at most 256 MiB
     and with which every chunk keeps the kernel's batch / S_prior sharding choice (``is_s_prior_sharded``)
-    of the whole batch, on which the mask layout depends; 0 when none does."""
+    of the whole batch, on which the mask layout depends; 0 when none does. ``sharded``: that predicate
+    (default nki-library's; ``reduce`` passes its own reading of it, to estimate a row's memory outside the
+    interpreter)."""
     if 2 * b * s_ctx * d < 256 << 20:
         return 0
-    sharded = importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
+    sharded = sharded or _s_prior_sharded()
     target = max(1, (256 << 20) // (s_ctx * d * 4))
     for c in range(min(target, b_rank), 0, -1):
         if b_rank % c == 0 and sharded(c, q, s_tkg, s_ctx, 128) == sharded(b, q, s_tkg, s_ctx, 128):
@@ -752,14 +761,15 @@ def _validator(cfg: dict[str, Any]) -> dict[str, Any]:
 GOLDEN_BATCH_CHUNK = 17
 
 
-def _block_golden_chunk(b: int, q: int, s_tkg: int, s_ctx: int) -> int:
+def _block_golden_chunk(b: int, q: int, s_tkg: int, s_ctx: int, sharded: Callable[..., bool] | None = None) -> int:
     """The batch chunk of a single-rank block-cache row's reference (:data:`GOLDEN_BATCH_CHUNK` widened): the
     smallest chunk of at least 17 rows with which every chunk, the last partial one included, makes the kernel's
     batch / S_prior sharding choice (``is_s_prior_sharded``, on which the mask layout depends) the whole batch's;
     0 (the whole batch at once) when none below ``b`` does. A batch-sharded batch (even, more than 128 query rows)
     needs even chunks of more than ``128 / (q * S_tkg)`` rows and an even last chunk as large: B = 256 at 4 q heads
-    takes 44 (5 x 44 + 36; 34 would leave 18: 72 query rows), as confrun7 widened attention_tkg's chunk."""
-    sharded = importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
+    takes 44 (5 x 44 + 36; 34 would leave 18: 72 query rows), as confrun7 widened attention_tkg's chunk.
+    ``sharded``: as :func:`_kvdp_golden_chunk`'s."""
+    sharded = sharded or _s_prior_sharded()
     whole = sharded(b, q, s_tkg, s_ctx, 128)
     for c in range(GOLDEN_BATCH_CHUNK, b):
         if all(sharded(n, q, s_tkg, s_ctx, 128) == whole for n in {c, b % c} if n):
@@ -1260,8 +1270,10 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
             + f" S_ctx={s_ctx}/{s_max} S={s_tkg}"
         reference, make = f"{HERE}:attention_block_golden", _inputs
         chunked = bool(cfg["block_len"]) and _kv_cache_bytes(b, d, s_ctx, s_max, cfg) > 1 << 30
-        ref_inputs = lambda kw, lnc=lnc, sizes=(b, q, s_tkg, s_ctx) if chunked else None: {  # noqa: E731
-            **kw, "lnc": lnc, "batch_chunk": _block_golden_chunk(*sizes) if sizes else 0}  # (nki-library's rule)
+
+        def ref_inputs(kw: dict[str, Any], lnc: int = lnc, sizes: tuple | None = (b, q, s_tkg, s_ctx) if chunked
+                       else None) -> dict[str, Any]:  # (the chunk under the interpreter's modules: nki-library's rule)
+            return {**kw, "lnc": lnc, "batch_chunk": _block_golden_chunk(*sizes) if sizes else 0}
     # rows with an fp8 step (STATIC weights, an fp8 KV cache): a mismatch is checked against the reference rounded
     # where the kernel's tiles are narrower than its float32 (harness.golden_gap)
     rounded = None
