@@ -12,6 +12,9 @@ The rule (docs/interpreter.md, "Reduced rows"):
   The other families' rows over the cap (``moe_tkg``, ``moe_block_tkg``, ``qkv_cte``) cost their weights, not their
   tokens (the fit grows as T^0.24, (B x S)^0.2-0.35, and falls short of the cap at one token for most), and no route
   is derived for them here: they stay not run.
+- Memory: the reduced shape must also keep the row's estimated peak resident memory (:func:`estimate_peak_gb`)
+  within :data:`MEM_CAP_GB`, so that it runs under the conformance runner's 8 GB cap; a row within the CPU cap is
+  not reduced for memory alone (the issue allows fewer tokens where CPU time forces them).
 - The route (:func:`attention_route`) is every shape predicate the kernel's code branches on, read off nki-library's
   source (each names the function and condition it comes from). A reduced shape must give every predicate the value
   the full shape gives; where none below the full shape does, the row is not reduced (:func:`reduction` says why)
@@ -41,8 +44,8 @@ from typing import Any
 
 from .harness import MODEL_CONFIG, REDUCED, Case
 
-__all__ = ["CAP_S", "REDUCED", "Reduction", "attention_route", "estimate_cpu_s", "reduced_case", "reduced_row",
-           "reduction", "route_signature"]
+__all__ = ["CAP_S", "MEM_CAP_GB", "REDUCED", "Reduction", "attention_route", "estimate_cpu_s", "estimate_peak_gb",
+           "reduced_case", "reduced_row", "reduction", "route_signature"]
 
 CAP_S = 60.0  # whole-case CPU seconds above which a row is reduced
 
@@ -89,6 +92,53 @@ def estimate_cpu_s(kernel: str, name: str, shapes: str) -> float:
     return math.exp(sum(a * b for a, b in zip(coef, x)))
 
 
+# -- the memory estimate -------------------------------------------------------------------------------------------
+# An attention_block_tkg row's peak anonymous resident memory (GB; the runner's cap is on it) is linear in the bytes
+# of its large arrays: m0 + m1 raw + m2 gold + m3 gold [STATIC fp8] + m4 weights + m5 ranks x gold [KVDP], where
+# raw is the K and V caches as drawn (bf16, or fp8 with kv_quant), gold one reference call's K broadcast over a
+# rank's q heads in float32 (batch rows per call: the golden's chunk, else the whole batch), weights the ranks' Q
+# weights in float32, and the last term the KV-data-parallel ranks' goldens. Fitted (non-negative least squares,
+# relative error; rows stopped at the cap counted as at least 8 GB) on the peaks of 289 attention_block_tkg rows
+# that ran to a result, and 8 stopped at 8 GB, by the conformance runners of 2026-12-04/06
+# (/tmp/confrun{4..9}/peaks.txt, over8g.txt): rms error of the log 0.19 (0.23 on the 43 rows over 1.5 GB), worst
+# under-estimate 1.75x (a 0.5 GB row).
+MEM_COEF = (0.303, 2.733, 1.102, 0.447, 2.549, 0.121)
+MEM_CAP_GB = 6.0  # estimated peak a reduced row may reach: the runner's 8 GB over e^(1.2 x 0.23)
+
+
+def _lnc_sharding(b: int, q: int, s_tkg: int, s_ctx: int, lnc: int = 2) -> tuple[bool, bool]:
+    """attention_tkg_utils' ``is_batch_sharded`` / ``is_s_prior_sharded`` (``_get_lnc_sharding``, LNC 2 only): the
+    batch when it is even and holds more than pmax query rows (or S_prior is under 2 x pmax), else S_prior from
+    2 x pmax up."""
+    bs = lnc > 1 and b % 2 == 0 and (b * q * s_tkg > P_MAX or s_ctx < 2 * P_MAX)
+    return bs, lnc > 1 and not bs and s_ctx >= 2 * P_MAX
+
+
+def estimate_peak_gb(kernel: str, name: str, shapes: str) -> float:
+    """The estimated peak resident memory (GB) of an ``attention_block_tkg`` case (see :data:`MEM_COEF`), its
+    golden's batch chunk as ``cases_transformer`` chooses it; ``shapes`` as the case writes them (reduced values
+    alone)."""
+    if not kernel.endswith("/attention_block_tkg"):
+        raise ValueError(f"reduce.estimate_peak_gb: {kernel}: only attention_block_tkg rows have a memory estimate")
+    from .cases_transformer import _block_golden_chunk, _kvdp_golden_chunk
+
+    d = _sizes(shapes)
+    b, q, s_ctx, dh, h = (_first(d[k]) for k in ("B", "q_heads", "S_ctx", "d", "H"))
+    s_tkg, ranks = _first(d.get("S", "1")), _first(d.get("ranks", "1"))
+    kv_bytes = 1 if " kv_quant" in f" {name}" else 2
+    sharded = lambda n, q_, s_, sp, _p: _lnc_sharding(n, q_, s_, sp)[1]  # noqa: E731
+    if ranks > 1:
+        chunk = _kvdp_golden_chunk(b, b // ranks, q, s_tkg, s_ctx, dh, sharded)
+    else:
+        big = "block_len=" in name and 2 * b * s_ctx * dh * kv_bytes > 1 << 30
+        chunk = _block_golden_chunk(b, q, s_tkg, s_ctx, sharded) if big else 0
+    raw = 2 * b * s_ctx * dh * kv_bytes / 1e9
+    gold = (chunk or b) * q * s_ctx * dh * 4 / 1e9
+    x = (1.0, raw, gold, gold * name.startswith("fp8 static"), ranks * h * q * dh * 4 / 1e9,
+         ranks * gold if ranks > 1 else 0.0)
+    return sum(a * v for a, v in zip(MEM_COEF, x))
+
+
 # -- the routes --------------------------------------------------------------------------------------------------
 P_MAX = 128  # nl.tile_size.pmax
 PSUM_BANKS = 8  # TileConstants.psum_b_max (core/attention/attention_tkg_utils.py)
@@ -109,9 +159,7 @@ def attention_route(b: int, q: int, s_ctx: int, s_tkg: int, ranks: int, lnc: int
     b_attn, q_attn = (b // ranks, q * ranks) if ranks > 1 else (b, q)  # KVDP: batch split, q heads gathered
     if ranks > 1 and b % ranks:
         return (("B % KVDP", b % ranks),)  # the kernel refuses it (kernel_assert B % KVDP == 0)
-    # attention_tkg_utils.is_batch_sharded / is_s_prior_sharded (_get_lnc_sharding, LNC 2 only)
-    bs_shard = lnc > 1 and b_attn % 2 == 0 and (b_attn * q_attn * s_tkg > P_MAX or s_ctx < 2 * P_MAX)
-    sp_shard = lnc > 1 and not bs_shard and s_ctx >= 2 * P_MAX
+    bs_shard, sp_shard = _lnc_sharding(b_attn, q_attn, s_tkg, s_ctx, lnc)
     sp_n, bs_n = (2 if sp_shard else 1), (2 if bs_shard else 1)
     s_prior = s_ctx // sp_n
     use_fa = fa_tiling and s_prior > FA_TILE  # uses_flash_attention
@@ -178,6 +226,7 @@ class Reduction:
     sizes: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     reduced_estimate_s: float = 0.0
     why: str = ""
+    reduced_peak_gb: float = 0.0  # the reduced row's estimated peak memory
 
     @property
     def reduced(self) -> bool:
@@ -190,12 +239,14 @@ def _attention_sizes(row: dict[str, Any]) -> tuple:
 
 
 def reduction(kernel: str, name: str, shapes: str, row: Any, cap_s: float = CAP_S,
-              estimate: Callable[[str, str, str], float] = estimate_cpu_s) -> Reduction:
+              estimate: Callable[[str, str, str], float] = estimate_cpu_s, mem_cap_gb: float = MEM_CAP_GB,
+              peak: Callable[[str, str, str], float] = estimate_peak_gb) -> Reduction:
     """Whether and how the model-config row ``row`` (its table row: (field, value) pairs for
     ``attention_block_tkg``) of the case ``kernel`` / ``name`` / ``shapes`` is reduced under ``cap_s`` (see the
-    module doc). Only ``attention_block_tkg`` rows are reduced: the other families' costs are their weights
-    (``estimate_cpu_s`` grows with T or B x S at a power of 0.2-0.35), so fewer tokens seldom reach the cap, and
-    their routes are not derived here; such a row over the cap stays not run."""
+    module doc), its reduced shape's ``peak`` memory within ``mem_cap_gb`` too. Only ``attention_block_tkg`` rows
+    are reduced: the other families' costs are their weights (``estimate_cpu_s`` grows with T or B x S at a power of
+    0.2-0.35), so fewer tokens seldom reach the cap, and their routes are not derived here; such a row over the cap
+    stays not run."""
     full = estimate(kernel, name, shapes)
     if full <= cap_s:
         return Reduction(full, why=f"estimate {full:.0f} s is within the cap of {cap_s:.0f} s")
@@ -212,25 +263,29 @@ def reduction(kernel: str, name: str, shapes: str, row: Any, cap_s: float = CAP_
     same_s = [s2 for s2 in range(s - step, 0, -step)
               if attention_route(b, q, s2, s_tkg, ranks, lnc, blk, fa, kt) == route]
     for s2 in same_s:
-        est = estimate(kernel, name, shaped(b, s2))
-        if est <= cap_s:
-            return Reduction(full, {"S_ctx": (s, s2)}, est)
+        est, mem = estimate(kernel, name, shaped(b, s2)), peak(kernel, name, shaped(b, s2))
+        if est <= cap_s and mem <= mem_cap_gb:
+            return Reduction(full, {"S_ctx": (s, s2)}, est, reduced_peak_gb=mem)
     s2 = same_s[-1] if same_s else s
     b_min = b
     for b2 in range(b - 1, 0, -1):
         if attention_route(b2, q, s2, s_tkg, ranks, lnc, blk, fa, kt) != route:
             continue
         b_min = b2
-        est = estimate(kernel, name, shaped(b2, s2))
-        if est <= cap_s:
-            return Reduction(full, {k: v for k, v in (("S_ctx", (s, s2)), ("B", (b, b2))) if v[0] != v[1]}, est)
+        est, mem = estimate(kernel, name, shaped(b2, s2)), peak(kernel, name, shaped(b2, s2))
+        if est <= cap_s and mem <= mem_cap_gb:
+            return Reduction(full, {k: v for k, v in (("S_ctx", (s, s2)), ("B", (b, b2))) if v[0] != v[1]}, est,
+                             reduced_peak_gb=mem)
     if (b_min, s2) == (b, s):
         return Reduction(full, why=f"estimate {full:.0f} s over the cap of {cap_s:.0f} s and no smaller S_ctx or B "
                                    "keeps the route")
-    # the smallest shape on the route, still over the cap: run it (cheaper than the full row), said so
-    est = estimate(kernel, name, shaped(b_min, s2))
+    # the smallest shape on the route, still over a cap: run it (cheaper than the full row), said so
+    est, mem = estimate(kernel, name, shaped(b_min, s2)), peak(kernel, name, shaped(b_min, s2))
+    over = [f"the cap of {cap_s:.0f} s"] * (est > cap_s) + [f"the memory cap of {mem_cap_gb:g} GB (estimated peak "
+                                                            f"{mem:.1f} GB)"] * (mem > mem_cap_gb)
     return Reduction(full, {k: v for k, v in (("S_ctx", (s, s2)), ("B", (b, b_min))) if v[0] != v[1]}, est,
-                     why=f"the smallest S_ctx and B on the route, still over the cap of {cap_s:.0f} s")
+                     why=f"the smallest S_ctx and B on the route, still over {' and '.join(over)}",
+                     reduced_peak_gb=mem)
 
 
 def _reshape(shapes: str, sizes: dict[str, tuple[int, int]], arrow: bool = True) -> str:
@@ -262,7 +317,7 @@ def reduced_case(case: Case, built: Case, red: Reduction, cap_s: float = CAP_S) 
         raise ValueError(f"reduce: {case.name!r} is not a model-config case")
     what = ", ".join(f"{k} {a:,} -> {b:,}" for k, (a, b) in red.sizes.items())
     note = (f"token counts reduced for CPU time ({what}): the full row's estimate {red.estimate_s:.0f} s is over the "
-            f"{cap_s:.0f} s cap, the reduced row's {red.reduced_estimate_s:.0f} s"
+            f"{cap_s:.0f} s cap, the reduced row's {red.reduced_estimate_s:.0f} s (peak {red.reduced_peak_gb:.1f} GB)"
             + (f" ({red.why})" if red.why else "") + "; same kernel route (trnkit.conformance.reduce)")
     return dataclasses.replace(built, name=case.name.replace(f" {MODEL_CONFIG}", f" {REDUCED} {MODEL_CONFIG}", 1),
                                shapes=_reshape(case.shapes, red.sizes), note=f"{built.note}; {note}", tier=REDUCED)
