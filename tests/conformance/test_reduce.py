@@ -189,17 +189,19 @@ def test_b_goes_further_down_the_route_where_the_memory_estimate_passes_its_cap(
     ("fp8 static kv_quant block_len=32 KVDP=8 model_config OPTIMAL|B=512 q_heads=8/rank d=128 H=8192 "
      "S_ctx=1024/1024 S=1 ranks=8", 6.00),
     ("bf16 test_bias block_len=32 KVDP=4|B=256 q_heads=2/rank d=64 H=3072/2880 S_ctx=10240/10240 S=1 ranks=4", 4.83),
+    # a reduced one-device row with a 2 GB bf16 block cache (its golden in chunks of 70)
+    ("bf16 block_len=32 reduced model_config GENERALITY|B=768 q_heads=2 d=64 H=3072/2880 S_ctx=10240/10240 S=1", 1.95),
     ("fp8 static transposed_out kv_quant block_len=32 model_config OPTIMAL|B=8 q_heads=1 d=128 H=8192 "
      "S_ctx=10240/10240 S=1", 0.57),
     ("bf16 qk_norm_pre_rope qk_norm_pre_rope_gamma transposed_out block_len=32 model_config OPTIMAL|B=2 q_heads=1 "
      "d=128 H=5376 S_ctx=32768/32768 S=1", 0.47),
 ])
 def test_the_memory_estimate_is_near_the_measured_peaks(case, measured_gb):
-    """Within the range of the fit's error on the rows it was fitted on (estimate / measured 0.57-1.79 over 1.5 GB,
-    0.60-1.65 below)."""
+    """Within the range of the fit's error on the rows it was fitted on (estimate / measured 0.57-1.58 over 1.5 GB,
+    0.56-1.70 below)."""
     name, shapes = case.split("|")
     est = reduce.estimate_peak_gb(KERNEL, name, shapes)
-    lo, hi = (0.57, 1.79) if measured_gb > 1.5 else (0.60, 1.65)
+    lo, hi = (0.57, 1.58) if measured_gb > 1.5 else (0.56, 1.70)
     assert lo <= est / measured_gb <= hi, est
 
 
