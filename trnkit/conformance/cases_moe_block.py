@@ -23,9 +23,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .harness import BF16_UNIT, Case, TappedReference, TileCheck, _resolve, drawn_array
+from .harness import FP32_UNIT, Case, TappedReference, TileCheck, _resolve, cast_bf16, drawn_array
 
-__all__ = ["moe_block_case", "moe_block_cases", "routed_as_kernel", "routing_projection"]
+__all__ = ["moe_block_case", "moe_block_cases", "norm_error", "rounded_once", "routed_as_kernel",
+           "routing_projection"]
 
 F16 = np.dtype(np.float16)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -33,6 +34,7 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3)
 LIB = "nkilib_src.nkilib.core"
 TESTS = "test/integration/nkilib/core/moe_block"
 _DT = {F16: "fp16", BF16: "bf16", FP8: "fp8"}
+LNC = 2  # every row (the test's)
 
 
 def _inputs(all_expert: bool, b: int, s: int, h: int, h_actual: int | None, i: int, e_global: int, e_local: int,
@@ -107,7 +109,7 @@ def moe_block_case(all_e: bool, b: int, s: int, h: int, ha: int | None, i: int, 
         entry=f"{LIB}.moe_block.moe_block_tkg:moe_block_tkg",
         reference=f"{LIB}.moe_block.moe_block_tkg_torch:moe_block_tkg_torch_ref",
         inputs=_inputs(all_e, b, s, h, ha, i, eg, el, k, act, w_dt, in_dt, bias, clamp, pre, norm_topk, r_dt, router),
-        outputs=("out", "router_logits"), lnc=2, rtol=5e-2 if w_dt == FP8 else 1e-2, atol=1e-5,
+        outputs=("out", "router_logits"), lnc=LNC, rtol=5e-2 if w_dt == FP8 else 1e-2, atol=1e-5,
         test_file=f"{TESTS}/test_moe_block_tkg.py",
         tapped_reference=None if in_dt != BF16 or r_dt != BF16 else ROUTING if pre or not all_e
         else ROUTING_BY_AFFINITIES)
@@ -115,6 +117,7 @@ def moe_block_case(all_e: bool, b: int, s: int, h: int, ha: int | None, i: int, 
 
 ROUTER_TAP = f"{LIB}.moe_block.moe_block_tkg:_router_topk"  # (router_logits, expert_index [T, K], affinities, ...)
 REFERENCE = f"{LIB}.moe_block.moe_block_tkg_torch:moe_block_tkg_torch_ref"
+NORM_TAP = f"{LIB}.moe_block.moe_block_tkg:_rmsnorm_tkg"  # its output tile [128, T, H/128]: the router's bf16 input
 
 
 def _router_tiles(taps: dict[str, list], by_affinities: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -155,21 +158,115 @@ def _router_tiles(taps: dict[str, list], by_affinities: bool = False) -> tuple[n
     return logits, index
 
 
+def _gamma(n: int, unit: float = FP32_UNIT) -> float:
+    """Higham's gamma_n = n u / (1 - n u): a sum in which each term goes through at most n roundings of unit u is
+    within gamma_n times the sum of the terms' magnitudes of the exact sum, in any order of the additions
+    (Accuracy and Stability of Numerical Algorithms, Lemma 3.1)."""
+    return n * unit / (1 - n * unit)
+
+
+def _bf16_half_step(v: np.ndarray) -> np.ndarray:
+    """Half the spacing of bf16 values (8 significant bits) in the binade of ``v`` (>= 0): a round to nearest of a
+    value of magnitude at most ``v`` moves it by at most this (subnormals: bf16's smallest normal's spacing)."""
+    return 2.0 ** (np.floor(np.log2(np.maximum(np.asarray(v, np.float64), 2.0 ** -126))) - 8)
+
+
+def norm_error(h: int) -> float:
+    """The relative error bound of ``_rmsnorm_tkg``'s float32 value ``y`` (before its one rounding to the bf16
+    output tile) against the exact RMS norm ``x / sqrt(sum(x^2) / hidden_actual + eps) * gamma``, for ``h`` hidden
+    values (nki-library's ``_process_rmsnorm_tile``, float32 math throughout: "performs the element-wise operation
+    in float32 math. The float32 results are cast to" the output's dtype, NKI ISA reference):
+
+    - ``x^2`` of a bf16 value and ``x * gamma`` of two are exact in float32 (8 significant bits squared fit 24);
+    - the sum of the h squares (``tensor_reduce`` over the free axis, then the ones-matmul over the 128
+      partitions into PSUM) is ``S (1 + t)``, ``|t| <= gamma_{h-1}``: each term goes through at most h - 1
+      additions in any order;
+    - ``activation(rsqrt, data=S, scale=1/hidden_actual, bias=eps)``: the scale and eps are float32 roundings of
+      theirs (one each), the product and the sum one each, so the mean is ``m (1 + t')``, ``|t'| <=
+      gamma_{h+2}`` (both terms positive); rsqrt as ``1 / sqrt`` in float32 (the interpreter's ``ops.rsqrt``):
+      two roundings;
+    - the product ``(x gamma) * rsqrt``: one rounding.
+
+    So ``y = exact (1 + t')^(-1/2) (1 + d_b)(1 + d_c) / (1 + d_a)``, ``|d| <= u = 2^-24``: the worst case is
+    ``(1 - gamma_{h+2})^(-1/2) (1 + u)^2 / (1 - u) - 1`` (the other sign is smaller)."""
+    u = FP32_UNIT
+    return (1 - _gamma(h + 2)) ** -0.5 * (1 + u) ** 2 / (1 - u) - 1
+
+
+def rounded_once(tapped: np.ndarray, value: np.ndarray, slack: np.ndarray, label: str, what: str) -> TileCheck:
+    """Whether ``tapped`` (a bf16 tile, [tokens, features]) is the round to nearest of some value within
+    ``slack`` (>= 0, per element) of ``value`` (float64): each element within ``half_step(|value| + slack) +
+    slack`` of ``value`` (``half_step``: half the bf16 spacing in that magnitude's binade, :func:`_bf16_half_step`),
+    a derived bound with no statistical part. A :class:`TileCheck` labelled ``label``; its figures give the
+    largest error as a share of its element's bound, how many values are ``value``'s own nearest bf16, and for a
+    tile beyond the bound the first element beyond it (token, feature, tapped and ``what`` values, bound)."""
+    t, x, s = (np.asarray(v, np.float64) for v in (tapped, value, slack))
+    if t.shape != x.shape or not np.all(np.isfinite(t)):
+        return TileCheck(label, False, float("inf"), f"shape {t.shape} vs {x.shape}" if t.shape != x.shape
+                         else "non-finite values")
+    s = np.broadcast_to(s, x.shape)
+    bound = _bf16_half_step(np.abs(x) + s) + s
+    share = np.abs(t - x) / bound
+    worst = float(share.max()) if share.size else 0.0
+    nearest = float(np.mean(t == cast_bf16(x))) if t.size else 1.0
+    # (the float32 part used: an error past half a bf16 step, as a share of the slack)
+    past = np.divide(np.abs(t - x) - (bound - s), s, out=np.zeros_like(s), where=s > 0)
+    rule = "one bf16 round to nearest of a float32 value within the derived float32 error"
+    if worst <= 1.0:
+        return TileCheck(label, True, worst, (
+            f"max|err| {worst:.3f} of its bound ({rule}: half a bf16 step at the value plus that error; "
+            f"{nearest:.4%} of the values {what}'s nearest bf16, the largest error past half a step "
+            f"{max(float(past.max()), 0.0):.2g} of the float32 error bound)"))
+    beyond = np.argwhere(share > 1.0)
+    tok, f = (int(i) for i in beyond[0])
+    return TileCheck(label, False, worst, (
+        f"{len(beyond)} of {t.size} values beyond {rule}: the first at token {tok}, feature {f}: {t[tok, f]!r} "
+        f"against {what} {x[tok, f]:.8g} (error {abs(t[tok, f] - x[tok, f]):.3g} > bound {bound[tok, f]:.3g}, "
+        f"{share[tok, f]:.2f} of it); max|err| {worst:.2f} of its element's bound"))
+
+
+def _router_input(taps: dict[str, list], t: int, h: int, single_core: bool) -> np.ndarray:
+    """The router's bf16 input as [T, H] float64, from the RMS-norm tap (``_rmsnorm_tkg``'s output tile, the
+    router's ``x`` with a bf16 router: ``moe_block_tkg`` copies it only to another ``router_mm_dtype``): every
+    program records the same tile ([128, T, H/128]; both LNC 2 programs hold every token's), else ValueError.
+    Its layout is ``load_input_to_sbuf``'s without ``hidden_dim_tp``: ``n`` H shards, the tile's element
+    ``[p, t, s * H/(128 n) + j]`` is ``h = s * H/n + p * H/(128 n) + j``; ``n`` is 1 where ``rmsnorm_tkg`` runs
+    ``single_core_forced`` (selective experts, T > 1, no MX weights: router layout ``XSBLayout_tp102__0``), else
+    the LNC (2: ``XSBLayout_tp2013__1``, whose weight rows ``router_topk_input_w_load`` lays out the same way)."""
+    calls = taps.get(NORM_TAP) or []
+    if not calls:
+        raise ValueError("moe_block_tkg RMS-norm tap: no router input recorded")
+    tile = np.asarray(calls[0][2], np.float64)
+    for rank, program, value in calls[1:]:
+        if not np.array_equal(np.asarray(value, np.float64), tile):
+            raise ValueError(f"moe_block_tkg RMS-norm tap: program {program} of rank {rank} holds another router "
+                             "input than program 0")
+    n = 1 if single_core else LNC
+    if tile.shape != (128, t, h // 128) or h % (128 * n):
+        raise ValueError(f"moe_block_tkg RMS-norm tap: tile of shape {tile.shape}, expected (128, {t}, {h // 128})")
+    return tile.reshape(128, t, n, h // (128 * n)).transpose(1, 2, 0, 3).reshape(t, h)
+
+
 def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Callable[..., dict],
                        by_affinities: bool = False) -> list:
-    """The kernel's router logits against the exact logits of its own inputs, and its routing against the golden's.
+    """The kernel's router input and logits against derived bounds, and its routing against the golden's.
 
-    Exact logits (float64): RMS norm of ``inp`` over ``hidden_actual`` (eps 1e-6, as the kernel's default) times
-    ``gamma``, times ``router_weights``, plus ``router_bias``. The kernel rounds the normalized input to a bf16 tile
-    (the router's matmul input, ``router_mm_dtype`` bf16) and the logits to bf16 (its ``router_logits`` tile has
-    the input's dtype), accumulating over H in float32 PSUM and adding the bias in float32: 2 bf16 roundings +
-    (H + 1) float32 ones (2^-16 of a bf16 one each; :func:`~trnkit.conformance.harness.within_roundings`).
+    (a1) ``router input``: the tapped RMS-norm tile (:func:`_router_input`) is the bf16 round to nearest of a
+    float32 value within :func:`norm_error` (relative) of the exact RMS norm of the kernel's inputs (float64: ``inp``
+    over ``hidden_actual``, eps 1e-6, times ``gamma``; float64's own error, ``gamma^(53)_{H+8}`` relative, added):
+    :func:`rounded_once`. (a2) ``router logits``: the kernel's bf16 logits are the round to nearest of a float32
+    value within ``gamma_H * (sum_h |x_hat w| + |b|)`` of the tapped input's exact logits ``x_hat @ w + b`` (H bf16
+    products, exact in float32, and the float32 bias: H + 1 terms, each through at most H float32 additions in any
+    order, PSUM accumulation, bias add and column-tile merges alike; Higham, Lemma 3.1; H counted from the tap;
+    float64's error on ``x_hat @ w`` added as ``gamma^(53)_{H+1}`` of the same sum). No statistical test.
 
     The routing (a :class:`TileCheck`): each token's chosen experts are K distinct experts and a top-K of the
-    kernel's own logits (none unchosen above a chosen one); where the chosen set differs from the golden's
-    (top-K of nki-library's float32 logits), every expert in the difference has an exact logit within the logits'
-    bound (``roundings * 2^-8 * max|exact|`` of its token) of the token's K-th largest exact logit: a near tie
-    the kernel's roundings can decide either way. Every other token is routed as the golden routes.
+    kernel's own logits (none unchosen above a chosen one); where the chosen set differs from the golden's (top-K of
+    nki-library's float32 logits ``G``), every expert ``e`` in the difference has ``|G_e - G_K| <= D_e + max D``
+    over the difference (``G_K`` the token's K-th largest golden logit), ``D_e`` (a2)'s bound of ``e`` plus the
+    input's actual effect ``|x_hat w + b - G|_e``: from (a2) and the top-K, ``|L - G| <= D``, so a kernel-chosen
+    ``e`` the golden leaves out lies within ``D_e + D_e'`` below ``G_K`` for an ``e'`` the golden takes and the
+    kernel leaves out, and the reverse. Every other token is routed as the golden routes.
 
     All experts (``is_all_expert``): the same conditions on every token and expert, the rank's own or not (a swap
     between two other ranks' experts changes only the top-K normalization of the rank's affinities); each differing
@@ -182,16 +279,23 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
     h_actual = inputs.get("hidden_actual") or h
     rms = np.sqrt((x ** 2).sum(axis=1, keepdims=True) / h_actual + 1e-6)
     norm = x / rms * np.asarray(inputs["gamma"], np.float64).reshape(1, h)
-    exact = norm @ np.asarray(inputs["router_weights"], np.float64)
-    if inputs.get("router_bias") is not None:
-        exact = exact + np.asarray(inputs["router_bias"], np.float64).reshape(1, -1)
-    roundings = 2 + (h + 1) * 2.0 ** -16
+    w = np.asarray(inputs["router_weights"], np.float64)
+    b = np.zeros((1, w.shape[1])) if inputs.get("router_bias") is None \
+        else np.asarray(inputs["router_bias"], np.float64).reshape(1, -1)
+    x_hat = _router_input(taps, t, h, single_core=not inputs.get("is_all_expert") and t > 1)
+    f64 = 2.0 ** -53
+    a1 = rounded_once(x_hat, norm, (norm_error(h) + _gamma(h + 8, f64)) * np.abs(norm), "router input",
+                      "the exact RMS norm")
+    fed = x_hat @ w + b  # (the tapped input's logits: H exact products and the bias, summed in float64)
+    abs_sum = np.abs(x_hat) @ np.abs(w) + np.abs(b)
+    slack = (_gamma(h) + _gamma(h + 1, f64)) * abs_sum
     logits, index = _router_tiles(taps, by_affinities)
+    a2 = rounded_once(logits, fed, slack, "router logits", "the tapped input's exact logit")
     k = index.shape[1]
     golden = np.asarray(run(lambda kw: kw)["router_logits"], np.float64).reshape(t, -1)
     gold_sel = np.argsort(-golden, axis=1, kind="stable")[:, :k]
-    bound = roundings * BF16_UNIT * np.abs(exact).max(axis=1)
-    kth = -np.sort(-exact, axis=1)[:, k - 1]
+    reach = _bf16_half_step(np.abs(fed) + slack) + slack + np.abs(fed - golden)  # D: |L - G| <= D given (a2)
+    kth = -np.sort(-golden, axis=1)[:, k - 1]
     worst, differ = 0.0, []
     local = range(0)  # all experts: the rank's own experts, the only ones whose MLPs add to its out
     if inputs.get("is_all_expert"):
@@ -201,31 +305,31 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
     for tok in range(t):
         chosen = set(index[tok].tolist())
         if len(chosen) != k or not all(0 <= e < logits.shape[1] for e in chosen):
-            return [("router logits", logits, exact, roundings, False),
-                    TileCheck("routing", False, float("inf"), f"token {tok}: chosen experts {index[tok].tolist()} "
-                              f"are not {k} distinct experts of {logits.shape[1]}")]
+            return [a1, a2, TileCheck("routing", False, float("inf"), f"token {tok}: chosen experts "
+                                      f"{index[tok].tolist()} are not {k} distinct experts of {logits.shape[1]}")]
         rest = np.setdiff1d(np.arange(logits.shape[1]), index[tok])
         if logits[tok, index[tok]].min() < logits[tok, rest].max():
-            return [("router logits", logits, exact, roundings, False),
-                    TileCheck("routing", False, float("inf"), f"token {tok}: the kernel's experts "
-                              f"{index[tok].tolist()} are not a top-{k} of its own router logits (chosen min "
-                              f"{logits[tok, index[tok]].min():.5g} < unchosen max {logits[tok, rest].max():.5g})")]
+            return [a1, a2, TileCheck("routing", False, float("inf"), f"token {tok}: the kernel's experts "
+                                      f"{index[tok].tolist()} are not a top-{k} of its own router logits (chosen min "
+                                      f"{logits[tok, index[tok]].min():.5g} < unchosen max "
+                                      f"{logits[tok, rest].max():.5g})")]
         swapped = sorted(chosen ^ set(gold_sel[tok].tolist()))
         if swapped:
-            gaps = {e: abs(exact[tok, e] - kth[tok]) for e in swapped}
-            share = max(gaps.values()) / bound[tok]
+            widest = max(reach[tok, e] for e in swapped)
+            shares = {e: abs(golden[tok, e] - kth[tok]) / (reach[tok, e] + widest) for e in swapped}
+            share = max(shares.values())
             worst = max(worst, share)
             differ.append(f"token {tok}: golden {sorted(set(gold_sel[tok].tolist()) - chosen)} -> kernel "
-                          f"{sorted(chosen - set(gold_sel[tok].tolist()))}, exact logits "
-                          + ", ".join(f"{exact[tok, e]:.5f}" for e in swapped) + f" against the K-th {kth[tok]:.5f}"
-                          f" ({share:.2f} of the bound {bound[tok]:.2g})"
+                          f"{sorted(chosen - set(gold_sel[tok].tolist()))}, golden logits "
+                          + ", ".join(f"{golden[tok, e]:.5f}" for e in swapped) + f" against its K-th "
+                          f"{kth[tok]:.5f}, from the kernel's input " + ", ".join(f"{fed[tok, e]:.5f}" for e in swapped)
+                          + f" ({share:.2f} of the window {max(reach[tok, e] + widest for e in swapped):.2g})"
                           + (f", of them on this rank {[e for e in swapped if e in local]}" if local else ""))
             if share > 1:
-                return [("router logits", logits, exact, roundings, False),
-                        TileCheck("routing", False, share, "not a near tie: " + differ[-1])]
+                return [a1, a2, TileCheck("routing", False, share, "not a near tie: " + differ[-1])]
     figures = (f"{len(differ)} of {t} tokens routed otherwise than the golden, each a near tie: " + "; ".join(differ)
                if differ else f"all {t} tokens routed as the golden")
-    return [("router logits", logits, exact, roundings, False), TileCheck("routing", True, worst, figures)]
+    return [a1, a2, TileCheck("routing", True, worst, figures)]
 
 
 @contextlib.contextmanager
@@ -267,13 +371,13 @@ def routed_as_kernel(root: Path, taps: dict[str, list], by_affinities: bool = Fa
 
 
 ROUTING = TappedReference(
-    what="router logits and routing (the reference routed each token as the kernel routes it)",
-    taps=(ROUTER_TAP,), projection=routing_projection, ref_inputs=lambda kw, taps: kw, during=routed_as_kernel)
+    what="router input, logits and routing (the reference routed each token as the kernel routes it)",
+    taps=(NORM_TAP, ROUTER_TAP), projection=routing_projection, ref_inputs=lambda kw, taps: kw, during=routed_as_kernel)
 # all experts without router_act_first: the kernel's chosen experts read off its nonzero affinities
 ROUTING_BY_AFFINITIES = TappedReference(
-    what="router logits and routing (the kernel's chosen experts read off its nonzero affinities; the reference "
+    what="router input, logits and routing (the kernel's chosen experts read off its nonzero affinities; the reference "
          "routed each token as the kernel routes it)",
-    taps=(ROUTER_TAP,), projection=functools.partial(routing_projection, by_affinities=True),
+    taps=(NORM_TAP, ROUTER_TAP), projection=functools.partial(routing_projection, by_affinities=True),
     ref_inputs=lambda kw, taps: kw, during=functools.partial(routed_as_kernel, by_affinities=True))
 
 
