@@ -738,14 +738,9 @@ def test_a_qkv_tkg_row_whose_partial_sum_adds_are_nudged_is_a_mismatch(monkeypat
         in row.message and "beyond its bound" in row.message, row.message
 
 
-@needs_checkout
-@pytest.mark.slow
-@pytest.mark.model_config
-def test_a_q_tile_off_its_reference_stays_a_mismatch_without_the_rms_test(monkeypatch):
-    """The qkv_tkg row with the Q tile _QKV_processing returns scaled by 1.03 (a kernel error after the QKV tile):
-    its QKV tile is still exact, but Q is beyond its derived bound (6 bf16 roundings at its RoPE products'
-    magnitude, no rms test), so the row stays MISMATCH, naming the Q tile and the bound."""
-    case = _tapped_row()
+def _q_scaled_after_processing(monkeypatch, factor: float = 1.03) -> None:
+    """``harness.tap`` wrapped so that inside a row's run the Q tile ``_QKV_processing`` returns is scaled by
+    ``factor`` (a kernel error after the QKV tile)."""
     module, _, attr = cases_transformer.PROCESSED_TAP.partition(":")
     real = harness.tap
 
@@ -759,7 +754,7 @@ def test_a_q_tile_off_its_reference_stays_a_mismatch_without_the_rms_test(monkey
 
         def off(*a, **kw):
             q, *rest = processing(*a, **kw)
-            nisa.tensor_scalar(dst=q, data=q, op0=nl.multiply, operand0=1.03)
+            nisa.tensor_scalar(dst=q, data=q, op0=nl.multiply, operand0=factor)
             return (q, *rest)
 
         setattr(mod, attr, off)
@@ -770,10 +765,68 @@ def test_a_q_tile_off_its_reference_stays_a_mismatch_without_the_rms_test(monkey
             setattr(mod, attr, processing)
 
     monkeypatch.setattr(harness, "tap", tap_after_the_error)
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
+def test_a_q_tile_off_its_reference_stays_a_mismatch_without_the_rms_test(monkeypatch):
+    """The qkv_tkg row with the Q tile _QKV_processing returns scaled by 1.03 (a kernel error after the QKV tile):
+    its QKV tile is still exact, but Q is beyond its derived bound (6 bf16 roundings at its RoPE products'
+    magnitude, no rms test), so the row stays MISMATCH, naming the Q tile and the bound."""
+    case = _tapped_row()
+    _q_scaled_after_processing(monkeypatch)
     row = harness.run_case(case, ROOT)
     assert row.result == harness.MISMATCH and not harness.row_ok(case, row), harness.format_row(row)
     assert "not GOLDEN_GAP: tapped rank 0 core 0 Q: max|err| " in row.message and " of the 6-rounding bound at the " \
         "products' magnitude (derived: no rms test), beyond its bound" in row.message, row.message
+
+
+@needs_checkout
+@pytest.mark.slow
+def test_a_constructed_row_with_a_post_rope_norm_stays_a_mismatch_naming_the_case(monkeypatch):
+    """No conformance row with a tapped check has a norm after RoPE (the next test); a constructed one (the tapped
+    row's shape with qk_norm_post_rope, which PASSes as the kernel is) with its Q tile 4 times what it is (X_out off
+    the golden) stays MISMATCH, the tapped check saying it derives no bound there and naming the case, where the rms
+    test used to decide."""
+    case = cases_transformer.attention_block_case(8, 8, 128, 4096, None, 1024, 1024, 1, quantization_type="STATIC",
+                                                  kv_quant=True, qk_norm_post_rope=True, qk_norm_post_rope_gamma=True)
+    assert case.tapped_reference is not None
+    _q_scaled_after_processing(monkeypatch, 4.0)
+    row = harness.run_case(case, ROOT)
+    assert row.result == harness.MISMATCH and not harness.row_ok(case, row), harness.format_row(row)
+    assert "not GOLDEN_GAP: the tapped check failed: NotImplementedError: attention_block_tkg fp8 static " \
+        "qk_norm_post_rope qk_norm_post_rope_gamma kv_quant B=8 q_heads=8 d=128 H=4096 S_ctx=1024/1024 S=1: rank 0 " \
+        "core 0: no derived bound for Q / K after a post-RoPE norm" in row.message, row.message
+
+
+@needs_checkout
+def test_no_row_with_a_tapped_check_has_a_post_rope_norm():
+    """Every attention_block_tkg row (unit, model-config, reduced) whose QKV check is tapped (STATIC fp8 weights and
+    an fp8 KV cache) has no qk_norm_post_rope: the branch without a derived bound is reached by no row."""
+    from trnkit.conformance import cases
+
+    rows = [c for c in cases.all_cases(ROOT) if c.kernel.endswith("attention_block_tkg")]
+    tapped = [c for c in rows if c.tapped_reference is not None]
+    assert len(tapped) > 1000 and any("qk_norm_post_rope" in c.name for c in rows)
+    assert [c for c in tapped if "qk_norm_post_rope" in c.name] == []
+
+
+def test_the_processed_checks_derive_q_and_ks_bounds_and_refuse_a_post_rope_norm():
+    """Q at its products' magnitude (zeros without RoPE: the row's largest value), K likewise with an fp8 tile, V one
+    rounding; after a post-RoPE norm no bound: NotImplementedError naming the case and the core."""
+    rng = np.random.default_rng(2)
+    cap = {"Q": rng.normal(size=(8, 1, 2, 1)), "K": rng.normal(size=(8, 1, 1)), "V": rng.normal(size=(1, 8))}
+    items = cases_transformer.processed_checks("rank 0 core 1", cap, cap["Q"], cap["K"], cap["V"], "row")
+    assert [i[0] for i in items] == ["rank 0 core 1 Q", "rank 0 core 1 K", "rank 0 core 1 V"]
+    assert np.array_equal(items[0][5], np.zeros((1, 2, 1, 8))) and items[1][5] is None
+    products = np.abs(cap["Q"]) * 3
+    items = cases_transformer.processed_checks("c", {**cap, "Q_products": products}, cap["Q"], cap["K"], cap["V"], "")
+    assert np.array_equal(items[0][5], np.moveaxis(products, 0, -1))
+    with pytest.raises(NotImplementedError, match=r"^attention_block_tkg fp8 static qk_norm_post_rope B=1: rank 0 "
+                       r"core 1: no derived bound for Q / K after a post-RoPE norm"):
+        cases_transformer.processed_checks("rank 0 core 1", {**cap, "post_norm": True}, cap["Q"], cap["K"], cap["V"],
+                                           "fp8 static qk_norm_post_rope B=1")
 
 
 def test_a_derived_bound_has_no_rms_test():
