@@ -1,8 +1,8 @@
 """moe_block_tkg's routing check (``cases_moe_block.routing_projection``, ``routed_as_kernel``): a MISMATCH is
 GOLDEN_GAP only where the kernel's router input is its exact RMS norm's bf16 rounding and its router logits that
-input's exact logits' (derived bounds), it routes otherwise than the golden only at near ties, and nki-library's reference routed as the kernel routes reproduces
-``out`` while the golden fails against it. Synthetic rows on nki-library's own reference (small shapes, in
-milliseconds) and the two real model-config rows (slow)."""
+input's exact logits' (derived bounds), it routes otherwise than the golden only at near ties, and nki-library's
+reference routed as the kernel routes reproduces ``out`` while the golden fails against it. Synthetic rows on
+nki-library's own reference (small shapes, in milliseconds) and real model-config rows (slow)."""
 
 from __future__ import annotations
 
