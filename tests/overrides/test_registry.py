@@ -43,8 +43,8 @@ def _even_d(q, k, **_):
 
 def test_builtins_registered():
     impls = list_impls()
-    assert set(impls) == {"rope_hf", "router_topk", "grouped_mm", "moe_experts", "rmsnorm", "linear_cross_entropy",
-                          "attention", "mlp"}
+    assert set(impls) == {"rope_hf", "router_topk", "grouped_mm", "moe_experts", "rmsnorm", "rmsnorm_qk",
+                          "linear_cross_entropy", "attention", "mlp"}
     for names in impls.values():
         assert {"reference", "nki"} <= set(names)
     nki = get_impl("router_topk", "nki")

@@ -220,6 +220,31 @@ def _rmsnorm_constraints(x: Tensor, weight: Tensor, eps: float = 1e-6, **_: Any)
     return _attr("rmsnorm", "rmsnorm_constraints")(x, weight, eps, backward=backward)
 
 
+def _rmsnorm_qk_ref(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: float = 1e-6):
+    return _attr("rmsnorm", "rmsnorm_qk_ref")(q, k, weight_q, weight_k, eps)
+
+
+def _rmsnorm_qk_nki(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: float = 1e-6,
+                    lnc: int | None = None):
+    return _attr("rmsnorm", "rmsnorm_qk")(q, k, weight_q, weight_k, eps, lnc=lnc)
+
+
+def _rmsnorm_qk_ref_bwd(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, rstd_q: Tensor, rstd_k: Tensor,
+                        grad_yq: Tensor, grad_yk: Tensor, eps: float = 1e-6):
+    return _attr("rmsnorm", "rmsnorm_qk_bwd_ref")(grad_yq, grad_yk, q, k, weight_q, weight_k, rstd_q, rstd_k)
+
+
+def _rmsnorm_qk_nki_bwd(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, rstd_q: Tensor, rstd_k: Tensor,
+                        grad_yq: Tensor, grad_yk: Tensor, eps: float = 1e-6, lnc: int | None = None):
+    return _attr("rmsnorm", "rmsnorm_qk_bwd")(grad_yq, grad_yk, q, k, weight_q, weight_k, rstd_q, rstd_k, lnc=lnc)
+
+
+def _rmsnorm_qk_constraints(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: float = 1e-6,
+                            **_: Any) -> list[Violation]:
+    backward = any(getattr(t, "requires_grad", False) for t in (q, k, weight_q, weight_k))
+    return _attr("rmsnorm", "rmsnorm_qk_constraints")(q, k, weight_q, weight_k, eps, backward=backward)
+
+
 # ------------------------------------------------------------------------------ linear cross-entropy
 
 
@@ -322,6 +347,9 @@ def register_builtins() -> None:
     register("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_constraints, **nki)
     register("rmsnorm", REFERENCE, _rmsnorm_ref, backward=_rmsnorm_ref_bwd, **ref)
     register("rmsnorm", NKI, _rmsnorm_nki, backward=_rmsnorm_nki_bwd, constraints=_rmsnorm_constraints, **nki)
+    register("rmsnorm_qk", REFERENCE, _rmsnorm_qk_ref, backward=_rmsnorm_qk_ref_bwd, **ref)
+    register("rmsnorm_qk", NKI, _rmsnorm_qk_nki, backward=_rmsnorm_qk_nki_bwd, constraints=_rmsnorm_qk_constraints,
+             **nki)
     register("linear_cross_entropy", REFERENCE, _lce_ref, backward=_lce_ref_bwd, **ref)
     register("linear_cross_entropy", NKI, _lce_nki, backward=_lce_nki_bwd, constraints=_lce_constraints, **nki)
     register("attention", REFERENCE, _attention_ref, backward=_attention_ref_bwd, **ref)

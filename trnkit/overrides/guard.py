@@ -16,7 +16,7 @@ from trnkit.kernels.constraints import Violation
 from trnkit.overrides.config import KernelChoice
 from trnkit.overrides.registry import REFERENCE, OverrideConstraintError, select, warn_once
 
-__all__ = ["BoundKernel", "Probe", "resolve_dtensor"]
+__all__ = ["BoundKernel", "Probe", "head_norm_pair", "resolve_dtensor"]
 
 _DTensor: type | None = None  # torch.distributed.tensor.DTensor, resolved by resolve_dtensor (import is slow)
 
@@ -94,6 +94,41 @@ class BoundKernel:
         reason = "; ".join(str(v) for v in reasons)
         _emit_fallback_warning(self.op, self.impl, reason, self.path)
         return reason
+
+
+def head_norm_pair(q_guard: BoundKernel | None, k_guard: BoundKernel | None, q: Tensor, k: Tensor, weight_q: Tensor,
+                   weight_k: Tensor, eps_q: float, eps_k: float) -> str | None:
+    """The impl that runs the q and k head norms as one ``trnkit::rmsnorm_qk`` call, or None (each norm runs its
+    own swap point's choice). One call when both norms are swapped in with the same impl, ``lnc`` and eps,
+    each norm's own choice (its policy and constraints, :meth:`BoundKernel.choose`) runs that impl,
+    ``rmsnorm_qk`` has an impl of that name, and the pair's constraints hold (otherwise a warning once per
+    reason, and the two calls, whose outputs are the same). Not during the validation dry run, which checks
+    each norm's swap point."""
+    from trnkit.overrides.registry import list_impls
+
+    if q_guard is None or k_guard is None or q_guard.probe is not None or k_guard.probe is not None:
+        return None
+    if (q_guard.impl, q_guard.lnc, eps_q) != (k_guard.impl, k_guard.lnc, eps_k):
+        return None
+    if q_guard.impl not in list_impls("rmsnorm_qk")["rmsnorm_qk"]:
+        return None
+    impl = q_guard.choose(x=q, weight=weight_q, eps=eps_q)
+    if impl is None or impl != k_guard.choose(x=k, weight=weight_k, eps=eps_k):
+        return None
+    needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, weight_q, weight_k))
+    sel = select("rmsnorm_qk", impl, policy="fallback", needs_backward=needs_backward,
+                 compiling=torch.compiler.is_compiling(), q=q, k=k, weight_q=weight_q, weight_k=weight_k, eps=eps_q)
+    if sel.fell_back:
+        _emit_pair_warning(impl, "; ".join(str(v) for v in sel.reasons), q_guard.path)
+        return None
+    return impl
+
+
+@torch.compiler.assume_constant_result
+def _emit_pair_warning(impl: str, reason: str, path: str) -> bool:
+    return warn_once("fallback", "rmsnorm_qk", impl, reason,
+                     message=f"trnkit override rmsnorm_qk[{impl}] does not serve these head norms (first seen at "
+                             f"{path}): {reason}; q_norm and k_norm run as two rmsnorm calls")
 
 
 @torch.compiler.assume_constant_result

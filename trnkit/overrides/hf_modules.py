@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from trnkit.kernels.constraints import Violation
 from trnkit.kernels.moe import from_hf_v5
 from trnkit.overrides import ops
-from trnkit.overrides.guard import BoundKernel
+from trnkit.overrides.guard import BoundKernel, head_norm_pair
 
 __all__ = ["ModuleAdapter", "bind", "deinterleave", "hf_experts_call", "hf_experts_static", "is_hf",
            "is_rope_attention", "module_adapter", "rope_attention_forward", "swapped", "unbind"]
@@ -290,6 +290,19 @@ def _hf_modeling(module: nn.Module) -> Any:
     return sys.modules[type(module).__module__]
 
 
+def _hf_head_norms(self: Any, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """``self.q_norm(q), self.k_norm(k)``: one ``trnkit::rmsnorm_qk`` call when both of transformers' head norms
+    are swapped in with one impl that has it (:func:`trnkit.overrides.guard.head_norm_pair`)."""
+    qn, kn = self.q_norm, self.k_norm
+    if swapped(qn) and swapped(kn):
+        eps_q, eps_k = float(qn.variance_epsilon), float(kn.variance_epsilon)
+        impl = head_norm_pair(qn._trnkit_guard, kn._trnkit_guard, q, k, qn.weight, kn.weight, eps_q, eps_k)
+        if impl is not None:
+            yq, yk, _, _ = ops.rmsnorm_qk(q, k, qn.weight, kn.weight, eps_q, impl, lnc=qn._trnkit_guard.lnc)
+            return yq, yk
+    return qn(q), kn(k)
+
+
 def rope_attention_forward(self: Any, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
                                attention_mask: Tensor | None, cache: Any = None, **kwargs: Any) -> tuple[Tensor, Any]:
     """transformers' ``Qwen3Attention`` / ``Qwen3MoeAttention`` forward (5.24, the classes of
@@ -300,8 +313,8 @@ def rope_attention_forward(self: Any, hidden_states: Tensor, position_embeddings
         cache = kwargs.pop("past_key_values", None)  # the argument's old name (transformers maps it until 5.40)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
-    k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape))
+    q, k = _hf_head_norms(self, self.q_proj(hidden_states).view(hidden_shape),
+                          self.k_proj(hidden_states).view(hidden_shape))
     v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     q, k = _hf_rope(self, q, k, *position_embeddings)
     if cache is not None:

@@ -23,6 +23,9 @@ registered on the functional ops with the impl's backward.
   returns the bias gradients too (empty tensors for absent biases).
 - ``trnkit::rmsnorm(x, weight, eps, impl) -> (y, rstd f32)``: HF's cast order, ``y`` in
   ``promote(x.dtype, weight.dtype)``, ``rstd`` one fp32 value per row (saved for the backward).
+- ``trnkit::rmsnorm_qk(q, k, weight_q, weight_k, eps, impl) -> (y_q, y_k, rstd_q f32, rstd_k f32)``: the q and k
+  head norms in one call (each as ``trnkit::rmsnorm``); the models run it when both head norms are swapped in
+  with one impl that ``rmsnorm_qk`` also has (:func:`trnkit.overrides.guard.head_norm_pair`).
 - ``trnkit::linear_cross_entropy(hidden, weight, labels, ignore_index, impl) -> (loss f32, lse f32)``: the
   lm_head fused with the cross-entropy summed over the labels that are not ``ignore_index``.
 - ``trnkit::linear_cross_entropy_fused(hidden, weight, labels, ignore_index, impl) -> (loss, lse, grad_hidden f32,
@@ -36,10 +39,12 @@ registered on the functional ops with the impl's backward.
 - ``trnkit::mlp(x, w_gate_up, w_down, impl) -> y``: the dense SwiGLU MLP ``(silu(x @ Wg) * (x @ Wu)) @ w_down``,
   ``x [..., H]``, ``w_gate_up [H, 2I]`` (gate columns first), ``w_down [I, H]``, ``y`` in x's dtype.
 - ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``, ``trnkit::rmsnorm_bwd``,
+  ``trnkit::rmsnorm_qk_bwd``,
   ``trnkit::linear_cross_entropy_bwd``, ``trnkit::attention_bwd``, ``trnkit::mlp_bwd``: the backward
   kernels as ops of their own, so the backward graph is opaque to torch.compile too.
 
 The ops of kernels that split work over a trn2 logical core (``grouped_mm``, ``moe_experts``, ``rmsnorm``,
+``rmsnorm_qk``,
 ``linear_cross_entropy``, ``attention``, ``mlp`` and their backwards) take a trailing ``lnc: int`` (1 or 2 physical
 cores; 0 = the device default, :func:`trnkit.kernels.lnc.default_lnc`); it reaches an impl as the keyword
 ``lnc`` when set and the impl declares that parameter, and the backward runs at the forward's ``lnc``.
@@ -64,7 +69,7 @@ from trnkit.overrides.registry import get_impl
 
 __all__ = ["attention", "attention_bwd", "grouped_mm", "grouped_mm_bwd", "linear_cross_entropy",
            "linear_cross_entropy_bwd", "linear_cross_entropy_fused",
-           "moe_experts", "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rope_hf",
+           "moe_experts", "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rmsnorm_qk", "rmsnorm_qk_bwd", "rope_hf",
            "rope_hf_apply", "router_topk", "router_topk_bwd", "mlp", "mlp_bwd"]
 
 _LAYOUTS = ("bhsd", "bshd")
@@ -81,7 +86,7 @@ def _check_layout(layout: str) -> None:
 
 # Positions of each op's differentiable inputs in its backward's arguments (x, weights, ...).
 _PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0, 1), "moe_experts": (0, 2, 3, 4),
-                                        "rmsnorm": (0, 1), "linear_cross_entropy": (0, 1),
+                                        "rmsnorm": (0, 1), "rmsnorm_qk": (0, 1, 2, 3), "linear_cross_entropy": (0, 1),
                                         "attention": (0, 1, 2), "mlp": (0, 1, 2)}
 _PRIMAL_KWARGS = ("b_gate_up", "b_down")  # differentiable keyword arguments (the experts' biases)
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
@@ -470,6 +475,67 @@ def _rmsnorm_backward(ctx: Any, grad_y: Tensor | None, grad_rstd: Tensor | None)
 
 
 rmsnorm.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
+
+
+@torch.library.custom_op("trnkit::rmsnorm_qk", mutates_args=())
+def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: float = 1e-6,
+               impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y_q, y_k, rstd_q, rstd_k)``: ``trnkit::rmsnorm`` of ``q`` with ``weight_q`` and of ``k`` with ``weight_k``
+    in one call (the q and k head norms)."""
+    fn = get_impl("rmsnorm_qk", impl).fn
+    yq, yk, rq, rk = fn(q.contiguous(), k.contiguous(), weight_q.contiguous(), weight_k.contiguous(), eps,
+                        **_lnc_kw(fn, lnc))
+    return (yq.to(torch.promote_types(q.dtype, weight_q.dtype)).reshape(q.shape),
+            yk.to(torch.promote_types(k.dtype, weight_k.dtype)).reshape(k.shape),
+            rq.to(torch.float32).reshape(-1), rk.to(torch.float32).reshape(-1))
+
+
+@rmsnorm_qk.register_fake
+def _rmsnorm_qk_fake(q, k, weight_q, weight_k, eps=1e-6, impl="reference", lnc=0):
+    return (q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, weight_q.dtype)),
+            k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, weight_k.dtype)),
+            q.new_empty((_rows(q),), dtype=torch.float32), k.new_empty((_rows(k),), dtype=torch.float32))
+
+
+def _rmsnorm_qk_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    q, k, weight_q, weight_k, eps, impl, lnc = inputs
+    ctx.save_for_backward(q, k, weight_q, weight_k, output[2], output[3])
+    ctx.eps, ctx.impl, ctx.lnc = eps, impl, lnc
+
+
+@torch.library.custom_op("trnkit::rmsnorm_qk_bwd", mutates_args=())
+def rmsnorm_qk_bwd(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, rstd_q: Tensor, rstd_k: Tensor,
+                   grad_yq: Tensor, grad_yk: Tensor, eps: float = 1e-6, impl: str = "reference",
+                   lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Backward of ``trnkit::rmsnorm_qk``: ``(grad_q, grad_k, grad_weight_q, grad_weight_k)``."""
+    gq, gk, gwq, gwk = _run_backward("rmsnorm_qk", impl, q.contiguous(), k.contiguous(), weight_q.contiguous(),
+                                     weight_k.contiguous(), rstd_q.contiguous(), rstd_k.contiguous(),
+                                     grad_yq.contiguous(), grad_yk.contiguous(), eps=eps, lnc=lnc)
+    return (gq.to(q.dtype).reshape(q.shape), gk.to(k.dtype).reshape(k.shape), gwq.to(weight_q.dtype),
+            gwk.to(weight_k.dtype))
+
+
+@rmsnorm_qk_bwd.register_fake
+def _rmsnorm_qk_bwd_fake(q, k, weight_q, weight_k, rstd_q, rstd_k, grad_yq, grad_yk, eps=1e-6, impl="reference",
+                         lnc=0):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(weight_q), torch.empty_like(weight_k)
+
+
+def _rmsnorm_qk_backward(ctx: Any, grad_yq: Tensor | None, grad_yk: Tensor | None, grad_rq: Tensor | None,
+                         grad_rk: Tensor | None):
+    q, k, weight_q, weight_k, rstd_q, rstd_k = ctx.saved_tensors
+    if grad_yq is None and grad_yk is None:  # only the rstds were used downstream: they carry no gradient
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(weight_q), torch.zeros_like(weight_k),
+                None, None, None)
+    dt_q, dt_k = torch.promote_types(q.dtype, weight_q.dtype), torch.promote_types(k.dtype, weight_k.dtype)
+    grad_yq = torch.zeros(q.shape, dtype=dt_q, device=q.device) if grad_yq is None else grad_yq
+    grad_yk = torch.zeros(k.shape, dtype=dt_k, device=k.device) if grad_yk is None else grad_yk
+    gq, gk, gwq, gwk = rmsnorm_qk_bwd(q, k, weight_q, weight_k, rstd_q, rstd_k, grad_yq, grad_yk, ctx.eps,
+                                      ctx.impl, ctx.lnc)
+    return gq, gk, gwq, gwk, None, None, None
+
+
+rmsnorm_qk.register_autograd(_rmsnorm_qk_backward, setup_context=_rmsnorm_qk_setup)
 
 
 # ------------------------------------------------------------------------------ linear cross-entropy

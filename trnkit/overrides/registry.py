@@ -1,6 +1,7 @@
 """Implementation registry for trnkit's overridable ops.
 
-Every op (``rope_hf``, ``router_topk``, ``grouped_mm``, ``moe_experts``, ``rmsnorm``, ``linear_cross_entropy``,
+Every op (``rope_hf``, ``router_topk``, ``grouped_mm``, ``moe_experts``, ``rmsnorm``, ``rmsnorm_qk``,
+``linear_cross_entropy``,
 ``attention``, ``mlp``) has named implementations
 ("impls"): the built-in ``reference`` (torch) and ``nki`` (the NKI kernel: real NKI on a ``neuron``
 device, trnkit's interpreter on CPU), plus any a user registers::
@@ -32,6 +33,10 @@ Impl call conventions (the op's canonical signature; the kernels' signatures fro
   (grad_x, grad_topk_weights, grad_w_gate_up, grad_w_down)``.
 - ``rmsnorm``: ``fn(x, weight, eps=1e-6) -> (y, rstd [rows] f32)`` with ``y = weight * (x * rstd).to(x.dtype)``;
   ``backward(x, weight, rstd, grad_y, eps=1e-6) -> (grad_x, grad_weight)``.
+- ``rmsnorm_qk`` (not a swap point of its own: the models run it for the q and k head norms when both are
+  swapped in with an impl it has, :func:`trnkit.overrides.guard.head_norm_pair`): ``fn(q, k, weight_q, weight_k,
+  eps=1e-6) -> (y_q, y_k, rstd_q, rstd_k)``, ``rmsnorm`` of each; ``backward(q, k, weight_q, weight_k, rstd_q,
+  rstd_k, grad_yq, grad_yk, eps=1e-6) -> (grad_q, grad_k, grad_weight_q, grad_weight_k)``.
 - ``linear_cross_entropy``: ``fn(hidden [T, H], weight [V, H], labels [T], ignore_index=-100) ->
   (loss f32, lse [T] f32)``, the cross-entropy of ``hidden @ weight.T`` summed over the tokens whose label
   is not ``ignore_index``; ``backward(hidden, weight, labels, lse, grad_loss, ignore_index=-100) ->
@@ -77,7 +82,7 @@ __all__ = [
 # op name -> whether an impl's backward is a separate function (True) or the forward fn called with
 # backward=True (False, rope_hf: the rotation's transpose is the same kernel).
 OPS: dict[str, bool] = {"rope_hf": False, "router_topk": True, "grouped_mm": True, "moe_experts": True,
-                        "rmsnorm": True, "linear_cross_entropy": True,
+                        "rmsnorm": True, "rmsnorm_qk": True, "linear_cross_entropy": True,
                         "attention": True, "mlp": True}
 POLICIES = ("strict", "fallback", "off")
 REFERENCE = "reference"

@@ -194,10 +194,25 @@ class Attention(nn.Module):
         self.rope = RoPEApply()
         self.core = CausalAttention(cfg.head_dim ** -0.5)
 
+    def _head_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q_norm(q), k_norm(k)``: one ``trnkit::rmsnorm_qk`` call when both norms are swapped in with one
+        impl that has it (:func:`trnkit.overrides.guard.head_norm_pair`; the same outputs as two calls)."""
+        qn, kn = self.q_norm, self.k_norm
+        if qn.kernel is not None and kn.kernel is not None:
+            from trnkit.overrides.guard import head_norm_pair
+
+            impl = head_norm_pair(qn.kernel, kn.kernel, q, k, qn.weight, kn.weight, float(qn.eps), float(kn.eps))
+            if impl is not None:
+                yq, yk, _, _ = _kernel_ops().rmsnorm_qk(q, k, qn.weight, kn.weight, float(qn.eps), impl,
+                                                       lnc=qn.kernel.lnc)
+                return yq, yk
+        return qn(q), kn(k)
+
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_norm(self.wq(x).view(B, S, self.n_heads, self.head_dim))
-        k = self.k_norm(self.wk(x).view(B, S, self.n_kv_heads, self.head_dim))
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
+        q, k = self._head_norms(q, k)
         v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
         q, k = self.rope(q, k, rope_cache)
         return self.wo(self.core(q, k, v).reshape(B, S, -1))

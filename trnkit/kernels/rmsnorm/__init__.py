@@ -93,4 +93,4 @@ def rmsnorm_qk_bwd(grad_yq: Any, grad_yk: Any, q: Any, k: Any, weight_q: Any, we
     gq, gk, dw = launch(rmsnorm_qk_bwd_kernel, resolve_lnc(lnc))(
         _rows(grad_yq), _rows(grad_yk), _rows(q), _rows(k), dense(weight_q), dense(weight_k), dense(rstd_q),
         dense(rstd_k))
-    return gq.reshape(q.shape), gk.reshape(k.shape), dw[:H], dw[HP:HP + H]
+    return gq.reshape(q.shape), gk.reshape(k.shape), dw[:H].clone(), dw[HP:HP + H].clone()  # two tensors, no views
