@@ -16,8 +16,7 @@ from trnkit.qwen3 import model_registry
 # the debug flavor with a small vocabulary: the loss is traced whole (no straight-line fit)
 CFG = model_registry("debug", vocab_size=4096).config
 B, S = 1, 128
-LAYER_OPS = ["attention_norm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "rope", "attention", "o_proj",
-             "ffn_norm"]
+LAYER_OPS = ["attention_norm", "q_proj", "k_proj", "v_proj", "qk_norm", "rope", "attention", "o_proj", "ffn_norm"]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +36,8 @@ def test_every_op_of_a_dense_layer_and_the_head(est):
         assert 0 < e.low_ns <= e.mid_ns <= e.high_ns, e.op.name
         assert e.busy_ns.get("tensor", 0) > 0 or e.op.name.endswith("norm"), e.op.name
     kernels = {e.op.kernel for e in est.ops}
-    assert kernels == {"rmsnorm", "rmsnorm_residual", "rmsnorm_bwd", "grouped_mm", "rope_hf", "attention", "mlp",
-                       "mlp_bwd", "linear_cross_entropy", "linear_cross_entropy_bwd"}
+    assert kernels == {"rmsnorm_qk", "rmsnorm_qk_bwd", "rmsnorm_residual", "rmsnorm_bwd", "grouped_mm", "rope_hf",
+                       "attention", "mlp", "mlp_bwd", "linear_cross_entropy", "linear_cross_entropy_bwd"}
     # the default (recompute) loss: the forward kernel (2 T H V model FLOPs), the backward recomputes (4 T H V)
     fwd, bwd = [e for e in est.ops if e.op.name == "lm_head_loss"]
     T, H, V = B * S, CFG.dim, CFG.vocab_size

@@ -271,9 +271,31 @@ def _rmsnorm_build(rows: int, H: int, backward: bool, dtype: torch.dtype, lnc: i
     return f
 
 
+def _rmsnorm_qk_build(T: int, Hq: int, Hk: int, D: int, backward: bool, dtype: torch.dtype, lnc: int
+                      ) -> Callable[[], Prepared]:
+    """The q and k head norms in one launch (``rmsnorm_qk``): ``[T*Hq, D]`` and ``[T*Hk, D]`` rows, two weights."""
+    def f() -> Prepared:
+        mod = _kernel_module("rmsnorm")
+
+        g = torch.Generator().manual_seed(0)
+        q, k = _rand(T * Hq, D, g=g, dtype=dtype), _rand(T * Hk, D, g=g, dtype=dtype)
+        wq, wk = ((1 + _rand(D, g=g, scale=0.1, dtype=torch.float32)).to(dtype) for _ in range(2))
+        if not backward:
+            return Prepared(nki=lambda: mod.rmsnorm_qk(q, k, wq, wk, lnc=lnc),
+                            ref=lambda: mod.rmsnorm_qk_ref(q, k, wq, wk))
+        _, _, rq, rk = mod.rmsnorm_qk_ref(q, k, wq, wk)
+        gq, gk = _rand(T * Hq, D, g=g, dtype=dtype), _rand(T * Hk, D, g=g, dtype=dtype)
+        leaves = [t.clone().requires_grad_() for t in (q, k, wq, wk)]
+        yq, yk, _, _ = mod.rmsnorm_qk_ref(*leaves)
+        y = torch.cat([yq.reshape(-1), yk.reshape(-1)])
+        return Prepared(nki=lambda: mod.rmsnorm_qk_bwd(gq, gk, q, k, wq, wk, rq, rk, lnc=lnc),
+                        ref=_grad_closure(y, leaves, torch.cat([gq.reshape(-1), gk.reshape(-1)])))
+    return f
+
+
 def rmsnorm_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfloat16") -> list[Case]:
-    """Tokens at Qwen3-4B's hidden size (LNC=1 and 2), the Qwen3 flavors at 8192 tokens, and the q/k head
-    norm (rows = tokens x heads, H = head_dim) at 2048 tokens."""
+    """Tokens at Qwen3-4B's hidden size (LNC=1 and 2), the Qwen3 flavors at 8192 tokens, and the q head norm
+    (rows = tokens x heads, H = head_dim) and the q and k head norms in one launch at 2048 tokens."""
     dt = getattr(torch, dtype)
     cases = []
     for mode in modes:
@@ -293,6 +315,10 @@ def rmsnorm_cases(quick: bool, modes: tuple[str, ...] = MODES, dtype: str = "bfl
             cfg = {"T": 2048, "rows": 2048 * c.n_heads, "H": c.head_dim, "lnc": 2, "dtype": dtype}
             cases.append(Case("rmsnorm", mode, "q-norm flavor (LNC=2)", fl,
                               _rmsnorm_build(2048 * c.n_heads, c.head_dim, bwd, dt, 2), cfg))
+            cfg = {"T": 2048, "rows": 2048 * (c.n_heads + c.n_kv_heads), "H": c.head_dim, "lnc": 2, "dtype": dtype,
+                   "heads": f"{c.n_heads}+{c.n_kv_heads}"}
+            cases.append(Case("rmsnorm", mode, "qk-norm flavor (one launch, LNC=2)", fl,
+                              _rmsnorm_qk_build(2048, c.n_heads, c.n_kv_heads, c.head_dim, bwd, dt, 2), cfg))
     return cases
 
 

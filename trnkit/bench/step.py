@@ -7,8 +7,9 @@ with its range (the optimistic / pessimistic settings of :mod:`trnkit.nkisim.cos
 busy time. The ops of a layer (``T = batch x seq`` tokens):
 
 * ``attention_norm`` / ``ffn_norm``: :func:`~trnkit.kernels.rmsnorm.rmsnorm_residual` (the residual add
-  fused; the backward adds the residual stream's gradient); ``q_norm`` / ``k_norm``: the per-head norm,
-  rows = tokens x heads;
+  fused; the backward adds the residual stream's gradient); ``qk_norm``: the q and k per-head norms in one
+  launch (:func:`~trnkit.kernels.rmsnorm.rmsnorm_qk` / ``rmsnorm_qk_bwd``, as the models run them), rows = tokens
+  x heads of each;
 * ``q_proj`` ``k_proj`` ``v_proj`` ``o_proj``: plain matmuls through
   :func:`~trnkit.kernels.moe.grouped_mm` (one group per physical core, each with the whole weight and
   its share of the tokens; the weight in column slices that fit the kernel's SBUF budget, one launch
@@ -246,6 +247,31 @@ def norm_op(name: str, part: str, rows: int, H: int, mode: str, lnc: int, residu
                key=(kernel, rows, H, lnc, residual))
 
 
+def qk_norm_op(part: str, T: int, Hq: int, Hk: int, D: int, mode: str, lnc: int) -> StepOp:
+    """The q and k head norms in one launch: ``[T*Hq, D]`` and ``[T*Hk, D]`` rows, each with its weight."""
+    from trnkit.kernels import rmsnorm as mod
+
+    bwd = mode == "backward"
+
+    def make(_: int, g: torch.Generator | None) -> tuple:
+        q, k = _t(T * Hq, D, g=g), _t(T * Hk, D, g=g)
+        wq, wk = _t(D, g=g, positive=True), _t(D, g=g, positive=True)
+        if not bwd:
+            return q, k, wq, wk
+        rq, rk = (_t(n, g=g, dtype=torch.float32, positive=True) for n in (T * Hq, T * Hk))
+        return _t(T * Hq, D, g=g), _t(T * Hk, D, g=g), q, k, wq, wk, rq, rk
+
+    if bwd:
+        call = lambda *a: mod.rmsnorm_qk_bwd(*a, lnc=lnc)  # noqa: E731
+        constraints = mod.rmsnorm_qk_bwd_constraints
+    else:
+        call = lambda *a: mod.rmsnorm_qk(*a, lnc=lnc)  # noqa: E731
+        constraints = mod.rmsnorm_qk_constraints
+    kernel = "rmsnorm_qk_bwd" if bwd else "rmsnorm_qk"
+    return _op("qk_norm", kernel, mode, part, f"[{T * Hq}, {D}] + [{T * Hk}, {D}]", 0, make, call, constraints,
+               key=(kernel, T, Hq, Hk, D, lnc))
+
+
 def rope_op(part: str, B: int, S: int, Hq: int, Hk: int, D: int, mode: str, lnc: int, theta: float) -> StepOp:
     from trnkit.kernels.lnc import launch
     from trnkit.qwen3.config import rope_cache
@@ -442,8 +468,7 @@ def _layer_ops(cfg, part: str, moe_layer: bool, B: int, S: int, lnc: int, full: 
             matmul_op("q_proj", part, T, H, Hq * D, mode, lnc),
             matmul_op("k_proj", part, T, H, Hk * D, mode, lnc),
             matmul_op("v_proj", part, T, H, Hk * D, mode, lnc),
-            norm_op("q_norm", part, T * Hq, D, mode, lnc, residual=False),
-            norm_op("k_norm", part, T * Hk, D, mode, lnc, residual=False),
+            qk_norm_op(part, T, Hq, Hk, D, mode, lnc),
             rope_op(part, B, S, Hq, Hk, D, mode, lnc, cfg.rope_theta),
             attention_op(part, B, S, Hq, Hk, D, mode, lnc, full),
             matmul_op("o_proj", part, T, Hq * D, H, mode, lnc),

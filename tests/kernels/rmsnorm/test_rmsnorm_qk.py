@@ -100,6 +100,28 @@ def test_several_chunks_per_core_and_same_streams_at_lnc2() -> None:
     assert [_digest(t) for t in one] == [_digest(t) for t in (yq, yk, rq, rk)]
 
 
+def test_every_stored_rstd_from_the_same_instruction_as_in_two_launches() -> None:
+    """Each tensor's stored fp32 rstd is formed by the instructions of its own launch: Scalar's rsqrt activation
+    for the runs of its last three chunks, Vector's rsqrt ALU op for the others (on a device the two engines'
+    rsqrt need not round alike): the pair's rsqrt instructions (engine, shapes) are the two launches'."""
+    from collections import Counter
+
+    from trnkit.nkisim import trace
+
+    q, k, wq, wk, _, _ = _inputs(2048, 6, 2, 128, torch.bfloat16, seed=7)
+
+    def kinds(tr):
+        return Counter((i.engine, i.op, i.attrs.get("op"), tuple(o.shape for o in i.operands)) for i in tr
+                       if i.attrs.get("op") == "rsqrt")
+
+    with trace.record(trace_only=True) as two:
+        rmsnorm(q, wq, EPS, lnc=1)
+        rmsnorm(k, wk, EPS, lnc=1)
+    with trace.record(trace_only=True) as one:
+        rmsnorm_qk(q, k, wq, wk, EPS, lnc=1)
+    assert kinds(one) == kinds(two) and sum(n for (e, *_), n in kinds(one).items() if e == "scalar") >= 4
+
+
 def test_reference_is_the_two_references() -> None:
     q, k, wq, wk, gq, gk = _inputs(7, 3, 2, 128, torch.bfloat16)
     yq, yk, rq, rk = rmsnorm_qk_ref(q, k, wq, wk, EPS)

@@ -601,7 +601,10 @@ def _narrow_forward(xs, residual, s, ys, rstds, ws, eps, out_dt, n_prog, pid):
     Scalar ``rsqrt`` activation after the last square (one activation-table switch, when Scalar is idle).
     ``xs``, ``ys``, ``rstds``, ``ws``: one entry per segment (the q and k head norms of one launch: each
     segment's rows normalised with its own weight, its chunks those of a launch on it alone,
-    :func:`_segment_chunks`); ``residual`` only with one segment."""
+    :func:`_segment_chunks`); ``residual`` only with one segment. The late runs are those of each segment's last
+    chunks, so every row's stored rstd comes from the same instruction as in a launch on its tensor alone; the
+    earlier segments' late runs are stored after the last y (their small stores would otherwise hold the last
+    y stores back on the DMA engines)."""
     x = xs[0]
     H = x.shape[1]
     chunks, segs = _segment_chunks(xs, n_prog, pid, False)
@@ -609,10 +612,16 @@ def _narrow_forward(xs, residual, s, ys, rstds, ws, eps, out_dt, n_prog, pid):
     runs = _runs(chunks, segs)
     run_of = []  # per chunk: (its run, its position in the run)
     late = []  # per run: fp32 rstd on Scalar at the end
+    ends = []  # per chunk: one past its segment's last chunk
+    for k in range(L):
+        e = k + 1
+        while e < L and segs[e] == segs[k]:
+            e = e + 1
+        ends.append(e)
     for r in range(len(runs)):
         for c in range(runs[r][1]):
             run_of.append((r, c))
-        late.append(runs[r][0] + runs[r][1] > L - NARROW_TAIL)
+        late.append(runs[r][0] + runs[r][1] > ends[runs[r][0]] - NARROW_TAIL)
     consts = _narrow_consts(H, eps)
     ms = [None] * len(runs)
     srcs = []
@@ -625,6 +634,7 @@ def _narrow_forward(xs, residual, s, ys, rstds, ws, eps, out_dt, n_prog, pid):
         _hwdge(w_sb, ws[g].ap(pattern=[[0, P], [1, H]], offset=0), STORE_QUEUE)
         w_sbs.append(w_sb)
     pending = []
+    deferred = []  # the late rstd of segments before the last: stored after the last y
     normed = None  # (chunk i-2, its n)
     for u in range(L + 1):
         if u < L:
@@ -644,12 +654,8 @@ def _narrow_forward(xs, residual, s, ys, rstds, ws, eps, out_dt, n_prog, pid):
             pending = _fwd_transposes(srcs[u][0], ms[ri], ci * NT, consts, pending, u)
         else:
             pending = _finish_sums(pending, consts, L)
-            for ri in range(len(runs)):
-                if late[ri]:
-                    k0, n = runs[ri]
-                    rs = nl.ndarray((chunks[k0][1], n, chunks[k0][2]), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.activation(dst=rs, op=nl.rsqrt, data=ms[ri])
-                    _store_run_rstd(rstds[segs[k0]], chunks, runs[ri], rs, LOAD_QUEUE)
+            for g in range(len(xs) - 1, -1, -1):
+                deferred = deferred + _late_rstds(chunks, segs, runs, late, ms, rstds, g, g == len(xs) - 1)
         if u == 0:
             continue
         i = u - 1  # the chunk whose sums are now all issued
@@ -676,6 +682,25 @@ def _narrow_forward(xs, residual, s, ys, rstds, ws, eps, out_dt, n_prog, pid):
             _store_run_rstd(rstds[segs[k0]], chunks, runs[ri], rs, STORE_QUEUE)
     if normed != None:  # noqa: E711
         _narrow_y(normed, chunks, ys[segs[normed[0]]], w_sbs[segs[normed[0]]], out_dt)
+    for d in range(len(deferred)):
+        g, ri, rs = deferred[d]
+        _store_run_rstd(rstds[g], chunks, runs[ri], rs, LOAD_QUEUE)
+
+
+def _late_rstds(chunks, segs, runs, late, ms, rstds, g, store):
+    """Segment g's late runs' fp32 rstd: one Scalar ``rsqrt`` activation of each run's sums, stored from Scalar's
+    DMA queue now (``store``) or returned as ``(g, run, tile)`` to store later."""
+    later = []
+    for ri in range(len(runs)):
+        k0, n = runs[ri]
+        if late[ri] and segs[k0] == g:
+            rs = nl.ndarray((chunks[k0][1], n, chunks[k0][2]), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(dst=rs, op=nl.rsqrt, data=ms[ri])
+            if store:
+                _store_run_rstd(rstds[g], chunks, runs[ri], rs, LOAD_QUEUE)
+            else:
+                later.append((g, ri, rs))
+    return later
 
 
 def _narrow_y(normed, chunks, y, w_sb, out_dt):
