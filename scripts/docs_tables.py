@@ -989,6 +989,9 @@ def _bench_min(kernel: str, mode: str, x_name: str, metric: str = "fraction_of_r
     return value
 
 
+QK_NORM = "qk-norm flavor (one launch, LNC=2)"  # bench.csv: the q and k head norms in one rmsnorm_qk launch
+
+
 def _bench_frac(kernel: str, mode: str, x_name: str, x_value: str, column: str = "p20") -> Callable[[], str]:
     """A bench.csv fraction of roofline (p20: the pessimistic end, p50: mid)."""
     return csv_cell("bench.csv", column, _bench(kernel, mode, "fraction_of_roofline", x_name, x_value), "{:.1%}")
@@ -1113,7 +1116,9 @@ QUOTES = (
               csv_cell("bench.csv", "p50", _bench("moe_experts", "forward", "est_time", "T", "512"), "{:,.0f}"),
               csv_cell("bench.csv", "p50", _bench("moe_experts", "backward", "busy_scalar", "T", "512"), "{:,.0f}"))),
     Quote("docs/benchmarks.md", "tokens at Qwen3-4B's H, T=8192: fwd {} (mid {}), bwd {} (mid {}); residual form at "
-          "the flavors: fwd ≥ {}, bwd ≥ {}; the q head norm (H = 128): fwd {} (0.6B) – {} (4B, 30B-A3B), bwd {} – {}",
+          "the flavors: fwd ≥ {}, bwd ≥ {}; the q and k head norms as the models run them (one launch, "
+          "`rmsnorm_qk`, 2,048 tokens): fwd {} (0.6B, 16 + 8 heads; mid {}), {} (4B, 32 + 8), {} (30B-A3B, 32 + 4), "
+          "bwd {} (mid {}), {}, {}; the q head norm alone (H = 128): fwd {} (0.6B) – {} (4B, 30B-A3B), bwd {} – {}",
           "bench.csv rmsnorm fraction_of_roofline (p20 pessimistic end, p50 mid)", (
               _bench_frac("rmsnorm", "forward", "T (LNC=2)", "8192"),
               _bench_frac("rmsnorm", "forward", "T (LNC=2)", "8192", "p50"),
@@ -1121,6 +1126,14 @@ QUOTES = (
               _bench_frac("rmsnorm", "backward", "T (LNC=2)", "8192", "p50"),
               _bench_min("rmsnorm", "forward", "flavor (residual, LNC=2)"),
               _bench_min("rmsnorm", "backward", "flavor (residual, LNC=2)"),
+              _bench_frac("rmsnorm", "forward", QK_NORM, "0.6B"),
+              _bench_frac("rmsnorm", "forward", QK_NORM, "0.6B", "p50"),
+              _bench_frac("rmsnorm", "forward", QK_NORM, "4B"),
+              _bench_frac("rmsnorm", "forward", QK_NORM, "30B-A3B"),
+              _bench_frac("rmsnorm", "backward", QK_NORM, "0.6B"),
+              _bench_frac("rmsnorm", "backward", QK_NORM, "0.6B", "p50"),
+              _bench_frac("rmsnorm", "backward", QK_NORM, "4B"),
+              _bench_frac("rmsnorm", "backward", QK_NORM, "30B-A3B"),
               _bench_frac("rmsnorm", "forward", "q-norm flavor (LNC=2)", "0.6B"),
               _bench_frac("rmsnorm", "forward", "q-norm flavor (LNC=2)", "4B"),
               _bench_frac("rmsnorm", "backward", "q-norm flavor (LNC=2)", "0.6B"),
