@@ -141,11 +141,20 @@ def case_of(p: dict) -> Any:
 
 def estimate_case(case: Any, root: Path) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
     """``((low, mid, high), (launch low, mid, high))`` ns of the case's kernel run as a standalone launch
-    (the first includes the second), traced (trace only) the way the harness launches it; SBUF beyond
-    capacity in program order is allowed (the compiler's allocator spills), as in the conformance run."""
+    (the first includes the second), traced by :func:`trace_case`."""
+    from trnkit.nkisim import cost
+    from trnkit.nkisim.cost_params import STANDALONE_LAUNCH
+
+    rep = cost.estimate(trace_case(case, root), "trn2", launch=STANDALONE_LAUNCH)
+    return rep.total_range_ns, rep.launch_ns
+
+
+def trace_case(case: Any, root: Path) -> Any:
+    """The instruction trace of the case's kernel, traced (trace only) the way the harness launches it; SBUF
+    beyond capacity in program order is allowed (the compiler's allocator spills), as in the conformance run."""
     from trnkit import nkisim
     from trnkit.conformance import harness
-    from trnkit.nkisim import cost, trace
+    from trnkit.nkisim import trace
 
     with harness.nki_is_interpreter(root):
         with contextlib.redirect_stdout(io.StringIO()):
@@ -159,10 +168,7 @@ def estimate_case(case: Any, root: Path) -> tuple[tuple[float, float, float], tu
             warnings.simplefilter("ignore")
             with trace.record(trace_only=True) as tr:
                 nkisim.simulate(kernel, capacity="sbuf_spills")[case.lnc](**inputs)
-    from trnkit.nkisim.cost_params import STANDALONE_LAUNCH
-
-    rep = cost.estimate(tr, "trn2", launch=STANDALONE_LAUNCH)
-    return rep.total_range_ns, rep.launch_ns
+    return tr
 
 
 def shape_of(p: dict) -> str:

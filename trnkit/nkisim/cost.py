@@ -43,8 +43,12 @@ Engines run concurrently; the total uses one of two schedules, named in ``CostRe
   one PSUM bank) do not overlap there; a pure compute instruction recomputing an earlier result from
   unchanged inputs is free (``compiler_cse``). The total is the last finish time: a critical path
   through data dependencies and engine queues.
-  Each ``nl.ndarray`` is its own buffer, as written in the kernel (no extra dependencies from address
-  reuse), so this is the schedule a perfectly double-buffered compilation would reach.
+  Each ``nl.ndarray`` the compiler allocates is its own buffer, as written in the kernel (no extra
+  dependencies from address reuse), so for those this is the schedule a perfectly double-buffered
+  compilation would reach. Tiles the kernel places itself (``nl.ndarray(..., address=)``) sit on their
+  bytes: tiles on overlapping bytes are one storage (``cost_params.placed_slots_shared``; the trace's
+  ``slot_read_boxes`` / ``slot_write_boxes``), so a tile written on a slot waits for the last read of the
+  tile it replaces there, as the compiler enforces.
 * ``"overlap-bound"`` otherwise: every engine runs back-to-back once its first input has arrived, so
   ``total = max over engines of (head + busy + tail)``, where for a compute engine ``head`` is the latency
   of the first DMA issued before its first instruction (the load it waits for) and ``tail`` the latency
@@ -566,13 +570,27 @@ class _DepTracker:
                     t = max(t, e[8] if engine != DMA else e[4])
         return t
 
+    # a placement space (cost._boxes' slot boxes: one storage for every placed tile of a kernel instance) is
+    # tracked in byte buckets of this width: an access is listed in each bucket it touches, so a lookup scans
+    # the accesses near its bytes, not every placed tile's (the same dependencies, found faster)
+    _SLOT_BUCKET = 2048
+
+    @classmethod
+    def _keys(cls, key: object, lo: int, hi: int) -> Iterable[object]:
+        if isinstance(key, tuple) and key and key[0] == "placed":
+            w = cls._SLOT_BUCKET
+            return [(key, b) for b in range(lo // w, max(lo, hi - 1) // w + 1)]
+        return (key,)
+
     def ready(self, reads: Iterable, writes: Iterable, matmul: bool = False, engine: str = "") -> float:
         t = 0.0
         for key, p0, p1, lo, hi in reads:
-            t = max(t, self._latest(self.writes.get(key, ()), p0, p1, lo, hi, engine))
+            for k in self._keys(key, lo, hi):
+                t = max(t, self._latest(self.writes.get(k, ()), p0, p1, lo, hi, engine))
         for key, p0, p1, lo, hi in writes:
-            t = max(t, self._latest(self.writes.get(key, ()), p0, p1, lo, hi, engine, skip_matmul=matmul),
-                    self._latest(self.reads.get(key, ()), p0, p1, lo, hi, engine))
+            for k in self._keys(key, lo, hi):
+                t = max(t, self._latest(self.writes.get(k, ()), p0, p1, lo, hi, engine, skip_matmul=matmul),
+                        self._latest(self.reads.get(k, ()), p0, p1, lo, hi, engine))
         return t
 
     def commit(self, reads: Iterable, writes: Iterable, finish: float, matmul: bool = False, engine: str = "",
@@ -582,25 +600,32 @@ class _DepTracker:
         another compute engine may (``compute_semaphores``), default ``finish``."""
         own = finish if own is None else own
         cross = finish if cross is None else max(cross, finish)
-        for key, p0, p1, lo, hi in writes:
-            # an access fully covered by this write that is done by the time this one is can never be the
-            # one a later access waits for (it overlaps this write, which finishes no earlier). One that
-            # finishes later stays: an accumulating matmul does not wait for its group's earlier matmuls,
-            # so with ``compute_reorder`` it may run before them, and a reader of the tile still needs
-            # their sums
-            for table in (self.writes, self.reads):
-                if key in table:
-                    table[key] = [e for e in table[key]
-                                  if not (p0 <= e[0] and e[1] <= p1 and lo <= e[2] and e[3] <= hi
-                                          and e[4] <= finish and e[7] <= own)]
-            self.writes[key].append((p0, p1, lo, hi, finish, matmul, engine, own, cross))
-        for key, p0, p1, lo, hi in reads:
-            self.reads[key].append((p0, p1, lo, hi, finish, False, engine, own, cross))
+        for key0, p0, p1, lo, hi in writes:
+            for key in self._keys(key0, lo, hi):
+                # an access fully covered by this write that is done by the time this one is can never be
+                # the one a later access waits for (it overlaps this write, which finishes no earlier). One
+                # that finishes later stays: an accumulating matmul does not wait for its group's earlier
+                # matmuls, so with ``compute_reorder`` it may run before them, and a reader of the tile still
+                # needs their sums
+                for table in (self.writes, self.reads):
+                    if key in table:
+                        table[key] = [e for e in table[key]
+                                      if not (p0 <= e[0] and e[1] <= p1 and lo <= e[2] and e[3] <= hi
+                                              and e[4] <= finish and e[7] <= own)]
+                self.writes[key].append((p0, p1, lo, hi, finish, matmul, engine, own, cross))
+        for key0, p0, p1, lo, hi in reads:
+            for key in self._keys(key0, lo, hi):
+                self.reads[key].append((p0, p1, lo, hi, finish, False, engine, own, cross))
 
 
-def _boxes(ins: Instr) -> tuple[Sequence, Sequence]:
-    """(read boxes, write boxes) of an instruction; flat spans as one-partition boxes where it has none."""
+def _boxes(ins: Instr, slots: bool = False) -> tuple[Sequence, Sequence]:
+    """(read boxes, write boxes) of an instruction; flat spans as one-partition boxes where it has none.
+    ``slots``: an access to a placed tile (``nl.ndarray(..., address=)``) as its box on the kernel instance's
+    placement space (the trace's ``slot_read_boxes`` / ``slot_write_boxes``), so tiles placed on overlapping
+    bytes are one storage (``cost_params.placed_slots_shared``)."""
     a = ins.attrs
+    if slots and "slot_read_boxes" in a:
+        return a["slot_read_boxes"], a["slot_write_boxes"]
     if "read_boxes" in a and "write_boxes" in a:
         return a["read_boxes"], a["write_boxes"]
     return (tuple((k, 0, 1, lo, hi) for k, lo, hi in a["reads"]),
@@ -1274,7 +1299,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
                                         hbm_per_core / chip.dma.engines)
     banks = psum_bank_plan(instrs, chip, params.psum_banks)  # the PSUM banks each tile takes
     for k, (ins, c) in enumerate(zip(instrs, costs)):
-        reads, writes = _boxes(ins)
+        reads, writes = _boxes(ins, params.placed_slots_shared)  # placed tiles: by the bytes they sit on
         if banks and any(o.buffer == "psum" for o in ins.operands):
             reads, writes = _bank_boxes(reads, banks), _bank_boxes(writes, banks)
         matmul = ins.op == "nc_matmul"
@@ -1322,7 +1347,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             # the trigger waits on a semaphore from another engine's result ([SDK] nki-dma-overview: "The
             # sequencer instruction to trigger the transfer may wait on any semaphore condition which is
             # signaled by other compute engines"): one wake-up, as a DMA's completion costs its consumer
-            if any(writer.get(b[0], q) not in (q, DMA) for b in reads):
+            if any(writer.get(b[0], q) not in (q, DMA) for b in _boxes(ins)[0]):
                 ready += params.dma_wake_ns
             # the queue holds each transfer from its trigger to its first byte; hoisted: the first gap
             # after the data is ready, program order: not before the queue's previous trigger
@@ -1407,7 +1432,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
                 recompute.seen[key] = finish
             recompute.wrote(ins)
         deps.commit(reads, writes, finish, matmul, ins.engine, own, cross)
-        for b in writes:
+        for b in _boxes(ins)[1]:  # by tile, as the trace keys them
             writer[b[0]] = ins.engine
         if k in plan.dies:
             freed.add(end, plan.dies[k])

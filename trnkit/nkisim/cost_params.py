@@ -231,6 +231,17 @@ class ModelParams:
     # Off: the dependent-instruction latency only (a forward without a semaphore round trip). Same-engine and
     # DMA edges are not affected (docs/cost-model.md, "Semaphores").
     compute_semaphores: bool = False
+    # Whether tiles a kernel places itself on overlapping SBUF / PSUM bytes (``nl.ndarray(..., address=)``,
+    # nki-library's SbufManager / ModularAllocator) are one storage for the schedule's dependencies: a tile
+    # written on a slot waits for the earlier tile's last read there (WAR), and so on. NKI docs:
+    # nki.language.NkiStreamBuffers, "The compiler enforces memory dependencies, including waits before a slot
+    # is overwritten"; nki.language.alloc_stream_buffers, "The compiler enforces dependencies between
+    # operations that use the same storage"; nki.compiler.AllocationMode, "a tile can take the address of a
+    # tile freed shortly before, so a DMA into it waits for the compute that reads the earlier tile";
+    # nki.compiler.force_auto_alloc "will ignore any direct allocation inside the kernel" (so without it the
+    # addresses stand). On at every setting (the placement is the kernel's, not a compiler choice); off is
+    # the earlier model (each placed tile its own storage), a diagnostic (docs/cost-model.md, "Placed tiles").
+    placed_slots_shared: bool = True
 
 
 MID = ModelParams()

@@ -1063,6 +1063,7 @@ class PlacementSpace:
 
     def __init__(self, buffer: MemoryRegion, row_bytes: int) -> None:
         self.buffer = buffer
+        self.key = ("placed", buffer.name, next(_STORAGE_KEYS))  # its storage key in trace slot boxes
         self.row_bytes = row_bytes  # the physical partition size: no placement reaches past it
         self.data = np.empty((_memory.NUM_PARTITIONS, 0), np.uint8)
         self.claimed = np.zeros((_memory.NUM_PARTITIONS, 0), np.bool_)

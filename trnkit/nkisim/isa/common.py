@@ -266,9 +266,9 @@ def operand(role: str, t: NkiTensor) -> trace.Operand:
 
 
 def describe(t: NkiTensor) -> tuple:
-    """``(buffer name, dtype name, partitions, free elems, nbytes, on_chip, span, box)`` of ``t`` for
-    its trace records (:func:`operand`, :func:`span`, :func:`box`); cached on static views (a view's
-    shape / strides / offset / dtype never change; dynamic-offset views are described per use)."""
+    """``(buffer name, dtype name, partitions, free elems, nbytes, on_chip, span, box, slot box)`` of ``t`` for
+    its trace records (:func:`operand`, :func:`span`, :func:`box`, :func:`slot_box`); cached on static views (a
+    view's shape / strides / offset / dtype never change; dynamic-offset views are described per use)."""
     m = t._meta
     if m is not None:
         return m
@@ -278,7 +278,7 @@ def describe(t: NkiTensor) -> tuple:
     parts = t.shape[0] if on_chip else 1
     sp, bx = _span_box(t)
     m = (st.buffer.name, _dt.dtype_name(t.dtype), parts, size // parts, size * t.dtype.itemsize,
-         on_chip, sp, bx)
+         on_chip, sp, bx, _slot_box(st, bx))
     if t._dyn is None:
         t._meta = m
     return m
@@ -314,6 +314,24 @@ def _span_box(t: NkiTensor) -> tuple[tuple[int, int, int], tuple[int, int, int, 
                    ((off + hi + 1) * isz + ssz - 1) // ssz - base)
 
 
+def _slot_box(st: Any, bx: tuple) -> tuple | None:
+    """A placed tile's box on its kernel instance's placement space (``nl.ndarray(..., address=)``):
+    ``(space key, partitions [p0, p1) counted from partition 0, bytes [lo, hi) of each partition)``; None for
+    any other storage. Tiles placed on overlapping bytes get overlapping slot boxes (the cost model's
+    dependencies between tiles that share a slot)."""
+    space = getattr(st, "space", None)
+    if space is None:
+        return None
+    _, p0, p1, lo, hi = bx
+    isz = st.dtype.itemsize
+    return (space.key, st.base_partition + p0, st.base_partition + p1, st.byte0 + lo * isz, st.byte0 + hi * isz)
+
+
+def slot_box(t: NkiTensor) -> tuple | None:
+    """``t``'s box on the placement space its tile is placed in (:func:`_slot_box`), None for an unplaced tile."""
+    return describe(t)[8]
+
+
 def span(t: NkiTensor) -> tuple[int, int, int]:
     """``(storage key, lo, hi)``: half-open range of storage elements (storage dtype) ``t`` touches."""
     return describe(t)[6]
@@ -332,8 +350,12 @@ def dependency_attrs(reads: list[NkiTensor], writes: list[NkiTensor]) -> dict:
     ``read_boxes``/``write_boxes`` (:func:`box`)."""
     r = [describe(t) for t in reads]
     w = [describe(t) for t in writes]
-    return {"reads": tuple(x[6] for x in r), "writes": tuple(x[6] for x in w),
-            "read_boxes": tuple(x[7] for x in r), "write_boxes": tuple(x[7] for x in w)}
+    out = {"reads": tuple(x[6] for x in r), "writes": tuple(x[6] for x in w),
+           "read_boxes": tuple(x[7] for x in r), "write_boxes": tuple(x[7] for x in w)}
+    if any(x[8] is not None for x in (*r, *w)):
+        out["slot_read_boxes"] = tuple(x[8] or x[7] for x in r)
+        out["slot_write_boxes"] = tuple(x[8] or x[7] for x in w)
+    return out
 
 
 def contiguous_bytes(t: NkiTensor) -> int:
@@ -363,6 +385,7 @@ def emit(op: str, engine: str, dst: NkiTensor | None = None,
     attrs = dict(attrs) if attrs else {}
     ops = []
     reads, read_boxes, writes, write_boxes = [], [], [], []
+    slots = False  # an operand is a placed tile: the boxes on its placement space too (slot_*_boxes)
     elems = parts = any_elems = 0  # largest on-chip free size / partition count; largest of all
     Operand = trace.Operand
     roles = [(True, "dst", dst)] if dst is not None else []  # (written?, role, tensor)
@@ -377,6 +400,8 @@ def emit(op: str, engine: str, dst: NkiTensor | None = None,
         else:
             reads.append(m[6])
             read_boxes.append(m[7])
+        if m[8] is not None:
+            slots = True
         if m[3] > any_elems:
             any_elems = m[3]
         if m[5]:  # on-chip operand
@@ -384,10 +409,15 @@ def emit(op: str, engine: str, dst: NkiTensor | None = None,
                 elems = m[3]
             if m[2] > parts:
                 parts = m[2]
+    preset = "read_boxes" in attrs  # the caller's own dependency attrs (dependency_attrs: slots included)
     attrs.setdefault("reads", tuple(reads))
     attrs.setdefault("writes", tuple(writes))
     attrs.setdefault("read_boxes", tuple(read_boxes))
     attrs.setdefault("write_boxes", tuple(write_boxes))
+    if slots and not preset:
+        ms = [(w, t._meta or describe(t)) for w, _, t in roles]
+        attrs["slot_read_boxes"] = tuple(m[8] or m[7] for w, m in ms if not w)
+        attrs["slot_write_boxes"] = tuple(m[8] or m[7] for w, m in ms if w)
     if not parts and ops:  # HBM -> HBM copies
         elems, parts = any_elems, 1
     ctx = _mem.current()
