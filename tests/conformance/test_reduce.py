@@ -197,11 +197,11 @@ def test_b_goes_further_down_the_route_where_the_memory_estimate_passes_its_cap(
      "d=128 H=5376 S_ctx=32768/32768 S=1", 0.47),
 ])
 def test_the_memory_estimate_is_near_the_measured_peaks(case, measured_gb):
-    """Within the range of the fit's error on the rows it was fitted on (estimate / measured 0.57-1.58 over 1.5 GB,
-    0.56-1.70 below)."""
+    """Within the range of the fit's error on the rows it was fitted on (estimate / measured 0.51-1.69 over 1.5 GB,
+    0.57-1.54 below)."""
     name, shapes = case.split("|")
     est = reduce.estimate_peak_gb(KERNEL, name, shapes)
-    lo, hi = (0.57, 1.58) if measured_gb > 1.5 else (0.56, 1.70)
+    lo, hi = (0.51, 1.69) if measured_gb > 1.5 else (0.57, 1.54)
     assert lo <= est / measured_gb <= hi, est
 
 

@@ -95,14 +95,16 @@ def estimate_cpu_s(kernel: str, name: str, shapes: str) -> float:
 # -- the memory estimate -------------------------------------------------------------------------------------------
 # An attention_block_tkg row's peak anonymous resident memory (GB; the runner's cap is on it) is linear in the bytes
 # of its large arrays: m0 + m1 raw [one device] + m2 raw [KVDP] + m3 gold + m4 gold [STATIC fp8] + m5 weights
-# + m6 ranks x gold [KVDP], where raw is the K and V caches as drawn (bf16, or fp8 with kv_quant; KV-data-parallel
-# rows hold the ranks' slices too), gold one reference call's K broadcast over a rank's q heads in float32 (batch
-# rows per call: the golden's chunk, else the whole batch), weights the ranks' Q weights in float32, and the last
-# term the ranks' goldens. Fitted (non-negative least squares on relative error; rows stopped at the cap counted as
-# at least 8 GB) on the peaks of 292 attention_block_tkg rows that ran to a result, and 9 stopped at 8 GB, by the
-# conformance runners of 2026-12-04/06 (/tmp/confrun{4..9}/peaks.txt, over8g.txt): estimate / measured 0.57-1.58
-# (rms of the log 0.22) on the 44 rows over 1.5 GB, 0.56-1.70 (0.21) below.
-MEM_COEF = (0.315, 0.958, 2.266, 1.327, 0.329, 2.384, 0.117)
+# + m6 ranks x gold [KVDP] + m7 cache32 [one device], where raw is the K and V caches as drawn (bf16, or fp8 with
+# kv_quant; KV-data-parallel rows hold the ranks' slices too), gold one reference call's K broadcast over a rank's q
+# heads in float32 (batch rows per call: the golden's chunk, else the whole batch), weights the ranks' Q weights in
+# float32, the seventh term the ranks' goldens, and cache32 one reference call's K and V caches in float32 (a
+# one-device row whose golden no chunk fits runs its whole batch at once). Fitted (non-negative least squares on
+# relative error; rows stopped at the cap counted as at least 8 GB) on the peaks of 341 attention_block_tkg rows
+# that ran to a result, and 12 stopped at 8 GB, by the conformance runners of 2026-12-04/06
+# (/tmp/confrun{4..9}/peaks.txt, over8g.txt): estimate / measured 0.51-1.69 (rms of the log 0.22) on the 60 rows
+# over 1.5 GB, 0.57-1.54 (0.17) below.
+MEM_COEF = (0.292, 0.424, 2.555, 0.934, 0.186, 2.622, 0.162, 1.896)
 MEM_CAP_GB = 6.0  # estimated peak a reduced row may reach: the runner's 8 GB over e^(1.3 x 0.22)
 
 
@@ -135,8 +137,9 @@ def estimate_peak_gb(kernel: str, name: str, shapes: str) -> float:
     raw = 2 * b * s_ctx * dh * kv_bytes / 1e9
     gold = (chunk or b) * q * s_ctx * dh * 4 / 1e9
     kvdp = ranks > 1
+    cache32 = 2 * (chunk or b) * s_ctx * dh * 4 / 1e9 * (not kvdp)
     x = (1.0, raw * (not kvdp), raw * kvdp, gold, gold * name.startswith("fp8 static"), ranks * h * q * dh * 4 / 1e9,
-         ranks * gold * kvdp)
+         ranks * gold * kvdp, cache32)
     return sum(a * v for a, v in zip(MEM_COEF, x))
 
 
