@@ -645,18 +645,10 @@ def test_a_qkv_tile_off_its_projection_stays_a_mismatch(monkeypatch, which, path
     case = _tapped_row(which)
     if path == "rounded":
         case = dataclasses.replace(case, tapped_reference=None)
-    module, _, attr = cases_transformer.QKV_TAP.partition(":")
-    real = harness.tap
 
-    @contextlib.contextmanager
-    def tap_after_the_error(specs, root=None):  # (inside the row's run: its modules)
-        import importlib
-
+    def scaled(qkv):  # (called inside the row's run: its modules)
         import nki.isa as nisa
         import nki.language as nl
-
-        mod = importlib.import_module(module)
-        qkv = getattr(mod, attr)
 
         def off(*a, **kw):
             out = qkv(*a, **kw)
@@ -672,15 +664,9 @@ def test_a_qkv_tile_off_its_projection_stays_a_mismatch(monkeypatch, which, path
             nisa.dma_copy(dst=rows[p * n:(p + 1) * n, :], src=t)
             nisa.core_barrier(out, (0, 1))
             return out
+        return off
 
-        setattr(mod, attr, off)
-        try:
-            with real(specs, root) as tapped:
-                yield tapped
-        finally:
-            setattr(mod, attr, qkv)
-
-    monkeypatch.setattr(harness, "tap", tap_after_the_error)
+    _wrapped_during_tap(monkeypatch, cases_transformer.QKV_TAP, scaled)
     row = harness.run_case(case, ROOT)
     assert row.result == harness.MISMATCH and not harness.row_ok(case, row), harness.format_row(row)
     if path == "rounded":
@@ -738,33 +724,41 @@ def test_a_qkv_tkg_row_whose_partial_sum_adds_are_nudged_is_a_mismatch(monkeypat
         in row.message and "beyond its bound" in row.message, row.message
 
 
-def _q_scaled_after_processing(monkeypatch, factor: float = 1.03) -> None:
-    """``harness.tap`` wrapped so that inside a row's run the Q tile ``_QKV_processing`` returns is scaled by
-    ``factor`` (a kernel error after the QKV tile)."""
-    module, _, attr = cases_transformer.PROCESSED_TAP.partition(":")
+def _wrapped_during_tap(monkeypatch, target: str, wrap) -> None:
+    """``harness.tap`` wrapped so that inside a row's run (its modules) the function ``target``
+    (``module:attr``) is replaced by ``wrap(function)``, a kernel error planted there."""
+    module, _, attr = target.partition(":")
     real = harness.tap
 
     @contextlib.contextmanager
-    def tap_after_the_error(specs, root=None):  # (inside the row's run: its modules)
+    def tap_with_the_error(specs, root=None):
+        mod = importlib.import_module(module)
+        original = getattr(mod, attr)
+        setattr(mod, attr, wrap(original))
+        try:
+            with real(specs, root) as tapped:
+                yield tapped
+        finally:
+            setattr(mod, attr, original)
+
+    monkeypatch.setattr(harness, "tap", tap_with_the_error)
+
+
+def _q_scaled_after_processing(monkeypatch, factor: float = 1.03) -> None:
+    """Inside a row's run the Q tile ``_QKV_processing`` returns is scaled by ``factor`` (a kernel error after
+    the QKV tile)."""
+
+    def scaled(processing):
         import nki.isa as nisa
         import nki.language as nl
-
-        mod = importlib.import_module(module)
-        processing = getattr(mod, attr)
 
         def off(*a, **kw):
             q, *rest = processing(*a, **kw)
             nisa.tensor_scalar(dst=q, data=q, op0=nl.multiply, operand0=factor)
             return (q, *rest)
+        return off
 
-        setattr(mod, attr, off)
-        try:
-            with real(specs, root) as tapped:
-                yield tapped
-        finally:
-            setattr(mod, attr, processing)
-
-    monkeypatch.setattr(harness, "tap", tap_after_the_error)
+    _wrapped_during_tap(monkeypatch, cases_transformer.PROCESSED_TAP, scaled)
 
 
 @needs_checkout
