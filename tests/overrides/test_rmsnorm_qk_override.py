@@ -13,7 +13,6 @@ import torch
 from tests.overrides.conftest import assert_swap_parity, hf_dense_model, hf_moe_model, native_model
 from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides, bind_kernels, ops, select
 from trnkit.overrides import guard as guard_mod
-from trnkit.overrides import hf_modules
 
 
 def _pair_inputs(dtype, seed=0, T=5, hq=4, hk=2, D=16):
@@ -93,13 +92,13 @@ def _logits_and_grads(model, tokens):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_bit_identical_to_two_calls(model, monkeypatch, where):
+def _assert_bit_identical_to_two_calls(model, monkeypatch):
     """The model's logits and gradients with the pair equal, bit for bit, those with the pair turned off."""
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     calls = _pair_calls(monkeypatch)
     logits, grads = _logits_and_grads(model, tokens)
     assert len(calls) == 2  # one per layer
-    monkeypatch.setattr(where, "head_norm_pair", lambda *a, **k: None)
+    monkeypatch.setattr(guard_mod, "head_norm_pair", lambda *a, **k: None)
     logits2, grads2 = _logits_and_grads(model, tokens)
     assert len(calls) == 2
     assert torch.equal(logits, logits2) and grads.keys() == grads2.keys()
@@ -116,7 +115,7 @@ def test_native_model_runs_the_pair_bit_identical_to_two_calls(monkeypatch):
     original = copy.deepcopy(model)
     apply_overrides(model, OverrideConfig(ops=["rmsnorm"], impl="nki", seq_len=8))
     assert_swap_parity(model, original)
-    _assert_bit_identical_to_two_calls(model, monkeypatch, guard_mod)
+    _assert_bit_identical_to_two_calls(model, monkeypatch)
 
 
 def test_native_model_with_one_head_norm_swapped_runs_two_calls(monkeypatch):
@@ -138,7 +137,7 @@ def test_transformers_models_run_the_pair_bit_identical_to_two_calls(build, monk
     original = copy.deepcopy(model)
     apply_overrides(model, OverrideConfig(ops=["rmsnorm", "rope_hf"], impl="nki", seq_len=8))
     assert_swap_parity(model, original)
-    _assert_bit_identical_to_two_calls(model, monkeypatch, hf_modules)
+    _assert_bit_identical_to_two_calls(model, monkeypatch)
 
 
 def test_pair_constraints_name_op_rule_and_value():

@@ -13,10 +13,11 @@ import torch
 from torch import Tensor
 
 from trnkit.kernels.constraints import Violation
+from trnkit.overrides import ops
 from trnkit.overrides.config import KernelChoice
-from trnkit.overrides.registry import REFERENCE, OverrideConstraintError, select, warn_once
+from trnkit.overrides.registry import REFERENCE, OverrideConstraintError, list_impls, select, warn_once
 
-__all__ = ["BoundKernel", "Probe", "head_norm_pair", "resolve_dtensor"]
+__all__ = ["BoundKernel", "Probe", "head_norm_pair", "paired_head_norms", "resolve_dtensor"]
 
 _DTensor: type | None = None  # torch.distributed.tensor.DTensor, resolved by resolve_dtensor (import is slow)
 
@@ -104,8 +105,6 @@ def head_norm_pair(q_guard: BoundKernel | None, k_guard: BoundKernel | None, q: 
     ``rmsnorm_qk`` has an impl of that name, and the pair's constraints hold (otherwise a warning once per
     reason, and the two calls, whose outputs are the same). Not during the validation dry run, which checks
     each norm's swap point."""
-    from trnkit.overrides.registry import list_impls
-
     if q_guard is None or k_guard is None or q_guard.probe is not None or k_guard.probe is not None:
         return None
     if (q_guard.impl, q_guard.lnc, eps_q) != (k_guard.impl, k_guard.lnc, eps_k):
@@ -122,6 +121,17 @@ def head_norm_pair(q_guard: BoundKernel | None, k_guard: BoundKernel | None, q: 
         _emit_pair_warning(impl, "; ".join(str(v) for v in sel.reasons), q_guard.path)
         return None
     return impl
+
+
+def paired_head_norms(q_guard: BoundKernel | None, k_guard: BoundKernel | None, q: Tensor, k: Tensor,
+                      weight_q: Tensor, weight_k: Tensor, eps_q: float, eps_k: float) -> tuple[Tensor, Tensor] | None:
+    """``(q_norm(q), k_norm(k))`` from one ``trnkit::rmsnorm_qk`` call when :func:`head_norm_pair` picks an impl,
+    else None (the caller runs the two norms). Both models' attention forwards call this."""
+    impl = head_norm_pair(q_guard, k_guard, q, k, weight_q, weight_k, eps_q, eps_k)
+    if impl is None:
+        return None
+    yq, yk, _, _ = ops.rmsnorm_qk(q, k, weight_q, weight_k, eps_q, impl, lnc=q_guard.lnc)
+    return yq, yk
 
 
 @torch.compiler.assume_constant_result

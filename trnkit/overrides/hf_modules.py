@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from trnkit.kernels.constraints import Violation
 from trnkit.kernels.moe import from_hf_v5
 from trnkit.overrides import ops
-from trnkit.overrides.guard import BoundKernel, head_norm_pair
+from trnkit.overrides.guard import BoundKernel, paired_head_norms
 
 __all__ = ["ModuleAdapter", "bind", "deinterleave", "hf_experts_call", "hf_experts_static", "is_hf",
            "is_rope_attention", "module_adapter", "rope_attention_forward", "swapped", "unbind"]
@@ -292,14 +292,13 @@ def _hf_modeling(module: nn.Module) -> Any:
 
 def _hf_head_norms(self: Any, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     """``self.q_norm(q), self.k_norm(k)``: one ``trnkit::rmsnorm_qk`` call when both of transformers' head norms
-    are swapped in with one impl that has it (:func:`trnkit.overrides.guard.head_norm_pair`)."""
+    are swapped in with one impl that has it (:func:`trnkit.overrides.guard.paired_head_norms`)."""
     qn, kn = self.q_norm, self.k_norm
     if swapped(qn) and swapped(kn):
-        eps_q, eps_k = float(qn.variance_epsilon), float(kn.variance_epsilon)
-        impl = head_norm_pair(qn._trnkit_guard, kn._trnkit_guard, q, k, qn.weight, kn.weight, eps_q, eps_k)
-        if impl is not None:
-            yq, yk, _, _ = ops.rmsnorm_qk(q, k, qn.weight, kn.weight, eps_q, impl, lnc=qn._trnkit_guard.lnc)
-            return yq, yk
+        pair = paired_head_norms(qn._trnkit_guard, kn._trnkit_guard, q, k, qn.weight, kn.weight,
+                                 float(qn.variance_epsilon), float(kn.variance_epsilon))
+        if pair is not None:
+            return pair
     return qn(q), kn(k)
 
 

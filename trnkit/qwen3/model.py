@@ -196,16 +196,14 @@ class Attention(nn.Module):
 
     def _head_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``q_norm(q), k_norm(k)``: one ``trnkit::rmsnorm_qk`` call when both norms are swapped in with one
-        impl that has it (:func:`trnkit.overrides.guard.head_norm_pair`; the same outputs as two calls)."""
+        impl that has it (:func:`trnkit.overrides.guard.paired_head_norms`; the same outputs as two calls)."""
         qn, kn = self.q_norm, self.k_norm
         if qn.kernel is not None and kn.kernel is not None:
-            from trnkit.overrides.guard import head_norm_pair
+            from trnkit.overrides.guard import paired_head_norms
 
-            impl = head_norm_pair(qn.kernel, kn.kernel, q, k, qn.weight, kn.weight, float(qn.eps), float(kn.eps))
-            if impl is not None:
-                yq, yk, _, _ = _kernel_ops().rmsnorm_qk(q, k, qn.weight, kn.weight, float(qn.eps), impl,
-                                                       lnc=qn.kernel.lnc)
-                return yq, yk
+            pair = paired_head_norms(qn.kernel, kn.kernel, q, k, qn.weight, kn.weight, float(qn.eps), float(kn.eps))
+            if pair is not None:
+                return pair
         return qn(q), kn(k)
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
