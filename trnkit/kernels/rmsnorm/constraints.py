@@ -117,7 +117,7 @@ def rmsnorm_bwd_constraints(grad_y: Any, x: Any, weight: Any, rstd: Any, grad_s:
 QK_H_LIMIT = 512
 
 
-def _qk_pair(name: str, q: Any, k: Any, weight_q: Any, weight_k: Any, bad: Any) -> None:
+def _qk_pair(q: Any, k: Any, weight_q: Any, weight_k: Any, bad: Any) -> None:
     """What the q / k pair adds to each tensor's own rules: one H under the narrow-row limit, one dtype for
     q and k, one for the two weights."""
     qs, ks = shape(q), shape(k)
@@ -152,7 +152,7 @@ def rmsnorm_qk_constraints(q: Any, k: Any, weight_q: Any, weight_k: Any, eps: fl
             name = "rmsnorm_qk_bwd" if u.kernel == "rmsnorm_bwd" else "rmsnorm_qk"
             v.extend(_renamed(name, [u], which))
     if not v:
-        _qk_pair("rmsnorm_qk", q, k, weight_q, weight_k, bad)
+        _qk_pair(q, k, weight_q, weight_k, bad)
     return v
 
 
@@ -168,7 +168,7 @@ def rmsnorm_qk_bwd_constraints(grad_yq: Any, grad_yk: Any, q: Any, k: Any, weigh
     for which, gy, x, w, r in (("q", grad_yq, q, weight_q, rstd_q), ("k", grad_yk, k, weight_k, rstd_k)):
         v.extend(_renamed("rmsnorm_qk_bwd", rmsnorm_bwd_constraints(gy, x, w, r), which))
     if not v:
-        _qk_pair("rmsnorm_qk_bwd", q, k, weight_q, weight_k, bad)
+        _qk_pair(q, k, weight_q, weight_k, bad)
     return v
 
 
