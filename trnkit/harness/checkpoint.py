@@ -151,6 +151,14 @@ class RunIdentity:
 
 
 # --------------------------------------------------------------------------- listing and verifying
+def probe_write(folder: str) -> None:
+    """Write and remove a small file in ``folder``: raises ``OSError`` where the folder is not writable."""
+    probe = os.path.join(folder, f".write-test-{os.getpid()}")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
+
+
 def list_checkpoints(folder: str) -> list[tuple[int, str]]:
     """Complete (renamed) checkpoints in `folder`, as (step, path), oldest first."""
     if not os.path.isdir(folder):
@@ -404,10 +412,7 @@ class Checkpointer:
         def check() -> str | None:
             try:
                 os.makedirs(self.folder, exist_ok=True)
-                probe = os.path.join(self.folder, f".write-test-{os.getpid()}")
-                with open(probe, "w") as f:
-                    f.write("ok")
-                os.remove(probe)
+                probe_write(self.folder)
             except OSError as e:
                 raise ConfigError(f"checkpoint.folder: cannot write checkpoints to {self.folder} "
                                   f"({type(e).__name__}: {e.strerror or e}); point job.dump_folder / "

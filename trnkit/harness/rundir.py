@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable
 
 from trnkit.errors import ConfigError
-from trnkit.harness.checkpoint import list_checkpoints
+from trnkit.harness.checkpoint import list_checkpoints, probe_write
 
 # What a run writes directly under its dump folder (the checkpoint folder is added by the caller).
 RUN_FILES = ("metrics.jsonl", "config.toml", "stack.lock", "loss.png", "hf_export")
@@ -111,10 +111,7 @@ class RunLock:
             if not os.path.isdir(self.dump):
                 os.makedirs(self.dump)
                 self._made_folder = True
-            probe = os.path.join(self.dump, f".write-test-{os.getpid()}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
+            probe_write(self.dump)
         except OSError as e:
             raise ConfigError(f"job.dump_folder: cannot write to {self.dump} ({type(e).__name__}: "
                               f"{e.strerror or e}); point job.dump_folder at a writable folder") from None
