@@ -931,6 +931,21 @@ def test_a_mismatch_is_golden_gap_on_tapped_tiles_only_when_all_three_conditions
     assert not harness.row_ok(plain, dataclasses.replace(row, result=harness.GOLDEN_GAP))
 
 
+def test_a_tap_that_records_nothing_is_refused_unless_optional(fake_checkout):
+    """A tap of an instruction the kernel never calls records nothing: the row stays MISMATCH naming it, unless the
+    reference lists it as optional (``TappedReference.optional``: the projection judges its absence); then the
+    row is GOLDEN_GAP as without it."""
+    never = "nkilib_src.kernels:nisa.nc_matmul(dst:where)"
+    case = _tapped_case()
+    spec = dataclasses.replace(case.tapped_reference, taps=case.tapped_reference.taps + (never,))
+    row = harness.run_case(dataclasses.replace(case, tapped_reference=spec), fake_checkout)
+    assert row.result == harness.MISMATCH and row.message.endswith(
+        f"; not GOLDEN_GAP: tapped: no tile recorded for {never}"), row.message
+    optional = dataclasses.replace(spec, optional=(never,))
+    row = harness.run_case(dataclasses.replace(case, tapped_reference=optional), fake_checkout)
+    assert row.result == harness.GOLDEN_GAP, row.message
+
+
 def test_a_tap_records_each_call_and_changes_nothing(fake_checkout):
     """The tap records the tile each call returns (per program, a copy), and the run computes and traces the same
     instructions with and without it."""

@@ -14,6 +14,7 @@ at most 7, up in [-6, 8].
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 from collections.abc import Callable, Iterator
@@ -25,7 +26,7 @@ import numpy as np
 
 from .harness import FP32_UNIT, Case, TappedReference, TileCheck, _resolve, cast_bf16, drawn_array
 
-__all__ = ["moe_block_case", "moe_block_cases", "norm_error", "rounded_once", "routed_as_kernel",
+__all__ = ["moe_block_case", "moe_block_cases", "norm_error", "rounded_once", "routed_as_kernel", "router_depth",
            "routing_projection"]
 
 F16 = np.dtype(np.float16)
@@ -158,6 +159,136 @@ def _router_tiles(taps: dict[str, list], by_affinities: bool = False) -> tuple[n
     return logits, index
 
 
+# The router's own float32 accumulation, for (a2)'s depth (:func:`router_depth`), where each operand lies only (no
+# copies): router_topk's nc_matmuls (the PSUM destination, and the stationary operand: a [128, t] read of the router
+# input tile [128, T, H/128], whose columns name each product's token and hidden tile), and the instructions that
+# read those PSUM tiles into its float32 SBUF logits, each with its destination: tensor_tensor (the bias add, data1 in
+# PSUM; each column-tile merge, data2 in PSUM) and tensor_copy (the first column tile's copy, without a bias). Either
+# may be absent from a run (optional taps).
+_ROUTER = f"{LIB}.router_topk.router_topk:nisa."
+ROUTER_MATMUL_TAPS = tuple(f"{_ROUTER}nc_matmul({a}:where)" for a in ("dst", "stationary"))
+ROUTER_ADD_TAPS = tuple(f"{_ROUTER}tensor_tensor({a}:where)" for a in ("dst", "data1", "data2"))
+ROUTER_COPY_TAPS = tuple(f"{_ROUTER}tensor_copy({a}:where)" for a in ("dst", "src"))
+
+
+def _calls(taps: dict[str, list], specs: tuple[str, ...]) -> dict[tuple[int, int], list[tuple]]:
+    """One instruction's calls per (rank, program) in call order, each the tuple of its operands' records (``specs``:
+    one tap per operand), else ValueError where the operands' counts differ."""
+    per: dict[tuple[int, int], list[list]] = {}
+    for k, spec in enumerate(specs):
+        for rank, program, op in taps.get(spec) or []:
+            per.setdefault((rank, program), [[] for _ in specs])[k].append(op)
+    out = {}
+    for (rank, program), lists in per.items():
+        if len({len(ops) for ops in lists}) != 1:
+            raise ValueError(f"moe_block_tkg router taps: program {program} of rank {rank} recorded "
+                             + ", ".join(f"{len(ops)} {spec.rpartition('.')[2]}" for ops, spec in zip(lists, specs))
+                             + " (one of each per call)")
+        out[(rank, program)] = list(zip(*lists))
+    return out
+
+
+def router_depth(taps: dict[str, list], t: int, h: int) -> tuple[np.ndarray, str]:
+    """Each token's float32 accumulation depth in ``router_topk``'s logits, counted from its taps
+    (:data:`ROUTER_MATMUL_TAPS`, :data:`ROUTER_ADD_TAPS`, :data:`ROUTER_COPY_TAPS`): ``(depth [t], how)``, ``d`` the
+    most float32 additions any term of the token's logits (its H products ``x_hat_h w_h``, exact in float32, and the
+    bias) goes through, and ``how`` the count in words.
+
+    Per program: each ``nc_matmul``'s PSUM destination (storage, first element) is an accumulation group; its
+    stationary operand is a [K, M] read of the router input tile [128, T, H/128] (K = 128 contraction rows), so
+    column ``m`` (the destination's row ``m``) is token ``c // (H/128)`` and hidden tile ``c % (H/128)`` of its
+    element ``c`` in the tile. A product goes through at most ``K - 1`` additions inside its matmul ("The matmul
+    accumulation and results are always in float32", ``nki.isa.nc_matmul``; any order of the PE's sum) and ``n -
+    1`` PSUM accumulations for ``n`` matmuls into its group (the first writes, the others add): ``d_g = K - 1 + n -
+    1``. Each group is read once into a float32 SBUF tile (the token tile of ``router_logits_sb``): by a
+    ``tensor_copy`` (exact, float32 to float32) or the bias add (``tensor_tensor``, data1 in PSUM: one float32
+    rounding, "performs the element-wise operation in float32 math", ``nki.isa.tensor_tensor``), which starts that
+    tile, and then by each column-tile merge (``tensor_tensor`` into the same tile, data1 that tile, data2 the
+    group: one rounding of everything summed so far). So every term of the tile goes through at most ``d = max_g
+    d_g + [bias] + merges`` additions (the bias itself ``1 + merges``). Every row of a merged group must carry the
+    tile's tokens, every group must be read exactly once, and every token of a tile must have each of its H/128
+    hidden tiles contracted exactly once; a token no program computes, or anything else, is a ValueError naming
+    it. A token two programs compute (all experts: both LNC programs compute every token) takes the larger depth."""
+    ht = h // 128
+    depth = np.zeros(t, np.int64)
+    hows: set[str] = set()
+    matmuls = _calls(taps, ROUTER_MATMUL_TAPS)
+    adds, copies = _calls(taps, ROUTER_ADD_TAPS), _calls(taps, ROUTER_COPY_TAPS)
+    if not matmuls:
+        raise ValueError("moe_block_tkg router taps: no router_topk nc_matmul recorded")
+    for (rank, program), calls in sorted(matmuls.items()):
+        name = f"moe_block_tkg router taps: program {program} of rank {rank}"
+        groups: dict[tuple[int, int], list] = {}  # PSUM place -> [matmuls, K, tokens per row, hidden tiles [M, ht]]
+        for k, (dst, stat) in enumerate(calls):
+            if stat.value.ndim != 2 or stat.row != t * ht:
+                raise ValueError(f"{name}: matmul {k}'s stationary operand {stat.value.shape} is not a [K, M] read "
+                                 f"of the router input tile [128, {t}, {ht}]")
+            token, tile = np.divmod(stat.columns()[..., 1], ht)  # [K, M]
+            if np.any(token != token[:1]) or np.any(tile != tile[:1]):
+                raise ValueError(f"{name}: matmul {k} reads more than one token or hidden tile in a column")
+            g = groups.setdefault((dst.storage, dst.offset), [0, 0, token[0], np.zeros((token.shape[1], ht), int)])
+            if not np.array_equal(g[2], token[0]):
+                raise ValueError(f"{name}: matmul {k} accumulates tokens {token[0].tolist()} into a PSUM group of "
+                                 f"tokens {g[2].tolist()}")
+            g[0], g[1] = g[0] + 1, max(g[1], stat.value.shape[0])
+            g[3][np.arange(token.shape[1]), tile[0]] += 1
+        read = dict.fromkeys(groups, 0)
+        chains: dict[tuple[int, int], list] = {}  # SBUF tile -> [tokens, hidden tiles, (d_g, K, n) max, bias, merges]
+
+        def group(op: Any, what: str) -> list | None:
+            if op.buffer != "psum" or (op.storage, op.offset) not in groups:
+                return None  # (a PSUM tile no router matmul wrote: not the logits)
+            g = groups[(op.storage, op.offset)]
+            if op.value.shape[0] != len(g[2]):
+                raise ValueError(f"{name}: {what} reads {op.value.shape[0]} rows of a PSUM group of {len(g[2])}")
+            read[(op.storage, op.offset)] += 1
+            return g
+
+        def start(dst: Any, g: list, bias: int, what: str) -> None:
+            if dst.value.dtype != np.float32 or (dst.storage, dst.offset) in chains:
+                raise ValueError(f"{name}: {what} writes {dst.value.dtype} logits (float32 expected) or a tile "
+                                 "another group started")
+            chains[(dst.storage, dst.offset)] = [g[2], g[3].copy(), (g[1] - 1 + g[0] - 1, g[1], g[0]), bias, 0]
+
+        merges = []
+        for k, (dst, src) in enumerate(copies.get((rank, program), [])):
+            g = group(src, f"tensor_copy {k}")
+            if g is not None:
+                start(dst, g, 0, f"tensor_copy {k}")
+        for k, (dst, d1, d2) in enumerate(adds.get((rank, program), [])):
+            if (g := group(d1, f"tensor_tensor {k}")) is not None:  # (the bias add: PSUM + the bias tile)
+                start(dst, g, 1, f"tensor_tensor {k}")
+            elif (g := group(d2, f"tensor_tensor {k}")) is not None:  # (a column-tile merge)
+                merges.append((k, dst, d1, g))
+        for k, dst, d1, g in merges:
+            chain = chains.get((dst.storage, dst.offset))
+            if chain is None or (d1.storage, d1.offset) != (dst.storage, dst.offset):
+                raise ValueError(f"{name}: tensor_tensor {k} adds a PSUM group to a tile no copy or bias add "
+                                 "started, or not onto that tile")
+            if not np.array_equal(chain[0], g[2]):
+                raise ValueError(f"{name}: tensor_tensor {k} merges tokens {g[2].tolist()} into a tile of tokens "
+                                 f"{chain[0].tolist()}")
+            chain[1] += g[3]
+            chain[2], chain[4] = max(chain[2], (g[1] - 1 + g[0] - 1, g[1], g[0])), chain[4] + 1
+        unread = [key for key, n in read.items() if n != 1]
+        if unread:
+            raise ValueError(f"{name}: a PSUM group of the router's matmuls read by {read[unread[0]]} instructions "
+                             "(once expected)")
+        for tokens, tiles, (d_g, k, n), bias, m in chains.values():
+            if np.any(tiles != 1):
+                row, j = (int(v) for v in np.argwhere(tiles != 1)[0])
+                raise ValueError(f"{name}: token {int(tokens[row])}'s hidden tile {j} contracted {tiles[row, j]} "
+                                 "times (once expected)")
+            d = d_g + bias + m
+            depth[tokens] = np.maximum(depth[tokens], d)
+            hows.add(f"d = {k - 1} + {n - 1}" + " + 1" * bias + f" + {m} = {d} ({k}-row matmuls, {n} into a PSUM "
+                     "group" + ", the bias add" * bias + f", {m} column-tile merge" + "s" * (m != 1) + ")")
+    if np.any(depth == 0):
+        raise ValueError(f"moe_block_tkg router taps: token {int(np.argmin(depth))}'s logits computed by no router "
+                         "matmul")
+    return depth, "; ".join(sorted(hows))
+
+
 def _gamma(n: int, unit: float = FP32_UNIT) -> float:
     """Higham's gamma_n = n u / (1 - n u): a sum in which each term goes through at most n roundings of unit u is
     within gamma_n times the sum of the terms' magnitudes of the exact sum, in any order of the additions
@@ -255,10 +386,11 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
     float32 value within :func:`norm_error` (relative) of the exact RMS norm of the kernel's inputs (float64: ``inp``
     over ``hidden_actual``, eps 1e-6, times ``gamma``; float64's own error, ``gamma^(53)_{H+8}`` relative, added):
     :func:`rounded_once`. (a2) ``router logits``: the kernel's bf16 logits are the round to nearest of a float32
-    value within ``gamma_H * (sum_h |x_hat w| + |b|)`` of the tapped input's exact logits ``x_hat @ w + b`` (H bf16
-    products, exact in float32, and the float32 bias: H + 1 terms, each through at most H float32 additions in any
-    order, PSUM accumulation, bias add and column-tile merges alike; Higham, Lemma 3.1; H counted from the tap;
-    float64's error on ``x_hat @ w`` added as ``gamma^(53)_{H+1}`` of the same sum). No statistical test.
+    value within ``gamma_d * (sum_h |x_hat w| + |b|)`` of the tapped input's exact logits ``x_hat @ w + b`` (H bf16
+    products, exact in float32, and the float32 bias: H + 1 terms, each through at most ``d`` float32 additions in
+    any order, Higham, Lemma 3.1; ``d`` each token's depth counted from the router's own taps, :func:`router_depth`:
+    within its matmuls, across PSUM accumulation, the bias add and the column-tile merges; float64's error on
+    ``x_hat @ w`` added as ``gamma^(53)_{H+1}`` of the same sum). No statistical test.
 
     The routing (a :class:`TileCheck`): each token's chosen experts are K distinct experts and a top-K of the
     kernel's own logits (none unchosen above a chosen one); where the chosen set differs from the golden's (top-K of
@@ -288,9 +420,12 @@ def routing_projection(inputs: dict[str, Any], taps: dict[str, list], run: Calla
                       "the exact RMS norm")
     fed = x_hat @ w + b  # (the tapped input's logits: H exact products and the bias, summed in float64)
     abs_sum = np.abs(x_hat) @ np.abs(w) + np.abs(b)
-    slack = (_gamma(h) + _gamma(h + 1, f64)) * abs_sum
+    depth, how = router_depth(taps, t, h)
+    slack = (_gamma(depth).reshape(t, 1) + _gamma(h + 1, f64)) * abs_sum
     logits, index = _router_tiles(taps, by_affinities)
     a2 = rounded_once(logits, fed, slack, "router logits", "the tapped input's exact logit")
+    a2 = dataclasses.replace(a2, figures=f"{a2.figures} (float32 error gamma_d sum|x_hat w|, counted from the "
+                             f"router's taps: {how})")
     k = index.shape[1]
     golden = np.asarray(run(lambda kw: kw)["router_logits"], np.float64).reshape(t, -1)
     gold_sel = np.argsort(-golden, axis=1, kind="stable")[:, :k]
@@ -370,14 +505,17 @@ def routed_as_kernel(root: Path, taps: dict[str, list], by_affinities: bool = Fa
         module["torch"] = saved
 
 
+_ROUTING_TAPS = (NORM_TAP, ROUTER_TAP) + ROUTER_MATMUL_TAPS + ROUTER_ADD_TAPS + ROUTER_COPY_TAPS
 ROUTING = TappedReference(
     what="router input, logits and routing (the reference routed each token as the kernel routes it)",
-    taps=(NORM_TAP, ROUTER_TAP), projection=routing_projection, ref_inputs=lambda kw, taps: kw, during=routed_as_kernel)
+    taps=_ROUTING_TAPS, optional=ROUTER_ADD_TAPS + ROUTER_COPY_TAPS, projection=routing_projection,
+    ref_inputs=lambda kw, taps: kw, during=routed_as_kernel)
 # all experts without router_act_first: the kernel's chosen experts read off its nonzero affinities
 ROUTING_BY_AFFINITIES = TappedReference(
     what="router input, logits and routing (the kernel's chosen experts read off its nonzero affinities; the reference "
          "routed each token as the kernel routes it)",
-    taps=(NORM_TAP, ROUTER_TAP), projection=functools.partial(routing_projection, by_affinities=True),
+    taps=_ROUTING_TAPS, optional=ROUTER_ADD_TAPS + ROUTER_COPY_TAPS,
+    projection=functools.partial(routing_projection, by_affinities=True),
     ref_inputs=lambda kw, taps: kw, during=functools.partial(routed_as_kernel, by_affinities=True))
 
 

@@ -160,7 +160,8 @@ class TappedReference:
     tiles fed in; ``what`` says which. ``min_cosine``: how near (cosine similarity, every output the kernel fails)
     the kernel must be to that reference. ``routes``: groups of taps of which exactly one records a tile in a run
     (the same tile on the kernel's alternative code paths, e.g. a projection's quantized input in ``qkv_tkg`` or
-    ``qkv_cte``); every other tap must record one."""
+    ``qkv_cte``); ``optional``: taps that may record nothing (an instruction the kernel calls only on some paths,
+    whose absence the projection judges); every other tap must record one."""
 
     what: str
     taps: tuple[str, ...]
@@ -168,6 +169,7 @@ class TappedReference:
     ref_inputs: Callable[[dict[str, Any], dict[str, list]], dict[str, Any]]
     min_cosine: float = 0.9999
     routes: tuple[tuple[str, ...], ...] = ()
+    optional: tuple[str, ...] = ()
     # (root, taps) -> a context manager inside which the reference fed the taps runs (e.g. routed as the kernel
     # routes: :func:`trnkit.conformance.cases_moe_block.routed_as_kernel`); None: the reference as it is
     during: Callable[[Path, dict[str, list]], contextlib.AbstractContextManager] | None = None
@@ -1395,7 +1397,7 @@ def tapped_golden_gap(case: Case, root: Path, inputs: dict[str, Any], actual: di
     the test's validator against that reference too: the golden is out of reach of the kernel's legitimate
     roundings up to the tapped tiles, not the kernel out of reach of the golden."""
     spec = case.tapped_reference
-    routed = {t for group in spec.routes for t in group}
+    routed = {t for group in spec.routes for t in group} | set(spec.optional)
     if not tapped or any(not calls for t, calls in tapped.items() if t not in routed):
         return False, "tapped: no tile recorded for " + ", ".join(k for k, v in tapped.items()
                                                                     if not v and k not in routed)
