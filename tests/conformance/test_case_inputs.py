@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from trnkit.conformance import cases, cases_model_config, cases_transformer, harness
+from trnkit.conformance import cases, cases_model_config, cases_transformer, golden_chunk, harness, reduce
 
 ROOT = harness.nkilib_root()
 needs_checkout = pytest.mark.skipif(ROOT is None, reason="no nki-library checkout or archive")
@@ -177,7 +177,7 @@ def _batch_sharded(n: int, q: int, s: int, s_ctx: int) -> bool:
 ])
 def test_a_block_rows_golden_chunk_keeps_the_whole_batchs_sharding_choice(b, q, s_ctx, chunk):
     with harness.nki_is_interpreter(ROOT):
-        assert cases_transformer._block_golden_chunk(b, q, 1, s_ctx) == chunk
+        assert golden_chunk.block_golden_chunk(b, q, 1, s_ctx, cases_transformer._s_prior_sharded) == chunk
     if chunk:
         sizes = {chunk, b % chunk} - {0}
         assert all(_batch_sharded(n, q, 1, s_ctx) == _batch_sharded(b, q, 1, s_ctx) for n in sizes)
@@ -186,12 +186,30 @@ def test_a_block_rows_golden_chunk_keeps_the_whole_batchs_sharding_choice(b, q, 
 
 
 @needs_checkout
+@pytest.mark.parametrize(("b", "ranks", "q", "d", "s_ctx", "chunk"), [
+    (2048, 8, 8, 64, 10240, 64),  # 256 MiB / (10,240 x 64 x 4 B) = 102 rows; 64 the largest divisor of 256 within
+    (256, 4, 2, 64, 10240, 0),    # 102 again, but no divisor of a rank's 64 rows holds more than 128 query rows:
+                                  # S_prior sharded, where the whole batch is batch-sharded
+    (8, 4, 1, 64, 1048576, 1),    # 1 row; S_prior sharded, as for the whole batch (8 query rows)
+    (8, 4, 1, 64, 1024, 0),       # a 32 MiB cache: no chunk
+])
+def test_a_kvdp_rows_golden_chunk(b, ranks, q, d, s_ctx, chunk):
+    """The KV-data-parallel golden's chunk (golden_chunk.kvdp_golden_chunk) against hand-worked values, with
+    nki-library's predicate and with reduce's reading of it (the one the memory estimate uses)."""
+    ours = lambda n, q_, s_, sp, _p: reduce._lnc_sharding(n, q_, s_, sp)[1]  # noqa: E731
+    nkilib = cases_transformer._s_prior_sharded
+    with harness.nki_is_interpreter(ROOT):
+        assert golden_chunk.kvdp_golden_chunk(b, b // ranks, q, 1, s_ctx, d, nkilib) == chunk
+    assert golden_chunk.kvdp_golden_chunk(b, b // ranks, q, 1, s_ctx, d, ours) == chunk
+
+
+@needs_checkout
 def test_a_block_rows_golden_in_widened_chunks_is_the_whole_call():
     """An even batch of a block-cache row (B = 80, 4 q heads: batch-sharded), whose chunk of 17 the golden refuses
     (odd chunks shard S_prior), in the widened chunks of 40: the same outputs as one call on the whole batch."""
     case = cases_transformer.attention_block_case(80, 4, 64, 256, None, 512, 512, 1, block_len=16)
     with harness.nki_is_interpreter(ROOT):
-        chunk = cases_transformer._block_golden_chunk(80, 4, 1, 512)
+        chunk = golden_chunk.block_golden_chunk(80, 4, 1, 512, cases_transformer._s_prior_sharded)
         assert chunk == 40
         inputs = case.inputs()
         kw = {k: harness._to_torch(v, case.keep_low_precision) for k, v in case.ref_inputs(inputs).items()}

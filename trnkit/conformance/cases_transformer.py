@@ -55,6 +55,7 @@ import numpy as np
 from .cases_attention_tkg import _flat_compare
 from .cases_moe_experimental import _checkout
 from . import harness
+from .golden_chunk import block_golden_chunk, kvdp_golden_chunk
 from .harness import Case, TappedReference, _file_backed, disk_array, drawn_array, load_test_module, restore_modules
 
 __all__ = ["attention_block_case", "attention_block_cases", "attention_block_golden", "test_package_modules"]
@@ -479,7 +480,7 @@ def _kvdp_inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: in
 
         def heads(w: np.ndarray | None, r: int) -> np.ndarray | None:  # rank r's Q columns, then K and V
             return None if w is None else np.concatenate([w[:, r * qd:(r + 1) * qd], w[:, kvd:]], axis=1)
-        chunk = _kvdp_golden_chunk(b, b_rank, q, s_tkg, s_ctx, d)
+        chunk = kvdp_golden_chunk(b, b_rank, q, s_tkg, s_ctx, d, _s_prior_sharded)
         ranks, golden = [], []
         for r in range(n):
             rows = slice(r * b_rank, (r + 1) * b_rank)
@@ -518,28 +519,11 @@ def _kvdp_inputs(b: int, q: int, d: int, h: int, h_actual: int | None, s_ctx: in
     return make
 
 
-def _s_prior_sharded() -> Callable[..., bool]:
-    """nki-library's ``is_s_prior_sharded(bs, q_head, s_active, curr_sprior, p_max)`` (under the interpreter's
-    modules)."""
-    return importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
-
-
-def _kvdp_golden_chunk(b: int, b_rank: int, q: int, s_tkg: int, s_ctx: int, d: int,
-                       sharded: Callable[..., bool] | None = None) -> int:
-    """Batch rows a KV-data-parallel rank's reference takes at once (0: the whole batch): for caches of more
-    than 256 MiB, the largest divisor of the rank's batch rows whose float32 K cache slice is at most 256 MiB
-    and with which every chunk keeps the kernel's batch / S_prior sharding choice (``is_s_prior_sharded``)
-    of the whole batch, on which the mask layout depends; 0 when none does. ``sharded``: that predicate
-    (default nki-library's; ``reduce`` passes its own reading of it, to estimate a row's memory outside the
-    interpreter)."""
-    if 2 * b * s_ctx * d < 256 << 20:
-        return 0
-    sharded = sharded or _s_prior_sharded()
-    target = max(1, (256 << 20) // (s_ctx * d * 4))
-    for c in range(min(target, b_rank), 0, -1):
-        if b_rank % c == 0 and sharded(c, q, s_tkg, s_ctx, 128) == sharded(b, q, s_tkg, s_ctx, 128):
-            return c
-    return 0
+def _s_prior_sharded(bs: int, q_head: int, s_active: int, curr_sprior: int, p_max: int) -> bool:
+    """nki-library's ``is_s_prior_sharded`` (under the interpreter's modules): the predicate the golden's batch
+    chunk keeps (:mod:`.golden_chunk`)."""
+    utils = importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils")
+    return utils.is_s_prior_sharded(bs, q_head, s_active, curr_sprior, p_max)
 
 
 def attention_block_kvdp_golden(golden: list[dict[str, Any]], lnc: int, tile_rounding: bool = False, **_: Any
@@ -751,30 +735,6 @@ def _validator(cfg: dict[str, Any]) -> dict[str, Any]:
     """The test's cosine-similarity validator: 0.99 for every output; 99 % of X_out within the tolerance
     with an fp8 KV cache, all of it otherwise."""
     return {"min_cosine": 0.99, "min_pass_rate": (("X_out", 0.99),) if cfg["kv_quant"] else ()}
-
-
-# Batch rows the reference of a single-rank row with a block KV cache of more than 1 GiB (the test's three
-# B = 255 rows at S_ctx = 10,240 to 32,768) takes at once (_golden_in_batch_chunks): its float32 gathers,
-# clones and head-broadcast K would take 10 GB and more for the whole batch. 17 divides 255 and keeps every
-# chunk odd, so the kernel's sharding choice (and so the mask layout) is the whole batch's. Other batches widen
-# it where it does not (_block_golden_chunk).
-GOLDEN_BATCH_CHUNK = 17
-
-
-def _block_golden_chunk(b: int, q: int, s_tkg: int, s_ctx: int, sharded: Callable[..., bool] | None = None) -> int:
-    """The batch chunk of a single-rank block-cache row's reference (:data:`GOLDEN_BATCH_CHUNK` widened): the
-    smallest chunk of at least 17 rows with which every chunk, the last partial one included, makes the kernel's
-    batch / S_prior sharding choice (``is_s_prior_sharded``, on which the mask layout depends) the whole batch's;
-    0 (the whole batch at once) when none below ``b`` does. A batch-sharded batch (even, more than 128 query rows)
-    needs even chunks of more than ``128 / (q * S_tkg)`` rows and an even last chunk as large: B = 256 at 4 q heads
-    takes 44 (5 x 44 + 36; 34 would leave 18: 72 query rows), as confrun7 widened attention_tkg's chunk.
-    ``sharded``: as :func:`_kvdp_golden_chunk`'s."""
-    sharded = sharded or _s_prior_sharded()
-    whole = sharded(b, q, s_tkg, s_ctx, 128)
-    for c in range(GOLDEN_BATCH_CHUNK, b):
-        if all(sharded(n, q, s_tkg, s_ctx, 128) == whole for n in {c, b % c} if n):
-            return c
-    return 0
 
 
 @contextlib.contextmanager
@@ -1286,7 +1246,7 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
 
         def ref_inputs(kw: dict[str, Any], lnc: int = lnc, sizes: tuple | None = (b, q, s_tkg, s_ctx) if chunked
                        else None) -> dict[str, Any]:  # (the chunk under the interpreter's modules: nki-library's rule)
-            return {**kw, "lnc": lnc, "batch_chunk": _block_golden_chunk(*sizes) if sizes else 0}
+            return {**kw, "lnc": lnc, "batch_chunk": block_golden_chunk(*sizes, _s_prior_sharded) if sizes else 0}
     # rows with an fp8 step (STATIC weights, an fp8 KV cache): a mismatch is checked against the reference rounded
     # where the kernel's tiles are narrower than its float32 (harness.golden_gap)
     rounded = None

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .golden_chunk import block_golden_chunk, kvdp_golden_chunk
 from .harness import MODEL_CONFIG, REDUCED, Case
 
 __all__ = ["CAP_S", "MEM_CAP_GB", "REDUCED", "Reduction", "attention_route", "estimate_cpu_s", "estimate_peak_gb",
@@ -122,18 +123,16 @@ def estimate_peak_gb(kernel: str, name: str, shapes: str) -> float:
     alone)."""
     if not kernel.endswith("/attention_block_tkg"):
         raise ValueError(f"reduce.estimate_peak_gb: {kernel}: only attention_block_tkg rows have a memory estimate")
-    from .cases_transformer import _block_golden_chunk, _kvdp_golden_chunk
-
     d = _sizes(shapes)
     b, q, s_ctx, dh, h = (_first(d[k]) for k in ("B", "q_heads", "S_ctx", "d", "H"))
     s_tkg, ranks = _first(d.get("S", "1")), _first(d.get("ranks", "1"))
     kv_bytes = 1 if " kv_quant" in f" {name}" else 2
     sharded = lambda n, q_, s_, sp, _p: _lnc_sharding(n, q_, s_, sp)[1]  # noqa: E731
     if ranks > 1:
-        chunk = _kvdp_golden_chunk(b, b // ranks, q, s_tkg, s_ctx, dh, sharded)
+        chunk = kvdp_golden_chunk(b, b // ranks, q, s_tkg, s_ctx, dh, sharded)
     else:
         big = "block_len=" in name and 2 * b * s_ctx * dh * kv_bytes > 1 << 30
-        chunk = _block_golden_chunk(b, q, s_tkg, s_ctx, sharded) if big else 0
+        chunk = block_golden_chunk(b, q, s_tkg, s_ctx, sharded) if big else 0
     raw = 2 * b * s_ctx * dh * kv_bytes / 1e9
     gold = (chunk or b) * q * s_ctx * dh * 4 / 1e9
     kvdp = ranks > 1
