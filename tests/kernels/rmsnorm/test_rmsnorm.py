@@ -242,11 +242,13 @@ def test_narrow_backward_cancelling_gradient(shape, dtype) -> None:
 
 def test_narrow_backward_engines() -> None:
     """The head-norm backward (bf16, H = 128) on whole chunks: per chunk two GpSimd diagonals (b's hi and
-    lo parts) and nothing else on GpSimd, one Scalar copy per PSUM bank of transposed slots and one of the dw
-    column sums out of PSUM (issued right after the last dw matmuls; fp32, exact), seven Vector
-    instructions (gw, dy * x, b and the per-row statistics, each of those with an fp32 operand, so off the
-    SBUF port GpSimd shares with Vector's 2-byte mode) plus one per PSUM bank of dx, and on the Tensor
-    engine per 128-row slot one dw matmul, one transpose, one sum over H and three dx matmuls (trace)."""
+    lo parts) and nothing else on GpSimd; on the Tensor engine per 128-row slot one dw matmul, two transposes
+    (dy * x, and dy for gw), one sum over H and three dx matmuls (gw^T against the identity, diag(b_hi) @ x,
+    diag(b_lo) @ x); Scalar copies each PSUM bank of transposed slots out (those of dy scaled by w's fp32
+    column: gw^T) and the dw column sums (issued right after the last dw matmuls; fp32, exact); Vector runs
+    one 2-byte pass per chunk (dy * x: gw is off the SBUF port GpSimd shares with Vector's 2-byte mode), five
+    [P, NT] per-row instructions (each with an fp32 operand, so off that port) and one pass per PSUM bank of
+    dx (trace)."""
     x, w, _, gy, _ = _inputs((4096, 128), torch.bfloat16, seed=9)
     _, rstd = rmsnorm(x, w, EPS)
     with trace.record() as tr:
@@ -257,23 +259,26 @@ def test_narrow_backward_engines() -> None:
     assert chunks >= 3 and len(diags) == 2 * chunks
     assert sum(i.operands[0].shape[1] for i in diags) == 2 * slots
     by = tr.by_op()
-    assert by["nc_transpose"] == slots
-    assert by["nc_matmul"] == 5 * slots  # dw, the sum over H, I @ gw, diag(b_hi) @ x, diag(b_lo) @ x
+    assert by["nc_transpose"] == 2 * slots
+    assert by["nc_matmul"] == 5 * slots  # dw, the sum over H, gw^T @ I, diag(b_hi) @ x, diag(b_lo) @ x
     nts = [i.operands[0].shape[1] for i in diags[::2]]  # each chunk's slots
     scalar = [i for i in tr if i.engine == "scalar"]
-    assert len(scalar) == sum((nt + 7) // 8 for nt in nts) + 1  # 8 bf16 slots a bank, + the dw sums
+    assert len(scalar) == 2 * sum((nt + 7) // 8 for nt in nts) + 1  # 8 bf16 slots a bank, + the dw sums
+    scaled = [i for i in scalar if i.op == "activation" and any(o.role == "scale" for o in i.operands)]
+    assert len(scaled) == sum((nt + 7) // 8 for nt in nts)  # gw^T = (dy^T) * w, per bank
+    assert all(o.dtype == "float32" for i in scaled for o in i.operands if o.role == "scale")
     dw_copy = scalar[-1]
     assert dw_copy.op == "tensor_copy" and [o.buffer for o in dw_copy.operands] == ["sbuf", "psum"]
     assert dw_copy.operands[0].dtype == "float32"
     # issued before the last chunk's dx (its last Tensor engine matmuls come after it)
     assert tr.instrs.index(dw_copy) < max(k for k, i in enumerate(tr.instrs) if i.op == "nc_matmul")
-    # per chunk: gw, dy * x, b, rstd^2, b's bf16 parts, rstd rounded for the dw matmuls, and dx = rstd * y
-    # per bank of 4 slots (no per-row instruction)
     vector = [i for i in tr if i.engine == "vector"]
-    assert len(vector) <= 7 * chunks + sum((nt + 3) // 4 for nt in nts) + 4
+    two_byte = [i for i in vector if all(o.dtype == "bfloat16" for o in i.operands) and len(i.operands[0].shape) == 3]
+    assert len(two_byte) == chunks  # dy * x only
     stats = [i for i in vector if len(i.operands[0].shape) == 2 and i.operands[0].shape[1] in nts]
-    assert len(stats) == 5 * chunks  # b, rstd^2, hi, lo, rstd for dw: [P, NT] each
+    assert len(stats) == 5 * chunks  # rstd rounded for the dw matmuls, rstd^2, b, hi, lo: [P, NT] each
     assert all(any(o.dtype == "float32" for o in i.operands) for i in stats)
+    assert len(vector) <= 6 * chunks + sum((nt + 3) // 4 for nt in nts) + 4
     gpsimd = [i for i in tr if i.engine == "gpsimd"]
     assert all(i.op == "affine_select" for i in gpsimd) and len(gpsimd) == len(diags) + 1  # + the identity
 

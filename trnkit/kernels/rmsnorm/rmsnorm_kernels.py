@@ -892,14 +892,15 @@ def _store_dw(dw, dw_ps, n_prog, pid, NC, partial=None):
     _dma_in(dw.ap(pattern=[[1, half], [P, NC]], offset=pid * half), out, queues[2])
 
 
-def _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, opens=False, engine=nisa.engine.gpsimd):
+def _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, opens=False, engine=nisa.engine.gpsimd, r=None):
     """The chunk's rows into the dw column sums: ``dw_ps[m, c] += sum_p prod[p, j, c*P + m] * rstd[p, j]``
     for every row j and 128-column piece c (its own column of the PSUM tile). The moving operand is rstd's
     column j itself, rounded to prod's dtype once for the whole chunk (an error of each row's weight that
     averages out over the rows, far below dw's own rounding); the program's first row opens each column;
-    ``engine`` rounds rstd. Returns that rounded rstd."""
-    r = nl.ndarray((Pc, NT), dtype=prod.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=r, src=rstd_t, engine=engine)
+    ``engine`` rounds rstd, unless the caller passes it rounded as ``r``. Returns that rounded rstd."""
+    if r == None:  # noqa: E711
+        r = nl.ndarray((Pc, NT), dtype=prod.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=r, src=rstd_t, engine=engine)
     for j in range(NT):
         for c in range(NC):
             nisa.nc_matmul(dst=dw_ps[:, c:c + 1], stationary=prod[:, j, c * P:(c + 1) * P], moving=r[:, j:j + 1],
@@ -989,20 +990,27 @@ def _w_columns(w, H, dtype):
 
 
 def _dy_products(tiles, chunk, w_sb, out_dt):
-    """Stage A of a backward chunk (the narrow rows' whole stage, the wide rows' first step), on Vector:
-    ``gw = dy * w`` (x's dtype, HF's rounding point) and ``prod = dy * x`` (zero-padded to whole 128-column
-    pieces)."""
+    """Stage A of a wide-row backward chunk, on Vector: ``gw = dy * w`` (x's dtype, HF's rounding point) and
+    ``prod = dy * x`` (zero-padded to whole 128-column pieces)."""
     dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
     r0, Pc, NT = chunk
     H = x_t.shape[2]
-    HP = cdiv(H, P) * P
     gw_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=gw_t, data1=dy_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
+    prod = _dy_x(dy_t, x_t, chunk, out_dt)
+    return (gw_t, x_t, gs_t, rstd_t, prod, chunk)
+
+
+def _dy_x(dy_t, x_t, chunk, out_dt):
+    """``prod = dy * x`` on Vector, ``[Pc, NT, HP]`` in ``out_dt``, zero past H up to whole 128-column pieces."""
+    r0, Pc, NT = chunk
+    H = x_t.shape[2]
+    HP = cdiv(H, P) * P
     prod = nl.ndarray((Pc, NT, HP), dtype=out_dt, buffer=nl.sbuf)
     if HP > H:
         nisa.memset(dst=prod[:, :, H:HP], value=0.0)
     nisa.tensor_tensor(dst=prod[:, :, 0:H], data1=dy_t, data2=x_t, op=nl.multiply)
-    return (gw_t, x_t, gs_t, rstd_t, prod, chunk)
+    return prod
 
 
 def _stats_engine(dtype):
@@ -1016,32 +1024,69 @@ def _stats_engine(dtype):
     return nisa.engine.vector
 
 
-def _narrow_transposes(state, dw_ps, first):
-    """Stage B: the Tensor engine adds ``rstd * prod`` into the dw column sums and transposes each
-    128-row slot of ``prod`` into PSUM (H on the partitions, a bank's worth of slots per group); Scalar
-    copies each group out to SBUF (exact: the same dtype), where a matmul can read it. Returns the groups
-    ``(pt, piece, first slot)`` for :func:`_narrow_d_sums`, and ``rstd^2`` (fp32) for :func:`_narrow_coefs`,
-    formed here, two stages ahead, so that stage's chain from the sums over H to the first diagonal is short."""
-    gw_t, x_t, gs_t, rstd_t, prod, chunk = state
+def _narrow_products(tiles, chunk, w_sb, out_dt):
+    """Stage A of a narrow chunk: ``prod = dy * x`` on Vector, ``gw = dy * w`` there too unless ``w_sb`` is None
+    (2-byte rows: :func:`_narrow_transposes` forms gw on the Tensor and Scalar engines, and the state keeps
+    ``dy`` in gw's place), then the chunk's per-row statistics of its rstd: rounded to prod's dtype (the dw
+    matmuls' moving operand) and ``rstd^2`` (fp32, for :func:`_narrow_stats`), formed a stage ahead so the
+    Tensor engine's dw matmuls never wait for them."""
+    dy_t, x_t, gs_t, rstd_t = tiles[0], tiles[1], tiles[2], tiles[3]
     r0, Pc, NT = chunk
-    H = x_t.shape[2]
-    NC = cdiv(H, P)
+    gw_t = dy_t
+    if w_sb != None:  # noqa: E711
+        H = x_t.shape[2]
+        gw_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=gw_t, data1=dy_t, data2=_per_col(w_sb, Pc, NT, H), op=nl.multiply)
+    prod = _dy_x(dy_t, x_t, chunk, out_dt)
     eng = _stats_engine(x_t.dtype)
-    _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first, eng)
+    r16 = nl.ndarray((Pc, NT), dtype=prod.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=r16, src=rstd_t, engine=eng)
     r2 = nl.ndarray((Pc, NT), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(dst=r2, data1=rstd_t, data2=rstd_t, op=nl.multiply, engine=eng)
-    G = _bank_slots(Pc, NT, prod.dtype)
+    return (gw_t, x_t, gs_t, (rstd_t, r16, r2), prod, chunk)
+
+
+def _transposed_groups(src, Pc, NT, H, scale=None):
+    """Each 128-row slot of ``src`` transposed into PSUM by the Tensor engine (H on the partitions, a bank's
+    worth of slots per group) and copied out to SBUF by the Scalar engine, multiplied there by the fp32
+    column ``scale`` (one value per partition, i.e. per column of ``src``) when given. Returns the groups
+    ``(tile [hw, gn, Pc], piece, first slot)``."""
+    NC = cdiv(H, P)
+    G = _bank_slots(Pc, NT, src.dtype)
     groups = []
     for c in range(NC):
         hw = min(P, H - c * P)
         for j0 in range(0, NT, G):
             gn = min(G, NT - j0)
-            pt = nl.ndarray((hw, gn, Pc), dtype=prod.dtype, buffer=nl.psum)
+            pt = nl.ndarray((hw, gn, Pc), dtype=src.dtype, buffer=nl.psum)
             for g in range(gn):
-                nisa.nc_transpose(dst=pt[:, g, :], data=prod[:, j0 + g, c * P:c * P + hw])
-            ptc = nl.ndarray((hw, gn, Pc), dtype=prod.dtype, buffer=nl.sbuf)
-            nisa.activation(dst=ptc, op=nl.copy, data=pt)
+                nisa.nc_transpose(dst=pt[:, g, :], data=src[:, j0 + g, c * P:c * P + hw])
+            ptc = nl.ndarray((hw, gn, Pc), dtype=src.dtype, buffer=nl.sbuf)
+            if scale == None:  # noqa: E711
+                nisa.activation(dst=ptc, op=nl.copy, data=pt)
+            else:
+                nisa.activation(dst=ptc, op=nl.copy, data=pt, scale=scale[0:hw, c:c + 1])
             groups.append((ptc, c, j0))
+    return groups
+
+
+def _narrow_transposes(state, dw_ps, first, wf_cols=None):
+    """Stage B: the Tensor engine adds ``rstd * prod`` into the dw column sums and transposes each 128-row
+    slot of ``prod`` into PSUM; Scalar copies each group out to SBUF (exact: the same dtype), where a matmul can
+    read it (the groups, for :func:`_narrow_d_sums`). ``wf_cols`` (2-byte rows: w's fp32 columns): ``dy``'s
+    slots are transposed too and Scalar's copy multiplies each by w's value on its partition, ``gw^T`` (the
+    fp32 product ``dy * w`` rounded once to x's dtype, as Vector's ``tensor_tensor`` rounds it), so ``gw``
+    leaves the SBUF port that Vector's 2-byte passes share with GpSimd's diagonals (:func:`_narrow_dx` sums
+    ``gw^T``'s slot against the identity, which gives gw exactly)."""
+    gw_t, x_t, gs_t, rstats, prod, chunk = state
+    rstd_t, r16, r2 = rstats
+    r0, Pc, NT = chunk
+    H = x_t.shape[2]
+    NC = cdiv(H, P)
+    _dw_matmuls(dw_ps, prod, rstd_t, Pc, NT, NC, first, r=r16)
+    groups = _transposed_groups(prod, Pc, NT, H)
+    if wf_cols != None:  # noqa: E711
+        gw_t = _transposed_groups(gw_t, Pc, NT, H, wf_cols)
     return (gw_t, x_t, gs_t, rstd_t, groups, chunk, r2)
 
 
@@ -1061,16 +1106,13 @@ def _narrow_d_sums(state, w_cols):
     return (gw_t, x_t, gs_t, rstd_t, d_ps, chunk, r2)
 
 
-def _narrow_coefs(state, H):
-    """Stage 2: ``b = -rstd^2 * D / H`` per row (so ``dx = rstd * (gw + b * x)``) and ``diag(b)`` for every
-    slot, ``[Pc, NT, Pc]`` in x's dtype (one GpSimd ``affine_select`` per part; 2-byte rows take b as a
-    hi + lo pair of bf16 parts, so ``b * x`` summed in PSUM is exact to fp32 rounding). The hi part is formed
-    first, straight from the sums (the same fp32 product rounded once to x's dtype, as rounding b), so GpSimd's
-    first diagonal waits on one instruction after the sums."""
+def _narrow_stats(state, H):
+    """Stage D1 (Vector): ``b = -rstd^2 * D / H`` per row, for 2-byte rows as a hi + lo pair of parts in x's
+    dtype (so ``b * x`` summed in PSUM is exact to fp32 rounding): hi straight from the sums (the same fp32
+    product rounded once to x's dtype, as rounding b), then b in fp32 and ``lo = b - hi``."""
     gw_t, x_t, gs_t, rstd_t, d_ps, chunk, r2 = state
     r0, Pc, NT = chunk
     dt = x_t.dtype
-    eng = _stats_engine(dt)
     hi = None
     if dt != nl.float32:
         hi = nl.ndarray((Pc, NT), dtype=dt, buffer=nl.sbuf)
@@ -1082,11 +1124,19 @@ def _narrow_coefs(state, H):
     parts = [b]
     if dt != nl.float32:
         lo = nl.ndarray((Pc, NT), dtype=dt, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=lo, data1=b, data2=hi, op=nl.subtract, engine=eng)
+        nisa.tensor_tensor(dst=lo, data1=b, data2=hi, op=nl.subtract, engine=_stats_engine(dt))
         parts = [hi, lo]
+    return (gw_t, x_t, gs_t, rstd_t, parts, chunk)
+
+
+def _narrow_diags(state):
+    """Stage D2 (GpSimd): ``diag(part)`` for every slot and part of b, ``[Pc, NT, Pc]`` in x's dtype, one
+    ``affine_select`` per part."""
+    gw_t, x_t, gs_t, rstd_t, parts, chunk = state
+    r0, Pc, NT = chunk
     diags = []
     for k in range(len(parts)):
-        dg = nl.ndarray((Pc, NT, Pc), dtype=dt, buffer=nl.sbuf)
+        dg = nl.ndarray((Pc, NT, Pc), dtype=x_t.dtype, buffer=nl.sbuf)
         # dg[p, j, q] = part[p, j] where p == q (p - q == 0), else 0
         nisa.affine_select(dst=dg, pattern=[[0, NT], [-1, Pc]], channel_multiplier=1,
                            on_true_tile=_per_row(parts[k], Pc, NT, Pc), on_false_value=0.0, cmp_op=nl.equal)
@@ -1095,13 +1145,14 @@ def _narrow_coefs(state, H):
 
 
 def _narrow_dx(state, dx, ident):
-    """Stage 3: ``y = gw + b * x`` per slot on the Tensor engine (``I @ gw + diag(b) @ x``, fp32 PSUM, a
-    bank's worth of slots at a time), then one Vector pass per bank ``dx = rstd * y`` (fp32 product, rstd
-    broadcast along H, rounded once), ``+ grad_s`` (after the rounding, as autograd adds the two) and the
-    store."""
+    """Stage E: ``y = gw + b * x`` per slot on the Tensor engine (``I @ gw`` or, with gw transposed, ``gw^T``'s
+    slot against the identity, then ``diag(b) @ x`` per part; fp32 PSUM, a bank's worth of slots at a time),
+    then one Vector pass per bank ``dx = rstd * y`` (fp32 product, rstd broadcast along H, rounded once),
+    ``+ grad_s`` (after the rounding, as autograd adds the two) and the store."""
     gw_t, x_t, gs_t, rstd_t, diags, chunk = state
     r0, Pc, NT = chunk
     H = x_t.shape[2]
+    transposed = isinstance(gw_t, list)
     dx_t = nl.ndarray((Pc, NT, H), dtype=x_t.dtype, buffer=nl.sbuf)
     S = max(1, PIECE // H)  # slots per fp32 PSUM bank
     for j0 in range(0, NT, S):
@@ -1109,7 +1160,16 @@ def _narrow_dx(state, dx, ident):
         yb = nl.ndarray((Pc, sn, H), dtype=nl.float32, buffer=nl.psum)
         for s in range(sn):
             j = j0 + s
-            nisa.nc_matmul(dst=yb[:, s, :], stationary=ident[0:Pc, 0:Pc], moving=gw_t[:, j, :], accumulate=False)
+            if transposed:  # out[r, h] = sum_k gw^T[k, r] * I[k, h] = gw[r, h]: one exact product each
+                for k in range(len(gw_t)):
+                    gt, c, g0 = gw_t[k]
+                    hw, gn = gt.shape[0], gt.shape[1]
+                    if g0 <= j and j < g0 + gn:
+                        nisa.nc_matmul(dst=yb[:, s, c * P:c * P + hw], stationary=gt[:, j - g0, :],
+                                       moving=ident[0:hw, 0:hw], accumulate=False)
+            else:
+                nisa.nc_matmul(dst=yb[:, s, :], stationary=ident[0:Pc, 0:Pc], moving=gw_t[:, j, :],
+                               accumulate=False)
             for k in range(len(diags)):
                 nisa.nc_matmul(dst=yb[:, s, :], stationary=diags[k][:, j, :], moving=x_t[:, j, :], accumulate=True)
         nisa.tensor_tensor(dst=dx_t[:, j0:j0 + sn, :], data1=yb,
@@ -1119,24 +1179,37 @@ def _narrow_dx(state, dx, ident):
     nisa.dma_copy(dst=_rows(dx, r0, Pc, NT, H), src=dx_t)
 
 
-def _narrow_backward(dys, xs, ws, rstds, grad_ss, dxs, dw_ps, w_sbs, ident, out_dt, chunks, segs, n_prog=1, pid=0):
-    """The backward pipeline for rows narrower than ``WIDE`` (the q/k head norm): five stages per chunk,
+def _narrow_weights(w, H, out_dt, transposed):
+    """A segment's weight in SBUF: ``(rows [P, H] for Vector's gw or None, columns [P, NC] in out_dt for the
+    sums over H, fp32 columns for Scalar's gw^T or None)``."""
+    cols = _w_columns(w, H, out_dt)
+    if not transposed:
+        return _weight_rows(w, H), cols, None
+    wf = nl.ndarray((P, cdiv(H, P)), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=wf, src=cols, engine=nisa.engine.vector)  # exact: w in out_dt (2-byte) widened
+    return None, cols, wf
+
+
+def _narrow_backward(dys, xs, ws, rstds, grad_ss, dxs, dw_ps, ident, out_dt, chunks, segs, n_prog=1, pid=0):
+    """The backward pipeline for rows narrower than ``WIDE`` (the q/k head norm): six stages per chunk,
     issued in an order in which no engine's in-order queue waits on work issued after it. Iteration i:
-    chunk i-3's coefficients (Vector, one ``[P, NT]`` instruction) and diagonals (GpSimd, while Vector
-    copies out chunk i-4's dx, which does not use the SBUF port GpSimd shares with Vector's 2-byte
-    mode), chunk i-4's dx (Tensor engine, Vector, store), chunk i-2's sums over H and chunk i-1's dw
-    matmuls and transposes (Tensor engine; Scalar copies the transposes out), chunk i's products
-    (Vector). Once the last chunk's dw matmuls are issued, this core's dw column sums go out of PSUM and, on
-    LNC=2, to the shared scratch (:func:`_dw_partial`) while the last chunks' dx are formed; returns that
-    for :func:`_store_dw`. ``dys``, ``xs``, ``ws``, ``rstds``, ``grad_ss``, ``dxs``, ``w_sbs``: one entry per
-    segment (the q and k head norms of one launch), ``segs[k]`` chunk k's; segment g's dw sums go to columns
-    ``g*NC ..`` of ``dw_ps`` (opened by its first chunk), so each segment's dw adds the same slots in the same
-    order as a launch on it alone."""
+    chunk i-3's diagonals (GpSimd), chunk i-4's dx (Tensor engine, Vector, store), chunk i-2's sums over H
+    and chunk i-1's dw matmuls and transposes (Tensor engine; Scalar copies the transposes out), chunk
+    i-2's coefficients (Vector, three ``[P, NT]`` instructions, so the next iteration's diagonals find them
+    ready), chunk i's products and per-row statistics (Vector). 2-byte rows (x and w of one 2-byte dtype) take
+    ``gw`` off Vector: the Tensor engine transposes dy's slots too and Scalar's copy out of PSUM multiplies by
+    w (:func:`_narrow_transposes`), so the SBUF port that GpSimd's diagonals share with Vector's 2-byte mode
+    carries only ``dy * x`` and the diagonals. A segment's weights load after its first chunk's tiles (the
+    first loads are not queued behind them). Once the last chunk's dw matmuls are issued, this core's dw
+    column sums go out of PSUM and, on LNC=2, to the shared scratch (:func:`_dw_partial`) while the last
+    chunks' dx are formed; returns that for :func:`_store_dw`. ``dys``, ``xs``, ``ws``, ``rstds``,
+    ``grad_ss``, ``dxs``: one entry per segment (the q and k head norms of one launch), ``segs[k]`` chunk k's;
+    segment g's dw sums go to columns ``g*NC ..`` of ``dw_ps`` (opened by its first chunk), so each segment's
+    dw adds the same slots in the same order as a launch on it alone."""
     H = xs[0].shape[1]
     NC = cdiv(H, P)
-    w_cols = []
-    for g in range(len(ws)):
-        w_cols.append(_w_columns(ws[g], H, out_dt))
+    transposed = out_dt != nl.float32
+    wts = [None] * len(ws)
     ahead = _prefetch(H, xs[0].dtype)
     n = len(chunks)
     loads = []
@@ -1148,19 +1221,23 @@ def _narrow_backward(dys, xs, ws, rstds, grad_ss, dxs, dw_ps, w_sbs, ident, out_
         for k in range(len(loads), min(n, i + 1 + ahead)):
             g = segs[k]
             loads.append(_load_narrow_bwd_chunk(dys[g], xs[g], grad_ss[g], rstds[g], chunks, k))
+            if wts[g] == None:  # noqa: E711
+                wts[g] = _narrow_weights(ws[g], H, out_dt, transposed)
         if 0 <= i - 3 < n:
-            st[i - 3] = _narrow_coefs(st[i - 3], H)
+            st[i - 3] = _narrow_diags(st[i - 3])
         if 0 <= i - 4 < n:
             _narrow_dx(st[i - 4], dxs[segs[i - 4]], ident)
             st[i - 4] = None
         if 0 <= i - 2 < n:
-            st[i - 2] = _narrow_d_sums(st[i - 2], w_cols[segs[i - 2]])
+            st[i - 2] = _narrow_d_sums(st[i - 2], wts[segs[i - 2]][1])
         if 0 <= i - 1 < n:
             g = segs[i - 1]
             opens = i == 1 or segs[i - 2] != g
-            st[i - 1] = _narrow_transposes(st[i - 1], dw_ps[:, g * NC:(g + 1) * NC], opens)
+            st[i - 1] = _narrow_transposes(st[i - 1], dw_ps[:, g * NC:(g + 1) * NC], opens, wts[g][2])
+        if 0 <= i - 2 < n:
+            st[i - 2] = _narrow_stats(st[i - 2], H)
         if i < n:
-            st[i] = _dy_products(loads[i], chunks[i], w_sbs[segs[i]], out_dt)
+            st[i] = _narrow_products(loads[i], chunks[i], wts[segs[i]][0], out_dt)
             loads[i] = None
     return partial
 
@@ -1181,14 +1258,16 @@ def rmsnorm_bwd_kernel(dy, x, w, rstd, grad_s=None):
         chunks = _narrow_chunks(N, H, x.dtype, n_prog, pid, BWD_NARROW_ROW_BYTES)
     else:
         chunks = _own_chunks(N, H, x.dtype, n_prog, pid)
-    w_sb = _weight_rows(w, H)
+    w_sb = None
+    if H >= WIDE:  # the narrow rows load their weight after their first chunk (_narrow_backward)
+        w_sb = _weight_rows(w, H)
     ident = identity(x.dtype)
     dw_ps = nl.ndarray((P, NC), dtype=nl.float32, buffer=nl.psum)
     if len(chunks) == 0:  # no rows here: zero partial sums
         nisa.memset(dst=dw_ps, value=0.0)
     partial = None
     if H < WIDE:
-        partial = _narrow_backward([dy], [x], [w], [rstd], [grad_s], [dx], dw_ps, [w_sb], ident, out_dt, chunks,
+        partial = _narrow_backward([dy], [x], [w], [rstd], [grad_s], [dx], dw_ps, ident, out_dt, chunks,
                                    [0] * len(chunks), n_prog, pid)
     else:
         ahead = _prefetch(H, x.dtype)
@@ -1224,7 +1303,6 @@ def rmsnorm_qk_bwd_kernel(dyq, dyk, xq, xk, wq, wk, rstd_q, rstd_k):
     dw = nl.ndarray((2 * NC * P,), dtype=wq.dtype, buffer=nl.shared_hbm)
     n_prog, pid = program_split()
     chunks, segs = _segment_chunks([xq, xk], n_prog, pid, True)
-    w_sbs = [_weight_rows(wq, H), _weight_rows(wk, H)]
     ident = identity(xq.dtype)
     dw_ps = nl.ndarray((P, 2 * NC), dtype=nl.float32, buffer=nl.psum)
     for g in range(2):
@@ -1234,7 +1312,7 @@ def rmsnorm_qk_bwd_kernel(dyq, dyk, xq, xk, wq, wk, rstd_q, rstd_k):
                 rows_here = rows_here + 1
         if rows_here == 0:  # no rows of this tensor here: zero partial sums
             nisa.memset(dst=dw_ps[:, g * NC:(g + 1) * NC], value=0.0)
-    partial = _narrow_backward([dyq, dyk], [xq, xk], [wq, wk], [rstd_q, rstd_k], [None, None], dxs, dw_ps, w_sbs,
-                               ident, out_dt, chunks, segs, n_prog, pid)
+    partial = _narrow_backward([dyq, dyk], [xq, xk], [wq, wk], [rstd_q, rstd_k], [None, None], dxs, dw_ps, ident,
+                               out_dt, chunks, segs, n_prog, pid)
     _store_dw(dw, dw_ps, n_prog, pid, 2 * NC, partial)
     return dxs[0], dxs[1], dw
