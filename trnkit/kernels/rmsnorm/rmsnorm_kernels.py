@@ -42,11 +42,13 @@ with an fp32 operand they leave GpSimd's SBUF port to its diagonals, :func:`_sta
 into an fp32 PSUM bank, the per-row scalars split into bf16 hi + lo parts for bf16 operands (so the sum is as exact as
 fp32 arithmetic), copied out by Scalar (the one rounding). Narrow rows (Qwen3's head norm, H = 128;
 :func:`_narrow_backward`) keep NT rows per partition, so every pass covers a whole chunk: Vector forms
-``gw`` and ``prod = dy * x``; the Tensor engine transposes each 128-row slot of ``prod`` into PSUM, Scalar
-copies a bank of slots out, and a matmul against the weight column sums over H: ``D = sum(w * dy * x)``;
-GpSimd writes ``diag(b)`` (``b = -rstd^2 D / H`` as bf16 hi + lo parts) for the chunk's slots; the Tensor
-engine sums ``y = I @ gw + diag(b_hi) @ x + diag(b_lo) @ x`` in fp32 PSUM and one Vector pass per bank
-forms ``dx = rstd * y`` (rounded once). LNC=2: each core's partial ``dw`` goes to a shared
+``prod = dy * x``; the Tensor engine transposes each 128-row slot of ``prod`` into PSUM, Scalar copies a
+bank of slots out, and a matmul against the weight column sums over H: ``D = sum(w * dy * x)``; for 2-byte
+rows and weights the Tensor engine transposes ``dy``'s slots too and Scalar's copy multiplies them by w
+(``gw^T``; fp32 rows: Vector forms ``gw``); GpSimd writes ``diag(b)`` (``b = -rstd^2 D / H`` as bf16 hi + lo
+parts) for the chunk's slots; the Tensor engine sums ``y = gw + diag(b_hi) @ x + diag(b_lo) @ x`` in fp32 PSUM
+(``gw`` as ``gw^T``'s slot against the identity, or ``I @ gw``) and one Vector pass per bank forms
+``dx = rstd * y`` (rounded once). LNC=2: each core's partial ``dw`` goes to a shared
 HBM scratch, one ``core_barrier``, then each core sums half of the partitions.
 
 NaN: the Tensor engine multiplies, so a NaN in one row's ``gw`` / ``x`` makes every row of its chunk
