@@ -283,6 +283,32 @@ def test_narrow_backward_engines() -> None:
     assert all(i.op == "affine_select" for i in gpsimd) and len(gpsimd) == len(diags) + 1  # + the identity
 
 
+def test_narrow_backward_non_finite() -> None:
+    """Where a NaN reaches in the head-norm backward (bf16, H = 128, 2,048 rows: one chunk's partition p holds
+    rows r0 + p*NT + j): a NaN in dy at (300, 7) stays in row 300 of dx, as in the reference (gw^T's slot
+    against the identity sums each row's own values); a NaN in x at (300, 7) makes column 7 of every row of its
+    128-row slot NaN (diag(b) @ x: 0 x NaN), the documented spread (docs/kernels.md, RMSNorm "NaN"); dw's
+    column 7 is NaN in both, as in the reference."""
+    x, w, _, gy, _ = _inputs((2048, 128), torch.bfloat16, seed=11)
+    _, rstd = rmsnorm_ref(x, w)
+    for which in ("dy", "x"):
+        dy, xx = gy.clone(), x.clone()
+        (dy if which == "dy" else xx)[300, 7] = float("nan")
+        dx, dw = rmsnorm_bwd(dy, xx, w, rstd, lnc=1)
+        ref_dx, ref_dw = rmsnorm_bwd_ref(dy, xx, w, rstd)
+        bad = (~torch.isfinite(dx.float())).nonzero().tolist()
+        assert (~torch.isfinite(dw.float())).nonzero().flatten().tolist() == [7], which
+        assert (~torch.isfinite(ref_dw.float())).nonzero().flatten().tolist() == [7], which
+        if which == "dy":
+            assert sorted({r for r, _ in bad}) == [300] and len(bad) == 128, (which, len(bad))
+            assert torch.equal(torch.isfinite(dx.float()), torch.isfinite(ref_dx.float()))
+        else:
+            rows = sorted({r for r, _ in bad})
+            assert len(rows) == 128 and 300 in rows, (which, len(rows))
+            assert {c for r, c in bad if r != 300} == {7}, which
+            assert len({r % 6 for r in rows}) == 1  # one slot j of a chunk of NT = 6: rows r0 + 6p + j
+
+
 # Rows wider than 16 KiB split into 2^k pieces (one per partition); few rows spread over the partitions.
 WIDE_FWD = [((70, 16384), torch.bfloat16), ((9, 8192), torch.float32), ((5, 2, 12288), torch.bfloat16),
             ((33, 8192), torch.bfloat16), ((2, 2048), torch.float32)]
