@@ -26,7 +26,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
-from side_by_side import PEAK, Estimate, estimate, print_ratio, write_csv
+from side_by_side import PEAK, Estimate, estimate, print_ratio, stamp, write_csv
 
 from trnkit.kernels.attention import attention, attention_bwd, attention_ref
 
@@ -101,7 +101,8 @@ def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool, fixed_only: boo
             rows.append({"kernel": who, "mode": mode, "S": S, "Hq": Hq, "Hk": Hk, "D": D, "lnc": lnc,
                          "est_us_mid": round(mid / 1e3, 1), "est_us_low": round(low / 1e3, 1),
                          "est_us_high": round(high / 1e3, 1), "peak_frac_mid": round(frac[1], 3),
-                         "peak_frac_pessimistic": round(frac[0], 3), "trace_s": round(secs, 1)})
+                         "peak_frac_pessimistic": round(frac[0], 3), "trace_s": round(secs, 1),
+                         **stamp(who, "attention")})
             print(f"S={S} Hq={Hq} Hk={Hk} LNC={lnc} {mode:8s} {who:11s} {mid / 1e3:9.1f} us "
                   f"[{low / 1e3:.1f}-{high / 1e3:.1f}]  {100 * frac[1]:5.1f}% of bf16 peak "
                   f"(pessimistic {100 * frac[0]:.1f}%)")

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from trnkit.bench import fingerprint
 from trnkit.kernels import moe
 from trnkit.kernels.lnc import launch
 from trnkit.kernels.moe.moe_fused import expert_act, swiglu_T
@@ -183,6 +184,10 @@ def _inputs(E: int, dtype: torch.dtype = torch.bfloat16, T: int = SHAPE["T"], H:
     return x, idx.to(torch.int32), tw / tw.sum(-1, keepdim=True), wgu, wd
 
 
+# what each design runs (trnkit.bench.fingerprint sources): the blockwise kernel is this script's own
+DESIGN_SOURCES = {"trnkit": "trnkit/kernels/moe", "blockwise": "benchmarks/blockwise_moe.py"}
+
+
 def estimate(fn) -> dict:
     from trnkit.nkisim import cost, trace  # interpreter only
 
@@ -206,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         for lnc in (1, 2):
             for design, fn in (("trnkit", lambda: moe.moe_experts(x, idx, tw, wgu, wd, SHAPE["B"], lnc=lnc)),
                                ("blockwise", lambda: blockwise_moe(x, idx, tw, wgu, wd, SHAPE["B"], lnc))):
-                r = dict(design=design, E=E, lnc=lnc, **SHAPE, dtype="bfloat16", **estimate(fn))
+                r = dict(design=design, E=E, lnc=lnc, **SHAPE, dtype="bfloat16", **estimate(fn),
+                         **fingerprint.stamp([DESIGN_SOURCES[design]]))
                 print(r, flush=True)
                 rows.append(r)
     if args.save:

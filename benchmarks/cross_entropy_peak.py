@@ -51,9 +51,10 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from side_by_side import (HBM_BW, PEAK, Estimate, add_side_args, estimate, line_at, print_ratio, saved_estimate,
-                          write_csv)
+from side_by_side import (HBM_BW, PEAK, Estimate, add_side_args, estimate, line_at, nkilib_commit, print_ratio,
+                          saved_estimate, stamp, write_csv)
 
+from trnkit.bench import fingerprint
 from trnkit.bench.step import estimate_op, loss_op
 
 CSV = Path(__file__).parent / "data" / "cross_entropy_peak.csv"
@@ -105,9 +106,9 @@ def _nkilib(N: int, V: int, mode: str, pb: int, cs: int) -> Estimate | None:
     return line_at(N, points)
 
 
-def _saved_nkilib(case: str, mode: str, pb: int, cs: int) -> Estimate:
+def _saved_nkilib(case: str, mode: str, pb: int, cs: int) -> tuple[Estimate, dict]:
     """nki-library's figures for ``case``/``mode`` from the saved CSV (traced with the same position batch and
-    chunk), for re-running trnkit's side alone."""
+    chunk), for re-running trnkit's side alone, and the saved row (its fingerprint)."""
     rows = []
     if CSV.exists():
         with CSV.open(newline="") as f:
@@ -116,7 +117,20 @@ def _saved_nkilib(case: str, mode: str, pb: int, cs: int) -> Estimate:
     if not same_config or not rows[0].get("nkilib_us_mid"):
         raise SystemExit(f"--nkilib-from-csv: {CSV.name} has no nki-library figures for case={case} mode={mode} "
                          f"positions_per_batch={pb} chunk_size={cs}; run without it to trace nki-library's kernel")
-    return saved_estimate(rows[0], "nkilib_us_")
+    return saved_estimate(rows[0], "nkilib_us_"), rows[0]
+
+
+def _fingerprint(saved: dict | None) -> dict[str, str]:
+    """The row's fingerprint fields: trnkit's kernel family and nki-library's commit, computed now; with
+    nki-library's figures carried over from ``saved``, its commit is the saved row's and the row keeps the
+    saved row's cost model unless that is the tree's (a carried figure is as current as its row was)."""
+    if saved is None:
+        return fingerprint.stamp(["trnkit/kernels/cross_entropy"], nkilib=nkilib_commit())
+    nkilib = fingerprint.parse_sources(saved.get("sources") or "").get(fingerprint.NKILIB, "unknown")
+    fp = fingerprint.stamp(["trnkit/kernels/cross_entropy"], nkilib=nkilib)
+    if saved.get("cost_model") != fp["cost_model"]:
+        fp["cost_model"] = saved.get("cost_model") or ""
+    return fp
 
 
 def matmul_bound_ns(N: int, H: int, V: int, mode: str) -> float:
@@ -150,10 +164,12 @@ def main() -> None:
             row = {"case": case, "schedule": schedule, "mode": mode, "N": N, "H": H, "V": V, "lnc": LNC,
                    "trnkit_us_mid": round(tk.mid / 1e3, 1), "trnkit_us_low": round(tk.low / 1e3, 1),
                    "trnkit_us_high": round(tk.high / 1e3, 1), "nkilib_pb": pb, "nkilib_cs": cs}
+            saved = None
             if args.nkilib_from_csv:
-                aws = _saved_nkilib(case, mode, pb, cs)
+                aws, saved = _saved_nkilib(case, mode, pb, cs)
             else:
                 aws = None if args.no_nkilib else _nkilib(N, V, mode, pb, cs)
+            row.update(_fingerprint(saved) if aws is not None else stamp("trnkit", "cross_entropy"))
             if aws is not None:
                 mm = matmul_bound_ns(N, H, V, mode)
                 job = Estimate(aws.low + mm, aws.mid + mm, aws.high + mm, aws.seconds)

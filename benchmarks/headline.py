@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from trnkit.bench import fingerprint
+from trnkit.bench.cases import kernel_sources
 from trnkit.bench.harness import estimate_range
 from trnkit.bench.paths import REFERENCE_DIR, add_output_args, load_script, output_dir
 from trnkit.nkisim import cost, hardware, trace
@@ -53,7 +55,7 @@ MODEL = ("trn2 cost model on the interpreter's trace-only instruction trace (lis
          "optimistic / mid / pessimistic value")
 CSV_FIELDS = ("case", "kernel", "mode", "shape", "bound_kind", "bound_us", "low_us", "mid_us", "high_us",
               "fraction_low_end", "fraction_mid", "fraction_high_end", "busiest_mid_us", "top_sensitivity",
-              "assumptions", "timestamp")
+              "assumptions", "timestamp", *fingerprint.FIELDS)
 SENS_FIELDS = ("case", "parameter", "optimistic_value", "mid_value", "pessimistic_value", "optimistic_us",
                "pessimistic_us")
 
@@ -66,6 +68,11 @@ class HeadlineCase:
     build: Callable[[], Callable[[], object]]  # returns the kernel call on ready inputs
     useful_flops: int = 0  # > 0: the bound is these FLOPs at TensorE's bf16 peak; 0: the HBM bound
     notes: str = ""  # assumptions beyond MODEL (routing, layout, ...)
+    extra_sources: tuple[str, ...] = ()  # what the call runs besides the kernel's family (trnkit.bench.fingerprint)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (*kernel_sources(self.kernel), *self.extra_sources)
 
     @property
     def bound_kind(self) -> str:
@@ -196,7 +203,7 @@ CASES: dict[str, HeadlineCase] = {
                                   _moe_training_path, moe_flops(6),
                                   "the native GroupedExperts with the trainer's default [overrides] choice "
                                   "(impl nki, block_size 0 = the tuned sizes) through trnkit::moe_experts; "
-                                  + MOE_ROUTING),
+                                  + MOE_ROUTING, ("trnkit/overrides",)),
     "moe_b128_fwd": HeadlineCase("moe_experts", "forward", f"{MOE_SHAPE} bf16, block_size=128",
                                  _moe(block_size=128), moe_flops(6),
                                  "block_size 128 (what the override path passed before its default became the "
@@ -244,6 +251,7 @@ def run_case(name: str, sensitivity: bool | None = None) -> dict:
         out["recompute_us_at_peak"] = moe_flops(4) / TRN2.tensor_flops_per_ns_bf16 / 1e3
     out["seconds"] = round(time.perf_counter() - t0, 1)
     out["timestamp"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    out.update(fingerprint.stamp(case.sources))
     return out
 
 
@@ -265,7 +273,8 @@ def csv_rows(results: dict) -> list[dict]:
                      "mid_us": round(t["mid"], 2), "high_us": round(t["high"], 2),
                      "fraction_low_end": round(f["low_end"], 4), "fraction_mid": round(f["mid"], 4),
                      "fraction_high_end": round(f["high_end"], 4), "busiest_mid_us": busiest,
-                     "top_sensitivity": _top(r), "assumptions": r["assumptions"], "timestamp": r["timestamp"]})
+                     "top_sensitivity": _top(r), "assumptions": r["assumptions"], "timestamp": r["timestamp"],
+                     **{k: r.get(k, "") for k in fingerprint.FIELDS}})
     return rows
 
 

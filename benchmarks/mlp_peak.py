@@ -24,7 +24,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
-from side_by_side import PEAK, Estimate, estimate, print_ratio, write_csv
+from side_by_side import PEAK, Estimate, estimate, print_ratio, stamp, write_csv
 
 from trnkit.kernels.mlp import mlp
 
@@ -81,7 +81,7 @@ def _nkilib(T: int, H: int, I: int) -> Estimate | str | None:  # noqa: E741
 def _row(who: str, case: str, T: int, H: int, I: int, res: Estimate | str) -> dict:  # noqa: E741
     row = {"kernel": who, "case": case, "T": T, "H": H, "I": I, "lnc": LNC, "est_us_mid": "",
            "est_us_low": "", "est_us_high": "", "peak_frac_mid": "", "peak_frac_pessimistic": "", "trace_s": "",
-           "error": ""}
+           "error": "", **stamp(who, "mlp")}
     if isinstance(res, str):
         row["error"] = res
         return row

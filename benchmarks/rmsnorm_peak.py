@@ -38,7 +38,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
-from side_by_side import HBM_BW, Estimate, add_side_args, estimate, print_ratio, saved_estimate, write_csv
+from side_by_side import (HBM_BW, Estimate, add_side_args, estimate, print_ratio, saved_estimate, stamp,
+                          write_csv)
 
 from trnkit.kernels.rmsnorm import rmsnorm
 
@@ -130,7 +131,8 @@ def _from_row(row: dict) -> Estimate | str:
 
 def _row(kernel: str, case: str, B: int, S: int, H: int, res: Estimate | str) -> dict:
     row = {"kernel": kernel, "case": case, "B": B, "S": S, "H": H, "lnc": LNC, "est_us_mid": "", "est_us_low": "",
-           "est_us_high": "", "bound_us": "", "bound_frac_mid": "", "bound_frac_pessimistic": "", "error": ""}
+           "est_us_high": "", "bound_us": "", "bound_frac_mid": "", "bound_frac_pessimistic": "", "error": "",
+           **stamp("trnkit" if kernel == "trnkit" else "nki-library", "rmsnorm")}
     if isinstance(res, str):
         row["error"] = res
         return row

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from trnkit.bench import fingerprint
 from trnkit.nkisim import cost, trace
 
 PEAK = 79e12  # TensorE bf16 FLOP/s per physical core (trn2)
@@ -71,16 +73,35 @@ def print_ratio(label: str, ours: Estimate, theirs: Estimate) -> None:
     print(f"{label} trnkit / nki-library time: {mid:.2f}x mid, {pessimistic:.2f}x pessimistic", flush=True)
 
 
+@functools.cache
+def nkilib_commit() -> str:
+    """The commit of the nki-library checkout the conformance harness finds (``NKILIB_SRC`` or the archive)."""
+    from trnkit.conformance import harness
+
+    root = harness.nkilib_root()
+    return harness.nkilib_commit(root) if root is not None else "unknown"
+
+
+def stamp(who: str, family: str) -> dict[str, str]:
+    """The fingerprint fields of a row (:mod:`trnkit.bench.fingerprint`) estimated now: trnkit's kernel family
+    ``trnkit/kernels/<family>`` for ``who == "trnkit"``, else nki-library's commit."""
+    if who == "trnkit":
+        return fingerprint.stamp([f"trnkit/kernels/{family}"])
+    return fingerprint.stamp(nkilib=nkilib_commit())
+
+
 def write_csv(rows: Sequence[dict], path: Path, replace: Sequence[str] = ()) -> None:
-    """``rows`` (one dict each, the first one's keys as the header) to ``path``. Without ``replace`` the file is
-    rewritten; with it, earlier rows are kept unless a new row has the same values in the ``replace`` columns."""
+    """``rows`` (one dict each) to ``path``, the header the newest row's keys (then any other row's). Without
+    ``replace`` the file is rewritten; with it, earlier rows are kept unless a new row has the same values in the
+    ``replace`` columns (an earlier row without a newer column leaves it empty)."""
     if replace and path.exists():
         new = {tuple(str(r[k]) for k in replace) for r in rows}
         with path.open(newline="") as f:
             rows = [r for r in csv.DictReader(f) if tuple(r[k] for k in replace) not in new] + list(rows)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(k for r in (rows[-1], *rows) for k in r))
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+        w = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
     print(f"-> {path}")

@@ -850,7 +850,34 @@ def step_ops() -> str:
     return _table(["part", "op", "mode", "kernel", *(f"`{f}` {b}×{s} LNC={n} (us)" for f, b, s, n in cols)], body)
 
 
+def figure_jobs() -> str:
+    """Every job of ``python -m trnkit.bench figures``: the file it writes, its rows, when its newest row was
+    computed and whether every row's fingerprint (trnkit.bench.fingerprint) is this tree's; nki-library's commit is
+    not compared here (``figures --stale`` compares it with the checkout it finds)."""
+    from trnkit.bench import figures, fingerprint
+
+    body = []
+    for job in figures.jobs():
+        rows = figures.job_rows(job, ROOT)
+        st = fingerprint.job_status(rows, ROOT)
+        models = sorted({r.get("cost_model") or "" for r in rows} - {""})
+        if st["current"]:
+            verdict = "yes"
+        elif not rows:
+            verdict = "**no**: no rows"
+        else:
+            why = ["no fingerprint" if v == "none" else v for v in st["reasons"]]
+            verdict = f"**no** ({st['stale_rows']} rows): " + "; ".join(why)
+        dates = sorted({(r.get("timestamp") or "")[:10] for r in rows} - {""})
+        computed = st["computed"] or ("not recorded" + (f" (rows dated {dates[-1]})" if dates else ""))
+        body.append([f"`{job.name}`", f"`{job.data}`", str(st["rows"]), computed,
+                     ", ".join(f"`{m}`" for m in models) or "—", verdict])
+    return (f"Cost model now: `{fingerprint.cost_model_hash(ROOT)}`.\n\n"
+            + _table(["job", "writes", "rows", "newest row computed (UTC, commit)", "cost model", "current?"], body))
+
+
 GENERATORS: dict[str, Callable[[], str]] = {
+    "figure_jobs": figure_jobs,
     "plan_check": plan_check, "plan_layouts": plan_layouts,
     "calibration": calibration, "calibration_changes": calibration_changes,
     "calibration_summary": calibration_summary,

@@ -1,7 +1,7 @@
 """Estimate nki-library's recorded device times (nkilib_points.csv) with its kernels traced on the interpreter.
 
-``python benchmarks/calibration/nkilib_run.py [--family F] [--table T] [--max-size N] [--points NAME ...] [--list]
-[--out CSV] [--lnc N]``
+``python benchmarks/calibration/nkilib_run.py [--family F] [--table T] [--max-size N]
+[--points NAME ... | --all] [--list] [--out CSV] [--lnc N]``
 traces each check / context point's kernel the way the conformance harness runs nki-library's test row (its
 inputs, LNC, entry point; trace only: large matmuls skip their arithmetic) and appends ``low / mid / high`` of
 the cost model's estimate of a standalone launch (each test row runs its kernel as its own NEFF:
@@ -10,8 +10,8 @@ point, the newest kept), with its two parts: the kernel's own instructions (``ke
 launch's HBM condition: what the kernel costs inside a larger graph at LNC 2; at LNC 1 its core has its HBM stack
 to itself at low / mid, ``cost.hbm_per_core``) and the launch's start-up / tear-down and LNC 2 core skew
 (``launch_*_us``). Points already
-in the CSV are skipped unless named; rows run smallest first (``--max-size``: skip rows whose work measure,
-:func:`size`, is larger). Nothing here is fitted: these are check points (split.csv). Run it under
+in the CSV are skipped unless named (or ``--all``); rows run smallest first (``--max-size``: skip rows whose work
+measure, :func:`size`, is larger). Nothing here is fitted: these are check points (split.csv). Run it under
 ``nice -n 15``: the larger rows trace for minutes.
 """
 
@@ -35,10 +35,12 @@ sys.path.insert(0, str(HERE))
 
 import nkilib_rows  # noqa: E402
 
+from trnkit.bench import fingerprint  # noqa: E402
+
 OUT_CSV = HERE / "nkilib_calibration.csv"
 FIELDS = ("point", "family", "shape", "lnc", "published_us", "low_us", "mid_us", "high_us", "error_mid", "inside",
           "role", "status", "trace_s", "kernel_low_us", "kernel_mid_us", "kernel_high_us", "launch_low_us",
-          "launch_mid_us", "launch_high_us")
+          "launch_mid_us", "launch_high_us", "cost_model", "sources", "computed")  # + trnkit.bench.fingerprint's
 
 
 def _dtype(text: str) -> Any:
@@ -198,11 +200,14 @@ def write_row(row: dict, path: Path = OUT_CSV) -> None:
 
 
 def run_point(p: dict, root: Path) -> dict:
+    from trnkit.conformance import harness
+
     row = {"point": p["point"], "family": p["family"], "shape": shape_of(p), "lnc": lnc_of(p),
            "published_us": p["published_us"], "low_us": "", "mid_us": "", "high_us": "", "error_mid": "",
            "inside": "", "role": p["role"], "status": "", "trace_s": "", **{f"{part}_{k}_us": "" for part in
                                                                               ("kernel", "launch")
-                                                                              for k in ("low", "mid", "high")}}
+                                                                              for k in ("low", "mid", "high")},
+           **fingerprint.stamp(nkilib=harness.nkilib_commit(root))}
     case = case_of(p)
     if isinstance(case, str):
         row["status"] = f"not run: {case}"
@@ -241,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", action="append", help="only these families (rmsnorm_quant, mlp_cte, ...)")
     ap.add_argument("--points", nargs="*", default=[], help="(re)run these points")
+    ap.add_argument("--all", action="store_true", help="re-run the selected points already in the CSV too")
     ap.add_argument("--table", action="append", help="only the rows of these nki-library tables (variable names)")
     ap.add_argument("--max-size", type=float, default=float("inf"), help="skip rows whose size() is larger")
     ap.add_argument("--list", action="store_true", help="list the points in run order with their size")
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         pts = [p for p in pts if p["table"] in args.table]
     if args.points:
         pts = [p for p in pts if p["point"] in args.points]
-    else:
+    elif not args.all:
         done = read_out(args.out)
         pts = [p for p in pts if p["point"] not in done]
     pts = sorted((p for p in pts if size(p) <= args.max_size), key=size)

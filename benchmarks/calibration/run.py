@@ -34,10 +34,14 @@ import micro_kernels  # noqa: E402
 from points import POINTS, Point  # noqa: E402
 
 from trnkit import nkisim  # noqa: E402
+from trnkit.bench import fingerprint  # noqa: E402
 from trnkit.nkisim import cost, cost_params, trace  # noqa: E402
 
 FIELDS = ("name", "kernel", "shape", "device", "unit", "published", "low", "mid", "high", "error_mid", "role",
-          "tolerance", "source", "note", "constrains", "sensitivity")
+          "tolerance", "source", "note", "constrains", "sensitivity", *fingerprint.FIELDS)
+# the calibration's kernels (trnkit.bench.fingerprint sources of every point)
+KERNEL_SOURCES = tuple(f"benchmarks/calibration/{m}.py" for m in ("kernel_opt_kernels", "mamba_kernels",
+                                                                   "matmul_kernels", "micro_kernels"))
 UNIT_NS = {"ms": 1e6, "us": 1e3, "ns": 1.0, "%": 1.0, "x": 1.0}  # "%" and "x" points are not times
 CHAIN = (64, 256)  # scalar_chain lengths whose difference gives the initiation interval
 STREAM = (8, 24)  # dma_curve stream lengths whose difference gives the time per transfer
@@ -331,7 +335,7 @@ def run_point(p: Point, with_sensitivity: bool = False) -> dict:
             "unit": p.unit, "published": p.published, "low": round(low / k, 4), "mid": round(mid / k, 4),
             "high": round(high / k, 4), "error_mid": round(mid / k / p.published - 1, 4), "role": p.role,
             "tolerance": p.tolerance, "source": p.source, "note": p.note, "constrains": p.constrains,
-            "sensitivity": text}
+            "sensitivity": text, **fingerprint.stamp(KERNEL_SOURCES)}
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -360,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in todo:
         t0 = time.perf_counter()
         row = run_point(p, args.sensitivity)
-        rows = [r for r in read_csv(csv_path) if set(r) == set(FIELDS)] + [row]
+        # the other points' rows as they are (a column they lack stays empty), the point's own replaced
+        rows = [r for r in read_csv(csv_path) if r["name"] != p.name and set(r) <= set(FIELDS)] + [row]
         args.out.mkdir(parents=True, exist_ok=True)
         with csv_path.open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -487,4 +488,11 @@ def cases_for(kernel: str, quick: bool, modes: tuple[str, ...] = MODES, dtype: s
         raise ValueError(f"bench: cannot benchmark {kernel}: {why}")
     if dtype not in DTYPES:
         raise ValueError(f"bench: dtype must be one of {DTYPES}, got {dtype!r}")
-    return KERNELS[kernel][2](quick, modes, dtype)
+    return [replace(c, sources=kernel_sources(kernel)) for c in KERNELS[kernel][2](quick, modes, dtype)]
+
+
+def kernel_sources(kernel: str) -> tuple[str, ...]:
+    """What a benchmark of ``kernel`` runs, as trnkit.bench.fingerprint sources: its family's folder
+    (``matmul_tiled``: the demo module)."""
+    module = KERNELS[kernel][0]
+    return (f"trnkit/kernels/{module}",) if module else ("trnkit/demo.py",)

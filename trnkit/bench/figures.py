@@ -1,4 +1,5 @@
-"""``python -m trnkit.bench figures [-j N] [--only JOB ...] [--list]``: re-run every cost-model figure the docs quote.
+"""``python -m trnkit.bench figures [-j N] [--only JOB ...] [--list] [--stale | --only-stale]``: re-run every
+cost-model figure the docs quote.
 
 Each job is one or more of the documented commands (docs/benchmarks.md, docs/cost-model.md); independent
 jobs run in parallel processes (``-j``, default: the CPU count). Jobs that would write the same file run
@@ -6,6 +7,9 @@ in their own output folder and are merged here afterwards: one ``python -m trnki
 kernel (merged into ``benchmarks/data/bench.csv``, newest row per shape, then its table and plots are
 redrawn) and one ``benchmarks/headline.py`` case per job (merged into ``benchmarks/data/headline.*``).
 At the end ``scripts/docs_tables.py`` rewrites the docs' quoted figures and tables from the data.
+
+Every row a job writes records what it was computed with (:mod:`trnkit.bench.fingerprint`); ``--stale`` lists
+the jobs whose rows carry another fingerprint than the tree's (or none), ``--only-stale`` runs just those.
 
 The sweeps run with ``--no-torch``: the torch reference's CPU wall times are measurements of this machine,
 not cost-model figures, and stay as they were. Each job's output goes to ``outputs/figures/logs/JOB.log``.
@@ -15,6 +19,7 @@ A failing job is reported at the end (exit status 1); the other jobs' results ar
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import subprocess
@@ -25,8 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from trnkit.bench import fingerprint
 from trnkit.bench.paths import load_script
-from trnkit.bench.schema import merge_newest, read_rows, write_rows
+from trnkit.bench.schema import latest_rows, merge_newest, read_rows, write_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "benchmarks" / "data"
@@ -44,10 +50,45 @@ STEP_FLAVORS = ("0.6B", "4B", "30B-A3B")  # benchmarks/data/step.csv: seq 4096, 
 
 @dataclass(frozen=True)
 class Job:
-    """Commands run one after the other (they write the same file), from the repository root."""
+    """Commands run one after the other (they write the same file), from the repository root; ``data``: the
+    file its rows go to (relative to the root), ``select``: which of that file's rows are its own."""
 
     name: str
     commands: tuple[tuple[str, ...], ...]
+    data: str = ""
+    select: tuple[str, str] | None = None  # (column, value): the job's rows; None: every row
+
+
+def job_rows(job: Job, root: Path | None = None) -> list[dict[str, str]]:
+    """The rows ``job`` last wrote, each a dict with at least the fingerprint fields (``trnkit.bench.fingerprint``;
+    empty where the row has none). bench.csv rows carry them in ``details``; only the cost-model rows count."""
+    path = (root or ROOT) / job.data
+    if not path.exists():
+        return []
+    if job.data.endswith("bench.csv"):
+        return [{"kernel": r.kernel, "timestamp": r.timestamp,
+                 **{k: str(r.details.get(k, "")) for k in fingerprint.FIELDS}}
+                for r in latest_rows(read_rows(path))
+                if r.kernel == job.select[1] and r.device.endswith("(cost model)")]
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if job.name == "calibration":  # appended: the newest row per point
+        rows = list({r["name"]: r for r in rows}.values())
+    if job.select:
+        rows = [r for r in rows if r.get(job.select[0]) == job.select[1]]
+    return rows
+
+
+def stale_jobs(todo: Sequence[Job], root: Path | None = None, nkilib: str | None = None) -> list[tuple[Job, dict]]:
+    """``(job, fingerprint.job_status(...))`` of the jobs whose data is not every row current (``root``: the tree
+    and its data, default this checkout; ``nkilib``: nki-library's commit, None: not compared)."""
+    root = root or ROOT
+    out = []
+    for job in todo:
+        st = fingerprint.job_status(job_rows(job, root), root, nkilib)
+        if not st["current"]:
+            out.append((job, st))
+    return out
 
 
 def _headline_cases() -> list[str]:
@@ -57,23 +98,32 @@ def _headline_cases() -> list[str]:
 def jobs() -> list[Job]:
     """Every job, longest first (so a parallel run starts them early)."""
     out: list[Job] = []
+    data = "benchmarks/data"
     for k in ("moe_experts", "grouped_mm", *[k for k in SWEEP_KERNELS if k not in ("moe_experts", "grouped_mm")]):
         out.append(Job(f"bench:{k}", ((PY, "-m", "trnkit.bench", k, "--no-torch", "--overwrite",
-                                        "--out", str(SCRATCH / "bench" / k)),)))
-    out.append(Job("calibration", ((PY, "benchmarks/calibration/run.py", "--all"),)))
+                                        "--out", str(SCRATCH / "bench" / k)),), f"{data}/bench.csv", ("kernel", k)))
+    out.append(Job("calibration", ((PY, "benchmarks/calibration/run.py", "--all"),),
+                   "benchmarks/calibration/calibration.csv"))
     for case in _headline_cases():
         # moe_bwd's sensitivity table takes over an hour of one core: its range only (docs/kernels.md)
         sens = ("--no-sensitivity",) if case in NO_SENSITIVITY else ()
         out.append(Job(f"headline:{case}", ((PY, "benchmarks/headline.py", case, *sens, "--out",
-                                             str(SCRATCH / "headline" / case)),)))
+                                             str(SCRATCH / "headline" / case)),), f"{data}/headline.csv",
+                       ("case", case)))
     out.append(Job("step", tuple((PY, "-m", "trnkit.bench", "step", "--flavor", f, "--seq", "4096", "--batch", "1",
-                                  "--lnc", "2", "--save-reference") for f in STEP_FLAVORS)))
+                                  "--lnc", "2", "--save-reference") for f in STEP_FLAVORS), f"{data}/step.csv"))
     out.append(Job("attention_peak", ((PY, "benchmarks/attention_peak.py", "--shapes", "4096:8:2", "--lnc", "1", "2",
                                        "--save"),
                                       (PY, "benchmarks/attention_peak.py", "--shapes", *ATTENTION_SHAPES, "--lnc", "2",
-                                       "--save"))))
+                                       "--save")), f"{data}/attention_peak.csv"))
     for script in ("mlp_peak", "rmsnorm_peak", "cross_entropy_peak", "blockwise_moe"):
-        out.append(Job(script, ((PY, f"benchmarks/{script}.py", "--save"),)))
+        out.append(Job(script, ((PY, f"benchmarks/{script}.py", "--save"),), f"{data}/{script}.csv"))
+    # nki-library's recorded device times (held-out check points), and the LNC 1 what-if of one table
+    nkilib = "benchmarks/calibration/nkilib_run.py"
+    out.append(Job("nkilib_calibration", ((PY, nkilib, "--all"),), "benchmarks/calibration/nkilib_calibration.csv"))
+    whatif = "benchmarks/calibration/nkilib_whatif_lnc1.csv"
+    out.append(Job("nkilib_whatif_lnc1", ((PY, nkilib, "--lnc", "1", "--table", "attention_cte_no_cp_unit_perms",
+                                           "--max-size", "1e10", "--all", "--out", whatif),), whatif))
     return out
 
 
@@ -125,6 +175,14 @@ def merge_headline(cases: Sequence[str]) -> int:
     return merged
 
 
+def _nkilib_commit() -> str | None:
+    """The commit of the nki-library checkout (None when there is none: its rows' commits are not compared)."""
+    from trnkit.conformance import harness
+
+    root = harness.nkilib_root()
+    return harness.nkilib_commit(root) if root is not None else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     all_jobs = jobs()
     names = [j.name for j in all_jobs]
@@ -133,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", metavar="JOB",
                    help="these jobs (or prefixes: 'bench', 'headline') instead of all of them")
     p.add_argument("--list", action="store_true", help="list the jobs and their commands")
+    p.add_argument("--stale", action="store_true",
+                   help="list the jobs whose data carries another fingerprint than the tree's (or none), and why")
+    p.add_argument("--only-stale", action="store_true", help="run only the jobs --stale lists")
     args = p.parse_args(argv)
     todo = all_jobs
     if args.only:
@@ -140,6 +201,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown job(s) {unknown}; jobs: {', '.join(names)}")
         todo = [j for j in all_jobs if any(j.name == o or j.name.startswith(o + ":") for o in args.only)]
+    if args.stale or args.only_stale:
+        stale = stale_jobs(todo, nkilib=_nkilib_commit())
+        if args.stale:
+            print(f"cost model {fingerprint.cost_model_hash()} (trnkit.bench.fingerprint); {len(stale)} of "
+                  f"{len(todo)} jobs stale")
+            for job, st in stale:
+                why = ", ".join(st["reasons"])
+                print(f"{job.name}: {st['stale_rows']} of {st['rows']} rows in {job.data} ({why}); last computed "
+                      f"{st['computed'] or 'not recorded'}" if st["rows"] else f"{job.name}: no rows in {job.data}")
+            return 0
+        todo = [job for job, _ in stale]
     if args.list:
         for j in todo:
             print(j.name + ":\n" + "\n".join("  " + " ".join(c).replace(PY, "python") for c in j.commands))

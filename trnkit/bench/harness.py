@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import trnkit
+from trnkit.bench import fingerprint
 from trnkit.bench.schema import Row
 
 QUANTILES = (0.5, 0.2, 0.8)
@@ -47,6 +48,9 @@ class Case:
     x_value: int | float | str
     build: Callable[[], Prepared]
     config: dict = field(default_factory=dict)
+    # the sources the kernel runs (trnkit.bench.fingerprint names: "trnkit/kernels/moe"); recorded with each
+    # cost-model row's details (its fingerprint: cost_model, sources, computed)
+    sources: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -155,21 +159,23 @@ def run_case(case: Case, chip: str = "trn2", measure_torch: bool = True, budget_
         interp_s = time.perf_counter() - t0
         rep = cost.estimate(tr, chip)
         dev = f"{chip} (cost model)"
-        details = {"model": rep.model, "n_instrs": rep.n_instrs, "bottleneck": rep.bottleneck,
-                   "flops": rep.flops, "hbm_bytes": rep.hbm_bytes, "interp_trace_only_s": round(interp_s, 4)}
+        details = {**fingerprint.stamp(case.sources), "model": rep.model, "n_instrs": rep.n_instrs,
+                   "bottleneck": rep.bottleneck, "flops": rep.flops, "hbm_bytes": rep.hbm_bytes,
+                   "interp_trace_only_s": round(interp_s, 4)}
         us = 1e-3
         # the model's range in the quantile columns: p50 mid, p20 / p80 the low / high end
         low, mid, high = (t * us for t in estimate_range(rep.total_range_ns))
         row("nki", "est_time", "us", (mid, low, high), dev, {**details, "range": "optimistic..pessimistic "
                                                               "parameters of trnkit.nkisim.cost_params"})
+        fp = {k: details[k] for k in fingerprint.FIELDS}  # on every cost-model row
         row("roofline", "est_time", "us", (rep.roofline_ns * us,) * 3, dev,
-            {"compute_bound_us": rep.compute_bound_ns * us, "memory_bound_us": rep.memory_bound_ns * us})
-        row("nki", "serial_time", "us", (rep.serial_ns * us,) * 3, dev)
+            {**fp, "compute_bound_us": rep.compute_bound_ns * us, "memory_bound_us": rep.memory_bound_ns * us})
+        row("nki", "serial_time", "us", (rep.serial_ns * us,) * 3, dev, fp)
         fractions = tuple(rep.roofline_ns * us / t if t > 0 else 0.0 for t in (mid, high, low))
-        row("nki", "fraction_of_roofline", "ratio", fractions, dev)
+        row("nki", "fraction_of_roofline", "ratio", fractions, dev, fp)
         for eng, busy in rep.busy_ns.items():
             row("nki", f"busy_{eng}", "us", (busy * us,) * 3, dev,
-                {"utilization": rep.utilization[eng], "count": rep.count.get(eng, 0)})
+                {**fp, "utilization": rep.utilization[eng], "count": rep.count.get(eng, 0)})
     if measure_torch:
         import torch
 

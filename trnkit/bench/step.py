@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 import trnkit
+from trnkit.bench import fingerprint
 from trnkit.bench.harness import estimate_range
 from trnkit.kernels.constraints import KernelConstraintError
 
@@ -606,7 +607,22 @@ def estimate_step(flavor: str, seq: int, batch: int = 1, lnc: int = 2, chip: str
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
 CSV_COLUMNS = ("flavor", "seq", "batch", "lnc", "chip", "part", "op", "mode", "kernel", "shape", "count",
                "est_low_us", "est_mid_us", "est_high_us", *(f"busy_{e}_us" for e in ENGINES), "model_gflop",
-               "mfu_low", "mfu_mid", "mfu_high", "traced", "timestamp", "trnkit_version")
+               "mfu_low", "mfu_mid", "mfu_high", "traced", "timestamp", "trnkit_version", *fingerprint.FIELDS)
+# an op's kernel name -> its trnkit kernel family (trnkit.bench.fingerprint source), by prefix
+KERNEL_FAMILIES = (("rmsnorm", "rmsnorm"), ("grouped_mm", "moe"), ("moe_experts", "moe"), ("mlp", "mlp"),
+                   ("rope", "rope"), ("attention", "attention"), ("linear_cross_entropy", "cross_entropy"),
+                   ("router", "router"))
+
+
+def op_sources(op: StepOp) -> tuple[str, ...]:
+    """The kernel family an op's estimate ran (none for an op counted at its HBM bound)."""
+    if op.bound_ns:
+        return ()
+    for prefix, fam in KERNEL_FAMILIES:
+        if op.kernel.startswith(prefix):
+            return (f"trnkit/kernels/{fam}",)
+    raise ValueError(f"step: op {op.name} runs kernel {op.kernel!r}, which names no trnkit kernel family "
+                     f"(KERNEL_FAMILIES: {', '.join(p for p, _ in KERNEL_FAMILIES)})")
 
 
 def csv_rows(st: StepEstimate) -> list[dict]:
@@ -618,7 +634,10 @@ def csv_rows(st: StepEstimate) -> list[dict]:
     def row(part: str, op: str, mode: str, kernel: str, shape: str, count: int, lmh: tuple, busy: dict,
             flops: int, traced: str = "", mfu: tuple = ("", "", "")) -> dict:
         us = [f"{t / 1e3:.3f}" for t in lmh]
-        return {**base, "part": part, "op": op, "mode": mode, "kernel": kernel, "shape": shape, "count": count,
+        ops = [e.op for e in st.ops if (e.op.part, e.op.name, e.op.mode) == (part, op, mode)
+               or (op == "total" and part in (e.op.part, "step"))]
+        fp = fingerprint.stamp(sorted({s for o in ops for s in op_sources(o)}))
+        return {**base, **fp, "part": part, "op": op, "mode": mode, "kernel": kernel, "shape": shape, "count": count,
                 "est_low_us": us[0], "est_mid_us": us[1], "est_high_us": us[2],
                 **{f"busy_{e}_us": f"{busy.get(e, 0.0) / 1e3:.3f}" for e in ENGINES},
                 "model_gflop": f"{flops / 1e9:.3f}", "mfu_low": mfu[0], "mfu_mid": mfu[1], "mfu_high": mfu[2],
