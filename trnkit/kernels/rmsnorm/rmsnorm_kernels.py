@@ -869,10 +869,12 @@ def _store_dw(dw, dw_ps, n_prog, pid, NC, partial=None):
     """The ``[P, NC]`` column sums (``dw[c*P + m]`` on partition m, column c) -> ``dw [NC*P]``; on LNC=2
     through a shared scratch and one barrier, each core summing half of the partitions. ``partial``: what
     :func:`_dw_partial` returned when the kernel issued it earlier (named queues); then the two halves load
-    on the Sync and Scalar engines' queues side by side and the result is stored from Sync's, instead of one
-    after another on the compiler's queues behind the last dx stores."""
+    on the Sync and Scalar engines' queues side by side, the sum is rounded to dw's dtype by the add itself
+    (one instruction fewer after the barrier) and the result is stored from Sync's, instead of one after another
+    on the compiler's queues behind the last dx stores."""
     queues = [None, None, None]
-    if partial == None:  # noqa: E711
+    named = partial != None  # noqa: E711
+    if not named:
         partial = _dw_partial(dw_ps, n_prog, pid, NC)
     else:
         queues = [STORE_QUEUE, LOAD_QUEUE, STORE_QUEUE]
@@ -885,12 +887,16 @@ def _store_dw(dw, dw_ps, n_prog, pid, NC, partial=None):
     half = P // n_prog
     acc = nl.ndarray((half, NC), dtype=nl.float32, buffer=nl.sbuf)
     _dma_in(acc, partial.ap(pattern=[[NC, half], [1, NC]], offset=pid * half * NC), queues[0])
+    out = nl.ndarray((half, NC), dtype=dw.dtype, buffer=nl.sbuf)
     for q in range(1, n_prog):
         other = nl.ndarray((half, NC), dtype=nl.float32, buffer=nl.sbuf)
         _dma_in(other, partial.ap(pattern=[[NC, half], [1, NC]], offset=(q * P + pid * half) * NC), queues[1])
-        nisa.tensor_tensor(dst=acc, data1=acc, data2=other, op=nl.add)
-    out = nl.ndarray((half, NC), dtype=dw.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=out, src=acc)
+        if named and q == n_prog - 1:  # the last sum rounded straight to dw's dtype (fp32 add, one rounding)
+            nisa.tensor_tensor(dst=out, data1=acc, data2=other, op=nl.add)
+        else:
+            nisa.tensor_tensor(dst=acc, data1=acc, data2=other, op=nl.add)
+    if not named:
+        nisa.tensor_copy(dst=out, src=acc)
     _dma_in(dw.ap(pattern=[[1, half], [P, NC]], offset=pid * half), out, queues[2])
 
 
@@ -1182,14 +1188,23 @@ def _narrow_dx(state, dx, ident):
 
 
 def _narrow_weights(w, H, out_dt, transposed):
-    """A segment's weight in SBUF: ``(rows [P, H] for Vector's gw or None, columns [P, NC] in out_dt for the
-    sums over H, fp32 columns for Scalar's gw^T or None)``."""
+    """A segment's weight in SBUF: ``[rows [P, H] for Vector's gw or None, columns [P, NC] in out_dt for the
+    sums over H, None]``; the third entry, the fp32 columns for Scalar's gw^T, is formed by
+    :func:`_fp32_columns` (2-byte rows)."""
     cols = _w_columns(w, H, out_dt)
     if not transposed:
-        return _weight_rows(w, H), cols, None
-    wf = nl.ndarray((P, cdiv(H, P)), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=wf, src=cols, engine=nisa.engine.vector)  # exact: w in out_dt (2-byte) widened
-    return None, cols, wf
+        return [_weight_rows(w, H), cols, None]
+    return [None, cols, None]
+
+
+def _fp32_columns(wts):
+    """``wts[2]``, the weight's columns widened to fp32 (exact: w in a 2-byte dtype), on Vector: issued just
+    before the segment's first transposes, so Vector's first products do not wait for the weight's load."""
+    if wts[2] == None:  # noqa: E711
+        wf = nl.ndarray(wts[1].shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=wf, src=wts[1], engine=nisa.engine.vector)
+        wts[2] = wf
+    return wts[2]
 
 
 def _narrow_backward(dys, xs, ws, rstds, grad_ss, dxs, dw_ps, ident, out_dt, chunks, segs, n_prog=1, pid=0):
@@ -1235,7 +1250,10 @@ def _narrow_backward(dys, xs, ws, rstds, grad_ss, dxs, dw_ps, ident, out_dt, chu
         if 0 <= i - 1 < n:
             g = segs[i - 1]
             opens = i == 1 or segs[i - 2] != g
-            st[i - 1] = _narrow_transposes(st[i - 1], dw_ps[:, g * NC:(g + 1) * NC], opens, wts[g][2])
+            wf = None
+            if transposed:
+                wf = _fp32_columns(wts[g])
+            st[i - 1] = _narrow_transposes(st[i - 1], dw_ps[:, g * NC:(g + 1) * NC], opens, wf)
         if 0 <= i - 2 < n:
             st[i - 2] = _narrow_stats(st[i - 2], H)
         if i < n:
