@@ -140,3 +140,77 @@ def test_nkilib_mlp_cte_row_pays_for_its_one_slot_per_tile():
            for k, s in (("low", LOW), ("mid", MID), ("high", HIGH))]
     assert [f"{t / 1e3:.2f}" for t in own] == ["202.73", "221.38", "290.33"]
     assert shared[1] > own[1]
+
+
+@nki.jit
+def _reload_onto_slots(x, y, b_at, c_at):
+    """x into tile A placed at (0, 0), y into B at ``b_at``, x again into C at ``c_at``; each squared on ScalarE
+    into an unplaced tile and stored."""
+    p, f = x.shape
+    out = nl.ndarray((3, p, f), nl.float32, buffer=nl.shared_hbm)
+    for n, (src, at) in enumerate(((x, (0, 0)), (y, b_at), (x, c_at))):
+        t = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf, address=at)
+        r = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=src)
+        nisa.activation(dst=r, op=nl.square, data=t)
+        nisa.dma_copy(dst=out[n], src=r)
+    return out
+
+
+def _reload_slots_trace(b_at, c_at):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 1024, generator=g)
+    y = torch.randn(128, 1024, generator=g)
+    with trace.record() as tr:
+        out = np.asarray(_reload_onto_slots(x, y, b_at, c_at))
+    np.testing.assert_allclose(out, np.stack([x.numpy() ** 2, y.numpy() ** 2, x.numpy() ** 2]), rtol=1e-6)
+    instrs = list(tr)
+    first, again = _index(instrs, "dma_copy", 0), _index(instrs, "dma_copy", 4)  # load x, ..., load x again
+    assert instrs[again].attrs["reads"] == instrs[first].attrs["reads"]
+    return instrs, first, again
+
+
+@pytest.mark.parametrize("b_at, c_at, dropped", [
+    ((0, 4096), (0, 0), True),      # x's slot untouched since its load: the data is still there
+    ((0, 0), (0, 0), False),        # y's tile was written on x's slot: x is gone, the reload moves its bytes
+    ((0, 4096), (0, 8192), False),  # the reload's consumer reads another slot, which x never reached
+], ids=["same-slot-intact", "slot-overwritten", "other-slot"])
+def test_a_reload_into_a_placed_tile_is_dropped_only_onto_its_intact_slot(b_at, c_at, dropped):
+    """reuse_loads drops a reload of unchanged HBM data (the fused-Mamba tutorial); for placed tiles the kernel
+    fixed the addresses, so only a reload onto exactly the slot an earlier load of the data went to, with no
+    write on that slot since, can be dropped (``placed_slots_shared``); off, tiles are matched by object as
+    before (every reload dropped while the data fits). Capacity is no limit here (1 GiB)."""
+    instrs, first, again = _reload_slots_trace(b_at, c_at)
+    expect = {again: first} if dropped else {}
+    for fn in (cost.resident_loads, cost.reused_loads):
+        assert fn(instrs, 1 << 30) == expect
+        assert fn(instrs, 1 << 30, by_slot=False) == {again: first}
+    # at mid ("resident") a reload that stays moves its bytes: DMA busy and HBM bytes grow by that load's
+    on, off = (cost.estimate(instrs, params=replace(MID, placed_slots_shared=s)) for s in (True, False))
+    extra = 0.0 if dropped else cost.instr_cost(instrs[again]).busy_ns
+    assert on.busy_ns[DMA] == pytest.approx(off.busy_ns[DMA] + extra)
+    # the report's HBM traffic is the mid setting's: less the reload only where it is dropped
+    assert on.hbm_bytes == sum(i.hbm_bytes for i in instrs) - (instrs[again].hbm_bytes if dropped else 0)
+
+
+def test_a_dropped_reload_leaves_its_slot_holding_the_data():
+    """Two reloads of x onto A's intact slot: both are dropped, the second against the first load (the dropped
+    reload's own write on the slot is the same data, not an overwrite)."""
+    @nki.jit
+    def three_loads(x, y):
+        p, f = x.shape
+        out = nl.ndarray((4, p, f), nl.float32, buffer=nl.shared_hbm)
+        for n, (src, at) in enumerate(((x, (0, 0)), (y, (0, 4096)), (x, (0, 0)), (x, (0, 0)))):
+            t = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf, address=at)
+            r = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=t, src=src)
+            nisa.activation(dst=r, op=nl.square, data=t)
+            nisa.dma_copy(dst=out[n], src=r)
+        return out
+
+    x, y = torch.randn(128, 1024), torch.randn(128, 1024)
+    with trace.record() as tr:
+        three_loads(x, y)
+    instrs = list(tr)
+    loads = [_index(instrs, "dma_copy", n) for n in (0, 4, 6)]
+    assert cost.resident_loads(instrs, 1 << 30) == {loads[1]: loads[0], loads[2]: loads[0]}

@@ -48,7 +48,8 @@ Engines run concurrently; the total uses one of two schedules, named in ``CostRe
   compilation would reach. Tiles the kernel places itself (``nl.ndarray(..., address=)``) sit on their
   bytes: tiles on overlapping bytes are one storage (``cost_params.placed_slots_shared``; the trace's
   ``slot_read_boxes`` / ``slot_write_boxes``), so a tile written on a slot waits for the last read of the
-  tile it replaces there, as the compiler enforces.
+  tile it replaces there, as the compiler enforces, and a reload into a placed tile is dropped only onto the
+  slot an earlier load of the same data went to, still unwritten since (:class:`_PlacedReloads`).
 * ``"overlap-bound"`` otherwise: every engine runs back-to-back once its first input has arrived, so
   ``total = max over engines of (head + busy + tail)``, where for a compute engine ``head`` is the latency
   of the first DMA issued before its first instruction (the load it waits for) and ``tail`` the latency
@@ -69,7 +70,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from trnkit.nkisim import hardware
@@ -984,6 +985,76 @@ def _load_key(ins: Instr, version: dict) -> tuple | None:
     return (tuple((r, version[r[0]]) for r in reads), dst.shape, dst.dtype, w[1], w[2])
 
 
+def _is_slot(box: tuple) -> bool:
+    """Whether a trace box is a placed tile's slot box (its key a placement space's, ``("placed", ...)``)."""
+    key = box[0]
+    return isinstance(key, tuple) and bool(key) and key[0] == "placed"
+
+
+def _load_slot(ins: Instr) -> tuple | None:
+    """The slot box a plain load writes when its destination is a placed tile (``nl.ndarray(..., address=)``),
+    else None."""
+    boxes = ins.attrs.get("slot_write_boxes")
+    return boxes[0] if boxes and _is_slot(boxes[0]) else None
+
+
+class _SlotWrites:
+    """Every write to a placed tile's bytes (the trace's slot write boxes), by placement space and 2 KiB of
+    bytes (``_DepTracker._SLOT_BUCKET``): whether a slot was written between two instructions."""
+
+    def __init__(self, instrs: Sequence[Instr]) -> None:
+        self.by: dict[tuple, list[tuple[int, tuple]]] = defaultdict(list)
+        for k, ins in enumerate(instrs):
+            for b in ins.attrs.get("slot_write_boxes", ()):
+                if _is_slot(b):
+                    for key in _DepTracker._keys(b[0], b[3], b[4]):
+                        self.by[key].append((k, b))
+
+    def written(self, box: tuple, after: int, before: int, skip: Callable[[int], bool]) -> bool:
+        """Whether an instruction strictly between ``after`` and ``before`` wrote a byte of ``box``, other
+        than those ``skip`` names."""
+        space, p0, p1, lo, hi = box
+        for key in _DepTracker._keys(space, lo, hi):
+            entries = self.by.get(key, ())
+            i = bisect.bisect_right(entries, after, key=lambda e: e[0])
+            while i < len(entries) and entries[i][0] < before:
+                m, b = entries[i]
+                if b[1] < p1 and p0 < b[2] and b[3] < hi and lo < b[4] and not skip(m):
+                    return True
+                i += 1
+        return False
+
+
+class _PlacedReloads:
+    """Which reloads into a placed tile the compiler can drop (``cost_params.placed_slots_shared``). The kernel
+    fixed the tile's address ("nki.compiler.force_auto_alloc ... will ignore any direct allocation inside the
+    kernel": otherwise the addresses stand), so the consumers of a reload read its slot: the reload is dropped
+    only when an earlier load of the same data went to exactly that slot and no instruction has written a byte
+    of the slot since ("The compiler enforces memory dependencies, including waits before a slot is
+    overwritten", nki.language.NkiStreamBuffers: a tile written on the slot replaces the data). A reload that
+    moves its bytes holds the data for the next one. Data kept on its own slot takes no SBUF beyond the kernel's
+    own tiles. A load into a tile the compiler allocates never reuses a placed tile's data, nor the reverse
+    (the consumers of one read an address the other's data is not at)."""
+
+    def __init__(self, instrs: Sequence[Instr]) -> None:
+        self.instrs = instrs
+        self.writes: _SlotWrites | None = None  # built on the first placed reload
+        self.holder: dict[tuple, int] = {}  # (load key, slot box) -> the load whose data the slot holds
+        self.dropped: dict[int, int] = {}
+
+    def reload(self, k: int, key: tuple, slot: tuple) -> int | None:
+        """The load whose data placed load ``k`` (of ``key``, on ``slot``) reuses, or None (it moves its bytes)."""
+        j = self.holder.get((key, slot))
+        if j is not None:
+            if self.writes is None:
+                self.writes = _SlotWrites(self.instrs)
+            if not self.writes.written(slot, j, k, lambda m: self.dropped.get(m) == j):
+                self.dropped[k] = j
+                return j
+        self.holder[(key, slot)] = k
+        return None
+
+
 def _plain_loads(instrs: Sequence[Instr], tiles: dict[object, _Tile]) -> Iterable[tuple[int, tuple, object]]:
     """``(index, load key, destination tile)`` of each plain HBM -> SBUF load into a tile of ``tiles``, in
     program order (:func:`_load_key`: the key changes once the HBM data it reads is written)."""
@@ -997,7 +1068,8 @@ def _plain_loads(instrs: Sequence[Instr], tiles: dict[object, _Tile]) -> Iterabl
             version[b[0]] += 1
 
 
-def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False) -> dict[int, int]:
+def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False,
+                 by_slot: bool = True) -> dict[int, int]:
     """Loads the compiler can drop because the same HBM data is still in SBUF (``cost_params.reuse_loads``):
     load index -> index of the earlier load whose data it reuses.
 
@@ -1007,7 +1079,8 @@ def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = F
     live there for later decisions. The fused-Mamba tutorial ([SDK] nki/guides/tutorials/fused_mamba,
     "Minimizing data reloading"): the unrolled loops "load delta/u across all channels in the first state,
     and then likely reload them again in the later states due to a large total memory size in delta and u
-    (16MB in this case)"; its profiler reports them reloaded "around 7 times" of 16."""
+    (16MB in this case)"; its profiler reports them reloaded "around 7 times" of 16. ``by_slot``: loads into
+    placed tiles by their slots (:class:`_PlacedReloads`; off, by tile as any other)."""
     tiles = _sbuf_tiles(instrs)
     n = len(instrs)
     delta = [0] * (n + 1)
@@ -1023,7 +1096,14 @@ def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = F
     tree = _MaxTree(live)
     resident: dict[tuple, tuple[int, int, int]] = {}  # load key -> (load holding the data, its last use, bytes)
     out: dict[int, int] = {}
+    placed = _PlacedReloads(instrs) if by_slot else None
     for k, key, dst in _plain_loads(instrs, tiles):
+        slot = _load_slot(instrs[k]) if placed is not None else None
+        if slot is not None:
+            j = placed.reload(k, key, slot)
+            if j is not None:
+                out[k] = j
+            continue
         tile = tiles[dst]
         hit = resident.get(key)
         if hit is not None:
@@ -1040,7 +1120,7 @@ def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = F
 
 
 def resident_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False,
-                   peak_bytes: int | None = None) -> dict[int, int]:
+                   peak_bytes: int | None = None, by_slot: bool = True) -> dict[int, int]:
     """Reloads the compiler drops by keeping every reloaded input resident for the whole kernel
     (``cost_params.reuse_loads == "resident"``): load index -> the first load of the same data, for every
     reload, when the distinct data the kernel loads more than once (bytes per partition) fits in
@@ -1051,13 +1131,22 @@ def resident_loads(instrs: Sequence[Instr], capacity: int, program_order: bool =
     reloading "could be inevitable when we don't have sufficient on-chip memory (SBUF) to allow full reuse
     of the input data tensors". At its toy shape (256 channels, delta and u 1 MB) the same kernel reloads
     nothing: the profile (nki/img/mamba_v1_profile_zoomed.png) shows DMA throughput only while the inputs
-    load at the start and for the final store. ``peak_bytes``: that peak when the caller has the plan."""
+    load at the start and for the final store. ``peak_bytes``: that peak when the caller has the plan.
+    ``by_slot``: loads into placed tiles by their slots (:class:`_PlacedReloads`: their kept data takes no
+    bytes beyond the kernel's own tiles); off, by tile as any other."""
     tiles = _sbuf_tiles(instrs)
     first: dict[tuple, tuple[int, object]] = {}  # load key -> (the load that brings the data in, its tile)
     out: dict[int, int] = {}
     reloaded: set[int] = set()  # the first loads of the data loaded more than once
     kept = 0  # their bytes per partition
+    placed = _PlacedReloads(instrs) if by_slot else None
     for k, key, dst in _plain_loads(instrs, tiles):
+        slot = _load_slot(instrs[k]) if placed is not None else None
+        if slot is not None:
+            j = placed.reload(k, key, slot)
+            if j is not None:
+                out[k] = j
+            continue
         if key not in first:
             first[key] = (k, dst)
             continue
@@ -1283,9 +1372,10 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     if params.reuse_loads not in REUSE_RULES:
         raise ValueError(f"cost: reuse_loads must be one of {REUSE_RULES}, got {params.reuse_loads!r}")
     if params.reuse_loads == "fits":
-        reused = reused_loads(instrs, capacity, params.spill_in_program_order)
+        reused = reused_loads(instrs, capacity, params.spill_in_program_order, params.placed_slots_shared)
     elif params.reuse_loads == "resident":
-        reused = resident_loads(instrs, capacity, params.spill_in_program_order, plan.peak_bytes)
+        reused = resident_loads(instrs, capacity, params.spill_in_program_order, plan.peak_bytes,
+                                params.placed_slots_shared)
     else:
         reused = {}
     load_finish: dict[int, float] = {}  # DMA index -> when its data is ready (for the loads reused later)
@@ -1693,7 +1783,8 @@ def _resident_reload_bytes(instrs: Sequence[Instr], chip: Chip) -> int:
     whose reloaded data fits is bounded by its distinct bytes, not by the reloads it asks for."""
     if MID.reuse_loads != "resident" or not _has_deps(instrs):
         return 0
-    reloads = resident_loads(instrs, _sbuf_capacity(chip, MID), MID.spill_in_program_order)
+    reloads = resident_loads(instrs, _sbuf_capacity(chip, MID), MID.spill_in_program_order,
+                             by_slot=MID.placed_slots_shared)
     return sum(instrs[k].hbm_bytes for k in reloads)
 
 

@@ -239,8 +239,11 @@ class ModelParams:
     # operations that use the same storage"; nki.compiler.AllocationMode, "a tile can take the address of a
     # tile freed shortly before, so a DMA into it waits for the compute that reads the earlier tile";
     # nki.compiler.force_auto_alloc "will ignore any direct allocation inside the kernel" (so without it the
-    # addresses stand). On at every setting (the placement is the kernel's, not a compiler choice); off is
-    # the earlier model (each placed tile its own storage), a diagnostic (docs/cost-model.md, "Placed tiles").
+    # addresses stand). The same holds for the data a placed tile holds: a reload into a placed tile is
+    # dropped (reuse_loads) only onto the very slot an earlier load of the data went to, with no write on
+    # that slot since (cost._PlacedReloads). On at every setting (the placement is the kernel's, not a
+    # compiler choice); off is the earlier model (each placed tile its own storage, for the dependencies and
+    # for the reloads), a diagnostic (docs/cost-model.md, "Placed tiles").
     placed_slots_shared: bool = True
 
 
