@@ -867,7 +867,8 @@ def figure_jobs() -> str:
             verdict = "**no**: no rows"
         else:
             why = ["no fingerprint" if v == "none" else v for v in st["reasons"]]
-            verdict = f"**no** ({st['stale_rows']} rows): " + "; ".join(why)
+            n = st["stale_rows"]
+            verdict = f"**no** ({n} row{'s' if n != 1 else ''}): " + "; ".join(why)
         dates = sorted({(r.get("timestamp") or "")[:10] for r in rows} - {""})
         computed = st["computed"] or ("not recorded" + (f" (rows dated {dates[-1]})" if dates else ""))
         body.append([f"`{job.name}`", f"`{job.data}`", str(st["rows"]), computed,
