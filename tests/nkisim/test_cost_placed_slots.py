@@ -143,12 +143,13 @@ def test_nkilib_mlp_cte_row_pays_for_its_one_slot_per_tile():
 
 
 @nki.jit
-def _reload_onto_slots(x, y, b_at, c_at):
-    """x into tile A placed at (0, 0), y into B at ``b_at``, x again into C at ``c_at``; each squared on ScalarE
-    into an unplaced tile and stored."""
+def _square_onto_slots(x, y, plan):
+    """For each ``(source, address)`` of ``plan`` (source 0: x, 1: y), the source loaded into a tile placed at
+    that address, squared on ScalarE into an unplaced tile and stored."""
     p, f = x.shape
-    out = nl.ndarray((3, p, f), nl.float32, buffer=nl.shared_hbm)
-    for n, (src, at) in enumerate(((x, (0, 0)), (y, b_at), (x, c_at))):
+    out = nl.ndarray((len(plan), p, f), nl.float32, buffer=nl.shared_hbm)
+    for n, (which, at) in enumerate(plan):
+        src = (x, y)[which]
         t = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf, address=at)
         r = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=t, src=src)
@@ -162,7 +163,8 @@ def _reload_slots_trace(b_at, c_at):
     x = torch.randn(128, 1024, generator=g)
     y = torch.randn(128, 1024, generator=g)
     with trace.record() as tr:
-        out = np.asarray(_reload_onto_slots(x, y, b_at, c_at))
+        # x into tile A placed at (0, 0), y into B at b_at, x again into C at c_at
+        out = np.asarray(_square_onto_slots(x, y, ((0, (0, 0)), (1, b_at), (0, c_at))))
     np.testing.assert_allclose(out, np.stack([x.numpy() ** 2, y.numpy() ** 2, x.numpy() ** 2]), rtol=1e-6)
     instrs = list(tr)
     first, again = _index(instrs, "dma_copy", 0), _index(instrs, "dma_copy", 4)  # load x, ..., load x again
@@ -196,21 +198,9 @@ def test_a_reload_into_a_placed_tile_is_dropped_only_onto_its_intact_slot(b_at, 
 def test_a_dropped_reload_leaves_its_slot_holding_the_data():
     """Two reloads of x onto A's intact slot: both are dropped, the second against the first load (the dropped
     reload's own write on the slot is the same data, not an overwrite)."""
-    @nki.jit
-    def three_loads(x, y):
-        p, f = x.shape
-        out = nl.ndarray((4, p, f), nl.float32, buffer=nl.shared_hbm)
-        for n, (src, at) in enumerate(((x, (0, 0)), (y, (0, 4096)), (x, (0, 0)), (x, (0, 0)))):
-            t = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf, address=at)
-            r = nl.ndarray((p, f), nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(dst=t, src=src)
-            nisa.activation(dst=r, op=nl.square, data=t)
-            nisa.dma_copy(dst=out[n], src=r)
-        return out
-
     x, y = torch.randn(128, 1024), torch.randn(128, 1024)
     with trace.record() as tr:
-        three_loads(x, y)
+        _square_onto_slots(x, y, ((0, (0, 0)), (1, (0, 4096)), (0, (0, 0)), (0, (0, 0))))
     instrs = list(tr)
     loads = [_index(instrs, "dma_copy", n) for n in (0, 4, 6)]
     assert cost.resident_loads(instrs, 1 << 30) == {loads[1]: loads[0], loads[2]: loads[0]}
