@@ -1068,6 +1068,22 @@ def _plain_loads(instrs: Sequence[Instr], tiles: dict[object, _Tile]) -> Iterabl
             version[b[0]] += 1
 
 
+def _loads_not_by_slot(instrs: Sequence[Instr], tiles: dict[object, _Tile], by_slot: bool,
+                       dropped: dict[int, int]) -> Iterable[tuple[int, tuple, object]]:
+    """The plain loads (:func:`_plain_loads`) whose reuse the caller decides. With ``by_slot``, a load into a
+    placed tile is decided by its slot instead (:class:`_PlacedReloads`): not yielded, and recorded in
+    ``dropped`` (load index -> the load whose data it reuses) when the compiler can drop it."""
+    placed = _PlacedReloads(instrs) if by_slot else None
+    for k, key, dst in _plain_loads(instrs, tiles):
+        slot = _load_slot(instrs[k]) if placed is not None else None
+        if slot is None:
+            yield k, key, dst
+            continue
+        j = placed.reload(k, key, slot)
+        if j is not None:
+            dropped[k] = j
+
+
 def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = False,
                  by_slot: bool = True) -> dict[int, int]:
     """Loads the compiler can drop because the same HBM data is still in SBUF (``cost_params.reuse_loads``):
@@ -1096,14 +1112,7 @@ def reused_loads(instrs: Sequence[Instr], capacity: int, program_order: bool = F
     tree = _MaxTree(live)
     resident: dict[tuple, tuple[int, int, int]] = {}  # load key -> (load holding the data, its last use, bytes)
     out: dict[int, int] = {}
-    placed = _PlacedReloads(instrs) if by_slot else None
-    for k, key, dst in _plain_loads(instrs, tiles):
-        slot = _load_slot(instrs[k]) if placed is not None else None
-        if slot is not None:
-            j = placed.reload(k, key, slot)
-            if j is not None:
-                out[k] = j
-            continue
+    for k, key, dst in _loads_not_by_slot(instrs, tiles, by_slot, out):
         tile = tiles[dst]
         hit = resident.get(key)
         if hit is not None:
@@ -1139,14 +1148,7 @@ def resident_loads(instrs: Sequence[Instr], capacity: int, program_order: bool =
     out: dict[int, int] = {}
     reloaded: set[int] = set()  # the first loads of the data loaded more than once
     kept = 0  # their bytes per partition
-    placed = _PlacedReloads(instrs) if by_slot else None
-    for k, key, dst in _plain_loads(instrs, tiles):
-        slot = _load_slot(instrs[k]) if placed is not None else None
-        if slot is not None:
-            j = placed.reload(k, key, slot)
-            if j is not None:
-                out[k] = j
-            continue
+    for k, key, dst in _loads_not_by_slot(instrs, tiles, by_slot, out):
         if key not in first:
             first[key] = (k, dst)
             continue
