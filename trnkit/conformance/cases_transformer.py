@@ -203,7 +203,7 @@ def _mask_chunk(b: int, q: int, s_tkg: int, s_ctx: int, kvdp: int) -> int:
     is its own (its cache length, the same layout), so the rows built in chunks are the same rows."""
     if b * q * s_tkg * s_ctx * 4 <= 256 << 20:
         return b
-    sharded = importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
+    sharded = _s_prior_sharded
     whole = sharded(b // kvdp, q, s_tkg, s_ctx, 128)
     for c in range(b - kvdp, 0, -kvdp):
         if b % c == 0 and c * q * s_tkg * s_ctx * 4 <= 256 << 20 and sharded(c // kvdp, q, s_tkg, s_ctx, 128) == whole:
@@ -400,7 +400,7 @@ def _golden_in_batch_chunks(ref: Callable[..., Any], chunk: int, kv_dt: np.dtype
 
     b_all, s_tkg = kw["X"].shape[0], kw["X"].shape[1]
     s_ctx, q_heads = kw["attention_mask"].shape[0], kw["attention_mask"].shape[2]
-    sharded = importlib.import_module(f"{LIB}.core.attention.attention_tkg_utils").is_s_prior_sharded
+    sharded = _s_prior_sharded
     for n in {min(chunk, b_all - b0) for b0 in range(0, b_all, chunk)}:
         if sharded(n, q_heads, s_tkg, s_ctx, 128) != sharded(b_all, q_heads, s_tkg, s_ctx, 128):
             raise ValueError(f"attention_block_tkg golden: a chunk of {n} of the {b_all} batch rows changes the "
