@@ -940,13 +940,6 @@ def csv_count(name: str, where: dict[str, str]) -> Callable[[], str]:
     return value
 
 
-def skipped_count(verdict: str) -> Callable[[], str]:
-    """How many SKIPPED rows of conformance.csv ran anyway with ``verdict`` (PASS, REJECTED, ERROR, ...)."""
-    def value() -> str:
-        return str(sum(r["result"] == "SKIPPED" and _run_anyway(r) == verdict for r in read_csv("conformance.csv")))
-    return value
-
-
 def model_config_count(kernel: str, test: Callable[[dict[str, str]], bool]) -> Callable[[], str]:
     """How many model-config rows of ``kernel`` in conformance.csv satisfy ``test``."""
     def value() -> str:
@@ -1080,22 +1073,6 @@ QUOTES = (
     Quote("README.md", "it passes {} of their", "conformance.csv PASS rows",
           csv_count("conformance.csv", {"result": "PASS"})),
     Quote("README.md", "of their {} test cases", "conformance.csv rows", csv_count("conformance.csv", {})),
-    Quote("README.md", "{} are rows nki-library's own test skips", "conformance.csv SKIPPED rows",
-          csv_count("conformance.csv", {"result": "SKIPPED"})),
-    Quote("README.md", "(run anyway: {} pass,", "conformance.csv SKIPPED rows that ran PASS",
-          skipped_count("PASS")),
-    Quote("README.md", "{} are rejected because their inputs break", "conformance.csv SKIPPED rows rejected",
-          skipped_count("REJECTED")),
-    Quote("README.md", "{} are refused by the kernel's own SBUF planner", "conformance.csv SKIPPED rows: ERROR",
-          skipped_count("ERROR")),
-    Quote("README.md", "and {} overflow float16", "conformance.csv XFAIL rows",
-          csv_count("conformance.csv", {"result": "XFAIL"})),
-    Quote("README.md", "; {} attention-block rows are refused by nki-library's own check", "conformance.csv ERROR rows",
-          csv_count("conformance.csv", {"result": "ERROR"})),
-    Quote("README.md", "; {} attention-block rows with STATIC", "conformance.csv attention_block_tkg GOLDEN_GAP rows",
-          csv_count("conformance.csv", {"result": "GOLDEN_GAP", "kernel": ATTN_BLOCK})),
-    Quote("README.md", "Q / K / V), and {} `moe_block_tkg`", "conformance.csv moe_block_tkg GOLDEN_GAP rows",
-          csv_count("conformance.csv", {"result": "GOLDEN_GAP", "kernel": "core/moe_block/moe_block_tkg"})),
     Quote("README.md", "; rows that mismatch: {}.", "conformance.csv MISMATCH rows",
           csv_count("conformance.csv", {"result": "MISMATCH"})),
     Quote("README.md", "fp32 cache: fwd {} µs ({}–{}), {} ({}–{}) of the HBM bound", "headline.csv rope_fwd",
@@ -1122,6 +1099,10 @@ QUOTES = (
           "{} ({}–{})", "bench.csv mlp T (4B, LNC=2)=2048 forward, backward",
           _bench_range("mlp", "forward", "T (4B, LNC=2)", "2048")
           + _bench_range("mlp", "backward", "T (4B, LNC=2)", "2048")),
+    Quote("README.md", "S=4096, LNC=2: fwd {} µs ({}–{}), {} ({}–{}) of its roofline; bwd {} µs ({}–{}), {} ({}–{})",
+          "bench.csv attention S (4B heads, LNC=2)=4096 forward, backward",
+          _bench_range("attention", "forward", "S (4B heads, LNC=2)", "4096")
+          + _bench_range("attention", "backward", "S (4B heads, LNC=2)", "4096")),
     Quote("docs/kernels.md", "forward {} / {} / {} µs (optimistic / mid / pessimistic parameters): **{}** of the "
           "bound at the pessimistic end, {} mid, {} at the optimistic end", "headline.csv rope_fwd",
           _low_mid_high("rope_fwd")),
@@ -1136,7 +1117,7 @@ QUOTES = (
            csv_cell(HEADLINE_CSV, "fraction_mid", {"case": "moe_fwd"}, "{:.1%}"))),
     Quote("docs/benchmarks.md", "`trnkit::moe_experts`: {} µs ({}–{}), {} ({}–{}) of the bound",
           "headline.csv moe_train_fwd", _range("moe_train_fwd", "us") + _range("moe_train_fwd", "fraction")),
-    Quote("docs/benchmarks.md", "directions before: {} µs ({}–{}), {} ({}–{}), ahead at mid",
+    Quote("docs/benchmarks.md", "`block_size = 128`: {} µs ({}–{}), {} ({}–{}), ahead at mid",
           "headline.csv moe_b128_fwd", _range("moe_b128_fwd", "us") + _range("moe_b128_fwd", "fraction")),
     Quote("docs/benchmarks.md", "The backward ({} us at mid against the forward's {} us) is Scalar-bound under the "
           "current model ({} us of Scalar busy time)", "bench.csv moe_experts T=512 est_time, busy_scalar", (
@@ -1216,12 +1197,8 @@ QUOTES = (
           csv_count("conformance.csv", {"result": "GOLDEN_GAP", "kernel": "core/moe_block/moe_block_tkg"})),
     Quote("docs/interpreter.md", "**REJECTED, {} rows** (all `attention_block_tkg` model-config rows with a QK norm",
           "conformance.csv REJECTED rows", csv_count("conformance.csv", {"result": "REJECTED"})),
-    Quote("README.md", "; {} attention-block rows break `nc_matmul`'s documented 512-column limit",
-          "conformance.csv REJECTED rows", csv_count("conformance.csv", {"result": "REJECTED"})),
     Quote("docs/interpreter.md", "**STALE_READ, {} rows** (`attention_cte` sweep rows",
           "conformance.csv STALE_READ rows", csv_count("conformance.csv", {"result": "STALE_READ"})),
-    Quote("README.md", "; {} attention_cte rows read SBUF bytes the kernel's own", "conformance.csv STALE_READ rows",
-          csv_count("conformance.csv", {"result": "STALE_READ"})),
 )
 
 
