@@ -57,7 +57,7 @@ CSV_FIELDS = ("case", "kernel", "mode", "shape", "bound_kind", "bound_us", "low_
               "fraction_low_end", "fraction_mid", "fraction_high_end", "busiest_mid_us", "top_sensitivity",
               "assumptions", "timestamp", *fingerprint.FIELDS)
 SENS_FIELDS = ("case", "parameter", "optimistic_value", "mid_value", "pessimistic_value", "optimistic_us",
-               "pessimistic_us")
+               "pessimistic_us", *fingerprint.FIELDS)  # a sensitivity row carries its case's fingerprint
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,8 @@ def sensitivity_rows(results: dict) -> list[dict]:
             # a case saved under an earlier model may name a parameter the model no longer has
             values = r.get("parameter_values", {}).get(param, [getattr(s, param, "") for s in (LOW, MID, HIGH)])
             rows.append({"case": name, "parameter": param, "optimistic_value": values[0], "mid_value": values[1],
-                         "pessimistic_value": values[2], "optimistic_us": round(lo, 2), "pessimistic_us": round(hi, 2)})
+                         "pessimistic_value": values[2], "optimistic_us": round(lo, 2), "pessimistic_us": round(hi, 2),
+                         **{k: r.get(k, "") for k in fingerprint.FIELDS}})
     return rows
 
 
