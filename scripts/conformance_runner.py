@@ -1,0 +1,339 @@
+"""Run the conformance rows not yet recorded (model-config and reduced tiers), one child process a row.
+
+    python scripts/conformance_runner.py run --snapshot /work/wt/confrun-snap --until 10:25
+    python scripts/conformance_runner.py merge        # scratch rows -> benchmarks/data/conformance.csv + docs tables
+
+``run`` puts a git worktree at a fixed commit (``--commit``, default main) at ``--snapshot`` and runs every
+row from it, so that landings on main do not change the code under a running row; each row's scratch record
+names that commit. Rows run cheapest first by :func:`trnkit.conformance.reduce.estimate_cpu_s`, each in a child
+at nice 5 whose anonymous resident memory (``RssAnon``) is watched: past its cap (8 GB; 14 GB for a row
+estimated 8-14 GB, started only while the load average is under 6 and MemAvailable over 16 GB) the child is
+killed and the row is listed as stopped, not recorded; any child is killed when MemAvailable falls under 5 GB (the
+machine is shared and has no swap), and paused (SIGSTOP) while the load average stays over 8. Finished rows go to
+``<scratch>/rows.csv``; ``merge`` adds them to the tracked CSV (one row per case, in the case list's order; a
+case already there with another result is refused) and regenerates the docs tables. The parent uses the standard
+library only; the case list, the estimates and the rows come from the snapshot's trnkit in child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+CAP_GB, BIG_CAP_GB = 8.0, 14.0
+BIG_MAX_LOAD, BIG_MIN_AVAILABLE_GB = 6.0, 16.0  # a 14 GB row starts only on a machine this idle
+KILL_AVAILABLE_GB = 5.0  # any child is killed when MemAvailable falls under this
+PAUSE_LOAD, RESUME_LOAD, PAUSE_AFTER_S = 8.0, 6.0, 120.0
+NICE = 5
+SCRATCH = Path("/tmp/conformance_runner")
+EXTRA_FIELDS = ("tier", "snapshot", "peak_gb", "cpu_s", "est_cpu_s", "est_gb", "cap_gb", "row_ok", "finished")
+STOP_FIELDS = ("case_id", "tier", "snapshot", "why", "peak_gb", "cpu_s", "est_cpu_s", "est_gb", "cap_gb", "finished")
+
+
+# -- child side (imports trnkit: the snapshot's, through PYTHONPATH) -------------------------------------------------
+def _case_key(case) -> tuple[str, str, str, str]:
+    return case.kernel, case.name, str(case.lnc), case.shapes
+
+
+def _reduced_values(shapes: str) -> str:
+    """``S_ctx=131072->49152`` -> ``S_ctx=49152``: a reduced case's shapes as the estimates read them."""
+    import re
+    return re.sub(r"\d+->(\d+)", r"\1", shapes)
+
+
+def child_plan(csv_path: str) -> None:
+    """Print (JSON) the model-config and reduced cases with no row in ``csv_path``, with their estimates; rows
+    nki-library's test skips for its memory limit are left out (the docs: not run)."""
+    from trnkit.conformance import cases, harness, reduce
+
+    with open(csv_path, newline="") as f:
+        recorded = {(d["kernel"], d["case"], d["lnc"], d["shapes"]) for d in csv.DictReader(f)}
+    plan = []
+    root = harness.nkilib_root(None)
+    for c in cases.model_config_cases(root) + cases.reduced_cases(root):
+        if _case_key(c) in recorded:
+            continue
+        if c.skipped_by.startswith("test_attn_blk_model"):
+            continue
+        shapes = _reduced_values(c.shapes)
+        est_gb = reduce.estimate_peak_gb(c.kernel, c.name, shapes) if c.kernel.endswith("attention_block_tkg") else 0
+        plan.append({"case_id": harness.case_id(c), "tier": c.tier, "est_gb": round(est_gb, 2),
+                     "est_cpu_s": round(reduce.estimate_cpu_s(c.kernel, c.name, shapes), 1)})
+    json.dump(plan, sys.stdout)
+
+
+def child_row(case_id: str, tier: str, out: str) -> None:
+    """Run the one case of ``tier`` whose :func:`harness.case_id` is ``case_id``; write its CSV row (and whether
+    the run accepts it, :func:`harness.row_ok`) to ``out`` as JSON."""
+    from trnkit.conformance import cases, harness
+
+    root = harness.nkilib_root(None)
+    tier_cases = cases.reduced_cases(root) if tier == harness.REDUCED else cases.model_config_cases(root)
+    case = next(c for c in tier_cases if harness.case_id(c) == case_id)
+    row = harness.run_case(case, root, harness.nkilib_commit(root))
+    Path(out).write_text(json.dumps({"row": row.csv_row(), "row_ok": harness.row_ok(case, row)}))
+
+
+# -- parent side (standard library only) -------------------------------------------------------------------------
+def _git(*args: str, cwd: Path = REPO) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def snapshot(path: Path, commit: str) -> str:
+    """A detached worktree of ``commit`` at ``path`` (created, or moved there between rows); its full hash."""
+    full = _git("rev-parse", commit)
+    if not path.exists():
+        _git("worktree", "add", "--detach", str(path), full)
+    elif _git("rev-parse", "HEAD", cwd=path) != full:
+        _git("checkout", "--detach", full, cwd=path)
+    return full
+
+
+def _child_env(snap: Path, nkilib: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(snap), "NKILIB_SRC": nkilib, "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _meminfo_gb(field: str) -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1e6
+    raise KeyError(field)
+
+
+def _rss_anon_gb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    return 0.0
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def _log(scratch: Path, text: str) -> None:
+    line = f"{_now()} {text}"
+    print(line, flush=True)
+    with open(scratch / "runner.log", "a") as f:
+        f.write(line + "\n")
+
+
+def _append(path: Path, fields: tuple[str, ...], row: dict) -> None:
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
+        if new:
+            w.writeheader()
+        w.writerow(row)
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@dataclass
+class Outcome:
+    rc: int | None  # None: killed by the runner
+    why: str  # why it was killed ("" when it exited)
+    peak_gb: float
+    cpu_s: float
+
+
+def watch(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, cap_gb: float, deadline: float) -> Outcome:
+    """Run ``cmd`` at nice :data:`NICE`, polling its memory and the machine's each second (see the module doc)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, NICE))
+    peak, why, paused, loaded_since = 0.0, "", False, None
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            rc = None if why else os.waitstatus_to_exitcode(status)
+            return Outcome(rc, why, peak, usage.ru_utime + usage.ru_stime)
+        peak = max(peak, _rss_anon_gb(proc.pid))
+        if not why:
+            if peak > cap_gb:
+                why = f"stopped at {cap_gb:g} GB"
+            elif _meminfo_gb("MemAvailable") < KILL_AVAILABLE_GB:
+                why = f"MemAvailable under {KILL_AVAILABLE_GB:g} GB"
+            elif time.time() > deadline:
+                why = "the runner's --until"
+            if why:
+                if paused:
+                    os.kill(proc.pid, signal.SIGCONT)
+                os.kill(proc.pid, signal.SIGKILL)
+        load = os.getloadavg()[0]
+        if not why and not paused and load > PAUSE_LOAD:
+            loaded_since = loaded_since or time.time()
+            if time.time() - loaded_since > PAUSE_AFTER_S:
+                os.kill(proc.pid, signal.SIGSTOP)
+                paused = True
+                print(f"{_now()} paused (load {load:.1f})", flush=True)
+        elif paused and load < RESUME_LOAD:
+            os.kill(proc.pid, signal.SIGCONT)
+            paused, loaded_since = False, None
+            print(f"{_now()} resumed (load {load:.1f})", flush=True)
+        elif load <= PAUSE_LOAD:
+            loaded_since = None
+        time.sleep(1.0)
+
+
+def _cap_for(entry: dict) -> float | None:
+    """The memory cap a row starts under now, or None: not now (a 14 GB row on a busy machine) or never (est > 14)."""
+    if entry["est_gb"] <= CAP_GB:
+        return CAP_GB
+    if entry["est_gb"] <= BIG_CAP_GB and os.getloadavg()[0] < BIG_MAX_LOAD \
+            and _meminfo_gb("MemAvailable") > BIG_MIN_AVAILABLE_GB:
+        return BIG_CAP_GB
+    return None
+
+
+def _todo(scratch: Path, snap: Path, env: dict[str, str]) -> list[dict]:
+    """The rows to run, cheapest first: unrecorded in the tracked CSV, not in the scratch rows, not stopped at a cap,
+    estimated within :data:`BIG_CAP_GB`."""
+    out = subprocess.run([PYTHON, __file__, "_plan", str(REPO / "benchmarks/data/conformance.csv")], env=env,
+                         cwd=snap, check=True, capture_output=True, text=True).stdout
+    done = {r["case_id"] for r in _read(scratch / "rows.csv")}
+    done |= {r["case_id"] for r in _read(scratch / "stopped.csv") if r["why"].startswith("stopped at")}
+    plan = [e for e in json.loads(out) if e["case_id"] not in done]
+    todo = sorted((e for e in plan if e["est_gb"] <= BIG_CAP_GB), key=lambda e: e["est_cpu_s"])
+    _log(scratch, f"snapshot {_git('rev-parse', '--short', 'HEAD', cwd=snap)}: {len(todo)} rows to run, cheapest "
+                  f"first ({len(plan) - len(todo)} more estimated over {BIG_CAP_GB:g} GB, not run)")
+    return todo
+
+
+def run(args: argparse.Namespace) -> int:
+    scratch, snap = Path(args.scratch), Path(args.snapshot)
+    scratch.mkdir(parents=True, exist_ok=True)
+    if not args.nkilib:
+        raise SystemExit("conformance_runner: set NKILIB_SRC (or --nkilib) to the nki-library checkout")
+    commit = snapshot(snap, args.commit)
+    env = _child_env(snap, args.nkilib)
+    h, m = map(int, args.until.split(":"))
+    deadline = datetime.now(timezone.utc).replace(hour=h, minute=m, second=0).timestamp()
+    move = []  # SIGHUP: move the snapshot to --commit's current tip before the next row
+    signal.signal(signal.SIGHUP, lambda *_: move.append(True))
+    todo = _todo(scratch, snap, env)
+    while todo and time.time() < deadline:
+        if move:
+            move.clear()
+            commit = snapshot(snap, args.commit)
+            todo = _todo(scratch, snap, env)
+        entry = next((e for e in todo if _cap_for(e) is not None), None)
+        if entry is None:  # only 14 GB rows left, and the machine is busy
+            time.sleep(60)
+            continue
+        todo.remove(entry)
+        cap = _cap_for(entry)
+        _log(scratch, f"start {entry['case_id']} (est {entry['est_cpu_s']} s, {entry['est_gb']} GB; cap {cap:g} GB)")
+        result = scratch / "row.json"
+        result.unlink(missing_ok=True)
+        o = watch([PYTHON, __file__, "_row", entry["case_id"], entry["tier"], str(result)], env, snap, scratch / "child.log", cap,
+                  deadline)
+        common = {"tier": entry["tier"], "snapshot": commit[:7], "peak_gb": f"{o.peak_gb:.2f}", "cpu_s": f"{o.cpu_s:.0f}",
+                  "est_cpu_s": entry["est_cpu_s"], "est_gb": entry["est_gb"], "cap_gb": cap, "finished": _now()}
+        if o.rc == 0 and result.exists():
+            got = json.loads(result.read_text())
+            _append(scratch / "rows.csv", ("case_id", *CSV_FIELDS, *EXTRA_FIELDS),
+                    {"case_id": entry["case_id"], **got["row"], **common, "row_ok": got["row_ok"]})
+            _log(scratch, f"done {got['row']['result']} ok={got['row_ok']} cpu {o.cpu_s:.0f} s peak {o.peak_gb:.2f} GB")
+        else:
+            why = o.why or f"exit {o.rc}: " + (scratch / "child.log").read_text()[-300:].replace("\n", " | ")
+            _append(scratch / "stopped.csv", STOP_FIELDS, {"case_id": entry["case_id"], "why": why, **common})
+            _log(scratch, f"not recorded: {why} (cpu {o.cpu_s:.0f} s, peak {o.peak_gb:.2f} GB)")
+    return 0
+
+
+# -- merge (imports trnkit: this tree's) -----------------------------------------------------------------------------
+CSV_FIELDS = ("kernel", "case", "shapes", "lnc", "result", "max_abs_err", "allowed_err", "rtol", "atol", "seconds",
+              "message", "nkilib_commit")  # harness.CSV_FIELDS (checked in merge)
+
+
+def merge_rows(existing: list[dict], new: list[dict], order: list[tuple[str, str, str, str]]) -> list[dict]:
+    """``existing`` with ``new`` added, in the order of ``order`` (the case list's keys). Refuses a key twice among
+    ``new`` with different rows, a new row whose case already has another row, and a row of no listed case."""
+    key = lambda d: (d["kernel"], d["case"], str(d["lnc"]), d["shapes"])  # noqa: E731
+    rows = {key(d): d for d in existing}
+    if len(rows) != len(existing):
+        raise ValueError("conformance_runner merge: the CSV holds a case twice")
+    for d in new:
+        d = {f: d[f] for f in CSV_FIELDS}
+        old = rows.get(key(d))
+        if old is not None and old != d:
+            raise ValueError(f"conformance_runner merge: {key(d)} already has a row with another result "
+                             f"({old['result']}: {old['message'][:80]!r} vs {d['result']}: {d['message'][:80]!r})")
+        rows[key(d)] = d
+    place = {k: i for i, k in enumerate(order)}
+    missing = [k for k in rows if k not in place]
+    if missing:
+        raise ValueError(f"conformance_runner merge: {len(missing)} rows of no listed case, e.g. {missing[0]}")
+    return sorted(rows.values(), key=lambda d: place[key(d)])
+
+
+def merge(args: argparse.Namespace) -> int:
+    from trnkit.conformance import cases, harness
+
+    assert tuple(harness.CSV_FIELDS) == CSV_FIELDS, harness.CSV_FIELDS
+    target = REPO / "benchmarks/data/conformance.csv"
+    existing = _read(target)
+    new = _read(Path(args.scratch) / "rows.csv")
+    order = [_case_key(c) for c in cases.all_cases(harness.nkilib_root(None))]
+    rows = merge_rows(existing, new, order)
+    with open(target, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    print(f"{target}: {len(existing)} -> {len(rows)} rows ({len(new)} scratch rows)")
+    bad = [r["case_id"] for r in new if r["row_ok"] != "True"]
+    if bad:
+        print(f"rows the run does not accept (findings: investigate): {bad}")
+    subprocess.run([PYTHON, str(REPO / "scripts/docs_tables.py")], cwd=REPO, check=True,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    return 1 if bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run unrecorded rows from a snapshot worktree")
+    r.add_argument("--snapshot", default=str(REPO.parent / f"{REPO.name}-snap"), help="worktree path")
+    r.add_argument("--commit", default="main", help="the snapshot's commit (moved there if it exists)")
+    r.add_argument("--until", default="23:59", help="UTC HH:MM: the running row is killed and no row starts after")
+    r.add_argument("--scratch", default=str(SCRATCH))
+    r.add_argument("--nkilib", default=os.environ.get("NKILIB_SRC", ""), help="nki-library checkout ($NKILIB_SRC)")
+    g = sub.add_parser("merge", help="merge the scratch rows into benchmarks/data/conformance.csv")
+    g.add_argument("--scratch", default=str(SCRATCH))
+    sub.add_parser("_plan").add_argument("csv")
+    c = sub.add_parser("_row")
+    c.add_argument("case_id")
+    c.add_argument("tier")
+    c.add_argument("out")
+    args = p.parse_args(argv)
+    if args.cmd == "_plan":
+        return child_plan(args.csv) or 0
+    if args.cmd == "_row":
+        return child_row(args.case_id, args.tier, args.out) or 0
+    return {"run": run, "merge": merge}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
