@@ -1,18 +1,11 @@
 """Run the conformance rows not yet recorded (model-config and reduced tiers), one child process a row.
 
-    python scripts/conformance_runner.py run --snapshot /work/wt/confrun-snap --until 10:25
+    python scripts/conformance_runner.py run --until 10:25   # UTC; from a snapshot worktree <tree>-snap
     python scripts/conformance_runner.py merge        # scratch rows -> benchmarks/data/conformance.csv + docs tables
 
-``run`` puts a git worktree at a fixed commit (``--commit``, default main) at ``--snapshot`` and runs every
-row from it, so that landings on main do not change the code under a running row; each row's scratch record
-names that commit. Rows run cheapest first by :func:`trnkit.conformance.reduce.estimate_cpu_s`, each in a child
-at nice 5 whose anonymous resident memory (``RssAnon``) is watched: past its cap (8 GB; 14 GB for a row
-estimated 8-14 GB, started only while the load average is under 6 and MemAvailable over 16 GB) the child is
-killed and the row is listed as stopped, not recorded; any child is killed when MemAvailable falls under 5 GB (the
-machine is shared and has no swap), and paused (SIGSTOP) while the load average stays over 8. Finished rows go to
-``<scratch>/rows.csv``; ``merge`` adds them to the tracked CSV (one row per case, in the case list's order; a
-case already there with another result is refused) and regenerates the docs tables. The parent uses the standard
-library only; the case list, the estimates and the rows come from the snapshot's trnkit in child processes.
+What it does, and the caps it keeps to on the shared machine: docs/interpreter.md, "Conformance with AWS
+nki-library" (the paragraph after the commands). The parent uses the standard library only; the case list, the
+estimates and the rows come from the snapshot's trnkit, in child processes (``_plan``, ``_row``).
 """
 
 from __future__ import annotations
@@ -197,14 +190,18 @@ def watch(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, cap_gb: flo
         time.sleep(1.0)
 
 
-def _cap_for(entry: dict) -> float | None:
-    """The memory cap a row starts under now, or None: not now (a 14 GB row on a busy machine) or never (est > 14)."""
-    if entry["est_gb"] <= CAP_GB:
+def cap_for(est_gb: float, load: float, available_gb: float) -> float | None:
+    """The memory cap (GB) a row estimated at ``est_gb`` starts under on a machine at this load average and
+    MemAvailable, or None: not now (an 8-14 GB row on a busy machine) or never (estimated over 14 GB)."""
+    if est_gb <= CAP_GB:
         return CAP_GB
-    if entry["est_gb"] <= BIG_CAP_GB and os.getloadavg()[0] < BIG_MAX_LOAD \
-            and _meminfo_gb("MemAvailable") > BIG_MIN_AVAILABLE_GB:
+    if est_gb <= BIG_CAP_GB and load < BIG_MAX_LOAD and available_gb > BIG_MIN_AVAILABLE_GB:
         return BIG_CAP_GB
     return None
+
+
+def _cap_now(entry: dict) -> float | None:
+    return cap_for(entry["est_gb"], os.getloadavg()[0], _meminfo_gb("MemAvailable"))
 
 
 def _todo(scratch: Path, snap: Path, env: dict[str, str]) -> list[dict]:
@@ -238,19 +235,20 @@ def run(args: argparse.Namespace) -> int:
             move.clear()
             commit = snapshot(snap, args.commit)
             todo = _todo(scratch, snap, env)
-        entry = next((e for e in todo if _cap_for(e) is not None), None)
+        entry = next((e for e in todo if _cap_now(e) is not None), None)
         if entry is None:  # only 14 GB rows left, and the machine is busy
             time.sleep(60)
             continue
         todo.remove(entry)
-        cap = _cap_for(entry)
+        cap = _cap_now(entry)
         _log(scratch, f"start {entry['case_id']} (est {entry['est_cpu_s']} s, {entry['est_gb']} GB; cap {cap:g} GB)")
         result = scratch / "row.json"
         result.unlink(missing_ok=True)
-        o = watch([PYTHON, __file__, "_row", entry["case_id"], entry["tier"], str(result)], env, snap, scratch / "child.log", cap,
-                  deadline)
-        common = {"tier": entry["tier"], "snapshot": commit[:7], "peak_gb": f"{o.peak_gb:.2f}", "cpu_s": f"{o.cpu_s:.0f}",
-                  "est_cpu_s": entry["est_cpu_s"], "est_gb": entry["est_gb"], "cap_gb": cap, "finished": _now()}
+        o = watch([PYTHON, __file__, "_row", entry["case_id"], entry["tier"], str(result)], env, snap,
+                  scratch / "child.log", cap, deadline)
+        common = {"tier": entry["tier"], "snapshot": commit[:7], "peak_gb": f"{o.peak_gb:.2f}",
+                  "cpu_s": f"{o.cpu_s:.0f}", "est_cpu_s": entry["est_cpu_s"], "est_gb": entry["est_gb"],
+                  "cap_gb": cap, "finished": _now()}
         if o.rc == 0 and result.exists():
             got = json.loads(result.read_text())
             _append(scratch / "rows.csv", ("case_id", *CSV_FIELDS, *EXTRA_FIELDS),

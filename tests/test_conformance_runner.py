@@ -1,0 +1,84 @@
+"""scripts/conformance_runner.py: the memory watch kills a child past its cap, the caps follow the machine's
+state, reduced shapes read as their reduced values, and the merge keeps one row per case in the case list's order."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trnkit.bench.paths import load_script
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = load_script(ROOT / "scripts" / "conformance_runner.py", "conformance_runner")
+
+
+def _row(kernel: str, case: str, result: str = "PASS", message: str = "") -> dict[str, str]:
+    return {"kernel": kernel, "case": case, "shapes": "B=1", "lnc": "2", "result": result, "max_abs_err": "0",
+            "allowed_err": "0.1", "rtol": "0.01", "atol": "0.01", "seconds": "1.00", "message": message,
+            "nkilib_commit": "d2ad3a5"}
+
+
+ORDER = [("k", c, "2", "B=1") for c in ("a", "b", "c", "d")]
+
+
+def test_merge_places_new_rows_in_case_order():
+    merged = runner.merge_rows([_row("k", "a"), _row("k", "d")], [_row("k", "c"), _row("k", "b")], ORDER)
+    assert [r["case"] for r in merged] == ["a", "b", "c", "d"]
+
+
+def test_merge_drops_scratch_columns_and_accepts_an_identical_row_again():
+    again = {**_row("k", "a"), "case_id": "k|a|lnc2|B=1", "peak_gb": "0.2"}
+    merged = runner.merge_rows([_row("k", "a")], [again], ORDER)
+    assert merged == [_row("k", "a")]
+
+
+def test_merge_refuses_a_second_result_for_a_case():
+    with pytest.raises(ValueError, match=r"already has a row with another result \(PASS.*vs ERROR"):
+        runner.merge_rows([_row("k", "a")], [_row("k", "a", "ERROR", "boom")], ORDER)
+    with pytest.raises(ValueError, match="another result"):  # twice among the scratch rows, differently
+        runner.merge_rows([], [_row("k", "b"), _row("k", "b", "MISMATCH")], ORDER)
+
+
+def test_merge_refuses_rows_of_no_listed_case_and_duplicates_in_the_file():
+    with pytest.raises(ValueError, match="1 rows of no listed case, e.g. \\('k', 'z'"):
+        runner.merge_rows([], [_row("k", "z")], ORDER)
+    with pytest.raises(ValueError, match="holds a case twice"):
+        runner.merge_rows([_row("k", "a"), _row("k", "a")], [], ORDER)
+
+
+def test_reduced_shapes_read_as_reduced_values():
+    assert runner._reduced_values("B=512->256 q_heads=8/rank S_ctx=131072->49152/131072->49152 S=1") == \
+        "B=256 q_heads=8/rank S_ctx=49152/49152 S=1"
+
+
+@pytest.mark.parametrize("est, load, avail, cap", [
+    (0.3, 12.0, 2.0, 8.0),  # within 8 GB: always, at 8
+    (8.0, 12.0, 2.0, 8.0),
+    (9.5, 5.9, 16.1, 14.0),  # 8-14 GB on an idle machine: at 14
+    (9.5, 6.0, 20.0, None),  # ... not while the load average is 6 or more
+    (9.5, 1.0, 16.0, None),  # ... nor with 16 GB available or less
+    (14.1, 0.0, 24.0, None),  # over 14 GB: never
+])
+def test_cap_follows_the_estimate_and_the_machine(est, load, avail, cap):
+    assert runner.cap_for(est, load, avail) == cap
+
+
+def test_watch_kills_a_child_past_its_memory_cap(tmp_path):
+    hog = "import numpy as np, time; a = np.ones(75_000_000); time.sleep(60)"  # 0.6 GB of anonymous memory
+    t0 = time.time()
+    o = runner.watch([sys.executable, "-c", hog], {}, tmp_path, tmp_path / "log", cap_gb=0.3,
+                     deadline=time.time() + 120)
+    assert o.rc is None and o.why == "stopped at 0.3 GB"
+    assert 0.3 < o.peak_gb < 0.7 and time.time() - t0 < 30
+
+
+def test_watch_reports_exit_status_cpu_and_peak(tmp_path):
+    work = "import numpy as np; a = np.ones(25_000_000); s = sum(range(3_000_000)); raise SystemExit(3)"
+    o = runner.watch([sys.executable, "-c", work], {}, tmp_path, tmp_path / "log", cap_gb=8.0,
+                     deadline=time.time() + 120)
+    assert o.rc == 3 and o.why == ""
+    assert o.cpu_s > 0.05
+    assert o.peak_gb < 0.25  # the 0.2 GB array, seen only if a poll fell while it lived
