@@ -1369,6 +1369,46 @@ def test_compare_skips_equal_bit_patterns_with_the_same_result(monkeypatch, dtyp
     assert harness.compare(mixed.astype(ml_dtypes.bfloat16), mixed, 0.0, 0.0) == (True, 0.0, 0.0)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3, ml_dtypes.float8_e4m3fn,
+                                   ml_dtypes.float8_e5m2, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2fnuz])
+def test_bit_pattern_reads_of_small_floats_match_their_values(dtype):
+    """_float_bits() of a 1- / 2-byte float, on every bit pattern: "finite magnitude" orders like |x| over the finite
+    values (0 for zero and the non-finite ones) and "is NaN" is np.isnan of the float64 value, whether read from bit
+    operations (sign + magnitude layouts: bf16, fp16, e4m3, e4m3fn, e5m2) or from tables (the fnuz formats, whose
+    pattern 0x80 is NaN)."""
+    dtype = np.dtype(dtype)
+    u, magnitude, is_nan = harness._float_bits(dtype)
+    bits = np.arange(1 << (8 * dtype.itemsize), dtype=np.uint64).astype(u)
+    with np.errstate(invalid="ignore"):
+        values = bits.view(dtype).astype(np.float64)
+    mags = np.where(np.isfinite(values), np.abs(values), 0.0)
+    rank = np.searchsorted(np.unique(mags), mags)
+    assert np.array_equal(magnitude(bits), rank)
+    assert np.array_equal(is_nan(bits), np.isnan(values))
+    fnuz = "fnuz" in dtype.name
+    assert (getattr(magnitude, "__name__", "") == "magnitude") != fnuz  # (which way it read them)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.float8_e4m3, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+                                   ml_dtypes.float8_e4m3fnuz, ml_dtypes.bfloat16, np.float32, np.uint8])
+def test_widened_is_astype_bit_for_bit(dtype):
+    """widened() (an fp8 array through a table of its 256 values) gives astype's values bit for bit, NaN payloads
+    included, into a new array or ``out``, and a strided view comes back in astype's layout."""
+    dtype = np.dtype(dtype)
+    bits = np.arange(256 if dtype.itemsize == 1 else 1 << 16, dtype=np.uint64).astype(f"u{dtype.itemsize}")
+    a = bits[:(bits.size // 16) * 16].view(dtype).reshape(16, -1) if dtype.kind != "f" or dtype.itemsize < 4 \
+        else np.random.default_rng(0).normal(size=(16, 16)).astype(dtype)
+    for to in (np.float32, np.float64, np.float16, ml_dtypes.bfloat16):
+        with np.errstate(all="ignore"):
+            want = a.astype(to)
+            out = np.empty(a.shape, to)
+            assert harness.widened(a, to).tobytes() == want.tobytes()
+            assert harness.widened(a, to, out=out) is out and out.tobytes() == want.tobytes()
+            view = a[:, ::3]
+            got, want_view = harness.widened(view, to), view.astype(to)
+        assert got.tobytes() == want_view.tobytes() and got.strides == want_view.strides
+
+
 def test_within_share_is_the_chunked_float64_sums(monkeypatch):
     """within_share() widens each chunk into reused float64 buffers and counts equal bit patterns as inside: the same
     share and cosine, bit for bit, as the chunks widened into new arrays (its dot products are summed per chunk, so

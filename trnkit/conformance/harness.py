@@ -543,10 +543,39 @@ def _float_bits(dtype: np.dtype) -> tuple[np.dtype, Callable[[np.ndarray], np.nd
         order = np.unique(mags)  # (sorted)
         rank = np.searchsorted(order, mags).astype(u)  # |x| order, 0 for zero and non-finite
         nan = np.isnan(values)
-        info = (u, rank.__getitem__, nan.__getitem__)
+        info = (u, *(_sign_magnitude_reads(u, rank, nan) or (rank.__getitem__, nan.__getitem__)))
         _FLOAT_VALUES[dtype] = order
     _FLOAT_BITS[dtype] = info
     return info
+
+
+def _sign_magnitude_reads(u: np.dtype, rank: np.ndarray, nan: np.ndarray
+                          ) -> tuple[Callable[[np.ndarray], np.ndarray], Callable[[np.ndarray], np.ndarray]] | None:
+    """``(finite magnitude, is NaN)`` of a 1- or 2-byte float computed from its bits, returning what the lookup
+    tables ``rank`` and ``nan`` (indexed by bit pattern) return, for a format laid out as sign bit + magnitude
+    bits: the magnitude bits below a first non-finite pattern ``T`` rank as themselves, from ``T`` up they are
+    non-finite (rank 0), and the NaNs are the magnitude bits from some ``N`` up (bf16: T = 0x7F80, N = 0x7F81;
+    float8_e4m3fn: T = N = 0x7F). Checked on every bit pattern; None for a format that differs anywhere (e.g.
+    float8_e4m3fnuz, whose 0x80 is NaN): the tables are then read. Bit operations read 4 M bf16 elements in ~5 ms
+    where the table lookups (an index conversion and a gather) take ~30 ms."""
+    absmask = u.type((1 << (8 * u.itemsize - 1)) - 1)
+    m = np.arange(rank.size, dtype=u) & absmask
+    nonfinite = np.flatnonzero((rank == 0) & (m > 0))
+    t = u.type(nonfinite[0] if nonfinite.size else int(absmask) + 1)
+    nans = np.flatnonzero(nan)
+    n = u.type(nans[0] & absmask if nans.size else int(absmask) + 1)
+    if not (np.array_equal(rank, np.where(m < t, m, 0)) and np.array_equal(nan, m >= n)):
+        return None
+
+    def magnitude(b: np.ndarray) -> np.ndarray:
+        mag = b & absmask
+        mag[mag >= t] = 0  # inf / NaN
+        return mag
+
+    def is_nan(b: np.ndarray) -> np.ndarray:
+        return (b & absmask) >= n
+
+    return magnitude, is_nan
 
 
 def _zero_first(dtype: np.dtype) -> bool:
@@ -627,7 +656,7 @@ def compare(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float
         if sel is not None and sel.size and not sel.all():
             ok &= 0.0 <= allowed  # (the equal elements' difference: 0)
             ac, ec = ac[sel], ec[sel]
-        ok_c, worst_c, nan_c = _compare_chunk(ac.astype(np.float64), ec.astype(np.float64), allowed)
+        ok_c, worst_c, nan_c = _compare_chunk(widened(ac, np.float64), widened(ec, np.float64), allowed)
         ok &= ok_c
         any_nan |= nan_c
         worst = max(worst, worst_c)
@@ -697,11 +726,43 @@ def _copy(a: np.ndarray, dtype: Any = None) -> np.ndarray:
     :data:`COMPARE_CHUNK` elements at a time."""
     dtype = a.dtype if dtype is None else np.dtype(dtype)
     if a.size * max(a.dtype.itemsize, dtype.itemsize) < LARGE_ARRAY_BYTES and not _file_backed(a):
-        return a.astype(dtype)  # (astype copies)
+        return widened(a, dtype)  # (a copy)
     out = disk_array(a.shape, dtype)
     src, dst = a.reshape(-1), out.reshape(-1)
     for i in range(0, a.size, COMPARE_CHUNK):
-        dst[i:i + COMPARE_CHUNK] = src[i:i + COMPARE_CHUNK]
+        widened(src[i:i + COMPARE_CHUNK], dtype, out=dst[i:i + COMPARE_CHUNK])
+    return out
+
+
+def _widening_table(src: np.dtype, dst: np.dtype) -> np.ndarray | None:
+    """The value of each of the 256 bit patterns of a 1-byte float ``src`` in float ``dst`` (``dst``'s own cast of
+    each, as ``astype`` gives it), or None when ``src`` is not a 1-byte float or ``dst`` not a float."""
+    key = (src, dst)
+    if key not in _WIDENING:
+        one_byte_float = src.itemsize == 1 and (src.kind == "f" or "float" in src.name)
+        with np.errstate(invalid="ignore"):
+            _WIDENING[key] = np.arange(256, dtype=np.uint8).view(src).astype(dst) \
+                if one_byte_float and dst.kind == "f" else None
+    return _WIDENING[key]
+
+
+_WIDENING: dict[tuple[np.dtype, np.dtype], np.ndarray | None] = {}
+
+
+def widened(a: np.ndarray, dtype: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """``a.astype(dtype)`` (into ``out`` when given, as ``np.copyto(out, a, casting="unsafe")``), the same values
+    bit for bit; a 1-byte float (fp8) goes through a table of its 256 values, a gather ~3x faster than ml_dtypes'
+    element-wise cast to float32 and ~6x to float64 (an fp8 KV cache's hundreds of millions of elements)."""
+    dtype = np.dtype(dtype)
+    table = _widening_table(a.dtype, dtype)
+    if table is None or a.ndim == 0 or (out is None and not a.flags.c_contiguous):  # (astype keeps a's layout)
+        if out is None:
+            return a.astype(dtype)
+        np.copyto(out, a, casting="unsafe")
+        return out
+    if out is None:
+        return table[a.view(np.uint8)]
+    out[...] = table[a.view(np.uint8)]
     return out
 
 
@@ -725,8 +786,8 @@ def within_share(actual: np.ndarray, expected: np.ndarray, allowed: float) -> tu
     for i in range(0, e.size, COMPARE_CHUNK):
         k = min(COMPARE_CHUNK, e.size - i)
         ac, ec = buf_a[:k], buf_e[:k]
-        np.copyto(ac, a[i:i + k], casting="unsafe")
-        np.copyto(ec, e[i:i + k], casting="unsafe")
+        widened(a[i:i + k], np.float64, out=ac)
+        widened(e[i:i + k], np.float64, out=ec)
         sel = _differing(a[i:i + k], e[i:i + k]) if same else None
         with np.errstate(invalid="ignore"):
             if sel is not None and not sel.all():
