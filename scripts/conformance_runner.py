@@ -152,42 +152,52 @@ class Outcome:
 
 
 def watch(cmd: list[str], env: dict[str, str], cwd: Path, log: Path, cap_gb: float, deadline: float) -> Outcome:
-    """Run ``cmd`` at nice :data:`NICE`, polling its memory and the machine's each second (see the module doc)."""
+    """Run ``cmd`` at nice :data:`NICE`, polling its memory and the machine's each second (see the module doc); the
+    child is killed if the runner itself stops (SIGTERM, an exception)."""
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, NICE))
     peak, why, paused, loaded_since = 0.0, "", False, None
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            rc = None if why else os.waitstatus_to_exitcode(status)
-            return Outcome(rc, why, peak, usage.ru_utime + usage.ru_stime)
-        peak = max(peak, _rss_anon_gb(proc.pid))
-        if not why:
-            if peak > cap_gb:
-                why = f"stopped at {cap_gb:g} GB"
-            elif _meminfo_gb("MemAvailable") < KILL_AVAILABLE_GB:
-                why = f"MemAvailable under {KILL_AVAILABLE_GB:g} GB"
-            elif time.time() > deadline:
-                why = "the runner's --until"
-            if why:
-                if paused:
-                    os.kill(proc.pid, signal.SIGCONT)
-                os.kill(proc.pid, signal.SIGKILL)
-        load = os.getloadavg()[0]
-        if not why and not paused and load > PAUSE_LOAD:
-            loaded_since = loaded_since or time.time()
-            if time.time() - loaded_since > PAUSE_AFTER_S:
-                os.kill(proc.pid, signal.SIGSTOP)
-                paused = True
-                print(f"{_now()} paused (load {load:.1f})", flush=True)
-        elif paused and load < RESUME_LOAD:
-            os.kill(proc.pid, signal.SIGCONT)
-            paused, loaded_since = False, None
-            print(f"{_now()} resumed (load {load:.1f})", flush=True)
-        elif load <= PAUSE_LOAD:
-            loaded_since = None
-        time.sleep(1.0)
+    try:
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                rc = None if why else os.waitstatus_to_exitcode(status)
+                return Outcome(rc, why, peak, usage.ru_utime + usage.ru_stime)
+            peak = max(peak, _rss_anon_gb(proc.pid))
+            if not why:
+                why = _why_kill(peak, cap_gb, deadline)
+                if why:
+                    os.kill(proc.pid, signal.SIGKILL)
+            load = os.getloadavg()[0]
+            if not why and not paused and load > PAUSE_LOAD:
+                loaded_since = loaded_since or time.time()
+                if time.time() - loaded_since > PAUSE_AFTER_S:
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    paused = True
+                    print(f"{_now()} paused (load {load:.1f})", flush=True)
+            elif paused and load < RESUME_LOAD:
+                os.kill(proc.pid, signal.SIGCONT)
+                paused, loaded_since = False, None
+                print(f"{_now()} resumed (load {load:.1f})", flush=True)
+            elif load <= PAUSE_LOAD:
+                loaded_since = None
+            time.sleep(1.0)
+    finally:
+        if not why and proc.poll() is None:  # the runner is stopping: take the child with it
+            proc.kill()
+            proc.wait()
+
+
+def _why_kill(peak_gb: float, cap_gb: float, deadline: float) -> str:
+    """Why a child at this peak must be killed now ("" when it may go on); SIGKILL ends a stopped child too."""
+    if peak_gb > cap_gb:
+        return f"stopped at {cap_gb:g} GB"
+    if _meminfo_gb("MemAvailable") < KILL_AVAILABLE_GB:
+        return f"MemAvailable under {KILL_AVAILABLE_GB:g} GB"
+    if time.time() > deadline:
+        return "the runner's --until"
+    return ""
 
 
 def cap_for(est_gb: float, load: float, available_gb: float) -> float | None:
@@ -229,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     deadline = datetime.now(timezone.utc).replace(hour=h, minute=m, second=0).timestamp()
     move = []  # SIGHUP: move the snapshot to --commit's current tip before the next row
     signal.signal(signal.SIGHUP, lambda *_: move.append(True))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # watch() then kills the running child
     todo = _todo(scratch, snap, env)
     while todo and time.time() < deadline:
         if move:

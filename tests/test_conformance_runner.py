@@ -82,3 +82,9 @@ def test_watch_reports_exit_status_cpu_and_peak(tmp_path):
     assert o.rc == 3 and o.why == ""
     assert o.cpu_s > 0.05
     assert o.peak_gb < 0.25  # the 0.2 GB array, seen only if a poll fell while it lived
+
+
+def test_watch_kills_a_child_at_the_deadline(tmp_path):
+    o = runner.watch([sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path, tmp_path / "log",
+                     cap_gb=8.0, deadline=time.time() + 1)
+    assert o.rc is None and o.why == "the runner's --until"
