@@ -1409,6 +1409,31 @@ def test_widened_is_astype_bit_for_bit(dtype):
         assert got.tobytes() == want_view.tobytes() and got.strides == want_view.strides
 
 
+def test_within_share_sums_on_one_blas_thread_whatever_the_process_uses():
+    """within_share()'s cosine is the chunks' float64 dot products on one BLAS thread, also when the process's BLAS
+    has two (a chunk over OpenBLAS' 10,000-element threshold, which it would split between its threads), and the
+    process's thread count is restored after."""
+    from trnkit.nkisim import blas
+
+    before = blas.get_num_threads()
+    if before is None:
+        pytest.skip("numpy is not linked against its bundled OpenBLAS here")
+    rng = np.random.default_rng(3)
+    e = rng.normal(size=300_000).astype(np.float32)
+    a = (e + rng.normal(size=e.size).astype(np.float32) * 1e-3).astype(np.float32)
+    try:
+        blas.set_num_threads(1)
+        a64, e64 = a.astype(np.float64), e.astype(np.float64)
+        want = float(a64 @ e64) / (np.sqrt(float(a64 @ a64) * float(e64 @ e64)) + 1e-12)
+        blas.set_num_threads(2)
+        share, cosine = harness.within_share(a, e, 1e-3)
+        assert cosine == want
+        assert share == np.count_nonzero(np.abs(a64 - e64) <= 1e-3) / e.size
+        assert blas.get_num_threads() == 2
+    finally:
+        blas.set_num_threads(before)
+
+
 def test_within_share_is_the_chunked_float64_sums(monkeypatch):
     """within_share() widens each chunk into reused float64 buffers and counts equal bit patterns as inside: the same
     share and cosine, bit for bit, as the chunks widened into new arrays (its dot products are summed per chunk, so

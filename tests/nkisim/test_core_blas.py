@@ -54,3 +54,19 @@ def test_kernel_launch_runs_single_threaded_and_restores(monkeypatch):
         assert seen[-1] == 2
     finally:
         blas.set_num_threads(before)
+
+
+def test_threads_runs_the_body_on_n_threads_and_restores():
+    before = blas.get_num_threads()
+    if before is None:
+        pytest.skip("numpy is not linked against its bundled OpenBLAS here")
+    try:
+        blas.set_num_threads(2)
+        with blas.threads(1):
+            assert blas.get_num_threads() == 1
+        assert blas.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="inside"), blas.threads(1):
+            raise RuntimeError("inside")
+        assert blas.get_num_threads() == 2  # restored after an exception too
+    finally:
+        blas.set_num_threads(before)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-__all__ = ["set_num_threads", "get_num_threads", "launch_threads", "LAUNCH_THREADS"]
+__all__ = ["set_num_threads", "get_num_threads", "launch_threads", "threads", "LAUNCH_THREADS"]
 
 _SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
             "openblas_set_num_threads64_", "openblas_set_num_threads")
@@ -91,6 +91,21 @@ def get_num_threads() -> int | None:
     """numpy's current BLAS thread count (None if unknown)."""
     fn = _function(_GETTERS, False)
     return None if fn is None else int(fn())
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """Run the body with numpy's BLAS on ``n`` threads and restore the previous count after (one caller at a
+    time: concurrent kernel launches share :func:`launch_threads` instead)."""
+    before = get_num_threads()
+    if before is None or before == n:
+        yield
+        return
+    set_num_threads(n)
+    try:
+        yield
+    finally:
+        set_num_threads(before)
 
 
 _lock = threading.Lock()
