@@ -150,14 +150,34 @@ def blockwise_moe() -> str:
     return _table(header, rows)
 
 
+def _attention_pairs() -> list[tuple[dict[str, str], dict[str, str]]]:
+    """attention_peak.csv's (trnkit row, nki-library row of the same pass and shape) pairs, in CSV order
+    (trnkit's "forward, fixed shift" pairs with nki-library's "forward")."""
+    by = {(r["kernel"], r["mode"], r["S"], r["Hq"], r["Hk"], r["lnc"]): r for r in read_csv("attention_peak.csv")}
+    pairs = []
+    for (kernel, mode, S, Hq, Hk, lnc), tk in by.items():
+        aws = by.get(("nki-library", mode.split(",")[0], S, Hq, Hk, lnc))
+        if kernel == "trnkit" and aws is not None:
+            pairs.append((tk, aws))
+    return pairs
+
+
+def _attention_ratio_range(mode: str, column: str) -> tuple[Callable[[], str], Callable[[], str]]:
+    """The smallest and largest trnkit / nki-library ``column`` ratio (est_us_mid, est_us_high) over the
+    attention_peak.csv shapes of trnkit's pass ``mode``."""
+    def ratios() -> list[float]:
+        found = [float(tk[column]) / float(aws[column]) for tk, aws in _attention_pairs() if tk["mode"] == mode]
+        if not found:
+            raise LookupError(f"attention_peak.csv: no trnkit {mode!r} row with an nki-library partner")
+        return found
+    return (lambda: f"{min(ratios()):.2f}"), (lambda: f"{max(ratios()):.2f}")
+
+
 def attention_peak() -> str:
     """benchmarks/attention_peak.py: trnkit's flash attention vs nki-library's attention_cte / attention_bwd."""
-    by = {(r["kernel"], r["mode"], r["S"], r["Hq"], r["Hk"], r["lnc"]): r for r in read_csv("attention_peak.csv")}
     rows = []
-    for (kernel, mode, S, Hq, Hk, lnc), tk in by.items():
-        aws = by.get(("nki-library", mode.split(",")[0], S, Hq, Hk, lnc))  # ("forward, fixed shift": forward)
-        if kernel != "trnkit" or aws is None:
-            continue
+    for tk, aws in _attention_pairs():
+        S, Hq, Hk, lnc, mode = tk["S"], tk["Hq"], tk["Hk"], tk["lnc"], tk["mode"]
         cells = []
         for r in (tk, aws):
             cells += [f"{float(r['est_us_mid']):,.1f} us "
@@ -1147,6 +1167,18 @@ QUOTES = (
               _bench_frac("rmsnorm", "forward", "q-norm flavor (LNC=2)", "4B"),
               _bench_frac("rmsnorm", "backward", "q-norm flavor (LNC=2)", "0.6B"),
               _bench_frac("rmsnorm", "backward", "q-norm flavor (LNC=2)", "4B"))),
+    Quote("docs/benchmarks.md", "attention forward {}×–{}× / {}×–{}× ({}×–{}× / {}×–{}× with the opt-in fixed "
+          "shift), backward {}×–{}× / {}×–{}×", "attention_peak.csv trnkit / nki-library time, every shape",
+          tuple(f for mode in ("forward", "forward, fixed shift", "backward")
+                for column in ("est_us_mid", "est_us_high") for f in _attention_ratio_range(mode, column))),
+    Quote("docs/benchmarks.md", "the forward with the opt-in fixed shift (LNC=1 {} us against the 621 us of 70%, "
+          "LNC=2 {} us against 310.7 us)", "attention_peak.csv trnkit forward, fixed shift, S=4096, 8 / 2 heads",
+          tuple(csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
+                                                              "S": "4096", "Hq": "8", "Hk": "2", "lnc": lnc})
+                for lnc in ("1", "2"))),
+    Quote("docs/benchmarks.md", "the q head norm alone at 0.6B ({} us at the pessimistic end against 33.4 us for 70%",
+          "bench.csv rmsnorm q-norm flavor (LNC=2) 0.6B forward est_time p80",
+          csv_cell("bench.csv", "p80", _bench("rmsnorm", "forward", "est_time", "q-norm flavor (LNC=2)", "0.6B"))),
     Quote("docs/benchmarks.md", "T=2048, LNC=2: fwd {} (mid {}), bwd {} (mid {})",
           "bench.csv cross_entropy T (LNC=2)=2048 fraction_of_roofline", (
               _bench_frac("cross_entropy", "forward", "T (LNC=2)", "2048"),
