@@ -162,15 +162,30 @@ def _attention_pairs() -> list[tuple[dict[str, str], dict[str, str]]]:
     return pairs
 
 
-def _attention_ratio_range(mode: str, column: str) -> tuple[Callable[[], str], Callable[[], str]]:
-    """The smallest and largest trnkit / nki-library ``column`` ratio (est_us_mid, est_us_high) over the
-    attention_peak.csv shapes of trnkit's pass ``mode``."""
+def _peak_pairs(name: str, shape: tuple[str, ...], theirs: tuple[str, ...]) -> list[tuple[dict, dict]]:
+    """(trnkit row, nki-library row) pairs of a side-by-side CSV: the same ``shape`` columns, a kernel of
+    ``theirs``, neither refused (``error`` empty)."""
+    by = {(r["kernel"], *(r[c] for c in shape)): r for r in read_csv(name) if not r.get("error")}
+    return [(tk, by[(k, *key[1:])]) for key, tk in by.items() if key[0] == "trnkit"
+            for k in theirs if (k, *key[1:]) in by]
+
+
+def _ratio_range(label: str, pairs: Callable[[], list[tuple[dict, dict]]], column: str
+                 ) -> tuple[Callable[[], str], Callable[[], str]]:
+    """The smallest and largest trnkit / nki-library ``column`` ratio (e.g. est_us_mid, est_us_high) over
+    ``pairs()``; ``label`` names them in the error when there are none."""
     def ratios() -> list[float]:
-        found = [float(tk[column]) / float(aws[column]) for tk, aws in _attention_pairs() if tk["mode"] == mode]
+        found = [float(tk[column]) / float(aws[column]) for tk, aws in pairs()]
         if not found:
-            raise LookupError(f"attention_peak.csv: no trnkit {mode!r} row with an nki-library partner")
+            raise LookupError(f"{label}: no trnkit row with an nki-library partner")
         return found
     return (lambda: f"{min(ratios()):.2f}"), (lambda: f"{max(ratios()):.2f}")
+
+
+def _attention_ratio_range(mode: str, column: str) -> tuple[Callable[[], str], Callable[[], str]]:
+    """:func:`_ratio_range` over the attention_peak.csv shapes of trnkit's pass ``mode``."""
+    return _ratio_range(f"attention_peak.csv {mode}",
+                        lambda: [(tk, aws) for tk, aws in _attention_pairs() if tk["mode"] == mode], column)
 
 
 def attention_peak() -> str:
@@ -1171,6 +1186,15 @@ QUOTES = (
           "shift), backward {}×–{}× / {}×–{}×", "attention_peak.csv trnkit / nki-library time, every shape",
           tuple(f for mode in ("forward", "forward, fixed shift", "backward")
                 for column in ("est_us_mid", "est_us_high") for f in _attention_ratio_range(mode, column))),
+    Quote("docs/benchmarks.md", "dense MLP {}×–{}× / {}×–{}× (mlp_cte;", "mlp_peak.csv trnkit / mlp_cte time",
+          tuple(f for column in ("est_us_mid", "est_us_high") for f in _ratio_range(
+              "mlp_peak.csv", lambda: _peak_pairs("mlp_peak.csv", ("case", "T", "H", "I"), ("nki-library",)), column))),
+    Quote("docs/benchmarks.md", "RMSNorm forward {}×–{}× / {}×–{}× (rmsnorm_tkg, rmsnorm_quant;",
+          "rmsnorm_peak.csv trnkit / rmsnorm_tkg and rmsnorm_quant time",
+          tuple(f for column in ("est_us_mid", "est_us_high") for f in _ratio_range(
+              "rmsnorm_peak.csv", lambda: _peak_pairs("rmsnorm_peak.csv", ("case", "B", "S", "H"),
+                                                      ("nki-library rmsnorm_tkg", "nki-library rmsnorm_quant")),
+              column))),
     Quote("docs/benchmarks.md", "the forward with the opt-in fixed shift (LNC=1 {} us against the 621 us of 70%, "
           "LNC=2 {} us against 310.7 us)", "attention_peak.csv trnkit forward, fixed shift, S=4096, 8 / 2 heads",
           tuple(csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
