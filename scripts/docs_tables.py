@@ -170,16 +170,22 @@ def _peak_pairs(name: str, shape: tuple[str, ...], theirs: tuple[str, ...]) -> l
             for k in theirs if (k, *key[1:]) in by]
 
 
+def _min_max(label: str, values: Callable[[], list[float]]) -> tuple[Callable[[], str], Callable[[], str]]:
+    """The smallest and largest of ``values()`` (two decimals); ``label`` names them in the error when there are
+    none."""
+    def found() -> list[float]:
+        got = values()
+        if not got:
+            raise LookupError(f"{label}: no trnkit row with an nki-library partner")
+        return got
+    return (lambda: f"{min(found()):.2f}"), (lambda: f"{max(found()):.2f}")
+
+
 def _ratio_range(label: str, pairs: Callable[[], list[tuple[dict, dict]]], column: str
                  ) -> tuple[Callable[[], str], Callable[[], str]]:
     """The smallest and largest trnkit / nki-library ``column`` ratio (e.g. est_us_mid, est_us_high) over
-    ``pairs()``; ``label`` names them in the error when there are none."""
-    def ratios() -> list[float]:
-        found = [float(tk[column]) / float(aws[column]) for tk, aws in pairs()]
-        if not found:
-            raise LookupError(f"{label}: no trnkit row with an nki-library partner")
-        return found
-    return (lambda: f"{min(ratios()):.2f}"), (lambda: f"{max(ratios()):.2f}")
+    ``pairs()``."""
+    return _min_max(label, lambda: [float(tk[column]) / float(aws[column]) for tk, aws in pairs()])
 
 
 def _attention_ratio_range(mode: str, column: str) -> tuple[Callable[[], str], Callable[[], str]]:
@@ -246,29 +252,56 @@ def _ratio(num: dict[str, str], num_prefix: str, den: dict[str, str], den_prefix
                       for end in ("_mid", "_high"))
 
 
-def cross_entropy_peak() -> str:
-    """benchmarks/cross_entropy_peak.py: trnkit's fused linear cross-entropy (both schedules) vs nki-library's
-    cross_entropy (LNC=2), per pass and forward + backward (each end of the range summed over the two passes)."""
+def _lce_rows() -> list[dict[str, str]]:
+    """cross_entropy_peak.csv's rows per (case, schedule): forward, backward and "forward + backward" (each end
+    summed over the two passes), each with ``schedule`` and the same job's ``job_mid / _low / _high`` (nki-library's
+    kernel plus the lm_head matmul bound), fused schedule first."""
     ends = ("_mid", "_low", "_high")
-    rows = read_csv("cross_entropy_peak.csv")
     by: dict[tuple[str, str], dict[str, dict[str, str]]] = {}
-    for r in rows:
+    for r in read_csv("cross_entropy_peak.csv"):
         by.setdefault((r["case"], r["schedule"]), {})[r["mode"]] = r
-    body = []
+    out = []
     for case, schedule in sorted(by, key=lambda k: (k[0], k[1] != "fused")):
         passes = by[(case, schedule)]
-        both = {"mode": "forward + backward", **{k: passes["forward"][k] for k in ("N", "H", "V")}}
+        both = {"case": case, "mode": "forward + backward", **{k: passes["forward"][k] for k in ("N", "H", "V")}}
         for col in ("trnkit_us", "nkilib_us"):
             for end in ends:
                 both[col + end] = str(sum(float(passes[m][col + end]) for m in ("forward", "backward")))
         both["matmul_bound_us"] = str(sum(float(passes[m]["matmul_bound_us"]) for m in ("forward", "backward")))
         for r in (passes["forward"], passes["backward"], both):
             mm = float(r["matmul_bound_us"])
-            job = {f"job{end}": str(float(r["nkilib_us" + end]) + mm) for end in ends}
-            bold = "**" if r is both else ""
-            body.append([case, f"{int(r['N']):,}", f"{int(r['H']):,}", f"{int(r['V']):,}", schedule, r["mode"],
-                         _us_range(r, "trnkit_us"), _us_range(r, "nkilib_us"), f"{mm:,.1f} us", _us_range(job, "job"),
-                         _ratio(r, "trnkit_us", r, "nkilib_us"), f"{bold}{_ratio(r, 'trnkit_us', job, 'job')}{bold}"])
+            out.append({**r, "schedule": schedule, **{f"job{end}": str(float(r["nkilib_us" + end]) + mm)
+                                                        for end in ends}})
+    return out
+
+
+def _lce_job_ratio(case: str, schedule: str, mode: str, end: str) -> Callable[[], str]:
+    """trnkit / the same job's time of one cross_entropy_peak row at ``end`` (_mid, _high)."""
+    def value() -> str:
+        for r in _lce_rows():
+            if (r["case"], r["schedule"], r["mode"]) == (case, schedule, mode):
+                return f"{float(r['trnkit_us' + end]) / float(r['job' + end]):.2f}"
+        raise LookupError(f"cross_entropy_peak.csv: no {case} {schedule} {mode} row")
+    return value
+
+
+def _lce_job_ratio_range(schedule: str, mode: str) -> tuple[Callable[[], str], Callable[[], str]]:
+    """The smallest and largest trnkit / same-job ratio of ``schedule``'s ``mode`` rows, over cases and both ends."""
+    return _min_max(f"cross_entropy_peak.csv {schedule} {mode}", lambda: [
+        float(r["trnkit_us" + end]) / float(r["job" + end]) for r in _lce_rows()
+        if (r["schedule"], r["mode"]) == (schedule, mode) for end in ("_mid", "_high")])
+
+
+def cross_entropy_peak() -> str:
+    """benchmarks/cross_entropy_peak.py: trnkit's fused linear cross-entropy (both schedules) vs nki-library's
+    cross_entropy (LNC=2), per pass and forward + backward (each end of the range summed over the two passes)."""
+    body = []
+    for r in _lce_rows():
+        mm = float(r["matmul_bound_us"])
+        bold = "**" if r["mode"] == "forward + backward" else ""
+        body.append([r["case"], f"{int(r['N']):,}", f"{int(r['H']):,}", f"{int(r['V']):,}", r["schedule"], r["mode"],
+                     _us_range(r, "trnkit_us"), _us_range(r, "nkilib_us"), f"{mm:,.1f} us", _us_range(r, "job"),
+                     _ratio(r, "trnkit_us", r, "nkilib_us"), f"{bold}{_ratio(r, 'trnkit_us', r, 'job')}{bold}"])
     header = ["shape", "N", "H", "V", "trnkit schedule", "pass", "trnkit (mid, range)",
               "nki-library kernel alone (mid, range)", "+ lm_head matmul bound", "nki-library same job (mid, range)",
               "trnkit / kernel alone (mid / pessimistic)", "trnkit / same job (mid / pessimistic)"]
@@ -1195,6 +1228,14 @@ QUOTES = (
               "rmsnorm_peak.csv", lambda: _peak_pairs("rmsnorm_peak.csv", ("case", "B", "S", "H"),
                                                       ("nki-library rmsnorm_tkg", "nki-library rmsnorm_quant")),
               column))),
+    Quote("docs/benchmarks.md", "{}× / {}× (30B-A3B's H) and {}× / {}× (4B's), one-pass schedule {}× / {}× and "
+          "{}× / {}×", "cross_entropy_peak.csv trnkit / same job, forward + backward",
+          tuple(_lce_job_ratio(case, schedule, "forward + backward", end)
+                for schedule in ("recompute", "fused") for case in ("Qwen3-30B-A3B", "Qwen3-4B")
+                for end in ("_mid", "_high"))),
+    Quote("docs/benchmarks.md", "the recompute schedule's backward is {}×–{}× the same job's backward (its forward "
+          "{}×–{}×)", "cross_entropy_peak.csv trnkit / same job per pass, recompute schedule",
+          _lce_job_ratio_range("recompute", "backward") + _lce_job_ratio_range("recompute", "forward")),
     Quote("docs/benchmarks.md", "the forward with the opt-in fixed shift (LNC=1 {} us against the 621 us of 70%, "
           "LNC=2 {} us against 310.7 us)", "attention_peak.csv trnkit forward, fixed shift, S=4096, 8 / 2 heads",
           tuple(csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
