@@ -56,8 +56,9 @@ KNOWN_OUTSIDE_RANGE: dict[str, str] = {
 }
 # Published version changes predicted in the right direction but not within half their size.
 KNOWN_SIZE_MISSES = {
-    ("kernel_opt v4", "kernel_opt v5"): "-0.17% for -0.4%: the profiles show v4's TensorE active 0.12 ms longer "
-                                        "for the same matmuls, the model keeps its busy time equal",
+    ("kernel_opt v3", "kernel_opt v4"): "+0.25% for +0.74% (with compute_reorder at mid; +0.39% in program order): "
+                                        "the profiles show v4's TensorE active 0.12 ms longer for the same "
+                                        "matmuls, the model keeps its busy time equal",
 }
 
 

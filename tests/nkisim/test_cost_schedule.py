@@ -14,6 +14,9 @@ from trnkit.nkisim import cost, hardware, trace
 from trnkit.nkisim.cost_params import LOW, MID
 from trnkit.nkisim.trace import DMA, SCALAR
 
+# the mid setting with each engine in the kernel's program order (compute_reorder off, the pessimistic end's)
+IN_ORDER = replace(MID, compute_reorder=False)
+
 TRN2 = hardware.TRN2
 
 
@@ -349,10 +352,10 @@ def test_a_named_trigger_holds_its_engines_instruction_stream():
     sequencer instruction to trigger the transfer may wait on any semaphore condition"; trainium2_arch:
     a DGE instruction "takes about 600 ns to execute"): the store of an exp triggers when the exp's result
     is ready, and the next exp (independent of it) waits until the trigger has waited and executed; the
-    same store on the compiler's queue costs ScalarE nothing, and with compute_reorder (LOW) the compiler
+    same store on the compiler's queue costs ScalarE nothing, and with compute_reorder (mid, LOW) the compiler
     moves the next exp ahead of it."""
     named = _named_store_kernel(True)
-    load, act1, store, act2, _ = cost.timeline(named, params=MID)
+    load, act1, store, act2, _ = cost.timeline(named, params=IN_ORDER)
     # hand-computed: the load on one DMA engine (32 KiB at 23 B/ns x b/(b + knee)), its completion semaphore,
     # exp's table load, exp (N / 1.2 GHz + fixed), exp's result latency
     one_engine = 32768 / (23.0 * 32768 / (32768 + MID.dma_knee_bytes))
@@ -367,28 +370,29 @@ def test_a_named_trigger_holds_its_engines_instruction_stream():
     assert store.start == pytest.approx(exp_ready)
     assert act2.start == pytest.approx(exp_ready + 600.0)
     # the compiler's queue: nothing in ScalarE's stream, the second exp follows the first
-    _, act1_u, _, act2_u, _ = cost.timeline(_named_store_kernel(False), params=MID)
+    _, act1_u, _, act2_u, _ = cost.timeline(_named_store_kernel(False), params=IN_ORDER)
     assert act2_u.start == pytest.approx(act1_u.end) == pytest.approx(act1.end)
     # compute_reorder: the compiler places the trigger where its data is ready and ScalarE's pipeline runs on
-    _, act1_low, store_low, act2_low, _ = cost.timeline(named, params=LOW)
-    assert act2_low.start == pytest.approx(act1_low.end)
-    assert store_low.start == pytest.approx(act1_low.ready)
+    for params in (MID, LOW):
+        _, act1_r, store_r, act2_r, _ = cost.timeline(named, params=params)
+        assert act2_r.start == pytest.approx(act1_r.end)
+        assert store_r.start == pytest.approx(act1_r.ready)
 
 
 def test_a_named_trigger_is_not_issued_before_its_engines_earlier_instructions():
-    """A load named to ScalarE after an exp in program order waits until ScalarE's sequencer has taken the
-    exp (its table load starts when the first load's data is in), though its own data is in HBM at 0;
-    ScalarE's next exp waits for the load's trigger to execute (600 ns) after that, and the exp that
-    started first is not delayed (the DGE instruction "could be hidden behind earlier compute
-    instructions", trainium2_arch)."""
+    """With ScalarE in program order (compute_reorder off), a load named to ScalarE after an exp waits until
+    ScalarE's sequencer has taken the exp (its table load starts when the first load's data is in), though its
+    own data is in HBM at 0; ScalarE's next exp waits for the load's trigger to execute (600 ns) after that,
+    and the exp that started first is not delayed (the DGE instruction "could be hidden behind earlier compute
+    instructions", trainium2_arch). With compute_reorder (mid, optimistic) the trigger issues at 0."""
     instrs = _named_store_kernel(True, then_load=True)
-    load, act1, named_load, act2, _ = cost.timeline(instrs, params=MID)
+    load, act1, named_load, act2, _ = cost.timeline(instrs, params=IN_ORDER)
     loaded = load.end + MID.dma_wake_ns
     assert act1.table_load[0] == pytest.approx(loaded)
     assert named_load.start == pytest.approx(loaded)
     assert act2.start == pytest.approx(max(act1.end, loaded + 600.0)) == pytest.approx(act1.end)
-    _, _, named_low, _, _ = cost.timeline(instrs, params=LOW)
-    assert named_low.start == 0.0
+    for params in (MID, LOW):  # compute_reorder: the trigger goes where its data is ready
+        assert cost.timeline(instrs, params=params)[2].start == 0.0
 
 
 def test_a_start_that_rounding_moves_back_by_one_ulp_ends_the_search():

@@ -123,10 +123,14 @@ class ModelParams:
     # Whether the compiler issues a compute instruction ahead of earlier, independent instructions of the
     # same engine (each engine still runs its queue in order; the freedom is the order the compiler
     # writes): [SDK] nki/guides/how-to-scheduling-apis, instructions without data dependencies "could
-    # execute in any order" and the automatic scheduler reorders them. Off: every engine runs the kernel's
-    # instructions in program order, so a dependent instruction's fixed latency leaves its engine idle;
-    # on: a later independent instruction fills that gap. How far the scheduler goes is not documented.
-    compute_reorder: bool = False
+    # execute in any order" and the automatic scheduler reorders them; nki.language.no_reorder, "Without
+    # this directive, the compiler scheduler is free to reorder independent operations for better hardware
+    # utilization"; nki/deep-dives/nki-compile-config, the order in which the engines run the instructions
+    # is a decision neuronx-cc "makes ... after NKI traces the kernel" by default. Off: every engine runs the
+    # kernel's instructions in program order, so a dependent instruction's latency leaves its engine idle;
+    # on: a later independent instruction fills that gap. On at low and mid, off at the pessimistic end:
+    # how far the scheduler goes is not documented (docs/cost-model.md, "Engines run concurrently").
+    compute_reorder: bool = True
     # Whether an instruction that reads a result of the instruction before it on the same engine may start
     # as that result streams out (elementwise engines process a partition's elements in order) rather than
     # a full dependent-instruction latency after its end: the interval is then max(its busy time, MIN_II +
