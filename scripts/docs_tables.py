@@ -285,6 +285,17 @@ def _lce_job_ratio(case: str, schedule: str, mode: str, end: str) -> Callable[[]
     return value
 
 
+def _lce_fused_fraction(case: str, end: str) -> Callable[[], str]:
+    """The one-pass kernel's forward at ``end`` (_mid, _high) as a fraction of its ``6 N H V`` TensorE bound (the
+    lm_head and gradient matmuls' bound, forward + backward) in cross_entropy_peak.csv."""
+    def value() -> str:
+        rows = {r["mode"]: r for r in _lce_rows() if (r["case"], r["schedule"]) == (case, "fused")}
+        if "forward" not in rows:
+            raise LookupError(f"cross_entropy_peak.csv: no {case} fused forward row")
+        return f"{float(rows['forward + backward']['matmul_bound_us']) / float(rows['forward']['trnkit_us' + end]):.1%}"
+    return value
+
+
 def _lce_job_ratio_range(schedule: str, mode: str) -> tuple[Callable[[], str], Callable[[], str]]:
     """The smallest and largest trnkit / same-job ratio of ``schedule``'s ``mode`` rows, over cases and both ends."""
     return _min_max(f"cross_entropy_peak.csv {schedule} {mode}", lambda: [
@@ -1233,6 +1244,9 @@ QUOTES = (
           tuple(_lce_job_ratio(case, schedule, "forward + backward", end)
                 for schedule in ("recompute", "fused") for case in ("Qwen3-30B-A3B", "Qwen3-4B")
                 for end in ("_mid", "_high"))),
+    Quote("docs/benchmarks.md", "of its `6 N H V` TensorE bound: {} (mid {}) at 30B-A3B's H, {} (mid {}) at 4B's",
+          "cross_entropy_peak.csv fused forward against the forward + backward matmul bound",
+          tuple(_lce_fused_fraction(case, end) for case in ("Qwen3-30B-A3B", "Qwen3-4B") for end in ("_high", "_mid"))),
     Quote("docs/benchmarks.md", "the recompute schedule's backward is {}×–{}× the same job's backward (its forward "
           "{}×–{}×)", "cross_entropy_peak.csv trnkit / same job per pass, recompute schedule",
           _lce_job_ratio_range("recompute", "backward") + _lce_job_ratio_range("recompute", "forward")),
