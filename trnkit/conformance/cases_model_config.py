@@ -121,13 +121,15 @@ def _moe_tkg(r: list) -> Case | None:
     return dataclasses.replace(case, xfail_check=fp16_overflow_check(case.rtol, case.atol))
 
 
-# nki-library's own check (core/qkv/qkv_tkg.py, kernel_assert) refuses the ROW rows' weight scales: the test draws
-# ROW weights as it draws STATIC ones, with per-tensor scales broadcast to [128, 3], and qkv_tkg asserts a ROW
-# scale of [1, I] or [128, I] (I = (q_heads + 2) x d_head): trace-time Python, the same on a device
-ATTN_ROW_SCALE = "Incorrect shape for qkv weight scale for row quantization"
-ATTN_ROW_NOTE = ("the test's generate_kernel_inputs draws ROW weights as STATIC ones, scales [128, 3] (one per Q / "
-                 "K / V tensor), and qkv_tkg's kernel_assert wants [128, I] for ROW: nki-library's own check refuses "
-                 "the test's inputs")
+# nki-library's own checks refuse the ROW rows' weight scales: the test draws ROW weights as it draws STATIC ones,
+# with per-tensor scales, and the first ROW-scale kernel_assert the row reaches refuses them: qkv_tkg's (a [1, I] or
+# [128, I] QKV scale, I = (q_heads + 2) x d_head), or, where qkv() routes to qkv_cte (B x S_tkg > 128, S_tkg > 96 or
+# fused RoPE: qkv_cte checks no scale), output_projection_tkg's ([128, H], core/output_projection/
+# output_projection_tkg.py). Trace-time Python, the same on a device; the substring is in both messages.
+ATTN_ROW_SCALE = "weight scale for row quantization, expected ("
+ATTN_ROW_NOTE = ("the test's generate_kernel_inputs draws ROW weights as STATIC ones (per-tensor scales), and "
+                 "nki-library's ROW-scale kernel_assert (qkv_tkg's [128, I]; on the qkv_cte route the output "
+                 "projection's [128, H]) refuses them: nki-library's own check refuses the test's inputs")
 # attention_block_tkg's _rms_norm_inplace (the QK norms, before and after RoPE) sums x^2 over d_head with one nc_matmul
 # whose moving operand is the whole [d_head, B_tile * heads * S_tkg] tile of a batch tile (B_tile * S_tkg =
 # min(B * S_tkg, pmax // S_tkg * S_tkg), _QKV_processing's bxs_tile); for Q (heads = q_heads, a rank's with KVDP) that
