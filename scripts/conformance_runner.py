@@ -210,8 +210,15 @@ def cap_for(est_gb: float, load: float, available_gb: float) -> float | None:
     return None
 
 
-def _cap_now(entry: dict) -> float | None:
-    return cap_for(entry["est_gb"], os.getloadavg()[0], _meminfo_gb("MemAvailable"))
+def _next_runnable(todo: list[dict]) -> tuple[dict, float] | None:
+    """The first row of ``todo`` that may start now, with the cap it starts under (:func:`cap_for` on the machine's
+    load average and MemAvailable now), or None."""
+    load, available = os.getloadavg()[0], _meminfo_gb("MemAvailable")
+    for entry in todo:
+        cap = cap_for(entry["est_gb"], load, available)
+        if cap is not None:
+            return entry, cap
+    return None
 
 
 def _todo(scratch: Path, snap: Path, env: dict[str, str]) -> list[dict]:
@@ -246,12 +253,12 @@ def run(args: argparse.Namespace) -> int:
             move.clear()
             commit = snapshot(snap, args.commit)
             todo = _todo(scratch, snap, env)
-        entry = next((e for e in todo if _cap_now(e) is not None), None)
-        if entry is None:  # only 14 GB rows left, and the machine is busy
+        runnable = _next_runnable(todo)
+        if runnable is None:  # only 14 GB rows left, and the machine is busy
             time.sleep(60)
             continue
+        entry, cap = runnable
         todo.remove(entry)
-        cap = _cap_now(entry)
         _log(scratch, f"start {entry['case_id']} (est {entry['est_cpu_s']} s, {entry['est_gb']} GB; cap {cap:g} GB)")
         result = scratch / "row.json"
         result.unlink(missing_ok=True)

@@ -88,3 +88,13 @@ def test_watch_kills_a_child_at_the_deadline(tmp_path):
     o = runner.watch([sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path, tmp_path / "log",
                      cap_gb=8.0, deadline=time.time() + 1)
     assert o.rc is None and o.why == "the runner's --until"
+
+
+def test_next_runnable_takes_the_first_row_that_may_start_and_its_cap(monkeypatch):
+    todo = [{"case_id": "big", "est_gb": 9.5}, {"case_id": "small", "est_gb": 2.0}, {"case_id": "huge", "est_gb": 20.0}]
+    monkeypatch.setattr(runner, "_meminfo_gb", lambda field: 20.0)
+    monkeypatch.setattr(runner.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    assert runner._next_runnable(todo) == (todo[0], 14.0)  # idle: the 8-14 GB row first, at 14 GB
+    monkeypatch.setattr(runner.os, "getloadavg", lambda: (7.0, 7.0, 7.0))
+    assert runner._next_runnable(todo) == (todo[1], 8.0)  # busy: it waits, the next row starts at 8 GB
+    assert runner._next_runnable([todo[0], todo[2]]) is None
