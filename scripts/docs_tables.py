@@ -703,6 +703,15 @@ def calibration_summary() -> str:
                    "largest error (mid)"], body)
 
 
+def calibration_checks_outside() -> str:
+    """The check points whose published figure is outside the model's low..high, each with its figures."""
+    out = [f"`{r['name']}` ({float(r['published']):g} {r['unit']} published, "
+           f"{float(r['low']):.3g} / {float(r['mid']):.3g} / {float(r['high']):.3g} {r['unit']} estimated)"
+           for r in _latest_calibration_rows().values()
+           if r["role"] == "check" and not float(r["low"]) <= float(r["published"]) <= float(r["high"])]
+    return "; ".join(out) or "none"
+
+
 NKILIB_CSV = CALIBRATION_CSV.parent / "nkilib_calibration.csv"
 
 
@@ -1310,6 +1319,8 @@ QUOTES = (
           "conformance.csv REJECTED rows", csv_count("conformance.csv", {"result": "REJECTED"})),
     Quote("docs/interpreter.md", "**STALE_READ, {} rows** (`attention_cte` sweep rows",
           "conformance.csv STALE_READ rows", csv_count("conformance.csv", {"result": "STALE_READ"})),
+    Quote("docs/cost-model.md", "The check points whose published figure is outside the model's range: {}.",
+          "calibration.csv check points outside low..high", calibration_checks_outside),
 )
 
 
