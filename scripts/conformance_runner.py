@@ -221,17 +221,39 @@ def _next_runnable(todo: list[dict]) -> tuple[dict, float] | None:
     return None
 
 
-def _todo(scratch: Path, snap: Path, env: dict[str, str]) -> list[dict]:
-    """The rows to run, cheapest first: unrecorded in the tracked CSV, not in the scratch rows, not stopped at a cap,
-    estimated within :data:`BIG_CAP_GB`."""
+def _group(entry: dict) -> tuple[str, str]:
+    """A plan entry's kernel (its case id's first field) and tier."""
+    return entry["case_id"].split("|", 1)[0], entry["tier"]
+
+
+def coverage_order(plan: list[dict]) -> list[dict]:
+    """``plan`` round-robin over its (kernel, tier) groups, each group cheapest first; in each round the groups go
+    in the order of their cheapest remaining row. So a kernel with few rows left gets run time while another has
+    hours of cheaper rows."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for e in sorted(plan, key=lambda e: e["est_cpu_s"]):
+        groups.setdefault(_group(e), []).append(e)
+    queues = list(groups.values())  # already in the order of their cheapest row
+    out = []
+    for i in range(max(map(len, queues), default=0)):
+        out += sorted((q[i] for q in queues if i < len(q)), key=lambda e: e["est_cpu_s"])
+    return out
+
+
+ORDERS = {"cheapest": lambda plan: sorted(plan, key=lambda e: e["est_cpu_s"]), "coverage": coverage_order}
+
+
+def _todo(scratch: Path, snap: Path, env: dict[str, str], order: str) -> list[dict]:
+    """The rows to run, in ``order`` (:data:`ORDERS`): unrecorded in the tracked CSV, not in the scratch rows, not
+    stopped at a cap, estimated within :data:`BIG_CAP_GB`."""
     out = subprocess.run([PYTHON, __file__, "_plan", str(REPO / "benchmarks/data/conformance.csv")], env=env,
                          cwd=snap, check=True, capture_output=True, text=True).stdout
     done = {r["case_id"] for r in _read(scratch / "rows.csv")}
     done |= {r["case_id"] for r in _read(scratch / "stopped.csv") if r["why"].startswith("stopped at")}
     plan = [e for e in json.loads(out) if e["case_id"] not in done]
-    todo = sorted((e for e in plan if e["est_gb"] <= BIG_CAP_GB), key=lambda e: e["est_cpu_s"])
-    _log(scratch, f"snapshot {_git('rev-parse', '--short', 'HEAD', cwd=snap)}: {len(todo)} rows to run, cheapest "
-                  f"first ({len(plan) - len(todo)} more estimated over {BIG_CAP_GB:g} GB, not run)")
+    todo = ORDERS[order]([e for e in plan if e["est_gb"] <= BIG_CAP_GB])
+    _log(scratch, f"snapshot {_git('rev-parse', '--short', 'HEAD', cwd=snap)}: {len(todo)} rows to run, {order} "
+                  f"order ({len(plan) - len(todo)} more estimated over {BIG_CAP_GB:g} GB, not run)")
     return todo
 
 
@@ -247,12 +269,12 @@ def run(args: argparse.Namespace) -> int:
     move = []  # SIGHUP: move the snapshot to --commit's current tip before the next row
     signal.signal(signal.SIGHUP, lambda *_: move.append(True))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # watch() then kills the running child
-    todo = _todo(scratch, snap, env)
+    todo = _todo(scratch, snap, env, args.order)
     while todo and time.time() < deadline:
         if move:
             move.clear()
             commit = snapshot(snap, args.commit)
-            todo = _todo(scratch, snap, env)
+            todo = _todo(scratch, snap, env, args.order)
         runnable = _next_runnable(todo)
         if runnable is None:  # only 14 GB rows left, and the machine is busy
             time.sleep(60)
@@ -338,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--commit", default="main", help="the snapshot's commit (moved there if it exists)")
     r.add_argument("--until", default="23:59", help="UTC HH:MM: the running row is killed and no row starts after")
     r.add_argument("--scratch", default=str(SCRATCH))
+    r.add_argument("--order", choices=sorted(ORDERS), default="cheapest",
+                   help="cheapest: cheapest first; coverage: round-robin over (kernel, tier), cheapest first in each")
     r.add_argument("--nkilib", default=os.environ.get("NKILIB_SRC", ""), help="nki-library checkout ($NKILIB_SRC)")
     g = sub.add_parser("merge", help="merge the scratch rows into benchmarks/data/conformance.csv")
     g.add_argument("--scratch", default=str(SCRATCH))

@@ -98,3 +98,21 @@ def test_next_runnable_takes_the_first_row_that_may_start_and_its_cap(monkeypatc
     monkeypatch.setattr(runner.os, "getloadavg", lambda: (7.0, 7.0, 7.0))
     assert runner._next_runnable(todo) == (todo[1], 8.0)  # busy: it waits, the next row starts at 8 GB
     assert runner._next_runnable([todo[0], todo[2]]) is None
+
+
+def _entry(kernel: str, tier: str, est: float) -> dict:
+    return {"case_id": f"{kernel}|case {est}|lnc2|B=1", "tier": tier, "est_cpu_s": est, "est_gb": 0.0}
+
+
+def test_coverage_order_takes_one_row_of_each_kernel_and_tier_in_turn_cheapest_first():
+    attn = [_entry("attn", "model_config", s) for s in (30.0, 10.0, 20.0, 40.0)]
+    attn_reduced = [_entry("attn", "reduced", s) for s in (90.0, 60.0)]
+    moe = [_entry("moe", "model_config", 50.0)]
+    order = runner.coverage_order(attn + moe + attn_reduced)
+    assert [(e["case_id"].split("|")[0], e["tier"], e["est_cpu_s"]) for e in order] == [
+        ("attn", "model_config", 10.0), ("moe", "model_config", 50.0), ("attn", "reduced", 60.0),  # round 1
+        ("attn", "model_config", 20.0), ("attn", "reduced", 90.0),  # round 2: moe has no row left
+        ("attn", "model_config", 30.0), ("attn", "model_config", 40.0)]
+    assert sorted(map(id, order)) == sorted(map(id, attn + moe + attn_reduced))  # every row once
+    assert runner.coverage_order([]) == []
+    assert [e["est_cpu_s"] for e in runner.ORDERS["cheapest"](attn + moe)] == [10.0, 20.0, 30.0, 40.0, 50.0]
