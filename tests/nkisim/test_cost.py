@@ -68,6 +68,26 @@ def test_matmul_cycle_formula_small_and_fp32_and_fp8():
     assert cost.instr_cost(matmul(128, 128, 512), "trn1").busy_ns == pytest.approx(512 / 2.8)
 
 
+def _mixed_fp8_matmul(n: int, **attrs) -> Instr:
+    """mlp_tkg's projection: a bf16 token [128, 1] stationary, fp8 weights [128, n] moving."""
+    ops = (opnd("dst", "psum", (1, n), "float32"), opnd("stationary", "sbuf", (128, 1), "bfloat16"),
+           opnd("moving", "sbuf", (128, n), "float8_e4m3"))
+    return Instr("nc_matmul", TENSOR, ops, flops=2 * n * 128, elems_per_partition=n, partitions=128, attrs=attrs)
+
+
+def test_fp8_moving_without_double_row_streams_at_the_setting_s_rate():
+    # fp8_moving_cols_per_cycle: 1 column a cycle at mid and high (the 2x named only for double_row), 2 at low
+    # (the 158 cFP8 TFLOPS figure); the 64-cycle issue floor stays; double_row and trn1 are not affected
+    assert cost.instr_cost(_mixed_fp8_matmul(512)).cycles == 512
+    assert cost.instr_cost(_mixed_fp8_matmul(512), params=LOW).cycles == 256
+    assert cost.instr_cost(_mixed_fp8_matmul(384), params=LOW).busy_ns == pytest.approx(192 / 2.4)
+    assert cost.instr_cost(_mixed_fp8_matmul(96), params=LOW).cycles == 48  # max(min(64, 1), 96 / 2)
+    assert cost.instr_cost(matmul(128, 128, 96, "float8_e4m3"), params=LOW).cycles == 64  # the floor
+    assert cost.instr_cost(matmul(128, 128, 512, "float8_e4m3", perf_mode="double_row"), params=LOW).cycles == 256
+    assert cost.instr_cost(matmul(128, 128, 512), params=LOW).cycles == 512  # bf16 moving: not fp8
+    assert cost.instr_cost(_mixed_fp8_matmul(512), "trn1", params=LOW).cycles == 512  # cFP8 at the BF16 rate
+
+
 def _transfer_ns(nbytes: int, row: float, engines: int = 16, hbm_crossings: int = 1) -> float:
     """First to last byte of a transfer on ``engines`` DMA engines (23 B/ns each, capped at the core's HBM
     share over the engines it uses)."""

@@ -82,6 +82,7 @@ _HBM_BUFFERS = ("hbm", "shared_hbm", "private_hbm")
 _ONCHIP = ("sbuf", "psum")
 _FAST_ALU = ("add", "subtract", "multiply")  # VectorE single-pass ops on bf16 (ISA cost table)
 _TWO_BYTE_FLOATS = ("bfloat16", "float16")
+_FP8 = ("float8_e4m3", "float8_e4m3fn", "float8_e5m2")  # nc_matmul's fp8 inputs (the _x4 packings are MX's)
 _ACTIVATE_OPS = ("activation", "activation_reduce")
 # Activation functions that need no table (assumed: the pass-through functions); any other function
 # needs its table loaded on ScalarE when it is not the one loaded (the DMA overview's profiles show an
@@ -445,11 +446,14 @@ def _compute_cycles(instr: Instr, chip: Chip, params: ModelParams = MID) -> floa
         st, mv = _role(instr, "stationary"), _role(instr, "moving")
         n_st = st.free_elems if st else min(128, n)
         n_mv = mv.free_elems if mv else n
+        double_row = _attr_name(instr.attrs.get("perf_mode")).lower() == "double_row"
+        if mv is not None and mv.dtype in _FP8 and not double_row:  # the issue floor stays, the stream speeds up
+            n_mv /= min(params.fp8_moving_cols_per_cycle, chip.fp8_speedup)
         cycles = float(max(min(64, n_st), n_mv))
         dtype = (st or mv or (ins[0] if ins else None))
         if dtype is not None and dtype.dtype == "float32":
             cycles *= chip.fp32_slowdown
-        if _attr_name(instr.attrs.get("perf_mode")).lower() == "double_row":
+        if double_row:
             cycles /= chip.fp8_speedup
         return cycles + params.matmul_extra_cycles
     if op == "nc_transpose" and eng == TENSOR:

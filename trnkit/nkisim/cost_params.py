@@ -120,6 +120,16 @@ class ModelParams:
     # as written needs 2.1 ms of VectorE time, above its measured 1.61 ms at 99.6% VectorE activity; v3
     # (held out) agrees. Pessimistic: no such pass.
     compiler_cse: bool = True
+    # TensorE moving columns a cycle for an nc_matmul whose moving operand is fp8 and whose perf_mode is not
+    # double_row (capped at hardware.Chip.fp8_speedup: trn1's cFP8 runs at the BF16 rate). The public figures
+    # disagree: [SDK] about-neuron/arch/neuron-hardware/neuron-core-v3, "A NeuronCore-v3 Tensor Engine delivers
+    # 158 cFP8 TFLOPS, and 79 BF16/FP16/TF32 TFLOPS" (2x for fp8, no mode named: optimistic 2); [SDK]
+    # nki.isa.matmul_perf_mode, "double_row: Double FP8 mode, 2x matmul throughput by packing two FP8
+    # weight/ifmap element pairs", and nki.isa.nc_matmul, "Tensor Engine supports FP8 double performance mode,
+    # enabled by setting performance mode to double_row" (the 2x named only for that mode: mid and pessimistic
+    # 1). nki-library's mlp_tkg streams fp8 weights without the mode (docs/cost-model.md, "fp8 without
+    # double_row").
+    fp8_moving_cols_per_cycle: float = 1.0
     # Whether the compiler issues a compute instruction ahead of earlier, independent instructions of the
     # same engine (each engine still runs its queue in order; the freedom is the order the compiler
     # writes): [SDK] nki/guides/how-to-scheduling-apis, instructions without data dependencies "could
@@ -256,7 +266,7 @@ LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619
                   dma_hoist=True, hoist_bounded_by_sbuf=False, gpsimd_elems_per_cycle=1.0,
                   swdge_cycles_per_row=1.0, psum_single_pass=True, psum_access_cycles=0, access_init_cycles=0,
                   dependent_overhead_cycles=160,
-                  matmul_extra_cycles=0, compiler_cse=True, compute_reorder=True,
+                  matmul_extra_cycles=0, compiler_cse=True, fp8_moving_cols_per_cycle=2.0, compute_reorder=True,
                   same_engine_streaming=True, dma_engine_rate_factor=27.2 / 23.0, dma_merge_rows=True,
                   dma_engine_stagger_ns=8.0, act_fixed_offset_ns=-10.0, spill_in_program_order=False,
                   sbuf_reserved=False, reuse_loads="fits", dma_overhead_form="fastest", didt_throttle=False,
@@ -265,7 +275,7 @@ HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=10
                    dma_hoist=False, hoist_bounded_by_sbuf=True, gpsimd_elems_per_cycle=0.25,
                    swdge_cycles_per_row=32.0, psum_single_pass=True, psum_access_cycles=120, access_init_cycles=100,
                    dependent_overhead_cycles=240,
-                   matmul_extra_cycles=16, compiler_cse=False, compute_reorder=False,
+                   matmul_extra_cycles=16, compiler_cse=False, fp8_moving_cols_per_cycle=1.0, compute_reorder=False,
                    same_engine_streaming=False, dma_engine_rate_factor=1.0, dma_merge_rows=False,
                    dma_engine_stagger_ns=24.0, act_fixed_offset_ns=10.0, spill_in_program_order=True,
                    sbuf_reserved=True, reuse_loads="none", dma_overhead_form="slowest", didt_throttle=False,
