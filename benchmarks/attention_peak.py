@@ -10,9 +10,13 @@ backward (``S`` recomputed, ``dP``, ``dV``, ``dK``, ``dQ``). The peak is 79 TFLO
 nki-library's test shapes with ``--shapes``; trace-only interpreter runs.
 
 trnkit's forward is traced twice: as shipped, and with ``fixed_shift=True`` (pass ``"forward, fixed shift"``).
+``--fallback`` adds a launch of the fixed-shift forward that fails its certificate and runs the exact forward as
+well (pass ``"forward, fixed shift, fallback"``: q and k scaled by 6, scores in the hundreds; traced with its
+arithmetic, since whether it falls back depends on the scores).
 
 Usage: ``python benchmarks/attention_peak.py [--shapes S:HQ:HK ...] [--lnc 1 2] [--no-nkilib] [--fixed-shift-only]
-[--save]`` (default ``4096:8:2``; ``--fixed-shift-only``: trnkit's fixed-shift forward alone, no nki-library);
+[--fallback | --fallback-only] [--save]`` (default ``4096:8:2``; ``--fixed-shift-only`` / ``--fallback-only``:
+that pass of trnkit's alone, no nki-library);
 ``--save`` writes its rows to ``benchmarks/data/attention_peak.csv``, replacing the rows of the same kernel,
 pass, shape and LNC and keeping the others.
 """
@@ -28,7 +32,7 @@ import numpy as np
 import torch
 from side_by_side import PEAK, Estimate, estimate, print_ratio, stamp, write_csv
 
-from trnkit.kernels.attention import attention, attention_bwd, attention_ref
+from trnkit.kernels.attention import attention, attention_bwd, attention_ref, fixed_shift_failures
 
 CSV = Path(__file__).parent / "data" / "attention_peak.csv"
 D = 128
@@ -36,17 +40,33 @@ D = 128
 # random inputs every launch keeps its fast pass (trace-only runs compute no scores, so its certificate
 # sees l <= S and passes as well); compared with nki-library's forward
 FIXED = "forward, fixed shift"
+FALLBACK = "forward, fixed shift, fallback"
+FALLBACK_INPUT_SCALE = 6.0  # q and k: every launch's certificate fails (tests/kernels/attention use the same)
 
 
-def _trnkit(S: int, Hq: int, Hk: int, lnc: int, fixed_only: bool = False) -> dict[str, Estimate]:
+def _fallback(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lnc: int) -> Estimate:
+    """The fixed-shift forward on inputs whose certificate fails in every launch: both passes."""
+    qs, ks = q * FALLBACK_INPUT_SCALE, k * FALLBACK_INPUT_SCALE
+    if not fixed_shift_failures(qs, ks).any():
+        raise ValueError(f"attention_peak: the {FALLBACK!r} inputs (q, k x {FALLBACK_INPUT_SCALE}) pass the "
+                         "certificate, so the launch would not fall back")
+    return estimate(lambda: attention(qs, ks, v, lnc=lnc, fixed_shift=True), trace_only=False)
+
+
+def _trnkit(S: int, Hq: int, Hk: int, lnc: int, passes: tuple[str, ...]) -> dict[str, Estimate]:
     g = torch.Generator().manual_seed(0)
     q, k, v, go = (torch.randn(1, S, h, D, generator=g).bfloat16() for h in (Hq, Hk, Hk, Hq))
-    if fixed_only:
-        return {FIXED: estimate(lambda: attention(q, k, v, lnc=lnc, fixed_shift=True))}
-    o, lse = attention_ref(q, k, v)
-    return {"forward": estimate(lambda: attention(q, k, v, lnc=lnc)),
-            FIXED: estimate(lambda: attention(q, k, v, lnc=lnc, fixed_shift=True)),
-            "backward": estimate(lambda: attention_bwd(q, k, v, o, lse, go, lnc=lnc))}
+    out = {}
+    if "forward" in passes:
+        out["forward"] = estimate(lambda: attention(q, k, v, lnc=lnc))
+    if FIXED in passes:
+        out[FIXED] = estimate(lambda: attention(q, k, v, lnc=lnc, fixed_shift=True))
+    if FALLBACK in passes:
+        out[FALLBACK] = _fallback(q, k, v, lnc)
+    if "backward" in passes:
+        o, lse = attention_ref(q, k, v)
+        out["backward"] = estimate(lambda: attention_bwd(q, k, v, o, lse, go, lnc=lnc))
+    return out
 
 
 def _nkilib(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, Estimate] | None:
@@ -86,13 +106,14 @@ def _shape(text: str) -> tuple[int, int, int]:
     return S, Hq, Hk
 
 
-def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool, fixed_only: bool = False) -> list[dict]:
-    flops = {"forward": 4 * Hq * D * S * S / 2, FIXED: 4 * Hq * D * S * S / 2, "backward": 2.5 * 4 * Hq * D * S * S / 2}
-    results = {"trnkit": _trnkit(S, Hq, Hk, lnc, fixed_only)}
+def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool, passes: tuple[str, ...]) -> list[dict]:
+    fwd_flops = 4 * Hq * D * S * S / 2  # the fallback's useful work is one forward's
+    flops = {"forward": fwd_flops, FIXED: fwd_flops, FALLBACK: fwd_flops, "backward": 2.5 * fwd_flops}
+    results = {"trnkit": _trnkit(S, Hq, Hk, lnc, passes)}
     if with_nkilib:
         results["nki-library"] = _nkilib(S, Hq, Hk, lnc)
     rows = []
-    for mode in ("forward", FIXED, "backward"):
+    for mode in ("forward", FIXED, FALLBACK, "backward"):
         for who, res in results.items():
             if res is None or mode not in res:
                 continue
@@ -106,7 +127,7 @@ def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool, fixed_only: boo
             print(f"S={S} Hq={Hq} Hk={Hk} LNC={lnc} {mode:8s} {who:11s} {mid / 1e3:9.1f} us "
                   f"[{low / 1e3:.1f}-{high / 1e3:.1f}]  {100 * frac[1]:5.1f}% of bf16 peak "
                   f"(pessimistic {100 * frac[0]:.1f}%)")
-        if results.get("nki-library") is not None and mode in results["trnkit"]:
+        if results.get("nki-library") is not None and mode in results["trnkit"] and mode != FALLBACK:
             print_ratio(f"S={S} Hq={Hq} Hk={Hk} LNC={lnc} {mode:8s}", results["trnkit"][mode],
                         results["nki-library"][mode.split(",")[0]])
     return rows
@@ -120,12 +141,23 @@ def main() -> None:
     p.add_argument("--no-nkilib", action="store_true", help="trnkit's kernels only")
     p.add_argument("--fixed-shift-only", action="store_true",
                    help="trnkit's fixed-shift forward only (the CSV's other rows are kept)")
+    fallback = p.add_mutually_exclusive_group()
+    fallback.add_argument("--fallback", action="store_true", help=f"also trnkit's {FALLBACK!r} pass")
+    fallback.add_argument("--fallback-only", action="store_true",
+                          help=f"trnkit's {FALLBACK!r} pass only (the CSV's other rows are kept)")
     p.add_argument("--save", action="store_true", help="write the rows to benchmarks/data/attention_peak.csv")
     args = p.parse_args()
+    if args.fixed_shift_only and args.fallback_only:
+        p.error("--fixed-shift-only and --fallback-only: choose one pass")
+    if args.fixed_shift_only or args.fallback_only:
+        passes = (FIXED,) if args.fixed_shift_only else (FALLBACK,)
+    else:
+        passes = ("forward", FIXED, "backward") + ((FALLBACK,) if args.fallback else ())
+    with_nkilib = not (args.no_nkilib or args.fixed_shift_only or args.fallback_only)
     rows = []
     for S, Hq, Hk in args.shapes:
         for lnc in args.lnc:
-            rows += _rows(S, Hq, Hk, lnc, not (args.no_nkilib or args.fixed_shift_only), args.fixed_shift_only)
+            rows += _rows(S, Hq, Hk, lnc, with_nkilib, passes)
             if args.save:  # each shape's rows as soon as they are estimated
                 write_csv(rows, CSV, replace=("kernel", "mode", "S", "Hq", "Hk", "lnc"))
 

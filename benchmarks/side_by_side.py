@@ -46,10 +46,11 @@ def add_side_args(p: argparse.ArgumentParser, kernel: str, csv_name: str) -> Non
     p.add_argument("--save", action="store_true", help=f"write benchmarks/data/{csv_name}")
 
 
-def estimate(run: Callable[[], Any], chip: str = "trn2") -> Estimate:
-    """Trace ``run()`` on the interpreter (trace only: large matmuls skip their arithmetic) and estimate it."""
+def estimate(run: Callable[[], Any], chip: str = "trn2", trace_only: bool = True) -> Estimate:
+    """Trace ``run()`` on the interpreter and estimate it (``trace_only``: large matmuls skip their arithmetic;
+    False where the kernel's control flow depends on the values it computes)."""
     t = time.time()
-    with trace.record(trace_only=True) as tr:
+    with trace.record(trace_only=trace_only) as tr:
         run()
     seconds = time.time() - t
     return Estimate(*cost.estimate(tr, chip).total_range_ns, seconds)

@@ -194,6 +194,20 @@ def _attention_ratio_range(mode: str, column: str) -> tuple[Callable[[], str], C
                         lambda: [(tk, aws) for tk, aws in _attention_pairs() if tk["mode"] == mode], column)
 
 
+def _attention_mid(mode: str, lnc: str, S: str = "4096", Hq: str = "8", Hk: str = "2") -> float:
+    """trnkit's mid estimate (us) of pass ``mode`` in attention_peak.csv at one shape and LNC."""
+    return float(csv_cell("attention_peak.csv", "est_us_mid",
+                          {"kernel": "trnkit", "mode": mode, "S": S, "Hq": Hq, "Hk": Hk, "lnc": lnc}, "{}")())
+
+
+def _fallback_cost(lnc: str) -> tuple[Callable[[], str], Callable[[], str]]:
+    """The fixed-shift forward's fallback launch at 4096 / 8 / 2 heads: its mid (us) and its ratio to the
+    exact forward's mid."""
+    fallback = "forward, fixed shift, fallback"
+    return (lambda: f"{_attention_mid(fallback, lnc):,.1f}",
+            lambda: f"{_attention_mid(fallback, lnc) / _attention_mid('forward', lnc):.2f}")
+
+
 def attention_peak() -> str:
     """benchmarks/attention_peak.py: trnkit's flash attention vs nki-library's attention_cte / attention_bwd."""
     rows = []
@@ -1321,6 +1335,9 @@ QUOTES = (
           "conformance.csv STALE_READ rows", csv_count("conformance.csv", {"result": "STALE_READ"})),
     Quote("docs/cost-model.md", "The check points whose published figure is outside the model's range: {}.",
           "calibration.csv check points outside low..high", calibration_checks_outside),
+    Quote("docs/benchmarks.md", "arithmetic): {} us at LNC=1 and {} us at LNC=2 at mid, {}× and {}× the exact "
+          "forward's time", "attention_peak.csv forward, fixed shift, fallback",
+          (_fallback_cost("1")[0], _fallback_cost("2")[0], _fallback_cost("1")[1], _fallback_cost("2")[1])),
 )
 
 

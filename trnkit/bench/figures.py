@@ -113,7 +113,7 @@ def jobs() -> list[Job]:
     out.append(Job("step", tuple((PY, "-m", "trnkit.bench", "step", "--flavor", f, "--seq", "4096", "--batch", "1",
                                   "--lnc", "2", "--save-reference") for f in STEP_FLAVORS), f"{data}/step.csv"))
     out.append(Job("attention_peak", ((PY, "benchmarks/attention_peak.py", "--shapes", "4096:8:2", "--lnc", "1", "2",
-                                       "--save"),
+                                       "--fallback", "--save"),
                                       (PY, "benchmarks/attention_peak.py", "--shapes", *ATTENTION_SHAPES, "--lnc", "2",
                                        "--save")), f"{data}/attention_peak.csv"))
     for script in ("mlp_peak", "rmsnorm_peak", "cross_entropy_peak", "blockwise_moe"):
