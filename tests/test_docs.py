@@ -282,6 +282,33 @@ def test_cost_model_demo_block_is_what_the_demo_prints():
     assert documented == printed
 
 
+def test_overrides_fallback_block_is_what_its_snippet_prints(monkeypatch: pytest.MonkeyPatch):
+    """docs/overrides.md's fallback report: the output block shows the first lines of what the python block
+    before it prints (``...`` for the rest)."""
+    import contextlib
+    import copy
+    import io
+    import warnings
+
+    from trnkit.overrides import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", copy.deepcopy(registry._REGISTRY))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    text = (ROOT / "docs" / "overrides.md").read_text()
+    m = re.search(r"```python\n(cfg = Qwen3MoeConfig.*?)```\n\nprints[^\n]*:\n\n```\n(.*?)```", text, re.S)
+    assert m, "docs/overrides.md lost its fallback example (python block, then 'prints ...:' and its output)"
+    namespace: dict = {}
+    exec("from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM\n"  # noqa: S102 - the page's own code
+         "from trnkit.hf import apply_trnkit_to_qwen3_moe\nfrom trnkit.packaged import configs_dir\n", namespace)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback warnings (once per op and process) are not the output
+        exec(m.group(1), namespace)  # noqa: S102
+    documented = m.group(2).splitlines()
+    assert documented[-1] == "..."
+    assert out.getvalue().splitlines()[:len(documented) - 1] == documented[:-1]
+
+
 # ------------------------------------------------------------------------------------------ commands that parse
 # Every command of a ```bash block is checked as written, short of running it (most train or sweep for minutes):
 # its program is one this repository provides and its arguments are ones that program accepts. Python entry
