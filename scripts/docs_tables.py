@@ -299,6 +299,21 @@ def _lce_job_ratio(case: str, schedule: str, mode: str, end: str) -> Callable[[]
     return value
 
 
+def _lce_over(case: str, schedule: str, mode: str, over: str) -> Callable[[], str]:
+    """How far trnkit's mid of one cross_entropy_peak row is over ``over`` (a percentage): ``"bound"``, the
+    ``6 N H V`` TensorE bound (the lm_head and gradient matmuls, forward + backward), or ``"mid"`` (the row's
+    pessimistic end over its mid)."""
+    def value() -> str:
+        rows = {r["mode"]: r for r in _lce_rows() if (r["case"], r["schedule"]) == (case, schedule)}
+        if mode not in rows:
+            raise LookupError(f"cross_entropy_peak.csv: no {case} {schedule} {mode} row")
+        if over == "mid":
+            return f"{float(rows[mode]['trnkit_us_high']) / float(rows[mode]['trnkit_us_mid']) - 1:.1%}"
+        bound = float(rows["forward + backward"]["matmul_bound_us"])
+        return f"{float(rows[mode]['trnkit_us_mid']) / bound - 1:.1%}"
+    return value
+
+
 def _lce_fused_fraction(case: str, end: str) -> Callable[[], str]:
     """The one-pass kernel's forward at ``end`` (_mid, _high) as a fraction of its ``6 N H V`` TensorE bound (the
     lm_head and gradient matmuls' bound, forward + backward) in cross_entropy_peak.csv."""
@@ -1338,6 +1353,26 @@ QUOTES = (
     Quote("docs/benchmarks.md", "arithmetic): {} us at LNC=1 and {} us at LNC=2 at mid, {}× and {}× the exact "
           "forward's time", "attention_peak.csv forward, fixed shift, fallback",
           (_fallback_cost("1")[0], _fallback_cost("2")[0], _fallback_cost("1")[1], _fallback_cost("2")[1])),
+    Quote("docs/benchmarks.md", "the forward at 8,192² with 3 heads reaches {} of peak at mid",
+          "attention_peak.csv forward 8192 3 / 3 LNC=2", csv_cell("attention_peak.csv", "peak_frac_mid", {
+              "kernel": "trnkit", "mode": "forward", "S": "8192", "Hq": "3", "Hk": "3", "lnc": "2"}, "{:.1%}")),
+    Quote("docs/benchmarks.md", "**Whole job, fused schedule**: {}× (30B-A3B) and {}× (4B) the same job's time at "
+          "mid, {}× and {}× at the pessimistic end, against {}× and {}× at mid, {}× and {}× pessimistic for the "
+          "recompute schedule", "cross_entropy_peak.csv forward + backward rows", tuple(
+              _lce_job_ratio(case, schedule, "forward + backward", end) for schedule in ("fused", "recompute")
+              for end in ("_mid", "_high") for case in ("Qwen3-30B-A3B", "Qwen3-4B"))),
+    Quote("docs/benchmarks.md", "kernel's mid estimate is {} (30B-A3B) and {} (4B) over that",
+          "cross_entropy_peak.csv fused forward vs 6 N H V", tuple(
+              _lce_over(case, "fused", "forward", "bound") for case in ("Qwen3-30B-A3B", "Qwen3-4B"))),
+    Quote("docs/benchmarks.md", "reordering) is {} over mid", "cross_entropy_peak.csv 4B fused forward",
+          _lce_over("Qwen3-4B", "fused", "forward", "mid")),
+    Quote("docs/benchmarks.md", "Its backward takes {}× (30B-A3B) and {}× (4B) the same job's backward at mid ({}× "
+          "and {}× pessimistic)", "cross_entropy_peak.csv recompute backward rows", tuple(
+              _lce_job_ratio(case, "recompute", "backward", end) for end in ("_mid", "_high")
+              for case in ("Qwen3-30B-A3B", "Qwen3-4B"))),
+    Quote("docs/benchmarks.md", "it runs {} (30B-A3B) and {} (4B) over that TensorE time at mid",
+          "cross_entropy_peak.csv recompute backward vs 6 N H V", tuple(
+              _lce_over(case, "recompute", "backward", "bound") for case in ("Qwen3-30B-A3B", "Qwen3-4B"))),
 )
 
 
