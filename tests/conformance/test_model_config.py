@@ -105,7 +105,9 @@ def test_model_config_rows_carry_their_parameters_through_the_family_builders():
     cte = [c for c in model.values() if c.kernel == "core/mlp/mlp_tkg" and c.rejected_by]
     fp8 = [c for c in cte if c.rejected_by == cases_model_config.MLP_CTE_FP8_RULE]
     assert len(fp8) == 83 and all("x fp8" in c.name for c in fp8)
-    assert all("x fp8" not in c.name and c.rejected_by == cases_model_config.HEAP_OOM for c in cte if c not in fp8)
+    assert all("x fp8" not in c.name and c.rejected_by in (cases_model_config.HEAP_OOM,
+                                                           cases_model_config.MLP_CTE_I_SHARD_OOB)
+               for c in cte if c not in fp8)
     assert all(c.xfail == cases_model_config.MOE_TKG_XFAIL and c.xfail_check is not None
                for c in model.values() if c.kernel == "core/moe/moe_tkg")
     # test_mlp_tkg_unit skips every row above 96 tokens (pytest.skip before the kernel): 83 bf16, 83 fp8
@@ -273,3 +275,52 @@ def test_attention_block_rows_whose_qk_norm_matmul_passes_512_columns_carry_that
     assert "1024 columns" in row.note
     # rows at or under 512 columns keep no refusal (ROW rows keep theirs: qkv_tkg's check comes first)
     assert all(not c.rejected_by for c in every if not c.name.startswith("fp8 row") and c not in norm)
+
+
+def test_mlp_cte_shards_on_intermediate_as_calculate_sharding_decides():
+    """nki-library's calculate_sharding, worked by hand: 2 cores, <= 256 tokens, no bias -> on I (H = 8,192, I =
+    1,792); a projection bias or 257 tokens -> on B x S (I = 1,792 is not above 2,048); I = 2,304 (> 2,048, a
+    multiple of 256) -> on I with any tokens or cores; H = 5,120 or I = 896 -> never; I = 4,352 (> 4,096) -> always,
+    even at H = 4,096."""
+    on_i = cases_model_config.mlp_cte_shards_on_intermediate
+    assert on_i(2, 128, 8192, 1792, False) and on_i(2, 256, 8192, 3584, False)
+    assert not on_i(2, 128, 8192, 1792, True) and not on_i(2, 257, 8192, 1792, False)
+    assert not on_i(1, 128, 8192, 1792, False)
+    assert on_i(1, 512, 8192, 2304, True)
+    assert not on_i(2, 128, 5120, 1792, False) and not on_i(2, 128, 8192, 896, False)
+    assert on_i(1, 4096, 4096, 4352, True)
+
+
+@needs_checkout
+def test_mlp_tkg_rows_on_mlp_ctes_intermediate_sharded_path_with_b_over_1_carry_its_out_of_bounds_read():
+    """Exactly the 6 bf16 model rows above 96 tokens whose mlp_cte run shards on I with B > 1 (H = 8,192, I = 1,792
+    or 3,584; B x S = 128, 160 or 256 on 2 cores): mlp_cte loops batch_idx over B there while each token tile spans
+    all B x S tokens, and reads past hidden_tensor. The same sizes at B = 1 or on B x S (320 tokens) carry none."""
+    model = [c for c in cases_model_config.model_config_cases(ROOT) if c.kernel == "core/mlp/mlp_tkg"]
+    oob = [c for c in model if c.rejected_by == cases_model_config.MLP_CTE_I_SHARD_OOB]
+    assert sorted(c.shapes for c in oob) == sorted(f"B={b} S={s} H=8192 I={i}" for b, s in ((32, 5), (128, 1),
+                                                                                             (256, 1))
+                                                   for i in (1792, 3584))
+    assert all(c.lnc == 2 and c.name.startswith("bf16 ") and c.skipped_by for c in oob)
+    assert all(cases_model_config.MLP_CTE_I_SHARD_OOB_NOTE in c.note for c in oob)
+    wide = next(c for c in model if c.shapes == "B=64 S=5 H=8192 I=1792" and c.name.startswith("bf16 rms_norm"))
+    assert not wide.rejected_by
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
+def test_an_intermediate_sharded_mlp_cte_row_is_refused_at_its_out_of_bounds_read():
+    """B = 128, S = 1, H = 8,192, I = 1,792: batch 1's read of hidden_tensor spans elements [8,192, 1,056,767] of its
+    1,048,576 (128 tokens from token 1): REJECTED with the refusal the case names, which the run accepts; a case
+    without it (the same row, rejected_by taken away) is not accepted."""
+    import dataclasses
+
+    case = next(c for c in cases_model_config.model_config_cases(ROOT) if c.kernel == "core/mlp/mlp_tkg"
+                and c.shapes == "B=128 S=1 H=8192 I=1792" and c.name.startswith("bf16 rms_norm"))
+    row = harness.run_case(case, ROOT)
+    assert (row.result, row.verdict) == (harness.SKIPPED, harness.REJECTED), harness.format_row(row)
+    assert "dma_copy: tensor 'hidden_tensor': access [8192, 1056767] out of bounds for storage of 1048576 " \
+        "elements" in row.message, row.message
+    assert harness.row_ok(case, row)
+    assert not harness.row_ok(dataclasses.replace(case, rejected_by=""), row)

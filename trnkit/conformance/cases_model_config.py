@@ -79,6 +79,30 @@ MLP_CTE_FP8_NOTE = ("B x S > 96 runs mlp_cte, whose fp8-weight path expects fp8 
                     "its Tensor Engine transpose writes bf16 data into an fp8 PSUM tile, which nki.isa.nc_transpose "
                     "forbids (dst dtype must equal data dtype)")
 MX = "MX"  # a row value naming an MX dtype (the x4-packed ones) or an MX quantization type
+# mlp_cte's intermediate-sharded path (nki-library d2ad3a5) reads past its hidden input when B > 1:
+# _mlp_cte_single_shard loops batch_idx over B when the shards are on I (mlp_cte.py, "the outer loop range is the
+# batch size"), while each of its token tiles still spans all B x S tokens (MLPCTEConstants.get_bxs_size,
+# mlp_cte_tile_info.py), so load_hidden_tensor_tile reads B x S rows from batch_idx x S x H (mlp_cte_tensor_io.py):
+# batch 1 of B = 128, S = 1, H = 8,192 reads elements [8,192, 1,056,767] of 1,048,576. The interpreter's DMA bound
+# check refuses it; on a device an out-of-bounds DMA access surfaces at execution as an NrtError from the runtime
+# (AWS Neuron docs, "Tutorial: Test and debug a NKI kernel end-to-end with nrtpy": "Not all kernel bugs are caught at
+# compile time. Some produce valid NEFFs that only fail at execution - for example, out-of-bounds memory access").
+MLP_CTE_I_SHARD_OOB = "tensor 'hidden_tensor': access ["
+MLP_CTE_I_SHARD_OOB_NOTE = ("mlp_cte shards these rows on I (mlp_cte_sharding.calculate_sharding) and on that path "
+                            "loops batch_idx over B while each token tile spans all B x S tokens, so batch 1 on reads "
+                            "past the end of hidden_tensor: nki-library's kernel, not the interpreter (an "
+                            "out-of-bounds DMA, which the Neuron runtime refuses at execution); nki-library's test "
+                            "skips these rows and no mlp_cte unit row takes that path with B > 1")
+
+
+def mlp_cte_shards_on_intermediate(lnc: int, bxs: int, h: int, i: int, bias: bool) -> bool:
+    """mlp_cte's choice of sharding on I rather than on B x S (``mlp_cte_sharding.calculate_sharding``, nki-library
+    d2ad3a5): with 2 cores, at most 256 tokens and no projection bias, or I above 2,048 and a multiple of 256; never
+    below H = 7,168 or I = 1,024; always above I = 4,096."""
+    on_i = (lnc == 2 and bxs <= 256 and not bias) or (i > 2048 and i % 256 == 0)
+    if h < 7168 or i < 1024:
+        on_i = False
+    return on_i or i > 4096
 
 
 def _mlp_tkg(r: list) -> Case | None:
@@ -93,9 +117,12 @@ def _mlp_tkg(r: list) -> Case | None:
         if b * s <= TKG_BS_SEQLEN_THRESHOLD:
             return case
         case = dataclasses.replace(case, skipped_by=MLP_TKG_SKIP.format(b * s))
-        if (h, i) not in MLP_CTE_BF16_HEAP_OOM:
-            return case
-        return dataclasses.replace(case, rejected_by=HEAP_OOM, note=f"{case.note}; {MLP_CTE_BF16_HEAP_NOTE}")
+        if (h, i) in MLP_CTE_BF16_HEAP_OOM:
+            return dataclasses.replace(case, rejected_by=HEAP_OOM, note=f"{case.note}; {MLP_CTE_BF16_HEAP_NOTE}")
+        if b > 1 and mlp_cte_shards_on_intermediate(lnc, b * s, h, i, gb or ub or db):
+            return dataclasses.replace(case, rejected_by=MLP_CTE_I_SHARD_OOB,
+                                       note="; ".join(n for n in (case.note, MLP_CTE_I_SHARD_OOB_NOTE) if n))
+        return case
     _expect(r, not (fused or skip) and gb == ub == db, "no fused add or skip_gate, all or no biases")
     case = mlp_tkg_quant_case(lnc, b, s, h, i, quant, norm, gb, gate_col, down_col, swapped)
     if b * s <= TKG_BS_SEQLEN_THRESHOLD:
