@@ -221,15 +221,16 @@ def _next_runnable(todo: list[dict]) -> tuple[dict, float] | None:
     return None
 
 
-def _group(entry: dict) -> tuple[str, str]:
-    """A plan entry's kernel (its case id's first field) and tier."""
-    return entry["case_id"].split("|", 1)[0], entry["tier"]
+def _group(entry: dict) -> tuple[str, str, bool]:
+    """A plan entry's kernel (its case id's first field), tier, and whether it needs the 14 GB cap (such rows wait
+    for an idle machine, so they form their own group rather than hold back their kernel's smaller rows)."""
+    return entry["case_id"].split("|", 1)[0], entry["tier"], entry["est_gb"] > CAP_GB
 
 
 def coverage_order(plan: list[dict]) -> list[dict]:
-    """``plan`` round-robin over its (kernel, tier) groups, each group cheapest first; in each round the groups go
-    in the order of their cheapest remaining row. So a kernel with few rows left gets run time while another has
-    hours of cheaper rows."""
+    """``plan`` round-robin over its (kernel, tier, 14 GB cap) groups (:func:`_group`), each group cheapest first;
+    in each round the groups go in the order of their cheapest remaining row. So a kernel with few rows left gets run
+    time while another has hours of cheaper rows."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for e in sorted(plan, key=lambda e: e["est_cpu_s"]):
         groups.setdefault(_group(e), []).append(e)

@@ -115,4 +115,8 @@ def test_coverage_order_takes_one_row_of_each_kernel_and_tier_in_turn_cheapest_f
         ("attn", "model_config", 30.0), ("attn", "model_config", 40.0)]
     assert sorted(map(id, order)) == sorted(map(id, attn + moe + attn_reduced))  # every row once
     assert runner.coverage_order([]) == []
+    big, small = {**_entry("red", "reduced", 5.0), "est_gb": 9.0}, _entry("red", "reduced", 80.0)
+    later = [_entry("red", "reduced", s) | {"est_gb": 9.0} for s in (6.0, 7.0)]
+    # rows needing the 14 GB cap are a group of their own: a busy machine skips them, not the kernel's small rows
+    assert runner.coverage_order([big, small, *later, *moe]) == [big, moe[0], small, *later]
     assert [e["est_cpu_s"] for e in runner.ORDERS["cheapest"](attn + moe)] == [10.0, 20.0, 30.0, 40.0, 50.0]
