@@ -1128,11 +1128,23 @@ def _bench_min(kernel: str, mode: str, x_name: str, metric: str = "fraction_of_r
 
 
 QK_NORM = "qk-norm flavor (one launch, LNC=2)"  # bench.csv: the q and k head norms in one rmsnorm_qk launch
+Q_NORM = "q-norm flavor (LNC=2)"  # bench.csv: the q head norm alone
 
 
 def _bench_frac(kernel: str, mode: str, x_name: str, x_value: str, column: str = "p20") -> Callable[[], str]:
     """A bench.csv fraction of roofline (p20: the pessimistic end, p50: mid)."""
     return csv_cell("bench.csv", column, _bench(kernel, mode, "fraction_of_roofline", x_name, x_value), "{:.1%}")
+
+
+def _head_norm_row(x_name: str, flavor: str) -> tuple[Callable[[], str], ...]:
+    """A bench.csv head-norm launch (rmsnorm, 2,048 tokens, LNC=2) as kernels.md's table row gives it: forward
+    low / mid / high (us) and its fraction of the bound at the pessimistic end, then the same of the backward."""
+    out: list[Callable[[], str]] = []
+    for mode in ("forward", "backward"):
+        time = _bench("rmsnorm", mode, "est_time", x_name, flavor)
+        out += [csv_cell("bench.csv", c, time, "{:.1f}") for c in ("p20", "p50", "p80")]
+        out.append(_bench_frac("rmsnorm", mode, x_name, flavor))
+    return tuple(out)
 
 
 def _low_mid_high(case: str) -> tuple[Callable[[], str], ...]:
@@ -1375,6 +1387,13 @@ QUOTES = (
     Quote("docs/benchmarks.md", "it runs {} (30B-A3B) and {} (4B) over that TensorE time at mid",
           "cross_entropy_peak.csv recompute backward vs 6 N H V", tuple(
               _lce_over(case, "recompute", "backward", "bound") for case in ("Qwen3-30B-A3B", "Qwen3-4B"))),
+    Quote("docs/kernels.md", "| q, 16 heads (0.6B) | {} / {} / {} | {} | {} / {} / {} | {} |",
+          "bench.csv rmsnorm q-norm 0.6B", _head_norm_row(Q_NORM, "0.6B")),
+    Quote("docs/kernels.md", "| q, 32 heads (4B, 30B-A3B) | {} / {} / {} | {} | {} / {} / {} | {} |",
+          "bench.csv rmsnorm q-norm 4B", _head_norm_row(Q_NORM, "4B")),
+    *(Quote("docs/kernels.md", f"| **`rmsnorm_qk`, {flavor} ({heads})** | {{}} / {{}} / {{}} | **{{}}** | "
+            "{} / {} / {} | {} |", f"bench.csv rmsnorm qk-norm {flavor}", _head_norm_row(QK_NORM, flavor))
+      for flavor, heads in (("0.6B", "16 + 8 heads"), ("4B", "32 + 8"), ("30B-A3B", "32 + 4"))),
 )
 
 
