@@ -1136,6 +1136,24 @@ def _bench_frac(kernel: str, mode: str, x_name: str, x_value: str, column: str =
     return csv_cell("bench.csv", column, _bench(kernel, mode, "fraction_of_roofline", x_name, x_value), "{:.1%}")
 
 
+FLAVORS = ("0.6B", "4B", "30B-A3B")
+
+
+def _head_norm_end(mode: str, x_name: str, flavor: str) -> tuple[Callable[[], str], ...]:
+    """A bench.csv head-norm launch's pessimistic-end time (us) and fraction of the bound, then its mid time and
+    fraction."""
+    time = _bench("rmsnorm", mode, "est_time", x_name, flavor)
+    return (csv_cell("bench.csv", "p80", time, "{:.1f}"), _bench_frac("rmsnorm", mode, x_name, flavor),
+            csv_cell("bench.csv", "p50", time, "{:.1f}"), _bench_frac("rmsnorm", mode, x_name, flavor, "p50"))
+
+
+def _mid_then_high(ends: tuple[Callable[[], str], ...]) -> tuple[Callable[[], str], ...]:
+    """:func:`_head_norm_end`'s values in the order "mid time, pessimistic time (mid fraction / pessimistic
+    fraction)"."""
+    high, high_frac, mid, mid_frac = ends
+    return mid, high, mid_frac, high_frac
+
+
 def _head_norm_row(x_name: str, flavor: str) -> tuple[Callable[[], str], ...]:
     """A bench.csv head-norm launch (rmsnorm, 2,048 tokens, LNC=2) as kernels.md's table row gives it: forward
     low / mid / high (us) and its fraction of the bound at the pessimistic end, then the same of the backward."""
@@ -1394,6 +1412,14 @@ QUOTES = (
     *(Quote("docs/kernels.md", f"| **`rmsnorm_qk`, {flavor} ({heads})** | {{}} / {{}} / {{}} | **{{}}** | "
             "{} / {} / {} | {} |", f"bench.csv rmsnorm qk-norm {flavor}", _head_norm_row(QK_NORM, flavor))
       for flavor, heads in (("0.6B", "16 + 8 heads"), ("4B", "32 + 8"), ("30B-A3B", "32 + 4"))),
+    Quote("docs/kernels.md", "The estimate is {} µs at the pessimistic end ({}), {} µs mid ({}); at 32 heads "
+          "(Qwen3-4B, 30B-A3B) {} µs ({}), {} µs mid", "bench.csv rmsnorm q-norm forward 0.6B, 4B",
+          _head_norm_end("forward", Q_NORM, "0.6B") + _head_norm_end("forward", Q_NORM, "4B")[:3]),
+    Quote("docs/kernels.md", "The estimate is {} µs mid, {} µs at the pessimistic end ({} / {})",
+          "bench.csv rmsnorm q-norm backward 0.6B", _mid_then_high(_head_norm_end("backward", Q_NORM, "0.6B"))),
+    Quote("docs/kernels.md", "add: {} / {} / {} µs ({} / {} / {}; mid {} / {} / {})",
+          "bench.csv rmsnorm qk-norm backward",
+          tuple(_head_norm_end("backward", QK_NORM, f)[k] for k in (0, 1, 3) for f in FLAVORS)),
 )
 
 
