@@ -27,6 +27,7 @@ PYTHON = sys.executable
 CAP_GB, BIG_CAP_GB = 8.0, 14.0
 BIG_MAX_LOAD, BIG_MIN_AVAILABLE_GB = 6.0, 16.0  # a 14 GB row starts only on a machine this idle
 KILL_AVAILABLE_GB = 5.0  # any child is killed when MemAvailable falls under this
+START_HEADROOM_GB = 1.0  # a row starts only while MemAvailable exceeds the kill line by its estimate (at least this)
 PAUSE_LOAD, RESUME_LOAD, PAUSE_AFTER_S = 8.0, 6.0, 120.0
 NICE = 5
 SCRATCH = Path("/tmp/conformance_runner")
@@ -202,7 +203,12 @@ def _why_kill(peak_gb: float, cap_gb: float, deadline: float) -> str:
 
 def cap_for(est_gb: float, load: float, available_gb: float) -> float | None:
     """The memory cap (GB) a row estimated at ``est_gb`` starts under on a machine at this load average and
-    MemAvailable, or None: not now (an 8-14 GB row on a busy machine) or never (estimated over 14 GB)."""
+    MemAvailable, or None: not now (an 8-14 GB row on a busy machine; any row whose estimate, or
+    :data:`START_HEADROOM_GB`, would take MemAvailable under the kill line) or never (estimated over 14 GB)."""
+    if est_gb > BIG_CAP_GB:
+        return None
+    if available_gb < KILL_AVAILABLE_GB + max(est_gb, START_HEADROOM_GB):
+        return None
     if est_gb <= CAP_GB:
         return CAP_GB
     if est_gb <= BIG_CAP_GB and load < BIG_MAX_LOAD and available_gb > BIG_MIN_AVAILABLE_GB:
@@ -277,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
             commit = snapshot(snap, args.commit)
             todo = _todo(scratch, snap, env, args.order)
         runnable = _next_runnable(todo)
-        if runnable is None:  # only 14 GB rows left, and the machine is busy
+        if runnable is None:  # the machine is short of memory, or only 14 GB rows are left and it is busy
             time.sleep(60)
             continue
         entry, cap = runnable

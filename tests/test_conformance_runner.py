@@ -55,8 +55,10 @@ def test_reduced_shapes_read_as_reduced_values():
 
 
 @pytest.mark.parametrize("est, load, avail, cap", [
-    (0.3, 12.0, 2.0, 8.0),  # within 8 GB: always, at 8
-    (8.0, 12.0, 2.0, 8.0),
+    (0.3, 12.0, 6.1, 8.0),  # within 8 GB: at any load, at 8 ...
+    (8.0, 12.0, 13.1, 8.0),
+    (0.3, 0.0, 5.9, None),  # ... but only with MemAvailable 1 GB over the 5 GB kill line
+    (7.0, 0.0, 11.9, None),  # ... or the row's estimate over it
     (9.5, 5.9, 16.1, 14.0),  # 8-14 GB on an idle machine: at 14
     (9.5, 6.0, 20.0, None),  # ... not while the load average is 6 or more
     (9.5, 1.0, 16.0, None),  # ... nor with 16 GB available or less
