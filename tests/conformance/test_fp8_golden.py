@@ -510,8 +510,9 @@ def test_the_b1_h8192_row_misses_because_its_golden_keeps_the_quantized_input_in
     assert np.count_nonzero(gold_k != rounded_k) == 15
     row = harness.run_case(case, ROOT)
     assert (row.result, row.verdict) == (harness.GOLDEN_GAP, harness.MISMATCH), harness.format_row(row)
-    assert "of the kernel's own QKV projection and Q / K / V" in row.message and "rounded reference" not in \
-        row.message and "6 bf16 roundings at the products' magnitude" in row.message, row.message
+    assert "of the kernel's own QKV projection, Q / K / V and attention output" in row.message \
+        and "rounded reference" not in row.message and "6 bf16 roundings at the products' magnitude" in row.message, \
+        row.message
     assert "K_cache_updated: the kernel is at cosine 1.00000 (>= 0.9999) from the reference fed them, the golden " \
         "fails the test against it (max|err| 64)" in row.message, row.message
     assert harness.row_ok(case, row)
@@ -594,7 +595,7 @@ def test_the_8_head_row_is_golden_gap_on_the_kernels_tapped_tiles():
     case = _tapped_row()
     row = harness.run_case(case, ROOT)
     assert row.result == harness.GOLDEN_GAP and harness.row_ok(case, row), harness.format_row(row)
-    assert "of the kernel's own QKV projection and Q / K / V" in row.message
+    assert "of the kernel's own QKV projection, Q / K / V and attention output" in row.message
     assert "products: 2 tile(s) within their bound, the nearest to it rank 0 core 1 products all 10240 values " \
         "exactly the exact product of the core's tapped input and weight rows" in row.message, row.message
     assert "PSUM: 2 tile(s) within their bound, the nearest to it rank 0 core 1 PSUM 12 partial sums, the nearest " \
@@ -628,6 +629,62 @@ def test_the_qkv_cte_route_row_is_golden_gap_on_the_kernels_tapped_tiles():
                          ("V_cache_updated", "max|err| 120")):
         assert f"{name}: the kernel is at cosine 1.00000 (>= 0.9999) from the reference fed them, the golden fails " \
             f"the test against it ({figure})" in row.message, row.message
+
+
+# the 8-head, 262,144-position row whose out-projection input scale (1.86e-5) saturates 1,023 of its 1,024 fp8
+# inputs: the one left is a cancellation in head 6 (0.964 x -1.5 + 0.036 x 40 = -0.0011, the kernel's -0.0056)
+LONG_ROW = ("fp8 static qk_norm_pre_rope qk_norm_pre_rope_gamma transposed_out kv_quant model_config GENERALITY",
+            "B=1 q_heads=8 d=128 H=4096 S_ctx=262144/262144 S=1")
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
+def test_the_long_context_row_is_golden_gap_on_the_kernels_attention_tile():
+    """B = 1, 8 heads, S_ctx = 262,144 (1.1 GB). Fed the kernel's Q / K / V alone, the reference's X_out was at cosine
+    0.99971 from the kernel's (< 0.9999: MISMATCH): the output projection's STATIC input scale, 1.86e-5, clips
+    every attention value but one to +-240 in fp8, and that one (head 6, d 120) is a cancellation, -0.0011 exactly,
+    -0.0056 from the kernel's bf16 softmax weights (0.16 % of its terms' 2.89), which moves its fp8 input from -60
+    to the -240 clip. The attention tile is within its derived bound of the exact attention of the kernel's Q / K / V
+    (0.74 of it at most, on a value of 16.3 whose bf16 rounding is most of it), the reference fed that tile
+    reproduces X_out (cosine 1.00000), and the golden fails the test against it (cosine 0.9707): GOLDEN_GAP."""
+    case = _tapped_row(LONG_ROW)
+    row = harness.run_case(case, ROOT)
+    assert row.result == harness.GOLDEN_GAP and harness.row_ok(case, row), harness.format_row(row)
+    assert "attention: 2 tile(s) within their bound, the nearest to it rank 0 core " in row.message \
+        and " attention max|err| 0.74 of the bound (bf16 softmax weights, float32 sums; derived per element at its " \
+        "terms' magnitude): at (0, 0, 5, 0) -16.375 for the exact -16.318" in row.message, row.message
+    assert "X_out: the kernel is at cosine 1.00000 (>= 0.9999) from the reference fed them, the golden fails the " \
+        "test against it (cosine 0.9707)" in row.message, row.message
+
+
+@needs_checkout
+@pytest.mark.slow
+@pytest.mark.model_config
+def test_an_attention_tile_off_its_exact_value_stays_a_mismatch(monkeypatch):
+    """The B = 8, 8-head row (GOLDEN_GAP as the kernel is) with attention_tkg's output scaled by 1.01 before the
+    output projection reads it: the reference fed that tile would reproduce X_out, but the tile is beyond its bound of
+    the exact attention of the kernel's Q / K / V (about one bf16 rounding where one position carries the softmax):
+    MISMATCH on rank 0 core 0's attention tile."""
+    case = _tapped_row()
+
+    def scaled(attention_tkg):  # (called inside the row's run: its modules)
+        import nki.isa as nisa
+        import nki.language as nl
+
+        def off(*a, **kw):
+            out, k_out = attention_tkg(*a, **kw)
+            nisa.tensor_scalar(dst=out, data=out, op0=nl.multiply, operand0=1.01)
+            return out, k_out
+        return off
+
+    _wrapped_during_tap(monkeypatch, f"{cases_transformer.LIB}.experimental.transformer.attention_block_tkg:"
+                        "attention_tkg", scaled)
+    row = harness.run_case(case, ROOT)
+    assert row.result == harness.MISMATCH and not harness.row_ok(case, row), harness.format_row(row)
+    assert "not GOLDEN_GAP: tapped rank 0 core 0 attention: max|err| " in row.message and " of the bound (bf16 " \
+        "softmax weights, float32 sums; derived per element at its terms' magnitude): at (" in row.message \
+        and row.message.endswith("beyond its bound"), row.message
 
 
 @needs_checkout

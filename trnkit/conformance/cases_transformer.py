@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import io
 import sys
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .attention_bound import attention_exact_and_bound, attention_tile_check
 from .cases_attention_tkg import _flat_compare
 from .cases_moe_experimental import _checkout
 from . import harness
@@ -283,7 +285,8 @@ KERNEL_COMMON = "test/integration/nkilib/utils/test_kernel_common.py"  # importe
 
 def attention_block_golden(lnc: int, batch_chunk: int = 0, cache_rows: tuple[int, int] | None = None,
                            tile_rounding: bool = False, qkv_out: Any = None, attention_in: Any = None,
-                           capture: dict[str, np.ndarray] | None = None, **kw: Any) -> dict[str, np.ndarray]:
+                           capture: dict[str, np.ndarray] | None = None, attention_out: Any = None,
+                           attention_exact: dict[str, np.ndarray] | None = None, **kw: Any) -> dict[str, np.ndarray]:
     """``AttentionBlockTkgTorchRef(lnc)`` with its outputs cast to the kernel's dtypes, as the test does
     (X_out in X's dtype, the K / V outputs in the cache's: bf16, or fp8 for an fp8 cache); ``batch_chunk``
     batch rows at a time when given (:func:`_golden_in_batch_chunks`, which ``cache_rows`` goes to);
@@ -291,15 +294,19 @@ def attention_block_golden(lnc: int, batch_chunk: int = 0, cache_rows: tuple[int
     (:func:`tile_rounded_reference`); ``qkv_out``: the QKV projection's output ``[B*S, I]`` to use in place of
     the reference's own, ``attention_in``: the (unscaled Q, fp8 K, fp8 V) attention reads in place of the
     reference's, ``capture``: filled with the Q, K, V the reference's attention reads (Q unscaled; K, V as
-    ``_quantize_kv_to_fp8`` returns them, unrounded without ``tile_rounding``) (the kernel's tapped tiles,
-    :class:`.harness.TappedReference`: :func:`_tapped_projection`)."""
+    ``_quantize_kv_to_fp8`` returns them, unrounded without ``tile_rounding``), ``attention_out``: the attention
+    output ``[D, B, N, S]`` the output projection reads in place of the reference's, ``attention_exact``: filled with
+    the reference's attention output computed exactly and the bound of the kernel's computation of it
+    (:func:`_attention_output`) (the kernel's tapped tiles, :class:`.harness.TappedReference`:
+    :func:`_tapped_projection`)."""
     with test_package_modules(KERNEL_COMMON):
         ref = importlib.import_module(f"{LIB}.experimental.transformer.attention_block_tkg_torch")
     kv_dt = FP8 if kw.get("k_scale") is not None else BF16
     with tile_rounded_reference(ref) if tile_rounding else contextlib.nullcontext(), \
-            _qkv_replaced(ref, qkv_out), _attention_inputs(ref, attention_in, capture):
+            _qkv_replaced(ref, qkv_out), _attention_inputs(ref, attention_in, capture), \
+            _attention_output(ref, attention_out, attention_exact):
         if batch_chunk:
-            if qkv_out is not None or attention_in is not None or capture is not None:
+            if any(a is not None for a in (qkv_out, attention_in, capture, attention_out, attention_exact)):
                 raise NotImplementedError("attention_block_golden: a fed qkv_out with batch_chunk")
             return _golden_in_batch_chunks(ref.AttentionBlockTkgTorchRef(lnc), batch_chunk, kv_dt, kw, cache_rows)
         out = ref.AttentionBlockTkgTorchRef(lnc)(**kw)
@@ -823,6 +830,78 @@ def _attention_inputs(ref: Any, fed: Any, capture: dict[str, np.ndarray] | None)
             run, quantize, rope, post
 
 
+@contextlib.contextmanager
+def _attention_output(ref: Any, fed: Any, exact: dict[str, np.ndarray] | None) -> Iterator[None]:
+    """Inside the block the reference's attention output (``_run_attention``'s, ``[B, N, D, S]``) is ``fed`` (the
+    kernel's, ``[D, B, N, S]`` as its output projection reads it) when given; ``exact`` gets ``"exact"`` and
+    ``"bound"`` (``[B, N, D, S]``): that output computed exactly from the arguments the reference's
+    ``_attention_tkg_fwd_ref`` gets (its Q, K / V caches with the new token's entries, mask) and the bound of the
+    kernel's computation of it (:func:`.attention_bound.attention_exact_and_bound`); the reference's own float32
+    output must lie within it (a check of the layouts read). Nothing changes when both are None."""
+    import torch
+
+    if fed is None and exact is None:
+        yield
+        return
+    cls = ref.AttentionBlockTkgTorchRef
+    run = cls._run_attention
+    fwd_module = importlib.import_module(f"{LIB}.core.attention.attention_tkg_torch")
+    fwd = fwd_module._attention_tkg_fwd_ref
+
+    def bounded(*a: Any, **kw: Any) -> Any:
+        arg = inspect.signature(fwd).bind(*a, **kw).arguments
+        if arg.get("sink") is not None:
+            raise NotImplementedError("attention_block_tkg: no attention bound with a sink (no tapped row has one)")
+        result = fwd(*a, **kw)  # (it writes the new token's K / V into its own clones of the caches)
+        exact["exact"], exact["bound"] = _exact_attention(*(arg[n] for n in (
+            "q", "k_active", "v_active", "k_prior", "v_prior", "active_mask")))
+        return result
+
+    def attention(self: Any, *a: Any, **kw: Any) -> Any:
+        if fed is not None:
+            return torch.from_numpy(np.asarray(fed, np.float32).transpose(1, 2, 0, 3).copy())
+        out = run(self, *a, **kw)
+        if "exact" not in exact:
+            raise RuntimeError("attention_block_tkg: the reference's attention did not reach _attention_tkg_fwd_ref")
+        ref_out = out.double().numpy()
+        off = np.abs(ref_out - exact["exact"]) > exact["bound"]
+        if off.any():
+            at = tuple(int(i) for i in np.argwhere(off)[0])
+            raise RuntimeError(f"attention_block_tkg: the reference's attention output is off its exact value at "
+                               f"{int(off.sum())} elements (a layout read wrong), the first at {at}: "
+                               f"{ref_out[at]!r} for {exact['exact'][at]!r}, bound {exact['bound'][at]!r}")
+        return out
+
+    cls._run_attention = attention
+    if exact is not None:
+        fwd_module._attention_tkg_fwd_ref = bounded
+    try:
+        yield
+    finally:
+        cls._run_attention, fwd_module._attention_tkg_fwd_ref = run, fwd
+
+
+def _exact_attention(q: Any, k_active: Any, v_active: Any, k_prior: Any, v_prior: Any, mask: Any
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """``_attention_tkg_fwd_ref``'s output (``[b, n, d, s]``) computed exactly, and the bound of the kernel's value,
+    one batch row and query at a time (:func:`.attention_bound.attention_exact_and_bound`), from its arguments: q
+    ``[b, n, d, s]``, the new token's K / V ``[b, 1, d, s]`` / ``[b, 1, s, d]``, written over the caches' last ``s``
+    positions as it writes them (K ``[b, 1, d, S]``, V ``[b, 1, S, d]``), mask ``[b, n, S, s]``."""
+    b, n, d, s = q.shape
+    exact = np.zeros((b, n, v_prior.shape[-1], s))
+    bound = np.zeros_like(exact)
+    for i in range(b):
+        k, v = (np.array(c[i, 0].numpy(), np.float64) for c in (k_prior, v_prior))
+        k[:, -s:], v[-s:] = k_active[i, 0].numpy(), v_active[i, 0].numpy()
+        keep = mask[i].numpy() != 0
+        for h in range(n):
+            for t in range(s):
+                exact[i, h, :, t], bound[i, h, :, t] = attention_exact_and_bound(
+                    q[i, h, :, t].double().numpy(), k, v, keep[h, :, t])
+        del k, v
+    return exact, bound
+
+
 # the kernel's tiles tapped for harness.tapped_golden_gap: qkv()'s output in attention_block_tkg (QKV_out, the bf16
 # [B*S, I] tile of the projection that Q, K and V are cut from; unnamed in nki-library: alloc_heap without a name, or
 # qkv_cte's HBM output) and the projection's fp8 quantized input, on the route qkv() takes: up to 128 tokens
@@ -847,6 +926,10 @@ QKV_TKG_ADD_TAPS = tuple(f"{_QKV_TKG}tensor_tensor({a})" for a in ("data1", "dat
 # and the Q, K, V attention reads: _QKV_processing's (Q [d, B*N*S] bf16 before the softmax scale, K [d, B*S] and V
 # [B, 1, S, d] fp8 with a quantized KV cache, V's SBUF copy)
 PROCESSED_TAP = f"{LIB}.experimental.transformer.attention_block_tkg:_QKV_processing"
+# and the attention output the output projection reads (after the KV-data-parallel gather: [d, B, N, S] bf16 in SBUF),
+# as its STATIC quantization reads it: output_projection_tkg's first step on it, activation(dst=attn_sb, data=attn_sb,
+# scale=1 / in_scale) in _load_and_shuffle_attn (its other activation reads the [128, 1] combined scale)
+OUT_PROJ_INPUT_TAP = f"{LIB}.core.output_projection.output_projection_tkg:nisa.activation(data)"
 
 
 def _qkv_tkg_input(quant: list, lnc: int) -> tuple[np.ndarray | None, str]:
@@ -1118,7 +1201,7 @@ def _qkv_tkg_checks(rank: int, quant: list, w: np.ndarray, kw: dict[str, Any], m
 
 
 def _tapped_projection(lnc: int, d: int, label: str) -> Callable[..., list]:
-    """For :class:`.harness.TappedReference`, per rank, two stages, each tapped tile against a computation of it
+    """For :class:`.harness.TappedReference`, per rank, three stages, each tapped tile against a computation of it
     from the kernel's own tapped input to that stage:
     (1) the QKV tile, exactly, on either route: on ``qkv_tkg`` (each core half of H for every token, 128-row
     matmuls accumulated in array-tiled PSUM groups, the groups added into a bf16 tile, then the dequantization, the
@@ -1140,7 +1223,14 @@ def _tapped_projection(lnc: int, d: int, label: str) -> Callable[..., list]:
     most, where RoPE's products reach ~2,000 scaled): a derived bound, so Q's tile has no rms test. Without RoPE
     each rounding acts on a value within the row's largest (also derived). With a norm after RoPE, which rescales
     the errors before it by a factor the check does not derive, no bound: the check raises naming the case
-    (:func:`processed_checks`; no row with a tapped check has such a norm)."""
+    (:func:`processed_checks`; no row with a tapped check has such a norm);
+    (3) the attention output the output projection reads (bf16, each core's) against the exact attention of the
+    reference fed the rank's core-0 Q / K / V (its Q softmax-scaled and rounded to bf16 as the kernel's), within the
+    derived bound of :mod:`.attention_bound` (bf16 softmax weights, float32 sums), per element at its own terms'
+    magnitude: an element whose terms cancel is bounded by them, not by its small value. The output projection's
+    STATIC quantization (``attention / in_scale`` clipped to +-240) can amplify such an element's legitimate error
+    to a whole fp8 range (an ``in_scale`` that saturates every other element), so the reference is fed this tile
+    too (:func:`_fed`)."""
     def projection(inputs: dict[str, Any], tapped: dict[str, list], run: Callable[..., dict]) -> list:
         out = []
         ranks = inputs["ranks"] if "ranks" in inputs else [inputs]
@@ -1171,6 +1261,15 @@ def _tapped_projection(lnc: int, d: int, label: str) -> Callable[..., list]:
         for rank, cap in enumerate(captured):
             for program, (q_t, k_t, v_t, _) in sorted((p, v) for r, p, v in tapped[PROCESSED_TAP] if r == rank):
                 out += processed_checks(f"rank {rank} core {program}", cap, q_t, k_t, v_t, label)
+        exact: list[dict[str, np.ndarray]] = [{} for _ in ranks]
+        run(lambda kw: _fed(kw, tapped, exact=exact))
+        for rank, ex in enumerate(exact):
+            tiles = _attention_tiles(tapped, rank)
+            if not tiles:
+                return [(f"rank {rank}: no attention tile read by the output projection", np.zeros(1), np.ones(1), 1,
+                         False)]
+            out += [attention_tile_check(f"rank {rank} core {program} attention", tile.transpose(1, 2, 0, 3),
+                                         ex["exact"], ex["bound"]) for program, tile in tiles]
         return out
     return projection
 
@@ -1198,27 +1297,39 @@ def processed_checks(where: str, cap: dict[str, Any], q_t: Any, k_t: Any, v_t: A
             (f"{where} V", np.asarray(v_t).reshape(cap["V"].shape), cap["V"], 1, True)]
 
 
+def _attention_tiles(tapped: dict[str, list], rank: int) -> list[tuple[int, np.ndarray]]:
+    """The rank's tapped attention tiles (:data:`OUT_PROJ_INPUT_TAP`: the 4-D ``[D, B, N, S]`` operand; the other
+    activation there reads the 2-D combined scale), ``(program, tile)`` by program."""
+    return sorted((p, np.asarray(v.value)) for r, p, v in tapped[OUT_PROJ_INPUT_TAP] if r == rank and v.value.ndim == 4)
+
+
 def _fed(kw: dict[str, Any], tapped: dict[str, list], qkv: bool = False,
-         capture: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
+         capture: list[dict[str, np.ndarray]] | None = None,
+         exact: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
     """The reference's inputs with each rank's core-0 tapped tiles fed in: its QKV tile (``qkv``, unrounded, the
-    Q / K / V attention reads ``capture``d per rank), else the Q, K, V attention reads, rounded as the kernel's
-    other tiles are (``tile_rounding``)."""
+    Q / K / V attention reads ``capture``d per rank), else the Q, K, V attention reads and, unless its exact
+    attention output is asked for (``exact``, per rank: :func:`_attention_output`), the attention output the
+    output projection reads, rounded as the kernel's other tiles are (``tile_rounding``)."""
     def first(spec: str) -> dict[int, Any]:
         return {r: v for r, p, v in sorted(tapped[spec], key=lambda c: (c[0], -c[1]))}
 
     qkv_tiles, processed = first(QKV_TAP), first(PROCESSED_TAP)
 
     def one(g: dict[str, Any], r: int) -> dict[str, Any]:
-        return {**g, "qkv_out": qkv_tiles[r], "capture": capture[r]} if qkv else \
-            {**g, "attention_in": processed[r][:3]}
+        if qkv:
+            return {**g, "qkv_out": qkv_tiles[r], "capture": capture[r]}
+        if exact is not None:
+            return {**g, "attention_in": processed[r][:3], "attention_exact": exact[r]}
+        return {**g, "attention_in": processed[r][:3], "attention_out": _attention_tiles(tapped, r)[0][1]}
     rounding = {} if qkv else {"tile_rounding": True}
     if "golden" in kw:  # (KV-data-parallel: each rank's reference its own tiles; the rounding for all of them)
         return {**kw, **rounding, "golden": [one(g, r) for r, g in enumerate(kw["golden"])]}
     return {**one(kw, 0), **rounding}
 
 
-TAPPED_QKV = ("QKV projection and Q / K / V (qkv()'s bf16 tile and _QKV_processing's tiles, tapped in the run; the "
-              "Q / K / V fed to nki-library's reference)")
+TAPPED_QKV = ("QKV projection, Q / K / V and attention output (qkv()'s bf16 tile, _QKV_processing's tiles and the "
+              "output projection's attention input, tapped in the run; the Q / K / V and the attention output fed to "
+              "nki-library's reference)")
 
 
 def _kv_cache_bytes(b: int, d: int, s_ctx: int, s_max: int, cfg: dict[str, Any]) -> int:
@@ -1258,7 +1369,7 @@ def attention_block_case(b: int, q: int, d: int, h: int, h_actual: int | None, s
     if cfg["quantization_type"] == "STATIC" and cfg["kv_quant"]:
         tkg = QKV_TKG_MATMUL_TAPS + QKV_TKG_ADD_TAPS
         tapped = TappedReference(TAPPED_QKV, (QKV_TAP, QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP, QKV_CTE_PSUM_TAP,
-                                              PROCESSED_TAP) + tkg,
+                                              PROCESSED_TAP, OUT_PROJ_INPUT_TAP) + tkg,
                                  _tapped_projection(lnc, d, f"{_name(cfg)} {shapes}"), _fed,
                                  routes=((QUANTIZED_INPUT_TAP, QKV_CTE_INPUT_TAP),
                                          (QUANTIZED_INPUT_TAP, QKV_CTE_PSUM_TAP))
