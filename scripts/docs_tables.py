@@ -834,23 +834,26 @@ def calibration_nkilib_by_time() -> str:
                    "median recorded - mid (us)", "within +-20 %", "inside low..high"], body)
 
 
-def calibration_nkilib_lnc_pairs() -> str:
-    """nki-library's rows recorded at LNC 1 and at LNC 2 with every other field equal: the recorded LNC 2 time
-    minus half the LNC 1 time (what LNC 2 adds to a perfect split), and the model's mid for the same rows."""
+def _nkilib_lnc_pairs() -> list[tuple[str, dict, dict[int, dict[str, str]]]]:
+    """nki-library's check points recorded at LNC 1 and at LNC 2 with every other field equal: (family, the other
+    fields, {1: LNC 1 point, 2: LNC 2 point}) in nkilib_points.csv's order."""
     with open(CALIBRATION_CSV.parent / "nkilib_points.csv", newline="") as f:
         points = [r for r in csv.DictReader(f) if r["role"] == "check"]
-    est = {r["point"]: r for r in _nkilib_rows() if r["status"] == "ok"}
     pairs: dict[tuple, dict] = {}
     for r in points:
         fields = json.loads(r["fields"])
         lnc = fields.pop("vnc_degree", None)
         if lnc in (1, 2):
             pairs.setdefault((r["family"], json.dumps(fields, sort_keys=True)), {})[lnc] = r
+    return [(fam, json.loads(key), by) for (fam, key), by in pairs.items() if set(by) == {1, 2}]
+
+
+def calibration_nkilib_lnc_pairs() -> str:
+    """nki-library's rows recorded at LNC 1 and at LNC 2 with every other field equal: the recorded LNC 2 time
+    minus half the LNC 1 time (what LNC 2 adds to a perfect split), and the model's mid for the same rows."""
+    est = {r["point"]: r for r in _nkilib_rows() if r["status"] == "ok"}
     body = []
-    for (fam, key), by in pairs.items():
-        if set(by) != {1, 2}:
-            continue
-        f = json.loads(key)
+    for fam, f, by in _nkilib_lnc_pairs():
         shape = " ".join(f"{k}={f[k]}" for k in ("batch", "bs", "bs_kv", "seqlen", "seqlen_q", "seqlen_kv", "hidden",
                                                  "intermediate", "d") if k in f)
         one, two = (float(by[n]["published_us"]) for n in (1, 2))
@@ -862,6 +865,129 @@ def calibration_nkilib_lnc_pairs() -> str:
                      f"{two:.1f}", f"{two / one:.2f}", f"{two - one / 2:+.1f}", model])
     return _table(["family", "rows (LNC 1, LNC 2)", "shape", "recorded LNC 1 (us)", "recorded LNC 2 (us)",
                    "LNC 2 / LNC 1", "LNC 2 - LNC 1 / 2 (us)", "model mid LNC 1 / LNC 2 / LNC 2 - LNC 1 / 2"], body)
+
+
+def _nkilib_estimated() -> dict[str, dict[str, str]]:
+    """The estimated nki-library rows of nkilib_calibration.csv by test file:line (``test_mlp_cte:246``)."""
+    return {r["point"].removeprefix("nkilib "): r for r in _nkilib_rows() if r["status"] == "ok"}
+
+
+def _nkilib_error(r: dict[str, str], prefix: str = "") -> float:
+    """The relative error of row ``r``'s mid: the standalone launch's (prefix "") or the kernel's own ("kernel_")."""
+    return float(r[f"{prefix}mid_us"]) / float(r["published_us"]) - 1
+
+
+def nkilib_cell(row: str, column: str, fmt: str = "{:,.1f}") -> Callable[[], str]:
+    """``column`` of the estimated nki-library row ``row`` (test file:line); column "error" / "kernel_error" is the
+    mid's error in percent."""
+    def value() -> str:
+        rows = _nkilib_estimated()
+        if row not in rows:
+            raise LookupError(f"nkilib_calibration.csv: no estimated row {row}")
+        r = rows[row]
+        if column.endswith("error"):
+            return fmt.format(100 * _nkilib_error(r, column.removesuffix("error")))
+        return fmt.format(float(r[column]))
+    return value
+
+
+def _nkilib_select(family: str, lnc: str, *parts: str) -> Callable[[], list[dict[str, str]]]:
+    """The estimated check points of ``family`` at ``lnc`` whose configuration holds every one of ``parts``
+    (``"seqlen=578"``, ``"quant_type=ROW"``, a leading ``!`` for "does not hold")."""
+    def select() -> list[dict[str, str]]:
+        config = lambda r: set(r["shape"].split())  # noqa: E731
+        rows = [r for r in _nkilib_estimated().values() if r["role"] == "check" and r["family"] == family
+                and r["lnc"] == lnc and all((p[1:] not in config(r)) if p.startswith("!") else (p in config(r))
+                                            for p in parts)]
+        if not rows:
+            raise LookupError(f"nkilib_calibration.csv: no {family} LNC {lnc} check point with {parts}")
+        return rows
+    return select
+
+
+def nkilib_error_span(select: Callable[[], list[dict[str, str]]], prefix: str = "",
+                      scale: float = 100.0) -> tuple[Callable[[], str], Callable[[], str]]:
+    """The smallest and largest mid error (percent times ``scale`` / 100, "{:+.1f}"; "{:.1f}" for a negative
+    scale, as in "short by 31.2 - 47.4 %") of the rows ``select`` gives."""
+    fmt = "{:+.1f}" if scale > 0 else "{:.1f}"
+
+    def end(pick: Callable) -> Callable[[], str]:
+        return lambda: fmt.format(pick(scale * _nkilib_error(r, prefix) for r in select()))
+    return end(min), end(max)
+
+
+def nkilib_count(select: Callable[[], list[dict[str, str]]], within: float | None = None) -> Callable[[], str]:
+    """How many rows ``select`` gives (with ``within``: how many of them have |mid error| <= within)."""
+    return lambda: str(sum(within is None or abs(_nkilib_error(r)) <= within for r in select()))
+
+
+def nkilib_offset(family: str, lo: float, hi: float, prefix: str = "") -> Callable[[], str]:
+    """The median of recorded minus mid (us) of ``family``'s LNC 2 check points recorded in [lo, hi) us."""
+    def value() -> str:
+        rows = [r for r in _nkilib_estimated().values() if r["role"] == "check" and r["family"] == family
+                and r["lnc"] == "2" and lo <= float(r["published_us"]) < hi]
+        return f"{statistics.median(float(r['published_us']) - float(r[f'{prefix}mid_us']) for r in rows):+.1f}"
+    return value
+
+
+def _nkilib_estimated_pairs(families: tuple[str, ...]) -> list[tuple[dict[str, str], dict[str, str]]]:
+    """(LNC 1 row, LNC 2 row) of nkilib_calibration.csv for ``families``' LNC pairs with both rows estimated."""
+    est = _nkilib_estimated()
+    out = []
+    for fam, _, by in _nkilib_lnc_pairs():
+        one, two = (est.get(by[n]["point"].removeprefix("nkilib ")) for n in (1, 2))
+        if fam in families and one and two:
+            out.append((one, two))
+    return out
+
+
+def _lnc2_excess(one: dict[str, str], two: dict[str, str], column: str) -> float:
+    """LNC 2 - LNC 1 / 2 of ``column`` (us) for an LNC pair's rows."""
+    return float(two[column]) - float(one[column]) / 2
+
+
+def nkilib_pairs_left(families: tuple[str, ...], prefix: str = "") -> Callable[[], str]:
+    """The median over ``families``' LNC pairs of what the recorded LNC 2 - LNC 1 / 2 leaves beyond the model's
+    (the standalone launch's, prefix "", or the kernel's own, "kernel_")."""
+    def value() -> str:
+        left = [_lnc2_excess(one, two, "published_us") - _lnc2_excess(one, two, f"{prefix}mid_us")
+                for one, two in _nkilib_estimated_pairs(families)]
+        return f"{statistics.median(left):.1f}"
+    return value
+
+
+def nkilib_pair_span(families: tuple[str, ...], column: str, fmt: str) -> tuple[Callable[[], str], Callable[[], str]]:
+    """The smallest and largest LNC 2 - LNC 1 / 2 of ``column`` (us) over ``families``' estimated LNC pairs."""
+    def values() -> list[float]:
+        return [_lnc2_excess(one, two, column) for one, two in _nkilib_estimated_pairs(families)]
+    return (lambda: fmt.format(min(values()))), (lambda: fmt.format(max(values())))
+
+
+def nkilib_difference(first: tuple[str, str], second: tuple[str, str]) -> Callable[[], str]:
+    """(row, column) ``first`` minus ``second`` of the estimated nki-library rows, us."""
+    def value() -> str:
+        rows = _nkilib_estimated()
+        return f"{float(rows[first[0]][first[1]]) - float(rows[second[0]][second[1]]):,.1f}"
+    return value
+
+
+def _nkilib_small_lnc2(family: str) -> Callable[[], list[dict[str, str]]]:
+    """``family``'s estimated LNC 2 check points recorded below 100 us."""
+    return lambda: [r for r in _nkilib_estimated().values() if r["role"] == "check" and r["family"] == family
+                    and r["lnc"] == "2" and float(r["published_us"]) < 100]
+
+
+def _nkilib_whatif_rows() -> list[dict[str, str]]:
+    """The check's estimates (at the row's own LNC) of the rows of the LNC 1 what-if (nkilib_whatif_lnc1.csv)."""
+    with open(NKILIB_CSV.parent / "nkilib_whatif_lnc1.csv", newline="") as f:
+        names = [r["point"].removeprefix("nkilib ") for r in csv.DictReader(f)]
+    est = _nkilib_estimated()
+    return [est[n] for n in names if n in est]
+
+
+TKG_ATTN = ("mlp_tkg", "attention_cte")
+MLP_CTE_578 = ("batch=1", "seqlen=578")  # the small mlp_cte rows recorded at both "LNC 1" and "LNC 2"
+MLP_CTE_1024_BF16 = ("seqlen=1024", "hidden=16384", "quant_type=NONE")
 
 
 def calibration_nkilib_whatif() -> str:
@@ -1382,6 +1508,79 @@ QUOTES = (
           "conformance.csv STALE_READ rows", csv_count("conformance.csv", {"result": "STALE_READ"})),
     Quote("docs/cost-model.md", "The check points whose published figure is outside the model's range: {}.",
           "calibration.csv check points outside low..high", calibration_checks_outside),
+    Quote("docs/cost-model.md", "exceeds the recorded {} us; its kernel estimate is {} us and the standalone one {} us "
+          "(low {} us, inside)", "nkilib_calibration.csv test_mlp_tkg:257",
+          tuple(nkilib_cell("test_mlp_tkg:257", c) for c in ("published_us", "kernel_mid_us", "mid_us", "low_us"))),
+    Quote("docs/cost-model.md", "I = 896) are the largest errors, {} to {} %", "nkilib_calibration.csv mlp_tkg "
+          "LNC 1 fp8 column-tiled rows", nkilib_error_span(_nkilib_select(
+              "mlp_tkg", "1", "!quant_type=NONE", "gate_up_column_tiling=True"))),
+    Quote("docs/cost-model.md", "the median of recorded minus the kernel's mid is {} us for mlp_tkg ({} rows) and "
+          "{} us for attention_cte ({} rows); the standalone launch leaves {} / {} us there, and {} / {} us from 100 "
+          "to 500 us", "nkilib_calibration.csv LNC 2 fixed offsets", (
+              nkilib_offset("mlp_tkg", 0, 100, "kernel_"), nkilib_count(_nkilib_small_lnc2("mlp_tkg")),
+              nkilib_offset("attention_cte", 0, 100, "kernel_"), nkilib_count(_nkilib_small_lnc2("attention_cte")),
+              nkilib_offset("mlp_tkg", 0, 100), nkilib_offset("attention_cte", 0, 100),
+              nkilib_offset("mlp_tkg", 100, 500), nkilib_offset("attention_cte", 100, 500))),
+    Quote("docs/cost-model.md", "the LNC 2 time is half the LNC 1 time plus {} - {} us for every mlp_tkg and "
+          "attention_cte pair", "nkilib_points.csv LNC pairs, recorded",
+          nkilib_pair_span(TKG_ATTN, "published_us", "{:.1f}")),
+    Quote("docs/cost-model.md", "where the kernel's own LNC 2 - LNC 1 / 2 is {} to {} us. The standalone launch",
+          "nkilib_calibration.csv LNC pairs, kernel mid", nkilib_pair_span(TKG_ATTN, "kernel_mid_us", "{:+.1f}")),
+    Quote("docs/cost-model.md", "What is left, {} us at the median of the 10 pairs ({} us without the launch)",
+          "nkilib_calibration.csv LNC pairs, recorded minus mid",
+          (nkilib_pairs_left(TKG_ATTN), nkilib_pairs_left(TKG_ATTN, "kernel_"))),
+    Quote("docs/cost-model.md", "the rows recorded at \"LNC 1\" are within {} / {} % with the standalone launch ({} "
+          "rows, all inside their range), those at \"LNC 2\" {} to {} % ({} rows, {} within ±20 %, all inside)",
+          "nkilib_calibration.csv mlp_cte 578 tokens", (
+              *nkilib_error_span(_nkilib_select("mlp_cte", "1", *MLP_CTE_578)),
+              nkilib_count(_nkilib_select("mlp_cte", "1", *MLP_CTE_578)),
+              *nkilib_error_span(_nkilib_select("mlp_cte", "2", *MLP_CTE_578)),
+              nkilib_count(_nkilib_select("mlp_cte", "2", *MLP_CTE_578)),
+              nkilib_count(_nkilib_select("mlp_cte", "2", *MLP_CTE_578), within=0.2))),
+    Quote("docs/cost-model.md", "(578 x 1,408 x 352, LNC 1, {} us recorded)", "nkilib_calibration.csv test_mlp_cte:277",
+          nkilib_cell("test_mlp_cte:277", "published_us")),
+    Quote("docs/cost-model.md", "its kernel estimate is {} us, and no single parameter",
+          "nkilib_calibration.csv test_mlp_cte:277 kernel mid", nkilib_cell("test_mlp_cte:277", "kernel_mid_us")),
+    Quote("docs/cost-model.md", "the standalone launch brings it to {} us ({} %). The same row recorded \"at LNC 2\" "
+          "(`:279`, {} us) is {} us of kernel", "nkilib_calibration.csv test_mlp_cte:277 / 279", (
+              nkilib_cell("test_mlp_cte:277", "mid_us"), nkilib_cell("test_mlp_cte:277", "error", "{:+.1f}"),
+              nkilib_cell("test_mlp_cte:279", "published_us"), nkilib_cell("test_mlp_cte:279", "kernel_mid_us"))),
+    Quote("docs/cost-model.md", "and {} us standalone at mid, {} us short", "nkilib_calibration.csv test_mlp_cte:279",
+          (nkilib_cell("test_mlp_cte:279", "mid_us"),
+           nkilib_difference(("test_mlp_cte:279", "published_us"), ("test_mlp_cte:279", "mid_us")))),
+    Quote("docs/cost-model.md", "`372`: {} / {} us recorded at 512 / 256 tokens, the fewer tokens the slower; "
+          "{} / {} us at mid", "nkilib_calibration.csv test_mlp_cte:371 / 372", tuple(
+              nkilib_cell(f"test_mlp_cte:{n}", c) for c in ("published_us", "mid_us") for n in (371, 372))),
+    Quote("docs/cost-model.md", "rows at 1,024 tokens are within {} / {} % at LNC 1 and {} / {} % at LNC 2.",
+          "nkilib_calibration.csv mlp_cte bf16 1,024 x 16,384", (
+              *nkilib_error_span(_nkilib_select("mlp_cte", "1", *MLP_CTE_1024_BF16)),
+              *nkilib_error_span(_nkilib_select("mlp_cte", "2", *MLP_CTE_1024_BF16)))),
+    Quote("docs/cost-model.md", "the device adds {} us and the model {} us", "nkilib_calibration.csv "
+          "test_mlp_cte:249 - :250", tuple(
+              nkilib_difference(("test_mlp_cte:249", c), ("test_mlp_cte:250", c)) for c in ("published_us", "mid_us"))),
+    Quote("docs/cost-model.md", "3,784.8 us recorded, {} / {} / {} us, {} % and above its range",
+          "nkilib_calibration.csv test_mlp_cte:246", (
+              *(nkilib_cell("test_mlp_cte:246", c) for c in ("low_us", "mid_us", "high_us")),
+              nkilib_cell("test_mlp_cte:246", "error", "{:+.1f}"))),
+    Quote("docs/cost-model.md", "The kernel's own estimate of the RMS-norm rows is within {} / {} %, of the "
+          "quantize-only rows short by 11 us ({} to {} %); with the launch's 16.9 us start-up at mid the norm rows up "
+          "to 160 tokens come out {} to {} % and the quantize-only ones {} to {} %", "nkilib_calibration.csv "
+          "rmsnorm_quant", (
+              *nkilib_error_span(_nkilib_select("rmsnorm_quant", "2", "!quant_only=True"), "kernel_"),
+              *nkilib_error_span(_nkilib_select("rmsnorm_quant", "2", "quant_only=True"), "kernel_"),
+              *nkilib_error_span(_nkilib_select("rmsnorm_quant", "2", "!quant_only=True", "!seqlen=2048")),
+              *nkilib_error_span(_nkilib_select("rmsnorm_quant", "2", "quant_only=True")))),
+    Quote("docs/cost-model.md", "the norm rows up to 160 tokens none (their own estimate is {} to {} %)",
+          "nkilib_calibration.csv rmsnorm_quant norm rows", nkilib_error_span(
+              _nkilib_select("rmsnorm_quant", "2", "!quant_only=True", "!seqlen=2048"), "kernel_")),
+    Quote("docs/cost-model.md", "is short by {} - {} % at LNC 2 ({} rows estimated;",
+          "nkilib_calibration.csv attention_cte no-cp rows", (
+              *nkilib_error_span(_nkilib_whatif_rows, scale=-100.0), nkilib_count(_nkilib_whatif_rows))),
+    Quote("docs/cost-model.md", "(8,192 x 8,192, d = 64, not causal: 520 / 524 us recorded, {} / {} % at LNC 2)",
+          "nkilib_calibration.csv test_attention_cte:665 / 715",
+          tuple(nkilib_cell(f"test_attention_cte:{n}", "error", "{:+.1f}") for n in (665, 715))),
+    Quote("docs/cost-model.md", "(H 4,096, I 128: 25.6 us recorded, the kernel's own mid {} us)",
+          "nkilib_calibration.csv test_mlp_tkg:271", nkilib_cell("test_mlp_tkg:271", "kernel_mid_us")),
     Quote("docs/benchmarks.md", "arithmetic): {} us at LNC=1 and {} us at LNC=2 at mid, {}× and {}× the exact "
           "forward's time", "attention_peak.csv forward, fixed shift, fallback",
           (_fallback_cost("1")[0], _fallback_cost("2")[0], _fallback_cost("1")[1], _fallback_cost("2")[1])),
