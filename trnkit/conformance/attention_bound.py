@@ -47,6 +47,7 @@ __all__ = ["attention_exact_and_bound", "attention_tile_check"]
 
 
 FP32_TINY = 2.0 ** -126  # float32's (and bf16's) smallest normal value
+CHUNK = 16384  # positions read in float64 at a time
 
 
 def _gamma(n: int) -> float:
@@ -57,29 +58,34 @@ def attention_exact_and_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, keep:
                               ) -> tuple[np.ndarray, np.ndarray]:
     """One query's attention over ``S`` positions, exactly (float64), and the bound of the module doc on the kernel's
     bf16 value of it, per element: ``q`` ``[d]`` (as the kernel's score matmul reads it: softmax-scaled, bf16),
-    ``k`` ``[d, S]``, ``v`` ``[S, d_v]``, ``keep`` ``[S]`` (False: a masked position, weight 0). Returns
-    ``(o, bound)``, each ``[d_v]``."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    ``k`` ``[d, S]``, ``v`` ``[S, d_v]`` (any float dtype: read in float64, :data:`CHUNK` positions at a time, so a
+    long context adds no whole float64 copy of its caches), ``keep`` ``[S]`` (False: a masked position, weight 0).
+    Returns ``(o, bound)``, each ``[d_v]``."""
+    q = np.asarray(q, np.float64)
     keep = np.asarray(keep, bool)
     if not keep.any():
         raise ValueError("attention bound: every position of the query is masked (no softmax)")
     d, n_pos = k.shape
-    k, v = k[:, keep], v[keep]
-    s = q @ k
-    m = s.max()
-    p = np.exp(s - m)
+    chunks = [slice(c, min(c + CHUNK, n_pos)) for c in range(0, n_pos, CHUNK)]
+    col = lambda c: np.asarray(k[:, c], np.float64)  # noqa: E731
+    row = lambda c: np.asarray(v[c], np.float64)  # noqa: E731
+    s = np.concatenate([q @ col(c) for c in chunks])
+    terms = np.concatenate([np.abs(q) @ np.abs(col(c)) for c in chunks])  # sum_j |q_j k_ij|
+    m = s[keep].max()
+    p = np.where(keep, np.exp(np.where(keep, s - m, 0.0)), 0.0)
     p /= p.sum()
-    o = p @ v
+    o = sum(p[c] @ row(c) for c in chunks)
     tiles = math.ceil(n_pos / 128)
-    exponent = _gamma(d) * (np.abs(q) @ np.abs(k)) + 2 * FP32_UNIT * (m - s)
-    r = (1 + BF16_UNIT) * (1 + FP32_UNIT) ** (3 * tiles + 2) * np.exp(exponent) - 1
+    exponent = _gamma(d) * terms + 2 * FP32_UNIT * np.where(keep, m - s, 0.0)
+    r = np.where(keep, (1 + BF16_UNIT) * (1 + FP32_UNIT) ** (3 * tiles + 2) * np.exp(exponent) - 1, 0.0)
     r_max = float(r.max())
     if r_max >= 1:
         raise ValueError(f"attention bound: a softmax weight's relative error bound {r_max:.3g} is not below 1")
-    weighted = (p * r) @ np.abs(v - o) / (1 - r_max)
-    summed = 2 * _gamma(128 + 2 * tiles + 4) * (1 + r_max) * (p @ np.abs(v))
+    weighted = sum((p[c] * r[c]) @ np.abs(row(c) - o) for c in chunks) / (1 - r_max)
+    summed = 2 * _gamma(128 + 2 * tiles + 4) * (1 + r_max) * sum(p[c] @ np.abs(row(c)) for c in chunks)
     # (underflow: a weight, a product or the output below float32's smallest normal, each off by at most that)
-    underflow = FP32_TINY * (np.abs(v - o).sum(axis=0) + 2 * len(p) + 1)
+    off = sum(np.abs(row(c)[keep[c]] - o).sum(axis=0) for c in chunks)
+    underflow = FP32_TINY * (off + 2 * int(keep.sum()) + 1)
     return o, weighted + summed + underflow + BF16_UNIT * (np.abs(o) + weighted + summed)
 
 

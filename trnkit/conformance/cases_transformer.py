@@ -891,7 +891,7 @@ def _exact_attention(q: Any, k_active: Any, v_active: Any, k_prior: Any, v_prior
     exact = np.zeros((b, n, v_prior.shape[-1], s))
     bound = np.zeros_like(exact)
     for i in range(b):
-        k, v = (np.array(c[i, 0].numpy(), np.float64) for c in (k_prior, v_prior))
+        k, v = (np.array(c[i, 0].numpy()) for c in (k_prior, v_prior))  # (float32: the bound reads it in chunks)
         k[:, -s:], v[-s:] = k_active[i, 0].numpy(), v_active[i, 0].numpy()
         keep = mask[i].numpy() != 0
         for h in range(n):
