@@ -1551,6 +1551,12 @@ QUOTES = (
     Quote("docs/cost-model.md", "`372`: {} / {} us recorded at 512 / 256 tokens, the fewer tokens the slower; "
           "{} / {} us at mid", "nkilib_calibration.csv test_mlp_cte:371 / 372", tuple(
               nkilib_cell(f"test_mlp_cte:{n}", c) for c in ("published_us", "mid_us") for n in (371, 372))),
+    Quote("docs/cost-model.md", "the two fp8 rows without column tiling (`:343`, `:402`, DMA-bound) are at {} / {} %",
+          "nkilib_calibration.csv test_mlp_tkg:343 / 402",
+          tuple(nkilib_cell(f"test_mlp_tkg:{n}", "error", "{:+.1f}") for n in (343, 402))),
+    Quote("docs/cost-model.md", "and by {} - {} % at 1,024 tokens (`:370`, `:373`, `:374`, 1 - 4 batches)",
+          "nkilib_calibration.csv mlp_cte ROW 1,024 x 16,384", nkilib_error_span(
+              _nkilib_select("mlp_cte", "2", "seqlen=1024", "hidden=16384", "quant_type=ROW"), scale=-100.0)),
     Quote("docs/cost-model.md", "rows at 1,024 tokens are within {} / {} % at LNC 1 and {} / {} % at LNC 2.",
           "nkilib_calibration.csv mlp_cte bf16 1,024 x 16,384", (
               *nkilib_error_span(_nkilib_select("mlp_cte", "1", *MLP_CTE_1024_BF16)),
