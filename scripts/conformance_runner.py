@@ -250,14 +250,24 @@ def coverage_order(plan: list[dict]) -> list[dict]:
 ORDERS = {"cheapest": lambda plan: sorted(plan, key=lambda e: e["est_cpu_s"]), "coverage": coverage_order}
 
 
+def after_stops(plan: list[dict], stopped: list[dict]) -> list[dict]:
+    """``plan`` less the rows killed at the 14 GB cap; a row killed at the 8 GB cap stays, estimated at no less than
+    the peak it was killed at, so that it is retried under the 14 GB cap on an idle machine (:func:`cap_for`)."""
+    peaks: dict[str, float] = {}
+    for r in stopped:
+        if r["why"].startswith("stopped at"):
+            peaks[r["case_id"]] = max(peaks.get(r["case_id"], 0.0), float(r["peak_gb"]))
+    return [{**e, "est_gb": max(e["est_gb"], peaks[e["case_id"]])} if e["case_id"] in peaks else e
+            for e in plan if peaks.get(e["case_id"], 0.0) <= BIG_CAP_GB]
+
+
 def _todo(scratch: Path, snap: Path, env: dict[str, str], order: str) -> list[dict]:
     """The rows to run, in ``order`` (:data:`ORDERS`): unrecorded in the tracked CSV, not in the scratch rows, not
-    stopped at a cap, estimated within :data:`BIG_CAP_GB`."""
+    stopped at the 14 GB cap (:func:`after_stops`), estimated within :data:`BIG_CAP_GB`."""
     out = subprocess.run([PYTHON, __file__, "_plan", str(REPO / "benchmarks/data/conformance.csv")], env=env,
                          cwd=snap, check=True, capture_output=True, text=True).stdout
     done = {r["case_id"] for r in _read(scratch / "rows.csv")}
-    done |= {r["case_id"] for r in _read(scratch / "stopped.csv") if r["why"].startswith("stopped at")}
-    plan = [e for e in json.loads(out) if e["case_id"] not in done]
+    plan = after_stops([e for e in json.loads(out) if e["case_id"] not in done], _read(scratch / "stopped.csv"))
     todo = ORDERS[order]([e for e in plan if e["est_gb"] <= BIG_CAP_GB])
     _log(scratch, f"snapshot {_git('rev-parse', '--short', 'HEAD', cwd=snap)}: {len(todo)} rows to run, {order} "
                   f"order ({len(plan) - len(todo)} more estimated over {BIG_CAP_GB:g} GB, not run)")

@@ -122,3 +122,15 @@ def test_coverage_order_takes_one_row_of_each_kernel_and_tier_in_turn_cheapest_f
     # rows needing the 14 GB cap are a group of their own: a busy machine skips them, not the kernel's small rows
     assert runner.coverage_order([big, small, *later, *moe]) == [big, moe[0], small, *later]
     assert [e["est_cpu_s"] for e in runner.ORDERS["cheapest"](attn + moe)] == [10.0, 20.0, 30.0, 40.0, 50.0]
+
+
+def test_a_row_stopped_at_8_gb_is_retried_as_a_14_gb_row_and_one_stopped_at_14_gb_is_not():
+    plan = [_entry("attn", "reduced", s) | {"est_gb": 7.2} for s in (1.0, 2.0, 3.0)]
+    stopped = [{"case_id": plan[0]["case_id"], "why": "stopped at 8 GB", "peak_gb": "8.03"},
+               {"case_id": plan[1]["case_id"], "why": "stopped at 8 GB", "peak_gb": "8.01"},
+               {"case_id": plan[1]["case_id"], "why": "stopped at 14 GB", "peak_gb": "14.02"},
+               {"case_id": plan[2]["case_id"], "why": "MemAvailable under 5 GB", "peak_gb": "9.5"}]
+    after = runner.after_stops(plan, stopped)
+    assert [(e["est_cpu_s"], e["est_gb"]) for e in after] == [(1.0, 8.03), (3.0, 7.2)]
+    assert runner.cap_for(after[0]["est_gb"], load=1.0, available_gb=20.0) == 14.0
+    assert plan[0]["est_gb"] == 7.2  # the plan itself is not changed
