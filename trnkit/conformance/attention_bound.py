@@ -69,8 +69,12 @@ def attention_exact_and_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, keep:
     chunks = [slice(c, min(c + CHUNK, n_pos)) for c in range(0, n_pos, CHUNK)]
     col = lambda c: np.asarray(k[:, c], np.float64)  # noqa: E731
     row = lambda c: np.asarray(v[c], np.float64)  # noqa: E731
-    s = np.concatenate([q @ col(c) for c in chunks])
-    terms = np.concatenate([np.abs(q) @ np.abs(col(c)) for c in chunks])  # sum_j |q_j k_ij|
+    s_parts, term_parts = [], []
+    for c in chunks:  # one float64 read of each K chunk
+        k_c = col(c)
+        s_parts.append(q @ k_c)
+        term_parts.append(np.abs(q) @ np.abs(k_c))  # sum_j |q_j k_ij|
+    s, terms = np.concatenate(s_parts), np.concatenate(term_parts)
     m = s[keep].max()
     p = np.where(keep, np.exp(np.where(keep, s - m, 0.0)), 0.0)
     p /= p.sum()
@@ -81,10 +85,18 @@ def attention_exact_and_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, keep:
     r_max = float(r.max())
     if r_max >= 1:
         raise ValueError(f"attention bound: a softmax weight's relative error bound {r_max:.3g} is not below 1")
-    weighted = sum((p[c] * r[c]) @ np.abs(row(c) - o) for c in chunks) / (1 - r_max)
-    summed = 2 * _gamma(128 + 2 * tiles + 4) * (1 + r_max) * sum(p[c] @ np.abs(row(c)) for c in chunks)
+    # the second read of V (the first gave o): sum_i p_i R_i |v_i - o|, sum_i p_i |v_i| and sum_i |v_i - o|, each
+    # summed over the chunks in order
+    weighted = magnitude = off = 0.0
+    for c in chunks:
+        v_c = row(c)
+        dev = np.abs(v_c - o)
+        weighted = weighted + (p[c] * r[c]) @ dev
+        magnitude = magnitude + p[c] @ np.abs(v_c)
+        off = off + dev[keep[c]].sum(axis=0)
+    weighted = weighted / (1 - r_max)
+    summed = 2 * _gamma(128 + 2 * tiles + 4) * (1 + r_max) * magnitude
     # (underflow: a weight, a product or the output below float32's smallest normal, each off by at most that)
-    off = sum(np.abs(row(c)[keep[c]] - o).sum(axis=0) for c in chunks)
     underflow = FP32_TINY * (off + 2 * int(keep.sum()) + 1)
     return o, weighted + summed + underflow + BF16_UNIT * (np.abs(o) + weighted + summed)
 
