@@ -211,7 +211,7 @@ def cap_for(est_gb: float, load: float, available_gb: float) -> float | None:
         return None
     if est_gb <= CAP_GB:
         return CAP_GB
-    if est_gb <= BIG_CAP_GB and load < BIG_MAX_LOAD and available_gb > BIG_MIN_AVAILABLE_GB:
+    if load < BIG_MAX_LOAD and available_gb > BIG_MIN_AVAILABLE_GB:  # (an 8-14 GB row: over 14 returned above)
         return BIG_CAP_GB
     return None
 
@@ -237,7 +237,7 @@ def coverage_order(plan: list[dict]) -> list[dict]:
     """``plan`` round-robin over its (kernel, tier, 14 GB cap) groups (:func:`_group`), each group cheapest first;
     in each round the groups go in the order of their cheapest remaining row. So a kernel with few rows left gets run
     time while another has hours of cheaper rows."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str, bool], list[dict]] = {}
     for e in sorted(plan, key=lambda e: e["est_cpu_s"]):
         groups.setdefault(_group(e), []).append(e)
     queues = list(groups.values())  # already in the order of their cheapest row
