@@ -170,15 +170,16 @@ def _peak_pairs(name: str, shape: tuple[str, ...], theirs: tuple[str, ...]) -> l
             for k in theirs if (k, *key[1:]) in by]
 
 
-def _min_max(label: str, values: Callable[[], list[float]]) -> tuple[Callable[[], str], Callable[[], str]]:
-    """The smallest and largest of ``values()`` (two decimals); ``label`` names them in the error when there are
-    none."""
+def _min_max(label: str, values: Callable[[], list[float]], fmt: str = "{:.2f}"
+             ) -> tuple[Callable[[], str], Callable[[], str]]:
+    """The smallest and largest of ``values()`` (as ``fmt`` writes them); ``label`` names them in the error when
+    there are none."""
     def found() -> list[float]:
         got = values()
         if not got:
             raise LookupError(f"{label}: no trnkit row with an nki-library partner")
         return got
-    return (lambda: f"{min(found()):.2f}"), (lambda: f"{max(found()):.2f}")
+    return (lambda: fmt.format(min(found()))), (lambda: fmt.format(max(found())))
 
 
 def _ratio_range(label: str, pairs: Callable[[], list[tuple[dict, dict]]], column: str
@@ -289,13 +290,19 @@ def _lce_rows() -> list[dict[str, str]]:
     return out
 
 
+def _lce_passes(case: str, schedule: str, mode: str) -> dict[str, dict[str, str]]:
+    """:func:`_lce_rows`' rows of one case and schedule by pass (``mode`` must be among them)."""
+    rows = {r["mode"]: r for r in _lce_rows() if (r["case"], r["schedule"]) == (case, schedule)}
+    if mode not in rows:
+        raise LookupError(f"cross_entropy_peak.csv: no {case} {schedule} {mode} row")
+    return rows
+
+
 def _lce_job_ratio(case: str, schedule: str, mode: str, end: str) -> Callable[[], str]:
     """trnkit / the same job's time of one cross_entropy_peak row at ``end`` (_mid, _high)."""
     def value() -> str:
-        for r in _lce_rows():
-            if (r["case"], r["schedule"], r["mode"]) == (case, schedule, mode):
-                return f"{float(r['trnkit_us' + end]) / float(r['job' + end]):.2f}"
-        raise LookupError(f"cross_entropy_peak.csv: no {case} {schedule} {mode} row")
+        r = _lce_passes(case, schedule, mode)[mode]
+        return f"{float(r['trnkit_us' + end]) / float(r['job' + end]):.2f}"
     return value
 
 
@@ -304,9 +311,7 @@ def _lce_over(case: str, schedule: str, mode: str, over: str) -> Callable[[], st
     ``6 N H V`` TensorE bound (the lm_head and gradient matmuls, forward + backward), or ``"mid"`` (the row's
     pessimistic end over its mid)."""
     def value() -> str:
-        rows = {r["mode"]: r for r in _lce_rows() if (r["case"], r["schedule"]) == (case, schedule)}
-        if mode not in rows:
-            raise LookupError(f"cross_entropy_peak.csv: no {case} {schedule} {mode} row")
+        rows = _lce_passes(case, schedule, mode)
         if over == "mid":
             return f"{float(rows[mode]['trnkit_us_high']) / float(rows[mode]['trnkit_us_mid']) - 1:.1%}"
         bound = float(rows["forward + backward"]["matmul_bound_us"])
@@ -318,9 +323,7 @@ def _lce_fused_fraction(case: str, end: str) -> Callable[[], str]:
     """The one-pass kernel's forward at ``end`` (_mid, _high) as a fraction of its ``6 N H V`` TensorE bound (the
     lm_head and gradient matmuls' bound, forward + backward) in cross_entropy_peak.csv."""
     def value() -> str:
-        rows = {r["mode"]: r for r in _lce_rows() if (r["case"], r["schedule"]) == (case, "fused")}
-        if "forward" not in rows:
-            raise LookupError(f"cross_entropy_peak.csv: no {case} fused forward row")
+        rows = _lce_passes(case, "fused", "forward")
         return f"{float(rows['forward + backward']['matmul_bound_us']) / float(rows['forward']['trnkit_us' + end]):.1%}"
     return value
 
@@ -891,14 +894,19 @@ def nkilib_cell(row: str, column: str, fmt: str = "{:,.1f}") -> Callable[[], str
     return value
 
 
+def _nkilib_checks(family: str, lnc: str) -> list[dict[str, str]]:
+    """The estimated check points of ``family`` at ``lnc``."""
+    return [r for r in _nkilib_estimated().values() if r["role"] == "check" and r["family"] == family
+            and r["lnc"] == lnc]
+
+
 def _nkilib_select(family: str, lnc: str, *parts: str) -> Callable[[], list[dict[str, str]]]:
     """The estimated check points of ``family`` at ``lnc`` whose configuration holds every one of ``parts``
     (``"seqlen=578"``, ``"quant_type=ROW"``, a leading ``!`` for "does not hold")."""
     def select() -> list[dict[str, str]]:
         config = lambda r: set(r["shape"].split())  # noqa: E731
-        rows = [r for r in _nkilib_estimated().values() if r["role"] == "check" and r["family"] == family
-                and r["lnc"] == lnc and all((p[1:] not in config(r)) if p.startswith("!") else (p in config(r))
-                                            for p in parts)]
+        rows = [r for r in _nkilib_checks(family, lnc)
+                if all((p[1:] not in config(r)) if p.startswith("!") else (p in config(r)) for p in parts)]
         if not rows:
             raise LookupError(f"nkilib_calibration.csv: no {family} LNC {lnc} check point with {parts}")
         return rows
@@ -909,11 +917,8 @@ def nkilib_error_span(select: Callable[[], list[dict[str, str]]], prefix: str = 
                       scale: float = 100.0) -> tuple[Callable[[], str], Callable[[], str]]:
     """The smallest and largest mid error (percent times ``scale`` / 100, "{:+.1f}"; "{:.1f}" for a negative
     scale, as in "short by 31.2 - 47.4 %") of the rows ``select`` gives."""
-    fmt = "{:+.1f}" if scale > 0 else "{:.1f}"
-
-    def end(pick: Callable) -> Callable[[], str]:
-        return lambda: fmt.format(pick(scale * _nkilib_error(r, prefix) for r in select()))
-    return end(min), end(max)
+    return _min_max("nkilib_calibration.csv error span", lambda: [scale * _nkilib_error(r, prefix) for r in select()],
+                    "{:+.1f}" if scale > 0 else "{:.1f}")
 
 
 def nkilib_count(select: Callable[[], list[dict[str, str]]], within: float | None = None) -> Callable[[], str]:
@@ -924,8 +929,7 @@ def nkilib_count(select: Callable[[], list[dict[str, str]]], within: float | Non
 def nkilib_offset(family: str, lo: float, hi: float, prefix: str = "") -> Callable[[], str]:
     """The median of recorded minus mid (us) of ``family``'s LNC 2 check points recorded in [lo, hi) us."""
     def value() -> str:
-        rows = [r for r in _nkilib_estimated().values() if r["role"] == "check" and r["family"] == family
-                and r["lnc"] == "2" and lo <= float(r["published_us"]) < hi]
+        rows = [r for r in _nkilib_checks(family, "2") if lo <= float(r["published_us"]) < hi]
         return f"{statistics.median(float(r['published_us']) - float(r[f'{prefix}mid_us']) for r in rows):+.1f}"
     return value
 
@@ -958,9 +962,8 @@ def nkilib_pairs_left(families: tuple[str, ...], prefix: str = "") -> Callable[[
 
 def nkilib_pair_span(families: tuple[str, ...], column: str, fmt: str) -> tuple[Callable[[], str], Callable[[], str]]:
     """The smallest and largest LNC 2 - LNC 1 / 2 of ``column`` (us) over ``families``' estimated LNC pairs."""
-    def values() -> list[float]:
-        return [_lnc2_excess(one, two, column) for one, two in _nkilib_estimated_pairs(families)]
-    return (lambda: fmt.format(min(values()))), (lambda: fmt.format(max(values())))
+    return _min_max(f"nkilib_calibration.csv {families} LNC pairs",
+                    lambda: [_lnc2_excess(one, two, column) for one, two in _nkilib_estimated_pairs(families)], fmt)
 
 
 def nkilib_difference(first: tuple[str, str], second: tuple[str, str]) -> Callable[[], str]:
@@ -973,8 +976,7 @@ def nkilib_difference(first: tuple[str, str], second: tuple[str, str]) -> Callab
 
 def _nkilib_small_lnc2(family: str) -> Callable[[], list[dict[str, str]]]:
     """``family``'s estimated LNC 2 check points recorded below 100 us."""
-    return lambda: [r for r in _nkilib_estimated().values() if r["role"] == "check" and r["family"] == family
-                    and r["lnc"] == "2" and float(r["published_us"]) < 100]
+    return lambda: [r for r in _nkilib_checks(family, "2") if float(r["published_us"]) < 100]
 
 
 def _nkilib_whatif_rows() -> list[dict[str, str]]:
