@@ -206,15 +206,37 @@ def test_docs_tables_rewrites_every_quote_after_a_rerun(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------ snippets that run
 PYTHON_SNIPPET = re.compile(r"^([ \t]*)```python\n(.*?)^\1```", re.S | re.M)  # also indented (in a list)
+# a python block followed by a paragraph "prints ...:" and an unlabelled block: what that python block prints
+PRINTS_BLOCK = re.compile(r"\n+prints[^\n]*:\n\n```\n(.*?)```", re.S)
 
 
 def python_snippets(path: Path) -> list[tuple[int, str]]:
     """(line number, code) of every ```python block of a page, in order, indented ones dedented."""
+    return [(line, code) for line, code, _ in python_snippets_and_output(path)]
+
+
+def python_snippets_and_output(path: Path) -> list[tuple[int, str, list[str] | None]]:
+    """(line number, code, documented output lines or None) of every ```python block of a page, in order:
+    the output is the block after it when the page says it ``prints`` it."""
     import textwrap
 
     text = path.read_text()
-    return [(text[:m.start()].count("\n") + 2, textwrap.dedent(m.group(2)))
-            for m in PYTHON_SNIPPET.finditer(text)]
+    out = []
+    for m in PYTHON_SNIPPET.finditer(text):
+        printed = PRINTS_BLOCK.match(text, m.end())
+        out.append((text[:m.start()].count("\n") + 2, textwrap.dedent(m.group(2)),
+                    printed.group(1).splitlines() if printed else None))
+    return out
+
+
+def output_problem(documented: list[str], printed: list[str]) -> str | None:
+    """None when ``printed`` is what the page shows: the same lines, or, when the documented block ends
+    with a ``...`` line, the same first lines."""
+    if documented[-1:] == ["..."]:
+        ok, printed = printed[:len(documented) - 1] == documented[:-1], printed[:len(documented) - 1]
+    else:
+        ok = printed == documented
+    return None if ok else "prints\n" + "\n".join(printed) + "\nnot what the page shows\n" + "\n".join(documented)
 
 
 PAGES_WITH_SNIPPETS = [p for p in DOC_FILES if python_snippets(p)]
@@ -223,8 +245,11 @@ PAGES_WITH_SNIPPETS = [p for p in DOC_FILES if python_snippets(p)]
 @pytest.mark.parametrize("path", PAGES_WITH_SNIPPETS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_python_snippets_run_as_written(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Every ```python block of README.md and docs/*.md runs as written, a page's blocks in order in one
-    namespace (a block may use what an earlier block of the same page defined), from an empty folder."""
+    namespace (a block may use what an earlier block of the same page defined), from an empty folder; a
+    block the page says ``prints`` an output block (``prints:``, then the block) prints exactly that."""
+    import contextlib
     import copy
+    import io
 
     from trnkit.overrides import registry
 
@@ -232,11 +257,25 @@ def test_python_snippets_run_as_written(path: Path, tmp_path: Path, monkeypatch:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     namespace: dict = {"__name__": "__main__"}
-    for line, code in python_snippets(path):
+    for line, code, documented in python_snippets_and_output(path):
+        where = f"{path.relative_to(ROOT)}, snippet at line {line}"
+        stdout = io.StringIO()
         try:
-            exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), namespace)  # noqa: S102
+            with contextlib.redirect_stdout(stdout):
+                exec(compile(code, f"{path.relative_to(ROOT)}:{line}", "exec"), namespace)  # noqa: S102
         except Exception as e:  # noqa: BLE001 - any error of a snippet fails the test, named
-            pytest.fail(f"{path.relative_to(ROOT)}, snippet at line {line}: {type(e).__name__}: {e}")
+            pytest.fail(f"{where}: {type(e).__name__}: {e}")
+        problem = documented and output_problem(documented, stdout.getvalue().splitlines())
+        assert not problem, f"{where}: {problem}"
+
+
+def test_printed_output_blocks_are_found_and_compared():
+    outputs = {p.relative_to(ROOT).as_posix(): [d for _, _, d in python_snippets_and_output(p) if d]
+               for p in PAGES_WITH_SNIPPETS}
+    assert outputs["docs/overrides.md"][0][0].startswith("trnkit overrides (policy fallback)")
+    assert outputs["docs/qwen3.md"][0][0].startswith("Qwen3 checkpoint out/ does not match the config")
+    assert output_problem(["a", "..."], ["a", "b", "c"]) is None and output_problem(["a", "b"], ["a", "b"]) is None
+    assert output_problem(["a"], ["a", "b"]) and output_problem(["a", "..."], ["b", "a"])
 
 
 def test_snippet_finder_sees_every_python_block():
@@ -282,31 +321,133 @@ def test_cost_model_demo_block_is_what_the_demo_prints():
     assert documented == printed
 
 
-def test_overrides_fallback_block_is_what_its_snippet_prints(monkeypatch: pytest.MonkeyPatch):
-    """docs/overrides.md's fallback report: the output block shows the first lines of what the python block
-    before it prints (``...`` for the rest)."""
+# ------------------------------------------------------------------------------------------ error messages
+# trainer.md's error-message blocks are what the trainer prints: each documented line is made here from the
+# input that gives it and compared whole. The trainer prints "error: <message> (--debug or TRNKIT_DEBUG=1 shows
+# the traceback)"; the page leaves the hint out (it says every message ends with it), so it is checked and cut
+# here. The only elision: a run-specific path, written /path/... (a plugin's file) or .../ (a checkpoint folder).
+DEBUG_HINT = " (--debug or TRNKIT_DEBUG=1 shows the traceback)"
+
+
+def output_block(page: str, first: str) -> list[str]:
+    """The lines of the unlabelled block of ``page`` whose first line starts with ``first``."""
+    m = re.search(rf"^```\n({re.escape(first)}.*?)^```", (ROOT / page).read_text(), re.S | re.M)
+    assert m, f"{page} lost its output block starting {first!r}"
+    return m.group(1).splitlines()
+
+
+def trainer_error(args: list[str], tmp_path: Path) -> str:
+    """What ``python -m trnkit.harness.train ARGS`` prints on stderr (in this process), the hint cut. A run
+    that did not stop at the mistake fails here after one step, never trains on."""
     import contextlib
-    import copy
     import io
-    import warnings
+
+    from trnkit.harness.train import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["--job.dump_folder", str(tmp_path / "never"), "--training.steps", "1", *args])
+    printed = err.getvalue()
+    assert code == 2 and printed.endswith(DEBUG_HINT + "\n"), (code, printed)
+    return printed[:-len(DEBUG_HINT) - 1]
+
+
+def caught(call) -> str:
+    """``error: <message>`` of the TrnkitError ``call()`` raises, as the trainer prints it (hint cut)."""
+    from trnkit.errors import TrnkitError
+
+    with pytest.raises(TrnkitError) as e:
+        call()
+    return f"error: {e.value}"
+
+
+def test_trainer_config_error_block_is_what_the_trainer_prints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import json
+
+    from trnkit.harness.config import load_config
+    from trnkit.harness.models import build_spec
+
+    monkeypatch.chdir(tmp_path)
+    printed = [trainer_error(["--config", "debug_moe_nki", *args], tmp_path) for args in (
+        ["--training.stpes", "20"], ["--training.steps", "ten"],
+        ["--overrides.ops", "rope_hf,moe_experts", "--overrides.impl", "nkix"])]
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc_per_node 2 sets it
+    printed.append(trainer_error(["--config", "debug_moe", "--parallelism.data_parallel_shard_degree", "2",
+                                  "--parallelism.tensor_parallel_degree", "2"], tmp_path))
+    # a checkpoint folder whose config.json has transformers' default RoPE base; the run builds the model
+    # before it loads weights (seconds), so the message comes from the same loader the run calls
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    hf = json.loads((ROOT / "configs" / "hf" / "qwen3-moe-debug" / "config.json").read_text())
+    hf["rope_parameters"]["rope_theta"] = 10000.0
+    (folder / "config.json").write_text(json.dumps(hf))
+    spec = build_spec(load_config(ROOT / "configs" / "debug_moe.toml"))
+    printed.append(caught(lambda: spec.state_dict_adapter.load_hf(str(folder))).replace(str(folder), "..."))
+    assert output_block("docs/trainer.md", "error: config: unknown key") == printed
+
+
+def test_trainer_stack_error_block_is_what_the_trainer_prints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The page's example: a lock of torch 2.13.0+cpu and transformers 5.24.0 where torch 2.14.0+cpu is
+    installed and transformers is not (the installed stack is replaced, so the block does not depend on this
+    machine's versions)."""
+    from trnkit import envinfo
+
+    locked = {**envinfo.current_stack(), "torch": "2.13.0+cpu", "transformers": "5.24.0"}
+    installed = {**locked, "torch": "2.14.0+cpu", "transformers": envinfo.NOT_INSTALLED}
+    monkeypatch.setattr(envinfo, "current_stack", lambda components=envinfo.LOCK_COMPONENTS:
+                        {c: installed[c] for c in components})
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "stack.lock").write_text(envinfo.lock_text(locked))
+    printed = trainer_error(["--config", "debug_moe", "--job.stack", "stack.lock"], tmp_path)
+    assert output_block("docs/trainer.md", "error: job.stack:") == printed.splitlines()
+
+
+PLUGIN_CHECKS = """\"\"\"A plugin whose constraint function cannot decide.\"\"\"
+import examples.my_kernels as ex
+from trnkit.overrides import register
+
+
+def my_checks(x, w_router, top_k, **_):
+    if top_k > 0:
+        # ... a check that cannot tell
+        raise RuntimeError("cannot tell")
+    return []
+
+
+register("router_topk", "mine", ex.router_fwd, backward=ex.router_bwd, constraints=my_checks, has_backward=True)
+"""
+
+
+def test_trainer_plugin_error_block_is_what_the_trainer_prints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import copy
+    import importlib
 
     from trnkit.overrides import registry
 
     monkeypatch.setattr(registry, "_REGISTRY", copy.deepcopy(registry._REGISTRY))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    text = (ROOT / "docs" / "overrides.md").read_text()
-    m = re.search(r"```python\n(cfg = Qwen3MoeConfig.*?)```\n\nprints[^\n]*:\n\n```\n(.*?)```", text, re.S)
-    assert m, "docs/overrides.md lost its fallback example (python block, then 'prints ...:' and its output)"
-    namespace: dict = {}
-    exec("from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM\n"  # noqa: S102 - the page's own code
-         "from trnkit.hf import apply_trnkit_to_qwen3_moe\nfrom trnkit.packaged import configs_dir\n", namespace)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the fallback warnings (once per op and process) are not the output
-        exec(m.group(1), namespace)  # noqa: S102
-    documented = m.group(2).splitlines()
-    assert documented[-1] == "..."
-    assert out.getvalue().splitlines()[:len(documented) - 1] == documented[:-1]
+    monkeypatch.syspath_prepend(str(ROOT))  # examples.my_kernels: the repository's examples package
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken_kernels.py").write_text("import torch\n\nraise RuntimeError('no device here')\n")
+    (tmp_path / "exiting_kernels.py").write_text("import sys\n\nsys.exit(0)\n")
+    printed = [trainer_error(["--config", "debug_moe_nki", "--overrides.plugins", name], tmp_path)
+               for name in ("my_pkg.my_kernels", "broken_kernels", "exiting_kernels")]
+    # the constraint function raises when the run first checks the model's shapes (after building it):
+    # called here as the registry calls it
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_pkg" / "kernels.py").write_text(PLUGIN_CHECKS)
+    before = set(sys.modules)
+    try:
+        importlib.import_module("my_pkg.kernels")
+        entry = registry.get_impl("router_topk", "mine")
+        printed.append(caught(lambda: entry.check(x=None, w_router=None, top_k=8)))
+    finally:  # a later test imports examples.my_kernels again to register its impls in the real registry
+        for name in set(sys.modules) - before:
+            if name.startswith(("my_pkg", "examples")):
+                del sys.modules[name]
+    printed = [line.replace(str(tmp_path), "/path") for line in printed]
+    assert output_block("docs/trainer.md", "error: config overrides.plugins:") == printed
 
 
 # ------------------------------------------------------------------------------------------ commands that parse
