@@ -1380,7 +1380,7 @@ QUOTES = (
           "bench.csv attention S (4B heads, LNC=2)=4096 forward, backward",
           _bench_range("attention", "forward", "S (4B heads, LNC=2)", "4096")
           + _bench_range("attention", "backward", "S (4B heads, LNC=2)", "4096")),
-    Quote("docs/kernels.md", "forward {} / {} / {} µs (optimistic / mid / pessimistic parameters): **{}** of the "
+    Quote("docs/kernel-design.md", "forward {} / {} / {} µs (optimistic / mid / pessimistic parameters): **{}** of the "
           "bound at the pessimistic end, {} mid, {} at the optimistic end", "headline.csv rope_fwd",
           _low_mid_high("rope_fwd")),
     Quote("docs/kernels.md", "DMA {} us busy vs Tensor {} us on one core at mid", "bench.csv moe_experts E (LNC=1)=128",
