@@ -1612,19 +1612,22 @@ QUOTES = (
     Quote("docs/benchmarks.md", "it runs {} (30B-A3B) and {} (4B) over that TensorE time at mid",
           "cross_entropy_peak.csv recompute backward vs 6 N H V", tuple(
               _lce_over(case, "recompute", "backward", "bound") for case in ("Qwen3-30B-A3B", "Qwen3-4B"))),
-    Quote("docs/kernels.md", "| q, 16 heads (0.6B) | {} / {} / {} | {} | {} / {} / {} | {} |",
+    Quote("docs/kernels.md", "0.6B / 4B / 30B-A3B: forward {} / {} / {} µs at mid, {} / {} / {} of the HBM bound at "
+          "the pessimistic end; backward {} / {} / {} µs, {} / {} / {}.", "bench.csv rmsnorm qk-norm",
+          tuple(_head_norm_row(QK_NORM, f)[k] for k in (1, 3, 5, 7) for f in FLAVORS)),
+    Quote("docs/kernel-design.md", "| q, 16 heads (0.6B) | {} / {} / {} | {} | {} / {} / {} | {} |",
           "bench.csv rmsnorm q-norm 0.6B", _head_norm_row(Q_NORM, "0.6B")),
-    Quote("docs/kernels.md", "| q, 32 heads (4B, 30B-A3B) | {} / {} / {} | {} | {} / {} / {} | {} |",
+    Quote("docs/kernel-design.md", "| q, 32 heads (4B, 30B-A3B) | {} / {} / {} | {} | {} / {} / {} | {} |",
           "bench.csv rmsnorm q-norm 4B", _head_norm_row(Q_NORM, "4B")),
-    *(Quote("docs/kernels.md", f"| **`rmsnorm_qk`, {flavor} ({heads})** | {{}} / {{}} / {{}} | **{{}}** | "
+    *(Quote("docs/kernel-design.md", f"| **`rmsnorm_qk`, {flavor} ({heads})** | {{}} / {{}} / {{}} | **{{}}** | "
             "{} / {} / {} | {} |", f"bench.csv rmsnorm qk-norm {flavor}", _head_norm_row(QK_NORM, flavor))
       for flavor, heads in (("0.6B", "16 + 8 heads"), ("4B", "32 + 8"), ("30B-A3B", "32 + 4"))),
-    Quote("docs/kernels.md", "The estimate is {} µs at the pessimistic end ({}), {} µs mid ({}); at 32 heads "
+    Quote("docs/kernel-design.md", "The estimate is {} µs at the pessimistic end ({}), {} µs mid ({}); at 32 heads "
           "(Qwen3-4B, 30B-A3B) {} µs ({}), {} µs mid", "bench.csv rmsnorm q-norm forward 0.6B, 4B",
           _head_norm_end("forward", Q_NORM, "0.6B") + _head_norm_end("forward", Q_NORM, "4B")[:3]),
-    Quote("docs/kernels.md", "The estimate is {} µs mid, {} µs at the pessimistic end ({} / {})",
+    Quote("docs/kernel-design.md", "The estimate is {} µs mid, {} µs at the pessimistic end ({} / {})",
           "bench.csv rmsnorm q-norm backward 0.6B", _mid_then_high(_head_norm_end("backward", Q_NORM, "0.6B"))),
-    Quote("docs/kernels.md", "add: {} / {} / {} µs ({} / {} / {}; mid {} / {} / {})",
+    Quote("docs/kernel-design.md", "add: {} / {} / {} µs ({} / {} / {}; mid {} / {} / {})",
           "bench.csv rmsnorm qk-norm backward",
           tuple(_head_norm_end("backward", QK_NORM, f)[k] for k in (0, 1, 3) for f in FLAVORS)),
 )
