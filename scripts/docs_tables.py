@@ -1380,6 +1380,10 @@ QUOTES = (
           "bench.csv attention S (4B heads, LNC=2)=4096 forward, backward",
           _bench_range("attention", "forward", "S (4B heads, LNC=2)", "4096")
           + _bench_range("attention", "backward", "S (4B heads, LNC=2)", "4096")),
+    Quote("docs/kernels.md", "S=4096, LNC=2: fwd {} µs ({}–{}), {} ({}–{}) of its roofline; bwd {} µs ({}–{}), {} "
+          "({}–{})", "bench.csv attention S (4B heads, LNC=2)=4096 forward, backward",
+          _bench_range("attention", "forward", "S (4B heads, LNC=2)", "4096")
+          + _bench_range("attention", "backward", "S (4B heads, LNC=2)", "4096")),
     Quote("docs/kernel-design.md", "forward {} / {} / {} µs (optimistic / mid / pessimistic parameters): **{}** of the "
           "bound at the pessimistic end, {} mid, {} at the optimistic end", "headline.csv rope_fwd",
           _low_mid_high("rope_fwd")),

@@ -48,8 +48,8 @@ take 540 us. The 4,224 ``P^T`` blocks (184 ns of DMA each, or a 53 ns PE transpo
 116 ns Scalar copy at best) and the 256 output tiles do not fit the time the engines have left: the best
 balance is 646.8 us (67.2%). Only forming ``S^T`` a second time on TensorE (the shift added there, so
 Scalar's exp writes ``P^T`` itself) gets the balance under 621 us, to 609.5 us, with every engine busy
-98% of the time; tried, it did not pay (docs/kernels.md "What bounds it": the arithmetic, that trial and
-the other routes).
+98% of the time; tried, it did not pay (docs/kernel-design.md "What bounds the forward": the arithmetic,
+that trial and the other routes).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ engine (PSUM -> SBUF copies split between Vector and Scalar); for bf16 with H a 
 full sub-tile in every sixteen comes straight from HBM by a hardware-DGE ``dma_transpose`` (the
 documented hwdge form ``src [16, H/128, P/16, 128]``). ``w_router.T`` is transposed once on the Tensor
 engine and kept in SBUF. The split keeps the kernel at >= 70% of the HBM bound across the cost model's
-DMA-transpose rates (docs/kernels.md).
+DMA-transpose rates (docs/kernel-design.md, "Why router_topk holds at both ends").
 Top-K uses ``max8`` + ``nc_find_index8`` on the logits (softmax is monotonic, so the selection is that of
 the probabilities); ``nc_find_index8`` returns the first occurrence of each value and advances on
 duplicates, which gives the documented tie rule. With ``norm_topk_prob`` the softmax denominator
@@ -258,7 +258,7 @@ def _topk_tiles(lg, tw, ti, E, K, norm_topk_prob, aff=None, scale=1.0):
 _BLOCK_ROWS = 64
 # One full 128-token sub-tile in every _DMA_T_EVERY gets its x^T by DMA transpose (8 hardware-DGE
 # transposes of 16 rows); the Tensor engine transposes the others. The split balances the DMA queue
-# against the Tensor engine at both ends of the cost model's range (docs/kernels.md "router_topk").
+# against the Tensor engine at both ends of the cost model's range (docs/kernel-design.md "router_topk").
 _DMA_T_EVERY = 16
 
 
