@@ -1392,7 +1392,7 @@ QUOTES = (
     Quote("docs/kernels.md", "E=8 is compute-bound (Tensor {} → {} us busy per core at mid); E=128 weight-bound "
           "(DMA {} → {} us per core)", "bench.csv moe_experts E (LNC=n) sweeps",
           (_moe_busy("tensor", 1, 8), _moe_busy("tensor", 2, 8), _moe_busy("dma", 1, 128), _moe_busy("dma", 2, 128))),
-    Quote("docs/kernels.md", "under the current model the forward reaches {} of the bound at the pessimistic end "
+    Quote("docs/kernel-design.md", "under the current model the forward reaches {} of the bound at the pessimistic end "
           "({} mid)", "headline.csv moe_fwd",
           (csv_cell(HEADLINE_CSV, "fraction_low_end", {"case": "moe_fwd"}, "{:.1%}"),
            csv_cell(HEADLINE_CSV, "fraction_mid", {"case": "moe_fwd"}, "{:.1%}"))),

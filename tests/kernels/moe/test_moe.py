@@ -603,7 +603,7 @@ def test_weight_grads_do_not_depend_on_the_row_cache(monkeypatch: pytest.MonkeyP
 @pytest.mark.slow
 def test_moe_experts_cost_qwen3_30b_a3b() -> None:
     """moe_experts at Qwen3-30B-A3B shapes vs the TensorE bound (a minute or two). The target is 70%
-    at the pessimistic end of the range; the per-engine bound there is 76.2% (docs/kernels.md,
+    at the pessimistic end of the range; the per-engine bound there is 76.2% (docs/kernel-design.md,
     "Feasibility of moe_experts at the pessimistic end"). The kernel reached 75.2% / 78.7% (pessimistic /
     mid) with this test's routing when written; this guards both ends a little below, so a
     regression of the tiling (128-column matmuls, GpSimd zero fills, a scatter in front of the next
