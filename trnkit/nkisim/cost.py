@@ -673,6 +673,75 @@ class _Timeline:
         return t
 
 
+class _PeArray:
+    """TensorE as PE blocks (``cost_params.pe_tiles_concurrent``): a matmul in tiling mode (the trace's
+    ``pe_tile``, ``nki.isa.nc_matmul`` "Tiling mode") holds only the ``chip.pe_tile_block``-square blocks its
+    tile covers, so matmuls on disjoint tiles run at the same time; any other TensorE instruction holds the
+    whole array (``whole``: the engine's timeline, as without tiles). Tiled matmuls start at least
+    ``issue_ns`` apart (one sequencer issues them)."""
+
+    def __init__(self, chip: Chip, issue_ns: float) -> None:
+        self.side = chip.pe_rows // chip.pe_tile_block
+        self.block_size = chip.pe_tile_block
+        self.blocks = [_Timeline() for _ in range(self.side * self.side)]
+        self.issue = _Timeline()
+        self.issue_ns = issue_ns
+        self.whole_free = 0.0  # the end of the last whole-array instruction
+        self.last_start = -math.inf  # the start of the last TensorE instruction
+
+    def blocks_of(self, ins: Instr) -> tuple[int, ...] | None:
+        """The blocks a tiled matmul holds; ``None``: the whole array (untiled, or a tile covering it)."""
+        tile = ins.attrs.get("pe_tile")
+        if tile is None:
+            return None
+        r0, c0, rows, cols = tile
+        b = self.block_size
+        held = tuple(r * self.side + c for r in range(r0 // b, (r0 + rows - 1) // b + 1)
+                     for c in range(c0 // b, (c0 + cols - 1) // b + 1))
+        return None if len(held) == len(self.blocks) else held
+
+    def in_order_start(self, ready: float, blocks: tuple[int, ...] | None, engine_free: float) -> float:
+        """Program order (no ``compute_reorder``): a whole-array instruction after every earlier TensorE
+        instruction's end; a tiled matmul after the last whole-array one's end and ``issue_ns`` after the
+        previous TensorE instruction's start."""
+        if blocks is None:
+            return max(ready, engine_free, self.last_start)
+        return max(ready, self.whole_free, self.last_start + self.issue_ns)
+
+    def fit(self, whole: _Timeline, earliest: float, dur: float, blocks: tuple[int, ...] | None) -> float:
+        """The first time at or after ``earliest`` the instruction's blocks (and the whole-array timeline and,
+        tiled, an issue slot) are free for it."""
+        lines = self.blocks if blocks is None else [self.blocks[b] for b in blocks]
+        t = earliest
+        while True:
+            t2 = max(whole.fit(t, dur), max(line.fit(t, dur) for line in lines))
+            if blocks is not None:
+                t2 = max(t2, self.issue.fit(t, self.issue_ns))
+            if t2 == t:
+                return t
+            t = t2
+
+    def place(self, whole: _Timeline, t: float, dur: float, blocks: tuple[int, ...] | None) -> None:
+        if blocks is None:
+            whole.place(t, dur)
+            self.whole_free = max(self.whole_free, t + dur)
+        else:
+            for b in blocks:
+                self.blocks[b].place(t, dur)
+            self.issue.place(t, self.issue_ns)
+        self.last_start = max(self.last_start, t)
+
+
+def _pe_array(instrs: Sequence[Instr], chip: Chip, params: ModelParams) -> _PeArray | None:
+    """TensorE's PE blocks when tiled matmuls run concurrently in this trace, else ``None`` (the engine is
+    one timeline, so a trace without a tiled matmul is scheduled exactly as before)."""
+    if not params.pe_tiles_concurrent or chip.pe_tile_block >= chip.pe_rows:
+        return None
+    if not any("pe_tile" in i.attrs for i in instrs if i.op == "nc_matmul"):
+        return None
+    return _PeArray(chip, _TILED_ISSUE_CYCLES / chip.clocks.ghz(TENSOR))
+
+
 # Compute instructions the recompute check may drop: pure functions of their tile and scalar operands
 # (no engine registers, no PSUM accumulation).
 _PURE_OPS = frozenset(("tensor_tensor", "tensor_scalar", "tensor_copy", "tensor_reduce", "nc_transpose",
@@ -1293,6 +1362,10 @@ _QUEUE_ENGINES = ("sync", SCALAR, TENSOR, VECTOR, GPSIMD)
 # trigger engine (``engine=``, hardware DGE only) are charged to that engine's instruction stream.
 _HWDGE_INSTR_NS = 600.0
 
+# The interval between two tiled matmuls' starts on TensorE (cost_params.pe_tiles_concurrent): short matmuls
+# issue "roughly every 64 cycles" ([SDK] nki_perf_guide Opt #7).
+_TILED_ISSUE_CYCLES = 64.0
+
 
 def _dma_queue(ins: Instr, k: int, params: ModelParams) -> str:
     """The engine whose DMA queue a transfer goes to: the trigger engine named in the kernel
@@ -1394,6 +1467,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
     spill_rate = chip.dma.engines * min(chip.dma.bytes_per_ns_per_engine * sustained,
                                         hbm_per_core / chip.dma.engines)
     banks = psum_bank_plan(instrs, chip, params.psum_banks)  # the PSUM banks each tile takes
+    pe = _pe_array(instrs, chip, params)
     for k, (ins, c) in enumerate(zip(instrs, costs)):
         reads, writes = _boxes(ins, params.placed_slots_shared)  # placed tiles: by the bytes they sit on
         if banks and any(o.buffer == "psum" for o in ins.operands):
@@ -1483,8 +1557,12 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
                     pre, table = chip.act_table_load_ns, fn
             # in program order on its engine, or (compute_reorder) in the first gap of the engine after
             # its inputs are ready: the compiler's scheduler moves an independent instruction ahead
+            tiles = pe if ins.engine == TENSOR else None  # TensorE as PE blocks (tiled matmuls in the trace)
+            blocks = tiles.blocks_of(ins) if tiles is not None else None
             t = ready if params.compute_reorder else max(ready, engine_free[ins.engine],
                                                          sequencer_free[ins.engine])
+            if tiles is not None and not params.compute_reorder:
+                t = max(sequencer_free[ins.engine], tiles.in_order_start(ready, blocks, engine_free[ins.engine]))
             res = [shared[r] for r in _resources(ins, c, chip)]
             mine = engine_time[ins.engine]
             throttle = didt if ins.engine == TENSOR else None
@@ -1493,7 +1571,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
             while True:  # the first time the engine and every shared resource are free for it
                 if throttle is not None:  # held at the dI/dt limit in effect when it starts
                     busy = throttle.duration(t, work)
-                t = mine.fit(t, pre + busy)
+                t = mine.fit(t, pre + busy) if tiles is None else tiles.fit(mine, t, busy, blocks)
                 t2 = max((r.fit(t + pre, busy) - pre for r in res), default=t)
                 tries += 1
                 # t2 < t only by rounding ((t + pre) - pre): the engine and resources are free at t
@@ -1502,7 +1580,10 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
                 t = t2
             if throttle is not None:
                 throttle.place(t, busy, work)
-            mine.place(t, pre + busy)
+            if tiles is None:
+                mine.place(t, pre + busy)
+            else:
+                tiles.place(mine, t, busy, blocks)
             for r in res:
                 r.place(t + pre, busy)
             if pre:
@@ -1665,6 +1746,9 @@ def _run(instrs: Sequence[Instr], chip: Chip, params: ModelParams, model: str,
         if c.gpsimd_ns:
             busy[GPSIMD] += c.gpsimd_ns
         serial += c.latency_ns + c.gpsimd_ns
+    if times and _pe_array(instrs, chip, params) is not None:
+        # tiled matmuls overlap: TensorE is busy while any PE block works (the union, so busy <= the total)
+        busy[TENSOR] = _union([(t.start, t.end) for t in times if t.engine == TENSOR and not t.dropped])
     return _Run(total, serial, dict(busy), active), costs, times
 
 

@@ -130,6 +130,17 @@ class ModelParams:
     # 1). nki-library's mlp_tkg streams fp8 weights without the mode (docs/cost-model.md, "fp8 without
     # double_row").
     fp8_moving_cols_per_cycle: float = 1.0
+    # Whether nc_matmuls in TensorE's tiling mode (tile_size below [128, 128]) on disjoint PE tiles run at the
+    # same time. [SDK] nki.isa.nc_matmul, "Tiling mode": "Tensor Engine supports both row and column tiling
+    # modes, which allow multiple nc_matmul instructions with a stationary tile size smaller than [128, 128]
+    # to run in parallel to improve hardware utilization". How the sequencer interleaves them is not
+    # documented: on, each tiled matmul holds only its PE blocks (hardware.Chip.pe_tile_block) for its
+    # formula's cycles, and tiled matmuls start at least 64 TensorE cycles apart (the issue rate of short
+    # matmuls, [SDK] nki_perf_guide Opt #7: "roughly every 64 cycles"); off, every matmul holds the whole
+    # array, one after another. Off at every setting (a what-if): on at low and mid failed its criterion,
+    # written before the held-out rows were re-estimated (4 mlp_tkg LNC 2 check points left +-20 %;
+    # docs/cost-model.md, "TensorE tiling modes").
+    pe_tiles_concurrent: bool = False
     # Whether the compiler issues a compute instruction ahead of earlier, independent instructions of the
     # same engine (each engine still runs its queue in order; the freedom is the order the compiler
     # writes): [SDK] nki/guides/how-to-scheduling-apis, instructions without data dependencies "could
@@ -266,7 +277,8 @@ LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619
                   dma_hoist=True, hoist_bounded_by_sbuf=False, gpsimd_elems_per_cycle=1.0,
                   swdge_cycles_per_row=1.0, psum_single_pass=True, psum_access_cycles=0, access_init_cycles=0,
                   dependent_overhead_cycles=160,
-                  matmul_extra_cycles=0, compiler_cse=True, fp8_moving_cols_per_cycle=2.0, compute_reorder=True,
+                  matmul_extra_cycles=0, compiler_cse=True, fp8_moving_cols_per_cycle=2.0, pe_tiles_concurrent=False,
+                  compute_reorder=True,
                   same_engine_streaming=True, dma_engine_rate_factor=27.2 / 23.0, dma_merge_rows=True,
                   dma_engine_stagger_ns=8.0, act_fixed_offset_ns=-10.0, spill_in_program_order=False,
                   sbuf_reserved=False, reuse_loads="fits", dma_overhead_form="fastest", didt_throttle=False,
@@ -275,7 +287,8 @@ HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=10
                    dma_hoist=False, hoist_bounded_by_sbuf=True, gpsimd_elems_per_cycle=0.25,
                    swdge_cycles_per_row=32.0, psum_single_pass=True, psum_access_cycles=120, access_init_cycles=100,
                    dependent_overhead_cycles=240,
-                   matmul_extra_cycles=16, compiler_cse=False, fp8_moving_cols_per_cycle=1.0, compute_reorder=False,
+                   matmul_extra_cycles=16, compiler_cse=False, fp8_moving_cols_per_cycle=1.0, pe_tiles_concurrent=False,
+                   compute_reorder=False,
                    same_engine_streaming=False, dma_engine_rate_factor=1.0, dma_merge_rows=False,
                    dma_engine_stagger_ns=24.0, act_fixed_offset_ns=10.0, spill_in_program_order=True,
                    sbuf_reserved=True, reuse_loads="none", dma_overhead_form="slowest", didt_throttle=False,

@@ -118,6 +118,11 @@ class Chip:
     didt_threshold: float = 0.0
     didt_start_limit: float = 1.0
     didt_ramp_ns: float = 0.0
+    # The smallest PE tile of TensorE's tiling mode, rows and columns ([SDK] nki.isa.nc_matmul, "Tiling
+    # mode": "Row tiling mode slices the 128 PE rows into 2x 64 row tiles (NeuronCore-v2 or newer), or 4x 32
+    # row tiles (NeuronCore-v3 or newer). Column tiling mode slices the 128 PE columns in the same
+    # fashion"): the array is (128 / this)^2 blocks that matmuls on disjoint tiles hold at once (128: none).
+    pe_tile_block: int = 128
     notes: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -167,6 +172,7 @@ TRN2 = Chip(
     # (unchanged in v3). 128*128*2*2.4 GHz = 78.6 TFLOPS, matching the documented 79.
     pe_rows=128,
     pe_cols=128,
+    pe_tile_block=32,  # nc_matmul tiling mode: 4x 32 row / column tiles on NeuronCore-v3 (Chip.pe_tile_block)
     # [SDK] about-neuron/arch/neuron-hardware/neuron-core-v3: "158 cFP8 TFLOPS, and 79 BF16/FP16/TF32
     # TFLOPS". DISAGREE: the chip page [SDK] about-neuron/arch/neuron-hardware/trainium2 says 667 BF16 /
     # 1299 FP8 for 8 cores (83 / 162 per core); the per-core figures are used.
@@ -252,6 +258,7 @@ TRN1 = Chip(
     clocks=EngineClocks(tensor=2.8, vector=1.12, scalar=1.4, gpsimd=1.4),
     pe_rows=128,
     pe_cols=128,
+    pe_tile_block=64,  # nc_matmul tiling mode: 2x 64 row / column tiles on NeuronCore-v2 (Chip.pe_tile_block)
     # [SDK] about-neuron/arch/neuron-hardware/neuron-core-v2 / trainium_inferentia2_arch: "92 TFLOPS"
     # BF16/FP16 per core (= 128*128*2*2.8 GHz = 91.8). DISAGREE: chip page [SDK] .../trainium says
     # 190 per chip (95 per core).

@@ -103,6 +103,9 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
         require(not tile_size or int(tile_size[1]) == 128, op, "perf_mode=double_row cannot be "
                 "combined with column tiling (tile_size {tile_size})", tile_size=tile_size)
     rows, cols = _pe_tile(op, tile_position, tile_size)
+    # the tile in tiling mode, for the cost model's PE blocks: (row start, column start, rows, columns)
+    tile_attrs = ({"pe_tile": (int(tile_position[0]), int(tile_position[1]), rows, cols)}
+                  if tile_position else {})
     rows *= split
     # (plain ifs: require()'s keyword values would be built on every call, ~0.3 us each)
     if k != k2:
@@ -135,7 +138,7 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
         common.emit(op, common.TENSOR, dst=dst, srcs={"stationary": stationary, "moving": moving},
                     flops=2 * k * m * n, attrs={"M": m, "N": n, "K": k, "is_transpose": True,
                                                 "dtype": _dt.dtype_name(stationary.dtype),
-                                                "perf_mode": "none", "name": name})
+                                                "perf_mode": "none", "name": name, **tile_attrs})
         return
     if dst.dtype != f32:
         fail(op, "dst must be float32 in PSUM on trn2, got {dtype}", dtype=dst.dtype)
@@ -178,7 +181,7 @@ def nc_matmul(dst: NkiTensor, stationary: NkiTensor, moving: NkiTensor,
                 flops=2 * k * m * n,
                 attrs={"M": m, "N": n, "K": k, "dtype": _dt.dtype_name(stationary.dtype),
                        "accumulate": accumulate, "acc_group": group,
-                       "perf_mode": perf_mode, "name": name})
+                       "perf_mode": perf_mode, "name": name, **tile_attrs})
 
 
 def _check_accumulation_start(op: str, dst: NkiTensor, flags: np.ndarray, accumulate: bool | None) -> None:
