@@ -118,6 +118,20 @@ def test_loss_schedule_default_and_accepted_values(tmp_path: Path) -> None:
     assert load_config(_write(tmp_path, to_toml(cfg))) == cfg  # the resolved config.toml keeps it
 
 
+@pytest.mark.parametrize("folder", ["/tmp/ckpt", "../ckpt", "ckpt/../../x", "", "."])
+def test_checkpoint_folder_must_stay_inside_the_dump_folder(folder: str) -> None:
+    """The run's lock covers its dump folder: a checkpoint folder outside it (or the dump folder itself, which a
+    fresh start would have to move into its own previous-<time>/) is refused, naming key, rule and value."""
+    with pytest.raises(ConfigError, match=rf"^config checkpoint\.folder: must be a subfolder of job\.dump_folder, "
+                                          rf"given relative to it .*, got {re.escape(repr(folder))}$"):
+        load_config(None, ["--checkpoint.folder", folder])
+
+
+@pytest.mark.parametrize("folder", ["checkpoint", "ckpt/nested", "./ckpt", "a/../ckpt"])
+def test_checkpoint_folder_subfolders_are_accepted(folder: str) -> None:
+    assert load_config(None, ["--checkpoint.folder", folder]).checkpoint.folder == folder
+
+
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="file not found: /nonexistent.toml"):
         load_config("/nonexistent.toml")

@@ -60,8 +60,27 @@ def test_resume_position_is_exact() -> None:
     b = PackedLoader(stream, 10, 2)
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.next_batch().tokens, b.next_batch().tokens)
-    with pytest.raises(ConfigError, match="checkpoint was written for seq_len 10"):
-        PackedLoader(stream, 12, 2).load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("other, names", [
+    (dict(seq_len=12), "training.seq_len: checkpoint 10, this run 12"),
+    (dict(shuffle=False), "data.shuffle: checkpoint True, this run False"),
+    (dict(seed=7), "job.seed: checkpoint 0, this run 7"),
+    (dict(stream=np.arange(400, dtype=np.int64)), "the training corpus: checkpoint 49 samples of 10 tokens, this "
+     "run 39 (data.dataset, data.tokenizer, data.add_eos, data.max_documents or validation.split_fraction changed)"),
+])
+def test_resume_into_other_data_names_the_settings(other: dict, names: str) -> None:
+    """A data position means other samples under another seq_len, order or corpus: refused, naming the keys."""
+    a = PackedLoader(np.arange(500, dtype=np.int64), 10, 2, shuffle=True, seed=0)
+    a.next_batch()
+    kw = {"stream": np.arange(500, dtype=np.int64), "seq_len": 10, "shuffle": True, "seed": 0, **other}
+    b = PackedLoader(kw.pop("stream"), kw.pop("seq_len"), 2, **kw)
+    with pytest.raises(ConfigError) as exc:
+        b.load_state_dict(a.state_dict())
+    assert str(exc.value) == (f"data: the checkpoint's data position reads other samples in this run ({names}). "
+                              "Resume with the checkpoint's settings (see its run's config.toml), or use another "
+                              "--job.dump_folder")
+    assert b.position == 0
 
 
 def test_documents_txt_jsonl_and_eos(tmp_path: Path, tiny_tokenizer: str) -> None:
@@ -116,5 +135,5 @@ def test_shuffle_is_a_seeded_permutation_per_epoch() -> None:
     b = loader.next_batch()
     assert b.tokens[0].tolist() == list(range(8 * epoch0[0], 8 * epoch0[0] + 8))
     other = PackedLoader(stream, 8, 1, shuffle=True, seed=8)
-    with pytest.raises(ConfigError, match="shuffle=True seed=7, this run has shuffle=True seed=8"):
+    with pytest.raises(ConfigError, match=r"\(job\.seed: checkpoint 7, this run 8\)"):
         other.load_state_dict(loader.state_dict())

@@ -69,7 +69,8 @@ def test_resume_with_other_data_settings_changes_nothing(tmp_path: Path, trained
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3, training={"seq_len": 16})
     code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    assert_user_error(code, err, "data: checkpoint was written for seq_len 32")
+    assert_user_error(code, err, "data: the checkpoint's data position reads other samples in this run "
+                      "(training.seq_len: checkpoint 32, this run 16)")
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # config.toml included
 
 
@@ -195,10 +196,11 @@ def test_disk_full_during_save_stops_cleanly(tmp_path: Path, tiny_tokenizer: str
 
 def test_unwritable_checkpoint_folder_is_refused_up_front(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "blocker").write_text("a file where the checkpoint folder should be")
-    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, checkpoint={"folder": str(tmp_path / "blocker")})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "blocker").write_text("a file where the checkpoint folder should be")
+    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, checkpoint={"folder": "blocker"})
     code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    assert_user_error(code, err, f"checkpoint.folder: cannot write checkpoints to {tmp_path / 'blocker'}")
+    assert_user_error(code, err, f"checkpoint.folder: cannot write checkpoints to {tmp_path / 'run' / 'blocker'}")
     assert "step: " not in out  # refused before the first step
 
 

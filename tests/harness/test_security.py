@@ -188,3 +188,30 @@ def test_hf_model_with_custom_code_is_refused(tmp_path: Path, tiny_tokenizer: st
     assert_user_error(code, err, f"model.spec: transformers cannot read the config of hf:{folder}",
                       "contains custom code which must be executed")
     assert not marker.exists()
+
+
+def test_hf_folder_pickle_weights_are_never_read(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.hf_pretrained`` reads safetensors only: a folder whose weights are a pickle (pytorch_model.bin,
+    here a valid state dict next to an unrelated .safetensors file) is refused, and nothing is unpickled."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    hf_cfg = transformers.Qwen3Config(vocab_size=384, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                      max_position_embeddings=64)
+    hf_cfg.save_pretrained(folder)
+    torch.save(transformers.Qwen3ForCausalLM(hf_cfg).state_dict(), folder / "pytorch_model.bin")
+    save_file({"unrelated": torch.zeros(2)}, str(folder / "extra.safetensors"))
+
+    def no_unpickling(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"torch.load called on {args[0]!r}")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir,
+                      model={"spec": f"hf:{folder}", "config": {}, "hf_pretrained": True})
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"checkpoint.initial_load_path: transformers cannot load {folder}")
+    assert not (tmp_path / "run").exists()

@@ -55,8 +55,11 @@ def test_bad_lock_files_are_config_errors(tmp_path: Path) -> None:
     (tmp_path / "empty.lock").write_text("# nothing\n")
     with pytest.raises(ConfigError, match=r"job.stack: .*empty.lock has no \[stack\] table"):
         envinfo.check_stack(tmp_path / "empty.lock")
-    with pytest.raises(ConfigError, match="file not found"):
+    with pytest.raises(ConfigError, match=rf"^job\.stack: file not found: {tmp_path / 'missing.lock'}$"):
         envinfo.check_stack(tmp_path / "missing.lock")
+    (tmp_path / "bad.lock").write_text("[stack\n")
+    with pytest.raises(ConfigError, match=rf"^job\.stack: {tmp_path / 'bad.lock'} is not valid TOML"):
+        envinfo.check_stack(tmp_path / "bad.lock")
 
 
 def test_stack_differences_lists_components_missing_from_this_install() -> None:

@@ -136,7 +136,7 @@ class ParallelismConfig:
 @dataclass
 class CheckpointConfig:
     enable: bool = False
-    folder: str = "checkpoint"    # relative to job.dump_folder
+    folder: str = "checkpoint"    # a subfolder of job.dump_folder (relative to it)
     interval: int = 10            # save every N steps (and at the last step)
     keep_latest_k: int = 2        # 0 = keep all
     resume: bool = True           # resume from the latest checkpoint in folder if there is one
@@ -423,6 +423,7 @@ def _validate(cfg: TrainerConfig) -> None:
         "false (sharded init) needs tensor_parallel_degree 1 (TP-replicated parameters must get equal values)",
         p.replicated_init)
     c = cfg.checkpoint
+    _check_checkpoint_folder(c.folder)
     req(c.interval >= 1, "checkpoint.interval", "must be >= 1", c.interval)
     req(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", "must be >= 0", c.keep_latest_k)
     v = cfg.validation
@@ -454,6 +455,16 @@ def _validate(cfg: TrainerConfig) -> None:
 
 
 SEED_MAX = 2**63 - 1
+
+
+def _check_checkpoint_folder(folder: str) -> None:
+    """``checkpoint.folder`` names a subfolder of ``job.dump_folder``: the run's lock covers the dump folder,
+    so checkpoints outside it could be read and pruned by another run, and a fresh start could not move
+    them aside with the run's other files."""
+    norm = os.path.normpath(folder) if folder else ""
+    if os.path.isabs(folder) or norm in ("", os.curdir) or norm.split(os.sep)[0] == os.pardir:
+        raise ConfigError(f"config checkpoint.folder: must be a subfolder of job.dump_folder, given relative to it "
+                          f"(e.g. 'checkpoint'; absolute paths and '..' would leave the run folder), got {folder!r}")
 
 
 def _check_loss_schedule(cfg: TrainerConfig) -> None:

@@ -258,13 +258,20 @@ class PackedLoader:
                 "shuffle": self.shuffle, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if (bool(state.get("shuffle", False)), int(state.get("seed", 0))) != (self.shuffle, self.seed):
-            raise ConfigError(f"data: checkpoint was written with shuffle={state.get('shuffle')} "
-                              f"seed={state.get('seed')}, this run has shuffle={self.shuffle} seed={self.seed}")
-        if int(state["seq_len"]) != self.seq_len or int(state["num_samples"]) != self.num_samples:
-            raise ConfigError(f"data: checkpoint was written for seq_len {int(state['seq_len'])} and "
-                              f"{int(state['num_samples'])} samples, this run has seq_len {self.seq_len} and "
-                              f"{self.num_samples} samples (different data or config)")
+        """Resume at the checkpoint's position; refused (ConfigError naming the settings) when the checkpoint's
+        sample order or corpus differs from this run's, since its position would then read other samples."""
+        saved = {"training.seq_len": int(state["seq_len"]), "data.shuffle": bool(state.get("shuffle", False)),
+                 "job.seed": int(state.get("seed", 0))}
+        now = {"training.seq_len": self.seq_len, "data.shuffle": self.shuffle, "job.seed": self.seed}
+        diffs = [f"{k}: checkpoint {saved[k]!r}, this run {now[k]!r}" for k in saved if saved[k] != now[k]]
+        if not diffs and int(state["num_samples"]) != self.num_samples:
+            diffs = [f"the training corpus: checkpoint {int(state['num_samples']):,} samples of {self.seq_len} "
+                     f"tokens, this run {self.num_samples:,} (data.dataset, data.tokenizer, data.add_eos, "
+                     "data.max_documents or validation.split_fraction changed)"]
+        if diffs:
+            raise ConfigError("data: the checkpoint's data position reads other samples in this run (" +
+                              "; ".join(diffs) + "). Resume with the checkpoint's settings (see its run's "
+                              "config.toml), or use another --job.dump_folder")
         self.position = int(state["position"])
 
 

@@ -36,7 +36,10 @@ class HFStateDictAdapter:
 
         _refuse_non_float(path)
         try:
-            src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+            # safetensors only: a folder's pytorch_model.bin is a pickle, never read (not even by torch's
+            # weights-only unpickler)
+            src = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=False,
+                                                       use_safetensors=True)
         except (OSError, ValueError, RuntimeError) as e:
             raise ConfigError(f"checkpoint.initial_load_path: transformers cannot load {path} "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -39,9 +39,8 @@ def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str],
         n += 1
         dest = f"{base}-{n}"
     os.makedirs(dest)
-    ckpt_name = "checkpoint" if os.path.isabs(checkpoint_folder) else os.path.normpath(checkpoint_folder)
     moves = [(os.path.join(dump, f), os.path.join(dest, f)) for f in RUN_FILES]
-    moves.append((ckpt_dir, os.path.join(dest, ckpt_name)))
+    moves.append((ckpt_dir, os.path.join(dest, os.path.normpath(checkpoint_folder))))  # inside dump (config)
     for src, dst in moves:
         if os.path.exists(src):
             os.makedirs(os.path.dirname(dst), exist_ok=True)
