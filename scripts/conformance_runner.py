@@ -52,7 +52,7 @@ def child_plan(csv_path: str) -> None:
     from trnkit.conformance import cases, harness, reduce
 
     with open(csv_path, newline="") as f:
-        recorded = {(d["kernel"], d["case"], d["lnc"], d["shapes"]) for d in csv.DictReader(f)}
+        recorded = {_row_key(d) for d in csv.DictReader(f)}
     plan = []
     root = harness.nkilib_root(None)
     for c in cases.model_config_cases(root) + cases.reduced_cases(root):
@@ -323,30 +323,57 @@ CSV_FIELDS = ("kernel", "case", "shapes", "lnc", "result", "max_abs_err", "allow
               "message", "nkilib_commit")  # harness.CSV_FIELDS (checked in merge)
 
 
+def _row_key(d: dict) -> tuple[str, str, str, str]:
+    """A CSV row's case key, as :func:`_case_key` gives a case's."""
+    return d["kernel"], d["case"], str(d["lnc"]), d["shapes"]
+
+
 def merge_rows(existing: list[dict], new: list[dict], order: list[tuple[str, str, str, str]]) -> list[dict]:
     """``existing`` with ``new`` added, in the order of ``order`` (the case list's keys). Refuses a key twice among
     ``new`` with different rows, a new row whose case already has another row, and a row of no listed case."""
-    key = lambda d: (d["kernel"], d["case"], str(d["lnc"]), d["shapes"])  # noqa: E731
-    rows = {key(d): d for d in existing}
+    rows = {_row_key(d): d for d in existing}
     if len(rows) != len(existing):
         raise ValueError("conformance_runner merge: the CSV holds a case twice")
     for d in new:
         d = {f: d[f] for f in CSV_FIELDS}
-        old = rows.get(key(d))
+        old = rows.get(_row_key(d))
         if old is not None and old != d:
-            raise ValueError(f"conformance_runner merge: {key(d)} already has a row with another result "
+            raise ValueError(f"conformance_runner merge: {_row_key(d)} already has a row with another result "
                              f"({old['result']}: {old['message'][:80]!r} vs {d['result']}: {d['message'][:80]!r})")
-        rows[key(d)] = d
+        rows[_row_key(d)] = d
     place = {k: i for i, k in enumerate(order)}
     missing = [k for k in rows if k not in place]
     if missing:
         raise ValueError(f"conformance_runner merge: {len(missing)} rows of no listed case, e.g. {missing[0]}")
-    return sorted(rows.values(), key=lambda d: place[key(d)])
+    return sorted(rows.values(), key=lambda d: place[_row_key(d)])
+
+
+RESTATED_FIELDS = ("message", "seconds")  # what a re-run of a recorded case may change (its verdict stays)
+
+
+def restate_rows(existing: list[dict], restated: list[dict]) -> list[dict]:
+    """``existing`` with each row of ``restated`` (recorded cases run again under a newer check of the same
+    verdict) in place of its case's row. Refuses a restated row of no recorded case, and one that changes more
+    than :data:`RESTATED_FIELDS` (a changed result, max|err|, allowed error or tolerance is a new result, not a
+    restatement)."""
+    rows = {_row_key(d): d for d in existing}
+    for d in restated:
+        d = {f: d[f] for f in CSV_FIELDS}
+        old = rows.get(_row_key(d))
+        if old is None:
+            raise ValueError(f"conformance_runner merge: restated row {_row_key(d)} has no recorded row")
+        changed = [f for f in CSV_FIELDS if f not in RESTATED_FIELDS and old[f] != d[f]]
+        if changed:
+            raise ValueError(f"conformance_runner merge: restated row {_row_key(d)} changes {', '.join(changed)} "
+                             f"({', '.join(f'{old[f]!r} -> {d[f]!r}' for f in changed)}), not only its message")
+        rows[_row_key(d)] = d
+    return list(rows.values())
 
 
 def merge(args: argparse.Namespace) -> int:
     """Merge the scratch rows the run accepts (:func:`harness.row_ok`); the others are findings, listed and left
-    out (their case needs a fix, or a ``Case.rejected_by`` with a cited rule, before its row is recorded)."""
+    out (their case needs a fix, or a ``Case.rejected_by`` with a cited rule, before its row is recorded). The
+    scratch's ``restated.csv`` (rows.csv's columns), if any, restates recorded rows (:func:`restate_rows`)."""
     from trnkit.conformance import cases, harness
 
     assert tuple(harness.CSV_FIELDS) == CSV_FIELDS, harness.CSV_FIELDS
@@ -354,13 +381,15 @@ def merge(args: argparse.Namespace) -> int:
     existing = _read(target)
     scratch = _read(Path(args.scratch) / "rows.csv")
     new = [r for r in scratch if r["row_ok"] == "True"]
+    restated = _read(Path(args.scratch) / "restated.csv")
     order = [_case_key(c) for c in cases.all_cases(harness.nkilib_root(None))]
-    rows = merge_rows(existing, new, order)
+    rows = merge_rows(restate_rows(existing, restated), new, order)
     with open(target, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, lineterminator="\n")
         w.writeheader()
         w.writerows(rows)
-    print(f"{target}: {len(existing)} -> {len(rows)} rows ({len(new)} of {len(scratch)} scratch rows accepted)")
+    print(f"{target}: {len(existing)} -> {len(rows)} rows ({len(new)} of {len(scratch)} scratch rows accepted, "
+          f"{len(restated)} recorded rows restated)")
     for r in scratch:
         if r["row_ok"] != "True":
             print(f"left out (a finding): {r['case_id']}: {r['result']}: {r['message'][:200]}")

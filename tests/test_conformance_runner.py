@@ -49,6 +49,21 @@ def test_merge_refuses_rows_of_no_listed_case_and_duplicates_in_the_file():
         runner.merge_rows([_row("k", "a"), _row("k", "a")], [], ORDER)
 
 
+def test_restated_rows_replace_the_message_and_seconds_of_their_recorded_row():
+    restated = {**_row("k", "b", "GOLDEN_GAP", "attention: within"), "seconds": "7.5", "case_id": "k|b|lnc2|B=1"}
+    rows = runner.restate_rows([_row("k", "a"), _row("k", "b", "GOLDEN_GAP", "old text")], [restated])
+    assert [(r["case"], r["message"], r["seconds"]) for r in rows] == [
+        ("a", "", "1.00"), ("b", "attention: within", "7.5")]
+    assert "case_id" not in rows[1]
+
+
+def test_a_restated_row_that_changes_its_verdict_or_has_no_recorded_row_is_refused():
+    with pytest.raises(ValueError, match=r"changes result, max_abs_err \('GOLDEN_GAP' -> 'MISMATCH', '0' -> '3'\)"):
+        runner.restate_rows([_row("k", "a", "GOLDEN_GAP")], [{**_row("k", "a", "MISMATCH"), "max_abs_err": "3"}])
+    with pytest.raises(ValueError, match=r"restated row \('k', 'b', '2', 'B=1'\) has no recorded row"):
+        runner.restate_rows([_row("k", "a")], [_row("k", "b")])
+
+
 def test_reduced_shapes_read_as_reduced_values():
     assert runner._reduced_values("B=512->256 q_heads=8/rank S_ctx=131072->49152/131072->49152 S=1") == \
         "B=256 q_heads=8/rank S_ctx=49152/49152 S=1"
