@@ -77,3 +77,29 @@ def test_library_input_errors_are_trnkit_errors(call, match: str) -> None:
     with pytest.raises(TrnkitError, match=match) as e:
         call()
     assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"WORLD_SIZE": "abc"}, "environment variable WORLD_SIZE: must be an integer >= 1 (torchrun sets it), got 'abc'"),
+    ({"WORLD_SIZE": "0"}, "environment variable WORLD_SIZE: must be an integer >= 1 (torchrun sets it), got '0'"),
+    ({"WORLD_SIZE": "2", "RANK": "x"},
+     "environment variable RANK: must be an integer in [0, WORLD_SIZE - 1 = 1] (torchrun sets it), got 'x'"),
+    ({"WORLD_SIZE": "2", "RANK": "2"},
+     "environment variable RANK: must be an integer in [0, WORLD_SIZE - 1 = 1] (torchrun sets it), got '2'"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "-1"},
+     "environment variable LOCAL_RANK: must be an integer in [0, RANK = 1] (torchrun sets it), got '-1'"),
+])
+def test_launch_environment_errors_name_the_variable(environ: dict[str, str], message: str) -> None:
+    """torchrun's variables are user input too: a bad one is a ConfigError (exit 2), not a ValueError traceback."""
+    from trnkit.harness.parallel import launch_ranks
+
+    with pytest.raises(ConfigError) as exc:
+        launch_ranks(environ)
+    assert str(exc.value) == message
+
+
+def test_launch_environment_values() -> None:
+    from trnkit.harness.parallel import launch_ranks
+
+    assert launch_ranks({}) == (0, 1, 0)
+    assert launch_ranks({"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1"}) == (5, 8, 1)

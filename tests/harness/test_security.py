@@ -110,12 +110,30 @@ def _outside_name(d: Path) -> None:
     _set_manifest(d, lambda m: m["files"].update({"../../outside.bin": {"size": 1}}))
 
 
+def _identity_a_string(d: Path) -> None:
+    _set_manifest(d, lambda m: m.update(identity="x"))
+
+
+def _params_a_list(d: Path) -> None:
+    _set_manifest(d, lambda m: m["identity"].update(params=[1]))
+
+
+def _manifest_not_an_object(d: Path) -> None:
+    (d / MANIFEST).write_text("null")
+
+
 @pytest.mark.parametrize("damage, why", [
     (_drop_manifest, "it has no manifest trnkit.json, so its files cannot be verified"),
+    (_identity_a_string, "step-3/trnkit.json is unreadable (ValueError: its identity must be a JSON object, "
+                         "got str 'x')"),
+    (_params_a_list, "step-3/trnkit.json is unreadable (ValueError: its identity.params must be a JSON object, "
+                     "got list '[1]')"),
+    (_manifest_not_an_object, "step-3/trnkit.json is unreadable (ValueError: not a JSON object but NoneType 'None')"),
     (_empty_file_list, "step-3/trnkit.json lists no files, so nothing can be verified"),
     (_no_metadata_record, "step-3/trnkit.json does not list .metadata"),
     (_outside_name, "step-3/trnkit.json lists the file '../../outside.bin', which is outside the checkpoint folder"),
-], ids=["no-manifest", "empty-file-list", "no-metadata-record", "outside-name"])
+], ids=["no-manifest", "identity-a-string", "params-a-list", "manifest-null", "empty-file-list", "no-metadata-record",
+        "outside-name"])
 def test_unverifiable_checkpoint_is_refused(tmp_path: Path, trained: Path, tiny_tokenizer: str, corpus_dir: Path,
                                             damage, why: str, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _copy(trained, tmp_path)

@@ -177,12 +177,25 @@ def latest_checkpoint(folder: str) -> tuple[int, str] | None:
 
 
 def read_manifest(path: str) -> dict[str, Any] | None:
-    """The checkpoint's manifest, or None when the checkpoint has none."""
+    """The checkpoint's manifest, or None when the checkpoint has none. A manifest that is not a JSON object,
+    or whose run description (``identity`` and its ``model_config`` / ``params``, ``schedule``) is not made of
+    objects where the trainer reads them, raises ValueError naming the field: the manifest itself carries no
+    checksum, so those fields are checked before anything reads them."""
     f = os.path.join(path, MANIFEST)
     if not os.path.exists(f):
         return None
     with open(f) as fh:
-        return json.load(fh)
+        manifest = json.load(fh)
+    if not isinstance(manifest, dict):
+        raise ValueError(f"not a JSON object but {type(manifest).__name__} {str(manifest)[:40]!r}")
+    identity = manifest.get("identity")
+    fields = {"identity": identity, "schedule": manifest.get("schedule")}
+    if isinstance(identity, dict):
+        fields.update({f"identity.{k}": identity.get(k) for k in ("model_config", "params")})
+    for name, value in fields.items():
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"its {name} must be a JSON object, got {type(value).__name__} {str(value)[:40]!r}")
+    return manifest
 
 
 def _crc32(path: str) -> str:

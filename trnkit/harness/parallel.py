@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trnkit.errors import ConfigError
 from trnkit.harness.config import ParallelismConfig, resolve_parallel_degrees
 
 
@@ -42,10 +43,24 @@ def neuron_available() -> bool:
     return importlib.util.find_spec("torch_neuronx") is not None
 
 
+def launch_ranks(environ: Mapping[str, str]) -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's RANK, WORLD_SIZE and LOCAL_RANK in `environ` (0, 1, 0
+    when unset); a value that is no such number is a ConfigError naming the variable, the rule and the value."""
+    def number(name: str, default: int, rule: str, ok: Callable[[int], bool]) -> int:
+        text = environ.get(name, str(default)).strip()
+        value = int(text) if text.lstrip("-").isdigit() else None
+        if value is None or not ok(value):
+            raise ConfigError(f"environment variable {name}: must be {rule} (torchrun sets it), got {text!r}")
+        return value
+
+    world = number("WORLD_SIZE", 1, "an integer >= 1", lambda v: v >= 1)
+    rank = number("RANK", 0, f"an integer in [0, WORLD_SIZE - 1 = {world - 1}]", lambda v: 0 <= v < world)
+    local_rank = number("LOCAL_RANK", 0, f"an integer in [0, RANK = {rank}]", lambda v: 0 <= v <= rank)
+    return rank, world, local_rank
+
+
 def init_distributed(pcfg: ParallelismConfig) -> DistEnv:
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world, local_rank = launch_ranks(os.environ)
     dp, tp = resolve_parallel_degrees(pcfg, world)  # raises before any group is created
     if neuron_available():  # pragma: no cover - Trainium only
         # Native TorchNeuron registers the "neuron" device (PrivateUse1, module torch.neuron) and the
@@ -149,5 +164,5 @@ def all_reduce_sum(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     return y
 
 
-__all__ = ["DistEnv", "all_reduce_sum", "apply_fsdp", "clip_grad_norm", "destroy", "init_distributed",
+__all__ = ["DistEnv", "all_reduce_sum", "apply_fsdp", "clip_grad_norm", "destroy", "init_distributed", "launch_ranks",
            "local_shards", "neuron_available"]
