@@ -16,7 +16,13 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-__all__ = ["nki", "nl", "nisa", "nt", "REAL_NKI", "backend_name"]
+from trnkit.errors import ConfigError, TrnkitError
+
+__all__ = ["nki", "nl", "nisa", "nt", "REAL_NKI", "NkiUnavailableError", "backend_name"]
+
+
+class NkiUnavailableError(TrnkitError, ImportError):
+    """``TRNKIT_NKI=real`` without an importable Neuron ``nki`` package (a setting to fix: exit 2 in the CLI)."""
 
 
 def _load_real() -> tuple[ModuleType, ModuleType, ModuleType]:
@@ -38,7 +44,8 @@ def _load_sim() -> tuple[ModuleType, ModuleType, ModuleType]:
 def _resolve() -> tuple[ModuleType, ModuleType, ModuleType, bool]:
     choice = os.environ.get("TRNKIT_NKI", "").strip().lower()
     if choice not in ("", "sim", "real"):
-        raise ValueError(f"TRNKIT_NKI must be 'sim' or 'real', got {choice!r}")
+        raise ConfigError(f"environment variable TRNKIT_NKI: must be 'sim', 'real' or unset (real NKI when "
+                          f"importable, else the interpreter), got {choice!r}")
     if choice == "sim":
         return (*_load_sim(), False)
     try:
@@ -50,8 +57,8 @@ def _resolve() -> tuple[ModuleType, ModuleType, ModuleType, bool]:
         return (*real, True)
     except ImportError as exc:  # the PyPI placeholder wheels raise ImportError too
         if choice == "real":
-            raise ImportError(
-                "TRNKIT_NKI=real but the Neuron 'nki' package is not importable "
+            raise NkiUnavailableError(
+                "environment variable TRNKIT_NKI: 'real' needs the Neuron 'nki' package, which is not importable "
                 f"({exc}); install trnkit[neuron] from the Neuron pip repository"
             ) from exc
         return (*_load_sim(), False)

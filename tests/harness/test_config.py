@@ -76,6 +76,10 @@ def test_to_toml_round_trip(tmp_path: Path) -> None:
     ("", ["--overrides.block_size", "100"],
      r"overrides\.block_size: must be one of \(32, 64, 128, 256, 512\), got 100"),
     ("", ["--lr_scheduler.warmup_steps", "-1"], r"warmup_steps: must be >= 0, got -1"),
+    ("[overrides]\nseq_len = 999\n", [], r"^config overrides\.seq_len: is set from training\.seq_len by the trainer "
+     r"\(the validation dry run sees the run's own shapes\); leave it out, got 999$"),
+    ("", ["--overrides.batch_size", "8"], r"^config overrides\.batch_size: is set from training\.local_batch_size "
+     r"by the trainer .*; leave it out, got 8$"),
     ("", ["--training.steps"], r"--training.steps needs a value"),
     ("", ["--parallelism.replicated_init", "false", "--parallelism.tensor_parallel_degree", "2"],
      r"parallelism\.replicated_init: false \(sharded init\) needs tensor_parallel_degree 1"),

@@ -103,3 +103,21 @@ def test_launch_environment_values() -> None:
 
     assert launch_ranks({}) == (0, 1, 0)
     assert launch_ranks({"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1"}) == (5, 8, 1)
+
+
+@pytest.mark.parametrize("value, error, message", [
+    ("foo", ConfigError, "environment variable TRNKIT_NKI: must be 'sim', 'real' or unset (real NKI when importable, "
+                         "else the interpreter), got 'foo'"),
+    ("real", ImportError, "environment variable TRNKIT_NKI: 'real' needs the Neuron 'nki' package, which is not "
+                          "importable ("),
+])
+def test_nki_backend_variable_errors_are_user_errors(monkeypatch: pytest.MonkeyPatch, value: str, error: type,
+                                                     message: str) -> None:
+    """A bad TRNKIT_NKI is the user's to fix: a TrnkitError (exit 2 in the CLI), still the built-in class it was."""
+    from trnkit import nki_api
+
+    monkeypatch.setenv("TRNKIT_NKI", value)
+    monkeypatch.setattr(nki_api, "_load_real", lambda: (_ for _ in ()).throw(ImportError("No module named 'nki'")))
+    with pytest.raises(error) as exc:
+        nki_api._resolve()
+    assert isinstance(exc.value, TrnkitError) and str(exc.value).startswith(message)

@@ -440,6 +440,9 @@ def _validate(cfg: TrainerConfig) -> None:
     for i, name in enumerate(cfg.overrides.plugins):
         req(all(part.isidentifier() for part in name.split(".")), f"overrides.plugins[{i}]",
             "must be a dotted Python module name (e.g. 'my_pkg.my_kernels')", name)
+    for name, source, default in (("seq_len", "training.seq_len", None), ("batch_size", "training.local_batch_size", 1)):
+        req(getattr(cfg.overrides, name) == default, f"overrides.{name}", f"is set from {source} by the trainer (the "
+            f"validation dry run sees the run's own shapes); leave it out", getattr(cfg.overrides, name))
     req(cfg.overrides.lnc in (0, 1, 2, None), "overrides.lnc", "must be 0 (detected device), 1 or 2", cfg.overrides.lnc)
     from trnkit.overrides.config import choice_problems  # the kernels load only when a config is checked
 
