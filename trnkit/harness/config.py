@@ -440,7 +440,8 @@ def _validate(cfg: TrainerConfig) -> None:
     for i, name in enumerate(cfg.overrides.plugins):
         req(all(part.isidentifier() for part in name.split(".")), f"overrides.plugins[{i}]",
             "must be a dotted Python module name (e.g. 'my_pkg.my_kernels')", name)
-    for name, source, default in (("seq_len", "training.seq_len", None), ("batch_size", "training.local_batch_size", 1)):
+    set_by_trainer = (("seq_len", "training.seq_len", None), ("batch_size", "training.local_batch_size", 1))
+    for name, source, default in set_by_trainer:
         req(getattr(cfg.overrides, name) == default, f"overrides.{name}", f"is set from {source} by the trainer (the "
             f"validation dry run sees the run's own shapes); leave it out", getattr(cfg.overrides, name))
     req(cfg.overrides.lnc in (0, 1, 2, None), "overrides.lnc", "must be 0 (detected device), 1 or 2", cfg.overrides.lnc)
