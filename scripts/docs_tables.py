@@ -708,6 +708,17 @@ def calibration_changes_rows(rows: dict[str, dict[str, str]]) -> list[dict]:
     return out
 
 
+def predicted_change(before: str, after: str) -> Callable[[], str]:
+    """The model's predicted change (mid) from calibration point ``before`` to ``after``, as "+0.25 %"."""
+    def value() -> str:
+        row = next((r for r in calibration_changes_rows(_latest_calibration_rows())
+                    if (r["before"], r["after"]) == (before, after)), None)
+        if row is None:
+            raise LookupError(f"changes.csv: no change {before} -> {after}")
+        return f"{100 * row['predicted']:+.2f} %"
+    return value
+
+
 def calibration_changes() -> str:
     """The published version-to-version changes and the model's prediction of each."""
     body = [[f"{r['before']} -> {r['after']}", r["why"], f"{r['published']:+.1%}", f"{r['predicted']:+.1%}",
@@ -1512,6 +1523,9 @@ QUOTES = (
           "conformance.csv REJECTED rows", csv_count("conformance.csv", {"result": "REJECTED"})),
     Quote("docs/interpreter.md", "**STALE_READ, {} rows** (`attention_cte` sweep rows",
           "conformance.csv STALE_READ rows", csv_count("conformance.csv", {"result": "STALE_READ"})),
+    Quote("docs/cost-model.md", "published; TensorE-bound kernels): predicted {} (the one change off by more than "
+          "half its size) and {} (within half)", "calibration.csv kernel_opt v3 / v4 / v5 mids",
+          (predicted_change("kernel_opt v3", "kernel_opt v4"), predicted_change("kernel_opt v4", "kernel_opt v5"))),
     Quote("docs/cost-model.md", "The check points whose published figure is outside the model's range: {}.",
           "calibration.csv check points outside low..high", calibration_checks_outside),
     Quote("docs/cost-model.md", "exceeds the recorded {} us; its kernel estimate is {} us and the standalone one {} us "
