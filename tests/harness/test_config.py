@@ -131,6 +131,15 @@ def test_checkpoint_folder_must_stay_inside_the_dump_folder(folder: str) -> None
         load_config(None, ["--checkpoint.folder", folder])
 
 
+@pytest.mark.parametrize("folder", ["config.toml", "metrics.jsonl/x", ".trnkit.lock", "hf_export", "previous-1"])
+def test_checkpoint_folder_is_none_of_the_runs_own_files(folder: str) -> None:
+    """A checkpoint folder named like a run file would be created as a folder where the run writes that file."""
+    with pytest.raises(ConfigError, match=rf"^config checkpoint\.folder: must not be a file or folder the run "
+                                          rf"itself keeps in job\.dump_folder \(metrics\.jsonl, config\.toml, "
+                                          rf".*\.trnkit\.lock, previous-<time>\), got {re.escape(repr(folder))}$"):
+        load_config(None, ["--checkpoint.folder", folder])
+
+
 @pytest.mark.parametrize("folder", ["checkpoint", "ckpt/nested", "./ckpt", "a/../ckpt"])
 def test_checkpoint_folder_subfolders_are_accepted(folder: str) -> None:
     assert load_config(None, ["--checkpoint.folder", folder]).checkpoint.folder == folder

@@ -216,6 +216,21 @@ def test_fresh_run_moves_the_old_runs_files_aside(tmp_path: Path, trained, tiny_
     assert [r["step"] for r in read_jsonl(str(run_dir / "metrics.jsonl"))] == [1]
 
 
+def test_a_refused_fresh_run_leaves_the_old_run_in_place(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                        corpus_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fresh start refused while the model is built (here: initial weights without safetensors) moves nothing:
+    the earlier run's files are moved aside only once nothing can refuse the run any more."""
+    run_dir = _copy_run(trained[0], tmp_path / "run")
+    (tmp_path / "no_weights").mkdir()
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=1,
+                      checkpoint={"resume": False, "initial_load_path": str(tmp_path / "no_weights")})
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"checkpoint.initial_load_path: no *.safetensors in '{tmp_path / 'no_weights'}'")
+    assert not list(run_dir.glob("previous-*"))
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
 # ------------------------------------------------------------------ bad data files
 @pytest.mark.parametrize("name, content, match", [
     ("bin.txt", bytes(range(256)) * 4, r"bin\.txt is a binary file, not text; data files must be UTF-8"),
@@ -359,3 +374,20 @@ def test_nan_activation_ends_in_the_non_finite_stop(tmp_path: Path, tiny_tokeniz
     code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     assert code == 3 and "Traceback" not in err, err
     assert "train: step 1: loss nan / grad_norm nan is not finite -- stopping without applying the update" in err
+
+
+# ------------------------------------------------------------------ a resume names the run it continues
+def test_resume_names_the_run_that_wrote_the_checkpoint(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    constant = {"lr_scheduler": {"warmup_steps": 0, "decay_type": "constant"}}  # more steps keep every lr
+    first = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=2, job={"name": "first"}, **constant)
+    assert main_result(["--config", str(write_config(first, tmp_path / "a.toml"))], capsys)[0] == 0
+    step2 = tmp_path / "run" / "checkpoint" / "step-2"
+    m = read_manifest(str(step2))
+    assert m["run"]["job.name"] == "first" and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", m["run"]["started"])
+    second = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=3, job={"name": "second"}, **constant)
+    code, out, err = main_result(["--config", str(write_config(second, tmp_path / "b.toml"))], capsys)
+    assert code == 0, err
+    assert (f"resumed from {step2} (step 2): saved {m['time']} by job 'first' (run started {m['run']['started']})"
+            in out), out
+    assert read_manifest(str(tmp_path / "run" / "checkpoint" / "step-3"))["run"]["job.name"] == "second"

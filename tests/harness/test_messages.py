@@ -40,11 +40,11 @@ def _refused(tmp_path: Path, tiny_tokenizer: str, corpus: Path, capsys: pytest.C
     (["--model.config", '{"tie_word_embeddings": "yes"}'],
      "config model.config.tie_word_embeddings: expected a bool, got str 'yes'"),
     (["--model.config", '{"mlp_only_layers": [99]}'],
-     "model.config.mlp_only_layers: layer indices must be in [0, n_layers - 1 = 1]; out of range: [99], got [99]"),
-    (["--model.config", '{"rope_theta": 0}'], "model.config.rope_theta: must be a finite number > 0 (the RoPE base), "
-                                             "got 0.0"),
-    (["--model.config", '{"norm_eps": -1}'], "model.config.norm_eps: must be a finite number > 0 (RMSNorm divides by "
-                                            "sqrt(mean(x^2) + eps)), got -1.0"),
+     "model.config: Qwen3Config: mlp_only_layers: layer indices must be in [0, n_layers - 1 = 1]; out of range: [99]"),
+    (["--model.config", '{"rope_theta": 0}'], "model.config: Qwen3Config: rope_theta must be a finite number > 0 "
+                                             "(the RoPE base), got 0.0"),
+    (["--model.config", '{"norm_eps": -1}'], "model.config: Qwen3Config: norm_eps must be a finite number > 0 "
+                                            "(RMSNorm divides by sqrt(mean(x^2) + eps)), got -1.0"),
 ], ids=["eps-negative", "eps-nan", "lr-inf", "max_norm-nan", "min_lr-inf", "seed-huge", "seed-negative",
         "log_rank-beyond-world", "n_layers-float", "dim-bool", "rope_theta-str", "tie-str", "mlp_only_layers-99",
         "rope_theta-0", "norm_eps-negative"])

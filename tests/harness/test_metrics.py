@@ -92,3 +92,19 @@ def test_plot_runs_cli(tmp_path: Path) -> None:
     assert out.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="1 labels for 2 runs"):
         plot_runs(paths, str(out), ["only"])
+
+
+def test_plot_runs_cli_answers_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing or malformed metrics file is one message and exit 2, not a traceback."""
+    from trnkit.harness.plot import main
+
+    out = str(tmp_path / "cmp.png")
+    assert main([str(tmp_path / "none.jsonl"), "-o", out]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: plot_runs: each run must be a metrics.jsonl file; not a file: "
+                   f"['{tmp_path / 'none.jsonl'}']\n")
+    (tmp_path / "bad.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json\n')
+    assert main([str(tmp_path / "bad.jsonl"), "-o", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bad.jsonl:2" in err and "Traceback" not in err, err
+    assert not Path(out).exists()

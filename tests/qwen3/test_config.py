@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from trnkit.errors import ConfigError
 from trnkit.qwen3 import Qwen3Config, Qwen3Model, flavors, model_registry
 
 # Published Qwen/Qwen3-0.6B config.json (transformers 4.51 layout: top-level rope_theta).
@@ -101,6 +102,22 @@ def test_config_validation_messages() -> None:
         Qwen3Config(head_dim=7)
     with pytest.raises(KeyError, match="unknown Qwen3 flavor '7B'"):
         model_registry("7B")
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("norm_eps", -1.0, "norm_eps must be a finite number > 0 (RMSNorm divides by sqrt(mean(x^2) + eps)), got -1.0"),
+    ("norm_eps", 0.0, "norm_eps must be a finite number > 0 (RMSNorm divides by sqrt(mean(x^2) + eps)), got 0.0"),
+    ("rope_theta", float("nan"), "rope_theta must be a finite number > 0 (the RoPE base), got nan"),
+    ("init_std", float("inf"), "init_std must be a finite number >= 0, got inf"),
+    ("router_aux_loss_coef", -0.5, "router_aux_loss_coef must be a finite number >= 0, got -0.5"),
+    ("mlp_only_layers", [5], "mlp_only_layers: layer indices must be in [0, n_layers - 1 = 1]; out of range: [5]"),
+])
+def test_values_that_would_train_to_nan_are_refused(field: str, value: object, rule: str) -> None:
+    """The library's own config checks these (not only the trainer): each would end in NaNs or a silently dense
+    layer that names nothing."""
+    with pytest.raises(ConfigError) as exc:
+        Qwen3Config(n_layers=2, num_experts=4, top_k=2, **{field: value})
+    assert str(exc.value) == f"Qwen3Config: {rule}"
 
 
 def test_registry_published_values() -> None:

@@ -176,6 +176,11 @@ def latest_checkpoint(folder: str) -> tuple[int, str] | None:
     return ckpts[-1] if ckpts else None
 
 
+def utc_now() -> str:
+    """The current UTC time as the manifests and the run lock record it, e.g. ``2026-12-06T14:40:00Z``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def read_manifest(path: str) -> dict[str, Any] | None:
     """The checkpoint's manifest, or None when the checkpoint has none. A manifest that is not a JSON object,
     or whose run description (``identity`` and its ``model_config`` / ``params``, ``schedule``) is not made of
@@ -189,7 +194,7 @@ def read_manifest(path: str) -> dict[str, Any] | None:
     if not isinstance(manifest, dict):
         raise ValueError(f"not a JSON object but {type(manifest).__name__} {str(manifest)[:40]!r}")
     identity = manifest.get("identity")
-    fields = {"identity": identity, "schedule": manifest.get("schedule")}
+    fields = {"identity": identity, "schedule": manifest.get("schedule"), "run": manifest.get("run")}
     if isinstance(identity, dict):
         fields.update({f"identity.{k}": identity.get(k) for k in ("model_config", "params")})
     for name, value in fields.items():
@@ -298,6 +303,19 @@ def verify_checkpoint(path: str, trust_unverified: bool = False) -> str | None:
     return None
 
 
+def written_by(path: str) -> str:
+    """Which run saved the checkpoint at `path`, from its manifest: ``saved <time> by job '<name>' (run started
+    <time>)``; what an older manifest records of it, or "" without a readable one."""
+    try:
+        manifest = read_manifest(path) or {}
+    except (OSError, ValueError):  # an unverified checkpoint (checkpoint.trust_unverified)
+        return ""
+    run = manifest.get("run") or {}
+    saved = f"saved {manifest['time']}" if isinstance(manifest.get("time"), str) else ""
+    job = f"by job {run['job.name']!r} (run started {run.get('started', '?')})" if "job.name" in run else ""
+    return " ".join(part for part in (saved, job) if part)
+
+
 def mismatch_message(folder: str, path: str, diffs: list[str]) -> str:
     return (f"checkpoint: {path} was written by another model, so this run cannot resume from it:\n  "
             + "\n  ".join(diffs)
@@ -400,13 +418,14 @@ class Checkpointer:
     def __init__(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  loader: Any, rank: int, world_size: int, keep_latest_k: int = 2, expert_tp_layout: int = 1,
                  identity: RunIdentity | None = None, log: Callable[[str], None] | None = None,
-                 schedule: dict[str, Any] | None = None) -> None:
+                 schedule: dict[str, Any] | None = None, run: dict[str, str] | None = None) -> None:
         self.folder, self.model, self.optimizer = folder, model, optimizer
         self.scheduler, self.loader = scheduler, loader
         self.rank, self.world_size, self.keep_latest_k = rank, world_size, keep_latest_k
         self.expert_tp_layout = expert_tp_layout  # experts' w_gate_up column layout (tp_experts.py)
         self.identity = identity
         self.schedule = schedule  # the learning-rate schedule's settings, recorded in the manifest
+        self.run = run  # which run writes (job name, start time), recorded in the manifest: resume names it
         self.log = log or (lambda msg: print(f"[trnkit] {msg}", flush=True) if rank == 0 else None)
         self._aliases: dict[str, str] = {}
         self._in_flight: _InFlight | None = None
@@ -568,9 +587,10 @@ class Checkpointer:
             files = files if files is not None else file_records(tmp)
             total = sum(r["size"] for r in files.values())
             manifest = {
-                "step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "step": step, "time": utc_now(),
                 "identity": self.identity.to_dict() if self.identity else None,
                 "schedule": self.schedule,
+                "run": self.run,
                 "world_size": self.world_size,
                 "tied": self._aliases,
                 "files": files,
@@ -669,4 +689,5 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
 
 __all__ = ["CHECKSUM_MAX_BYTES", "write_failed", "CheckpointSaveError", "Checkpointer", "MANIFEST", "RunIdentity",
            "file_records", "find_resumable", "full_model_state_dict", "human_bytes", "latest_checkpoint",
-           "list_checkpoints", "load_full_model_state_dict", "on_rank0", "read_manifest", "verify_checkpoint"]
+           "list_checkpoints", "load_full_model_state_dict", "on_rank0", "read_manifest", "utc_now",
+           "verify_checkpoint", "written_by"]

@@ -465,10 +465,17 @@ def _check_checkpoint_folder(folder: str) -> None:
     """``checkpoint.folder`` names a subfolder of ``job.dump_folder``: the run's lock covers the dump folder,
     so checkpoints outside it could be read and pruned by another run, and a fresh start could not move
     them aside with the run's other files."""
+    from trnkit.harness.rundir import LOCK_NAME, PREVIOUS_PREFIX, RUN_FILES
+
     norm = os.path.normpath(folder) if folder else ""
     if os.path.isabs(folder) or norm in ("", os.curdir) or norm.split(os.sep)[0] == os.pardir:
         raise ConfigError(f"config checkpoint.folder: must be a subfolder of job.dump_folder, given relative to it "
                           f"(e.g. 'checkpoint'; absolute paths and '..' would leave the run folder), got {folder!r}")
+    top = norm.split(os.sep)[0]
+    if top in (*RUN_FILES, LOCK_NAME) or top.startswith(PREVIOUS_PREFIX):
+        raise ConfigError(f"config checkpoint.folder: must not be a file or folder the run itself keeps in "
+                          f"job.dump_folder ({', '.join((*RUN_FILES, LOCK_NAME))}, {PREVIOUS_PREFIX}<time>), "
+                          f"got {folder!r}")
 
 
 def _check_loss_schedule(cfg: TrainerConfig) -> None:

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from trnkit.errors import ConfigError, TrnkitError
 from trnkit.harness.metrics import read_jsonl
 
 
@@ -23,7 +24,11 @@ def plot_runs(paths: list[str], out: str, labels: list[str] | None = None, title
 
     labels = labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
     if len(labels) != len(paths):
-        raise ValueError(f"plot_runs: {len(labels)} labels for {len(paths)} runs")
+        raise ConfigError(f"plot_runs: --labels must name one label per run: {len(labels)} labels for "
+                          f"{len(paths)} runs, got {labels!r}")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise ConfigError(f"plot_runs: each run must be a metrics.jsonl file; not a file: {missing}")
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     for path, label, marker in zip(paths, labels, "o.s^v"):
         recs = read_jsonl(path)
@@ -52,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--labels", default="", help="comma-separated, one per run")
     p.add_argument("--title", default="loss")
     a = p.parse_args(argv)
-    print(plot_runs(a.metrics, a.out, [x for x in a.labels.split(",") if x] or None, a.title))
+    try:
+        print(plot_runs(a.metrics, a.out, [x for x in a.labels.split(",") if x] or None, a.title))
+    except TrnkitError as e:  # a missing or malformed metrics file, a label count: one message, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -22,10 +22,11 @@ import time
 from typing import Any, Callable
 
 from trnkit.errors import ConfigError
-from trnkit.harness.checkpoint import list_checkpoints, probe_write
+from trnkit.harness.checkpoint import list_checkpoints, probe_write, utc_now
 
 # What a run writes directly under its dump folder (the checkpoint folder is added by the caller).
 RUN_FILES = ("metrics.jsonl", "config.toml", "stack.lock", "loss.png", "hf_export")
+PREVIOUS_PREFIX = "previous-"  # an earlier run's files, moved aside by a fresh start: previous-<UTC time>
 
 
 def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str], None]) -> str | None:
@@ -33,7 +34,7 @@ def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str],
     ckpt_dir = os.path.join(dump, checkpoint_folder)
     if not (os.path.isfile(os.path.join(dump, "metrics.jsonl")) or list_checkpoints(ckpt_dir)):
         return None
-    base = os.path.join(dump, "previous-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+    base = os.path.join(dump, PREVIOUS_PREFIX + time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
     dest, n = base, 1
     while os.path.exists(dest):
         n += 1
@@ -88,7 +89,7 @@ class RunLock:
             self.log(f"WARNING: taking over the lock of a run that ended without releasing it ({_describe(stale)}, "
                      f"no longer running); {self.path}")
         me = {"pid": os.getpid(), "host": socket.gethostname(),
-              "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+              "start": utc_now()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
@@ -157,4 +158,4 @@ def writable_inside(path: str, dump: str, key: str) -> str:
     return path
 
 
-__all__ = ["LOCK_NAME", "RUN_FILES", "RunLock", "archive_previous_run", "writable_inside"]
+__all__ = ["LOCK_NAME", "PREVIOUS_PREFIX", "RUN_FILES", "RunLock", "archive_previous_run", "writable_inside"]

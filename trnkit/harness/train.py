@@ -33,7 +33,7 @@ from trnkit.harness.aux_loss import MoEAuxLoss
 from trnkit.errors import TrnkitError
 from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIdentity, find_resumable,
                                        full_model_state_dict, human_bytes, load_full_model_state_dict, on_rank0,
-                                       read_manifest, write_failed)
+                                       read_manifest, utc_now, write_failed, written_by)
 from trnkit.harness.config import (ConfigError, LRSchedulerConfig, OptimizerConfig, TrainerConfig, _suggest,
                                    check_log_rank, parse_args, to_toml)
 from trnkit.harness.data import IGNORE_INDEX, build_loaders
@@ -375,8 +375,6 @@ class Trainer:
             raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {spec.name} has "
                               f"vocab_size {spec.vocab_size}")
         reschedule = resume_from is not None and on_rank0(lambda: _schedule_changed(cfg, resume_from, log))
-        if resume_from is None:
-            on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
 
         if cfg.lr_scheduler.warmup_steps > t.steps:
             LOGGER.warning(f"lr_scheduler.warmup_steps ({cfg.lr_scheduler.warmup_steps}) > training.steps "
@@ -417,12 +415,15 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg.lr_scheduler, t.steps))
         self.ckpt = Checkpointer(ckpt_dir, model, self.optimizer, self.scheduler, self.loader, env.rank,
                                  env.world_size, cfg.checkpoint.keep_latest_k, expert_tp_layout=_expert_tp(cfg, env),
-                                 identity=identity, log=log, schedule=lr_schedule(cfg))
+                                 identity=identity, log=log, schedule=lr_schedule(cfg),
+                                 run={"job.name": cfg.job.name, "started": utc_now()})
         if cfg.checkpoint.enable:
             self.ckpt.check_space()
         self.start_step = 0
         if resume_from is not None:
             self.start_step = self._resume(resume_from, reschedule)
+        else:  # a fresh start moves an earlier run's files aside, once nothing can refuse this run any more
+            on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
         if env.rank == 0:  # written once the checkpoint (if any) has been accepted: a refused run changes nothing
             os.makedirs(dump, exist_ok=True)
             with open(os.path.join(dump, "config.toml"), "w") as f:
@@ -448,7 +449,8 @@ class Trainer:
             for group, fn in zip(optimizer.param_groups, scheduler.lr_lambdas):
                 group["initial_lr"], group["lr"] = o.lr, o.lr * fn(scheduler.last_epoch)
             scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-        self.log(f"resumed from {resume_from[1]} (step {start_step})")
+        by = written_by(resume_from[1])
+        self.log(f"resumed from {resume_from[1]} (step {start_step}){': ' + by if by else ''}")
         if start_step >= steps:
             self.log(_finished_message(resume_from[1], start_step, steps, self.cfg.job.dump_folder))
         return start_step

@@ -73,7 +73,6 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
 
 _ATTN_GUARD = "_trnkit_attention_guard"  # set on a module by apply_overrides (its own guard)
 _ATTN_FALLBACK = "_trnkit_attention_fallback"  # the attention implementation the module had
-_interface: dict[str, KernelChoice] = {}  # name -> the choice of register_hf_attention
 
 
 def _fallback_forward(module: nn.Module, implementation: str) -> Any:
@@ -84,21 +83,23 @@ def _fallback_forward(module: nn.Module, implementation: str) -> Any:
     return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
 
 
-def _attention_guard(module: nn.Module, name: str) -> BoundKernel:
+def _attention_guard(module: nn.Module, name: str, choice: KernelChoice) -> BoundKernel:
     guard = module.__dict__.get(_ATTN_GUARD)
     if guard is None:  # selected by name (attn_implementation=...): one guard per module and name
         guards: dict[str, BoundKernel] = module.__dict__.setdefault(_GUARD_ATTR, {})
         guard = guards.get(name)
         if guard is None:
-            guard = guards[name] = BoundKernel("attention", _interface[name], type(module).__name__)
+            guard = guards[name] = BoundKernel("attention", choice, type(module).__name__)
     return guard
 
 
-def _attention_forward(name: str) -> Any:
+def _attention_forward(name: str, choice: KernelChoice) -> Any:
+    """transformers' attention function ``name``: each module's own guard (set by apply_overrides), else one
+    per module built from ``choice`` (register_hf_attention's arguments, held here rather than in a global)."""
     def trnkit_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
                                  attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                                  sliding_window: int | None = None, **kwargs: Any) -> tuple[Tensor, None]:
-        guard = _attention_guard(module, name)
+        guard = _attention_guard(module, name, choice)
         extra = []
         if attention_mask is not None:
             extra.append(Violation("attention", "attention_mask is None (causal, no padding mask)",
@@ -140,8 +141,7 @@ def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str =
     resolve_dtensor()
     choice = KernelChoice(impl, policy, lnc=lnc or 0, fixed_shift=fixed_shift)
     choice.check_impl("attention")
-    _interface[name] = choice
-    ALL_ATTENTION_FUNCTIONS.register(name, _attention_forward(name))
+    ALL_ATTENTION_FUNCTIONS.register(name, _attention_forward(name, choice))
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
     return name
 
@@ -149,8 +149,10 @@ def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str =
 def set_hf_attention(module: nn.Module, guard: BoundKernel) -> Any:
     """apply_overrides' swap of one transformers attention module: its own config copy selects
     ``"trnkit"`` and ``guard`` decides each call; returns the original config (for the undo)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     name = "trnkit"
-    if name not in _interface:
+    if name not in ALL_ATTENTION_FUNCTIONS:
         register_hf_attention(name)
     original = module.__dict__["config"]
     own = copy.copy(original)

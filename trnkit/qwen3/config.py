@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,7 +74,17 @@ class Qwen3Config:
             req(self.decoder_sparse_step >= 1, f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         if any(not self.is_moe_layer(i) for i in range(self.n_layers)):
             req(self.hidden_dim > 0, f"hidden_dim must be > 0 for dense layers, got {self.hidden_dim}")
-        req(self.router_aux_loss_coef >= 0, f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        # values beyond sizes and counts: 0 or less (or NaN) here ends in a NaN loss that names nothing
+        req(math.isfinite(self.rope_theta) and self.rope_theta > 0,
+            f"rope_theta must be a finite number > 0 (the RoPE base), got {self.rope_theta!r}")
+        req(math.isfinite(self.norm_eps) and self.norm_eps > 0,
+            f"norm_eps must be a finite number > 0 (RMSNorm divides by sqrt(mean(x^2) + eps)), got {self.norm_eps!r}")
+        for name in ("init_std", "router_aux_loss_coef"):
+            v = getattr(self, name)
+            req(math.isfinite(v) and v >= 0, f"{name} must be a finite number >= 0, got {v!r}")
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+        req(not outside, f"mlp_only_layers: layer indices must be in [0, n_layers - 1 = {self.n_layers - 1}]; "
+            f"out of range: {outside}")
 
     # ----------------------------------------------------------------- layout
     @property

@@ -8,7 +8,6 @@ inside the model's forward, :mod:`.loss`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,27 +114,7 @@ def build_spec(flavor: str, overrides: dict[str, Any], *, name: str, seq_len: in
         raise ConfigError(f"model.config: bad Qwen3Config field ({e})") from None
     except ValueError as e:  # Qwen3Config.validate
         raise ConfigError(f"model.config: {e}") from None
-    _check_values(config)
     if seq_len > config.max_seq_len:
         raise ConfigError(f"training.seq_len: {seq_len} exceeds the model's max_seq_len {config.max_seq_len}")
     return Qwen3Spec(name, config)
 
-
-def _check_values(c: Qwen3Config) -> None:
-    """Value rules of the model config beyond its types (Qwen3Config checks sizes and counts): finite
-    positive RoPE base and norm epsilon (0 or less ends in a NaN loss naming nothing), layer indices
-    inside the model."""
-    def req(cond: bool, key: str, rule: str, value: Any) -> None:
-        if not cond:
-            raise ConfigError(f"model.config.{key}: {rule}, got {value!r}")
-
-    req(math.isfinite(c.rope_theta) and c.rope_theta > 0, "rope_theta", "must be a finite number > 0 (the RoPE base)",
-        c.rope_theta)
-    req(math.isfinite(c.norm_eps) and c.norm_eps > 0, "norm_eps", "must be a finite number > 0 (RMSNorm divides by "
-        "sqrt(mean(x^2) + eps))", c.norm_eps)
-    for name in ("init_std", "router_aux_loss_coef"):
-        req(math.isfinite(getattr(c, name)) and getattr(c, name) >= 0, name, "must be a finite number >= 0",
-            getattr(c, name))
-    outside = [i for i in c.mlp_only_layers if not 0 <= i < c.n_layers]
-    req(not outside, "mlp_only_layers", f"layer indices must be in [0, n_layers - 1 = {c.n_layers - 1}]; "
-        f"out of range: {outside}", c.mlp_only_layers)
