@@ -76,6 +76,9 @@ def test_to_toml_round_trip(tmp_path: Path) -> None:
     ("", ["--overrides.block_size", "100"],
      r"overrides\.block_size: must be one of \(32, 64, 128, 256, 512\), got 100"),
     ("", ["--lr_scheduler.warmup_steps", "-1"], r"warmup_steps: must be >= 0, got -1"),
+    ("", ["--job.dump_folder", ""], r"^config job\.dump_folder: must name a folder \(everything the run writes goes "
+     r"there\), got ''$"),
+    ("", ["--overrides.impl", '{"rope_hf": '], r"^config overrides\.impl: expected JSON on the command line"),
     ("[overrides]\nseq_len = 999\n", [], r"^config overrides\.seq_len: is set from training\.seq_len by the trainer "
      r"\(the validation dry run sees the run's own shapes\); leave it out, got 999$"),
     ("", ["--overrides.batch_size", "8"], r"^config overrides\.batch_size: is set from training\.local_batch_size "
@@ -143,6 +146,15 @@ def test_checkpoint_folder_is_none_of_the_runs_own_files(folder: str) -> None:
 @pytest.mark.parametrize("folder", ["checkpoint", "ckpt/nested", "./ckpt", "a/../ckpt"])
 def test_checkpoint_folder_subfolders_are_accepted(folder: str) -> None:
     assert load_config(None, ["--checkpoint.folder", folder]).checkpoint.folder == folder
+
+
+def test_cli_table_for_a_field_that_is_a_string_or_a_table() -> None:
+    """overrides.impl is ``str | dict``: a JSON table on the command line is the per-op table, anything else the
+    one name (TOML already types both)."""
+    cfg = load_config(None, ["--overrides.ops", "rope_hf,rmsnorm", "--overrides.policy", "strict",
+                             "--overrides.impl", '{"rope_hf": "reference"}'])
+    assert cfg.overrides.impl == {"rope_hf": "reference"}
+    assert load_config(None, ["--overrides.impl", "reference"]).overrides.impl == "reference"
 
 
 def test_missing_file() -> None:

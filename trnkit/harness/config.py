@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -255,17 +256,17 @@ def coerce(key: str, tp: Any, value: Any, from_cli: bool = False) -> Any:
 
 def _from_cli(key: str, tp: Any, value: str) -> Any:
     """The command line's spellings that are not the value's own: none/null for an optional field, a list as
-    ``a,b`` or JSON, a table as JSON."""
-    args = typing.get_args(tp)
-    if type(None) in args:  # an optional field (X | None)
-        if value.lower() in ("none", "null"):
-            return None
-        tp = next(a for a in args if a is not type(None))
-    origin = typing.get_origin(tp)
+    ``a,b`` or JSON, a table as JSON (also where a table is one choice of several, e.g. ``str | dict``: a value
+    starting with ``{``)."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    members = [a for a in (typing.get_args(tp) if union else (tp,)) if a is not type(None)]
+    if len(members) < len(typing.get_args(tp)) and value.lower() in ("none", "null"):  # an optional field
+        return None
+    kinds = {typing.get_origin(m) for m in members}
     try:
-        if origin is list:
+        if list in kinds and (len(members) == 1 or value.startswith("[")):
             return json.loads(value) if value.startswith("[") else [v for v in value.split(",") if v]
-        if origin is dict:
+        if dict in kinds and (len(members) == 1 or value.startswith("{")):
             return json.loads(value)
     except json.JSONDecodeError as e:
         raise ConfigError(f"config {key}: expected JSON on the command line ({e}), got {value!r}") from None
@@ -395,6 +396,8 @@ def _validate(cfg: TrainerConfig) -> None:
             raise ConfigError(f"config {key}: {rule}, got {value!r}")
 
     _require_finite(cfg)
+    req(cfg.job.dump_folder.strip() != "", "job.dump_folder", "must name a folder (everything the run writes goes "
+        "there)", cfg.job.dump_folder)
     req(0 <= cfg.job.seed <= SEED_MAX, "job.seed", "must be in [0, 2**63 - 1] (torch and numpy seeds)", cfg.job.seed)
     spec_family(cfg.model.spec)
     t = cfg.training
