@@ -3,6 +3,8 @@ state, reduced shapes read as their reduced values, and the merge keeps one row 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,6 +64,19 @@ def test_a_restated_row_that_changes_its_verdict_or_has_no_recorded_row_is_refus
         runner.restate_rows([_row("k", "a", "GOLDEN_GAP")], [{**_row("k", "a", "MISMATCH"), "max_abs_err": "3"}])
     with pytest.raises(ValueError, match=r"restated row \('k', 'b', '2', 'B=1'\) has no recorded row"):
         runner.restate_rows([_row("k", "a")], [_row("k", "b")])
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="the kernel has no sched_autogroup")
+def test_lower_autogroup_sets_the_sessions_autogroup_nice():
+    code = ("from pathlib import Path; from trnkit.bench.paths import load_script; "
+            f"r = load_script(Path({str(ROOT / 'scripts' / 'conformance_runner.py')!r}), 'conformance_runner'); "
+            "print(r.lower_autogroup(7), Path('/proc/self/autogroup').read_text().split()[-1])")
+    own = Path("/proc/self/autogroup").read_text()
+    # a new session: its own autogroup, so the test's own group keeps its nice
+    out = subprocess.run([sys.executable, "-c", code], start_new_session=True, capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout.split()
+    assert out == ["True", "7"]
+    assert Path("/proc/self/autogroup").read_text() == own
 
 
 def test_reduced_shapes_read_as_reduced_values():
