@@ -450,6 +450,14 @@ def test_trainer_plugin_error_block_is_what_the_trainer_prints(tmp_path: Path, m
     assert output_block("docs/trainer.md", "error: config overrides.plugins:") == printed
 
 
+def test_trainer_step_line_is_the_trainers_format():
+    """trainer.md's example step line: its values are an example, its layout is trnkit.harness.metrics'."""
+    from trnkit.harness.metrics import format_line
+
+    documented = output_block("docs/trainer.md", "step: 12 ")
+    assert documented == [format_line(12, 7.81234, 1.2345, 1.55, 6.60, 312, 0.08, None)]
+
+
 # ------------------------------------------------------------------------------------------ commands that parse
 # Every command of a ```bash block is checked as written, short of running it (most train or sweep for minutes):
 # its program is one this repository provides and its arguments are ones that program accepts. Python entry
