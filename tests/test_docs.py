@@ -330,10 +330,13 @@ DEBUG_HINT = " (--debug or TRNKIT_DEBUG=1 shows the traceback)"
 
 
 def output_block(page: str, first: str) -> list[str]:
-    """The lines of the unlabelled block of ``page`` whose first line starts with ``first``."""
-    m = re.search(rf"^```\n({re.escape(first)}.*?)^```", (ROOT / page).read_text(), re.S | re.M)
+    """The lines of the unlabelled block of ``page`` whose first line starts with ``first`` (an indented
+    block, in a list, dedented)."""
+    import textwrap
+
+    m = re.search(rf"^([ \t]*)```\n(\1{re.escape(first)}.*?)^\1```", (ROOT / page).read_text(), re.S | re.M)
     assert m, f"{page} lost its output block starting {first!r}"
-    return m.group(1).splitlines()
+    return textwrap.dedent(m.group(2)).splitlines()
 
 
 def trainer_error(args: list[str], tmp_path: Path) -> str:
@@ -400,6 +403,14 @@ def test_trainer_stack_error_block_is_what_the_trainer_prints(tmp_path: Path, mo
     (tmp_path / "stack.lock").write_text(envinfo.lock_text(locked))
     printed = trainer_error(["--config", "debug_moe", "--job.stack", "stack.lock"], tmp_path)
     assert output_block("docs/trainer.md", "error: job.stack:") == printed.splitlines()
+
+
+def test_trainer_loss_schedule_error_block_is_what_the_trainer_prints(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    printed = [trainer_error(["--config", config, "--training.loss_schedule", "fused"], tmp_path)
+               for config in ("debug_moe", "debug_moe_hf")]  # no loss kernel swapped in; a transformers model
+    assert output_block("docs/trainer.md", "error: config training.loss_schedule:") == printed
 
 
 PLUGIN_CHECKS = """\"\"\"A plugin whose constraint function cannot decide.\"\"\"
