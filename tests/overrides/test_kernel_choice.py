@@ -34,6 +34,16 @@ def test_a_choice_is_checked_when_it_is_made():
         bind_kernels(model, {"rope_hf": {"impl": "nki"}})
 
 
+def test_ops_given_as_one_string_is_refused_by_name() -> None:
+    """``ops="rope_hf"`` would iterate to its letters ('unknown op(s) ['r', 'o', ...]'): named as a type mistake."""
+    from trnkit.overrides import OverrideConfig
+
+    with pytest.raises(ValueError, match=r"^OverrideConfig\.ops must be a list of op names \(e\.g\. \['rope_hf'\]\), "
+                                         r"got str 'rope_hf'$"):
+        OverrideConfig(ops="rope_hf", policy="strict")
+    assert OverrideConfig(ops=("rope_hf",), policy="strict").ops == ["rope_hf"]
+
+
 def test_the_native_model_takes_its_kernels_from_its_config(monkeypatch: pytest.MonkeyPatch):
     """Qwen3Config.kernels: every swap point of the ops named is bound at build and calls its op with the
     choice's impl, block size and lnc; the logits and gradients are the torch model's."""

@@ -127,6 +127,9 @@ class OverrideConfig:
     plugins: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if isinstance(self.ops, str):  # list("rope_hf") would be its letters
+            raise ValueError(f"OverrideConfig.ops must be a list of op names (e.g. [{self.ops!r}]), got str "
+                             f"{self.ops!r}")
         self.ops = list(self.ops)
         for name in self.plugins:  # user modules that register impls, before the impl names are checked
             importlib.import_module(name)
