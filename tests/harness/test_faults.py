@@ -146,11 +146,21 @@ def test_broken_newest_checkpoint_falls_back_to_the_older_one(tmp_path: Path, tr
     step3 = run_dir / "checkpoint" / "step-3"
     why = damage(step3)
     assert why in (verify_checkpoint(str(step3)) or "")
+    damaged = _files(step3)
     res = run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3))
     out = capsys.readouterr().out
     assert f"WARNING: checkpoint {step3} is not usable: {why}" in out and "trying the next older" in out
     assert res.start_step == 2
     assert res.losses[3] == trained[1][3]  # step 3 redone from step-2: bit-exact with the original run
+    # the new step-3 replaced the unusable one, which is moved aside byte for byte, not deleted
+    assert verify_checkpoint(str(step3)) is None
+    [aside] = (run_dir / "checkpoint").glob("step-3.replaced-*")
+    assert _files(aside) == damaged
+    assert f"checkpoint: {step3} was not a usable checkpoint of this run; moved to {aside}" in out
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_no_usable_checkpoint_is_a_clear_error(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path,

@@ -176,6 +176,16 @@ def latest_checkpoint(folder: str) -> tuple[int, str] | None:
     return ckpts[-1] if ckpts else None
 
 
+def free_path(base: str) -> str:
+    """``base``, or ``base-2``, ``base-3``, ... : the first of them that does not exist (where to move
+    something aside without replacing anything)."""
+    path, n = base, 1
+    while os.path.lexists(path):
+        n += 1
+        path = f"{base}-{n}"
+    return path
+
+
 def utc_now() -> str:
     """The current UTC time as the manifests and the run lock record it, e.g. ``2026-12-06T14:40:00Z``."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -601,8 +611,11 @@ class Checkpointer:
                 os.fsync(f.fileno())
             if os.path.islink(final):  # never delete through a link (it may point outside the run folder)
                 os.remove(final)
-            elif os.path.exists(final):
-                shutil.rmtree(final)
+            elif os.path.exists(final):  # a step-N that resume skipped (unusable, or another run's): kept
+                aside = free_path(f"{final}.replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+                os.replace(final, aside)
+                self.log(f"checkpoint: {final} was not a usable checkpoint of this run; moved to {aside} "
+                         "(nothing was deleted)")
             os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
             self._prune()
             secs = f", {time.perf_counter() - t0:.1f} s" if t0 is not None else ""
@@ -688,6 +701,6 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
 
 
 __all__ = ["CHECKSUM_MAX_BYTES", "write_failed", "CheckpointSaveError", "Checkpointer", "MANIFEST", "RunIdentity",
-           "file_records", "find_resumable", "full_model_state_dict", "human_bytes", "latest_checkpoint",
+           "file_records", "find_resumable", "free_path", "full_model_state_dict", "human_bytes", "latest_checkpoint",
            "list_checkpoints", "load_full_model_state_dict", "on_rank0", "read_manifest", "utc_now",
            "verify_checkpoint", "written_by"]
