@@ -176,9 +176,10 @@ def latest_checkpoint(folder: str) -> tuple[int, str] | None:
     return ckpts[-1] if ckpts else None
 
 
-def free_path(base: str) -> str:
-    """``base``, or ``base-2``, ``base-3``, ... : the first of them that does not exist (where to move
-    something aside without replacing anything)."""
+def aside_path(prefix: str) -> str:
+    """Where to move something aside without replacing anything: ``<prefix><UTC time>`` (e.g.
+    ``previous-20261206-144000``), or that with ``-2``, ``-3``, ... : the first that does not exist."""
+    base = prefix + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     path, n = base, 1
     while os.path.lexists(path):
         n += 1
@@ -612,7 +613,7 @@ class Checkpointer:
             if os.path.islink(final):  # never delete through a link (it may point outside the run folder)
                 os.remove(final)
             elif os.path.exists(final):  # a step-N that resume skipped (unusable, or another run's): kept
-                aside = free_path(f"{final}.replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+                aside = aside_path(f"{final}.replaced-")
                 os.replace(final, aside)
                 self.log(f"checkpoint: {final} was not a usable checkpoint of this run; moved to {aside} "
                          "(nothing was deleted)")
@@ -701,6 +702,6 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
 
 
 __all__ = ["CHECKSUM_MAX_BYTES", "write_failed", "CheckpointSaveError", "Checkpointer", "MANIFEST", "RunIdentity",
-           "file_records", "find_resumable", "free_path", "full_model_state_dict", "human_bytes", "latest_checkpoint",
+           "aside_path", "file_records", "find_resumable", "full_model_state_dict", "human_bytes", "latest_checkpoint",
            "list_checkpoints", "load_full_model_state_dict", "on_rank0", "read_manifest", "utc_now",
            "verify_checkpoint", "written_by"]

@@ -18,11 +18,10 @@ import fcntl
 import json
 import os
 import socket
-import time
 from typing import Any, Callable
 
 from trnkit.errors import ConfigError
-from trnkit.harness.checkpoint import free_path, list_checkpoints, probe_write, utc_now
+from trnkit.harness.checkpoint import aside_path, list_checkpoints, probe_write, utc_now
 
 # What a run writes directly under its dump folder (the checkpoint folder is added by the caller).
 RUN_FILES = ("metrics.jsonl", "config.toml", "stack.lock", "loss.png", "hf_export")
@@ -34,7 +33,7 @@ def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str],
     ckpt_dir = os.path.join(dump, checkpoint_folder)
     if not (os.path.isfile(os.path.join(dump, "metrics.jsonl")) or list_checkpoints(ckpt_dir)):
         return None
-    dest = free_path(os.path.join(dump, PREVIOUS_PREFIX + time.strftime("%Y%m%d-%H%M%S", time.gmtime())))
+    dest = aside_path(os.path.join(dump, PREVIOUS_PREFIX))
     os.makedirs(dest)
     moves = [(os.path.join(dump, f), os.path.join(dest, f)) for f in RUN_FILES]
     moves.append((ckpt_dir, os.path.join(dest, os.path.normpath(checkpoint_folder))))  # inside dump (config)
