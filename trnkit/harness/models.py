@@ -19,9 +19,10 @@ from trnkit.harness.families import family_module, spec_family
 from trnkit.model_spec import ModelSpec
 
 
-def build_spec(cfg: TrainerConfig) -> ModelSpec:
+def build_spec(cfg: TrainerConfig, lnc: int = 0) -> ModelSpec:
     """The :class:`ModelSpec` of ``cfg.model`` for a run of ``cfg.training.seq_len`` tokens; every mistake is a
-    ConfigError naming the key, the rule and the value."""
+    ConfigError naming the key, the rule and the value. ``lnc``: the run's resolved LNC for the kernel choices
+    (0: ``overrides.lnc`` as configured)."""
     spec = cfg.model.spec
     family, arg = spec_family(spec)
     name = family_module(family)
@@ -47,6 +48,8 @@ def build_spec(cfg: TrainerConfig) -> ModelSpec:
         overrides = {k: coerce(f"model.config.{k}", hints[k], v) for k, v in overrides.items()}  # the typed schema
     # the kernel choices of [overrides], for a family that binds them when it builds the model
     kernels = cfg.overrides.kernels() if cfg.overrides.policy != "off" else {}
+    if lnc:
+        kernels = {op: dataclasses.replace(choice, lnc=lnc) for op, choice in kernels.items()}
     return module.build_spec(arg, overrides, name=spec, seq_len=cfg.training.seq_len,
                              aux_loss_coef=cfg.training.moe_aux_loss_coef, kernels=kernels)
 

@@ -39,6 +39,7 @@ from trnkit.harness.config import (ConfigError, LRSchedulerConfig, OptimizerConf
 from trnkit.harness.data import IGNORE_INDEX, build_loaders
 from trnkit.harness.metrics import (MetricsLogger, device_memory, flops_per_token, peak_flops, plot_loss,
                                     step1_sanity)
+from trnkit.harness.lnc import resolve_run_lnc
 from trnkit.harness.logs import LOGGER, interrupt_message, setup_logging
 from trnkit.harness.models import build_spec, has_hf_weights
 from trnkit.harness.plan import check_at_startup, measured_vs_plan
@@ -93,8 +94,9 @@ class _Log:
         LOGGER.info(msg)  # which ranks print is set_logging's rank filter (metrics.log_rank)
 
 
-def override_config(cfg: TrainerConfig) -> Any:
+def override_config(cfg: TrainerConfig, lnc: int = 0) -> Any:
     """The registry's ``OverrideConfig`` for ``[overrides]`` (None when off); errors name the config keys.
+    ``lnc``: the run's resolved LNC (:func:`~trnkit.harness.lnc.resolve_run_lnc`); 0 keeps ``overrides.lnc``.
 
     Built before anything heavy runs, so an unknown op or impl name stops the run at once.
     """
@@ -105,14 +107,14 @@ def override_config(cfg: TrainerConfig) -> Any:
         # checked again (fields set one by one from TOML / CLI); the dry-run validation sees this run's
         # real shapes: [local_batch_size, seq_len] tokens
         return dataclasses.replace(o, seq_len=cfg.training.seq_len, batch_size=cfg.training.local_batch_size,
-                                   lnc=o.lnc or None)
+                                   lnc=lnc or o.lnc or None)
     except (ValueError, KeyError) as e:  # unknown op / impl names, from the registry
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         raise ConfigError(f"config overrides (ops = {list(o.ops)}, impl = {o.impl!r}): {msg}") from e
 
 
-def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp: bool) -> str:
-    ocfg = override_config(cfg)
+def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp: bool, lnc: int) -> str:
+    ocfg = override_config(cfg, lnc)
     if ocfg is None:
         return ""
     if fsdp:
@@ -129,10 +131,10 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp
     return table
 
 
-def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv,
-                 log: _Log) -> tuple[Any, str, bool, str]:
-    """Build, parallelize, materialise, initialise or load, swap kernels. Returns (model, override table,
-    loaded, what TP sharded).
+def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log: _Log,
+                 lnc: int = 0) -> tuple[Any, str, bool, str]:
+    """Build, parallelize, materialise, initialise or load, swap kernels (at ``lnc`` cores per launch, the
+    run's resolved LNC). Returns (model, override table, loaded, what TP sharded).
 
     meta build -> TP -> [FSDP2 when each rank initialises only its shards] -> to_empty -> init or load
     -> kernel overrides -> [FSDP2 otherwise]. The overrides come after the weights so their
@@ -185,7 +187,7 @@ def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv,
             spec.init_weights(full)
         _load_full(model, spec, full.state_dict(), _expert_tp(cfg, env))
         del full
-    table = _apply_overrides(model, cfg, log, fsdp=fsdp_first)
+    table = _apply_overrides(model, cfg, log, fsdp=fsdp_first, lnc=lnc)
     if env.dp > 1 and not fsdp_first:
         fsdp()
     return model, table, loaded, tp_desc
@@ -355,12 +357,15 @@ class Trainer:
         # Everything that can refuse the run happens before the first file is written.
         import_plugins(cfg.overrides.plugins)  # user kernels register themselves before impl names are checked
         override_config(cfg)  # fail fast on bad [overrides] names, before data and model are built
+        self.lnc, lnc_source = 0, ""
+        if cfg.overrides.policy != "off":  # resolved once here and passed to every swap point
+            self.lnc, lnc_source = resolve_run_lnc(cfg.overrides.lnc, os.environ)
         _check_compile_backend(cfg)
         if cfg.job.stack:
             envinfo.check_stack(cfg.job.stack)  # a ConfigError naming each difference
         if cfg.checkpoint.export_hf:
             writable_inside(os.path.join(dump, EXPORT_DIR), dump, "checkpoint.export_hf")
-        self.spec = spec = build_spec(cfg)
+        self.spec = spec = build_spec(cfg, lnc=self.lnc)
         identity = run_identity(spec)
         self.memory_plan = check_at_startup(cfg, spec, env.world_size, env.device.type,
                                             parallel.device_name(env.device), cfg.job.memory_check, log)
@@ -382,6 +387,8 @@ class Trainer:
                            f"{t.steps / cfg.lr_scheduler.warmup_steps:.0%} of it) and never decays")
         log(f"job {cfg.job.name}: world {env.world_size} (dp_shard {env.dp} x tp {env.tp}) on {env.device.type}"
             f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
+        if self.lnc:
+            log(f"kernels: lnc {self.lnc} physical core{'s' if self.lnc > 1 else ''} per launch (from {lnc_source})")
         log(f"data: {cfg.data.dataset} -> {len(self.loader.stream):,} tokens ({self.loader.num_samples:,} samples "
             f"of {t.seq_len}) with tokenizer {tok.path} (vocab {tok.vocab_size:,})")
         self.validator = None
@@ -393,7 +400,7 @@ class Trainer:
                 f"{t.local_batch_size * env.dp} x {t.seq_len} tokens from {source} ({len(val_loader.stream):,} "
                 "tokens, not trained on)")
 
-        model, table, self.loaded, tp_desc = _build_model(spec, cfg, env, log)
+        model, table, self.loaded, tp_desc = _build_model(spec, cfg, env, log, self.lnc)
         self.model = model
         if env.world_size > 1:
             n_dt = sum(hasattr(p, "placements") for p in model.parameters())
