@@ -413,6 +413,38 @@ def test_trainer_loss_schedule_error_block_is_what_the_trainer_prints(tmp_path: 
     assert output_block("docs/trainer.md", "error: config training.loss_schedule:") == printed
 
 
+def test_trainer_finished_job_block_is_what_the_trainer_prints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]):
+    """trainer.md's rerun of a finished job: the main job's config (its dump folder, 20 steps, checkpoints), run
+    twice. What the message does not name is made small so that 20 steps take seconds: the model's sizes
+    (the Qwen3 tokenizer's vocabulary kept), one play's first 40 kB as the corpus, reference ops instead of
+    the kernels, no HF export, no plot."""
+    import tomllib
+
+    from trnkit.harness.config import from_dict, to_toml
+    from trnkit.harness.data import shakespeare_files
+    from trnkit.harness.train import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "play.txt").write_text(Path(shakespeare_files()[0]).read_text()[:40_000])
+    job = tomllib.loads((ROOT / "configs" / "debug_moe_nki.toml").read_text())
+    del job["overrides"]
+    job["model"]["config"] = {"dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16,
+                              "hidden_dim": 64, "num_experts": 4, "top_k": 2, "moe_inter_dim": 32}
+    job["data"]["dataset"] = str(tmp_path / "corpus")
+    job["training"].update(local_batch_size=1, seq_len=32)
+    job["checkpoint"]["export_hf"] = False
+    job["metrics"].update(plot=False, progress_bar=False, progress_freq=0)
+    (tmp_path / "job.toml").write_text(to_toml(from_dict(job)))
+    assert main(["--config", "job.toml"]) == 0
+    capsys.readouterr()
+    assert main(["--config", "job.toml"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    first = next(i for i, line in enumerate(printed) if "nothing to train" in line)
+    assert output_block("docs/trainer.md", "[trnkit] nothing to train:") == printed[first:first + 3]
+
+
 PLUGIN_CHECKS = """\"\"\"A plugin whose constraint function cannot decide.\"\"\"
 import examples.my_kernels as ex
 from trnkit.overrides import register
