@@ -74,6 +74,65 @@ def test_resume_with_other_data_settings_changes_nothing(tmp_path: Path, trained
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # config.toml included
 
 
+def _swapped_plays(corpus_dir: Path, dst: Path) -> Path:
+    """The same two plays in the other order: the same tokens, so the same number of samples, other samples."""
+    dst.mkdir()
+    (dst / "play0.txt").write_bytes((corpus_dir / "play1.txt").read_bytes())
+    (dst / "play1.txt").write_bytes((corpus_dir / "play0.txt").read_bytes())
+    return dst
+
+
+def test_resume_with_another_corpus_of_the_same_size_changes_nothing(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                                    corpus_dir: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Used to resume silently: the data position was checked against the sample count alone."""
+    run_dir = _copy_run(trained[0], tmp_path / "run")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    other = _swapped_plays(corpus_dir, tmp_path / "other")
+    cfg = ckpt_config(run_dir, tiny_tokenizer, other, steps=4)
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    saved = read_manifest(str(run_dir / "checkpoint" / "step-3"))["data"]
+    tokens = f"{saved['tokens']:,} tokens"
+    assert_user_error(code, err, "data: the checkpoint's data position reads other samples in this run (the training "
+                      f"token stream: checkpoint {run_dir / 'checkpoint' / 'step-3'} {tokens}, sha256 "
+                      f"{saved['sha256'][:16]}, this run {tokens}, sha256 ", "data.dataset's files or their contents",
+                      "Nothing was written", "another --job.dump_folder, or --checkpoint.resume false")
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # config.toml included
+
+
+def test_the_manifest_records_the_training_datas_identity(trained, tiny_tokenizer: str, corpus_dir: Path) -> None:
+    """tokens + SHA-256 of the packed stream (int64 little-endian), computed here with tokenizers and hashlib."""
+    import hashlib
+
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tiny_tokenizer)
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = [t for f in sorted(corpus_dir.glob("*.txt")) for t in tok.encode(f.read_text()).ids + [eos]]
+    stream = np.array(ids, dtype="<i8")
+    for step in (1, 2, 3):
+        data = read_manifest(str(trained[0] / "checkpoint" / f"step-{step}"))["data"]
+        assert data == {"tokens": len(ids), "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}
+
+
+def test_a_checkpoint_without_a_data_identity_resumes_with_a_warning(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                                     corpus_dir: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Checkpoints written before the manifest recorded ``data``: resumed, the sample count alone compared."""
+    run_dir = _copy_run(trained[0], tmp_path / "run")
+    manifest = run_dir / "checkpoint" / "step-3" / MANIFEST
+    m = json.loads(manifest.read_text())
+    del m["data"]
+    manifest.write_text(json.dumps(m))
+    res = run(ckpt_config(run_dir, tiny_tokenizer, _swapped_plays(corpus_dir, tmp_path / "other"), steps=4,
+                          checkpoint={"reschedule": True}))
+    assert res.start_step == 3 and sorted(res.losses) == [4]
+    assert any(r.getMessage() == f"WARNING: checkpoint {run_dir / 'checkpoint' / 'step-3'} records no identity of its "
+               "training data (an older checkpoint): only its sample count is compared with this run's corpus"
+               for r in caplog.records)
+
+
 def test_resume_with_a_resumable_change_continues(tmp_path: Path, trained, tiny_tokenizer: str,
                                                   corpus_dir: Path) -> None:
     # the aux-loss coefficient is a training setting, not a different model

@@ -194,9 +194,9 @@ def utc_now() -> str:
 
 def read_manifest(path: str) -> dict[str, Any] | None:
     """The checkpoint's manifest, or None when the checkpoint has none. A manifest that is not a JSON object,
-    or whose run description (``identity`` and its ``model_config`` / ``params``, ``schedule``) is not made of
-    objects where the trainer reads them, raises ValueError naming the field: the manifest itself carries no
-    checksum, so those fields are checked before anything reads them."""
+    or whose run description (``identity`` and its ``model_config`` / ``params``, ``schedule``, ``run``, ``data``)
+    is not made of objects where the trainer reads them, raises ValueError naming the field: the manifest
+    itself carries no checksum, so those fields are checked before anything reads them."""
     f = os.path.join(path, MANIFEST)
     if not os.path.exists(f):
         return None
@@ -205,7 +205,7 @@ def read_manifest(path: str) -> dict[str, Any] | None:
     if not isinstance(manifest, dict):
         raise ValueError(f"not a JSON object but {type(manifest).__name__} {str(manifest)[:40]!r}")
     identity = manifest.get("identity")
-    fields = {"identity": identity, "schedule": manifest.get("schedule"), "run": manifest.get("run")}
+    fields = {"identity": identity, **{k: manifest.get(k) for k in ("schedule", "run", "data")}}
     if isinstance(identity, dict):
         fields.update({f"identity.{k}": identity.get(k) for k in ("model_config", "params")})
     for name, value in fields.items():
@@ -312,6 +312,15 @@ def verify_checkpoint(path: str, trust_unverified: bool = False) -> str | None:
         if os.path.getsize(f) < end:
             return f"{f} is truncated ({os.path.getsize(f)} bytes, the metadata needs {end})"
     return None
+
+
+def manifest_entry(path: str, key: str) -> Any:
+    """``key`` of the manifest of the (verified) checkpoint at ``path``; None without one or without the key
+    (an unverified checkpoint, ``checkpoint.trust_unverified``, may have none)."""
+    try:
+        return (read_manifest(path) or {}).get(key)
+    except (OSError, ValueError):
+        return None
 
 
 def written_by(path: str) -> str:
@@ -429,7 +438,8 @@ class Checkpointer:
     def __init__(self, folder: str, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                  loader: Any, rank: int, world_size: int, keep_latest_k: int = 2, expert_tp_layout: int = 1,
                  identity: RunIdentity | None = None, log: Callable[[str], None] | None = None,
-                 schedule: dict[str, Any] | None = None, run: dict[str, str] | None = None) -> None:
+                 schedule: dict[str, Any] | None = None, run: dict[str, str] | None = None,
+                 data: dict[str, Any] | None = None) -> None:
         self.folder, self.model, self.optimizer = folder, model, optimizer
         self.scheduler, self.loader = scheduler, loader
         self.rank, self.world_size, self.keep_latest_k = rank, world_size, keep_latest_k
@@ -437,6 +447,7 @@ class Checkpointer:
         self.identity = identity
         self.schedule = schedule  # the learning-rate schedule's settings, recorded in the manifest
         self.run = run  # which run writes (job name, start time), recorded in the manifest: resume names it
+        self.data = data  # the training data's identity (PackedLoader.identity), recorded in the manifest
         self.log = log or (lambda msg: print(f"[trnkit] {msg}", flush=True) if rank == 0 else None)
         self._aliases: dict[str, str] = {}
         self._in_flight: _InFlight | None = None
@@ -602,6 +613,7 @@ class Checkpointer:
                 "identity": self.identity.to_dict() if self.identity else None,
                 "schedule": self.schedule,
                 "run": self.run,
+                "data": self.data,
                 "world_size": self.world_size,
                 "tied": self._aliases,
                 "files": files,
@@ -703,5 +715,5 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
 
 __all__ = ["CHECKSUM_MAX_BYTES", "write_failed", "CheckpointSaveError", "Checkpointer", "MANIFEST", "RunIdentity",
            "aside_path", "file_records", "find_resumable", "full_model_state_dict", "human_bytes", "latest_checkpoint",
-           "list_checkpoints", "load_full_model_state_dict", "on_rank0", "read_manifest", "utc_now",
+           "list_checkpoints", "load_full_model_state_dict", "manifest_entry", "on_rank0", "read_manifest", "utc_now",
            "verify_checkpoint", "written_by"]

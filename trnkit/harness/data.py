@@ -12,9 +12,11 @@ rank), so resuming is exact and independent of the number of processes.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Iterator
 
 import numpy as np
@@ -251,6 +253,37 @@ class PackedLoader:
     def __iter__(self) -> Iterator[Batch]:
         while True:
             yield self.next_batch()
+
+    @cached_property
+    def identity(self) -> dict[str, Any]:
+        """The training data as a checkpoint's manifest records it (``data``): the packed stream's token count
+        and the SHA-256 of its tokens as little-endian int64. The stream is what tokenization, EOS, the
+        document cap and the validation split left, so the hash changes with any of them and with the files'
+        contents; it costs one pass over 8 bytes per token (the stream is in memory already)."""
+        tokens = np.ascontiguousarray(self.stream.numpy(), dtype="<i8")
+        return {"tokens": len(tokens), "sha256": hashlib.sha256(memoryview(tokens).cast("B")).hexdigest()}
+
+    def check_identity(self, saved: Any, path: str) -> str | None:
+        """Refuse (ConfigError) a resume from the checkpoint at ``path`` whose recorded data identity ``saved``
+        (:attr:`identity`) differs from this run's; a warning for a checkpoint that records none (written
+        before trnkit recorded it: only its sample count is then compared, by :meth:`load_state_dict`)."""
+        if not (isinstance(saved, dict) and isinstance(saved.get("sha256"), str)):
+            return (f"WARNING: checkpoint {path} records no identity of its training data (an older checkpoint): "
+                    "only its sample count is compared with this run's corpus")
+        if (saved.get("tokens"), saved["sha256"]) == (self.identity["tokens"], self.identity["sha256"]):
+            return None
+
+        def show(d: dict[str, Any]) -> str:
+            tokens = f"{d['tokens']:,}" if isinstance(d.get("tokens"), int) else repr(d.get("tokens"))
+            return f"{tokens} tokens, sha256 {str(d['sha256'])[:16]}"
+
+        raise ConfigError(
+            f"data: the checkpoint's data position reads other samples in this run (the training token stream: "
+            f"checkpoint {path} {show(saved)}, this run {show(self.identity)}; data.dataset's files or their "
+            "contents, data.tokenizer, data.text_field, data.add_eos, data.max_documents or "
+            "validation.split_fraction changed). Nothing was written. Resume with the checkpoint's data (see its "
+            "run's config.toml), or start fresh: another --job.dump_folder, or --checkpoint.resume false (this "
+            "run's files are first moved to previous-<time>/ in the dump folder)")
 
     # Stateful protocol (torch.distributed.checkpoint)
     def state_dict(self) -> dict[str, Any]:

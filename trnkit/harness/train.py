@@ -32,8 +32,8 @@ from trnkit.harness import parallel
 from trnkit.harness.aux_loss import MoEAuxLoss
 from trnkit.errors import TrnkitError
 from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIdentity, find_resumable,
-                                       full_model_state_dict, human_bytes, load_full_model_state_dict, on_rank0,
-                                       read_manifest, utc_now, write_failed, written_by)
+                                       full_model_state_dict, human_bytes, load_full_model_state_dict, manifest_entry,
+                                       on_rank0, utc_now, write_failed, written_by)
 from trnkit.harness.config import (ConfigError, LRSchedulerConfig, OptimizerConfig, TrainerConfig, _suggest,
                                    check_log_rank, parse_args, to_toml)
 from trnkit.harness.data import IGNORE_INDEX, build_loaders
@@ -227,10 +227,7 @@ def _schedule_changed(cfg: TrainerConfig, resume_from: tuple[int, str], log: _Lo
     ``checkpoint.reschedule``, which follows the new schedule from the next step on. Settings that change
     no step's learning rate (e.g. more steps at a constant rate) resume as they are."""
     step, path = resume_from
-    try:
-        saved = (read_manifest(path) or {}).get("schedule")
-    except (OSError, ValueError):  # an unverified checkpoint (checkpoint.trust_unverified)
-        saved = None
+    saved = manifest_entry(path, "schedule")
     now = lr_schedule(cfg)
     if not isinstance(saved, dict) or not set(now) <= set(saved):
         return False
@@ -379,6 +376,11 @@ class Trainer:
         if tok.vocab_size > spec.vocab_size:
             raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {spec.name} has "
                               f"vocab_size {spec.vocab_size}")
+        if resume_from is not None:  # the same data (its identity in the manifest), then the same schedule
+            warning = on_rank0(lambda: self.loader.check_identity(manifest_entry(resume_from[1], "data"),
+                                                                  resume_from[1]))
+            if warning:
+                log(warning)
         reschedule = resume_from is not None and on_rank0(lambda: _schedule_changed(cfg, resume_from, log))
 
         if cfg.lr_scheduler.warmup_steps > t.steps:
@@ -423,7 +425,7 @@ class Trainer:
         self.ckpt = Checkpointer(ckpt_dir, model, self.optimizer, self.scheduler, self.loader, env.rank,
                                  env.world_size, cfg.checkpoint.keep_latest_k, expert_tp_layout=_expert_tp(cfg, env),
                                  identity=identity, log=log, schedule=lr_schedule(cfg),
-                                 run={"job.name": cfg.job.name, "started": utc_now()})
+                                 run={"job.name": cfg.job.name, "started": utc_now()}, data=self.loader.identity)
         if cfg.checkpoint.enable:
             self.ckpt.check_space()
         self.start_step = 0
