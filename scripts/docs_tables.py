@@ -1343,6 +1343,100 @@ def _loss_track(config: str, column: str) -> Callable[[], str]:
     return csv_cell("loss_track.csv", column, {"config": config, "step": "max"}, "{:.1e}")
 
 
+DERIVED_CSV = "derived_figures.csv"  # benchmarks/derived_figures.py: figures the derived blocks read off traces
+
+
+def derived(trace: str, setting: str, quantity: str) -> float:
+    """One figure of derived_figures.csv (times in us)."""
+    rows = [r for r in read_csv(DERIVED_CSV)
+            if (r["trace"], r["setting"], r["quantity"]) == (trace, setting, quantity)]
+    if not rows:
+        raise LookupError(f"{DERIVED_CSV}: no row {trace} / {setting or '(trace)'} / {quantity}")
+    return float(rows[-1]["value"])
+
+
+def derived_cell(trace: str, setting: str, quantity: str, fmt: str = "{:,.1f}",
+                 scale: float = 1.0) -> Callable[[], str]:
+    """:func:`derived` times ``scale``, as ``fmt`` writes it (``scale`` 1e-3: us to ms)."""
+    return lambda: fmt.format(derived(trace, setting, quantity) * scale)
+
+
+def derived_change(before: tuple[str, str], after: tuple[str, str], quantity: str = "total_us",
+                   fmt: str = "{:+.2f}") -> Callable[[], str]:
+    """The % change of ``quantity`` from the (trace, setting) ``before`` to ``after``."""
+    return lambda: fmt.format(100 * (derived(*after, quantity) / derived(*before, quantity) - 1))
+
+
+def derived_claim(holds: Callable[[], bool], words: str, otherwise: Callable[[], str]) -> Callable[[], str]:
+    """``words`` while ``holds()`` (a sentence's claim, e.g. "do not move"), else ``otherwise()``: the quote then
+    fails --check with what the figures say."""
+    return lambda: words if holds() else otherwise()
+
+
+def unmoved(setting: str, traces: tuple[str, ...], words: str = "do not move", base: str = "mid",
+            digits: int = 1) -> Callable[[], str]:
+    """``words`` while each trace's total under ``setting`` equals its total at ``base`` to ``digits`` decimals of
+    a us."""
+    def totals() -> list[tuple[float, float]]:
+        return [(round(derived(t, base, "total_us"), digits), round(derived(t, setting, "total_us"), digits))
+                for t in traces]
+    return derived_claim(lambda: all(a == b for a, b in totals()), words,
+                         lambda: "move (" + ", ".join(f"{t} {a} -> {b} us" for t, (a, b) in
+                                                      zip(traces, totals())) + ")")
+
+
+def kernel_opt_all_three(setting: str, quantity: str, fmt: str, scale: float) -> Callable[[], str]:
+    """The figure v3, v4 and v5 share (as ``fmt`` writes it), else the three."""
+    def values() -> list[str]:
+        return [fmt.format(derived(f"kernel_opt {v}", setting, quantity) * scale) for v in ("v3", "v4", "v5")]
+    return lambda: values()[0] if len(set(values())) == 1 else " / ".join(values()) + " (v3 / v4 / v5)"
+
+
+def _ko(version: str, setting: str = "mid", quantity: str = "total_us", fmt: str = "{:.3f}",
+        scale: float = 1e-3) -> Callable[[], str]:
+    """A kernel_opt figure of derived_figures.csv (default: its total in ms)."""
+    return derived_cell(f"kernel_opt {version}", setting, quantity, fmt, scale)
+
+
+def _ko_totals(setting: str) -> tuple[Callable[[], str], ...]:
+    return tuple(_ko(v, setting) for v in ("v3", "v4", "v5"))
+
+
+def derived_diff(trace: str, before: str, after: str, quantity: str, fmt: str) -> Callable[[], str]:
+    """How far ``quantity`` of ``trace`` moves from setting ``before`` to ``after`` (us for times)."""
+    return lambda: fmt.format(derived(trace, after, quantity) - derived(trace, before, quantity))
+
+
+def _hoist_moves_v4() -> Callable[[], str]:
+    """How far (us) ``hoist_bounded_by_sbuf`` moves kernel_opt v4's total at mid."""
+    return derived_diff("kernel_opt v4", "mid", "mid hoist_bounded_by_sbuf=True", "total_us", "{:.0f}")
+
+
+def _over_published(trace: str, setting: str) -> Callable[[], str]:
+    """How far (%) the total of ``trace`` at ``setting`` is over its calibration point's published time (ms)."""
+    return lambda: f"{100 * (derived(trace, setting, 'total_us') / 1e3 / _calibration_published(trace) - 1):.0f}"
+
+
+def _router_fraction(setting: str) -> Callable[[], str]:
+    """router_fwd's HBM bound (as the headline takes it: the mid report's) over its total at ``setting``, %."""
+    def value() -> str:
+        bound = derived("router_fwd", "mid", "memory_bound_us")
+        return f"{100 * bound / derived('router_fwd', setting, 'total_us'):.1f}"
+    return value
+
+
+def _count_or_no(trace: str, quantity: str) -> Callable[[], str]:
+    """"no" when the count is 0, else the count."""
+    return lambda: "no" if derived(trace, "mid", quantity) == 0 else f"{derived(trace, 'mid', quantity):.0f}"
+
+
+def _calibration_published(name: str) -> float:
+    row = _latest_calibration_rows().get(name)
+    if row is None:
+        raise LookupError(f"{CALIBRATION_CSV.name}: no point {name!r}")
+    return float(row["published"])
+
+
 QUOTES = (
     Quote("README.md", "Over 20 steps their losses differ from the same configs' with the reference ops by at most {} "
           "(MoE) and {} (dense) relative, while runs of the same configs with no kernel drift by up to {} and {}",
@@ -1648,6 +1742,89 @@ QUOTES = (
     Quote("docs/kernel-design.md", "add: {} / {} / {} µs ({} / {} / {}; mid {} / {} / {})",
           "bench.csv rmsnorm qk-norm backward",
           tuple(_head_norm_end("backward", QK_NORM, f)[k] for k in (0, 1, 3) for f in FLAVORS)),
+    # the derived blocks' figures read off traces (benchmarks/derived_figures.py)
+    Quote("docs/cost-model.md", "`router_fwd` ({} PSUM tiles of {} bank) {} -> {} us at mid, {} -> {} us at the "
+          "pessimistic end, where its fraction of the HBM bound drops from {} to {} %", "derived_figures.csv "
+          "router_fwd psum_banks", (
+              derived_cell("router_fwd", "", "psum_tiles", "{:.0f}"),
+              derived_claim(lambda: derived("router_fwd", "", "psum_banks_per_tile_max") == 1, "one",
+                            derived_cell("router_fwd", "", "psum_banks_per_tile_max", "up to {:.0f}")),
+              *(derived_cell("router_fwd", s, "total_us") for s in ("mid", "mid psum_banks=rotate", "high",
+                                                                    "high psum_banks=rotate")),
+              _router_fraction("high"), _router_fraction("high psum_banks=rotate"))),
+    Quote("docs/cost-model.md", "`rope_fwd` and `kernel_opt` v4 / v5 {} at mid.", "derived_figures.csv "
+          "psum_banks=rotate", unmoved("mid psum_banks=rotate", ("rope_fwd", "kernel_opt v4", "kernel_opt v5"))),
+    Quote("docs/cost-model.md", "serialises rope's tiles in one bank at the pessimistic end ({} -> {} us) and adds {} "
+          "us of bank waits to `kernel_opt v5` at mid ({} -> {} ms)", "derived_figures.csv psum_banks=lowest", (
+              derived_cell("rope_fwd", "high", "total_us"), derived_cell("rope_fwd", "high psum_banks=lowest",
+                                                                         "total_us"),
+              derived_diff("kernel_opt v5", "mid", "mid psum_banks=lowest", "total_us", "{:.0f}"),
+              _ko("v5"), _ko("v5", "mid psum_banks=lowest"))),
+    Quote("docs/cost-model.md", "TensorE is busy {} ms in all three.", "derived_figures.csv kernel_opt busy",
+          kernel_opt_all_three("mid", "busy_us:tensor", "{:.2f}", 1e-3)),
+    Quote("docs/cost-model.md", "v3 {} us before the first matmul, {} us after the last, {} wait in between; v4 {} "
+          "us before, {} us in {} waits between matmuls (the longest {} us, the last at {} ms, while the DMA engines "
+          "catch up with the start-up), {} us after; v5 {} us before, {} us in {} waits, {} us after. Totals {} / {} "
+          "/ {} ms. The model's v4 spills {} GB of stores and reloads (v5 {} GB)", "derived_figures.csv kernel_opt "
+          "TensorE waits", (
+              _ko("v3", quantity="tensor_before_us", fmt="{:.1f}", scale=1),
+              _ko("v3", quantity="tensor_after_us", fmt="{:.1f}", scale=1),
+              _count_or_no("kernel_opt v3", "tensor_waits"),
+              *(_ko("v4", quantity=q, fmt=f, scale=s) for q, f, s in (
+                  ("tensor_before_us", "{:.1f}", 1), ("tensor_waits_us", "{:.1f}", 1), ("tensor_waits", "{:.0f}", 1),
+                  ("tensor_wait_longest_us", "{:.2f}", 1), ("tensor_last_wait_at_us", "{:.2f}", 1e-3),
+                  ("tensor_after_us", "{:.1f}", 1))),
+              *(_ko("v5", quantity=q, fmt=f, scale=1) for q, f in (
+                  ("tensor_before_us", "{:.1f}"), ("tensor_waits_us", "{:.1f}"), ("tensor_waits", "{:.0f}"),
+                  ("tensor_after_us", "{:.1f}"))),
+              *_ko_totals("mid"),
+              *(_ko(v, quantity="spill_GB", fmt="{:.1f}", scale=1) for v in ("v4", "v5")))),
+    Quote("docs/cost-model.md", "alone at mid gives v3 / v4 / v5 {} / {} / {} ms: v4 -> v5 {} % for the published "
+          "-0.39 %, but v3 {} % slower than published and v3 -> v4 {} % for the published +0.7 %",
+          "derived_figures.csv kernel_opt dma_queues=1", (
+              *_ko_totals("mid dma_queues=1"),
+              derived_change(("kernel_opt v4", "mid dma_queues=1"), ("kernel_opt v5", "mid dma_queues=1")),
+              _over_published("kernel_opt v3", "mid dma_queues=1"),
+              derived_change(("kernel_opt v3", "mid dma_queues=1"), ("kernel_opt v4", "mid dma_queues=1"),
+                             fmt="{:+.1f}"))),
+    Quote("docs/cost-model.md", "alone at mid): v4 {} ms (+{} us: its bound is skipped", "derived_figures.csv "
+          "kernel_opt hoist_bounded_by_sbuf v4", (_ko("v4", "mid hoist_bounded_by_sbuf=True"), _hoist_moves_v4())),
+    Quote("docs/cost-model.md", "v5 {} ms (v4 -> v5 {} %, the wrong direction", "derived_figures.csv kernel_opt "
+          "hoist_bounded_by_sbuf v5", (_ko("v5", "mid hoist_bounded_by_sbuf=True"), derived_change(
+              ("kernel_opt v4", "mid hoist_bounded_by_sbuf=True"), ("kernel_opt v5", "mid hoist_bounded_by_sbuf=True"),
+              fmt="{:+.1f}"))),
+    Quote("docs/cost-model.md", "(with `hoist_bounded_by_sbuf` on too: v4's total moves by {} us)",
+          "derived_figures.csv kernel_opt hoist_bounded_by_sbuf v4", _hoist_moves_v4()),
+    Quote("docs/cost-model.md", "TensorE's busy time +{} / +{} / +{} us in v3 / v4 / v5, totals {} / {} / {} ms: v4 -> "
+          "v5 {} %, v3 -> v4 {} %; v2 {} ms {} (its {} waits between matmuls are all shorter than {} us)",
+          "derived_figures.csv kernel_opt didt_throttle", (
+              *(derived_diff(f"kernel_opt {v}", "mid", "mid didt_throttle=True", "busy_us:tensor", "{:.1f}")
+                for v in ("v3", "v4", "v5")),
+              *_ko_totals("mid didt_throttle=True"),
+              derived_change(("kernel_opt v4", "mid didt_throttle=True"), ("kernel_opt v5", "mid didt_throttle=True")),
+              derived_change(("kernel_opt v3", "mid didt_throttle=True"), ("kernel_opt v4", "mid didt_throttle=True")),
+              _ko("v2", "mid didt_throttle=True"),
+              unmoved("mid didt_throttle=True", ("kernel_opt v2",), "unchanged"),
+              _ko("v2", quantity="tensor_waits", fmt="{:,.0f}", scale=1),
+              derived_claim(lambda: derived("kernel_opt v2", "mid", "tensor_wait_longest_us") < 1.1, "1.1",
+                            _ko("v2", quantity="tensor_wait_longest_us", fmt="{:.2f} (longest)", scale=1)))),
+    Quote("docs/cost-model.md", "The model's v4 has {} gap of 1.5 us or more", "derived_figures.csv kernel_opt v4 "
+          "waits", _count_or_no("kernel_opt v4", "tensor_waits_over_1500ns")),
+    Quote("docs/cost-model.md", "a what-if, \"PSUM banks\" above): v4 and v5 {} at mid.", "derived_figures.csv "
+          "kernel_opt psum_banks=rotate", unmoved("mid psum_banks=rotate", ("kernel_opt v4", "kernel_opt v5"))),
+    Quote("docs/kernel-design.md", "the trace's busy times at HIGH are Vector {} µs ({} instructions' access set-up on "
+          "top), TensorE {}, DMA {} and Scalar {} (ACTIVATE's fixed time and the PSUM access bubble on each of its {} "
+          "instructions on top): Scalar binds at the pessimistic end, DMA and Scalar together at mid ({} / {} µs "
+          "busy)",
+          "derived_figures.csv rope_fwd busy", (
+              derived_cell("rope_fwd", "high", "busy_us:vector"),
+              derived_cell("rope_fwd", "high", "count:vector", "{:.0f}"),
+              *(derived_cell("rope_fwd", "high", f"busy_us:{e}") for e in ("tensor", "dma", "scalar")),
+              derived_cell("rope_fwd", "high", "count:scalar", "{:.0f}"),
+              *(derived_cell("rope_fwd", "mid", f"busy_us:{e}") for e in ("dma", "scalar")))),
+    Quote("docs/kernel-design.md", "the router_fwd trace's busy times at HIGH (benchmarks/derived_figures.py), DMA {} "
+          "and TensorE {} us", "derived_figures.csv router_fwd busy",
+          tuple(derived_cell("router_fwd", "high", f"busy_us:{e}") for e in ("dma", "tensor"))),
 )
 
 

@@ -21,7 +21,7 @@ def test_jobs_cover_every_documented_figure():
     jobs = {j.name: j for j in figures.jobs()}
     commands = [" ".join(c) for j in jobs.values() for c in j.commands]
     for script in ("calibration/run.py --all", "attention_peak.py", "mlp_peak.py", "rmsnorm_peak.py",
-                   "cross_entropy_peak.py", "blockwise_moe.py"):
+                   "cross_entropy_peak.py", "blockwise_moe.py", "derived_figures.py"):
         assert any(script in c for c in commands), script
     assert {f"bench:{k}" for k in figures.SWEEP_KERNELS} <= set(jobs)
     assert {f"headline:{c}" for c in figures._headline_cases()} <= set(jobs)

@@ -118,6 +118,9 @@ def jobs() -> list[Job]:
                                        "--save")), f"{data}/attention_peak.csv"))
     for script in ("mlp_peak", "rmsnorm_peak", "cross_entropy_peak", "blockwise_moe"):
         out.append(Job(script, ((PY, f"benchmarks/{script}.py", "--save"),), f"{data}/{script}.csv"))
+    # what the docs' derived blocks read off traces (PSUM what-if, kernel_opt waits and spill, rope / router busy)
+    out.append(Job("derived_figures", ((PY, "benchmarks/derived_figures.py", "--save-reference"),),
+                   f"{data}/derived_figures.csv"))
     # nki-library's recorded device times (held-out check points), and the LNC 1 what-if of one table
     nkilib = "benchmarks/calibration/nkilib_run.py"
     out.append(Job("nkilib_calibration", ((PY, nkilib, "--all"),), "benchmarks/calibration/nkilib_calibration.csv"))
