@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,25 +132,88 @@ def test_cli_single_plan_and_errors():
     assert bad.returncode == 2 and "training.seq_len: must be >= 1" in bad.stderr
 
 
-def test_trainer_warns_or_stops_when_the_plan_does_not_fit(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
-                                                           monkeypatch: pytest.MonkeyPatch,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_trainer_stops_by_default_on_cpu_or_warns_when_the_plan_does_not_fit(
+        tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(plan_mod, "cpu_capacity", lambda ranks: 1 << 20)  # a 1 MiB "device"
-    cfg = tiny_config(tmp_path / "stop", tiny_tokenizer, corpus_dir, job={"memory_check": "stop"})
-    with pytest.raises(ConfigError, match=r"job.memory_check = \"stop\": the run does not fit: does NOT fit: .* of "
-                                          r"0.00 GiB per rank on cpu .*largest: "):
-        run(cfg)
-    assert not (tmp_path / "stop").exists()
+    for mode, name in (({}, "'auto' (the default)"), ({"memory_check": "stop"}, "'stop'")):
+        dump = tmp_path / f"stop{len(mode)}"
+        with pytest.raises(ConfigError) as e:
+            run(tiny_config(dump, tiny_tokenizer, corpus_dir, job=mode))
+        assert re.fullmatch(rf"job.memory_check = {re.escape(name)}: the run does not fit: does NOT fit: \S+ GiB of "
+                            r"0.00 GiB per rank on cpu \(\d+%\); largest: .*\. Nothing was written\. Lower "
+                            r"training.local_batch_size / seq_len or the model size, raise the FSDP or TP degree, or "
+                            r"start it anyway with --job.memory_check warn \(the plan counts tensors only\)",
+                            str(e.value)), str(e.value)
+        assert not dump.exists()
     caplog.set_level(logging.INFO, logger="trnkit.harness")
-    res = run(tiny_config(tmp_path / "warn", tiny_tokenizer, corpus_dir, training={"steps": 1}))
+    res = run(tiny_config(tmp_path / "warn", tiny_tokenizer, corpus_dir, training={"steps": 1},
+                          job={"memory_check": "warn"}))
     assert res.final_step == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(w.startswith("memory plan: the run does not fit") for w in warnings), warnings
     caplog.clear()
     monkeypatch.undo()
-    run(tiny_config(tmp_path / "fits", tiny_tokenizer, corpus_dir, training={"steps": 1}))
+    run(tiny_config(tmp_path / "fits", tiny_tokenizer, corpus_dir, training={"steps": 1}))  # the default: it fits
     assert any(r.getMessage().startswith("memory plan (end of") and "fits:" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_default_warns_on_a_device() -> None:
+    """"auto" stops on CPU only: on a neuron device the plan has not been checked against a measured peak."""
+    cfg = load_config(resolve_config("qwen3_4b"))
+    spec = plan_mod.build_spec(cfg)
+    logged: list[str] = []
+    p = plan_mod.check_at_startup(cfg, spec, 1, "neuron", "trn2", "auto", logged.append)
+    assert p is not None and p.fits is False and p.capacity == DEVICE_MEMORY["trn2"]
+    with pytest.raises(ConfigError, match=r"^job.memory_check = 'stop': the run does not fit: does NOT fit: "):
+        plan_mod.check_at_startup(cfg, spec, 1, "neuron", "trn2", "stop", logged.append)
+
+
+def test_cpu_capacity_is_shared_by_the_ranks_on_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU run over several hosts: the host's memory is divided by its own ranks (LOCAL_WORLD_SIZE), not all."""
+    from trnkit.harness.parallel import ranks_on_host
+
+    assert ranks_on_host({}, 4) == 4 and ranks_on_host({"LOCAL_WORLD_SIZE": "2"}, 4) == 2
+    for bad in ("0", "5", "x", ""):
+        with pytest.raises(ConfigError, match=r"^environment variable LOCAL_WORLD_SIZE: must be an integer in "
+                                              rf"\[1, WORLD_SIZE = 4\] \(torchrun sets it\), got '{bad}'$"):
+            ranks_on_host({"LOCAL_WORLD_SIZE": bad}, 4)
+    seen: list[int] = []
+    monkeypatch.setattr(plan_mod, "cpu_capacity", lambda ranks: seen.append(ranks) or 64 * GiB)
+    cfg = load_config(resolve_config("debug_moe"))
+    cfg.parallelism.data_parallel_shard_degree = 4
+    spec = plan_mod.build_spec(cfg)
+    p = plan_mod.check_at_startup(cfg, spec, 4, "cpu", "cpu", "auto", lambda msg: None, ranks_on_host=2)
+    assert seen == [2] and p.capacity == 64 * GiB and p.dp == 4
+
+
+def test_an_hf_config_of_only_a_model_type_is_refused_not_oom_killed(tmp_path: Path) -> None:
+    """transformers' Qwen3-MoE defaults are the 30B-A3B shape; this run used to start and be OOM-killed (rc 137).
+    The child's address space is capped, so a regression fails with a MemoryError instead of the OOM killer."""
+    import resource
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    cap = 8 << 30
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    r = subprocess.run([sys.executable, "-m", "trnkit.harness.train", "--config", "debug_moe_hf", "--model.spec",
+                        f"hf:{folder}", "--job.dump_folder", str(tmp_path / "run")], capture_output=True, text=True,
+                       cwd=REPO, timeout=300, preexec_fn=limit)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith("error: job.memory_check = 'auto' (the default): the run does not fit: does NOT fit: ")
+    assert "--job.memory_check warn" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+    # trainer.md shows this message (from a 24 GiB host): the same words, the host's memory aside
+    host = r"of [\d.]+ GiB per rank on cpu \(\d+%\)"
+    shown = next(line for line in (REPO / "docs" / "trainer.md").read_text().splitlines()
+                 if line.startswith("error: job.memory_check = 'auto'"))
+    printed = r.stderr.splitlines()[0].removesuffix(" (--debug or TRNKIT_DEBUG=1 shows the traceback)")
+    assert re.sub(host, "", printed) == re.sub(host, "", shown)
 
 
 def test_measured_vs_plan_line():

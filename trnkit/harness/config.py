@@ -44,8 +44,10 @@ class JobConfig:
     # installed version differs from it. "" = no check. Every run writes its own stack to <dump_folder>/stack.lock.
     stack: str = ""
     # The per-rank memory plan (python -m trnkit.harness.plan) at start-up: "warn" logs a warning when the
-    # run does not fit the device's memory, "stop" refuses to start (exit 2), "off" skips it.
-    memory_check: Literal["warn", "stop", "off"] = "warn"
+    # run does not fit the device's memory, "stop" refuses to start (exit 2), "off" skips it; "auto": "stop"
+    # on CPU (host memory: the plan was below the measured peak in every case checked), "warn" on a neuron
+    # device (the plan has not been checked against a device's measured peak).
+    memory_check: Literal["auto", "warn", "stop", "off"] = "auto"
 
 
 @dataclass

@@ -59,6 +59,16 @@ def launch_ranks(environ: Mapping[str, str]) -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
+def ranks_on_host(environ: Mapping[str, str], world: int) -> int:
+    """How many of the run's ``world`` ranks share this host: torchrun's LOCAL_WORLD_SIZE (``world`` when
+    unset); a value that is not an integer in [1, world] is a ConfigError naming the variable."""
+    text = environ.get("LOCAL_WORLD_SIZE", str(world)).strip()
+    if not (text.isdigit() and 1 <= int(text) <= world):
+        raise ConfigError(f"environment variable LOCAL_WORLD_SIZE: must be an integer in [1, WORLD_SIZE = {world}] "
+                          f"(torchrun sets it), got {text!r}")
+    return int(text)
+
+
 def init_distributed(pcfg: ParallelismConfig) -> DistEnv:
     rank, world, local_rank = launch_ranks(os.environ)
     dp, tp = resolve_parallel_degrees(pcfg, world)  # raises before any group is created

@@ -263,23 +263,29 @@ def device_of(device_type: str, device_name: str = "") -> str:
 
 
 def check_at_startup(cfg: Any, spec: ModelSpec, world_size: int, device_type: str, device_name: str, mode: str,
-                     log: Any) -> MemoryPlan | None:
+                     log: Any, ranks_on_host: int | None = None) -> MemoryPlan | None:
     """The trainer's start-up check (``job.memory_check``): log the plan's verdict; when it does not fit,
-    warn ("warn") or raise ConfigError ("stop"). A model the planner cannot read is logged and skipped."""
+    warn ("warn") or raise ConfigError ("stop"; "auto" is "stop" on CPU, "warn" on a device). On CPU the
+    host's memory is shared by ``ranks_on_host`` ranks (default: all of them). A model the planner cannot read
+    is logged and skipped."""
     if mode == "off":
         return None
     device = device_of(device_type, device_name)
+    setting = f"job.memory_check = {mode!r}" + (" (the default)" if mode == "auto" else "")
+    if mode == "auto":
+        mode = "stop" if device == "cpu" else "warn"
     try:
-        p = plan(cfg, world_size, device, cpu_capacity(world_size) if device == "cpu" else None, spec=spec)
+        capacity = cpu_capacity(ranks_on_host or world_size) if device == "cpu" else None
+        p = plan(cfg, world_size, device, capacity, spec=spec)
     except ConfigError as e:
         log(f"memory plan: skipped ({e})")
         return None
     log(f"memory plan ({p.peak_phase}): {p.verdict()} (python -m trnkit.harness.plan --config ... shows every term)")
     if p.fits is False:
         if mode == "stop":
-            raise ConfigError(f"job.memory_check = \"stop\": the run does not fit: {p.verdict()}; lower "
-                              f"training.local_batch_size / seq_len, raise the FSDP or TP degree, or set "
-                              f"job.memory_check = \"warn\"")
+            raise ConfigError(f"{setting}: the run does not fit: {p.verdict()}. Nothing was written. Lower "
+                              "training.local_batch_size / seq_len or the model size, raise the FSDP or TP degree, "
+                              "or start it anyway with --job.memory_check warn (the plan counts tensors only)")
         from trnkit.harness.logs import LOGGER
 
         LOGGER.warning(f"memory plan: the run does not fit: {p.verdict()}")

@@ -365,7 +365,8 @@ class Trainer:
         self.spec = spec = build_spec(cfg, lnc=self.lnc)
         identity = run_identity(spec)
         self.memory_plan = check_at_startup(cfg, spec, env.world_size, env.device.type,
-                                            parallel.device_name(env.device), cfg.job.memory_check, log)
+                                            parallel.device_name(env.device), cfg.job.memory_check, log,
+                                            parallel.ranks_on_host(os.environ, env.world_size))
         ckpt_dir = os.path.join(dump, cfg.checkpoint.folder)
         resume_from = None
         if cfg.checkpoint.enable and cfg.checkpoint.resume:
