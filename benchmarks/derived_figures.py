@@ -8,9 +8,12 @@ and ``python -m trnkit.bench figures --stale`` knows when a cost-model change ma
 
 Traces (trace-only interpreter runs):
 
-* ``rope_fwd``, ``router_fwd``: the headline cases (``benchmarks/headline.py``), estimated as the headline
-  does (inside a larger graph, no launch), at ``cost_params.MID`` and ``HIGH``, each also with ``psum_banks``
-  ``"rotate"`` and ``"lowest"``;
+* ``rope_fwd``, ``router_fwd``, ``moe_fwd``: the headline cases (``benchmarks/headline.py``); the fixed-shift
+  attention forward (``attention_peak.py``'s inputs at S = 4,096, 8 / 2 heads, LNC=1); Qwen3-0.6B's q head norm
+  (``trnkit.bench``'s ``q-norm flavor`` case: 2,048 tokens x 16 heads, LNC=2); the one-pass cross-entropy
+  (``linear_cross_entropy_fwd_bwd`` at N = 1,024, Qwen3-4B's H, V = 8,192, LNC=2). Each estimated as the
+  headline does (inside a larger graph, no launch) at ``cost_params.MID`` and ``HIGH``; rope and router also
+  with ``psum_banks`` ``"rotate"`` and ``"lowest"``;
 * ``kernel_opt v2`` - ``v5``: the calibration's points (``benchmarks/calibration/run.py`` ``kernel_call``, the
   published fp32 [8192, 4096] x [8192, 8192]), in the standalone HBM condition without the start-up (the
   calibration's kernel-only figure), at MID, and at MID with one parameter changed (``WHATIFS``); at MID
@@ -19,9 +22,10 @@ Traces (trace-only interpreter runs):
 Rows: ``trace, setting, quantity, value`` (times in us) and the fingerprint fields
 (:mod:`trnkit.bench.fingerprint`). ``setting`` is ``mid`` / ``high``, or ``mid <parameter>=<value>``.
 
-Usage: ``python benchmarks/derived_figures.py [--save-reference | --out DIR]`` (about 10 minutes of one idle core);
-``--save-reference`` writes ``benchmarks/data/derived_figures.csv`` (the figures the docs quote), otherwise
-``outputs/bench/derived_figures.csv``.
+Usage: ``python benchmarks/derived_figures.py [TRACE ...] [--save-reference | --out DIR]`` (about 10 minutes of
+one idle core); ``--save-reference`` writes ``benchmarks/data/derived_figures.csv`` (the figures the docs
+quote), otherwise ``outputs/bench/derived_figures.csv``; naming traces re-reads only those and keeps the other
+traces' rows.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import argparse
 import csv
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -43,13 +49,12 @@ import headline  # noqa: E402
 import run as calibration  # noqa: E402
 from points import POINTS  # noqa: E402
 
-from trnkit.bench import fingerprint  # noqa: E402
+from trnkit.bench import cases, fingerprint  # noqa: E402
 from trnkit.bench.paths import add_output_args, output_dir  # noqa: E402
 from trnkit.nkisim import cost, cost_params, hardware, trace  # noqa: E402
 
 CSV_NAME = "derived_figures.csv"
 FIELDS = ("trace", "setting", "quantity", "value", *fingerprint.FIELDS)
-HEADLINE_TRACES = ("rope_fwd", "router_fwd")
 KERNEL_OPT_VERSIONS = ("v2", "v3", "v4", "v5")
 PSUM_RULES = ("rotate", "lowest")
 # kernel_opt: one parameter changed at mid (docs/cost-model.md's candidate mechanisms for v3 -> v4 -> v5)
@@ -73,10 +78,48 @@ def report_rows(rep: cost.CostReport) -> Iterator[Row]:
         yield "active_pct:tensor", 100 * rep.active_ns.get("tensor", 0.0) / rep.total_ns
 
 
-def headline_rows(name: str) -> Iterator[tuple[str, str, float]]:
-    """``(setting, quantity, value)`` of headline case ``name`` at MID and HIGH under each PSUM bank rule."""
+def _attention_fixed_shift() -> Callable[[], object]:
+    """attention_peak.py's fixed-shift forward at S = 4,096, 8 / 2 heads, LNC=1 (its inputs)."""
+    from trnkit.kernels.attention import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4096, h, 128, generator=g).bfloat16() for h in (8, 2, 2))
+    return lambda: attention(q, k, v, lnc=1, fixed_shift=True)
+
+
+def _q_norm_0_6b() -> Callable[[], object]:
+    """trnkit.bench's ``q-norm flavor (LNC=2)`` forward case at Qwen3-0.6B (16 heads, head_dim 128)."""
+    return cases._rmsnorm_build(2048 * 16, 128, False, torch.bfloat16, 2)().nki
+
+
+def _lce_fused() -> Callable[[], object]:
+    """The one-pass cross-entropy at N = 1,024, Qwen3-4B's H (2,560), V = 8,192, bf16, LNC=2."""
+    from trnkit.kernels.cross_entropy import linear_cross_entropy_fwd_bwd
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1024, 2560, generator=g).bfloat16()
+    weight = (torch.randn(8192, 2560, generator=g) * 2560 ** -0.5).bfloat16()
+    labels = torch.randint(0, 8192, (1024,), generator=g)
+    return lambda: linear_cross_entropy_fwd_bwd(hidden, weight, labels, lnc=2)
+
+
+# name -> (the kernel call's builder, its sources (trnkit.bench.fingerprint), PSUM bank rules estimated too)
+TRACES: dict[str, tuple[Callable[[], Callable[[], object]], tuple[str, ...], tuple[str, ...]]] = {
+    **{name: (headline.CASES[name].build, headline.CASES[name].sources, rules)
+       for name, rules in (("rope_fwd", PSUM_RULES), ("router_fwd", PSUM_RULES), ("moe_fwd", ()))},
+    "attention_fixed_shift_fwd": (_attention_fixed_shift, ("trnkit/kernels/attention",), ()),
+    "rmsnorm_q_norm_0.6B_fwd": (_q_norm_0_6b, ("trnkit/kernels/rmsnorm",), ()),
+    "cross_entropy_fused_fwd": (_lce_fused, ("trnkit/kernels/cross_entropy",), ()),
+}
+
+
+def launch_rows(name: str) -> Iterator[tuple[str, str, float]]:
+    """``(setting, quantity, value)`` of launch ``name`` of :data:`TRACES` at MID and HIGH (and under its PSUM
+    bank rules)."""
+    build, _, rules = TRACES[name]
+    call = build()
     with trace.record(trace_only=True) as tr:
-        headline.CASES[name].build()()
+        call()
     instrs = list(tr)
     programs: dict[int, list] = {}
     for ins in instrs:
@@ -91,7 +134,7 @@ def headline_rows(name: str) -> Iterator[tuple[str, str, float]]:
         yield setting, "memory_bound_us", rep.memory_bound_ns / 1e3
         for quantity, value in report_rows(rep):
             yield setting, quantity, value
-        for rule in PSUM_RULES:
+        for rule in rules:
             rep = cost.estimate(tr, "trn2", params=replace(base, psum_banks=rule))
             yield f"{setting} psum_banks={rule}", "total_us", rep.total_ns / 1e3
 
@@ -133,11 +176,14 @@ def kernel_opt_rows(version: str) -> Iterator[tuple[str, str, float]]:
             yield f"mid {name}", quantity, value
 
 
-def all_rows() -> Iterator[dict[str, object]]:
-    jobs = [(name, headline.CASES[name].sources, lambda n=name: headline_rows(n)) for name in HEADLINE_TRACES]
+def all_rows(names: Sequence[str] = ()) -> Iterator[dict[str, object]]:
+    """Every trace's rows, or only those of ``names``."""
+    jobs = [(name, sources, lambda n=name: launch_rows(n)) for name, (_, sources, _) in TRACES.items()]
     jobs += [(f"kernel_opt {v}", calibration.KERNEL_SOURCES, lambda v=v: kernel_opt_rows(v))
              for v in KERNEL_OPT_VERSIONS]
     for name, sources, rows in jobs:
+        if names and name not in names:
+            continue
         t0 = time.perf_counter()
         stamp = fingerprint.stamp(sources)
         n = 0
@@ -149,10 +195,20 @@ def all_rows() -> Iterator[dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    known = [*TRACES, *(f"kernel_opt {v}" for v in KERNEL_OPT_VERSIONS)]
+    ap.add_argument("traces", nargs="*", metavar="TRACE",
+                    help=f"re-read only these, keeping the other traces' rows in the CSV; known: {', '.join(known)}")
     add_output_args(ap, CSV_NAME)
     args = ap.parse_args(argv)
+    unknown = [n for n in args.traces if n not in known]
+    if unknown:
+        ap.error(f"unknown trace(s) {unknown}; known: {', '.join(known)}")
     path = output_dir(args, ROOT) / CSV_NAME
-    rows = list(all_rows())
+    kept = []
+    if args.traces and path.exists():
+        with path.open(newline="") as f:
+            kept = [r for r in csv.DictReader(f) if r["trace"] not in args.traces]
+    rows = kept + list(all_rows(args.traces))
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS)

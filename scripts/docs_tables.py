@@ -34,10 +34,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout: use its trnkit
 
+from trnkit.bench.paths import load_script  # noqa: E402
 from trnkit.bench.schema import latest_rows, read_rows  # noqa: E402
 from trnkit.bench.table import markdown_table  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data"
+SIDE_BY_SIDE = ROOT / "benchmarks" / "side_by_side.py"  # PEAK: TensorE's bf16 peak the side-by-sides use
 REGION = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.S)
 
 
@@ -1343,6 +1345,22 @@ def _loss_track(config: str, column: str) -> Callable[[], str]:
     return csv_cell("loss_track.csv", column, {"config": config, "step": "max"}, "{:.1e}")
 
 
+def _lce_cell(case: str, schedule: str, mode: str, column: str, scale: float = 1e-3,
+              fmt: str = "{:.1f}") -> Callable[[], str]:
+    """``column`` of one of :func:`_lce_rows`' rows (``mode`` may be "forward + backward") times ``scale``
+    (default: us to ms)."""
+    return lambda: fmt.format(float(_lce_passes(case, schedule, mode)[mode][column]) * scale)
+
+
+def _attention_70pct_us(lnc: int, fmt: str, S: int = 4096, Hq: int = 8, D: int = 128) -> Callable[[], str]:
+    """The time (us) at which attention_peak.py's forward at S, Hq heads, head_dim D reaches 70 % of TensorE's
+    bf16 peak (causal FLOPs counted once, benchmarks/side_by_side.py's PEAK per core)."""
+    def value() -> str:
+        peak = load_script(SIDE_BY_SIDE, "side_by_side").PEAK
+        return fmt.format(4 * Hq * D * S * S / 2 / (0.7 * peak * lnc) * 1e6)
+    return value
+
+
 DERIVED_CSV = "derived_figures.csv"  # benchmarks/derived_figures.py: figures the derived blocks read off traces
 
 
@@ -1825,6 +1843,48 @@ QUOTES = (
     Quote("docs/kernel-design.md", "the router_fwd trace's busy times at HIGH (benchmarks/derived_figures.py), DMA {} "
           "and TensorE {} us", "derived_figures.csv router_fwd busy",
           tuple(derived_cell("router_fwd", "high", f"busy_us:{e}") for e in ("dma", "tensor"))),
+    Quote("docs/kernel-design.md", "the trace's busy times there: TensorE {} µs, the sum above, DMA {} µs and "
+          "GpSimd {} µs with their per-instruction costs", "derived_figures.csv moe_fwd busy at HIGH",
+          tuple(derived_cell("moe_fwd", "high", f"busy_us:{e}") for e in ("tensor", "dma", "gpsimd"))),
+    Quote("docs/kernel-design.md", "128 us of Vector: {} → 476 us, still under Scalar's {} us", "derived_figures.csv "
+          "attention_fixed_shift_fwd busy at mid", tuple(derived_cell("attention_fixed_shift_fwd", "mid",
+                                                                      f"busy_us:{e}", "{:.0f}")
+                                                         for e in ("vector", "scalar"))),
+    *(Quote("docs/kernel-design.md", f"{row} | {{}} µs |", f"derived_figures.csv q-norm 0.6B busy_us:{engine} "
+            "at HIGH", derived_cell("rmsnorm_q_norm_0.6B_fwd", "high", f"busy_us:{engine}"))
+      for engine, row in (("dma", "six `rstd` stores of 16–64-byte runs"),
+                          ("vector", "(284 cycles each, 3.9 µs); constants"), ("tensor", "at 2.4 GHz; `eps` per run"),
+                          ("scalar", "the last runs' `rsqrt`"))),
+    Quote("docs/benchmarks.md", "Scalar becomes the one busy engine ({} of {} us at LNC=1), Tensor and DMA follow at "
+          "{}–{}%", "derived_figures.csv attention_fixed_shift_fwd busy at mid", (
+              derived_cell("attention_fixed_shift_fwd", "mid", "busy_us:scalar"),
+              derived_cell("attention_fixed_shift_fwd", "mid", "total_us"),
+              *_min_max("attention_fixed_shift_fwd busy", lambda: [
+                  100 * derived("attention_fixed_shift_fwd", "mid", f"busy_us:{e}")
+                  / derived("attention_fixed_shift_fwd", "mid", "total_us") for e in ("tensor", "dma")], "{:.0f}"))),
+    Quote("docs/benchmarks.md", "the `6 N H V` FLOPs at TensorE's peak take {} ms at 30B-A3B's H and {} ms at 4B's",
+          "cross_entropy_peak.csv 6 N H V bound", tuple(
+              _lce_cell(case, "fused", "forward + backward", "matmul_bound_us")
+              for case in ("Qwen3-30B-A3B", "Qwen3-4B"))),
+    Quote("docs/benchmarks.md", "The backward, the scaling of the stored gradients, is {} ms (30B-A3B) and {} ms (4B)",
+          "cross_entropy_peak.csv fused backward", tuple(
+              _lce_cell(case, "fused", "backward", "trnkit_us_mid") for case in ("Qwen3-30B-A3B", "Qwen3-4B"))),
+    Quote("docs/benchmarks.md", "are {} ms at 4B's H and {} ms at 30B-A3B's, against the same job's {} ms and {} ms",
+          "cross_entropy_peak.csv recompute backward bound and job", (
+              *(_lce_cell(case, "fused", "forward + backward", "matmul_bound_us")
+                for case in ("Qwen3-4B", "Qwen3-30B-A3B")),
+              *(_lce_cell(case, "recompute", "backward", "job_mid") for case in ("Qwen3-4B", "Qwen3-30B-A3B")))),
+    Quote("docs/benchmarks.md", "(traced at N = 1,024, 4B's H, V = 8,192: DMA busy {} µs, TensorE {} µs per core)",
+          "derived_figures.csv cross_entropy_fused_fwd busy at mid", tuple(
+              derived_cell("cross_entropy_fused_fwd", "mid", f"busy_us:{e}", "{:.0f}") for e in ("dma", "tensor"))),
+    Quote("docs/benchmarks.md", "(LNC=1 {} us against the {} us of 70%, LNC=2 {} us against {} us)",
+          "attention_peak.csv forward, fixed shift 4096 8 / 2", (
+              csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
+                                                            "S": "4096", "Hq": "8", "Hk": "2", "lnc": "1"}),
+              _attention_70pct_us(1, "{:.0f}"),
+              csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
+                                                            "S": "4096", "Hq": "8", "Hk": "2", "lnc": "2"}),
+              _attention_70pct_us(2, "{:.1f}"))),
 )
 
 
