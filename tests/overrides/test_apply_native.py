@@ -111,8 +111,31 @@ def test_strict_rejects_a_model_the_kernel_cannot_serve_before_the_first_step():
     msg = str(err.value)
     assert "rope_hf[nki]" in msg and "'D <= 128' violated (got 160)" in msg
     assert "layers.0.attention.rope" in msg and "layers.1.attention.rope" in msg
+    assert msg.count("'D <= 128' violated") == 1  # both layers' one reason, said once
+    assert len(err.value.violations) == 1
     assert not any(_bound(m) for m in model.modules())  # left unchanged
     assert not getattr(model, "_trnkit_overrides", None)
+
+
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+def test_the_experts_backward_limit_is_checked_before_training(policy: str) -> None:
+    """H = I = 1024 fp32: one expert's weights fit the forward's 96 KiB of SBUF, not the backward's weight and
+    its transpose. The backward used to raise the bare kernel error at the first step, under fallback too."""
+    model = native_model(dim=1024, moe_inter_dim=1024, mlp_only_layers=[])
+    cfg = OverrideConfig(ops=["moe_experts"], impl="nki", policy=policy, seq_len=8)
+    if policy == "strict":
+        with pytest.raises(OverrideConstraintError, match=r"moe_experts\[nki\] at layers\.0\.moe\.experts, "
+                           r"layers\.1\.moe\.experts cannot serve .*'backward working set fits 96 KiB per partition' "
+                           r"violated \(got '131072 bytes \(H=1024, I=1024, torch.float32\)'\)"):
+            apply_overrides(model, cfg)
+        return
+    with pytest.warns(UserWarning, match="backward working set"):
+        report = apply_overrides(model, cfg)
+    assert {r.status for r in report.rows} == {"fallback"}
+    model(TOKENS).square().mean().backward()  # the module's own code, forward and backward
+    for p in model.parameters():  # without gradients the forward's limits alone apply: the kernel serves it
+        p.requires_grad_(False)
+    assert {r.status for r in apply_overrides(model, cfg).rows} == {"swapped"}
 
 
 def test_fallback_warns_once_matches_the_original_and_reports_it():

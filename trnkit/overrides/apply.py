@@ -283,7 +283,7 @@ def _raise_if_any(problems: list[tuple[_SwapPoint, list[Violation]]]) -> None:
     bad = [(pt, rs) for pt, rs in problems if rs and pt.guard.policy == "strict"]
     if bad:
         pt, _ = bad[0]
-        raise OverrideConstraintError(pt.op, pt.guard.impl, [v for _, rs in bad for v in rs],
+        raise OverrideConstraintError(pt.op, pt.guard.impl, _unique([v for _, rs in bad for v in rs]),
                                       ", ".join(p.path for p, _ in bad))
 
 

@@ -190,8 +190,11 @@ _VARIANT_ARGS = ("activation", "limit", "alpha", "b_gate_up", "b_down")
 
 def _moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=128, **rest: Any) -> list[Violation]:
     variant = {k: v for k, v in rest.items() if k in _VARIANT_ARGS}
+    # the backward holds a weight and its transpose in SBUF: its limit applies once a gradient will be asked for
+    # (x stands in for grad_out: same shape and dtype)
+    backward = any(getattr(t, "requires_grad", False) for t in (x, topk_weights, w_gate_up, w_down))
     return _moe_constraints_fn("moe_experts")(x, _IndexSpec(topk_idx), topk_weights, w_gate_up, w_down,
-                                              block_size=block_size, **variant)
+                                              block_size=block_size, grad_out=x if backward else None, **variant)
 
 
 # ------------------------------------------------------------------------------------------- rmsnorm
