@@ -142,3 +142,25 @@ def test_hf_backend_refuses_non_float_weights(tmp_path: Path, hf_moe_dir: Path, 
     with pytest.raises(CheckpointError, match=r"model.norm.weight in .*model.safetensors has dtype I32; "
                                           r"a float parameter needs a floating-point tensor"):
         run(cfg)
+
+
+@pytest.mark.parametrize("policy", ["strict", "fallback"])
+def test_an_op_without_a_swap_point_is_refused_under_strict(tmp_path: Path, hf_moe_dir: Path, tiny_tokenizer: str,
+                                                           corpus_dir: Path, policy: str,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """transformers computes its loss outside any module: ops = ["linear_cross_entropy"] used to train with no kernel
+    at all under 'strict' (the report said 'no swap points found', exit 0)."""
+    cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, model={"spec": f"hf:{hf_moe_dir}", "config": {}},
+                      training={"steps": 1},
+                      overrides={"ops": ["rope_hf", "linear_cross_entropy"], "policy": policy})
+    what = (f"overrides.ops: ['linear_cross_entropy'] match no module of model 'hf:{hf_moe_dir}' (transformers models "
+            "compute their loss outside any module), so no kernel of them would run")
+    if policy == "strict":
+        with pytest.raises(ConfigError) as e:
+            run(cfg)
+        assert str(e.value) == (f"config {what}; under policy 'strict' every listed op must be swapped in. Nothing was "
+                                "written. Remove them from overrides.ops (or use policy 'fallback', which warns)")
+        assert not (tmp_path / "run" / "config.toml").exists()
+        return
+    assert run(cfg).final_step == 1
+    assert what in [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

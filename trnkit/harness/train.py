@@ -126,9 +126,26 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp
         ocfg.dry_run = False
     from trnkit.overrides import apply_overrides
 
-    table = apply_overrides(model, ocfg).table()
+    report = apply_overrides(model, ocfg)
+    table = report.table()
     log("kernel overrides:\n" + table)
+    _check_every_op_found(ocfg, {row.op for row in report.rows}, cfg.model.spec)
     return table
+
+
+def _check_every_op_found(ocfg: Any, found: set[str], spec: str) -> None:
+    """An op of ``overrides.ops`` that no module of the model runs: refused under ``strict`` (which promises every
+    listed kernel runs), warned about under ``fallback``."""
+    missing = [op for op in ocfg.ops if op not in found]
+    if not missing:
+        return
+    why = (" (transformers models compute their loss outside any module)"
+           if "linear_cross_entropy" in missing and spec.startswith("hf:") else "")
+    what = f"overrides.ops: {missing} match no module of model {spec!r}{why}, so no kernel of them would run"
+    if ocfg.policy == "strict":
+        raise ConfigError(f"config {what}; under policy 'strict' every listed op must be swapped in. Nothing was "
+                          "written. Remove them from overrides.ops (or use policy 'fallback', which warns)")
+    LOGGER.warning(what)
 
 
 def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log: _Log,
