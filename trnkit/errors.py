@@ -29,7 +29,10 @@ class DiskWriteError(TrnkitError, RuntimeError):
     message names what was kept."""
 
 
-def raised_at(e: BaseException) -> str:
-    """`` (at file:line)`` of the innermost frame of ``e``'s traceback (empty when it has none)."""
+def raised_at(e: BaseException, source: str | None = None) -> str:
+    """`` (at file:line)`` of the innermost frame of ``e``'s traceback (empty when it has none); with ``source``
+    (a file name), of the innermost frame in that file when there is one (the user's line, not the library's)."""
     frames = traceback.extract_tb(e.__traceback__)
+    own = [f for f in frames if source is not None and f.filename == source]
+    frames = own or frames
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""

@@ -69,6 +69,12 @@ def test_plugin_errors_name_the_module(tmp_path: Path, monkeypatch: pytest.Monke
                                           r"'broken_kernels': RuntimeError: no device here "
                                           r"\(at .*broken_kernels.py:3\)"):
         import_plugins(["broken_kernels"])
+    # an error raised inside the library the plugin calls: the plugin's own line is named, not the library's
+    (tmp_path / "bad_op_kernels.py").write_text("from trnkit.overrides import register\n\n"
+                                                "register('rope', 'mine', lambda *a, **k: None)\n")
+    with pytest.raises(ConfigError, match=r"'bad_op_kernels': RegistrationError: trnkit overrides: unknown op 'rope'; "
+                                          r"known ops: .* \(at .*bad_op_kernels.py:3\)$"):
+        import_plugins(["bad_op_kernels"])
     with pytest.raises(ConfigError, match=r"'no_such_pkg.kernels': ModuleNotFoundError: No module named "
                                           r"'no_such_pkg' \(is it on sys.path / PYTHONPATH\?\)"):
         import_plugins(["no_such_pkg.kernels"])
@@ -134,6 +140,10 @@ register("router_topk", "{impl}", ex.router_fwd, backward=ex.router_bwd, constra
     ("raising", "raise RuntimeError('cannot tell')", r"raised RuntimeError: cannot tell \(at .*\.py:10\)"),
     ("exiting", "sys.exit(0)", r"called sys.exit\(0\) \(at .*\.py:10\)"),
     ("nolist", "return None", r"must return a list of Violation, got NoneType None"),
+    # reading a value of the dry run's fake tensors: the plugin's own line, not torch's, and why it failed
+    ("values", "return [] if float(x.abs().max()) < 1e9 else []",
+     r"raised DataDependentOutputException: .* \(at .*bad_constraints_values\.py:10\); constraint functions also get "
+     r"fake tensors \(the validation dry run, torch.compile\): read shapes, dtypes and devices only, never values"),
 ])
 def test_plugin_constraint_function_that_fails_is_exit_2_naming_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_tokenizer: str, corpus_dir: Path,

@@ -8,6 +8,7 @@ name them in ``[overrides] impl``. Modules are found on ``sys.path`` (the launch
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import types
 
 from trnkit.errors import ConfigError, raised_at
@@ -38,7 +39,17 @@ def _describe(e: BaseException) -> str:
 
 
 def _where(e: BaseException, name: str) -> str:
-    """`` (at file:line)`` of the innermost frame, when the error was raised inside the plugin's code."""
+    """`` (at file:line)`` of the plugin's own innermost frame (else the innermost one): the line of the
+    plugin that failed, not the library's line that raised."""
     if isinstance(e, ModuleNotFoundError) and e.name is not None and name.startswith(e.name):
         return " (is it on sys.path / PYTHONPATH?)"
-    return raised_at(e)
+    return raised_at(e, _origin(name))
+
+
+def _origin(name: str) -> str | None:
+    """The plugin's file, as the import system found it (None when it cannot tell)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except Exception:  # noqa: BLE001 - a parent package that fails to import: no file to name
+        return None
+    return spec.origin if spec is not None else None

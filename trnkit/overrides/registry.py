@@ -150,7 +150,7 @@ class ImplEntry:
         except (Exception, SystemExit) as e:  # a user's (plugin's) function: theirs to fix
             what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"raised {type(e).__name__}: {e}"
             raise ConstraintFunctionError(f"trnkit overrides: the constraint function {_qualname(fn)} of {label} "
-                                          f"{what}{raised_at(e)}") from e
+                                          f"{what}{raised_at(e, _source(fn))}{_fake_hint(e)}") from e
         if not isinstance(got, list) or not all(isinstance(v, Violation) for v in got):
             raise ConstraintFunctionError(f"trnkit overrides: the constraint function {_qualname(fn)} of {label} "
                                           f"must return a list of Violation, got {type(got).__name__} {got!r:.100}")
@@ -298,6 +298,21 @@ def warn_once(*key: str, message: str) -> bool:
 def reset_warnings() -> None:
     """Forget which fallbacks were already warned about (tests)."""
     _WARNED.clear()
+
+
+def _source(fn: Callable[..., Any]) -> str | None:
+    """The file ``fn`` is defined in (None for builtins and callables without code)."""
+    return getattr(getattr(fn, "__code__", None), "co_filename", None)
+
+
+def _fake_hint(e: BaseException) -> str:
+    """Why reading a value fails: the validation dry run and torch.compile pass fake tensors."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
+        return ("; constraint functions also get fake tensors (the validation dry run, torch.compile): read "
+                "shapes, dtypes and devices only, never values")
+    return ""
 
 
 def _qualname(fn: Callable[..., Any]) -> str:
