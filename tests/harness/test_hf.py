@@ -164,3 +164,19 @@ def test_an_op_without_a_swap_point_is_refused_under_strict(tmp_path: Path, hf_m
         return
     assert run(cfg).final_step == 1
     assert what in [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_a_native_checkpoint_resumed_as_an_hf_model_names_the_family(tmp_path: Path, hf_moe_dir: Path,
+                                                                     tiny_tokenizer: str, corpus_dir: Path) -> None:
+    """Same shapes, other family: refused with one line naming both model.spec values (it used to list every
+    config field of both schemas, e.g. 'hidden_size: checkpoint None, this run 32', 20+ lines)."""
+    ckpt = {"checkpoint": {"enable": True, "interval": 1}}
+    run(tiny_config(tmp_path, tiny_tokenizer, corpus_dir, training={"steps": 1}, **ckpt))
+    with pytest.raises(ConfigError) as e:
+        run(tiny_config(tmp_path, tiny_tokenizer, corpus_dir, model={"spec": f"hf:{hf_moe_dir}", "config": {}},
+                        training={"steps": 2}, **ckpt))
+    assert str(e.value).splitlines()[1:3] == [
+        f"  model.spec: checkpoint 'qwen3:debug-moe', this run 'hf:{hf_moe_dir}' (another model family: their "
+        "configs and parameter names are not comparable)",
+        "Nothing was written. To train this model, use another --job.dump_folder (or delete "
+        f"{tmp_path / 'checkpoint'}); to resume the old run, use its model settings (see its config.toml)."]

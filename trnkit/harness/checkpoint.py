@@ -136,7 +136,12 @@ class RunIdentity:
                 "fingerprint": self.fingerprint}
 
     def differences(self, saved: dict[str, Any]) -> list[str]:
-        """Human-readable differences from a manifest's identity ([] = the same model)."""
+        """Human-readable differences from a manifest's identity ([] = the same model). Another model family
+        (``model.spec`` before the ``:``) is one difference: its config fields and parameter names do not compare."""
+        spec = saved.get("model_spec")
+        if isinstance(spec, str) and spec.partition(":")[0] != self.model_spec.partition(":")[0]:
+            return [f"model.spec: checkpoint {spec!r}, this run {self.model_spec!r} (another model family: their "
+                    "configs and parameter names are not comparable)"]
         theirs = saved.get("model_config", {})
         diffs = [f"{k}: checkpoint {theirs.get(k)!r}, this run {self.model_config.get(k)!r}"
                  for k in sorted(set(theirs) | set(self.model_config))
