@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -87,3 +88,32 @@ def test_user_constraints_drive_the_policy(user_rope):
         report = apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl=user_rope, policy="fallback",
                                                        seq_len=8))
     assert {r.status for r in report.rows} == {"fallback"}
+
+
+@pytest.mark.parametrize("op, extra", [("router_topk", "topk_weights of shape [5, 3], the op declares [5, 2]"),
+                                       ("grouped_mm", "out of shape [6, 4], the op declares [6, 3]"),
+                                       ("moe_experts", "out of shape [5, 7], the op declares [5, 8]")])
+def test_a_user_impl_returning_other_shapes_is_named(op: str, extra: str) -> None:
+    """Ops that use an impl's outputs as they are (no reshape) check their shapes: a router returning top_k + 1
+    columns used to train on silently (probed through a trainer plugin)."""
+    from trnkit.overrides import ops
+
+    def bad_router(x, w, top_k, norm_topk_prob=True):
+        t, e = x.shape[0], w.shape[0]
+        return torch.zeros(t, top_k + 1), torch.zeros(t, top_k + 1, dtype=torch.int32), torch.zeros(t, e)
+
+    impls = {"router_topk": bad_router, "grouped_mm": lambda x, w, offs: torch.zeros(x.shape[0], w.shape[2] + 1),
+             "moe_experts": lambda x, *a, **kw: torch.zeros(x.shape[0], x.shape[1] - 1)}
+    register(op, "badshape", impls[op])
+    x = torch.randn(5, 8)
+    calls = {"router_topk": lambda: ops.router_topk(x, torch.randn(4, 8), 2, True, "badshape"),
+             "grouped_mm": lambda: ops.grouped_mm(torch.randn(6, 8), torch.randn(2, 8, 3),
+                                                  torch.tensor([3, 6], dtype=torch.int32), "badshape"),
+             "moe_experts": lambda: ops.moe_experts(x, torch.zeros(5, 2, dtype=torch.int32), torch.ones(5, 2),
+                                                    torch.randn(4, 8, 6), torch.randn(4, 3, 8), impl="badshape")}
+    want = rf"^trnkit::{op}: impl 'badshape' returned {re.escape(extra)} for these inputs \(trnkit.overrides.registry"
+    try:
+        with pytest.raises(ops.ImplOutputError, match=want + r": call conventions\)$"):
+            calls[op]()
+    finally:
+        unregister(op, "badshape")

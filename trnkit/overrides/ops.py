@@ -50,7 +50,9 @@ cores; 0 = the device default, :func:`trnkit.kernels.lnc.default_lnc`); it reach
 ``lnc`` when set and the impl declares that parameter, and the backward runs at the forward's ``lnc``.
 
 Impls receive contiguous tensors. Outputs are normalised to the declared dtypes, so a user impl that
-returns e.g. int64 indices still matches the fake (meta) implementation.
+returns e.g. int64 indices still matches the fake (meta) implementation; an output of another shape than
+declared is an :class:`ImplOutputError` (naming op, impl, output and both shapes), or where the op reshapes
+it, torch's reshape error.
 """
 
 from __future__ import annotations
@@ -64,10 +66,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trnkit.errors import TrnkitError
 from trnkit.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from trnkit.overrides.registry import get_impl
 
-__all__ = ["attention", "attention_bwd", "grouped_mm", "grouped_mm_bwd", "linear_cross_entropy",
+__all__ = ["ImplOutputError", "attention", "attention_bwd", "grouped_mm", "grouped_mm_bwd", "linear_cross_entropy",
            "linear_cross_entropy_bwd", "linear_cross_entropy_fused",
            "moe_experts", "moe_experts_bwd", "rmsnorm", "rmsnorm_bwd", "rmsnorm_qk", "rmsnorm_qk_bwd", "rope_hf",
            "rope_hf_apply", "router_topk", "router_topk_bwd", "mlp", "mlp_bwd"]
@@ -77,6 +80,20 @@ _LAYOUTS = ("bhsd", "bshd")
 
 def _c(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.contiguous()
+
+
+class ImplOutputError(TrnkitError, RuntimeError):
+    """An impl returned outputs of other shapes than its op declares (a user's impl: theirs to fix)."""
+
+
+def _check_shapes(op: str, impl: str, got: tuple[Tensor, ...], want: tuple[tuple[int, ...], ...],
+                  names: tuple[str, ...]) -> None:
+    """Outputs the op does not reshape (an impl's wrong shape would otherwise be used as it is) must have the
+    declared shapes."""
+    for name, g, w in zip(names, got, want, strict=True):
+        if tuple(g.shape) != tuple(w):
+            raise ImplOutputError(f"trnkit::{op}: impl {impl!r} returned {name} of shape {list(g.shape)}, the op "
+                                  f"declares {list(w)} for these inputs (trnkit.overrides.registry: call conventions)")
 
 
 def _check_layout(layout: str) -> None:
@@ -241,6 +258,9 @@ def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
     w, idx, logits = get_impl("router_topk", impl).fn(
         x.contiguous(), w_router.contiguous(), top_k, norm_topk_prob,
         **_router_variant(scoring, selection_bias, routed_scaling_factor))
+    t, e = x.shape[0], w_router.shape[0]
+    _check_shapes("router_topk", impl, (w, idx, logits), ((t, top_k), (t, top_k), (t, e)),
+                  ("topk_weights", "topk_idx", "router_logits"))
     return w.to(torch.float32), idx.to(torch.int32), logits.to(torch.float32)
 
 
@@ -296,6 +316,7 @@ def grouped_mm(x: Tensor, w: Tensor, group_offsets: Tensor, impl: str = "referen
     """``out[rows of group g] = x[rows of group g] @ w[g]``; ``group_offsets`` are exclusive ends."""
     fn = get_impl("grouped_mm", impl).fn
     out = fn(x.contiguous(), w.contiguous(), group_offsets.contiguous(), **_lnc_kw(fn, lnc))
+    _check_shapes("grouped_mm", impl, (out,), ((x.shape[0], w.shape[2]),), ("out",))
     return out.to(x.dtype)
 
 
@@ -361,6 +382,7 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Te
     out = fn(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
              w_down.contiguous(), **block_size_kw(block_size), **_lnc_kw(fn, lnc),
              **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
+    _check_shapes("moe_experts", impl, (out,), (tuple(x.shape),), ("out",))
     return out.to(x.dtype)
 
 
