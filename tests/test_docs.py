@@ -153,7 +153,8 @@ def unchecked_time_figures(page: str) -> list[str]:
     return TIME_FIGURE.findall(text)
 
 
-@pytest.mark.parametrize("page", ["docs/kernels.md", "docs/kernel-design.md", "docs/benchmarks.md", "README.md"])
+@pytest.mark.parametrize("page", ["docs/kernels.md", "docs/kernel-design.md", "docs/benchmarks.md", "docs/tests.md",
+                                  "docs/qwen3.md", "README.md"])
 def test_cost_figures_are_generated_or_checked_quotes(page):
     """Every time figure in the kernel pages comes from a benchmark CSV: a generated table or a quote in
     scripts/docs_tables.py QUOTES (which also carries the range), never typed in by hand; bounds computed
