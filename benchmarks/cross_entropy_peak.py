@@ -5,12 +5,12 @@ The two do different amounts of work, and the table says which:
 
 - trnkit's fused kernels take hidden ``[N, H]`` and the lm_head ``[V, H]``, in two schedules (``--schedules``):
   ``fused`` (opt-in: the trainer's ``training.loss_schedule = "fused"``; its default is ``recompute``): the forward,
-  ``linear_cross_entropy_fwd_bwd``, computes the logits once and from them the loss, the lse and both gradients (``6 N
-  H V`` FLOPs; each token group's exp values go through an HBM scratch of at most 1,024 x V between its two passes),
-  and the backward only scales the stored fp32 gradients into bf16 (a torch elementwise op, counted at its HBM bound);
-  ``recompute``: the forward ``linear_cross_entropy`` computes the logits, their log-sum-exp and the loss (``2 N H
-  V``), and the backward ``linear_cross_entropy_bwd`` recomputes the logits and produces both gradients (``6 N H V``).
-  fp32 accumulation throughout; no ``[N, V]`` tensor in HBM.
+  ``linear_cross_entropy_fwd_bwd``, computes the logits once and from them the loss, the lse and both gradients
+  (``6 N H V`` FLOPs; each token group's exp values go through an HBM scratch of at most 1,024 x V between its two
+  passes), and the backward only scales the stored fp32 gradients into bf16 (a torch elementwise op, counted at its
+  HBM bound); ``recompute``: the forward ``linear_cross_entropy`` computes the logits, their log-sum-exp and the loss
+  (``2 N H V``), and the backward ``linear_cross_entropy_bwd`` recomputes the logits and produces both gradients
+  (``6 N H V``). fp32 accumulation throughout; no ``[N, V]`` tensor in HBM.
 - nki-library's kernels take the logits ``[N, V]`` from HBM: the forward computes lse and loss (internal dtype
   bf16, as its tests run it), the backward ``grad_logits`` (written over the logits). The lm_head matmul before
   it and the two gradient matmuls after it are someone else's job, and the ``[N, V]`` logits live in HBM.
