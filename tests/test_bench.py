@@ -340,3 +340,28 @@ def test_reference_bench_csv_carries_ordered_ranges():
         assert (frac.p20, frac.p50, frac.p80) == pytest.approx(
             (roof.p50 / est.p80, roof.p50 / est.p50, roof.p50 / est.p20), rel=1e-6), key
     assert any(k[0] == "rope_hf" for k in groups)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "-1"], "--budget: seconds of timing per measured quantity must be a finite number > 0, got -1.0"),
+    (["--budget", "nan"], "--budget: seconds of timing per measured quantity must be a finite number > 0, got nan"),
+    (["--torch-threads", "-3"], "--torch-threads must be >= 0 (0: torch's default), got -3"),
+    (["--out", "FILE"], "--out: cannot write to FILE (File exists)"),
+    (["--mode", "backward", "--kernels-only", "matmul_tiled"],
+     "no cases of matmul_tiled for --mode backward --dtype bfloat16"),
+])
+def test_cli_refuses_bad_flags_before_running(tmp_path, capsys, args, message):
+    """Probed: --budget -1 / nan ran the sweep, --torch-threads -3 and an --out that is a file ended in
+    tracebacks after the first case, matmul_tiled --mode backward said only 'no results'."""
+    from trnkit.bench.__main__ import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    args = [str(afile) if a == "FILE" else a for a in args]
+    kernels = ["matmul_tiled"] if "--kernels-only" in args else ["rope_hf"]
+    args = [a for a in args if a not in ("--kernels-only", "matmul_tiled")]
+    out = [] if "--out" in args else ["--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as e:
+        main([*kernels, "--quick", "--no-torch", *out, *args])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(f"error: {message.replace('FILE', str(afile))}")

@@ -26,6 +26,7 @@ processes, then rewrites the docs' tables (:mod:`trnkit.bench.figures`).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -73,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return calibrate_main(argv[1:])
     args = p.parse_args(argv)
+    if not (math.isfinite(args.budget) and args.budget > 0):
+        p.error(f"--budget: seconds of timing per measured quantity must be a finite number > 0, got {args.budget}")
+    if args.torch_threads < 0:
+        p.error(f"--torch-threads must be >= 0 (0: torch's default), got {args.torch_threads}")
     if args.save_reference and args.quick:
         p.error("--save-reference with --quick: the quick CI-size shapes are not reference figures")
     if args.device:
@@ -97,6 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         selected = []
     t0 = time.perf_counter()
     out = output_dir(args, scratch_sub="quick" if args.quick else "")
+    try:  # before any case runs: a bad --out must not cost a sweep
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out: cannot write to {out} ({e.strerror})")
+    empty = [k for k in selected if not any(cases_mod.cases_for(k, args.quick, modes, dt) for dt in args.dtype)]
+    if empty and args.kernels:  # asked for explicitly: say so instead of "no results"
+        p.error(f"no cases of {', '.join(empty)} for --mode {' '.join(modes)} --dtype {' '.join(args.dtype)}")
     csv_path = out / "bench.csv"
     if args.overwrite and not args.report_only:  # a fresh CSV
         csv_path.unlink(missing_ok=True)
