@@ -1885,6 +1885,11 @@ QUOTES = (
               csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
                                                             "S": "4096", "Hq": "8", "Hk": "2", "lnc": "2"}),
               _attention_70pct_us(2, "{:.1f}"))),
+    Quote("docs/kernel-design.md", "the HBM bound is {} µs", "derived_figures.csv rope_fwd memory bound",
+          derived_cell("rope_fwd", "mid", "memory_bound_us")),
+    Quote("docs/kernel-design.md", "The HBM bound is {} µs (38.8 MB); 70 % of it is {} µs.", "derived_figures.csv "
+          "router_fwd memory bound", (derived_cell("router_fwd", "mid", "memory_bound_us"),
+                                      derived_cell("router_fwd", "mid", "memory_bound_us", scale=1 / 0.7))),
 )
 
 
