@@ -31,21 +31,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list", action="store_true", help="list the cases without running them")
 
 
+def csv_path_problem(path: str) -> str | None:
+    """Why ``--csv path`` cannot be written (None when it can): the table goes to ``path`` through a sibling
+    ``<name>.tmp`` and ``<name>.lock``, so ``path`` must name a file in a folder that exists or can be made."""
+    p = Path(path)
+    if not p.name or p.is_dir():
+        return "must name a file, not a folder"
+    parent = next((q for q in (p.parent, *p.parent.parents) if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        return f"its folder {str(parent)!r} is a file"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Exit status 0 when every selected case ends as the run accepts (:func:`harness.row_ok`: a pass, a checked
-    xfail, the refusal the case names), 1 otherwise, 2 without a checkout."""
+    xfail, the refusal the case names), 1 otherwise, 2 before anything runs: no checkout, a ``--csv`` path that
+    cannot be written, or ``-k`` text that selects no case."""
+    if args.csv is not None and (why := csv_path_problem(args.csv)):
+        print(f"conformance: --csv {args.csv!r}: {why}; nothing was run", file=sys.stderr)
+        return 2
     root = harness.nkilib_root(args.nkilib)
     tier = {"unit": "", "all": None}.get(args.tier, args.tier)
-    selected = [c for c in _cases.all_cases(root)
-                if (not args.filter or any(f in f"{c.kernel} {c.name} {c.shapes}" for f in args.filter))
-                and (tier is None or c.tier == tier)]
+    in_tier = [c for c in _cases.all_cases(root) if tier is None or c.tier == tier]
+    selected = [c for c in in_tier
+                if not args.filter or any(f in f"{c.kernel} {c.name} {c.shapes}" for f in args.filter)]
+    if root is None and not args.list:
+        print(f"conformance: no nki-library checkout found; {FETCH_HINT}", file=sys.stderr)
+        return 2
+    if args.filter and not selected:
+        print(f"conformance: -k {' -k '.join(repr(f) for f in args.filter)}: no case of the {args.tier!r} tier "
+              f"({len(in_tier)} cases) has this text in its 'kernel case shapes'; --list shows them", file=sys.stderr)
+        return 2
     if args.list:
         for c in selected:
             print(f"{c.kernel:<30} {c.name:<40} lnc{c.lnc} {c.shapes}  ({c.test_file})")
         return 0
-    if root is None:
-        print(f"conformance: no nki-library checkout found; {FETCH_HINT}", file=sys.stderr)
-        return 2
     print(f"nki-library {harness.nkilib_commit(root)} at {root}; {len(selected)} cases", flush=True)
     order, done = _cases.all_cases(root), []
 
