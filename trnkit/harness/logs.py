@@ -9,13 +9,17 @@ own handlers).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import sys
 import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Callable, TextIO
 
-__all__ = ["LOGGER", "ProgressLine", "interrupt_message", "setup_logging"]
+__all__ = ["LOGGER", "ProgressLine", "interrupt_message", "setup_logging", "trnkit_warnings_logged"]
 
 LOGGER = logging.getLogger("trnkit.harness")
 
@@ -72,6 +76,28 @@ def setup_logging(rank: int, world_size: int, log_rank: str = "0") -> logging.Lo
     handler.setFormatter(_Formatter(prefix))
     LOGGER.setLevel(logging.INFO)
     return LOGGER
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # the trnkit package folder
+
+
+@contextlib.contextmanager
+def trnkit_warnings_logged() -> Iterator[None]:
+    """Within it, a warning that trnkit's own code issues (e.g. an override falling back to the module's code)
+    is a ``WARNING:`` line of :data:`LOGGER` like the trainer's other warnings; other warnings show as usual.
+    The process's warning display is restored on exit."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: TextIO | None = None, line: str | None = None) -> None:
+            if Path(filename).resolve().is_relative_to(_PACKAGE):
+                LOGGER.warning(str(message))
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        yield
 
 
 def _clock(seconds: float) -> str:

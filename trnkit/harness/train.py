@@ -40,7 +40,7 @@ from trnkit.harness.data import IGNORE_INDEX, build_loaders
 from trnkit.harness.metrics import (MetricsLogger, device_memory, flops_per_token, peak_flops, plot_loss,
                                     step1_sanity)
 from trnkit.harness.lnc import resolve_run_lnc
-from trnkit.harness.logs import LOGGER, interrupt_message, setup_logging
+from trnkit.harness.logs import LOGGER, interrupt_message, setup_logging, trnkit_warnings_logged
 from trnkit.harness.models import build_spec, has_hf_weights
 from trnkit.harness.plan import check_at_startup, measured_vs_plan
 from trnkit.harness.plugins import import_plugins
@@ -285,7 +285,7 @@ def run(cfg: TrainerConfig) -> RunResult:
     lock = RunLock(cfg.job.dump_folder, _Log())
     try:
         torch.use_deterministic_algorithms(cfg.job.deterministic)
-        with _sigterm_raises():
+        with _sigterm_raises(), trnkit_warnings_logged():
             on_rank0(lock.acquire)  # one run per dump folder, for the run's whole life
             try:
                 result = Trainer(cfg, env).train()
