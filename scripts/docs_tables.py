@@ -760,21 +760,26 @@ def calibration_checks_outside() -> str:
 NKILIB_CSV = CALIBRATION_CSV.parent / "nkilib_calibration.csv"
 
 
+def _nkilib_points(role: str | None = None) -> list[dict[str, str]]:
+    """benchmarks/calibration/nkilib_points.csv (nki-library's recorded rows and their fit / check role), in its
+    order; with ``role``, only the points of that role."""
+    with open(CALIBRATION_CSV.parent / "nkilib_points.csv", newline="") as f:
+        return [r for r in csv.DictReader(f) if role is None or r["role"] == role]
+
+
 def _nkilib_rows() -> list[dict[str, str]]:
     """benchmarks/calibration/nkilib_calibration.csv (nkilib_run.py), in nkilib_points.csv's order."""
     if not NKILIB_CSV.exists():
         return []
     with open(NKILIB_CSV, newline="") as f:
         got = {r["point"]: r for r in csv.DictReader(f)}
-    with open(CALIBRATION_CSV.parent / "nkilib_points.csv", newline="") as f:
-        return [got[r["point"]] for r in csv.DictReader(f) if r["point"] in got]
+    return [got[r["point"]] for r in _nkilib_points() if r["point"] in got]
 
 
 def calibration_nkilib_summary() -> str:
     """nki-library's recorded device times vs the cost model, per family and LNC: the check points estimated, the
     median and mean |error| of the mid estimate, how many within +-20 % and inside low..high."""
-    with open(CALIBRATION_CSV.parent / "nkilib_points.csv", newline="") as f:
-        points = [r for r in csv.DictReader(f) if r["role"] == "check"]
+    points = _nkilib_points("check")
     fields = {r["point"]: json.loads(r["fields"]) for r in points}
     lnc = {p: str(f.get("vnc_degree") or f.get("lnc_degree") or 2) for p, f in fields.items()}
     ran = {r["point"]: r for r in _nkilib_rows() if r["role"] == "check" and r["status"] == "ok"}
@@ -853,8 +858,7 @@ def calibration_nkilib_by_time() -> str:
 def _nkilib_lnc_pairs() -> list[tuple[str, dict, dict[int, dict[str, str]]]]:
     """nki-library's check points recorded at LNC 1 and at LNC 2 with every other field equal: (family, the other
     fields, {1: LNC 1 point, 2: LNC 2 point}) in nkilib_points.csv's order."""
-    with open(CALIBRATION_CSV.parent / "nkilib_points.csv", newline="") as f:
-        points = [r for r in csv.DictReader(f) if r["role"] == "check"]
+    points = _nkilib_points("check")
     pairs: dict[tuple, dict] = {}
     for r in points:
         fields = json.loads(r["fields"])
@@ -995,9 +999,7 @@ def _nkilib_small_lnc2(family: str) -> Callable[[], list[dict[str, str]]]:
 def _nkilib_table_checks(table: str) -> Callable[[], list[dict[str, str]]]:
     """The estimated check points of nki-library's test table ``table`` (nkilib_points.csv's ``table``)."""
     def select() -> list[dict[str, str]]:
-        with open(CALIBRATION_CSV.parent / "nkilib_points.csv", newline="") as f:
-            names = [r["point"].removeprefix("nkilib ") for r in csv.DictReader(f)
-                     if r["table"] == table and r["role"] == "check"]
+        names = [r["point"].removeprefix("nkilib ") for r in _nkilib_points("check") if r["table"] == table]
         est = _nkilib_estimated()
         return [est[n] for n in names if n in est]
     return select
