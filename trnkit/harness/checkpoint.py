@@ -319,22 +319,24 @@ def verify_checkpoint(path: str, trust_unverified: bool = False) -> str | None:
     return None
 
 
-def manifest_entry(path: str, key: str) -> Any:
-    """``key`` of the manifest of the (verified) checkpoint at ``path``; None without one or without the key
-    (an unverified checkpoint, ``checkpoint.trust_unverified``, may have none)."""
+def _readable_manifest(path: str) -> dict[str, Any]:
+    """The manifest of the (verified) checkpoint at ``path``; {} without a readable one (an unverified
+    checkpoint, ``checkpoint.trust_unverified``, may have none)."""
     try:
-        return (read_manifest(path) or {}).get(key)
+        return read_manifest(path) or {}
     except (OSError, ValueError):
-        return None
+        return {}
+
+
+def manifest_entry(path: str, key: str) -> Any:
+    """``key`` of the manifest of the (verified) checkpoint at ``path``; None without one or without the key."""
+    return _readable_manifest(path).get(key)
 
 
 def written_by(path: str) -> str:
     """Which run saved the checkpoint at `path`, from its manifest: ``saved <time> by job '<name>' (run started
     <time>)``; what an older manifest records of it, or "" without a readable one."""
-    try:
-        manifest = read_manifest(path) or {}
-    except (OSError, ValueError):  # an unverified checkpoint (checkpoint.trust_unverified)
-        return ""
+    manifest = _readable_manifest(path)
     run = manifest.get("run") or {}
     saved = f"saved {manifest['time']}" if isinstance(manifest.get("time"), str) else ""
     job = f"by job {run['job.name']!r} (run started {run.get('started', '?')})" if "job.name" in run else ""
