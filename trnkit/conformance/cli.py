@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     root = harness.nkilib_root(args.nkilib)
     tier = {"unit": "", "all": None}.get(args.tier, args.tier)
-    in_tier = [c for c in _cases.all_cases(root) if tier is None or c.tier == tier]
+    order = _cases.all_cases(root)
+    in_tier = [c for c in order if tier is None or c.tier == tier]
     selected = [c for c in in_tier
                 if not args.filter or any(f in f"{c.kernel} {c.name} {c.shapes}" for f in args.filter)]
     if root is None and not args.list:
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{c.kernel:<30} {c.name:<40} lnc{c.lnc} {c.shapes}  ({c.test_file})")
         return 0
     print(f"nki-library {harness.nkilib_commit(root)} at {root}; {len(selected)} cases", flush=True)
-    order, done = _cases.all_cases(root), []
+    done: list[harness.Row] = []
 
     def echo(row: harness.Row) -> None:
         print(harness.format_row(row), flush=True)
