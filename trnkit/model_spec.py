@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-__all__ = ["IGNORE_INDEX", "ModelShape", "ModelSpec", "StateDictAdapter"]
+__all__ = ["CHUNKED_LOSS", "IGNORE_INDEX", "LossForm", "ModelShape", "ModelSpec", "StateDictAdapter"]
 
 IGNORE_INDEX = -100  # a label the loss skips (padding, a document's last token)
 
@@ -27,6 +27,17 @@ class ModelShape:
     head_dim: int
     num_experts: int = 0
     top_k: int = 0
+
+
+@dataclass(frozen=True)
+class LossForm:
+    """How a family's ``loss_sum`` forms the loss, as the memory plan (``trnkit.harness.plan``) counts it."""
+    full_logits: bool = False         # True: [tokens, vocab] logits at once, then an fp32 log-softmax (as
+    # transformers' models do); False: training.loss_chunk_size rows at a time (trnkit.qwen3.loss; 0 = full)
+    vocab_sharded_by_tp: bool = True  # the embedding and lm_head are split over the TP group
+
+
+CHUNKED_LOSS = LossForm()  # trnkit's native Qwen3, and the plan of a family that does not say
 
 
 @runtime_checkable
@@ -42,7 +53,12 @@ class StateDictAdapter(Protocol):
 
 @runtime_checkable
 class ModelSpec(Protocol):
-    """One resolved model: how to build, initialise, parallelize, run and checkpoint it."""
+    """One resolved model: how to build, initialise, parallelize, run and checkpoint it.
+
+    Optional (not a protocol member, so a family written without it still satisfies the protocol):
+    ``loss_form``, a :class:`LossForm` saying how ``loss_sum`` forms the loss and whether TP shards the
+    vocabulary; the memory plan reads it, and uses :data:`CHUNKED_LOSS` when a family has none.
+    """
 
     name: str             # for logs and checkpoint identity, e.g. "qwen3:debug-moe"
     config: Any           # the model config: a dataclass, a dict or an object with to_dict() (a transformers config)

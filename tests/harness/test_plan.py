@@ -219,3 +219,93 @@ def test_an_hf_config_of_only_a_model_type_is_refused_not_oom_killed(tmp_path: P
 def test_measured_vs_plan_line():
     p = plan(load_config(resolve_config("debug_moe")), 1, "trn2")
     assert plan_mod.measured_vs_plan(p, p.total * 1.1).endswith(f"plan {plan_mod.gib(p.total)} (+10%)")
+
+
+def _tiny_hf_folder(root: Path, vocab: int, tie: bool = False) -> Path:
+    """A one-layer transformers Qwen3 of width 16 whose [tokens, vocab] loss tensors dominate its memory."""
+    from transformers import Qwen3Config
+
+    folder = root / "hf-wide-vocab"
+    Qwen3Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                intermediate_size=32, vocab_size=vocab, tie_word_embeddings=tie).save_pretrained(folder)
+    return folder
+
+
+def _measured_peak_bytes(spec, tokens: torch.Tensor, amp: bool) -> int:
+    """Peak tensor bytes of two training steps (forward, backward, AdamW), as benchmarks/plan_check.py's
+    torchtitan column counts them (torch's MemTracker over real tensors; the second step holds AdamW state)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = spec.build()
+    spec.init_weights(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = spec.loss_sum(model, tokens, tokens, 256)
+            loss.backward()
+            opt.step()
+            if step == 0:
+                tracker.reset_mod_stats()
+    return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hf_models_are_planned_with_the_full_logits_transformers_allocates(tmp_path: Path, dtype: str) -> None:
+    """transformers forms [tokens, vocab] logits, an fp32 copy and an fp32 log-softmax whose backward holds
+    three [tokens, vocab] fp32 tensors at once: at vocab 32,768 and width 16 they are most of the step's
+    memory. The plan follows the measured peak (it used to count one chunk of 256 rows: a third of it)."""
+    from trnkit.harness.models import build_spec
+
+    folder = _tiny_hf_folder(tmp_path, vocab=32768)
+    cfg = load_config(None, ["--model.spec", f"hf:{folder}", "--training.local_batch_size", "2",
+                             "--training.seq_len", "256", "--training.dtype", dtype])
+    spec = build_spec(cfg)
+    tokens = torch.randint(0, 32768, (2, 256), generator=torch.Generator().manual_seed(0))
+    measured = _measured_peak_bytes(spec, tokens, amp=dtype == "bfloat16")
+    planned = plan(cfg, 1, "cpu", spec=spec).total
+    assert planned == pytest.approx(measured, rel=0.05), (planned / GiB, measured / GiB)
+
+
+def test_hf_vocabulary_is_not_sharded_by_tp(tmp_path: Path) -> None:
+    """hf: models keep the embedding and lm_head whole on every TP rank (hf_spec's plan shards attention and
+    the dense FFN only): hand count of one rank's parameters at TP 2."""
+    from trnkit.harness.models import build_spec
+
+    V, d, hd, heads, kv, inter = 32768, 16, 8, 2, 1, 32
+    cfg = load_config(None, ["--model.spec", f"hf:{_tiny_hf_folder(tmp_path, V)}",
+                             "--parallelism.tensor_parallel_degree", "2"])
+    spec = build_spec(cfg)
+    attn, ffn = d * hd * (2 * heads + 2 * kv), 3 * d * inter
+    norms = 2 * hd + 2 * d + d                     # q/k norms, the block's two norms, the final norm
+    per_rank = 2 * V * d + norms + (attn + ffn) / 2
+    assert _terms(plan(cfg, 2, "trn2", spec=spec))["parameters"] == int(4 * per_rank)
+
+
+def test_a_family_without_loss_form_is_planned_with_the_chunked_loss() -> None:
+    """ModelSpec.loss_form is optional: a family written before it existed keeps its plan (the chunked loss,
+    vocabulary sharded by TP) and still satisfies the protocol."""
+    from tests.harness.bigram_family import BigramSpec
+    from trnkit.harness.models import build_spec
+    from trnkit.model_spec import ModelSpec
+
+    cfg = load_config(resolve_config("debug_moe"))
+    native = build_spec(cfg)
+
+    class OlderSpec:  # delegates everything to the native spec but has no loss_form attribute
+        def __getattr__(self, name: str):
+            if name == "loss_form":
+                raise AttributeError(name)
+            return getattr(native, name)
+
+    assert _terms(plan(cfg, 1, "cpu", spec=OlderSpec())) == _terms(plan(cfg, 1, "cpu", spec=native))
+    assert isinstance(BigramSpec("bigram:8", {"vocab": 16, "hidden": 8}), ModelSpec)
+    odd = OlderSpec()
+    odd.__dict__["loss_form"] = "full"
+    with pytest.raises(ConfigError, match=r"^plan: model.spec 'qwen3:debug-moe': ModelSpec.loss_form must be a "
+                                          r"trnkit.model_spec.LossForm, got 'full'"):
+        plan(cfg, 1, "cpu", spec=odd)

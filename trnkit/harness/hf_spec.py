@@ -19,7 +19,7 @@ from torch import nn
 
 from trnkit.errors import ConfigError
 from trnkit.harness.config import coerce
-from trnkit.model_spec import IGNORE_INDEX, ModelShape
+from trnkit.model_spec import IGNORE_INDEX, LossForm, ModelShape
 from trnkit.packaged import shipped_path
 
 __all__ = ["HFSpec", "HFStateDictAdapter", "build_spec"]
@@ -61,6 +61,9 @@ class HFSpec:
     shape: ModelShape
     hf_path: str              # the source folder
     _last: dict[str, Any] = field(default_factory=dict, repr=False)  # the last forward's aux loss, router logits
+
+    # full [tokens, vocab] logits and F.cross_entropy (loss_sum); embeddings and lm_head replicated (parallelize)
+    loss_form = LossForm(full_logits=True, vocab_sharded_by_tp=False)
 
     @property
     def vocab_size(self) -> int:

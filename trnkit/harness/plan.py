@@ -32,7 +32,7 @@ from typing import Any
 from trnkit.errors import ConfigError
 from trnkit.harness.config import load_config, resolve_parallel_degrees
 from trnkit.harness.models import build_spec
-from trnkit.model_spec import ModelSpec
+from trnkit.model_spec import CHUNKED_LOSS, LossForm, ModelSpec
 from trnkit.packaged import resolve_config
 
 GiB = 2**30
@@ -128,6 +128,15 @@ def planned_config(spec: ModelSpec) -> Any:
     return mc
 
 
+def loss_form(spec: ModelSpec) -> LossForm:
+    """The spec's optional ``loss_form``; :data:`~trnkit.model_spec.CHUNKED_LOSS` for a family without one."""
+    form = getattr(spec, "loss_form", CHUNKED_LOSS)
+    if not isinstance(form, LossForm):
+        raise ConfigError(f"plan: model.spec {spec.name!r}: ModelSpec.loss_form must be a "
+                          f"trnkit.model_spec.LossForm, got {form!r}")
+    return form
+
+
 def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None = None,
          activation_checkpointing: str = "none", spec: ModelSpec | None = None) -> MemoryPlan:
     """The per-rank memory plan of ``cfg`` (a TrainerConfig) on ``world_size`` ranks of ``device``, for the
@@ -136,6 +145,7 @@ def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None =
     dp, tp = resolve_parallel_degrees(cfg.parallelism, world_size)
     spec = spec if spec is not None else build_spec(cfg)
     mc = planned_config(spec)
+    form = loss_form(spec)
     t = cfg.training
     if capacity is None:
         capacity = DEVICE_MEMORY.get(device)
@@ -155,16 +165,17 @@ def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None =
     n_moe = sum(mc.is_moe_layer(i) for i in range(mc.n_layers))
     n_dense = mc.n_layers - n_moe
     vocab = mc.vocab_size * d * (1 if mc.tie_word_embeddings else 2)
-    tp_sharded = mc.n_layers * attn + n_dense * 3 * d * mc.hidden_dim + vocab
+    vocab_tp = tp if form.vocab_sharded_by_tp else 1
+    tp_sharded = mc.n_layers * attn + n_dense * 3 * d * mc.hidden_dim
     experts = n_moe * experts_per_moe_layer
     replicated = mc.n_layers * norms_per_layer + n_moe * router_per_moe_layer + d
-    per_rank = tp_sharded / tp + (experts / tp if shard_i else experts) + replicated
+    per_rank = tp_sharded / tp + vocab / vocab_tp + (experts / tp if shard_i else experts) + replicated
     params_local = per_rank / dp                   # FSDP shards every parameter over dp
     total_params = mc.num_params()
 
     terms = [
         Term("parameters", int(4 * params_local), f"fp32, {total_params / 1e9:.3f} B in all, 1/{dp} per FSDP "
-             f"shard{', TP-sharded attention/FFN/vocab' if tp > 1 else ''}"),
+             f"shard{(', TP-sharded attention/FFN' + ('/vocab' if vocab_tp > 1 else '')) if tp > 1 else ''}"),
         Term("gradients", int(4 * params_local), "fp32, sharded as the parameters (set to None before each step)",
              (BACKWARD,)),
         Term("optimizer state", int(8 * params_local), "AdamW exp_avg + exp_avg_sq, fp32"),
@@ -174,7 +185,7 @@ def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None =
     block_moe = (attn / tp + (experts_per_moe_layer / tp if shard_i else experts_per_moe_layer)
                  + router_per_moe_layer + norms_per_layer)
     block_dense = (attn + 3 * d * mc.hidden_dim) / tp + norms_per_layer
-    root = vocab / tp + d                       # FSDP's root unit: embedding, lm_head, final norm
+    root = vocab / vocab_tp + d                       # FSDP's root unit: embedding, lm_head, final norm
     block_local = max(block_moe if n_moe else 0, block_dense if n_dense else 0, root)
     if dp > 1:
         terms.append(Term("FSDP all-gather buffers", int(2 * a * block_local),
@@ -183,7 +194,8 @@ def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None =
         terms.append(Term("FSDP reduce-scatter buffers", int(4 * block_local * (1 + 1 / dp)),
                           "largest unit's gradients, fp32 (reduce_dtype), input + output shard", (BACKWARD,)))
     elif bf16:
-        terms.append(Term("autocast weight copies", int(2 * (tp_sharded / tp + (experts / tp if shard_i else experts))),
+        terms.append(Term("autocast weight copies",
+                          int(2 * (tp_sharded / tp + vocab / vocab_tp + (experts / tp if shard_i else experts))),
                           "bf16 casts of the matmul weights, kept for the backward"))
 
     # ---- activations saved for the backward (per token, per layer), in the model's own order
@@ -217,8 +229,8 @@ def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None =
                           f"{'s' if n_dispatch != 1 else ''}", (FORWARD,)))
 
     # ---- the loss: final norm, and the chunked linear cross-entropy (or full logits)
-    v_local = mc.vocab_size / tp
-    chunk = t.loss_chunk_size
+    v_local = mc.vocab_size / vocab_tp
+    chunk = 0 if form.full_logits else t.loss_chunk_size
     if chunk > 0:
         rows = min(chunk, tokens)
         loss = (tokens * (norm_saved + a * d)               # final norm saved tensors, dh [tokens, dim]
@@ -227,8 +239,10 @@ def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None =
                 + rows * v_local * (4 + (2 if bf16 else 0)))  # one [chunk, vocab] block (fp32; + bf16 logits)
         note = f"chunked cross-entropy: a [{rows}, {v_local:,.0f}] block, dW and dh held from the forward"
     else:
-        loss = tokens * (norm_saved + v_local * (a + 4 + 4))
-        note = f"full logits [{tokens}, {v_local:,.0f}] + fp32 log-softmax"
+        # the peak is the log-softmax's backward: its saved fp32 output, incoming gradient and result (the
+        # forward holds at most the logits in bf16, their fp32 copy and the fp32 log-softmax: 10 bytes)
+        loss = tokens * (norm_saved + v_local * 3 * 4)
+        note = f"full logits [{tokens}, {v_local:,.0f}] + fp32 log-softmax and its backward"
     terms.append(Term("loss chunk", int(loss), note, (FORWARD,)))
 
     if mc.tie_word_embeddings:

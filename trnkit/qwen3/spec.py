@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from trnkit.errors import ConfigError
-from trnkit.model_spec import IGNORE_INDEX, ModelShape
+from trnkit.model_spec import CHUNKED_LOSS, IGNORE_INDEX, ModelShape
 
 from .config import Qwen3Config
 from .model import Qwen3Model
@@ -33,6 +33,7 @@ class Qwen3Spec:
     name: str                 # e.g. "qwen3:debug-moe"
     config: Qwen3Config
     hf_path: str = ""         # native flavors have no published folder of their own
+    loss_form = CHUNKED_LOSS  # training.loss_chunk_size rows at a time (0: full logits), vocab-parallel under TP
 
     @property
     def shape(self) -> ModelShape:
