@@ -1463,6 +1463,55 @@ def _calibration_published(name: str) -> float:
     return float(row["published"])
 
 
+def trn2_constant(value: Callable[[], float], fmt: str = "{:.0f}") -> Callable[[], str]:
+    """A figure the trn2 model's constants give (``value`` reads trnkit.nkisim.hardware / cost_params)."""
+    return lambda: fmt.format(value())
+
+
+def _trn2() -> object:
+    from trnkit.nkisim import hardware
+
+    return hardware.TRN2
+
+
+ACT_FIXED_NS = trn2_constant(lambda: _trn2().act_fixed_ns)  # ScalarE's fixed time per ACTIVATE
+
+
+CPU_CSV = "cpu_overhead.csv"  # benchmarks/cpu_overhead.py: host-side costs measured on this machine (CPU time)
+
+
+def cpu_median(case: str, variant: str, fmt: str = "{:.1f}") -> Callable[[], str]:
+    """The median round of one cpu_overhead.csv variant (in its row's unit)."""
+    return csv_cell(CPU_CSV, "median", {"case": case, "variant": variant}, fmt)
+
+
+def cpu_per_instruction(case: str, variant: str, fmt: str = "{:.1f}") -> Callable[[], str]:
+    """The median round of one cpu_overhead.csv variant per instruction it issues (us)."""
+    return csv_cell(CPU_CSV, "us_per_instruction", {"case": case, "variant": variant}, fmt)
+
+
+def cpu_per_instruction_range(case: str) -> tuple[Callable[[], str], Callable[[], str]]:
+    """The smallest and largest us per instruction of a cpu_overhead.csv case's variants."""
+    return _min_max(f"{CPU_CSV} {case}", lambda: [float(r["us_per_instruction"]) for r in read_csv(CPU_CSV)
+                                                   if r["case"] == case], "{:.0f}")
+
+
+def cpu_difference(case: str, first: str, second: str, fmt: str = "{:.0f}") -> Callable[[], str]:
+    """How much longer ``first``'s median round is than ``second``'s in cpu_overhead.csv."""
+    return lambda: fmt.format(float(cpu_median(case, first, "{}")()) - float(cpu_median(case, second, "{}")()))
+
+
+def cpu_all_served(words: str) -> Callable[[], str]:
+    """``words`` while every guard row of cpu_overhead.csv says its kernel accepted the shapes, else which did not."""
+    def refused() -> list[str]:
+        return [r["variant"] for r in read_csv(CPU_CSV) if r["case"] == "guard" and r["served"] != "True"]
+    return derived_claim(lambda: not refused(), words, lambda: "do not all accept these shapes: refused by "
+                         + ", ".join(refused()))
+
+
+GUARD_OPS = ("rope_hf", "router_topk", "moe_experts")
+
+
 QUOTES = (
     Quote("README.md", "Over 20 steps their losses differ from the same configs' with the reference ops by at most {} "
           "(MoE) and {} (dense) relative, while runs of the same configs with no kernel drift by up to {} and {}",
@@ -1898,6 +1947,38 @@ QUOTES = (
     Quote("docs/kernel-design.md", "The HBM bound is {} µs (38.8 MB); 70 % of it is {} µs.", "derived_figures.csv "
           "router_fwd memory bound", (derived_cell("router_fwd", "mid", "memory_bound_us"),
                                       derived_cell("router_fwd", "mid", "memory_bound_us", scale=1 / 0.7))),
+    Quote("docs/trainer.md", "one thread, median of 15 steps: {} ms per step vs {} ms `foreach=True` and {} ms "
+          "`foreach=False`", "cpu_overhead.csv adamw medians",
+          tuple(cpu_median("adamw", v, "{:.0f}") for v in ("fused=True", "foreach=True", "foreach=False"))),
+    Quote("docs/overrides.md", "{} µs per call for `rope_hf`, {} µs for `router_topk` and {} µs for `moe_experts`, "
+          "which {} these shapes", "cpu_overhead.csv guard medians",
+          (*(cpu_median("guard", op) for op in GUARD_OPS), cpu_all_served("all accept"))),
+    Quote("docs/overrides.md", "`trnkit::rope_hf_apply[reference]` {} µs vs {} µs for the same work called directly "
+          "(two `empty_like` outputs and `rope_hf_bshd_ref`) on a tiny input, so about {} µs of dispatch per op call",
+          "cpu_overhead.csv dispatch medians",
+          (cpu_median("dispatch", "trnkit::rope_hf_apply[reference]", "{:.0f}"),
+           cpu_median("dispatch", "rope_hf_bshd_ref direct", "{:.0f}"),
+           cpu_difference("dispatch", "trnkit::rope_hf_apply[reference]", "rope_hf_bshd_ref direct"))),
+    Quote("docs/interpreter.md", "{} us per instruction without a trace, {} us recording one and {} us trace-only",
+          "cpu_overhead.csv instruction medians per instruction",
+          tuple(cpu_per_instruction("instruction", v) for v in ("no trace", "traced", "trace-only"))),
+    Quote("docs/interpreter.md", "An `nc_matmul` of `[128, 128] x [128, 512]` fp32 takes {} us",
+          "cpu_overhead.csv matmul per instruction", cpu_per_instruction("matmul", "nc_matmul", "{:.0f}")),
+    Quote("docs/interpreter.md", "{} ms of CPU per call with the BLAS left alone against {} ms with one thread",
+          "cpu_overhead.csv blas medians", (cpu_median("blas", "BLAS left alone", "{:.0f}"),
+                                            cpu_median("blas", "1 BLAS thread per launch", "{:.0f}"))),
+    Quote("docs/interpreter.md", "{} us of CPU per instruction as one program and {} us per instruction (of twice as "
+          "many) as two programs in lockstep", "cpu_overhead.csv lockstep medians per instruction",
+          (cpu_per_instruction("lockstep", "LNC=1"), cpu_per_instruction("lockstep", "LNC=2"))),
+    Quote("docs/interpreter.md", "At {}-{} us of CPU per instruction at these shapes",
+          "cpu_overhead.csv train_kernels per instruction", cpu_per_instruction_range("train_kernels")),
+    Quote("docs/kernels.md", "(the grad_x PSUM evacuations, ~{} ns fixed time each)", "hardware.TRN2.act_fixed_ns",
+          ACT_FIXED_NS),
+    Quote("docs/kernel-design.md", "ACTIVATE fixed time (~{} ns)", "hardware.TRN2.act_fixed_ns", ACT_FIXED_NS),
+    Quote("docs/kernel-design.md", "or {} ns + {} ns on Scalar", "hardware.TRN2: act_fixed_ns, 1,024 / Scalar clock",
+          (ACT_FIXED_NS, trn2_constant(lambda: 1024 / _trn2().clocks.scalar))),
+    Quote("docs/tests.md", "one 128x128x512 bf16 matmul = 512 cycles = {} ns", "hardware.TRN2: 512 / TensorE clock",
+          trn2_constant(lambda: 512 / _trn2().clocks.tensor, "{:.1f}")),
 )
 
 

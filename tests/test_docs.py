@@ -135,12 +135,12 @@ def test_headline_targets_are_judged_at_their_end_of_the_range(monkeypatch):
     assert "| not estimated | - |" in lines[2]
 
 
-TIME_FIGURE = re.compile(r"\d[\d,.]*\s?(?:µs|us|ms)\b")
+TIME_FIGURE = re.compile(r"\d[\d,.]*\s?(?:µs|us|ms|ns)\b")
 DERIVED = re.compile(r"<!-- derived: .*?<!-- end derived -->", re.S)  # hand-computed bounds, says how
 
 
 def unchecked_time_figures(page: str) -> list[str]:
-    """Times (µs, us, ms) in ``page`` outside its generated tables, derived-bound regions, code and checked
+    """Times (µs, us, ms, ns) in ``page`` outside its generated tables, derived-bound regions, code and checked
     quotes."""
     text = DERIVED.sub("", docs_tables.REGION.sub("", (ROOT / page).read_text()))
     text = " ".join(CODE.sub("", text).split())
@@ -154,11 +154,13 @@ def unchecked_time_figures(page: str) -> list[str]:
 
 
 @pytest.mark.parametrize("page", ["docs/kernels.md", "docs/kernel-design.md", "docs/benchmarks.md", "docs/tests.md",
-                                  "docs/qwen3.md", "README.md"])
+                                  "docs/qwen3.md", "docs/trainer.md", "docs/overrides.md", "docs/interpreter.md",
+                                  "README.md"])
 def test_cost_figures_are_generated_or_checked_quotes(page):
-    """Every time figure in the kernel pages comes from a benchmark CSV: a generated table or a quote in
-    scripts/docs_tables.py QUOTES (which also carries the range), never typed in by hand; bounds computed
-    by hand from documented constants sit in a ``<!-- derived: how -->`` ... ``<!-- end derived -->`` region."""
+    """Every time figure of these pages comes from a benchmark CSV or the model's constants: a generated table or
+    a quote in scripts/docs_tables.py QUOTES (which also carries the range), never typed in by hand; bounds
+    computed by hand from documented constants sit in a ``<!-- derived: how -->`` ... ``<!-- end derived -->``
+    region."""
     assert unchecked_time_figures(page) == [], (
         f"{page}: time figures not from a CSV; put them in a generated table or a Quote (scripts/docs_tables.py)")
 
@@ -167,9 +169,24 @@ def test_unchecked_time_figure_is_found(tmp_path, monkeypatch):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "kernels.md").write_text("fwd 11.42 ms; `code 3 us`\n<!-- generated: headline -->\n"
                                                   "| 5 us |\n<!-- end generated -->\n<!-- derived: by hand -->\n"
-                                                  "DMA 258.2 µs at HIGH\n<!-- end derived -->\nbwd 1.5 us\n")
+                                                  "DMA 258.2 µs at HIGH\n<!-- end derived -->\nbwd 1.5 us, 295 ns "
+                                                  "fixed; 3 nsteps\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert unchecked_time_figures("docs/kernels.md") == ["11.42 ms", "1.5 us"]
+    assert unchecked_time_figures("docs/kernels.md") == ["11.42 ms", "1.5 us", "295 ns"]
+
+
+def test_cpu_overhead_quotes_follow_their_csv(tmp_path, monkeypatch):
+    """The CPU-overhead quotes: a median, the dispatch difference, and the "all accept" claim, which turns into
+    the refusing ops when a guard row says its kernel refused the shapes."""
+    (tmp_path / "cpu_overhead.csv").write_text(
+        "case,variant,median,served\nguard,rope_hf,15.71,True\nguard,router_topk,9.9,False\n"
+        "dispatch,op,73.85,\ndispatch,direct,47.09,\n")
+    monkeypatch.setattr(docs_tables, "DATA", tmp_path)
+    assert docs_tables.cpu_median("guard", "rope_hf")() == "15.7"
+    assert docs_tables.cpu_difference("dispatch", "op", "direct")() == "27"
+    assert docs_tables.cpu_all_served("all accept")() == "do not all accept these shapes: refused by router_topk"
+    (tmp_path / "cpu_overhead.csv").write_text("case,variant,median,served\nguard,rope_hf,15.71,True\n")
+    assert docs_tables.cpu_all_served("all accept")() == "all accept"
 
 
 def test_stale_quote_is_rewritten_in_place(tmp_path, monkeypatch):
