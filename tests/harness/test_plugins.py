@@ -41,8 +41,11 @@ def test_plugin_from_toml_trains_like_the_reference(tmp_path: Path, tiny_tokeniz
                                                "policy": "strict", "impl": "example"}), tmp_path / "mine.toml")
     assert tomllib.loads(toml.read_text())["overrides"]["plugins"] == ["examples.my_kernels"]
     mine = run(load_config(toml))
-    rows = sorted(tuple(line.split()[1:4]) for line in mine.override_table.splitlines()[2:])
+    rows = sorted(tuple(line.split()[1:4]) for line in mine.override_table.splitlines()[2:4])
     assert rows == [("moe_experts", "example", "swapped"), ("router_topk", "example", "swapped")]
+    assert mine.override_table.splitlines()[4:] == [  # whose code the impl name "example" is
+        "  router_topk[example] runs examples.my_kernels.router_fwd, backward examples.my_kernels.router_bwd",
+        "  moe_experts[example] runs examples.my_kernels.experts_fwd, backward examples.my_kernels.experts_bwd"]
     # every step ran the plugin's forwards and both backward styles (autograd.grad router, vjp experts)
     calls = example_plugin.CALLS
     assert calls["router_bwd"] == steps and calls["experts_bwd"] == steps
@@ -164,3 +167,44 @@ def test_plugin_constraint_function_that_fails_is_exit_2_naming_it(
                     rf"router_topk\[{impl}\] {what}", err), err
     assert "Traceback" not in err
     assert not (dump / "metrics.jsonl").exists()  # stopped before the first step
+
+
+_REPLACING_PLUGIN = """
+import examples.my_kernels as ex
+from trnkit.overrides import register
+
+register("router_topk", "nki", ex.router_fwd, backward=ex.router_bwd, has_backward=True, replace=True)
+"""
+
+
+def test_a_plugin_replacing_a_builtin_impl_is_named_in_the_report_and_the_run_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_tokenizer: str, corpus_dir: Path,
+        example_plugin) -> None:
+    """``register(..., replace=True)`` under the name ``nki``: the report and config.toml name the plugin's code,
+    not only the impl name (the run folder must tell what ran). The example plugin's own impl is named too."""
+    from trnkit.overrides import get_impl, register
+
+    builtin = get_impl("router_topk", "nki")
+    name = _plugin(tmp_path, monkeypatch, "replacing_kernels", _REPLACING_PLUGIN)
+    cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, training={"steps": 1},
+                      overrides={"plugins": [name], "ops": OPS, "policy": "strict",
+                                 "impl": {"router_topk": "nki", "moe_experts": "example"}})
+    try:
+        res = run(cfg)
+    finally:  # trnkit's built-in back, for the rest of the session
+        register("router_topk", "nki", builtin.fn, constraints=builtin.constraints, devices=builtin.devices,
+                 has_backward=True, compile_ok=builtin.compile_ok, backward=builtin.backward,
+                 description=builtin.description, autograd_backward=builtin.autograd_backward, replace=True)
+    assert example_plugin.CALLS["router_fwd"] >= 1  # the plugin's router ran under the name nki
+    replaced = ("router_topk[nki] runs examples.my_kernels.router_fwd, backward examples.my_kernels.router_bwd "
+                "(registered with replace=True in place of trnkit's built-in 'nki')")
+    own = "moe_experts[example] runs examples.my_kernels.experts_fwd, backward examples.my_kernels.experts_bwd"
+    table = res.override_table.splitlines()
+    assert [line.strip() for line in table[-2:]] == [replaced, own], res.override_table
+    recorded = (tmp_path / "run" / "config.toml").read_text()
+    assert recorded.endswith(f"# {replaced}\n# {own}\n"), recorded
+    assert tomllib.loads(recorded)["overrides"]["impl"] == {"router_topk": "nki", "moe_experts": "example"}
+    # trnkit's own impls add no line
+    ref = run(tiny_config(tmp_path / "ref", tiny_tokenizer, corpus_dir, training={"steps": 1},
+                          overrides={"ops": ["router_topk"], "policy": "strict", "impl": "nki"}))
+    assert "runs" not in ref.override_table and "#" not in (tmp_path / "ref" / "config.toml").read_text()

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -48,6 +48,9 @@ from trnkit.harness.rundir import RunLock, archive_previous_run, writable_inside
 from trnkit.harness.validation import Validator
 from trnkit.model_spec import ModelSpec
 from trnkit.qwen3.tp_experts import from_tp_layout, to_tp_layout
+
+if TYPE_CHECKING:
+    from trnkit.overrides import OverrideReport
 
 DEBUG_ENV = "TRNKIT_DEBUG"
 EXPORT_DIR = "hf_export"  # under job.dump_folder
@@ -113,10 +116,11 @@ def override_config(cfg: TrainerConfig, lnc: int = 0) -> Any:
         raise ConfigError(f"config overrides (ops = {list(o.ops)}, impl = {o.impl!r}): {msg}") from e
 
 
-def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp: bool, lnc: int) -> str:
+def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp: bool,
+                     lnc: int) -> OverrideReport | None:
     ocfg = override_config(cfg, lnc)
     if ocfg is None:
-        return ""
+        return None
     if fsdp:
         # The registry's validation dry run (a forward on fake tensors) would trigger FSDP2's
         # unshard hooks and leave fake unsharded root parameters behind. On an already sharded model
@@ -127,10 +131,19 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp
     from trnkit.overrides import apply_overrides
 
     report = apply_overrides(model, ocfg)
-    table = report.table()
-    log("kernel overrides:\n" + table)
+    log("kernel overrides:\n" + report.table())
     _check_every_op_found(ocfg, {row.op for row in report.rows}, cfg.model.spec)
-    return table
+    return report
+
+
+def _code_note(report: OverrideReport | None) -> str:
+    """config.toml's closing comment: the code each impl name that is not trnkit's built-in ran (a plugin's
+    impl, or a plugin's replacement of ``nki`` / ``reference``), so the run folder says what ran."""
+    lines = report.code_lines() if report is not None else []
+    if not lines:
+        return ""
+    return ("\n# kernel code that is not trnkit's built-ins (overrides.impl names, resolved at the start of this "
+            "run):\n" + "".join(f"# {line}\n" for line in lines))
 
 
 def _check_every_op_found(ocfg: Any, found: set[str], spec: str) -> None:
@@ -151,7 +164,7 @@ def _check_every_op_found(ocfg: Any, found: set[str], spec: str) -> None:
 def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log: _Log,
                  lnc: int = 0) -> tuple[Any, str, bool, str]:
     """Build, parallelize, materialise, initialise or load, swap kernels (at ``lnc`` cores per launch, the
-    run's resolved LNC). Returns (model, override table, loaded, what TP sharded).
+    run's resolved LNC). Returns (model, override report (None: none applied), loaded, what TP sharded).
 
     meta build -> TP -> [FSDP2 when each rank initialises only its shards] -> to_empty -> init or load
     -> kernel overrides -> [FSDP2 otherwise]. The overrides come after the weights so their
@@ -204,10 +217,10 @@ def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log
             spec.init_weights(full)
         _load_full(model, spec, full.state_dict(), _expert_tp(cfg, env))
         del full
-    table = _apply_overrides(model, cfg, log, fsdp=fsdp_first, lnc=lnc)
+    report = _apply_overrides(model, cfg, log, fsdp=fsdp_first, lnc=lnc)
     if env.dp > 1 and not fsdp_first:
         fsdp()
-    return model, table, loaded, tp_desc
+    return model, report, loaded, tp_desc
 
 
 def _expert_tp(cfg: TrainerConfig, env: parallel.DistEnv) -> int:
@@ -420,7 +433,7 @@ class Trainer:
                 f"{t.local_batch_size * env.dp} x {t.seq_len} tokens from {source} ({len(val_loader.stream):,} "
                 "tokens, not trained on)")
 
-        model, table, self.loaded, tp_desc = _build_model(spec, cfg, env, log, self.lnc)
+        model, report, self.loaded, tp_desc = _build_model(spec, cfg, env, log, self.lnc)
         self.model = model
         if env.world_size > 1:
             n_dt = sum(hasattr(p, "placements") for p in model.parameters())
@@ -454,14 +467,15 @@ class Trainer:
         if env.rank == 0:  # written once the checkpoint (if any) has been accepted: a refused run changes nothing
             os.makedirs(dump, exist_ok=True)
             with open(os.path.join(dump, "config.toml"), "w") as f:
-                f.write(to_toml(cfg))
+                f.write(to_toml(cfg) + _code_note(report))
             with open(os.path.join(dump, "stack.lock"), "w") as f:
                 f.write(envinfo.lock_text(envinfo.current_stack()))
 
         peak = peak_flops(env.device.type, parallel.device_name(env.device))
         self.metrics = MetricsLogger(dump, cfg.metrics, t.steps, self.start_step, env.rank, fpt, peak, env.device,
                                      non_dp_size=env.tp)
-        self.result = RunResult(start_step=self.start_step, dump_folder=dump, override_table=table)
+        self.result = RunResult(start_step=self.start_step, dump_folder=dump,
+                                override_table=report.table() if report is not None else "")
         self.use_autocast = t.dtype == "bfloat16" and env.dp == 1  # FSDP casts through its MixedPrecisionPolicy
         self.aux_loss = MoEAuxLoss(spec, t.moe_aux_loss_scope, env.dp, env.dp_group)
         self.last_good = resume_from  # (step, path) of the newest committed checkpoint

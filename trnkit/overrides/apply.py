@@ -60,7 +60,7 @@ from trnkit.overrides.guard import BoundKernel, Probe, resolve_dtensor
 from trnkit.overrides.hf import set_hf_attention, unset_hf_attention
 from trnkit.overrides.hf_modules import ModuleAdapter, bind, is_hf, is_rope_attention, module_adapter, \
     rope_attention_forward, unbind
-from trnkit.overrides.registry import REFERENCE, OverrideConstraintError
+from trnkit.overrides.registry import REFERENCE, OverrideConstraintError, foreign_code
 from trnkit.overrides.report import OverrideReport, OverrideRow
 
 __all__ = ["DEFAULT_OPS", "SWAPPABLE_OPS", "OverrideConfig", "apply_overrides", "bind_kernels", "undo_swaps"]
@@ -274,7 +274,8 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
             reason = pt.guard.warn_fallback(reasons)
             report.rows.append(OverrideRow(pt.path, pt.op, ORIGINAL, pt.guard.impl, "fallback", reason))
         else:
-            report.rows.append(OverrideRow(pt.path, pt.op, pt.guard.impl, pt.guard.impl, "swapped"))
+            report.rows.append(OverrideRow(pt.path, pt.op, pt.guard.impl, pt.guard.impl, "swapped",
+                                           code=foreign_code(pt.op, pt.guard.impl)))
     return report
 
 

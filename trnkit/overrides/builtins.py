@@ -24,7 +24,7 @@ from torch import Tensor
 
 from trnkit.kernels.constraints import Violation
 from trnkit.overrides.ops import autograd_enabled
-from trnkit.overrides.registry import REFERENCE, register
+from trnkit.overrides.registry import REFERENCE, mark_builtin, register
 
 __all__ = ["NKI", "register_builtins"]
 
@@ -328,6 +328,10 @@ def _mlp_constraints(x: Tensor, w_gate_up: Tensor, w_down: Tensor, **_: Any) -> 
     return _attr("mlp", "mlp_constraints")(x, w_gate_up, w_down)
 
 
+def _builtin(op: str, name: str, fn: Callable[..., Any], **kwargs: Any) -> None:
+    mark_builtin(register(op, name, fn, **kwargs))
+
+
 def register_builtins() -> None:
     """Register ``reference`` and ``nki`` for every op (idempotent)."""
     for name in ("rope", "router", "moe", "rmsnorm", "cross_entropy", "attention", "mlp"):
@@ -340,26 +344,26 @@ def register_builtins() -> None:
            "description": "torch reference (trnkit.kernels *_ref)"}
     nki = {"has_backward": True, "compile_ok": True, "autograd_backward": False, "devices": NKI_DEVICES,
            "description": "NKI kernel (interpreter on CPU, real NKI on neuron)"}
-    register("rope_hf", REFERENCE, _ROPE_REF, **ref)
-    register("rope_hf", NKI, _ROPE_NKI, constraints=_rope_constraints, **nki)
-    register("router_topk", REFERENCE, _router_ref, backward=_router_ref_bwd, **ref)
-    register("router_topk", NKI, _router_nki, backward=_router_nki_bwd, constraints=_router_constraints, **nki)
-    register("grouped_mm", REFERENCE, _gmm_ref, backward=_gmm_ref_bwd, constraints=_gmm_constraints, **ref)
-    register("grouped_mm", NKI, _gmm_nki, backward=_gmm_nki_bwd, constraints=_gmm_constraints, **nki)
-    register("moe_experts", REFERENCE, _moe_ref, backward=_moe_ref_bwd, constraints=_moe_constraints, **ref)
-    register("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_constraints, **nki)
-    register("rmsnorm", REFERENCE, _rmsnorm_ref, backward=_rmsnorm_ref_bwd, **ref)
-    register("rmsnorm", NKI, _rmsnorm_nki, backward=_rmsnorm_nki_bwd, constraints=_rmsnorm_constraints, **nki)
-    register("rmsnorm_qk", REFERENCE, _rmsnorm_qk_ref, backward=_rmsnorm_qk_ref_bwd, **ref)
-    register("rmsnorm_qk", NKI, _rmsnorm_qk_nki, backward=_rmsnorm_qk_nki_bwd, constraints=_rmsnorm_qk_constraints,
+    _builtin("rope_hf", REFERENCE, _ROPE_REF, **ref)
+    _builtin("rope_hf", NKI, _ROPE_NKI, constraints=_rope_constraints, **nki)
+    _builtin("router_topk", REFERENCE, _router_ref, backward=_router_ref_bwd, **ref)
+    _builtin("router_topk", NKI, _router_nki, backward=_router_nki_bwd, constraints=_router_constraints, **nki)
+    _builtin("grouped_mm", REFERENCE, _gmm_ref, backward=_gmm_ref_bwd, constraints=_gmm_constraints, **ref)
+    _builtin("grouped_mm", NKI, _gmm_nki, backward=_gmm_nki_bwd, constraints=_gmm_constraints, **nki)
+    _builtin("moe_experts", REFERENCE, _moe_ref, backward=_moe_ref_bwd, constraints=_moe_constraints, **ref)
+    _builtin("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_constraints, **nki)
+    _builtin("rmsnorm", REFERENCE, _rmsnorm_ref, backward=_rmsnorm_ref_bwd, **ref)
+    _builtin("rmsnorm", NKI, _rmsnorm_nki, backward=_rmsnorm_nki_bwd, constraints=_rmsnorm_constraints, **nki)
+    _builtin("rmsnorm_qk", REFERENCE, _rmsnorm_qk_ref, backward=_rmsnorm_qk_ref_bwd, **ref)
+    _builtin("rmsnorm_qk", NKI, _rmsnorm_qk_nki, backward=_rmsnorm_qk_nki_bwd, constraints=_rmsnorm_qk_constraints,
              **nki)
-    register("linear_cross_entropy", REFERENCE, _lce_ref, backward=_lce_ref_bwd, **ref)
-    register("linear_cross_entropy", NKI, _lce_nki, backward=_lce_nki_bwd, constraints=_lce_constraints, **nki)
-    register("attention", REFERENCE, _attention_ref, backward=_attention_ref_bwd, **ref)
-    register("attention", NKI, _attention_nki, backward=_attention_nki_bwd, constraints=_attention_constraints,
+    _builtin("linear_cross_entropy", REFERENCE, _lce_ref, backward=_lce_ref_bwd, **ref)
+    _builtin("linear_cross_entropy", NKI, _lce_nki, backward=_lce_nki_bwd, constraints=_lce_constraints, **nki)
+    _builtin("attention", REFERENCE, _attention_ref, backward=_attention_ref_bwd, **ref)
+    _builtin("attention", NKI, _attention_nki, backward=_attention_nki_bwd, constraints=_attention_constraints,
              **nki)
-    register("mlp", REFERENCE, _mlp_ref, backward=_mlp_ref_bwd, **ref)
-    register("mlp", NKI, _mlp_nki, backward=_mlp_nki_bwd, constraints=_mlp_constraints, **nki)
+    _builtin("mlp", REFERENCE, _mlp_ref, backward=_mlp_ref_bwd, **ref)
+    _builtin("mlp", NKI, _mlp_nki, backward=_mlp_nki_bwd, constraints=_mlp_constraints, **nki)
 
 
 _ROPE_REF = _rope(ref=True)

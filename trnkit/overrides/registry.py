@@ -74,6 +74,7 @@ __all__ = [
     "list_impls",
     "register",
     "reset_warnings",
+    "foreign_code",
     "select",
     "unregister",
     "warn_once",
@@ -176,6 +177,7 @@ class Selection:
 
 
 _REGISTRY: dict[str, dict[str, ImplEntry]] = {op: {} for op in OPS}
+_BUILTIN: dict[tuple[str, str], ImplEntry] = {}  # trnkit's own entries, as trnkit.overrides.builtins registered them
 _LOCK = threading.Lock()
 _WARNED: set[tuple[str, ...]] = set()
 
@@ -233,6 +235,27 @@ def register(op_name: str, impl_name: str, fn: Callable[..., Any] | None = None,
                 f"(pick another impl name, or pass replace=True)")
         _REGISTRY[op_name][impl_name] = entry
     return entry
+
+
+def mark_builtin(entry: ImplEntry) -> None:
+    """Record ``entry`` as trnkit's own (``trnkit.overrides.builtins``), for :func:`foreign_code`."""
+    _BUILTIN[(entry.op, entry.name)] = entry
+
+
+def foreign_code(op_name: str, impl_name: str) -> str:
+    """Whose code ``impl_name`` of ``op_name`` runs when it is not trnkit's built-in: its function's
+    ``module.qualname`` (and its backward's), noting a built-in name that a registration with ``replace=True``
+    took over; "" for trnkit's own impls."""
+    entry = get_impl(op_name, impl_name)
+    builtin = _BUILTIN.get((op_name, impl_name))
+    if builtin is not None and builtin == entry:
+        return ""
+    code = _qualname(entry.fn)
+    if entry.backward is not None:
+        code += f", backward {_qualname(entry.backward)}"
+    if builtin is not None:
+        code += f" (registered with replace=True in place of trnkit's built-in {impl_name!r})"
+    return code
 
 
 def unregister(op_name: str, impl_name: str) -> None:

@@ -16,6 +16,7 @@ class OverrideRow:
     requested: str
     status: str  # "swapped" | "fallback" | "off"
     reason: str = ""
+    code: str = ""  # whose code ``impl`` is when it is not trnkit's built-in (registry.foreign_code)
 
 
 @dataclass
@@ -35,7 +36,13 @@ class OverrideReport:
         for row in (header, *body):
             cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
             lines.append("  ".join((*cells, row[-1])).rstrip())
+        lines.extend(f"  {line}" for line in self.code_lines())
         return "\n".join(lines)
+
+    def code_lines(self) -> list[str]:
+        """One line per impl that runs code other than trnkit's built-ins, naming that code."""
+        seen = dict.fromkeys((r.op, r.impl, r.code) for r in self.rows if r.code)
+        return [f"{op}[{impl}] runs {code}" for op, impl, code in seen]
 
     def summary(self) -> str:
         counts = Counter(r.status for r in self.rows)
