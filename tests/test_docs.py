@@ -673,8 +673,8 @@ def _entry_point_problem(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> st
             run()
     except _Parsed:
         return None
-    except SystemExit as e:
-        return f"exit {e.code}: {err.getvalue().strip()[-500:]}"
+    except SystemExit as e:  # a parser that parses only what it knows (parse_known_args) may run to the end
+        return None if e.code in (0, None) else f"exit {e.code}: {err.getvalue().strip()[-500:]}"
     return "returned without parsing arguments with argparse: this check cannot tell what it accepts"
 
 
@@ -710,6 +710,42 @@ def test_command_finder_sees_every_bash_command():
     torchrun = next(w for _, _, w in COMMANDS if w[0] == "torchrun")  # a command continued over two lines
     assert torchrun[-2:] == ["--training.local_batch_size", "1"]
     assert not any("#" in w for _, _, w in COMMANDS for w in w)  # comments dropped
+
+
+# Commands written inline in a sentence (`python -m ...` in backticks) are checked the same way, except a span
+# that shows usage rather than a command (a placeholder: <config>, KERNEL, ..., [--option]) and a span that names
+# a program in a sentence rather than giving a command to run (INLINE_NAMES).
+INLINE_COMMAND = re.compile(r"`((?:python|torchrun|bash scripts/run\.sh) [^`\n]*)`")
+USAGE = re.compile(r"<|\.\.\.|\[|\b[A-Z]{2,}\b")
+INLINE_NAMES = {"python -m trnkit", "python -m trnkit.bench step", "python -m trnkit.bench calibrate",
+                "python -m trnkit.harness.plot", "torchrun --nproc_per_node 2"}
+
+
+def inline_commands(path: Path) -> list[str]:
+    """The inline commands of a page that run as written (outside fenced blocks), a trailing ``> file``
+    dropped."""
+    text = FENCED.sub("", path.read_text())
+    spans = [m.group(1) for m in INLINE_COMMAND.finditer(text)]
+    return [re.sub(r"\s*>\s*\S+$", "", s) for s in spans if s not in INLINE_NAMES and not USAGE.search(s)]
+
+
+INLINE = [(p, c) for p in DOC_FILES for c in inline_commands(p)]
+
+
+@pytest.mark.parametrize("path, command", INLINE, ids=[f"{p.relative_to(ROOT).as_posix()}:{c}" for p, c in INLINE])
+def test_inline_commands_parse_as_written(path: Path, command: str, monkeypatch: pytest.MonkeyPatch):
+    import shlex
+
+    monkeypatch.chdir(ROOT)
+    problem = command_problem(shlex.split(command), monkeypatch)
+    assert problem is None, f"{path.relative_to(ROOT)}: `{command}`: {problem}"
+
+
+def test_inline_command_finder():
+    readme = inline_commands(ROOT / "README.md")
+    assert "python -m trnkit env --lock" in readme  # `... > stack.lock` without its redirect
+    assert "python -m trnkit.harness.train --config <config>" not in readme  # usage, not a command
+    assert len(INLINE) >= 50
 
 
 @pytest.mark.parametrize("command, problem", [
