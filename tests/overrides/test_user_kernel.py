@@ -117,3 +117,73 @@ def test_a_user_impl_returning_other_shapes_is_named(op: str, extra: str) -> Non
             calls[op]()
     finally:
         unregister(op, "badshape")
+
+
+def test_a_user_backward_returning_a_broadcastable_shape_is_named_not_summed() -> None:
+    """A router backward returning grad_x of shape [2, T, H] for x [T, H]: autograd would sum it over the extra
+    dimension without a word (a gradient twice too large); the op names the impl, the output and both shapes."""
+    from trnkit.overrides import get_impl, ops
+
+    ref = get_impl("router_topk", "reference")
+
+    def doubled_bwd(x, w, logits, idx, g_w, g_logits, norm_topk_prob):
+        gx, gw = ref.backward(x, w, logits, idx, g_w, g_logits, norm_topk_prob)
+        return gx.expand(2, *gx.shape), gw
+
+    register("router_topk", "badbwd", ref.fn, backward=doubled_bwd, has_backward=True)
+    x, w = torch.randn(5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    try:
+        weights, _, logits = ops.router_topk(x, w, 2, True, "badbwd")
+        with pytest.raises(ops.ImplOutputError, match=r"^trnkit::router_topk_bwd: impl 'badbwd' returned grad_x of "
+                                                      r"shape \[2, 5, 8\], the op declares \[5, 8\] for these inputs"):
+            (weights.sum() + logits.sum()).backward()
+    finally:
+        unregister("router_topk", "badbwd")
+
+
+@pytest.mark.parametrize("op, bwd, extra", [
+    ("grouped_mm", lambda x, w, offs, g: (torch.zeros_like(x), torch.zeros(w.shape[0], w.shape[1], 1)),
+     r"returned grad_w of shape \[2, 8, 1\], the op declares \[2, 8, 3\]"),
+    ("grouped_mm", lambda x, w, offs, g: (torch.zeros_like(x),),
+     r"returned 1 output\(s\), the op declares 2 \(grad_x, grad_w\)"),
+    ("grouped_mm", lambda x, w, offs, g: (torch.zeros_like(x), None),
+     r"returned grad_w None, the op declares a tensor of shape \[2, 8, 3\]"),
+    ("rmsnorm", lambda x, w, rstd, g, eps=1e-6: (torch.zeros_like(x), torch.zeros(1)),
+     r"returned grad_weight of shape \[1\], the op declares \[8\]"),
+    ("mlp", lambda x, wgu, wd, g: (torch.zeros_like(x), torch.zeros_like(wgu), torch.zeros_like(wd).T),
+     r"returned grad_w_down of shape \[8, 3\], the op declares \[3, 8\]"),
+])
+def test_a_user_backward_returning_other_shapes_is_named(op: str, bwd, extra: str) -> None:
+    from trnkit.overrides import get_impl, ops
+
+    register(op, "badbwd", get_impl(op, "reference").fn, backward=bwd, has_backward=True)
+    calls = {"grouped_mm": lambda: ops.grouped_mm_bwd(torch.randn(6, 8), torch.randn(2, 8, 3),
+                                                      torch.tensor([3, 6], dtype=torch.int32), torch.randn(6, 3),
+                                                      "badbwd"),
+             "rmsnorm": lambda: ops.rmsnorm_bwd(torch.randn(5, 8), torch.randn(8), torch.rand(5), torch.randn(5, 8),
+                                                impl="badbwd"),
+             "mlp": lambda: ops.mlp_bwd(torch.randn(5, 8), torch.randn(8, 6), torch.randn(3, 8), torch.randn(5, 8),
+                                        "badbwd")}
+    try:
+        with pytest.raises(ops.ImplOutputError, match=rf"^trnkit::{op}_bwd: impl 'badbwd' {extra}"):
+            calls[op]()
+    finally:
+        unregister(op, "badbwd")
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_user_rope_returning_other_shapes_is_named(backward: bool) -> None:
+    """rope_hf's backward is its forward with backward=True: both directions check the returned q and k."""
+    from trnkit.overrides import ops
+
+    def short_rope(q, k, q_out, k_out, **_):
+        return q[..., :-1], k
+
+    register("rope_hf", "badshape", short_rope, has_backward=True)
+    q, k, cos, sin = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8), torch.randn(4, 8), torch.randn(4, 8)
+    try:
+        with pytest.raises(ops.ImplOutputError, match=r"^trnkit::rope_hf: impl 'badshape' returned q_out of shape "
+                                                      r"\[1, 2, 4, 7\], the op declares \[1, 2, 4, 8\]"):
+            ops.rope_hf_apply(q, k, cos, sin, layout="bhsd", backward=backward, impl="badshape")
+    finally:
+        unregister("rope_hf", "badshape")

@@ -52,7 +52,8 @@ cores; 0 = the device default, :func:`trnkit.kernels.lnc.default_lnc`); it reach
 Impls receive contiguous tensors. Outputs are normalised to the declared dtypes, so a user impl that
 returns e.g. int64 indices still matches the fake (meta) implementation; an output of another shape than
 declared is an :class:`ImplOutputError` (naming op, impl, output and both shapes), or where the op reshapes
-it, torch's reshape error.
+it, torch's reshape error. A backward's outputs are checked the same way: one tensor per differentiable
+input, of that input's shape (``_checked_grads``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ _PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0,
                                         "rmsnorm": (0, 1), "rmsnorm_qk": (0, 1, 2, 3), "linear_cross_entropy": (0, 1),
                                         "attention": (0, 1, 2), "mlp": (0, 1, 2)}
 _PRIMAL_KWARGS = ("b_gate_up", "b_down")  # differentiable keyword arguments (the experts' biases)
+# The backward's outputs, one per differentiable input of _PRIMALS (then of the _PRIMAL_KWARGS passed), its shape.
+_GRADS: dict[str, tuple[str, ...]] = {"router_topk": ("grad_x", "grad_w_router"), "grouped_mm": ("grad_x", "grad_w"),
+                                      "moe_experts": ("grad_x", "grad_topk_weights", "grad_w_gate_up", "grad_w_down"),
+                                      "rmsnorm": ("grad_x", "grad_weight"),
+                                      "rmsnorm_qk": ("grad_q", "grad_k", "grad_weight_q", "grad_weight_k"),
+                                      "linear_cross_entropy": ("grad_hidden", "grad_weight"),
+                                      "attention": ("grad_q", "grad_k", "grad_v"),
+                                      "mlp": ("grad_x", "grad_w_gate_up", "grad_w_down")}
 _AUTOGRAD_KEYS = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
                   torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView)
 
@@ -150,14 +159,35 @@ def _run_backward(op: str, impl: str, *args: Any, lnc: int = 0, **kwargs: Any) -
         raise RuntimeError(f"trnkit::{op}: impl {impl!r} has no backward (has_backward=False)")
     kwargs.update(_lnc_kw(entry.backward, lnc))
     if not entry.autograd_backward:
-        return tuple(entry.backward(*args, **kwargs))
+        return _checked_grads(op, impl, tuple(entry.backward(*args, **kwargs)), args, kwargs)
     leaves = [a.detach().requires_grad_() if i in _PRIMALS[op] and a.is_floating_point() else a
               for i, a in enumerate(args)]
     kwargs = {k: v.detach().requires_grad_() if k in _PRIMAL_KWARGS and isinstance(v, Tensor) else v
               for k, v in kwargs.items()}
     with autograd_enabled():
-        grads = entry.backward(*leaves, **kwargs)
+        grads = _checked_grads(op, impl, tuple(entry.backward(*leaves, **kwargs)), leaves, kwargs)
     return tuple(g.detach() for g in grads)
+
+
+def _checked_grads(op: str, impl: str, grads: tuple[Any, ...], args: Any, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """An impl's backward outputs, checked: one tensor per differentiable input, of that input's shape (autograd
+    would sum a broadcastable gradient over its extra dimensions without a word). With an expert bias given, both
+    bias gradients follow (anything, e.g. None, for the absent one)."""
+    biases = [kwargs.get(k) for k in _PRIMAL_KWARGS] if any(isinstance(kwargs.get(k), Tensor)
+                                                            for k in _PRIMAL_KWARGS) else []
+    names = _GRADS[op] + tuple(f"grad_{k}" for k in _PRIMAL_KWARGS[:len(biases)])
+    want = [tuple(args[i].shape) for i in _PRIMALS[op]] + [None if b is None else tuple(b.shape) for b in biases]
+    if len(grads) != len(names):
+        raise ImplOutputError(f"trnkit::{op}_bwd: impl {impl!r} returned {len(grads)} output(s), the op declares "
+                              f"{len(names)} ({', '.join(names)})")
+    for name, g, w in zip(names, grads, want, strict=True):
+        if w is None:
+            continue
+        if not isinstance(g, Tensor):
+            raise ImplOutputError(f"trnkit::{op}_bwd: impl {impl!r} returned {name} {g!r:.60}, the op declares a "
+                                  f"tensor of shape {list(w)} (trnkit.overrides.registry: call conventions)")
+        _check_shapes(f"{op}_bwd", impl, (g,), (w,), (name,))
+    return grads
 
 
 def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None,
@@ -175,11 +205,9 @@ def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos
                        rope_cache=_c(rope_cache), backward=backward, layout=layout)
     # An impl may allocate and return its own outputs instead of writing the given ones.
     results = (qo, ko) if res is None else tuple(r.detach() if r.requires_grad else r for r in res)
-    for dst, got in zip((q_out, k_out), results, strict=True):
+    for name, dst, got in zip(("q_out", "k_out"), (q_out, k_out), results, strict=True):
         if got is not dst:
-            if got.shape != dst.shape:
-                raise RuntimeError(f"trnkit::rope_hf: impl {impl!r} returned shape {tuple(got.shape)}, "
-                                   f"expected {tuple(dst.shape)}")
+            _check_shapes("rope_hf", impl, (got,), (tuple(dst.shape),), (name,))
             dst.copy_(got)
 
 
