@@ -65,6 +65,18 @@ def test_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir
 
 
 @pytest.mark.slow
+def test_fsdp_with_activation_checkpointing_matches_one_process(tmp_path: Path, tiny_tokenizer: str,
+                                                                corpus_dir: Path, single: dict[int, float]) -> None:
+    """FSDP2 units over checkpointed blocks: the recompute in the backward runs on the unsharded parameters."""
+    two = _run(tmp_path, "two", tiny_tokenizer, corpus_dir, 2, expect_log="activation checkpointing: full, 2 blocks",
+               training={"local_batch_size": 1, "activation_checkpointing": "full"},
+               parallelism={"data_parallel_shard_degree": 2})
+    assert sorted(two) == list(range(1, STEPS + 1))
+    for s in two:
+        assert two[s] == pytest.approx(single[s], rel=1e-5, abs=1e-5), (s, two, single)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("par", [{"data_parallel_shard_degree": 2}, {"tensor_parallel_degree": 2}],
                          ids=["fsdp", "tp"])
 def test_hf_backend_two_processes_match_one(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,

@@ -64,7 +64,7 @@ def test_the_plan_reads_the_model_through_its_spec() -> None:
 
 
 def test_fsdp_and_tp_shard_what_they_shard():
-    cfg = load_config(resolve_config("qwen3_30b_a3b"))
+    cfg = load_config(resolve_config("qwen3_30b_a3b"), ["--training.activation_checkpointing", "none"])
     mc = model_registry("30B-A3B").config
     one = _terms(plan(cfg, 1, "trn2"))
     cfg.parallelism.data_parallel_shard_degree = 8

@@ -102,6 +102,10 @@ class TrainingConfig:
     # holds fp32 gradients until the backward and passes up to 1,024 x vocab exponentials through an HBM
     # scratch). Other models and runs without that kernel accept only "recompute".
     loss_schedule: Literal["recompute", "fused"] = "recompute"
+    # "full": each transformer block keeps only its input for the backward and runs its forward again there
+    # (torch.utils.checkpoint, non-reentrant, per block: torchtitan's "full" mode); about one more forward of
+    # compute per step for a fraction of the activation memory (python -m trnkit.harness.plan shows both).
+    activation_checkpointing: Literal["none", "full"] = "none"
 
 
 @dataclass
@@ -262,7 +266,7 @@ def _from_cli(key: str, tp: Any, value: str) -> Any:
     starting with ``{``)."""
     union = typing.get_origin(tp) in (typing.Union, types.UnionType)
     members = [a for a in (typing.get_args(tp) if union else (tp,)) if a is not type(None)]
-    if len(members) < len(typing.get_args(tp)) and value.lower() in ("none", "null"):  # an optional field
+    if union and len(members) < len(typing.get_args(tp)) and value.lower() in ("none", "null"):  # an optional field
         return None
     kinds = {typing.get_origin(m) for m in members}
     try:

@@ -138,15 +138,17 @@ def loss_form(spec: ModelSpec) -> LossForm:
 
 
 def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None = None,
-         activation_checkpointing: str = "none", spec: ModelSpec | None = None) -> MemoryPlan:
+         activation_checkpointing: str | None = None, spec: ModelSpec | None = None) -> MemoryPlan:
     """The per-rank memory plan of ``cfg`` (a TrainerConfig) on ``world_size`` ranks of ``device``, for the
     model of ``spec`` (default: ``cfg.model``'s, built by ``harness.models.build_spec``).
-    ``activation_checkpointing="full"`` is a what-if (per-block recompute; the trainer does not do it)."""
+    ``activation_checkpointing`` ("none" or "full": per-block recompute) defaults to the config's
+    ``training.activation_checkpointing``."""
     dp, tp = resolve_parallel_degrees(cfg.parallelism, world_size)
     spec = spec if spec is not None else build_spec(cfg)
     mc = planned_config(spec)
     form = loss_form(spec)
     t = cfg.training
+    activation_checkpointing = activation_checkpointing or t.activation_checkpointing
     if capacity is None:
         capacity = DEVICE_MEMORY.get(device)
     bf16 = t.dtype == "bfloat16"
@@ -217,10 +219,10 @@ def plan(cfg: Any, world_size: int, device: str = "trn2", capacity: int | None =
     dispatch = tokens * dispatch_tok
     if activation_checkpointing == "none":
         act, n_dispatch = tokens * sum(layer_tok), n_moe
-        how = "no activation checkpointing (the trainer's only mode): every layer's are kept"
+        how = "no activation checkpointing: every layer's are kept"
     else:  # full, per block: each block's input is kept, one block's activations are recomputed at a time
         act, n_dispatch = tokens * (mc.n_layers * r * d + max(layer_tok)), min(n_moe, 1)
-        how = "what-if: full activation checkpointing per block (the trainer has none)"
+        how = "full activation checkpointing: each block's input, one block's recomputed at a time"
     terms.append(Term("activations", int(act), f"saved for the backward: {t.local_batch_size} x {t.seq_len} "
                       f"tokens, {mc.n_layers} layers, {'bf16' if bf16 else 'fp32'}; {how}", (FORWARD,)))
     if n_moe:
@@ -332,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks (default: the config's degrees, or the whole --instance)")
     parser.add_argument("--instance", choices=sorted(INSTANCE_RANKS), help="world size of one instance")
     parser.add_argument("--layouts", help="one row per FSDP x TP layout, e.g. 64x1,32x2,16x4,8x8")
-    parser.add_argument("--activation-checkpointing", choices=("none", "full"), default="none",
-                        help="none: what the trainer does; full: what-if per-block activation checkpointing")
+    parser.add_argument("--activation-checkpointing", choices=("none", "full"), default=None,
+                        help="training.activation_checkpointing for this plan (default: the config's)")
     parser.add_argument("--json", action="store_true")
     args, rest = parser.parse_known_args(argv)
     try:

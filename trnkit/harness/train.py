@@ -440,6 +440,10 @@ class Trainer:
             log(f"parallelized: {n_dt} of {len(list(model.parameters()))} parameters are DTensors "
                 f"(tp {env.tp}: {tp_desc}; "
                 f"fsdp {env.dp}: {'per block + root' if env.dp > 1 else 'off'})")
+        if t.activation_checkpointing == "full":
+            parallel.apply_activation_checkpointing(spec.blocks(model))
+            log(f"activation checkpointing: full, {len(spec.blocks(model))} blocks (each keeps its input and "
+                "recomputes its forward in the backward)")
         if cfg.compile.enable:
             for block in spec.blocks(model):
                 block.compile(backend=cfg.compile.backend)
