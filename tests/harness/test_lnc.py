@@ -53,9 +53,9 @@ def _spy_experts_lnc(monkeypatch: pytest.MonkeyPatch) -> list[object]:
 
 
 @pytest.mark.parametrize("configured, env, expected, source", [
-    (0, "2", 2, "from environment variable TRNKIT_LNC (overrides.lnc = 0)"),
-    (0, None, 1, "from detected device: the NKI interpreter"),
-    (1, "2", 1, "from overrides.lnc"),
+    (0, "2", 2, "per launch, from environment variable TRNKIT_LNC (overrides.lnc = 0)"),
+    (0, None, 1, "per launch, from detected device: the NKI interpreter"),
+    (1, "2", 1, "per launch, from overrides.lnc"),
 ])
 def test_the_trainer_passes_the_resolved_lnc_to_the_kernels(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                                              monkeypatch: pytest.MonkeyPatch,
@@ -73,6 +73,8 @@ def test_the_trainer_passes_the_resolved_lnc_to_the_kernels(tmp_path: Path, tiny
     assert seen and set(seen) == {expected}, seen  # validation dry run and the training step alike
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels: lnc")]
     assert len(lines) == 1 and lines[0].startswith(f"kernels: lnc {expected} physical core") and source in lines[0]
+    depth = [lines[0][:i].count("(") - lines[0][:i].count(")") for i in range(len(lines[0]) + 1)]
+    assert max(depth) <= 1 and depth[-1] == 0, lines[0]  # no parentheses inside parentheses
     assert f"\nlnc = {configured}\n" in (tmp_path / "config.toml").read_text()  # the config as the user wrote it
 
 

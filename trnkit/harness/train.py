@@ -421,7 +421,7 @@ class Trainer:
         log(f"job {cfg.job.name}: world {env.world_size} (dp_shard {env.dp} x tp {env.tp}) on {env.device.type}"
             f"{' + gloo' if env.device.type == 'cpu' else ''}; dump folder {dump}")
         if self.lnc:
-            log(f"kernels: lnc {self.lnc} physical core{'s' if self.lnc > 1 else ''} per launch (from {lnc_source})")
+            log(f"kernels: lnc {self.lnc} physical core{'s' if self.lnc > 1 else ''} per launch, from {lnc_source}")
         log(f"data: {cfg.data.dataset} -> {len(self.loader.stream):,} tokens ({self.loader.num_samples:,} samples "
             f"of {t.seq_len}) with tokenizer {tok.path} (vocab {tok.vocab_size:,})")
         self.validator = None
