@@ -8,12 +8,13 @@ and ``python -m trnkit.bench figures --stale`` knows when a cost-model change ma
 
 Traces (trace-only interpreter runs):
 
-* ``rope_fwd``, ``router_fwd``, ``moe_fwd``: the headline cases (``benchmarks/headline.py``); the fixed-shift
+* ``rope_fwd``, ``router_fwd``, ``router_bwd``, ``moe_fwd``: the headline cases (``benchmarks/headline.py``);
+  ``python -m trnkit demo``'s tiled matmul; the fixed-shift
   attention forward (``attention_peak.py``'s inputs at S = 4,096, 8 / 2 heads, LNC=1); Qwen3-0.6B's q head norm
   (``trnkit.bench``'s ``q-norm flavor`` case: 2,048 tokens x 16 heads, LNC=2); the one-pass cross-entropy
   (``linear_cross_entropy_fwd_bwd`` at N = 1,024, Qwen3-4B's H, V = 8,192, LNC=2). Each estimated as the
   headline does (inside a larger graph, no launch) at ``cost_params.MID`` and ``HIGH``; rope and router also
-  with ``psum_banks`` ``"rotate"`` and ``"lowest"``;
+  with ``psum_banks`` ``"rotate"`` and ``"lowest"``, and ``DIDT_TRACES`` at MID with ``didt_throttle`` on;
 * ``kernel_opt v2`` - ``v5``: the calibration's points (``benchmarks/calibration/run.py`` ``kernel_call``, the
   published fp32 [8192, 4096] x [8192, 8192]), in the standalone HBM condition without the start-up (the
   calibration's kernel-only figure), at MID, and at MID with one parameter changed (``WHATIFS``); at MID
@@ -61,6 +62,8 @@ PSUM_RULES = ("rotate", "lowest")
 WHATIFS = {"dma_queues=1": {"dma_queues": 1}, "hoist_bounded_by_sbuf=True": {"hoist_bounded_by_sbuf": True},
            "didt_throttle=True": {"didt_throttle": True}, "psum_banks=rotate": {"psum_banks": "rotate"},
            "psum_banks=lowest": {"psum_banks": "lowest"}}
+# the traces whose total with TensorE's dI/dt throttle on (at mid) docs/cost-model.md quotes ("Ranges")
+DIDT_TRACES = ("demo_matmul", "rope_fwd", "router_fwd", "router_bwd")
 GAP_NS = 1e-3  # a TensorE wait shorter than this (float noise between back-to-back matmuls) is none
 LONG_GAP_NS = 1500.0  # the dI/dt throttle's reach: a gap of 1.5 us or more (docs/cost-model.md)
 
@@ -92,6 +95,15 @@ def _q_norm_0_6b() -> Callable[[], object]:
     return cases._rmsnorm_build(2048 * 16, 128, False, torch.bfloat16, 2)().nki
 
 
+def _demo_matmul() -> Callable[[], object]:
+    """``python -m trnkit demo``'s tiled matmul: [256x512] @ [512x1024] bf16 (lhsT [512, 256], rhs [512, 1024])."""
+    from trnkit.demo import matmul_tiled
+
+    g = torch.Generator().manual_seed(0)
+    lhsT, rhs = torch.randn(512, 256, generator=g).bfloat16(), torch.randn(512, 1024, generator=g).bfloat16()
+    return lambda: matmul_tiled(lhsT, rhs)
+
+
 def _lce_fused() -> Callable[[], object]:
     """The one-pass cross-entropy at N = 1,024, Qwen3-4B's H (2,560), V = 8,192, bf16, LNC=2."""
     from trnkit.kernels.cross_entropy import linear_cross_entropy_fwd_bwd
@@ -106,7 +118,9 @@ def _lce_fused() -> Callable[[], object]:
 # name -> (the kernel call's builder, its sources (trnkit.bench.fingerprint), PSUM bank rules estimated too)
 TRACES: dict[str, tuple[Callable[[], Callable[[], object]], tuple[str, ...], tuple[str, ...]]] = {
     **{name: (headline.CASES[name].build, headline.CASES[name].sources, rules)
-       for name, rules in (("rope_fwd", PSUM_RULES), ("router_fwd", PSUM_RULES), ("moe_fwd", ()))},
+       for name, rules in (("rope_fwd", PSUM_RULES), ("router_fwd", PSUM_RULES), ("moe_fwd", ()),
+                           ("router_bwd", ()))},
+    "demo_matmul": (_demo_matmul, ("trnkit/demo.py",), ()),
     "attention_fixed_shift_fwd": (_attention_fixed_shift, ("trnkit/kernels/attention",), ()),
     "rmsnorm_q_norm_0.6B_fwd": (_q_norm_0_6b, ("trnkit/kernels/rmsnorm",), ()),
     "cross_entropy_fused_fwd": (_lce_fused, ("trnkit/kernels/cross_entropy",), ()),
@@ -137,6 +151,9 @@ def launch_rows(name: str) -> Iterator[tuple[str, str, float]]:
         for rule in rules:
             rep = cost.estimate(tr, "trn2", params=replace(base, psum_banks=rule))
             yield f"{setting} psum_banks={rule}", "total_us", rep.total_ns / 1e3
+    if name in DIDT_TRACES:
+        rep = cost.estimate(tr, "trn2", params=replace(cost_params.MID, didt_throttle=True))
+        yield "mid didt_throttle=True", "total_us", rep.total_ns / 1e3
 
 
 def tensor_waits(tr: trace.Trace, device: str, launch: cost_params.LaunchParams) -> Iterator[Row]:

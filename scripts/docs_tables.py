@@ -1433,6 +1433,19 @@ def derived_diff(trace: str, before: str, after: str, quantity: str, fmt: str) -
     return lambda: fmt.format(derived(trace, after, quantity) - derived(trace, before, quantity))
 
 
+DIDT_ON = "mid didt_throttle=True"  # derived_figures.csv: the total with TensorE's dI/dt throttle on
+
+
+def didt_change(trace: str) -> Callable[[], str]:
+    """How far (%) TensorE's dI/dt throttle moves ``trace``'s total at mid (derived_figures.csv)."""
+    return derived_change((trace, "mid"), (trace, DIDT_ON), fmt="{:+.1f}")
+
+
+def didt_totals(trace: str) -> tuple[Callable[[], str], Callable[[], str]]:
+    """``trace``'s total at mid without and with TensorE's dI/dt throttle (us, derived_figures.csv)."""
+    return tuple(derived_cell(trace, setting, "total_us", "{:.2f}") for setting in ("mid", DIDT_ON))
+
+
 def _hoist_moves_v4() -> Callable[[], str]:
     """How far (us) ``hoist_bounded_by_sbuf`` moves kernel_opt v4's total at mid."""
     return derived_diff("kernel_opt v4", "mid", "mid hoist_bounded_by_sbuf=True", "total_us", "{:.0f}")
@@ -1468,10 +1481,45 @@ def trn2_constant(value: Callable[[], float], fmt: str = "{:.0f}") -> Callable[[
     return lambda: fmt.format(value())
 
 
-def _trn2() -> object:
+def _chip(name: str = "trn2") -> object:
     from trnkit.nkisim import hardware
 
-    return hardware.TRN2
+    return hardware.get_chip(name)
+
+
+def _trn2() -> object:
+    return _chip("trn2")
+
+
+def model_param(name: str, fmt: str = "{:,.0f}", scale: float = 1.0) -> tuple[Callable[[], str], ...]:
+    """A cost-model range parameter at its optimistic, mid and pessimistic values (trnkit.nkisim.cost_params),
+    times ``scale``."""
+    from trnkit.nkisim import cost_params
+
+    return tuple(trn2_constant(lambda end=end: getattr(getattr(cost_params, end), name) * scale, fmt)
+                 for end in ("LOW", "MID", "HIGH"))  # looked up when read: a changed parameter shows
+
+
+def launch_us(value: Callable[[], float]) -> Callable[[], str]:
+    """A standalone-launch time (ns) in us as the page writes it: 0, else one decimal."""
+    return lambda: "0" if value() == 0 else f"{value() / 1e3:,.1f}"
+
+
+def launch_param(name: str) -> tuple[Callable[[], str], ...]:
+    """A standalone-launch parameter (cost_params.STANDALONE_LAUNCH) at its optimistic, mid and pessimistic
+    ends, in us."""
+    from trnkit.nkisim import cost_params
+
+    return tuple(launch_us(lambda end=end: getattr(getattr(cost_params.STANDALONE_LAUNCH, end), name))
+                 for end in ("low", "mid", "high"))
+
+
+def launch_lnc2() -> tuple[Callable[[], str], ...]:
+    """The standalone launch's cost at LNC 2 at its three ends (us): start-up plus the second core's skew."""
+    from trnkit.nkisim import cost_params
+
+    ends = [getattr(cost_params.STANDALONE_LAUNCH, end) for end in ("low", "mid", "high")]
+    return tuple(launch_us(lambda e=e: e.startup_ns + e.core_skew_ns) for e in ends)
 
 
 ACT_FIXED_NS = trn2_constant(lambda: _trn2().act_fixed_ns)  # ScalarE's fixed time per ACTIVATE
@@ -1979,6 +2027,65 @@ QUOTES = (
           (ACT_FIXED_NS, trn2_constant(lambda: 1024 / _trn2().clocks.scalar))),
     Quote("docs/tests.md", "one 128x128x512 bf16 matmul = 512 cycles = {} ns", "hardware.TRN2: 512 / TensorE clock",
           trn2_constant(lambda: 512 / _trn2().clocks.tensor, "{:.1f}")),
+
+    Quote("docs/cost-model.md", "**plus a fixed {} ns** (trn2)", "hardware.TRN2.act_fixed_ns", ACT_FIXED_NS),
+    Quote("docs/cost-model.md", "**plus the same fixed {} ns** (trn2)", "hardware.TRN2.act_fixed_ns", ACT_FIXED_NS),
+    Quote("docs/cost-model.md", "| activation-table load | {} ns of ScalarE", "hardware.TRN2.act_table_load_ns",
+          trn2_constant(lambda: _trn2().act_table_load_ns, "{:,.0f}")),
+    Quote("docs/cost-model.md", "plus a {} us wait (one cross-core semaphore exchange)", "hardware.TRN2.dma.fixed_ns",
+          trn2_constant(lambda: _trn2().dma.fixed_ns / 1e3, "{:.1f}")),
+    Quote("docs/cost-model.md", "`dma_fixed_ns`, {} / {} / {} ns.", "cost_params dma_fixed_ns",
+          model_param("dma_fixed_ns")),
+    Quote("docs/cost-model.md", "(one transfer per {} ns at 256 B and 1 KiB per partition",
+          "cost_params.MID.dma_fixed_ns", model_param("dma_fixed_ns")[1]),
+    Quote("docs/cost-model.md", "`dma_engine_stagger_ns` ({} / {} / {} ns) apart", "cost_params dma_engine_stagger_ns",
+          model_param("dma_engine_stagger_ns")),
+    Quote("docs/cost-model.md", "`dma_wake_ns` ({} / {} / {} ns; {} profiled in Example 1)", "cost_params dma_wake_ns",
+          (*model_param("dma_wake_ns"), model_param("dma_wake_ns")[1])),
+    Quote("docs/cost-model.md", "| ScalarE ACTIVATE fixed time / activation-table load | {} ns / {} ns (fitted on the "
+          "DMA overview's profile) | none / {} ns (assumed) |", "hardware TRN2 / TRN1 ScalarE fixed times",
+          (ACT_FIXED_NS, trn2_constant(lambda: _trn2().act_table_load_ns, "{:,.0f}"),
+           trn2_constant(lambda: _chip("trn1").act_table_load_ns, "{:,.0f}"))),
+    Quote("docs/cost-model.md", "ramps to full over {} us; re-engages below 50 % over a {} us window",
+          "hardware.TRN2.didt_ramp_ns", (trn2_constant(lambda: _trn2().didt_ramp_ns / 1e3),) * 2),
+    Quote("docs/cost-model.md", "| `dma_fixed_ns` | {} / {} / {} ns per transfer", "cost_params dma_fixed_ns",
+          model_param("dma_fixed_ns")),
+    Quote("docs/cost-model.md", "| `dma_wake_ns` | {} / {} / {} ns | {} profiled", "cost_params dma_wake_ns",
+          (*model_param("dma_wake_ns"), model_param("dma_wake_ns")[1])),
+    Quote("docs/cost-model.md", "| `dma_engine_stagger_ns` | {} / {} / {} ns between",
+          "cost_params dma_engine_stagger_ns", model_param("dma_engine_stagger_ns")),
+    Quote("docs/cost-model.md", "| `act_fixed_offset_ns` | {} / {} / +{} ns on the ACTIVATE fixed time",
+          "cost_params act_fixed_offset_ns", model_param("act_fixed_offset_ns")),
+    Quote("docs/cost-model.md", "| `startup_ns` (per launch) | {} / {} / {} us |", "cost_params.STANDALONE_LAUNCH",
+          launch_param("startup_ns")),
+    Quote("docs/cost-model.md", "| `core_skew_ns` (a launch of 2 programs, LNC 2) | {} / {} / {} us |",
+          "cost_params.STANDALONE_LAUNCH", launch_param("core_skew_ns")),
+    Quote("docs/cost-model.md", "| `hardware.TRN2.act_fixed_ns` | {} ns |", "hardware.TRN2.act_fixed_ns", ACT_FIXED_NS),
+    Quote("docs/cost-model.md", "| `hardware.TRN2.act_table_load_ns` | {} ns |", "hardware.TRN2.act_table_load_ns",
+          trn2_constant(lambda: _trn2().act_table_load_ns, "{:,.0f}")),
+    Quote("docs/cost-model.md", "| `cost_params.dma_fixed_ns` low / high | {} / {} ns |", "cost_params dma_fixed_ns",
+          model_param("dma_fixed_ns")[::2]),
+    Quote("docs/cost-model.md", "| `cost_params.dma_fixed_ns` mid | {} ns |", "cost_params.MID.dma_fixed_ns",
+          model_param("dma_fixed_ns")[1]),
+    Quote("docs/cost-model.md", "| `cost_params.dma_wake_ns` mid | {} ns |", "cost_params.MID.dma_wake_ns",
+          model_param("dma_wake_ns")[1]),
+    Quote("docs/cost-model.md", "| `cost_params.dma_engine_stagger_ns` mid | {} ns (read off", "cost_params.MID."
+          "dma_engine_stagger_ns", model_param("dma_engine_stagger_ns")[1]),
+    Quote("docs/cost-model.md", "| `cost_params.STANDALONE_LAUNCH` mid `startup_ns` | {} us (read off, not fitted)",
+          "cost_params.STANDALONE_LAUNCH", launch_param("startup_ns")[1]),
+    Quote("docs/cost-model.md", "(`launch_low_us` ..: {} / {} / {} us at LNC 1, {} / {} / {} us at LNC 2)",
+          "cost_params.STANDALONE_LAUNCH", (*launch_param("startup_ns"), *launch_lnc2())),
+    Quote("docs/cost-model.md", "`core_skew_ns` ({} / {} / {} us)", "cost_params.STANDALONE_LAUNCH",
+          launch_param("core_skew_ns")),
+    Quote("docs/cost-model.md", "`startup_ns` ({} / {} / {} us)", "cost_params.STANDALONE_LAUNCH",
+          launch_param("startup_ns")),
+    Quote("docs/cost-model.md", "(measured at mid: the demo matmul {} -> {} us, {} %; `rope_fwd` {} -> {} us, {} %; "
+          "`router_bwd` {} %; `router_fwd` {} %)", "derived_figures.csv mid and mid didt_throttle=True totals", (
+              *didt_totals("demo_matmul"), didt_change("demo_matmul"), *didt_totals("rope_fwd"),
+              didt_change("rope_fwd"), didt_change("router_bwd"), didt_change("router_fwd"))),
+    Quote("docs/cost-model.md", "model's v4 has its {} us of waits only in its first block",
+          "derived_figures.csv kernel_opt v4 tensor_waits_us", _ko("v4", quantity="tensor_waits_us", fmt="{:.0f}",
+                                                                    scale=1.0)),
 )
 
 
