@@ -63,11 +63,21 @@ def test_demo_runs_matmul_checks_it_and_prints_the_estimate():
     assert "roofline" in out
 
 
-def test_demo_rejects_shapes_that_do_not_tile():
+@pytest.mark.parametrize("argv, message", [
+    (["--m", "100"], "--m: must be a multiple of 128 in [128, 16384], got 100"),
+    (["--m", "0"], "--m: must be a multiple of 128 in [128, 16384], got 0"),
+    (["--m", "-5"], "--m: must be a multiple of 128 in [128, 16384], got -5"),
+    (["--k", "3"], "--k: must be a multiple of 128 in [128, 16384], got 3"),
+    (["--n", "100000000"], "--n: must be a multiple of 512 in [512, 16384], got 100000000"),
+    (["--kernel", "rope_hf", "--seq", "0"], "--seq: must be in [1, 16384], got 0"),
+])
+def test_demo_rejects_sizes_it_cannot_run_naming_the_flag(argv, message, capsys):
+    """Each used to end in a traceback (an assertion in the kernel, torch's negative dimension, an allocation
+    of 51 GB, the interpreter's shape check), rc 1."""
     from trnkit.__main__ import main
 
-    with pytest.raises(AssertionError, match="matmul_tiled: shapes must be multiples.*M=100 % 128"):
-        main(["demo", "--m", "100", "--n", "512", "--k", "128"])
+    assert main(["demo", *argv]) == 2
+    assert capsys.readouterr().err == f"error: python -m trnkit demo {message}\n"
 
 
 @pytest.mark.parametrize("argv", [[], ["bogus"]])

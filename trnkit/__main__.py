@@ -27,9 +27,27 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_MAX = 16384  # per dimension: the demo runs on the interpreter, where larger ones take minutes and GiBs
+
+
+def _demo_size_problem(flag: str, value: int, multiple: int) -> str | None:
+    """Why ``value`` cannot be the demo's ``flag`` (an integer in [multiple, DEMO_MAX], a multiple of the tile
+    size ``multiple``), or None."""
+    if multiple <= value <= DEMO_MAX and value % multiple == 0:
+        return None
+    rule = f"a multiple of {multiple} in [{multiple}, {DEMO_MAX}]" if multiple > 1 else f"in [1, {DEMO_MAX}]"
+    return f"python -m trnkit demo {flag}: must be {rule}, got {value}"
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from trnkit import demo
 
+    sizes = ([("--seq", args.seq, 1)] if args.kernel == "rope_hf" else
+             [("--m", args.m, demo.TILE_M), ("--n", args.n, demo.TILE_N), ("--k", args.k, demo.TILE_K)])
+    problems = [p for p in (_demo_size_problem(*size) for size in sizes) if p]
+    if problems:
+        print("\n".join(f"error: {p}" for p in problems), file=sys.stderr)
+        return 2
     if args.kernel == "rope_hf":
         result = demo.run_rope(seq=args.seq, chip=args.chip)
     else:
@@ -50,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_demo = sub.add_parser("demo", help="run a tiled matmul kernel, check it, print its trn2 estimate")
     p_demo.add_argument("--kernel", choices=("matmul", "rope_hf"), default="matmul",
                         help="the tutorial tiled matmul, or the project's rope_hf kernel")
-    p_demo.add_argument("--seq", type=int, default=256, help="rope_hf: sequence length (multiple of 128)")
+    p_demo.add_argument("--seq", type=int, default=256, help="rope_hf: sequence length")
     p_demo.add_argument("--m", type=int, default=256, help="rows of the result (multiple of 128)")
     p_demo.add_argument("--n", type=int, default=1024, help="columns of the result (multiple of 512)")
     p_demo.add_argument("--k", type=int, default=512, help="contraction size (multiple of 128)")
