@@ -135,7 +135,7 @@ def test_headline_targets_are_judged_at_their_end_of_the_range(monkeypatch):
     assert "| not estimated | - |" in lines[2]
 
 
-TIME_FIGURE = re.compile(r"\d[\d,.]*\s?(?:µs|us|ms|ns)\b")
+TIME_FIGURE = re.compile(r"\d[\d,.]*\s?(?:µs|μs|us|ms|ns)\b")  # µ: micro sign, μ: Greek mu
 DERIVED = re.compile(r"<!-- derived: .*?<!-- end derived -->", re.S)  # hand-computed bounds, says how
 
 
@@ -190,9 +190,9 @@ def test_unchecked_time_figure_is_found(tmp_path, monkeypatch):
     (tmp_path / "docs" / "kernels.md").write_text("fwd 11.42 ms; `code 3 us`\n<!-- generated: headline -->\n"
                                                   "| 5 us |\n<!-- end generated -->\n<!-- derived: by hand -->\n"
                                                   "DMA 258.2 µs at HIGH\n<!-- end derived -->\nbwd 1.5 us, 295 ns "
-                                                  "fixed; 3 nsteps\n")
+                                                  "fixed, 2 μs (Greek mu); 3 nsteps\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert unchecked_time_figures("docs/kernels.md") == ["11.42 ms", "1.5 us", "295 ns"]
+    assert unchecked_time_figures("docs/kernels.md") == ["11.42 ms", "1.5 us", "295 ns", "2 μs"]
 
 
 def test_cpu_overhead_quotes_follow_their_csv(tmp_path, monkeypatch):
