@@ -327,3 +327,25 @@ def test_native_aux_loss_gradient_flows_through_the_router_kernel():
 def test_a_model_without_swap_points_gets_an_empty_report():
     report = apply_overrides(torch.nn.Sequential(torch.nn.Linear(2, 2)), OverrideConfig())
     assert report.rows == [] and "no swap points found" in report.table()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"impl": 3}, r"OverrideConfig.impl must be an impl name or \{op: impl name\}, got int 3"),
+    ({"impl": {"rope_hf": 3}}, r"OverrideConfig.impl must be an impl name or \{op: impl name\}, got \{'rope_hf': 3\}"),
+    # a string is an iterable of its letters: it used to import the module 'e'
+    ({"plugins": "examples.my_kernels"},
+     r"OverrideConfig.plugins must be a list of module names \(e.g. \['examples.my_kernels'\]\), got str "
+     r"'examples.my_kernels'"),
+])
+def test_override_config_values_of_the_wrong_type_are_named(kwargs, message) -> None:
+    from trnkit.overrides import OverrideConfig
+
+    with pytest.raises(ValueError, match=rf"^{message}$"):
+        OverrideConfig(ops=["rope_hf"], **kwargs)
+
+
+def test_apply_overrides_to_something_that_is_not_a_module_is_named() -> None:
+    from trnkit.overrides import OverrideConfig, apply_overrides
+
+    with pytest.raises(TypeError, match=r"^apply_overrides: model must be a torch.nn.Module, got str 'model'$"):
+        apply_overrides("model", OverrideConfig())

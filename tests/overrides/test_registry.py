@@ -136,3 +136,20 @@ def test_warn_once():
         assert not warn_once("k", "1", message="again")
         assert warn_once("k", "2", message="other reason")
     assert [str(x.message) for x in w] == ["first", "other reason"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    # a string is an iterable of its letters: devices ('c', 'p', 'u') then refused every device
+    ({"devices": "cpu"}, r"devices must be a list of device types such as \['cpu', 'neuron'\], got str 'cpu'"),
+    ({"devices": ["cpu", 3]}, r"devices must be a list of device types such as \['cpu', 'neuron'\], got \['cpu', 3\]"),
+    ({"constraints": 5}, r"constraints must be callable \(inputs by name -> list of Violation\) or None, got int 5"),
+    ({"backward": 5}, r"backward must be callable or None, got int 5"),
+    ({"has_backward": "no"}, r"has_backward must be True or False, got str 'no'"),
+    ({"compile_ok": 1}, r"compile_ok must be True or False, got int 1"),
+    ({"autograd_backward": None}, r"autograd_backward must be True or False, got NoneType None"),
+])
+def test_bad_registration_arguments_are_refused_at_registration(scratch, kwargs, message) -> None:
+    """Each used to be accepted and to fail (or misbehave) only when the impl was selected or its backward ran."""
+    with pytest.raises(RegistrationError, match=rf"^trnkit overrides: router_topk\[probe\]: {message}$"):
+        register("router_topk", "probe", lambda *a, **k: None, **kwargs)
+    assert "probe" not in list_impls("router_topk")["router_topk"]

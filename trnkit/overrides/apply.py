@@ -234,6 +234,8 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
     :func:`bind_kernels` with ``None`` gives them their torch code back. transformers' modules are
     swapped; :func:`trnkit.hf.revert` undoes that, and applying again before it is an error.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_overrides: model must be a torch.nn.Module, got {type(model).__name__} {model!r:.80}")
     config = config if config is not None else OverrideConfig(**kwargs)
     if choices is not None:
         for op, choice in choices.items():

@@ -20,7 +20,7 @@ from typing import Literal
 
 from trnkit.kernels.lnc import LNC_VALUES
 from trnkit.kernels.moe.constraints import BLOCK_SIZES
-from trnkit.overrides.registry import POLICIES, get_impl
+from trnkit.overrides.registry import POLICIES, get_impl, shown
 
 __all__ = ["DEFAULT_OPS", "FIXED_SHIFT_OP", "SWAPPABLE_OPS", "KernelChoice", "OverrideConfig", "choice_problems",
            "fixed_shift_problem"]
@@ -131,6 +131,12 @@ class OverrideConfig:
             raise ValueError(f"OverrideConfig.ops must be a list of op names (e.g. [{self.ops!r}]), got str "
                              f"{self.ops!r}")
         self.ops = list(self.ops)
+        if isinstance(self.plugins, str) or not all(isinstance(p, str) for p in self.plugins):
+            raise ValueError(f"OverrideConfig.plugins must be a list of module names (e.g. ['examples.my_kernels']), "
+                             f"got {shown(self.plugins)}")
+        if not (isinstance(self.impl, str) or (isinstance(self.impl, Mapping)
+                                               and all(isinstance(v, str) for v in self.impl.values()))):
+            raise ValueError(f"OverrideConfig.impl must be an impl name or {{op: impl name}}, got {shown(self.impl)}")
         for name in self.plugins:  # user modules that register impls, before the impl names are checked
             importlib.import_module(name)
         problems = dict(choice_problems(self.policy, self.block_size, self.lnc, self.fixed_shift))

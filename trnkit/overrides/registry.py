@@ -217,13 +217,18 @@ def register(op_name: str, impl_name: str, fn: Callable[..., Any] | None = None,
                                 f"got {impl_name!r}")
     if not callable(fn):
         raise RegistrationError(f"trnkit overrides: {op_name}[{impl_name}]: fn must be callable, got {fn!r}")
+    if devices is not None and not isinstance(devices, str):
+        devices = tuple(devices)  # read once (a generator), checked below
+    _check_arguments(f"trnkit overrides: {op_name}[{impl_name}]", devices=devices, constraints=constraints,
+                     backward=backward, has_backward=has_backward, compile_ok=compile_ok,
+                     autograd_backward=autograd_backward)
     if OPS[op_name] and has_backward and backward is None:
         raise RegistrationError(f"trnkit overrides: {op_name}[{impl_name}]: has_backward=True needs "
                                 f"backward= (this op's backward is a separate function)")
     if backward is not None and not OPS[op_name]:
         raise RegistrationError(f"trnkit overrides: {op_name}[{impl_name}]: backward= is not used for "
                                 f"{op_name}; its backward is fn(..., backward=True)")
-    entry = ImplEntry(op_name, impl_name, fn, constraints, None if devices is None else tuple(devices),
+    entry = ImplEntry(op_name, impl_name, fn, constraints, devices,
                       bool(has_backward or backward is not None), compile_ok, backward, description,
                       autograd_backward)
     with _LOCK:
@@ -235,6 +240,28 @@ def register(op_name: str, impl_name: str, fn: Callable[..., Any] | None = None,
                 f"(pick another impl name, or pass replace=True)")
         _REGISTRY[op_name][impl_name] = entry
     return entry
+
+
+def shown(value: Any) -> str:
+    """A value in an error message: a container as written, anything else with its type (``str 'cpu'``)."""
+    return repr(value) if isinstance(value, (list, tuple, dict)) else f"{type(value).__name__} {value!r}"
+
+
+def _check_arguments(label: str, *, devices: Any, constraints: Any, backward: Any, **flags: Any) -> None:
+    """Refuse registration arguments of the wrong kind now, not when the impl is first selected or run."""
+    def fail(what: str, value: Any) -> None:
+        raise RegistrationError(f"{label}: {what}, got {shown(value)}")
+
+    if devices is not None and (isinstance(devices, str) or not all(isinstance(d, str) for d in devices)):
+        fail("devices must be a list of device types such as ['cpu', 'neuron']",
+             devices if isinstance(devices, str) else list(devices))
+    if constraints is not None and not callable(constraints):
+        fail("constraints must be callable (inputs by name -> list of Violation) or None", constraints)
+    if backward is not None and not callable(backward):
+        fail("backward must be callable or None", backward)
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            fail(f"{name} must be True or False", value)
 
 
 def mark_builtin(entry: ImplEntry) -> None:
