@@ -1560,6 +1560,11 @@ def cpu_all_served(words: str) -> Callable[[], str]:
 GUARD_OPS = ("rope_hf", "router_topk", "moe_experts")
 
 
+def published(name: str, fmt: str = "{:,.0f}", scale: float = 1.0) -> Callable[[], str]:
+    """Calibration point ``name``'s published figure (benchmarks/calibration/calibration.csv) times ``scale``."""
+    return lambda: fmt.format(_calibration_published(name) * scale)
+
+
 QUOTES = (
     Quote("README.md", "Over 20 steps their losses differ from the same configs' with the reference ops by at most {} "
           "(MoE) and {} (dense) relative, while runs of the same configs with no kernel drift by up to {} and {}",
@@ -2083,6 +2088,60 @@ QUOTES = (
           "`router_bwd` {} %; `router_fwd` {} %)", "derived_figures.csv mid and mid didt_throttle=True totals", (
               *didt_totals("demo_matmul"), didt_change("demo_matmul"), *didt_totals("rope_fwd"),
               didt_change("rope_fwd"), didt_change("router_bwd"), didt_change("router_fwd"))),
+    Quote("docs/cost-model.md", "`test_attention_cte:875` (LNC 1, 3 x 12,345 tokens, d = 127, window 128; {} us "
+          "recorded)", "nkilib_calibration.csv test_attention_cte:875",
+          nkilib_cell("test_attention_cte:875", "published_us", "{:,.0f}")),
+    Quote("docs/cost-model.md", "(`:721`: 4 x 10,240 tokens a core in {} us)", "nkilib_calibration.csv "
+          "test_attention_cte:721", nkilib_cell("test_attention_cte:721", "published_us", "{:,.0f}")),
+    Quote("docs/cost-model.md", "above the {} us recorded for the whole launch",
+          "nkilib_calibration.csv test_mlp_tkg:302", nkilib_cell("test_mlp_tkg:302", "published_us")),
+    Quote("docs/cost-model.md", "e.g. `:302` 167.4 -> {} us", "nkilib_calibration.csv test_mlp_tkg:302 low",
+          nkilib_cell("test_mlp_tkg:302", "low_us")),
+    Quote("docs/cost-model.md", "LNC 1; {} us recorded, {} / {} / {} us, {} % and above its range",
+          "nkilib_calibration.csv test_mlp_cte:246", (
+              *(nkilib_cell("test_mlp_cte:246", c) for c in ("published_us", "low_us", "mid_us", "high_us")),
+              nkilib_cell("test_mlp_cte:246", "error", "{:+.1f}"))),
+    Quote("docs/cost-model.md", "(`:735`: {} us recorded, {} / {} / {} us, above its range)",
+          "nkilib_calibration.csv test_attention_cte:735", (
+              nkilib_cell("test_attention_cte:735", "published_us", "{:,.0f}"),
+              *(nkilib_cell("test_attention_cte:735", c) for c in ("low_us", "mid_us", "high_us")))),
+    Quote("docs/cost-model.md", "counterparts here are recorded at {} us (`:468`", "nkilib_calibration.csv "
+          "test_attention_cte:468", nkilib_cell("test_attention_cte:468", "published_us", "{:,.0f}")),
+    Quote("docs/cost-model.md", "moved 32 KiB in {} ns = 23.1 B/ns)", "calibration.csv dma_intro ex1 load engine",
+          published("dma_intro ex1 load engine")),
+    Quote("docs/cost-model.md", "moving 32 KiB in {} ns, 23.1 B/ns", "calibration.csv dma_intro ex1 load engine",
+          published("dma_intro ex1 load engine")),
+    Quote("docs/cost-model.md", "moves 2 KiB per engine in {} ns, \"a single 2KiB read\"",
+          "calibration.csv dma_intro ex2 load engine", published("dma_intro ex2 load engine")),
+    Quote("docs/cost-model.md", "shows one 2 KiB packet holding its engine {} ns", "calibration.csv dma_intro ex2 load "
+          "engine", published("dma_intro ex2 load engine")),
+    Quote("docs/cost-model.md", "VectorE {} ms of \"instruction time\" and 10.55 % active of {} ms",
+          "calibration.csv kernel_opt v5 VectorE / kernel_opt v5",
+          (published("kernel_opt v5 VectorE", "{:.2f}"), published("kernel_opt v5", "{:.2f}"))),
+    Quote("docs/cost-model.md", "v2's 38.06 % of {} ms is 10.87 GB", "calibration.csv kernel_opt v2",
+          published("kernel_opt v2", "{:.2f}")),
+    Quote("docs/cost-model.md", "v4's 42.55 % of {} ms is 8.7 GB", "calibration.csv kernel_opt v4",
+          published("kernel_opt v4", "{:.2f}")),
+    Quote("docs/cost-model.md", "v5's 8.96 % of {} ms is 1.8 GB", "calibration.csv kernel_opt v5",
+          published("kernel_opt v5", "{:.2f}")),
+    Quote("docs/cost-model.md", "about a tenth of `mamba_v1 small`'s {} us", "calibration.csv mamba_v1 small",
+          published("mamba_v1 small", "{:.2f}", 1e3)),
+    Quote("docs/cost-model.md", "(35.45 -> 30.02 ms for {} published; tolerance", "calibration.csv kernel_opt v2",
+          published("kernel_opt v2", "{:.2f}")),
+    Quote("docs/cost-model.md", "v2 is 29.996 ms for 30.008 without it ({} published)", "calibration.csv kernel_opt v2",
+          published("kernel_opt v2", "{:.2f}")),
+    Quote("docs/cost-model.md", "would give 39.96 ms ({} published)", "calibration.csv kernel_opt v2",
+          published("kernel_opt v2", "{:.2f}")),
+    Quote("docs/cost-model.md", "of a {} us run, from VectorE's first instruction", "calibration.csv mamba_v1 small",
+          published("mamba_v1 small", "{:.2f}", 1e3)),
+    Quote("docs/cost-model.md", "Example 1 profile ({} ns for N = 4,096) |", "calibration.csv dma_intro ex1 activation",
+          published("dma_intro ex1 activation")),
+    Quote("docs/cost-model.md", "`dma_intro ex1 activation` ({} ns for N = 4,096 at 1.2 GHz)",
+          "calibration.csv dma_intro ex1 activation", published("dma_intro ex1 activation")),
+    Quote("docs/cost-model.md", "(its VectorE formulas add up to 1.45 ms of a {} ms kernel", "calibration.csv mamba_v2",
+          published("mamba_v2", "{:.2f}")),
+    Quote("docs/cost-model.md", "99.63 % active in {} ms while its formulas add up to 1.45 ms",
+          "calibration.csv mamba_v2", published("mamba_v2", "{:.2f}")),
     Quote("docs/cost-model.md", "model's v4 has its {} us of waits only in its first block",
           "derived_figures.csv kernel_opt v4 tensor_waits_us", _ko("v4", quantity="tensor_waits_us", fmt="{:.0f}",
                                                                     scale=1.0)),
