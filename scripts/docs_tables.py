@@ -674,14 +674,14 @@ def plan_check() -> str:
 
 
 def plan_layouts() -> str:
-    """python -m trnkit.harness.plan --config qwen3_30b_a3b --layouts 64x1,32x2,16x4,8x8
-    [--activation-checkpointing full]."""
+    """python -m trnkit.harness.plan --config qwen3_30b_a3b --layouts 64x1,32x2,16x4,8x8: with the config's
+    activation checkpointing ("full"), then without it (``--activation-checkpointing none``)."""
     from trnkit.harness.config import load_config  # the planner itself, not a CSV
     from trnkit.harness.plan import layouts_table, parse_layouts, plan
     from trnkit.packaged import resolve_config
 
     out = []
-    for ac in ("none", "full"):
+    for ac in ("full", "none"):
         plans = []
         for dp, tp in parse_layouts("64x1,32x2,16x4,8x8"):
             cfg = load_config(resolve_config("qwen3_30b_a3b"), [  # TP needs every rank to init the full model
@@ -689,7 +689,8 @@ def plan_layouts() -> str:
                 "--parallelism.replicated_init", "true"])
             plans.append(plan(cfg, dp * tp, "trn2", activation_checkpointing=ac))
         lines = layouts_table(plans).splitlines()
-        title = "as the trainer runs it" if ac == "none" else "what-if: `--activation-checkpointing full`"
+        title = ('as the trainer runs it (the config\'s `training.activation_checkpointing = "full"`)' if ac == "full"
+                 else "what-if: without activation checkpointing (`--activation-checkpointing none`)")
         out += [f"{title}:", "", *lines[1:-1], ""]
     return "\n".join(out[:-1])
 
