@@ -185,6 +185,47 @@ def test_changed_model_constant_breaks_its_quote(monkeypatch):
     assert "docs/kernels.md: expected '(the grad_x PSUM evacuations, ~300 ns fixed time each)'" in wrong
 
 
+DERIVED_MARK = re.compile(r"<!-- (derived: (.*?)|end derived) -->", re.S)
+
+
+def derived_block_problems(text: str) -> list[str]:
+    """What is wrong with a page's derived blocks: a start inside an open block, an end without a start, a block
+    left open, or a comment too short to say where its figures come from (fewer than 5 words)."""
+    problems, open_at = [], None
+    text = CODE.sub(lambda m: "\n" * m.group(0).count("\n"), text)  # a marker written in code is an example
+    for m in DERIVED_MARK.finditer(text):
+        line = text[:m.start()].count("\n") + 1
+        if m.group(1) == "end derived":
+            if open_at is None:
+                problems.append(f"line {line}: end derived without a start")
+            open_at = None
+            continue
+        if open_at is not None:
+            problems.append(f"line {line}: derived block inside the one opened at line {open_at}")
+        if len(m.group(2).split()) < 5:
+            problems.append(f"line {line}: derived comment {m.group(2)!r} does not say where its figures come from")
+        open_at = line
+    return problems + ([f"line {open_at}: derived block never ended"] if open_at is not None else [])
+
+
+@pytest.mark.parametrize("page", TIME_CHECKED)
+def test_derived_blocks_are_closed_and_say_their_source(page):
+    assert derived_block_problems((ROOT / page).read_text()) == []
+
+
+def test_derived_block_problems_are_found():
+    good = "<!-- derived: read off the trace at mid -->\nx 1 us\n<!-- end derived -->\n"
+    assert derived_block_problems(good) == []
+    assert derived_block_problems("<!-- derived: by hand -->\n1 us\n<!-- end derived -->") == [
+        "line 1: derived comment 'by hand' does not say where its figures come from"]
+    nested = good.replace("x 1 us", "<!-- derived: the inner block, read off a trace -->")
+    assert derived_block_problems(nested + "<!-- end derived -->") == [
+        "line 2: derived block inside the one opened at line 1", "line 4: end derived without a start"]
+    assert derived_block_problems("<!-- derived: published in the DMA overview -->\n") == [
+        "line 1: derived block never ended"]
+    assert derived_block_problems("```\nx\n```\nsee `<!-- derived: ... -->` blocks\n") == []
+
+
 def test_unchecked_time_figure_is_found(tmp_path, monkeypatch):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "kernels.md").write_text("fwd 11.42 ms; `code 3 us`\n<!-- generated: headline -->\n"
