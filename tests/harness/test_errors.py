@@ -15,6 +15,8 @@ from trnkit.qwen3.checkpoint import parse_size
 from trnkit.qwen3.state_dict import CheckpointError
 from trnkit.qwen3.tp_experts import shard_experts_on_i
 
+from .helpers import main_result
+
 
 @pytest.mark.parametrize("cls", [ConfigError, KernelConstraintError, OverrideConstraintError, CheckpointError,
                                  CheckpointSaveError, RegistrationError, ConstraintFunctionError])
@@ -121,3 +123,24 @@ def test_nki_backend_variable_errors_are_user_errors(monkeypatch: pytest.MonkeyP
     with pytest.raises(error) as exc:
         nki_api._resolve()
     assert isinstance(exc.value, TrnkitError) and str(exc.value).startswith(message)
+
+
+@pytest.mark.parametrize("value, traceback_shown", [("1", True), ("TRUE", True), ("on", True), ("0", False),
+                                                    ("false", False), ("off", False), ("", False)])
+def test_trnkit_debug_values(value: str, traceback_shown: bool, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    """TRNKIT_DEBUG=false used to turn tracebacks on (any value but '' and '0' did)."""
+    monkeypatch.setenv("TRNKIT_DEBUG", value)
+    code, _, err = main_result(["--training.steps", "abc"], capsys)
+    assert code == 2 and ("Traceback" in err) == traceback_shown, err
+    assert err.rstrip().endswith("expected an int, got str 'abc'" + ("" if traceback_shown else
+                                 " (--debug or TRNKIT_DEBUG=1 shows the traceback)"))
+
+
+def test_a_trnkit_debug_value_that_is_neither_on_nor_off_is_named(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TRNKIT_DEBUG", "maybe")
+    code, _, err = main_result(["--training.steps", "1"], capsys)
+    assert code == 2 and err.startswith("error: environment variable TRNKIT_DEBUG: must be one of ['1', 'true', "
+                                        "'yes', 'on'] (tracebacks on) or ['0', 'false', 'no', 'off'] (off), got "
+                                        "'maybe'"), err

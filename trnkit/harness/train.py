@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -709,14 +709,28 @@ def _check_compile_backend(cfg: TrainerConfig) -> None:
                           f"{_suggest(cfg.compile.backend, known)}; available: {known}")
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def debug_env(environ: Mapping[str, str]) -> bool:
+    """Whether ``TRNKIT_DEBUG`` asks for tracebacks; a value that is neither on nor off is a ConfigError (it
+    used to count as on, ``false`` included)."""
+    value = environ.get(DEBUG_ENV, "").strip().lower()
+    if value not in _ON + _OFF:
+        raise ConfigError(f"environment variable {DEBUG_ENV}: must be one of {list(_ON)} (tracebacks on) or "
+                          f"{list(_OFF[1:])} (off), got {environ[DEBUG_ENV]!r}")
+    return value in _ON
+
+
 def main(argv: list[str] | None = None) -> int:
     """The CLI. Exit codes: 0 done, 2 a mistake to fix (message on stderr), 3 training diverged,
     130 / 143 interrupted by SIGINT (Ctrl-C) / SIGTERM."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     cfg = None
     try:
+        debug = debug_env(os.environ) or debug
         cfg = parse_args(argv)
         run(cfg)
     except (TrnkitError, TrainingDiverged) as e:  # every user error (trnkit.errors): one paragraph, exit 2
