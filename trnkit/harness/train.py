@@ -354,8 +354,8 @@ class StepStats:
 def build_optimizer(model: torch.nn.Module, o: OptimizerConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters (fused on CPU, foreach elsewhere)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    # CPU: the fused AdamW kernel, measured 8.5x faster than foreach=False and 6x faster than foreach=True
-    # on qwen3:debug-moe (one thread: 39 ms vs 335 / 247 ms per step). Other devices: foreach.
+    # CPU: the fused AdamW kernel, several times faster per step than foreach=True / False on qwen3:debug-moe
+    # (benchmarks/cpu_overhead.py; the figures in docs/trainer.md, "Loss and optimizer"). Other devices: foreach.
     impl = {"fused": True} if device.type == "cpu" else {"foreach": True}
     # one param group per kind: the fused kernel takes DTensors or plain tensors, never a mix (TP)
     groups = [{"params": g} for g in ([p for p in params if hasattr(p, "placements")],
