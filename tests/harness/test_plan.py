@@ -309,3 +309,21 @@ def test_a_family_without_loss_form_is_planned_with_the_chunked_loss() -> None:
     with pytest.raises(ConfigError, match=r"^plan: model.spec 'qwen3:debug-moe': ModelSpec.loss_form must be a "
                                           r"trnkit.model_spec.LossForm, got 'full'"):
         plan(cfg, 1, "cpu", spec=odd)
+
+
+@pytest.mark.parametrize("args, message", [
+    # a negative world size used to print a negative plan ("fits: -23.41 GiB"), a 0 in a layout a ZeroDivisionError
+    (["--world-size", "-4"], "plan --world-size: must be >= 1 (or 0: the config's degrees), got -4"),
+    (["--layouts", "0x1"], "plan --layouts: dp_shard and tp must be >= 1, got '0x1'"),
+    (["--layouts", "64x1,64x0"], "plan --layouts: dp_shard and tp must be >= 1, got '64x0'"),
+])
+def test_cli_refuses_world_sizes_and_layouts_below_one(args: list[str], message: str,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_mod.main(["--config", "qwen3_30b_a3b", *args]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_a_world_size_below_one_is_refused_by_the_planner() -> None:
+    cfg = load_config(resolve_config("debug_moe"))
+    with pytest.raises(ConfigError, match=r"^config parallelism: the world size must be >= 1, got 0$"):
+        plan(cfg, 0, "trn2")

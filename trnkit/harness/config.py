@@ -532,6 +532,8 @@ def check_log_rank(log_rank: str, world_size: int) -> None:
 
 def resolve_parallel_degrees(cfg: ParallelismConfig, world_size: int) -> tuple[int, int]:
     """(dp_shard, tp) for `world_size`; raises unless the degrees multiply to the world size."""
+    if world_size < 1:
+        raise ConfigError(f"config parallelism: the world size must be >= 1, got {world_size}")
     tp = cfg.tensor_parallel_degree
     dp = cfg.data_parallel_shard_degree
     if dp == -1:

@@ -321,6 +321,8 @@ def parse_layouts(text: str) -> list[tuple[int, int]]:
             dp, tp = (int(x) for x in item.lower().split("x"))
         except ValueError:
             raise ConfigError(f"plan --layouts: expected DPxTP items such as 64x1,16x4, got {item!r}") from None
+        if dp < 1 or tp < 1:
+            raise ConfigError(f"plan --layouts: dp_shard and tp must be >= 1, got {item!r}")
         out.append((dp, tp))
     return out
 
@@ -339,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args, rest = parser.parse_known_args(argv)
     try:
+        if args.world_size < 0:
+            raise ConfigError(f"plan --world-size: must be >= 1 (or 0: the config's degrees), got {args.world_size}")
         cfg = load_config(resolve_config(args.config), rest)
         if args.layouts:
             plans = []
