@@ -108,3 +108,27 @@ def test_plot_runs_cli_answers_bad_input(tmp_path: Path, capsys: pytest.CaptureF
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "bad.jsonl:2" in err and "Traceback" not in err, err
     assert not Path(out).exists()
+
+
+def test_plot_runs_cli_answers_bad_outputs_and_empty_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """-o a folder used to write '<folder>.png' beside it (and print the folder), -o x.txt / a path in a missing
+    folder ended in tracebacks, an empty metrics.jsonl drew an empty plot with exit 0."""
+    import json
+
+    from trnkit.harness.plot import main
+
+    run = tmp_path / "metrics.jsonl"
+    run.write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "empty.jsonl").write_text("")
+    for out, message in ((tmp_path / "out", f"-o: {tmp_path / 'out'} is a folder; name the image file"),
+                         (tmp_path / "cmp.txt", "-o: the image format must be one of"),
+                         (tmp_path / "no" / "cmp.png", f"-o: cannot write {tmp_path / 'no' / 'cmp.png'} "
+                                                       "(FileNotFoundError")):
+        assert main([str(run), "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: plot_runs {message}") and "Traceback" not in err, err
+    assert not (tmp_path / "out.png").exists() and not (tmp_path / "cmp.txt").exists()
+    assert main([str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "e.png")]) == 2
+    assert capsys.readouterr().err == f"error: plot_runs: {tmp_path / 'empty.jsonl'} holds no loss records\n"
+    assert not (tmp_path / "e.png").exists()

@@ -29,9 +29,13 @@ def plot_runs(paths: list[str], out: str, labels: list[str] | None = None, title
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise ConfigError(f"plot_runs: each run must be a metrics.jsonl file; not a file: {missing}")
+    runs = [read_jsonl(p) for p in paths]
+    empty = [p for p, recs in zip(paths, runs) if not recs]
+    if empty:
+        raise ConfigError(f"plot_runs: {', '.join(empty)} holds no loss records")
+    _check_out(out)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    for path, label, marker in zip(paths, labels, "o.s^v"):
-        recs = read_jsonl(path)
+    for recs, label, marker in zip(runs, labels, "o.s^v"):
         (line,) = ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], marker=marker, ms=3, lw=1,
                           label=label)
         val = [r for r in recs if r.get("val_loss") is not None]
@@ -45,9 +49,27 @@ def plot_runs(paths: list[str], out: str, labels: list[str] | None = None, title
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        fig.savefig(out)
+    except OSError as e:
+        raise ConfigError(f"plot_runs -o: cannot write {out} ({type(e).__name__}: {e.strerror or e})") from None
+    finally:
+        plt.close(fig)
     return out
+
+
+def _check_out(out: str) -> None:
+    """The image path: not a folder (matplotlib would write '<folder>.png' beside it), with an image format
+    matplotlib writes as its extension."""
+    if os.path.isdir(out):
+        raise ConfigError(f"plot_runs -o: {out} is a folder; name the image file, e.g. {os.path.join(out, 'cmp.png')}")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    formats = sorted(FigureCanvasAgg.get_supported_filetypes())
+    ext = os.path.splitext(out)[1].lstrip(".").lower()
+    if ext not in formats:
+        raise ConfigError(f"plot_runs -o: the image format must be one of {formats} (the file's extension), "
+                          f"got {out!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
