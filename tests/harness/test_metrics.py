@@ -132,3 +132,11 @@ def test_plot_runs_cli_answers_bad_outputs_and_empty_runs(tmp_path: Path, capsys
     assert main([str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "e.png")]) == 2
     assert capsys.readouterr().err == f"error: plot_runs: {tmp_path / 'empty.jsonl'} holds no loss records\n"
     assert not (tmp_path / "e.png").exists()
+    (tmp_path / "noloss.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2}\n')  # used to be a KeyError
+    assert main([str(tmp_path / "noloss.jsonl"), "-o", str(tmp_path / "e.png")]) == 2
+    assert capsys.readouterr().err == (f"error: plot_runs: record 2 of {tmp_path / 'noloss.jsonl'} has no numeric "
+                                       "loss, got {'step': 2}\n")
+    (tmp_path / "bad.jsonl").write_text("garbage\n")  # the trainer's advice (move the file away) is not for plots
+    assert main([str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "e.png")]) == 2
+    assert capsys.readouterr().err.endswith("bad.jsonl:1 is not a metrics record (Expecting value: line 1 column 1 "
+                                            "(char 0))\n")

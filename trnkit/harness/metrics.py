@@ -292,8 +292,8 @@ def read_jsonl(path: str, repair_tail: bool = False) -> list[dict[str, Any]]:
                 LOGGER.warning(f"metrics: the last line of {path} was cut off (a run killed while writing it); "
                                f"dropping it: {raw[:60]!r}")
                 break
-            raise ConfigError(f"metrics: {path}:{n} is not a metrics record ({e}); move the file away to let "
-                              "the run start a new one") from None
+            advice = "; move the file away to let the run start a new one" if repair_tail else ""
+            raise ConfigError(f"metrics: {path}:{n} is not a metrics record ({e}){advice}") from None
         out.append(rec)
     return out
 

@@ -33,6 +33,10 @@ def plot_runs(paths: list[str], out: str, labels: list[str] | None = None, title
     empty = [p for p, recs in zip(paths, runs) if not recs]
     if empty:
         raise ConfigError(f"plot_runs: {', '.join(empty)} holds no loss records")
+    for path, recs in zip(paths, runs):
+        bad = next((i for i, r in enumerate(recs) if not isinstance(r.get("loss"), (int, float))), None)
+        if bad is not None:
+            raise ConfigError(f"plot_runs: record {bad + 1} of {path} has no numeric loss, got {recs[bad]!r:.120}")
     _check_out(out)
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     for recs, label, marker in zip(runs, labels, "o.s^v"):
