@@ -108,3 +108,32 @@ def test_the_kernel_choice_does_not_change_the_run_identity() -> None:
     assert ident.differences(saved) == []
     saved["model_config"]["n_layers"] = 3  # a real difference is still one
     assert ident.differences(saved)[0].startswith("n_layers: checkpoint 3")
+
+
+def test_a_resume_with_changed_settings_keeps_the_earlier_config(tmp_path: Path, tiny_tokenizer: str,
+                                                                 corpus_dir: Path, caplog) -> None:
+    """config.toml used to be overwritten by the resuming run's settings, so the run folder no longer said what
+    its first steps ran with; now the earlier file is kept under config_history/ and each change is logged."""
+    import logging
+    import tomllib
+
+    from trnkit.harness.train import run
+
+    from .helpers import ckpt_config
+
+    run(ckpt_config(tmp_path, tiny_tokenizer, corpus_dir, steps=2, optimizer={"weight_decay": 0.1}))
+    first = (tmp_path / "config.toml").read_text()
+    caplog.set_level(logging.INFO, logger="trnkit.harness")
+    res = run(ckpt_config(tmp_path, tiny_tokenizer, corpus_dir, steps=3, optimizer={"weight_decay": 0.5},
+                          training={"max_norm": 0.5}))
+    assert res.start_step == 2 and res.final_step == 3
+    assert (tmp_path / "config_history" / "until-step-2.toml").read_text() == first
+    assert tomllib.loads((tmp_path / "config.toml").read_text())["optimizer"]["weight_decay"] == 0.5
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("config: ")]
+    assert logged == [f"config: this run resumes step 2 with 3 settings changed: optimizer.weight_decay 0.1 -> "
+                      f"0.5, training.max_norm 1.0 -> 0.5, training.steps 2 -> 3; the earlier config.toml is kept as "
+                      f"{tmp_path / 'config_history' / 'until-step-2.toml'}"], logged
+    # a resume with the same settings keeps nothing more
+    run(ckpt_config(tmp_path, tiny_tokenizer, corpus_dir, steps=3, optimizer={"weight_decay": 0.5},
+                    training={"max_norm": 0.5}))
+    assert sorted(os.listdir(tmp_path / "config_history")) == ["until-step-2.toml"]

@@ -7,7 +7,8 @@ taken over with a warning.
 
 A run that starts from step 0 (``--checkpoint.resume false``, checkpoints off, or nothing to resume)
 in a folder that holds an earlier run's ``metrics.jsonl`` or checkpoints first moves that run's files
-into ``<dump_folder>/previous-<UTC time>/``; nothing is deleted. What a run writes or replaces under its
+into ``<dump_folder>/previous-<UTC time>/``; nothing is deleted. A resume with other settings keeps the
+earlier ``config.toml`` as ``config_history/until-step-<N>.toml`` (:func:`keep_changed_config`). What a run writes or replaces under its
 folder (the HF export) must not be a symbolic link nor resolve outside the folder
 (:func:`writable_inside`).
 """
@@ -22,9 +23,11 @@ from typing import Any, Callable
 
 from trnkit.errors import ConfigError
 from trnkit.harness.checkpoint import aside_path, list_checkpoints, probe_write, utc_now
+from trnkit.packaged import load_toml
 
+CONFIG_HISTORY = "config_history"  # a resumed run's earlier config.toml files: until-step-<N>.toml
 # What a run writes directly under its dump folder (the checkpoint folder is added by the caller).
-RUN_FILES = ("metrics.jsonl", "config.toml", "stack.lock", "loss.png", "hf_export")
+RUN_FILES = ("metrics.jsonl", "config.toml", CONFIG_HISTORY, "stack.lock", "loss.png", "hf_export")
 PREVIOUS_PREFIX = "previous-"  # an earlier run's files, moved aside by a fresh start: previous-<UTC time>
 
 
@@ -43,6 +46,51 @@ def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str],
             os.replace(src, dst)
     log(f"fresh start: the earlier run's files in {dump} were moved to {dest} (nothing was deleted)")
     return dest
+
+
+def keep_changed_config(dump: str, new_text: str, step: int, log: Callable[[str], None]) -> str | None:
+    """On a resume at ``step``: when the run folder's config.toml holds other settings than ``new_text`` (the
+    resuming run's), move it to ``config_history/until-step-<step>.toml`` and log each changed key, so the
+    folder keeps what every part of the run ran with. Returns the kept file (None: nothing changed)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    path = os.path.join(dump, "config.toml")
+    if not os.path.isfile(path):
+        return None
+    try:
+        old = _flat(load_toml(path))
+    except ConfigError:
+        old = None  # not a config this trainer wrote: kept as it is, without a list of changes
+    new = _flat(tomllib.loads(new_text))
+    if old == new:
+        return None
+    kept = os.path.join(dump, CONFIG_HISTORY, f"until-step-{step}.toml")
+    n = 1
+    while os.path.lexists(kept):  # resumed at this step before: until-step-<N>-2.toml, ...
+        n += 1
+        kept = os.path.join(dump, CONFIG_HISTORY, f"until-step-{step}-{n}.toml")
+    os.makedirs(os.path.dirname(kept), exist_ok=True)
+    os.replace(path, kept)
+    if old is None:
+        log(f"config: the run folder's config.toml is not a readable TOML file; kept as {kept}")
+        return kept
+    changes = [f"{k} {_shown(old.get(k))} -> {_shown(new.get(k))}" for k in sorted(old.keys() | new.keys())
+               if old.get(k) != new.get(k)]
+    log(f"config: this run resumes step {step} with {len(changes)} setting{'s' if len(changes) != 1 else ''} "
+        f"changed: {', '.join(changes)}; the earlier config.toml is kept as {kept}")
+    return kept
+
+
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    """``{"section.key": value}`` of a parsed config.toml."""
+    return {f"{sec}.{k}": v for sec, table in config.items() for k, v in table.items()}
+
+
+def _shown(value: Any) -> str:
+    return "(unset)" if value is None else repr(value)
 
 
 LOCK_NAME = ".trnkit.lock"

@@ -44,7 +44,7 @@ from trnkit.harness.logs import LOGGER, interrupt_message, setup_logging, trnkit
 from trnkit.harness.models import build_spec, has_hf_weights
 from trnkit.harness.plan import check_at_startup, measured_vs_plan
 from trnkit.harness.plugins import import_plugins
-from trnkit.harness.rundir import RunLock, archive_previous_run, writable_inside
+from trnkit.harness.rundir import RunLock, archive_previous_run, keep_changed_config, writable_inside
 from trnkit.harness.validation import Validator
 from trnkit.model_spec import ModelSpec
 from trnkit.qwen3.tp_experts import from_tp_layout, to_tp_layout
@@ -470,8 +470,11 @@ class Trainer:
             on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
         if env.rank == 0:  # written once the checkpoint (if any) has been accepted: a refused run changes nothing
             os.makedirs(dump, exist_ok=True)
+            text = to_toml(cfg) + _code_note(report)
+            if resume_from is not None:  # the earlier part of the run's settings are kept, when they differ
+                keep_changed_config(dump, text, self.start_step, log)
             with open(os.path.join(dump, "config.toml"), "w") as f:
-                f.write(to_toml(cfg) + _code_note(report))
+                f.write(text)
             with open(os.path.join(dump, "stack.lock"), "w") as f:
                 f.write(envinfo.lock_text(envinfo.current_stack()))
 
