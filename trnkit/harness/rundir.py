@@ -8,9 +8,9 @@ taken over with a warning.
 A run that starts from step 0 (``--checkpoint.resume false``, checkpoints off, or nothing to resume)
 in a folder that holds an earlier run's ``metrics.jsonl`` or checkpoints first moves that run's files
 into ``<dump_folder>/previous-<UTC time>/``; nothing is deleted. A resume with other settings keeps the
-earlier ``config.toml`` as ``config_history/until-step-<N>.toml`` (:func:`keep_changed_config`). What a run writes or replaces under its
-folder (the HF export) must not be a symbolic link nor resolve outside the folder
-(:func:`writable_inside`).
+earlier ``config.toml`` as ``config_history/until-step-<N>.toml`` (:func:`keep_changed_config`). What a
+run writes or replaces under its folder (the HF export) must not be a symbolic link nor resolve outside
+the folder (:func:`writable_inside`).
 """
 
 from __future__ import annotations
