@@ -180,3 +180,25 @@ def test_a_native_checkpoint_resumed_as_an_hf_model_names_the_family(tmp_path: P
         "configs and parameter names are not comparable)",
         "Nothing was written. To train this model, use another --job.dump_folder (or delete "
         f"{tmp_path / 'checkpoint'}); to resume the old run, use its model settings (see its config.toml)."]
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"vocab_size": -1}, "model.config.vocab_size: must be an integer >= 1, got -1"),
+    ({"hidden_size": 0}, "model.config.hidden_size: must be an integer >= 1, got 0"),
+    ({"head_dim": 0}, "model.config.head_dim: must be an integer >= 1, got 0"),
+    ({"num_attention_heads": 3}, "model.config.num_attention_heads: must be a multiple of num_key_value_heads (2), "
+                                 "got 3"),
+    ({"num_experts_per_tok": 9}, "model.config.num_experts_per_tok: must be <= num_experts (4), got 9"),
+    ({"rms_norm_eps": -1.0}, "model.config.rms_norm_eps: must be > 0, got -1.0"),
+])
+def test_hf_model_config_values_transformers_accepts_but_cannot_train_are_refused(
+        override: dict, message: str, hf_moe_dir: Path) -> None:
+    """Each used to start the run (config.toml and metrics.jsonl written) and end in a torch error at the
+    first step (rc 1), or in a NaN stop (negative eps)."""
+    from trnkit.harness.config import load_config
+    from trnkit.harness.models import build_spec
+
+    cfg = load_config(None, ["--model.spec", f"hf:{hf_moe_dir}", "--model.config", __import__("json").dumps(override)])
+    with pytest.raises(ConfigError) as e:
+        build_spec(cfg)
+    assert str(e.value) == f"{message} (hf:{hf_moe_dir}/config.json)"

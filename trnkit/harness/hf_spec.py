@@ -219,6 +219,7 @@ def _config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, ModelS
         if not hasattr(cfg, k):
             raise ConfigError(f"model.config: {type(cfg).__name__} has no field {k!r}")
         setattr(cfg, k, _override(cfg, k, v))
+    _check_trainable(cfg, path)
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     E = getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0) or 0
@@ -233,6 +234,32 @@ def _config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, ModelS
     if E and not any(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)):
         E = K = 0
     return cfg, ModelShape(cfg.num_hidden_layers, n_heads, head_dim, E, K)
+
+
+_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "intermediate_size", "moe_intermediate_size")
+
+
+def _check_trainable(cfg: Any, path: str) -> None:
+    """Values transformers accepts in a config but no model of them trains with (a torch error at the first
+    step, or NaN): refused before anything is built, naming the key, the rule and the value."""
+    def fail(key: str, rule: str, value: Any) -> None:
+        raise ConfigError(f"model.config.{key}: {rule}, got {value!r} (hf:{path}/config.json)")
+
+    for key in _POSITIVE:
+        value = getattr(cfg, key, None)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            fail(key, "must be an integer >= 1", value)
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+    if kv and heads % kv:
+        fail("num_attention_heads", f"must be a multiple of num_key_value_heads ({kv})", heads)
+    experts_key = next((k for k in ("num_experts", "num_local_experts") if getattr(cfg, k, None)), None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    if experts_key and isinstance(top_k, int) and top_k > getattr(cfg, experts_key):
+        fail("num_experts_per_tok", f"must be <= {experts_key} ({getattr(cfg, experts_key)})", top_k)
+    eps = getattr(cfg, "rms_norm_eps", None)
+    if isinstance(eps, (int, float)) and not eps > 0:
+        fail("rms_norm_eps", "must be > 0", eps)
 
 
 def _refuse_non_float(path: str) -> None:
