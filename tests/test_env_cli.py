@@ -80,6 +80,16 @@ def test_demo_rejects_sizes_it_cannot_run_naming_the_flag(argv, message, capsys)
     assert capsys.readouterr().err == f"error: python -m trnkit demo {message}\n"
 
 
+@pytest.mark.parametrize("value", ["-1", "two"])
+def test_a_bad_interpreter_setting_is_one_line_and_exit_2(value):
+    """TRNKIT_NKISIM_BLAS_THREADS is read when the interpreter is imported; a bad value used to end the
+    command in a ValueError traceback (rc 1)."""
+    proc = _run("demo", env={"TRNKIT_NKISIM_BLAS_THREADS": value, "TRNKIT_NKI": "sim"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ("error: the NKI interpreter: TRNKIT_NKISIM_BLAS_THREADS must be an integer >= 0, "
+                           f"got {value!r}\n")
+
+
 @pytest.mark.parametrize("argv", [[], ["bogus"]])
 def test_cli_usage_errors(argv, capsys):
     from trnkit.__main__ import main

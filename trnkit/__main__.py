@@ -15,6 +15,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from trnkit.errors import TrnkitError
+
 
 def _cmd_env(args: argparse.Namespace) -> int:
     from trnkit import envinfo
@@ -81,7 +83,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     conformance_cli.add_arguments(p_conf)
     p_conf.set_defaults(fn=conformance_cli.run)
     args = parser.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except TrnkitError as e:  # a mistake to fix (trnkit.errors): one line, exit 2, as the trainer does
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ def _load_real() -> tuple[ModuleType, ModuleType, ModuleType]:
 
 
 def _load_sim() -> tuple[ModuleType, ModuleType, ModuleType]:
-    from trnkit import nkisim
+    try:
+        from trnkit import nkisim
+    except ValueError as exc:  # a bad interpreter setting read at import (TRNKIT_NKISIM_BLAS_THREADS)
+        raise ConfigError(f"the NKI interpreter: {exc}") from exc
     from trnkit.nkisim import isa as sim_isa
     from trnkit.nkisim import language as sim_nl
 
