@@ -78,6 +78,8 @@ def test_to_toml_round_trip(tmp_path: Path) -> None:
     ("", ["--lr_scheduler.warmup_steps", "-1"], r"warmup_steps: must be >= 0, got -1"),
     ("", ["--job.dump_folder", ""], r"^config job\.dump_folder: must name a folder \(everything the run writes goes "
      r"there\), got ''$"),
+    ("", ["--job.name", "  "], r"^config job\.name: must not be blank \(it names the run in the log, the loss curve "
+     r"and the checkpoints' manifests\), got '  '$"),
     ("", ["--overrides.impl", '{"rope_hf": '], r"^config overrides\.impl: expected JSON on the command line"),
     ("[overrides]\nseq_len = 999\n", [], r"^config overrides\.seq_len: is set from training\.seq_len by the trainer "
      r"\(the validation dry run sees the run's own shapes\); leave it out, got 999$"),
@@ -125,7 +127,7 @@ def test_loss_schedule_default_and_accepted_values(tmp_path: Path) -> None:
     assert load_config(_write(tmp_path, to_toml(cfg))) == cfg  # the resolved config.toml keeps it
 
 
-@pytest.mark.parametrize("folder", ["/tmp/ckpt", "../ckpt", "ckpt/../../x", "", "."])
+@pytest.mark.parametrize("folder", ["/tmp/ckpt", "../ckpt", "ckpt/../../x", "", ".", "   "])
 def test_checkpoint_folder_must_stay_inside_the_dump_folder(folder: str) -> None:
     """The run's lock covers its dump folder: a checkpoint folder outside it (or the dump folder itself, which a
     fresh start would have to move into its own previous-<time>/) is refused, naming key, rule and value."""

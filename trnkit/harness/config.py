@@ -404,6 +404,8 @@ def _validate(cfg: TrainerConfig) -> None:
     _require_finite(cfg)
     req(cfg.job.dump_folder.strip() != "", "job.dump_folder", "must name a folder (everything the run writes goes "
         "there)", cfg.job.dump_folder)
+    req(cfg.job.name.strip() != "", "job.name", "must not be blank (it names the run in the log, the loss curve and "
+        "the checkpoints' manifests)", cfg.job.name)
     req(0 <= cfg.job.seed <= SEED_MAX, "job.seed", "must be in [0, 2**63 - 1] (torch and numpy seeds)", cfg.job.seed)
     spec_family(cfg.model.spec)
     t = cfg.training
@@ -477,7 +479,7 @@ def _check_checkpoint_folder(folder: str) -> None:
     from trnkit.harness.rundir import LOCK_NAME, PREVIOUS_PREFIX, RUN_FILES
 
     norm = os.path.normpath(folder) if folder else ""
-    if os.path.isabs(folder) or norm in ("", os.curdir) or norm.split(os.sep)[0] == os.pardir:
+    if os.path.isabs(folder) or norm in ("", os.curdir) or not folder.strip() or norm.split(os.sep)[0] == os.pardir:
         raise ConfigError(f"config checkpoint.folder: must be a subfolder of job.dump_folder, given relative to it "
                           f"(e.g. 'checkpoint'; absolute paths and '..' would leave the run folder), got {folder!r}")
     top = norm.split(os.sep)[0]
