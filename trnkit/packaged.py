@@ -64,12 +64,23 @@ def shipped_path(path: str) -> str:
     return str(candidate) if candidate.exists() else path
 
 
-def load_toml(path: str | os.PathLike) -> dict[str, Any]:
-    """A TOML file (a trainer config, a stack lock) as a dict; ConfigError naming the file and the problem."""
+def _tomllib() -> Any:
+    """The standard library's TOML reader (``tomli`` on Python 3.10)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
+    return tomllib
+
+
+def parse_toml(text: str) -> dict[str, Any]:
+    """TOML text (e.g. the config.toml a run is about to write) as a dict."""
+    return _tomllib().loads(text)
+
+
+def load_toml(path: str | os.PathLike) -> dict[str, Any]:
+    """A TOML file (a trainer config, a stack lock) as a dict; ConfigError naming the file and the problem."""
+    tomllib = _tomllib()
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from trnkit.errors import ConfigError
 from trnkit.harness.checkpoint import aside_path, list_checkpoints, probe_write, utc_now
-from trnkit.packaged import load_toml
+from trnkit.packaged import load_toml, parse_toml
 
 CONFIG_HISTORY = "config_history"  # a resumed run's earlier config.toml files: until-step-<N>.toml
 # What a run writes directly under its dump folder (the checkpoint folder is added by the caller).
@@ -52,11 +52,6 @@ def keep_changed_config(dump: str, new_text: str, step: int, log: Callable[[str]
     """On a resume at ``step``: when the run folder's config.toml holds other settings than ``new_text`` (the
     resuming run's), move it to ``config_history/until-step-<step>.toml`` and log each changed key, so the
     folder keeps what every part of the run ran with. Returns the kept file (None: nothing changed)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-
     path = os.path.join(dump, "config.toml")
     if not os.path.isfile(path):
         return None
@@ -64,7 +59,7 @@ def keep_changed_config(dump: str, new_text: str, step: int, log: Callable[[str]
         old = _flat(load_toml(path))
     except ConfigError:
         old = None  # not a config this trainer wrote: kept as it is, without a list of changes
-    new = _flat(tomllib.loads(new_text))
+    new = _flat(parse_toml(new_text))
     if old == new:
         return None
     kept = os.path.join(dump, CONFIG_HISTORY, f"until-step-{step}.toml")
