@@ -478,8 +478,8 @@ def _check_checkpoint_folder(folder: str) -> None:
     them aside with the run's other files."""
     from trnkit.harness.rundir import LOCK_NAME, PREVIOUS_PREFIX, RUN_FILES
 
-    norm = os.path.normpath(folder) if folder else ""
-    if os.path.isabs(folder) or norm in ("", os.curdir) or not folder.strip() or norm.split(os.sep)[0] == os.pardir:
+    norm = os.path.normpath(folder) if folder.strip() else ""  # a blank name is no folder
+    if os.path.isabs(folder) or norm in ("", os.curdir) or norm.split(os.sep)[0] == os.pardir:
         raise ConfigError(f"config checkpoint.folder: must be a subfolder of job.dump_folder, given relative to it "
                           f"(e.g. 'checkpoint'; absolute paths and '..' would leave the run folder), got {folder!r}")
     top = norm.split(os.sep)[0]
