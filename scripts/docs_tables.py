@@ -1524,6 +1524,7 @@ def launch_lnc2() -> tuple[Callable[[], str], ...]:
 
 
 ACT_FIXED_NS = trn2_constant(lambda: _trn2().act_fixed_ns)  # ScalarE's fixed time per ACTIVATE
+ACT_TABLE_LOAD_NS = trn2_constant(lambda: _trn2().act_table_load_ns, "{:,.0f}")  # ScalarE's table load
 
 
 CPU_CSV = "cpu_overhead.csv"  # benchmarks/cpu_overhead.py: host-side costs measured on this machine (CPU time)
@@ -2037,7 +2038,7 @@ QUOTES = (
     Quote("docs/cost-model.md", "**plus a fixed {} ns** (trn2)", "hardware.TRN2.act_fixed_ns", ACT_FIXED_NS),
     Quote("docs/cost-model.md", "**plus the same fixed {} ns** (trn2)", "hardware.TRN2.act_fixed_ns", ACT_FIXED_NS),
     Quote("docs/cost-model.md", "| activation-table load | {} ns of ScalarE", "hardware.TRN2.act_table_load_ns",
-          trn2_constant(lambda: _trn2().act_table_load_ns, "{:,.0f}")),
+          ACT_TABLE_LOAD_NS),
     Quote("docs/cost-model.md", "plus a {} us wait (one cross-core semaphore exchange)", "hardware.TRN2.dma.fixed_ns",
           trn2_constant(lambda: _trn2().dma.fixed_ns / 1e3, "{:.1f}")),
     Quote("docs/cost-model.md", "`dma_fixed_ns`, {} / {} / {} ns.", "cost_params dma_fixed_ns",
@@ -2050,7 +2051,7 @@ QUOTES = (
           (*model_param("dma_wake_ns"), model_param("dma_wake_ns")[1])),
     Quote("docs/cost-model.md", "| ScalarE ACTIVATE fixed time / activation-table load | {} ns / {} ns (fitted on the "
           "DMA overview's profile) | none / {} ns (assumed) |", "hardware TRN2 / TRN1 ScalarE fixed times",
-          (ACT_FIXED_NS, trn2_constant(lambda: _trn2().act_table_load_ns, "{:,.0f}"),
+          (ACT_FIXED_NS, ACT_TABLE_LOAD_NS,
            trn2_constant(lambda: _chip("trn1").act_table_load_ns, "{:,.0f}"))),
     Quote("docs/cost-model.md", "ramps to full over {} us; re-engages below 50 % over a {} us window",
           "hardware.TRN2.didt_ramp_ns", (trn2_constant(lambda: _trn2().didt_ramp_ns / 1e3),) * 2),
@@ -2068,7 +2069,7 @@ QUOTES = (
           "cost_params.STANDALONE_LAUNCH", launch_param("core_skew_ns")),
     Quote("docs/cost-model.md", "| `hardware.TRN2.act_fixed_ns` | {} ns |", "hardware.TRN2.act_fixed_ns", ACT_FIXED_NS),
     Quote("docs/cost-model.md", "| `hardware.TRN2.act_table_load_ns` | {} ns |", "hardware.TRN2.act_table_load_ns",
-          trn2_constant(lambda: _trn2().act_table_load_ns, "{:,.0f}")),
+          ACT_TABLE_LOAD_NS),
     Quote("docs/cost-model.md", "| `cost_params.dma_fixed_ns` low / high | {} / {} ns |", "cost_params dma_fixed_ns",
           model_param("dma_fixed_ns")[::2]),
     Quote("docs/cost-model.md", "| `cost_params.dma_fixed_ns` mid | {} ns |", "cost_params.MID.dma_fixed_ns",
