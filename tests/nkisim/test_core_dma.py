@@ -204,7 +204,13 @@ def test_dependency_boxes_separate_disjoint_slices():
     assert common.span(lo_half)[2] > common.span(hi_half)[1]
     assert common.box(lo_half)[4] <= common.box(hi_half)[3]
     h = hb(np.zeros((8, 8), np.float32))
-    assert common.box(h[2:4, 1:3])[1:] == (0, 1, 17, 27)
+    hkey = common.box(h)[0]
+    assert common.box(h) == (hkey, 0, 8, 0, 8)  # HBM: rows x columns of the last dimension
+    assert common.box(h[2:4, 1:3]) == (hkey, 2, 4, 1, 3)
+    assert common.span(h[2:4, 1:3])[1:] == (17, 27)  # the flat span crosses columns 3..8 of row 2
+    # an access whose columns leave one row window gets the whole rows its flat span touches (a superset)
+    assert common.box(h.reshape((1, 64))[:, 4:12]) == (hkey, 0, 2, 0, 8)
+    assert common.box(h.view(nl.bfloat16)[2:3, 2:6]) == (hkey, 2, 3, 0, 8)  # other dtype than the storage
     with trace.record() as tr:
         nisa.dma_copy(dst=t[64:96, 0, :], src=h.reshape((1, 64)).broadcast(0, 32))
     assert tr.instrs[0].attrs["write_boxes"][0][1:] == (64, 96, 0, 64)

@@ -192,3 +192,28 @@ def test_estimate_gives_ordered_ranges_and_sensitivity_names_every_parameter():
     assert sens["compiler_cse"][1] > mid  # without the pass the recompute costs time
     with pytest.raises(ValueError, match="unknown parameter 'nope'"):
         cost_params.one_at_a_time("nope")
+
+
+def test_hbm_column_windows_are_independent_unless_they_overlap():
+    """An HBM access's box is rows x a column window of its tensor's last dimension (isa/common.py
+    ``_hbm_box``): a load of ``out[:, 128:256]`` does not wait for a store to ``out[:, 0:128]`` (their flat
+    spans interleave, row by row, as attention_cte's per-q-group output slices do), a load of
+    ``out[:, 64:192]`` waits for the store to finish."""
+    from trnkit.nkisim.tensor import from_array
+
+    def store_then_load(cols: slice) -> tuple[float, list[Instr]]:
+        out = from_array(np.zeros((64, 256), np.float32), nl.hbm, "out")
+        a = nl.ndarray((64, 128), nl.float32, buffer=nl.sbuf)
+        b = nl.ndarray((64, 128), nl.float32, buffer=nl.sbuf)
+        with trace.record() as tr:
+            nisa.dma_copy(dst=out[:, 0:128], src=a)
+            nisa.dma_copy(dst=b, src=out[:, cols])
+        return _run(list(tr), "trn2"), list(tr)
+
+    disjoint, instrs = store_then_load(slice(128, 256))
+    overlapping, _ = store_then_load(slice(64, 192))
+    store, load = (cost.instr_cost(i, "trn2") for i in instrs)
+    # independent: the two transfers overlap (under one latency and a transfer); dependent: the load's
+    # transfer starts after the store has finished
+    assert disjoint < store.latency_ns + load.transfer_ns
+    assert overlapping > store.latency_ns + load.transfer_ns + 0.5 * load.fixed_ns

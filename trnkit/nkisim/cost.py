@@ -548,9 +548,10 @@ class _DepTracker:
     """Finish times of earlier accesses per storage, for RAW / WAR / WAW dependencies.
 
     Accesses are boxes ``(key, p0, p1, lo, hi)``: partitions ``[p0, p1)`` x per-partition free elements
-    ``[lo, hi)`` (the interpreter's ``read_boxes`` / ``write_boxes``; HBM is one "partition" with the
-    flat range). Two accesses conflict only if both intervals overlap, so DMAs into disjoint slices of
-    one tile (``t[:, k, :]`` for each ``k``) do not wait for each other, as they would on flat ranges.
+    ``[lo, hi)`` (the interpreter's ``read_boxes`` / ``write_boxes``; on HBM, rows x a column window of the
+    tensor's last dimension). Two accesses conflict only if both intervals overlap, so DMAs into disjoint
+    slices of one tile (``t[:, k, :]`` for each ``k``) or of one HBM tensor's columns do not wait for each
+    other, as they would on flat ranges.
 
     A matmul writing PSUM that earlier matmuls wrote (an accumulation group) does not wait for their
     results: TensorE issues them in order and PSUM accumulates as the moving data streams in ([SDK]

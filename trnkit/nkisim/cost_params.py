@@ -357,7 +357,7 @@ class LaunchRange:
 # The standalone launch's range. startup_ns: low 0: the [SDK] nrtpy tutorial (neuron-runtime/nrtpy/
 # tutorial-validate-benchmark, "Device-side benchmark (NeuronCore execution only)") times a [4, 3] fp16
 # add kernel's NEFF at 3.2 us mean (3.0 min), which the model's mid estimate of that kernel (two loads, a
-# tensor_tensor, a store: 3.19 us) already fills. Mid 16.9 us: read off the one published profile of a
+# tensor_tensor, a store: 3.16 us) already fills. Mid 16.9 us: read off the one published profile of a
 # whole standalone NKI execution, the fused-Mamba toy's (nki/img/mamba_v1_profile.png, trn1, SDK 2.20,
 # 172.93 us): the first DMA trigger (Pending DMA Count rising) at 12.44 us, the last transfer's end at
 # 168.50 us, so 172.93 - (168.50 - 12.44) = 16.87 us around the kernel (read off the image at 8.6 px/us,

@@ -305,13 +305,37 @@ def _span_box(t: NkiTensor) -> tuple[tuple[int, int, int], tuple[int, int, int, 
     flat_lo, flat_hi = lo + min(d0, 0), hi + max(d0, 0)
     span_ = (key, (off + flat_lo) * isz // ssz, ((off + flat_hi + 1) * isz + ssz - 1) // ssz)
     if not st.buffer.on_chip:
-        return span_, (key, 0, 1, span_[1], span_[2])
+        return span_, _hbm_box(t, off, span_)
     ps = st.free_bytes // ssz  # partition stride in storage elements
     first = (off + lo) * isz // ssz
     p0 = first // ps
     base = p0 * ps
     return span_, (key, p0, p0 + shape[0], first - base,
                    ((off + hi + 1) * isz + ssz - 1) // ssz - base)
+
+
+def _hbm_box(t: NkiTensor, off: int, span_: tuple[int, int, int]) -> tuple[int, int, int, int, int]:
+    """An HBM access's box as rows x columns of its tensor's last dimension (``(key, row0, row1, col0, col1)``),
+    so strided accesses to disjoint column windows (one q group's columns of every row of an output) do not
+    look dependent; where the access's columns leave one row window (or its dtype differs from the storage's)
+    the whole rows its flat span touches (a superset, as the flat span is)."""
+    st = t._st
+    key, lo, hi = span_
+    row = st.shape[-1] if len(st.shape) > 1 else st.elements
+    whole_rows = (key, lo // row, (hi - 1) // row + 1, 0, row)
+    if t.dtype.itemsize != st.dtype.itemsize:
+        return whole_rows
+    r_lo = r_hi = c_lo = c_hi = 0
+    for n, s in zip(t.shape, t.strides):
+        ext = (n - 1) * s
+        if s % row == 0:
+            r_lo, r_hi = r_lo + min(ext, 0), r_hi + max(ext, 0)
+        else:
+            c_lo, c_hi = c_lo + min(ext, 0), c_hi + max(ext, 0)
+    col0, row0 = off % row, off // row
+    if col0 + c_lo < 0 or col0 + c_hi >= row:
+        return whole_rows
+    return (key, row0 + r_lo // row, row0 + r_hi // row + 1, col0 + c_lo, col0 + c_hi + 1)
 
 
 def _slot_box(st: Any, bx: tuple) -> tuple | None:
@@ -339,9 +363,10 @@ def span(t: NkiTensor) -> tuple[int, int, int]:
 
 def box(t: NkiTensor) -> tuple[int, int, int, int, int]:
     """``(storage key, p0, p1, lo, hi)``: partitions ``[p0, p1)`` x per-partition free elements
-    ``[lo, hi)`` (storage dtype) that ``t`` touches; HBM tensors are one "partition" ``[0, 1)`` with the
-    flat range. Two accesses overlap only if both intervals overlap, so writes to disjoint slices of one
-    tile (``y[:, :h]`` / ``y[:, h:]``, different partition slabs) do not look dependent."""
+    ``[lo, hi)`` (storage dtype) that ``t`` touches; on HBM the "partitions" are the rows of the tensor's last
+    dimension and ``[lo, hi)`` a column window of them (:func:`_hbm_box`). Two accesses overlap only if both
+    intervals overlap, so writes to disjoint slices of one tile (``y[:, :h]`` / ``y[:, h:]``, different
+    partition slabs) or of one HBM output (``o[b, :, 128g:128(g+1)]`` for each ``g``) do not look dependent."""
     return describe(t)[7]
 
 
