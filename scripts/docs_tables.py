@@ -2103,7 +2103,7 @@ QUOTES = (
           "nkilib_calibration.csv test_mlp_cte:246", (
               *(nkilib_cell("test_mlp_cte:246", c) for c in ("published_us", "low_us", "mid_us", "high_us")),
               nkilib_cell("test_mlp_cte:246", "error", "{:+.1f}"))),
-    Quote("docs/cost-model.md", "(`:735`: {} us recorded, {} / {} / {} us, above its range)",
+    Quote("docs/cost-model.md", "(`:735`: {} us recorded, {} / {} / {} us, inside its range)",
           "nkilib_calibration.csv test_attention_cte:735", (
               nkilib_cell("test_attention_cte:735", "published_us", "{:,.0f}"),
               *(nkilib_cell("test_attention_cte:735", c) for c in ("low_us", "mid_us", "high_us")))),
