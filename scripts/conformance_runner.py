@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,6 +287,19 @@ def _todo(scratch: Path, snap: Path, env: dict[str, str], order: str) -> list[di
     return todo
 
 
+def until_deadline(until: str, now: datetime) -> float:
+    """``--until HH:MM`` (UTC) as a timestamp: the next such time after ``now``, so an evening run told to stop
+    at 00:08 stops after midnight (it used to read today's 00:08, already past, and run nothing)."""
+    try:
+        h, m = map(int, until.split(":"))
+        at = now.replace(hour=h, minute=m, second=0, microsecond=0)
+    except ValueError:
+        raise SystemExit(f"conformance_runner: --until must be UTC HH:MM (00:00 to 23:59), got {until!r}") from None
+    if at <= now:
+        at += timedelta(days=1)
+    return at.timestamp()
+
+
 def run(args: argparse.Namespace) -> int:
     scratch, snap = Path(args.scratch), Path(args.snapshot)
     scratch.mkdir(parents=True, exist_ok=True)
@@ -294,8 +307,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("conformance_runner: set NKILIB_SRC (or --nkilib) to the nki-library checkout")
     commit = snapshot(snap, args.commit)
     env = _child_env(snap, args.nkilib)
-    h, m = map(int, args.until.split(":"))
-    deadline = datetime.now(timezone.utc).replace(hour=h, minute=m, second=0).timestamp()
+    deadline = until_deadline(args.until, datetime.now(timezone.utc))
     move = []  # SIGHUP: move the snapshot to --commit's current tip before the next row
     signal.signal(signal.SIGHUP, lambda *_: move.append(True))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # watch() then kills the running child
@@ -419,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run unrecorded rows from a snapshot worktree")
     r.add_argument("--snapshot", default=str(REPO.parent / f"{REPO.name}-snap"), help="worktree path")
     r.add_argument("--commit", default="main", help="the snapshot's commit (moved there if it exists)")
-    r.add_argument("--until", default="23:59", help="UTC HH:MM: the running row is killed and no row starts after")
+    r.add_argument("--until", default="23:59", help="UTC HH:MM, the next such time (past midnight: tomorrow): "
+                   "the running row is killed and no row starts after")
     r.add_argument("--scratch", default=str(SCRATCH))
     r.add_argument("--order", choices=sorted(ORDERS), default="cheapest",
                    help="cheapest: cheapest first; coverage: round-robin over (kernel, tier), cheapest first in each")

@@ -164,3 +164,17 @@ def test_a_row_stopped_at_8_gb_is_retried_as_a_14_gb_row_and_one_stopped_at_14_g
     assert [(e["est_cpu_s"], e["est_gb"]) for e in after] == [(1.0, 8.03), (3.0, 7.2)]
     assert runner.cap_for(after[0]["est_gb"], load=1.0, available_gb=20.0) == 14.0
     assert plan[0]["est_gb"] == 7.2  # the plan itself is not changed
+
+
+def test_until_is_the_next_such_utc_time_and_a_bad_value_is_refused():
+    from datetime import datetime, timedelta, timezone
+
+    evening = datetime(2026, 12, 6, 23, 36, 16, tzinfo=timezone.utc)
+    # past midnight: tomorrow's 00:08, not today's (which had passed, so the runner ran nothing)
+    assert runner.until_deadline("00:08", evening) == (evening.replace(hour=0, minute=8, second=0)
+                                                       + timedelta(days=1)).timestamp()
+    assert runner.until_deadline("23:50", evening) == evening.replace(minute=50, second=0).timestamp()
+    for bad in ("25:00", "9.30", "noon"):
+        with pytest.raises(SystemExit, match=f"--until must be UTC HH:MM .*got '{bad}'"):
+            runner.until_deadline(bad, evening)
+
