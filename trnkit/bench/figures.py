@@ -124,7 +124,7 @@ def jobs() -> list[Job]:
     # nki-library's recorded device times (held-out check points), and the LNC 1 what-if of one table
     nkilib = "benchmarks/calibration/nkilib_run.py"
     out.append(Job("nkilib_calibration", ((PY, nkilib, "--all"),), "benchmarks/calibration/nkilib_calibration.csv"))
-    # every row of the table (the largest, 3.4e10, traces in ~100 s at LNC 1)
+    # every row of the table (the largest, size 3.4e10, traced in ~11 s at LNC 1 on an idle machine)
     whatif = "benchmarks/calibration/nkilib_whatif_lnc1.csv"
     out.append(Job("nkilib_whatif_lnc1", ((PY, nkilib, "--lnc", "1", "--table", "attention_cte_no_cp_unit_perms",
                                            "--max-size", "1e11", "--all", "--out", whatif),), whatif))
