@@ -201,6 +201,31 @@ def test_grouped_experts_forward_backward(case: str, E: int, K: int, H: int) -> 
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_rows_per_token(K: int, dtype: torch.dtype) -> None:
+    """The experts' combine: each token's sum of its K expert-sorted rows. Against a float64 sum by hand
+    (rounded once to the rows' dtype), bitwise against the slot-order ``view(T, K, H).sum(1)`` of the
+    un-sorted rows for K <= 2 (two additions commute), and its gradient: each row gets its token's."""
+    g = torch.Generator().manual_seed(0)
+    T, H = 37, 24
+    order = torch.argsort(torch.randint(0, 5, (T * K,), generator=g), stable=True)  # rows sorted by expert
+    rows = (torch.randn(T * K, H, generator=g) * 3).to(dtype).requires_grad_()
+    out = qm.sum_rows_per_token(rows, order // K, T)
+    assert out.dtype == dtype
+    by_hand = torch.zeros(T, H, dtype=torch.float64)
+    for j in range(T * K):
+        by_hand[order[j] // K] += rows[j].double()
+    tol = 1e-6 if dtype == torch.float32 else 4e-3  # K = 4 sums in another order; bf16 rounds once at the end
+    torch.testing.assert_close(out.double(), by_hand.to(dtype).double(), rtol=tol, atol=tol)
+    if K <= 2:
+        slot_order = torch.empty_like(rows).index_copy(0, order, rows).view(T, K, H).sum(1)
+        assert torch.equal(out, slot_order)
+    grad = torch.randn(T, H, generator=g).to(dtype)
+    (row_grad,) = torch.autograd.grad(out, rows, grad)
+    assert torch.equal(row_grad, grad[order // K])
+
+
 def test_grouped_mm_both_paths_agree() -> None:
     g = torch.Generator().manual_seed(0)
     offs = torch.tensor([3, 3, 10, 16], dtype=torch.int32)  # group 1 empty
