@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import TRN2, dma_round_trip, matmul, opnd
+from trnkit.nki_api import nisa, nl
 from trnkit.nkisim import cost, hardware
 from trnkit.nkisim.cost_params import LOW, MID
 from trnkit.nkisim.trace import DMA, SCALAR, TENSOR, VECTOR, Instr
@@ -141,6 +142,19 @@ def test_a_transfer_uses_the_dma_engines_of_its_partitions(rows, engines):
 def test_a_transfer_into_upper_partitions_uses_their_engines():
     i = dma_load((4, 4096), write_boxes=(("a", 100, 104, 0, 4096),), read_boxes=(("x", 0, 1, 0, 16384),))
     assert cost.instr_cost(i).dma_engines == (12, 13)  # partitions 100..103 -> engine 12
+
+
+def test_a_store_side_dma_compute_uses_its_sbuf_sources_engines():
+    """out[0:8] += tile[64:72] (a dma_compute whose reads are an HBM view and an SBUF tile): the engines of the
+    SBUF tile's partitions 64..71 (engine 8), not of the HBM view's first row."""
+    from trnkit.nkisim import trace
+    from trnkit.nkisim.tensor import from_array
+
+    out = from_array(np.zeros((8, 256), np.float32), nl.hbm, "out")
+    t = nl.ndarray((128, 256), nl.float32, buffer=nl.sbuf)
+    with trace.record() as tr:
+        nisa.dma_compute(dst=out[0:8, :], srcs=[out[0:8, :], t[64:72, :]], reduce_op=nl.add)
+    assert cost.instr_cost(tr.instrs[0]).dma_engines == (8, 9)
 
 
 def test_sbuf_to_sbuf_dma_uses_the_engine_rate():

@@ -342,8 +342,10 @@ def _dma_engines(instr: Instr, nbytes: int, row: float, chip: Chip) -> tuple[int
     sides = [o for o in instr.operands if o.buffer in _ONCHIP and o.partitions > 0]
     if sides:
         side = dst if dst is not None and dst.buffer in _ONCHIP else sides[0]
-        boxes = instr.attrs.get("write_boxes" if side is dst else "read_boxes", ())
-        p0 = min((b[1] for b in boxes if len(b) == 5), default=0)
+        # the side operand's own box: a store-side dma_compute also reads HBM views, whose "partitions" are rows
+        box = next((b for o, b, _ in _paired(instr, instr.attrs.get("write_boxes", ()),
+                                             instr.attrs.get("read_boxes", ())) if o is side), ())
+        p0 = box[1] if len(box) == 5 else 0
         p1 = p0 + side.partitions
         first = p0 // d.partitions_per_engine
         last = (p1 - 1) // d.partitions_per_engine
