@@ -224,6 +224,56 @@ def test_trn2_vector_perf_mode_follows_the_architecture_guides_conditions():
     assert [cost.instr_cost(i, "trn1", MID).cycles - MID.access_init_cycles for i in vec[:5]] == [512] * 5
 
 
+def _stt_cases(x):
+    """scalar_tensor_tensor on [128, 512] tiles: (data * col) op1 operand1 in four placements / dtypes."""
+    f32 = np.float32
+    col = nl.ndarray((128, 1), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(dst=col, value=2.0)
+    a = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=a, value=1.0)
+    b = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=b, value=3.0)
+    p = nl.ndarray((128, 512), dtype=f32, buffer=nl.psum)
+    nisa.memset(dst=p, value=0.5)
+    w = nl.ndarray((128, 512), dtype=f32, buffer=nl.sbuf)
+    nisa.memset(dst=w, value=4.0)
+    out = nl.ndarray((128, 512), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=out, data=a, op0=nl.multiply, operand0=col, op1=nl.add, operand1=b)
+    nisa.scalar_tensor_tensor(dst=out, data=a, op0=nl.multiply, operand0=col, op1=nl.multiply, operand1=p)
+    nisa.scalar_tensor_tensor(dst=w, data=w, op0=nl.multiply, operand0=col, op1=nl.add, operand1=w)
+    nisa.scalar_tensor_tensor(dst=w, data=w, op0=nl.subtract, operand0=col, op1=nl.maximum, operand1=p)
+    nisa.scalar_tensor_tensor(dst=out, data=a, op0=nl.subtract, operand0=col, op1=nl.multiply, operand1=b)
+    return out
+
+
+def test_scalar_tensor_tensor_costs_a_tensor_tensor_of_its_two_tiles_except_at_the_pessimistic_end():
+    """cost_params.stt_as_tensor_tensor: the current ISA reference's "approximately the same latency as a
+    regular tensor_tensor" (the fp32 column operand0 costs nothing) at low / mid; the beta-1 table (N for
+    bf16 subtract / multiply, else 2N) at high."""
+    import ml_dtypes
+
+    x = np.ones((128, 512), dtype=ml_dtypes.bfloat16)
+    with trace.record() as tr:
+        _stt_cases(x)
+    stt = [i for i in tr if i.op == "scalar_tensor_tensor"]
+    assert len(stt) == 5
+
+    def cycles(params):
+        return [cost.instr_cost(i, "trn2", params).cycles - params.access_init_cycles
+                - params.psum_access_cycles * any(o.buffer == "psum" for o in i.operands) for i in stt]
+
+    # bf16 add, both tiles in SBUF: one pass, perf mode 2x = 256; bf16 x PSUM fp32 multiply: one pass
+    # (an input in PSUM) = 512; fp32 add in SBUF: two passes = 1024; fp32 max with PSUM: one pass = 512;
+    # bf16 (x - col) * b in SBUF: one pass, 2x = 256
+    assert cycles(MID) == cycles(cost_params.LOW) == [256, 512, 1024, 512, 256]
+    # beta-1: N only for bf16 data and operand1 with op0 subtract and op1 multiply (the last), else 2N
+    assert cycles(cost_params.HIGH) == [1024, 1024, 1024, 1024, 512]
+    assert not cost_params.HIGH.stt_as_tensor_tensor and MID.stt_as_tensor_tensor
+    # the performance mode shares VectorE's SBUF bus with GpSimd (hardware.Chip access rules)
+    assert cost._vector_perf_mode(stt[0], hardware.TRN2, MID)
+    assert not cost._vector_perf_mode(stt[0], hardware.TRN2, cost_params.HIGH)
+
+
 def _work_by(limit, t_end: float, dt: float = 0.05) -> float:
     """Full-rate work done by t_end under a utilization limit ``limit(t)`` (midpoint sum, dt ns)."""
     n = int(round(t_end / dt))

@@ -398,22 +398,39 @@ def _dma_cost(instr: Instr, chip: Chip, params: ModelParams, hbm_per_core: float
     return replace(c, latency_ns=fixed + _dma_span(c, chip, params) + params.dma_wake_ns)
 
 
-def _vector_perf_speedup(instr: Instr, chip: Chip) -> float:
+def _tensor_operands(instr: Instr, params: ModelParams) -> list:
+    """The operands VectorE streams for ``instr``'s cost: all of them, except a ``scalar_tensor_tensor``'s
+    ``operand0`` when it is priced as a ``tensor_tensor`` (:func:`_stt_as_tensor_tensor`): its scalar
+    broadcast comes "at no additional performance cost"."""
+    if _stt_as_tensor_tensor(instr, params):
+        return [o for o in instr.operands if o.role != "operand0"]
+    return list(instr.operands)
+
+
+def _stt_as_tensor_tensor(instr: Instr, params: ModelParams) -> bool:
+    """Whether ``instr`` is a ``scalar_tensor_tensor`` priced as the ``tensor_tensor`` of ``data`` and
+    ``operand1`` (``ModelParams.stt_as_tensor_tensor``)."""
+    return instr.op == "scalar_tensor_tensor" and params.stt_as_tensor_tensor
+
+
+def _vector_perf_speedup(instr: Instr, chip: Chip, params: ModelParams = MID) -> float:
     """VectorE's trn2 performance-mode speed-up over NeuronCore-v2 ([SDK] nki/guides/architecture/
     trainium2_arch "Vector Engine Performance Mode"; every tensor BF16/FP16, condition 1b):
 
     * ``tensor_copy`` / ``tensor_scalar``: 4x with input and output in SBUF and the inner-most free
       dimension contiguous (1a + 1c); 2x in SBUF without 1c, or contiguous with one of them in PSUM;
-    * ``tensor_tensor``: 2x with both inputs in SBUF (no contiguity condition);
+    * ``tensor_tensor`` (and a ``scalar_tensor_tensor`` priced as one): 2x with both inputs in SBUF (no
+      contiguity condition);
     * anything else: 1x.
     """
-    if instr.engine != VECTOR or chip.vector_fast_copy <= 1.0 or not instr.operands:
+    operands = _tensor_operands(instr, params)
+    if instr.engine != VECTOR or chip.vector_fast_copy <= 1.0 or not operands:
         return 1.0
-    if not all(o.dtype in _TWO_BYTE_FLOATS for o in instr.operands):
+    if not all(o.dtype in _TWO_BYTE_FLOATS for o in operands):
         return 1.0
-    in_psum = sum(o.buffer == "psum" for o in instr.operands)
-    if instr.op == "tensor_tensor":
-        inputs = [o for o in instr.operands if o.role != "dst"]
+    in_psum = sum(o.buffer == "psum" for o in operands)
+    if instr.op == "tensor_tensor" or _stt_as_tensor_tensor(instr, params):
+        inputs = [o for o in operands if o.role != "dst"]
         return chip.vector_fast_tensor_tensor if all(o.buffer == "sbuf" for o in inputs) else 1.0
     if instr.op in ("tensor_copy", "tensor_scalar"):
         inner = instr.attrs.get("inner_contiguous", instr.attrs.get("contiguous", True))
@@ -423,10 +440,10 @@ def _vector_perf_speedup(instr: Instr, chip: Chip) -> float:
     return 1.0
 
 
-def _vector_perf_mode(instr: Instr, chip: Chip) -> bool:
+def _vector_perf_mode(instr: Instr, chip: Chip, params: ModelParams = MID) -> bool:
     """Whether VectorE runs this instruction in its trn2 performance mode (it then uses the SBUF bus it
     shares with GpSimdE, [SDK] trainium2_arch "memory hierarchy")."""
-    return _vector_perf_speedup(instr, chip) > 1.0
+    return _vector_perf_speedup(instr, chip, params) > 1.0
 
 
 def _gpsimd_cycles(instr: Instr, n: int, chip: Chip, params: ModelParams) -> float:
@@ -465,19 +482,24 @@ def _compute_cycles(instr: Instr, chip: Chip, params: ModelParams = MID) -> floa
         return float(max(p, min(64, f))) + params.matmul_extra_cycles
     if eng == GPSIMD:
         return _gpsimd_cycles(instr, n, chip, params)
-    two_byte = bool(instr.operands) and all(o.dtype in _TWO_BYTE_FLOATS for o in instr.operands)
-    speedup = _vector_perf_speedup(instr, chip)
+    operands = _tensor_operands(instr, params)
+    two_byte = bool(operands) and all(o.dtype in _TWO_BYTE_FLOATS for o in operands)
+    speedup = _vector_perf_speedup(instr, chip, params)
     alu = _attr_name(instr.attrs.get("op") or instr.attrs.get("alu_op")).lower()
-    psum_in = params.psum_single_pass and any(o.buffer == "psum" for o in ins)
-    if op == "tensor_tensor":
+    psum_in = params.psum_single_pass and any(o.buffer == "psum" for o in ins if o.role != "operand0")
+    if op == "tensor_tensor" or _stt_as_tensor_tensor(instr, params):  # stt: alu is op1, the tensor op
         single = psum_in or (two_byte and alu in _FAST_ALU)
         cycles = n if single else 2 * n
         cycles /= speedup
         return max(min_ii, cycles)
     if op == "tensor_tensor_scan":  # [SDK-old] beta-1 ISA: 2N (two input tiles)
         return max(min_ii, 2 * n)
-    if op == "scalar_tensor_tensor":
-        return max(min_ii, n if (two_byte and alu in ("subtract", "multiply")) else 2 * n)
+    if op == "scalar_tensor_tensor":  # [SDK-old] beta-1 ISA cost table: N only in its one listed case
+        data, operand1 = _role(instr, "data"), _role(instr, "operand1")
+        fast = (data is not None and operand1 is not None and data.dtype == operand1.dtype == "bfloat16"
+                and _attr_name(instr.attrs.get("op0")).lower() == "subtract" and alu == "multiply"
+                and n % 2 == 0)
+        return max(min_ii, n if fast else 2 * n)
     if op in ("tensor_copy", "tensor_scalar"):
         return max(min_ii, n / speedup)
     if op == "tensor_reduce":
@@ -779,11 +801,11 @@ class _Recompute:
             self.version[key] += 1
 
 
-def _resources(ins: Instr, c: InstrCost, chip: Chip) -> list[object]:
+def _resources(ins: Instr, c: InstrCost, chip: Chip, params: ModelParams) -> list[object]:
     """Shared resources a compute instruction holds while busy (hardware.Chip access rules)."""
     res: list[object] = []
     if ins.engine == GPSIMD or (ins.engine == VECTOR and (not chip.vector_gpsimd_sbuf_parallel
-                                                          or _vector_perf_mode(ins, chip))):
+                                                          or _vector_perf_mode(ins, chip, params))):
         res.append("sbuf:vector+gpsimd")
     if ins.engine in (VECTOR, SCALAR):
         banks = {k[0] for o, k, _ in _paired(ins, ins.attrs["writes"], ins.attrs["reads"]) if o.buffer == "psum"}
@@ -1566,7 +1588,7 @@ def _list_schedule(instrs: Sequence[Instr], costs: Sequence[InstrCost], chip: Ch
                                                          sequencer_free[ins.engine])
             if tiles is not None and not params.compute_reorder:
                 t = max(sequencer_free[ins.engine], tiles.in_order_start(ready, blocks, engine_free[ins.engine]))
-            res = [shared[r] for r in _resources(ins, c, chip)]
+            res = [shared[r] for r in _resources(ins, c, chip, params)]
             mine = engine_time[ins.engine]
             throttle = didt if ins.engine == TENSOR else None
             work = busy

@@ -87,6 +87,16 @@ class ModelParams:
     # VectorE time in all, two passes 4.9 ms (calibration point "kernel_opt v5 VectorE", held out).
     # The pessimistic setting was "two passes" before that point was found.
     psum_single_pass: bool = True
+    # A scalar_tensor_tensor ((data op0 operand0) op1 operand1) costs what a tensor_tensor of data and
+    # operand1 with op1 costs (one pass with an input in PSUM or on bf16 add / subtract / multiply, else
+    # two; the trn2 performance mode's 2x with both inputs bf16 in SBUF): the current ISA reference ([SDK]
+    # nki/api/generated/nki.isa.scalar_tensor_tensor: "The scalar broadcasting in the first operation is
+    # performed at no additional performance cost, making this instruction have approximately the same
+    # latency as a regular tensor_tensor instruction"), optimistic and mid. Pessimistic: the beta-1 ISA's
+    # own table ([SDK-old] nki.isa.scalar_tensor_tensor "Estimated instruction cost": N with both tiles
+    # bf16, op0 subtract and op1 multiply, else 2N, whatever the buffers). Not fitted: no calibration point
+    # constrains it.
+    stt_as_tensor_tensor: bool = True
     # Fixed latency of a compute instruction whose result another waits on. Documented: static overhead
     # 100 + SBUF/PSUM access init 60 cycles ([SDK] nki_perf_guide, trainium_inferentia2_arch "add a
     # static instruction overhead of 100 engine cycles") = 160, the optimistic end. Measured: the perf
@@ -275,7 +285,7 @@ class ModelParams:
 MID = ModelParams()
 LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619.0, dma_wake_ns=250.0, dma_queues=5,
                   dma_hoist=True, hoist_bounded_by_sbuf=False, gpsimd_elems_per_cycle=1.0,
-                  swdge_cycles_per_row=1.0, psum_single_pass=True, psum_access_cycles=0, access_init_cycles=0,
+                  swdge_cycles_per_row=1.0, psum_single_pass=True, stt_as_tensor_tensor=True, psum_access_cycles=0, access_init_cycles=0,
                   dependent_overhead_cycles=160,
                   matmul_extra_cycles=0, compiler_cse=True, fp8_moving_cols_per_cycle=2.0, pe_tiles_concurrent=False,
                   compute_reorder=True,
@@ -285,7 +295,7 @@ LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619
                   psum_banks="unbounded")
 HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=1013.0, dma_wake_ns=375.0, dma_queues=1,
                    dma_hoist=False, hoist_bounded_by_sbuf=True, gpsimd_elems_per_cycle=0.25,
-                   swdge_cycles_per_row=32.0, psum_single_pass=True, psum_access_cycles=120, access_init_cycles=100,
+                   swdge_cycles_per_row=32.0, psum_single_pass=True, stt_as_tensor_tensor=False, psum_access_cycles=120, access_init_cycles=100,
                    dependent_overhead_cycles=240,
                    matmul_extra_cycles=16, compiler_cse=False, fp8_moving_cols_per_cycle=1.0, pe_tiles_concurrent=False,
                    compute_reorder=False,
