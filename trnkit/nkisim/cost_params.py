@@ -285,8 +285,8 @@ class ModelParams:
 MID = ModelParams()
 LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619.0, dma_wake_ns=250.0, dma_queues=5,
                   dma_hoist=True, hoist_bounded_by_sbuf=False, gpsimd_elems_per_cycle=1.0,
-                  swdge_cycles_per_row=1.0, psum_single_pass=True, stt_as_tensor_tensor=True, psum_access_cycles=0, access_init_cycles=0,
-                  dependent_overhead_cycles=160,
+                  swdge_cycles_per_row=1.0, psum_single_pass=True, stt_as_tensor_tensor=True, psum_access_cycles=0,
+                  access_init_cycles=0, dependent_overhead_cycles=160,
                   matmul_extra_cycles=0, compiler_cse=True, fp8_moving_cols_per_cycle=2.0, pe_tiles_concurrent=False,
                   compute_reorder=True,
                   same_engine_streaming=True, dma_engine_rate_factor=27.2 / 23.0, dma_merge_rows=True,
@@ -295,8 +295,8 @@ LOW = ModelParams(dma_transpose_factor=0.9, dma_knee_bytes=128, dma_fixed_ns=619
                   psum_banks="unbounded")
 HIGH = ModelParams(dma_transpose_factor=0.5, dma_knee_bytes=512, dma_fixed_ns=1013.0, dma_wake_ns=375.0, dma_queues=1,
                    dma_hoist=False, hoist_bounded_by_sbuf=True, gpsimd_elems_per_cycle=0.25,
-                   swdge_cycles_per_row=32.0, psum_single_pass=True, stt_as_tensor_tensor=False, psum_access_cycles=120, access_init_cycles=100,
-                   dependent_overhead_cycles=240,
+                   swdge_cycles_per_row=32.0, psum_single_pass=True, stt_as_tensor_tensor=False, psum_access_cycles=120,
+                   access_init_cycles=100, dependent_overhead_cycles=240,
                    matmul_extra_cycles=16, compiler_cse=False, fp8_moving_cols_per_cycle=1.0, pe_tiles_concurrent=False,
                    compute_reorder=False,
                    same_engine_streaming=False, dma_engine_rate_factor=1.0, dma_merge_rows=False,
