@@ -16,11 +16,13 @@ the same token batch and the same optimizer settings:
   chunked loss multiply the bf16-rounded operands in fp32 (`trnkit.qwen3.precision`); the `setup` column
   says which.
 
-How the figures repeat: one thread (`--threads 1`), process CPU time (other jobs on a shared machine do not
-count), fixed seeds for weights and tokens, the two sides interleaved (trnkit, transformers, trnkit, ...)
-so that slow phases of the machine hit both, the min of `--repeat` steps for the ratio (median reported
-too). A side whose first step takes longer than `--slow-step-s` (transformers' bf16 step on a CPU without
-native bf16 matmul) is timed by that step alone, cold, and stepped no more; its row says `reps` "1 cold".
+How the figures repeat: one thread (`--threads 1`), process CPU time (other jobs' CPU time does not count, but
+they share the caches and memory bandwidth: a memory-bound step, transformers' with its [tokens, V] logits,
+takes more CPU time on a loaded machine, docs/benchmarks.md), fixed seeds for weights and tokens, the two
+sides interleaved (trnkit, transformers, trnkit, ...) so that slow phases of the machine hit both, the min of
+`--repeat` steps for the ratio (median reported too). A side whose first step takes longer than
+`--slow-step-s` (transformers' bf16 step on a CPU without native bf16 matmul) is timed by that step alone,
+cold, and stepped no more; its row says `reps` "1 cold".
 Deterministic algorithms (`torch.use_deterministic_algorithms`) are set the same on both sides:
 `--deterministic off` is transformers' default, `on` the trainer's default; the CSV says which.
 
@@ -231,7 +233,8 @@ def main() -> None:
                          "on: the trainer's)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (0: torch's default)")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
-                    help="cpu: process CPU time (with one thread, insensitive to other load); wall: perf_counter")
+                    help="cpu: process CPU time (one thread; other jobs' CPU time does not count, their "
+                         "memory traffic does); wall: perf_counter")
     ap.add_argument("--loss-chunk", type=int, default=256,
                     help="trnkit's chunked linear cross-entropy: tokens per chunk (0 = full logits)")
     ap.add_argument("--vocab", type=int, default=None,
