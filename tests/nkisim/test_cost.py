@@ -39,6 +39,9 @@ def test_hardware_constants_are_consistent():
     assert TRN2.hbm_bytes_per_ns == pytest.approx(2900 / 8)
     assert TRN2.tensor_flops_per_ns("float8_e4m3") == 2 * TRN2.tensor_flops_per_ns("bfloat16")
     assert TRN2.tensor_flops_per_ns("float32") == TRN2.tensor_flops_per_ns("bfloat16") / 4
+    assert TRN2.tensor_flops_per_ns("float32", transpose=True) == TRN2.tensor_flops_per_ns("bfloat16") / 2
+    assert hardware.TRN1.tensor_flops_per_ns("float32", transpose=True) == \
+        hardware.TRN1.tensor_flops_per_ns("bfloat16") / 4
     assert TRN2.sbuf_bytes_per_partition == 224 * 1024 and TRN2.psum_banks == 8
     with pytest.raises(ValueError, match="unknown chip 'trn9'"):
         hardware.get_chip("trn9")
@@ -67,6 +70,31 @@ def test_matmul_cycle_formula_small_and_fp32_and_fp8():
     assert cost.instr_cost(matmul(128, 128, 512, "float8_e4m3", perf_mode="double_row")).cycles == 256
     # trn1: same cycles at 2.8 GHz
     assert cost.instr_cost(matmul(128, 128, 512), "trn1").busy_ns == pytest.approx(512 / 2.8)
+
+
+def _pe_transpose(dtype: str, form: str) -> Instr:
+    """A [128, 128] TensorE transpose, as ``nc_transpose`` or as ``nc_matmul(is_transpose=True)``."""
+    if form == "nc_matmul":
+        return matmul(128, 128, 128, dtype, is_transpose=True)
+    ops = (opnd("dst", "psum", (128, 128), dtype), opnd("data", "sbuf", (128, 128), dtype))
+    return Instr("nc_transpose", TENSOR, ops, flops=2 * 128 ** 3, elems_per_partition=128, partitions=128)
+
+
+@pytest.mark.parametrize("form", ["nc_transpose", "nc_matmul"])
+def test_an_fp32_pe_transpose_takes_twice_a_bf16_one_on_trn2_and_a_matmul_s_4x_on_trn1(form):
+    # trn2 architecture guide, TensorE transpose mode: "2x speedup in FP32 transpose, vs. no transpose mode"
+    # (no transpose mode: an fp32 matmul, 4x); nc_transpose "is equivalent to" nc_matmul(is_transpose=True)
+    extra = MID.matmul_extra_cycles
+    bf16 = cost.instr_cost(_pe_transpose("bfloat16", form)).cycles - extra
+    assert bf16 == 128
+    assert cost.instr_cost(_pe_transpose("float32", form)).cycles - extra == 2 * 128
+    assert cost.instr_cost(_pe_transpose("float32", form), "trn1").cycles - extra == 4 * 128
+    # an fp32 matmul that is not a transpose keeps its 4x
+    assert cost.instr_cost(matmul(128, 128, 128, "float32")).cycles - extra == 4 * 128
+    # the roofline's TensorE bound counts the transpose at the same rate: a full one runs at its peak
+    rep = cost.estimate([_pe_transpose("float32", form)])
+    assert rep.compute_bound_ns == pytest.approx(2 * 128 ** 3 / (TRN2.tensor_flops_per_ns_bf16 / 2))
+    assert rep.compute_bound_ns == pytest.approx((2 * 128 + extra) / 2.4, rel=0.02)
 
 
 def _mixed_fp8_matmul(n: int, **attrs) -> Instr:

@@ -413,7 +413,8 @@ def _stt_as_tensor_tensor(instr: Instr, params: ModelParams) -> bool:
     return instr.op == "scalar_tensor_tensor" and params.stt_as_tensor_tensor
 
 
-def _vector_perf_speedup(instr: Instr, chip: Chip, params: ModelParams = MID) -> float:
+def _vector_perf_speedup(instr: Instr, chip: Chip, params: ModelParams = MID,
+                         operands: list | None = None) -> float:
     """VectorE's trn2 performance-mode speed-up over NeuronCore-v2 ([SDK] nki/guides/architecture/
     trainium2_arch "Vector Engine Performance Mode"; every tensor BF16/FP16, condition 1b):
 
@@ -422,8 +423,10 @@ def _vector_perf_speedup(instr: Instr, chip: Chip, params: ModelParams = MID) ->
     * ``tensor_tensor`` (and a ``scalar_tensor_tensor`` priced as one): 2x with both inputs in SBUF (no
       contiguity condition);
     * anything else: 1x.
+
+    ``operands``: :func:`_tensor_operands` of ``instr``, when the caller has them.
     """
-    operands = _tensor_operands(instr, params)
+    operands = _tensor_operands(instr, params) if operands is None else operands
     if instr.engine != VECTOR or chip.vector_fast_copy <= 1.0 or not operands:
         return 1.0
     if not all(o.dtype in _TWO_BYTE_FLOATS for o in operands):
@@ -471,7 +474,7 @@ def _compute_cycles(instr: Instr, chip: Chip, params: ModelParams = MID) -> floa
         cycles = float(max(min(64, n_st), n_mv))
         dtype = (st or mv or (ins[0] if ins else None))
         if dtype is not None and dtype.dtype == "float32":
-            cycles *= chip.fp32_slowdown
+            cycles *= chip.fp32_transpose_slowdown if _is_pe_transpose(instr) else chip.fp32_slowdown
         if double_row:
             cycles /= chip.fp8_speedup
         return cycles + params.matmul_extra_cycles
@@ -479,14 +482,16 @@ def _compute_cycles(instr: Instr, chip: Chip, params: ModelParams = MID) -> floa
         src = ins[0] if ins else dst
         p = src.partitions if src else 128
         f = src.free_elems if src else n
-        return float(max(p, min(64, f))) + params.matmul_extra_cycles
+        fp32 = src is not None and src.dtype == "float32"
+        return float(max(p, min(64, f))) * (chip.fp32_transpose_slowdown if fp32 else 1.0) \
+            + params.matmul_extra_cycles
     if eng == GPSIMD:
         return _gpsimd_cycles(instr, n, chip, params)
     operands = _tensor_operands(instr, params)
     two_byte = bool(operands) and all(o.dtype in _TWO_BYTE_FLOATS for o in operands)
-    speedup = _vector_perf_speedup(instr, chip, params)
+    speedup = _vector_perf_speedup(instr, chip, params, operands)
     alu = _attr_name(instr.attrs.get("op") or instr.attrs.get("alu_op")).lower()
-    psum_in = params.psum_single_pass and any(o.buffer == "psum" for o in ins if o.role != "operand0")
+    psum_in = params.psum_single_pass and any(o.buffer == "psum" for o in operands if o.role != "dst")
     if op == "tensor_tensor" or _stt_as_tensor_tensor(instr, params):  # stt: alu is op1, the tensor op
         single = psum_in or (two_byte and alu in _FAST_ALU)
         cycles = n if single else 2 * n
@@ -1975,7 +1980,8 @@ def estimate(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2", params: 
             busy[e] = max(busy.get(e, 0.0), b)
         for e, b in p_active.items():
             active[e] = tuple(max(x, y) for x, y in zip(active.get(e, (0.0, 0.0, 0.0)), b))
-        p_compute = sum(i.flops / chip.tensor_flops_per_ns(_matmul_dtype(i)) for i in p_instrs if i.flops)
+        p_compute = sum(i.flops / chip.tensor_flops_per_ns(_matmul_dtype(i), _is_pe_transpose(i))
+                        for i in p_instrs if i.flops)
         p_bytes = sum(i.hbm_bytes for i in p_instrs) - _resident_reload_bytes(p_instrs, chip)
         hbm_bytes += p_bytes
         p_memory = p_bytes / roof_hbm
@@ -2040,6 +2046,12 @@ def sensitivity(trace: Trace | Iterable[Instr], chip: str | Chip = "trn2",
         lo, hi = one_at_a_time(name)
         out[name] = (estimate_total(instrs, chip, lo, launch), estimate_total(instrs, chip, hi, launch))
     return dict(sorted(out.items(), key=lambda kv: -abs(kv[1][1] - kv[1][0])))
+
+
+def _is_pe_transpose(instr: Instr) -> bool:
+    """Whether ``instr`` is a TensorE transpose (``nc_transpose`` on TensorE or ``nc_matmul(is_transpose=True)``:
+    the same transpose mode on NeuronCore-v3, :attr:`Chip.fp32_transpose_slowdown`)."""
+    return instr.engine == TENSOR and (instr.op == "nc_transpose" or bool(instr.attrs.get("is_transpose")))
 
 
 def _matmul_dtype(instr: Instr) -> str:

@@ -82,6 +82,7 @@ class Chip:
     tensor_tflops_bf16: float  # documented peak, dense BF16/FP16/TF32, per core
     fp8_speedup: float  # FP8 "double row" throughput factor over BF16
     fp32_slowdown: float  # fp32 matmul inputs run this many times slower
+    fp32_transpose_slowdown: float  # an fp32 TensorE transpose takes this many times a bf16 one's time
     hbm_bytes_per_ns_chip: float  # HBM bandwidth of the whole chip, GB/s
     hbm_bytes_chip: int
     hbm_stacks: int  # HBM stacks per chip; each serves cores_per_chip / hbm_stacks physical cores
@@ -150,11 +151,12 @@ class Chip:
         """Peak TensorE FLOP/ns from the array: rows x cols MACs x 2 FLOPs per cycle."""
         return self.pe_rows * self.pe_cols * 2 * self.clocks.tensor
 
-    def tensor_flops_per_ns(self, dtype: str = "bfloat16") -> float:
-        """Peak TensorE FLOP/ns for the input dtype."""
+    def tensor_flops_per_ns(self, dtype: str = "bfloat16", transpose: bool = False) -> float:
+        """Peak TensorE FLOP/ns for the input dtype (``transpose``: of a PE transpose, whose fp32 rate is
+        :attr:`fp32_transpose_slowdown`'s)."""
         base = self.tensor_flops_per_ns_bf16
         if dtype in ("float32",):
-            return base / self.fp32_slowdown
+            return base / (self.fp32_transpose_slowdown if transpose else self.fp32_slowdown)
         if dtype.startswith("float8"):
             return base * self.fp8_speedup
         return base
@@ -181,6 +183,10 @@ TRN2 = Chip(
     # [SDK-old] general/nki/api/nki/isa nc_matmul "Estimated instruction cost": fp32 inputs 4x cycles
     # (neuron-core-v3 trainium2_arch table: 20 FP32 TFLOPS = 79/4).
     fp32_slowdown=4.0,
+    # [SDK] nki/guides/architecture/trainium2_arch, TensorE transpose mode (NeuronCore-v3; nc_matmul(
+    # is_transpose=True) or nc_transpose on TensorE): "2x speedup in FP32 transpose, vs. no transpose mode
+    # enabled", i.e. half an fp32 matmul's 4x.
+    fp32_transpose_slowdown=2.0,
     # [SDK] about-neuron/arch/neuron-hardware/trainium2: 96 GiB, 2.9 TB/s per chip. DISAGREE:
     # [SDK] nki/guides/architecture/trainium2_arch says 3 TB/s. 2.9 TB/s is used: 362.5 GB/s per core.
     hbm_bytes_per_ns_chip=2900.0,
@@ -265,6 +271,7 @@ TRN1 = Chip(
     tensor_tflops_bf16=92.0,
     fp8_speedup=1.0,  # cFP8 runs at the BF16 rate on v2 (same 92 TFLOPS figure); no double_row
     fp32_slowdown=4.0,  # 23 FP32 TFLOPS = 92 / 4 (trainium_inferentia2_arch)
+    fp32_transpose_slowdown=4.0,  # no transpose mode on NeuronCore-v2: a transpose is a plain matmul
     # [SDK] nki/guides/architecture/trainium_inferentia2_arch: 32 GiB, 820 GB/s per device.
     # DISAGREE: [SDK] about-neuron/arch/neuron-hardware/trainium writes "820 GiB/sec"; 820 GB/s is used.
     hbm_bytes_per_ns_chip=820.0,

@@ -324,15 +324,17 @@ def _st_dq(blk, ctx):
 
 def _transpose_out(src_ps, w, scale, dt):
     """``[D, w]`` fp32 PSUM (times scale) -> ``[P, nsub, D]`` in dt (key ``c*P + p`` at ``[p, c]``; PE
-    transposes)."""
+    transposes). The scaled copy already rounds to dt: the transpose is exact, so the values are the same
+    as transposing in fp32, and a bf16 transpose takes half an fp32 one's TensorE time (trn2 arch guide,
+    transpose mode)."""
     D = src_ps.shape[0]
-    t_sb = nl.ndarray((D, KB), dtype=nl.float32, buffer=nl.sbuf)
+    t_sb = nl.ndarray((D, KB), dtype=dt, buffer=nl.sbuf)
     nisa.activation(dst=t_sb[:, 0:w], op=nl.copy, data=src_ps[:, 0:w], scale=scale)
     nsub = cdiv(w, P)
     out = nl.ndarray((P, nsub, D), dtype=dt, buffer=nl.sbuf)
     for c in range(nsub):
         kc = min(P, w - c * P)
-        tp = nl.ndarray((P, D), dtype=nl.float32, buffer=nl.psum)
+        tp = nl.ndarray((P, D), dtype=dt, buffer=nl.psum)
         nisa.nc_transpose(dst=tp[0:kc, :], data=t_sb[:, c * P:c * P + kc])
         nisa.tensor_copy(dst=out[0:kc, c, :], src=tp[0:kc, :])
     return out
