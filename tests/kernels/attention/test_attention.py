@@ -200,6 +200,17 @@ def test_no_square_tensor_in_hbm() -> None:
     assert hbm and max(hbm) <= S * D * 2 < S * S
 
 
+def test_the_bf16_backward_transposes_dk_and_dv_in_bf16_on_tensor_engine() -> None:
+    """dK / dV are rounded to bf16 before their PE transposes (the same values: the transpose is exact), so
+    no TensorE transpose of the bf16 backward is fp32: an fp32 one takes twice a bf16 one's time on trn2."""
+    q, k, v, go = _inputs(1, 300, 2, 1, 64, torch.bfloat16)
+    o, lse = attention(q, k, v)
+    with trace.record() as tr:
+        attention_bwd(q, k, v, o, lse, go)
+    pe = [i for i in tr if i.op == "nc_transpose" and i.engine == trace.TENSOR]
+    assert pe and {o.dtype for i in pe for o in i.operands} == {"bfloat16"}
+
+
 def test_constraints_name_the_rule_and_value() -> None:
     q, k = torch.randn(1, 8, 4, 64), torch.randn(1, 8, 2, 64)
     cases = [
