@@ -203,6 +203,13 @@ def _attention_mid(mode: str, lnc: str, S: str = "4096", Hq: str = "8", Hk: str 
                           {"kernel": "trnkit", "mode": mode, "S": S, "Hq": Hq, "Hk": Hk, "lnc": lnc}, "{}")())
 
 
+def _attention_frac(mode: str, lnc: str, end: str, Hq: str = "8", Hk: str = "2") -> Callable[[], str]:
+    """trnkit's fraction of TensorE's peak (``end``: mid or pessimistic) of pass ``mode`` in attention_peak.csv
+    at S = 4,096, one head count and LNC."""
+    return csv_cell("attention_peak.csv", f"peak_frac_{end}",
+                    {"kernel": "trnkit", "mode": mode, "S": "4096", "Hq": Hq, "Hk": Hk, "lnc": lnc}, "{:.1%}")
+
+
 def _fallback_cost(lnc: str) -> tuple[Callable[[], str], Callable[[], str]]:
     """The fixed-shift forward's fallback launch at 4096 / 8 / 2 heads: its mid (us) and its ratio to the
     exact forward's mid."""
@@ -1687,6 +1694,16 @@ QUOTES = (
     Quote("docs/benchmarks.md", "the recompute schedule's backward is {}×–{}× the same job's backward (its forward "
           "{}×–{}×)", "cross_entropy_peak.csv trnkit / same job per pass, recompute schedule",
           _lce_job_ratio_range("recompute", "backward") + _lce_job_ratio_range("recompute", "forward")),
+    Quote("docs/benchmarks.md", "forward {} (LNC=1) and {} (LNC=2) at mid ({} / {} at the pessimistic end); with "
+          "the opt-in fixed shift", "attention_peak.csv trnkit forward, S=4096, 8 / 2 heads, fraction of peak",
+          tuple(_attention_frac("forward", lnc, end) for end in ("mid", "pessimistic") for lnc in ("1", "2"))),
+    Quote("docs/benchmarks.md", "option) **{} (LNC=1) and {} (LNC=2)** at mid ({} / {} pessimistic), at LNC=2 with "
+          "Qwen3-4B's 32 / 8 and 30B-A3B's 32 / 4 heads {} and {} ({} / {}); backward {} (LNC=1) and {} (LNC=2) at "
+          "mid ({} / {} pessimistic)", "attention_peak.csv trnkit fixed-shift forward and backward, fraction of peak",
+          (*(_attention_frac("forward, fixed shift", lnc, end) for end in ("mid", "pessimistic") for lnc in ("1", "2")),
+           *(_attention_frac("forward, fixed shift", "2", end, Hq, Hk) for end in ("mid", "pessimistic")
+             for Hq, Hk in (("32", "8"), ("32", "4"))),
+           *(_attention_frac("backward", lnc, end) for end in ("mid", "pessimistic") for lnc in ("1", "2")))),
     Quote("docs/benchmarks.md", "the forward with the opt-in fixed shift (LNC=1 {} us against the 621 us of 70%, "
           "LNC=2 {} us against 310.7 us)", "attention_peak.csv trnkit forward, fixed shift, S=4096, 8 / 2 heads",
           tuple(csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
