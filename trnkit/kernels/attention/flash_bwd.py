@@ -240,6 +240,9 @@ def _st_probs(blk, ctx):
     # dP - delta: on Scalar (then dS = P * dpm on Vector), or folded into one Vector op at stage 3,
     # whichever engine would finish first
     tt = (w / 2 if pdt != nl.float32 else 2 * w) / VECTOR_GHZ
+    # the stt at the beta-1 table's 2N, not the current ISA reference's one pass with dP in PSUM: the one-pass
+    # price leans to the single Vector instruction and loses at the pessimistic end (measured: S = 4,096,
+    # 8 / 2 heads, LNC 1, 2,601 -> 2,808 us there, +0.5 % at mid)
     stt = 2 * w / VECTOR_GHZ
     dpm = None
     if max(load[1] + ACT_FIXED_NS + w / SCALAR_GHZ, load[0] + tt) <= max(load[1], load[0] + stt):
