@@ -197,17 +197,23 @@ def _attention_ratio_range(mode: str, column: str) -> tuple[Callable[[], str], C
                         lambda: [(tk, aws) for tk, aws in _attention_pairs() if tk["mode"] == mode], column)
 
 
+def _attention_cell(column: str, mode: str, lnc: str, fmt: str = "{:.1f}", S: str = "4096", Hq: str = "8",
+                    Hk: str = "2") -> Callable[[], str]:
+    """:func:`csv_cell` of trnkit's row of pass ``mode`` in attention_peak.csv at one shape and LNC (default
+    S = 4,096, 8 / 2 heads)."""
+    return csv_cell("attention_peak.csv", column,
+                    {"kernel": "trnkit", "mode": mode, "S": S, "Hq": Hq, "Hk": Hk, "lnc": lnc}, fmt)
+
+
 def _attention_mid(mode: str, lnc: str, S: str = "4096", Hq: str = "8", Hk: str = "2") -> float:
     """trnkit's mid estimate (us) of pass ``mode`` in attention_peak.csv at one shape and LNC."""
-    return float(csv_cell("attention_peak.csv", "est_us_mid",
-                          {"kernel": "trnkit", "mode": mode, "S": S, "Hq": Hq, "Hk": Hk, "lnc": lnc}, "{}")())
+    return float(_attention_cell("est_us_mid", mode, lnc, "{}", S, Hq, Hk)())
 
 
 def _attention_frac(mode: str, lnc: str, end: str, Hq: str = "8", Hk: str = "2") -> Callable[[], str]:
     """trnkit's fraction of TensorE's peak (``end``: mid or pessimistic) of pass ``mode`` in attention_peak.csv
     at S = 4,096, one head count and LNC."""
-    return csv_cell("attention_peak.csv", f"peak_frac_{end}",
-                    {"kernel": "trnkit", "mode": mode, "S": "4096", "Hq": Hq, "Hk": Hk, "lnc": lnc}, "{:.1%}")
+    return _attention_cell(f"peak_frac_{end}", mode, lnc, "{:.1%}", Hq=Hq, Hk=Hk)
 
 
 def _fallback_cost(lnc: str) -> tuple[Callable[[], str], Callable[[], str]]:
@@ -1710,9 +1716,7 @@ QUOTES = (
                 for column in ("speedup", "speedup_median"))),
     Quote("docs/benchmarks.md", "the forward with the opt-in fixed shift (LNC=1 {} us against the 621 us of 70%, "
           "LNC=2 {} us against 310.7 us)", "attention_peak.csv trnkit forward, fixed shift, S=4096, 8 / 2 heads",
-          tuple(csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
-                                                              "S": "4096", "Hq": "8", "Hk": "2", "lnc": lnc})
-                for lnc in ("1", "2"))),
+          tuple(_attention_cell("est_us_mid", "forward, fixed shift", lnc) for lnc in ("1", "2"))),
     Quote("docs/benchmarks.md", "the q head norm alone at 0.6B ({} us at the pessimistic end against 33.4 us for 70%",
           "bench.csv rmsnorm q-norm flavor (LNC=2) 0.6B forward est_time p80",
           csv_cell("bench.csv", "p80", _bench("rmsnorm", "forward", "est_time", "q-norm flavor (LNC=2)", "0.6B"))),
@@ -1856,8 +1860,8 @@ QUOTES = (
           "forward's time", "attention_peak.csv forward, fixed shift, fallback",
           (_fallback_cost("1")[0], _fallback_cost("2")[0], _fallback_cost("1")[1], _fallback_cost("2")[1])),
     Quote("docs/benchmarks.md", "the forward at 8,192² with 3 heads reaches {} of peak at mid",
-          "attention_peak.csv forward 8192 3 / 3 LNC=2", csv_cell("attention_peak.csv", "peak_frac_mid", {
-              "kernel": "trnkit", "mode": "forward", "S": "8192", "Hq": "3", "Hk": "3", "lnc": "2"}, "{:.1%}")),
+          "attention_peak.csv forward 8192 3 / 3 LNC=2",
+          _attention_cell("peak_frac_mid", "forward", "2", "{:.1%}", S="8192", Hq="3", Hk="3")),
     Quote("docs/benchmarks.md", "**Whole job, fused schedule**: {}× (30B-A3B) and {}× (4B) the same job's time at "
           "mid, {}× and {}× at the pessimistic end, against {}× and {}× at mid, {}× and {}× pessimistic for the "
           "recompute schedule", "cross_entropy_peak.csv forward + backward rows", tuple(
@@ -2012,12 +2016,8 @@ QUOTES = (
               derived_cell("cross_entropy_fused_fwd", "mid", f"busy_us:{e}", "{:.0f}") for e in ("dma", "tensor"))),
     Quote("docs/benchmarks.md", "(LNC=1 {} us against the {} us of 70%, LNC=2 {} us against {} us)",
           "attention_peak.csv forward, fixed shift 4096 8 / 2", (
-              csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
-                                                            "S": "4096", "Hq": "8", "Hk": "2", "lnc": "1"}),
-              _attention_70pct_us(1, "{:.0f}"),
-              csv_cell("attention_peak.csv", "est_us_mid", {"kernel": "trnkit", "mode": "forward, fixed shift",
-                                                            "S": "4096", "Hq": "8", "Hk": "2", "lnc": "2"}),
-              _attention_70pct_us(2, "{:.1f}"))),
+              _attention_cell("est_us_mid", "forward, fixed shift", "1"), _attention_70pct_us(1, "{:.0f}"),
+              _attention_cell("est_us_mid", "forward, fixed shift", "2"), _attention_70pct_us(2, "{:.1f}"))),
     Quote("docs/kernel-design.md", "the HBM bound is {} µs", "derived_figures.csv rope_fwd memory bound",
           derived_cell("rope_fwd", "mid", "memory_bound_us")),
     Quote("docs/kernel-design.md", "The HBM bound is {} µs (38.8 MB); 70 % of it is {} µs.", "derived_figures.csv "
