@@ -5,8 +5,8 @@ init) on windows of a text corpus, captures every ``layers[i].attention.core`` i
 norms and RoPE) and counts, per launch (one layer's attention call on one window: what one kernel launch
 sees), whether any row fails the fixed-shift forward's certificate
 (:func:`trnkit.kernels.attention.fixed_shift_failures`: ``1 / l_i``, the largest probability a row gives
-one of its first 512 keys, under ``1 / (4 S)``). Also per launch: the largest ``log l_i`` against
-``log 4S``, and the same rate for a variant whose shift also takes the max over the diagonal 512-key bank
+one of its first 512 keys, under ``e^-32 / S``). Also per launch: the largest ``log l_i`` against
+``log S + 32``, and the same rate for a variant whose shift also takes the max over the diagonal 512-key bank
 (``--diagonal``: the bank holding the query tile's own keys; the kernel would form that bank first).
 
 Usage: ``python benchmarks/attention_shift_rate.py --flavor debug --vocab 4096 --tokenizer tok.json
@@ -21,9 +21,10 @@ import math
 import torch
 
 from trnkit.kernels.attention import fixed_shift_failures
+from trnkit.kernels.attention.flash_fwd_shift import L_NATS
 
 
-def diagonal_failures(q: torch.Tensor, k: torch.Tensor, scale: float, factor: float = 4.0, bank: int = 512,
+def diagonal_failures(q: torch.Tensor, k: torch.Tensor, scale: float, nats: float = L_NATS, bank: int = 512,
                       tile: int = 128) -> torch.Tensor:
     """``fixed_shift_failures`` for a shift over the first ``bank`` keys and the query tile's diagonal bank
     (keys ``[bank * floor(r0 / bank), i]`` for row ``i`` of the tile starting at ``r0``)."""
@@ -38,7 +39,7 @@ def diagonal_failures(q: torch.Tensor, k: torch.Tensor, scale: float, factor: fl
         d0 = r0 // bank * bank
         c = torch.maximum(s[..., :bank].amax(-1, keepdim=True), s[..., d0:].amax(-1, keepdim=True))
         lsum = torch.exp(s - c).sum(-1)
-        out[:, :, r0:r1] = ~(lsum <= factor * S) & ~lsum.isnan()
+        out[:, :, r0:r1] = ~(lsum <= S * math.exp(nats)) & ~lsum.isnan()
     return out
 
 
@@ -104,7 +105,7 @@ def main() -> None:
     for layer, core in enumerate(cores):
         core.register_forward_hook(lambda m, inp, out, layer=layer: seen.append((layer, inp[0], inp[1], m.scale)))
     S = args.seq
-    bound = math.log(4 * S)
+    bound = math.log(S) + L_NATS
     per_layer: dict[int, list] = {}
     with torch.no_grad():
         for w in range(tokens.shape[0]):
@@ -119,7 +120,7 @@ def main() -> None:
     launches = sum(len(v) for v in per_layer.values())
     fail = sum(r[0] for v in per_layer.values() for r in v)
     dfail = sum(r[1] for v in per_layer.values() for r in v)
-    print(f"checkpoint {args.checkpoint or 'random init'}, S={S}, {args.windows} windows, log(4S) = {bound:.2f}")
+    print(f"checkpoint {args.checkpoint or 'random init'}, S={S}, {args.windows} windows, log S + 32 = {bound:.2f}")
     print(f"launches failing: {fail} / {launches} ({fail / launches:.1%}); with the diagonal bank in the shift: "
           f"{dfail} / {launches} ({dfail / launches:.1%})")
     for layer, v in sorted(per_layer.items()):

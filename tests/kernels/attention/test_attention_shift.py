@@ -75,7 +75,7 @@ def test_lnc2_fast_pass_matches_lnc1(shape, dtype) -> None:
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_scores_in_the_hundreds_fall_back(lnc) -> None:
-    """Scores of a few hundred: rows whose max lies past their first 512 keys by far more than log(4 S)
+    """Scores of a few hundred: rows whose max lies past their first 512 keys by far more than log S + 32
     fail the certificate, and the launch reruns the exact forward: its outputs bit for bit, fwd + grads
     against the oracle."""
     q, k, v, _ = _inputs(1, 600, 2, 1, 64, torch.float32, seed=3, scale=6.0)
@@ -108,12 +108,12 @@ def _one_row(S: int, delta: float, dtype=torch.float32):
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_certificate_boundary(lnc) -> None:
-    """The last row's l is 1 + e^delta: just under L_FACTOR * S the fast pass stands, just over it the launch
+    """The last row's l is 1 + e^delta: just under S * e^L_NATS the fast pass stands, just over it the launch
     falls back; both against the oracle. On LNC=2 only the second core's head has that row: its count
 reaches the first core, and both take the same path (the interpreter checks that their runtime control flow
 agrees)."""
     S = 700
-    limit = math.log(fs.L_FACTOR * S - 1)
+    limit = math.log(S * fs.L_PER_KEY - 1)
     for delta, expect in ((limit - 0.05, False), (limit + 0.05, True)):
         q, k, v, scale = _one_row(S, delta)
         if lnc == 2:  # two query heads, one per core: only the second core's head has the row
@@ -164,7 +164,7 @@ def test_lnc2_cores_without_the_exchange_diverge(monkeypatch) -> None:
     own = fs._failing_rows
     monkeypatch.setattr(fs, "_failing_rows", lambda bad, ones_col, n_prog, pid: own(bad, ones_col, 1, 0))
     S = 700
-    q, k, v, scale = _one_row(S, math.log(fs.L_FACTOR * S) + 1.0)
+    q, k, v, scale = _one_row(S, math.log(S * fs.L_PER_KEY) + 1.0)
     calm = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)) * 0.1
     with pytest.raises(NkiValidationError, match="LNC=2 divergence"):
         attention(torch.cat([calm, q], dim=2), k, v, scale=scale, lnc=2, fixed_shift=True)
@@ -187,11 +187,11 @@ def test_torch_certificate_predicts_the_fallback() -> None:
     kernel's constants."""
     from trnkit.kernels.attention import fixed_shift_failures
 
-    assert (512, 4.0) == (fs.BANK, fs.L_FACTOR)
+    assert (512, 32.0) == (fs.BANK, fs.L_NATS)
     q, k, v, _ = _inputs(1, 600, 2, 1, 32, torch.float32, seed=7)
     assert not fixed_shift_failures(q, k).any() and not _run(q, k, v)[2]
     S = 700
-    limit = math.log(fs.L_FACTOR * S - 1)
+    limit = math.log(S * fs.L_PER_KEY - 1)
     for delta, expect in ((limit - 0.05, False), (limit + 0.05, True)):
         q, k, v, scale = _one_row(S, delta)
         bad = fixed_shift_failures(q, k, scale)

@@ -19,6 +19,8 @@ accumulates in fp32.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -74,19 +76,20 @@ def attention_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
 
 
 def fixed_shift_failures(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, shift_keys: int = 512,
-                         factor: float = 4.0, rows: int = 256) -> torch.Tensor:
+                         nats: float = 32.0, rows: int = 256) -> torch.Tensor:
     """``[B, Hq, S]`` bool: the rows that fail the fixed-shift forward's certificate
     (:mod:`trnkit.kernels.attention.flash_fwd_shift`), computed in torch (fp32 scores, ``rows`` query rows at
     a time): row ``i``'s shift is ``c_i = max_{j <= min(i, shift_keys - 1)} scale * q_i . k_j`` and it fails
-    when ``l_i = sum_{j <= i} exp(scale * q_i . k_j - c_i) > factor * S`` (an ``inf`` fails too). ``1 / l_i``
+    when ``l_i = sum_{j <= i} exp(scale * q_i . k_j - c_i) > S * e^nats`` (an ``inf`` fails too). ``1 / l_i``
     is the largest softmax probability among the row's first ``shift_keys`` keys, so a row fails exactly
-    when each of those keys gets less than ``1 / (factor * S)`` of its attention. A launch of the kernel
+    when each of those keys gets less than ``e^-nats / S`` of its attention. A launch of the kernel
     falls back to the exact forward when any of its rows fails (up to the rounding of ``l_i`` near the
     bound: the kernel sums its exponentials in another order)."""
     B, S, Hq, D = q.shape
     G = Hq // k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     kf = _heads(k, G)
+    bound = S * math.exp(nats)
     out = torch.zeros(B, Hq, S, dtype=torch.bool)
     for r0 in range(0, S, rows):
         r1 = min(S, r0 + rows)
@@ -94,7 +97,7 @@ def fixed_shift_failures(q: torch.Tensor, k: torch.Tensor, scale: float | None =
         s = s.masked_fill(~_causal(r1)[r0:r1], float("-inf"))
         c = s[..., :shift_keys].amax(-1, keepdim=True)
         lsum = torch.exp(s - c).sum(-1)
-        out[:, :, r0:r1] = ~(lsum <= factor * S) & ~lsum.isnan()
+        out[:, :, r0:r1] = ~(lsum <= bound) & ~lsum.isnan()
     return out
 
 
