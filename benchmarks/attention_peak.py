@@ -9,13 +9,15 @@ backward (``S`` recomputed, ``dP``, ``dV``, ``dK``, ``dQ``). The peak is 79 TFLO
 4 query heads per kv head by default, and Qwen3-4B's (32 / 8) and Qwen3-30B-A3B's (32 / 4) head counts and
 nki-library's test shapes with ``--shapes``; trace-only interpreter runs.
 
-trnkit's forward is traced twice: as shipped, and with ``fixed_shift=True`` (pass ``"forward, fixed shift"``).
-``--fallback`` adds a launch of the fixed-shift forward that fails its certificate and runs the exact forward as
-well (pass ``"forward, fixed shift, fallback"``: q and k scaled by 6, scores in the hundreds; traced with its
-arithmetic, since whether it falls back depends on the scores).
+trnkit's forward is traced twice: as shipped (pass ``"forward"``: the fixed shift per row, its default), and
+with ``fixed_shift=False`` (pass ``"forward, exact row max"``: the exact forward alone, which is also the
+shipped forward's fallback). ``--fallback`` adds a launch of the shipped forward that fails its certificate
+and runs the exact forward as well (pass ``"forward, fallback"``: q and k scaled by 6, scores in the
+hundreds; traced with its arithmetic, since whether it falls back depends on the scores). Each pairs with
+nki-library's ``"forward"``.
 
-Usage: ``python benchmarks/attention_peak.py [--shapes S:HQ:HK ...] [--lnc 1 2] [--no-nkilib] [--fixed-shift-only]
-[--fallback | --fallback-only] [--save]`` (default ``4096:8:2``; ``--fixed-shift-only`` / ``--fallback-only``:
+Usage: ``python benchmarks/attention_peak.py [--shapes S:HQ:HK ...] [--lnc 1 2] [--no-nkilib] [--exact-only]
+[--fallback | --fallback-only] [--save]`` (default ``4096:8:2``; ``--exact-only`` / ``--fallback-only``:
 that pass of trnkit's alone, no nki-library);
 ``--save`` writes its rows to ``benchmarks/data/attention_peak.csv``, replacing the rows of the same kernel,
 pass, shape and LNC and keeping the others.
@@ -36,21 +38,21 @@ from trnkit.kernels.attention import attention, attention_bwd, attention_ref, fi
 
 CSV = Path(__file__).parent / "data" / "attention_peak.csv"
 D = 128
-# trnkit's forward with a fixed softmax shift per row (``attention(..., fixed_shift=True)``, opt-in): on these
-# random inputs every launch keeps its fast pass (trace-only runs compute no scores, so its certificate
-# sees l <= S and passes as well); compared with nki-library's forward
-FIXED = "forward, fixed shift"
-FALLBACK = "forward, fixed shift, fallback"
+# trnkit's forward as shipped has a fixed softmax shift per row: on these random inputs every launch keeps its
+# fast pass (trace-only runs compute no scores, so its certificate sees l <= S and passes as well). EXACT: the
+# exact forward alone (``attention(..., fixed_shift=False)``); both compared with nki-library's forward
+EXACT = "forward, exact row max"
+FALLBACK = "forward, fallback"
 FALLBACK_INPUT_SCALE = 6.0  # q and k: every launch's certificate fails (tests/kernels/attention use the same)
 
 
 def _fallback(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lnc: int) -> Estimate:
-    """The fixed-shift forward on inputs whose certificate fails in every launch: both passes."""
+    """The shipped (fixed-shift) forward on inputs whose certificate fails in every launch: both passes."""
     qs, ks = q * FALLBACK_INPUT_SCALE, k * FALLBACK_INPUT_SCALE
     if not fixed_shift_failures(qs, ks).any():
         raise ValueError(f"attention_peak: the {FALLBACK!r} inputs (q, k x {FALLBACK_INPUT_SCALE}) pass the "
                          "certificate, so the launch would not fall back")
-    return estimate(lambda: attention(qs, ks, v, lnc=lnc, fixed_shift=True), trace_only=False)
+    return estimate(lambda: attention(qs, ks, v, lnc=lnc), trace_only=False)
 
 
 def _trnkit(S: int, Hq: int, Hk: int, lnc: int, passes: tuple[str, ...]) -> dict[str, Estimate]:
@@ -59,8 +61,8 @@ def _trnkit(S: int, Hq: int, Hk: int, lnc: int, passes: tuple[str, ...]) -> dict
     out = {}
     if "forward" in passes:
         out["forward"] = estimate(lambda: attention(q, k, v, lnc=lnc))
-    if FIXED in passes:
-        out[FIXED] = estimate(lambda: attention(q, k, v, lnc=lnc, fixed_shift=True))
+    if EXACT in passes:
+        out[EXACT] = estimate(lambda: attention(q, k, v, lnc=lnc, fixed_shift=False))
     if FALLBACK in passes:
         out[FALLBACK] = _fallback(q, k, v, lnc)
     if "backward" in passes:
@@ -108,12 +110,12 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool, passes: tuple[str, ...]) -> list[dict]:
     fwd_flops = 4 * Hq * D * S * S / 2  # the fallback's useful work is one forward's
-    flops = {"forward": fwd_flops, FIXED: fwd_flops, FALLBACK: fwd_flops, "backward": 2.5 * fwd_flops}
+    flops = {"forward": fwd_flops, EXACT: fwd_flops, FALLBACK: fwd_flops, "backward": 2.5 * fwd_flops}
     results = {"trnkit": _trnkit(S, Hq, Hk, lnc, passes)}
     if with_nkilib:
         results["nki-library"] = _nkilib(S, Hq, Hk, lnc)
     rows = []
-    for mode in ("forward", FIXED, FALLBACK, "backward"):
+    for mode in ("forward", EXACT, FALLBACK, "backward"):
         for who, res in results.items():
             if res is None or mode not in res:
                 continue
@@ -139,21 +141,21 @@ def main() -> None:
                    help="sequence length, query heads, kv heads (default 4096:8:2)")
     p.add_argument("--lnc", type=int, nargs="+", default=[1, 2], choices=(1, 2))
     p.add_argument("--no-nkilib", action="store_true", help="trnkit's kernels only")
-    p.add_argument("--fixed-shift-only", action="store_true",
-                   help="trnkit's fixed-shift forward only (the CSV's other rows are kept)")
+    p.add_argument("--exact-only", action="store_true",
+                   help=f"trnkit's {EXACT!r} pass only (the CSV's other rows are kept)")
     fallback = p.add_mutually_exclusive_group()
     fallback.add_argument("--fallback", action="store_true", help=f"also trnkit's {FALLBACK!r} pass")
     fallback.add_argument("--fallback-only", action="store_true",
                           help=f"trnkit's {FALLBACK!r} pass only (the CSV's other rows are kept)")
     p.add_argument("--save", action="store_true", help="write the rows to benchmarks/data/attention_peak.csv")
     args = p.parse_args()
-    if args.fixed_shift_only and args.fallback_only:
-        p.error("--fixed-shift-only and --fallback-only: choose one pass")
-    if args.fixed_shift_only or args.fallback_only:
-        passes = (FIXED,) if args.fixed_shift_only else (FALLBACK,)
+    if args.exact_only and args.fallback_only:
+        p.error("--exact-only and --fallback-only: choose one pass")
+    if args.exact_only or args.fallback_only:
+        passes = (EXACT,) if args.exact_only else (FALLBACK,)
     else:
-        passes = ("forward", FIXED, "backward") + ((FALLBACK,) if args.fallback else ())
-    with_nkilib = not (args.no_nkilib or args.fixed_shift_only or args.fallback_only)
+        passes = ("forward", EXACT, "backward") + ((FALLBACK,) if args.fallback else ())
+    with_nkilib = not (args.no_nkilib or args.exact_only or args.fallback_only)
     rows = []
     for S, Hq, Hk in args.shapes:
         for lnc in args.lnc:

@@ -34,7 +34,7 @@ SUPPORTED = {"apply_trnkit_to_qwen3": ("qwen3",), "apply_trnkit_to_qwen3_moe": (
 
 
 def _choice(arg: OpArg, impl: str, policy: str, block_size: int, lnc: int | None,
-            fixed_shift: bool = False) -> KernelChoice | None:
+            fixed_shift: bool | None = None) -> KernelChoice | None:
     if arg is False or arg is None:
         return None
     if isinstance(arg, KernelChoice):
@@ -48,7 +48,7 @@ def _choice(arg: OpArg, impl: str, policy: str, block_size: int, lnc: int | None
 
 def _apply(entry: str, model: nn.Module, ops: dict[str, OpArg], impl: str, policy: str, block_size: int,
            lnc: int | None, seq_len: int | None, batch_size: int, dry_run: bool,
-           fixed_shift: bool = False) -> OverrideReport:
+           fixed_shift: bool | None = None) -> OverrideReport:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED[entry]:
         others = [name for name, types in SUPPORTED.items() if model_type in types]
@@ -57,24 +57,25 @@ def _apply(entry: str, model: nn.Module, ops: dict[str, OpArg], impl: str, polic
                          f"{type(model).__name__} (model_type {model_type!r}){hint}")
     config = OverrideConfig(ops=[], impl=impl, policy=policy, block_size=block_size, lnc=lnc, seq_len=seq_len,
                             batch_size=batch_size, dry_run=dry_run)
-    if fixed_shift is not False and not (fixed_shift is True and ops.get("attention") is True):
-        why = ("must be true or false" if not isinstance(fixed_shift, bool) else
+    if fixed_shift is not None and not (isinstance(fixed_shift, bool) and ops.get("attention") is True):
+        why = ("must be true or false (or None: the impl's default)" if not isinstance(fixed_shift, bool) else
                "applies to attention=True (an attention impl name or KernelChoice carries its own)")
         raise ValueError(f"trnkit.hf.{entry}: fixed_shift {why}, got fixed_shift={fixed_shift!r} with "
                          f"attention={ops.get('attention')!r}")
     choices = {op: c for op, arg in ops.items()
-               if (c := _choice(arg, impl, policy, block_size, lnc, fixed_shift and op == "attention")) is not None}
+               if (c := _choice(arg, impl, policy, block_size, lnc, fixed_shift if op == "attention" else None))
+               is not None}
     return apply_overrides(model, config, choices=choices)
 
 
 def apply_trnkit_to_qwen3(model: nn.Module, *, rope: OpArg = True, rmsnorm: OpArg = False, mlp: OpArg = False,
                           attention: OpArg = False, impl: str = "nki", policy: str = "strict", lnc: int | None = None,
                           seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
-                          fixed_shift: bool = False) -> OverrideReport:
+                          fixed_shift: bool | None = None) -> OverrideReport:
     """trnkit's kernels in a transformers v5 dense Qwen3 (``Qwen3ForCausalLM`` / ``Qwen3Model``): ``rope``
     (``rope_hf`` in every attention), ``rmsnorm`` (every norm), ``mlp`` (every SwiGLU MLP), ``attention``
-    (the attention function; ``fixed_shift=True`` with ``attention=True``: its forward with a fixed softmax
-    shift per row); returns the per-module report."""
+    (the attention function; ``fixed_shift`` with ``attention=True``: None the impl's default, ``nki``'s
+    fixed softmax shift per row, False its exact row max); returns the per-module report."""
     ops = {"rope_hf": rope, "rmsnorm": rmsnorm, "mlp": mlp, "attention": attention}
     return _apply("apply_trnkit_to_qwen3", model, ops, impl, policy, 0, lnc, seq_len, batch_size, dry_run,
                   fixed_shift)
@@ -84,7 +85,7 @@ def apply_trnkit_to_qwen3_moe(model: nn.Module, *, rope: OpArg = True, router: O
                               rmsnorm: OpArg = False, mlp: OpArg = False, attention: OpArg = False, impl: str = "nki",
                               policy: str = "strict", block_size: int = 0, lnc: int | None = None,
                               seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
-                              fixed_shift: bool = False) -> OverrideReport:
+                              fixed_shift: bool | None = None) -> OverrideReport:
     """trnkit's kernels in a transformers v5 Qwen3-MoE (``Qwen3MoeForCausalLM`` / ``Qwen3MoeModel``): ``rope``,
     ``router`` (``router_topk`` in every ``mlp.gate``), ``experts`` (``moe_experts`` in every
     ``mlp.experts``; ``block_size`` 0 = the kernel's tuned sizes), ``rmsnorm``, ``mlp`` (the dense MLPs of

@@ -104,7 +104,7 @@ def test_the_kernel_choice_does_not_change_the_run_identity() -> None:
         saved = RunIdentity.of("qwen3:debug-moe", plain, Qwen3Model(plain)).to_dict()
     saved["model_config"].pop("kernels")  # as written before the field existed
     assert ident.model_config["kernels"] == {"rope_hf": {"impl": "reference", "policy": "strict", "block_size": 0,
-                                                          "lnc": 0, "fixed_shift": False}}
+                                                          "lnc": 0, "fixed_shift": None}}
     assert ident.differences(saved) == []
     saved["model_config"]["n_layers"] = 3  # a real difference is still one
     assert ident.differences(saved)[0].startswith("n_layers: checkpoint 3")

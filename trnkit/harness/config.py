@@ -463,7 +463,7 @@ def _validate(cfg: TrainerConfig) -> None:
         raise ConfigError(f"config overrides.{name}: {problem}")
     problem = cfg.overrides.fixed_shift_problem()
     if problem:
-        raise ConfigError(f"config overrides.fixed_shift = true {problem}")
+        raise ConfigError(f"config overrides.fixed_shift = {str(cfg.overrides.fixed_shift).lower()} {problem}")
     if cfg.overrides.policy != "off":
         req(len(cfg.overrides.ops) > 0, "overrides.ops", f"must name at least one op when policy is "
             f"{cfg.overrides.policy!r}", cfg.overrides.ops)

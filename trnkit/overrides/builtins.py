@@ -288,7 +288,7 @@ def _attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tenso
 
 
 def _attention_nki(q: Tensor, k: Tensor, v: Tensor, scale: float, lnc: int | None = None,
-                   fixed_shift: bool = False) -> tuple[Tensor, Tensor]:
+                   fixed_shift: bool = True) -> tuple[Tensor, Tensor]:
     return _attr("attention", "attention")(q, k, v, scale, lnc=lnc, fixed_shift=fixed_shift)
 
 

@@ -31,7 +31,7 @@ FIXED_SHIFT_OP = "attention"  # the one op whose impls may take ``fixed_shift``
 
 
 def choice_problems(policy: str, block_size: int, lnc: int | None,
-                    fixed_shift: bool = False) -> list[tuple[str, str]]:
+                    fixed_shift: bool | None = None) -> list[tuple[str, str]]:
     """``(field, "<rule>, got <value>")`` for each setting outside its range; shared by
     :class:`KernelChoice`, :class:`~trnkit.overrides.apply.OverrideConfig` and the trainer's config check,
     which put the field's name in front."""
@@ -43,14 +43,15 @@ def choice_problems(policy: str, block_size: int, lnc: int | None,
                                   "sizes, forward 512 and backward 128)"))
     if lnc is not None and (isinstance(lnc, bool) or lnc not in (0, *LNC_VALUES)):
         out.append(("lnc", f"must be one of {LNC_VALUES} or None, got {lnc!r} (None or 0: the device default)"))
-    if not isinstance(fixed_shift, bool):
-        out.append(("fixed_shift", f"must be true or false, got {fixed_shift!r} (true: the attention forward with a "
-                                   "fixed softmax shift per row, docs/kernels.md)"))
+    if fixed_shift is not None and not isinstance(fixed_shift, bool):
+        out.append(("fixed_shift", f"must be true or false (or unset: the impl's default), got {fixed_shift!r} "
+                                   "(true: the attention forward with a fixed softmax shift per row, false: the "
+                                   "exact row max; docs/kernels.md)"))
     return out
 
 
 def fixed_shift_problem(op: str, impl: str) -> str | None:
-    """Why ``fixed_shift=True`` cannot go with ``impl`` of ``op`` ("<rule>, got <value>"), or None: it is an
+    """Why a set ``fixed_shift`` cannot go with ``impl`` of ``op`` ("<rule>, got <value>"), or None: it is an
     option of the attention forward, and the impl's function must declare a ``fixed_shift`` parameter (the
     built-in ``nki`` impl does; ``reference`` computes the exact softmax and has none)."""
     if op != FIXED_SHIFT_OP:
@@ -69,17 +70,18 @@ class KernelChoice:
     raises on inputs the impl cannot serve, ``"fallback"`` runs the module's own code for them (warned
     once per reason). ``block_size``: ``moe_experts`` slots per expert block, 0 = the kernel's tuned
     sizes (forward 512, backward 128). ``lnc``: physical cores per launch (1 or 2), 0 = the device
-    default (:func:`trnkit.kernels.lnc.default_lnc`). ``fixed_shift``: ``attention`` only, its forward
-    with a fixed softmax shift per row and a per-launch fallback to the exact forward
-    (:mod:`trnkit.kernels.attention.flash_fwd_shift`; same results to fp32 precision); needs an impl that
-    takes it (``nki``), checked by :meth:`check_impl`.
+    default (:func:`trnkit.kernels.lnc.default_lnc`). ``fixed_shift``: ``attention`` only, None (unset)
+    leaves the impl's default (``nki``: the forward with a fixed softmax shift per row and a per-launch
+    fallback to the exact forward, :mod:`trnkit.kernels.attention.flash_fwd_shift`; same results to fp32
+    precision); True / False ask for that forward / the exact one and need an impl that takes the option
+    (``nki``), checked by :meth:`check_impl`.
     """
 
     impl: str = "nki"
     policy: str = "strict"
     block_size: int = 0
     lnc: int = 0
-    fixed_shift: bool = False
+    fixed_shift: bool | None = None
 
     def __post_init__(self) -> None:
         if self.policy == "off":
@@ -89,12 +91,12 @@ class KernelChoice:
             raise ValueError(f"KernelChoice.{bad[0][0]} {bad[0][1]}")
 
     def check_impl(self, op: str) -> None:
-        """Unknown impl names fail here, listing the registered ones; so does ``fixed_shift=True`` for an op
+        """Unknown impl names fail here, listing the registered ones; so does a set ``fixed_shift`` for an op
         or impl without that option (:func:`fixed_shift_problem`)."""
         get_impl(op, self.impl)
-        problem = fixed_shift_problem(op, self.impl) if self.fixed_shift else None
+        problem = fixed_shift_problem(op, self.impl) if self.fixed_shift is not None else None
         if problem:
-            raise ValueError(f"KernelChoice.fixed_shift=True {problem}")
+            raise ValueError(f"KernelChoice.fixed_shift={self.fixed_shift} {problem}")
 
 
 @dataclass
@@ -110,8 +112,9 @@ class OverrideConfig:
     to its op; None (or 0): the device default (:func:`trnkit.kernels.lnc.default_lnc`: 2 on a trn2
     logical core, 1 on the interpreter). Both belong to the swap points' :class:`KernelChoice`
     (:meth:`choice`): no process-wide setting is left behind. ``fixed_shift``: the ``attention`` op's
-    forward with a fixed softmax shift per row (:class:`KernelChoice`; default off); needs ``"attention"``
-    in ``ops`` with an impl that takes it (``nki``). ``plugins``: modules imported first (they register
+    forward (:class:`KernelChoice`): None (unset) the impl's default (``nki``: a fixed softmax shift per row),
+    True that forward, False the exact row max; set, it needs ``"attention"`` in ``ops`` with an impl that
+    takes it (``nki``). ``plugins``: modules imported first (they register
     their own impls with :func:`trnkit.overrides.register`).
     """
 
@@ -123,7 +126,7 @@ class OverrideConfig:
     dry_run: bool = True
     block_size: int = 0
     lnc: int | None = None
-    fixed_shift: bool = False
+    fixed_shift: bool | None = None
     plugins: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -158,11 +161,11 @@ class OverrideConfig:
             get_impl(op, self.impl_for(op))  # unknown impl names fail here, with the registered ones
         problem = self.fixed_shift_problem()
         if problem:
-            raise ValueError(f"OverrideConfig.fixed_shift=True {problem}")
+            raise ValueError(f"OverrideConfig.fixed_shift={self.fixed_shift} {problem}")
 
     def fixed_shift_problem(self) -> str | None:
-        """Why ``fixed_shift`` cannot apply to this config's ops ("<rule>, got <value>"), or None."""
-        if self.fixed_shift is not True or self.policy == "off":
+        """Why a set ``fixed_shift`` cannot apply to this config's ops ("<rule>, got <value>"), or None."""
+        if self.fixed_shift is None or self.policy == "off":
             return None
         if FIXED_SHIFT_OP not in self.ops:
             return f"applies to the {FIXED_SHIFT_OP!r} op, which must be in ops, got ops {self.ops}"
@@ -174,7 +177,7 @@ class OverrideConfig:
     def choice(self, op: str) -> KernelChoice:
         """``op``'s :class:`KernelChoice` under this config (policy ``off`` has none)."""
         return KernelChoice(self.impl_for(op), self.policy, self.block_size, self.lnc or 0,
-                            self.fixed_shift and op == FIXED_SHIFT_OP)
+                            self.fixed_shift if op == FIXED_SHIFT_OP else None)
 
     def kernels(self) -> dict[str, KernelChoice]:
         """``{op: KernelChoice}`` for every op of ``ops`` (empty under policy ``off``): the value of

@@ -123,14 +123,15 @@ def _attention_forward(name: str, choice: KernelChoice) -> Any:
 
 
 def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str = "fallback",
-                          lnc: int | None = None, fixed_shift: bool = False) -> str:
+                          lnc: int | None = None, fixed_shift: bool | None = None) -> str:
     """Register ``name`` in transformers' ``AttentionInterface`` (and sdpa's causal mask under the same
     name, so pad-free causal batches pass no mask); returns ``name``. Then
     ``from_pretrained(..., attn_implementation="trnkit")`` runs every attention through ``trnkit::attention``
     with ``impl``; a call it cannot serve (a padding mask, dropout, a sliding window, a constraint)
     raises under ``strict`` or falls back to sdpa with a warning under ``fallback``. ``lnc``: physical
-    cores per launch (None: the device default). ``fixed_shift``: the forward with a fixed softmax shift
-    per row (:class:`~trnkit.overrides.KernelChoice`; needs an impl that takes it, ``nki``)."""
+    cores per launch (None: the device default). ``fixed_shift``: None the impl's default (``nki``: a fixed
+    softmax shift per row), True / False that forward / the exact row max (:class:`~trnkit.overrides.KernelChoice`;
+    set, it needs an impl that takes it, ``nki``)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -34,8 +34,9 @@ registered on the functional ops with the impl's backward.
   loss gradient. The native model's loss module runs it when gradients are needed and ``schedule="fused"`` (opt-in).
 - ``trnkit::attention(q, k, v, scale, impl, lnc, fixed_shift) -> (o, lse f32)``: causal GQA attention in the
   ``[B, S, H, D]`` layout (``lse [B, Hq, S]``, saved for the backward; it carries no gradient of its own);
-  ``fixed_shift=True`` reaches the impl as the keyword ``fixed_shift=True`` (the ``nki`` forward with a fixed
-  softmax shift per row); an impl without that parameter is refused. The backward is the same either way.
+  ``fixed_shift`` (None: the impl's own default) reaches the impl as its keyword ``fixed_shift`` when set
+  (the ``nki`` forward: True, its default, the fixed softmax shift per row; False the exact row max); an
+  impl without that parameter is refused when it is set. The backward is the same either way.
 - ``trnkit::mlp(x, w_gate_up, w_down, impl) -> y``: the dense SwiGLU MLP ``(silu(x @ Wg) * (x @ Wu)) @ w_down``,
   ``x [..., H]``, ``w_gate_up [H, 2I]`` (gate columns first), ``w_down [I, H]``, ``y`` in x's dtype.
 - ``trnkit::router_topk_bwd``, ``trnkit::grouped_mm_bwd``, ``trnkit::moe_experts_bwd``, ``trnkit::rmsnorm_bwd``,
@@ -700,20 +701,21 @@ linear_cross_entropy_fused.register_autograd(_lce_fused_backward, setup_context=
 # ----------------------------------------------------------------------------------------- attention
 
 
-def _fixed_shift_kw(fn: Any, impl: str, fixed_shift: bool) -> dict[str, bool]:
-    """``fixed_shift`` as the attention impl's keyword argument: passed when set; an impl that does not declare
-    it cannot honour it, so the op refuses (a :class:`~trnkit.overrides.KernelChoice` is checked earlier)."""
-    if not fixed_shift:
+def _fixed_shift_kw(fn: Any, impl: str, fixed_shift: bool | None) -> dict[str, bool]:
+    """``fixed_shift`` as the attention impl's keyword argument: passed when set (None: the impl's default);
+    an impl that does not declare it cannot honour it, so the op refuses (a
+    :class:`~trnkit.overrides.KernelChoice` is checked earlier)."""
+    if fixed_shift is None:
         return {}
     if "fixed_shift" not in inspect.signature(fn).parameters:
-        raise ValueError(f"trnkit::attention: fixed_shift=True needs an impl whose function takes fixed_shift (the "
-                         f"built-in 'nki'), got impl {impl!r}, which does not")
-    return {"fixed_shift": True}
+        raise ValueError(f"trnkit::attention: fixed_shift={fixed_shift} needs an impl whose function takes "
+                         f"fixed_shift (the built-in 'nki'), got impl {impl!r}, which does not")
+    return {"fixed_shift": fixed_shift}
 
 
 @torch.library.custom_op("trnkit::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference",
-              lnc: int = 0, fixed_shift: bool = False) -> tuple[Tensor, Tensor]:
+              lnc: int = 0, fixed_shift: bool | None = None) -> tuple[Tensor, Tensor]:
     """Causal GQA attention ``(o [B, S, Hq, D], lse [B, Hq, S] f32)`` of ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]``."""
     B, S, H, _ = q.shape
     fn = get_impl("attention", impl).fn
@@ -723,7 +725,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "refere
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, scale, impl="reference", lnc=0, fixed_shift=False):
+def _attention_fake(q, k, v, scale, impl="reference", lnc=0, fixed_shift=None):
     B, S, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, S), dtype=torch.float32)
 

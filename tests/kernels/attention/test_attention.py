@@ -1,4 +1,5 @@
-"""Flash attention kernels: fp64-oracle parity of the forward (output and log-sum-exp) and of the
+"""Flash attention kernels: fp64-oracle parity of the exact forward (``fixed_shift=False``, output and
+log-sum-exp; the default fixed-shift forward, whose fallback it is: test_attention_shift.py) and of the
 gradients (fp32 and bf16; S = 1, S not a multiple of 128, several 1024-key steps; Hq / Hk = 1, 2, 4, 8;
 head dims 16 to 128; the log-sum-exp's store layouts), agreement with the torch reference, LNC=2 (all
 three work splits), constraints, and the trace: no [S, S] tensor in HBM. Slow tier: Qwen3-4B and
@@ -77,7 +78,7 @@ def attention_case(shape: tuple[int, int, int, int, int], dtype: torch.dtype, ln
                    backward: bool = False) -> None:
     q, k, v, go = _inputs(*shape, dtype, seed)
     scale = shape[4] ** -0.5
-    o, lse = attention(q, k, v, lnc=lnc)
+    o, lse = attention(q, k, v, lnc=lnc, fixed_shift=False)
     assert o.shape == q.shape and o.dtype == dtype and lse.shape == (shape[0], shape[2], shape[1])
     assert lse.dtype == torch.float32
     grads = None
@@ -111,7 +112,7 @@ def test_lnc2_matches_lnc1(shape, dtype) -> None:
     """Each query tile (forward) and kv head (backward) runs the same instructions on either core:
     bit-identical results."""
     q, k, v, go = _inputs(*shape, dtype, seed=1)
-    one, two = attention(q, k, v, lnc=1), attention(q, k, v, lnc=2)
+    one, two = attention(q, k, v, lnc=1, fixed_shift=False), attention(q, k, v, lnc=2, fixed_shift=False)
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)
     g1, g2 = attention_bwd(q, k, v, *one, go, lnc=1), attention_bwd(q, k, v, *one, go, lnc=2)
@@ -123,7 +124,7 @@ def test_lnc2_matches_lnc1(shape, dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_reference_has_the_kernels_rounding_points(dtype) -> None:
     q, k, v, go = _inputs(1, 300, 4, 2, 64, dtype, seed=2)
-    o, lse = attention(q, k, v)
+    o, lse = attention(q, k, v, fixed_shift=False)
     ro, rl = attention_ref(q, k, v)
     torch.testing.assert_close(lse, rl, rtol=2e-6, atol=2e-6)
     assert_close(o, ro, dtype)
@@ -134,7 +135,7 @@ def test_reference_has_the_kernels_rounding_points(dtype) -> None:
 def test_large_scores_and_a_custom_scale() -> None:
     """Scores of a few hundred (exp would overflow without the running max) and scale != D^-0.5."""
     q, k, v, _ = _inputs(1, 600, 2, 1, 64, torch.float32, seed=3, scale=6.0)
-    o, lse = attention(q, k, v, scale=0.3)
+    o, lse = attention(q, k, v, scale=0.3, fixed_shift=False)
     assert torch.isfinite(o).all() and lse.max() > 100
     go = torch.randn(o.shape, generator=torch.Generator().manual_seed(4))
     check_attention(q, k, v, o, lse, 0.3, attention_bwd(q, k, v, o, lse, go, scale=0.3), go)
@@ -149,7 +150,7 @@ def test_backward_head_passes(monkeypatch, dtype) -> None:
     import importlib
     kb = importlib.import_module("trnkit.kernels.attention.flash_bwd")
     q, k, v, go = _inputs(1, 300, 4, 1, 64, dtype, seed=5)
-    o, lse = attention(q, k, v)
+    o, lse = attention(q, k, v, fixed_shift=False)
     one = attention_bwd(q, k, v, o, lse, go)
     itemsize = 4 if dtype == torch.float32 else 2
     budget = 3 * 64 * 4 if dtype == torch.float32 else 3 * 64 * (4 + 4 * itemsize)  # 3 query tiles per head
@@ -175,9 +176,9 @@ def test_forward_steps_past_one(monkeypatch, dtype) -> None:
     assert kf.step_keys(4096, 2, 128) == 4096 and kf.step_keys(32768, 2, 128) == 1024
     monkeypatch.setattr(kf, "step_keys", lambda S, itemsize, D, ng=1: 512)
     q, k, v, _ = _inputs(1, 1100, 4, 2, 64, dtype, seed=3)
-    o, lse = attention(q, k, v)
+    o, lse = attention(q, k, v, fixed_shift=False)
     check_attention(q, k, v, o, lse, 64 ** -0.5)
-    two = attention(q, k, v, lnc=2)
+    two = attention(q, k, v, lnc=2, fixed_shift=False)
     assert torch.equal(two[0], o) and torch.equal(two[1], lse)
 
 
@@ -190,12 +191,13 @@ def test_forward_lse_store(shape, dtype) -> None:
     attention_case(shape, dtype)
 
 
-def test_no_square_tensor_in_hbm() -> None:
-    """Every HBM access of the forward is at most one head's rows: no [S, S] scores or probabilities."""
+@pytest.mark.parametrize("fixed_shift", [True, False], ids=["fixed-shift", "exact"])
+def test_no_square_tensor_in_hbm(fixed_shift) -> None:
+    """Every HBM access of either forward is at most one head's rows: no [S, S] scores or probabilities."""
     S, Hq, D = 1100, 2, 64
     q, k, v, _ = _inputs(1, S, Hq, 1, D, torch.bfloat16)
     with trace.record() as tr:
-        attention(q, k, v)
+        attention(q, k, v, fixed_shift=fixed_shift)
     hbm = [o.nbytes for i in tr for o in i.operands if o.buffer in ("hbm", "shared_hbm", "private_hbm")]
     assert hbm and max(hbm) <= S * D * 2 < S * S
 
@@ -204,7 +206,7 @@ def test_the_bf16_backward_transposes_dk_and_dv_in_bf16_on_tensor_engine() -> No
     """dK / dV are rounded to bf16 before their PE transposes (the same values: the transpose is exact), so
     no TensorE transpose of the bf16 backward is fp32: an fp32 one takes twice a bf16 one's time on trn2."""
     q, k, v, go = _inputs(1, 300, 2, 1, 64, torch.bfloat16)
-    o, lse = attention(q, k, v)
+    o, lse = attention(q, k, v, fixed_shift=False)
     with trace.record() as tr:
         attention_bwd(q, k, v, o, lse, go)
     pe = [i for i in tr if i.op == "nc_transpose" and i.engine == trace.TENSOR]

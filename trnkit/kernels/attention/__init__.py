@@ -4,8 +4,9 @@
 ``(grad_q, grad_k, grad_v)``. Layout ``[B, S, H, D]`` (q ``Hq`` heads, k / v ``Hk``, ``Hq % Hk == 0``),
 ``lse [B, Hq, S]`` fp32, ``scale`` defaults to ``D ** -0.5``. The torch references of the same
 signatures are in :mod:`trnkit.kernels.attention.attention_torch`; the designs in
-:mod:`trnkit.kernels.attention.flash_fwd` and :mod:`trnkit.kernels.attention.flash_bwd` (imported, with
-the NKI backend, on the first call).
+:mod:`trnkit.kernels.attention.flash_fwd_shift` (the forward: a fixed shift per row, certified, with the
+exact forward of :mod:`trnkit.kernels.attention.flash_fwd` as its fallback) and
+:mod:`trnkit.kernels.attention.flash_bwd` (imported, with the NKI backend, on the first call).
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ def _scale(q: Any, scale: float | None) -> float:
 
 
 def attention(q: Any, k: Any, v: Any, scale: float | None = None, lnc: int | None = None,
-              fixed_shift: bool = False) -> tuple[Any, Any]:
+              fixed_shift: bool = True) -> tuple[Any, Any]:
     """``(o [B, S, Hq, D] q.dtype, lse [B, Hq, S] fp32)``: causal GQA attention (NKI kernel).
 
-    ``fixed_shift``: the forward with a fixed softmax shift per row and a per-launch fallback to the exact
-    one (:mod:`trnkit.kernels.attention.flash_fwd_shift`; the same results to fp32 precision, faster);
-    :func:`fixed_shift_failures` says in torch which rows of given inputs would make a launch fall back.
+    ``fixed_shift`` (default): the forward with a fixed softmax shift per row and a per-launch fallback to
+    the exact one (:mod:`trnkit.kernels.attention.flash_fwd_shift`; the same results to fp32 precision,
+    faster); :func:`fixed_shift_failures` says in torch which rows of given inputs would make a launch fall
+    back. ``fixed_shift=False``: the exact forward alone (:mod:`trnkit.kernels.attention.flash_fwd`, a
+    running row max).
     Raises :class:`~trnkit.kernels.constraints.KernelConstraintError` on inputs outside the constraints.
     """
     if not isinstance(fixed_shift, bool):
