@@ -5,9 +5,10 @@ init) on windows of a text corpus, captures every ``layers[i].attention.core`` i
 norms and RoPE) and counts, per launch (one layer's attention call on one window: what one kernel launch
 sees), whether any row fails the fixed-shift forward's certificate
 (:func:`trnkit.kernels.attention.fixed_shift_failures`: ``1 / l_i``, the largest probability a row gives
-one of its first 512 keys, under ``e^-32 / S``). Also per launch: the largest ``log l_i`` against
-``log S + 32``, and the same rate for a variant whose shift also takes the max over the diagonal 512-key bank
-(``--diagonal``: the bank holding the query tile's own keys; the kernel would form that bank first).
+one of its first 512 keys, under ``e^-32 / S`` for a bf16 launch, ``1 / 4S`` for an fp32 one: both rules are
+counted). Also per launch: the largest ``log l_i`` against ``log S + 32`` and ``log 4S``, and the fp32 rule's
+rate for a variant whose shift also takes the max over the diagonal 512-key bank (the bank holding the
+query tile's own keys; the kernel would form that bank first).
 
 Usage: ``python benchmarks/attention_shift_rate.py --flavor debug --vocab 4096 --tokenizer tok.json
 --corpus shakespeare --seq 2048 --windows 16 [--checkpoint run/checkpoint/step-100]``.
@@ -21,10 +22,10 @@ import math
 import torch
 
 from trnkit.kernels.attention import fixed_shift_failures
-from trnkit.kernels.attention.flash_fwd_shift import L_NATS
+from trnkit.kernels.attention.shift_rule import NATS_2BYTE, NATS_FP32
 
 
-def diagonal_failures(q: torch.Tensor, k: torch.Tensor, scale: float, nats: float = L_NATS, bank: int = 512,
+def diagonal_failures(q: torch.Tensor, k: torch.Tensor, scale: float, nats: float = NATS_FP32, bank: int = 512,
                       tile: int = 128) -> torch.Tensor:
     """``fixed_shift_failures`` for a shift over the first ``bank`` keys and the query tile's diagonal bank
     (keys ``[bank * floor(r0 / bank), i]`` for row ``i`` of the tile starting at ``r0``)."""
@@ -105,27 +106,30 @@ def main() -> None:
     for layer, core in enumerate(cores):
         core.register_forward_hook(lambda m, inp, out, layer=layer: seen.append((layer, inp[0], inp[1], m.scale)))
     S = args.seq
-    bound = math.log(S) + L_NATS
+    bounds = {rule: math.log(S) + nats for rule, nats in (("bf16", NATS_2BYTE), ("fp32", NATS_FP32))}
     per_layer: dict[int, list] = {}
     with torch.no_grad():
         for w in range(tokens.shape[0]):
             seen.clear()
             model(tokens[w:w + 1])
             for layer, q, k, scale in seen:
-                fails = fixed_shift_failures(q, k, scale)
+                fails = fixed_shift_failures(q, k, scale, nats=NATS_FP32)
                 diag = diagonal_failures(q, k, scale)
                 ll = log_l(q, k, scale)
                 per_layer.setdefault(layer, []).append((bool(fails.any()), bool(diag.any()), float(ll.max()),
-                                                        int(fails.sum()), ll.amax(-1).squeeze(0).tolist()))
+                                                        int(fails.sum()), ll.amax(-1).squeeze(0).tolist(),
+                                                        bool(fixed_shift_failures(q, k, scale, nats=NATS_2BYTE).any())))
     launches = sum(len(v) for v in per_layer.values())
     fail = sum(r[0] for v in per_layer.values() for r in v)
     dfail = sum(r[1] for v in per_layer.values() for r in v)
-    print(f"checkpoint {args.checkpoint or 'random init'}, S={S}, {args.windows} windows, log S + 32 = {bound:.2f}")
-    print(f"launches failing: {fail} / {launches} ({fail / launches:.1%}); with the diagonal bank in the shift: "
-          f"{dfail} / {launches} ({dfail / launches:.1%})")
+    bfail = sum(r[5] for v in per_layer.values() for r in v)
+    print(f"checkpoint {args.checkpoint or 'random init'}, S={S}, {args.windows} windows; the bound log l <= "
+          f"{bounds['bf16']:.2f} (bf16 launches), {bounds['fp32']:.2f} (fp32 launches)")
+    print(f"launches failing: bf16 rule {bfail} / {launches} ({bfail / launches:.1%}); fp32 rule {fail} / {launches} "
+          f"({fail / launches:.1%}), with the diagonal bank in the shift {dfail} / {launches} ({dfail / launches:.1%})")
     for layer, v in sorted(per_layer.items()):
         heads = torch.tensor([r[4] for r in v])  # [windows, Hq]: each head's largest log l
-        print(f"layer {layer}: fail {sum(r[0] for r in v)}/{len(v)}, diag {sum(r[1] for r in v)}/{len(v)}, "
+        print(f"layer {layer}: fail (fp32 rule) {sum(r[0] for r in v)}/{len(v)}, diag {sum(r[1] for r in v)}/{len(v)}, "
               f"failing rows {sum(r[3] for r in v)}, max log l {max(r[2] for r in v):.2f}; per head max log l "
               f"(median over windows): {[round(x, 2) for x in heads.median(0).values.tolist()]}")
 

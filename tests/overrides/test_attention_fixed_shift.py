@@ -25,7 +25,7 @@ from trnkit.kernels.attention import flash_fwd, flash_fwd_shift
 from trnkit.overrides import KernelChoice, OverrideConfig, apply_overrides, bind_kernels, ops, register_hf_attention
 
 S = 600  # past the 512 keys the shift is taken over
-SHARPEN = 10.0  # q / k norm gain that makes every launch fall back (scores x 100: rows far past log S + 32)
+SHARPEN = 10.0  # q / k norm gain that makes every launch fall back (scores x 100: rows far past the bound)
 
 
 @pytest.fixture

@@ -46,6 +46,19 @@ def _inputs(B: int, S: int, Hq: int, Hk: int, D: int, dtype: torch.dtype, seed: 
 def check_attention(q, k, v, o, lse, scale: float, grads=None, go=None) -> None:
     """The fp64-oracle rule on o and lse (and on the gradients ``grads = (dq, dk, dv)`` for the output
     gradient ``go``), streamed over kv heads."""
+    errs = attention_errors(q, k, v, o, lse, scale, grads, go)
+    checked = tuple(errs)
+    if q.shape[1] == 1 and grads is not None:  # one key: softmax is 1, dq = dk = 0 exactly (no relative error)
+        checked = ("o", "lse", "grad_v")
+        for g_ in grads[:2]:
+            assert g_.abs().max() <= 1e-5 * go.abs().max() * v.abs().max() * q.shape[3]
+    for n in checked:
+        errs[n].check()
+
+
+def attention_errors(q, k, v, o, lse, scale: float, grads=None, go=None) -> dict[str, OracleErr]:
+    """``{output: OracleErr}`` of o and lse (and the gradients ``grads`` for ``go``) against the fp64 oracle
+    and torch at the test dtype, streamed over kv heads (:func:`check_attention` checks them)."""
     dtype = q.dtype
     Hq, Hk = q.shape[2], k.shape[2]
     G = Hq // Hk
@@ -65,13 +78,7 @@ def check_attention(q, k, v, o, lse, scale: float, grads=None, go=None) -> None:
             errs["grad_q"].add(grads[0][:, :, hs], per[dtype][2][0], per[F64][2][0])
             errs["grad_k"].add(grads[1][:, :, j], per[dtype][2][1], per[F64][2][1])
             errs["grad_v"].add(grads[2][:, :, j], per[dtype][2][2], per[F64][2][2])
-    checked = names[: 5 if grads is not None else 2]
-    if q.shape[1] == 1 and grads is not None:  # one key: softmax is 1, dq = dk = 0 exactly (no relative error)
-        checked = ("o", "lse", "grad_v")
-        for g_ in grads[:2]:
-            assert g_.abs().max() <= 1e-5 * go.abs().max() * v.abs().max() * q.shape[3]
-    for n in checked:
-        errs[n].check()
+    return {n: errs[n] for n in names[: 5 if grads is not None else 2]}
 
 
 def attention_case(shape: tuple[int, int, int, int, int], dtype: torch.dtype, lnc: int = 1, seed: int = 0,

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from trnkit.kernels.attention.shift_rule import certificate_nats
+
 
 def _heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     """``[B, S, Hk, D]`` -> ``[B, Hk * groups, S, D]`` fp32 (each kv head repeated for its group)."""
@@ -76,19 +78,22 @@ def attention_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
 
 
 def fixed_shift_failures(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, shift_keys: int = 512,
-                         nats: float = 32.0, rows: int = 256) -> torch.Tensor:
+                         nats: float | None = None, rows: int = 256) -> torch.Tensor:
     """``[B, Hq, S]`` bool: the rows that fail the fixed-shift forward's certificate
     (:mod:`trnkit.kernels.attention.flash_fwd_shift`), computed in torch (fp32 scores, ``rows`` query rows at
     a time): row ``i``'s shift is ``c_i = max_{j <= min(i, shift_keys - 1)} scale * q_i . k_j`` and it fails
-    when ``l_i = sum_{j <= i} exp(scale * q_i . k_j - c_i) > S * e^nats`` (an ``inf`` fails too). ``1 / l_i``
-    is the largest softmax probability among the row's first ``shift_keys`` keys, so a row fails exactly
-    when each of those keys gets less than ``e^-nats / S`` of its attention. A launch of the kernel
+    when ``l_i = sum_{j <= i} exp(scale * q_i . k_j - c_i) > S * e^nats`` (an ``inf`` fails too; ``nats``
+    None: the kernel's rule for q's dtype, :func:`~trnkit.kernels.attention.shift_rule.certificate_nats`).
+    ``1 / l_i`` is the largest softmax probability among the row's first ``shift_keys`` keys, so a row fails
+    exactly when each of those keys gets less than ``e^-nats / S`` of its attention. A launch of the kernel
     falls back to the exact forward when any of its rows fails (up to the rounding of ``l_i`` near the
     bound: the kernel sums its exponentials in another order)."""
     B, S, Hq, D = q.shape
     G = Hq // k.shape[2]
     scale = D ** -0.5 if scale is None else scale
     kf = _heads(k, G)
+    if nats is None:
+        nats = certificate_nats(q.element_size())
     bound = S * math.exp(nats)
     out = torch.zeros(B, Hq, S, dtype=torch.bool)
     for r0 in range(0, S, rows):

@@ -11,20 +11,18 @@ first step, read by Vector: 23% of the scores the exact row max reads at S = 4,0
 With a fixed shift there is no running max: no correction of ``O`` and ``l`` between steps, and
 Scalar's ``exp`` reads the scores straight from PSUM with the row sum in the same instruction.
 
-**The certificate.** After the fast pass every row's ``l_i`` is compared with ``S * e^L_NATS`` (``L_NATS``
-= 32). If all pass, ``delta_i <= log l_i <= log S + 32``: every exponential and ``l_i`` are at most ``S e^32``
-(2.6e18 at S = 32,768; fp32 and bf16 reach 3.4e38), the ``P V`` partial sums at most that times ``max|v|``.
-The shift does not cost precision: Scalar forms each exponent ``scale * s + bias`` in fp32, whose rounding
-is set by the magnitudes of ``scale * s`` and of the bias (the exact path's bias is the row max, of the same
-size), not by how far the shift lies below the max; ``P`` is rounded relative to its own value and every
-sum is in floating point (measured: the oracle rule holds at the certificate's boundary, ``l_i`` near
-``S e^32``). A row whose ``l_i`` exceeds the bound, or is ``inf`` (an overflow), fails; a ``NaN`` ``l_i``
-(only from non-finite inputs, which the exact path turns into ``NaN`` too) does not. ``1 / l_i`` is the
-largest softmax probability among the row's first 512 keys, so a row fails only when every one of those
-keys gets less than ``e^-32 / S`` of its attention (3.1e-18 at S = 4,096). A row's ``l_i`` is at most
-``(i + 1) e^span`` (``span``: its largest score minus its smallest), so no row fails while ``span <= 32``:
-with Qwen3's per-head q / k RMSNorm and scale ``D^-0.5``, ``span <= 2 sqrt(D) max|w_q| max|w_k|``, so while ``max|w_q| *
-max|w_k| <= 1.41`` at D = 128 (2.0 at D = 64). If any row of the launch fails, the whole
+**The certificate.** After the fast pass every row's ``l_i`` is compared with a bound ``S * e^nats``
+(:mod:`~trnkit.kernels.attention.shift_rule`): ``nats`` = 32 for bf16 inputs, ``log 4`` for fp32 inputs,
+a precision rule measured against the fp64 oracle (that module's docstring). If all pass, ``delta_i <= log
+l_i <= log S + nats``: every exponential and ``l_i`` are at most ``S e^nats`` (2.6e18 at S = 32,768 for bf16,
+far inside fp32's range), the ``P V`` partial sums at most that times ``max|v|``. A row whose ``l_i``
+exceeds the bound, or is ``inf`` (an overflow), fails; a ``NaN`` ``l_i`` (only from non-finite inputs,
+which the exact path turns into ``NaN`` too) does not. ``1 / l_i`` is the largest softmax probability among
+the row's first 512 keys, so a bf16 row fails only when every one of those keys gets less than ``e^-32 /
+S`` of its attention (3.1e-18 at S = 4,096; fp32: ``1 / 4S``). A row's ``l_i`` is at most ``(i + 1)
+e^span`` (``span``: its largest score minus its smallest), so no bf16 row fails while ``span <= 32``:
+with Qwen3's per-head q / k RMSNorm and scale ``D^-0.5``, ``span <= 2 sqrt(D) max|w_q| max|w_k|``, so
+while ``max|w_q| * max|w_k| <= 1.41`` at D = 128 (2.0 at D = 64). If any row of the launch fails, the whole
 launch runs the exact kernel's pipeline again (:func:`~trnkit.kernels.attention.flash_fwd._pipeline`,
 overwriting ``o`` and ``lse``): one runtime decision per launch, a ``nl.fori_loop`` of 0 or 1 iterations
 whose trip count is 1 when any row failed. On LNC=2 each core flags its own rows and the two cores swap
@@ -46,10 +44,9 @@ constant before the first DMA completes loads Scalar's activation table off the 
 
 from __future__ import annotations
 
-import math
-
 from trnkit.kernels._common import cdiv
 from trnkit.kernels.attention import flash_fwd as F
+from trnkit.kernels.attention.shift_rule import certificate_bound
 from trnkit.kernels.attention.tiling import (ACT_FIXED_NS, SCALAR_GHZ, VECTOR_GHZ, P, causal_mask, load_v)
 from trnkit.kernels.tiles import identity
 from trnkit.nki_api import nisa, nki, nl
@@ -57,8 +54,6 @@ from trnkit.nki_api import nisa, nki, nl
 BANK = F.BANK
 GROUP_CAP = F.GROUP_BANKS  # banks per PSUM score group (one Scalar exp each)
 LIVE = F.LIVE_SCORE_BANKS  # banks two consecutive groups may hold (the 8th: the P V tiles)
-L_NATS = 32.0  # the certificate: every row's l <= S * e^L_NATS (module docstring)
-L_PER_KEY = math.exp(L_NATS)
 # Pipeline distances (in steps) of the P^T transposes, P V and o = O / l behind the scores + exp (chosen on
 # the cost model at S = 4,096, 8 / 2 heads: 614.5 us at mid; 1 / 3 / 5 gives 827 us, 3 / 5 / 7 617.7 us)
 LAG_T, LAG_PV, LAG_FINISH = 2, 4, 6
@@ -182,10 +177,11 @@ def _o_update(st, load):
     st["pv"], st["o"] = None, acc
 
 
-def _certify(u, bad, col, S):
-    """``bad[:, col]``: 1.0 on the partitions where a tile of the unit has ``l > S * e^L_NATS`` (Vector)."""
+def _certify(u, bad, col, S, itemsize):
+    """``bad[:, col]``: 1.0 on the partitions where a tile of the unit has ``l`` above the certificate's bound
+    (Vector; :func:`~trnkit.kernels.attention.shift_rule.certificate_bound`)."""
     flags = nl.ndarray(u["l_all"].shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar_reduce(dst=flags, data=u["l_all"], op0=nl.greater, operand0=S * L_PER_KEY,
+    nisa.tensor_scalar_reduce(dst=flags, data=u["l_all"], op0=nl.greater, operand0=certificate_bound(S, itemsize),
                               reduce_op=nl.maximum, reduce_res=bad[:, col:col + 1])
 
 
@@ -211,7 +207,7 @@ def _fast_pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load, 
             F._transpose(st, load)
             _row_sum(st, st["u"]["l_all"], ones_col)
             if st["unit_last"]:  # every l of the unit is final: its certificate
-                _certify(st["u"], bad, st["u"]["bad_col"], S)
+                _certify(st["u"], bad, st["u"]["bad_col"], S, F._itemsize(q.dtype))
             if t - LAG_T == len(steps) - 1 and decide != None:  # noqa: E711
                 # the launch's decision, in program order ahead of the drain (it overlaps the last
                 # steps' P V, o and lse instead of following them)
