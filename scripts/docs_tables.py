@@ -154,7 +154,7 @@ def blockwise_moe() -> str:
 
 def _attention_pairs() -> list[tuple[dict[str, str], dict[str, str]]]:
     """attention_peak.csv's (trnkit row, nki-library row of the same pass and shape) pairs, in CSV order
-    (trnkit's "forward, fixed shift" pairs with nki-library's "forward")."""
+    (each of trnkit's forward passes, "forward, ..." included, pairs with nki-library's "forward")."""
     by = {(r["kernel"], r["mode"], r["S"], r["Hq"], r["Hk"], r["lnc"]): r for r in read_csv("attention_peak.csv")}
     pairs = []
     for (kernel, mode, S, Hq, Hk, lnc), tk in by.items():
@@ -216,12 +216,15 @@ def _attention_frac(mode: str, lnc: str, end: str, Hq: str = "8", Hk: str = "2")
     return _attention_cell(f"peak_frac_{end}", mode, lnc, "{:.1%}", Hq=Hq, Hk=Hk)
 
 
+ATTENTION_EXACT = "forward, exact row max"  # attention_peak.csv's pass of the exact forward alone
+
+
 def _fallback_cost(lnc: str) -> tuple[Callable[[], str], Callable[[], str]]:
-    """The fixed-shift forward's fallback launch at 4096 / 8 / 2 heads: its mid (us) and its ratio to the
+    """The (fixed-shift) forward's fallback launch at 4096 / 8 / 2 heads: its mid (us) and its ratio to the
     exact forward's mid."""
-    fallback = "forward, fixed shift, fallback"
+    fallback = "forward, fallback"
     return (lambda: f"{_attention_mid(fallback, lnc):,.1f}",
-            lambda: f"{_attention_mid(fallback, lnc) / _attention_mid('forward', lnc):.2f}")
+            lambda: f"{_attention_mid(fallback, lnc) / _attention_mid(ATTENTION_EXACT, lnc):.2f}")
 
 
 def attention_peak() -> str:
@@ -1676,9 +1679,9 @@ QUOTES = (
               _bench_frac("rmsnorm", "forward", "q-norm flavor (LNC=2)", "4B"),
               _bench_frac("rmsnorm", "backward", "q-norm flavor (LNC=2)", "0.6B"),
               _bench_frac("rmsnorm", "backward", "q-norm flavor (LNC=2)", "4B"))),
-    Quote("docs/benchmarks.md", "attention forward {}×–{}× / {}×–{}× ({}×–{}× / {}×–{}× with the opt-in fixed "
-          "shift), backward {}×–{}× / {}×–{}×", "attention_peak.csv trnkit / nki-library time, every shape",
-          tuple(f for mode in ("forward", "forward, fixed shift", "backward")
+    Quote("docs/benchmarks.md", "attention forward {}×–{}× / {}×–{}× ({}×–{}× / {}×–{}× the exact forward alone), "
+          "backward {}×–{}× / {}×–{}×", "attention_peak.csv trnkit / nki-library time, every shape",
+          tuple(f for mode in ("forward", ATTENTION_EXACT, "backward")
                 for column in ("est_us_mid", "est_us_high") for f in _attention_ratio_range(mode, column))),
     Quote("docs/benchmarks.md", "dense MLP {}×–{}× / {}×–{}× (mlp_cte;", "mlp_peak.csv trnkit / mlp_cte time",
           tuple(f for column in ("est_us_mid", "est_us_high") for f in _ratio_range(
@@ -1700,23 +1703,24 @@ QUOTES = (
     Quote("docs/benchmarks.md", "the recompute schedule's backward is {}×–{}× the same job's backward (its forward "
           "{}×–{}×)", "cross_entropy_peak.csv trnkit / same job per pass, recompute schedule",
           _lce_job_ratio_range("recompute", "backward") + _lce_job_ratio_range("recompute", "forward")),
-    Quote("docs/benchmarks.md", "forward {} (LNC=1) and {} (LNC=2) at mid ({} / {} at the pessimistic end); with "
-          "the opt-in fixed shift", "attention_peak.csv trnkit forward, S=4096, 8 / 2 heads, fraction of peak",
-          tuple(_attention_frac("forward", lnc, end) for end in ("mid", "pessimistic") for lnc in ("1", "2"))),
-    Quote("docs/benchmarks.md", "option) **{} (LNC=1) and {} (LNC=2)** at mid ({} / {} pessimistic), at LNC=2 with "
-          "Qwen3-4B's 32 / 8 and 30B-A3B's 32 / 4 heads {} and {} ({} / {}); backward {} (LNC=1) and {} (LNC=2) at "
-          "mid ({} / {} pessimistic)", "attention_peak.csv trnkit fixed-shift forward and backward, fraction of peak",
-          (*(_attention_frac("forward, fixed shift", lnc, end) for end in ("mid", "pessimistic") for lnc in ("1", "2")),
-           *(_attention_frac("forward, fixed shift", "2", end, Hq, Hk) for end in ("mid", "pessimistic")
+    Quote("docs/benchmarks.md", "the exact forward alone (`fixed_shift=False`, the fallback) {} (LNC=1) and {} "
+          "(LNC=2) at mid ({} / {} at the pessimistic end)", "attention_peak.csv trnkit exact forward, S=4096, 8 / 2 "
+          "heads, fraction of peak",
+          tuple(_attention_frac(ATTENTION_EXACT, lnc, end) for end in ("mid", "pessimistic") for lnc in ("1", "2"))),
+    Quote("docs/benchmarks.md", "shift per row) **{} (LNC=1) and {} (LNC=2)** at mid ({} / {} pessimistic), at LNC=2 "
+          "with Qwen3-4B's 32 / 8 and 30B-A3B's 32 / 4 heads {} and {} ({} / {}); backward {} (LNC=1) and {} (LNC=2) "
+          "at mid ({} / {} pessimistic)", "attention_peak.csv trnkit forward and backward, fraction of peak",
+          (*(_attention_frac("forward", lnc, end) for end in ("mid", "pessimistic") for lnc in ("1", "2")),
+           *(_attention_frac("forward", "2", end, Hq, Hk) for end in ("mid", "pessimistic")
              for Hq, Hk in (("32", "8"), ("32", "4"))),
            *(_attention_frac("backward", lnc, end) for end in ("mid", "pessimistic") for lnc in ("1", "2")))),
     Quote("docs/benchmarks.md", "**no**: MoE fp32 at seq 512, {}× (median {}×)",
           "qwen3_step.csv debug-moe fp32 seq 512, deterministic off",
           tuple(csv_cell("qwen3_step.csv", column, _step("debug-moe", "float32"), "{:.2f}")
                 for column in ("speedup", "speedup_median"))),
-    Quote("docs/benchmarks.md", "the forward with the opt-in fixed shift (LNC=1 {} us against the 621 us of 70%, "
-          "LNC=2 {} us against 310.7 us)", "attention_peak.csv trnkit forward, fixed shift, S=4096, 8 / 2 heads",
-          tuple(_attention_cell("est_us_mid", "forward, fixed shift", lnc) for lnc in ("1", "2"))),
+    Quote("docs/benchmarks.md", "the forward (LNC=1 {} us against the 621 us of 70%, LNC=2 {} us against 310.7 us)",
+          "attention_peak.csv trnkit forward, S=4096, 8 / 2 heads",
+          tuple(_attention_cell("est_us_mid", "forward", lnc) for lnc in ("1", "2"))),
     Quote("docs/benchmarks.md", "the q head norm alone at 0.6B ({} us at the pessimistic end against 33.4 us for 70%",
           "bench.csv rmsnorm q-norm flavor (LNC=2) 0.6B forward est_time p80",
           csv_cell("bench.csv", "p80", _bench("rmsnorm", "forward", "est_time", "q-norm flavor (LNC=2)", "0.6B"))),
@@ -1857,7 +1861,7 @@ QUOTES = (
     Quote("docs/cost-model.md", "(H 4,096, I 128: 25.6 us recorded, the kernel's own mid {} us)",
           "nkilib_calibration.csv test_mlp_tkg:271", nkilib_cell("test_mlp_tkg:271", "kernel_mid_us")),
     Quote("docs/benchmarks.md", "arithmetic): {} us at LNC=1 and {} us at LNC=2 at mid, {}× and {}× the exact "
-          "forward's time", "attention_peak.csv forward, fixed shift, fallback",
+          "forward's time", "attention_peak.csv forward, fallback",
           (_fallback_cost("1")[0], _fallback_cost("2")[0], _fallback_cost("1")[1], _fallback_cost("2")[1])),
     Quote("docs/benchmarks.md", "the forward at 8,192² with 3 heads reaches {} of peak at mid",
           "attention_peak.csv forward 8192 3 / 3 LNC=2",
@@ -2015,9 +2019,9 @@ QUOTES = (
           "derived_figures.csv cross_entropy_fused_fwd busy at mid", tuple(
               derived_cell("cross_entropy_fused_fwd", "mid", f"busy_us:{e}", "{:.0f}") for e in ("dma", "tensor"))),
     Quote("docs/benchmarks.md", "(LNC=1 {} us against the {} us of 70%, LNC=2 {} us against {} us)",
-          "attention_peak.csv forward, fixed shift 4096 8 / 2", (
-              _attention_cell("est_us_mid", "forward, fixed shift", "1"), _attention_70pct_us(1, "{:.0f}"),
-              _attention_cell("est_us_mid", "forward, fixed shift", "2"), _attention_70pct_us(2, "{:.1f}"))),
+          "attention_peak.csv forward 4096 8 / 2", (
+              _attention_cell("est_us_mid", "forward", "1"), _attention_70pct_us(1, "{:.0f}"),
+              _attention_cell("est_us_mid", "forward", "2"), _attention_70pct_us(2, "{:.1f}"))),
     Quote("docs/kernel-design.md", "the HBM bound is {} µs", "derived_figures.csv rope_fwd memory bound",
           derived_cell("rope_fwd", "mid", "memory_bound_us")),
     Quote("docs/kernel-design.md", "The HBM bound is {} µs (38.8 MB); 70 % of it is {} µs.", "derived_figures.csv "
