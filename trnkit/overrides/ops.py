@@ -70,6 +70,7 @@ from torch import Tensor
 
 from trnkit.errors import TrnkitError
 from trnkit.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
+from trnkit.overrides.config import fixed_shift_problem
 from trnkit.overrides.registry import get_impl
 
 __all__ = ["ImplOutputError", "attention", "attention_bwd", "grouped_mm", "grouped_mm_bwd", "linear_cross_entropy",
@@ -701,15 +702,16 @@ linear_cross_entropy_fused.register_autograd(_lce_fused_backward, setup_context=
 # ----------------------------------------------------------------------------------------- attention
 
 
-def _fixed_shift_kw(fn: Any, impl: str, fixed_shift: bool | None) -> dict[str, bool]:
+def _fixed_shift_kw(impl: str, fixed_shift: bool | None) -> dict[str, bool]:
     """``fixed_shift`` as the attention impl's keyword argument: passed when set (None: the impl's default);
-    an impl that does not declare it cannot honour it, so the op refuses (a
-    :class:`~trnkit.overrides.KernelChoice` is checked earlier)."""
+    an impl that does not declare it cannot honour it, so the op refuses (the rule of
+    :func:`~trnkit.overrides.config.fixed_shift_problem`, which checks a :class:`~trnkit.overrides.KernelChoice`
+    earlier)."""
     if fixed_shift is None:
         return {}
-    if "fixed_shift" not in inspect.signature(fn).parameters:
-        raise ValueError(f"trnkit::attention: fixed_shift={fixed_shift} needs an impl whose function takes "
-                         f"fixed_shift (the built-in 'nki'), got impl {impl!r}, which does not")
+    problem = fixed_shift_problem("attention", impl)
+    if problem:
+        raise ValueError(f"trnkit::attention: fixed_shift={fixed_shift} {problem}")
     return {"fixed_shift": fixed_shift}
 
 
@@ -720,7 +722,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "refere
     B, S, H, _ = q.shape
     fn = get_impl("attention", impl).fn
     o, lse = fn(q.contiguous(), k.contiguous(), v.contiguous(), scale, **_lnc_kw(fn, lnc),
-                **_fixed_shift_kw(fn, impl, fixed_shift))
+                **_fixed_shift_kw(impl, fixed_shift))
     return o.to(q.dtype).reshape(q.shape).contiguous(), lse.to(torch.float32).reshape(B, H, S).contiguous()
 
 
