@@ -158,6 +158,8 @@ def test_constraints_name_the_rule_and_value() -> None:
         (dict(x=torch.randn(2, 9000).bfloat16(), weight=torch.ones(9000).bfloat16(), backward=True), "H <= 8192"),
         # a fp32 weight makes grad_y fp32: the backward's rows are fp32-wide
         (dict(x=torch.randn(2, 8192).bfloat16(), weight=torch.ones(8192), backward=True), "H <= 4096 for float32"),
+        # one element per row: the forward runs, the backward's two terms cancel past its precision
+        (dict(x=torch.randn(127, 1), weight=torch.ones(1), backward=True), "H >= 2"),
     ]
     for kw, rule in cases:
         v = rmsnorm_constraints(**kw)
@@ -168,6 +170,10 @@ def test_constraints_name_the_rule_and_value() -> None:
         rmsnorm_bwd(x, x, torch.ones(64), torch.ones(3))
     with pytest.raises(KernelConstraintError, match="rmsnorm_bwd: constraint 'grad_y has x's shape and the output"):
         rmsnorm_bwd(x.bfloat16(), x, torch.ones(64), torch.ones(4))
+    one = torch.randn(127, 1).bfloat16()
+    assert not rmsnorm_constraints(one, torch.ones(1).bfloat16())
+    with pytest.raises(KernelConstraintError, match=r"rmsnorm_bwd: constraint 'H >= 2' violated \(got 1\)"):
+        rmsnorm_bwd(one, one, torch.ones(1).bfloat16(), torch.ones(127))
     wide = torch.randn(2, 9000).bfloat16()  # the forward splits it, the backward keeps whole rows
     assert not rmsnorm_constraints(wide, torch.ones(9000).bfloat16())
     v = rmsnorm_constraints(wide, torch.ones(9000).bfloat16(), backward=True)

@@ -54,7 +54,12 @@ def _common(name: str, x: Any, weight: Any, bad: Any, backward: bool) -> bool:
         return True
     # the backward's rows are as wide as its widest operand: grad_y is fp32 when the weight is
     wide_dt = "float32" if wd == "float32" else xd
-    if backward and H > H_MAX[wide_dt]:
+    if backward and H < 2:
+        # y = w * x / sqrt(x^2 + eps): its gradient w * dy * eps * rstd^3 is the difference of two terms
+        # (rstd * gw and the x term) equal to a part in x^2 / eps, finer than the backward's per-row
+        # coefficient (bf16 hi + lo parts) and its dy * x product (x's dtype) resolve
+        bad("H >= 2", H, "a one-element row's gradient is two terms that cancel to a part in x^2 / eps")
+    elif backward and H > H_MAX[wide_dt]:
         bad(f"H <= {H_MAX[wide_dt]} for {wide_dt}", H, "the backward keeps whole rows of every operand in SBUF "
             "(float32 ones when x or the weight is float32)")
     elif not backward and H > FWD_H_MAX:
