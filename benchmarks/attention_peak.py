@@ -32,7 +32,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
-from side_by_side import PEAK, Estimate, estimate, print_ratio, stamp, write_csv
+from side_by_side import PEAK, Estimate, estimate, print_ratio, require_nkilib, stamp, write_csv
 
 from trnkit.kernels.attention import attention, attention_bwd, attention_ref, fixed_shift_failures
 
@@ -71,12 +71,10 @@ def _trnkit(S: int, Hq: int, Hk: int, lnc: int, passes: tuple[str, ...]) -> dict
     return out
 
 
-def _nkilib(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, Estimate] | None:
+def _nkilib(S: int, Hq: int, Hk: int, lnc: int) -> dict[str, Estimate]:
     from trnkit.conformance import harness
 
     root = harness.nkilib_root()
-    if root is None:
-        return None
     bf = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(0)
     out = {}
@@ -156,6 +154,8 @@ def main() -> None:
     else:
         passes = ("forward", EXACT, "backward") + ((FALLBACK,) if args.fallback else ())
     with_nkilib = not (args.no_nkilib or args.exact_only or args.fallback_only)
+    if with_nkilib:
+        require_nkilib("attention_peak.py")
     rows = []
     for S, Hq, Hk in args.shapes:
         for lnc in args.lnc:

@@ -52,7 +52,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 from side_by_side import (HBM_BW, PEAK, Estimate, add_side_args, estimate, line_at, nkilib_commit, print_ratio,
-                          saved_estimate, stamp, write_csv)
+                          require_nkilib, saved_estimate, stamp, write_csv)
 
 from trnkit.bench import fingerprint
 from trnkit.bench.step import estimate_op, loss_op
@@ -75,13 +75,11 @@ def _trnkit(N: int, H: int, V: int, mode: str, schedule: str) -> Estimate:
     return Estimate(e.low_ns, e.mid_ns, e.high_ns, e.trace_s)
 
 
-def _nkilib(N: int, V: int, mode: str, pb: int, cs: int) -> Estimate | None:
+def _nkilib(N: int, V: int, mode: str, pb: int, cs: int) -> Estimate:
     """nki-library's kernel for ``N`` positions, on the line through traces of 2 and 4 batches per core."""
     from trnkit.conformance import harness
 
     root = harness.nkilib_root()
-    if root is None:
-        return None
     bf = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(0)
     points = []
@@ -153,6 +151,8 @@ def main() -> None:
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     add_side_args(p, "kernels", CSV.name)
     args = p.parse_args()
+    if not (args.no_nkilib or args.nkilib_from_csv):
+        require_nkilib("cross_entropy_peak.py")
     for case, N, H, V, fwd_cfg, bwd_cfg in SHAPES:
         if case not in args.cases:
             continue

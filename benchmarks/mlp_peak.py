@@ -24,7 +24,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
-from side_by_side import PEAK, Estimate, estimate, print_ratio, stamp, write_csv
+from side_by_side import PEAK, Estimate, estimate, print_ratio, require_nkilib, stamp, write_csv
 
 from trnkit.kernels.mlp import mlp
 
@@ -44,13 +44,11 @@ def _trnkit(T: int, H: int, I: int) -> Estimate:  # noqa: E741
     return estimate(lambda: mlp(x, wgu, wd, lnc=LNC))
 
 
-def _nkilib(T: int, H: int, I: int) -> Estimate | str | None:  # noqa: E741
-    """nki-library's mlp_cte forward at LNC=2 (an estimate tuple), its error message, or None without a checkout."""
+def _nkilib(T: int, H: int, I: int) -> Estimate | str:  # noqa: E741
+    """nki-library's mlp_cte forward at LNC=2 (an estimate tuple) or its error message."""
     from trnkit.conformance import harness
 
     root = harness.nkilib_root()
-    if root is None:
-        return None
     bf = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(0)
     with harness.nki_is_interpreter(root):
@@ -98,13 +96,13 @@ def main() -> None:
     p.add_argument("--no-nkilib", action="store_true", help="trnkit's kernels only")
     p.add_argument("--save", action="store_true", help="write benchmarks/data/mlp_peak.csv")
     args = p.parse_args()
+    if not args.no_nkilib:
+        require_nkilib("mlp_peak.py")
     rows = []
     for case, T, H, I in SHAPES:  # noqa: E741
         results = {"trnkit": _trnkit(T, H, I)}
         if not args.no_nkilib:
-            aws = _nkilib(T, H, I)
-            if aws is not None:
-                results["nki-library"] = aws
+            results["nki-library"] = _nkilib(T, H, I)
         for who, res in results.items():
             row = _row(who, case, T, H, I, res)
             rows.append(row)
@@ -116,7 +114,7 @@ def main() -> None:
         if isinstance(aws, Estimate):
             print_ratio(f"{case:16s} forward", tk, aws)
     if args.save:
-        write_csv(rows, CSV)
+        write_csv(rows, CSV, replace=("kernel", "case", "T", "H", "I"))
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import torch
-from side_by_side import (HBM_BW, Estimate, add_side_args, estimate, print_ratio, saved_estimate, stamp,
-                          write_csv)
+from side_by_side import (HBM_BW, Estimate, add_side_args, estimate, print_ratio, require_nkilib, saved_estimate,
+                          stamp, write_csv)
 
 from trnkit.kernels.rmsnorm import rmsnorm
 
@@ -75,14 +75,12 @@ def _trnkit(B: int, S: int, H: int) -> Estimate | str:
         return _error(exc)
 
 
-def _nkilib(B: int, S: int, H: int) -> dict[str, Estimate | str] | None:
-    """Both nki-library kernels at LNC=2 (an estimate or the error each raised), or None without a checkout."""
+def _nkilib(B: int, S: int, H: int) -> dict[str, Estimate | str]:
+    """Both nki-library kernels at LNC=2 (an estimate or the error each raised)."""
     from trnkit import nkisim
     from trnkit.conformance import harness
 
     root = harness.nkilib_root()
-    if root is None:
-        return None
     bf = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((B, S, H)).astype(bf)
@@ -147,6 +145,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_side_args(p, "kernel", CSV.name)
     args = p.parse_args()
+    if not (args.no_nkilib or args.nkilib_from_csv):
+        require_nkilib("rmsnorm_peak.py")
     rows = []
     for case, B, S, H in SHAPES:
         results = {"trnkit": _trnkit(B, S, H)}
@@ -154,7 +154,7 @@ def main() -> None:
         if saved:
             results.update({kernel: _from_row(r) for kernel, r in saved.items()})
         elif not args.no_nkilib:
-            results.update(_nkilib(B, S, H) or {})
+            results.update(_nkilib(B, S, H))
         for kernel, res in results.items():
             row = saved.get(kernel) or _row(kernel, case, B, S, H, res)
             rows.append(row)
@@ -166,7 +166,7 @@ def main() -> None:
             if isinstance(results["trnkit"], Estimate) and isinstance(results.get(kernel), Estimate):
                 print_ratio(f"{case:30s} x[{B},{S},{H}] vs {kernel:26s}", results["trnkit"], results[kernel])
     if args.save:
-        write_csv(rows, CSV)
+        write_csv(rows, CSV, replace=("kernel", "case", "B", "S", "H"))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,17 @@ def print_ratio(label: str, ours: Estimate, theirs: Estimate) -> None:
     print(f"{label} trnkit / nki-library time: {mid:.2f}x mid, {pessimistic:.2f}x pessimistic", flush=True)
 
 
+def require_nkilib(script: str) -> None:
+    """Stop ``script`` with a message when the nki-library checkout is missing: its side-by-side would otherwise
+    trace trnkit's side alone (and a save would hold no nki-library figures)."""
+    from trnkit.conformance import harness
+
+    if harness.nkilib_root() is None:
+        dirs = ", ".join(str(d) for d in harness.TARBALL_DIRS)
+        raise SystemExit(f"{script}: nki-library not found (NKILIB_SRC is unset and no nki-library-*.tar.gz in "
+                         f"{dirs}): set NKILIB_SRC to a checkout, or pass --no-nkilib for trnkit's side only")
+
+
 @functools.cache
 def nkilib_commit() -> str:
     """The commit of the nki-library checkout the conformance harness finds (``NKILIB_SRC`` or the archive)."""
