@@ -22,6 +22,7 @@ import math
 import torch
 
 from trnkit.kernels.attention import fixed_shift_failures
+from trnkit.kernels.attention.attention_torch import causal_score_rows
 from trnkit.kernels.attention.shift_rule import NATS_2BYTE, NATS_FP32
 
 
@@ -29,14 +30,9 @@ def diagonal_failures(q: torch.Tensor, k: torch.Tensor, scale: float, nats: floa
                       tile: int = 128) -> torch.Tensor:
     """``fixed_shift_failures`` for a shift over the first ``bank`` keys and the query tile's diagonal bank
     (keys ``[bank * floor(r0 / bank), i]`` for row ``i`` of the tile starting at ``r0``)."""
-    B, S, Hq, D = q.shape
-    G = Hq // k.shape[2]
-    kf = k.float().transpose(1, 2).repeat_interleave(G, dim=1)
+    B, S, Hq, _ = q.shape
     out = torch.zeros(B, Hq, S, dtype=torch.bool)
-    for r0 in range(0, S, tile):
-        r1 = min(S, r0 + tile)
-        s = torch.einsum("bhid,bhjd->bhij", q[:, r0:r1].float().transpose(1, 2), kf[:, :, :r1]) * scale
-        s = s.masked_fill(~torch.ones(r1, r1, dtype=torch.bool).tril()[r0:r1], float("-inf"))
+    for r0, r1, s in causal_score_rows(q, k, scale, tile):
         d0 = r0 // bank * bank
         c = torch.maximum(s[..., :bank].amax(-1, keepdim=True), s[..., d0:].amax(-1, keepdim=True))
         lsum = torch.exp(s - c).sum(-1)
@@ -47,14 +43,9 @@ def diagonal_failures(q: torch.Tensor, k: torch.Tensor, scale: float, nats: floa
 def log_l(q: torch.Tensor, k: torch.Tensor, scale: float, rows: int = 256) -> torch.Tensor:
     """``[B, Hq, S]``: ``log l_i`` under the first-512-key shift (``-log`` of the largest probability among
     the row's first 512 keys)."""
-    B, S, Hq, D = q.shape
-    G = Hq // k.shape[2]
-    kf = k.float().transpose(1, 2).repeat_interleave(G, dim=1)
+    B, S, Hq, _ = q.shape
     out = torch.zeros(B, Hq, S)
-    for r0 in range(0, S, rows):
-        r1 = min(S, r0 + rows)
-        s = torch.einsum("bhid,bhjd->bhij", q[:, r0:r1].float().transpose(1, 2), kf[:, :, :r1]) * scale
-        s = s.masked_fill(~torch.ones(r1, r1, dtype=torch.bool).tril()[r0:r1], float("-inf"))
+    for r0, r1, s in causal_score_rows(q, k, scale, rows):
         out[:, :, r0:r1] = torch.logsumexp(s, -1) - s[..., :512].amax(-1)
     return out
 

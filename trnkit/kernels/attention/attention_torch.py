@@ -20,6 +20,7 @@ accumulates in fp32.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -77,6 +78,21 @@ def attention_bwd_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
     return dq.transpose(1, 2).to(dt), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
+def causal_score_rows(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, rows: int = 256
+                      ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(r0, r1, s)`` per block of ``rows`` query rows: ``s [B, Hq, r1 - r0, r1]`` the fp32 scores
+    ``scale * q_i . k_j`` of rows ``r0 .. r1 - 1`` over keys ``0 .. r1 - 1``, ``-inf`` past the diagonal
+    (q ``[B, S, Hq, D]``, k ``[B, S, Hk, D]``; ``scale`` defaults to ``D ** -0.5``): one block's scores at a
+    time, never the ``[S, S]`` matrix of every head."""
+    S, D = q.shape[1], q.shape[3]
+    kf = _heads(k, q.shape[2] // k.shape[2])
+    scale = D ** -0.5 if scale is None else scale
+    for r0 in range(0, S, rows):
+        r1 = min(S, r0 + rows)
+        s = torch.einsum("bhid,bhjd->bhij", q[:, r0:r1].float().transpose(1, 2), kf[:, :, :r1]) * scale
+        yield r0, r1, s.masked_fill(~_causal(r1)[r0:r1], float("-inf"))
+
+
 def fixed_shift_failures(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, shift_keys: int = 512,
                          nats: float | None = None, rows: int = 256) -> torch.Tensor:
     """``[B, Hq, S]`` bool: the rows that fail the fixed-shift forward's certificate
@@ -88,22 +104,15 @@ def fixed_shift_failures(q: torch.Tensor, k: torch.Tensor, scale: float | None =
     exactly when each of those keys gets less than ``e^-nats / S`` of its attention. A launch of the kernel
     falls back to the exact forward when any of its rows fails (up to the rounding of ``l_i`` near the
     bound: the kernel sums its exponentials in another order)."""
-    B, S, Hq, D = q.shape
-    G = Hq // k.shape[2]
-    scale = D ** -0.5 if scale is None else scale
-    kf = _heads(k, G)
+    B, S, Hq, _ = q.shape
     if nats is None:
         nats = certificate_nats(q.element_size())
     bound = S * math.exp(nats)
     out = torch.zeros(B, Hq, S, dtype=torch.bool)
-    for r0 in range(0, S, rows):
-        r1 = min(S, r0 + rows)
-        s = torch.einsum("bhid,bhjd->bhij", q[:, r0:r1].float().transpose(1, 2), kf[:, :, :r1]) * scale
-        s = s.masked_fill(~_causal(r1)[r0:r1], float("-inf"))
-        c = s[..., :shift_keys].amax(-1, keepdim=True)
-        lsum = torch.exp(s - c).sum(-1)
+    for r0, r1, s in causal_score_rows(q, k, scale, rows):
+        lsum = torch.exp(s - s[..., :shift_keys].amax(-1, keepdim=True)).sum(-1)
         out[:, :, r0:r1] = ~(lsum <= bound) & ~lsum.isnan()
     return out
 
 
-__all__ = ["attention_bwd_ref", "attention_ref", "fixed_shift_failures"]
+__all__ = ["attention_bwd_ref", "attention_ref", "causal_score_rows", "fixed_shift_failures"]
