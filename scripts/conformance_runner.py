@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -274,16 +275,37 @@ def after_stops(plan: list[dict], stopped: list[dict]) -> list[dict]:
             for e in plan if peaks.get(e["case_id"], 0.0) <= BIG_CAP_GB]
 
 
-def _todo(scratch: Path, snap: Path, env: dict[str, str], order: str) -> list[dict]:
-    """The rows to run, in ``order`` (:data:`ORDERS`): unrecorded in the tracked CSV, not in the scratch rows, not
-    stopped at the 14 GB cap (:func:`after_stops`), estimated within :data:`BIG_CAP_GB`."""
+def parse_shard(text: str) -> tuple[int, int]:
+    """``--shard K/N`` as ``(K, N)``: this runner takes the rows :func:`in_shard` gives shard K of N."""
+    try:
+        k, n = map(int, text.split("/"))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise SystemExit(f"conformance_runner: --shard must be K/N with 0 <= K < N (e.g. 0/2), got {text!r}")
+    return k, n
+
+
+def in_shard(case_id: str, shard: tuple[int, int]) -> bool:
+    """Whether ``case_id`` belongs to shard ``(K, N)``: its CRC-32 modulo N is K (stable across processes and
+    sessions, unlike ``hash``), so N runners with their own ``--scratch`` split the rows without overlap."""
+    k, n = shard
+    return zlib.crc32(case_id.encode()) % n == k
+
+
+def _todo(scratch: Path, snap: Path, env: dict[str, str], order: str, shard: tuple[int, int] = (0, 1)) -> list[dict]:
+    """The rows to run, in ``order`` (:data:`ORDERS`): this shard's (:func:`in_shard`), unrecorded in the tracked CSV,
+    not in the scratch rows, not stopped at the 14 GB cap (:func:`after_stops`), estimated within
+    :data:`BIG_CAP_GB`."""
     out = subprocess.run([PYTHON, __file__, "_plan", str(REPO / "benchmarks/data/conformance.csv")], env=env,
                          cwd=snap, check=True, capture_output=True, text=True).stdout
     done = {r["case_id"] for r in _read(scratch / "rows.csv")}
-    plan = after_stops([e for e in json.loads(out) if e["case_id"] not in done], _read(scratch / "stopped.csv"))
+    plan = after_stops([e for e in json.loads(out) if e["case_id"] not in done and in_shard(e["case_id"], shard)],
+                       _read(scratch / "stopped.csv"))
     todo = ORDERS[order]([e for e in plan if e["est_gb"] <= BIG_CAP_GB])
+    part = f", shard {shard[0]}/{shard[1]}" if shard[1] > 1 else ""
     _log(scratch, f"snapshot {_git('rev-parse', '--short', 'HEAD', cwd=snap)}: {len(todo)} rows to run, {order} "
-                  f"order ({len(plan) - len(todo)} more estimated over {BIG_CAP_GB:g} GB, not run)")
+                  f"order{part} ({len(plan) - len(todo)} more estimated over {BIG_CAP_GB:g} GB, not run)")
     return todo
 
 
@@ -305,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
     scratch.mkdir(parents=True, exist_ok=True)
     if not args.nkilib:
         raise SystemExit("conformance_runner: set NKILIB_SRC (or --nkilib) to the nki-library checkout")
+    shard = parse_shard(args.shard)
     commit = snapshot(snap, args.commit)
     env = _child_env(snap, args.nkilib)
     deadline = until_deadline(args.until, datetime.now(timezone.utc))
@@ -313,12 +336,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # watch() then kills the running child
     if lower_autogroup(AUTOGROUP_NICE):
         _log(scratch, f"autogroup nice {AUTOGROUP_NICE}")
-    todo = _todo(scratch, snap, env, args.order)
+    todo = _todo(scratch, snap, env, args.order, shard)
     while todo and time.time() < deadline:
         if move:
             move.clear()
             commit = snapshot(snap, args.commit)
-            todo = _todo(scratch, snap, env, args.order)
+            todo = _todo(scratch, snap, env, args.order, shard)
         runnable = _next_runnable(todo)
         if runnable is None:  # the machine is short of memory, or only 14 GB rows are left and it is busy
             time.sleep(60)
@@ -437,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--order", choices=sorted(ORDERS), default="cheapest",
                    help="cheapest: cheapest first; coverage: round-robin over (kernel, tier), cheapest first in each")
     r.add_argument("--nkilib", default=os.environ.get("NKILIB_SRC", ""), help="nki-library checkout ($NKILIB_SRC)")
+    r.add_argument("--shard", default="0/1", help="K/N: this runner's share of the rows (N runners, each its own "
+                   "--scratch, split them without overlap; default 0/1: all)")
     g = sub.add_parser("merge", help="merge the scratch rows into benchmarks/data/conformance.csv")
     g.add_argument("--scratch", default=str(SCRATCH))
     sub.add_parser("_plan").add_argument("csv")

@@ -178,3 +178,15 @@ def test_until_is_the_next_such_utc_time_and_a_bad_value_is_refused():
         with pytest.raises(SystemExit, match=f"--until must be UTC HH:MM .*got '{bad}'"):
             runner.until_deadline(bad, evening)
 
+
+
+def test_shards_split_the_rows_without_overlap_and_a_bad_shard_is_refused():
+    ids = [f"core/k{i}|case {i}|lnc2|B={i}" for i in range(200)]
+    parts = [[c for c in ids if runner.in_shard(c, (k, 3))] for k in range(3)]
+    assert sorted(sum(parts, [])) == sorted(ids)  # every row in exactly one shard
+    assert all(40 < len(p) < 95 for p in parts)  # and spread over them
+    assert all(runner.in_shard(c, (0, 1)) for c in ids)  # the default takes every row
+    assert runner.parse_shard("1/2") == (1, 2)
+    for bad in ("2/2", "-1/2", "1", "a/b", "0/0"):
+        with pytest.raises(SystemExit, match=rf"--shard must be K/N with 0 <= K < N .*got {bad!r}"):
+            runner.parse_shard(bad)
