@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 
@@ -245,3 +247,15 @@ def test_torch_certificate_predicts_the_fallback() -> None:
     q, k, v, _ = _inputs(1, 600, 2, 1, 64, torch.float32, seed=3, scale=6.0)
     bad = fixed_shift_failures(q, k, 0.3)
     assert bad[:, :, 512:].any() and not bad[:, :, :512].any() and _run(q, k, v, scale=0.3)[2]
+
+
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 2), S=st.integers(1, 700), Hk=st.integers(1, 2), G=st.integers(1, 4),
+       D=st.sampled_from([8, 16, 32, 64, 80, 128]), dtype=st.sampled_from(DTYPES), lnc=st.sampled_from([1, 2]),
+       fixed_shift=st.booleans(), scale=st.sampled_from([0.3, 1.0, 3.0]), seed=st.integers(0, 1000))
+def test_both_forwards_and_the_backward_random_shapes(B, S, Hk, G, D, dtype, lnc, fixed_shift, scale, seed) -> None:
+    """Either forward (the default fixed shift, its fallback included on sharp inputs, or the exact one) and the
+    backward at random shapes, by the fp64-oracle rule."""
+    q, k, v, go = _inputs(B, S, Hk * G, Hk, D, dtype, seed, scale)
+    o, lse = attention(q, k, v, lnc=lnc, fixed_shift=fixed_shift)
+    check_attention(q, k, v, o, lse, D ** -0.5, attention_bwd(q, k, v, o, lse, go, lnc=lnc), go)

@@ -7,6 +7,8 @@ result) and in float64 (tests/tolerances.py)."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,3 +146,10 @@ def test_oracle_qwen3_4b(dtype):
         for part in range(0, g.shape[0], 512):
             err.add(g[part:part + 512], b[part:part + 512], o[part:part + 512])
         err.check()
+
+
+@settings(max_examples=20, deadline=None)
+@given(T=st.integers(1, 300), H=st.integers(1, 520), I=st.integers(1, 600), dtype=st.sampled_from(DTYPES),
+       lnc=st.sampled_from([1, 2]), seed=st.integers(0, 1000))
+def test_oracle_random_shapes(T, H, I, dtype, lnc, seed):  # noqa: E741
+    mlp_case((T, H), I, dtype, lnc, seed)

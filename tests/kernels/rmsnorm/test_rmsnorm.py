@@ -7,6 +7,8 @@ in plain torch and run at the test dtype (torch's own result) and in float64 (te
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 
@@ -388,3 +390,12 @@ SLOW = [("4B norm", (8192, 2560)), ("4B q-norm", (2048, 32, 128)), ("4B k-norm",
 @pytest.mark.parametrize("case", SLOW, ids=[c[0] for c in SLOW])
 def test_oracle_parity_production(case, dtype) -> None:
     norm_case(case[1], dtype, residual=case[0].endswith(" norm"))
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 300), H=st.integers(2, 700), dtype=st.sampled_from(DTYPES), residual=st.booleans(),
+       lnc=st.sampled_from([1, 2]), seed=st.integers(0, 1000))
+def test_oracle_parity_random_shapes(rows, H, dtype, residual, lnc, seed) -> None:
+    """Forward and backward at random row counts and widths (narrow and wide rows, any H from 2: a one-element
+    row is refused by the backward's constraints)."""
+    norm_case((rows, H), dtype, residual, lnc, seed)

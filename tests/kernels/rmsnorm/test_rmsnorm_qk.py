@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import pytest
 import torch
 
@@ -171,3 +173,10 @@ SLOW = [("0.6B", 2048, 16, 8), ("4B", 2048, 32, 8), ("30B-A3B", 2048, 32, 4)]
 @pytest.mark.parametrize("case", SLOW, ids=[c[0] for c in SLOW])
 def test_pair_production(case, dtype) -> None:
     _pair_case(case[1], case[2], case[3], 128, dtype, 2)
+
+
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(1, 200), hq=st.integers(1, 6), hk=st.integers(1, 3), D=st.sampled_from([8, 64, 96, 128, 256]),
+       dtype=st.sampled_from(DTYPES), lnc=st.sampled_from([1, 2]), seed=st.integers(0, 1000))
+def test_pair_random_shapes(T, hq, hk, D, dtype, lnc, seed) -> None:
+    _pair_case(T, hq, hk, D, dtype, lnc, seed=seed)
