@@ -93,6 +93,21 @@ def test_from_hf_rejects_unsupported() -> None:
         Qwen3Config.from_hf({k: v for k, v in QWEN3_06B_V4.items() if k != "rope_theta"})
 
 
+def test_from_hf_drops_mlp_only_layers_of_no_layer(tmp_path) -> None:
+    """transformers accepts indices past the last layer in mlp_only_layers and never selects them; from_hf drops
+    them with a warning (a Qwen3Config built directly still refuses them: test_values_that_would_train_to_nan)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    hf_cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1, 2, 7])
+    with pytest.warns(UserWarning, match=r"mlp_only_layers \[2, 7\] name no layer of this 2-layer model"):
+        cfg = Qwen3Config.from_hf(hf_cfg)
+    assert cfg.mlp_only_layers == [1] and [cfg.is_moe_layer(i) for i in range(2)] == [True, False]
+    hf = AutoModelForCausalLM.from_config(hf_cfg)
+    assert [type(layer.mlp).__name__ for layer in hf.model.layers] == ["Qwen3MoeSparseMoeBlock", "Qwen3MoeMLP"]
+
+
 def test_config_validation_messages() -> None:
     with pytest.raises(ValueError, match=r"n_heads \(6\) must be a multiple of n_kv_heads \(4\)"):
         Qwen3Config(n_heads=6, n_kv_heads=4)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -180,7 +181,7 @@ class Qwen3Config:
                 moe_inter_dim=d.get("moe_intermediate_size", 768),
                 norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                 decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
-                mlp_only_layers=list(d.get("mlp_only_layers") or []),
+                mlp_only_layers=_layers_of(d.get("mlp_only_layers") or [], d["num_hidden_layers"]),
                 router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
             )
         kw.update(overrides)
@@ -228,6 +229,16 @@ class Qwen3Config:
                 output_router_logits=False,
             )
         return d
+
+
+def _layers_of(indices: list[int], n_layers: int) -> list[int]:
+    """A transformers config's ``mlp_only_layers`` less the indices of no layer: transformers accepts them and
+    never selects them (``layer_idx in mlp_only_layers``), so they are dropped, with a warning naming them."""
+    outside = [i for i in indices if not 0 <= i < n_layers]
+    if outside:
+        warnings.warn(f"Qwen3Config.from_hf: mlp_only_layers {outside} name no layer of this {n_layers}-layer model "
+                      "(transformers never selects them); dropped", stacklevel=3)
+    return [i for i in indices if 0 <= i < n_layers]
 
 
 def _as_dict(hf: Any) -> dict[str, Any]:
