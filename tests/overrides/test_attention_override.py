@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from tests.overrides.conftest import assert_swap_parity, hf_moe_model, native_model
-from tests.tolerances import assert_close
+from tests.overrides.conftest import _logits_and_grads, assert_swap_parity, hf_dense_model, hf_moe_model, native_model
+from tests.tolerances import assert_close, check_oracle
 from trnkit.hf import revert
 from trnkit.overrides import (
     DEFAULT_OPS,
@@ -149,6 +149,30 @@ def test_transformers_dense_qwen3_attn_implementation_trnkit():
     with pytest.warns(UserWarning, match="attention_mask is None"):
         got = model(TOKENS, attention_mask=mask).logits
     assert_close(got, ref(TOKENS, attention_mask=mask).logits, torch.float32)
+
+
+@pytest.mark.parametrize("side", ["native", "transformers"])
+def test_bf16_autocast_gives_the_kernel_what_sdpa_would_get(side):
+    """Under bf16 autocast Qwen3's q and k leave their fp32-weighted head norms in fp32 while v is bf16; autocast
+    casts all three to bf16 for scaled_dot_product_attention, and the swap point does the same before the
+    kernel's one-dtype constraint (strict: a refusal would raise). Logits and gradients then match the unswapped
+    model's under autocast by the fp64-oracle rule (the fp64 model the oracle)."""
+    if side == "native":
+        model = native_model(num_experts=0, mlp_only_layers=[], init_std=0.2)
+        ops = ["attention", "rmsnorm", "rope_hf"]
+    else:
+        model = hf_dense_model()
+        ops = ["attention", "rope_hf"]
+    original, oracle = copy.deepcopy(model), copy.deepcopy(model).double()
+    apply_overrides(model, OverrideConfig(ops=ops, impl="nki", policy="strict", seq_len=8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_logits, got = _logits_and_grads(model, TOKENS)
+        want_logits, want = _logits_and_grads(original, TOKENS)
+    exact_logits, exact = _logits_and_grads(oracle, TOKENS)
+    assert got_logits.dtype == want_logits.dtype == torch.bfloat16
+    check_oracle("bf16 logits", got_logits, want_logits, exact_logits)
+    for name in exact:
+        check_oracle(f"bf16 grad {name}", got[name], want[name], exact[name])
 
 
 def test_unsupported_shapes_name_op_rule_and_value():

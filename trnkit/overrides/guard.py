@@ -22,6 +22,19 @@ __all__ = ["BoundKernel", "Probe", "head_norm_pair", "paired_head_norms", "resol
 _DTensor: type | None = None  # torch.distributed.tensor.DTensor, resolved by resolve_dtensor (import is slow)
 
 
+def autocast_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` as torch's autocast hands them to an op it runs in the lower precision (such as
+    ``scaled_dot_product_attention``): cast to their device's autocast dtype while autocast is on there, unchanged
+    otherwise. A swap point whose torch code autocast would cast calls this before the kernel's constraints are
+    checked, so the kernel gets what the torch op would (Qwen3's q and k leave their fp32-weighted head norms in
+    fp32 while v is bf16)."""
+    dev = tensors[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return tensors
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) for t in tensors)
+
+
 def resolve_dtensor() -> None:
     """Make the guards recognise DTensor inputs (called when kernels are applied: the import is slow)."""
     global _DTensor  # noqa: PLW0603 - a lazily imported class, cached

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from trnkit.kernels.constraints import Violation, check
 from trnkit.kernels.lnc import lnc_violations
 from trnkit.overrides import ops
-from trnkit.overrides.guard import BoundKernel, resolve_dtensor
+from trnkit.overrides.guard import BoundKernel, autocast_operands, resolve_dtensor
 from trnkit.overrides.hf_modules import hf_experts_call, hf_experts_static
 from trnkit.overrides.config import KernelChoice
 from trnkit.overrides.registry import POLICIES, get_impl
@@ -109,7 +109,7 @@ def _attention_forward(name: str, choice: KernelChoice) -> Any:
             extra.append(Violation("attention", "dropout == 0", dropout))
         if sliding_window:
             extra.append(Violation("attention", "sliding_window is None", sliding_window))
-        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        q, k, v = autocast_operands(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         impl = guard.choose(extra, q=q, k=k, v=v, scale=scale)
         if impl is None:

@@ -169,6 +169,10 @@ class CausalAttention(KernelSlot, nn.Module):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:  # under autocast: the dtype scaled_dot_product_attention would compute in
+            from trnkit.overrides.guard import autocast_operands
+
+            q, k, v = autocast_operands(q, k, v)
         impl = self._choose(q=q, k=k, v=v, scale=self.scale)
         if impl is not None:
             return _kernel_ops().attention(q, k, v, float(self.scale), impl, lnc=self.kernel.lnc,
