@@ -121,12 +121,15 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp
     ocfg = override_config(cfg, lnc)
     if ocfg is None:
         return None
-    if fsdp:
+    tp = cfg.parallelism.tensor_parallel_degree > 1
+    if fsdp or tp:
         # The registry's validation dry run (a forward on fake tensors) would trigger FSDP2's
-        # unshard hooks and leave fake unsharded root parameters behind. On an already sharded model
-        # the static checks run now and the call-time checks at the first forward.
-        log("overrides: validation dry run skipped (model already FSDP-sharded); constraints are "
-            "checked at the first call")
+        # unshard hooks and leave fake unsharded root parameters behind; under tensor parallelism the
+        # swap points fed DTensors run their modules' own code, some of it data-dependent (the chunked
+        # loss, expert dispatch), which fake tensors cannot run. On such a model the static checks run now
+        # and the call-time checks at the first forward.
+        why = "model already FSDP-sharded" if fsdp else "tensor parallel: DTensor inputs run the modules' own code"
+        log(f"overrides: validation dry run skipped ({why}); constraints are checked at the first call")
         ocfg.dry_run = False
     from trnkit.overrides import apply_overrides
 
