@@ -115,7 +115,7 @@ def _rows(S: int, Hq: int, Hk: int, lnc: int, with_nkilib: bool, passes: tuple[s
     rows = []
     for mode in ("forward", EXACT, FALLBACK, "backward"):
         for who, res in results.items():
-            if res is None or mode not in res:
+            if mode not in res:
                 continue
             low, mid, high, secs = res[mode]
             frac = [flops[mode] / (t * 1e-9) / (PEAK * lnc) for t in (high, mid, low)]

@@ -179,7 +179,6 @@ def test_until_is_the_next_such_utc_time_and_a_bad_value_is_refused():
             runner.until_deadline(bad, evening)
 
 
-
 def test_shards_split_the_rows_without_overlap_and_a_bad_shard_is_refused():
     ids = [f"core/k{i}|case {i}|lnc2|B={i}" for i in range(200)]
     parts = [[c for c in ids if runner.in_shard(c, (k, 3))] for k in range(3)]
