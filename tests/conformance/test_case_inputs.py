@@ -224,3 +224,49 @@ def test_a_block_rows_golden_in_widened_chunks_is_the_whole_call():
         assert whole[name].dtype == pieces[name].dtype and whole[name].shape == pieces[name].shape, name
         a, p = whole[name].astype(np.float32), pieces[name].astype(np.float32)
         assert np.array_equal(a, p), (name, float(np.abs(a - p).max()))
+
+
+def _assert_same_arrays(whole: dict, pieces: dict) -> None:
+    assert whole.keys() == pieces.keys()
+    for name in whole:
+        if not isinstance(whole[name], np.ndarray):
+            assert whole[name] == pieces[name], name
+            continue
+        a, p = np.asarray(whole[name], np.float64), np.asarray(pieces[name], np.float64)
+        assert a.shape == p.shape and np.array_equal(a, p), (name, a.shape, p.shape)
+
+
+@needs_checkout
+@pytest.mark.parametrize("block_len", [0, 16])
+def test_the_tapped_golden_in_batch_chunks_is_the_whole_call(block_len):
+    """The reference fed the kernel's tapped tiles (the QKV projection, the Q / K / V attention reads, the attention
+    output) batch chunk by batch chunk: the same outputs, the same captured Q / K / V and RoPE products and the same
+    exact attention and bound as one call on the whole batch (STATIC fp8 weights, fp8 KV cache, flat and block
+    caches), the tiles drawn at random so that a chunk cut from the wrong rows shows."""
+    b, q, d = 8, 2, 64
+    case = cases_transformer.attention_block_case(b, q, d, 256, None, 512, 512, 2, block_len=block_len,
+                                                  quantization_type="STATIC", kv_quant=True)
+    rng = np.random.default_rng(1)
+    with harness.nki_is_interpreter(ROOT):
+        kw = {k: harness._to_torch(v, case.keep_low_precision) for k, v in case.ref_inputs(case.inputs()).items()}
+        kw.pop("batch_chunk")
+        qkv_out = torch.from_numpy(rng.normal(0, 1, (b * 2, d * (q + 2))).astype(np.float32))
+        attention_in = (rng.normal(0, 1, (d, b * q * 2)), rng.uniform(-200, 200, (d, b * 2)),
+                        rng.uniform(-200, 200, (b * 2, d)))
+        attention_out = rng.normal(0, 1, (d, b, q, 2))
+        runs = {}
+        for chunk in (0, 2):
+            captured, exact = {}, {}
+            first = cases_transformer.attention_block_golden(**kw, batch_chunk=chunk, qkv_out=qkv_out,
+                                                             capture=captured)
+            second = cases_transformer.attention_block_golden(**kw, batch_chunk=chunk, attention_in=attention_in,
+                                                              attention_exact=exact, tile_rounding=True)
+            third = cases_transformer.attention_block_golden(**kw, batch_chunk=chunk, attention_in=attention_in,
+                                                             attention_out=attention_out, tile_rounding=True)
+            runs[chunk] = first, captured, second, exact, third
+    assert {"Q", "K", "V", "Q_products", "K_products"} <= set(runs[0][1]) and {"exact", "bound"} <= set(runs[0][3])
+    assert runs[0][1]["Q"].shape == (d, b, q, 2) and runs[0][3]["exact"].shape == (b, q, d, 2)
+    for whole, pieces in zip(runs[0], runs[2]):
+        _assert_same_arrays(whole, pieces)
+    # the fed tiles reached the reference: the output projection's input differs, so does X_out
+    assert not np.array_equal(runs[0][0]["X_out"].astype(np.float32), runs[0][4]["X_out"].astype(np.float32))

@@ -43,6 +43,7 @@ part.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import io
@@ -289,7 +290,8 @@ def attention_block_golden(lnc: int, batch_chunk: int = 0, cache_rows: tuple[int
                            attention_exact: dict[str, np.ndarray] | None = None, **kw: Any) -> dict[str, np.ndarray]:
     """``AttentionBlockTkgTorchRef(lnc)`` with its outputs cast to the kernel's dtypes, as the test does
     (X_out in X's dtype, the K / V outputs in the cache's: bf16, or fp8 for an fp8 cache); ``batch_chunk``
-    batch rows at a time when given (:func:`_golden_in_batch_chunks`, which ``cache_rows`` goes to);
+    batch rows at a time when given (:func:`_golden_in_batch_chunks`, which ``cache_rows`` and the tapped tiles
+    below go to, each chunk fed its rows' share);
     ``tile_rounding``: with the values rounded where the kernel's tiles are narrower
     (:func:`tile_rounded_reference`); ``qkv_out``: the QKV projection's output ``[B*S, I]`` to use in place of
     the reference's own, ``attention_in``: the (unscaled Q, fp8 K, fp8 V) attention reads in place of the
@@ -302,15 +304,67 @@ def attention_block_golden(lnc: int, batch_chunk: int = 0, cache_rows: tuple[int
     with test_package_modules(KERNEL_COMMON):
         ref = importlib.import_module(f"{LIB}.experimental.transformer.attention_block_tkg_torch")
     kv_dt = FP8 if kw.get("k_scale") is not None else BF16
-    with tile_rounded_reference(ref) if tile_rounding else contextlib.nullcontext(), \
-            _qkv_replaced(ref, qkv_out), _attention_inputs(ref, attention_in, capture), \
-            _attention_output(ref, attention_out, attention_exact):
+    taps = _Taps(qkv_out, attention_in, capture, attention_out, attention_exact)
+    with tile_rounded_reference(ref) if tile_rounding else contextlib.nullcontext():
         if batch_chunk:
-            if any(a is not None for a in (qkv_out, attention_in, capture, attention_out, attention_exact)):
-                raise NotImplementedError("attention_block_golden: a fed qkv_out with batch_chunk")
-            return _golden_in_batch_chunks(ref.AttentionBlockTkgTorchRef(lnc), batch_chunk, kv_dt, kw, cache_rows)
-        out = ref.AttentionBlockTkgTorchRef(lnc)(**kw)
+            return _golden_in_batch_chunks(ref, lnc, batch_chunk, kv_dt, kw, cache_rows, taps)
+        out = taps.call(ref, lnc, kw)
     return {k: v.float().numpy().astype(BF16 if k == "X_out" else kv_dt) for k, v in out.items()}
+
+
+# The batch axis of each tapped tile fed to the reference and of each value it captures, in the layouts
+# _qkv_replaced, _attention_inputs and _attention_output name ("qkv_out" [B*S, I]; the attention's Q [d, B*N*S],
+# K [d, B*S], V [B*S, d]; its output [D, B, N, S]; captured Q [d, B, N, S], K [d, B, S], V [B, S, d] and the RoPE
+# products as Q / K; the exact attention output and its bound [B, N, D, S]).
+_CAPTURED_BATCH_AXIS = {"Q": 1, "K": 1, "V": 0, "Q_products": 1, "K_products": 1}
+_EXACT_BATCH_AXIS = {"exact": 0, "bound": 0}
+
+
+@dataclasses.dataclass
+class _Taps:
+    """The kernel's tapped tiles :func:`attention_block_golden` feeds the reference, and the dicts it fills."""
+    qkv_out: Any = None
+    attention_in: Any = None
+    capture: dict[str, np.ndarray] | None = None
+    attention_out: Any = None
+    attention_exact: dict[str, np.ndarray] | None = None
+
+    def call(self, ref: Any, lnc: int, kw: dict[str, Any]) -> dict[str, Any]:
+        """``AttentionBlockTkgTorchRef(lnc)(**kw)`` with these tiles fed in and these dicts filled."""
+        with _qkv_replaced(ref, self.qkv_out), _attention_inputs(ref, self.attention_in, self.capture), \
+                _attention_output(ref, self.attention_out, self.attention_exact):
+            return ref.AttentionBlockTkgTorchRef(lnc)(**kw)
+
+    def rows(self, rows: slice, b: int, s: int) -> "_Taps":
+        """The share of batch rows ``rows`` (of ``b``, ``s`` tokens each) of the fed tiles, with empty dicts to
+        fill (:meth:`merge` joins them)."""
+        cut = lambda a, lead: np.asarray(a, np.float32).reshape(*lead, b, -1)[(slice(None),) * len(lead) + (rows,)]  # noqa: E731
+        part = _Taps(capture=None if self.capture is None else {},
+                     attention_exact=None if self.attention_exact is None else {})
+        if self.qkv_out is not None:
+            width = self.qkv_out.shape[-1]
+            part.qkv_out = self.qkv_out.reshape(b, s, width)[rows].reshape(-1, width)
+        if self.attention_in is not None:
+            q, k, v = self.attention_in
+            d = np.shape(q)[0]
+            part.attention_in = (cut(q, (d,)).reshape(d, -1), cut(k, (d,)).reshape(d, -1),
+                                 cut(v, ()).reshape(-1, np.shape(v)[-1]))
+        if self.attention_out is not None:
+            part.attention_out = np.asarray(self.attention_out)[:, rows]
+        return part
+
+    def merge(self, parts: list["_Taps"]) -> None:
+        """Fill this one's dicts with ``parts``' (batch chunks in order), joined along their batch axes."""
+        for mine, theirs, axes in ((self.capture, [p.capture for p in parts], _CAPTURED_BATCH_AXIS),
+                                   (self.attention_exact, [p.attention_exact for p in parts], _EXACT_BATCH_AXIS)):
+            if mine is None:
+                continue
+            unknown = set().union(*theirs) - set(axes) - {"post_norm"}
+            if unknown:
+                raise RuntimeError(f"attention_block_golden: no batch axis known for captured {sorted(unknown)}")
+            mine.update({k: np.concatenate([t[k] for t in theirs], axis=axes[k]) for k in axes if k in theirs[0]})
+            if any(t.get("post_norm") for t in theirs):
+                mine["post_norm"] = True
 
 
 # Where AttentionBlockTkgTorchRef keeps float32 values the kernel holds in narrower tiles. fp8 (each clipped to
@@ -383,8 +437,9 @@ def tile_rounded_reference(ref: Any) -> Iterator[None]:
         ref.attention_tkg_torch_ref, ref.AttentionBlockTkgTorchRef._quantize_kv_to_fp8 = attention, kv
 
 
-def _golden_in_batch_chunks(ref: Callable[..., Any], chunk: int, kv_dt: np.dtype, kw: dict[str, Any],
-                            cache_rows: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+def _golden_in_batch_chunks(ref: Any, lnc: int, chunk: int, kv_dt: np.dtype, kw: dict[str, Any],
+                            cache_rows: tuple[int, int] | None = None, taps: _Taps | None = None
+                            ) -> dict[str, np.ndarray]:
     """The reference's outputs for the whole batch, computed ``chunk`` batch rows at a time, for rows whose
     reference would hold several float32 copies of a 1-2 GiB KV cache at once (it gathers the block cache of
     every row into a flat one, clones it, and its score matmul broadcasts K over the query heads).
@@ -400,7 +455,9 @@ def _golden_in_batch_chunks(ref: Callable[..., Any], chunk: int, kv_dt: np.dtype
     renumbered to them. The outputs are concatenated along their batch axis; the updated block cache is the
     input cache with each chunk's written positions set from its reference (every other position is the
     input's value, as in the reference's clone). ``cache_rows`` (a KV-data-parallel rank's rows, a whole number
-    of chunks): an updated flat cache of those batch rows only."""
+    of chunks): an updated flat cache of those batch rows only. ``taps``: the kernel's tiles fed in, each chunk
+    given its rows' share of them (:meth:`_Taps.rows`), and the values captured from each chunk joined along
+    their batch axes into ``taps``' dicts."""
     import torch
 
     from .harness import _copy
@@ -419,6 +476,7 @@ def _golden_in_batch_chunks(ref: Callable[..., Any], chunk: int, kv_dt: np.dtype
     axes = {"X_out": 3 if kw["transposed_out"] else 0, "K_tkg": 1, "V_tkg": 0,
             "K_cache_updated": 0, "V_cache_updated": 0}
     parts: dict[str, list[np.ndarray]] = {}
+    taps, parts_taps = taps or _Taps(), []
     cache_out = {}
     if update and bl:  # the input cache in the cache's dtype (the reference's clone, cast as the test casts it)
         cache_out = {n: _copy(kw[c].numpy(), kv_dt) for n, c in (("K_cache_updated", "K_cache"),
@@ -452,7 +510,9 @@ def _golden_in_batch_chunks(ref: Callable[..., Any], chunk: int, kv_dt: np.dtype
                 writes += [(i + j, li + j) for j in range(s_tkg)]
         else:
             sub["K_cache"], sub["V_cache"] = kw["K_cache"][rows], kw["V_cache"][rows]
-        out = ref(**sub)
+        part = taps.rows(rows, b_all, s_tkg)
+        parts_taps.append(part)
+        out = part.call(ref, lnc, sub)
         for name, v in out.items():
             v = v.float().numpy()
             if name in cache_out:
@@ -464,6 +524,7 @@ def _golden_in_batch_chunks(ref: Callable[..., Any], chunk: int, kv_dt: np.dtype
             else:
                 parts.setdefault(name, []).append(v.astype(BF16 if name == "X_out" else kv_dt))
         del out, sub
+    taps.merge(parts_taps)
     result = {name: np.concatenate(p, axis=axes[name]) for name, p in parts.items()}
     return {**result, **cache_out}
 
