@@ -247,21 +247,27 @@ from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_over
 m = native_model()
 e = m.layers[0].moe.experts
 e.w_gate_up = torch.nn.Parameter(distribute_tensor(e.w_gate_up.data, init_device_mesh("cpu", (1,)), [Shard(2)]))
+x, idx, w = torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2)
+call = lambda: e.kernel.choose(x=x, topk_idx=idx, topk_weights=w, w_gate_up=e.w_gate_up, w_down=e.w_down,
+                               block_size=128)
 try:
-    apply_overrides(m, OverrideConfig(ops=["moe_experts"], seq_len=8))
+    apply_overrides(m, OverrideConfig(ops=["moe_experts"], seq_len=8, dry_run=True))
 except OverrideConstraintError as err:
     print("STRICT", err)
 try:
-    apply_overrides(m, OverrideConfig(ops=["moe_experts"], policy="fallback", seq_len=8))
+    apply_overrides(m, OverrideConfig(ops=["moe_experts"], policy="fallback", seq_len=8, dry_run=True))
 except RuntimeError as err:
     print("DRYRUN", err)
-r = apply_overrides(m, OverrideConfig(ops=["moe_experts"], policy="fallback", dry_run=False))
-e = m.layers[0].moe.experts
-x, idx, w = torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2)
+r = apply_overrides(m, OverrideConfig(ops=["moe_experts"], seq_len=8))
+print("NOTES", *r.notes)
+try:
+    call()
+except OverrideConstraintError as err:
+    print("STRICT_CALL", err)
+r = apply_overrides(m, OverrideConfig(ops=["moe_experts"], policy="fallback", seq_len=8))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    impl = e.kernel.choose(x=x, topk_idx=idx, topk_weights=w, w_gate_up=e.w_gate_up, w_down=e.w_down,
-                                  block_size=128)
+    impl = call()
 print("FALLBACK", r.rows[0].status, impl, [str(c.message) for c in caught])
 """
 
@@ -282,11 +288,42 @@ def _run_with_gloo(script: str) -> str:
     return out.stdout
 
 
+def test_a_model_with_dtensor_parameters_skips_the_dry_run_unless_asked(monkeypatch):
+    """``OverrideConfig.dry_run`` unset: the validation dry run runs on a plain model, and is skipped (the report
+    saying so, naming a parameter) when the model holds DTensors (here a Parameter subclass stands in for the
+    DTensor class); ``True`` runs it and ``False`` skips it without a note."""
+    from trnkit.overrides import apply as apply_module, guard
+
+    class Sharded(torch.nn.Parameter):
+        pass
+
+    runs = []
+    monkeypatch.setattr(apply_module, "_dry_run", lambda *a, **k: runs.append(1) or {})
+    monkeypatch.setattr(guard, "_DTensor", Sharded)
+    plain, sharded = native_model(), native_model()
+    experts = sharded.layers[0].moe.experts
+    experts.w_gate_up = Sharded(experts.w_gate_up.data)
+    assert apply_overrides(plain, OverrideConfig(ops=["rope_hf"], seq_len=8)).notes == [] and runs == [1]
+    report = apply_overrides(sharded, OverrideConfig(ops=["rope_hf"], seq_len=8))
+    assert runs == [1] and len(report.notes) == 1 and report.notes[0] in report.table()
+    assert report.notes[0].startswith("validation dry run skipped: 1 of the model's parameters are DTensors (sharded "
+                                      "by FSDP2 or tensor parallelism; the first: layers.0.moe.experts.w_gate_up)")
+    assert apply_overrides(sharded, OverrideConfig(ops=["rope_hf"], seq_len=8, dry_run=True)).notes == []
+    assert apply_overrides(sharded, OverrideConfig(ops=["rope_hf"], seq_len=8, dry_run=False)).notes == []
+    assert runs == [1, 1]
+
+
 @pytest.mark.slow  # a fresh interpreter with torch.distributed: ~5-12 s
 def test_sharded_dtensor_weights_are_a_constraint_not_a_crash():
+    """A tensor-parallel expert weight (a DTensor): the dry run, when forced (``dry_run=True``), stops a strict apply
+    on the constraint and a fallback one on the fake-tensor forward it cannot run (naming ``dry_run=False``);
+    unset, it is skipped saying why, and each call checks its inputs: strict raises, fallback falls back."""
     out = _run_with_gloo(_DTENSOR_SCRIPT)
-    assert "STRICT" in out and "'plain (non-DTensor) inputs' violated (got ['w_gate_up'])" in out
+    violated = "'plain (non-DTensor) inputs' violated (got ['w_gate_up'])"
+    assert "STRICT " in out and violated in out.split("STRICT ")[1].splitlines()[0]
     assert "DRYRUN" in out and "dry_run=False" in out
+    assert "NOTES validation dry run skipped: 1 of the model's parameters are DTensors" in out
+    assert "STRICT_CALL" in out and violated in out.split("STRICT_CALL")[1].splitlines()[0]
     assert "FALLBACK swapped None" in out and "falls back" in out
 
 
@@ -303,13 +340,16 @@ fully_shard(m, mesh=mesh)
 report = apply_overrides(m, OverrideConfig(impl="nki", seq_len=8))
 m(torch.randint(0, 64, (2, 8))).sum().backward()
 print("ROWS", sorted({r.status for r in report.rows}), len(report.rows))
+print("NOTES", *report.notes)
 """
 
 
 @pytest.mark.slow
 def test_fsdp2_sharded_model_swaps_and_trains():
     """FSDP2 keeps DTensor parameters between steps but gathers them for forward: all swaps serve."""
-    assert "ROWS ['swapped'] 4" in _run_with_gloo(_FSDP_SCRIPT)
+    out = _run_with_gloo(_FSDP_SCRIPT)
+    assert "ROWS ['swapped'] 4" in out
+    assert "NOTES validation dry run skipped: " in out and "parameters are DTensors" in out
 
 
 def test_native_aux_loss_gradient_flows_through_the_router_kernel():

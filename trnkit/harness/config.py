@@ -177,8 +177,8 @@ class ValidationConfig:
 
 
 def _no_overrides() -> OverrideConfig:
-    """``[overrides]``: trnkit.overrides' own config (ops, impl, policy, block_size, lnc, fixed_shift, plugins); the
-    trainer's default swaps nothing. seq_len / batch_size are set from [training] when it is applied."""
+    """``[overrides]``: trnkit.overrides' own config (ops, impl, policy, block_size, lnc, fixed_shift, dry_run,
+    plugins); the trainer's default swaps nothing. seq_len / batch_size are set from [training] when it is applied."""
     from trnkit.overrides.config import OverrideConfig
 
     return OverrideConfig(ops=[], policy="off", lnc=0)  # lnc 0 (TOML has no None): the detected device

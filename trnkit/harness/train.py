@@ -116,21 +116,12 @@ def override_config(cfg: TrainerConfig, lnc: int = 0) -> Any:
         raise ConfigError(f"config overrides (ops = {list(o.ops)}, impl = {o.impl!r}): {msg}") from e
 
 
-def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, fsdp: bool,
-                     lnc: int) -> OverrideReport | None:
+def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, lnc: int) -> OverrideReport | None:
+    # On a model already sharded (FSDP2 first, or tensor parallelism) the registry skips its validation dry run
+    # (its parameters are DTensors) and its report, logged below, says so.
     ocfg = override_config(cfg, lnc)
     if ocfg is None:
         return None
-    tp = cfg.parallelism.tensor_parallel_degree > 1
-    if fsdp or tp:
-        # The registry's validation dry run (a forward on fake tensors) would trigger FSDP2's
-        # unshard hooks and leave fake unsharded root parameters behind; under tensor parallelism the
-        # swap points fed DTensors run their modules' own code, some of it data-dependent (the chunked
-        # loss, expert dispatch), which fake tensors cannot run. On such a model the static checks run now
-        # and the call-time checks at the first forward.
-        why = "model already FSDP-sharded" if fsdp else "tensor parallel: DTensor inputs run the modules' own code"
-        log(f"overrides: validation dry run skipped ({why}); constraints are checked at the first call")
-        ocfg.dry_run = False
     from trnkit.overrides import apply_overrides
 
     report = apply_overrides(model, ocfg)
@@ -220,7 +211,7 @@ def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log
             spec.init_weights(full)
         _load_full(model, spec, full.state_dict(), _expert_tp(cfg, env))
         del full
-    report = _apply_overrides(model, cfg, log, fsdp=fsdp_first, lnc=lnc)
+    report = _apply_overrides(model, cfg, log, lnc=lnc)
     if env.dp > 1 and not fsdp_first:
         fsdp()
     return model, report, loaded, tp_desc

@@ -38,9 +38,11 @@ are untouched, and :func:`undo_swaps` just deletes the attribute. Replacing the 
 module built from its weights would lose those class-keyed hooks. Before
 returning, every swap point is validated against the model's real shapes and dtypes by a dry run
 of the whole model on fake tensors (no memory, no kernel runs) plus static checks of the module
-configuration (activation, weight layout, ...). At every call the same constraint functions run again
-(shape/dtype/device only), so a shape that changes mid-run gets the policy's behaviour: ``strict``
-raises, ``fallback`` warns once per reason and runs the module's original code.
+configuration (activation, weight layout, ...); on a model whose parameters are DTensors (FSDP2,
+tensor parallelism) the dry run is skipped, and the report says so (``OverrideConfig.dry_run``). At
+every call the same constraint functions run again (shape/dtype/device only), so a shape that changes
+mid-run gets the policy's behaviour: ``strict`` raises, ``fallback`` warns once per reason and runs the
+module's original code.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from torch import nn
 from trnkit.errors import TrnkitError
 from trnkit.kernels.constraints import Violation
 from trnkit.overrides.config import DEFAULT_OPS, SWAPPABLE_OPS, KernelChoice, OverrideConfig
-from trnkit.overrides.guard import BoundKernel, Probe, resolve_dtensor
+from trnkit.overrides.guard import BoundKernel, Probe, dtensor_names, resolve_dtensor
 from trnkit.overrides.hf import set_hf_attention, unset_hf_attention
 from trnkit.overrides.hf_modules import ModuleAdapter, bind, is_hf, is_rope_attention, module_adapter, \
     rope_attention_forward, unbind
@@ -147,6 +149,22 @@ def _default_seq_len(model: nn.Module) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 128
+
+
+def _dry_run_decision(model: nn.Module, config: OverrideConfig) -> tuple[bool, str]:
+    """Whether the validation dry run runs (``config.dry_run``; None: unless the model holds DTensor
+    parameters), and the report's note when it is skipped for that reason."""
+    if config.dry_run is not None:
+        return config.dry_run, ""
+    sharded = dtensor_names(model.named_parameters())
+    if not sharded:
+        return True, ""
+    # FSDP2's unshard hooks would leave fake unsharded parameters behind; a swap point fed DTensors runs its
+    # module's own code, some of it data-dependent (expert dispatch, the chunked loss), which fake tensors cannot run
+    return False, (f"validation dry run skipped: {len(sharded)} of the model's parameters are DTensors (sharded by "
+                   f"FSDP2 or tensor parallelism; the first: {sharded[0]}), which a forward on fake tensors cannot "
+                   "run; the static checks ran and every call checks its inputs (OverrideConfig.dry_run=True "
+                   "forces the dry run)")
 
 
 def _dry_run(model: nn.Module, config: OverrideConfig, points: list[_SwapPoint], device: str | None,
@@ -261,7 +279,9 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
         params = list(model.parameters())
         device = params[0].device.type if params else None
         needs_backward = any(p.requires_grad for p in params)
-        seen = _dry_run(model, config, points, device, needs_backward) if config.dry_run and points else {}
+        dry_run, skipped = _dry_run_decision(model, config)
+        report.notes += [skipped] * bool(skipped and points)
+        seen = _dry_run(model, config, points, device, needs_backward) if dry_run and points else {}
         problems = [(pt, [*pt.guard.static, *_unique(seen.get(pt.path, []))]) for pt in points]
         _raise_if_any(problems)
     except BaseException:

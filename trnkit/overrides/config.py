@@ -106,7 +106,10 @@ class OverrideConfig:
     trainer (its ``[overrides]`` section; there ``seq_len`` and ``batch_size`` are the run's own).
 
     ``impl`` is one name for every op or ``{op: name}``; ``seq_len``/``batch_size`` size the dry-run
-    validation (default: the model config's maximum sequence length, batch 1). ``block_size``:
+    validation (default: the model config's maximum sequence length, batch 1); ``dry_run``: whether that
+    validation runs: None (unset) unless the model holds DTensor parameters (FSDP2 or tensor parallelism, where a
+    forward on fake tensors cannot run; the report says it was skipped), True always, False never (the static
+    and call-time checks only). ``block_size``:
     ``moe_experts`` slots per expert block, 0 = the kernel's tuned sizes (forward 512, backward 128).
     ``lnc``: physical cores per kernel launch (1, or 2 = a trn2 logical core), passed by each swap point
     to its op; None (or 0): the device default (:func:`trnkit.kernels.lnc.default_lnc`: 2 on a trn2
@@ -123,7 +126,7 @@ class OverrideConfig:
     policy: Literal["strict", "fallback", "off"] = "strict"
     seq_len: int | None = None
     batch_size: int = 1
-    dry_run: bool = True
+    dry_run: bool | None = None
     block_size: int = 0
     lnc: int | None = None
     fixed_shift: bool | None = None

@@ -5,7 +5,7 @@ run collects what it sees with."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,11 +170,14 @@ def _emit_fallback_warning(op: str, impl: str, reason: str, path: str) -> bool:
                              f"(first seen at {path}): {reason}")
 
 
+def dtensor_names(named: Iterable[tuple[str, Any]]) -> list[str]:
+    """The names of the DTensors among ``named`` (after :func:`resolve_dtensor`; none before it)."""
+    return [name for name, t in named if _DTensor is not None and isinstance(t, _DTensor)]
+
+
 def _dtensor_violations(op: str, inputs: Mapping[str, Any]) -> list[Violation]:
     """Sharded (DTensor) inputs, e.g. tensor-parallel expert weights: the kernels see whole tensors."""
-    if _DTensor is None:
-        return []
-    sharded = [name for name, t in inputs.items() if isinstance(t, _DTensor)]
+    sharded = dtensor_names(inputs.items())
     return [Violation(f"{op}[adapter]", "plain (non-DTensor) inputs", sharded,
                       "the kernels compute on whole local tensors; sharded inputs would need collectives")
             ] if sharded else []

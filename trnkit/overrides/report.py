@@ -25,6 +25,7 @@ class OverrideReport:
 
     policy: str
     rows: list[OverrideRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what applied to every row (a skipped validation dry run)
 
     def table(self) -> str:
         header = ("module", "op", "impl", "status", "reason")
@@ -36,7 +37,7 @@ class OverrideReport:
         for row in (header, *body):
             cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
             lines.append("  ".join((*cells, row[-1])).rstrip())
-        lines.extend(f"  {line}" for line in self.code_lines())
+        lines.extend(f"  {line}" for line in (*self.code_lines(), *self.notes))
         return "\n".join(lines)
 
     def code_lines(self) -> list[str]:
