@@ -47,7 +47,7 @@ def _choice(arg: OpArg, impl: str, policy: str, block_size: int, lnc: int | None
 
 
 def _apply(entry: str, model: nn.Module, ops: dict[str, OpArg], impl: str, policy: str, block_size: int,
-           lnc: int | None, seq_len: int | None, batch_size: int, dry_run: bool,
+           lnc: int | None, seq_len: int | None, batch_size: int, dry_run: bool | None,
            fixed_shift: bool | None = None) -> OverrideReport:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED[entry]:
@@ -70,7 +70,7 @@ def _apply(entry: str, model: nn.Module, ops: dict[str, OpArg], impl: str, polic
 
 def apply_trnkit_to_qwen3(model: nn.Module, *, rope: OpArg = True, rmsnorm: OpArg = False, mlp: OpArg = False,
                           attention: OpArg = False, impl: str = "nki", policy: str = "strict", lnc: int | None = None,
-                          seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
+                          seq_len: int | None = None, batch_size: int = 1, dry_run: bool | None = None,
                           fixed_shift: bool | None = None) -> OverrideReport:
     """trnkit's kernels in a transformers v5 dense Qwen3 (``Qwen3ForCausalLM`` / ``Qwen3Model``): ``rope``
     (``rope_hf`` in every attention), ``rmsnorm`` (every norm), ``mlp`` (every SwiGLU MLP), ``attention``
@@ -84,7 +84,7 @@ def apply_trnkit_to_qwen3(model: nn.Module, *, rope: OpArg = True, rmsnorm: OpAr
 def apply_trnkit_to_qwen3_moe(model: nn.Module, *, rope: OpArg = True, router: OpArg = True, experts: OpArg = True,
                               rmsnorm: OpArg = False, mlp: OpArg = False, attention: OpArg = False, impl: str = "nki",
                               policy: str = "strict", block_size: int = 0, lnc: int | None = None,
-                              seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
+                              seq_len: int | None = None, batch_size: int = 1, dry_run: bool | None = None,
                               fixed_shift: bool | None = None) -> OverrideReport:
     """trnkit's kernels in a transformers v5 Qwen3-MoE (``Qwen3MoeForCausalLM`` / ``Qwen3MoeModel``): ``rope``,
     ``router`` (``router_topk`` in every ``mlp.gate``), ``experts`` (``moe_experts`` in every
@@ -99,7 +99,7 @@ def apply_trnkit_to_qwen3_moe(model: nn.Module, *, rope: OpArg = True, router: O
 
 def apply_trnkit_to_deepseek_v3(model: nn.Module, *, router: OpArg = True, experts: OpArg = True, impl: str = "nki",
                                 policy: str = "strict", block_size: int = 0, lnc: int | None = None,
-                                seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
+                                seq_len: int | None = None, batch_size: int = 1, dry_run: bool | None = None,
                                 ) -> OverrideReport:
     """trnkit's kernels in a transformers v5 DeepSeek-V3 (``DeepseekV3ForCausalLM`` / ``DeepseekV3Model``):
     ``router`` (``router_topk``, sigmoid scoring, in every ``mlp.gate``; grouped top-K only when every group is
@@ -111,7 +111,7 @@ def apply_trnkit_to_deepseek_v3(model: nn.Module, *, router: OpArg = True, exper
 
 def apply_trnkit_to_glm4_moe(model: nn.Module, *, router: OpArg = True, experts: OpArg = True, impl: str = "nki",
                              policy: str = "strict", block_size: int = 0, lnc: int | None = None,
-                             seq_len: int | None = None, batch_size: int = 1, dry_run: bool = True,
+                             seq_len: int | None = None, batch_size: int = 1, dry_run: bool | None = None,
                              ) -> OverrideReport:
     """trnkit's kernels in a transformers v5 GLM-4-MoE (``Glm4MoeForCausalLM`` / ``Glm4MoeModel``): ``router``
     (``router_topk``, sigmoid scoring, in every ``mlp.gate``) and ``experts`` (``moe_experts`` in every
@@ -122,7 +122,7 @@ def apply_trnkit_to_glm4_moe(model: nn.Module, *, router: OpArg = True, experts:
 
 def apply_trnkit_to_gpt_oss(model: nn.Module, *, experts: OpArg = True, impl: str = "nki", policy: str = "strict",
                             block_size: int = 0, lnc: int | None = None, seq_len: int | None = None,
-                            batch_size: int = 1, dry_run: bool = True) -> OverrideReport:
+                            batch_size: int = 1, dry_run: bool | None = None) -> OverrideReport:
     """trnkit's kernels in a transformers v5 GPT-OSS (``GptOssForCausalLM`` / ``GptOssModel``): ``experts``
     (``moe_experts`` with the clamped SwiGLU and biases, in every ``mlp.experts``; its router keeps its own code:
     its logits have a bias ``router_topk`` has no term for); returns the per-module report."""

@@ -311,6 +311,14 @@ def test_a_model_with_dtensor_parameters_skips_the_dry_run_unless_asked(monkeypa
     assert apply_overrides(sharded, OverrideConfig(ops=["rope_hf"], seq_len=8, dry_run=True)).notes == []
     assert apply_overrides(sharded, OverrideConfig(ops=["rope_hf"], seq_len=8, dry_run=False)).notes == []
     assert runs == [1, 1]
+    # the transformers entry points leave it unset too
+    from tests.overrides.conftest import hf_moe_model
+    from trnkit.hf import apply_trnkit_to_qwen3_moe
+
+    hf = hf_moe_model()
+    hf.model.layers[0].mlp.gate.weight = Sharded(hf.model.layers[0].mlp.gate.weight.data)
+    report = apply_trnkit_to_qwen3_moe(hf, seq_len=8)
+    assert runs == [1, 1] and report.notes[0].startswith("validation dry run skipped: 1 of the model's parameters")
 
 
 @pytest.mark.slow  # a fresh interpreter with torch.distributed: ~5-12 s
