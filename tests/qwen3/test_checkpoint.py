@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trnkit.qwen3 import Qwen3Model
+from trnkit.qwen3 import Qwen3Model, state_dict_from_hf
 from trnkit.qwen3.checkpoint import CheckpointError, load_hf_checkpoint, parse_size, save_hf_checkpoint
 
 from .hf_utils import hf_model, native_config
@@ -79,6 +79,38 @@ def test_hf_sharded_checkpoint_loads(tmp_path) -> None:
     one = tmp_path / "one"
     hf.save_pretrained(one)
     _assert_bit_exact(model, load_hf_checkpoint(one))
+
+
+@pytest.mark.parametrize("stored", ["lm_head equal", "lm_head only", "lm_head different"])
+def test_tied_checkpoint_storing_lm_head(stored: str, tmp_path) -> None:
+    """A tied config's checkpoint may hold the embedding, lm_head or both (transformers 5 ties whichever is there,
+    and loads two different tensors untied): trnkit gives transformers' logits, or refuses where it would
+    have to untie (before, it dropped a differing lm_head and gave other logits)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_model("dense-tied-gqa2")
+    hf.save_pretrained(tmp_path)
+    emb = "model.embed_tokens.weight"
+    edit = {"lm_head equal": lambda sd: sd.update({"lm_head.weight": sd[emb].clone()}),
+            "lm_head only": lambda sd: sd.update({"lm_head.weight": sd.pop(emb)}),
+            "lm_head different": lambda sd: sd.update({"lm_head.weight": torch.randn_like(sd[emb])})}
+    _edit(tmp_path, edit[stored])
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    toks = torch.randint(0, hf.config.vocab_size, (2, 9))
+    if stored == "lm_head different":
+        assert ref.lm_head.weight.data_ptr() != ref.model.embed_tokens.weight.data_ptr()  # untied by transformers
+        with pytest.raises(CheckpointError, match=r"tie_word_embeddings=True makes lm_head.weight the embedding, "
+                                                  r"but the checkpoint's lm_head.weight differs from "
+                                                  r"model.embed_tokens.weight \(max \|diff\| [0-9.e+-]+\); "
+                                                  "transformers loads such a checkpoint untied"):
+            load_hf_checkpoint(tmp_path)
+        with pytest.raises(CheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+            state_dict_from_hf(load_file(tmp_path / "model.safetensors"), native_config("dense-tied-gqa2"))
+        return
+    model = load_hf_checkpoint(tmp_path).eval()
+    assert model.lm_head.weight is model.tok_embeddings.weight
+    with torch.no_grad():
+        assert (model(toks) - ref(toks).logits).abs().max().item() <= 1e-5
 
 
 def test_dtype_control_and_fused_layout(tmp_path) -> None:

@@ -26,6 +26,7 @@ from .config import Qwen3Config
 # (HF pattern, native pattern, kind). {L} = layer index, {E} = expert index.
 # kind: "param" copies the tensor; "gate"/"up"/"down" are per-expert slices of a native expert tensor
 # (transposed); "fused_gate_up"/"fused_down" are v5 fused tensors (transposed); "ignore" is dropped.
+# check_keys adds one more kind, "tied": a tied model's stored lm_head, checked against the embedding.
 KEY_MAP: list[tuple[str, str | None, str]] = [
     ("model.embed_tokens.weight", "tok_embeddings.weight", "param"),
     ("model.norm.weight", "norm.weight", "param"),
@@ -81,7 +82,7 @@ def map_hf_key(key: str) -> HFKey | None:
 
 def expected_hf_shape(key: HFKey, native_shape: torch.Size) -> tuple[int, ...]:
     """Shape the HF tensor must have, given the native parameter's shape."""
-    if key.kind == "param":
+    if key.kind in ("param", "tied"):
         return tuple(native_shape)
     E, a, b = native_shape        # w_gate_up [E, H, 2I] / w_down [E, I, H]
     if key.kind in ("gate", "up"):
@@ -96,7 +97,8 @@ def expected_hf_shape(key: HFKey, native_shape: torch.Size) -> tuple[int, ...]:
 
 
 def copy_hf_tensor(dst: torch.Tensor, key: HFKey, src: torch.Tensor) -> None:
-    """Write one HF tensor into its native parameter (in place, casting to dst's dtype)."""
+    """Write one HF tensor into its native parameter (in place, casting to dst's dtype); for a "tied" key, check
+    the stored lm_head against the embedding already written (:func:`check_keys` orders it after it)."""
     if key.kind == "param":
         dst.copy_(src)
     elif key.kind in ("gate", "up"):
@@ -107,6 +109,8 @@ def copy_hf_tensor(dst: torch.Tensor, key: HFKey, src: torch.Tensor) -> None:
         dst[key.expert].copy_(src.t())
     elif key.kind in ("fused_gate_up", "fused_down"):
         dst.copy_(src.transpose(1, 2))
+    elif key.kind == "tied":
+        _check_tied_head(dst, src)
     else:
         raise ValueError(f"copy_hf_tensor: cannot copy kind {key.kind!r}")
 
@@ -149,6 +153,19 @@ def native_to_hf_items(native: Mapping[str, torch.Tensor], config: Qwen3Config,
 
 class CheckpointError(TrnkitError, ValueError):
     """A checkpoint that cannot be loaded: bad file, or keys/shapes that do not fit the config."""
+
+
+def _check_tied_head(embedding: torch.Tensor, lm_head: torch.Tensor) -> None:
+    """A tied model's stored ``lm_head.weight`` must equal the embedding already loaded (in the model's dtype):
+    transformers 5 loads a tied config whose checkpoint holds two different tensors untied, so dropping the
+    head would give other logits."""
+    head = lm_head.to(embedding.dtype)
+    if not torch.equal(embedding, head):
+        diff = (embedding.float() - head.float()).abs().max().item()
+        raise CheckpointError(
+            "Qwen3 checkpoint: tie_word_embeddings=True makes lm_head.weight the embedding, but the checkpoint's "
+            f"lm_head.weight differs from model.embed_tokens.weight (max |diff| {diff:.3g}); transformers loads "
+            "such a checkpoint untied: set tie_word_embeddings to false in its config.json (or pass config=...)")
 
 
 def _describe(config: Qwen3Config) -> str:
@@ -197,17 +214,27 @@ def check_keys(hf_shapes: Mapping[str, tuple[int, ...]], native_shapes: Mapping[
             unexpected.append(hf_key)
             continue
         if key.native == "lm_head.weight" and config.tie_word_embeddings:
-            continue  # tied: lm_head is the embedding; a stored copy is redundant
+            key = HFKey("tok_embeddings.weight", "tied")  # tied: lm_head is the embedding (see below)
         native_shape = native_shapes[key.native]
         if key.expert is not None and key.expert >= native_shape[0]:
             unexpected.append(f"{hf_key} (expert {key.expert} >= num_experts {native_shape[0]})")
             continue
-        covered.setdefault(key.native, set()).add("all" if key.expert is None else (key.kind, key.expert))
+        if key.kind != "tied":
+            covered.setdefault(key.native, set()).add("all" if key.expert is None else (key.kind, key.expert))
         want = expected_hf_shape(key, native_shape)
         if tuple(shape) != want:
             bad_shape.append(f"{hf_key}: expected {list(want)}, got {list(shape)}")  # present: not "missing"
             continue
         plan[hf_key] = key
+    # A tied checkpoint may store the embedding, lm_head or both (transformers ties either to the other): a lone
+    # lm_head is read into the embedding; next to the embedding it is checked against it, after it (last in plan).
+    for hf_key in [k for k, v in plan.items() if v.kind == "tied"]:
+        del plan[hf_key]
+        if "tok_embeddings.weight" in covered:
+            plan[hf_key] = HFKey("tok_embeddings.weight", "tied")
+        else:
+            plan[hf_key] = HFKey("tok_embeddings.weight", "param")
+            covered["tok_embeddings.weight"] = {"all"}
 
     missing = []
     for name, shape in native_shapes.items():
