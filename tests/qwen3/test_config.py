@@ -93,6 +93,45 @@ def test_from_hf_rejects_unsupported() -> None:
         Qwen3Config.from_hf({k: v for k, v in QWEN3_06B_V4.items() if k != "rope_theta"})
 
 
+_PARTIAL = {"qwen3": dict(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=4, max_position_embeddings=64,
+                          rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.05, eos_token_id=7,
+                          rope_theta=1e6),
+            "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, intermediate_size=48,
+                              num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=4,
+                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                              decoder_sparse_step=2, router_aux_loss_coef=0.01, rope_theta=1e6)}
+
+
+@pytest.mark.parametrize("model_type, left_out", [(t, k) for t, d in _PARTIAL.items() for k in d
+                                                  if k not in ("model_type", "rope_theta")])
+def test_from_hf_keys_left_out_take_transformers_defaults(model_type: str, left_out: str) -> None:
+    """A config.json without a key builds what transformers builds from it (its config classes' defaults): before,
+    a dense config without head_dim got hidden_size // num_attention_heads instead of 128 and a qwen3_moe config
+    without num_experts a dense model instead of 128 experts."""
+    from transformers import AutoConfig
+
+    partial = {k: v for k, v in _PARTIAL[model_type].items() if k != left_out}
+    assert Qwen3Config.from_hf(partial) == Qwen3Config.from_hf(AutoConfig.for_model(**partial).to_dict())
+
+
+def test_config_json_without_head_dim_loads_as_transformers_does(tmp_path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trnkit.qwen3 import load_hf_checkpoint
+
+    partial = {k: v for k, v in _PARTIAL["qwen3"].items() if k != "head_dim"}
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**partial)).eval()
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(partial))
+    model = load_hf_checkpoint(tmp_path).eval()
+    assert model.config.head_dim == hf.model.layers[0].self_attn.head_dim == 128
+    toks = torch.randint(0, 96, (2, 5))
+    with torch.no_grad():
+        assert (model(toks) - hf(toks).logits).abs().max().item() <= 1e-5
+
+
 def test_from_hf_drops_mlp_only_layers_of_no_layer(tmp_path) -> None:
     """transformers accepts indices past the last layer in mlp_only_layers and never selects them; from_hf drops
     them with a warning (a Qwen3Config built directly still refuses them: test_values_that_would_train_to_nan)."""

@@ -133,11 +133,15 @@ class Qwen3Config:
 
         Accepts v4 (`rope_theta` at top level) and v5 (`rope_parameters`) layouts. Only default RoPE
         (no rope_scaling), no attention bias and no sliding window are supported; anything else raises.
+        Keys left out take transformers' defaults for the model_type (`_HF_DEFAULTS`); the RoPE base is required.
         """
-        d = _as_dict(hf)
-        model_type = d.get("model_type", "qwen3")
+        given = _as_dict(hf)
+        model_type = given.get("model_type", "qwen3")
         if model_type not in ("qwen3", "qwen3_moe"):
             raise ConfigError(f"Qwen3Config.from_hf: model_type must be 'qwen3' or 'qwen3_moe', got {model_type!r}")
+        if "num_local_experts" in given:  # v5's name (Qwen3MoeConfig.attribute_map: num_experts -> num_local_experts)
+            given["num_experts"] = given.pop("num_local_experts")
+        d = {**_HF_DEFAULTS[model_type], **given}
         rope_params = d.get("rope_parameters") or {}
         rope_scaling = d.get("rope_scaling")
         rope_type = rope_params.get("rope_type") or (rope_scaling or {}).get("rope_type") or (
@@ -154,35 +158,34 @@ class Qwen3Config:
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"Qwen3Config.from_hf: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
         n_heads = d["num_attention_heads"]
-        # v5 writes num_local_experts (Qwen3MoeConfig.attribute_map: num_experts -> num_local_experts)
-        num_experts = d.get("num_experts", d.get("num_local_experts")) or 0
+        num_experts = d.get("num_experts") or 0
         is_moe = model_type == "qwen3_moe" and num_experts > 0
-        eos = d.get("eos_token_id", 151645)
+        eos = d.get("eos_token_id")
         kw: dict[str, Any] = dict(
             dim=d["hidden_size"],
             n_layers=d["num_hidden_layers"],
             n_heads=n_heads,
-            n_kv_heads=d.get("num_key_value_heads") or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            n_kv_heads=d["num_key_value_heads"] or n_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,  # Qwen3MoeConfig has no head_dim default
             vocab_size=d["vocab_size"],
-            hidden_dim=d.get("intermediate_size", 0),
-            norm_eps=d.get("rms_norm_eps", 1e-6),
+            hidden_dim=d["intermediate_size"],
+            norm_eps=d["rms_norm_eps"],
             rope_theta=float(theta),
-            max_seq_len=d.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            init_std=d.get("initializer_range", 0.02),
+            max_seq_len=d["max_position_embeddings"],
+            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            init_std=d["initializer_range"],
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
         )
         if is_moe:
             kw.update(
                 num_experts=num_experts,
-                top_k=d.get("num_experts_per_tok", 8),
-                moe_inter_dim=d.get("moe_intermediate_size", 768),
-                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                decoder_sparse_step=d.get("decoder_sparse_step", 1) or 1,
+                top_k=d["num_experts_per_tok"],
+                moe_inter_dim=d["moe_intermediate_size"],
+                norm_topk_prob=bool(d["norm_topk_prob"]),
+                decoder_sparse_step=d["decoder_sparse_step"] or 1,
                 mlp_only_layers=_layers_of(d.get("mlp_only_layers") or [], d["num_hidden_layers"]),
-                router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
+                router_aux_loss_coef=d["router_aux_loss_coef"],
             )
         kw.update(overrides)
         return cls(**kw)
@@ -229,6 +232,22 @@ class Qwen3Config:
                 output_router_logits=False,
             )
         return d
+
+
+# What transformers 5 builds where a config.json leaves a key out: the field defaults of its Qwen3Config and
+# Qwen3MoeConfig (not this dataclass's; e.g. a dense head_dim of 128, not hidden_size // num_attention_heads, and
+# 128 experts, not a dense model). Qwen3MoeConfig has no head_dim field (hidden_size // num_attention_heads).
+# rope_theta is the exception: transformers falls back to 10000, from_hf asks for it (Qwen3 uses 1e6).
+_HF_COMMON = dict(vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  initializer_range=0.02)
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(_HF_COMMON, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=32, head_dim=128),
+    "qwen3_moe": dict(_HF_COMMON, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+                      moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
+                      router_aux_loss_coef=0.001),
+}
 
 
 def _layers_of(indices: list[int], n_layers: int) -> list[int]:
