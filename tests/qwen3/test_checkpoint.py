@@ -81,6 +81,21 @@ def test_hf_sharded_checkpoint_loads(tmp_path) -> None:
     _assert_bit_exact(model, load_hf_checkpoint(one))
 
 
+def test_stale_index_beside_single_file_is_ignored_as_transformers_does(tmp_path) -> None:
+    """save_pretrained into a folder that held a sharded save leaves the old index beside the new
+    model.safetensors; transformers reads model.safetensors first, and so does trnkit (before, it followed the
+    stale index to shards that were gone)."""
+    from transformers import AutoModelForCausalLM
+
+    hf_model("dense-gqa4", seed=1).save_pretrained(tmp_path, max_shard_size="50KB")
+    hf_model("dense-gqa4", seed=2).save_pretrained(tmp_path)
+    assert {"model.safetensors", "model.safetensors.index.json"} <= set(os.listdir(tmp_path))
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    toks = torch.randint(0, ref.config.vocab_size, (2, 7))
+    with torch.no_grad():
+        assert (load_hf_checkpoint(tmp_path).eval()(toks) - ref(toks).logits).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("stored", ["lm_head equal", "lm_head only", "lm_head different"])
 def test_tied_checkpoint_storing_lm_head(stored: str, tmp_path) -> None:
     """A tied config's checkpoint may hold the embedding, lm_head or both (transformers 5 ties whichever is there,
@@ -238,6 +253,7 @@ def test_corrupt_and_truncated_files(saved) -> None:
 
 
 def test_bad_index_and_folder(saved, tmp_path_factory) -> None:
+    os.replace(saved / "model.safetensors", saved / "model-00001-of-00002.safetensors")  # else read, not the index
     json.dump({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}},
               open(saved / "model.safetensors.index.json", "w"))
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors does not exist"):

@@ -56,7 +56,12 @@ def _inside(folder: str, fname: Any, index: str, key: str) -> str:
 
 
 def shard_files(folder: str) -> dict[str, list[str]]:
-    """{file path: [keys it should hold]} from the index, or {model.safetensors: []} (all keys)."""
+    """{model.safetensors: []} (all keys), else {file path: [keys it should hold]} from the index: transformers'
+    order, so a stale index beside model.safetensors (``save_pretrained`` leaves one when it saves a folder that
+    was sharded unsharded) is ignored, as transformers ignores it."""
+    single = os.path.join(folder, SINGLE_NAME)
+    if os.path.isfile(single):
+        return {single: []}
     index = os.path.join(folder, INDEX_NAME)
     if os.path.isfile(index):
         try:
@@ -71,9 +76,6 @@ def shard_files(folder: str) -> dict[str, list[str]]:
         for key, fname in weight_map.items():
             files.setdefault(_inside(folder, fname, index, key), []).append(key)
         return files
-    single = os.path.join(folder, SINGLE_NAME)
-    if os.path.isfile(single):
-        return {single: []}
     found = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if len(found) == 1:
         return {os.path.join(folder, found[0]): []}
