@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -130,6 +131,50 @@ def test_config_json_without_head_dim_loads_as_transformers_does(tmp_path) -> No
     toks = torch.randint(0, 96, (2, 5))
     with torch.no_grad():
         assert (model(toks) - hf(toks).logits).abs().max().item() <= 1e-5
+
+
+def test_sliding_window_refused_only_where_transformers_windows_a_layer(tmp_path) -> None:
+    """use_sliding_window=True with max_window_layers >= num_hidden_layers windows no layer in transformers (the
+    same logits as full attention): trnkit loads it and matches (before, it refused every use_sliding_window=True).
+    A config that windows a layer is refused, naming the keys and the layers."""
+    from transformers import AutoModelForCausalLM, Qwen3Config as HFQwen3Config
+
+    from trnkit.qwen3 import load_hf_checkpoint
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=3)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(HFQwen3Config(**kw, max_window_layers=2)).eval()
+    hf.save_pretrained(tmp_path)
+    toks = torch.randint(0, 64, (2, 11))
+    with torch.no_grad():
+        assert (load_hf_checkpoint(tmp_path).eval()(toks) - hf(toks).logits).abs().max().item() <= 1e-5
+    windowed = HFQwen3Config(**kw, max_window_layers=1)
+    assert windowed.layer_types == ["full_attention", "sliding_attention"]
+    with pytest.raises(ConfigError, match=re.escape(
+            "sliding-window attention is not supported (trnkit's attention is full causal); use_sliding_window=True, "
+            "sliding_window=3, max_window_layers=1 and layer_types make transformers window layers [1]")):
+        Qwen3Config.from_hf(windowed)
+    moe = {**QWEN3_30B_A3B_V4, "use_sliding_window": True, "sliding_window": 4096}  # Qwen3-MoE: every layer
+    with pytest.raises(ConfigError, match=re.escape("make transformers window layers [0, 1, 2,")):
+        Qwen3Config.from_hf(moe)
+
+
+def test_attention_dropout_refused() -> None:
+    """transformers drops attention weights in training; trnkit's attention has no dropout, so a config with it
+    would train differently: refused, naming the key and the value."""
+    from transformers import AutoModelForCausalLM, Qwen3Config as HFQwen3Config
+
+    hf_cfg = HFQwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_dropout=0.5)
+    hf_cfg._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(hf_cfg)
+    toks = torch.randint(0, 64, (1, 9))
+    torch.manual_seed(0)
+    assert not torch.equal(hf.train()(toks).logits, hf.eval()(toks).logits)  # the dropout is live in transformers
+    with pytest.raises(ConfigError, match=re.escape("attention_dropout must be 0 (trnkit's attention has no dropout, "
+                                                    "transformers drops attention weights in training), got 0.5")):
+        Qwen3Config.from_hf(hf_cfg)
 
 
 def test_from_hf_drops_mlp_only_layers_of_no_layer(tmp_path) -> None:

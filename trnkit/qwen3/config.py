@@ -132,7 +132,8 @@ class Qwen3Config:
         """From a transformers config object, a config.json dict, or a path to config.json / its folder.
 
         Accepts v4 (`rope_theta` at top level) and v5 (`rope_parameters`) layouts. Only default RoPE
-        (no rope_scaling), no attention bias and no sliding window are supported; anything else raises.
+        (no rope_scaling), no attention bias or dropout and no sliding-window layer are supported; anything else
+        raises.
         Keys left out take transformers' defaults for the model_type (`_HF_DEFAULTS`); the RoPE base is required.
         """
         given = _as_dict(hf)
@@ -153,8 +154,16 @@ class Qwen3Config:
             raise ConfigError("Qwen3Config.from_hf: config has neither rope_parameters.rope_theta nor rope_theta")
         if d.get("attention_bias", False):
             raise ConfigError("Qwen3Config.from_hf: attention_bias=True is not supported (Qwen3 has no biases)")
-        if d.get("use_sliding_window", False):
-            raise ConfigError("Qwen3Config.from_hf: use_sliding_window=True is not supported")
+        windowed = _sliding_window_layers(d, model_type)
+        if windowed:
+            raise ConfigError(
+                f"Qwen3Config.from_hf: sliding-window attention is not supported (trnkit's attention is full causal); "
+                f"use_sliding_window={d.get('use_sliding_window')!r}, sliding_window={d.get('sliding_window')!r}, "
+                f"max_window_layers={d.get('max_window_layers')!r} and layer_types make transformers window "
+                f"layers {windowed}")
+        if d.get("attention_dropout"):
+            raise ConfigError("Qwen3Config.from_hf: attention_dropout must be 0 (trnkit's attention has no dropout, "
+                              f"transformers drops attention weights in training), got {d['attention_dropout']!r}")
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"Qwen3Config.from_hf: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
         n_heads = d["num_attention_heads"]
@@ -248,6 +257,19 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                       moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
                       router_aux_loss_coef=0.001),
 }
+
+
+def _sliding_window_layers(d: dict[str, Any], model_type: str) -> list[int]:
+    """The layers transformers 5 builds with sliding-window attention from config dict ``d``: a window exists only
+    with ``use_sliding_window`` (default width 4096); Qwen3-MoE then windows every layer, Qwen3 the layers
+    ``layer_types`` marks ``sliding_attention`` (by default those from ``max_window_layers``, 28, on)."""
+    n_layers = d["num_hidden_layers"]
+    window = d.get("sliding_window", 4096) if d.get("use_sliding_window") else None
+    if model_type == "qwen3_moe":
+        return list(range(n_layers)) if window is not None else []
+    types = d.get("layer_types") or ["sliding_attention" if window is not None and i >= d.get("max_window_layers", 28)
+                                     else "full_attention" for i in range(n_layers)]
+    return [i for i, t in enumerate(types) if t == "sliding_attention"]
 
 
 def _layers_of(indices: list[int], n_layers: int) -> list[int]:
