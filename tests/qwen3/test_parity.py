@@ -10,7 +10,7 @@ from trnkit.qwen3 import Qwen3Model
 from trnkit.qwen3.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from trnkit.qwen3.state_dict import from_hf
 
-from .hf_utils import TINY, hf_model, native_config, tokens
+from .hf_utils import TINY, hf_config, hf_model, native_config, tokens
 
 # The parity target is <= 1e-4 in fp32. Both sides do the same fp32 math in another order (measured
 # <= 3e-7, docs/qwen3.md), so the tighter 1e-5 holds with a 30x margin.
@@ -78,3 +78,27 @@ def test_gradients_match(name: str, tmp_path) -> None:
         assert p.grad is not None, n
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     assert max(p.grad.abs().max().item() for p in model.parameters()) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["dense-tied-gqa2", "moe-norm"])
+def test_pad_token_row_gets_no_lookup_gradient(name: str, tmp_path) -> None:
+    """A config's pad_token_id is transformers' embedding padding_idx: lookups of the pad token send no gradient to
+    its row (tied: the lm_head's share still reaches it). Before, trnkit dropped pad_token_id and trained that row."""
+    from transformers import AutoModelForCausalLM
+
+    hf_cfg = hf_config(name)
+    hf_cfg.pad_token_id = 3
+    hf_cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_cfg)
+    hf.save_pretrained(tmp_path)
+    model = load_hf_checkpoint(tmp_path)
+    assert model.config.pad_token_id == 3 and model.config.to_hf()["pad_token_id"] == 3
+    toks = tokens(hf_cfg.vocab_size, seed=7)
+    toks[:, ::3] = 3
+    hf(toks, labels=toks).loss.backward()
+    causal_lm_loss(model(toks), toks).backward()
+    ref = hf.model.embed_tokens.weight.grad
+    if not hf_cfg.tie_word_embeddings:
+        assert ref[3].abs().max().item() == 0.0
+    torch.testing.assert_close(model.tok_embeddings.weight.grad, ref, rtol=1e-5, atol=1e-6)

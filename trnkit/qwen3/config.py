@@ -48,6 +48,8 @@ class Qwen3Config:
     # --- token ids (carried through to/from config.json) ---
     bos_token_id: int | None = 151643
     eos_token_id: int | None = 151645
+    # transformers' padding_idx: lookups of this token send no gradient to its embedding row (None: every row learns)
+    pad_token_id: int | None = None
     # --- kernels: {op: trnkit.overrides.KernelChoice} for the swap points (empty: the torch code).
     # Bound to the modules when the model is built; not part of config.json.
     kernels: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -83,6 +85,8 @@ class Qwen3Config:
         for name in ("init_std", "router_aux_loss_coef"):
             v = getattr(self, name)
             req(math.isfinite(v) and v >= 0, f"{name} must be a finite number >= 0, got {v!r}")
+        req(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size,
+            f"pad_token_id must be None or in [0, vocab_size = {self.vocab_size}), got {self.pad_token_id!r}")
         outside = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
         req(not outside, f"mlp_only_layers: layer indices must be in [0, n_layers - 1 = {self.n_layers - 1}]; "
             f"out of range: {outside}")
@@ -185,6 +189,7 @@ class Qwen3Config:
             init_std=d["initializer_range"],
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            pad_token_id=d.get("pad_token_id"),
         )
         if is_moe:
             kw.update(
@@ -223,6 +228,7 @@ class Qwen3Config:
             "use_sliding_window": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
         }
         if version == 5:
             d["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}

@@ -583,6 +583,10 @@ class Qwen3Model(_DropsForwardState, nn.Module):
             raise ValueError(f"Qwen3Model.forward: sequence length {S} exceeds max_seq_len "
                              f"{self.rope_cache.shape[0]} (the rope cache length)")
         h = self.tok_embeddings(tokens)
+        pad = self.config.pad_token_id
+        if pad is not None:  # transformers' padding_idx: the pad row gets no gradient from its lookups (not
+            # nn.Embedding's padding_idx, which would name a local row of a vocab-sharded embedding under TP)
+            h = torch.where((tokens == pad).unsqueeze(-1), h.detach(), h)
         rope = self.rope_cache[:S]
         for layer in self.layers:
             h = layer(h, rope)
