@@ -96,6 +96,27 @@ def test_stale_index_beside_single_file_is_ignored_as_transformers_does(tmp_path
         assert (load_hf_checkpoint(tmp_path).eval()(toks) - ref(toks).logits).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["dense-tied-gqa2", "moe-nonorm-tied"])
+def test_bare_base_model_checkpoint_loads_as_transformers_does(name: str, tmp_path) -> None:
+    """A bare Qwen3Model's checkpoint (AutoModel's save_pretrained: keys without the 'model.' prefix; tied, so
+    complete) loads into transformers' *ForCausalLM with the prefix added; trnkit reads it the same way (before:
+    'the weights look like: nothing recognisable', every key missing and unexpected)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    hf_model(name).model.save_pretrained(tmp_path)  # the base model of a tied *ForCausalLM, saved alone
+    assert "embed_tokens.weight" in load_file(tmp_path / "model.safetensors")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert torch.equal(ref.model.norm.weight, AutoModel.from_pretrained(tmp_path).norm.weight)
+    toks = torch.randint(0, ref.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert (load_hf_checkpoint(tmp_path).eval()(toks) - ref(toks).logits).abs().max().item() <= 1e-5
+    _edit(tmp_path, lambda sd: sd.pop("norm.weight"))
+    with pytest.raises(CheckpointError, match=r"the weights look like: a bare Qwen3Model's keys \(no 'model.' "
+                                              r"prefix\), vocab_size=160, dim=64, n_layers=3(?s:.*)missing keys "
+                                              r"\(1\):\n    model.norm.weight"):
+        load_hf_checkpoint(tmp_path)
+
+
 @pytest.mark.parametrize("stored", ["lm_head equal", "lm_head only", "lm_head different"])
 def test_tied_checkpoint_storing_lm_head(stored: str, tmp_path) -> None:
     """A tied config's checkpoint may hold the embedding, lm_head or both (transformers 5 ties whichever is there,

@@ -13,7 +13,7 @@ both the in-memory `from_hf` and `checkpoint.load_hf_checkpoint`).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,32 +182,45 @@ def _listing(title: str, items: list[str], limit: int = 20) -> str:
     return f"  {title} ({len(items)}):\n" + "\n".join(f"    {x}" for x in items[:limit]) + more
 
 
-def _inferred(hf_shapes: Mapping[str, tuple[int, ...]]) -> str:
-    """What the weights themselves say about the architecture (for config/weights mismatch errors)."""
-    facts = []
-    emb = hf_shapes.get("model.embed_tokens.weight")
+def _inferred(hf_shapes: Mapping[str, tuple[int, ...]], bare: bool = False) -> str:
+    """What the weights themselves say about the architecture (for config/weights mismatch errors); ``bare``: the
+    keys of a bare Qwen3Model (no ``model.`` prefix)."""
+    pre = "" if bare else r"model\."
+    facts = ["a bare Qwen3Model's keys (no 'model.' prefix)"] if bare else []
+    emb = hf_shapes.get("embed_tokens.weight" if bare else "model.embed_tokens.weight")
     if emb is not None and len(emb) == 2:
         facts += [f"vocab_size={emb[0]}", f"dim={emb[1]}"]
-    layers = {int(m[1]) for k in hf_shapes if (m := re.match(r"^model\.layers\.(\d+)\.", k))}
+    layers = {int(m[1]) for k in hf_shapes if (m := re.match(rf"^{pre}layers\.(\d+)\.", k))}
     if layers:
         facts.append(f"n_layers={max(layers) + 1}")
-    experts = {int(m[1]) for k in hf_shapes if (m := re.match(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.", k))}
+    experts = {int(m[1]) for k in hf_shapes if (m := re.match(rf"^{pre}layers\.\d+\.mlp\.experts\.(\d+)\.", k))}
     if experts:
         facts.append(f"num_experts={max(experts) + 1}")
     return ", ".join(facts)
+
+
+def _bare_base_model(keys: Iterable[str]) -> bool:
+    """Whether ``keys`` are a bare ``Qwen3Model``'s (``embed_tokens.weight``, ``layers.0...``: what
+    ``AutoModel.from_pretrained(...).save_pretrained`` writes): none has the ``model.`` prefix, some are Qwen3 keys
+    with it. transformers adds the prefix when it loads them into a ``*ForCausalLM``."""
+    keys = list(keys)
+    return not any(k.startswith("model.") for k in keys) and any(map_hf_key("model." + k) for k in keys)
 
 
 def check_keys(hf_shapes: Mapping[str, tuple[int, ...]], native_shapes: Mapping[str, torch.Size],
                config: Qwen3Config, source: str) -> dict[str, HFKey]:
     """Validate HF keys/shapes against the native model; return {hf_key: HFKey} for the keys to copy.
 
-    Raises CheckpointError listing every unexpected, missing and mis-shaped key by name.
+    A bare ``Qwen3Model`` checkpoint (keys without the ``model.`` prefix) is read as transformers'
+    ``*ForCausalLM`` reads it, with the prefix. Raises CheckpointError listing every unexpected, missing and
+    mis-shaped key by name.
     """
+    bare = _bare_base_model(hf_shapes)
     plan: dict[str, HFKey] = {}
     unexpected, bad_shape = [], []
     covered: dict[str, set[Any]] = {}
     for hf_key, shape in hf_shapes.items():
-        key = map_hf_key(hf_key)
+        key = map_hf_key("model." + hf_key if bare and not hf_key.startswith("lm_head.") else hf_key)
         if key is not None and key.kind == "ignore":
             continue
         if key is None or key.native not in native_shapes:
@@ -252,7 +265,7 @@ def check_keys(hf_shapes: Mapping[str, tuple[int, ...]], native_shapes: Mapping[
             missing.append(next(h for h, _ in native_to_hf_items({name: torch.empty(0)}, config)))
     if unexpected or missing or bad_shape:
         parts = [f"Qwen3 checkpoint {source} does not match the config ({_describe(config)}); "
-                 f"the weights look like: {_inferred(hf_shapes) or 'nothing recognisable'}"]
+                 f"the weights look like: {_inferred(hf_shapes, bare) or 'nothing recognisable'}"]
         if missing:
             parts.append(_listing("missing keys", missing))
         if unexpected:
