@@ -136,13 +136,34 @@ def test_checkpoint_folder_must_stay_inside_the_dump_folder(folder: str) -> None
         load_config(None, ["--checkpoint.folder", folder])
 
 
-@pytest.mark.parametrize("folder", ["config.toml", "metrics.jsonl/x", ".trnkit.lock", "hf_export", "previous-1"])
+@pytest.mark.parametrize("folder", ["config.toml", "metrics.jsonl/x", ".trnkit.lock", "hf_export", "previous-1",
+                                    "hf_export.old", "hf_export.tmp/ckpt", "metrics.jsonl.tmp"])
 def test_checkpoint_folder_is_none_of_the_runs_own_files(folder: str) -> None:
-    """A checkpoint folder named like a run file would be created as a folder where the run writes that file."""
+    """A checkpoint folder named like a run file would be created as a folder where the run writes that file; named
+    like one of their temporary copies, the run would delete it (the HF export removes hf_export.old / .tmp)."""
     with pytest.raises(ConfigError, match=rf"^config checkpoint\.folder: must not be a file or folder the run "
                                           rf"itself keeps in job\.dump_folder \(metrics\.jsonl, config\.toml, "
-                                          rf".*\.trnkit\.lock, previous-<time>\), got {re.escape(repr(folder))}$"):
+                                          rf".*\.trnkit\.lock, previous-<time>\) nor one of their temporary copies "
+                                          rf"\(<name>\.tmp, <name>\.old, \.\.\.: the run deletes those\), "
+                                          rf"got {re.escape(repr(folder))}$"):
         load_config(None, ["--checkpoint.folder", folder])
+
+
+def test_a_log_rank_of_a_digit_int_refuses_is_named() -> None:
+    """'²'.isdigit() is true, int('²') a ValueError: it passed the check and ended the run in a traceback."""
+    with pytest.raises(ConfigError, match=r"^config metrics\.log_rank: must be 'all' or a rank number, got '\u00b2'$"):
+        load_config(None, ["--metrics.log_rank", "\u00b2"])
+
+
+@pytest.mark.parametrize("key", ["job.dump_folder", "checkpoint.folder", "job.stack", "data.dataset", "job.name"])
+def test_a_nul_character_in_a_string_setting_is_refused(tmp_path: Path, key: str) -> None:
+    """TOML can write a NUL (\\u0000); in a path the operating system refuses it with a ValueError, which ended the
+    run in a traceback (dump folder, checkpoint folder, stack lock)."""
+    section, name = key.split(".")
+    (tmp_path / "c.toml").write_text(f'[{section}]\n{name} = "a\\u0000b"\n')
+    with pytest.raises(ConfigError, match=rf"^config {re.escape(key)}: must not contain a NUL character, "
+                                          rf"got 'a\\x00b'$"):
+        load_config(tmp_path / "c.toml")
 
 
 @pytest.mark.parametrize("folder", ["checkpoint", "ckpt/nested", "./ckpt", "a/../ckpt"])

@@ -109,6 +109,11 @@ def test_data_errors(tmp_path: Path, tiny_tokenizer: str) -> None:
     cfg = DataConfig(tokenizer=tiny_tokenizer, dataset=str(tmp_path / "y.txt"))
     with pytest.raises(ConfigError, match="fewer than one global batch"):
         build_loader(cfg, seq_len=64, local_batch_size=4, dp_rank=0, dp_degree=1)
+    (tmp_path / "empty.txt").write_text("")  # without EOS: no token at all (the message said '-1 samples')
+    cfg = DataConfig(tokenizer=tiny_tokenizer, dataset=str(tmp_path / "empty.txt"), add_eos=False)
+    with pytest.raises(ConfigError, match=r"^data: the corpus has 0 tokens = 0 samples of seq_len 64, fewer than one "
+                                          r"global batch \(4\)"):
+        build_loader(cfg, seq_len=64, local_batch_size=4, dp_rank=0, dp_degree=1)
 
 
 def test_parquet_needs_pyarrow_or_reads(tmp_path: Path) -> None:

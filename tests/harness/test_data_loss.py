@@ -125,6 +125,54 @@ def test_refused_run_leaves_no_dump_folder(tmp_path: Path, tiny_tokenizer: str, 
     assert not (tmp_path / "run").exists()
 
 
+# ------------------------------------------------------------------ the files a run writes in its folder
+def test_a_fresh_run_moves_a_config_toml_it_did_not_write_aside(tmp_path: Path, tiny_tokenizer: str,
+                                                                corpus_dir: Path) -> None:
+    """A folder holding a config.toml and a stack.lock but no metrics.jsonl or checkpoint (the user's own files
+    beside the run's outputs, or a run's that stopped before its first step) was no earlier run to a fresh start,
+    which overwrote both."""
+    dump = tmp_path / "run"
+    dump.mkdir()
+    (dump / "config.toml").write_text("# my experiment\n")
+    (dump / "stack.lock").write_text("# my lock\n")
+    run(tiny_config(dump, tiny_tokenizer, corpus_dir, training={"steps": 1}))
+    (archive,) = dump.glob("previous-*")
+    assert (archive / "config.toml").read_text() == "# my experiment\n"
+    assert (archive / "stack.lock").read_text() == "# my lock\n"
+    assert "[training]" in (dump / "config.toml").read_text()
+
+
+@pytest.mark.parametrize("name, make", [("stack.lock", "link"), ("metrics.jsonl", "link"), ("config.toml", "folder"),
+                                        ("config_history", "file")])
+def test_a_run_file_that_is_a_link_or_of_another_kind_is_refused(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                                 corpus_dir: Path, capsys: pytest.CaptureFixture[str],
+                                                                 name: str, make: str) -> None:
+    """A resume wrote stack.lock and appended to metrics.jsonl through a symbolic link, changing a file outside its
+    folder; a folder where it writes a file (or a file where it keeps config_history) ended in a traceback after the
+    checkpoint was loaded. Now one message before anything is written."""
+    run_dir = _copy(trained, tmp_path)
+    target = run_dir / name
+    outside = tmp_path / "outside"
+    outside.write_bytes(target.read_bytes() if target.is_file() else b"not the run's\n")
+    target.unlink(missing_ok=True)
+    if make == "link":
+        target.symlink_to(outside)
+        what = f"a symbolic link (to {outside})"
+    elif make == "folder":
+        target.mkdir()
+        what = "a folder"
+    else:
+        target.write_text("a file")
+        what = "not a folder"
+    before, outside_before = _snapshot(run_dir), outside.read_bytes()
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4, checkpoint={"reschedule": True})
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    kind = "folder" if name == "config_history" else "file"
+    assert_user_error(code, err, f"job.dump_folder: {target} is {what}; the run writes its {name} there, which must "
+                                 f"be a {kind} of its own in {run_dir}: move it away and rerun. Nothing was written")
+    assert _snapshot(run_dir) == before and outside.read_bytes() == outside_before
+
+
 # ------------------------------------------------------------------ a non-finite update is never saved
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_non_finite_update_is_never_saved_or_exported(tmp_path: Path, trained, tiny_tokenizer: str,
@@ -229,9 +277,12 @@ def test_bad_metrics_line_in_the_middle_is_named(tmp_path: Path, trained, tiny_t
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines(keepends=True)
     path.write_text(lines[0] + "garbage\n" + "".join(lines[1:]))
-    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3)
+    before = _snapshot(run_dir)
+    # a changed setting: the refused resume had already moved config.toml to config_history and written its own
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3, optimizer={"weight_decay": 0.3})
     code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
     assert_user_error(code, err, f"metrics: {path}:2 is not a metrics record", "move the file away")
+    assert _snapshot(run_dir) == before
 
 
 def test_resume_appends_to_metrics(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path) -> None:
@@ -241,6 +292,49 @@ def test_resume_appends_to_metrics(tmp_path: Path, trained, tiny_tokenizer: str,
     run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4, checkpoint={"reschedule": True}))
     assert path.stat().st_ino == inode and path.read_text().startswith(head)  # appended, not rewritten
     assert [r["step"] for r in read_jsonl(str(path))] == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------ pruning and the optimizer's settings on resume
+def _flip_a_bit(step_dir: Path) -> None:
+    data = next(step_dir.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 1
+    data.write_bytes(bytes(raw))
+
+
+def test_pruning_never_deletes_the_new_checkpoint_for_a_later_unusable_one(tmp_path: Path, trained,
+                                                                            tiny_tokenizer: str,
+                                                                            corpus_dir: Path) -> None:
+    """keep_latest_k counted a later checkpoint that resume had skipped as unusable (here a flipped bit in step-3)
+    among the newest, so it deleted the checkpoint just written and every good one: the run was left with only the
+    broken one, and its next start with nothing to resume from."""
+    run_dir = _copy(trained, tmp_path)
+    ckpts = run_dir / "checkpoint"
+    shutil.rmtree(ckpts / "step-2")
+    _flip_a_bit(ckpts / "step-3")
+    run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=2, keep=1, checkpoint={"reschedule": True}))
+    assert [s for s, _ in list_checkpoints(str(ckpts))] == [2, 3]  # step-1 pruned, step-3 left as it was
+    assert verify_checkpoint(str(ckpts / "step-2")) is None and "is corrupt" in verify_checkpoint(str(ckpts / "step-3"))
+
+
+def test_a_resume_trains_with_the_changed_optimizer_settings(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                             corpus_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint's optimizer param groups carry the settings that wrote it: loading them kept its weight decay,
+    betas and eps, although the resume logged them as changed (``config: ... optimizer.weight_decay 0.1 -> 0.5``)."""
+    from trnkit.harness.train import Trainer
+
+    used = []
+    train_step = Trainer.train_step
+
+    def spy(self: Trainer, step: int):
+        used.append({(g["weight_decay"], tuple(g["betas"]), g["eps"]) for g in self.optimizer.param_groups})
+        return train_step(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", spy)
+    run_dir = _copy(trained, tmp_path)
+    shutil.rmtree(run_dir / "checkpoint" / "step-3")
+    run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, optimizer={"weight_decay": 0.5, "beta2": 0.99, "eps": 1e-6}))
+    assert used == [{(0.5, (0.9, 0.99), 1e-6)}]  # step 3, resumed from step-2 (0.1, (0.9, 0.95), 1e-8)
 
 
 # ------------------------------------------------------------------ a changed LR schedule is explicit

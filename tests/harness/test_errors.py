@@ -90,6 +90,11 @@ def test_library_input_errors_are_trnkit_errors(call, match: str) -> None:
      "environment variable RANK: must be an integer in [0, WORLD_SIZE - 1 = 1] (torchrun sets it), got '2'"),
     ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "-1"},
      "environment variable LOCAL_RANK: must be an integer in [0, RANK = 1] (torchrun sets it), got '-1'"),
+    # digits str.isdigit passes and int refuses: they ended in int()'s ValueError
+    ({"WORLD_SIZE": "\u00b2"},
+     "environment variable WORLD_SIZE: must be an integer >= 1 (torchrun sets it), got '\u00b2'"),
+    ({"WORLD_SIZE": "2", "RANK": "--1"},
+     "environment variable RANK: must be an integer in [0, WORLD_SIZE - 1 = 1] (torchrun sets it), got '--1'"),
 ])
 def test_launch_environment_errors_name_the_variable(environ: dict[str, str], message: str) -> None:
     """torchrun's variables are user input too: a bad one is a ConfigError (exit 2), not a ValueError traceback."""

@@ -57,6 +57,22 @@ def test_bad_values_are_refused_naming_key_rule_and_value(tmp_path: Path, tiny_t
     _refused(tmp_path, tiny_tokenizer, corpus_dir, capsys, cli, message)
 
 
+@pytest.mark.parametrize("model, checkpoint, message", [
+    ({}, {}, "config model.hf_pretrained: true loads the published weights of the model's folder (an hf: model.spec); "
+             "model.spec 'qwen3:debug-moe' has none, so the run would start from random weights"),
+    ({"spec": "hf:configs/hf/qwen3-moe-debug", "config": {}}, {"initial_load_path": "elsewhere"},
+     "config model.hf_pretrained: true loads the weights of "),
+], ids=["native-model", "with-initial_load_path"])
+def test_hf_pretrained_where_it_loads_nothing_or_beside_other_weights(tmp_path: Path, tiny_tokenizer: str,
+                                                                      corpus_dir: Path,
+                                                                      capsys: pytest.CaptureFixture[str], model: dict,
+                                                                      checkpoint: dict, message: str) -> None:
+    """model.hf_pretrained = true on a native model was ignored: the run started from random weights, and its step-1
+    note said that is as expected. Beside checkpoint.initial_load_path, the latter won silently."""
+    _refused(tmp_path, tiny_tokenizer, corpus_dir, capsys, [], message,
+             model={"hf_pretrained": True, **model}, checkpoint=checkpoint)
+
+
 def test_toml_inf_and_nan_are_refused(tmp_path: Path) -> None:
     from trnkit.harness.config import load_config
 

@@ -175,7 +175,7 @@ def test_cpu_capacity_is_shared_by_the_ranks_on_this_host(monkeypatch: pytest.Mo
     from trnkit.harness.parallel import ranks_on_host
 
     assert ranks_on_host({}, 4) == 4 and ranks_on_host({"LOCAL_WORLD_SIZE": "2"}, 4) == 2
-    for bad in ("0", "5", "x", ""):
+    for bad in ("0", "5", "x", "", "\u00b2"):  # '²': str.isdigit passes it, int refuses it
         with pytest.raises(ConfigError, match=r"^environment variable LOCAL_WORLD_SIZE: must be an integer in "
                                               rf"\[1, WORLD_SIZE = 4\] \(torchrun sets it\), got '{bad}'$"):
             ranks_on_host({"LOCAL_WORLD_SIZE": bad}, 4)

@@ -12,7 +12,7 @@ import pytest
 
 from trnkit.harness.logs import ProgressLine, interrupt_message
 from trnkit.harness.metrics import MetricsLogger
-from trnkit.harness.train import main, run
+from trnkit.harness.train import Terminated, main, run
 
 from .helpers import tiny_config, write_config
 
@@ -113,3 +113,54 @@ def test_ctrl_c_prints_a_resume_command_that_resumes(tmp_path: Path, tiny_tokeni
     assert main(shlex.split(command)[3:]) == 130
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / 'checkpoint' / 'step-4'} (step 4)" in out and "step:  5  loss:" in out
+
+
+@pytest.mark.parametrize("interrupt, name, code", [(KeyboardInterrupt, "SIGINT", 130), (Terminated, "SIGTERM", 143)])
+def test_an_interrupted_checkpoint_write_is_an_interruption(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str],
+                                                            interrupt: type[KeyboardInterrupt], name: str, code: int):
+    """DCP catches BaseException around each rank's write and wraps it: Ctrl-C (or SIGTERM) during the step-2 save
+    was reported as a failed write ('Free some space ...', exit 2). Now the interruption's exit and message, naming
+    step-1, with the partial step-2.tmp removed."""
+    import torch.distributed.checkpoint as dcp
+
+    write_data, saves = dcp.FileSystemWriter.write_data, []
+
+    def interrupted_at_the_second_save(self, *args, **kwargs):
+        saves.append(1)
+        if len(saves) == 2:
+            raise interrupt()
+        return write_data(self, *args, **kwargs)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", interrupted_at_the_second_save)
+    cfg = tiny_config(tmp_path, tiny_tokenizer, corpus_dir, training={"steps": 3},
+                      checkpoint={"enable": True, "interval": 1, "keep_latest_k": 0})
+    assert main(["--config", str(write_config(cfg, tmp_path / "c.toml"))]) == code
+    err = capsys.readouterr().err
+    assert err.startswith(f"interrupted ({name}); "), err
+    assert f"kept checkpoint {tmp_path / 'checkpoint' / 'step-1'} (step 1); resume with:" in err, err
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
+
+
+def test_ctrl_c_while_a_checkpoint_loads_says_nothing_was_trained(tmp_path: Path, tiny_tokenizer: str,
+                                                                  corpus_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while the run starts (here: loading step-2) was named 'cannot be loaded into this run's model'
+    (DCP wraps it, exit 2); a Ctrl-C elsewhere in the start said 'no checkpoint was written yet, so a rerun starts
+    from step 1' beside a checkpoint the same command resumes from."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg = tiny_config(tmp_path, tiny_tokenizer, corpus_dir, training={"steps": 2},
+                      checkpoint={"enable": True, "interval": 1, "keep_latest_k": 0})
+    toml = write_config(cfg, tmp_path / "c.toml")
+    run(cfg)
+
+    def ctrl_c(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", ctrl_c)
+    assert main(["--config", str(toml), "--training.steps", "3", "--checkpoint.reschedule", "true"]) == 130
+    assert capsys.readouterr().err == (
+        "interrupted (SIGINT) while the run was starting, before its first step: nothing was trained; rerun with:\n"
+        f"  python -m trnkit.harness.train --config {toml} --training.steps 3 --checkpoint.reschedule true\n")

@@ -153,6 +153,25 @@ def test_unverifiable_checkpoint_is_refused(tmp_path: Path, trained: Path, tiny_
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # nothing written or moved
 
 
+def test_a_manifest_nested_too_deeply_is_an_unusable_checkpoint(tmp_path: Path, trained: Path) -> None:
+    """json.load of a manifest nested 100,000 arrays deep raises RecursionError, which ended the run in a traceback
+    instead of skipping the checkpoint for the next older one."""
+    step3 = _copy(trained, tmp_path) / "checkpoint" / "step-3"
+    (step3 / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    assert verify_checkpoint(str(step3)) == (f"{step3 / MANIFEST} is unreadable (ValueError: its JSON is nested "
+                                             "too deeply to parse) (--checkpoint.trust_unverified true loads it "
+                                             "unverified)")
+
+
+def test_a_renamed_checkpoint_folder_is_not_resumed_under_its_name(tmp_path: Path, trained: Path) -> None:
+    """step-3 renamed step-9 was the newest checkpoint by its name: a resume trained on from step 3 while checking
+    the learning-rate schedule from step 9, and kept resuming from it after saving steps 4 to 8."""
+    folder = _copy(trained, tmp_path) / "checkpoint"
+    (folder / "step-3").rename(folder / "step-9")
+    assert verify_checkpoint(str(folder / "step-9")) == (f"{folder / 'step-9' / MANIFEST} records step 3, not 9 "
+                                                         "(a renamed folder)")
+
+
 def test_trust_unverified_loads_a_checkpoint_without_manifest(tmp_path: Path, trained: Path, tiny_tokenizer: str,
                                                               corpus_dir: Path) -> None:
     run_dir = _copy(trained, tmp_path)

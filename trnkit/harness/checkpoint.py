@@ -83,6 +83,15 @@ def root_error(err: BaseException) -> BaseException:
     return err
 
 
+def _reraise_interrupt(err: BaseException) -> None:
+    """Raise the Ctrl-C / SIGTERM that DCP wrapped in its CheckpointException (it catches BaseException around
+    each rank's read and write): an interrupted save or load is an interruption, not a failed write or a bad
+    checkpoint."""
+    root = root_error(err)
+    if isinstance(root, KeyboardInterrupt):
+        raise root from None
+
+
 def write_failed(what: str, folder: str, err: BaseException, need: str, kept: str,
                  cls: type[DiskWriteError] = DiskWriteError) -> DiskWriteError:
     """The message of every failed write of a run (checkpoint, HF export, metrics): what failed and why,
@@ -206,7 +215,10 @@ def read_manifest(path: str) -> dict[str, Any] | None:
     if not os.path.exists(f):
         return None
     with open(f) as fh:
-        manifest = json.load(fh)
+        try:
+            manifest = json.load(fh)
+        except RecursionError:  # arrays or objects nested thousands deep: no manifest trnkit writes
+            raise ValueError("its JSON is nested too deeply to parse") from None
     if not isinstance(manifest, dict):
         raise ValueError(f"not a JSON object but {type(manifest).__name__} {str(manifest)[:40]!r}")
     identity = manifest.get("identity")
@@ -295,6 +307,10 @@ def verify_checkpoint(path: str, trust_unverified: bool = False) -> str | None:
                    else _manifest_problem(path, manifest))
     if problem is not None and not trust_unverified:
         return problem + " (--checkpoint.trust_unverified true loads it unverified)"
+    named = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    if problem is None and named and isinstance(manifest.get("step"), int) and manifest["step"] != int(named[1]):
+        # a renamed or copied folder: resume would order it by its name and train on from another step
+        return f"{os.path.join(path, MANIFEST)} records step {manifest['step']}, not {named[1]} (a renamed folder)"
     listed = manifest["files"] if problem is None else {}
     why = _check_files(path, listed)
     if why is not None:
@@ -596,6 +612,7 @@ class Checkpointer:
     def _save_failed(self, step: int, err: BaseException, background: bool = False) -> None:
         if self.rank == 0:
             shutil.rmtree(self.tmp_path(step), ignore_errors=True)
+        _reraise_interrupt(err)
         prev = latest_checkpoint(self.folder)
         kept = f"the previous checkpoint {prev[1]} is intact" if prev else "no earlier checkpoint exists"
         where = "in the background " if background else ""
@@ -637,7 +654,7 @@ class Checkpointer:
                 self.log(f"checkpoint: {final} was not a usable checkpoint of this run; moved to {aside} "
                          "(nothing was deleted)")
             os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
-            self._prune()
+            self._prune(step)
             secs = f", {time.perf_counter() - t0:.1f} s" if t0 is not None else ""
             if waiting is not None:
                 blocked = waiting[0] + time.perf_counter() - waiting[1]
@@ -646,13 +663,15 @@ class Checkpointer:
         _barrier()
         return final
 
-    def _prune(self) -> None:
-        """Keep the newest keep_latest_k checkpoints of this model; never touch another model's."""
+    def _prune(self, saved: int) -> None:
+        """Keep the newest keep_latest_k checkpoints of this model up to ``saved``, the step just committed; never
+        touch another model's, nor a later step's: resume picks the newest checkpoint that verifies, so a later
+        one is one it skipped as unusable, and counting it would delete the checkpoint just written."""
         if self.keep_latest_k <= 0 or self.identity is None:
             return
         mine = []
         for step, path in list_checkpoints(self.folder):
-            if os.path.islink(path):  # pruning never follows a link (it may point outside the run folder)
+            if step > saved or os.path.islink(path):  # pruning never follows a link (it may lead out of the run)
                 continue
             try:
                 manifest = read_manifest(path)
@@ -686,6 +705,7 @@ class Checkpointer:
             # the restricted reader and planner: nothing in the folder can run code (dcp_safe.py)
             dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
         except DCP_ERRORS as e:
+            _reraise_interrupt(e)
             root = root_error(e)
             if isinstance(root, UnsafeCheckpointError):
                 raise root from None
@@ -697,6 +717,12 @@ class Checkpointer:
             state["model"][alias] = state["model"][kept]
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+        # The checkpoint's param groups came with the optimizer settings that wrote it: the state (moments, step
+        # counts) is the checkpoint's, the settings (betas, eps, weight_decay, fused / foreach) this run's config;
+        # the learning rate is the scheduler's.
+        settings = {k: v for k, v in self.optimizer.defaults.items() if k != "lr"}
+        for group in self.optimizer.param_groups:
+            group.update(settings)
         saved = int(state["train"].get("expert_tp_layout", 1))
         if saved != self.expert_tp_layout:
             raise ConfigError(f"checkpoint {path}: its expert weights use the tp_experts='shard_i' layout of "

@@ -401,7 +401,7 @@ def _validate(cfg: TrainerConfig) -> None:
         if not cond:
             raise ConfigError(f"config {key}: {rule}, got {value!r}")
 
-    _require_finite(cfg)
+    _require_plain_values(cfg)
     req(cfg.job.dump_folder.strip() != "", "job.dump_folder", "must name a folder (everything the run writes goes "
         "there)", cfg.job.dump_folder)
     req(cfg.job.name.strip() != "", "job.name", "must not be blank (it names the run in the log, the loss curve and "
@@ -442,7 +442,7 @@ def _validate(cfg: TrainerConfig) -> None:
     req(v.steps >= 1, "validation.steps", "must be >= 1 (batches per evaluation)", v.steps)
     req(0 < v.split_fraction < 1, "validation.split_fraction",
         "must be in (0, 1) (the part of the corpus held out for validation)", v.split_fraction)
-    req(cfg.metrics.log_rank == "all" or cfg.metrics.log_rank.isdigit(), "metrics.log_rank",
+    req(cfg.metrics.log_rank == "all" or cfg.metrics.log_rank.isdecimal(), "metrics.log_rank",
         "must be 'all' or a rank number", cfg.metrics.log_rank)
     req(cfg.metrics.log_freq >= 1, "metrics.log_freq", "must be >= 1", cfg.metrics.log_freq)
     req(cfg.metrics.progress_freq >= 0, "metrics.progress_freq", "must be >= 0 (0 = no progress lines)",
@@ -483,10 +483,13 @@ def _check_checkpoint_folder(folder: str) -> None:
         raise ConfigError(f"config checkpoint.folder: must be a subfolder of job.dump_folder, given relative to it "
                           f"(e.g. 'checkpoint'; absolute paths and '..' would leave the run folder), got {folder!r}")
     top = norm.split(os.sep)[0]
-    if top in (*RUN_FILES, LOCK_NAME) or top.startswith(PREVIOUS_PREFIX):
+    own = (*RUN_FILES, LOCK_NAME)
+    # <name>.<suffix>: the run's temporary copies of its files (hf_export.tmp / .old, metrics.jsonl.tmp), which it
+    # deletes or replaces
+    if any(top == name or top.startswith(name + ".") for name in own) or top.startswith(PREVIOUS_PREFIX):
         raise ConfigError(f"config checkpoint.folder: must not be a file or folder the run itself keeps in "
-                          f"job.dump_folder ({', '.join((*RUN_FILES, LOCK_NAME))}, {PREVIOUS_PREFIX}<time>), "
-                          f"got {folder!r}")
+                          f"job.dump_folder ({', '.join(own)}, {PREVIOUS_PREFIX}<time>) nor one of their temporary "
+                          f"copies (<name>.tmp, <name>.old, ...: the run deletes those), got {folder!r}")
 
 
 def _check_loss_schedule(cfg: TrainerConfig) -> None:
@@ -514,15 +517,19 @@ def _check_loss_schedule(cfg: TrainerConfig) -> None:
                           f"full logits and no loss kernel runs), got {value!r}")
 
 
-def _require_finite(cfg: TrainerConfig) -> None:
+def _require_plain_values(cfg: TrainerConfig) -> None:
     """Every float setting of the schema (``float`` and ``float | None`` fields) must be finite: a NaN
-    slips through every range check (``nan > 0`` is false but so is ``nan <= 0``) and inf is no setting."""
+    slips through every range check (``nan > 0`` is false but so is ``nan <= 0``) and inf is no setting.
+    No string setting may hold a NUL character (TOML can write one, ``\\u0000``): no path, name or choice holds
+    one, and the operating system refuses it in a path with a ValueError of its own."""
     for sec in dataclasses.fields(cfg):
         section = getattr(cfg, sec.name)
         for name, tp in typing.get_type_hints(type(section)).items():
             value = getattr(section, name)
             if float in (tp, *typing.get_args(tp)) and isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"config {sec.name}.{name}: must be a finite number, got {value!r}")
+            if isinstance(value, str) and "\0" in value:
+                raise ConfigError(f"config {sec.name}.{name}: must not contain a NUL character, got {value!r}")
 
 
 def check_log_rank(log_rank: str, world_size: int) -> None:

@@ -216,7 +216,7 @@ class PackedLoader:
 
     def __init__(self, stream: np.ndarray, seq_len: int, local_batch_size: int, dp_rank: int = 0,
                  dp_degree: int = 1, shuffle: bool = False, seed: int = 0) -> None:
-        self.num_samples = (len(stream) - 1) // seq_len
+        self.num_samples = max(len(stream) - 1, 0) // seq_len  # an empty stream has no sample (not -1)
         global_batch = local_batch_size * dp_degree
         if self.num_samples < global_batch:
             raise ConfigError(f"data: the corpus has {len(stream)} tokens = {self.num_samples} samples of "

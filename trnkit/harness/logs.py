@@ -134,9 +134,13 @@ class ProgressLine:
 
 
 def interrupt_message(signal_name: str, kept: tuple[int, str] | None, checkpoint_enabled: bool, resume: bool,
-                      dump_folder: str, argv: list[str]) -> str:
-    """What the trainer prints when Ctrl-C (or SIGTERM) stops it: what was kept and the command that resumes."""
+                      dump_folder: str, argv: list[str], started: bool = True) -> str:
+    """What the trainer prints when Ctrl-C (or SIGTERM) stops it: what was kept and the command that resumes.
+    ``started``: false when it stopped the run while starting (checks, data, model, loading a checkpoint)."""
     command = "python -m trnkit.harness.train " + shlex.join(argv)  # under torchrun: the same torchrun command
+    if not started:  # the run folder's checkpoints are as they were: the same command resumes from them
+        return (f"interrupted ({signal_name}) while the run was starting, before its first step: nothing was "
+                f"trained; rerun with:\n  {command}")
     head = f"interrupted ({signal_name}); metrics.jsonl and loss.png are kept in {dump_folder}"
     if kept is not None:
         step, path = kept

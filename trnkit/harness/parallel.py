@@ -44,12 +44,20 @@ def neuron_available() -> bool:
     return importlib.util.find_spec("torch_neuronx") is not None
 
 
+def _integer(text: str) -> int | None:
+    """``text`` as an int, or None where it is none (``str.isdigit`` passes '²', which ``int`` refuses)."""
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
 def launch_ranks(environ: Mapping[str, str]) -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's RANK, WORLD_SIZE and LOCAL_RANK in `environ` (0, 1, 0
     when unset); a value that is no such number is a ConfigError naming the variable, the rule and the value."""
     def number(name: str, default: int, rule: str, ok: Callable[[int], bool]) -> int:
         text = environ.get(name, str(default)).strip()
-        value = int(text) if text.lstrip("-").isdigit() else None
+        value = _integer(text)
         if value is None or not ok(value):
             raise ConfigError(f"environment variable {name}: must be {rule} (torchrun sets it), got {text!r}")
         return value
@@ -64,10 +72,11 @@ def ranks_on_host(environ: Mapping[str, str], world: int) -> int:
     """How many of the run's ``world`` ranks share this host: torchrun's LOCAL_WORLD_SIZE (``world`` when
     unset); a value that is not an integer in [1, world] is a ConfigError naming the variable."""
     text = environ.get("LOCAL_WORLD_SIZE", str(world)).strip()
-    if not (text.isdigit() and 1 <= int(text) <= world):
+    value = _integer(text)
+    if value is None or not 1 <= value <= world:
         raise ConfigError(f"environment variable LOCAL_WORLD_SIZE: must be an integer in [1, WORLD_SIZE = {world}] "
                           f"(torchrun sets it), got {text!r}")
-    return int(text)
+    return value
 
 
 def init_distributed(pcfg: ParallelismConfig) -> DistEnv:

@@ -28,20 +28,23 @@ from trnkit.packaged import load_toml, parse_toml
 CONFIG_HISTORY = "config_history"  # a resumed run's earlier config.toml files: until-step-<N>.toml
 # What a run writes directly under its dump folder (the checkpoint folder is added by the caller).
 RUN_FILES = ("metrics.jsonl", "config.toml", CONFIG_HISTORY, "stack.lock", "loss.png", "hf_export")
+RUN_FOLDERS = (CONFIG_HISTORY, "hf_export")  # of RUN_FILES, those that are folders
 PREVIOUS_PREFIX = "previous-"  # an earlier run's files, moved aside by a fresh start: previous-<UTC time>
 
 
 def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str], None]) -> str | None:
-    """Move an earlier run's files out of the way; returns the archive folder (None: nothing to move)."""
+    """Move an earlier run's files out of the way: checkpoints, and any of RUN_FILES (a config.toml or stack.lock
+    alone included: the user's own, or a run's that stopped before its first step; the run would overwrite them).
+    Returns the archive folder (None: nothing to move)."""
     ckpt_dir = os.path.join(dump, checkpoint_folder)
-    if not (os.path.isfile(os.path.join(dump, "metrics.jsonl")) or list_checkpoints(ckpt_dir)):
+    if not (any(os.path.lexists(os.path.join(dump, f)) for f in RUN_FILES) or list_checkpoints(ckpt_dir)):
         return None
     dest = aside_path(os.path.join(dump, PREVIOUS_PREFIX))
     os.makedirs(dest)
     moves = [(os.path.join(dump, f), os.path.join(dest, f)) for f in RUN_FILES]
     moves.append((ckpt_dir, os.path.join(dest, os.path.normpath(checkpoint_folder))))  # inside dump (config)
     for src, dst in moves:
-        if os.path.exists(src):
+        if os.path.lexists(src):  # a link is moved, not followed
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             os.replace(src, dst)
     log(f"fresh start: the earlier run's files in {dump} were moved to {dest} (nothing was deleted)")
@@ -177,6 +180,26 @@ def _describe(holder: dict[str, Any]) -> str:
     return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('start')}"
 
 
+def check_run_files(dump: str) -> None:
+    """What the run writes in its folder (:data:`RUN_FILES` but the HF export, checked by :func:`writable_inside`
+    when it is written) must be what the run wrote there before: a file (a folder for config_history), and not a
+    symbolic link, through which the run would overwrite or append to a file outside its folder. Else a
+    :class:`ConfigError` naming the path, before anything is written."""
+    for name in RUN_FILES:
+        path = os.path.join(dump, name)
+        if name == "hf_export" or not os.path.lexists(path):
+            continue
+        kind = "folder" if name in RUN_FOLDERS else "file"
+        if os.path.islink(path):
+            what = f"a symbolic link (to {os.readlink(path)})"
+        elif not (os.path.isdir(path) if kind == "folder" else os.path.isfile(path)):
+            what = "a folder" if os.path.isdir(path) else f"not a {kind}"
+        else:
+            continue
+        raise ConfigError(f"job.dump_folder: {path} is {what}; the run writes its {name} there, which must be a {kind} "
+                          f"of its own in {dump}: move it away and rerun. Nothing was written")
+
+
 def writable_inside(path: str, dump: str, key: str) -> str:
     """`path`, after checking that writing or deleting there stays inside the run folder `dump`: neither
     `path` nor a folder between `dump` and it is a symbolic link, and it resolves inside `dump`.
@@ -196,4 +219,5 @@ def writable_inside(path: str, dump: str, key: str) -> str:
     return path
 
 
-__all__ = ["LOCK_NAME", "PREVIOUS_PREFIX", "RUN_FILES", "RunLock", "archive_previous_run", "writable_inside"]
+__all__ = ["LOCK_NAME", "PREVIOUS_PREFIX", "RUN_FILES", "RUN_FOLDERS", "RunLock", "archive_previous_run",
+           "check_run_files", "writable_inside"]

@@ -44,7 +44,8 @@ from trnkit.harness.logs import LOGGER, interrupt_message, setup_logging, trnkit
 from trnkit.harness.models import build_spec, has_hf_weights
 from trnkit.harness.plan import check_at_startup, measured_vs_plan
 from trnkit.harness.plugins import import_plugins
-from trnkit.harness.rundir import RunLock, archive_previous_run, keep_changed_config, writable_inside
+from trnkit.harness.rundir import (RunLock, archive_previous_run, check_run_files, keep_changed_config,
+                                   writable_inside)
 from trnkit.harness.validation import Validator
 from trnkit.model_spec import ModelSpec
 from trnkit.qwen3.tp_experts import from_tp_layout, to_tp_layout
@@ -295,7 +296,12 @@ def run(cfg: TrainerConfig) -> RunResult:
         with _sigterm_raises(), trnkit_warnings_logged():
             on_rank0(lock.acquire)  # one run per dump folder, for the run's whole life
             try:
-                result = Trainer(cfg, env).train()
+                try:
+                    trainer = Trainer(cfg, env)
+                except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM while starting: main() says nothing was trained
+                    e.before_training = True  # type: ignore[attr-defined]
+                    raise
+                result = trainer.train()
             finally:
                 lock.release()
         finished = True
@@ -384,9 +390,11 @@ class Trainer:
         _check_compile_backend(cfg)
         if cfg.job.stack:
             envinfo.check_stack(cfg.job.stack)  # a ConfigError naming each difference
+        on_rank0(lambda: check_run_files(dump))  # no link or folder where the run writes its files
         if cfg.checkpoint.export_hf:
             writable_inside(os.path.join(dump, EXPORT_DIR), dump, "checkpoint.export_hf")
         self.spec = spec = build_spec(cfg, lnc=self.lnc)
+        _check_pretrained(cfg, spec)
         identity = run_identity(spec)
         self.memory_plan = check_at_startup(cfg, spec, env.world_size, env.device.type,
                                             parallel.device_name(env.device), cfg.job.memory_check, log,
@@ -462,6 +470,10 @@ class Trainer:
             self.start_step = self._resume(resume_from, reschedule)
         else:  # a fresh start moves an earlier run's files aside, once nothing can refuse this run any more
             on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
+        peak = peak_flops(env.device.type, parallel.device_name(env.device))
+        # before config.toml: a resumed run's metrics.jsonl with a bad line refuses the run, which then changes nothing
+        self.metrics = MetricsLogger(dump, cfg.metrics, t.steps, self.start_step, env.rank, fpt, peak, env.device,
+                                     non_dp_size=env.tp)
         if env.rank == 0:  # written once the checkpoint (if any) has been accepted: a refused run changes nothing
             os.makedirs(dump, exist_ok=True)
             text = to_toml(cfg) + _code_note(report)
@@ -472,9 +484,6 @@ class Trainer:
             with open(os.path.join(dump, "stack.lock"), "w") as f:
                 f.write(envinfo.lock_text(envinfo.current_stack()))
 
-        peak = peak_flops(env.device.type, parallel.device_name(env.device))
-        self.metrics = MetricsLogger(dump, cfg.metrics, t.steps, self.start_step, env.rank, fpt, peak, env.device,
-                                     non_dp_size=env.tp)
         self.result = RunResult(start_step=self.start_step, dump_folder=dump,
                                 override_table=report.table() if report is not None else "")
         self.use_autocast = t.dtype == "bfloat16" and env.dp == 1  # FSDP casts through its MixedPrecisionPolicy
@@ -695,6 +704,23 @@ def _write_loss_plot(history: list[dict[str, Any]], cfg: TrainerConfig, spec: Mo
     log(f"loss curve ({outcome} at step {history[-1]['step']}): {png}")
 
 
+def _check_pretrained(cfg: TrainerConfig, spec: ModelSpec) -> None:
+    """``model.hf_pretrained`` loads the published weights of the model's own folder (``spec.hf_path``: ``hf:``
+    models): refused where the model has none (it would start from random weights) and beside
+    ``checkpoint.initial_load_path``, which names other weights."""
+    if not cfg.model.hf_pretrained:
+        return
+    if not spec.hf_path:
+        raise ConfigError(f"config model.hf_pretrained: true loads the published weights of the model's folder "
+                          f"(an hf: model.spec); model.spec {cfg.model.spec!r} has none, so the run would start from "
+                          "random weights. Set checkpoint.initial_load_path to an HF folder to start from its weights; "
+                          "got true")
+    if cfg.checkpoint.initial_load_path:
+        raise ConfigError(f"config model.hf_pretrained: true loads the weights of {spec.hf_path}, and "
+                          f"checkpoint.initial_load_path {cfg.checkpoint.initial_load_path!r} names other weights: set "
+                          "one of them; got true")
+
+
 def _check_compile_backend(cfg: TrainerConfig) -> None:
     if not cfg.compile.enable:
         return
@@ -743,7 +769,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"interrupted ({name}) before the run started", file=sys.stderr)
         else:
             print(interrupt_message(name, getattr(e, "kept_checkpoint", None), cfg.checkpoint.enable,
-                                    cfg.checkpoint.resume, cfg.job.dump_folder, argv), file=sys.stderr)
+                                    cfg.checkpoint.resume, cfg.job.dump_folder, argv,
+                                    started=not getattr(e, "before_training", False)), file=sys.stderr)
         return 128 + getattr(signal, name)
     return 0
 
