@@ -94,6 +94,26 @@ def test_a_run_holds_the_lock_for_its_whole_life(tmp_path: Path, tiny_tokenizer:
     assert seen == [1, 2] and [r["step"] for r in read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))] == [1, 2]
 
 
+@pytest.mark.parametrize("make", ["link", "folder"])
+def test_a_lock_file_that_is_a_link_or_a_folder_is_refused(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                           capsys: pytest.CaptureFixture[str], make: str) -> None:
+    """The lock was opened through a symbolic link: the run wrote its pid, host and start over the file it named
+    (outside the run folder). A folder there ended in IsADirectoryError's traceback."""
+    dump, target = tmp_path / "run", tmp_path / "precious.txt"
+    dump.mkdir()
+    target.write_text("precious\n")
+    lock = dump / LOCK_NAME
+    if make == "link":
+        lock.symlink_to(target)
+    else:
+        lock.mkdir()
+    cfg = tiny_config(dump, tiny_tokenizer, corpus_dir, training={"steps": 1})
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    what = f"a symbolic link (to {target})" if make == "link" else "a folder"
+    assert_user_error(code, err, f"job.dump_folder: {lock} is {what}; the run keeps its lock file there")
+    assert target.read_text() == "precious\n" and os.listdir(dump) == [LOCK_NAME]
+
+
 def test_dump_folder_that_is_a_file(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                     capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "run").write_text("not a folder")
@@ -315,6 +335,18 @@ def test_pruning_never_deletes_the_new_checkpoint_for_a_later_unusable_one(tmp_p
     run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=2, keep=1, checkpoint={"reschedule": True}))
     assert [s for s, _ in list_checkpoints(str(ckpts))] == [2, 3]  # step-1 pruned, step-3 left as it was
     assert verify_checkpoint(str(ckpts / "step-2")) is None and "is corrupt" in verify_checkpoint(str(ckpts / "step-3"))
+
+
+def test_a_file_named_like_a_saves_scratch_folder_does_not_stop_the_save(tmp_path: Path, trained,
+                                                                          tiny_tokenizer: str,
+                                                                          corpus_dir: Path) -> None:
+    """A save clears its step-N.tmp first: a file of that name ended the run in NotADirectoryError's traceback
+    (shutil.rmtree) at the save, after the step had trained."""
+    run_dir = _copy(trained, tmp_path)
+    (run_dir / "checkpoint" / "step-4.tmp").write_text("x")
+    run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4, checkpoint={"reschedule": True}))
+    assert [s for s, _ in list_checkpoints(str(run_dir / "checkpoint"))] == [1, 2, 3, 4]
+    assert not (run_dir / "checkpoint" / "step-4.tmp").exists()
 
 
 def test_a_resume_trains_with_the_changed_optimizer_settings(tmp_path: Path, trained, tiny_tokenizer: str,

@@ -527,10 +527,10 @@ class Checkpointer:
     def _clear_tmp(self, step: int) -> str:
         tmp = self.tmp_path(step)
         os.makedirs(self.folder, exist_ok=True)
-        if self.rank == 0 and os.path.islink(tmp):
-            os.remove(tmp)  # a link is removed, never followed
-        elif self.rank == 0 and os.path.exists(tmp):
+        if self.rank == 0 and os.path.isdir(tmp) and not os.path.islink(tmp):
             shutil.rmtree(tmp)  # left by a run killed mid-save
+        elif self.rank == 0 and os.path.lexists(tmp):
+            os.remove(tmp)  # a link (removed, never followed) or a file of the save's scratch name
         _barrier()
         return tmp
 

@@ -107,7 +107,7 @@ class RunLock:
         """Take the lock, or raise :class:`ConfigError` naming the run that holds it."""
         self._make_folder()
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -135,6 +135,18 @@ class RunLock:
         os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
         self._fd = fd
+
+    def _open(self) -> int:
+        """The lock file, created if missing; never through a symbolic link (the run writes its pid, host and start
+        into it: through a link they would replace a file outside the run folder)."""
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            self._remove_folder()
+            what = (f"a symbolic link (to {os.readlink(self.path)})" if os.path.islink(self.path) else
+                    "a folder" if os.path.isdir(self.path) else f"not openable ({e.strerror})")
+            raise ConfigError(f"job.dump_folder: {self.path} is {what}; the run keeps its lock file there: move it "
+                              "away and rerun. Nothing was written") from None
 
     def release(self) -> None:
         if self._fd is None:
