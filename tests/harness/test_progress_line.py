@@ -164,3 +164,33 @@ def test_ctrl_c_while_a_checkpoint_loads_says_nothing_was_trained(tmp_path: Path
     assert capsys.readouterr().err == (
         "interrupted (SIGINT) while the run was starting, before its first step: nothing was trained; rerun with:\n"
         f"  python -m trnkit.harness.train --config {toml} --training.steps 3 --checkpoint.reschedule true\n")
+
+
+@pytest.mark.parametrize("where", ["async-save-in-flight", "hf-export"])
+def test_ctrl_c_names_the_checkpoint_committed_on_the_way_out_or_before_the_export(
+        tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], where: str) -> None:
+    """The message named the checkpoint known when the step loop caught the interrupt: Ctrl-C at step 4 with the
+    step-3 background save in flight (committed on the way out) and Ctrl-C during the HF export after the last
+    step both said 'no checkpoint was written yet, so a rerun starts from step 1' beside step-3."""
+    from trnkit.harness import train as train_mod
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "hf-export":
+        monkeypatch.setattr(train_mod, "_write_export", ctrl_c)
+        steps, extra = 3, {"export_hf": True}
+    else:
+        log = MetricsLogger.log
+
+        def ctrl_c_at_step_4(self: MetricsLogger, step: int, *args, **kwargs):
+            return ctrl_c() if step == 4 else log(self, step, *args, **kwargs)
+
+        monkeypatch.setattr(MetricsLogger, "log", ctrl_c_at_step_4)
+        steps, extra = 6, {"async_mode": "async"}
+    cfg = tiny_config(tmp_path, tiny_tokenizer, corpus_dir, training={"steps": steps},
+                      checkpoint={"enable": True, "interval": 3, "keep_latest_k": 0, **extra})
+    assert main(["--config", str(write_config(cfg, tmp_path / "c.toml"))]) == 130
+    err = capsys.readouterr().err
+    assert f"kept checkpoint {tmp_path / 'checkpoint' / 'step-3'} (step 3); resume with:" in err, err

@@ -296,12 +296,7 @@ def run(cfg: TrainerConfig) -> RunResult:
         with _sigterm_raises(), trnkit_warnings_logged():
             on_rank0(lock.acquire)  # one run per dump folder, for the run's whole life
             try:
-                try:
-                    trainer = Trainer(cfg, env)
-                except KeyboardInterrupt as e:  # Ctrl-C / SIGTERM while starting: main() says nothing was trained
-                    e.before_training = True  # type: ignore[attr-defined]
-                    raise
-                result = trainer.train()
+                result = _train(cfg, env)
             finally:
                 lock.release()
         finished = True
@@ -309,6 +304,22 @@ def run(cfg: TrainerConfig) -> RunResult:
     finally:
         torch.use_deterministic_algorithms(prev_det)
         parallel.destroy(sync=finished)
+
+
+def _train(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
+    """Build the :class:`Trainer` and train. A Ctrl-C / SIGTERM carries where it stopped the run, for main()'s
+    message: while starting (``before_training``: nothing trained), or later (``kept_checkpoint``: the newest
+    committed checkpoint, a background save committed on the way out included; the HF export too)."""
+    try:
+        trainer = Trainer(cfg, env)
+    except KeyboardInterrupt as e:
+        e.before_training = True  # type: ignore[attr-defined]
+        raise
+    try:
+        return trainer.train()
+    except KeyboardInterrupt as e:
+        e.kept_checkpoint = trainer.last_good  # type: ignore[attr-defined]
+        raise
 
 
 class Terminated(KeyboardInterrupt):
@@ -598,11 +609,10 @@ class Trainer:
             raise
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (see _sigterm_raises)
             outcome = f"interrupted ({getattr(e, 'signal_name', 'SIGINT')})"
-            e.kept_checkpoint = self.last_good  # type: ignore[attr-defined] - main() names it and the resume command
             raise
         finally:
             if self.ckpt.in_flight is not None:
-                _settle_background_save(self.ckpt, self.env.world_size, log)
+                self.last_good = _settle_background_save(self.ckpt, self.env.world_size, log) or self.last_good
             metrics.close()
             if self.env.rank == 0 and cfg.metrics.plot:
                 _write_loss_plot(metrics.history, cfg, self.spec, outcome, log)
@@ -671,21 +681,22 @@ def _checkpoint(ckpt: Checkpointer, step: int, cfg: TrainerConfig) -> tuple[int,
     return ckpt.save_async(step) if due else ckpt.poll()
 
 
-def _settle_background_save(ckpt: Checkpointer, world_size: int, log: _Log) -> None:
+def _settle_background_save(ckpt: Checkpointer, world_size: int, log: _Log) -> tuple[int, str] | None:
     """The step loop stopped (an error, Ctrl-C, SIGTERM) with a background save in flight. One process
     waits for the write and commits it; several cannot (the commit is collective and a peer may be
     gone): the partial step-N.tmp stays, resume uses the previous checkpoint and a later save of that
-    step replaces it."""
+    step replaces it. Returns the committed (step, path), if any."""
     step = ckpt.in_flight
     if world_size > 1:
         log(f"checkpoint step-{step} was still being written in the background: not committed "
             f"(step-{step}.tmp is ignored by resume)")
-        return
+        return None
     log(f"waiting for the background save of checkpoint step-{step}")
     try:
-        ckpt.wait()
+        return ckpt.wait()
     except CheckpointSaveError as e:  # never hide why the run stopped behind the save's error
         LOGGER.warning(str(e))
+        return None
 
 
 def _write_loss_plot(history: list[dict[str, Any]], cfg: TrainerConfig, spec: ModelSpec, outcome: str,
