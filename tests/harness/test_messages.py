@@ -191,3 +191,22 @@ def test_missing_validation_dataset_names_its_own_key(tmp_path: Path, tiny_token
     _refused(tmp_path, tiny_tokenizer, corpus_dir, capsys, [],
              f"validation.dataset: no .txt/.md/.jsonl/.parquet files found for {str(missing)!r}",
              validation={"enabled": True, "dataset": str(missing)})
+
+
+@pytest.mark.parametrize("key", ["data.dataset", "validation.dataset"])
+def test_a_dataset_holding_the_run_folder_is_refused(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                     capsys: pytest.CaptureFixture[str], key: str) -> None:
+    """A dataset folder holding job.dump_folder (e.g. dataset '.' and the default dump folder 'outputs/trnkit'):
+    the first run trained, its metrics.jsonl then became part of the corpus, and the resume was refused naming
+    data.text_field ('metrics.jsonl:1 has no field 'text''). Now the first run is refused, naming both keys."""
+    import shutil
+
+    data = Path(shutil.copytree(corpus_dir, tmp_path / "data"))
+    dump = data / "run"
+    sections = ({"data": {"dataset": str(data)}} if key == "data.dataset" else
+                {"validation": {"enabled": True, "dataset": str(data)}})
+    cfg = tiny_config(dump, tiny_tokenizer, corpus_dir, **sections)
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"{key}: {str(data)!r} holds the run folder (job.dump_folder {str(dump)!r}): the "
+                                 "files the run writes there (metrics.jsonl, ...) would become its data")
+    assert not dump.exists()

@@ -67,8 +67,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
 DATA_EXTENSIONS = (".txt", ".md", ".jsonl", ".parquet")
 
 
-def _files(dataset: str, key: str = "data.dataset") -> list[str]:
-    """The data files of a dataset setting (`key` names it in errors), each checked to be a readable file."""
+def _files(dataset: str, key: str = "data.dataset", run_folder: str = "") -> list[str]:
+    """The data files of a dataset setting (`key` names it in errors), each checked to be a readable file, none of
+    them inside ``run_folder`` (the run's job.dump_folder; "": not checked)."""
     if dataset == "shakespeare":
         return shakespeare_files()
     if os.path.isdir(dataset):
@@ -77,6 +78,12 @@ def _files(dataset: str, key: str = "data.dataset") -> list[str]:
         files = sorted(glob.glob(dataset, recursive=True))
     else:
         files = [dataset] if os.path.lexists(dataset) else []
+    if run_folder and (os.path.isdir(dataset) and _inside(run_folder, dataset)
+                       or any(_inside(f, run_folder) for f in files)):
+        # checked on the folder too: a first run finds no file of its own there yet, and its resume would
+        raise ConfigError(f"{key}: {dataset!r} holds the run folder (job.dump_folder {run_folder!r}): the files the "
+                          "run writes there (metrics.jsonl, ...) would become its data, and the next run's data would "
+                          f"differ from this one's; point {key} or job.dump_folder elsewhere")
     if not files:
         raise ConfigError(f"{key}: no .txt/.md/.jsonl/.parquet files found for {dataset!r}")
     first: dict[str, str] = {}
@@ -92,6 +99,12 @@ def _files(dataset: str, key: str = "data.dataset") -> list[str]:
             raise ConfigError(f"{key}: {path} is the file {real} again (through a symbolic link); every file would "
                               "be read more than once: remove the link or narrow the pattern")
     return files
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or inside it, links resolved."""
+    root = os.path.realpath(folder)
+    return os.path.commonpath([os.path.realpath(path), root]) == root
 
 
 def _walk(folder: str, key: str) -> list[str]:
@@ -161,11 +174,12 @@ def _read_jsonl(path: str, text_field: str, key: str = "data.dataset") -> Iterat
 
 
 def read_documents(dataset: str, text_field: str = "text", max_documents: int = 0,
-                   key: str = "data.dataset") -> list[str]:
+                   key: str = "data.dataset", run_folder: str = "") -> list[str]:
     """Documents in a deterministic order: one per .txt/.md file, one per jsonl line / parquet row.
-    `key`: the setting that named `dataset` (``data.dataset`` or ``validation.dataset``), for errors."""
+    `key`: the setting that named `dataset` (``data.dataset`` or ``validation.dataset``), for errors;
+    `run_folder`: the run's job.dump_folder, which the dataset must not hold ("": not checked)."""
     docs: list[str] = []
-    for path in _files(dataset, key):
+    for path in _files(dataset, key, run_folder):
         ext = os.path.splitext(path)[1].lower()
         if ext in (".txt", ".md"):
             with open(path, "rb") as f:
@@ -324,7 +338,7 @@ def split_holdout(stream: np.ndarray, fraction: float) -> tuple[np.ndarray, np.n
 
 
 def build_loaders(data_cfg: Any, val_cfg: Any, seq_len: int, local_batch_size: int, dp_rank: int,
-                  dp_degree: int, seed: int = 0, tokenizer: Tokenizer | None = None
+                  dp_degree: int, seed: int = 0, tokenizer: Tokenizer | None = None, run_folder: str = ""
                   ) -> tuple[PackedLoader, PackedLoader | None, Tokenizer]:
     """(training loader, validation loader or None, tokenizer) for ``[data]`` and ``[validation]``.
 
@@ -333,13 +347,14 @@ def build_loaders(data_cfg: Any, val_cfg: Any, seq_len: int, local_batch_size: i
     shuffle); the trainer rewinds it before each evaluation, so every evaluation sees the same batches.
     """
     tokenizer = tokenizer or load_tokenizer(data_cfg.tokenizer)
-    docs = read_documents(data_cfg.dataset, data_cfg.text_field, data_cfg.max_documents)
+    docs = read_documents(data_cfg.dataset, data_cfg.text_field, data_cfg.max_documents, run_folder=run_folder)
     stream = tokenize_stream(docs, tokenizer, data_cfg.add_eos)
     global_batch = local_batch_size * dp_degree
     val_stream = None
     if val_cfg is not None and val_cfg.enabled:
         if val_cfg.dataset:
-            docs = read_documents(val_cfg.dataset, data_cfg.text_field, key="validation.dataset")
+            docs = read_documents(val_cfg.dataset, data_cfg.text_field, key="validation.dataset",
+                                  run_folder=run_folder)
             val_stream = tokenize_stream(docs, tokenizer, data_cfg.add_eos)
             source = f"validation.dataset {val_cfg.dataset!r} ({len(val_stream):,} tokens)"
             fix = "use more validation data"

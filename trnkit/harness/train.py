@@ -416,7 +416,7 @@ class Trainer:
             resume_from = on_rank0(lambda: find_resumable(ckpt_dir, identity, warn=log,
                                                           trust_unverified=cfg.checkpoint.trust_unverified))
         self.loader, val_loader, tok = build_loaders(cfg.data, cfg.validation, t.seq_len, t.local_batch_size,
-                                                     env.dp_rank, env.dp, cfg.job.seed)
+                                                     env.dp_rank, env.dp, cfg.job.seed, run_folder=dump)
         if tok.vocab_size > spec.vocab_size:
             raise ConfigError(f"data.tokenizer: tokenizer has {tok.vocab_size} tokens but model {spec.name} has "
                               f"vocab_size {spec.vocab_size}")
