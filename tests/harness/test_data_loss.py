@@ -369,6 +369,23 @@ def test_a_resume_trains_with_the_changed_optimizer_settings(tmp_path: Path, tra
     assert used == [{(0.5, (0.9, 0.99), 1e-6)}]  # step 3, resumed from step-2 (0.1, (0.9, 0.95), 1e-8)
 
 
+def test_a_resume_does_not_read_the_initial_weights_again(tmp_path: Path, tiny_tokenizer: str,
+                                                          corpus_dir: Path) -> None:
+    """A run started from checkpoint.initial_load_path read those weights again at every resume, only for the
+    checkpoint to replace them, and was refused once the folder had moved ('no *.safetensors in ...'). Now the
+    resume skips them (saying so) and trains as the uninterrupted run did."""
+    hf = tmp_path / "hf"
+    run(tiny_config(tmp_path / "export", tiny_tokenizer, corpus_dir, training={"steps": 1},
+                    checkpoint={"export_hf": True, "export_dtype": "float32"}))
+    shutil.move(tmp_path / "export" / "hf_export", hf)
+    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, checkpoint={"initial_load_path": str(hf)})
+    uninterrupted = run(cfg)
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-3")
+    shutil.move(hf, tmp_path / "moved")
+    resumed = run(cfg)
+    assert resumed.start_step == 2 and resumed.losses[3] == uninterrupted.losses[3]
+
+
 # ------------------------------------------------------------------ a changed LR schedule is explicit
 def test_resume_with_more_steps_is_refused_without_reschedule(tmp_path: Path, trained, tiny_tokenizer: str,
                                                               corpus_dir: Path,

@@ -147,7 +147,8 @@ class CheckpointConfig:
     interval: int = 10            # save every N steps (and at the last step)
     keep_latest_k: int = 2        # 0 = keep all
     resume: bool = True           # resume from the latest checkpoint in folder if there is one
-    # HF safetensors folder to initialise the weights from (through the qwen3 adapter for qwen3: specs).
+    # HF safetensors folder to initialise the weights from (through the qwen3 adapter for qwen3: specs); read by a
+    # fresh start only (a resume takes every weight from its checkpoint).
     initial_load_path: str = ""
     # Write the final weights as an HF safetensors folder (<dump_folder>/hf_export) at the end.
     export_hf: bool = False

@@ -157,9 +157,11 @@ def _check_every_op_found(ocfg: Any, found: set[str], spec: str) -> None:
 
 
 def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log: _Log,
-                 lnc: int = 0) -> tuple[Any, str, bool, str]:
+                 lnc: int = 0, resuming: bool = False) -> tuple[Any, str, bool, str]:
     """Build, parallelize, materialise, initialise or load, swap kernels (at ``lnc`` cores per launch, the
     run's resolved LNC). Returns (model, override report (None: none applied), loaded, what TP sharded).
+    ``resuming``: a checkpoint will replace the weights, so initial weights (checkpoint.initial_load_path,
+    model.hf_pretrained) are not read.
 
     meta build -> TP -> [FSDP2 when each rank initialises only its shards] -> to_empty -> init or load
     -> kernel overrides -> [FSDP2 otherwise]. The overrides come after the weights so their
@@ -186,6 +188,9 @@ def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log
     spec.reset_buffers(model, env.device)
 
     load_path = cfg.checkpoint.initial_load_path or (spec.hf_path if cfg.model.hf_pretrained else "")
+    if load_path and resuming:  # the checkpoint replaces every weight: the initial ones are not needed (may be gone)
+        log(f"initial weights {load_path} not read: this run resumes from a checkpoint, which holds its weights")
+        load_path = ""
     loaded = bool(load_path)
     if load_path:
         if not has_hf_weights(load_path):
@@ -446,7 +451,8 @@ class Trainer:
                 f"{t.local_batch_size * env.dp} x {t.seq_len} tokens from {source} ({len(val_loader.stream):,} "
                 "tokens, not trained on)")
 
-        model, report, self.loaded, tp_desc = _build_model(spec, cfg, env, log, self.lnc)
+        model, report, self.loaded, tp_desc = _build_model(spec, cfg, env, log, self.lnc,
+                                                           resuming=resume_from is not None)
         self.model = model
         if env.world_size > 1:
             n_dt = sum(hasattr(p, "placements") for p in model.parameters())
