@@ -81,6 +81,8 @@ def test_interrupt_message_names_the_checkpoint_and_the_resume_command():
     assert "no checkpoint was written yet, so a rerun starts from step 1" in \
         interrupt_message("SIGINT", None, True, True, "o", [])
     assert "checkpoints are off (checkpoint.enable = false)" in interrupt_message("SIGINT", None, False, True, "o", [])
+    assert interrupt_message("SIGINT", None, True, True, "o", [], outputs=()).startswith(
+        "interrupted (SIGINT); no checkpoint was written yet")  # metrics.jsonl and metrics.plot off: no file claimed
 
 
 def test_ctrl_c_prints_a_resume_command_that_resumes(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
@@ -104,7 +106,8 @@ def test_ctrl_c_prints_a_resume_command_that_resumes(tmp_path: Path, tiny_tokeni
     assert main(["--config", str(toml)]) == 130
     err = capsys.readouterr().err.splitlines()
     kept = next(i for i, line in enumerate(err) if "kept checkpoint" in line)
-    assert err[kept] == (f"interrupted (SIGINT); metrics.jsonl and loss.png are kept in {tmp_path}; kept checkpoint "
+    # metrics.plot is off in the tests' config: only metrics.jsonl is kept (the message claimed loss.png too)
+    assert err[kept] == (f"interrupted (SIGINT); metrics.jsonl is kept in {tmp_path}; kept checkpoint "
                          f"{tmp_path / 'checkpoint' / 'step-4'} (step 4); resume with:")
     command = err[kept + 1].strip()
     assert command == f"python -m trnkit.harness.train --config {toml}"

@@ -134,14 +134,18 @@ class ProgressLine:
 
 
 def interrupt_message(signal_name: str, kept: tuple[int, str] | None, checkpoint_enabled: bool, resume: bool,
-                      dump_folder: str, argv: list[str], started: bool = True) -> str:
+                      dump_folder: str, argv: list[str], started: bool = True,
+                      outputs: tuple[str, ...] = ("metrics.jsonl", "loss.png")) -> str:
     """What the trainer prints when Ctrl-C (or SIGTERM) stops it: what was kept and the command that resumes.
-    ``started``: false when it stopped the run while starting (checks, data, model, loading a checkpoint)."""
+    ``started``: false when it stopped the run while starting (checks, data, model, loading a checkpoint).
+    ``outputs``: the files the run keeps in ``dump_folder`` (those metrics.jsonl / metrics.plot turn on)."""
     command = "python -m trnkit.harness.train " + shlex.join(argv)  # under torchrun: the same torchrun command
     if not started:  # the run folder's checkpoints are as they were: the same command resumes from them
         return (f"interrupted ({signal_name}) while the run was starting, before its first step: nothing was "
                 f"trained; rerun with:\n  {command}")
-    head = f"interrupted ({signal_name}); metrics.jsonl and loss.png are kept in {dump_folder}"
+    head = f"interrupted ({signal_name})"
+    if outputs:
+        head += f"; {' and '.join(outputs)} {'is' if len(outputs) == 1 else 'are'} kept in {dump_folder}"
     if kept is not None:
         step, path = kept
         flag = "" if resume else " --checkpoint.resume true"

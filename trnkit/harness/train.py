@@ -785,9 +785,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg is None:
             print(f"interrupted ({name}) before the run started", file=sys.stderr)
         else:
+            outputs = tuple(f for f, on in (("metrics.jsonl", cfg.metrics.jsonl), ("loss.png", cfg.metrics.plot)) if on)
             print(interrupt_message(name, getattr(e, "kept_checkpoint", None), cfg.checkpoint.enable,
                                     cfg.checkpoint.resume, cfg.job.dump_folder, argv,
-                                    started=not getattr(e, "before_training", False)), file=sys.stderr)
+                                    started=not getattr(e, "before_training", False), outputs=outputs),
+                  file=sys.stderr)
         return 128 + getattr(signal, name)
     return 0
 
