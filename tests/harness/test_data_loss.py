@@ -162,6 +162,38 @@ def test_a_fresh_run_moves_a_config_toml_it_did_not_write_aside(tmp_path: Path, 
     assert "[training]" in (dump / "config.toml").read_text()
 
 
+def _another_filesystem(tmp_path: Path) -> Path:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's tmp_path")
+    other = shm / f"trnkit-test-{os.getpid()}-{tmp_path.name}"
+    other.mkdir()
+    return other
+
+
+def test_a_fresh_start_over_checkpoints_on_another_filesystem_moves_nothing(tmp_path: Path, tiny_tokenizer: str,
+                                                                            corpus_dir: Path,
+                                                                            capsys: pytest.CaptureFixture[str]):
+    """checkpoint.folder 'disk/ckpt' with 'disk' a link to a bigger disk: a fresh start (--checkpoint.resume false)
+    moved metrics.jsonl and config.toml into previous-<time>/, then os.replace of the checkpoints raised EXDEV
+    (a traceback), leaving the run split. Now refused before anything is moved."""
+    other = _another_filesystem(tmp_path)
+    try:
+        dump = tmp_path / "run"
+        dump.mkdir()
+        (dump / "disk").symlink_to(other)
+        cfg = ckpt_config(dump, tiny_tokenizer, corpus_dir, steps=2, checkpoint={"folder": "disk/ckpt"})
+        run(cfg)
+        before = _snapshot(dump)
+        toml = write_config(cfg, tmp_path / "c.toml")
+        code, _, err = main_result(["--config", str(toml), "--checkpoint.resume", "false"], capsys)
+        assert_user_error(code, err, f"checkpoint.folder: {dump / 'disk' / 'ckpt'} is on another filesystem than "
+                                     f"job.dump_folder {dump} (through a symbolic link)", "Nothing was moved")
+        assert _snapshot(dump) == before and not list(dump.glob("previous-*"))
+    finally:
+        shutil.rmtree(other)
+
+
 @pytest.mark.parametrize("name, make", [("stack.lock", "link"), ("metrics.jsonl", "link"), ("config.toml", "folder"),
                                         ("config_history", "file")])
 def test_a_run_file_that_is_a_link_or_of_another_kind_is_refused(tmp_path: Path, trained, tiny_tokenizer: str,

@@ -39,10 +39,19 @@ def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str],
     ckpt_dir = os.path.join(dump, checkpoint_folder)
     if not (any(os.path.lexists(os.path.join(dump, f)) for f in RUN_FILES) or list_checkpoints(ckpt_dir)):
         return None
+    # an empty checkpoint folder (e.g. made by the run's own write check) holds nothing to keep: it stays
+    keep_ckpts = os.path.lexists(ckpt_dir) and not (os.path.isdir(ckpt_dir) and not os.listdir(ckpt_dir))
+    if keep_ckpts and os.lstat(ckpt_dir).st_dev != os.stat(dump).st_dev:
+        # reached through a link to another filesystem (a bigger disk): a rename cannot move it into the run folder
+        raise ConfigError(f"checkpoint.folder: {ckpt_dir} is on another filesystem than job.dump_folder {dump} "
+                          f"(through a symbolic link), so a fresh start cannot move the earlier run's checkpoints "
+                          f"into {dump}/{PREVIOUS_PREFIX}<time>/ without copying them. Nothing was moved: move or "
+                          "delete them yourself, or resume them (--checkpoint.resume true)")
     dest = aside_path(os.path.join(dump, PREVIOUS_PREFIX))
     os.makedirs(dest)
     moves = [(os.path.join(dump, f), os.path.join(dest, f)) for f in RUN_FILES]
-    moves.append((ckpt_dir, os.path.join(dest, os.path.normpath(checkpoint_folder))))  # inside dump (config)
+    if keep_ckpts:
+        moves.append((ckpt_dir, os.path.join(dest, os.path.normpath(checkpoint_folder))))  # inside dump (config)
     for src, dst in moves:
         if os.path.lexists(src):  # a link is moved, not followed
             os.makedirs(os.path.dirname(dst), exist_ok=True)
