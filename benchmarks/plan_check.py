@@ -9,7 +9,8 @@ training steps (tensor bytes by category, peak of the second step). torchtitan r
 ``FakeTensorMode`` to allocate nothing; trnkit's model has data-dependent shapes (``nonzero`` in the
 chunked loss, expert counts in the MoE routing), which fake tensors reject, so here it tracks real tensors.
 
-    python benchmarks/plan_check.py            # writes benchmarks/data/plan_check.csv and prints the table
+    python benchmarks/plan_check.py                    # prints the table, writes outputs/bench/plan_check.csv
+    python benchmarks/plan_check.py --save-reference   # the tracked benchmarks/data/plan_check.csv
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "benchmarks" / "data"
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: use its trnkit
+
+from trnkit.bench.paths import add_output_args, output_dir  # noqa: E402
+
 GiB = 2**30
 
 # (case, config, overrides): the debug sizes of the shipped configs and Qwen3-0.6B's widths (dim 1024,
@@ -128,10 +132,13 @@ def check(case: str, config: str, overrides: list[str], dump: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DATA / "plan_check.csv")
     parser.add_argument("--cases", default="", help="comma-separated case numbers (default: all)")
+    add_output_args(parser, "plan_check.csv")
     args = parser.parse_args(argv)
     import tempfile
+
+    args.out = output_dir(args, ROOT) / "plan_check.csv"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     picked = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
     # with --cases, the other cases keep their rows from the existing file

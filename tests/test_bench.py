@@ -278,6 +278,25 @@ def test_output_dir_anchors_scripts_at_their_repo_root(tmp_path):
     assert output_dir(p.parse_args([]), scratch_sub="quick") == Path("outputs/bench/quick")
 
 
+def test_plan_check_writes_outputs_bench_unless_save_reference(tmp_path, monkeypatch):
+    """benchmarks/plan_check.py follows the rule above: its tracked CSV (which tests/harness/test_plan.py
+    checks) is rewritten only with --save-reference."""
+    from trnkit.bench.paths import load_script
+
+    script = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "plan_check.py", "plan_check_out")
+    row = {"case": "c", "plan_gib": 1.0, "measured_gib": 1.0, "plan_error": 0.0, "torchtitan_gib": 1.0,
+           "torchtitan_error": 0.0, "peak_phase": "forward"}
+    monkeypatch.setattr(script, "ROOT", tmp_path)
+    monkeypatch.setattr(script, "CASES", [("c", "debug_moe", [])])
+    monkeypatch.setattr(script, "check", lambda *a: dict(row))
+    assert script.main([]) == 0
+    assert (tmp_path / "outputs" / "bench" / "plan_check.csv").exists()
+    assert not (tmp_path / "benchmarks").exists()
+    assert script.main(["--save-reference"]) == 0
+    rows = list(csv.DictReader((tmp_path / "benchmarks" / "data" / "plan_check.csv").open()))
+    assert [r["case"] for r in rows] == ["c"]
+
+
 def test_merge_newest_replaces_only_rows_of_the_same_shape_metric_and_config(tmp_path):
     from trnkit.bench.schema import merge_newest
 

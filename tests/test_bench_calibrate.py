@@ -52,13 +52,19 @@ def test_calibrate_recovers_the_parameters_behind_synthetic_measurements(tmp_pat
     assert "NOT TESTED ON HARDWARE" in text
 
 
-def test_calibrate_rejects_a_csv_without_measurements_and_the_real_nki(tmp_path, monkeypatch):
+def test_calibrate_rejects_a_csv_without_measurements_and_the_real_nki(tmp_path, monkeypatch, capsys):
     est = Row(kernel="matmul_tiled", impl="nki", mode="forward", metric="est_time", unit="us", x_name="M=N=K",
               x_value=512, p50=1.0, p20=1.0, p80=1.0, extra="{}", device="trn2 (cost model)", timestamp="t",
               trnkit_version="0")
     path = write_rows(tmp_path / "est.csv", [est], append=False)
     with pytest.raises(ValueError, match="no measured kernel rows"):
         calibrate.measured_points(path)
+    # the CLI says so in one line (exit 2, no traceback), as it does for a file that is not there
+    for csv_arg, message in ((path, "no measured kernel rows"), (tmp_path / "none.csv", "No such file")):
+        with pytest.raises(SystemExit) as e:
+            calibrate.main([str(csv_arg), "--out", str(tmp_path / "fit.json")])
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
     import trnkit.nki_api
 
     monkeypatch.setattr(trnkit.nki_api, "REAL_NKI", True)

@@ -107,7 +107,7 @@ def test_plan_is_within_15_percent_of_the_measured_cpu_peak():
         config, overrides = by_case[r["case"]]
         cfg = load_config(resolve_config(config), [*check.COMMON, *overrides])
         assert plan(cfg, 1, "cpu").total / GiB == pytest.approx(float(r["plan_gib"]), abs=1e-4), \
-            f"{r['case']}: rerun python benchmarks/plan_check.py"
+            f"{r['case']}: rerun python benchmarks/plan_check.py --save-reference"
 
 
 def test_cli_layouts_of_a_trn2_48xlarge():

@@ -104,7 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chip", default="trn2", choices=("trn2", "trn1"))
     ap.add_argument("--out", type=Path, default=Path("fitted_params.json"))
     args = ap.parse_args(argv)
-    labelled, unmatched = measured_points(args.measured)
+    try:
+        labelled, unmatched = measured_points(args.measured)
+    except (OSError, ValueError, RuntimeError) as e:  # no such file, no measured rows, the real nki
+        ap.error(str(e))
     for u in unmatched:
         print(f"no benchmark case matches {u}: skipped")
     points = [(instrs, ns) for _, instrs, ns in labelled]
