@@ -338,7 +338,9 @@ class _Taps:
     def rows(self, rows: slice, b: int, s: int) -> "_Taps":
         """The share of batch rows ``rows`` (of ``b``, ``s`` tokens each) of the fed tiles, with empty dicts to
         fill (:meth:`merge` joins them)."""
-        cut = lambda a, lead: np.asarray(a, np.float32).reshape(*lead, b, -1)[(slice(None),) * len(lead) + (rows,)]  # noqa: E731
+        def cut(a: Any, lead: tuple[int, ...]) -> np.ndarray:  # ``a`` as [*lead, b, rest], its batch rows ``rows``
+            return np.asarray(a, np.float32).reshape(*lead, b, -1)[(slice(None),) * len(lead) + (rows,)]
+
         part = _Taps(capture=None if self.capture is None else {},
                      attention_exact=None if self.attention_exact is None else {})
         if self.qkv_out is not None:
