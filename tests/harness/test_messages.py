@@ -210,3 +210,15 @@ def test_a_dataset_holding_the_run_folder_is_refused(tmp_path: Path, tiny_tokeni
     assert_user_error(code, err, f"{key}: {str(data)!r} holds the run folder (job.dump_folder {str(dump)!r}): the "
                                  "files the run writes there (metrics.jsonl, ...) would become its data")
     assert not dump.exists()
+
+
+def test_ops_under_policy_off_are_named_as_unused(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``overrides.policy`` defaults to "off": a run that names ops without a policy trains on the torch code and
+    says that those ops were not swapped."""
+    cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, overrides={"ops": ["rope_hf"]},
+                      training={"steps": 1})
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert code == 0, err
+    assert ("overrides: policy 'off' swaps nothing; overrides.ops ['rope_hf'] unused (overrides.policy = 'strict' "
+            "or 'fallback' swaps them)") in out + err

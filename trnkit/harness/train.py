@@ -122,6 +122,9 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, lnc:
     # (its parameters are DTensors) and its report, logged below, says so.
     ocfg = override_config(cfg, lnc)
     if ocfg is None:
+        if cfg.overrides.ops:  # (policy "off", the default: a run that names ops without a policy swaps nothing)
+            log(f"overrides: policy 'off' swaps nothing; overrides.ops {list(cfg.overrides.ops)} unused "
+                "(overrides.policy = 'strict' or 'fallback' swaps them)")
         return None
     from trnkit.overrides import apply_overrides
 
