@@ -83,7 +83,9 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
     tomllib = _tomllib()
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f)
+            data = f.read()
+        # a UTF-8 byte-order mark, as some editors save (tomllib refuses it: "Invalid statement (at line 1, column 1)")
+        return tomllib.loads(data.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config: file not found: {path}") from None
     except IsADirectoryError:

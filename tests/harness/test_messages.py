@@ -222,3 +222,16 @@ def test_ops_under_policy_off_are_named_as_unused(tmp_path: Path, tiny_tokenizer
     assert code == 0, err
     assert ("overrides: policy 'off' swaps nothing; overrides.ops ['rope_hf'] unused (overrides.policy = 'strict' "
             "or 'fallback' swaps them)") in out + err
+
+
+def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    """Some editors save UTF-8 with a byte-order mark, which tomllib refuses at line 1, column 1: it is read as
+    the same config."""
+    from trnkit.packaged import load_toml
+
+    text = '[job]\nname = "caf\u00e9"\n\n[training]\nsteps = 3\n'
+    plain, marked = tmp_path / "plain.toml", tmp_path / "marked.toml"
+    plain.write_text(text, encoding="utf-8")
+    marked.write_text(text, encoding="utf-8-sig")
+    assert marked.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_toml(marked) == load_toml(plain) == {"job": {"name": "caf\u00e9"}, "training": {"steps": 3}}
