@@ -8,7 +8,7 @@ test dtype (torch's own result) and in float64 (tests/tolerances.py)."""
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 import pytest
 import torch
@@ -50,19 +50,49 @@ def _torch_ce(h, w, labels, dt, reduction):
     return loss.detach(), grads
 
 
+def _lse_allowances(h, w, labels, lse, reduction, oracle_loss, oracle_grads) -> tuple[float, float, float]:
+    """Derived bounds of the errors the design adds beyond torch's (docs/kernels.md, "Numerics"), as relative
+    Frobenius norms over the oracle's loss, grad_hidden and grad_weight. The loss (``lse - z_y``) and each
+    probability (``exp(z - lse)``, formed on its own: they need not sum to one as torch's normalised softmax does)
+    come from the kernel's fp32 ``lse`` and logits, so a token's terms carry its ``lse`` error ``d_i`` (measured
+    against the fp64 one) and each logit's, ``dz_ij <= u |z_ij| + gamma_H sum_k |h_ik w_jk|`` (an fp32 dot product of
+    H terms in any order; u = 2^-24, gamma_H = H u / (1 - H u)): the loss ``s sum_i (d_i + dz_iy)``, every
+    probability relatively ``e_ij = d_i + dz_ij + 2u`` (and its exp), so grad_hidden ``s sum_j p_ij e_ij |w_jk|``
+    and grad_weight ``s sum_i p_ij e_ij |h_ik|`` (``s``: 1 / tokens counted under ``mean``, 1 under ``sum``;
+    ignored tokens none). Where torch's error sits far below these (one near-certain token: ``p_y - 1`` cancels
+    to a few ulps of the other probabilities) the kernel may sit above it, within them."""
+    h64, w64 = h.to(F64), w.to(F64)
+    z = h64 @ w64.T
+    u = 2.0 ** -24
+    gamma = h.shape[1] * u / (1 - h.shape[1] * u)
+    dz = u * z.abs() + gamma * (h64.abs() @ w64.abs().T)
+    d = (lse.to(F64) - torch.logsumexp(z, -1)).abs()
+    valid = (labels != IGNORE).to(F64)
+    counted = valid / max(float(valid.sum()), 1.0) if reduction == "mean" else valid
+    weights = torch.softmax(z, -1) * (d[:, None] + dz + 2 * u) * counted[:, None]
+    loss_bound = ((d + dz.gather(1, labels.clamp(min=0)[:, None])[:, 0]) * counted).sum()
+
+    def rel(bound: torch.Tensor, oracle: torch.Tensor) -> float:
+        return float(torch.linalg.norm(bound)) / max(float(torch.linalg.norm(oracle)), 1e-300)
+
+    return (rel(loss_bound.reshape(1), oracle_loss.reshape(1)), rel(weights @ w64.abs(), oracle_grads[0]),
+            rel(weights.T @ h64.abs(), oracle_grads[1]))
+
+
 def ce_case(T: int, H: int, V: int, dtype: torch.dtype, reduction: str = "mean", lnc: int = 1, seed: int = 0,
             n_ignored: int = 1) -> None:
     h, w, labels = _inputs(T, H, V, dtype, seed, n_ignored)
     loss, lse = linear_cross_entropy(h, w, labels, IGNORE, reduction, lnc=lnc)
     base_loss, base_g = _torch_ce(h, w, labels, dtype, reduction)
     orc_loss, orc_g = _torch_ce(h, w, labels, F64, reduction)
-    check_oracle("lce loss", loss.reshape(1), base_loss.reshape(1), orc_loss.reshape(1))
+    extra = _lse_allowances(h, w, labels, lse, reduction, orc_loss, orc_g)
+    check_oracle("lce loss", loss.reshape(1), base_loss.reshape(1), orc_loss.reshape(1), extra[0])
     check_oracle("lce lse", lse, torch.logsumexp(h.float() @ w.float().T, -1),
                  torch.logsumexp(h.to(F64) @ w.to(F64).T, -1))
     gh, gw = linear_cross_entropy_bwd(h, w, labels, lse, 1.0, IGNORE, reduction, lnc=lnc)
     assert gh.dtype == h.dtype and gw.dtype == w.dtype and gh.shape == h.shape and gw.shape == w.shape
-    check_oracle("lce grad_hidden", gh, base_g[0], orc_g[0])
-    check_oracle("lce grad_weight", gw, base_g[1], orc_g[1])
+    check_oracle("lce grad_hidden", gh, base_g[0], orc_g[0], extra[1])
+    check_oracle("lce grad_weight", gw, base_g[1], orc_g[1], extra[2])
 
 
 FAST = [(1, 8, 5), (5, 16, 40), (130, 200, 700), (64, 96, 515), (200, 130, 1030)]
@@ -170,11 +200,12 @@ def fused_case(T: int, H: int, V: int, dtype: torch.dtype, reduction: str = "mea
     assert gh.dtype == gw.dtype == torch.float32 and gh.shape == h.shape and gw.shape == w.shape
     base_loss, base_g = _torch_ce(h, w, labels, dtype, reduction)
     orc_loss, orc_g = _torch_ce(h, w, labels, F64, reduction)
-    check_oracle("lce fused loss", loss.reshape(1), base_loss.reshape(1), orc_loss.reshape(1))
+    extra = _lse_allowances(h, w, labels, lse, reduction, orc_loss, orc_g)
+    check_oracle("lce fused loss", loss.reshape(1), base_loss.reshape(1), orc_loss.reshape(1), extra[0])
     check_oracle("lce fused lse", lse, torch.logsumexp(h.float() @ w.float().T, -1),
                  torch.logsumexp(h.to(F64) @ w.to(F64).T, -1))
-    check_oracle("lce fused grad_hidden", gh.to(dtype), base_g[0], orc_g[0])
-    check_oracle("lce fused grad_weight", gw.to(dtype), base_g[1], orc_g[1])
+    check_oracle("lce fused grad_hidden", gh.to(dtype), base_g[0], orc_g[0], extra[1])
+    check_oracle("lce fused grad_weight", gw.to(dtype), base_g[1], orc_g[1], extra[2])
 
 
 @pytest.mark.parametrize("lnc", [1, 2])
@@ -280,6 +311,8 @@ def test_fused_oracle_qwen3_vocabulary(dtype):
 
 
 @settings(max_examples=20, deadline=None)
+# a draw that failed the rule before the derived lse allowance (grad_hidden 2.1 x torch's error: p_1 - 1 near 0)
+@example(T=1, H=104, V=2, dtype=torch.float32, reduction="mean", lnc=1, fused=False, n_ignored=0, seed=0)
 @given(T=st.integers(1, 300), H=st.integers(1, 300), V=st.integers(2, 2100), dtype=st.sampled_from(DTYPES),
        reduction=st.sampled_from(["mean", "sum"]), lnc=st.sampled_from([1, 2]), fused=st.booleans(),
        n_ignored=st.integers(0, 3), seed=st.integers(0, 1000))
