@@ -115,7 +115,7 @@ def _walk(folder: str, key: str) -> list[str]:
     for root, dirs, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(root)
         if real in seen:
-            cycle = os.path.commonpath([real, os.path.realpath(folder)]) == real
+            cycle = _inside(folder, real)
             raise ConfigError(f"{key}: {root} is {seen[real]} again (a symbolic link to "
                               f"{'an enclosing folder: a cycle' if cycle else 'a folder read already'}); its files "
                               "would be read more than once: remove the link")

@@ -280,7 +280,8 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
         device = params[0].device.type if params else None
         needs_backward = any(p.requires_grad for p in params)
         dry_run, skipped = _dry_run_decision(model, config)
-        report.notes += [skipped] * bool(skipped and points)
+        if skipped and points:
+            report.notes.append(skipped)
         seen = _dry_run(model, config, points, device, needs_backward) if dry_run and points else {}
         problems = [(pt, [*pt.guard.static, *_unique(seen.get(pt.path, []))]) for pt in points]
         _raise_if_any(problems)
