@@ -27,9 +27,10 @@ reduction length and the data, unlike a fixed element-wise tolerance. The oracle
 are one plain-torch function (``tests/kernels/oracles.py``) evaluated in float64 and in the test dtype on
 the same dtype-rounded inputs; a test against transformers uses transformers' own code for both.
 :func:`check_oracle` also reports the max-abs errors in its message. A test may add to the right-hand side a
-relative allowance it derives from the inputs for an error its kernel's design accepts (``extra``; the fused
-cross-entropy's probabilities formed from its fp32 ``lse``: ``tests/kernels/cross_entropy``), which the
-message prints as ``(derived)``.
+relative allowance it derives from the inputs for an error its kernel's design accepts (``extra``, or per part
+the error tensor itself, ``OracleErr.add(..., derived=)``; the fused cross-entropy's probabilities formed from its
+fp32 ``lse``: ``tests/kernels/cross_entropy``; the attention backward's ``delta`` from the stored ``O``:
+``tests/kernels/attention``), which the message prints as ``(derived)``.
 
 **Elsewhere (model-level parity: overrides, qwen3, trainer):** ``assert_close(actual, expected, dtype)``,
 element-wise ``|a - e| <= atol + rtol * |e|``:
@@ -78,9 +79,14 @@ class OracleErr:
         self.n = 0
         self.test_dtype = dtype
 
-    def add(self, result: torch.Tensor, baseline: torch.Tensor, oracle: torch.Tensor) -> None:
+    def add(self, result: torch.Tensor, baseline: torch.Tensor, oracle: torch.Tensor,
+            derived: torch.Tensor | None = None) -> None:
+        """``derived``: this part's share of an error the kernel's design accepts, as a tensor (its norm,
+        relative to the oracle's, joins ``check``'s allowance)."""
         assert result.shape == baseline.shape == oracle.shape, (self.name, result.shape, baseline.shape,
                                                                 oracle.shape)
+        if derived is not None:
+            self.sq["derived"] = self.sq.get("derived", 0.0) + float(derived.to(F64).square().sum())
         o = oracle.to(F64).reshape(-1)
         for key, t in (("result", result), ("torch", baseline)):
             d = t.reshape(-1).to(F64, copy=True).sub_(o)  # (a copy even when t is already fp64)
@@ -96,8 +102,10 @@ class OracleErr:
         return math.sqrt(self.sq["result"]) / norm, math.sqrt(self.sq["torch"]) / norm
 
     def check(self, extra: float = 0.0) -> None:
-        """``extra``: a relative allowance the caller derives for an error its kernel's design accepts."""
+        """``extra``: a relative allowance the caller derives for an error its kernel's design accepts (added
+        to the one the parts' ``derived`` tensors give)."""
         ek, et = self.errors()
+        extra += math.sqrt(self.sq.get("derived", 0.0)) / max(math.sqrt(self.sq["oracle"]), 1e-300)
         eps32 = torch.finfo(torch.float32).eps
         root_n = math.sqrt(max(self.n, 1))
         floor = max(torch.finfo(self.dtype).eps / 4, eps32 * max(2.0, 32 / root_n),
