@@ -83,6 +83,19 @@ def test_to_hf_builds_transformers_config() -> None:
         8, 2, [0], 1e6)
 
 
+def test_eos_token_id_list_round_trips() -> None:
+    """A config.json's list of stop tokens (Qwen3's instruct models stop at <|im_end|> and <|endoftext|>) is kept:
+    from_hf kept only the first id, so to_hf and a save lost the second."""
+    from transformers import AutoConfig
+
+    d = {**QWEN3_06B_V4, "eos_token_id": [151645, 151643]}
+    cfg = Qwen3Config.from_hf(d)
+    assert cfg.eos_token_id == [151645, 151643]
+    out = cfg.to_hf(version=4)
+    assert out["eos_token_id"] == [151645, 151643] and Qwen3Config.from_hf(json.loads(json.dumps(out))) == cfg
+    assert AutoConfig.for_model(**out).eos_token_id == [151645, 151643]
+
+
 def test_from_hf_rejects_unsupported() -> None:
     with pytest.raises(ValueError, match="rope_type 'default'.*'yarn'"):
         Qwen3Config.from_hf({**QWEN3_06B_V4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})

@@ -47,7 +47,7 @@ class Qwen3Config:
     init_std: float = 0.02
     # --- token ids (carried through to/from config.json) ---
     bos_token_id: int | None = 151643
-    eos_token_id: int | None = 151645
+    eos_token_id: int | list[int] | None = 151645  # a list as config.json may give it (generation stops at any)
     # transformers' padding_idx: lookups of this token send no gradient to its embedding row (None: every row learns)
     pad_token_id: int | None = None
     # --- kernels: {op: trnkit.overrides.KernelChoice} for the swap points (empty: the torch code).
@@ -188,7 +188,7 @@ class Qwen3Config:
             tie_word_embeddings=bool(d["tie_word_embeddings"]),
             init_std=d["initializer_range"],
             bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            eos_token_id=list(eos) if isinstance(eos, list) else eos,
             pad_token_id=d.get("pad_token_id"),
         )
         if is_moe:
