@@ -93,6 +93,8 @@ def test_library_input_errors_are_trnkit_errors(call, match: str) -> None:
     # digits str.isdigit passes and int refuses: they ended in int()'s ValueError
     ({"WORLD_SIZE": "\u00b2"},
      "environment variable WORLD_SIZE: must be an integer >= 1 (torchrun sets it), got '\u00b2'"),
+    ({"WORLD_SIZE": "1_0"},  # int() reads 10
+     "environment variable WORLD_SIZE: must be an integer >= 1 (torchrun sets it), got '1_0'"),
     ({"WORLD_SIZE": "2", "RANK": "--1"},
      "environment variable RANK: must be an integer in [0, WORLD_SIZE - 1 = 1] (torchrun sets it), got '--1'"),
 ])

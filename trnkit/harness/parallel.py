@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,11 +46,9 @@ def neuron_available() -> bool:
 
 
 def _integer(text: str) -> int | None:
-    """``text`` as an int, or None where it is none (``str.isdigit`` passes '²', which ``int`` refuses)."""
-    try:
-        return int(text)
-    except ValueError:
-        return None
+    """``text`` as an int when it is ASCII digits with an optional sign, else None (``str.isdigit`` passes '²',
+    which ``int`` refuses; ``int`` passes '1_0' and '١', which torchrun never writes)."""
+    return int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None
 
 
 def launch_ranks(environ: Mapping[str, str]) -> tuple[int, int, int]:
