@@ -224,6 +224,19 @@ def test_ops_under_policy_off_are_named_as_unused(tmp_path: Path, tiny_tokenizer
             "or 'fallback' swaps them)") in out + err
 
 
+def test_validation_keys_without_enabled_are_named_as_unused(tmp_path: Path, tiny_tokenizer: str,
+                                                             corpus_dir: Path, capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    """``validation.enabled`` defaults to false: a run that sets only validation.dataset (or freq, steps,
+    split_fraction) evaluates nothing and says which keys it did not use."""
+    cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, validation={"dataset": str(corpus_dir), "freq": 2},
+                      training={"steps": 1})
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert code == 0, err
+    assert (f"validation: validation.enabled is false; validation.freq = 2, validation.dataset = {str(corpus_dir)!r} "
+            "unused (validation.enabled = true evaluates)") in out + err
+
+
 def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
     """Some editors save UTF-8 with a byte-order mark, which tomllib refuses at line 1, column 1: it is read as
     the same config."""

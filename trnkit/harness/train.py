@@ -34,8 +34,8 @@ from trnkit.errors import TrnkitError
 from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIdentity, find_resumable,
                                        full_model_state_dict, human_bytes, load_full_model_state_dict, manifest_entry,
                                        on_rank0, utc_now, write_failed, written_by)
-from trnkit.harness.config import (ConfigError, LRSchedulerConfig, OptimizerConfig, TrainerConfig, _suggest,
-                                   check_log_rank, parse_args, to_toml)
+from trnkit.harness.config import (ConfigError, LRSchedulerConfig, OptimizerConfig, TrainerConfig, ValidationConfig,
+                                   _suggest, check_log_rank, parse_args, to_toml)
 from trnkit.harness.data import IGNORE_INDEX, build_loaders
 from trnkit.harness.metrics import (MetricsLogger, device_memory, flops_per_token, peak_flops, plot_loss,
                                     step1_sanity)
@@ -132,6 +132,13 @@ def _apply_overrides(model: torch.nn.Module, cfg: TrainerConfig, log: _Log, lnc:
     log("kernel overrides:\n" + report.table())
     _check_every_op_found(ocfg, {row.op for row in report.rows}, cfg.model.spec)
     return report
+
+
+def _keys_set(v: ValidationConfig) -> list[str]:
+    """``validation.<key> = <value>`` for each key other than ``enabled`` that differs from its default."""
+    default = ValidationConfig()
+    return [f"validation.{f.name} = {getattr(v, f.name)!r}" for f in dataclasses.fields(v)
+            if f.name != "enabled" and getattr(v, f.name) != getattr(default, f.name)]
 
 
 def _code_note(report: OverrideReport | None) -> str:
@@ -446,6 +453,10 @@ class Trainer:
         log(f"data: {cfg.data.dataset} -> {len(self.loader.stream):,} tokens ({self.loader.num_samples:,} samples "
             f"of {t.seq_len}) with tokenizer {tok.path} (vocab {tok.vocab_size:,})")
         self.validator = None
+        unused = _keys_set(cfg.validation) if val_loader is None else []
+        if unused:  # (enabled = false, the default: a run that sets only validation.dataset evaluates nothing)
+            log(f"validation: validation.enabled is false; {', '.join(unused)} unused (validation.enabled = true "
+                "evaluates)")
         if val_loader is not None:
             v = cfg.validation
             self.validator = Validator(val_loader, v.steps, v.freq, t.steps, env.dp_group)
