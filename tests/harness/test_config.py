@@ -37,6 +37,22 @@ def test_toml_and_cli_overrides(tmp_path: Path) -> None:
     assert cfg.training.local_batch_size == TrainerConfig().training.local_batch_size
 
 
+def test_one_key_of_model_config_from_the_cli_keeps_the_rest(tmp_path: Path) -> None:
+    """``--model.config.<key> value`` sets one key of the config file's table (before, the only command-line form
+    was JSON for the whole table, which silently dropped the file's other keys); JSON still replaces it."""
+    p = _write(tmp_path, '[model]\nspec = "qwen3:debug"\nconfig = {n_layers = 2, dim = 64}\n')
+    cfg = parse_args(["--config", str(p), "--model.config.n_layers", "4", "--model.config.mlp_only_layers", "[0]",
+                      "--model.config.hidden_act", "silu"])
+    assert cfg.model.config == {"n_layers": 4, "dim": 64, "mlp_only_layers": [0], "hidden_act": "silu"}
+    assert parse_args(["--config", str(p), "--model.config", '{"n_layers": 3}']).model.config == {"n_layers": 3}
+    for cli, match in ((["--model.config.n_layers", "null"], r"config model\.config\.n_layers: null is not a value"),
+                       (["--model.config.a.b", "1"], r"expected <section>\.<field> \(or, for a table field such as "
+                                                     r"model\.config, <section>\.<field>\.<key>\)"),
+                       (["--training.steps.x", "3"], r"config key 'training\.steps\.x': expected <section>\.<field>")):
+        with pytest.raises(ConfigError, match=match):
+            parse_args(["--config", str(p), *cli])
+
+
 @pytest.mark.parametrize("cli, match", [
     (["--overrides.ops", "rope,moe_experts"], r"config overrides \(ops = \['rope', 'moe_experts'\], impl = 'nki'\): "
                                               r"OverrideConfig.ops: unknown op\(s\) \['rope'\]; swappable ops are"),

@@ -55,7 +55,8 @@ class ModelConfig:
     # "qwen3:<flavor>" (native trnkit.qwen3) or "hf:<folder with config.json [+ weights]>" (transformers).
     spec: str = "qwen3:debugmodel_moe"
     # Field overrides applied to the flavor's config (native: Qwen3Config field names; hf: config.json
-    # names), e.g. {n_layers = 2, dim = 64}. From the CLI pass JSON: --model.config '{"n_layers": 2}'.
+    # names), e.g. {n_layers = 2, dim = 64}. From the CLI: --model.config '{"n_layers": 2}' (JSON, the whole
+    # table) or --model.config.n_layers 2 (one key, merged into the file's table).
     config: dict[str, Any] = field(default_factory=dict)
     # hf: only: load the folder's published weights (true) or random-init from its config.json (false).
     hf_pretrained: bool = False
@@ -295,9 +296,16 @@ def _message(key: str, tp: Any, value: Any, err: dict[str, Any]) -> str:
 def _set(cfg: TrainerConfig, dotted: str, value: Any, from_cli: bool) -> None:
     parts = dotted.split(".")
     sections = _sections()
-    if len(parts) != 2:
-        raise ConfigError(f"config key {dotted!r}: expected <section>.<field> with section in {sections}")
-    sec, name = parts
+    if from_cli and len(parts) == 3 and _is_table(cfg, parts[0], parts[1]):  # one key of a table: merged into it
+        sec, name, key = parts
+        table = dict(getattr(getattr(cfg, sec), name))
+        table[key] = _json_or_text(value)
+        value, from_cli = table, False
+    elif len(parts) != 2:
+        raise ConfigError(f"config key {dotted!r}: expected <section>.<field> (or, for a table field such as "
+                          f"model.config, <section>.<field>.<key>) with section in {sections}")
+    else:
+        sec, name = parts
     if sec not in sections:
         raise ConfigError(f"config: unknown section [{sec}]{_suggest(sec, sections)}; sections: {sections}")
     section = getattr(cfg, sec)
@@ -306,6 +314,23 @@ def _set(cfg: TrainerConfig, dotted: str, value: Any, from_cli: bool) -> None:
         names = list(hints)
         raise ConfigError(f"config: unknown key {sec}.{name}{_suggest(name, names)}; keys in [{sec}]: {names}")
     setattr(section, name, coerce(f"{sec}.{name}", hints[name], value, from_cli))
+
+
+def _is_table(cfg: TrainerConfig, sec: str, name: str) -> bool:
+    """Whether ``sec.name`` is a field of TrainerConfig annotated as a table (``dict[...]``)."""
+    section = getattr(cfg, sec, None)
+    if section is None or not dataclasses.is_dataclass(section):
+        return False
+    return typing.get_origin(typing.get_type_hints(type(section)).get(name)) is dict
+
+
+def _json_or_text(value: str) -> Any:
+    """A command-line value for one key of a table: JSON where it parses (``2``, ``true``, ``[0, 1]``,
+    ``"x"``), else the text itself (``silu``)."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
 
 
 def from_dict(data: dict[str, Any], cfg: TrainerConfig | None = None) -> TrainerConfig:
@@ -373,7 +398,8 @@ def _load(path: str | os.PathLike | None, pairs: list[tuple[str, str]], validate
 USAGE = """usage: python -m trnkit.harness.train [--config FILE.toml|NAME] [--<section>.<field> VALUE ...]
        torchrun --nproc_per_node N -m trnkit.harness.train --config FILE.toml [...]
 
-Every field below can be set in the TOML file or on the command line (lists: a,b or JSON; tables: JSON).
+Every field below can be set in the TOML file or on the command line (lists: a,b or JSON; tables: JSON for the
+whole table, or --<section>.<field>.<key> VALUE for one key, merged into the file's).
 A mistake (config, data, checkpoint, disk) prints one message and exits with status 2; --debug (or
 TRNKIT_DEBUG=1) also prints the traceback."""
 
