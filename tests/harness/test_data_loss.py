@@ -337,6 +337,26 @@ def test_bad_metrics_line_in_the_middle_is_named(tmp_path: Path, trained, tiny_t
     assert _snapshot(run_dir) == before
 
 
+def test_bad_metrics_line_stops_every_rank(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path) -> None:
+    """Rank 0 reads metrics.jsonl: its refusal reaches the other ranks, which stop with the same message instead of
+    waiting for rank 0 in the first step's collectives (they did, until the launcher's timeout)."""
+    from .helpers import run_cli
+
+    run_dir = _copy(trained, tmp_path)
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + "garbage\n" + "".join(lines[1:]))
+    shutil.rmtree(run_dir / "checkpoint" / "step-3")  # as if stopped after step 2
+    before = _snapshot(run_dir)
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3, training={"local_batch_size": 1},
+                      parallelism={"data_parallel_shard_degree": 2})
+    proc = run_cli(["--config", str(write_config(cfg, tmp_path / "two.toml"))], nproc=2, timeout=150)
+    assert proc.returncode != 0
+    message = f"metrics: {path}:2 is not a metrics record"
+    assert proc.stderr.count(message) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]  # both ranks
+    assert _snapshot(run_dir) == before
+
+
 def test_resume_appends_to_metrics(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path) -> None:
     run_dir = _copy(trained, tmp_path)
     path = run_dir / "metrics.jsonl"

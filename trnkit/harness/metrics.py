@@ -139,16 +139,17 @@ class MetricsLogger:
 
     def __init__(self, dump_folder: str, cfg: Any, steps: int, start_step: int, rank: int,
                  flops_per_tok: int, peak: float | None, device: torch.device,
-                 non_dp_size: int = 1) -> None:
+                 non_dp_size: int = 1, history: list[dict[str, Any]] | None = None) -> None:
+        """``history``: the records kept from an earlier part of the run (:func:`resume_jsonl`, which the caller
+        runs on rank 0 and shares, so that a refusal stops every rank); rank 0 appends to the file."""
         self.cfg, self.rank, self.device = cfg, rank, device
         self.flops_per_tok, self.peak, self.non_dp_size = flops_per_tok, peak, non_dp_size
-        self.history: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = list(history or [])
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self._jsonl = None
         self.dump_folder = dump_folder
         if rank == 0 and cfg.jsonl:
             os.makedirs(dump_folder, exist_ok=True)
-            self.history = _resume_jsonl(self.jsonl_path, start_step)
             self._jsonl = open(self.jsonl_path, "a")
         self._bar = None
         if rank == 0 and cfg.progress_bar and sys.stderr.isatty():
@@ -298,7 +299,7 @@ def read_jsonl(path: str, repair_tail: bool = False) -> list[dict[str, Any]]:
     return out
 
 
-def _resume_jsonl(path: str, start_step: int) -> list[dict[str, Any]]:
+def resume_jsonl(path: str, start_step: int) -> list[dict[str, Any]]:
     """The records a (resumed) run keeps: those of steps <= start_step. The file is rewritten (to a temporary
     file, then renamed) only when it holds more than that or a torn last line; else it is appended to."""
     if not os.path.exists(path):
@@ -318,4 +319,4 @@ def _resume_jsonl(path: str, start_step: int) -> list[dict[str, Any]]:
 
 
 __all__ = ["MetricsLogger", "ModelShape", "PEAK_FLOPS", "count_params", "device_memory", "flops_per_token",
-           "format_line", "peak_flops", "plot_loss", "read_jsonl", "step1_sanity"]
+           "format_line", "peak_flops", "plot_loss", "read_jsonl", "resume_jsonl", "step1_sanity"]

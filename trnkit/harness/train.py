@@ -38,7 +38,7 @@ from trnkit.harness.config import (ConfigError, LRSchedulerConfig, OptimizerConf
                                    _suggest, check_log_rank, parse_args, to_toml)
 from trnkit.harness.data import IGNORE_INDEX, build_loaders
 from trnkit.harness.metrics import (MetricsLogger, device_memory, flops_per_token, peak_flops, plot_loss,
-                                    step1_sanity)
+                                    resume_jsonl, step1_sanity)
 from trnkit.harness.lnc import resolve_run_lnc
 from trnkit.harness.logs import LOGGER, interrupt_message, setup_logging, trnkit_warnings_logged
 from trnkit.harness.models import build_spec, has_hf_weights
@@ -502,9 +502,12 @@ class Trainer:
         else:  # a fresh start moves an earlier run's files aside, once nothing can refuse this run any more
             on_rank0(lambda: archive_previous_run(dump, cfg.checkpoint.folder, log))
         peak = peak_flops(env.device.type, parallel.device_name(env.device))
-        # before config.toml: a resumed run's metrics.jsonl with a bad line refuses the run, which then changes nothing
-        self.metrics = MetricsLogger(dump, cfg.metrics, t.steps, self.start_step, env.rank, fpt, peak, env.device,
-                                     non_dp_size=env.tp)
+        # before config.toml: a resumed run's metrics.jsonl with a bad line refuses the run, which then changes
+        # nothing; rank 0 reads it and every rank raises its refusal (the others would wait in the first step)
+        start = self.start_step
+        kept = on_rank0(lambda: resume_jsonl(os.path.join(dump, "metrics.jsonl"), start) if cfg.metrics.jsonl else [])
+        self.metrics = MetricsLogger(dump, cfg.metrics, t.steps, start, env.rank, fpt, peak, env.device,
+                                     non_dp_size=env.tp, history=kept)
         if env.rank == 0:  # written once the checkpoint (if any) has been accepted: a refused run changes nothing
             os.makedirs(dump, exist_ok=True)
             text = to_toml(cfg) + _code_note(report)
