@@ -8,6 +8,7 @@ import torch
 
 from tests.overrides import _refs
 from tests.tolerances import assert_close
+from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.nkisim import trace
 from trnkit.overrides import get_impl, ops, register, unregister
 
@@ -123,6 +124,24 @@ def test_router_topk_op(impl, testref):
     assert_close(logits, elog.detach())
     assert_close(xr.grad, x2.grad)
     assert_close(wr.grad, w2.grad)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_router_topk_top_k_outside_one_to_e_is_refused(impl, testref):
+    """top_k = E is every expert (weights against the independent reference); 0, -1 and E + 1 are refused
+    before any impl runs, naming the op, the rule and the value, on real and meta tensors alike (the
+    reference's sort sliced them to E, E - 1 or 0 columns: an impl output error or an empty top-K)."""
+    x, w = _router_inputs(E=5)
+    tw, idx, _ = ops.router_topk(x, w, 5, False, impl)
+    etw, eidx, _ = _refs.router(x, w, 5, norm=False)
+    assert torch.equal(idx.long(), eidx)
+    assert_close(tw, etw)
+    for top_k in (0, -1, 6):
+        for dev in ("cpu", "meta"):
+            with pytest.raises(KernelConstraintError) as e:
+                ops.router_topk(x.to(dev), w.to(dev), top_k, True, impl)
+            assert str(e.value) == (f"trnkit::router_topk: constraint '1 <= top_k <= E' violated (got {top_k}): "
+                                    "E = 5 experts (w_router rows)")
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -69,6 +69,7 @@ import torch
 from torch import Tensor
 
 from trnkit.errors import TrnkitError
+from trnkit.kernels.constraints import Violation, check
 from trnkit.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from trnkit.overrides.config import fixed_shift_problem
 from trnkit.overrides.registry import get_impl
@@ -280,11 +281,21 @@ def _router_variant(scoring: str, selection_bias: Tensor | None, routed_scaling_
     return kw
 
 
+def _check_top_k(top_k: int, w_router: Tensor) -> None:
+    """Every impl's domain, checked before any work (and by the fake): a router picks 1 to E experts. A torch
+    top-K of another width (the reference's sort slices to min(K, E) columns, or E - 1 for K = -1) would
+    otherwise come back as an impl's wrong output shape."""
+    experts = w_router.shape[0]
+    if not 1 <= top_k <= experts:
+        check([Violation("trnkit::router_topk", "1 <= top_k <= E", top_k, f"E = {experts} experts (w_router rows)")])
+
+
 @torch.library.custom_op("trnkit::router_topk", mutates_args=())
 def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True,
                 impl: str = "reference", scoring: str = "softmax", selection_bias: Tensor | None = None,
                 routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Router logits, scores and top-k: ``(topk_weights [T,K] f32, topk_idx [T,K] i32, logits [T,E] f32)``."""
+    _check_top_k(top_k, w_router)
     w, idx, logits = get_impl("router_topk", impl).fn(
         x.contiguous(), w_router.contiguous(), top_k, norm_topk_prob,
         **_router_variant(scoring, selection_bias, routed_scaling_factor))
@@ -297,6 +308,7 @@ def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
 @router_topk.register_fake
 def _router_topk_fake(x, w_router, top_k, norm_topk_prob=True, impl="reference", scoring="softmax",
                       selection_bias=None, routed_scaling_factor=1.0):
+    _check_top_k(top_k, w_router)
     t, e = x.shape[0], w_router.shape[0]
     return (x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32),
             x.new_empty((t, e), dtype=torch.float32))
