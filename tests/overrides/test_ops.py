@@ -162,6 +162,33 @@ def test_grouped_mm_op(impl, testref):
     assert_close(wr.grad, w2.grad)
 
 
+@pytest.mark.parametrize("op,rule,got", [("grouped_mm", "K, N >= 1", ((4, 0), (0, 4))),
+                                         ("moe_experts", "H, I >= 1", ((4, 0), (0, 2)))])
+def test_moe_zero_width_refused_by_nki_computed_by_reference(op, rule, got):
+    """grouped_mm with K or N = 0 and moe_experts with H or I = 0: the nki impl refuses them (the call and its
+    declared constraints) naming the rule and the widths, where the interpreter stopped deep in the kernel
+    ('nl.ndarray: ... shape (128, 0) must be positive ints'); the reference computes the empty product,
+    which the independent reference gives too."""
+    x_k0, x = torch.randn(3, 0), torch.randn(3, 4)
+    if op == "grouped_mm":
+        offs = torch.tensor([1, 3], dtype=torch.int32)
+        cases = [(x, torch.randn(2, 4, 0), offs), (x_k0, torch.randn(2, 0, 4), offs)]
+        expected = [_refs.grouped_mm(*args) for args in cases]
+    else:
+        idx, tw = torch.tensor([[0], [1], [0]], dtype=torch.int32), torch.rand(3, 1)
+        cases = [(x, idx, tw, torch.randn(2, 4, 0), torch.randn(2, 0, 4)),
+                 (x_k0, idx, tw, torch.randn(2, 0, 4), torch.randn(2, 2, 0))]
+        expected = [_refs.moe_experts(*args) for args in cases]
+    fn = getattr(ops, op)
+    for args, want, widths in zip(cases, expected, got, strict=True):
+        message = f"{op}: constraint '{rule}' violated (got {widths}): a kernel tile row has at least one element"
+        assert [str(v) for v in get_impl(op, "nki").constraints(*args)] == [message]
+        with pytest.raises(KernelConstraintError) as e:
+            fn(*args, impl="nki")
+        assert str(e.value) == message
+        assert torch.equal(fn(*args, impl="reference"), want)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_moe_experts_op(impl, testref):
     x, idx, tw, wgu, wd = _moe_inputs()

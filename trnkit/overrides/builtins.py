@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trnkit.kernels.constraints import Violation
+from trnkit.kernels.constraints import Violation, check
 from trnkit.overrides.ops import autograd_enabled
 from trnkit.overrides.registry import REFERENCE, mark_builtin, register
 
@@ -130,11 +130,26 @@ def _moe_constraints_fn(op: str) -> Callable[..., list[Violation]]:
     return getattr(mod, f"{op}_constraints", None) or getattr(mod, "constraints")
 
 
+def _zero_width_violations(op: str, x: Tensor, w: Tensor) -> list[Violation]:
+    """``grouped_mm``'s K or N / ``moe_experts``' H or I of 0 (x ``[M, K]`` / ``[T, H]``, w ``[G, K, N]`` /
+    ``w_gate_up [E, H, 2I]``): the moe kernels' entry check lets them through and the interpreter stops deep in
+    the kernel (``nl.ndarray: tensor 'sbuf_1': shape (128, 0) must be positive ints``), so the ``nki`` impl
+    refuses them first. The reference computes them (an empty product)."""
+    if x.dim() != 2 or w.dim() != 3:
+        return []  # the kernel's own rules name the malformed shapes
+    names, widths = (("K", "N"), (x.shape[1], w.shape[2])) if op == "grouped_mm" else \
+        (("H", "I"), (x.shape[1], w.shape[2] // 2))
+    if min(widths) >= 1:
+        return []
+    return [Violation(op, f"{names[0]}, {names[1]} >= 1", tuple(widths), "a kernel tile row has at least one element")]
+
+
 def _gmm_ref(x: Tensor, w: Tensor, group_offsets: Tensor) -> Tensor:
     return _attr("moe", "grouped_mm_ref")(x, w, group_offsets)
 
 
 def _gmm_nki(x: Tensor, w: Tensor, group_offsets: Tensor, lnc: int | None = None) -> Tensor:
+    check(_zero_width_violations("grouped_mm", x, w))
     return _attr("moe", "grouped_mm")(x, w, group_offsets, lnc=lnc)
 
 
@@ -143,11 +158,16 @@ def _gmm_ref_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor):
 
 
 def _gmm_nki_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor, lnc: int | None = None):
+    check(_zero_width_violations("grouped_mm", x, w))
     return _attr("moe", "grouped_mm_bwd")(x, w, group_offsets, grad_out, lnc=lnc)
 
 
 def _gmm_constraints(x: Tensor, w: Tensor, group_offsets: Tensor, **_: Any) -> list[Violation]:
     return _moe_constraints_fn("grouped_mm")(x, w, group_offsets)
+
+
+def _gmm_nki_constraints(x: Tensor, w: Tensor, group_offsets: Tensor, **_: Any) -> list[Violation]:
+    return _gmm_constraints(x, w, group_offsets) + _zero_width_violations("grouped_mm", x, w)
 
 
 # block_size (and the expert variant) reach the kernels as keywords only when the op sets them: the
@@ -157,6 +177,7 @@ def _moe_ref(x, topk_idx, topk_weights, w_gate_up, w_down, **kw: Any) -> Tensor:
 
 
 def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, lnc=None, **kw: Any) -> Tensor:
+    check(_zero_width_violations("moe_experts", x, w_gate_up))
     return _attr("moe", "moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down, lnc=lnc, **kw)
 
 
@@ -165,6 +186,7 @@ def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, **kw: A
 
 
 def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, lnc=None, **kw: Any):
+    check(_zero_width_violations("moe_experts", x, w_gate_up))
     return _attr("moe", "moe_experts_bwd")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, lnc=lnc, **kw)
 
 
@@ -195,6 +217,11 @@ def _moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=12
     backward = any(getattr(t, "requires_grad", False) for t in (x, topk_weights, w_gate_up, w_down))
     return _moe_constraints_fn("moe_experts")(x, _IndexSpec(topk_idx), topk_weights, w_gate_up, w_down,
                                               block_size=block_size, grad_out=x if backward else None, **variant)
+
+
+def _moe_nki_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, **rest: Any) -> list[Violation]:
+    return (_moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, **rest)
+            + _zero_width_violations("moe_experts", x, w_gate_up))
 
 
 # ------------------------------------------------------------------------------------------- rmsnorm
@@ -349,9 +376,9 @@ def register_builtins() -> None:
     _builtin("router_topk", REFERENCE, _router_ref, backward=_router_ref_bwd, **ref)
     _builtin("router_topk", NKI, _router_nki, backward=_router_nki_bwd, constraints=_router_constraints, **nki)
     _builtin("grouped_mm", REFERENCE, _gmm_ref, backward=_gmm_ref_bwd, constraints=_gmm_constraints, **ref)
-    _builtin("grouped_mm", NKI, _gmm_nki, backward=_gmm_nki_bwd, constraints=_gmm_constraints, **nki)
+    _builtin("grouped_mm", NKI, _gmm_nki, backward=_gmm_nki_bwd, constraints=_gmm_nki_constraints, **nki)
     _builtin("moe_experts", REFERENCE, _moe_ref, backward=_moe_ref_bwd, constraints=_moe_constraints, **ref)
-    _builtin("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_constraints, **nki)
+    _builtin("moe_experts", NKI, _moe_nki, backward=_moe_nki_bwd, constraints=_moe_nki_constraints, **nki)
     _builtin("rmsnorm", REFERENCE, _rmsnorm_ref, backward=_rmsnorm_ref_bwd, **ref)
     _builtin("rmsnorm", NKI, _rmsnorm_nki, backward=_rmsnorm_nki_bwd, constraints=_rmsnorm_constraints, **nki)
     _builtin("rmsnorm_qk", REFERENCE, _rmsnorm_qk_ref, backward=_rmsnorm_qk_ref_bwd, **ref)
