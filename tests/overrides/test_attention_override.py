@@ -12,6 +12,7 @@ import torch
 
 from tests.overrides.conftest import _logits_and_grads, assert_swap_parity, hf_dense_model, hf_moe_model, native_model
 from tests.tolerances import assert_close, check_oracle
+from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.hf import revert
 from trnkit.overrides import (
     DEFAULT_OPS,
@@ -181,3 +182,36 @@ def test_unsupported_shapes_name_op_rule_and_value():
         select("attention", "nki", policy="strict", q=q, k=k, v=k, scale=0.1)
     sel = select("attention", "nki", policy="fallback", q=q, k=k, v=k, scale=0.1)
     assert sel.impl == "reference" and "D <= 128" in str(sel.reasons[0])
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_layout_mismatch_refused_by_the_op_and_its_fake(impl):
+    """q / k / v that break the op's layout (Hq not a multiple of Hk, Hk = 0, k of another S, v of another shape)
+    are refused before any impl runs, naming the op, the rule and the shapes, on real and meta tensors (the
+    reference stopped in an einsum, a broadcast or a division by zero; the fake declared outputs for them)."""
+    cases = [((1, 4, 3, 8), (1, 4, 2, 8), (1, 4, 2, 8), "'Hq % Hk == 0 with Hk >= 1' violated (got (3, 2)): query "
+              "head h reads kv head h // (Hq / Hk)"),
+             ((1, 4, 2, 8), (1, 4, 0, 8), (1, 4, 0, 8), "'Hq % Hk == 0 with Hk >= 1' violated (got (2, 0)): query "
+              "head h reads kv head h // (Hq / Hk)"),
+             ((1, 4, 2, 8), (1, 5, 1, 8), (1, 5, 1, 8), "'k and v are [B, S, Hk, D] with q's B, S and D' violated "
+              "(got ((1, 5, 1, 8), (1, 5, 1, 8))): q: (1, 4, 2, 8)"),
+             ((1, 4, 2, 8), (1, 4, 1, 8), (1, 4, 2, 8), "'k and v are [B, S, Hk, D] with q's B, S and D' violated "
+              "(got ((1, 4, 1, 8), (1, 4, 2, 8))): q: (1, 4, 2, 8)")]
+    for qs, ks, vs, rule in cases:
+        for dev in ("cpu", "meta"):
+            q, k, v = (torch.randn(s, device=dev) for s in (qs, ks, vs))
+            with pytest.raises(KernelConstraintError) as e:
+                ops.attention(q, k, v, 0.3, impl)
+            assert str(e.value) == f"trnkit::attention: constraint {rule}"
+
+
+def test_reference_serves_zero_query_rows():
+    """S = 0 gives the empty outputs (the reference's row max stopped with 'amax(): Expected reduction dim -1 to
+    have non-zero size'); B = 0 already did. Gradients are empty too."""
+    for shape in [(1, 0, 4, 2, 8), (0, 3, 4, 2, 8)]:
+        q, k, v = _qkv(*shape, torch.float32)
+        o, lse = ops.attention(q, k, v, 0.3, "reference")
+        assert o.shape == q.shape and lse.shape == (shape[0], shape[2], shape[1])
+        assert torch.equal(o, _eager(q, k, v, 0.3))
+        grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

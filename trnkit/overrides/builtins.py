@@ -311,6 +311,8 @@ def _lce_constraints(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_inde
 
 
 def _attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    if q.shape[1] == 0:  # no query rows: attention_ref's row max would reduce over no keys
+        return q.clone(), q.new_empty((q.shape[0], q.shape[2], 0), dtype=torch.float32)
     return _attr("attention", "attention_ref")(q, k, v, scale)
 
 

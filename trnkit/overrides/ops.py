@@ -727,10 +727,28 @@ def _fixed_shift_kw(impl: str, fixed_shift: bool | None) -> dict[str, bool]:
     return {"fixed_shift": fixed_shift}
 
 
+def _check_attention_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """The op's layout, every impl's domain, checked before any work (and by the fake): ``q [B, S, Hq, D]``,
+    ``k`` and ``v [B, S, Hk, D]`` with ``Hq`` a multiple of ``Hk >= 1`` (otherwise the reference stopped in
+    an einsum, a broadcast or a division by zero, and the fake declared outputs for them)."""
+    v_: list[Violation] = []
+    if q.dim() != 4:
+        v_.append(Violation("trnkit::attention", "q is [B, S, Hq, D]", tuple(q.shape)))
+    elif tuple(k.shape) != tuple(v.shape) or k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != \
+            (q.shape[0], q.shape[1], q.shape[3]):
+        v_.append(Violation("trnkit::attention", "k and v are [B, S, Hk, D] with q's B, S and D",
+                            (tuple(k.shape), tuple(v.shape)), f"q: {tuple(q.shape)}"))
+    elif k.shape[2] < 1 or q.shape[2] % k.shape[2]:
+        v_.append(Violation("trnkit::attention", "Hq % Hk == 0 with Hk >= 1", (q.shape[2], k.shape[2]),
+                            "query head h reads kv head h // (Hq / Hk)"))
+    check(v_)
+
+
 @torch.library.custom_op("trnkit::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference",
               lnc: int = 0, fixed_shift: bool | None = None) -> tuple[Tensor, Tensor]:
     """Causal GQA attention ``(o [B, S, Hq, D], lse [B, Hq, S] f32)`` of ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]``."""
+    _check_attention_shapes(q, k, v)
     B, S, H, _ = q.shape
     fn = get_impl("attention", impl).fn
     o, lse = fn(q.contiguous(), k.contiguous(), v.contiguous(), scale, **_lnc_kw(fn, lnc),
@@ -740,6 +758,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "refere
 
 @attention.register_fake
 def _attention_fake(q, k, v, scale, impl="reference", lnc=0, fixed_shift=None):
+    _check_attention_shapes(q, k, v)
     B, S, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, S), dtype=torch.float32)
 
