@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from tests.overrides.conftest import native_model
 from tests.tolerances import assert_close
+from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.overrides import OverrideConfig, OverrideConstraintError, apply_overrides, bind_kernels, ops, select
 
 IGNORE = -100
@@ -161,3 +162,32 @@ def test_native_model_runs_the_fused_op_when_asked_and_gradients_are_needed(monk
     losses = [model(tokens, labels=tokens, loss_schedule="fused"), model(tokens, labels=tokens)]
     assert calls == ["linear_cross_entropy_fused", "linear_cross_entropy"]
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_cross_entropy_fused"])
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_bad_labels_refused_naming_op_rule_and_value(op, impl):
+    """Float labels, labels not [T], and (a value check) a label outside [0, V) that is not ignore_index are
+    refused before any work by both impls (the layout by the op and its fake, on meta tensors too); the
+    reference truncated float labels to classes (1.7 -> 1) without a word and stopped in torch's gather with
+    'index 5 is out of bounds for dimension 1 with size 5' for the others. Valid labels, -100 among them,
+    still give F.cross_entropy's loss."""
+    h, w, labels = _inputs(4, 8, 5, torch.float32)
+    h, w = h.detach(), w.detach()
+    fn = getattr(ops, op)
+    want = F.cross_entropy(h @ w.T, labels, ignore_index=IGNORE, reduction="sum")
+    torch.testing.assert_close(fn(h, w, labels, IGNORE, impl)[0], want, rtol=1e-5, atol=1e-5)
+    layout = [(labels.float() + 0.7, "'labels is an integer tensor' violated (got 'float32')"),
+              (labels[None], "'labels is [T]' violated (got (1, 4)): T = 4")]
+    for bad, rule in layout:
+        for dev in ("cpu", "meta"):
+            with pytest.raises(KernelConstraintError) as e:
+                fn(h.to(dev), w.to(dev), bad.to(dev), IGNORE, impl)
+            assert str(e.value) == f"trnkit::{op}: constraint {rule}"
+    kernel = "linear_cross_entropy_fwd_bwd" if (op, impl) == ("linear_cross_entropy_fused", "nki") else \
+        "linear_cross_entropy"
+    for label in (5, -1):
+        with pytest.raises(KernelConstraintError) as e:
+            fn(h, w, torch.tensor([0, IGNORE, label, 1]), IGNORE, impl)
+        assert str(e.value) == f"{kernel}: constraint '0 <= label < V = 5 or label == ignore_index (-100)' " \
+                               f"violated (got {label})"

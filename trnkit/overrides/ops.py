@@ -605,11 +605,27 @@ rmsnorm_qk.register_autograd(_rmsnorm_qk_backward, setup_context=_rmsnorm_qk_set
 # ------------------------------------------------------------------------------ linear cross-entropy
 
 
+def _check_lce_inputs(op: str, hidden: Tensor, weight: Tensor, labels: Tensor) -> None:
+    """The op's layout, every impl's domain, checked before any work (and by the fake): ``hidden [T, H]``,
+    ``weight [V, H]``, integer ``labels [T]`` (the reference otherwise truncated float labels to classes
+    without a word, and stopped in torch's gather or broadcast on other shapes)."""
+    v: list[Violation] = []
+    name = f"trnkit::{op}"
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        v.append(Violation(name, "hidden is [T, H] and weight [V, H]", (tuple(hidden.shape), tuple(weight.shape))))
+    elif tuple(labels.shape) != (hidden.shape[0],):
+        v.append(Violation(name, "labels is [T]", tuple(labels.shape), f"T = {hidden.shape[0]}"))
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        v.append(Violation(name, "labels is an integer tensor", str(labels.dtype).removeprefix("torch.")))
+    check(v)
+
+
 @torch.library.custom_op("trnkit::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
                          impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor]:
     """``(loss, lse [T])``: ``cross_entropy(hidden @ weight.T, labels, reduction="sum")`` (fp32) and the
     log-sum-exp of each token's logits (saved for the backward)."""
+    _check_lce_inputs("linear_cross_entropy", hidden, weight, labels)
     fn = get_impl("linear_cross_entropy", impl).fn
     loss, lse = fn(hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index=ignore_index,
                    **_lnc_kw(fn, lnc))
@@ -618,6 +634,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
 
 @linear_cross_entropy.register_fake
 def _linear_cross_entropy_fake(hidden, weight, labels, ignore_index=-100, impl="reference", lnc=0):
+    _check_lce_inputs("linear_cross_entropy", hidden, weight, labels)
     return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
 
 
@@ -670,6 +687,7 @@ def linear_cross_entropy_fused(hidden: Tensor, weight: Tensor, labels: Tensor, i
     is a sum) and rounds them to the inputs' dtypes. An impl whose ``fn`` takes ``with_grad`` computes them
     in one call (``fn(..., with_grad=True) -> (loss, lse, grad_hidden, grad_weight)``); for any other, its
     backward runs at a loss gradient of 1."""
+    _check_lce_inputs("linear_cross_entropy_fused", hidden, weight, labels)
     entry = get_impl("linear_cross_entropy", impl)
     fn = entry.fn
     args = (hidden.contiguous(), weight.contiguous(), labels.contiguous())
@@ -686,6 +704,7 @@ def linear_cross_entropy_fused(hidden: Tensor, weight: Tensor, labels: Tensor, i
 
 @linear_cross_entropy_fused.register_fake
 def _linear_cross_entropy_fused_fake(hidden, weight, labels, ignore_index=-100, impl="reference", lnc=0):
+    _check_lce_inputs("linear_cross_entropy_fused", hidden, weight, labels)
     f32 = torch.float32
     return (hidden.new_empty((), dtype=f32), hidden.new_empty((hidden.shape[0],), dtype=f32),
             hidden.new_empty(hidden.shape, dtype=f32), weight.new_empty(weight.shape, dtype=f32))
