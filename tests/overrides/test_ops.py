@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.overrides import _refs
 from tests.tolerances import assert_close
@@ -241,3 +242,50 @@ def test_backward_ops_opcheck(impl):
     xm, idxm, twm, wgu, wd = _moe_inputs()
     torch.library.opcheck(ops.moe_experts_bwd, (xm, idxm, twm, wgu, wd, torch.randn_like(xm), 128, impl),
                           test_utils=schema_fake)
+
+
+def _aux_output_cases() -> dict[str, tuple]:
+    """op -> (call(x), the independent reference of its differentiable output, that output's index, the
+    indices of the outputs that carry no gradient); x is the op's first input."""
+    g = _gen(7)
+    w_norm, w_head = torch.randn(8, generator=g), torch.randn(5, 8, generator=g)
+    labels = torch.tensor([0, 4, -100, 2])
+
+    def rms(x):
+        return w_norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    def causal(x):
+        s = (x.transpose(1, 2) @ x.transpose(1, 2).transpose(-1, -2)) * 0.3
+        s = s.masked_fill(~torch.ones(4, 4, dtype=torch.bool).tril(), float("-inf"))
+        return (torch.softmax(s, -1) @ x.transpose(1, 2)).transpose(1, 2)
+
+    return {
+        "attention": ((1, 4, 2, 8), lambda x, impl: ops.attention(x, x, x, 0.3, impl), causal, 0, (1,)),
+        "rmsnorm": ((4, 8), lambda x, impl: ops.rmsnorm(x, w_norm, 1e-6, impl), rms, 0, (1,)),
+        "rmsnorm_qk": ((4, 8), lambda x, impl: ops.rmsnorm_qk(x, x, w_norm, w_norm, 1e-6, impl), rms, 0, (2, 3)),
+        "linear_cross_entropy": ((4, 8), lambda x, impl: ops.linear_cross_entropy(x, w_head, labels, -100, impl),
+                                 lambda x: F.cross_entropy(x @ w_head.T, labels, reduction="sum"), 0, (1,)),
+        "linear_cross_entropy_fused": ((4, 8), lambda x, impl: ops.linear_cross_entropy_fused(x, w_head, labels,
+                                                                                               -100, impl),
+                                       lambda x: F.cross_entropy(x @ w_head.T, labels, reduction="sum"), 0, (1, 2, 3)),
+    }
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("op", sorted(_aux_output_cases()))
+def test_outputs_without_gradient_are_non_differentiable(op, impl):
+    """lse / rstd (and the fused op's stored gradients) are marked non-differentiable, as torch marks sort's
+    indices: they do not require grad, and a loss of them alone is refused by autograd. Before, they required
+    grad and a backward through them gave zeros without a word (the gradient of sum(lse) is not zero: a
+    z-loss on the cross-entropy's lse trained nothing). The differentiable output's gradient still matches the
+    independent reference."""
+    shape, call, reference, main, aux = _aux_output_cases()[op]
+    x = torch.randn(shape, generator=_gen(8), requires_grad=True)
+    outs = call(x, impl)
+    assert [t.requires_grad for t in outs] == [i not in aux for i in range(len(outs))]
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.autograd.grad(outs[aux[0]].sum(), x)
+    x2 = x.detach().clone().requires_grad_()
+    got, = torch.autograd.grad(outs[main].sum(), x)
+    want, = torch.autograd.grad(reference(x2).sum(), x2)
+    assert_close(got, want)

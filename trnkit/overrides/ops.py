@@ -33,7 +33,8 @@ registered on the functional ops with the impl's backward.
   impl whose ``fn`` takes ``with_grad=True``; otherwise its backward at 1); the backward multiplies them by the
   loss gradient. The native model's loss module runs it when gradients are needed and ``schedule="fused"`` (opt-in).
 - ``trnkit::attention(q, k, v, scale, impl, lnc, fixed_shift) -> (o, lse f32)``: causal GQA attention in the
-  ``[B, S, H, D]`` layout (``lse [B, Hq, S]``, saved for the backward; it carries no gradient of its own);
+  ``[B, S, H, D]`` layout (``lse [B, Hq, S]``, saved for the backward; it carries no gradient of its own and is
+  marked non-differentiable, as are ``rstd`` and the cross-entropy's ``lse``);
   ``fixed_shift`` (None: the impl's own default) reaches the impl as its keyword ``fixed_shift`` when set
   (the ``nki`` forward: True, its default, the fixed softmax shift per row; False the exact row max); an
   impl without that parameter is refused when it is set. The backward is the same either way.
@@ -513,6 +514,7 @@ def _rmsnorm_fake(x, weight, eps=1e-6, impl="reference", lnc=0):
 def _rmsnorm_setup(ctx: Any, inputs: tuple, output: Any) -> None:
     x, weight, eps, impl, lnc = inputs
     ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
     ctx.eps, ctx.impl, ctx.lnc = eps, impl, lnc
 
 
@@ -564,6 +566,7 @@ def _rmsnorm_qk_fake(q, k, weight_q, weight_k, eps=1e-6, impl="reference", lnc=0
 def _rmsnorm_qk_setup(ctx: Any, inputs: tuple, output: Any) -> None:
     q, k, weight_q, weight_k, eps, impl, lnc = inputs
     ctx.save_for_backward(q, k, weight_q, weight_k, output[2], output[3])
+    ctx.mark_non_differentiable(output[2], output[3])
     ctx.eps, ctx.impl, ctx.lnc = eps, impl, lnc
 
 
@@ -641,6 +644,7 @@ def _linear_cross_entropy_fake(hidden, weight, labels, ignore_index=-100, impl="
 def _lce_setup(ctx: Any, inputs: tuple, output: Any) -> None:
     hidden, weight, labels, ignore_index, impl, lnc = inputs
     ctx.save_for_backward(hidden, weight, labels, output[1])
+    ctx.mark_non_differentiable(output[1])
     ctx.ignore_index, ctx.impl, ctx.lnc = ignore_index, impl, lnc
 
 
@@ -713,6 +717,7 @@ def _linear_cross_entropy_fused_fake(hidden, weight, labels, ignore_index=-100, 
 def _lce_fused_setup(ctx: Any, inputs: tuple, output: Any) -> None:
     hidden, weight = inputs[0], inputs[1]
     ctx.save_for_backward(output[2], output[3])
+    ctx.mark_non_differentiable(*output[1:])
     ctx.dtypes = (hidden.dtype, weight.dtype)
     ctx.set_materialize_grads(False)
 
@@ -785,6 +790,7 @@ def _attention_fake(q, k, v, scale, impl="reference", lnc=0, fixed_shift=None):
 def _attention_setup(ctx: Any, inputs: tuple, output: Any) -> None:
     q, k, v, scale, impl, lnc, _ = inputs  # (fixed_shift: the backward is the same)
     ctx.save_for_backward(q, k, v, *output)
+    ctx.mark_non_differentiable(output[1])
     ctx.scale, ctx.impl, ctx.lnc = scale, impl, lnc
 
 
