@@ -63,6 +63,30 @@ def test_rope_hf_writes_strided_outputs():
 
 
 @pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_rope_tables_other_than_cos_sin_or_cache_refused(impl):
+    """cos / sin together or the packed rope_cache, not both and not neither, for every impl, in both rope ops and
+    their fakes: the reference used rope_cache and ignored a different cos / sin without a word (here the cache's
+    tables are doubled), and stopped with a TypeError on neither or on cos alone. Each table alone gives
+    transformers' rotation."""
+    q, k, cos, sin, _ = _rope_inputs("bshd", torch.float32, packed=False)
+    cache = torch.cat([2 * cos, 2 * sin], -1)
+    assert_close(ops.rope_hf_apply(q, k, cos, sin, None, "bshd", False, impl)[0], _refs.rope_bshd(q, cos, sin))
+    assert_close(ops.rope_hf_apply(q, k, None, None, cache, "bshd", False, impl)[0],
+                 _refs.rope_bshd(q, 2 * cos, 2 * sin))
+    for tables, got in [((cos, sin, cache), "both"), ((None, None, None), "neither"), ((cos, None, None),
+                        "cos without sin"), ((None, sin, cache), "both")]:
+        for dev in ("cpu", "meta"):
+            on = [None if t is None else t.to(dev) for t in (q, k, *tables)]
+            for call in (lambda: ops.rope_hf_apply(*on, "bshd", False, impl),
+                         lambda: ops.rope_hf(on[0], on[1], torch.empty_like(on[0]), torch.empty_like(on[1]), *on[2:],
+                                             False, "bshd", impl)):
+                with pytest.raises(KernelConstraintError) as e:
+                    call()
+                assert str(e.value) == ("trnkit::rope_hf: constraint 'exactly one of (cos, sin) or rope_cache' "
+                                        f"violated (got {got!r})")
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_hf_apply_forward_backward(impl, dtype):
     q, k, cos, sin, tables = _rope_inputs("bshd", dtype, packed=dtype == torch.float32)

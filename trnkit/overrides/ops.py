@@ -194,10 +194,22 @@ def _checked_grads(op: str, impl: str, grads: tuple[Any, ...], args: Any, kwargs
     return grads
 
 
+def _check_rope_tables(cos: Tensor | None, sin: Tensor | None, rope_cache: Tensor | None) -> None:
+    """The op's tables, every impl's domain, checked before any work (and by the fakes): cos and sin together,
+    or the packed rope_cache, not both (the reference read rope_cache and ignored the given cos / sin without a
+    word, and stopped with a TypeError on neither or on cos without sin)."""
+    given = (cos is not None, sin is not None, rope_cache is not None)
+    problem = {(True, True, False): "", (False, False, True): "", (False, False, False): "neither",
+               (True, False, False): "cos without sin", (False, True, False): "sin without cos"}.get(given, "both")
+    if problem:
+        check([Violation("trnkit::rope_hf", "exactly one of (cos, sin) or rope_cache", problem)])
+
+
 def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None,
               sin: Tensor | None, rope_cache: Tensor | None, backward: bool, layout: str) -> None:
     """Call the impl on contiguous buffers and make sure the results land in ``q_out``/``k_out``."""
     _check_layout(layout)
+    _check_rope_tables(cos, sin, rope_cache)
     entry = get_impl("rope_hf", impl)
     if backward and not entry.has_backward:
         raise RuntimeError(f"trnkit::rope_hf: impl {impl!r} has no backward (has_backward=False)")
@@ -229,6 +241,7 @@ def rope_hf(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | No
 @rope_hf.register_fake
 def _rope_hf_fake(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False,
                   layout="bhsd", impl="reference") -> None:
+    _check_rope_tables(cos, sin, rope_cache)
     return None
 
 
@@ -246,6 +259,7 @@ def rope_hf_apply(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor |
 @rope_hf_apply.register_fake
 def _rope_hf_apply_fake(q, k, cos=None, sin=None, rope_cache=None, layout="bshd", backward=False,
                         impl="reference"):
+    _check_rope_tables(cos, sin, rope_cache)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format))
 
