@@ -313,3 +313,30 @@ def test_outputs_without_gradient_are_non_differentiable(op, impl):
     got, = torch.autograd.grad(outs[main].sum(), x)
     want, = torch.autograd.grad(reference(x2).sum(), x2)
     assert_close(got, want)
+
+
+_MALFORMED = {  # op -> (inputs as shapes, the other arguments, the message after the op's name)
+    "router_topk": (((3, 8), (4, 9)), (2, True),
+                    "constraint 'x is [T, H] and w_router [E, H]' violated (got ((3, 8), (4, 9)))"),
+    "rmsnorm": (((3, 8), (1,)), (1e-6,), "constraint 'weight is [H] with H = x.shape[-1]' violated (got (1,)): "
+                                         "x: (3, 8)"),
+    "rmsnorm_qk": (((3, 8), (3, 8), (8,), (9,)), (1e-6,),
+                   "constraint 'k: weight is [H] with H = x.shape[-1]' violated (got (9,)): x: (3, 8)"),
+    "mlp": (((3, 8), (8, 6), (2, 8)), (),
+            "constraint 'x is [..., H], w_gate_up [H, 2I] and w_down [I, H]' violated (got ((3, 8), (8, 6), (2, 8)))"),
+}
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("op", sorted(_MALFORMED))
+def test_malformed_weights_refused_by_the_op_and_its_fake(op, impl):
+    """A weight whose shape does not fit x (router [E, H + 1]; a norm weight [1], broadcast by the reference
+    without a word; k's norm weight of another H; w_down [2, H] for w_gate_up [H, 2 * 3]) is refused before
+    any impl runs, naming the op, the rule and the shapes, on real and meta tensors alike (the reference
+    stopped in a matmul or a broadcast)."""
+    shapes, rest, message = _MALFORMED[op]
+    for dev in ("cpu", "meta"):
+        tensors = [torch.randn(s, device=dev) for s in shapes]
+        with pytest.raises(KernelConstraintError) as e:
+            getattr(ops, op)(*tensors, *rest, impl=impl)
+        assert str(e.value) == f"trnkit::{op}: {message}"

@@ -296,10 +296,14 @@ def _router_variant(scoring: str, selection_bias: Tensor | None, routed_scaling_
     return kw
 
 
-def _check_top_k(top_k: int, w_router: Tensor) -> None:
-    """Every impl's domain, checked before any work (and by the fake): a router picks 1 to E experts. A torch
-    top-K of another width (the reference's sort slices to min(K, E) columns, or E - 1 for K = -1) would
-    otherwise come back as an impl's wrong output shape."""
+def _check_router_inputs(x: Tensor, w_router: Tensor, top_k: int) -> None:
+    """Every impl's domain, checked before any work (and by the fake): ``x [T, H]``, ``w_router [E, H]`` (the
+    reference otherwise stopped in its matmul), and 1 to E experts picked. A torch top-K of another width (the
+    reference's sort slices to min(K, E) columns, or E - 1 for K = -1) would otherwise come back as an impl's
+    wrong output shape."""
+    if x.dim() != 2 or w_router.dim() != 2 or w_router.shape[1] != x.shape[1]:
+        check([Violation("trnkit::router_topk", "x is [T, H] and w_router [E, H]",
+                         (tuple(x.shape), tuple(w_router.shape)))])
     experts = w_router.shape[0]
     if not 1 <= top_k <= experts:
         check([Violation("trnkit::router_topk", "1 <= top_k <= E", top_k, f"E = {experts} experts (w_router rows)")])
@@ -310,7 +314,7 @@ def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
                 impl: str = "reference", scoring: str = "softmax", selection_bias: Tensor | None = None,
                 routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Router logits, scores and top-k: ``(topk_weights [T,K] f32, topk_idx [T,K] i32, logits [T,E] f32)``."""
-    _check_top_k(top_k, w_router)
+    _check_router_inputs(x, w_router, top_k)
     w, idx, logits = get_impl("router_topk", impl).fn(
         x.contiguous(), w_router.contiguous(), top_k, norm_topk_prob,
         **_router_variant(scoring, selection_bias, routed_scaling_factor))
@@ -323,7 +327,7 @@ def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
 @router_topk.register_fake
 def _router_topk_fake(x, w_router, top_k, norm_topk_prob=True, impl="reference", scoring="softmax",
                       selection_bias=None, routed_scaling_factor=1.0):
-    _check_top_k(top_k, w_router)
+    _check_router_inputs(x, w_router, top_k)
     t, e = x.shape[0], w_router.shape[0]
     return (x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32),
             x.new_empty((t, e), dtype=torch.float32))
@@ -510,10 +514,21 @@ def _rows(x: Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
+def _norm_weight_violations(op: str, x: Tensor, weight: Tensor, prefix: str = "") -> list[Violation]:
+    """``weight [H]`` with ``H = x.shape[-1]``, every impl's domain (the reference otherwise broadcast a
+    ``[1]`` weight without a word and stopped in a broadcast on other shapes); ``prefix`` names the tensor of a
+    pair (``"q: "``)."""
+    if x.dim() >= 1 and tuple(weight.shape) == (x.shape[-1],):
+        return []
+    return [Violation(f"trnkit::{op}", f"{prefix}weight is [H] with H = x.shape[-1]", tuple(weight.shape),
+                      f"x: {tuple(x.shape)}")]
+
+
 @torch.library.custom_op("trnkit::rmsnorm", mutates_args=())
 def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference",
             lnc: int = 0) -> tuple[Tensor, Tensor]:
     """``(y, rstd)``: ``y = weight * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)`` per row (fp32)."""
+    check(_norm_weight_violations("rmsnorm", x, weight))
     fn = get_impl("rmsnorm", impl).fn
     y, rstd = fn(x.contiguous(), weight.contiguous(), eps, **_lnc_kw(fn, lnc))
     return y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape), rstd.to(torch.float32).reshape(-1)
@@ -521,6 +536,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference
 
 @rmsnorm.register_fake
 def _rmsnorm_fake(x, weight, eps=1e-6, impl="reference", lnc=0):
+    check(_norm_weight_violations("rmsnorm", x, weight))
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
             x.new_empty((_rows(x),), dtype=torch.float32))
 
@@ -562,6 +578,8 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
                impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(y_q, y_k, rstd_q, rstd_k)``: ``trnkit::rmsnorm`` of ``q`` with ``weight_q`` and of ``k`` with ``weight_k``
     in one call (the q and k head norms)."""
+    check(_norm_weight_violations("rmsnorm_qk", q, weight_q, "q: ") + _norm_weight_violations("rmsnorm_qk", k, weight_k,
+                                                                                              "k: "))
     fn = get_impl("rmsnorm_qk", impl).fn
     yq, yk, rq, rk = fn(q.contiguous(), k.contiguous(), weight_q.contiguous(), weight_k.contiguous(), eps,
                         **_lnc_kw(fn, lnc))
@@ -572,6 +590,8 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
 
 @rmsnorm_qk.register_fake
 def _rmsnorm_qk_fake(q, k, weight_q, weight_k, eps=1e-6, impl="reference", lnc=0):
+    check(_norm_weight_violations("rmsnorm_qk", q, weight_q, "q: ") + _norm_weight_violations("rmsnorm_qk", k, weight_k,
+                                                                                              "k: "))
     return (q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, weight_q.dtype)),
             k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, weight_k.dtype)),
             q.new_empty((_rows(q),), dtype=torch.float32), k.new_empty((_rows(k),), dtype=torch.float32))
@@ -839,10 +859,21 @@ attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 # ----------------------------------------------------------------------------------------------- mlp
 
 
+def _check_mlp_inputs(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> None:
+    """``x [..., H]``, ``w_gate_up [H, 2I]``, ``w_down [I, H]``, every impl's domain, checked before any work (and
+    by the fake; the reference otherwise stopped in a broadcast or a matmul)."""
+    h = x.shape[-1] if x.dim() else -1
+    if w_gate_up.dim() != 2 or w_gate_up.shape[0] != h or w_gate_up.shape[1] % 2 or \
+            tuple(w_down.shape) != (w_gate_up.shape[1] // 2, h):
+        check([Violation("trnkit::mlp", "x is [..., H], w_gate_up [H, 2I] and w_down [I, H]",
+                         (tuple(x.shape), tuple(w_gate_up.shape), tuple(w_down.shape)))])
+
+
 @torch.library.custom_op("trnkit::mlp", mutates_args=())
 def mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, impl: str = "reference", lnc: int = 0) -> Tensor:
     """The dense SwiGLU MLP ``y = (silu(x @ Wg) * (x @ Wu)) @ w_down`` of ``x [..., H]``, ``w_gate_up [H, 2I]``,
     ``w_down [I, H]``."""
+    _check_mlp_inputs(x, w_gate_up, w_down)
     fn = get_impl("mlp", impl).fn
     y = fn(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), **_lnc_kw(fn, lnc))
     return y.to(x.dtype).reshape(x.shape).contiguous()
@@ -850,6 +881,7 @@ def mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, impl: str = "reference", l
 
 @mlp.register_fake
 def _mlp_fake(x, w_gate_up, w_down, impl="reference", lnc=0):
+    _check_mlp_inputs(x, w_gate_up, w_down)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
