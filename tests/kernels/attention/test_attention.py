@@ -297,3 +297,23 @@ SLOW = [("4B", (1, 2048, 32, 8, 128)), ("30B-A3B", (1, 2048, 32, 4, 128))]
 @pytest.mark.parametrize("case", SLOW, ids=[c[0] for c in SLOW])
 def test_oracle_parity_production(case, dtype) -> None:
     attention_case(case[1], dtype, lnc=2, backward=True)
+
+
+@pytest.mark.parametrize("fixed_shift", [True, False], ids=["shift", "exact"])
+def test_non_finite_key_or_value_reaches_the_earlier_rows_of_its_query_tile(fixed_shift) -> None:
+    """A NaN at key j (in k or v) makes the rows of j's 128-query tile before j non-finite too (the tile's scores
+    and P @ V are computed whole, then masked: 0 x NaN), besides rows >= j; earlier tiles stay finite and
+    exact. The reference's P @ V multiplies the masked zeros too, so a NaN in v makes its every row NaN: the
+    one case where the kernel is finite (rows < 128) where the reference is not (docs/kernels.md, Non-finite
+    inputs); those rows equal causal attention over a v with the NaN zeroed, which they never read."""
+    q, k, v, _ = _inputs(1, 300, 2, 1, 16, torch.float32, seed=5)
+    for name in ("k", "v"):
+        kk, vv = k.clone(), v.clone()
+        (kk if name == "k" else vv)[0, 200, 0, 3] = float("nan")
+        o, _ = attention(q, kk, vv, scale=0.25, fixed_shift=fixed_shift)
+        bad = ~torch.isfinite(o).all(-1).all(-1)[0]
+        assert torch.equal(bad, torch.arange(300) >= 128), name
+        ref_bad = ~torch.isfinite(attention_ref(q, kk, vv, 0.25)[0]).all(-1).all(-1)[0]
+        assert torch.equal(ref_bad, torch.arange(300) >= (200 if name == "k" else 0)), name
+        want, _ = attention_ref(q, k, v.index_fill(1, torch.tensor([200]), 0.0) if name == "v" else v, 0.25)
+        assert_close(o[:, :128], want[:, :128])
