@@ -340,3 +340,32 @@ def test_malformed_weights_refused_by_the_op_and_its_fake(op, impl):
         with pytest.raises(KernelConstraintError) as e:
             getattr(ops, op)(*tensors, *rest, impl=impl)
         assert str(e.value) == f"trnkit::{op}: {message}"
+
+
+_INTEGER_INPUTS = {  # op -> (call on x, an int64 [1, 3, 1, 8] tensor; the message after the op's name)
+    "mlp": (lambda x, impl: ops.mlp(x, torch.randn(8, 4), torch.randn(2, 8), impl),
+            "trnkit::mlp: constraint 'x is floating point' violated (got 'int64')"),
+    "rmsnorm": (lambda x, impl: ops.rmsnorm(x, torch.ones(8), 1e-6, impl),
+                "trnkit::rmsnorm: constraint 'x is floating point' violated (got 'int64')"),
+    "rmsnorm_qk": (lambda x, impl: ops.rmsnorm_qk(x.float(), x, torch.ones(8), torch.ones(8), 1e-6, impl),
+                   "trnkit::rmsnorm_qk: constraint 'k: x is floating point' violated (got 'int64')"),
+    "attention": (lambda x, impl: ops.attention(x.float(), x.float(), x, 0.3, impl),
+                  "trnkit::attention: constraint 'v is floating point' violated (got 'int64')"),
+    "rope_hf_apply": (lambda x, impl: ops.rope_hf_apply(x, x.float(), torch.randn(3, 8), torch.randn(3, 8), None,
+                                                        "bshd", False, impl),
+                      "trnkit::rope_hf: constraint 'q is floating point' violated (got 'int64')"),
+}
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("op", sorted(_INTEGER_INPUTS))
+def test_integer_inputs_refused_where_the_output_takes_their_dtype(op, impl):
+    """An integer tensor where the op computes in floating point and returns the input's dtype is refused before
+    any impl runs, by the op and its fake: the reference computed it in fp32 and cast the result back, so an
+    rmsnorm of int64 rows gave 0 / +-1 and mlp, attention and rope truncated their outputs without a word."""
+    call, message = _INTEGER_INPUTS[op]
+    x = torch.randint(-3, 4, (1, 3, 1, 8), generator=_gen(9))
+    for dev in ("cpu", "meta"):
+        with torch.device(dev), pytest.raises(KernelConstraintError) as e:
+            call(x.to(dev), impl)
+        assert str(e.value) == message

@@ -106,6 +106,13 @@ def _check_layout(layout: str) -> None:
         raise ValueError(f"trnkit::rope_hf: layout must be one of {_LAYOUTS}, got {layout!r}")
 
 
+def _float_violations(op: str, **tensors: Tensor | None) -> list[Violation]:
+    """The inputs whose dtype the outputs take must be floating point, for every impl (the reference computed an
+    integer or bool x in fp32 and cast the result back, truncating it: an rmsnorm of int64 rows gave 0 / +-1)."""
+    return [Violation(f"trnkit::{op}", f"{name} is floating point", str(t.dtype).removeprefix("torch."))
+            for name, t in tensors.items() if t is not None and not t.is_floating_point()]
+
+
 # Positions of each op's differentiable inputs in its backward's arguments (x, weights, ...).
 _PRIMALS: dict[str, tuple[int, ...]] = {"router_topk": (0, 1), "grouped_mm": (0, 1), "moe_experts": (0, 2, 3, 4),
                                         "rmsnorm": (0, 1), "rmsnorm_qk": (0, 1, 2, 3), "linear_cross_entropy": (0, 1),
@@ -194,10 +201,12 @@ def _checked_grads(op: str, impl: str, grads: tuple[Any, ...], args: Any, kwargs
     return grads
 
 
-def _check_rope_tables(cos: Tensor | None, sin: Tensor | None, rope_cache: Tensor | None) -> None:
-    """The op's tables, every impl's domain, checked before any work (and by the fakes): cos and sin together,
-    or the packed rope_cache, not both (the reference read rope_cache and ignored the given cos / sin without a
-    word, and stopped with a TypeError on neither or on cos without sin)."""
+def _check_rope_inputs(q: Tensor, k: Tensor, cos: Tensor | None, sin: Tensor | None,
+                       rope_cache: Tensor | None) -> None:
+    """Every impl's domain, checked before any work (and by the fakes): floating-point q, k and tables, and cos and
+    sin together or the packed rope_cache, not both (the reference read rope_cache and ignored the given cos / sin
+    without a word, and stopped with a TypeError on neither or on cos without sin)."""
+    check(_float_violations("rope_hf", q=q, k=k, cos=cos, sin=sin, rope_cache=rope_cache))
     given = (cos is not None, sin is not None, rope_cache is not None)
     problem = {(True, True, False): "", (False, False, True): "", (False, False, False): "neither",
                (True, False, False): "cos without sin", (False, True, False): "sin without cos"}.get(given, "both")
@@ -209,7 +218,7 @@ def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos
               sin: Tensor | None, rope_cache: Tensor | None, backward: bool, layout: str) -> None:
     """Call the impl on contiguous buffers and make sure the results land in ``q_out``/``k_out``."""
     _check_layout(layout)
-    _check_rope_tables(cos, sin, rope_cache)
+    _check_rope_inputs(q, k, cos, sin, rope_cache)
     entry = get_impl("rope_hf", impl)
     if backward and not entry.has_backward:
         raise RuntimeError(f"trnkit::rope_hf: impl {impl!r} has no backward (has_backward=False)")
@@ -241,7 +250,7 @@ def rope_hf(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | No
 @rope_hf.register_fake
 def _rope_hf_fake(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False,
                   layout="bhsd", impl="reference") -> None:
-    _check_rope_tables(cos, sin, rope_cache)
+    _check_rope_inputs(q, k, cos, sin, rope_cache)
     return None
 
 
@@ -259,7 +268,7 @@ def rope_hf_apply(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor |
 @rope_hf_apply.register_fake
 def _rope_hf_apply_fake(q, k, cos=None, sin=None, rope_cache=None, layout="bshd", backward=False,
                         impl="reference"):
-    _check_rope_tables(cos, sin, rope_cache)
+    _check_rope_inputs(q, k, cos, sin, rope_cache)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format))
 
@@ -514,21 +523,22 @@ def _rows(x: Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
-def _norm_weight_violations(op: str, x: Tensor, weight: Tensor, prefix: str = "") -> list[Violation]:
-    """``weight [H]`` with ``H = x.shape[-1]``, every impl's domain (the reference otherwise broadcast a
-    ``[1]`` weight without a word and stopped in a broadcast on other shapes); ``prefix`` names the tensor of a
-    pair (``"q: "``)."""
-    if x.dim() >= 1 and tuple(weight.shape) == (x.shape[-1],):
-        return []
-    return [Violation(f"trnkit::{op}", f"{prefix}weight is [H] with H = x.shape[-1]", tuple(weight.shape),
-                      f"x: {tuple(x.shape)}")]
+def _norm_violations(op: str, x: Tensor, weight: Tensor, prefix: str = "") -> list[Violation]:
+    """Floating-point x and ``weight [H]`` with ``H = x.shape[-1]``, every impl's domain (the reference otherwise
+    broadcast a ``[1]`` weight without a word and stopped in a broadcast on other shapes); ``prefix`` names the
+    tensor of a pair (``"q: "``)."""
+    v = _float_violations(op, **{f"{prefix}x": x, f"{prefix}weight": weight})
+    if x.dim() < 1 or tuple(weight.shape) != (x.shape[-1],):
+        v.append(Violation(f"trnkit::{op}", f"{prefix}weight is [H] with H = x.shape[-1]", tuple(weight.shape),
+                           f"x: {tuple(x.shape)}"))
+    return v
 
 
 @torch.library.custom_op("trnkit::rmsnorm", mutates_args=())
 def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference",
             lnc: int = 0) -> tuple[Tensor, Tensor]:
     """``(y, rstd)``: ``y = weight * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)`` per row (fp32)."""
-    check(_norm_weight_violations("rmsnorm", x, weight))
+    check(_norm_violations("rmsnorm", x, weight))
     fn = get_impl("rmsnorm", impl).fn
     y, rstd = fn(x.contiguous(), weight.contiguous(), eps, **_lnc_kw(fn, lnc))
     return y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape), rstd.to(torch.float32).reshape(-1)
@@ -536,7 +546,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference
 
 @rmsnorm.register_fake
 def _rmsnorm_fake(x, weight, eps=1e-6, impl="reference", lnc=0):
-    check(_norm_weight_violations("rmsnorm", x, weight))
+    check(_norm_violations("rmsnorm", x, weight))
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
             x.new_empty((_rows(x),), dtype=torch.float32))
 
@@ -578,7 +588,7 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
                impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(y_q, y_k, rstd_q, rstd_k)``: ``trnkit::rmsnorm`` of ``q`` with ``weight_q`` and of ``k`` with ``weight_k``
     in one call (the q and k head norms)."""
-    check(_norm_weight_violations("rmsnorm_qk", q, weight_q, "q: ") + _norm_weight_violations("rmsnorm_qk", k, weight_k,
+    check(_norm_violations("rmsnorm_qk", q, weight_q, "q: ") + _norm_violations("rmsnorm_qk", k, weight_k,
                                                                                               "k: "))
     fn = get_impl("rmsnorm_qk", impl).fn
     yq, yk, rq, rk = fn(q.contiguous(), k.contiguous(), weight_q.contiguous(), weight_k.contiguous(), eps,
@@ -590,7 +600,7 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
 
 @rmsnorm_qk.register_fake
 def _rmsnorm_qk_fake(q, k, weight_q, weight_k, eps=1e-6, impl="reference", lnc=0):
-    check(_norm_weight_violations("rmsnorm_qk", q, weight_q, "q: ") + _norm_weight_violations("rmsnorm_qk", k, weight_k,
+    check(_norm_violations("rmsnorm_qk", q, weight_q, "q: ") + _norm_violations("rmsnorm_qk", k, weight_k,
                                                                                               "k: "))
     return (q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, weight_q.dtype)),
             k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, weight_k.dtype)),
@@ -785,11 +795,11 @@ def _fixed_shift_kw(impl: str, fixed_shift: bool | None) -> dict[str, bool]:
     return {"fixed_shift": fixed_shift}
 
 
-def _check_attention_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """The op's layout, every impl's domain, checked before any work (and by the fake): ``q [B, S, Hq, D]``,
-    ``k`` and ``v [B, S, Hk, D]`` with ``Hq`` a multiple of ``Hk >= 1`` (otherwise the reference stopped in
-    an einsum, a broadcast or a division by zero, and the fake declared outputs for them)."""
-    v_: list[Violation] = []
+def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """The op's layout, every impl's domain, checked before any work (and by the fake): floating-point
+    ``q [B, S, Hq, D]``, ``k`` and ``v [B, S, Hk, D]`` with ``Hq`` a multiple of ``Hk >= 1`` (otherwise the
+    reference stopped in an einsum, a broadcast or a division by zero, and the fake declared outputs for them)."""
+    v_ = _float_violations("attention", q=q, k=k, v=v)
     if q.dim() != 4:
         v_.append(Violation("trnkit::attention", "q is [B, S, Hq, D]", tuple(q.shape)))
     elif tuple(k.shape) != tuple(v.shape) or k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != \
@@ -806,7 +816,7 @@ def _check_attention_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference",
               lnc: int = 0, fixed_shift: bool | None = None) -> tuple[Tensor, Tensor]:
     """Causal GQA attention ``(o [B, S, Hq, D], lse [B, Hq, S] f32)`` of ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]``."""
-    _check_attention_shapes(q, k, v)
+    _check_attention_inputs(q, k, v)
     B, S, H, _ = q.shape
     fn = get_impl("attention", impl).fn
     o, lse = fn(q.contiguous(), k.contiguous(), v.contiguous(), scale, **_lnc_kw(fn, lnc),
@@ -816,7 +826,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "refere
 
 @attention.register_fake
 def _attention_fake(q, k, v, scale, impl="reference", lnc=0, fixed_shift=None):
-    _check_attention_shapes(q, k, v)
+    _check_attention_inputs(q, k, v)
     B, S, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -861,7 +871,8 @@ attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 def _check_mlp_inputs(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> None:
     """``x [..., H]``, ``w_gate_up [H, 2I]``, ``w_down [I, H]``, every impl's domain, checked before any work (and
-    by the fake; the reference otherwise stopped in a broadcast or a matmul)."""
+    by the fake; the reference otherwise stopped in a broadcast or a matmul), floating point."""
+    check(_float_violations("mlp", x=x, w_gate_up=w_gate_up, w_down=w_down))
     h = x.shape[-1] if x.dim() else -1
     if w_gate_up.dim() != 2 or w_gate_up.shape[0] != h or w_gate_up.shape[1] % 2 or \
             tuple(w_down.shape) != (w_gate_up.shape[1] // 2, h):
