@@ -121,3 +121,25 @@ def test_an_impl_not_declared_compile_safe_falls_back_under_compile():
         assert_close(out, original(x, cache))
     finally:
         unregister("rope_hf", "eager_only")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_inductor_backward_of_a_permuted_input(impl):
+    """An rmsnorm input whose strides are permuted (a transposed activation): inductor's backward checks the real
+    rmsnorm_bwd output against its fake's strides; the fake said (1, 6) for a contiguous (16, 1) gradient and the
+    backward stopped ('expected size 6==6, stride 16==1'). The gradient now matches eager's."""
+    w = torch.randn(16, generator=torch.Generator().manual_seed(2))
+
+    def f(xt):
+        y, _ = torch.ops.trnkit.rmsnorm(xt * 2.0, w, 1e-6, impl)  # the product keeps xt's permuted strides
+        return (y * torch.arange(16)).sum()
+
+    base = torch.randn(16, 6, generator=torch.Generator().manual_seed(3))
+    grads = []
+    with torch._inductor.config.patch(force_disable_caches=True):  # a cached graph would keep the old fake
+        for fn in (f, torch.compile(f, backend="inductor")):
+            xt = base.clone().T.requires_grad_()
+            fn(xt).backward()
+            grads.append(xt.grad)
+    assert_close(grads[1], grads[0])

@@ -101,6 +101,17 @@ def _check_shapes(op: str, impl: str, got: tuple[Tensor, ...], want: tuple[tuple
                                   f"declares {list(w)} for these inputs (trnkit.overrides.registry: call conventions)")
 
 
+def _dense(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """A backward op's outputs, contiguous whatever the impl returned (the fakes declare them so)."""
+    return tuple(t.contiguous() for t in tensors)
+
+
+def _empty_dense(*like: Tensor) -> tuple[Tensor, ...]:
+    """A backward op's fake outputs: contiguous, shaped like ``like`` (``empty_like`` alone keeps a permuted
+    input's strides, which the real outputs do not have, and inductor asserts the real strides against these)."""
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in like)
+
+
 def _check_layout(layout: str) -> None:
     if layout not in _LAYOUTS:
         raise ValueError(f"trnkit::rope_hf: layout must be one of {_LAYOUTS}, got {layout!r}")
@@ -359,13 +370,13 @@ def router_topk_bwd(x: Tensor, w_router: Tensor, router_logits: Tensor, topk_idx
         "router_topk", impl, x.contiguous(), w_router.contiguous(), router_logits.contiguous(), topk_idx.contiguous(),
         grad_topk_weights.contiguous(), grad_router_logits.contiguous(), norm_topk_prob,
         **_router_variant(scoring, None, routed_scaling_factor, forward=False))
-    return gx.to(x.dtype), gw.to(w_router.dtype)
+    return _dense(gx.to(x.dtype), gw.to(w_router.dtype))
 
 
 @router_topk_bwd.register_fake
 def _router_topk_bwd_fake(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                           norm_topk_prob=True, impl="reference", scoring="softmax", routed_scaling_factor=1.0):
-    return torch.empty_like(x), torch.empty_like(w_router)
+    return _empty_dense(x, w_router)
 
 
 def _router_backward(ctx: Any, grad_w: Tensor, grad_idx: Tensor | None, grad_logits: Tensor):
@@ -407,12 +418,12 @@ def grouped_mm_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor
     """Backward of ``trnkit::grouped_mm``: ``(grad_x, grad_w)``."""
     gx, gw = _run_backward("grouped_mm", impl, x.contiguous(), w.contiguous(), group_offsets.contiguous(),
                            grad_out.contiguous(), lnc=lnc)
-    return gx.to(x.dtype), gw.to(w.dtype)
+    return _dense(gx.to(x.dtype), gw.to(w.dtype))
 
 
 @grouped_mm_bwd.register_fake
 def _grouped_mm_bwd_fake(x, w, group_offsets, grad_out, impl="reference", lnc=0):
-    return torch.empty_like(x), torch.empty_like(w)
+    return _empty_dense(x, w)
 
 
 def _gmm_backward(ctx: Any, grad_out: Tensor):
@@ -490,19 +501,16 @@ def moe_experts_bwd(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up
         **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
     gx, gtw, gwgu, gwd = grads[:4]
     gbgu, gbd = grads[4:] if len(grads) > 4 else (None, None)
-    return (gx.to(x.dtype), gtw.to(topk_weights.dtype), gwgu.to(w_gate_up.dtype), gwd.to(w_down.dtype),
-            _bias_grad(gbgu, b_gate_up, x), _bias_grad(gbd, b_down, x))
+    return _dense(gx.to(x.dtype), gtw.to(topk_weights.dtype), gwgu.to(w_gate_up.dtype), gwd.to(w_down.dtype),
+                  _bias_grad(gbgu, b_gate_up, x), _bias_grad(gbd, b_down, x))
 
 
 @moe_experts_bwd.register_fake
 def _moe_experts_bwd_fake(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, block_size=0,
                           impl="reference", activation="silu", limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA,
                           b_gate_up=None, b_down=None, lnc=0):
-    def bias(b):
-        return x.new_empty(0) if b is None else torch.empty_like(b)
-
-    return (torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w_gate_up),
-            torch.empty_like(w_down), bias(b_gate_up), bias(b_down))
+    biases = tuple(x.new_empty(0) if b is None else _empty_dense(b)[0] for b in (b_gate_up, b_down))
+    return _empty_dense(x, topk_weights, w_gate_up, w_down) + biases
 
 
 def _moe_backward(ctx: Any, grad_out: Tensor):
@@ -564,12 +572,12 @@ def rmsnorm_bwd(x: Tensor, weight: Tensor, rstd: Tensor, grad_y: Tensor, eps: fl
     """Backward of ``trnkit::rmsnorm``: ``(grad_x, grad_weight)`` (``rstd`` is the forward's, not differentiated)."""
     gx, gw = _run_backward("rmsnorm", impl, x.contiguous(), weight.contiguous(), rstd.contiguous(),
                            grad_y.contiguous(), eps=eps, lnc=lnc)
-    return gx.to(x.dtype).reshape(x.shape), gw.to(weight.dtype)
+    return _dense(gx.to(x.dtype).reshape(x.shape), gw.to(weight.dtype))
 
 
 @rmsnorm_bwd.register_fake
 def _rmsnorm_bwd_fake(x, weight, rstd, grad_y, eps=1e-6, impl="reference", lnc=0):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return _empty_dense(x, weight)
 
 
 def _rmsnorm_backward(ctx: Any, grad_y: Tensor | None, grad_rstd: Tensor | None):
@@ -622,14 +630,14 @@ def rmsnorm_qk_bwd(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, rst
     gq, gk, gwq, gwk = _run_backward("rmsnorm_qk", impl, q.contiguous(), k.contiguous(), weight_q.contiguous(),
                                      weight_k.contiguous(), rstd_q.contiguous(), rstd_k.contiguous(),
                                      grad_yq.contiguous(), grad_yk.contiguous(), eps=eps, lnc=lnc)
-    return (gq.to(q.dtype).reshape(q.shape), gk.to(k.dtype).reshape(k.shape), gwq.to(weight_q.dtype),
+    return _dense(gq.to(q.dtype).reshape(q.shape), gk.to(k.dtype).reshape(k.shape), gwq.to(weight_q.dtype),
             gwk.to(weight_k.dtype))
 
 
 @rmsnorm_qk_bwd.register_fake
 def _rmsnorm_qk_bwd_fake(q, k, weight_q, weight_k, rstd_q, rstd_k, grad_yq, grad_yk, eps=1e-6, impl="reference",
                          lnc=0):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(weight_q), torch.empty_like(weight_k)
+    return _empty_dense(q, k, weight_q, weight_k)
 
 
 def _rmsnorm_qk_backward(ctx: Any, grad_yq: Tensor | None, grad_yk: Tensor | None, grad_rq: Tensor | None,
@@ -701,13 +709,13 @@ def linear_cross_entropy_bwd(hidden: Tensor, weight: Tensor, labels: Tensor, lse
     gh, gw = _run_backward("linear_cross_entropy", impl, hidden.contiguous(), weight.contiguous(),
                            labels.contiguous(), lse.contiguous(), grad_loss.detach().reshape(()),
                            ignore_index=ignore_index, lnc=lnc)
-    return gh.to(hidden.dtype), gw.to(weight.dtype)
+    return _dense(gh.to(hidden.dtype), gw.to(weight.dtype))
 
 
 @linear_cross_entropy_bwd.register_fake
 def _linear_cross_entropy_bwd_fake(hidden, weight, labels, lse, grad_loss, ignore_index=-100, impl="reference",
                                    lnc=0):
-    return torch.empty_like(hidden), torch.empty_like(weight)
+    return _empty_dense(hidden, weight)
 
 
 def _lce_backward(ctx: Any, grad_loss: Tensor | None, grad_lse: Tensor | None):
