@@ -63,6 +63,27 @@ def test_rope_hf_writes_strided_outputs():
 
 
 @pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_rope_hf_outputs_that_alias_the_other_input_or_misfit(impl):
+    """rope_hf(q, k, q_out=k, k_out=q) (each output a view of the other input; q and k of one shape): both
+    results are transformers' rotation of the original q and k (the reference wrote q's result over k and
+    then rotated that: max error 29). q_out of another shape is refused before any work, by the op and its
+    fake (the reference stopped in its copy with a broadcast error)."""
+    q, k, cos, sin, _ = _rope_inputs("bshd", torch.float32, packed=False, Hq=2, Hk=2)
+    want_q, want_k = _refs.rope_bshd(q, cos, sin), _refs.rope_bshd(k, cos, sin)
+    qq, kk = q.clone(), k.clone()
+    ops.rope_hf(qq, kk, kk, qq, cos, sin, None, False, "bshd", impl)
+    assert_close(kk, want_q)
+    assert_close(qq, want_k)
+    for dev in ("cpu", "meta"):
+        qd, kd = q.to(dev), k.to(dev)
+        with pytest.raises(KernelConstraintError) as e:
+            ops.rope_hf(qd, kd, qd.new_empty(2, 5, 2, 6), torch.empty_like(kd), cos.to(dev), sin.to(dev), None, False,
+                        "bshd", impl)
+        assert str(e.value) == ("trnkit::rope_hf: constraint 'q_out has q's shape' violated (got (2, 5, 2, 6)): "
+                                "q: (2, 5, 2, 8)")
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
 def test_rope_tables_other_than_cos_sin_or_cache_refused(impl):
     """cos / sin together or the packed rope_cache, not both and not neither, for every impl, in both rope ops and
     their fakes: the reference used rope_cache and ignored a different cos / sin without a word (here the cache's

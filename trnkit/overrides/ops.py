@@ -225,16 +225,34 @@ def _check_rope_inputs(q: Tensor, k: Tensor, cos: Tensor | None, sin: Tensor | N
         check([Violation("trnkit::rope_hf", "exactly one of (cos, sin) or rope_cache", problem)])
 
 
+def _check_rope_outs(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor) -> None:
+    """``trnkit::rope_hf``'s preallocated outputs have q's and k's shapes, for every impl (the reference stopped in
+    its copy with a broadcast error, and the fake let them through)."""
+    check([Violation("trnkit::rope_hf", f"{name} has {src}'s shape", tuple(out.shape), f"{src}: {tuple(t.shape)}")
+           for name, src, out, t in (("q_out", "q", q_out, q), ("k_out", "k", k_out, k)) if out.shape != t.shape])
+
+
+def _direct_out(out: Tensor, own: Tensor, other: Tensor) -> Tensor:
+    """``out`` itself where the impl may write it while it reads the inputs: contiguous, overlapping neither the
+    other input nor its own input unless it is that input (``q_out is q``: in place); else a fresh buffer that
+    :func:`_run_rope` copies into ``out`` after the call (the reference wrote q's result over a k it then
+    rotated, for ``q_out`` a view of k)."""
+    in_place = out.data_ptr() == own.data_ptr() and out.stride() == own.stride() and out.shape == own.shape
+    if out.is_contiguous() and not torch._C._overlaps(out, other) and (in_place or not torch._C._overlaps(out, own)):
+        return out
+    return torch.empty_like(out, memory_format=torch.contiguous_format)
+
+
 def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None,
               sin: Tensor | None, rope_cache: Tensor | None, backward: bool, layout: str) -> None:
     """Call the impl on contiguous buffers and make sure the results land in ``q_out``/``k_out``."""
     _check_layout(layout)
     _check_rope_inputs(q, k, cos, sin, rope_cache)
+    _check_rope_outs(q, k, q_out, k_out)
     entry = get_impl("rope_hf", impl)
     if backward and not entry.has_backward:
         raise RuntimeError(f"trnkit::rope_hf: impl {impl!r} has no backward (has_backward=False)")
-    qo = q_out if q_out.is_contiguous() else torch.empty_like(q_out, memory_format=torch.contiguous_format)
-    ko = k_out if k_out.is_contiguous() else torch.empty_like(k_out, memory_format=torch.contiguous_format)
+    qo, ko = _direct_out(q_out, q, k), _direct_out(k_out, k, q)
     # rope's backward is the forward call with backward=True (dy in): a user's may use autograd too
     with autograd_enabled() if backward and entry.autograd_backward else contextlib.nullcontext():
         res = entry.fn(q.contiguous(), k.contiguous(), qo, ko, cos=_c(cos), sin=_c(sin),
@@ -261,8 +279,9 @@ def rope_hf(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | No
 @rope_hf.register_fake
 def _rope_hf_fake(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False,
                   layout="bhsd", impl="reference") -> None:
+    _check_layout(layout)
     _check_rope_inputs(q, k, cos, sin, rope_cache)
-    return None
+    _check_rope_outs(q, k, q_out, k_out)
 
 
 @torch.library.custom_op("trnkit::rope_hf_apply", mutates_args=())
@@ -279,6 +298,7 @@ def rope_hf_apply(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor |
 @rope_hf_apply.register_fake
 def _rope_hf_apply_fake(q, k, cos=None, sin=None, rope_cache=None, layout="bshd", backward=False,
                         impl="reference"):
+    _check_layout(layout)
     _check_rope_inputs(q, k, cos, sin, rope_cache)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format))
