@@ -424,3 +424,22 @@ def test_backward_ops_fakes_match_the_real_strides_of_permuted_inputs(impl):
     transposed input (test_compile.py)."""
     for op, args in _bwd_cases(impl).items():
         torch.library.opcheck(getattr(torch.ops.trnkit, op).default, args, test_utils="test_faketensor")
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+@pytest.mark.parametrize("op", ["rmsnorm", "rmsnorm_qk"])
+def test_norm_eps_outside_finite_non_negative_refused(op, impl):
+    """eps = -1e-6, -1 or NaN is refused before any impl runs, by the op and its fake (the reference computed
+    rsqrt(mean(x^2) + eps) with it: NaN rows for eps = -1, NaN everywhere for NaN); eps = 0 is served, and equals
+    the plain x / rms(x) * weight."""
+    x, w = torch.randn(3, 8, generator=_gen(11)), torch.randn(8, generator=_gen(12))
+
+    def call(t, weight, eps):
+        return ops.rmsnorm(t, weight, eps, impl) if op == "rmsnorm" else ops.rmsnorm_qk(t, t, weight, weight, eps, impl)
+
+    assert_close(call(x, w, 0.0)[0], w * x / x.pow(2).mean(-1, keepdim=True).sqrt())
+    for eps in (-1e-6, -1.0, float("nan")):
+        for dev in ("cpu", "meta"):
+            with pytest.raises(KernelConstraintError) as e:
+                call(x.to(dev), w.to(dev), eps)
+            assert str(e.value) == f"trnkit::{op}: constraint 'eps is a finite float >= 0' violated (got {eps!r})"

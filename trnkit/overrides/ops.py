@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -551,6 +552,14 @@ def _rows(x: Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
+def _eps_violations(op: str, eps: float) -> list[Violation]:
+    """A finite ``eps >= 0``, every impl's domain (the reference computed ``rsqrt(mean(x^2) + eps)`` with a negative
+    or NaN eps: NaN rows, or a silently different scale)."""
+    if math.isfinite(eps) and eps >= 0:
+        return []
+    return [Violation(f"trnkit::{op}", "eps is a finite float >= 0", eps)]
+
+
 def _norm_violations(op: str, x: Tensor, weight: Tensor, prefix: str = "") -> list[Violation]:
     """Floating-point x and ``weight [H]`` with ``H = x.shape[-1]``, every impl's domain (the reference otherwise
     broadcast a ``[1]`` weight without a word and stopped in a broadcast on other shapes); ``prefix`` names the
@@ -566,7 +575,7 @@ def _norm_violations(op: str, x: Tensor, weight: Tensor, prefix: str = "") -> li
 def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference",
             lnc: int = 0) -> tuple[Tensor, Tensor]:
     """``(y, rstd)``: ``y = weight * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)`` per row (fp32)."""
-    check(_norm_violations("rmsnorm", x, weight))
+    check(_eps_violations("rmsnorm", eps) + _norm_violations("rmsnorm", x, weight))
     fn = get_impl("rmsnorm", impl).fn
     y, rstd = fn(x.contiguous(), weight.contiguous(), eps, **_lnc_kw(fn, lnc))
     return y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape), rstd.to(torch.float32).reshape(-1)
@@ -574,7 +583,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference
 
 @rmsnorm.register_fake
 def _rmsnorm_fake(x, weight, eps=1e-6, impl="reference", lnc=0):
-    check(_norm_violations("rmsnorm", x, weight))
+    check(_eps_violations("rmsnorm", eps) + _norm_violations("rmsnorm", x, weight))
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
             x.new_empty((_rows(x),), dtype=torch.float32))
 
@@ -616,8 +625,8 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
                impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(y_q, y_k, rstd_q, rstd_k)``: ``trnkit::rmsnorm`` of ``q`` with ``weight_q`` and of ``k`` with ``weight_k``
     in one call (the q and k head norms)."""
-    check(_norm_violations("rmsnorm_qk", q, weight_q, "q: ") + _norm_violations("rmsnorm_qk", k, weight_k,
-                                                                                              "k: "))
+    check(_eps_violations("rmsnorm_qk", eps) + _norm_violations("rmsnorm_qk", q, weight_q, "q: ")
+          + _norm_violations("rmsnorm_qk", k, weight_k, "k: "))
     fn = get_impl("rmsnorm_qk", impl).fn
     yq, yk, rq, rk = fn(q.contiguous(), k.contiguous(), weight_q.contiguous(), weight_k.contiguous(), eps,
                         **_lnc_kw(fn, lnc))
@@ -628,8 +637,8 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
 
 @rmsnorm_qk.register_fake
 def _rmsnorm_qk_fake(q, k, weight_q, weight_k, eps=1e-6, impl="reference", lnc=0):
-    check(_norm_violations("rmsnorm_qk", q, weight_q, "q: ") + _norm_violations("rmsnorm_qk", k, weight_k,
-                                                                                              "k: "))
+    check(_eps_violations("rmsnorm_qk", eps) + _norm_violations("rmsnorm_qk", q, weight_q, "q: ")
+          + _norm_violations("rmsnorm_qk", k, weight_k, "k: "))
     return (q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, weight_q.dtype)),
             k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, weight_k.dtype)),
             q.new_empty((_rows(q),), dtype=torch.float32), k.new_empty((_rows(k),), dtype=torch.float32))
