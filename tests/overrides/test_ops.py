@@ -443,3 +443,38 @@ def test_norm_eps_outside_finite_non_negative_refused(op, impl):
             with pytest.raises(KernelConstraintError) as e:
                 call(x.to(dev), w.to(dev), eps)
             assert str(e.value) == f"trnkit::{op}: constraint 'eps is a finite float >= 0' violated (got {eps!r})"
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values in transposed (column-major) storage, as a kernel writing columns might return them."""
+    return t.T.contiguous().T if t.dim() == 2 else t
+
+
+def test_user_impl_outputs_of_any_strides_come_back_contiguous():
+    """An impl returning column-major outputs (rmsnorm's y, grouped_mm's out, router_topk's three) gets contiguous
+    outputs from the op, as its fake declares: they were passed through, so opcheck's fake-tensor test failed
+    ('Stride mismatch') and inductor would assert on them. The values are the impl's."""
+    def rms(x, weight, eps=1e-6):
+        r = torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+        return _column_major(weight * (x.float() * r[:, None]).to(x.dtype)), r
+
+    impls = {"rmsnorm": rms, "grouped_mm": lambda x, w, offs: _column_major(_refs.grouped_mm(x, w, offs)),
+             "router_topk": lambda *a: tuple(_column_major(t) for t in _refs.router(*a))}
+    x, w_router = _router_inputs()
+    cases = {"rmsnorm": (x, torch.randn(8, generator=_gen(13)), 1e-6),
+             "grouped_mm": (x, torch.randn(2, 8, 4, generator=_gen(14)), torch.tensor([2, 6], dtype=torch.int32)),
+             "router_topk": (x, w_router, 2, True)}
+    for op, fn in impls.items():
+        register(op, "colmajor", fn)
+        try:
+            torch.library.opcheck(getattr(torch.ops.trnkit, op).default, (*cases[op], "colmajor"),
+                                  test_utils="test_faketensor")
+            outs = getattr(ops, op)(*cases[op], impl="colmajor")
+            for got, want in zip(_as_tuple(outs), _as_tuple(fn(*cases[op])), strict=True):
+                assert got.is_contiguous() and torch.equal(got, want.to(got.dtype))
+        finally:
+            unregister(op, "colmajor")
+
+
+def _as_tuple(out: torch.Tensor | tuple) -> tuple:
+    return out if isinstance(out, tuple) else (out,)

@@ -51,7 +51,8 @@ The ops of kernels that split work over a trn2 logical core (``grouped_mm``, ``m
 cores; 0 = the device default, :func:`trnkit.kernels.lnc.default_lnc`); it reaches an impl as the keyword
 ``lnc`` when set and the impl declares that parameter, and the backward runs at the forward's ``lnc``.
 
-Impls receive contiguous tensors. Outputs are normalised to the declared dtypes, so a user impl that
+Impls receive contiguous tensors. Outputs are normalised to the declared dtypes and made contiguous (as the fakes
+declare them), so a user impl that
 returns e.g. int64 indices still matches the fake (meta) implementation; an output of another shape than
 declared is an :class:`ImplOutputError` (naming op, impl, output and both shapes), or where the op reshapes
 it, torch's reshape error. A backward's outputs are checked the same way: one tensor per differentiable
@@ -103,7 +104,8 @@ def _check_shapes(op: str, impl: str, got: tuple[Tensor, ...], want: tuple[tuple
 
 
 def _dense(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """A backward op's outputs, contiguous whatever the impl returned (the fakes declare them so)."""
+    """An op's outputs, contiguous whatever the impl returned (the fakes declare them so, and inductor asserts the
+    real strides against the fake's)."""
     return tuple(t.contiguous() for t in tensors)
 
 
@@ -362,7 +364,7 @@ def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
     t, e = x.shape[0], w_router.shape[0]
     _check_shapes("router_topk", impl, (w, idx, logits), ((t, top_k), (t, top_k), (t, e)),
                   ("topk_weights", "topk_idx", "router_logits"))
-    return w.to(torch.float32), idx.to(torch.int32), logits.to(torch.float32)
+    return _dense(w.to(torch.float32), idx.to(torch.int32), logits.to(torch.float32))
 
 
 @router_topk.register_fake
@@ -419,7 +421,7 @@ def grouped_mm(x: Tensor, w: Tensor, group_offsets: Tensor, impl: str = "referen
     fn = get_impl("grouped_mm", impl).fn
     out = fn(x.contiguous(), w.contiguous(), group_offsets.contiguous(), **_lnc_kw(fn, lnc))
     _check_shapes("grouped_mm", impl, (out,), ((x.shape[0], w.shape[2]),), ("out",))
-    return out.to(x.dtype)
+    return out.to(x.dtype).contiguous()
 
 
 @grouped_mm.register_fake
@@ -485,7 +487,7 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Te
              w_down.contiguous(), **block_size_kw(block_size), **_lnc_kw(fn, lnc),
              **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
     _check_shapes("moe_experts", impl, (out,), (tuple(x.shape),), ("out",))
-    return out.to(x.dtype)
+    return out.to(x.dtype).contiguous()
 
 
 @moe_experts.register_fake
@@ -578,7 +580,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference
     check(_eps_violations("rmsnorm", eps) + _norm_violations("rmsnorm", x, weight))
     fn = get_impl("rmsnorm", impl).fn
     y, rstd = fn(x.contiguous(), weight.contiguous(), eps, **_lnc_kw(fn, lnc))
-    return y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape), rstd.to(torch.float32).reshape(-1)
+    return _dense(y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape), rstd.to(torch.float32).reshape(-1))
 
 
 @rmsnorm.register_fake
@@ -630,9 +632,9 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
     fn = get_impl("rmsnorm_qk", impl).fn
     yq, yk, rq, rk = fn(q.contiguous(), k.contiguous(), weight_q.contiguous(), weight_k.contiguous(), eps,
                         **_lnc_kw(fn, lnc))
-    return (yq.to(torch.promote_types(q.dtype, weight_q.dtype)).reshape(q.shape),
-            yk.to(torch.promote_types(k.dtype, weight_k.dtype)).reshape(k.shape),
-            rq.to(torch.float32).reshape(-1), rk.to(torch.float32).reshape(-1))
+    return _dense(yq.to(torch.promote_types(q.dtype, weight_q.dtype)).reshape(q.shape),
+                  yk.to(torch.promote_types(k.dtype, weight_k.dtype)).reshape(k.shape),
+                  rq.to(torch.float32).reshape(-1), rk.to(torch.float32).reshape(-1))
 
 
 @rmsnorm_qk.register_fake
@@ -713,7 +715,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     fn = get_impl("linear_cross_entropy", impl).fn
     loss, lse = fn(hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index=ignore_index,
                    **_lnc_kw(fn, lnc))
-    return loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1)
+    return _dense(loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1))
 
 
 @linear_cross_entropy.register_fake
@@ -783,8 +785,8 @@ def linear_cross_entropy_fused(hidden: Tensor, weight: Tensor, labels: Tensor, i
         lse = lse.to(torch.float32).reshape(-1)
         gh, gw = _run_backward("linear_cross_entropy", impl, *args, lse, torch.ones((), dtype=torch.float32),
                                ignore_index=ignore_index, lnc=lnc)
-    return (loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1), gh.to(torch.float32),
-            gw.to(torch.float32))
+    return _dense(loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1), gh.to(torch.float32),
+                  gw.to(torch.float32))
 
 
 @linear_cross_entropy_fused.register_fake
