@@ -84,6 +84,28 @@ def test_rope_hf_outputs_that_alias_the_other_input_or_misfit(impl):
 
 
 @pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_rope_tables_too_short_or_narrow_refused(impl):
+    """cos / sin with fewer rows than S and a rope_cache of D columns (not 2D) are refused before any work, by the
+    op and its fake, naming the table, the rule and the sizes (the reference stopped in a broadcast: 'The size
+    of tensor a (5) must match the size of tensor b (3)'); a longer table (the model's whole cache) is served."""
+    q, k, cos, sin, _ = _rope_inputs("bshd", torch.float32, packed=False)
+    long = torch.cat([cos, cos])
+    assert_close(ops.rope_hf_apply(q, k, long, torch.cat([sin, sin]), None, "bshd", False, impl)[0],
+                 _refs.rope_bshd(q, cos, sin))
+    cases = [((cos[:3], sin[:3], None), "'cos is [S', D] or [B, S', D] with S' >= S' violated (got (3, 8)): S = 5, "
+              "D = 8; trnkit::rope_hf: constraint 'sin is [S', D] or [B, S', D] with S' >= S' violated (got (3, 8)): "
+              "S = 5, D = 8"),
+             ((None, None, cos), "'rope_cache is [S', 2D] or [B, S', 2D] with S' >= S' violated (got (5, 8)): S = 5, "
+              "D = 8")]
+    for tables, rule in cases:
+        for dev in ("cpu", "meta"):
+            on = [None if t is None else t.to(dev) for t in (q, k, *tables)]
+            with pytest.raises(KernelConstraintError) as e:
+                ops.rope_hf_apply(*on, "bshd", False, impl)
+            assert str(e.value) == f"trnkit::rope_hf: constraint {rule}"
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
 def test_rope_tables_other_than_cos_sin_or_cache_refused(impl):
     """cos / sin together or the packed rope_cache, not both and not neither, for every impl, in both rope ops and
     their fakes: the reference used rope_cache and ignored a different cos / sin without a word (here the cache's

@@ -215,17 +215,26 @@ def _checked_grads(op: str, impl: str, grads: tuple[Any, ...], args: Any, kwargs
     return grads
 
 
-def _check_rope_inputs(q: Tensor, k: Tensor, cos: Tensor | None, sin: Tensor | None,
-                       rope_cache: Tensor | None) -> None:
-    """Every impl's domain, checked before any work (and by the fakes): floating-point q, k and tables, and cos and
+def _check_rope_inputs(q: Tensor, k: Tensor, cos: Tensor | None, sin: Tensor | None, rope_cache: Tensor | None,
+                       layout: str) -> None:
+    """Every impl's domain, checked before any work (and by the fakes): floating-point 4-D q, k and tables; cos and
     sin together or the packed rope_cache, not both (the reference read rope_cache and ignored the given cos / sin
-    without a word, and stopped with a TypeError on neither or on cos without sin)."""
+    without a word, and stopped with a TypeError on neither or on cos without sin); tables of D (cache: 2D)
+    columns and at least S rows (the reference stopped in a broadcast)."""
     check(_float_violations("rope_hf", q=q, k=k, cos=cos, sin=sin, rope_cache=rope_cache))
     given = (cos is not None, sin is not None, rope_cache is not None)
     problem = {(True, True, False): "", (False, False, True): "", (False, False, False): "neither",
                (True, False, False): "cos without sin", (False, True, False): "sin without cos"}.get(given, "both")
     if problem:
         check([Violation("trnkit::rope_hf", "exactly one of (cos, sin) or rope_cache", problem)])
+    if q.dim() != 4 or k.dim() != 4:
+        check([Violation("trnkit::rope_hf", f"q and k are 4-D ({layout})", (tuple(q.shape), tuple(k.shape)))])
+    seq, width = q.shape[2 if layout == "bhsd" else 1], q.shape[-1]
+    tables = {"rope_cache": (rope_cache, 2 * width, "2D")} if rope_cache is not None else \
+        {"cos": (cos, width, "D"), "sin": (sin, width, "D")}
+    check([Violation("trnkit::rope_hf", f"{name} is [S', {cols}] or [B, S', {cols}] with S' >= S", tuple(t.shape),
+                     f"S = {seq}, D = {width}")
+           for name, (t, n, cols) in tables.items() if t.dim() not in (2, 3) or t.shape[-1] != n or t.shape[-2] < seq])
 
 
 def _check_rope_outs(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor) -> None:
@@ -250,7 +259,7 @@ def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos
               sin: Tensor | None, rope_cache: Tensor | None, backward: bool, layout: str) -> None:
     """Call the impl on contiguous buffers and make sure the results land in ``q_out``/``k_out``."""
     _check_layout(layout)
-    _check_rope_inputs(q, k, cos, sin, rope_cache)
+    _check_rope_inputs(q, k, cos, sin, rope_cache, layout)
     _check_rope_outs(q, k, q_out, k_out)
     entry = get_impl("rope_hf", impl)
     if backward and not entry.has_backward:
@@ -283,7 +292,7 @@ def rope_hf(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | No
 def _rope_hf_fake(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False,
                   layout="bhsd", impl="reference") -> None:
     _check_layout(layout)
-    _check_rope_inputs(q, k, cos, sin, rope_cache)
+    _check_rope_inputs(q, k, cos, sin, rope_cache, layout)
     _check_rope_outs(q, k, q_out, k_out)
 
 
@@ -302,7 +311,7 @@ def rope_hf_apply(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor |
 def _rope_hf_apply_fake(q, k, cos=None, sin=None, rope_cache=None, layout="bshd", backward=False,
                         impl="reference"):
     _check_layout(layout)
-    _check_rope_inputs(q, k, cos, sin, rope_cache)
+    _check_rope_inputs(q, k, cos, sin, rope_cache, layout)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format))
 
