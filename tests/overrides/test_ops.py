@@ -500,3 +500,25 @@ def test_user_impl_outputs_of_any_strides_come_back_contiguous():
 
 def _as_tuple(out: torch.Tensor | tuple) -> tuple:
     return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.mark.parametrize("impl", ["reference", "nki"])
+def test_forward_mode_ad_refused_instead_of_a_zero_tangent(impl):
+    """torch.func.jvp through an op gave a zero tangent (|jvp| 0 where the torch formula's is 60) and
+    torch.autograd.forward_ad none, without a word: the ops have reverse-mode derivatives only. Now the forward
+    ops refuse forward-mode AD naming the op; reverse mode still gives the torch formula's gradient."""
+    x, w = torch.randn(5, 16, generator=_gen(15)), torch.randn(16, generator=_gen(16))
+
+    def f(t):
+        return ops.rmsnorm(t, w, 1e-6, impl)[0]
+
+    def torch_rms(t):
+        return w * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    message = r"trnkit::rmsnorm: forward-mode AD \(torch.func.jvp / jacfwd, torch.autograd.forward_ad\) is not"
+    with pytest.raises(RuntimeError, match=message):
+        torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(RuntimeError, match=message):
+        f(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    assert_close(torch.autograd.grad(f(x1).sum(), x1)[0], torch.autograd.grad(torch_rms(x2).sum(), x2)[0])

@@ -177,6 +177,17 @@ def block_size_kw(block_size: int) -> dict[str, int]:
     return {"block_size": block_size} if block_size else {}
 
 
+def _forward_impl(op: str, impl: str) -> Any:
+    """The registered impl of a forward op, refused under forward-mode AD (``torch.func.jvp`` / ``jacfwd``,
+    ``torch.autograd.forward_ad``): the ops register only a reverse-mode derivative, and torch gives a custom op
+    without a forward one a zero tangent (``jvp``) or none (``forward_ad``) without a word."""
+    if torch.autograd.forward_ad._current_level >= 0:
+        raise RuntimeError(f"trnkit::{op}: forward-mode AD (torch.func.jvp / jacfwd, torch.autograd.forward_ad) is "
+                           "not supported: the op has a reverse-mode derivative only, and torch would return a zero "
+                           "tangent through it; use reverse mode (backward, torch.autograd.grad)")
+    return get_impl(op, impl)
+
+
 def _run_backward(op: str, impl: str, *args: Any, lnc: int = 0, **kwargs: Any) -> tuple[Tensor, ...]:
     """Call the impl's backward (see ``autograd_backward`` in :func:`trnkit.overrides.register`)."""
     entry = get_impl(op, impl)
@@ -261,7 +272,7 @@ def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos
     _check_layout(layout)
     _check_rope_inputs(q, k, cos, sin, rope_cache, layout)
     _check_rope_outs(q, k, q_out, k_out)
-    entry = get_impl("rope_hf", impl)
+    entry = _forward_impl("rope_hf", impl)
     if backward and not entry.has_backward:
         raise RuntimeError(f"trnkit::rope_hf: impl {impl!r} has no backward (has_backward=False)")
     qo, ko = _direct_out(q_out, q, k), _direct_out(k_out, k, q)
@@ -367,7 +378,7 @@ def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
                 routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Router logits, scores and top-k: ``(topk_weights [T,K] f32, topk_idx [T,K] i32, logits [T,E] f32)``."""
     _check_router_inputs(x, w_router, top_k)
-    w, idx, logits = get_impl("router_topk", impl).fn(
+    w, idx, logits = _forward_impl("router_topk", impl).fn(
         x.contiguous(), w_router.contiguous(), top_k, norm_topk_prob,
         **_router_variant(scoring, selection_bias, routed_scaling_factor))
     t, e = x.shape[0], w_router.shape[0]
@@ -427,7 +438,7 @@ router_topk.register_autograd(_router_backward, setup_context=_router_setup)
 @torch.library.custom_op("trnkit::grouped_mm", mutates_args=())
 def grouped_mm(x: Tensor, w: Tensor, group_offsets: Tensor, impl: str = "reference", lnc: int = 0) -> Tensor:
     """``out[rows of group g] = x[rows of group g] @ w[g]``; ``group_offsets`` are exclusive ends."""
-    fn = get_impl("grouped_mm", impl).fn
+    fn = _forward_impl("grouped_mm", impl).fn
     out = fn(x.contiguous(), w.contiguous(), group_offsets.contiguous(), **_lnc_kw(fn, lnc))
     _check_shapes("grouped_mm", impl, (out,), ((x.shape[0], w.shape[2]),), ("out",))
     return out.to(x.dtype).contiguous()
@@ -491,7 +502,7 @@ def moe_experts(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_gate_up: Te
                 limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA, b_gate_up: Tensor | None = None,
                 b_down: Tensor | None = None, lnc: int = 0) -> Tensor:
     """Gated experts, routed: ``out[t] = sum_k w[t,k] * (down_e(act(gate_e(x_t)) * up_e(x_t)) + b_down[e])``."""
-    fn = get_impl("moe_experts", impl).fn
+    fn = _forward_impl("moe_experts", impl).fn
     out = fn(x.contiguous(), topk_idx.contiguous(), topk_weights.contiguous(), w_gate_up.contiguous(),
              w_down.contiguous(), **block_size_kw(block_size), **_lnc_kw(fn, lnc),
              **_expert_variant(activation, limit, alpha, b_gate_up, b_down))
@@ -587,7 +598,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference
             lnc: int = 0) -> tuple[Tensor, Tensor]:
     """``(y, rstd)``: ``y = weight * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)`` per row (fp32)."""
     check(_eps_violations("rmsnorm", eps) + _norm_violations("rmsnorm", x, weight))
-    fn = get_impl("rmsnorm", impl).fn
+    fn = _forward_impl("rmsnorm", impl).fn
     y, rstd = fn(x.contiguous(), weight.contiguous(), eps, **_lnc_kw(fn, lnc))
     return _dense(y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape), rstd.to(torch.float32).reshape(-1))
 
@@ -638,7 +649,7 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
     in one call (the q and k head norms)."""
     check(_eps_violations("rmsnorm_qk", eps) + _norm_violations("rmsnorm_qk", q, weight_q, "q: ")
           + _norm_violations("rmsnorm_qk", k, weight_k, "k: "))
-    fn = get_impl("rmsnorm_qk", impl).fn
+    fn = _forward_impl("rmsnorm_qk", impl).fn
     yq, yk, rq, rk = fn(q.contiguous(), k.contiguous(), weight_q.contiguous(), weight_k.contiguous(), eps,
                         **_lnc_kw(fn, lnc))
     return _dense(yq.to(torch.promote_types(q.dtype, weight_q.dtype)).reshape(q.shape),
@@ -721,7 +732,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     """``(loss, lse [T])``: ``cross_entropy(hidden @ weight.T, labels, reduction="sum")`` (fp32) and the
     log-sum-exp of each token's logits (saved for the backward)."""
     _check_lce_inputs("linear_cross_entropy", hidden, weight, labels)
-    fn = get_impl("linear_cross_entropy", impl).fn
+    fn = _forward_impl("linear_cross_entropy", impl).fn
     loss, lse = fn(hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index=ignore_index,
                    **_lnc_kw(fn, lnc))
     return _dense(loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1))
@@ -784,7 +795,7 @@ def linear_cross_entropy_fused(hidden: Tensor, weight: Tensor, labels: Tensor, i
     in one call (``fn(..., with_grad=True) -> (loss, lse, grad_hidden, grad_weight)``); for any other, its
     backward runs at a loss gradient of 1."""
     _check_lce_inputs("linear_cross_entropy_fused", hidden, weight, labels)
-    entry = get_impl("linear_cross_entropy", impl)
+    entry = _forward_impl("linear_cross_entropy", impl)
     fn = entry.fn
     args = (hidden.contiguous(), weight.contiguous(), labels.contiguous())
     if _takes_with_grad(fn):
@@ -866,7 +877,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "refere
     """Causal GQA attention ``(o [B, S, Hq, D], lse [B, Hq, S] f32)`` of ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]``."""
     _check_attention_inputs(q, k, v)
     B, S, H, _ = q.shape
-    fn = get_impl("attention", impl).fn
+    fn = _forward_impl("attention", impl).fn
     o, lse = fn(q.contiguous(), k.contiguous(), v.contiguous(), scale, **_lnc_kw(fn, lnc),
                 **_fixed_shift_kw(impl, fixed_shift))
     return o.to(q.dtype).reshape(q.shape).contiguous(), lse.to(torch.float32).reshape(B, H, S).contiguous()
@@ -933,7 +944,7 @@ def mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, impl: str = "reference", l
     """The dense SwiGLU MLP ``y = (silu(x @ Wg) * (x @ Wu)) @ w_down`` of ``x [..., H]``, ``w_gate_up [H, 2I]``,
     ``w_down [I, H]``."""
     _check_mlp_inputs(x, w_gate_up, w_down)
-    fn = get_impl("mlp", impl).fn
+    fn = _forward_impl("mlp", impl).fn
     y = fn(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), **_lnc_kw(fn, lnc))
     return y.to(x.dtype).reshape(x.shape).contiguous()
 
