@@ -12,6 +12,7 @@ from tests.tolerances import assert_close
 from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.nkisim import trace
 from trnkit.overrides import get_impl, ops, register, unregister
+from trnkit.overrides.ops import ImplOutputError
 
 IMPLS = ["reference", "nki", "testref"]  # testref: the independent refs registered as a user impl
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -522,3 +523,31 @@ def test_forward_mode_ad_refused_instead_of_a_zero_tangent(impl):
         f(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)))
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     assert_close(torch.autograd.grad(f(x1).sum(), x1)[0], torch.autograd.grad(torch_rms(x2).sum(), x2)[0])
+
+
+def test_user_impl_per_row_outputs_of_another_length_refused():
+    """An impl's rstd (rmsnorm) or lse (linear_cross_entropy) of another length than the op's rows is an
+    ImplOutputError naming op, impl, output and both shapes, as for the other outputs: the op's reshape(-1)
+    took any length (an rstd of 2T values came back as the op's, against its fake's [T])."""
+    def rms(x, weight, eps=1e-6):
+        r = torch.rsqrt(x.float().pow(2).mean(-1) + eps)
+        return weight * (x.float() * r[:, None]).to(x.dtype), torch.cat([r, r])
+
+    def lce(hidden, weight, labels, ignore_index=-100):
+        logits = hidden.float() @ weight.float().T
+        return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum"), logits.logsumexp(-1)[:1]
+
+    register("rmsnorm", "long_rstd", rms)
+    register("linear_cross_entropy", "short_lse", lce)
+    try:
+        with pytest.raises(ImplOutputError, match=r"trnkit::rmsnorm: impl 'long_rstd' returned rstd of shape \[8\], "
+                                                  r"the op declares \[4\]"):
+            ops.rmsnorm(torch.randn(4, 8), torch.ones(8), 1e-6, "long_rstd")
+        args = (torch.randn(3, 8), torch.randn(5, 8), torch.tensor([0, 1, 2]), -100, "short_lse")
+        for op in ("linear_cross_entropy", "linear_cross_entropy_fused"):
+            with pytest.raises(ImplOutputError, match=rf"trnkit::{op}: impl 'short_lse' returned lse of shape \[1\], "
+                                                      r"the op declares \[3\]"):
+                getattr(ops, op)(*args)
+    finally:
+        unregister("rmsnorm", "long_rstd")
+        unregister("linear_cross_entropy", "short_lse")

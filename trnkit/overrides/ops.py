@@ -115,6 +115,14 @@ def _empty_dense(*like: Tensor) -> tuple[Tensor, ...]:
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in like)
 
 
+def _per_row(op: str, impl: str, name: str, t: Tensor, rows: int) -> Tensor:
+    """A per-row fp32 output of an impl (``rstd``, ``lse``), flattened and checked to hold the op's ``rows`` values
+    (``reshape(-1)`` alone took any length: a user impl's rstd of 2T values came back as the op's)."""
+    flat = t.to(torch.float32).reshape(-1)
+    _check_shapes(op, impl, (flat,), ((rows,),), (name,))
+    return flat
+
+
 def _check_layout(layout: str) -> None:
     if layout not in _LAYOUTS:
         raise ValueError(f"trnkit::rope_hf: layout must be one of {_LAYOUTS}, got {layout!r}")
@@ -600,7 +608,8 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference
     check(_eps_violations("rmsnorm", eps) + _norm_violations("rmsnorm", x, weight))
     fn = _forward_impl("rmsnorm", impl).fn
     y, rstd = fn(x.contiguous(), weight.contiguous(), eps, **_lnc_kw(fn, lnc))
-    return _dense(y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape), rstd.to(torch.float32).reshape(-1))
+    return _dense(y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape),
+                  _per_row("rmsnorm", impl, "rstd", rstd, _rows(x)))
 
 
 @rmsnorm.register_fake
@@ -654,7 +663,8 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
                         **_lnc_kw(fn, lnc))
     return _dense(yq.to(torch.promote_types(q.dtype, weight_q.dtype)).reshape(q.shape),
                   yk.to(torch.promote_types(k.dtype, weight_k.dtype)).reshape(k.shape),
-                  rq.to(torch.float32).reshape(-1), rk.to(torch.float32).reshape(-1))
+                  _per_row("rmsnorm_qk", impl, "rstd_q", rq, _rows(q)),
+                  _per_row("rmsnorm_qk", impl, "rstd_k", rk, _rows(k)))
 
 
 @rmsnorm_qk.register_fake
@@ -735,7 +745,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
     fn = _forward_impl("linear_cross_entropy", impl).fn
     loss, lse = fn(hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index=ignore_index,
                    **_lnc_kw(fn, lnc))
-    return _dense(loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1))
+    return _dense(loss.to(torch.float32).reshape(()),
+                  _per_row("linear_cross_entropy", impl, "lse", lse, hidden.shape[0]))
 
 
 @linear_cross_entropy.register_fake
@@ -800,12 +811,15 @@ def linear_cross_entropy_fused(hidden: Tensor, weight: Tensor, labels: Tensor, i
     args = (hidden.contiguous(), weight.contiguous(), labels.contiguous())
     if _takes_with_grad(fn):
         loss, lse, gh, gw = fn(*args, ignore_index=ignore_index, with_grad=True, **_lnc_kw(fn, lnc))
+        _check_shapes("linear_cross_entropy_fused", impl, (gh, gw), (tuple(hidden.shape), tuple(weight.shape)),
+                      ("grad_hidden", "grad_weight"))
+        lse = _per_row("linear_cross_entropy_fused", impl, "lse", lse, hidden.shape[0])
     else:
         loss, lse = fn(*args, ignore_index=ignore_index, **_lnc_kw(fn, lnc))
-        lse = lse.to(torch.float32).reshape(-1)
+        lse = _per_row("linear_cross_entropy_fused", impl, "lse", lse, hidden.shape[0])
         gh, gw = _run_backward("linear_cross_entropy", impl, *args, lse, torch.ones((), dtype=torch.float32),
                                ignore_index=ignore_index, lnc=lnc)
-    return _dense(loss.to(torch.float32).reshape(()), lse.to(torch.float32).reshape(-1), gh.to(torch.float32),
+    return _dense(loss.to(torch.float32).reshape(()), lse, gh.to(torch.float32),
                   gw.to(torch.float32))
 
 
