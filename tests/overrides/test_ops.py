@@ -551,3 +551,28 @@ def test_user_impl_per_row_outputs_of_another_length_refused():
     finally:
         unregister("rmsnorm", "long_rstd")
         unregister("linear_cross_entropy", "short_lse")
+
+
+def test_user_attention_impl_in_the_other_layout_refused():
+    """An attention impl returning o as [B, Hq, S, D] (the heads-first layout many kernels use) was reshaped to
+    [B, S, Hq, D] without a word, scrambling rows and heads; o and lse must now have the declared shapes
+    (ImplOutputError naming both). An impl in the declared layout gives the reference's result."""
+    q, k, v = (torch.randn(1, 5, h, 8, generator=_gen(17 + h)) for h in (2, 1, 1))
+    ref = get_impl("attention", "reference").fn
+
+    def heads_first(q, k, v, scale):
+        o, lse = ref(q, k, v, scale)
+        return o.transpose(1, 2).contiguous(), lse
+
+    register("attention", "heads_first", heads_first)
+    register("attention", "declared", ref)
+    try:
+        with pytest.raises(ImplOutputError, match=r"trnkit::attention: impl 'heads_first' returned o of shape "
+                                                  r"\[1, 2, 5, 8\], the op declares \[1, 5, 2, 8\]"):
+            ops.attention(q, k, v, 0.3, "heads_first")
+        for got, want in zip(ops.attention(q, k, v, 0.3, "declared"), ops.attention(q, k, v, 0.3, "reference"),
+                             strict=True):
+            assert torch.equal(got, want)
+    finally:
+        unregister("attention", "heads_first")
+        unregister("attention", "declared")

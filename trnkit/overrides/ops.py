@@ -894,7 +894,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "refere
     fn = _forward_impl("attention", impl).fn
     o, lse = fn(q.contiguous(), k.contiguous(), v.contiguous(), scale, **_lnc_kw(fn, lnc),
                 **_fixed_shift_kw(impl, fixed_shift))
-    return o.to(q.dtype).reshape(q.shape).contiguous(), lse.to(torch.float32).reshape(B, H, S).contiguous()
+    # exact shapes, not a reshape: an impl's o in [B, Hq, S, D] (the other common layout) would be scrambled
+    _check_shapes("attention", impl, (o, lse), (tuple(q.shape), (B, H, S)), ("o", "lse"))
+    return _dense(o.to(q.dtype), lse.to(torch.float32))
 
 
 @attention.register_fake
