@@ -576,3 +576,36 @@ def test_user_attention_impl_in_the_other_layout_refused():
     finally:
         unregister("attention", "heads_first")
         unregister("attention", "declared")
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "mlp"])
+def test_user_impl_output_transposed_refused_not_reshaped(op):
+    """A y of x's size in another shape ([H, T] for x [T, H]) was reshaped into scrambled rows; it is now an
+    ImplOutputError. y as x's rows ([T, H] for x [2, 3, H]) is still reshaped to x's shape, with the reference's
+    values."""
+    ref = get_impl(op, "reference").fn
+
+    def transposed(x, *rest):
+        out = ref(x, *rest)
+        y = out[0] if op == "rmsnorm" else out
+        y = y.reshape(-1, x.shape[-1]).T.contiguous()
+        return (y, out[1]) if op == "rmsnorm" else y
+
+    def rows(x, *rest):
+        out = ref(x, *rest)
+        return (out[0].reshape(-1, x.shape[-1]), out[1]) if op == "rmsnorm" else out.reshape(-1, x.shape[-1])
+
+    x = torch.randn(2, 3, 8, generator=_gen(20))
+    args = (torch.ones(8), 1e-6) if op == "rmsnorm" else (torch.randn(8, 4, generator=_gen(21)),
+                                                           torch.randn(2, 8, generator=_gen(22)))
+    register(op, "transposed", transposed)
+    register(op, "rows", rows)
+    try:
+        with pytest.raises(ImplOutputError, match=rf"trnkit::{op}: impl 'transposed' returned y of shape \[8, 6\], "
+                                                  r"the op declares \[2, 3, 8\]"):
+            getattr(ops, op)(x, *args, impl="transposed")
+        got, want = getattr(ops, op)(x, *args, impl="rows"), getattr(ops, op)(x, *args, impl="reference")
+        assert torch.equal(_as_tuple(got)[0], _as_tuple(want)[0])
+    finally:
+        unregister(op, "transposed")
+        unregister(op, "rows")

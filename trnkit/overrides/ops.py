@@ -123,6 +123,14 @@ def _per_row(op: str, impl: str, name: str, t: Tensor, rows: int) -> Tensor:
     return flat
 
 
+def _like(op: str, impl: str, name: str, y: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """An impl's output of x's shape or of its rows ``[N, H]``, reshaped to x's shape in ``dtype``; another shape of
+    the same size (``[H, N]``) would be reshaped into scrambled values, so it is an :class:`ImplOutputError`."""
+    if tuple(y.shape) not in (tuple(x.shape), (_rows(x), x.shape[-1])):
+        _check_shapes(op, impl, (y,), (tuple(x.shape),), (name,))
+    return y.to(dtype).reshape(x.shape)
+
+
 def _check_layout(layout: str) -> None:
     if layout not in _LAYOUTS:
         raise ValueError(f"trnkit::rope_hf: layout must be one of {_LAYOUTS}, got {layout!r}")
@@ -608,7 +616,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference
     check(_eps_violations("rmsnorm", eps) + _norm_violations("rmsnorm", x, weight))
     fn = _forward_impl("rmsnorm", impl).fn
     y, rstd = fn(x.contiguous(), weight.contiguous(), eps, **_lnc_kw(fn, lnc))
-    return _dense(y.to(torch.promote_types(x.dtype, weight.dtype)).reshape(x.shape),
+    return _dense(_like("rmsnorm", impl, "y", y, x, torch.promote_types(x.dtype, weight.dtype)),
                   _per_row("rmsnorm", impl, "rstd", rstd, _rows(x)))
 
 
@@ -661,8 +669,8 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
     fn = _forward_impl("rmsnorm_qk", impl).fn
     yq, yk, rq, rk = fn(q.contiguous(), k.contiguous(), weight_q.contiguous(), weight_k.contiguous(), eps,
                         **_lnc_kw(fn, lnc))
-    return _dense(yq.to(torch.promote_types(q.dtype, weight_q.dtype)).reshape(q.shape),
-                  yk.to(torch.promote_types(k.dtype, weight_k.dtype)).reshape(k.shape),
+    return _dense(_like("rmsnorm_qk", impl, "y_q", yq, q, torch.promote_types(q.dtype, weight_q.dtype)),
+                  _like("rmsnorm_qk", impl, "y_k", yk, k, torch.promote_types(k.dtype, weight_k.dtype)),
                   _per_row("rmsnorm_qk", impl, "rstd_q", rq, _rows(q)),
                   _per_row("rmsnorm_qk", impl, "rstd_k", rk, _rows(k)))
 
@@ -962,7 +970,7 @@ def mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, impl: str = "reference", l
     _check_mlp_inputs(x, w_gate_up, w_down)
     fn = _forward_impl("mlp", impl).fn
     y = fn(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), **_lnc_kw(fn, lnc))
-    return y.to(x.dtype).reshape(x.shape).contiguous()
+    return _like("mlp", impl, "y", y, x, x.dtype).contiguous()
 
 
 @mlp.register_fake
