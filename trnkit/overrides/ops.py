@@ -64,7 +64,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,9 +71,12 @@ import torch
 from torch import Tensor
 
 from trnkit.errors import TrnkitError
-from trnkit.kernels.constraints import Violation, check
+from trnkit.kernels.constraints import check
 from trnkit.kernels.moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from trnkit.overrides.config import fixed_shift_problem
+from trnkit.overrides.op_inputs import (check_attention_inputs, check_lce_inputs, check_mlp_inputs,
+                                        check_rope_inputs, check_rope_outs, check_router_inputs, eps_violations,
+                                        norm_violations)
 from trnkit.overrides.registry import get_impl
 
 __all__ = ["ImplOutputError", "attention", "attention_bwd", "grouped_mm", "grouped_mm_bwd", "linear_cross_entropy",
@@ -134,13 +136,6 @@ def _like(op: str, impl: str, name: str, y: Tensor, x: Tensor, dtype: torch.dtyp
 def _check_layout(layout: str) -> None:
     if layout not in _LAYOUTS:
         raise ValueError(f"trnkit::rope_hf: layout must be one of {_LAYOUTS}, got {layout!r}")
-
-
-def _float_violations(op: str, **tensors: Tensor | None) -> list[Violation]:
-    """The inputs whose dtype the outputs take must be floating point, for every impl (the reference computed an
-    integer or bool x in fp32 and cast the result back, truncating it: an rmsnorm of int64 rows gave 0 / +-1)."""
-    return [Violation(f"trnkit::{op}", f"{name} is floating point", str(t.dtype).removeprefix("torch."))
-            for name, t in tensors.items() if t is not None and not t.is_floating_point()]
 
 
 # Positions of each op's differentiable inputs in its backward's arguments (x, weights, ...).
@@ -242,35 +237,6 @@ def _checked_grads(op: str, impl: str, grads: tuple[Any, ...], args: Any, kwargs
     return grads
 
 
-def _check_rope_inputs(q: Tensor, k: Tensor, cos: Tensor | None, sin: Tensor | None, rope_cache: Tensor | None,
-                       layout: str) -> None:
-    """Every impl's domain, checked before any work (and by the fakes): floating-point 4-D q, k and tables; cos and
-    sin together or the packed rope_cache, not both (the reference read rope_cache and ignored the given cos / sin
-    without a word, and stopped with a TypeError on neither or on cos without sin); tables of D (cache: 2D)
-    columns and at least S rows (the reference stopped in a broadcast)."""
-    check(_float_violations("rope_hf", q=q, k=k, cos=cos, sin=sin, rope_cache=rope_cache))
-    given = (cos is not None, sin is not None, rope_cache is not None)
-    problem = {(True, True, False): "", (False, False, True): "", (False, False, False): "neither",
-               (True, False, False): "cos without sin", (False, True, False): "sin without cos"}.get(given, "both")
-    if problem:
-        check([Violation("trnkit::rope_hf", "exactly one of (cos, sin) or rope_cache", problem)])
-    if q.dim() != 4 or k.dim() != 4:
-        check([Violation("trnkit::rope_hf", f"q and k are 4-D ({layout})", (tuple(q.shape), tuple(k.shape)))])
-    seq, width = q.shape[2 if layout == "bhsd" else 1], q.shape[-1]
-    tables = {"rope_cache": (rope_cache, 2 * width, "2D")} if rope_cache is not None else \
-        {"cos": (cos, width, "D"), "sin": (sin, width, "D")}
-    check([Violation("trnkit::rope_hf", f"{name} is [S', {cols}] or [B, S', {cols}] with S' >= S", tuple(t.shape),
-                     f"S = {seq}, D = {width}")
-           for name, (t, n, cols) in tables.items() if t.dim() not in (2, 3) or t.shape[-1] != n or t.shape[-2] < seq])
-
-
-def _check_rope_outs(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor) -> None:
-    """``trnkit::rope_hf``'s preallocated outputs have q's and k's shapes, for every impl (the reference stopped in
-    its copy with a broadcast error, and the fake let them through)."""
-    check([Violation("trnkit::rope_hf", f"{name} has {src}'s shape", tuple(out.shape), f"{src}: {tuple(t.shape)}")
-           for name, src, out, t in (("q_out", "q", q_out, q), ("k_out", "k", k_out, k)) if out.shape != t.shape])
-
-
 def _direct_out(out: Tensor, own: Tensor, other: Tensor) -> Tensor:
     """``out`` itself where the impl may write it while it reads the inputs: contiguous, overlapping neither the
     other input nor its own input unless it is that input (``q_out is q``: in place); else a fresh buffer that
@@ -286,8 +252,8 @@ def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos
               sin: Tensor | None, rope_cache: Tensor | None, backward: bool, layout: str) -> None:
     """Call the impl on contiguous buffers and make sure the results land in ``q_out``/``k_out``."""
     _check_layout(layout)
-    _check_rope_inputs(q, k, cos, sin, rope_cache, layout)
-    _check_rope_outs(q, k, q_out, k_out)
+    check_rope_inputs(q, k, cos, sin, rope_cache, layout)
+    check_rope_outs(q, k, q_out, k_out)
     entry = _forward_impl("rope_hf", impl)
     if backward and not entry.has_backward:
         raise RuntimeError(f"trnkit::rope_hf: impl {impl!r} has no backward (has_backward=False)")
@@ -319,8 +285,8 @@ def rope_hf(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | No
 def _rope_hf_fake(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False,
                   layout="bhsd", impl="reference") -> None:
     _check_layout(layout)
-    _check_rope_inputs(q, k, cos, sin, rope_cache, layout)
-    _check_rope_outs(q, k, q_out, k_out)
+    check_rope_inputs(q, k, cos, sin, rope_cache, layout)
+    check_rope_outs(q, k, q_out, k_out)
 
 
 @torch.library.custom_op("trnkit::rope_hf_apply", mutates_args=())
@@ -338,7 +304,7 @@ def rope_hf_apply(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor |
 def _rope_hf_apply_fake(q, k, cos=None, sin=None, rope_cache=None, layout="bshd", backward=False,
                         impl="reference"):
     _check_layout(layout)
-    _check_rope_inputs(q, k, cos, sin, rope_cache, layout)
+    check_rope_inputs(q, k, cos, sin, rope_cache, layout)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format))
 
@@ -375,25 +341,12 @@ def _router_variant(scoring: str, selection_bias: Tensor | None, routed_scaling_
     return kw
 
 
-def _check_router_inputs(x: Tensor, w_router: Tensor, top_k: int) -> None:
-    """Every impl's domain, checked before any work (and by the fake): ``x [T, H]``, ``w_router [E, H]`` (the
-    reference otherwise stopped in its matmul), and 1 to E experts picked. A torch top-K of another width (the
-    reference's sort slices to min(K, E) columns, or E - 1 for K = -1) would otherwise come back as an impl's
-    wrong output shape."""
-    if x.dim() != 2 or w_router.dim() != 2 or w_router.shape[1] != x.shape[1]:
-        check([Violation("trnkit::router_topk", "x is [T, H] and w_router [E, H]",
-                         (tuple(x.shape), tuple(w_router.shape)))])
-    experts = w_router.shape[0]
-    if not 1 <= top_k <= experts:
-        check([Violation("trnkit::router_topk", "1 <= top_k <= E", top_k, f"E = {experts} experts (w_router rows)")])
-
-
 @torch.library.custom_op("trnkit::router_topk", mutates_args=())
 def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True,
                 impl: str = "reference", scoring: str = "softmax", selection_bias: Tensor | None = None,
                 routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Router logits, scores and top-k: ``(topk_weights [T,K] f32, topk_idx [T,K] i32, logits [T,E] f32)``."""
-    _check_router_inputs(x, w_router, top_k)
+    check_router_inputs(x, w_router, top_k)
     w, idx, logits = _forward_impl("router_topk", impl).fn(
         x.contiguous(), w_router.contiguous(), top_k, norm_topk_prob,
         **_router_variant(scoring, selection_bias, routed_scaling_factor))
@@ -406,7 +359,7 @@ def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
 @router_topk.register_fake
 def _router_topk_fake(x, w_router, top_k, norm_topk_prob=True, impl="reference", scoring="softmax",
                       selection_bias=None, routed_scaling_factor=1.0):
-    _check_router_inputs(x, w_router, top_k)
+    check_router_inputs(x, w_router, top_k)
     t, e = x.shape[0], w_router.shape[0]
     return (x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32),
             x.new_empty((t, e), dtype=torch.float32))
@@ -590,30 +543,11 @@ def _rows(x: Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
-def _eps_violations(op: str, eps: float) -> list[Violation]:
-    """A finite ``eps >= 0``, every impl's domain (the reference computed ``rsqrt(mean(x^2) + eps)`` with a negative
-    or NaN eps: NaN rows, or a silently different scale)."""
-    if math.isfinite(eps) and eps >= 0:
-        return []
-    return [Violation(f"trnkit::{op}", "eps is a finite float >= 0", eps)]
-
-
-def _norm_violations(op: str, x: Tensor, weight: Tensor, prefix: str = "") -> list[Violation]:
-    """Floating-point x and ``weight [H]`` with ``H = x.shape[-1]``, every impl's domain (the reference otherwise
-    broadcast a ``[1]`` weight without a word and stopped in a broadcast on other shapes); ``prefix`` names the
-    tensor of a pair (``"q: "``)."""
-    v = _float_violations(op, **{f"{prefix}x": x, f"{prefix}weight": weight})
-    if x.dim() < 1 or tuple(weight.shape) != (x.shape[-1],):
-        v.append(Violation(f"trnkit::{op}", f"{prefix}weight is [H] with H = x.shape[-1]", tuple(weight.shape),
-                           f"x: {tuple(x.shape)}"))
-    return v
-
-
 @torch.library.custom_op("trnkit::rmsnorm", mutates_args=())
 def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference",
             lnc: int = 0) -> tuple[Tensor, Tensor]:
     """``(y, rstd)``: ``y = weight * (x * rstd).to(x.dtype)``, ``rstd = rsqrt(mean(x^2) + eps)`` per row (fp32)."""
-    check(_eps_violations("rmsnorm", eps) + _norm_violations("rmsnorm", x, weight))
+    check(eps_violations("rmsnorm", eps) + norm_violations("rmsnorm", x, weight))
     fn = _forward_impl("rmsnorm", impl).fn
     y, rstd = fn(x.contiguous(), weight.contiguous(), eps, **_lnc_kw(fn, lnc))
     return _dense(_like("rmsnorm", impl, "y", y, x, torch.promote_types(x.dtype, weight.dtype)),
@@ -622,7 +556,7 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-6, impl: str = "reference
 
 @rmsnorm.register_fake
 def _rmsnorm_fake(x, weight, eps=1e-6, impl="reference", lnc=0):
-    check(_eps_violations("rmsnorm", eps) + _norm_violations("rmsnorm", x, weight))
+    check(eps_violations("rmsnorm", eps) + norm_violations("rmsnorm", x, weight))
     return (x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype)),
             x.new_empty((_rows(x),), dtype=torch.float32))
 
@@ -664,8 +598,8 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
                impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(y_q, y_k, rstd_q, rstd_k)``: ``trnkit::rmsnorm`` of ``q`` with ``weight_q`` and of ``k`` with ``weight_k``
     in one call (the q and k head norms)."""
-    check(_eps_violations("rmsnorm_qk", eps) + _norm_violations("rmsnorm_qk", q, weight_q, "q: ")
-          + _norm_violations("rmsnorm_qk", k, weight_k, "k: "))
+    check(eps_violations("rmsnorm_qk", eps) + norm_violations("rmsnorm_qk", q, weight_q, "q: ")
+          + norm_violations("rmsnorm_qk", k, weight_k, "k: "))
     fn = _forward_impl("rmsnorm_qk", impl).fn
     yq, yk, rq, rk = fn(q.contiguous(), k.contiguous(), weight_q.contiguous(), weight_k.contiguous(), eps,
                         **_lnc_kw(fn, lnc))
@@ -677,8 +611,8 @@ def rmsnorm_qk(q: Tensor, k: Tensor, weight_q: Tensor, weight_k: Tensor, eps: fl
 
 @rmsnorm_qk.register_fake
 def _rmsnorm_qk_fake(q, k, weight_q, weight_k, eps=1e-6, impl="reference", lnc=0):
-    check(_eps_violations("rmsnorm_qk", eps) + _norm_violations("rmsnorm_qk", q, weight_q, "q: ")
-          + _norm_violations("rmsnorm_qk", k, weight_k, "k: "))
+    check(eps_violations("rmsnorm_qk", eps) + norm_violations("rmsnorm_qk", q, weight_q, "q: ")
+          + norm_violations("rmsnorm_qk", k, weight_k, "k: "))
     return (q.new_empty(q.shape, dtype=torch.promote_types(q.dtype, weight_q.dtype)),
             k.new_empty(k.shape, dtype=torch.promote_types(k.dtype, weight_k.dtype)),
             q.new_empty((_rows(q),), dtype=torch.float32), k.new_empty((_rows(k),), dtype=torch.float32))
@@ -729,27 +663,12 @@ rmsnorm_qk.register_autograd(_rmsnorm_qk_backward, setup_context=_rmsnorm_qk_set
 # ------------------------------------------------------------------------------ linear cross-entropy
 
 
-def _check_lce_inputs(op: str, hidden: Tensor, weight: Tensor, labels: Tensor) -> None:
-    """The op's layout, every impl's domain, checked before any work (and by the fake): ``hidden [T, H]``,
-    ``weight [V, H]``, integer ``labels [T]`` (the reference otherwise truncated float labels to classes
-    without a word, and stopped in torch's gather or broadcast on other shapes)."""
-    v: list[Violation] = []
-    name = f"trnkit::{op}"
-    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        v.append(Violation(name, "hidden is [T, H] and weight [V, H]", (tuple(hidden.shape), tuple(weight.shape))))
-    elif tuple(labels.shape) != (hidden.shape[0],):
-        v.append(Violation(name, "labels is [T]", tuple(labels.shape), f"T = {hidden.shape[0]}"))
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        v.append(Violation(name, "labels is an integer tensor", str(labels.dtype).removeprefix("torch.")))
-    check(v)
-
-
 @torch.library.custom_op("trnkit::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int = -100,
                          impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor]:
     """``(loss, lse [T])``: ``cross_entropy(hidden @ weight.T, labels, reduction="sum")`` (fp32) and the
     log-sum-exp of each token's logits (saved for the backward)."""
-    _check_lce_inputs("linear_cross_entropy", hidden, weight, labels)
+    check_lce_inputs("linear_cross_entropy", hidden, weight, labels)
     fn = _forward_impl("linear_cross_entropy", impl).fn
     loss, lse = fn(hidden.contiguous(), weight.contiguous(), labels.contiguous(), ignore_index=ignore_index,
                    **_lnc_kw(fn, lnc))
@@ -759,7 +678,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
 
 @linear_cross_entropy.register_fake
 def _linear_cross_entropy_fake(hidden, weight, labels, ignore_index=-100, impl="reference", lnc=0):
-    _check_lce_inputs("linear_cross_entropy", hidden, weight, labels)
+    check_lce_inputs("linear_cross_entropy", hidden, weight, labels)
     return hidden.new_empty((), dtype=torch.float32), hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
 
 
@@ -813,7 +732,7 @@ def linear_cross_entropy_fused(hidden: Tensor, weight: Tensor, labels: Tensor, i
     is a sum) and rounds them to the inputs' dtypes. An impl whose ``fn`` takes ``with_grad`` computes them
     in one call (``fn(..., with_grad=True) -> (loss, lse, grad_hidden, grad_weight)``); for any other, its
     backward runs at a loss gradient of 1."""
-    _check_lce_inputs("linear_cross_entropy_fused", hidden, weight, labels)
+    check_lce_inputs("linear_cross_entropy_fused", hidden, weight, labels)
     entry = _forward_impl("linear_cross_entropy", impl)
     fn = entry.fn
     args = (hidden.contiguous(), weight.contiguous(), labels.contiguous())
@@ -833,7 +752,7 @@ def linear_cross_entropy_fused(hidden: Tensor, weight: Tensor, labels: Tensor, i
 
 @linear_cross_entropy_fused.register_fake
 def _linear_cross_entropy_fused_fake(hidden, weight, labels, ignore_index=-100, impl="reference", lnc=0):
-    _check_lce_inputs("linear_cross_entropy_fused", hidden, weight, labels)
+    check_lce_inputs("linear_cross_entropy_fused", hidden, weight, labels)
     f32 = torch.float32
     return (hidden.new_empty((), dtype=f32), hidden.new_empty((hidden.shape[0],), dtype=f32),
             hidden.new_empty(hidden.shape, dtype=f32), weight.new_empty(weight.shape, dtype=f32))
@@ -876,28 +795,11 @@ def _fixed_shift_kw(impl: str, fixed_shift: bool | None) -> dict[str, bool]:
     return {"fixed_shift": fixed_shift}
 
 
-def _check_attention_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
-    """The op's layout, every impl's domain, checked before any work (and by the fake): floating-point
-    ``q [B, S, Hq, D]``, ``k`` and ``v [B, S, Hk, D]`` with ``Hq`` a multiple of ``Hk >= 1`` (otherwise the
-    reference stopped in an einsum, a broadcast or a division by zero, and the fake declared outputs for them)."""
-    v_ = _float_violations("attention", q=q, k=k, v=v)
-    if q.dim() != 4:
-        v_.append(Violation("trnkit::attention", "q is [B, S, Hq, D]", tuple(q.shape)))
-    elif tuple(k.shape) != tuple(v.shape) or k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != \
-            (q.shape[0], q.shape[1], q.shape[3]):
-        v_.append(Violation("trnkit::attention", "k and v are [B, S, Hk, D] with q's B, S and D",
-                            (tuple(k.shape), tuple(v.shape)), f"q: {tuple(q.shape)}"))
-    elif k.shape[2] < 1 or q.shape[2] % k.shape[2]:
-        v_.append(Violation("trnkit::attention", "Hq % Hk == 0 with Hk >= 1", (q.shape[2], k.shape[2]),
-                            "query head h reads kv head h // (Hq / Hk)"))
-    check(v_)
-
-
 @torch.library.custom_op("trnkit::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "reference",
               lnc: int = 0, fixed_shift: bool | None = None) -> tuple[Tensor, Tensor]:
     """Causal GQA attention ``(o [B, S, Hq, D], lse [B, Hq, S] f32)`` of ``q [B, S, Hq, D]``, ``k, v [B, S, Hk, D]``."""
-    _check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v)
     B, S, H, _ = q.shape
     fn = _forward_impl("attention", impl).fn
     o, lse = fn(q.contiguous(), k.contiguous(), v.contiguous(), scale, **_lnc_kw(fn, lnc),
@@ -909,7 +811,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, impl: str = "refere
 
 @attention.register_fake
 def _attention_fake(q, k, v, scale, impl="reference", lnc=0, fixed_shift=None):
-    _check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v)
     B, S, H, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -952,22 +854,11 @@ attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 # ----------------------------------------------------------------------------------------------- mlp
 
 
-def _check_mlp_inputs(x: Tensor, w_gate_up: Tensor, w_down: Tensor) -> None:
-    """``x [..., H]``, ``w_gate_up [H, 2I]``, ``w_down [I, H]``, every impl's domain, checked before any work (and
-    by the fake; the reference otherwise stopped in a broadcast or a matmul), floating point."""
-    check(_float_violations("mlp", x=x, w_gate_up=w_gate_up, w_down=w_down))
-    h = x.shape[-1] if x.dim() else -1
-    if w_gate_up.dim() != 2 or w_gate_up.shape[0] != h or w_gate_up.shape[1] % 2 or \
-            tuple(w_down.shape) != (w_gate_up.shape[1] // 2, h):
-        check([Violation("trnkit::mlp", "x is [..., H], w_gate_up [H, 2I] and w_down [I, H]",
-                         (tuple(x.shape), tuple(w_gate_up.shape), tuple(w_down.shape)))])
-
-
 @torch.library.custom_op("trnkit::mlp", mutates_args=())
 def mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, impl: str = "reference", lnc: int = 0) -> Tensor:
     """The dense SwiGLU MLP ``y = (silu(x @ Wg) * (x @ Wu)) @ w_down`` of ``x [..., H]``, ``w_gate_up [H, 2I]``,
     ``w_down [I, H]``."""
-    _check_mlp_inputs(x, w_gate_up, w_down)
+    check_mlp_inputs(x, w_gate_up, w_down)
     fn = _forward_impl("mlp", impl).fn
     y = fn(x.contiguous(), w_gate_up.contiguous(), w_down.contiguous(), **_lnc_kw(fn, lnc))
     return _like("mlp", impl, "y", y, x, x.dtype).contiguous()
@@ -975,7 +866,7 @@ def mlp(x: Tensor, w_gate_up: Tensor, w_down: Tensor, impl: str = "reference", l
 
 @mlp.register_fake
 def _mlp_fake(x, w_gate_up, w_down, impl="reference", lnc=0):
-    _check_mlp_inputs(x, w_gate_up, w_down)
+    check_mlp_inputs(x, w_gate_up, w_down)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
