@@ -13,9 +13,10 @@ import torch
 from tests.overrides.conftest import _logits_and_grads, assert_swap_parity, hf_dense_model, hf_moe_model, native_model
 from tests.tolerances import assert_close, check_oracle
 from trnkit.kernels.constraints import KernelConstraintError
-from trnkit.hf import revert
+from trnkit.hf import apply_trnkit_to_qwen3, revert
 from trnkit.overrides import (
     DEFAULT_OPS,
+    KernelChoice,
     OverrideConfig,
     OverrideConstraintError,
     apply_overrides,
@@ -215,3 +216,19 @@ def test_reference_serves_zero_query_rows():
         assert torch.equal(o, _eager(q, k, v, 0.3))
         grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_rope_and_attention_of_one_module_are_validated_apart():
+    """``rope_hf`` and ``attention`` swap the same transformers module (``self_attn``); the dry run keeps what
+    each op saw apart. Under ``eager`` every attention call has a mask, so the attention falls back while the
+    rope, which takes any mask, is swapped, a strict rope included (it was refused for the attention's mask)."""
+    model = hf_dense_model(attn_implementation="eager")
+    original = copy.deepcopy(model)
+    report = apply_trnkit_to_qwen3(model, rope=KernelChoice("nki", "strict"), attention=True, policy="fallback",
+                                   seq_len=8)
+    rows = {(r.module, r.op): (r.status, r.reason) for r in report.rows}
+    for i in (0, 1):
+        assert rows[(f"model.layers.{i}.self_attn", "rope_hf")] == ("swapped", "")
+        status, reason = rows[(f"model.layers.{i}.self_attn", "attention")]
+        assert status == "fallback" and "attention_mask is None" in reason
+    assert_swap_parity(model, original)

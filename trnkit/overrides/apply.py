@@ -283,7 +283,7 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
         if skipped and points:
             report.notes.append(skipped)
         seen = _dry_run(model, config, points, device, needs_backward) if dry_run and points else {}
-        problems = [(pt, [*pt.guard.static, *_unique(seen.get(pt.path, []))]) for pt in points]
+        problems = [(pt, [*pt.guard.static, *_unique(seen.get((pt.path, pt.op), []))]) for pt in points]
         _raise_if_any(problems)
     except BaseException:
         _undo(points)

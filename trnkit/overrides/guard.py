@@ -50,7 +50,7 @@ class Probe:
 
     device: str | None
     needs_backward: bool
-    seen: dict[str, list[Violation]] = field(default_factory=dict)
+    seen: dict[tuple[str, str], list[Violation]] = field(default_factory=dict)  # (module path, op) -> reasons
 
 
 
@@ -83,7 +83,7 @@ class BoundKernel:
                 raise RuntimeError(f"{self.path}: {sharded[0]}")
             sel = select(self.op, self.impl, policy="fallback", device=probe.device,
                          needs_backward=probe.needs_backward, **inputs)
-            probe.seen.setdefault(self.path, []).extend([*extra, *sel.reasons])
+            probe.seen.setdefault((self.path, self.op), []).extend([*extra, *sel.reasons])
             return REFERENCE  # under FakeTensorMode the op's fake impl runs: shapes only
         reasons = [*self.static, *extra, *_dtensor_violations(self.op, inputs)]
         if not reasons:
