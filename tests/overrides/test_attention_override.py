@@ -232,3 +232,24 @@ def test_rope_and_attention_of_one_module_are_validated_apart():
         status, reason = rows[(f"model.layers.{i}.self_attn", "attention")]
         assert status == "fallback" and "attention_mask is None" in reason
     assert_swap_parity(model, original)
+
+
+def test_a_bidirectional_model_selecting_trnkit_gets_its_own_attention():
+    """An encoder (BERT: ``is_causal`` False) selecting ``attn_implementation="trnkit"`` is served by sdpa, not
+    by the causal kernel (which gave it causal attention, max |difference| 0.03 here); strict names the rule."""
+    from transformers import BertConfig, BertModel
+
+    cfg = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48)
+    torch.manual_seed(0)
+    ref = BertModel(BertConfig(**cfg, attn_implementation="sdpa")).eval()
+    for policy in ("fallback", "strict"):
+        model = BertModel(BertConfig(**cfg, attn_implementation=register_hf_attention(f"trnkit_{policy}",
+                                                                                      policy=policy))).eval()
+        model.load_state_dict(ref.state_dict())
+        if policy == "strict":
+            with pytest.raises(OverrideConstraintError, match=r"constraint 'is_causal' violated \(got False"):
+                model(TOKENS)
+            continue
+        with pytest.warns(UserWarning, match="'is_causal' violated"):
+            got = model(TOKENS).last_hidden_state
+        assert_close(got, ref(TOKENS).last_hidden_state, torch.float32)

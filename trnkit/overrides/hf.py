@@ -109,6 +109,10 @@ def _attention_forward(name: str, choice: KernelChoice) -> Any:
             extra.append(Violation("attention", "dropout == 0", dropout))
         if sliding_window:
             extra.append(Violation("attention", "sliding_window is None", sliding_window))
+        is_causal = kwargs.get("is_causal")
+        if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+            extra.append(Violation("attention", "is_causal", False, "the kernel computes causal attention only; "
+                                   "this call's is not (the module's is_causal or the is_causal argument)"))
         q, k, v = autocast_operands(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         impl = guard.choose(extra, q=q, k=k, v=v, scale=scale)
@@ -127,8 +131,8 @@ def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str =
     """Register ``name`` in transformers' ``AttentionInterface`` (and sdpa's causal mask under the same
     name, so pad-free causal batches pass no mask); returns ``name``. Then
     ``from_pretrained(..., attn_implementation="trnkit")`` runs every attention through ``trnkit::attention``
-    with ``impl``; a call it cannot serve (a padding mask, dropout, a sliding window, a constraint)
-    raises under ``strict`` or falls back to sdpa with a warning under ``fallback``. ``lnc``: physical
+    with ``impl``; a call it cannot serve (a padding mask, dropout, a sliding window, non-causal attention, a
+    constraint) raises under ``strict`` or falls back to sdpa with a warning under ``fallback``. ``lnc``: physical
     cores per launch (None: the device default). ``fixed_shift``: None the impl's default (``nki``: a fixed
     softmax shift per row), True / False that forward / the exact row max (:class:`~trnkit.overrides.KernelChoice`;
     set, it needs an impl that takes it, ``nki``)."""
