@@ -22,8 +22,10 @@ from trnkit.overrides import (
     apply_overrides,
     bind_kernels,
     ops,
+    register,
     register_hf_attention,
     select,
+    unregister,
 )
 
 TOKENS = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -253,3 +255,37 @@ def test_a_bidirectional_model_selecting_trnkit_gets_its_own_attention():
         with pytest.warns(UserWarning, match="'is_causal' violated"):
             got = model(TOKENS).last_hidden_state
         assert_close(got, ref(TOKENS).last_hidden_state, torch.float32)
+
+
+def test_a_kv_cache_decoding_step_is_not_handed_to_the_op():
+    """``generate()``'s decoding steps call the attention with one query and the cached keys: not the op's
+    contract (q, k and v of one length). A user's impl faithful to it (sdpa, causal, top-left aligned) gave
+    the wrong step logits (max |difference| 2.9 here); the step now falls back to sdpa (or strict names the rule)."""
+    from transformers import DynamicCache
+
+    def sdpa_impl(q, k, v, scale):
+        g = q.shape[2] // k.shape[2]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(g, 1), v.transpose(1, 2).repeat_interleave(g, 1),
+            is_causal=True, scale=scale)
+        return o.transpose(1, 2), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    register("attention", "sdpa_test", sdpa_impl, has_backward=False)
+    try:
+        original = hf_dense_model().requires_grad_(False)
+        prompt, step = TOKENS[:, :6], TOKENS[:, 6:7]
+        for policy in ("fallback", "strict"):
+            model = copy.deepcopy(original)
+            apply_trnkit_to_qwen3(model, rope=False, attention="sdpa_test", policy=policy, seq_len=8)
+            caches = [DynamicCache(config=original.config) for _ in range(2)]
+            assert_close(model(prompt, cache=caches[0]).logits, original(prompt, cache=caches[1]).logits,
+                         torch.float32)
+            if policy == "strict":
+                with pytest.raises(OverrideConstraintError, match=r"one length .*'query': 1, 'key': 7"):
+                    model(step, cache=caches[0])
+                continue
+            with pytest.warns(UserWarning, match="query and key of one length"):
+                got = model(step, cache=caches[0]).logits
+            assert_close(got, original(step, cache=caches[1]).logits, torch.float32)
+    finally:
+        unregister("attention", "sdpa_test")

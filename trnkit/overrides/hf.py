@@ -109,6 +109,10 @@ def _attention_forward(name: str, choice: KernelChoice) -> Any:
             extra.append(Violation("attention", "dropout == 0", dropout))
         if sliding_window:
             extra.append(Violation("attention", "sliding_window is None", sliding_window))
+        if key.shape[-2] != query.shape[-2]:
+            extra.append(Violation("attention", "query and key of one length (no KV-cache decoding step)",
+                                   {"query": query.shape[-2], "key": key.shape[-2]}, "the op's q, k and v share S: "
+                                   "the kernel's causal mask aligns query i with key i"))
         is_causal = kwargs.get("is_causal")
         if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
             extra.append(Violation("attention", "is_causal", False, "the kernel computes causal attention only; "
@@ -132,10 +136,10 @@ def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str =
     name, so pad-free causal batches pass no mask); returns ``name``. Then
     ``from_pretrained(..., attn_implementation="trnkit")`` runs every attention through ``trnkit::attention``
     with ``impl``; a call it cannot serve (a padding mask, dropout, a sliding window, non-causal attention, a
-    constraint) raises under ``strict`` or falls back to sdpa with a warning under ``fallback``. ``lnc``: physical
-    cores per launch (None: the device default). ``fixed_shift``: None the impl's default (``nki``: a fixed
-    softmax shift per row), True / False that forward / the exact row max (:class:`~trnkit.overrides.KernelChoice`;
-    set, it needs an impl that takes it, ``nki``)."""
+    KV-cache decoding step, a constraint) raises under ``strict`` or falls back to sdpa with a warning under
+    ``fallback``. ``lnc``: physical cores per launch (None: the device default). ``fixed_shift``: None the
+    impl's default (``nki``: a fixed softmax shift per row), True / False that forward / the exact row max
+    (:class:`~trnkit.overrides.KernelChoice`; set, it needs an impl that takes it, ``nki``)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
