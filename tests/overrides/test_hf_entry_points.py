@@ -63,3 +63,23 @@ def test_a_strict_choice_raises_and_leaves_the_model_unchanged():
     with pytest.raises(OverrideConstraintError, match=r"router_topk: constraint '1 <= top_k <= 8' violated \(got 9\)"):
         apply_trnkit_to_qwen3_moe(model, rope=False, experts=KernelChoice("reference", "fallback"), seq_len=8)
     assert not any(swapped(m) for m in model.modules())
+
+
+def test_a_strict_refusal_of_several_ops_names_each_ops_own_modules_and_rules():
+    """fp16 (no kernel takes it) under strict: the error is the first refused op's, at its own modules, with its
+    own rules, and its message goes on with each other refused op, its modules and rules (it was 'rope_hf[nki]'
+    at every refused module of every op, self_attn twice, then the rules of all five kernels in one list)."""
+    model = hf_moe_model().half()
+    with pytest.raises(OverrideConstraintError) as info:
+        apply_trnkit_to_qwen3_moe(model, rmsnorm=True, attention=True, seq_len=8)
+    assert info.value.op == "rope_hf" and info.value.where == "model.layers.0.self_attn, model.layers.1.self_attn"
+    assert {v.kernel for v in info.value.violations} == {"rope_hf_bshd"}
+    message = str(info.value)
+    assert message.startswith("trnkit override rope_hf[nki] at model.layers.0.self_attn, model.layers.1.self_attn "
+                              "cannot serve these inputs (policy 'strict'): rope_hf_bshd: constraint 'q.dtype in "
+                              "('float32', 'bfloat16')' violated (got 'float16')")
+    assert ". Also refused under strict: attention[nki] at model.layers.0.self_attn, model.layers.1.self_attn: " \
+           "attention: constraint 'q.dtype in ('float32', 'bfloat16')' violated (got 'float16')." in message
+    assert ". Also refused under strict: router_topk[nki] at model.layers.0.mlp.gate, model.layers.1.mlp.gate: " \
+           "router_topk: constraint 'x.dtype in ('float32', 'bfloat16')' violated (got 'float16')" in message
+    assert not any(swapped(m) for m in model.modules())

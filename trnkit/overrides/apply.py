@@ -303,12 +303,27 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
 
 
 def _raise_if_any(problems: list[tuple[_SwapPoint, list[Violation]]]) -> None:
-    """Raise for the swap points under ``strict`` that have problems."""
-    bad = [(pt, rs) for pt, rs in problems if rs and pt.guard.policy == "strict"]
-    if bad:
-        pt, _ = bad[0]
-        raise OverrideConstraintError(pt.op, pt.guard.impl, _unique([v for _, rs in bad for v in rs]),
-                                      ", ".join(p.path for p, _ in bad))
+    """Raise for the swap points under ``strict`` that have problems: the error of the first refused op and
+    impl (its modules, its rules), its message then naming each other refused one with its modules and rules."""
+    groups: dict[str, list[tuple[_SwapPoint, list[Violation]]]] = {}
+    for pt, rs in problems:
+        if rs and pt.guard.policy == "strict":
+            groups.setdefault(f"{pt.op}[{pt.guard.impl}]", []).append((pt, rs))
+    if not groups:
+        return
+    (_, first), *others = groups.items()
+    paths, violations = _where(first)
+    reason = "; ".join(str(v) for v in violations)
+    for label, group in others:
+        other_paths, other = _where(group)
+        reason += f". Also refused under strict: {label} at {other_paths}: " + "; ".join(str(v) for v in other)
+    pt = first[0][0]
+    raise OverrideConstraintError(pt.op, pt.guard.impl, violations, paths, reason)
+
+
+def _where(group: list[tuple[_SwapPoint, list[Violation]]]) -> tuple[str, list[Violation]]:
+    """The refused swap points' paths and their distinct violations."""
+    return ", ".join(pt.path for pt, _ in group), _unique([v for _, rs in group for v in rs])
 
 
 def _unique(vs: list[Violation]) -> list[Violation]:
