@@ -83,3 +83,22 @@ def test_a_strict_refusal_of_several_ops_names_each_ops_own_modules_and_rules():
     assert ". Also refused under strict: router_topk[nki] at model.layers.0.mlp.gate, model.layers.1.mlp.gate: " \
            "router_topk: constraint 'x.dtype in ('float32', 'bfloat16')' violated (got 'float16')" in message
     assert not any(swapped(m) for m in model.modules())
+
+
+def test_a_swapped_model_saved_whole_loads_back_swapped_and_revertible():
+    """``torch.save(model)`` of a swapped model (every op of the entry point) loads with ``torch.load``: the
+    swapped forwards were bound methods, which pickle as ``getattr(module, '_rmsnorm_forward')`` and made the
+    load fail (AttributeError); the loaded model matches transformers' logits and gradients, and reverts."""
+    import io
+
+    original = hf_moe_model(mlp_only_layers=[1])
+    model = copy.deepcopy(original)
+    n = len(apply_trnkit_to_qwen3_moe(model, rmsnorm=True, mlp=True, attention=True, seq_len=8).rows)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert swapped(loaded.model.norm) and swapped(loaded.model.layers[1].mlp)
+    assert_swap_parity(loaded, original)
+    assert revert(loaded) == n and not any(swapped(m) for m in loaded.modules())
+    assert torch.equal(loaded(IDS).logits, original(IDS).logits)

@@ -10,8 +10,8 @@ place would lose those class-keyed hooks.
 
 from __future__ import annotations
 
+import functools
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -254,8 +254,11 @@ def module_adapter(module: nn.Module) -> ModuleAdapter | None:
 
 def bind(module: nn.Module, forward: Callable[..., Any], guard: BoundKernel) -> None:
     """``forward`` (and a repr naming the kernel) as this one module's own methods, as Liger-Kernel swaps a
-    module's forward: the class, the parameters and ``state_dict`` stay, other instances are untouched."""
-    module.__dict__.update(forward=types.MethodType(forward, module), extra_repr=types.MethodType(_extra_repr, module))
+    module's forward: the class, the parameters and ``state_dict`` stay, other instances are untouched. Bound as
+    ``functools.partial`` (not a bound method, which pickles as ``getattr(module, name)`` and so cannot be
+    loaded back), so ``torch.save(model)`` of a swapped model loads."""
+    module.__dict__.update(forward=functools.partial(forward, module),
+                           extra_repr=functools.partial(_extra_repr, module))
     module.__dict__[_GUARD] = guard
 
 
