@@ -167,3 +167,21 @@ def test_router_logits_still_feed_transformers_aux_loss():
     want.loss.backward()
     gate, gate0 = model.model.layers[0].mlp.gate.weight, original.model.layers[0].mlp.gate.weight
     assert_close(gate.grad, gate0.grad)
+
+
+def test_the_dry_run_leaves_nothing_of_its_own_in_the_model():
+    """transformers' longrope rotary embedding caches ``long_inv_freq`` in its first forward: the dry run's was
+    a FakeTensor left on the module, so sequences past ``original_max_position_embeddings`` got the short
+    factors (logits off by 2.9 here), after ``revert`` too. The dry run now restores every module's attributes,
+    parameters and buffers: logits and every gradient match transformers' on 12 tokens (> 8)."""
+    from tests.overrides.conftest import assert_swap_parity, spread_weights
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 8}
+    original = spread_weights(hf_dense_model(rope_parameters=rope, max_position_embeddings=16))
+    model = copy.deepcopy(original)
+    apply_overrides(model, OverrideConfig(ops=["rmsnorm"], impl="nki", seq_len=12))
+    fake = torch._subclasses.fake_tensor.FakeTensor
+    assert not [(p, n) for p, m in model.named_modules() for n, v in vars(m).items() if isinstance(v, fake)]
+    assert "long_inv_freq" not in vars(model.model.rotary_emb)
+    assert_swap_parity(model, original, torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0)))

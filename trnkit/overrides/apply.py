@@ -179,10 +179,10 @@ def _dry_run(model: nn.Module, config: OverrideConfig, points: list[_SwapPoint],
     # (shape-only) code: a stand-in would run a trnkit op, which has no DTensor rule under tensor
     # parallelism. Eval mode skips aux statistics.
     stand_in = KernelChoice(REFERENCE, "strict")
+    state = _module_state(model)
     others = [_install(path, module, op, adapter, stand_in, probe_only=True)
               for path, module, op, adapter in _find_swap_points(model, _STAND_IN_OPS)
               if op not in config.ops and getattr(module, "kernel", None) is None]
-    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     # every swap point of the model reports to this run's probe (native modules may hold kernels of
     # other ops, e.g. from Qwen3Config.kernels)
@@ -206,11 +206,30 @@ def _dry_run(model: nn.Module, config: OverrideConfig, points: list[_SwapPoint],
     finally:
         for guard in guards:
             guard.probe = None
-        for m, training in modes:
-            m.training = training
         for pt in reversed(others):
             pt.undo()
+        _restore_module_state(state)
     return probe.seen
+
+
+ModuleState = list[tuple[nn.Module, dict[str, Any], dict[str, Any], dict[str, Any]]]
+
+
+def _module_state(model: nn.Module) -> ModuleState:
+    """Each module's attributes, parameters and buffers (the objects, not copies), for the dry run to leave none
+    of its own behind: a module may cache what its forward computed (transformers' longrope rotary embedding
+    keeps ``long_inv_freq``, which would be a FakeTensor) or register a buffer, and the run sets eval mode."""
+    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+
+
+def _restore_module_state(state: ModuleState) -> None:
+    for module, attrs, params, buffers in state:
+        for name in set(module.__dict__) - set(attrs):
+            del module.__dict__[name]
+        module.__dict__.update(attrs)
+        for table, saved in ((module._parameters, params), (module._buffers, buffers)):
+            table.clear()
+            table.update(saved)
 
 
 def bind_kernels(model: nn.Module, kernels: Mapping[str, KernelChoice | None]) -> int:
