@@ -289,3 +289,22 @@ def test_a_kv_cache_decoding_step_is_not_handed_to_the_op():
             assert_close(got, original(step, cache=caches[1]).logits, torch.float32)
     finally:
         unregister("attention", "sdpa_test")
+
+
+def test_registering_the_attention_name_again_reaches_the_modules_that_already_ran():
+    """As for the experts: a padding mask falls back under ``fallback``; the same name registered again with
+    ``strict`` raises for the same model (its modules kept their first guard)."""
+    from transformers import Qwen3ForCausalLM
+
+    name = register_hf_attention("trnkit_again", policy="fallback")
+    original = hf_dense_model()
+    model = Qwen3ForCausalLM(original.config)
+    model.load_state_dict(original.state_dict())
+    model.set_attn_implementation(name)
+    mask = torch.ones(TOKENS.shape, dtype=torch.long)
+    mask[0, :2] = 0
+    with pytest.warns(UserWarning, match="attention_mask is None"):
+        model(TOKENS, attention_mask=mask)
+    register_hf_attention(name, policy="strict")
+    with pytest.raises(OverrideConstraintError, match=r"attention\[nki\].*attention_mask is None"):
+        model(TOKENS, attention_mask=mask)

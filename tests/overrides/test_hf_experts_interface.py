@@ -52,3 +52,17 @@ def test_experts_implementation_policies():
     assert_close(logits.detach(), original(input_ids=IDS).logits.detach())
     with pytest.raises(ValueError, match="policy must be"):
         register_hf_experts("x", policy="off")
+
+
+def test_registering_a_name_again_reaches_the_modules_that_already_ran():
+    """A model keeps one guard per experts module and name; registering the name again with another policy
+    (impl, ...) now gives the modules a new guard: the model that fell back under ``fallback`` raises under
+    ``strict`` (each module kept its first guard: the fallback went on, and an impl change was ignored)."""
+    name = register_hf_experts("trnkit_again", impl="nki", policy="fallback")
+    model = hf_moe_model(num_experts=10, num_experts_per_tok=9)  # K = 9 > the kernel's 8
+    model.set_experts_implementation(name)
+    with pytest.warns(UserWarning, match="falls back"):
+        model(input_ids=IDS)
+    register_hf_experts(name, impl="nki", policy="strict")
+    with pytest.raises(OverrideConstraintError, match=r"moe_experts\[nki\].*K <= min\(8, E\)"):
+        model(input_ids=IDS)

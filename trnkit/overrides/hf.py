@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -34,6 +35,17 @@ from trnkit.overrides.registry import POLICIES, get_impl
 __all__ = ["register_hf_attention", "register_hf_experts"]
 
 _GUARD_ATTR = "_trnkit_interface_guards"
+
+
+def _named_guard(module: nn.Module, name: str, op: str, choice: KernelChoice,
+                 static: Callable[[nn.Module], list[Violation]] | None = None) -> BoundKernel:
+    """The guard of ``module`` for the function registered as ``name``: one per module and name, made anew when
+    ``name`` was registered again with another choice (impl, policy, ...) since the module last ran."""
+    guards: dict[str, BoundKernel] = module.__dict__.setdefault(_GUARD_ATTR, {})
+    guard = guards.get(name)
+    if guard is None or guard.choice != choice:
+        guard = guards[name] = BoundKernel(op, choice, type(module).__name__, static(module) if static else ())
+    return guard
 
 
 def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "fallback",
@@ -52,10 +64,7 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
 
     def trnkit_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                                top_k_weights: Tensor) -> Tensor:
-        guards: dict[str, BoundKernel] = self.__dict__.setdefault(_GUARD_ATTR, {})
-        guard = guards.get(name)
-        if guard is None:
-            guard = guards[name] = BoundKernel("moe_experts", choice, type(self).__name__, hf_experts_static(self))
+        guard = _named_guard(self, name, "moe_experts", choice, hf_experts_static)
         out = hf_experts_call(self, guard, hidden_states, top_k_index, top_k_weights)
         if out is None:  # the class's own (eager) forward, under use_experts_implementation's wrapper
             return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
@@ -84,13 +93,8 @@ def _fallback_forward(module: nn.Module, implementation: str) -> Any:
 
 
 def _attention_guard(module: nn.Module, name: str, choice: KernelChoice) -> BoundKernel:
-    guard = module.__dict__.get(_ATTN_GUARD)
-    if guard is None:  # selected by name (attn_implementation=...): one guard per module and name
-        guards: dict[str, BoundKernel] = module.__dict__.setdefault(_GUARD_ATTR, {})
-        guard = guards.get(name)
-        if guard is None:
-            guard = guards[name] = BoundKernel("attention", choice, type(module).__name__)
-    return guard
+    guard = module.__dict__.get(_ATTN_GUARD)  # set by apply_overrides; else selected by name (attn_implementation=...)
+    return guard if guard is not None else _named_guard(module, name, "attention", choice)
 
 
 def _attention_forward(name: str, choice: KernelChoice) -> Any:
