@@ -308,3 +308,22 @@ def test_registering_the_attention_name_again_reaches_the_modules_that_already_r
     register_hf_attention(name, policy="strict")
     with pytest.raises(OverrideConstraintError, match=r"attention\[nki\].*attention_mask is None"):
         model(TOKENS, attention_mask=mask)
+
+
+def test_applying_the_attention_to_a_model_that_selected_trnkit_falls_back_to_sdpa():
+    """A model built with ``attn_implementation="trnkit"`` and then given ``apply_trnkit_to_qwen3(attention=True)``:
+    the swap's fallback was the module's own implementation, "trnkit", i.e. itself (RecursionError on a padded
+    batch); it is sdpa now, and the padded batch matches transformers'."""
+    from transformers import Qwen3ForCausalLM
+
+    original = hf_dense_model()
+    model = Qwen3ForCausalLM(original.config)
+    model.load_state_dict(original.state_dict())
+    model.set_attn_implementation(register_hf_attention())
+    apply_trnkit_to_qwen3(model, attention=True, policy="fallback", seq_len=8)
+    mask = torch.ones(TOKENS.shape, dtype=torch.long)
+    mask[0, :2] = 0
+    with pytest.warns(UserWarning, match="attention_mask is None"):
+        got = model(TOKENS, attention_mask=mask).logits
+    assert_close(got, original(TOKENS, attention_mask=mask).logits, torch.float32)
+    assert_swap_parity(model, original)

@@ -82,6 +82,7 @@ def register_hf_experts(name: str = "trnkit", impl: str = "nki", policy: str = "
 
 _ATTN_GUARD = "_trnkit_attention_guard"  # set on a module by apply_overrides (its own guard)
 _ATTN_FALLBACK = "_trnkit_attention_fallback"  # the attention implementation the module had
+_ATTN_MARK = "_trnkit_attention"  # set on the attention functions register_hf_attention registers
 
 
 def _fallback_forward(module: nn.Module, implementation: str) -> Any:
@@ -131,6 +132,7 @@ def _attention_forward(name: str, choice: KernelChoice) -> Any:
         return ops.attention(q, k, v, scale, impl, lnc=guard.lnc, fixed_shift=guard.fixed_shift)[0], None
 
     trnkit_attention_forward.__qualname__ = f"trnkit_attention_forward[{name}]"
+    setattr(trnkit_attention_forward, _ATTN_MARK, True)
     return trnkit_attention_forward
 
 
@@ -170,7 +172,10 @@ def set_hf_attention(module: nn.Module, guard: BoundKernel) -> Any:
     original = module.__dict__["config"]
     own = copy.copy(original)
     own._attn_implementation = name
-    module.__dict__.update({"config": own, _ATTN_GUARD: guard, _ATTN_FALLBACK: original._attn_implementation or "sdpa"})
+    fallback = original._attn_implementation or "sdpa"
+    if getattr(ALL_ATTENTION_FUNCTIONS.get(fallback), _ATTN_MARK, False):
+        fallback = "sdpa"  # a model that selected trnkit's attention by name: its fallback, not itself
+    module.__dict__.update({"config": own, _ATTN_GUARD: guard, _ATTN_FALLBACK: fallback})
     return original
 
 
