@@ -327,3 +327,27 @@ def test_applying_the_attention_to_a_model_that_selected_trnkit_falls_back_to_sd
         got = model(TOKENS, attention_mask=mask).logits
     assert_close(got, original(TOKENS, attention_mask=mask).logits, torch.float32)
     assert_swap_parity(model, original)
+
+
+def test_attention_terms_the_kernel_lacks_are_not_dropped():
+    """Calls whose math the kernel does not have were served without it: GPT-OSS's attention sinks (``s_aux``;
+    logits off by 0.10 under strict), a logit ``softcap``, a ``position_bias``, and ``output_attentions=True``
+    (no weights, no word). Sinks now raise (sdpa, the fallback, ignores them too); the others are violations."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    strict = register_hf_attention("trnkit_terms", policy="strict")
+    cfg = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                       num_experts_per_tok=2, layer_types=["full_attention"], attn_implementation=strict)
+    with pytest.raises(ValueError, match=r"GptOssAttention passes attention sinks \(s_aux\)"):
+        GptOssForCausalLM(cfg).eval()(TOKENS[:1])
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    module = hf_dense_model().model.layers[0].self_attn
+    q, k, v = (torch.randn(1, h, 8, 16) for h in (4, 2, 2))
+    bias = torch.zeros(1, 4, 8, 8)
+    for kwargs, rule in [({"softcap": 30.0}, r"softcap is None' violated \(got 30.0\)"),
+                         ({"position_bias": bias}, r"position_bias is None' violated \(got 'a \(1, 4, 8, 8\) tensor'"),
+                         ({"output_attentions": True}, r"output_attentions is False' violated \(got True\)")]:
+        with pytest.raises(OverrideConstraintError, match=rule):
+            ALL_ATTENTION_FUNCTIONS[strict](module, q, k, v, None, scaling=0.25, **kwargs)

@@ -98,6 +98,41 @@ def _attention_guard(module: nn.Module, name: str, choice: KernelChoice) -> Boun
     return guard if guard is not None else _named_guard(module, name, "attention", choice)
 
 
+def _call_violations(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Tensor | None, dropout: float,
+                     sliding_window: int | None, kwargs: dict[str, Any]) -> list[Violation]:
+    """What of one transformers attention call the kernel (causal softmax attention of q, k, v of one length,
+    no mask, no weights returned) does not compute."""
+    if kwargs.get("s_aux") is not None:  # sdpa, the fallback, ignores them too: no policy gives a right result
+        raise ValueError(f"trnkit attention: {type(module).__name__} passes attention sinks (s_aux), which neither "
+                         "trnkit::attention nor its sdpa fallback computes; select attn_implementation='eager' for "
+                         "this model")
+    out = []
+    if attention_mask is not None:
+        out.append(Violation("attention", "attention_mask is None (causal, no padding mask)",
+                             f"a {tuple(attention_mask.shape)} mask", "the kernel applies the causal mask "
+                             "itself; pad-free batches under sdpa / 'trnkit' masks pass None"))
+    if dropout:
+        out.append(Violation("attention", "dropout == 0", dropout))
+    if sliding_window:
+        out.append(Violation("attention", "sliding_window is None", sliding_window))
+    if key.shape[-2] != query.shape[-2]:
+        out.append(Violation("attention", "query and key of one length (no KV-cache decoding step)",
+                             {"query": query.shape[-2], "key": key.shape[-2]}, "the op's q, k and v share S: "
+                             "the kernel's causal mask aligns query i with key i"))
+    is_causal = kwargs.get("is_causal")
+    if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        out.append(Violation("attention", "is_causal", False, "the kernel computes causal attention only; "
+                             "this call's is not (the module's is_causal or the is_causal argument)"))
+    for term in ("softcap", "position_bias"):  # sdpa, the fallback, raises for a softcap itself
+        value = kwargs.get(term)
+        if value is not None:
+            out.append(Violation("attention", f"{term} is None", f"a {tuple(value.shape)} tensor"
+                                 if isinstance(value, Tensor) else value, "the kernel has no such term"))
+    if kwargs.get("output_attentions"):
+        out.append(Violation("attention", "output_attentions is False", True, "the kernel returns no weights"))
+    return out
+
+
 def _attention_forward(name: str, choice: KernelChoice) -> Any:
     """transformers' attention function ``name``: each module's own guard (set by apply_overrides), else one
     per module built from ``choice`` (register_hf_attention's arguments, held here rather than in a global)."""
@@ -105,23 +140,7 @@ def _attention_forward(name: str, choice: KernelChoice) -> Any:
                                  attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                                  sliding_window: int | None = None, **kwargs: Any) -> tuple[Tensor, None]:
         guard = _attention_guard(module, name, choice)
-        extra = []
-        if attention_mask is not None:
-            extra.append(Violation("attention", "attention_mask is None (causal, no padding mask)",
-                                   f"a {tuple(attention_mask.shape)} mask", "the kernel applies the causal mask "
-                                   "itself; pad-free batches under sdpa / 'trnkit' masks pass None"))
-        if dropout:
-            extra.append(Violation("attention", "dropout == 0", dropout))
-        if sliding_window:
-            extra.append(Violation("attention", "sliding_window is None", sliding_window))
-        if key.shape[-2] != query.shape[-2]:
-            extra.append(Violation("attention", "query and key of one length (no KV-cache decoding step)",
-                                   {"query": query.shape[-2], "key": key.shape[-2]}, "the op's q, k and v share S: "
-                                   "the kernel's causal mask aligns query i with key i"))
-        is_causal = kwargs.get("is_causal")
-        if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
-            extra.append(Violation("attention", "is_causal", False, "the kernel computes causal attention only; "
-                                   "this call's is not (the module's is_causal or the is_causal argument)"))
+        extra = _call_violations(module, query, key, attention_mask, dropout, sliding_window, kwargs)
         q, k, v = autocast_operands(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
         scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
         impl = guard.choose(extra, q=q, k=k, v=v, scale=scale)
@@ -142,9 +161,10 @@ def register_hf_attention(name: str = "trnkit", impl: str = "nki", policy: str =
     name, so pad-free causal batches pass no mask); returns ``name``. Then
     ``from_pretrained(..., attn_implementation="trnkit")`` runs every attention through ``trnkit::attention``
     with ``impl``; a call it cannot serve (a padding mask, dropout, a sliding window, non-causal attention, a
-    KV-cache decoding step, a constraint) raises under ``strict`` or falls back to sdpa with a warning under
-    ``fallback``. ``lnc``: physical cores per launch (None: the device default). ``fixed_shift``: None the
-    impl's default (``nki``: a fixed softmax shift per row), True / False that forward / the exact row max
+    KV-cache decoding step, a softcap or position bias, ``output_attentions``, a constraint) raises under
+    ``strict`` or falls back to sdpa with a warning under ``fallback``; attention sinks (``s_aux``) raise.
+    ``lnc``: physical cores per launch (None: the device default). ``fixed_shift``: None the impl's default
+    (``nki``: a fixed softmax shift per row), True / False that forward / the exact row max
     (:class:`~trnkit.overrides.KernelChoice`; set, it needs an impl that takes it, ``nki``)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
