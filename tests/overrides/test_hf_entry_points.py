@@ -102,3 +102,20 @@ def test_a_swapped_model_saved_whole_loads_back_swapped_and_revertible():
     assert_swap_parity(loaded, original)
     assert revert(loaded) == n and not any(swapped(m) for m in loaded.modules())
     assert torch.equal(loaded(IDS).logits, original(IDS).logits)
+
+
+def test_a_refusal_at_the_default_dry_run_length_says_where_that_length_came_from():
+    """seq_len unset: the dry run runs the config's max_position_embeddings (20,000 here, past the fp32 attention
+    kernel's 16,384), which the refusal printed as 'got 20000' with no word of where 20,000 came from; the error
+    and the report now end with a note naming it and seq_len. Given seq_len, no note."""
+    model = hf_dense_model(max_position_embeddings=20000)
+    note = ("the validation dry run ran tokens [1, 20000] (seq_len unset: the model config's max_position_embeddings); "
+            "pass seq_len, the length the model will run, to validate that (calls are checked again at their own "
+            "shapes)")
+    with pytest.raises(OverrideConstraintError) as info:
+        apply_trnkit_to_qwen3(model, attention=True)
+    assert str(info.value).endswith("violated (got 20000): one kv head's K and V stay resident in SBUF. Note: " + note)
+    report = apply_trnkit_to_qwen3(model, attention=True, policy="fallback")
+    assert report.notes == [note] and report.table().endswith("\n  " + note)
+    revert(model)
+    assert apply_trnkit_to_qwen3(model, attention=True, seq_len=8).notes == []

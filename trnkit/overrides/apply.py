@@ -142,13 +142,20 @@ def _install(path: str, module: nn.Module, op: str, adapter: ModuleAdapter | str
     return _SwapPoint(path, op, guard, module)
 
 
-def _default_seq_len(model: nn.Module) -> int:
+def _default_seq_len(model: nn.Module) -> tuple[int, str]:
+    """The dry run's sequence length when ``OverrideConfig.seq_len`` is unset, and where it came from."""
     cfg = getattr(model, "config", None)
     for name in ("max_seq_len", "max_position_embeddings", "seq_len"):
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:
-            return value
-    return 128
+            return value, f"the model config's {name}"
+    return 128, "a default"
+
+
+def _seq_len_note(model: nn.Module, config: OverrideConfig) -> str:
+    seq, source = _default_seq_len(model)
+    return (f"the validation dry run ran tokens [{config.batch_size}, {seq}] (seq_len unset: {source}); pass "
+            "seq_len, the length the model will run, to validate that (calls are checked again at their own shapes)")
 
 
 def _dry_run_decision(model: nn.Module, config: OverrideConfig) -> tuple[bool, str]:
@@ -172,7 +179,7 @@ def _dry_run(model: nn.Module, config: OverrideConfig, points: list[_SwapPoint],
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     probe = Probe(device, needs_backward)
-    seq = config.seq_len or _default_seq_len(model)
+    seq = config.seq_len or _default_seq_len(model)[0]
     param = next(model.parameters(), None)
     # Swap points of ops that are not being overridden often hold data-dependent code (expert
     # dispatch); give them shape-only stand-ins for the dry run. The norms and the loss keep their own
@@ -303,7 +310,9 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
             report.notes.append(skipped)
         seen = _dry_run(model, config, points, device, needs_backward) if dry_run and points else {}
         problems = [(pt, [*pt.guard.static, *_unique(seen.get((pt.path, pt.op), []))]) for pt in points]
-        _raise_if_any(problems)
+        if config.seq_len is None and any(seen.values()):  # the refusals may be for a length never run
+            report.notes.append(_seq_len_note(model, config))
+        _raise_if_any(problems, report.notes)
     except BaseException:
         _undo(points)
         raise
@@ -321,9 +330,10 @@ def apply_overrides(model: nn.Module, config: OverrideConfig | None = None, *,
     return report
 
 
-def _raise_if_any(problems: list[tuple[_SwapPoint, list[Violation]]]) -> None:
+def _raise_if_any(problems: list[tuple[_SwapPoint, list[Violation]]], notes: Sequence[str] = ()) -> None:
     """Raise for the swap points under ``strict`` that have problems: the error of the first refused op and
-    impl (its modules, its rules), its message then naming each other refused one with its modules and rules."""
+    impl (its modules, its rules), its message then naming each other refused one with its modules and rules,
+    and ending with ``notes`` (the report's)."""
     groups: dict[str, list[tuple[_SwapPoint, list[Violation]]]] = {}
     for pt, rs in problems:
         if rs and pt.guard.policy == "strict":
@@ -336,6 +346,7 @@ def _raise_if_any(problems: list[tuple[_SwapPoint, list[Violation]]]) -> None:
     for label, group in others:
         other_paths, other = _where(group)
         reason += f". Also refused under strict: {label} at {other_paths}: " + "; ".join(str(v) for v in other)
+    reason += "".join(f". Note: {note}" for note in notes)
     pt = first[0][0]
     raise OverrideConstraintError(pt.op, pt.guard.impl, violations, paths, reason)
 
