@@ -185,3 +185,18 @@ def test_the_dry_run_leaves_nothing_of_its_own_in_the_model():
     assert not [(p, n) for p, m in model.named_modules() for n, v in vars(m).items() if isinstance(v, fake)]
     assert "long_inv_freq" not in vars(model.model.rotary_emb)
     assert_swap_parity(model, original, torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0)))
+
+
+def test_after_the_dry_run_transformers_records_each_router_once():
+    """The dry run is the model's first forward, where transformers installs its output-capturing hooks and sets
+    the flag saying so; restoring every attribute after it (0c08c95) dropped the flag and kept the hooks, so the
+    next forward installed them again and ``router_logits`` held each layer twice. Restoring only the tensors it
+    cached keeps both: one entry per layer, each equal to transformers'."""
+    original = hf_moe_model(output_router_logits=True)
+    model = copy.deepcopy(original)
+    apply_overrides(model, OverrideConfig(impl="nki", seq_len=8))
+    got, want = model(input_ids=IDS), original(input_ids=IDS)
+    assert len(got.router_logits) == len(want.router_logits) == 2
+    for a, b in zip(got.router_logits, want.router_logits, strict=True):
+        assert_close(a, b, torch.float32)
+    assert_close(got.aux_loss, want.aux_loss, torch.float32)

@@ -223,17 +223,23 @@ ModuleState = list[tuple[nn.Module, dict[str, Any], dict[str, Any], dict[str, An
 
 
 def _module_state(model: nn.Module) -> ModuleState:
-    """Each module's attributes, parameters and buffers (the objects, not copies), for the dry run to leave none
-    of its own behind: a module may cache what its forward computed (transformers' longrope rotary embedding
-    keeps ``long_inv_freq``, which would be a FakeTensor) or register a buffer, and the run sets eval mode."""
+    """Each module's attributes, parameters and buffers (the objects, not copies), for the dry run to leave no
+    tensor of its own behind: a module may cache what its forward computed (transformers' longrope rotary
+    embedding keeps ``long_inv_freq``, which would be a FakeTensor) or register a buffer; the run also sets
+    eval mode. Other state it sets stays, as after a first real forward (transformers' output-capturing hooks
+    and the flag saying they are installed)."""
     return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
 
 
 def _restore_module_state(state: ModuleState) -> None:
     for module, attrs, params, buffers in state:
-        for name in set(module.__dict__) - set(attrs):
-            del module.__dict__[name]
-        module.__dict__.update(attrs)
+        for name, value in list(module.__dict__.items()):
+            if isinstance(value, torch.Tensor) and attrs.get(name) is not value:
+                if name in attrs:
+                    module.__dict__[name] = attrs[name]
+                else:
+                    del module.__dict__[name]
+        module.training = attrs["training"]
         for table, saved in ((module._parameters, params), (module._buffers, buffers)):
             table.clear()
             table.update(saved)
