@@ -143,3 +143,18 @@ def test_inductor_backward_of_a_permuted_input(impl):
             fn(xt).backward()
             grads.append(xt.grad)
     assert_close(grads[1], grads[0])
+
+
+def test_swaps_apply_to_an_already_compiled_transformers_model():
+    """``apply_overrides`` on what ``torch.compile`` returns (an ``OptimizedModule``, whose ``training`` is a
+    property, not in its ``__dict__``): the dry run's restore read it from there (KeyError 'training', 2da9421);
+    the compiled model then runs the kernels with transformers' logits, and reverts."""
+    from trnkit.hf import revert
+
+    original = hf_moe_model()
+    compiled = torch.compile(copy.deepcopy(original), backend="eager")
+    report = apply_overrides(compiled, OverrideConfig(ops=["rope_hf", "router_topk", "moe_experts", "rmsnorm"],
+                                                      impl="nki", seq_len=8))
+    assert report.rows and {r.status for r in report.rows} == {"swapped"}
+    assert_close(compiled(input_ids=TOKENS).logits, original(input_ids=TOKENS).logits)
+    assert revert(compiled) == len(report.rows)

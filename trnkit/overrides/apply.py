@@ -219,7 +219,7 @@ def _dry_run(model: nn.Module, config: OverrideConfig, points: list[_SwapPoint],
     return probe.seen
 
 
-ModuleState = list[tuple[nn.Module, dict[str, Any], dict[str, Any], dict[str, Any]]]
+ModuleState = list[tuple[nn.Module, bool, dict[str, Any], dict[str, Any], dict[str, Any]]]
 
 
 def _module_state(model: nn.Module) -> ModuleState:
@@ -228,18 +228,18 @@ def _module_state(model: nn.Module) -> ModuleState:
     embedding keeps ``long_inv_freq``, which would be a FakeTensor) or register a buffer; the run also sets
     eval mode. Other state it sets stays, as after a first real forward (transformers' output-capturing hooks
     and the flag saying they are installed)."""
-    return [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+    return [(m, m.training, dict(m.__dict__), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
 
 
 def _restore_module_state(state: ModuleState) -> None:
-    for module, attrs, params, buffers in state:
+    for module, training, attrs, params, buffers in state:
         for name, value in list(module.__dict__.items()):
             if isinstance(value, torch.Tensor) and attrs.get(name) is not value:
                 if name in attrs:
                     module.__dict__[name] = attrs[name]
                 else:
                     del module.__dict__[name]
-        module.training = attrs["training"]
+        module.training = training  # (a property of torch.compile's OptimizedModule, not in its __dict__)
         for table, saved in ((module._parameters, params), (module._buffers, buffers)):
             table.clear()
             table.update(saved)
