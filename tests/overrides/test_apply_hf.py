@@ -200,3 +200,20 @@ def test_after_the_dry_run_transformers_records_each_router_once():
     for a, b in zip(got.router_logits, want.router_logits, strict=True):
         assert_close(a, b, torch.float32)
     assert_close(got.aux_loss, want.aux_loss, torch.float32)
+
+
+def test_a_dynamic_rope_model_passes_the_dry_run():
+    """transformers' dynamic-NTK rotary embedding compares a value of ``position_ids`` before it computes
+    cos / sin, which a fake-tensor dry run cannot read: applying failed ('DataDependentOutputException ...
+    Pass OverrideConfig(dry_run=False)'). The dry run now runs it without that update (same shapes), and
+    leaves its forward alone after: logits and every gradient match transformers' past the grown length."""
+    from tests.overrides.conftest import assert_swap_parity, spread_weights
+    from trnkit.hf import apply_trnkit_to_qwen3
+
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    original = spread_weights(hf_dense_model(rope_parameters=rope, max_position_embeddings=16))
+    model = copy.deepcopy(original)
+    report = apply_trnkit_to_qwen3(model, rmsnorm=True, mlp=True, attention=True, seq_len=32)
+    assert {r.status for r in report.rows} == {"swapped"}
+    assert "forward" not in vars(model.model.rotary_emb)
+    assert_swap_parity(model, original, torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0)))

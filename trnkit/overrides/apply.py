@@ -60,8 +60,8 @@ from trnkit.kernels.constraints import Violation
 from trnkit.overrides.config import DEFAULT_OPS, SWAPPABLE_OPS, KernelChoice, OverrideConfig
 from trnkit.overrides.guard import BoundKernel, Probe, dtensor_names, resolve_dtensor
 from trnkit.overrides.hf import set_hf_attention, unset_hf_attention
-from trnkit.overrides.hf_modules import ModuleAdapter, bind, is_hf, is_rope_attention, module_adapter, \
-    rope_attention_forward, unbind
+from trnkit.overrides.hf_modules import ModuleAdapter, bind, dry_run_rotary, is_hf, is_rope_attention, \
+    module_adapter, rope_attention_forward, unbind
 from trnkit.overrides.registry import REFERENCE, OverrideConstraintError, foreign_code
 from trnkit.overrides.report import OverrideReport, OverrideRow
 
@@ -198,7 +198,7 @@ def _dry_run(model: nn.Module, config: OverrideConfig, points: list[_SwapPoint],
     for guard in guards:
         guard.probe = probe
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), dry_run_rotary(model):
             tokens = torch.zeros(config.batch_size, seq, dtype=torch.long,
                                  device=param.device if param is not None else "cpu")
             # the loss runs only when the forward gets labels

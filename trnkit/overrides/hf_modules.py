@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from trnkit.kernels.moe import from_hf_v5
 from trnkit.overrides import ops
 from trnkit.overrides.guard import BoundKernel, paired_head_norms
 
-__all__ = ["ModuleAdapter", "bind", "deinterleave", "hf_experts_call", "hf_experts_static", "is_hf",
+__all__ = ["ModuleAdapter", "bind", "deinterleave", "dry_run_rotary", "hf_experts_call", "hf_experts_static", "is_hf",
            "is_rope_attention", "module_adapter", "rope_attention_forward", "swapped", "unbind"]
 
 _GUARD = "_trnkit_guard"  # a swapped transformers module's BoundKernel, in its __dict__ beside its forward
@@ -265,6 +266,27 @@ def bind(module: nn.Module, forward: Callable[..., Any], guard: BoundKernel) -> 
 def unbind(module: nn.Module) -> None:
     for name in ("forward", "extra_repr", _GUARD):
         module.__dict__.pop(name, None)
+
+
+@contextmanager
+def dry_run_rotary(model: nn.Module) -> Iterator[None]:
+    """transformers' dynamic-NTK rotary embeddings (``rope_type`` "dynamic") first update their frequencies from
+    the values of ``position_ids``, which a fake-tensor dry run cannot read; within this context each runs its
+    forward without that update (``dynamic_rope_update``'s wrapped function: the same shapes)."""
+    bound = []
+    for module in model.modules():
+        forward = type(module).forward
+        if "dynamic" in str(getattr(module, "rope_type", "")) and hasattr(forward, "__wrapped__"):
+            bound.append((module, module.__dict__.get("forward")))
+            module.__dict__["forward"] = functools.partial(forward.__wrapped__, module)
+    try:
+        yield
+    finally:
+        for module, previous in bound:
+            if previous is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = previous
 
 
 # ------------------------------------------------------------------------- transformers' rotary call site
