@@ -189,7 +189,7 @@ def test_the_dry_run_leaves_nothing_of_its_own_in_the_model():
 
 def test_after_the_dry_run_transformers_records_each_router_once():
     """The dry run is the model's first forward, where transformers installs its output-capturing hooks and sets
-    the flag saying so; restoring every attribute after it (0c08c95) dropped the flag and kept the hooks, so the
+    the flag saying so; restoring every attribute after it (once) dropped the flag and kept the hooks, so the
     next forward installed them again and ``router_logits`` held each layer twice. Restoring only the tensors it
     cached keeps both: one entry per layer, each equal to transformers'."""
     original = hf_moe_model(output_router_logits=True)

@@ -147,7 +147,7 @@ def test_inductor_backward_of_a_permuted_input(impl):
 
 def test_swaps_apply_to_an_already_compiled_transformers_model():
     """``apply_overrides`` on what ``torch.compile`` returns (an ``OptimizedModule``, whose ``training`` is a
-    property, not in its ``__dict__``): the dry run's restore read it from there (KeyError 'training' after ec65efc);
+    property, not in its ``__dict__``): the dry run's restore read it from there (once: KeyError 'training');
     the compiled model then runs the kernels with transformers' logits, and reverts."""
     from trnkit.hf import revert
 
