@@ -30,11 +30,16 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dt: torch
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o [B, S, G, D], lse [B, G, S])`` of query heads ``q [B, S, G, D]`` over one kv head
     ``k, v [B, S, D]`` at dtype dt."""
-    S = q.shape[1]
-    s = torch.einsum("bigd,bjd->bgij", q.to(dt), k.to(dt)) * scale
-    s = s.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
+    s = causal_scores(q.to(dt), k.to(dt), scale)
     o = torch.einsum("bgij,bjd->bigd", torch.softmax(s, -1), v.to(dt))
     return o, torch.logsumexp(s, -1)
+
+
+def causal_scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * q k^T`` [B, G, S, S] of ``q [B, S, G, D]`` over ``k [B, S, D]``, -inf above the diagonal."""
+    S = q.shape[1]
+    s = torch.einsum("bigd,bjd->bgij", q, k) * scale
+    return s.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
 
 
 def _inputs(B: int, S: int, Hq: int, Hk: int, D: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0):
@@ -63,9 +68,7 @@ def delta_from_stored_o(q, k, o, o_exact, go, scale: float) -> tuple[torch.Tenso
     ``ε_i = dO_i · (o_i - o_exact_i)``, exactly (``delta`` is linear in ``O``). Where ``dP - delta`` cancels (rows of
     few keys, near-uniform scores) this is most of the gradients' error, in torch's SDPA as in the kernel."""
     q, k, o, o_exact, go = (t.to(F64) for t in (q, k, o, o_exact, go))
-    S = q.shape[1]
-    s = torch.einsum("bigd,bjd->bgij", q, k) * scale
-    p = torch.softmax(s.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf")), -1)
+    p = torch.softmax(causal_scores(q, k, scale), -1)
     d_ds = -p * torch.einsum("bigd,bigd->bgi", go, o - o_exact)[..., None]
     return (torch.einsum("bgij,bjd->bigd", d_ds, k) * scale, torch.einsum("bgij,bigd->bjd", d_ds, q) * scale)
 
