@@ -416,15 +416,20 @@ def loss_track() -> str:
             continue
         steps = [s for s in rows if s["config"] == r["config"] and s["step"] != "max"]
         first, last = steps[0], steps[-1]
+        refused = [s["step"] for s in steps if s["control_within"] == "False"]
         body.append([f"`{r['config']}`", str(len(steps)), r["dtype"],
                      f"{float(first['loss_reference']):.4f} → {float(last['loss_reference']):.4f}",
                      f"{float(first['loss_nki']):.4f} → {float(last['loss_nki']):.4f}",
                      f"{float(r['abs_diff']):.1e}", f"**{float(r['rel_diff']):.1e}**",
                      f"{float(r['rel_diff_reordered']):.1e}", f"{float(r['rel_diff_impls']):.1e}",
-                     f"{float(r['rtol']):.1e}", "yes" if r["within"] == "True" else "**no**"])
+                     f"{float(r['rel_diff_threads']):.1e}", f"{float(r['rtol']):.1e}",
+                     "yes" if r["within"] == "True" else "**no**",
+                     f"`{r['control_op']}`: " + (f"refused at step {refused[0]} ({len(refused)} of {len(steps)} steps)"
+                                                 if refused else "**not refused**")])
     header = ["config", "steps", "dtype", "loss, reference (step 1 → last)", "loss, all kernels (step 1 → last)",
               "max abs diff", "max rel diff", "witness: reordered reference, max rel diff",
-              "witness: reference impls, max rel diff", "tolerance at the closest step (rel)", "within"]
+              "witness: reference impls, max rel diff", "witness: reference on other threads, max rel diff",
+              "tolerance at the closest step (rel)", "within", "control (that op's output in bf16)"]
     return _table(header, body)
 
 

@@ -3,7 +3,8 @@
 Fast tier: each config's ``[overrides]`` (every kernel op that applies to the model, strict policy) on a
 tiny model of its kind, 10 steps, within ``benchmarks/loss_track.py``'s tolerance floor alone (a tiny model's
 trajectory is calm). Slow tier: the configs as shipped, 20 steps, within the full tolerance (the floor or a
-multiple of the kernel-free witnesses' drift, whichever is larger; ``loss_track.tolerance`` derives both).
+multiple of the kernel-free witnesses' drift, whichever is larger; ``loss_track.tolerance`` derives both), and
+the known-bad control path (one op's output rounded to bf16) outside it.
 """
 
 from __future__ import annotations
@@ -82,8 +83,52 @@ def test_shipped_config_tracks_reference_over_20_steps(tmp_path: Path, config: s
     assert {op for op, _, _ in table} == set(config_ops(config))  # every op of the config has swap points
     assert all((impl, status) == ("nki", "swapped") for _, impl, status in table)
     rows = tr.rows(steps)
-    assert all(r["within"] for r in rows), [(r["step"], r["rel_diff"]) for r in rows if not r["within"]]
-    assert tr.nki[steps] < tr.nki[1] - 1.0  # it trains
+    assert all(r["within"] for r in rows), [(r["step"], r["rel_diff"], r["rtol"]) for r in rows if not r["within"]]
+    assert not rows[-1]["control_within"]  # the tolerance refuses a bf16 output: it can tell one from the kernels
+    assert tr.losses["nki"][steps] < tr.losses["nki"][1] - 1.0  # it trains
+
+
+def test_loss_track_rows_bound_each_step_by_the_floor_or_the_witnesses_spread() -> None:
+    """Hand-computed: the spread is the running max over the three witnesses, the tolerance the larger of the
+    floor and SPREAD_FACTOR times it, and the nki path and the control are judged against it step by step."""
+    def path(*rel: float) -> dict[int, float]:
+        return {s: 10.0 * (1 + r) for s, r in enumerate(rel, start=1)}
+
+    floor = 2.0 ** -13
+    tr = loss_track.Track("cfg", "float32", {
+        "reference": path(0, 0, 0, 0), "reference_reordered": path(0, 1e-5, 0, 0),
+        "reference_impls": path(0, 0, 2e-4, 0), "reference_threads": path(0, 0, 0, 3e-5),
+        "nki": path(0, 1e-4, 1.7e-3, 1.5e-3), "control": path(0, 2e-4, 0, 0)}, "", "mlp")
+    rows = tr.rows(4)
+    assert loss_track.SPREAD_FACTOR == 8
+    assert [r["spread"] for r in rows[:4]] == pytest.approx([0, 1e-5, 2e-4, 2e-4])
+    assert [r["rtol"] for r in rows[:4]] == pytest.approx([floor, floor, 1.6e-3, 1.6e-3])  # 8 x 1e-5 < floor
+    assert [r["within"] for r in rows[:4]] == [True, True, False, True]  # 1.7e-3 > 1.6e-3 >= 1.5e-3
+    assert [r["control_within"] for r in rows[:4]] == [True, False, True, True]  # 2e-4 > the floor
+    assert [r["rel_diff_threads"] for r in rows[:4]] == pytest.approx([0, 0, 0, 3e-5])
+    top = rows[4]
+    assert top["step"] == "max" and top["within"] is False and top["control_within"] is False
+    assert top["rel_diff"] == pytest.approx(1.7e-3) and top["rtol"] == pytest.approx(1.6e-3)  # the worst step's
+
+
+def test_loss_track_control_rounds_the_feed_forward_output_to_bf16() -> None:
+    from trnkit.overrides import registry
+
+    assert loss_track.control_op(["rmsnorm", "mlp", "moe_experts"]) == "moe_experts"
+    assert loss_track.control_op(["mlp", "attention"]) == "mlp"
+    with pytest.raises(ValueError, match=r"overrides.ops \['attention'\] has none"):
+        loss_track.control_op(["attention"])
+    loss_track.register_control("mlp")
+    loss_track.register_control("mlp")  # again: a no-op (the track runs it once per path)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, w_gu, w_d = (torch.randn(*s, generator=g) for s in ((5, 16), (16, 2 * 24), (24, 16)))
+        ref = registry.get_impl("mlp", "reference").fn(x, w_gu, w_d)
+        got = registry.get_impl("mlp", loss_track.CONTROL_IMPL).fn(x, w_gu, w_d)
+        assert got.dtype == torch.float32 and torch.equal(got, ref.to(torch.bfloat16).float())
+        assert not torch.equal(got, ref)
+    finally:
+        registry.unregister("mlp", loss_track.CONTROL_IMPL)
 
 
 def test_loss_schedule_key_runs_its_kernel_and_both_train_alike(tmp_path: Path, tiny_tokenizer: str,
