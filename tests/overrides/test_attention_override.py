@@ -351,3 +351,49 @@ def test_attention_terms_the_kernel_lacks_are_not_dropped():
                          ({"output_attentions": True}, r"output_attentions is False' violated \(got True\)")]:
         with pytest.raises(OverrideConstraintError, match=rule):
             ALL_ATTENTION_FUNCTIONS[strict](module, q, k, v, None, scaling=0.25, **kwargs)
+
+
+def test_attention_dropout_is_refused_when_applied_not_at_the_first_training_call():
+    """A transformers model with ``attention_dropout > 0`` passed a strict ``apply_overrides`` (the dry run runs in
+    eval mode, without dropout) and was refused only at its first training call; now the module's configuration
+    is checked when the swap is applied: strict raises there naming the op, the modules, the rule and the value
+    and leaves the model unswapped; fallback reports the modules as fallback and their calls (training ones drop
+    out) run transformers' own attention."""
+    model = hf_dense_model(attention_dropout=0.1)
+    with pytest.raises(OverrideConstraintError, match=r"attention\[reference\] at model\.layers\.0\.self_attn, "
+                       r"model\.layers\.1\.self_attn .*'attention_dropout == 0' violated \(got 0\.1\)"):
+        apply_overrides(model, OverrideConfig(ops=["attention"], impl="reference", seq_len=8))
+    assert model.model.layers[0].self_attn.config is model.config  # nothing swapped
+
+    original = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"attention\[reference\] falls back .*attention_dropout == 0"):
+        report = apply_overrides(model, OverrideConfig(ops=["attention"], impl="reference", seq_len=8,
+                                                       policy="fallback"))
+    assert [(r.module, r.status) for r in report.rows] == [(f"model.layers.{i}.self_attn", "fallback") for i in (0, 1)]
+    assert "attention_dropout == 0' violated (got 0.1)" in report.rows[0].reason
+    calls = []
+    orig = ops.attention
+    try:
+        ops.attention = lambda *a, **kw: calls.append(a[-1]) or orig(*a, **kw)
+        for mode in (model.train, model.eval):
+            mode(), original.train(model.training)
+            torch.manual_seed(1)
+            got = model(TOKENS).logits
+            torch.manual_seed(1)
+            assert torch.equal(got, original(TOKENS).logits)  # the same dropout masks in training mode
+    finally:
+        ops.attention = orig
+    assert calls == []
+
+
+def test_attention_dropout_set_to_zero_serves_an_eval_only_model():
+    """Eval never drops: a model used for evaluation only gets the kernel once its modules' attention_dropout is 0
+    (the documented way), with the logits of the model as it was."""
+    model = hf_dense_model(attention_dropout=0.1).eval()
+    original = copy.deepcopy(model)
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.0
+    report = apply_overrides(model, OverrideConfig(ops=["attention"], impl="reference", seq_len=8))
+    assert {r.status for r in report.rows} == {"swapped"}
+    with torch.no_grad():
+        assert_close(model(TOKENS).logits, original(TOKENS).logits, torch.float32)

@@ -60,8 +60,8 @@ from trnkit.kernels.constraints import Violation
 from trnkit.overrides.config import DEFAULT_OPS, SWAPPABLE_OPS, KernelChoice, OverrideConfig
 from trnkit.overrides.guard import BoundKernel, Probe, dtensor_names, resolve_dtensor
 from trnkit.overrides.hf import set_hf_attention, unset_hf_attention
-from trnkit.overrides.hf_modules import ModuleAdapter, bind, dry_run_rotary, is_hf, is_rope_attention, \
-    module_adapter, rope_attention_forward, unbind
+from trnkit.overrides.hf_modules import ModuleAdapter, bind, dry_run_rotary, hf_attention_static, is_hf, \
+    is_rope_attention, module_adapter, rope_attention_forward, unbind
 from trnkit.overrides.registry import REFERENCE, OverrideConstraintError, foreign_code
 from trnkit.overrides.report import OverrideReport, OverrideRow
 
@@ -131,7 +131,10 @@ def _find_swap_points(model: nn.Module, wanted: Sequence[str]) -> Iterator[tuple
 
 def _install(path: str, module: nn.Module, op: str, adapter: ModuleAdapter | str | None,
              choice: KernelChoice, probe_only: bool = False) -> _SwapPoint:
-    static = adapter.static(module) if isinstance(adapter, ModuleAdapter) else slot_static(module, op)
+    if isinstance(adapter, ModuleAdapter):
+        static = adapter.static(module)
+    else:
+        static = hf_attention_static(module) if adapter == HF_ATTENTION else slot_static(module, op)
     guard = BoundKernel(op, choice, path, static, probe_only)
     if adapter == SLOT:
         previous, module.kernel = module.kernel, guard

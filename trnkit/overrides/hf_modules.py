@@ -25,7 +25,8 @@ from trnkit.kernels.moe import from_hf_v5
 from trnkit.overrides import ops
 from trnkit.overrides.guard import BoundKernel, paired_head_norms
 
-__all__ = ["ModuleAdapter", "bind", "deinterleave", "dry_run_rotary", "hf_experts_call", "hf_experts_static", "is_hf",
+__all__ = ["ModuleAdapter", "bind", "deinterleave", "dry_run_rotary", "hf_attention_static", "hf_experts_call",
+           "hf_experts_static", "is_hf",
            "is_rope_attention", "module_adapter", "rope_attention_forward", "swapped", "unbind"]
 
 _GUARD = "_trnkit_guard"  # a swapped transformers module's BoundKernel, in its __dict__ beside its forward
@@ -200,6 +201,19 @@ def hf_experts_static(module: nn.Module) -> list[Violation]:
          "expert-parallel dispatch is not supported by this adapter"),
     ]
     return [Violation(label, rule, value, why) for ok, rule, value, why in checks if not ok]
+
+
+def hf_attention_static(module: nn.Module) -> list[Violation]:
+    """The ``attention`` swap point of a transformers attention module: the kernel has no dropout, and the module
+    drops attention weights with ``attention_dropout`` whenever it is in training mode. The validation dry run
+    runs in eval mode (no dropout), so this is checked here, on the module's configuration."""
+    p = float(getattr(module, "attention_dropout", 0.0) or 0.0)
+    if p:
+        return [Violation("attention[hf adapter]", "attention_dropout == 0", p,
+                          "the kernel has no dropout; transformers drops attention weights with this probability "
+                          "in training mode (for eval-only use set the module's attention_dropout to 0: eval "
+                          "never drops)")]
+    return []
 
 
 @dataclass(frozen=True)
