@@ -217,3 +217,47 @@ def test_a_dynamic_rope_model_passes_the_dry_run():
     assert {r.status for r in report.rows} == {"swapped"}
     assert "forward" not in vars(model.model.rotary_emb)
     assert_swap_parity(model, original, torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0)))
+
+
+@pytest.mark.parametrize("compute", ["bf16 autocast", "bf16 weights"])
+def test_router_in_bf16_routes_as_transformers_near_ties_included(compute):
+    """transformers' Qwen3-MoE router computes its logits with ``F.linear`` in the compute dtype (bf16 under bf16
+    autocast or with bf16 weights), softmax in fp32 from those rounded logits, top-K, and returns logits and
+    weights in bf16. The swapped router routed from fp32 logits (fp32 operands under autocast; fp32 logits
+    from bf16 operands with bf16 weights) and returned fp32 under autocast: other weights, and near-ties at bf16
+    resolution chose other experts. Here expert 1's router row is expert 0's times 1 + 2^-10, so their logits
+    are equal in bf16 for most tokens; the swapped router returns transformers' logits, weights and indices
+    exactly, and the gradients match."""
+    from trnkit.kernels.router import router_topk_ref
+
+    model = hf_moe_model()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[1] = layer.mlp.gate.weight[0] * (1 + 2 ** -10)
+    if compute == "bf16 weights":
+        model = model.to(torch.bfloat16)
+    original = copy.deepcopy(model)
+    apply_overrides(model, OverrideConfig(ops=["router_topk"], impl="nki", seq_len=8))
+
+    def captured(m):
+        outs = []
+        for layer in m.model.layers:
+            layer.mlp.gate.register_forward_hook(lambda mod, args, out: outs.append((mod, args[0], out)))
+        return outs
+
+    got, want = captured(model), captured(original)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bf16 autocast"):
+        got_logits, got_grads = _logits_and_grads(model)
+        want_logits, want_grads = _logits_and_grads(original)
+    assert_close(got_logits, want_logits, torch.bfloat16)
+    fp32_selection_differs = 0
+    for (_, _, g), (gate, x, w) in zip(got, want, strict=True):
+        assert [t.dtype for t in g] == [t.dtype for t in w] == [torch.bfloat16, torch.bfloat16, torch.int64]
+        assert torch.equal(g[2], w[2]) and torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+        # the case is a near-tie: choosing from the fp32 logits of the same bf16 operands picks otherwise
+        _, idx, _ = router_topk_ref(x.to(torch.bfloat16), gate.weight.to(torch.bfloat16), gate.top_k)
+        fp32_selection_differs += int((idx.long() != w[2]).any(1).sum())
+    assert fp32_selection_differs > 0
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        assert_close(got_grads[name], want_grads[name], torch.bfloat16, msg=name)

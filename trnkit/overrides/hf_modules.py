@@ -57,6 +57,12 @@ def _rmsnorm_forward(self: Any, x: Tensor) -> Tensor:
     return ops.rmsnorm(x, self.weight, eps, impl, lnc=self._trnkit_guard.lnc)[0]
 
 
+def _linear_dtype(x: Tensor, w: Tensor) -> torch.dtype:
+    """The dtype ``F.linear(x, w)`` computes and returns: the autocast dtype under autocast, else the promoted one."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(x.dtype, w.dtype)
+
+
 def _mlp_linears(module: nn.Module) -> tuple[Any, Any, Any]:
     """(gate, up, down) projections of transformers' Qwen3 MLPs."""
     return module.gate_proj, module.up_proj, module.down_proj
@@ -67,9 +73,7 @@ def _hf_mlp_forward(self: Any, x: Tensor) -> Tensor:
     would run): ``w_gate_up = cat(gate, up).T`` and ``w_down = down.T`` are views / a copy that autograd
     differentiates back to the ``nn.Linear`` weights."""
     gate, up, down = _mlp_linears(self)
-    dev = x.device.type
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(x.dtype,
-                                                                                                 gate.weight.dtype)
+    dt = _linear_dtype(x, gate.weight)
     xc = x.to(dt)
     w_gate_up = torch.cat([gate.weight, up.weight]).to(dt).T
     w_down = down.weight.to(dt).T
@@ -96,14 +100,29 @@ def mlp_static(module: nn.Module) -> list[Violation]:
 
 
 def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """transformers' ``Qwen3MoeTopKRouter``: ``logits = F.linear(x, weight)`` in the compute dtype (the autocast
+    dtype under autocast), softmax in fp32, top-K, renormalisation, ``(logits, weights, indices)`` in the
+    logits' dtype. The kernel gets x and the weight in that dtype, as autocast hands them to ``F.linear``. In
+    fp32 its selection and weights are returned. In a lower dtype transformers rounds the logits to it before
+    the softmax, and the kernel selects from its fp32-accumulated logits, which near-ties at that precision
+    order otherwise: the kernel's logits are rounded to the dtype and transformers' softmax / top-K /
+    renormalisation run on them (T x E elementwise work; the gradient reaches x and the weight through the
+    kernel's backward)."""
     x = hidden_states.reshape(-1, self.hidden_dim)
-    impl = self._trnkit_guard.choose(x=x, w_router=self.weight, top_k=self.top_k,
-                                     norm_topk_prob=self.norm_topk_prob)
+    dt = _linear_dtype(x, self.weight)
+    xc, w = x.to(dt), self.weight.to(dt)
+    impl = self._trnkit_guard.choose(x=xc, w_router=w, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
     if impl is None:
         return _original(self, hidden_states)
-    weights, idx, logits = ops.router_topk(x, self.weight, self.top_k, self.norm_topk_prob, impl)
-    # transformers returns (logits, scores, indices) in the activation dtype.
-    return logits.to(x.dtype), weights.to(x.dtype), idx.long()
+    weights, idx, logits = ops.router_topk(xc, w, self.top_k, self.norm_topk_prob, impl)
+    if dt == logits.dtype:
+        return logits, weights, idx.long()
+    logits = logits.to(dt)  # what transformers' F.linear returns
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, idx = torch.topk(probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights.to(dt), idx
 
 
 def _hf_sigmoid_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
