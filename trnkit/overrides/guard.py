@@ -17,7 +17,7 @@ from trnkit.overrides import ops
 from trnkit.overrides.config import KernelChoice
 from trnkit.overrides.registry import REFERENCE, OverrideConstraintError, list_impls, select, warn_once
 
-__all__ = ["BoundKernel", "Probe", "head_norm_pair", "paired_head_norms", "resolve_dtensor"]
+__all__ = ["BoundKernel", "Probe", "head_norm_pair", "paired_head_norms", "resolve_dtensor", "wrapped_projections"]
 
 _DTensor: type | None = None  # torch.distributed.tensor.DTensor, resolved by resolve_dtensor (import is slow)
 
@@ -33,6 +33,23 @@ def autocast_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
         return tensors
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) for t in tensors)
+
+
+def wrapped_projections(label: str, projections: Mapping[str, Any]) -> list[Violation]:
+    """A violation per projection the swap point reads the weight of (rather than calling it) that computes more
+    than ``F.linear`` (:func:`trnkit.qwen3.precision.linear_wrapper`: a LoRA-style wrapper, a peft-style layer, a
+    subclass or instance forward): the kernel would skip its own computation, so its module's own forward (which
+    calls the projection) must run. Checked when the kernel is bound and at every call (a wrapper may come later)."""
+    from trnkit.qwen3.precision import linear_wrapper
+
+    out = []
+    for name, proj in projections.items():
+        what = linear_wrapper(proj)
+        if what is not None:
+            out.append(Violation(label, f"{name} computes only F.linear (nn.Linear's own forward, no wrapper)", what,
+                                 "the kernel reads the projection's weight and computes it itself, which would "
+                                 "skip what the wrapper adds (a LoRA delta, ...); the module's own forward runs it"))
+    return out
 
 
 def resolve_dtensor() -> None:
@@ -102,6 +119,20 @@ class BoundKernel:
             raise OverrideConstraintError(self.op, self.impl, reasons, self.path)
         self.warn_fallback(reasons)
         return None
+
+    def refuse(self, reasons: Sequence[Violation]) -> None:
+        """The policy for a call whose kernel inputs cannot even be formed (a projection wrapped since the swap,
+        :func:`wrapped_projections`): recorded by a validation dry run, raised under ``strict``, warned once under
+        ``fallback``; the caller then runs the module's own code."""
+        if self.probe is not None:
+            if not self.probe_only:
+                self.probe.seen.setdefault((self.path, self.op), []).extend(reasons)
+            return
+        if self.policy == "strict":
+            if torch.compiler.is_compiling():
+                _announce_strict(self.op, self.impl, "; ".join(str(v) for v in reasons), self.path)
+            raise OverrideConstraintError(self.op, self.impl, list(reasons), self.path)
+        self.warn_fallback(reasons)
 
     def warn_fallback(self, reasons: Sequence[Violation]) -> str:
         """Warn once per distinct (op, impl, reason) — not per layer or call; returns the reason."""

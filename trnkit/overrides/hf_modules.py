@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from trnkit.kernels.constraints import Violation
 from trnkit.kernels.moe import from_hf_v5
 from trnkit.overrides import ops
-from trnkit.overrides.guard import BoundKernel, paired_head_norms
+from trnkit.overrides.guard import BoundKernel, paired_head_norms, wrapped_projections
 
 __all__ = ["ModuleAdapter", "bind", "deinterleave", "dry_run_rotary", "hf_attention_static", "hf_experts_call",
            "hf_experts_static", "is_hf",
@@ -73,6 +73,10 @@ def _hf_mlp_forward(self: Any, x: Tensor) -> Tensor:
     would run): ``w_gate_up = cat(gate, up).T`` and ``w_down = down.T`` are views / a copy that autograd
     differentiates back to the ``nn.Linear`` weights."""
     gate, up, down = _mlp_linears(self)
+    wrapped = wrapped_projections("mlp[adapter]", {"gate_proj": gate, "up_proj": up, "down_proj": down})
+    if wrapped:  # a wrapper set since the swap (LoRA, ...): only the module's own forward runs it
+        self._trnkit_guard.refuse(wrapped)
+        return _original(self, x)
     dt = _linear_dtype(x, gate.weight)
     xc = x.to(dt)
     w_gate_up = torch.cat([gate.weight, up.weight]).to(dt).T
@@ -84,15 +88,14 @@ def _hf_mlp_forward(self: Any, x: Tensor) -> Tensor:
 
 
 def mlp_static(module: nn.Module) -> list[Violation]:
-    """The kernel is SiLU-gated with no biases: projections that are bias-free ``nn.Linear`` and (transformers)
-    ``hidden_act == "silu"``."""
+    """The kernel is SiLU-gated with no biases: projections that are bias-free ``nn.Linear`` (not wrapped:
+    :func:`~trnkit.overrides.guard.wrapped_projections`) and (transformers) ``hidden_act == "silu"``."""
     label = "mlp[adapter]"
-    out = []
-    for proj in _mlp_linears(module):
-        if not isinstance(proj, nn.Linear) or proj.bias is not None:
-            out.append(Violation(label, "gate / up / down are nn.Linear without bias", type(proj).__name__,
-                                 "the kernel reads the projections' weights and has no bias term"))
-            break
+    gate, up, down = _mlp_linears(module)
+    out = wrapped_projections(label, {"gate_proj": gate, "up_proj": up, "down_proj": down})
+    if not out and any(proj.bias is not None for proj in (gate, up, down)):
+        out.append(Violation(label, "gate / up / down are nn.Linear without bias", "bias",
+                             "the kernel reads the projections' weights and has no bias term"))
     act = getattr(getattr(module, "config", None), "hidden_act", "silu")
     if act != "silu":
         out.append(Violation(label, "hidden_act == 'silu'", act, "the kernel's gate activation is SiLU"))

@@ -24,6 +24,7 @@ dtype before they scale the expert outputs.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from torch import nn
 
 from .config import Qwen3Config, rope_cache as _rope_cache
 from .loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
-from .precision import Linear
+from .precision import Linear, linear_wrapper
 
 
 class KernelSlot:
@@ -53,6 +54,29 @@ class KernelSlot:
 
     def _choose(self, **inputs: object) -> str | None:
         return None if self.kernel is None else self.kernel.choose(**inputs)
+
+    def _wrapped(self, **projections: nn.Module) -> list[tuple[str, object, str]]:
+        """``kernel_static`` items for the projections this module's kernel reads the weights of rather than calling
+        them: one per projection that computes more than ``F.linear`` (a LoRA-style wrapper, ...; see
+        :func:`~trnkit.qwen3.precision.linear_wrapper`), whose own computation the kernel would skip."""
+        out = []
+        for name, proj in projections.items():  # a loop: dynamo cannot trace a walrus in a comprehension
+            what = linear_wrapper(proj)
+            if what is not None:
+                out.append((f"{name} computes only F.linear (nn.Linear's own forward, no wrapper)", what,
+                            "the kernel reads the projection's weight and computes it itself, which would skip "
+                            "what the wrapper adds (a LoRA delta, ...); the module's own forward runs it"))
+        return out
+
+    def _kernel_reads(self, **projections: nn.Module) -> bool:
+        """Whether the bound kernel may read these projections' weights: False (after the policy: a raise under
+        strict, a warning once under fallback) when one was wrapped (LoRA, ...), so the module's own forward runs."""
+        wrapped = self._wrapped(**projections)
+        if wrapped:
+            from trnkit.kernels.constraints import Violation
+
+            self.kernel.refuse([Violation(f"{self.kernel_op}[native adapter]", *item) for item in wrapped])
+        return not wrapped
 
 
 def _kernel_ops():
@@ -235,8 +259,12 @@ class FeedForward(KernelSlot, nn.Module):
         self.w2 = Linear(hidden_dim, dim)
         self.w3 = Linear(dim, hidden_dim)
 
+    def kernel_static(self) -> list[tuple[str, object, str]]:
+        """The kernel computes the three projections from their weights: a wrapped one is not served."""
+        return self._wrapped(w1=self.w1, w2=self.w2, w3=self.w3)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
+        if self.kernel is not None and self._kernel_reads(w1=self.w1, w2=self.w2, w3=self.w3):
             dt = _compute_dtype(x, self.w1.weight)
             xc = x.to(dt)
             w_gate_up = torch.cat([self.w1.weight, self.w3.weight]).to(dt).T
@@ -263,19 +291,24 @@ class TopKRouter(KernelSlot, nn.Module):
 
     def kernel_static(self) -> list[tuple[str, object, str]]:
         """The kernel computes ``x @ gate.weight^T`` itself: anything else ``gate`` would do is not served."""
-        if not isinstance(self.gate, nn.Linear):
-            return [("gate is an nn.Linear", type(self.gate).__name__,
-                     "the kernel reads gate.weight and does the projection itself")]
+        wrapped = self._wrapped(gate=self.gate)
+        if wrapped:
+            return wrapped
         if self.gate.bias is not None:
             return [("gate without bias", "bias", "the kernel has no bias term")]
         return []
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.kernel is not None and not self._kernel_reads(gate=self.gate):
+            return self._torch_forward(x)
         w = self.gate.weight
         impl = self._choose(x=x, w_router=w, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
         if impl is not None:
             weights, idx, logits = _kernel_ops().router_topk(x, w, self.top_k, self.norm_topk_prob, impl)
             return weights, idx.long(), logits
+        return self._torch_forward(x)
+
+    def _torch_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if x.dim() != 2 or x.shape[1] != self.gate.in_features:
             raise ValueError(f"TopKRouter: x must be [T, {self.gate.in_features}], got {tuple(x.shape)}")
         logits = self.gate(x).float()          # HF: linear in the activation dtype, softmax in fp32
@@ -597,11 +630,33 @@ class Qwen3Model(_DropsForwardState, nn.Module):
         if labels.shape != tokens.shape:
             raise ValueError(f"Qwen3Model.forward: labels must have the tokens' shape {tuple(tokens.shape)}, "
                              f"got {tuple(labels.shape)}")
+        if loss_chunk_size and self._lm_head_wrapped():
+            loss_chunk_size = 0  # the fused loss reads lm_head.weight: the wrapper's part would be skipped
         if loss_chunk_size == 0:
             logits = self.lm_head(h).float()
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index,
                                    reduction="sum")
         return self.loss(h, self.lm_head.weight, labels, loss_chunk_size, ignore_index, schedule=loss_schedule)
+
+    def _lm_head_wrapped(self) -> bool:
+        """Whether ``lm_head`` computes more than ``F.linear`` (a LoRA-style wrapper, ...: see
+        :func:`~trnkit.qwen3.precision.linear_wrapper`). The loss (the chunked torch loss and the swapped-in loss
+        kernel alike) reads its weight, so the loss then runs the lm_head and ``F.cross_entropy``: under a loss
+        kernel after its policy (``strict`` raises, ``fallback`` warns once), else with a warning (once)."""
+        what = linear_wrapper(self.lm_head)
+        if what is None:
+            return False
+        rule = "lm_head computes only F.linear (nn.Linear's own forward, no wrapper)"
+        why = ("the fused lm_head + loss reads lm_head.weight, which would skip what the wrapper adds (a LoRA "
+               "delta, ...); the loss runs lm_head and F.cross_entropy on the full logits")
+        if self.loss.kernel is not None:
+            from trnkit.kernels.constraints import Violation
+
+            self.loss.kernel.refuse([Violation("linear_cross_entropy[native adapter]", rule, what, why)])
+        elif not torch.compiler.is_compiling():
+            warnings.warn(f"Qwen3Model: constraint '{rule}' violated (got {what!r}): {why}", UserWarning,
+                          stacklevel=3)
+        return True
 
     def router_stats(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """``(selections per expert [E], router probabilities summed per expert [E], rows)`` over all MoE
