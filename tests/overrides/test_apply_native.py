@@ -397,3 +397,41 @@ def test_apply_overrides_to_something_that_is_not_a_module_is_named() -> None:
 
     with pytest.raises(TypeError, match=r"^apply_overrides: model must be a torch.nn.Module, got str 'model'$"):
         apply_overrides("model", OverrideConfig())
+
+
+@pytest.mark.parametrize("compute", ["bf16 autocast", "bf16 weights"])
+def test_router_kernel_in_bf16_routes_as_the_torch_router_near_ties_included(compute):
+    """The native router's own code computes ``gate(x)`` in the compute dtype (bf16 under bf16 autocast or with bf16
+    weights) and routes from those rounded logits, ties to the lower expert index. The kernel got fp32 operands under
+    autocast and, in both cases, chose from its fp32-accumulated logits: where two experts' logits are equal in bf16
+    it picked another expert. Expert 1's router row is expert 0's times 1 + 2^-10 here; the swapped router now
+    returns the torch router's weights, indices and logits exactly."""
+    from trnkit.kernels.router import router_topk_ref
+
+    model = native_model(init_std=0.2)
+    with torch.no_grad():
+        gate = model.layers[0].moe.router.gate.weight
+        gate[1] = gate[0] * (1 + 2 ** -10)
+    if compute == "bf16 weights":
+        model = model.to(torch.bfloat16)
+    original = copy.deepcopy(model)
+    apply_overrides(model, OverrideConfig(ops=["router_topk"], impl="nki", seq_len=8))
+    outs = {}
+
+    def keep(name):
+        def hook(mod, args, out):
+            outs[name] = (args, out)
+        return hook
+
+    for name, m in (("kernel", model), ("torch", original)):
+        m.layers[0].moe.router.register_forward_hook(keep(name))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "bf16 autocast"):
+        got, want = model(tokens), original(tokens)
+    assert torch.equal(got, want)
+    (x,), w = outs["torch"]
+    for a, b in zip(outs["kernel"][1], w, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # the case is a near-tie: choosing from the fp32 logits of the bf16 operands picks otherwise
+    _, idx, _ = router_topk_ref(x.to(torch.bfloat16), gate.to(torch.bfloat16), 2)
+    assert (idx.long() != w[1]).any()

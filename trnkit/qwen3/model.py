@@ -302,16 +302,27 @@ class TopKRouter(KernelSlot, nn.Module):
         if self.kernel is not None and not self._kernel_reads(gate=self.gate):
             return self._torch_forward(x)
         w = self.gate.weight
-        impl = self._choose(x=x, w_router=w, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
-        if impl is not None:
-            weights, idx, logits = _kernel_ops().router_topk(x, w, self.top_k, self.norm_topk_prob, impl)
+        if self.kernel is None:
+            return self._torch_forward(x)
+        # the kernel gets x and the weight in the dtype gate(x) computes in (the autocast dtype under autocast)
+        dt = _compute_dtype(x, w)
+        xc, wc = x.to(dt), w.to(dt)
+        impl = self._choose(x=xc, w_router=wc, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
+        if impl is None:
+            return self._torch_forward(x)
+        weights, idx, logits = _kernel_ops().router_topk(xc, wc, self.top_k, self.norm_topk_prob, impl)
+        if dt == logits.dtype:
             return weights, idx.long(), logits
-        return self._torch_forward(x)
+        # gate(x) rounds the logits to dt before the softmax; the kernel selects from its fp32-accumulated ones,
+        # which orders experts whose logits are equal in dt (near-ties) otherwise: route from the rounded logits
+        return self._route(logits.to(dt).float())
 
     def _torch_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if x.dim() != 2 or x.shape[1] != self.gate.in_features:
             raise ValueError(f"TopKRouter: x must be [T, {self.gate.in_features}], got {tuple(x.shape)}")
-        logits = self.gate(x).float()          # HF: linear in the activation dtype, softmax in fp32
+        return self._route(self.gate(x).float())  # HF: linear in the activation dtype, softmax in fp32
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         probs = torch.softmax(logits, dim=-1)
         # Chosen by logit with a stable descending sort: torch.topk's selection, except that ties go to
         # the lower expert index and experts whose probabilities underflowed to 0 are still ordered by
