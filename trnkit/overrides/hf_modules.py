@@ -26,8 +26,8 @@ from trnkit.overrides import ops
 from trnkit.overrides.guard import BoundKernel, paired_head_norms, wrapped_projections
 
 __all__ = ["ModuleAdapter", "bind", "deinterleave", "dry_run_rotary", "hf_attention_static", "hf_experts_call",
-           "hf_experts_static", "is_hf",
-           "is_rope_attention", "module_adapter", "rope_attention_forward", "swapped", "unbind"]
+           "hf_experts_static", "is_hf", "is_rope_attention", "module_adapter", "rope_attention_forward", "swapped",
+           "unbind"]
 
 _GUARD = "_trnkit_guard"  # a swapped transformers module's BoundKernel, in its __dict__ beside its forward
 

@@ -299,11 +299,9 @@ class TopKRouter(KernelSlot, nn.Module):
         return []
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.kernel is not None and not self._kernel_reads(gate=self.gate):
+        if self.kernel is None or not self._kernel_reads(gate=self.gate):
             return self._torch_forward(x)
         w = self.gate.weight
-        if self.kernel is None:
-            return self._torch_forward(x)
         # the kernel gets x and the weight in the dtype gate(x) computes in (the autocast dtype under autocast)
         dt = _compute_dtype(x, w)
         xc, wc = x.to(dt), w.to(dt)
