@@ -185,3 +185,25 @@ def test_a_wrapped_native_lm_head_reaches_the_loss():
     with pytest.raises(OverrideConstraintError, match=r"linear_cross_entropy\[reference\] at loss .*lm_head "
                        r"computes only F\.linear"):
         model(IDS, labels=IDS)
+
+
+def test_linear_wrapper_tells_a_plain_projection_from_one_that_computes_more() -> None:
+    from trnkit.overrides.guard import linear_wrapper
+    from trnkit.qwen3.precision import Linear
+
+    class OwnForward(Linear):  # a subclass of the native Linear with a forward of its own: not plain
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    class Inherits(Linear):  # inherits the native Linear's forward: plain
+        pass
+
+    assert linear_wrapper(nn.Linear(4, 3)) is None
+    assert linear_wrapper(Linear(4, 3)) is None
+    assert linear_wrapper(Inherits(4, 3)) is None
+    assert linear_wrapper(OwnForward(4, 3)) == "OwnForward (an nn.Linear subclass with a forward of its own)"
+    assert linear_wrapper(LoRALinear(nn.Linear(4, 3))) == "LoRALinear (an nn.Linear subclass with a forward of its own)"
+    assert linear_wrapper(PeftStyle(nn.Linear(4, 3))) == "PeftStyle"
+    patched = nn.Linear(4, 3)
+    patched.forward = lambda x: x  # a forward set on the instance
+    assert linear_wrapper(patched) == "Linear with a forward set on the instance"

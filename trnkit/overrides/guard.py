@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from trnkit.kernels.constraints import Violation
 from trnkit.overrides import ops
 from trnkit.overrides.config import KernelChoice
 from trnkit.overrides.registry import REFERENCE, OverrideConstraintError, list_impls, select, warn_once
 
-__all__ = ["BoundKernel", "Probe", "head_norm_pair", "paired_head_norms", "resolve_dtensor", "wrapped_projections"]
+__all__ = ["PLAIN_LINEAR", "BoundKernel", "Probe", "head_norm_pair", "linear_wrapper", "paired_head_norms",
+           "resolve_dtensor", "wrapped_projections"]
 
 _DTensor: type | None = None  # torch.distributed.tensor.DTensor, resolved by resolve_dtensor (import is slow)
 
@@ -35,20 +36,42 @@ def autocast_operands(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.to(dt) for t in tensors)
 
 
-def wrapped_projections(label: str, projections: Mapping[str, Any]) -> list[Violation]:
-    """A violation per projection the swap point reads the weight of (rather than calling it) that computes more
-    than ``F.linear`` (:func:`trnkit.qwen3.precision.linear_wrapper`: a LoRA-style wrapper, a peft-style layer, a
-    subclass or instance forward): the kernel would skip its own computation, so its module's own forward (which
-    calls the projection) must run. Checked when the kernel is bound and at every call (a wrapper may come later)."""
-    from trnkit.qwen3.precision import linear_wrapper
+PLAIN_LINEAR = "_trnkit_plain_linear"  # class attribute: this nn.Linear subclass's forward is F.linear of its weight
+_WRAPPED_REASON = ("the kernel reads the projection's weight and computes it itself, which would skip what the "
+                   "wrapper adds (a LoRA delta, ...); the module's own forward runs it")
 
+
+def linear_wrapper(module: nn.Module) -> str | None:
+    """None when ``module`` computes just ``F.linear(x, weight, bias)``: an ``nn.Linear`` whose forward is
+    ``nn.Linear``'s or that of a subclass declaring ``_trnkit_plain_linear = True`` (trnkit's native
+    ``qwen3.precision.Linear``: the same product in its matmul dtype). Otherwise what it is instead: a wrapper of
+    another class (a LoRA-style ``base(x) + B(A(x))``, a peft-style layer keeping the weight on ``.base_layer``),
+    an ``nn.Linear`` subclass with a forward of its own, or a forward set on the instance. For the code that
+    reads a projection's weight rather than calling it (kernel swap points, the fused lm_head + loss), which
+    would skip such a module's own computation."""
+    cls = type(module)
+    if "forward" in module.__dict__:
+        return f"{cls.__name__} with a forward set on the instance"
+    if not isinstance(module, nn.Linear):
+        return cls.__name__
+    owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)  # the class whose forward runs
+    if owner is not nn.Linear and not owner.__dict__.get(PLAIN_LINEAR, False):
+        return f"{cls.__name__} (an nn.Linear subclass with a forward of its own)"
+    return None
+
+
+def wrapped_projections(label: str, projections: Mapping[str, Any], reason: str = _WRAPPED_REASON
+                        ) -> list[Violation]:
+    """A violation per projection the swap point reads the weight of (rather than calling it) that computes more
+    than ``F.linear`` (:func:`linear_wrapper`: a LoRA-style wrapper, a peft-style layer, a subclass or instance
+    forward): the kernel would skip its own computation, so its module's own forward (which calls the
+    projection) must run. Checked when the kernel is bound and at every call (a wrapper may come later)."""
     out = []
-    for name, proj in projections.items():
+    for name, proj in projections.items():  # a loop: dynamo cannot trace a walrus in a comprehension
         what = linear_wrapper(proj)
         if what is not None:
             out.append(Violation(label, f"{name} computes only F.linear (nn.Linear's own forward, no wrapper)", what,
-                                 "the kernel reads the projection's weight and computes it itself, which would "
-                                 "skip what the wrapper adds (a LoRA delta, ...); the module's own forward runs it"))
+                                 reason))
     return out
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from .config import Qwen3Config, rope_cache as _rope_cache
 from .loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
-from .precision import Linear, linear_wrapper
+from .precision import Linear
 
 
 class KernelSlot:
@@ -55,27 +55,21 @@ class KernelSlot:
     def _choose(self, **inputs: object) -> str | None:
         return None if self.kernel is None else self.kernel.choose(**inputs)
 
-    def _wrapped(self, **projections: nn.Module) -> list[tuple[str, object, str]]:
-        """``kernel_static`` items for the projections this module's kernel reads the weights of rather than calling
+    def _wrapped(self, **projections: nn.Module) -> list:
+        """The violations for the projections this module's kernel reads the weights of rather than calling
         them: one per projection that computes more than ``F.linear`` (a LoRA-style wrapper, ...; see
-        :func:`~trnkit.qwen3.precision.linear_wrapper`), whose own computation the kernel would skip."""
-        out = []
-        for name, proj in projections.items():  # a loop: dynamo cannot trace a walrus in a comprehension
-            what = linear_wrapper(proj)
-            if what is not None:
-                out.append((f"{name} computes only F.linear (nn.Linear's own forward, no wrapper)", what,
-                            "the kernel reads the projection's weight and computes it itself, which would skip "
-                            "what the wrapper adds (a LoRA delta, ...); the module's own forward runs it"))
-        return out
+        :func:`trnkit.overrides.guard.linear_wrapper`), whose own computation the kernel would skip. Called only
+        with a kernel bound (the overrides are loaded)."""
+        from trnkit.overrides.guard import wrapped_projections
+
+        return wrapped_projections(f"{self.kernel_op}[native adapter]", projections)
 
     def _kernel_reads(self, **projections: nn.Module) -> bool:
         """Whether the bound kernel may read these projections' weights: False (after the policy: a raise under
         strict, a warning once under fallback) when one was wrapped (LoRA, ...), so the module's own forward runs."""
         wrapped = self._wrapped(**projections)
         if wrapped:
-            from trnkit.kernels.constraints import Violation
-
-            self.kernel.refuse([Violation(f"{self.kernel_op}[native adapter]", *item) for item in wrapped])
+            self.kernel.refuse(wrapped)
         return not wrapped
 
 
@@ -261,7 +255,7 @@ class FeedForward(KernelSlot, nn.Module):
 
     def kernel_static(self) -> list[tuple[str, object, str]]:
         """The kernel computes the three projections from their weights: a wrapped one is not served."""
-        return self._wrapped(w1=self.w1, w2=self.w2, w3=self.w3)
+        return [(v.constraint, v.value, v.reason) for v in self._wrapped(w1=self.w1, w2=self.w2, w3=self.w3)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and self._kernel_reads(w1=self.w1, w2=self.w2, w3=self.w3):
@@ -293,7 +287,7 @@ class TopKRouter(KernelSlot, nn.Module):
         """The kernel computes ``x @ gate.weight^T`` itself: anything else ``gate`` would do is not served."""
         wrapped = self._wrapped(gate=self.gate)
         if wrapped:
-            return wrapped
+            return [(v.constraint, v.value, v.reason) for v in wrapped]
         if self.gate.bias is not None:
             return [("gate without bias", "bias", "the kernel has no bias term")]
         return []
@@ -649,22 +643,24 @@ class Qwen3Model(_DropsForwardState, nn.Module):
 
     def _lm_head_wrapped(self) -> bool:
         """Whether ``lm_head`` computes more than ``F.linear`` (a LoRA-style wrapper, ...: see
-        :func:`~trnkit.qwen3.precision.linear_wrapper`). The loss (the chunked torch loss and the swapped-in loss
+        :func:`trnkit.overrides.guard.linear_wrapper`). The loss (the chunked torch loss and the swapped-in loss
         kernel alike) reads its weight, so the loss then runs the lm_head and ``F.cross_entropy``: under a loss
         kernel after its policy (``strict`` raises, ``fallback`` warns once), else with a warning (once)."""
-        what = linear_wrapper(self.lm_head)
-        if what is None:
-            return False
-        rule = "lm_head computes only F.linear (nn.Linear's own forward, no wrapper)"
-        why = ("the fused lm_head + loss reads lm_head.weight, which would skip what the wrapper adds (a LoRA "
-               "delta, ...); the loss runs lm_head and F.cross_entropy on the full logits")
-        if self.loss.kernel is not None:
-            from trnkit.kernels.constraints import Violation
+        if type(self.lm_head) is Linear and "forward" not in vars(self.lm_head):
+            return False  # the model's own projection (the check below loads the overrides package)
+        from trnkit.overrides.guard import wrapped_projections
 
-            self.loss.kernel.refuse([Violation("linear_cross_entropy[native adapter]", rule, what, why)])
+        wrapped = wrapped_projections(
+            "linear_cross_entropy[native adapter]" if self.loss.kernel is not None else "Qwen3Model",
+            {"lm_head": self.lm_head},
+            "the fused lm_head + loss reads lm_head.weight, which would skip what the wrapper adds (a LoRA "
+            "delta, ...); the loss runs lm_head and F.cross_entropy on the full logits")
+        if not wrapped:
+            return False
+        if self.loss.kernel is not None:
+            self.loss.kernel.refuse(wrapped)
         elif not torch.compiler.is_compiling():
-            warnings.warn(f"Qwen3Model: constraint '{rule}' violated (got {what!r}): {why}", UserWarning,
-                          stacklevel=3)
+            warnings.warn(str(wrapped[0]), UserWarning, stacklevel=3)
         return True
 
     def router_stats(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:

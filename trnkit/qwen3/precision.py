@@ -94,6 +94,10 @@ class Linear(nn.Linear):
     """``nn.Linear`` without bias whose matmul follows :func:`matmul_dtype` (an ``nn.Linear``: tensor
     parallel plans, the override registry and the state dict see the same module)."""
 
+    # its forward is F.linear of its weight (in its matmul dtype): what a kernel that reads the weight computes
+    # (trnkit.overrides.guard.linear_wrapper; a string, not an import: overrides sits below qwen3)
+    _trnkit_plain_linear = True
+
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
@@ -101,21 +105,4 @@ class Linear(nn.Linear):
         return linear(x, self.weight)
 
 
-def linear_wrapper(module: nn.Module) -> str | None:
-    """None when ``module`` computes just ``F.linear(x, weight, bias)``: an ``nn.Linear`` running ``nn.Linear``'s
-    or :class:`Linear`'s own forward. Otherwise what it is instead: a wrapper of another class (a LoRA-style
-    ``base(x) + B(A(x))``, a peft-style layer keeping the weight on ``.base_layer``), an ``nn.Linear`` subclass
-    with a forward of its own, or a forward set on the instance. For the code that reads a projection's weight
-    rather than calling it (kernel swap points, the fused lm_head + loss), which would skip such a module's own
-    computation."""
-    cls = type(module)
-    if "forward" in module.__dict__:
-        return f"{cls.__name__} with a forward set on the instance"
-    if not isinstance(module, nn.Linear):
-        return cls.__name__
-    if cls.forward not in (nn.Linear.forward, Linear.forward):
-        return f"{cls.__name__} (an nn.Linear subclass with a forward of its own)"
-    return None
-
-
-__all__ = ["Linear", "linear", "linear_wrapper", "matmul_dtype", "native_matmul", "upcasts_matmul"]
+__all__ = ["Linear", "linear", "matmul_dtype", "native_matmul", "upcasts_matmul"]
