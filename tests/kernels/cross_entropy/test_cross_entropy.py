@@ -320,3 +320,37 @@ def test_oracle_random_shapes(T, H, V, dtype, reduction, lnc, fused, n_ignored, 
     """Both schedules at random shapes. V >= 2: with one class every loss is 0 in torch exactly and a few ulps of the
     logit here (docs/kernels.md, "Numerics"), which a rule relative to torch's error cannot weigh."""
     (fused_case if fused else ce_case)(T, H, V, dtype, reduction, lnc, seed, n_ignored)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_every_label_ignored_gives_torchs_loss_and_zero_gradients(reduction: str) -> None:
+    """torch's cross-entropy over all-ignored labels: the mean is 0 / 0 (NaN), the sum 0, and the gradients are 0
+    either way; the kernels and the references gave NaN gradients for the mean."""
+    h, w, _ = _inputs(5, 8, 12, torch.float32)
+    labels = torch.full((5,), -100)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = F.cross_entropy(hh @ ww.T, labels, reduction=reduction)
+    want.backward()
+    assert hh.grad is not None and not hh.grad.any() and not ww.grad.any()  # torch: zero gradients
+    for fwd, bwd in ((linear_cross_entropy, linear_cross_entropy_bwd),
+                     (linear_cross_entropy_ref, linear_cross_entropy_bwd_ref)):
+        loss, lse = fwd(h, w, labels, reduction=reduction)
+        torch.testing.assert_close(loss, want.detach(), equal_nan=True)
+        gh, gw = bwd(h, w, labels, lse, 1.0, reduction=reduction)
+        assert torch.equal(gh, torch.zeros_like(h)) and torch.equal(gw, torch.zeros_like(w)), fwd.__name__
+    for fused in (linear_cross_entropy_fwd_bwd, linear_cross_entropy_fwd_bwd_ref):
+        loss, _, gh, gw = fused(h, w, labels, reduction=reduction)
+        torch.testing.assert_close(loss, want.detach(), equal_nan=True)
+        assert not gh.any() and not gw.any() and gh.isfinite().all(), fused.__name__
+
+
+def test_references_refuse_a_reduction_the_kernels_do_not_have() -> None:
+    h, w, labels = _inputs(4, 8, 10, torch.float32)
+    with pytest.raises(KernelConstraintError, match=r"^linear_cross_entropy_ref: constraint "
+                                                    r"'reduction in \('mean', 'sum'\)' violated \(got 'none'\)$"):
+        linear_cross_entropy_ref(h, w, labels, reduction="none")  # it returned the sum
+    _, lse = linear_cross_entropy_ref(h, w, labels)
+    with pytest.raises(KernelConstraintError, match="linear_cross_entropy_bwd_ref: constraint 'reduction in"):
+        linear_cross_entropy_bwd_ref(h, w, labels, lse, 1.0, reduction="none")
+    with pytest.raises(KernelConstraintError, match="linear_cross_entropy_ref: constraint 'reduction in"):
+        linear_cross_entropy_fwd_bwd_ref(h, w, labels, reduction="none")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from trnkit.kernels._common import dtype_name
 from trnkit.kernels.constraints import Violation, check
 from trnkit.kernels.cross_entropy.constraints import linear_cross_entropy_constraints
 from trnkit.kernels.cross_entropy.cross_entropy_torch import (
@@ -26,19 +27,25 @@ from trnkit.kernels.cross_entropy.cross_entropy_torch import (
 )
 from trnkit.kernels.lnc import launch, resolve_lnc
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_bwd_ref",
+__all__ = ["label_range_violations", "linear_cross_entropy", "linear_cross_entropy_bwd", "linear_cross_entropy_bwd_ref",
            "linear_cross_entropy_constraints", "linear_cross_entropy_fwd_bwd", "linear_cross_entropy_fwd_bwd_ref",
            "linear_cross_entropy_ref"]
 
 
+def label_range_violations(labels: torch.Tensor, V: int, ignore_index: int, name: str) -> list[Violation]:
+    """The labels rule (a value check: it reads the labels): every label that is not ``ignore_index`` is in
+    [0, V). The kernels compare labels as fp32 values and would give such a token no target; the torch
+    reference's gather would stop with an index error that names neither the op nor ``ignore_index``."""
+    out = (labels != ignore_index) & ((labels < 0) | (labels >= V))
+    if not bool(out.any()):
+        return []
+    return [Violation(name, f"0 <= label < V = {V} or label == ignore_index ({ignore_index})", int(labels[out][0]))]
+
+
 def _labels_f32(labels: torch.Tensor, V: int, ignore_index: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(labels as fp32 with ignored tokens at -1, valid mask)``; labels outside [0, V) that are not
-    ``ignore_index`` are refused (a value check: it reads the labels)."""
+    """``(labels as fp32 with ignored tokens at -1, valid mask)``, after :func:`label_range_violations`."""
+    check(label_range_violations(labels, V, ignore_index, name))
     valid = labels != ignore_index
-    out = valid & ((labels < 0) | (labels >= V))
-    if bool(out.any()):
-        first = int(labels[out][0])
-        check([Violation(name, f"0 <= label < V = {V} or label == ignore_index ({ignore_index})", first)])
     return torch.where(valid, labels, -1).to(torch.float32), valid
 
 
@@ -69,7 +76,7 @@ def linear_cross_entropy_bwd(hidden: Any, weight: Any, labels: Any, lse: Any, gr
     name = "linear_cross_entropy_bwd"
     check(linear_cross_entropy_constraints(hidden, weight, labels, ignore_index, reduction, name=name))
     if tuple(lse.shape) != (hidden.shape[0],) or lse.dtype != torch.float32:
-        check([Violation(name, "lse is [T] float32 (the forward's)", (tuple(lse.shape), str(lse.dtype)))])
+        check([Violation(name, "lse is [T] float32 (the forward's)", (tuple(lse.shape), dtype_name(lse)))])
     lab, _ = _labels_f32(labels, weight.shape[0], ignore_index, name)
     scale = token_scale(labels, ignore_index, reduction, grad_loss)
     gh, gw = launch(lce_bwd_kernel, resolve_lnc(lnc))(hidden.T.contiguous(), hidden.contiguous(),

@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import torch
 
+from trnkit.kernels.constraints import Violation, check
+from trnkit.kernels.cross_entropy.constraints import REDUCTIONS
+
+
+def _check_reduction(name: str, reduction: str) -> None:
+    if reduction not in REDUCTIONS:  # "none" would otherwise give the sum
+        check([Violation(name, f"reduction in {REDUCTIONS}", reduction)])
+
 
 def token_scale(labels: torch.Tensor, ignore_index: int, reduction: str, grad_loss: torch.Tensor | float = 1.0
                 ) -> torch.Tensor:
     """``d loss / d loss_t`` per token (fp32): ``grad_loss / n_valid`` (mean) or ``grad_loss`` (sum), 0 for
-    ignored tokens. With every token ignored the mean is 0 / 0 (NaN), as in torch."""
+    ignored tokens. With every token ignored the mean loss is 0 / 0 (NaN) and every scale 0, as in torch
+    (``F.cross_entropy``'s gradients are then 0, not NaN)."""
     valid = (labels != ignore_index).to(torch.float32)
     g = torch.as_tensor(grad_loss, dtype=torch.float32)
     if reduction == "mean":
-        return valid * (g / valid.sum())
+        return valid * (g / valid.sum().clamp_min(1.0))
     return valid * g
 
 
@@ -29,6 +38,7 @@ def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, labels:
                              ignore_index: int = -100, reduction: str = "mean"
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss [] f32, lse [T] f32)`` of ``hidden [T, H] @ weight [V, H].T`` against ``labels [T]``."""
+    _check_reduction("linear_cross_entropy_ref", reduction)
     logits = hidden.float() @ weight.float().T
     lse = torch.logsumexp(logits, dim=-1)
     valid = labels != ignore_index
@@ -44,6 +54,7 @@ def linear_cross_entropy_bwd_ref(hidden: torch.Tensor, weight: torch.Tensor, lab
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_hidden [T, H] hidden.dtype, grad_weight [V, H] weight.dtype)`` of
     :func:`linear_cross_entropy_ref` given its ``lse`` and the loss gradient ``grad_loss``."""
+    _check_reduction("linear_cross_entropy_bwd_ref", reduction)
     logits = hidden.float() @ weight.float().T
     valid = labels != ignore_index
     onehot = torch.zeros_like(logits)
