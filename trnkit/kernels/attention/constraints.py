@@ -40,8 +40,9 @@ def _common(name: str, q: Any, k: Any, v: Any, scale: Any, bad: Any) -> bool:
         bad(f"D <= {D_MAX}", D, "the head dim is one pass of the 128-row Tensor engine")
     if dts[0] in S_MAX and S > S_MAX[dts[0]]:
         bad(f"S <= {S_MAX[dts[0]]} for {dts[0]}", S, "one kv head's K and V stay resident in SBUF")
+    # a comparison, not math.isfinite: under torch.compile(dynamic=True) scale is a symbolic float (NaN fails it)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                              or not math.isfinite(scale) or scale <= 0):
+                              or not 0 < scale < math.inf):
         bad("scale is None or a finite float > 0", scale)
     return True
 

@@ -28,7 +28,7 @@ def linear_cross_entropy_constraints(hidden: Any, weight: Any, labels: Any, igno
         v.append(Violation(name, rule, value, reason))
 
     hs, ws, ls = shape(hidden), shape(weight), shape(labels)
-    if len(hs) != 2 or min(hs, default=0) < 1:
+    if len(hs) != 2 or min(hs) < 1:
         bad("hidden is [T, H], T and H >= 1", hs)
         return v
     if len(ws) != 2 or ws[1] != hs[1] or ws[0] < 1:

@@ -22,7 +22,7 @@ def mlp_constraints(x: Any, w_gate_up: Any, w_down: Any, grad_y: Any = None) -> 
         v.append(Violation(name, rule, value, reason))
 
     xs, gs, ds = shape(x), shape(w_gate_up), shape(w_down)
-    if len(xs) < 1 or min(xs, default=0) < 1:
+    if len(xs) < 1 or min(xs) < 1:
         bad("x is [..., H], every dimension >= 1", xs)
         return v
     H = xs[-1]

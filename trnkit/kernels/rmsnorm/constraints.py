@@ -38,7 +38,7 @@ def out_dtype(x: Any, weight: Any) -> str:
 def _common(name: str, x: Any, weight: Any, bad: Any, backward: bool) -> bool:
     """Rules shared by the forward and the backward; True when the shapes are usable at all."""
     xs, ws = shape(x), shape(weight)
-    if len(xs) < 1 or min(xs, default=0) < 1:
+    if len(xs) < 1 or min(xs) < 1:
         bad("x has >= 1 dimension, all >= 1 (rows x H)", xs)
         return False
     if ws != (xs[-1],):
@@ -89,7 +89,8 @@ def rmsnorm_constraints(x: Any, weight: Any, eps: float = 1e-6, residual: Any = 
         return v
     if backward:
         _common("rmsnorm_bwd", x, weight, bad_bwd, backward=True)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) eps is a symbolic float (NaN fails both)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
         bad("eps is a finite float >= 0", eps)
     if residual is not None and (shape(residual) != shape(x) or dtype_name(residual) != dtype_name(x)):
         bad("residual has x's shape and dtype", (shape(residual), dtype_name(residual)),

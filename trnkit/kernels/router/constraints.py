@@ -97,8 +97,9 @@ def variant_violations(w_router: Any, return_affinities: bool, scoring: str, sel
     v: list[Violation] = []
     if scoring not in SCORINGS:
         return [Violation(name, f"scoring in {SCORINGS}", scoring)]
+    # a comparison, not math.isfinite: under torch.compile(dynamic=True) the factor is a symbolic float
     if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)) \
-            or not math.isfinite(routed_scaling_factor):
+            or not -math.inf < routed_scaling_factor < math.inf:
         v.append(Violation(name, "routed_scaling_factor is a finite number", routed_scaling_factor))
     if scoring == "sigmoid" and return_affinities:
         v.append(Violation(name, "return_affinities with scoring='softmax'", scoring,
