@@ -158,3 +158,19 @@ def test_swaps_apply_to_an_already_compiled_transformers_model():
     assert report.rows and {r.status for r in report.rows} == {"swapped"}
     assert_close(compiled(input_ids=TOKENS).logits, original(input_ids=TOKENS).logits)
     assert revert(compiled) == len(report.rows)
+
+
+def test_native_model_compiles_fullgraph_with_dynamic_shapes():
+    """Every kernel op and the loss under torch.compile(dynamic=True, fullgraph=True): the constraint functions
+    decide on symbolic sizes and scalars (they stopped dynamo: math.isfinite on a symbolic float, min(default=))."""
+    model = native_model(init_std=0.2)
+    ops = ["rope_hf", "rmsnorm", "attention", "mlp", "router_topk", "moe_experts", "linear_cross_entropy"]
+    report = apply_overrides(model, OverrideConfig(impl="nki", seq_len=8, ops=ops))
+    assert {row.op for row in report.rows if row.status == "swapped"} == set(ops)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    params = dict(model.named_parameters())
+    for T in (8, 6):  # two lengths through one dynamic graph
+        tokens = TOKENS[:, :T]
+        got = _loss_and_grads(lambda t: compiled(t, labels=t), params, tokens)
+        want = _loss_and_grads(lambda t: model(t, labels=t), params, tokens)
+        _assert_same(got, want)
