@@ -134,13 +134,7 @@ class BoundKernel:
             if not sel.fell_back:
                 return sel.impl
             reasons = list(sel.reasons)
-        if self.policy == "strict":
-            if torch.compiler.is_compiling():
-                # torch.compile(fullgraph=True) cannot raise from a graph ("Observed exception");
-                # say why first. Without fullgraph dynamo breaks the graph and this raise runs eagerly.
-                _announce_strict(self.op, self.impl, "; ".join(str(v) for v in reasons), self.path)
-            raise OverrideConstraintError(self.op, self.impl, reasons, self.path)
-        self.warn_fallback(reasons)
+        self._enforce(reasons)
         return None
 
     def refuse(self, reasons: Sequence[Violation]) -> None:
@@ -151,8 +145,14 @@ class BoundKernel:
             if not self.probe_only:
                 self.probe.seen.setdefault((self.path, self.op), []).extend(reasons)
             return
+        self._enforce(reasons)
+
+    def _enforce(self, reasons: Sequence[Violation]) -> None:
+        """The policy for a call the kernel does not serve: raise under ``strict``, warn once under ``fallback``."""
         if self.policy == "strict":
             if torch.compiler.is_compiling():
+                # torch.compile(fullgraph=True) cannot raise from a graph ("Observed exception");
+                # say why first. Without fullgraph dynamo breaks the graph and this raise runs eagerly.
                 _announce_strict(self.op, self.impl, "; ".join(str(v) for v in reasons), self.path)
             raise OverrideConstraintError(self.op, self.impl, list(reasons), self.path)
         self.warn_fallback(reasons)
