@@ -29,16 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .precision import matmul_dtype
+from .precision import compute_dtype, matmul_dtype
 
 DEFAULT_CHUNK_SIZE = 256  # tokens; measured on CPU at vocab 151,936 (docs/benchmarks.md)
-
-
-def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    dev = h.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return torch.promote_types(h.dtype, weight.dtype)
 
 
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> torch.Tensor:
@@ -51,7 +44,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                 ignore_index: int, group: Any, vocab_start: int) -> torch.Tensor:
-        dt = _compute_dtype(h, weight)
+        dt = compute_dtype(h, weight)
         mm_dt = matmul_dtype(dt, h.device)
         x = h.reshape(-1, h.shape[-1])
         y = labels.reshape(-1)

@@ -32,7 +32,7 @@ from torch import nn
 
 from .config import Qwen3Config, rope_cache as _rope_cache
 from .loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy
-from .precision import Linear
+from .precision import Linear, compute_dtype
 
 
 class KernelSlot:
@@ -81,12 +81,6 @@ def _kernel_ops():
     return ops
 
 
-def _compute_dtype(x: torch.Tensor, w: torch.Tensor) -> torch.dtype:
-    """The dtype a linear layer on ``x`` and ``w`` computes in: the autocast dtype under autocast."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else torch.promote_types(x.dtype, w.dtype)
-
-
 class RMSNorm(KernelSlot, nn.Module):
     """RMSNorm with HF's cast order: normalise in fp32, cast to the input dtype, then scale (op ``rmsnorm``)."""
 
@@ -132,7 +126,7 @@ class LinearCrossEntropy(KernelSlot, nn.Module):
         if schedule not in self.SCHEDULES:
             raise ValueError(f"linear_cross_entropy: schedule must be one of {self.SCHEDULES}, got {schedule!r}")
         if self.kernel is not None:
-            dt = _compute_dtype(h, weight)
+            dt = compute_dtype(h, weight)
             hidden, w, lab = h.reshape(-1, h.shape[-1]).to(dt), weight.to(dt), labels.reshape(-1)
             impl = self.kernel.choose(hidden=hidden, weight=w, labels=lab, ignore_index=ignore_index)
             if impl is not None:
@@ -259,7 +253,7 @@ class FeedForward(KernelSlot, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and self._kernel_reads(w1=self.w1, w2=self.w2, w3=self.w3):
-            dt = _compute_dtype(x, self.w1.weight)
+            dt = compute_dtype(x, self.w1.weight)
             xc = x.to(dt)
             w_gate_up = torch.cat([self.w1.weight, self.w3.weight]).to(dt).T
             w_down = self.w2.weight.to(dt).T
@@ -297,7 +291,7 @@ class TopKRouter(KernelSlot, nn.Module):
             return self._torch_forward(x)
         w = self.gate.weight
         # the kernel gets x and the weight in the dtype gate(x) computes in (the autocast dtype under autocast)
-        dt = _compute_dtype(x, w)
+        dt = compute_dtype(x, w)
         xc, wc = x.to(dt), w.to(dt)
         impl = self._choose(x=xc, w_router=wc, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
         if impl is None:

@@ -41,6 +41,15 @@ def native_matmul(dt: torch.dtype) -> bool:
     return True
 
 
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear(x, weight)`` computes and returns: the autocast dtype while autocast is on for x's
+    device, else the operands' promoted dtype (also what a kernel standing in for a linear layer gets)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
 def matmul_dtype(dt: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype matmuls of compute dtype ``dt`` run in on ``device``: ``dt``, or fp32 for a low-precision
     ``dt`` on a CPU without native matmul for it (operands rounded to ``dt`` first, outputs rounded after)."""
@@ -83,8 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     operands rounded to it and multiplied in fp32. Distributed (DTensor) weights take ``F.linear``."""
     if x.device.type != "cpu" or hasattr(weight, "to_local"):
         return F.linear(x, weight)
-    amp = torch.is_autocast_enabled("cpu")
-    dt = torch.get_autocast_dtype("cpu") if amp else torch.promote_types(x.dtype, weight.dtype)
+    dt = compute_dtype(x, weight)
     if upcasts_matmul(dt, x.device):
         return _RoundedLinear.apply(x.to(dt), weight.to(dt))
     return F.linear(x, weight)
