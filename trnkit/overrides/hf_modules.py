@@ -106,11 +106,11 @@ def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor
     """transformers' ``Qwen3MoeTopKRouter``: ``logits = F.linear(x, weight)`` in the compute dtype (the autocast
     dtype under autocast), softmax in fp32, top-K, renormalisation, ``(logits, weights, indices)`` in the
     logits' dtype. The kernel gets x and the weight in that dtype, as autocast hands them to ``F.linear``. In
-    fp32 its selection and weights are returned. In a lower dtype transformers rounds the logits to it before
-    the softmax, and the kernel selects from its fp32-accumulated logits, which near-ties at that precision
-    order otherwise: the kernel's logits are rounded to the dtype and transformers' softmax / top-K /
-    renormalisation run on them (T x E elementwise work; the gradient reaches x and the weight through the
-    kernel's backward)."""
+    fp32 its selection and weights are returned. In a lower dtype the kernel routes from its logits rounded to
+    it, as transformers does, but transformers picks among equal logits (frequent at bf16's 8 bits) in
+    ``torch.topk``'s order, not the kernel's lower-index rule: its softmax / top-K / renormalisation run on the
+    kernel's logits (T x E elementwise work; the gradient reaches x and the weight through the kernel's
+    backward)."""
     x = hidden_states.reshape(-1, self.hidden_dim)
     dt = _linear_dtype(x, self.weight)
     xc, w = x.to(dt), self.weight.to(dt)
@@ -120,7 +120,7 @@ def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor
     weights, idx, logits = ops.router_topk(xc, w, self.top_k, self.norm_topk_prob, impl)
     if dt == logits.dtype:
         return logits, weights, idx.long()
-    logits = logits.to(dt)  # what transformers' F.linear returns
+    logits = logits.to(dt)  # exact: what transformers' F.linear returns
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     weights, idx = torch.topk(probs, self.top_k, dim=-1)
     if self.norm_topk_prob:

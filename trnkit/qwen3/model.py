@@ -296,12 +296,9 @@ class TopKRouter(KernelSlot, nn.Module):
         impl = self._choose(x=xc, w_router=wc, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
         if impl is None:
             return self._torch_forward(x)
+        # the kernel routes from its logits rounded to dt, as gate(x) returns them (ties to the lower expert)
         weights, idx, logits = _kernel_ops().router_topk(xc, wc, self.top_k, self.norm_topk_prob, impl)
-        if dt == logits.dtype:
-            return weights, idx.long(), logits
-        # gate(x) rounds the logits to dt before the softmax; the kernel selects from its fp32-accumulated ones,
-        # which orders experts whose logits are equal in dt (near-ties) otherwise: route from the rounded logits
-        return self._route(logits.to(dt).float())
+        return weights, idx.long(), logits
 
     def _torch_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if x.dim() != 2 or x.shape[1] != self.gate.in_features:

@@ -84,6 +84,28 @@ def test_ties_go_to_lower_expert_index() -> None:
     assert torch.equal(wk[:, 0], wk[:, 1]) and torch.equal(wk[:, 1], wk[:, 2])
 
 
+@pytest.mark.parametrize("fn", [router_topk, router_topk_ref])
+def test_bf16_routes_from_logits_rounded_to_bf16(fn) -> None:
+    """bf16 operands: the logits are rounded to bf16 (what ``x @ w.T`` returns in bf16, transformers' and the
+    native Qwen3's router logits) before the softmax and the top-K, so experts whose logits are equal in bf16 tie,
+    and go to the lower index, even where the fp32-accumulated logits differ."""
+    x, w = _inputs(64, 96, 8, torch.bfloat16, seed=21)
+    w[0, 5] = 0.5
+    w[1] = w[0]
+    w[1, 5] = 0.5 + 2 ** -8  # one bf16 step up
+    x[:, 5] = x[:, 5].abs() * 2 ** -6  # expert 1's logit exceeds expert 0's by a fraction of a bf16 step
+    x += (8 * w[0].float() / w[0].float().square().sum()).to(torch.bfloat16)  # experts 0 and 1 lead
+    wk, ik, lg = fn(x, w, 2)
+    exact = x.float() @ w.float().T
+    assert (exact[:, 1] > exact[:, 0]).all()
+    assert torch.equal(lg, exact.to(torch.bfloat16).float())  # the logits are x @ w.T in bf16
+    tied = lg[:, 0] == lg[:, 1]
+    assert tied.sum() >= 32, tied.sum()  # most tokens: a tie in bf16, not in fp32
+    assert (ik[tied] == torch.tensor([0, 1], dtype=torch.int32)).all()  # ties to the lower index
+    assert torch.equal(wk[tied, 0], wk[tied, 1])
+    assert (ik[~tied] == torch.tensor([1, 0], dtype=torch.int32)).all()
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(T=st.integers(1, 140), H=st.integers(1, 300), E=st.integers(1, 40), data=st.data(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), norm=st.booleans())

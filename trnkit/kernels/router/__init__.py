@@ -3,13 +3,14 @@
 
 Forward (per token ``t``)::
 
-    logits[t]  = x[t] @ w_router.T                       (fp32 accumulation)
+    logits[t]  = x[t] @ w_router.T                       (fp32 accumulation, rounded to x's dtype)
     p[t]       = softmax(logits[t])                      (fp32)
     idx[t]     = top-K experts of p[t]                   (descending; ties -> lower expert index)
     weights[t] = p[t, idx] / sum_k p[t, idx_k]   if norm_topk_prob else  p[t, idx]
 
 Shapes/dtypes: ``x [T, H]``, ``w_router [E, H]`` (same dtype, fp32 or bf16) -> ``topk_weights [T, K]``
-fp32, ``topk_idx [T, K]`` int32, ``router_logits [T, E]`` fp32, and with ``return_affinities=True`` also
+fp32, ``topk_idx [T, K]`` int32, ``router_logits [T, E]`` fp32 (bf16 inputs: values exact in bf16, the
+logits ``x @ w.T`` returns in bf16, so experts equal there tie), and with ``return_affinities=True`` also
 ``affinities [T, E]`` fp32: ``affinities[t, idx[t, k]] = weights[t, k]``, zeros elsewhere (nki-library's
 ``expert_affinities``; the dense form of the routing weights). ``K <= 8`` (one hardware max8), ``E <= 512``
 (one PSUM bank of fp32 per token tile), any H (a short last H block uses fewer partitions), any T.

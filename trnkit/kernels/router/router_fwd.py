@@ -10,6 +10,8 @@ full sub-tile in every sixteen comes straight from HBM by a hardware-DGE ``dma_t
 documented hwdge form ``src [16, H/128, P/16, 128]``). ``w_router.T`` is transposed once on the Tensor
 engine and kept in SBUF. The split keeps the kernel at >= 70% of the HBM bound across the cost model's
 DMA-transpose rates (docs/kernel-design.md, "Why router_topk holds at both ends").
+bf16 inputs: the PSUM logits are copied out in bf16 (the rounding ``x @ w.T`` returns in bf16, what the models
+route from) and widened to fp32 on GpSimd for the top-K and the store.
 Top-K uses ``max8`` + ``nc_find_index8`` on the logits (softmax is monotonic, so the selection is that of
 the probabilities); ``nc_find_index8`` returns the first occurrence of each value and advances on
 duplicates, which gives the documented tie rule. With ``norm_topk_prob`` the softmax denominator
@@ -400,7 +402,12 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
                 for j in range(j1 - j0):
                     views.append(ps[:, j, :])
                 accumulate(views, operands)
-                nisa.tensor_copy(dst=lg_all[c][:, j0:j1, 0:E], src=ps, engine=_copy_engine(load, (j1 - j0) * E))
+                if x.dtype == nl.float32:
+                    nisa.tensor_copy(dst=lg_all[c][:, j0:j1, 0:E], src=ps, engine=_copy_engine(load, (j1 - j0) * E))
+                else:  # the logits in x's dtype, as x @ w.T returns them; scored and stored in fp32 (exact)
+                    lr = nl.ndarray((P, j1 - j0, E), dtype=x.dtype, buffer=nl.sbuf)
+                    nisa.tensor_copy(dst=lr, src=ps, engine=_copy_engine(load, (j1 - j0) * E, True))
+                    nisa.tensor_copy(dst=lg_all[c][:, j0:j1, 0:E], src=lr, engine=nisa.engine.gpsimd)
             xT[c] = None
         c = step - 3
         if 0 <= c < n:  # stage C: top-K

@@ -9,6 +9,14 @@ from trnkit.kernels.constraints import check
 from trnkit.kernels.router.constraints import SIGMOID_NORM_EPS, variant_violations
 
 
+def _rounded(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``logits`` rounded to ``dtype`` (the dtype ``x @ w.T`` returns) and back, with the gradient passed
+    straight through the rounding (autograd of a model's ``F.linear`` output cast to fp32)."""
+    if dtype == torch.float32:
+        return logits
+    return logits + (logits.detach().to(dtype).float() - logits.detach())
+
+
 def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     return torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
 
@@ -31,7 +39,7 @@ def router_topk_ref(x: torch.Tensor, w_router: torch.Tensor, top_k: int, norm_to
     ``affinities [T,E] f32`` (the weights scattered into their expert columns) when ``return_affinities``.
     ``scoring`` / ``selection_bias`` / ``routed_scaling_factor``: see the module docstring."""
     check(variant_violations(w_router, return_affinities, scoring, selection_bias, routed_scaling_factor))
-    logits = x.float() @ w_router.float().T
+    logits = _rounded(x.float() @ w_router.float().T, x.dtype)
     probs = _scores(logits, scoring)
     # The documented tie rule: experts are chosen by logit (softmax is monotonic, and a logit still
     # orders experts whose probabilities underflowed to 0), ties to the lower index (a stable sort;
@@ -55,7 +63,7 @@ def router_topk_bwd_ref(x: torch.Tensor, w_router: torch.Tensor, router_logits: 
     xf = x.detach().float().requires_grad_(True)
     wf = w_router.detach().float().requires_grad_(True)
     with torch.enable_grad():
-        logits = xf @ wf.T
+        logits = _rounded(xf @ wf.T, x.dtype)
         vals = _weights_of(_scores(logits, scoring), topk_idx.long(), norm_topk_prob, scoring, routed_scaling_factor)
         outs, grads = [vals], [grad_topk_weights.float()]
         if grad_router_logits is not None:
