@@ -11,7 +11,7 @@ documented hwdge form ``src [16, H/128, P/16, 128]``). ``w_router.T`` is transpo
 engine and kept in SBUF. The split keeps the kernel at >= 70% of the HBM bound across the cost model's
 DMA-transpose rates (docs/kernel-design.md, "Why router_topk holds at both ends").
 bf16 inputs: the PSUM logits are copied out in bf16 (the rounding ``x @ w.T`` returns in bf16, what the models
-route from) and widened to fp32 on GpSimd for the top-K and the store.
+route from), the top-K reads them so, and GpSimd widens them to fp32 for the store.
 Top-K uses ``max8`` + ``nc_find_index8`` on the logits (softmax is monotonic, so the selection is that of
 the probabilities); ``nc_find_index8`` returns the first occurrence of each value and advances on
 duplicates, which gives the documented tie rule. With ``norm_topk_prob`` the softmax denominator
@@ -339,7 +339,9 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
     wT = None
     x_sb = [None] * n
     xT = [None] * n
-    lg_all = [None] * n
+    lg_all = [None] * n  # the logits the top-K reads (x's dtype), padded to >= 8 per sub-tile
+    lg_out = [None] * n  # the logits stored (fp32)
+    lg_dt = nl.float32 if x.dtype == nl.float32 else x.dtype
     outs = [None] * n  # stage C -> S: (logits, weights, indices, affinities) of a chunk
     for step in range(n + 6):
         if step < n:  # stage L: load x one stage ahead (the DMA queue stays ahead of the transposes)
@@ -383,7 +385,8 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
         c = step - 2
         if 0 <= c < n:  # stage B: logits, the NT accumulation chains interleaved
             t0, P, R, r0, NT = chunks[c]
-            lg_all[c] = nl.ndarray((P, NT, Ep), dtype=nl.float32, buffer=nl.sbuf)
+            # bf16 operands: the logits rounded to bf16 (x @ w.T's own dtype) are what the top-K reads
+            lg_all[c] = nl.ndarray((P, NT, Ep), dtype=lg_dt, buffer=nl.sbuf)
             if E < 8:  # pad with a value no logit can lose to (K <= E)
                 nisa.memset(dst=lg_all[c][:, :, E:8], value=_NEG_BIG)
             # sub-tiles whose [P, E] fp32 logits share one PSUM bank share one tile, evacuated by one copy
@@ -402,17 +405,16 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
                 for j in range(j1 - j0):
                     views.append(ps[:, j, :])
                 accumulate(views, operands)
-                if x.dtype == nl.float32:
-                    nisa.tensor_copy(dst=lg_all[c][:, j0:j1, 0:E], src=ps, engine=_copy_engine(load, (j1 - j0) * E))
-                else:  # the logits in x's dtype, as x @ w.T returns them; scored and stored in fp32 (exact)
-                    lr = nl.ndarray((P, j1 - j0, E), dtype=x.dtype, buffer=nl.sbuf)
-                    nisa.tensor_copy(dst=lr, src=ps, engine=_copy_engine(load, (j1 - j0) * E, True))
-                    nisa.tensor_copy(dst=lg_all[c][:, j0:j1, 0:E], src=lr, engine=nisa.engine.gpsimd)
+                nisa.tensor_copy(dst=lg_all[c][:, j0:j1, 0:E], src=ps, engine=_copy_engine(load, (j1 - j0) * E))
+            lg_out[c] = lg_all[c]
+            if lg_dt != nl.float32:  # the stored logits: fp32 (exact), widened on GpSimd beside the top-K
+                lg_out[c] = nl.ndarray((P, NT, E), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_copy(dst=lg_out[c], src=lg_all[c][:, :, 0:E], engine=nisa.engine.gpsimd)
             xT[c] = None
         c = step - 3
         if 0 <= c < n:  # stage C: top-K
             t0, P, R, r0, NT = chunks[c]
-            outs[c] = [lg_all[c], nl.ndarray((P, NT, K), dtype=nl.float32, buffer=nl.sbuf),
+            outs[c] = [lg_out[c], nl.ndarray((P, NT, K), dtype=nl.float32, buffer=nl.sbuf),
                        nl.ndarray((P, NT, K), dtype=nl.int32, buffer=nl.sbuf), None]
             if return_affinities:
                 outs[c][3] = nl.ndarray((P, NT, E), dtype=nl.float32, buffer=nl.sbuf)
@@ -426,7 +428,7 @@ def router_topk_kernel(x, w_router, top_k, norm_topk_prob=True, return_affinitie
                 # max8, find_index8 and the weight scaling per sub-tile, the chunk's negated max and
                 # reciprocal on Vector; the exponentials on Scalar
                 _charge(load, [Ep] * (2 * NT) + [K] * NT + [NT, 8 * NT], [K if norm_topk_prob else E] * NT)
-            lg_all[c] = None
+            lg_all[c] = lg_out[c] = None
     if return_affinities:
         return topk_w, topk_i, logits, affinities
     return topk_w, topk_i, logits
