@@ -130,26 +130,11 @@ def _moe_constraints_fn(op: str) -> Callable[..., list[Violation]]:
     return getattr(mod, f"{op}_constraints", None) or getattr(mod, "constraints")
 
 
-def _zero_width_violations(op: str, x: Tensor, w: Tensor) -> list[Violation]:
-    """``grouped_mm``'s K or N / ``moe_experts``' H or I of 0 (x ``[M, K]`` / ``[T, H]``, w ``[G, K, N]`` /
-    ``w_gate_up [E, H, 2I]``): the moe kernels' entry check lets them through and the interpreter stops deep in
-    the kernel (``nl.ndarray: tensor 'sbuf_1': shape (128, 0) must be positive ints``), so the ``nki`` impl
-    refuses them first. The reference computes them (an empty product)."""
-    if x.dim() != 2 or w.dim() != 3:
-        return []  # the kernel's own rules name the malformed shapes
-    names, widths = (("K", "N"), (x.shape[1], w.shape[2])) if op == "grouped_mm" else \
-        (("H", "I"), (x.shape[1], w.shape[2] // 2))
-    if min(widths) >= 1:
-        return []
-    return [Violation(op, f"{names[0]}, {names[1]} >= 1", tuple(widths), "a kernel tile row has at least one element")]
-
-
 def _gmm_ref(x: Tensor, w: Tensor, group_offsets: Tensor) -> Tensor:
     return _attr("moe", "grouped_mm_ref")(x, w, group_offsets)
 
 
 def _gmm_nki(x: Tensor, w: Tensor, group_offsets: Tensor, lnc: int | None = None) -> Tensor:
-    check(_zero_width_violations("grouped_mm", x, w))
     return _attr("moe", "grouped_mm")(x, w, group_offsets, lnc=lnc)
 
 
@@ -158,7 +143,6 @@ def _gmm_ref_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor):
 
 
 def _gmm_nki_bwd(x: Tensor, w: Tensor, group_offsets: Tensor, grad_out: Tensor, lnc: int | None = None):
-    check(_zero_width_violations("grouped_mm", x, w))
     return _attr("moe", "grouped_mm_bwd")(x, w, group_offsets, grad_out, lnc=lnc)
 
 
@@ -166,8 +150,9 @@ def _gmm_constraints(x: Tensor, w: Tensor, group_offsets: Tensor, **_: Any) -> l
     return _moe_constraints_fn("grouped_mm")(x, w, group_offsets)
 
 
+# the nki impls' extra rule, widths >= 1 (the kernels' entry checks refuse a 0; the reference computes it)
 def _gmm_nki_constraints(x: Tensor, w: Tensor, group_offsets: Tensor, **_: Any) -> list[Violation]:
-    return _gmm_constraints(x, w, group_offsets) + _zero_width_violations("grouped_mm", x, w)
+    return _gmm_constraints(x, w, group_offsets) + _attr("moe", "zero_width_violations")("grouped_mm", x, w)
 
 
 # block_size (and the expert variant) reach the kernels as keywords only when the op sets them: the
@@ -177,7 +162,6 @@ def _moe_ref(x, topk_idx, topk_weights, w_gate_up, w_down, **kw: Any) -> Tensor:
 
 
 def _moe_nki(x, topk_idx, topk_weights, w_gate_up, w_down, lnc=None, **kw: Any) -> Tensor:
-    check(_zero_width_violations("moe_experts", x, w_gate_up))
     return _attr("moe", "moe_experts")(x, topk_idx, topk_weights, w_gate_up, w_down, lnc=lnc, **kw)
 
 
@@ -186,7 +170,6 @@ def _moe_ref_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, **kw: A
 
 
 def _moe_nki_bwd(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, lnc=None, **kw: Any):
-    check(_zero_width_violations("moe_experts", x, w_gate_up))
     return _attr("moe", "moe_experts_bwd")(x, topk_idx, topk_weights, w_gate_up, w_down, grad_out, lnc=lnc, **kw)
 
 
@@ -221,7 +204,7 @@ def _moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size=12
 
 def _moe_nki_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, **rest: Any) -> list[Violation]:
     return (_moe_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, **rest)
-            + _zero_width_violations("moe_experts", x, w_gate_up))
+            + _attr("moe", "zero_width_violations")("moe_experts", x, w_gate_up))
 
 
 # ------------------------------------------------------------------------------------------- rmsnorm

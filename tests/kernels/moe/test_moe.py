@@ -20,7 +20,7 @@ from tests.kernels import oracles as O
 from tests.tolerances import F64, check_oracle
 from trnkit.kernels import moe
 from trnkit.kernels.moe import layout
-from trnkit.kernels.constraints import KernelConstraintError
+from trnkit.kernels.constraints import KernelConstraintError, Violation
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -403,7 +403,7 @@ MOE_BAD = {
     "weights_dtype": (lambda a: a.update(topk_weights=a["topk_weights"].half()), "topk_weights.dtype"),
     "w_3d": (lambda a: a.update(w_down=torch.zeros(4, 32)), "w_down is 3-D"),
     "idx_dtype": (lambda a: a.update(topk_idx=a["topk_idx"].float()), "topk_idx.dtype"),
-    "dtype_fp16": (lambda a: a.update(x=a["x"].half()), "x.dtype in (float32, bfloat16)"),
+    "dtype_fp16": (lambda a: a.update(x=a["x"].half()), "x.dtype in (float32, bfloat16)' violated (got 'float16')"),
     "mixed_dtypes": (lambda a: a.update(w_down=a["w_down"].bfloat16()), "share one dtype"),
     "H_mismatch": (lambda a: a.update(x=torch.zeros(1, 65)), "w_gate_up.shape[1] == H"),
     "w_down_shape": (lambda a: a.update(w_down=torch.zeros(4, 31, 64)), "w_down.shape == (E, I, H)"),
@@ -430,6 +430,38 @@ def test_moe_constraint_violations_raise_clear_errors(bad: str) -> None:
     assert (shape_only == []) == (bad in MOE_VALUE_RULES)
 
 
+ZERO_WIDTHS = {  # rule, widths, kernel entry points, their inputs; the references compute these (empty products)
+    "gmm_N0": ("grouped_mm", "K, N >= 1", (4, 0), (moe.grouped_mm, moe.grouped_mm_bwd),
+               (torch.zeros(3, 4), torch.zeros(2, 4, 0), torch.tensor([1, 3], dtype=torch.int32))),
+    "gmm_K0": ("grouped_mm", "K, N >= 1", (0, 4), (moe.grouped_mm, moe.grouped_mm_bwd),
+               (torch.zeros(3, 0), torch.zeros(2, 0, 4), torch.tensor([1, 3], dtype=torch.int32))),
+    "moe_I0": ("moe_experts", "H, I >= 1", (4, 0), (moe.moe_experts, moe.moe_experts_bwd),
+               (torch.zeros(3, 4), torch.tensor([[0], [1], [0]]), torch.ones(3, 1), torch.zeros(2, 4, 0),
+                torch.zeros(2, 0, 4))),
+    "moe_H0": ("moe_experts", "H, I >= 1", (0, 2), (moe.moe_experts, moe.moe_experts_bwd),
+               (torch.zeros(3, 0), torch.tensor([[0], [1], [0]]), torch.ones(3, 1), torch.zeros(2, 0, 4),
+                torch.zeros(2, 2, 0))),
+}
+
+
+@pytest.mark.parametrize("case", ZERO_WIDTHS)
+def test_kernel_entry_points_refuse_zero_widths(case: str) -> None:
+    """A width of 0 (grouped_mm's K or N, moe_experts' H or I) is refused by the NKI entry points themselves,
+    naming the op, the rule and the widths, instead of stopping deep in the kernel ('nl.ndarray: ... shape
+    (128, 0) must be positive ints'); the shape rules the references share let it through."""
+    op, rule, widths, entries, args = ZERO_WIDTHS[case]
+    x, w = args[0], args[1] if op == "grouped_mm" else args[3]
+    assert moe.zero_width_violations(op, x, w) == [
+        Violation(op, rule, widths, "a kernel tile row has at least one element")]
+    assert moe.constraints(*args) == []
+    grad_out = torch.zeros(3, w.shape[2]) if op == "grouped_mm" else torch.zeros_like(x)
+    for entry, extra in zip(entries, ((), (grad_out,)), strict=True):
+        with pytest.raises(KernelConstraintError) as err:
+            entry(*args, *extra)
+        assert str(err.value) == (f"{op}: constraint '{rule}' violated (got {widths}): "
+                                  "a kernel tile row has at least one element")
+
+
 def test_moe_bwd_checks_grad_out_shape_and_dtype() -> None:
     args = _good_moe()
     with pytest.raises(KernelConstraintError, match=r"moe_experts: .*grad_out.shape == \(T, H\)"):
@@ -442,7 +474,7 @@ def test_moe_bwd_checks_grad_out_shape_and_dtype() -> None:
 
 GMM_VALUE_RULES = ("offs_decreasing", "offs_past_M", "offs_negative")
 GMM_BAD = {
-    "offs_dtype": (dict(offs=torch.tensor([2, 5])), "group_offsets.dtype == int32"),
+    "offs_dtype": (dict(offs=torch.tensor([2, 5])), "group_offsets.dtype == int32' violated (got 'int64')"),
     "offs_decreasing": (dict(offs=torch.tensor([4, 2], dtype=torch.int32)), "non-decreasing"),
     "offs_past_M": (dict(offs=torch.tensor([2, 9], dtype=torch.int32)), "group_offsets[-1] <= M"),
     "offs_negative": (dict(offs=torch.tensor([-1, 2], dtype=torch.int32)), "non-decreasing and >= 0"),
@@ -454,7 +486,7 @@ GMM_BAD = {
     "mixed_dtypes": (dict(w=torch.zeros(2, 8, 4, dtype=torch.bfloat16)), "share one dtype"),
     "K_mismatch": (dict(w=torch.zeros(2, 7, 4)), "w.shape[1] == x.shape[1]"),
     "x_1d": (dict(x=torch.zeros(8)), "x is 2-D"),
-    "dtype": (dict(x=torch.zeros(6, 8, dtype=torch.float16)), "x.dtype in (float32, bfloat16)"),
+    "dtype": (dict(x=torch.zeros(6, 8).half()), "x.dtype in (float32, bfloat16)' violated (got 'float16')"),
     "sbuf_budget": (dict(x=torch.zeros(6, 4096), w=torch.zeros(2, 4096, 1024)), "fit 96 KiB of SBUF"),
 }
 

@@ -57,6 +57,7 @@ from trnkit.kernels.moe.constraints import (
     grouped_mm_value_violations,
     moe_experts_constraints,
     moe_experts_value_violations,
+    zero_width_violations,
 )
 from trnkit.kernels.moe.layout import (
     BlockLayout,
@@ -110,6 +111,7 @@ __all__ = [
     "moe_experts_value_violations",
     "to_hf_v5",
     "to_torchtitan",
+    "zero_width_violations",
 ]
 
 
@@ -151,7 +153,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
     groups, results are identical."""
     from trnkit.kernels.moe import moe_grouped_mm as K_  # imports the NKI backend lazily
 
-    check_grouped_mm(x, w, group_offsets)
+    check_grouped_mm(x, w, group_offsets, nki=True)
     lnc = resolve_lnc(lnc)
     M = x.shape[0]
     lay = block_layout(group_of_row(group_offsets, M), w.shape[0], block_size, pad=M, lnc=lnc)
@@ -166,7 +168,7 @@ def grouped_mm_bwd(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor
     ``w[g].T``; grad_w: per-group ``x_g.T @ grad_out_g`` accumulated over blocks in fp32)."""
     from trnkit.kernels.moe import moe_grouped_mm as K_
 
-    check_grouped_mm(x, w, group_offsets, grad_out)
+    check_grouped_mm(x, w, group_offsets, grad_out, nki=True)
     lnc = resolve_lnc(lnc)
     M = x.shape[0]
     lay = block_layout(group_of_row(group_offsets, M), w.shape[0], block_size, pad=M, lnc=lnc)
@@ -193,7 +195,7 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     ``b_gate_up [E, 2I]``, ``b_down [E, H]``: :func:`activation_ref` / :func:`moe_experts_ref`."""
     from trnkit.kernels.moe import moe_fused as K_
 
-    check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, activation=activation,
+    check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, nki=True, activation=activation,
                        limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
     lnc = resolve_lnc(lnc)
     T, K = topk_idx.shape
@@ -237,8 +239,8 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     """
     from trnkit.kernels.moe import moe_bwd as KB
 
-    check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, activation=activation,
-                       limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
+    check_moe_experts(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, nki=True,
+                       activation=activation, limit=limit, alpha=alpha, b_gate_up=b_gate_up, b_down=b_down)
     lnc = resolve_lnc(lnc)
     T = x.shape[0]
     K = topk_idx.shape[1]

@@ -3,7 +3,8 @@
 
 The ``*_constraints`` functions read shapes, dtypes and settings only (fake / meta tensors and
 torch.compile are fine: the override registry's selection); the ``*_value_violations`` read the routing
-values and run in the entry points (``check_*``).
+values and run in the entry points (``check_*``), which add for the NKI kernels the widths of
+:func:`zero_width_violations` (the references compute those).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from trnkit.kernels._common import dtype_name
 from trnkit.kernels.constraints import Violation, check
 
 GROUPED_MM = "grouped_mm"
@@ -35,11 +37,11 @@ def _dtype_violations(kernel: str, **tensors: torch.Tensor) -> list[Violation]:
     out = []
     for name, t in tensors.items():
         if t.dtype not in _DTYPES:
-            out.append(Violation(kernel, f"{name}.dtype in (float32, bfloat16)", str(t.dtype)))
+            out.append(Violation(kernel, f"{name}.dtype in (float32, bfloat16)", dtype_name(t)))
     dts = {t.dtype for t in tensors.values()}
     if len(dts) > 1:
         out.append(Violation(kernel, "all float inputs share one dtype",
-                             {k: str(t.dtype) for k, t in tensors.items()},
+                             {k: dtype_name(t) for k, t in tensors.items()},
                              "nc_matmul needs both operands in the same precision class"))
     return out
 
@@ -77,7 +79,7 @@ def grouped_mm_constraints(x: torch.Tensor, w: torch.Tensor, group_offsets: torc
     if not 1 <= G <= MAX_EXPERTS:
         v.append(Violation(k, f"1 <= G <= {MAX_EXPERTS}", G))
     if group_offsets.dtype != torch.int32:
-        v.append(Violation(k, "group_offsets.dtype == int32", str(group_offsets.dtype),
+        v.append(Violation(k, "group_offsets.dtype == int32", dtype_name(group_offsets),
                            "torch._grouped_mm offs contract"))
     v += _dtype_violations(k, x=x, w=w, **({} if grad_out is None else {"grad_out": grad_out}))
     if grad_out is not None and tuple(grad_out.shape) != (M, N):
@@ -88,14 +90,14 @@ def grouped_mm_constraints(x: torch.Tensor, w: torch.Tensor, group_offsets: torc
         need += weight_sbuf_bytes(N, K, isz)
     if need > WEIGHT_SBUF_BUDGET:
         v.append(Violation(k, f"one group's weights fit {WEIGHT_SBUF_BUDGET // 1024} KiB of SBUF per partition",
-                           f"{need} bytes (K={K}, N={N}, {x.dtype})", "use smaller K*N or bfloat16"))
+                           f"{need} bytes (K={K}, N={N}, {dtype_name(x)})", "use smaller K*N or bfloat16"))
     return v
 
 
 def variant_violations(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str = "silu",
                        limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA,
                        b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None) -> list[Violation]:
-    """The expert variant's rules: a known activation, ``limit``/``alpha`` (finite, > 0) only with
+    """The expert variant's rules: a known activation, ``limit``/``alpha`` (finite numbers > 0) only with
     ``swiglu_clamped``, biases ``b_gate_up [E, 2I]`` / ``b_down [E, H]`` in x's dtype."""
     k = MOE_EXPERTS
     v: list[Violation] = []
@@ -103,7 +105,9 @@ def variant_violations(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str
         v.append(Violation(k, f"activation in {ACTIVATIONS}", activation))
     elif activation == "swiglu_clamped":
         for name, val in (("limit", limit), ("alpha", alpha)):
-            if not (isinstance(val, (int, float)) and math.isfinite(val) and val > 0):
+            # comparisons, not math.isfinite: under torch.compile(dynamic=True) they are symbolic floats
+            # (NaN fails the comparison)
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 < val < math.inf:
                 v.append(Violation(k, f"swiglu_clamped {name} is finite and > 0", val))
     elif (limit, alpha) != (SWIGLU_LIMIT, SWIGLU_ALPHA):
         v.append(Violation(k, "limit / alpha only with activation='swiglu_clamped'",
@@ -117,7 +121,7 @@ def variant_violations(x: torch.Tensor, w_gate_up: torch.Tensor, activation: str
             v.append(Violation(k, f"{name}.shape == {('(E, 2I)' if name == 'b_gate_up' else '(E, H)')}",
                                (tuple(b.shape), shape)))
         if b.dtype != x.dtype:
-            v.append(Violation(k, f"{name}.dtype == x.dtype", (str(b.dtype), str(x.dtype)),
+            v.append(Violation(k, f"{name}.dtype == x.dtype", (dtype_name(b), dtype_name(x)),
                                "the bias is added in the kernel next to operands of x's dtype"))
     return v
 
@@ -164,9 +168,9 @@ def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         v.append(Violation(k, "topk_idx and topk_weights are [T, K]",
                            (tuple(topk_idx.shape), tuple(topk_weights.shape))))
     if topk_idx.dtype not in (torch.int32, torch.int64):
-        v.append(Violation(k, "topk_idx.dtype in (int32, int64)", str(topk_idx.dtype)))
+        v.append(Violation(k, "topk_idx.dtype in (int32, int64)", dtype_name(topk_idx)))
     if topk_weights.dtype not in _DTYPES:
-        v.append(Violation(k, "topk_weights.dtype in (float32, bfloat16)", str(topk_weights.dtype)))
+        v.append(Violation(k, "topk_weights.dtype in (float32, bfloat16)", dtype_name(topk_weights)))
     v += _dtype_violations(k, x=x, w_gate_up=w_gate_up, w_down=w_down,
                            **({} if grad_out is None else {"grad_out": grad_out}))
     if grad_out is not None and tuple(grad_out.shape) != (T, H):
@@ -178,7 +182,7 @@ def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
             + (H * isz if b_down is not None else 0) + (2 * math.ceil(inter / 128) * 4 if b_gate_up is not None else 0))
     if need > WEIGHT_SBUF_BUDGET:
         v.append(Violation(k, f"one expert's weights fit {WEIGHT_SBUF_BUDGET // 1024} KiB of SBUF per partition",
-                           f"{need} bytes (H={H}, I={inter}, {x.dtype})",
+                           f"{need} bytes (H={H}, I={inter}, {dtype_name(x)})",
                            "ceil(H/128)*2I + ceil(I/128)*H elements; use bfloat16 or shard I"))
     if grad_out is not None:  # backward: a weight and its transpose (weight grads accumulate in PSUM)
         bwd = max(weight_sbuf_bytes(H, I2, isz) + weight_sbuf_bytes(I2, H, isz)
@@ -186,8 +190,26 @@ def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
                   weight_sbuf_bytes(inter, H, isz) + weight_sbuf_bytes(H, inter, isz))
         if bwd > WEIGHT_SBUF_BUDGET:
             v.append(Violation(k, f"backward working set fits {WEIGHT_SBUF_BUDGET // 1024} KiB per partition",
-                               f"{bwd} bytes (H={H}, I={inter}, {x.dtype})"))
+                               f"{bwd} bytes (H={H}, I={inter}, {dtype_name(x)})"))
     return v
+
+
+def zero_width_violations(kernel: str, x: torch.Tensor, w: torch.Tensor) -> list[Violation]:
+    """The NKI kernels' rule ``K, N >= 1`` (``grouped_mm``: x ``[M, K]``, w ``[G, K, N]``) / ``H, I >= 1``
+    (``moe_experts``: x ``[T, H]``, ``w_gate_up [E, H, 2I]``).
+
+    A width of 0 would stop the interpreter deep in the kernel (``nl.ndarray: ... shape (128, 0) must be
+    positive ints``); the references compute it (an empty product), so the rule is not in the
+    ``*_constraints`` the references share: the kernels' entry checks add it (``nki=True``) and the override
+    registry's ``nki`` impls declare it. Shapes only (fake tensors and torch.compile are fine).
+    """
+    if x.dim() != 2 or w.dim() != 3:
+        return []  # the shape rules name the malformed shapes
+    gmm = kernel == GROUPED_MM
+    names, widths = ("K, N", (x.shape[1], w.shape[2])) if gmm else ("H, I", (x.shape[1], w.shape[2] // 2))
+    if min(widths) >= 1:
+        return []
+    return [Violation(kernel, f"{names} >= 1", widths, "a kernel tile row has at least one element")]
 
 
 def grouped_mm_value_violations(x: torch.Tensor, group_offsets: torch.Tensor) -> list[Violation]:
@@ -216,17 +238,21 @@ def moe_experts_value_violations(topk_idx: torch.Tensor, num_experts: int) -> li
 
 
 def check_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
-                      grad_out: torch.Tensor | None = None) -> None:
-    """Entry check of the grouped_mm functions: shape/dtype rules, then (if those hold) the values."""
+                      grad_out: torch.Tensor | None = None, *, nki: bool = False) -> None:
+    """Entry check of the grouped_mm functions: shape/dtype rules (``nki``: and the kernels' widths,
+    :func:`zero_width_violations`), then (if those hold) the values."""
     v = grouped_mm_constraints(x, w, group_offsets, grad_out)
+    v += zero_width_violations(GROUPED_MM, x, w) if nki else []
     check(v or grouped_mm_value_violations(x, group_offsets))
 
 
 def check_moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                        w_gate_up: torch.Tensor, w_down: torch.Tensor, block_size: int,
-                       grad_out: torch.Tensor | None = None, **variant: Any) -> None:
-    """Entry check of the moe_experts functions: shape/dtype rules, then (if those hold) the values."""
+                       grad_out: torch.Tensor | None = None, *, nki: bool = False, **variant: Any) -> None:
+    """Entry check of the moe_experts functions: shape/dtype rules (``nki``: and the kernels' widths,
+    :func:`zero_width_violations`), then (if those hold) the values."""
     v = moe_experts_constraints(x, topk_idx, topk_weights, w_gate_up, w_down, block_size, grad_out, **variant)
+    v += zero_width_violations(MOE_EXPERTS, x, w_gate_up) if nki else []
     check(v or moe_experts_value_violations(topk_idx, w_gate_up.shape[0]))
 
 
