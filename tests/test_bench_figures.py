@@ -40,6 +40,19 @@ def test_unknown_job_is_refused(capsys):
     assert "unknown job(s) ['bench:nope']" in capsys.readouterr().err
 
 
+def test_jobs_that_trace_nki_library_are_refused_up_front_without_it(capsys, monkeypatch):
+    monkeypatch.setattr(figures, "_nkilib_root", lambda: None)
+    monkeypatch.setattr(figures, "_run_job", lambda *a: pytest.fail("a job ran"))
+    with pytest.raises(SystemExit) as e:
+        figures.main(["--only", "step", "mlp_peak", "nkilib_calibration", "-j", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "job(s) ['mlp_peak', 'nkilib_calibration'] trace nki-library's kernels" in err and "NKILIB_SRC" in err
+    assert {j.name for j in figures.jobs() if j.nkilib} == {"attention_peak", "mlp_peak", "rmsnorm_peak",
+                                                            "cross_entropy_peak", "nkilib_calibration",
+                                                            "nkilib_whatif_lnc1"}
+
+
 def test_list_prints_the_selected_jobs(capsys):
     assert figures.main(["--list", "--only", "step", "calibration"]) == 0
     out = capsys.readouterr().out

@@ -57,6 +57,7 @@ class Job:
     commands: tuple[tuple[str, ...], ...]
     data: str = ""
     select: tuple[str, str] | None = None  # (column, value): the job's rows; None: every row
+    nkilib: bool = False  # traces nki-library's kernels too (needs a checkout: NKILIB_SRC or its archive)
 
 
 def job_rows(job: Job, root: Path | None = None) -> list[dict[str, str]]:
@@ -115,19 +116,21 @@ def jobs() -> list[Job]:
     out.append(Job("attention_peak", ((PY, "benchmarks/attention_peak.py", "--shapes", "4096:8:2", "--lnc", "1", "2",
                                        "--fallback", "--save"),
                                       (PY, "benchmarks/attention_peak.py", "--shapes", *ATTENTION_SHAPES, "--lnc", "2",
-                                       "--save")), f"{data}/attention_peak.csv"))
+                                       "--save")), f"{data}/attention_peak.csv", nkilib=True))
     for script in ("mlp_peak", "rmsnorm_peak", "cross_entropy_peak", "blockwise_moe"):
-        out.append(Job(script, ((PY, f"benchmarks/{script}.py", "--save"),), f"{data}/{script}.csv"))
+        out.append(Job(script, ((PY, f"benchmarks/{script}.py", "--save"),), f"{data}/{script}.csv",
+                       nkilib=script != "blockwise_moe"))
     # what the docs' derived blocks read off traces (PSUM what-if, kernel_opt waits and spill, rope / router busy)
     out.append(Job("derived_figures", ((PY, "benchmarks/derived_figures.py", "--save-reference"),),
                    f"{data}/derived_figures.csv"))
     # nki-library's recorded device times (held-out check points), and the LNC 1 what-if of one table
     nkilib = "benchmarks/calibration/nkilib_run.py"
-    out.append(Job("nkilib_calibration", ((PY, nkilib, "--all"),), "benchmarks/calibration/nkilib_calibration.csv"))
+    out.append(Job("nkilib_calibration", ((PY, nkilib, "--all"),), "benchmarks/calibration/nkilib_calibration.csv",
+                   nkilib=True))
     # every row of the table (the largest, size 3.4e10, traced in ~11 s at LNC 1 on an idle machine)
     whatif = "benchmarks/calibration/nkilib_whatif_lnc1.csv"
     out.append(Job("nkilib_whatif_lnc1", ((PY, nkilib, "--lnc", "1", "--table", "attention_cte_no_cp_unit_perms",
-                                           "--max-size", "1e11", "--all", "--out", whatif),), whatif))
+                                           "--max-size", "1e11", "--all", "--out", whatif),), whatif, nkilib=True))
     return out
 
 
@@ -179,11 +182,18 @@ def merge_headline(cases: Sequence[str]) -> int:
     return merged
 
 
+def _nkilib_root() -> Path | None:
+    """The nki-library checkout (``NKILIB_SRC``, else its archive extracted), None when there is none."""
+    from trnkit.conformance import harness
+
+    return harness.nkilib_root()
+
+
 def _nkilib_commit() -> str | None:
     """The commit of the nki-library checkout (None when there is none: its rows' commits are not compared)."""
     from trnkit.conformance import harness
 
-    root = harness.nkilib_root()
+    root = _nkilib_root()
     return harness.nkilib_commit(root) if root is not None else None
 
 
@@ -222,6 +232,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.jobs < 1:
         p.error(f"-j must be at least 1 (got {args.jobs})")
+    needs_nkilib = [j.name for j in todo if j.nkilib]
+    if needs_nkilib and _nkilib_root() is None:  # say so before the other jobs run, not after them
+        p.error(f"job(s) {needs_nkilib} trace nki-library's kernels, and no nki-library checkout was found: set "
+                "NKILIB_SRC to one (or put its nki-library-*.tar.gz under shared/thirdparty), or leave those jobs out")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     t0 = time.perf_counter()
     failed: list[str] = []
