@@ -64,6 +64,10 @@ class KernelSlot:
 
         return wrapped_projections(f"{self.kernel_op}[native adapter]", projections)
 
+    def _wrapped_static(self, **projections: nn.Module) -> list[tuple[str, object, str]]:
+        """:meth:`_wrapped` as :meth:`kernel_static`'s ``(rule, value, why)`` entries."""
+        return [(v.constraint, v.value, v.reason) for v in self._wrapped(**projections)]
+
     def _kernel_reads(self, **projections: nn.Module) -> bool:
         """Whether the bound kernel may read these projections' weights: False (after the policy: a raise under
         strict, a warning once under fallback) when one was wrapped (LoRA, ...), so the module's own forward runs."""
@@ -249,7 +253,7 @@ class FeedForward(KernelSlot, nn.Module):
 
     def kernel_static(self) -> list[tuple[str, object, str]]:
         """The kernel computes the three projections from their weights: a wrapped one is not served."""
-        return [(v.constraint, v.value, v.reason) for v in self._wrapped(w1=self.w1, w2=self.w2, w3=self.w3)]
+        return self._wrapped_static(w1=self.w1, w2=self.w2, w3=self.w3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and self._kernel_reads(w1=self.w1, w2=self.w2, w3=self.w3):
@@ -279,9 +283,9 @@ class TopKRouter(KernelSlot, nn.Module):
 
     def kernel_static(self) -> list[tuple[str, object, str]]:
         """The kernel computes ``x @ gate.weight^T`` itself: anything else ``gate`` would do is not served."""
-        wrapped = self._wrapped(gate=self.gate)
+        wrapped = self._wrapped_static(gate=self.gate)
         if wrapped:
-            return [(v.constraint, v.value, v.reason) for v in wrapped]
+            return wrapped
         if self.gate.bias is not None:
             return [("gate without bias", "bias", "the kernel has no bias term")]
         return []
