@@ -149,10 +149,12 @@ def _scatter_affinities(aff, lg, top8, neg_max, rden, p_all, E, K):
     P = aff.shape[0]
     vals = top8
     if K < 8:
-        vals = nl.ndarray((P, 8), dtype=nl.float32, buffer=nl.sbuf)
+        vals = nl.ndarray((P, 8), dtype=top8.dtype, buffer=nl.sbuf)
         nisa.tensor_copy(dst=vals[:, 0:K], src=top8[:, 0:K], engine=nisa.engine.gpsimd)
         nisa.memset(dst=vals[:, K:8], value=_MARK, engine=nisa.engine.gpsimd)
     # the whole (padded, >= 8 wide) row, as for max8; the -3e38 pads are never among the K values
+    # data and vals in the logits' dtype (nki-library's forms); the marked row written as fp32 (bf16 operands: a
+    # bf16 row would put the 2-byte mask pass on the SBUF port GpSimd's multiply shares, +29 us pessimistic)
     marked = nl.ndarray(lg.shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.nc_match_replace8(dst=marked, data=lg, vals=vals, imm=_MARK)
     mask = nl.ndarray((P, E), dtype=nl.float16, buffer=nl.sbuf)
@@ -179,7 +181,7 @@ def _sigmoid_topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, scale, bias_sb
         if lg.shape[1] > E:  # E < 8: pads that are never chosen
             nisa.memset(dst=choice[:, E:lg.shape[1]], value=_NEG_BIG)
         nisa.tensor_tensor(dst=choice[:, 0:E], data1=s, data2=bias_sb[0:P, :], op=nl.add)
-    top8 = nl.ndarray((P, 8), dtype=f32, buffer=nl.sbuf)
+    top8 = nl.ndarray((P, 8), dtype=choice.dtype, buffer=nl.sbuf)
     nisa.max8(dst=top8, src=choice)
     idx8 = nl.ndarray((P, 8), dtype=nl.uint32, buffer=nl.sbuf)
     nisa.nc_find_index8(dst=idx8, data=choice, vals=top8)
@@ -210,7 +212,7 @@ def _sigmoid_topk_subtile(lg, top_w, top_i, E, K, norm_topk_prob, scale, bias_sb
 
 
 def _topk_tiles(lg, tw, ti, E, K, norm_topk_prob, aff=None, scale=1.0):
-    """Softmax top-K of the NT token sub-tiles of one chunk: ``lg [P, NT, >=8]`` fp32 logits (padded when
+    """Softmax top-K of the NT token sub-tiles of one chunk: ``lg [P, NT, >=8]`` logits in x's dtype (padded when
     E < 8) -> ``tw [P, NT, K]`` fp32 (times ``scale``), ``ti [P, NT, K]`` int32 (and the dense
     ``aff [P, NT, E]`` fp32 when given). Every step is issued for all sub-tiles before the next one
     (independent instructions between dependent ones hide the engines' fixed latency); the per-token
@@ -219,7 +221,7 @@ def _topk_tiles(lg, tw, ti, E, K, norm_topk_prob, aff=None, scale=1.0):
     instruction is the largest); the small scalings run on Vector (GpSimd's tensor_scalar is rsqrt only)."""
     P, NT = lg.shape[0], lg.shape[1]
     f32 = nl.float32
-    top8 = nl.ndarray((P, NT, 8), dtype=f32, buffer=nl.sbuf)
+    top8 = nl.ndarray((P, NT, 8), dtype=lg.dtype, buffer=nl.sbuf)  # max8 / find_index8 / match_replace8: one dtype
     idx8 = nl.ndarray((P, NT, 8), dtype=nl.uint32, buffer=nl.sbuf)
     neg_max = nl.ndarray((P, NT, 1), dtype=f32, buffer=nl.sbuf)
     e_k = nl.ndarray((P, NT, K), dtype=f32, buffer=nl.sbuf)
