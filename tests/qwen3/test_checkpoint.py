@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from trnkit.errors import ConfigError
 from trnkit.qwen3 import Qwen3Model, state_dict_from_hf
 from trnkit.qwen3.checkpoint import CheckpointError, load_hf_checkpoint, parse_size, save_hf_checkpoint
 
@@ -196,6 +197,20 @@ def test_parse_size() -> None:
         parse_size("lots")
 
 
+@pytest.mark.parametrize("size, rule", [
+    ("0GB", "max_shard_size must be at least 1 byte, got '0GB'"),
+    ("0.1B", "max_shard_size must be at least 1 byte, got '0.1B'"),
+    (0, "max_shard_size must be at least 1 byte, got 0"),
+    (True, "cannot parse max_shard_size True"),
+    (0.5, "cannot parse max_shard_size 0.5"),
+])
+def test_parse_size_refuses_no_bytes(size: object, rule: str) -> None:
+    """A size of no bytes (before: '0GB' and 0.5 gave 0, True gave 1, each silently one tensor per shard) is
+    refused, naming the argument and the value."""
+    with pytest.raises(ConfigError, match=re.escape(f"save_hf_checkpoint: {rule}")):
+        parse_size(size)
+
+
 # ----------------------------------------------------------------------------- bad checkpoints
 @pytest.fixture
 def saved(tmp_path):
@@ -209,6 +224,21 @@ def _edit(folder, fn) -> None:
     sd = load_file(path)
     fn(sd)
     save_file(sd, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("key, value", [("dtype", "int32"), ("torch_dtype", "float17"), ("dtype", ["bfloat16"])])
+def test_config_dtype_must_be_a_float_dtype(saved, key: str, value: object) -> None:
+    """config.json's dtype is what the parameters are cast to: an integer dtype (before: nn.Module.to's TypeError)
+    or a name of no dtype (before: ignored) is refused, naming the file, the key and the value."""
+    cfg = json.load(open(saved / "config.json"))
+    cfg.pop("dtype", None)
+    cfg[key] = value
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{saved / 'config.json'}: {key} must name a floating-point torch dtype (e.g. 'bfloat16', 'float32'; "
+            f"or pass dtype=...), got {value!r}")):
+        load_hf_checkpoint(saved)
+    assert load_hf_checkpoint(saved, dtype=torch.bfloat16).norm.weight.dtype == torch.bfloat16
 
 
 def test_missing_keys_listed(saved) -> None:

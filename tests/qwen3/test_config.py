@@ -232,6 +232,65 @@ def test_values_that_would_train_to_nan_are_refused(field: str, value: object, r
     assert str(exc.value) == f"Qwen3Config: {rule}"
 
 
+@pytest.mark.parametrize("key, value, rule", [
+    # before: bool("false") is True, a tied model built from an untied config
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be a bool, got str 'false'"),
+    ("norm_topk_prob", 0, "norm_topk_prob must be a bool, got int 0"),
+    # before: TypeError / ValueError / AttributeError naming no key
+    ("num_experts", "8", "num_experts must be an int or null, got str '8'"),
+    ("rms_norm_eps", "1e-6", "rms_norm_eps must be a number, got str '1e-6'"),
+    ("rope_parameters", {"rope_theta": "1e6", "rope_type": "default"}, "rope_theta must be a number, got str '1e6'"),
+    ("rope_parameters", ["default"], "rope_parameters must be an object or null, got list ['default']"),
+    ("mlp_only_layers", 0, "mlp_only_layers must be a list of ints or null, got int 0"),
+    ("intermediate_size", None, "intermediate_size must be an int, got NoneType None"),
+    # before: accepted, a float top-k or width
+    ("num_experts_per_tok", 2.5, "num_experts_per_tok must be an int, got float 2.5"),
+    ("vocab_size", True, "vocab_size must be an int, got bool True"),
+    # before: replaced by a default (num_key_value_heads 0 by num_attention_heads, decoder_sparse_step 0 by 1),
+    # or a negative expert count read as a dense model
+    ("num_key_value_heads", 0, "n_kv_heads must be a positive int, got 0 (config.json: n_kv_heads is "
+                               "num_key_value_heads)"),
+    ("decoder_sparse_step", 0, "decoder_sparse_step must be >= 1, got 0"),
+    ("num_experts", -1, "num_experts must be >= 0, got -1"),
+    ("num_hidden_layers", 0, "n_layers must be a positive int, got 0 (config.json: n_layers is num_hidden_layers)"),
+])
+def test_from_hf_names_the_config_json_key(tmp_path, key: str, value: object, rule: str) -> None:
+    """A config.json value of the wrong type or range is refused naming the file, its config.json key (and the
+    native field it sets), the rule and the value."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**QWEN3_30B_A3B_V4, key: value}))
+    with pytest.raises(ConfigError) as exc:
+        Qwen3Config.from_hf(tmp_path)
+    assert str(exc.value) == f"Qwen3Config.from_hf ({path}): {rule}"
+
+
+def test_from_hf_null_head_dim_needs_heads() -> None:
+    """head_dim null is hidden_size // num_attention_heads, as transformers computes it (before: ZeroDivisionError
+    with num_attention_heads 0)."""
+    with pytest.raises(ConfigError, match=re.escape(
+            "Qwen3Config.from_hf: num_attention_heads must be a positive int (head_dim is null: hidden_size // "
+            "num_attention_heads), got 0")):
+        Qwen3Config.from_hf({**QWEN3_30B_A3B_V4, "head_dim": None, "num_attention_heads": 0})
+    assert Qwen3Config.from_hf({**QWEN3_30B_A3B_V4, "head_dim": None}).head_dim == 2048 // 32
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("norm_eps", "1e-6", "norm_eps must be a number, got str '1e-6'"),        # before: TypeError in math.isfinite
+    ("num_experts", "4", "num_experts must be an int, got str '4'"),          # before: TypeError in a comparison
+    ("top_k", 1.5, "top_k must be an int, got float 1.5"),                    # before: accepted
+    ("tie_word_embeddings", "no", "tie_word_embeddings must be a bool, got str 'no'"),  # before: accepted, truthy
+    ("dim", True, "dim must be an int, got bool True"),                       # before: accepted as 1
+    ("init_std", None, "init_std must be a number, got NoneType None"),
+    ("mlp_only_layers", [0.5], "mlp_only_layers must be a list of ints, got list [0.5]"),
+    ("eos_token_id", "</s>", "eos_token_id must be an int, a list of ints or null, got str '</s>'"),
+])
+def test_config_field_types_are_checked(field: str, value: object, rule: str) -> None:
+    """Qwen3Config (the library's own API) checks each field against its annotation before any range check."""
+    with pytest.raises(ConfigError) as exc:
+        Qwen3Config(**{"n_layers": 2, "num_experts": 4, "top_k": 2, field: value})
+    assert str(exc.value) == f"Qwen3Config: {rule}"
+
+
 def test_registry_published_values() -> None:
     # (dim, layers, heads, kv, ffn, tie) from the published config.json files (shared/notes/qwen3.md)
     dense = {"0.6B": (1024, 28, 16, 8, 3072, True), "1.7B": (2048, 28, 16, 8, 6144, True),

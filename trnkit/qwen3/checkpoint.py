@@ -84,15 +84,21 @@ def shard_files(folder: str) -> dict[str, list[str]]:
 
 
 def _default_dtype(folder: str, stored: set[str]) -> torch.dtype:
-    """config.json's `dtype` (v5) / `torch_dtype` (v4) if set, else the stored dtype if there is one, else fp32."""
+    """config.json's `dtype` (v5) / `torch_dtype` (v4) if set, else the stored dtype if there is one, else fp32.
+    A set value must name a floating-point torch dtype (the parameters are cast to it)."""
+    path = os.path.join(folder, "config.json")
     try:
-        with open(os.path.join(folder, "config.json")) as f:
+        with open(path) as f:
             d = json.load(f)
-        name = d.get("dtype") or d.get("torch_dtype")
     except (OSError, json.JSONDecodeError):
-        name = None
-    if isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)
+        d = {}
+    key = next((k for k in ("dtype", "torch_dtype") if isinstance(d, dict) and d.get(k) is not None), None)
+    if key is not None:
+        dtype = getattr(torch, d[key], None) if isinstance(d[key], str) else None
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise CheckpointError(f"Qwen3 checkpoint: {path}: {key} must name a floating-point torch dtype (e.g. "
+                                  f"'bfloat16', 'float32'; or pass dtype=...), got {d[key]!r}")
+        return dtype
     return _ST_DTYPES.get(next(iter(stored)), torch.float32) if len(stored) == 1 else torch.float32
 
 
@@ -174,14 +180,13 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 def parse_size(size: int | str) -> int:
     """Bytes from an int or a string like "5GB" (10^9) / "500MiB" (2^20), as HF's max_shard_size."""
-    if isinstance(size, int):
-        if size <= 0:
-            raise ConfigError(f"save_hf_checkpoint: max_shard_size must be > 0, got {size}")
-        return size
-    m = _SIZE_RE.match(str(size))
-    if not m:
+    m = _SIZE_RE.match(size) if isinstance(size, str) else None
+    if not (m or isinstance(size, int)) or isinstance(size, bool):
         raise ConfigError(f"save_hf_checkpoint: cannot parse max_shard_size {size!r} (e.g. '5GB', '200MiB', 10**9)")
-    return int(float(m[1]) * _UNITS[(m[2] or "B").upper()])
+    nbytes = int(float(m[1]) * _UNITS[(m[2] or "B").upper()]) if m else size
+    if nbytes <= 0:
+        raise ConfigError(f"save_hf_checkpoint: max_shard_size must be at least 1 byte, got {size!r}")
+    return nbytes
 
 
 def _shards(items: Iterable[tuple[str, torch.Tensor]], limit: int, dtype: torch.dtype | None

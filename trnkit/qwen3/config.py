@@ -8,9 +8,13 @@ transformers `Qwen3Config` / `Qwen3MoeConfig` layouts (v4: top-level `rope_theta
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
+import re
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,6 +67,9 @@ class Qwen3Config:
             if not cond:
                 raise ConfigError(f"Qwen3Config: {what}")
 
+        for name, tp in _field_types().items():  # the types first: the checks below compare and divide them
+            problem = _type_problem(name, tp, getattr(self, name))
+            req(problem is None, str(problem))
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len"):
             v = getattr(self, name)
             req(isinstance(v, int) and v > 0, f"{name} must be a positive int, got {v!r}")
@@ -141,12 +148,16 @@ class Qwen3Config:
         Keys left out take transformers' defaults for the model_type (`_HF_DEFAULTS`); the RoPE base is required.
         """
         given = _as_dict(hf)
+        source = "Qwen3Config.from_hf" + (f" ({_config_path(hf)})" if isinstance(hf, (str, os.PathLike)) else "")
         model_type = given.get("model_type", "qwen3")
         if model_type not in ("qwen3", "qwen3_moe"):
             raise ConfigError(f"Qwen3Config.from_hf: model_type must be 'qwen3' or 'qwen3_moe', got {model_type!r}")
         if "num_local_experts" in given:  # v5's name (Qwen3MoeConfig.attribute_map: num_experts -> num_local_experts)
             given["num_experts"] = given.pop("num_local_experts")
         d = {**_HF_DEFAULTS[model_type], **given}
+        for key in ("rope_parameters", "rope_scaling"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise ConfigError(f"{source}: {key} must be an object or null, got {type(d[key]).__name__} {d[key]!r}")
         rope_params = d.get("rope_parameters") or {}
         rope_scaling = d.get("rope_scaling")
         rope_type = rope_params.get("rope_type") or (rope_scaling or {}).get("rope_type") or (
@@ -156,6 +167,8 @@ class Qwen3Config:
         theta = rope_params.get("rope_theta", d.get("rope_theta"))
         if theta is None:
             raise ConfigError("Qwen3Config.from_hf: config has neither rope_parameters.rope_theta nor rope_theta")
+        d["rope_theta"] = theta
+        _check_hf_types(d, source)  # before any value is compared or divided (no TypeError, no "false" read as true)
         if d.get("attention_bias", False):
             raise ConfigError("Qwen3Config.from_hf: attention_bias=True is not supported (Qwen3 has no biases)")
         windowed = _sliding_window_layers(d, model_type)
@@ -172,20 +185,28 @@ class Qwen3Config:
             raise ConfigError(f"Qwen3Config.from_hf: hidden_act must be 'silu', got {d.get('hidden_act')!r}")
         n_heads = d["num_attention_heads"]
         num_experts = d.get("num_experts") or 0
-        is_moe = model_type == "qwen3_moe" and num_experts > 0
+        is_moe = model_type == "qwen3_moe" and num_experts != 0  # a negative count is refused by validate()
+        # transformers' rules for the keys that may be null: head_dim = hidden_size // num_attention_heads,
+        # num_key_value_heads = num_attention_heads (a 0 is kept, and refused by validate(), as transformers keeps it)
+        head_dim = d.get("head_dim")
+        if head_dim is None:
+            if n_heads <= 0:
+                raise ConfigError(f"{source}: num_attention_heads must be a positive int (head_dim is null: "
+                                  f"hidden_size // num_attention_heads), got {n_heads!r}")
+            head_dim = d["hidden_size"] // n_heads
         eos = d.get("eos_token_id")
         kw: dict[str, Any] = dict(
             dim=d["hidden_size"],
             n_layers=d["num_hidden_layers"],
             n_heads=n_heads,
-            n_kv_heads=d["num_key_value_heads"] or n_heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,  # Qwen3MoeConfig has no head_dim default
+            n_kv_heads=n_heads if d["num_key_value_heads"] is None else d["num_key_value_heads"],
+            head_dim=head_dim,  # Qwen3MoeConfig has no head_dim default
             vocab_size=d["vocab_size"],
             hidden_dim=d["intermediate_size"],
             norm_eps=d["rms_norm_eps"],
             rope_theta=float(theta),
             max_seq_len=d["max_position_embeddings"],
-            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            tie_word_embeddings=d["tie_word_embeddings"],
             init_std=d["initializer_range"],
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=list(eos) if isinstance(eos, list) else eos,
@@ -196,13 +217,17 @@ class Qwen3Config:
                 num_experts=num_experts,
                 top_k=d["num_experts_per_tok"],
                 moe_inter_dim=d["moe_intermediate_size"],
-                norm_topk_prob=bool(d["norm_topk_prob"]),
-                decoder_sparse_step=d["decoder_sparse_step"] or 1,
+                norm_topk_prob=d["norm_topk_prob"],
+                decoder_sparse_step=1 if d["decoder_sparse_step"] is None else d["decoder_sparse_step"],
                 mlp_only_layers=_layers_of(d.get("mlp_only_layers") or [], d["num_hidden_layers"]),
                 router_aux_loss_coef=d["router_aux_loss_coef"],
             )
         kw.update(overrides)
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ConfigError as e:  # the rule in the native field's name; say which config.json key holds it
+            rule = str(e).removeprefix("Qwen3Config: ")
+            raise ConfigError(f"{source}: {rule}{_hf_names_in(rule, set(kw) - set(overrides))}") from None
 
     def to_hf(self, version: int = 5) -> dict[str, Any]:
         """config.json dict for transformers (`version=5`: rope_parameters; `4`: top-level rope_theta)."""
@@ -263,6 +288,78 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
                       moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
                       router_aux_loss_coef=0.001),
 }
+
+
+# The config.json key of each field from_hf reads (rope_theta: also rope_parameters.rope_theta).
+_HF_KEYS = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
+                n_kv_heads="num_key_value_heads", head_dim="head_dim", vocab_size="vocab_size",
+                hidden_dim="intermediate_size", norm_eps="rms_norm_eps", rope_theta="rope_theta",
+                max_seq_len="max_position_embeddings", tie_word_embeddings="tie_word_embeddings",
+                init_std="initializer_range", bos_token_id="bos_token_id", eos_token_id="eos_token_id",
+                pad_token_id="pad_token_id", num_experts="num_experts", top_k="num_experts_per_tok",
+                moe_inter_dim="moe_intermediate_size", norm_topk_prob="norm_topk_prob",
+                decoder_sparse_step="decoder_sparse_step", mlp_only_layers="mlp_only_layers",
+                router_aux_loss_coef="router_aux_loss_coef")
+# config.json keys that may be null (from_hf fills them in as transformers does)
+_HF_NULLABLE = {"num_key_value_heads", "head_dim", "num_experts", "decoder_sparse_step", "mlp_only_layers"}
+_WORDS = {int: "an int", float: "a number", bool: "a bool", type(None): "null"}
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """Qwen3Config's field annotations (resolved), less ``kernels`` (the swap points' choices, not config)."""
+    return {k: v for k, v in typing.get_type_hints(Qwen3Config).items() if k != "kernels"}
+
+
+def _fits(tp: Any, value: Any) -> bool:
+    """Whether ``value`` is of annotation ``tp``, as JSON types are: a bool is no number, an int is a valid float."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_fits(arg, value) for arg in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return isinstance(value, list) and all(_fits(typing.get_args(tp)[0], v) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _described(tp: Any) -> str:
+    """``int | list[int] | None`` -> "an int, a list of ints or null"."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    words = ["a list of ints" if typing.get_origin(a) is list else _WORDS[a] for a in args]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _type_problem(name: str, tp: Any, value: Any) -> str | None:
+    """``"<name> must be <type>, got <type> <value>"`` where ``value`` is not of annotation ``tp``, else None."""
+    if _fits(tp, value):
+        return None
+    return f"{name} must be {_described(tp)}, got {type(value).__name__} {value!r}"
+
+
+def _check_hf_types(d: dict[str, Any], source: str) -> None:
+    """Every config.json value from_hf reads has its field's type, checked under the config.json key's name."""
+    field_types = _field_types()
+    for name, key in _HF_KEYS.items():
+        if key in d:
+            tp = field_types[name] | None if key in _HF_NULLABLE else field_types[name]
+            problem = _type_problem(key, tp, d[key])
+            if problem:
+                raise ConfigError(f"{source}: {problem}")
+
+
+def _hf_names_in(message: str, fields: set[str]) -> str:
+    """`` (config.json: n_layers is num_hidden_layers)`` for the fields read from config.json that ``message``
+    names and whose config.json key has another name."""
+    named = [f"{f} is {key}" for f, key in _HF_KEYS.items()
+             if f in fields and f != key and re.search(rf"\b{f}\b", message)]
+    return f" (config.json: {', '.join(named)})" if named else ""
+
+
+def _config_path(hf: str | os.PathLike) -> str:
+    path = os.fspath(hf)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
 def _sliding_window_layers(d: dict[str, Any], model_type: str) -> list[int]:
