@@ -455,6 +455,37 @@ def test_resume_with_more_steps_is_refused_without_reschedule(tmp_path: Path, tr
     assert _snapshot(run_dir) == before
 
 
+@pytest.mark.parametrize("key, value, rule", [
+    ("training.steps", "3", "training.steps: expected an int, got str '3'"),
+    ("optimizer.lr", None, "optimizer.lr: expected a number, got NoneType None"),
+    ("lr_scheduler.decay_type", "exp", "lr_scheduler.decay_type: must be one of ['cosine', 'linear', 'constant'], "
+                                       "got 'exp'"),
+])
+def test_a_manifest_schedule_of_the_wrong_type_is_refused(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                          corpus_dir: Path, capsys: pytest.CaptureFixture[str],
+                                                          key: str, value: object, rule: str) -> None:
+    """The manifest carries no checksum: a recorded schedule value of the wrong type (an edited or damaged
+    trnkit.json) ended the resume in a TypeError traceback (exit 1; a decay type of no schedule was read as
+    cosine). Now: exit 2 naming the manifest, the key, the rule and the value, nothing written;
+    --checkpoint.reschedule true follows this run's schedule instead, with a warning."""
+    run_dir = _copy(trained, tmp_path)
+    manifest = run_dir / "checkpoint" / "step-3" / "trnkit.json"
+    m = json.loads(manifest.read_text())
+    m["schedule"][key] = value
+    manifest.write_text(json.dumps(m))
+    before = _snapshot(run_dir)
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4)
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, f"checkpoint: {manifest} records a learning-rate schedule that cannot be read "
+                                 f"({rule}). Nothing was written. Pass --checkpoint.reschedule true to follow this "
+                                 "run's schedule from step 4 on")
+    assert _snapshot(run_dir) == before
+    res = run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4, checkpoint={"reschedule": True}))
+    assert res.start_step == 3 and sorted(res.losses) == [4]
+    assert f"WARNING: checkpoint.reschedule: {manifest} records a learning-rate schedule that cannot be read " \
+           f"({rule}); the learning rate follows this run's schedule from step 4 on" in capsys.readouterr().out
+
+
 def test_more_steps_at_a_constant_rate_resume_as_they_are(tmp_path: Path, tiny_tokenizer: str,
                                                           corpus_dir: Path) -> None:
     constant = {"warmup_steps": 2, "decay_type": "constant"}

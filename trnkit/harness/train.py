@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import typing
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -31,11 +32,11 @@ from trnkit import envinfo
 from trnkit.harness import parallel
 from trnkit.harness.aux_loss import MoEAuxLoss
 from trnkit.errors import TrnkitError
-from trnkit.harness.checkpoint import (CheckpointSaveError, Checkpointer, RunIdentity, find_resumable,
+from trnkit.harness.checkpoint import (MANIFEST, CheckpointSaveError, Checkpointer, RunIdentity, find_resumable,
                                        full_model_state_dict, human_bytes, load_full_model_state_dict, manifest_entry,
                                        on_rank0, utc_now, write_failed, written_by)
 from trnkit.harness.config import (ConfigError, LRSchedulerConfig, OptimizerConfig, TrainerConfig, ValidationConfig,
-                                   _suggest, check_log_rank, parse_args, to_toml)
+                                   _suggest, check_log_rank, coerce, parse_args, to_toml)
 from trnkit.harness.data import IGNORE_INDEX, build_loaders
 from trnkit.harness.metrics import (MetricsLogger, device_memory, flops_per_token, peak_flops, plot_loss,
                                     resume_jsonl, step1_sanity)
@@ -271,6 +272,15 @@ def _schedule_changed(cfg: TrainerConfig, resume_from: tuple[int, str], log: _Lo
     now = lr_schedule(cfg)
     if not isinstance(saved, dict) or not set(now) <= set(saved):
         return False
+    problem = _schedule_problem(saved, cfg)
+    if problem:  # the manifest carries no checksum: a value of the wrong type is an edited or damaged manifest
+        what = f"{os.path.join(path, MANIFEST)} records a learning-rate schedule that cannot be read ({problem})"
+        if not cfg.checkpoint.reschedule:
+            raise ConfigError(f"checkpoint: {what}. Nothing was written. Pass --checkpoint.reschedule true to follow "
+                              f"this run's schedule from step {step + 1} on, or resume from another checkpoint.")
+        log(f"WARNING: checkpoint.reschedule: {what}; the learning rate follows this run's schedule from step "
+            f"{step + 1} on")
+        return True
     changed = next((i for i in range(step, cfg.training.steps)
                     if not math.isclose(_lr_of(saved, i), _lr_of(now, i), rel_tol=1e-9)), None)
     if changed is None:
@@ -285,6 +295,18 @@ def _schedule_changed(cfg: TrainerConfig, resume_from: tuple[int, str], log: _Lo
     log(f"WARNING: checkpoint.reschedule: the learning rate follows this run's schedule from step {step + 1} on "
         f"({diffs}): {lrs}")
     return True
+
+
+def _schedule_problem(saved: dict[str, Any], cfg: TrainerConfig) -> str | None:
+    """Why a manifest's recorded schedule (:func:`lr_schedule`'s keys) is not one this trainer could have written:
+    the first value that is not of its config field's type (None: every value is)."""
+    for key in lr_schedule(cfg):
+        sec, name = key.split(".")
+        try:
+            coerce(key, typing.get_type_hints(type(getattr(cfg, sec)))[name], saved[key])
+        except ConfigError as e:
+            return str(e).removeprefix("config ")
+    return None
 
 
 def _finished_message(ckpt_path: str, ckpt_step: int, steps: int, dump: str) -> str:
