@@ -283,6 +283,7 @@ def test_from_hf_null_head_dim_needs_heads() -> None:
     ("init_std", None, "init_std must be a number, got NoneType None"),
     ("mlp_only_layers", [0.5], "mlp_only_layers must be a list of ints, got list [0.5]"),
     ("eos_token_id", "</s>", "eos_token_id must be an int, a list of ints or null, got str '</s>'"),
+    ("kernels", ["rope_hf"], "kernels must be a dict, got list ['rope_hf']"),  # before: AttributeError at the build
 ])
 def test_config_field_types_are_checked(field: str, value: object, rule: str) -> None:
     """Qwen3Config (the library's own API) checks each field against its annotation before any range check."""

@@ -302,13 +302,13 @@ _HF_KEYS = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_at
                 router_aux_loss_coef="router_aux_loss_coef")
 # config.json keys that may be null (from_hf fills them in as transformers does)
 _HF_NULLABLE = {"num_key_value_heads", "head_dim", "num_experts", "decoder_sparse_step", "mlp_only_layers"}
-_WORDS = {int: "an int", float: "a number", bool: "a bool", type(None): "null"}
+_WORDS = {int: "an int", float: "a number", bool: "a bool", type(None): "null", dict: "a dict"}
 
 
 @functools.cache
 def _field_types() -> dict[str, Any]:
-    """Qwen3Config's field annotations (resolved), less ``kernels`` (the swap points' choices, not config)."""
-    return {k: v for k, v in typing.get_type_hints(Qwen3Config).items() if k != "kernels"}
+    """Qwen3Config's field annotations (resolved)."""
+    return typing.get_type_hints(Qwen3Config)
 
 
 def _fits(tp: Any, value: Any) -> bool:
@@ -317,6 +317,8 @@ def _fits(tp: Any, value: Any) -> bool:
         return any(_fits(arg, value) for arg in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return isinstance(value, list) and all(_fits(typing.get_args(tp)[0], v) for v in value)
+    if typing.get_origin(tp) is dict:  # kernels: its values are checked where the model binds them
+        return isinstance(value, dict)
     if tp is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is int:
@@ -327,7 +329,7 @@ def _fits(tp: Any, value: Any) -> bool:
 def _described(tp: Any) -> str:
     """``int | list[int] | None`` -> "an int, a list of ints or null"."""
     args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    words = ["a list of ints" if typing.get_origin(a) is list else _WORDS[a] for a in args]
+    words = ["a list of ints" if typing.get_origin(a) is list else _WORDS[typing.get_origin(a) or a] for a in args]
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
 
 
