@@ -295,7 +295,8 @@ def test_a_refused_fresh_run_leaves_the_old_run_in_place(tmp_path: Path, trained
     cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=1,
                       checkpoint={"resume": False, "initial_load_path": str(tmp_path / "no_weights")})
     code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    assert_user_error(code, err, f"checkpoint.initial_load_path: no *.safetensors in '{tmp_path / 'no_weights'}'")
+    assert_user_error(code, err, "checkpoint.initial_load_path: must be an HF checkpoint folder (config.json and "
+                                 f"*.safetensors); no *.safetensors in it, got '{tmp_path / 'no_weights'}'")
     assert not list(run_dir.glob("previous-*"))
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 

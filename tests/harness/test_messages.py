@@ -73,6 +73,44 @@ def test_hf_pretrained_where_it_loads_nothing_or_beside_other_weights(tmp_path: 
              model={"hf_pretrained": True, **model}, checkpoint=checkpoint)
 
 
+def test_hf_pretrained_on_a_folder_without_weights_names_its_key(tmp_path: Path, tiny_tokenizer: str,
+                                                                 corpus_dir: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """model.hf_pretrained on an hf: folder holding only config.json was refused naming checkpoint.initial_load_path,
+    a key the user had not set."""
+    _refused(tmp_path, tiny_tokenizer, corpus_dir, capsys, [],
+             "config model.hf_pretrained: true loads the weights of the model's folder 'configs/hf/qwen3-moe-debug', "
+             "which holds no *.safetensors (set it false to start from random weights); got true",
+             model={"spec": "hf:configs/hf/qwen3-moe-debug", "config": {}, "hf_pretrained": True})
+
+
+@pytest.mark.parametrize("make, checkpoint, message", [
+    (lambda t: None, {"initial_load_path": "{t}/gone"},
+     "checkpoint.initial_load_path: must be an HF checkpoint folder (config.json and *.safetensors); no such folder, "
+     "got '{t}/gone'"),
+    (lambda t: (t / "weights.safetensors").touch(), {"initial_load_path": "{t}/weights.safetensors"},
+     "checkpoint.initial_load_path: must be an HF checkpoint folder (config.json and *.safetensors); a file, not a "
+     "folder, got '{t}/weights.safetensors'"),
+    (lambda t: (t / "run").mkdir() or (t / "run" / "ckpt").touch(), {"enable": True, "folder": "ckpt"},
+     "checkpoint.folder: {t}/run/ckpt is a file, not a folder; move it away or set checkpoint.folder to another "
+     "folder"),
+    (lambda t: (t / "run").mkdir() or (t / "run" / "disk").touch(), {"enable": True, "folder": "disk/ckpt"},
+     "checkpoint.folder: {t}/run/disk is a file, not a folder (it would hold {t}/run/disk/ckpt); move it away"),
+], ids=["initial-gone", "initial-a-file", "folder-a-file", "folder-under-a-file"])
+def test_checkpoint_paths_are_checked_before_the_data_is_read(tmp_path: Path, tiny_tokenizer: str,
+                                                              capsys: pytest.CaptureFixture[str], make,
+                                                              checkpoint: dict, message: str) -> None:
+    """Initial weights that are not an HF folder, and a checkpoint folder that a file blocks, were refused only after
+    the corpus was tokenized and the model built (the checkpoint folder: as a FileExistsError); now before the data
+    is read (here a dataset that does not exist would be refused next), naming the key, the rule and the value."""
+    make(tmp_path)
+    cfg = tiny_config(tmp_path / "run", tiny_tokenizer, tmp_path / "no-corpus",
+                      checkpoint={k: v.format(t=tmp_path) if isinstance(v, str) else v for k, v in checkpoint.items()})
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert_user_error(code, err, message.format(t=tmp_path))
+    assert "data:" not in out
+
+
 def test_toml_inf_and_nan_are_refused(tmp_path: Path) -> None:
     from trnkit.harness.config import load_config
 

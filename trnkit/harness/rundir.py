@@ -221,6 +221,19 @@ def check_run_files(dump: str) -> None:
                           f"of its own in {dump}: move it away and rerun. Nothing was written")
 
 
+def creatable_folder(path: str, key: str) -> None:
+    """A ConfigError naming ``key`` (the setting that chose ``path``) where ``path``, or a folder above it, exists
+    but is not a folder (a file, a dangling link): the run could neither create nor use it."""
+    here = os.path.abspath(path)
+    while not os.path.isdir(here):
+        if os.path.lexists(here):
+            kind = "a dangling link" if os.path.islink(here) else "a file"
+            above = "" if here == os.path.abspath(path) else f" (it would hold {path})"
+            raise ConfigError(f"{key}: {here} is {kind}, not a folder{above}; move it away or set {key} to another "
+                              "folder")
+        here = os.path.dirname(here)
+
+
 def writable_inside(path: str, dump: str, key: str) -> str:
     """`path`, after checking that writing or deleting there stays inside the run folder `dump`: neither
     `path` nor a folder between `dump` and it is a symbolic link, and it resolves inside `dump`.
@@ -241,4 +254,4 @@ def writable_inside(path: str, dump: str, key: str) -> str:
 
 
 __all__ = ["LOCK_NAME", "PREVIOUS_PREFIX", "RUN_FILES", "RUN_FOLDERS", "RunLock", "archive_previous_run",
-           "check_run_files", "writable_inside"]
+           "check_run_files", "creatable_folder", "writable_inside"]

@@ -45,8 +45,8 @@ from trnkit.harness.logs import LOGGER, interrupt_message, setup_logging, trnkit
 from trnkit.harness.models import build_spec, has_hf_weights
 from trnkit.harness.plan import check_at_startup, measured_vs_plan
 from trnkit.harness.plugins import import_plugins
-from trnkit.harness.rundir import (RunLock, archive_previous_run, check_run_files, keep_changed_config,
-                                   writable_inside)
+from trnkit.harness.rundir import (RunLock, archive_previous_run, check_run_files, creatable_folder,
+                                   keep_changed_config, writable_inside)
 from trnkit.harness.validation import Validator
 from trnkit.model_spec import ModelSpec
 from trnkit.qwen3.tp_experts import from_tp_layout, to_tp_layout
@@ -168,11 +168,10 @@ def _check_every_op_found(ocfg: Any, found: set[str], spec: str) -> None:
 
 
 def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log: _Log,
-                 lnc: int = 0, resuming: bool = False) -> tuple[Any, str, bool, str]:
+                 lnc: int = 0, load_path: str = "") -> tuple[Any, str, bool, str]:
     """Build, parallelize, materialise, initialise or load, swap kernels (at ``lnc`` cores per launch, the
     run's resolved LNC). Returns (model, override report (None: none applied), loaded, what TP sharded).
-    ``resuming``: a checkpoint will replace the weights, so initial weights (checkpoint.initial_load_path,
-    model.hf_pretrained) are not read.
+    ``load_path``: the HF folder the weights are loaded from (:func:`_initial_weights`; "" = initialise them).
 
     meta build -> TP -> [FSDP2 when each rank initialises only its shards] -> to_empty -> init or load
     -> kernel overrides -> [FSDP2 otherwise]. The overrides come after the weights so their
@@ -198,14 +197,8 @@ def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log
     model.to_empty(device=env.device)
     spec.reset_buffers(model, env.device)
 
-    load_path = cfg.checkpoint.initial_load_path or (spec.hf_path if cfg.model.hf_pretrained else "")
-    if load_path and resuming:  # the checkpoint replaces every weight: the initial ones are not needed (may be gone)
-        log(f"initial weights {load_path} not read: this run resumes from a checkpoint, which holds its weights")
-        load_path = ""
     loaded = bool(load_path)
     if load_path:
-        if not has_hf_weights(load_path):
-            raise ConfigError(f"checkpoint.initial_load_path: no *.safetensors in {load_path!r}")
         log(f"loading HF weights from {load_path}")
         _load_full(model, spec, spec.state_dict_adapter.load_hf(load_path), _expert_tp(cfg, env))
     elif fsdp_first:
@@ -232,6 +225,25 @@ def _build_model(spec: ModelSpec, cfg: TrainerConfig, env: parallel.DistEnv, log
     if env.dp > 1 and not fsdp_first:
         fsdp()
     return model, report, loaded, tp_desc
+
+
+def _initial_weights(cfg: TrainerConfig, spec: ModelSpec, resuming: bool, log: _Log) -> str:
+    """The HF folder a fresh start loads its weights from (checkpoint.initial_load_path, or the hf: model's own
+    folder with model.hf_pretrained), "" for none; checked before the data and the model are built. A resume
+    (``resuming``) takes every weight from its checkpoint, so the folder is not read (and may have moved)."""
+    load_path = cfg.checkpoint.initial_load_path or (spec.hf_path if cfg.model.hf_pretrained else "")
+    if load_path and resuming:
+        log(f"initial weights {load_path} not read: this run resumes from a checkpoint, which holds its weights")
+        return ""
+    if not load_path or has_hf_weights(load_path):
+        return load_path
+    if not cfg.checkpoint.initial_load_path:  # model.hf_pretrained: the hf: folder exists (model.spec is checked)
+        raise ConfigError(f"config model.hf_pretrained: true loads the weights of the model's folder {load_path!r}, "
+                          "which holds no *.safetensors (set it false to start from random weights); got true")
+    why = ("no such folder" if not os.path.lexists(load_path) else
+           "a file, not a folder" if not os.path.isdir(load_path) else "no *.safetensors in it")
+    raise ConfigError(f"checkpoint.initial_load_path: must be an HF checkpoint folder (config.json and *.safetensors); "
+                      f"{why}, got {load_path!r}")
 
 
 def _expert_tp(cfg: TrainerConfig, env: parallel.DistEnv) -> int:
@@ -441,6 +453,8 @@ class Trainer:
         on_rank0(lambda: check_run_files(dump))  # no link or folder where the run writes its files
         if cfg.checkpoint.export_hf:
             writable_inside(os.path.join(dump, EXPORT_DIR), dump, "checkpoint.export_hf")
+        if cfg.checkpoint.enable:
+            on_rank0(lambda: creatable_folder(os.path.join(dump, cfg.checkpoint.folder), "checkpoint.folder"))
         self.spec = spec = build_spec(cfg, lnc=self.lnc)
         _check_pretrained(cfg, spec)
         identity = run_identity(spec)
@@ -452,6 +466,7 @@ class Trainer:
         if cfg.checkpoint.enable and cfg.checkpoint.resume:
             resume_from = on_rank0(lambda: find_resumable(ckpt_dir, identity, warn=log,
                                                           trust_unverified=cfg.checkpoint.trust_unverified))
+        load_path = _initial_weights(cfg, spec, resume_from is not None, log)
         self.loader, val_loader, tok = build_loaders(cfg.data, cfg.validation, t.seq_len, t.local_batch_size,
                                                      env.dp_rank, env.dp, cfg.job.seed, run_folder=dump)
         if tok.vocab_size > spec.vocab_size:
@@ -487,8 +502,7 @@ class Trainer:
                 f"{t.local_batch_size * env.dp} x {t.seq_len} tokens from {source} ({len(val_loader.stream):,} "
                 "tokens, not trained on)")
 
-        model, report, self.loaded, tp_desc = _build_model(spec, cfg, env, log, self.lnc,
-                                                           resuming=resume_from is not None)
+        model, report, self.loaded, tp_desc = _build_model(spec, cfg, env, log, self.lnc, load_path)
         self.model = model
         if env.world_size > 1:
             n_dt = sum(hasattr(p, "placements") for p in model.parameters())
