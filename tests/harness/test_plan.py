@@ -323,6 +323,20 @@ def test_cli_refuses_world_sizes_and_layouts_below_one(args: list[str], message:
     assert capsys.readouterr().err == f"error: {message}\n"
 
 
+@pytest.mark.parametrize("args, message", [
+    # before: --world-size won over --instance, and --layouts over both, silently
+    (["--world-size", "8", "--instance", "trn2.48xlarge"], "plan --world-size 8 and --instance trn2.48xlarge: each "
+                                                           "sets the world size"),
+    (["--layouts", "64x1", "--instance", "trn2.48xlarge"], "plan --instance trn2.48xlarge and --layouts: each sets "
+                                                           "the world size (a --layouts item DPxTP: DP x TP ranks)"),
+    (["--layouts", "64x1", "--world-size", "8"], "plan --world-size 8 and --layouts: each sets the world size"),
+])
+def test_cli_refuses_two_world_sizes(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan_mod.main(["--config", "qwen3_30b_a3b", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.endswith("; give one\n"), err
+
+
 def test_a_world_size_below_one_is_refused_by_the_planner() -> None:
     cfg = load_config(resolve_config("debug_moe"))
     with pytest.raises(ConfigError, match=r"^config parallelism: the world size must be >= 1, got 0$"):

@@ -343,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.world_size < 0:
             raise ConfigError(f"plan --world-size: must be >= 1 (or 0: the config's degrees), got {args.world_size}")
+        given = [f"{flag} {value}" for flag, value in (("--world-size", args.world_size), ("--instance", args.instance))
+                 if value]
+        if len(given) > 1 or (given and args.layouts):  # one of them would be ignored
+            raise ConfigError(f"plan {' and '.join(given)}{' and --layouts' if args.layouts else ''}: each sets the "
+                              "world size (a --layouts item DPxTP: DP x TP ranks); give one")
         cfg = load_config(resolve_config(args.config), rest)
         if args.layouts:
             plans = []
