@@ -202,3 +202,29 @@ def test_hf_model_config_values_transformers_accepts_but_cannot_train_are_refuse
     with pytest.raises(ConfigError) as e:
         build_spec(cfg)
     assert str(e.value) == f"{message} (hf:{hf_moe_dir}/config.json)"
+
+
+def test_hf_config_values_of_the_wrong_type_are_refused_naming_the_key(tmp_path: Path, hf_moe_dir: Path) -> None:
+    """transformers' configs check their fields' types with errors of their own (huggingface_hub's
+    StrictDataclassError, no TypeError): a config.json value of the wrong type, and a model.config value for a key
+    that config.json leaves null (not checked against a type of its own), ended the run in a traceback (rc 1)."""
+    import json
+    import shutil
+
+    from trnkit.harness.config import load_config
+    from trnkit.harness.models import build_spec
+
+    folder = Path(shutil.copytree(hf_moe_dir, tmp_path / "hf"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "2"}))
+    with pytest.raises(ConfigError) as e:
+        build_spec(load_config(None, ["--model.spec", f"hf:{folder}"]))
+    assert str(e.value) == (f"model.spec: transformers cannot read the config of hf:{folder} "
+                            "(StrictDataclassFieldValidationError: Validation error for field 'num_hidden_layers': "
+                            "TypeError: Field 'num_hidden_layers' expected int, got str (value: '2'))")
+    assert config["pad_token_id"] is None
+    with pytest.raises(ConfigError) as e:
+        build_spec(load_config(None, ["--model.spec", f"hf:{hf_moe_dir}", "--model.config.pad_token_id", "x"]))
+    assert str(e.value).startswith("model.config.pad_token_id: Qwen3MoeConfig refuses the value (Validation error for "
+                                   "field 'pad_token_id': TypeError: Field 'pad_token_id' with value 'x' doesn't match")
+    assert str(e.value).endswith("got 'x'")

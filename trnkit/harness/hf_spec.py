@@ -203,6 +203,7 @@ def _override(cfg: Any, key: str, value: Any) -> Any:
 
 
 def _config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, ModelShape]:
+    from huggingface_hub.errors import StrictDataclassError  # transformers' configs check their fields' types
     from transformers import AutoConfig
 
     if not os.path.exists(path):
@@ -212,13 +213,19 @@ def _config_and_shape(path: str, overrides: dict[str, Any]) -> tuple[Any, ModelS
                           f"config.json and optionally *.safetensors; found {sorted(os.listdir(path))[:10]})")
     try:
         cfg = AutoConfig.from_pretrained(path, trust_remote_code=False)  # never run code from the folder
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, StrictDataclassError) as e:
+        # a field's type error spans lines (field, then rule and value); the others' first line is their reason
+        why = " ".join(str(e).split()) if isinstance(e, StrictDataclassError) else (str(e).splitlines() or [""])[0]
         raise ConfigError(f"model.spec: transformers cannot read the config of hf:{path} "
-                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                          f"({type(e).__name__}: {why})") from None
     for k, v in overrides.items():
         if not hasattr(cfg, k):
             raise ConfigError(f"model.config: {type(cfg).__name__} has no field {k!r}")
-        setattr(cfg, k, _override(cfg, k, v))
+        try:
+            setattr(cfg, k, _override(cfg, k, v))
+        except StrictDataclassError as e:  # a field whose value is None in config.json: transformers checks the type
+            raise ConfigError(f"model.config.{k}: {type(cfg).__name__} refuses the value ({' '.join(str(e).split())}), "
+                              f"got {v!r}") from None
     _check_trainable(cfg, path)
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
