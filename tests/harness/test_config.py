@@ -196,6 +196,19 @@ def test_cli_table_for_a_field_that_is_a_string_or_a_table() -> None:
     assert load_config(None, ["--overrides.impl", "reference"]).overrides.impl == "reference"
 
 
+@pytest.mark.parametrize("text, message", [
+    # a union's member whose shape the value has: before, 'expected a string, got dict {...}' for a table
+    ('impl = {rope_hf = 5}', "config overrides.impl.rope_hf: expected a string, got int 5"),
+    ('impl = {rope_hf = ["nki"]}', "config overrides.impl.rope_hf: expected a string, got list ['nki']"),
+    ('ops = ["rope_hf", 5]', "config overrides.ops[1]: expected a string, got int 5"),
+])
+def test_a_wrong_value_inside_a_table_or_list_is_named(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "c.toml").write_text(f"[overrides]\n{text}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "c.toml")
+    assert str(e.value) == message
+
+
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="file not found: /nonexistent.toml"):
         load_config("/nonexistent.toml")

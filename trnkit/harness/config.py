@@ -259,7 +259,8 @@ def coerce(key: str, tp: Any, value: Any, from_cli: bool = False) -> Any:
     try:
         return _adapter(tp).validate_python(value, strict=not from_cli)
     except ValidationError as e:
-        raise ConfigError(_message(key, tp, value, e.errors()[0])) from None
+        # the deepest error: of a union (``str | dict[str, str]``), the member whose shape the value has
+        raise ConfigError(_message(key, tp, value, max(e.errors(), key=lambda err: len(err["loc"])))) from None
 
 
 def _from_cli(key: str, tp: Any, value: str) -> Any:
@@ -281,8 +282,20 @@ def _from_cli(key: str, tp: Any, value: str) -> Any:
     return value
 
 
+def _where(key: str, value: Any, loc: tuple[Any, ...]) -> str:
+    """``key`` and the path of pydantic's error ``loc`` into ``value``: list indices ``[1]``, table keys ``.name``
+    (a union member's tag, which is neither, is left out)."""
+    where, node = key, value
+    for part in loc:
+        if isinstance(part, int) and isinstance(node, list) and 0 <= part < len(node):
+            where, node = f"{where}[{part}]", node[part]
+        elif isinstance(node, dict) and part in node:
+            where, node = f"{where}.{part}", node[part]
+    return where
+
+
 def _message(key: str, tp: Any, value: Any, err: dict[str, Any]) -> str:
-    where = key + "".join(f"[{i}]" for i in err["loc"] if isinstance(i, int))
+    where = _where(key, value, err["loc"])
     if err["type"] == "literal_error":
         options = list(typing.get_args(tp)) if typing.get_origin(tp) is Literal else err["ctx"]["expected"]
         return f"config {where}: must be one of {options}, got {value!r}"
