@@ -292,6 +292,39 @@ def test_in_memory_state_dict_errors_name_the_keys() -> None:
     assert "model.layers.0.mlp.gate.weight: expected [4, 64], got [3, 64]" in str(e.value)
 
 
+@pytest.mark.parametrize("value, what", [(torch.zeros(64, dtype=torch.int32), "dtype torch.int32"),
+                                         ([1.0] * 64, "a list, not a tensor")])
+def test_in_memory_state_dict_of_no_float_tensor_is_refused(value: object, what: str) -> None:
+    """As load_hf_checkpoint refuses an integer tensor in a file: before, an int32 norm weight was cast silently
+    (an int32 first tensor made every native tensor int32), and a list ended in an AttributeError."""
+    from trnkit.qwen3.state_dict import from_hf, to_hf
+
+    model = _random_model("moe-mlp-only", seed=5)
+    hf = {**to_hf(model.state_dict(), model.config), "model.norm.weight": value}
+    with pytest.raises(CheckpointError) as e:
+        from_hf(hf, model.config)
+    assert str(e.value) == (f"state_dict_from_hf: model.norm.weight is {what}; its parameter needs a floating-point "
+                            "tensor, refusing to cast")
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda p, m: save_hf_checkpoint(m, p / "out", dtype=torch.int8),  # before: wrote int8 weights
+     "save_hf_checkpoint: dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got torch.int8"),
+    (lambda p, m: load_hf_checkpoint(p, dtype=torch.int8),  # before: nn.Module.to's TypeError
+     "load_hf_checkpoint: dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got torch.int8"),
+    (lambda p, m: load_hf_checkpoint(p, dtype="bfloat16"),
+     "load_hf_checkpoint: dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got 'bfloat16'"),
+    (lambda p, m: load_hf_checkpoint(p, config=m.config.to_hf()),  # before: AttributeError
+     "load_hf_checkpoint: config must be a Qwen3Config or None (None: the folder's config.json), got dict"),
+])
+def test_io_arguments_are_checked(saved, call, message: str) -> None:
+    model = _random_model("moe-mlp-only", seed=4)
+    with pytest.raises(ConfigError) as e:
+        call(saved, model)
+    assert str(e.value) == message
+    assert not (saved / "out").exists()
+
+
 def test_corrupt_and_truncated_files(saved) -> None:
     path = saved / "model.safetensors"
     data = path.read_bytes()

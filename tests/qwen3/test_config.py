@@ -292,6 +292,13 @@ def test_config_field_types_are_checked(field: str, value: object, rule: str) ->
     assert str(exc.value) == f"Qwen3Config: {rule}"
 
 
+def test_replace_and_registry_overrides_name_an_unknown_field() -> None:
+    """Before: dataclasses.replace's TypeError ('unexpected keyword argument')."""
+    with pytest.raises(ConfigError, match=re.escape("Qwen3Config: unknown field 'n_layerz' (did you mean 'n_layers'?); "
+                                                    "fields: ['dim', 'n_layers',")):
+        model_registry("debug", n_layerz=2)
+
+
 def test_registry_published_values() -> None:
     # (dim, layers, heads, kv, ffn, tie) from the published config.json files (shared/notes/qwen3.md)
     dense = {"0.6B": (1024, 28, 16, 8, 3072, True), "1.7B": (2048, 28, 16, 8, 6144, True),

@@ -122,6 +122,10 @@ def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = Non
     the rope cache stays fp32. Accepts the hub per-expert and the v5 fused expert layouts.
     """
     folder = os.fspath(path)
+    _check_dtype("load_hf_checkpoint", dtype)
+    if config is not None and not isinstance(config, Qwen3Config):
+        raise ConfigError(f"load_hf_checkpoint: config must be a Qwen3Config or None (None: the folder's config.json), "
+                          f"got {type(config).__name__}")
     if not os.path.isdir(folder):
         raise CheckpointError(f"Qwen3 checkpoint: {folder} is not a directory")
     if config is None:
@@ -172,6 +176,13 @@ def load_hf_checkpoint(path: str | os.PathLike, config: Qwen3Config | None = Non
         handles.clear()
 
 
+def _check_dtype(fn: str, dtype: Any) -> None:
+    """``dtype`` (the parameters' dtype) is None or a floating-point torch dtype: every Qwen3 parameter is one."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError(f"{fn}: dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, "
+                          f"got {dtype!r}")
+
+
 # ------------------------------------------------------------------------------------ saving
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -214,9 +225,10 @@ def save_hf_checkpoint(model: Qwen3Model, path: str | os.PathLike, max_shard_siz
     time (expert slices are transposed copies).
     """
     folder = os.fspath(path)
+    _check_dtype("save_hf_checkpoint", dtype)
+    limit = parse_size(max_shard_size)
     os.makedirs(folder, exist_ok=True)
     cfg = model.config
-    limit = parse_size(max_shard_size)
     items = list(native_to_hf_items(model.state_dict(), cfg, fused_experts))
     shards = _shards(items, limit, dtype)
     n = len(shards)

@@ -8,6 +8,7 @@ transformers `Qwen3Config` / `Qwen3MoeConfig` layouts (v4: top-level `rope_theta
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import math
@@ -109,6 +110,12 @@ class Qwen3Config:
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     def replace(self, **changes: Any) -> "Qwen3Config":
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = [k for k in changes if k not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            raise ConfigError(f"Qwen3Config: unknown field {unknown[0]!r}"
+                              f"{f' (did you mean {close[0]!r}?)' if close else ''}; fields: {names}")
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------ param count

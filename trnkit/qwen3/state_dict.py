@@ -289,6 +289,11 @@ def from_hf(hf: Mapping[str, torch.Tensor], config: Qwen3Config) -> dict[str, to
     """
     from .model import Qwen3Model
 
+    for k, v in hf.items():  # as load_hf_checkpoint: every parameter is floating point, nothing is cast to it
+        if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+            what = f"dtype {v.dtype}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}, not a tensor"
+            raise CheckpointError(f"state_dict_from_hf: {k} is {what}; its parameter needs a floating-point tensor, "
+                                  "refusing to cast")
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Qwen3Model(config).state_dict().items()}
     plan = check_keys({k: tuple(v.shape) for k, v in hf.items()}, shapes, config, source="state dict")
