@@ -271,9 +271,9 @@ def lock_text(stack: dict[str, str]) -> str:
 def read_lock(path: str | os.PathLike) -> dict[str, str]:
     """The ``[stack]`` table of a lock file; ConfigError naming job.stack, the file and the problem."""
     try:
-        data = load_toml(path)
+        data = load_toml(path, setting="job.stack")
     except ConfigError as e:  # missing or not TOML: say which setting named the file
-        raise ConfigError(f"job.stack: {str(e).removeprefix('config: ')}") from None
+        raise ConfigError(f"job.stack: {str(e).removeprefix('config: ').replace('job.stack ', '', 1)}") from None
     table = data.get("stack")
     if not isinstance(table, dict) or not table or not all(isinstance(v, str) for v in table.values()):
         raise ConfigError(f"job.stack: {path} has no [stack] table of name = \"version\" strings "

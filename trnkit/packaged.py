@@ -78,8 +78,9 @@ def parse_toml(text: str) -> dict[str, Any]:
     return _tomllib().loads(text)
 
 
-def load_toml(path: str | os.PathLike) -> dict[str, Any]:
-    """A TOML file (a trainer config, a stack lock) as a dict; ConfigError naming the file and the problem."""
+def load_toml(path: str | os.PathLike, setting: str = "--config") -> dict[str, Any]:
+    """A TOML file (a trainer config, a stack lock) as a dict; ConfigError naming ``setting`` (what named the file:
+    ``--config``, ``job.stack``), the file and the problem."""
     tomllib = _tomllib()
     try:
         with open(path, "rb") as f:
@@ -89,12 +90,11 @@ def load_toml(path: str | os.PathLike) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"config: file not found: {path}") from None
     except IsADirectoryError:
-        raise ConfigError(f"config: --config {path} is a folder; pass a TOML file (e.g. configs/debug_moe.toml)") \
-            from None
+        raise ConfigError(f"config: {setting} {path} is a folder; pass a TOML file") from None
     except OSError as e:
-        raise ConfigError(f"config: cannot read --config {path} ({type(e).__name__}: {e.strerror or e})") from None
+        raise ConfigError(f"config: cannot read {setting} {path} ({type(e).__name__}: {e.strerror or e})") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config: --config {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
-                          f"{e.start}); a config is a TOML text file") from None
+        raise ConfigError(f"config: {setting} {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start}); a TOML file is UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config: {path} is not valid TOML ({e})") from e

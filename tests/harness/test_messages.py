@@ -124,8 +124,8 @@ def test_toml_inf_and_nan_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind, message", [
     ("folder", "is a folder; pass a TOML file"),
-    ("binary", "is not UTF-8 text (byte 0x80 at offset 0); a config is a TOML text file"),
-    ("latin1", "is not UTF-8 text (byte 0xe9 at offset 17); a config is a TOML text file"),
+    ("binary", "is not UTF-8 text (byte 0x80 at offset 0); a TOML file is UTF-8 text"),
+    ("latin1", "is not UTF-8 text (byte 0xe9 at offset 17); a TOML file is UTF-8 text"),
 ])
 def test_config_file_that_is_not_a_toml_text(tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str,
                                              message: str) -> None:

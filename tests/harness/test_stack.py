@@ -60,6 +60,16 @@ def test_bad_lock_files_are_config_errors(tmp_path: Path) -> None:
     (tmp_path / "bad.lock").write_text("[stack\n")
     with pytest.raises(ConfigError, match=rf"^job\.stack: {tmp_path / 'bad.lock'} is not valid TOML"):
         envinfo.check_stack(tmp_path / "bad.lock")
+    # before: named --config, a setting the user had not used for it ("--config <lock> is a folder; ...")
+    (tmp_path / "folder.lock").mkdir()
+    with pytest.raises(ConfigError) as e:
+        envinfo.check_stack(tmp_path / "folder.lock")
+    assert str(e.value) == f"job.stack: {tmp_path / 'folder.lock'} is a folder; pass a TOML file"
+    (tmp_path / "latin1.lock").write_bytes(b"[stack]\ntorch = \"caf\xe9\"\n")
+    with pytest.raises(ConfigError) as e:
+        envinfo.check_stack(tmp_path / "latin1.lock")
+    assert str(e.value) == (f"job.stack: {tmp_path / 'latin1.lock'} is not UTF-8 text (byte 0xe9 at offset 20); a TOML "
+                            "file is UTF-8 text")
 
 
 def test_stack_differences_lists_components_missing_from_this_install() -> None:
