@@ -90,3 +90,29 @@ def test_a_family_of_your_own_is_named_by_its_module_path(tmp_path: Path, tiny_t
     with pytest.raises(ConfigError, match=r"must be 'qwen3:<flavor>' or 'hf:<path>', got 'bigram:32' \(a family of "
                                           r"your own: '<package\.module>:<argument>'"):
         load_config(None, ["--model.spec", "bigram:32"])
+
+
+@pytest.mark.parametrize("code, message", [
+    ("import no_such_dependency_xyz\n",
+     "config model.spec: cannot import the family module '{pkg}.fam' of '{pkg}.fam:1': ModuleNotFoundError: No "
+     "module named 'no_such_dependency_xyz' (at {file}:1)"),
+    ("def build_spec(arg, overrides, **kw):\n    raise RuntimeError('no device')\n",
+     "config model.spec: {pkg}.fam.build_spec raised for '{pkg}.fam:1': RuntimeError: no device (at {file}:2)"),
+    ("import sys\ndef build_spec(arg, overrides, **kw):\n    sys.exit(0)\n",
+     "config model.spec: {pkg}.fam.build_spec raised for '{pkg}.fam:1': it called sys.exit(0) in build_spec "
+     "(at {file}:3)"),
+], ids=["import-fails", "build-spec-raises", "build-spec-exits"])
+def test_a_family_of_your_own_that_fails_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           request: pytest.FixtureRequest, code: str,
+                                                           message: str) -> None:
+    """As for [overrides] plugins: an error in a family module of the user's (named by its module path) was a
+    traceback (exit 1; a sys.exit(0) in build_spec ended the run as a success with nothing trained); now a
+    ConfigError naming model.spec, the module, the error and the user's line."""
+    pkg = "userfam_" + request.node.callspec.id.replace("-", "_")  # one package per case: no module cached
+    (tmp_path / pkg).mkdir()
+    (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / pkg / "fam.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        build_spec(load_config(None, ["--model.spec", f"{pkg}.fam:1"]))
+    assert str(e.value) == message.format(pkg=pkg, file=tmp_path / pkg / "fam.py")

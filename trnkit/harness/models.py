@@ -15,7 +15,9 @@ import os
 import typing
 
 from trnkit.harness.config import ConfigError, TrainerConfig, _suggest, coerce
-from trnkit.harness.families import family_module, spec_family
+from trnkit.errors import TrnkitError
+from trnkit.harness.families import FAMILIES, family_module, spec_family
+from trnkit.harness.plugins import user_code_error
 from trnkit.model_spec import ModelSpec
 
 
@@ -26,13 +28,18 @@ def build_spec(cfg: TrainerConfig, lnc: int = 0) -> ModelSpec:
     spec = cfg.model.spec
     family, arg = spec_family(spec)
     name = family_module(family)
+    own = family not in FAMILIES  # a family of your own: an error in its code is the user's to fix, as a plugin's
     try:
         module = importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name is None or not (name == e.name or name.startswith(e.name + ".")):  # else: one it imports
+    except (Exception, SystemExit) as e:
+        if isinstance(e, ModuleNotFoundError) and e.name is not None and (name == e.name or
+                                                                            name.startswith(e.name + ".")):
+            raise ConfigError(f"config model.spec: no module {name!r} for the family of {spec!r} ({e}); it must be "
+                              "importable (on sys.path or PYTHONPATH)") from e
+        if not own:
             raise
-        raise ConfigError(f"config model.spec: no module {name!r} for the family of {spec!r} ({e}); it must be "
-                          "importable (on sys.path or PYTHONPATH)") from e
+        raise ConfigError(f"config model.spec: cannot import the family module {name!r} of {spec!r}: "
+                          f"{user_code_error(e, name)}") from e
     if not callable(getattr(module, "build_spec", None)):
         raise ConfigError(f"config model.spec: module {name!r} has no build_spec(argument, overrides, *, name, "
                           "seq_len, aux_loss_coef, kernels) function")
@@ -50,8 +57,16 @@ def build_spec(cfg: TrainerConfig, lnc: int = 0) -> ModelSpec:
     kernels = cfg.overrides.kernels() if cfg.overrides.policy != "off" else {}
     if lnc:
         kernels = {op: dataclasses.replace(choice, lnc=lnc) for op, choice in kernels.items()}
-    return module.build_spec(arg, overrides, name=spec, seq_len=cfg.training.seq_len,
-                             aux_loss_coef=cfg.training.moe_aux_loss_coef, kernels=kernels)
+    try:
+        return module.build_spec(arg, overrides, name=spec, seq_len=cfg.training.seq_len,
+                                 aux_loss_coef=cfg.training.moe_aux_loss_coef, kernels=kernels)
+    except TrnkitError:  # the family's own message for the user
+        raise
+    except (Exception, SystemExit) as e:
+        if not own:
+            raise
+        raise ConfigError(f"config model.spec: {name}.build_spec raised for {spec!r}: "
+                          f"{user_code_error(e, name, 'in build_spec')}") from e
 
 
 def has_hf_weights(path: str) -> bool:

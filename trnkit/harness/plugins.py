@@ -13,7 +13,7 @@ import types
 
 from trnkit.errors import ConfigError, raised_at
 
-__all__ = ["import_plugins"]
+__all__ = ["import_plugins", "user_code_error"]
 
 
 def import_plugins(names: list[str]) -> list[types.ModuleType]:
@@ -28,13 +28,19 @@ def import_plugins(names: list[str]) -> list[types.ModuleType]:
             modules.append(importlib.import_module(name))
         except (Exception, SystemExit) as e:  # any error inside a user's module is theirs to fix
             raise ConfigError(f"config overrides.plugins: cannot import plugin module {name!r}: "
-                              f"{_describe(e)}{_where(e, name)}") from e
+                              f"{user_code_error(e, name)}") from e
     return modules
 
 
-def _describe(e: BaseException) -> str:
+def user_code_error(e: BaseException, name: str, when: str = "while being imported") -> str:
+    """What went wrong in the user's module ``name`` and where: ``RuntimeError: boom (at /path/mod.py:3)``
+    (``when``: what the module was doing, for a ``sys.exit``)."""
+    return f"{_describe(e, when)}{_where(e, name)}"
+
+
+def _describe(e: BaseException, when: str) -> str:
     if isinstance(e, SystemExit):
-        return f"it called sys.exit({e.code!r}) while being imported"
+        return f"it called sys.exit({e.code!r}) {when}"
     return f"{type(e).__name__}: {e}"
 
 
