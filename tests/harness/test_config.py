@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -207,6 +208,19 @@ def test_a_wrong_value_inside_a_table_or_list_is_named(tmp_path: Path, text: str
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "c.toml")
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("key, value, path", [
+    ("job.dump_folder", "~/runs/x", "~/runs/x"),  # before: a folder named '~' in the launch directory
+    ("data.dataset", "~/corpus", "~/corpus"),
+    ("checkpoint.initial_load_path", "~", "~"),
+    ("model.spec", "hf:~/models/qwen3", "~/models/qwen3"),
+])
+def test_a_path_starting_with_a_tilde_is_refused(key: str, value: str, path: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"--{key}", value])
+    assert str(e.value) == (f"config {key}: trnkit does not expand '~' in a path (a config value is no shell word); "
+                            f"write it out, e.g. {os.path.expanduser(path)!r}, got {value!r}")
 
 
 def test_missing_file() -> None:

@@ -448,6 +448,9 @@ def _validate(cfg: TrainerConfig) -> None:
         "the checkpoints' manifests)", cfg.job.name)
     req(0 <= cfg.job.seed <= SEED_MAX, "job.seed", "must be in [0, 2**63 - 1] (torch and numpy seeds)", cfg.job.seed)
     spec_family(cfg.model.spec)
+    for key, value, path in _paths(cfg):  # "~/runs" would be a folder named "~" in the launch directory
+        req(not path.startswith("~"), key, f"trnkit does not expand '~' in a path (a config value is no shell word); "
+            f"write it out, e.g. {os.path.expanduser(path)!r}", value)
     t = cfg.training
     for name in ("steps", "local_batch_size", "seq_len", "gradient_accumulation_steps"):
         req(getattr(t, name) >= 1, f"training.{name}", "must be >= 1", getattr(t, name))
@@ -510,6 +513,17 @@ def _validate(cfg: TrainerConfig) -> None:
 
 
 SEED_MAX = 2**63 - 1
+
+
+def _paths(cfg: TrainerConfig) -> list[tuple[str, str, str]]:
+    """(key, value, path) of every setting that names a file or folder (``model.spec``: an ``hf:`` model's folder)."""
+    paths = [("job.dump_folder", cfg.job.dump_folder), ("job.stack", cfg.job.stack),
+             ("data.tokenizer", cfg.data.tokenizer), ("data.dataset", cfg.data.dataset),
+             ("validation.dataset", cfg.validation.dataset),
+             ("checkpoint.initial_load_path", cfg.checkpoint.initial_load_path)]
+    family, arg = spec_family(cfg.model.spec)
+    hf = [("model.spec", cfg.model.spec, arg)] if family == "hf" else []
+    return [(key, path, path) for key, path in paths] + hf
 
 
 def _check_checkpoint_folder(folder: str) -> None:
