@@ -223,6 +223,22 @@ def test_a_path_starting_with_a_tilde_is_refused(key: str, value: str, path: str
                             f"write it out, e.g. {os.path.expanduser(path)!r}, got {value!r}")
 
 
+@pytest.mark.parametrize("section, value, message", [
+    ("training", {"steps": "3"}, "config training.steps: expected an int, got str '3'"),  # before: TypeError
+    ("training", {"steps": True}, "config training.steps: expected an int, got bool True"),  # before: 1 step
+    ("optimizer", {"lr": "1e-3"}, "config optimizer.lr: expected a number, got str '1e-3'"),
+    ("checkpoint", {"enable": "false"}, "config checkpoint.enable: expected a bool, got str 'false'"),  # truthy
+])
+def test_a_config_built_in_python_has_its_types_checked(section: str, value: dict, message: str) -> None:
+    import dataclasses
+
+    cfg = TrainerConfig()
+    setattr(cfg, section, dataclasses.replace(getattr(cfg, section), **value))
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+    assert str(e.value) == message
+
+
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="file not found: /nonexistent.toml"):
         load_config("/nonexistent.toml")

@@ -441,6 +441,7 @@ def _validate(cfg: TrainerConfig) -> None:
         if not cond:
             raise ConfigError(f"config {key}: {rule}, got {value!r}")
 
+    _require_types(cfg)
     _require_plain_values(cfg)
     req(cfg.job.dump_folder.strip() != "", "job.dump_folder", "must name a folder (everything the run writes goes "
         "there)", cfg.job.dump_folder)
@@ -569,6 +570,16 @@ def _check_loss_schedule(cfg: TrainerConfig) -> None:
     if t.loss_chunk_size == 0:
         raise ConfigError(f"config {key}: {value!r} needs the chunked loss (training.loss_chunk_size > 0; 0 computes "
                           f"full logits and no loss kernel runs), got {value!r}")
+
+
+def _require_types(cfg: TrainerConfig) -> None:
+    """Every setting has its field's type (as :func:`coerce` checks a TOML value): a TrainerConfig built in Python
+    (``TrainingConfig(steps="3")``) skips the loading's checks, and the range checks below would end in a
+    TypeError (or take ``steps=True`` for 1)."""
+    for sec in dataclasses.fields(cfg):
+        section = getattr(cfg, sec.name)
+        for name, tp in typing.get_type_hints(type(section)).items():
+            coerce(f"{sec.name}.{name}", tp, getattr(section, name))
 
 
 def _require_plain_values(cfg: TrainerConfig) -> None:
