@@ -269,8 +269,10 @@ def test_unwritable_checkpoint_folder_is_refused_up_front(tmp_path: Path, tiny_t
     (tmp_path / "run" / "blocker").write_text("a file where the checkpoint folder should be")
     cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, checkpoint={"folder": "blocker"})
     code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
-    assert_user_error(code, err, f"checkpoint.folder: cannot write checkpoints to {tmp_path / 'run' / 'blocker'}")
-    assert "step: " not in out  # refused before the first step
+    # refused before the data is read (before: after the model build, as the FileExistsError of its makedirs)
+    assert_user_error(code, err, f"checkpoint.folder: {tmp_path / 'run' / 'blocker'} is a file, not a folder; move it "
+                                 "away or set checkpoint.folder to another folder")
+    assert "step: " not in out and "data: " not in out
 
 
 # ------------------------------------------------------------------ a fresh run keeps the old run's files
