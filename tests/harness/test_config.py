@@ -85,6 +85,12 @@ def test_to_toml_round_trip(tmp_path: Path) -> None:
     ("[training]\nsteps = 2.5\n", [], r"training\.steps: expected an int, got float 2\.5"),
     ("", ["--training.steps", "abc"], r"training\.steps: expected an int, got str 'abc'"),
     ("", ["--checkpoint.enable", "maybe"], r"checkpoint\.enable: expected a bool"),
+    # command-line numbers and booleans are TOML's, checked as strictly as in a file (pydantic's lax string
+    # parsing took 2.0 for 2, and yes / 1 / on for true)
+    ("", ["--training.steps", "2.0"], r"^config training\.steps: expected an int, got float 2\.0$"),
+    ("", ["--checkpoint.enable", "yes"], r"^config checkpoint\.enable: expected a bool, got str 'yes'$"),
+    ("", ["--checkpoint.enable=1"], r"^config checkpoint\.enable: expected a bool, got int 1$"),
+    ("", ["--overrides.dry_run", "True"], r"^config overrides\.dry_run: expected a bool, got str 'True'$"),
     ('[training]\ndtype = "float16"\n', [], r"training\.dtype: must be one of \['float32', 'bfloat16'\]"),
     ("", ["--training.steps", "0"], r"training\.steps: must be >= 1, got 0"),
     ("", ["--model.spec", "llama:7b"], r"model\.spec: must be 'qwen3:<flavor>' or 'hf:<path>'"),
@@ -186,6 +192,13 @@ def test_a_nul_character_in_a_string_setting_is_refused(tmp_path: Path, key: str
 @pytest.mark.parametrize("folder", ["checkpoint", "ckpt/nested", "./ckpt", "a/../ckpt"])
 def test_checkpoint_folder_subfolders_are_accepted(folder: str) -> None:
     assert load_config(None, ["--checkpoint.folder", folder]).checkpoint.folder == folder
+
+
+def test_cli_numbers_and_booleans_read_as_toml() -> None:
+    cfg = load_config(None, ["--training.steps", "1_000", "--optimizer.lr", "1", "--training.max_norm", "0.5e1",
+                             "--checkpoint.enable=true", "--overrides.dry_run", "none"])
+    assert (cfg.training.steps, cfg.optimizer.lr, cfg.training.max_norm) == (1000, 1.0, 5.0)
+    assert cfg.checkpoint.enable is True and cfg.overrides.dry_run is None
 
 
 def test_cli_table_for_a_field_that_is_a_string_or_a_table() -> None:

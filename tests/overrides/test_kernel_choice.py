@@ -44,6 +44,14 @@ def test_ops_given_as_one_string_is_refused_by_name() -> None:
     assert OverrideConfig(ops=("rope_hf",), policy="strict").ops == ["rope_hf"]
 
 
+def test_an_op_named_twice_is_refused() -> None:
+    from trnkit.overrides import OverrideConfig
+
+    with pytest.raises(ValueError, match=r"^OverrideConfig\.ops must name each op once, got \['rope_hf'\] more than "
+                                         r"once in \['rope_hf', 'rmsnorm', 'rope_hf'\]$"):
+        OverrideConfig(ops=["rope_hf", "rmsnorm", "rope_hf"], policy="strict")
+
+
 def test_the_native_model_takes_its_kernels_from_its_config(monkeypatch: pytest.MonkeyPatch):
     """Qwen3Config.kernels: every swap point of the ops named is bound at build and calls its op with the
     choice's impl, block size and lnc; the logits and gradients are the torch model's."""

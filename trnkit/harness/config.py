@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -251,6 +252,8 @@ def coerce(key: str, tp: Any, value: Any, from_cli: bool = False) -> Any:
     A ConfigError names ``key``, what was expected and the value."""
     if from_cli and isinstance(value, str):
         value = _from_cli(key, tp, value)
+        if isinstance(value, str) and _scalar_field(tp):  # read as TOML reads it, then checked as strictly
+            value, from_cli = _toml_scalar(value), False
     if isinstance(value, dict):
         nulls = [k for k, v in value.items() if v is None]
         if nulls:
@@ -280,6 +283,23 @@ def _from_cli(key: str, tp: Any, value: str) -> Any:
     except json.JSONDecodeError as e:
         raise ConfigError(f"config {key}: expected JSON on the command line ({e}), got {value!r}") from None
     return value
+
+
+def _scalar_field(tp: Any) -> bool:
+    """Whether ``tp`` is an int, float or bool field (or an optional one): its command-line values are TOML's."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    members = [a for a in (typing.get_args(tp) if union else (tp,)) if a is not type(None)]
+    return bool(members) and all(m in (int, float, bool) for m in members)
+
+
+def _toml_scalar(value: str) -> Any:
+    """A command-line string read as a TOML value (``2`` an int, ``2.0`` a float, ``true`` a bool), or unchanged
+    where it is none (``yes``): the strict check then refuses ``2.0`` for an int and ``yes`` for a bool, as in
+    a config file, where pydantic's lax parsing of the string took them for 2 and true."""
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
 
 
 def _where(key: str, value: Any, loc: tuple[Any, ...]) -> str:

@@ -152,6 +152,9 @@ class OverrideConfig:
         bad = [op for op in self.ops if op not in SWAPPABLE_OPS]
         if bad:
             raise ValueError(f"OverrideConfig.ops: unknown op(s) {bad}; swappable ops are {list(SWAPPABLE_OPS)}")
+        twice = sorted({op for op in self.ops if self.ops.count(op) > 1})
+        if twice:
+            raise ValueError(f"OverrideConfig.ops must name each op once, got {twice} more than once in {self.ops}")
         if self.seq_len is not None and not (isinstance(self.seq_len, int) and self.seq_len >= 1):
             raise ValueError(f"OverrideConfig.seq_len must be a positive int or None, got {self.seq_len!r}")
         if not (isinstance(self.batch_size, int) and self.batch_size >= 1):
