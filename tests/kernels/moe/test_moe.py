@@ -665,6 +665,48 @@ def test_backward_sbuf_constraints_are_checked() -> None:
         moe.grouped_mm_bwd(xg, w, offs, torch.zeros(3, 2048, dtype=bf))
 
 
+def test_block_size_narrows_to_the_sbuf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 H = 7168 (one expert's weights 68 KiB, inside the weight budget): a block of 512 slots keeps x.T
+    (56 x 512) and two sets of four row tiles of H in SBUF, past its 208 KiB, and the backward data path its
+    four dX and dgu row tiles next to the second expert's weights. The entry points narrow the block to the
+    widest that fits (the results do not
+    depend on it): the forward at its default 512 and the backward asked for 512 run at 128 (both used to
+    stop on the interpreter's SBUF overflow at these accepted shapes)."""
+    from trnkit.nkisim.errors import NkiValidationError
+
+    T, H, inter = 1100, 7168, 91  # two experts, each a full 512-slot block and a tail
+    x = rand(T, H, seed=3)
+    wgu, wd = expert_weights(2, H, inter, torch.float32)
+    idx, tw = routing(T, 2, 1)
+    assert moe.moe_experts_constraints(x, idx, tw, wgu, wd, 512, x) == []
+    assert [moe.fitting_block_size(H, inter, 512, 4, bwd) for bwd in (False, True)] == [128, 128]
+    assert moe.fitting_block_size(2048, 768, 512, 2) == 512  # Qwen3-30B-A3B: the tuned sizes stay
+    assert moe.fitting_block_size(2048, 768, 128, 2, True) == 128
+    out = moe.moe_experts(x, idx, tw, wgu, wd)
+    O.check_all(("out",), out, lambda dt: O.experts(x, idx, tw, wgu, wd, dt), torch.float32)
+    g = rand(T, H, seed=11)
+    O.check_experts_bwd(moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=512), x, idx, tw, wgu, wd, g,
+                        torch.float32)
+    monkeypatch.setattr(moe, "fitting_block_size", lambda H, inter, block_size, *_: block_size)  # no narrowing
+    with pytest.raises(NkiValidationError, match="SBUF overflow"):
+        moe.moe_experts(x, idx, tw, wgu, wd)
+    with pytest.raises(NkiValidationError, match="SBUF overflow"):
+        moe.moe_experts_bwd(x, idx, tw, wgu, wd, g, block_size=512)
+
+
+def test_block_sbuf_constraint_refuses_rows_no_block_fits() -> None:
+    """fp32 H = 16384, I = 1: the weights take 65 KiB, but even a block of 32 slots' row tiles of H do not fit
+    beside them (the kernel overflows SBUF at block_size=32): refused, naming the rule and the bytes."""
+    x = torch.zeros(4, 16384)
+    wgu, wd = torch.zeros(2, 16384, 2), torch.zeros(2, 1, 16384)
+    idx, tw = torch.tensor([[0], [1], [0], [1]]), torch.ones(4, 1)
+    with pytest.raises(KernelConstraintError, match=r"moe_experts: constraint 'the forward's weights and a block of 32 "
+                       r"slots fit 208 KiB of SBUF per partition' violated \(got '222336 bytes \(H=16384, I=1, "
+                       r"float32\)'\)"):
+        moe.moe_experts(x, idx, tw, wgu, wd)
+    assert moe.moe_experts_constraints(x.bfloat16(), idx, tw, wgu.bfloat16(), wd.bfloat16()) == []
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_non_finite_token_spreads_to_its_combine_tile_only(value: float, dtype: torch.dtype) -> None:

@@ -53,6 +53,7 @@ from trnkit.kernels.moe.constraints import (
     check_grouped_mm,
     check_moe_experts,
     constraints,
+    fitting_block_size,
     grouped_mm_constraints,
     grouped_mm_value_violations,
     moe_experts_constraints,
@@ -95,6 +96,7 @@ __all__ = [
     "activation_ref",
     "block_layout",
     "constraints",
+    "fitting_block_size",
     "from_hf_v5",
     "from_torchtitan",
     "grouped_mm",
@@ -189,7 +191,8 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
                 b_down: torch.Tensor | None = None) -> torch.Tensor:
     """Fused gated experts on the NKI kernel (see the module docstring); returns ``[T, H]`` in x.dtype.
     ``block_size``: slots per expert block (the result does not depend on it; 512 lets every gate/up
-    matmul stream 512 token columns). ``lnc``: 1 or 2 physical cores (None:
+    matmul stream 512 token columns), narrowed to the widest that fits SBUF (:func:`fitting_block_size`).
+    ``lnc``: 1 or 2 physical cores (None:
     :func:`trnkit.kernels.lnc.default_lnc`). ``activation`` (``silu | gelu_tanh | swiglu_clamped`` with ``limit``,
     ``alpha``) and the optional biases
     ``b_gate_up [E, 2I]``, ``b_down [E, H]``: :func:`activation_ref` / :func:`moe_experts_ref`."""
@@ -200,6 +203,7 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     lnc = resolve_lnc(lnc)
     T, K = topk_idx.shape
     E = w_gate_up.shape[0]
+    block_size = _fitting_block(x, w_down, block_size, False, b_gate_up, b_down)
     lay, split = tail_layout(topk_idx, E, block_size, lnc)
     token = slot_tokens(lay, K)  # padding positions: token 0, results never stored
     weights = position_weights(topk_weights, lay)
@@ -214,6 +218,15 @@ def moe_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
 
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
+
+
+def _fitting_block(x: torch.Tensor, w_down: torch.Tensor, block_size: int, backward: bool,
+                   b_gate_up: torch.Tensor | None, b_down: torch.Tensor | None) -> int:
+    """``block_size``, or the widest narrower one whose blocks fit SBUF (:func:`fitting_block_size`; the
+    constraints refuse shapes where not even the narrowest does). The results do not depend on it."""
+    fit = fitting_block_size(x.shape[1], w_down.shape[1], block_size, x.element_size(), backward,
+                             b_gate_up is not None, b_down is not None)
+    return block_size if fit is None else fit
 
 
 def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -245,6 +258,7 @@ def moe_experts_bwd(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     T = x.shape[0]
     K = topk_idx.shape[1]
     E = w_gate_up.shape[0]
+    block_size = _fitting_block(x, w_down, block_size, True, b_gate_up, b_down)
     x, grad_out = x.contiguous(), grad_out.contiguous()
     w_gate_up, w_down = w_gate_up.contiguous(), w_down.contiguous()
     lay, token = moe_layout(topk_idx, E, block_size, lnc)

@@ -51,6 +51,51 @@ def weight_sbuf_bytes(rows: int, cols: int, itemsize: int) -> int:
     return math.ceil(rows / 128) * cols * itemsize
 
 
+# The expert kernels' SBUF per partition (moe_fused.SBUF_BYTES, the interpreter's nki-library budget) and the
+# bytes the estimates below leave for their small tiles (block tables, affinities, PSUM evacuations): the
+# forward needs 8 KiB (moe_fused._prefetch_fits); the backward data path's fp32 activation temporaries ~18 KiB.
+BLOCK_SBUF_BYTES = 208 * 1024
+FWD_SMALL_TILES = 8 * 1024
+BWD_SMALL_TILES = 24 * 1024
+
+
+def block_sbuf_bytes(H: int, inter: int, block_size: int, itemsize: int, backward: bool = False,
+                     b_gate_up: bool = False, b_down: bool = False) -> int:
+    """SBUF bytes per partition an expert kernel needs at ``block_size`` slots per block, without the second
+    expert's prefetched weights (which the kernels load only when they fit). Besides one expert's weights the
+    blocks' token rows scale with H: the forward keeps a block's x.T (``ceil(H/128) * B``), h.T and two sets of
+    ``B / 128`` row tiles of H (the next block's gathered rows, the last block's outputs), ``moe_fused``'s
+    ``_prefetch_fits`` without the prefetch; the backward data path (``moe_bwd``) keeps ``B / 128`` row tiles of
+    H and of 2I across its phases, phase 1 the weights, ``w_down.T`` and a sub-tile's x.T and grad_out.T,
+    phase 2 ``w_gate_up.T``, the next expert's weights and a block's dgu.T. Checked against the interpreter's
+    SBUF peak (tests/kernels/moe/test_moe.py, ``test_block_size_narrows_to_the_sbuf``)."""
+    rows, nsub = min(block_size, 128), max(1, block_size // 128)
+    HC, IC, IC2 = math.ceil(H / 128), math.ceil(inter / 128), math.ceil(2 * inter / 128)
+    weights = weight_sbuf_bytes(H, 2 * inter, itemsize) + weight_sbuf_bytes(inter, H, itemsize)
+    if not backward:
+        bias = (H * itemsize if b_down else 0) + (2 * IC * (4 + itemsize) if b_gate_up else 0)
+        work = (HC * block_size + IC * block_size + 2 * nsub * H) * itemsize
+        return weights + bias + work + FWD_SMALL_TILES
+    bias = 2 * inter * itemsize if b_gate_up else 0
+    rows_held = nsub * (H + 2 * inter) * itemsize
+    phase1 = weights + (HC * inter + 2 * HC * rows) * itemsize
+    phase2 = weights + (IC2 * H + nsub * IC2 * rows) * itemsize
+    return rows_held + max(phase1, phase2) + bias + BWD_SMALL_TILES
+
+
+def fitting_block_size(H: int, inter: int, block_size: int, itemsize: int, backward: bool = False,
+                       b_gate_up: bool = False, b_down: bool = False) -> int | None:
+    """The widest block size of :data:`BLOCK_SIZES` up to ``block_size`` whose blocks fit SBUF
+    (:func:`block_sbuf_bytes`), None if not even the narrowest does. The results do not depend on the block
+    size, so the entry points run at this one: a block of 512 slots of a wide H (fp32 H = 3072 near the weight
+    budget, H = 7168) would overflow SBUF where 128 fits."""
+    for b in sorted(BLOCK_SIZES, reverse=True):
+        if b <= block_size and block_sbuf_bytes(H, inter, b, itemsize, backward, b_gate_up, b_down) \
+                <= BLOCK_SBUF_BYTES:
+            return b
+    return None
+
+
 def grouped_mm_constraints(x: torch.Tensor, w: torch.Tensor, group_offsets: torch.Tensor,
                            grad_out: torch.Tensor | None = None) -> list[Violation]:
     """Violated constraints of :func:`grouped_mm` / :func:`grouped_mm_bwd` (empty = supported).
@@ -191,6 +236,19 @@ def moe_experts_constraints(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
         if bwd > WEIGHT_SBUF_BUDGET:
             v.append(Violation(k, f"backward working set fits {WEIGHT_SBUF_BUDGET // 1024} KiB per partition",
                                f"{bwd} bytes (H={H}, I={inter}, {dtype_name(x)})"))
+    if v or min(H, inter) < 1:
+        return v
+    # the token rows of a block scale with H: the entry points narrow the blocks until they fit
+    # (fitting_block_size); refused where not even the narrowest block does
+    smallest = min(BLOCK_SIZES)
+    for backward in (False, True) if grad_out is not None else (False,):
+        need = block_sbuf_bytes(H, inter, smallest, isz, backward, b_gate_up is not None, b_down is not None)
+        if need > BLOCK_SBUF_BYTES:
+            what = "backward" if backward else "forward"
+            v.append(Violation(k, f"the {what}'s weights and a block of {smallest} slots fit "
+                                  f"{BLOCK_SBUF_BYTES // 1024} KiB of SBUF per partition",
+                               f"{need} bytes (H={H}, I={inter}, {dtype_name(x)})",
+                               "a block's token rows of H elements stay in SBUF: use bfloat16 or a smaller H"))
     return v
 
 
