@@ -269,6 +269,31 @@ def test_fused_matches_its_reference(dtype):
     assert torch.all(gh[labels == IGNORE] == 0)
 
 
+def test_fused_next_group_operands_fit_beside_the_last_pass_b_step(monkeypatch):
+    """fp32 H = 3072 over several token groups: pass B's last step loads the next group's hT columns and first
+    wT tile (24 x (gw + 512) fp32 per partition) beside its own h rows, grad_hidden columns, dl and weight rows.
+    The plan sized the groups for pass B alone (7 tiles, 2 pieces: 241,800 bytes live, over SBUF); it now counts
+    that step (6 tiles, 3 pieces). bf16 and narrower H keep their plans."""
+    import trnkit.kernels.cross_entropy.cross_entropy_fused as fused
+    from trnkit.nkisim.errors import NkiValidationError
+
+    assert plan(2100, 3072, 600, 4, 1) == (6, 3)
+    assert plan(2100, 2560, 600, 4, 1) == (7, 2) and plan(8192, 2560, 151936, 2, 2) == (8, 2)
+    h, w, labels = _inputs(2100, 3072, 600, torch.float32)
+    with trace.record(trace_only=True):  # fits (the values: the slow test below)
+        linear_cross_entropy_fwd_bwd(h, w, labels)
+    monkeypatch.setattr(fused, "_last_step_bytes", lambda *_: 0)  # the plan without the last step
+    assert fused.plan(2100, 3072, 600, 4, 1) == (7, 2)
+    with pytest.raises(NkiValidationError, match="SBUF overflow"), trace.record(trace_only=True):
+        linear_cross_entropy_fwd_bwd(h, w, labels)
+
+
+@pytest.mark.slow
+def test_fused_oracle_several_groups_of_fp32_h3072():
+    """The plan of the test above (6 token tiles, 3 pieces of H) by the fp64-oracle rule."""
+    fused_case(2100, 3072, 600, torch.float32)
+
+
 def test_fused_hbm_holds_one_group_of_exp_values(monkeypatch):
     """No [T, V] tensor: the largest HBM tensor the one-pass kernel allocates is its exp scratch of one token
     group (1,024 tokens x V rounded up to 512-column tiles, in the operands' dtype), a third of T x V here;

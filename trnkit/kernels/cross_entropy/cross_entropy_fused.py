@@ -56,6 +56,18 @@ GROUP_MAX = 8  # token tiles per group at most (1,024 tokens)
 PIECES_MAX = 3  # column pieces of H in pass B at most
 
 
+def _last_step_bytes(T, H, n, hw, isz):
+    """SBUF per partition live during pass B's last step when a next group's first operands load there
+    (:func:`_pass_a`'s, loaded ahead by :func:`_pass_b`): the last H piece's h rows and fp32 grad_hidden
+    columns, the step's ``dl`` and weight rows, and the next group's ``hT`` columns and first ``wT`` tile. 0
+    for a single group."""
+    if T <= n * P:
+        return 0
+    cw = H - (cdiv(H, hw) - 1) * hw  # the last column piece
+    ahead = cdiv(H, P) * (min(n * P, T - n * P) + WIDE) * isz
+    return n * cw * (4 + isz) + n * WIDE * isz + (WIDE // P) * cw * isz + ahead
+
+
 def plan(T, H, V, isz, n_prog):
     """``(token tiles per group, column pieces of H in pass B)``: of the sizes whose pass B fits
     ``SBUF_BYTES`` per partition, the one with the least estimated HBM traffic per program (``grad_weight``'s
@@ -73,6 +85,8 @@ def plan(T, H, V, isz, n_prog):
         # grad_weight in and out of PSUM, the onehot product and vocabulary indices
         held = 2 * (WIDE // P) * hw * isz + 2 * hw * 4 + 3 * WIDE * 4
         n = min(GROUP_MAX, cdiv(T, P), (SBUF_BYTES - held) // per_tile)
+        while n > 1 and _last_step_bytes(T, H, n, hw, isz) > SBUF_BYTES:
+            n -= 1
         if n < 1:
             continue
         g = cdiv(T, n * P)
