@@ -74,6 +74,20 @@ def test_moe_layers_use_router_and_experts():
     assert (ex.units, ex.traced_units) == (128, (16,)) and "256 slots per expert" in ex.traced
 
 
+def test_router_backward_is_traced_as_one_program():
+    """router_topk_bwd has no LNC split and runs as one program (its entry point launches it without a grid): the
+    step traces it so at LNC=2 too (on a grid of 2 both programs computed the whole backward and stored the same
+    outputs), while the forward splits its tokens over the two programs."""
+    from trnkit.nkisim import trace
+
+    programs = {}
+    for mode in ("forward", "backward"):
+        with trace.record(trace_only=True) as tr:
+            step.router_op("moe layer", 512, 256, 16, 4, mode, 2).run(1)
+        programs[mode] = {i.program_id for i in tr}
+    assert programs == {"forward": {0, 1}, "backward": {0}}
+
+
 def test_step_total_is_layers_times_layer_plus_head(est):
     layer = [sum(getattr(e, f) for e in est.ops if e.op.part == "dense layer") for f in ("low_ns", "mid_ns", "high_ns")]
     head = [sum(getattr(e, f) for e in est.ops if e.op.part == "head") for f in ("low_ns", "mid_ns", "high_ns")]
