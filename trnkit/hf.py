@@ -33,8 +33,13 @@ SUPPORTED = {"apply_trnkit_to_qwen3": ("qwen3",), "apply_trnkit_to_qwen3_moe": (
              "apply_trnkit_to_gpt_oss": ("gpt_oss",)}
 
 
-def _choice(arg: OpArg, impl: str, policy: str, block_size: int, lnc: int | None,
+# the entry points' keyword for each op whose keyword is not the op's name
+ARG_NAMES = {"rope_hf": "rope", "router_topk": "router", "moe_experts": "experts"}
+
+
+def _choice(where: str, arg: OpArg, impl: str, policy: str, block_size: int, lnc: int | None,
             fixed_shift: bool | None = None) -> KernelChoice | None:
+    """The KernelChoice of one op's argument (``where``: the entry point and keyword, for the message)."""
     if arg is False or arg is None:
         return None
     if isinstance(arg, KernelChoice):
@@ -43,7 +48,8 @@ def _choice(arg: OpArg, impl: str, policy: str, block_size: int, lnc: int | None
         return KernelChoice(arg, policy, block_size, lnc or 0, fixed_shift)
     if arg is True:
         return KernelChoice(impl, policy, block_size, lnc or 0, fixed_shift)
-    raise TypeError(f"expected True / False, an impl name or a KernelChoice, got {type(arg).__name__} {arg!r}")
+    raise TypeError(f"{where} expects True / False, an impl name or a KernelChoice, got {type(arg).__name__} "
+                    f"{arg!r}")
 
 
 def _apply(entry: str, model: nn.Module, ops: dict[str, OpArg], impl: str, policy: str, block_size: int,
@@ -63,7 +69,8 @@ def _apply(entry: str, model: nn.Module, ops: dict[str, OpArg], impl: str, polic
         raise ValueError(f"trnkit.hf.{entry}: fixed_shift {why}, got fixed_shift={fixed_shift!r} with "
                          f"attention={ops.get('attention')!r}")
     choices = {op: c for op, arg in ops.items()
-               if (c := _choice(arg, impl, policy, block_size, lnc, fixed_shift if op == "attention" else None))
+               if (c := _choice(f"trnkit.hf.{entry}: {ARG_NAMES.get(op, op)}", arg, impl, policy, block_size, lnc,
+                                fixed_shift if op == "attention" else None))
                is not None}
     return apply_overrides(model, config, choices=choices)
 

@@ -58,6 +58,14 @@ def test_an_entry_point_refuses_another_family():
         apply_trnkit_to_qwen3_moe(torch.nn.Linear(2, 2))
 
 
+def test_an_op_argument_of_another_type_is_named_by_its_keyword():
+    with pytest.raises(TypeError, match=r"^trnkit\.hf\.apply_trnkit_to_qwen3_moe: router expects True / False, an impl "
+                                        r"name or a KernelChoice, got dict \{'impl': 'nki'\}$"):
+        apply_trnkit_to_qwen3_moe(hf_moe_model(), router={"impl": "nki"}, seq_len=8)
+    with pytest.raises(TypeError, match=r"^trnkit\.hf\.apply_trnkit_to_qwen3: rmsnorm expects .*, got int 1$"):
+        apply_trnkit_to_qwen3(hf_dense_model(), rmsnorm=1, seq_len=8)
+
+
 def test_a_strict_choice_raises_and_leaves_the_model_unchanged():
     model = hf_moe_model(num_experts_per_tok=9, num_experts=12)  # the router kernel's top-K is one max8
     with pytest.raises(OverrideConstraintError, match=r"router_topk: constraint '1 <= top_k <= 8' violated \(got 9\)"):
