@@ -887,3 +887,45 @@ def test_toml_finder_sees_every_block_and_a_bad_one_is_caught():
     assert "unknown key training.stpes" in toml_problem("[training]\nstpes = 20\n")
     assert "TOMLDecodeError" in toml_problem("[training\nsteps = 20\n")
     assert "policy" in toml_problem('[overrides]\nops = ["rope_hf"]\npolicy = "sometimes"\n')
+
+
+# ------------------------------------------------------------------------------------------ the config reference
+KEY_ROW = re.compile(r"^\| `(\w+)\.(\w+)` \| (`[^|]*`|unset) \|", re.M)
+
+
+def documented_keys() -> dict[str, str]:
+    """``{section.key: default cell}`` of trainer.md's "Every key" table."""
+    text = (ROOT / "docs" / "trainer.md").read_text().split("### Every key", 1)[1].split("\n## ", 1)[0]
+    return {f"{sec}.{key}": default for sec, key, default in KEY_ROW.findall(text)}
+
+
+def default_cell(value) -> str:
+    """A default as the table writes it: TOML as the trainer's ``--help`` prints it, ``unset`` for None."""
+    import tomli_w
+
+    if value is None:
+        return "unset"
+    if value == {}:
+        return "`{}`"
+    return "`" + tomli_w.dumps({"v": value})[len("v = "):].strip() + "`"
+
+
+def test_every_config_key_is_documented_with_its_default():
+    """trainer.md's "Every key" table has one row per field of every ``[section]`` of the trainer's config, in
+    the dataclasses' order, each with the default the trainer uses; no row names a key that does not exist."""
+    import dataclasses
+
+    from trnkit.harness.config import TrainerConfig
+
+    cfg = TrainerConfig()
+    expected = {f"{sec.name}.{f.name}": default_cell(getattr(getattr(cfg, sec.name), f.name))
+                for sec in dataclasses.fields(cfg) for f in dataclasses.fields(getattr(cfg, sec.name))}
+    documented = documented_keys()
+    assert list(documented) == list(expected)
+    assert documented == expected
+
+
+def test_config_key_table_check_sees_a_wrong_default():
+    assert default_cell(8e-4) == "`0.0008`" and default_cell("off") == '`"off"`' and default_cell(None) == "unset"
+    assert default_cell([]) == "`[]`" and default_cell({}) == "`{}`" and default_cell(True) == "`true`"
+    assert len(documented_keys()) >= 70
