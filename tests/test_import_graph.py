@@ -130,3 +130,16 @@ def test_design_md_draws_the_graph_of_the_code() -> None:
     lines = [f"{u} -> " + ", ".join(f"{t} ({'+'.join(sorted(k))})" for t, k in sorted(code.get(u, {}).items()))
              for u in stale]
     assert not stale, "DESIGN.md's dependency graph differs from the code; the code's lines:\n" + "\n".join(lines)
+
+
+def test_only_packaged_imports_tomllib() -> None:
+    """pyproject allows Python 3.10, which has no ``tomllib``: ``trnkit.packaged`` falls back to ``tomli`` there,
+    and every other module reads TOML through it (``trnkit.harness.config`` imported tomllib itself)."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if "tomllib" in names and path.name != "packaged.py":
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []

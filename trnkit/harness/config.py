@@ -16,7 +16,6 @@ import json
 import math
 import os
 import sys
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from trnkit.errors import ConfigError
 from trnkit.harness.families import spec_family
-from trnkit.packaged import load_toml, resolve_config
+from trnkit.packaged import load_toml, parse_toml, resolve_config
 
 if typing.TYPE_CHECKING:
     from trnkit.overrides.config import OverrideConfig
@@ -297,8 +296,8 @@ def _toml_scalar(value: str) -> Any:
     where it is none (``yes``): the strict check then refuses ``2.0`` for an int and ``yes`` for a bool, as in
     a config file, where pydantic's lax parsing of the string took them for 2 and true."""
     try:
-        return tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
+        return parse_toml(f"v = {value}")["v"]
+    except ValueError:  # tomllib's / tomli's TOMLDecodeError
         return value
 
 
