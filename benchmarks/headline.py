@@ -118,7 +118,7 @@ def _router(dtype: torch.dtype = BF16, norm: bool = True, affinities: bool = Fal
         if backward:
             weights, idx, logits = mod.router_topk(x, w, K, norm)
             gw = torch.randn(T, K, generator=g)
-            return lambda: mod.router_topk_bwd(x, w, logits, idx, gw, None, norm)
+            return lambda: mod.router_topk_bwd(x, w, logits, idx, gw, None, norm, lnc=lnc)
         if lnc > 1:
             return lambda: router_topk_kernel[lnc](x, w, K, norm, affinities)
         return lambda: mod.router_topk(x, w, K, norm, return_affinities=affinities)
@@ -194,6 +194,8 @@ CASES: dict[str, HeadlineCase] = {
     "router_aff_fwd": HeadlineCase("router_topk", "forward", f"{ROUTER_SHAPE} bf16, return_affinities=True",
                                    _router(affinities=True)),
     "router_bwd": HeadlineCase("router_topk", "backward", f"{ROUTER_SHAPE} bf16", _router(backward=True)),
+    "router_lnc2_bwd": HeadlineCase("router_topk", "backward", f"{ROUTER_SHAPE} bf16, LNC=2 (router_topk_bwd(lnc=2))",
+                                    _router(backward=True, lnc=2), notes="bound per core"),
     "router_fp32_bwd": HeadlineCase("router_topk", "backward", f"{ROUTER_SHAPE} fp32",
                                     _router(dtype=torch.float32, backward=True)),
     "moe_fwd": HeadlineCase("moe_experts", "forward", f"{MOE_SHAPE} bf16", _moe(), moe_flops(6), MOE_NOTES),

@@ -74,18 +74,19 @@ def test_moe_layers_use_router_and_experts():
     assert (ex.units, ex.traced_units) == (128, (16,)) and "256 slots per expert" in ex.traced
 
 
-def test_router_backward_is_traced_as_one_program():
-    """router_topk_bwd has no LNC split and runs as one program (its entry point launches it without a grid): the
-    step traces it so at LNC=2 too (on a grid of 2 both programs computed the whole backward and stored the same
-    outputs), while the forward splits its tokens over the two programs."""
+def test_router_is_traced_as_its_entry_points_launch_it():
+    """At LNC=2 the router's forward and backward split the tokens over the two programs, as router_topk /
+    router_topk_bwd(lnc=2) launch them (the backward traced as one program before it had an LNC split);
+    at LNC=1 one program."""
     from trnkit.nkisim import trace
 
     programs = {}
-    for mode in ("forward", "backward"):
-        with trace.record(trace_only=True) as tr:
-            step.router_op("moe layer", 512, 256, 16, 4, mode, 2).run(1)
-        programs[mode] = {i.program_id for i in tr}
-    assert programs == {"forward": {0, 1}, "backward": {0}}
+    for lnc in (1, 2):
+        for mode in ("forward", "backward"):
+            with trace.record(trace_only=True) as tr:
+                step.router_op("moe layer", 512, 256, 16, 4, mode, lnc).run(1)
+            programs[lnc, mode] = {i.program_id for i in tr}
+    assert programs == {(1, "forward"): {0}, (1, "backward"): {0}, (2, "forward"): {0, 1}, (2, "backward"): {0, 1}}
 
 
 def test_step_total_is_layers_times_layer_plus_head(est):

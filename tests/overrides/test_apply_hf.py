@@ -71,7 +71,7 @@ def test_rotary_swap_is_scoped_to_the_model():
 
     real = ops.rope_hf_apply
     try:
-        ops.rope_hf_apply = lambda *a: calls.append(a[-1]) or real(*a)  # count trnkit rope calls
+        ops.rope_hf_apply = lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw)  # count trnkit rope calls
         apply_overrides(model, OverrideConfig(ops=["rope_hf"], impl="reference", seq_len=8))
         calls.clear()
         assert modeling_qwen3_moe.apply_rotary_pos_emb is global_fn

@@ -40,10 +40,10 @@ def test_lnc2_override_runs_both_cores_with_identical_results(monkeypatch: pytes
     assert progs == {0}
 
 
-@pytest.mark.parametrize("op", ["rmsnorm", "linear_cross_entropy", "attention", "mlp"])
+@pytest.mark.parametrize("op", ["rope_hf", "router_topk", "rmsnorm", "linear_cross_entropy", "attention", "mlp"])
 def test_lnc_reaches_every_lnc_kernel_of_the_native_model(op: str) -> None:
-    """The norms, the fused loss, attention and the dense MLP also run on both cores at lnc=2 (fwd and bwd),
-    same numbers."""
+    """RoPE, the router, the norms, the fused loss, attention and the dense MLP also run on both cores at lnc=2
+    (fwd and bwd), same numbers."""
     runs = {}
     for lnc in (1, 2):
         model = native_model()

@@ -351,9 +351,7 @@ def router_op(part: str, T: int, H: int, E: int, K: int, mode: str, lnc: int) ->
     def call(x: torch.Tensor, w: torch.Tensor, *grad: torch.Tensor) -> object:
         if not bwd:
             return launch(router_topk_kernel, lnc)(x, w, K, True)
-        # one program, as router_topk_bwd launches it: the kernel has no LNC split (launched on a grid of 2, both
-        # programs would compute the whole backward and store the same outputs)
-        return router_topk_bwd_kernel(x, w, *grad, None, has_grad_logits=False, norm_topk_prob=True)
+        return launch(router_topk_bwd_kernel, lnc)(x, w, *grad, None, has_grad_logits=False, norm_topk_prob=True)
 
     kernel = "router_topk_bwd" if bwd else "router_topk"
     return _op("router", kernel, mode, part, f"[{T}, {H}] x {E} experts, top {K}", 2 * T * H * E * (2 if bwd else 1),

@@ -50,16 +50,20 @@ def _attr(module: str, name: str) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------------- rope
 
 
-def _rope(ref: bool) -> Callable[..., Any]:
-    def fn(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None = None,
-           sin: Tensor | None = None, rope_cache: Tensor | None = None, backward: bool = False,
-           layout: str = "bhsd") -> Any:
-        name = "rope_hf" if layout == "bhsd" else "rope_hf_bshd"
-        kernel = _attr("rope", name + ("_ref" if ref else ""))
-        return kernel(q, k, q_out, k_out, cos=cos, sin=sin, rope_cache=rope_cache, backward=backward)
+def _rope_fn(layout: str, suffix: str = "") -> Callable[..., Any]:
+    return _attr("rope", ("rope_hf" if layout == "bhsd" else "rope_hf_bshd") + suffix)
 
-    fn.__name__ = fn.__qualname__ = f"rope_hf_{'reference' if ref else 'nki'}"
-    return fn
+
+def _rope_ref(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None = None,
+              sin: Tensor | None = None, rope_cache: Tensor | None = None, backward: bool = False,
+              layout: str = "bhsd") -> Any:
+    return _rope_fn(layout, "_ref")(q, k, q_out, k_out, cos=cos, sin=sin, rope_cache=rope_cache, backward=backward)
+
+
+def _rope_nki(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None = None,
+              sin: Tensor | None = None, rope_cache: Tensor | None = None, backward: bool = False,
+              layout: str = "bhsd", lnc: int | None = None) -> Any:
+    return _rope_fn(layout)(q, k, q_out, k_out, cos=cos, sin=sin, rope_cache=rope_cache, backward=backward, lnc=lnc)
 
 
 def _rope_constraints(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor | None = None,
@@ -74,8 +78,9 @@ def _router_ref(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
     return _attr("router", "router_topk_ref")(x, w_router, top_k, norm_topk_prob, **variant)
 
 
-def _router_nki(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True, **variant: Any):
-    weights, idx, logits = _attr("router", "router_topk")(x, w_router, top_k, norm_topk_prob, **variant)
+def _router_nki(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True, lnc: int | None = None,
+                **variant: Any):
+    weights, idx, logits = _attr("router", "router_topk")(x, w_router, top_k, norm_topk_prob, lnc=lnc, **variant)
     return _nonfinite_tokens_as_reference(x, w_router, top_k, norm_topk_prob, weights, idx, logits, variant)
 
 
@@ -109,9 +114,9 @@ def _router_ref_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, gra
 
 
 def _router_nki_bwd(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
-                    norm_topk_prob=True, **variant: Any):
+                    norm_topk_prob=True, lnc: int | None = None, **variant: Any):
     return _attr("router", "router_topk_bwd")(x, w_router, router_logits, topk_idx, grad_topk_weights,
-                                                   grad_router_logits, norm_topk_prob=norm_topk_prob, **variant)
+                                              grad_router_logits, norm_topk_prob=norm_topk_prob, lnc=lnc, **variant)
 
 
 def _router_constraints(x: Tensor, w_router: Tensor, top_k: int, scoring: str = "softmax",
@@ -359,8 +364,8 @@ def register_builtins() -> None:
            "description": "torch reference (trnkit.kernels *_ref)"}
     nki = {"has_backward": True, "compile_ok": True, "autograd_backward": False, "devices": NKI_DEVICES,
            "description": "NKI kernel (interpreter on CPU, real NKI on neuron)"}
-    _builtin("rope_hf", REFERENCE, _ROPE_REF, **ref)
-    _builtin("rope_hf", NKI, _ROPE_NKI, constraints=_rope_constraints, **nki)
+    _builtin("rope_hf", REFERENCE, _rope_ref, **ref)
+    _builtin("rope_hf", NKI, _rope_nki, constraints=_rope_constraints, **nki)
     _builtin("router_topk", REFERENCE, _router_ref, backward=_router_ref_bwd, **ref)
     _builtin("router_topk", NKI, _router_nki, backward=_router_nki_bwd, constraints=_router_constraints, **nki)
     _builtin("grouped_mm", REFERENCE, _gmm_ref, backward=_gmm_ref_bwd, constraints=_gmm_constraints, **ref)
@@ -380,6 +385,3 @@ def register_builtins() -> None:
     _builtin("mlp", REFERENCE, _mlp_ref, backward=_mlp_ref_bwd, **ref)
     _builtin("mlp", NKI, _mlp_nki, backward=_mlp_nki_bwd, constraints=_mlp_constraints, **nki)
 
-
-_ROPE_REF = _rope(ref=True)
-_ROPE_NKI = _rope(ref=False)

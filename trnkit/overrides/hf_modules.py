@@ -117,7 +117,7 @@ def _hf_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor, Tensor
     impl = self._trnkit_guard.choose(x=xc, w_router=w, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob)
     if impl is None:
         return _original(self, hidden_states)
-    weights, idx, logits = ops.router_topk(xc, w, self.top_k, self.norm_topk_prob, impl)
+    weights, idx, logits = ops.router_topk(xc, w, self.top_k, self.norm_topk_prob, impl, lnc=self._trnkit_guard.lnc)
     if dt == logits.dtype:
         return logits, weights, idx.long()
     logits = logits.to(dt)  # exact: what transformers' F.linear returns
@@ -137,7 +137,8 @@ def _hf_sigmoid_router_forward(self: Any, hidden_states: Tensor) -> tuple[Tensor
                                      scoring="sigmoid", selection_bias=bias, routed_scaling_factor=scale)
     if impl is None:
         return _original(self, hidden_states)
-    weights, idx, logits = ops.router_topk(x, w, self.top_k, self.norm_topk_prob, impl, "sigmoid", bias, scale)
+    weights, idx, logits = ops.router_topk(x, w, self.top_k, self.norm_topk_prob, impl, "sigmoid", bias, scale,
+                                           lnc=self._trnkit_guard.lnc)
     return logits, weights, idx.long()  # as transformers: (logits, weights, indices), fp32
 
 
@@ -342,7 +343,7 @@ def _hf_rope(self: Any, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple
     impl = self._trnkit_guard.choose(q=q, k=k, cos=cos, sin=sin, layout="bshd")
     if impl is None:
         return _hf_modeling(self).apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *tables)
-    q_out, k_out = ops.rope_hf_apply(q, k, cos, sin, None, "bshd", False, impl)
+    q_out, k_out = ops.rope_hf_apply(q, k, cos, sin, None, "bshd", False, impl, lnc=self._trnkit_guard.lnc)
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 

@@ -5,14 +5,14 @@ Each op takes a trailing ``impl: str`` naming the registered implementation (``"
 op itself is opaque to torch.compile (one graph node, shapes from ``register_fake``), and autograd is
 registered on the functional ops with the impl's backward.
 
-- ``trnkit::rope_hf(q, k, q_out!, k_out!, cos?, sin?, rope_cache?, backward, layout, impl) -> ()``:
+- ``trnkit::rope_hf(q, k, q_out!, k_out!, cos?, sin?, rope_cache?, backward, layout, impl, lnc) -> ()``:
   the kernel's own preallocated-output form (mutates exactly ``q_out`` and ``k_out``; no autograd —
   torch cannot differentiate through a mutating op).
-- ``trnkit::rope_hf_apply(q, k, cos?, sin?, rope_cache?, layout, backward, impl) -> (q', k')``:
+- ``trnkit::rope_hf_apply(q, k, cos?, sin?, rope_cache?, layout, backward, impl, lnc) -> (q', k')``:
   functional, differentiable in ``q`` and ``k`` (``cos``/``sin``/``rope_cache`` are constants);
   ``layout="bshd"`` is the models' ``[B, S, H, D]``.
 - ``trnkit::router_topk(x, w_router, top_k, norm_topk_prob, impl, scoring, selection_bias?,
-  routed_scaling_factor) -> (weights f32, idx i32, logits f32)``; the variant arguments (DeepSeek-V3
+  routed_scaling_factor, lnc) -> (weights f32, idx i32, logits f32)``; the variant arguments (DeepSeek-V3
   style sigmoid routers) reach the impl as keyword arguments only when they differ from the Qwen3
   defaults, so impls written for softmax routers keep working.
 - ``trnkit::grouped_mm(x, w, group_offsets, impl) -> out``.
@@ -45,8 +45,8 @@ registered on the functional ops with the impl's backward.
   ``trnkit::linear_cross_entropy_bwd``, ``trnkit::attention_bwd``, ``trnkit::mlp_bwd``: the backward
   kernels as ops of their own, so the backward graph is opaque to torch.compile too.
 
-The ops of kernels that split work over a trn2 logical core (``grouped_mm``, ``moe_experts``, ``rmsnorm``,
-``rmsnorm_qk``,
+The ops of kernels that split work over a trn2 logical core (``rope_hf``, ``rope_hf_apply``, ``router_topk``,
+``grouped_mm``, ``moe_experts``, ``rmsnorm``, ``rmsnorm_qk``,
 ``linear_cross_entropy``, ``attention``, ``mlp`` and their backwards) take a trailing ``lnc: int`` (1 or 2 physical
 cores; 0 = the device default, :func:`trnkit.kernels.lnc.default_lnc`); it reaches an impl as the keyword
 ``lnc`` when set and the impl declares that parameter, and the backward runs at the forward's ``lnc``.
@@ -249,7 +249,7 @@ def _direct_out(out: Tensor, own: Tensor, other: Tensor) -> Tensor:
 
 
 def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None,
-              sin: Tensor | None, rope_cache: Tensor | None, backward: bool, layout: str) -> None:
+              sin: Tensor | None, rope_cache: Tensor | None, backward: bool, layout: str, lnc: int = 0) -> None:
     """Call the impl on contiguous buffers and make sure the results land in ``q_out``/``k_out``."""
     _check_layout(layout)
     check_rope_inputs(q, k, cos, sin, rope_cache, layout)
@@ -261,7 +261,7 @@ def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos
     # rope's backward is the forward call with backward=True (dy in): a user's may use autograd too
     with autograd_enabled() if backward and entry.autograd_backward else contextlib.nullcontext():
         res = entry.fn(q.contiguous(), k.contiguous(), qo, ko, cos=_c(cos), sin=_c(sin),
-                       rope_cache=_c(rope_cache), backward=backward, layout=layout)
+                       rope_cache=_c(rope_cache), backward=backward, layout=layout, **_lnc_kw(entry.fn, lnc))
     # An impl may allocate and return its own outputs instead of writing the given ones.
     results = (qo, ko) if res is None else tuple(r.detach() if r.requires_grad else r for r in res)
     for name, dst, got in zip(("q_out", "k_out"), (q_out, k_out), results, strict=True):
@@ -276,14 +276,14 @@ def _run_rope(impl: str, q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos
 @torch.library.custom_op("trnkit::rope_hf", mutates_args=("q_out", "k_out"))
 def rope_hf(q: Tensor, k: Tensor, q_out: Tensor, k_out: Tensor, cos: Tensor | None = None,
             sin: Tensor | None = None, rope_cache: Tensor | None = None, backward: bool = False,
-            layout: str = "bhsd", impl: str = "reference") -> None:
+            layout: str = "bhsd", impl: str = "reference", lnc: int = 0) -> None:
     """RoPE (rotate-half) of ``q``/``k`` written into ``q_out``/``k_out`` by the chosen impl."""
-    _run_rope(impl, q, k, q_out, k_out, cos, sin, rope_cache, backward, layout)
+    _run_rope(impl, q, k, q_out, k_out, cos, sin, rope_cache, backward, layout, lnc)
 
 
 @rope_hf.register_fake
 def _rope_hf_fake(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backward=False,
-                  layout="bhsd", impl="reference") -> None:
+                  layout="bhsd", impl="reference", lnc=0) -> None:
     _check_layout(layout)
     check_rope_inputs(q, k, cos, sin, rope_cache, layout)
     check_rope_outs(q, k, q_out, k_out)
@@ -292,17 +292,17 @@ def _rope_hf_fake(q, k, q_out, k_out, cos=None, sin=None, rope_cache=None, backw
 @torch.library.custom_op("trnkit::rope_hf_apply", mutates_args=())
 def rope_hf_apply(q: Tensor, k: Tensor, cos: Tensor | None = None, sin: Tensor | None = None,
                   rope_cache: Tensor | None = None, layout: str = "bshd", backward: bool = False,
-                  impl: str = "reference") -> tuple[Tensor, Tensor]:
+                  impl: str = "reference", lnc: int = 0) -> tuple[Tensor, Tensor]:
     """Functional RoPE: returns new ``(q', k')`` (contiguous, same shape/dtype/layout as q/k)."""
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
-    _run_rope(impl, q, k, q_out, k_out, cos, sin, rope_cache, backward, layout)
+    _run_rope(impl, q, k, q_out, k_out, cos, sin, rope_cache, backward, layout, lnc)
     return q_out, k_out
 
 
 @rope_hf_apply.register_fake
 def _rope_hf_apply_fake(q, k, cos=None, sin=None, rope_cache=None, layout="bshd", backward=False,
-                        impl="reference"):
+                        impl="reference", lnc=0):
     _check_layout(layout)
     check_rope_inputs(q, k, cos, sin, rope_cache, layout)
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -310,16 +310,16 @@ def _rope_hf_apply_fake(q, k, cos=None, sin=None, rope_cache=None, layout="bshd"
 
 
 def _rope_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    _, _, cos, sin, rope_cache, layout, backward, impl = inputs
+    _, _, cos, sin, rope_cache, layout, backward, impl, lnc = inputs
     ctx.save_for_backward(cos, sin, rope_cache)
-    ctx.layout, ctx.backward, ctx.impl = layout, backward, impl
+    ctx.layout, ctx.backward, ctx.impl, ctx.lnc = layout, backward, impl, lnc
 
 
 def _rope_backward(ctx: Any, grad_q: Tensor, grad_k: Tensor):
     cos, sin, rope_cache = ctx.saved_tensors
     # The rotation is orthogonal: its vjp is the inverse rotation (the kernels' backward=True).
-    gq, gk = rope_hf_apply(grad_q, grad_k, cos, sin, rope_cache, ctx.layout, not ctx.backward, ctx.impl)
-    return gq, gk, None, None, None, None, None, None
+    gq, gk = rope_hf_apply(grad_q, grad_k, cos, sin, rope_cache, ctx.layout, not ctx.backward, ctx.impl, ctx.lnc)
+    return gq, gk, None, None, None, None, None, None, None
 
 
 rope_hf_apply.register_autograd(_rope_backward, setup_context=_rope_setup)
@@ -344,12 +344,12 @@ def _router_variant(scoring: str, selection_bias: Tensor | None, routed_scaling_
 @torch.library.custom_op("trnkit::router_topk", mutates_args=())
 def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = True,
                 impl: str = "reference", scoring: str = "softmax", selection_bias: Tensor | None = None,
-                routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+                routed_scaling_factor: float = 1.0, lnc: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Router logits, scores and top-k: ``(topk_weights [T,K] f32, topk_idx [T,K] i32, logits [T,E] f32)``."""
     check_router_inputs(x, w_router, top_k)
-    w, idx, logits = _forward_impl("router_topk", impl).fn(
-        x.contiguous(), w_router.contiguous(), top_k, norm_topk_prob,
-        **_router_variant(scoring, selection_bias, routed_scaling_factor))
+    fn = _forward_impl("router_topk", impl).fn
+    w, idx, logits = fn(x.contiguous(), w_router.contiguous(), top_k, norm_topk_prob,
+                        **_router_variant(scoring, selection_bias, routed_scaling_factor), **_lnc_kw(fn, lnc))
     t, e = x.shape[0], w_router.shape[0]
     _check_shapes("router_topk", impl, (w, idx, logits), ((t, top_k), (t, top_k), (t, e)),
                   ("topk_weights", "topk_idx", "router_logits"))
@@ -358,7 +358,7 @@ def router_topk(x: Tensor, w_router: Tensor, top_k: int, norm_topk_prob: bool = 
 
 @router_topk.register_fake
 def _router_topk_fake(x, w_router, top_k, norm_topk_prob=True, impl="reference", scoring="softmax",
-                      selection_bias=None, routed_scaling_factor=1.0):
+                      selection_bias=None, routed_scaling_factor=1.0, lnc=0):
     check_router_inputs(x, w_router, top_k)
     t, e = x.shape[0], w_router.shape[0]
     return (x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32),
@@ -366,36 +366,37 @@ def _router_topk_fake(x, w_router, top_k, norm_topk_prob=True, impl="reference",
 
 
 def _router_setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    x, w_router, _, norm_topk_prob, impl, scoring, _, routed_scaling_factor = inputs
+    x, w_router, _, norm_topk_prob, impl, scoring, _, routed_scaling_factor, lnc = inputs
     _, idx, logits = output
     ctx.save_for_backward(x, w_router, logits, idx)
-    ctx.norm, ctx.impl, ctx.scoring, ctx.scale = norm_topk_prob, impl, scoring, routed_scaling_factor
+    ctx.norm, ctx.impl, ctx.scoring, ctx.scale, ctx.lnc = norm_topk_prob, impl, scoring, routed_scaling_factor, lnc
 
 
 @torch.library.custom_op("trnkit::router_topk_bwd", mutates_args=())
 def router_topk_bwd(x: Tensor, w_router: Tensor, router_logits: Tensor, topk_idx: Tensor,
                     grad_topk_weights: Tensor, grad_router_logits: Tensor, norm_topk_prob: bool = True,
                     impl: str = "reference", scoring: str = "softmax",
-                    routed_scaling_factor: float = 1.0) -> tuple[Tensor, Tensor]:
+                    routed_scaling_factor: float = 1.0, lnc: int = 0) -> tuple[Tensor, Tensor]:
     """Backward of ``trnkit::router_topk``: ``(grad_x, grad_w_router)`` (the selection bias has none)."""
     gx, gw = _run_backward(
         "router_topk", impl, x.contiguous(), w_router.contiguous(), router_logits.contiguous(), topk_idx.contiguous(),
-        grad_topk_weights.contiguous(), grad_router_logits.contiguous(), norm_topk_prob,
+        grad_topk_weights.contiguous(), grad_router_logits.contiguous(), norm_topk_prob, lnc=lnc,
         **_router_variant(scoring, None, routed_scaling_factor, forward=False))
     return _dense(gx.to(x.dtype), gw.to(w_router.dtype))
 
 
 @router_topk_bwd.register_fake
 def _router_topk_bwd_fake(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
-                          norm_topk_prob=True, impl="reference", scoring="softmax", routed_scaling_factor=1.0):
+                          norm_topk_prob=True, impl="reference", scoring="softmax", routed_scaling_factor=1.0,
+                          lnc=0):
     return _empty_dense(x, w_router)
 
 
 def _router_backward(ctx: Any, grad_w: Tensor, grad_idx: Tensor | None, grad_logits: Tensor):
     x, w_router, logits, idx = ctx.saved_tensors
     gx, gw = router_topk_bwd(x, w_router, logits, idx, grad_w, grad_logits, ctx.norm, ctx.impl, ctx.scoring,
-                             ctx.scale)
-    return gx, gw, None, None, None, None, None, None
+                             ctx.scale, ctx.lnc)
+    return gx, gw, None, None, None, None, None, None, None
 
 
 router_topk.register_autograd(_router_backward, setup_context=_router_setup)

@@ -161,7 +161,7 @@ class RoPEApply(KernelSlot, nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         impl = self._choose(q=q, k=k, rope_cache=rope_cache, layout="bshd")
         if impl is not None:
-            return _kernel_ops().rope_hf_apply(q, k, None, None, rope_cache, "bshd", False, impl)
+            return _kernel_ops().rope_hf_apply(q, k, None, None, rope_cache, "bshd", False, impl, lnc=self.kernel.lnc)
         S, D = q.shape[1], q.shape[-1]
         if rope_cache.shape != (S, 2 * D):
             raise ValueError(f"RoPEApply: rope_cache must have shape [S, 2D] = [{S}, {2 * D}] for q of shape "
@@ -301,7 +301,8 @@ class TopKRouter(KernelSlot, nn.Module):
         if impl is None:
             return self._torch_forward(x)
         # the kernel routes from its logits rounded to dt, as gate(x) returns them (ties to the lower expert)
-        weights, idx, logits = _kernel_ops().router_topk(xc, wc, self.top_k, self.norm_topk_prob, impl)
+        weights, idx, logits = _kernel_ops().router_topk(xc, wc, self.top_k, self.norm_topk_prob, impl,
+                                                         lnc=self.kernel.lnc)
         return weights, idx.long(), logits
 
     def _torch_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

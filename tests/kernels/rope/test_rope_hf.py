@@ -15,6 +15,7 @@ from tests.tolerances import F64, check_oracle
 from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.kernels.rope import constraints, rope_hf, rope_hf_bshd, rope_hf_bshd_ref, rope_hf_ref
 from trnkit.kernels.rope.rope_kernel import rope_hf_kernel
+from trnkit.nkisim import trace
 
 
 def _tables(kind: str, B: int, S: int, D: int, extra: int, gen: torch.Generator) -> dict:
@@ -159,6 +160,20 @@ def test_lnc2_grid_matches_single_program(bshd: bool) -> None:
         q, k, q_out, k_out = (t.transpose(1, 2) for t in (q, k, q_out, k_out))
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
     _check_oracle(q_out, k_out, q, k, {"rope_cache": cache}, torch.float32, False)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_lnc2_wrapper_runs_both_programs_bit_identical(backward: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 300, 3, 64, generator=gen), torch.randn(2, 300, 1, 64, generator=gen)
+    cache = torch.randn(300, 128, generator=gen)
+    out = {}
+    for lnc in (1, 2):
+        with trace.record() as tr:
+            out[lnc] = rope_hf_bshd(q, k, torch.empty_like(q), torch.empty_like(k), rope_cache=cache,
+                                    backward=backward, lnc=lnc)
+        assert {i.program_id for i in tr} == set(range(lnc))
+    assert all(torch.equal(a, b) for a, b in zip(out[1], out[2]))
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

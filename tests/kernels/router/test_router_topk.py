@@ -18,6 +18,7 @@ from tests.tolerances import F64, check_oracle
 from trnkit.kernels.constraints import KernelConstraintError
 from trnkit.kernels.router import (constraints, router_topk, router_topk_bwd, router_topk_bwd_ref,
                                    router_topk_ref)
+from trnkit.nkisim import trace
 
 
 def _inputs(T: int, H: int, E: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,6 +273,40 @@ def test_lnc2_grid_splits_tokens() -> None:
     for a, b in zip(got, router_topk(x, w, 4, True)):
         assert torch.equal(a, b)  # the programs split the tokens: bit-identical to one program
     O.check_all(("logits", "weights"), (got[2], got[0]), lambda dt: O.router_weights(x, w, got[1], dt), x.dtype)
+
+
+def test_lnc2_wrapper_runs_both_programs_bit_identical() -> None:
+    x, w = _inputs(300, 256, 16, torch.bfloat16, seed=14)
+    with trace.record() as tr:
+        got = router_topk(x, w, 4, True, lnc=2)
+    assert {i.program_id for i in tr} == {0, 1}
+    for a, b in zip(got, router_topk(x, w, 4, True, lnc=1)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,E,K,with_logit_grad", [
+    (300, 256, 16, 4, True),   # grad_w in phase 1: program 1's first 2 tiles overlap program 0's (masked rows)
+    (130, 200, 16, 8, False),  # shares of 128 tokens: tokens 2..127 computed by both
+    (5, 64, 7, 2, False),      # T < 128: program 1 computes every token, owns none for grad_w
+    (33, 640, 130, 3, True),   # E > 128: grad_w in phase 2, its 640 columns split 320 / 320
+    (260, 2561, 16, 2, False), # H > 2048: phase 2, odd H (the halves share column 1280)
+])
+def test_lnc2_backward_splits_tokens(T, H, E, K, with_logit_grad, dtype) -> None:
+    """router_topk_bwd at lnc=2: both programs take the same control flow; grad_x is the one-program result
+    bit for bit, grad_w (two fp32 partials summed) meets the fp64-oracle rule."""
+    x, w = _inputs(T, H, E, dtype, seed=15)
+    _, idx, logits = router_topk_ref(x, w, K, True)
+    gen = torch.Generator().manual_seed(16)
+    g_w = torch.randn(T, K, generator=gen)
+    g_l = torch.randn(T, E, generator=gen) if with_logit_grad else None
+    with recorded_streams() as s:
+        gx, gw = router_topk_bwd(x, w, logits, idx, g_w, g_l, lnc=2)
+    assert_same_streams(s)
+    assert {i.program_id for i in s.trace} == {0, 1}
+    gx1, gw1 = router_topk_bwd(x, w, logits, idx, g_w, g_l, lnc=1)
+    assert torch.equal(gx, gx1)
+    O.check_all(("grad_x", "grad_w"), (gx, gw), lambda dt: O.router_grads(x, w, idx, g_w, g_l, dt), dtype)
 
 
 def test_max_experts_512_forward_and_backward() -> None:

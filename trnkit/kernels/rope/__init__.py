@@ -24,6 +24,7 @@ from typing import Any
 
 from trnkit.kernels._common import dense
 from trnkit.kernels.constraints import check
+from trnkit.kernels.lnc import launch, resolve_lnc
 from trnkit.kernels.rope.constraints import constraints
 from trnkit.kernels.rope.rope_torch import rope_hf_bshd_ref, rope_hf_ref
 
@@ -31,30 +32,32 @@ __all__ = ["constraints", "rope_hf", "rope_hf_bshd", "rope_hf_bshd_ref", "rope_h
 
 
 def _launch(layout: str, q: Any, k: Any, q_out: Any, k_out: Any, cos: Any, sin: Any, rope_cache: Any,
-            backward: bool) -> tuple[Any, Any]:
+            backward: bool, lnc: int | None) -> tuple[Any, Any]:
     from trnkit.kernels.rope.rope_kernel import rope_hf_kernel
 
     check(constraints(q, k, cos, sin, rope_cache, layout=layout, q_out=q_out, k_out=k_out))
+    lnc = resolve_lnc(lnc)
     packed = rope_cache is not None
     c, s = (dense(rope_cache),) * 2 if packed else (dense(cos), dense(sin))
-    return rope_hf_kernel(dense(q), dense(k), q_out, k_out, c, s, packed=packed, backward=bool(backward),
+    return launch(rope_hf_kernel, lnc)(dense(q), dense(k), q_out, k_out, c, s, packed=packed, backward=bool(backward),
                           bshd=layout == "bshd")
 
 
 def rope_hf(q: Any, k: Any, q_out: Any, k_out: Any, cos: Any = None, sin: Any = None,
-            rope_cache: Any = None, backward: bool = False) -> tuple[Any, Any]:
+            rope_cache: Any = None, backward: bool = False, lnc: int | None = None) -> tuple[Any, Any]:
     """HF rotate-half RoPE on ``q [B, Hq, S, D]`` and ``k [B, Hk, S, D]`` (NKI kernel).
 
     Either ``cos``/``sin`` (``[S', D]`` or ``[B, S', D]``) or the packed ``rope_cache [S', 2D]``
     (``[B, S', 2D]``; cos | sin), ``S' >= S``. ``q_out``/``k_out`` (same shape/dtype as q/k, contiguous)
     are written in place and returned. ``backward=True``: q/k are the output gradients and
-    q_out/k_out receive the input gradients. Raises :class:`KernelConstraintError` on bad inputs.
+    q_out/k_out receive the input gradients. ``lnc=2``: the rows split over the two cores of a trn2
+    logical core (bit-identical to ``lnc=1``). Raises :class:`KernelConstraintError` on bad inputs.
     """
-    return _launch("bhsd", q, k, q_out, k_out, cos, sin, rope_cache, backward)
+    return _launch("bhsd", q, k, q_out, k_out, cos, sin, rope_cache, backward, lnc)
 
 
 def rope_hf_bshd(q: Any, k: Any, q_out: Any, k_out: Any, cos: Any = None, sin: Any = None,
-                 rope_cache: Any = None, backward: bool = False) -> tuple[Any, Any]:
+                 rope_cache: Any = None, backward: bool = False, lnc: int | None = None) -> tuple[Any, Any]:
     """:func:`rope_hf` for the model's ``[B, S, H, D]`` layout (read and written in place by DMA
     access patterns; no transposed copy)."""
-    return _launch("bshd", q, k, q_out, k_out, cos, sin, rope_cache, backward)
+    return _launch("bshd", q, k, q_out, k_out, cos, sin, rope_cache, backward, lnc)

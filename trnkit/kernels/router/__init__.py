@@ -30,6 +30,7 @@ import torch
 
 from trnkit.kernels._common import dense
 from trnkit.kernels.constraints import Violation, check
+from trnkit.kernels.lnc import launch, resolve_lnc
 from trnkit.kernels.router.constraints import SCORINGS, constraints
 from trnkit.kernels.router.router_torch import router_topk_bwd_ref, router_topk_ref
 
@@ -38,8 +39,9 @@ __all__ = ["SCORINGS", "constraints", "router_topk", "router_topk_bwd", "router_
 
 def router_topk(x: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
                 return_affinities: bool = False, scoring: str = "softmax", selection_bias: Any = None,
-                routed_scaling_factor: float = 1.0) -> tuple[Any, ...]:
-    """Qwen3 router on ``x [T, H]`` with ``w_router [E, H]`` (NKI kernel).
+                routed_scaling_factor: float = 1.0, lnc: int | None = None) -> tuple[Any, ...]:
+    """Qwen3 router on ``x [T, H]`` with ``w_router [E, H]`` (NKI kernel; ``lnc=2``: the tokens split
+    over the two cores of a trn2 logical core, results bit-identical to ``lnc=1``).
 
     Returns ``(topk_weights [T, K] fp32, topk_idx [T, K] int32, router_logits [T, E] fp32)``; experts
     sorted by descending probability, ties broken toward the lower expert index. With
@@ -49,9 +51,10 @@ def router_topk(x: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
     docstring). Raises :class:`KernelConstraintError` on unsupported inputs.
     """
     check(constraints(x, w_router, top_k, return_affinities, scoring, selection_bias, routed_scaling_factor))
+    lnc = resolve_lnc(lnc)
     from trnkit.kernels.router.router_fwd import router_topk_kernel
 
-    return router_topk_kernel(dense(x), dense(w_router), int(top_k), norm_topk_prob=bool(norm_topk_prob),
+    return launch(router_topk_kernel, lnc)(dense(x), dense(w_router), int(top_k), norm_topk_prob=bool(norm_topk_prob),
                               return_affinities=bool(return_affinities), scoring=scoring,
                               selection_bias=dense(selection_bias),
                               routed_scaling_factor=float(routed_scaling_factor))
@@ -59,9 +62,11 @@ def router_topk(x: Any, w_router: Any, top_k: int, norm_topk_prob: bool = True,
 
 def router_topk_bwd(x: Any, w_router: Any, router_logits: Any, topk_idx: Any, grad_topk_weights: Any,
                     grad_router_logits: Any = None, norm_topk_prob: bool = True, scoring: str = "softmax",
-                    routed_scaling_factor: float = 1.0) -> tuple[Any, Any]:
+                    routed_scaling_factor: float = 1.0, lnc: int | None = None) -> tuple[Any, Any]:
     """Input gradients of :func:`router_topk`: ``(grad_x [T, H] x.dtype, grad_w_router [E, H] w.dtype)``
-    from ``grad_topk_weights [T, K]`` (and ``grad_router_logits [T, E]`` if the logits are used too)."""
+    from ``grad_topk_weights [T, K]`` (and ``grad_router_logits [T, E]`` if the logits are used too).
+    ``lnc=2``: the tokens split over two cores; ``grad_x`` bit-identical to ``lnc=1``, ``grad_w`` the sum
+    of the two cores' fp32 partials (another summation order)."""
     K = int(topk_idx.shape[1]) if len(topk_idx.shape) == 2 else -1
     v = constraints(x, w_router, K, scoring=scoring, routed_scaling_factor=routed_scaling_factor)
     T = int(x.shape[0]) if len(x.shape) == 2 else -1
@@ -72,12 +77,13 @@ def router_topk_bwd(x: Any, w_router: Any, router_logits: Any, topk_idx: Any, gr
         if t is not None and tuple(t.shape) != shp:
             v.append(Violation("router_topk_bwd", f"{tname}.shape == {shp}", tuple(t.shape)))
     check(v)
+    lnc = resolve_lnc(lnc)
     to_f32 = (lambda t: t.float()) if isinstance(x, torch.Tensor) else (lambda t: np.asarray(t, np.float32))
     to_i32 = (lambda t: t.to(torch.int32)) if isinstance(x, torch.Tensor) else (lambda t: np.asarray(t, np.int32))
     gl = grad_router_logits
     from trnkit.kernels.router.router_bwd import router_topk_bwd_kernel
 
-    return router_topk_bwd_kernel(
+    return launch(router_topk_bwd_kernel, lnc)(
         dense(x), dense(w_router), dense(to_f32(router_logits)), dense(to_i32(topk_idx)),
         dense(to_f32(grad_topk_weights)), None if gl is None else dense(to_f32(gl)),
         has_grad_logits=gl is not None, norm_topk_prob=bool(norm_topk_prob), scoring=scoring,

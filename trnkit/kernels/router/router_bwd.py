@@ -19,7 +19,7 @@ from __future__ import annotations
 from trnkit.kernels._common import P_MAX, cdiv
 from trnkit.kernels.router.constraints import SIGMOID_NORM_EPS, bwd_group
 from trnkit.kernels.router.router_fwd import PSUM_FMAX, _copy_engine, _transpose_blocks
-from trnkit.kernels.tiles import accumulate, accumulate_evacuate, evacuate_tiles, psum_tiles
+from trnkit.kernels.tiles import accumulate, accumulate_evacuate, evacuate_tiles, program_split, psum_tiles
 from trnkit.nki_api import nisa, nki, nl
 
 
@@ -251,6 +251,49 @@ def _evacuate_row_blocks(dst, accs, load):
     evacuate_tiles(dsts, accs, engines=engines)
 
 
+def _blocks(n_e, h_lo, width):
+    """``(E chunk, first column)`` of phase 2's grad_w blocks: 4 PSUM banks of columns ``[h_lo, h_lo +
+    width)`` per chunk of 128 experts."""
+    out = []
+    for c in range(n_e):
+        for hg in range(h_lo, h_lo + width, 4 * PSUM_FMAX):
+            out.append((c, hg))
+    return out
+
+
+def _owned_rows(parts, offset):
+    """Copies of the g_logits parts ``[tp, E]`` with row p zeroed where ``offset + p < 0`` (a token this
+    program computes for grad_x but the other program owns for grad_w; one GpSimd ``affine_select`` each)."""
+    out = []
+    for part in parts:
+        tp, E = part.shape
+        t = nl.ndarray((tp, E), dtype=part.dtype, buffer=nl.sbuf)
+        nisa.affine_select(dst=t, pattern=[[0, E]], channel_multiplier=1, on_true_tile=part, on_false_value=0.0,
+                           cmp_op=nl.greater_equal, offset=offset)
+        out.append(t)
+    return out
+
+
+def _sum_partials(grad_w, w_accs, pid, load):
+    """LNC=2 (two programs): ``grad_w`` = the sum of both programs' fp32 partials (the PSUM tiles ``w_accs`` of
+    consecutive 512-column blocks), exchanged through a shared HBM scratch and one barrier; each program
+    adds and stores one half of the columns (an odd H's halves share a column: both programs compute the same
+    sum for it, fp32 addition being commutative)."""
+    E, H = grad_w.shape
+    part = nl.ndarray((E, H), dtype=nl.float32, buffer=nl.sbuf)
+    _evacuate_row_blocks(part, w_accs, load)
+    scratch = nl.ndarray((2, E, H), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=scratch[pid, :, :], src=part)
+    nisa.core_barrier(scratch, (0, 1))
+    Hh = cdiv(H, 2)
+    h0 = min(H - Hh, pid * Hh)
+    other = nl.ndarray((E, Hh), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=other, src=scratch[1 - pid, :, h0:h0 + Hh])
+    out = nl.ndarray((E, Hh), dtype=grad_w.dtype, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=out, data1=part[:, h0:h0 + Hh], data2=other, op=nl.add)
+    nisa.dma_copy(dst=grad_w[:, h0:h0 + Hh], src=out)
+
+
 @nki.jit
 def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weights, grad_router_logits,
                            has_grad_logits=False, norm_topk_prob=True, scoring="softmax",
@@ -258,7 +301,10 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
     """NKI kernel behind :func:`router_topk_bwd`. Phase 1 (per group of token tiles, see the loop):
     ``g_logits`` and ``grad_x = g_logits @ w``; ``grad_w = g_logits.T @ x`` accumulated over token tiles in PSUM, during
     phase 1 when it fits 4 PSUM banks, else in a phase 2 over a g_logits scratch.
-    The matmuls take ``x.dtype`` operands (bf16 like autograd of a bf16 linear; fp32 accumulation)."""
+    The matmuls take ``x.dtype`` operands (bf16 like autograd of a bf16 linear; fp32 accumulation).
+    LNC=2 (``router_topk_bwd_kernel[2]``): the programs split the tokens as the forward does; phase 1's
+    grad_w partials are summed through a shared scratch (:func:`_sum_partials`), phase 2 splits grad_w's
+    columns."""
     T, H = x.shape
     E = w_router.shape[0]
     K = topk_idx.shape[1]
@@ -286,9 +332,19 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
         nisa.dma_copy(dst=w_sb[0:ec, c, :], src=w_router[c * P_MAX:c * P_MAX + ec, :])
     iota_e = nl.ndarray((P_MAX, E), dtype=nl.float16, buffer=nl.sbuf)  # 0..E-1 on every partition (exact)
     nisa.iota(dst=iota_e, pattern=[[1, E]], offset=0, channel_multiplier=0)
+    # SPMD (``router_topk_bwd_kernel[2]`` on LNC=2): program i takes the i-th contiguous share of the
+    # tokens (a multiple of 128) and the last share ends at T, overlapping the one before it, as in the
+    # forward: both programs issue the same instructions (the same control flow on both cores, NKI LNC
+    # guide). grad_x rows of the overlap are written twice with the same values; grad_w counts a token
+    # once: on the program that owns it (tokens >= own0), the overlap's tiles masked on the other.
+    n_prog, pid = program_split()
+    share = min(T, cdiv(cdiv(T, n_prog), P_MAX) * P_MAX)
+    T0 = min(T - share, pid * share)
+    own0 = pid * share
+    n_masked = cdiv(n_prog * share - T, P_MAX)  # leading tiles that may hold the overlap (same on both)
     tiles = []
-    for t0 in range(0, T, P_MAX):
-        tiles.append((t0, min(P_MAX, T - t0)))
+    for t0 in range(T0, T0 + share, P_MAX):
+        tiles.append((t0, min(P_MAX, T0 + share - t0)))
     gs = bwd_group(E, K)
     groups = []
     for g0 in range(0, len(tiles), gs):
@@ -381,9 +437,12 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                 else:
                     parts = [g_l]
                 x_sb = None
+                w_parts = parts
                 if fused_w:
                     x_sb = nl.ndarray((tp, H), dtype=mm, buffer=nl.sbuf)
                     nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, :], dge_mode=nisa.dge_mode.hwdge)
+                    if groups[i_g][gi] < n_masked:
+                        w_parts = _owned_rows(parts, t0 - own0)
                 else:
                     for i in range(len(parts)):
                         nisa.dma_copy(dst=g_hbm[i, t0:t0 + tp, :], src=parts[i])
@@ -394,40 +453,48 @@ def router_topk_bwd_kernel(x, w_router, router_logits, topk_idx, grad_topk_weigh
                     gT.append(nl.ndarray((P_MAX, n_e, tp), dtype=mm, buffer=nl.sbuf))
                     pairs.append((gT[i], parts[i]))
                 _transpose_blocks(pairs, tp, E, mm, load)
-                glT[i_g].append((gT, parts, x_sb))
+                glT[i_g].append((gT, w_parts, x_sb))
     if fused_w:
-        gw_sb = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.sbuf)
-        _evacuate_row_blocks(gw_sb, w_accs, load)
-        nisa.dma_copy(dst=grad_w, src=gw_sb)
+        if n_prog == 1:
+            gw_sb = nl.ndarray((E, H), dtype=w_router.dtype, buffer=nl.sbuf)
+            _evacuate_row_blocks(gw_sb, w_accs, load)
+            nisa.dma_copy(dst=grad_w, src=gw_sb)
+        else:
+            _sum_partials(grad_w, w_accs, pid, load)
         return grad_x, grad_w
-    # phase 2: grad_w [E, H] = sum over token tiles of g_l^T x; groups of 4 PSUM banks per E chunk
-    for c in range(n_e):
+    # phase 2: grad_w [E, H] = sum over all token tiles of g_l^T x, per block of (E chunk, 4 PSUM banks of
+    # H); on LNC=2 each program takes as many columns (the halves of an odd H share one, written twice with
+    # the same values), after both have written their g_logits rows
+    if n_prog > 1:
+        nisa.core_barrier(g_hbm, (0, 1))
+    Hh = cdiv(H, n_prog)
+    h_lo = min(H - Hh, pid * Hh)
+    for c, hg in _blocks(n_e, h_lo, Hh):
         e0 = c * P_MAX
         ec = min(P_MAX, E - e0)
-        for hg in range(0, H, 4 * PSUM_FMAX):
-            hw = min(4 * PSUM_FMAX, H - hg)
-            shapes = []
-            for h0 in range(hg, hg + hw, PSUM_FMAX):
-                shapes.append((ec, min(PSUM_FMAX, hg + hw - h0)))
-            accs = psum_tiles(shapes)
-            for t0 in range(0, T, P_MAX):
-                tp = min(P_MAX, T - t0)
-                g_sb = []
-                for i in range(n_parts):
-                    g_sb.append(nl.ndarray((tp, ec), dtype=mm, buffer=nl.sbuf))
-                for i in range(len(g_sb)):
-                    nisa.dma_copy(dst=g_sb[i], src=g_hbm[i, t0:t0 + tp, e0:e0 + ec])
-                x_sb = nl.ndarray((tp, hw), dtype=mm, buffer=nl.sbuf)
-                nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, hg:hg + hw])
-                operands = []
-                for i in range(len(g_sb)):
-                    row = []
-                    for a in range(len(accs)):
-                        h0 = a * PSUM_FMAX
-                        row.append((g_sb[i], x_sb[:, h0:h0 + accs[a].shape[1]]))
-                    operands.append(row)
-                accumulate(accs, operands, start=t0 == 0)
-            gw_sb = nl.ndarray((ec, hw), dtype=w_router.dtype, buffer=nl.sbuf)
-            _evacuate_row_blocks(gw_sb, accs, load)
-            nisa.dma_copy(dst=grad_w[e0:e0 + ec, hg:hg + hw], src=gw_sb)
+        hw = min(4 * PSUM_FMAX, h_lo + Hh - hg)
+        shapes = []
+        for h0 in range(hg, hg + hw, PSUM_FMAX):
+            shapes.append((ec, min(PSUM_FMAX, hg + hw - h0)))
+        accs = psum_tiles(shapes)
+        for t0 in range(0, T, P_MAX):
+            tp = min(P_MAX, T - t0)
+            g_sb = []
+            for i in range(n_parts):
+                g_sb.append(nl.ndarray((tp, ec), dtype=mm, buffer=nl.sbuf))
+            for i in range(len(g_sb)):
+                nisa.dma_copy(dst=g_sb[i], src=g_hbm[i, t0:t0 + tp, e0:e0 + ec])
+            x_sb = nl.ndarray((tp, hw), dtype=mm, buffer=nl.sbuf)
+            nisa.dma_copy(dst=x_sb, src=x[t0:t0 + tp, hg:hg + hw])
+            operands = []
+            for i in range(len(g_sb)):
+                row = []
+                for a in range(len(accs)):
+                    h0 = a * PSUM_FMAX
+                    row.append((g_sb[i], x_sb[:, h0:h0 + accs[a].shape[1]]))
+                operands.append(row)
+            accumulate(accs, operands, start=t0 == 0)
+        gw_sb = nl.ndarray((ec, hw), dtype=w_router.dtype, buffer=nl.sbuf)
+        _evacuate_row_blocks(gw_sb, accs, load)
+        nisa.dma_copy(dst=grad_w[e0:e0 + ec, hg:hg + hw], src=gw_sb)
     return grad_x, grad_w
