@@ -218,6 +218,34 @@ def test_broken_newest_checkpoint_falls_back_to_the_older_one(tmp_path: Path, tr
     assert f"checkpoint: {step3} was not a usable checkpoint of this run; moved to {aside}" in out
 
 
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp"])
+def test_an_unreadable_checkpoint_file_falls_back_to_the_older_one(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                                   corpus_dir: Path, name: str,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint file the run may not open (mode 000, another user's) ended the resume in a PermissionError
+    traceback from the CRC check (seen failing before the fix); now the checkpoint is not usable, named with the
+    reason, and the next older one resumes."""
+    run_dir = _copy_run(trained[0], tmp_path / "run")
+    step3 = run_dir / "checkpoint" / "step-3"
+    target = str(step3 / name)
+    os.chmod(target, 0)  # what a user other than the file's owner meets; root still reads it, hence the patch
+    real_open = open
+
+    def unreadable(path, *args, **kwargs):
+        if os.fspath(path) == target:
+            raise PermissionError(13, "Permission denied", target)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod, "open", unreadable, raising=False)
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3)
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert code == 0, err
+    assert (f"WARNING: checkpoint {step3} is not usable: {target} cannot be read (PermissionError: Permission "
+            "denied); trying the next older checkpoint") in out
+    assert f"resumed from {run_dir / 'checkpoint' / 'step-2'} (step 2)" in out
+
+
 def _files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 

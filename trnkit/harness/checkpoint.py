@@ -239,6 +239,12 @@ def _crc32(path: str) -> str:
     return f"{crc:08x}"
 
 
+def _readable(path: str) -> None:
+    """Raises OSError where ``path`` cannot be opened for reading."""
+    with open(path, "rb"):
+        pass
+
+
 def _data_files(path: str) -> dict[str, int]:
     return {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path)) if n != MANIFEST}
 
@@ -284,8 +290,12 @@ def _check_files(path: str, files: dict[str, dict[str, Any]]) -> str | None:
             return f"{f} is truncated ({size} bytes, {rec['size']} were written)"
         if size > rec["size"]:
             return f"{f} has {size} bytes, {rec['size']} were written"
-        if rec.get("crc32") and _crc32(f) != rec["crc32"]:
-            return f"{f} is corrupt (CRC-32 {_crc32(f)}, {rec['crc32']} was written)"
+        try:  # a file the run may not read (permissions) is as unusable as a corrupt one
+            crc = _crc32(f) if rec.get("crc32") else _readable(f)
+        except OSError as e:
+            return f"{f} cannot be read ({type(e).__name__}: {e.strerror or e})"
+        if crc and crc != rec["crc32"]:
+            return f"{f} is corrupt (CRC-32 {crc}, {rec['crc32']} was written)"
     return None
 
 
