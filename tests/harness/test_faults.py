@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer: str, corpu
 
 
 def _copy_run(src: Path, dst: Path) -> Path:
-    import shutil
     shutil.copytree(src, dst)
     return dst
 
@@ -244,6 +244,33 @@ def test_an_unreadable_checkpoint_file_falls_back_to_the_older_one(tmp_path: Pat
     assert (f"WARNING: checkpoint {step3} is not usable: {target} cannot be read (PermissionError: Permission "
             "denied); trying the next older checkpoint") in out
     assert f"resumed from {run_dir / 'checkpoint' / 'step-2'} (step 2)" in out
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["only-checkpoint", "older-one-usable"])
+def test_a_checkpoint_folder_without_its_metadata_is_not_passed_over(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                                     corpus_dir: Path, older: bool,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A step-N folder only appears by a complete save's rename; one whose .metadata is gone (deleted, a partial
+    copy of the run folder, or a folder the run may not read) was passed over in silence: with no other checkpoint
+    the run started fresh from step 1, moving the run aside (seen failing before the fix). Now it is named as not
+    usable: the older checkpoint resumes with the warning, or, with none, the run stops and changes nothing."""
+    run_dir = _copy_run(trained[0], tmp_path / "run")
+    folder = run_dir / "checkpoint"
+    if not older:
+        for step in (1, 2):
+            shutil.rmtree(folder / f"step-{step}")
+    (folder / "step-3" / ".metadata").unlink()
+    why = f"{folder / 'step-3' / '.metadata'} is missing"
+    before = _files(run_dir)
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3)
+    code, out, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    if older:
+        assert code == 0, err
+        assert f"WARNING: checkpoint {folder / 'step-3'} is not usable: {why}; trying the next older" in out
+        assert f"resumed from {folder / 'step-2'} (step 2)" in out
+    else:
+        assert_user_error(code, err, f"checkpoint: no usable checkpoint in {folder}:\n  step-3: {why}")
+        assert _files(run_dir) == before and not list(run_dir.glob("previous-*"))
 
 
 def _files(folder: Path) -> dict[str, bytes]:

@@ -185,6 +185,16 @@ def list_checkpoints(folder: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
+def _step_folders(folder: str) -> list[tuple[int, str]]:
+    """Every ``step-<N>`` folder in `folder` (a complete checkpoint or not), as (step, path), oldest first: a
+    ``step-N`` only ever appears by a complete save's rename, so one that :func:`list_checkpoints` leaves out
+    (no ``.metadata``, or a folder the run may not read) is a damaged checkpoint, not nothing."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted((int(m.group(1)), os.path.join(folder, name)) for name in os.listdir(folder)
+                  if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(folder, name)))
+
+
 def latest_checkpoint(folder: str) -> tuple[int, str] | None:
     ckpts = list_checkpoints(folder)
     return ckpts[-1] if ckpts else None
@@ -309,6 +319,10 @@ def verify_checkpoint(path: str, trust_unverified: bool = False) -> str | None:
     ``trust_unverified``: a checkpoint without a (valid) manifest is accepted on the metadata checks alone.
     """
     try:
+        os.listdir(path)
+    except OSError as e:
+        return f"its folder cannot be read ({type(e).__name__}: {e.strerror or e})"
+    try:
         manifest = read_manifest(path)
     except (OSError, ValueError) as e:
         manifest, problem = None, f"{os.path.join(path, MANIFEST)} is unreadable ({type(e).__name__}: {e})"
@@ -385,7 +399,7 @@ def find_resumable(folder: str, identity: RunIdentity | None, warn: Callable[[st
     exist but none verifies, :class:`ConfigError` lists them all.
     """
     problems = []
-    for step, path in reversed(list_checkpoints(folder)):
+    for step, path in reversed(_step_folders(folder)):
         why = verify_checkpoint(path, trust_unverified)
         if why is not None:
             warn(f"WARNING: checkpoint {path} is not usable: {why}; trying the next older checkpoint")
