@@ -225,6 +225,36 @@ def test_a_run_file_that_is_a_link_or_of_another_kind_is_refused(tmp_path: Path,
     assert _snapshot(run_dir) == before and outside.read_bytes() == outside_before
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", "stack.lock", "config.toml", "config_history"])
+def test_a_read_only_run_file_is_refused_before_anything_is_written(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                                   corpus_dir: Path, name: str,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A resume in a folder whose metrics.jsonl, stack.lock or config.toml is read-only (chmod 444) ended in a
+    PermissionError traceback (seen as uid 65534 and failing here before the fix), stack.lock's after config.toml
+    had been rewritten. Now one message naming the file and its mode, before anything is written."""
+    from trnkit.harness import rundir
+
+    run_dir = _copy(trained, tmp_path)
+    target = run_dir / name
+    if name == "config_history":
+        target.mkdir()
+    target.chmod(0o555 if target.is_dir() else 0o444)
+    real_access = os.access  # root may write a read-only file: the check is what a user other than root meets
+
+    def access(path, mode, *args, **kwargs):
+        return False if os.fspath(path) == str(target) else real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(rundir.os, "access", access)
+    before = _snapshot(run_dir)
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=4, checkpoint={"reschedule": True})
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    mode = "dr-xr-xr-x" if name == "config_history" else "-r--r--r--"
+    assert_user_error(code, err, f"job.dump_folder: {target} is not writable (mode {mode}); the run writes its {name} "
+                                 "there: make it writable (chmod u+w) or move it away, and rerun. Nothing was written")
+    assert _snapshot(run_dir) == before
+
+
 # ------------------------------------------------------------------ a non-finite update is never saved
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_non_finite_update_is_never_saved_or_exported(tmp_path: Path, trained, tiny_tokenizer: str,

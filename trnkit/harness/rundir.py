@@ -19,6 +19,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 from typing import Any, Callable
 
 from trnkit.errors import ConfigError
@@ -204,7 +205,8 @@ def _describe(holder: dict[str, Any]) -> str:
 def check_run_files(dump: str) -> None:
     """What the run writes in its folder (:data:`RUN_FILES` but the HF export, checked by :func:`writable_inside`
     when it is written) must be what the run wrote there before: a file (a folder for config_history), and not a
-    symbolic link, through which the run would overwrite or append to a file outside its folder. Else a
+    symbolic link, through which the run would overwrite or append to a file outside its folder; and writable by
+    this process (a read-only metrics.jsonl or stack.lock ended the run in a traceback). Else a
     :class:`ConfigError` naming the path, before anything is written."""
     for name in RUN_FILES:
         path = os.path.join(dump, name)
@@ -215,6 +217,10 @@ def check_run_files(dump: str) -> None:
             what = f"a symbolic link (to {os.readlink(path)})"
         elif not (os.path.isdir(path) if kind == "folder" else os.path.isfile(path)):
             what = "a folder" if os.path.isdir(path) else f"not a {kind}"
+        elif not os.access(path, os.W_OK | (os.X_OK if kind == "folder" else 0)):
+            raise ConfigError(f"job.dump_folder: {path} is not writable (mode {stat.filemode(os.stat(path).st_mode)}); "
+                              f"the run writes its {name} there: make it writable (chmod u+w) or move it away, and "
+                              "rerun. Nothing was written")
         else:
             continue
         raise ConfigError(f"job.dump_folder: {path} is {what}; the run writes its {name} there, which must be a {kind} "
