@@ -419,6 +419,36 @@ def test_pruning_never_deletes_the_new_checkpoint_for_a_later_unusable_one(tmp_p
     assert verify_checkpoint(str(ckpts / "step-2")) is None and "is corrupt" in verify_checkpoint(str(ckpts / "step-3"))
 
 
+def test_an_interruption_while_pruning_names_the_new_checkpoint_and_leaves_no_partial_one(
+        tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while keep_latest_k = 1 deleted step-1 (after step-2 was committed) printed 'kept checkpoint
+    .../step-1 (step 1)', the half-deleted folder, and left that partial step-1 in place (seen failing before the
+    fix). Now the message names step-2, the checkpoint being deleted was renamed step-1.pruned first, and the next
+    prune removes what is left of it."""
+    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=4, keep=1)
+    args = ["--config", str(write_config(cfg, tmp_path / "c.toml"))]
+    ckpts = tmp_path / "run" / "checkpoint"
+    real_rmtree = shutil.rmtree
+
+    def interrupted_rmtree(path, *a, **kw):
+        if os.path.basename(os.fspath(path)).startswith("step-1") and os.path.isdir(path):
+            os.remove(os.path.join(path, ".metadata"))  # part of the folder is gone when Ctrl-C comes
+            raise KeyboardInterrupt
+        return real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", interrupted_rmtree)
+    code, _, err = main_result(args, capsys)
+    assert code == 130
+    assert f"kept checkpoint {ckpts / 'step-2'} (step 2); resume with:" in err
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1.pruned", "step-2"]
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", real_rmtree)
+    code, out, err = main_result(args, capsys)
+    assert code == 0, err
+    assert f"resumed from {ckpts / 'step-2'} (step 2)" in out
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-4"]
+
+
 def test_a_file_named_like_a_saves_scratch_folder_does_not_stop_the_save(tmp_path: Path, trained,
                                                                           tiny_tokenizer: str,
                                                                           corpus_dir: Path) -> None:

@@ -14,7 +14,8 @@ recorded size and checksum before DCP's ``.metadata`` is unpickled, and that onl
 unpickler of :mod:`trnkit.harness.dcp_safe` (a checkpoint without a valid manifest is refused unless
 ``checkpoint.trust_unverified``); broken ones are warned about and skipped, and a checkpoint of another
 model is refused before anything is written. Pruning (``keep_latest_k``) runs only after the new
-checkpoint is complete, only ever deletes checkpoints with the same fingerprint and never follows a
+checkpoint is complete, only ever deletes checkpoints with the same fingerprint, renames each to
+``step-<N>.pruned`` before deleting it (no partial ``step-<N>`` is ever left) and never follows a
 symbolic link.
 
 A save has two halves: ``state(step)`` written by DCP into ``tmp_path(step)``, then ``commit(step)`` on
@@ -54,6 +55,7 @@ from trnkit.harness.dcp_safe import METADATA, SafeLoadPlanner, SafeReader, Unsaf
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "trnkit.json"
+PRUNED = ".pruned"  # step-<N>.pruned: a checkpoint that pruning is deleting
 # Files are checksummed (CRC-32, ~1 GB/s) when the checkpoint is at most this big; above it only sizes
 # are recorded and verified (a multi-GB re-read at every save would stall the run).
 CHECKSUM_MAX_BYTES = 2 * 2**30
@@ -498,6 +500,7 @@ class Checkpointer:
         self.log = log or (lambda msg: print(f"[trnkit] {msg}", flush=True) if rank == 0 else None)
         self._aliases: dict[str, str] = {}
         self._in_flight: _InFlight | None = None
+        self.last_committed: tuple[int, str] | None = None  # (step, path) of the newest checkpoint this run committed
         self._async_group: Any = None  # the background writer's own process group, made at the first save
 
     # ------------------------------------------------------------------ size and space
@@ -678,6 +681,7 @@ class Checkpointer:
                 self.log(f"checkpoint: {final} was not a usable checkpoint of this run; moved to {aside} "
                          "(nothing was deleted)")
             os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
+            self.last_committed = (step, final)  # before pruning, which may delete the one committed before it
             self._prune(step)
             secs = f", {time.perf_counter() - t0:.1f} s" if t0 is not None else ""
             if waiting is not None:
@@ -685,6 +689,7 @@ class Checkpointer:
                 secs += f" in the background, the step loop waited {blocked:.2f} s"
             self.log(f"saved checkpoint step-{step} ({human_bytes(total)}{secs}) to {final}")
         _barrier()
+        self.last_committed = (step, final)
         return final
 
     def _prune(self, saved: int) -> None:
@@ -705,7 +710,16 @@ class Checkpointer:
                     self.identity.fingerprint:
                 mine.append(path)
         for path in mine[:-self.keep_latest_k]:
-            shutil.rmtree(path, ignore_errors=True)
+            # renamed first (atomic), so a run stopped while deleting never leaves a partial step-N behind
+            shutil.rmtree(path + PRUNED, ignore_errors=True)
+            try:
+                os.replace(path, path + PRUNED)
+            except OSError:
+                continue
+        for name in os.listdir(self.folder):  # this prune's, and any a stopped run left
+            path = os.path.join(self.folder, name)
+            if name.endswith(PRUNED) and _STEP_DIR.match(name[:-len(PRUNED)]) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
     def load(self, path: str) -> int:

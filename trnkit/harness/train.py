@@ -367,7 +367,8 @@ def _train(cfg: TrainerConfig, env: parallel.DistEnv) -> RunResult:
     try:
         return trainer.train()
     except KeyboardInterrupt as e:
-        e.kept_checkpoint = trainer.last_good  # type: ignore[attr-defined]
+        # a checkpoint committed while the interruption came (e.g. while pruning the older ones) is the kept one
+        e.kept_checkpoint = trainer.ckpt.last_committed or trainer.last_good  # type: ignore[attr-defined]
         raise
 
 
