@@ -566,10 +566,15 @@ class Checkpointer:
         t0 = time.perf_counter()
         tmp = self._clear_tmp(step)
         try:
-            dcp.save(self.state(step), checkpoint_id=tmp)
-        except DCP_ERRORS as e:  # DCP wraps I/O errors in many types; all mean "not saved"
-            self._save_failed(step, e)
-        return self.commit(step, t0)
+            try:
+                dcp.save(self.state(step), checkpoint_id=tmp)
+            except DCP_ERRORS as e:  # DCP wraps I/O errors in many types; all mean "not saved"
+                self._save_failed(step, e)
+            return self.commit(step, t0)
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM outside DCP's own wrapping, or before the rename
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed: only a partial step-N.tmp is removed
+            raise
 
     # ------------------------------------------------------------------ asynchronous save
     def save_async(self, step: int) -> tuple[int, str] | None:
