@@ -162,6 +162,25 @@ def test_a_fresh_run_moves_a_config_toml_it_did_not_write_aside(tmp_path: Path, 
     assert "[training]" in (dump / "config.toml").read_text()
 
 
+def test_a_fresh_start_with_another_checkpoint_folder_moves_the_earlier_runs_checkpoints_too(
+        tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path) -> None:
+    """A run resumed without its --checkpoint.folder override found nothing to resume and started fresh, moving
+    the earlier run's metrics.jsonl and config.toml to previous-<time>/ but leaving its checkpoints beside the new
+    run (seen failing before the fix); a later run with that checkpoint.folder then resumed them, keeping the new
+    run's metrics.jsonl records as theirs. Now the earlier run's checkpoint folder (named by its config.toml) is
+    moved with its other files."""
+    dump = tmp_path / "run"
+    run(ckpt_config(dump, tiny_tokenizer, corpus_dir, steps=2, checkpoint={"folder": "ckA"}))
+    earlier = {p.name: p.read_bytes() for p in (dump / "ckA" / "step-2").iterdir()}
+    res = run(ckpt_config(dump, tiny_tokenizer, corpus_dir, steps=2))
+    assert res.start_step == 0
+    (archive,) = dump.glob("previous-*")
+    assert not (dump / "ckA").exists()
+    assert {p.name: p.read_bytes() for p in (archive / "ckA" / "step-2").iterdir()} == earlier
+    assert (archive / "metrics.jsonl").is_file() and (archive / "config.toml").is_file()
+    assert [s for s, _ in list_checkpoints(str(dump / "checkpoint"))] == [1, 2]
+
+
 def _another_filesystem(tmp_path: Path) -> Path:
     shm = Path("/dev/shm")
     if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:

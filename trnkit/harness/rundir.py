@@ -40,25 +40,47 @@ def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str],
     ckpt_dir = os.path.join(dump, checkpoint_folder)
     if not (any(os.path.lexists(os.path.join(dump, f)) for f in RUN_FILES) or list_checkpoints(ckpt_dir)):
         return None
+    # the earlier run's own checkpoint folder too, when its config.toml names another one (it would stay beside
+    # this run, and a later resume with that checkpoint.folder would mix the two runs' metrics)
+    folders = [os.path.normpath(checkpoint_folder), *_earlier_checkpoint_folder(dump, checkpoint_folder)]
     # an empty checkpoint folder (e.g. made by the run's own write check) holds nothing to keep: it stays
-    keep_ckpts = os.path.lexists(ckpt_dir) and not (os.path.isdir(ckpt_dir) and not os.listdir(ckpt_dir))
-    if keep_ckpts and os.lstat(ckpt_dir).st_dev != os.stat(dump).st_dev:
-        # reached through a link to another filesystem (a bigger disk): a rename cannot move it into the run folder
-        raise ConfigError(f"checkpoint.folder: {ckpt_dir} is on another filesystem than job.dump_folder {dump} "
-                          f"(through a symbolic link), so a fresh start cannot move the earlier run's checkpoints "
-                          f"into {dump}/{PREVIOUS_PREFIX}<time>/ without copying them. Nothing was moved: move or "
-                          "delete them yourself, or resume them (--checkpoint.resume true)")
+    keep = [f for f in folders if os.path.lexists(os.path.join(dump, f))
+            and not (os.path.isdir(os.path.join(dump, f)) and not os.listdir(os.path.join(dump, f)))]
+    for folder in keep:
+        path = os.path.join(dump, folder)
+        if os.lstat(path).st_dev != os.stat(dump).st_dev:
+            # reached through a link to another filesystem (a bigger disk): a rename cannot move it into the run folder
+            raise ConfigError(f"checkpoint.folder: {path} is on another filesystem than job.dump_folder {dump} "
+                              f"(through a symbolic link), so a fresh start cannot move the earlier run's checkpoints "
+                              f"into {dump}/{PREVIOUS_PREFIX}<time>/ without copying them. Nothing was moved: move or "
+                              "delete them yourself, or resume them (--checkpoint.resume true)")
     dest = aside_path(os.path.join(dump, PREVIOUS_PREFIX))
     os.makedirs(dest)
-    moves = [(os.path.join(dump, f), os.path.join(dest, f)) for f in RUN_FILES]
-    if keep_ckpts:
-        moves.append((ckpt_dir, os.path.join(dest, os.path.normpath(checkpoint_folder))))  # inside dump (config)
+    # inside dump: the config refuses absolute paths and ".." (and so does _earlier_checkpoint_folder); checkpoints
+    # first, so a run stopped while moving never leaves checkpoints to resume without their metrics.jsonl
+    moves = [(os.path.join(dump, f), os.path.join(dest, f)) for f in keep]
+    moves += [(os.path.join(dump, f), os.path.join(dest, f)) for f in RUN_FILES]
     for src, dst in moves:
         if os.path.lexists(src):  # a link is moved, not followed
             os.makedirs(os.path.dirname(dst), exist_ok=True)
             os.replace(src, dst)
     log(f"fresh start: the earlier run's files in {dump} were moved to {dest} (nothing was deleted)")
     return dest
+
+
+def _earlier_checkpoint_folder(dump: str, checkpoint_folder: str) -> list[str]:
+    """``[checkpoint.folder]`` of the run folder's config.toml (the earlier run's) where it names another subfolder
+    of ``dump`` than ``checkpoint_folder`` that holds checkpoints; else []."""
+    try:
+        folder = load_toml(os.path.join(dump, "config.toml")).get("checkpoint", {}).get("folder")
+    except (ConfigError, AttributeError):
+        return []
+    if not isinstance(folder, str) or not folder or os.path.isabs(folder):
+        return []
+    folder = os.path.normpath(folder)
+    if folder in (".", os.path.normpath(checkpoint_folder)) or folder.split(os.sep)[0] in (os.pardir, *RUN_FILES):
+        return []
+    return [folder] if list_checkpoints(os.path.join(dump, folder)) else []
 
 
 def keep_changed_config(dump: str, new_text: str, step: int, log: Callable[[str], None]) -> str | None:
