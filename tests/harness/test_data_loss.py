@@ -137,6 +137,29 @@ def test_unwritable_dump_folder(tmp_path: Path, tiny_tokenizer: str, corpus_dir:
                                  "Permission denied); point job.dump_folder at a writable folder")
 
 
+def test_two_runs_creating_the_dump_folder_at_once_meet_at_the_lock(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs started together on a dump folder that did not exist: the one whose os.makedirs came second was
+    refused with 'cannot write to <dump> (FileExistsError: File exists); point job.dump_folder at a writable folder'
+    (seen failing before the fix), though the folder was fine. Now it goes on to the lock, which decides."""
+    from trnkit.harness import rundir
+
+    dump = tmp_path / "run"
+    real_makedirs = os.makedirs
+
+    def made_by_the_other_run_first(path, *args, **kwargs):
+        if os.fspath(path) == str(dump):
+            real_makedirs(path)  # the other run, between this run's isdir check and its makedirs
+        return real_makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(rundir.os, "makedirs", made_by_the_other_run_first)
+    lock = RunLock(str(dump), print)
+    lock.acquire()
+    assert (dump / LOCK_NAME).is_file()
+    lock.release()
+    assert dump.is_dir()  # made by the other run: not removed
+
+
 def test_refused_run_leaves_no_dump_folder(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, training={"seq_len": 1000})

@@ -194,8 +194,12 @@ class RunLock:
                               "folder (it is created if missing)")
         try:
             if not os.path.isdir(self.dump):
-                os.makedirs(self.dump)
-                self._made_folder = True
+                try:
+                    os.makedirs(self.dump)
+                    self._made_folder = True
+                except FileExistsError:  # made by a run started at the same moment: the lock decides
+                    if not os.path.isdir(self.dump):
+                        raise
             probe_write(self.dump)
         except OSError as e:
             raise ConfigError(f"job.dump_folder: cannot write to {self.dump} ({type(e).__name__}: "
