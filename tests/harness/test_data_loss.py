@@ -355,6 +355,28 @@ def test_disk_full_during_the_hf_export(tmp_path: Path, tiny_tokenizer: str, cor
         assert res.start_step == 2 and not res.losses and (out / "model.safetensors").is_file()
 
 
+def test_ctrl_c_during_the_hf_export_removes_the_partial_export(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while the export wrote its safetensors left the partial hf_export.tmp (as large as the model) in the run
+    folder, where a disk-full failure removes it (seen failing before the fix). Now it is removed the same way; the
+    message names the last checkpoint, and a rerun writes the export."""
+    real = Qwen3StateDictAdapter.save_hf
+
+    def save_hf(self, sd, path, dtype):  # writes the files, then Ctrl-C
+        real(self, sd, path, dtype)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Qwen3StateDictAdapter, "save_hf", save_hf)
+    cfg = ckpt_config(tmp_path / "run", tiny_tokenizer, corpus_dir, steps=2, checkpoint={"export_hf": True})
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert code == 130
+    assert f"kept checkpoint {tmp_path / 'run' / 'checkpoint' / 'step-2'} (step 2); resume with:" in err
+    assert not (tmp_path / "run" / "hf_export").exists() and not (tmp_path / "run" / "hf_export.tmp").exists()
+    monkeypatch.setattr(Qwen3StateDictAdapter, "save_hf", real)
+    assert run(cfg).start_step == 2 and (tmp_path / "run" / "hf_export" / "model.safetensors").is_file()
+
+
 def test_disk_full_while_appending_metrics(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                            monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -706,6 +706,9 @@ def _write_export(spec: ModelSpec, sd: dict[str, torch.Tensor], cfg: TrainerConf
                 "weights were not saved anywhere")
         raise write_failed(f"checkpoint.export_hf: writing the HF export to {out}", dump, e,
                            f"the export needs ~{human_bytes(need)}", kept) from e
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: the partial export goes too; an earlier export stays as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if os.path.exists(out):
         os.replace(out, old)
     os.replace(tmp, out)
