@@ -417,6 +417,25 @@ def test_torn_metrics_tail_is_repaired_on_resume(tmp_path: Path, trained, tiny_t
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[2]["loss"] == trained[1][3]
 
 
+def test_the_metrics_rewrite_never_writes_through_a_link(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                          corpus_dir: Path) -> None:
+    """A resume that drops records rewrites metrics.jsonl through metrics.jsonl.tmp; a symbolic link of that name in
+    the run folder made it overwrite the file the link points to, outside the folder, and then renamed the link
+    into metrics.jsonl, so every later record went there too (seen failing before the fix). Now the link is removed
+    and a new file written."""
+    run_dir = _copy(trained, tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the run's\n")
+    (run_dir / "metrics.jsonl.tmp").symlink_to(outside)
+    shutil.rmtree(run_dir / "checkpoint" / "step-3")  # the resume drops step 3's record: the file is rewritten
+    res = run(ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3))
+    assert res.start_step == 2
+    assert outside.read_text() == "not the run's\n"
+    path = run_dir / "metrics.jsonl"
+    assert not path.is_symlink() and [r["step"] for r in read_jsonl(str(path))] == [1, 2, 3]
+    assert not os.path.lexists(run_dir / "metrics.jsonl.tmp")
+
+
 def test_bad_metrics_line_in_the_middle_is_named(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _copy(trained, tmp_path)

@@ -301,7 +301,8 @@ def read_jsonl(path: str, repair_tail: bool = False) -> list[dict[str, Any]]:
 
 def resume_jsonl(path: str, start_step: int) -> list[dict[str, Any]]:
     """The records a (resumed) run keeps: those of steps <= start_step. The file is rewritten (to a temporary
-    file, then renamed) only when it holds more than that or a torn last line; else it is appended to."""
+    file, then renamed) only when it holds more than that or a torn last line; else it is appended to. The
+    temporary file is made anew: a file or symbolic link already of its name is removed, never written through."""
     if not os.path.exists(path):
         return []
     records = read_jsonl(path, repair_tail=True)
@@ -310,7 +311,13 @@ def resume_jsonl(path: str, start_step: int) -> list[dict[str, Any]]:
         clean_end = f.read().endswith(b"\n") or os.path.getsize(path) == 0
     if kept != records or not clean_end:
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            raise ConfigError(f"metrics: {tmp} is a folder; the run rewrites {path} through that name: move it away "
+                              "and rerun. Nothing was written")
+        if os.path.lexists(tmp):
+            os.remove(tmp)  # a stale copy, or a link: removed, never written through (it may lead out of the run)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
             f.flush()
             os.fsync(f.fileno())
