@@ -436,6 +436,30 @@ def test_the_metrics_rewrite_never_writes_through_a_link(tmp_path: Path, trained
     assert not os.path.lexists(run_dir / "metrics.jsonl.tmp")
 
 
+def test_an_interruption_while_writing_stack_lock_keeps_the_earlier_one(tmp_path: Path, trained, tiny_tokenizer: str,
+                                                                         corpus_dir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """config.toml and stack.lock were opened with 'w' (emptied) before their text was made: stack.lock's while the
+    installed stack was read (~10 ms), so a Ctrl-C, SIGTERM or kill then left an empty stack.lock, the earlier
+    part of the run's record lost (seen failing before the fix). Now each is written to <name>.tmp and renamed."""
+    from trnkit import envinfo
+
+    run_dir = _copy(trained, tmp_path)
+    before = (run_dir / "stack.lock").read_bytes()
+
+    def interrupted() -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(envinfo, "current_stack", interrupted)
+    cfg = ckpt_config(run_dir, tiny_tokenizer, corpus_dir, steps=3)
+    code, _, err = main_result(["--config", str(write_config(cfg, tmp_path / "c.toml"))], capsys)
+    assert code == 130 and "interrupted (SIGINT) while the run was starting" in err
+    assert (run_dir / "stack.lock").read_bytes() == before and before
+    assert "[training]" in (run_dir / "config.toml").read_text()
+    assert not list(run_dir.glob("*.tmp"))
+
+
 def test_bad_metrics_line_in_the_middle_is_named(tmp_path: Path, trained, tiny_tokenizer: str, corpus_dir: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _copy(trained, tmp_path)

@@ -68,6 +68,29 @@ def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str],
     return dest
 
 
+def write_run_file(path: str, text: str) -> None:
+    """Write a file of the run folder (config.toml, stack.lock) whole or not at all: into ``<path>.tmp``, made anew
+    (a stale file or a link of that name is removed, never written through), then renamed over ``path``, so a run
+    stopped or killed while writing leaves the earlier file as it was."""
+    tmp = path + ".tmp"
+    if os.path.isdir(tmp) and not os.path.islink(tmp):
+        raise ConfigError(f"job.dump_folder: {tmp} is a folder; the run writes {os.path.basename(path)} through that "
+                          "name: move it away and rerun")
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def _earlier_checkpoint_folder(dump: str, checkpoint_folder: str) -> list[str]:
     """``[checkpoint.folder]`` of the run folder's config.toml (the earlier run's) where it names another subfolder
     of ``dump`` than ``checkpoint_folder`` that holds checkpoints; else []."""
@@ -286,4 +309,4 @@ def writable_inside(path: str, dump: str, key: str) -> str:
 
 
 __all__ = ["LOCK_NAME", "PREVIOUS_PREFIX", "RUN_FILES", "RUN_FOLDERS", "RunLock", "archive_previous_run",
-           "check_run_files", "creatable_folder", "writable_inside"]
+           "check_run_files", "creatable_folder", "writable_inside", "write_run_file"]

@@ -46,7 +46,7 @@ from trnkit.harness.models import build_spec, has_hf_weights
 from trnkit.harness.plan import check_at_startup, measured_vs_plan
 from trnkit.harness.plugins import import_plugins
 from trnkit.harness.rundir import (RunLock, archive_previous_run, check_run_files, creatable_folder,
-                                   keep_changed_config, writable_inside)
+                                   keep_changed_config, writable_inside, write_run_file)
 from trnkit.harness.validation import Validator
 from trnkit.model_spec import ModelSpec
 from trnkit.qwen3.tp_experts import from_tp_layout, to_tp_layout
@@ -550,10 +550,8 @@ class Trainer:
             text = to_toml(cfg) + _code_note(report)
             if resume_from is not None:  # the earlier part of the run's settings are kept, when they differ
                 keep_changed_config(dump, text, self.start_step, log)
-            with open(os.path.join(dump, "config.toml"), "w") as f:
-                f.write(text)
-            with open(os.path.join(dump, "stack.lock"), "w") as f:
-                f.write(envinfo.lock_text(envinfo.current_stack()))
+            write_run_file(os.path.join(dump, "config.toml"), text)  # whole or not at all: a kill keeps the old one
+            write_run_file(os.path.join(dump, "stack.lock"), envinfo.lock_text(envinfo.current_stack()))
 
         self.result = RunResult(start_step=self.start_step, dump_folder=dump,
                                 override_table=report.table() if report is not None else "")
