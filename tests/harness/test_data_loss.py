@@ -160,6 +160,20 @@ def test_two_runs_creating_the_dump_folder_at_once_meet_at_the_lock(tmp_path: Pa
     assert dump.is_dir()  # made by the other run: not removed
 
 
+def test_the_write_check_never_writes_through_a_link(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path) -> None:
+    """The start's write check wrote 'ok' into <dump>/.write-test-<pid> with open('w'): a symbolic link of that name
+    (a pid is easy to guess) made it empty a file outside the run folder and write 'ok' there (seen failing before the
+    fix). Now the link is removed and a new file made."""
+    dump = tmp_path / "run"
+    dump.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the run's\n")
+    (dump / f".write-test-{os.getpid()}").symlink_to(outside)
+    run(tiny_config(dump, tiny_tokenizer, corpus_dir, training={"steps": 1}))
+    assert outside.read_text() == "not the run's\n"
+    assert not os.path.lexists(dump / f".write-test-{os.getpid()}")
+
+
 def test_refused_run_leaves_no_dump_folder(tmp_path: Path, tiny_tokenizer: str, corpus_dir: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tiny_config(tmp_path / "run", tiny_tokenizer, corpus_dir, training={"seq_len": 1000})

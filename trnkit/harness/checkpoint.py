@@ -168,11 +168,17 @@ class RunIdentity:
 
 # --------------------------------------------------------------------------- listing and verifying
 def probe_write(folder: str) -> None:
-    """Write and remove a small file in ``folder``: raises ``OSError`` where the folder is not writable."""
+    """Write and remove a small file in ``folder``: raises ``OSError`` where the folder is not writable. The file is
+    made anew (a stale one or a link of its name is removed first), never written through a link."""
     probe = os.path.join(folder, f".write-test-{os.getpid()}")
-    with open(probe, "w") as f:
-        f.write("ok")
-    os.remove(probe)
+    if os.path.islink(probe) or os.path.isfile(probe):
+        os.remove(probe)
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, b"ok")
+    finally:
+        os.close(fd)
+        os.remove(probe)
 
 
 def list_checkpoints(folder: str) -> list[tuple[int, str]]:
