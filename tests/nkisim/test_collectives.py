@@ -70,7 +70,7 @@ def reduce_and_rank(x, groups):
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_all_gather_hbm_in_two_rank_lists(lnc):
-    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    groups = ((0, 1, 2, 3), (4, 5, 6, 7))  # a tuple: list kernel arguments are refused (NKI 0.3.0)
     outs = ncc.run_ranks(gather_hbm, 8, lambda r: {"x": _x(r), "groups": groups}, grid=lnc)
     for r, out in enumerate(outs):
         base = 0 if r < 4 else 4
@@ -94,7 +94,7 @@ def test_all_reduce_and_rank_id_and_partition_op():
     assert groups == [[0, 2], [1, 3]]
     div_groups = ncc.ReplicaGroup.from_partition_op(8, ncc.rg_partition_op.div, 4).replica_groups
     assert div_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    outs = ncc.run_ranks(reduce_and_rank, 4, lambda r: {"x": _x(r), "groups": groups})
+    outs = ncc.run_ranks(reduce_and_rank, 4, lambda r: {"x": _x(r), "groups": tuple(map(tuple, groups))})
     for r, (out, rank) in enumerate(outs):
         np.testing.assert_array_equal(out, _x(r % 2) + _x(r % 2 + 2))
         assert int(rank[0, 0]) == r
@@ -102,7 +102,7 @@ def test_all_reduce_and_rank_id_and_partition_op():
 
 def test_invalid_collectives_raise():
     with pytest.raises(NkiValidationError, match="all_gather: a collective needs peer devices"):
-        gather_hbm(_x(0), [[0]])
+        gather_hbm(_x(0), ((0,),))
     with pytest.raises(NkiValidationError, match="collective_dim must be 0 for HBM tensors, got 1"):
         @nki.jit
         def bad_dim(x):
@@ -118,7 +118,7 @@ def test_invalid_collectives_raise():
             return out
         ncc.run_ranks(small_dst, 2, lambda r: {"x": _x(r)})
     with pytest.raises(NkiValidationError, match="more than one rank-list"):
-        ncc.run_ranks(gather_hbm, 2, lambda r: {"x": _x(r), "groups": [[0, 1], [1]]})
+        ncc.run_ranks(gather_hbm, 2, lambda r: {"x": _x(r), "groups": ((0, 1), (1,))})
 
 
 @nki.jit
@@ -151,7 +151,7 @@ def exchange(x, groups):
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_reduce_scatter_sums_and_hands_out_chunk_by_rank_list_position(lnc):
-    groups = [[0, 2], [1, 3]]  # rank 2 is position 1 of its rank-list: it gets the second chunk
+    groups = ((0, 2), (1, 3))  # rank 2 is position 1 of its rank-list: it gets the second chunk
     outs = ncc.run_ranks(scatter_sums, 4, lambda r: {"x": _x(r), "groups": groups}, grid=lnc)
     for r, out in enumerate(outs):
         total = _x(r % 2) + _x(r % 2 + 2)
@@ -167,7 +167,7 @@ def test_reduce_scatter_in_sbuf_with_maximum():
 
 @pytest.mark.parametrize("lnc", [1, 2])
 def test_all_to_all_sends_chunk_i_to_rank_i(lnc):
-    outs = ncc.run_ranks(exchange, 4, lambda r: {"x": _x(r), "groups": [[0, 1, 2, 3]]}, grid=lnc)
+    outs = ncc.run_ranks(exchange, 4, lambda r: {"x": _x(r), "groups": ((0, 1, 2, 3),)}, grid=lnc)
     for r, out in enumerate(outs):  # 4 rows over 4 ranks: rank r gets row r of every rank
         np.testing.assert_array_equal(out, np.stack([_x(p)[r] for p in range(4)]))
 
@@ -175,10 +175,10 @@ def test_all_to_all_sends_chunk_i_to_rank_i(lnc):
 def test_invalid_reduce_scatter_and_all_to_all_raise():
     # API reference: reduce_scatter / all_to_all "collective_dim ... Currently only 0 is supported"
     with pytest.raises(NkiValidationError, match=r"reduce_scatter: collective_dim must be 0 .* got 1"):
-        ncc.run_ranks(scatter_sums, 2, lambda r: {"x": _x(r), "groups": [[0, 1]], "dim": 1})
+        ncc.run_ranks(scatter_sums, 2, lambda r: {"x": _x(r), "groups": ((0, 1),), "dim": 1})
     with pytest.raises(NkiValidationError, match=r"reduce_scatter: src .* has 3 rows along collective_dim 0, "
                        r"not a multiple of the 2 ranks"):
-        ncc.run_ranks(scatter_sums, 2, lambda r: {"x": _x(r, rows=3), "groups": [[0, 1]]})
+        ncc.run_ranks(scatter_sums, 2, lambda r: {"x": _x(r, rows=3), "groups": ((0, 1),)})
 
     # API reference, all_to_all: "Tensors must reside on HBM. SBUF is not currently supported"
     @nki.jit

@@ -407,3 +407,45 @@ def test_a_launch_keeps_none_of_its_memory_once_it_returns(lnc, fails):
     assert len(refs) == 7 * lnc if not fails else len(refs) in (7, 14)
     assert len(tr) >= 3 * (len(refs) // 7)
     assert [r for r in refs if r() is not None] == []
+
+
+@nki.jit
+def _copy_rows(x, rows=(0, 1)):
+    out = nl.ndarray((len(rows), x.shape[1]), x.dtype, buffer=nl.shared_hbm)
+    for i, r in enumerate(rows):
+        t = nl.ndarray((1, x.shape[1]), x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x[r:r + 1, :])
+        nisa.dma_copy(dst=out[i:i + 1, :], src=t)
+    return out
+
+
+def test_a_list_kernel_argument_is_refused_at_the_launch_and_a_tuple_runs():
+    """NKI 0.2 -> 0.3 migration guide, "Replace list kernel arguments with tuples": "The NKI 0.3.0 compiler does
+    not support list as a kernel argument type"; a list inside a running kernel (an inlined call) is Python."""
+    x = np.arange(32, dtype=np.float32).reshape(4, 8)
+    np.testing.assert_array_equal(_copy_rows(x, rows=(2, 3)), x[2:4])
+    for call in (lambda: _copy_rows(x, rows=[2, 3]), lambda: _copy_rows(x, [2, 3]),
+                 lambda: _copy_rows[2](x, rows=[2, 3])):
+        with pytest.raises(NkiValidationError, match=r"nki.jit: kernel _copy_rows argument 'rows' is a list "
+                           r"\(\[2, 3\]\): the compiler does not support list as a kernel argument type; pass a "
+                           r"tuple \(NKI 0.2 -> 0.3 migration guide"):
+            call()
+
+    @nki.jit
+    def outer(x):
+        return _copy_rows(x, rows=[1])  # inlined: its caller's program
+
+    np.testing.assert_array_equal(outer(x), x[1:2])
+
+
+def test_a_keyword_only_separator_in_a_kernel_signature_is_refused():
+    """NKI 0.2 -> 0.3 migration guide, "Remove keyword-only argument separator (*)": "The NKI 0.3.0 compiler
+    does not support the * separator in kernel function signatures"."""
+    @nki.jit
+    def scaled(x, *, flag=True):
+        return x
+
+    x = np.zeros((4, 8), np.float32)
+    with pytest.raises(NkiValidationError, match=r"nki.jit: kernel scaled has keyword-only parameters \('flag',\) "
+                       r"\(after a '\*' separator\): the compiler does not support the '\*' separator"):
+        scaled(x)

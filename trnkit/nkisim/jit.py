@@ -185,6 +185,37 @@ class Kernel:
         return f"<nki.jit kernel {self.fn.__name__} grid={self.grid}>"
 
 
+_LANGUAGE_RESTRICTIONS = ("NKI 0.2 -> 0.3 migration guide, \"Language restrictions\"; NKI 0.3.0 release notes: "
+                          "\"{what} ... not supported\"")
+
+
+def _check_kernel_arguments(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """The NKI 0.3.0 compiler's rules on a launched kernel's signature and arguments (0.2 -> 0.3 migration
+    guide, "Language restrictions"): no keyword-only ``*`` separator ("The NKI 0.3.0 compiler does not support
+    the ``*`` separator in kernel function signatures"), no ``list`` argument ("does not support ``list`` as a
+    kernel argument type. Convert list arguments to tuples at the call site"). Only the launched function is
+    checked: a call inside a running kernel is inlined (lists and ``*`` work there, as in Python)."""
+    code = getattr(fn, "__code__", None)
+    if code is not None and code.co_kwonlyargcount:
+        kwonly = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
+        fail("nki.jit", "kernel {kernel} has keyword-only parameters {params} (after a '*' separator): the "
+             "compiler does not support the '*' separator in kernel signatures; move the parameters with "
+             "defaults to the end instead ({doc})", kernel=fn.__name__, params=kwonly,
+             doc=_LANGUAGE_RESTRICTIONS.format(what="Keyword-only argument separator (*) in kernel signatures is"))
+    names = code.co_varnames[:code.co_argcount] if code is not None else ()
+    given = [(names[i] if i < len(names) else f"arg{i}", v) for i, v in enumerate(args)] + list(kwargs.items())
+    for name, v in given:
+        if isinstance(v, list):
+            fail("nki.jit", "kernel {kernel} argument {arg!r} is a list ({value}): the compiler does not "
+                 "support list as a kernel argument type; pass a tuple ({doc})", kernel=getattr(fn, "__name__", fn),
+                 arg=name, value=_short(v), doc=_LANGUAGE_RESTRICTIONS.format(what="list kernel arguments are"))
+
+
+def _short(v: list) -> str:
+    text = repr(v) if all(not isinstance(x, (np.ndarray, NkiTensor)) for x in v) else f"{len(v)} items"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: dict,
             rules: _mem.LaunchRules = _mem.LaunchRules(), rank: Any = None,
             recording: _trace.Trace | None = None) -> Any:
@@ -194,6 +225,8 @@ def _launch(fn: Callable[..., Any], grid: tuple[int, ...], args: tuple, kwargs: 
     ``trace_only=True`` makes the launch trace-only). A launch made inside a running kernel is part of that
     kernel and runs under its rules, on its device, recorded in its trace, instead."""
     caller = _mem.running()
+    if caller is None:  # a top-level launch: the compiler's kernel-signature rules
+        _check_kernel_arguments(fn, args, kwargs)
     if caller is not None:
         rules, rank, recording = caller.rules, caller.launch.rank, caller.launch.trace
     elif recording is not None and recording.trace_only and not rules.trace_only:
