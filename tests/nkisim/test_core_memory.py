@@ -350,3 +350,23 @@ def test_capacity_unchecked_measures_instead_of_raising():
     assert contexts[-1].memory.sbuf_peak == 240 * 1024
     with pytest.raises(NkiValidationError, match="SBUF overflow: 245760 bytes"):  # the kernel itself: checked
         two_big(np.zeros(4, np.float32))
+
+
+def test_full_on_chip_takes_memsets_value_rule():
+    """On the chip nl.full / nl.zeros / nl.ones are a nisa.memset, whose value must match the dtype (NKI 0.3.0
+    migration guide, "nisa.memset -- strict type matching"): an integer tile takes an integer in its range
+    (+0.0 as memset takes it); before, nl.full(..., 2.5, nl.int32) raised numpy's ValueError from the cast and
+    nl.full(..., 300, nl.int8) saturated to 127 where nisa.memset refuses 300."""
+    assert (nl.full((2, 2), 7, nl.int8).np() == 7).all()
+    assert (nl.full((2, 2), 0.0, nl.uint32).np() == 0).all()
+    assert (nl.zeros((2, 2), nl.int32, buffer=nl.psum).np() == 0).all()
+    with pytest.raises(NkiValidationError, match=r"nl.full: fill value 2.5 \(float\) does not match integer "
+                       r"dtype int32: on the chip this is a nisa.memset"):
+        nl.full((2, 2), 2.5, nl.int32)
+    with pytest.raises(NkiValidationError, match=r"nl.full: fill value 300 is out of range for int8 \[-128, 127\]"):
+        nl.full((2, 2), 300, nl.int8)
+    with pytest.raises(NkiValidationError, match=r"nl.full: fill value -1 is out of range for uint32"):
+        nl.full((2, 2), -1, nl.uint32, buffer=nl.psum)
+    # an HBM tensor is no memset: the value is cast (rounded, saturated) as every other write
+    assert (nl.full((2, 2), 2.5, nl.int32, buffer=nl.shared_hbm).np() == 2).all()
+    assert (nl.full((2, 2), float("nan"), nl.int32, buffer=nl.shared_hbm).np() == 0).all()

@@ -154,7 +154,7 @@ def cast(values: Any, dtype: np.dtype) -> np.ndarray:
         f = arr.astype(np.float64) if src != np.float64 else arr
         f = np.rint(f)
         f = np.clip(f, info.min, info.max)
-        f = np.nan_to_num(f, nan=0.0, copy=False)
+        f = np.nan_to_num(f, nan=0.0, copy=not isinstance(f, np.ndarray))  # a 0-d value comes back a scalar
         return f.astype(dtype)
     if dtype == bool_:
         return arr != 0

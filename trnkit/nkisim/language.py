@@ -183,9 +183,32 @@ def ndarray(shape: Sequence[int], dtype: Any, buffer: MemoryRegion = sbuf, name:
     return _cf.allocated(allocate(tuple(shape), dt, buf, name))
 
 
+def _check_fill_value(op: str, value: Any, dt: np.dtype) -> None:
+    """On the chip ``nl.zeros/ones/full`` are the ``nisa.memset`` they stand for, so the fill value follows
+    memset's rule (NKI 0.2 -> 0.3 migration guide, "nisa.memset -- strict type matching": "NKI 0.3.0 enforces
+    that the value argument must match the destination tensor's dtype ... For integer-typed tensors, pass an
+    integer literal"): a compile-time scalar; into an integer dtype an integer in its range (or +0.0, the
+    integer 0's bits, as ``isa/vector.py``'s memset accepts)."""
+    require(isinstance(value, (int, float, bool, np.integer, np.floating)), op,
+            "fill value must be a compile-time scalar, got {got}", got=type(value).__name__)
+    if not _dt.is_int(dt):
+        return
+    zero = isinstance(value, (float, np.floating)) and value == 0 and np.copysign(1.0, value) > 0
+    require(isinstance(value, (int, np.integer)) or zero, op, "fill value {value!r} ({type}) does not match "
+            "integer dtype {dtype}: on the chip this is a nisa.memset, whose value must match the destination "
+            "dtype; pass an integer literal (NKI 0.3.0 migration guide, \"nisa.memset -- strict type "
+            "matching\")", value=value, type=type(value).__name__, dtype=dt.name)
+    info = np.iinfo(dt)
+    require(info.min <= int(value) <= info.max, op, "fill value {value} is out of range for {dtype} "
+            "[{lo}, {hi}] (a nisa.memset on the chip; NKI 0.3.0 migration guide, \"nisa.memset -- strict "
+            "type matching\")", value=value, dtype=dt.name, lo=int(info.min), hi=int(info.max))
+
+
 def _filled(shape: Sequence[int], dtype: Any, buffer: Any, name: str, value: Any, op: str) -> NkiTensor:
     buf = _buffer(buffer, op)
     dt = _dt.resolve(dtype, op)
+    if buf.on_chip:
+        _check_fill_value(op, value, dt)
     t = _cf.allocated(allocate(tuple(shape), dt, buf, name, fill=_dt.cast(np.asarray(value), dt)))
     if buf.on_chip:  # on the chip this is a memset instruction
         from .isa import common  # isa imports language
