@@ -92,3 +92,52 @@ def test_constants_and_identity():
     nisa.nc_matmul(out, x, eye, is_transpose=True)  # the usual PE transpose idiom
     np.testing.assert_array_equal(out.np(), x.np().T)
     assert nl.expand_dims(x, 1).shape == (64, 1, 32)
+
+
+def test_divide_and_a_scalar_power_wrapper_are_refused():
+    """NKI 0.4.0 release notes, Known Issues, "NKI Language (experimental)" (carried forward to 0.6.0):
+    "nki.language.divide is not supported -- Division is not available as a hardware instruction" and
+    "nl.power(tile, scalar) is not supported. Use nl.power(tile, tile)"."""
+    t = nl.ndarray((4, 8), nl.float32)
+    t.np()[...] = 2.0
+    with pytest.raises(NkiValidationError, match=r"nl.divide: nl.divide on tiles is not supported: division is "
+                       r"not available as a hardware instruction; multiply by the reciprocal"):
+        nl.divide(t, t)
+    with pytest.raises(NkiValidationError, match=r"nl.divide: .*operands='tile \(4, 8\), scalar 2.0'"):
+        nl.divide(t, 2.0)
+    with pytest.raises(NkiValidationError, match=r"nl.power: nl.power\(tile, scalar\) is not supported: the "
+                       r"exponent must be a tile too.*operands='tile \(4, 8\), scalar 3.0'"):
+        nl.power(t, 3.0)
+    assert (nl.power(t, t).np() == 4.0).all()                        # the documented form
+    assert (nl.multiply(t, nl.reciprocal(t)).np() == 1.0).all()      # the documented workaround
+
+
+@nki.jit
+def _constant_per_core(x, diverge):
+    pid = nl.program_id(0)
+    c = nl.shared_constant(np.arange(8, dtype=np.float32).reshape(2, 4) + (pid if diverge else 0))
+    t = nl.ndarray((2, 4), nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=t, src=c)
+    out = nl.ndarray((2, 4), nl.float32, buffer=nl.shared_hbm)
+    if pid == 0:
+        nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+def test_shared_constant_element_types_and_lnc2_divergence():
+    """nl.shared_constant (NKI 0.6 API reference): "Supported element types: float32, float16, bfloat16, int32,
+    int16, int8, uint32, uint16, uint8, float8_e4m3fn, float8_e5m2, float8_e8m0fnu" and "With LNC=2, both cores
+    share the same constant; the data must not diverge across cores". Before, both were accepted and program 1's
+    data silently replaced program 0's in the one shared tensor."""
+    x = np.zeros((2, 4), np.float32)
+    np.testing.assert_array_equal(_constant_per_core[2](x, False), np.arange(8).reshape(2, 4))
+    with pytest.raises(NkiValidationError, match=r"nl.shared_constant: constant '\w+' differs between the programs "
+                       r"of the launch: program \(0,\) made it with 0.0 at \(0, 0\), program \(1,\) with 1.0; .*"
+                       r"\"the data must not diverge across cores\""):
+        _constant_per_core[2](x, True)
+    np.testing.assert_array_equal(_constant_per_core(x, True), np.arange(8).reshape(2, 4))  # one program: fine
+    for dt in (np.bool_, ml_dtypes.float8_e4m3):
+        with pytest.raises(NkiValidationError, match=r"nl.shared_constant: element type (bool|float8_e4m3) is not "
+                           r"supported \(the docs list float32, .*float8_e4m3fn"):
+            nl.shared_constant(np.ones((2, 2), dt))
+    assert nl.shared_constant(np.ones((2, 2), ml_dtypes.float8_e4m3fn)).dtype == nl.float8_e4m3fn

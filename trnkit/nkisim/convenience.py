@@ -11,10 +11,12 @@ last contiguous free dims, ``nl.matmul`` / ``nl.transpose`` return PSUM tiles.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from . import dtypes as _dt
+from . import memory as _mem
 from . import ops as _ops
 from .errors import require
 import numpy as np
@@ -51,6 +53,16 @@ def tile_call(op: _ops.NkiOp, *args: Any, dtype: Any = None, **kwargs: Any) -> N
         return out
     require(len(args) == 2, f"nl.{op.name}", "takes two operands, got {n}", n=len(args))
     a, b = args
+    # NKI 0.4.0 release notes, Known Issues, "NKI Language (experimental)" (carried forward to 0.5.0 and
+    # 0.6.0): the wrapper forms the hardware has no instruction for.
+    require(op.name != "divide", "nl.divide", "nl.divide on tiles is not supported: division is not "
+            "available as a hardware instruction; multiply by the reciprocal, nl.multiply(x, "
+            "nl.reciprocal(y)) (NKI 0.4.0 release notes, Known Issues, \"NKI Language (experimental)\")",
+            operands=_operand_kinds(a, b))
+    require(op.name != "power" or (isinstance(a, NkiTensor) and isinstance(b, NkiTensor)), "nl.power",
+            "nl.power(tile, scalar) is not supported: the exponent must be a tile too, nl.power(tile, "
+            "tile) (NKI 0.4.0 release notes, Known Issues, \"NKI Language (experimental)\")",
+            operands=_operand_kinds(a, b))
     if isinstance(a, NkiTensor) and isinstance(b, NkiTensor):
         out = _new(a.shape, dtype or a.dtype)
         nisa.tensor_tensor(dst=out, data1=a, data2=b, op=op)  # no broadcasting, as documented
@@ -59,6 +71,11 @@ def tile_call(op: _ops.NkiOp, *args: Any, dtype: Any = None, **kwargs: Any) -> N
     out = _new(t.shape, dtype or t.dtype)
     nisa.tensor_scalar(dst=out, data=t, op0=op, operand0=s, reverse0=reverse)
     return out
+
+
+def _operand_kinds(a: Any, b: Any) -> str:
+    """``"tile, scalar 2.0"``: the two operands of a binary wrapper call, for its error message."""
+    return ", ".join(f"tile {x.shape}" if isinstance(x, NkiTensor) else f"scalar {x!r}" for x in (a, b))
 
 
 _ops.set_tile_wrapper(tile_call)
@@ -203,12 +220,45 @@ def broadcast_to(x: NkiTensor, shape: Sequence[int], dtype: Any = None) -> NkiTe
     return out
 
 
+# nl.shared_constant's docstring (NKI 0.6 API reference): "Supported element types: float32, float16, bfloat16,
+# int32, int16, int8, uint32, uint16, uint8, float8_e4m3fn, float8_e5m2, float8_e8m0fnu. Packed types
+# (float8_e4m3fn_x4, float8_e5m2_x4, float4_e2m1fn_x4) and tfloat32 are supported at the MLIR level but not yet
+# tested end-to-end on hardware" (accepted). Not listed, refused: bool and the legacy float8_e4m3.
+_CONSTANT_UNSUPPORTED = ("bool", "float8_e4m3")
+# a shared_constant's storage -> (program that wrote it first, its data): the cores of an LNC=2 launch share one
+# constant ("With LNC=2, both cores share the same constant; the data must not diverge across cores")
+_constant_writers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def shared_constant(constant: Any) -> NkiTensor:
     """A ``shared_hbm`` tensor holding ``constant`` (numpy array or ``.npy`` path), loaded with the
-    program (no instruction)."""
+    program (no instruction). In a launch of several programs the k-th ``shared_hbm`` allocation of each is
+    the same tensor, so the programs' constants must hold the same data (checked)."""
+    op = "nl.shared_constant"
     arr = np.load(constant) if isinstance(constant, str) else np.asarray(constant)
+    name = _dt.dtype_name(_dt.resolve(arr.dtype, op))
+    require(name not in _CONSTANT_UNSUPPORTED, op, "element type {dtype} is not supported (the docs list "
+            "float32, float16, bfloat16, int32, int16, int8, uint32, uint16, uint8, float8_e4m3fn, float8_e5m2, "
+            "float8_e8m0fnu; nl.shared_constant, NKI 0.6 API reference)", dtype=name)
     out = _new(arr.shape if arr.ndim else (1,), arr.dtype, shared_hbm)
-    out.np()[...] = arr.reshape(out.shape)
+    data = arr.reshape(out.shape)
+    ctx = _mem.current()
+    if ctx.launch.num_instances > 1:
+        first = _constant_writers.get(out.storage)
+        if first is None:
+            _constant_writers[out.storage] = (ctx.program_id, data.copy())
+        else:
+            pid, seen = first
+            same = seen.view(np.uint8).reshape(-1) == data.view(np.uint8).reshape(-1)
+            if not same.all():
+                at = int(np.argmin(same)) // data.dtype.itemsize
+                idx = tuple(int(i) for i in np.unravel_index(at, data.shape))
+                require(False, op, "constant {name!r} differs between the programs of the launch: program "
+                        "{pid} made it with {a!r} at {idx}, program {pid2} with {b!r}; the programs share one "
+                        "constant and \"the data must not diverge across cores\" (nl.shared_constant, NKI 0.6 "
+                        "API reference)", name=out.name, pid=pid, pid2=ctx.program_id, idx=idx,
+                        a=seen[idx].item(), b=data[idx].item())
+    out.np()[...] = data
     return out
 
 
