@@ -197,3 +197,39 @@ def test_invalid_reduce_scatter_and_all_to_all_raise():
                                op=nl.multiply)
             return out
         ncc.run_ranks(scatter_mul, 2, lambda r: {"x": _x(r)})
+
+
+@nki.jit
+def _reduce_with(x, groups, priority=None):
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    ncc.all_reduce(srcs=[x], dsts=[out], replica_group=ncc.ReplicaGroup(groups), op=nl.add, priority=priority)
+    return out
+
+
+@nki.jit
+def _permute_on(x, channel_ids, priority=None):
+    rg = ncc.ReplicaGroup([[0, 1]])
+    halves = (x[0:2, :], x[2:4, :])
+    out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+    ncc.collective_permute_implicit(srcs_by_channel=[[h] for h in halves[:len(channel_ids)]],
+                                    dsts_by_channel=[[out[2 * i:2 * i + 2, :]] for i in range(len(channel_ids))],
+                                    replica_group=rg, channel_ids=list(channel_ids), priority=priority)
+    return out
+
+
+def test_collective_priority_and_implicit_permute_channel_ids():
+    """nki.collectives API reference: every collective's "priority: DMA quality-of-service priority level 0-3
+    ... (NeuronCore-v4+ only)" (the interpreter is trn2), and collective_permute_implicit's "channel_ids: ...
+    Currently must be consecutive integers starting from 0". Before, both were accepted (and priority= of the
+    implicit permutes was a TypeError)."""
+    np.testing.assert_array_equal(ncc.run_ranks(_reduce_with, 2, lambda r: {"x": _x(r), "groups": ((0, 1),)})[0],
+                                  _x(0) + _x(1))
+    with pytest.raises(NkiValidationError, match=r"all_reduce: priority=1 is NeuronCore-v4\+ only"):
+        ncc.run_ranks(_reduce_with, 2, lambda r: {"x": _x(r), "groups": ((0, 1),), "priority": 1})
+    two = ncc.run_ranks(_permute_on, 2, lambda r: {"x": _x(r), "channel_ids": (0, 1)})
+    np.testing.assert_array_equal(two[0], _x(1))  # each rank receives its predecessor's chunks, per channel
+    with pytest.raises(NkiValidationError, match=r"collective_permute_implicit: channel_ids \[1\] must be "
+                       r"consecutive integers starting from 0"):
+        ncc.run_ranks(_permute_on, 2, lambda r: {"x": _x(r), "channel_ids": (1,)})
+    with pytest.raises(NkiValidationError, match=r"collective_permute_implicit: priority=0 is NeuronCore-v4\+ only"):
+        ncc.run_ranks(_permute_on, 2, lambda r: {"x": _x(r), "channel_ids": (0,), "priority": 0})

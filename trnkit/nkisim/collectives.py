@@ -22,7 +22,8 @@ kernel launched alone has no peers and its collectives raise. Semantics, from th
 * ``collective_permute(srcs, dsts, source_target_pairs)``: HBM, one tensor each; the target's dst
   receives the source's src.
 * ``collective_permute_implicit(srcs_by_channel, dsts_by_channel, replica_group, channel_ids)``: in the
-  ring of the rank-list each rank sends to its successor and receives its predecessor's src;
+  ring of the rank-list each rank sends to its successor and receives its predecessor's src (``channel_ids``
+  consecutive from 0, "Currently must be consecutive integers starting from 0");
   ``collective_permute_implicit_reduce`` sends ``op(srcs0, srcs1)`` instead.
 * ``collective_permute_implicit_current_processing_rank_id(iteration_id, replica_group, channel_id)``:
   the rank whose data a rank holds after ``iteration_id`` ring steps (its own at 0, then its
@@ -31,7 +32,8 @@ kernel launched alone has no peers and its collectives raise. Semantics, from th
 With LNC=2 each rank runs two programs; the peers of a program are the programs with the same program
 id on the other ranks of its rank-list (each core talks to its counterpart). Every participant must
 make the same collective calls in the same order; one that never arrives is reported after
-:data:`TIMEOUT_S`. The collectives are not traced for the cost model.
+:data:`TIMEOUT_S`. ``priority=`` ("NeuronCore-v4+ only") raises: the interpreter is trn2. The collectives
+are not traced for the cost model.
 """
 
 from __future__ import annotations
@@ -220,6 +222,7 @@ def _write(op: str, dst: NkiTensor, value: np.ndarray) -> None:
 def all_gather(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_dim: int,
                priority: int | None = None, name: str | None = None) -> None:
     op = "all_gather"
+    _no_priority(op, priority)
     require(len(srcs) == len(dsts) and len(srcs) >= 1, op, "srcs and dsts must be lists of equal "
             "length, got {n_src} and {n_dst}", n_src=len(srcs), n_dst=len(dsts))
     on_hbm = _check_memories(op, list(srcs) + list(dsts))
@@ -249,6 +252,7 @@ def _reducer(op: str, fn: Any) -> Any:
 def all_reduce(srcs: list, dsts: list, replica_group: ReplicaGroup, op: Any, priority: int | None = None,
                name: str | None = None) -> None:
     opname = "all_reduce"
+    _no_priority(opname, priority)
     reduce = _reducer(opname, op)
     require(len(srcs) == len(dsts) and len(srcs) >= 1, opname, "srcs and dsts must be lists of equal length")
     on_hbm = _check_memories(opname, list(srcs) + list(dsts))
@@ -272,12 +276,21 @@ def _dim0_only(op: str, collective_dim: int) -> None:
             "supports), got {dim}", dim=collective_dim)
 
 
+def _no_priority(op: str, priority: int | None) -> None:
+    # API reference, every collective: "priority: DMA quality-of-service priority level 0-3 where lower is
+    # higher priority (NeuronCore-v4+ only)"; the interpreter is trn2 (NeuronCore-v3)
+    require(priority is None, op, "priority={priority} is NeuronCore-v4+ only (nki.collectives API reference: "
+            "\"DMA quality-of-service priority level 0-3 ... (NeuronCore-v4+ only)\"); the interpreter models "
+            "trn2 (NeuronCore-v3)", priority=priority)
+
+
 @_mem.instruction
 def reduce_scatter(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_dim: int, op: Any,
                    priority: int | None = None, name: str | None = None) -> None:
     """API reference ``nki.collectives.reduce_scatter``: HBM or SBUF (not mixed), several tensors only
     on HBM, ``collective_dim`` 0 only, ``op`` add / minimum / maximum."""
     opname = "reduce_scatter"
+    _no_priority(opname, priority)
     reduce = _reducer(opname, op)
     require(len(srcs) == len(dsts) and len(srcs) >= 1, opname, "srcs and dsts must be lists of equal "
             "length, got {n_src} and {n_dst}", n_src=len(srcs), n_dst=len(dsts))
@@ -298,6 +311,7 @@ def all_to_all(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_d
     """API reference ``nki.collectives.all_to_all``: "Tensors must reside on HBM", ``collective_dim`` 0
     only ("split and ... concatenated" along it)."""
     op = "all_to_all"
+    _no_priority(op, priority)
     require(len(srcs) == len(dsts) and len(srcs) >= 1, op, "srcs and dsts must be lists of equal "
             "length, got {n_src} and {n_dst}", n_src=len(srcs), n_dst=len(dsts))
     _check_memories(op, list(srcs) + list(dsts), hbm_only=True)
@@ -315,6 +329,7 @@ def all_to_all(srcs: list, dsts: list, replica_group: ReplicaGroup, collective_d
 def collective_permute(srcs: list, dsts: list, source_target_pairs: list, priority: int | None = None,
                        name: str | None = None) -> None:
     op = "collective_permute"
+    _no_priority(op, priority)
     require(len(srcs) == 1 and len(dsts) == 1, op, "exactly one src and one dst tensor (coalesced "
             "communication is not supported), got {n_src} and {n_dst}", n_src=len(srcs), n_dst=len(dsts))
     _check_memories(op, [srcs[0], dsts[0]], hbm_only=True)
@@ -334,6 +349,11 @@ def _ring_step(op: str, replica_group: ReplicaGroup, srcs_by_channel: list, dsts
     require(len(srcs_by_channel) == len(dsts_by_channel) == len(channel_ids), op, "one src list, one dst "
             "list and one channel id per channel, got {a}, {b} and {c}", a=len(srcs_by_channel),
             b=len(dsts_by_channel), c=len(channel_ids))
+    # API reference (collective_permute_implicit / _reduce): "channel_ids: ... Currently must be consecutive
+    # integers starting from 0"
+    require([int(c) for c in channel_ids] == list(range(len(channel_ids))), op, "channel_ids {ids} must be "
+            "consecutive integers starting from 0 (nki.collectives API reference: \"Currently must be consecutive "
+            "integers starting from 0\")", ids=list(channel_ids))
     got = _exchange(op, payload)
     ranks, pid = _peers(op, replica_group, got)
     me, _ = _me(op)
@@ -352,8 +372,10 @@ def _one_each(op: str, lists: list) -> list[NkiTensor]:
 
 @_mem.instruction
 def collective_permute_implicit(srcs_by_channel: list, dsts_by_channel: list, replica_group: ReplicaGroup,
-                                channel_ids: Sequence[int] = (0,), name: str | None = None) -> None:
+                                channel_ids: Sequence[int] = (0,), priority: int | None = None,
+                                name: str | None = None) -> None:
     op = "collective_permute_implicit"
+    _no_priority(op, priority)
     srcs = _one_each(op, srcs_by_channel)
     _one_each(op, dsts_by_channel)
     _ring_step(op, replica_group, srcs_by_channel, dsts_by_channel, channel_ids, [s.np().copy() for s in srcs])
@@ -362,8 +384,9 @@ def collective_permute_implicit(srcs_by_channel: list, dsts_by_channel: list, re
 @_mem.instruction
 def collective_permute_implicit_reduce(srcs0_by_channel: list, srcs1_by_channel: list, dsts_by_channel: list,
                                        replica_group: ReplicaGroup, op: Any, channel_ids: Sequence[int] = (0,),
-                                       name: str | None = None) -> None:
+                                       priority: int | None = None, name: str | None = None) -> None:
     opname = "collective_permute_implicit_reduce"
+    _no_priority(opname, priority)
     reduce = _reducer(opname, op)
     a, b = _one_each(opname, srcs0_by_channel), _one_each(opname, srcs1_by_channel)
     _one_each(opname, dsts_by_channel)
