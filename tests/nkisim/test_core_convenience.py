@@ -60,9 +60,16 @@ def test_matmul_transpose_and_binary_wrappers():
     ta, tb = nl.ndarray(a.shape, nl.float32), nl.ndarray(b.shape, nl.float32)
     ta.np()[...] = a
     tb.np()[...] = b
-    p = nl.matmul(ta, tb)  # inserts the transpose of x
+    ta_t = nl.ndarray((96, 64), nl.float32)
+    ta_t.np()[...] = a.T
+    p = nl.matmul(ta_t, tb, transpose_x=True)  # x given as [K, M]
     assert p.buffer is nl.psum and p.dtype == nl.float32
     np.testing.assert_allclose(p.np(), a @ b, rtol=1e-5, atol=1e-4)
+    # NKI 0.4.0 release notes, Known Issues (carried forward to 0.6.0): "Calling nl.matmul(x, y) without setting
+    # transpose_x=True will fail" (before, the interpreter inserted the transpose)
+    with pytest.raises(NkiValidationError, match=r"nl.matmul: transpose_x=False: nl.matmul without transpose_x="
+                       r"True is not supported \(NKI 0.4.0 release notes, Known Issues"):
+        nl.matmul(ta, tb)
     at = nl.transpose(ta)
     assert at.buffer is nl.psum and at.shape == (96, 64)
     np.testing.assert_array_equal(at.np(), a.T)

@@ -107,13 +107,16 @@ def transpose(x: NkiTensor, dtype: Any = None) -> NkiTensor:
 
 
 def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False) -> NkiTensor:
-    """``x @ y`` as an fp32 PSUM tile; ``transpose_x=True`` means ``x`` is already ``[K, M]``."""
+    """``x.T @ y`` as an fp32 PSUM tile, ``x`` given as ``[K, M]`` (``transpose_x=True``). The API reference
+    describes ``transpose_x=False`` (a transpose inserted), but the NKI 0.4.0 release notes' known issue, carried
+    forward to 0.6.0, says it fails: "nki.language.matmul without transpose_x=True is not supported -- Calling
+    nl.matmul(x, y) without setting transpose_x=True will fail"; refused, as on the real stack."""
     nisa = _isa()
+    require(bool(transpose_x), "nl.matmul", "transpose_x={transpose_x}: nl.matmul without transpose_x=True is "
+            "not supported (NKI 0.4.0 release notes, Known Issues, \"Calling nl.matmul(x, y) without setting "
+            "transpose_x=True will fail\", carried forward to 0.6.0); pass x as [K, M] with transpose_x=True "
+            "(nl.transpose(x) gives it)", transpose_x=transpose_x, x_shape=tuple(x.shape), y_shape=tuple(y.shape))
     stationary = x
-    if not transpose_x:  # x is [M, K]: put K on the partitions first
-        t = transpose(x)
-        stationary = _new(t.shape, x.dtype)
-        nisa.tensor_copy(dst=stationary, src=t)
     out = _new((stationary.free_size, y.free_size), _dt.float32, psum)
     nisa.nc_matmul(dst=out, stationary=stationary, moving=y)
     return out
