@@ -75,7 +75,7 @@ def test_activation_hand_values() -> None:
 
 
 BINARY = {
-    "add": np.add, "subtract": np.subtract, "multiply": np.multiply, "divide": np.divide,
+    "add": np.add, "subtract": np.subtract, "multiply": np.multiply,
     "maximum": np.maximum, "minimum": np.minimum, "power": np.power,
     "equal": np.equal, "not_equal": np.not_equal, "greater": np.greater,
     "greater_equal": np.greater_equal, "less": np.less, "less_equal": np.less_equal,

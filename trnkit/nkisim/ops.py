@@ -15,8 +15,8 @@ for NKI ISA" and "Supported Activation Functions for NKI ISA"):
     ``equal``, ``not_equal``, ``greater``, ``greater_equal``, ``less``, ``less_equal``,
     ``logical_and``, ``logical_or``, ``logical_xor``, ``power``, unary ``rsqrt``, ``reciprocal``,
     ``abs``; plus ``abs_max``/``abs_min`` (trn3) and ``bypass``. ``divide`` is not in the ISA table
-    (the ``nl.divide`` wrapper is "simulation only" on hardware); the interpreter accepts it as an
-    arithmetic ALU op so simulation-style kernels run.
+    ("Division is not available as a hardware instruction"): an instruction given ``op=nl.divide`` is
+    refused (a kernel multiplies by ``nisa.reciprocal``'s result instead).
   Comparisons and logical operators return 1.0 / 0.0. Legal reduction operators (``op.reducible``):
   bitwise and/or/xor, add, subtract, multiply, maximum, minimum, logical and/or/xor.
 * **Activation functions** (``op.activation``) — valid as ``nisa.activation(op=...)`` on the Scalar
@@ -335,8 +335,9 @@ right_shift = _op("right_shift", BITVEC, 2, _right_shift, alu=True, doc="logical
 add = _op("add", ARITH, 2, np.add, alu=True, reduce_ufunc=np.add, reduce_identity=0.0)
 subtract = _op("subtract", ARITH, 2, np.subtract, alu=True, reduce_ufunc=np.subtract, reduce_identity=0.0)
 multiply = _op("multiply", ARITH, 2, np.multiply, alu=True, reduce_ufunc=np.multiply, reduce_identity=1.0)
-divide = _op("divide", ARITH, 2, np.divide, alu=True,
-             doc="x / y (simulation convenience; not in the ISA ALU table)")
+divide = _op("divide", ARITH, 2, np.divide,
+             doc="x / y (the nl.divide wrapper's; not an ALU operator: not in the ISA operator table, and "
+                 "'Division is not available as a hardware instruction', NKI 0.4.0 release notes, known issues)")
 maximum = _op("maximum", ARITH, 2, np.maximum, alu=True, reduce_ufunc=np.maximum, reduce_identity=-np.inf)
 minimum = _op("minimum", ARITH, 2, np.minimum, alu=True, reduce_ufunc=np.minimum, reduce_identity=np.inf)
 equal = _op("equal", ARITH, 2, lambda a, b: _bool(a == b), alu=True)

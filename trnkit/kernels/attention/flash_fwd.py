@@ -402,7 +402,7 @@ def _transpose(st, load):
     st["p"], st["pt"] = None, pt
 
 
-def _row_sum(st, l_all, ones_col):
+def _row_sum(st, l_all):
     """The running sum ``l = l * corr + rowsum`` (GpSimd; a tile's last step writes it into the unit's
     column ``col``)."""
     nq, step, prev = st["nq"], st["rs"], st["prev"]
@@ -420,9 +420,9 @@ def _row_sum(st, l_all, ones_col):
     elif prev != None:  # noqa: E711
         nisa.tensor_tensor(dst=ls, data1=ls, data2=step, op=nl.add, engine=nisa.engine.gpsimd)
     st["l"] = ls
-    if st["last"]:  # 1 / l for the tile's output, long before it is needed (GpSimd works in order)
+    if st["last"]:  # 1 / l for the tile's output, long before it is needed (no ALU divide: NKI's operator table)
         rl = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=rl, data1=ones_col[0:nq, :], data2=ls, op=nl.divide, engine=nisa.engine.gpsimd)
+        nisa.reciprocal(dst=rl, data=ls)
         st["rl"] = rl
 
 
@@ -581,7 +581,7 @@ def pipeline_steps(units, q, k, scale, outs_of, load, unit0=0):
     return steps
 
 
-def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
+def _pipeline(units, q, k, v, scale, outs_of, ident, mask, load):
     """The software-pipelined steps of one or more work units (one continuous pipeline: the next unit's
     first steps overlap the last ones' drain).
 
@@ -605,7 +605,7 @@ def _pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load):
             _exp(steps[t - LAG_EXP], load)
         if _at(steps, t - LAG_T) != None:  # noqa: E711
             _transpose(steps[t - LAG_T], load)
-            _row_sum(steps[t - LAG_T], steps[t - LAG_T]["u"]["l_all"], ones_col)
+            _row_sum(steps[t - LAG_T], steps[t - LAG_T]["u"]["l_all"])
         if _at(steps, t - LAG_PV) != None:  # noqa: E711
             _pv(steps[t - LAG_PV], steps[t - LAG_PV]["u"]["v"], load)
         if _at(steps, t - LAG_PV - 1) != None:  # noqa: E711
@@ -659,12 +659,10 @@ def attention_fwd_kernel(q, k, v, scale):
     S, D = q.shape[1], q.shape[3]
     ident = identity(nl.bfloat16)
     mask = causal_mask(nl.bfloat16)
-    ones_col = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=ones_col, value=1.0)
     load = [0.0, 0.0, 0.0, 0.0]
     if one_pipeline(S, _itemsize(q.dtype), D, units[0][3]):
-        _pipeline(units, q, k, v, float(scale), outs_of, ident, mask, ones_col, load)
+        _pipeline(units, q, k, v, float(scale), outs_of, ident, mask, load)
     else:
         for u in range(len(units)):
-            _pipeline([units[u]], q, k, v, float(scale), [outs_of[u]], ident, mask, ones_col, load)
+            _pipeline([units[u]], q, k, v, float(scale), [outs_of[u]], ident, mask, load)
     return o, lse

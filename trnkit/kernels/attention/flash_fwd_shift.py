@@ -134,7 +134,7 @@ def _scores_exp(st, q, kT, ident, mask, negm_all, load):
     st["p"], st["rs"] = p_sb, rs
 
 
-def _row_sum(st, l_all, ones_col):
+def _row_sum(st, l_all):
     """``l`` of the step (its groups' sums, Vector) added to the tile's earlier steps' (GpSimd); a tile's
     last step writes it into the unit's column ``col`` and forms ``1 / l``."""
     nq, rs, prev = st["nq"], st["rs"], st["prev"]
@@ -152,9 +152,9 @@ def _row_sum(st, l_all, ones_col):
     elif st["last"]:
         nisa.tensor_copy(dst=dst, src=ls, engine=nisa.engine.gpsimd)
     st["l"], st["rs"] = dst, None
-    if st["last"]:  # 1 / l for the tile's output, long before it is needed (GpSimd works in order)
+    if st["last"]:  # 1 / l for the tile's output, long before it is needed (no ALU divide: NKI's operator table)
         rl = nl.ndarray((nq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(dst=rl, data1=ones_col[0:nq, :], data2=dst, op=nl.divide, engine=nisa.engine.gpsimd)
+        nisa.reciprocal(dst=rl, data=dst)
         st["rl"] = rl
 
 
@@ -205,7 +205,7 @@ def _fast_pipeline(units, q, k, v, scale, outs_of, ident, mask, ones_col, load, 
         if F._at(steps, t - LAG_T) != None:  # noqa: E711
             st = steps[t - LAG_T]
             F._transpose(st, load)
-            _row_sum(st, st["u"]["l_all"], ones_col)
+            _row_sum(st, st["u"]["l_all"])
             if st["unit_last"]:  # every l of the unit is final: its certificate
                 _certify(st["u"], bad, st["u"]["bad_col"], S, F._itemsize(q.dtype))
             if t - LAG_T == len(steps) - 1 and decide != None:  # noqa: E711
@@ -282,10 +282,10 @@ def attention_fwd_shift_kernel(q, k, v, scale):
     def exact(i):  # the exact kernel's pass (0 or 1 iterations)
         load2 = [0.0, 0.0, 0.0, 0.0]
         if one:
-            F._pipeline(units, q, k, v, float(scale), outs_of, ident, mask, ones_col, load2)
+            F._pipeline(units, q, k, v, float(scale), outs_of, ident, mask, load2)
         else:
             for u in range(len(units)):
-                F._pipeline([units[u]], q, k, v, float(scale), [outs_of[u]], ident, mask, ones_col, load2)
+                F._pipeline([units[u]], q, k, v, float(scale), [outs_of[u]], ident, mask, load2)
 
     nl.fori_loop(0, trips, exact)
     return o, lse
