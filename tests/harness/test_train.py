@@ -11,7 +11,7 @@ import torch
 from trnkit.harness.checkpoint import list_checkpoints
 from trnkit.harness.config import ConfigError
 from trnkit.harness.metrics import read_jsonl
-from trnkit.harness.train import TrainingDiverged, lr_lambda, run
+from trnkit.harness.train import TrainingDiverged, _finished_message, lr_lambda, run
 from trnkit.harness.config import LRSchedulerConfig
 
 from .helpers import TINY_MOE, tiny_config
@@ -141,3 +141,13 @@ def test_global_batch_aux_loss_is_transformers_loss_of_the_whole_batch() -> None
     torch.testing.assert_close(total, ref, rtol=1e-6, atol=0)
     per_microbatch = sum(load_balancing_loss(*p, 4) for p in parts) / 2
     assert abs(float((per_microbatch - ref).detach())) > 1e-4  # the per-microbatch statistic is another number
+
+
+def test_nothing_to_train_says_why() -> None:
+    """A rerun of a finished job says it has finished; training.steps set below a mid-run checkpoint's step (with
+    --checkpoint.reschedule true) says that instead (it said 'this job has already finished' there too)."""
+    done = _finished_message("run/checkpoint/step-24", 24, 24, "run")
+    assert "training.steps = 24 (this job has already finished)" in done
+    lower = _finished_message("run/checkpoint/step-12", 12, 8, "run")
+    assert "training.steps = 8 (training.steps is below the checkpoint's step 12)" in lower
+    assert "already finished" not in lower

@@ -322,9 +322,12 @@ def _schedule_problem(saved: dict[str, Any], cfg: TrainerConfig) -> str | None:
 
 
 def _finished_message(ckpt_path: str, ckpt_step: int, steps: int, dump: str) -> str:
-    """What a rerun of a finished job prints: resuming its last checkpoint leaves no step to train."""
+    """What a resume prints when its checkpoint leaves no step to train: a rerun of a finished job (the
+    checkpoint at training.steps), or training.steps set below a checkpoint's step."""
+    why = "this job has already finished" if ckpt_step == steps else \
+        f"training.steps is below the checkpoint's step {ckpt_step}"
     return (f"nothing to train: checkpoint {ckpt_path} is at step {ckpt_step} and training.steps = {steps} "
-            f"(this job has already finished)\n"
+            f"({why})\n"
             f"  to train longer:  --training.steps N with N > {ckpt_step} and --checkpoint.reschedule true (the "
             f"learning rate then follows the schedule of N steps from step {ckpt_step + 1} on)\n"
             f"  to start fresh:   use another --job.dump_folder, or --checkpoint.resume false (trains from step 1; "
