@@ -1992,10 +1992,11 @@ QUOTES = (
     Quote("docs/kernel-design.md", "the trace's busy times there: TensorE {} µs, the sum above, DMA {} µs and "
           "GpSimd {} µs with their per-instruction costs", "derived_figures.csv moe_fwd busy at HIGH",
           tuple(derived_cell("moe_fwd", "high", f"busy_us:{e}") for e in ("tensor", "dma", "gpsimd"))),
-    Quote("docs/kernel-design.md", "128 us of Vector: {} → 476 us, still under Scalar's {} us", "derived_figures.csv "
-          "attention_fixed_shift_fwd busy at mid", tuple(derived_cell("attention_fixed_shift_fwd", "mid",
-                                                                      f"busy_us:{e}", "{:.0f}")
-                                                         for e in ("vector", "scalar"))),
+    Quote("docs/kernel-design.md", "128 us of Vector: {} → {} us, still under Scalar's {} us", "derived_figures.csv "
+          "attention_fixed_shift_fwd busy at mid (with the 128 us added)",
+          (derived_cell("attention_fixed_shift_fwd", "mid", "busy_us:vector", "{:.0f}"),
+           lambda: f"{derived('attention_fixed_shift_fwd', 'mid', 'busy_us:vector') + 128:.0f}",
+           derived_cell("attention_fixed_shift_fwd", "mid", "busy_us:scalar", "{:.0f}"))),
     *(Quote("docs/kernel-design.md", f"{row} | {{}} µs |", f"derived_figures.csv q-norm 0.6B busy_us:{engine} "
             "at HIGH", derived_cell("rmsnorm_q_norm_0.6B_fwd", "high", f"busy_us:{engine}"))
       for engine, row in (("dma", "six `rstd` stores of 16–64-byte runs"),
