@@ -167,13 +167,20 @@ class RunIdentity:
 
 
 # --------------------------------------------------------------------------- listing and verifying
+def open_fresh(path: str) -> int:
+    """A new file at ``path``, opened for writing (a file descriptor), never through a link: whatever of that name
+    is not a folder (a stale file, a symbolic link, which may lead out of the run folder) is removed first; a
+    folder stays, and the open fails (``OSError``)."""
+    if os.path.lexists(path) and not (os.path.isdir(path) and not os.path.islink(path)):
+        os.remove(path)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+
+
 def probe_write(folder: str) -> None:
-    """Write and remove a small file in ``folder``: raises ``OSError`` where the folder is not writable. The file is
-    made anew (a stale one or a link of its name is removed first), never written through a link."""
+    """Write and remove a small file in ``folder`` (:func:`open_fresh`): raises ``OSError`` where the folder is not
+    writable."""
     probe = os.path.join(folder, f".write-test-{os.getpid()}")
-    if os.path.islink(probe) or os.path.isfile(probe):
-        os.remove(probe)
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = open_fresh(probe)
     try:
         os.write(fd, b"ok")
     finally:

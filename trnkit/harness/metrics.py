@@ -21,6 +21,7 @@ from torch import nn
 
 from trnkit.errors import ConfigError
 from trnkit.harness.logs import LOGGER, ProgressLine
+from trnkit.harness.rundir import write_run_file
 from trnkit.model_spec import ModelShape  # re-exported
 
 # Dense BF16 peak per device as torchtitan's get_peak_flops counts it (PR #2382: trn1/inf2 90e12 per
@@ -301,8 +302,8 @@ def read_jsonl(path: str, repair_tail: bool = False) -> list[dict[str, Any]]:
 
 def resume_jsonl(path: str, start_step: int) -> list[dict[str, Any]]:
     """The records a (resumed) run keeps: those of steps <= start_step. The file is rewritten (to a temporary
-    file, then renamed) only when it holds more than that or a torn last line; else it is appended to. The
-    temporary file is made anew: a file or symbolic link already of its name is removed, never written through."""
+    file, then renamed: :func:`~trnkit.harness.rundir.write_run_file`, never through a link) only when it holds
+    more than that or a torn last line; else it is appended to."""
     if not os.path.exists(path):
         return []
     records = read_jsonl(path, repair_tail=True)
@@ -310,18 +311,7 @@ def resume_jsonl(path: str, start_step: int) -> list[dict[str, Any]]:
     with open(path, "rb") as f:
         clean_end = f.read().endswith(b"\n") or os.path.getsize(path) == 0
     if kept != records or not clean_end:
-        tmp = path + ".tmp"
-        if os.path.isdir(tmp) and not os.path.islink(tmp):
-            raise ConfigError(f"metrics: {tmp} is a folder; the run rewrites {path} through that name: move it away "
-                              "and rerun. Nothing was written")
-        if os.path.lexists(tmp):
-            os.remove(tmp)  # a stale copy, or a link: removed, never written through (it may lead out of the run)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_run_file(path, "".join(json.dumps(r) + "\n" for r in kept), key="metrics")
     return kept
 
 

@@ -23,7 +23,7 @@ import stat
 from typing import Any, Callable
 
 from trnkit.errors import ConfigError
-from trnkit.harness.checkpoint import aside_path, list_checkpoints, probe_write, utc_now
+from trnkit.harness.checkpoint import aside_path, list_checkpoints, open_fresh, probe_write, utc_now
 from trnkit.packaged import load_toml, parse_toml
 
 CONFIG_HISTORY = "config_history"  # a resumed run's earlier config.toml files: until-step-<N>.toml
@@ -68,17 +68,16 @@ def archive_previous_run(dump: str, checkpoint_folder: str, log: Callable[[str],
     return dest
 
 
-def write_run_file(path: str, text: str) -> None:
-    """Write a file of the run folder (config.toml, stack.lock) whole or not at all: into ``<path>.tmp``, made anew
-    (a stale file or a link of that name is removed, never written through), then renamed over ``path``, so a run
-    stopped or killed while writing leaves the earlier file as it was."""
+def write_run_file(path: str, text: str, key: str = "job.dump_folder") -> None:
+    """Write a file of the run folder (config.toml, stack.lock, a rewritten metrics.jsonl) whole or not at all: into
+    ``<path>.tmp``, made anew (:func:`~trnkit.harness.checkpoint.open_fresh`: never written through a link), then
+    renamed over ``path``, so a run stopped or killed while writing leaves the earlier file as it was. ``key``: the
+    setting a refusal names (a folder in the way of ``<path>.tmp``)."""
     tmp = path + ".tmp"
     if os.path.isdir(tmp) and not os.path.islink(tmp):
-        raise ConfigError(f"job.dump_folder: {tmp} is a folder; the run writes {os.path.basename(path)} through that "
-                          "name: move it away and rerun")
-    if os.path.lexists(tmp):
-        os.remove(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        raise ConfigError(f"{key}: {tmp} is a folder; the run writes {os.path.basename(path)} through that "
+                          "name: move it away and rerun. Nothing was written")
+    fd = open_fresh(tmp)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
